@@ -1,0 +1,43 @@
+"""pgregistry: explicit, typed process-group collections for distributed PyTorch training.
+
+Importing the package does not import torch, so ``python -W error::pgregistry.ProcessGroupFallbackWarning``
+(which imports it at interpreter start) stays cheap. Names that need torch are loaded on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pgregistry.collection import UNSET, ProcessGroupCollection
+from pgregistry.fallback import ProcessGroupFallbackWarning
+from pgregistry.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from pgregistry.registry import build
+
+__all__ = [
+    "UNSET",
+    "ParallelLayout",
+    "ProcessGroupCollection",
+    "ProcessGroupFallbackWarning",
+    "build",
+]
+
+# Public name -> module that defines it; imported on first access (these modules import torch).
+_LAZY: dict[str, str] = {
+    "build": "pgregistry.registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pgregistry' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

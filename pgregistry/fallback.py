@@ -1,0 +1,175 @@
+"""The one sanctioned path from explicit groups to the global grid, and the warning it raises.
+
+Code that is handed a :class:`~pgregistry.collection.ProcessGroupCollection` uses it. Code that is not (or is
+handed one with a field :data:`~pgregistry.collection.UNSET`) falls back to the global grid
+(:func:`pgregistry.registry.global_collection`) through the resolvers here, and every such fallback emits
+:class:`ProcessGroupFallbackWarning` so it can be found and removed:
+
+* under default filters, once per ``(owner, argument)`` per process, wherever it is called from;
+* under an ``error`` filter (``python -W error::pgregistry.ProcessGroupFallbackWarning``, pytest's
+  ``filterwarnings``, ``warnings.simplefilter("error", ...)``) it raises *every* time, which is the migration mode;
+* ``always`` shows it every time and ``ignore`` never.
+
+A plain "already warned" set would make an ``error`` filter raise only the first time; so the filters are asked
+what they would do first, and only a non-``error``/``always`` action is deduplicated.
+
+This module imports no torch at load: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at
+interpreter start.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from pgregistry.collection import UNSET, ProcessGroupCollection, check_field_names, group_rank, group_size
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+__all__ = [
+    "ProcessGroupFallbackWarning",
+    "forget_fallback_warnings",
+    "gtp_replica_rank",
+    "resolve_gtp_remat_group",
+    "resolve_process_groups",
+    "warn_global_process_group_fallback",
+]
+
+
+class ProcessGroupFallbackWarning(UserWarning):
+    """Code read the global process-group grid because it was not given a group explicitly.
+
+    Turn it into an error to find every such read: ``python -W error::pgregistry.ProcessGroupFallbackWarning``.
+    """
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def forget_fallback_warnings() -> None:
+    """Forget which ``(owner, argument)`` pairs have warned, so each warns again once (for tests)."""
+    with _warned_lock:
+        _warned.clear()
+
+
+def warn_global_process_group_fallback(owner: str, argument: str, *, stacklevel: int = 2) -> None:
+    """Warn that ``owner`` read ``argument`` from the global grid instead of being given it.
+
+    ``stacklevel`` counts as in :func:`warnings.warn`, from the caller of this function.
+    """
+    message = (
+        f"{owner} was not given process group {argument!r} and falls back to the global grid; pass a "
+        f"ProcessGroupCollection (or the group) explicitly"
+    )
+    frame = sys._getframe(stacklevel)
+    module = frame.f_globals.get("__name__", "<unknown>")
+    action = _filter_action(message, ProcessGroupFallbackWarning, module, frame.f_lineno)
+    if action == "ignore":
+        return
+    if action not in ("error", "always"):
+        key = (owner, argument)
+        with _warned_lock:
+            if key in _warned:
+                return
+            _warned.add(key)
+    warnings.warn(message, ProcessGroupFallbackWarning, stacklevel=stacklevel + 1)
+
+
+def _filter_action(message: str, category: type[Warning], module: str, lineno: int) -> str:
+    """The action the active warning filters would take, matched as :func:`warnings.warn_explicit` does."""
+    for action, msg, cat, mod, line in warnings.filters:
+        if (
+            (msg is None or _matches(msg, message))
+            and issubclass(category, cat)
+            and (mod is None or _matches(mod, module))
+            and (line == 0 or line == lineno)
+        ):
+            return str(action)
+    return str(warnings.defaultaction)
+
+
+def _matches(pattern: re.Pattern[str] | str, text: str) -> bool:
+    if isinstance(pattern, str):
+        return re.match(pattern, text) is not None
+    return pattern.match(text) is not None
+
+
+def resolve_process_groups(
+    pg_collection: ProcessGroupCollection | None, names: Iterable[str], *, owner: str
+) -> dict[str, Any]:
+    """Name -> group for each of ``names``, from ``pg_collection`` where set, else the global grid (warning).
+
+    A set field comes back as it is, ``None`` included (the axis is off). An UNSET field, or every field when
+    ``pg_collection`` is None, is read from the global grid after :func:`warn_global_process_group_fallback`.
+    Raises ``ValueError`` for an unknown name and ``RuntimeError`` naming ``owner`` and the group when there is
+    no global grid to fall back to.
+    """
+    resolved: dict[str, Any] = {}
+    for name in check_field_names(names):
+        if pg_collection is not None and pg_collection.is_set(name):
+            resolved[name] = pg_collection.get(name)
+            continue
+        warn_global_process_group_fallback(owner, name, stacklevel=3)
+        resolved[name] = _global_group(name, owner)
+    return resolved
+
+
+def _global_group(name: str, owner: str) -> Any:
+    from pgregistry import registry
+
+    grid = registry.global_collection_or_none()
+    if grid is None:
+        raise RuntimeError(
+            f"{owner} needs process group {name!r}: it was not given one and no global grid is initialised "
+            "(pgregistry.registry.initialize_global_grid); pass a ProcessGroupCollection"
+        )
+    if not grid.is_set(name):
+        raise RuntimeError(f"{owner} needs process group {name!r}, which the global grid does not define")
+    return grid.get(name)
+
+
+def resolve_gtp_remat_group(
+    pg_collection: ProcessGroupCollection | None, is_expert: bool, *, owner: str
+) -> ProcessGroup | None:
+    """The GTP-remat group (``expt_gtp_remat`` for experts) a weight is sharded over.
+
+    A field present in the collection is returned even when ``None`` (axis off). An UNSET field or a missing
+    collection falls back to the global grid; that fallback warns only when the global group has more than one
+    rank, since a 1-rank GTP axis changes nothing.
+    """
+    name = "expt_gtp_remat" if is_expert else "gtp_remat"
+    if pg_collection is not None and pg_collection.is_set(name):
+        group: ProcessGroup | None = pg_collection.get(name)
+        return group
+    group = _global_group(name, owner)
+    if group_size(group) > 1:
+        warn_global_process_group_fallback(owner, name, stacklevel=3)
+    return group
+
+
+def gtp_replica_rank(param: torch.Tensor, explicit_group: ProcessGroup | None = None) -> int:
+    """Rank of this process among the true replicas of a GTP-sharded ``param``.
+
+    Read from ``explicit_group``, else ``param.gtp_replica_group``, else the global grid's ``expt_dp`` (routed
+    experts, ``param.allreduce is False``) or ``dp_cp`` group, with a fallback warning. 0 when
+    ``torch.distributed`` is not initialised; ``RuntimeError`` when no group can be found.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    if explicit_group is not None:
+        return group_rank(explicit_group)
+    attached = getattr(param, "gtp_replica_group", UNSET)
+    if attached is not UNSET:
+        return group_rank(attached)
+    name = "expt_dp" if getattr(param, "allreduce", True) is False else "dp_cp"
+    group = resolve_process_groups(None, (name,), owner="gtp_replica_rank")[name]
+    return group_rank(group)
