@@ -132,7 +132,7 @@ class ProcessGroupCollection:
         # Groups compare by identity: two collections are equal when they hold the same communicators.
         if not isinstance(other, ProcessGroupCollection):
             return NotImplemented
-        return all(_same(a, b) for (_, a), (_, b) in zip(self.items(), other.items(), strict=False))
+        return all(_same(a, b) for (_, a), (_, b) in zip(self.items(), other.items(), strict=True))
 
     def __hash__(self) -> int:
         return hash(tuple((name, _identity(value)) for name, value in self.items()))

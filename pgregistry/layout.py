@@ -134,21 +134,22 @@ class _Grid:
         dim_of = {i: n - 1 - i for i in range(n)}
         outer = [dim_of[i] for i in reversed(range(n)) if not mask[i]]
         inner = [dim_of[i] for i in reversed(range(n)) if mask[i]]
-        group_size = math.prod(s for s, m in zip(self.sizes, mask, strict=False) if m)
+        group_size = math.prod(s for s, m in zip(self.sizes, mask, strict=True) if m)
         return grid.permute(*outer, *inner).reshape(world // group_size, group_size)
 
     def coords(self, rank: int) -> dict[str, int]:
-        return {axis: (rank // stride) % size for axis, size, stride in zip(self.axes, self.sizes, self.strides(), strict=False)}
+        axes = zip(self.axes, self.sizes, self.strides(), strict=True)
+        return {axis: (rank // stride) % size for axis, size, stride in axes}
 
     def group_of(self, rank: int, kind_axes: str) -> RankGroup:
         """The group of ``kind_axes`` holding ``rank``, without enumerating the others."""
         mask = self.mask(kind_axes)
         strides = self.strides()
         coords = self.coords(rank)
-        base = rank - sum(coords[a] * s for a, s, m in zip(self.axes, strides, mask, strict=False) if m)
+        base = rank - sum(coords[a] * s for a, s, m in zip(self.axes, strides, mask, strict=True) if m)
         members = [base]
         # Adding each slower axis as the outer loop keeps the faster ones varying fastest: grid order.
-        for size, stride, masked in zip(self.sizes, strides, mask, strict=False):
+        for size, stride, masked in zip(self.sizes, strides, mask, strict=True):
             if masked:
                 members = [m + i * stride for i in range(size) for m in members]
         return tuple(members)
