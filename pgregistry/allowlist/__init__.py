@@ -1,0 +1,19 @@
+"""The allowlist ratchet: find every read of global process-group state, fail CI on new ones, shrink only.
+
+``pgregistry allowlist check|update|stats`` scans Python sources with :mod:`ast` (never importing them, never
+importing torch) and compares what it finds with a committed allowlist keyed by file, enclosing scope and
+accessor, so edits that only move code do not disturb it. The modules:
+
+- :mod:`~pgregistry.allowlist.config`: what counts as a read, and the ``[tool.pgregistry.allowlist]`` table;
+- :mod:`~pgregistry.allowlist.scanner`: one source file to its sites (pure, no I/O);
+- :mod:`~pgregistry.allowlist.files`: which files a run covers;
+- :mod:`~pgregistry.allowlist.engine`: scanning many files, in parallel and through the cache;
+- :mod:`~pgregistry.allowlist.cache`: results keyed by content hash;
+- :mod:`~pgregistry.allowlist.ratchet`: the allowlist file and the comparison with a scan;
+- :mod:`~pgregistry.allowlist.report`: text, JSON and GitHub-annotation output;
+- :mod:`~pgregistry.allowlist.cli`: the ``allowlist`` sub-command.
+
+This package root imports nothing, so ``import pgregistry.allowlist`` stays as cheap as ``import pgregistry``.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,212 @@
+"""What counts as a read of global process-group state, and the ``[tool.pgregistry.allowlist]`` settings.
+
+Two families of accessors are recognised. The *legacy* family is Megatron-style ``parallel_state``: a module
+matches when its dotted path equals a configured name or ends with ``.<name>`` (so ``parallel_state`` covers
+``megatron.core.parallel_state`` however it is imported or aliased), and ``aliases`` are bare names taken for
+the module when no import in the file binds them (the anchor tool's ``ps``). The *registry* family is
+pgregistry's own global grid. Shims (``use_mpu_process_groups``) count wherever they are called or
+referenced. The defaults reproduce the anchor tool's accessor rule (Megatron-LM pull request 6258) and add the
+module-level globals (``parallel_state._TENSOR_MODEL_PARALLEL_GROUP``) and the gloo getters that rule misses.
+
+Everything here is plain data: the scanner needs it picklable and hashable, and the cache keys on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_ALLOWLIST",
+    "DEFAULT_EXCLUDE",
+    "ConfigError",
+    "ScanConfig",
+    "Settings",
+    "find_config_file",
+    "load_settings",
+]
+
+#: Bump whenever the scanner's output for the same input could change: it is part of every cache key.
+SCANNER_VERSION = 1
+
+DEFAULT_ALLOWLIST = "process_group_usage_allowlist.json"
+DEFAULT_EXCLUDE: tuple[str, ...] = (".*", "__pycache__", "*.egg-info", "build", "dist", "node_modules")
+
+_TABLE = ("tool", "pgregistry", "allowlist")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*\Z")
+_PATTERN = re.compile(r"[\w*?\[\]!]+\Z")
+
+
+class ConfigError(ValueError):
+    """A bad setting, in ``pyproject.toml`` or on the command line; the message names it."""
+
+
+@dataclass(frozen=True)
+class ScanConfig:
+    """Which names the scanner reports. Patterns are :mod:`fnmatch` patterns, matched case-sensitively."""
+
+    modules: tuple[str, ...] = ("parallel_state", "mpu")
+    aliases: tuple[str, ...] = ("ps",)
+    accessors: tuple[str, ...] = (
+        "get_*_group",
+        "get_*_groups",
+        "get_*_rank",
+        "get_*_world_size",
+        "get_*_src_rank",
+        "get_*_group_gloo",
+        "get_*_groups_gloo",
+        "_*_GROUP",
+        "_*_GROUPS",
+        "_*_GROUP_GLOO",
+        "_*_RANK",
+        "_*_RANKS",
+        "_*_WORLD_SIZE",
+    )
+    ignore_accessors: tuple[str, ...] = ("get_virtual_pipeline_*", "_VIRTUAL_PIPELINE_*")
+    registry_modules: tuple[str, ...] = ("pgregistry.registry", "pgregistry")
+    registry_accessors: tuple[str, ...] = ("global_collection*", "get_global_*")
+    shims: tuple[str, ...] = ("use_mpu_process_groups",)
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            kind = _FIELD_KINDS[field.name]
+            for value in getattr(self, field.name):
+                if not kind[0].match(value):
+                    raise ConfigError(f"{_key(field.name)}: {value!r} is not {kind[1]}")
+
+    def fingerprint(self) -> str:
+        """A digest of the scanner version and every setting that changes what the scanner reports."""
+        payload = json.dumps([SCANNER_VERSION, dataclasses.asdict(self)], sort_keys=True)
+        return hashlib.blake2b(payload.encode(), digest_size=12).hexdigest()
+
+
+_FIELD_KINDS: dict[str, tuple[re.Pattern[str], str]] = {
+    "modules": (_DOTTED, "a dotted module name"),
+    "aliases": (_IDENTIFIER, "an identifier"),
+    "accessors": (_PATTERN, "an accessor name pattern"),
+    "ignore_accessors": (_PATTERN, "an accessor name pattern"),
+    "registry_modules": (_DOTTED, "a dotted module name"),
+    "registry_accessors": (_PATTERN, "an accessor name pattern"),
+    "shims": (_IDENTIFIER, "an identifier"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings: the project root every reported path is relative to, and what to scan."""
+
+    root: Path
+    roots: tuple[str, ...] = (".",)
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    allowlist: Path = Path(DEFAULT_ALLOWLIST)
+    cache_dir: Path | None = Path(".pgregistry_cache")
+    scan: ScanConfig = ScanConfig()
+    config_file: Path | None = None
+
+    def resolve(self, path: Path) -> Path:
+        """``path`` made absolute against the project root (absolute paths are kept)."""
+        return path if path.is_absolute() else self.root / path
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
+        except ModuleNotFoundError:
+            raise ConfigError(
+                f"reading {path} needs tomllib (Python 3.11+) or the tomli package: `pip install tomli`, "
+                "or pass --isolated and give the settings on the command line"
+            ) from None
+    try:
+        with path.open("rb") as handle:
+            data: dict[str, Any] = tomllib.load(handle)
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    return data
+
+
+def _table(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    node: Any = data
+    for part in _TABLE:
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    if not isinstance(node, Mapping):
+        raise ConfigError("[tool.pgregistry.allowlist] must be a table")
+    return node
+
+
+def find_config_file(start: Path) -> Path | None:
+    """The nearest ``pyproject.toml`` at or above ``start`` with a ``[tool.pgregistry.allowlist]`` table."""
+    for directory in (start, *start.parents):
+        candidate = directory / "pyproject.toml"
+        if candidate.is_file() and _table(_read_toml(candidate)) is not None:
+            return candidate
+    return None
+
+
+def _strings(table: Mapping[str, Any], key: str, where: Path) -> tuple[str, ...]:
+    value = table[key]
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise ConfigError(f"{where}: [tool.pgregistry.allowlist] {key} must be a list of non-empty strings")
+    return tuple(value)
+
+
+def _string(table: Mapping[str, Any], key: str, where: Path) -> str:
+    value = table[key]
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: [tool.pgregistry.allowlist] {key} must be a non-empty string")
+    return value
+
+
+_SCAN_KEYS = {_key(field.name): field.name for field in dataclasses.fields(ScanConfig)}
+_LIST_KEYS = {"roots", "exclude", "extend-exclude"}
+_PATH_KEYS = {"allowlist", "cache-dir"}
+
+
+def load_settings(config_file: Path | None, cwd: Path) -> Settings:
+    """Settings from ``config_file``'s ``[tool.pgregistry.allowlist]`` table (its directory is the project
+    root), or the defaults rooted at ``cwd`` when ``config_file`` is None. Unknown keys are errors, so a typo
+    never silently widens or narrows the scan."""
+    if config_file is None:
+        return Settings(root=cwd)
+    config_file = config_file.resolve()
+    table = _table(_read_toml(config_file)) or {}
+    unknown = sorted(set(table) - set(_SCAN_KEYS) - _LIST_KEYS - _PATH_KEYS)
+    if unknown:
+        known = ", ".join(sorted({*_SCAN_KEYS, *_LIST_KEYS, *_PATH_KEYS}))
+        raise ConfigError(
+            f"{config_file}: unknown key(s) in [tool.pgregistry.allowlist]: {', '.join(unknown)} "
+            f"(known: {known})"
+        )
+    scan = ScanConfig(
+        **{_SCAN_KEYS[key]: _strings(table, key, config_file) for key in table if key in _SCAN_KEYS}
+    )
+    settings = Settings(root=config_file.parent, scan=scan, config_file=config_file)
+    if "roots" in table:
+        settings = dataclasses.replace(settings, roots=_strings(table, "roots", config_file))
+    if "exclude" in table:
+        settings = dataclasses.replace(settings, exclude=_strings(table, "exclude", config_file))
+    if "extend-exclude" in table:
+        extra = _strings(table, "extend-exclude", config_file)
+        settings = dataclasses.replace(settings, exclude=settings.exclude + extra)
+    if "allowlist" in table:
+        settings = dataclasses.replace(settings, allowlist=Path(_string(table, "allowlist", config_file)))
+    if "cache-dir" in table:
+        settings = dataclasses.replace(settings, cache_dir=Path(_string(table, "cache-dir", config_file)))
+    return settings

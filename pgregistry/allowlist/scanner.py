@@ -1,0 +1,466 @@
+"""One Python source file to the reads of global process-group state in it: bytes in, sites out, no I/O.
+
+A *site* is one read, keyed by what survives edits: the enclosing qualified scope (``Class.method``,
+``outer.inner``, ``<module>``), the accessor read (its real name, however it was imported or aliased) and the
+form of the read (``call``, ``reference`` or ``getattr``). Line and column ride along for the report only.
+
+Names are resolved through the file's imports, wherever they appear (flow-insensitive):
+``import a.parallel_state as ps``, ``from a import parallel_state as mpu``,
+``from a.parallel_state import get_x as y``, relative imports (resolved against the file's package, taken from
+its path) and ``from a.parallel_state import *``. A name no import binds stands for itself, so a fully dotted
+``a.b.parallel_state.get_x()`` resolves without any import, and the configured aliases (``ps``) count as the
+legacy module, as the anchor tool counts them.
+
+Speed: parsing dominates, so the walk is pruned. A file that mentions none of the trigger words (module names,
+aliases, shims) cannot hold a site and is only parsed (a syntax error is still an error). Otherwise only the
+statements and expressions whose line span covers a line with a trigger word (or a name imported from a
+matching module) are visited; a node's span covers its children's, so the pruning never hides a site.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+import warnings
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import translate
+from functools import lru_cache
+from typing import Any
+
+from pgregistry.allowlist.config import ScanConfig
+
+__all__ = [
+    "CALL",
+    "GETATTR",
+    "MODULE_SCOPE",
+    "REFERENCE",
+    "FileResult",
+    "ParseFailure",
+    "Site",
+    "decode_result",
+    "encode_result",
+    "scan_source",
+]
+
+MODULE_SCOPE = "<module>"
+CALL = "call"
+REFERENCE = "reference"
+GETATTR = "getattr"
+
+LEGACY = "parallel_state"
+REGISTRY = "registry"
+SHIM = "shim"
+
+
+@dataclass(frozen=True, order=True)
+class Site:
+    """One read of global process-group state.
+
+    ``key`` (scope, accessor, form) identifies it in the allowlist; ``line``/``col`` (1-based) locate it for
+    the report; ``expr`` is the read as spelled in the source; ``family`` is ``parallel_state``, ``registry``
+    or ``shim``.
+    """
+
+    line: int
+    col: int
+    scope: str
+    accessor: str
+    form: str
+    expr: str
+    family: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.scope}|{self.accessor}|{self.form}"
+
+
+@dataclass(frozen=True)
+class ParseFailure:
+    """Why a file could not be scanned: a syntax error or undecodable bytes, at ``line``/``col`` (1-based)."""
+
+    message: str
+    line: int
+    col: int
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """The sites of one file (sorted by position), or the reason it could not be parsed."""
+
+    path: str
+    sites: tuple[Site, ...] = ()
+    failure: ParseFailure | None = None
+
+
+def encode_result(result: FileResult) -> list[Any]:
+    """``result`` without its path, as nested lists of str and int (for JSON and :mod:`marshal`)."""
+    failure = result.failure
+    return [
+        [[s.line, s.col, s.scope, s.accessor, s.form, s.expr, s.family] for s in result.sites],
+        None if failure is None else [failure.message, failure.line, failure.col],
+    ]
+
+
+_SITE_TYPES = (int, int, str, str, str, str, str)
+_FAILURE_TYPES = (str, int, int)
+
+
+def _typed(values: Sequence[Any], types: tuple[type, ...]) -> Sequence[Any]:
+    if len(values) != len(types) or not all(type(v) is t for v, t in zip(values, types, strict=True)):
+        raise ValueError(f"malformed result row: {values!r}")
+    return values
+
+
+def decode_result(path: str, row: Sequence[Any]) -> FileResult:
+    """The inverse of :func:`encode_result`; raises ``ValueError`` on a row of the wrong shape."""
+    sites, failure = row
+    return FileResult(
+        path,
+        tuple(Site(*_typed(site, _SITE_TYPES)) for site in sites),
+        None if failure is None else ParseFailure(*_typed(failure, _FAILURE_TYPES)),
+    )
+
+
+class _Family:
+    """One kind of global state: the modules that hold it and the accessor names that read it."""
+
+    def __init__(
+        self,
+        label: str,
+        modules: Sequence[str],
+        aliases: Sequence[str],
+        accept: Sequence[str],
+        ignore: Sequence[str],
+    ) -> None:
+        self.label = label
+        self.modules = tuple(modules)
+        self.suffixes = tuple("." + module for module in modules)
+        self.aliases = frozenset(aliases)
+        self.accept = _any_of(accept)
+        self.ignore = _any_of(ignore)
+
+    def accessor(self, name: str) -> bool:
+        return self.accept.match(name) is not None and self.ignore.match(name) is None
+
+    def module(self, dotted: str) -> bool:
+        return dotted in self.modules or dotted.endswith(self.suffixes)
+
+
+def _any_of(patterns: Sequence[str]) -> re.Pattern[str]:
+    if not patterns:
+        return re.compile(r"(?!)")  # matches nothing
+    return re.compile("|".join(translate(pattern) for pattern in patterns))
+
+
+class _Rules:
+    """A :class:`ScanConfig` compiled for matching; built once per process and configuration."""
+
+    def __init__(self, config: ScanConfig) -> None:
+        self.families = (
+            _Family(LEGACY, config.modules, config.aliases, config.accessors, config.ignore_accessors),
+            _Family(REGISTRY, config.registry_modules, (), config.registry_accessors, ()),
+        )
+        self.shims = frozenset(config.shims)
+        words = {module.rsplit(".", 1)[-1] for family in self.families for module in family.modules}
+        self.words = frozenset(words | set(config.aliases) | self.shims)
+        self.trigger = _words(self.words)
+
+    def match(self, parts: Sequence[str], bound: bool, stars: Iterable[_Family]) -> tuple[str, str] | None:
+        """(family, accessor) when the dotted name ``parts`` reads global state. ``bound``: whether its first
+        part was bound by an import (aliases count only when it was not)."""
+        name = parts[-1]
+        if name in self.shims:
+            return SHIM, name
+        if len(parts) == 1:
+            for family in stars if not bound else ():
+                if family.accessor(name):
+                    return family.label, name
+            return None
+        module = ".".join(parts[:-1])
+        for family in self.families:
+            if family.accessor(name) and (
+                family.module(module) or (not bound and len(parts) == 2 and parts[0] in family.aliases)
+            ):
+                return family.label, name
+        return None
+
+    def relevant(self, target: str) -> bool:
+        """Whether an import of ``target`` can lead to a site (so the name it binds is a trigger word)."""
+        parts = target.split(".")
+        return self.match(parts, True, ()) is not None or any(
+            family.module(target) for family in self.families
+        )
+
+    def star_family(self, module: str) -> _Family | None:
+        return next((family for family in self.families if family.module(module)), None)
+
+
+def _words(words: Iterable[str]) -> re.Pattern[bytes]:
+    alternatives = "|".join(re.escape(word) for word in sorted(words))
+    return re.compile(rb"\b(?:" + alternatives.encode() + rb")\b")
+
+
+@lru_cache(maxsize=8)
+def _rules(config: ScanConfig) -> _Rules:
+    return _Rules(config)
+
+
+def _lines_matching(pattern: re.Pattern[bytes], text: bytes) -> list[int]:
+    """The sorted, distinct 1-based numbers of the lines of ``text`` where ``pattern`` matches."""
+    lines: list[int] = []
+    line, position = 1, 0
+    for match in pattern.finditer(text):
+        start = match.start()
+        line += text.count(b"\n", position, start)
+        position = start
+        if not lines or lines[-1] != line:
+            lines.append(line)
+    return lines
+
+
+def _decode_failure(data: bytes) -> ParseFailure | None:
+    """A failure naming the first undecodable line, in the file's declared encoding (UTF-8 by default).
+
+    Checked before parsing because :func:`ast.parse` accepts invalid bytes inside comments."""
+    try:
+        data.decode("utf-8")
+        return None
+    except UnicodeDecodeError as error:
+        encoding, start, reason = "utf-8", error.start, error.reason
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as error:  # an unknown or contradictory coding cookie
+        return ParseFailure(str(error.msg), max(1, error.lineno or 1), 1)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        try:
+            data.decode(encoding)
+            return None
+        except UnicodeDecodeError as error:
+            start, reason = error.start, error.reason
+    line_start = data.rfind(b"\n", 0, start) + 1
+    return ParseFailure(
+        f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})",
+        data.count(b"\n", 0, start) + 1,
+        start - line_start + 1,
+    )
+
+
+def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
+    failure = _decode_failure(data)
+    if failure is not None:
+        return failure
+    try:
+        with warnings.catch_warnings():  # invalid escapes warn; under -W error they would raise
+            warnings.simplefilter("ignore")
+            return ast.parse(data, filename=path)
+    except SyntaxError as error:
+        if error.lineno is None and b"\0" in data:
+            position = data.index(b"\0")
+            line, col = data.count(b"\n", 0, position) + 1, position - data.rfind(b"\n", 0, position)
+        else:
+            line, col = max(1, error.lineno or 1), max(1, error.offset or 1)
+        return ParseFailure(f"syntax error: {error.msg}", line, col)
+    except ValueError as error:  # null bytes, on some Python versions
+        return ParseFailure(f"syntax error: {error}", 1, 1)
+    except RecursionError:  # Python's own compiler refuses such a file too
+        return ParseFailure("syntax error: nested too deeply for Python's parser (recursion limit)", 1, 1)
+
+
+def _covers(lines: list[int], first: int, last: int) -> bool:
+    index = bisect_left(lines, first)
+    return index < len(lines) and lines[index] <= last
+
+
+class _Imports:
+    """What each imported name is bound to (dotted targets; a name may be bound in several places), and the
+    families star-imported."""
+
+    def __init__(self, rules: _Rules, package: list[str]) -> None:
+        self.rules = rules
+        self.package = package
+        self.bindings: dict[str, set[str]] = {}
+        self.stars: list[_Family] = []
+
+    def collect(self, body: list[ast.stmt], lines: list[int]) -> None:
+        """Walk the statements (not expressions: imports are statements) whose span covers ``lines``."""
+        pending: list[list[ast.stmt]] = [body]
+        while pending:
+            for stmt in pending.pop():
+                if not _covers(lines, stmt.lineno, stmt.end_lineno or stmt.lineno):
+                    continue
+                if isinstance(stmt, ast.Import):
+                    for alias in stmt.names:
+                        if alias.asname:
+                            self._bind(alias.asname, alias.name)
+                        else:
+                            head = alias.name.split(".", 1)[0]
+                            self._bind(head, head)
+                elif isinstance(stmt, ast.ImportFrom):
+                    module = self._absolute(stmt.module, stmt.level)
+                    for alias in stmt.names:
+                        if alias.name == "*":
+                            family = self.rules.star_family(module)
+                            if family is not None and family not in self.stars:
+                                self.stars.append(family)
+                        else:
+                            target = f"{module}.{alias.name}" if module else alias.name
+                            self._bind(alias.asname or alias.name, target)
+                else:
+                    for field in ("body", "orelse", "finalbody"):
+                        block = getattr(stmt, field, None)
+                        if block:
+                            pending.append(block)
+                    for clause in getattr(stmt, "handlers", ()) or getattr(stmt, "cases", ()):
+                        pending.append(clause.body)
+
+    def _absolute(self, module: str | None, level: int) -> str:
+        if level == 0:
+            return module or ""
+        base = self.package[: max(0, len(self.package) - (level - 1))]
+        return ".".join([*base, module] if module else base)
+
+    def _bind(self, name: str, target: str) -> None:
+        self.bindings.setdefault(name, set()).add(target)
+
+    def trigger_names(self) -> set[str]:
+        """Names bound to something relevant: their uses need not spell any configured word."""
+        return {
+            name
+            for name, targets in self.bindings.items()
+            if name not in self.rules.words and any(map(self.rules.relevant, targets))
+        }
+
+
+def _chain(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; None when the expression is not a plain dotted name."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    parts.reverse()
+    return parts
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+class _Walker:
+    """The pruned walk that records sites; iterative, so deep nesting cannot overflow the stack."""
+
+    def __init__(self, rules: _Rules, imports: _Imports, lines: list[int] | None) -> None:
+        self.rules = rules
+        self.bindings = imports.bindings
+        self.stars = imports.stars
+        self.lines = lines
+        self.sites: list[Site] = []
+
+    def walk(self, tree: ast.Module) -> list[Site]:
+        stack: list[tuple[ast.AST, str]] = [(tree, MODULE_SCOPE)]
+        lines = self.lines
+        while stack:
+            node, scope = stack.pop()
+            if lines is not None and isinstance(node, (ast.stmt, ast.expr)):
+                # A decorated definition starts at its first decorator, above ``node.lineno``.
+                first = (
+                    node.decorator_list[0].lineno if isinstance(node, _SCOPES) and node.decorator_list else 0
+                )
+                if not _covers(lines, first or node.lineno, node.end_lineno or node.lineno):
+                    continue
+            if isinstance(node, ast.Call):
+                if self._record(node.func, scope, CALL) or self._record_getattr(node, scope):
+                    children: Iterable[ast.AST] = [*node.args, *node.keywords]
+                    if isinstance(
+                        node.func, ast.Call
+                    ):  # getattr(ps, "get_x")(...): the inner call's arguments
+                        children = [*node.func.args[2:], *children]
+                    stack.extend((child, scope) for child in children)
+                    continue
+            elif isinstance(node, (ast.Attribute, ast.Name)):
+                if isinstance(node.ctx, ast.Load) and self._record(node, scope, REFERENCE):
+                    continue
+            elif isinstance(node, _SCOPES):
+                inner = node.name if scope == MODULE_SCOPE else f"{scope}.{node.name}"
+                for field, value in ast.iter_fields(node):
+                    child_scope = inner if field == "body" else scope
+                    if isinstance(value, list):
+                        stack.extend((child, child_scope) for child in value if isinstance(child, ast.AST))
+                    elif isinstance(value, ast.AST):
+                        stack.append((value, child_scope))
+                continue
+            stack.extend((child, scope) for child in ast.iter_child_nodes(node))
+        self.sites.sort()
+        return self.sites
+
+    def _resolve(self, parts: list[str]) -> tuple[str, str] | None:
+        targets = self.bindings.get(parts[0])
+        if targets is None:
+            return self.rules.match(parts, False, self.stars)
+        for target in sorted(targets):
+            hit = self.rules.match([*target.split("."), *parts[1:]], True, ())
+            if hit is not None:
+                return hit
+        return None
+
+    def _record(self, node: ast.expr, scope: str, form: str) -> bool:
+        parts = _chain(node)
+        if parts is None:
+            return False
+        hit = self._resolve(parts)
+        if hit is None:
+            return False
+        family, accessor = hit
+        self.sites.append(
+            Site(node.lineno, node.col_offset + 1, scope, accessor, form, ".".join(parts), family)
+        )
+        return True
+
+    def _record_getattr(self, call: ast.Call, scope: str) -> bool:
+        """``getattr(ps, "get_x")``, or the call ``getattr(ps, "get_x")(...)``, with a literal name."""
+        inner = call.func if isinstance(call.func, ast.Call) else call
+        if not (
+            isinstance(inner.func, ast.Name)
+            and inner.func.id == "getattr"
+            and len(inner.args) >= 2
+            and isinstance(inner.args[1], ast.Constant)
+            and isinstance(inner.args[1].value, str)
+        ):
+            return False
+        parts = _chain(inner.args[0])
+        name = inner.args[1].value
+        if parts is None or not name.isidentifier():
+            return False
+        hit = self._resolve([*parts, name])
+        if hit is None:
+            return False
+        family, accessor = hit
+        expr = f"getattr({'.'.join(parts)}, {name!r})"
+        self.sites.append(Site(inner.lineno, inner.col_offset + 1, scope, accessor, GETATTR, expr, family))
+        return True
+
+
+def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
+    """The sites in one file's bytes. ``path`` is the project-relative POSIX path: it names the file in
+    failures and gives the package that relative imports resolve against."""
+    tree = _parse(data, path)
+    if isinstance(tree, ParseFailure):
+        return FileResult(path, failure=tree)
+    rules = _rules(config)
+    if rules.trigger.search(data) is None:
+        return FileResult(path)
+    text = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if b"\r" in data else data
+    lines = _lines_matching(rules.trigger, text)
+    imports = _Imports(rules, path.split("/")[:-1])
+    imports.collect(tree.body, lines)
+    names = imports.trigger_names()
+    if names:
+        extra = _lines_matching(_words(names), text)
+        lines = sorted(set(lines).union(extra))
+    walker = _Walker(rules, imports, None if imports.stars else lines)
+    return FileResult(path, tuple(walker.walk(tree)))
