@@ -1,0 +1,95 @@
+"""Which files a run covers: the ``*.py`` files under the given paths, minus the excluded ones.
+
+Exclude patterns follow ``.gitignore`` habits: a pattern without ``/`` (``build``, ``.*``, ``*_pb2.py``)
+matches any single path component; a pattern with ``/`` (``pkg/vendored/*``) matches the project-relative path
+of a file or of any directory above it. Excludes apply to explicitly named files too, so a run that passes
+file names cannot bring an excluded file back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+__all__ = ["PathError", "SourceFile", "discover", "project_path", "under"]
+
+
+class PathError(ValueError):
+    """A path given to scan does not exist."""
+
+
+@dataclass(frozen=True, order=True)
+class SourceFile:
+    """A file to scan: ``path`` is project-relative and POSIX-style (the allowlist's key), ``absolute`` is for
+    reading it."""
+
+    path: str
+    absolute: Path
+
+
+def project_path(path: Path, root: Path) -> str:
+    """``path`` relative to ``root``, with ``/`` separators ("." for the root itself)."""
+    try:
+        relative = path.relative_to(root)
+    except ValueError:
+        relative = Path(os.path.relpath(path, root))
+    text = relative.as_posix()
+    return text or "."
+
+
+def under(path: str, prefixes: Iterable[str]) -> bool:
+    """Whether the project path ``path`` is one of ``prefixes`` or lies below one of them."""
+    return any(prefix == "." or path == prefix or path.startswith(prefix + "/") for prefix in prefixes)
+
+
+class _Excluder:
+    def __init__(self, patterns: Sequence[str]) -> None:
+        cleaned = [pattern.strip().removeprefix("./").rstrip("/") for pattern in patterns]
+        self.names = [pattern for pattern in cleaned if pattern and "/" not in pattern]
+        self.paths = [pattern for pattern in cleaned if "/" in pattern]
+
+    def name(self, name: str) -> bool:
+        return name not in (".", "..") and any(fnmatchcase(name, pattern) for pattern in self.names)
+
+    def path(self, path: str) -> bool:
+        return any(fnmatchcase(path, pattern) for pattern in self.paths)
+
+    def any_level(self, path: str) -> bool:
+        """Whether ``path`` or a directory above it is excluded."""
+        parts = path.split("/")
+        return any(self.name(part) or self.path("/".join(parts[: i + 1])) for i, part in enumerate(parts))
+
+
+def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> list[SourceFile]:
+    """The files to scan under ``targets`` (absolute files or directories), sorted by project path.
+
+    Directories contribute their ``*.py`` files; a file named directly is scanned whatever its suffix. Raises
+    :class:`PathError` for a target that does not exist."""
+    excluder = _Excluder(exclude)
+    found: dict[str, SourceFile] = {}
+    for target in targets:
+        relative = project_path(target, root)
+        if target.is_file():
+            if relative == "." or not excluder.any_level(relative):
+                found.setdefault(relative, SourceFile(relative, target))
+        elif target.is_dir():
+            if relative != "." and excluder.any_level(relative):
+                continue
+            for directory, subdirectories, filenames in os.walk(target):
+                base = project_path(Path(directory), root)
+                prefix = "" if base == "." else base + "/"
+                subdirectories[:] = [
+                    name
+                    for name in subdirectories
+                    if not excluder.name(name) and not excluder.path(prefix + name)
+                ]
+                for name in filenames:
+                    path = prefix + name
+                    if name.endswith(".py") and not excluder.name(name) and not excluder.path(path):
+                        found.setdefault(path, SourceFile(path, Path(directory, name)))
+        else:
+            raise PathError(f"{target}: no such file or directory")
+    return sorted(found.values())
