@@ -1,0 +1,195 @@
+"""``pgregistry allowlist check|update|stats``: the ratchet on reads of global process-group state.
+
+- ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no longer
+  needs (the list may only shrink); it prints each with its file:line and the fix.
+- ``update`` rewrites the allowlist from the scan (sorted, byte-identical when nothing changed).
+- ``stats`` prints counts by accessor, file and scope.
+
+Exit 2 for usage errors, bad settings, a malformed or wrongly-versioned allowlist, and source files that do
+not parse. Settings come from ``[tool.pgregistry.allowlist]`` in the nearest ``pyproject.toml`` that has that
+table (its directory is the project root all paths are relative to); command-line options override them.
+
+This module and everything it imports are torch-free: the check runs in lint jobs where torch is absent or
+slow to import. It also runs without the rest of the CLI as ``python -m pgregistry.allowlist``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pgregistry.allowlist.cache import ScanCache
+from pgregistry.allowlist.config import ConfigError, Settings, find_config_file, load_settings
+from pgregistry.allowlist.engine import default_jobs, scan_files
+from pgregistry.allowlist.files import PathError, discover, project_path, under
+from pgregistry.allowlist.ratchet import Allowlist, AllowlistError, compare
+from pgregistry.allowlist.report import FORMATS, render_check, render_failures, render_stats, render_update
+
+__all__ = ["add_command", "configure", "main", "run"]
+
+_ACTIONS = {
+    "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
+    "update": "rewrite the allowlist from the current code (deterministic, sorted)",
+    "stats": "print counts of reads by accessor, file and scope",
+}
+
+_DESCRIPTION = (
+    "Find every read of global process-group state (parallel_state accessors however imported, "
+    "use_mpu_process_groups, pgregistry's global grid) and ratchet it against a committed allowlist keyed by "
+    "file, scope and accessor, so the list can only shrink."
+)
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        metavar="PATH",
+        help="files or directories to scan instead of the configured roots; only their entries are judged",
+    )
+    parser.add_argument(
+        "--allowlist", type=Path, metavar="FILE", help="the allowlist file (default: configured)"
+    )
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument(
+        "--config", type=Path, metavar="PYPROJECT", help="read settings from this pyproject.toml"
+    )
+    parser.add_argument("--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd")
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        metavar="PATTERN",
+        help="exclude pattern (repeatable; replaces the configured)",
+    )
+    parser.add_argument(
+        "--extend-exclude", action="append", default=[], metavar="PATTERN", help="add an exclude"
+    )
+    parser.add_argument(
+        "--module",
+        action="append",
+        metavar="NAME",
+        help="legacy module name whose accessors count (repeatable; replaces the configured)",
+    )
+    parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
+    parser.add_argument("--cache-dir", type=Path, metavar="DIR", help="the scan cache directory")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the check/update/stats actions to ``parser``."""
+    actions = parser.add_subparsers(dest="allowlist_action", metavar="ACTION", required=True)
+    for name, text in _ACTIONS.items():
+        action = actions.add_parser(name, help=text, description=f"{text}. {_DESCRIPTION}")
+        _options(action)
+        action.set_defaults(handler=run)
+
+
+def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``pgregistry allowlist`` (the hook :mod:`pgregistry.cli` calls)."""
+    parser = subparsers.add_parser(
+        "allowlist", help="ratchet reads of global process-group state", description=_DESCRIPTION
+    )
+    configure(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pgregistry.allowlist``: the same command without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="python -m pgregistry.allowlist", description=_DESCRIPTION)
+    configure(parser)
+    args = parser.parse_args(argv)
+    code: int = args.handler(args)
+    return code
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    cwd = Path.cwd()
+    if args.isolated:
+        config_file = None
+    elif args.config is not None:
+        if not args.config.is_file():
+            raise ConfigError(f"{args.config}: no such file")
+        config_file = args.config
+    else:
+        config_file = find_config_file(cwd)
+    settings = load_settings(config_file, cwd)
+    exclude = tuple(args.exclude) if args.exclude is not None else settings.exclude
+    settings = dataclasses.replace(settings, exclude=exclude + tuple(args.extend_exclude))
+    if args.allowlist is not None:
+        settings = dataclasses.replace(settings, allowlist=args.allowlist.resolve())
+    if args.cache_dir is not None:
+        settings = dataclasses.replace(settings, cache_dir=args.cache_dir.resolve())
+    if args.module is not None:
+        settings = dataclasses.replace(
+            settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
+        )
+    return settings
+
+
+def _targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
+    """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
+    if not args.paths:
+        return [settings.resolve(Path(root)).resolve() for root in settings.roots], lambda path: True
+    targets = [path.resolve() for path in args.paths]
+    prefixes = [project_path(target, settings.root) for target in targets]
+    return targets, lambda path: under(path, prefixes)
+
+
+def _error(message: str, fmt: str) -> int:
+    if fmt == "github":
+        print(f"::error title=pgregistry allowlist::{message}")
+    print(f"pgregistry allowlist: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """The handler of every action; returns the exit code (0 ok, 1 check failed, 2 error)."""
+    fmt: str = args.format
+    try:
+        settings = _settings(args)
+        targets, covers = _targets(args, settings)
+        files = discover(targets, settings.root, settings.exclude)
+    except (ConfigError, PathError) as error:
+        return _error(str(error), fmt)
+    cache = None
+    if not args.no_cache and settings.cache_dir is not None:
+        cache = ScanCache(settings.resolve(settings.cache_dir), settings.scan)
+    report = scan_files(files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    if report.failures:
+        print(render_failures(report.failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
+        return 2
+    allowlist_path = settings.resolve(settings.allowlist)
+    name = project_path(allowlist_path, settings.root)
+    try:
+        if args.allowlist_action == "check":
+            allowed = Allowlist.load(allowlist_path, name)
+            comparison = compare(report.results, allowed, covers)
+            print(render_check(comparison, allowed, len(files), name, fmt), end="")
+            return 0 if comparison.ok else 1
+        previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
+    except AllowlistError as error:
+        if args.allowlist_action != "update" or args.paths:
+            return _error(str(error), fmt)
+        # A full update regenerates the whole list, so it may replace an unreadable (or old-format) file.
+        print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
+        previous = None
+    if args.allowlist_action == "stats":
+        print(render_stats(report.results, previous, fmt), end="")
+        return 0
+    current = (previous or Allowlist({})).merged(Allowlist.from_results(report.results), covers)
+    changed = current.write(allowlist_path)
+    print(render_update(previous, current, name, changed, fmt), end="")
+    return 0
