@@ -1,0 +1,3 @@
+from allowlist_support import project
+
+__all__ = ["project"]
