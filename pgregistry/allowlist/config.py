@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: Bump whenever the scanner's output for the same input could change: it is part of every cache key.
-SCANNER_VERSION = 1
+SCANNER_VERSION = 2
 
 DEFAULT_ALLOWLIST = "process_group_usage_allowlist.json"
 DEFAULT_EXCLUDE: tuple[str, ...] = (".*", "__pycache__", "*.egg-info", "build", "dist", "node_modules")

@@ -165,7 +165,9 @@ class _Rules:
             _Family(REGISTRY, config.registry_modules, (), config.registry_accessors, ()),
         )
         self.shims = frozenset(config.shims)
-        words = {module.rsplit(".", 1)[-1] for family in self.families for module in family.modules}
+        # Every component of every module name: an import that binds a prefix of a dotted module name
+        # (``import pgregistry as pg`` for ``pgregistry.registry``) must be seen for ``pg.registry.x`` to resolve.
+        words = {part for family in self.families for module in family.modules for part in module.split(".")}
         self.words = frozenset(words | set(config.aliases) | self.shims)
         self.trigger = _words(self.words)
 
@@ -374,13 +376,12 @@ class _Walker:
                 if not _covers(lines, first or node.lineno, node.end_lineno or node.lineno):
                     continue
             if isinstance(node, ast.Call):
-                if self._record(node.func, scope, CALL) or self._record_getattr(node, scope):
-                    children: Iterable[ast.AST] = [*node.args, *node.keywords]
-                    if isinstance(
-                        node.func, ast.Call
-                    ):  # getattr(ps, "get_x")(...): the inner call's arguments
-                        children = [*node.func.args[2:], *children]
-                    stack.extend((child, scope) for child in children)
+                # getattr(ps, "get_x")(...) is one site: the outer call falls through to the inner one.
+                if self._record(node.func, scope, CALL):
+                    stack.extend((child, scope) for child in [*node.args, *node.keywords])
+                    continue
+                if self._record_getattr(node, scope):
+                    stack.extend((child, scope) for child in [*node.args[2:], *node.keywords])
                     continue
             elif isinstance(node, (ast.Attribute, ast.Name)):
                 if isinstance(node.ctx, ast.Load) and self._record(node, scope, REFERENCE):
@@ -422,18 +423,17 @@ class _Walker:
         return True
 
     def _record_getattr(self, call: ast.Call, scope: str) -> bool:
-        """``getattr(ps, "get_x")``, or the call ``getattr(ps, "get_x")(...)``, with a literal name."""
-        inner = call.func if isinstance(call.func, ast.Call) else call
+        """``getattr(ps, "get_x")`` (with or without a default) with a literal name."""
         if not (
-            isinstance(inner.func, ast.Name)
-            and inner.func.id == "getattr"
-            and len(inner.args) >= 2
-            and isinstance(inner.args[1], ast.Constant)
-            and isinstance(inner.args[1].value, str)
+            isinstance(call.func, ast.Name)
+            and call.func.id == "getattr"
+            and len(call.args) >= 2
+            and isinstance(call.args[1], ast.Constant)
+            and isinstance(call.args[1].value, str)
         ):
             return False
-        parts = _chain(inner.args[0])
-        name = inner.args[1].value
+        parts = _chain(call.args[0])
+        name = call.args[1].value
         if parts is None or not name.isidentifier():
             return False
         hit = self._resolve([*parts, name])
@@ -441,7 +441,7 @@ class _Walker:
             return False
         family, accessor = hit
         expr = f"getattr({'.'.join(parts)}, {name!r})"
-        self.sites.append(Site(inner.lineno, inner.col_offset + 1, scope, accessor, GETATTR, expr, family))
+        self.sites.append(Site(call.lineno, call.col_offset + 1, scope, accessor, GETATTR, expr, family))
         return True
 
 

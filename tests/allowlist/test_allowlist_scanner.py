@@ -300,6 +300,13 @@ def test_configured_module_names_and_patterns() -> None:
     ]
 
 
+def test_an_alias_for_part_of_a_dotted_module_name_resolves() -> None:
+    config = ScanConfig(registry_modules=("pgregistry.registry",))
+    source = "import pgregistry as pg\n\ndef f():\n    return pg.registry.global_collection()\n"
+    assert keys(source, config=config) == ["f|global_collection|call"]
+    assert keys("import os as pg\npg.registry.global_collection()\n", config=config) == []
+
+
 def test_bad_configuration_names_the_setting() -> None:
     with pytest.raises(ConfigError, match="modules: 'not a module' is not a dotted module name"):
         ScanConfig(modules=("not a module",))
