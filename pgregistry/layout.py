@@ -196,7 +196,12 @@ class ParallelLayout:
             )
         dp = self.world_size // dense_product
         expt_dp = self.world_size // expert_product
-        if tokens[-1] != Axis.PP.value and self.pp > 1 and expt_dp != dp:
+        if "dp" not in self.order.split("-") and (dp, expt_dp) != (1, 1):
+            raise ValueError(
+                f"order {self.order!r} lacks axis 'dp' whose size is {dp} (expert data-parallel size {expt_dp})"
+            )
+        # Megatron-Core tests the order string as declared: axes appended because they are missing have size 1.
+        if not self.order.endswith(Axis.PP.value) and self.pp > 1 and expt_dp != dp:
             raise ValueError(
                 f"pp must be last in order {self.order!r} when pp={self.pp} > 1 and the expert data-parallel "
                 f"size ({expt_dp}) differs from the dense one ({dp}): dense and expert grids would not share "
@@ -225,14 +230,15 @@ class ParallelLayout:
         repeated = sorted({t for t in tokens if tokens.count(t) > 1})
         if repeated:
             raise ValueError(f"axis {repeated[0]!r} repeated in order {self.order!r}")
-        # Like Megatron-Core, an axis missing from the order is appended (outermost) when its size is 1.
+        # Like Megatron-Core, an axis missing from the order is appended (outermost) when its size is 1. The data
+        # parallel sizes are derived later, and checked in __attrs_post_init__.
         sizes = {"tp": self.tp, "cp": self.cp, "ep": self.ep, "pp": self.pp, "dp": 1}
         missing = [t for t in ("tp", "cp", "ep", "dp", "pp") if t not in tokens]
         for token in missing:
-            if token != "dp" and sizes[token] != 1:
+            if sizes[token] != 1:
                 raise ValueError(f"order {self.order!r} lacks axis {token!r} whose size is {sizes[token]}")
-        if "dp" in missing:
-            raise ValueError(f"order {self.order!r} lacks axis 'dp'")
+            if token == Axis.TP.value and self.etp != 1:
+                raise ValueError(f"order {self.order!r} lacks axis 'tp' whose expert size (etp) is {self.etp}")
         return tokens + tuple(missing)
 
     @staticmethod
