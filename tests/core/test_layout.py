@@ -1,0 +1,396 @@
+"""ParallelLayout against an independent oracle: a plain-loop port of Megatron-Core's RankGenerator.
+
+The oracle below is written from the description of ``generate_masked_orthogonal_rank_groups``: the axes of a
+grid are listed fastest first; a group kind masks some axes; group ``g`` holds, for each in-group index ``i``,
+the rank whose unmasked coordinates are ``g`` decomposed over the unmasked axes and whose masked coordinates are
+``i`` decomposed over the masked axes (first axis fastest in both). It shares no code with ``pgregistry.layout``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from pgregistry.layout import GROUP_KINDS, ParallelLayout
+
+# ------------------------------------------------------------------------------------------------ the oracle
+
+# Megatron-Core appends an order token missing from the order string at the end, in this order, when its size
+# is 1 (and refuses a missing token of larger size).
+_MEGATRON_TOKENS = ("tp", "pp", "dp", "ep", "cp")
+
+_DENSE_KINDS = {
+    "tp": "tp", "gtp_remat": "gtp", "cp": "cp", "dp": "dp", "pp": "pp", "dp_cp": "dp-cp", "tp_cp": "tp-cp",
+    "mp": "tp-gtp-pp", "tp_dp_cp": "tp-dp-cp",
+}
+_EXPERT_KINDS = {
+    "ep": "ep", "expt_tp": "tp", "expt_gtp_remat": "gtp", "expt_dp": "dp", "tp_ep": "tp-ep",
+    "tp_ep_pp": "tp-gtp-ep-pp",
+}
+
+
+class OracleRefused(Exception):
+    """Megatron-Core would refuse these sizes and order (an assertion or RuntimeError there)."""
+
+
+def _decompose(index: int, shape: list[int]) -> list[int]:
+    """Mixed-radix digits of ``index`` over ``shape``, first digit fastest."""
+    digits = []
+    for size in shape:
+        digits.append(index % size)
+        index //= size
+    return digits
+
+
+def _masked_orthogonal_groups(world: int, sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    strides = []
+    acc = 1
+    for size in sizes:
+        strides.append(acc)
+        acc *= size
+    masked_shape = [s for s, m in zip(sizes, mask, strict=True) if m]
+    unmasked_shape = [s for s, m in zip(sizes, mask, strict=True) if not m]
+    masked_strides = [d for d, m in zip(strides, mask, strict=True) if m]
+    unmasked_strides = [d for d, m in zip(strides, mask, strict=True) if not m]
+    group_size = 1
+    for s in masked_shape:
+        group_size *= s
+    groups = []
+    for group_index in range(world // group_size):
+        group_digits = _decompose(group_index, unmasked_shape)
+        offset = 0
+        for digit, stride in zip(group_digits, unmasked_strides, strict=True):
+            offset += digit * stride
+        group = []
+        for rank_in_group in range(group_size):
+            rank = offset
+            for digit, stride in zip(_decompose(rank_in_group, masked_shape), masked_strides, strict=True):
+                rank += digit * stride
+            group.append(rank)
+        groups.append(group)
+    return groups
+
+
+class _OracleGrid:
+    """Megatron's RankGenerator with the GTP-remat axis injected after ``gtp_after``."""
+
+    def __init__(self, world: int, sizes: dict[str, int], order: str, gtp_after: str) -> None:
+        tokens = order.split("-")
+        for token in _MEGATRON_TOKENS:
+            if token not in tokens:
+                if sizes[token] != 1:
+                    raise OracleRefused(f"order {order} lacks {token} of size {sizes[token]}")
+                tokens.append(token)
+        self.axes: list[str] = []
+        for token in tokens:
+            self.axes.append(token)
+            if token == gtp_after:
+                self.axes.append("gtp")
+        self.sizes = [sizes[a] for a in self.axes]
+        self.world = world
+
+    def ranks(self, kind: str) -> list[list[int]]:
+        wanted = kind.split("-")
+        mask = [axis in wanted for axis in self.axes]
+        return _masked_orthogonal_groups(self.world, self.sizes, mask)
+
+
+def oracle_groups(
+    world: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, gtp: int = 1,
+    egtp: int = 1, order: str = "tp-cp-ep-dp-pp",
+) -> dict[str, list[list[int]]]:
+    """Every group of every kind, as Megatron-Core's initialize_model_parallel would create them."""
+    etp = tp if etp is None else etp
+    if world % (tp * gtp * cp * pp) or world % (etp * ep * egtp * pp):
+        raise OracleRefused("sizes do not divide the world")
+    dp = world // (tp * gtp * cp * pp)
+    edp = world // (etp * ep * egtp * pp)
+    dense = _OracleGrid(world, {"tp": tp, "gtp": gtp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}, order, "tp")
+    expert = _OracleGrid(world, {"tp": etp, "gtp": egtp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}, order, "ep")
+    if not (order.endswith("pp") or pp == 1 or edp == dp):
+        raise OracleRefused("pp not last with different dense and expert data-parallel sizes")
+    if dense.ranks("pp") != expert.ranks("pp"):
+        raise OracleRefused("dense and expert pipeline groups differ")
+    out = {kind: dense.ranks(axes) for kind, axes in _DENSE_KINDS.items()}
+    out.update({kind: expert.ranks(axes) for kind, axes in _EXPERT_KINDS.items()})
+    embd, pos_embd = [], []
+    for ranks in out["pp"]:
+        embd.append([ranks[0], ranks[-1]] if len(ranks) > 1 else list(ranks))
+        pos_embd.append([ranks[0]])
+    out["embd"] = embd
+    out["pos_embd"] = pos_embd
+    return out
+
+
+def _as_lists(groups: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    return [list(g) for g in groups]
+
+
+# ------------------------------------------------------------------------------------------------ oracle sanity
+
+
+def test_oracle_reproduces_the_reference_example() -> None:
+    # REFERENCE.md: world 8, order tp-pp-dp, sizes 2-2-2 -> dp groups [[0,4],[1,5],[2,6],[3,7]].
+    assert oracle_groups(8, tp=2, pp=2, order="tp-pp-dp")["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_reference_example() -> None:
+    layout = ParallelLayout(world_size=8, tp=2, pp=2, order="tp-pp-dp")
+    assert layout.dp == 2
+    assert _as_lists(layout.groups("dp")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _as_lists(layout.groups("tp")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _as_lists(layout.groups("pp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+# ------------------------------------------------------------------------------------------------ property
+
+
+@st.composite
+def layout_args(draw: st.DrawFn) -> dict[str, object]:
+    small = st.sampled_from([1, 1, 2, 2, 3, 4])
+    tp, cp, pp, gtp = draw(small), draw(small), draw(small), draw(small)
+    dp = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    world = tp * gtp * cp * pp * dp
+    assume(world <= 384)
+    # Expert sizes: draw divisors of what the pipeline leaves, so most draws are valid.
+    per_stage = world // pp
+    divisors = [d for d in range(1, per_stage + 1) if per_stage % d == 0]
+    ep, etp, egtp = draw(st.sampled_from(divisors)), draw(st.sampled_from(divisors)), draw(small)
+    tokens = list(draw(st.permutations(["tp", "cp", "ep", "dp", "pp"])))
+    # Sometimes leave out tokens (Megatron appends those of size 1; others are an error on both sides).
+    dropped = draw(st.sets(st.sampled_from(tokens), max_size=2))
+    order = "-".join(t for t in tokens if t not in dropped)
+    return {
+        "world_size": world, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp, "gtp_remat": gtp,
+        "expt_gtp_remat": egtp, "order": order,
+    }
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(layout_args())
+def test_every_kind_matches_megatron_rank_generator(args: dict[str, object]) -> None:
+    kw = dict(args)
+    world = kw.pop("world_size")
+    oracle_kw = {
+        "tp": kw["tp"], "cp": kw["cp"], "pp": kw["pp"], "ep": kw["ep"], "etp": kw["etp"],
+        "gtp": kw["gtp_remat"], "egtp": kw["expt_gtp_remat"], "order": kw["order"],
+    }
+    try:
+        expected = oracle_groups(world, **oracle_kw)  # type: ignore[arg-type]
+    except OracleRefused:
+        with pytest.raises(ValueError):
+            ParallelLayout(world_size=world, **kw)  # type: ignore[arg-type]
+        return
+    layout = ParallelLayout(world_size=world, **kw)  # type: ignore[arg-type]
+    for kind in GROUP_KINDS:
+        assert _as_lists(layout.groups(kind)) == expected[kind], kind
+        assert layout.groups_tensor(kind).tolist() == expected[kind], kind
+    # Per-rank queries agree with the enumeration, and coordinates place each rank in its groups.
+    index = {kind: {r: tuple(g) for g in groups for r in g} for kind, groups in expected.items()}
+    sizes = layout.axis_sizes()
+    for rank in range(world):
+        mine = layout.groups_of(rank)
+        assert set(mine) == set(GROUP_KINDS)
+        for kind in GROUP_KINDS:
+            assert mine[kind] == index[kind].get(rank), (kind, rank)
+        coords = layout.coords(rank)
+        assert all(0 <= coords[axis] < sizes[axis] for axis in sizes)
+        assert mine["tp"] is not None and mine["tp"].index(rank) == coords["tp"]
+        assert mine["dp"] is not None and mine["dp"].index(rank) == coords["dp"]
+        assert mine["pp"] is not None and mine["pp"].index(rank) == coords["pp"]
+        assert mine["cp"] is not None and mine["cp"].index(rank) == coords["cp"]
+        assert mine["gtp_remat"] is not None and mine["gtp_remat"].index(rank) == coords["gtp_remat"]
+        assert mine["ep"] is not None and mine["ep"].index(rank) == coords["ep"]
+        assert mine["expt_tp"] is not None and mine["expt_tp"].index(rank) == coords["etp"]
+        assert mine["expt_dp"] is not None and mine["expt_dp"].index(rank) == coords["expt_dp"]
+        egtp_group = mine["expt_gtp_remat"]
+        assert egtp_group is not None and egtp_group.index(rank) == coords["expt_gtp_remat"]
+
+
+# ------------------------------------------------------------------------------------------------ structure
+
+
+_SAMPLE_LAYOUTS = [
+    {"world_size": 8, "tp": 2, "pp": 2, "order": "tp-pp-dp"},
+    {"world_size": 16, "tp": 2, "cp": 2, "pp": 2, "ep": 2, "etp": 1},
+    {"world_size": 24, "tp": 2, "gtp_remat": 2, "pp": 3, "ep": 4, "etp": 1, "expt_gtp_remat": 2},
+    {"world_size": 64, "tp": 4, "cp": 2, "pp": 2, "ep": 4, "etp": 2, "order": "tp-cp-ep-pp-dp"},
+    {"world_size": 1},
+]
+
+
+@pytest.mark.parametrize("kw", _SAMPLE_LAYOUTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_every_kind_partitions_the_world(kw: dict[str, object]) -> None:
+    layout = ParallelLayout(**kw)  # type: ignore[arg-type]
+    world = layout.world_size
+    for kind in GROUP_KINDS:
+        groups = layout.groups(kind)
+        members = [r for g in groups for r in g]
+        assert len(members) == len(set(members)), kind
+        assert all(list(g) == sorted(g) for g in groups), kind
+        if kind in ("embd", "pos_embd"):
+            continue  # only the pipeline edges belong to these
+        assert sorted(members) == list(range(world)), kind
+        assert len({len(g) for g in groups}) == 1, kind
+        assert layout.groups_tensor(kind).shape == (len(groups), len(groups[0]))
+
+
+def test_group_sizes_follow_the_axis_sizes() -> None:
+    layout = ParallelLayout(world_size=48, tp=2, gtp_remat=2, cp=2, pp=2, ep=3, etp=2, expt_gtp_remat=2)
+    assert (layout.dp, layout.expt_dp) == (3, 2)
+    expected_size = {
+        "tp": 2, "gtp_remat": 2, "cp": 2, "dp": 3, "pp": 2, "dp_cp": 6, "tp_cp": 4, "mp": 8, "tp_dp_cp": 12,
+        "ep": 3, "expt_tp": 2, "expt_gtp_remat": 2, "expt_dp": 2, "tp_ep": 6, "tp_ep_pp": 24, "embd": 2,
+        "pos_embd": 1,
+    }
+    for kind, size in expected_size.items():
+        groups = layout.groups(kind)
+        assert {len(g) for g in groups} == {size}, kind
+
+
+def test_default_etp_is_tp_and_default_order() -> None:
+    layout = ParallelLayout(world_size=8, tp=4)
+    assert layout.etp == 4
+    assert layout.order == "tp-cp-ep-dp-pp"
+    assert layout.groups("expt_tp") == layout.groups("tp")
+
+
+def test_order_is_case_insensitive() -> None:
+    assert ParallelLayout(world_size=8, tp=2, order="TP-CP-EP-DP-PP") == ParallelLayout(world_size=8, tp=2)
+
+
+def test_coords_example() -> None:
+    # Default order tp-cp-ep-dp-pp: rank = tp + tp*(cp + cp*(dp + dp*pp)).
+    layout = ParallelLayout(world_size=32, tp=2, cp=2, pp=2, ep=2, etp=1)
+    rank = 1 + 2 * (1 + 2 * (3 + 4 * 1))  # tp 1, cp 1, dp 3 (dp = 4), pp 1
+    coords = layout.coords(rank)
+    assert {k: coords[k] for k in ("tp", "cp", "dp", "pp")} == {"tp": 1, "cp": 1, "dp": 3, "pp": 1}
+    # Expert grid: etp 1, ep 2, expt_dp 8; rank = etp + 1*(ep + 2*(edp + 8*pp)).
+    assert {k: coords[k] for k in ("etp", "ep", "expt_dp")} == {"etp": 0, "ep": rank % 2, "expt_dp": rank // 2 % 8}
+
+
+def test_embedding_groups_only_hold_pipeline_edges() -> None:
+    layout = ParallelLayout(world_size=8, pp=4)
+    assert _as_lists(layout.groups("embd")) == [[0, 6], [1, 7]]
+    assert _as_lists(layout.groups("pos_embd")) == [[0], [1]]
+    assert layout.groups_of(2)["embd"] is None
+    assert layout.groups_of(6)["embd"] == (0, 6)
+    assert layout.groups_of(6)["pos_embd"] is None
+    assert layout.groups_of(1)["pos_embd"] == (1,)
+
+
+def test_fingerprint_is_stable_and_distinguishes_layouts() -> None:
+    a = ParallelLayout(world_size=8, tp=2)
+    assert a.fingerprint() == ParallelLayout(world_size=8, tp=2, etp=2).fingerprint()
+    assert a.fingerprint() != ParallelLayout(world_size=8, tp=2, etp=1).fingerprint()
+    assert a.fingerprint() != ParallelLayout(world_size=8, tp=2, order="tp-cp-ep-pp-dp").fingerprint()
+
+
+def test_layout_is_frozen_and_hashable() -> None:
+    layout = ParallelLayout(world_size=8, tp=2)
+    with pytest.raises(AttributeError):
+        layout.tp = 4  # type: ignore[misc]
+    assert hash(layout) == hash(ParallelLayout(world_size=8, tp=2))
+
+
+def test_groups_of_matches_groups_on_a_large_layout() -> None:
+    layout = ParallelLayout(world_size=1024, tp=8, pp=4, cp=2, ep=8, etp=1, gtp_remat=2, expt_gtp_remat=2)
+    enumerated = {kind: set(layout.groups(kind)) for kind in GROUP_KINDS}
+    for rank in (0, 1, 7, 8, 255, 511, 512, 1023):
+        for kind, group in layout.groups_of(rank).items():
+            if group is None:
+                assert all(rank not in g for g in enumerated[kind]), kind
+            else:
+                assert rank in group and group in enumerated[kind], kind
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"world_size": 12, "tp": 8}, r"world_size 12 .*tp\*gtp_remat\*cp\*pp .*= 8"),
+        ({"world_size": 8, "tp": 2, "cp": 3}, r"world_size 8 .*2\*1\*3\*1 = 6"),
+        ({"world_size": 12, "tp": 2, "ep": 8, "etp": 1}, r"etp\*ep\*expt_gtp_remat\*pp = 1\*8\*1\*1 = 8 .*12"),
+        ({"world_size": 16, "pp": 2, "ep": 3}, r"= 6 does not divide world_size 16"),
+        ({"world_size": 0}, r"world_size must be a positive integer, got 0"),
+        ({"world_size": 8, "tp": 0}, r"tp must be a positive integer, got 0"),
+        ({"world_size": 8, "cp": -2}, r"cp must be a positive integer, got -2"),
+        ({"world_size": 8, "pp": 1.5}, r"pp must be a positive integer, got 1.5"),
+        ({"world_size": 8, "ep": True}, r"ep must be a positive integer, got True"),
+        ({"world_size": 8, "etp": 0}, r"etp must be a positive integer"),
+        ({"world_size": 8, "gtp_remat": 0}, r"gtp_remat must be a positive integer"),
+        ({"world_size": 8, "expt_gtp_remat": -1}, r"expt_gtp_remat must be a positive integer"),
+        ({"world_size": 8, "order": "tp-xp-dp-pp"}, r"unknown axis 'xp' in order 'tp-xp-dp-pp'"),
+        ({"world_size": 8, "order": "tp-cp-tp-dp-pp"}, r"axis 'tp' repeated in order"),
+        ({"world_size": 8, "tp": 2, "order": "cp-ep-dp-pp"}, r"lacks axis 'tp' whose size is 2"),
+        ({"world_size": 8, "etp": 2, "order": "cp-ep-dp-pp"}, r"lacks axis 'tp' whose expert size \(etp\) is 2"),
+        ({"world_size": 8, "tp": 2, "order": "tp-cp-ep-pp"}, r"lacks axis 'dp' whose size is 4"),
+        ({"world_size": 8, "tp": 8, "etp": 1, "ep": 2, "order": "tp-ep-pp"}, r"lacks axis 'dp' .*expert .* 4"),
+    ],
+)
+def test_bad_sizes_raise_naming_the_culprit(kw: dict[str, object], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        ParallelLayout(**kw)  # type: ignore[arg-type]
+
+
+def test_axes_of_size_one_may_be_left_out_of_the_order() -> None:
+    # Megatron-Core appends a missing axis of size 1; dp too, when both grids have one data-parallel rank.
+    layout = ParallelLayout(world_size=8, tp=4, pp=2, order="tp-pp")
+    assert (layout.dp, layout.expt_dp) == (1, 1)
+    assert layout.groups("pp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert ParallelLayout(world_size=8, tp=2, order="tp-dp").groups("dp") == ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+def test_pp_not_last_refused_when_expert_dp_differs() -> None:
+    # dense dp = 16/(2*2) = 4, expert dp = 16/(1*2*2) = 4 with ep 2 -> allowed; ep 4 -> expert dp 2 -> refused.
+    with pytest.raises(ValueError, match=r"pp must be last in order 'tp-cp-ep-pp-dp' when pp=2 .*\(2\).*\(4\)"):
+        ParallelLayout(world_size=16, tp=2, pp=2, ep=4, etp=1, order="tp-cp-ep-pp-dp")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"world_size": 16, "tp": 2, "pp": 2, "ep": 2, "etp": 1, "order": "tp-cp-ep-pp-dp"},  # expert dp == dp
+        {"world_size": 16, "tp": 2, "pp": 1, "ep": 4, "etp": 1, "order": "tp-cp-ep-pp-dp"},  # pp == 1
+        {"world_size": 8, "tp": 2, "pp": 2, "order": "tp-pp-dp"},  # no experts
+    ],
+)
+def test_pp_not_last_allowed_as_in_megatron(kw: dict[str, object]) -> None:
+    layout = ParallelLayout(**kw)  # type: ignore[arg-type]
+    oracle = oracle_groups(
+        layout.world_size, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, order=layout.order
+    )
+    assert all(_as_lists(layout.groups(kind)) == oracle[kind] for kind in GROUP_KINDS)
+    assert layout.groups("pp") == tuple(map(tuple, oracle["pp"]))
+
+
+def test_unknown_kind_and_rank_out_of_range() -> None:
+    layout = ParallelLayout(world_size=8, tp=2)
+    with pytest.raises(ValueError, match=re.escape("unknown group kind 'dp_pc'; did you mean 'dp_cp'?")):
+        layout.groups("dp_pc")
+    with pytest.raises(ValueError, match="rank 8 is outside the world of 8 ranks"):
+        layout.groups_of(8)
+    with pytest.raises(ValueError, match="rank -1 is outside"):
+        layout.coords(-1)
+
+
+def test_every_order_permutation_is_consistent_with_the_oracle() -> None:
+    # Exhaustive over the 120 orders at one mixed layout: the property test samples, this one enumerates.
+    for tokens in itertools.permutations(["tp", "cp", "ep", "dp", "pp"]):
+        order = "-".join(tokens)
+        kw = {"tp": 2, "cp": 2, "pp": 2, "ep": 2, "etp": 1, "order": order}
+        try:
+            expected = oracle_groups(16, **kw)  # type: ignore[arg-type]
+        except OracleRefused:
+            with pytest.raises(ValueError):
+                ParallelLayout(world_size=16, **kw)  # type: ignore[arg-type]
+            continue
+        layout = ParallelLayout(world_size=16, **kw)  # type: ignore[arg-type]
+        assert {k: _as_lists(layout.groups(k)) for k in GROUP_KINDS} == expected, order
+        assert len(layout.groups("dp")[0]) == layout.dp
