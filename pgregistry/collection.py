@@ -150,7 +150,7 @@ def group_size(group: ProcessGroup | None) -> int:
     """Size of ``group``; ``None`` (axis off) is 1. Never WORLD."""
     if group is None:
         return 1
-    _reject_unset(group)
+    _check_group(group)
     return int(group.size())
 
 
@@ -158,16 +158,22 @@ def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank in ``group``; ``None`` (axis off) is 0. Never the WORLD rank."""
     if group is None:
         return 0
-    _reject_unset(group)
+    _check_group(group)
     rank = int(group.rank())
     if rank < 0:
-        raise ValueError("this process is not a member of the group it asked its rank in")
+        raise ValueError(_NOT_A_MEMBER)
     return rank
 
 
-def _reject_unset(group: object) -> None:
+_NOT_A_MEMBER: Final = "this process is not a member of the group it asked about"
+
+
+def _check_group(group: object) -> None:
     if group is UNSET:
         raise ValueError("UNSET is not a process group; resolve it first (pgregistry.fallback)")
+    # A non-member's handle from new_group is torch's NON_GROUP_MEMBER sentinel, an int with no size or rank.
+    if isinstance(group, int):
+        raise ValueError(f"{_NOT_A_MEMBER} (its handle is torch's NON_GROUP_MEMBER, {group!r})")
 
 
 def check_field_names(names: Iterable[str]) -> tuple[str, ...]:
