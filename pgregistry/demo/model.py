@@ -1,0 +1,248 @@
+"""A small MoE model, sharded from a collection, and its float64 unsharded twin (the oracle).
+
+Each layer is ``x -> x + MLP(x * norm) -> + MoE(.)``:
+
+* the dense MLP is tensor-parallel: ``fc1`` column-parallel (rows sharded, ``partition_dim=0``), ``fc2``
+  row-parallel (columns sharded, ``partition_dim=1``); ``norm`` is replicated over TP (a TP duplicate);
+* the MoE block routes each token to expert ``token_id % num_experts`` (hash routing, so sharded and reference
+  runs route identically whatever the precision) and scales the expert's output by a learned gate
+  ``softmax(x @ router)``; the router is a replicated dense parameter. Experts are split over EP ranks, ETP 1.
+
+Tokens reach experts the Megatron way: each TP rank takes its chunk of the (TP-replicated) tokens, the chunks are
+all-gathered over EP, every rank runs its local experts, the partial outputs are reduce-scattered back and the
+chunks gathered over TP again. Every token is then processed exactly once per EP group.
+
+The loss of a data-parallel rank is the sum of squared errors of its tokens divided by the *global* token
+count, so summing grads over ``dp_cp`` (dense) and ``expt_dp`` (experts) gives the gradient of the global mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
+from pgregistry.demo.comm import (
+    enter_sharded,
+    gather_distinct,
+    gather_replicated,
+    leave_sharded,
+    scatter_distinct,
+    split_replicated,
+)
+
+__all__ = ["ReferenceMoE", "ShardedMoE", "ToyMoEConfig", "full_weights", "make_batch", "shard_of"]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ToyMoEConfig:
+    """Sizes of the demo model and its data."""
+
+    hidden: int = 16
+    ffn: int = 32
+    expert_ffn: int = 16
+    num_experts: int = 8
+    num_layers: int = 2
+    tokens_per_dp_rank: int = 8
+    seed: int = 1234
+
+
+def full_weights(config: ToyMoEConfig) -> dict[str, torch.Tensor]:
+    """The unsharded float64 weights, deterministic in ``config.seed`` (global expert indices in names)."""
+    gen = torch.Generator().manual_seed(config.seed)
+
+    def normal(*shape: int, fan_in: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) / math.sqrt(fan_in)
+
+    weights: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        weights[p + "norm"] = 1.0 + 0.1 * torch.randn(config.hidden, generator=gen, dtype=torch.float64)
+        weights[p + "mlp.fc1"] = normal(config.ffn, config.hidden, fan_in=config.hidden)
+        weights[p + "mlp.fc2"] = normal(config.hidden, config.ffn, fan_in=config.ffn)
+        weights[p + "moe.router"] = normal(config.num_experts, config.hidden, fan_in=config.hidden)
+        for e in range(config.num_experts):
+            q = f"{p}moe.experts.local_experts.{e}."
+            weights[q + "fc1"] = normal(config.expert_ffn, config.hidden, fan_in=config.hidden)
+            weights[q + "fc2"] = normal(config.hidden, config.expert_ffn, fan_in=config.expert_ffn)
+    return weights
+
+
+def make_batch(config: ToyMoEConfig, step: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: inputs, targets (float64) and token ids, ``dp_size`` ranks' worth."""
+    gen = torch.Generator().manual_seed(config.seed * 1000 + step)
+    n = config.tokens_per_dp_rank * dp_size
+    x = torch.randn(n, config.hidden, generator=gen, dtype=torch.float64)
+    target = torch.randn(n, config.hidden, generator=gen, dtype=torch.float64)
+    return x, target, torch.arange(n)
+
+
+def _moe_reference(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    router: torch.Tensor,
+    experts: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+    num_experts: int,
+) -> torch.Tensor:
+    choice = ids % num_experts
+    gate = torch.softmax(x @ router.t(), dim=-1).gather(1, choice.unsqueeze(1))
+    out = torch.zeros_like(x)
+    for e, (fc1, fc2) in experts.items():
+        rows = (choice == e).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            out = out.index_put((rows,), F.gelu(x[rows] @ fc1.t()) @ fc2.t())
+    return out * gate
+
+
+class ReferenceMoE(nn.Module):
+    """The unsharded model in float64: the oracle every sharded run is compared with."""
+
+    def __init__(self, config: ToyMoEConfig, weights: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.config = config
+        self.weights = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(v.clone()) for k, v in weights.items()})
+
+    def param(self, name: str) -> nn.Parameter:
+        return self.weights[name.replace(".", "__")]
+
+    def named_weights(self) -> dict[str, nn.Parameter]:
+        return {k.replace("__", "."): v for k, v in self.weights.items()}
+
+    def loss(self, x: torch.Tensor, target: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        for layer in range(c.num_layers):
+            p = f"layers.{layer}."
+            h = x * self.param(p + "norm")
+            x = x + F.gelu(h @ self.param(p + "mlp.fc1").t()) @ self.param(p + "mlp.fc2").t()
+            q = f"{p}moe.experts.local_experts."
+            experts = {e: (self.param(f"{q}{e}.fc1"), self.param(f"{q}{e}.fc2")) for e in range(c.num_experts)}
+            x = x + _moe_reference(x, ids, self.param(p + "moe.router"), experts, c.num_experts)
+        return ((x - target) ** 2).sum() / x.shape[0]
+
+
+def shard_of(
+    name: str, full: torch.Tensor, pg_collection: ProcessGroupCollection, num_experts: int
+) -> torch.Tensor | None:
+    """This rank's shard of the unsharded weight ``name`` (``None`` when the expert lives on another EP rank)."""
+    tp, ep = pg_collection.get("tp"), pg_collection.get("ep")
+    if ".local_experts." in name:
+        global_index = int(name.split(".local_experts.")[1].split(".")[0])
+        per_rank = num_experts // group_size(ep)
+        if global_index // per_rank != group_rank(ep):
+            return None
+        return full
+    if name.endswith("mlp.fc1"):
+        return full.chunk(group_size(tp), dim=0)[group_rank(tp)]
+    if name.endswith("mlp.fc2"):
+        return full.chunk(group_size(tp), dim=1)[group_rank(tp)]
+    return full
+
+
+class ShardedMoE(nn.Module):
+    """The model as one rank holds it under ``pg_collection`` (TP x EP, ETP 1), in ``dtype``.
+
+    Parameter names use *local* expert indices (``local_experts.<i>``), as checkpoints of sharded MoE models do;
+    :func:`pgregistry.globalize_expert_keys` turns them into global ones.
+    """
+
+    def __init__(
+        self,
+        config: ToyMoEConfig,
+        weights: Mapping[str, torch.Tensor],
+        pg_collection: ProcessGroupCollection,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        from pgregistry.params import mark_expert, mark_expert_module, mark_tensor_parallel
+
+        self.config = config
+        self.pg = pg_collection
+        ep = pg_collection.get("ep")
+        if config.num_experts % group_size(ep):
+            raise ValueError(f"num_experts {config.num_experts} is not divisible by the EP size {group_size(ep)}")
+        self.experts_per_rank = config.num_experts // group_size(ep)
+        self.first_expert = group_rank(ep) * self.experts_per_rank
+        self.layers = nn.ModuleList()
+        for layer in range(config.num_layers):
+            block = nn.Module()
+            p = f"layers.{layer}."
+            for local_name in ("norm", "mlp.fc1", "mlp.fc2", "moe.router"):
+                shard = shard_of(p + local_name, weights[p + local_name], pg_collection, config.num_experts)
+                assert shard is not None
+                block.register_parameter(local_name.replace(".", "_"), nn.Parameter(shard.to(dtype).clone()))
+            mark_tensor_parallel(block.mlp_fc1, partition_dim=0)
+            mark_tensor_parallel(block.mlp_fc2, partition_dim=1)
+            experts = nn.ModuleList()
+            for local in range(self.experts_per_rank):
+                expert = nn.Module()
+                q = f"{p}moe.experts.local_experts.{self.first_expert + local}."
+                for part in ("fc1", "fc2"):
+                    param = nn.Parameter(weights[q + part].to(dtype).clone())
+                    mark_expert(param)
+                    expert.register_parameter(part, param)
+                experts.append(expert)
+            mark_expert_module(experts)
+            block.experts = experts
+            self.layers.append(block)
+
+    def checkpoint_names(self) -> dict[str, nn.Parameter]:
+        """Local checkpoint-style names (``layers.0.moe.experts.local_experts.<local>.fc1``) -> parameters."""
+        out: dict[str, nn.Parameter] = {}
+        for layer, block in enumerate(self.layers):
+            p = f"layers.{layer}."
+            out[p + "norm"] = block.norm
+            out[p + "mlp.fc1"] = block.mlp_fc1
+            out[p + "mlp.fc2"] = block.mlp_fc2
+            out[p + "moe.router"] = block.moe_router
+            for local, expert in enumerate(block.experts):
+                out[f"{p}moe.experts.local_experts.{local}.fc1"] = expert.fc1
+                out[f"{p}moe.experts.local_experts.{local}.fc2"] = expert.fc2
+        return out
+
+    def loss(self, x: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, global_tokens: int) -> torch.Tensor:
+        """Sum of squared errors of this data-parallel rank's tokens over the global token count."""
+        tp, ep = self.pg.get("tp"), self.pg.get("ep")
+        dtype = self.layers[0].norm.dtype
+        x = x.to(dtype)
+        for block in self.layers:
+            h = enter_sharded(x * block.norm, tp)
+            x = x + leave_sharded(F.gelu(h @ block.mlp_fc1.t()) @ block.mlp_fc2.t(), tp)
+            x = x + self._moe(x, ids, block, tp, ep)
+        return ((x.double() - target) ** 2).sum() / global_tokens
+
+    def _moe(self, x: torch.Tensor, ids: torch.Tensor, block: nn.Module, tp: object, ep: object) -> torch.Tensor:
+        # The gate is computed on this rank's own (TP-replicated) tokens, before dispatch, so the router's grad
+        # is replicated over TP like any dense parameter's.
+        gate = torch.softmax(x @ block.moe_router.t(), dim=-1)
+        gate = gate.gather(1, (ids % self.config.num_experts).unsqueeze(1))
+        tokens = gather_distinct(split_replicated(x, tp), ep)
+        choice = _gather_ids(_chunk_ids(ids, tp), ep) % self.config.num_experts
+        # ``tokens * 0`` rather than zeros_like: the output must depend on the dispatched tokens even when no
+        # token reaches this rank's experts, or this rank's backward would skip the EP collectives its peers run.
+        out = tokens * 0
+        for local, expert in enumerate(block.experts):
+            rows = (choice == self.first_expert + local).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                out = out.index_put((rows,), F.gelu(tokens[rows] @ expert.fc1.t()) @ expert.fc2.t())
+        return gather_replicated(scatter_distinct(out, ep), tp) * gate
+
+
+def _chunk_ids(ids: torch.Tensor, group: object) -> torch.Tensor:
+    if group is None:
+        return ids
+    return ids.chunk(group_size(group), dim=0)[group_rank(group)]  # type: ignore[arg-type]
+
+
+def _gather_ids(ids: torch.Tensor, group: object) -> torch.Tensor:
+    if group is None:
+        return ids
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(ids) for _ in range(group_size(group))]  # type: ignore[arg-type]
+    dist.all_gather(parts, ids.contiguous(), group=group)  # type: ignore[arg-type]
+    return torch.cat(parts)
