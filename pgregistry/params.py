@@ -1,0 +1,207 @@
+"""Parameter roles: how a parameter is laid out over the rank grid, as attributes set by helpers.
+
+Grad statistics (:mod:`pgregistry.grad_stats`) and the replication audit (:mod:`pgregistry.audit`) decide whether a
+local gradient is a distinct piece of the model or a copy of one from these roles alone:
+
+* ``tensor_model_parallel`` (with ``partition_dim``, ``partition_stride``): sharded over TP (expert TP for
+  experts), so every TP rank holds a different piece;
+* ``allreduce=False``: a routed-expert parameter, distinct per EP rank and reduced over the expert groups;
+  ``allreduce=True`` set explicitly: it lives in an expert module but is replicated across EP;
+* ``shared``: a second copy of another parameter (tied embeddings on the last pipeline stage), never counted;
+* ``is_gtp_weight_remat``: sharded over the GTP-remat axis (expert GTP-remat for experts).
+
+Roles are set by the ``mark_*`` helpers, never by hand, and survive copies only through :func:`copy_param_roles`
+(seed 000: a mixed-precision copy that dropped ``allreduce=False`` turned every expert into a dense parameter).
+A missing classification is an error, never a default (seed 002): :func:`check_expert_classification` refuses
+parameters of a marked expert module that say neither ``allreduce=False`` nor ``allreduce=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final, TypeAlias, TypeVar
+
+import torch
+from torch import nn
+
+from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.fallback import resolve_process_groups
+
+__all__ = [
+    "ROLE_ATTRIBUTES",
+    "ParamsLike",
+    "check_expert_classification",
+    "copy_param_roles",
+    "is_expert_module",
+    "is_expert_param",
+    "mark_expert",
+    "mark_expert_module",
+    "mark_expert_replicated",
+    "mark_gtp_sharded",
+    "mark_shared",
+    "mark_tensor_parallel",
+    "named_parameters_of",
+    "unclassified_expert_params",
+]
+
+T = TypeVar("T", bound=torch.Tensor)
+
+ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "allreduce",
+    "shared",
+    "is_gtp_weight_remat",
+    "gtp_replica_group",
+)
+"""Every attribute that carries a parameter role; :func:`copy_param_roles` copies those present."""
+
+_EXPERT_MODULE_FLAG: Final = "_pgregistry_expert_module"
+
+ParamsLike: TypeAlias = (
+    nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]
+)
+"""What the grad-statistics entry points accept: a model, model chunks, a name -> parameter mapping, one
+tensor, or an iterable of tensors."""
+
+
+# ----------------------------------------------------------------------------------------------------- roles
+
+
+def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
+    """Declare ``param`` sharded over TP (expert TP for an expert) along tensor dim ``partition_dim``."""
+    if not isinstance(partition_dim, int) or not 0 <= partition_dim < max(param.dim(), 1):
+        raise ValueError(
+            f"partition_dim {partition_dim!r} is not a dim of a parameter of shape {tuple(param.shape)}"
+        )
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride must be a positive integer, got {stride!r}")
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = partition_dim  # type: ignore[attr-defined]
+    param.partition_stride = stride  # type: ignore[attr-defined]
+    return param
+
+
+def mark_expert(param: T) -> T:
+    """Declare ``param`` a routed-expert parameter: distinct per EP rank, reduced over the expert groups."""
+    param.allreduce = False  # type: ignore[attr-defined]
+    return param
+
+
+def mark_expert_replicated(param: T) -> T:
+    """Declare ``param`` (in an expert module) replicated across EP, such as a LoRA factor shared by experts."""
+    param.allreduce = True  # type: ignore[attr-defined]
+    return param
+
+
+def mark_shared(param: T) -> T:
+    """Declare ``param`` a second copy of a parameter counted elsewhere (tied embeddings on the last stage)."""
+    param.shared = True  # type: ignore[attr-defined]
+    return param
+
+
+def mark_gtp_sharded(param: T) -> T:
+    """Declare ``param`` sharded over the GTP-remat axis (expert GTP-remat for experts)."""
+    param.is_gtp_weight_remat = True  # type: ignore[attr-defined]
+    return param
+
+
+def copy_param_roles(src: torch.Tensor, dst: T) -> T:
+    """Copy every role attribute present on ``src`` to ``dst`` (mixed-precision main params, optimizer views)."""
+    for name in ROLE_ATTRIBUTES:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
+    return dst
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a routed-expert parameter (``allreduce is False``)."""
+    return getattr(param, "allreduce", True) is False
+
+
+# --------------------------------------------------------------------------------------------- expert modules
+
+
+def mark_expert_module(module: nn.Module) -> nn.Module:
+    """Declare ``module`` as holding routed experts: each of its parameters must carry an explicit ``allreduce``."""
+    setattr(module, _EXPERT_MODULE_FLAG, True)
+    return module
+
+
+def is_expert_module(module: nn.Module) -> bool:
+    """Whether :func:`mark_expert_module` was applied to ``module``."""
+    return getattr(module, _EXPERT_MODULE_FLAG, False) is True
+
+
+def unclassified_expert_params(model: nn.Module | Sequence[nn.Module]) -> list[str]:
+    """Names of the parameters under a marked expert module that carry no ``allreduce`` attribute."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    names: dict[int, str] = {}
+    for index, chunk in enumerate(chunks):
+        chunk_prefix = f"chunk{index}." if len(chunks) > 1 else ""
+        for prefix, module in chunk.named_modules():
+            if not is_expert_module(module):
+                continue
+            for name, param in module.named_parameters(prefix=prefix):
+                if not hasattr(param, "allreduce"):
+                    names.setdefault(id(param), chunk_prefix + name)
+    return list(names.values())
+
+
+def check_expert_classification(
+    model: nn.Module | Sequence[nn.Module], pg_collection: ProcessGroupCollection | None
+) -> None:
+    """Refuse a parameter of a marked expert module that does not say whether it is replicated across EP.
+
+    Only when the collection's EP axis is on (more than one rank): with EP off the question does not arise. An
+    unset ``ep`` (or no collection) is read from the global grid with a fallback warning. Raises ``ValueError``
+    naming every such parameter; classify each with :func:`mark_expert` or :func:`mark_expert_replicated`.
+    """
+    ep = resolve_process_groups(pg_collection, ("ep",), owner="check_expert_classification")["ep"]
+    if group_size(ep) <= 1:
+        return
+    missing = unclassified_expert_params(model)
+    if missing:
+        raise ValueError(
+            f"{len(missing)} parameter(s) of a marked expert module carry no EP classification: "
+            f"{', '.join(missing)}. Mark each with mark_expert (distinct per EP rank) or mark_expert_replicated "
+            "(replicated across EP); a default would silently miscount the grad norm (seed 002)."
+        )
+
+
+# -------------------------------------------------------------------------------------------- parameter lists
+
+
+def named_parameters_of(model_or_params: ParamsLike) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` pairs in a deterministic order, each parameter once (by identity).
+
+    A model or model chunks give their ``named_parameters`` (prefixed ``chunk<i>.`` when there are several
+    chunks); a mapping gives its items; tensors are named ``param[<i>]`` by position.
+    """
+    if isinstance(model_or_params, nn.Module):
+        pairs: Iterable[tuple[str, torch.Tensor]] = model_or_params.named_parameters()
+    elif isinstance(model_or_params, torch.Tensor):
+        pairs = [("param[0]", model_or_params)]
+    elif isinstance(model_or_params, Mapping):
+        pairs = list(model_or_params.items())
+    else:
+        items = list(model_or_params)
+        if items and all(isinstance(item, nn.Module) for item in items):
+            prefix = len(items) > 1
+            pairs = [
+                (f"chunk{i}.{name}" if prefix else name, param)
+                for i, chunk in enumerate(items)
+                for name, param in chunk.named_parameters()
+            ]
+        else:
+            pairs = [(f"param[{i}]", item) for i, item in enumerate(items)]
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, param in pairs:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"{name} is a {type(param).__name__}, not a tensor or parameter")
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append((name, param))
+    return out
