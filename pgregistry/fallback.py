@@ -68,9 +68,12 @@ def warn_global_process_group_fallback(owner: str, argument: str, *, stacklevel:
         f"{owner} was not given process group {argument!r} and falls back to the global grid; pass a "
         f"ProcessGroupCollection (or the group) explicitly"
     )
-    frame = sys._getframe(stacklevel)
-    module = frame.f_globals.get("__name__", "<unknown>")
-    action = _filter_action(message, ProcessGroupFallbackWarning, module, frame.f_lineno)
+    try:
+        frame = sys._getframe(stacklevel)
+        module, lineno = frame.f_globals.get("__name__", "<string>"), frame.f_lineno
+    except ValueError:  # the stack is shallower than stacklevel: warnings.warn then attributes it to "sys"
+        module, lineno = "sys", 0
+    action = _filter_action(message, ProcessGroupFallbackWarning, module, lineno)
     if action == "ignore":
         return
     if action not in ("error", "always"):
