@@ -49,6 +49,41 @@ class ProcessGroupFallbackWarning(UserWarning):
     """
 
 
+def _apply_command_line_filters() -> None:
+    """Apply ``-W``/``PYTHONWARNINGS`` options naming :class:`ProcessGroupFallbackWarning`.
+
+    Python processes those options before ``site`` puts site-packages on ``sys.path``, so for an installed
+    pgregistry it prints "Invalid -W option ignored: invalid module name: 'pgregistry'" and drops the filter:
+    ``python -W error::pgregistry.ProcessGroupFallbackWarning`` would silently not raise. Re-applied here at
+    import, from the first option naming this category onward, so later options keep their precedence (those naming
+    a category of another module, not a builtin, are left out).
+    """
+    ours = {f"{__name__}.{ProcessGroupFallbackWarning.__name__}", "pgregistry.ProcessGroupFallbackWarning"}
+    options = [option.split(":") for option in sys.warnoptions]
+    first = next((i for i, fields in enumerate(options) if len(fields) > 2 and fields[2].strip() in ours), None)
+    if first is None:
+        return
+    for fields in options[first:]:
+        action, message, category_name, module, lineno = (*(f.strip() for f in fields), "", "", "", "")[:5]
+        action = "always" if action == "all" else action
+        actions = [a for a in ("default", "always", "ignore", "module", "once", "error") if a.startswith(action)]
+        category = ProcessGroupFallbackWarning if category_name in ours else _builtin_warning(category_name)
+        if len(fields) > 5 or not actions or category is None or not (lineno or "0").isdigit():
+            continue  # Python rejected this option at start-up too
+        warnings.filterwarnings(
+            actions[0], re.escape(message), category, re.escape(module) + r"\Z" if module else "", int(lineno or 0)
+        )
+
+
+def _builtin_warning(name: str) -> type[Warning] | None:
+    import builtins
+
+    found = getattr(builtins, name, None) if name else Warning
+    return found if isinstance(found, type) and issubclass(found, Warning) else None
+
+
+_apply_command_line_filters()
+
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
