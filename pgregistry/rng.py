@@ -1,0 +1,442 @@
+"""RNG streams for model-parallel training, seeded from the model's own process groups.
+
+Tensor-parallel shards of one weight must draw different random numbers (else every shard of a weight is the
+same), while data-parallel replicas must draw the same ones (else replicas diverge). Megatron-Core solves this with
+named RNG streams ("trackers") that a region of code enters with ``fork(name)``; this module keeps its tracker
+names and seed formulas, so a user migrating gets bit-identical streams:
+
+==========================  =====================================================================================
+tracker                     seed
+==========================  =====================================================================================
+``data-parallel-rng``       ``seed``
+``model-parallel-rng``      ``seed + 2718 + tp_rank``
+``expert-parallel-rng``     ``seed + 1024 + 100 * ep_rank + etp_rank``
+``gtp-remat-rng``           model-parallel seed ``+ 65536 * (1 + gtp_remat_rank)``, only when that axis has > 1 rank
+``egtp-remat-rng``          expert seed ``+ 32768 + 65536 * (1 + expt_gtp_remat_rank)``, likewise
+==========================  =====================================================================================
+
+The ``seed`` above is the caller's base seed, which already holds the pipeline offset ``100 * pp_rank`` (and
+``10 * dp_rank`` when data-parallel replicas are initialised differently): :func:`base_seed_for_rank`.
+
+What differs from Megatron-Core:
+
+* ranks are read from a :class:`~pgregistry.collection.ProcessGroupCollection` (``None`` = axis off = rank 0),
+  never from integers cached elsewhere; without a collection the global grid is read and
+  :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` is emitted;
+* the tracker handles a list of ``torch.Generator`` objects: the CPU default generator and, when CUDA is
+  available, every CUDA device's default generator, so the same code seeds CPU-only and GPU runs;
+* :func:`check_seed_plan` computes every rank's seeds from a :class:`~pgregistry.layout.ParallelLayout` and
+  reports collisions, which the formulas above do produce (for instance ``100 * ep + etp == 1694 + tp`` at
+  ``tp=6, ep=17, etp=0`` gives one rank equal model- and expert-parallel seeds, which the tracker refuses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final, Literal
+
+import attrs
+import torch
+
+from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
+from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
+from pgregistry.layout import ParallelLayout
+
+__all__ = [
+    "DATA_PARALLEL_RNG",
+    "EGTP_REMAT_RNG",
+    "EXPERT_PARALLEL_RNG",
+    "GTP_REMAT_RNG",
+    "MODEL_PARALLEL_RNG",
+    "RNGState",
+    "RNGStatesTracker",
+    "SeedCollision",
+    "base_seed_for_rank",
+    "check_seed_plan",
+    "get_rng_tracker",
+    "model_parallel_manual_seed",
+    "seed_plan",
+    "tracker_seeds",
+]
+
+DATA_PARALLEL_RNG: Final = "data-parallel-rng"
+MODEL_PARALLEL_RNG: Final = "model-parallel-rng"
+EXPERT_PARALLEL_RNG: Final = "expert-parallel-rng"
+GTP_REMAT_RNG: Final = "gtp-remat-rng"
+EGTP_REMAT_RNG: Final = "egtp-remat-rng"
+
+_MODEL_PARALLEL_OFFSET: Final = 2718
+_EXPERT_PARALLEL_OFFSET: Final = 1024
+_EXPERT_RANK_STRIDE: Final = 100
+_GTP_REMAT_STRIDE: Final = 65536
+_EGTP_REMAT_OFFSET: Final = 32768
+_PIPELINE_STRIDE: Final = 100
+_DATA_PARALLEL_STRIDE: Final = 10
+_MAX_SEED: Final = 2**64
+
+RNGState = tuple[torch.Tensor, ...]
+"""The state of one RNG stream: one ``ByteTensor`` per generator the tracker drives (CPU first, then CUDA)."""
+
+
+# --------------------------------------------------------------------------------------------------- tracker
+
+
+def _default_generators() -> tuple[torch.Generator, ...]:
+    """The CPU default generator, then each CUDA device's default generator when CUDA is available."""
+    generators: list[torch.Generator] = [torch.default_generator]
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        generators.extend(torch.cuda.default_generators)
+    return tuple(generators)
+
+
+class RNGStatesTracker:
+    """Named RNG streams, each a saved state of every generator the tracker drives.
+
+    ``fork(name)`` swaps the stream's state into the generators, runs the block, stores the advanced state back
+    and restores the generators' previous state, also when the block raises. A stream can be forked again later
+    and continues where it stopped.
+
+    ``generators`` defaults to the CPU default generator plus every CUDA device's default generator (when CUDA
+    is available), chosen on the first :meth:`add` so that creating a tracker never initialises CUDA. Pass
+    explicit generators to drive others (a tracker over private ``torch.Generator`` objects is what tests use).
+    """
+
+    def __init__(self, generators: Sequence[torch.Generator] | None = None) -> None:
+        self._explicit_generators = tuple(generators) if generators is not None else None
+        self._generators: tuple[torch.Generator, ...] | None = self._explicit_generators
+        self._states: dict[str, RNGState] = {}
+        self._seeds: dict[int, str] = {}
+        self._active: set[str] = set()
+
+    @property
+    def generators(self) -> tuple[torch.Generator, ...]:
+        """The generators every stream's state covers, in state order."""
+        if self._generators is None:
+            self._generators = _default_generators()
+        return self._generators
+
+    def reset(self) -> None:
+        """Forget every stream and seed (the generators' current states are left as they are)."""
+        if self._active:
+            raise RuntimeError(f"cannot reset the RNG tracker inside fork({sorted(self._active)[0]!r})")
+        self._states.clear()
+        self._seeds.clear()
+        self._generators = self._explicit_generators
+
+    def add(self, name: str, seed: int) -> None:
+        """Register stream ``name`` seeded with ``seed``; the generators' current states are kept.
+
+        Raises ``ValueError`` when ``name`` is already registered or ``seed`` is already used by another stream:
+        two streams with one seed would draw the same numbers, which is never intended.
+        """
+        _check_seed(seed, name)
+        if name in self._states:
+            raise ValueError(f"RNG tracker {name!r} already exists")
+        if seed in self._seeds:
+            raise ValueError(
+                f"seed {seed} for RNG tracker {name!r} is already used by RNG tracker {self._seeds[seed]!r}"
+            )
+        generators = self.generators
+        saved = _capture(generators)
+        try:
+            for generator in generators:
+                generator.manual_seed(seed)
+            self._states[name] = _capture(generators)
+        finally:
+            _restore(generators, saved)
+        self._seeds[seed] = name
+
+    def names(self) -> tuple[str, ...]:
+        """Registered stream names, in registration order."""
+        return tuple(self._states)
+
+    def seeds(self) -> dict[str, int]:
+        """Stream name -> the seed it was added with (streams set by :meth:`set_states` alone have none)."""
+        return {name: seed for seed, name in self._seeds.items()}
+
+    def get_states(self) -> dict[str, RNGState]:
+        """A copy of every stream's state, for checkpoints."""
+        return {name: tuple(t.clone() for t in state) for name, state in self._states.items()}
+
+    def set_states(self, states: Mapping[str, RNGState]) -> None:
+        """Replace every stream's state (from :meth:`get_states` of a tracker over as many generators)."""
+        if self._active:
+            raise RuntimeError(f"cannot set RNG states inside fork({sorted(self._active)[0]!r})")
+        count = len(self.generators)
+        checked: dict[str, RNGState] = {}
+        for name, state in states.items():
+            state = tuple(state)
+            if len(state) != count or not all(isinstance(t, torch.Tensor) for t in state):
+                raise ValueError(
+                    f"state of RNG tracker {name!r} must be {count} tensors (one per generator), got "
+                    f"{len(state)} items"
+                )
+            checked[name] = tuple(t.clone() for t in state)
+        self._states = checked
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the block on stream ``name``; the outer state is restored on exit, even on an exception."""
+        if name not in self._states:
+            known = ", ".join(repr(n) for n in self._states) or "none"
+            raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
+        if name in self._active:
+            # The inner fork would restart from the state the outer one has not stored back yet: repeated draws.
+            raise RuntimeError(f"RNG tracker {name!r} is already forked; nested forks of one stream repeat draws")
+        generators = self.generators
+        outer = _capture(generators)
+        _restore(generators, self._states[name])
+        self._active.add(name)
+        try:
+            yield
+        finally:
+            self._active.discard(name)
+            self._states[name] = _capture(generators)
+            _restore(generators, outer)
+
+
+def _capture(generators: Sequence[torch.Generator]) -> RNGState:
+    return tuple(generator.get_state() for generator in generators)
+
+
+def _restore(generators: Sequence[torch.Generator], state: RNGState) -> None:
+    for generator, generator_state in zip(generators, state, strict=True):
+        generator.set_state(generator_state)
+
+
+def _check_seed(seed: object, what: str) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < _MAX_SEED:
+        raise ValueError(f"seed for {what} must be an integer in [0, 2**64), got {seed!r}")
+
+
+_default_tracker = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (Megatron-Core's ``get_cuda_rng_tracker``), over the default generators."""
+    return _default_tracker
+
+
+# --------------------------------------------------------------------------------------------------- seeds
+
+
+def tracker_seeds(
+    seed: int,
+    *,
+    tp_rank: int = 0,
+    ep_rank: int = 0,
+    etp_rank: int = 0,
+    gtp_remat_rank: int = 0,
+    gtp_remat_size: int = 1,
+    expt_gtp_remat_rank: int = 0,
+    expt_gtp_remat_size: int = 1,
+) -> dict[str, int]:
+    """Tracker name -> seed for one rank, by Megatron-Core's formulas (see the module docstring).
+
+    ``seed`` is the base seed (:func:`base_seed_for_rank`). The GTP-remat streams appear only when their axis has
+    more than one rank. Pure arithmetic: :func:`model_parallel_manual_seed` and :func:`seed_plan` both use it.
+    """
+    _check_seed(seed, "the base seed")
+    model_seed = seed + _MODEL_PARALLEL_OFFSET + tp_rank
+    expert_seed = seed + _EXPERT_PARALLEL_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + etp_rank
+    seeds = {DATA_PARALLEL_RNG: seed, MODEL_PARALLEL_RNG: model_seed, EXPERT_PARALLEL_RNG: expert_seed}
+    if gtp_remat_size > 1:
+        seeds[GTP_REMAT_RNG] = model_seed + _GTP_REMAT_STRIDE * (1 + gtp_remat_rank)
+    if expt_gtp_remat_size > 1:
+        seeds[EGTP_REMAT_RNG] = expert_seed + _EGTP_REMAT_OFFSET + _GTP_REMAT_STRIDE * (1 + expt_gtp_remat_rank)
+    return seeds
+
+
+def _base_seed(seed: int, pp_rank: int, dp_rank: int, data_parallel_random_init: bool) -> int:
+    _check_seed(seed, "the job")
+    base = seed + _PIPELINE_STRIDE * pp_rank
+    if data_parallel_random_init:
+        base += _DATA_PARALLEL_STRIDE * dp_rank
+    return base
+
+
+def base_seed_for_rank(
+    seed: int, pg_collection: ProcessGroupCollection | None, *, data_parallel_random_init: bool = False
+) -> int:
+    """The base seed this rank passes to :func:`model_parallel_manual_seed`: the caller-side offsets.
+
+    ``seed + 100 * pp_rank``, plus ``10 * dp_rank`` when ``data_parallel_random_init`` (data-parallel replicas
+    initialised differently), as Megatron's training loop computes it. Ranks come from the collection's ``pp``
+    (and ``dp``) groups; an UNSET field or a missing collection reads the global grid, with a
+    :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
+    """
+    names = ("pp", "dp") if data_parallel_random_init else ("pp",)
+    groups = resolve_process_groups(pg_collection, names, owner="base_seed_for_rank")
+    dp_rank = group_rank(groups["dp"]) if data_parallel_random_init else 0
+    return _base_seed(seed, group_rank(groups["pp"]), dp_rank, data_parallel_random_init)
+
+
+def model_parallel_manual_seed(
+    seed: int,
+    pg_collection: ProcessGroupCollection | None = None,
+    *,
+    tracker: RNGStatesTracker | None = None,
+) -> dict[str, int]:
+    """Seed the default stream and register this rank's RNG streams; returns tracker name -> seed.
+
+    ``tracker`` (default: :func:`get_rng_tracker`) is reset, its generators are seeded with the data-parallel
+    seed (the stream outside any fork), and the streams of :func:`tracker_seeds` are added. Ranks are read from
+    the groups of ``pg_collection``: ``tp``, ``ep``, ``expt_tp``, ``gtp_remat`` and ``expt_gtp_remat``, where
+    ``None`` is an axis that is off (rank 0 of 1). An UNSET field or a missing collection reads the global grid
+    and warns (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`; the GTP-remat fallback warns only when
+    the global axis has more than one rank).
+    """
+    owner = "model_parallel_manual_seed"
+    groups = resolve_process_groups(pg_collection, ("tp", "ep", "expt_tp"), owner=owner)
+    gtp = resolve_gtp_remat_group(pg_collection, False, owner=owner)
+    egtp = resolve_gtp_remat_group(pg_collection, True, owner=owner)
+    seeds = tracker_seeds(
+        seed,
+        tp_rank=group_rank(groups["tp"]),
+        ep_rank=group_rank(groups["ep"]),
+        etp_rank=group_rank(groups["expt_tp"]),
+        gtp_remat_rank=group_rank(gtp),
+        gtp_remat_size=group_size(gtp),
+        expt_gtp_remat_rank=group_rank(egtp),
+        expt_gtp_remat_size=group_size(egtp),
+    )
+    tracker = tracker if tracker is not None else _default_tracker
+    tracker.reset()
+    for generator in tracker.generators:
+        generator.manual_seed(seeds[DATA_PARALLEL_RNG])
+    for name, tracker_seed in seeds.items():
+        tracker.add(name, tracker_seed)
+    return seeds
+
+
+# --------------------------------------------------------------------------------------------------- plans
+
+
+_STREAM_AXES: Final[Mapping[str, tuple[str, ...]]] = {
+    DATA_PARALLEL_RNG: ("pp",),
+    MODEL_PARALLEL_RNG: ("pp", "tp"),
+    EXPERT_PARALLEL_RNG: ("pp", "ep", "etp"),
+    GTP_REMAT_RNG: ("pp", "tp", "gtp_remat"),
+    EGTP_REMAT_RNG: ("pp", "ep", "etp", "expt_gtp_remat"),
+}
+"""Tracker -> the coordinates that tell its streams apart: ranks differing in any of them must draw differently.
+
+Pipeline stages hold different layers, so they must not share a stream (Megatron adds ``100 * pp_rank`` for
+that); tensor-parallel shards of one weight must differ (model-parallel); distinct experts and expert-TP shards
+must differ (expert-parallel); GTP-remat shards must differ (GTP). With ``data_parallel_random_init`` the dense
+data-parallel coordinate is added to every tracker's list. Context-parallel ranks and the remaining data-parallel
+replicas hold the same weights and share streams by design."""
+
+
+def seed_plan(
+    layout: ParallelLayout, seed: int, *, data_parallel_random_init: bool = False
+) -> dict[int, dict[str, int]]:
+    """Rank -> tracker name -> seed, for every rank of ``layout``, without any process group.
+
+    The seeds are the full ones each rank's trackers get when it calls
+    ``model_parallel_manual_seed(base_seed_for_rank(seed, pgc, data_parallel_random_init=...), pgc)`` with the
+    collection ``pgc`` built from ``layout``: the caller-side pipeline (and data-parallel) offsets are included.
+    """
+    sizes = layout.axis_sizes()
+    plan: dict[int, dict[str, int]] = {}
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        base = _base_seed(seed, coords["pp"], coords["dp"], data_parallel_random_init)
+        plan[rank] = tracker_seeds(
+            base,
+            tp_rank=coords["tp"],
+            ep_rank=coords["ep"],
+            etp_rank=coords["etp"],
+            gtp_remat_rank=coords["gtp_remat"],
+            gtp_remat_size=sizes["gtp_remat"],
+            expt_gtp_remat_rank=coords["expt_gtp_remat"],
+            expt_gtp_remat_size=sizes["expt_gtp_remat"],
+        )
+    return plan
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SeedCollision:
+    """Two RNG streams that must differ but get one seed.
+
+    ``kind`` is ``"across_ranks"``: ranks whose coordinates ``axes`` differ (so their ``tracker`` streams must
+    differ) share ``seed``; ``ranks`` holds one rank per distinct coordinate tuple (``coords``, in ``axes``
+    order). Or ``"within_rank"``: on each of ``ranks`` the ``trackers`` share ``seed``, which
+    :meth:`RNGStatesTracker.add` refuses at start-up; ``axes`` and ``coords`` are then empty.
+    """
+
+    kind: Literal["across_ranks", "within_rank"]
+    seed: int
+    trackers: tuple[str, ...]
+    ranks: tuple[int, ...]
+    axes: tuple[str, ...] = ()
+    coords: tuple[tuple[int, ...], ...] = ()
+
+    def describe(self) -> str:
+        """One line for people."""
+        if self.kind == "within_rank":
+            shown = ", ".join(map(str, self.ranks[:8])) + (", ..." if len(self.ranks) > 8 else "")
+            where = f"rank {shown}" if len(self.ranks) == 1 else f"each of ranks {shown} ({len(self.ranks)} ranks)"
+            return f"seed {self.seed} is used by trackers {', '.join(self.trackers)} on {where}"
+        pairs = "; ".join(
+            f"rank {rank} ({', '.join(f'{a}={c}' for a, c in zip(self.axes, coords, strict=True))})"
+            for rank, coords in zip(self.ranks, self.coords, strict=True)
+        )
+        return f"seed {self.seed} of tracker {self.trackers[0]} is shared by ranks that must differ: {pairs}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record."""
+        return {
+            "kind": self.kind,
+            "seed": self.seed,
+            "trackers": list(self.trackers),
+            "ranks": list(self.ranks),
+            "axes": list(self.axes),
+            "coords": [list(c) for c in self.coords],
+        }
+
+
+def check_seed_plan(
+    layout: ParallelLayout, seed: int, *, data_parallel_random_init: bool = False
+) -> list[SeedCollision]:
+    """Every seed collision of :func:`seed_plan` (empty when there is none), without any process group.
+
+    Two kinds are reported (:class:`SeedCollision`): ranks that must draw differently on a tracker (the
+    coordinates of ``_STREAM_AXES`` differ) but get one seed for it, grouped by tracker and seed; and trackers
+    that share a seed on one rank, grouped by the trackers and seed over every rank where it happens.
+    """
+    plan = seed_plan(layout, seed, data_parallel_random_init=data_parallel_random_init)
+    extra = ("dp",) if data_parallel_random_init else ()
+    # (tracker, seed) -> coordinate tuple -> first rank holding it
+    streams: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
+    # (trackers, seed) -> ranks
+    shared: dict[tuple[tuple[str, ...], int], list[int]] = {}
+    for rank, seeds in plan.items():
+        coords = layout.coords(rank)
+        by_seed: dict[int, list[str]] = {}
+        for tracker, tracker_seed in seeds.items():
+            key = tuple(coords[a] for a in _STREAM_AXES[tracker] + extra)
+            streams.setdefault((tracker, tracker_seed), {}).setdefault(key, rank)
+            by_seed.setdefault(tracker_seed, []).append(tracker)
+        for tracker_seed, trackers in by_seed.items():
+            if len(trackers) > 1:
+                shared.setdefault((tuple(trackers), tracker_seed), []).append(rank)
+    collisions = [
+        SeedCollision(
+            kind="across_ranks",
+            seed=tracker_seed,
+            trackers=(tracker,),
+            ranks=tuple(holders.values()),
+            axes=_STREAM_AXES[tracker] + extra,
+            coords=tuple(holders),
+        )
+        for (tracker, tracker_seed), holders in streams.items()
+        if len(holders) > 1
+    ]
+    collisions.extend(
+        SeedCollision(kind="within_rank", seed=tracker_seed, trackers=trackers, ranks=tuple(ranks))
+        for (trackers, tracker_seed), ranks in shared.items()
+    )
+    return collisions

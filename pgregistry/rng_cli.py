@@ -1,0 +1,99 @@
+"""``pgregistry seed-plan``: every rank's RNG tracker seeds for a layout, and a check for seed collisions.
+
+Torch is imported only inside the handler (through :mod:`pgregistry.rng`), as the CLI table requires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pgregistry.layout import ParallelLayout
+
+__all__ = ["add_command"]
+
+
+def add_command(subparsers: Any) -> None:
+    """Register the ``seed-plan`` sub-command."""
+    parser = subparsers.add_parser(
+        "seed-plan",
+        help="print every rank's RNG tracker seeds for a layout, or check them for collisions",
+        description=(
+            "Compute the seeds every rank's RNG trackers get (Megatron-Core's formulas, pipeline and optional "
+            "data-parallel offsets included) from the layout alone, without process groups. With --check, "
+            "report seeds shared by streams that must differ and exit 1 when there are any."
+        ),
+    )
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
+    parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
+    parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
+    parser.add_argument("--seed", type=int, required=True, help="the job's seed")
+    parser.add_argument(
+        "--data-parallel-random-init",
+        action="store_true",
+        help="add 10 * dp_rank to the base seed (data-parallel replicas initialised differently)",
+    )
+    parser.add_argument("--check", action="store_true", help="report collisions; exit 1 when any is found")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.rng import check_seed_plan, seed_plan
+
+    sizes: dict[str, Any] = {
+        "world_size": args.world_size, "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
+        "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
+    }
+    if args.etp is not None:
+        sizes["etp"] = args.etp
+    if args.order is not None:
+        sizes["order"] = args.order
+    try:
+        layout = ParallelLayout(**sizes)
+        if args.check:
+            collisions = check_seed_plan(layout, args.seed, data_parallel_random_init=args.data_parallel_random_init)
+        else:
+            plan = seed_plan(layout, args.seed, data_parallel_random_init=args.data_parallel_random_init)
+    except ValueError as exc:
+        print(f"pgregistry seed-plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        if args.json:
+            print(json.dumps({"collisions": [c.to_dict() for c in collisions]}, indent=2))
+        elif collisions:
+            for collision in collisions:
+                print(collision.describe())
+        else:
+            print(f"no seed collisions in {args.world_size} ranks")
+        return 1 if collisions else 0
+    if args.json:
+        print(json.dumps({str(rank): seeds for rank, seeds in plan.items()}, indent=2))
+        return 0
+    _print_table(layout, plan)
+    return 0
+
+
+def _print_table(layout: ParallelLayout, plan: dict[int, dict[str, int]]) -> None:
+    axes = ("tp", "cp", "dp", "pp", "ep", "etp", "gtp_remat", "expt_gtp_remat")
+    trackers: list[str] = []
+    for seeds in plan.values():
+        trackers.extend(t for t in seeds if t not in trackers)
+    header = ["rank", *axes, *trackers]
+    rows = []
+    for rank, seeds in plan.items():
+        coords = layout.coords(rank)
+        rows.append([str(rank), *(str(coords[a]) for a in axes), *(str(seeds.get(t, "-")) for t in trackers)])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
