@@ -20,6 +20,7 @@ __all__ = ["build_parser", "main"]
 _COMMAND_MODULES: tuple[str, ...] = (
     "pgregistry.layout_cli",
     "pgregistry.allowlist.cli",
+    "pgregistry.rng_cli",
 )
 
 
