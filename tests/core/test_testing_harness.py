@@ -1,0 +1,128 @@
+"""run_world: results in rank order, failures re-raised with their rank, hangs caught by the deadline, no
+orphan ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pgregistry.testing import RankFailure, WorldTimeout, run_world
+
+
+def _children_of(pid: int) -> list[int]:
+    """Live (or zombie) processes whose parent is ``pid``, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, ...
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _identify(scale: int, *, offset: int) -> tuple[int, int, int, int]:
+    rank = dist.get_rank()
+    time.sleep(0.05 * (dist.get_world_size() - rank))  # later ranks finish first
+    total = torch.tensor([1 << rank])
+    dist.all_reduce(total)
+    return rank, dist.get_world_size(), rank * scale + offset, int(total.item())
+
+
+def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
+    results = run_world(4, _identify, 10, offset=3)
+    assert results == [(r, 4, r * 10 + 3, 0b1111) for r in range(4)]
+    assert _children_of(os.getpid()) == []
+
+
+def test_a_closure_runs_and_a_world_of_one_works() -> None:
+    captured = {"value": 7}
+    assert run_world(1, lambda: (dist.get_rank(), captured["value"])) == [(0, 7)]
+
+
+def _fail_on_rank_two() -> int:
+    if dist.get_rank() == 2:
+        raise KeyError("boom on two")
+    return dist.get_rank()
+
+
+def test_an_exception_is_reraised_with_its_type_rank_and_traceback() -> None:
+    with pytest.raises(KeyError, match="boom on two") as info:
+        run_world(4, _fail_on_rank_two)
+    cause = info.value.__cause__
+    assert isinstance(cause, RankFailure) and cause.rank == 2
+    assert "_fail_on_rank_two" in cause.detail and "KeyError: 'boom on two'" in cause.detail
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "raised on rank 2" in notes and "_fail_on_rank_two" in notes
+    assert _children_of(os.getpid()) == []
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("cannot pickle this one")
+
+
+def _raise_unpicklable() -> None:
+    if dist.get_rank() == 1:
+        raise _Unpicklable("not picklable")
+
+
+def test_an_unpicklable_exception_still_reports_its_rank_and_text() -> None:
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 failed: .*_Unpicklable: not picklable"):
+        run_world(2, _raise_unpicklable)
+
+
+def _skip_a_collective(pid_dir: str) -> int:
+    rank = dist.get_rank()
+    Path(pid_dir, str(rank)).write_text(str(os.getpid()))
+    if rank != 1:
+        # new_group is collective over the world; rank 1 never arrives, past every torch timeout.
+        dist.new_group([0, 1, 2, 3])
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_a_rank_that_skips_a_collective_times_out_and_leaves_no_orphans(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldTimeout, match=r"did not finish within 2.0 s; ranks still running: \[0, 2, 3\]"):
+        run_world(4, _skip_a_collective, str(tmp_path), timeout=2.0)
+    assert time.monotonic() - start < 10.0
+    pids = [int(p.read_text()) for p in sorted(tmp_path.iterdir())]
+    assert len(pids) == 4
+    assert all(_gone(pid) for pid in pids)
+    assert _children_of(os.getpid()) == []
+
+
+def _exit_abruptly() -> int:
+    if dist.get_rank() == 3:
+        os._exit(5)
+    return dist.get_rank()
+
+
+def test_a_rank_that_dies_is_a_rank_failure() -> None:
+    with pytest.raises(RankFailure, match=r"rank 3 failed: process exited without a result") as info:
+        run_world(4, _exit_abruptly)
+    assert info.value.rank == 3
+    assert _children_of(os.getpid()) == []
+
+
+def test_world_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="world_size must be positive, got 0"):
+        run_world(0, _identify, 1, offset=0)
