@@ -27,6 +27,10 @@ __all__ = [
 # Public name -> module that defines it; imported on first access (these modules import torch).
 _LAZY: dict[str, str] = {
     "build": "pgregistry.registry",
+    "globalize_expert_keys": "pgregistry.experts",
+    "localize_expert_keys": "pgregistry.experts",
+    "get_ep_rank_and_size": "pgregistry.experts",
+    "model_parallel_manual_seed": "pgregistry.rng",
 }
 
 

@@ -1,0 +1,207 @@
+"""Expert key renaming between local and global indices: REFERENCE examples, errors, properties (hypothesis)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pgregistry
+from pgregistry.experts import (
+    expert_owner,
+    global_expert_index,
+    globalize_expert_keys,
+    is_expert_key,
+    localize_expert_keys,
+)
+
+
+def test_reference_examples() -> None:
+    # 8 experts over 4 EP ranks: 2 per rank.
+    assert list(globalize_expert_keys({"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": 1}, 8, 1, 4)) \
+        == ["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"]
+    assert list(globalize_expert_keys({"decoder.layers.0.mlp.experts.linear_fc1.weight1_w": 1}, 8, 1, 4)) == [
+        "decoder.layers.0.mlp.experts.linear_fc1.weight3_w"
+    ]
+    assert list(globalize_expert_keys({"decoder.layers.0.mlp.experts.linear_fc2.weight0": 1}, 8, 3, 4)) == [
+        "decoder.layers.0.mlp.experts.linear_fc2.weight6"
+    ]
+    keys = {"a.mlp.experts.local_experts.1.w": 0, "a.mlp.experts.linear_fc1.weight1_v": 1}
+    assert globalize_expert_keys(keys, 8, 0, 4) == keys  # rank 0 unchanged
+
+
+def test_grouped_bias_is_renamed_and_order_is_kept() -> None:
+    state = {
+        "embedding.weight": 0,
+        "layers.1.mlp.experts.linear_fc1.bias1": 1,
+        "layers.1.mlp.router.weight": 2,
+        "layers.1.mlp.experts.local_experts.0.linear_fc2.bias": 3,
+        "layers.1.mlp.experts.linear_fc1._extra_state": 4,
+        "final_norm.weight": 5,
+    }
+    out = globalize_expert_keys(state, 6, 2, 3)
+    assert list(out) == [
+        "embedding.weight",
+        "layers.1.mlp.experts.linear_fc1.bias5",
+        "layers.1.mlp.router.weight",
+        "layers.1.mlp.experts.local_experts.4.linear_fc2.bias",
+        "layers.1.mlp.experts.linear_fc1._extra_state",
+        "final_norm.weight",
+    ]
+    assert list(out.values()) == list(range(6))
+    assert localize_expert_keys(out, 6, 2, 3) == state
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "layers.0.mlp.router.weight",
+        "layers.0.mlp.shared_experts.linear_fc1.weight",
+        "layers.0.norm.weight1",  # numbered, but not under an "experts" module
+        "layers.0.mlp.experts.linear_fc1.weight",
+        "layers.0.mlp.experts.linear_fc1.weight1_x",
+        "local_experts_count",
+    ],
+)
+def test_non_expert_keys_never_change(key: str) -> None:
+    assert not is_expert_key(key)
+    assert list(globalize_expert_keys({key: 0}, 8, 3, 4)) == [key]
+    assert list(globalize_expert_keys({key: 0}, None, 3, 4)) == [key]  # no experts: num_experts not needed
+
+
+def test_missing_num_experts_raises_instead_of_dropping_keys() -> None:
+    with pytest.raises(ValueError, match="names an expert but num_experts is not given"):
+        globalize_expert_keys({"x.local_experts.0.w": 1}, None, 0, 1)
+    with pytest.raises(ValueError, match="names an expert but num_experts is not given"):
+        localize_expert_keys({"x.experts.fc.weight0": 1}, None, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: globalize_expert_keys({"x.local_experts.2.w": 1}, 8, 0, 4), "local expert index 2 is out of range"),
+        (lambda: globalize_expert_keys({"x.local_experts.0.w": 1}, 8, 0, 3), "ep_size 3 does not divide"),
+        (lambda: globalize_expert_keys({"x.local_experts.0.w": 1}, 8, 4, 4), "ep_rank 4 is not a rank"),
+        (lambda: globalize_expert_keys({"x.local_experts.0.w": 1}, 0, 0, 1), "num_experts must be a positive"),
+        (lambda: localize_expert_keys({"x.experts.fc.bias8": 1}, 8, 0, 4), "global expert index 8 is out of range"),
+        (lambda: localize_expert_keys({"x.experts.fc.bias3": 1}, 8, 0, 4), "held by EP rank 1, not 0"),
+        (lambda: globalize_expert_keys({"x.local_experts.01.w": 1}, 8, 0, 4), "not in canonical form"),
+        (lambda: localize_expert_keys({}, 8, 0, 4, foreign="drop"), "foreign must be"),  # type: ignore[arg-type]
+        (lambda: global_expert_index(0, 8, 0, 0), "ep_rank 0 is not a rank"),
+        (lambda: expert_owner(-1, 8, 2), "out of range"),
+    ],
+)
+def test_inconsistent_input_raises(call: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()  # type: ignore[operator]
+
+
+def test_foreign_keys_can_be_skipped_to_pick_this_ranks_experts() -> None:
+    whole = {f"m.experts.fc.weight{e}": e for e in range(8)} | {"m.router.weight": -1}
+    mine = localize_expert_keys(whole, 8, 2, 4, foreign="skip")
+    assert mine == {"m.experts.fc.weight0": 4, "m.experts.fc.weight1": 5, "m.router.weight": -1}
+
+
+def test_package_root_exports_stay_torch_free() -> None:
+    assert pgregistry.globalize_expert_keys is globalize_expert_keys
+    assert pgregistry.localize_expert_keys is localize_expert_keys
+    code = (
+        "import sys, pgregistry; pgregistry.globalize_expert_keys; pgregistry.localize_expert_keys; "
+        "pgregistry.get_ep_rank_and_size; assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------------------------------- properties
+
+_PREFIX = st.sampled_from(["", "decoder.", "module.decoder."])
+
+
+@st.composite
+def _layouts(draw: st.DrawFn) -> tuple[int, int, list[str]]:
+    ep_size = draw(st.integers(1, 16))
+    num_local = draw(st.integers(1, 8))
+    templates = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "layers.{L}.mlp.experts.local_experts.{i}.linear_fc1.weight",
+                    "layers.{L}.mlp.experts.local_experts.{i}.linear_fc2.bias",
+                    "layers.{L}.mlp.experts.linear_fc1.weight{i}",
+                    "layers.{L}.mlp.experts.linear_fc1.weight{i}_w",
+                    "layers.{L}.mlp.experts.linear_fc1.weight{i}_v",
+                    "layers.{L}.mlp.experts.linear_fc2.bias{i}",
+                    "layers.{L}.mlp.router.weight",
+                    "layers.{L}.norm.weight",
+                ]
+            ),
+            min_size=1,
+            max_size=5,
+            unique=True,
+        )
+    )
+    prefix = draw(_PREFIX)
+    return ep_size, num_local, [prefix + t for t in templates]
+
+
+def _local_state(templates: list[str], num_local: int) -> dict[str, int]:
+    state: dict[str, int] = {}
+    for layer in range(2):
+        for template in templates:
+            for i in range(num_local if "{i}" in template else 1):
+                state[template.format(L=layer, i=i)] = len(state)
+    return state
+
+
+@settings(max_examples=150, deadline=None)
+@given(_layouts())
+def test_local_global_local_is_the_identity(case: tuple[int, int, list[str]]) -> None:
+    ep_size, num_local, templates = case
+    num_experts = ep_size * num_local
+    local = _local_state(templates, num_local)
+    for ep_rank in range(ep_size):
+        global_state = globalize_expert_keys(local, num_experts, ep_rank, ep_size)
+        assert list(global_state.values()) == list(local.values())  # order and values kept
+        back = localize_expert_keys(global_state, num_experts, ep_rank, ep_size)
+        assert list(back.items()) == list(local.items())
+
+
+@settings(max_examples=150, deadline=None)
+@given(_layouts())
+def test_global_indices_of_all_ranks_are_exactly_every_expert(case: tuple[int, int, list[str]]) -> None:
+    ep_size, num_local, templates = case
+    num_experts = ep_size * num_local
+    local = _local_state(templates, num_local)
+    expert_templates = [t for t in templates if "{i}" in t]
+    seen: list[str] = []
+    for ep_rank in range(ep_size):
+        seen.extend(k for k in globalize_expert_keys(local, num_experts, ep_rank, ep_size) if is_expert_key(k))
+    expected = [t.format(L=layer, i=e) for layer in range(2) for t in expert_templates for e in range(num_experts)]
+    assert sorted(seen) == sorted(expected)  # every global expert once, none twice, none lost
+    assert len(seen) == len(set(seen))
+    # And the whole-model dict splits back into each rank's local one.
+    whole: dict[str, int] = {}
+    for ep_rank in range(ep_size):
+        whole |= globalize_expert_keys(local, num_experts, ep_rank, ep_size)
+    for ep_rank in range(ep_size):
+        mine = localize_expert_keys(whole, num_experts, ep_rank, ep_size, foreign="skip")
+        assert mine == local
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 64))
+def test_index_arithmetic(num_experts: int, ep_size: int) -> None:
+    if num_experts % ep_size:
+        with pytest.raises(ValueError, match="does not divide"):
+            global_expert_index(0, num_experts, 0, ep_size)
+        return
+    indices = [
+        global_expert_index(i, num_experts, r, ep_size) for r in range(ep_size) for i in range(num_experts // ep_size)
+    ]
+    assert indices == list(range(num_experts))
+    assert [expert_owner(g, num_experts, ep_size) for g in indices] == [
+        (r, i) for r in range(ep_size) for i in range(num_experts // ep_size)
+    ]

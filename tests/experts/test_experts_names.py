@@ -1,0 +1,185 @@
+"""EP rank and size from collections and models, and global unique parameter names.
+
+Oracle for names: the toy model built whole (EP 1, PP 1, one chunk) has, by construction, the global names; every
+sharded build must name each of its parameters as the whole model names the parameter with the same coordinates.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from toy_moe import NUM_EXPERTS, NUM_LAYERS, ToyMoE, build_stage
+
+from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
+from pgregistry.experts import (
+    get_ep_rank_and_size,
+    get_global_unique_param_name,
+    get_model_ep_rank_and_size,
+    named_global_parameters,
+)
+from pgregistry.layout import ParallelLayout
+from pgregistry.registry import attach, build, initialize_global_grid
+from pgregistry.testing import run_world
+
+
+class _Group:
+    """Stands in for a ProcessGroup where only size and rank are read."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _whole_names() -> dict[tuple[int, int, str], str]:
+    whole = build_stage(0, 1, 0, 1)
+    names = {id(p): n for n, p in whole.named_parameters()}
+    return {key: names[id(param)] for param, key in whole.catalog}
+
+
+def test_ep_rank_and_size_from_a_collection() -> None:
+    assert get_ep_rank_and_size(None) == (0, 1)
+    assert get_ep_rank_and_size(ProcessGroupCollection(ep=None)) == (0, 1)
+    assert get_ep_rank_and_size(ProcessGroupCollection(ep=_Group(4, 2))) == (2, 4)  # type: ignore[arg-type]
+    with pytest.warns(ProcessGroupFallbackWarning, match="get_ep_rank_and_size was not given process group 'ep'"):
+        with pytest.raises(RuntimeError, match="no global grid is initialised"):
+            get_ep_rank_and_size(ProcessGroupCollection())
+
+
+@pytest.mark.parametrize(("ep_size", "pp_size"), [(1, 1), (2, 1), (4, 2), (8, 4), (2, 2)])
+def test_every_layout_names_parameters_as_the_whole_model_does(ep_size: int, pp_size: int) -> None:
+    expected = _whole_names()
+    seen: list[str] = []
+    for pp_rank in range(pp_size):
+        for ep_rank in range(ep_size):
+            stage = build_stage(ep_rank, ep_size, pp_rank, pp_size)
+            named = dict((id(p), n) for n, p in named_global_parameters(stage, ep_rank=ep_rank, ep_size=ep_size))
+            for param, key in stage.catalog:
+                name = get_global_unique_param_name([stage], param, ep_rank=ep_rank, ep_size=ep_size)
+                assert name == named[id(param)] == expected[key]
+                if key[1] >= 0 or ep_rank == 0:  # dense parameters are replicated over EP ranks
+                    seen.append(name)
+    assert sorted(seen) == sorted(expected.values())  # every parameter once, nothing lost
+
+
+def test_standard_grid_names_are_unchanged() -> None:
+    model = build_stage(0, 1, 0, 1, set_layer_offset=False)
+    attach(model, ProcessGroupCollection(ep=None, pp=None))
+    for name, param in model.named_parameters():
+        assert get_global_unique_param_name(model, param) == name
+
+
+def test_virtual_chunks_use_their_offsets() -> None:
+    chunks = [
+        ToyMoE(ep_rank=1, ep_size=2, first_layer=f, num_layers=1, is_first=f == 0, is_last=f == 3,
+               set_layer_offset=False)
+        for f in (0, 2)
+    ]
+    expected = _whole_names()
+    for chunk in chunks:
+        for param, key in chunk.catalog:
+            name = get_global_unique_param_name(chunks, param, ep_rank=1, ep_size=2, layer_offsets=[0, 2])
+            assert name == expected[key]
+    with pytest.raises(ValueError, match="no first global layer index"):
+        get_global_unique_param_name(chunks, chunks[1].catalog[0][0], ep_rank=1, ep_size=2)
+    with pytest.raises(ValueError, match="layer_offsets has 1 entries for 2 model chunks"):
+        get_global_unique_param_name(chunks, chunks[1].catalog[0][0], ep_rank=1, ep_size=2, layer_offsets=[0])
+
+
+def test_pipeline_without_offsets_is_an_error() -> None:
+    stage = build_stage(0, 1, 1, 2, set_layer_offset=False)
+    attach(stage, ProcessGroupCollection(ep=None, pp=_Group(2, 1)))  # type: ignore[arg-type]
+    param = stage.layers[0].norm.weight
+    with pytest.raises(ValueError, match="set chunk.layer_offset on each chunk, or pass layer_offsets"):
+        get_global_unique_param_name(stage, param)
+    assert get_global_unique_param_name(stage, param, layer_offsets=[2]) == "layers.2.norm.weight"
+    assert get_global_unique_param_name(stage, stage.final_norm.weight) == "final_norm.weight"  # no layer number
+
+
+def test_unknown_parameter_and_unknown_expert_count_are_errors() -> None:
+    stage = build_stage(0, 2, 0, 1)
+    with pytest.raises(ValueError, match=r"parameter of shape \(3,\) is not held by any of the 1 model chunks"):
+        get_global_unique_param_name(stage, nn.Parameter(torch.zeros(3)))
+    stage.num_experts = None  # type: ignore[assignment]
+    expert_weight = stage.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
+    with pytest.raises(ValueError, match="the number of experts is unknown"):
+        get_global_unique_param_name(stage, expert_weight, ep_rank=0, ep_size=2)
+    assert get_global_unique_param_name(stage, expert_weight, ep_rank=1, ep_size=2, num_experts=NUM_EXPERTS) == (
+        "layers.0.mlp.experts.local_experts.4.linear_fc1.weight"
+    )
+    with pytest.raises(ValueError, match="pass both ep_rank and ep_size"):
+        get_global_unique_param_name(stage, expert_weight, ep_rank=1)
+
+
+def test_config_num_moe_experts_and_wrappers_are_read() -> None:
+    class Config:
+        num_moe_experts = NUM_EXPERTS
+
+    class Wrapper(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    stage = build_stage(1, 4, 0, 1)
+    stage.num_experts = None  # type: ignore[assignment]
+    stage.config = Config()
+    wrapped = Wrapper(stage)
+    attach(stage, ProcessGroupCollection(ep=_Group(4, 1), pp=None))  # type: ignore[arg-type]
+    assert get_model_ep_rank_and_size(wrapped) == (1, 4)
+    weight = stage.layers[1].mlp.experts.linear_fc1.weight1_w
+    assert get_global_unique_param_name([wrapped], weight) == "module.layers.1.mlp.experts.linear_fc1.weight3_w"
+
+
+def _two_models() -> dict[str, Any]:
+    wide = ParallelLayout(world_size=8, ep=4, etp=1)
+    narrow = ParallelLayout(world_size=8, ep=2, etp=1)
+    model_a, model_b = nn.Linear(1, 1), nn.Linear(1, 1)
+    attach(model_a, build(wide, name="wide"))
+    attach([model_b], build(narrow, name="narrow"))
+    grid = initialize_global_grid(ParallelLayout(world_size=8, ep=8, etp=1))
+    out: dict[str, Any] = {
+        "a": get_model_ep_rank_and_size(model_a),
+        "b": get_model_ep_rank_and_size([model_b]),
+        "explicit": get_ep_rank_and_size(grid),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["unattached"] = get_model_ep_rank_and_size(nn.Linear(1, 1))
+    out["warned"] = [str(w.message) for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)]
+    return out
+
+
+def test_models_on_different_grids_get_their_own_ep_layout() -> None:
+    for rank, out in enumerate(run_world(8, _two_models)):
+        assert out["a"] == (ParallelLayout(world_size=8, ep=4, etp=1).coords(rank)["ep"], 4)
+        assert out["b"] == (ParallelLayout(world_size=8, ep=2, etp=1).coords(rank)["ep"], 2)
+        assert out["explicit"] == out["unattached"] == (rank, 8)
+        assert len(out["warned"]) == 1 and "get_model_ep_rank_and_size" in out["warned"][0]
+
+
+def test_chunks_with_different_collections_are_refused() -> None:
+    a, b = nn.Linear(1, 1), nn.Linear(1, 1)
+    attach(a, ProcessGroupCollection(ep=None))
+    attach(b, ProcessGroupCollection(ep=_Group(2, 0)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="different process-group collections"):
+        get_model_ep_rank_and_size([a, b])
+
+
+def test_global_names_are_unique_across_every_rank_of_a_pipeline() -> None:
+    names = set()
+    total = 0
+    for pp_rank in range(2):
+        for ep_rank in range(4):
+            named = named_global_parameters(build_stage(ep_rank, 4, pp_rank, 2), ep_rank=ep_rank, ep_size=4)
+            total += sum(1 for n, _ in named if ".experts." in n)
+            names.update(n for n, _ in named if ".experts." in n)
+    assert total == len(names) > 0
+    assert {int(n.split(".")[1]) for n in names} == set(range(NUM_LAYERS))
