@@ -1,0 +1,321 @@
+"""Measure whether each gradient is replicated the way its parameter's roles claim, and what a wrong claim costs.
+
+Grad statistics trust the roles (:mod:`pgregistry.params`): a parameter that is not TP-sharded is taken to be
+replicated across TP and counted once; a routed expert is taken to be distinct per EP rank and counted on each.
+A wrong role is silent: seed 002 counted per-expert LoRA factors once where each EP rank held a different one, and
+the norm came out 1/sqrt(ep) too small. Replication can be measured: a gradient is replicated across a group iff
+MAX - MIN over the group is 0 in every element. :func:`audit_grad_replication` measures it for every gradient
+over every axis its classification makes a claim about, and reports:
+
+* each (parameter, axis) whose measured replication disagrees with the claim. The claims: across TP (expert TP
+  for experts), replicated unless TP-sharded; across GTP-remat (expert GTP-remat for experts), replicated unless
+  GTP-sharded; across EP, for parameters with an explicit ``allreduce``, replicated iff ``allreduce`` is True;
+  across data-parallel replicas (``dp_cp``, ``expt_dp`` for experts), always replicated;
+* the norm the classification gives (exactly what :func:`~pgregistry.grad_stats.grad_norm` computes) beside the
+  measured-truth norm, in which every gradient counts once per distinct copy: weighted by 1/size of each axis it
+  was measured replicated over, and reduced over the expert group when it was measured distinct across EP.
+
+Requirements, because the measurement is collective:
+
+* Every rank of the collection calls it, with grads already synchronised across data-parallel replicas.
+* The ranks of each TP, GTP-remat, EP and data-parallel group (all within one pipeline stage) hold the same
+  parameters: same names, shapes and dtypes, in the same order, with grads on the same ones. Every such rank then
+  issues the same collectives in the same order, whatever the roles say (every axis is measured for every
+  gradient, so even roles that differ between ranks cannot desynchronise the collectives). Pipeline stages may
+  hold different parameters: no measuring group spans two stages. Ranks first compare a digest of their
+  parameter structure over each group and raise ``ValueError`` together, on every rank, when they differ.
+* A gradient that is zero over a whole group is consistent with any claim and is not reported. Constant grads (all
+  ones) look replicated everywhere, so audit real gradients, not the invariance oracle's. NaN never compares
+  equal, so a NaN gradient measures as distinct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.grad_stats import (
+    StatsGroups,
+    classify_grads,
+    norm_of_grads,
+    param_is_not_shared,
+)
+from pgregistry.params import ParamsLike, is_expert_param, named_parameters_of, unclassified_expert_params
+
+__all__ = ["GradReplicationReport", "ReplicationMismatch", "audit_grad_replication"]
+
+REPLICATED: Final = "replicated"
+UNIQUE: Final = "unique"
+
+_AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat", "ep", "dp_cp", "expt_dp")
+"""Every axis measured, in the order every rank measures them."""
+
+_BUCKET_ELEMENTS: Final = 1 << 22
+"""Grad elements measured per collective (as float64, doubled for MIN): bounds the audit's extra memory."""
+
+_HINTS: Final[dict[tuple[str, str], str]] = {
+    ("tp", REPLICATED): "differs across TP ranks but is not marked TP-sharded (mark_tensor_parallel)",
+    ("tp", UNIQUE): "is identical across TP ranks but is marked TP-sharded",
+    ("gtp", REPLICATED): "differs across GTP-remat ranks but is not marked GTP-sharded (mark_gtp_sharded)",
+    ("gtp", UNIQUE): "is identical across GTP-remat ranks but is marked GTP-sharded",
+    ("ep", REPLICATED): "differs across EP ranks but is marked expert-replicated (mark_expert)",
+    ("ep", UNIQUE): "is identical across EP ranks but is marked a routed expert (mark_expert_replicated)",
+    ("dp", REPLICATED): "differs across data-parallel replicas: grads not synchronised yet, or a wrong layout",
+}
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ReplicationMismatch:
+    """One parameter whose measured replication over ``axis`` disagrees with its classification."""
+
+    name: str
+    axis: str
+    claimed: str
+    measured: str
+
+    @property
+    def effect(self) -> str:
+        """``undercount`` (distinct copies counted once) or ``overcount`` (one copy counted several times)."""
+        return "undercount" if self.claimed == REPLICATED else "overcount"
+
+    @property
+    def hint(self) -> str:
+        """What the mismatch means and which role helper fixes it."""
+        family = {"expt_tp": "tp", "expt_gtp_remat": "gtp", "gtp_remat": "gtp", "dp_cp": "dp", "expt_dp": "dp"}
+        return _HINTS.get((family.get(self.axis, self.axis), self.claimed), "")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: across {self.axis} classified {self.claimed}, measured {self.measured} "
+            f"({self.effect}): {self.hint}"
+        )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GradReplicationReport:
+    """What :func:`audit_grad_replication` found on this rank.
+
+    ``classified_norm`` is the 2-norm grad statistics compute from the roles; ``true_norm`` the one measured
+    replication implies. ``mismatches`` lists this rank's parameters whose replication disagrees with their
+    roles; ``unclassified`` the parameters of marked expert modules that carry no EP classification (reported when
+    EP is on).
+    """
+
+    classified_norm: float
+    true_norm: float
+    params_checked: int
+    mismatches: tuple[ReplicationMismatch, ...]
+    unclassified: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """True when every measured replication agrees with its classification."""
+        return not self.mismatches and not self.unclassified
+
+    @property
+    def norm_ratio(self) -> float:
+        """``classified_norm / true_norm`` (1 when both are 0)."""
+        if self.true_norm == 0:
+            return 1.0 if self.classified_norm == 0 else math.inf
+        return self.classified_norm / self.true_norm
+
+    @property
+    def relative_error(self) -> float:
+        """``|classified_norm - true_norm| / true_norm``."""
+        return abs(self.norm_ratio - 1.0)
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else f"{len(self.mismatches)} mismatch(es)"
+        lines = [
+            f"grad replication audit: {self.params_checked} gradient(s) checked, {verdict}",
+            f"  classified norm {self.classified_norm:.6g}, measured-truth norm {self.true_norm:.6g}, "
+            f"ratio {self.norm_ratio:.6f} (relative error {self.relative_error:.3%})",
+        ]
+        lines.extend(f"  - {mismatch}" for mismatch in self.mismatches)
+        if self.unclassified:
+            lines.append(f"  unclassified expert-module parameters (no allreduce): {', '.join(self.unclassified)}")
+        return "\n".join(lines)
+
+
+def audit_grad_replication(
+    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection
+) -> GradReplicationReport:
+    """Measure each gradient's replication against its classification; see the module docstring.
+
+    ``pg_collection`` must set ``tp``, ``mp``, ``tp_ep_pp``, ``ep``, ``dp_cp`` and ``expt_dp`` (``None`` when an
+    axis is off); ``expt_tp`` and the GTP groups resolve as in :class:`~pgregistry.grad_stats.StatsGroups`.
+    Collective over those groups; raises ``ValueError`` on every rank when the ranks of a group hold different
+    parameter structures.
+    """
+    missing = [name for name in ("ep", "dp_cp", "expt_dp") if not pg_collection.is_set(name)]
+    if missing:
+        raise ValueError(f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)")
+    stats = StatsGroups.from_collection(pg_collection)
+    axis_groups: dict[str, ProcessGroup | None] = {
+        "tp": stats.tp,
+        "expt_tp": stats.expt_tp,
+        "gtp_remat": stats.gtp_remat,
+        "expt_gtp_remat": stats.expt_gtp_remat,
+        "ep": pg_collection.get("ep"),
+        "dp_cp": pg_collection.get("dp_cp"),
+        "expt_dp": pg_collection.get("expt_dp"),
+    }
+    named = named_parameters_of(model_or_params)
+    _check_same_structure(named, axis_groups, stats)
+    audited = [(name, param) for name, param in named if param.grad is not None and param_is_not_shared(param)]
+    replicated, zero = _measure(audited, axis_groups)
+
+    mismatches: list[ReplicationMismatch] = []
+    truth: dict[ProcessGroup | None, list[torch.Tensor]] = {}
+    for index, (name, param) in enumerate(audited):
+        rep = {axis: replicated[axis][index] for axis in replicated}
+        is_zero = {axis: zero[axis][index] for axis in zero}
+        for axis, claimed in _claims(param):
+            if axis in rep and not is_zero[axis] and claimed != rep[axis]:
+                mismatches.append(
+                    ReplicationMismatch(
+                        name=name,
+                        axis=axis,
+                        claimed=REPLICATED if claimed else UNIQUE,
+                        measured=REPLICATED if rep[axis] else UNIQUE,
+                    )
+                )
+        # An expert-module parameter claimed replicated across EP but measured distinct there is, in truth, a
+        # routed expert: its copies are summed over the expert group like any other expert's.
+        truly_expert = is_expert_param(param) or (
+            hasattr(param, "allreduce") and "ep" in rep and not is_zero["ep"] and not rep["ep"]
+        )
+        weight = 1.0
+        for axis in ("expt_tp", "expt_gtp_remat", "ep") if truly_expert else ("tp", "gtp_remat"):
+            if rep.get(axis, False):
+                weight /= group_size(axis_groups[axis])
+        group = stats.expert_reduce if truly_expert else stats.dense_reduce
+        truth.setdefault(group, []).append(param.grad.detach() * math.sqrt(weight))
+
+    truth.setdefault(stats.dense_reduce, [])
+    truth.setdefault(stats.expert_reduce, [])
+    classified = norm_of_grads(classify_grads([param for _, param in named], stats))
+    measured = norm_of_grads(truth)
+    unclassified: tuple[str, ...] = ()
+    if _is_model(model_or_params) and group_size(axis_groups["ep"]) > 1:
+        unclassified = tuple(unclassified_expert_params(model_or_params))  # type: ignore[arg-type]
+    return GradReplicationReport(
+        classified_norm=float(classified.item()),
+        true_norm=float(measured.item()),
+        params_checked=len(audited),
+        mismatches=tuple(mismatches),
+        unclassified=unclassified,
+    )
+
+
+def _claims(param: torch.Tensor) -> list[tuple[str, bool]]:
+    """``(axis, claimed replicated)`` for each axis the classification of ``param`` makes a claim about."""
+    expert = is_expert_param(param)
+    claims = [
+        ("expt_tp" if expert else "tp", not getattr(param, "tensor_model_parallel", False)),
+        ("expt_gtp_remat" if expert else "gtp_remat", not getattr(param, "is_gtp_weight_remat", False)),
+    ]
+    if hasattr(param, "allreduce"):
+        claims.append(("ep", not expert))
+    claims.append(("expt_dp" if expert else "dp_cp", True))
+    return claims
+
+
+def _is_model(model_or_params: ParamsLike) -> bool:
+    if isinstance(model_or_params, nn.Module):
+        return True
+    return isinstance(model_or_params, Sequence) and bool(model_or_params) and all(
+        isinstance(item, nn.Module) for item in model_or_params
+    )
+
+
+def _on(group: ProcessGroup | None) -> bool:
+    return group is not None and group_size(group) > 1
+
+
+def _check_same_structure(
+    named: list[tuple[str, torch.Tensor]], axis_groups: dict[str, ProcessGroup | None], stats: StatsGroups
+) -> None:
+    """Raise on every rank when the ranks of a measuring group hold different parameter structures.
+
+    Each measuring group compares a digest of (name, shape, dtype, has grad, shared) for every parameter; the
+    verdict is then spread over ``dp_cp`` and ``mp``, which together span every rank, so all raise together.
+    """
+    text = repr([(n, tuple(p.shape), str(p.dtype), p.grad is not None, not param_is_not_shared(p)) for n, p in named])
+    digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+    device = _device(named, axis_groups)
+    differing: list[str] = []
+    for axis in _AXES:
+        group = axis_groups[axis]
+        if not _on(group):
+            continue
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if int(both[0]) != -int(both[1]):
+            differing.append(axis)
+    verdict = torch.tensor([1 if differing else 0], dtype=torch.int64, device=device)
+    for group in (axis_groups["dp_cp"], stats.dense_reduce):
+        if _on(group):
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    if int(verdict.item()):
+        where = f"this rank's {differing} group(s) differ" if differing else "another rank's groups differ"
+        raise ValueError(
+            "audit_grad_replication needs the ranks of each TP/GTP/EP/data-parallel group to hold the same "
+            f"parameters (names, shapes, dtypes, grads present) in the same order; {where}"
+        )
+
+
+def _measure(
+    audited: list[tuple[str, torch.Tensor]], axis_groups: dict[str, ProcessGroup | None]
+) -> tuple[dict[str, list[bool]], dict[str, list[bool]]]:
+    """Per axis that is on and per audited gradient: replicated over the group, and zero over the whole group."""
+    on = [axis for axis in _AXES if _on(axis_groups[axis])]
+    replicated: dict[str, list[bool]] = {axis: [] for axis in on}
+    zero: dict[str, list[bool]] = {axis: [] for axis in on}
+    for bucket in _buckets([param.grad for _, param in audited]):  # type: ignore[misc]
+        # float64 holds every float32/bf16/fp16 value exactly, so equal there means bit-identical values.
+        flat = torch.cat([grad.detach().reshape(-1).to(torch.float64) for grad in bucket])
+        sizes = [grad.numel() for grad in bucket]
+        for axis in on:
+            both = torch.cat([flat, -flat])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=axis_groups[axis])
+            maximum, neg_minimum = both[: flat.numel()], both[flat.numel() :]
+            spread = maximum + neg_minimum
+            magnitude = torch.maximum(maximum, neg_minimum)
+            for part_spread, part_magnitude in zip(spread.split(sizes), magnitude.split(sizes), strict=True):
+                replicated[axis].append(bool((part_spread == 0).all()))
+                zero[axis].append(bool((part_magnitude == 0).all()))
+    return replicated, zero
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``grads`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        if buckets and size + grad.numel() <= _BUCKET_ELEMENTS:
+            buckets[-1].append(grad)
+            size += grad.numel()
+        else:
+            buckets.append([grad])
+            size = grad.numel()
+    return buckets
+
+
+def _device(named: list[tuple[str, torch.Tensor]], axis_groups: dict[str, ProcessGroup | None]) -> torch.device:
+    for _, param in named:
+        if param.grad is not None:
+            return param.grad.device
+    for group in axis_groups.values():
+        if group is not None and "nccl" in str(dist.get_backend(group)):
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,234 @@
+"""A toy model for grad-statistics tests: one unsharded float64 "truth" and its shards on any layout.
+
+The unsharded model is a list of :class:`Spec` (name, shape, how real layers shard it). Its gradients are drawn
+per parameter from a ``torch.Generator`` seeded by the name, so every rank (and the parent test) reproduces them
+independently. :func:`local_model` builds one rank's parameters the way real layers shard them:
+
+* column-parallel weights and biases split dim 0 over TP, row-parallel weights split dim 1; GTP-remat weights are
+  split again, dim 0 of the TP shard, over the GTP-remat axis;
+* routed experts are split over EP (each rank holds ``E / ep`` whole experts, renumbered locally), then over
+  expert TP like dense layers, then over expert GTP-remat;
+* per-expert LoRA factors are distinct per expert but not expert-TP-sharded; a LoRA factor shared by all experts
+  is replicated across EP;
+* pipeline stages hold different layers: the embedding on the first stage, the final norm and (tied) output on the
+  last; with pp > 1 the last stage holds a ``shared`` copy of the embedding shard, as tied embeddings do;
+* everything else is replicated across TP, GTP, CP and DP.
+
+The oracle functions below work on the unsharded float64 gradients only and never import the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pgregistry.layout import ParallelLayout
+from pgregistry.params import (
+    mark_expert,
+    mark_expert_module,
+    mark_expert_replicated,
+    mark_gtp_sharded,
+    mark_shared,
+    mark_tensor_parallel,
+)
+
+HIDDEN, FFN, VOCAB, EXPERTS, RANK, LAYERS = 8, 16, 16, 8, 2, 2
+
+# How a parameter is sharded: TP split dim (None: replicated across TP), GTP-sharded, expert kind.
+DENSE, EXPERT, EXPERT_SHARED = "dense", "expert", "expert_shared"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One parameter of the unsharded model."""
+
+    name: str
+    shape: tuple[int, ...]
+    layer: int | str  # a layer index, or "first" / "last" (pipeline edge stages)
+    tp_dim: int | None = None
+    gtp: bool = False
+    kind: str = DENSE
+    expert: int | None = None  # global expert index of a routed-expert parameter
+
+
+def model_specs() -> list[Spec]:
+    """The unsharded model: embedding, a dense layer, a MoE layer, final norm (output tied to the embedding)."""
+    h, f = HIDDEN, FFN
+    specs = [Spec("embedding.word", (VOCAB, h), "first", tp_dim=0)]
+    for layer in range(LAYERS):
+        p = f"layers.{layer}"
+        specs += [
+            Spec(f"{p}.input_norm", (h,), layer),
+            Spec(f"{p}.qkv.weight", (3 * h, h), layer, tp_dim=0, gtp=True),
+            Spec(f"{p}.qkv.bias", (3 * h,), layer, tp_dim=0),
+            Spec(f"{p}.proj.weight", (h, h), layer, tp_dim=1, gtp=True),
+            Spec(f"{p}.proj.bias", (h,), layer),
+        ]
+        if layer == 0:  # a dense MLP: this stage holds no expert at pp > 1
+            specs += [
+                Spec(f"{p}.mlp.fc1", (f, h), layer, tp_dim=0, gtp=True),
+                Spec(f"{p}.mlp.fc2", (h, f), layer, tp_dim=1, gtp=True),
+            ]
+            continue
+        specs.append(Spec(f"{p}.mlp.router", (EXPERTS, h), layer))
+        for e in range(EXPERTS):
+            q = f"{p}.mlp.experts.{e}"
+            specs += [
+                Spec(f"{q}.fc1", (f, h), layer, tp_dim=0, gtp=True, kind=EXPERT, expert=e),
+                Spec(f"{q}.fc2", (h, f), layer, tp_dim=1, gtp=True, kind=EXPERT, expert=e),
+                Spec(f"{q}.lora_a", (RANK, h), layer, kind=EXPERT, expert=e),
+            ]
+        specs.append(Spec(f"{p}.mlp.experts.shared_lora", (RANK, h), layer, kind=EXPERT_SHARED))
+    specs.append(Spec("final_norm", (h,), "last"))
+    return specs
+
+
+ZEROED = "layers.0.proj.bias"
+"""A parameter whose whole gradient is zero in the "random" gradients."""
+
+
+def full_grads(kind: str = "random") -> dict[str, torch.Tensor]:
+    """The unsharded float64 gradients: ``random`` (about 30% of elements zero, one whole tensor zero), ``ones``
+    or ``zeros``. Random values are float32-representable, so local float32 copies are exact."""
+    grads: dict[str, torch.Tensor] = {}
+    for spec in model_specs():
+        if kind == "ones":
+            grads[spec.name] = torch.ones(spec.shape, dtype=torch.float64)
+            continue
+        if kind == "zeros":
+            grads[spec.name] = torch.zeros(spec.shape, dtype=torch.float64)
+            continue
+        gen = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()))
+        values = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
+        keep = torch.rand(spec.shape, generator=gen) >= 0.3
+        grads[spec.name] = (values * keep).to(torch.float64)
+    if kind == "random":
+        grads[ZEROED] = torch.zeros_like(grads[ZEROED])
+    return grads
+
+
+# ------------------------------------------------------------------------------------------------------ oracle
+
+
+def oracle_norm(grads: dict[str, torch.Tensor], p: float) -> float:
+    """The p-norm of the unsharded model's gradients, in float64."""
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    if math.isinf(p):
+        return float(flat.abs().max())
+    return float(flat.abs().pow(p).sum().pow(1.0 / p))
+
+
+def oracle_zeros(grads: dict[str, torch.Tensor]) -> int:
+    return int(sum(int((g == 0).sum()) for g in grads.values()))
+
+
+def oracle_numel() -> int:
+    return sum(math.prod(spec.shape) for spec in model_specs())
+
+
+def oracle_clipped(grads: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
+    """Megatron-Core's clipping of the unsharded gradients: scale by max_norm / (norm + 1e-6) when below 1."""
+    coeff = max_norm / (oracle_norm(grads, 2.0) + 1e-6)
+    return {name: g * min(coeff, 1.0) for name, g in grads.items()}
+
+
+# ------------------------------------------------------------------------------------------------- sharding
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where one local parameter comes from: its unsharded name and the slices taken from it."""
+
+    local_name: str
+    full_name: str
+    cuts: tuple[tuple[int, int, int], ...]  # (dim, parts, index), applied in order
+    spec: Spec
+    shared_copy: bool = False
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        out = full
+        for dim, parts, index in self.cuts:
+            out = out.chunk(parts, dim=dim)[index]
+        return out
+
+
+def shards_of(layout: ParallelLayout, rank: int) -> list[Shard]:
+    """The parameters ``rank`` holds under ``layout``, in a deterministic order."""
+    c = layout.coords(rank)
+    sizes = layout.axis_sizes()
+    first, last = c["pp"] == 0, c["pp"] == sizes["pp"] - 1
+    local_experts = EXPERTS // sizes["ep"]
+    out: list[Shard] = []
+    for spec in model_specs():
+        if spec.layer == "first" and not first or spec.layer == "last" and not last:
+            continue
+        if isinstance(spec.layer, int) and spec.layer * sizes["pp"] // LAYERS != c["pp"]:
+            continue
+        local_name = spec.name
+        cuts: list[tuple[int, int, int]] = []
+        if spec.kind == EXPERT:
+            assert spec.expert is not None
+            if spec.expert // local_experts != c["ep"]:
+                continue
+            local_name = spec.name.replace(f"experts.{spec.expert}.", f"experts.{spec.expert % local_experts}.")
+            tp, gtp = ("etp", sizes["etp"]), ("expt_gtp_remat", sizes["expt_gtp_remat"])
+        else:
+            tp, gtp = ("tp", sizes["tp"]), ("gtp_remat", sizes["gtp_remat"])
+        if spec.tp_dim is not None:
+            cuts.append((spec.tp_dim, tp[1], c[tp[0]]))
+        if spec.gtp:
+            cuts.append((0, gtp[1], c[gtp[0]]))
+        out.append(Shard(local_name, spec.name, tuple(cuts), spec))
+    if sizes["pp"] > 1 and last:
+        embedding = next(s for s in model_specs() if s.name == "embedding.word")
+        out.append(
+            Shard("output.weight", "embedding.word", ((0, sizes["tp"], c["tp"]),), embedding, shared_copy=True)
+        )
+    return out
+
+
+def _roles(param: nn.Parameter, shard: Shard) -> None:
+    spec = shard.spec
+    if spec.tp_dim is not None:
+        mark_tensor_parallel(param, spec.tp_dim)
+    if spec.gtp:
+        mark_gtp_sharded(param)
+    if spec.kind == EXPERT:
+        mark_expert(param)
+    elif spec.kind == EXPERT_SHARED:
+        mark_expert_replicated(param)
+    if shard.shared_copy:
+        mark_shared(param)
+
+
+def local_model(layout: ParallelLayout, rank: int, grads: dict[str, torch.Tensor]) -> tuple[nn.Module, list[Shard]]:
+    """This rank's model: nested modules named like the unsharded model, roles marked, float32 grads set."""
+    root = nn.Module()
+    shards = shards_of(layout, rank)
+    for shard in shards:
+        *path, leaf = shard.local_name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                child = nn.Module()
+                if part == "experts":
+                    mark_expert_module(child)
+                module.add_module(part, child)
+            module = getattr(module, part)
+        local = shard.take(grads[shard.full_name])
+        param = nn.Parameter(torch.zeros(local.shape, dtype=torch.float32))
+        _roles(param, shard)
+        param.grad = local.to(torch.float32).clone()
+        module.register_parameter(leaf, param)
+    return root, shards
+
+
+def set_grads(model: nn.Module, shards: list[Shard], grads: dict[str, torch.Tensor]) -> None:
+    """Overwrite the local grads of ``model`` with shards of ``grads``."""
+    params = dict(model.named_parameters())
+    for shard in shards:
+        params[shard.local_name].grad = shard.take(grads[shard.full_name]).to(torch.float32).clone()
