@@ -1,0 +1,317 @@
+"""A flat gradient buffer: every grad of one optimizer in one allocation, laid out by statistics class.
+
+Torch's multi-tensor norm is bound by kernel launches and host work (REFERENCE.md section 2: 6.2 ms for a
+``get_total_norm`` over 2,000 tensors holding 2 GiB on an H200, where one norm over a contiguous tensor of the same
+bytes takes 0.58 ms). A :class:`GradBuffer` keeps the grads of one optimizer in one contiguous tensor and orders the
+parameters so that the grads counted in the statistics of each reduction group form one contiguous span; the
+grads not counted (tensor- or GTP-parallel duplicates, shared copies) form one more span. Statistics then run over
+a handful of span views, whatever the parameter count:
+
+* parameters are classified once, here, with :func:`pgregistry.grad_stats.is_counted` and
+  :func:`~pgregistry.grad_stats.reduce_group_of`, never again per step;
+* grads live only in the buffer: each ``param.grad`` (same dtype) or ``param.main_grad`` (mixed precision) is a
+  view into :attr:`GradBuffer.data`;
+* the local norm is one ``vector_norm`` per span (a reduction that allocates only its output; on CUDA a
+  bf16/fp16 span is cast inside the kernel when the output is float32). The per-span norms go to
+  :func:`~pgregistry.grad_stats.norm_of_grads`: the p-norm of the span p-norms is the p-norm of the grads, so the
+  reduction (one all-reduce per group) is the grad-stats module's own;
+* the local zero count allocates no mask of the buffer's size. On CPU ``count_nonzero`` reduces in place; on
+  CUDA it would materialise ``self != 0``, so a span is viewed as rows of at most 2**24 elements and reduced with
+  ``vector_norm(ord=0)``, whose float32 count is exact per row (every partial sum is an integer below 2**24), and
+  the row counts are summed in float64.
+
+:func:`span_norms` and :func:`span_zero_counts` also accept arbitrary spans over :attr:`GradBuffer.data`, which is
+how a sharded optimizer reduces only its shard (see :func:`class_spans`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from pgregistry.collection import UNSET, Unset, group_rank, group_size
+from pgregistry.grad_stats import is_counted, norm_of_grads, reduce_group_of
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from pgregistry.grad_stats import StatsGroups
+
+__all__ = [
+    "SPAN_ALIGNMENT",
+    "ZERO_COUNT_ROW",
+    "GradBuffer",
+    "Span",
+    "all_reduce_grads_",
+    "class_spans",
+    "reduce_norm_terms",
+    "reduce_zero_counts",
+    "reduce_scatter_grads_",
+    "span_norms",
+    "span_zero_counts",
+]
+
+SPAN_ALIGNMENT = 64
+"""Every span starts at a multiple of this many elements (256 bytes in float32), so span kernels load aligned."""
+
+ZERO_COUNT_ROW = 1 << 24
+"""Longest row reduced in float32 by the zero count: below 2**24 every partial count is exact."""
+
+GroupKey = Any
+"""A reduction group as used in the statistics mappings: a ``ProcessGroup`` or ``None`` (no reduction)."""
+
+
+@attrs.frozen(slots=True, eq=False)
+class Span:
+    """``data[start:stop]`` holds grads of one class: counted (reduced over ``group``) or not counted."""
+
+    group: ProcessGroup | None
+    counted: bool
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def _class_of(tensor: torch.Tensor, groups: StatsGroups) -> tuple[bool, ProcessGroup | None]:
+    counted = is_counted(tensor, groups)
+    return counted, (reduce_group_of(tensor, groups) if counted else None)
+
+
+def class_spans(
+    entries: Iterable[tuple[torch.Tensor, int, int]],
+    groups: StatsGroups,
+    *,
+    reduce_over: ProcessGroup | None | Unset = UNSET,
+) -> tuple[Span, ...]:
+    """Spans of ``entries`` (``(role tensor, start, stop)`` in increasing, non-overlapping order), classified by
+    the role tensor's attributes; adjacent entries of one class merge into one span.
+
+    ``reduce_over`` replaces the reduction group of every counted span (a sharded optimizer reduces over its whole
+    instance). Classification happens here, once; callers keep the spans.
+    """
+    spans: list[Span] = []
+    for tensor, start, stop in entries:
+        counted, group = _class_of(tensor, groups)
+        if counted and reduce_over is not UNSET:
+            group = reduce_over
+        last = spans[-1] if spans else None
+        if last is not None and last.stop == start and last.counted == counted and last.group is group:
+            spans[-1] = Span(group, counted, last.start, stop)
+        elif stop > start:
+            spans.append(Span(group, counted, start, stop))
+    return tuple(spans)
+
+
+def _align(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class GradBuffer:
+    """One contiguous grad tensor for ``params``, with one span per statistics class.
+
+    ``params`` are the tensors whose role attributes classify them (for a mixed-precision optimizer, the float32
+    main copies made with :func:`pgregistry.params.copy_param_roles`). The layout puts the counted grads of each
+    reduction group together (groups in order of first appearance), then every uncounted grad; spans start at
+    multiples of :data:`SPAN_ALIGNMENT`. The total length is padded to a multiple of
+    ``SPAN_ALIGNMENT * shard_multiple`` so that ``shard_multiple`` equal shards exist (a sharded optimizer passes
+    its data-parallel size). Padding is never part of a span and stays zero.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        groups: StatsGroups,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        shard_multiple: int = 1,
+    ) -> None:
+        if not params:
+            raise ValueError("GradBuffer needs at least one parameter")
+        if shard_multiple < 1:
+            raise ValueError(f"shard_multiple must be positive, got {shard_multiple}")
+        dtype = dtype if dtype is not None else params[0].dtype
+        device = torch.device(device) if device is not None else params[0].device
+        classes = [_class_of(p, groups) for p in params]
+        # Counted classes in order of first appearance, then one class for everything not counted.
+        order: list[tuple[bool, ProcessGroup | None]] = []
+        for cls in classes:
+            if cls[0] and not any(o[1] is cls[1] for o in order):
+                order.append(cls)
+        order.append((False, None))
+        offsets = [0] * len(params)
+        spans: list[Span] = []
+        cursor = 0
+        for counted, group in order:
+            start = cursor = _align(cursor, SPAN_ALIGNMENT)
+            for index, (param, cls) in enumerate(zip(params, classes, strict=True)):
+                if cls[0] == counted and cls[1] is group:
+                    offsets[index] = cursor
+                    cursor += param.numel()
+            if cursor > start:
+                spans.append(Span(group, counted, start, cursor))
+        total = _align(cursor, SPAN_ALIGNMENT * shard_multiple)
+        self.data: torch.Tensor = torch.zeros(total, dtype=dtype, device=device)
+        """The grads, padding included; zero it to zero every grad at once."""
+        self.params: tuple[torch.Tensor, ...] = tuple(params)
+        self.offsets: tuple[int, ...] = tuple(offsets)
+        """Start of each parameter's grad in :attr:`data`, in the order ``params`` were given."""
+        self.spans: tuple[Span, ...] = tuple(spans)
+        self.views: tuple[torch.Tensor, ...] = tuple(
+            self.data[o : o + p.numel()].view(p.shape) for p, o in zip(params, offsets, strict=True)
+        )
+        """Each parameter's grad: a view of :attr:`data` shaped like the parameter."""
+
+    @property
+    def numel(self) -> int:
+        return int(self.data.numel())
+
+    def shard_range(self, group: ProcessGroup | None) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's equal shard of :attr:`data` over ``group`` (all of it when off)."""
+        size = group_size(group)
+        if self.numel % size:
+            raise ValueError(f"a buffer of {self.numel} elements has no equal shards over {size} ranks")
+        shard = self.numel // size
+        start = group_rank(group) * shard
+        return start, start + shard
+
+    def local_norm_terms(self, norm_type: float = 2.0) -> dict[GroupKey, list[torch.Tensor]]:
+        """Per-group local span norms of the counted grads (see :func:`span_norms`)."""
+        return span_norms(self.data, self.spans, norm_type)
+
+    def local_zero_counts(self) -> dict[GroupKey, list[torch.Tensor]]:
+        """Per-group local zero counts of the counted grads (see :func:`span_zero_counts`)."""
+        return span_zero_counts(self.data, self.spans)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the counted grads, reduced over each span's group (0-dim float32, no host sync)."""
+        return reduce_norm_terms(self.local_norm_terms(norm_type), norm_type)
+
+    def count_zeros(self) -> torch.Tensor:
+        """The number of zero elements among the counted grads, reduced over each span's group (0-dim int64)."""
+        return reduce_zero_counts(self.local_zero_counts(), device=self.data.device)
+
+
+def span_norms(
+    data: torch.Tensor, spans: Iterable[Span], norm_type: float = 2.0
+) -> dict[GroupKey, list[torch.Tensor]]:
+    """Reduction group -> local ``norm_type``-norms (float32, shape ``[1]``) of the counted spans of ``data``."""
+    terms: dict[GroupKey, list[torch.Tensor]] = {}
+    for span in spans:
+        if span.counted:
+            norm = _vector_norm(data[span.start : span.stop], norm_type)
+            terms.setdefault(span.group, []).append(norm.reshape(1))
+    return terms
+
+
+def _float_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics accumulate in: float64 for float64 grads, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _vector_norm(view: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``vector_norm`` of a 1-D contiguous ``view`` in float32 (float64 for float64), allocating only outputs.
+
+    CUDA casts bf16/fp16 inside the reduction; other devices cast a copy first, so there a low-precision view is
+    reduced in rows of :data:`ZERO_COUNT_ROW` elements to bound that copy.
+    """
+    out_dtype = _float_dtype(view.dtype)
+    if view.device.type == "cuda" or view.dtype == out_dtype or view.numel() <= ZERO_COUNT_ROW:
+        return torch.linalg.vector_norm(view, norm_type, dtype=out_dtype)
+    rows = [torch.linalg.vector_norm(row, norm_type, dtype=out_dtype) for row in view.split(ZERO_COUNT_ROW)]
+    return torch.linalg.vector_norm(torch.stack(rows), norm_type)
+
+
+def span_zero_counts(data: torch.Tensor, spans: Iterable[Span]) -> dict[GroupKey, list[torch.Tensor]]:
+    """Reduction group -> local zero counts (int64, shape ``[1]``) of the counted spans of ``data``."""
+    counts: dict[GroupKey, list[torch.Tensor]] = {}
+    for span in spans:
+        if span.counted:
+            nonzero = _count_nonzero(data[span.start : span.stop])
+            counts.setdefault(span.group, []).append((span.numel - nonzero).reshape(1))
+    return counts
+
+
+def _count_nonzero(view: torch.Tensor) -> torch.Tensor:
+    """Non-zero elements of a 1-D contiguous ``view`` as an int64 tensor, without a mask of its size."""
+    if view.device.type == "cpu":
+        return torch.count_nonzero(view)
+    rows = view.numel() // ZERO_COUNT_ROW
+    bulk = rows * ZERO_COUNT_ROW
+    parts = []
+    if rows:
+        rows_view = view[:bulk].view(rows, ZERO_COUNT_ROW)
+        per_row = torch.linalg.vector_norm(rows_view, 0, dim=1, dtype=_float_dtype(view.dtype))
+        parts.append(per_row.sum(dtype=torch.float64))
+    if bulk < view.numel():
+        rest = torch.linalg.vector_norm(view[bulk:], 0, dtype=_float_dtype(view.dtype))
+        parts.append(rest.to(torch.float64))
+    return torch.stack(parts).sum().to(torch.int64)
+
+
+def reduce_norm_terms(terms: Mapping[GroupKey, Sequence[torch.Tensor]], norm_type: float = 2.0) -> torch.Tensor:
+    """The global norm from per-group local norms: :func:`~pgregistry.grad_stats.norm_of_grads` of the norms.
+
+    Exact, since the p-norm of p-norms of disjoint parts is the p-norm of the whole (max of maxima for inf).
+    """
+    return norm_of_grads(terms, norm_type)
+
+
+def reduce_zero_counts(
+    counts: Mapping[GroupKey, Sequence[torch.Tensor]], *, device: torch.device | str
+) -> torch.Tensor:
+    """The global zero count (0-dim int64) from per-group local counts: one SUM all-reduce per group of more than
+    one rank, in the order of the groups' ranks (ranks sharing two groups reduce them in the same order). Every
+    rank of a group must pass it as a key, with an empty list when it counts nothing there."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for group in sorted(counts, key=_collective_order):
+        parts = counts[group]
+        local = torch.cat([p.reshape(1).to(torch.int64) for p in parts]).sum() if parts else total.new_zeros(())
+        if group_size(group) > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        total = total + local
+    return total
+
+
+def _collective_order(group: ProcessGroup | None) -> tuple[int, tuple[int, ...]]:
+    return (0, ()) if group is None else (1, tuple(dist.get_process_group_ranks(group)))
+
+
+def all_reduce_grads_(
+    buffer: GradBuffer, group: ProcessGroup | None, *, average: bool = True, bucket_numel: int | None = None
+) -> None:
+    """All-reduce :attr:`GradBuffer.data` over ``group`` (averaged when ``average``): one collective per bucket
+    of at most ``bucket_numel`` elements (default: one bucket), never one per tensor. No-op when the group is off.
+    """
+    size = group_size(group)
+    if size == 1:
+        return
+    if average:
+        buffer.data.div_(size)
+    step = bucket_numel if bucket_numel else buffer.numel
+    if step < 1:
+        raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+    for start in range(0, buffer.numel, step):
+        dist.all_reduce(buffer.data[start : start + step], op=dist.ReduceOp.SUM, group=group)
+
+
+def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, average: bool = True) -> tuple[int, int]:
+    """Reduce-scatter :attr:`GradBuffer.data` over ``group`` in place: afterwards this rank's shard
+    (returned as ``[start, stop)``) holds the sum (the mean when ``average``) and the rest is stale. One collective.
+    """
+    start, stop = buffer.shard_range(group)
+    size = group_size(group)
+    if size == 1:
+        return start, stop
+    if average:
+        buffer.data.div_(size)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(buffer.data[start:stop], buffer.data, op=dist.ReduceOp.SUM, group=group)
+    return start, stop
