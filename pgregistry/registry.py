@@ -25,7 +25,7 @@ fallback resolvers of :mod:`pgregistry.fallback` should read it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +110,9 @@ class GroupRegistry:
             raise RuntimeError("pgregistry.build needs torch.distributed initialised (init_process_group)")
         options = _GroupOptions(backend, _as_timedelta(timeout))
         name = name if name is not None else f"layout-{layout.fingerprint()}"
-        _agree_on_request(f"{name}|{layout.fingerprint()}|{options}|{explicit_singletons}", layout)
+        _agree_on_request(
+            f"{name}|{layout.fingerprint()}|{options}|{explicit_singletons}", "the layout to build", repr(layout)
+        )
         world_size, rank = dist.get_world_size(), dist.get_rank()
         if layout.world_size != world_size:
             raise ValueError(
@@ -133,8 +135,7 @@ class GroupRegistry:
         if not explicit_singletons:
             needed = {ranks for ranks in needed if len(ranks) > 1}
             to_create = {ranks for ranks in to_create if len(ranks) > 1}
-        for ranks in sorted(to_create, key=lambda r: (len(r), r)):
-            self._ensure_group(ranks, options, members_only)
+        self._create_in_order(to_create, options, members_only)
 
         def group_for(ranks: RankGroup | None) -> ProcessGroup | None:
             if ranks is None or ranks not in needed:
@@ -150,6 +151,44 @@ class GroupRegistry:
         self._built[name] = _Built(layout, options, explicit_singletons, collection)
         _log.debug("built layout", name=name, layout=repr(layout), groups_created=self.groups_created)
         return collection
+
+    def group_of_partition(
+        self,
+        rank_sets: Iterable[Iterable[int]],
+        *,
+        backend: str | None = None,
+        timeout: timedelta | float | None = None,
+    ) -> ProcessGroup | None:
+        """Get or create a group for each of ``rank_sets``; return the one holding this rank (None if none does).
+
+        For groups no layout kind describes (a DeviceMesh dimension, a flattened set of dimensions). Collective
+        over the default process group: every rank passes the same disjoint rank sets, typically every group of
+        one partition of the world (``ValueError`` on every rank when they overlap). Rank sets the registry already has
+        (from :meth:`build` or an earlier call, with the same options) are reused, so identical sets share one
+        ProcessGroup; creation follows the same global order and backend rules as :meth:`build`, after the same
+        agreement check. A 1-rank set gets a group too: the caller asked for it explicitly.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("group_of_partition needs torch.distributed initialised (init_process_group)")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
+        options = _GroupOptions(backend, _as_timedelta(timeout))
+        _agree_on_request(f"partition|{sets}|{options}", "the rank sets to create", f"{len(sets)} sets")
+        # Checked on the whole list, not on this rank's sets only, so that every rank raises alike (none hangs).
+        seen: set[int] = set()
+        for ranks in sets:
+            if seen.intersection(ranks):
+                raise ValueError(f"rank sets overlap at ranks {sorted(seen.intersection(ranks))}; pass disjoint sets")
+            seen.update(ranks)
+        mine = [ranks for ranks in sets if rank in ranks]
+        members_only = _members_only_creation(options.backend)
+        self._create_in_order(set(mine) if members_only else set(sets), options, members_only)
+        return self._groups[mine[0]][0] if mine else None
+
+    def _create_in_order(self, rank_sets: set[RankGroup], options: _GroupOptions, members_only: bool) -> None:
+        # One global order (by size, then ranks) on every rank, so group creations never wait on each other.
+        for ranks in sorted(rank_sets, key=lambda r: (len(r), r)):
+            self._ensure_group(ranks, options, members_only)
 
     def _ensure_group(self, ranks: RankGroup, options: _GroupOptions, members_only: bool) -> None:
         existing = self._groups.get(ranks)
@@ -235,14 +274,26 @@ def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
     return sets
 
 
+def _rank_set(ranks: Iterable[int], world_size: int) -> RankGroup:
+    """``ranks`` as a sorted tuple (a group's ranks are in ascending order in torch too); ``ValueError`` when
+    empty, repeated or outside the world."""
+    listed = [int(r) for r in ranks]
+    out = tuple(sorted(set(listed)))
+    if not out or len(out) != len(listed) or out[0] < 0 or out[-1] >= world_size:
+        raise ValueError(f"rank set {listed} must list distinct ranks of the {world_size}-rank world")
+    return out
+
+
 def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
     if timeout is None or isinstance(timeout, timedelta):
         return timeout
     return timedelta(seconds=float(timeout))
 
 
-def _agree_on_request(request: str, layout: ParallelLayout) -> None:
-    """All-gather a digest of ``request``; raise on every rank when ranks asked for different things."""
+def _agree_on_request(request: str, subject: str, asked_for: str) -> None:
+    """All-gather a digest of ``request``; raise on every rank when ranks asked for different things.
+
+    ``subject`` names what is agreed on in the message, ``asked_for`` describes this rank's request."""
     import hashlib
 
     digest = int(hashlib.sha256(request.encode()).hexdigest()[:15], 16)
@@ -260,8 +311,8 @@ def _agree_on_request(request: str, layout: ParallelLayout) -> None:
         by_digest.setdefault(value, []).append(rank)
     described = "; ".join(f"ranks {ranks} asked for request #{i}" for i, ranks in enumerate(by_digest.values()))
     raise ValueError(
-        f"ranks disagree on the layout to build ({described}); this rank ({dist.get_rank()}) asked for {layout!r}. "
-        "Every rank must build the same layouts, with the same names and options, in the same order."
+        f"ranks disagree on {subject} ({described}); this rank ({dist.get_rank()}) asked for {asked_for}. "
+        "Every rank must build the same layouts and groups, with the same names and options, in the same order."
     )
 
 
