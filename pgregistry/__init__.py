@@ -14,19 +14,23 @@ from pgregistry.fallback import ProcessGroupFallbackWarning
 from pgregistry.layout import ParallelLayout
 
 if TYPE_CHECKING:
-    from pgregistry.registry import build
+    from pgregistry.registry import attach, build, collection_of
 
 __all__ = [
     "UNSET",
     "ParallelLayout",
     "ProcessGroupCollection",
     "ProcessGroupFallbackWarning",
+    "attach",
     "build",
+    "collection_of",
 ]
 
 # Public name -> module that defines it; imported on first access (these modules import torch).
 _LAZY: dict[str, str] = {
+    "attach": "pgregistry.registry",
     "build": "pgregistry.registry",
+    "collection_of": "pgregistry.registry",
     "globalize_expert_keys": "pgregistry.experts",
     "localize_expert_keys": "pgregistry.experts",
     "get_ep_rank_and_size": "pgregistry.experts",
