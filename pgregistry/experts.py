@@ -25,7 +25,7 @@ load, so the key functions can be used on checkpoints without it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import attrs
@@ -43,6 +43,7 @@ __all__ = [
     "get_global_unique_param_name",
     "get_model_ep_rank_and_size",
     "global_expert_index",
+    "global_param_name_fn",
     "globalize_expert_keys",
     "is_expert_key",
     "localize_expert_keys",
@@ -422,6 +423,40 @@ def get_global_unique_param_name(
         for local_name, candidate in chunk.named_parameters():
             if candidate is param:
                 return namer.name(index, local_name)
-    raise ValueError(
-        f"parameter of shape {tuple(param.shape)} is not held by any of the {len(chunks)} model chunks"
-    )
+    raise _not_held(param, len(chunks))
+
+
+def _not_held(param: torch.Tensor, count: int) -> ValueError:
+    return ValueError(f"parameter of shape {tuple(param.shape)} is not held by any of the {count} model chunks")
+
+
+def global_param_name_fn(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    *,
+    ep_rank: int | None = None,
+    ep_size: int | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> Callable[[torch.Tensor], str]:
+    """A function from parameter to global name (:func:`named_global_parameters`), with every name computed once.
+
+    Meant for optimizers that key their state by a ``param_name_fn`` (the pgregistry optimizers do): keyed by
+    global names, the state reloads under another EP or PP layout. The function raises ``ValueError`` for a
+    parameter the chunks do not hold.
+    """
+    # Holding the parameters keeps their ids from being reused by other tensors.
+    names = {
+        id(param): (param, name)
+        for name, param in named_global_parameters(
+            model_chunks, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts, layer_offsets=layer_offsets
+        )
+    }
+    count = len(_as_chunks(model_chunks))
+
+    def name_of(param: torch.Tensor) -> str:
+        entry = names.get(id(param))
+        if entry is None or entry[0] is not param:
+            raise _not_held(param, count)
+        return entry[1]
+
+    return name_of

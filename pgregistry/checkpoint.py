@@ -1,0 +1,331 @@
+"""Checkpoints keyed by global parameter names, so they reload under another expert- or pipeline-parallel layout.
+
+Every parameter and its optimizer state are stored under the parameter's global name
+(:func:`pgregistry.experts.named_global_parameters`): experts numbered over the whole model, layers over the
+whole pipeline. A checkpoint written with EP 4 and PP 2 therefore reloads with EP 2, EP 1 or PP 1: each rank
+asks for the names it holds now. Megatron-Core's optimizer state, keyed by rank-local parameter order, does not.
+
+Each tensor is written exactly once: a dense parameter by data-parallel (``dp_cp``) rank 0 of its replicas, an
+expert parameter by expert-data-parallel (``expt_dp``) rank 0. Tensors are stored whole, so tensor-parallel and
+GTP-remat sharding must be off (``tp``, ``expt_tp``, ``gtp_remat``, ``expt_gtp_remat`` of size 1); resharding
+tensor-parallel shards is not done here.
+
+Two storage back-ends share the same keys (``model/<name>`` and ``optimizer/<name>/<state key>``):
+
+* :func:`save_rank_files` / :func:`load_rank_files`: one ``torch.save`` file per rank in a directory; the loader
+  memory-maps every file and takes the tensors it needs;
+* :func:`save_distributed` / :func:`load_distributed`: ``torch.distributed.checkpoint``.
+
+Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
+from pgregistry.experts import is_expert_key, model_collection, named_global_parameters
+from pgregistry.fallback import resolve_process_groups
+
+__all__ = [
+    "load_distributed",
+    "load_optimizer_state_by_name",
+    "load_rank_files",
+    "save_distributed",
+    "save_rank_files",
+    "state_by_name",
+]
+
+_MODEL: Final = "model/"
+_OPTIMIZER: Final = "optimizer/"
+_FORMAT: Final = 1
+_RANK_FILE: Final = re.compile(r"rank-([0-9]{5})\.pt")
+_SHARDED_AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
+
+
+@attrs.frozen(slots=True)
+class _Model:
+    """One rank's view: its parameters by global name, and which of them it writes."""
+
+    params: dict[str, nn.Parameter]
+    writes_dense: bool
+    writes_experts: bool
+
+    def writes(self, name: str) -> bool:
+        return self.writes_experts if is_expert_key(name) else self.writes_dense
+
+
+def _model(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    pg_collection: ProcessGroupCollection | None,
+    num_experts: int | None,
+    layer_offsets: Sequence[int] | None,
+    owner: str,
+) -> _Model:
+    collection = pg_collection if pg_collection is not None else model_collection(model_chunks)
+    groups = resolve_process_groups(collection, ("ep", "dp_cp", "expt_dp", *_SHARDED_AXES), owner=owner)
+    sharded = [name for name in _SHARDED_AXES if group_size(groups[name]) > 1]
+    if sharded:
+        raise ValueError(
+            f"{owner} stores whole tensors, but the model's {', '.join(sharded)} axis has more than one rank; "
+            "tensor-parallel and GTP-remat shards are not resharded by pgregistry.checkpoint"
+        )
+    named = named_global_parameters(
+        model_chunks,
+        ep_rank=group_rank(groups["ep"]),
+        ep_size=group_size(groups["ep"]),
+        num_experts=num_experts,
+        layer_offsets=layer_offsets,
+    )
+    params: dict[str, nn.Parameter] = {}
+    for name, param in named:
+        if name in params:
+            raise ValueError(f"two parameters of the model have the global name {name!r}")
+        params[name] = param
+    return _Model(params, group_rank(groups["dp_cp"]) == 0, group_rank(groups["expt_dp"]) == 0)
+
+
+def _optimizer_names(optimizer: torch.optim.Optimizer, model: _Model) -> list[tuple[str, nn.Parameter]]:
+    by_id = {id(param): name for name, param in model.params.items()}
+    out: list[tuple[str, nn.Parameter]] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in by_id:
+                raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} not in the model")
+            out.append((by_id[id(param)], param))
+    return out
+
+
+def _flat_state(model: _Model, optimizer: torch.optim.Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, param in model.params.items():
+        if not primary_only or model.writes(name):
+            flat[_MODEL + name] = param.detach()
+    if optimizer is not None:
+        for name, param in _optimizer_names(optimizer, model):
+            if primary_only and not model.writes(name):
+                continue
+            for key, value in optimizer.state.get(param, {}).items():
+                flat[f"{_OPTIMIZER}{name}/{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+    return flat
+
+
+def state_by_name(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+    primary_only: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
+    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones).
+
+    ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``pg_collection`` defaults to
+    the collection attached to the model; ``num_experts`` and ``layer_offsets`` are as in
+    :func:`pgregistry.experts.named_global_parameters`.
+    """
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "state_by_name")
+    out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
+    for key, value in _flat_state(model, optimizer, primary_only=primary_only).items():
+        if key.startswith(_MODEL):
+            out["model"][key[len(_MODEL) :]] = value
+        else:
+            name, state_key = key[len(_OPTIMIZER) :].rsplit("/", 1)
+            out["optimizer"].setdefault(name, {})[state_key] = value
+    return out
+
+
+def _apply(model: _Model, optimizer: torch.optim.Optimizer | None, lookup: Mapping[str, Any]) -> None:
+    """Copy every parameter (all required) and optimizer state (where present) from flat ``lookup``."""
+    missing = [name for name in model.params if _MODEL + name not in lookup]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
+    with torch.no_grad():
+        for name, param in model.params.items():
+            source = lookup[_MODEL + name]
+            if tuple(source.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(param.shape)} but the checkpoint holds "
+                    f"{tuple(source.shape)}"
+                )
+            param.copy_(source)
+    if optimizer is None:
+        return
+    per_name: dict[str, dict[str, Any]] = {}
+    for key, value in lookup.items():
+        if key.startswith(_OPTIMIZER):
+            name, state_key = key[len(_OPTIMIZER) :].rsplit("/", 1)
+            per_name.setdefault(name, {})[state_key] = value
+    _load_optimizer(optimizer, model, per_name)
+
+
+def load_optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    state: Mapping[str, Mapping[str, Any]],
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> None:
+    """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
+    part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
+
+    Parameters without an entry get an empty state (as before their first step). The values are copied and go
+    through ``optimizer.load_state_dict``, which casts floating state to each parameter's dtype and device.
+    """
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_optimizer_state_by_name")
+    _load_optimizer(optimizer, model, state)
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, model: _Model, state: Mapping[str, Mapping[str, Any]]
+) -> None:
+    current = optimizer.state_dict()
+    # state_dict() numbers the parameters in param_groups order, the order _optimizer_names walks them in.
+    ids = [pid for group in current["param_groups"] for pid in group["params"]]
+    named = _optimizer_names(optimizer, model)
+    current["state"] = {
+        pid: {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state[name].items()}
+        for pid, (name, _) in zip(ids, named, strict=True)
+        if state.get(name)
+    }
+    optimizer.load_state_dict(current)
+
+
+# --------------------------------------------------------------------------------------------------- rank files
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def save_rank_files(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> Path:
+    """Write this rank's share (each tensor once over all ranks) to ``directory/rank-<rank>.pt``.
+
+    Every rank must call it, with a fresh directory per checkpoint: :func:`load_rank_files` refuses a directory
+    whose files come from different saves. Returns the file written.
+    """
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_rank_files")
+    rank, world_size = _world()
+    path = Path(directory) / f"rank-{rank:05d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": _FORMAT,
+        "rank": rank,
+        "world_size": world_size,
+        "state": _flat_state(model, optimizer, primary_only=True),
+    }
+    torch.save(payload, path)
+    return path
+
+
+def _read_rank_files(directory: Path) -> dict[str, Any]:
+    files = sorted(p for p in directory.iterdir() if _RANK_FILE.fullmatch(p.name))
+    if not files:
+        raise ValueError(f"no rank-<rank>.pt files in {directory}")
+    payloads = [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in files]
+    world_sizes = {payload["world_size"] for payload in payloads}
+    ranks = sorted(payload["rank"] for payload in payloads)
+    if len(world_sizes) != 1 or ranks != list(range(next(iter(world_sizes)))):
+        raise ValueError(
+            f"{directory} does not hold exactly one checkpoint: files of ranks {ranks} from saves with world "
+            f"sizes {sorted(world_sizes)}"
+        )
+    merged: dict[str, Any] = {}
+    for path, payload in zip(files, payloads, strict=True):
+        if payload["format"] != _FORMAT:
+            raise ValueError(f"{path} has format {payload['format']!r}; this pgregistry reads format {_FORMAT}")
+        for key, value in payload["state"].items():
+            if key in merged:
+                raise ValueError(f"{key!r} is stored more than once in {directory} (again in {path.name})")
+            merged[key] = value
+    return merged
+
+
+def load_rank_files(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> None:
+    """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files of any layout.
+
+    ``ValueError`` when a parameter is missing, a key is stored twice or the files mix checkpoints.
+    """
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_rank_files")
+    _apply(model, optimizer, _read_rank_files(Path(directory)))
+
+
+# --------------------------------------------------------------------------------------------------- DCP
+
+
+def save_distributed(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> None:
+    """Save with ``torch.distributed.checkpoint`` (collective over the default group); each tensor once."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_distributed")
+    dcp.save(_flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
+
+
+def load_distributed(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> None:
+    """Load a :func:`save_distributed` checkpoint of any layout (collective over the default group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_distributed")
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    destination: dict[str, Any] = {}
+    for name, param in model.params.items():
+        if _MODEL + name in metadata:
+            destination[_MODEL + name] = torch.empty_like(param.detach())
+    if optimizer is not None:
+        wanted = {_OPTIMIZER + name + "/" for name, _ in _optimizer_names(optimizer, model)}
+        for key, entry in metadata.items():
+            if key.startswith(_OPTIMIZER) and key[: key.rindex("/") + 1] in wanted:
+                if isinstance(entry, TensorStorageMetadata):
+                    destination[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+                else:
+                    destination[key] = None  # a non-tensor value: DCP replaces the placeholder
+    dcp.load(destination, checkpoint_id=str(directory))
+    _apply(model, optimizer, destination)

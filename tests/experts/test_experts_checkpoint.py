@@ -1,0 +1,148 @@
+"""Checkpoint helpers in one process: state by global name, optimizer state by name, refusals and bad files.
+
+Multi-rank resharding is in test_experts_resharding.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from toy_moe import NUM_EXPERTS, adam, build_stage, initialise
+
+from pgregistry import ProcessGroupCollection
+from pgregistry.checkpoint import (
+    load_optimizer_state_by_name,
+    load_rank_files,
+    save_rank_files,
+    state_by_name,
+)
+from pgregistry.experts import global_param_name_fn, named_global_parameters
+from pgregistry.registry import attach
+
+
+class _Group:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+_OFF: dict[str, Any] = dict(
+    ep=None, dp_cp=None, expt_dp=None, tp=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None
+)
+
+
+def _stage(ep_rank: int, ep_size: int, **groups: Any) -> nn.Module:
+    model = build_stage(ep_rank, ep_size, 0, 1)
+    ep = _Group(ep_size, ep_rank) if ep_size > 1 else None
+    attach(model, ProcessGroupCollection(**(_OFF | {"ep": ep} | groups)))
+    return model
+
+
+def _stepped(model: nn.Module) -> torch.optim.Adam:
+    initialise(model)  # type: ignore[arg-type]
+    optimizer = adam(list(model.parameters()))
+    optimizer.step()
+    return optimizer
+
+
+def test_standard_grid_state_uses_the_local_names() -> None:
+    model = _stage(0, 1)
+    optimizer = _stepped(model)
+    state = state_by_name(model, optimizer)
+    assert list(state["model"]) == [n for n, _ in model.named_parameters()]
+    assert list(state["optimizer"]) == list(state["model"])
+    for name, param in model.named_parameters():
+        assert state["model"][name] is not None and torch.equal(state["model"][name], param)
+        assert set(state["optimizer"][name]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_optimizer_state_reloads_by_name_under_another_ep_layout() -> None:
+    whole = _stage(0, 1)
+    whole_state = state_by_name(whole, _stepped(whole))["optimizer"]
+    for ep_rank in range(4):
+        part = _stage(ep_rank, 4)
+        params = list(part.parameters())
+        optimizer = adam(params[::-1])  # another parameter order than the writer's
+        load_optimizer_state_by_name(optimizer, part, whole_state)
+        for name, param in named_global_parameters(part, ep_rank=ep_rank, ep_size=4):
+            for key, value in whole_state[name].items():
+                assert torch.equal(optimizer.state[param][key], value)
+                assert optimizer.state[param][key] is not value  # copied, not aliased
+
+
+def test_tensor_parallel_shards_are_refused() -> None:
+    model = _stage(0, 1, tp=_Group(2, 0))
+    with pytest.raises(ValueError, match="the model's tp axis has more than one rank"):
+        state_by_name(model)
+
+
+def test_only_primary_replicas_are_written(tmp_path: Path) -> None:
+    model = _stage(0, 2, dp_cp=_Group(2, 1), expt_dp=_Group(2, 0))
+    optimizer = _stepped(model)
+    primary = state_by_name(model, optimizer, primary_only=True)
+    assert primary["model"] and all(".experts." in n for n in primary["model"])  # dense: dp_cp rank 1 skips
+    path = save_rank_files(tmp_path, model, optimizer)
+    assert path.name == "rank-00000.pt"
+    stored = torch.load(path, weights_only=True)["state"]
+    assert sorted(k.split("/")[1] for k in stored if k.startswith("model/")) == sorted(primary["model"])
+
+
+def test_round_trip_through_rank_files(tmp_path: Path) -> None:
+    model = _stage(0, 1)
+    optimizer = _stepped(model)
+    save_rank_files(tmp_path, model, optimizer)
+    fresh = _stage(0, 1)
+    fresh_optimizer = adam(list(fresh.parameters()))
+    load_rank_files(tmp_path, fresh, fresh_optimizer)
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[a][key], fresh_optimizer.state[b][key])
+
+
+def test_bad_checkpoint_directories_are_refused(tmp_path: Path) -> None:
+    model = _stage(0, 1)
+    save_rank_files(tmp_path / "ok", model)
+    with pytest.raises(ValueError, match="no rank-<rank>.pt files"):
+        load_rank_files(tmp_path / "ok" / "..", model)
+    # A stale file from a save with another world size.
+    stale = torch.load(tmp_path / "ok" / "rank-00000.pt", weights_only=True)
+    torch.save(stale | {"rank": 1, "world_size": 2}, tmp_path / "ok" / "rank-00001.pt")
+    with pytest.raises(ValueError, match="does not hold exactly one checkpoint"):
+        load_rank_files(tmp_path / "ok", model)
+    # Two ranks that both stored one tensor.
+    torch.save(stale | {"world_size": 2}, tmp_path / "ok" / "rank-00000.pt")
+    with pytest.raises(ValueError, match="is stored more than once"):
+        load_rank_files(tmp_path / "ok", model)
+    # A parameter the checkpoint lacks, and one of another shape.
+    off = ProcessGroupCollection(**_OFF)
+    save_rank_files(tmp_path / "small", nn.Linear(2, 2, bias=False), pg_collection=off)
+    with pytest.raises(ValueError, match="lacks 1 of this rank's parameters, e.g. 'bias'"):
+        load_rank_files(tmp_path / "small", nn.Linear(2, 2), pg_collection=off)
+    with pytest.raises(ValueError, match=r"has shape \(3, 2\) but the checkpoint holds \(2, 2\)"):
+        load_rank_files(tmp_path / "small", nn.Linear(2, 3, bias=False), pg_collection=off)
+
+
+def test_optimizer_of_foreign_parameters_is_refused() -> None:
+    model = _stage(0, 1)
+    optimizer = adam([nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="the optimizer holds a parameter of shape"):
+        state_by_name(model, optimizer)
+
+
+def test_global_param_name_fn() -> None:
+    model = build_stage(1, 4, 0, 1)
+    name_of = global_param_name_fn(model, ep_rank=1, ep_size=4, num_experts=NUM_EXPERTS)
+    weight = model.layers[0].mlp.experts.local_experts[1].linear_fc1.weight
+    assert name_of(weight) == "layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
+    with pytest.raises(ValueError, match="not held by any of the 1 model chunks"):
+        name_of(torch.zeros(1))
