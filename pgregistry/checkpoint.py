@@ -17,12 +17,16 @@ Two storage back-ends share the same keys (``model/<name>`` and ``optimizer/<nam
 * :func:`save_distributed` / :func:`load_distributed`: ``torch.distributed.checkpoint``.
 
 Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
+
+A sharded (distributed) optimizer stores pieces of flattened parameters instead; keyed by global names (give it
+:func:`pgregistry.experts.global_param_name_fn`), its pieces from every rank of one layout are joined by
+:func:`merge_optimizer_shards` and cut for another layout by :func:`cut_optimizer_shards`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,9 +40,11 @@ from pgregistry.experts import is_expert_key, model_collection, named_global_par
 from pgregistry.fallback import resolve_process_groups
 
 __all__ = [
+    "cut_optimizer_shards",
     "load_distributed",
     "load_optimizer_state_by_name",
     "load_rank_files",
+    "merge_optimizer_shards",
     "save_distributed",
     "save_rank_files",
     "state_by_name",
@@ -329,3 +335,99 @@ def load_distributed(
                     destination[key] = None  # a non-tensor value: DCP replaces the placeholder
     dcp.load(destination, checkpoint_id=str(directory))
     _apply(model, optimizer, destination)
+
+
+# --------------------------------------------------------------------------------------------------- optimizer shards
+
+
+def merge_optimizer_shards(shards: Iterable[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Whole flat per-parameter state from the pieces a sharded optimizer saved on every rank of one layout.
+
+    Each item of ``shards`` is one rank's ``name -> {"offset", "numel", "main", "state"}`` (the ``"shards"`` part
+    of a sharded optimizer's state dict, as pgregistry's ``ShardedOptimizer`` writes it): the piece
+    ``[offset, offset + numel)`` of the flattened parameter ``name``, its main copy and its optimizer state. A
+    state tensor of shape ``(numel,)`` is a piece of an elementwise state (Adam's moments); any other value (Adam's
+    0-d ``step``) belongs to the whole parameter and must be equal in every piece.
+
+    Returns ``name -> {"main": flat tensor, "state": {key: flat tensor or value}}``. ``ValueError`` when the
+    pieces of a parameter overlap, leave a gap, or disagree on their state keys or per-parameter values.
+    """
+    pieces: dict[str, list[Mapping[str, Any]]] = {}
+    for rank_shards in shards:
+        for name, piece in rank_shards.items():
+            pieces.setdefault(name, []).append(piece)
+    return {name: _merge_pieces(name, sorted(found, key=lambda p: p["offset"])) for name, found in pieces.items()}
+
+
+def _elementwise(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
+
+
+def _merge_pieces(name: str, pieces: list[Mapping[str, Any]]) -> dict[str, Any]:
+    end = 0
+    for piece in pieces:
+        if piece["offset"] != end:
+            problem = "overlap" if piece["offset"] < end else "leave a gap"
+            raise ValueError(f"the saved pieces of {name!r} {problem} at element {min(end, piece['offset'])}")
+        end += piece["numel"]
+    keys = {tuple(sorted(piece["state"])) for piece in pieces}
+    if len(keys) > 1:
+        raise ValueError(f"the saved pieces of {name!r} hold different optimizer state keys: {sorted(keys)}")
+    state: dict[str, Any] = {}
+    for key in next(iter(keys)):
+        values = [piece["state"][key] for piece in pieces]
+        if all(_elementwise(v, piece["numel"]) for v, piece in zip(values, pieces, strict=True)):
+            state[key] = torch.cat([v.reshape(-1) for v in values])
+            continue
+        first = values[0]
+        if not all(_same_value(first, v) for v in values[1:]):
+            raise ValueError(f"the saved pieces of {name!r} disagree on the per-parameter state {key!r}")
+        state[key] = first
+    return {"main": torch.cat([piece["main"].reshape(-1) for piece in pieces]), "state": state}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def cut_optimizer_shards(
+    whole: Mapping[str, Mapping[str, Any]], template: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """This rank's pieces, cut from :func:`merge_optimizer_shards` output, for the layout of ``template``.
+
+    ``template`` is the ``"shards"`` part of the state dict of the optimizer to load into (it says which pieces
+    this rank holds now); the result replaces it before ``optimizer.load_state_dict``. Tensors are copies.
+    ``ValueError`` when a piece's parameter is missing or too short.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name, piece in template.items():
+        if name not in whole:
+            raise ValueError(f"the saved optimizer state lacks parameter {name!r}")
+        start, numel = piece["offset"], piece["numel"]
+        source = whole[name]
+        if start + numel > source["main"].numel():
+            raise ValueError(
+                f"{name!r}: this rank's piece [{start}, {start + numel}) exceeds the saved {source['main'].numel()} "
+                "elements"
+            )
+        total = source["main"].numel()
+        out[name] = {
+            "offset": start,
+            "numel": numel,
+            "main": _cut(source["main"], start, numel),
+            "state": {
+                key: _cut(value, start, numel) if _elementwise(value, total) else _copy(value)
+                for key, value in source["state"].items()
+            },
+        }
+    return out
+
+
+def _cut(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    return tensor[start : start + numel].clone()
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -10,13 +10,17 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from toy_moe import NUM_EXPERTS, adam, build_stage, initialise
 
 from pgregistry import ProcessGroupCollection
 from pgregistry.checkpoint import (
+    cut_optimizer_shards,
     load_optimizer_state_by_name,
     load_rank_files,
+    merge_optimizer_shards,
     save_rank_files,
     state_by_name,
 )
@@ -146,3 +150,73 @@ def test_global_param_name_fn() -> None:
     assert name_of(weight) == "layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
     with pytest.raises(ValueError, match="not held by any of the 1 model chunks"):
         name_of(torch.zeros(1))
+
+
+# --------------------------------------------------------------------------------------------------- shards
+
+
+def _whole_state(numel: int, seed: int) -> dict[str, Any]:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return {
+        "main": torch.randn(numel, generator=generator),
+        "state": {
+            "exp_avg": torch.randn(numel, generator=generator),
+            "exp_avg_sq": torch.rand(numel, generator=generator),
+            "step": torch.tensor(3.0),
+        },
+    }
+
+
+def _pieces(name: str, whole: dict[str, Any], cuts: list[int]) -> list[dict[str, dict[str, Any]]]:
+    """One shard dict per piece, as ranks of a sharded optimizer would save them."""
+    bounds = [0, *cuts, whole["main"].numel()]
+    out = []
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        state = {k: v[start:stop].clone() if v.dim() else v.clone() for k, v in whole["state"].items()}
+        piece = {"offset": start, "numel": stop - start, "main": whole["main"][start:stop].clone(), "state": state}
+        out.append({name: piece})
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.data())
+def test_optimizer_shards_merge_and_cut_for_another_layout(numel: int, data: st.DataObject) -> None:
+    cut_points = st.lists(st.integers(1, max(numel - 1, 1)), unique=True).map(sorted)
+    saved_cuts = [c for c in data.draw(cut_points) if c < numel]
+    new_cuts = [c for c in data.draw(cut_points) if c < numel]
+    whole = {"a.experts.fc.weight3": _whole_state(numel, 1), "b.weight": _whole_state(numel + 1, 2)}
+    saved = [p for name, w in whole.items() for p in _pieces(name, w, saved_cuts)]
+    merged = merge_optimizer_shards(reversed(saved))  # the order of the ranks does not matter
+    for name, w in whole.items():
+        assert torch.equal(merged[name]["main"], w["main"])
+        for key, value in w["state"].items():
+            assert torch.equal(merged[name]["state"][key], value)
+    for template in _pieces("a.experts.fc.weight3", whole["a.experts.fc.weight3"], new_cuts):
+        cut = cut_optimizer_shards(merged, template)
+        piece = template["a.experts.fc.weight3"]
+        got = cut["a.experts.fc.weight3"]
+        assert (got["offset"], got["numel"]) == (piece["offset"], piece["numel"])
+        assert torch.equal(got["main"], piece["main"])
+        for key, value in piece["state"].items():
+            assert torch.equal(got["state"][key], value)
+
+
+def test_bad_optimizer_shards_are_refused() -> None:
+    whole = _whole_state(6, 0)
+    a, b = _pieces("w", whole, [3])
+    with pytest.raises(ValueError, match="leave a gap at element 0"):
+        merge_optimizer_shards([b])
+    with pytest.raises(ValueError, match="overlap at element 3"):
+        merge_optimizer_shards([a, b, b])
+    b["w"]["state"]["step"] = torch.tensor(4.0)
+    with pytest.raises(ValueError, match="disagree on the per-parameter state 'step'"):
+        merge_optimizer_shards([a, b])
+    del b["w"]["state"]["step"]
+    with pytest.raises(ValueError, match="different optimizer state keys"):
+        merge_optimizer_shards([a, b])
+    merged = merge_optimizer_shards([a])
+    with pytest.raises(ValueError, match="lacks parameter 'v'"):
+        cut_optimizer_shards(merged, {"v": a["w"]})
+    with pytest.raises(ValueError, match=r"piece \[3, 6\) exceeds the saved 3 elements"):
+        cut_optimizer_shards(merged, b)
