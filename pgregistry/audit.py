@@ -10,7 +10,8 @@ over every axis its classification makes a claim about, and reports:
 * each (parameter, axis) whose measured replication disagrees with the claim. The claims: across TP (expert TP
   for experts), replicated unless TP-sharded; across GTP-remat (expert GTP-remat for experts), replicated unless
   GTP-sharded; across EP, for parameters with an explicit ``allreduce``, replicated iff ``allreduce`` is True;
-  across data-parallel replicas (``dp_cp``, ``expt_dp`` for experts), always replicated;
+  across data-parallel replicas (``dp_cp``, ``expt_dp`` for experts), always replicated (reported only when no
+  model-parallel axis explains the mismatch: EP ranks are dense data-parallel ranks);
 * the norm the classification gives (exactly what :func:`~pgregistry.grad_stats.grad_norm` computes) beside the
   measured-truth norm, in which every gradient counts once per distinct copy: weighted by 1/size of each axis it
   was measured replicated over, and reduced over the expert group when it was measured distinct across EP.
@@ -25,8 +26,8 @@ Requirements, because the measurement is collective:
   hold different parameters: no measuring group spans two stages. Ranks first compare a digest of their
   parameter structure over each group and raise ``ValueError`` together, on every rank, when they differ.
 * A gradient that is zero over a whole group is consistent with any claim and is not reported. Constant grads (all
-  ones) look replicated everywhere, so audit real gradients, not the invariance oracle's. NaN never compares
-  equal, so a NaN gradient measures as distinct.
+  ones) look replicated everywhere, so audit real gradients, not the invariance oracle's; non-finite gradients
+  make the measurement meaningless.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ UNIQUE: Final = "unique"
 _AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat", "ep", "dp_cp", "expt_dp")
 """Every axis measured, in the order every rank measures them."""
 
+_DATA_PARALLEL_AXES: Final = ("dp_cp", "expt_dp")
+
 _BUCKET_ELEMENTS: Final = 1 << 22
 """Grad elements measured per collective (as float64, doubled for MIN): bounds the audit's extra memory."""
 
@@ -69,7 +72,8 @@ _HINTS: Final[dict[tuple[str, str], str]] = {
     ("gtp", UNIQUE): "is identical across GTP-remat ranks but is marked GTP-sharded",
     ("ep", REPLICATED): "differs across EP ranks but is marked expert-replicated (mark_expert)",
     ("ep", UNIQUE): "is identical across EP ranks but is marked a routed expert (mark_expert_replicated)",
-    ("dp", REPLICATED): "differs across data-parallel replicas: grads not synchronised yet, or a wrong layout",
+    ("dp", REPLICATED): "differs across data-parallel replicas though its roles hold on every model-parallel "
+    "axis: are the grads synchronised yet?",
 }
 
 
@@ -179,16 +183,20 @@ def audit_grad_replication(
     for index, (name, param) in enumerate(audited):
         rep = {axis: replicated[axis][index] for axis in replicated}
         is_zero = {axis: zero[axis][index] for axis in zero}
-        for axis, claimed in _claims(param):
-            if axis in rep and not is_zero[axis] and claimed != rep[axis]:
-                mismatches.append(
-                    ReplicationMismatch(
-                        name=name,
-                        axis=axis,
-                        claimed=REPLICATED if claimed else UNIQUE,
-                        measured=REPLICATED if rep[axis] else UNIQUE,
-                    )
-                )
+        found = [
+            ReplicationMismatch(
+                name=name,
+                axis=axis,
+                claimed=REPLICATED if claimed else UNIQUE,
+                measured=REPLICATED if rep[axis] else UNIQUE,
+            )
+            for axis, claimed in _claims(param)
+            if axis in rep and not is_zero[axis] and claimed != rep[axis]
+        ]
+        # Data-parallel replicas span the model-parallel axes of the other grid (EP ranks are dense DP ranks), so
+        # a mismatch there is only news when no model-parallel axis explains it.
+        model_parallel = [m for m in found if m.axis not in _DATA_PARALLEL_AXES]
+        mismatches.extend(model_parallel or found)
         # An expert-module parameter claimed replicated across EP but measured distinct there is, in truth, a
         # routed expert: its copies are summed over the expert group like any other expert's.
         truly_expert = is_expert_param(param) or (
