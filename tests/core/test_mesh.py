@@ -1,0 +1,159 @@
+"""DeviceMesh adapters in real gloo worlds; membership checked with all-reduces against the layout arithmetic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pgregistry import ParallelLayout, ProcessGroupCollection
+from pgregistry import registry as reg
+from pgregistry.mesh import from_device_mesh, to_device_mesh
+from pgregistry.testing import run_world
+
+
+def _mask(group: Any) -> int:
+    """Bit mask of ``group``'s members, by a real all-reduce."""
+    mask = torch.tensor([1 << dist.get_rank()], dtype=torch.int64)
+    dist.all_reduce(mask, group=group)
+    return int(mask.item())
+
+
+def _bits(ranks: tuple[int, ...] | None) -> int:
+    assert ranks is not None
+    return sum(1 << r for r in ranks)
+
+
+def _errors(calls: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for label, call in calls.items():
+        try:
+            call()
+            out[label] = "no error"
+        except (ValueError, AttributeError) as exc:
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+# A (pp, dp, tp) mesh in row-major order is the default layout order (tp fastest, then dp, then pp).
+_LAYOUT = ParallelLayout(world_size=8, tp=2, pp=2)
+
+
+def _from_mesh() -> dict[str, Any]:
+    built = reg.build(_LAYOUT)
+    created = reg.default_registry.groups_created
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    collection = from_device_mesh(
+        mesh, {"tp": "tp", "dp": ("dp",), "pp": "pp", "tp_dp_cp": ("dp", "tp"), "mp": ("tp", "pp"), "dp_cp": "dp"}
+    )
+    # Flattenings no layout kind has: dims in another order give the same set (one group), and a new set.
+    again = from_device_mesh(mesh, {"tp_cp": ("tp", "dp"), "tp_ep_pp": ("pp", "dp")})
+    return {
+        "masks": {name: _mask(collection.get(name)) for name, _ in collection.items() if collection.is_set(name)},
+        "unset": [name for name, value in collection.items() if not collection.is_set(name)],
+        "mesh_groups": collection.get("tp") is mesh.get_group("tp") and collection.get("dp_cp") is collection.get("dp"),
+        "shared_with_build": [collection.get(k) is built.get(k) for k in ("tp_dp_cp", "mp")],
+        "same_set_same_group": again.get("tp_cp") is collection.get("tp_dp_cp"),
+        "new_set": _mask(again.get("tp_ep_pp")),
+        # Two new sets: the (pp, dp) pairs, one per tp coordinate; the rest existed.
+        "created": reg.default_registry.groups_created - created,
+        "errors": _errors({
+            "field": lambda: from_device_mesh(mesh, {"tpp": "tp"}),
+            "dim": lambda: from_device_mesh(mesh, {"tp": "cp"}),
+            "repeated": lambda: from_device_mesh(mesh, {"mp": ("tp", "tp")}),
+            "empty": lambda: from_device_mesh(mesh, {"mp": ()}),
+            "hcp": lambda: from_device_mesh(mesh, {"hcp": "tp"}),
+            "sub_mesh": lambda: from_device_mesh(mesh["tp"], {"tp": "tp"}),
+            "sub_mesh_flat": lambda: from_device_mesh(mesh["dp", "tp"], {"tp_cp": ("dp", "tp")}),
+        }),
+    }
+
+
+def test_from_device_mesh_single_and_flattened_dims() -> None:
+    results = run_world(8, _from_mesh)
+    for rank, out in enumerate(results):
+        mine = _LAYOUT.groups_of(rank)
+        assert out["masks"] == {
+            "tp": _bits(mine["tp"]), "dp": _bits(mine["dp"]), "pp": _bits(mine["pp"]),
+            "tp_dp_cp": _bits(mine["tp_dp_cp"]), "mp": _bits(mine["mp"]), "dp_cp": _bits(mine["dp"]),
+        }
+        assert "cp" in out["unset"] and "ep" in out["unset"] and "tp" not in out["unset"]
+        assert out["mesh_groups"]
+        assert out["shared_with_build"] == [True, True]
+        assert out["same_set_same_group"]
+        tp = rank % 2
+        assert out["new_set"] == sum(1 << r for r in range(tp, 8, 2))  # every rank with this tp coordinate
+        assert out["created"] == 2
+        errors = out["errors"]
+        assert errors["field"].startswith("ValueError: Unknown attribute: 'tpp'; did you mean 'tp'?")
+        assert errors["dim"] == (
+            "ValueError: field 'tp' maps to mesh dims ('cp',): give one or more distinct names of the mesh's dims "
+            "('pp', 'dp', 'tp') ('cp' is not one)"
+        )
+        assert errors["repeated"].startswith("ValueError: field 'mp' maps to mesh dims ('tp', 'tp')")
+        assert errors["empty"].startswith("ValueError: field 'mp' maps to mesh dims ()")
+        assert errors["hcp"].startswith("ValueError: 'hcp' holds a list")
+        assert errors["sub_mesh"] == "no error"  # a single dim of a sub-mesh is its own group
+        assert errors["sub_mesh_flat"] == (
+            "ValueError: flattening mesh dims ('dp', 'tp') needs a mesh over the whole world (8 ranks); this one has 4"
+        )
+
+
+_GRID = ParallelLayout(world_size=8, tp=2, cp=2, pp=2)  # dp is 1
+
+
+def _to_mesh() -> dict[str, Any]:
+    collection = reg.build(_GRID, explicit_singletons=True)
+    created = reg.default_registry.groups_created
+    full = to_device_mesh(_GRID, collection, ("pp", "dp", "cp", "tp"))
+    part = to_device_mesh(_GRID, collection, ("tp", "pp"))
+    plain = reg.build(_GRID, name="plain")
+    other = reg.build(ParallelLayout(world_size=8, tp=4, pp=2), explicit_singletons=True)
+    return {
+        "mesh": full.mesh.tolist(),
+        "dim_names": full.mesh_dim_names,
+        "reused": [full.get_group(a) is collection.get(a) for a in ("pp", "dp", "cp", "tp")],
+        "masks": [_mask(full.get_group(a)) for a in ("pp", "dp", "cp", "tp")],
+        "local": [full.get_local_rank(a) for a in ("pp", "dp", "cp", "tp")],
+        "coordinate": list(full.get_coordinate() or ()),
+        "part": part.mesh.tolist(),
+        "part_masks": [_mask(part.get_group(a)) for a in ("tp", "pp")],
+        "created": reg.default_registry.groups_created - created,
+        "errors": _errors({
+            "off": lambda: to_device_mesh(_GRID, plain, ("dp", "tp")),
+            "unset": lambda: to_device_mesh(_GRID, ProcessGroupCollection(tp=collection.get("tp")), ("cp", "tp")),
+            "axis": lambda: to_device_mesh(_GRID, collection, ("tp", "ep")),
+            "repeated": lambda: to_device_mesh(_GRID, collection, ("tp", "tp")),
+            "other_layout": lambda: to_device_mesh(_GRID, other, ("pp", "tp")),
+        }),
+    }
+
+
+def test_to_device_mesh_reuses_the_collection_groups() -> None:
+    results = run_world(8, _to_mesh)
+    # The default order: rank = tp + 2*(cp + 2*(dp + 1*pp)).
+    expected_mesh = [[[[t + 2 * (c + 2 * (d + p)) for t in range(2)] for c in range(2)] for d in range(1)]
+                     for p in range(2)]
+    for rank, out in enumerate(results):
+        coords = _GRID.coords(rank)
+        mine = _GRID.groups_of(rank)
+        assert out["mesh"] == expected_mesh
+        assert out["dim_names"] == ("pp", "dp", "cp", "tp")
+        assert out["reused"] == [True] * 4
+        assert out["masks"] == [_bits(mine[a]) for a in ("pp", "dp", "cp", "tp")]
+        assert out["local"] == [coords[a] for a in ("pp", "dp", "cp", "tp")]
+        assert out["coordinate"] == [coords[a] for a in ("pp", "dp", "cp", "tp")]
+        # This rank's (tp, pp) slice: its cp coordinate fixed.
+        assert out["part"] == [[t + 2 * coords["cp"] + 4 * p for p in range(2)] for t in range(2)]
+        assert out["part_masks"] == [_bits(mine["tp"]), _bits(mine["pp"])]
+        assert out["created"] == 0
+        errors = out["errors"]
+        assert errors["off"].startswith("ValueError: axis 'dp' is None (axis off) in the collection;")
+        assert "explicit_singletons=True" in errors["off"]
+        assert errors["unset"].startswith("ValueError: axis 'cp' is UNSET in the collection;")
+        assert errors["axis"].startswith("ValueError: axes ('tp', 'ep') must be distinct names from")
+        assert errors["repeated"].startswith("ValueError: axes ('tp', 'tp') must be distinct names")
+        assert errors["other_layout"].startswith("ValueError: the collection's 'tp' group holds ranks [")
+        assert "the collection was built for another layout" in errors["other_layout"]
