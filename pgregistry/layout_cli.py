@@ -1,0 +1,165 @@
+"""``pgregistry layout``: the groups a layout creates, without creating any.
+
+Prints every group kind (which grid and axes it spans, how many groups, their size, the first few) and, with
+``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. Invalid sizes exit 2 with
+the layout's own message. Torch is imported only inside the handler (the layout arithmetic needs it), as the
+CLI table requires.
+
+:func:`add_layout_arguments` and :func:`layout_from_args` are the shared way for a sub-command to take a layout
+on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pgregistry.layout import ParallelLayout
+
+__all__ = ["add_command", "add_layout_arguments", "layout_from_args"]
+
+
+def add_command(subparsers: Any) -> None:
+    """Register the ``layout`` sub-command."""
+    parser = subparsers.add_parser(
+        "layout",
+        help="print the process groups a parallel layout creates",
+        description=(
+            "Enumerate every group kind of a layout (Megatron-Core's rank arithmetic) without creating process "
+            "groups: number of groups, group size and the first groups; with --rank, one rank's coordinates "
+            "and groups."
+        ),
+    )
+    add_layout_arguments(parser)
+    parser.add_argument("--rank", type=int, default=None, help="also show this rank's coordinates and groups")
+    parser.add_argument("--show", type=int, default=3, help="how many groups of each kind to list (default 3)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(handler=_run)
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that declare a :class:`~pgregistry.layout.ParallelLayout`."""
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
+    parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
+    parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
+
+
+def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
+    """The layout :func:`add_layout_arguments` declared; ``ValueError`` (the layout's message) when invalid."""
+    from pgregistry.layout import ParallelLayout
+
+    sizes: dict[str, Any] = {
+        "world_size": args.world_size, "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
+        "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
+    }
+    if args.etp is not None:
+        sizes["etp"] = args.etp
+    if args.order is not None:
+        sizes["order"] = args.order
+    return ParallelLayout(**sizes)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        if args.show < 0:
+            raise ValueError(f"--show must be non-negative, got {args.show}")
+        layout = layout_from_args(args)
+        report = _report(layout, args.show, args.rank)
+    except ValueError as exc:
+        print(f"pgregistry layout: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report) if args.json else _table(report))
+    return 0
+
+
+def _report(layout: ParallelLayout, show: int, rank: int | None) -> dict[str, Any]:
+    from pgregistry.layout import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, GROUP_KINDS
+
+    kinds: dict[str, Any] = {}
+    for kind in GROUP_KINDS:
+        groups = layout.groups_tensor(kind)  # one tensor per kind, even at 100k+ ranks
+        if kind in DENSE_GROUP_KINDS:
+            spans = f"dense {DENSE_GROUP_KINDS[kind]}"
+        elif kind in EXPERT_GROUP_KINDS:
+            spans = f"expert {EXPERT_GROUP_KINDS[kind]}"
+        else:
+            spans = "pp first+last" if kind == "embd" else "pp first"
+        kinds[kind] = {
+            "spans": spans, "groups": int(groups.shape[0]), "size": int(groups.shape[1]),
+            "first": groups[:show].tolist(),
+        }
+    report: dict[str, Any] = {
+        "layout": {
+            "world_size": layout.world_size, "order": layout.order, **layout.axis_sizes(),
+            "fingerprint": layout.fingerprint(),
+        },
+        "kinds": kinds,
+    }
+    if rank is not None:
+        groups_of = layout.groups_of(rank)
+        report["rank"] = {
+            "rank": rank, "coords": layout.coords(rank),
+            "groups": {kind: None if g is None else list(g) for kind, g in groups_of.items()},
+        }
+    return report
+
+
+_SHOWN_RANKS = 8
+
+
+def _ranks(group: list[int]) -> str:
+    """A group for the table: in full up to 8 ranks, else its first ranks, the last one and its size."""
+    if len(group) <= _SHOWN_RANKS:
+        return "[" + ", ".join(map(str, group)) + "]"
+    head = ", ".join(map(str, group[: _SHOWN_RANKS - 2]))
+    return f"[{head}, ..., {group[-1]}]({len(group)})"
+
+
+def _table(report: dict[str, Any]) -> str:
+    sizes = report["layout"]
+    lines = [
+        f"layout: {sizes['world_size']} ranks, order {sizes['order']}; "
+        + ", ".join(f"{axis} {sizes[axis]}" for axis in (
+            "tp", "gtp_remat", "cp", "dp", "pp", "etp", "ep", "expt_gtp_remat", "expt_dp",
+        ))
+        + f"; fingerprint {sizes['fingerprint']}",
+        "",
+    ]
+    rows = [("kind", "spans", "groups", "size", "first groups")]
+    for kind, info in report["kinds"].items():
+        first = " ".join(_ranks(g) for g in info["first"])
+        if info["groups"] > len(info["first"]):
+            first += " ..."
+        rows.append((kind, info["spans"], str(info["groups"]), str(info["size"]), first))
+    lines += _aligned(rows, numeric=(2, 3))
+    mine = report.get("rank")
+    if mine is not None:
+        coords = ", ".join(f"{axis} {value}" for axis, value in mine["coords"].items())
+        lines += ["", f"rank {mine['rank']}: {coords}", ""]
+        group_rows = [("kind", "group")]
+        group_rows += [
+            (kind, "-" if group is None else _ranks(group)) for kind, group in mine["groups"].items()
+        ]
+        lines += _aligned(group_rows, numeric=())
+    return "\n".join(lines)
+
+
+def _aligned(rows: list[tuple[str, ...]], numeric: tuple[int, ...]) -> list[str]:
+    """Rows as text columns; the ``numeric`` columns right-aligned, the last one left as it is."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    out = []
+    for row in rows:
+        cells = [
+            cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])
+        ]
+        out.append("  ".join([*cells, row[-1]]).rstrip())
+    return out
