@@ -277,13 +277,14 @@ def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) 
     for grad in grads:
         if grad.numel():
             by_kind[(grad.device, grad.dtype)].append(grad)
-    for same_kind in by_kind.values():
-        # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32.
-        norms = torch.stack(torch._foreach_norm(same_kind, p, dtype=torch.float32)).to(device)
-        if math.isinf(p):
-            share = torch.maximum(share, norms.max())
-        else:
-            share = share + norms.pow(p).sum()
+    for (_, dtype), same_kind in by_kind.items():
+        # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32 at least
+        # (float64 grads stay float64 until their share is summed).
+        accumulate = torch.promote_types(dtype, torch.float32)
+        norms = torch.stack(torch._foreach_norm(same_kind, p, dtype=accumulate))
+        part = norms.max() if math.isinf(p) else norms.pow(p).sum()
+        part = part.to(device=device, dtype=torch.float32)
+        share = torch.maximum(share, part) if math.isinf(p) else share + part
     return share
 
 
