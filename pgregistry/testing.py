@@ -71,6 +71,9 @@ def run_world(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
+    # Import torch once here, so every forked rank inherits it instead of importing it again (seconds each).
+    import torch.distributed  # noqa: F401
+
     store_dir = tempfile.mkdtemp(prefix="pgregistry-world-")
     sys.stdout.flush()
     sys.stderr.flush()
