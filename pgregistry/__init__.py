@@ -35,6 +35,10 @@ _LAZY: dict[str, str] = {
     "localize_expert_keys": "pgregistry.experts",
     "get_ep_rank_and_size": "pgregistry.experts",
     "model_parallel_manual_seed": "pgregistry.rng",
+    "grad_norm": "pgregistry.grad_stats",
+    "count_zeros": "pgregistry.grad_stats",
+    "clip_grad_norm_": "pgregistry.grad_stats",
+    "audit_grad_replication": "pgregistry.audit",
 }
 
 
