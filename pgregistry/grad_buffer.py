@@ -48,6 +48,7 @@ __all__ = [
     "Span",
     "all_reduce_grads_",
     "class_spans",
+    "count_nonzero_by_rows",
     "reduce_norm_terms",
     "reduce_zero_counts",
     "reduce_scatter_grads_",
@@ -133,10 +134,10 @@ class GradBuffer:
         device: torch.device | str | None = None,
         shard_multiple: int = 1,
     ) -> None:
-        if not params:
-            raise ValueError("GradBuffer needs at least one parameter")
         if shard_multiple < 1:
             raise ValueError(f"shard_multiple must be positive, got {shard_multiple}")
+        if not params and (dtype is None or device is None):
+            raise ValueError("a GradBuffer without parameters needs an explicit dtype and device")
         dtype = dtype if dtype is not None else params[0].dtype
         device = torch.device(device) if device is not None else params[0].device
         classes = [_class_of(p, groups) for p in params]
@@ -240,20 +241,26 @@ def span_zero_counts(data: torch.Tensor, spans: Iterable[Span]) -> dict[GroupKey
 
 
 def _count_nonzero(view: torch.Tensor) -> torch.Tensor:
-    """Non-zero elements of a 1-D contiguous ``view`` as an int64 tensor, without a mask of its size."""
+    """Non-zero elements of a 1-D contiguous ``view`` as a 0-dim int64 tensor, without a mask of its size."""
     if view.device.type == "cpu":
-        return torch.count_nonzero(view)
-    rows = view.numel() // ZERO_COUNT_ROW
-    bulk = rows * ZERO_COUNT_ROW
-    parts = []
+        return torch.count_nonzero(view)  # the CPU kernel counts in place
+    return count_nonzero_by_rows(view, ZERO_COUNT_ROW)
+
+
+def count_nonzero_by_rows(view: torch.Tensor, row: int) -> torch.Tensor:
+    """Non-zero elements of a 1-D contiguous ``view``: ``vector_norm(ord=0)`` over rows of at most ``row``
+    elements (exact in float32 for rows up to 2**24), row counts summed in float64. Two reductions whatever the
+    length, and only the per-row outputs are allocated (on CUDA, bf16/fp16 are cast inside the kernel)."""
+    acc = _float_dtype(view.dtype)
+    rows = view.numel() // row
+    bulk = rows * row
+    total = torch.zeros((), dtype=torch.float64, device=view.device)
     if rows:
-        rows_view = view[:bulk].view(rows, ZERO_COUNT_ROW)
-        per_row = torch.linalg.vector_norm(rows_view, 0, dim=1, dtype=_float_dtype(view.dtype))
-        parts.append(per_row.sum(dtype=torch.float64))
+        per_row = torch.linalg.vector_norm(view[:bulk].view(rows, row), 0, dim=1, dtype=acc)
+        total = total + per_row.sum(dtype=torch.float64)
     if bulk < view.numel():
-        rest = torch.linalg.vector_norm(view[bulk:], 0, dtype=_float_dtype(view.dtype))
-        parts.append(rest.to(torch.float64))
-    return torch.stack(parts).sum().to(torch.int64)
+        total = total + torch.linalg.vector_norm(view[bulk:], 0, dtype=acc)
+    return total.to(torch.int64)
 
 
 def reduce_norm_terms(terms: Mapping[GroupKey, Sequence[torch.Tensor]], norm_type: float = 2.0) -> torch.Tensor:
@@ -291,7 +298,7 @@ def all_reduce_grads_(
     of at most ``bucket_numel`` elements (default: one bucket), never one per tensor. No-op when the group is off.
     """
     size = group_size(group)
-    if size == 1:
+    if size == 1 or buffer.numel == 0:  # data-parallel replicas hold the same parameters: all skip alike
         return
     if average:
         buffer.data.div_(size)
@@ -308,7 +315,7 @@ def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, ave
     """
     start, stop = buffer.shard_range(group)
     size = group_size(group)
-    if size == 1:
+    if size == 1 or buffer.numel == 0:
         return start, stop
     if average:
         buffer.data.div_(size)

@@ -1,0 +1,32 @@
+"""Optimizers that take a process-group collection: mixed-precision, sharded and chained, over flat grad buffers.
+
+:func:`build_optimizer` is the entry point: it splits a model's dense and routed-expert parameters, validates the
+collection and returns a :class:`ChainedOptimizer` of a :class:`MixedPrecisionOptimizer` or
+:class:`ShardedOptimizer` per kind. A training step::
+
+    loss.backward()
+    optimizer.sync_grads()           # average grads over dp_cp (dense) / expt_dp (experts)
+    optimizer.clip_grad_norm(1.0)    # global norm with each child's own groups
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
+from pgregistry.optim.builder import build_optimizer, inner_factory
+from pgregistry.optim.chained import ChainedOptimizer
+from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
+from pgregistry.optim.setup import setup_process_groups_for_ddp, setup_process_groups_for_optimizer
+from pgregistry.optim.sharded import ShardedOptimizer
+
+__all__ = [
+    "ChainedOptimizer",
+    "FlatOptimizer",
+    "InnerFactory",
+    "MixedPrecisionOptimizer",
+    "ParamNameFn",
+    "ShardedOptimizer",
+    "build_optimizer",
+    "inner_factory",
+    "setup_process_groups_for_ddp",
+    "setup_process_groups_for_optimizer",
+]

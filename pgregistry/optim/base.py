@@ -1,0 +1,248 @@
+"""What every pgregistry optimizer shares: grads in a :class:`~pgregistry.grad_buffer.GradBuffer`, statistics
+over its spans, clipping, and the wiring of model parameters to the buffer.
+
+An optimizer here holds the parameters of one kind, dense or routed-expert (the builder splits them and chains
+the two), because the two kinds differ in every group they use: grads are averaged over ``dp_cp`` or ``expt_dp``,
+counted with the dense or the expert TP group, and summed over ``mp`` or ``tp_ep_pp`` (the whole instance,
+``intra_dist_opt``, for a sharded optimizer).
+
+Statistics are computed from the *role tensors* the optimizer steps (mixed-precision main copies, shard pieces),
+classified once at construction. Those copies carry their roles only through
+:func:`pgregistry.params.copy_param_roles`; seed 000's bug was a copy that lost ``allreduce=False``.
+
+Grads reach the buffer without a second copy. A parameter whose dtype is the buffer's gets ``param.grad`` set to
+its buffer view, and autograd accumulates into it in place; a low-precision parameter of a mixed-precision
+optimizer gets ``param.main_grad`` (its float32 view) and a post-accumulate hook that adds each new ``.grad``
+into it and frees it. ``param.main_grad`` is set in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`:
+``model.zero_grad()`` sets ``.grad`` to ``None`` and detaches it from the buffer, which
+:meth:`FlatOptimizer.sync_grads` detects and refuses.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+import torch.distributed as dist
+
+from pgregistry.collection import UNSET, ProcessGroupCollection
+from pgregistry.grad_buffer import (
+    GradBuffer,
+    GroupKey,
+    Span,
+    reduce_norm_terms,
+    reduce_zero_counts,
+    span_norms,
+    span_zero_counts,
+)
+from pgregistry.grad_stats import clip_grads_, set_duplicate_filter_groups
+from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
+from pgregistry.params import is_expert_param
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.utils.hooks import RemovableHandle
+
+    from pgregistry.grad_stats import StatsGroups
+
+__all__ = ["FlatOptimizer", "InnerFactory", "ParamNameFn", "backend_device", "combine_norms", "required_group"]
+
+InnerFactory: TypeAlias = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the inner update rule over the tensors to step, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``."""
+
+ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
+"""Names a model parameter (state-dict keys, error messages), e.g. a global, expert-aware name."""
+
+
+class FlatOptimizer(abc.ABC):
+    """Base of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and :class:`~pgregistry.optim.ShardedOptimizer`.
+
+    Subclasses set :attr:`buffer`, :attr:`inner` (``None`` when this rank steps nothing) and, with
+    :meth:`_set_stats`, the statistics spans and the group they reduce over, and implement :meth:`sync_grads`,
+    :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict`.
+    """
+
+    stats_groups: StatsGroups
+    """Duplicate-filter and reduction groups, attached by :func:`~pgregistry.grad_stats.set_duplicate_filter_groups`."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        pg_collection: ProcessGroupCollection | None,
+        *,
+        expert: bool,
+        sharded: bool,
+        process_groups: OptimizerProcessGroups | None,
+        param_name_fn: ParamNameFn | None,
+    ) -> None:
+        self.params: list[torch.Tensor] = list(params)
+        """The model parameters this optimizer updates (one kind: all dense or all routed experts)."""
+        self.expert = expert
+        positions = {id(p): i for i, p in enumerate(self.params)}
+        self._name_fn: ParamNameFn = param_name_fn or (lambda p: f"param[{positions[id(p)]}]")
+        if len(positions) != len(self.params):
+            raise ValueError("a parameter is listed twice")
+        for param in self.params:
+            if not isinstance(param, torch.Tensor) or not param.is_floating_point():
+                raise TypeError(f"{self.param_name(param)} is not a floating-point tensor")
+            if is_expert_param(param) != expert:
+                kind = "a routed-expert" if is_expert_param(param) else "a dense"
+                raise ValueError(
+                    f"{self.param_name(param)} is {kind} parameter but this optimizer was built with expert={expert}; "
+                    "give dense and expert parameters to separate optimizers (build_optimizer does)"
+                )
+        self.process_groups: OptimizerProcessGroups = process_groups or setup_process_groups_for_optimizer(
+            pg_collection, use_distributed_optimizer=sharded
+        )
+        set_duplicate_filter_groups(self, pg_collection)  # type: ignore[arg-type]
+        self.buffer: GradBuffer
+        self.inner: torch.optim.Optimizer | None = None
+        self._stat_spans: tuple[Span, ...] = ()
+        self._reduce_keys: tuple[GroupKey, ...] = ()
+        self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hooks: list[RemovableHandle] = []
+
+    # ------------------------------------------------------------------------------------------- naming
+
+    def param_name(self, param: torch.Tensor) -> str:
+        """The caller's name for ``param`` (``param_name_fn``), else its position."""
+        return self._name_fn(param)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (change ``lr`` there); empty when this rank steps nothing."""
+        return self.inner.param_groups if self.inner is not None else []
+
+    # ------------------------------------------------------------------------------------------- wiring
+
+    def _attach_grads(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
+        """Make each view the only home of its parameter's grad (``.grad`` in place, or ``.main_grad`` + hook)."""
+        for param, view in zip(params, views, strict=True):
+            param.main_grad = view  # type: ignore[attr-defined]
+            if param.dtype == view.dtype:
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                param.grad = view
+                self._direct.append((param, view))
+                continue
+            if param.grad is not None:
+                view.copy_(param.grad)
+                param.grad = None
+            self._hooks.append(param.register_post_accumulate_grad_hook(_accumulate_into(view)))
+
+    def _check_grads_attached(self) -> None:
+        for param, view in self._direct:
+            if param.grad is not view:
+                raise RuntimeError(
+                    f"{self.param_name(param)}.grad is no longer a view of the optimizer's grad buffer (set to None "
+                    "by model.zero_grad() or assigned?); zero grads with optimizer.zero_grad()"
+                )
+
+    def _device(self) -> torch.device:
+        """Where the buffer lives: the parameters' device; with no parameters, the one the backend reduces on."""
+        return self.params[0].device if self.params else backend_device(None)
+
+    def _make_inner(self, factory: InnerFactory, tensors: list[torch.Tensor]) -> None:
+        self.inner = factory(tensors) if tensors else None
+
+    # ------------------------------------------------------------------------------------------- statistics
+
+    def _set_stats(self, spans: tuple[Span, ...], group: ProcessGroup | None) -> None:
+        """Statistics run over ``spans`` of the buffer; ``group`` is always reduced, even with nothing counted
+        here, so every rank of it issues the same collectives."""
+        self._stat_spans = spans
+        keys: list[GroupKey] = [group]
+        for span in spans:
+            if span.counted and not any(span.group is key for key in keys):
+                keys.append(span.group)
+        self._reduce_keys = tuple(keys)
+
+    def stats_reduce_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """The groups this optimizer's statistics reduce over."""
+        return self._reduce_keys
+
+    def local_norm_terms(self, norm_type: float = 2.0) -> dict[GroupKey, list[torch.Tensor]]:
+        """Reduction group -> this rank's per-span norms of its counted grads (every group a key, even empty)."""
+        terms = span_norms(self.buffer.data, self._stat_spans, norm_type)
+        return {key: terms.get(key, []) for key in self._reduce_keys}
+
+    def local_zero_counts(self) -> dict[GroupKey, list[torch.Tensor]]:
+        """Reduction group -> this rank's per-span zero counts of its counted grads (every group a key)."""
+        counts = span_zero_counts(self.buffer.data, self._stat_spans)
+        return {key: counts.get(key, []) for key in self._reduce_keys}
+
+    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global grad norm of the model this optimizer covers (0-dim float32, no host sync)."""
+        return reduce_norm_terms(self.local_norm_terms(norm_type), norm_type)
+
+    def count_zeros(self) -> torch.Tensor:
+        """The global number of zero grad elements, each distinct element counted once (0-dim int64)."""
+        return reduce_zero_counts(self.local_zero_counts(), device=self.buffer.data.device)
+
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates included."""
+        return [self.buffer.data]
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping."""
+        total = self.get_grad_norm(norm_type)
+        clip_grads_(self.grads_to_clip(), max_norm, total)
+        return total
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def zero_grad(self) -> None:
+        """Zero every grad at once (the buffer); grads stay views of it."""
+        self.buffer.data.zero_()
+
+    @abc.abstractmethod
+    def sync_grads(self) -> None:
+        """Average the grads over the data-parallel group (``expt_dp`` for experts, ``dp_cp`` otherwise)."""
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """Apply the inner update rule and write the result to the model parameters."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state (inner state and main copies), keyed by parameter name."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (same layout, same names)."""
+
+
+def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        view.add_(param.grad)  # type: ignore[arg-type]
+        param.grad = None
+
+    return hook
+
+
+def backend_device(group: ProcessGroup | None) -> torch.device:
+    """The device collectives over ``group`` (the default group for ``None``) need: CUDA for NCCL, else CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def combine_norms(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of a whole from the norms of disjoint parts: ``(sum n_i^p)^(1/p)``, max for the inf-norm."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    stacked = torch.stack([n.reshape(()).to(torch.float32) for n in norms])
+    if math.isinf(norm_type):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def required_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:
+    """``groups.<name>`` (a group, or ``None`` when the axis is off), refusing an unset one with a ``ValueError``."""
+    value = getattr(groups, name)
+    if value is UNSET:
+        raise ValueError(f"the optimizer needs process group {name!r}, which is not set in the collection")
+    return value  # type: ignore[no-any-return]

@@ -1,0 +1,126 @@
+"""A mixed-precision optimizer: low-precision model parameters, float32 main copies, float32 grads in one buffer.
+
+Each bf16/fp16 parameter gets a float32 main copy made with :func:`pgregistry.params.copy_param_roles`, so its roles
+(``allreduce=False`` above all) survive: the statistics classify the main copies, and seed 000's anchor bug was a
+main copy without ``allreduce=False``, which turned every expert into a dense parameter counted on dense-TP rank 0
+only. Parameters already in the main dtype are their own main copy. With ``main_dtype=None`` there are no copies:
+the optimizer steps the model parameters in their own dtype (plain full- or low-precision training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from pgregistry.collection import ProcessGroupCollection
+from pgregistry.grad_buffer import GradBuffer, all_reduce_grads_
+from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
+from pgregistry.optim.setup import OptimizerProcessGroups
+from pgregistry.params import copy_param_roles
+
+__all__ = ["MixedPrecisionOptimizer"]
+
+
+class MixedPrecisionOptimizer(FlatOptimizer):
+    """Steps float32 main copies of ``params`` with ``inner`` and writes them back to the model.
+
+    Args:
+        params: the model parameters, all dense or all routed experts (``expert``).
+        pg_collection: the model's collection (``None``: the global grid, with fallback warnings).
+        inner: the update rule over the main params, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
+        expert: whether ``params`` are routed-expert parameters (averaged over ``expt_dp``, counted with the
+            expert TP group, reduced over ``tp_ep_pp``) or dense ones (``dp_cp``, TP group, ``mp``).
+        main_dtype: dtype of the main copies and grads; ``None`` steps the parameters themselves.
+        bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one bucket).
+        process_groups: groups already validated by
+            :func:`~pgregistry.optim.setup.setup_process_groups_for_optimizer` (the builder passes them).
+        param_name_fn: names parameters in state dicts and errors.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        pg_collection: ProcessGroupCollection | None,
+        *,
+        inner: InnerFactory,
+        expert: bool = False,
+        main_dtype: torch.dtype | None = torch.float32,
+        bucket_numel: int | None = None,
+        process_groups: OptimizerProcessGroups | None = None,
+        param_name_fn: ParamNameFn | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            pg_collection,
+            expert=expert,
+            sharded=False,
+            process_groups=process_groups,
+            param_name_fn=param_name_fn,
+        )
+        self.grad_sync_group = self.process_groups.expt_dp if expert else self.process_groups.dp_cp
+        """Grads are averaged over this group: ``expt_dp`` for experts, ``dp_cp`` for dense parameters."""
+        self.bucket_numel = bucket_numel
+        dtypes = {p.dtype for p in self.params}
+        if main_dtype is None and len(dtypes) > 1:
+            raise ValueError(
+                f"main_dtype=None steps the parameters in their own dtype, but they mix {sorted(map(str, dtypes))}; "
+                "give each dtype its own optimizer or set main_dtype"
+            )
+        buffer_dtype = main_dtype or next(iter(dtypes), torch.float32)
+        self.main_params: list[torch.Tensor] = [
+            p if p.dtype == buffer_dtype else copy_param_roles(p, torch.nn.Parameter(p.detach().to(buffer_dtype)))
+            for p in self.params
+        ]
+        """What ``inner`` steps: the float32 copy of each lower-precision parameter, else the parameter."""
+        self._copies = [(p, m) for p, m in zip(self.params, self.main_params, strict=True) if m is not p]
+        # The main copies decide the layout and the statistics: their roles are what the optimizer counts.
+        self.buffer = GradBuffer(self.main_params, self.stats_groups, dtype=buffer_dtype, device=self._device())
+        for param, main, view in zip(self.params, self.main_params, self.buffer.views, strict=True):
+            if main is not param:
+                main.grad = view
+        self._attach_grads(self.params, self.buffer.views)
+        groups = self.stats_groups
+        self._set_stats(self.buffer.spans, groups.expert_reduce if expert else groups.dense_reduce)
+        self._make_inner(inner, self.main_params)
+
+    def sync_grads(self) -> None:
+        """All-reduce (average) the grad buffer over :attr:`grad_sync_group`, one collective per bucket."""
+        self._check_grads_attached()
+        all_reduce_grads_(self.buffer, self.grad_sync_group, bucket_numel=self.bucket_numel)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the main params, then copy them (rounded) into the model parameters."""
+        if self.inner is not None:
+            self.inner.step()
+        self._copy_main_to_model()
+
+    def _copy_main_to_model(self) -> None:
+        if self._copies:
+            models, mains = zip(*self._copies, strict=True)
+            torch._foreach_copy_(list(models), list(mains))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"inner": inner state dict (or None), "main_params": {name: main copy}}`` (references, not copies)."""
+        return {
+            "inner": self.inner.state_dict() if self.inner is not None else None,
+            "main_params": {self.param_name(p): m.detach() for p, m in self._copies},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output and copy the restored main params into the model."""
+        saved = state_dict["main_params"]
+        names = {self.param_name(p): m for p, m in self._copies}
+        if set(saved) != set(names):
+            missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+            raise ValueError(f"main params do not match: missing {missing}, unexpected {unexpected}")
+        if (state_dict["inner"] is None) != (self.inner is None):
+            raise ValueError("the state dict was saved by an optimizer with a different set of parameters")
+        for name, main in names.items():
+            main.copy_(saved[name])
+        if self.inner is not None:
+            self.inner.load_state_dict(state_dict["inner"])
+        self._copy_main_to_model()

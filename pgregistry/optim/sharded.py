@@ -1,0 +1,186 @@
+"""A sharded (distributed) optimizer: main params and optimizer state partitioned over the data-parallel group.
+
+Like Megatron-Core's distributed optimizer. The model parameters and their grads each live in one flat buffer with
+the same layout, padded to equal shards over the sharding group (``dp_cp`` for dense parameters, ``expt_dp`` for
+experts; one optimizer instance). A step is: reduce-scatter the grads (one collective; each rank keeps the average
+of its shard), step float32 main copies of the shard's pieces, write them into the parameter buffer, all-gather it
+(one collective).
+
+Statistics: shards are disjoint across the sharding group and the duplicate filters drop TP/GTP duplicates, so the
+norm and zero count are summed over the whole instance (``intra_dist_opt``). The pieces are classified by their
+own roles, copied with :func:`pgregistry.params.copy_param_roles`.
+
+The inner update rule must be elementwise (Adam, AdamW, SGD): it sees only pieces of parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
+from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
+from pgregistry.optim.setup import OptimizerProcessGroups
+from pgregistry.params import copy_param_roles
+
+__all__ = ["ShardedOptimizer"]
+
+
+@attrs.frozen(slots=True, eq=False)
+class _Piece:
+    """The part ``[start, stop)`` of the buffers that lies in this rank's shard and belongs to ``param``."""
+
+    param: torch.Tensor
+    main: torch.Tensor
+    start: int
+    stop: int
+    offset: int
+    """Where the piece starts inside the flattened parameter."""
+
+
+class ShardedOptimizer(FlatOptimizer):
+    """Steps this rank's shard of ``params`` with ``inner``; see the module docstring.
+
+    Args are those of :class:`~pgregistry.optim.MixedPrecisionOptimizer`, less ``bucket_numel``; ``main_dtype``
+    is the dtype of the shard's main copies and of the grads (``None``: the parameters' dtype). Parameters must
+    share one dtype (they are gathered through one buffer). ``param_name_fn`` keys the state dict, so a caller
+    can key it by global, expert-aware names.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        pg_collection: ProcessGroupCollection | None,
+        *,
+        inner: InnerFactory,
+        expert: bool = False,
+        main_dtype: torch.dtype | None = torch.float32,
+        process_groups: OptimizerProcessGroups | None = None,
+        param_name_fn: ParamNameFn | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            pg_collection,
+            expert=expert,
+            sharded=True,
+            process_groups=process_groups,
+            param_name_fn=param_name_fn,
+        )
+        groups = self.process_groups
+        if group_size(groups.inter_dist_opt) > 1:
+            raise ValueError(
+                "inter_dist_opt spans several distributed-optimizer instances; ShardedOptimizer supports one "
+                "instance (set inter_dist_opt to None)"
+            )
+        self.shard_group = groups.intra_expt_dp if expert else groups.intra_dp_cp
+        """Main params, state and grads are sharded over this group (``expt_dp`` / ``dp_cp`` of one instance)."""
+        norm_group = required_group(groups, "intra_dist_opt")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"ShardedOptimizer gathers its parameters through one buffer, but they mix "
+                f"{sorted(map(str, dtypes))}; give each dtype its own optimizer"
+            )
+        param_dtype = next(iter(dtypes), main_dtype or torch.float32)
+        main_dtype = main_dtype or param_dtype
+        device = self._device()
+        self.buffer = GradBuffer(
+            self.params, self.stats_groups, dtype=main_dtype, device=device, shard_multiple=group_size(self.shard_group)
+        )
+        self._attach_grads(self.params, self.buffer.views)
+        self.param_data = torch.zeros(self.buffer.numel, dtype=param_dtype, device=device)
+        """Every parameter's data (each ``param.data`` is a view), laid out like the grad buffer."""
+        with torch.no_grad():
+            for param, offset in zip(self.params, self.buffer.offsets, strict=True):
+                view = self.param_data[offset : offset + param.numel()].view(param.shape)
+                view.copy_(param)
+                param.data = view
+        self.shard = self.buffer.shard_range(self.shard_group)
+        """``[start, stop)`` of this rank's shard in both buffers."""
+        self._pieces = self._make_pieces(main_dtype)
+        entries = [(piece.main, piece.start, piece.stop) for piece in self._pieces]
+        self._set_stats(class_spans(entries, self.stats_groups, reduce_over=norm_group), norm_group)
+        self._make_inner(inner, [piece.main for piece in self._pieces])
+
+    def _make_pieces(self, main_dtype: torch.dtype) -> list[_Piece]:
+        start, stop = self.shard
+        pieces = []
+        for param, offset in zip(self.params, self.buffer.offsets, strict=True):
+            lo, hi = max(offset, start), min(offset + param.numel(), stop)
+            if lo >= hi:
+                continue
+            main = torch.nn.Parameter(self.param_data[lo:hi].to(main_dtype, copy=True))
+            copy_param_roles(param, main)
+            main.grad = self.buffer.data[lo:hi]
+            pieces.append(_Piece(param=param, main=main, start=lo, stop=hi, offset=lo - offset))
+        return sorted(pieces, key=lambda piece: piece.start)
+
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        start, stop = self.shard
+        return [self.buffer.data[start:stop]]
+
+    def sync_grads(self) -> None:
+        """Reduce-scatter (average) the grads over :attr:`shard_group`: one collective, this rank keeps its shard."""
+        self._check_grads_attached()
+        reduce_scatter_grads_(self.buffer, self.shard_group)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the shard's main copies, write them into the parameter buffer and all-gather it."""
+        if self.inner is not None:
+            self.inner.step()
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._pieces:
+            targets = [self.param_data[piece.start : piece.stop] for piece in self._pieces]
+            torch._foreach_copy_(targets, [piece.main for piece in self._pieces])
+        if group_size(self.shard_group) > 1 and self.buffer.numel:
+            start, stop = self.shard
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            all_gather(self.param_data, self.param_data[start:stop], group=self.shard_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"param_groups": ..., "shards": {name: {"offset", "numel", "main", "state"}}}`` for this rank's shard.
+
+        ``name`` is ``param_name_fn(param)``; ``offset`` and ``numel`` locate the piece in the flattened
+        parameter. Tensors are references, not copies.
+        """
+        inner = self.inner.state_dict() if self.inner is not None else {"state": {}, "param_groups": []}
+        shards = {
+            self.param_name(piece.param): {
+                "offset": piece.offset,
+                "numel": piece.stop - piece.start,
+                "main": piece.main.detach(),
+                "state": inner["state"].get(index, {}),
+            }
+            for index, piece in enumerate(self._pieces)
+        }
+        return {"param_groups": inner["param_groups"], "shards": shards}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output saved with the same sharding. Collective over :attr:`shard_group`
+        (the restored shards are all-gathered into the model)."""
+        shards = state_dict["shards"]
+        names = [self.param_name(piece.param) for piece in self._pieces]
+        if set(shards) != set(names):
+            missing, unexpected = sorted(set(names) - set(shards)), sorted(set(shards) - set(names))
+            raise ValueError(f"shards do not match: missing {missing}, unexpected {unexpected}")
+        for name, piece in zip(names, self._pieces, strict=True):
+            entry = shards[name]
+            if (entry["offset"], entry["numel"]) != (piece.offset, piece.stop - piece.start):
+                raise ValueError(
+                    f"{name}: saved piece [{entry['offset']}, +{entry['numel']}) differs from this rank's "
+                    f"[{piece.offset}, +{piece.stop - piece.start}); resharding is not supported"
+                )
+            piece.main.copy_(entry["main"])
+        if self.inner is not None:
+            state = {index: shards[name]["state"] for index, name in enumerate(names) if shards[name]["state"]}
+            self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        self._publish()
