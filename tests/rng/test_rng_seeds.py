@@ -231,3 +231,18 @@ def test_cli_module_does_not_import_torch() -> None:
     code = "import sys, argparse, pgregistry.rng_cli as m; m.add_command(argparse.ArgumentParser().add_subparsers())"
     code += "; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_console_command_end_to_end() -> None:
+    argv = ["seed-plan", "--world-size", "72", "--tp", "8", "--ep", "18", "--etp", "2", "--seed", "1234", "--check"]
+    done = subprocess.run([sys.executable, "-m", "pgregistry", *argv], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    # tp=6/etp=0 and tp=7/etp=1 at ep=17: ranks 70 and 71 of this layout.
+    assert done.stdout.splitlines() == [
+        "seed 3958 is used by trackers model-parallel-rng, expert-parallel-rng on rank 70",
+        "seed 3959 is used by trackers model-parallel-rng, expert-parallel-rng on rank 71",
+    ]
+    layout = ParallelLayout(world_size=72, tp=8, ep=18, etp=2)
+    assert [(layout.coords(r)["tp"], layout.coords(r)["ep"], layout.coords(r)["etp"]) for r in (70, 71)] == [
+        (6, 17, 0), (7, 17, 1),
+    ]
