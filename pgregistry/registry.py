@@ -291,23 +291,27 @@ def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
 
 
 def _agree_on_request(request: str, subject: str, asked_for: str) -> None:
-    """All-gather a digest of ``request``; raise on every rank when ranks asked for different things.
+    """Compare a digest of ``request`` across ranks; raise on every rank when ranks asked for different things.
 
-    ``subject`` names what is agreed on in the message, ``asked_for`` describes this rank's request."""
+    One all-reduce (MAX of the digest and of its negation) decides; only when ranks disagree is every digest
+    gathered, to name who asked for what. A world-sized all-gather on every build cost 0.1 s per rank at 8,192
+    ranks, most of ``build``. ``subject`` names what is agreed on in the message, ``asked_for`` describes this
+    rank's request."""
     import hashlib
 
     digest = int(hashlib.sha256(request.encode()).hexdigest()[:15], 16)
     device = torch.device("cpu")
     if "nccl" in str(dist.get_backend()):
         device = torch.device("cuda", torch.cuda.current_device())
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    if int(bounds[0]) == -int(bounds[1]):  # the largest digest is the smallest: all equal
+        return
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    digests = [int(t.item()) for t in everyone]
-    if len(set(digests)) == 1:
-        return
     by_digest: dict[int, list[int]] = {}
-    for rank, value in enumerate(digests):
+    for rank, value in enumerate(int(t.item()) for t in everyone):
         by_digest.setdefault(value, []).append(rank)
     described = "; ".join(f"ranks {ranks} asked for request #{i}" for i, ranks in enumerate(by_digest.values()))
     raise ValueError(
