@@ -108,7 +108,6 @@ class Settings:
     allowlist: Path = Path(DEFAULT_ALLOWLIST)
     cache_dir: Path | None = Path(".pgregistry_cache")
     scan: ScanConfig = ScanConfig()
-    config_file: Path | None = None
 
     def resolve(self, path: Path) -> Path:
         """``path`` made absolute against the project root (absolute paths are kept)."""
@@ -197,7 +196,7 @@ def load_settings(config_file: Path | None, cwd: Path) -> Settings:
     scan = ScanConfig(
         **{_SCAN_KEYS[key]: _strings(table, key, config_file) for key in table if key in _SCAN_KEYS}
     )
-    settings = Settings(root=config_file.parent, scan=scan, config_file=config_file)
+    settings = Settings(root=config_file.parent, scan=scan)
     if "roots" in table:
         settings = dataclasses.replace(settings, roots=_strings(table, "roots", config_file))
     if "exclude" in table:

@@ -74,13 +74,6 @@ def _buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
     return [bucket for bucket in buckets if bucket]
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _scan_parallel(
     items: Sequence[tuple[SourceFile, bytes]], config: ScanConfig, jobs: int
 ) -> tuple[list[FileResult], int]:

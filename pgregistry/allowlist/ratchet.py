@@ -204,10 +204,6 @@ class Comparison:
     def new_sites(self) -> int:
         return sum(item.found - item.allowed for item in self.new)
 
-    @property
-    def stale_sites(self) -> int:
-        return sum(item.allowed - item.found for item in self.stale)
-
 
 def compare(results: Iterable[FileResult], allowlist: Allowlist, covers: Callable[[str], bool]) -> Comparison:
     """The ratchet: every key's count must equal the allowed count, for the paths the scan ``covers``.

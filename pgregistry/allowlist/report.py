@@ -79,7 +79,7 @@ def _describe(site: Site) -> str:
 def _fix(item: Mismatch) -> str:
     if not item.is_new:
         return _FIX_STALE
-    return _FIX_NEW.get(item.sites[0].family, _FIX_NEW[LEGACY]) + _FIX_TAIL
+    return _FIX_NEW[item.sites[0].family] + _FIX_TAIL
 
 
 def _mismatch_json(item: Mismatch) -> dict[str, Any]:
