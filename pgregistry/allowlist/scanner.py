@@ -224,6 +224,11 @@ def _lines_matching(pattern: re.Pattern[bytes], text: bytes) -> list[int]:
     return lines
 
 
+def _position(data: bytes, offset: int) -> tuple[int, int]:
+    """The 1-based (line, column) of the byte at ``offset``."""
+    return data.count(b"\n", 0, offset) + 1, offset - data.rfind(b"\n", 0, offset)
+
+
 def _decode_failure(data: bytes) -> ParseFailure | None:
     """A failure naming the first undecodable line, in the file's declared encoding (UTF-8 by default).
 
@@ -243,12 +248,7 @@ def _decode_failure(data: bytes) -> ParseFailure | None:
             return None
         except UnicodeDecodeError as error:
             start, reason = error.start, error.reason
-    line_start = data.rfind(b"\n", 0, start) + 1
-    return ParseFailure(
-        f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})",
-        data.count(b"\n", 0, start) + 1,
-        start - line_start + 1,
-    )
+    return ParseFailure(f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})", *_position(data, start))
 
 
 def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
@@ -261,8 +261,7 @@ def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
             return ast.parse(data, filename=path)
     except SyntaxError as error:
         if error.lineno is None and b"\0" in data:
-            position = data.index(b"\0")
-            line, col = data.count(b"\n", 0, position) + 1, position - data.rfind(b"\n", 0, position)
+            line, col = _position(data, data.index(b"\0"))
         else:
             line, col = max(1, error.lineno or 1), max(1, error.offset or 1)
         return ParseFailure(f"syntax error: {error.msg}", line, col)
