@@ -1,6 +1,6 @@
 """Grad statistics on sharded toy models over a matrix of 8-rank layouts, against the unsharded float64 oracle.
 
-Every layout shards the same unsharded model (tests/grad_stats/grad_stats_support.py) the way real layers do. Each
+Every layout shards the same unsharded model (pgregistry/toy_shards.py) the way real layers do. Each
 rank computes norms (p = 2, inf, 3), the zero count, clipping and the replication audit through the public API;
 the parent compares every rank with the oracle computed from the unsharded gradients. One world per layout runs
 every check.
@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from grad_stats_support import (
+
+from pgregistry import registry
+from pgregistry.audit import audit_grad_replication
+from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
+from pgregistry.layout import ParallelLayout
+from pgregistry.testing import run_world
+from pgregistry.toy_shards import (
     full_grads,
     local_model,
     oracle_clipped,
@@ -22,12 +28,6 @@ from grad_stats_support import (
     oracle_zeros,
     set_grads,
 )
-
-from pgregistry import registry
-from pgregistry.audit import audit_grad_replication
-from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
-from pgregistry.layout import ParallelLayout
-from pgregistry.testing import run_world
 
 WORLD = 8
 LAYOUTS: dict[str, dict[str, Any]] = {

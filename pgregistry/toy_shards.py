@@ -1,4 +1,6 @@
-"""A toy model for grad-statistics tests: one unsharded float64 "truth" and its shards on any layout.
+"""A toy model for checking grad statistics: one unsharded float64 "truth" and its shards on any layout.
+
+Used by the test suite and by ``pgregistry verify`` (which runs the same oracles on a cluster's backend).
 
 The unsharded model is a list of :class:`Spec` (name, shape, how real layers shard it). Its gradients are drawn
 per parameter from a ``torch.Generator`` seeded by the name, so every rank (and the parent test) reproduces them
@@ -205,8 +207,11 @@ def _roles(param: nn.Parameter, shard: Shard) -> None:
         mark_shared(param)
 
 
-def local_model(layout: ParallelLayout, rank: int, grads: dict[str, torch.Tensor]) -> tuple[nn.Module, list[Shard]]:
-    """This rank's model: nested modules named like the unsharded model, roles marked, float32 grads set."""
+def local_model(
+    layout: ParallelLayout, rank: int, grads: dict[str, torch.Tensor], *, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, list[Shard]]:
+    """This rank's model on ``device``: nested modules named like the unsharded model, roles marked, float32 grads
+    set."""
     root = nn.Module()
     shards = shards_of(layout, rank)
     for shard in shards:
@@ -220,15 +225,18 @@ def local_model(layout: ParallelLayout, rank: int, grads: dict[str, torch.Tensor
                 module.add_module(part, child)
             module = getattr(module, part)
         local = shard.take(grads[shard.full_name])
-        param = nn.Parameter(torch.zeros(local.shape, dtype=torch.float32))
+        param = nn.Parameter(torch.zeros(local.shape, dtype=torch.float32, device=device))
         _roles(param, shard)
-        param.grad = local.to(torch.float32).clone()
+        param.grad = local.to(device=device, dtype=torch.float32).clone()
         module.register_parameter(leaf, param)
     return root, shards
 
 
-def set_grads(model: nn.Module, shards: list[Shard], grads: dict[str, torch.Tensor]) -> None:
+def set_grads(
+    model: nn.Module, shards: list[Shard], grads: dict[str, torch.Tensor], *, device: torch.device | str = "cpu"
+) -> None:
     """Overwrite the local grads of ``model`` with shards of ``grads``."""
     params = dict(model.named_parameters())
     for shard in shards:
-        params[shard.local_name].grad = shard.take(grads[shard.full_name]).to(torch.float32).clone()
+        local = shard.take(grads[shard.full_name])
+        params[shard.local_name].grad = local.to(device=device, dtype=torch.float32).clone()
