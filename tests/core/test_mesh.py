@@ -4,38 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from core_support import bits, errors_of, member_mask
 from torch.distributed.device_mesh import init_device_mesh
 
 from pgregistry import ParallelLayout, ProcessGroupCollection
 from pgregistry import registry as reg
 from pgregistry.mesh import from_device_mesh, to_device_mesh
 from pgregistry.testing import run_world
-
-
-def _mask(group: Any) -> int:
-    """Bit mask of ``group``'s members, by a real all-reduce."""
-    mask = torch.tensor([1 << dist.get_rank()], dtype=torch.int64)
-    dist.all_reduce(mask, group=group)
-    return int(mask.item())
-
-
-def _bits(ranks: tuple[int, ...] | None) -> int:
-    assert ranks is not None
-    return sum(1 << r for r in ranks)
-
-
-def _errors(calls: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for label, call in calls.items():
-        try:
-            call()
-            out[label] = "no error"
-        except (ValueError, AttributeError) as exc:
-            out[label] = f"{type(exc).__name__}: {exc}"
-    return out
-
 
 # A (pp, dp, tp) mesh in row-major order is the default layout order (tp fastest, then dp, then pp).
 _LAYOUT = ParallelLayout(world_size=8, tp=2, pp=2)
@@ -51,15 +26,15 @@ def _from_mesh() -> dict[str, Any]:
     # Flattenings no layout kind has: dims in another order give the same set (one group), and a new set.
     again = from_device_mesh(mesh, {"tp_cp": ("tp", "dp"), "tp_ep_pp": ("pp", "dp")})
     return {
-        "masks": {name: _mask(collection.get(name)) for name, _ in collection.items() if collection.is_set(name)},
+        "masks": {name: member_mask(collection.get(name)) for name, _ in collection.items() if collection.is_set(name)},
         "unset": [name for name, value in collection.items() if not collection.is_set(name)],
         "mesh_groups": collection.get("tp") is mesh.get_group("tp") and collection.get("dp_cp") is collection.get("dp"),
         "shared_with_build": [collection.get(k) is built.get(k) for k in ("tp_dp_cp", "mp")],
         "same_set_same_group": again.get("tp_cp") is collection.get("tp_dp_cp"),
-        "new_set": _mask(again.get("tp_ep_pp")),
+        "new_set": member_mask(again.get("tp_ep_pp")),
         # Two new sets: the (pp, dp) pairs, one per tp coordinate; the rest existed.
         "created": reg.default_registry.groups_created - created,
-        "errors": _errors({
+        "errors": errors_of({
             "field": lambda: from_device_mesh(mesh, {"tpp": "tp"}),
             "dim": lambda: from_device_mesh(mesh, {"tp": "cp"}),
             "repeated": lambda: from_device_mesh(mesh, {"mp": ("tp", "tp")}),
@@ -76,8 +51,8 @@ def test_from_device_mesh_single_and_flattened_dims() -> None:
     for rank, out in enumerate(results):
         mine = _LAYOUT.groups_of(rank)
         assert out["masks"] == {
-            "tp": _bits(mine["tp"]), "dp": _bits(mine["dp"]), "pp": _bits(mine["pp"]),
-            "tp_dp_cp": _bits(mine["tp_dp_cp"]), "mp": _bits(mine["mp"]), "dp_cp": _bits(mine["dp"]),
+            "tp": bits(mine["tp"]), "dp": bits(mine["dp"]), "pp": bits(mine["pp"]),
+            "tp_dp_cp": bits(mine["tp_dp_cp"]), "mp": bits(mine["mp"]), "dp_cp": bits(mine["dp"]),
         }
         assert "cp" in out["unset"] and "ep" in out["unset"] and "tp" not in out["unset"]
         assert out["mesh_groups"]
@@ -115,13 +90,13 @@ def _to_mesh() -> dict[str, Any]:
         "mesh": full.mesh.tolist(),
         "dim_names": full.mesh_dim_names,
         "reused": [full.get_group(a) is collection.get(a) for a in ("pp", "dp", "cp", "tp")],
-        "masks": [_mask(full.get_group(a)) for a in ("pp", "dp", "cp", "tp")],
+        "masks": [member_mask(full.get_group(a)) for a in ("pp", "dp", "cp", "tp")],
         "local": [full.get_local_rank(a) for a in ("pp", "dp", "cp", "tp")],
         "coordinate": list(full.get_coordinate() or ()),
         "part": part.mesh.tolist(),
-        "part_masks": [_mask(part.get_group(a)) for a in ("tp", "pp")],
+        "part_masks": [member_mask(part.get_group(a)) for a in ("tp", "pp")],
         "created": reg.default_registry.groups_created - created,
-        "errors": _errors({
+        "errors": errors_of({
             "off": lambda: to_device_mesh(_GRID, plain, ("dp", "tp")),
             "unset": lambda: to_device_mesh(_GRID, ProcessGroupCollection(tp=collection.get("tp")), ("cp", "tp")),
             "axis": lambda: to_device_mesh(_GRID, collection, ("tp", "ep")),
@@ -142,12 +117,12 @@ def test_to_device_mesh_reuses_the_collection_groups() -> None:
         assert out["mesh"] == expected_mesh
         assert out["dim_names"] == ("pp", "dp", "cp", "tp")
         assert out["reused"] == [True] * 4
-        assert out["masks"] == [_bits(mine[a]) for a in ("pp", "dp", "cp", "tp")]
+        assert out["masks"] == [bits(mine[a]) for a in ("pp", "dp", "cp", "tp")]
         assert out["local"] == [coords[a] for a in ("pp", "dp", "cp", "tp")]
         assert out["coordinate"] == [coords[a] for a in ("pp", "dp", "cp", "tp")]
         # This rank's (tp, pp) slice: its cp coordinate fixed.
         assert out["part"] == [[t + 2 * coords["cp"] + 4 * p for p in range(2)] for t in range(2)]
-        assert out["part_masks"] == [_bits(mine["tp"]), _bits(mine["pp"])]
+        assert out["part_masks"] == [bits(mine["tp"]), bits(mine["pp"])]
         assert out["created"] == 0
         errors = out["errors"]
         assert errors["off"].startswith("ValueError: axis 'dp' is None (axis off) in the collection;")

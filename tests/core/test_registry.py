@@ -9,8 +9,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
+from core_support import errors_of, member_mask
 from torch import nn
 
 from pgregistry import ParallelLayout, ProcessGroupCollection
@@ -37,7 +37,6 @@ def _membership(collection: ProcessGroupCollection) -> dict[str, Any]:
     Every rank walks the fields in the same order, and every member of a group reaches it at the same step.
     """
     out: dict[str, Any] = {}
-    rank = dist.get_rank()
     for name in FIELD_NAMES:
         if not collection.is_set(name):
             out[name] = "UNSET"
@@ -46,9 +45,7 @@ def _membership(collection: ProcessGroupCollection) -> dict[str, Any]:
         if group is None or name == "hcp":
             out[name] = group
             continue
-        mask = torch.tensor([1 << rank], dtype=torch.int64)
-        dist.all_reduce(mask, group=group)
-        out[name] = (int(mask.item()), group_size(group), group_rank(group))
+        out[name] = (member_mask(group), group_size(group), group_rank(group))
     return out
 
 
@@ -146,22 +143,11 @@ def test_explicit_singletons_give_every_axis_a_group() -> None:
 # ------------------------------------------------------------------------------------------------ 4 ranks
 
 
-def _errors(calls: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for label, call in calls.items():
-        try:
-            call()
-            out[label] = "no error"
-        except (ValueError, RuntimeError, LookupError, TypeError) as exc:
-            out[label] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
 def _misuse() -> dict[str, str]:
     rank = dist.get_rank()
     four = ParallelLayout(world_size=4, tp=2)
     reg.build(four, name="m")
-    return _errors({
+    return errors_of({
         # Rank 0 asks for another layout than its peers: every rank raises instead of hanging.
         "disagree": lambda: reg.build(ParallelLayout(world_size=4, tp=4 if rank == 0 else 2), name="x"),
         "world": lambda: reg.build(ParallelLayout(world_size=8, tp=2)),
@@ -212,7 +198,7 @@ def _attachments_and_global_grid() -> dict[str, Any]:
             all(reg.collection_of(c) is second for c in chunks), reg.collection_of(stray, None) is None,
         ],
         "tp_sizes": [group_size(reg.collection_of(m).get("tp")) for m in (model_a, model_b)],
-        "errors": _errors({
+        "errors": errors_of({
             "stray": lambda: reg.collection_of(stray),
             "not_a_collection": lambda: reg.attach(stray, {"tp": None}),  # type: ignore[arg-type]
             "no_grid": reg.global_collection,
@@ -221,7 +207,7 @@ def _attachments_and_global_grid() -> dict[str, Any]:
     grid = reg.initialize_global_grid(ParallelLayout(world_size=4, pp=2))
     out["grid"] = [reg.global_collection() is grid, reg.global_collection_or_none() is grid]
     out["grid_pp"] = _membership(grid)["pp"]
-    out["errors"].update(_errors({"twice": lambda: reg.initialize_global_grid(ParallelLayout(world_size=4))}))
+    out["errors"].update(errors_of({"twice": lambda: reg.initialize_global_grid(ParallelLayout(world_size=4))}))
     created = reg.default_registry.groups_created
     reg.destroy()
     out["after_destroy"] = [
