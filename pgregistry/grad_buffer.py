@@ -292,16 +292,14 @@ def _collective_order(group: ProcessGroup | None) -> tuple[int, tuple[int, ...]]
 
 
 def all_reduce_grads_(
-    buffer: GradBuffer, group: ProcessGroup | None, *, average: bool = True, bucket_numel: int | None = None
+    buffer: GradBuffer, group: ProcessGroup | None, *, divide_by: int = 1, bucket_numel: int | None = None
 ) -> None:
-    """All-reduce :attr:`GradBuffer.data` over ``group`` (averaged when ``average``): one collective per bucket
-    of at most ``bucket_numel`` elements (default: one bucket), never one per tensor. No-op when the group is off.
-    """
-    size = group_size(group)
-    if size == 1 or buffer.numel == 0:  # data-parallel replicas hold the same parameters: all skip alike
+    """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``: one collective per
+    bucket of at most ``bucket_numel`` elements (default: one bucket), never one per tensor; none when the group is
+    off. Dividing first (as Megatron-Core does) keeps the sum in range; ``divide_by=size(group)`` averages."""
+    _divide(buffer, divide_by)
+    if group_size(group) == 1 or buffer.numel == 0:  # data-parallel replicas hold the same parameters: all skip
         return
-    if average:
-        buffer.data.div_(size)
     step = bucket_numel if bucket_numel else buffer.numel
     if step < 1:
         raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
@@ -309,16 +307,21 @@ def all_reduce_grads_(
         dist.all_reduce(buffer.data[start : start + step], op=dist.ReduceOp.SUM, group=group)
 
 
-def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, average: bool = True) -> tuple[int, int]:
-    """Reduce-scatter :attr:`GradBuffer.data` over ``group`` in place: afterwards this rank's shard
-    (returned as ``[start, stop)``) holds the sum (the mean when ``average``) and the rest is stale. One collective.
-    """
+def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, divide_by: int = 1) -> tuple[int, int]:
+    """Divide :attr:`GradBuffer.data` by ``divide_by``, then reduce-scatter it over ``group`` in place (SUM, one
+    collective): afterwards this rank's shard, returned as ``[start, stop)``, holds its reduced grads and the rest
+    of the buffer is stale."""
     start, stop = buffer.shard_range(group)
-    size = group_size(group)
-    if size == 1 or buffer.numel == 0:
+    _divide(buffer, divide_by)
+    if group_size(group) == 1 or buffer.numel == 0:
         return start, stop
-    if average:
-        buffer.data.div_(size)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_scatter(buffer.data[start:stop], buffer.data, op=dist.ReduceOp.SUM, group=group)
     return start, stop
+
+
+def _divide(buffer: GradBuffer, divide_by: int) -> None:
+    if divide_by < 1:
+        raise ValueError(f"divide_by must be a positive integer, got {divide_by}")
+    if divide_by > 1:
+        buffer.data.div_(divide_by)

@@ -5,7 +5,7 @@ collection and returns a :class:`ChainedOptimizer` of a :class:`MixedPrecisionOp
 :class:`ShardedOptimizer` per kind. A training step::
 
     loss.backward()
-    optimizer.sync_grads()           # average grads over dp_cp (dense) / expt_dp (experts)
+    optimizer.sync_grads()           # grads / dp_cp size, summed over dp_cp (dense) / expt_dp (experts)
     optimizer.clip_grad_norm(1.0)    # global norm with each child's own groups
     optimizer.step()
     optimizer.zero_grad()

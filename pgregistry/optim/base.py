@@ -2,9 +2,16 @@
 over its spans, clipping, and the wiring of model parameters to the buffer.
 
 An optimizer here holds the parameters of one kind, dense or routed-expert (the builder splits them and chains
-the two), because the two kinds differ in every group they use: grads are averaged over ``dp_cp`` or ``expt_dp``,
-counted with the dense or the expert TP group, and summed over ``mp`` or ``tp_ep_pp`` (the whole instance,
-``intra_dist_opt``, for a sharded optimizer).
+the two), because the two kinds differ in every group they use: grads are synchronised over ``dp_cp`` or
+``expt_dp``, counted with the dense or the expert TP group, and their statistics summed over ``mp`` or
+``tp_ep_pp`` (the whole instance, ``intra_dist_opt``, for a sharded optimizer).
+
+Grad synchronisation follows Megatron-Core (``average_in_collective=False``): each data-parallel rank's loss is the
+mean over its own tokens, and the global loss the mean over the ``dp_cp`` ranks. Dense grads are therefore divided
+by the ``dp_cp`` size and summed over ``dp_cp`` (an average). Expert grads are divided by the ``dp_cp`` size too,
+and summed over ``expt_dp``: an expert already holds the grads of every token its EP group routed to it, which
+come from ``dp_cp / expt_dp`` data-parallel ranks, so averaging over ``expt_dp`` instead would scale them by
+``dp_cp / expt_dp``.
 
 Statistics are computed from the *role tensors* the optimizer steps (mixed-precision main copies, shard pieces),
 classified once at construction. Those copies carry their roles only through
@@ -28,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 import torch.distributed as dist
 
-from pgregistry.collection import UNSET, ProcessGroupCollection
+from pgregistry.collection import UNSET, ProcessGroupCollection, group_size
 from pgregistry.grad_buffer import (
     GradBuffer,
     GroupKey,
@@ -198,9 +205,16 @@ class FlatOptimizer(abc.ABC):
         """Zero every grad at once (the buffer); grads stay views of it."""
         self.buffer.data.zero_()
 
+    @property
+    def grad_divisor(self) -> int:
+        """Grads are divided by this (the ``dp_cp`` size of one instance) before they are summed over the
+        data-parallel group, dense and expert alike: see the module docstring."""
+        return group_size(self.process_groups.intra_dp_cp)
+
     @abc.abstractmethod
     def sync_grads(self) -> None:
-        """Average the grads over the data-parallel group (``expt_dp`` for experts, ``dp_cp`` otherwise)."""
+        """Reduce the grads over the data-parallel group (``expt_dp`` for experts, ``dp_cp`` otherwise), divided
+        by :attr:`grad_divisor`."""
 
     @abc.abstractmethod
     def step(self) -> None:

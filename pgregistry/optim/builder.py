@@ -72,7 +72,7 @@ def build_optimizer(
     """A :class:`~pgregistry.optim.ChainedOptimizer` over the trainable parameters of ``model`` (or model chunks).
 
     ``pg_collection`` defaults to the collection attached to the model (:func:`pgregistry.registry.attach`), then
-    to the global grid (with fallback warnings). Dense parameters go to one child (grads averaged over ``dp_cp``,
+    to the global grid (with fallback warnings). Dense parameters go to one child (grads reduced over ``dp_cp``,
     statistics over ``mp``), routed experts (``allreduce=False``) to another (``expt_dp``, ``tp_ep_pp``); a sharded
     build shards each child over its data-parallel group and reduces statistics over ``intra_dist_opt``. A child
     exists when any rank of its statistics group has parameters of its kind, so every rank issues the same

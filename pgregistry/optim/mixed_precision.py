@@ -30,8 +30,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         params: the model parameters, all dense or all routed experts (``expert``).
         pg_collection: the model's collection (``None``: the global grid, with fallback warnings).
         inner: the update rule over the main params, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
-        expert: whether ``params`` are routed-expert parameters (averaged over ``expt_dp``, counted with the
-            expert TP group, reduced over ``tp_ep_pp``) or dense ones (``dp_cp``, TP group, ``mp``).
+        expert: whether ``params`` are routed-expert parameters (grads summed over ``expt_dp``, counted with the
+            expert TP group, statistics over ``tp_ep_pp``) or dense ones (``dp_cp``, TP group, ``mp``); both
+            are divided by the ``dp_cp`` size (see :mod:`pgregistry.optim.base`).
         main_dtype: dtype of the main copies and grads; ``None`` steps the parameters themselves.
         bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one bucket).
         process_groups: groups already validated by
@@ -60,7 +61,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             param_name_fn=param_name_fn,
         )
         self.grad_sync_group = self.process_groups.expt_dp if expert else self.process_groups.dp_cp
-        """Grads are averaged over this group: ``expt_dp`` for experts, ``dp_cp`` for dense parameters."""
+        """Grads are summed over this group (after division by :attr:`grad_divisor`): ``expt_dp`` for experts,
+        ``dp_cp`` for dense parameters."""
         self.bucket_numel = bucket_numel
         dtypes = {p.dtype for p in self.params}
         if main_dtype is None and len(dtypes) > 1:
@@ -86,9 +88,12 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._make_inner(inner, self.main_params)
 
     def sync_grads(self) -> None:
-        """All-reduce (average) the grad buffer over :attr:`grad_sync_group`, one collective per bucket."""
+        """Divide the grads by :attr:`grad_divisor` and all-reduce them over :attr:`grad_sync_group`, one
+        collective per bucket."""
         self._check_grads_attached()
-        all_reduce_grads_(self.buffer, self.grad_sync_group, bucket_numel=self.bucket_numel)
+        all_reduce_grads_(
+            self.buffer, self.grad_sync_group, divide_by=self.grad_divisor, bucket_numel=self.bucket_numel
+        )
 
     @torch.no_grad()
     def step(self) -> None:

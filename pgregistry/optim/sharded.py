@@ -2,9 +2,9 @@
 
 Like Megatron-Core's distributed optimizer. The model parameters and their grads each live in one flat buffer with
 the same layout, padded to equal shards over the sharding group (``dp_cp`` for dense parameters, ``expt_dp`` for
-experts; one optimizer instance). A step is: reduce-scatter the grads (one collective; each rank keeps the average
-of its shard), step float32 main copies of the shard's pieces, write them into the parameter buffer, all-gather it
-(one collective).
+experts; one optimizer instance). A step is: reduce-scatter the grads (one collective, divided by the ``dp_cp`` size
+as in :mod:`pgregistry.optim.base`; each rank keeps its shard), step float32 main copies of the shard's pieces,
+write them into the parameter buffer, all-gather it (one collective).
 
 Statistics: shards are disjoint across the sharding group and the duplicate filters drop TP/GTP duplicates, so the
 norm and zero count are summed over the whole instance (``intra_dist_opt``). The pieces are classified by their
@@ -125,9 +125,10 @@ class ShardedOptimizer(FlatOptimizer):
         return [self.buffer.data[start:stop]]
 
     def sync_grads(self) -> None:
-        """Reduce-scatter (average) the grads over :attr:`shard_group`: one collective, this rank keeps its shard."""
+        """Divide the grads by :attr:`grad_divisor` and reduce-scatter them over :attr:`shard_group`: one
+        collective, this rank keeps its shard."""
         self._check_grads_attached()
-        reduce_scatter_grads_(self.buffer, self.shard_group)
+        reduce_scatter_grads_(self.buffer, self.shard_group, divide_by=self.grad_divisor)
 
     @torch.no_grad()
     def step(self) -> None:

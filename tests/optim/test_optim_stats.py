@@ -60,8 +60,8 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
         model, shards = local_model(layout, rank)
         opt = build_optimizer(model, collection, sharded=sharded, lr=0.0)
         grads = full_grads("random")
-        set_main_grads(model, shards, grads)
-        opt.sync_grads()  # DP replicas hold equal grads: the average changes nothing (the sharded one scatters)
+        set_main_grads(model, shards, grads, layout)
+        opt.sync_grads()  # every replica holds the same raw grads: the synchronised grads are ``grads``
         res: dict[str, Any] = {"shared": opt.shares_stats_group()}
         res["norm2"], res["norm2_calls"] = _collectives(calls, opt.get_grad_norm)
         res["zeros"], res["zeros_calls"] = _collectives(calls, opt.count_zeros)
@@ -81,7 +81,7 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
                 float((params[s.local_name].main_grad.double() - s.take(grads[s.spec.name]) * coeff).abs().max())
                 for s in shards
             )
-        set_main_grads(model, shards, full_grads("zeros"))
+        set_main_grads(model, shards, full_grads("zeros"), layout)
         opt.sync_grads()
         res["all_zeros"] = float(opt.count_zeros())
         out["sharded" if sharded else "unsharded"] = res
