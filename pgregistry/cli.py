@@ -21,6 +21,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "pgregistry.layout_cli",
     "pgregistry.allowlist.cli",
     "pgregistry.rng_cli",
+    "pgregistry.demo.job",
+    "pgregistry.verify",
 )
 
 

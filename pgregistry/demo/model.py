@@ -6,14 +6,16 @@ Each layer is ``x -> x + MLP(x * norm) -> + MoE(.)``:
   row-parallel (columns sharded, ``partition_dim=1``); ``norm`` is replicated over TP (a TP duplicate);
 * the MoE block routes each token to expert ``token_id % num_experts`` (hash routing, so sharded and reference
   runs route identically whatever the precision) and scales the expert's output by a learned gate
-  ``softmax(x @ router)``; the router is a replicated dense parameter. Experts are split over EP ranks, ETP 1.
+  ``num_experts * softmax(x @ router)`` (about 1 on average, so experts weigh as much as the dense MLP); the router
+  is a replicated dense parameter. Experts are split over EP ranks, ETP 1.
 
 Tokens reach experts the Megatron way: each TP rank takes its chunk of the (TP-replicated) tokens, the chunks are
 all-gathered over EP, every rank runs its local experts, the partial outputs are reduce-scattered back and the
 chunks gathered over TP again. Every token is then processed exactly once per EP group.
 
-The loss of a data-parallel rank is the sum of squared errors of its tokens divided by the *global* token
-count, so summing grads over ``dp_cp`` (dense) and ``expt_dp`` (experts) gives the gradient of the global mean.
+The loss of a data-parallel rank is the mean squared error of its own tokens, and the global loss the mean over
+data-parallel ranks; as in Megatron-Core, dense grads are then averaged over ``dp_cp`` and expert grads summed over
+``expt_dp`` and divided by the ``dp_cp`` size (tokens reach experts across the whole EP group).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _moe_reference(
     num_experts: int,
 ) -> torch.Tensor:
     choice = ids % num_experts
-    gate = torch.softmax(x @ router.t(), dim=-1).gather(1, choice.unsqueeze(1))
+    gate = num_experts * torch.softmax(x @ router.t(), dim=-1).gather(1, choice.unsqueeze(1))
     out = torch.zeros_like(x)
     for e, (fc1, fc2) in experts.items():
         rows = (choice == e).nonzero(as_tuple=True)[0]
@@ -204,8 +206,8 @@ class ShardedMoE(nn.Module):
                 out[f"{p}moe.experts.local_experts.{local}.fc2"] = expert.fc2
         return out
 
-    def loss(self, x: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, global_tokens: int) -> torch.Tensor:
-        """Sum of squared errors of this data-parallel rank's tokens over the global token count."""
+    def loss(self, x: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, normalizer: int) -> torch.Tensor:
+        """Sum of squared errors of this data-parallel rank's tokens, divided by ``normalizer``."""
         tp, ep = self.pg.get("tp"), self.pg.get("ep")
         dtype = self.layers[0].norm.dtype
         x = x.to(dtype)
@@ -213,12 +215,12 @@ class ShardedMoE(nn.Module):
             h = enter_sharded(x * block.norm, tp)
             x = x + leave_sharded(F.gelu(h @ block.mlp_fc1.t()) @ block.mlp_fc2.t(), tp)
             x = x + self._moe(x, ids, block, tp, ep)
-        return ((x.double() - target) ** 2).sum() / global_tokens
+        return ((x.double() - target) ** 2).sum() / normalizer
 
     def _moe(self, x: torch.Tensor, ids: torch.Tensor, block: nn.Module, tp: object, ep: object) -> torch.Tensor:
         # The gate is computed on this rank's own (TP-replicated) tokens, before dispatch, so the router's grad
         # is replicated over TP like any dense parameter's.
-        gate = torch.softmax(x @ block.moe_router.t(), dim=-1)
+        gate = self.config.num_experts * torch.softmax(x @ block.moe_router.t(), dim=-1)
         gate = gate.gather(1, (ids % self.config.num_experts).unsqueeze(1))
         tokens = gather_distinct(split_replicated(x, tp), ep)
         choice = _gather_ids(_chunk_ids(ids, tp), ep) % self.config.num_experts

@@ -1,0 +1,228 @@
+"""``pgregistry verify``: check a layout on a real cluster's backend, under torchrun.
+
+    torchrun --nproc-per-node 2 -m pgregistry verify --tp 2 --ep 2 --backend nccl
+
+On every rank it builds the collection of the given layout on the job's backend, then checks:
+
+* membership: every group of the collection, by an all-reduce of one-hot rank vectors, against the layout's
+  arithmetic (so a wrong or crossed communicator cannot pass);
+* the seed 000 regression on a TP = EP = world, ETP 1 grid: grad norm ``sqrt(1 + W)`` and zero count ``1 + W``,
+  through the functional API and through the mixed-precision optimizer;
+* the invariance oracle on the given layout (every grad element 1: norm ``sqrt(numel)``, zero count of zeroed
+  grads ``numel``) and the float64 oracle of the unsharded toy model with random grads (p = 2 and inf);
+* the RNG seeds this rank registers from its collection against the layout's seed plan, and the plan's
+  collisions (reported; the anchor's offsets collide for some layouts, see ``pgregistry seed-plan --check``).
+
+Rank 0 prints a pass/fail table; every rank exits non-zero when any check failed on any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_command"]
+
+_REL_TOL = 1e-6
+
+
+def _checks_on_this_rank(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    import torch
+    import torch.distributed as dist
+
+    from pgregistry import registry
+    from pgregistry.collection import FIELD_NAMES
+    from pgregistry.layout import ParallelLayout
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
+    layout = ParallelLayout(
+        world_size=world, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp or args.tp,
+        gtp_remat=args.gtp_remat, expt_gtp_remat=args.expt_gtp_remat, order=args.order,
+    )
+    pg = registry.build(layout, name="verify")
+    checks: list[tuple[str, bool, str]] = []
+
+    expected = layout.groups_of(rank)
+    wrong = []
+    for name in FIELD_NAMES:
+        group = pg.get(name)
+        if group is None or isinstance(group, list) or name not in expected:
+            continue
+        members = _members(group, world, device)
+        want = expected[name]
+        if want is None or members != list(want):
+            wrong.append(f"{name}: {members} != {list(want) if want else None}")
+    checks.append(("groups: every communicator holds the layout's ranks", not wrong, "; ".join(wrong[:3])))
+
+    checks += _seed000(world, device)
+    checks += _oracles(layout, pg, rank, device)
+    checks += _seeds(layout, pg, rank, args.seed)
+    return checks
+
+
+def _members(group: Any, world: int, device: Any) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    one_hot = torch.zeros(world, dtype=torch.int64, device=device)
+    one_hot[dist.get_rank()] = 1
+    dist.all_reduce(one_hot, group=group)
+    return [r for r in range(world) if int(one_hot[r]) == 1]
+
+
+def _seed000(world: int, device: Any) -> list[tuple[str, bool, str]]:
+    import torch
+    from torch import nn
+
+    from pgregistry import registry
+    from pgregistry.grad_stats import count_zeros, grad_norm
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.optim import build_optimizer
+    from pgregistry.params import mark_expert, mark_expert_module
+
+    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="verify-seed000")
+
+    def one_dense_one_expert() -> nn.Module:
+        model = nn.Module()
+        model.dense = nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16))
+        model.experts = mark_expert_module(nn.Module())
+        model.experts.weight = mark_expert(nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16)))
+        return model
+
+    want_norm, want_zeros = math.sqrt(1 + world), 1 + world
+    model = one_dense_one_expert()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    norm = float(grad_norm(model, pg))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    zeros = count_zeros(model, pg)
+    out = [(f"seed 000, functional: norm sqrt(1+{world}), zero count {want_zeros}",
+            _close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}")]
+    for sharded in (False, True):
+        model = one_dense_one_expert()
+        optimizer = build_optimizer(model, pg, optimizer="sgd", lr=0.0, sharded=sharded)
+        # A real backward, so the grads land where the optimizer keeps them (its flat buffer).
+        (model.dense.float().sum() + model.experts.weight.float().sum()).backward()
+        optimizer.sync_grads()
+        norm = float(optimizer.get_grad_norm())
+        optimizer.zero_grad()
+        zeros = int(optimizer.count_zeros())
+        kind = "sharded" if sharded else "mixed-precision"
+        out.append((f"seed 000, {kind} optimizer: norm sqrt(1+{world}), zero count {want_zeros}",
+                    _close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
+    return out
+
+
+def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[tuple[str, bool, str]]:
+    from pgregistry.grad_stats import count_zeros, grad_norm
+    from pgregistry.toy_shards import full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros, set_grads
+
+    out = []
+    ones = full_grads("ones")
+    model, shards = local_model(layout, rank, ones, device=device)
+    norm = float(grad_norm(model, pg))
+    numel = oracle_numel()
+    set_grads(model, shards, full_grads("zeros"), device=device)
+    zeros = count_zeros(model, pg)
+    out.append((f"invariance: all-ones norm sqrt({numel}), zero count {numel}",
+                _close(norm, math.sqrt(numel)) and zeros == numel, f"norm {norm:.7f}, zeros {zeros}"))
+    grads = full_grads("random")
+    set_grads(model, shards, grads, device=device)
+    for p in (2.0, math.inf):
+        norm = float(grad_norm(model, pg, norm_type=p))
+        want = oracle_norm(grads, p)
+        out.append((f"float64 oracle: {p}-norm of random grads", _close(norm, want), f"{norm:.9g} vs {want:.9g}"))
+    zeros = count_zeros(model, pg)
+    out.append(("float64 oracle: zero count of random grads", zeros == oracle_zeros(grads), f"{zeros}"))
+    return out
+
+
+def _seeds(layout: Any, pg: Any, rank: int, seed: int) -> list[tuple[str, bool, str]]:
+    from pgregistry.rng import base_seed_for_rank, check_seed_plan, model_parallel_manual_seed, seed_plan
+
+    registered = model_parallel_manual_seed(base_seed_for_rank(seed, pg), pg)
+    planned = seed_plan(layout, seed)[rank]
+    collisions = check_seed_plan(layout, seed)
+    return [
+        ("RNG: this rank's tracker seeds equal the layout's seed plan", registered == planned,
+         "" if registered == planned else f"{registered} != {planned}"),
+        (f"RNG: seed plan collisions (anchor's offsets): {len(collisions)}", True,
+         collisions[0].describe() if collisions else ""),
+    ]
+
+
+def _close(value: float, want: float) -> bool:
+    return math.isclose(value, want, rel_tol=_REL_TOL, abs_tol=_REL_TOL)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("pgregistry verify: run it under torchrun (RANK and WORLD_SIZE are not set)", file=sys.stderr)
+        return 2
+    init: dict[str, Any] = {"backend": args.backend, "timeout": timedelta(seconds=args.timeout)}
+    if args.backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        init["device_id"] = torch.device("cuda", local)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(**init)
+    try:
+        try:
+            checks = _checks_on_this_rank(args)
+        except ValueError as exc:  # a bad layout: every rank raises the same
+            if dist.get_rank() == 0:
+                print(f"pgregistry verify: {exc}", file=sys.stderr)
+            return 2
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, checks)
+        if dist.get_rank() == 0:
+            _report(args, everyone)
+        failed = any(not ok for rank_checks in everyone for _, ok, _ in rank_checks)
+        return 1 if failed else 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(args: argparse.Namespace, everyone: list[list[tuple[str, bool, str]]]) -> None:
+    names = [name for name, _, _ in everyone[0]]
+    rows = []
+    for i, name in enumerate(names):
+        failing = [r for r, checks in enumerate(everyone) if not checks[i][1]]
+        detail = everyone[failing[0] if failing else 0][i][2]
+        rows.append({"check": name, "passed": not failing, "failing_ranks": failing, "detail": detail})
+    print(f"pgregistry verify: {len(everyone)} ranks, backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} "
+          f"ep {args.ep} etp {args.etp or args.tp} gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}")
+    for row in rows:
+        where = f" on ranks {row['failing_ranks']}" if row["failing_ranks"] else ""
+        detail = f" ({row['detail']})" if row["detail"] else ""
+        print(f"  [{'PASS' if row['passed'] else 'FAIL'}] {row['check']}{where}{detail}")
+    failed = sum(not row["passed"] for row in rows)
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def add_command(subparsers: Any) -> None:
+    """Register ``pgregistry verify``."""
+    parser = subparsers.add_parser("verify", help="check groups, grad statistics and seeds under torchrun")
+    for axis in ("tp", "cp", "pp", "ep", "gtp-remat", "expt-gtp-remat"):
+        parser.add_argument(f"--{axis}", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
+    parser.add_argument("--order", default="tp-cp-ep-dp-pp")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    parser.add_argument("--json", metavar="FILE", help="rank 0 also writes the results as JSON")
+    parser.set_defaults(handler=_run)

@@ -1,0 +1,52 @@
+"""``pgregistry verify``: its checks in gloo worlds, and the command under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pgregistry.testing import run_world
+from pgregistry.verify import _checks_on_this_rank
+
+
+def _args(**sizes: int) -> argparse.Namespace:
+    base = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": None, "gtp_remat": 1, "expt_gtp_remat": 1}
+    base.update(sizes)
+    return argparse.Namespace(order="tp-cp-ep-dp-pp", backend="gloo", seed=1234, **base)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"tp": 2, "ep": 4, "etp": 1},
+        {"tp": 2, "pp": 2, "ep": 2, "etp": 1},
+        {"gtp_remat": 2, "cp": 2, "ep": 2, "expt_gtp_remat": 2},
+    ],
+    ids=["tp2-ep4", "tp2-pp2-ep2", "gtp2-cp2-egtp2"],
+)
+def test_every_check_passes_on_a_correct_build(sizes: dict[str, int]) -> None:
+    for rank, checks in enumerate(run_world(8, _checks_on_this_rank, _args(**sizes))):
+        failed = [(name, detail) for name, ok, detail in checks if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+        assert len(checks) == 10
+
+
+def test_verify_under_torchrun_prints_a_table_and_exits_zero() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "pgregistry", "verify", "--tp", "2", "--ep", "2", "--etp", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "10 passed, 0 failed" in done.stdout
+
+
+def test_verify_outside_torchrun_is_a_usage_error() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "pgregistry", "verify"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 2
+    assert "torchrun" in done.stderr
