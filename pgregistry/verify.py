@@ -190,8 +190,12 @@ def _run(args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             _report(args, everyone)
         failed = any(not ok for rank_checks in everyone for _, ok, _ in rank_checks)
+        dist.barrier()  # nobody tears down while a peer may still be exchanging with it
         return 1 if failed else 0
     finally:
+        from pgregistry import registry
+
+        registry.destroy()  # subgroups first: gloo aborts at exit on groups left alive after the default one
         dist.destroy_process_group()
 
 
