@@ -1,6 +1,6 @@
 """Grad statistics of built optimizers over 4-rank layouts, against the unsharded float64 oracle.
 
-Each world builds the unsharded and the sharded chained optimizer of the toy model (tests/optim/optim_support.py)
+Each world builds the unsharded and the sharded chained optimizer of the toy model (:mod:`pgregistry.toy_shards`)
 and checks norms (p = 2, inf), the zero count, clipping, and how many all-reduces the chained optimizer issues:
 one per distinct statistics group, one in all when the dense and expert children share it. Collectives are
 counted by wrapping ``torch.distributed.all_reduce`` in the rank process; the wrapper still calls the real one.
@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from optim_support import EXPERTS, full_grads, local_model, oracle_norm, oracle_zeros, set_main_grads
+from optim_support import set_main_grads
 
 from pgregistry import registry
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.optim.base import combine_norms
 from pgregistry.testing import run_world
+from pgregistry.toy_shards import EXPERT, full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros, shards_of
 
 WORLD = 4
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -30,6 +31,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "TP2-EP4-ETP1": {"tp": 2, "ep": 4, "etp": 1},
     "TP2-EP2-ETP2": {"tp": 2, "ep": 2, "etp": 2},
     "PP2-EP2": {"pp": 2, "ep": 2},  # the first stage holds no expert: an empty expert child joins the reduction
+    "GTP2-EP2-EGTP2": {"gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2},
 }
 
 
@@ -57,7 +59,7 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
     calls = _counting_all_reduce()
     out: dict[str, Any] = {}
     for sharded in (False, True):
-        model, shards = local_model(layout, rank)
+        model, shards = local_model(layout, rank, full_grads("zeros"))
         opt = build_optimizer(model, collection, sharded=sharded, lr=0.0)
         grads = full_grads("random")
         set_main_grads(model, shards, grads, layout)
@@ -71,14 +73,14 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
             1 for g in opt.stats_reduce_groups() if g is not None and g.size() > 1
         )
         res["children"] = [(c.expert, len(c.params)) for c in opt.chained_optimizers]
-        max_norm = oracle_norm(grads) / 3
+        max_norm = oracle_norm(grads, 2.0) / 3
         res["clip_returned"] = float(opt.clip_grad_norm(max_norm))
         res["after_clip"] = float(opt.get_grad_norm())
         if not sharded:
-            coeff = max_norm / (oracle_norm(grads) + 1e-6)
+            coeff = max_norm / (oracle_norm(grads, 2.0) + 1e-6)
             params = dict(model.named_parameters())
             res["clip_worst"] = max(
-                float((params[s.local_name].main_grad.double() - s.take(grads[s.spec.name]) * coeff).abs().max())
+                float((params[s.local_name].main_grad.double() - s.take(grads[s.full_name]) * coeff).abs().max())
                 for s in shards
             )
         set_main_grads(model, shards, full_grads("zeros"), layout)
@@ -92,8 +94,8 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
 def test_chained_statistics_match_the_unsharded_oracle(name: str) -> None:
     layout = ParallelLayout(world_size=WORLD, **LAYOUTS[name])
     grads = full_grads("random")
-    want_norm, want_inf, want_zeros = oracle_norm(grads), oracle_norm(grads, math.inf), oracle_zeros(grads)
-    numel = sum(g.numel() for g in grads.values())
+    want_norm, want_inf, want_zeros = oracle_norm(grads, 2.0), oracle_norm(grads, math.inf), oracle_zeros(grads)
+    numel = oracle_numel()
     mp = set(layout.groups_of(0)["mp"])
     shared_groups = mp == set(layout.groups_of(0)["tp_ep_pp"])
     for rank, result in enumerate(run_world(WORLD, _on_rank, layout)):
@@ -118,6 +120,8 @@ def test_chained_statistics_match_the_unsharded_oracle(name: str) -> None:
             else:
                 assert res["norm2_calls"] == 2, where
             # A stage without experts still has an (empty) expert child, so it joins the expert reduction.
-            local_experts = 0 if layout.pp > 1 and layout.coords(rank)["pp"] == 0 else EXPERTS // layout.ep * 2
+            local_experts = sum(shard.spec.kind == EXPERT for shard in shards_of(layout, rank))
             assert [n for expert, n in res["children"] if expert] == [local_experts], where
+            if layout.pp > 1 and layout.coords(rank)["pp"] == 0:
+                assert local_experts == 0, where
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from pgregistry import registry
 from pgregistry.demo.model import ReferenceMoE, ShardedMoE, ToyMoEConfig, full_weights, make_batch, shard_of
+from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.testing import run_world
@@ -27,12 +28,10 @@ CONFIG = ToyMoEConfig(num_layers=1, seed=7)
 STEPS, LR, MAX_NORM = 3, 0.02, 0.5
 
 
-def _global_name(model: ShardedMoE, local_name: str) -> str:
-    if ".local_experts." not in local_name:
-        return local_name
-    head, rest = local_name.split(".local_experts.")
-    local, part = rest.split(".", 1)
-    return f"{head}.local_experts.{model.first_expert + int(local)}.{part}"
+def _global_names(model: ShardedMoE, collection: Any) -> dict[str, torch.nn.Parameter]:
+    """Global (unsharded) name -> parameter: checkpoint names with global expert indices."""
+    ep_rank, ep_size = get_ep_rank_and_size(collection)
+    return globalize_expert_keys(model.checkpoint_names(), CONFIG.num_experts, ep_rank, ep_size)
 
 
 def _reference(rule: str) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -66,8 +65,7 @@ def _train(model: ShardedMoE, opt: Any, steps: range) -> list[float]:
 
 def _worst_rel_diff(model: ShardedMoE, reference: dict[str, torch.Tensor], collection: Any) -> float:
     worst = 0.0
-    for name, param in model.checkpoint_names().items():
-        full = _global_name(model, name)
+    for full, param in _global_names(model, collection).items():
         want = shard_of(full, reference[full], collection, CONFIG.num_experts)
         assert want is not None
         worst = max(worst, float((param.detach().double() - want).abs().max() / want.abs().max()))
@@ -94,7 +92,7 @@ def _on_rank() -> dict[str, Any]:
     # Resume: 2 steps, save, a fresh model and optimizer load the state, step 3 must equal an uninterrupted run.
     def fresh() -> tuple[ShardedMoE, Any]:
         model = ShardedMoE(CONFIG, weights, collection, dtype=torch.float32)
-        names = {id(p): _global_name(model, n) for n, p in model.checkpoint_names().items()}
+        names = {id(p): n for n, p in _global_names(model, collection).items()}
         opt = build_optimizer(
             model, collection, lr=LR, sharded=True, mixed_precision=False, param_name_fn=lambda p: names[id(p)]
         )
