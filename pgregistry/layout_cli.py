@@ -40,9 +40,11 @@ def add_command(subparsers: Any) -> None:
     parser.set_defaults(handler=_run)
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options that declare a :class:`~pgregistry.layout.ParallelLayout`."""
-    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+def add_layout_arguments(parser: argparse.ArgumentParser, *, world_size: bool = True) -> None:
+    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--world-size`` left out when the
+    world comes from elsewhere, e.g. torchrun)."""
+    if world_size:
+        parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -53,12 +55,14 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
 
 
-def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
-    """The layout :func:`add_layout_arguments` declared; ``ValueError`` (the layout's message) when invalid."""
+def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
+    """The layout :func:`add_layout_arguments` declared (over ``world_size`` ranks when given, else
+    ``--world-size``); ``ValueError`` (the layout's message) when invalid."""
     from pgregistry.layout import ParallelLayout
 
     sizes: dict[str, Any] = {
-        "world_size": args.world_size, "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
+        "world_size": world_size if world_size is not None else args.world_size,
+        "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
         "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
     }
     if args.etp is not None:

@@ -10,6 +10,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from pgregistry.layout_cli import add_layout_arguments, layout_from_args
+
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
@@ -27,15 +29,7 @@ def add_command(subparsers: Any) -> None:
             "report seeds shared by streams that must differ and exit 1 when there are any."
         ),
     )
-    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
-    parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
-    parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
-    parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
+    add_layout_arguments(parser)
     parser.add_argument("--seed", type=int, required=True, help="the job's seed")
     parser.add_argument(
         "--data-parallel-random-init",
@@ -48,19 +42,10 @@ def add_command(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pgregistry.layout import ParallelLayout
     from pgregistry.rng import check_seed_plan, seed_plan
 
-    sizes: dict[str, Any] = {
-        "world_size": args.world_size, "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
-        "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
-    }
-    if args.etp is not None:
-        sizes["etp"] = args.etp
-    if args.order is not None:
-        sizes["order"] = args.order
     try:
-        layout = ParallelLayout(**sizes)
+        layout = layout_from_args(args)
         if args.check:
             collisions = check_seed_plan(layout, args.seed, data_parallel_random_init=args.data_parallel_random_init)
         else:

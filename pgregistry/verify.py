@@ -38,14 +38,11 @@ def _checks_on_this_rank(args: argparse.Namespace) -> list[tuple[str, bool, str]
 
     from pgregistry import registry
     from pgregistry.collection import FIELD_NAMES
-    from pgregistry.layout import ParallelLayout
+    from pgregistry.layout_cli import layout_from_args
 
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
-    layout = ParallelLayout(
-        world_size=world, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp or args.tp,
-        gtp_remat=args.gtp_remat, expt_gtp_remat=args.expt_gtp_remat, order=args.order,
-    )
+    layout = layout_from_args(args, world_size=world)
     pg = registry.build(layout, name="verify")
     checks: list[tuple[str, bool, str]] = []
 
@@ -221,10 +218,9 @@ def _report(args: argparse.Namespace, everyone: list[list[tuple[str, bool, str]]
 def add_command(subparsers: Any) -> None:
     """Register ``pgregistry verify``."""
     parser = subparsers.add_parser("verify", help="check groups, grad statistics and seeds under torchrun")
-    for axis in ("tp", "cp", "pp", "ep", "gtp-remat", "expt-gtp-remat"):
-        parser.add_argument(f"--{axis}", type=int, default=1)
-    parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
-    parser.add_argument("--order", default="tp-cp-ep-dp-pp")
+    from pgregistry.layout_cli import add_layout_arguments
+
+    add_layout_arguments(parser, world_size=False)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
