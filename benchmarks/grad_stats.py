@@ -1,0 +1,235 @@
+"""Benchmark: grad norm and zero count over a flat grad buffer, over a list of grads, and torch's own baseline.
+
+One process, no torch.distributed (every parallelism axis off, so nothing is reduced across ranks); the same
+gradient values, 30% zeros, in every path. For each tensor count it measures, in this one run:
+
+- ``read reference``: one ``torch.linalg.vector_norm`` over one contiguous tensor of the same bytes, the measured
+  read bandwidth the other rows are compared with;
+- ``baseline``: ``torch.nn.utils.get_total_norm(grads, foreach=True)`` plus a per-tensor ``count_nonzero`` loop
+  over separately allocated grads;
+- ``list path``: :func:`pgregistry.grad_stats.norm_of_grads` and :func:`~pgregistry.grad_stats.zeros_of_grads`
+  over the same list of grads;
+- ``buffer``: :meth:`pgregistry.grad_buffer.GradBuffer.grad_norm` and ``count_zeros`` over the grads laid out in
+  one :class:`~pgregistry.grad_buffer.GradBuffer`.
+
+Columns: milliseconds (median of ``--repeat`` after ``--warmup``; CUDA events on a GPU), bytes read (each
+statistic reads every grad once, so a norm + zero-count row reads the grads twice), effective TB/s, speed-up over
+the baseline row of the same statistic, % of the measured read bandwidth, and on CUDA the peak memory allocated
+beyond the inputs. The targets (defined for an H200 with 2 GiB of grads) are checked and printed at the end.
+
+Usage: ``python benchmarks/grad_stats.py --device cuda`` (2 GiB over 2,000 and 20,000 tensors) or
+``--device cpu`` (a smaller size); ``--dtype bfloat16`` for bf16 grads (float32 by default, the dtype of the
+main grads of a mixed-precision optimizer). Exits 1 if the three paths disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
+from pgregistry.grad_buffer import GradBuffer  # noqa: E402
+from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def tensor_sizes(count: int, numel: int, seed: int = 0) -> list[int]:
+    """``count`` sizes summing to ``numel``, spread over two orders of magnitude like a model's parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(torch.rand(count, generator=gen, dtype=torch.float64) * 4.6)  # 1x .. 100x
+    sizes = (weights / weights.sum() * numel).floor().to(torch.int64).clamp(min=1)
+    sizes[0] += numel - int(sizes.sum())
+    return [int(s) for s in sizes]
+
+
+def fill_(tensors: list[torch.Tensor], seed: int) -> None:
+    """Normal values with about 30% exact zeros, the same for the same sizes and seed on any device."""
+    gen = torch.Generator(device=tensors[0].device).manual_seed(seed)
+    for t in tensors:
+        t.normal_(generator=gen)
+        t.masked_fill_(torch.rand(t.shape, generator=gen, device=t.device) < 0.3, 0.0)
+
+
+def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int) -> tuple[float, float | None]:
+    """Median milliseconds of ``fn`` and, on CUDA, the peak MiB it allocated beyond what was live before."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times), None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    peak = (torch.cuda.max_memory_allocated(device) - before) / MiB
+    return statistics.median(s.elapsed_time(e) for s, e in events), peak
+
+
+def run_count(count: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    dtype = DTYPES[args.dtype]
+    numel = args.bytes // torch.finfo(dtype).bits * 8
+    sizes = tensor_sizes(count, numel)
+    grads = [torch.empty(s, dtype=dtype, device=device) for s in sizes]
+    fill_(grads, seed=1)
+    off = StatsGroups.from_collection(ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES)))
+    buffer = GradBuffer([torch.empty(s, device="meta") for s in sizes], off, dtype=dtype, device=device)
+    torch._foreach_copy_(list(buffer.views), grads)
+    reference = buffer.data
+    nbytes = numel * torch.finfo(dtype).bits // 8
+
+    def baseline_norm() -> torch.Tensor:
+        return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+
+    def baseline_zeros() -> torch.Tensor:
+        return numel - torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+
+    paths: dict[str, Callable[[], Any]] = {
+        "read reference (1 vector_norm)": lambda: torch.linalg.vector_norm(reference),
+        "baseline norm (get_total_norm)": baseline_norm,
+        "baseline zeros (count_nonzero loop)": baseline_zeros,
+        "baseline norm + zeros": lambda: (baseline_norm(), baseline_zeros()),
+        "list path norm": lambda: norm_of_grads({None: grads}),
+        "list path zeros": lambda: zeros_of_grads({None: grads}),
+        "list path norm + zeros": lambda: (norm_of_grads({None: grads}), zeros_of_grads({None: grads})),
+        "buffer norm": buffer.grad_norm,
+        "buffer zeros": buffer.count_zeros,
+        "buffer norm + zeros": lambda: (buffer.grad_norm(), buffer.count_zeros()),
+    }
+    results = {name: measure(fn, device, args.warmup, args.repeat) for name, fn in paths.items()}
+    values = {
+        "baseline": (float(baseline_norm()), int(baseline_zeros())),
+        "list path": (float(norm_of_grads({None: grads})), int(zeros_of_grads({None: grads}))),
+        "buffer": (float(buffer.grad_norm()), int(buffer.count_zeros())),
+    }
+    return {"count": count, "bytes": nbytes, "results": results, "values": values}
+
+
+def print_table(run: dict[str, Any], device: torch.device, dtype: str) -> None:
+    results, nbytes = run["results"], run["bytes"]
+    ref_ms = results["read reference (1 vector_norm)"][0]
+    ref_tbs = nbytes / ref_ms / 1e9
+    print(f"\n{run['count']:,} {dtype} tensors, {nbytes / GiB:.3f} GiB on {device}")
+    header = f"  {'path':<38} {'ms':>9} {'GB read':>8} {'TB/s':>7} {'vs base':>8} {'% read BW':>9}"
+    if device.type == "cuda":
+        header += f" {'peak MiB':>9}"
+    print(header)
+    for name, (ms, peak) in results.items():
+        stat = "norm + zeros" if "+" in name else "zeros" if "zeros" in name else "norm"
+        read = nbytes * (2 if stat == "norm + zeros" else 1)
+        tbs = read / ms / 1e9
+        base = {"norm": "baseline norm (get_total_norm)", "zeros": "baseline zeros (count_nonzero loop)",
+                "norm + zeros": "baseline norm + zeros"}[stat]
+        vs = "" if name.startswith("read") else f"{results[base][0] / ms:7.2f}x"
+        line = f"  {name:<38} {ms:9.3f} {read / 1e9:8.3f} {tbs:7.3f} {vs:>8} {100 * tbs / ref_tbs:8.1f}%"
+        if device.type == "cuda":
+            line += f" {peak:9.1f}"
+        print(line)
+    agreed = ", ".join(f"{path}: norm {n:.6g}, zeros {z:,}" for path, (n, z) in run["values"].items())
+    print(f"  values: {agreed}")
+
+
+def check_values(run: dict[str, Any], dtype: str) -> list[str]:
+    norms = [n for n, _ in run["values"].values()]
+    zeros = {z for _, z in run["values"].values()}
+    problems = []
+    # get_total_norm keeps bf16 grads' per-tensor norms in bf16: compare bf16 runs at bf16 precision.
+    tolerance = 1e-2 if dtype == "bfloat16" else 1e-4
+    if max(norms) - min(norms) > tolerance * max(norms):
+        problems.append(f"{run['count']} tensors: norms disagree: {run['values']}")
+    if len(zeros) != 1:
+        problems.append(f"{run['count']} tensors: zero counts disagree: {run['values']}")
+    return problems
+
+
+def print_targets(runs: list[dict[str, Any]]) -> None:
+    """The issue's targets (H200, 2 GiB): informative here, measured on whatever device ran."""
+    print("\nTargets (defined for an H200 with 2 GiB of grads over 2,000 and 20,000 tensors):")
+    by_count = {run["count"]: run["results"] for run in runs}
+    first = runs[0]
+    r = first["results"]
+    ms = r["buffer norm + zeros"][0]
+    ref_tbs = first["bytes"] / r["read reference (1 vector_norm)"][0] / 1e9
+    share = 2 * first["bytes"] / ms / 1e9 / ref_tbs
+    speedup = r["baseline norm + zeros"][0] / ms
+    lines = [
+        (f"buffer norm + zeros at {first['count']:,} tensors reads at >= 70% of the read bandwidth", share >= 0.7,
+         f"{100 * share:.1f}%"),
+        (f"buffer norm + zeros at {first['count']:,} tensors >= 5x faster than the baseline", speedup >= 5,
+         f"{speedup:.1f}x"),
+    ]
+    for run in runs[1:]:
+        ratio = run["results"]["buffer norm + zeros"][0] / ms
+        lines.append((f"buffer at {run['count']:,} tensors within 1.5x of {first['count']:,}", ratio <= 1.5,
+                      f"{ratio:.2f}x"))
+    for count, results in by_count.items():
+        ratio = results["list path norm + zeros"][0] / results["baseline norm + zeros"][0]
+        lines.append((f"list path at {count:,} tensors not slower than the baseline", ratio <= 1.0,
+                      f"{ratio:.2f}x the baseline's time"))
+        norm_ratio = results["list path norm"][0] / results["baseline norm (get_total_norm)"][0]
+        lines.append((f"list path norm at {count:,} tensors not slower than get_total_norm", norm_ratio <= 1.0,
+                      f"{norm_ratio:.2f}x"))
+    for name, ok, detail in lines:
+        print(f"  [{'MET' if ok else 'NOT MET'}] {name}: {detail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--bytes", type=int, help="grad bytes (default: 2 GiB on CUDA, 32 MiB on CPU)")
+    parser.add_argument("--tensors", default="2000,20000", help="comma-separated tensor counts")
+    parser.add_argument("--repeat", type=int, help="timed runs per figure (default: 20 on CUDA, 5 on CPU)")
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    args.bytes = args.bytes or (2 * GiB if device.type == "cuda" else 32 * MiB)
+    args.repeat = args.repeat or (20 if device.type == "cuda" else 5)
+    counts = [int(c) for c in args.tensors.split(",")]
+    if not counts or min(counts) < 1 or args.bytes < 1 or args.repeat < 1 or args.warmup < 0:
+        parser.error("tensor counts, --bytes and --repeat must be positive, --warmup not negative")
+    print(f"grad statistics: torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
+             f" ({torch.get_num_threads()} threads)")
+          + f", {args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
+    runs = []
+    problems: list[str] = []
+    for count in counts:
+        run = run_count(count, args, device)
+        print_table(run, device, args.dtype)
+        problems += check_values(run, args.dtype)
+        runs.append(run)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print_targets(runs)
+    for problem in problems:
+        print(f"FAIL: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

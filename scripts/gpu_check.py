@@ -1,0 +1,232 @@
+"""Check pgregistry's optimizers on a real backend: NCCL on GPUs (default when CUDA is present) or gloo on CPU.
+
+Run under torchrun (``scripts/gpu_check.sh`` does, on 2 GPUs with ``NCCL_NVLS_ENABLE=0``)::
+
+    torchrun --standalone --nproc-per-node 2 scripts/gpu_check.py [--backend nccl|gloo]
+
+Every rank checks, and rank 0 prints one PASS/FAIL line per check (failing ranks named); every rank exits 1 when
+any check failed anywhere:
+
+* seed 000 (TP = EP = W, ETP 1; one replicated dense and one distinct expert bf16 scalar per rank): through
+  ``build_optimizer``, the mixed-precision and the sharded optimizer report norm ``sqrt(1 + W)`` and zero count
+  ``1 + W``; and with the anchor's bug reproduced (main copies without ``allreduce=False``) ``sqrt(2)`` and ``2``,
+  so the check can fail;
+* a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry.toy_shards`, raw
+  per-rank grads synchronised by the optimizer (all-reduce, or reduce-scatter for the sharded one), then the
+  2-norm, inf-norm and zero count against the unsharded float64 oracle, one SGD step (lr 1, parameters from 0)
+  whose result must be minus the oracle's grads (all-gather included), and the invariance oracle (all grads 1:
+  norm ``sqrt(numel)``; all 0: zero count ``numel``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import pgregistry.optim.mixed_precision  # noqa: E402
+import pgregistry.optim.sharded  # noqa: E402
+from pgregistry import registry  # noqa: E402
+from pgregistry.layout import ParallelLayout  # noqa: E402
+from pgregistry.optim import build_optimizer  # noqa: E402
+from pgregistry.params import copy_param_roles, mark_expert, mark_expert_module  # noqa: E402
+from pgregistry.toy_shards import EXPERT, EXPERTS, full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros  # noqa: E402
+
+Check = tuple[str, bool, str]
+REL = 1e-6
+
+
+def layouts_for(world: int) -> dict[str, dict[str, int]]:
+    """The layout matrix: every entry whose sizes fit ``world`` ranks and the toy model's expert count."""
+    candidates: dict[str, dict[str, int]] = {
+        f"DP{world}": {},
+        f"TP{world}": {"tp": world},
+        f"EP{world}-ETP1": {"ep": world, "etp": 1},
+        f"TP{world}-EP{world}-ETP{world}": {"tp": world, "ep": world},
+        "TP2-EP2-ETP1": {"tp": 2, "ep": 2, "etp": 1},
+        "TP2-PP2-EP2-ETP1": {"tp": 2, "pp": 2, "ep": 2, "etp": 1},
+        "TP2-CP2-EP4-ETP1": {"tp": 2, "cp": 2, "ep": 4, "etp": 1},
+        "GTP2-EP2-EGTP2": {"gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2},
+    }
+    out = {}
+    for name, sizes in candidates.items():
+        try:
+            layout = ParallelLayout(world_size=world, **sizes)
+        except ValueError:
+            continue
+        if EXPERTS % layout.ep == 0 and name not in out:
+            out[name] = sizes
+    return out
+
+
+def close(value: float, want: float) -> bool:
+    return math.isclose(value, want, rel_tol=REL, abs_tol=REL)
+
+
+# ------------------------------------------------------------------------------------------------- seed 000
+
+
+def _dense_and_expert(device: torch.device) -> nn.Module:
+    model = nn.Module()
+    model.dense = nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device))
+    model.experts = mark_expert_module(nn.Module())
+    model.experts.weight = mark_expert(nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device)))
+    return model
+
+
+def _roles_without_allreduce(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """The anchor's optimizer copy: every role but ``allreduce=False``."""
+    copy_param_roles(src, dst)
+    if hasattr(dst, "allreduce"):
+        del dst.allreduce
+    return dst
+
+
+def _seed000_stats(pg: Any, sharded: bool, device: torch.device) -> tuple[float, int]:
+    model = _dense_and_expert(device)
+    opt = build_optimizer(model, pg, optimizer="sgd", lr=0.0, sharded=sharded)
+    (model.dense.float().sum() + model.experts.weight.float().sum()).backward()  # every grad 1, into the buffer
+    opt.sync_grads()
+    norm = float(opt.get_grad_norm())
+    opt.zero_grad()
+    return norm, int(opt.count_zeros())
+
+
+def seed000(world: int, device: torch.device) -> list[Check]:
+    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="gpu-check-seed000")
+    want_norm, want_zeros = math.sqrt(1 + world), 1 + world
+    checks = []
+    for sharded in (False, True):
+        kind = "sharded" if sharded else "mixed-precision"
+        norm, zeros = _seed000_stats(pg, sharded, device)
+        checks.append((f"seed 000, {kind}: norm sqrt(1+{world}), zero count {want_zeros}",
+                       close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
+    real = (pgregistry.optim.mixed_precision.copy_param_roles, pgregistry.optim.sharded.copy_param_roles)
+    pgregistry.optim.mixed_precision.copy_param_roles = _roles_without_allreduce  # type: ignore[attr-defined]
+    pgregistry.optim.sharded.copy_param_roles = _roles_without_allreduce  # type: ignore[attr-defined]
+    try:
+        for sharded in (False, True):
+            kind = "sharded" if sharded else "mixed-precision"
+            norm, zeros = _seed000_stats(pg, sharded, device)
+            checks.append((f"seed 000 counterfactual, {kind}: the anchor's copies give sqrt(2) and 2",
+                           close(norm, math.sqrt(2)) and zeros == 2, f"norm {norm:.7f}, zeros {zeros}"))
+    finally:
+        pgregistry.optim.mixed_precision.copy_param_roles, pgregistry.optim.sharded.copy_param_roles = real
+    return checks
+
+
+# --------------------------------------------------------------------------------------------- layout matrix
+
+
+def _write_raw_grads(
+    model: nn.Module, shards: list[Any], grads: dict[str, torch.Tensor], layout: ParallelLayout
+) -> None:
+    """The per-rank grads that synchronise to ``grads`` when every replica holds the same: experts are divided
+    by the dp_cp size and summed over expt_dp, so they are written times dp_cp / expt_dp (exact: powers of 2)."""
+    expert_scale = layout.dp * layout.cp / layout.expt_dp
+    params = dict(model.named_parameters())
+    for shard in shards:
+        scale = expert_scale if shard.spec.kind == EXPERT else 1.0
+        params[shard.local_name].main_grad.copy_(shard.take(grads[shard.full_name]) * scale)
+
+
+def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.device) -> list[Check]:
+    layout = ParallelLayout(world_size=world, **sizes)
+    pg = registry.build(layout, name=f"gpu-check-{name}")
+    rank = dist.get_rank()
+    grads = full_grads("random")
+    numel = oracle_numel()
+    checks = []
+    for sharded in (False, True):
+        where = f"{name}, {'sharded' if sharded else 'unsharded'}"
+        model, shards = local_model(layout, rank, full_grads("zeros"), device=device)
+        opt = build_optimizer(model, pg, optimizer="sgd", lr=1.0, sharded=sharded, mixed_precision=False)
+        _write_raw_grads(model, shards, grads, layout)
+        opt.sync_grads()
+        stats = (float(opt.get_grad_norm()), float(opt.get_grad_norm(math.inf)), int(opt.count_zeros()))
+        want = (oracle_norm(grads, 2.0), oracle_norm(grads, math.inf), oracle_zeros(grads))
+        checks.append((f"{where}: 2-norm, inf-norm, zero count = float64 oracle",
+                       close(stats[0], want[0]) and close(stats[1], want[1]) and stats[2] == want[2],
+                       f"{stats} vs {want}"))
+        opt.step()
+        params = dict(model.named_parameters())
+        worst = max(
+            float((params[s.local_name].detach().double().cpu() + s.take(grads[s.full_name])).abs().max())
+            for s in shards
+        )
+        checks.append((f"{where}: one SGD step gives minus the oracle's grads", worst < 1e-6, f"max error {worst:.2e}"))
+        opt.zero_grad()
+        _write_raw_grads(model, shards, full_grads("ones"), layout)
+        opt.sync_grads()
+        ones = float(opt.get_grad_norm())
+        opt.zero_grad()
+        opt.sync_grads()
+        zeros = int(opt.count_zeros())
+        checks.append((f"{where}: invariance, norm sqrt({numel}) and zero count {numel}",
+                       close(ones, math.sqrt(numel)) and zeros == numel, f"norm {ones:.7f}, zeros {zeros}"))
+    return checks
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="pgregistry optimizer checks under torchrun")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("gpu_check: run it under torchrun (RANK and WORLD_SIZE are not set)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    init: dict[str, Any] = {"backend": args.backend, "timeout": timedelta(seconds=args.timeout)}
+    if args.backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = init["device_id"] = torch.device("cuda", local)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group(**init)
+    world = dist.get_world_size()
+    try:
+        checks = seed000(world, device)
+        for name, sizes in layouts_for(world).items():
+            checks += layout_checks(name, sizes, world, device)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, checks)
+        if dist.get_rank() == 0:
+            report(everyone, args.backend, device)
+        return 1 if any(not ok for rank_checks in everyone for _, ok, _ in rank_checks) else 0
+    finally:
+        registry.destroy()
+        dist.destroy_process_group()
+
+
+def report(everyone: list[list[Check]], backend: str, device: torch.device) -> None:
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"gpu_check: {len(everyone)} ranks, backend {backend}, {where}, torch {torch.__version__}")
+    failed = 0
+    for i, (name, _, _) in enumerate(everyone[0]):
+        failing = [rank for rank, checks in enumerate(everyone) if not checks[i][1]]
+        detail = everyone[failing[0] if failing else 0][i][2]
+        failed += bool(failing)
+        on = f" on ranks {failing}" if failing else ""
+        print(f"  {'PASS' if not failing else 'FAIL'} {name}{on} ({detail})")
+    print(f"{len(everyone[0]) - failed} passed, {failed} failed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
