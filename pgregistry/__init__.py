@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "count_zeros": "pgregistry.grad_stats",
     "clip_grad_norm_": "pgregistry.grad_stats",
     "audit_grad_replication": "pgregistry.audit",
+    "build_optimizer": "pgregistry.optim",
 }
 
 
