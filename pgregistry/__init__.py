@@ -14,17 +14,12 @@ from pgregistry.fallback import ProcessGroupFallbackWarning
 from pgregistry.layout import ParallelLayout
 
 if TYPE_CHECKING:
+    from pgregistry.audit import audit_grad_replication
+    from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys, localize_expert_keys
+    from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
+    from pgregistry.optim import build_optimizer
     from pgregistry.registry import attach, build, collection_of
-
-__all__ = [
-    "UNSET",
-    "ParallelLayout",
-    "ProcessGroupCollection",
-    "ProcessGroupFallbackWarning",
-    "attach",
-    "build",
-    "collection_of",
-]
+    from pgregistry.rng import model_parallel_manual_seed
 
 # Public name -> module that defines it; imported on first access (these modules import torch).
 _LAZY: dict[str, str] = {
@@ -41,6 +36,8 @@ _LAZY: dict[str, str] = {
     "audit_grad_replication": "pgregistry.audit",
     "build_optimizer": "pgregistry.optim",
 }
+
+__all__ = ["UNSET", "ParallelLayout", "ProcessGroupCollection", "ProcessGroupFallbackWarning", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
