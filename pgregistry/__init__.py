@@ -37,7 +37,24 @@ _LAZY: dict[str, str] = {
     "build_optimizer": "pgregistry.optim",
 }
 
-__all__ = ["UNSET", "ParallelLayout", "ProcessGroupCollection", "ProcessGroupFallbackWarning", *_LAZY]
+__all__ = [
+    "UNSET",
+    "ParallelLayout",
+    "ProcessGroupCollection",
+    "ProcessGroupFallbackWarning",
+    "attach",
+    "audit_grad_replication",
+    "build",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "collection_of",
+    "count_zeros",
+    "get_ep_rank_and_size",
+    "globalize_expert_keys",
+    "grad_norm",
+    "localize_expert_keys",
+    "model_parallel_manual_seed",
+]
 
 
 def __getattr__(name: str) -> Any:
