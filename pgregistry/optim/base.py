@@ -51,7 +51,6 @@ from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-    from torch.utils.hooks import RemovableHandle
 
     from pgregistry.grad_stats import StatsGroups
 
@@ -110,7 +109,6 @@ class FlatOptimizer(abc.ABC):
         self._stat_spans: tuple[Span, ...] = ()
         self._reduce_keys: tuple[GroupKey, ...] = ()
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._hooks: list[RemovableHandle] = []
 
     # ------------------------------------------------------------------------------------------- naming
 
@@ -138,7 +136,7 @@ class FlatOptimizer(abc.ABC):
             if param.grad is not None:
                 view.copy_(param.grad)
                 param.grad = None
-            self._hooks.append(param.register_post_accumulate_grad_hook(_accumulate_into(view)))
+            param.register_post_accumulate_grad_hook(_accumulate_into(view))
 
     def _check_grads_attached(self) -> None:
         for param, view in self._direct:
