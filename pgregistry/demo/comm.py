@@ -20,6 +20,7 @@ group (TP), ``*_distinct`` for tensors each rank uses differently (EP token exch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,103 +55,62 @@ def _chunk(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x.chunk(group_size(group), dim=0)[group_rank(group)].contiguous()
 
 
-class _EnterSharded(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
+def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _chunk(_all_reduce(x, group), group)
+
+
+Op = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]
+
+
+class _Paired(torch.autograd.Function):
+    """``forward_op`` forward, ``backward_op`` on the incoming grad: one class for every pair in the table."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
-
-
-class _LeaveSharded(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, forward_op: Op, backward_op: Op) -> torch.Tensor:
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-class _SplitReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _chunk(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(grad, ctx.group), None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _chunk(grad, ctx.group), None
-
-
-class _GatherDistinct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _chunk(_all_reduce(grad, ctx.group), ctx.group), None
-
-
-class _ScatterDistinct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _chunk(_all_reduce(x, group), group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(grad, ctx.group), None
-
-
-def _apply(fn: type[torch.autograd.Function], x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def _apply(x: torch.Tensor, group: ProcessGroup | None, forward_op: Op, backward_op: Op) -> torch.Tensor:
     if group is None or group_size(group) == 1:
         return x
-    out: torch.Tensor = fn.apply(x, group)
+    out: torch.Tensor = _Paired.apply(x, group, forward_op, backward_op)
     return out
 
 
 def enter_sharded(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Input of a column-parallel layer: identity forward, all-reduce backward."""
-    return _apply(_EnterSharded, x, group)
+    return _apply(x, group, _identity, _all_reduce)
 
 
 def leave_sharded(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Output of a row-parallel layer: all-reduce forward, identity backward."""
-    return _apply(_LeaveSharded, x, group)
+    return _apply(x, group, _all_reduce, _identity)
 
 
 def split_replicated(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's dim-0 chunk of a tensor replicated over ``group``."""
-    return _apply(_SplitReplicated, x, group)
+    return _apply(x, group, _chunk, _all_gather)
 
 
 def gather_replicated(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Reassemble chunks into a tensor whose downstream use is replicated over ``group``."""
-    return _apply(_GatherReplicated, x, group)
+    return _apply(x, group, _all_gather, _chunk)
 
 
 def gather_distinct(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-gather tokens that every rank then uses differently (expert dispatch)."""
-    return _apply(_GatherDistinct, x, group)
+    return _apply(x, group, _all_gather, _reduce_scatter)
 
 
 def scatter_distinct(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum every rank's partial outputs and keep this rank's chunk (expert combine)."""
-    return _apply(_ScatterDistinct, x, group)
+    return _apply(x, group, _reduce_scatter, _all_gather)
