@@ -70,7 +70,7 @@ SPAN_ALIGNMENT = 64
 ZERO_COUNT_ROW = 1 << 24
 """Longest row reduced in float32 by the CUDA zero count: below 2**24 every partial count is exact."""
 
-HOST_ROW = 1 << 16
+HOST_ROW = 1 << 12
 """Off CUDA, the norm sums rows of this many elements in float32 and combines the rows in float64."""
 
 HOST_BLOCK = 1 << 18
