@@ -21,9 +21,9 @@ a handful of span views, whatever the parameter count:
   float64: two reductions per span;
 * elsewhere (CPU) a float32 reduction is one sequential sum per thread, which loses precision (a relative error
   of 1.7e-4 measured over 8M elements), casts of bf16 are copies, and ``count_nonzero`` branches per element (3x
-  slower than a mask on random zeros). There the norm reduces rows of :data:`HOST_ROW` elements combined in
-  float64, and the zero count compares blocks of :data:`HOST_BLOCK` elements into one reused mask: the extra
-  memory stays bounded by a block, whatever the buffer's size.
+  slower than a mask on random zeros). There both statistics walk blocks of :data:`HOST_BLOCK` elements: the
+  norm reduces rows of :data:`HOST_ROW` elements in float32 and accumulates them in float64, the zero count
+  compares into one reused mask. The extra memory stays bounded by a block, whatever the buffer's size.
 
 :func:`span_norms` and :func:`span_zero_counts` also accept arbitrary spans over :attr:`GradBuffer.data`, which is
 how a sharded optimizer reduces only its shard (see :func:`class_spans`).
@@ -31,6 +31,7 @@ how a sharded optimizer reduces only its shard (see :func:`class_spans`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +72,8 @@ ZERO_COUNT_ROW = 1 << 24
 """Longest row reduced in float32 by the CUDA zero count: below 2**24 every partial count is exact."""
 
 HOST_ROW = 1 << 12
-"""Off CUDA, the norm sums rows of this many elements in float32 and combines the rows in float64."""
+"""Off CUDA, the norm sums rows of this many elements in float32 and combines the rows in float64 (a 2-D
+reduction over a few long rows is slow on CPU; many short ones are as fast as one flat reduction)."""
 
 HOST_BLOCK = 1 << 18
 """Off CUDA, statistics handle this many elements at a time (the bound on their temporary memory)."""
@@ -236,10 +238,12 @@ def _vector_norm(view: torch.Tensor, norm_type: float) -> torch.Tensor:
     acc = _float_dtype(view.dtype)
     if view.device.type == "cuda":
         return torch.linalg.vector_norm(view, norm_type, dtype=acc)
-    rows = [_row_norms(block.to(acc), norm_type) for block in view.split(HOST_BLOCK)]
-    if not rows:
-        return torch.zeros((), dtype=acc, device=view.device)
-    return torch.linalg.vector_norm(torch.cat(rows).to(torch.float64), norm_type).to(acc)
+    infinite = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float64, device=view.device)
+    for block in view.split(HOST_BLOCK):
+        rows = _row_norms(block.to(acc), norm_type).to(torch.float64)
+        total = torch.maximum(total, rows.max()) if infinite else total + rows.pow(norm_type).sum()
+    return (total if infinite else total.pow(1.0 / norm_type)).to(acc)
 
 
 def _row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
