@@ -21,6 +21,7 @@ any check failed anywhere:
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -209,8 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_gather_object(everyone, checks)
         if dist.get_rank() == 0:
             report(everyone, args.backend, device)
+        dist.barrier()  # nobody tears down while a peer may still be exchanging with it
         return 1 if any(not ok for rank_checks in everyone for _, ok, _ in rank_checks) else 0
     finally:
+        # Free what still holds groups (the first torch.optim built leaves a reference cycle behind: torch imports
+        # torch._dynamo then), then destroy subgroups before the default group: a gloo group destroyed at
+        # interpreter exit can abort the process.
+        gc.collect()
         registry.destroy()
         dist.destroy_process_group()
 
