@@ -234,12 +234,25 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     device = _device_of(grads_by_group)
     total = torch.zeros((), dtype=torch.int64, device=device)
     for group, grads in _in_collective_order(grads_by_group):
-        share = torch.zeros((), dtype=torch.int64, device=device)
-        for grad in grads:
-            share += grad.numel() - torch.count_nonzero(grad).to(device)
+        share = _local_zeros(grads, device)
         _all_reduce(share, dist.ReduceOp.SUM, group)
         total += share
     return total
+
+
+def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Zero elements in ``grads`` as a 0-dim int64 tensor: numel minus the L0 norms, one fused call per
+    (device, dtype) and no mask the size of the grads (``count_nonzero`` allocates one per tensor on CUDA).
+    The L0 norms accumulate in float64, exact up to 2**53 elements."""
+    numel = sum(grad.numel() for grad in grads)
+    nonzero = torch.zeros((), dtype=torch.float64, device=device)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        if grad.numel():
+            by_kind[(grad.device, grad.dtype)].append(grad)
+    for same_kind in by_kind.values():
+        nonzero += torch.stack(torch._foreach_norm(same_kind, 0, dtype=torch.float64)).sum().to(device)
+    return numel - nonzero.to(torch.int64)
 
 
 def clip_grads_(
