@@ -19,6 +19,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pgregistry allowlist check
 	$(PY) -m pytest
 

@@ -207,7 +207,9 @@ def audit_grad_replication(
             if rep.get(axis, False):
                 weight /= group_size(axis_groups[axis])
         group = stats.expert_reduce if truly_expert else stats.dense_reduce
-        truth.setdefault(group, []).append(param.grad.detach() * math.sqrt(weight))
+        grad = param.grad
+        assert grad is not None  # params without grads were left out above
+        truth.setdefault(group, []).append(grad.detach() * math.sqrt(weight))
 
     truth.setdefault(stats.dense_reduce, [])
     truth.setdefault(stats.expert_reduce, [])

@@ -71,7 +71,8 @@ def _apply_command_line_filters() -> None:
         if len(fields) > 5 or not actions or category is None or not (lineno or "0").isdigit():
             continue  # Python rejected this option at start-up too
         warnings.filterwarnings(
-            actions[0], re.escape(message), category, re.escape(module) + r"\Z" if module else "", int(lineno or 0)
+            actions[0],  # type: ignore[arg-type]  # one of the literals, chosen above
+            re.escape(message), category, re.escape(module) + r"\Z" if module else "", int(lineno or 0)
         )
 
 
@@ -130,7 +131,7 @@ def _filter_action(message: str, category: type[Warning], module: str, lineno: i
             and (line == 0 or line == lineno)
         ):
             return str(action)
-    return str(warnings.defaultaction)
+    return str(getattr(warnings, "defaultaction", "default"))
 
 
 def _matches(pattern: re.Pattern[str] | str, text: str) -> bool:

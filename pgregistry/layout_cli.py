@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def _table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _aligned(rows: list[tuple[str, ...]], numeric: tuple[int, ...]) -> list[str]:
+def _aligned(rows: Sequence[Sequence[str]], numeric: tuple[int, ...]) -> list[str]:
     """Rows as text columns; the ``numeric`` columns right-aligned, the last one left as it is."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     out = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pgregistry.collection import UNSET, ProcessGroupCollection, check_field_names
 from pgregistry.layout import ParallelLayout
@@ -56,7 +56,7 @@ def from_device_mesh(
     dim_names = tuple(mesh.mesh_dim_names or ())
     if not dim_names:
         raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
-    groups: dict[str, ProcessGroup] = {}
+    groups: dict[str, Any] = {}
     for field, spec in axis_names.items():
         dims = (spec,) if isinstance(spec, str) else tuple(spec)
         unknown = [d for d in dims if d not in dim_names]

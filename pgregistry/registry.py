@@ -199,8 +199,11 @@ class GroupRegistry:
                     f"a second one with {options}"
                 )
             return
+        group: ProcessGroup
         if ranks == tuple(range(dist.get_world_size())) and options == _GroupOptions(None, None):
-            group = dist.group.WORLD
+            world = dist.group.WORLD
+            assert world is not None  # build() checked that torch.distributed is initialised
+            group = world
         else:
             group = dist.new_group(
                 list(ranks),

@@ -86,15 +86,17 @@ def _seed000(world: int, device: Any) -> list[tuple[str, bool, str]]:
 
     pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="verify-seed000")
 
-    def one_dense_one_expert() -> nn.Module:
-        model = nn.Module()
-        model.dense = nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16))
-        model.experts = mark_expert_module(nn.Module())
-        model.experts.weight = mark_expert(nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16)))
-        return model
+    def one_dense_one_expert() -> tuple[nn.Module, list[nn.Parameter]]:
+        dense = nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16))
+        expert = mark_expert(nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16)))
+        model, experts = nn.Module(), mark_expert_module(nn.Module())
+        model.register_parameter("dense", dense)
+        experts.register_parameter("weight", expert)
+        model.add_module("experts", experts)
+        return model, [dense, expert]
 
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
-    model = one_dense_one_expert()
+    model, _ = one_dense_one_expert()
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     norm = float(grad_norm(model, pg))
@@ -104,10 +106,10 @@ def _seed000(world: int, device: Any) -> list[tuple[str, bool, str]]:
     out = [(f"seed 000, functional: norm sqrt(1+{world}), zero count {want_zeros}",
             _close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}")]
     for sharded in (False, True):
-        model = one_dense_one_expert()
+        model, params = one_dense_one_expert()
         optimizer = build_optimizer(model, pg, optimizer="sgd", lr=0.0, sharded=sharded)
         # A real backward, so the grads land where the optimizer keeps them (its flat buffer).
-        (model.dense.float().sum() + model.experts.weight.float().sum()).backward()
+        torch.stack([p.float().sum() for p in params]).sum().backward()
         optimizer.sync_grads()
         norm = float(optimizer.get_grad_norm())
         optimizer.zero_grad()

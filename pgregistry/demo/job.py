@@ -142,10 +142,11 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
         reference_opt.zero_grad()
         reference_loss = reference.loss(x, target, ids)
         reference_loss.backward()
-        oracle_norm = math.sqrt(sum(float((p.grad**2).sum()) for p in reference.parameters()))
+        reference_grads = [p.grad for p in reference.parameters() if p.grad is not None]
+        oracle_norm = math.sqrt(sum(float((g**2).sum()) for g in reference_grads))
         coeff = min(1.0, config.max_norm / (oracle_norm + 1e-6))
-        for p in reference.parameters():
-            p.grad.mul_(coeff)
+        for g in reference_grads:
+            g.mul_(coeff)
         reference_opt.step()
 
         # The sharded bf16 model on this data-parallel rank's tokens.
@@ -204,7 +205,8 @@ def _anchor_norm(model: Any, pg: Any) -> float:
     from pgregistry.grad_stats import norm_of_grads, param_is_not_shared, param_is_not_tensor_parallel_duplicate
     from pgregistry.params import is_expert_param
 
-    dense, expert = [], []
+    dense: list[Any] = []
+    expert: list[Any] = []
     for param in model.parameters():
         grad = getattr(param, "main_grad", None)
         grad = grad if grad is not None else param.grad

@@ -27,6 +27,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.demo.comm import (
@@ -145,6 +146,35 @@ def shard_of(
     return full
 
 
+class _Expert(nn.Module):
+    """One routed expert: ``fc2(gelu(fc1(x)))``."""
+
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor) -> None:
+        super().__init__()
+        from pgregistry.params import mark_expert
+
+        self.fc1 = mark_expert(nn.Parameter(fc1))
+        self.fc2 = mark_expert(nn.Parameter(fc2))
+
+
+class _Block(nn.Module):
+    """One layer's shards: TP-sharded MLP, replicated norm and router, this rank's experts."""
+
+    def __init__(self, shards: Mapping[str, torch.Tensor], experts: list[_Expert]) -> None:
+        super().__init__()
+        from pgregistry.params import mark_expert_module, mark_tensor_parallel
+
+        self.norm = nn.Parameter(shards["norm"])
+        self.mlp_fc1 = mark_tensor_parallel(nn.Parameter(shards["mlp.fc1"]), partition_dim=0)
+        self.mlp_fc2 = mark_tensor_parallel(nn.Parameter(shards["mlp.fc2"]), partition_dim=1)
+        self.moe_router = nn.Parameter(shards["moe.router"])
+        self.experts = nn.ModuleList(experts)
+        mark_expert_module(self.experts)
+
+    def local_experts(self) -> list[_Expert]:
+        return [expert for expert in self.experts if isinstance(expert, _Expert)]
+
+
 class ShardedMoE(nn.Module):
     """The model as one rank holds it under ``pg_collection`` (TP x EP, ETP 1), in ``dtype``.
 
@@ -160,91 +190,83 @@ class ShardedMoE(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
-        from pgregistry.params import mark_expert, mark_expert_module, mark_tensor_parallel
-
         self.config = config
         self.pg = pg_collection
-        ep = pg_collection.get("ep")
-        if config.num_experts % group_size(ep):
-            raise ValueError(f"num_experts {config.num_experts} is not divisible by the EP size {group_size(ep)}")
-        self.experts_per_rank = config.num_experts // group_size(ep)
-        self.first_expert = group_rank(ep) * self.experts_per_rank
-        self.layers = nn.ModuleList()
+        self.tp: ProcessGroup | None = pg_collection.get("tp")
+        self.ep: ProcessGroup | None = pg_collection.get("ep")
+        if config.num_experts % group_size(self.ep):
+            raise ValueError(f"num_experts {config.num_experts} is not divisible by the EP size {group_size(self.ep)}")
+        self.experts_per_rank = config.num_experts // group_size(self.ep)
+        self.first_expert = group_rank(self.ep) * self.experts_per_rank
+        self.dtype = dtype
+        blocks = []
         for layer in range(config.num_layers):
-            block = nn.Module()
             p = f"layers.{layer}."
+            shards = {}
             for local_name in ("norm", "mlp.fc1", "mlp.fc2", "moe.router"):
                 shard = shard_of(p + local_name, weights[p + local_name], pg_collection, config.num_experts)
-                assert shard is not None
-                block.register_parameter(local_name.replace(".", "_"), nn.Parameter(shard.to(dtype).clone()))
-            mark_tensor_parallel(block.mlp_fc1, partition_dim=0)
-            mark_tensor_parallel(block.mlp_fc2, partition_dim=1)
-            experts = nn.ModuleList()
-            for local in range(self.experts_per_rank):
-                expert = nn.Module()
-                q = f"{p}moe.experts.local_experts.{self.first_expert + local}."
-                for part in ("fc1", "fc2"):
-                    param = nn.Parameter(weights[q + part].to(dtype).clone())
-                    mark_expert(param)
-                    expert.register_parameter(part, param)
-                experts.append(expert)
-            mark_expert_module(experts)
-            block.experts = experts
-            self.layers.append(block)
+                assert shard is not None  # dense weights live on every rank
+                shards[local_name] = shard.to(dtype).clone()
+            q = f"{p}moe.experts.local_experts."
+            experts = [
+                _Expert(weights[f"{q}{e}.fc1"].to(dtype).clone(), weights[f"{q}{e}.fc2"].to(dtype).clone())
+                for e in range(self.first_expert, self.first_expert + self.experts_per_rank)
+            ]
+            blocks.append(_Block(shards, experts))
+        self.layers = nn.ModuleList(blocks)
+
+    def blocks(self) -> list[_Block]:
+        return [block for block in self.layers if isinstance(block, _Block)]
 
     def checkpoint_names(self) -> dict[str, nn.Parameter]:
         """Local checkpoint-style names (``layers.0.moe.experts.local_experts.<local>.fc1``) -> parameters."""
         out: dict[str, nn.Parameter] = {}
-        for layer, block in enumerate(self.layers):
+        for layer, block in enumerate(self.blocks()):
             p = f"layers.{layer}."
             out[p + "norm"] = block.norm
             out[p + "mlp.fc1"] = block.mlp_fc1
             out[p + "mlp.fc2"] = block.mlp_fc2
             out[p + "moe.router"] = block.moe_router
-            for local, expert in enumerate(block.experts):
+            for local, expert in enumerate(block.local_experts()):
                 out[f"{p}moe.experts.local_experts.{local}.fc1"] = expert.fc1
                 out[f"{p}moe.experts.local_experts.{local}.fc2"] = expert.fc2
         return out
 
     def loss(self, x: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, normalizer: int) -> torch.Tensor:
         """Sum of squared errors of this data-parallel rank's tokens, divided by ``normalizer``."""
-        tp, ep = self.pg.get("tp"), self.pg.get("ep")
-        dtype = self.layers[0].norm.dtype
-        x = x.to(dtype)
-        for block in self.layers:
-            h = enter_sharded(x * block.norm, tp)
-            x = x + leave_sharded(F.gelu(h @ block.mlp_fc1.t()) @ block.mlp_fc2.t(), tp)
-            x = x + self._moe(x, ids, block, tp, ep)
+        x = x.to(self.dtype)
+        for block in self.blocks():
+            h = enter_sharded(x * block.norm, self.tp)
+            x = x + leave_sharded(F.gelu(h @ block.mlp_fc1.t()) @ block.mlp_fc2.t(), self.tp)
+            x = x + self._moe(x, ids, block)
         return ((x.double() - target) ** 2).sum() / normalizer
 
-    def _moe(self, x: torch.Tensor, ids: torch.Tensor, block: nn.Module, tp: object, ep: object) -> torch.Tensor:
+    def _moe(self, x: torch.Tensor, ids: torch.Tensor, block: _Block) -> torch.Tensor:
         # The gate is computed on this rank's own (TP-replicated) tokens, before dispatch, so the router's grad
         # is replicated over TP like any dense parameter's.
         gate = self.config.num_experts * torch.softmax(x @ block.moe_router.t(), dim=-1)
         gate = gate.gather(1, (ids % self.config.num_experts).unsqueeze(1))
-        tokens = gather_distinct(split_replicated(x, tp), ep)
-        choice = _gather_ids(_chunk_ids(ids, tp), ep) % self.config.num_experts
+        tokens = gather_distinct(split_replicated(x, self.tp), self.ep)
+        choice = _gather_ids(_chunk_ids(ids, self.tp), self.ep) % self.config.num_experts
         # ``tokens * 0`` rather than zeros_like: the output must depend on the dispatched tokens even when no
         # token reaches this rank's experts, or this rank's backward would skip the EP collectives its peers run.
         out = tokens * 0
-        for local, expert in enumerate(block.experts):
+        for local, expert in enumerate(block.local_experts()):
             rows = (choice == self.first_expert + local).nonzero(as_tuple=True)[0]
             if rows.numel():
                 out = out.index_put((rows,), F.gelu(tokens[rows] @ expert.fc1.t()) @ expert.fc2.t())
-        return gather_replicated(scatter_distinct(out, ep), tp) * gate
+        return gather_replicated(scatter_distinct(out, self.ep), self.tp) * gate
 
 
-def _chunk_ids(ids: torch.Tensor, group: object) -> torch.Tensor:
-    if group is None:
-        return ids
-    return ids.chunk(group_size(group), dim=0)[group_rank(group)]  # type: ignore[arg-type]
+def _chunk_ids(ids: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return ids.chunk(group_size(group), dim=0)[group_rank(group)]
 
 
-def _gather_ids(ids: torch.Tensor, group: object) -> torch.Tensor:
+def _gather_ids(ids: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if group is None:
         return ids
     import torch.distributed as dist
 
-    parts = [torch.empty_like(ids) for _ in range(group_size(group))]  # type: ignore[arg-type]
-    dist.all_gather(parts, ids.contiguous(), group=group)  # type: ignore[arg-type]
+    parts = [torch.empty_like(ids) for _ in range(group_size(group))]
+    dist.all_gather(parts, ids.contiguous(), group=group)
     return torch.cat(parts)

@@ -257,4 +257,4 @@ def required_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | 
     value = getattr(groups, name)
     if value is UNSET:
         raise ValueError(f"the optimizer needs process group {name!r}, which is not set in the collection")
-    return value  # type: ignore[no-any-return]
+    return value
