@@ -53,7 +53,8 @@ __all__ = [
 _MODEL: Final = "model/"
 _OPTIMIZER: Final = "optimizer/"
 _FORMAT: Final = 1
-_RANK_FILE: Final = re.compile(r"rank-([0-9]{5})\.pt")
+_PARAMS_FILE: Final = "rank-"
+_OPTIMIZER_FILE: Final = "optimizer-rank-"
 _SHARDED_AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
 
 
@@ -234,36 +235,45 @@ def save_rank_files(
     whose files come from different saves. Returns the file written.
     """
     model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_rank_files")
+    return _write_rank_file(directory, _PARAMS_FILE, _flat_state(model, optimizer, primary_only=True))
+
+
+def _write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
+    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world."""
     rank, world_size = _world()
-    path = Path(directory) / f"rank-{rank:05d}.pt"
+    path = Path(directory) / f"{prefix}{rank:05d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": _FORMAT,
-        "rank": rank,
-        "world_size": world_size,
-        "state": _flat_state(model, optimizer, primary_only=True),
-    }
-    torch.save(payload, path)
+    torch.save({"format": _FORMAT, "rank": rank, "world_size": world_size, "state": content}, path)
     return path
 
 
-def _read_rank_files(directory: Path) -> dict[str, Any]:
-    files = sorted(p for p in directory.iterdir() if _RANK_FILE.fullmatch(p.name))
+def _read_rank_contents(directory: Path, prefix: str) -> list[tuple[Path, Any]]:
+    """``(file, content)`` of every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped).
+
+    ``ValueError`` unless the files are those of every rank of one save, in this format.
+    """
+    pattern = re.compile(re.escape(prefix) + r"[0-9]{5}\.pt")
+    files = sorted(p for p in directory.iterdir() if pattern.fullmatch(p.name))
     if not files:
-        raise ValueError(f"no rank-<rank>.pt files in {directory}")
+        raise ValueError(f"no {prefix}<rank>.pt files in {directory}")
     payloads = [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in files]
     world_sizes = {payload["world_size"] for payload in payloads}
     ranks = sorted(payload["rank"] for payload in payloads)
     if len(world_sizes) != 1 or ranks != list(range(next(iter(world_sizes)))):
         raise ValueError(
-            f"{directory} does not hold exactly one checkpoint: files of ranks {ranks} from saves with world "
-            f"sizes {sorted(world_sizes)}"
+            f"{directory} does not hold exactly one checkpoint: {prefix}<rank>.pt files of ranks {ranks} from "
+            f"saves with world sizes {sorted(world_sizes)}"
         )
-    merged: dict[str, Any] = {}
     for path, payload in zip(files, payloads, strict=True):
         if payload["format"] != _FORMAT:
             raise ValueError(f"{path} has format {payload['format']!r}; this pgregistry reads format {_FORMAT}")
-        for key, value in payload["state"].items():
+    return [(path, payload["state"]) for path, payload in zip(files, payloads, strict=True)]
+
+
+def _read_rank_files(directory: Path) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for path, state in _read_rank_contents(directory, _PARAMS_FILE):
+        for key, value in state.items():
             if key in merged:
                 raise ValueError(f"{key!r} is stored more than once in {directory} (again in {path.name})")
             merged[key] = value
