@@ -25,6 +25,26 @@ def test_demo_passes_every_check_and_writes_json(tmp_path: Path, capsys: pytest.
     assert rank0["checkpoint"]["duplicates"] == 0
 
 
-def test_demo_rejects_a_bad_step_count(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--steps", "0"]) == 2
-    assert "--steps" in capsys.readouterr().err
+def test_demo_runs_on_a_chosen_world_and_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--world-size", "4", "--tp", "2", "--ep", "2", "--second-tp", "1", "--second-ep", "4",
+                 "--steps", "1"]) == 0
+    assert "4 ranks (gloo), model on TP 2 x EP 2 x ETP 1, second model on TP 1 x EP 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ep", "3"], "does not divide world_size"),
+        (["--world-size", "6", "--tp", "4"], "is not divisible"),
+        (["--world-size", "16", "--ep", "16", "--tp", "1"], "do not split over EP 16"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ],
+)
+def test_demo_refuses_what_it_cannot_run(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_with_dense_tp_1_has_no_anchor_undercount(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--world-size", "4", "--tp", "1", "--ep", "4", "--second-tp", "2", "--steps", "1"]) == 0
+    assert "with dense TP 1 the anchor's filter agrees" in capsys.readouterr().out
