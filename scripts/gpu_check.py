@@ -43,6 +43,7 @@ from pgregistry import registry  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import build_optimizer  # noqa: E402
 from pgregistry.params import copy_param_roles, mark_expert, mark_expert_module  # noqa: E402
+from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
 from pgregistry.toy_shards import EXPERT, EXPERTS, full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros  # noqa: E402
 
 Check = tuple[str, bool, str]
@@ -183,6 +184,30 @@ def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.de
 # --------------------------------------------------------------------------------------------------- driver
 
 
+def rng_checks(world: int, device: torch.device) -> list[Check]:
+    """The RNG tracker on this device's generators, with TP = world: the data-parallel stream is the same on every
+    rank, the model-parallel stream differs per TP rank, and a fork leaves the outer stream where it was."""
+    pg = registry.build(ParallelLayout(world_size=world, tp=world), name="gpu-check-rng")
+    model_parallel_manual_seed(1234, pg)
+    outside = torch.rand(4, device=device)
+    with get_rng_tracker().fork():
+        inside = torch.rand(4, device=device)
+    after = torch.rand(4, device=device)
+    everyone = [torch.empty(3, 4, device=device) for _ in range(world)]
+    dist.all_gather(everyone, torch.stack([outside, inside, after]))
+    fresh = torch.Generator(device=device).manual_seed(1234)
+    first, second = torch.rand(4, device=device, generator=fresh), torch.rand(4, device=device, generator=fresh)
+    outsides = len({tuple(e[0].tolist()) for e in everyone})
+    insides = len({tuple(e[1].tolist()) for e in everyone})
+    restored = torch.equal(outside, first) and torch.equal(after, second)
+    where = f"RNG on {device.type}"
+    return [
+        (f"{where}: data-parallel stream identical on every TP rank", outsides == 1, f"{outsides} distinct draw(s)"),
+        (f"{where}: model-parallel stream distinct per TP rank", insides == world, f"{insides} distinct of {world}"),
+        (f"{where}: a fork restores the outer stream", restored, "draws match a fresh generator seeded 1234"),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pgregistry optimizer checks under torchrun")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if torch.cuda.is_available() else "gloo")
@@ -203,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(**init)
     world = dist.get_world_size()
     try:
-        checks = seed000(world, device)
+        checks = seed000(world, device) + rng_checks(world, device)
         for name, sizes in layouts_for(world).items():
             checks += layout_checks(name, sizes, world, device)
         everyone: list[Any] = [None] * world
