@@ -21,6 +21,9 @@ Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come
 A sharded (distributed) optimizer stores pieces of flattened parameters instead; keyed by global names (give it
 :func:`pgregistry.experts.global_param_name_fn`), its pieces from every rank of one layout are joined by
 :func:`merge_optimizer_shards` and cut for another layout by :func:`cut_optimizer_shards`.
+:func:`save_optimizer_shards` / :func:`load_optimizer_shards` do both through per-rank files
+(``optimizer-rank-<rank>.pt``, beside the parameters' ``rank-<rank>.pt``), so its state reloads under another EP
+or data-parallel size.
 """
 
 from __future__ import annotations
@@ -38,14 +41,18 @@ from torch import nn
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key, model_collection, named_global_parameters
 from pgregistry.fallback import resolve_process_groups
+from pgregistry.optim.chained import ChainedOptimizer
+from pgregistry.optim.sharded import ShardedOptimizer
 
 __all__ = [
     "cut_optimizer_shards",
     "load_distributed",
     "load_optimizer_state_by_name",
+    "load_optimizer_shards",
     "load_rank_files",
     "merge_optimizer_shards",
     "save_distributed",
+    "save_optimizer_shards",
     "save_rank_files",
     "state_by_name",
 ]
@@ -441,3 +448,57 @@ def _cut(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
 
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
+    children = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    sharded: list[ShardedOptimizer] = []
+    for index, child in enumerate(children):
+        if not isinstance(child, ShardedOptimizer):
+            raise ValueError(
+                f"{owner} handles sharded optimizers (build_optimizer(..., sharded=True)); child {index} is a "
+                f"{type(child).__name__}, whose state_dict() is keyed by parameter name already"
+            )
+        sharded.append(child)
+    return sharded
+
+
+def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> Path:
+    """Write this rank's pieces of a sharded optimizer to ``directory/optimizer-rank-<rank>.pt``.
+
+    The pieces are the ``"shards"`` of every child's state dict, keyed by the names the optimizer was built with:
+    give it :func:`pgregistry.experts.global_param_name_fn` names and :func:`load_optimizer_shards` reloads them
+    under another EP, PP or data-parallel size. Every rank must call it, with a fresh directory per checkpoint
+    (it may be the one :func:`save_rank_files` writes the parameters to). Hyper-parameters are not stored. The
+    pieces must be whole-tensor pieces held by one rank each, so TP and GTP-remat must be off, as for the other
+    savers here; the loader refuses overlapping pieces. Returns the file written.
+    """
+    shards: dict[str, Any] = {}
+    for child in _sharded_children(optimizer, "save_optimizer_shards"):
+        for name, piece in child.state_dict()["shards"].items():
+            if name in shards:
+                raise ValueError(f"two parameters of the optimizer are named {name!r}; give it unique names")
+            shards[name] = piece
+    return _write_rank_file(directory, _OPTIMIZER_FILE, shards)
+
+
+def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> None:
+    """Load :func:`save_optimizer_shards` files written under any layout into a sharded optimizer.
+
+    Each child's pieces are joined from every saved rank by name (:func:`merge_optimizer_shards`, which refuses
+    gaps, overlaps and disagreeing per-parameter state) and cut for the shards this rank holds now
+    (:func:`cut_optimizer_shards`); main copies and optimizer state are restored, and the parameters get the
+    main copies. Collective over each child's shard group: every rank must call it. Only the saved pieces of
+    parameters this rank holds are read (the files are memory-mapped), but each is joined whole, so a rank holds
+    the whole state of those parameters for a moment. Hyper-parameters stay those of ``optimizer``.
+    ``ValueError`` when a parameter of the optimizer is not in the checkpoint or the files mix checkpoints.
+    """
+    saved = [shards for _, shards in _read_rank_contents(Path(directory), _OPTIMIZER_FILE)]
+    for child in _sharded_children(optimizer, "load_optimizer_shards"):
+        current = child.state_dict()
+        template = current["shards"]
+        whole = merge_optimizer_shards(
+            {name: piece for name, piece in shards.items() if name in template} for shards in saved
+        )
+        pieces = cut_optimizer_shards(whole, template)
+        child.load_state_dict({"param_groups": current["param_groups"], "shards": pieces})
