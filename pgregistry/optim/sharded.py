@@ -30,6 +30,11 @@ from pgregistry.params import copy_param_roles
 
 __all__ = ["ShardedOptimizer"]
 
+_OTHER_LAYOUT = (
+    "to load state saved under another layout, save and load it with pgregistry.checkpoint.save_optimizer_shards "
+    "and load_optimizer_shards"
+)
+
 
 @attrs.frozen(slots=True, eq=False)
 class _Piece:
@@ -167,18 +172,19 @@ class ShardedOptimizer(FlatOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output saved with the same sharding. Collective over :attr:`shard_group`
-        (the restored shards are all-gathered into the model)."""
+        (the restored shards are all-gathered into the model). State saved under another layout (EP, PP or
+        data-parallel size) is cut for this one by :func:`pgregistry.checkpoint.load_optimizer_shards`."""
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
         if set(shards) != set(names):
             missing, unexpected = sorted(set(names) - set(shards)), sorted(set(shards) - set(names))
-            raise ValueError(f"shards do not match: missing {missing}, unexpected {unexpected}")
+            raise ValueError(f"shards do not match: missing {missing}, unexpected {unexpected}; {_OTHER_LAYOUT}")
         for name, piece in zip(names, self._pieces, strict=True):
             entry = shards[name]
             if (entry["offset"], entry["numel"]) != (piece.offset, piece.stop - piece.start):
                 raise ValueError(
                     f"{name}: saved piece [{entry['offset']}, +{entry['numel']}) differs from this rank's "
-                    f"[{piece.offset}, +{piece.stop - piece.start}); resharding is not supported"
+                    f"[{piece.offset}, +{piece.stop - piece.start}); {_OTHER_LAYOUT}"
                 )
             piece.main.copy_(entry["main"])
         if self.inner is not None:
