@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from toy_moe import NUM_EXPERTS, adam, build_stage, initialise
+from toy_moe import NUM_EXPERTS, SizeRankGroup, adam, build_stage, initialise
 
 from pgregistry import ProcessGroupCollection
 from pgregistry.checkpoint import (
@@ -27,18 +27,6 @@ from pgregistry.checkpoint import (
 from pgregistry.experts import global_param_name_fn, named_global_parameters
 from pgregistry.registry import attach
 
-
-class _Group:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 _OFF: dict[str, Any] = dict(
     ep=None, dp_cp=None, expt_dp=None, tp=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None
 )
@@ -46,7 +34,7 @@ _OFF: dict[str, Any] = dict(
 
 def _stage(ep_rank: int, ep_size: int, **groups: Any) -> nn.Module:
     model = build_stage(ep_rank, ep_size, 0, 1)
-    ep = _Group(ep_size, ep_rank) if ep_size > 1 else None
+    ep = SizeRankGroup(ep_size, ep_rank) if ep_size > 1 else None
     attach(model, ProcessGroupCollection(**(_OFF | {"ep": ep} | groups)))
     return model
 
@@ -84,13 +72,13 @@ def test_optimizer_state_reloads_by_name_under_another_ep_layout() -> None:
 
 
 def test_tensor_parallel_shards_are_refused() -> None:
-    model = _stage(0, 1, tp=_Group(2, 0))
+    model = _stage(0, 1, tp=SizeRankGroup(2, 0))
     with pytest.raises(ValueError, match="the model's tp axis has more than one rank"):
         state_by_name(model)
 
 
 def test_only_primary_replicas_are_written(tmp_path: Path) -> None:
-    model = _stage(0, 2, dp_cp=_Group(2, 1), expt_dp=_Group(2, 0))
+    model = _stage(0, 2, dp_cp=SizeRankGroup(2, 1), expt_dp=SizeRankGroup(2, 0))
     optimizer = _stepped(model)
     primary = state_by_name(model, optimizer, primary_only=True)
     assert primary["model"] and all(".experts." in n for n in primary["model"])  # dense: dp_cp rank 1 skips

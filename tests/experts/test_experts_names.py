@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from toy_moe import NUM_EXPERTS, NUM_LAYERS, ToyMoE, build_stage
+from toy_moe import NUM_EXPERTS, NUM_LAYERS, SizeRankGroup, ToyMoE, build_stage
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry.experts import (
@@ -26,19 +26,6 @@ from pgregistry.registry import attach, build, initialize_global_grid
 from pgregistry.testing import run_world
 
 
-class _Group:
-    """Stands in for a ProcessGroup where only size and rank are read."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def _whole_names() -> dict[tuple[int, int, str], str]:
     whole = build_stage(0, 1, 0, 1)
     names = {id(p): n for n, p in whole.named_parameters()}
@@ -48,7 +35,7 @@ def _whole_names() -> dict[tuple[int, int, str], str]:
 def test_ep_rank_and_size_from_a_collection() -> None:
     assert get_ep_rank_and_size(None) == (0, 1)
     assert get_ep_rank_and_size(ProcessGroupCollection(ep=None)) == (0, 1)
-    assert get_ep_rank_and_size(ProcessGroupCollection(ep=_Group(4, 2))) == (2, 4)  # type: ignore[arg-type]
+    assert get_ep_rank_and_size(ProcessGroupCollection(ep=SizeRankGroup(4, 2))) == (2, 4)  # type: ignore[arg-type]
     with pytest.warns(ProcessGroupFallbackWarning, match="get_ep_rank_and_size was not given process group 'ep'"):
         with pytest.raises(RuntimeError, match="no global grid is initialised"):
             get_ep_rank_and_size(ProcessGroupCollection())
@@ -96,7 +83,7 @@ def test_virtual_chunks_use_their_offsets() -> None:
 
 def test_pipeline_without_offsets_is_an_error() -> None:
     stage = build_stage(0, 1, 1, 2, set_layer_offset=False)
-    attach(stage, ProcessGroupCollection(ep=None, pp=_Group(2, 1)))  # type: ignore[arg-type]
+    attach(stage, ProcessGroupCollection(ep=None, pp=SizeRankGroup(2, 1)))  # type: ignore[arg-type]
     param = stage.layers[0].norm.weight
     with pytest.raises(ValueError, match="set chunk.layer_offset on each chunk, or pass layer_offsets"):
         get_global_unique_param_name(stage, param)
@@ -132,7 +119,7 @@ def test_config_num_moe_experts_and_wrappers_are_read() -> None:
     stage.num_experts = None  # type: ignore[assignment]
     stage.config = Config()
     wrapped = Wrapper(stage)
-    attach(stage, ProcessGroupCollection(ep=_Group(4, 1), pp=None))  # type: ignore[arg-type]
+    attach(stage, ProcessGroupCollection(ep=SizeRankGroup(4, 1), pp=None))  # type: ignore[arg-type]
     assert get_model_ep_rank_and_size(wrapped) == (1, 4)
     weight = stage.layers[1].mlp.experts.linear_fc1.weight1_w
     assert get_global_unique_param_name([wrapped], weight) == "module.layers.1.mlp.experts.linear_fc1.weight3_w"
@@ -168,7 +155,7 @@ def test_models_on_different_grids_get_their_own_ep_layout() -> None:
 def test_chunks_with_different_collections_are_refused() -> None:
     a, b = nn.Linear(1, 1), nn.Linear(1, 1)
     attach(a, ProcessGroupCollection(ep=None))
-    attach(b, ProcessGroupCollection(ep=_Group(2, 0)))  # type: ignore[arg-type]
+    attach(b, ProcessGroupCollection(ep=SizeRankGroup(2, 0)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="different process-group collections"):
         get_model_ep_rank_and_size([a, b])
 
