@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -96,9 +97,7 @@ def _rank_main(config: DemoConfig) -> dict[str, Any]:
 
     say("fallback warnings")
     fallback = _fallback_demo(layout)
-    say("fallback done")
     dist.barrier()
-    say("barrier done")
     return {
         "rank": rank,
         "groups_created": {"model": created_first, "second_model": created_second},
@@ -124,27 +123,37 @@ def _progress(enabled: bool) -> Any:
     return say
 
 
+def _local_loss(model: Any, model_config: Any, layout: Any, batch: tuple[Any, Any, Any]) -> Any:
+    """The sharded model's loss on this data-parallel rank's share of the global ``batch``."""
+    import torch.distributed as dist
+
+    n = model_config.tokens_per_dp_rank
+    dp_rank = layout.coords(dist.get_rank())["dp"]
+    x, target, ids = (t[dp_rank * n : (dp_rank + 1) * n] for t in batch)
+    return model.loss(x, target, ids, n)
+
+
+def _oracle_norm(reference: Any) -> float:
+    """The float64 unsharded model's grad norm."""
+    return math.sqrt(sum(float((p.grad**2).sum()) for p in reference.parameters() if p.grad is not None))
+
+
 def _exact_norm(model_config: Any, weights: Any, layout: Any, pg: Any) -> dict[str, float]:
     """Step 0 in float64 on both sides: the sharded norm must equal the oracle's to round-off, which isolates
     the grad-statistics rules from bf16 rounding."""
     import torch
-    import torch.distributed as dist
 
     from pgregistry.demo.model import ReferenceMoE, ShardedMoE, make_batch
     from pgregistry.optim import build_optimizer
 
     model = ShardedMoE(model_config, weights, pg, dtype=torch.float64)
     optimizer = build_optimizer(model, pg, optimizer="sgd", lr=0.0, mixed_precision=False)
-    x, target, ids = make_batch(model_config, 0, layout.dp)
-    n = model_config.tokens_per_dp_rank
-    dp_rank = layout.coords(dist.get_rank())["dp"]
-    model.loss(x[dp_rank * n : (dp_rank + 1) * n], target[dp_rank * n : (dp_rank + 1) * n], ids[dp_rank * n :
-               (dp_rank + 1) * n], n).backward()
+    batch = make_batch(model_config, 0, layout.dp)
+    _local_loss(model, model_config, layout, batch).backward()
     optimizer.sync_grads()
     reference = ReferenceMoE(model_config, weights)
-    reference.loss(x, target, ids).backward()
-    oracle = math.sqrt(sum(float((p.grad**2).sum()) for p in reference.parameters() if p.grad is not None))
-    return {"grad_norm": float(optimizer.get_grad_norm()), "oracle_norm": oracle}
+    reference.loss(*batch).backward()
+    return {"grad_norm": float(optimizer.get_grad_norm()), "oracle_norm": _oracle_norm(reference)}
 
 
 def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg: Any, say: Any) -> dict[str, Any]:
@@ -153,33 +162,32 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
 
     from pgregistry import registry
     from pgregistry.demo.model import ReferenceMoE, ShardedMoE, make_batch, shard_of
+    from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys
     from pgregistry.optim import build_optimizer
 
-    rank = dist.get_rank()
     model = ShardedMoE(model_config, weights, pg, dtype=torch.bfloat16)
     registry.attach(model, pg)
     optimizer = build_optimizer(model, pg, optimizer="sgd", lr=config.lr, mixed_precision=True)
     reference = ReferenceMoE(model_config, weights)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=config.lr)
-    dp_rank, per_rank = layout.coords(rank)["dp"], model_config.tokens_per_dp_rank
+    global_names = globalize_expert_keys(model.checkpoint_names(), model_config.num_experts, *get_ep_rank_and_size(pg))
     rows = []
     for step in range(config.steps):
-        x, target, ids = make_batch(model_config, step, layout.dp)
+        batch = make_batch(model_config, step, layout.dp)
         # The float64 oracle: the unsharded model on the global batch.
         reference_opt.zero_grad()
-        reference_loss = reference.loss(x, target, ids)
+        reference_loss = reference.loss(*batch)
         reference_loss.backward()
-        reference_grads = [p.grad for p in reference.parameters() if p.grad is not None]
-        oracle_norm = math.sqrt(sum(float((g**2).sum()) for g in reference_grads))
+        oracle_norm = _oracle_norm(reference)
         coeff = min(1.0, config.max_norm / (oracle_norm + 1e-6))
-        for g in reference_grads:
-            g.mul_(coeff)
+        for p in reference.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coeff)
         reference_opt.step()
 
         # The sharded bf16 model on this data-parallel rank's tokens.
         optimizer.zero_grad()
-        mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        loss = model.loss(x[mine], target[mine], ids[mine], per_rank)
+        loss = _local_loss(model, model_config, layout, batch)
         loss.backward()
         optimizer.sync_grads()
         norm = float(optimizer.get_grad_norm())
@@ -193,8 +201,7 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
             dist.all_reduce(mean_loss, group=dp_cp)
         mean_loss /= max(1, layout.dp * layout.cp)
         worst = 0.0
-        for name, param in model.checkpoint_names().items():
-            full_name = _global_name(name, model)
+        for full_name, param in global_names.items():
             expected = shard_of(full_name, reference.param(full_name).detach(), pg, model_config.num_experts)
             assert expected is not None
             scale = float(expected.abs().max()) or 1.0
@@ -216,15 +223,6 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
     zero_count = int(optimizer.count_zeros())
     numel = sum(w.numel() for w in weights.values())
     return {"rows": rows, "_model": model, "zero_count": {"pgregistry": zero_count, "oracle": numel}}
-
-
-def _global_name(local_name: str, model: Any) -> str:
-    """The unsharded model's name of a local checkpoint name (global expert index)."""
-    if ".local_experts." not in local_name:
-        return local_name
-    head, rest = local_name.split(".local_experts.")
-    local, part = rest.split(".", 1)
-    return f"{head}.local_experts.{model.first_expert + int(local)}.{part}"
 
 
 def _anchor_norm(model: Any, pg: Any) -> float:
@@ -275,6 +273,8 @@ def _checkpoint_roundtrip(model: Any, model_config: Any, pg: Any, pg_second: Any
     identical = all(torch.equal(everything[k], v) for k, v in saved.items())
     experts_found = sorted({int(k.split(".local_experts.")[1].split(".")[0]) for k in everything})
     dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
     return {
         "experts_found": experts_found,
         "duplicates": duplicates,
