@@ -57,10 +57,14 @@ class _Excluder:
     def path(self, path: str) -> bool:
         return any(fnmatchcase(path, pattern) for pattern in self.paths)
 
+    def entry(self, path: str) -> bool:
+        """Whether the file or directory at ``path`` is excluded by its own name or path (not by those above)."""
+        return self.name(path.rpartition("/")[2]) or self.path(path)
+
     def any_level(self, path: str) -> bool:
         """Whether ``path`` or a directory above it is excluded."""
         parts = path.split("/")
-        return any(self.name(part) or self.path("/".join(parts[: i + 1])) for i, part in enumerate(parts))
+        return any(self.entry("/".join(parts[: i + 1])) for i in range(len(parts)))
 
 
 def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> list[SourceFile]:
@@ -81,14 +85,10 @@ def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> lis
             for directory, subdirectories, filenames in os.walk(target):
                 base = project_path(Path(directory), root)
                 prefix = "" if base == "." else base + "/"
-                subdirectories[:] = [
-                    name
-                    for name in subdirectories
-                    if not excluder.name(name) and not excluder.path(prefix + name)
-                ]
+                subdirectories[:] = [name for name in subdirectories if not excluder.entry(prefix + name)]
                 for name in filenames:
                     path = prefix + name
-                    if name.endswith(".py") and not excluder.name(name) and not excluder.path(path):
+                    if name.endswith(".py") and not excluder.entry(path):
                         found.setdefault(path, SourceFile(path, Path(directory, name)))
         else:
             raise PathError(f"{target}: no such file or directory")
