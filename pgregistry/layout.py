@@ -143,15 +143,15 @@ class _Grid:
 
     def group_of(self, rank: int, kind_axes: str) -> RankGroup:
         """The group of ``kind_axes`` holding ``rank``, without enumerating the others."""
-        mask = self.mask(kind_axes)
-        strides = self.strides()
-        coords = self.coords(rank)
-        base = rank - sum(coords[a] * s for a, s, m in zip(self.axes, strides, mask, strict=True) if m)
-        members = [base]
+        masked_axes = [
+            (size, stride)
+            for size, stride, masked in zip(self.sizes, self.strides(), self.mask(kind_axes), strict=True)
+            if masked
+        ]
+        members = [rank - sum((rank // stride) % size * stride for size, stride in masked_axes)]
         # Adding each slower axis as the outer loop keeps the faster ones varying fastest: grid order.
-        for size, stride, masked in zip(self.sizes, strides, mask, strict=True):
-            if masked:
-                members = [m + i * stride for i in range(size) for m in members]
+        for size, stride in masked_axes:
+            members = [m + i * stride for i in range(size) for m in members]
         return tuple(members)
 
 
@@ -279,7 +279,8 @@ class ParallelLayout:
             out[kind] = self._dense.group_of(rank, axes)
         for kind, axes in EXPERT_GROUP_KINDS.items():
             out[kind] = self._expert.group_of(rank, axes)
-        pp_group = self._dense.group_of(rank, "pp")
+        pp_group = out["pp"]
+        assert pp_group is not None  # every dense kind holds every rank
         for kind in _PIPELINE_EDGE_KINDS:
             edges = tuple(pp_group[i] for i in self._pipeline_edges(kind))
             out[kind] = edges if rank in edges else None
