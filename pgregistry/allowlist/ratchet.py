@@ -60,12 +60,8 @@ class Allowlist:
 
     @classmethod
     def from_results(cls, results: Iterable[FileResult]) -> Allowlist:
-        entries: dict[str, dict[str, int]] = {}
-        for result in results:
-            for site in result.sites:
-                keys = entries.setdefault(result.path, {})
-                keys[site.key] = keys.get(site.key, 0) + 1
-        return cls(entries)
+        found = _sites_by_key(results)
+        return cls({path: {key: len(sites) for key, sites in keys.items()} for path, keys in found.items()})
 
     def merged(self, scanned: Allowlist, covers: Callable[[str], bool]) -> Allowlist:
         """``scanned`` for the paths it ``covers``, this allowlist's entries for every other path."""
@@ -163,6 +159,15 @@ class Allowlist:
         return result
 
 
+def _sites_by_key(results: Iterable[FileResult]) -> dict[str, dict[str, list[Site]]]:
+    """The sites found, by path then allowlist key (only paths with sites)."""
+    found: dict[str, dict[str, list[Site]]] = {}
+    for result in results:
+        for site in result.sites:
+            found.setdefault(result.path, {}).setdefault(site.key, []).append(site)
+    return found
+
+
 @dataclass(frozen=True)
 class Mismatch:
     """One key whose site count differs from the allowed count.
@@ -210,10 +215,7 @@ def compare(results: Iterable[FileResult], allowlist: Allowlist, covers: Callabl
 
     More is a new read; fewer is a stale entry (the list must shrink with the code). Paths the scan did not
     cover (a run on a sub-directory) are not judged."""
-    found: dict[str, dict[str, list[Site]]] = {}
-    for result in results:
-        for site in result.sites:
-            found.setdefault(result.path, {}).setdefault(site.key, []).append(site)
+    found = _sites_by_key(results)
     mismatches: list[Mismatch] = []
     for path in sorted(set(found) | {path for path in allowlist.entries if covers(path)}):
         allowed_keys = allowlist.entries.get(path, {})
