@@ -111,16 +111,13 @@ class ProcessGroupCollection:
         return value
 
     def evolve(self, **changes: Any) -> ProcessGroupCollection:
-        """A copy with ``changes`` applied (unknown names raise ``ValueError``)."""
-        check_field_names(changes)
-        values = {name: self._raw(name) for name in FIELD_NAMES}
-        values.update(changes)
-        return ProcessGroupCollection(**values)
+        """A copy with ``changes`` applied (unknown names raise ``ValueError``, from the constructor)."""
+        return ProcessGroupCollection(**{**dict(self.items()), **changes})
 
     def items(self) -> Iterator[tuple[str, Any]]:
         """``(name, value)`` for every field, UNSET ones included, in declaration order."""
         for name in FIELD_NAMES:
-            yield name, self._raw(name)
+            yield name, getattr(self, name)  # our own names: no check needed
 
     def _raw(self, name: str) -> Any:
         check_field_names((name,))
