@@ -106,8 +106,7 @@ class GroupRegistry:
         identifies the layout (default: derived from the layout); building the same name again returns the same
         collection, and a different layout under a used name raises ``ValueError``.
         """
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("pgregistry.build needs torch.distributed initialised (init_process_group)")
+        _require_distributed("pgregistry.build")
         options = _GroupOptions(backend, _as_timedelta(timeout))
         name = name if name is not None else f"layout-{layout.fingerprint()}"
         _agree_on_request(
@@ -168,8 +167,7 @@ class GroupRegistry:
         ProcessGroup; creation follows the same global order and backend rules as :meth:`build`, after the same
         agreement check. A 1-rank set gets a group too: the caller asked for it explicitly.
         """
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("group_of_partition needs torch.distributed initialised (init_process_group)")
+        _require_distributed("group_of_partition")
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
         options = _GroupOptions(backend, _as_timedelta(timeout))
@@ -262,6 +260,11 @@ class GroupRegistry:
         self._built.clear()
         self._attached.clear()
         self._global = None
+
+
+def _require_distributed(caller: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{caller} needs torch.distributed initialised (init_process_group)")
 
 
 def _members_only_creation(backend: str | None) -> bool:
