@@ -49,6 +49,7 @@ from pgregistry.grad_stats import (
     classify_grads,
     norm_of_grads,
     param_is_not_shared,
+    reduction_device,
 )
 from pgregistry.params import ParamsLike, is_expert_param, named_parameters_of, unclassified_expert_params
 
@@ -262,7 +263,7 @@ def _check_same_structure(
     """
     text = repr([(n, tuple(p.shape), str(p.dtype), p.grad is not None, not param_is_not_shared(p)) for n, p in named])
     digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-    device = _device(named, axis_groups)
+    device = reduction_device((p.grad for _, p in named if p.grad is not None), axis_groups.values())
     differing: list[str] = []
     for axis in _AXES:
         group = axis_groups[axis]
@@ -319,13 +320,3 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             buckets.append([grad])
             size = grad.numel()
     return buckets
-
-
-def _device(named: list[tuple[str, torch.Tensor]], axis_groups: dict[str, ProcessGroup | None]) -> torch.device:
-    for _, param in named:
-        if param.grad is not None:
-            return param.grad.device
-    for group in axis_groups.values():
-        if group is not None and "nccl" in str(dist.get_backend(group)):
-            return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

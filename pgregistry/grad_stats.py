@@ -38,6 +38,7 @@ from pgregistry.params import ParamsLike, check_expert_classification, is_expert
 __all__ = [
     "CLIP_EPSILON",
     "StatsGroups",
+    "backend_device",
     "classify_grads",
     "clip_grad_norm_",
     "clip_grads_",
@@ -49,6 +50,7 @@ __all__ = [
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
     "reduce_group_of",
+    "reduction_device",
     "set_duplicate_filter_groups",
     "zeros_of_grads",
 ]
@@ -321,15 +323,26 @@ def _in_collective_order(
     return sorted(grads_by_group.items(), key=key)
 
 
-def _device_of(grads_by_group: GradsByGroup) -> torch.device:
-    for grads in grads_by_group.values():
-        for grad in grads:
-            return grad.device
-    # No grads on this rank: reduce on the device the groups' backend needs.
-    for group in grads_by_group:
-        if group is not None and "nccl" in str(dist.get_backend(group)):
-            return torch.device("cuda", torch.cuda.current_device())
+def backend_device(group: ProcessGroup | None) -> torch.device:
+    """The device collectives over ``group`` (the default group for ``None``) need: CUDA for NCCL, else CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def reduction_device(grads: Iterable[torch.Tensor], groups: Iterable[ProcessGroup | None]) -> torch.device:
+    """Where statistics of ``grads`` are computed and reduced: the first grad's device; with no grads on this
+    rank, the device the first NCCL group among ``groups`` needs (``None`` skipped), else CPU."""
+    for grad in grads:
+        return grad.device
+    for group in groups:
+        if group is not None and (device := backend_device(group)).type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
+def _device_of(grads_by_group: GradsByGroup) -> torch.device:
+    return reduction_device((grad for grads in grads_by_group.values() for grad in grads), grads_by_group)
 
 
 def _tensor_device(value: torch.Tensor | float) -> torch.device:

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
-import torch.distributed as dist
 
 from pgregistry.collection import UNSET, ProcessGroupCollection, group_size
 from pgregistry.grad_buffer import (
@@ -45,7 +44,7 @@ from pgregistry.grad_buffer import (
     span_norms,
     span_zero_counts,
 )
-from pgregistry.grad_stats import clip_grads_, set_duplicate_filter_groups
+from pgregistry.grad_stats import backend_device, clip_grads_, set_duplicate_filter_groups
 from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
 from pgregistry.params import is_expert_param
 
@@ -233,13 +232,6 @@ def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
         param.grad = None
 
     return hook
-
-
-def backend_device(group: ProcessGroup | None) -> torch.device:
-    """The device collectives over ``group`` (the default group for ``None``) need: CUDA for NCCL, else CPU."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def combine_norms(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:

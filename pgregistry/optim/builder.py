@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.grad_stats import StatsGroups
-from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn, backend_device
+from pgregistry.grad_stats import StatsGroups, backend_device
+from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim.chained import ChainedOptimizer
 from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
 from pgregistry.optim.setup import setup_process_groups_for_optimizer
