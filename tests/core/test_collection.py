@@ -9,24 +9,11 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
+from core_support import SizeRankGroup
 
 from pgregistry import UNSET, ProcessGroupCollection
 from pgregistry.collection import FIELD_NAMES, Unset, check_field_names, group_rank, group_size
 from pgregistry.testing import run_world
-
-
-class _Group:
-    """Stands in for a ProcessGroup where only identity, size and rank matter (no communication)."""
-
-    def __init__(self, size: int, rank: int = 0) -> None:
-        self._size = size
-        self._rank = rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 def test_every_field_starts_unset() -> None:
@@ -39,7 +26,7 @@ def test_every_field_starts_unset() -> None:
 
 
 def test_three_states_are_kept_apart() -> None:
-    tp = _Group(4)
+    tp = SizeRankGroup(4)
     collection = ProcessGroupCollection(tp=tp, cp=None)
     assert collection.is_set("tp") and collection.get("tp") is tp
     assert collection.is_set("cp") and collection.get("cp") is None
@@ -65,7 +52,7 @@ def test_unknown_names_suggest_a_close_match() -> None:
 
 
 def test_evolve_returns_a_changed_copy() -> None:
-    tp, ep = _Group(2), _Group(4)
+    tp, ep = SizeRankGroup(2), SizeRankGroup(4)
     base = ProcessGroupCollection(tp=tp, cp=None)
     changed = base.evolve(ep=ep, cp=UNSET, tp=None)
     assert changed.get("ep") is ep and changed.get("tp") is None and not changed.is_set("cp")
@@ -74,7 +61,7 @@ def test_evolve_returns_a_changed_copy() -> None:
 
 
 def test_equality_compares_groups_by_identity() -> None:
-    a, b = _Group(2), _Group(2)
+    a, b = SizeRankGroup(2), SizeRankGroup(2)
     assert ProcessGroupCollection(tp=a, cp=None) == ProcessGroupCollection(tp=a, cp=None)
     assert hash(ProcessGroupCollection(tp=a, cp=None)) == hash(ProcessGroupCollection(tp=a, cp=None))
     assert ProcessGroupCollection(tp=a) != ProcessGroupCollection(tp=b)  # same size, different communicator
@@ -85,14 +72,16 @@ def test_equality_compares_groups_by_identity() -> None:
 
 
 def test_repr_names_set_fields_with_their_sizes() -> None:
-    collection = ProcessGroupCollection(tp=_Group(4), ep=_Group(2), cp=None, hcp=[_Group(2), _Group(4)])
+    collection = ProcessGroupCollection(
+        tp=SizeRankGroup(4), ep=SizeRankGroup(2), cp=None, hcp=[SizeRankGroup(2), SizeRankGroup(4)]
+    )
     assert repr(collection) == "ProcessGroupCollection(tp(4), cp(off), ep(2), hcp([2, 4]))"
 
 
 def test_collection_is_frozen() -> None:
     collection = ProcessGroupCollection(tp=None)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        collection.tp = _Group(2)  # type: ignore[misc]
+        collection.tp = SizeRankGroup(2)  # type: ignore[misc]
     with pytest.raises(AttributeError):
         collection.not_a_field = None  # type: ignore[attr-defined]
     assert collection.get("tp") is None
@@ -100,13 +89,13 @@ def test_collection_is_frozen() -> None:
 
 def test_group_size_and_rank_read_none_as_axis_off() -> None:
     assert group_size(None) == 1 and group_rank(None) == 0
-    group: Any = _Group(8, rank=3)
+    group: Any = SizeRankGroup(8, rank=3)
     assert group_size(group) == 8 and group_rank(group) == 3
     for helper in (group_size, group_rank):
         with pytest.raises(ValueError, match="UNSET is not a process group; resolve it first"):
             helper(UNSET)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a member of the group it asked about"):
-        group_rank(_Group(2, rank=-1))  # type: ignore[arg-type]
+        group_rank(SizeRankGroup(2, rank=-1))  # type: ignore[arg-type]
 
 
 def _real_groups() -> tuple[str, list[int], list[int], list[bool]]:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from core_support import SizeRankGroup
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry import registry as reg
@@ -186,24 +187,14 @@ def test_filters_match_the_calling_module_and_the_warning_points_at_the_caller()
 # ------------------------------------------------------------------------------------------------ resolvers, no grid
 
 
-class _Group:
-    """Stands in for a ProcessGroup where only identity and size matter (no communication)."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
 def test_set_fields_are_returned_as_they_are_without_warning() -> None:
-    tp = _Group(2)
+    tp = SizeRankGroup(2)
     collection = ProcessGroupCollection(tp=tp, cp=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("error", ProcessGroupFallbackWarning)
         assert resolve_process_groups(collection, ("tp", "cp"), owner="Owner") == {"tp": tp, "cp": None}
         assert resolve_gtp_remat_group(ProcessGroupCollection(gtp_remat=None), False, owner="Owner") is None
-        group = _Group(4)
+        group = SizeRankGroup(4)
         assert resolve_gtp_remat_group(ProcessGroupCollection(expt_gtp_remat=group), True, owner="O") is group
     assert caught == []
 
