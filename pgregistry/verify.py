@@ -19,21 +19,20 @@ Rank 0 prints a pass/fail table; every rank exits non-zero when any check failed
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import sys
-from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from pgregistry.torchrun_checks import Check
 
 __all__ = ["add_command"]
 
 _REL_TOL = 1e-6
 
 
-def _checks_on_this_rank(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
-    import torch
+def _checks_on_this_rank(args: argparse.Namespace, device: torch.device) -> list[Check]:
     import torch.distributed as dist
 
     from pgregistry import registry
@@ -41,10 +40,9 @@ def _checks_on_this_rank(args: argparse.Namespace) -> list[tuple[str, bool, str]
     from pgregistry.layout_cli import layout_from_args
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
     layout = layout_from_args(args, world_size=world)
     pg = registry.build(layout, name="verify")
-    checks: list[tuple[str, bool, str]] = []
+    checks: list[Check] = []
 
     expected = layout.groups_of(rank)
     wrong = []
@@ -74,7 +72,7 @@ def _members(group: Any, world: int, device: Any) -> list[int]:
     return [r for r in range(world) if int(one_hot[r]) == 1]
 
 
-def _seed000(world: int, device: Any) -> list[tuple[str, bool, str]]:
+def _seed000(world: int, device: Any) -> list[Check]:
     import torch
     from torch import nn
 
@@ -120,7 +118,7 @@ def _seed000(world: int, device: Any) -> list[tuple[str, bool, str]]:
     return out
 
 
-def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[tuple[str, bool, str]]:
+def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
     from pgregistry.grad_stats import count_zeros, grad_norm
     from pgregistry.toy_shards import full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros, set_grads
 
@@ -144,7 +142,7 @@ def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[tuple[str, bo
     return out
 
 
-def _seeds(layout: Any, pg: Any, rank: int, seed: int) -> list[tuple[str, bool, str]]:
+def _seeds(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
     from pgregistry.rng import base_seed_for_rank, check_seed_plan, model_parallel_manual_seed, seed_plan
 
     registered = model_parallel_manual_seed(base_seed_for_rank(seed, pg), pg)
@@ -163,58 +161,17 @@ def _close(value: float, want: float) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
+    from pgregistry.torchrun_checks import run_checks
 
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print("pgregistry verify: run it under torchrun (RANK and WORLD_SIZE are not set)", file=sys.stderr)
-        return 2
-    init: dict[str, Any] = {"backend": args.backend, "timeout": timedelta(seconds=args.timeout)}
-    if args.backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        init["device_id"] = torch.device("cuda", local)
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group(**init)
-    try:
-        try:
-            checks = _checks_on_this_rank(args)
-        except ValueError as exc:  # a bad layout: every rank raises the same
-            if dist.get_rank() == 0:
-                print(f"pgregistry verify: {exc}", file=sys.stderr)
-            return 2
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, checks)
-        if dist.get_rank() == 0:
-            _report(args, everyone)
-        failed = any(not ok for rank_checks in everyone for _, ok, _ in rank_checks)
-        dist.barrier()  # nobody tears down while a peer may still be exchanging with it
-        return 1 if failed else 0
-    finally:
-        from pgregistry import registry
-
-        registry.destroy()  # subgroups first: gloo aborts at exit on groups left alive after the default one
-        dist.destroy_process_group()
-
-
-def _report(args: argparse.Namespace, everyone: list[list[tuple[str, bool, str]]]) -> None:
-    names = [name for name, _, _ in everyone[0]]
-    rows = []
-    for i, name in enumerate(names):
-        failing = [r for r, checks in enumerate(everyone) if not checks[i][1]]
-        detail = everyone[failing[0] if failing else 0][i][2]
-        rows.append({"check": name, "passed": not failing, "failing_ranks": failing, "detail": detail})
-    print(f"pgregistry verify: {len(everyone)} ranks, backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} "
-          f"ep {args.ep} etp {args.etp or args.tp} gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}")
-    for row in rows:
-        where = f" on ranks {row['failing_ranks']}" if row["failing_ranks"] else ""
-        detail = f" ({row['detail']})" if row["detail"] else ""
-        print(f"  [{'PASS' if row['passed'] else 'FAIL'}] {row['check']}{where}{detail}")
-    failed = sum(not row["passed"] for row in rows)
-    print(f"{len(rows) - failed} passed, {failed} failed")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    etp = args.etp if args.etp is not None else args.tp
+    title = (
+        f"pgregistry verify: backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} ep {args.ep} etp {etp} "
+        f"gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
+    )
+    return run_checks(
+        title, args.backend, lambda device: _checks_on_this_rank(args, device), timeout=args.timeout,
+        json_path=args.json,
+    )
 
 
 def add_command(subparsers: Any) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pgregistry.testing import run_world
 from pgregistry.verify import _checks_on_this_rank
@@ -29,7 +30,7 @@ def _args(**sizes: int) -> argparse.Namespace:
     ids=["tp2-ep4", "tp2-pp2-ep2", "gtp2-cp2-egtp2"],
 )
 def test_every_check_passes_on_a_correct_build(sizes: dict[str, int]) -> None:
-    for rank, checks in enumerate(run_world(8, _checks_on_this_rank, _args(**sizes))):
+    for rank, checks in enumerate(run_world(8, _checks_on_this_rank, _args(**sizes), torch.device("cpu"))):
         failed = [(name, detail) for name, ok, detail in checks if not ok]
         assert not failed, f"rank {rank}: {failed}"
         assert len(checks) == 10
