@@ -94,6 +94,7 @@ def _model(
         )
     named = named_global_parameters(
         model_chunks,
+        pg_collection=collection,
         ep_rank=group_rank(groups["ep"]),
         ep_size=group_size(groups["ep"]),
         num_experts=num_experts,

@@ -295,6 +295,7 @@ class _GlobalNamer:
         self,
         chunks: list[nn.Module],
         *,
+        pg_collection: ProcessGroupCollection | None,
         ep_rank: int | None,
         ep_size: int | None,
         num_experts: int | None,
@@ -307,6 +308,7 @@ class _GlobalNamer:
         if layer_offsets is not None and len(layer_offsets) != len(chunks):
             raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
         self._chunks = chunks
+        self._pg_collection = pg_collection
         self._ep = (ep_rank, ep_size) if ep_rank is not None and ep_size is not None else None
         self._num_experts = num_experts
         self._layer_offsets = layer_offsets
@@ -325,8 +327,15 @@ class _GlobalNamer:
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
         if self._ep is None:
-            self._ep = get_model_ep_rank_and_size(self._chunks)
+            ep = self._group("ep", "get_model_ep_rank_and_size")
+            self._ep = group_rank(ep), group_size(ep)
         return self._ep
+
+    def _group(self, name: str, owner: str) -> Any:
+        """Group ``name`` of ``pg_collection``, else of the collection attached to the chunks (read only when
+        needed, so a model whose names need neither EP nor PP is never asked for one)."""
+        collection = self._pg_collection if self._pg_collection is not None else model_collection(self._chunks)
+        return resolve_process_groups(collection, (name,), owner=owner)[name]
 
     def _experts(self, chunk_index: int, local_name: str) -> int:
         if self._num_experts is not None:
@@ -358,11 +367,8 @@ class _GlobalNamer:
 
     def _offset_without_pipeline(self, chunk_index: int) -> int:
         """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this raises."""
-        if len(self._chunks) == 1:
-            collection = model_collection(self._chunks)
-            pp = resolve_process_groups(collection, ("pp",), owner="get_global_unique_param_name")["pp"]
-            if group_size(pp) == 1:
-                return 0
+        if len(self._chunks) == 1 and group_size(self._group("pp", "get_global_unique_param_name")) == 1:
+            return 0
         raise ValueError(
             f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
             "pipeline stages set chunk.layer_offset on each chunk, or pass layer_offsets"
@@ -372,6 +378,7 @@ class _GlobalNamer:
 def named_global_parameters(
     model_chunks: nn.Module | Sequence[nn.Module],
     *,
+    pg_collection: ProcessGroupCollection | None = None,
     ep_rank: int | None = None,
     ep_size: int | None = None,
     num_experts: int | None = None,
@@ -383,12 +390,20 @@ def named_global_parameters(
     ``layer_offset + n`` and expert indices made global. ``layer_offset`` is the chunk's first global layer index:
     ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
     only with one chunk and pipeline parallelism off. EP rank and size are ``ep_rank``/``ep_size`` or come from
-    the model's collection (:func:`get_model_ep_rank_and_size`), read only when a name belongs to an expert.
+    the ``ep`` group of ``pg_collection``, read only when a name belongs to an expert; the ``pp`` group, read only
+    to tell that pipeline parallelism is off, comes from it too. ``pg_collection`` defaults to the collection
+    attached to the model (:func:`model_collection`); without either the global grid is read, with a fallback
+    warning.
     ``num_experts`` defaults to the chunk's ``num_experts`` or ``config.num_moe_experts``.
     """
     chunks = _as_chunks(model_chunks)
     namer = _GlobalNamer(
-        chunks, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts, layer_offsets=layer_offsets
+        chunks,
+        pg_collection=pg_collection,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        num_experts=num_experts,
+        layer_offsets=layer_offsets,
     )
     seen: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
@@ -405,6 +420,7 @@ def get_global_unique_param_name(
     model_chunks: nn.Module | Sequence[nn.Module],
     param: torch.Tensor,
     *,
+    pg_collection: ProcessGroupCollection | None = None,
     ep_rank: int | None = None,
     ep_size: int | None = None,
     num_experts: int | None = None,
@@ -417,7 +433,12 @@ def get_global_unique_param_name(
     """
     chunks = _as_chunks(model_chunks)
     namer = _GlobalNamer(
-        chunks, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts, layer_offsets=layer_offsets
+        chunks,
+        pg_collection=pg_collection,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        num_experts=num_experts,
+        layer_offsets=layer_offsets,
     )
     for index, chunk in enumerate(chunks):
         for local_name, candidate in chunk.named_parameters():
@@ -433,6 +454,7 @@ def _not_held(param: torch.Tensor, count: int) -> ValueError:
 def global_param_name_fn(
     model_chunks: nn.Module | Sequence[nn.Module],
     *,
+    pg_collection: ProcessGroupCollection | None = None,
     ep_rank: int | None = None,
     ep_size: int | None = None,
     num_experts: int | None = None,
@@ -448,7 +470,12 @@ def global_param_name_fn(
     names = {
         id(param): (param, name)
         for name, param in named_global_parameters(
-            model_chunks, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts, layer_offsets=layer_offsets
+            model_chunks,
+            pg_collection=pg_collection,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            num_experts=num_experts,
+            layer_offsets=layer_offsets,
         )
     }
     count = len(_as_chunks(model_chunks))

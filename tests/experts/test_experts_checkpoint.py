@@ -5,6 +5,7 @@ Multi-rank resharding is in test_experts_resharding.py.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 from toy_moe import NUM_EXPERTS, SizeRankGroup, adam, build_stage, initialise
 
-from pgregistry import ProcessGroupCollection
+from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry.checkpoint import (
     cut_optimizer_shards,
     load_optimizer_state_by_name,
@@ -140,6 +141,18 @@ def test_global_param_name_fn() -> None:
         name_of(torch.zeros(1))
 
 
+def test_an_explicit_collection_is_read_for_the_pipeline_too() -> None:
+    # An unattached single-chunk model without layer_offset: the collection passed in says PP is off; the global
+    # grid (there is none here) must not be read.
+    model = build_stage(0, 1, 0, 1, set_layer_offset=False)
+    off = ProcessGroupCollection(**_OFF)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProcessGroupFallbackWarning)
+        state = state_by_name(model, pg_collection=off)
+        assert list(state["model"]) == [n for n, _ in model.named_parameters()]
+        assert [n for n, _ in named_global_parameters(model, pg_collection=off)] == list(state["model"])
+
+
 # --------------------------------------------------------------------------------------------------- shards
 
 
@@ -208,3 +221,4 @@ def test_bad_optimizer_shards_are_refused() -> None:
         cut_optimizer_shards(merged, {"v": a["w"]})
     with pytest.raises(ValueError, match=r"piece \[3, 6\) exceeds the saved 3 elements"):
         cut_optimizer_shards(merged, b)
+
