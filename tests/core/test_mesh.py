@@ -59,7 +59,7 @@ def test_from_device_mesh_single_and_flattened_dims() -> None:
         assert out["shared_with_build"] == [True, True]
         assert out["same_set_same_group"]
         tp = rank % 2
-        assert out["new_set"] == sum(1 << r for r in range(tp, 8, 2))  # every rank with this tp coordinate
+        assert out["new_set"] == bits(range(tp, 8, 2))  # every rank with this tp coordinate
         assert out["created"] == 2
         errors = out["errors"]
         assert errors["field"].startswith("ValueError: Unknown attribute: 'tpp'; did you mean 'tp'?")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -15,11 +16,16 @@ def test_all_lists_the_eager_and_every_lazy_name() -> None:
         assert getattr(pgregistry, name) is not None
 
 
+def test_lazy_names_are_their_modules_objects() -> None:
+    for name, module in pgregistry._LAZY.items():
+        assert getattr(pgregistry, name) is getattr(importlib.import_module(module), name), name
+
+
 def test_unknown_name_raises_attribute_error() -> None:
     try:
         pgregistry.no_such_name  # noqa: B018
     except AttributeError as exc:
-        assert "no_such_name" in str(exc)
+        assert str(exc) == "module 'pgregistry' has no attribute 'no_such_name'"
     else:  # pragma: no cover - the assertion above is the test
         raise AssertionError("expected AttributeError")
 
@@ -27,6 +33,7 @@ def test_unknown_name_raises_attribute_error() -> None:
 def test_star_import_loads_torch_only_on_first_use() -> None:
     code = (
         "import sys, pgregistry; assert 'torch' not in sys.modules; "
+        "assert {'build', 'attach', 'collection_of'} <= set(pgregistry._LAZY) <= set(dir(pgregistry)); "
         "pgregistry.grad_norm; assert 'torch' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
