@@ -170,6 +170,13 @@ def layout_args(draw: st.DrawFn) -> dict[str, object]:
     }
 
 
+# Single-axis kinds: a rank's index in its group of the kind is its coordinate on the axis.
+_AXIS_OF_KIND = {
+    "tp": "tp", "dp": "dp", "pp": "pp", "cp": "cp", "gtp_remat": "gtp_remat", "ep": "ep", "expt_tp": "etp",
+    "expt_dp": "expt_dp", "expt_gtp_remat": "expt_gtp_remat",
+}
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(layout_args())
 def test_every_kind_matches_megatron_rank_generator(args: dict[str, object]) -> None:
@@ -199,16 +206,9 @@ def test_every_kind_matches_megatron_rank_generator(args: dict[str, object]) -> 
             assert mine[kind] == index[kind].get(rank), (kind, rank)
         coords = layout.coords(rank)
         assert all(0 <= coords[axis] < sizes[axis] for axis in sizes)
-        assert mine["tp"] is not None and mine["tp"].index(rank) == coords["tp"]
-        assert mine["dp"] is not None and mine["dp"].index(rank) == coords["dp"]
-        assert mine["pp"] is not None and mine["pp"].index(rank) == coords["pp"]
-        assert mine["cp"] is not None and mine["cp"].index(rank) == coords["cp"]
-        assert mine["gtp_remat"] is not None and mine["gtp_remat"].index(rank) == coords["gtp_remat"]
-        assert mine["ep"] is not None and mine["ep"].index(rank) == coords["ep"]
-        assert mine["expt_tp"] is not None and mine["expt_tp"].index(rank) == coords["etp"]
-        assert mine["expt_dp"] is not None and mine["expt_dp"].index(rank) == coords["expt_dp"]
-        egtp_group = mine["expt_gtp_remat"]
-        assert egtp_group is not None and egtp_group.index(rank) == coords["expt_gtp_remat"]
+        for kind, axis in _AXIS_OF_KIND.items():
+            group = mine[kind]
+            assert group is not None and group.index(rank) == coords[axis], (kind, rank)
 
 
 # ------------------------------------------------------------------------------------------------ structure
