@@ -133,6 +133,24 @@ def _flat_state(model: _Model, optimizer: torch.optim.Optimizer | None, *, prima
     return flat
 
 
+def _split_optimizer_key(key: str) -> tuple[str, str]:
+    """``(parameter name, state key)`` of a flat ``optimizer/<name>/<state key>`` key."""
+    name, state_key = key[len(_OPTIMIZER) :].rsplit("/", 1)
+    return name, state_key
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys."""
+    out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
+    for key, value in flat.items():
+        if key.startswith(_MODEL):
+            out["model"][key[len(_MODEL) :]] = value
+        elif key.startswith(_OPTIMIZER):
+            name, state_key = _split_optimizer_key(key)
+            out["optimizer"].setdefault(name, {})[state_key] = value
+    return out
+
+
 def state_by_name(
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: torch.optim.Optimizer | None = None,
@@ -150,39 +168,27 @@ def state_by_name(
     :func:`pgregistry.experts.named_global_parameters`.
     """
     model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "state_by_name")
-    out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
-    for key, value in _flat_state(model, optimizer, primary_only=primary_only).items():
-        if key.startswith(_MODEL):
-            out["model"][key[len(_MODEL) :]] = value
-        else:
-            name, state_key = key[len(_OPTIMIZER) :].rsplit("/", 1)
-            out["optimizer"].setdefault(name, {})[state_key] = value
-    return out
+    return _nested(_flat_state(model, optimizer, primary_only=primary_only))
 
 
 def _apply(model: _Model, optimizer: torch.optim.Optimizer | None, lookup: Mapping[str, Any]) -> None:
     """Copy every parameter (all required) and optimizer state (where present) from flat ``lookup``."""
-    missing = [name for name in model.params if _MODEL + name not in lookup]
+    nested = _nested(lookup)
+    missing = [name for name in model.params if name not in nested["model"]]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
         raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
     with torch.no_grad():
         for name, param in model.params.items():
-            source = lookup[_MODEL + name]
+            source = nested["model"][name]
             if tuple(source.shape) != tuple(param.shape):
                 raise ValueError(
                     f"parameter {name!r} has shape {tuple(param.shape)} but the checkpoint holds "
                     f"{tuple(source.shape)}"
                 )
             param.copy_(source)
-    if optimizer is None:
-        return
-    per_name: dict[str, dict[str, Any]] = {}
-    for key, value in lookup.items():
-        if key.startswith(_OPTIMIZER):
-            name, state_key = key[len(_OPTIMIZER) :].rsplit("/", 1)
-            per_name.setdefault(name, {})[state_key] = value
-    _load_optimizer(optimizer, model, per_name)
+    if optimizer is not None:
+        _load_optimizer(optimizer, model, nested["optimizer"])
 
 
 def load_optimizer_state_by_name(
@@ -212,7 +218,7 @@ def _load_optimizer(
     ids = [pid for group in current["param_groups"] for pid in group["params"]]
     named = _optimizer_names(optimizer, model)
     current["state"] = {
-        pid: {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state[name].items()}
+        pid: {key: _copy(value) for key, value in state[name].items()}
         for pid, (name, _) in zip(ids, named, strict=True)
         if state.get(name)
     }
@@ -344,9 +350,9 @@ def load_distributed(
         if _MODEL + name in metadata:
             destination[_MODEL + name] = torch.empty_like(param.detach())
     if optimizer is not None:
-        wanted = {_OPTIMIZER + name + "/" for name, _ in _optimizer_names(optimizer, model)}
+        wanted = {name for name, _ in _optimizer_names(optimizer, model)}
         for key, entry in metadata.items():
-            if key.startswith(_OPTIMIZER) and key[: key.rindex("/") + 1] in wanted:
+            if key.startswith(_OPTIMIZER) and _split_optimizer_key(key)[0] in wanted:
                 if isinstance(entry, TensorStorageMetadata):
                     destination[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
                 else:
@@ -425,12 +431,11 @@ def cut_optimizer_shards(
             raise ValueError(f"the saved optimizer state lacks parameter {name!r}")
         start, numel = piece["offset"], piece["numel"]
         source = whole[name]
-        if start + numel > source["main"].numel():
-            raise ValueError(
-                f"{name!r}: this rank's piece [{start}, {start + numel}) exceeds the saved {source['main'].numel()} "
-                "elements"
-            )
         total = source["main"].numel()
+        if start + numel > total:
+            raise ValueError(
+                f"{name!r}: this rank's piece [{start}, {start + numel}) exceeds the saved {total} elements"
+            )
         out[name] = {
             "offset": start,
             "numel": numel,
