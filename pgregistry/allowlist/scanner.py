@@ -451,10 +451,10 @@ def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
     if isinstance(tree, ParseFailure):
         return FileResult(path, failure=tree)
     rules = _rules(config)
-    if rules.trigger.search(data) is None:
-        return FileResult(path)
     text = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if b"\r" in data else data
     lines = _lines_matching(rules.trigger, text)
+    if not lines:
+        return FileResult(path)
     imports = _Imports(rules, path.split("/")[:-1])
     imports.collect(tree.body, lines)
     names = imports.trigger_names()
