@@ -19,7 +19,7 @@ import marshal
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pgregistry.allowlist.cache import ScanCache, content_key
@@ -41,10 +41,11 @@ class ScanReport:
     parsed: int = 0
     cached: int = 0
     processes: int = 1
-    failures: list[FileResult] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.failures = [result for result in self.results if result.failure is not None]
+    @property
+    def failures(self) -> list[FileResult]:
+        """The results of the files that could not be read or parsed."""
+        return [result for result in self.results if result.failure is not None]
 
 
 def default_jobs() -> int:
