@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from pgregistry.allowlist.scanner import FileResult
 
 def results(**sources: str) -> list[FileResult]:
     """Scan each keyword's source as the file ``<keyword>.py``."""
-    return [scan(textwrap.dedent(source), f"{name}.py") for name, source in sources.items()]
+    return [scan(source, f"{name}.py") for name, source in sources.items()]
 
 
 BASE = """
