@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
-from pgregistry.grad_stats import is_counted, norm_of_grads, reduce_group_of
+from pgregistry.grad_stats import is_counted, norm_of_grads, reduce_group_of, reduce_over_groups
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -308,20 +308,16 @@ def reduce_zero_counts(
     counts: Mapping[GroupKey, Sequence[torch.Tensor]], *, device: torch.device | str
 ) -> torch.Tensor:
     """The global zero count (0-dim int64) from per-group local counts: one SUM all-reduce per group of more than
-    one rank, in the order of the groups' ranks (ranks sharing two groups reduce them in the same order). Every
-    rank of a group must pass it as a key, with an empty list when it counts nothing there."""
+    one rank, in :func:`~pgregistry.grad_stats.reduce_over_groups`'s order (the one :func:`reduce_norm_terms`
+    uses). Every rank of a group must pass it as a key, with an empty list when it counts nothing there."""
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for group in sorted(counts, key=_collective_order):
-        parts = counts[group]
-        local = torch.cat([p.reshape(1).to(torch.int64) for p in parts]).sum() if parts else total.new_zeros(())
-        if group_size(group) > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        total = total + local
+
+    def local(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p.reshape(1).to(torch.int64) for p in parts]).sum() if parts else total.new_zeros(())
+
+    for share in reduce_over_groups(counts, local, dist.ReduceOp.SUM):
+        total = total + share
     return total
-
-
-def _collective_order(group: ProcessGroup | None) -> tuple[int, tuple[int, ...]]:
-    return (0, ()) if group is None else (1, tuple(dist.get_process_group_ranks(group)))
 
 
 def all_reduce_grads_(

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
     "reduce_group_of",
+    "reduce_over_groups",
     "reduction_device",
     "set_duplicate_filter_groups",
     "zeros_of_grads",
@@ -60,6 +61,8 @@ CLIP_EPSILON = 1e-6
 
 GradsByGroup = Mapping[ProcessGroup | None, Sequence[torch.Tensor]]
 """Reduction group (``None``: no reduction) -> already-filtered grads."""
+
+V = TypeVar("V")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -224,9 +227,8 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
     device = _device_of(grads_by_group)
     infinite = math.isinf(p)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group, grads in _in_collective_order(grads_by_group):
-        share = _local_share(grads, p, device)
-        _all_reduce(share, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    for share in reduce_over_groups(grads_by_group, lambda grads: _local_share(grads, p, device), op):
         total = torch.maximum(total, share) if infinite else total + share
     return total if infinite else total.pow(1.0 / p)
 
@@ -235,11 +237,25 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     """The number of zero elements in already-filtered grads, summed over each group (a 0-dim int64 tensor)."""
     device = _device_of(grads_by_group)
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for group, grads in _in_collective_order(grads_by_group):
-        share = _local_zeros(grads, device)
-        _all_reduce(share, dist.ReduceOp.SUM, group)
+    for share in reduce_over_groups(grads_by_group, lambda grads: _local_zeros(grads, device), dist.ReduceOp.SUM):
         total += share
     return total
+
+
+def reduce_over_groups(
+    items_by_group: Mapping[ProcessGroup | None, V], local: Callable[[V], torch.Tensor], op: Any
+) -> Iterator[torch.Tensor]:
+    """Each group's local share ``local(items)``, all-reduced in place with ``op`` over its group.
+
+    One collective per group of more than one rank (none for ``None``), issued in an order every rank agrees on
+    (by the group's ranks, then its name): ranks that share two groups must reduce them in the same order. Every
+    rank of a group must pass that group as a key. The statistics of :func:`norm_of_grads`,
+    :func:`zeros_of_grads` and :mod:`pgregistry.grad_buffer` all reduce through this.
+    """
+    for group, items in _in_collective_order(items_by_group):
+        share = local(items)
+        _all_reduce(share, op, group)
+        yield share
 
 
 def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -309,18 +325,16 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> No
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def _in_collective_order(
-    grads_by_group: GradsByGroup,
-) -> list[tuple[ProcessGroup | None, Sequence[torch.Tensor]]]:
+def _in_collective_order(items_by_group: Mapping[ProcessGroup | None, V]) -> list[tuple[ProcessGroup | None, V]]:
     """Items ordered identically on every rank: ranks that share two groups must reduce them in the same order."""
 
-    def key(item: tuple[ProcessGroup | None, Sequence[torch.Tensor]]) -> tuple[int, tuple[int, ...], str]:
+    def key(item: tuple[ProcessGroup | None, V]) -> tuple[int, tuple[int, ...], str]:
         group = item[0]
         if group is None:
             return (0, (), "")
         return (1, tuple(dist.get_process_group_ranks(group)), str(getattr(group, "group_name", "")))
 
-    return sorted(grads_by_group.items(), key=key)
+    return sorted(items_by_group.items(), key=key)
 
 
 def backend_device(group: ProcessGroup | None) -> torch.device:

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 import pgregistry.grad_buffer as grad_buffer
 from pgregistry import registry
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
-from pgregistry.grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows
+from pgregistry.grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows, reduce_zero_counts
 from pgregistry.grad_stats import (
     StatsGroups,
     classify_grads,
@@ -224,3 +224,16 @@ def test_statistics_allocate_nothing_of_the_buffers_size() -> None:
     # ... and the statistics' peak is bounded by one block (row norms; the zero count's reused mask).
     assert _peak_bytes(buffer.grad_norm) < 16 * 1024 < size // 1000
     assert _peak_bytes(buffer.count_zeros) <= grad_buffer.HOST_BLOCK + 4096 < size // 100
+
+
+def _same_ranks_in_either_order(rank: int) -> int:
+    """Two communicators over the same ranks, passed in opposite insertion orders on the two ranks: reduced as
+    given, each rank would wait for the other on a different group."""
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+    counts = [(first, [torch.tensor([rank + 1])]), (second, [torch.tensor([10 * (rank + 1)])])]
+    return int(reduce_zero_counts(dict(counts if rank == 0 else counts[::-1]), device="cpu"))
+
+
+def test_zero_counts_reduce_groups_of_the_same_ranks_in_one_order() -> None:
+    results = run_world(2, lambda: _same_ranks_in_either_order(dist.get_rank()), timeout=30)
+    assert results == [(1 + 2) + (10 + 20)] * 2
