@@ -186,12 +186,8 @@ def is_expert_key(key: str) -> bool:
     return _expert_slot(key) is not None
 
 
-def _globalize_key(key: str, num_experts: int | None, ep_rank: int, ep_size: int) -> str:
-    slot = _expert_slot(key)
-    if slot is None:
-        return key
-    if num_experts is None:
-        raise ValueError(f"key {key!r} names an expert but num_experts is not given")
+def _global_key(key: str, slot: _ExpertSlot, num_experts: int, ep_rank: int, ep_size: int) -> str:
+    """``key`` (whose expert index is at ``slot``) with that index made global; errors name ``key``."""
     try:
         return slot.with_index(global_expert_index(slot.index, num_experts, ep_rank, ep_size))
     except ValueError as exc:
@@ -208,7 +204,7 @@ def globalize_expert_keys(
     is not below ``num_experts // ep_size``.
     """
     _check_ep(ep_rank, ep_size)
-    return _renamed(state_dict, lambda key: _globalize_key(key, num_experts, ep_rank, ep_size))
+    return _renamed(state_dict, num_experts, lambda key, slot, n: _global_key(key, slot, n, ep_rank, ep_size))
 
 
 def localize_expert_keys(
@@ -230,12 +226,7 @@ def localize_expert_keys(
     if foreign not in ("raise", "skip"):
         raise ValueError(f"foreign must be 'raise' or 'skip', got {foreign!r}")
 
-    def rename(key: str) -> str | None:
-        slot = _expert_slot(key)
-        if slot is None:
-            return key
-        if num_experts is None:
-            raise ValueError(f"key {key!r} names an expert but num_experts is not given")
+    def rename(key: str, slot: _ExpertSlot, num_experts: int) -> str | None:
         try:
             owner, local = expert_owner(slot.index, num_experts, ep_size)
         except ValueError as exc:
@@ -246,13 +237,25 @@ def localize_expert_keys(
             raise ValueError(f"key {key!r} names expert {slot.index}, held by EP rank {owner}, not {ep_rank}")
         return slot.with_index(local)
 
-    return _renamed(state_dict, rename)
+    return _renamed(state_dict, num_experts, rename)
 
 
-def _renamed(state_dict: Mapping[str, V], rename: Any) -> dict[str, V]:
+def _renamed(
+    state_dict: Mapping[str, V],
+    num_experts: int | None,
+    rename_expert: Callable[[str, _ExpertSlot, int], str | None],
+) -> dict[str, V]:
+    """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)`` (``None`` leaves
+    the entry out) and the other keys kept, in order; ``ValueError`` when two keys get one name."""
     out: dict[str, V] = {}
     for key, value in state_dict.items():
-        new_key = rename(key)
+        slot = _expert_slot(key)
+        if slot is None:
+            new_key: str | None = key
+        elif num_experts is None:
+            raise ValueError(f"key {key!r} names an expert but num_experts is not given")
+        else:
+            new_key = rename_expert(key, slot, num_experts)
         if new_key is None:
             continue
         if new_key in out:
@@ -320,10 +323,11 @@ class _GlobalNamer:
         if match is not None:
             layer = self._offset(chunk_index) + int(match.group(1))
             name = f"{name[: match.start(1)]}{layer}{name[match.end(1) :]}"
-        if not is_expert_key(name):
+        slot = _expert_slot(name)
+        if slot is None:
             return name
         ep_rank, ep_size = self._ep_rank_and_size()
-        return _globalize_key(name, self._experts(chunk_index, local_name), ep_rank, ep_size)
+        return _global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
         if self._ep is None:
