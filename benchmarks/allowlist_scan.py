@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 
 from pgregistry.allowlist.cache import ScanCache  # noqa: E402
 from pgregistry.allowlist.config import ScanConfig  # noqa: E402
-from pgregistry.allowlist.engine import default_jobs, scan_files  # noqa: E402
+from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files  # noqa: E402
 from pgregistry.allowlist.files import discover  # noqa: E402
 
 WORDS = (
@@ -250,16 +250,17 @@ def main() -> int:
             for entry in cache_dir.glob("*.json"):
                 entry.unlink()
 
-        found = sum(len(r.sites) for r in scan_files(files, config, jobs=jobs).results)
+        def scan(processes: int, cache: ScanCache | None = None) -> ScanReport:
+            """What the command does after start-up: discover the files, then scan them."""
+            return scan_files(discover([root / "megatron"], root, ()), config, cache=cache, jobs=processes)
+
+        found = sum(len(r.sites) for r in scan(jobs).results)
         baseline = median_time(lambda: naive_scan(root), args.repeat)
         parse_only = median_time(lambda: [ast.parse(f.absolute.read_bytes()) and None for f in files], args.repeat)
-        cold = median_time(lambda: scan_files(discover([root / "megatron"], root, ()), config, jobs=jobs), args.repeat)
-        cold_one = median_time(lambda: scan_files(files, config, jobs=1), args.repeat)
-        scan_files(files, config, cache=ScanCache(cache_dir, config), jobs=jobs)
-        warm = median_time(
-            lambda: scan_files(discover([root / "megatron"], root, ()), config, cache=ScanCache(cache_dir, config)),
-            args.repeat,
-        )
+        cold = median_time(lambda: scan(jobs), args.repeat)
+        cold_one = median_time(lambda: scan(1), args.repeat)
+        scan(jobs, ScanCache(cache_dir, config))
+        warm = median_time(lambda: scan(1, ScanCache(cache_dir, config)), args.repeat)
         command = [sys.executable, "-m", "pgregistry.allowlist"]
         environment = {**os.environ, "PYTHONPATH": str(REPO)}
         subprocess.run([*command, "update"], cwd=root, env=environment, check=True, capture_output=True)
