@@ -264,11 +264,7 @@ def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.T
     The L0 norms accumulate in float64, exact up to 2**53 elements."""
     numel = sum(grad.numel() for grad in grads)
     nonzero = torch.zeros((), dtype=torch.float64, device=device)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for grad in grads:
-        if grad.numel():
-            by_kind[(grad.device, grad.dtype)].append(grad)
-    for same_kind in by_kind.values():
+    for same_kind in _by_kind(grads).values():
         nonzero += torch.stack(torch._foreach_norm(same_kind, 0, dtype=torch.float64)).sum().to(device)
     return numel - nonzero.to(torch.int64)
 
@@ -286,10 +282,7 @@ def clip_grads_(
     device = grads[0].device if grads else _tensor_device(total_norm)
     norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
     coeff = torch.clamp(max_norm / (norm + CLIP_EPSILON), max=1.0)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for grad in grads:
-        by_kind[(grad.device, grad.dtype)].append(grad)
-    for (grad_device, _), same_kind in by_kind.items():
+    for (grad_device, _), same_kind in _by_kind(grads).items():
         torch._foreach_mul_(same_kind, coeff.to(grad_device))
     return coeff
 
@@ -304,11 +297,7 @@ def _checked_norm_type(norm_type: float) -> float:
 def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
     """Sum of ``|g|^p`` (max of ``|g|`` for the inf-norm) over ``grads``, as a 0-dim float32 tensor."""
     share = torch.zeros((), dtype=torch.float32, device=device)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for grad in grads:
-        if grad.numel():
-            by_kind[(grad.device, grad.dtype)].append(grad)
-    for (_, dtype), same_kind in by_kind.items():
+    for (_, dtype), same_kind in _by_kind(grads).items():
         # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32 at least
         # (float64 grads stay float64 until their share is summed).
         accumulate = torch.promote_types(dtype, torch.float32)
@@ -317,6 +306,15 @@ def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) 
         part = part.to(device=device, dtype=torch.float32)
         share = torch.maximum(share, part) if math.isinf(p) else share + part
     return share
+
+
+def _by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The non-empty ``grads`` by (device, dtype): the unit of one fused ``torch._foreach_*`` call."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        if grad.numel():
+            by_kind[(grad.device, grad.dtype)].append(grad)
+    return by_kind
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> None:
