@@ -339,12 +339,18 @@ def seed_plan(
     ``model_parallel_manual_seed(base_seed_for_rank(seed, pgc, data_parallel_random_init=...), pgc)`` with the
     collection ``pgc`` built from ``layout``: the caller-side pipeline (and data-parallel) offsets are included.
     """
+    return {rank: seeds for rank, _, seeds in _rank_seeds(layout, seed, data_parallel_random_init)}
+
+
+def _rank_seeds(
+    layout: ParallelLayout, seed: int, data_parallel_random_init: bool
+) -> Iterator[tuple[int, dict[str, int], dict[str, int]]]:
+    """``(rank, coordinates, tracker name -> seed)`` for every rank of ``layout``, in rank order."""
     sizes = layout.axis_sizes()
-    plan: dict[int, dict[str, int]] = {}
     for rank in range(layout.world_size):
         coords = layout.coords(rank)
         base = _base_seed(seed, coords["pp"], coords["dp"], data_parallel_random_init)
-        plan[rank] = tracker_seeds(
+        yield rank, coords, tracker_seeds(
             base,
             tp_rank=coords["tp"],
             ep_rank=coords["ep"],
@@ -354,7 +360,6 @@ def seed_plan(
             expt_gtp_remat_rank=coords["expt_gtp_remat"],
             expt_gtp_remat_size=sizes["expt_gtp_remat"],
         )
-    return plan
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -407,17 +412,16 @@ def check_seed_plan(
     coordinates of ``_STREAM_AXES`` differ) but get one seed for it, grouped by tracker and seed; and trackers
     that share a seed on one rank, grouped by the trackers and seed over every rank where it happens.
     """
-    plan = seed_plan(layout, seed, data_parallel_random_init=data_parallel_random_init)
     extra = ("dp",) if data_parallel_random_init else ()
+    axes = {tracker: tracker_axes + extra for tracker, tracker_axes in _STREAM_AXES.items()}
     # (tracker, seed) -> coordinate tuple -> first rank holding it
     streams: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
     # (trackers, seed) -> ranks
     shared: dict[tuple[tuple[str, ...], int], list[int]] = {}
-    for rank, seeds in plan.items():
-        coords = layout.coords(rank)
+    for rank, coords, seeds in _rank_seeds(layout, seed, data_parallel_random_init):
         by_seed: dict[int, list[str]] = {}
         for tracker, tracker_seed in seeds.items():
-            key = tuple(coords[a] for a in _STREAM_AXES[tracker] + extra)
+            key = tuple(coords[a] for a in axes[tracker])
             streams.setdefault((tracker, tracker_seed), {}).setdefault(key, rank)
             by_seed.setdefault(tracker_seed, []).append(tracker)
         for tracker_seed, trackers in by_seed.items():
@@ -429,7 +433,7 @@ def check_seed_plan(
             seed=tracker_seed,
             trackers=(tracker,),
             ranks=tuple(holders.values()),
-            axes=_STREAM_AXES[tracker] + extra,
+            axes=axes[tracker],
             coords=tuple(holders),
         )
         for (tracker, tracker_seed), holders in streams.items()
