@@ -1,7 +1,7 @@
 """Seed formulas, whole-layout seed plans and their collision check, and the ``seed-plan`` command.
 
-Oracles: Megatron-Core's formulas written out here from REFERENCE.md, with coordinates from
-``ParallelLayout.coords``, and a brute-force pairwise scan for collisions.
+Oracles: Megatron-Core's formulas written out from REFERENCE.md (``rng_support.oracle_seeds``), with coordinates
+from ``ParallelLayout.coords``, and a brute-force pairwise scan for collisions.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import pytest
+from rng_support import oracle_seeds
 
 from pgregistry import cli, rng_cli
 from pgregistry.layout import ParallelLayout
@@ -40,19 +41,6 @@ LAYOUTS = [
 ]
 
 
-def _oracle_seeds(layout: ParallelLayout, rank: int, seed: int, dp_init: bool) -> dict[str, int]:
-    c = layout.coords(rank)
-    base = seed + 100 * c["pp"] + (10 * c["dp"] if dp_init else 0)
-    model = base + 2718 + c["tp"]
-    expert = base + 1024 + 100 * c["ep"] + c["etp"]
-    out = {DATA_PARALLEL_RNG: base, MODEL_PARALLEL_RNG: model, EXPERT_PARALLEL_RNG: expert}
-    if layout.gtp_remat > 1:
-        out[GTP_REMAT_RNG] = model + 65536 * (1 + c["gtp_remat"])
-    if layout.expt_gtp_remat > 1:
-        out[EGTP_REMAT_RNG] = expert + 32768 + 65536 * (1 + c["expt_gtp_remat"])
-    return out
-
-
 def test_megatron_example_seeds() -> None:
     seeds = tracker_seeds(1234, tp_rank=1, ep_rank=2, etp_rank=0)
     assert seeds == {DATA_PARALLEL_RNG: 1234, MODEL_PARALLEL_RNG: 3953, EXPERT_PARALLEL_RNG: 2458}
@@ -74,7 +62,7 @@ def test_seed_plan_matches_the_formulas(layout: ParallelLayout, dp_init: bool) -
     plan = seed_plan(layout, 1234, data_parallel_random_init=dp_init)
     assert list(plan) == list(range(layout.world_size))
     for rank, seeds in plan.items():
-        assert seeds == _oracle_seeds(layout, rank, 1234, dp_init)
+        assert seeds == oracle_seeds(layout, rank, 1234, dp_init)
 
 
 _MUST_DIFFER = {
@@ -88,7 +76,7 @@ _MUST_DIFFER = {
 
 def _brute_force(layout: ParallelLayout, seed: int, dp_init: bool) -> tuple[set[Any], set[Any]]:
     """(tracker, seed) pairs shared by two ranks that must differ; (trackers, seed, rank) shared on one rank."""
-    seeds = {r: _oracle_seeds(layout, r, seed, dp_init) for r in range(layout.world_size)}
+    seeds = {r: oracle_seeds(layout, r, seed, dp_init) for r in range(layout.world_size)}
     coords = {r: layout.coords(r) for r in range(layout.world_size)}
     across = set()
     for a, b in itertools.combinations(range(layout.world_size), 2):
@@ -191,7 +179,7 @@ def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].split()[-3:] == [DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG]
     layout = ParallelLayout(world_size=4, tp=2, ep=2)
     for rank, line in enumerate(lines[1:]):
-        oracle = _oracle_seeds(layout, rank, 1234, False)
+        oracle = oracle_seeds(layout, rank, 1234, False)
         assert [int(x) for x in line.split()[-3:]] == list(oracle.values())
 
 
@@ -201,7 +189,7 @@ def test_cli_json_plan(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run_cli(argv, capsys)
     layout = ParallelLayout(world_size=8, tp=2, pp=2)
     assert code == 0
-    assert json.loads(out) == {str(r): _oracle_seeds(layout, r, 7, True) for r in range(8)}
+    assert json.loads(out) == {str(r): oracle_seeds(layout, r, 7, True) for r in range(8)}
 
 
 def test_cli_check_finds_the_reference_collision(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,7 @@
 """model_parallel_manual_seed in real gloo worlds: streams per TP / EP / ETP / GTP rank, fallbacks, fork restore.
 
 Oracle: every stream must equal a fresh ``torch.Generator`` seeded with Megatron-Core's formula evaluated on the
-rank's coordinates from ``ParallelLayout.coords`` (written out in this file).
+rank's coordinates from ``ParallelLayout.coords`` (written out in ``rng_support``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from rng_support import oracle_seeds
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry.layout import ParallelLayout
@@ -35,21 +36,6 @@ def _expected(seed: int) -> torch.Tensor:
     generator = torch.Generator()
     generator.manual_seed(seed)
     return torch.rand(N, generator=generator)
-
-
-def _oracle(layout: ParallelLayout, rank: int, seed: int, dp_init: bool = False) -> dict[str, int]:
-    c = layout.coords(rank)
-    base = seed + 100 * c["pp"] + (10 * c["dp"] if dp_init else 0)
-    out = {
-        DATA_PARALLEL_RNG: base,
-        MODEL_PARALLEL_RNG: base + 2718 + c["tp"],
-        EXPERT_PARALLEL_RNG: base + 1024 + 100 * c["ep"] + c["etp"],
-    }
-    if layout.gtp_remat > 1:
-        out[GTP_REMAT_RNG] = out[MODEL_PARALLEL_RNG] + 65536 * (1 + c["gtp_remat"])
-    if layout.expt_gtp_remat > 1:
-        out[EGTP_REMAT_RNG] = out[EXPERT_PARALLEL_RNG] + 32768 + 65536 * (1 + c["expt_gtp_remat"])
-    return out
 
 
 def _seed_and_draw(layout: ParallelLayout, seed: int, dp_init: bool) -> dict[str, Any]:
@@ -81,7 +67,7 @@ def _seed_and_draw(layout: ParallelLayout, seed: int, dp_init: bool) -> dict[str
 def test_streams_follow_tp_ep_etp_ranks(layout: ParallelLayout, dp_init: bool) -> None:
     results = run_world(layout.world_size, _seed_and_draw, layout, 1234, dp_init)
     for rank, result in enumerate(results):
-        oracle = _oracle(layout, rank, 1234, dp_init)
+        oracle = oracle_seeds(layout, rank, 1234, dp_init)
         assert result["seeds"] == oracle == result["tracker_seeds"]
         assert result["restored"]
         assert torch.equal(result["draws"][DATA_PARALLEL_RNG + " (default)"], _expected(oracle[DATA_PARALLEL_RNG]))
@@ -110,7 +96,7 @@ def test_gtp_remat_streams_in_a_world() -> None:
     layout = ParallelLayout(world_size=8, tp=2, gtp_remat=2, ep=2, etp=1, expt_gtp_remat=2)
     results = run_world(layout.world_size, _seed_and_draw, layout, 99, False)
     for rank, result in enumerate(results):
-        oracle = _oracle(layout, rank, 99)
+        oracle = oracle_seeds(layout, rank, 99)
         assert set(oracle) >= {GTP_REMAT_RNG, EGTP_REMAT_RNG}
         assert result["seeds"] == oracle
         for name, seed in oracle.items():
@@ -156,7 +142,7 @@ def _fallbacks() -> dict[str, Any]:
 def test_fallback_to_the_global_grid_warns_and_none_means_off() -> None:
     layout = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
     for rank, out in enumerate(run_world(4, _fallbacks)):
-        oracle = _oracle(layout, rank, 7)
+        oracle = oracle_seeds(layout, rank, 7)
         assert out["no_collection"] == out["explicit"] == out["partial"] == oracle
         # The global GTP axes have one rank, so their fallback is silent; tp, ep and expt_tp warn.
         assert out["no_collection_warned"] == ["ep", "expt_tp", "tp"]
