@@ -240,3 +240,18 @@ def set_grads(
     for shard in shards:
         local = shard.take(grads[shard.full_name])
         params[shard.local_name].grad = local.to(device=device, dtype=torch.float32).clone()
+
+
+def set_main_grads(
+    model: nn.Module, shards: list[Shard], grads: dict[str, torch.Tensor], layout: ParallelLayout
+) -> None:
+    """Write into each parameter's ``main_grad`` (its view of an optimizer's grad buffer) the raw per-rank grads
+    that the optimizer's ``sync_grads`` turns into this rank's shards of ``grads`` when every data-parallel replica
+    holds the same: expert grads are divided by the ``dp_cp`` size and summed over ``expt_dp``, so they are written
+    times ``dp_cp / expt_dp`` (a power of two in every layout used, so exact)."""
+    expert_scale = layout.dp * layout.cp / layout.expt_dp
+    params = dict(model.named_parameters())
+    for shard in shards:
+        scale = expert_scale if shard.spec.kind == EXPERT else 1.0
+        main_grad = params[shard.local_name].main_grad  # type: ignore[attr-defined]
+        main_grad.copy_(shard.take(grads[shard.full_name]) * scale)

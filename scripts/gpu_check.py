@@ -44,7 +44,15 @@ from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import build_optimizer  # noqa: E402
 from pgregistry.params import copy_param_roles, mark_expert, mark_expert_module  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
-from pgregistry.toy_shards import EXPERT, EXPERTS, full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros  # noqa: E402
+from pgregistry.toy_shards import (  # noqa: E402
+    EXPERTS,
+    full_grads,
+    local_model,
+    oracle_norm,
+    oracle_numel,
+    oracle_zeros,
+    set_main_grads,
+)
 
 Check = tuple[str, bool, str]
 REL = 1e-6
@@ -132,18 +140,6 @@ def seed000(world: int, device: torch.device) -> list[Check]:
 # --------------------------------------------------------------------------------------------- layout matrix
 
 
-def _write_raw_grads(
-    model: nn.Module, shards: list[Any], grads: dict[str, torch.Tensor], layout: ParallelLayout
-) -> None:
-    """The per-rank grads that synchronise to ``grads`` when every replica holds the same: experts are divided
-    by the dp_cp size and summed over expt_dp, so they are written times dp_cp / expt_dp (exact: powers of 2)."""
-    expert_scale = layout.dp * layout.cp / layout.expt_dp
-    params = dict(model.named_parameters())
-    for shard in shards:
-        scale = expert_scale if shard.spec.kind == EXPERT else 1.0
-        params[shard.local_name].main_grad.copy_(shard.take(grads[shard.full_name]) * scale)
-
-
 def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.device) -> list[Check]:
     layout = ParallelLayout(world_size=world, **sizes)
     pg = registry.build(layout, name=f"gpu-check-{name}")
@@ -155,7 +151,7 @@ def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.de
         where = f"{name}, {'sharded' if sharded else 'unsharded'}"
         model, shards = local_model(layout, rank, full_grads("zeros"), device=device)
         opt = build_optimizer(model, pg, optimizer="sgd", lr=1.0, sharded=sharded, mixed_precision=False)
-        _write_raw_grads(model, shards, grads, layout)
+        set_main_grads(model, shards, grads, layout)
         opt.sync_grads()
         stats = (float(opt.get_grad_norm()), float(opt.get_grad_norm(math.inf)), int(opt.count_zeros()))
         want = (oracle_norm(grads, 2.0), oracle_norm(grads, math.inf), oracle_zeros(grads))
@@ -170,7 +166,7 @@ def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.de
         )
         checks.append((f"{where}: one SGD step gives minus the oracle's grads", worst < 1e-6, f"max error {worst:.2e}"))
         opt.zero_grad()
-        _write_raw_grads(model, shards, full_grads("ones"), layout)
+        set_main_grads(model, shards, full_grads("ones"), layout)
         opt.sync_grads()
         ones = float(opt.get_grad_norm())
         opt.zero_grad()

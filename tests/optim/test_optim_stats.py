@@ -15,14 +15,22 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from optim_support import set_main_grads
 
 from pgregistry import registry
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.optim.base import combine_norms
 from pgregistry.testing import run_world
-from pgregistry.toy_shards import EXPERT, full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros, shards_of
+from pgregistry.toy_shards import (
+    EXPERT,
+    full_grads,
+    local_model,
+    oracle_norm,
+    oracle_numel,
+    oracle_zeros,
+    set_main_grads,
+    shards_of,
+)
 
 WORLD = 4
 LAYOUTS: dict[str, dict[str, Any]] = {
