@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from toy_moe import NUM_EXPERTS, NUM_LAYERS, SizeRankGroup, ToyMoE, build_stage
+from toy_moe import NUM_EXPERTS, NUM_LAYERS, SizeRankGroup, ToyMoE, build_stage, names_by_key
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry.experts import (
@@ -27,9 +27,7 @@ from pgregistry.testing import run_world
 
 
 def _whole_names() -> dict[tuple[int, int, str], str]:
-    whole = build_stage(0, 1, 0, 1)
-    names = {id(p): n for n, p in whole.named_parameters()}
-    return {key: names[id(param)] for param, key in whole.catalog}
+    return names_by_key(build_stage(0, 1, 0, 1))
 
 
 def test_ep_rank_and_size_from_a_collection() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from toy_moe import Key, adam, build_stage, initialise
+from toy_moe import Key, adam, build_stage, initialise, names_by_key
 
 from pgregistry import ProcessGroupFallbackWarning
 from pgregistry.checkpoint import load_distributed, load_rank_files, save_distributed, save_rank_files
@@ -50,8 +50,7 @@ def reference() -> tuple[dict[Key, dict[str, torch.Tensor]], dict[Key, str]]:
     initialise(whole)
     optimizer = adam(list(whole.parameters()))
     optimizer.step()
-    names = {id(p): n for n, p in whole.named_parameters()}
-    return _snapshot(whole, optimizer), {key: names[id(p)] for p, key in whole.catalog}
+    return _snapshot(whole, optimizer), names_by_key(whole)
 
 
 def _rank(layout: ParallelLayout, fmt: str, load_from: Path | None, save_to: Path) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  # imported once here; each forked rank would otherwise import it (~3 s)
 import torch.distributed as dist
-from toy_moe import Key, ToyMoE, build_stage, value_of
+from toy_moe import Key, ToyMoE, build_stage, set_values
 
 from pgregistry import ProcessGroupFallbackWarning
 from pgregistry.checkpoint import load_optimizer_shards, load_rank_files, save_optimizer_shards, save_rank_files
@@ -86,9 +86,7 @@ def _local_grad(parts: torch.Tensor, replicas: int, replica: int, dp_size: int) 
 def oracle() -> list[Whole]:
     """The whole model after ``STEPS`` and after ``STEPS + 1`` steps of plain Adam on the mean gradients."""
     model = build_stage(0, 1, 0, 1)
-    with torch.no_grad():
-        for param, key in model.catalog:
-            param.copy_(value_of(key, param.shape, "value"))
+    set_values(model)
     adam = torch.optim.Adam(model.parameters(), lr=LR, betas=BETAS, foreach=False)
     out = []
     for step in range(STEPS + 1):
@@ -148,9 +146,7 @@ def _rank(layout: ParallelLayout, load_from: Path | None, save_to: Path) -> dict
     coords = layout.coords(dist.get_rank())
     model = _stage(layout, pgc)
     if load_from is None:
-        with torch.no_grad():
-            for param, key in model.catalog:
-                param.copy_(value_of(key, param.shape, "value"))
+        set_values(model)
     else:
         load_rank_files(load_from, model)
     optimizer = build_optimizer(

@@ -150,12 +150,24 @@ def value_of(key: Key, shape: torch.Size, what: str) -> torch.Tensor:
     return torch.randn(shape, generator=generator)
 
 
-def initialise(model: ToyMoE) -> None:
-    """Values and gradients from each parameter's coordinates."""
+def set_values(model: ToyMoE) -> None:
+    """Values from each parameter's coordinates."""
     with torch.no_grad():
         for param, key in model.catalog:
             param.copy_(value_of(key, param.shape, "value"))
-            param.grad = value_of(key, param.shape, "grad")
+
+
+def initialise(model: ToyMoE) -> None:
+    """Values and gradients from each parameter's coordinates."""
+    set_values(model)
+    for param, key in model.catalog:
+        param.grad = value_of(key, param.shape, "grad")
+
+
+def names_by_key(model: ToyMoE) -> dict[Key, str]:
+    """Coordinates -> the model's ``named_parameters()`` name: the global names, for a model built whole."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {key: names[id(param)] for param, key in model.catalog}
 
 
 def adam(params: list[nn.Parameter]) -> torch.optim.Adam:
