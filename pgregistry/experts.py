@@ -69,8 +69,7 @@ def get_ep_rank_and_size(pg_collection: ProcessGroupCollection | None) -> tuple[
     """
     if pg_collection is None:
         return 0, 1
-    group = resolve_process_groups(pg_collection, ("ep",), owner="get_ep_rank_and_size")["ep"]
-    return group_rank(group), group_size(group)
+    return _ep_of(pg_collection, "get_ep_rank_and_size")
 
 
 def get_model_ep_rank_and_size(model_or_chunks: nn.Module | Sequence[nn.Module]) -> tuple[int, int]:
@@ -79,8 +78,12 @@ def get_model_ep_rank_and_size(model_or_chunks: nn.Module | Sequence[nn.Module])
     Each model reads its own collection, so models on different grids in one process get their own EP layout. A
     model without an attached collection reads the global grid with a fallback warning.
     """
-    collection = model_collection(model_or_chunks)
-    group = resolve_process_groups(collection, ("ep",), owner="get_model_ep_rank_and_size")["ep"]
+    return _ep_of(model_collection(model_or_chunks), "get_model_ep_rank_and_size")
+
+
+def _ep_of(collection: ProcessGroupCollection | None, owner: str) -> tuple[int, int]:
+    """Rank and size in the collection's ``ep`` group (the global grid's, with a warning, when not set)."""
+    group = resolve_process_groups(collection, ("ep",), owner=owner)["ep"]
     return group_rank(group), group_size(group)
 
 
@@ -331,15 +334,13 @@ class _GlobalNamer:
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
         if self._ep is None:
-            ep = self._group("ep", "get_model_ep_rank_and_size")
-            self._ep = group_rank(ep), group_size(ep)
+            self._ep = _ep_of(self._collection(), "get_model_ep_rank_and_size")
         return self._ep
 
-    def _group(self, name: str, owner: str) -> Any:
-        """Group ``name`` of ``pg_collection``, else of the collection attached to the chunks (read only when
-        needed, so a model whose names need neither EP nor PP is never asked for one)."""
-        collection = self._pg_collection if self._pg_collection is not None else model_collection(self._chunks)
-        return resolve_process_groups(collection, (name,), owner=owner)[name]
+    def _collection(self) -> ProcessGroupCollection | None:
+        """``pg_collection``, else the collection attached to the chunks (looked up only when a name needs EP or
+        PP, so a model that needs neither is never asked for one)."""
+        return self._pg_collection if self._pg_collection is not None else model_collection(self._chunks)
 
     def _experts(self, chunk_index: int, local_name: str) -> int:
         if self._num_experts is not None:
@@ -371,8 +372,10 @@ class _GlobalNamer:
 
     def _offset_without_pipeline(self, chunk_index: int) -> int:
         """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this raises."""
-        if len(self._chunks) == 1 and group_size(self._group("pp", "get_global_unique_param_name")) == 1:
-            return 0
+        if len(self._chunks) == 1:
+            pp = resolve_process_groups(self._collection(), ("pp",), owner="get_global_unique_param_name")["pp"]
+            if group_size(pp) == 1:
+                return 0
         raise ValueError(
             f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
             "pipeline stages set chunk.layer_offset on each chunk, or pass layer_offsets"
