@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
 from typing import Final
 
 import attrs
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import ProcessGroupCollection, group_size
@@ -51,7 +49,13 @@ from pgregistry.grad_stats import (
     param_is_not_shared,
     reduction_device,
 )
-from pgregistry.params import ParamsLike, is_expert_param, named_parameters_of, unclassified_expert_params
+from pgregistry.params import (
+    ParamsLike,
+    is_expert_param,
+    model_chunks_of,
+    named_parameters_of,
+    unclassified_expert_params,
+)
 
 __all__ = ["GradReplicationReport", "ReplicationMismatch", "audit_grad_replication"]
 
@@ -217,8 +221,9 @@ def audit_grad_replication(
     classified = norm_of_grads(classify_grads([param for _, param in named], stats))
     measured = norm_of_grads(truth)
     unclassified: tuple[str, ...] = ()
-    if _is_model(model_or_params) and group_size(axis_groups["ep"]) > 1:
-        unclassified = tuple(unclassified_expert_params(model_or_params))  # type: ignore[arg-type]
+    chunks = model_chunks_of(model_or_params)
+    if chunks and group_size(axis_groups["ep"]) > 1:
+        unclassified = tuple(unclassified_expert_params(chunks))
     return GradReplicationReport(
         classified_norm=float(classified.item()),
         true_norm=float(measured.item()),
@@ -239,14 +244,6 @@ def _claims(param: torch.Tensor) -> list[tuple[str, bool]]:
         claims.append(("ep", not expert))
     claims.append(("expt_dp" if expert else "dp_cp", True))
     return claims
-
-
-def _is_model(model_or_params: ParamsLike) -> bool:
-    if isinstance(model_or_params, nn.Module):
-        return True
-    return isinstance(model_or_params, Sequence) and bool(model_or_params) and all(
-        isinstance(item, nn.Module) for item in model_or_params
-    )
 
 
 def _on(group: ProcessGroup | None) -> bool:

@@ -28,12 +28,17 @@ from typing import Any, TypeVar
 import attrs
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import UNSET, ProcessGroupCollection, Unset, group_rank, group_size
 from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
-from pgregistry.params import ParamsLike, check_expert_classification, is_expert_param, named_parameters_of
+from pgregistry.params import (
+    ParamsLike,
+    check_expert_classification,
+    is_expert_param,
+    model_chunks_of,
+    named_parameters_of,
+)
 
 __all__ = [
     "CLIP_EPSILON",
@@ -380,9 +385,11 @@ def classify_grads(
 
 
 def _checked_params(model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> list[torch.Tensor]:
-    """The parameters of ``model_or_params``; for a model, refuse unclassified expert parameters first."""
-    if isinstance(model_or_params, nn.Module):
-        check_expert_classification(model_or_params, pg_collection)
+    """The parameters of ``model_or_params``; for a model or model chunks, refuse unclassified expert parameters
+    first."""
+    chunks = model_chunks_of(model_or_params)
+    if chunks:
+        check_expert_classification(chunks, pg_collection)
     return [param for _, param in named_parameters_of(model_or_params)]
 
 
@@ -392,7 +399,7 @@ def grad_norm(
     """The global ``norm_type``-norm of the grads of ``params`` (a model, its parameters, ...) on its collection.
 
     Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`). Given a
-    model, parameters of a marked expert module without an EP classification raise ``ValueError`` first
+    model or model chunks, parameters of a marked expert module without an EP classification raise ``ValueError`` first
     (:func:`~pgregistry.params.check_expert_classification`). Collective over the collection's ``mp`` and
     ``tp_ep_pp`` groups. Returns a 0-dim float32 tensor on the grads' device.
     """

@@ -40,6 +40,7 @@ __all__ = [
     "mark_gtp_sharded",
     "mark_shared",
     "mark_tensor_parallel",
+    "model_chunks_of",
     "named_parameters_of",
     "unclassified_expert_params",
 ]
@@ -171,6 +172,21 @@ def check_expert_classification(
 
 
 # -------------------------------------------------------------------------------------------- parameter lists
+
+
+def model_chunks_of(model_or_params: ParamsLike) -> list[nn.Module]:
+    """The model chunks ``model_or_params`` holds: ``[model]`` for a model, the modules of a non-empty sequence of
+    modules, ``[]`` for parameters (a tensor, a mapping, tensors). Where a model's expert classification is checked
+    (:func:`check_expert_classification`), whichever way the model was passed."""
+    if isinstance(model_or_params, nn.Module):
+        return [model_or_params]
+    if (
+        isinstance(model_or_params, Sequence)
+        and model_or_params
+        and all(isinstance(item, nn.Module) for item in model_or_params)
+    ):
+        return list(model_or_params)
+    return []
 
 
 def named_parameters_of(model_or_params: ParamsLike) -> list[tuple[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from pgregistry import registry
 from pgregistry.audit import audit_grad_replication
-from pgregistry.grad_stats import grad_norm
+from pgregistry.grad_stats import count_zeros, grad_norm
 from pgregistry.layout import ParallelLayout
 from pgregistry.params import check_expert_classification, mark_expert, mark_expert_module, mark_expert_replicated
 from pgregistry.testing import run_world
@@ -103,6 +103,12 @@ def _on_rank() -> dict[str, Any]:
         report.unclassified,
         report.ok,
     )
+    # The same model passed as a list of chunks (one chunk: no prefix) is refused as well.
+    out["unclassified_chunks"] = (
+        _error(lambda: grad_norm([unclassified], collection)),
+        _error(lambda: count_zeros([unclassified], collection)),
+        audit_grad_replication([unclassified], collection).unclassified,
+    )
 
     seed_bug = _build(
         {"lora_a": mark_expert_replicated, "lora_b": mark_expert_replicated, "shared_a": mark_expert_replicated},
@@ -154,6 +160,10 @@ def test_a_factor_without_classification_raises_naming_it(results: list[dict[str
             assert "experts.lora_b" in message and "mark_expert" in message
             assert "lora_a" not in message and "shared_a" not in message
         assert listed == ("experts.lora_b",) and not ok
+        *from_chunks, listed_from_chunks = got["unclassified_chunks"]
+        for message in from_chunks:
+            assert "experts.lora_b" in message and "mark_expert" in message
+        assert listed_from_chunks == ("experts.lora_b",)
 
 
 def test_audit_catches_unique_grads_classified_replicated(results: list[dict[str, Any]]) -> None:
