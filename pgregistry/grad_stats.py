@@ -147,12 +147,10 @@ def param_is_not_tensor_parallel_duplicate(
     expert = is_expert_param(param)
     group = expert_tp_group if expert else tp_group
     if group is UNSET:
-        group = _fallback_group(
-            "expt_tp" if expert else "tp",
-            "expert_tp_group" if expert else "tp_group",
-            "param_is_not_tensor_parallel_duplicate",
-            use_global_fallback,
-        )
+        if not use_global_fallback:
+            raise ValueError(_omitted_message("expert_tp_group" if expert else "tp_group"))
+        field = "expt_tp" if expert else "tp"
+        group = resolve_process_groups(None, (field,), owner="param_is_not_tensor_parallel_duplicate")[field]
     return group_rank(group) == 0
 
 
@@ -179,12 +177,6 @@ def param_is_not_gtp_duplicate(
             raise ValueError(_omitted_message("expert_gtp_group" if expert else "gtp_group"))
         group = resolve_gtp_remat_group(None, expert, owner="param_is_not_gtp_duplicate")
     return group_rank(group) == 0
-
-
-def _fallback_group(field: str, argument: str, owner: str, use_global_fallback: bool) -> Any:
-    if not use_global_fallback:
-        raise ValueError(_omitted_message(argument))
-    return resolve_process_groups(None, (field,), owner=owner)[field]
 
 
 def _omitted_message(argument: str) -> str:
