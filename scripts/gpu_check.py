@@ -15,17 +15,19 @@ any check failed anywhere:
   per-rank grads synchronised by the optimizer (all-reduce, or reduce-scatter for the sharded one), then the
   2-norm, inf-norm and zero count against the unsharded float64 oracle, one SGD step (lr 1, parameters from 0)
   whose result must be minus the oracle's grads (all-gather included), and the invariance oracle (all grads 1:
-  norm ``sqrt(numel)``; all 0: zero count ``numel``).
+  norm ``sqrt(numel)``; all 0: zero count ``numel``);
+* the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
+  model-parallel draws, and a fork that restores the outer stream.
+
+Initialisation, the gathered table and the tear-down order are :func:`pgregistry.torchrun_checks.run_checks`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import build_optimizer  # noqa: E402
 from pgregistry.params import copy_param_roles, mark_expert, mark_expert_module  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
+from pgregistry.torchrun_checks import Check, run_checks  # noqa: E402
 from pgregistry.toy_shards import (  # noqa: E402
     EXPERTS,
     full_grads,
@@ -54,7 +57,6 @@ from pgregistry.toy_shards import (  # noqa: E402
     set_main_grads,
 )
 
-Check = tuple[str, bool, str]
 REL = 1e-6
 
 
@@ -204,55 +206,23 @@ def rng_checks(world: int, device: torch.device) -> list[Check]:
     ]
 
 
+def all_checks(device: torch.device) -> list[Check]:
+    world = dist.get_world_size()
+    checks = seed000(world, device) + rng_checks(world, device)
+    for name, sizes in layouts_for(world).items():
+        checks += layout_checks(name, sizes, world, device)
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pgregistry optimizer checks under torchrun")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print("gpu_check: run it under torchrun (RANK and WORLD_SIZE are not set)", file=sys.stderr)
-        return 2
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    init: dict[str, Any] = {"backend": args.backend, "timeout": timedelta(seconds=args.timeout)}
-    if args.backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = init["device_id"] = torch.device("cuda", local)
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
-    dist.init_process_group(**init)
-    world = dist.get_world_size()
-    try:
-        checks = seed000(world, device) + rng_checks(world, device)
-        for name, sizes in layouts_for(world).items():
-            checks += layout_checks(name, sizes, world, device)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, checks)
-        if dist.get_rank() == 0:
-            report(everyone, args.backend, device)
-        dist.barrier()  # nobody tears down while a peer may still be exchanging with it
-        return 1 if any(not ok for rank_checks in everyone for _, ok, _ in rank_checks) else 0
-    finally:
-        # Free what still holds groups (the first torch.optim built leaves a reference cycle behind: torch imports
-        # torch._dynamo then), then destroy subgroups before the default group: a gloo group destroyed at
-        # interpreter exit can abort the process.
-        gc.collect()
-        registry.destroy()
-        dist.destroy_process_group()
-
-
-def report(everyone: list[list[Check]], backend: str, device: torch.device) -> None:
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"gpu_check: {len(everyone)} ranks, backend {backend}, {where}, torch {torch.__version__}")
-    failed = 0
-    for i, (name, _, _) in enumerate(everyone[0]):
-        failing = [rank for rank, checks in enumerate(everyone) if not checks[i][1]]
-        detail = everyone[failing[0] if failing else 0][i][2]
-        failed += bool(failing)
-        on = f" on ranks {failing}" if failing else ""
-        print(f"  {'PASS' if not failing else 'FAIL'} {name}{on} ({detail})")
-    print(f"{len(everyone[0]) - failed} passed, {failed} failed")
+    where = torch.cuda.get_device_name() if args.backend == "nccl" else "cpu"
+    title = f"gpu_check: backend {args.backend}, {where}, torch {torch.__version__}"
+    return run_checks(title, args.backend, all_checks, timeout=args.timeout)
 
 
 if __name__ == "__main__":
