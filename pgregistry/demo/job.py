@@ -345,10 +345,9 @@ def _checks(config: DemoConfig, results: list[dict[str, Any]]) -> list[tuple[str
     else:  # with dense TP 1 every rank is dense-TP rank 0: the anchor's filter drops nothing
         checks.append(("with dense TP 1 the anchor's filter agrees (no seed 000 undercount possible)",
                        max(abs(d) for d in drops) < _ANCHOR_MIN_DROP, f"largest difference {max(drops):.2%}"))
-    zero = first["zero_count"] if "zero_count" in first else None
-    if zero is not None:
-        checks.append(("zero count of zeroed grads equals the model's numel", zero["pgregistry"] == zero["oracle"],
-                       f"{zero['pgregistry']} vs {zero['oracle']}"))
+    zero = first["zero_count"]
+    checks.append(("zero count of zeroed grads equals the model's numel", zero["pgregistry"] == zero["oracle"],
+                   f"{zero['pgregistry']} vs {zero['oracle']}"))
     found = set()
     duplicates = 0
     for result in results:

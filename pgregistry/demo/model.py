@@ -134,11 +134,11 @@ def shard_of(
     """This rank's shard of the unsharded weight ``name`` (``None`` when the expert lives on another EP rank)."""
     tp, ep = pg_collection.get("tp"), pg_collection.get("ep")
     if ".local_experts." in name:
+        from pgregistry.experts import expert_owner
+
         global_index = int(name.split(".local_experts.")[1].split(".")[0])
-        per_rank = num_experts // group_size(ep)
-        if global_index // per_rank != group_rank(ep):
-            return None
-        return full
+        owner, _ = expert_owner(global_index, num_experts, group_size(ep))
+        return full if owner == group_rank(ep) else None
     if name.endswith("mlp.fc1"):
         return full.chunk(group_size(tp), dim=0)[group_rank(tp)]
     if name.endswith("mlp.fc2"):
@@ -191,7 +191,6 @@ class ShardedMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.pg = pg_collection
         self.tp: ProcessGroup | None = pg_collection.get("tp")
         self.ep: ProcessGroup | None = pg_collection.get("ep")
         if config.num_experts % group_size(self.ep):
