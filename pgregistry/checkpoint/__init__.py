@@ -1,0 +1,47 @@
+"""Checkpoints keyed by global parameter names, so they reload under another expert- or pipeline-parallel layout.
+
+Every parameter and its optimizer state are stored under the parameter's global name
+(:func:`pgregistry.experts.named_global_parameters`): experts numbered over the whole model, layers over the
+whole pipeline. A checkpoint written with EP 4 and PP 2 therefore reloads with EP 2, EP 1 or PP 1: each rank
+asks for the names it holds now. Megatron-Core's optimizer state, keyed by rank-local parameter order, does not.
+
+Each tensor is written exactly once: a dense parameter by data-parallel (``dp_cp``) rank 0 of its replicas, an
+expert parameter by expert-data-parallel (``expt_dp``) rank 0. Tensors are stored whole, so tensor-parallel and
+GTP-remat sharding must be off (``tp``, ``expt_tp``, ``gtp_remat``, ``expt_gtp_remat`` of size 1); resharding
+tensor-parallel shards is not done here.
+
+* :mod:`~pgregistry.checkpoint.by_name`: state keyed by global name (:func:`state_by_name`,
+  :func:`load_optimizer_state_by_name`);
+* :mod:`~pgregistry.checkpoint.rank_files`: one ``torch.save`` file per rank (:func:`save_rank_files` /
+  :func:`load_rank_files`);
+* :mod:`~pgregistry.checkpoint.distributed`: ``torch.distributed.checkpoint`` (:func:`save_distributed` /
+  :func:`load_distributed`);
+* :mod:`~pgregistry.checkpoint.optimizer_shards`: the sharded optimizer-state format (merge, cut, save, load).
+
+Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
+"""
+
+from __future__ import annotations
+
+from pgregistry.checkpoint.by_name import load_optimizer_state_by_name, state_by_name
+from pgregistry.checkpoint.distributed import load_distributed, save_distributed
+from pgregistry.checkpoint.optimizer_shards import (
+    cut_optimizer_shards,
+    load_optimizer_shards,
+    merge_optimizer_shards,
+    save_optimizer_shards,
+)
+from pgregistry.checkpoint.rank_files import load_rank_files, save_rank_files
+
+__all__ = [
+    "cut_optimizer_shards",
+    "load_distributed",
+    "load_optimizer_state_by_name",
+    "load_optimizer_shards",
+    "load_rank_files",
+    "merge_optimizer_shards",
+    "save_distributed",
+    "save_optimizer_shards",
+    "save_rank_files",
+    "state_by_name",
+]

@@ -1,0 +1,193 @@
+"""A rank's parameters and optimizer state keyed by global parameter name, and loading them back.
+
+Every parameter and its optimizer state are keyed by the parameter's global name
+(:func:`pgregistry.experts.named_global_parameters`): flat keys ``model/<name>`` and
+``optimizer/<name>/<state key>``, which both storage back-ends (:mod:`~pgregistry.checkpoint.rank_files`,
+:mod:`~pgregistry.checkpoint.distributed`) write. Each tensor has one writer: for a dense parameter, data-parallel
+(``dp_cp``) rank 0 of its replicas; for an expert parameter, expert-data-parallel (``expt_dp``) rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import torch
+from torch import nn
+
+from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
+from pgregistry.experts import is_expert_key, model_collection, named_global_parameters
+from pgregistry.fallback import resolve_process_groups
+
+__all__ = ["load_optimizer_state_by_name", "state_by_name"]
+
+_MODEL: Final = "model/"
+
+_OPTIMIZER: Final = "optimizer/"
+
+_SHARDED_AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
+
+
+@attrs.frozen(slots=True)
+class _Model:
+    """One rank's view: its parameters by global name, and which of them it writes."""
+
+    params: dict[str, nn.Parameter]
+    writes_dense: bool
+    writes_experts: bool
+
+    def writes(self, name: str) -> bool:
+        return self.writes_experts if is_expert_key(name) else self.writes_dense
+
+
+def _model(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    pg_collection: ProcessGroupCollection | None,
+    num_experts: int | None,
+    layer_offsets: Sequence[int] | None,
+    owner: str,
+) -> _Model:
+    collection = pg_collection if pg_collection is not None else model_collection(model_chunks)
+    groups = resolve_process_groups(collection, ("ep", "dp_cp", "expt_dp", *_SHARDED_AXES), owner=owner)
+    sharded = [name for name in _SHARDED_AXES if group_size(groups[name]) > 1]
+    if sharded:
+        raise ValueError(
+            f"{owner} stores whole tensors, but the model's {', '.join(sharded)} axis has more than one rank; "
+            "tensor-parallel and GTP-remat shards are not resharded by pgregistry.checkpoint"
+        )
+    named = named_global_parameters(
+        model_chunks,
+        pg_collection=collection,
+        ep_rank=group_rank(groups["ep"]),
+        ep_size=group_size(groups["ep"]),
+        num_experts=num_experts,
+        layer_offsets=layer_offsets,
+    )
+    params: dict[str, nn.Parameter] = {}
+    for name, param in named:
+        if name in params:
+            raise ValueError(f"two parameters of the model have the global name {name!r}")
+        params[name] = param
+    return _Model(params, group_rank(groups["dp_cp"]) == 0, group_rank(groups["expt_dp"]) == 0)
+
+
+def _optimizer_names(optimizer: torch.optim.Optimizer, model: _Model) -> list[tuple[str, nn.Parameter]]:
+    by_id = {id(param): name for name, param in model.params.items()}
+    out: list[tuple[str, nn.Parameter]] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in by_id:
+                raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} not in the model")
+            out.append((by_id[id(param)], param))
+    return out
+
+
+def _flat_state(model: _Model, optimizer: torch.optim.Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, param in model.params.items():
+        if not primary_only or model.writes(name):
+            flat[_MODEL + name] = param.detach()
+    if optimizer is not None:
+        for name, param in _optimizer_names(optimizer, model):
+            if primary_only and not model.writes(name):
+                continue
+            for key, value in optimizer.state.get(param, {}).items():
+                flat[f"{_OPTIMIZER}{name}/{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+    return flat
+
+
+def _split_optimizer_key(key: str) -> tuple[str, str]:
+    """``(parameter name, state key)`` of a flat ``optimizer/<name>/<state key>`` key."""
+    name, state_key = key[len(_OPTIMIZER) :].rsplit("/", 1)
+    return name, state_key
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys."""
+    out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
+    for key, value in flat.items():
+        if key.startswith(_MODEL):
+            out["model"][key[len(_MODEL) :]] = value
+        elif key.startswith(_OPTIMIZER):
+            name, state_key = _split_optimizer_key(key)
+            out["optimizer"].setdefault(name, {})[state_key] = value
+    return out
+
+
+def state_by_name(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+    primary_only: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
+    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones).
+
+    ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``pg_collection`` defaults to
+    the collection attached to the model; ``num_experts`` and ``layer_offsets`` are as in
+    :func:`pgregistry.experts.named_global_parameters`.
+    """
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "state_by_name")
+    return _nested(_flat_state(model, optimizer, primary_only=primary_only))
+
+
+def _apply(model: _Model, optimizer: torch.optim.Optimizer | None, lookup: Mapping[str, Any]) -> None:
+    """Copy every parameter (all required) and optimizer state (where present) from flat ``lookup``."""
+    nested = _nested(lookup)
+    missing = [name for name in model.params if name not in nested["model"]]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
+    with torch.no_grad():
+        for name, param in model.params.items():
+            source = nested["model"][name]
+            if tuple(source.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(param.shape)} but the checkpoint holds "
+                    f"{tuple(source.shape)}"
+                )
+            param.copy_(source)
+    if optimizer is not None:
+        _load_optimizer(optimizer, model, nested["optimizer"])
+
+
+def load_optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    state: Mapping[str, Mapping[str, Any]],
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> None:
+    """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
+    part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
+
+    Parameters without an entry get an empty state (as before their first step). The values are copied and go
+    through ``optimizer.load_state_dict``, which casts floating state to each parameter's dtype and device.
+    """
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_optimizer_state_by_name")
+    _load_optimizer(optimizer, model, state)
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, model: _Model, state: Mapping[str, Mapping[str, Any]]
+) -> None:
+    current = optimizer.state_dict()
+    # state_dict() numbers the parameters in param_groups order, the order _optimizer_names walks them in.
+    ids = [pid for group in current["param_groups"] for pid in group["params"]]
+    named = _optimizer_names(optimizer, model)
+    current["state"] = {
+        pid: {key: _copy(value) for key, value in state[name].items()}
+        for pid, (name, _) in zip(ids, named, strict=True)
+        if state.get(name)
+    }
+    optimizer.load_state_dict(current)
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

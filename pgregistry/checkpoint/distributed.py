@@ -1,0 +1,70 @@
+"""Checkpoints by global name through ``torch.distributed.checkpoint`` (DCP), collective over the default group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pgregistry.checkpoint.by_name import (
+    _MODEL,
+    _OPTIMIZER,
+    _apply,
+    _flat_state,
+    _model,
+    _optimizer_names,
+    _split_optimizer_key,
+)
+from pgregistry.collection import ProcessGroupCollection
+
+__all__ = ["load_distributed", "save_distributed"]
+
+
+def save_distributed(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> None:
+    """Save with ``torch.distributed.checkpoint`` (collective over the default group); each tensor once."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_distributed")
+    dcp.save(_flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
+
+
+def load_distributed(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> None:
+    """Load a :func:`save_distributed` checkpoint of any layout (collective over the default group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_distributed")
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    destination: dict[str, Any] = {}
+    for name, param in model.params.items():
+        if _MODEL + name in metadata:
+            destination[_MODEL + name] = torch.empty_like(param.detach())
+    if optimizer is not None:
+        wanted = {name for name, _ in _optimizer_names(optimizer, model)}
+        for key, entry in metadata.items():
+            if key.startswith(_OPTIMIZER) and _split_optimizer_key(key)[0] in wanted:
+                if isinstance(entry, TensorStorageMetadata):
+                    destination[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+                else:
+                    destination[key] = None  # a non-tensor value: DCP replaces the placeholder
+    dcp.load(destination, checkpoint_id=str(directory))
+    _apply(model, optimizer, destination)

@@ -1,0 +1,187 @@
+"""Expert keys of a state dict renamed between rank-local and global expert indices.
+
+Two key styles are renamed, the same way in both directions:
+
+* sequential: ``...local_experts.<i>.<rest>``;
+* grouped GEMM: ``...experts.<...>.weight<i>`` and ``bias<i>``, optionally with a ``_w``/``_v`` suffix (the two
+  halves of SwiGLU), where a segment ``experts`` precedes the last one.
+
+Every other key is left as it is. Unlike Megatron-Core's ``handle_experts_in_state_dict``: a missing or
+inconsistent ``num_experts`` raises instead of dropping keys, grouped ``bias<i>`` keys are renamed too, and the
+order of the keys is kept. This module imports no torch, so it can be used on checkpoints without it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Final, Literal, TypeVar
+
+import attrs
+
+__all__ = [
+    "expert_owner",
+    "global_expert_index",
+    "globalize_expert_keys",
+    "is_expert_key",
+    "localize_expert_keys",
+]
+
+V = TypeVar("V")
+
+_INDEX: Final = re.compile(r"[0-9]+")
+
+_GROUPED_TAIL: Final = re.compile(r"(weight|bias)([0-9]+)(_w|_v)?")
+
+
+def _num_local(num_experts: int, ep_size: int) -> int:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+    if num_experts % ep_size:
+        raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts}")
+    return num_experts // ep_size
+
+
+def _check_ep(ep_rank: int, ep_size: int) -> None:
+    for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank {ep_rank} is not a rank of an expert-parallel group of size {ep_size}")
+
+
+def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
+    """``ep_rank * (num_experts // ep_size) + local_index``; ``ValueError`` for an index or rank out of range or
+    an ``ep_size`` that does not divide ``num_experts``."""
+    _check_ep(ep_rank, ep_size)
+    num_local = _num_local(num_experts, ep_size)
+    if not 0 <= local_index < num_local:
+        raise ValueError(
+            f"local expert index {local_index} is out of range: {num_experts} experts over {ep_size} EP ranks "
+            f"leave {num_local} per rank"
+        )
+    return ep_rank * num_local + local_index
+
+
+def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int, int]:
+    """``(ep_rank, local_index)`` of the rank holding global expert ``global_index``."""
+    num_local = _num_local(num_experts, ep_size)
+    if not 0 <= global_index < num_experts:
+        raise ValueError(f"global expert index {global_index} is out of range for {num_experts} experts")
+    return divmod(global_index, num_local)
+
+
+@attrs.frozen(slots=True)
+class _ExpertSlot:
+    """An expert key split around its expert index."""
+
+    head: str
+    index: int
+    tail: str
+
+    def with_index(self, index: int) -> str:
+        return f"{self.head}{index}{self.tail}"
+
+
+def _parse_index(text: str, key: str) -> int:
+    if text != str(int(text)):
+        raise ValueError(f"expert index {text!r} in key {key!r} is not in canonical form")
+    return int(text)
+
+
+def _expert_slot(key: str) -> _ExpertSlot | None:
+    """Where the expert index sits in ``key``, or ``None`` when ``key`` names no expert."""
+    segments = key.split(".")
+    for j, segment in enumerate(segments[:-1]):
+        if segment == "local_experts" and _INDEX.fullmatch(segments[j + 1]):
+            head = ".".join(segments[: j + 1]) + "."
+            rest = segments[j + 2 :]
+            return _ExpertSlot(head, _parse_index(segments[j + 1], key), "." + ".".join(rest) if rest else "")
+    match = _GROUPED_TAIL.fullmatch(segments[-1])
+    if match is None or "experts" not in segments[:-1]:
+        return None
+    head = ".".join(segments[:-1]) + "." + match.group(1)
+    return _ExpertSlot(head, _parse_index(match.group(2), key), match.group(3) or "")
+
+
+def is_expert_key(key: str) -> bool:
+    """Whether ``key`` names an expert's tensor in one of the two key styles."""
+    return _expert_slot(key) is not None
+
+
+def _global_key(key: str, slot: _ExpertSlot, num_experts: int, ep_rank: int, ep_size: int) -> str:
+    """``key`` (whose expert index is at ``slot``) with that index made global; errors name ``key``."""
+    try:
+        return slot.with_index(global_expert_index(slot.index, num_experts, ep_rank, ep_size))
+    except ValueError as exc:
+        raise ValueError(f"key {key!r}: {exc}") from None
+
+
+def globalize_expert_keys(
+    state_dict: Mapping[str, V], num_experts: int | None, ep_rank: int, ep_size: int
+) -> dict[str, V]:
+    """A new dict with the expert keys of this EP rank renamed from local to global expert indices.
+
+    Key order and values are kept; non-expert keys are unchanged. ``ValueError`` when an expert key is present
+    and ``num_experts`` is ``None``, when ``ep_size`` does not divide ``num_experts``, or when a key's local index
+    is not below ``num_experts // ep_size``.
+    """
+    _check_ep(ep_rank, ep_size)
+    return _renamed(state_dict, num_experts, lambda key, slot, n: _global_key(key, slot, n, ep_rank, ep_size))
+
+
+def localize_expert_keys(
+    state_dict: Mapping[str, V],
+    num_experts: int | None,
+    ep_rank: int,
+    ep_size: int,
+    *,
+    foreign: Literal["raise", "skip"] = "raise",
+) -> dict[str, V]:
+    """A new dict with expert keys renamed from global to this EP rank's local indices (inverse of
+    :func:`globalize_expert_keys`).
+
+    A key of an expert held by another EP rank raises ``ValueError``, or is left out with ``foreign="skip"``
+    (to pick this rank's experts out of a whole-model state dict). The other errors are those of
+    :func:`globalize_expert_keys`, with global indices checked against ``num_experts``.
+    """
+    _check_ep(ep_rank, ep_size)
+    if foreign not in ("raise", "skip"):
+        raise ValueError(f"foreign must be 'raise' or 'skip', got {foreign!r}")
+
+    def rename(key: str, slot: _ExpertSlot, num_experts: int) -> str | None:
+        try:
+            owner, local = expert_owner(slot.index, num_experts, ep_size)
+        except ValueError as exc:
+            raise ValueError(f"key {key!r}: {exc}") from None
+        if owner != ep_rank:
+            if foreign == "skip":
+                return None
+            raise ValueError(f"key {key!r} names expert {slot.index}, held by EP rank {owner}, not {ep_rank}")
+        return slot.with_index(local)
+
+    return _renamed(state_dict, num_experts, rename)
+
+
+def _renamed(
+    state_dict: Mapping[str, V],
+    num_experts: int | None,
+    rename_expert: Callable[[str, _ExpertSlot, int], str | None],
+) -> dict[str, V]:
+    """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)`` (``None`` leaves
+    the entry out) and the other keys kept, in order; ``ValueError`` when two keys get one name."""
+    out: dict[str, V] = {}
+    for key, value in state_dict.items():
+        slot = _expert_slot(key)
+        if slot is None:
+            new_key: str | None = key
+        elif num_experts is None:
+            raise ValueError(f"key {key!r} names an expert but num_experts is not given")
+        else:
+            new_key = rename_expert(key, slot, num_experts)
+        if new_key is None:
+            continue
+        if new_key in out:
+            raise ValueError(f"two keys map to {new_key!r} (the second is {key!r})")
+        out[new_key] = value
+    return out

@@ -1,0 +1,227 @@
+"""Global parameter names: the same on every parallel layout, so checkpoints and optimizer state reload anywhere.
+
+A global name numbers experts over the whole model (``ep_rank * (num_experts // ep_size) + local_index``) and
+layers over the whole pipeline. On the standard grid (EP 1, PP 1) global names equal ``named_parameters()``
+names: existing checkpoints keep loading.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final
+
+from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.experts.ep import _as_chunks, _chain_attribute, _ep_of, model_collection
+from pgregistry.experts.keys import _check_ep, _expert_slot, _global_key
+from pgregistry.fallback import resolve_process_groups
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["get_global_unique_param_name", "global_param_name_fn", "named_global_parameters"]
+
+_LAYER: Final = re.compile(r"(?:^|(?<=\.))layers\.([0-9]+)(?=\.|$)")
+
+
+class _GlobalNamer:
+    """Renames the parameter names of model chunks to global names; see :func:`named_global_parameters`."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        *,
+        pg_collection: ProcessGroupCollection | None,
+        ep_rank: int | None,
+        ep_size: int | None,
+        num_experts: int | None,
+        layer_offsets: Sequence[int] | None,
+    ) -> None:
+        if (ep_rank is None) != (ep_size is None):
+            raise ValueError("pass both ep_rank and ep_size, or neither (then the model's collection is read)")
+        if ep_rank is not None and ep_size is not None:
+            _check_ep(ep_rank, ep_size)
+        if layer_offsets is not None and len(layer_offsets) != len(chunks):
+            raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
+        self._chunks = chunks
+        self._pg_collection = pg_collection
+        self._ep = (ep_rank, ep_size) if ep_rank is not None and ep_size is not None else None
+        self._num_experts = num_experts
+        self._layer_offsets = layer_offsets
+        self._offsets: dict[int, int] = {}
+
+    def name(self, chunk_index: int, local_name: str) -> str:
+        name = local_name
+        match = _LAYER.search(name)
+        if match is not None:
+            layer = self._offset(chunk_index) + int(match.group(1))
+            name = f"{name[: match.start(1)]}{layer}{name[match.end(1) :]}"
+        slot = _expert_slot(name)
+        if slot is None:
+            return name
+        ep_rank, ep_size = self._ep_rank_and_size()
+        return _global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
+
+    def _ep_rank_and_size(self) -> tuple[int, int]:
+        if self._ep is None:
+            self._ep = _ep_of(self._collection(), "get_model_ep_rank_and_size")
+        return self._ep
+
+    def _collection(self) -> ProcessGroupCollection | None:
+        """``pg_collection``, else the collection attached to the chunks (looked up only when a name needs EP or
+        PP, so a model that needs neither is never asked for one)."""
+        return self._pg_collection if self._pg_collection is not None else model_collection(self._chunks)
+
+    def _experts(self, chunk_index: int, local_name: str) -> int:
+        if self._num_experts is not None:
+            return self._num_experts
+        chunk = self._chunks[chunk_index]
+        value = _chain_attribute(chunk, "num_experts")
+        if value is None:
+            value = getattr(_chain_attribute(chunk, "config"), "num_moe_experts", None)
+        if value is None:
+            raise ValueError(
+                f"parameter {local_name!r} belongs to an expert but the number of experts is unknown: pass "
+                "num_experts, or set num_experts (or config.num_moe_experts) on the model chunk"
+            )
+        return int(value)
+
+    def _offset(self, chunk_index: int) -> int:
+        if chunk_index in self._offsets:
+            return self._offsets[chunk_index]
+        if self._layer_offsets is not None:
+            offset = self._layer_offsets[chunk_index]
+        else:
+            offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
+        if offset is None:
+            offset = self._offset_without_pipeline(chunk_index)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"layer offset of model chunk {chunk_index} must be a non-negative integer: {offset!r}")
+        self._offsets[chunk_index] = offset
+        return offset
+
+    def _offset_without_pipeline(self, chunk_index: int) -> int:
+        """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this raises."""
+        if len(self._chunks) == 1:
+            pp = resolve_process_groups(self._collection(), ("pp",), owner="get_global_unique_param_name")["pp"]
+            if group_size(pp) == 1:
+                return 0
+        raise ValueError(
+            f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
+            "pipeline stages set chunk.layer_offset on each chunk, or pass layer_offsets"
+        )
+
+
+def named_global_parameters(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    ep_rank: int | None = None,
+    ep_size: int | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> list[tuple[str, nn.Parameter]]:
+    """``(global name, parameter)`` for every parameter of the chunks, each once, in chunk order.
+
+    The name is the chunk's ``named_parameters()`` name with the first ``layers.<n>`` renumbered to
+    ``layer_offset + n`` and expert indices made global. ``layer_offset`` is the chunk's first global layer index:
+    ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
+    only with one chunk and pipeline parallelism off. EP rank and size are ``ep_rank``/``ep_size`` or come from
+    the ``ep`` group of ``pg_collection``, read only when a name belongs to an expert; the ``pp`` group, read only
+    to tell that pipeline parallelism is off, comes from it too. ``pg_collection`` defaults to the collection
+    attached to the model (:func:`model_collection`); without either the global grid is read, with a fallback
+    warning.
+    ``num_experts`` defaults to the chunk's ``num_experts`` or ``config.num_moe_experts``.
+    """
+    chunks = _as_chunks(model_chunks)
+    namer = _GlobalNamer(
+        chunks,
+        pg_collection=pg_collection,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        num_experts=num_experts,
+        layer_offsets=layer_offsets,
+    )
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Parameter]] = []
+    for index, chunk in enumerate(chunks):
+        for local_name, param in chunk.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            out.append((namer.name(index, local_name), param))
+    return out
+
+
+def get_global_unique_param_name(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    param: torch.Tensor,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    ep_rank: int | None = None,
+    ep_size: int | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> str:
+    """The global name of ``param`` (found by identity; ``ValueError`` when no chunk holds it).
+
+    Same rules as :func:`named_global_parameters`: names are unique across pipeline stages and virtual chunks,
+    experts are numbered globally, and on the standard grid the name is the ``named_parameters()`` one.
+    """
+    chunks = _as_chunks(model_chunks)
+    namer = _GlobalNamer(
+        chunks,
+        pg_collection=pg_collection,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        num_experts=num_experts,
+        layer_offsets=layer_offsets,
+    )
+    for index, chunk in enumerate(chunks):
+        for local_name, candidate in chunk.named_parameters():
+            if candidate is param:
+                return namer.name(index, local_name)
+    raise _not_held(param, len(chunks))
+
+
+def _not_held(param: torch.Tensor, count: int) -> ValueError:
+    return ValueError(f"parameter of shape {tuple(param.shape)} is not held by any of the {count} model chunks")
+
+
+def global_param_name_fn(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    ep_rank: int | None = None,
+    ep_size: int | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> Callable[[torch.Tensor], str]:
+    """A function from parameter to global name (:func:`named_global_parameters`), with every name computed once.
+
+    Meant for optimizers that key their state by a ``param_name_fn`` (the pgregistry optimizers do): keyed by
+    global names, the state reloads under another EP or PP layout. The function raises ``ValueError`` for a
+    parameter the chunks do not hold.
+    """
+    # Holding the parameters keeps their ids from being reused by other tensors.
+    names = {
+        id(param): (param, name)
+        for name, param in named_global_parameters(
+            model_chunks,
+            pg_collection=pg_collection,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            num_experts=num_experts,
+            layer_offsets=layer_offsets,
+        )
+    }
+    count = len(_as_chunks(model_chunks))
+
+    def name_of(param: torch.Tensor) -> str:
+        entry = names.get(id(param))
+        if entry is None or entry[0] is not param:
+            raise _not_held(param, count)
+        return entry[1]
+
+    return name_of

@@ -1,0 +1,54 @@
+"""Grad statistics over a process-group collection: duplicate filters, norms, zero counts and clipping.
+
+A global grad statistic must count each distinct piece of the model exactly once:
+
+* :mod:`~pgregistry.grad_stats.filters`: which rank counts each gradient (TP, expert TP and GTP duplicates,
+  shared copies) and which group sums it (:class:`StatsGroups`);
+* :mod:`~pgregistry.grad_stats.reductions`: norms, zero counts and clipping of filtered grads, one all-reduce per
+  group in an order every rank agrees on;
+* :mod:`~pgregistry.grad_stats.devices`: the device a statistic is computed and reduced on;
+* :mod:`~pgregistry.grad_stats.functional`: :func:`grad_norm`, :func:`count_zeros`, :func:`clip_grad_norm_` and
+  :func:`classify_grads` on a model and its collection.
+"""
+
+from __future__ import annotations
+
+from pgregistry.grad_stats.devices import backend_device, reduction_device
+from pgregistry.grad_stats.filters import (
+    StatsGroups,
+    is_counted,
+    param_is_not_gtp_duplicate,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+    reduce_group_of,
+    set_duplicate_filter_groups,
+)
+from pgregistry.grad_stats.functional import classify_grads, clip_grad_norm_, count_zeros, grad_norm
+from pgregistry.grad_stats.reductions import (
+    CLIP_EPSILON,
+    clip_grads_,
+    norm_of_grads,
+    reduce_over_groups,
+    zeros_of_grads,
+)
+
+__all__ = [
+    "CLIP_EPSILON",
+    "StatsGroups",
+    "backend_device",
+    "classify_grads",
+    "clip_grad_norm_",
+    "clip_grads_",
+    "count_zeros",
+    "grad_norm",
+    "is_counted",
+    "norm_of_grads",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+    "reduce_group_of",
+    "reduce_over_groups",
+    "reduction_device",
+    "set_duplicate_filter_groups",
+    "zeros_of_grads",
+]

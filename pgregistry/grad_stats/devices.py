@@ -1,0 +1,29 @@
+"""The device a grad statistic is computed and reduced on: where the grads are, or what the group's backend needs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["backend_device", "reduction_device"]
+
+
+def backend_device(group: ProcessGroup | None) -> torch.device:
+    """The device collectives over ``group`` (the default group for ``None``) need: CUDA for NCCL, else CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduction_device(grads: Iterable[torch.Tensor], groups: Iterable[ProcessGroup | None]) -> torch.device:
+    """Where statistics of ``grads`` are computed and reduced: the first grad's device; with no grads on this
+    rank, the device the first NCCL group among ``groups`` needs (``None`` skipped), else CPU."""
+    for grad in grads:
+        return grad.device
+    for group in groups:
+        if group is not None and (device := backend_device(group)).type == "cuda":
+            return device
+    return torch.device("cpu")

@@ -1,0 +1,171 @@
+"""Duplicate filters: which rank counts a gradient, and which group the counted gradient is summed over.
+
+Every rank classifies each of its local gradients by the parameter's roles (:mod:`pgregistry.params`). A parameter
+that is not TP-sharded is replicated across its TP group (the expert TP group for experts, ``allreduce is False``)
+and only TP rank 0 counts it; one that is not GTP-sharded is likewise counted on GTP-remat rank 0 only; ``shared``
+copies are never counted. Dense grads are summed over ``mp`` (TP x GTP x PP), expert grads over ``tp_ep_pp``
+(expert TP x EP x expert GTP x PP).
+
+``None`` in the collection is an axis that is off (rank 0 of 1), never "ask the global grid": reading the global
+rank for a model whose own grid turned TP or GTP off undercounts the norm (see ``docs/known_bugs.md``). Only an
+omitted group (:data:`~pgregistry.collection.UNSET`) reaches the global grid, through :mod:`pgregistry.fallback`,
+with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+from torch.distributed import ProcessGroup
+
+from pgregistry.collection import UNSET, ProcessGroupCollection, Unset, group_rank
+from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
+from pgregistry.params import is_expert_param
+
+__all__ = [
+    "StatsGroups",
+    "is_counted",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+    "reduce_group_of",
+    "set_duplicate_filter_groups",
+]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class StatsGroups:
+    """The groups grad statistics need, resolved once; each a ProcessGroup or ``None`` (axis off).
+
+    ``tp``/``expt_tp`` and ``gtp_remat``/``expt_gtp_remat`` decide which rank counts a replicated gradient;
+    ``dense_reduce`` (the collection's ``mp``) and ``expert_reduce`` (its ``tp_ep_pp``) are what the counted
+    gradients are summed over.
+    """
+
+    tp: ProcessGroup | None
+    expt_tp: ProcessGroup | None
+    gtp_remat: ProcessGroup | None
+    expt_gtp_remat: ProcessGroup | None
+    dense_reduce: ProcessGroup | None
+    expert_reduce: ProcessGroup | None
+
+    @classmethod
+    def from_collection(cls, pg_collection: ProcessGroupCollection | None) -> StatsGroups:
+        """Resolve the groups of ``pg_collection``.
+
+        ``tp`` must be set (``None`` when TP is off): ``ValueError`` otherwise. An unset ``expt_tp`` is ``tp``
+        (expert TP defaults to TP). Unset ``gtp_remat``/``expt_gtp_remat`` resolve through
+        :func:`~pgregistry.fallback.resolve_gtp_remat_group`, as the model's layers resolve them. ``mp`` and
+        ``tp_ep_pp`` must be set (``ValueError`` naming the field). ``pg_collection=None`` reads every group from
+        the global grid, with a fallback warning per group.
+        """
+        owner = "StatsGroups.from_collection"
+        if pg_collection is None:
+            found = resolve_process_groups(None, ("tp", "expt_tp", "mp", "tp_ep_pp"), owner=owner)
+            tp, expt_tp, mp, tp_ep_pp = found["tp"], found["expt_tp"], found["mp"], found["tp_ep_pp"]
+        else:
+            for name in ("tp", "mp", "tp_ep_pp"):
+                if not pg_collection.is_set(name):
+                    raise ValueError(
+                        f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
+                        "the axis is off) so a duplicate filter never reads the global grid for it"
+                    )
+            tp, mp, tp_ep_pp = pg_collection.get("tp"), pg_collection.get("mp"), pg_collection.get("tp_ep_pp")
+            expt_tp = pg_collection.get("expt_tp") if pg_collection.is_set("expt_tp") else tp
+        return cls(
+            tp=tp,
+            expt_tp=expt_tp,
+            gtp_remat=resolve_gtp_remat_group(pg_collection, False, owner=owner),
+            expt_gtp_remat=resolve_gtp_remat_group(pg_collection, True, owner=owner),
+            dense_reduce=mp,
+            expert_reduce=tp_ep_pp,
+        )
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """False for a second copy of a parameter counted elsewhere (``shared=True``)."""
+    return not getattr(param, "shared", False)
+
+
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor,
+    tp_group: ProcessGroup | None | Unset = UNSET,
+    expert_tp_group: ProcessGroup | None | Unset = UNSET,
+    *,
+    use_global_fallback: bool = True,
+) -> bool:
+    """Whether this rank counts ``param``'s gradient as far as tensor parallelism goes.
+
+    A TP-sharded parameter (``tensor_model_parallel``) is unique on every rank. Any other is replicated across
+    its TP group and counted on rank 0 of it only; that group is ``expert_tp_group`` for an expert parameter
+    (``allreduce is False``) and ``tp_group`` otherwise. ``None`` is a TP axis that is off (rank 0). An omitted
+    group (:data:`UNSET`) is read from the global grid with a fallback warning when ``use_global_fallback``;
+    otherwise it raises ``ValueError``.
+    """
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    expert = is_expert_param(param)
+    group = expert_tp_group if expert else tp_group
+    if group is UNSET:
+        if not use_global_fallback:
+            raise ValueError(_omitted_message("expert_tp_group" if expert else "tp_group"))
+        field = "expt_tp" if expert else "tp"
+        group = resolve_process_groups(None, (field,), owner="param_is_not_tensor_parallel_duplicate")[field]
+    return group_rank(group) == 0
+
+
+def param_is_not_gtp_duplicate(
+    param: torch.Tensor,
+    gtp_group: ProcessGroup | None | Unset = UNSET,
+    expert_gtp_group: ProcessGroup | None | Unset = UNSET,
+    *,
+    use_global_fallback: bool = True,
+) -> bool:
+    """Whether this rank counts ``param``'s gradient as far as the GTP-remat axis goes.
+
+    A GTP-sharded parameter (``is_gtp_weight_remat``) is unique per GTP rank. Any other is replicated across the
+    GTP-remat group (``expert_gtp_group`` for experts) and counted on its rank 0 only. ``None`` is an axis that
+    is off. An omitted group resolves through :func:`~pgregistry.fallback.resolve_gtp_remat_group` (which warns
+    when the global GTP group has more than one rank) when ``use_global_fallback``; otherwise ``ValueError``.
+    """
+    if getattr(param, "is_gtp_weight_remat", False):
+        return True
+    expert = is_expert_param(param)
+    group = expert_gtp_group if expert else gtp_group
+    if group is UNSET:
+        if not use_global_fallback:
+            raise ValueError(_omitted_message("expert_gtp_group" if expert else "gtp_group"))
+        group = resolve_gtp_remat_group(None, expert, owner="param_is_not_gtp_duplicate")
+    return group_rank(group) == 0
+
+
+def _omitted_message(argument: str) -> str:
+    return (
+        f"{argument} was not given and use_global_fallback=False; pass the group (None when the axis is off) or "
+        "build the filter groups with StatsGroups.from_collection"
+    )
+
+
+def is_counted(param: torch.Tensor, groups: StatsGroups) -> bool:
+    """Whether this rank counts ``param``'s gradient: not shared, not a TP duplicate, not a GTP duplicate."""
+    return (
+        param_is_not_shared(param)
+        and param_is_not_tensor_parallel_duplicate(param, groups.tp, groups.expt_tp, use_global_fallback=False)
+        and param_is_not_gtp_duplicate(
+            param, groups.gtp_remat, groups.expt_gtp_remat, use_global_fallback=False
+        )
+    )
+
+
+def reduce_group_of(param: torch.Tensor, groups: StatsGroups) -> ProcessGroup | None:
+    """The group ``param``'s counted gradient is summed over: expert or dense model-parallel group."""
+    return groups.expert_reduce if is_expert_param(param) else groups.dense_reduce
+
+
+def set_duplicate_filter_groups(optimizer: Any, pg_collection: ProcessGroupCollection) -> StatsGroups:
+    """Resolve :class:`StatsGroups` from ``pg_collection`` and attach them as ``optimizer.stats_groups``."""
+    groups = StatsGroups.from_collection(pg_collection)
+    optimizer.stats_groups = groups
+    return groups

@@ -1,0 +1,157 @@
+"""Norms, zero counts and clipping of already-filtered grads, each group's share reduced over its group.
+
+The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave the result
+on the grads' device (no host sync), so optimizers can call them every step; see ``docs/design/grad_stats_api.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from pgregistry.collection import group_size
+from pgregistry.grad_stats.devices import reduction_device
+
+__all__ = ["CLIP_EPSILON", "GradsByGroup", "clip_grads_", "norm_of_grads", "reduce_over_groups", "zeros_of_grads"]
+
+CLIP_EPSILON = 1e-6
+"""Added to the total norm before dividing, as Megatron-Core does: ``coeff = max_norm / (norm + 1e-6)``."""
+
+GradsByGroup = Mapping[ProcessGroup | None, Sequence[torch.Tensor]]
+"""Reduction group (``None``: no reduction) -> already-filtered grads."""
+
+V = TypeVar("V")
+
+
+def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of already-filtered grads, each group's share summed over its group.
+
+    One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order every rank
+    agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Every rank of a group must
+    pass that group as a key, with an empty list when it holds no grads for it. Returns a 0-dim float32 tensor
+    on the grads' device, without a host sync. An empty mapping or empty lists give 0.
+    """
+    p = _checked_norm_type(norm_type)
+    device = _device_of(grads_by_group)
+    infinite = math.isinf(p)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    for share in reduce_over_groups(grads_by_group, lambda grads: _local_share(grads, p, device), op):
+        total = torch.maximum(total, share) if infinite else total + share
+    return total if infinite else total.pow(1.0 / p)
+
+
+def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
+    """The number of zero elements in already-filtered grads, summed over each group (a 0-dim int64 tensor)."""
+    device = _device_of(grads_by_group)
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for share in reduce_over_groups(grads_by_group, lambda grads: _local_zeros(grads, device), dist.ReduceOp.SUM):
+        total += share
+    return total
+
+
+def reduce_over_groups(
+    items_by_group: Mapping[ProcessGroup | None, V], local: Callable[[V], torch.Tensor], op: Any
+) -> Iterator[torch.Tensor]:
+    """Each group's local share ``local(items)``, all-reduced in place with ``op`` over its group.
+
+    One collective per group of more than one rank (none for ``None``), issued in an order every rank agrees on
+    (by the group's ranks, then its name): ranks that share two groups must reduce them in the same order. Every
+    rank of a group must pass that group as a key. The statistics of :func:`norm_of_grads`,
+    :func:`zeros_of_grads` and :mod:`pgregistry.grad_buffer` all reduce through this.
+    """
+    for group, items in _in_collective_order(items_by_group):
+        share = local(items)
+        _all_reduce(share, op, group)
+        yield share
+
+
+def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Zero elements in ``grads`` as a 0-dim int64 tensor: numel minus the L0 norms, one fused call per
+    (device, dtype) and no mask the size of the grads (``count_nonzero`` allocates one per tensor on CUDA).
+    The L0 norms accumulate in float64, exact up to 2**53 elements."""
+    numel = sum(grad.numel() for grad in grads)
+    nonzero = torch.zeros((), dtype=torch.float64, device=device)
+    for same_kind in _by_kind(grads).values():
+        nonzero += torch.stack(torch._foreach_norm(same_kind, 0, dtype=torch.float64)).sum().to(device)
+    return numel - nonzero.to(torch.int64)
+
+
+def clip_grads_(
+    grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor | float
+) -> torch.Tensor:
+    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` where that is below 1.
+
+    The coefficient is clamped at 1 as a tensor, so nothing waits on the device; scaling by exactly 1 leaves a
+    grad unchanged. Returns the clamped coefficient (a 0-dim float32 tensor).
+    """
+    if not max_norm > 0 or math.isinf(max_norm):
+        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+    device = grads[0].device if grads else _tensor_device(total_norm)
+    norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
+    coeff = torch.clamp(max_norm / (norm + CLIP_EPSILON), max=1.0)
+    for (grad_device, _), same_kind in _by_kind(grads).items():
+        torch._foreach_mul_(same_kind, coeff.to(grad_device))
+    return coeff
+
+
+def _checked_norm_type(norm_type: float) -> float:
+    p = float(norm_type)
+    if math.isnan(p) or p <= 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
+    return p
+
+
+def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+    """Sum of ``|g|^p`` (max of ``|g|`` for the inf-norm) over ``grads``, as a 0-dim float32 tensor."""
+    share = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, dtype), same_kind in _by_kind(grads).items():
+        # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32 at least
+        # (float64 grads stay float64 until their share is summed).
+        accumulate = torch.promote_types(dtype, torch.float32)
+        norms = torch.stack(torch._foreach_norm(same_kind, p, dtype=accumulate))
+        part = norms.max() if math.isinf(p) else norms.pow(p).sum()
+        part = part.to(device=device, dtype=torch.float32)
+        share = torch.maximum(share, part) if math.isinf(p) else share + part
+    return share
+
+
+def _by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The non-empty ``grads`` by (device, dtype): the unit of one fused ``torch._foreach_*`` call."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        if grad.numel():
+            by_kind[(grad.device, grad.dtype)].append(grad)
+    return by_kind
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> None:
+    # None is an axis that is off: nothing to reduce (and None would mean WORLD to torch.distributed).
+    if group is not None and group_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _in_collective_order(items_by_group: Mapping[ProcessGroup | None, V]) -> list[tuple[ProcessGroup | None, V]]:
+    """Items ordered identically on every rank: ranks that share two groups must reduce them in the same order."""
+
+    def key(item: tuple[ProcessGroup | None, V]) -> tuple[int, tuple[int, ...], str]:
+        group = item[0]
+        if group is None:
+            return (0, (), "")
+        return (1, tuple(dist.get_process_group_ranks(group)), str(getattr(group, "group_name", "")))
+
+    return sorted(items_by_group.items(), key=key)
+
+
+def _device_of(grads_by_group: GradsByGroup) -> torch.device:
+    return reduction_device((grad for grads in grads_by_group.values() for grad in grads), grads_by_group)
+
+
+def _tensor_device(value: torch.Tensor | float) -> torch.device:
+    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
