@@ -47,7 +47,7 @@ def run_checks(
     from pgregistry import registry
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(f"{title.split(':')[0]}: run it under torchrun (RANK and WORLD_SIZE are not set)", file=sys.stderr)
+        print(f"{title.split(':')[0]}: error: run it under torchrun (RANK and WORLD_SIZE are not set)", file=sys.stderr)
         return 2
     init: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout)}
     if backend == "nccl":
@@ -63,7 +63,7 @@ def run_checks(
             mine = checks(device)
         except ValueError as exc:
             if dist.get_rank() == 0:
-                print(f"{title.split(':')[0]}: {exc}", file=sys.stderr)
+                print(f"{title.split(':')[0]}: error: {exc}", file=sys.stderr)
             return 2
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

@@ -419,12 +419,25 @@ def run_demo(config: DemoConfig, json_path: str | None = None) -> int:
     return 0 if all(ok for _, ok, _ in checks) else 1
 
 
+_SIZE_OPTIONS = {
+    "world_size": "number of local gloo ranks",
+    "tp": "tensor-parallel size of the model's first grid",
+    "ep": "expert-parallel size of the model's first grid",
+    "second_tp": "tensor-parallel size of the grid the checkpoint is reloaded on",
+    "second_ep": "expert-parallel size of the grid the checkpoint is reloaded on",
+    "steps": "training steps",
+}
+
+
 def add_command(subparsers: Any) -> None:
     """Register ``pgregistry demo``."""
     parser = subparsers.add_parser("demo", help="train a toy MoE on its own grids in a local gloo world and check it")
     defaults = {field.name: field.default for field in attrs.fields(DemoConfig)}
-    for name in ("world_size", "tp", "ep", "second_tp", "second_ep", "steps"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name], dest=name)
+    for name, text in _SIZE_OPTIONS.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=defaults[name], dest=name,
+            help=f"{text} (default {defaults[name]})",
+        )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     parser.set_defaults(handler=_handle)
 

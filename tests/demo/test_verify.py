@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from pgregistry.cli.verify import _checks_on_this_rank
 from pgregistry.testing import run_world
-from pgregistry.verify import _checks_on_this_rank
 
 
 def _args(**sizes: int) -> argparse.Namespace:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from rng_support import oracle_seeds
 
-from pgregistry import cli, rng_cli
+from pgregistry import cli
+from pgregistry.cli import seed_plan as seed_plan_command
 from pgregistry.layout import ParallelLayout
 from pgregistry.rng import (
     DATA_PARALLEL_RNG,
@@ -161,7 +162,7 @@ def test_collision_records_are_json_ready() -> None:
 
 def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser()
-    rng_cli.add_command(parser.add_subparsers())
+    seed_plan_command.add_command(parser.add_subparsers())
     args = parser.parse_args(argv)
     code = args.handler(args)
     out, err = capsys.readouterr()
@@ -169,7 +170,7 @@ def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 
 def test_cli_is_registered() -> None:
-    assert "pgregistry.rng_cli" in cli._COMMAND_MODULES
+    assert "pgregistry.cli.seed_plan" in cli.COMMAND_MODULES
 
 
 def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -216,8 +217,8 @@ def test_cli_bad_sizes_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
 
 
 def test_cli_module_does_not_import_torch() -> None:
-    code = "import sys, argparse, pgregistry.rng_cli as m; m.add_command(argparse.ArgumentParser().add_subparsers())"
-    code += "; assert 'torch' not in sys.modules"
+    code = "import sys, argparse, pgregistry.cli.seed_plan as m; "
+    code += "m.add_command(argparse.ArgumentParser().add_subparsers()); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pgregistry.layout_cli import add_layout_arguments, layout_from_args
+from pgregistry.cli.options import Subparsers, add_layout_arguments, layout_from_args
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["add_command"]
 
 
-def add_command(subparsers: Any) -> None:
+def add_command(subparsers: Subparsers) -> None:
     """Register the ``seed-plan`` sub-command."""
     parser = subparsers.add_parser(
         "seed-plan",

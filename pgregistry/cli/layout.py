@@ -4,9 +4,6 @@ Prints every group kind (which grid and axes it spans, how many groups, their si
 ``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. Invalid sizes exit 2 with
 the layout's own message. Torch is imported only inside the handler (the layout arithmetic needs it), as the
 CLI table requires.
-
-:func:`add_layout_arguments` and :func:`layout_from_args` are the shared way for a sub-command to take a layout
-on the command line.
 """
 
 from __future__ import annotations
@@ -17,13 +14,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pgregistry.cli.options import Subparsers, add_layout_arguments, layout_from_args
+
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["add_command", "add_layout_arguments", "layout_from_args"]
+__all__ = ["add_command"]
 
 
-def add_command(subparsers: Any) -> None:
+def add_command(subparsers: Subparsers) -> None:
     """Register the ``layout`` sub-command."""
     parser = subparsers.add_parser(
         "layout",
@@ -39,38 +38,6 @@ def add_command(subparsers: Any) -> None:
     parser.add_argument("--show", type=int, default=3, help="how many groups of each kind to list (default 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=_run)
-
-
-def add_layout_arguments(parser: argparse.ArgumentParser, *, world_size: bool = True) -> None:
-    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--world-size`` left out when the
-    world comes from elsewhere, e.g. torchrun)."""
-    if world_size:
-        parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
-    parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
-    parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
-    parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
-
-
-def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
-    """The layout :func:`add_layout_arguments` declared (over ``world_size`` ranks when given, else
-    ``--world-size``); ``ValueError`` (the layout's message) when invalid."""
-    from pgregistry.layout import ParallelLayout
-
-    sizes: dict[str, Any] = {
-        "world_size": world_size if world_size is not None else args.world_size,
-        "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
-        "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
-    }
-    if args.etp is not None:
-        sizes["etp"] = args.etp
-    if args.order is not None:
-        sizes["order"] = args.order
-    return ParallelLayout(**sizes)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -22,6 +22,8 @@ import argparse
 import math
 from typing import TYPE_CHECKING, Any
 
+from pgregistry.cli.options import Subparsers, add_layout_arguments
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,8 +38,8 @@ def _checks_on_this_rank(args: argparse.Namespace, device: torch.device) -> list
     import torch.distributed as dist
 
     from pgregistry import registry
+    from pgregistry.cli.options import layout_from_args
     from pgregistry.collection import FIELD_NAMES
-    from pgregistry.layout_cli import layout_from_args
 
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = layout_from_args(args, world_size=world)
@@ -174,14 +176,23 @@ def _run(args: argparse.Namespace) -> int:
     )
 
 
-def add_command(subparsers: Any) -> None:
-    """Register ``pgregistry verify``."""
-    parser = subparsers.add_parser("verify", help="check groups, grad statistics and seeds under torchrun")
-    from pgregistry.layout_cli import add_layout_arguments
-
+def add_command(subparsers: Subparsers) -> None:
+    """Register the ``verify`` sub-command."""
+    parser = subparsers.add_parser(
+        "verify",
+        help="check groups, grad statistics and seeds under torchrun",
+        description=(
+            "Run under torchrun (torchrun --nproc-per-node N -m pgregistry verify ...): build the layout's "
+            "collection on the job's backend and check group membership, grad norms and zero counts against "
+            "float64 oracles, and RNG seeds against the seed plan. Rank 0 prints a pass/fail table; exit 1 when a "
+            "check failed on any rank."
+        ),
+    )
     add_layout_arguments(parser, world_size=False)
-    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)"
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="the job's seed for the RNG checks (default 1234)")
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     parser.add_argument("--json", metavar="FILE", help="rank 0 also writes the results as JSON")
     parser.set_defaults(handler=_run)

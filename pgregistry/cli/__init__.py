@@ -1,0 +1,49 @@
+"""The ``pgregistry`` command line: the command table, :func:`build_parser` and :func:`main`.
+
+One convention for every command: a module of this package (:mod:`~pgregistry.cli.layout`,
+:mod:`~pgregistry.cli.seed_plan`, :mod:`~pgregistry.cli.verify`, :mod:`~pgregistry.cli.allowlist`) exposes
+``add_command(subparsers)``, which adds the command's parser (with ``help`` text on every option) and sets
+``handler``, a callable taking the parsed namespace and returning the exit code. Bad input is reported as
+``pgregistry COMMAND: error: ...`` on stderr.
+
+Exit codes: 0 success, 1 a check failed, 2 a usage error or bad input (argparse's own convention).
+
+The command modules must not import torch at module load: ``pgregistry allowlist`` runs in lint jobs where torch
+is absent or slow to import, so torch is imported inside handlers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+
+__all__ = ["COMMAND_MODULES", "build_parser", "main"]
+
+COMMAND_MODULES: tuple[str, ...] = (
+    "pgregistry.cli.layout",
+    "pgregistry.cli.allowlist",
+    "pgregistry.cli.seed_plan",
+    "pgregistry.demo.job",
+    "pgregistry.cli.verify",
+)
+"""The modules whose ``add_command`` registers a sub-command, in ``--help`` order."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every sub-command registered."""
+    parser = argparse.ArgumentParser(
+        prog="pgregistry",
+        description="Explicit process-group collections for distributed PyTorch training.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).add_command(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen sub-command; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    code: int = args.handler(args)
+    return code

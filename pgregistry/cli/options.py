@@ -1,0 +1,49 @@
+"""Options shared by several commands: the sizes that declare a parallel layout.
+
+Torch-free at import (the layout arithmetic is imported inside :func:`layout_from_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from pgregistry.layout import ParallelLayout
+
+__all__ = ["Subparsers", "add_layout_arguments", "layout_from_args"]
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+"""What ``add_command`` receives: the top-level parser's sub-command table."""
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser, *, world_size: bool = True) -> None:
+    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--world-size`` left out when the
+    world comes from elsewhere, e.g. torchrun)."""
+    if world_size:
+        parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
+    parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
+    parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
+
+
+def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
+    """The layout :func:`add_layout_arguments` declared (over ``world_size`` ranks when given, else
+    ``--world-size``); ``ValueError`` (the layout's message) when invalid."""
+    from pgregistry.layout import ParallelLayout
+
+    sizes: dict[str, Any] = {
+        "world_size": world_size if world_size is not None else args.world_size,
+        "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
+        "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
+    }
+    if args.etp is not None:
+        sizes["etp"] = args.etp
+    if args.order is not None:
+        sizes["order"] = args.order
+    return ParallelLayout(**sizes)
