@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/pgregistry demo
+	$(PY) -m examples.moe_demo
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -7,11 +7,11 @@ Run under torchrun (``scripts/gpu_check.sh`` does, on 2 GPUs with ``NCCL_NVLS_EN
 Every rank checks, and rank 0 prints one PASS/FAIL line per check (failing ranks named); every rank exits 1 when
 any check failed anywhere:
 
-* seed 000 (TP = EP = W, ETP 1; one replicated dense and one distinct expert bf16 scalar per rank): through
-  ``build_optimizer``, the mixed-precision and the sharded optimizer report norm ``sqrt(1 + W)`` and zero count
-  ``1 + W``; and with the anchor's bug reproduced (main copies without ``allreduce=False``) ``sqrt(2)`` and ``2``,
-  so the check can fail;
-* a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry.toy_shards`, raw
+* expert grads filtered with the expert TP group, Megatron-LM PR 6470 (TP = EP = W, expert TP 1; one replicated
+  dense and one distinct expert bf16 scalar per rank): through ``build_optimizer``, the mixed-precision and the
+  sharded optimizer report norm ``sqrt(1 + W)`` and zero count ``1 + W``; and with the bug reproduced (main copies
+  without ``allreduce=False``) ``sqrt(2)`` and ``2``, so the check can fail;
+* a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry.testing_models`, raw
   per-rank grads synchronised by the optimizer (all-reduce, or reduce-scatter for the sharded one), then the
   2-norm, inf-norm and zero count against the unsharded float64 oracle, one SGD step (lr 1, parameters from 0)
   whose result must be minus the oracle's grads (all-gather included), and the invariance oracle (all grads 1:
@@ -37,18 +37,17 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
 
 import pgregistry.optim.mixed_precision  # noqa: E402
 import pgregistry.optim.sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import build_optimizer  # noqa: E402
-from pgregistry.params import copy_param_roles, mark_expert, mark_expert_module  # noqa: E402
+from pgregistry.params import copy_param_roles  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
-from pgregistry.torchrun_checks import Check, run_checks  # noqa: E402
-from pgregistry.toy_shards import (  # noqa: E402
+from pgregistry.testing_models import (  # noqa: E402
     EXPERTS,
+    dense_and_expert,
     full_grads,
     local_model,
     oracle_norm,
@@ -56,6 +55,7 @@ from pgregistry.toy_shards import (  # noqa: E402
     oracle_zeros,
     set_main_grads,
 )
+from pgregistry.torchrun_checks import Check, run_checks  # noqa: E402
 
 REL = 1e-6
 
@@ -87,27 +87,19 @@ def close(value: float, want: float) -> bool:
     return math.isclose(value, want, rel_tol=REL, abs_tol=REL)
 
 
-# ------------------------------------------------------------------------------------------------- seed 000
-
-
-def _dense_and_expert(device: torch.device) -> nn.Module:
-    model = nn.Module()
-    model.dense = nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device))
-    model.experts = mark_expert_module(nn.Module())
-    model.experts.weight = mark_expert(nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device)))
-    return model
+# ------------------------------------------------------------------------------- expert grads with expert TP
 
 
 def _roles_without_allreduce(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """The anchor's optimizer copy: every role but ``allreduce=False``."""
+    """The buggy optimizer copy: every role but ``allreduce=False``."""
     copy_param_roles(src, dst)
     if hasattr(dst, "allreduce"):
         del dst.allreduce
     return dst
 
 
-def _seed000_stats(pg: Any, sharded: bool, device: torch.device) -> tuple[float, int]:
-    model = _dense_and_expert(device)
+def _expert_tp_stats(pg: Any, sharded: bool, device: torch.device) -> tuple[float, int]:
+    model = dense_and_expert(device=device)
     opt = build_optimizer(model, pg, optimizer="sgd", lr=0.0, sharded=sharded)
     (model.dense.float().sum() + model.experts.weight.float().sum()).backward()  # every grad 1, into the buffer
     opt.sync_grads()
@@ -116,14 +108,14 @@ def _seed000_stats(pg: Any, sharded: bool, device: torch.device) -> tuple[float,
     return norm, int(opt.count_zeros())
 
 
-def seed000(world: int, device: torch.device) -> list[Check]:
-    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="gpu-check-seed000")
+def expert_grads_with_expert_tp(world: int, device: torch.device) -> list[Check]:
+    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="gpu-check-expert-tp")
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
     checks = []
     for sharded in (False, True):
         kind = "sharded" if sharded else "mixed-precision"
-        norm, zeros = _seed000_stats(pg, sharded, device)
-        checks.append((f"seed 000, {kind}: norm sqrt(1+{world}), zero count {want_zeros}",
+        norm, zeros = _expert_tp_stats(pg, sharded, device)
+        checks.append((f"TP = EP = {world}, expert TP 1, {kind}: norm sqrt(1+{world}), zero count {want_zeros}",
                        close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
     real = (pgregistry.optim.mixed_precision.copy_param_roles, pgregistry.optim.sharded.copy_param_roles)
     pgregistry.optim.mixed_precision.copy_param_roles = _roles_without_allreduce  # type: ignore[attr-defined]
@@ -131,8 +123,8 @@ def seed000(world: int, device: torch.device) -> list[Check]:
     try:
         for sharded in (False, True):
             kind = "sharded" if sharded else "mixed-precision"
-            norm, zeros = _seed000_stats(pg, sharded, device)
-            checks.append((f"seed 000 counterfactual, {kind}: the anchor's copies give sqrt(2) and 2",
+            norm, zeros = _expert_tp_stats(pg, sharded, device)
+            checks.append((f"counterfactual, {kind}: copies without allreduce=False give sqrt(2) and 2",
                            close(norm, math.sqrt(2)) and zeros == 2, f"norm {norm:.7f}, zeros {zeros}"))
     finally:
         pgregistry.optim.mixed_precision.copy_param_roles, pgregistry.optim.sharded.copy_param_roles = real
@@ -208,7 +200,7 @@ def rng_checks(world: int, device: torch.device) -> list[Check]:
 
 def all_checks(device: torch.device) -> list[Check]:
     world = dist.get_world_size()
-    checks = seed000(world, device) + rng_checks(world, device)
+    checks = expert_grads_with_expert_tp(world, device) + rng_checks(world, device)
     for name, sizes in layouts_for(world).items():
         checks += layout_checks(name, sizes, world, device)
     return checks

@@ -24,7 +24,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pgregistry.cli.layout",
     "pgregistry.cli.allowlist",
     "pgregistry.cli.seed_plan",
-    "pgregistry.demo.job",
     "pgregistry.cli.verify",
 )
 """The modules whose ``add_command`` registers a sub-command, in ``--help`` order."""

@@ -6,12 +6,12 @@ On every rank it builds the collection of the given layout on the job's backend,
 
 * membership: every group of the collection, by an all-reduce of one-hot rank vectors, against the layout's
   arithmetic (so a wrong or crossed communicator cannot pass);
-* the seed 000 regression on a TP = EP = world, ETP 1 grid: grad norm ``sqrt(1 + W)`` and zero count ``1 + W``,
-  through the functional API and through the mixed-precision optimizer;
+* expert grads filtered with the expert TP group (Megatron-LM PR 6470) on a TP = EP = world, expert TP 1 grid:
+  grad norm ``sqrt(1 + W)`` and zero count ``1 + W``, through the functional API and both optimizers;
 * the invariance oracle on the given layout (every grad element 1: norm ``sqrt(numel)``, zero count of zeroed
   grads ``numel``) and the float64 oracle of the unsharded toy model with random grads (p = 2 and inf);
 * the RNG seeds this rank registers from its collection against the layout's seed plan, and the plan's
-  collisions (reported; the anchor's offsets collide for some layouts, see ``pgregistry seed-plan --check``).
+  collisions (reported; Megatron-Core's seed offsets collide for some layouts, see ``pgregistry seed-plan --check``).
 
 Rank 0 prints a pass/fail table; every rank exits non-zero when any check failed on any rank.
 """
@@ -58,7 +58,7 @@ def _checks_on_this_rank(args: argparse.Namespace, device: torch.device) -> list
             wrong.append(f"{name}: {members} != {list(want) if want else None}")
     checks.append(("groups: every communicator holds the layout's ranks", not wrong, "; ".join(wrong[:3])))
 
-    checks += _seed000(world, device)
+    checks += _expert_grads_with_expert_tp(world, device)
     checks += _oracles(layout, pg, rank, device)
     checks += _seeds(layout, pg, rank, args.seed)
     return checks
@@ -74,55 +74,48 @@ def _members(group: Any, world: int, device: Any) -> list[int]:
     return [r for r in range(world) if int(one_hot[r]) == 1]
 
 
-def _seed000(world: int, device: Any) -> list[Check]:
+def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
+    """Expert grads filtered with the expert TP group, not the dense one (Megatron-LM PR 6470): on a TP = EP =
+    world, expert TP 1 grid, norm ``sqrt(1 + W)`` and zero count ``1 + W``, where the dense TP group gives
+    ``sqrt(2)`` and 2."""
     import torch
-    from torch import nn
 
     from pgregistry import registry
     from pgregistry.grad_stats import count_zeros, grad_norm
     from pgregistry.layout import ParallelLayout
     from pgregistry.optim import build_optimizer
-    from pgregistry.params import mark_expert, mark_expert_module
+    from pgregistry.testing_models import dense_and_expert
 
-    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="verify-seed000")
-
-    def one_dense_one_expert() -> tuple[nn.Module, list[nn.Parameter]]:
-        dense = nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16))
-        expert = mark_expert(nn.Parameter(torch.ones(1, device=device, dtype=torch.bfloat16)))
-        model, experts = nn.Module(), mark_expert_module(nn.Module())
-        model.register_parameter("dense", dense)
-        experts.register_parameter("weight", expert)
-        model.add_module("experts", experts)
-        return model, [dense, expert]
-
+    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="verify-expert-tp")
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
-    model, _ = one_dense_one_expert()
+    scenario = f"TP = EP = {world}, expert TP 1"
+    model = dense_and_expert(device=device)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     norm = float(grad_norm(model, pg))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     zeros = count_zeros(model, pg)
-    out = [(f"seed 000, functional: norm sqrt(1+{world}), zero count {want_zeros}",
+    out = [(f"{scenario}, functional: norm sqrt(1+{world}), zero count {want_zeros}",
             _close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}")]
     for sharded in (False, True):
-        model, params = one_dense_one_expert()
+        model = dense_and_expert(device=device)
         optimizer = build_optimizer(model, pg, optimizer="sgd", lr=0.0, sharded=sharded)
         # A real backward, so the grads land where the optimizer keeps them (its flat buffer).
-        torch.stack([p.float().sum() for p in params]).sum().backward()
+        torch.stack([p.float().sum() for p in model.parameters()]).sum().backward()
         optimizer.sync_grads()
         norm = float(optimizer.get_grad_norm())
         optimizer.zero_grad()
         zeros = int(optimizer.count_zeros())
         kind = "sharded" if sharded else "mixed-precision"
-        out.append((f"seed 000, {kind} optimizer: norm sqrt(1+{world}), zero count {want_zeros}",
+        out.append((f"{scenario}, {kind} optimizer: norm sqrt(1+{world}), zero count {want_zeros}",
                     _close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
     return out
 
 
 def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
     from pgregistry.grad_stats import count_zeros, grad_norm
-    from pgregistry.toy_shards import full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros, set_grads
+    from pgregistry.testing_models import full_grads, local_model, oracle_norm, oracle_numel, oracle_zeros, set_grads
 
     out = []
     ones = full_grads("ones")
@@ -153,7 +146,7 @@ def _seeds(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
     return [
         ("RNG: this rank's tracker seeds equal the layout's seed plan", registered == planned,
          "" if registered == planned else f"{registered} != {planned}"),
-        (f"RNG: seed plan collisions (anchor's offsets): {len(collisions)}", True,
+        (f"RNG: seed plan collisions (Megatron-Core's offsets): {len(collisions)}", True,
          collisions[0].describe() if collisions else ""),
     ]
 

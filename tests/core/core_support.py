@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SizeRankGroup", "bits", "errors_of", "member_mask"]
+__all__ = ["bits", "errors_of", "member_mask"]
 
 
 def member_mask(group: Any) -> int:
@@ -36,16 +36,3 @@ def errors_of(calls: Mapping[str, Callable[[], object]]) -> dict[str, str]:
         except (ValueError, RuntimeError, LookupError, TypeError, AttributeError) as exc:
             out[label] = f"{type(exc).__name__}: {exc}"
     return out
-
-
-class SizeRankGroup:
-    """Stands in for a ProcessGroup where only identity, ``size()`` and ``rank()`` matter (no communication)."""
-
-    def __init__(self, size: int, rank: int = 0) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank

@@ -9,7 +9,7 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
-from core_support import SizeRankGroup
+from fixtures.groups import SizeRankGroup
 
 from pgregistry import UNSET, ProcessGroupCollection
 from pgregistry.collection import FIELD_NAMES, Unset, check_field_names, group_rank, group_size

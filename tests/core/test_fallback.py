@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from core_support import SizeRankGroup
+from fixtures.groups import SizeRankGroup
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry import registry as reg

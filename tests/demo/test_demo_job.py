@@ -1,14 +1,15 @@
-"""``pgregistry demo`` end to end (a short run) and its command line."""
+"""The MoE example (``python -m examples.moe_demo``, what ``make demo`` runs) end to end, and its command line."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from pgregistry.cli import main
-from pgregistry.demo.job import DemoConfig, run_demo
+from examples.moe_demo.job import DemoConfig, build_parser, main, run_demo
 
 
 def test_demo_passes_every_check_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,7 +27,7 @@ def test_demo_passes_every_check_and_writes_json(tmp_path: Path, capsys: pytest.
 
 
 def test_demo_runs_on_a_chosen_world_and_layouts(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--world-size", "4", "--tp", "2", "--ep", "2", "--second-tp", "1", "--second-ep", "4",
+    assert main(["--world-size", "4", "--tp", "2", "--ep", "2", "--second-tp", "1", "--second-ep", "4",
                  "--steps", "1"]) == 0
     assert "4 ranks (gloo), model on TP 2 x EP 2 x ETP 1, second model on TP 1 x EP 4" in capsys.readouterr().out
 
@@ -41,10 +42,24 @@ def test_demo_runs_on_a_chosen_world_and_layouts(capsys: pytest.CaptureFixture[s
     ],
 )
 def test_demo_refuses_what_it_cannot_run(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", *argv]) == 2
+    assert main(argv) == 2
     assert message in capsys.readouterr().err
 
 
-def test_demo_with_dense_tp_1_has_no_anchor_undercount(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--world-size", "4", "--tp", "1", "--ep", "4", "--second-tp", "2", "--steps", "1"]) == 0
-    assert "with dense TP 1 the anchor's filter agrees" in capsys.readouterr().out
+def test_demo_with_dense_tp_1_has_no_dense_tp_filter_undercount(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--world-size", "4", "--tp", "1", "--ep", "4", "--second-tp", "2", "--steps", "1"]) == 0
+    assert "with dense TP 1 the dense-TP-only filter agrees" in capsys.readouterr().out
+
+
+def test_every_option_has_help() -> None:
+    actions = [a for a in build_parser()._actions if a.option_strings]
+    assert actions and all((a.help or "").strip() for a in actions)
+
+
+def test_runs_as_a_module_from_the_repository_root() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.moe_demo", "--steps", "0"], cwd=root, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stderr.strip()) == (2, "moe_demo: error: --steps must be at least 1, got 0")

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.groups import SizeRankGroup
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from toy_moe import NUM_EXPERTS, SizeRankGroup, adam, build_stage, initialise
+from toy_moe import NUM_EXPERTS, adam, build_stage, initialise
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry.checkpoint import (

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.groups import SizeRankGroup
 from torch import nn
-from toy_moe import NUM_EXPERTS, NUM_LAYERS, SizeRankGroup, ToyMoE, build_stage, names_by_key
+from toy_moe import NUM_EXPERTS, NUM_LAYERS, ToyMoE, build_stage, names_by_key
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry.experts import (

@@ -172,17 +172,3 @@ def names_by_key(model: ToyMoE) -> dict[Key, str]:
 
 def adam(params: list[nn.Parameter]) -> torch.optim.Adam:
     return torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.9), foreach=False)
-
-
-class SizeRankGroup:
-    """Stands in for a ProcessGroup in single-process naming tests, where only ``size()`` and ``rank()`` are read
-    (no collective is ever issued on it)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank

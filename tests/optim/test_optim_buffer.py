@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures.unsharded_oracle import full_grads, oracle_norm, oracle_zeros
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -28,7 +29,7 @@ from pgregistry.layout import ParallelLayout
 from pgregistry.optim import MixedPrecisionOptimizer, ShardedOptimizer, build_optimizer, inner_factory
 from pgregistry.params import mark_expert, mark_shared
 from pgregistry.testing import run_world
-from pgregistry.toy_shards import full_grads, local_model, oracle_norm, oracle_zeros
+from pgregistry.testing_models import local_model
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 """Every axis off: a single process, no torch.distributed."""

@@ -1,9 +1,10 @@
-"""Seed 000: expert grads counted with the dense TP group because optimizer copies lost ``allreduce=False``.
+"""Megatron-LM PR 6470 through an optimizer: expert grads counted with the dense TP group when the optimizer's
+main copies lose ``allreduce=False``.
 
 Layout TP = EP = W, ETP = 1; each rank holds one replicated dense bf16 scalar and one distinct expert bf16 scalar.
 Truth: norm sqrt(1 + W) with every grad 1, zero count 1 + W with every grad 0, through ``build_optimizer`` for the
 mixed-precision and the sharded optimizer. The counterfactual makes the optimizer's role copy drop
-``allreduce=False`` (the anchor's bug) in the same run and must give sqrt(2) and 2, so the test can fail.
+``allreduce=False`` (the bug) in the same run and must give sqrt(2) and 2, so the test can fail.
 """
 
 from __future__ import annotations
@@ -14,26 +15,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import pgregistry.optim.mixed_precision
 import pgregistry.optim.sharded
 from pgregistry import registry
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
-from pgregistry.params import copy_param_roles, is_expert_param, mark_expert, mark_expert_module
-
-
-class DenseAndExpert(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.dense = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
-        self.experts = mark_expert_module(nn.Module())
-        self.experts.weight = mark_expert(nn.Parameter(torch.ones(1, dtype=torch.bfloat16)))
+from pgregistry.params import copy_param_roles, is_expert_param
+from pgregistry.testing_models import dense_and_expert
 
 
 def _copy_roles_dropping_allreduce(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """The anchor's main copy: every role but ``allreduce``."""
+    """The buggy main copy: every role but ``allreduce``."""
     copy_param_roles(src, dst)
     if hasattr(dst, "allreduce"):
         del dst.allreduce
@@ -41,7 +34,7 @@ def _copy_roles_dropping_allreduce(src: torch.Tensor, dst: torch.Tensor) -> torc
 
 
 def _stats(collection: Any, sharded: bool) -> dict[str, Any]:
-    model = DenseAndExpert()
+    model = dense_and_expert()
     opt = build_optimizer(model, collection, sharded=sharded)
     for param in model.parameters():
         param.main_grad.fill_(1.0)
@@ -60,7 +53,7 @@ def _on_rank() -> dict[str, Any]:
     world = dist.get_world_size()
     collection = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1))
     out = {kind: _stats(collection, kind == "sharded") for kind in ("mixed_precision", "sharded")}
-    # The anchor's bug, reproduced in this process: main copies without allreduce=False.
+    # The bug, reproduced in this process: main copies without allreduce=False.
     pgregistry.optim.mixed_precision.copy_param_roles = _copy_roles_dropping_allreduce  # type: ignore[attr-defined]
     pgregistry.optim.sharded.copy_param_roles = _copy_roles_dropping_allreduce  # type: ignore[attr-defined]
     for kind in ("mixed_precision", "sharded"):
@@ -69,7 +62,7 @@ def _on_rank() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_seed_000_expert_grads_counted_on_every_rank(world: int) -> None:
+def test_expert_grads_counted_once_per_expert_tp_group_through_the_optimizers(world: int) -> None:
     from pgregistry.testing import run_world
 
     for rank, result in enumerate(run_world(world, _on_rank)):
@@ -79,7 +72,7 @@ def test_seed_000_expert_grads_counted_on_every_rank(world: int) -> None:
             assert fixed["norm"] == pytest.approx(math.sqrt(1 + world), rel=1e-6), where
             assert fixed["zeros"] == 1 + world, where
             assert fixed["main_copies_are_experts"] == [True], where
-            # The counterfactual proves the test can fail: the anchor's copies give sqrt(2) and 2.
+            # The counterfactual proves the test can fail: copies without the role give sqrt(2) and 2.
             assert bug["norm"] == pytest.approx(math.sqrt(2), rel=1e-6), where
             assert bug["zeros"] == 2, where
             assert bug["main_copies_are_experts"] == [False], where

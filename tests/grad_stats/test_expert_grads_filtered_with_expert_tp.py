@@ -1,8 +1,8 @@
-"""Seed 000 regression: expert grads must be deduplicated over the expert TP group, not the dense one.
+"""Megatron-LM PR 6470: expert grads must be deduplicated over the expert TP group, not the dense one.
 
 TP = EP = world W, ETP 1; each rank holds one replicated dense 1-element parameter and one distinct 1-element
 expert parameter. Oracle (the unsharded model has 1 + W elements): all grads 1 -> norm sqrt(1 + W); all grads 0 ->
-zero count 1 + W. Filtering expert params through the dense TP group (the anchor's bug) gives sqrt(2) and 2, and
+zero count 1 + W. Filtering expert params through the dense TP group (the bug) gives sqrt(2) and 2, and
 so does a mixed-precision copy that drops ``allreduce=False``; both counterfactuals are computed here to prove the
 test can fail.
 """
@@ -24,8 +24,9 @@ from pgregistry.grad_stats import (
     zeros_of_grads,
 )
 from pgregistry.layout import ParallelLayout
-from pgregistry.params import copy_param_roles, mark_expert
+from pgregistry.params import copy_param_roles
 from pgregistry.testing import run_world
+from pgregistry.testing_models import dense_and_expert
 
 
 def _main_copy(param: torch.nn.Parameter, *, keep_roles: bool) -> torch.nn.Parameter:
@@ -35,16 +36,16 @@ def _main_copy(param: torch.nn.Parameter, *, keep_roles: bool) -> torch.nn.Param
 
 def _on_rank(world: int) -> dict[str, Any]:
     collection = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1))
-    dense = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
-    expert = mark_expert(torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16)))
-    # Mixed-precision main params: fp32 copies with the roles copied, and the anchor's copies without them.
+    model = dense_and_expert()
+    dense, expert = model.dense, model.experts.weight
+    # Mixed-precision main params: fp32 copies with the roles copied, and copies that lost them.
     mains = [_main_copy(p, keep_roles=True) for p in (dense, expert)]
     lost = [_main_copy(p, keep_roles=False) for p in (dense, expert)]
     out: dict[str, Any] = {}
     for fill, key in ((1.0, "ones"), (0.0, "zeros")):
         for param in (dense, expert, *mains, *lost):
             param.grad = torch.full_like(param, fill)
-        # Counterfactual: the anchor's filter, expert params passed through the dense TP group.
+        # Counterfactual: the bug's filter, expert params passed through the dense TP group.
         dense_tp_only = [
             p.grad
             for p in (dense, expert)
@@ -72,7 +73,7 @@ def test_expert_grads_count_once_per_expert_tp_group(world: int) -> None:
         for path in ("model", "main"):
             assert got["ones"][path][0] == pytest.approx(exact_norm, rel=1e-6), (rank, path)
             assert got["zeros"][path][1] == exact_zeros, (rank, path)
-        # The anchor's two defects reproduce the bug's numbers: this test would catch either.
+        # Both defects reproduce the bug's numbers: this test would catch either.
         for path in ("dense_tp_only", "lost_roles"):
             assert got["ones"][path][0] == pytest.approx(buggy_norm, rel=1e-6), (rank, path)
             assert got["zeros"][path][1] == buggy_zeros, (rank, path)

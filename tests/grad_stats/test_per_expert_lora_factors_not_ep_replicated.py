@@ -1,4 +1,4 @@
-"""Seed 002: per-expert LoRA factors inside an expert module must never default to "replicated across EP".
+"""xorl: per-expert LoRA factors inside an expert module must never default to "replicated across EP".
 
 EP = world = 4 (TP 1). A marked expert module holds frozen base weights, per-expert LoRA factors (distinct per EP
 rank: each rank holds different experts) and a factor shared by all experts (replicated across EP). Checked here:

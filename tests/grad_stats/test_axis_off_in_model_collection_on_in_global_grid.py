@@ -1,11 +1,10 @@
-"""Seed 003: a collection that turns TP or GTP off (None) next to a global grid that has them on.
+"""Megatron-LM pull request 8042: a collection that turns TP or GTP off (None) next to a global grid that has them on.
 
-The model runs data-parallel over 4 ranks (its collection has tp = gtp_remat = None) while the global grid is
-TP2 x GTP2. With the collection, None means "axis off": every rank counts its replicated grads and the norm is
-exact, equal to the same model's on a standard grid (global grid = the model's layout). Reading the global rank
-instead (the anchor's behaviour, reproduced here through the fallback) drops the grads of TP/GTP rank 1.
-Omitted groups warn ProcessGroupFallbackWarning once under default filters, and raise every time under
-``error``.
+The model runs data-parallel over 4 ranks (its collection has tp = gtp_remat = None) while the global grid is TP2 x
+GTP2. With the collection, None means "axis off": every rank counts its replicated grads and the norm is exact,
+equal to the same model's on a standard grid (global grid = the model's layout). Reading the global rank instead
+(Megatron-Core's behaviour before that change, reproduced here through the fallback) drops the grads of TP/GTP rank
+1. Omitted groups warn ProcessGroupFallbackWarning once under default filters, and raise every time under ``error``.
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ def _on_rank() -> dict[str, Any]:
     out: dict[str, Any] = {"global_tp_rank": group_rank(grid.tp), "global_gtp_rank": group_rank(grid.gtp_remat)}
     out["model_norm"], out["model_warnings"] = _fallback_warnings(lambda: grad_norm(params, model).item())
 
-    # The anchor's reading of None: the global rank decides, so TP/GTP rank 1 drop the replicated dense grad.
+    # The old reading of None: the global rank decides, so TP/GTP rank 1 drop the replicated dense grad.
     def global_rank_filters() -> float:
         kept = [p.grad for p in params if is_counted(p, StatsGroups.from_collection(None))]
         return norm_of_grads({None: kept}).item()

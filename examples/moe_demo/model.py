@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
-from pgregistry.demo.comm import (
+from examples.moe_demo.comm import (
     enter_sharded,
     gather_distinct,
     gather_replicated,
@@ -38,6 +37,7 @@ from pgregistry.demo.comm import (
     scatter_distinct,
     split_replicated,
 )
+from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 
 __all__ = ["ReferenceMoE", "ShardedMoE", "ToyMoEConfig", "full_weights", "make_batch", "shard_of"]
 

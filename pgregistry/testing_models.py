@@ -1,6 +1,9 @@
-"""A toy model for checking grad statistics: one unsharded float64 "truth" and its shards on any layout.
+"""Toy models for checking grad statistics on a real backend: ``pgregistry verify`` and ``scripts/gpu_check.py``.
 
-Used by the test suite and by ``pgregistry verify`` (which runs the same oracles on a cluster's backend).
+Two models: :func:`dense_and_expert`, one replicated dense scalar and one expert scalar (on a TP = EP = world,
+expert TP 1 grid it exposes expert grads filtered with the dense TP group, Megatron-LM PR 6470), and a model with
+every kind of parameter, one unsharded float64 "truth" and its shards on any layout. The test suite builds its
+models here too, but computes its oracles itself (``tests/fixtures``), never from this module.
 
 The unsharded model is a list of :class:`Spec` (name, shape, how real layers shard it). Its gradients are drawn
 per parameter from a ``torch.Generator`` seeded by the name, so every rank (and the parent test) reproduces them
@@ -10,13 +13,13 @@ independently. :func:`local_model` builds one rank's parameters the way real lay
   split again, dim 0 of the TP shard, over the GTP-remat axis;
 * routed experts are split over EP (each rank holds ``E / ep`` whole experts, renumbered locally), then over
   expert TP like dense layers, then over expert GTP-remat;
-* per-expert LoRA factors are distinct per expert but not expert-TP-sharded; a LoRA factor shared by all experts
+* per-expert LoRA factors are distinct per expert but not sharded over expert TP; a LoRA factor shared by all experts
   is replicated across EP;
 * pipeline stages hold different layers: the embedding on the first stage, the final norm and (tied) output on the
   last; with pp > 1 the last stage holds a ``shared`` copy of the embedding shard, as tied embeddings do;
 * everything else is replicated across TP, GTP, CP and DP.
 
-The oracle functions below work on the unsharded float64 gradients only and never import the code under test.
+The oracle functions below work on the unsharded float64 gradients only and import none of the code they check.
 """
 
 from __future__ import annotations
@@ -38,6 +41,25 @@ from pgregistry.params import (
     mark_tensor_parallel,
 )
 
+__all__ = [
+    "DENSE",
+    "EXPERT",
+    "EXPERTS",
+    "EXPERT_SHARED",
+    "Shard",
+    "Spec",
+    "dense_and_expert",
+    "full_grads",
+    "local_model",
+    "model_specs",
+    "oracle_norm",
+    "oracle_numel",
+    "oracle_zeros",
+    "set_grads",
+    "set_main_grads",
+    "shards_of",
+]
+
 HIDDEN, FFN, VOCAB, EXPERTS, RANK, LAYERS = 8, 16, 16, 8, 2, 2
 
 # How a parameter is sharded: TP split dim (None: replicated across TP), GTP-sharded, expert kind.
@@ -55,6 +77,18 @@ class Spec:
     gtp: bool = False
     kind: str = DENSE
     expert: int | None = None  # global expert index of a routed-expert parameter
+
+
+def dense_and_expert(*, device: torch.device | str = "cpu") -> nn.Module:
+    """``model.dense``, a replicated bf16 scalar, and ``model.experts.weight``, a bf16 scalar of a marked expert
+    module, both 1. With TP = EP = W and expert TP 1 the unsharded model has 1 + W elements: all grads 1 give
+    norm sqrt(1 + W), all grads 0 a zero count of 1 + W; filtering the expert grad with the dense TP group gives
+    sqrt(2) and 2."""
+    model = nn.Module()
+    model.dense = nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device))
+    model.experts = mark_expert_module(nn.Module())
+    model.experts.weight = mark_expert(nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device)))
+    return model
 
 
 def model_specs() -> list[Spec]:
@@ -130,12 +164,6 @@ def oracle_zeros(grads: dict[str, torch.Tensor]) -> int:
 
 def oracle_numel() -> int:
     return sum(math.prod(spec.shape) for spec in model_specs())
-
-
-def oracle_clipped(grads: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
-    """Megatron-Core's clipping of the unsharded gradients: scale by max_norm / (norm + 1e-6) when below 1."""
-    coeff = max_norm / (oracle_norm(grads, 2.0) + 1e-6)
-    return {name: g * min(coeff, 1.0) for name, g in grads.items()}
 
 
 # ------------------------------------------------------------------------------------------------- sharding

@@ -1,14 +1,14 @@
-"""``pgregistry demo``: a small MoE trained on its own grids in a local gloo world, checked against float64.
+"""``python -m examples.moe_demo``: a small MoE trained on its own grids in a local gloo world, checked against float64.
 
 Every rank of a forked gloo world (``pgregistry.testing.run_world``):
 
 1. builds two layouts in one job, TP 2 x EP 4 x ETP 1 for the model and TP 4 x EP 2 for a second model, and
    counts the communicators each creates (rank sets the second layout shares with the first are reused);
 2. seeds the RNG trackers from the model's collection;
-3. trains the sharded bf16 model with the chained mixed-precision optimizer, clipping by the global grad norm,
-   next to the float64 unsharded model trained with the same rule; each step it records the loss, the grad norm
-   against the float64 oracle and against what the anchor's dense-TP-only filter reports (seed 000), the zero count
-   of zeroed grads against the model's numel, and the largest parameter difference from the float64 run;
+3. trains the sharded bf16 model with the chained mixed-precision optimizer, clipping by the global grad norm, next
+   to the float64 unsharded model trained with the same rule; each step it records the loss, the grad norm against
+   the float64 oracle and against what a dense-TP-only filter reports (Megatron-LM PR 6470's bug), the zero count of
+   zeroed grads against the model's numel, and the largest parameter difference from the float64 run;
 4. saves the experts under global names at EP 4 and loads them at EP 2 (the second layout), checking that every
    expert arrives exactly once, bit-identical;
 5. calls the legacy path (no collection) to show the fallback warning, then the same call under an ``error``
@@ -27,19 +27,20 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-__all__ = ["DemoConfig", "add_command", "run_demo"]
+__all__ = ["DemoConfig", "build_parser", "main", "run_demo"]
 
 # A bf16 model against float64: parameters may differ by a few bf16 ulps of the update, not more.
 _PARAM_TOLERANCE = 2e-2
 _NORM_TOLERANCE = 5e-2
 _EXACT_TOLERANCE = 1e-6  # the reductions accumulate in float32
-# The expert grads the anchor drops are a visible share of the norm, far above float32 rounding.
-_ANCHOR_MIN_DROP = 1e-3
+# The expert grads a dense-TP-only filter drops are a visible share of the norm, far above float32 rounding.
+_DENSE_TP_FILTER_MIN_DROP = 1e-3
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -60,8 +61,8 @@ class DemoConfig:
 def _rank_main(config: DemoConfig) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from examples.moe_demo.model import ToyMoEConfig, full_weights
     from pgregistry import registry
-    from pgregistry.demo.model import ToyMoEConfig, full_weights
     from pgregistry.layout import ParallelLayout
 
     rank = dist.get_rank()
@@ -143,7 +144,7 @@ def _exact_norm(model_config: Any, weights: Any, layout: Any, pg: Any) -> dict[s
     the grad-statistics rules from bf16 rounding."""
     import torch
 
-    from pgregistry.demo.model import ReferenceMoE, ShardedMoE, make_batch
+    from examples.moe_demo.model import ReferenceMoE, ShardedMoE, make_batch
     from pgregistry.optim import build_optimizer
 
     model = ShardedMoE(model_config, weights, pg, dtype=torch.float64)
@@ -160,8 +161,8 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
     import torch
     import torch.distributed as dist
 
+    from examples.moe_demo.model import ReferenceMoE, ShardedMoE, make_batch, shard_of
     from pgregistry import registry
-    from pgregistry.demo.model import ReferenceMoE, ShardedMoE, make_batch, shard_of
     from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys
     from pgregistry.optim import build_optimizer
 
@@ -191,7 +192,7 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
         loss.backward()
         optimizer.sync_grads()
         norm = float(optimizer.get_grad_norm())
-        anchor = _anchor_norm(model, pg)
+        dense_tp_filter = _dense_tp_filter_norm(model, pg)
         optimizer.clip_grad_norm(config.max_norm)
         optimizer.step()
 
@@ -214,10 +215,11 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
             "oracle_loss": reference_loss.item(),
             "grad_norm": norm,
             "oracle_norm": oracle_norm,
-            "anchor_norm": anchor,
+            "dense_tp_filter_norm": dense_tp_filter,
             "max_param_rel_diff": float(worst_t),
         })
-        say(f"step {step + 1}/{config.steps}: norm {norm:.6f} (oracle {oracle_norm:.6f}, anchor {anchor:.6f})")
+        say(f"step {step + 1}/{config.steps}: norm {norm:.6f} (oracle {oracle_norm:.6f}, "
+            f"dense-TP filter {dense_tp_filter:.6f})")
 
     optimizer.zero_grad()
     zero_count = int(optimizer.count_zeros())
@@ -225,8 +227,8 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
     return {"rows": rows, "_model": model, "zero_count": {"pgregistry": zero_count, "oracle": numel}}
 
 
-def _anchor_norm(model: Any, pg: Any) -> float:
-    """The norm the anchor's optimizer reported: expert grads deduplicated with the *dense* TP group (seed 000)."""
+def _dense_tp_filter_norm(model: Any, pg: Any) -> float:
+    """The norm Megatron-LM reported before PR 6470: expert grads deduplicated with the *dense* TP group."""
     from pgregistry.grad_stats import norm_of_grads, param_is_not_shared, param_is_not_tensor_parallel_duplicate
     from pgregistry.params import is_expert_param
 
@@ -337,14 +339,14 @@ def _checks(config: DemoConfig, results: list[dict[str, Any]]) -> list[tuple[str
                        f"relative error {rel:.2e}"))
         checks.append((f"step {row['step']}: parameters match the float64 run", row["max_param_rel_diff"] <
                        _PARAM_TOLERANCE, f"max relative difference {row['max_param_rel_diff']:.2e}"))
-    # Same grads, two filters: the anchor's drops the expert grads of dense-TP ranks other than 0.
-    drops = [1 - row["anchor_norm"] / row["grad_norm"] for row in first["steps"]]
+    # Same grads, two filters: the dense-TP one drops the expert grads of dense-TP ranks other than 0.
+    drops = [1 - row["dense_tp_filter_norm"] / row["grad_norm"] for row in first["steps"]]
     if config.tp > 1:
-        checks.append(("the anchor's dense-TP-only filter undercounts the same grads (seed 000)",
-                       min(drops) > _ANCHOR_MIN_DROP, f"by {min(drops):.2%} to {max(drops):.2%}"))
-    else:  # with dense TP 1 every rank is dense-TP rank 0: the anchor's filter drops nothing
-        checks.append(("with dense TP 1 the anchor's filter agrees (no seed 000 undercount possible)",
-                       max(abs(d) for d in drops) < _ANCHOR_MIN_DROP, f"largest difference {max(drops):.2%}"))
+        checks.append(("a dense-TP-only filter (Megatron-LM PR 6470's bug) undercounts the same grads",
+                       min(drops) > _DENSE_TP_FILTER_MIN_DROP, f"by {min(drops):.2%} to {max(drops):.2%}"))
+    else:  # with dense TP 1 every rank is dense-TP rank 0: the dense-TP filter drops nothing
+        checks.append(("with dense TP 1 the dense-TP-only filter agrees (no undercount possible)",
+                       max(abs(d) for d in drops) < _DENSE_TP_FILTER_MIN_DROP, f"largest difference {max(drops):.2%}"))
     zero = first["zero_count"]
     checks.append(("zero count of zeroed grads equals the model's numel", zero["pgregistry"] == zero["oracle"],
                    f"{zero['pgregistry']} vs {zero['oracle']}"))
@@ -369,7 +371,7 @@ def _checks(config: DemoConfig, results: list[dict[str, Any]]) -> list[tuple[str
 
 def _print_report(config: DemoConfig, results: list[dict[str, Any]], checks: list[tuple[str, bool, str]]) -> None:
     first = results[0]
-    print(f"pgregistry demo: {config.world_size} ranks (gloo), model on TP {config.tp} x EP {config.ep} x ETP 1, "
+    print(f"moe_demo: {config.world_size} ranks (gloo), model on TP {config.tp} x EP {config.ep} x ETP 1, "
           f"second model on TP {config.second_tp} x EP {config.second_ep}")
     print(f"  rank 0 collection: {first['collection']}")
     created = [r["groups_created"] for r in results]
@@ -381,12 +383,12 @@ def _print_report(config: DemoConfig, results: list[dict[str, Any]], checks: lis
     exact = first["float64_step"]
     print(f"  float64 step 0: grad norm {exact['grad_norm']:.12f}, oracle {exact['oracle_norm']:.12f}")
     print("  bf16 training (model in bf16, float32 main params) next to the float64 unsharded model:")
-    header = f"  {'step':>4}  {'loss':>10}  {'oracle loss':>11}  {'grad norm':>10}  {'oracle':>10}  {'anchor':>10}" \
+    header = f"  {'step':>4}  {'loss':>10}  {'oracle loss':>11}  {'grad norm':>10}  {'oracle':>10}  {'dense-TP':>10}" \
              f"  {'max |dp|/|p|':>12}"
     print(header)
     for row in first["steps"]:
         print(f"  {row['step']:>4}  {row['loss']:>10.6f}  {row['oracle_loss']:>11.6f}  {row['grad_norm']:>10.6f}  "
-              f"{row['oracle_norm']:>10.6f}  {row['anchor_norm']:>10.6f}  {row['max_param_rel_diff']:>12.2e}")
+              f"{row['oracle_norm']:>10.6f}  {row['dense_tp_filter_norm']:>10.6f}  {row['max_param_rel_diff']:>12.2e}")
     print()
     for message in first["fallback"]["warnings"][:2]:
         print(f"  warning: {message}")
@@ -429,9 +431,12 @@ _SIZE_OPTIONS = {
 }
 
 
-def add_command(subparsers: Any) -> None:
-    """Register ``pgregistry demo``."""
-    parser = subparsers.add_parser("demo", help="train a toy MoE on its own grids in a local gloo world and check it")
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line: the sizes of its two grids, the number of steps, an optional JSON report."""
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.moe_demo",
+        description="Train a toy MoE on its own grids in a local gloo world and check it against float64.",
+    )
     defaults = {field.name: field.default for field in attrs.fields(DemoConfig)}
     for name, text in _SIZE_OPTIONS.items():
         parser.add_argument(
@@ -439,13 +444,15 @@ def add_command(subparsers: Any) -> None:
             help=f"{text} (default {defaults[name]})",
         )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    parser.set_defaults(handler=_handle)
+    return parser
 
 
-def _handle(args: argparse.Namespace) -> int:
-    from pgregistry.demo.model import ToyMoEConfig
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run the demo; exit code 0 when every check passed, 1 when one failed, 2 for bad sizes."""
+    from examples.moe_demo.model import ToyMoEConfig
     from pgregistry.layout import ParallelLayout
 
+    args = build_parser().parse_args(argv)
     config = DemoConfig(
         world_size=args.world_size, tp=args.tp, ep=args.ep, second_tp=args.second_tp, second_ep=args.second_ep,
         steps=args.steps,
@@ -459,6 +466,6 @@ def _handle(args: argparse.Namespace) -> int:
             if num_experts % ep:
                 raise ValueError(f"the demo model's {num_experts} experts do not split over EP {ep}")
     except ValueError as exc:
-        print(f"pgregistry demo: error: {exc}", file=sys.stderr)
+        print(f"moe_demo: error: {exc}", file=sys.stderr)
         return 2
     return run_demo(config, args.json)
