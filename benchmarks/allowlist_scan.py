@@ -4,8 +4,8 @@ Generates a synthetic tree of realistic Python (licence headers, docstrings, cla
 comprehensions, f-strings, try/except, and reads of ``parallel_state`` in every import form on about one file in
 five) in a temporary directory, then times, in this one run:
 
-- the baseline: a naive single-process scan, ``ast.parse`` then ``ast.walk`` of every file (what the anchor tool
-  does), with the interpreter's default garbage collection;
+- the baseline: a naive single-process scan, ``ast.parse`` then ``ast.walk`` of every file (what Megatron-LM's
+  checker, pull request 6258, does), with the interpreter's default garbage collection;
 - pgregistry's cold scan (no cache) on all cores and on one core, and its warm re-scan (every file cached);
 - the ``pgregistry allowlist check`` command end to end, cold and warm, as a fresh interpreter (start-up and
   imports included).
@@ -203,7 +203,7 @@ def generate_tree(root: Path, files: int, lines: int, seed: int = 0) -> tuple[in
 
 
 def naive_scan(root: Path) -> int:
-    """The baseline: parse and fully walk every file in one process, as the anchor tool does."""
+    """The baseline: parse and fully walk every file in one process, as Megatron-LM's checker does."""
     count = 0
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_bytes(), filename=str(path))

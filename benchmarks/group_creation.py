@@ -8,8 +8,7 @@ runs in a fresh interpreter, for a sample of ranks (the first and one in the mid
 - registry: ``pgregistry.registry.build(layout)``, which creates only the groups the rank belongs to, one per
   distinct rank set, after one agreement all-reduce;
 - baseline: what Megatron-Core's ``initialize_model_parallel`` does, ``new_group`` for every group of every kind
-  on every rank (world-synchronised), measured in the same run. For reference, Megatron-Core itself issued 4,745
-  calls per rank at 1,024 ranks and 35,993 at 8,192 ranks for TP8 PP8 CP2 EP8 ETP1 (REFERENCE.md, section 1).
+  on every rank (world-synchronised), measured in the same run.
 
 ``new_group`` calls are counted by wrapping ``torch.distributed.new_group``, for both, so no count is inferred.
 

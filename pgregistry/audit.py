@@ -2,7 +2,7 @@
 
 Grad statistics trust the roles (:mod:`pgregistry.params`): a parameter that is not TP-sharded is taken to be
 replicated across TP and counted once; a routed expert is taken to be distinct per EP rank and counted on each.
-A wrong role is silent: seed 002 counted per-expert LoRA factors once where each EP rank held a different one, and
+A wrong role is silent: xorl counted per-expert LoRA factors once where each EP rank held a different one, and
 the norm came out 1/sqrt(ep) too small. Replication can be measured: a gradient is replicated across a group iff
 MAX - MIN over the group is 0 in every element. :func:`audit_grad_replication` measures it for every gradient
 over every axis its classification makes a claim about, and reports:

@@ -7,8 +7,11 @@ Each field has three states that are never conflated:
 * :data:`UNSET`: nobody said. Reading it with :meth:`ProcessGroupCollection.get` raises; the fallback resolvers
   (:mod:`pgregistry.fallback`) read the global grid for it and warn.
 
-Mixing "unset" and "off" is what made Megatron-Core's filters read the global rank for a model whose own grid
-turned an axis off (seed 003). ``None`` passed to a ``torch.distributed`` call means WORLD, so library code goes
+ Mixing "unset" and "off" is what made Megatron-Core's filters read the global rank for a model whose own grid
+
+turned an axis off (Megatron-LM pull request 8042; ``docs/known_bugs.md``). ``None`` passed to a
+
+``torch.distributed`` call means WORLD, so library code goes
 through :func:`group_size` and :func:`group_rank`, which read ``None`` as size 1 / rank 0.
 """
 
@@ -63,7 +66,7 @@ class ProcessGroupCollection:
     """One process group (or ``None`` = axis off, or ``UNSET``) per group kind.
 
     Field names follow Megatron-Core's ``ProcessGroupCollection``. ``mp`` is TP x GTP-remat x PP (the dense
-    grad-norm group), ``tp_ep_pp`` is ETP x EP x expert-GTP-remat x PP (the expert one), ``intra_dist_opt`` is the
+    grad-norm group), ``tp_ep_pp`` is expert TP x EP x expert GTP-remat x PP (the expert one), ``intra_dist_opt`` is the
     group one distributed-optimizer instance spans. ``hcp`` is a list of hierarchical context-parallel groups.
     """
 

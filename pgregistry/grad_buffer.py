@@ -1,8 +1,8 @@
 """A flat gradient buffer: every grad of one optimizer in one allocation, laid out by statistics class.
 
-Torch's multi-tensor norm is bound by kernel launches and host work (REFERENCE.md section 2: 6.2 ms for a
-``get_total_norm`` over 2,000 tensors holding 2 GiB on an H200, where one norm over a contiguous tensor of the same
-bytes takes 0.58 ms). A :class:`GradBuffer` keeps the grads of one optimizer in one contiguous tensor and orders the
+Torch's multi-tensor norm over many tensors is bound by kernel launches and host work, where one norm over a
+contiguous tensor of the same bytes is bound by memory bandwidth (``benchmarks/grad_stats.py`` measures both;
+``docs/performance.md``). A :class:`GradBuffer` keeps the grads of one optimizer in one contiguous tensor and orders the
 parameters so that the grads counted in the statistics of each reduction group form one contiguous span; the
 grads not counted (tensor- or GTP-parallel duplicates, shared copies) form one more span. Statistics then run over
 a handful of span views, whatever the parameter count:

@@ -85,7 +85,7 @@ EXPERT_GROUP_KINDS: Final[Mapping[str, str]] = {
     "expt_gtp_remat": "gtp",
     "expt_dp": "dp",
     "tp_ep": "tp-ep",
-    # The expert model-parallel group: every axis that shards expert weights (ETP x EP x expert GTP x PP).
+    # The expert model-parallel group: every axis that shards expert weights (expert TP x EP x expert GTP-remat x PP).
     "tp_ep_pp": "tp-gtp-ep-pp",
 }
 """Expert-grid group kinds: collection field -> axes of the expert grid."""

@@ -11,8 +11,9 @@ local gradient is a distinct piece of the model or a copy of one from these role
 * ``is_gtp_weight_remat``: sharded over the GTP-remat axis (expert GTP-remat for experts).
 
 Roles are set by the ``mark_*`` helpers, never by hand, and survive copies only through :func:`copy_param_roles`
-(seed 000: a mixed-precision copy that dropped ``allreduce=False`` turned every expert into a dense parameter).
-A missing classification is an error, never a default (seed 002): :func:`check_expert_classification` refuses
+(Megatron-LM PR 6470: a mixed-precision copy that dropped ``allreduce=False`` turned every expert into a dense
+parameter). A missing classification is an error, never a default (xorl: per-expert LoRA factors defaulted to
+EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``): :func:`check_expert_classification` refuses
 parameters of a marked expert module that say neither ``allreduce=False`` nor ``allreduce=True``.
 """
 
@@ -167,7 +168,7 @@ def check_expert_classification(
         raise ValueError(
             f"{len(missing)} parameter(s) of a marked expert module carry no EP classification: "
             f"{', '.join(missing)}. Mark each with mark_expert (distinct per EP rank) or mark_expert_replicated "
-            "(replicated across EP); a default would silently miscount the grad norm (seed 002)."
+            "(replicated across EP); a default would silently miscount the grad norm (docs/known_bugs.md)."
         )
 
 

@@ -324,7 +324,7 @@ _STREAM_AXES: Final[Mapping[str, tuple[str, ...]]] = {
 """Tracker -> the coordinates that tell its streams apart: ranks differing in any of them must draw differently.
 
 Pipeline stages hold different layers, so they must not share a stream (Megatron adds ``100 * pp_rank`` for
-that); tensor-parallel shards of one weight must differ (model-parallel); distinct experts and expert-TP shards
+that); tensor-parallel shards of one weight must differ (model-parallel); distinct experts and expert TP shards
 must differ (expert-parallel); GTP-remat shards must differ (GTP). With ``data_parallel_random_init`` the dense
 data-parallel coordinate is added to every tracker's list. Context-parallel ranks and the remaining data-parallel
 replicas hold the same weights and share streams by design."""

@@ -2,9 +2,9 @@
 
 ``run_world(4, fn, x)`` forks 4 processes, initialises the default process group on each (gloo on CPU by
 default), calls ``fn(x)`` and returns the four results in rank order. It exists because the traps of local
-multi-process tests are many and silent (REFERENCE.md, section 2):
+multi-process tests are many and silent:
 
-* ranks are *forked*, not spawned: spawning re-imports torch per rank (15 s for 8 ranks, against 0.2 s);
+* ranks are *forked*, not spawned: spawning re-imports torch in every rank, seconds each;
 * each child calls ``torch.set_num_threads(1)`` first, since a forked child can deadlock in a threaded matmul;
 * each call gets its own ``FileStore`` in a fresh directory, so concurrent tests never share a port or a key;
 * a rank that skips a collective hangs the others past every torch timeout, so the parent holds a hard deadline

@@ -1,11 +1,11 @@
 """What counts as a read of global process-group state, and the ``[tool.pgregistry.allowlist]`` settings.
 
-Two families of accessors are recognised. The *legacy* family is Megatron-style ``parallel_state``: a module
-matches when its dotted path equals a configured name or ends with ``.<name>`` (so ``parallel_state`` covers
-``megatron.core.parallel_state`` however it is imported or aliased), and ``aliases`` are bare names taken for
-the module when no import in the file binds them (the anchor tool's ``ps``). The *registry* family is
-pgregistry's own global grid. Shims (``use_mpu_process_groups``) count wherever they are called or
-referenced. The defaults reproduce the anchor tool's accessor rule (Megatron-LM pull request 6258) and add the
+Two families of accessors are recognised. The *legacy* family is Megatron-style ``parallel_state``: a module matches
+when its dotted path equals a configured name or ends with ``.<name>`` (so ``parallel_state`` covers
+``megatron.core.parallel_state`` however it is imported or aliased), and ``aliases`` are bare names taken for the
+module when no import in the file binds them (``ps`` in Megatron-LM's own checker). The *registry* family is
+pgregistry's own global grid. Shims (``use_mpu_process_groups``) count wherever they are called or referenced. The
+defaults reproduce the accessor rule of Megatron-LM's checker (Megatron-LM pull request 6258) and add the
 module-level globals (``parallel_state._TENSOR_MODEL_PARALLEL_GROUP``) and the gloo getters that rule misses.
 
 Everything here is plain data: the scanner needs it picklable and hashable, and the cache keys on it.

@@ -9,7 +9,7 @@ Names are resolved through the file's imports, wherever they appear (flow-insens
 ``from a.parallel_state import get_x as y``, relative imports (resolved against the file's package, taken from
 its path) and ``from a.parallel_state import *``. A name no import binds stands for itself, so a fully dotted
 ``a.b.parallel_state.get_x()`` resolves without any import, and the configured aliases (``ps``) count as the
-legacy module, as the anchor tool counts them.
+legacy module, as Megatron-LM's checker (pull request 6258) counts them.
 
 Speed: parsing dominates, so the walk is pruned. A file that mentions none of the trigger words (module names,
 aliases, shims) cannot hold a site and is only parsed (a syntax error is still an error). Otherwise only the

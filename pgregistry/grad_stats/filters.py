@@ -4,7 +4,7 @@ Every rank classifies each of its local gradients by the parameter's roles (:mod
 that is not TP-sharded is replicated across its TP group (the expert TP group for experts, ``allreduce is False``)
 and only TP rank 0 counts it; one that is not GTP-sharded is likewise counted on GTP-remat rank 0 only; ``shared``
 copies are never counted. Dense grads are summed over ``mp`` (TP x GTP x PP), expert grads over ``tp_ep_pp``
-(expert TP x EP x expert GTP x PP).
+(expert TP x EP x expert GTP-remat x PP).
 
 ``None`` in the collection is an axis that is off (rank 0 of 1), never "ask the global grid": reading the global
 rank for a model whose own grid turned TP or GTP off undercounts the norm (see ``docs/known_bugs.md``). Only an

@@ -15,7 +15,7 @@ come from ``dp_cp / expt_dp`` data-parallel ranks, so averaging over ``expt_dp``
 
 Statistics are computed from the *role tensors* the optimizer steps (mixed-precision main copies, shard pieces),
 classified once at construction. Those copies carry their roles only through
-:func:`pgregistry.params.copy_param_roles`; seed 000's bug was a copy that lost ``allreduce=False``.
+:func:`pgregistry.params.copy_param_roles`; Megatron-LM PR 6470's bug was a copy that lost ``allreduce=False``.
 
 Grads reach the buffer without a second copy. A parameter whose dtype is the buffer's gets ``param.grad`` set to
 its buffer view, and autograd accumulates into it in place; a low-precision parameter of a mixed-precision

@@ -1,10 +1,10 @@
 """``build_optimizer``: the chained dense + expert optimizer of a model, wired to the model's collection.
 
-The builder is where the anchor's bug (seed 000) could come back, so it does every step from the collection:
-refuse unclassified expert parameters (seed 002), validate the groups the optimizer needs
-(:func:`~pgregistry.optim.setup.setup_process_groups_for_optimizer`, Megatron-Core's order, each missing group
-named), split dense from routed-expert parameters, and give each child its own groups through
-:class:`~pgregistry.grad_stats.StatsGroups` (dense and expert TP groups both).
+The builder is where expert grads filtered with the dense TP group (Megatron-LM PR 6470) could come back, so it does
+every step from the collection: refuse unclassified expert parameters (the xorl 1/sqrt(ep) undercount), validate the
+groups the optimizer needs (:func:`~pgregistry.optim.setup.setup_process_groups_for_optimizer`, Megatron-Core's
+order, each missing group named), split dense from routed-expert parameters, and give each child its own groups
+through :class:`~pgregistry.grad_stats.StatsGroups` (dense and expert TP groups both).
 """
 
 from __future__ import annotations

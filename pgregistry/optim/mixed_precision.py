@@ -1,7 +1,7 @@
 """A mixed-precision optimizer: low-precision model parameters, float32 main copies, float32 grads in one buffer.
 
 Each bf16/fp16 parameter gets a float32 main copy made with :func:`pgregistry.params.copy_param_roles`, so its roles
-(``allreduce=False`` above all) survive: the statistics classify the main copies, and seed 000's anchor bug was a
+(``allreduce=False`` above all) survive: the statistics classify the main copies, and Megatron-LM PR 6470's bug was a
 main copy without ``allreduce=False``, which turned every expert into a dense parameter counted on dense-TP rank 0
 only. Parameters already in the main dtype are their own main copy. With ``main_dtype=None`` there are no copies:
 the optimizer steps the model parameters in their own dtype (plain full- or low-precision training).

@@ -53,7 +53,7 @@ def test_write_reports_whether_the_bytes_changed(tmp_path: Path) -> None:
 MALFORMED = {
     "not JSON": ("{", "malformed allowlist JSON"),
     "a list": ("[]", "must be a JSON object, not list"),
-    "no version, anchor format": (
+    "no version, Megatron-LM checker format": (
         '{"_comment": "", "allowed": {"a.py": ["12:get_x_group:call"]}, "total": 1}',
         "no 'version' (it looks like the line-number format of Megatron-LM's tool",
     ),

@@ -63,12 +63,12 @@ FOUND = {
         "from ..parallel_state import get_tensor_model_parallel_group as g\ng()\n",
         f"<module>|{TP}|call",
     ),
-    "bare name parallel_state (anchor rule)": (
+    "bare name parallel_state (Megatron-LM checker rule)": (
         "parallel_state.get_tensor_model_parallel_group()\n",
         f"<module>|{TP}|call",
     ),
-    "bare name mpu (anchor rule)": ("mpu.get_tensor_model_parallel_group()\n", f"<module>|{TP}|call"),
-    "bare name ps (anchor rule)": ("ps.get_tensor_model_parallel_group()\n", f"<module>|{TP}|call"),
+    "bare name mpu (Megatron-LM checker rule)": ("mpu.get_tensor_model_parallel_group()\n", f"<module>|{TP}|call"),
+    "bare name ps (Megatron-LM checker rule)": ("ps.get_tensor_model_parallel_group()\n", f"<module>|{TP}|call"),
     "old megatron: from megatron import mpu": (
         "from megatron import mpu\nmpu.get_tensor_model_parallel_group()\n",
         f"<module>|{TP}|call",

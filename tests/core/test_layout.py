@@ -133,8 +133,8 @@ def _as_lists(groups: tuple[tuple[int, ...], ...]) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------------ oracle sanity
 
 
-def test_oracle_reproduces_the_reference_example() -> None:
-    # REFERENCE.md: world 8, order tp-pp-dp, sizes 2-2-2 -> dp groups [[0,4],[1,5],[2,6],[3,7]].
+def test_oracle_reproduces_a_hand_worked_example() -> None:
+    # World 8, order tp-pp-dp, sizes 2-2-2 -> dp groups [[0,4],[1,5],[2,6],[3,7]].
     assert oracle_groups(8, tp=2, pp=2, order="tp-pp-dp")["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 

@@ -90,7 +90,7 @@ def rules() -> list[dict[str, Any]]:
 
 def test_tp_duplicate_table(rules: list[dict[str, Any]]) -> None:
     on_rank_1 = rules[1]["tp_table"]
-    # REFERENCE.md's table: (allreduce, tp rank, etp rank) -> counted.
+    # Megatron-Core's duplicate-filter rule: (allreduce, tp rank, expert TP rank) -> counted.
     assert on_rank_1 == {(True, 0, 1): True, (True, 1, 0): False, (False, 0, 1): False, (False, 1, 0): True}
     assert all(rules[0]["tp_table"].values())  # rank 0 of every group counts
     assert rules[0]["unmarked_is_dense"] and not rules[1]["unmarked_is_dense"]

@@ -119,6 +119,7 @@ def _unclassified() -> None:
 
 
 def test_refuses_an_unclassified_parameter_of_an_expert_module() -> None:
-    # Seed 002: a parameter in an expert module that says neither per-expert nor replicated is an error.
+    # xorl's 1/sqrt(ep) undercount: a parameter in an expert module that says neither per-expert nor replicated is
+    # an error.
     with pytest.raises(ValueError, match=r"experts\.lora"):
         run_world(2, _unclassified)

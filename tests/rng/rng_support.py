@@ -1,6 +1,7 @@
 """The seed oracle shared by the RNG tests (imported as ``rng_support``).
 
-Megatron-Core's formulas written out independently of :mod:`pgregistry.rng` (REFERENCE.md), on coordinates from
+Megatron-Core's formulas written out independently of :mod:`pgregistry.rng` (from ``model_parallel_cuda_manual_seed`` in
+``megatron/core/tensor_parallel/random.py``), on coordinates from
 ``ParallelLayout.coords``.
 """
 

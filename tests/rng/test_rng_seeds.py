@@ -1,7 +1,7 @@
 """Seed formulas, whole-layout seed plans and their collision check, and the ``seed-plan`` command.
 
-Oracles: Megatron-Core's formulas written out from REFERENCE.md (``rng_support.oracle_seeds``), with coordinates
-from ``ParallelLayout.coords``, and a brute-force pairwise scan for collisions.
+Oracles: Megatron-Core's formulas (``model_parallel_cuda_manual_seed``) written out in ``rng_support.oracle_seeds``,
+with coordinates from ``ParallelLayout.coords``, and a brute-force pairwise scan for collisions.
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ def test_pipeline_and_expert_offsets_collide_across_ranks() -> None:
         assert pp_ep == {(0, 1), (1, 0)}
 
 
-def test_reference_collision_model_and_expert_seed_on_one_rank() -> None:
-    # REFERENCE.md: 100 * ep + etp == 1694 + tp at tp=6, ep=17 (etp=0). tp=7, ep=18 (etp 1) contains that rank.
+def test_model_and_expert_seeds_collide_on_one_rank_with_megatron_offsets() -> None:
+    # Megatron-Core's offsets: 100 * ep + etp == 1694 + tp at tp=6, ep=17 (etp=0). tp=7, ep=18 (etp 1) contains that
+    # rank.
     layout = ParallelLayout(world_size=126, tp=7, ep=18, etp=1)
     expected = {
         r for r in range(layout.world_size)
