@@ -26,7 +26,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, world_size: bool = 
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
     parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
     parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
     parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
