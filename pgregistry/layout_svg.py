@@ -303,7 +303,9 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: int, gpus_per_node: int)
         svg.close("g")
 
     svg.y += 4
+    svg.open("g", class_="rank-map")
     _draw_nodes(svg, grid, _MARGIN, svg.y, cell)
+    svg.close("g")
     svg.y += grid.height + 6
 
 
