@@ -350,9 +350,10 @@ def _groups_panel(
     for index, group in enumerate(groups):
         if group[0] >= drawn:
             continue
+        group_classes = group_class(group)
         for rank in group:
             group_index[rank] = index
-            classes[rank] = group_class(group)
+            classes[rank] = group_classes
     title_w = max(len(text) for text, _ in heading) * 6
     width = max(grid.width, min(title_w, half))
 

@@ -14,12 +14,12 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pgregistry.cli.options import Subparsers, add_layout_arguments, layout_from_args
+from pgregistry.cli.options import Subparsers, add_layout_arguments, add_placement_arguments, layout_from_args
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["add_command"]
+__all__ = ["add_command", "aligned"]
 
 
 def add_command(subparsers: Subparsers) -> None:
@@ -37,20 +37,51 @@ def add_command(subparsers: Subparsers) -> None:
     parser.add_argument("--rank", type=int, default=None, help="also show this rank's coordinates and groups")
     parser.add_argument("--show", type=int, default=3, help="how many groups of each kind to list (default 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_placement_arguments(parser)
+    views = parser.add_argument_group("pictures and comparison")
+    views.add_argument(
+        "--svg", metavar="FILE",
+        help="draw the layout on its nodes as SVG: placement table, rank map with coordinates, one panel per kind "
+        "(needs --gpus-per-node)",
+    )
+    views.add_argument("--html", metavar="FILE", help="the same picture as an HTML page (needs --gpus-per-node)")
+    views.add_argument(
+        "--highlight", metavar="KINDS",
+        help="comma-separated kinds to draw as panels, one per view (default: every kind whose groups have more "
+        "than one rank)",
+    )
+    views.add_argument(
+        "--compare", nargs=2, metavar=("A", "B"),
+        help="compare two layouts of --world-size ranks instead of the one of --tp ... --order, e.g. "
+        "policy:tp=2,ep=4,etp=1 reference:tp=4 (NAME: optional; keys tp cp pp ep etp gtp_remat expt_gtp_remat "
+        "order): which communicators they share; --svg/--html draw them side by side",
+    )
     parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pgregistry.cli import layout_views
+
     try:
         if args.show < 0:
             raise ValueError(f"--show must be non-negative, got {args.show}")
+        layout_views.check_view_arguments(args)
+        if args.compare:
+            return layout_views.run_compare(args)
         layout = layout_from_args(args)
         report = _report(layout, args.show, args.rank)
-    except ValueError as exc:
+        placement = layout_views.placement_of(layout, args)
+        if placement is not None:
+            report["placement"] = layout_views.placement_report(layout, placement)
+        layout_views.write_pictures(args, layout, placement)
+    except (ValueError, OSError) as exc:
         print(f"pgregistry layout: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report) if args.json else _table(report))
-    return 0
+    text = _table(report)
+    if placement is not None:
+        text += "\n\n" + layout_views.placement_table(report["placement"])
+    print(json.dumps(report) if args.json else text)
+    return layout_views.warn_and_check(args, [placement] if placement else [])
 
 
 def _report(layout: ParallelLayout, show: int, rank: int | None) -> dict[str, Any]:
@@ -112,7 +143,7 @@ def _table(report: dict[str, Any]) -> str:
         if info["groups"] > len(info["first"]):
             first += " ..."
         rows.append((kind, info["spans"], str(info["groups"]), str(info["size"]), first))
-    lines += _aligned(rows, numeric=(2, 3))
+    lines += aligned(rows, numeric=(2, 3))
     mine = report.get("rank")
     if mine is not None:
         coords = ", ".join(f"{axis} {value}" for axis, value in mine["coords"].items())
@@ -121,11 +152,11 @@ def _table(report: dict[str, Any]) -> str:
         group_rows += [
             (kind, "-" if group is None else _ranks(group)) for kind, group in mine["groups"].items()
         ]
-        lines += _aligned(group_rows, numeric=())
+        lines += aligned(group_rows, numeric=())
     return "\n".join(lines)
 
 
-def _aligned(rows: Sequence[Sequence[str]], numeric: tuple[int, ...]) -> list[str]:
+def aligned(rows: Sequence[Sequence[str]], numeric: tuple[int, ...]) -> list[str]:
     """Rows as text columns; the ``numeric`` columns right-aligned, the last one left as it is."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     out = []

@@ -1,4 +1,4 @@
-"""Options shared by several commands: the sizes that declare a parallel layout.
+"""Options shared by several commands: the sizes that declare a parallel layout, and the node-placement check.
 
 Torch-free at import (the layout arithmetic is imported inside :func:`layout_from_args`).
 """
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["Subparsers", "add_layout_arguments", "layout_from_args"]
+__all__ = ["Subparsers", "add_layout_arguments", "add_placement_arguments", "intra_node_kinds", "layout_from_args"]
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``add_command`` receives: the top-level parser's sub-command table."""
@@ -47,3 +47,32 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     if args.order is not None:
         sizes["order"] = args.order
     return ParallelLayout(**sizes)
+
+
+def add_placement_arguments(
+    parser: argparse.ArgumentParser, *, gpus_per_node_help: str | None = None, check: bool = True,
+) -> None:
+    """The options of the node-placement check: ``--gpus-per-node``, ``--intra-node`` and (with ``check``)
+    ``--check``."""
+    from pgregistry.placement import DEFAULT_INTRA_NODE_KINDS
+
+    group = parser.add_argument_group("placement on nodes")
+    group.add_argument(
+        "--gpus-per-node", type=int, default=None, metavar="N",
+        help=gpus_per_node_help or "ranks per node (rank r runs on node r // N): report how many nodes each kind's "
+        "groups span and warn when a kind of --intra-node crosses nodes",
+    )
+    group.add_argument(
+        "--intra-node", default=",".join(DEFAULT_INTRA_NODE_KINDS), metavar="KINDS",
+        help="comma-separated kinds whose groups should stay on one node (default: %(default)s; '' for none)",
+    )
+    if check:
+        group.add_argument(
+            "--check", action="store_true",
+            help="exit 1 when a kind of --intra-node crosses nodes (needs --gpus-per-node)",
+        )
+
+
+def intra_node_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    """The kinds of ``--intra-node`` (unknown names are refused by :func:`pgregistry.placement.place`)."""
+    return tuple(kind.strip() for kind in args.intra_node.split(",") if kind.strip())
