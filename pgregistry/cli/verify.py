@@ -6,6 +6,9 @@ On every rank it builds the collection of the given layout on the job's backend,
 
 * membership: every group of the collection, by an all-reduce of one-hot rank vectors, against the layout's
   arithmetic (so a wrong or crossed communicator cannot pass);
+* placement: with ranks per node from ``--gpus-per-node`` or the launcher's ``LOCAL_WORLD_SIZE``, no kind of
+  ``--intra-node`` (tp, expt_tp, cp by default) has a group crossing nodes, and the ranks the arithmetic puts on
+  one node (``r // N``) really share a host;
 * expert grads filtered with the expert TP group (Megatron-LM PR 6470) on a TP = EP = world, expert TP 1 grid:
   grad norm ``sqrt(1 + W)`` and zero count ``1 + W``, through the functional API and both optimizers;
 * the invariance oracle on the given layout (every grad element 1: norm ``sqrt(numel)``, zero count of zeroed
@@ -20,16 +23,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
-from pgregistry.cli.options import Subparsers, add_layout_arguments
+from pgregistry.cli.options import Subparsers, add_layout_arguments, add_placement_arguments, intra_node_kinds
 
 if TYPE_CHECKING:
     import torch
 
     from pgregistry.torchrun_checks import Check
 
-__all__ = ["add_command"]
+__all__ = ["add_command", "nodes_share_hosts"]
 
 _REL_TOL = 1e-6
 
@@ -57,11 +61,52 @@ def _checks_on_this_rank(args: argparse.Namespace, device: torch.device) -> list
         if want is None or members != list(want):
             wrong.append(f"{name}: {members} != {list(want) if want else None}")
     checks.append(("groups: every communicator holds the layout's ranks", not wrong, "; ".join(wrong[:3])))
+    checks += _placement(layout, args)
 
     checks += _expert_grads_with_expert_tp(world, device)
     checks += _oracles(layout, pg, rank, device)
     checks += _seeds(layout, pg, rank, args.seed)
     return checks
+
+
+def _placement(layout: Any, args: argparse.Namespace) -> list[Check]:
+    import socket
+
+    import torch.distributed as dist
+
+    from pgregistry.placement import place
+
+    local = args.gpus_per_node if args.gpus_per_node is not None else os.environ.get("LOCAL_WORLD_SIZE")
+    # Every rank decides on the same gathered values, so a bad value raises on every rank alike (none hangs).
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (local, socket.gethostname()))
+    values = sorted({str(value) for value, _ in everyone})
+    if values == ["None"]:
+        raise ValueError("ranks per node unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it); pass --gpus-per-node")
+    if len(values) > 1:
+        return [("placement: every rank has the same ranks per node", False, f"LOCAL_WORLD_SIZE values {values}")]
+    try:
+        gpus_per_node = int(values[0])
+    except ValueError:
+        raise ValueError(f"ranks per node must be an integer, got {values[0]!r}") from None
+    placement = place(layout, gpus_per_node, intra_node_kinds(args))
+    kinds = [entry.kind for entry in placement.kinds if entry.should_stay_intra_node]
+    return [
+        (f"placement: {', '.join(kinds) or 'no kind'} groups stay on nodes of {gpus_per_node} ranks",
+         not placement.violations(), "; ".join(placement.warnings())),
+        nodes_share_hosts([host for _, host in everyone], gpus_per_node),
+    ]
+
+
+def nodes_share_hosts(hosts: list[str], gpus_per_node: int) -> Check:
+    """Check that the ranks the arithmetic puts on one node (``r // gpus_per_node``) run on one host: a launcher
+    that deals ranks round-robin over hosts (Slurm's cyclic distribution) breaks every placement claim."""
+    split = []
+    for node in range(len(hosts) // gpus_per_node):
+        on_node = sorted(set(hosts[node * gpus_per_node:(node + 1) * gpus_per_node]))
+        if len(on_node) > 1:
+            split.append(f"node {node} (ranks {node * gpus_per_node}-{(node + 1) * gpus_per_node - 1}) on {on_node}")
+    return (f"placement: each node's {gpus_per_node} consecutive ranks share one host", not split, "; ".join(split[:2]))
 
 
 def _members(group: Any, world: int, device: Any) -> list[int]:
@@ -173,15 +218,20 @@ def add_command(subparsers: Subparsers) -> None:
     """Register the ``verify`` sub-command."""
     parser = subparsers.add_parser(
         "verify",
-        help="check groups, grad statistics and seeds under torchrun",
+        help="check groups, node placement, grad statistics and seeds under torchrun",
         description=(
             "Run under torchrun (torchrun --nproc-per-node N -m pgregistry verify ...): build the layout's "
-            "collection on the job's backend and check group membership, grad norms and zero counts against "
-            "float64 oracles, and RNG seeds against the seed plan. Rank 0 prints a pass/fail table; exit 1 when a "
-            "check failed on any rank."
+            "collection on the job's backend and check group membership, node placement (ranks per node from "
+            "LOCAL_WORLD_SIZE), grad norms and zero counts against float64 oracles, and RNG seeds against the seed "
+            "plan. Rank 0 prints a pass/fail table; exit 1 when a check failed on any rank."
         ),
     )
     add_layout_arguments(parser, world_size=False)
+    add_placement_arguments(
+        parser, check=False,
+        gpus_per_node_help="ranks per node (default: the launcher's LOCAL_WORLD_SIZE): the placement check fails "
+        "when a kind of --intra-node crosses nodes or a node's ranks run on different hosts",
+    )
     parser.add_argument(
         "--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)"
     )

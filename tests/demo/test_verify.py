@@ -10,14 +10,16 @@ import sys
 import pytest
 import torch
 
-from pgregistry.cli.verify import _checks_on_this_rank
+from pgregistry.cli.verify import _checks_on_this_rank, nodes_share_hosts
 from pgregistry.testing import run_world
 
 
-def _args(**sizes: int) -> argparse.Namespace:
+def _args(gpus_per_node: int = 8, intra_node: str = "tp,expt_tp,cp", **sizes: int) -> argparse.Namespace:
     base = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": None, "gtp_remat": 1, "expt_gtp_remat": 1}
     base.update(sizes)
-    return argparse.Namespace(order=None, backend="gloo", seed=1234, **base)
+    return argparse.Namespace(
+        order=None, backend="gloo", seed=1234, gpus_per_node=gpus_per_node, intra_node=intra_node, **base,
+    )
 
 
 @pytest.mark.parametrize(
@@ -33,7 +35,31 @@ def test_every_check_passes_on_a_correct_build(sizes: dict[str, int]) -> None:
     for rank, checks in enumerate(run_world(8, _checks_on_this_rank, _args(**sizes), torch.device("cpu"))):
         failed = [(name, detail) for name, ok, detail in checks if not ok]
         assert not failed, f"rank {rank}: {failed}"
-        assert len(checks) == 10
+        assert len(checks) == 12
+
+
+def test_placement_check_fails_when_tp_crosses_nodes() -> None:
+    # tp 4 on nodes of 2 ranks: every tp group spans two nodes (node = rank // 2, by hand: [0,1,2,3] -> {0, 1}).
+    for checks in run_world(8, _checks_on_this_rank, _args(gpus_per_node=2, tp=4), torch.device("cpu")):
+        by_name = {name: (ok, detail) for name, ok, detail in checks}
+        ok, detail = by_name["placement: tp, cp, expt_tp groups stay on nodes of 2 ranks"]
+        assert not ok
+        assert detail.startswith("tp groups cross nodes: 2 of 2 groups of 4 ranks span up to 2 nodes of 2 GPUs")
+        assert "expt_tp groups cross nodes" in detail
+        assert by_name["placement: each node's 2 consecutive ranks share one host"] == (True, "")
+    for checks in run_world(8, _checks_on_this_rank, _args(gpus_per_node=2, tp=4, intra_node=""),
+                            torch.device("cpu")):
+        assert ("placement: no kind groups stay on nodes of 2 ranks", True, "") in checks
+
+
+def test_nodes_share_hosts_names_a_split_node() -> None:
+    assert nodes_share_hosts(["a", "a", "b", "b"], 2) == (
+        "placement: each node's 2 consecutive ranks share one host", True, "",
+    )
+    # Round-robin (Slurm's cyclic distribution): rank r on host r % 2.
+    name, ok, detail = nodes_share_hosts(["a", "b", "a", "b"], 2)
+    assert not ok
+    assert detail == "node 0 (ranks 0-1) on ['a', 'b']; node 1 (ranks 2-3) on ['a', 'b']"
 
 
 def test_verify_under_torchrun_prints_a_table_and_exits_zero() -> None:
@@ -42,7 +68,8 @@ def test_verify_under_torchrun_prints_a_table_and_exits_zero() -> None:
                "-m", "pgregistry", "verify", "--tp", "2", "--ep", "2", "--etp", "1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "10 passed, 0 failed" in done.stdout
+    assert "12 passed, 0 failed" in done.stdout
+    assert "[PASS] placement: tp, cp, expt_tp groups stay on nodes of 2 ranks" in done.stdout
 
 
 def test_verify_outside_torchrun_is_a_usage_error() -> None:
