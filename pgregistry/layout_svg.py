@@ -243,12 +243,12 @@ def _placement_table(svg: _Svg, placement: Placement) -> None:
         if entry.group_size == 1:
             verdict, colour = "off (one rank per group)", "#777"
         elif entry.violated:
-            verdict = f"✗ {entry.crossing_groups} groups cross nodes; this kind should stay on one node"
+            verdict = f"✗ crosses nodes ({entry.crossing_groups} of {entry.num_groups} groups); should stay on one"
             colour = _RED
         elif entry.within_node:
             verdict, colour = "✓ within a node", _GREEN
         else:
-            verdict, colour = f"spans nodes ({entry.crossing_groups} groups cross)", "#333"
+            verdict, colour = f"crosses nodes ({entry.crossing_groups} of {entry.num_groups} groups)", "#333"
         nodes = f"{entry.min_nodes}" if entry.min_nodes == entry.max_nodes else f"{entry.min_nodes}-{entry.max_nodes}"
         svg.open("g", class_="placement-row", data_kind=entry.kind, data_groups=entry.num_groups,
                  data_size=entry.group_size, data_min_nodes=entry.min_nodes, data_max_nodes=entry.max_nodes,
@@ -343,6 +343,9 @@ def _groups_panel(
     cell = _panel_cell(drawn)
     half = (_SHEET_WIDTH - 2 * _MARGIN - 2 * _GAP) // 2
     grid = _NodeGrid(num_ranks=drawn, gpus_per_node=gpus_per_node, cell_w=cell, cell_h=cell, max_width=half)
+    full = attrs.evolve(grid, max_width=_SHEET_WIDTH - 2 * _MARGIN)
+    if grid.nodes_per_row < grid.num_nodes <= full.nodes_per_row:
+        grid = full  # every node on one row reads better than two panels side by side
     group_index: dict[int, int] = {}
     classes: dict[int, str] = {}
     groups = layout.groups(kind)
@@ -389,11 +392,13 @@ def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: 
     entry = placement.kind(kind)
     g = placement.gpus_per_node
     if entry.violated:
-        status, colour = f"✗ {entry.crossing_groups} groups cross nodes (should stay on one)", _RED
+        status = f"✗ {entry.crossing_groups} of {entry.num_groups} groups cross nodes (should stay on one)"
+        colour = _RED
     elif entry.within_node:
         status, colour = "✓ within a node", _GREEN
     else:
-        status, colour = f"spans up to {entry.max_nodes} nodes ({entry.crossing_groups} groups cross)", "#333"
+        status = f"spans up to {entry.max_nodes} nodes ({entry.crossing_groups} of {entry.num_groups} groups cross)"
+        colour = "#333"
     heading = [(f"{kind}: {entry.num_groups} groups of {entry.group_size}", "#111"), (status, colour)]
 
     def group_class(group: tuple[int, ...]) -> str:
