@@ -136,3 +136,14 @@ def test_every_new_option_has_help(
     for option in options:
         # The option's line, then its help text (on the same line or the next, indented).
         assert re.search(re.escape(option) + r"[^\n]*?(\s{2,}|\n\s+)[a-z(]", text), option
+
+
+def test_docs_example_picture_is_current(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/layout_example.svg is what the command printed under it in docs/layout.md draws today."""
+    docs = Path(__file__).parents[2] / "docs"
+    (command,) = re.findall(r"\(`pgregistry (layout [^`]+) --svg docs/layout_example\.svg`\)",
+                            (docs / "layout.md").read_text())
+    fresh = tmp_path / "example.svg"
+    assert main([*command.split(), "--svg", str(fresh)]) == 0
+    capsys.readouterr()
+    assert fresh.read_text() == (docs / "layout_example.svg").read_text()
