@@ -21,7 +21,7 @@ from xml.sax.saxutils import escape, quoteattr
 import attrs
 
 from pgregistry.layout import GROUP_KINDS
-from pgregistry.placement import Placement, node_of
+from pgregistry.placement import KindPlacement, Placement, node_of
 
 if TYPE_CHECKING:
     from pgregistry.communicators import LayoutComparison
@@ -240,15 +240,7 @@ def _placement_table(svg: _Svg, placement: Placement) -> None:
     svg.y += 6
     for entry in placement.kinds:
         svg.y += _ROW_H
-        if entry.group_size == 1:
-            verdict, colour = "off (one rank per group)", "#777"
-        elif entry.violated:
-            verdict = f"✗ crosses nodes ({entry.crossing_groups} of {entry.num_groups} groups); should stay on one"
-            colour = _RED
-        elif entry.within_node:
-            verdict, colour = "✓ within a node", _GREEN
-        else:
-            verdict, colour = f"crosses nodes ({entry.crossing_groups} of {entry.num_groups} groups)", "#333"
+        verdict, colour = _verdict(entry)
         nodes = f"{entry.min_nodes}" if entry.min_nodes == entry.max_nodes else f"{entry.min_nodes}-{entry.max_nodes}"
         svg.open("g", class_="placement-row", data_kind=entry.kind, data_groups=entry.num_groups,
                  data_size=entry.group_size, data_min_nodes=entry.min_nodes, data_max_nodes=entry.max_nodes,
@@ -258,6 +250,15 @@ def _placement_table(svg: _Svg, placement: Placement) -> None:
             svg.text(_MARGIN + x, svg.y, cell, size=11, fill=colour if x == columns[-1] else "#111")
         svg.close("g")
     svg.y += 8
+
+
+def _verdict(entry: KindPlacement) -> tuple[str, str]:
+    """The entry's verdict with a mark, and its colour."""
+    if entry.group_size == 1:
+        return entry.verdict, "#777"
+    if entry.violated:
+        return f"✗ {entry.verdict}", _RED
+    return (f"✓ {entry.verdict}", _GREEN) if entry.within_node else (entry.verdict, "#333")
 
 
 def _label_axes(layout: ParallelLayout) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -391,15 +392,7 @@ def _groups_panel(
 def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: int) -> _Panel:
     entry = placement.kind(kind)
     g = placement.gpus_per_node
-    if entry.violated:
-        status = f"✗ {entry.crossing_groups} of {entry.num_groups} groups cross nodes (should stay on one)"
-        colour = _RED
-    elif entry.within_node:
-        status, colour = "✓ within a node", _GREEN
-    else:
-        status = f"spans up to {entry.max_nodes} nodes ({entry.crossing_groups} of {entry.num_groups} groups cross)"
-        colour = "#333"
-    heading = [(f"{kind}: {entry.num_groups} groups of {entry.group_size}", "#111"), (status, colour)]
+    heading = [(f"{kind}: {entry.num_groups} groups of {entry.group_size}", "#111"), _verdict(entry)]
 
     def group_class(group: tuple[int, ...]) -> str:
         if len({node_of(r, g) for r in group}) == 1:

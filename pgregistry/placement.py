@@ -61,6 +61,16 @@ class KindPlacement:
         """The kind should stay on one node and some group of it does not."""
         return self.should_stay_intra_node and not self.within_node
 
+    @property
+    def verdict(self) -> str:
+        """One line for tables: off, within a node, or how many groups cross nodes (and that they should not)."""
+        if self.group_size == 1:
+            return "off (one rank per group)"
+        if self.within_node:
+            return "within a node"
+        crossing = f"crosses nodes ({self.crossing_groups} of {self.num_groups} groups)"
+        return f"{crossing}; should stay on one node" if self.violated else crossing
+
     def warning(self, gpus_per_node: int) -> str:
         """The message a user sees when :attr:`violated`."""
         group = self.first_crossing

@@ -84,7 +84,7 @@ def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, 
                 "groups": entry.num_groups, "size": entry.group_size, "min_nodes": entry.min_nodes,
                 "max_nodes": entry.max_nodes, "crossing_groups": entry.crossing_groups,
                 "first_crossing": None if entry.first_crossing is None else list(entry.first_crossing),
-                "within_node": entry.within_node, "violated": entry.violated,
+                "within_node": entry.within_node, "violated": entry.violated, "verdict": entry.verdict,
             }
             for entry in placement.kinds
         },
@@ -106,15 +106,7 @@ def placement_table(report: dict[str, Any]) -> str:
     for kind, info in report["kinds"].items():
         spans = info["min_nodes"], info["max_nodes"]
         nodes_per_group = str(spans[0]) if spans[0] == spans[1] else f"{spans[0]}-{spans[1]}"
-        if info["size"] == 1:
-            verdict = "off"
-        elif info["within_node"]:
-            verdict = "within a node"
-        else:
-            verdict = f"crosses nodes ({info['crossing_groups']} of {info['groups']} groups)"
-            if info["violated"]:
-                verdict += "  <- should stay on one node"
-        rows.append((kind, str(info["groups"]), str(info["size"]), nodes_per_group, verdict))
+        rows.append((kind, str(info["groups"]), str(info["size"]), nodes_per_group, info["verdict"]))
     return "\n".join(lines + aligned(rows, numeric=(1, 2, 3)))
 
 

@@ -44,6 +44,13 @@ def test_every_kind_matches_node_membership(sizes: dict[str, object], gpus_per_n
         should_stay = entry.kind in DEFAULT_INTRA_NODE_KINDS
         assert entry.should_stay_intra_node == should_stay
         assert entry.violated == (should_stay and max(spans) > 1)
+        if len(groups[0]) == 1:
+            assert entry.verdict == "off (one rank per group)"
+        elif crossing:
+            assert entry.verdict.startswith(f"crosses nodes ({len(crossing)} of {len(groups)} groups)")
+            assert entry.verdict.endswith("; should stay on one node") == entry.violated
+        else:
+            assert entry.verdict == "within a node"
     assert [v.kind for v in placement.violations()] == [
         kind for kind in GROUP_KINDS
         if kind in DEFAULT_INTRA_NODE_KINDS and max(_nodes_per_group(layout, kind, gpus_per_node)) > 1
