@@ -358,14 +358,14 @@ def _groups_panel(
         for rank in group:
             group_index[rank] = index
             classes[rank] = group_classes
-    title_w = max(len(text) for text, _ in heading) * 6
-    width = max(grid.width, min(title_w, half))
+    title_w = min(max(len(text) for text, _ in heading) * 6, half)
+    if group_size == 1:  # the kind is off: its heading says so, a grid of grey cells would say nothing more
+        return _Panel(width=title_w, height=_PANEL_TITLE_H, draw=lambda svg, x, y: _panel_heading(
+            svg, x, y, heading, kind, panel_data))
+    width = max(grid.width, title_w)
 
     def draw(svg: _Svg, x: int, y: int) -> None:
-        svg.open("g", class_="kind-panel", data_kind=kind, **panel_data)
-        for i, (text, colour) in enumerate(heading):
-            svg.text(x, y + 12 + 13 * i, text, size=11 if i else 12, font_weight="normal" if i else "bold",
-                     fill=colour, class_="panel-title")
+        _panel_heading(svg, x, y, heading, kind, panel_data, close=False)
 
         def rank_cell(rank: int, cx: int, cy: int) -> None:
             index = group_index.get(rank)
@@ -389,10 +389,27 @@ def _groups_panel(
     return _Panel(width=width, height=_PANEL_TITLE_H + grid.height, draw=draw)
 
 
+def _groups_of(count: int, size: int) -> str:
+    return f"{count} group{'' if count == 1 else 's'} of {size}"
+
+
+def _panel_heading(
+    svg: _Svg, x: int, y: int, heading: Sequence[tuple[str, str]], kind: str, panel_data: dict[str, object],
+    close: bool = True,
+) -> None:
+    """Open a panel's group and write its title lines (closing the group unless cells follow)."""
+    svg.open("g", class_="kind-panel", data_kind=kind, **panel_data)
+    for i, (text, colour) in enumerate(heading):
+        svg.text(x, y + 12 + 13 * i, text, size=11 if i else 12, font_weight="normal" if i else "bold",
+                 fill=colour, class_="panel-title")
+    if close:
+        svg.close("g")
+
+
 def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: int) -> _Panel:
     entry = placement.kind(kind)
     g = placement.gpus_per_node
-    heading = [(f"{kind}: {entry.num_groups} groups of {entry.group_size}", "#111"), _verdict(entry)]
+    heading = [(f"{kind}: {_groups_of(entry.num_groups, entry.group_size)}", "#111"), _verdict(entry)]
 
     def group_class(group: tuple[int, ...]) -> str:
         if len({node_of(r, g) for r in group}) == 1:
@@ -448,14 +465,19 @@ def render_compare_svg(
         else:
             status = f"{shared_here} shared" + (f" (as {', '.join(other_kinds)})" if other_kinds else "")
             colour = _GREEN if shared_here else "#777"
-        heading = [(f"{name} {kind}: {len(groups)} groups of {len(groups[0])}", "#111"), (status, colour)]
+        heading = [(f"{name} {kind}: {_groups_of(len(groups), len(groups[0]))}", "#111"), (status, colour)]
         return _groups_panel(layout, kind, drawn, gpus_per_node, heading,
                              lambda group: "shared" if group in other else "faded", data_side=side,
                              data_shared_groups=shared_here)
 
-    for kind in GROUP_KINDS:
-        if max(len(a.groups(kind)[0]), len(b.groups(kind)[0])) > 1:
-            _flow_panels(svg, [panel(a, "a", kind), panel(b, "b", kind)])
+    rows = [(panel(a, "a", kind), panel(b, "b", kind)) for kind in GROUP_KINDS
+            if max(len(a.groups(kind)[0]), len(b.groups(kind)[0])) > 1]
+    right = _MARGIN + max((left.width for left, _ in rows), default=0) + 2 * _GAP  # B's column lines up
+    for left, right_panel in rows:
+        left.draw(svg, _MARGIN, svg.y)
+        right_panel.draw(svg, right, svg.y)
+        svg.y += max(left.height, right_panel.height) + _GAP
+    svg.width = max(svg.width, right + max((p.width for _, p in rows), default=0) + _MARGIN)
     return svg.document(title)
 
 
