@@ -78,3 +78,9 @@ def test_verify_outside_torchrun_is_a_usage_error() -> None:
                           timeout=60, env=env)
     assert done.returncode == 2
     assert "torchrun" in done.stderr
+
+
+def test_ranks_per_node_unknown_is_bad_input_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # the world's ranks inherit this environment
+    with pytest.raises(ValueError, match="ranks per node unknown: LOCAL_WORLD_SIZE is not set"):
+        run_world(2, _checks_on_this_rank, _args(gpus_per_node=None), torch.device("cpu"))  # type: ignore[arg-type]
