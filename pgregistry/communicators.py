@@ -63,9 +63,16 @@ class SharedCommunicators:
 class LayoutComparison:
     """Two layouts of one world: their communicators and the ones they share."""
 
-    world_size: int
+    layout_a: ParallelLayout
+    layout_b: ParallelLayout
     a: Mapping[RankGroup, tuple[str, ...]]
+    """The communicators of ``layout_a`` (rank set -> kinds naming it)."""
     b: Mapping[RankGroup, tuple[str, ...]]
+    """The communicators of ``layout_b``."""
+
+    @property
+    def world_size(self) -> int:
+        return self.layout_a.world_size
 
     @property
     def shared(self) -> frozenset[RankGroup]:
@@ -90,4 +97,4 @@ def compare_layouts(a: ParallelLayout, b: ParallelLayout) -> LayoutComparison:
             f"the layouts to compare have different world sizes ({a.world_size} and {b.world_size}); layouts "
             "built in one job span the same world"
         )
-    return LayoutComparison(world_size=a.world_size, a=communicators(a), b=communicators(b))
+    return LayoutComparison(layout_a=a, layout_b=b, a=communicators(a), b=communicators(b))

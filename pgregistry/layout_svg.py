@@ -2,8 +2,8 @@
 
 The sheet shows, top to bottom: the placement table (every kind, its groups, how many nodes a group spans, a red
 mark on kinds that should stay on one node and do not), a rank map (nodes as boxes, each rank labelled with its
-coordinates) and one small panel per group kind in which every group has its own colour and the groups that cross a
-node boundary are outlined in red. :func:`render_compare_svg` draws two layouts of one world side by side, the
+coordinates) and one small panel per group kind in which every group has its own colour, and the groups of a kind
+that should stay on one node but cross a node boundary are outlined in red. :func:`render_compare_svg` draws two layouts of one world side by side, the
 communicators they share in full colour and the others faded.
 
 At most :data:`MAX_DRAWN_RANKS` ranks are drawn (whole nodes, from rank 0): a larger world is summarised by its
@@ -181,7 +181,6 @@ def _draw_nodes(svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[
         svg.close("g")
 
 
-
 def _summary_note(svg: _Svg, world_size: int, drawn: int, gpus_per_node: int) -> None:
     if drawn < world_size:
         svg.y += 14
@@ -195,14 +194,13 @@ def _summary_note(svg: _Svg, world_size: int, drawn: int, gpus_per_node: int) ->
 # --------------------------------------------------------------------------------------------------- the sheet
 
 
-def render_svg(layout: ParallelLayout, placement: Placement, kinds: Sequence[str] | None = None) -> str:
-    """The placement sheet of ``layout`` as an SVG document.
+def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
+    """The sheet of a placed layout as an SVG document.
 
     ``kinds`` chooses the group kinds drawn as panels (default: every kind whose groups have more than one rank);
-    ``ValueError`` for an unknown kind or a placement of another world.
+    ``ValueError`` for an unknown kind.
     """
-    if placement.world_size != layout.world_size:
-        raise ValueError(f"placement of {placement.world_size} ranks given for a layout of {layout.world_size}")
+    layout = placement.layout
     panels = _panel_kinds(placement, kinds)
     g = placement.gpus_per_node
     drawn = _drawn_ranks(layout.world_size, g)
@@ -422,15 +420,11 @@ def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: 
 # --------------------------------------------------------------------------------------------------- compare
 
 
-def render_compare_svg(
-    a: ParallelLayout, b: ParallelLayout, comparison: LayoutComparison, gpus_per_node: int,
-    names: tuple[str, str] = ("A", "B"),
-) -> str:
+def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: tuple[str, str] = ("A", "B")) -> str:
     """Two layouts of one world side by side: for every kind with more than one rank per group in either layout,
     A's panel left and B's right; groups the other layout also creates a communicator for are in full colour
     (class ``shared``), the others faded."""
-    if not a.world_size == b.world_size == comparison.world_size:
-        raise ValueError("the layouts and the comparison must be of one world")
+    a, b = comparison.layout_a, comparison.layout_b
     if a.world_size % gpus_per_node:
         raise ValueError(f"world_size {a.world_size} is not a multiple of gpus_per_node {gpus_per_node}")
     drawn = _drawn_ranks(a.world_size, gpus_per_node)

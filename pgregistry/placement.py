@@ -87,10 +87,14 @@ class KindPlacement:
 class Placement:
     """Every group kind of a layout placed on nodes of ``gpus_per_node`` consecutive ranks."""
 
-    world_size: int
+    layout: ParallelLayout
     gpus_per_node: int
     kinds: tuple[KindPlacement, ...]
     """One entry per kind, in :data:`~pgregistry.layout.GROUP_KINDS` order."""
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     @property
     def num_nodes(self) -> int:
@@ -134,7 +138,7 @@ def place(
     if unknown:
         raise ValueError(f"unknown group kind {unknown[0]!r} among intra-node kinds; known: {', '.join(GROUP_KINDS)}")
     return Placement(
-        world_size=layout.world_size,
+        layout=layout,
         gpus_per_node=gpus_per_node,
         kinds=tuple(_place_kind(layout, kind, gpus_per_node, kind in stay) for kind in GROUP_KINDS),
     )

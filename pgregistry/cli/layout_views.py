@@ -118,7 +118,7 @@ def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: 
         return
     assert placement is not None, "check_view_arguments requires --gpus-per-node for pictures"
     kinds = [kind.strip() for kind in args.highlight.split(",") if kind.strip()] if args.highlight else None
-    _write(args, render_svg(layout, placement, kinds), f"pgregistry layout: {layout.world_size} ranks")
+    _write(args, render_svg(placement, kinds), f"pgregistry layout: {layout.world_size} ranks")
 
 
 def _write(args: argparse.Namespace, svg: str, title: str) -> None:
@@ -206,7 +206,7 @@ def run_compare(args: argparse.Namespace) -> int:
     comparison = compare_layouts(a, b)
     placements = [p for p in (placement_of(a, args), placement_of(b, args)) if p is not None]
     if args.svg or args.html:
-        svg = render_compare_svg(a, b, comparison, args.gpus_per_node, names)
+        svg = render_compare_svg(comparison, args.gpus_per_node, names)
         _write(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
     shared = comparison.shared_by_kinds()
     report: dict[str, Any] = {
