@@ -3,8 +3,8 @@
 The sheet shows, top to bottom: the placement table (every kind, its groups, how many nodes a group spans, a red
 mark on kinds that should stay on one node and do not), a rank map (nodes as boxes, each rank labelled with its
 coordinates) and one small panel per group kind in which every group has its own colour, and the groups of a kind
-that should stay on one node but cross a node boundary are outlined in red. :func:`render_compare_svg` draws two layouts of one world side by side, the
-communicators they share in full colour and the others faded.
+that should stay on one node but cross a node boundary are outlined in red. :func:`render_compare_svg` draws two
+layouts of one world side by side, the communicators they share in full colour and the others faded.
 
 At most :data:`MAX_DRAWN_RANKS` ranks are drawn (whole nodes, from rank 0): a larger world is summarised by its
 table, which covers every rank, and the first nodes, with a note saying so. Every drawn element carries ``data-*``
