@@ -186,11 +186,6 @@ def parse_layout_spec(spec: str, world_size: int, default_name: str) -> tuple[st
         raise ValueError(f"layout spec {spec!r}: {exc}") from None
 
 
-def _sizes(layout: ParallelLayout) -> str:
-    sizes = [f"{axis} {size}" for axis, size in layout.axis_sizes().items() if size > 1]
-    return ", ".join(sizes or ["every axis 1"]) + f"; order {layout.order}"
-
-
 def run_compare(args: argparse.Namespace) -> int:
     """``pgregistry layout --compare A B``: the communicators the two layouts share (and pictures, placement)."""
     from pgregistry.communicators import compare_layouts
