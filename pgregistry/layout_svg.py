@@ -205,7 +205,7 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     g = placement.gpus_per_node
     drawn = _drawn_ranks(layout.world_size, g)
     svg = _Svg()
-    title = f"pgregistry layout: {layout.world_size} ranks on {placement.num_nodes} nodes of {g} GPUs"
+    title = f"pgregistry layout: {layout.world_size} ranks on {placement.describe_nodes()}"
     svg.heading(title, size=18)
     svg.text(_MARGIN, svg.y + 6, _sizes_line(layout), size=12, fill="#333")
     svg.y += 16

@@ -100,6 +100,11 @@ class Placement:
     def num_nodes(self) -> int:
         return self.world_size // self.gpus_per_node
 
+    def describe_nodes(self) -> str:
+        """``"4 nodes of 8 GPUs"``, for headings."""
+        nodes = "1 node" if self.num_nodes == 1 else f"{self.num_nodes} nodes"
+        return f"{nodes} of {self.gpus_per_node} GPU{'' if self.gpus_per_node == 1 else 's'}"
+
     def kind(self, name: str) -> KindPlacement:
         """The placement of kind ``name``; ``ValueError`` for an unknown kind."""
         for entry in self.kinds:

@@ -77,6 +77,7 @@ def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, 
     return {
         "gpus_per_node": placement.gpus_per_node,
         "num_nodes": placement.num_nodes,
+        "nodes": placement.describe_nodes(),
         "intra_node_kinds": [entry.kind for entry in placement.kinds if entry.should_stay_intra_node],
         "communicators_per_rank": {"min": min(per_rank), "max": max(per_rank)},
         "kinds": {
@@ -94,11 +95,11 @@ def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, 
 
 def placement_table(report: dict[str, Any]) -> str:
     """The placement report as text."""
-    g, nodes = report["gpus_per_node"], report["num_nodes"]
+    g = report["gpus_per_node"]
     per_rank = report["communicators_per_rank"]
     joins = str(per_rank["min"]) if per_rank["min"] == per_rank["max"] else f"{per_rank['min']}-{per_rank['max']}"
     lines = [
-        f"placement: {nodes} nodes of {g} GPUs (rank r on node r // {g}); each rank joins {joins} communicators; "
+        f"placement: {report['nodes']} (rank r on node r // {g}); each rank joins {joins} communicators; "
         f"should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
         "",
     ]

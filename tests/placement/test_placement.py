@@ -121,3 +121,9 @@ def test_bad_input_raises_naming_the_culprit(gpus_per_node: int, kinds: tuple[st
 def test_unknown_kind_lookup_raises() -> None:
     with pytest.raises(ValueError, match="unknown group kind 'tensor'"):
         place(ParallelLayout(world_size=8), 8).kind("tensor")
+
+
+def test_describe_nodes_counts_in_words() -> None:
+    assert place(ParallelLayout(world_size=8), 8).describe_nodes() == "1 node of 8 GPUs"
+    assert place(ParallelLayout(world_size=8), 1).describe_nodes() == "8 nodes of 1 GPU"
+    assert place(ParallelLayout(world_size=32, tp=8), 8).describe_nodes() == "4 nodes of 8 GPUs"
