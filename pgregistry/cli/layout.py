@@ -73,6 +73,8 @@ def _run(args: argparse.Namespace) -> int:
         placement = layout_views.placement_of(layout, args)
         if placement is not None:
             report["placement"] = layout_views.placement_report(layout, placement)
+            if args.rank is not None:
+                report["rank"]["node"] = args.rank // placement.gpus_per_node
         layout_views.write_pictures(args, layout, placement)
     except (ValueError, OSError) as exc:
         print(f"pgregistry layout: error: {exc}", file=sys.stderr)
@@ -147,7 +149,8 @@ def _table(report: dict[str, Any]) -> str:
     mine = report.get("rank")
     if mine is not None:
         coords = ", ".join(f"{axis} {value}" for axis, value in mine["coords"].items())
-        lines += ["", f"rank {mine['rank']}: {coords}", ""]
+        node = f" (node {mine['node']})" if "node" in mine else ""
+        lines += ["", f"rank {mine['rank']}{node}: {coords}", ""]
         group_rows = [("kind", "group")]
         group_rows += [
             (kind, "-" if group is None else _ranks(group)) for kind, group in mine["groups"].items()

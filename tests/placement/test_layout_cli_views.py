@@ -147,3 +147,10 @@ def test_docs_example_picture_is_current(tmp_path: Path, capsys: pytest.CaptureF
     assert main([*command.split(), "--svg", str(fresh)]) == 0
     capsys.readouterr()
     assert fresh.read_text() == (docs / "layout_example.svg").read_text()
+
+
+def test_rank_view_names_its_node(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layout", "--world-size", "16", "--tp", "2", "--rank", "13", "--gpus-per-node", "4"]) == 0
+    assert "\nrank 13 (node 3): tp 1," in capsys.readouterr().out  # 13 // 4
+    assert main(["layout", "--world-size", "16", "--rank", "13", "--gpus-per-node", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rank"]["node"] == 1
