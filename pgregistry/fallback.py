@@ -24,9 +24,9 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
-from pgregistry.collection import UNSET, ProcessGroupCollection, check_field_names, group_rank, group_size
+from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names, group_rank, group_size
 
 if TYPE_CHECKING:
     import torch
@@ -96,14 +96,21 @@ def forget_fallback_warnings() -> None:
 
 
 def warn_global_process_group_fallback(owner: str, argument: str, *, stacklevel: int = 2) -> None:
-    """Warn that ``owner`` read ``argument`` from the global grid instead of being given it.
+    """Warn that ``owner`` read ``argument`` (a group name, or ``"pg_collection"`` for the whole collection,
+    :func:`pgregistry.resolver.resolve_collection`) from the global grid instead of being given it.
 
     ``stacklevel`` counts as in :func:`warnings.warn`, from the caller of this function.
     """
-    message = (
-        f"{owner} was not given process group {argument!r} and falls back to the global grid; pass a "
-        f"ProcessGroupCollection (or the group) explicitly"
-    )
+    if argument == "pg_collection":
+        message = (
+            f"{owner} was not given a ProcessGroupCollection (nor a model with one attached) and falls back to the "
+            "global grid; pass pg_collection explicitly or attach it to the model (pgregistry.registry.attach)"
+        )
+    else:
+        message = (
+            f"{owner} was not given process group {argument!r} and falls back to the global grid; pass a "
+            f"ProcessGroupCollection (or the group) explicitly"
+        )
     try:
         frame = sys._getframe(stacklevel)
         module, lineno = frame.f_globals.get("__name__", "<string>"), frame.f_lineno
@@ -141,8 +148,8 @@ def _matches(pattern: re.Pattern[str] | str, text: str) -> bool:
 
 
 def resolve_process_groups(
-    pg_collection: ProcessGroupCollection | None, names: Iterable[str], *, owner: str
-) -> dict[str, Any]:
+    pg_collection: ProcessGroupCollection | None, names: Iterable[GroupName], *, owner: str
+) -> dict[GroupName, ProcessGroup | None]:
     """Name -> group for each of ``names``, from ``pg_collection`` where set, else the global grid (warning).
 
     A set field comes back as it is, ``None`` included (the axis is off). An UNSET field, or every field when
@@ -150,8 +157,8 @@ def resolve_process_groups(
     Raises ``ValueError`` for an unknown name and ``RuntimeError`` naming ``owner`` and the group when there is
     no global grid to fall back to.
     """
-    resolved: dict[str, Any] = {}
-    for name in check_field_names(names):
+    resolved: dict[GroupName, ProcessGroup | None] = {}
+    for name in _group_names(names):
         if pg_collection is not None and pg_collection.is_set(name):
             resolved[name] = pg_collection.get(name)
             continue
@@ -160,7 +167,15 @@ def resolve_process_groups(
     return resolved
 
 
-def _global_group(name: str, owner: str) -> Any:
+def _group_names(names: Iterable[str]) -> tuple[GroupName, ...]:
+    """``names``, checked to be one-group fields (``ValueError`` for an unknown one or ``hcp``)."""
+    checked = check_field_names(names)
+    if "hcp" in checked:
+        raise ValueError("'hcp' holds a list of groups; it has no global-grid fallback")
+    return cast("tuple[GroupName, ...]", checked)
+
+
+def _global_group(name: GroupName, owner: str) -> ProcessGroup | None:
     from pgregistry import registry
 
     grid = registry.global_collection_or_none()
@@ -183,10 +198,9 @@ def resolve_gtp_remat_group(
     collection falls back to the global grid; that fallback warns only when the global group has more than one
     rank, since a 1-rank GTP axis changes nothing.
     """
-    name = "expt_gtp_remat" if is_expert else "gtp_remat"
+    name: GroupName = "expt_gtp_remat" if is_expert else "gtp_remat"
     if pg_collection is not None and pg_collection.is_set(name):
-        group: ProcessGroup | None = pg_collection.get(name)
-        return group
+        return pg_collection.get(name)
     group = _global_group(name, owner)
     if group_size(group) > 1:
         warn_global_process_group_fallback(owner, name, stacklevel=3)
@@ -209,6 +223,6 @@ def gtp_replica_rank(param: torch.Tensor, explicit_group: ProcessGroup | None = 
     attached = getattr(param, "gtp_replica_group", UNSET)
     if attached is not UNSET:
         return group_rank(attached)
-    name = "expt_dp" if getattr(param, "allreduce", True) is False else "dp_cp"
+    name: GroupName = "expt_dp" if getattr(param, "allreduce", True) is False else "dp_cp"
     group = resolve_process_groups(None, (name,), owner="gtp_replica_rank")[name]
     return group_rank(group)

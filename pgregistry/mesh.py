@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from pgregistry.collection import UNSET, ProcessGroupCollection, check_field_names
+from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names
 from pgregistry.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def to_device_mesh(
     groups = []
     mesh = torch.tensor(rank, dtype=torch.int64)
     for position, axis in enumerate(axes):
-        value = collection.get(axis) if collection.is_set(axis) else UNSET
+        value = collection.get_or(cast(GroupName, axis), UNSET)  # a DENSE_MESH_AXES name, checked above
         if value is UNSET or value is None:
             state = "UNSET" if value is UNSET else "None (axis off)"
             raise ValueError(

@@ -15,6 +15,12 @@ Roles are set by the ``mark_*`` helpers, never by hand, and survive copies only 
 parameter). A missing classification is an error, never a default (xorl: per-expert LoRA factors defaulted to
 EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``): :func:`check_expert_classification` refuses
 parameters of a marked expert module that say neither ``allreduce=False`` nor ``allreduce=True``.
+
+That check must not depend on how the parameters are passed: a model, its chunks, ``list(model.parameters())``,
+a generator or a name -> parameter mapping. A model is walked module by module; bare tensors are recognised by
+their own mark, ``in_expert_module``, which :func:`mark_expert_module` puts on every parameter under the module,
+including parameters and submodules registered after the mark (through torch's module registration hooks, since
+modules are usually marked at the top of their ``__init__``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.fallback import resolve_process_groups
+from pgregistry.resolver import resolve_collection
 
 __all__ = [
     "ROLE_ATTRIBUTES",
@@ -56,10 +63,14 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "shared",
     "is_gtp_weight_remat",
     "gtp_replica_group",
+    "in_expert_module",
 )
 """Every attribute that carries a parameter role; :func:`copy_param_roles` copies those present."""
 
 _EXPERT_MODULE_FLAG: Final = "_pgregistry_expert_module"
+_INSIDE_EXPERT_MODULE: Final = "_pgregistry_inside_expert_module"
+"""Set on a marked expert module and every module under it: parameters registered on them get the mark."""
+_IN_EXPERT_MODULE: Final = "in_expert_module"
 
 ParamsLike: TypeAlias = (
     nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]
@@ -126,9 +137,51 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
 
 def mark_expert_module(module: nn.Module) -> nn.Module:
-    """Declare ``module`` as holding routed experts: each of its parameters must carry an explicit ``allreduce``."""
+    """Declare ``module`` as holding routed experts: each of its parameters must carry an explicit ``allreduce``.
+
+    Every parameter under ``module``, now or registered later, is marked ``in_expert_module`` so the check also
+    applies when only the tensors are passed.
+    """
+    _install_registration_hooks()
     setattr(module, _EXPERT_MODULE_FLAG, True)
+    _mark_inside(module)
     return module
+
+
+def _mark_inside(module: nn.Module) -> None:
+    for inner in module.modules():
+        setattr(inner, _INSIDE_EXPERT_MODULE, True)
+    for param in module.parameters():
+        setattr(param, _IN_EXPERT_MODULE, True)
+
+
+def _on_parameter_registered(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if param is not None and getattr(module, _INSIDE_EXPERT_MODULE, False):
+        setattr(param, _IN_EXPERT_MODULE, True)
+
+
+def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    if submodule is not None and getattr(module, _INSIDE_EXPERT_MODULE, False):
+        _mark_inside(submodule)
+
+
+_hooks_installed = False
+
+
+def _install_registration_hooks() -> None:
+    """Mark parameters registered under an expert module after it was marked (process-wide hooks, installed once;
+    each only reads one attribute of the module being built)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from torch.nn.modules.module import (
+        register_module_module_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
+    register_module_parameter_registration_hook(_on_parameter_registered)
+    register_module_module_registration_hook(_on_module_registered)
+    _hooks_installed = True
 
 
 def is_expert_module(module: nn.Module) -> bool:
@@ -136,9 +189,19 @@ def is_expert_module(module: nn.Module) -> bool:
     return getattr(module, _EXPERT_MODULE_FLAG, False) is True
 
 
-def unclassified_expert_params(model: nn.Module | Sequence[nn.Module]) -> list[str]:
-    """Names of the parameters under a marked expert module that carry no ``allreduce`` attribute."""
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
+def unclassified_expert_params(model_or_params: ParamsLike) -> list[str]:
+    """Names of the parameters of a marked expert module that carry no ``allreduce`` attribute.
+
+    A model or model chunks are walked module by module; parameters given as tensors (a list, a mapping, one
+    tensor) are recognised by their ``in_expert_module`` mark. An iterator is consumed: pass a list.
+    """
+    chunks = model_chunks_of(model_or_params)
+    if not chunks:
+        return [
+            name
+            for name, param in named_parameters_of(model_or_params)
+            if getattr(param, _IN_EXPERT_MODULE, False) and not hasattr(param, "allreduce")
+        ]
     names: dict[int, str] = {}
     for index, chunk in enumerate(chunks):
         chunk_prefix = f"chunk{index}." if len(chunks) > 1 else ""
@@ -151,19 +214,22 @@ def unclassified_expert_params(model: nn.Module | Sequence[nn.Module]) -> list[s
     return list(names.values())
 
 
-def check_expert_classification(
-    model: nn.Module | Sequence[nn.Module], pg_collection: ProcessGroupCollection | None
-) -> None:
+def check_expert_classification(model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> None:
     """Refuse a parameter of a marked expert module that does not say whether it is replicated across EP.
 
-    Only when the collection's EP axis is on (more than one rank): with EP off the question does not arise. An
-    unset ``ep`` (or no collection) is read from the global grid with a fallback warning. Raises ``ValueError``
-    naming every such parameter; classify each with :func:`mark_expert` or :func:`mark_expert_replicated`.
+    ``model_or_params`` is a model, model chunks, or parameters (see :func:`unclassified_expert_params`). Only
+    when the EP axis is on (more than one rank): with EP off the question does not arise. The collection is
+    resolved by :func:`pgregistry.resolver.resolve_collection` (explicit, else attached to the model, else the
+    global grid with a warning); an unset ``ep`` in it is read from the global grid with a fallback warning.
+    Raises ``ValueError`` naming every such parameter; classify each with :func:`mark_expert` or
+    :func:`mark_expert_replicated`.
     """
-    ep = resolve_process_groups(pg_collection, ("ep",), owner="check_expert_classification")["ep"]
+    owner = "check_expert_classification"
+    collection = resolve_collection(pg_collection, model_chunks_of(model_or_params) or None, owner=owner)
+    ep = resolve_process_groups(collection, ("ep",), owner=owner)["ep"]
     if group_size(ep) <= 1:
         return
-    missing = unclassified_expert_params(model)
+    missing = unclassified_expert_params(model_or_params)
     if missing:
         raise ValueError(
             f"{len(missing)} parameter(s) of a marked expert module carry no EP classification: "

@@ -39,9 +39,10 @@ from typing import Any, Final, Literal
 import attrs
 import torch
 
-from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
+from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
 from pgregistry.layout import ParallelLayout
+from pgregistry.resolver import resolve_collection
 
 __all__ = [
     "DATA_PARALLEL_RNG",
@@ -265,10 +266,11 @@ def base_seed_for_rank(
     ``seed + 100 * pp_rank``, plus ``10 * dp_rank`` when ``data_parallel_random_init`` (data-parallel replicas
     initialised differently), as Megatron's training loop computes it. Ranks come from the collection's ``pp``
     (and ``dp``) groups; an UNSET field or a missing collection reads the global grid, with a
-    :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
+    :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (:func:`~pgregistry.resolver.resolve_collection`).
     """
-    names = ("pp", "dp") if data_parallel_random_init else ("pp",)
-    groups = resolve_process_groups(pg_collection, names, owner="base_seed_for_rank")
+    names: tuple[GroupName, ...] = ("pp", "dp") if data_parallel_random_init else ("pp",)
+    owner = "base_seed_for_rank"
+    groups = resolve_process_groups(resolve_collection(pg_collection, owner=owner), names, owner=owner)
     dp_rank = group_rank(groups["dp"]) if data_parallel_random_init else 0
     return _base_seed(seed, group_rank(groups["pp"]), dp_rank, data_parallel_random_init)
 
@@ -284,11 +286,13 @@ def model_parallel_manual_seed(
     ``tracker`` (default: :func:`get_rng_tracker`) is reset, its generators are seeded with the data-parallel
     seed (the stream outside any fork), and the streams of :func:`tracker_seeds` are added. Ranks are read from
     the groups of ``pg_collection``: ``tp``, ``ep``, ``expt_tp``, ``gtp_remat`` and ``expt_gtp_remat``, where
-    ``None`` is an axis that is off (rank 0 of 1). An UNSET field or a missing collection reads the global grid
-    and warns (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`; the GTP-remat fallback warns only when
-    the global axis has more than one rank).
+    ``None`` is an axis that is off (rank 0 of 1). A missing collection is the global grid, with a warning
+    (:func:`~pgregistry.resolver.resolve_collection`); an UNSET field reads the global grid and warns
+    (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`; the GTP-remat fallback warns only when the global
+    axis has more than one rank).
     """
     owner = "model_parallel_manual_seed"
+    pg_collection = resolve_collection(pg_collection, owner=owner)
     groups = resolve_process_groups(pg_collection, ("tp", "ep", "expt_tp"), owner=owner)
     gtp = resolve_gtp_remat_group(pg_collection, False, owner=owner)
     egtp = resolve_gtp_remat_group(pg_collection, True, owner=owner)

@@ -20,9 +20,10 @@ import attrs
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import UNSET, ProcessGroupCollection, Unset, group_rank
+from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_rank
 from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
 from pgregistry.params import is_expert_param
+from pgregistry.resolver import resolve_collection
 
 __all__ = [
     "StatsGroups",
@@ -58,22 +59,19 @@ class StatsGroups:
         ``tp`` must be set (``None`` when TP is off): ``ValueError`` otherwise. An unset ``expt_tp`` is ``tp``
         (expert TP defaults to TP). Unset ``gtp_remat``/``expt_gtp_remat`` resolve through
         :func:`~pgregistry.fallback.resolve_gtp_remat_group`, as the model's layers resolve them. ``mp`` and
-        ``tp_ep_pp`` must be set (``ValueError`` naming the field). ``pg_collection=None`` reads every group from
-        the global grid, with a fallback warning per group.
+        ``tp_ep_pp`` must be set (``ValueError`` naming the field). ``pg_collection=None`` is the global grid, with a
+        fallback warning (:func:`~pgregistry.resolver.resolve_collection`).
         """
         owner = "StatsGroups.from_collection"
-        if pg_collection is None:
-            found = resolve_process_groups(None, ("tp", "expt_tp", "mp", "tp_ep_pp"), owner=owner)
-            tp, expt_tp, mp, tp_ep_pp = found["tp"], found["expt_tp"], found["mp"], found["tp_ep_pp"]
-        else:
-            for name in ("tp", "mp", "tp_ep_pp"):
-                if not pg_collection.is_set(name):
-                    raise ValueError(
-                        f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
-                        "the axis is off) so a duplicate filter never reads the global grid for it"
-                    )
-            tp, mp, tp_ep_pp = pg_collection.get("tp"), pg_collection.get("mp"), pg_collection.get("tp_ep_pp")
-            expt_tp = pg_collection.get("expt_tp") if pg_collection.is_set("expt_tp") else tp
+        pg_collection = resolve_collection(pg_collection, owner=owner)
+        for name in ("tp", "mp", "tp_ep_pp"):
+            if not pg_collection.is_set(name):
+                raise ValueError(
+                    f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
+                    "the axis is off) so a duplicate filter never reads the global grid for it"
+                )
+        tp, mp, tp_ep_pp = pg_collection.get("tp"), pg_collection.get("mp"), pg_collection.get("tp_ep_pp")
+        expt_tp = pg_collection.get_or("expt_tp", tp)
         return cls(
             tp=tp,
             expt_tp=expt_tp,
@@ -111,7 +109,7 @@ def param_is_not_tensor_parallel_duplicate(
     if group is UNSET:
         if not use_global_fallback:
             raise ValueError(_omitted_message("expert_tp_group" if expert else "tp_group"))
-        field = "expt_tp" if expert else "tp"
+        field: GroupName = "expt_tp" if expert else "tp"
         group = resolve_process_groups(None, (field,), owner="param_is_not_tensor_parallel_duplicate")[field]
     return group_rank(group) == 0
 

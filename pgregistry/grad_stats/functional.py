@@ -15,6 +15,7 @@ from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats.filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats.reductions import clip_grads_, norm_of_grads, zeros_of_grads
 from pgregistry.params import ParamsLike, check_expert_classification, model_chunks_of, named_parameters_of
+from pgregistry.resolver import resolve_collection
 
 __all__ = ["classify_grads", "clip_grad_norm_", "count_zeros", "grad_norm"]
 
@@ -34,13 +35,19 @@ def classify_grads(
     return buckets
 
 
-def _checked_params(model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> list[torch.Tensor]:
-    """The parameters of ``model_or_params``; for a model or model chunks, refuse unclassified expert parameters
-    first."""
+def _resolved(
+    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
+) -> tuple[StatsGroups, list[torch.Tensor]]:
+    """The statistics groups and the parameters of ``model_or_params``, after refusing unclassified expert
+    parameters however they were passed (:func:`~pgregistry.params.check_expert_classification`).
+
+    The collection is resolved once (:func:`~pgregistry.resolver.resolve_collection`): explicit, else attached to
+    the model, else the global grid with a warning."""
     chunks = model_chunks_of(model_or_params)
-    if chunks:
-        check_expert_classification(chunks, pg_collection)
-    return [param for _, param in named_parameters_of(model_or_params)]
+    named = named_parameters_of(model_or_params)  # consumes an iterator, once
+    collection = resolve_collection(pg_collection, chunks or None, owner=owner)
+    check_expert_classification(chunks or dict(named), collection)
+    return StatsGroups.from_collection(collection), [param for _, param in named]
 
 
 def grad_norm(
@@ -48,19 +55,21 @@ def grad_norm(
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of the grads of ``params`` (a model, its parameters, ...) on its collection.
 
-    Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`). Given a
-    model or model chunks, parameters of a marked expert module without an EP classification raise ``ValueError`` first
-    (:func:`~pgregistry.params.check_expert_classification`). Collective over the collection's ``mp`` and
+    Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`). Parameters of
+    a marked expert module without an EP classification raise ``ValueError`` first, whether ``params`` is a
+    model, its chunks or its parameters (:func:`~pgregistry.params.check_expert_classification`). An omitted
+    collection is the one attached to the model, else the global grid with a warning
+    (:func:`~pgregistry.resolver.resolve_collection`). Collective over the collection's ``mp`` and
     ``tp_ep_pp`` groups. Returns a 0-dim float32 tensor on the grads' device.
     """
-    groups = StatsGroups.from_collection(pg_collection)
-    return norm_of_grads(classify_grads(_checked_params(params, pg_collection), groups), norm_type)
+    groups, param_list = _resolved(params, pg_collection, "grad_norm")
+    return norm_of_grads(classify_grads(param_list, groups), norm_type)
 
 
 def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> int:
     """The global number of zero grad elements of ``params``, each distinct element counted once."""
-    groups = StatsGroups.from_collection(pg_collection)
-    return int(zeros_of_grads(classify_grads(_checked_params(params, pg_collection), groups)).item())
+    groups, param_list = _resolved(params, pg_collection, "count_zeros")
+    return int(zeros_of_grads(classify_grads(param_list, groups)).item())
 
 
 def clip_grad_norm_(
@@ -74,8 +83,7 @@ def clip_grad_norm_(
 
     Every grad is scaled, the duplicates too, so replicas stay identical.
     """
-    groups = StatsGroups.from_collection(pg_collection)
-    param_list = _checked_params(params, pg_collection)
+    groups, param_list = _resolved(params, pg_collection, "clip_grad_norm_")
     total = norm_of_grads(classify_grads(param_list, groups), norm_type)
     clip_grads_([param.grad for param in param_list if param.grad is not None], max_norm, total)
     return total

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import UNSET, ProcessGroupCollection, Unset, group_size
+from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
 from pgregistry.fallback import resolve_process_groups
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
 Group = ProcessGroup | None
 """A validated group: a ProcessGroup or ``None`` (the axis is off)."""
 
-_DATA_PARALLEL: Final = ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "inter_dist_opt")
+_DATA_PARALLEL: Final[tuple[GroupName, ...]] = ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "inter_dist_opt")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -197,7 +197,7 @@ def _validated_data_parallel(
     }
 
 
-def _require(pg_collection: ProcessGroupCollection, name: str, how: str, *, when: str = "") -> None:
+def _require(pg_collection: ProcessGroupCollection, name: GroupName, how: str, *, when: str = "") -> None:
     if not pg_collection.is_set(name):
         condition = f" {when}" if when else ""
         raise ValueError(f"{name} process group is required{condition} but not set in pg_collection: {how}")
