@@ -25,7 +25,7 @@ from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
 from pgregistry.optim.setup import setup_process_groups_for_optimizer
 from pgregistry.optim.sharded import ShardedOptimizer
 from pgregistry.params import check_expert_classification, is_expert_param, named_parameters_of
-from pgregistry.registry import collection_of
+from pgregistry.resolver import resolve_collection
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -71,8 +71,9 @@ def build_optimizer(
 ) -> ChainedOptimizer:
     """A :class:`~pgregistry.optim.ChainedOptimizer` over the trainable parameters of ``model`` (or model chunks).
 
-    ``pg_collection`` defaults to the collection attached to the model (:func:`pgregistry.registry.attach`), then
-    to the global grid (with fallback warnings). Dense parameters go to one child (grads reduced over ``dp_cp``,
+    ``pg_collection`` defaults to the collection attached to the model (:func:`pgregistry.registry.attach`; looked
+    up through ``.module`` wrappers, the same on every chunk), then to the global grid with a fallback warning
+    (:func:`pgregistry.resolver.resolve_collection`). Dense parameters go to one child (grads reduced over ``dp_cp``,
     statistics over ``mp``), routed experts (``allreduce=False``) to another (``expt_dp``, ``tp_ep_pp``); a sharded
     build shards each child over its data-parallel group and reduces statistics over ``intra_dist_opt``. A child
     exists when any rank of its statistics group has parameters of its kind, so every rank issues the same
@@ -86,8 +87,7 @@ def build_optimizer(
     optimizer needs (naming it), or a model without trainable parameters.
     """
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    if pg_collection is None:
-        pg_collection = collection_of(chunks[0], None)
+    pg_collection = resolve_collection(pg_collection, chunks, owner="build_optimizer")
     check_expert_classification(chunks, pg_collection)
     process_groups = setup_process_groups_for_optimizer(
         pg_collection, chunks, use_distributed_optimizer=sharded

@@ -7,14 +7,15 @@ they need was provided: ``dp`` always; ``dp_cp``, which may default to ``dp`` on
 ``tp_ep_pp`` for an optimizer, ``tp``, ``pp`` and ``ep`` for DDP. A missing group raises ``ValueError`` naming it
 and saying how to provide it, so a model on its own grid never silently optimises on another grid's groups.
 
-Without a collection both read the global grid through :mod:`pgregistry.fallback`, which warns with
-:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` for each group read (the deprecated path).
+Without a collection both use the one attached to the model, else the global grid with a
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (:func:`pgregistry.resolver.resolve_collection`; the
+deprecated path).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import attrs
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
-from pgregistry.fallback import resolve_process_groups
+from pgregistry.resolver import resolve_collection
 
 __all__ = [
     "DDPProcessGroups",
@@ -34,7 +35,6 @@ __all__ = [
 Group = ProcessGroup | None
 """A validated group: a ProcessGroup or ``None`` (the axis is off)."""
 
-_DATA_PARALLEL: Final[tuple[GroupName, ...]] = ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "inter_dist_opt")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -88,35 +88,36 @@ def setup_process_groups_for_optimizer(
     ``dp``; ``expt_dp`` set (``None`` allowed); ``intra_dist_opt`` set when ``use_distributed_optimizer``;
     ``intra_dp_cp`` and ``intra_expt_dp`` set when ``inter_dist_opt`` spans several optimizer instances (they
     default to ``dp_cp`` and ``expt_dp`` for one instance); ``mp`` and ``tp_ep_pp`` set (``None`` allowed);
-    ``use_gloo`` false. Each failure raises ``ValueError`` naming the group.
+    ``use_gloo`` only on the global grid. Each failure raises ``ValueError`` naming the group.
 
-    Without a collection every group is read from the global grid (warning); ``use_gloo`` then requires the
-    global grid's data-parallel groups to be gloo groups.
+    ``pg_collection`` defaults to the collection attached to ``model_chunks``, else the global grid with a
+    warning (:func:`~pgregistry.resolver.resolve_collection`). ``use_gloo`` needs the global grid, built with
+    gloo data-parallel groups.
     """
     owner = "setup_process_groups_for_optimizer"
-    if pg_collection is None:
-        names = (*_DATA_PARALLEL, "intra_dist_opt", "mp", "tp_ep_pp")
-        found = resolve_process_groups(None, names, owner=owner)
-        return OptimizerProcessGroups(
-            **found,
-            intra_dp_cp_gloo=_gloo_group(found["intra_dp_cp"], "intra_dp_cp", use_gloo),
-            intra_expt_dp_gloo=_gloo_group(found["intra_expt_dp"], "intra_expt_dp", use_gloo),
-        )
-    groups = _validated_data_parallel(pg_collection, model_chunks, distributed_optimizer=use_distributed_optimizer)
+    collection = resolve_collection(pg_collection, model_chunks, owner=owner)
+    groups = _validated_data_parallel(collection, model_chunks, distributed_optimizer=use_distributed_optimizer)
     for name in ("mp", "tp_ep_pp"):
-        _require(pg_collection, name, "set it to None if the model does not need it")
-    if use_gloo:
+        _require(collection, name, "set it to None if the model does not need it")
+    if use_gloo and collection is not _global_grid():
         raise ValueError(
-            "gloo process groups are not supported when pg_collection is given; pass use_gloo=False (build a "
-            "gloo layout with pgregistry.build(..., backend='gloo') if CPU-side groups are needed)"
+            "gloo process groups are read from the global grid only, and this model's collection is another one; "
+            "pass use_gloo=False (build a gloo layout with pgregistry.build(..., backend='gloo') if CPU-side groups "
+            "are needed)"
         )
     return OptimizerProcessGroups(
         **groups,
-        mp=pg_collection.get("mp"),
-        tp_ep_pp=pg_collection.get("tp_ep_pp"),
-        intra_dp_cp_gloo=None,
-        intra_expt_dp_gloo=None,
+        mp=collection.get("mp"),
+        tp_ep_pp=collection.get("tp_ep_pp"),
+        intra_dp_cp_gloo=_gloo_group(groups["intra_dp_cp"], "intra_dp_cp", use_gloo),
+        intra_expt_dp_gloo=_gloo_group(groups["intra_expt_dp"], "intra_expt_dp", use_gloo),
     )
+
+
+def _global_grid() -> ProcessGroupCollection | None:
+    from pgregistry import registry
+
+    return registry.global_collection_or_none()
 
 
 def setup_process_groups_for_ddp(
@@ -126,12 +127,11 @@ def setup_process_groups_for_ddp(
     """Validate and return the groups a DDP wrapper of ``model_chunks`` needs from ``pg_collection``.
 
     The data-parallel checks of :func:`setup_process_groups_for_optimizer` (``dp``, ``dp_cp``, ``expt_dp``,
-    the optimizer-instance groups), then ``tp``, ``pp`` and ``ep`` must all be set (``None`` allowed). Without
-    a collection every group is read from the global grid (warning).
+    the optimizer-instance groups), then ``tp``, ``pp`` and ``ep`` must all be set (``None`` allowed).
+    ``pg_collection`` defaults to the collection attached to ``model_chunks``, else the global grid with a
+    warning (:func:`~pgregistry.resolver.resolve_collection`).
     """
-    if pg_collection is None:
-        names = (*_DATA_PARALLEL, "tp", "pp", "ep")
-        return DDPProcessGroups(**resolve_process_groups(None, names, owner="setup_process_groups_for_ddp"))
+    pg_collection = resolve_collection(pg_collection, model_chunks, owner="setup_process_groups_for_ddp")
     groups = _validated_data_parallel(pg_collection, model_chunks, distributed_optimizer=False)
     groups.pop("intra_dist_opt")
     missing = [name for name in ("tp", "pp", "ep") if not pg_collection.is_set(name)]

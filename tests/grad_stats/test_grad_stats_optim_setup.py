@@ -56,7 +56,7 @@ def test_optimizer_validation_order() -> None:
         )
     )
     assert seen == ["dp", "dp_cp", "expt_dp", "intra_dist_opt", "mp", "tp_ep_pp"]
-    assert last.startswith("gloo process groups are not supported when pg_collection is given")
+    assert last.startswith("gloo process groups are read from the global grid only")
     groups = setup_process_groups_for_optimizer(ProcessGroupCollection(**fields), use_distributed_optimizer=True)
     assert isinstance(groups, OptimizerProcessGroups)
     assert groups.dp_cp is None and groups.intra_dist_opt is None and groups.intra_dp_cp_gloo is None
