@@ -219,11 +219,13 @@ def _check_fields(groups: Mapping[str, object]) -> None:
     """``TypeError`` for a field that is not a group, ``None`` or UNSET; ``ValueError`` for a composite group
     whose size disagrees with its axes. Imports nothing: a group exists only when torch is already loaded."""
     for name, value in groups.items():
-        if name == "hcp" and isinstance(value, list):
+        if name != "hcp":
+            _check_group_type(name, value, allow_none=True)
+        elif isinstance(value, list):
             for index, item in enumerate(value):
                 _check_group_type(f"hcp[{index}]", item, allow_none=False)
-        else:
-            _check_group_type(name, value, allow_none=True)
+        elif value is not None and value is not UNSET:
+            raise TypeError(f"field 'hcp' must be a list of torch ProcessGroups, None or UNSET; got {value!r}")
     for composite, axes in COMPOSITE_AXES.items():
         group = groups.get(composite, UNSET)
         if group is UNSET:
@@ -253,8 +255,6 @@ def _check_group_type(name: str, value: object, *, allow_none: bool) -> None:
     if process_group is not None and isinstance(value, process_group):
         return
     expected = "a torch ProcessGroup" + (", None (axis off) or UNSET" if allow_none else "")
-    if name == "hcp":
-        expected = "a list of torch ProcessGroups, None (off) or UNSET"
     hint = " (torch's NON_GROUP_MEMBER: this process is not a member of that group)" if isinstance(value, int) else ""
     raise TypeError(f"process group field {name!r} must be {expected}; got {type(value).__name__} {value!r}{hint}")
 

@@ -1,0 +1,105 @@
+"""A collection checks itself when built: field types, and composite groups against the axes they span.
+
+Before these checks a collection held anything (``ProcessGroupCollection(tp=5, ep="oops")`` built, and its
+``repr`` crashed), and a collection whose ``tp`` was ``None`` while its ``mp`` group spanned the 2 TP ranks gave a
+grad norm of 2.83 instead of 2.0: both ranks counted the replicated grad as rank 0 of an axis that was off, and
+``mp`` summed them.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from core_support import SizeRankGroup
+from torch import nn
+
+from pgregistry import ParallelLayout, ProcessGroupCollection, registry
+from pgregistry.collection import COMPOSITE_AXES, UNSET
+from pgregistry.grad_stats import grad_norm
+from pgregistry.testing import run_world
+
+
+def test_a_field_that_is_not_a_group_is_a_type_error_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"field 'tp' must be a torch ProcessGroup, None \(axis off\) or UNSET; got int"):
+        ProcessGroupCollection(tp=5, ep="oops")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"field 'ep' .* got str 'oops'"):
+        ProcessGroupCollection(tp=None, ep="oops")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"field 'hcp\[1\]' must be a torch ProcessGroup; got NoneType"):
+        ProcessGroupCollection(hcp=[SizeRankGroup(2), None])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"field 'hcp' must be a list of torch ProcessGroups"):
+        ProcessGroupCollection(hcp=SizeRankGroup(2))
+    with pytest.raises(TypeError, match="NON_GROUP_MEMBER"):
+        ProcessGroupCollection(dp=-100)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"field 'cp'"):
+        ProcessGroupCollection(tp=None).evolve(cp=object())  # type: ignore[arg-type]
+
+
+def test_composite_groups_are_listed_from_the_layout_kinds() -> None:
+    assert COMPOSITE_AXES["mp"] == ("tp", "gtp_remat", "pp")
+    assert COMPOSITE_AXES["tp_cp"] == ("tp", "cp")
+    assert COMPOSITE_AXES["dp_cp"] == ("dp", "cp")
+    assert COMPOSITE_AXES["tp_dp_cp"] == ("tp", "dp", "cp")
+    assert COMPOSITE_AXES["tp_ep"] == ("expt_tp", "ep")
+    assert COMPOSITE_AXES["tp_ep_pp"] == ("expt_tp", "expt_gtp_remat", "ep", "pp")
+
+
+def test_a_composite_group_larger_than_its_axes_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"'mp' spans 2 rank\(s\), but it spans the axes tp \(off\), gtp_remat \(off\), "
+                                         r"pp \(off\), so its size must be 1"):
+        ProcessGroupCollection(tp=None, gtp_remat=None, pp=None, mp=SizeRankGroup(2))
+    with pytest.raises(ValueError, match=r"'tp_ep' spans 4 .* expt_tp \(2\), ep \(off\)"):
+        ProcessGroupCollection(expt_tp=SizeRankGroup(2), ep=None, tp_ep=SizeRankGroup(4))
+    # Some axes unset: the set ones must still divide the composite.
+    with pytest.raises(ValueError, match=r"'dp_cp' spans 2 .* dp \(4\), cp \(unset\), so its size must be a multiple"):
+        ProcessGroupCollection(dp=SizeRankGroup(4), dp_cp=SizeRankGroup(2))
+
+
+def test_consistent_composites_are_accepted() -> None:
+    ProcessGroupCollection(tp=SizeRankGroup(2), gtp_remat=None, pp=SizeRankGroup(2), mp=SizeRankGroup(4))
+    ProcessGroupCollection(tp=SizeRankGroup(2), mp=SizeRankGroup(4))  # pp and gtp_remat unset: 4 is a multiple
+    ProcessGroupCollection(tp=None, gtp_remat=None, pp=None, mp=None)
+    ProcessGroupCollection(mp=SizeRankGroup(8))  # no axis given: nothing to compare with
+    assert ProcessGroupCollection(tp=SizeRankGroup(2)).evolve(tp=UNSET, mp=SizeRankGroup(2)).is_set("mp")
+
+
+def test_checking_imports_no_torch() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, pgregistry\n"
+         "from pgregistry import ProcessGroupCollection\n"
+         "try:\n    ProcessGroupCollection(tp=5)\nexcept TypeError:\n    pass\n"
+         "ProcessGroupCollection(tp=None, mp=None)\n"
+         "assert 'torch' not in sys.modules\n"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+GRAD = torch.tensor([1.2, -0.4, 0.9, 1.3, 0.0, -0.6, 0.5, 0.3], dtype=torch.float64)
+"""The grad of one parameter replicated across TP (not TP-sharded): counted once, its norm is the true norm."""
+
+
+def _tp_off_but_mp_on() -> dict[str, Any]:
+    grid = registry.build(ParallelLayout(world_size=2, tp=2))
+    model = nn.Linear(8, 1, bias=False)  # replicated across the 2 TP ranks, identical grads
+    model.weight.grad = GRAD.reshape(1, 8).float().clone()
+    out: dict[str, Any] = {"norm": float(grad_norm(model, grid).item())}
+    try:
+        # TP off, but the model-parallel group still spans the 2 TP ranks (the other TP composites left out).
+        grid.evolve(tp=None, tp_cp=UNSET, tp_dp_cp=UNSET)
+        out["tp_off"] = "built"
+    except ValueError as exc:
+        out["tp_off"] = str(exc)
+    return out
+
+
+def test_tp_off_while_mp_spans_two_ranks_is_refused_instead_of_a_wrong_norm() -> None:
+    oracle = math.sqrt(float((GRAD**2).sum()))  # the one replicated grad, counted once
+    for out in run_world(2, _tp_off_but_mp_on):
+        assert out["norm"] == pytest.approx(oracle, rel=1e-6)
+        assert out["tp_off"].startswith("process group 'mp' spans 2 rank(s), but it spans the axes tp (off)")
