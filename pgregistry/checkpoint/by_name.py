@@ -10,7 +10,7 @@ Every parameter and its optimizer state are keyed by the parameter's global name
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import attrs
 import torch
@@ -19,8 +19,13 @@ from torch import nn
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key, model_collection, named_global_parameters
 from pgregistry.fallback import resolve_process_groups
+from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
 
 __all__ = ["load_optimizer_state_by_name", "state_by_name"]
+
+Optimizer: TypeAlias = torch.optim.Optimizer | ParamStateOptimizer
+"""What the checkpoint functions accept: a ``torch.optim.Optimizer``, or any optimizer pgregistry builds (each is a
+:class:`~pgregistry.optim.ParamStateOptimizer`: mixed-precision, sharded or chained)."""
 
 _MODEL: Final = "model/"
 
@@ -72,27 +77,27 @@ def _model(
     return _Model(params, group_rank(groups["dp_cp"]) == 0, group_rank(groups["expt_dp"]) == 0)
 
 
-def _optimizer_names(optimizer: torch.optim.Optimizer, model: _Model) -> list[tuple[str, nn.Parameter]]:
+def _named_state(optimizer: Optimizer, model: _Model) -> list[tuple[str, ParamState]]:
+    """``(global name, whole state)`` of every parameter ``optimizer`` updates (collective for a sharded one)."""
     by_id = {id(param): name for name, param in model.params.items()}
-    out: list[tuple[str, nn.Parameter]] = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) not in by_id:
-                raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} not in the model")
-            out.append((by_id[id(param)], param))
+    out: list[tuple[str, ParamState]] = []
+    for param, state in as_param_state_optimizer(optimizer).param_state().items():
+        if id(param) not in by_id:
+            raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} not in the model")
+        out.append((by_id[id(param)], state))
     return out
 
 
-def _flat_state(model: _Model, optimizer: torch.optim.Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
+def _flat_state(model: _Model, optimizer: Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         if not primary_only or model.writes(name):
             flat[_MODEL + name] = param.detach()
     if optimizer is not None:
-        for name, param in _optimizer_names(optimizer, model):
+        for name, state in _named_state(optimizer, model):
             if primary_only and not model.writes(name):
                 continue
-            for key, value in optimizer.state.get(param, {}).items():
+            for key, value in state.items():
                 flat[f"{_OPTIMIZER}{name}/{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
     return flat
 
@@ -117,7 +122,7 @@ def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 def state_by_name(
     model_chunks: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizer | None = None,
     *,
     pg_collection: ProcessGroupCollection | None = None,
     num_experts: int | None = None,
@@ -135,7 +140,7 @@ def state_by_name(
     return _nested(_flat_state(model, optimizer, primary_only=primary_only))
 
 
-def _apply(model: _Model, optimizer: torch.optim.Optimizer | None, lookup: Mapping[str, Any]) -> None:
+def _apply(model: _Model, optimizer: Optimizer | None, lookup: Mapping[str, Any]) -> None:
     """Copy every parameter (all required) and optimizer state (where present) from flat ``lookup``."""
     nested = _nested(lookup)
     missing = [name for name in model.params if name not in nested["model"]]
@@ -156,7 +161,7 @@ def _apply(model: _Model, optimizer: torch.optim.Optimizer | None, lookup: Mappi
 
 
 def load_optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     model_chunks: nn.Module | Sequence[nn.Module],
     state: Mapping[str, Mapping[str, Any]],
     *,
@@ -168,25 +173,18 @@ def load_optimizer_state_by_name(
     part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
 
     Parameters without an entry get an empty state (as before their first step). The values are copied and go
-    through ``optimizer.load_state_dict``, which casts floating state to each parameter's dtype and device.
+    through the inner ``load_state_dict``, which casts floating state to each parameter's dtype and device. Load
+    the model parameters first: a main copy without a saved ``main_param`` is taken from its parameter.
     """
     model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_optimizer_state_by_name")
     _load_optimizer(optimizer, model, state)
 
 
-def _load_optimizer(
-    optimizer: torch.optim.Optimizer, model: _Model, state: Mapping[str, Mapping[str, Any]]
-) -> None:
-    current = optimizer.state_dict()
-    # state_dict() numbers the parameters in param_groups order, the order _optimizer_names walks them in.
-    ids = [pid for group in current["param_groups"] for pid in group["params"]]
-    named = _optimizer_names(optimizer, model)
-    current["state"] = {
-        pid: {key: _copy(value) for key, value in state[name].items()}
-        for pid, (name, _) in zip(ids, named, strict=True)
-        if state.get(name)
+def _load_optimizer(optimizer: Optimizer, model: _Model, state: Mapping[str, Mapping[str, Any]]) -> None:
+    by_param: dict[torch.Tensor, Mapping[str, Any]] = {
+        param: state[name] for name, param in model.params.items() if state.get(name)
     }
-    optimizer.load_state_dict(current)
+    as_param_state_optimizer(optimizer).load_param_state(by_param)
 
 
 def _copy(value: Any) -> Any:

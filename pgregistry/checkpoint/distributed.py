@@ -12,10 +12,10 @@ from torch import nn
 from pgregistry.checkpoint.by_name import (
     _MODEL,
     _OPTIMIZER,
+    Optimizer,
     _apply,
     _flat_state,
     _model,
-    _optimizer_names,
     _split_optimizer_key,
 )
 from pgregistry.collection import ProcessGroupCollection
@@ -26,7 +26,7 @@ __all__ = ["load_distributed", "save_distributed"]
 def save_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizer | None = None,
     *,
     pg_collection: ProcessGroupCollection | None = None,
     num_experts: int | None = None,
@@ -42,7 +42,7 @@ def save_distributed(
 def load_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizer | None = None,
     *,
     pg_collection: ProcessGroupCollection | None = None,
     num_experts: int | None = None,
@@ -59,7 +59,7 @@ def load_distributed(
         if _MODEL + name in metadata:
             destination[_MODEL + name] = torch.empty_like(param.detach())
     if optimizer is not None:
-        wanted = {name for name, _ in _optimizer_names(optimizer, model)}
+        wanted = set(model.params)
         for key, entry in metadata.items():
             if key.startswith(_OPTIMIZER) and _split_optimizer_key(key)[0] in wanted:
                 if isinstance(entry, TensorStorageMetadata):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry.checkpoint.by_name import _apply, _flat_state, _model
+from pgregistry.checkpoint.by_name import Optimizer, _apply, _flat_state, _model
 from pgregistry.collection import ProcessGroupCollection
 
 __all__ = ["load_rank_files", "save_rank_files"]
@@ -34,7 +34,7 @@ def _world() -> tuple[int, int]:
 def save_rank_files(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizer | None = None,
     *,
     pg_collection: ProcessGroupCollection | None = None,
     num_experts: int | None = None,
@@ -94,7 +94,7 @@ def _read_rank_files(directory: Path) -> dict[str, Any]:
 def load_rank_files(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizer | None = None,
     *,
     pg_collection: ProcessGroupCollection | None = None,
     num_experts: int | None = None,

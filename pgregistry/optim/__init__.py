@@ -15,6 +15,7 @@ from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim.builder import build_optimizer, inner_factory
 from pgregistry.optim.chained import ChainedOptimizer
 from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
+from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
 from pgregistry.optim.setup import setup_process_groups_for_ddp, setup_process_groups_for_optimizer
 from pgregistry.optim.sharded import ShardedOptimizer
 
@@ -24,7 +25,10 @@ __all__ = [
     "InnerFactory",
     "MixedPrecisionOptimizer",
     "ParamNameFn",
+    "ParamState",
+    "ParamStateOptimizer",
     "ShardedOptimizer",
+    "as_param_state_optimizer",
     "build_optimizer",
     "inner_factory",
     "setup_process_groups_for_ddp",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -45,6 +45,7 @@ from pgregistry.grad_buffer import (
     span_zero_counts,
 )
 from pgregistry.grad_stats import backend_device, clip_grads_, set_duplicate_filter_groups
+from pgregistry.optim.param_state import ParamState
 from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
 from pgregistry.params import is_expert_param
 
@@ -224,6 +225,14 @@ class FlatOptimizer(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same layout, same names)."""
+
+    @abc.abstractmethod
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        """Model parameter -> its whole optimizer state (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
+
+    @abc.abstractmethod
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Restore :meth:`param_state` output of any layout (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
 
 
 def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:

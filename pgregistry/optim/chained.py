@@ -10,7 +10,7 @@ coefficient of the total norm.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from pgregistry.grad_buffer import GroupKey, reduce_norm_terms, reduce_zero_counts
 from pgregistry.grad_stats import clip_grads_
 from pgregistry.optim.base import FlatOptimizer, combine_norms
+from pgregistry.optim.param_state import ParamState
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -102,3 +103,15 @@ class ChainedOptimizer:
             )
         for child, child_state in zip(self.chained_optimizers, children, strict=True):
             child.load_state_dict(child_state)
+
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state` (collective where a child's is)."""
+        merged: dict[torch.Tensor, ParamState] = {}
+        for child in self.chained_optimizers:
+            merged.update(child.param_state())
+        return merged
+
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Each child restores the state of its own parameters from ``state``."""
+        for child in self.chained_optimizers:
+            child.load_param_state(state)

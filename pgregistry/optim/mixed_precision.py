@@ -9,7 +9,7 @@ the optimizer steps the model parameters in their own dtype (plain full- or low-
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_buffer import GradBuffer, all_reduce_grads_
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
+from pgregistry.optim.param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim.setup import OptimizerProcessGroups
 from pgregistry.params import copy_param_roles
 
@@ -128,4 +129,26 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             main.copy_(saved[name])
         if self.inner is not None:
             self.inner.load_state_dict(state_dict["inner"])
+        self._copy_main_to_model()
+
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        """Model parameter -> its inner state, plus its main copy (``main_param``) when it has one."""
+        inner = self.inner.state if self.inner is not None else {}
+        out: dict[torch.Tensor, ParamState] = {}
+        for param, main in zip(self.params, self.main_params, strict=True):
+            entry = dict(inner.get(main, {}))
+            if main is not param:
+                entry[MAIN_PARAM] = main.detach()
+            out[param] = entry
+        return out
+
+    @torch.no_grad()
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Restore :meth:`param_state` output; a main copy without a saved ``main_param`` is its parameter's value."""
+        for param, main in self._copies:
+            main.copy_(state.get(param, {}).get(MAIN_PARAM, param))
+        if self.inner is not None:
+            keys = [tensor for group in self.inner.param_groups for tensor in group["params"]]
+            model_param = dict(zip(self.main_params, self.params, strict=True))
+            load_inner_state(self.inner, keys, state, rename=model_param)
         self._copy_main_to_model()

@@ -15,7 +15,7 @@ The inner update rule must be elementwise (Adam, AdamW, SGD): it sees only piece
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
+from pgregistry.optim.param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim.setup import OptimizerProcessGroups
 from pgregistry.params import copy_param_roles
 
@@ -191,3 +192,87 @@ class ShardedOptimizer(FlatOptimizer):
             state = {index: shards[name]["state"] for index, name in enumerate(names) if shards[name]["state"]}
             self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
         self._publish()
+
+    # ------------------------------------------------------------------------------------------- whole state
+
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        """Model parameter -> its whole state, gathered from the pieces of every rank of :attr:`shard_group`
+        (collective: one all-gather of the state's description, one all-reduce per elementwise state key and one
+        for the main copies). Elementwise state (Adam's moments) comes back shaped like the parameter; other
+        values (Adam's ``step``) are those of any piece. ``main_param`` is present when the main copies' dtype
+        differs from the parameters'."""
+        inner = self.inner.state if self.inner is not None else {}
+        index = {id(param): i for i, param in enumerate(self.params)}
+        described: dict[int, dict[str, Any]] = {}  # parameter index -> key -> dtype (elementwise) or value
+        for piece in self._pieces:
+            mine = described.setdefault(index[id(piece.param)], {})
+            for key, value in inner.get(piece.main, {}).items():
+                mine[key] = value.dtype if _elementwise(value, piece.main) else value
+        everyone = [described]
+        if group_size(self.shard_group) > 1:
+            everyone = [{} for _ in range(group_size(self.shard_group))]
+            dist.all_gather_object(everyone, described, group=self.shard_group)
+        merged: dict[int, dict[str, Any]] = {}
+        for rank_described in everyone:
+            for i, keys in rank_described.items():
+                merged.setdefault(i, {}).update(keys)
+        flat_dtypes: dict[str, torch.dtype] = {}
+        for keys in merged.values():
+            for key, value in keys.items():
+                if isinstance(value, torch.dtype) and flat_dtypes.setdefault(key, value) != value:
+                    raise ValueError(f"optimizer state {key!r} has several dtypes ({value}, {flat_dtypes[key]})")
+        flats = {
+            key: self._gathered([inner.get(piece.main, {}).get(key) for piece in self._pieces], dtype)
+            for key, dtype in sorted(flat_dtypes.items())
+        }
+        mains = self._gathered([piece.main for piece in self._pieces], self.buffer.data.dtype)
+        out: dict[torch.Tensor, ParamState] = {}
+        for i, (param, offset) in enumerate(zip(self.params, self.buffer.offsets, strict=True)):
+            whole = slice(offset, offset + param.numel())
+            state: ParamState = {
+                key: flats[key][whole].view(param.shape) if isinstance(value, torch.dtype) else value
+                for key, value in merged.get(i, {}).items()
+            }
+            if mains.dtype != param.dtype:
+                state[MAIN_PARAM] = mains[whole].view(param.shape)
+            out[param] = state
+        return out
+
+    def _gathered(self, values: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor laid out like the buffers, holding every rank's ``values`` (one per piece, or None)."""
+        flat = torch.zeros(self.buffer.numel, dtype=dtype, device=self.buffer.data.device)
+        for piece, value in zip(self._pieces, values, strict=True):
+            if value is not None:
+                flat[piece.start : piece.stop] = value.detach().reshape(-1)
+        if group_size(self.shard_group) > 1:
+            dist.all_reduce(flat, group=self.shard_group)  # pieces are disjoint: the sum is each rank's piece
+        return flat
+
+    @torch.no_grad()
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Cut this rank's pieces from whole :meth:`param_state` output of any layout, restore them and gather
+        the parameters (collective over :attr:`shard_group`). A main copy without a saved ``main_param`` is taken
+        from its parameter, so load the parameters first."""
+        pieces: dict[torch.Tensor, ParamState] = {}
+        for piece in self._pieces:
+            saved = state.get(piece.param, {})
+            cut = slice(piece.offset, piece.offset + piece.stop - piece.start)
+            piece.main.copy_(saved.get(MAIN_PARAM, piece.param).reshape(-1)[cut])
+            pieces[piece.main] = {
+                key: value.reshape(-1)[cut] if _whole_elementwise(value, piece.param) else value
+                for key, value in saved.items()
+                if key != MAIN_PARAM
+            }
+        if self.inner is not None:
+            load_inner_state(self.inner, [piece.main for piece in self._pieces], pieces)
+        self._publish()
+
+
+def _elementwise(value: object, main: torch.Tensor) -> bool:
+    """Whether a piece's state ``value`` has one element per element of the piece (Adam's moments)."""
+    return isinstance(value, torch.Tensor) and value.shape == main.shape
+
+
+def _whole_elementwise(value: object, param: torch.Tensor) -> bool:
+    """Whether a whole parameter's state ``value`` has one element per element of the parameter."""
+    return isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0

@@ -91,9 +91,9 @@ def _on_rank() -> dict[str, Any]:
     unclassified = _model(rank, classify=False)
     for form, params in _forms(unclassified).items():
         out["unclassified"][form] = [
-            _error(lambda: grad_norm(params(), collection)),
-            _error(lambda: count_zeros(params(), collection)),
-            _error(lambda: clip_grad_norm_(params(), 1e9, collection)),
+            _error(lambda params=params: grad_norm(params(), collection)),  # type: ignore[misc]
+            _error(lambda params=params: count_zeros(params(), collection)),  # type: ignore[misc]
+            _error(lambda params=params: clip_grad_norm_(params(), 1e9, collection)),  # type: ignore[misc]
         ]
     out["one_tensor"] = _error(lambda: grad_norm(unclassified.experts.lora, collection))
     classified = _model(rank, classify=True)

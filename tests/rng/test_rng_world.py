@@ -155,7 +155,8 @@ def test_fallback_to_the_global_grid_warns_and_none_means_off() -> None:
 def test_without_any_grid_a_missing_collection_is_an_error() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProcessGroupFallbackWarning)
-        with pytest.raises(RuntimeError, match="model_parallel_manual_seed was not given a ProcessGroupCollection .*no global grid"):
+        missing = "model_parallel_manual_seed was not given a ProcessGroupCollection .*no global grid"
+        with pytest.raises(RuntimeError, match=missing):
             model_parallel_manual_seed(1, tracker=RNGStatesTracker([torch.Generator()]))
     off = ProcessGroupCollection(tp=None, ep=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None)
     tracker = RNGStatesTracker([torch.Generator()])
