@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
-from pgregistry.experts import is_expert_key, model_collection, named_global_parameters
+from pgregistry.experts import is_expert_key, named_global_parameters
 from pgregistry.fallback import resolve_process_groups
 from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
+from pgregistry.resolver import resolve_collection
 
 __all__ = ["load_optimizer_state_by_name", "state_by_name"]
 
@@ -53,7 +54,7 @@ def _model(
     layer_offsets: Sequence[int] | None,
     owner: str,
 ) -> _Model:
-    collection = pg_collection if pg_collection is not None else model_collection(model_chunks)
+    collection = resolve_collection(pg_collection, model_chunks, owner=owner)
     groups = resolve_process_groups(collection, ("ep", "dp_cp", "expt_dp", *_SHARDED_AXES), owner=owner)
     sharded = [name for name in _SHARDED_AXES if group_size(groups[name]) > 1]
     if sharded:

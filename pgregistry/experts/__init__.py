@@ -16,7 +16,7 @@ Nothing here imports torch at load, so the key functions can be used on checkpoi
 
 from __future__ import annotations
 
-from pgregistry.experts.ep import get_ep_rank_and_size, get_model_ep_rank_and_size, model_collection
+from pgregistry.experts.ep import get_ep_rank_and_size, get_model_ep_rank_and_size
 from pgregistry.experts.keys import (
     expert_owner,
     global_expert_index,
@@ -36,6 +36,5 @@ __all__ = [
     "globalize_expert_keys",
     "is_expert_key",
     "localize_expert_keys",
-    "model_collection",
     "named_global_parameters",
 ]

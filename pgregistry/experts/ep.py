@@ -1,68 +1,51 @@
 """The expert-parallel rank and size of this process, from a collection or from the one attached to a model.
 
-Each model reads its own collection, so models on different grids in one process get their own EP layout. A model
-is looked through its wrappers (``.module`` attributes: DDP, mixed-precision wrappers) and over all its chunks.
+Each model reads its own collection, so models on different grids in one process get their own EP layout. An
+omitted collection is resolved by :func:`pgregistry.resolver.resolve_collection` (attached to the model through
+its ``.module`` wrappers and the same on every chunk, else the global grid with a warning, else an error), never
+read as "EP off": on an EP 4 grid that gave every rank's experts the same global names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.fallback import resolve_process_groups
+from pgregistry.resolver import resolve_collection, wrapper_chain
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["get_ep_rank_and_size", "get_model_ep_rank_and_size", "model_collection"]
+__all__ = ["get_ep_rank_and_size", "get_model_ep_rank_and_size"]
 
 
 def get_ep_rank_and_size(pg_collection: ProcessGroupCollection | None) -> tuple[int, int]:
-    """``(ep_rank, ep_size)`` from the collection's ``ep`` group.
+    """``(ep_rank, ep_size)`` from the collection's ``ep`` group; ``ep`` set to ``None`` (EP off) is ``(0, 1)``.
 
-    No collection, or ``ep`` set to ``None`` (EP off), is ``(0, 1)``. An UNSET ``ep`` reads the global grid with a
-    :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
+    No collection is the global grid, with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`, and
+    ``RuntimeError`` without one (:func:`~pgregistry.resolver.resolve_collection`). An UNSET ``ep`` also reads the
+    global grid and warns.
     """
-    if pg_collection is None:
-        return 0, 1
-    return _ep_of(pg_collection, "get_ep_rank_and_size")
+    owner = "get_ep_rank_and_size"
+    return _ep_of(resolve_collection(pg_collection, owner=owner), owner)
 
 
 def get_model_ep_rank_and_size(model_or_chunks: nn.Module | Sequence[nn.Module]) -> tuple[int, int]:
     """``(ep_rank, ep_size)`` from the collection attached to the model (:func:`pgregistry.registry.attach`).
 
-    Each model reads its own collection, so models on different grids in one process get their own EP layout. A
-    model without an attached collection reads the global grid with a fallback warning.
+    The collection is resolved by :func:`~pgregistry.resolver.resolve_collection`: attached to the model (through
+    wrappers, the same on every chunk), else the global grid with a fallback warning.
     """
-    return _ep_of(model_collection(model_or_chunks), "get_model_ep_rank_and_size")
+    owner = "get_model_ep_rank_and_size"
+    return _ep_of(resolve_collection(None, model_or_chunks, owner=owner), owner)
 
 
-def _ep_of(collection: ProcessGroupCollection | None, owner: str) -> tuple[int, int]:
+def _ep_of(collection: ProcessGroupCollection, owner: str) -> tuple[int, int]:
     """Rank and size in the collection's ``ep`` group (the global grid's, with a warning, when not set)."""
     group = resolve_process_groups(collection, ("ep",), owner=owner)["ep"]
     return group_rank(group), group_size(group)
-
-
-def model_collection(model_or_chunks: nn.Module | Sequence[nn.Module]) -> ProcessGroupCollection | None:
-    """The collection attached to a model or its chunks (or to a module they wrap), or ``None``.
-
-    Wrappers are looked through via their ``module`` attribute (DDP, mixed-precision wrappers). Chunks carrying
-    different collections raise ``ValueError``.
-    """
-    from pgregistry import registry
-
-    found: ProcessGroupCollection | None = None
-    for chunk in _as_chunks(model_or_chunks):
-        for module in _wrapper_chain(chunk):
-            collection = registry.collection_of(module, None)
-            if collection is None:
-                continue
-            if found is not None and collection != found:
-                raise ValueError("the model chunks carry different process-group collections; attach one to all")
-            found = collection
-            break
-    return found
 
 
 def _as_chunks(model_or_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -71,18 +54,8 @@ def _as_chunks(model_or_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Modu
     return [model_or_chunks]
 
 
-def _wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
-    """``module``, then what it wraps through ``.module`` attributes (DDP and mixed-precision wrappers)."""
-    seen: set[int] = set()
-    current: Any = module
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = getattr(current, "module", None)
-
-
 def _chain_attribute(module: nn.Module, name: str) -> Any:
-    for inner in _wrapper_chain(module):
+    for inner in wrapper_chain(module):
         value = getattr(inner, name, None)
         if value is not None:
             return value

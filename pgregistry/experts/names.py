@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.experts.ep import _as_chunks, _chain_attribute, _ep_of, model_collection
+from pgregistry.experts.ep import _as_chunks, _chain_attribute, _ep_of
 from pgregistry.experts.keys import _check_ep, _expert_slot, _global_key
 from pgregistry.fallback import resolve_process_groups
+from pgregistry.resolver import resolve_collection
 
 if TYPE_CHECKING:
     import torch
@@ -68,10 +69,11 @@ class _GlobalNamer:
             self._ep = _ep_of(self._collection(), "get_model_ep_rank_and_size")
         return self._ep
 
-    def _collection(self) -> ProcessGroupCollection | None:
-        """``pg_collection``, else the collection attached to the chunks (looked up only when a name needs EP or
-        PP, so a model that needs neither is never asked for one)."""
-        return self._pg_collection if self._pg_collection is not None else model_collection(self._chunks)
+    def _collection(self) -> ProcessGroupCollection:
+        """``pg_collection``, else the collection attached to the chunks, else the global grid with a warning
+        (:func:`~pgregistry.resolver.resolve_collection`); resolved only when a name needs EP or PP, so a model
+        that needs neither is never asked for one."""
+        return resolve_collection(self._pg_collection, self._chunks, owner="named_global_parameters")
 
     def _experts(self, chunk_index: int, local_name: str) -> int:
         if self._num_experts is not None:
@@ -130,8 +132,8 @@ def named_global_parameters(
     only with one chunk and pipeline parallelism off. EP rank and size are ``ep_rank``/``ep_size`` or come from
     the ``ep`` group of ``pg_collection``, read only when a name belongs to an expert; the ``pp`` group, read only
     to tell that pipeline parallelism is off, comes from it too. ``pg_collection`` defaults to the collection
-    attached to the model (:func:`model_collection`); without either the global grid is read, with a fallback
-    warning.
+    attached to the model; without either the global grid is read, with a fallback warning
+    (:func:`~pgregistry.resolver.resolve_collection`).
     ``num_experts`` defaults to the chunk's ``num_experts`` or ``config.num_moe_experts``.
     """
     chunks = _as_chunks(model_chunks)

@@ -19,7 +19,7 @@ from core_support import SizeRankGroup
 from torch import nn
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, registry
-from pgregistry.collection import COMPOSITE_AXES, UNSET
+from pgregistry.collection import UNSET
 from pgregistry.grad_stats import grad_norm
 from pgregistry.testing import run_world
 
@@ -40,6 +40,8 @@ def test_a_field_that_is_not_a_group_is_a_type_error_naming_it() -> None:
 
 
 def test_composite_groups_are_listed_from_the_layout_kinds() -> None:
+    from pgregistry.collection import COMPOSITE_AXES
+
     assert COMPOSITE_AXES["mp"] == ("tp", "gtp_remat", "pp")
     assert COMPOSITE_AXES["tp_cp"] == ("tp", "cp")
     assert COMPOSITE_AXES["dp_cp"] == ("dp", "cp")

@@ -1,0 +1,155 @@
+"""One meaning for an omitted collection, at every entry point (pgregistry.resolver), in real gloo worlds.
+
+Before, ``pg_collection=None`` meant four things: the global grid with a warning (grad statistics, RNG seeding),
+the first chunk's attached collection without looking through wrappers (``build_optimizer``), the attached
+collection through wrappers (expert names, checkpoints), and "EP off" (``get_ep_rank_and_size(None)`` returned
+``(0, 1)`` on every rank of an EP 4 grid, so every rank's experts got the same global names). Now it is always:
+explicit, else attached to the model (through ``.module`` wrappers, the same on every chunk), else the global grid
+with a warning, else an error.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pgregistry import ParallelLayout, ProcessGroupFallbackWarning, registry
+from pgregistry.experts import get_ep_rank_and_size, get_model_ep_rank_and_size, globalize_expert_keys
+from pgregistry.grad_stats import count_zeros, grad_norm
+from pgregistry.optim import build_optimizer
+from pgregistry.params import mark_expert, mark_expert_module
+from pgregistry.testing import run_world
+
+
+class Wrapper(nn.Module):
+    """A DDP-like wrapper: the model is its ``module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def _model() -> nn.Module:
+    model = nn.Module()
+    model.dense = nn.Linear(4, 4, bias=False)
+    model.experts = mark_expert_module(nn.Module())
+    model.experts.w = mark_expert(nn.Parameter(torch.zeros(2, 4)))
+    return model
+
+
+def _outcome(call: Callable[[], object]) -> str:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = call()
+        except (ValueError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+    warned = [str(w.message) for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)]
+    return f"{result!r}" + (f" warned: {warned}" if warned else "")
+
+
+# ------------------------------------------------------------------------------------------------ EP rank
+
+EXPERT_KEY = "layers.0.mlp.experts.local_experts.0.weight"
+
+
+def _ep_on_a_global_ep4_grid() -> dict[str, Any]:
+    out = {"no_grid": _outcome(lambda: get_ep_rank_and_size(None))}
+    registry.initialize_global_grid(ParallelLayout(world_size=4, ep=4, etp=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ep_rank, ep_size = get_ep_rank_and_size(None)
+    out["ep"] = (ep_rank, ep_size)
+    out["warned"] = [str(w.message) for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)]
+    out["key"] = next(iter(globalize_expert_keys({EXPERT_KEY: 0}, 4, ep_rank, ep_size)))
+    return out
+
+
+def test_no_collection_is_the_global_grid_with_a_warning_never_ep_off() -> None:
+    results = run_world(4, _ep_on_a_global_ep4_grid)
+    for rank, out in enumerate(results):
+        assert out["no_grid"].startswith(
+            "RuntimeError: get_ep_rank_and_size was not given a ProcessGroupCollection and no global grid"
+        )
+        assert out["ep"] == (rank, 4)  # EP rank = rank on this layout (ep is the fastest expert axis with etp 1)
+        [warned] = out["warned"]
+        assert warned.startswith("get_ep_rank_and_size was not given a ProcessGroupCollection")
+    keys = [out["key"] for out in results]
+    assert len(set(keys)) == 4  # one global name per rank's expert: nothing overwrites another in a checkpoint
+
+
+# ------------------------------------------------------------------------------------------------ attached
+
+GRADS = {0: [0.5, -1.5, 2.0, 0.25], 1: [3.0, 1.0, -0.5, 0.75]}
+"""The dense weight's grad row on each rank: a replica per data-parallel rank on the model's grid."""
+
+
+def _attached_wins() -> dict[str, Any]:
+    rank = dist.get_rank()
+    registry.initialize_global_grid(ParallelLayout(world_size=2, tp=2))  # another grid: TP 2
+    own = registry.build(ParallelLayout(world_size=2), name="own")  # the model's grid: DP 2, TP off
+    model = _model()
+    registry.attach(model, own)
+    model.dense.weight.grad = torch.tensor(GRADS[rank]).repeat(4, 1)
+    model.experts.w.grad = torch.zeros(2, 4)
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProcessGroupFallbackWarning)  # the attached collection is complete
+        out["norm"] = float(grad_norm(Wrapper(model), None).item())
+        out["zeros"] = count_zeros([Wrapper(model)], None)
+        optimizer = build_optimizer(Wrapper(model), optimizer="sgd", lr=0.1)
+        out["optimizer_on_own_grid"] = all(
+            child.process_groups.dp_cp is own.dp_cp for child in optimizer.chained_optimizers
+        )
+        out["ep"] = get_model_ep_rank_and_size(Wrapper(Wrapper(model)))
+    return out
+
+
+def test_the_collection_attached_to_a_wrapped_model_is_used_by_every_entry_point() -> None:
+    for rank, out in enumerate(run_world(2, _attached_wins)):
+        oracle = math.sqrt(4 * sum(float(g) ** 2 for g in GRADS[rank]))  # the model's own grid: TP off
+        assert out["norm"] == pytest.approx(oracle, rel=1e-6)
+        assert out["zeros"] == 8  # the expert's zero grad; the dense grad has none
+        assert out["optimizer_on_own_grid"]
+        assert out["ep"] == (0, 1)  # the model's own grid has EP off; the global grid's is not read
+
+
+# ------------------------------------------------------------------------------------------------ chunks disagree
+
+
+def _chunks_disagree() -> dict[str, str]:
+    first = registry.build(ParallelLayout(world_size=2, ep=2, etp=1), name="first")
+    second = registry.build(ParallelLayout(world_size=2), name="second")
+    chunks = [_model(), Wrapper(_model())]
+    registry.attach(chunks[0], first)
+    registry.attach(chunks[1].module, second)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.grad = torch.ones_like(param)
+    bare = [chunks[0], _model()]
+    return {
+        "grad_norm": _outcome(lambda: grad_norm(chunks, None)),
+        "build_optimizer": _outcome(lambda: build_optimizer(chunks)),
+        "ep": _outcome(lambda: get_model_ep_rank_and_size(chunks)),
+        "one_bare": _outcome(lambda: build_optimizer(bare)),
+        "nothing": _outcome(lambda: grad_norm(_model(), None)),
+    }
+
+
+def test_chunks_with_different_collections_are_refused_naming_them() -> None:
+    for out in run_world(2, _chunks_disagree):
+        for entry in ("grad_norm", "build_optimizer", "ep"):
+            assert out[entry].startswith(
+                "ValueError: model chunks 0 and 1 carry different process-group collections (ProcessGroupCollection("
+            ), (entry, out[entry])
+        assert "and none attached)" in out["one_bare"]
+        assert out["nothing"].startswith(
+            "RuntimeError: grad_norm was not given a ProcessGroupCollection and the model has no collection attached"
+        )
