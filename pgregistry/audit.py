@@ -221,9 +221,8 @@ def audit_grad_replication(
     classified = norm_of_grads(classify_grads([param for _, param in named], stats))
     measured = norm_of_grads(truth)
     unclassified: tuple[str, ...] = ()
-    chunks = model_chunks_of(model_or_params)
-    if chunks and group_size(axis_groups["ep"]) > 1:
-        unclassified = tuple(unclassified_expert_params(chunks))
+    if group_size(axis_groups["ep"]) > 1:
+        unclassified = tuple(unclassified_expert_params(model_chunks_of(model_or_params) or dict(named)))
     return GradReplicationReport(
         classified_norm=float(classified.item()),
         true_norm=float(measured.item()),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import attrs
 import torch
@@ -74,6 +74,7 @@ class _Built:
 
 
 _RAISE: Any = object()
+D = TypeVar("D")
 
 
 class GroupRegistry:
@@ -220,7 +221,13 @@ class GroupRegistry:
             raise TypeError(f"attach expects a ProcessGroupCollection, got {type(collection).__name__}")
         self._attached[module] = collection
 
-    def collection_of(self, module: nn.Module, default: Any = _RAISE) -> Any:
+    @overload
+    def collection_of(self, module: nn.Module) -> ProcessGroupCollection: ...
+
+    @overload
+    def collection_of(self, module: nn.Module, default: D) -> ProcessGroupCollection | D: ...
+
+    def collection_of(self, module: nn.Module, default: object = _RAISE) -> object:
         """The collection attached to ``module``; ``LookupError`` naming it unless ``default`` is given."""
         collection = self._attached.get(module)
         if collection is None:
@@ -351,7 +358,15 @@ def attach(module: nn.Module | Sequence[nn.Module], collection: ProcessGroupColl
         default_registry.attach(chunk, collection)
 
 
-def collection_of(module: nn.Module, default: Any = _RAISE) -> Any:
+@overload
+def collection_of(module: nn.Module) -> ProcessGroupCollection: ...
+
+
+@overload
+def collection_of(module: nn.Module, default: D) -> ProcessGroupCollection | D: ...
+
+
+def collection_of(module: nn.Module, default: object = _RAISE) -> object:
     """The collection attached to ``module`` (see :meth:`GroupRegistry.collection_of`)."""
     return default_registry.collection_of(module, default)
 

@@ -82,6 +82,7 @@ def _rank(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     for step in range(2):
         _step(model, optimizer, step)
     save_rank_files(directory, model, optimizer)
+    dist.barrier()  # every rank's file is written before any rank reads them all
     saved = _snapshot(model, optimizer)
 
     fresh = _stage(pgc, config["dtype"])  # other values: build_stage's random initialisation
