@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from core_support import SizeRankGroup
+from fixtures.groups import SizeRankGroup
 from torch import nn
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, registry
@@ -106,3 +106,14 @@ def test_tp_off_while_mp_spans_two_ranks_is_refused_instead_of_a_wrong_norm() ->
     for out in run_world(2, _tp_off_but_mp_on):
         assert out["norm"] == pytest.approx(oracle, rel=1e-6)
         assert out["tp_off"].startswith("process group 'mp' spans 2 rank(s), but it spans the axes tp (off)")
+
+
+def test_get_or_gives_the_default_only_for_an_unset_field() -> None:
+    tp = SizeRankGroup(2)
+    collection = ProcessGroupCollection(tp=tp, cp=None)
+    default = SizeRankGroup(4)
+    assert collection.get_or("tp", default) is tp
+    assert collection.get_or("cp", default) is None  # off is not unset
+    assert collection.get_or("dp", default) is default
+    with pytest.raises(ValueError, match="did you mean 'expt_dp'"):
+        collection.get_or("exp_dp", None)  # type: ignore[arg-type]

@@ -32,7 +32,10 @@ def _whole_names() -> dict[tuple[int, int, str], str]:
 
 
 def test_ep_rank_and_size_from_a_collection() -> None:
-    assert get_ep_rank_and_size(None) == (0, 1)
+    # No collection is never "EP off": without a global grid it is an error (tests/core/test_resolver.py has the
+    # global-grid case).
+    with pytest.raises(RuntimeError, match="get_ep_rank_and_size was not given a ProcessGroupCollection"):
+        get_ep_rank_and_size(None)
     assert get_ep_rank_and_size(ProcessGroupCollection(ep=None)) == (0, 1)
     assert get_ep_rank_and_size(ProcessGroupCollection(ep=SizeRankGroup(4, 2))) == (2, 4)  # type: ignore[arg-type]
     with pytest.warns(ProcessGroupFallbackWarning, match="get_ep_rank_and_size was not given process group 'ep'"):

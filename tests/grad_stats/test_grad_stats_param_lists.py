@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.errors import value_error_of
 from torch import nn
 
 from pgregistry import ParallelLayout, registry
@@ -76,14 +77,6 @@ def _forms(model: nn.Module) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _error(call: Callable[[], object]) -> str:
-    try:
-        call()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def _on_rank() -> dict[str, Any]:
     collection = registry.build(ParallelLayout(world_size=EP, ep=EP, etp=1))
     rank = torch.distributed.get_rank()
@@ -91,11 +84,11 @@ def _on_rank() -> dict[str, Any]:
     unclassified = _model(rank, classify=False)
     for form, params in _forms(unclassified).items():
         out["unclassified"][form] = [
-            _error(lambda params=params: grad_norm(params(), collection)),  # type: ignore[misc]
-            _error(lambda params=params: count_zeros(params(), collection)),  # type: ignore[misc]
-            _error(lambda params=params: clip_grad_norm_(params(), 1e9, collection)),  # type: ignore[misc]
+            value_error_of(lambda params=params: grad_norm(params(), collection)),  # type: ignore[misc]
+            value_error_of(lambda params=params: count_zeros(params(), collection)),  # type: ignore[misc]
+            value_error_of(lambda params=params: clip_grad_norm_(params(), 1e9, collection)),  # type: ignore[misc]
         ]
-    out["one_tensor"] = _error(lambda: grad_norm(unclassified.experts.lora, collection))
+    out["one_tensor"] = value_error_of(lambda: grad_norm(unclassified.experts.lora, collection))
     classified = _model(rank, classify=True)
     for form, params in _forms(classified).items():
         out["norms"][form] = float(grad_norm(params(), collection).item())

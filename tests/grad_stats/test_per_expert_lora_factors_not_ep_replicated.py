@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.errors import value_error_of
 from torch import nn
 
 from pgregistry import registry
@@ -76,14 +77,6 @@ def _build(roles: dict[str, Callable[[nn.Parameter], Any] | None], with_grads: t
     return Model(experts)
 
 
-def _error(call: Callable[[], Any]) -> str:
-    try:
-        call()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def _on_rank() -> dict[str, Any]:
     collection = registry.build(ParallelLayout(world_size=EP, ep=EP, etp=1))
     out: dict[str, Any] = {}
@@ -98,15 +91,15 @@ def _on_rank() -> dict[str, Any]:
     unclassified = _build({"lora_a": mark_expert, "shared_a": mark_expert_replicated}, ("lora_a", "lora_b"))
     report = audit_grad_replication(unclassified, collection)
     out["unclassified"] = (
-        _error(lambda: grad_norm(unclassified, collection)),
-        _error(lambda: check_expert_classification(unclassified, collection)),
+        value_error_of(lambda: grad_norm(unclassified, collection)),
+        value_error_of(lambda: check_expert_classification(unclassified, collection)),
         report.unclassified,
         report.ok,
     )
     # The same model passed as a list of chunks (one chunk: no prefix) is refused as well.
     out["unclassified_chunks"] = (
-        _error(lambda: grad_norm([unclassified], collection)),
-        _error(lambda: count_zeros([unclassified], collection)),
+        value_error_of(lambda: grad_norm([unclassified], collection)),
+        value_error_of(lambda: count_zeros([unclassified], collection)),
         audit_grad_replication([unclassified], collection).unclassified,
     )
 
