@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 __all__ = [
     "ProcessGroupFallbackWarning",
     "forget_fallback_warnings",
+    "global_grid_for",
     "gtp_replica_rank",
+    "is_global_grid",
     "resolve_gtp_remat_group",
     "resolve_process_groups",
     "warn_global_process_group_fallback",
@@ -167,6 +169,36 @@ def resolve_process_groups(
     return resolved
 
 
+def global_grid_for(owner: str, *, model_given: bool, stacklevel: int = 2) -> ProcessGroupCollection:
+    """The global grid, for ``owner``, which was given no collection (nor a model with one attached): warns with
+    :class:`ProcessGroupFallbackWarning`; ``RuntimeError`` naming ``owner`` when there is none.
+
+    The last step of :func:`pgregistry.resolver.resolve_collection`. ``stacklevel`` counts as in
+    :func:`warnings.warn`, from the caller of this function.
+    """
+    grid = _global_grid()
+    if grid is None:
+        source = "and the model has no collection attached " if model_given else ""
+        raise RuntimeError(
+            f"{owner} was not given a ProcessGroupCollection {source}and no global grid is initialised; pass "
+            "pg_collection, attach one to the model (pgregistry.registry.attach) or initialise the global grid"
+        )
+    warn_global_process_group_fallback(owner, "pg_collection", stacklevel=stacklevel + 1)
+    return grid
+
+
+def is_global_grid(collection: ProcessGroupCollection) -> bool:
+    """Whether ``collection`` is the global grid (the only collection whose groups may be gloo side groups)."""
+    return collection is _global_grid()
+
+
+def _global_grid() -> ProcessGroupCollection | None:
+    """The global grid, or ``None``: the one read of it in pgregistry."""
+    from pgregistry import registry
+
+    return registry.global_collection_or_none()
+
+
 def _group_names(names: Iterable[str]) -> tuple[GroupName, ...]:
     """``names``, checked to be one-group fields (``ValueError`` for an unknown one or ``hcp``)."""
     checked = check_field_names(names)
@@ -176,9 +208,7 @@ def _group_names(names: Iterable[str]) -> tuple[GroupName, ...]:
 
 
 def _global_group(name: GroupName, owner: str) -> ProcessGroup | None:
-    from pgregistry import registry
-
-    grid = registry.global_collection_or_none()
+    grid = _global_grid()
     if grid is None:
         raise RuntimeError(
             f"{owner} needs process group {name!r}: it was not given one and no global grid is initialised "

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pgregistry.collection import ProcessGroupCollection
-from pgregistry.fallback import warn_global_process_group_fallback
+from pgregistry.fallback import global_grid_for
 
 if TYPE_CHECKING:
     from torch import nn
@@ -98,14 +98,4 @@ def resolve_collection(
         attached = attached_collection(model)
         if attached is not None:
             return attached
-    from pgregistry import registry
-
-    grid = registry.global_collection_or_none()
-    if grid is None:
-        source = "and the model has no collection attached " if model is not None else ""
-        raise RuntimeError(
-            f"{owner} was not given a ProcessGroupCollection {source}and no global grid is initialised; pass "
-            "pg_collection, attach one to the model (pgregistry.registry.attach) or initialise the global grid"
-        )
-    warn_global_process_group_fallback(owner, "pg_collection", stacklevel=3)
-    return grid
+    return global_grid_for(owner, model_given=model is not None, stacklevel=3)

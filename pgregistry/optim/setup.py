@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
+from pgregistry.fallback import is_global_grid
 from pgregistry.resolver import resolve_collection
 
 __all__ = [
@@ -99,7 +100,7 @@ def setup_process_groups_for_optimizer(
     groups = _validated_data_parallel(collection, model_chunks, distributed_optimizer=use_distributed_optimizer)
     for name in ("mp", "tp_ep_pp"):
         _require(collection, name, "set it to None if the model does not need it")
-    if use_gloo and collection is not _global_grid():
+    if use_gloo and not is_global_grid(collection):
         raise ValueError(
             "gloo process groups are read from the global grid only, and this model's collection is another one; "
             "pass use_gloo=False (build a gloo layout with pgregistry.build(..., backend='gloo') if CPU-side groups "
@@ -112,12 +113,6 @@ def setup_process_groups_for_optimizer(
         intra_dp_cp_gloo=_gloo_group(groups["intra_dp_cp"], "intra_dp_cp", use_gloo),
         intra_expt_dp_gloo=_gloo_group(groups["intra_expt_dp"], "intra_expt_dp", use_gloo),
     )
-
-
-def _global_grid() -> ProcessGroupCollection | None:
-    from pgregistry import registry
-
-    return registry.global_collection_or_none()
 
 
 def setup_process_groups_for_ddp(
