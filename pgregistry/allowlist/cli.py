@@ -23,10 +23,19 @@ from pathlib import Path
 
 from pgregistry.allowlist.cache import ScanCache
 from pgregistry.allowlist.config import ConfigError, Settings, find_config_file, load_settings
-from pgregistry.allowlist.engine import default_jobs, scan_files
+from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files
 from pgregistry.allowlist.files import PathError, discover, project_path, under
-from pgregistry.allowlist.ratchet import Allowlist, AllowlistError, compare
-from pgregistry.allowlist.report import FORMATS, render_check, render_failures, render_stats, render_update
+from pgregistry.allowlist.ratchet import Allowlist, AllowlistError, FutureAllowlistError, compare, read_bytes
+from pgregistry.allowlist.report import (
+    FORMATS,
+    render_check,
+    render_failures,
+    render_skipped,
+    render_stats,
+    render_update,
+)
+from pgregistry.allowlist.scanner import FileResult
+from pgregistry.allowlist.storage import StorageError, exclusive
 
 __all__ = ["add_command", "configure", "main", "run"]
 
@@ -87,6 +96,12 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
     parser.add_argument("--cache-dir", type=Path, metavar="DIR", help="the scan cache directory")
+    parser.add_argument(
+        "--skip-newer-syntax",
+        action="store_true",
+        help="skip, with a listed warning, files using syntax newer than this Python (their entries are kept "
+        "and not judged) instead of failing",
+    )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -155,41 +170,93 @@ def _error(message: str, fmt: str) -> int:
     return 2
 
 
+def _skipped_newer(report: ScanReport, allowed: bool) -> tuple[list[FileResult], list[FileResult]]:
+    """(failures, skipped): files whose only fault is syntax newer than this Python are skipped when
+    ``allowed`` (``--skip-newer-syntax``); every other failure stays an error."""
+    failures = [r for r in report.failures if not (allowed and r.failure is not None and r.failure.needs)]
+    skipped = [r for r in report.failures if r not in failures]
+    return failures, skipped
+
+
 def run(args: argparse.Namespace) -> int:
     """The handler of every action; returns the exit code (0 ok, 1 check failed, 2 error)."""
     fmt: str = args.format
     try:
         settings = _settings(args)
         targets, covers = _targets(args, settings)
-        files = discover(targets, settings.root, settings.exclude)
+        found = discover(targets, settings.root, settings.exclude)
     except (ConfigError, PathError) as error:
         return _error(str(error), fmt)
     cache = None
     if not args.no_cache and settings.cache_dir is not None:
         cache = ScanCache(settings.resolve(settings.cache_dir), settings.scan)
-    report = scan_files(files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
-    if report.failures:
-        print(render_failures(report.failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
+    report = scan_files(found.files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    failures, newer = _skipped_newer(report, args.skip_newer_syntax)
+    if failures:
+        print(render_failures(failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
         return 2
+    warnings = [(path, "skipped: not a regular file") for path in found.skipped]
+    warnings += [(r.path, f"skipped: needs Python >= {r.failure.needs}") for r in newer if r.failure is not None]
+    if warnings:
+        print(render_skipped(warnings, fmt), end="", file=sys.stdout if fmt == "github" else sys.stderr)
+    unjudged = {path for path, _ in warnings}
+    results = [result for result in report.results if result.failure is None]
+
+    def judged(path: str) -> bool:  # a skipped file's entries are neither judged nor rewritten
+        return covers(path) and path not in unjudged
+
     allowlist_path = settings.resolve(settings.allowlist)
     name = project_path(allowlist_path, settings.root)
+    if args.allowlist_action == "update":
+        return _update(args, results, judged, allowlist_path, name, partial=bool(args.paths or unjudged))
     try:
         if args.allowlist_action == "check":
             allowed = Allowlist.load(allowlist_path, name)
-            comparison = compare(report.results, allowed, covers)
-            print(render_check(comparison, allowed, len(files), name, fmt), end="")
+            comparison = compare(results, allowed, judged)
+            print(render_check(comparison, allowed, len(found.files), name, fmt), end="")
             return 0 if comparison.ok else 1
         previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
     except AllowlistError as error:
-        if args.allowlist_action != "update" or args.paths:
-            return _error(str(error), fmt)
-        # A full update regenerates the whole list, so it may replace an unreadable (or old-format) file.
-        print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
-        previous = None
-    if args.allowlist_action == "stats":
-        print(render_stats(report.results, previous, fmt), end="")
-        return 0
-    current = (previous or Allowlist({})).merged(Allowlist.from_results(report.results), covers)
-    changed = current.write(allowlist_path)
+        return _error(str(error), fmt)
+    print(render_stats(results, previous, fmt), end="")
+    return 0
+
+
+def _update(
+    args: argparse.Namespace,
+    results: list[FileResult],
+    judged: Callable[[str], bool],
+    path: Path,
+    name: str,
+    partial: bool,
+) -> int:
+    """Rewrite the allowlist under the update lock: read, merge, write atomically (exit 2 on any OS error,
+    the old file intact). ``partial``: some paths are not rescanned, so their old entries must be kept."""
+    fmt: str = args.format
+    try:
+        with exclusive(path):
+            try:
+                expected = read_bytes(path)
+            except OSError as error:
+                return _error(f"{name}: cannot read the allowlist: {error.strerror or error}", fmt)
+            previous = None
+            if expected is not None:
+                try:
+                    previous = Allowlist.from_bytes(expected, name)
+                except FutureAllowlistError as error:
+                    return _error(str(error), fmt)
+                except AllowlistError as error:
+                    if partial:
+                        return _error(
+                            f"{error}. A partial update (PATH given, or files skipped) only edits a readable "
+                            "allowlist: run `pgregistry allowlist update` with no PATH to regenerate it whole",
+                            fmt,
+                        )
+                    # A full update regenerates the whole list, so it may replace an unreadable (or old) file.
+                    print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
+            current = (previous or Allowlist({})).merged(Allowlist.from_results(results), judged)
+            changed = current.write(path, expected)
+    except StorageError as error:
+        return _error(str(error), fmt)
     print(render_update(previous, current, name, changed, fmt), end="")
     return 0

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 #: Bump whenever the scanner's output for the same input could change: it is part of every cache key.
-SCANNER_VERSION = 2
+SCANNER_VERSION = 3
 
 DEFAULT_ALLOWLIST = "process_group_usage_allowlist.json"
 DEFAULT_EXCLUDE: tuple[str, ...] = (".*", "__pycache__", "*.egg-info", "build", "dist", "node_modules")
@@ -82,8 +83,9 @@ class ScanConfig:
                     raise ConfigError(f"{_key(field.name)}: {value!r} is not {kind[1]}")
 
     def fingerprint(self) -> str:
-        """A digest of the scanner version and every setting that changes what the scanner reports."""
-        payload = json.dumps([SCANNER_VERSION, dataclasses.asdict(self)], sort_keys=True)
+        """A digest of the scanner version, the running Python's version (it decides which syntax parses) and
+        every setting that changes what the scanner reports."""
+        payload = json.dumps([SCANNER_VERSION, sys.version_info[:2], dataclasses.asdict(self)], sort_keys=True)
         return hashlib.blake2b(payload.encode(), digest_size=12).hexdigest()
 
 

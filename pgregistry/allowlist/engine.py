@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import marshal
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,10 +120,21 @@ def _scan_parallel(
 
 
 def _read(source: SourceFile) -> bytes | FileResult:
+    """The file's bytes; a failure for anything but a regular file. Opened non-blocking and checked with
+    ``fstat`` before reading, so a FIFO (or a file swapped for one after discovery) never blocks the scan."""
     try:
-        return source.absolute.read_bytes()
+        handle = os.open(source.absolute, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            return FileResult(source.path, failure=ParseFailure("cannot read: not a regular file", 1, 1))
+        with os.fdopen(handle, "rb", closefd=False) as stream:
+            return stream.read()
+    except OSError as error:
+        return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
+    finally:
+        os.close(handle)
 
 
 def scan_files(

@@ -9,12 +9,13 @@ file names cannot bring an excluded file back.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["PathError", "SourceFile", "discover", "project_path", "under"]
+__all__ = ["Discovery", "PathError", "SourceFile", "discover", "project_path", "under"]
 
 
 class PathError(ValueError):
@@ -67,15 +68,35 @@ class _Excluder:
         return any(self.entry("/".join(parts[: i + 1])) for i in range(len(parts)))
 
 
-def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> list[SourceFile]:
-    """The files to scan under ``targets`` (absolute files or directories), sorted by project path.
+@dataclass(frozen=True)
+class Discovery:
+    """The files to scan (sorted by project path), and the ``*.py`` entries skipped because they are not
+    regular files (a FIFO, a socket, a device, a dangling link): reading one could block the scan forever."""
 
-    Directories contribute their ``*.py`` files; a file named directly is scanned whatever its suffix. Raises
-    :class:`PathError` for a target that does not exist."""
+    files: list[SourceFile]
+    skipped: list[str]
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Discovery:
+    """The files to scan under ``targets`` (absolute files or directories).
+
+    Directories contribute their ``*.py`` files that are regular files (the others are listed as skipped); a
+    file named directly is scanned whatever its suffix. Raises :class:`PathError` for a target that does not
+    exist or is neither a regular file nor a directory."""
     excluder = _Excluder(exclude)
     found: dict[str, SourceFile] = {}
+    skipped: list[str] = []
     for target in targets:
         relative = project_path(target, root)
+        if target.exists() and not target.is_dir() and not _regular(target):
+            raise PathError(f"{target}: not a regular file or directory")
         if target.is_file():
             if relative == "." or not excluder.any_level(relative):
                 found.setdefault(relative, SourceFile(relative, target))
@@ -89,7 +110,10 @@ def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> lis
                 for name in filenames:
                     path = prefix + name
                     if name.endswith(".py") and not excluder.entry(path):
-                        found.setdefault(path, SourceFile(path, Path(directory, name)))
+                        if _regular(Path(directory, name)):
+                            found.setdefault(path, SourceFile(path, Path(directory, name)))
+                        elif path not in skipped:
+                            skipped.append(path)
         else:
             raise PathError(f"{target}: no such file or directory")
-    return sorted(found.values())
+    return Discovery(sorted(found.values()), sorted(skipped))

@@ -25,14 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from pgregistry.allowlist.scanner import FileResult, Site
+from pgregistry.allowlist.storage import StorageError, atomic_write
 
 __all__ = [
     "ALLOWLIST_VERSION",
     "Allowlist",
     "AllowlistError",
     "Comparison",
+    "FutureAllowlistError",
     "Mismatch",
     "compare",
+    "read_bytes",
 ]
 
 ALLOWLIST_VERSION = 1
@@ -46,6 +49,18 @@ COMMENT = (
 
 class AllowlistError(ValueError):
     """The allowlist file is missing, malformed or of an unsupported version; the message says which."""
+
+
+class FutureAllowlistError(AllowlistError):
+    """The allowlist was written by a newer pgregistry: never rewrite it (its new fields would be lost)."""
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The file's bytes, or None when it does not exist (other OS errors propagate)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -79,16 +94,24 @@ class Allowlist:
         }
         return json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=True) + "\n"
 
-    def write(self, path: Path) -> bool:
-        """Write the file unless it already holds exactly this content; returns whether it changed."""
-        text = self.dumps()
+    def write(self, path: Path, expected: bytes | None) -> bool:
+        """Atomically replace the file unless it already holds exactly this content; returns whether it changed.
+
+        ``expected`` is what the file held when it was read (None: it did not exist). If it holds anything
+        else now, another process wrote it meanwhile and writing would drop that process's entries: raises
+        :class:`~pgregistry.allowlist.storage.StorageError` and writes nothing."""
+        data = self.dumps().encode("ascii")
         try:
-            if path.read_text(encoding="utf-8") == text:
-                return False
-        except (OSError, UnicodeDecodeError):
-            pass
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+            current = read_bytes(path)
+        except OSError as error:
+            raise StorageError(f"cannot read {path}: {error.strerror or error}") from error
+        if current != expected:
+            raise StorageError(
+                f"{path} was changed by another process while this update ran; nothing was written: re-run it"
+            )
+        if current == data:
+            return False
+        atomic_write(path, data)
         return True
 
     @classmethod
@@ -96,12 +119,20 @@ class Allowlist:
         """Read and validate the allowlist at ``path`` (``name``: how messages call it; default the path)."""
         name = name or str(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            data = path.read_bytes()
         except FileNotFoundError:
             hint = "create it with `pgregistry allowlist update`"
             raise AllowlistError(f"{name}: no such allowlist; {hint}") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise AllowlistError(f"{name}: cannot read the allowlist: {error}") from None
+        except OSError as error:
+            raise AllowlistError(f"{name}: cannot read the allowlist: {error.strerror or error}") from None
+        return cls.from_bytes(data, name)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str = "<allowlist>") -> Allowlist:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise AllowlistError(f"{name}: the allowlist is not UTF-8: {error}") from None
         return cls.loads(text, name)
 
     @classmethod
@@ -123,6 +154,11 @@ class Allowlist:
             )
             raise AllowlistError(f"{name}: the allowlist has no 'version'{hint}")
         version = payload["version"]
+        if isinstance(version, int) and not isinstance(version, bool) and version > ALLOWLIST_VERSION:
+            raise FutureAllowlistError(
+                f"{name}: allowlist version {version} was written by a newer pgregistry; this one reads version "
+                f"{ALLOWLIST_VERSION} and will not rewrite it (its newer fields would be lost): upgrade pgregistry"
+            )
         if version != ALLOWLIST_VERSION or isinstance(version, bool):
             raise AllowlistError(
                 f"{name}: unsupported allowlist version {version!r}; this pgregistry reads version "

@@ -11,7 +11,7 @@ from typing import Any
 from pgregistry.allowlist.ratchet import Allowlist, Comparison, Mismatch
 from pgregistry.allowlist.scanner import LEGACY, REGISTRY, SHIM, FileResult, Site
 
-__all__ = ["FORMATS", "render_check", "render_failures", "render_stats", "render_update"]
+__all__ = ["FORMATS", "render_check", "render_failures", "render_skipped", "render_stats", "render_update"]
 
 FORMATS = ("text", "json", "github")
 
@@ -36,11 +36,26 @@ def _escape(text: str, property_value: bool = False) -> str:
     return text.replace(":", "%3A").replace(",", "%2C") if property_value else text
 
 
-def _annotation(title: str, message: str, path: str, line: int | None = None, col: int | None = None) -> str:
+def _annotation(
+    title: str,
+    message: str,
+    path: str,
+    line: int | None = None,
+    col: int | None = None,
+    level: str = "error",
+) -> str:
     where = f"file={_escape(path, True)}"
     if line is not None:
         where += f",line={line}" + (f",col={col}" if col is not None else "")
-    return f"::error {where},title={_escape(title, True)}::{_escape(message)}"
+    return f"::{level} {where},title={_escape(title, True)}::{_escape(message)}"
+
+
+def render_skipped(skipped: Sequence[tuple[str, str]], fmt: str) -> str:
+    """Files left out of the scan, each with why: listed, never silent (their allowlist entries are kept)."""
+    if fmt == "github":
+        title = "pgregistry allowlist: file not scanned"
+        return "".join(_annotation(title, why, path, level="warning") + "\n" for path, why in skipped)
+    return "".join(f"{path}: warning: {why}; its allowlist entries are kept, not checked\n" for path, why in skipped)
 
 
 def _plural(count: int, word: str, plural: str | None = None) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import sys
 import tokenize
 import warnings
 from bisect import bisect_left
@@ -80,11 +81,15 @@ class Site:
 
 @dataclass(frozen=True)
 class ParseFailure:
-    """Why a file could not be scanned: a syntax error or undecodable bytes, at ``line``/``col`` (1-based)."""
+    """Why a file could not be scanned: a syntax error or undecodable bytes, at ``line``/``col`` (1-based).
+
+    ``needs`` is the Python version (``"3.12"``) whose syntax the failing line uses, when it is newer than
+    the running interpreter's: such a file is not broken, only ahead of this Python (empty otherwise)."""
 
     message: str
     line: int
     col: int
+    needs: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,12 @@ def encode_result(result: FileResult) -> list[Any]:
     failure = result.failure
     return [
         [[s.line, s.col, s.scope, s.accessor, s.form, s.expr, s.family] for s in result.sites],
-        None if failure is None else [failure.message, failure.line, failure.col],
+        None if failure is None else [failure.message, failure.line, failure.col, failure.needs],
     ]
 
 
 _SITE_TYPES = (int, int, str, str, str, str, str)
-_FAILURE_TYPES = (str, int, int)
+_FAILURE_TYPES = (str, int, int, str)
 
 
 def _typed(values: Sequence[Any], types: tuple[type, ...]) -> Sequence[Any]:
@@ -251,6 +256,29 @@ def _decode_failure(data: bytes) -> ParseFailure | None:
     return ParseFailure(f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})", *_position(data, start))
 
 
+#: Syntax newer than some Python still in use, recognised on the line a SyntaxError points at:
+#: (version that introduced it, pattern of the line, what it is).
+_NEWER_SYNTAX: tuple[tuple[tuple[int, int], re.Pattern[str], str], ...] = (
+    ((3, 10), re.compile(r"\s*(match\s+\S.*|case\s+\S.*):\s*(#.*)?$"), "match statement"),
+    ((3, 11), re.compile(r"\s*except\s*\*"), "except*"),
+    ((3, 12), re.compile(r"\s*type\s+[A-Za-z_]\w*\s*(\[.*\])?\s*="), "type alias statement"),
+    ((3, 12), re.compile(r"\s*(async\s+)?(def|class)\s+[A-Za-z_]\w*\s*\["), "type parameter list"),
+    ((3, 12), re.compile(r".*\bf['\"]"), "f-string nesting (PEP 701)"),
+    ((3, 14), re.compile(r"\s*except\s+[^\s(:][^:(]*,[^:]*:"), "except without parentheses (PEP 758)"),
+    ((3, 14), re.compile(r".*(?<![\w.])[tT][rR]?['\"]"), "template string (PEP 750)"),
+)
+
+
+def _newer_syntax(data: bytes, line: int) -> tuple[str, str] | None:
+    """("3.12", what) when ``line`` uses syntax newer than the running Python; None otherwise."""
+    lines = data.decode("utf-8", "replace").splitlines()
+    text = lines[line - 1] if 0 < line <= len(lines) else ""
+    for version, pattern, what in _NEWER_SYNTAX:
+        if version > sys.version_info[:2] and pattern.match(text):
+            return f"{version[0]}.{version[1]}", what
+    return None
+
+
 def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
     failure = _decode_failure(data)
     if failure is not None:
@@ -264,6 +292,13 @@ def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
             line, col = _position(data, data.index(b"\0"))
         else:
             line, col = max(1, error.lineno or 1), max(1, error.offset or 1)
+        newer = _newer_syntax(data, line)
+        if newer is not None:
+            running = ".".join(map(str, sys.version_info[:3]))
+            message = f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python >= {newer[0]} " \
+                f"(the scan runs Python {running}); run the scan with Python {newer[0]}+, or pass " \
+                "--skip-newer-syntax to skip such files with a warning"
+            return ParseFailure(message, line, col, newer[0])
         return ParseFailure(f"syntax error: {error.msg}", line, col)
     except ValueError as error:  # null bytes, on some Python versions
         return ParseFailure(f"syntax error: {error}", 1, 1)

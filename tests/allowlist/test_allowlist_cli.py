@@ -170,7 +170,7 @@ def test_a_non_utf8_file_exits_2(listed: Project, capsys: pytest.CaptureFixture[
     "content, message",
     [
         ("{", "malformed allowlist JSON"),
-        ('{"version": 9, "allowed": {}, "total": 0}', "unsupported allowlist version 9"),
+        ('{"version": 0, "allowed": {}, "total": 0}', "unsupported allowlist version 0"),
         ('{"_comment": "", "allowed": {"a.py": ["1:get_x_group:x"]}, "total": 1}', "has no 'version'"),
     ],
 )
