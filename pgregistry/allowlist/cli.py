@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pgregistry.allowlist.cache import ScanCache
-from pgregistry.allowlist.config import ConfigError, Settings, find_config_file, load_settings
+from pgregistry.allowlist.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
 from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files
 from pgregistry.allowlist.files import PathError, discover, project_path, under
 from pgregistry.allowlist.ratchet import Allowlist, AllowlistError, FutureAllowlistError, compare, read_bytes
@@ -93,6 +93,11 @@ def _options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="legacy module name whose accessors count (repeatable; replaces the configured)",
     )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="built-in scan settings for a known code base (replaces the configured scan settings)",
+    )
     parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
     parser.add_argument("--cache-dir", type=Path, metavar="DIR", help="the scan cache directory")
@@ -147,6 +152,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         settings = dataclasses.replace(settings, allowlist=args.allowlist.resolve())
     if args.cache_dir is not None:
         settings = dataclasses.replace(settings, cache_dir=args.cache_dir.resolve())
+    if args.preset is not None:
+        settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
     if args.module is not None:
         settings = dataclasses.replace(
             settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
