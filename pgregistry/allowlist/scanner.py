@@ -458,8 +458,8 @@ class _Walker:
                 stack.append((node.test, scope, guarded))
                 for field in ("body", "orelse"):
                     value = getattr(node, field)
-                    inner = guarded or branch == field
-                    stack.extend((child, scope, inner) for child in (value if isinstance(value, list) else [value]))
+                    fallback = guarded or branch == field
+                    stack.extend((child, scope, fallback) for child in (value if isinstance(value, list) else [value]))
                 continue
             elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
                 first_value, *rest = node.values  # ``x or ps.get_x()``: the rest runs when x is missing
