@@ -21,13 +21,22 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pgregistry.allowlist.baseline import GitError, GitTree, mark_added
 from pgregistry.allowlist.cache import ScanCache
 from pgregistry.allowlist.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
-from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files
-from pgregistry.allowlist.files import PathError, discover, project_path, under
-from pgregistry.allowlist.ratchet import Allowlist, AllowlistError, FutureAllowlistError, compare, read_bytes
+from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files, scan_sources
+from pgregistry.allowlist.files import PathError, discover, excluded, project_path, under
+from pgregistry.allowlist.ratchet import (
+    Allowlist,
+    AllowlistError,
+    Comparison,
+    FutureAllowlistError,
+    compare,
+    read_bytes,
+)
 from pgregistry.allowlist.report import (
     FORMATS,
+    Baseline,
     render_check,
     render_failures,
     render_skipped,
@@ -115,6 +124,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name, text in _ACTIONS.items():
         action = actions.add_parser(name, help=text, description=f"{text}. {_DESCRIPTION}")
         _options(action)
+        if name == "check":
+            action.add_argument(
+                "--base",
+                metavar="REV",
+                help="git revision the change is against (in CI: the target branch): reads in files git saw "
+                "renamed since count as moved, and only the added sites of a key are flagged",
+            )
+        if name == "stats":
+            action.add_argument(
+                "--since", metavar="REV", help="compare with the tree at this git revision (burn-down table)"
+            )
+            action.add_argument(
+                "--depth", type=_jobs, default=2, metavar="N", help="directory depth of the by-directory table"
+            )
         action.set_defaults(handler=run)
 
 
@@ -219,14 +242,53 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.allowlist_action == "check":
             allowed = Allowlist.load(allowlist_path, name)
-            comparison = compare(results, allowed, judged)
+            comparison = _compare(args, settings, results, allowed, judged)
             print(render_check(comparison, allowed, len(found.files), name, fmt), end="")
             return 0 if comparison.ok else 1
         previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
-    except AllowlistError as error:
+        since = _baseline(args, settings, targets, cache) if args.since else None
+    except (AllowlistError, GitError) as error:
         return _error(str(error), fmt)
-    print(render_stats(results, previous, fmt), end="")
+    # Only the entries of the paths scanned: ``stats PATH`` compares like with like.
+    subset = Allowlist({p: keys for p, keys in previous.entries.items() if judged(p)}) if previous else None
+    print(render_stats(results, subset, fmt, since, args.depth), end="")
     return 0
+
+
+def _compare(
+    args: argparse.Namespace,
+    settings: Settings,
+    results: list[FileResult],
+    allowed: Allowlist,
+    judged: Callable[[str], bool],
+) -> Comparison:
+    """The ratchet's comparison; with ``--base``, git's renames pair moved reads and added sites are marked."""
+    if not args.base:
+        return compare(results, allowed, judged)
+    base = GitTree(settings.root, args.base)
+    renames = base.renames()
+    comparison = compare(results, allowed, judged, renames)
+
+    def current(path: str) -> bytes | None:
+        return read_bytes(settings.root / path)
+
+    return mark_added(comparison, settings.scan, current, base, renames)
+
+
+def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:
+    """The scan of the same roots, with the same excludes, at revision ``--since``."""
+    tree = GitTree(settings.root, args.since)
+    prefixes = [project_path(target, settings.root) for target in targets]
+    sources = [
+        (path, data)
+        for path, data in sorted(tree.python_files(prefixes).items())
+        if not excluded(path, settings.exclude)
+    ]
+    report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    if report.failures:
+        first = report.failures[0]
+        raise GitError(f"{first.path} at {args.since} does not parse: {first.failure and first.failure.message}")
+    return Baseline(args.since, report.results)
 
 
 def _update(

@@ -21,6 +21,7 @@ import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pgregistry.allowlist.cache import ScanCache, content_key
@@ -28,7 +29,7 @@ from pgregistry.allowlist.config import ScanConfig
 from pgregistry.allowlist.files import SourceFile
 from pgregistry.allowlist.scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
 
-__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "default_jobs", "scan_files"]
+__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "default_jobs", "scan_files", "scan_sources"]
 
 #: Below this many bytes to parse, forking costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -141,19 +142,31 @@ def scan_files(
     files: Sequence[SourceFile], config: ScanConfig, *, cache: ScanCache | None = None, jobs: int = 1
 ) -> ScanReport:
     """Scan ``files``: cached results where the cache holds them, the rest parsed on up to ``jobs`` cores."""
-    results: list[FileResult | None] = [None] * len(files)
+    read = [(source.path, _read(source)) for source in files]
+    return scan_sources(read, config, cache=cache, jobs=jobs)
+
+
+def scan_sources(
+    sources: Sequence[tuple[str, bytes | FileResult]],
+    config: ScanConfig,
+    *,
+    cache: ScanCache | None = None,
+    jobs: int = 1,
+) -> ScanReport:
+    """Scan (project path, bytes) pairs, e.g. read from git; a :class:`FileResult` in place of the bytes is a
+    file that could not be read, passed through."""
+    results: list[FileResult | None] = [None] * len(sources)
     pending: list[tuple[int, str, SourceFile, bytes]] = []
-    for index, source in enumerate(files):
-        data = _read(source)
+    for index, (path, data) in enumerate(sources):
         if isinstance(data, FileResult):
             results[index] = data
             continue
-        key = content_key(source.path, data)
-        cached = cache.get(key, source.path) if cache is not None else None
+        key = content_key(path, data)
+        cached = cache.get(key, path) if cache is not None else None
         if cached is not None:
             results[index] = cached
         else:
-            pending.append((index, key, source, data))
+            pending.append((index, key, SourceFile(path, Path(path)), data))
     items = [(source, data) for _, _, source, data in pending]
     processes = 1
     enabled = gc.isenabled()
@@ -174,4 +187,4 @@ def scan_files(
     if cache is not None:
         cache.save()
     done = [result for result in results if result is not None]
-    return ScanReport(done, parsed=len(pending), cached=len(files) - len(pending), processes=processes)
+    return ScanReport(done, parsed=len(pending), cached=len(sources) - len(pending), processes=processes)

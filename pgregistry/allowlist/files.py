@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["Discovery", "PathError", "SourceFile", "discover", "project_path", "under"]
+__all__ = ["Discovery", "PathError", "SourceFile", "discover", "excluded", "project_path", "under"]
 
 
 class PathError(ValueError):
@@ -66,6 +66,11 @@ class _Excluder:
         """Whether ``path`` or a directory above it is excluded."""
         parts = path.split("/")
         return any(self.entry("/".join(parts[: i + 1])) for i in range(len(parts)))
+
+
+def excluded(path: str, exclude: Sequence[str]) -> bool:
+    """Whether the project path ``path`` (a file that may not exist on disk, e.g. read from git) is excluded."""
+    return _Excluder(exclude).any_level(path)
 
 
 @dataclass(frozen=True)

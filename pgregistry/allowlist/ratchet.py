@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgregistry.allowlist.moves import Move, pair_moves
 from pgregistry.allowlist.scanner import FileResult, Site
 from pgregistry.allowlist.storage import StorageError, atomic_write
 
@@ -206,15 +207,19 @@ def _sites_by_key(results: Iterable[FileResult]) -> dict[str, dict[str, list[Sit
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One key whose site count differs from the allowed count.
+    """One key whose site count differs from the allowed count by more than the reads that moved.
 
-    More sites than allowed are new reads (``sites`` holds all of them: any may be the new one); fewer is a
-    stale entry (``sites`` holds those that remain)."""
+    More sites than allowed are new reads (``sites`` holds all of them, in line order; ``added``, when a base
+    revision tells, the ones that are new); fewer is a stale entry (``sites`` holds those that remain).
+    ``moved``: reads of this key explained by a :class:`~pgregistry.allowlist.moves.Move` (moved here, for a
+    new key; moved away, for a stale one), so ``unexplained`` is what really changed."""
 
     path: str
     key: str
     allowed: int
     sites: tuple[Site, ...]
+    moved: int = 0
+    added: tuple[Site, ...] = ()
 
     @property
     def found(self) -> int:
@@ -224,10 +229,15 @@ class Mismatch:
     def is_new(self) -> bool:
         return self.found > self.allowed
 
+    @property
+    def unexplained(self) -> int:
+        return abs(self.found - self.allowed) - self.moved
+
 
 @dataclass(frozen=True)
 class Comparison:
     mismatches: tuple[Mismatch, ...]
+    moves: tuple[Move, ...] = ()
 
     @property
     def new(self) -> tuple[Mismatch, ...]:
@@ -243,21 +253,41 @@ class Comparison:
 
     @property
     def new_sites(self) -> int:
-        return sum(item.found - item.allowed for item in self.new)
+        return sum(item.unexplained for item in self.new)
 
 
-def compare(results: Iterable[FileResult], allowlist: Allowlist, covers: Callable[[str], bool]) -> Comparison:
+def compare(
+    results: Iterable[FileResult],
+    allowlist: Allowlist,
+    covers: Callable[[str], bool],
+    renames: Mapping[str, str] | None = None,
+) -> Comparison:
     """The ratchet: every key's count must equal the allowed count, for the paths the scan ``covers``.
 
-    More is a new read; fewer is a stale entry (the list must shrink with the code). Paths the scan did not
-    cover (a run on a sub-directory) are not judged."""
+    More is a new read; fewer is a stale entry (the list must shrink with the code), except where a stale
+    entry and a new one are the same reads moved by a refactor (:func:`~pgregistry.allowlist.moves.pair_moves`;
+    ``renames``: old path -> new path, e.g. from git). Paths the scan did not cover (a run on a
+    sub-directory) are not judged."""
     found = _sites_by_key(results)
-    mismatches: list[Mismatch] = []
+    counts: dict[tuple[str, str], tuple[int, tuple[Site, ...]]] = {}
     for path in sorted(set(found) | {path for path in allowlist.entries if covers(path)}):
         allowed_keys = allowlist.entries.get(path, {})
         found_keys = found.get(path, {})
         for key in sorted(set(allowed_keys) | set(found_keys)):
-            allowed, sites = allowed_keys.get(key, 0), tuple(found_keys.get(key, ()))
+            allowed, sites = allowed_keys.get(key, 0), tuple(sorted(found_keys.get(key, ())))
             if len(sites) != allowed:
-                mismatches.append(Mismatch(path, key, allowed, sites))
-    return Comparison(tuple(mismatches))
+                counts[path, key] = (allowed, sites)
+    stale = {where: allowed - len(sites) for where, (allowed, sites) in counts.items() if len(sites) < allowed}
+    new = {where: len(sites) - allowed for where, (allowed, sites) in counts.items() if len(sites) > allowed}
+    emptied = frozenset(path for path in allowlist.entries if covers(path) and path not in found)
+    moves = pair_moves(stale, new, emptied, renames or {})
+    moved: dict[tuple[str, str], int] = {}
+    for move in moves:
+        for where in ((move.old_path, move.old_key), (move.new_path, move.new_key)):
+            moved[where] = moved.get(where, 0) + move.count
+    mismatches = [
+        Mismatch(path, key, allowed, sites, moved.get((path, key), 0))
+        for (path, key), (allowed, sites) in counts.items()
+        if abs(len(sites) - allowed) > moved.get((path, key), 0)
+    ]
+    return Comparison(tuple(mismatches), tuple(moves))

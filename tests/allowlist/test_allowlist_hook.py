@@ -42,11 +42,23 @@ def test_the_hook_installs_nothing_and_runs_with_the_standard_library(
     assert (REPO / script).resolve() == HOOK and os.access(HOOK, os.X_OK)
     project.write("src/pkg/model.py", "import megatron.core.parallel_state as ps\nps.get_data_parallel_group()\n")
     environment = _poisoned(tmp_path_factory.mktemp("poison"), "torch", "attrs", "structlog")
-    update = subprocess.run([sys.executable, str(HOOK), "update"], cwd=project.root, env=environment, text=True,
-                            capture_output=True, timeout=120)
+    update = subprocess.run(
+        [sys.executable, str(HOOK), "update"],
+        cwd=project.root,
+        env=environment,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert update.returncode == 0, update.stderr
-    check = subprocess.run([sys.executable, str(HOOK), *arguments], cwd=project.root, env=environment, text=True,
-                           capture_output=True, timeout=120)
+    check = subprocess.run(
+        [sys.executable, str(HOOK), *arguments],
+        cwd=project.root,
+        env=environment,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert check.returncode == 0, check.stderr
     assert "allowlist check passed: 1 allowed read" in check.stdout
 
@@ -57,7 +69,13 @@ def test_python_m_pgregistry_allowlist_never_imports_torch(
     project.write("src/pkg/model.py", "import megatron.core.parallel_state as ps\nps.get_data_parallel_group()\n")
     environment = _poisoned(tmp_path_factory.mktemp("poison"), "torch")
     environment["PYTHONPATH"] += os.pathsep + str(REPO)
-    done = subprocess.run([sys.executable, "-m", "pgregistry.allowlist", "stats"], cwd=project.root, env=environment,
-                          text=True, capture_output=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "pgregistry.allowlist", "stats"],
+        cwd=project.root,
+        env=environment,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "1 read of global process-group state" in done.stdout

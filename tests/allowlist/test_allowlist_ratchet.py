@@ -128,12 +128,58 @@ def test_a_removed_read_leaves_a_stale_entry() -> None:
     assert _transition(BASE, removed) == ([], [("helper|get_data_parallel_rank|call", 2, 1)])
 
 
-def test_a_renamed_scope_is_a_new_read_and_a_stale_entry() -> None:
-    renamed = BASE.replace("def forward", "def forward_step")
-    assert _transition(BASE, renamed) == (
-        [("Model.forward_step|get_tensor_model_parallel_group|call", 0, 1)],
-        [("Model.forward|get_tensor_model_parallel_group|call", 1, 0)],
+def test_a_renamed_class_is_reported_as_moved_not_failed() -> None:
+    """Megatron-LM: a class renamed turned 11 sites into 11 "new" + 11 "stale"."""
+    renamed = BASE.replace("class Model", "class GPTModel")
+    comparison = compare(results(m=renamed), Allowlist.from_results(results(m=BASE)), lambda path: True)
+    assert comparison.ok
+    assert [(m.old_key, m.new_key, m.count) for m in comparison.moves] == [
+        (
+            "Model.forward|get_tensor_model_parallel_group|call",
+            "GPTModel.forward|get_tensor_model_parallel_group|call",
+            1,
+        )
+    ]
+
+
+def test_a_read_hoisted_into_a_helper_is_moved() -> None:
+    hoisted = BASE.replace(
+        "def helper():\n    ps.get_data_parallel_rank()\n    ps.get_data_parallel_rank()\n",
+        "def _rank():\n    return ps.get_data_parallel_rank()\n\ndef helper():\n    _rank()\n"
+        "    ps.get_data_parallel_rank()\n",
     )
+    assert _transition(BASE, hoisted) == ([], [])
+
+
+def test_a_move_beside_a_real_new_read_still_fails_by_exactly_one() -> None:
+    renamed_plus_one = BASE.replace("def helper():\n", "def helper2():\n    ps.get_data_parallel_rank()\n")
+    comparison = compare(results(m=renamed_plus_one), Allowlist.from_results(results(m=BASE)), lambda path: True)
+    assert not comparison.ok and comparison.new_sites == 1
+    (item,) = comparison.new
+    assert (item.key, item.found, item.allowed, item.moved) == ("helper2|get_data_parallel_rank|call", 3, 0, 2)
+
+
+def test_a_moved_file_is_moved() -> None:
+    """Megatron-LM: training/utils.py moved to training/utils/common_utils.py (15 "new" + 15 "stale")."""
+    allowed = Allowlist.from_results(results(utils=BASE))
+    moved = [scan(BASE, "utils/common_utils.py")]
+    comparison = compare(moved, allowed, lambda path: True)
+    assert comparison.ok and sum(m.count for m in comparison.moves) == 3
+    # With git's rename detection the scope may change too.
+    renamed = [scan(BASE.replace("def helper", "def helper_v2"), "utils/common_utils.py")]
+    assert not compare(renamed, allowed, lambda path: True).ok
+    assert compare(renamed, allowed, lambda path: True, {"utils.py": "utils/common_utils.py"}).ok
+
+
+def test_reads_do_not_move_between_unrelated_files() -> None:
+    """A read removed from one file and one added to another that happens to have a same-named scope is a
+    stale entry and a new read: the old file still exists with other reads, and git saw no rename."""
+    allowed = Allowlist.from_results(results(a=BASE, b="def helper():\n    pass\n"))
+    removed = BASE.replace("    ps.get_data_parallel_rank()\n", "", 1)
+    comparison = compare(
+        results(a=removed, b="def helper():\n    ps.get_data_parallel_rank()\n"), allowed, lambda path: True
+    )
+    assert comparison.moves == () and comparison.new_sites == 1 and len(comparison.stale) == 1
 
 
 def test_a_changed_form_is_a_new_read_and_a_stale_entry() -> None:
