@@ -41,8 +41,9 @@ from pgregistry.allowlist.scanner import FileResult, scan_source  # noqa: E402
 
 
 def git(repository: Path, *args: str, data: bytes | None = None) -> bytes:
-    return subprocess.run(["git", "--git-dir", str(repository), *args], input=data, capture_output=True,
-                          check=True).stdout
+    return subprocess.run(
+        ["git", "--git-dir", str(repository), *args], input=data, capture_output=True, check=True
+    ).stdout
 
 
 class Trees:
@@ -108,8 +109,11 @@ def main() -> int:
     tip = datetime.fromisoformat(tip_date)
     months = tip.year * 12 + tip.month - 1 - args.months
     since = tip.replace(year=months // 12, month=months % 12 + 1, day=min(tip.day, 28)).isoformat()
-    commits = git(repository, "rev-list", "--first-parent", "--reverse", f"--since={since}", args.rev, "--",
-                  args.subtree).decode().split()
+    commits = (
+        git(repository, "rev-list", "--first-parent", "--reverse", f"--since={since}", args.rev, "--", args.subtree)
+        .decode()
+        .split()
+    )
     parent = git(repository, "rev-parse", f"{commits[0]}^").decode().strip()
     trees = Trees(repository, args.subtree, config)
     start = time.perf_counter()
@@ -137,12 +141,16 @@ def main() -> int:
                 rows[f"{label}: fail, {kind}"] += 1
         if args.verbose and (raw_fail or not with_git.ok):
             subject = git(repository, "log", "-1", "--format=%h %s", commit).decode().strip()[:70]
-            listed.append(f"  {kind:26} raw={int(raw_fail)} git={int(not with_git.ok)} "
-                          f"new={with_git.new_sites} stale={len(with_git.stale)} moved={len(with_git.moves)}  {subject}")
+            listed.append(
+                f"  {kind:26} raw={int(raw_fail)} git={int(not with_git.ok)} "
+                f"new={with_git.new_sites} stale={len(with_git.stale)} moved={len(with_git.moves)}  {subject}"
+            )
         previous_commit, previous = commit, current
     elapsed = time.perf_counter() - start
-    print(f"replay of {args.subtree} at {repository.name} {args.rev} ({tip_date[:10]}), {args.months} months: "
-          f"{len(commits)} first-parent commits touching it, preset {args.preset}, {elapsed:.1f} s")
+    print(
+        f"replay of {args.subtree} at {repository.name} {args.rev} ({tip_date[:10]}), {args.months} months: "
+        f"{len(commits)} first-parent commits touching it, preset {args.preset}, {elapsed:.1f} s"
+    )
     kinds = ("real new read", "stale only", "no read added or removed")
     print(f"{'check':24} " + " ".join(f"{k:>26}" for k in kinds))
     print(f"{'commits':24} " + " ".join(f"{rows[f'commits: {k}']:>26}" for k in kinds))

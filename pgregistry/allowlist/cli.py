@@ -25,7 +25,8 @@ from pgregistry.allowlist.baseline import GitError, GitTree, mark_added
 from pgregistry.allowlist.cache import ScanCache
 from pgregistry.allowlist.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
 from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files, scan_sources
-from pgregistry.allowlist.files import PathError, discover, excluded, project_path, under
+from pgregistry.allowlist.files import PathError, absolute, discover, excluded, project_path, under
+from pgregistry.allowlist.megatron_list import match_megatron_list, parse_megatron_list
 from pgregistry.allowlist.ratchet import (
     Allowlist,
     AllowlistError,
@@ -51,7 +52,8 @@ __all__ = ["add_command", "configure", "main", "run"]
 _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
     "update": "rewrite the allowlist from the current code (deterministic, sorted)",
-    "stats": "print counts of reads by accessor, file and scope",
+    "stats": "print counts of reads by family, directory, accessor, file and scope",
+    "import": "write the allowlist from Megatron-LM's line-keyed list (tools/process_group_usage_allowlist.json)",
 }
 
 _DESCRIPTION = (
@@ -131,6 +133,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                 help="git revision the change is against (in CI: the target branch): reads in files git saw "
                 "renamed since count as moved, and only the added sites of a key are flagged",
             )
+        if name == "import":
+            action.add_argument(
+                "--from", dest="source", type=Path, required=True, metavar="FILE", help="Megatron-LM's allowlist"
+            )
         if name == "stats":
             action.add_argument(
                 "--since", metavar="REV", help="compare with the tree at this git revision (burn-down table)"
@@ -172,9 +178,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     exclude = tuple(args.exclude) if args.exclude is not None else settings.exclude
     settings = dataclasses.replace(settings, exclude=exclude + tuple(args.extend_exclude))
     if args.allowlist is not None:
-        settings = dataclasses.replace(settings, allowlist=args.allowlist.resolve())
+        settings = dataclasses.replace(settings, allowlist=absolute(args.allowlist))
     if args.cache_dir is not None:
-        settings = dataclasses.replace(settings, cache_dir=args.cache_dir.resolve())
+        settings = dataclasses.replace(settings, cache_dir=absolute(args.cache_dir))
     if args.preset is not None:
         settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
     if args.module is not None:
@@ -187,8 +193,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
     """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
     if not args.paths:
-        return [settings.resolve(Path(root)).resolve() for root in settings.roots], lambda path: True
-    targets = [path.resolve() for path in args.paths]
+        return [absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
+    targets = [absolute(path) for path in args.paths]
     prefixes = [project_path(target, settings.root) for target in targets]
     return targets, lambda path: under(path, prefixes)
 
@@ -237,7 +243,11 @@ def run(args: argparse.Namespace) -> int:
 
     allowlist_path = settings.resolve(settings.allowlist)
     name = project_path(allowlist_path, settings.root)
-    if args.allowlist_action == "update":
+    if args.allowlist_action == "import":
+        code = _import(args, results)
+        if code:
+            return code
+    if args.allowlist_action in ("update", "import"):
         return _update(args, results, judged, allowlist_path, name, partial=bool(args.paths or unjudged))
     try:
         if args.allowlist_action == "check":
@@ -289,6 +299,33 @@ def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path],
         first = report.failures[0]
         raise GitError(f"{first.path} at {args.since} does not parse: {first.failure and first.failure.message}")
     return Baseline(args.since, report.results)
+
+
+def _import(args: argparse.Namespace, results: list[FileResult]) -> int:
+    """Check that every entry of Megatron-LM's list is a read of today's tree (exit 2 naming those that are
+    not) and say what the import grandfathers beyond it; 0 when the update may go ahead."""
+    fmt: str = args.format
+    try:
+        entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
+    except OSError as error:
+        return _error(f"{args.source}: cannot read: {error.strerror or error}", fmt)
+    except (AllowlistError, UnicodeDecodeError) as error:
+        return _error(str(error), fmt)
+    imported = match_megatron_list(entries, results)
+    if imported.unmatched:
+        shown = "; ".join(imported.unmatched[:5]) + ("; ..." if len(imported.unmatched) > 5 else "")
+        return _error(
+            f"{len(imported.unmatched)} entries of {args.source} have no such read on their line in the scanned "
+            f"tree ({shown}): regenerate it with Megatron-LM's checker (--update) on this tree, then import",
+            fmt,
+        )
+    unseen = ", ".join(f"{accessor} {count}" for accessor, count in imported.unseen.most_common())
+    print(
+        f"imported {imported.matched} entries of {args.source}; grandfathered too, {sum(imported.unseen.values())} "
+        f"reads its rule does not list{': ' + unseen if unseen else ''}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _update(

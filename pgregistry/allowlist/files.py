@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["Discovery", "PathError", "SourceFile", "discover", "excluded", "project_path", "under"]
+__all__ = ["Discovery", "PathError", "SourceFile", "absolute", "discover", "excluded", "project_path", "under"]
 
 
 class PathError(ValueError):
@@ -31,14 +31,24 @@ class SourceFile:
     absolute: Path
 
 
+def absolute(path: Path) -> Path:
+    """``path`` made absolute and normalised without resolving symbolic links (``Path.resolve`` would turn a
+    root that is a link, ``src -> /elsewhere/src``, into a path outside the project)."""
+    return Path(os.path.abspath(path))
+
+
 def project_path(path: Path, root: Path) -> str:
-    """``path`` relative to ``root``, with ``/`` separators ("." for the root itself)."""
-    try:
-        relative = path.relative_to(root)
-    except ValueError:
-        relative = Path(os.path.relpath(path, root))
-    text = relative.as_posix()
-    return text or "."
+    """``path`` relative to ``root``, with ``/`` separators ("." for the root itself).
+
+    Tried as spelled first (a symlinked directory inside the project keeps its project path), then with links
+    resolved on both sides (the project reached through a linked working directory); only a path outside the
+    project in both senses is given as ``../...``."""
+    for candidate, base in ((absolute(path), absolute(root)), (path.resolve(), root.resolve())):
+        try:
+            return candidate.relative_to(base).as_posix() or "."
+        except ValueError:
+            continue
+    return Path(os.path.relpath(path, root)).as_posix()
 
 
 def under(path: str, prefixes: Iterable[str]) -> bool:

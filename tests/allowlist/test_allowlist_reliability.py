@@ -220,3 +220,28 @@ def test_newer_syntax_names_the_python_it_needs_and_can_be_skipped(
     # A genuinely broken file is never skippable.
     listed.write("src/pkg/c.py", "def broken(:\n")
     assert run(capsys, "check", "--no-cache", "--skip-newer-syntax")[0] == 2
+
+
+def test_a_symlinked_root_keeps_project_keys_and_excludes(
+    project: Project, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``roots = ["src"]`` where ``src`` links elsewhere: keys were ``../...`` and path excludes stopped applying."""
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "pkg").mkdir()
+    (elsewhere / "pkg" / "a.py").write_text(textwrap.dedent(READ_A))
+    (elsewhere / "vendored").mkdir()
+    (elsewhere / "vendored" / "v.py").write_text(textwrap.dedent(READ_B))
+    for child in (project.root / "src").iterdir():
+        for leaf in child.iterdir():
+            leaf.unlink()
+        child.rmdir()
+    (project.root / "src").rmdir()
+    (project.root / "src").symlink_to(elsewhere, target_is_directory=True)
+    project.write(
+        "pyproject.toml",
+        '[tool.pgregistry.allowlist]\nroots = ["src"]\nallowlist = "allowlist.json"\n'
+        'extend-exclude = ["src/vendored"]\n',
+    )
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    assert set(json.loads(project.read("allowlist.json"))["allowed"]) == {"src/pkg/a.py"}
+    assert run(capsys, "check", "--no-cache", "src/pkg")[0] == 0
