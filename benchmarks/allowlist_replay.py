@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pgregistry.allowlist.baseline import FileChanges, parse_name_status  # noqa: E402
 from pgregistry.allowlist.config import PRESETS, ScanConfig  # noqa: E402
 from pgregistry.allowlist.ratchet import Allowlist, compare  # noqa: E402
 from pgregistry.allowlist.scanner import FileResult, scan_source  # noqa: E402
@@ -74,18 +75,8 @@ class Trees:
         return [self.scanned[key] for key in files]
 
 
-def renames(repository: Path, old: str, new: str, subtree: str) -> dict[str, str]:
-    out = git(repository, "diff", "--name-status", "-M", "-z", old, new, "--", subtree).split(b"\0")
-    found, index = {}, 0
-    while index < len(out) - 1:
-        status = out[index].decode()
-        if status.startswith(("R", "C")):
-            if status.startswith("R"):
-                found[out[index + 1].decode()] = out[index + 2].decode()
-            index += 3
-        else:
-            index += 2
-    return found
+def changes(repository: Path, old: str, new: str, subtree: str) -> FileChanges:
+    return parse_name_status(git(repository, "diff", "--name-status", "-M", "-z", old, new, "--", subtree))
 
 
 def reads(results: list[FileResult]) -> Counter[tuple[str, str]]:
@@ -131,7 +122,8 @@ def main() -> int:
         everything = lambda path: True  # noqa: E731
         paired = compare(current, allowed, everything, {})
         raw_fail = bool(paired.mismatches) or bool(paired.moves)  # without pairing, a move is a failure too
-        with_git = compare(current, allowed, everything, renames(repository, previous_commit, commit, args.subtree))
+        files = changes(repository, previous_commit, commit, args.subtree)
+        with_git = compare(current, allowed, everything, files.renames, files.added)
         for label, failed in (
             ("keys as they are", raw_fail),
             ("pairing moved reads", not paired.ok),

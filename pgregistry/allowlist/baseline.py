@@ -15,13 +15,14 @@ import dataclasses
 import difflib
 import subprocess
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pgregistry.allowlist.config import ScanConfig
 from pgregistry.allowlist.ratchet import Comparison, Mismatch
 from pgregistry.allowlist.scanner import Site, scan_source
 
-__all__ = ["GitError", "GitTree", "mark_added"]
+__all__ = ["FileChanges", "GitError", "GitTree", "mark_added", "parse_name_status"]
 
 
 class GitError(RuntimeError):
@@ -39,6 +40,34 @@ def _git(root: Path, *args: str, data: bytes | None = None) -> bytes:
     return done.stdout
 
 
+@dataclass(frozen=True)
+class FileChanges:
+    """What ``git diff --name-status -M`` reports: renamed files (old -> new) and added files."""
+
+    renames: dict[str, str]
+    added: frozenset[str]
+
+
+def parse_name_status(out: bytes) -> FileChanges:
+    """Parse ``git diff --name-status -M -z`` output (paths as git spells them)."""
+    fields = out.split(b"\0")
+    renames: dict[str, str] = {}
+    added: set[str] = set()
+    index = 0
+    while index < len(fields) - 1:
+        status = fields[index].decode()
+        paths = [field.decode("utf-8", "surrogateescape") for field in fields[index + 1 : index + 3]]
+        if status.startswith(("R", "C")):
+            if status.startswith("R"):
+                renames[paths[0]] = paths[1]
+            index += 3
+        else:
+            if status == "A":
+                added.add(paths[0])
+            index += 2
+    return FileChanges(renames, frozenset(added))
+
+
 class GitTree:
     """The project at ``root`` inside its git repository, as of revision ``rev``."""
 
@@ -52,21 +81,16 @@ class GitTree:
     def _project(self, git_path: str) -> str | None:
         return git_path[len(self.prefix) :] if git_path.startswith(self.prefix) else None
 
-    def renames(self) -> dict[str, str]:
-        """Old project path -> new project path, for the files git detects as renamed since ``rev``."""
-        out = _git(self.root, "diff", "--name-status", "-M", "-z", self.commit, "--", ".").split(b"\0")
-        renamed: dict[str, str] = {}
-        index = 0
-        while index < len(out) - 1:
-            status = out[index].decode()
-            if status.startswith(("R", "C")):
-                old, new = (self._project(out[index + k].decode("utf-8", "surrogateescape")) for k in (1, 2))
-                if status.startswith("R") and old is not None and new is not None:
-                    renamed[old] = new
-                index += 3
-            else:
-                index += 2
-        return renamed
+    def changes(self) -> FileChanges:
+        """The files git detects as renamed, and those added, since ``rev`` (working tree included)."""
+        out = _git(self.root, "diff", "--name-status", "-M", "-z", self.commit, "--", ".")
+        changes = parse_name_status(out)
+        project = self._project
+        renames = {project(old): project(new) for old, new in changes.renames.items()}
+        return FileChanges(
+            {old: new for old, new in renames.items() if old is not None and new is not None},
+            frozenset(path for path in map(project, changes.added) if path is not None),
+        )
 
     def python_files(self, under: Iterable[str]) -> dict[str, bytes]:
         """Project path -> bytes of every ``*.py`` file at ``rev`` below the project paths ``under``."""

@@ -276,13 +276,13 @@ def _compare(
     if not args.base:
         return compare(results, allowed, judged)
     base = GitTree(settings.root, args.base)
-    renames = base.renames()
-    comparison = compare(results, allowed, judged, renames)
+    changes = base.changes()
+    comparison = compare(results, allowed, judged, changes.renames, changes.added)
 
     def current(path: str) -> bytes | None:
         return read_bytes(settings.root / path)
 
-    return mark_added(comparison, settings.scan, current, base, renames)
+    return mark_added(comparison, settings.scan, current, base, changes.renames)
 
 
 def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:

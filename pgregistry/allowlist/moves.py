@@ -7,7 +7,9 @@ A stale entry and a new one are the same read moved when they read the same acce
 
 - they are in the same file (a scope renamed, a read hoisted or extracted), or
 - they keep their scope and the old file was renamed to the new one (``renames``, from git), or has no read
-  left at all (a file moved without git's help).
+  left at all (a file moved without git's help), or
+- the new file was added since the base (``added``, from git): code split out of a module into a new one
+  (Megatron-LM: MoE logging moved out of ``moe_utils.py`` into a new ``moe_logging.py``).
 
 Pairing only ever matches a deficit with an excess, so the number of reads of an accessor can never rise
 unnoticed: a commit that adds a read still fails, however its other reads moved. Within those rules, pairs
@@ -58,10 +60,12 @@ def pair_moves(
     new: Mapping[tuple[str, str], int],
     emptied: frozenset[str],
     renames: Mapping[str, str],
+    added: frozenset[str] = frozenset(),
 ) -> list[Move]:
     """The moves among ``stale`` ((path, key) -> reads missing) and ``new`` ((path, key) -> reads too many).
 
-    ``emptied``: paths with allowlist entries and no read left in the scan. ``renames``: old path -> new path."""
+    ``emptied``: paths with allowlist entries and no read left in the scan. ``renames``: old path -> new path.
+    ``added``: paths of files added since the base."""
     olds = [_Side(path, key, amount) for (path, key), amount in sorted(stale.items())]
     news = [_Side(path, key, amount) for (path, key), amount in sorted(new.items())]
 
@@ -70,7 +74,7 @@ def pair_moves(
             return False
         if old.path == fresh.path:
             return old.scope != fresh.scope
-        if renames.get(old.path) == fresh.path:
+        if renames.get(old.path) == fresh.path or fresh.path in added:
             return True
         return old.path in emptied and old.scope == fresh.scope
 

@@ -261,12 +261,13 @@ def compare(
     allowlist: Allowlist,
     covers: Callable[[str], bool],
     renames: Mapping[str, str] | None = None,
+    added: frozenset[str] = frozenset(),
 ) -> Comparison:
     """The ratchet: every key's count must equal the allowed count, for the paths the scan ``covers``.
 
     More is a new read; fewer is a stale entry (the list must shrink with the code), except where a stale
     entry and a new one are the same reads moved by a refactor (:func:`~pgregistry.allowlist.moves.pair_moves`;
-    ``renames``: old path -> new path, e.g. from git). Paths the scan did not cover (a run on a
+    ``renames``: old path -> new path, ``added``: files added, both from git). Paths the scan did not cover (a run on a
     sub-directory) are not judged."""
     found = _sites_by_key(results)
     counts: dict[tuple[str, str], tuple[int, tuple[Site, ...]]] = {}
@@ -280,7 +281,7 @@ def compare(
     stale = {where: allowed - len(sites) for where, (allowed, sites) in counts.items() if len(sites) < allowed}
     new = {where: len(sites) - allowed for where, (allowed, sites) in counts.items() if len(sites) > allowed}
     emptied = frozenset(path for path in allowlist.entries if covers(path) and path not in found)
-    moves = pair_moves(stale, new, emptied, renames or {})
+    moves = pair_moves(stale, new, emptied, renames or {}, added)
     moved: dict[tuple[str, str], int] = {}
     for move in moves:
         for where in ((move.old_path, move.old_key), (move.new_path, move.new_key)):

@@ -146,3 +146,21 @@ def test_stats_since_a_revision_shows_the_burn_down(repository: Project, capsys:
     assert rows["direct"] == ["5", "4", "-1"] and rows["fallback"] == ["0", "1", "+1"]
     assert rows["total"] == ["5", "5", "+0"]
     assert run(capsys, "stats", "--since", "no-such-rev")[0] == 2
+
+
+def test_base_pairs_reads_split_out_into_a_new_file(repository: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron-LM: MoE logging moved out of moe_utils.py (which stays) into a new moe_logging.py."""
+    repository.write("src/pkg/a.py", THREE.replace("    d = ps.get_data_parallel_group()\n", "    d = None\n"))
+    repository.write(
+        "src/pkg/logging.py",
+        "import megatron.core.parallel_state as ps\n\nclass Tracker:\n    def sync(self):\n"
+        "        return ps.get_data_parallel_group()\n",
+    )
+    git(repository, "add", "-A")
+    assert run(capsys, "check")[0] == 1
+    code, out, _ = run(capsys, "check", "--base", "HEAD")
+    assert code == 0, out
+    assert "src/pkg/a.py -> src/pkg/logging.py: moved 1 read" in out
+    # A read added to a new file beyond what moved there still fails.
+    repository.write("src/pkg/logging.py", repository.read("src/pkg/logging.py") + "\nps.get_data_parallel_group()\n")
+    assert run(capsys, "check", "--base", "HEAD")[0] == 1
