@@ -316,13 +316,15 @@ def _table(
         rows = [f"{title:<{width}}  {'reads':>7}"]
         rows += [f"{name:<{width}}  {now[name]:>7}" for name in names]
         return rows
-    label = f"at {rev}"[:14]
-    rows = [f"{title:<{width}}  {label:>14}  {'now':>7}  {'change':>7}"]
+    label = f"at {rev}"
+    column = max(len(label), 7)
+    rows = [f"{title:<{width}}  {label:>{column}}  {'now':>7}  {'change':>7}"]
     for name in names:
         change = now[name] - then[name]
-        rows.append(f"{name:<{width}}  {then[name]:>14}  {now[name]:>7}  {change:>+7}  {_bar(now[name], then[name])}")
+        bar = _bar(now[name], then[name])
+        rows.append(f"{name:<{width}}  {then[name]:>{column}}  {now[name]:>7}  {change:>+7}  {bar}")
     total_now, total_then = sum(now.values()), sum(then.values())
-    rows.append(f"{'total':<{width}}  {total_then:>14}  {total_now:>7}  {total_now - total_then:>+7}")
+    rows.append(f"{'total':<{width}}  {total_then:>{column}}  {total_now:>7}  {total_now - total_then:>+7}")
     return rows
 
 
