@@ -25,6 +25,12 @@ def _poisoned(directory: Path, *names: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(directory)}
 
 
+def _run(arguments: list[str], project: Project, environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *arguments], cwd=project.root, env=environment, text=True, capture_output=True, timeout=120
+    )
+
+
 def _hook_entry() -> tuple[str, str]:
     """(language, entry) of the ``pgregistry-allowlist`` hook, read from .pre-commit-hooks.yaml."""
     text = (REPO / ".pre-commit-hooks.yaml").read_text()
@@ -42,23 +48,9 @@ def test_the_hook_installs_nothing_and_runs_with_the_standard_library(
     assert (REPO / script).resolve() == HOOK and os.access(HOOK, os.X_OK)
     project.write("src/pkg/model.py", "import megatron.core.parallel_state as ps\nps.get_data_parallel_group()\n")
     environment = _poisoned(tmp_path_factory.mktemp("poison"), "torch", "attrs", "structlog")
-    update = subprocess.run(
-        [sys.executable, str(HOOK), "update"],
-        cwd=project.root,
-        env=environment,
-        text=True,
-        capture_output=True,
-        timeout=120,
-    )
+    update = _run([str(HOOK), "update"], project, environment)
     assert update.returncode == 0, update.stderr
-    check = subprocess.run(
-        [sys.executable, str(HOOK), *arguments],
-        cwd=project.root,
-        env=environment,
-        text=True,
-        capture_output=True,
-        timeout=120,
-    )
+    check = _run([str(HOOK), *arguments], project, environment)
     assert check.returncode == 0, check.stderr
     assert "allowlist check passed: 1 allowed read" in check.stdout
 
@@ -69,13 +61,6 @@ def test_python_m_pgregistry_allowlist_never_imports_torch(
     project.write("src/pkg/model.py", "import megatron.core.parallel_state as ps\nps.get_data_parallel_group()\n")
     environment = _poisoned(tmp_path_factory.mktemp("poison"), "torch")
     environment["PYTHONPATH"] += os.pathsep + str(REPO)
-    done = subprocess.run(
-        [sys.executable, "-m", "pgregistry.allowlist", "stats"],
-        cwd=project.root,
-        env=environment,
-        text=True,
-        capture_output=True,
-        timeout=120,
-    )
+    done = _run(["-m", "pgregistry.allowlist", "stats"], project, environment)
     assert done.returncode == 0, done.stderr
     assert "1 read of global process-group state" in done.stdout
