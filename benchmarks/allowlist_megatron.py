@@ -10,9 +10,9 @@ directory) together with that checker from the commit that adds it, then reports
   there, and the reads pgregistry reports that it does not (by accessor);
 - speed: the checker (``--stats``, a fresh interpreter) against ``python -m pgregistry.allowlist stats`` cold
   (no cache) and warm (cached), each a fresh interpreter, median of ``--repeat`` runs;
-- optionally (``--user PATH``, a git directory of a project built on Megatron-LM, e.g. NeMo RL): its sites by
-  family with the preset, and the reads the default rule reports that the preset does not (another project's
-  ``parallel_state``, e.g. vLLM's).
+- optionally (``--user PATH``, repeatable: git directories of projects built on Megatron-LM, e.g. NeMo RL,
+  Megatron-Bridge): sites by family with the default rule and the preset, the reads only the default rule
+  reports (another project's ``parallel_state``, e.g. vLLM's), and the ``is_pipeline_*`` sites.
 
 Usage: ``python benchmarks/allowlist_megatron.py /path/to/Megatron-LM.git [--user /path/to/RL.git]``.
 Needs the repositories' git history, so it is not part of CI.
@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pgregistry.allowlist.baseline import GitTree  # noqa: E402
 from pgregistry.allowlist.config import PRESETS, ScanConfig  # noqa: E402
-from pgregistry.allowlist.engine import scan_files  # noqa: E402
+from pgregistry.allowlist.engine import scan_files, scan_sources  # noqa: E402
 from pgregistry.allowlist.files import discover  # noqa: E402
 from pgregistry.allowlist.report import FAMILIES, family_of  # noqa: E402
 from pgregistry.allowlist.scanner import FileResult  # noqa: E402
@@ -89,7 +90,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("repository", type=Path, help="git directory of Megatron-LM (a bare clone or its .git)")
     parser.add_argument("--rev", default="HEAD")
-    parser.add_argument("--user", type=Path, help="git directory of a project built on Megatron-LM")
+    parser.add_argument(
+        "--user", type=Path, action="append", default=[], help="git directory of a project built on Megatron-LM"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     preset = PRESETS["megatron"]
@@ -167,27 +170,23 @@ def main() -> int:
             ("(python -c pass, for scale)", nothing),
         ):
             print(f"{label:54}{seconds:>9.3f}{seconds / checker:>11.2f}x")
-    if args.user is not None:
-        with tempfile.TemporaryDirectory() as temporary:
-            root = Path(temporary)
-            export(args.user, "HEAD", root)
-            default, with_preset = scan(root, ".", ScanConfig()), scan(root, ".", preset)
-            name = args.user.parent.name if args.user.name in (".git", "repo") else args.user.name
-            print()
-            print(f"{name} at {git(args.user, 'rev-parse', '--short', 'HEAD').decode().strip()}")
-            print(
-                "\n".join(family_table({"default rule": families(default), "preset megatron": families(with_preset)}))
-            )
-            keyed = {(r.path, s.line, s.accessor) for r in with_preset for s in r.sites}
-            dropped = Counter(
-                (s.expr.split(".")[0], s.accessor)
-                for r in default
-                for s in r.sites
-                if (r.path, s.line, s.accessor) not in keyed
-            )
-            print("reported by the default rule only (another project's module, or an unqualified name):")
-            for (head, accessor), count in dropped.most_common(10):
-                print(f"  {count:4}  {head}.{accessor}" if head != accessor else f"  {count:4}  {accessor}")
+    for user_dir in args.user:
+        # Read from git directly: mirrors may lack large non-Python blobs, which `git archive` would need.
+        user = GitTree(user_dir, "HEAD")
+        sources = sorted(user.python_files(["."]).items())
+        default = scan_sources(sources, ScanConfig(), jobs=os.cpu_count() or 1).results
+        with_preset = scan_sources(sources, preset, jobs=os.cpu_count() or 1).results
+        name = user_dir.parent.name if user_dir.name in (".git", "repo") else user_dir.name
+        print()
+        print(f"{name} at {user.commit[:10]} ({len(sources)} Python files)")
+        print("\n".join(family_table({"default rule": families(default), "preset megatron": families(with_preset)})))
+        keyed = {(r.path, s.line, s.accessor) for r in with_preset for s in r.sites}
+        dropped = Counter(s.expr for r in default for s in r.sites if (r.path, s.line, s.accessor) not in keyed)
+        print("reported by the default rule only (another project's module, or an unqualified name):")
+        for expr, count in dropped.most_common(10):
+            print(f"  {count:4}  {expr}")
+        stages = Counter(s.accessor for r in with_preset for s in r.sites if s.accessor.startswith("is_pipeline_"))
+        print("is_pipeline_first/last_stage sites (preset only): " + ", ".join(f"{a} {n}" for a, n in stages.items()))
     return 0
 
 

@@ -81,7 +81,13 @@ def render_failures(failures: Sequence[FileResult], fmt: str) -> str:
     )
     if fmt == "json":
         errors = [
-            {"path": r.path, "line": r.failure.line, "col": r.failure.col, "message": r.failure.message}
+            {
+                "path": r.path,
+                "line": r.failure.line,
+                "col": r.failure.col,
+                "message": r.failure.message,
+                "needs_python": r.failure.needs or None,
+            }
             for r in failures
             if r.failure is not None
         ]
