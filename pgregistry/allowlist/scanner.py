@@ -403,12 +403,13 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def _is_none(test: ast.expr) -> str | None:
-    """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not x`` or
-    an ``or`` of such tests, ``"orelse"`` for ``x is not None``; None when ``test`` is no such check."""
+    """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not x`` (a
+    name or attribute, not a call) or an ``or`` of such tests, ``"orelse"`` for ``x is not None``; None when
+    ``test`` is no such check."""
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and _none(test.comparators[0]):
         return "body" if isinstance(test.ops[0], ast.Is) else "orelse" if isinstance(test.ops[0], ast.IsNot) else None
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return "body"
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):  # ``not group``, not ``not ready()``
+        return "body" if isinstance(test.operand, (ast.Name, ast.Attribute)) else None
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and any(_is_none(v) == "body" for v in test.values):
         return "body"
     return None

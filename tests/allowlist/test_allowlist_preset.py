@@ -105,6 +105,10 @@ def f(tp_group=None, dp_group=None, cp_group=None):
         dp_group = ps.get_data_parallel_group()
     cp_group = cp_group or ps.get_context_parallel_group()
     pp = ps.get_pipeline_model_parallel_group() if cp_group is None else cp_group
+    if not torch.distributed.is_initialized():
+        return ps.get_model_parallel_group()
+    if not self.ep_group:
+        self.ep_group = ps.get_expert_tensor_parallel_group()
     return ps.get_expert_model_parallel_group()
 """
 
@@ -116,6 +120,8 @@ def test_each_site_is_tagged_fallback_or_unconditional() -> None:
         "get_data_parallel_group": True,
         "get_context_parallel_group": True,
         "get_pipeline_model_parallel_group": True,
+        "get_model_parallel_group": False,
+        "get_expert_tensor_parallel_group": True,
         "get_expert_model_parallel_group": False,
     }
 
