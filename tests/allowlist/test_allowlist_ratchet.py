@@ -210,3 +210,13 @@ def test_merge_replaces_only_covered_paths() -> None:
     scanned = Allowlist({"a/z.py": {"h|g|call": 1}})
     merged = allowed.merged(scanned, lambda path: path.startswith("a/"))
     assert merged.entries == {"b/y.py": {"f|g|call": 2}, "a/z.py": {"h|g|call": 1}}
+
+
+def test_an_extracted_nested_function_is_moved() -> None:
+    nested = "def outer():\n    def inner():\n        return ps.get_data_parallel_group()\n    return inner()\n"
+    extracted = "def inner():\n    return ps.get_data_parallel_group()\n\ndef outer():\n    return inner()\n"
+    comparison = compare(results(m=extracted), Allowlist.from_results(results(m=nested)), lambda path: True)
+    assert comparison.ok
+    assert [(m.old_key, m.new_key) for m in comparison.moves] == [
+        ("outer.inner|get_data_parallel_group|call", "inner|get_data_parallel_group|call")
+    ]
