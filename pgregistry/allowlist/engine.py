@@ -21,7 +21,6 @@ import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pgregistry.allowlist.cache import ScanCache, content_key
@@ -62,8 +61,8 @@ def _can_fork() -> bool:
     return hasattr(os, "fork") and threading.active_count() == 1
 
 
-def _scan_bucket(items: Sequence[tuple[SourceFile, bytes]], config: ScanConfig) -> list[FileResult]:
-    return [scan_source(data, source.path, config) for source, data in items]
+def _scan_bucket(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> list[FileResult]:
+    return [scan_source(data, path, config) for path, data in items]
 
 
 def _buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
@@ -78,7 +77,7 @@ def _buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
 
 
 def _scan_parallel(
-    items: Sequence[tuple[SourceFile, bytes]], config: ScanConfig, jobs: int
+    items: Sequence[tuple[str, bytes]], config: ScanConfig, jobs: int
 ) -> tuple[list[FileResult], int]:
     buckets = _buckets(jobs, [len(data) for _, data in items])
     children: list[tuple[int, int, list[int]]] = []
@@ -110,7 +109,7 @@ def _scan_parallel(
         if status == 0:
             try:
                 rows: Any = marshal.loads(payload)
-                decoded = [decode_result(items[i][0].path, row) for i, row in zip(bucket, rows, strict=True)]
+                decoded = [decode_result(items[i][0], row) for i, row in zip(bucket, rows, strict=True)]
             except (EOFError, ValueError, TypeError):
                 decoded = None
         if decoded is None:  # the child failed: trust nothing it sent
@@ -156,7 +155,7 @@ def scan_sources(
     """Scan (project path, bytes) pairs, e.g. read from git; a :class:`FileResult` in place of the bytes is a
     file that could not be read, passed through."""
     results: list[FileResult | None] = [None] * len(sources)
-    pending: list[tuple[int, str, SourceFile, bytes]] = []
+    pending: list[tuple[int, str, str, bytes]] = []
     for index, (path, data) in enumerate(sources):
         if isinstance(data, FileResult):
             results[index] = data
@@ -166,8 +165,8 @@ def scan_sources(
         if cached is not None:
             results[index] = cached
         else:
-            pending.append((index, key, SourceFile(path, Path(path)), data))
-    items = [(source, data) for _, _, source, data in pending]
+            pending.append((index, key, path, data))
+    items = [(path, data) for _, _, path, data in pending]
     processes = 1
     enabled = gc.isenabled()
     gc.disable()
