@@ -278,14 +278,19 @@ _NEWER_SYNTAX: tuple[tuple[tuple[int, int], re.Pattern[str], str], ...] = (
     ((3, 11), re.compile(r"\s*except\s*\*"), "except*"),
     ((3, 12), re.compile(r"\s*type\s+[A-Za-z_]\w*\s*(\[.*\])?\s*="), "type alias statement"),
     ((3, 12), re.compile(r"\s*(async\s+)?(def|class)\s+[A-Za-z_]\w*\s*\["), "type parameter list"),
-    ((3, 12), re.compile(r".*\bf['\"]"), "f-string nesting (PEP 701)"),
     ((3, 14), re.compile(r"\s*except\s+[^\s(:][^:(]*,[^:]*:"), "except without parentheses (PEP 758)"),
     ((3, 14), re.compile(r".*(?<![\w.])[tT][rR]?['\"]"), "template string (PEP 750)"),
 )
 
 
-def _newer_syntax(data: bytes, line: int) -> tuple[str, str] | None:
+#: What Python < 3.12 says about f-strings that PEP 701 made valid (a reused quote, a backslash, a comment).
+_PEP_701_ERRORS = ("f-string: expecting '}'", "f-string expression part cannot include")
+
+
+def _newer_syntax(data: bytes, line: int, message: str) -> tuple[str, str] | None:
     """("3.12", what) when ``line`` uses syntax newer than the running Python; None otherwise."""
+    if sys.version_info < (3, 12) and message.startswith(_PEP_701_ERRORS):
+        return "3.12", "f-string syntax of PEP 701 (nested quotes, backslashes or comments in an expression)"
     lines = data.decode("utf-8", "replace").splitlines()
     text = lines[line - 1] if 0 < line <= len(lines) else ""
     for version, pattern, what in _NEWER_SYNTAX:
@@ -307,7 +312,7 @@ def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
             line, col = _position(data, data.index(b"\0"))
         else:
             line, col = max(1, error.lineno or 1), max(1, error.offset or 1)
-        newer = _newer_syntax(data, line)
+        newer = _newer_syntax(data, line, str(error.msg))
         if newer is not None:
             running = ".".join(map(str, sys.version_info[:3]))
             message = f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python >= {newer[0]} " \

@@ -245,3 +245,22 @@ def test_a_symlinked_root_keeps_project_keys_and_excludes(
     assert run(capsys, "update", "--no-cache")[0] == 0
     assert set(json.loads(project.read("allowlist.json"))["allowed"]) == {"src/pkg/a.py"}
     assert run(capsys, "check", "--no-cache", "src/pkg")[0] == 0
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="PEP 701 f-strings parse on this Python")
+@pytest.mark.parametrize(
+    "source",
+    [
+        # NeMo RL tests/unit/test_version_check.py: a backslash inside an f-string expression.
+        "message = f\"prefixes:\\n{'\\n'.join(lines)}\"\n",
+        'message = f"{", ".join(lines)}"\n',  # the f-string's own quote reused inside it
+    ],
+)
+def test_pep_701_f_strings_name_python_3_12_and_a_broken_f_string_does_not(source: str) -> None:
+    from pgregistry.allowlist.config import ScanConfig
+    from pgregistry.allowlist.scanner import scan_source
+
+    failure = scan_source(source.encode(), "m.py", ScanConfig()).failure
+    assert failure is not None and failure.needs == "3.12"
+    broken = scan_source(b'message = f"{}"\n', "m.py", ScanConfig()).failure
+    assert broken is not None and broken.needs == ""
