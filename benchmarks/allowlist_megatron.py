@@ -179,6 +179,8 @@ def main() -> int:
         name = user_dir.parent.name if user_dir.name in (".git", "repo") else user_dir.name
         print()
         print(f"{name} at {user.commit[:10]} ({len(sources)} Python files)")
+        for failed in (r for r in with_preset if r.failure is not None):
+            print(f"  not parsed by Python {sys.version.split()[0]}: {failed.path}: {failed.failure.message[:90]}")
         print("\n".join(family_table({"default rule": families(default), "preset megatron": families(with_preset)})))
         keyed = {(r.path, s.line, s.accessor) for r in with_preset for s in r.sites}
         dropped = Counter(s.expr for r in default for s in r.sites if (r.path, s.line, s.accessor) not in keyed)
