@@ -240,7 +240,7 @@ def main() -> int:
         (root / "pyproject.toml").write_text(
             '[tool.pgregistry.allowlist]\nroots = ["megatron"]\nallowlist = "allowlist.json"\n'
         )
-        files = discover([root / "megatron"], root, ())
+        files = discover([root / "megatron"], root, ()).files
         size = sum(f.absolute.stat().st_size for f in files)
         config = ScanConfig()
         jobs = default_jobs()
@@ -252,7 +252,7 @@ def main() -> int:
 
         def scan(processes: int, cache: ScanCache | None = None) -> ScanReport:
             """What the command does after start-up: discover the files, then scan them."""
-            return scan_files(discover([root / "megatron"], root, ()), config, cache=cache, jobs=processes)
+            return scan_files(discover([root / "megatron"], root, ()).files, config, cache=cache, jobs=processes)
 
         found = sum(len(r.sites) for r in scan(jobs).results)
         baseline = median_time(lambda: naive_scan(root), args.repeat)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pgregistry.allowlist.config import ScanConfig
 from pgregistry.allowlist.scanner import FileResult, decode_result, encode_result
+from pgregistry.allowlist.storage import atomic_write
 
 __all__ = ["ScanCache", "content_key"]
 
@@ -80,18 +79,10 @@ class ScanCache:
         if len(entries) > len(self._used) + MAX_ENTRIES:
             entries = self._used
         payload = json.dumps({"fingerprint": self.fingerprint, "entries": entries}, separators=(",", ":"))
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # StorageError is an OSError
             self.directory.mkdir(parents=True, exist_ok=True)
             ignore = self.directory / ".gitignore"
             if not ignore.exists():
                 ignore.write_text("# Created by pgregistry allowlist: a cache, never commit it.\n*\n")
-            handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".json")
-            try:
-                with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                    stream.write(payload)
-                os.replace(temporary, self.file)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
-                raise
+            atomic_write(self.file, payload.encode("utf-8"), durable=False)
         self._stored, self._added = entries, False

@@ -21,19 +21,39 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pgregistry.allowlist.baseline import GitError, GitTree, mark_added
 from pgregistry.allowlist.cache import ScanCache
-from pgregistry.allowlist.config import ConfigError, Settings, find_config_file, load_settings
-from pgregistry.allowlist.engine import default_jobs, scan_files
-from pgregistry.allowlist.files import PathError, discover, project_path, under
-from pgregistry.allowlist.ratchet import Allowlist, AllowlistError, compare
-from pgregistry.allowlist.report import FORMATS, render_check, render_failures, render_stats, render_update
+from pgregistry.allowlist.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
+from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files, scan_sources
+from pgregistry.allowlist.files import PathError, absolute, discover, excluded, project_path, under
+from pgregistry.allowlist.megatron_list import match_megatron_list, parse_megatron_list
+from pgregistry.allowlist.ratchet import (
+    Allowlist,
+    AllowlistError,
+    Comparison,
+    FutureAllowlistError,
+    compare,
+    read_bytes,
+)
+from pgregistry.allowlist.report import (
+    FORMATS,
+    Baseline,
+    render_check,
+    render_failures,
+    render_skipped,
+    render_stats,
+    render_update,
+)
+from pgregistry.allowlist.scanner import FileResult
+from pgregistry.allowlist.storage import StorageError, exclusive
 
 __all__ = ["add_command", "configure", "main", "run"]
 
 _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
     "update": "rewrite the allowlist from the current code (deterministic, sorted)",
-    "stats": "print counts of reads by accessor, file and scope",
+    "stats": "print counts of reads by family, directory, accessor, file and scope",
+    "import": "write the allowlist from Megatron-LM's line-keyed list (tools/process_group_usage_allowlist.json)",
 }
 
 _DESCRIPTION = (
@@ -84,9 +104,20 @@ def _options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="legacy module name whose accessors count (repeatable; replaces the configured)",
     )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="built-in scan settings for a known code base (replaces the configured scan settings)",
+    )
     parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
     parser.add_argument("--cache-dir", type=Path, metavar="DIR", help="the scan cache directory")
+    parser.add_argument(
+        "--skip-newer-syntax",
+        action="store_true",
+        help="skip, with a listed warning, files using syntax newer than this Python (their entries are kept "
+        "and not judged) instead of failing",
+    )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +126,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name, text in _ACTIONS.items():
         action = actions.add_parser(name, help=text, description=f"{text}. {_DESCRIPTION}")
         _options(action)
+        if name == "check":
+            action.add_argument(
+                "--base",
+                metavar="REV",
+                help="git revision the change is against (in CI: the target branch): reads in files git saw "
+                "renamed since count as moved, and only the added sites of a key are flagged",
+            )
+        if name == "import":
+            action.add_argument(
+                "--from", dest="source", type=Path, required=True, metavar="FILE", help="Megatron-LM's allowlist"
+            )
+        if name == "stats":
+            action.add_argument(
+                "--since", metavar="REV", help="compare with the tree at this git revision (burn-down table)"
+            )
+            action.add_argument(
+                "--depth", type=_jobs, default=2, metavar="N", help="directory depth of the by-directory table"
+            )
         action.set_defaults(handler=run)
 
 
@@ -129,9 +178,11 @@ def _settings(args: argparse.Namespace) -> Settings:
     exclude = tuple(args.exclude) if args.exclude is not None else settings.exclude
     settings = dataclasses.replace(settings, exclude=exclude + tuple(args.extend_exclude))
     if args.allowlist is not None:
-        settings = dataclasses.replace(settings, allowlist=args.allowlist.resolve())
+        settings = dataclasses.replace(settings, allowlist=absolute(args.allowlist))
     if args.cache_dir is not None:
-        settings = dataclasses.replace(settings, cache_dir=args.cache_dir.resolve())
+        settings = dataclasses.replace(settings, cache_dir=absolute(args.cache_dir))
+    if args.preset is not None:
+        settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
     if args.module is not None:
         settings = dataclasses.replace(
             settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
@@ -142,8 +193,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
     """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
     if not args.paths:
-        return [settings.resolve(Path(root)).resolve() for root in settings.roots], lambda path: True
-    targets = [path.resolve() for path in args.paths]
+        return [absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
+    targets = [absolute(path) for path in args.paths]
     prefixes = [project_path(target, settings.root) for target in targets]
     return targets, lambda path: under(path, prefixes)
 
@@ -155,41 +206,163 @@ def _error(message: str, fmt: str) -> int:
     return 2
 
 
+def _skipped_newer(report: ScanReport, allowed: bool) -> tuple[list[FileResult], list[FileResult]]:
+    """(failures, skipped): files whose only fault is syntax newer than this Python are skipped when
+    ``allowed`` (``--skip-newer-syntax``); every other failure stays an error."""
+    failures = [r for r in report.failures if not (allowed and r.failure is not None and r.failure.needs)]
+    skipped = [r for r in report.failures if r not in failures]
+    return failures, skipped
+
+
 def run(args: argparse.Namespace) -> int:
     """The handler of every action; returns the exit code (0 ok, 1 check failed, 2 error)."""
     fmt: str = args.format
     try:
         settings = _settings(args)
         targets, covers = _targets(args, settings)
-        files = discover(targets, settings.root, settings.exclude)
+        found = discover(targets, settings.root, settings.exclude)
     except (ConfigError, PathError) as error:
         return _error(str(error), fmt)
     cache = None
     if not args.no_cache and settings.cache_dir is not None:
         cache = ScanCache(settings.resolve(settings.cache_dir), settings.scan)
-    report = scan_files(files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
-    if report.failures:
-        print(render_failures(report.failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
+    report = scan_files(found.files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    failures, newer = _skipped_newer(report, args.skip_newer_syntax)
+    if failures:
+        print(render_failures(failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
         return 2
+    warnings = [(path, "skipped: not a regular file") for path in found.skipped]
+    warnings += [(r.path, f"skipped: needs Python >= {r.failure.needs}") for r in newer if r.failure is not None]
+    if warnings:
+        print(render_skipped(warnings, fmt), end="", file=sys.stdout if fmt == "github" else sys.stderr)
+    unjudged = {path for path, _ in warnings}
+    results = [result for result in report.results if result.failure is None]
+
+    def judged(path: str) -> bool:  # a skipped file's entries are neither judged nor rewritten
+        return covers(path) and path not in unjudged
+
     allowlist_path = settings.resolve(settings.allowlist)
     name = project_path(allowlist_path, settings.root)
+    if args.allowlist_action == "import":
+        code = _import(args, results)
+        if code:
+            return code
+    if args.allowlist_action in ("update", "import"):
+        return _update(args, results, judged, allowlist_path, name, partial=bool(args.paths or unjudged))
     try:
         if args.allowlist_action == "check":
             allowed = Allowlist.load(allowlist_path, name)
-            comparison = compare(report.results, allowed, covers)
-            print(render_check(comparison, allowed, len(files), name, fmt), end="")
+            comparison = _compare(args, settings, results, allowed, judged)
+            print(render_check(comparison, allowed, len(found.files), name, fmt), end="")
             return 0 if comparison.ok else 1
         previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
-    except AllowlistError as error:
-        if args.allowlist_action != "update" or args.paths:
-            return _error(str(error), fmt)
-        # A full update regenerates the whole list, so it may replace an unreadable (or old-format) file.
-        print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
-        previous = None
-    if args.allowlist_action == "stats":
-        print(render_stats(report.results, previous, fmt), end="")
-        return 0
-    current = (previous or Allowlist({})).merged(Allowlist.from_results(report.results), covers)
-    changed = current.write(allowlist_path)
+        since = _baseline(args, settings, targets, cache) if args.since else None
+    except (AllowlistError, GitError) as error:
+        return _error(str(error), fmt)
+    # Only the entries of the paths scanned: ``stats PATH`` compares like with like.
+    subset = Allowlist({p: keys for p, keys in previous.entries.items() if judged(p)}) if previous else None
+    print(render_stats(results, subset, fmt, since, args.depth), end="")
+    return 0
+
+
+def _compare(
+    args: argparse.Namespace,
+    settings: Settings,
+    results: list[FileResult],
+    allowed: Allowlist,
+    judged: Callable[[str], bool],
+) -> Comparison:
+    """The ratchet's comparison; with ``--base``, git's renames pair moved reads and added sites are marked."""
+    if not args.base:
+        return compare(results, allowed, judged)
+    base = GitTree(settings.root, args.base)
+    changes = base.changes()
+    comparison = compare(results, allowed, judged, changes.renames, changes.added)
+
+    def current(path: str) -> bytes | None:
+        return read_bytes(settings.root / path)
+
+    return mark_added(comparison, settings.scan, current, base, changes.renames)
+
+
+def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:
+    """The scan of the same roots, with the same excludes, at revision ``--since``."""
+    tree = GitTree(settings.root, args.since)
+    prefixes = [project_path(target, settings.root) for target in targets]
+    sources = [
+        (path, data)
+        for path, data in sorted(tree.python_files(prefixes).items())
+        if not excluded(path, settings.exclude)
+    ]
+    report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    if report.failures:
+        first = report.failures[0]
+        raise GitError(f"{first.path} at {args.since} does not parse: {first.failure and first.failure.message}")
+    return Baseline(args.since, report.results)
+
+
+def _import(args: argparse.Namespace, results: list[FileResult]) -> int:
+    """Check that every entry of Megatron-LM's list is a read of today's tree (exit 2 naming those that are
+    not) and say what the import grandfathers beyond it; 0 when the update may go ahead."""
+    fmt: str = args.format
+    try:
+        entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
+    except OSError as error:
+        return _error(f"{args.source}: cannot read: {error.strerror or error}", fmt)
+    except (AllowlistError, UnicodeDecodeError) as error:
+        return _error(str(error), fmt)
+    imported = match_megatron_list(entries, results)
+    if imported.unmatched:
+        shown = "; ".join(imported.unmatched[:5]) + ("; ..." if len(imported.unmatched) > 5 else "")
+        return _error(
+            f"{len(imported.unmatched)} entries of {args.source} have no such read on their line in the scanned "
+            f"tree ({shown}): regenerate it with Megatron-LM's checker (--update) on this tree, then import",
+            fmt,
+        )
+    unseen = ", ".join(f"{accessor} {count}" for accessor, count in imported.unseen.most_common())
+    print(
+        f"imported {imported.matched} entries of {args.source}; grandfathered too, {sum(imported.unseen.values())} "
+        f"reads its rule does not list{': ' + unseen if unseen else ''}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _update(
+    args: argparse.Namespace,
+    results: list[FileResult],
+    judged: Callable[[str], bool],
+    path: Path,
+    name: str,
+    partial: bool,
+) -> int:
+    """Rewrite the allowlist under the update lock: read, merge, write atomically (exit 2 on any OS error,
+    the old file intact). ``partial``: some paths are not rescanned, so their old entries must be kept."""
+    fmt: str = args.format
+    try:
+        with exclusive(path):
+            try:
+                expected = read_bytes(path)
+            except OSError as error:
+                return _error(f"{name}: cannot read the allowlist: {error.strerror or error}", fmt)
+            previous = None
+            if expected is not None:
+                try:
+                    previous = Allowlist.from_bytes(expected, name)
+                except FutureAllowlistError as error:
+                    return _error(str(error), fmt)
+                except AllowlistError as error:
+                    if partial:
+                        return _error(
+                            f"{error}. A partial update (PATH given, or files skipped) only edits a readable "
+                            "allowlist: run `pgregistry allowlist update` with no PATH to regenerate it whole",
+                            fmt,
+                        )
+                    # A full update regenerates the whole list, so it may replace an unreadable (or old) file.
+                    print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
+            current = (previous or Allowlist({})).merged(Allowlist.from_results(results), judged)
+            changed = current.write(path, expected)
+    except StorageError as error:
+        return _error(str(error), fmt)
     print(render_update(previous, current, name, changed, fmt), end="")
     return 0

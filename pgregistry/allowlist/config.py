@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,15 +26,17 @@ from typing import Any
 __all__ = [
     "DEFAULT_ALLOWLIST",
     "DEFAULT_EXCLUDE",
+    "PRESETS",
     "ConfigError",
     "ScanConfig",
     "Settings",
     "find_config_file",
     "load_settings",
+    "preset",
 ]
 
 #: Bump whenever the scanner's output for the same input could change: it is part of every cache key.
-SCANNER_VERSION = 2
+SCANNER_VERSION = 3
 
 DEFAULT_ALLOWLIST = "process_group_usage_allowlist.json"
 DEFAULT_EXCLUDE: tuple[str, ...] = (".*", "__pycache__", "*.egg-info", "build", "dist", "node_modules")
@@ -73,6 +76,12 @@ class ScanConfig:
     registry_modules: tuple[str, ...] = ("pgregistry.registry", "pgregistry")
     registry_accessors: tuple[str, ...] = ("global_collection*", "get_global_*")
     shims: tuple[str, ...] = ("use_mpu_process_groups",)
+    #: Qualified functions that read the global grid when an argument is None
+    #: (``megatron.core.utils.get_tensor_model_parallel_group_if_none``): each call is a site.
+    fallback_helpers: tuple[str, ...] = ()
+    #: Modules that implement the global state (``megatron.core.parallel_state``): their reads are the
+    #: implementation, not uses, and are not reported. Matched like ``modules``, against the file's module name.
+    exempt_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -82,8 +91,9 @@ class ScanConfig:
                     raise ConfigError(f"{_key(field.name)}: {value!r} is not {kind[1]}")
 
     def fingerprint(self) -> str:
-        """A digest of the scanner version and every setting that changes what the scanner reports."""
-        payload = json.dumps([SCANNER_VERSION, dataclasses.asdict(self)], sort_keys=True)
+        """A digest of the scanner version, the running Python's version (it decides which syntax parses) and
+        every setting that changes what the scanner reports."""
+        payload = json.dumps([SCANNER_VERSION, sys.version_info[:2], dataclasses.asdict(self)], sort_keys=True)
         return hashlib.blake2b(payload.encode(), digest_size=12).hexdigest()
 
 
@@ -95,6 +105,30 @@ _FIELD_KINDS: dict[str, tuple[re.Pattern[str], str]] = {
     "registry_modules": (_DOTTED, "a dotted module name"),
     "registry_accessors": (_PATTERN, "an accessor name pattern"),
     "shims": (_IDENTIFIER, "an identifier"),
+    "fallback_helpers": (_DOTTED, "a dotted function name (module.function)"),
+    "exempt_modules": (_DOTTED, "a dotted module name"),
+}
+
+#: Built-in settings for a known code base, chosen with ``--preset`` or ``preset = "..."``; keys given in the
+#: table override the preset's.
+PRESETS: dict[str, ScanConfig] = {
+    # Megatron-LM and its users (Megatron-Bridge, NeMo RL). Module names are qualified, so another project's
+    # ``parallel_state`` (``vllm.distributed.parallel_state``) is not reported.
+    "megatron": ScanConfig(
+        modules=("megatron.core.parallel_state", "megatron.core.mpu"),
+        aliases=("ps",),
+        accessors=(
+            *ScanConfig().accessors,
+            "get_*_global_ranks",
+            "get_all_ranks",
+            "is_pipeline_first_stage",
+            "is_pipeline_last_stage",
+            "is_rank_in_*",
+            "_*_WITH_*",
+        ),
+        fallback_helpers=("megatron.core.utils.get_tensor_model_parallel_group_if_none",),
+        exempt_modules=("megatron.core.parallel_state", "megatron.core.process_groups_config"),
+    ),
 }
 
 
@@ -175,6 +209,15 @@ def _string(table: Mapping[str, Any], key: str, where: Path) -> str:
 
 _SCAN_KEYS = {_key(field.name): field.name for field in dataclasses.fields(ScanConfig)}
 _LIST_KEYS = {"roots", "exclude", "extend-exclude"}
+_NAME_KEYS = {"preset"}
+
+
+def preset(name: str, where: str) -> ScanConfig:
+    """The built-in :data:`PRESETS` entry ``name``; ``where`` names the setting in the error."""
+    if name not in PRESETS:
+        raise ConfigError(f"{where}: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+    return PRESETS[name]
+
 _PATH_KEYS = {"allowlist", "cache-dir"}
 
 
@@ -186,15 +229,18 @@ def load_settings(config_file: Path | None, cwd: Path) -> Settings:
         return Settings(root=cwd)
     config_file = config_file.resolve()
     table = _table(_read_toml(config_file)) or {}
-    unknown = sorted(set(table) - set(_SCAN_KEYS) - _LIST_KEYS - _PATH_KEYS)
+    unknown = sorted(set(table) - set(_SCAN_KEYS) - _LIST_KEYS - _NAME_KEYS - _PATH_KEYS)
     if unknown:
-        known = ", ".join(sorted({*_SCAN_KEYS, *_LIST_KEYS, *_PATH_KEYS}))
+        known = ", ".join(sorted({*_SCAN_KEYS, *_LIST_KEYS, *_NAME_KEYS, *_PATH_KEYS}))
         raise ConfigError(
             f"{config_file}: unknown key(s) in [tool.pgregistry.allowlist]: {', '.join(unknown)} "
             f"(known: {known})"
         )
-    scan = ScanConfig(
-        **{_SCAN_KEYS[key]: _strings(table, key, config_file) for key in table if key in _SCAN_KEYS}
+    base = ScanConfig()
+    if "preset" in table:
+        base = preset(_string(table, "preset", config_file), f"{config_file}: [tool.pgregistry.allowlist] preset")
+    scan = dataclasses.replace(
+        base, **{_SCAN_KEYS[key]: _strings(table, key, config_file) for key in table if key in _SCAN_KEYS}
     )
     settings = Settings(root=config_file.parent, scan=scan)
     if "roots" in table:

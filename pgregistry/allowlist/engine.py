@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import marshal
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from pgregistry.allowlist.config import ScanConfig
 from pgregistry.allowlist.files import SourceFile
 from pgregistry.allowlist.scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
 
-__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "default_jobs", "scan_files"]
+__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "default_jobs", "scan_files", "scan_sources"]
 
 #: Below this many bytes to parse, forking costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -60,8 +61,8 @@ def _can_fork() -> bool:
     return hasattr(os, "fork") and threading.active_count() == 1
 
 
-def _scan_bucket(items: Sequence[tuple[SourceFile, bytes]], config: ScanConfig) -> list[FileResult]:
-    return [scan_source(data, source.path, config) for source, data in items]
+def _scan_bucket(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> list[FileResult]:
+    return [scan_source(data, path, config) for path, data in items]
 
 
 def _buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
@@ -76,7 +77,7 @@ def _buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
 
 
 def _scan_parallel(
-    items: Sequence[tuple[SourceFile, bytes]], config: ScanConfig, jobs: int
+    items: Sequence[tuple[str, bytes]], config: ScanConfig, jobs: int
 ) -> tuple[list[FileResult], int]:
     buckets = _buckets(jobs, [len(data) for _, data in items])
     children: list[tuple[int, int, list[int]]] = []
@@ -108,7 +109,7 @@ def _scan_parallel(
         if status == 0:
             try:
                 rows: Any = marshal.loads(payload)
-                decoded = [decode_result(items[i][0].path, row) for i, row in zip(bucket, rows, strict=True)]
+                decoded = [decode_result(items[i][0], row) for i, row in zip(bucket, rows, strict=True)]
             except (EOFError, ValueError, TypeError):
                 decoded = None
         if decoded is None:  # the child failed: trust nothing it sent
@@ -119,30 +120,53 @@ def _scan_parallel(
 
 
 def _read(source: SourceFile) -> bytes | FileResult:
+    """The file's bytes; a failure for anything but a regular file. Opened non-blocking and checked with
+    ``fstat`` before reading, so a FIFO (or a file swapped for one after discovery) never blocks the scan."""
     try:
-        return source.absolute.read_bytes()
+        handle = os.open(source.absolute, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            return FileResult(source.path, failure=ParseFailure("cannot read: not a regular file", 1, 1))
+        with os.fdopen(handle, "rb", closefd=False) as stream:
+            return stream.read()
+    except OSError as error:
+        return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
+    finally:
+        os.close(handle)
 
 
 def scan_files(
     files: Sequence[SourceFile], config: ScanConfig, *, cache: ScanCache | None = None, jobs: int = 1
 ) -> ScanReport:
     """Scan ``files``: cached results where the cache holds them, the rest parsed on up to ``jobs`` cores."""
-    results: list[FileResult | None] = [None] * len(files)
-    pending: list[tuple[int, str, SourceFile, bytes]] = []
-    for index, source in enumerate(files):
-        data = _read(source)
+    read = [(source.path, _read(source)) for source in files]
+    return scan_sources(read, config, cache=cache, jobs=jobs)
+
+
+def scan_sources(
+    sources: Sequence[tuple[str, bytes | FileResult]],
+    config: ScanConfig,
+    *,
+    cache: ScanCache | None = None,
+    jobs: int = 1,
+) -> ScanReport:
+    """Scan (project path, bytes) pairs, e.g. read from git; a :class:`FileResult` in place of the bytes is a
+    file that could not be read, passed through."""
+    results: list[FileResult | None] = [None] * len(sources)
+    pending: list[tuple[int, str, str, bytes]] = []
+    for index, (path, data) in enumerate(sources):
         if isinstance(data, FileResult):
             results[index] = data
             continue
-        key = content_key(source.path, data)
-        cached = cache.get(key, source.path) if cache is not None else None
+        key = content_key(path, data)
+        cached = cache.get(key, path) if cache is not None else None
         if cached is not None:
             results[index] = cached
         else:
-            pending.append((index, key, source, data))
-    items = [(source, data) for _, _, source, data in pending]
+            pending.append((index, key, path, data))
+    items = [(path, data) for _, _, path, data in pending]
     processes = 1
     enabled = gc.isenabled()
     gc.disable()
@@ -162,4 +186,4 @@ def scan_files(
     if cache is not None:
         cache.save()
     done = [result for result in results if result is not None]
-    return ScanReport(done, parsed=len(pending), cached=len(files) - len(pending), processes=processes)
+    return ScanReport(done, parsed=len(pending), cached=len(sources) - len(pending), processes=processes)

@@ -9,12 +9,13 @@ file names cannot bring an excluded file back.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["PathError", "SourceFile", "discover", "project_path", "under"]
+__all__ = ["Discovery", "PathError", "SourceFile", "absolute", "discover", "excluded", "project_path", "under"]
 
 
 class PathError(ValueError):
@@ -30,14 +31,24 @@ class SourceFile:
     absolute: Path
 
 
+def absolute(path: Path) -> Path:
+    """``path`` made absolute and normalised without resolving symbolic links (``Path.resolve`` would turn a
+    root that is a link, ``src -> /elsewhere/src``, into a path outside the project)."""
+    return Path(os.path.abspath(path))
+
+
 def project_path(path: Path, root: Path) -> str:
-    """``path`` relative to ``root``, with ``/`` separators ("." for the root itself)."""
-    try:
-        relative = path.relative_to(root)
-    except ValueError:
-        relative = Path(os.path.relpath(path, root))
-    text = relative.as_posix()
-    return text or "."
+    """``path`` relative to ``root``, with ``/`` separators ("." for the root itself).
+
+    Tried as spelled first (a symlinked directory inside the project keeps its project path), then with links
+    resolved on both sides (the project reached through a linked working directory); only a path outside the
+    project in both senses is given as ``../...``."""
+    for candidate, base in ((absolute(path), absolute(root)), (path.resolve(), root.resolve())):
+        try:
+            return candidate.relative_to(base).as_posix() or "."
+        except ValueError:
+            continue
+    return Path(os.path.relpath(path, root)).as_posix()
 
 
 def under(path: str, prefixes: Iterable[str]) -> bool:
@@ -67,15 +78,40 @@ class _Excluder:
         return any(self.entry("/".join(parts[: i + 1])) for i in range(len(parts)))
 
 
-def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> list[SourceFile]:
-    """The files to scan under ``targets`` (absolute files or directories), sorted by project path.
+def excluded(path: str, exclude: Sequence[str]) -> bool:
+    """Whether the project path ``path`` (a file that may not exist on disk, e.g. read from git) is excluded."""
+    return _Excluder(exclude).any_level(path)
 
-    Directories contribute their ``*.py`` files; a file named directly is scanned whatever its suffix. Raises
-    :class:`PathError` for a target that does not exist."""
+
+@dataclass(frozen=True)
+class Discovery:
+    """The files to scan (sorted by project path), and the ``*.py`` entries skipped because they are not
+    regular files (a FIFO, a socket, a device, a dangling link): reading one could block the scan forever."""
+
+    files: list[SourceFile]
+    skipped: list[str]
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Discovery:
+    """The files to scan under ``targets`` (absolute files or directories).
+
+    Directories contribute their ``*.py`` files that are regular files (the others are listed as skipped); a
+    file named directly is scanned whatever its suffix. Raises :class:`PathError` for a target that does not
+    exist or is neither a regular file nor a directory."""
     excluder = _Excluder(exclude)
     found: dict[str, SourceFile] = {}
+    skipped: list[str] = []
     for target in targets:
         relative = project_path(target, root)
+        if target.exists() and not target.is_dir() and not _regular(target):
+            raise PathError(f"{target}: not a regular file or directory")
         if target.is_file():
             if relative == "." or not excluder.any_level(relative):
                 found.setdefault(relative, SourceFile(relative, target))
@@ -89,7 +125,10 @@ def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> lis
                 for name in filenames:
                     path = prefix + name
                     if name.endswith(".py") and not excluder.entry(path):
-                        found.setdefault(path, SourceFile(path, Path(directory, name)))
+                        if _regular(Path(directory, name)):
+                            found.setdefault(path, SourceFile(path, Path(directory, name)))
+                        elif path not in skipped:
+                            skipped.append(path)
         else:
             raise PathError(f"{target}: no such file or directory")
-    return sorted(found.values())
+    return Discovery(sorted(found.values()), sorted(skipped))

@@ -24,15 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgregistry.allowlist.moves import Move, pair_moves
 from pgregistry.allowlist.scanner import FileResult, Site
+from pgregistry.allowlist.storage import StorageError, atomic_write
 
 __all__ = [
     "ALLOWLIST_VERSION",
     "Allowlist",
     "AllowlistError",
     "Comparison",
+    "FutureAllowlistError",
     "Mismatch",
     "compare",
+    "read_bytes",
 ]
 
 ALLOWLIST_VERSION = 1
@@ -46,6 +50,18 @@ COMMENT = (
 
 class AllowlistError(ValueError):
     """The allowlist file is missing, malformed or of an unsupported version; the message says which."""
+
+
+class FutureAllowlistError(AllowlistError):
+    """The allowlist was written by a newer pgregistry: never rewrite it (its new fields would be lost)."""
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The file's bytes, or None when it does not exist (other OS errors propagate)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -79,16 +95,24 @@ class Allowlist:
         }
         return json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=True) + "\n"
 
-    def write(self, path: Path) -> bool:
-        """Write the file unless it already holds exactly this content; returns whether it changed."""
-        text = self.dumps()
+    def write(self, path: Path, expected: bytes | None) -> bool:
+        """Atomically replace the file unless it already holds exactly this content; returns whether it changed.
+
+        ``expected`` is what the file held when it was read (None: it did not exist). If it holds anything
+        else now, another process wrote it meanwhile and writing would drop that process's entries: raises
+        :class:`~pgregistry.allowlist.storage.StorageError` and writes nothing."""
+        data = self.dumps().encode("ascii")
         try:
-            if path.read_text(encoding="utf-8") == text:
-                return False
-        except (OSError, UnicodeDecodeError):
-            pass
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+            current = read_bytes(path)
+        except OSError as error:
+            raise StorageError(f"cannot read {path}: {error.strerror or error}") from error
+        if current != expected:
+            raise StorageError(
+                f"{path} was changed by another process while this update ran; nothing was written: re-run it"
+            )
+        if current == data:
+            return False
+        atomic_write(path, data)
         return True
 
     @classmethod
@@ -96,12 +120,20 @@ class Allowlist:
         """Read and validate the allowlist at ``path`` (``name``: how messages call it; default the path)."""
         name = name or str(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            data = path.read_bytes()
         except FileNotFoundError:
             hint = "create it with `pgregistry allowlist update`"
             raise AllowlistError(f"{name}: no such allowlist; {hint}") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise AllowlistError(f"{name}: cannot read the allowlist: {error}") from None
+        except OSError as error:
+            raise AllowlistError(f"{name}: cannot read the allowlist: {error.strerror or error}") from None
+        return cls.from_bytes(data, name)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str = "<allowlist>") -> Allowlist:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise AllowlistError(f"{name}: the allowlist is not UTF-8: {error}") from None
         return cls.loads(text, name)
 
     @classmethod
@@ -123,6 +155,11 @@ class Allowlist:
             )
             raise AllowlistError(f"{name}: the allowlist has no 'version'{hint}")
         version = payload["version"]
+        if isinstance(version, int) and not isinstance(version, bool) and version > ALLOWLIST_VERSION:
+            raise FutureAllowlistError(
+                f"{name}: allowlist version {version} was written by a newer pgregistry; this one reads version "
+                f"{ALLOWLIST_VERSION} and will not rewrite it (its newer fields would be lost): upgrade pgregistry"
+            )
         if version != ALLOWLIST_VERSION or isinstance(version, bool):
             raise AllowlistError(
                 f"{name}: unsupported allowlist version {version!r}; this pgregistry reads version "
@@ -170,15 +207,19 @@ def _sites_by_key(results: Iterable[FileResult]) -> dict[str, dict[str, list[Sit
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One key whose site count differs from the allowed count.
+    """One key whose site count differs from the allowed count by more than the reads that moved.
 
-    More sites than allowed are new reads (``sites`` holds all of them: any may be the new one); fewer is a
-    stale entry (``sites`` holds those that remain)."""
+    More sites than allowed are new reads (``sites`` holds all of them, in line order; ``added``, when a base
+    revision tells, the ones that are new); fewer is a stale entry (``sites`` holds those that remain).
+    ``moved``: reads of this key explained by a :class:`~pgregistry.allowlist.moves.Move` (moved here, for a
+    new key; moved away, for a stale one), so ``unexplained`` is what really changed."""
 
     path: str
     key: str
     allowed: int
     sites: tuple[Site, ...]
+    moved: int = 0
+    added: tuple[Site, ...] = ()
 
     @property
     def found(self) -> int:
@@ -188,10 +229,15 @@ class Mismatch:
     def is_new(self) -> bool:
         return self.found > self.allowed
 
+    @property
+    def unexplained(self) -> int:
+        return abs(self.found - self.allowed) - self.moved
+
 
 @dataclass(frozen=True)
 class Comparison:
     mismatches: tuple[Mismatch, ...]
+    moves: tuple[Move, ...] = ()
 
     @property
     def new(self) -> tuple[Mismatch, ...]:
@@ -207,21 +253,42 @@ class Comparison:
 
     @property
     def new_sites(self) -> int:
-        return sum(item.found - item.allowed for item in self.new)
+        return sum(item.unexplained for item in self.new)
 
 
-def compare(results: Iterable[FileResult], allowlist: Allowlist, covers: Callable[[str], bool]) -> Comparison:
+def compare(
+    results: Iterable[FileResult],
+    allowlist: Allowlist,
+    covers: Callable[[str], bool],
+    renames: Mapping[str, str] | None = None,
+    added: frozenset[str] = frozenset(),
+) -> Comparison:
     """The ratchet: every key's count must equal the allowed count, for the paths the scan ``covers``.
 
-    More is a new read; fewer is a stale entry (the list must shrink with the code). Paths the scan did not
-    cover (a run on a sub-directory) are not judged."""
+    More is a new read; fewer is a stale entry (the list must shrink with the code), except where a stale
+    entry and a new one are the same reads moved by a refactor (:func:`~pgregistry.allowlist.moves.pair_moves`;
+    ``renames``: old path -> new path, ``added``: files added, both from git). Paths the scan did not cover (a run on a
+    sub-directory) are not judged."""
     found = _sites_by_key(results)
-    mismatches: list[Mismatch] = []
+    counts: dict[tuple[str, str], tuple[int, tuple[Site, ...]]] = {}
     for path in sorted(set(found) | {path for path in allowlist.entries if covers(path)}):
         allowed_keys = allowlist.entries.get(path, {})
         found_keys = found.get(path, {})
         for key in sorted(set(allowed_keys) | set(found_keys)):
-            allowed, sites = allowed_keys.get(key, 0), tuple(found_keys.get(key, ()))
+            allowed, sites = allowed_keys.get(key, 0), tuple(sorted(found_keys.get(key, ())))
             if len(sites) != allowed:
-                mismatches.append(Mismatch(path, key, allowed, sites))
-    return Comparison(tuple(mismatches))
+                counts[path, key] = (allowed, sites)
+    stale = {where: allowed - len(sites) for where, (allowed, sites) in counts.items() if len(sites) < allowed}
+    new = {where: len(sites) - allowed for where, (allowed, sites) in counts.items() if len(sites) > allowed}
+    emptied = frozenset(path for path in allowlist.entries if covers(path) and path not in found)
+    moves = pair_moves(stale, new, emptied, renames or {}, added)
+    moved: dict[tuple[str, str], int] = {}
+    for move in moves:
+        for where in ((move.old_path, move.old_key), (move.new_path, move.new_key)):
+            moved[where] = moved.get(where, 0) + move.count
+    mismatches = [
+        Mismatch(path, key, allowed, sites, moved.get((path, key), 0))
+        for (path, key), (allowed, sites) in counts.items()
+        if abs(len(sites) - allowed) > moved.get((path, key), 0)
+    ]
+    return Comparison(tuple(mismatches), tuple(moves))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import sys
 import tokenize
 import warnings
 from bisect import bisect_left
@@ -43,6 +44,7 @@ __all__ = [
     "Site",
     "decode_result",
     "encode_result",
+    "module_name",
     "scan_source",
 ]
 
@@ -54,6 +56,7 @@ GETATTR = "getattr"
 LEGACY = "parallel_state"
 REGISTRY = "registry"
 SHIM = "shim"
+HELPER = "fallback-helper"
 
 
 @dataclass(frozen=True, order=True)
@@ -61,8 +64,10 @@ class Site:
     """One read of global process-group state.
 
     ``key`` (scope, accessor, form) identifies it in the allowlist; ``line``/``col`` (1-based) locate it for
-    the report; ``expr`` is the read as spelled in the source; ``family`` is ``parallel_state``, ``registry``
-    or ``shim``.
+    the report; ``expr`` is the read as spelled in the source; ``family`` is ``parallel_state``, ``registry``,
+    ``shim`` or ``fallback-helper`` (a configured helper that reads the global grid when given None).
+    ``guarded``: the read only runs as a fallback, inside an ``if x is None`` branch (or its ``else`` for
+    ``is not None``), after ``x or``, or in a function named ``*_if_none``.
     """
 
     line: int
@@ -72,6 +77,7 @@ class Site:
     form: str
     expr: str
     family: str
+    guarded: bool = False
 
     @property
     def key(self) -> str:
@@ -80,11 +86,15 @@ class Site:
 
 @dataclass(frozen=True)
 class ParseFailure:
-    """Why a file could not be scanned: a syntax error or undecodable bytes, at ``line``/``col`` (1-based)."""
+    """Why a file could not be scanned: a syntax error or undecodable bytes, at ``line``/``col`` (1-based).
+
+    ``needs`` is the Python version (``"3.12"``) whose syntax the failing line uses, when it is newer than
+    the running interpreter's: such a file is not broken, only ahead of this Python (empty otherwise)."""
 
     message: str
     line: int
     col: int
+    needs: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,13 +110,13 @@ def encode_result(result: FileResult) -> list[Any]:
     """``result`` without its path, as nested lists of str and int (for JSON and :mod:`marshal`)."""
     failure = result.failure
     return [
-        [[s.line, s.col, s.scope, s.accessor, s.form, s.expr, s.family] for s in result.sites],
-        None if failure is None else [failure.message, failure.line, failure.col],
+        [[s.line, s.col, s.scope, s.accessor, s.form, s.expr, s.family, s.guarded] for s in result.sites],
+        None if failure is None else [failure.message, failure.line, failure.col, failure.needs],
     ]
 
 
-_SITE_TYPES = (int, int, str, str, str, str, str)
-_FAILURE_TYPES = (str, int, int)
+_SITE_TYPES = (int, int, str, str, str, str, str, bool)
+_FAILURE_TYPES = (str, int, int, str)
 
 
 def _typed(values: Sequence[Any], types: tuple[type, ...]) -> Sequence[Any]:
@@ -165,10 +175,13 @@ class _Rules:
             _Family(REGISTRY, config.registry_modules, (), config.registry_accessors, ()),
         )
         self.shims = frozenset(config.shims)
+        self.helpers = tuple(config.fallback_helpers)
+        self.exempt = _Family("exempt", config.exempt_modules, (), (), ())
         # Every component of every module name: an import that binds a prefix of a dotted module name
         # (``import pgregistry as pg`` for ``pgregistry.registry``) must be seen for ``pg.registry.x`` to resolve.
         words = {part for family in self.families for module in family.modules for part in module.split(".")}
-        self.words = frozenset(words | set(config.aliases) | self.shims)
+        helper_names = {helper.rpartition(".")[2] for helper in self.helpers}
+        self.words = frozenset(words | set(config.aliases) | self.shims | helper_names)
         self.trigger = _words(self.words)
 
     def match(self, parts: Sequence[str], bound: bool, stars: Iterable[_Family]) -> tuple[str, str] | None:
@@ -177,6 +190,8 @@ class _Rules:
         name = parts[-1]
         if name in self.shims:
             return SHIM, name
+        if self.helper(parts):
+            return HELPER, name
         if len(parts) == 1:
             for family in stars if not bound else ():
                 if family.accessor(name):
@@ -189,6 +204,11 @@ class _Rules:
             ):
                 return family.label, name
         return None
+
+    def helper(self, parts: Sequence[str]) -> bool:
+        """Whether the dotted name ``parts`` is a configured fallback helper (or ends with one)."""
+        dotted = ".".join(parts)
+        return any(dotted == helper or dotted.endswith("." + helper) for helper in self.helpers)
 
     def relevant(self, target: str) -> bool:
         """Whether an import of ``target`` can lead to a site (so the name it binds is a trigger word)."""
@@ -251,6 +271,34 @@ def _decode_failure(data: bytes) -> ParseFailure | None:
     return ParseFailure(f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})", *_position(data, start))
 
 
+#: Syntax newer than some Python still in use, recognised on the line a SyntaxError points at:
+#: (version that introduced it, pattern of the line, what it is).
+_NEWER_SYNTAX: tuple[tuple[tuple[int, int], re.Pattern[str], str], ...] = (
+    ((3, 10), re.compile(r"\s*(match\s+\S.*|case\s+\S.*):\s*(#.*)?$"), "match statement"),
+    ((3, 11), re.compile(r"\s*except\s*\*"), "except*"),
+    ((3, 12), re.compile(r"\s*type\s+[A-Za-z_]\w*\s*(\[.*\])?\s*="), "type alias statement"),
+    ((3, 12), re.compile(r"\s*(async\s+)?(def|class)\s+[A-Za-z_]\w*\s*\["), "type parameter list"),
+    ((3, 14), re.compile(r"\s*except\s+[^\s(:][^:(]*,[^:]*:"), "except without parentheses (PEP 758)"),
+    ((3, 14), re.compile(r".*(?<![\w.])[tT][rR]?['\"]"), "template string (PEP 750)"),
+)
+
+
+#: What Python < 3.12 says about f-strings that PEP 701 made valid (a reused quote, a backslash, a comment).
+_PEP_701_ERRORS = ("f-string: expecting '}'", "f-string expression part cannot include")
+
+
+def _newer_syntax(data: bytes, line: int, message: str) -> tuple[str, str] | None:
+    """("3.12", what) when ``line`` uses syntax newer than the running Python; None otherwise."""
+    if sys.version_info < (3, 12) and message.startswith(_PEP_701_ERRORS):
+        return "3.12", "f-string syntax of PEP 701 (nested quotes, backslashes or comments in an expression)"
+    lines = data.decode("utf-8", "replace").splitlines()
+    text = lines[line - 1] if 0 < line <= len(lines) else ""
+    for version, pattern, what in _NEWER_SYNTAX:
+        if version > sys.version_info[:2] and pattern.match(text):
+            return f"{version[0]}.{version[1]}", what
+    return None
+
+
 def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
     failure = _decode_failure(data)
     if failure is not None:
@@ -264,6 +312,13 @@ def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
             line, col = _position(data, data.index(b"\0"))
         else:
             line, col = max(1, error.lineno or 1), max(1, error.offset or 1)
+        newer = _newer_syntax(data, line, str(error.msg))
+        if newer is not None:
+            running = ".".join(map(str, sys.version_info[:3]))
+            message = f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python >= {newer[0]} " \
+                f"(the scan runs Python {running}); run the scan with Python {newer[0]}+, or pass " \
+                "--skip-newer-syntax to skip such files with a warning"
+            return ParseFailure(message, line, col, newer[0])
         return ParseFailure(f"syntax error: {error.msg}", line, col)
     except ValueError as error:  # null bytes, on some Python versions
         return ParseFailure(f"syntax error: {error}", 1, 1)
@@ -352,21 +407,40 @@ def _chain(node: ast.expr) -> list[str] | None:
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
+def _is_none(test: ast.expr) -> str | None:
+    """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not x`` (a
+    name or attribute, not a call) or an ``or`` of such tests, ``"orelse"`` for ``x is not None``; None when
+    ``test`` is no such check."""
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and _none(test.comparators[0]):
+        return "body" if isinstance(test.ops[0], ast.Is) else "orelse" if isinstance(test.ops[0], ast.IsNot) else None
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):  # ``not group``, not ``not ready()``
+        return "body" if isinstance(test.operand, (ast.Name, ast.Attribute)) else None
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and any(_is_none(v) == "body" for v in test.values):
+        return "body"
+    return None
+
+
+def _none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
 class _Walker:
     """The pruned walk that records sites; iterative, so deep nesting cannot overflow the stack."""
 
-    def __init__(self, rules: _Rules, imports: _Imports, lines: list[int] | None) -> None:
+    def __init__(self, rules: _Rules, imports: _Imports, lines: list[int] | None, module: list[str]) -> None:
         self.rules = rules
         self.bindings = imports.bindings
         self.stars = imports.stars
         self.lines = lines
+        self.module = module
         self.sites: list[Site] = []
 
     def walk(self, tree: ast.Module) -> list[Site]:
-        stack: list[tuple[ast.AST, str]] = [(tree, MODULE_SCOPE)]
+        # (node, scope, guarded): ``guarded`` when the node only runs as a fallback for a missing value.
+        stack: list[tuple[ast.AST, str, bool]] = [(tree, MODULE_SCOPE, False)]
         lines = self.lines
         while stack:
-            node, scope = stack.pop()
+            node, scope, guarded = stack.pop()
             if lines is not None and isinstance(node, (ast.stmt, ast.expr)):
                 # A decorated definition starts at its first decorator, above ``node.lineno``.
                 first = (
@@ -376,31 +450,49 @@ class _Walker:
                     continue
             if isinstance(node, ast.Call):
                 # getattr(ps, "get_x")(...) is one site: the outer call falls through to the inner one.
-                if self._record(node.func, scope, CALL):
-                    stack.extend((child, scope) for child in [*node.args, *node.keywords])
+                if self._record(node.func, scope, CALL, guarded):
+                    stack.extend((child, scope, guarded) for child in [*node.args, *node.keywords])
                     continue
-                if self._record_getattr(node, scope):
-                    stack.extend((child, scope) for child in [*node.args[2:], *node.keywords])
+                if self._record_getattr(node, scope, guarded):
+                    stack.extend((child, scope, guarded) for child in [*node.args[2:], *node.keywords])
                     continue
             elif isinstance(node, (ast.Attribute, ast.Name)):
-                if isinstance(node.ctx, ast.Load) and self._record(node, scope, REFERENCE):
+                if isinstance(node.ctx, ast.Load) and self._record(node, scope, REFERENCE, guarded):
                     continue
+            elif isinstance(node, (ast.If, ast.IfExp)):
+                branch = _is_none(node.test)
+                stack.append((node.test, scope, guarded))
+                for field in ("body", "orelse"):
+                    value = getattr(node, field)
+                    fallback = guarded or branch == field
+                    stack.extend((child, scope, fallback) for child in (value if isinstance(value, list) else [value]))
+                continue
+            elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+                first_value, *rest = node.values  # ``x or ps.get_x()``: the rest runs when x is missing
+                stack.append((first_value, scope, guarded))
+                stack.extend((child, scope, True) for child in rest)
+                continue
             elif isinstance(node, _SCOPES):
                 inner = node.name if scope == MODULE_SCOPE else f"{scope}.{node.name}"
+                body_guarded = guarded or node.name.endswith("_if_none")
                 for field, value in ast.iter_fields(node):
-                    child_scope = inner if field == "body" else scope
+                    child_scope, child_guarded = (inner, body_guarded) if field == "body" else (scope, guarded)
                     if isinstance(value, list):
-                        stack.extend((child, child_scope) for child in value if isinstance(child, ast.AST))
+                        stack.extend(
+                            (child, child_scope, child_guarded) for child in value if isinstance(child, ast.AST)
+                        )
                     elif isinstance(value, ast.AST):
-                        stack.append((value, child_scope))
+                        stack.append((value, child_scope, child_guarded))
                 continue
-            stack.extend((child, scope) for child in ast.iter_child_nodes(node))
+            stack.extend((child, scope, guarded) for child in ast.iter_child_nodes(node))
         self.sites.sort()
         return self.sites
 
     def _resolve(self, parts: list[str]) -> tuple[str, str] | None:
         targets = self.bindings.get(parts[0])
         if targets is None:
+            if len(parts) == 1 and self.rules.helper([*self.module, parts[0]]):  # the helper's own module
+                return HELPER, parts[0]
             return self.rules.match(parts, False, self.stars)
         for target in sorted(targets):
             hit = self.rules.match([*target.split("."), *parts[1:]], True, ())
@@ -408,7 +500,7 @@ class _Walker:
                 return hit
         return None
 
-    def _record(self, node: ast.expr, scope: str, form: str) -> bool:
+    def _record(self, node: ast.expr, scope: str, form: str, guarded: bool) -> bool:
         parts = _chain(node)
         if parts is None:
             return False
@@ -417,11 +509,11 @@ class _Walker:
             return False
         family, accessor = hit
         self.sites.append(
-            Site(node.lineno, node.col_offset + 1, scope, accessor, form, ".".join(parts), family)
+            Site(node.lineno, node.col_offset + 1, scope, accessor, form, ".".join(parts), family, guarded)
         )
         return True
 
-    def _record_getattr(self, call: ast.Call, scope: str) -> bool:
+    def _record_getattr(self, call: ast.Call, scope: str, guarded: bool) -> bool:
         """``getattr(ps, "get_x")`` (with or without a default) with a literal name."""
         if not (
             isinstance(call.func, ast.Name)
@@ -440,8 +532,15 @@ class _Walker:
             return False
         family, accessor = hit
         expr = f"getattr({'.'.join(parts)}, {name!r})"
-        self.sites.append(Site(call.lineno, call.col_offset + 1, scope, accessor, GETATTR, expr, family))
+        self.sites.append(Site(call.lineno, call.col_offset + 1, scope, accessor, GETATTR, expr, family, guarded))
         return True
+
+
+def module_name(path: str) -> list[str]:
+    """The dotted module name of the project path ``path`` (``a/b/__init__.py`` is ``a.b``), as parts."""
+    parts = path.split("/")
+    last = parts[-1].removesuffix(".py")
+    return parts[:-1] if last == "__init__" else [*parts[:-1], last]
 
 
 def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
@@ -451,6 +550,9 @@ def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
     if isinstance(tree, ParseFailure):
         return FileResult(path, failure=tree)
     rules = _rules(config)
+    module = module_name(path)
+    if rules.exempt.module(".".join(module)):
+        return FileResult(path)
     text = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if b"\r" in data else data
     lines = _lines_matching(rules.trigger, text)
     if not lines:
@@ -461,5 +563,5 @@ def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
     if names:
         extra = _lines_matching(_words(names), text)
         lines = sorted(set(lines).union(extra))
-    walker = _Walker(rules, imports, None if imports.stars else lines)
+    walker = _Walker(rules, imports, None if imports.stars else lines, module)
     return FileResult(path, tuple(walker.walk(tree)))

@@ -65,7 +65,7 @@ def test_check_fails_on_a_new_read_with_file_line_and_fix(listed: Project, capsy
         "src/pkg/new.py:4:12: new read of global process-group state: call of get_data_parallel_rank "
         "(`mpu.get_data_parallel_rank`) in f; found 1, allowed 0 in this scope"
     ) in out
-    assert "fix: take the group from the ProcessGroupCollection" in out
+    assert "fix for f|get_data_parallel_rank|call: use `group_rank(pg_collection.dp)`" in out
     assert "`pgregistry allowlist update`" in out
     assert "allowlist check failed: 1 new read of global process-group state, 0 stale entries" in out
 
@@ -100,7 +100,9 @@ def test_json_format(listed: Project, capsys: pytest.CaptureFixture[str]) -> Non
         "get_data_parallel_rank",
         "call",
     )
-    assert new["sites"] == [{"line": 1, "col": 1, "expr": "ps.get_data_parallel_rank", "family": "parallel_state"}]
+    assert new["sites"] == [
+        {"line": 1, "col": 1, "expr": "ps.get_data_parallel_rank", "family": "parallel_state", "guarded": False}
+    ]
     code, out, _ = run(capsys, "stats", "--format", "json")
     stats = json.loads(out)
     assert code == 0 and stats["total"] == 2 and stats["allowed_total"] == 1
@@ -170,7 +172,7 @@ def test_a_non_utf8_file_exits_2(listed: Project, capsys: pytest.CaptureFixture[
     "content, message",
     [
         ("{", "malformed allowlist JSON"),
-        ('{"version": 9, "allowed": {}, "total": 0}', "unsupported allowlist version 9"),
+        ('{"version": 0, "allowed": {}, "total": 0}', "unsupported allowlist version 0"),
         ('{"_comment": "", "allowed": {"a.py": ["1:get_x_group:x"]}, "total": 1}', "has no 'version'"),
     ],
 )

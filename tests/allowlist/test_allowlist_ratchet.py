@@ -44,9 +44,9 @@ def test_dumps_is_sorted_versioned_and_byte_stable() -> None:
 def test_write_reports_whether_the_bytes_changed(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "allowlist.json"
     allowlist = Allowlist.from_results(results(m=BASE))
-    assert allowlist.write(path) is True
+    assert allowlist.write(path, None) is True
     before = path.read_bytes()
-    assert allowlist.write(path) is False
+    assert allowlist.write(path, before) is False
     assert path.read_bytes() == before
 
 
@@ -58,7 +58,7 @@ MALFORMED = {
         "no 'version' (it looks like the line-number format of Megatron-LM's tool",
     ),
     "no version": ('{"total": 0}', "no 'version'"),
-    "future version": ('{"version": 2, "allowed": {}, "total": 0}', "unsupported allowlist version 2"),
+    "future version": ('{"version": 2, "allowed": {}, "total": 0}', "version 2 was written by a newer pgregistry"),
     "version as a string": ('{"version": "1", "allowed": {}, "total": 0}', "unsupported allowlist version '1'"),
     "version as a bool": ('{"version": true, "allowed": {}, "total": 0}', "unsupported allowlist version True"),
     "unknown field": ('{"version": 1, "allowed": {}, "total": 0, "extra": 1}', "unknown allowlist field(s): 'extra'"),
@@ -128,12 +128,58 @@ def test_a_removed_read_leaves_a_stale_entry() -> None:
     assert _transition(BASE, removed) == ([], [("helper|get_data_parallel_rank|call", 2, 1)])
 
 
-def test_a_renamed_scope_is_a_new_read_and_a_stale_entry() -> None:
-    renamed = BASE.replace("def forward", "def forward_step")
-    assert _transition(BASE, renamed) == (
-        [("Model.forward_step|get_tensor_model_parallel_group|call", 0, 1)],
-        [("Model.forward|get_tensor_model_parallel_group|call", 1, 0)],
+def test_a_renamed_class_is_reported_as_moved_not_failed() -> None:
+    """Megatron-LM: a class renamed turned 11 sites into 11 "new" + 11 "stale"."""
+    renamed = BASE.replace("class Model", "class GPTModel")
+    comparison = compare(results(m=renamed), Allowlist.from_results(results(m=BASE)), lambda path: True)
+    assert comparison.ok
+    assert [(m.old_key, m.new_key, m.count) for m in comparison.moves] == [
+        (
+            "Model.forward|get_tensor_model_parallel_group|call",
+            "GPTModel.forward|get_tensor_model_parallel_group|call",
+            1,
+        )
+    ]
+
+
+def test_a_read_hoisted_into_a_helper_is_moved() -> None:
+    hoisted = BASE.replace(
+        "def helper():\n    ps.get_data_parallel_rank()\n    ps.get_data_parallel_rank()\n",
+        "def _rank():\n    return ps.get_data_parallel_rank()\n\ndef helper():\n    _rank()\n"
+        "    ps.get_data_parallel_rank()\n",
     )
+    assert _transition(BASE, hoisted) == ([], [])
+
+
+def test_a_move_beside_a_real_new_read_still_fails_by_exactly_one() -> None:
+    renamed_plus_one = BASE.replace("def helper():\n", "def helper2():\n    ps.get_data_parallel_rank()\n")
+    comparison = compare(results(m=renamed_plus_one), Allowlist.from_results(results(m=BASE)), lambda path: True)
+    assert not comparison.ok and comparison.new_sites == 1
+    (item,) = comparison.new
+    assert (item.key, item.found, item.allowed, item.moved) == ("helper2|get_data_parallel_rank|call", 3, 0, 2)
+
+
+def test_a_moved_file_is_moved() -> None:
+    """Megatron-LM: training/utils.py moved to training/utils/common_utils.py (15 "new" + 15 "stale")."""
+    allowed = Allowlist.from_results(results(utils=BASE))
+    moved = [scan(BASE, "utils/common_utils.py")]
+    comparison = compare(moved, allowed, lambda path: True)
+    assert comparison.ok and sum(m.count for m in comparison.moves) == 3
+    # With git's rename detection the scope may change too.
+    renamed = [scan(BASE.replace("def helper", "def helper_v2"), "utils/common_utils.py")]
+    assert not compare(renamed, allowed, lambda path: True).ok
+    assert compare(renamed, allowed, lambda path: True, {"utils.py": "utils/common_utils.py"}).ok
+
+
+def test_reads_do_not_move_between_unrelated_files() -> None:
+    """A read removed from one file and one added to another that happens to have a same-named scope is a
+    stale entry and a new read: the old file still exists with other reads, and git saw no rename."""
+    allowed = Allowlist.from_results(results(a=BASE, b="def helper():\n    pass\n"))
+    removed = BASE.replace("    ps.get_data_parallel_rank()\n", "", 1)
+    comparison = compare(
+        results(a=removed, b="def helper():\n    ps.get_data_parallel_rank()\n"), allowed, lambda path: True
+    )
+    assert comparison.moves == () and comparison.new_sites == 1 and len(comparison.stale) == 1
 
 
 def test_a_changed_form_is_a_new_read_and_a_stale_entry() -> None:
@@ -164,3 +210,13 @@ def test_merge_replaces_only_covered_paths() -> None:
     scanned = Allowlist({"a/z.py": {"h|g|call": 1}})
     merged = allowed.merged(scanned, lambda path: path.startswith("a/"))
     assert merged.entries == {"b/y.py": {"f|g|call": 2}, "a/z.py": {"h|g|call": 1}}
+
+
+def test_an_extracted_nested_function_is_moved() -> None:
+    nested = "def outer():\n    def inner():\n        return ps.get_data_parallel_group()\n    return inner()\n"
+    extracted = "def inner():\n    return ps.get_data_parallel_group()\n\ndef outer():\n    return inner()\n"
+    comparison = compare(results(m=extracted), Allowlist.from_results(results(m=nested)), lambda path: True)
+    assert comparison.ok
+    assert [(m.old_key, m.new_key) for m in comparison.moves] == [
+        ("outer.inner|get_data_parallel_group|call", "inner|get_data_parallel_group|call")
+    ]

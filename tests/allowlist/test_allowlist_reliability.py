@@ -1,0 +1,266 @@
+"""The allowlist file is never lost or corrupted, and no input hangs or silently stops the scan.
+
+Each test reproduces a fault found by trying the command as a hostile user would: a crash or a full disk
+during ``update``, two updates at once, a future-version allowlist, a FIFO named ``*.py``, a file written
+for a newer Python. Faults of the operating system are produced for real where a test can (a kill -9, a
+directory that cannot hold the file, a real second process) and by failing ``os.fsync`` where it cannot (a
+full disk)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from allowlist_support import Project
+
+from pgregistry.allowlist import ratchet
+from pgregistry.allowlist.cli import main as allowlist_main
+from pgregistry.allowlist.scanner import _NEWER_SYNTAX
+
+REPO = Path(__file__).resolve().parents[2]
+
+READ_A = """
+import megatron.core.parallel_state as ps
+
+def a():
+    return ps.get_tensor_model_parallel_group()
+"""
+READ_B = READ_A.replace("def a", "def b").replace("tensor_model", "data")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = allowlist_main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def listed(project: Project, capsys: pytest.CaptureFixture[str]) -> Project:
+    project.write("src/pkg/a.py", READ_A)
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    project.write("src/pkg/b.py", READ_B)  # a new read: the next update must rewrite the file
+    return project
+
+
+def _leftovers(project: Project) -> list[str]:
+    return sorted(p.name for p in project.root.iterdir() if p.name.startswith(".allowlist.json"))
+
+
+def test_a_full_disk_exits_2_with_one_line_and_keeps_the_old_file(
+    listed: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = (listed.root / "allowlist.json").read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    code, _, err = run(capsys, "update", "--no-cache")
+    assert code == 2
+    assert err.count("\n") == 1 and "No space left on device" in err and "allowlist.json" in err
+    assert (listed.root / "allowlist.json").read_bytes() == before
+    assert _leftovers(listed) == []
+
+
+def test_an_unwritable_location_exits_2_with_one_line(project: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    project.write("src/pkg/a.py", READ_A)
+    project.write("blocker", "a file where the allowlist's directory should be\n")
+    code, _, err = run(capsys, "update", "--no-cache", "--allowlist", "blocker/allowlist.json")
+    assert code == 2
+    assert err.count("\n") == 1 and "blocker/allowlist.json" in err
+    assert err.startswith(("pgregistry allowlist: error: cannot write", "pgregistry allowlist: error: cannot lock"))
+
+
+KILL_DURING_WRITE = """
+import os, signal, sys
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # the process dies with the new bytes half-flushed
+from pgregistry.allowlist.cli import main
+main(["update", "--no-cache"])
+"""
+
+
+def test_kill_9_during_update_leaves_the_old_file(listed: Project) -> None:
+    before = (listed.root / "allowlist.json").read_bytes()
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_WRITE], cwd=listed.root, env=environment, capture_output=True, timeout=60
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert (listed.root / "allowlist.json").read_bytes() == before
+
+
+def test_concurrent_partial_updates_lose_no_entry(
+    project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second real process runs ``update src/pkg/b.py`` while this one is between reading the allowlist and
+    writing it (the window where, unlocked, both read the same old list and the last write wins)."""
+    project.write("src/pkg/a.py", READ_A)
+    project.write("src/pkg/b.py", "")
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    project.write("src/pkg/a.py", READ_A)
+    project.write("src/pkg/b.py", READ_B)
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    merged = ratchet.Allowlist.merged
+    other: list[subprocess.Popen[bytes]] = []
+
+    def racing_merge(self: ratchet.Allowlist, *args: object, **kwargs: object) -> ratchet.Allowlist:
+        command = [sys.executable, "-m", "pgregistry.allowlist", "update", "--no-cache", "src/pkg/b.py"]
+        other.append(subprocess.Popen(command, cwd=project.root, env=environment, stderr=subprocess.PIPE))
+        try:  # unlocked, the other update completes now; locked, it waits for this one
+            other[0].wait(timeout=4)
+        except subprocess.TimeoutExpired:
+            pass
+        return merged(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ratchet.Allowlist, "merged", racing_merge)
+    assert run(capsys, "update", "--no-cache", "src/pkg/a.py")[0] == 0
+    _, err = other[0].communicate(timeout=60)
+    assert other[0].returncode == 0, err
+    allowed = json.loads(project.read("allowlist.json"))["allowed"]
+    assert set(allowed) == {"src/pkg/a.py", "src/pkg/b.py"}
+
+
+def test_a_write_by_another_process_after_reading_is_refused(listed: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second line of defence (for writers that take no lock): re-read before the rename."""
+    path = listed.root / "allowlist.json"
+    read = path.read_bytes()
+    path.write_text(path.read_text().replace('"total": 1', '"total": 1 '))
+    with pytest.raises(OSError, match="changed by another process"):
+        ratchet.Allowlist({}).write(path, read)
+
+
+def test_a_future_version_allowlist_is_never_rewritten(listed: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    future = json.dumps({"version": 2, "allowed": {}, "total": 0, "owners": {"src/pkg/a.py": "team-a"}}) + "\n"
+    listed.write("allowlist.json", future)
+    code, _, err = run(capsys, "update", "--no-cache")
+    assert code == 2 and "version 2" in err and "newer pgregistry" in err
+    assert listed.read("allowlist.json") == future
+
+
+def test_a_partial_update_of_an_unreadable_allowlist_says_what_works(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listed.write("allowlist.json", '{"allowed": {"x.py": ["12:accessor:mpu.get_data_parallel_group"]}}\n')
+    code, _, err = run(capsys, "update", "--no-cache", "src/pkg/b.py")
+    assert code == 2 and "with no PATH" in err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_named_py_is_skipped_with_a_warning_not_read(listed: Project) -> None:
+    os.mkfifo(listed.root / "src" / "pkg" / "pipe.py")
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "pgregistry.allowlist", "update", "--no-cache"]
+    done = subprocess.run(command, cwd=listed.root, env=environment, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "src/pkg/pipe.py: warning: skipped: not a regular file" in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Path) -> None:
+    from pgregistry.allowlist.config import ScanConfig
+    from pgregistry.allowlist.engine import scan_files
+    from pgregistry.allowlist.files import SourceFile
+
+    os.mkfifo(tmp_path / "pipe.py")
+    outcome: list[object] = []
+    worker = threading.Thread(
+        target=lambda: outcome.append(scan_files([SourceFile("pipe.py", tmp_path / "pipe.py")], ScanConfig())),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # unblock the reader so the test process can exit
+        os.close(os.open(tmp_path / "pipe.py", os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("scanning a FIFO blocked")
+    (result,) = outcome[0].results  # type: ignore[attr-defined]
+    assert result.failure is not None and "not a regular file" in result.failure.message
+
+
+def _newer_than_running() -> tuple[str, str] | None:
+    """A line of syntax this interpreter cannot parse, and the version it needs."""
+    samples = {
+        (3, 12): "type Alias = list[int]\n",
+        (3, 14): "try:\n    pass\nexcept ValueError, TypeError:\n    pass\n",
+    }
+    for version, source in samples.items():
+        if version > sys.version_info[:2]:
+            assert any(v == version for v, _, _ in _NEWER_SYNTAX)
+            return source, f"{version[0]}.{version[1]}"
+    return None
+
+
+NEWER = _newer_than_running()
+
+
+@pytest.mark.skipif(NEWER is None, reason="no syntax sample newer than this Python")
+def test_newer_syntax_names_the_python_it_needs_and_can_be_skipped(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert NEWER is not None
+    source, version = NEWER
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    before = listed.read("allowlist.json")
+    listed.write("src/pkg/b.py", READ_B + textwrap.dedent(source))
+    code, _, err = run(capsys, "check", "--no-cache")
+    assert code == 2 and f"needs Python >= {version}" in err and "--skip-newer-syntax" in err
+    code, out, err = run(capsys, "check", "--no-cache", "--skip-newer-syntax")
+    assert code == 0, out + err
+    assert f"src/pkg/b.py: warning: skipped: needs Python >= {version}" in err
+    # Skipped, the file's entries are kept by a full update, not dropped as stale.
+    assert run(capsys, "update", "--no-cache", "--skip-newer-syntax")[0] == 0
+    assert listed.read("allowlist.json") == before
+    # A genuinely broken file is never skippable.
+    listed.write("src/pkg/c.py", "def broken(:\n")
+    assert run(capsys, "check", "--no-cache", "--skip-newer-syntax")[0] == 2
+
+
+def test_a_symlinked_root_keeps_project_keys_and_excludes(
+    project: Project, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``roots = ["src"]`` where ``src`` links elsewhere: keys were ``../...`` and path excludes stopped applying."""
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "pkg").mkdir()
+    (elsewhere / "pkg" / "a.py").write_text(textwrap.dedent(READ_A))
+    (elsewhere / "vendored").mkdir()
+    (elsewhere / "vendored" / "v.py").write_text(textwrap.dedent(READ_B))
+    for child in (project.root / "src").iterdir():
+        for leaf in child.iterdir():
+            leaf.unlink()
+        child.rmdir()
+    (project.root / "src").rmdir()
+    (project.root / "src").symlink_to(elsewhere, target_is_directory=True)
+    project.write(
+        "pyproject.toml",
+        '[tool.pgregistry.allowlist]\nroots = ["src"]\nallowlist = "allowlist.json"\n'
+        'extend-exclude = ["src/vendored"]\n',
+    )
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    assert set(json.loads(project.read("allowlist.json"))["allowed"]) == {"src/pkg/a.py"}
+    assert run(capsys, "check", "--no-cache", "src/pkg")[0] == 0
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="PEP 701 f-strings parse on this Python")
+@pytest.mark.parametrize(
+    "source",
+    [
+        # NeMo RL tests/unit/test_version_check.py: a backslash inside an f-string expression.
+        "message = f\"prefixes:\\n{'\\n'.join(lines)}\"\n",
+        'message = f"{", ".join(lines)}"\n',  # the f-string's own quote reused inside it
+    ],
+)
+def test_pep_701_f_strings_name_python_3_12_and_a_broken_f_string_does_not(source: str) -> None:
+    from pgregistry.allowlist.config import ScanConfig
+    from pgregistry.allowlist.scanner import scan_source
+
+    failure = scan_source(source.encode(), "m.py", ScanConfig()).failure
+    assert failure is not None and failure.needs == "3.12"
+    broken = scan_source(b'message = f"{}"\n', "m.py", ScanConfig()).failure
+    assert broken is not None and broken.needs == ""
