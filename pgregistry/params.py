@@ -10,20 +10,33 @@ local gradient is a distinct piece of the model or a copy of one from these role
 * ``shared``: a second copy of another parameter (tied embeddings on the last pipeline stage), never counted;
 * ``is_gtp_weight_remat``: sharded over the GTP-remat axis (expert GTP-remat for experts).
 
-Roles are set by the ``mark_*`` helpers, never by hand, and survive copies only through :func:`copy_param_roles`
-(Megatron-LM PR 6470: a mixed-precision copy that dropped ``allreduce=False`` turned every expert into a dense
-parameter). A missing classification is an error, never a default (xorl: per-expert LoRA factors defaulted to
-EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``): :func:`check_expert_classification` refuses
-parameters of a marked expert module that say neither ``allreduce=False`` nor ``allreduce=True``.
+Roles are set by the ``mark_*`` helpers, never by hand. A copy made outside a module carries them only through
+:func:`copy_param_roles` (Megatron-LM PR 6470: a mixed-precision copy that dropped ``allreduce=False`` turned every
+expert into a dense parameter). A missing classification is an error, never a default (xorl: per-expert LoRA
+factors defaulted to EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``):
+:func:`check_expert_classification` refuses parameters of a marked expert module that say neither
+``allreduce=False`` nor ``allreduce=True``.
+
+Roles belong to the parameter's slot in its module as well as to the parameter object, because torch-native
+sharding replaces the object: ``fully_shard`` (FSDP2) and ``parallelize_module`` register a new ``nn.Parameter``
+(holding a DTensor) under the same name. Every role a ``mark_*`` helper sets on a parameter registered on a module
+is also written to that module's role table (one entry per parameter name), and :func:`restore_param_roles` puts
+the table's roles back on whatever parameter now fills the slot, so marking before or after sharding gives the
+same roles. The slots a parameter fills are learnt from torch's global parameter-registration hook, installed when
+this module is imported: a parameter registered on a module before that (a model built before any
+``pgregistry.params`` import) and marked before sharding keeps its roles only as attributes of the object, which
+sharding drops; mark such models after sharding, or import the helpers first.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, TypeAlias, TypeVar
+from typing import Any, Final, TypeAlias, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.fallback import resolve_process_groups
@@ -43,6 +56,8 @@ __all__ = [
     "mark_tensor_parallel",
     "model_chunks_of",
     "named_parameters_of",
+    "param_roles",
+    "restore_param_roles",
     "unclassified_expert_params",
 ]
 
@@ -60,6 +75,8 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
 """Every attribute that carries a parameter role; :func:`copy_param_roles` copies those present."""
 
 _EXPERT_MODULE_FLAG: Final = "_pgregistry_expert_module"
+_ROLE_TABLE: Final = "_pgregistry_param_roles"
+"""Module attribute: parameter name -> the roles marked on the parameter in that slot."""
 
 ParamsLike: TypeAlias = (
     nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]
@@ -79,42 +96,92 @@ def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
         )
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
-    param.partition_dim = partition_dim  # type: ignore[attr-defined]
-    param.partition_stride = stride  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, tensor_model_parallel=True, partition_dim=partition_dim, partition_stride=stride)
 
 
 def mark_expert(param: T) -> T:
     """Declare ``param`` a routed-expert parameter: distinct per EP rank, reduced over the expert groups."""
-    param.allreduce = False  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, allreduce=False)
 
 
 def mark_expert_replicated(param: T) -> T:
     """Declare ``param`` (in an expert module) replicated across EP, such as a LoRA factor shared by experts."""
-    param.allreduce = True  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, allreduce=True)
 
 
 def mark_shared(param: T) -> T:
     """Declare ``param`` a second copy of a parameter counted elsewhere (tied embeddings on the last stage)."""
-    param.shared = True  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, shared=True)
 
 
 def mark_gtp_sharded(param: T) -> T:
     """Declare ``param`` sharded over the GTP-remat axis (expert GTP-remat for experts)."""
-    param.is_gtp_weight_remat = True  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, is_gtp_weight_remat=True)
 
 
 def copy_param_roles(src: torch.Tensor, dst: T) -> T:
     """Copy every role attribute present on ``src`` to ``dst`` (mixed-precision main params, optimizer views)."""
-    for name in ROLE_ATTRIBUTES:
-        if hasattr(src, name):
-            setattr(dst, name, getattr(src, name))
+    for name, value in param_roles(src).items():
+        setattr(dst, name, value)
     return dst
+
+
+def param_roles(param: torch.Tensor) -> dict[str, Any]:
+    """The role attributes present on ``param``, by name."""
+    return {name: getattr(param, name) for name in ROLE_ATTRIBUTES if hasattr(param, name)}
+
+
+def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
+    """Put the roles marked in each parameter slot of ``model`` back on the parameter now filling it.
+
+    A role already on the parameter wins over the table's (marking after sharding overrides marking before).
+    The grad-statistics entry points call this on every model they are given, so a user need not.
+    """
+    for chunk in [model] if isinstance(model, nn.Module) else model:
+        for module in chunk.modules():
+            table: dict[str, dict[str, Any]] = module.__dict__.get(_ROLE_TABLE, {})
+            for name, roles in table.items():
+                param = module._parameters.get(name)
+                if param is not None:
+                    for attribute, value in roles.items():
+                        if not hasattr(param, attribute):
+                            setattr(param, attribute, value)
+
+
+_SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Parameter -> ``[(weakref to module, name), ...]``: the module slots it was registered in."""
+
+
+def _set_roles(param: T, **roles: Any) -> T:
+    """Set ``roles`` on ``param`` and in the role table of every module slot it was registered in."""
+    for attribute, value in roles.items():
+        setattr(param, attribute, value)
+    for module_ref, name in _SLOTS.get(param, ()):
+        module = module_ref()
+        if module is not None and module._parameters.get(name) is param:
+            module.__dict__.setdefault(_ROLE_TABLE, {}).setdefault(name, {}).update(roles)
+    return param
+
+
+def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """torch's global parameter-registration hook: remember the slot, and carry roles into a replacement.
+
+    A parameter replacing a marked one under the same name (``parallelize_module``, ``distribute_module``, a user's
+    ``nn.Parameter(distribute_tensor(...))``) receives the roles it does not carry itself; a marked parameter
+    writes its roles to the slot's table.
+    """
+    previous = module._parameters.get(name)
+    if previous is not None and previous is not param:
+        for attribute, value in param_roles(previous).items():
+            if not hasattr(param, attribute):
+                setattr(param, attribute, value)
+    _SLOTS.setdefault(param, []).append((weakref.ref(module), name))
+    roles = param_roles(param)
+    if roles:
+        module.__dict__.setdefault(_ROLE_TABLE, {})[name] = roles
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registration)
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -137,8 +204,10 @@ def is_expert_module(module: nn.Module) -> bool:
 
 
 def unclassified_expert_params(model: nn.Module | Sequence[nn.Module]) -> list[str]:
-    """Names of the parameters under a marked expert module that carry no ``allreduce`` attribute."""
+    """Names of the parameters under a marked expert module that carry no ``allreduce`` attribute (after
+    :func:`restore_param_roles`)."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
+    restore_param_roles(chunks)
     names: dict[int, str] = {}
     for index, chunk in enumerate(chunks):
         chunk_prefix = f"chunk{index}." if len(chunks) > 1 else ""
@@ -194,9 +263,11 @@ def named_parameters_of(model_or_params: ParamsLike) -> list[tuple[str, torch.Te
     """``(name, parameter)`` pairs in a deterministic order, each parameter once (by identity).
 
     A model or model chunks give their ``named_parameters`` (prefixed ``chunk<i>.`` when there are several
-    chunks); a mapping gives its items; tensors are named ``param[<i>]`` by position.
+    chunks), with the roles of their slots restored (:func:`restore_param_roles`); a mapping gives its items;
+    tensors are named ``param[<i>]`` by position.
     """
     if isinstance(model_or_params, nn.Module):
+        restore_param_roles(model_or_params)
         pairs: Iterable[tuple[str, torch.Tensor]] = model_or_params.named_parameters()
     elif isinstance(model_or_params, torch.Tensor):
         pairs = [("param[0]", model_or_params)]
@@ -205,6 +276,7 @@ def named_parameters_of(model_or_params: ParamsLike) -> list[tuple[str, torch.Te
     else:
         items = list(model_or_params)
         if items and all(isinstance(item, nn.Module) for item in items):
+            restore_param_roles(items)
             prefix = len(items) > 1
             pairs = [
                 (f"chunk{i}.{name}" if prefix else name, param)
