@@ -175,7 +175,10 @@ def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter
         for attribute, value in param_roles(previous).items():
             if not hasattr(param, attribute):
                 setattr(param, attribute, value)
-    _SLOTS.setdefault(param, []).append((weakref.ref(module), name))
+    slots = _SLOTS.setdefault(param, [])
+    # FSDP2 re-registers the same parameters every step on modules with their own __setattr__: record a slot once.
+    if not any(slot_module() is module and slot_name == name for slot_module, slot_name in slots):
+        slots.append((weakref.ref(module), name))
     roles = param_roles(param)
     if roles:
         module.__dict__.setdefault(_ROLE_TABLE, {})[name] = roles
