@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dtensor_support import error_of
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -47,14 +48,6 @@ class _Model(nn.Module):
         self.experts = _Experts()
 
 
-def _error(call: Any) -> str:
-    try:
-        call()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def _roles(model: nn.Module) -> dict[str, dict[str, Any]]:
     return {name: param_roles(param) for name, param in named_parameters_of(model)}
 
@@ -72,11 +65,11 @@ def _on_rank() -> dict[str, Any]:
     fully_shard(model.experts, mesh=mesh)
     fully_shard(model, mesh=mesh)
     out["fsdp_types"] = sorted({type(p).__name__ for p in model.parameters()})
-    out["fsdp_unmarked"] = _error(lambda: check_expert_classification(model, ep))
+    out["fsdp_unmarked"] = error_of(lambda: check_expert_classification(model, ep))
     mark_expert(model.experts.unmarked)  # after fully_shard
     mark_expert_replicated(model.experts.lora)  # after overrides before
     out["fsdp_roles"] = _roles(model)
-    out["fsdp_classified"] = _error(lambda: check_expert_classification(model, ep))
+    out["fsdp_classified"] = error_of(lambda: check_expert_classification(model, ep))
 
     tp_model = nn.Sequential(nn.Linear(3, 4))
     mark_tensor_parallel(tp_model[0].weight, 0)
@@ -97,7 +90,7 @@ def test_roles_survive_fully_shard_parallelize_module_and_distribute_tensor() ->
     for out in run_world(2, _on_rank):
         assert out["fsdp_types"] == ["DTensor"]
         assert out["fsdp_unmarked"].startswith(
-            "1 parameter(s) of a marked expert module carry no EP classification: experts.unmarked."
+            "ValueError: 1 parameter(s) of a marked expert module carry no EP classification: experts.unmarked."
         )
         tp_roles = {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}
         assert out["fsdp_roles"] == {
