@@ -228,7 +228,7 @@ def _check_grid(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Di
 
 
 def _spanned_axes(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], axes: MeshAxes) -> set[str]:
-    """The axes among tp and gtp that some mesh dim spans; refuse a ``Replicate`` placement over TP, GTP or EP for
+    """The axes among tp, gtp and ep that some mesh dim spans; refuse a ``Replicate`` placement over one of them for
     a parameter whose role says it is distinct there (for EP: a routed expert, whose dims spanning EP all lie in its
     reduction group, so ``Replicate`` there would count one copy)."""
     claims = {
