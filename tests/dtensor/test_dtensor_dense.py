@@ -125,6 +125,11 @@ def _tp_dp_world() -> dict[str, Any]:
     fully_shard(model, mesh=odd["y"])
     backward(model)
     out["no_group"] = error_of(lambda: grad_norm(model, collection))
+    # Sharded over every rank (tp_dp_cp): part model-parallel (TP), part data-parallel; refused.
+    model = dense_model()
+    fully_shard(model, mesh=to_device_mesh(layout, collection, ("tp_dp_cp",)))
+    backward(model)
+    out["straddle"] = error_of(lambda: count_zeros(model, collection))
     return out
 
 
@@ -150,6 +155,10 @@ def test_shared_and_mesh_mismatches(tp_dp_results: list[dict[str, Any]]) -> None
         assert out["fsdp_over_tp"]
         assert out["no_group"].startswith("ValueError: 0.weight: its grad's mesh dim 'y' spans ranks [")
         assert "which are no group of the collection the statistics run on" in out["no_group"]
+        assert out["straddle"] == (
+            "ValueError: 0.weight: mesh dim 'tp_dp_cp' (the collection's 'tp_dp_cp') straddles the parameter's dense "
+            "reduction group: part of it is model-parallel, part not"
+        )
 
 
 def _hsdp_world() -> dict[str, Any]:

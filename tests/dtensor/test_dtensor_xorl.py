@@ -123,6 +123,9 @@ def _on_rank(ep: int) -> dict[str, Any]:
     # xorl: per-expert factors replicated over EP by placement (an HSDP-style mesh whose replicate dim is EP).
     model, collection = _build(ep, _CORRECT, ("ep", "expt_dp"))
     out["replicate_over_ep"] = error_of(lambda: grad_norm(model, collection))
+    # Experts sharded over the dense data-parallel group, which holds ranks of other EP coordinates.
+    model, collection = _build(ep, _CORRECT, ("dp_cp",))
+    out["expert_over_dense"] = error_of(lambda: grad_norm(model, collection))
     return out
 
 
@@ -151,4 +154,8 @@ def test_xorl_per_expert_lora_under_fsdp2(world: int, ep: int) -> None:
             "ValueError: experts.lora_a: marked distinct per EP rank, but its grad is Replicate() over mesh dim 'ep'"
         )
         assert f"norm low by 1/sqrt({ep})" in out["replicate_over_ep"]
+        assert out["expert_over_dense"].startswith(
+            "ValueError: experts.lora_a: a routed expert (allreduce=False) laid out over mesh dim 'dp_cp', the "
+            "collection's dense group"
+        )
         assert not math.isclose(expected / math.sqrt(ep), expected)
