@@ -31,7 +31,7 @@ class Experts(nn.Module):
         self.lora_b = mark_expert(nn.Parameter(torch.randn(local_experts, HIDDEN, RANK)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("eor,eri,bi->bo", self.lora_b, self.lora_a, x)
+        return torch.einsum("eor,eri,bi->ebo", self.lora_b, self.lora_a, x).sum(dim=0)  # summed over the experts
 
 
 class Model(nn.Module):
