@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import ProcessGroupCollection
+from pgregistry.grad_stats.devices import reduction_device
 from pgregistry.grad_stats.dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, outer_shares
 from pgregistry.grad_stats.filters import (
     StatsGroups,
@@ -28,7 +29,6 @@ from pgregistry.grad_stats.filters import (
 )
 from pgregistry.grad_stats.reductions import (
     _checked_norm_type,
-    _device_of,
     _local_share,
     _local_zeros,
     clip_grads_,
@@ -73,6 +73,7 @@ def classify_grads(
 def _checked_named_params(
     model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None
 ) -> list[tuple[str, torch.Tensor]]:
+    """The named parameters of ``model_or_params``; a model's unclassified expert parameters refused first."""
     chunks = model_chunks_of(model_or_params)
     if chunks:
         check_expert_classification(chunks, pg_collection)
@@ -173,8 +174,9 @@ def _statistic(
 
 
 def norm_of_classified(classified: ClassifiedGrads, norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of classified grads (a 0-dim float32 tensor on their device, no host sync)."""
     p = _checked_norm_type(norm_type)
-    device = _device_of({**classified.by_group, None: classified.local_grads})
+    device = reduction_device(classified.local_grads, classified.by_group)
     infinite = math.isinf(p)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
     combine = torch.maximum if infinite else torch.add
@@ -203,7 +205,7 @@ def grad_norm(
 def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> int:
     """The global number of zero grad elements of ``params``, each distinct element counted once."""
     classified = classify_params(params, pg_collection, StatsGroups.from_collection(pg_collection))
-    device = _device_of({**classified.by_group, None: classified.local_grads})
+    device = reduction_device(classified.local_grads, classified.by_group)
     total = torch.zeros((), dtype=torch.int64, device=device)
     for share in _statistic(classified, lambda grads: _local_zeros(grads, device), dist.ReduceOp.SUM, torch.add):
         total += share
