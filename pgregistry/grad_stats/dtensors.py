@@ -131,8 +131,17 @@ def classify_dtensor_grad(
     mesh/collection/role mismatch.
     """
     expert = is_expert_param(param) if expert is None else expert
-    roles = tuple(getattr(param, attribute, None) for attribute in _DECIDING_ROLES)
-    key = (id(grad.device_mesh), tuple(grad.placements), expert, verdicts, roles, hasattr(param, "allreduce"))
+    # Everything a decision depends on, as one flat tuple (built per grad: no intermediate objects).
+    key = (
+        id(grad.device_mesh),
+        grad.placements,
+        expert,
+        verdicts,
+        getattr(param, "tensor_model_parallel", None),
+        getattr(param, "is_gtp_weight_remat", None),
+        getattr(param, "shared", None),
+        hasattr(param, "allreduce"),
+    )
     decision = axes.decisions.get(key)
     if decision is None:
         decision = axes.decisions[key] = _decide(name, param, grad, axes, verdicts, expert)
@@ -142,10 +151,6 @@ def classify_dtensor_grad(
     for dim in decision.partial:
         local = _reduced_copy(local, dim, axes)
     return DTensorGrad(piece=piece, local=local, counted=decision.counted, outer=decision.outer, expert=expert)
-
-
-_DECIDING_ROLES: Final = ("tensor_model_parallel", "is_gtp_weight_remat", "shared")
-"""The roles a decision depends on besides the expert verdict and whether ``allreduce`` is set."""
 
 
 def _decide(

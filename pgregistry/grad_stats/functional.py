@@ -126,7 +126,12 @@ def classify_named_params(
         grad = param.grad
         if grad is None:
             continue
-        key = tuple(getattr(param, role, None) for role in _VERDICT_ROLES)
+        # The roles the TP and GTP verdicts depend on.
+        key = (
+            getattr(param, "allreduce", None),
+            getattr(param, "tensor_model_parallel", None),
+            getattr(param, "is_gtp_weight_remat", None),
+        )
         if key not in verdicts:
             verdicts[key] = _role_verdicts(param, groups)
         entry = classify_dtensor_grad(name, param, cast("DTensor", grad), axes, verdicts[key])
@@ -136,10 +141,6 @@ def classify_named_params(
         elif entry.counted:
             by_group[axes.reduce_groups[entry.expert]].append(entry.local)
     return ClassifiedGrads(by_group=by_group, summed_first=summed_first, axes=axes, local_grads=local_grads)
-
-
-_VERDICT_ROLES = ("allreduce", "tensor_model_parallel", "is_gtp_weight_remat")
-"""The roles the TP and GTP verdicts of a parameter depend on."""
 
 
 def _role_verdicts(param: torch.Tensor, groups: StatsGroups) -> tuple[bool, bool]:
