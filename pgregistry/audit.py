@@ -41,14 +41,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.grad_stats import (
-    StatsGroups,
-    classify_grads,
-    norm_of_grads,
-    param_is_not_shared,
-    reduction_device,
-)
+from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
+from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
+from pgregistry.grad_stats.dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
+from pgregistry.grad_stats.functional import ClassifiedGrads, classify_named_params, norm_of_classified
 from pgregistry.params import (
     ParamsLike,
     is_expert_param,
@@ -155,9 +151,7 @@ class GradReplicationReport:
         return "\n".join(lines)
 
 
-def audit_grad_replication(
-    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection
-) -> GradReplicationReport:
+def audit_grad_replication(model_or_params: ParamsLike, pg_collection: ProcessGroupCollection) -> GradReplicationReport:
     """Measure each gradient's replication against its classification; see the module docstring.
 
     ``pg_collection`` must set ``tp``, ``mp``, ``tp_ep_pp``, ``ep``, ``dp_cp`` and ``expt_dp`` (``None`` when an
@@ -181,13 +175,22 @@ def audit_grad_replication(
     named = named_parameters_of(model_or_params)
     _check_same_structure(named, axis_groups, stats)
     audited = [(name, param) for name, param in named if param.grad is not None and param_is_not_shared(param)]
-    replicated, zero = _measure(audited, axis_groups)
+    rank = dist.get_rank()
+    axis_ranks = {axis: frozenset(_ranks(group, rank)) for axis, group in axis_groups.items()}
+    # Over an axis a DTensor grad's mesh spans, its placements say how it is laid out: nothing to measure there.
+    spanned = [
+        {axis for axis, ranks in axis_ranks.items() if len(mesh_ranks(param.grad, rank) & ranks) > 1}  # type: ignore[arg-type]
+        for _, param in audited
+    ]
+    replicated, zero = _measure(audited, axis_groups, spanned)
+    mesh_axes = MeshAxes(pg_collection, {False: stats.dense_reduce, True: stats.expert_reduce})
+    dtensor_truth: list[DTensorGrad] = []
 
     mismatches: list[ReplicationMismatch] = []
     truth: dict[ProcessGroup | None, list[torch.Tensor]] = {}
     for index, (name, param) in enumerate(audited):
-        rep = {axis: replicated[axis][index] for axis in replicated}
-        is_zero = {axis: zero[axis][index] for axis in zero}
+        rep = {axis: measured[index] for axis, measured in replicated.items() if index in measured}
+        is_zero = {axis: measured[index] for axis, measured in zero.items() if index in measured}
         found = [
             ReplicationMismatch(
                 name=name,
@@ -207,19 +210,30 @@ def audit_grad_replication(
         truly_expert = is_expert_param(param) or (
             hasattr(param, "allreduce") and "ep" in rep and not is_zero["ep"] and not rep["ep"]
         )
+        grad = param.grad
+        assert grad is not None  # params without grads were left out above
+        if is_dtensor(grad):
+            verdict = _measured_verdicts(rep, axis_groups, truly_expert)
+            dtensor_truth.append(
+                classify_dtensor_grad(name, param, grad, mesh_axes, verdict, expert=truly_expert)  # type: ignore[arg-type]
+            )
+            continue
         weight = 1.0
         for axis in ("expt_tp", "expt_gtp_remat", "ep") if truly_expert else ("tp", "gtp_remat"):
             if rep.get(axis, False):
                 weight /= group_size(axis_groups[axis])
         group = stats.expert_reduce if truly_expert else stats.dense_reduce
-        grad = param.grad
-        assert grad is not None  # params without grads were left out above
         truth.setdefault(group, []).append(grad.detach() * math.sqrt(weight))
 
     truth.setdefault(stats.dense_reduce, [])
     truth.setdefault(stats.expert_reduce, [])
-    classified = norm_of_grads(classify_grads([param for _, param in named], stats))
-    measured = norm_of_grads(truth)
+    for entry in dtensor_truth:
+        if entry.outer is None and entry.counted:
+            truth[mesh_axes.reduce_groups[entry.expert]].append(entry.local)
+    summed_first = [entry for entry in dtensor_truth if entry.outer is not None]
+    classified = norm_of_classified(classify_named_params(named, pg_collection, stats), 2.0)
+    truth_grads = ClassifiedGrads(by_group=truth, summed_first=summed_first, axes=mesh_axes, local_grads=[])
+    measured = norm_of_classified(truth_grads, 2.0)
     unclassified: tuple[str, ...] = ()
     if group_size(axis_groups["ep"]) > 1:
         unclassified = tuple(unclassified_expert_params(model_chunks_of(model_or_params) or dict(named)))
@@ -230,6 +244,20 @@ def audit_grad_replication(
         mismatches=tuple(mismatches),
         unclassified=unclassified,
     )
+
+
+def _ranks(group: ProcessGroup | None, rank: int) -> list[int]:
+    return [rank] if group is None else dist.get_process_group_ranks(group)
+
+
+def _measured_verdicts(
+    rep: dict[str, bool], axis_groups: dict[str, ProcessGroup | None], expert: bool
+) -> tuple[bool, bool]:
+    """Whether this rank counts a DTensor grad's piece over TP and GTP (when its mesh does not span them), by
+    measurement: a piece measured replicated there is counted on the axis's rank 0 only."""
+    fields = ("expt_tp", "expt_gtp_remat") if expert else ("tp", "gtp_remat")
+    tp, gtp = (not rep.get(field, False) or group_rank(axis_groups[field]) == 0 for field in fields)
+    return tp, gtp
 
 
 def _claims(param: torch.Tensor) -> list[tuple[str, bool]]:
@@ -257,7 +285,12 @@ def _check_same_structure(
     Each measuring group compares a digest of (name, shape, dtype, has grad, shared) for every parameter; the
     verdict is then spread over ``dp_cp`` and ``mp``, which together span every rank, so all raise together.
     """
-    text = repr([(n, tuple(p.shape), str(p.dtype), p.grad is not None, not param_is_not_shared(p)) for n, p in named])
+    text = repr(
+        [
+            (n, tuple(p.shape), str(p.dtype), p.grad is not None, not param_is_not_shared(p), _placements(p))
+            for n, p in named
+        ]
+    )
     digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
     device = reduction_device((p.grad for _, p in named if p.grad is not None), axis_groups.values())
     differing: list[str] = []
@@ -282,37 +315,53 @@ def _check_same_structure(
 
 
 def _measure(
-    audited: list[tuple[str, torch.Tensor]], axis_groups: dict[str, ProcessGroup | None]
-) -> tuple[dict[str, list[bool]], dict[str, list[bool]]]:
-    """Per axis that is on and per audited gradient: replicated over the group, and zero over the whole group."""
+    audited: list[tuple[str, torch.Tensor]],
+    axis_groups: dict[str, ProcessGroup | None],
+    spanned: list[set[str]],
+) -> tuple[dict[str, dict[int, bool]], dict[str, dict[int, bool]]]:
+    """Per axis that is on and per audited gradient (by index) not spanned there by its DTensor mesh: replicated
+    over the group, and zero over the whole group. A DTensor grad is measured through its local piece."""
     on = [axis for axis in _AXES if _on(axis_groups[axis])]
-    replicated: dict[str, list[bool]] = {axis: [] for axis in on}
-    zero: dict[str, list[bool]] = {axis: [] for axis in on}
-    for bucket in _buckets([param.grad for _, param in audited]):  # type: ignore[misc]
-        # float64 holds every float32/bf16/fp16 value exactly, so equal there means bit-identical values.
-        flat = torch.cat([grad.detach().reshape(-1).to(torch.float64) for grad in bucket])
-        sizes = [grad.numel() for grad in bucket]
-        for axis in on:
+    replicated: dict[str, dict[int, bool]] = {axis: {} for axis in on}
+    zero: dict[str, dict[int, bool]] = {axis: {} for axis in on}
+    locals_ = [_local(param.grad) for _, param in audited]  # type: ignore[arg-type]
+    for axis in on:
+        indices = [index for index in range(len(audited)) if axis not in spanned[index]]
+        for bucket in _buckets(indices, [locals_[index].numel() for index in indices]):
+            # float64 holds every float32/bf16/fp16 value exactly, so equal there means bit-identical values.
+            flat = torch.cat([locals_[index].detach().reshape(-1).to(torch.float64) for index in bucket])
             both = torch.cat([flat, -flat])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=axis_groups[axis])
             maximum, neg_minimum = both[: flat.numel()], both[flat.numel() :]
             spread = maximum + neg_minimum
             magnitude = torch.maximum(maximum, neg_minimum)
-            for part_spread, part_magnitude in zip(spread.split(sizes), magnitude.split(sizes), strict=True):
-                replicated[axis].append(bool((part_spread == 0).all()))
-                zero[axis].append(bool((part_magnitude == 0).all()))
+            sizes = [locals_[index].numel() for index in bucket]
+            parts = zip(bucket, spread.split(sizes), magnitude.split(sizes), strict=True)
+            for index, part_spread, part_magnitude in parts:
+                replicated[axis][index] = bool((part_spread == 0).all())
+                zero[axis][index] = bool((part_magnitude == 0).all())
     return replicated, zero
 
 
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``grads`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad alone)."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for grad in grads:
-        if buckets and size + grad.numel() <= _BUCKET_ELEMENTS:
-            buckets[-1].append(grad)
-            size += grad.numel()
+def _placements(param: torch.Tensor) -> str:
+    """A DTensor grad's placements (the measured axes depend on them), else ``""``."""
+    grad = param.grad
+    return str(grad.placements) if grad is not None and is_dtensor(grad) else ""  # type: ignore[attr-defined]
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if is_dtensor(grad) else grad  # type: ignore[attr-defined]
+
+
+def _buckets(indices: list[int], sizes: list[int]) -> list[list[int]]:
+    """Consecutive runs of ``indices`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad alone)."""
+    buckets: list[list[int]] = []
+    total = 0
+    for index, size in zip(indices, sizes, strict=True):
+        if buckets and total + size <= _BUCKET_ELEMENTS:
+            buckets[-1].append(index)
+            total += size
         else:
-            buckets.append([grad])
-            size = grad.numel()
+            buckets.append([index])
+            total = size
     return buckets

@@ -7,8 +7,9 @@ then share communicators instead of creating a second set:
   a field mapped to several dims gets one group over the flattened dims, created through the registry
   (:meth:`~pgregistry.registry.GroupRegistry.group_of_partition`), so a rank set the registry already has (a
   layout built with :func:`~pgregistry.registry.build`, or the same flattening asked for twice) is reused.
-* :func:`to_device_mesh` hands back a DeviceMesh view over a layout's dense grid whose dims are the collection's
-  own groups (``DeviceMesh.from_group``), so no group is created.
+* :func:`to_device_mesh` hands back a DeviceMesh for FSDP2 / TP / EP whose dims are the collection's own groups
+  (``DeviceMesh.from_group``): dense or expert data parallelism, TP, EP, the 2-D meshes torchtitan uses, and HSDP
+  once :func:`with_hsdp_groups` has split the data-parallel group. No second grid of communicators exists.
 
 Only public DeviceMesh APIs are used (``mesh``, ``mesh_dim_names``, ``get_group``, ``from_group``).
 """
@@ -20,7 +21,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names
-from pgregistry.layout import ParallelLayout
+from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -28,10 +29,17 @@ if TYPE_CHECKING:
 
     from pgregistry.registry import GroupRegistry
 
-__all__ = ["DENSE_MESH_AXES", "from_device_mesh", "to_device_mesh"]
+__all__ = ["MESH_FIELDS", "from_device_mesh", "to_device_mesh", "with_hsdp_groups"]
 
-DENSE_MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "gtp_remat", "tp")
-"""Axes of the dense grid :func:`to_device_mesh` can make mesh dims of (each is also a collection field)."""
+_HSDP_FIELDS: dict[str, str] = {"intra_dp_cp": "dp_cp", "inter_dist_opt": "dp_cp"}
+"""HSDP fields (set by :func:`with_hsdp_groups`) -> the layout's group they split."""
+
+MESH_FIELDS: tuple[str, ...] = (
+    *(kind for kind in GROUP_KINDS if kind not in ("embd", "pos_embd")),
+    *_HSDP_FIELDS,
+)
+"""Collection fields :func:`to_device_mesh` can make mesh dims of: every layout group kind that holds every rank
+(dense and expert), and the HSDP split of the data-parallel group."""
 
 
 def from_device_mesh(
@@ -109,22 +117,33 @@ def to_device_mesh(
     collection: ProcessGroupCollection,
     axes: Sequence[str],
     device_type: str = "cpu",
+    *,
+    dim_names: Sequence[str] | None = None,
 ) -> DeviceMesh:
-    """A DeviceMesh over ``layout``'s dense grid, dims named ``axes`` (slowest first), using ``collection``'s groups.
+    """A DeviceMesh whose dims are ``collection``'s groups ``axes`` (collection fields, slowest first).
 
-    ``axes`` are names from :data:`DENSE_MESH_AXES`, each also the collection field that holds that axis's group.
-    Axes left out are fixed at this rank's coordinates, so the mesh is this rank's slice of the grid (all of it
-    when every axis of size > 1 is named). Creates no group. Raises ``ValueError`` when an axis is unknown or
-    repeated, when the collection's field is UNSET or ``None`` (a mesh dim needs a group even for an axis of size
-    1: build with ``explicit_singletons=True``), or when its group's ranks are not the layout's.
+    For FSDP2 and DTensor code, so that it runs on the communicators the collection already has: the dense
+    data-parallel mesh ``("dp_cp",)``, the expert one ``("expt_dp",)``, the 2-D meshes torchtitan builds
+    (``("dp_cp", "tp")``, ``("expt_dp", "ep")``, ``("expt_dp", "ep", "expt_tp")``) and HSDP's
+    ``("inter_dist_opt", "intra_dp_cp")`` (after :func:`with_hsdp_groups`). ``axes`` are fields from
+    :data:`MESH_FIELDS`; a field spanning several axes (``dp_cp``) is one flattened dim. Dims are named ``axes``
+    unless ``dim_names`` renames them (``("dp_shard", "tp")``). Fields left out are fixed at this rank's
+    coordinates, so the mesh is this rank's slice of the grid. Creates no group.
+
+    Raises ``ValueError`` when a field is unknown or repeated, UNSET or ``None`` in the collection (a mesh dim
+    needs a group even for an axis of size 1: build with ``explicit_singletons=True``), when its group's ranks are
+    not the layout's, or when two dims share ranks (``("dp_cp", "cp")``: not a grid).
     """
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     axes = tuple(axes)
-    if not axes or len(set(axes)) != len(axes) or any(a not in DENSE_MESH_AXES for a in axes):
-        raise ValueError(f"axes {axes!r} must be distinct names from {DENSE_MESH_AXES}")
+    if not axes or len(set(axes)) != len(axes) or any(a not in MESH_FIELDS for a in axes):
+        raise ValueError(f"axes {axes!r} must be distinct names from {MESH_FIELDS}")
+    names = tuple(dim_names) if dim_names is not None else axes
+    if len(names) != len(axes) or len(set(names)) != len(names):
+        raise ValueError(f"dim_names {names!r} must be {len(axes)} distinct names, one per axis {axes!r}")
     rank = dist.get_rank()
     mine = layout.groups_of(rank)
     groups = []
@@ -137,18 +156,62 @@ def to_device_mesh(
                 f"axis {axis!r} is {state} in the collection; a DeviceMesh needs a group for every dim, including "
                 "axes of size 1: build the collection with explicit_singletons=True"
             )
-        expected = mine[axis]
-        assert expected is not None  # every dense kind holds every rank
         actual = tuple(dist.get_process_group_ranks(value))
-        if actual != expected:
-            raise ValueError(
-                f"the collection's {axis!r} group holds ranks {list(actual)}, but in this layout rank {rank}'s "
-                f"{axis!r} group is {list(expected)}: the collection was built for another layout"
-            )
+        _check_against_layout(axis, actual, mine, rank)
         groups.append(value)
-        # Along this axis the grid steps through the axis group; broadcast it over the dims so far.
-        steps = torch.tensor(expected, dtype=torch.int64) - rank
+        # Along this dim the grid steps through the group's ranks; broadcast it over the dims so far.
+        steps = torch.tensor(actual, dtype=torch.int64) - rank
         shape = [1] * len(axes)
-        shape[position] = len(expected)
+        shape[position] = len(actual)
         mesh = mesh + steps.reshape(shape)
-    return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=axes)
+    if mesh.unique().numel() != mesh.numel():
+        raise ValueError(f"the groups of {axes!r} share ranks beyond this one, so they do not form a grid")
+    return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+
+
+def _check_against_layout(axis: str, actual: tuple[int, ...], mine: Mapping[str, Any], rank: int) -> None:
+    """The group of ``axis`` must be the layout's (for an HSDP field: inside the layout's data-parallel group)."""
+    if axis in _HSDP_FIELDS:
+        outer = mine[_HSDP_FIELDS[axis]]
+        if rank in actual and set(actual) <= set(outer):
+            return
+        raise ValueError(
+            f"the collection's {axis!r} group holds ranks {list(actual)}, outside rank {rank}'s "
+            f"{_HSDP_FIELDS[axis]!r} group {list(outer)} in this layout: the collection was built for another layout"
+        )
+    if actual != mine[axis]:
+        raise ValueError(
+            f"the collection's {axis!r} group holds ranks {list(actual)}, but in this layout rank {rank}'s "
+            f"{axis!r} group is {list(mine[axis])}: the collection was built for another layout"
+        )
+
+
+def with_hsdp_groups(
+    layout: ParallelLayout,
+    collection: ProcessGroupCollection,
+    replicas: int,
+    *,
+    registry: GroupRegistry | None = None,
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+) -> ProcessGroupCollection:
+    """``collection`` with its data-parallel group split for HSDP into ``replicas`` replicas of a shard group.
+
+    As in Megatron-Core with several distributed-optimizer instances: ``intra_dp_cp`` becomes the shard group (a
+    contiguous block of each ``dp_cp`` group) and ``inter_dist_opt`` the replicate group (the ranks at the same
+    place in each block). Groups come from ``registry`` (default: the process-wide one), so a rank set it already
+    has is reused. Collective over the world: every rank calls it with the same arguments. Raises ``ValueError``
+    when ``replicas`` does not divide the data-parallel size.
+    """
+    from pgregistry.registry import default_registry
+
+    dp_cp_groups = layout.groups_tensor("dp_cp")
+    size = dp_cp_groups.shape[1]
+    if not isinstance(replicas, int) or replicas < 1 or size % replicas:
+        raise ValueError(f"replicas {replicas!r} must be a positive divisor of the data-parallel size {size}")
+    blocks = dp_cp_groups.reshape(-1, replicas, size // replicas)
+    found = registry or default_registry
+    options: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    shard = found.group_of_partition(blocks.reshape(-1, size // replicas).tolist(), **options)
+    replicate = found.group_of_partition(blocks.transpose(1, 2).reshape(-1, replicas).tolist(), **options)
+    return collection.evolve(intra_dp_cp=shard, inter_dist_opt=replicate)

@@ -10,11 +10,22 @@ local gradient is a distinct piece of the model or a copy of one from these role
 * ``shared``: a second copy of another parameter (tied embeddings on the last pipeline stage), never counted;
 * ``is_gtp_weight_remat``: sharded over the GTP-remat axis (expert GTP-remat for experts).
 
-Roles are set by the ``mark_*`` helpers, never by hand, and survive copies only through :func:`copy_param_roles`
-(Megatron-LM PR 6470: a mixed-precision copy that dropped ``allreduce=False`` turned every expert into a dense
-parameter). A missing classification is an error, never a default (xorl: per-expert LoRA factors defaulted to
-EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``): :func:`check_expert_classification` refuses
-parameters of a marked expert module that say neither ``allreduce=False`` nor ``allreduce=True``.
+Roles are set by the ``mark_*`` helpers, never by hand. A copy made outside a module carries them only through
+:func:`copy_param_roles` (Megatron-LM PR 6470: a mixed-precision copy that dropped ``allreduce=False`` turned every
+expert into a dense parameter). A missing classification is an error, never a default (xorl: per-expert LoRA
+factors defaulted to EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``):
+:func:`check_expert_classification` refuses parameters of a marked expert module that say neither
+``allreduce=False`` nor ``allreduce=True``.
+
+Roles belong to the parameter's slot in its module as well as to the parameter object, because torch-native
+sharding replaces the object: ``fully_shard`` (FSDP2) and ``parallelize_module`` register a new ``nn.Parameter``
+(holding a DTensor) under the same name. Every role a ``mark_*`` helper sets on a parameter registered on a module
+is also written to that module's role table (one entry per parameter name), and :func:`restore_param_roles` puts
+the table's roles back on whatever parameter now fills the slot, so marking before or after sharding gives the
+same roles. The slots a parameter fills are learnt from torch's global parameter-registration hook, installed when
+this module is imported: a parameter registered on a module before that (a model built before any
+``pgregistry.params`` import) and marked before sharding keeps its roles only as attributes of the object, which
+sharding drops; mark such models after sharding, or import the helpers first.
 
 That check must not depend on how the parameters are passed: a model, its chunks, ``list(model.parameters())``,
 a generator or a name -> parameter mapping. A model is walked module by module; bare tensors are recognised by
@@ -25,11 +36,13 @@ modules are usually marked at the top of their ``__init__``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, TypeAlias, TypeVar
+from typing import Any, Final, TypeAlias, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.fallback import resolve_process_groups
@@ -50,6 +63,8 @@ __all__ = [
     "mark_tensor_parallel",
     "model_chunks_of",
     "named_parameters_of",
+    "param_roles",
+    "restore_param_roles",
     "unclassified_expert_params",
 ]
 
@@ -71,6 +86,8 @@ _EXPERT_MODULE_FLAG: Final = "_pgregistry_expert_module"
 _INSIDE_EXPERT_MODULE: Final = "_pgregistry_inside_expert_module"
 """Set on a marked expert module and every module under it: parameters registered on them get the mark."""
 _IN_EXPERT_MODULE: Final = "in_expert_module"
+_ROLE_TABLE: Final = "_pgregistry_param_roles"
+"""Module attribute: parameter name -> the roles marked on the parameter in that slot."""
 
 ParamsLike: TypeAlias = (
     nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]
@@ -90,42 +107,97 @@ def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
         )
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
-    param.partition_dim = partition_dim  # type: ignore[attr-defined]
-    param.partition_stride = stride  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, tensor_model_parallel=True, partition_dim=partition_dim, partition_stride=stride)
 
 
 def mark_expert(param: T) -> T:
     """Declare ``param`` a routed-expert parameter: distinct per EP rank, reduced over the expert groups."""
-    param.allreduce = False  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, allreduce=False)
 
 
 def mark_expert_replicated(param: T) -> T:
     """Declare ``param`` (in an expert module) replicated across EP, such as a LoRA factor shared by experts."""
-    param.allreduce = True  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, allreduce=True)
 
 
 def mark_shared(param: T) -> T:
     """Declare ``param`` a second copy of a parameter counted elsewhere (tied embeddings on the last stage)."""
-    param.shared = True  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, shared=True)
 
 
 def mark_gtp_sharded(param: T) -> T:
     """Declare ``param`` sharded over the GTP-remat axis (expert GTP-remat for experts)."""
-    param.is_gtp_weight_remat = True  # type: ignore[attr-defined]
-    return param
+    return _set_roles(param, is_gtp_weight_remat=True)
 
 
 def copy_param_roles(src: torch.Tensor, dst: T) -> T:
     """Copy every role attribute present on ``src`` to ``dst`` (mixed-precision main params, optimizer views)."""
-    for name in ROLE_ATTRIBUTES:
-        if hasattr(src, name):
-            setattr(dst, name, getattr(src, name))
+    for name, value in param_roles(src).items():
+        setattr(dst, name, value)
     return dst
+
+
+def param_roles(param: torch.Tensor) -> dict[str, Any]:
+    """The role attributes present on ``param``, by name."""
+    return {name: getattr(param, name) for name in ROLE_ATTRIBUTES if hasattr(param, name)}
+
+
+def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
+    """Put the roles marked in each parameter slot of ``model`` back on the parameter now filling it.
+
+    A role already on the parameter wins over the table's (marking after sharding overrides marking before).
+    The grad-statistics entry points call this on every model they are given, so a user need not.
+    """
+    for chunk in [model] if isinstance(model, nn.Module) else model:
+        for module in chunk.modules():
+            table: dict[str, dict[str, Any]] = module.__dict__.get(_ROLE_TABLE, {})
+            for name, roles in table.items():
+                param = module._parameters.get(name)
+                if param is not None:
+                    for attribute, value in roles.items():
+                        if not hasattr(param, attribute):
+                            setattr(param, attribute, value)
+
+
+_SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Parameter -> ``[(weakref to module, name), ...]``: the module slots it was registered in."""
+
+
+def _set_roles(param: T, **roles: Any) -> T:
+    """Set ``roles`` on ``param`` and in the role table of every module slot it was registered in."""
+    for attribute, value in roles.items():
+        setattr(param, attribute, value)
+    for module_ref, name in _SLOTS.get(param, ()):
+        module = module_ref()
+        if module is not None and module._parameters.get(name) is param:
+            module.__dict__.setdefault(_ROLE_TABLE, {}).setdefault(name, {}).update(roles)
+    return param
+
+
+def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """torch's global parameter-registration hook: remember the slot, and carry roles into a replacement.
+
+    A parameter replacing a marked one under the same name (``parallelize_module``, ``distribute_module``, a user's
+    ``nn.Parameter(distribute_tensor(...))``) receives the roles it does not carry itself; a marked parameter
+    writes its roles to the slot's table.
+    """
+    previous = module._parameters.get(name)
+    if previous is not None and previous is not param:
+        for attribute, value in param_roles(previous).items():
+            if not hasattr(param, attribute):
+                setattr(param, attribute, value)
+    slots = _SLOTS.setdefault(param, [])
+    # FSDP2 re-registers the same parameters every step on modules with their own __setattr__: record a slot once.
+    if not any(slot_module() is module and slot_name == name for slot_module, slot_name in slots):
+        slots.append((weakref.ref(module), name))
+    roles = param_roles(param)
+    if roles:
+        module.__dict__.setdefault(_ROLE_TABLE, {})[name] = roles
+    if getattr(module, _INSIDE_EXPERT_MODULE, False):
+        setattr(param, _IN_EXPERT_MODULE, True)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registration)
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -142,7 +214,6 @@ def mark_expert_module(module: nn.Module) -> nn.Module:
     Every parameter under ``module``, now or registered later, is marked ``in_expert_module`` so the check also
     applies when only the tensors are passed.
     """
-    _install_registration_hooks()
     setattr(module, _EXPERT_MODULE_FLAG, True)
     _mark_inside(module)
     return module
@@ -155,33 +226,14 @@ def _mark_inside(module: nn.Module) -> None:
         setattr(param, _IN_EXPERT_MODULE, True)
 
 
-def _on_parameter_registered(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    if param is not None and getattr(module, _INSIDE_EXPERT_MODULE, False):
-        setattr(param, _IN_EXPERT_MODULE, True)
-
-
 def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     if submodule is not None and getattr(module, _INSIDE_EXPERT_MODULE, False):
         _mark_inside(submodule)
 
 
-_hooks_installed = False
-
-
-def _install_registration_hooks() -> None:
-    """Mark parameters registered under an expert module after it was marked (process-wide hooks, installed once;
-    each only reads one attribute of the module being built)."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    from torch.nn.modules.module import (
-        register_module_module_registration_hook,
-        register_module_parameter_registration_hook,
-    )
-
-    register_module_parameter_registration_hook(_on_parameter_registered)
-    register_module_module_registration_hook(_on_module_registered)
-    _hooks_installed = True
+# Submodules registered under a marked expert module after the mark (modules are usually marked at the top of
+# their __init__) are marked too; the hook only reads one attribute of the module being built.
+torch.nn.modules.module.register_module_module_registration_hook(_on_module_registered)
 
 
 def is_expert_module(module: nn.Module) -> bool:
@@ -196,6 +248,7 @@ def unclassified_expert_params(model_or_params: ParamsLike) -> list[str]:
     tensor) are recognised by their ``in_expert_module`` mark. An iterator is consumed: pass a list.
     """
     chunks = model_chunks_of(model_or_params)
+    restore_param_roles(chunks)
     if not chunks:
         return [
             name
@@ -260,9 +313,11 @@ def named_parameters_of(model_or_params: ParamsLike) -> list[tuple[str, torch.Te
     """``(name, parameter)`` pairs in a deterministic order, each parameter once (by identity).
 
     A model or model chunks give their ``named_parameters`` (prefixed ``chunk<i>.`` when there are several
-    chunks); a mapping gives its items; tensors are named ``param[<i>]`` by position.
+    chunks), with the roles of their slots restored (:func:`restore_param_roles`); a mapping gives its items;
+    tensors are named ``param[<i>]`` by position.
     """
     if isinstance(model_or_params, nn.Module):
+        restore_param_roles(model_or_params)
         pairs: Iterable[tuple[str, torch.Tensor]] = model_or_params.named_parameters()
     elif isinstance(model_or_params, torch.Tensor):
         pairs = [("param[0]", model_or_params)]
@@ -271,6 +326,7 @@ def named_parameters_of(model_or_params: ParamsLike) -> list[tuple[str, torch.Te
     else:
         items = list(model_or_params)
         if items and all(isinstance(item, nn.Module) for item in items):
+            restore_param_roles(items)
             prefix = len(items) > 1
             pairs = [
                 (f"chunk{i}.{name}" if prefix else name, param)

@@ -1,23 +1,54 @@
 """The functional API: global norm, zero count and clipping of a model's grads on its collection.
 
-Each grad is classified by its parameter's roles (:mod:`pgregistry.grad_stats.filters`), then reduced
-(:mod:`pgregistry.grad_stats.reductions`).
+Each plain grad is classified by its parameter's roles (:mod:`pgregistry.grad_stats.filters`), each DTensor grad
+by its placements and roles (:mod:`pgregistry.grad_stats.dtensors`), then reduced
+(:mod:`pgregistry.grad_stats.reductions`): first the DTensor pieces sharded over a data-parallel group, over that
+group, then everything over its reduction group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import ProcessGroupCollection
-from pgregistry.grad_stats.filters import StatsGroups, is_counted, reduce_group_of
-from pgregistry.grad_stats.reductions import clip_grads_, norm_of_grads, zeros_of_grads
+from pgregistry.grad_stats.devices import reduction_device
+from pgregistry.grad_stats.dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, outer_shares
+from pgregistry.grad_stats.filters import (
+    StatsGroups,
+    is_counted,
+    param_is_not_gtp_duplicate,
+    param_is_not_tensor_parallel_duplicate,
+    reduce_group_of,
+)
+from pgregistry.grad_stats.reductions import (
+    _checked_norm_type,
+    _local_share,
+    _local_zeros,
+    clip_grads_,
+    reduce_over_groups,
+)
 from pgregistry.params import ParamsLike, check_expert_classification, model_chunks_of, named_parameters_of
 from pgregistry.resolver import resolve_collection
 
-__all__ = ["classify_grads", "clip_grad_norm_", "count_zeros", "grad_norm"]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ClassifiedGrads",
+    "classify_grads",
+    "classify_named_params",
+    "clip_grad_norm_",
+    "count_zeros",
+    "grad_norm",
+    "norm_of_classified",
+]
 
 
 def classify_grads(
@@ -35,11 +66,22 @@ def classify_grads(
     return buckets
 
 
+@attrs.frozen(slots=True, kw_only=True)
+class ClassifiedGrads:
+    """Every grad of a call, classified: plain grads (and DTensor pieces summed only over their reduction group)
+    by reduction group, and the DTensor pieces summed over a data-parallel group first."""
+
+    by_group: dict[ProcessGroup | None, list[torch.Tensor]]
+    summed_first: list[DTensorGrad]
+    axes: MeshAxes | None
+    local_grads: list[torch.Tensor]
+
+
 def _resolved(
     model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
-) -> tuple[StatsGroups, list[torch.Tensor]]:
-    """The statistics groups and the parameters of ``model_or_params``, after refusing unclassified expert
-    parameters however they were passed (:func:`~pgregistry.params.check_expert_classification`).
+) -> tuple[ProcessGroupCollection, StatsGroups, list[tuple[str, torch.Tensor]]]:
+    """The collection, the statistics groups and the named parameters of ``model_or_params``, after refusing
+    unclassified expert parameters however they were passed (:func:`~pgregistry.params.check_expert_classification`).
 
     The collection is resolved once (:func:`~pgregistry.resolver.resolve_collection`): explicit, else attached to
     the model, else the global grid with a warning."""
@@ -47,7 +89,103 @@ def _resolved(
     named = named_parameters_of(model_or_params)  # consumes an iterator, once
     collection = resolve_collection(pg_collection, chunks or None, owner=owner)
     check_expert_classification(chunks or dict(named), collection)
-    return StatsGroups.from_collection(collection), [param for _, param in named]
+    return collection, StatsGroups.from_collection(collection), named
+
+
+def _classified(
+    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
+) -> ClassifiedGrads:
+    """:func:`classify_named_params` of ``model_or_params`` on its resolved collection (:func:`_resolved`)."""
+    collection, groups, named = _resolved(model_or_params, pg_collection, owner)
+    return classify_named_params(named, collection, groups)
+
+
+def classify_named_params(
+    named: Sequence[tuple[str, torch.Tensor]], pg_collection: ProcessGroupCollection | None, groups: StatsGroups
+) -> ClassifiedGrads:
+    """Classify the grads of ``named`` parameters: plain ones by :func:`classify_grads`, DTensor ones by
+    :func:`~pgregistry.grad_stats.dtensors.classify_dtensor_grad` (``ValueError`` naming a parameter whose mesh
+    or placement disagrees with the collection or its roles; DTensor grads need a collection, not ``None``).
+    Collective only for ``Partial`` DTensor grads."""
+    plain: list[torch.Tensor] = []
+    distributed: list[tuple[str, torch.Tensor]] = []
+    for name, param in named:
+        if is_dtensor(param.grad if param.grad is not None else param):
+            distributed.append((name, param))
+        else:
+            plain.append(param)
+    by_group = classify_grads(plain, groups)
+    local_grads = [param.grad for param in plain if param.grad is not None]
+    if not distributed:
+        return ClassifiedGrads(by_group=by_group, summed_first=[], axes=None, local_grads=local_grads)
+    if pg_collection is None:
+        raise ValueError("DTensor grads need the model's collection, to match their mesh dims to its groups")
+    axes = MeshAxes(pg_collection, {False: groups.dense_reduce, True: groups.expert_reduce})
+    summed_first: list[DTensorGrad] = []
+    verdicts: dict[tuple[Any, ...], tuple[bool, bool]] = {}
+    for name, param in distributed:
+        grad = param.grad
+        if grad is None:
+            continue
+        # The roles the TP and GTP verdicts depend on.
+        key = (
+            getattr(param, "allreduce", None),
+            getattr(param, "tensor_model_parallel", None),
+            getattr(param, "is_gtp_weight_remat", None),
+        )
+        if key not in verdicts:
+            verdicts[key] = _role_verdicts(param, groups)
+        entry = classify_dtensor_grad(name, param, cast("DTensor", grad), axes, verdicts[key])
+        local_grads.append(entry.piece)
+        if entry.outer is not None:
+            summed_first.append(entry)
+        elif entry.counted:
+            by_group[axes.reduce_groups[entry.expert]].append(entry.local)
+    return ClassifiedGrads(by_group=by_group, summed_first=summed_first, axes=axes, local_grads=local_grads)
+
+
+def _role_verdicts(param: torch.Tensor, groups: StatsGroups) -> tuple[bool, bool]:
+    """Whether this rank counts ``param``'s grad as far as TP and GTP go, by its roles."""
+    return (
+        param_is_not_tensor_parallel_duplicate(param, groups.tp, groups.expt_tp, use_global_fallback=False),
+        param_is_not_gtp_duplicate(param, groups.gtp_remat, groups.expt_gtp_remat, use_global_fallback=False),
+    )
+
+
+def _statistic(
+    classified: ClassifiedGrads,
+    local: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    op: Any,
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Iterator[torch.Tensor]:
+    """Each reduction group's share: its grads' local share, combined with the shares summed over a
+    data-parallel group first, reduced over the group."""
+    first: dict[ProcessGroup | None, list[torch.Tensor]] = {}
+    if classified.axes is not None:
+        first = outer_shares(classified.summed_first, classified.axes, local, op)
+
+    def share(group_and_grads: tuple[ProcessGroup | None, Sequence[torch.Tensor]]) -> torch.Tensor:
+        group, grads = group_and_grads
+        total = local(grads)
+        for part in first.get(group, []):
+            total = combine(total, part)
+        return total
+
+    items = {group: (group, grads) for group, grads in classified.by_group.items()}
+    yield from reduce_over_groups(items, share, op)
+
+
+def norm_of_classified(classified: ClassifiedGrads, norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of classified grads (a 0-dim float32 tensor on their device, no host sync)."""
+    p = _checked_norm_type(norm_type)
+    device = reduction_device(classified.local_grads, classified.by_group)
+    infinite = math.isinf(p)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    combine = torch.maximum if infinite else torch.add
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for share in _statistic(classified, lambda grads: _local_share(grads, p, device), op, combine):
+        total = combine(total, share)
+    return total if infinite else total.pow(1.0 / p)
 
 
 def grad_norm(
@@ -55,21 +193,24 @@ def grad_norm(
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of the grads of ``params`` (a model, its parameters, ...) on its collection.
 
-    Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`). Parameters of
-    a marked expert module without an EP classification raise ``ValueError`` first, whether ``params`` is a
-    model, its chunks or its parameters (:func:`~pgregistry.params.check_expert_classification`). An omitted
-    collection is the one attached to the model, else the global grid with a warning
-    (:func:`~pgregistry.resolver.resolve_collection`). Collective over the collection's ``mp`` and
-    ``tp_ep_pp`` groups. Returns a 0-dim float32 tensor on the grads' device.
+    Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`); a DTensor grad
+    (FSDP2, ``parallelize_module``) by its placements over the mesh dims it spans and by the roles elsewhere
+    (:mod:`pgregistry.grad_stats.dtensors`). Given a model or model chunks, parameters of a marked expert module without
+    an EP classification raise ``ValueError`` first (:func:`~pgregistry.params.check_expert_classification`).
+    Collective over the collection's ``mp`` and ``tp_ep_pp`` groups (and the data-parallel groups DTensor grads
+    are sharded over). Returns a 0-dim float32 tensor on the grads' device.
     """
-    groups, param_list = _resolved(params, pg_collection, "grad_norm")
-    return norm_of_grads(classify_grads(param_list, groups), norm_type)
+    return norm_of_classified(_classified(params, pg_collection, "grad_norm"), norm_type)
 
 
 def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> int:
     """The global number of zero grad elements of ``params``, each distinct element counted once."""
-    groups, param_list = _resolved(params, pg_collection, "count_zeros")
-    return int(zeros_of_grads(classify_grads(param_list, groups)).item())
+    classified = _classified(params, pg_collection, "count_zeros")
+    device = reduction_device(classified.local_grads, classified.by_group)
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for share in _statistic(classified, lambda grads: _local_zeros(grads, device), dist.ReduceOp.SUM, torch.add):
+        total += share
+    return int(total.item())
 
 
 def clip_grad_norm_(
@@ -81,9 +222,9 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the grads of ``params`` in place to a global norm of ``max_norm``; return the norm before clipping.
 
-    Every grad is scaled, the duplicates too, so replicas stay identical.
+    Every grad is scaled, the duplicates too, so replicas stay identical; a DTensor grad through its local tensor.
     """
-    groups, param_list = _resolved(params, pg_collection, "clip_grad_norm_")
-    total = norm_of_grads(classify_grads(param_list, groups), norm_type)
-    clip_grads_([param.grad for param in param_list if param.grad is not None], max_norm, total)
+    classified = _classified(params, pg_collection, "clip_grad_norm_")
+    total = norm_of_classified(classified, norm_type)
+    clip_grads_(classified.local_grads, max_norm, total)
     return total

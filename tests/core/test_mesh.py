@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pgregistry import ParallelLayout, ProcessGroupCollection
 from pgregistry import registry as reg
-from pgregistry.mesh import from_device_mesh, to_device_mesh
+from pgregistry.mesh import from_device_mesh, to_device_mesh, with_hsdp_groups
 from pgregistry.testing import run_world
 
 # A (pp, dp, tp) mesh in row-major order is the default layout order (tp fastest, then dp, then pp).
@@ -99,7 +99,9 @@ def _to_mesh() -> dict[str, Any]:
         "errors": errors_of({
             "off": lambda: to_device_mesh(_GRID, plain, ("dp", "tp")),
             "unset": lambda: to_device_mesh(_GRID, ProcessGroupCollection(tp=collection.get("tp")), ("cp", "tp")),
-            "axis": lambda: to_device_mesh(_GRID, collection, ("tp", "ep")),
+            "axis": lambda: to_device_mesh(_GRID, collection, ("tp", "embd")),
+            "overlap": lambda: to_device_mesh(_GRID, collection, ("dp_cp", "cp")),
+            "names": lambda: to_device_mesh(_GRID, collection, ("cp", "tp"), dim_names=("x", "x")),
             "repeated": lambda: to_device_mesh(_GRID, collection, ("tp", "tp")),
             "other_layout": lambda: to_device_mesh(_GRID, other, ("pp", "tp")),
         }),
@@ -128,7 +130,69 @@ def test_to_device_mesh_reuses_the_collection_groups() -> None:
         assert errors["off"].startswith("ValueError: axis 'dp' is None (axis off) in the collection;")
         assert "explicit_singletons=True" in errors["off"]
         assert errors["unset"].startswith("ValueError: axis 'cp' is UNSET in the collection;")
-        assert errors["axis"].startswith("ValueError: axes ('tp', 'ep') must be distinct names from")
+        assert errors["axis"].startswith("ValueError: axes ('tp', 'embd') must be distinct names from")
+        assert errors["overlap"] == (
+            "ValueError: the groups of ('dp_cp', 'cp') share ranks beyond this one, so they do not form a grid"
+        )
+        assert errors["names"].startswith("ValueError: dim_names ('x', 'x') must be 2 distinct names")
         assert errors["repeated"].startswith("ValueError: axes ('tp', 'tp') must be distinct names")
         assert errors["other_layout"].startswith("ValueError: the collection's 'tp' group holds ranks [")
         assert "the collection was built for another layout" in errors["other_layout"]
+
+
+_MOE = ParallelLayout(world_size=8, tp=2, ep=2, etp=1)  # dense dp 4, expert dp 4
+
+
+def _expected_mesh_ranks(rank: int, fixed: tuple[str, ...]) -> list[int]:
+    """The ranks that share ``rank``'s coordinates on the ``fixed`` axes (layout coordinates, not groups)."""
+    mine = _MOE.coords(rank)
+    return [r for r in range(8) if all(_MOE.coords(r)[a] == mine[a] for a in fixed)]
+
+
+_HSDP_AXES = ("inter_dist_opt", "intra_dp_cp", "tp")
+
+
+def _expert_and_hsdp_meshes() -> dict[str, Any]:
+    collection = reg.build(_MOE)
+    hsdp = with_hsdp_groups(_MOE, collection, 2)
+    created = reg.default_registry.groups_created
+    meshes = {
+        "expert": (to_device_mesh(_MOE, collection, ("expt_dp", "ep")), ("expt_dp", "ep")),
+        "dense_2d": (to_device_mesh(_MOE, collection, ("dp_cp", "tp"), dim_names=("dp_shard", "tp")), ("dp_cp", "tp")),
+        "hsdp": (to_device_mesh(_MOE, hsdp, _HSDP_AXES), _HSDP_AXES),
+    }
+    return {
+        "ranks": {k: sorted(m.mesh.flatten().tolist()) for k, (m, _) in meshes.items()},
+        "shape": {k: tuple(m.mesh.shape) for k, (m, _) in meshes.items()},
+        "names": meshes["dense_2d"][0].mesh_dim_names,
+        "reused": {
+            k: [m.get_group(i) is (hsdp if k == "hsdp" else collection).get(f) for i, f in enumerate(fields)]
+            for k, (m, fields) in meshes.items()
+        },
+        "hsdp_masks": (member_mask(hsdp.get("intra_dp_cp")), member_mask(hsdp.get("inter_dist_opt"))),
+        "created": reg.default_registry.groups_created - created,
+        "errors": errors_of({"replicas": lambda: with_hsdp_groups(_MOE, collection, 3)}),
+    }
+
+
+def test_expert_2d_and_hsdp_meshes_share_the_collection_groups() -> None:
+    results = run_world(8, _expert_and_hsdp_meshes)
+    for rank, out in enumerate(results):
+        assert out["ranks"]["expert"] == _expected_mesh_ranks(rank, ("etp", "expt_gtp_remat", "pp"))
+        assert out["ranks"]["dense_2d"] == _expected_mesh_ranks(rank, ("gtp_remat", "cp", "pp"))
+        assert out["ranks"]["hsdp"] == _expected_mesh_ranks(rank, ("gtp_remat", "cp", "pp"))
+        assert out["shape"] == {"expert": (4, 2), "dense_2d": (4, 2), "hsdp": (2, 2, 2)}
+        assert out["names"] == ("dp_shard", "tp")
+        assert all(all(flags) for flags in out["reused"].values())
+        # The data-parallel group of rank r is every rank with its tp coordinate; HSDP splits it into
+        # contiguous blocks of 2 (shard) and the ranks at the same place in each block (replicate).
+        dp_group = list(range(rank % 2, 8, 2))
+        position = dp_group.index(rank)
+        block = position // 2
+        assert out["hsdp_masks"] == (
+            bits(dp_group[2 * block: 2 * block + 2]), bits(dp_group[position % 2:: 2])
+        )
+        assert out["created"] == 0
+        assert out["errors"]["replicas"] == (
+            "ValueError: replicas 3 must be a positive divisor of the data-parallel size 4"
+        )

@@ -1,0 +1,305 @@
+"""DTensor grads in grad statistics: each local piece counted as its placements and its parameter's roles say.
+
+FSDP2 (``fully_shard``), ``parallelize_module`` and ``distribute_tensor`` leave DTensor grads. A DTensor's local
+piece (``to_local()``) is classified per mesh dim it spans, the dim's group matched to a group of the collection:
+
+* a dim inside the parameter's reduction group (``mp`` for dense, ``tp_ep_pp`` for experts: TP, EP, PP):
+  ``Shard`` pieces are distinct and summed there; ``Replicate`` copies are counted on the dim's rank 0 only;
+* a dim outside it (a data-parallel group: ``dp_cp``, ``expt_dp``, HSDP's ``intra_dp_cp`` / ``inter_dist_opt``):
+  ``Shard`` pieces are summed over that group first (one all-reduce per such collection field, in field order);
+  ``Replicate`` copies are each counted by their own replica, as plain grads are;
+* ``Partial``: the pending reduction is done first, on a copy of the local tensor, then it counts as ``Replicate``.
+
+Axes the DTensor does not span are decided by the roles, as for plain grads: not TP-sharded (GTP-sharded) is
+counted on TP (GTP) rank 0; a routed expert (``allreduce=False``) is distinct per EP rank and summed over the
+expert group. A placement that contradicts a role is an error naming the parameter, never a silent default: a
+routed expert whose grad is ``Replicate`` over a dim spanning EP is exactly the xorl report (per-expert LoRA
+factors treated as EP-replicated, norm low by 1/sqrt(ep)). So is a mesh dim that is no group of the collection,
+one that straddles the reduction group, a parameter laid out over an expert group without an EP classification,
+or a routed expert laid out over a dense group. No collective is ever issued on a DTensor: only on local tensors
+and shares, over the collection's groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from pgregistry.collection import FIELD_NAMES, GroupName, ProcessGroupCollection
+from pgregistry.layout import EXPERT_GROUP_KINDS
+from pgregistry.params import is_expert_param
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+__all__ = ["DTensorGrad", "MeshAxes", "classify_dtensor_grad", "is_dtensor", "mesh_ranks", "outer_shares"]
+
+_EXPERT_FIELDS: Final = frozenset({*EXPERT_GROUP_KINDS, "intra_expt_dp"})
+"""Fields of the expert grid: a dense parameter's mesh dim must not be one of these only (and vice versa)."""
+
+_PARTIAL_OPS: Final = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor (torch.distributed.tensor imported only when torch has it)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+class MeshAxes:
+    """The collection's groups by rank set, so a mesh dim can be named by the collection fields it equals; and the
+    decisions of one statistics call, cached by layout (mesh, placements, roles), so classifying thousands of grads
+    costs a dictionary look-up each."""
+
+    def __init__(self, collection: ProcessGroupCollection, reduce_groups: Mapping[bool, ProcessGroup | None]) -> None:
+        self.rank = dist.get_rank()
+        self.collection = collection
+        self.fields: dict[frozenset[int], list[GroupName]] = {}
+        self._field_ranks: dict[GroupName, frozenset[int]] = {}
+        for name, value in collection.items():
+            if name != "hcp" and isinstance(value, ProcessGroup):
+                ranks = frozenset(dist.get_process_group_ranks(value))
+                self.fields.setdefault(ranks, []).append(name)
+                self._field_ranks[name] = ranks
+        self.reduce_groups = reduce_groups
+        self.reduce_ranks = {expert: self.ranks_of(group) for expert, group in reduce_groups.items()}
+        self.decisions: dict[tuple[Any, ...], _Decision] = {}
+
+    def ranks_of(self, group: ProcessGroup | None) -> frozenset[int]:
+        """The ranks of ``group`` (``None``: this rank alone)."""
+        return frozenset([self.rank] if group is None else dist.get_process_group_ranks(group))
+
+    def field_ranks(self, name: GroupName) -> frozenset[int]:
+        """The ranks of the collection's ``name`` group (this rank alone when unset or off)."""
+        return self._field_ranks.get(name, frozenset([self.rank]))
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class DTensorGrad:
+    """How one DTensor grad enters the statistics on this rank.
+
+    ``piece`` is the grad's local tensor (what clipping scales); ``local`` is what is counted (``piece``, or a
+    reduced copy for a ``Partial`` grad), counted on this rank when ``counted``; ``outer`` is the collection field
+    it is summed over before the reduction group (``None``: none); ``expert`` picks the reduction group
+    (``tp_ep_pp``, else ``mp``).
+    """
+
+    piece: torch.Tensor
+    local: torch.Tensor
+    counted: bool
+    outer: GroupName | None
+    expert: bool
+
+
+@attrs.frozen(slots=True)
+class _Dim:
+    index: int
+    name: str
+    ranks: frozenset[int]
+    fields: list[GroupName]
+    placement: Any
+
+
+@attrs.frozen(slots=True)
+class _Decision:
+    counted: bool
+    outer: GroupName | None
+    partial: tuple[_Dim, ...]
+
+
+def classify_dtensor_grad(
+    name: str,
+    param: torch.Tensor,
+    grad: DTensor,
+    axes: MeshAxes,
+    verdicts: tuple[bool, bool],
+    *,
+    expert: bool | None = None,
+) -> DTensorGrad:
+    """Classify ``grad`` (a DTensor) of ``param`` named ``name``; see the module docstring.
+
+    ``verdicts`` say whether this rank counts the grad as far as TP and GTP go when no mesh dim spans that axis
+    (the roles' verdict, or the replication audit's measurement); ``expert`` overrides the role's routed-expert
+    verdict (the audit's measured truth). Collective only for a ``Partial`` grad (one all-reduce of a copy of its
+    local tensor per partial dim, over the matching collection group). Raises ``ValueError`` naming ``name`` on a
+    mesh/collection/role mismatch.
+    """
+    expert = is_expert_param(param) if expert is None else expert
+    # Everything a decision depends on, as one flat tuple (built per grad: no intermediate objects).
+    key = (
+        id(grad.device_mesh),
+        grad.placements,
+        expert,
+        verdicts,
+        getattr(param, "tensor_model_parallel", None),
+        getattr(param, "is_gtp_weight_remat", None),
+        getattr(param, "shared", None),
+        hasattr(param, "allreduce"),
+    )
+    decision = axes.decisions.get(key)
+    if decision is None:
+        decision = axes.decisions[key] = _decide(name, param, grad, axes, verdicts, expert)
+    # What to_local() returns a view of, without the autograd Function call to_local() costs per grad.
+    piece = grad._local_tensor
+    local = piece
+    for dim in decision.partial:
+        local = _reduced_copy(local, dim, axes)
+    return DTensorGrad(piece=piece, local=local, counted=decision.counted, outer=decision.outer, expert=expert)
+
+
+def _decide(
+    name: str, param: torch.Tensor, grad: DTensor, axes: MeshAxes, verdicts: tuple[bool, bool], expert: bool
+) -> _Decision:
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh = grad.device_mesh
+    dims = []
+    for index, placement in enumerate(grad.placements):
+        dim_name = mesh.mesh_dim_names[index] if mesh.mesh_dim_names else str(index)
+        ranks = frozenset(dist.get_process_group_ranks(mesh.get_group(index)))
+        if len(ranks) == 1:
+            continue
+        fields = axes.fields.get(ranks)
+        if not fields:
+            raise ValueError(
+                f"{name}: its grad's mesh dim {dim_name!r} spans ranks {sorted(ranks)}, which are no group of the "
+                "collection the statistics run on; build the mesh from the collection (pgregistry.mesh."
+                "to_device_mesh) so that every mesh dim is one of its groups"
+            )
+        dims.append(_Dim(index, dim_name, ranks, fields, placement))
+    _check_grid(name, param, expert, dims)
+
+    reduce_ranks = axes.reduce_ranks[expert]
+    counted = not getattr(param, "shared", False)
+    outer: list[_Dim] = []
+    for dim in dims:
+        sharded = _is_shard(dim.placement)
+        if not sharded and not isinstance(dim.placement, Replicate | Partial):
+            raise ValueError(f"{name}: placement {dim.placement!r} on mesh dim {dim.name!r} is not supported")
+        if dim.ranks <= reduce_ranks:
+            counted = counted and (sharded or mesh.get_local_rank(dim.index) == 0)
+        elif dim.ranks & reduce_ranks == {axes.rank}:
+            if sharded:
+                outer.append(dim)
+        else:
+            raise ValueError(
+                f"{name}: mesh dim {dim.name!r} (the collection's {dim.fields[0]!r}) straddles the parameter's "
+                f"{'expert' if expert else 'dense'} reduction group: part of it is model-parallel, part not"
+            )
+    if len(outer) > 1:
+        raise ValueError(
+            f"{name}: sharded over {len(outer)} data-parallel mesh dims {[d.name for d in outer]}; flatten them "
+            "into one dim that is a group of the collection (dp_cp, expt_dp)"
+        )
+    spanned = _spanned_axes(name, param, expert, dims, axes)
+    for axis, verdict in zip(("tp", "gtp"), verdicts, strict=True):
+        if axis not in spanned:
+            counted = counted and verdict
+    partial = tuple(dim for dim in dims if isinstance(dim.placement, Partial))
+    return _Decision(counted=counted, outer=outer[0].fields[0] if outer else None, partial=partial)
+
+
+def mesh_ranks(tensor: torch.Tensor, rank: int) -> frozenset[int]:
+    """The ranks of ``tensor``'s mesh if it is a DTensor; ``{rank}`` for a plain tensor."""
+    if not is_dtensor(tensor):
+        return frozenset([rank])
+    return frozenset(tensor.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+
+
+def _check_grid(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim]) -> None:
+    """A parameter laid out over an expert-grid group must say how it stands to EP; an expert must not be laid out
+    over a dense-grid group."""
+    for dim in dims:
+        only_expert = all(field in _EXPERT_FIELDS for field in dim.fields)
+        only_dense = not any(field in _EXPERT_FIELDS for field in dim.fields)
+        if only_expert and not hasattr(param, "allreduce"):
+            raise ValueError(
+                f"{name}: its grad is laid out over mesh dim {dim.name!r}, the collection's expert group "
+                f"{dim.fields[0]!r}, but the parameter carries no EP classification; mark it with mark_expert "
+                "(distinct per EP rank) or mark_expert_replicated (replicated across EP): counting it as replicated "
+                "would make the norm low by 1/sqrt(ep) when it is not"
+            )
+        if only_dense and expert:
+            raise ValueError(
+                f"{name}: a routed expert (allreduce=False) laid out over mesh dim {dim.name!r}, the collection's "
+                f"dense group {dim.fields[0]!r}; lay experts out over the expert groups (expt_dp, ep, expt_tp)"
+            )
+
+
+def _spanned_axes(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], axes: MeshAxes) -> set[str]:
+    """The axes among tp, gtp and ep that some mesh dim spans; refuse a ``Replicate`` placement over one of them for
+    a parameter whose role says it is distinct there (for EP: a routed expert, whose dims spanning EP all lie in its
+    reduction group, so ``Replicate`` there would count one copy)."""
+    claims: dict[str, tuple[GroupName, bool]] = {
+        "tp": ("expt_tp" if expert else "tp", bool(getattr(param, "tensor_model_parallel", False))),
+        "gtp": ("expt_gtp_remat" if expert else "gtp_remat", bool(getattr(param, "is_gtp_weight_remat", False))),
+        "ep": ("ep", expert),
+    }
+    spanned: set[str] = set()
+    for axis, (field, distinct) in claims.items():
+        ranks = axes.field_ranks(field)
+        over = [dim for dim in dims if len(dim.ranks & ranks) > 1]
+        if not over:
+            continue
+        spanned.add(axis)
+        if distinct and not any(_is_shard(dim.placement) for dim in over):
+            raise ValueError(
+                f"{name}: marked distinct per {axis.upper()} rank, but its grad is {over[0].placement!r} over mesh "
+                f"dim {over[0].name!r}, which spans {axis.upper()}; the placement would count one copy where each "
+                f"rank holds a different piece (norm low by 1/sqrt({len(over[0].ranks & ranks)})). Give the "
+                "DTensor a Shard placement there, or fix the role"
+            )
+    return spanned
+
+
+def _is_shard(placement: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard"
+
+
+def _reduced_copy(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -> torch.Tensor:
+    """``local`` with the pending ``Partial`` reduction over ``dim`` done, on a copy (the grad is untouched)."""
+    op = dim.placement.reduce_op
+    if op not in _PARTIAL_OPS:
+        raise ValueError(f"Partial({op!r}) grads are not supported")
+    reduced = local.detach().clone()
+    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _PARTIAL_OPS[op]), group=axes.collection.get(dim.fields[0]))
+    return reduced / len(dim.ranks) if op == "avg" else reduced
+
+
+def outer_shares(
+    entries: Iterable[DTensorGrad],
+    axes: MeshAxes,
+    local: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    op: Any,
+) -> dict[ProcessGroup | None, list[torch.Tensor]]:
+    """The shares of grads summed over a data-parallel group first, by reduction group.
+
+    One all-reduce per collection field some entry is summed over, in field order (the same on every rank of
+    that field's group, which all hold the same DTensor parameters), of a two-slot vector: the dense and the
+    expert share. Entries that are not counted still register their field, so every rank issues it.
+    """
+    by_field: dict[GroupName, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for entry in entries:
+        if entry.outer is None:
+            continue
+        slot = by_field.setdefault(entry.outer, ([], []))
+        if entry.counted:
+            slot[entry.expert].append(entry.local)
+    shares: dict[ProcessGroup | None, list[torch.Tensor]] = {group: [] for group in axes.reduce_groups.values()}
+    for field in sorted(by_field, key=FIELD_NAMES.index):
+        dense, expert = by_field[field]
+        both = torch.stack([local(dense), local(expert)])
+        group = axes.collection.get(field)
+        if group is not None and group.size() > 1:
+            dist.all_reduce(both, op=op, group=group)
+        shares[axes.reduce_groups[False]].append(both[0])
+        shares[axes.reduce_groups[True]].append(both[1])
+    return shares
