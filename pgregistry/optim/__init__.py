@@ -14,6 +14,7 @@ collection and returns a :class:`ChainedOptimizer` of a :class:`MixedPrecisionOp
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim.builder import build_optimizer, inner_factory
 from pgregistry.optim.chained import ChainedOptimizer
+from pgregistry.optim.flat_step import ElementwiseRule, FlatStep
 from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
 from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
 from pgregistry.optim.setup import setup_process_groups_for_ddp, setup_process_groups_for_optimizer
@@ -21,7 +22,9 @@ from pgregistry.optim.sharded import ShardedOptimizer
 
 __all__ = [
     "ChainedOptimizer",
+    "ElementwiseRule",
     "FlatOptimizer",
+    "FlatStep",
     "InnerFactory",
     "MixedPrecisionOptimizer",
     "ParamNameFn",

@@ -45,6 +45,7 @@ from pgregistry.grad_buffer import (
     span_zero_counts,
 )
 from pgregistry.grad_stats import backend_device, clip_grads_, set_duplicate_filter_groups
+from pgregistry.optim.flat_step import ElementwiseRule, FlatStep
 from pgregistry.optim.param_state import ParamState
 from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
 from pgregistry.params import is_expert_param
@@ -54,10 +55,24 @@ if TYPE_CHECKING:
 
     from pgregistry.grad_stats import StatsGroups
 
-__all__ = ["FlatOptimizer", "InnerFactory", "ParamNameFn", "backend_device", "combine_norms", "required_group"]
+__all__ = [
+    "FlatOptimizer",
+    "Inner",
+    "InnerFactory",
+    "ParamNameFn",
+    "backend_device",
+    "combine_norms",
+    "required_group",
+]
 
 InnerFactory: TypeAlias = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-"""Builds the inner update rule over the tensors to step, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``."""
+"""Builds the inner update rule over the tensors to step, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
+An :class:`~pgregistry.optim.flat_step.ElementwiseRule` (what ``inner_factory`` returns) steps the flat main
+buffer as one tensor; any other factory gets one tensor per main param."""
+
+Inner: TypeAlias = "torch.optim.Optimizer | FlatStep"
+"""What steps the main params: a :class:`~pgregistry.optim.flat_step.FlatStep` over the flat main buffer, or the
+factory's optimizer over the per-parameter main params."""
 
 ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
 """Names a model parameter (state-dict keys, error messages), e.g. a global, expert-aware name."""
@@ -105,7 +120,7 @@ class FlatOptimizer(abc.ABC):
         )
         set_duplicate_filter_groups(self, pg_collection)  # type: ignore[arg-type]
         self.buffer: GradBuffer
-        self.inner: torch.optim.Optimizer | None = None
+        self.inner: Inner | None = None
         self._stat_spans: tuple[Span, ...] = ()
         self._reduce_keys: tuple[GroupKey, ...] = ()
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -150,8 +165,26 @@ class FlatOptimizer(abc.ABC):
         """Where the buffer lives: the parameters' device; with no parameters, the one the backend reduces on."""
         return self.params[0].device if self.params else backend_device(None)
 
-    def _make_inner(self, factory: InnerFactory, tensors: list[torch.Tensor]) -> None:
-        self.inner = factory(tensors) if tensors else None
+    def _make_inner(
+        self, factory: InnerFactory, flat: torch.Tensor, mains: Sequence[torch.Tensor], starts: Sequence[int]
+    ) -> None:
+        """``mains`` (views of ``flat`` at ``starts``; ``flat.grad`` is their grads' flat span) are stepped as one
+        tensor with an elementwise rule, one by one otherwise; ``None`` when there are none."""
+        if not mains:
+            self.inner = None
+        elif isinstance(factory, ElementwiseRule):
+            self.inner = FlatStep(factory, flat, mains, starts)
+        else:
+            self.inner = factory(list(mains))
+
+    def _inner_tensors(self) -> list[torch.Tensor]:
+        """The tensors :attr:`inner`'s state dict numbers, in its order: a flat step's main params, else the
+        tensors of the inner optimizer's param groups."""
+        if self.inner is None:
+            return []
+        if isinstance(self.inner, FlatStep):
+            return list(self.inner.mains)
+        return [tensor for group in self.inner.param_groups for tensor in group["params"]]
 
     # ------------------------------------------------------------------------------------------- statistics
 

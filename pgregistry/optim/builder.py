@@ -9,7 +9,6 @@ through :class:`~pgregistry.grad_stats.StatsGroups` (dense and expert TP groups 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -21,6 +20,7 @@ from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats import StatsGroups, backend_device
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim.chained import ChainedOptimizer
+from pgregistry.optim.flat_step import ElementwiseRule
 from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
 from pgregistry.optim.setup import setup_process_groups_for_optimizer
 from pgregistry.optim.sharded import ShardedOptimizer
@@ -44,13 +44,15 @@ def inner_factory(
     eps: float = 1e-8,
     momentum: float = 0.0,
 ) -> InnerFactory:
-    """The torch.optim update rule named ``optimizer``, as a factory over the tensors to step."""
+    """The torch.optim update rule named ``optimizer``, as a factory over the tensors to step: an
+    :class:`~pgregistry.optim.flat_step.ElementwiseRule`, so the optimizers step their flat main buffer as one
+    tensor (fused on CUDA)."""
     if optimizer == "adam":
-        return functools.partial(torch.optim.Adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return ElementwiseRule(torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
     if optimizer == "adamw":
-        return functools.partial(torch.optim.AdamW, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return ElementwiseRule(torch.optim.AdamW, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
     if optimizer == "sgd":
-        return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return ElementwiseRule(torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
     raise ValueError(f"unknown optimizer {optimizer!r}; use 'adam', 'adamw', 'sgd' or pass a factory")
 
 

@@ -5,13 +5,20 @@ Each bf16/fp16 parameter gets a float32 main copy made with :func:`pgregistry.pa
 main copy without ``allreduce=False``, which turned every expert into a dense parameter counted on dense-TP rank 0
 only. Parameters already in the main dtype are their own main copy. With ``main_dtype=None`` there are no copies:
 the optimizer steps the model parameters in their own dtype (plain full- or low-precision training).
+
+Every main param is a view of one flat tensor laid out like the grad buffer
+(:attr:`MixedPrecisionOptimizer.main_data`; parameters in the main dtype get their data moved there), so an
+elementwise rule steps it as one tensor (:mod:`pgregistry.optim.flat_step`), and the lower-precision parameters'
+data is packed per dtype in the same order, so the rounded copy back is one copy per run of consecutive parameters
+of one dtype, not one per parameter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from pgregistry.collection import ProcessGroupCollection
@@ -30,7 +37,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     Args:
         params: the model parameters, all dense or all routed experts (``expert``).
         pg_collection: the model's collection (``None``: the global grid, with fallback warnings).
-        inner: the update rule over the main params, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
+        inner: the update rule over the main params: an :class:`~pgregistry.optim.flat_step.ElementwiseRule`
+            (``inner_factory("adam", lr=1e-3)``) steps them as one flat tensor; any other factory, e.g.
+            ``functools.partial(torch.optim.Adam, lr=1e-3)``, gets the per-parameter main params.
         expert: whether ``params`` are routed-expert parameters (grads summed over ``expt_dp``, counted with the
             expert TP group, statistics over ``tp_ep_pp``) or dense ones (``dp_cp``, TP group, ``mp``); both
             are divided by the ``dp_cp`` size (see :mod:`pgregistry.optim.base`).
@@ -72,21 +81,32 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 "give each dtype its own optimizer or set main_dtype"
             )
         buffer_dtype = main_dtype or next(iter(dtypes), torch.float32)
+        device = self._device()
+        # Main copies exist before their storage: the buffer classifies them (their roles are what the optimizer
+        # counts) and lays them out; each then becomes its view of the flat main buffer.
         self.main_params: list[torch.Tensor] = [
-            p if p.dtype == buffer_dtype else copy_param_roles(p, torch.nn.Parameter(p.detach().to(buffer_dtype)))
+            p if p.dtype == buffer_dtype else copy_param_roles(p, torch.nn.Parameter(_placeholder(p, buffer_dtype)))
             for p in self.params
         ]
-        """What ``inner`` steps: the float32 copy of each lower-precision parameter, else the parameter."""
-        self._copies = [(p, m) for p, m in zip(self.params, self.main_params, strict=True) if m is not p]
-        # The main copies decide the layout and the statistics: their roles are what the optimizer counts.
-        self.buffer = GradBuffer(self.main_params, self.stats_groups, dtype=buffer_dtype, device=self._device())
+        """What ``inner`` steps: the float32 copy of each lower-precision parameter, else the parameter; each a
+        view of :attr:`main_data`."""
+        self.buffer = GradBuffer(self.main_params, self.stats_groups, dtype=buffer_dtype, device=device)
+        self.main_data = torch.nn.Parameter(torch.zeros_like(self.buffer.data))
+        """Every main param, laid out like the grad buffer (whose data is its ``.grad``)."""
+        self.main_data.grad = self.buffer.data
+        with torch.no_grad():
+            for param, main, offset in zip(self.params, self.main_params, self.buffer.offsets, strict=True):
+                view = self.main_data.detach()[offset : offset + param.numel()].view(param.shape)
+                view.copy_(param)
+                main.data = view
+        self._runs = _pack_low_precision(self.params, self.main_params, self.buffer.offsets, self.main_data)
         for param, main, view in zip(self.params, self.main_params, self.buffer.views, strict=True):
             if main is not param:
                 main.grad = view
         self._attach_grads(self.params, self.buffer.views)
         groups = self.stats_groups
         self._set_stats(self.buffer.spans, groups.expert_reduce if expert else groups.dense_reduce)
-        self._make_inner(inner, self.main_params)
+        self._make_inner(inner, self.main_data, self.main_params, self.buffer.offsets)
 
     def sync_grads(self) -> None:
         """Divide the grads by :attr:`grad_divisor` and all-reduce them over :attr:`grad_sync_group`, one
@@ -104,22 +124,25 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._copy_main_to_model()
 
     def _copy_main_to_model(self) -> None:
-        if self._copies:
-            models, mains = zip(*self._copies, strict=True)
-            torch._foreach_copy_(list(models), list(mains))
+        if self._runs:
+            torch._foreach_copy_([run.model for run in self._runs], [run.main for run in self._runs])
+
+    def _copied(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, main copy) of each lower-precision parameter, in parameter order."""
+        return [(p, m) for p, m in zip(self.params, self.main_params, strict=True) if m is not p]
 
     def state_dict(self) -> dict[str, Any]:
         """``{"inner": inner state dict (or None), "main_params": {name: main copy}}`` (references, not copies)."""
         return {
             "inner": self.inner.state_dict() if self.inner is not None else None,
-            "main_params": {self.param_name(p): m.detach() for p, m in self._copies},
+            "main_params": {self.param_name(p): m.detach() for p, m in self._copied()},
         }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output and copy the restored main params into the model."""
         saved = state_dict["main_params"]
-        names = {self.param_name(p): m for p, m in self._copies}
+        names = {self.param_name(p): m for p, m in self._copied()}
         if set(saved) != set(names):
             missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
             raise ValueError(f"main params do not match: missing {missing}, unexpected {unexpected}")
@@ -145,10 +168,60 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     @torch.no_grad()
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Restore :meth:`param_state` output; a main copy without a saved ``main_param`` is its parameter's value."""
-        for param, main in self._copies:
+        for param, main in self._copied():
             main.copy_(state.get(param, {}).get(MAIN_PARAM, param))
         if self.inner is not None:
-            keys = [tensor for group in self.inner.param_groups for tensor in group["params"]]
             model_param = dict(zip(self.main_params, self.params, strict=True))
-            load_inner_state(self.inner, keys, state, rename=model_param)
+            load_inner_state(self.inner, self._inner_tensors(), state, rename=model_param)
         self._copy_main_to_model()
+
+
+def _placeholder(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``param``'s shape and device that holds no memory (one element, expanded)."""
+    return torch.empty((), dtype=dtype, device=param.device).expand(param.shape)
+
+
+@attrs.frozen(slots=True, eq=False)
+class _Run:
+    """Consecutive lower-precision parameters of one dtype and device: ``model`` (their data, packed) receives
+    ``main`` (their main copies in the flat main buffer, padding between them included) in one copy."""
+
+    model: torch.Tensor
+    main: torch.Tensor
+
+
+def _pack_low_precision(
+    params: Sequence[torch.Tensor], mains: Sequence[torch.Tensor], offsets: Sequence[int], main_data: torch.Tensor
+) -> list[_Run]:
+    """Move the data of every parameter that has a main copy into one flat tensor per (dtype, device), in the
+    order of the main buffer, so that the copy back is one copy per run of consecutive parameters of one kind
+    (one per dtype for a model of bf16 parameters) instead of one per parameter."""
+    runs: list[tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]] = []
+    open_run = False
+    for offset, param, main in sorted(zip(offsets, params, mains, strict=True), key=lambda entry: entry[0]):
+        if main is param:
+            open_run = False
+            continue
+        key = (param.dtype, param.device)
+        if open_run and runs[-1][0] == key:
+            runs[-1] = (key, runs[-1][1], offset + param.numel(), runs[-1][3])
+        else:
+            runs.append((key, offset, offset + param.numel(), []))
+        runs[-1][3].append((param, offset))
+        open_run = True
+    lengths: dict[tuple[torch.dtype, torch.device], int] = {}
+    for key, start, stop, _ in runs:
+        lengths[key] = lengths.get(key, 0) + stop - start
+    packed = {key: torch.zeros(length, dtype=key[0], device=key[1]) for key, length in lengths.items()}
+    cursor = dict.fromkeys(lengths, 0)
+    out = []
+    with torch.no_grad():
+        for key, start, stop, members in runs:
+            model = packed[key][cursor[key] : cursor[key] + stop - start]
+            cursor[key] += stop - start
+            for param, offset in members:
+                view = model[offset - start : offset - start + param.numel()].view(param.shape)
+                view.copy_(param)
+                param.data = view
+            out.append(_Run(model=model, main=main_data.detach()[start:stop]))
+    return out

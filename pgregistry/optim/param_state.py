@@ -57,8 +57,17 @@ class TorchOptimizerState:
         load_inner_state(self.optimizer, self._params(), state)
 
 
+class StateDictOptimizer(Protocol):
+    """What :func:`load_inner_state` needs: a ``torch.optim.Optimizer``, or a pgregistry flat step
+    (:class:`~pgregistry.optim.flat_step.FlatStep`), whose state dict numbers the main params alike."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 def load_inner_state(
-    optimizer: torch.optim.Optimizer,
+    optimizer: StateDictOptimizer,
     keys: list[torch.Tensor],
     state: Mapping[torch.Tensor, Mapping[str, Any]],
     *,

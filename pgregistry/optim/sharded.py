@@ -4,7 +4,9 @@ Like Megatron-Core's distributed optimizer. The model parameters and their grads
 the same layout, padded to equal shards over the sharding group (``dp_cp`` for dense parameters, ``expt_dp`` for
 experts; one optimizer instance). A step is: reduce-scatter the grads (one collective, divided by the ``dp_cp`` size
 as in :mod:`pgregistry.optim.base`; each rank keeps its shard), step float32 main copies of the shard's pieces,
-write them into the parameter buffer, all-gather it (one collective).
+write them into the parameter buffer, all-gather it (one collective). The main copies are views of one flat
+float32 tensor, the shard's (:attr:`ShardedOptimizer.main_shard`): with an elementwise rule the step is one
+update over it (:mod:`pgregistry.optim.flat_step`) and the write-back one copy.
 
 Statistics: shards are disjoint across the sharding group and the duplicate filters drop TP/GTP duplicates, so the
 norm and zero count are summed over the whole instance (``intra_dist_opt``). The pieces are classified by their
@@ -108,20 +110,26 @@ class ShardedOptimizer(FlatOptimizer):
                 param.data = view
         self.shard = self.buffer.shard_range(self.shard_group)
         """``[start, stop)`` of this rank's shard in both buffers."""
-        self._pieces = self._make_pieces(main_dtype)
+        start, stop = self.shard
+        self.main_shard = torch.nn.Parameter(self.param_data[start:stop].to(main_dtype, copy=True))
+        """The main copy of this rank's shard of :attr:`param_data` (its ``.grad``: the shard of the grads)."""
+        self.main_shard.grad = self.buffer.data[start:stop]
+        self._pieces = self._make_pieces()
         entries = [(piece.main, piece.start, piece.stop) for piece in self._pieces]
         self._set_stats(class_spans(entries, self.stats_groups, reduce_over=norm_group), norm_group)
-        self._make_inner(inner, [piece.main for piece in self._pieces])
+        mains = [piece.main for piece in self._pieces]
+        self._make_inner(inner, self.main_shard, mains, [piece.start - start for piece in self._pieces])
 
-    def _make_pieces(self, main_dtype: torch.dtype) -> list[_Piece]:
+    def _make_pieces(self) -> list[_Piece]:
+        """Each parameter's part of the shard, with its main copy: a view of :attr:`main_shard` carrying the
+        parameter's roles."""
         start, stop = self.shard
         pieces = []
         for param, offset in zip(self.params, self.buffer.offsets, strict=True):
             lo, hi = max(offset, start), min(offset + param.numel(), stop)
             if lo >= hi:
                 continue
-            main = torch.nn.Parameter(self.param_data[lo:hi].to(main_dtype, copy=True))
-            copy_param_roles(param, main)
+            main = copy_param_roles(param, torch.nn.Parameter(self.main_shard.detach()[lo - start : hi - start]))
             main.grad = self.buffer.data[lo:hi]
             pieces.append(_Piece(param=param, main=main, start=lo, stop=hi, offset=lo - offset))
         return sorted(pieces, key=lambda piece: piece.start)
@@ -144,11 +152,10 @@ class ShardedOptimizer(FlatOptimizer):
         self._publish()
 
     def _publish(self) -> None:
-        if self._pieces:
-            targets = [self.param_data[piece.start : piece.stop] for piece in self._pieces]
-            torch._foreach_copy_(targets, [piece.main for piece in self._pieces])
+        start, stop = self.shard
+        if self._pieces:  # one copy: the shard's padding is zero in both buffers
+            self.param_data[start:stop].copy_(self.main_shard.detach())
         if group_size(self.shard_group) > 1 and self.buffer.numel:
-            start, stop = self.shard
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             all_gather(self.param_data, self.param_data[start:stop], group=self.shard_group)
 
