@@ -25,9 +25,7 @@ main grads of a mixed-precision optimizer). Exits 1 if the three paths disagree.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,54 +36,12 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.common import GiB, MiB, describe_device, fill_, measure, tensor_sizes  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_buffer import GradBuffer  # noqa: E402
 from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def tensor_sizes(count: int, numel: int, seed: int = 0) -> list[int]:
-    """``count`` sizes summing to ``numel``, spread over two orders of magnitude like a model's parameters."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.exp(torch.rand(count, generator=gen, dtype=torch.float64) * 4.6)  # 1x .. 100x
-    sizes = (weights / weights.sum() * numel).floor().to(torch.int64).clamp(min=1)
-    sizes[0] += numel - int(sizes.sum())
-    return [int(s) for s in sizes]
-
-
-def fill_(tensors: list[torch.Tensor], seed: int) -> None:
-    """Normal values with about 30% exact zeros, the same for the same sizes and seed on any device."""
-    gen = torch.Generator(device=tensors[0].device).manual_seed(seed)
-    for t in tensors:
-        t.normal_(generator=gen)
-        t.masked_fill_(torch.rand(t.shape, generator=gen, device=t.device) < 0.3, 0.0)
-
-
-def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int) -> tuple[float, float | None]:
-    """Median milliseconds of ``fn`` and, on CUDA, the peak MiB it allocated beyond what was live before."""
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times), None
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    peak = (torch.cuda.max_memory_allocated(device) - before) / MiB
-    return statistics.median(s.elapsed_time(e) for s, e in events), peak
 
 
 def run_count(count: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -212,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.tensors.split(",")]
     if not counts or min(counts) < 1 or args.bytes < 1 or args.repeat < 1 or args.warmup < 0:
         parser.error("tensor counts, --bytes and --repeat must be positive, --warmup not negative")
-    print(f"grad statistics: torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
-             f" ({torch.get_num_threads()} threads)")
+    print(f"grad statistics: torch {torch.__version__}, device {describe_device(device)}"
           + f", {args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
     runs = []
     problems: list[str] = []

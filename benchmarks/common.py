@@ -1,0 +1,68 @@
+"""What the benchmarks share: model-like tensor sizes, reproducible grads with zeros, and the timer.
+
+Timing: median milliseconds of ``repeat`` runs after ``warmup``; on CUDA each run is bracketed by CUDA events
+(no host sync inside the timed region) and the peak memory allocated beyond what was live before is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["GiB", "MiB", "describe_device", "fill_", "measure", "tensor_sizes"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def tensor_sizes(count: int, numel: int, seed: int = 0) -> list[int]:
+    """``count`` sizes summing to ``numel``, spread over two orders of magnitude like a model's parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(torch.rand(count, generator=gen, dtype=torch.float64) * 4.6)  # 1x .. 100x
+    sizes = (weights / weights.sum() * numel).floor().to(torch.int64).clamp(min=1)
+    sizes[0] += numel - int(sizes.sum())
+    return [int(s) for s in sizes]
+
+
+def fill_(tensors: list[torch.Tensor], seed: int, zeros: float = 0.3) -> None:
+    """Normal values with about ``zeros`` exact zeros, the same for the same sizes and seed on any device."""
+    gen = torch.Generator(device=tensors[0].device).manual_seed(seed)
+    for t in tensors:
+        t.normal_(generator=gen)
+        if zeros:
+            t.masked_fill_(torch.rand(t.shape, generator=gen, device=t.device) < zeros, 0.0)
+
+
+def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int) -> tuple[float, float | None]:
+    """Median milliseconds of ``fn`` and, on CUDA, the peak MiB it allocated beyond what was live before."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times), None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    peak = (torch.cuda.max_memory_allocated(device) - before) / MiB
+    return statistics.median(s.elapsed_time(e) for s, e in events), peak
+
+
+def describe_device(device: torch.device) -> str:
+    """``cuda (NVIDIA H200)`` or ``cpu (2 threads)``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"{device} ({torch.get_num_threads()} threads)"
