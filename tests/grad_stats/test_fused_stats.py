@@ -1,0 +1,139 @@
+"""The one-read statistics kernels (:mod:`pgregistry.fused_stats`), run by triton's interpreter on CPU: the sum
+of squares equals the float64 oracle, the zero count is exact, over one span and over a table of tensors.
+
+Skipped where triton is not installed (it ships with torch's CUDA wheels; ``pip install triton`` on a CPU machine
+brings the interpreter). On a GPU, ``scripts/gpu_check.py`` and ``benchmarks/grad_stats.py`` run the compiled
+kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pgregistry import fused_stats
+from pgregistry.testing import run_world
+
+SMALL = {"block": 64, "iters": 4}
+"""Programs of 256 elements: many programs and partial last blocks on small tensors."""
+
+
+def _grads(dtype: torch.dtype, sizes: list[int]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    grads = []
+    for size in sizes:
+        grad = torch.randn(size, generator=gen)
+        grad[torch.rand(size, generator=gen) < 0.3] = 0.0
+        if size > 2:
+            grad[1] = -0.0  # a zero too
+        grads.append(grad.to(dtype))
+    return grads
+
+
+def _stats(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int, torch.dtype, torch.dtype]:
+    squares, zeros = result
+    return float(squares), int(zeros), squares.dtype, zeros.dtype
+
+
+def _errors(calls: list[tuple[str, Callable[[], Any]]]) -> dict[str, str]:
+    out = {}
+    for name, call in calls:
+        try:
+            call()
+        except ValueError as error:
+            out[name] = str(error)
+    return out
+
+
+def _in_interpreter() -> dict[str, Any]:
+    """Every kernel call of these tests, in a forked process that imports triton afresh with its interpreter on
+    (the mode is read when triton's own kernels are decorated, so a triton imported before cannot switch)."""
+    for name in [name for name in sys.modules if name.split(".")[0] == "triton"]:
+        del sys.modules[name]
+    sys.modules.pop("pgregistry._triton_kernels", None)
+    fused_stats._kernels.cache_clear()
+    data = {dtype: _grads(dtype, [5000])[0] for dtype in DTYPES}
+    spans = {
+        (str(dtype), index): _stats(fused_stats.span_squares_and_zeros(view, **SMALL))
+        for dtype, whole in data.items()
+        for index, view in enumerate(_span_views(whole))
+    }
+    tables = {str(dtype): _stats(fused_stats.squares_and_zeros(_table(dtype), **SMALL)) for dtype in DTYPES}
+    special = {
+        "nan": _stats(fused_stats.span_squares_and_zeros(torch.tensor([0.0, float("nan"), 1.0, 0.0]), **SMALL)),
+        "inf": _stats(fused_stats.squares_and_zeros([torch.tensor([float("inf"), 0.0])], **SMALL)),
+    }
+    errors = _errors([
+        ("dtypes", lambda: fused_stats.squares_and_zeros([torch.ones(3), torch.ones(3, dtype=torch.bfloat16)])),
+        ("layout", lambda: fused_stats.squares_and_zeros([torch.ones(4), torch.ones(4, 4).t()])),
+        ("float64", lambda: fused_stats.span_squares_and_zeros(torch.ones(4, dtype=torch.float64))),
+    ])
+    return {"spans": spans, "tables": tables, "special": special, "errors": errors}
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _span_views(whole: torch.Tensor) -> list[torch.Tensor]:
+    return [whole, whole[7:4103], whole[:1], whole[:0]]  # offsets and lengths off the block grid, empty
+
+
+def _table(dtype: torch.dtype) -> list[torch.Tensor]:
+    grads = _grads(dtype, [1, 3, 255, 256, 257, 1000, 2])
+    grads.append(_grads(dtype, [600])[0][100:400])  # a view: read from its own address
+    return grads
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install triton brings its CPU interpreter)")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        return run_world(1, _in_interpreter, timeout=120.0)[0]
+
+
+def _oracle(grads: list[torch.Tensor]) -> tuple[float, int]:
+    squares = sum(float(g.double().pow(2).sum()) for g in grads)
+    return squares, sum(int((g == 0).sum()) for g in grads)
+
+
+def _check(got: tuple[float, int, torch.dtype, torch.dtype], grads: list[torch.Tensor]) -> None:
+    want_squares, want_zeros = _oracle(grads)
+    assert got[2:] == (torch.float64, torch.int64)
+    assert got[0] == pytest.approx(want_squares, rel=1e-6, abs=0.0)
+    assert got[1] == want_zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_span_equals_the_oracle(interpreted: dict[str, Any], dtype: torch.dtype) -> None:
+    for index, view in enumerate(_span_views(_grads(dtype, [5000])[0])):
+        _check(interpreted["spans"][(str(dtype), index)], [view])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_table_of_tensors_equals_the_oracle(interpreted: dict[str, Any], dtype: torch.dtype) -> None:
+    _check(interpreted["tables"][str(dtype)], _table(dtype))
+
+
+def test_nan_and_inf_propagate_and_nan_is_not_a_zero(interpreted: dict[str, Any]) -> None:
+    squares, zeros, _, _ = interpreted["special"]["nan"]
+    assert math.isnan(squares) and zeros == 2
+    assert math.isinf(interpreted["special"]["inf"][0])
+
+
+def test_refuses_tensors_it_cannot_read(interpreted: dict[str, Any]) -> None:
+    errors = interpreted["errors"]
+    assert "tensor 1 (torch.bfloat16" in errors["dtypes"]
+    assert "contiguous=False" in errors["layout"]
+    assert "torch.float64" in errors["float64"]
+
+
+def test_not_available_off_cuda() -> None:
+    assert not fused_stats.fused_stats_available(torch.device("cpu"))
