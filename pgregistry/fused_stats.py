@@ -1,13 +1,13 @@
 """One-read grad statistics on CUDA: the sum of squares (2-norm) and the zero count of contiguous grads in one
 pass, over one flat span or over any number of separate tensors in one launch.
 
-torch reads a tensor once per statistic, and its multi-tensor ops are bound by per-tensor host work: measured on
-an H200, ``_foreach_norm`` over 20,000 tensors (2 GiB) takes 52 ms, and a zero count has no multi-tensor route at
-all (``_foreach_norm(ord=0)`` launches a kernel per tensor: 300 ms). The Triton kernels of
-:mod:`pgregistry._triton_kernels` (one kernel) read every element once and write per-block partials (float32 sums of at most a
-block of squares, int32 zero counts), which are summed here in float64 and int64: the 2-norm is at least as
-precise as ``vector_norm``'s, the count exact. Separate tensors are read through a table of their addresses and
-sizes built on the host (pinned, copied without a host sync), one launch per (device, dtype).
+torch reads a tensor once per statistic, and its multi-tensor ops are bound by per-tensor host work: on an H200
+(docs/measurements/grad_stats_h200.txt) the list path's norm (``_foreach_norm``) over 20,000 tensors holding 2 GiB
+took 52 ms and its zero count 303 ms (``_foreach_norm(ord=0)`` has no multi-tensor kernel: one launch per tensor).
+The Triton kernel of :mod:`pgregistry._triton_kernels` reads every element once and writes per-block partials
+(float32 sums of ``BLOCK * ITERS`` squares at most, int32 zero counts), summed here in float64 and int64: the
+count is exact. Separate tensors are read through a table of their addresses and sizes built on the host (pinned,
+copied without a host sync), one launch per (device, dtype).
 
 Optional by design: triton (shipped with torch's CUDA wheels) is imported inside a function, and
 :func:`fused_stats_available` is False off CUDA or without it; callers then keep their torch path (the CPU path is

@@ -27,6 +27,11 @@ a handful of span views, whatever the parameter count:
 
 :func:`span_norms` and :func:`span_zero_counts` also accept arbitrary spans over :attr:`GradBuffer.data`, which is
 how a sharded optimizer reduces only its shard (see :func:`class_spans`).
+
+Both statistics at once (:func:`span_statistics`, :meth:`GradBuffer.norm_and_zeros`) read each span once on CUDA
+for the 2-norm of float32/bf16/fp16 grads: one Triton kernel computes the sum of squares and the zero count
+(:mod:`pgregistry.fused_stats`), half the bytes of the two reductions. Elsewhere, and without triton, they are
+the two reductions above.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
+from pgregistry.fused_stats import fused_stats_available, readable, span_squares_and_zeros
 from pgregistry.grad_stats import is_counted, norm_of_grads, reduce_group_of, reduce_over_groups
 
 if TYPE_CHECKING:
@@ -62,6 +68,7 @@ __all__ = [
     "reduce_zero_counts",
     "reduce_scatter_grads_",
     "span_norms",
+    "span_statistics",
     "span_zero_counts",
 ]
 
@@ -215,6 +222,12 @@ class GradBuffer:
         """The number of zero elements among the counted grads, reduced over each span's group (0-dim int64)."""
         return reduce_zero_counts(self.local_zero_counts(), device=self.data.device)
 
+    def norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`grad_norm` and :meth:`count_zeros` together, reading the buffer once where
+        :func:`span_statistics` can."""
+        terms, counts = span_statistics(self.data, self.spans, norm_type)
+        return reduce_norm_terms(terms, norm_type), reduce_zero_counts(counts, device=self.data.device)
+
 
 def span_norms(
     data: torch.Tensor, spans: Iterable[Span], norm_type: float = 2.0
@@ -294,6 +307,31 @@ def count_nonzero_by_rows(view: torch.Tensor, row: int) -> torch.Tensor:
     if bulk < view.numel():
         total = total + torch.linalg.vector_norm(view[bulk:], 0, dtype=acc)
     return total.to(torch.int64)
+
+
+def span_statistics(
+    data: torch.Tensor, spans: Iterable[Span], norm_type: float = 2.0, *, one_read: bool | None = None
+) -> tuple[dict[GroupKey, list[torch.Tensor]], dict[GroupKey, list[torch.Tensor]]]:
+    """:func:`span_norms` and :func:`span_zero_counts` of the counted spans of ``data``, both at once.
+
+    ``one_read`` (default: where it applies, i.e. the 2-norm of float32/bf16/fp16 ``data`` on CUDA with triton
+    importable) reads each span once with :func:`pgregistry.fused_stats.span_squares_and_zeros`; otherwise the two
+    reductions run. The norms are float32 as :func:`span_norms`'s, the counts int64.
+    """
+    if one_read is None:
+        one_read = norm_type == 2.0 and readable(data) and fused_stats_available(data.device)
+    if not one_read:
+        return span_norms(data, spans, norm_type), span_zero_counts(data, spans)
+    if norm_type != 2.0:
+        raise ValueError(f"one read computes the 2-norm only, not the {norm_type}-norm")
+    terms: dict[GroupKey, list[torch.Tensor]] = {}
+    counts: dict[GroupKey, list[torch.Tensor]] = {}
+    for span in spans:
+        if span.counted:
+            squares, zeros = span_squares_and_zeros(data[span.start : span.stop])
+            terms.setdefault(span.group, []).append(squares.sqrt().to(torch.float32).reshape(1))
+            counts.setdefault(span.group, []).append(zeros.reshape(1))
+    return terms, counts
 
 
 def reduce_norm_terms(terms: Mapping[GroupKey, Sequence[torch.Tensor]], norm_type: float = 2.0) -> torch.Tensor:

@@ -42,6 +42,7 @@ from pgregistry.grad_buffer import (
     reduce_norm_terms,
     reduce_zero_counts,
     span_norms,
+    span_statistics,
     span_zero_counts,
 )
 from pgregistry.grad_stats import backend_device, clip_grads_, set_duplicate_filter_groups
@@ -202,15 +203,24 @@ class FlatOptimizer(abc.ABC):
         """The groups this optimizer's statistics reduce over."""
         return self._reduce_keys
 
+    def _by_reduce_key(self, parts: dict[GroupKey, list[torch.Tensor]]) -> dict[GroupKey, list[torch.Tensor]]:
+        return {key: parts.get(key, []) for key in self._reduce_keys}
+
     def local_norm_terms(self, norm_type: float = 2.0) -> dict[GroupKey, list[torch.Tensor]]:
         """Reduction group -> this rank's per-span norms of its counted grads (every group a key, even empty)."""
-        terms = span_norms(self.buffer.data, self._stat_spans, norm_type)
-        return {key: terms.get(key, []) for key in self._reduce_keys}
+        return self._by_reduce_key(span_norms(self.buffer.data, self._stat_spans, norm_type))
 
     def local_zero_counts(self) -> dict[GroupKey, list[torch.Tensor]]:
         """Reduction group -> this rank's per-span zero counts of its counted grads (every group a key)."""
-        counts = span_zero_counts(self.buffer.data, self._stat_spans)
-        return {key: counts.get(key, []) for key in self._reduce_keys}
+        return self._by_reduce_key(span_zero_counts(self.buffer.data, self._stat_spans))
+
+    def local_statistics(
+        self, norm_type: float = 2.0
+    ) -> tuple[dict[GroupKey, list[torch.Tensor]], dict[GroupKey, list[torch.Tensor]]]:
+        """:meth:`local_norm_terms` and :meth:`local_zero_counts` at once, reading the grads once where
+        :func:`~pgregistry.grad_buffer.span_statistics` can."""
+        terms, counts = span_statistics(self.buffer.data, self._stat_spans, norm_type)
+        return self._by_reduce_key(terms), self._by_reduce_key(counts)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global grad norm of the model this optimizer covers (0-dim float32, no host sync)."""
@@ -219,6 +229,11 @@ class FlatOptimizer(abc.ABC):
     def count_zeros(self) -> torch.Tensor:
         """The global number of zero grad elements, each distinct element counted once (0-dim int64)."""
         return reduce_zero_counts(self.local_zero_counts(), device=self.buffer.data.device)
+
+    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA, 2-norm)."""
+        terms, counts = self.local_statistics(norm_type)
+        return reduce_norm_terms(terms, norm_type), reduce_zero_counts(counts, device=self.buffer.data.device)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
         """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates included."""

@@ -67,6 +67,17 @@ class ChainedOptimizer:
             return reduce_zero_counts(counts, device=self.chained_optimizers[0].buffer.data.device)
         return torch.stack([child.count_zeros() for child in self.chained_optimizers]).sum()
 
+    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together, each child reading its grads once (on CUDA, for
+        the 2-norm)."""
+        if self.shares_stats_group():
+            parts = [child.local_statistics(norm_type) for child in self.chained_optimizers]
+            terms, counts = self._merged([t for t, _ in parts]), self._merged([c for _, c in parts])
+            device = self.chained_optimizers[0].buffer.data.device
+            return reduce_norm_terms(terms, norm_type), reduce_zero_counts(counts, device=device)
+        stats = [child.get_grad_norm_and_zeros(norm_type) for child in self.chained_optimizers]
+        return combine_norms([n for n, _ in stats], norm_type), torch.stack([z for _, z in stats]).sum()
+
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every child's grads by ``max_norm / (norm + 1e-6)`` when below 1; return the total norm."""
         total = self.get_grad_norm(norm_type)

@@ -68,6 +68,10 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
         res["norm2"], res["norm2_calls"] = _collectives(calls, opt.get_grad_norm)
         res["zeros"], res["zeros_calls"] = _collectives(calls, opt.count_zeros)
         res["norm_inf"] = float(opt.get_grad_norm(math.inf))
+        both = opt.get_grad_norm_and_zeros()
+        res["both"] = (float(both[0]), int(both[1]))
+        both_inf = opt.get_grad_norm_and_zeros(math.inf)
+        res["both_inf"] = (float(both_inf[0]), int(both_inf[1]))
         res["children_combined"] = float(combine_norms([c.get_grad_norm() for c in opt.chained_optimizers], 2.0))
         res["distinct_groups"] = sum(
             1 for g in opt.stats_reduce_groups() if g is not None and g.size() > 1
@@ -104,6 +108,8 @@ def test_chained_statistics_match_the_unsharded_oracle(name: str) -> None:
             assert res["norm2"] == pytest.approx(want_norm, rel=1e-6), where
             assert res["norm_inf"] == pytest.approx(want_inf, rel=1e-6), where
             assert res["zeros"] == want_zeros, where
+            assert res["both"] == (pytest.approx(want_norm, rel=1e-6), want_zeros), where
+            assert res["both_inf"] == (pytest.approx(want_inf, rel=1e-6), want_zeros), where
             assert res["all_zeros"] == numel, where
             # Shared or separate statistics groups, the chained norm is the norm of the children's norms.
             assert res["children_combined"] == pytest.approx(res["norm2"], rel=1e-6), where
