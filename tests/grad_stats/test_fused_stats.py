@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pgregistry import fused_stats
+from pgregistry.grad_buffer import Span, span_norms, span_statistics, span_zero_counts
 from pgregistry.testing import run_world
 
 SMALL = {"block": 64, "iters": 4}
@@ -74,7 +75,11 @@ def _in_interpreter() -> dict[str, Any]:
         ("layout", lambda: fused_stats.squares_and_zeros([torch.ones(4), torch.ones(4, 4).t()])),
         ("float64", lambda: fused_stats.span_squares_and_zeros(torch.ones(4, dtype=torch.float64))),
     ])
-    return {"spans": spans, "tables": tables, "special": special, "errors": errors}
+    data = _grads(torch.float32, [4000])[0]
+    buffer_spans = (Span(None, True, 0, 1000), Span(None, False, 1024, 2000), Span(None, True, 2048, 3001))
+    one_read = span_statistics(data, buffer_spans, one_read=True)
+    two_reads = (span_norms(data, buffer_spans), span_zero_counts(data, buffer_spans))
+    return {"spans": spans, "tables": tables, "special": special, "errors": errors, "buffer": (one_read, two_reads)}
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -133,6 +138,15 @@ def test_refuses_tensors_it_cannot_read(interpreted: dict[str, Any]) -> None:
     assert "tensor 1 (torch.bfloat16" in errors["dtypes"]
     assert "contiguous=False" in errors["layout"]
     assert "torch.float64" in errors["float64"]
+
+
+def test_span_statistics_in_one_read_equal_the_two_reductions(interpreted: dict[str, Any]) -> None:
+    (terms, counts), (norms, zeros) = interpreted["buffer"]
+    assert set(terms) == set(norms) == {None} and len(terms[None]) == len(norms[None]) == 2
+    for got, want in zip(terms[None], norms[None], strict=True):
+        assert got.dtype == want.dtype == torch.float32
+        assert float(got) == pytest.approx(float(want), rel=1e-6)
+    assert [int(c) for c in counts[None]] == [int(z) for z in zeros[None]]
 
 
 def test_not_available_off_cuda() -> None:
