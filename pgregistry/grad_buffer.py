@@ -30,7 +30,7 @@ how a sharded optimizer reduces only its shard (see :func:`class_spans`).
 
 Both statistics at once (:func:`span_statistics`, :meth:`GradBuffer.norm_and_zeros`) read each span once on CUDA
 for the 2-norm of float32/bf16/fp16 grads: one Triton kernel computes the sum of squares and the zero count
-(:mod:`pgregistry.fused_stats`), half the bytes of the two reductions. Elsewhere, and without triton, they are
+(:mod:`pgregistry.grad_stats.fused`), half the bytes of the two reductions. Elsewhere, and without triton, they are
 the two reductions above.
 """
 
@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
-from pgregistry.fused_stats import fused_stats_available, readable, span_squares_and_zeros
 from pgregistry.grad_stats import is_counted, norm_of_grads, reduce_group_of, reduce_over_groups
+from pgregistry.grad_stats.fused import fused_stats_available, readable, span_squares_and_zeros
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -315,7 +315,7 @@ def span_statistics(
     """:func:`span_norms` and :func:`span_zero_counts` of the counted spans of ``data``, both at once.
 
     ``one_read`` (default: where it applies, i.e. the 2-norm of float32/bf16/fp16 ``data`` on CUDA with triton
-    importable) reads each span once with :func:`pgregistry.fused_stats.span_squares_and_zeros`; otherwise the two
+    importable) reads each span once with :func:`pgregistry.grad_stats.fused.span_squares_and_zeros`; otherwise the two
     reductions run. The norms are float32 as :func:`span_norms`'s, the counts int64.
     """
     if one_read is None:

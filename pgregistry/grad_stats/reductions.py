@@ -2,6 +2,10 @@
 
 The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave the result
 on the grads' device (no host sync), so optimizers can call them every step; see ``docs/design/grad_stats_api.md``.
+
+Local shares take one multi-tensor call per (device, dtype), never a launch per tensor from Python: on CUDA, with
+triton, contiguous float32/bf16/fp16 grads are read by one kernel over a table of their addresses
+(:mod:`pgregistry.grad_stats.fused`) for the 2-norm and the zero count; otherwise ``torch._foreach_norm``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from pgregistry.collection import group_size
 from pgregistry.grad_stats.devices import reduction_device
+from pgregistry.grad_stats.fused import one_read_applies, squares_and_zeros
 
 __all__ = ["CLIP_EPSILON", "GradsByGroup", "clip_grads_", "norm_of_grads", "reduce_over_groups", "zeros_of_grads"]
 
@@ -73,14 +78,31 @@ def reduce_over_groups(
 
 
 def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Zero elements in ``grads`` as a 0-dim int64 tensor: numel minus the L0 norms, one fused call per
-    (device, dtype) and no mask the size of the grads (``count_nonzero`` allocates one per tensor on CUDA).
-    The L0 norms accumulate in float64, exact up to 2**53 elements."""
-    numel = sum(grad.numel() for grad in grads)
-    nonzero = torch.zeros((), dtype=torch.float64, device=device)
-    for same_kind in _by_kind(grads).values():
-        nonzero += torch.stack(torch._foreach_norm(same_kind, 0, dtype=torch.float64)).sum().to(device)
-    return numel - nonzero.to(torch.int64)
+    """Zero elements in ``grads`` as a 0-dim int64 tensor, one fused call per (device, dtype) and no mask the size
+    of the grads (``count_nonzero`` allocates one per tensor on CUDA): the one-read kernel's exact count, else
+    numel minus the L0 norms, accumulated in float64 (exact up to 2**53 elements)."""
+    zeros = torch.zeros((), dtype=torch.int64, device=device)
+    for (kind_device, dtype), same_kind in _by_kind(grads).items():
+        read_once, rest = _one_read_split(kind_device, dtype, same_kind)
+        if read_once:
+            zeros += squares_and_zeros(read_once, grouped=True)[1].to(device)
+        if rest:
+            nonzero = torch.stack(torch._foreach_norm(rest, 0, dtype=torch.float64)).sum()
+            zeros += sum(grad.numel() for grad in rest) - nonzero.to(device=device, dtype=torch.int64)
+    return zeros
+
+
+def _one_read_split(
+    device: torch.device, dtype: torch.dtype, grads: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``grads`` (one device and dtype) split into those the one-read kernel reads and the rest."""
+    if not one_read_applies(device, dtype):
+        return [], grads
+    read_once: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for grad in grads:
+        (read_once if grad.is_contiguous() else rest).append(grad)
+    return read_once, rest
 
 
 def clip_grads_(
@@ -111,7 +133,13 @@ def _checked_norm_type(norm_type: float) -> float:
 def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
     """Sum of ``|g|^p`` (max of ``|g|`` for the inf-norm) over ``grads``, as a 0-dim float32 tensor."""
     share = torch.zeros((), dtype=torch.float32, device=device)
-    for (_, dtype), same_kind in _by_kind(grads).items():
+    for (kind_device, dtype), same_kind in _by_kind(grads).items():
+        if p == 2.0:
+            read_once, same_kind = _one_read_split(kind_device, dtype, same_kind)
+            if read_once:  # squares summed in float64 by the kernel's caller
+                share = share + squares_and_zeros(read_once, grouped=True)[0].to(device=device, dtype=torch.float32)
+            if not same_kind:
+                continue
         # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32 at least
         # (float64 grads stay float64 until their share is summed).
         accumulate = torch.promote_types(dtype, torch.float32)

@@ -1,4 +1,4 @@
-"""The one-read statistics kernels (:mod:`pgregistry.fused_stats`), run by triton's interpreter on CPU: the sum
+"""The one-read statistics kernels (:mod:`pgregistry.grad_stats.fused`), run by triton's interpreter on CPU: the sum
 of squares equals the float64 oracle, the zero count is exact, over one span and over a table of tensors.
 
 Skipped where triton is not installed (it ships with torch's CUDA wheels; ``pip install triton`` on a CPU machine
@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from pgregistry import fused_stats
 from pgregistry.grad_buffer import Span, span_norms, span_statistics, span_zero_counts
+from pgregistry.grad_stats import fused as fused_stats
+from pgregistry.grad_stats import norm_of_grads, reductions, zeros_of_grads
 from pgregistry.testing import run_world
 
 SMALL = {"block": 64, "iters": 4}
@@ -57,7 +58,7 @@ def _in_interpreter() -> dict[str, Any]:
     (the mode is read when triton's own kernels are decorated, so a triton imported before cannot switch)."""
     for name in [name for name in sys.modules if name.split(".")[0] == "triton"]:
         del sys.modules[name]
-    sys.modules.pop("pgregistry._triton_kernels", None)
+    sys.modules.pop("pgregistry.grad_stats._triton_kernels", None)
     fused_stats._kernels.cache_clear()
     data = {dtype: _grads(dtype, [5000])[0] for dtype in DTYPES}
     spans = {
@@ -79,7 +80,33 @@ def _in_interpreter() -> dict[str, Any]:
     buffer_spans = (Span(None, True, 0, 1000), Span(None, False, 1024, 2000), Span(None, True, 2048, 3001))
     one_read = span_statistics(data, buffer_spans, one_read=True)
     two_reads = (span_norms(data, buffer_spans), span_zero_counts(data, buffer_spans))
-    return {"spans": spans, "tables": tables, "special": special, "errors": errors, "buffer": (one_read, two_reads)}
+    # The list path with the kernel on (here, on CPU, through the interpreter): mixed dtypes, a float64 grad and a
+    # non-contiguous one take torch's route beside it.
+    reductions.one_read_applies = lambda device, dtype: dtype in DTYPES  # type: ignore[assignment]
+    read: list[int] = []
+    real = reductions.squares_and_zeros
+
+    def counting(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        read.append(len(tensors))
+        return real(tensors, **kwargs)
+
+    reductions.squares_and_zeros = counting  # type: ignore[assignment]
+    listed = _mixed_list()
+    list_path = (float(norm_of_grads({None: listed})), int(zeros_of_grads({None: listed})), read)
+    return {
+        "spans": spans,
+        "tables": tables,
+        "special": special,
+        "errors": errors,
+        "buffer": (one_read, two_reads),
+        "list": list_path,
+    }
+
+
+def _mixed_list() -> list[torch.Tensor]:
+    grads = [*_table(torch.float32), *_table(torch.bfloat16), *_grads(torch.float16, [300, 1])]
+    grads += [_grads(torch.float32, [400])[0].to(torch.float64), _grads(torch.float32, [900])[0].view(30, 30).t()]
+    return grads
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -147,6 +174,16 @@ def test_span_statistics_in_one_read_equal_the_two_reductions(interpreted: dict[
         assert got.dtype == want.dtype == torch.float32
         assert float(got) == pytest.approx(float(want), rel=1e-6)
     assert [int(c) for c in counts[None]] == [int(z) for z in zeros[None]]
+
+
+def test_the_list_path_reads_through_the_kernel_and_equals_the_oracle(interpreted: dict[str, Any]) -> None:
+    grads = _mixed_list()
+    squares, zeros = _oracle(grads)
+    assert interpreted["list"][0] == pytest.approx(math.sqrt(squares), rel=1e-6)
+    assert interpreted["list"][1] == zeros
+    # One launch per readable (device, dtype) for each statistic: float32 (with its non-contiguous grad left to
+    # torch), bf16 and fp16; the float64 grad is torch's.
+    assert sorted(interpreted["list"][2]) == sorted([len(_table(torch.float32)), len(_table(torch.bfloat16)), 2] * 2)
 
 
 def test_not_available_off_cuda() -> None:

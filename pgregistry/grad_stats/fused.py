@@ -4,7 +4,7 @@ pass, over one flat span or over any number of separate tensors in one launch.
 torch reads a tensor once per statistic, and its multi-tensor ops are bound by per-tensor host work: on an H200
 (docs/measurements/grad_stats_h200.txt) the list path's norm (``_foreach_norm``) over 20,000 tensors holding 2 GiB
 took 52 ms and its zero count 303 ms (``_foreach_norm(ord=0)`` has no multi-tensor kernel: one launch per tensor).
-The Triton kernel of :mod:`pgregistry._triton_kernels` reads every element once and writes per-block partials
+The Triton kernel of :mod:`pgregistry.grad_stats._triton_kernels` reads every element once and writes per-block partials
 (float32 sums of ``BLOCK * ITERS`` squares at most, int32 zero counts), summed here in float64 and int64: the
 count is exact. Separate tensors are read through a table of their addresses and sizes built on the host (pinned,
 copied without a host sync), one launch per (device, dtype).
@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCK", "ITERS", "fused_stats_available", "readable", "span_squares_and_zeros", "squares_and_zeros"]
+__all__ = [
+    "BLOCK",
+    "ITERS",
+    "fused_stats_available",
+    "one_read_applies",
+    "readable",
+    "span_squares_and_zeros",
+    "squares_and_zeros",
+]
 
 BLOCK = 1024
 """Elements one program loads per iteration (a vector of loads per thread)."""
@@ -38,7 +46,7 @@ ITERS = 16
 @functools.cache
 def _kernels() -> ModuleType | None:
     try:
-        import pgregistry._triton_kernels as kernels
+        import pgregistry.grad_stats._triton_kernels as kernels
     except ImportError:  # no triton: the callers' torch path
         return None
     return kernels
@@ -49,11 +57,21 @@ def fused_stats_available(device: torch.device) -> bool:
     return device.type == "cuda" and _kernels() is not None
 
 
-def readable(tensor: torch.Tensor) -> bool:
-    """Whether the kernels read ``tensor``: contiguous float32, bfloat16 or float16."""
+def _readable_dtype(dtype: torch.dtype) -> bool:
     import torch
 
-    return tensor.dtype in (torch.float32, torch.bfloat16, torch.float16) and tensor.is_contiguous()
+    return dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether the kernels read ``tensor``: contiguous float32, bfloat16 or float16."""
+    return _readable_dtype(tensor.dtype) and tensor.is_contiguous()
+
+
+def one_read_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether contiguous grads of ``dtype`` on ``device`` are read by the kernels (CUDA, triton, a dtype they
+    read)."""
+    return _readable_dtype(dtype) and fused_stats_available(device)
 
 
 def _loaded() -> ModuleType:
@@ -91,21 +109,31 @@ def span_squares_and_zeros(
 
 
 def squares_and_zeros(
-    tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int = ITERS
+    tensors: Sequence[torch.Tensor],
+    *,
+    grouped: bool = False,
+    block: int = BLOCK,
+    iters: int = ITERS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of squares (0-dim float64) and number of zeros (0-dim int64) over ``tensors`` (contiguous, one device
-    and dtype), in one read and one launch whatever their number."""
+    and dtype), in one read and one launch whatever their number.
+
+    ``grouped=True`` says the caller grouped ``tensors`` by (device, dtype) already (the reductions do), which
+    spares a check per tensor; contiguity is checked always (the kernel reads ``numel`` elements from each address).
+    """
     import torch
 
     kernels = _loaded()
     if not tensors:
         raise ValueError("squares_and_zeros needs at least one tensor")
     device, dtype = tensors[0].device, tensors[0].dtype
+    if not _readable_dtype(dtype):
+        raise ValueError(f"the one-read kernels read float32/bf16/fp16 tensors, not {dtype}")
     for index, tensor in enumerate(tensors):
-        if tensor.device != device or tensor.dtype != dtype or not readable(tensor):
+        if not tensor.is_contiguous() or not grouped and (tensor.device != device or tensor.dtype != dtype):
             raise ValueError(
                 f"tensor {index} ({tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()}) differs "
-                f"from tensor 0 ({dtype} on {device}) or is not readable: pass contiguous tensors of one kind"
+                f"from tensor 0 ({dtype} on {device}) or is not contiguous: pass contiguous tensors of one kind"
             )
     chunk = block * iters
     numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""The Triton kernel of the one-read grad statistics of :mod:`pgregistry.fused_stats` (imports triton: import
+"""The Triton kernel of the one-read grad statistics of :mod:`pgregistry.grad_stats.fused` (imports triton: import
 this module only inside a function, after checking that triton is importable).
 
 Each program reads ``BLOCK * ITERS`` consecutive elements of one tensor and writes two partials: the sum of their
