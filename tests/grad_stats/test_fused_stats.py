@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
+import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +20,6 @@ import torch
 from pgregistry.grad_buffer import Span, span_norms, span_statistics, span_zero_counts
 from pgregistry.grad_stats import fused as fused_stats
 from pgregistry.grad_stats import norm_of_grads, reductions, zeros_of_grads
-from pgregistry.testing import run_world
 
 SMALL = {"block": 64, "iters": 4}
 """Programs of 256 elements: many programs and partial last blocks on small tensors."""
@@ -54,12 +53,8 @@ def _errors(calls: list[tuple[str, Callable[[], Any]]]) -> dict[str, str]:
 
 
 def _in_interpreter() -> dict[str, Any]:
-    """Every kernel call of these tests, in a forked process that imports triton afresh with its interpreter on
-    (the mode is read when triton's own kernels are decorated, so a triton imported before cannot switch)."""
-    for name in [name for name in sys.modules if name.split(".")[0] == "triton"]:
-        del sys.modules[name]
-    sys.modules.pop("pgregistry.grad_stats._triton_kernels", None)
-    fused_stats._kernels.cache_clear()
+    """Every kernel call of these tests, in a spawned process that imports triton with its interpreter on (the
+    mode is read when triton's own kernels are decorated: a process that imported triton already cannot switch)."""
     data = {dtype: _grads(dtype, [5000])[0] for dtype in DTYPES}
     spans = {
         (str(dtype), index): _stats(fused_stats.span_squares_and_zeros(view, **SMALL))
@@ -128,7 +123,8 @@ def interpreted() -> dict[str, Any]:
         pytest.skip("triton is not installed (pip install triton brings its CPU interpreter)")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
-        return run_world(1, _in_interpreter, timeout=120.0)[0]
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply_async(_in_interpreter).get(timeout=180.0)
 
 
 def _oracle(grads: list[torch.Tensor]) -> tuple[float, int]:
