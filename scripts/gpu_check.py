@@ -13,7 +13,9 @@ any check failed anywhere:
   without ``allreduce=False``) ``sqrt(2)`` and ``2``, so the check can fail;
 * a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry.testing_models`, raw
   per-rank grads synchronised by the optimizer (all-reduce, or reduce-scatter for the sharded one), then the
-  2-norm, inf-norm and zero count against the unsharded float64 oracle, one SGD step (lr 1, parameters from 0)
+  2-norm, inf-norm and zero count against the unsharded float64 oracle (also both at once, one read of the
+  buffer on CUDA with triton, and, unsharded, through the list path ``grad_norm``/``count_zeros``, whose
+  contiguous grads the one-read kernel reads), one SGD step (lr 1, parameters from 0)
   whose result must be minus the oracle's grads (all-gather included), and the invariance oracle (all grads 1:
   norm ``sqrt(numel)``; all 0: zero count ``numel``);
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
@@ -41,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import pgregistry.optim.mixed_precision  # noqa: E402
 import pgregistry.optim.sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
+from pgregistry.grad_stats import count_zeros, grad_norm  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import build_optimizer  # noqa: E402
 from pgregistry.params import copy_param_roles  # noqa: E402
@@ -152,6 +155,14 @@ def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.de
         checks.append((f"{where}: 2-norm, inf-norm, zero count = float64 oracle",
                        close(stats[0], want[0]) and close(stats[1], want[1]) and stats[2] == want[2],
                        f"{stats} vs {want}"))
+        norm, zero_count = opt.get_grad_norm_and_zeros()  # one read of each span on CUDA with triton
+        both = (float(norm), int(zero_count))
+        checks.append((f"{where}: norm and zero count in one read = float64 oracle",
+                       close(both[0], want[0]) and both[1] == want[2], f"{both} vs {(want[0], want[2])}"))
+        if not sharded:  # the list path over the grads as separate tensors (a sharded buffer is stale off-shard)
+            listed = (float(grad_norm(model, pg)), count_zeros(model, pg))
+            checks.append((f"{where}: list path (grad_norm, count_zeros) = float64 oracle",
+                           close(listed[0], want[0]) and listed[1] == want[2], f"{listed} vs {(want[0], want[2])}"))
         opt.step()
         params = dict(model.named_parameters())
         worst = max(

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/performance.md's optimizer-step and grad-statistics sections, on one GPU (an H200):
+#   bash scripts/perf_h200.sh                 # raw outputs into docs/measurements/
+#   OUT_DIR=/tmp/out PYTHON=python3 bash scripts/perf_h200.sh
+# Runs every benchmark even when one fails (each exits 1 when its paths disagree), then the GPU check on one rank
+# (NCCL); exits non-zero when anything failed. About 4-5 minutes on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT_DIR:-docs/measurements}"
+py="${PYTHON:-python}"
+mkdir -p "$out"
+status=0
+run() {  # run FILE COMMAND...: print and keep the raw output
+    local file="$1"
+    shift
+    echo "== $*" >&2
+    "$@" 2>&1 | tee "$out/$file" || status=1
+}
+run optimizer_step_h200.txt "$py" benchmarks/optimizer_step.py --device cuda
+run grad_stats_h200.txt "$py" benchmarks/grad_stats.py --device cuda --dtype float32
+run grad_stats_bf16_h200.txt "$py" benchmarks/grad_stats.py --device cuda --dtype bfloat16 --repeat 10
+run grad_stats_mixed_h200.txt "$py" benchmarks/grad_stats.py --device cuda --dtype mixed --repeat 10
+run gpu_check_h200x1_nccl.txt env NPROC=1 PYTHON="$py" bash scripts/gpu_check.sh
+exit "$status"
