@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["GiB", "MiB", "describe_device", "fill_", "measure", "tensor_sizes"]
+__all__ = ["GiB", "MiB", "Target", "describe_device", "fill_", "finish", "measure", "selected_device", "tensor_sizes"]
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+Target = tuple[str, bool, str]
+"""A goal, whether this run met it, and the measured figure."""
 
 
 def tensor_sizes(count: int, numel: int, seed: int = 0) -> list[int]:
@@ -61,8 +64,26 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: in
     return statistics.median(s.elapsed_time(e) for s, e in events), peak
 
 
+def selected_device(name: str) -> torch.device:
+    """``--device``'s device, made current when it names one GPU of several."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
 def describe_device(device: torch.device) -> str:
     """``cuda (NVIDIA H200)`` or ``cpu (2 threads)``."""
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"{device} ({torch.get_num_threads()} threads)"
+
+
+def finish(title: str, targets: list[Target], problems: list[str]) -> int:
+    """Print the targets (MET / NOT MET: informative) and the problems (FAIL); 1 if there is any problem."""
+    print(f"\n{title}")
+    for name, ok, detail in targets:
+        print(f"  [{'MET' if ok else 'NOT MET'}] {name}: {detail}")
+    for problem in problems:
+        print(f"FAIL: {problem}")
+    return 1 if problems else 0

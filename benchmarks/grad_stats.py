@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.common import GiB, MiB, describe_device, fill_, measure, tensor_sizes  # noqa: E402
+from benchmarks.common import GiB, MiB, Target, describe_device, fill_, finish, measure, selected_device, tensor_sizes  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_buffer import GradBuffer  # noqa: E402
 from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
@@ -138,11 +138,10 @@ def check_values(run: dict[str, Any], dtype: str) -> list[str]:
     return problems
 
 
-def print_targets(runs: list[dict[str, Any]]) -> None:
+def targets(runs: list[dict[str, Any]]) -> list[Target]:
     """The issue's targets (H200, 2 GiB): informative here, measured on whatever device ran."""
-    print("\nTargets (defined for an H200 with 2 GiB of grads over 2,000 and 20,000 tensors):")
     first = runs[0]
-    lines = []
+    lines: list[Target] = []
     if ONE_READ in first["results"]:
         r = first["results"]
         ms = r["buffer norm + zeros"][0]
@@ -167,8 +166,7 @@ def print_targets(runs: list[dict[str, Any]]) -> None:
         speedup = results["baseline norm + zeros"][0] / results["list path norm + zeros"][0]
         lines.append((f"list path norm + zeros at {run['count']:,} tensors >= {goal:.0f}x the baseline",
                       speedup >= goal, f"{speedup:.1f}x"))
-    for name, ok, detail in lines:
-        print(f"  [{'MET' if ok else 'NOT MET'}] {name}: {detail}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, help="timed runs per figure (default: 20 on CUDA, 5 on CPU)")
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
+    device = selected_device(args.device)
     args.bytes = args.bytes or (2 * GiB if device.type == "cuda" else 32 * MiB)
     args.repeat = args.repeat or (20 if device.type == "cuda" else 5)
     counts = [int(c) for c in args.tensors.split(",")]
@@ -200,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print_targets(runs)
-    for problem in problems:
-        print(f"FAIL: {problem}")
-    return 1 if problems else 0
+    title = "Targets (defined for an H200 with 2 GiB of grads over 2,000 and 20,000 tensors):"
+    return finish(title, targets(runs), problems)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import GiB, describe_device, fill_, measure, tensor_sizes  # noqa: E402
+from benchmarks.common import GiB, Target, describe_device, fill_, finish, measure, selected_device, tensor_sizes  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.optim import MixedPrecisionOptimizer, ShardedOptimizer, inner_factory  # noqa: E402
 from pgregistry.optim.base import FlatOptimizer  # noqa: E402
@@ -154,11 +154,10 @@ def print_table(run: dict[str, Any], device: torch.device) -> None:
     print(f"  one step from the same state, worst difference from the baseline in bf16 steps: {diffs}")
 
 
-def print_targets(runs: list[dict[str, Any]]) -> None:
+def targets(runs: list[dict[str, Any]]) -> list[Target]:
     """The issue's targets (H200, 512 M parameters): informative here, measured on whatever device ran."""
-    print("\nTargets (defined for an H200, 512 M bf16 parameters over 2,000 and 20,000 tensors):")
     first = runs[0]
-    lines = []
+    lines: list[Target] = []
     for path in ("mixed precision", "sharded"):
         for run in runs:
             results = run["results"]
@@ -173,8 +172,7 @@ def print_targets(runs: list[dict[str, Any]]) -> None:
             ratio = run["results"][path][0] / first["results"][path][0]
             lines.append((f"{path} at {run['count']:,} tensors within 1.2x of {first['count']:,}", ratio <= 1.2,
                           f"{ratio:.2f}x"))
-    for name, ok, detail in lines:
-        print(f"  [{'MET' if ok else 'NOT MET'}] {name}: {detail}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, help="timed steps per figure (default: 20 on CUDA, 5 on CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
+    device = selected_device(args.device)
     cuda = device.type == "cuda"
     args.numel = args.numel or ((512 << 20) if cuda else (2 << 20))
     args.repeat = args.repeat or (20 if cuda else 5)
@@ -206,10 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         # The flat step is elementwise like the baseline: a step may differ by rounding (1 bf16 step) at most.
         problems += [f"{count} tensors: {path} differs from the baseline by {diff:.2f} bf16 steps"
                      for path, diff in run["diffs"].items() if diff > 1.0]
-    print_targets(runs)
-    for problem in problems:
-        print(f"FAIL: {problem}")
-    return 1 if problems else 0
+    title = "Targets (defined for an H200, 512 M bf16 parameters over 2,000 and 20,000 tensors):"
+    return finish(title, targets(runs), problems)
 
 
 if __name__ == "__main__":
