@@ -8,9 +8,9 @@ one run:
   bandwidth the other rows are compared with;
 - ``baseline``: ``torch.optim.AdamW(fused=True)`` over separate float32 masters, then ``torch._foreach_copy_`` of
   the masters into the bf16 parameters;
-- ``per-tensor factory``: :class:`~pgregistry.optim.MixedPrecisionOptimizer` with a factory that is not an
-  elementwise rule (``functools.partial(torch.optim.AdamW)``), which steps one tensor per parameter: the step as it
-  was before the flat step;
+- ``per-tensor step``: :class:`~pgregistry.optim.MixedPrecisionOptimizer` with a factory that is not an
+  elementwise rule (``functools.partial(torch.optim.AdamW)``), which steps one tensor per parameter (the step as
+  it was before the flat step, less its copy back one parameter at a time);
 - ``mixed precision``: :class:`~pgregistry.optim.MixedPrecisionOptimizer` with ``inner_factory("adamw")`` (the
   flat step: fused on CUDA, one copy back per dtype);
 - ``sharded``: :class:`~pgregistry.optim.ShardedOptimizer`, same rule; with one rank its shard is the whole model
@@ -52,7 +52,7 @@ STEP_BYTES = 30
 
 BASELINE = "baseline: fused AdamW + _foreach_copy_"
 COPY = "copy reference (float32 copy_)"
-PATHS = ("per-tensor factory (before)", "mixed precision", "sharded")
+PATHS = ("per-tensor step (other factory)", "mixed precision", "sharded")
 
 
 def _model(sizes: list[int], device: torch.device, seed: int) -> list[nn.Parameter]:
