@@ -125,6 +125,7 @@ class FlatOptimizer(abc.ABC):
         self._stat_spans: tuple[Span, ...] = ()
         self._reduce_keys: tuple[GroupKey, ...] = ()
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._moved: list[tuple[torch.Tensor, int]] = []
 
     # ------------------------------------------------------------------------------------------- naming
 
@@ -154,12 +155,29 @@ class FlatOptimizer(abc.ABC):
                 param.grad = None
             param.register_post_accumulate_grad_hook(_accumulate_into(view))
 
-    def _check_grads_attached(self) -> None:
+    def _move_data(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        """Copy ``param`` into ``view`` (part of one of this optimizer's flat buffers) and make ``view`` its data,
+        so one kernel steps or writes every parameter; :meth:`_check_attached` refuses a parameter whose data was
+        replaced since (the optimizer would go on updating the buffer, not the parameter)."""
+        with torch.no_grad():
+            view.copy_(param)
+        param.data = view
+        self._moved.append((param, view.data_ptr()))
+
+    def _check_attached(self) -> None:
+        """Refuse grads detached from the grad buffer and parameters whose data left this optimizer's buffers."""
         for param, view in self._direct:
             if param.grad is not view:
                 raise RuntimeError(
                     f"{self.param_name(param)}.grad is no longer a view of the optimizer's grad buffer (set to None "
                     "by model.zero_grad() or assigned?); zero grads with optimizer.zero_grad()"
+                )
+        for param, address in self._moved:
+            if param.data_ptr() != address:
+                raise RuntimeError(
+                    f"{self.param_name(param)}.data is no longer the optimizer's view of it (replaced after the "
+                    "optimizer was built, e.g. by module.to() or param.data = ...); the optimizer would update its "
+                    "buffer, not the parameter: build the optimizer after moving the model"
                 )
 
     def _device(self) -> torch.device:

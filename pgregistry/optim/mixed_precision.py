@@ -15,7 +15,7 @@ of one dtype, not one per parameter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -94,12 +94,17 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self.main_data = torch.nn.Parameter(torch.zeros_like(self.buffer.data))
         """Every main param, laid out like the grad buffer (whose data is its ``.grad``)."""
         self.main_data.grad = self.buffer.data
-        with torch.no_grad():
-            for param, main, offset in zip(self.params, self.main_params, self.buffer.offsets, strict=True):
-                view = self.main_data.detach()[offset : offset + param.numel()].view(param.shape)
-                view.copy_(param)
+        for param, main, offset in zip(self.params, self.main_params, self.buffer.offsets, strict=True):
+            view = self.main_data.detach()[offset : offset + param.numel()].view(param.shape)
+            if main is param:
+                self._move_data(param, view)
+            else:
+                with torch.no_grad():
+                    view.copy_(param)
                 main.data = view
-        self._runs = _pack_low_precision(self.params, self.main_params, self.buffer.offsets, self.main_data)
+        self._runs = _pack_low_precision(
+            self.params, self.main_params, self.buffer.offsets, self.main_data, self._move_data
+        )
         for param, main, view in zip(self.params, self.main_params, self.buffer.views, strict=True):
             if main is not param:
                 main.grad = view
@@ -111,7 +116,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     def sync_grads(self) -> None:
         """Divide the grads by :attr:`grad_divisor` and all-reduce them over :attr:`grad_sync_group`, one
         collective per bucket."""
-        self._check_grads_attached()
+        self._check_attached()
         all_reduce_grads_(
             self.buffer, self.grad_sync_group, divide_by=self.grad_divisor, bucket_numel=self.bucket_numel
         )
@@ -191,11 +196,15 @@ class _Run:
 
 
 def _pack_low_precision(
-    params: Sequence[torch.Tensor], mains: Sequence[torch.Tensor], offsets: Sequence[int], main_data: torch.Tensor
+    params: Sequence[torch.Tensor],
+    mains: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    main_data: torch.Tensor,
+    move_data: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> list[_Run]:
-    """Move the data of every parameter that has a main copy into one flat tensor per (dtype, device), in the
-    order of the main buffer, so that the copy back is one copy per run of consecutive parameters of one kind
-    (one per dtype for a model of bf16 parameters) instead of one per parameter."""
+    """Move (``move_data``) the data of every parameter that has a main copy into one flat tensor per (dtype,
+    device), in the order of the main buffer, so that the copy back is one copy per run of consecutive parameters
+    of one kind (one per dtype for a model of bf16 parameters) instead of one per parameter."""
     runs: list[tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]] = []
     open_run = False
     for offset, param, main in sorted(zip(offsets, params, mains, strict=True), key=lambda entry: entry[0]):
@@ -215,13 +224,10 @@ def _pack_low_precision(
     packed = {key: torch.zeros(length, dtype=key[0], device=key[1]) for key, length in lengths.items()}
     cursor = dict.fromkeys(lengths, 0)
     out = []
-    with torch.no_grad():
-        for key, start, stop, members in runs:
-            model = packed[key][cursor[key] : cursor[key] + stop - start]
-            cursor[key] += stop - start
-            for param, offset in members:
-                view = model[offset - start : offset - start + param.numel()].view(param.shape)
-                view.copy_(param)
-                param.data = view
-            out.append(_Run(model=model, main=main_data.detach()[start:stop]))
+    for key, start, stop, members in runs:
+        model = packed[key][cursor[key] : cursor[key] + stop - start]
+        cursor[key] += stop - start
+        for param, offset in members:
+            move_data(param, model[offset - start : offset - start + param.numel()].view(param.shape))
+        out.append(_Run(model=model, main=main_data.detach()[start:stop]))
     return out

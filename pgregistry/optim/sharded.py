@@ -103,11 +103,8 @@ class ShardedOptimizer(FlatOptimizer):
         self._attach_grads(self.params, self.buffer.views)
         self.param_data = torch.zeros(self.buffer.numel, dtype=param_dtype, device=device)
         """Every parameter's data (each ``param.data`` is a view), laid out like the grad buffer."""
-        with torch.no_grad():
-            for param, offset in zip(self.params, self.buffer.offsets, strict=True):
-                view = self.param_data[offset : offset + param.numel()].view(param.shape)
-                view.copy_(param)
-                param.data = view
+        for param, offset in zip(self.params, self.buffer.offsets, strict=True):
+            self._move_data(param, self.param_data[offset : offset + param.numel()].view(param.shape))
         self.shard = self.buffer.shard_range(self.shard_group)
         """``[start, stop)`` of this rank's shard in both buffers."""
         start, stop = self.shard
@@ -141,7 +138,7 @@ class ShardedOptimizer(FlatOptimizer):
     def sync_grads(self) -> None:
         """Divide the grads by :attr:`grad_divisor` and reduce-scatter them over :attr:`shard_group`: one
         collective, this rank keeps its shard."""
-        self._check_grads_attached()
+        self._check_attached()
         reduce_scatter_grads_(self.buffer, self.shard_group, divide_by=self.grad_divisor)
 
     @torch.no_grad()

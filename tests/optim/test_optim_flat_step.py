@@ -235,3 +235,17 @@ def test_functools_partial_is_still_a_valid_factory() -> None:
     _step_mixed(other, range(STEPS))
     for a, b in zip(opt.params, other.params, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_parameter_whose_data_was_replaced_is_refused(dtype: torch.dtype, sharded: bool) -> None:
+    """The optimizer updates its flat buffers: a parameter moved off them after it was built would silently stop
+    training, so sync_grads refuses it, naming it."""
+    params = _params([dtype])
+    factory = inner_factory("sgd", lr=0.1)
+    opt = (ShardedOptimizer if sharded else MixedPrecisionOptimizer)(params, ALL_OFF, inner=factory)
+    opt.sync_grads()  # attached: fine
+    params[3].data = params[3].data.clone()
+    with pytest.raises(RuntimeError, match=r"param\[3\]\.data is no longer the optimizer's view"):
+        opt.sync_grads()
