@@ -42,6 +42,7 @@ from benchmarks.common import GiB, MiB, Target, describe_device, fill_, finish, 
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_buffer import GradBuffer  # noqa: E402
 from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
+from pgregistry.grad_stats.fused import fused_stats_available  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 READ = "read reference (1 vector_norm)"
@@ -185,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.tensors.split(",")]
     if not counts or min(counts) < 1 or args.bytes < 1 or args.repeat < 1 or args.warmup < 0:
         parser.error("tensor counts, --bytes and --repeat must be positive, --warmup not negative")
-    print(f"grad statistics: torch {torch.__version__}, device {describe_device(device)}"
-          + f", {args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
+    kernel = "on" if fused_stats_available(device) else "off"
+    print(f"grad statistics: torch {torch.__version__}, device {describe_device(device)}, one-read kernel {kernel}, "
+          f"{args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
     runs = []
     problems: list[str] = []
     for count in counts:

@@ -53,8 +53,34 @@ def _kernels() -> ModuleType | None:
 
 
 def fused_stats_available(device: torch.device) -> bool:
-    """Whether the one-read kernels run on ``device`` (CUDA with triton importable)."""
-    return device.type == "cuda" and _kernels() is not None
+    """Whether the one-read kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per
+    device and process) that compiled and gave the exact statistics of a small tensor. Triton compiles with the
+    machine's C compiler and CUDA toolchain; where that fails, a warning names the error and the torch path runs."""
+    if device.type != "cuda" or _kernels() is None:
+        return False
+    import torch
+
+    return _works_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _works_on(index: int) -> bool:
+    import torch
+
+    from pgregistry._logging import get_logger
+
+    device = torch.device("cuda", index)
+    try:
+        probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
+        squares, zeros = span_squares_and_zeros(probe)
+        table_squares, table_zeros = squares_and_zeros([probe[:2], probe[2:]])
+        results = (float(squares), int(zeros), float(table_squares), int(table_zeros))
+    except Exception as error:  # a compiler or driver failure: keep torch's reductions, and say so
+        get_logger(__name__).warning("one_read_stats_unavailable", device=str(device), error=repr(error))
+        return False
+    if results != (25.0, 2, 25.0, 2):
+        raise RuntimeError(f"the one-read grad statistics kernel gave {results} on {device}, not (25, 2, 25, 2)")
+    return True
 
 
 def _readable_dtype(dtype: torch.dtype) -> bool:

@@ -184,3 +184,11 @@ def test_the_list_path_reads_through_the_kernel_and_equals_the_oracle(interprete
 
 def test_not_available_off_cuda() -> None:
     assert not fused_stats.fused_stats_available(torch.device("cpu"))
+
+
+def test_a_device_where_the_kernel_cannot_launch_keeps_the_torch_path(caplog: pytest.LogCaptureFixture) -> None:
+    """The first launch on a device is a probe; a failure (no GPU here, on a GPU a compiler missing) is logged and
+    the torch path runs."""
+    with caplog.at_level("WARNING"):
+        assert fused_stats._works_on.__wrapped__(0) is False
+    assert "one_read_stats_unavailable" in caplog.text
