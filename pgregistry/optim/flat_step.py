@@ -7,6 +7,10 @@ optimizers here keep every main param as a view of one flat buffer laid out like
 SGD) can step the whole buffer as one tensor: a handful of kernels (one with ``fused=True`` on CUDA) whatever the
 parameter count, and on CPU the same bits as a step per parameter (the ops are elementwise).
 
+Only float32 and float64 main params are stepped flat: torch's CPU kernels round bf16 and fp16 differently in the
+last elements of a tensor (a scalar loop) than inside it (a vector loop), so a flat step over bf16 main params
+(``main_dtype=None`` over a bf16 model) would not give the bits of a step per parameter; those stay per tensor.
+
 Padding between and after the parameters (grad-buffer alignment) is stepped too: its param, grad and state are
 zero, and an elementwise rule keeps them zero.
 
@@ -23,7 +27,10 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS"]
+__all__ = ["FLAT_DTYPES", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS"]
+
+FLAT_DTYPES = (torch.float32, torch.float64)
+"""Main-param dtypes stepped flat (see the module docstring for why not bf16 and fp16)."""
 
 PER_PARAMETER_KEYS = frozenset({"step"})
 """State keys torch's optimizers keep once per parameter (not per element): the step count."""
@@ -39,9 +46,10 @@ class ElementwiseRule:
     :data:`~pgregistry.optim.InnerFactory`.
 
     Passing one (``inner_factory`` returns one) lets the optimizers step their flat main buffer as one tensor
-    (:class:`FlatStep`); any other factory steps one tensor per parameter. The rule must update each element from
-    that element alone and keep no per-parameter state other than :data:`PER_PARAMETER_KEYS`. On CUDA the rule
-    runs fused (one kernel) unless ``hyperparameters`` choose ``fused`` or ``foreach`` themselves.
+    (:class:`FlatStep`) when it is float32 or float64; any other factory steps one tensor per parameter. The rule
+    must update each element from that element alone and keep no per-parameter state other than
+    :data:`PER_PARAMETER_KEYS`. On CUDA the rule runs fused (one kernel) unless ``hyperparameters`` choose
+    ``fused`` or ``foreach`` themselves.
     """
 
     optimizer_class: type[torch.optim.Optimizer]
