@@ -137,15 +137,17 @@ def span_squares_and_zeros(
 def squares_and_zeros(
     tensors: Sequence[torch.Tensor],
     *,
-    grouped: bool = False,
+    checked: bool = False,
     block: int = BLOCK,
     iters: int = ITERS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of squares (0-dim float64) and number of zeros (0-dim int64) over ``tensors`` (contiguous, one device
     and dtype), in one read and one launch whatever their number.
 
-    ``grouped=True`` says the caller grouped ``tensors`` by (device, dtype) already (the reductions do), which
-    spares a check per tensor; contiguity is checked always (the kernel reads ``numel`` elements from each address).
+    The kernel reads ``numel`` elements of the given dtype from each tensor's address, so every tensor is checked
+    for that first, unless ``checked=True``: the caller has grouped ``tensors`` by (device, dtype) and kept only
+    contiguous ones (:mod:`pgregistry.grad_stats.reductions` does, in the pass that groups them), which spares a
+    second pass over thousands of tensors.
     """
     import torch
 
@@ -155,20 +157,20 @@ def squares_and_zeros(
     device, dtype = tensors[0].device, tensors[0].dtype
     if not _readable_dtype(dtype):
         raise ValueError(f"the one-read kernels read float32/bf16/fp16 tensors, not {dtype}")
-    for index, tensor in enumerate(tensors):
-        if not tensor.is_contiguous() or not grouped and (tensor.device != device or tensor.dtype != dtype):
+    for index, tensor in enumerate(() if checked else tensors):
+        if not tensor.is_contiguous() or tensor.device != device or tensor.dtype != dtype:
             raise ValueError(
                 f"tensor {index} ({tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()}) differs "
                 f"from tensor 0 ({dtype} on {device}) or is not contiguous: pass contiguous tensors of one kind"
             )
     chunk = block * iters
-    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    located = torch.tensor([(t.data_ptr(), t.numel()) for t in tensors], dtype=torch.int64).t()
+    addresses, numels = located[0], located[1]
     chunks = (numels + chunk - 1) // chunk
     total = int(chunks.sum())
     squares = torch.zeros(max(total, 1), dtype=torch.float32, device=device)
     zeros = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
     if total:
-        addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
         block_tensor = torch.repeat_interleave(torch.arange(len(tensors)), chunks)
         first = torch.cumsum(chunks, 0) - chunks
         block_start = (torch.arange(total) - torch.repeat_interleave(first, chunks)) * chunk

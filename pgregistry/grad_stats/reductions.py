@@ -85,7 +85,7 @@ def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.T
     for (kind_device, dtype), same_kind in _by_kind(grads).items():
         read_once, rest = _one_read_split(kind_device, dtype, same_kind)
         if read_once:
-            zeros += squares_and_zeros(read_once, grouped=True)[1].to(device)
+            zeros += squares_and_zeros(read_once, checked=True)[1].to(device)
         if rest:
             nonzero = torch.stack(torch._foreach_norm(rest, 0, dtype=torch.float64)).sum()
             zeros += sum(grad.numel() for grad in rest) - nonzero.to(device=device, dtype=torch.int64)
@@ -137,7 +137,7 @@ def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) 
         if p == 2.0:
             read_once, same_kind = _one_read_split(kind_device, dtype, same_kind)
             if read_once:  # squares summed in float64 by the kernel's caller
-                share = share + squares_and_zeros(read_once, grouped=True)[0].to(device=device, dtype=torch.float32)
+                share = share + squares_and_zeros(read_once, checked=True)[0].to(device=device, dtype=torch.float32)
             if not same_kind:
                 continue
         # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32 at least
