@@ -91,6 +91,13 @@ def test_mixed_precision_flat_step_equals_separate_tensors(rule: str, dtypes: li
         assert torch.equal(param, ref.detach().to(param.dtype)), f"model param {index}"
     state = opt.state_dict()
     _assert_same_state(state["inner"], ref_opt.state_dict())
+    # The checkpoint interface: each parameter's whole state, as the per-tensor optimizer holds it.
+    whole = opt.param_state()
+    for index, (param, ref) in enumerate(zip(opt.params, want, strict=True)):
+        main_copy = ["main_param"] if param.dtype != ref.dtype else []
+        assert sorted(whole[param]) == sorted([*ref_opt.state[ref], *main_copy])
+        for key, value in ref_opt.state[ref].items():
+            assert torch.equal(whole[param][key], value), (index, key)
     # Padding between and after the parameters is stepped and stays zero.
     covered = torch.zeros(opt.main_data.numel(), dtype=torch.bool)
     for param, offset in zip(opt.params, opt.buffer.offsets, strict=True):
