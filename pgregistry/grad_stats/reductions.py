@@ -95,13 +95,14 @@ def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.T
 def _one_read_split(
     device: torch.device, dtype: torch.dtype, grads: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``grads`` (one device and dtype) split into those the one-read kernel reads and the rest."""
+    """``grads`` (one device and dtype) split into those the one-read kernel reads (plain contiguous tensors: it
+    reads their memory directly) and the rest (tensor subclasses such as DTensor, non-contiguous views)."""
     if not one_read_applies(device, dtype):
         return [], grads
     read_once: list[torch.Tensor] = []
     rest: list[torch.Tensor] = []
     for grad in grads:
-        (read_once if grad.is_contiguous() else rest).append(grad)
+        (read_once if type(grad) is torch.Tensor and grad.is_contiguous() else rest).append(grad)
     return read_once, rest
 
 
