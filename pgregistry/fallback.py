@@ -24,7 +24,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names, group_rank, group_size
 
@@ -33,7 +33,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
+    "CommandLineFilter",
     "ProcessGroupFallbackWarning",
+    "command_line_filters",
     "forget_fallback_warnings",
     "global_grid_for",
     "gtp_replica_rank",
@@ -51,20 +53,50 @@ class ProcessGroupFallbackWarning(UserWarning):
     """
 
 
-def _apply_command_line_filters() -> None:
-    """Apply ``-W``/``PYTHONWARNINGS`` options naming :class:`ProcessGroupFallbackWarning`.
+class CommandLineFilter(NamedTuple):
+    """One ``-W``/``PYTHONWARNINGS`` option, parsed as Python parses it (``message`` and ``module`` literal)."""
+
+    action: str
+    message: str
+    category: type[Warning]
+    category_name: str
+    module: str
+    lineno: int
+
+    @property
+    def message_pattern(self) -> str:
+        """``message`` as the regular expression :func:`warnings.filterwarnings` takes (a literal prefix)."""
+        return re.escape(self.message)
+
+    @property
+    def module_pattern(self) -> str:
+        """``module`` as the regular expression :func:`warnings.filterwarnings` takes (the whole name)."""
+        return re.escape(self.module) + r"\Z" if self.module else ""
+
+    def apply(self) -> None:
+        """Insert this filter at the front of :data:`warnings.filters`, as Python does for ``-W``."""
+        warnings.filterwarnings(
+            self.action,  # type: ignore[arg-type]  # one of the literals, checked by command_line_filters
+            self.message_pattern, self.category, self.module_pattern, self.lineno
+        )
+
+
+def command_line_filters() -> list[CommandLineFilter]:
+    """The ``-W``/``PYTHONWARNINGS`` options from the first one naming :class:`ProcessGroupFallbackWarning` on.
 
     Python processes those options before ``site`` puts site-packages on ``sys.path``, so for an installed
     pgregistry it prints "Invalid -W option ignored: invalid module name: 'pgregistry'" and drops the filter:
-    ``python -W error::pgregistry.ProcessGroupFallbackWarning`` would silently not raise. Re-applied here at
-    import, from the first option naming this category onward, so later options keep their precedence (those naming
-    a category of another module, not a builtin, are left out).
+    ``python -W error::pgregistry.ProcessGroupFallbackWarning`` would silently not raise. The options from the
+    first one naming this category onward are re-applied (at import, and by :mod:`pgregistry.pytest_plugin` inside
+    pytest), so later options keep their precedence; those naming a category of another module, not a builtin,
+    and those Python rejects as malformed are left out. Empty when no option names this category.
     """
     ours = {f"{__name__}.{ProcessGroupFallbackWarning.__name__}", "pgregistry.ProcessGroupFallbackWarning"}
     options = [option.split(":") for option in sys.warnoptions]
     first = next((i for i, fields in enumerate(options) if len(fields) > 2 and fields[2].strip() in ours), None)
     if first is None:
-        return
+        return []
+    parsed = []
     for fields in options[first:]:
         action, message, category_name, module, lineno = (*(f.strip() for f in fields), "", "", "", "")[:5]
         action = "always" if action == "all" else action
@@ -72,10 +104,9 @@ def _apply_command_line_filters() -> None:
         category = ProcessGroupFallbackWarning if category_name in ours else _builtin_warning(category_name)
         if len(fields) > 5 or not actions or category is None or not (lineno or "0").isdigit():
             continue  # Python rejected this option at start-up too
-        warnings.filterwarnings(
-            actions[0],  # type: ignore[arg-type]  # one of the literals, chosen above
-            re.escape(message), category, re.escape(module) + r"\Z" if module else "", int(lineno or 0)
-        )
+        name = category_name if category is ProcessGroupFallbackWarning else category.__name__
+        parsed.append(CommandLineFilter(actions[0], message, category, name, module, int(lineno or 0)))
+    return parsed
 
 
 def _builtin_warning(name: str) -> type[Warning] | None:
@@ -83,6 +114,11 @@ def _builtin_warning(name: str) -> type[Warning] | None:
 
     found = getattr(builtins, name, None) if name else Warning
     return found if isinstance(found, type) and issubclass(found, Warning) else None
+
+
+def _apply_command_line_filters() -> None:
+    for option in command_line_filters():
+        option.apply()
 
 
 _apply_command_line_filters()
