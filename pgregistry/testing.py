@@ -8,10 +8,17 @@ multi-process tests are many and silent:
 * each child calls ``torch.set_num_threads(1)`` first, since a forked child can deadlock in a threaded matmul;
 * each call gets its own ``FileStore`` in a fresh directory, so concurrent tests never share a port or a key;
 * a rank that skips a collective hangs the others past every torch timeout, so the parent holds a hard deadline
-  and kills every rank when it passes, naming the ranks that had not finished;
-* children die with the parent (``PR_SET_PDEATHSIG``), so a killed test leaves no orphan ranks;
-* an exception on any rank is re-raised in the parent with its rank and the child's traceback; the other ranks,
-  which may be blocked in a collective with it, are killed after a short grace period.
+  and kills every rank when it passes, naming the ranks that had not finished and where each one was (a
+  ``faulthandler`` stack dump taken just before the kill);
+* each rank runs in its own session (process group), and the whole group is killed at the end, so processes a rank
+  spawned do not outlive it holding the test's stdout open (which hangs a pipeline reading it);
+* ranks die with the parent (``PR_SET_PDEATHSIG``), and a small watcher process (:mod:`pgregistry._world_watcher`)
+  ends their process groups and removes the store directory when the parent dies without cleaning up;
+* an exception on any rank is re-raised in the parent with its rank and the child's formatted traceback; one that
+  cannot be rebuilt in the parent, or that is no ``Exception`` (a rank's ``KeyboardInterrupt``, which re-raised
+  would stop a whole pytest session), is reported as :class:`RankFailure` with the same text. The other ranks,
+  which may be blocked in a collective with it, are killed after a short grace period;
+* a rank that dies without reporting is named with its exit code or the signal that killed it.
 
 Functions and results cross the fork/pipe boundary by pickle (results) and by inheritance (the function), so a
 closure or lambda works as ``fn``; results must be picklable.
@@ -20,6 +27,7 @@ closure or lambda works as ``fn``; results must be picklable.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import pickle
 import select
@@ -33,17 +41,21 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from pgregistry._world_watcher import WorldWatcher, end_process_group
+
 __all__ = ["RankFailure", "WorldTimeout", "run_world"]
 
 T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 _ERROR_GRACE_S = 3.0
+_STACK_DUMP_WAIT_S = 2.0
+_STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
 class RankFailure(RuntimeError):
-    """A rank failed: it raised (the original exception is chained as ``__cause__`` when it unpickles), or its
-    process died without reporting."""
+    """A rank failed: it raised (the original exception is chained as ``__cause__`` when it could be rebuilt here),
+    or its process died without reporting. ``detail`` holds the child's formatted traceback or how it died."""
 
     def __init__(self, rank: int, detail: str) -> None:
         super().__init__(f"rank {rank} failed: {detail}")
@@ -52,7 +64,16 @@ class RankFailure(RuntimeError):
 
 
 class WorldTimeout(TimeoutError):
-    """The world did not finish before the deadline; every rank was killed."""
+    """The world did not finish before the deadline; every rank was killed.
+
+    ``stuck_ranks`` lists the ranks that had not finished; ``stacks`` maps each of them to its Python stack at the
+    deadline (``faulthandler`` format, every thread), or to why none could be taken.
+    """
+
+    def __init__(self, message: str, stuck_ranks: list[int], stacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.stuck_ranks = stuck_ranks
+        self.stacks = stacks
 
 
 def run_world(
@@ -67,7 +88,8 @@ def run_world(
 
     ``timeout`` (seconds) is the hard deadline for the whole world, start-up included; it also bounds torch's own
     collective timeout. Raises the failing rank's exception (with ``RankFailure`` carrying its rank and
-    traceback attached as a note and as the exception's context) or :class:`WorldTimeout`.
+    traceback attached as a note and as the exception's cause), :class:`RankFailure` itself, or
+    :class:`WorldTimeout`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -77,33 +99,36 @@ def run_world(
     store_dir = tempfile.mkdtemp(prefix="pgregistry-world-")
     sys.stdout.flush()
     sys.stderr.flush()
+    watcher = WorldWatcher(store_dir)
     children: dict[int, tuple[int, int]] = {}  # rank -> (pid, read fd)
-    # Ranks that reported wait on this pipe until every rank has, so none leaves while a peer may still be
-    # exchanging with it; closing the write end releases them all.
-    release_read, release_write = os.pipe()
     try:
-        for rank in range(world_size):
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - runs in the child, reported through the pipe
+        # Ranks that reported wait on this pipe until every rank has, so none leaves while a peer may still be
+        # exchanging with it; closing the write end releases them all.
+        release_read, release_write = os.pipe()
+        try:
+            for rank in range(world_size):
+                read_fd, write_fd = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child, reported through the pipe
+                    os.close(read_fd)
+                    os.close(release_write)
+                    watcher.close_in_child()
+                    _child_main(
+                        rank, world_size, store_dir, backend, timeout, write_fd, release_read, fn, args, kwargs
+                    )
+                os.close(write_fd)
+                children[rank] = (pid, read_fd)
+                watcher.watch(pid)
+            return _collect(children, timeout, store_dir)
+        finally:
+            os.close(release_read)
+            os.close(release_write)
+            for pid, read_fd in children.values():
+                end_process_group(pid)
                 os.close(read_fd)
-                os.close(release_write)
-                _child_main(
-                    rank, world_size, store_dir, backend, timeout, write_fd, release_read, fn, args, kwargs
-                )
-            os.close(write_fd)
-            children[rank] = (pid, read_fd)
-        os.close(release_read)
-        return _collect(children, timeout)
     finally:
-        os.close(release_write)
-        for pid, read_fd in children.values():
-            _kill(pid)
-            try:
-                os.close(read_fd)
-            except OSError:
-                pass
         shutil.rmtree(store_dir, ignore_errors=True)
+        watcher.dismiss()
 
 
 def _child_main(
@@ -120,7 +145,10 @@ def _child_main(
 ) -> None:  # pragma: no cover - runs in the child
     exit_code = 0
     try:
+        os.setsid()  # its own session and process group: the parent ends the whole tree with one killpg
         _die_with_parent()
+        stack_file = open(_stack_path(store_dir, rank), "w")  # noqa: SIM115 - held open until os._exit
+        faulthandler.register(_STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
         import torch
         import torch.distributed as dist
 
@@ -135,9 +163,10 @@ def _child_main(
         exit_code = 1
         text = traceback.format_exc()
         try:
-            payload = pickle.dumps(("error", exc, text))
+            pickled: bytes | None = pickle.dumps(exc)
         except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
-            payload = pickle.dumps(("error", None, text))
+            pickled = None
+        payload = pickle.dumps(("error", pickled, text))
     try:
         _write_all(write_fd, payload)
         os.read(release_fd, 1)  # EOF once the parent has every rank's report (or we are killed)
@@ -154,6 +183,10 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         os._exit(1)
 
 
+def _stack_path(store_dir: str, rank: int) -> str:
+    return os.path.join(store_dir, f"stack-rank-{rank}.txt")
+
+
 def _write_all(fd: int, data: bytes) -> None:  # pragma: no cover - runs in the child
     view = memoryview(data)
     while view:
@@ -162,12 +195,12 @@ def _write_all(fd: int, data: bytes) -> None:  # pragma: no cover - runs in the 
     os.close(fd)
 
 
-def _collect(children: dict[int, tuple[int, int]], timeout: float) -> list[Any]:
+def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: str) -> list[Any]:
     deadline = time.monotonic() + timeout
     buffers: dict[int, bytearray] = {rank: bytearray() for rank in children}
     open_fds = {read_fd: rank for rank, (_, read_fd) in children.items()}
     results: dict[int, Any] = {}
-    first_error: tuple[int, BaseException | None, str] | None = None
+    first_error: tuple[int, bytes | None, str] | None = None
     while open_fds:
         remaining = deadline - time.monotonic()
         if first_error is not None:
@@ -184,7 +217,7 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float) -> list[Any]:
                 buffers[rank] += chunk
                 continue
             del open_fds[fd]
-            outcome = _decode(rank, bytes(buffers[rank]), children[rank][0])
+            outcome = _decode(bytes(buffers[rank]), children[rank][0])
             if outcome[0] == "ok":
                 results[rank] = outcome[1]
             elif first_error is None:
@@ -193,39 +226,113 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float) -> list[Any]:
     if first_error is not None:
         _raise_rank_error(*first_error)
     if open_fds:
-        pending = sorted(open_fds.values())
-        raise WorldTimeout(
-            f"world of {len(children)} ranks did not finish within {timeout:.1f} s; ranks still running: "
-            f"{pending} (a rank skipped or mismatched a collective or group creation?); all ranks were killed"
-        )
+        _raise_timeout(children, sorted(open_fds.values()), timeout, store_dir)
     return [results[rank] for rank in sorted(children)]
 
 
-def _decode(rank: int, data: bytes, pid: int) -> tuple[str, Any, str]:
+def _decode(data: bytes, pid: int) -> tuple[str, Any, str]:
+    """``("ok", result, "")`` or ``("error", pickled exception or None, text)`` from a rank's report."""
     if data:
         message = pickle.loads(data)
         if message[0] == "ok":
             return ("ok", message[1], "")
         return ("error", message[1], message[2])
-    _, status = os.waitpid(pid, 0)
-    return ("error", None, f"process exited without a result (wait status {status})")
+    return ("error", None, f"process exited without a result ({_describe_exit(pid)})")
 
 
-def _raise_rank_error(rank: int, exc: BaseException | None, text: str) -> None:
+def _describe_exit(pid: int) -> str:
+    """How child ``pid`` ended, in words (``exit code 7``, ``killed by signal 9 (SIGKILL)``); waits for it to end.
+
+    The child is left unreaped (``WNOWAIT``), so its pid, and the process group it leads, cannot be reused before
+    :func:`~pgregistry._world_watcher.end_process_group` kills the group and reaps it.
+    """
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    assert info is not None  # only WNOHANG makes waitid return None
+    if info.si_code == os.CLD_EXITED:
+        return f"exit code {info.si_status}"
+    try:
+        name = f" ({signal.Signals(info.si_status).name})"
+    except ValueError:
+        name = ""
+    return f"killed by signal {info.si_status}{name}"
+
+
+def _raise_rank_error(rank: int, pickled: bytes | None, text: str) -> None:
+    exc: BaseException | None = None
+    if pickled is not None:
+        try:
+            exc = pickle.loads(pickled)
+        except Exception as rebuild_error:  # noqa: BLE001 - e.g. a class whose __init__ is keyword-only
+            text += f"(the exception could not be rebuilt in the parent: {rebuild_error!r})\n"
     failure = RankFailure(rank, text)
-    if exc is None:
+    if not isinstance(exc, Exception):
+        # Not rebuilt, or a KeyboardInterrupt / SystemExit of the rank: raised as such here it would stop the
+        # caller (a whole pytest session) instead of failing it.
         raise failure
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"raised on rank {rank}; its traceback:\n{text}")
+    exc.add_note(f"raised on rank {rank}; its traceback:\n{text}")
     raise exc from failure
 
 
-def _kill(pid: int) -> None:
+def _raise_timeout(children: dict[int, tuple[int, int]], stuck: list[int], timeout: float, store_dir: str) -> None:
+    stacks = _dump_stacks({rank: children[rank][0] for rank in stuck}, store_dir)
+    where = "\n".join(f"  rank {rank}: {_where(stacks[rank])}" for rank in stuck)
+    dumps = "\n".join(f"--- rank {rank} ---\n{stacks[rank].rstrip()}" for rank in stuck)
+    raise WorldTimeout(
+        f"world of {len(children)} ranks did not finish within {timeout:.1f} s; ranks still running: {stuck} "
+        f"(a rank skipped or mismatched a collective or group creation?); all ranks were killed. Where each "
+        f"stuck rank was:\n{where}\nTheir stacks (most recent call first):\n{dumps}",
+        stuck,
+        stacks,
+    )
+
+
+def _dump_stacks(pids: dict[int, int], store_dir: str) -> dict[int, str]:
+    """rank -> the rank's faulthandler dump of every thread, asked for with a signal and read back from its file."""
+    for pid in pids.values():
+        try:
+            os.kill(pid, _STACK_DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    stacks: dict[int, str] = {}
+    seen: dict[int, str] = {}
+    give_up = time.monotonic() + _STACK_DUMP_WAIT_S
+    while len(stacks) < len(pids) and time.monotonic() < give_up:
+        time.sleep(0.05)
+        for rank in pids.keys() - stacks.keys():
+            text = _read_text(_stack_path(store_dir, rank))
+            if text and text == seen.get(rank):  # written and no longer growing
+                stacks[rank] = text
+            seen[rank] = text
+    return {rank: stacks.get(rank, "(no stack: the rank had not started its stack dump handler)") for rank in pids}
+
+
+def _read_text(path: str) -> str:
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+        with open(path) as file:
+            return file.read()
+    except OSError:
+        return ""
+
+
+def _where(stack: str) -> str:
+    """The main thread's innermost call outside torch and the torch calls below it, from a faulthandler dump.
+
+    E.g. ``_skip_a_collective (test_x.py:99) -> new_group -> _new_group_with_tag -> _new_process_group_helper``.
+    """
+    lines = stack.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
+    frames = []  # (path, lineno, function), most recent first
+    for line in lines[start + 1:]:
+        path, found, rest = line.strip().removeprefix('File "').partition('", line ')
+        if not found:
+            break
+        lineno, _, function = rest.partition(" in ")
+        frames.append((path, lineno, function))
+    torch_dir = os.path.dirname(sys.modules["torch"].__file__ or "") + os.sep
+    inside_torch: list[str] = []
+    for path, lineno, function in frames:
+        if not path.startswith(torch_dir):
+            calls = [f for f in reversed(inside_torch) if f != "wrapper"]  # decorators add "wrapper" frames
+            return " -> ".join([f"{function} ({os.path.basename(path)}:{lineno})", *calls])
+        inside_torch.append(function)
+    return stack.strip().splitlines()[0] if stack.strip() else "(no stack)"

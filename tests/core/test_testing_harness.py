@@ -4,6 +4,8 @@ orphan ranks."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -101,26 +103,79 @@ def _skip_a_collective(pid_dir: str) -> int:
 
 def test_a_rank_that_skips_a_collective_times_out_and_leaves_no_orphans(tmp_path: Path) -> None:
     start = time.monotonic()
-    with pytest.raises(WorldTimeout, match=r"did not finish within 2.0 s; ranks still running: \[0, 2, 3\]"):
+    with pytest.raises(
+        WorldTimeout, match=r"did not finish within 2.0 s; ranks still running: \[0, 2, 3\]"
+    ) as info:
         run_world(4, _skip_a_collective, str(tmp_path), timeout=2.0)
-    assert time.monotonic() - start < 10.0
+    assert time.monotonic() - start < 15.0
     pids = [int(p.read_text()) for p in sorted(tmp_path.iterdir())]
     assert len(pids) == 4
     assert all(_gone(pid) for pid in pids)
     assert _children_of(os.getpid()) == []
+    # Where each stuck rank was: a stack dump of each, naming the collective it waits in, under the summary.
+    assert info.value.stuck_ranks == [0, 2, 3]
+    assert sorted(info.value.stacks) == [0, 2, 3]
+    message = str(info.value)
+    for rank in (0, 2, 3):
+        stack = info.value.stacks[rank]
+        assert "_skip_a_collective" in stack and "in new_group" in stack, stack
+        assert re.search(rf"rank {rank}: _skip_a_collective \(test_testing_harness\.py:\d+\) -> new_group", message)
+        assert f"--- rank {rank} ---" in message
+    assert "rank 1:" not in message
 
 
-def _exit_abruptly() -> int:
+def _exit_abruptly(how: str) -> int:
     if dist.get_rank() == 3:
-        os._exit(5)
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
     return dist.get_rank()
 
 
-def test_a_rank_that_dies_is_a_rank_failure() -> None:
-    with pytest.raises(RankFailure, match=r"rank 3 failed: process exited without a result") as info:
-        run_world(4, _exit_abruptly)
+@pytest.mark.parametrize(("how", "said"), [("exit", "exit code 7"), ("kill", r"killed by signal 9 \(SIGKILL\)")])
+def test_a_rank_that_dies_is_a_rank_failure_saying_how(how: str, said: str) -> None:
+    with pytest.raises(RankFailure, match=rf"rank 3 failed: process exited without a result \({said}\)") as info:
+        run_world(4, _exit_abruptly, how)
     assert info.value.rank == 3
     assert _children_of(os.getpid()) == []
+
+
+class _KeywordOnly(Exception):
+    """Pickles as ``(cls, args)``, which cannot call this ``__init__`` back: the parent cannot rebuild it."""
+
+    def __init__(self, *, code: int) -> None:
+        super().__init__(f"code {code}")
+
+
+def _raise_keyword_only() -> int:
+    if dist.get_rank() == 1:
+        raise _KeywordOnly(code=3)
+    return dist.get_rank()
+
+
+def test_an_exception_the_parent_cannot_rebuild_reports_its_rank_and_traceback() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_world(2, _raise_keyword_only)
+    assert info.value.rank == 1
+    assert "_raise_keyword_only" in info.value.detail and "_KeywordOnly: code 3" in info.value.detail
+    assert "could not be rebuilt in the parent" in info.value.detail
+    assert _children_of(os.getpid()) == []
+
+
+def _interrupt_rank_zero() -> int:
+    if dist.get_rank() == 0:
+        raise KeyboardInterrupt
+    return dist.get_rank()
+
+
+def test_a_ranks_keyboard_interrupt_is_that_ranks_failure_not_the_callers() -> None:
+    caught: BaseException | None = None
+    try:  # not pytest.raises: a KeyboardInterrupt escaping here would stop the whole session
+        run_world(2, _interrupt_rank_zero)
+    except BaseException as exc:  # noqa: BLE001 - the type is what is checked
+        caught = exc
+    assert isinstance(caught, RankFailure), repr(caught)
+    assert caught.rank == 0 and "KeyboardInterrupt" in caught.detail and "_interrupt_rank_zero" in caught.detail
 
 
 def test_world_size_must_be_positive() -> None:
