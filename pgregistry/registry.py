@@ -25,7 +25,7 @@ fallback resolvers of :mod:`pgregistry.fallback` should read it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -63,6 +63,10 @@ _ALIASES: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 class _GroupOptions:
     backend: str | None
     timeout: timedelta | None
+
+    def described(self) -> dict[str, str]:
+        """Field -> text, for the agreement check's message."""
+        return {"backend": repr(self.backend), "timeout": repr(self.timeout)}
 
 
 @attrs.frozen(slots=True)
@@ -111,7 +115,9 @@ class GroupRegistry:
         options = _GroupOptions(backend, _as_timedelta(timeout))
         name = name if name is not None else f"layout-{layout.fingerprint()}"
         _agree_on_request(
-            f"{name}|{layout.fingerprint()}|{options}|{explicit_singletons}", "the layout to build", repr(layout)
+            "the layout to build",
+            {"name": repr(name), "layout": repr(layout), **options.described(),
+             "explicit_singletons": repr(explicit_singletons)},
         )
         world_size, rank = dist.get_world_size(), dist.get_rank()
         if layout.world_size != world_size:
@@ -172,7 +178,7 @@ class GroupRegistry:
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
         options = _GroupOptions(backend, _as_timedelta(timeout))
-        _agree_on_request(f"partition|{sets}|{options}", "the rank sets to create", f"{len(sets)} sets")
+        _agree_on_request("the rank sets to create", {"rank sets": repr(sets), **options.described()})
         # Checked on the whole list, not on this rank's sets only, so that every rank raises alike (none hangs).
         seen: set[int] = set()
         for ranks in sets:
@@ -303,15 +309,18 @@ def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
     return timedelta(seconds=float(timeout))
 
 
-def _agree_on_request(request: str, subject: str, asked_for: str) -> None:
-    """Compare a digest of ``request`` across ranks; raise on every rank when ranks asked for different things.
+def _agree_on_request(subject: str, fields: Mapping[str, str]) -> None:
+    """Compare a digest of ``fields`` across ranks; raise on every rank when ranks asked for different things.
 
-    One all-reduce (MAX of the digest and of its negation) decides; only when ranks disagree is every digest
-    gathered, to name who asked for what. A world-sized all-gather on every build cost 0.1 s per rank at 8,192
-    ranks, most of ``build``. ``subject`` names what is agreed on in the message, ``asked_for`` describes this
-    rank's request."""
+    One all-reduce (MAX of the digest and of its negation) decides; only when ranks disagree is every rank's
+    request gathered, to name the fields that differ and who asked for which value (two ranks that differ only in
+    a build's name or timeout print the same layout, so naming the field is the whole diagnosis). A world-sized
+    all-gather on every build cost 0.1 s per rank at 8,192 ranks, most of ``build``. ``subject`` names what is
+    agreed on in the message; ``fields`` maps each part of the request to its text.
+    """
     import hashlib
 
+    request = "|".join(f"{key}={value}" for key, value in fields.items())
     digest = int(hashlib.sha256(request.encode()).hexdigest()[:15], 16)
     device = torch.device("cpu")
     if "nccl" in str(dist.get_backend()):
@@ -320,17 +329,24 @@ def _agree_on_request(request: str, subject: str, asked_for: str) -> None:
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
     if int(bounds[0]) == -int(bounds[1]):  # the largest digest is the smallest: all equal
         return
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    by_digest: dict[int, list[int]] = {}
-    for rank, value in enumerate(int(t.item()) for t in everyone):
-        by_digest.setdefault(value, []).append(rank)
-    described = "; ".join(f"ranks {ranks} asked for request #{i}" for i, ranks in enumerate(by_digest.values()))
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(fields))
+    differences = []
+    for key in fields:
+        by_value: dict[str, list[int]] = {}
+        for rank, asked in enumerate(everyone):
+            by_value.setdefault((asked or {}).get(key, "<missing>"), []).append(rank)
+        if len(by_value) > 1:
+            askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
+            differences.append(f"{key!r} differs ({askers})")
     raise ValueError(
-        f"ranks disagree on {subject} ({described}); this rank ({dist.get_rank()}) asked for {asked_for}. "
-        "Every rank must build the same layouts and groups, with the same names and options, in the same order."
+        f"ranks disagree on {subject}: {'; '.join(differences)}; this rank is rank {dist.get_rank()}. Every rank "
+        "must build the same layouts and groups, with the same names and options, in the same order."
     )
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 default_registry = GroupRegistry()

@@ -148,6 +148,12 @@ def _misuse() -> dict[str, str]:
     return errors_of({
         # Rank 0 asks for another layout than its peers: every rank raises instead of hanging.
         "disagree": lambda: reg.build(ParallelLayout(world_size=4, tp=4 if rank == 0 else 2), name="x"),
+        # The same layout, a different name or timeout on one rank: the message names the field.
+        "disagree_name": lambda: reg.build(four, name="n0" if rank == 0 else "n1"),
+        "disagree_timeout": lambda: reg.build(four, name="t", timeout=30.0 if rank == 3 else 60.0),
+        "disagree_partition": lambda: reg.default_registry.group_of_partition(
+            [[0, 1], [2, 3]] if rank else [[0, 2], [1, 3]]
+        ),
         "world": lambda: reg.build(ParallelLayout(world_size=8, tp=2)),
         "renamed": lambda: reg.build(ParallelLayout(world_size=4, pp=2), name="m"),
         "options": lambda: reg.build(four, name="m", timeout=30.0),
@@ -162,9 +168,23 @@ def _misuse() -> dict[str, str]:
 def test_misuse_raises_a_clear_error_on_every_rank() -> None:
     results = run_world(4, _misuse, timeout=30.0)
     for rank, out in enumerate(results):
-        assert out["disagree"].startswith("ValueError: ranks disagree on the layout to build")
-        assert "ranks [0] asked for request #0; ranks [1, 2, 3] asked for request #1" in out["disagree"]
-        assert f"this rank ({rank})" in out["disagree"]
+        assert out["disagree"].startswith("ValueError: ranks disagree on the layout to build: 'layout' differs (")
+        assert "ranks [0] asked for ParallelLayout(world_size=4, tp=4," in out["disagree"]
+        assert "ranks [1, 2, 3] asked for ParallelLayout(world_size=4, tp=2," in out["disagree"]
+        assert "'name'" not in out["disagree"] and "'timeout'" not in out["disagree"]
+        assert f"this rank is rank {rank}." in out["disagree"]
+        assert out["disagree_name"].startswith(
+            "ValueError: ranks disagree on the layout to build: 'name' differs (ranks [0] asked for 'n0'; "
+            "ranks [1, 2, 3] asked for 'n1'); this rank"
+        )
+        assert out["disagree_timeout"].startswith(
+            "ValueError: ranks disagree on the layout to build: 'timeout' differs (ranks [0, 1, 2] asked for "
+            "datetime.timedelta(seconds=60); ranks [3] asked for datetime.timedelta(seconds=30)); this rank"
+        )
+        assert out["disagree_partition"].startswith(
+            "ValueError: ranks disagree on the rank sets to create: 'rank sets' differs (ranks [0] asked for "
+            "[(0, 2), (1, 3)]; ranks [1, 2, 3] asked for [(0, 1), (2, 3)]); this rank"
+        )
         assert out["world"] == (
             "ValueError: layout 'layout-" + ParallelLayout(world_size=8, tp=2).fingerprint()
             + "' declares world_size 8 but the process group world has 4 ranks"
