@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
@@ -101,6 +102,18 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
         raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
 
 
+MAX_WORLD_SIZE: Final = 2**31 - 1
+"""The most ranks a layout may have: torch.distributed keeps ranks and world sizes in a C ``int``."""
+
+
+def _addressable(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"{attribute.name} {value} is more ranks than torch.distributed can address (at most "
+            f"{MAX_WORLD_SIZE} = 2**31 - 1: ranks are C ints)"
+        )
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class _Grid:
     """One grid (dense or expert): axis sizes in order, fastest first."""
@@ -164,7 +177,7 @@ class ParallelLayout:
     raise ``ValueError`` naming the offending size, so an invalid layout cannot exist.
     """
 
-    world_size: int = attrs.field(validator=_positive)
+    world_size: int = attrs.field(validator=[_positive, _addressable])
     tp: int = attrs.field(default=1, validator=_positive)
     cp: int = attrs.field(default=1, validator=_positive)
     pp: int = attrs.field(default=1, validator=_positive)
@@ -273,7 +286,7 @@ class ParallelLayout:
 
     def groups_of(self, rank: int) -> dict[str, RankGroup | None]:
         """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not part of)."""
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         out: dict[str, RankGroup | None] = {}
         for kind, axes in DENSE_GROUP_KINDS.items():
             out[kind] = self._dense.group_of(rank, axes)
@@ -289,7 +302,7 @@ class ParallelLayout:
     def coords(self, rank: int) -> dict[str, int]:
         """Axis -> coordinate of ``rank``: dense ``tp, gtp_remat, cp, dp, pp`` and expert ``etp, ep,
         expt_gtp_remat, expt_dp``."""
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         dense = self._dense.coords(rank)
         expert = self._expert.coords(rank)
         return {
@@ -325,9 +338,18 @@ class ParallelLayout:
             return (0,)
         return (0, self.pp - 1)
 
-    def _check_rank(self, rank: int) -> None:
+    def _check_rank(self, rank: int) -> int:
+        """``rank`` as an int; ``TypeError`` for a bool (``True`` is not rank 1) or a non-integer, ``ValueError``
+        outside the world."""
+        if isinstance(rank, bool):
+            raise TypeError(f"rank must be an integer, got the bool {rank!r}")
+        try:
+            rank = operator.index(rank)
+        except TypeError:
+            raise TypeError(f"rank must be an integer, got {rank!r} ({type(rank).__name__})") from None
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        return rank
 
     @staticmethod
     def _unknown_kind_message(kind: str) -> str:

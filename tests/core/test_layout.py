@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -378,6 +379,24 @@ def test_unknown_kind_and_rank_out_of_range() -> None:
         layout.groups_of(8)
     with pytest.raises(ValueError, match="rank -1 is outside"):
         layout.coords(-1)
+
+
+def test_a_bool_or_a_non_integer_is_not_a_rank() -> None:
+    layout = ParallelLayout(world_size=8, tp=2)
+    for query in (layout.groups_of, layout.coords):
+        with pytest.raises(TypeError, match="rank must be an integer, got the bool True"):
+            query(True)  # would read as rank 1
+        with pytest.raises(TypeError, match=r"rank must be an integer, got 1.0 \(float\)"):
+            query(1.0)  # type: ignore[arg-type]
+    assert layout.groups_of(np.int64(3)) == layout.groups_of(3)  # type: ignore[arg-type]  # any __index__
+
+
+def test_world_size_is_bounded_by_what_torch_distributed_can_address() -> None:
+    assert ParallelLayout(world_size=2**31 - 1).world_size == 2**31 - 1  # construction is arithmetic only
+    for world in (2**31, 2**62):
+        with pytest.raises(ValueError, match=rf"world_size {world} is more ranks than torch.distributed can "
+                           r"address \(at most 2147483647 = 2\*\*31 - 1: ranks are C ints\)"):
+            ParallelLayout(world_size=world)
 
 
 def test_every_order_permutation_is_consistent_with_the_oracle() -> None:
