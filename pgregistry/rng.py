@@ -240,6 +240,22 @@ def tracker_seeds(
     more than one rank. Pure arithmetic: :func:`model_parallel_manual_seed` and :func:`seed_plan` both use it.
     """
     _check_seed(seed, "the base seed")
+    return _offset_seeds(
+        seed, tp_rank, ep_rank, etp_rank, gtp_remat_rank, gtp_remat_size, expt_gtp_remat_rank, expt_gtp_remat_size
+    )
+
+
+def _offset_seeds(
+    seed: int,
+    tp_rank: int,
+    ep_rank: int,
+    etp_rank: int,
+    gtp_remat_rank: int,
+    gtp_remat_size: int,
+    expt_gtp_remat_rank: int,
+    expt_gtp_remat_size: int,
+) -> dict[str, int]:
+    """:func:`tracker_seeds` without the range check, for :func:`check_seed_plan` to report what is out of range."""
     model_seed = seed + _MODEL_PARALLEL_OFFSET + tp_rank
     expert_seed = seed + _EXPERT_PARALLEL_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + etp_rank
     seeds = {DATA_PARALLEL_RNG: seed, MODEL_PARALLEL_RNG: model_seed, EXPERT_PARALLEL_RNG: expert_seed}
@@ -354,29 +370,27 @@ def _rank_seeds(
     for rank in range(layout.world_size):
         coords = layout.coords(rank)
         base = _base_seed(seed, coords["pp"], coords["dp"], data_parallel_random_init)
-        yield rank, coords, tracker_seeds(
-            base,
-            tp_rank=coords["tp"],
-            ep_rank=coords["ep"],
-            etp_rank=coords["etp"],
-            gtp_remat_rank=coords["gtp_remat"],
-            gtp_remat_size=sizes["gtp_remat"],
-            expt_gtp_remat_rank=coords["expt_gtp_remat"],
-            expt_gtp_remat_size=sizes["expt_gtp_remat"],
+        # Unchecked: a base seed pushed past 2**64 by the pipeline offset is reported by check_seed_plan.
+        yield rank, coords, _offset_seeds(
+            base, coords["tp"], coords["ep"], coords["etp"], coords["gtp_remat"], sizes["gtp_remat"],
+            coords["expt_gtp_remat"], sizes["expt_gtp_remat"],
         )
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class SeedCollision:
-    """Two RNG streams that must differ but get one seed.
+    """A seed plan that cannot work: two RNG streams that must differ but get one seed, or a seed out of range.
 
     ``kind`` is ``"across_ranks"``: ranks whose coordinates ``axes`` differ (so their ``tracker`` streams must
     differ) share ``seed``; ``ranks`` holds one rank per distinct coordinate tuple (``coords``, in ``axes``
     order). Or ``"within_rank"``: on each of ``ranks`` the ``trackers`` share ``seed``, which
-    :meth:`RNGStatesTracker.add` refuses at start-up; ``axes`` and ``coords`` are then empty.
+    :meth:`RNGStatesTracker.add` refuses at start-up; ``axes`` and ``coords`` are then empty. Or
+    ``"out_of_range"``: on each of ``ranks`` the tracker ``trackers[0]`` gets a seed outside ``[0, 2**64)`` (the
+    base seed plus Megatron-Core's offsets), which :func:`model_parallel_manual_seed` refuses; ``seed`` is the one
+    of the first such rank.
     """
 
-    kind: Literal["across_ranks", "within_rank"]
+    kind: Literal["across_ranks", "within_rank", "out_of_range"]
     seed: int
     trackers: tuple[str, ...]
     ranks: tuple[int, ...]
@@ -385,9 +399,14 @@ class SeedCollision:
 
     def describe(self) -> str:
         """One line for people."""
-        if self.kind == "within_rank":
+        if self.kind != "across_ranks":
             shown = ", ".join(map(str, self.ranks[:8])) + (", ..." if len(self.ranks) > 8 else "")
             where = f"rank {shown}" if len(self.ranks) == 1 else f"each of ranks {shown} ({len(self.ranks)} ranks)"
+            if self.kind == "out_of_range":
+                return (
+                    f"seed {self.seed} of tracker {self.trackers[0]} on {where} is outside [0, 2**64), which "
+                    "model_parallel_manual_seed refuses: use a smaller seed"
+                )
             return f"seed {self.seed} is used by trackers {', '.join(self.trackers)} on {where}"
         pairs = "; ".join(
             f"rank {rank} ({', '.join(f'{a}={c}' for a, c in zip(self.axes, coords, strict=True))})"
@@ -412,9 +431,10 @@ def check_seed_plan(
 ) -> list[SeedCollision]:
     """Every seed collision of :func:`seed_plan` (empty when there is none), without any process group.
 
-    Two kinds are reported (:class:`SeedCollision`): ranks that must draw differently on a tracker (the
-    coordinates of ``_STREAM_AXES`` differ) but get one seed for it, grouped by tracker and seed; and trackers
-    that share a seed on one rank, grouped by the trackers and seed over every rank where it happens.
+    Three kinds are reported (:class:`SeedCollision`): ranks that must draw differently on a tracker (the
+    coordinates of ``_STREAM_AXES`` differ) but get one seed for it, grouped by tracker and seed; trackers
+    that share a seed on one rank, grouped by the trackers and seed over every rank where it happens; and
+    trackers whose seed leaves ``[0, 2**64)`` on some ranks, grouped by tracker.
     """
     extra = ("dp",) if data_parallel_random_init else ()
     axes = {tracker: tracker_axes + extra for tracker, tracker_axes in _STREAM_AXES.items()}
@@ -422,9 +442,13 @@ def check_seed_plan(
     streams: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
     # (trackers, seed) -> ranks
     shared: dict[tuple[tuple[str, ...], int], list[int]] = {}
+    # tracker -> (first seed out of range, ranks)
+    out_of_range: dict[str, tuple[int, list[int]]] = {}
     for rank, coords, seeds in _rank_seeds(layout, seed, data_parallel_random_init):
         by_seed: dict[int, list[str]] = {}
         for tracker, tracker_seed in seeds.items():
+            if not 0 <= tracker_seed < _MAX_SEED:
+                out_of_range.setdefault(tracker, (tracker_seed, []))[1].append(rank)
             key = tuple(coords[a] for a in axes[tracker])
             streams.setdefault((tracker, tracker_seed), {}).setdefault(key, rank)
             by_seed.setdefault(tracker_seed, []).append(tracker)
@@ -446,5 +470,9 @@ def check_seed_plan(
     collisions.extend(
         SeedCollision(kind="within_rank", seed=tracker_seed, trackers=trackers, ranks=tuple(ranks))
         for (trackers, tracker_seed), ranks in shared.items()
+    )
+    collisions.extend(
+        SeedCollision(kind="out_of_range", seed=first_seed, trackers=(tracker,), ranks=tuple(ranks))
+        for tracker, (first_seed, ranks) in out_of_range.items()
     )
     return collisions
