@@ -275,6 +275,20 @@ class ParallelLayout:
             return self._dense.all_groups("pp")[:, list(self._pipeline_edges(kind))]
         raise ValueError(self._unknown_kind_message(kind))
 
+    def group_shape(self, kind: str) -> tuple[int, int]:
+        """``(number of groups, ranks per group)`` of ``kind``: the shape of :meth:`groups_tensor`, by arithmetic
+        alone, so a caller can size what enumerating a huge layout would take before doing it."""
+        if kind in _PIPELINE_EDGE_KINDS:
+            return self.world_size // self.pp, len(self._pipeline_edges(kind))
+        if kind in DENSE_GROUP_KINDS:
+            grid, axes = self._dense, DENSE_GROUP_KINDS[kind]
+        elif kind in EXPERT_GROUP_KINDS:
+            grid, axes = self._expert, EXPERT_GROUP_KINDS[kind]
+        else:
+            raise ValueError(self._unknown_kind_message(kind))
+        size = math.prod(s for s, masked in zip(grid.sizes, grid.mask(axes), strict=True) if masked)
+        return self.world_size // size, size
+
     def groups(self, kind: str) -> tuple[RankGroup, ...]:
         """Every group of ``kind``, each a tuple of ranks in grid order.
 

@@ -413,3 +413,13 @@ def test_every_order_permutation_is_consistent_with_the_oracle() -> None:
         layout = ParallelLayout(world_size=16, **kw)  # type: ignore[arg-type]
         assert {k: _as_lists(layout.groups(k)) for k in GROUP_KINDS} == expected, order
         assert len(layout.groups("dp")[0]) == layout.dp
+
+
+@pytest.mark.parametrize("kw", _SAMPLE_LAYOUTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_group_shape_is_the_enumerated_shape(kw: dict[str, object]) -> None:
+    layout = ParallelLayout(**kw)  # type: ignore[arg-type]
+    for kind in GROUP_KINDS:
+        groups = layout.groups(kind)
+        assert layout.group_shape(kind) == (len(groups), len(groups[0])), kind
+    with pytest.raises(ValueError, match="unknown group kind 'dp_pc'"):
+        layout.group_shape("dp_pc")
