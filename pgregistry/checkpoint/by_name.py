@@ -109,6 +109,15 @@ def _split_optimizer_key(key: str) -> tuple[str, str]:
     return name, state_key
 
 
+def _param_name_of_key(key: str) -> str | None:
+    """The parameter a flat key stores (``model/<name>``, ``optimizer/<name>/<state key>``); None for another key."""
+    if key.startswith(_MODEL):
+        return key[len(_MODEL) :]
+    if key.startswith(_OPTIMIZER) and "/" in key[len(_OPTIMIZER) :]:
+        return _split_optimizer_key(key)[0]
+    return None
+
+
 def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys."""
     out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}

@@ -1,11 +1,22 @@
 """One ``torch.save`` file per rank in a directory; the loader memory-maps every file and takes what it needs.
 
 Files are ``<prefix><rank>.pt`` (``rank-`` for parameters, ``optimizer-rank-`` for sharded optimizer state),
-each stamped with the format and the world of its save, so a directory mixing two saves is refused.
+each stamped with the format and the world of its save, so a directory mixing two saves is refused. What a user
+saved is never lost or half-written:
+
+* a save into a directory already holding ``<prefix><rank>.pt`` files is refused on every rank before any rank
+  writes, so an earlier checkpoint is never overwritten file by file;
+* each file is written under a temporary name, flushed to disk and renamed, so a crash leaves no truncated file
+  under a checkpoint's name;
+* a file that cannot be read (truncated, corrupt, not a checkpoint) is named in the error;
+* loading is strict: a parameter of the checkpoint that no rank's model holds (an 8-expert checkpoint loaded
+  into a 4-expert model, an unrelated extra key) is an error naming it, as is one the model lacks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry.checkpoint.by_name import Optimizer, _apply, _flat_state, _model
+from pgregistry.checkpoint.by_name import Optimizer, _apply, _flat_state, _model, _param_name_of_key
 from pgregistry.collection import ProcessGroupCollection
+from pgregistry.grad_stats import backend_device
 
 __all__ = ["load_rank_files", "save_rank_files"]
 
@@ -31,6 +43,18 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def _max_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over every rank (``values`` itself outside a distributed world).
+
+    Every rank must call it with as many values; the checks built on it therefore raise on every rank alike.
+    """
+    if _world()[1] == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64, device=backend_device(None))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
 def save_rank_files(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
@@ -42,20 +66,84 @@ def save_rank_files(
 ) -> Path:
     """Write this rank's share (each tensor once over all ranks) to ``directory/rank-<rank>.pt``.
 
-    Every rank must call it, with a fresh directory per checkpoint: :func:`load_rank_files` refuses a directory
-    whose files come from different saves. Returns the file written.
+    Collective: every rank must call it, with a fresh directory per checkpoint. A directory that already holds
+    ``rank-<rank>.pt`` files is refused (``ValueError`` on every rank, nothing written): remove the old checkpoint
+    first or save elsewhere. Returns the file written.
     """
     model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_rank_files")
     return _write_rank_file(directory, _PARAMS_FILE, _flat_state(model, optimizer, primary_only=True))
 
 
 def _write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
-    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world."""
+    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world.
+
+    Collective (:func:`_refuse_existing`); the file appears under its name only once completely on disk.
+    """
     rank, world_size = _world()
-    path = Path(directory) / f"{prefix}{rank:05d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"format": _FORMAT, "rank": rank, "world_size": world_size, "state": content}, path)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _refuse_existing(directory, prefix)
+    path = directory / f"{prefix}{rank:05d}.pt"
+    partial = directory / f".{path.name}.partial-{os.getpid()}"
+    try:
+        with open(partial, "wb") as file:
+            torch.save({"format": _FORMAT, "rank": rank, "world_size": world_size, "state": content}, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    _fsync_directory(directory)
     return path
+
+
+def _refuse_existing(directory: Path, prefix: str) -> None:
+    """``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in ``directory``.
+
+    Every rank looks before any rank writes (the look is followed by one all-reduce), so ranks of the save
+    itself are never mistaken for an old checkpoint.
+    """
+    found = _rank_file_paths(directory, prefix)
+    if _max_over_ranks([len(found)])[0] == 0:
+        return
+    seen = f"e.g. {', '.join(p.name for p in found[:3])}" if found else "seen by another rank"
+    raise ValueError(
+        f"{directory} already holds a checkpoint ({prefix}<rank>.pt files, {seen}); pgregistry does not "
+        "overwrite one: save to a new directory, or remove the old checkpoint first"
+    )
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the renames in ``directory`` durable (where the platform lets a directory be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _rank_file_paths(directory: Path, prefix: str) -> list[Path]:
+    pattern = re.compile(re.escape(prefix) + r"[0-9]{5}\.pt")
+    return sorted(p for p in directory.iterdir() if pattern.fullmatch(p.name))
+
+
+def _load_payload(path: Path) -> dict[str, Any]:
+    """The payload of one rank file (memory-mapped); ``ValueError`` naming the file when it cannot be read."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file; all name it now
+        raise ValueError(
+            f"cannot read checkpoint file {path} (truncated, corrupt or not a pgregistry rank file): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(payload, dict) or not {"format", "rank", "world_size", "state"} <= payload.keys():
+        raise ValueError(f"{path} is not a pgregistry rank file (no format/rank/world_size/state record)")
+    return payload
 
 
 def _read_rank_contents(directory: Path, prefix: str) -> list[tuple[Path, Any]]:
@@ -63,11 +151,10 @@ def _read_rank_contents(directory: Path, prefix: str) -> list[tuple[Path, Any]]:
 
     ``ValueError`` unless the files are those of every rank of one save, in this format.
     """
-    pattern = re.compile(re.escape(prefix) + r"[0-9]{5}\.pt")
-    files = sorted(p for p in directory.iterdir() if pattern.fullmatch(p.name))
+    files = _rank_file_paths(directory, prefix)
     if not files:
         raise ValueError(f"no {prefix}<rank>.pt files in {directory}")
-    payloads = [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in files]
+    payloads = [_load_payload(p) for p in files]
     world_sizes = {payload["world_size"] for payload in payloads}
     ranks = sorted(payload["rank"] for payload in payloads)
     if len(world_sizes) != 1 or ranks != list(range(next(iter(world_sizes)))):
@@ -99,10 +186,45 @@ def load_rank_files(
     pg_collection: ProcessGroupCollection | None = None,
     num_experts: int | None = None,
     layer_offsets: Sequence[int] | None = None,
+    strict: bool = True,
 ) -> None:
     """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files of any layout.
 
-    ``ValueError`` when a parameter is missing, a key is stored twice or the files mix checkpoints.
+    Collective in a distributed world: every rank must call it, on the same directory. ``ValueError`` on every
+    rank, before anything is copied, when a parameter of a rank's model is missing from the checkpoint, or (with
+    ``strict``, the default) when the checkpoint holds a parameter no rank's model holds or a key that is no
+    parameter: loading experts 0-7 into a model of 4 experts, or a checkpoint of another model, is never a partial
+    success. ``strict=False`` loads a subset on purpose, ignoring those keys. Also ``ValueError`` when a key is
+    stored twice, the files mix checkpoints, or a file cannot be read (the file is named).
     """
     model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_rank_files")
-    _apply(model, optimizer, _read_rank_files(Path(directory)))
+    stored = _read_rank_files(Path(directory))
+    _check_keys_over_ranks(Path(directory), stored, set(model.params), strict)
+    _apply(model, optimizer, stored)
+
+
+def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], held: set[str], strict: bool) -> None:
+    """Raise on every rank unless each rank's parameters are all stored and (``strict``) each stored parameter
+    is held by some rank. One all-reduce of a flag per stored key (every rank reads the same files), plus a
+    digest of the key list, so ranks given different directories are refused too."""
+    keys = sorted(stored)
+    names = [_param_name_of_key(key) for key in keys]
+    missing = sorted(held - {name for name in names if name is not None})
+    digest = int(hashlib.sha256("\n".join(keys).encode()).hexdigest()[:15], 16)
+    mine = [int(name in held) for name in names]
+    union = _max_over_ranks([*mine, len(missing), digest, -digest])
+    used, any_missing, largest, smallest = union[: len(keys)], union[-3], union[-2], -union[-1]
+    if largest != smallest:
+        raise ValueError(f"ranks read different checkpoints: every rank must load the same directory ({directory})")
+    if any_missing:
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5])
+            raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
+        raise ValueError(f"the checkpoint {directory} lacks parameters of another rank's model (see its error)")
+    unexpected = [key for key, flag in zip(keys, used, strict=True) if not flag]
+    if strict and unexpected:
+        shown = ", ".join(repr(k) for k in unexpected[:5])
+        raise ValueError(
+            f"the checkpoint {directory} holds {len(unexpected)} keys no rank's model has, e.g. {shown} (another "
+            "model, or more experts than this model's?); pass strict=False to load a subset on purpose"
+        )

@@ -1,0 +1,200 @@
+"""Rank-file checkpoints load exactly what they should and are never destroyed or half-written.
+
+Before: an 8-expert checkpoint loaded into a 4-expert model silently dropped experts 4-7 (and any unrelated extra
+key); a save into a directory holding another checkpoint overwrote its rank files; a save that failed half-way
+left a truncated rank file under the checkpoint's name; a truncated file gave a torch error naming no file.
+Multi-rank cases run in real gloo worlds, where a check must raise on every rank alike (none may hang).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pgregistry import ParallelLayout, ProcessGroupCollection
+from pgregistry.checkpoint import load_rank_files, save_rank_files
+from pgregistry.registry import attach, build
+from pgregistry.testing import run_world
+
+_OFF: dict[str, Any] = dict(
+    ep=None, dp_cp=None, expt_dp=None, tp=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None
+)
+
+
+class _MoE(nn.Module):
+    """A dense norm and ``num_experts // ep_size`` local experts, numbered from 0 on each EP rank."""
+
+    def __init__(self, num_experts: int, ep_size: int = 1, *, extra: bool = False) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.norm = nn.LayerNorm(2)
+        self.experts = nn.Module()
+        self.experts.local_experts = nn.ModuleList(nn.Linear(2, 2) for _ in range(num_experts // ep_size))
+        if extra:
+            self.extra = nn.Linear(2, 1)
+
+
+def _filled(model: nn.Module, value: float) -> nn.Module:
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            param.fill_(value + index)
+    return model
+
+
+def _alone(model: nn.Module) -> nn.Module:
+    attach(model, ProcessGroupCollection(**_OFF))
+    return model
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def test_more_experts_than_the_model_has_is_an_error_naming_them(tmp_path: Path) -> None:
+    save_rank_files(tmp_path, _alone(_filled(_MoE(8), 1.0)))
+    four = _alone(_filled(_MoE(4), -5.0))
+    before = _snapshot(four)
+    with pytest.raises(ValueError, match=r"holds 8 keys no rank's model has, e\.g\. 'model/experts\.local_experts"
+                       r"\.4\.bias', 'model/experts\.local_experts\.4\.weight'.*strict=False"):
+        load_rank_files(tmp_path, four)
+    after = _snapshot(four)
+    assert all(torch.equal(before[name], after[name]) for name in before)  # nothing copied before the refusal
+    # The explicit opt-out loads the subset the model has.
+    load_rank_files(tmp_path, four, strict=False)
+    eight = _filled(_MoE(8), 1.0)
+    whole = dict(eight.named_parameters())
+    for name, param in four.named_parameters():
+        assert torch.equal(param, whole[name]), name
+
+
+def test_unrelated_extra_keys_are_an_error_naming_them(tmp_path: Path) -> None:
+    save_rank_files(tmp_path / "extra-param", _alone(_MoE(2, extra=True)))
+    with pytest.raises(ValueError, match=r"holds 2 keys no rank's model has, e\.g\. 'model/extra\.bias', "
+                       r"'model/extra\.weight'"):
+        load_rank_files(tmp_path / "extra-param", _alone(_MoE(2)))
+    # A key that is no parameter at all, stored beside the model's.
+    save_rank_files(tmp_path / "extra-key", _alone(_MoE(2)))
+    path = tmp_path / "extra-key" / "rank-00000.pt"
+    payload = torch.load(path, weights_only=True)
+    payload["state"]["notes/step"] = torch.tensor(3)
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match=r"holds 1 keys no rank's model has, e\.g\. 'notes/step'"):
+        load_rank_files(tmp_path / "extra-key", _alone(_MoE(2)))
+    load_rank_files(tmp_path / "extra-key", _alone(_MoE(2)), strict=False)
+
+
+def test_a_missing_parameter_is_still_an_error_with_strict_off(tmp_path: Path) -> None:
+    save_rank_files(tmp_path, _alone(_MoE(2)))
+    with pytest.raises(ValueError, match=r"lacks 2 of this rank's parameters, e\.g\. 'extra\.bias'"):
+        load_rank_files(tmp_path, _alone(_MoE(2, extra=True)), strict=False)
+
+
+def test_saving_over_another_checkpoint_is_refused_and_leaves_it_intact(tmp_path: Path) -> None:
+    first = _alone(_filled(_MoE(2), 1.0))
+    save_rank_files(tmp_path, first)
+    stored = (tmp_path / "rank-00000.pt").read_bytes()
+    with pytest.raises(ValueError, match=rf"{tmp_path} already holds a checkpoint \(rank-<rank>\.pt files, e\.g\. "
+                       r"rank-00000\.pt\); pgregistry does not overwrite one"):
+        save_rank_files(tmp_path, _alone(_filled(_MoE(2), 9.0)))
+    assert (tmp_path / "rank-00000.pt").read_bytes() == stored
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-00000.pt"]
+    reloaded = _alone(_MoE(2))
+    load_rank_files(tmp_path, reloaded)
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.parameters(), first.parameters(), strict=True))
+
+
+class _Unpicklable:
+    def __reduce__(self) -> Any:
+        raise RuntimeError("cannot pickle this state")
+
+
+def test_a_save_that_fails_half_way_leaves_no_file_under_the_checkpoints_name(tmp_path: Path) -> None:
+    model = _alone(_MoE(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Optimizer state after the tensors: torch.save has written part of the file when pickling fails.
+    last = list(model.parameters())[-1]
+    optimizer.state[last] = {"momentum_buffer": torch.zeros(2), "zz_bad": _Unpicklable()}
+    with pytest.raises(RuntimeError, match="cannot pickle this state"):
+        save_rank_files(tmp_path, model, optimizer)
+    assert list(tmp_path.iterdir()) == []  # no rank file, no temporary file
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "not a rank file"])
+def test_a_damaged_rank_file_is_named(tmp_path: Path, damage: str) -> None:
+    save_rank_files(tmp_path, _alone(_MoE(2)))
+    path = tmp_path / "rank-00000.pt"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00not a checkpoint" * 10)
+    else:
+        torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match=rf"{path}"):
+        load_rank_files(tmp_path, _alone(_MoE(2)))
+
+
+# ------------------------------------------------------------------------------------------------ 2 ranks, EP 2
+
+
+def _save_then_load(save_to: str, experts_on_load: int, extra_on_rank: int | None) -> str:
+    warnings.simplefilter("error")
+    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    saved = _filled(_MoE(8, ep_size=2), 1.0 + dist.get_rank())
+    attach(saved, pgc)
+    save_rank_files(save_to, saved)
+    loaded = _MoE(experts_on_load, ep_size=2, extra=extra_on_rank == dist.get_rank())
+    attach(loaded, pgc)
+    try:
+        load_rank_files(save_to, loaded)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    names = dict(loaded.named_parameters())
+    first = dist.get_rank() * 4  # this rank's experts are global experts 4r .. 4r+3
+    ok = all(torch.equal(names[f"experts.local_experts.{i}.weight"], saved.experts.local_experts[i].weight)
+             for i in range(4))
+    return f"loaded experts {first}-{first + 3}" if ok else "wrong values"
+
+
+def test_ep_ranks_together_hold_the_whole_checkpoint(tmp_path: Path) -> None:
+    assert run_world(2, _save_then_load, str(tmp_path), 8, None) == ["loaded experts 0-3", "loaded experts 4-7"]
+
+
+def test_a_smaller_expert_model_is_refused_on_every_rank(tmp_path: Path) -> None:
+    results = run_world(2, _save_then_load, str(tmp_path), 4, None)  # 2 local experts per rank: 4 in all
+    for message in results:
+        assert message.startswith("ValueError: the checkpoint ") and "holds 8 keys no rank's model has" in message
+        assert "'model/experts.local_experts.4.bias'" in message
+
+
+def test_a_parameter_missing_on_one_rank_raises_on_every_rank_without_a_hang(tmp_path: Path) -> None:
+    results = run_world(2, _save_then_load, str(tmp_path), 8, 1, timeout=60.0)
+    assert results[1].startswith("ValueError: the checkpoint lacks 2 of this rank's parameters, e.g. 'extra.bias'")
+    assert results[0] == (
+        f"ValueError: the checkpoint {tmp_path} lacks parameters of another rank's model (see its error)"
+    )
+
+
+def _save_twice(directory: str) -> str:
+    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    model = _MoE(8, ep_size=2)
+    attach(model, pgc)
+    save_rank_files(directory, model)
+    try:
+        save_rank_files(directory, model)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    return "saved twice"
+
+
+def test_saving_over_another_checkpoint_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for message in run_world(2, _save_twice, str(tmp_path)):
+        assert message.startswith(f"ValueError: {tmp_path} already holds a checkpoint (rank-<rank>.pt files, e.g. ")
