@@ -89,6 +89,12 @@ def _resolved(
     named = named_parameters_of(model_or_params)  # consumes an iterator, once
     collection = resolve_collection(pg_collection, chunks or None, owner=owner)
     check_expert_classification(chunks or dict(named), collection)
+    for name, param in named:
+        if param.grad is not None and param.grad.layout != torch.strided:
+            raise TypeError(
+                f"the grad of {name!r} is {param.grad.layout} (e.g. from nn.Embedding(sparse=True)); grad statistics "
+                "need dense (torch.strided) grads"
+            )
     return collection, StatsGroups.from_collection(collection), named
 
 
@@ -219,12 +225,16 @@ def clip_grad_norm_(
     pg_collection: ProcessGroupCollection | None,
     *,
     norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Clip the grads of ``params`` in place to a global norm of ``max_norm``; return the norm before clipping.
 
     Every grad is scaled, the duplicates too, so replicas stay identical; a DTensor grad through its local tensor.
+    A NaN or infinite norm scales nothing (the returned norm says so; skip the step) or, with
+    ``error_if_nonfinite``, raises ``RuntimeError`` on every rank (the norm is the same everywhere):
+    :func:`~pgregistry.grad_stats.clip_grads_`.
     """
     classified = _classified(params, pg_collection, "clip_grad_norm_")
     total = norm_of_classified(classified, norm_type)
-    clip_grads_(classified.local_grads, max_norm, total)
+    clip_grads_(classified.local_grads, max_norm, total, error_if_nonfinite=error_if_nonfinite)
     return total

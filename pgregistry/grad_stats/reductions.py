@@ -107,18 +107,33 @@ def _one_read_split(
 
 
 def clip_grads_(
-    grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor | float
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor | float,
+    *,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` where that is below 1.
 
     The coefficient is clamped at 1 as a tensor, so nothing waits on the device; scaling by exactly 1 leaves a
-    grad unchanged. Returns the clamped coefficient (a 0-dim float32 tensor).
+    grad unchanged. A NaN or infinite ``total_norm`` (an overflow, one NaN grad anywhere in the world) leaves
+    every grad unscaled: its coefficient would be NaN, or 0 for an infinite norm, and would poison or erase the
+    finite grads too; the caller sees the non-finite norm and skips the step. With ``error_if_nonfinite`` (as in
+    ``torch.nn.utils.clip_grad_norm_``) a non-finite norm raises ``RuntimeError`` instead, which waits for the
+    norm on the host. Returns the coefficient applied (a 0-dim float32 tensor).
     """
     if not max_norm > 0 or math.isinf(max_norm):
         raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
     device = grads[0].device if grads else _tensor_device(total_norm)
     norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
-    coeff = torch.clamp(max_norm / (norm + CLIP_EPSILON), max=1.0)
+    finite = torch.isfinite(norm)
+    if error_if_nonfinite and not bool(finite):
+        raise RuntimeError(
+            f"the total grad norm is {float(norm)}, not finite, so the grads cannot be clipped (they are left as "
+            "they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+        )
+    clipped = torch.clamp(max_norm / (norm + CLIP_EPSILON), max=1.0)
+    coeff = torch.where(finite, clipped, torch.ones_like(clipped))
     for (grad_device, _), same_kind in _by_kind(grads).items():
         torch._foreach_mul_(same_kind, coeff.to(grad_device))
     return coeff

@@ -257,10 +257,15 @@ class FlatOptimizer(abc.ABC):
         """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates included."""
         return [self.buffer.data]
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping."""
+    def clip_grad_norm(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping.
+
+        A NaN or infinite norm scales nothing, or raises with ``error_if_nonfinite``
+        (:func:`~pgregistry.grad_stats.clip_grads_`)."""
         total = self.get_grad_norm(norm_type)
-        clip_grads_(self.grads_to_clip(), max_norm, total)
+        clip_grads_(self.grads_to_clip(), max_norm, total, error_if_nonfinite=error_if_nonfinite)
         return total
 
     # ------------------------------------------------------------------------------------------- steps

@@ -78,10 +78,15 @@ class ChainedOptimizer:
         stats = [child.get_grad_norm_and_zeros(norm_type) for child in self.chained_optimizers]
         return combine_norms([n for n, _ in stats], norm_type), torch.stack([z for _, z in stats]).sum()
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale every child's grads by ``max_norm / (norm + 1e-6)`` when below 1; return the total norm."""
+    def clip_grad_norm(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Scale every child's grads by ``max_norm / (norm + 1e-6)`` when below 1; return the total norm.
+
+        A NaN or infinite norm scales nothing, or raises with ``error_if_nonfinite``."""
         total = self.get_grad_norm(norm_type)
-        clip_grads_([g for child in self.chained_optimizers for g in child.grads_to_clip()], max_norm, total)
+        grads = [g for child in self.chained_optimizers for g in child.grads_to_clip()]
+        clip_grads_(grads, max_norm, total, error_if_nonfinite=error_if_nonfinite)
         return total
 
     @property
