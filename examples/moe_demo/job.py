@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -447,6 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_writable(path: Path) -> None:
+    """``ValueError`` unless ``path`` can be written: checked before the run, not after minutes of it."""
+    if path.is_dir():
+        raise ValueError(f"--json {path} is a directory; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--json {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--json {path} is not writable")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the demo; exit code 0 when every check passed, 1 when one failed, 2 for bad sizes."""
     from examples.moe_demo.model import ToyMoEConfig
@@ -465,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ParallelLayout(world_size=config.world_size, tp=tp, ep=ep, etp=1)
             if num_experts % ep:
                 raise ValueError(f"the demo model's {num_experts} experts do not split over EP {ep}")
+        if args.json is not None:
+            _check_writable(Path(args.json))
     except ValueError as exc:
         print(f"moe_demo: error: {exc}", file=sys.stderr)
         return 2

@@ -63,3 +63,18 @@ def test_runs_as_a_module_from_the_repository_root() -> None:
         timeout=120,
     )
     assert (done.returncode, done.stderr.strip()) == (2, "moe_demo: error: --steps must be at least 1, got 0")
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("missing/out.json", "directory {tmp}/missing does not exist"), (".", "--json {tmp} is a directory")],
+)
+def test_an_unwritable_json_path_is_refused_before_the_run(
+    tmp_path: Path, where: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The path used to be checked only after the whole run, which then died on the write."""
+    path = (tmp_path / where).resolve() if where == "." else tmp_path / where
+    assert main(["--steps", "1", "--json", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert message.format(tmp=tmp_path) in captured.err
+    assert captured.out == ""  # nothing ran
