@@ -26,7 +26,8 @@ def add_command(subparsers: Subparsers) -> None:
         description=(
             "Compute the seeds every rank's RNG trackers get (Megatron-Core's formulas, pipeline and optional "
             "data-parallel offsets included) from the layout alone, without process groups. With --check, "
-            "report seeds shared by streams that must differ and exit 1 when there are any."
+            "report seeds shared by streams that must differ, and seeds outside [0, 2**64) that "
+            "model_parallel_manual_seed refuses, and exit 1 when there are any."
         ),
     )
     add_layout_arguments(parser)
@@ -36,7 +37,9 @@ def add_command(subparsers: Subparsers) -> None:
         action="store_true",
         help="add 10 * dp_rank to the base seed (data-parallel replicas initialised differently)",
     )
-    parser.add_argument("--check", action="store_true", help="report collisions; exit 1 when any is found")
+    parser.add_argument(
+        "--check", action="store_true", help="report collisions and out-of-range seeds; exit 1 when any is found"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=_run)
 
