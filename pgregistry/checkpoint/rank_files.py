@@ -77,24 +77,40 @@ def save_rank_files(
 def _write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
     """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world.
 
-    Collective (:func:`_refuse_existing`); the file appears under its name only once completely on disk.
+    Collective: refuses an existing checkpoint first (:func:`_refuse_existing`) and returns once every rank's file
+    is in place; each file appears under its name only once completely on disk, and when any rank fails to write,
+    every rank removes its file and raises.
     """
     rank, world_size = _world()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _refuse_existing(directory, prefix)
     path = directory / f"{prefix}{rank:05d}.pt"
-    partial = directory / f".{path.name}.partial-{os.getpid()}"
+    try:
+        _write_atomically(path, {"format": _FORMAT, "rank": rank, "world_size": world_size, "state": content})
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised here
+        error = exc
+    if _max_over_ranks([int(error is not None)])[0]:  # also the barrier: every file is in place on return
+        path.unlink(missing_ok=True)  # a save that failed anywhere leaves none of its files
+        if error is not None:
+            raise error
+        raise RuntimeError(f"another rank failed to write its file of the checkpoint in {directory} (see its error)")
+    return path
+
+
+def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
+    """``torch.save`` to a temporary name beside ``path``, flush it to disk, rename it to ``path``."""
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         with open(partial, "wb") as file:
-            torch.save({"format": _FORMAT, "rank": rank, "world_size": world_size, "state": content}, file)
+            torch.save(payload, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    _fsync_directory(directory)
-    return path
+    _fsync_directory(path.parent)
 
 
 def _refuse_existing(directory: Path, prefix: str) -> None:
@@ -198,30 +214,44 @@ def load_rank_files(
     stored twice, the files mix checkpoints, or a file cannot be read (the file is named).
     """
     model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_rank_files")
-    stored = _read_rank_files(Path(directory))
+    stored = _read_on_every_rank(Path(directory))
     _check_keys_over_ranks(Path(directory), stored, set(model.params), strict)
     _apply(model, optimizer, stored)
 
 
+def _read_on_every_rank(directory: Path) -> dict[str, Any]:
+    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint or reads another
+    one than its peers (one all-reduce of a failure flag and a digest of the keys read), so that no rank waits in
+    a later collective for a rank that has already raised."""
+    try:
+        stored, error = _read_rank_files(directory), None
+    except ValueError as exc:
+        stored, error = {}, exc
+    digest = int(hashlib.sha256("\n".join(sorted(stored)).encode()).hexdigest()[:15], 16)
+    failed, largest, negated_smallest = _max_over_ranks([int(error is not None), digest, -digest])
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"another rank could not read the checkpoint {directory} (see its error)")
+    if largest != -negated_smallest:
+        raise ValueError(f"ranks read different checkpoints: every rank must load the same directory ({directory})")
+    return stored
+
+
 def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], held: set[str], strict: bool) -> None:
     """Raise on every rank unless each rank's parameters are all stored and (``strict``) each stored parameter
-    is held by some rank. One all-reduce of a flag per stored key (every rank reads the same files), plus a
-    digest of the key list, so ranks given different directories are refused too."""
+    is held by some rank: one all-reduce of a flag per stored key (every rank read the same keys, checked by
+    :func:`_read_on_every_rank`) and of whether a rank misses parameters."""
     keys = sorted(stored)
     names = [_param_name_of_key(key) for key in keys]
     missing = sorted(held - {name for name in names if name is not None})
-    digest = int(hashlib.sha256("\n".join(keys).encode()).hexdigest()[:15], 16)
-    mine = [int(name in held) for name in names]
-    union = _max_over_ranks([*mine, len(missing), digest, -digest])
-    used, any_missing, largest, smallest = union[: len(keys)], union[-3], union[-2], -union[-1]
-    if largest != smallest:
-        raise ValueError(f"ranks read different checkpoints: every rank must load the same directory ({directory})")
-    if any_missing:
+    union = _max_over_ranks([*(int(name in held) for name in names), len(missing)])
+    if union[-1]:
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5])
             raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
         raise ValueError(f"the checkpoint {directory} lacks parameters of another rank's model (see its error)")
-    unexpected = [key for key, flag in zip(keys, used, strict=True) if not flag]
+    unexpected = [key for key, used in zip(keys, union, strict=False) if not used]
     if strict and unexpected:
         shown = ", ".join(repr(k) for k in unexpected[:5])
         raise ValueError(

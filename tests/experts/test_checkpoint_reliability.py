@@ -198,3 +198,51 @@ def _save_twice(directory: str) -> str:
 def test_saving_over_another_checkpoint_is_refused_on_every_rank(tmp_path: Path) -> None:
     for message in run_world(2, _save_twice, str(tmp_path)):
         assert message.startswith(f"ValueError: {tmp_path} already holds a checkpoint (rank-<rank>.pt files, e.g. ")
+
+
+def _save_failing_on_rank_one(directory: str) -> str:
+    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    model = _MoE(8, ep_size=2)
+    attach(model, pgc)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if dist.get_rank() == 1:
+        optimizer.state[model.experts.local_experts[3].bias] = {"zz_bad": _Unpicklable()}
+    try:
+        save_rank_files(directory, model, optimizer)
+    except RuntimeError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_save_failing_on_one_rank_fails_every_rank_and_leaves_no_file(tmp_path: Path) -> None:
+    assert run_world(2, _save_failing_on_rank_one, str(tmp_path), timeout=60.0) == [
+        f"another rank failed to write its file of the checkpoint in {tmp_path} (see its error)",
+        "cannot pickle this state",
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def _load_from(directories: list[str]) -> str:
+    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    model = _MoE(8, ep_size=2)
+    attach(model, pgc)
+    try:
+        load_rank_files(directories[dist.get_rank()], model)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def _save(directory: str) -> None:
+    model = _MoE(8, ep_size=2)
+    attach(model, build(ParallelLayout(world_size=2, ep=2, etp=1)))
+    save_rank_files(directory, model)
+
+
+def test_a_rank_that_cannot_read_the_checkpoint_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
+    run_world(2, _save, str(tmp_path / "saved"))
+    (tmp_path / "empty").mkdir()
+    assert run_world(2, _load_from, [str(tmp_path / "saved"), str(tmp_path / "empty")], timeout=60.0) == [
+        f"another rank could not read the checkpoint {tmp_path / 'saved'} (see its error)",
+        f"no rank-<rank>.pt files in {tmp_path / 'empty'}",
+    ]
