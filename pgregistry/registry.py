@@ -145,8 +145,8 @@ class GroupRegistry:
         fields: dict[str, Any] = {kind: group_for(wanted[kind]) for kind in GROUP_KINDS}
         fields.update({alias: fields[kind] for alias, kind in _ALIASES.items()})
         fields["intra_dist_opt"] = group_for(tuple(range(world_size)))
-        fields["inter_dist_opt"] = None
-        fields["hcp"] = None
+        # Not built, as Megatron-Core's initialize_model_parallel does not build them either (docs/layout.md).
+        fields.update(inter_dist_opt=None, hcp=None, dp_cp_ag=None, expt_dp_ag=None)
         collection = ProcessGroupCollection(**fields)
         self._built[name] = _Built(layout, options, explicit_singletons, collection)
         _log.debug("built layout", name=name, layout=repr(layout), groups_created=self.groups_created)
