@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupRegistry",
+    "adopt",
     "attach",
     "build",
     "collection_of",
@@ -82,6 +83,7 @@ class GroupRegistry:
 
     def __init__(self) -> None:
         self._groups: dict[RankGroup, tuple[ProcessGroup, _GroupOptions]] = {}
+        self._adopted: set[RankGroup] = set()
         self._built: dict[str, _Built] = {}
         self._global: ProcessGroupCollection | None = None
         self._attached: weakref.WeakKeyDictionary[nn.Module, ProcessGroupCollection] = (
@@ -184,6 +186,30 @@ class GroupRegistry:
         self._create_in_order(set(mine) if members_only else set(sets), options, members_only)
         return self._groups[mine[0]][0] if mine else None
 
+    def adopt(self, groups: Iterable[ProcessGroup]) -> None:
+        """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so that a later
+        :meth:`build` whose rank sets they cover reuses them instead of creating a second set.
+
+        Collective over the default process group: every rank passes the groups it is a member of. The rank sets
+        are gathered so every rank records every adopted set (non-members as torch's ``NON_GROUP_MEMBER``), which
+        keeps the gloo path, where every rank walks every rank set, in step. Adopted groups count as created with
+        default options. Where several given groups share a rank set (Megatron-Core creates one communicator per
+        kind), the first is kept. A rank set the registry already has keeps its communicator.
+        Adopted groups belong to their creator: :meth:`destroy` forgets them without destroying them.
+        """
+        _require_distributed("GroupRegistry.adopt")
+        mine: dict[RankGroup, ProcessGroup] = {}
+        for group in groups:
+            mine.setdefault(tuple(sorted(dist.get_process_group_ranks(group))), group)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(mine))
+        default = _GroupOptions(None, None)
+        non_member: Any = dist.GroupMember.NON_GROUP_MEMBER
+        for ranks in sorted({tuple(r) for sets in everyone for r in sets}):
+            if ranks not in self._groups:
+                self._groups[ranks] = (mine.get(ranks, non_member), default)
+                self._adopted.add(ranks)
+
     def _create_in_order(self, rank_sets: set[RankGroup], options: _GroupOptions, members_only: bool) -> None:
         # One global order (by size, then ranks) on every rank, so group creations never wait on each other.
         for ranks in sorted(rank_sets, key=lambda r: (len(r), r)):
@@ -260,10 +286,11 @@ class GroupRegistry:
 
     def destroy(self) -> None:
         """Destroy every group this registry created and forget layouts, attachments and the global grid."""
-        for group, _ in self._groups.values():
-            if group is not dist.group.WORLD and dist.is_initialized():
+        for ranks, (group, _) in self._groups.items():
+            if group is not dist.group.WORLD and ranks not in self._adopted and dist.is_initialized():
                 dist.destroy_process_group(group)
         self._groups.clear()
+        self._adopted.clear()
         self._built.clear()
         self._attached.clear()
         self._global = None
@@ -349,6 +376,11 @@ def build(
     return default_registry.build(
         layout, name=name, backend=backend, timeout=timeout, explicit_singletons=explicit_singletons
     )
+
+
+def adopt(groups: Iterable[ProcessGroup]) -> None:
+    """:meth:`GroupRegistry.adopt` on the process-wide registry."""
+    default_registry.adopt(groups)
 
 
 def attach(module: nn.Module | Sequence[nn.Module], collection: ProcessGroupCollection) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "fake_world",
     "megatron_fields",
     "megatron_initialize",
+    "megatron_kwargs",
     "require_megatron",
 ]
 
@@ -100,11 +101,8 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     enough to run Megatron-Core's and pgregistry's group creation for any rank of any world, in one process."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pgregistry import registry
-
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
-        registry.destroy()
         dist.destroy_process_group()

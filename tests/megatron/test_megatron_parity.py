@@ -24,9 +24,9 @@ from megatron_support import describe_groups, fake_world, megatron_fields, megat
 
 require_megatron()
 
-from pgregistry import registry  # noqa: E402
 from pgregistry.collection import FIELD_NAMES  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
+from pgregistry.registry import GroupRegistry  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
 WORLD = 8
@@ -61,9 +61,14 @@ def _both_on_this_rank(sizes: dict[str, Any], tag: str) -> list[str]:
     with megatron_initialize(sizes) as theirs:
         megatron_ranks = describe_groups(theirs, names)
     layout = ParallelLayout(world_size=dist.get_world_size(), **sizes)
-    exact = describe_groups(registry.build(layout, name=f"{tag}-exact", explicit_singletons=True), names)
-    default = describe_groups(registry.build(layout, name=f"{tag}-default"), names)
-    registry.destroy()
+    # A registry of its own: the fake-backend sweep runs in the test process, whose default registry forked worlds
+    # of other tests inherit.
+    groups = GroupRegistry()
+    try:
+        exact = describe_groups(groups.build(layout, name=f"{tag}-exact", explicit_singletons=True), names)
+        default = describe_groups(groups.build(layout, name=f"{tag}-default"), names)
+    finally:
+        groups.destroy()
     return _compare(megatron_ranks, exact, default)
 
 
