@@ -11,7 +11,7 @@
 
 Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global ``parallel_state`` group"
 (or the default group, in a collective): a TP-off model whose collection said ``tp=None`` under another model's
-global TP 2 had its weights sharded, and its grad norm came out 2.83 instead of 2.0. So :func:`to_megatron` refuses
+global TP 2 gets its weights sharded over that TP group, without an error. So :func:`to_megatron` refuses
 ``None`` there, naming the field; build the collection with ``explicit_singletons=True`` so an axis that is off is a
 real one-rank group. ``None`` passes only in the fields where Megatron-Core reads it as "not in such a group" or "not
 used" (:data:`NONE_MEANS_NOT_USED`).
