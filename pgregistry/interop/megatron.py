@@ -7,7 +7,10 @@
   ``pgregistry.build`` of the same layout reuses them;
 * :func:`megatron_config_kwargs` and :func:`megatron_initialize_kwargs` give the sizes of a layout under Megatron-Core's
   names, and :func:`check_config` refuses a config whose sizes disagree with the groups (Megatron-Core itself accepts
-  ``expert_tensor_parallel_size=1`` next to a 2-rank expert-TP group).
+  ``expert_tensor_parallel_size=1`` next to a 2-rank expert-TP group);
+* :func:`seed_megatron_rng` seeds Megatron-Core's own CUDA RNG tracker with the collection's ranks, so a Megatron-Core
+  model draws what :mod:`pgregistry.rng` computes; :func:`mark_megatron_experts` marks Megatron-Core's routed-expert
+  modules, so the unclassified-expert check of grad statistics covers a Megatron-Core MoE model.
 
 Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global ``parallel_state`` group"
 (or the default group, in a collective): a TP-off model whose collection said ``tp=None`` under another model's
@@ -26,9 +29,11 @@ import inspect
 from typing import TYPE_CHECKING, Any, Final
 
 from pgregistry._logging import get_logger
-from pgregistry.collection import FIELD_NAMES, UNSET, ProcessGroupCollection, group_size
+from pgregistry.collection import FIELD_NAMES, UNSET, ProcessGroupCollection, group_rank, group_size
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from pgregistry.layout import ParallelLayout
     from pgregistry.registry import GroupRegistry
 
@@ -36,8 +41,10 @@ __all__ = [
     "NONE_MEANS_NOT_USED",
     "check_config",
     "from_megatron",
+    "mark_megatron_experts",
     "megatron_config_kwargs",
     "megatron_initialize_kwargs",
+    "seed_megatron_rng",
     "to_megatron",
 ]
 
@@ -245,3 +252,67 @@ def _group_in(collection: Any, name: str) -> tuple[bool, Any]:
         return (collection.is_set(name), collection.get(name) if collection.is_set(name) else None)
     present = vars(collection)
     return (name in present, present.get(name))
+
+
+def seed_megatron_rng(seed: int, pg_collection: ProcessGroupCollection, **megatron_options: Any) -> dict[str, int]:
+    """Seed Megatron-Core's CUDA RNG tracker (``model_parallel_cuda_manual_seed``) from the collection's ranks;
+    returns tracker name -> seed, as :func:`pgregistry.rng.tracker_seeds` computes them.
+
+    ``seed`` is the base seed (:func:`pgregistry.rng.base_seed_for_rank`: pipeline offset included). The TP, EP and
+    expert-TP ranks come from ``tp``, ``ep`` and ``expt_tp``, which must be set (``ValueError``: Megatron-Core would
+    read its global ranks). Megatron-Core reads the GTP-remat ranks from its global ``parallel_state`` only, so the
+    GTP streams are added here from ``gtp_remat``/``expt_gtp_remat``; a GTP stream its global grid already added
+    must have the collection's seed (``ValueError`` otherwise). ``megatron_options`` go to
+    ``model_parallel_cuda_manual_seed`` (``te_rng_tracker``, ``use_cudagraphable_rng``, ...). Needs CUDA.
+    """
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    from pgregistry.rng import EGTP_REMAT_RNG, GTP_REMAT_RNG, tracker_seeds
+
+    missing = [name for name in _SEED_GROUPS if not pg_collection.is_set(name)]
+    if missing:
+        raise ValueError(f"seed_megatron_rng needs the collection's {missing} group(s); set them (None = axis off)")
+    rank = {name: group_rank(pg_collection.get(name)) for name in _SEED_GROUPS}
+    seeds = tracker_seeds(
+        seed, tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"],
+        gtp_remat_rank=rank["gtp_remat"], gtp_remat_size=group_size(pg_collection.get("gtp_remat")),
+        expt_gtp_remat_rank=rank["expt_gtp_remat"],
+        expt_gtp_remat_size=group_size(pg_collection.get("expt_gtp_remat")),
+    )
+    megatron_random.model_parallel_cuda_manual_seed(
+        seed, tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"], **megatron_options
+    )
+    tracker = megatron_random.get_cuda_rng_tracker()
+    for name in (GTP_REMAT_RNG, EGTP_REMAT_RNG):
+        if name not in seeds:
+            continue
+        if name not in tracker.get_states():
+            tracker.add(name, seeds[name])
+        elif seeds[name] not in tracker.seeds_:
+            raise ValueError(
+                f"Megatron-Core's global grid already seeded {name!r} with another seed than the collection's "
+                f"{seeds[name]}: its parallel_state has a different GTP layout"
+            )
+    return seeds
+
+
+_SEED_GROUPS: Final = ("tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+
+
+def mark_megatron_experts(model: nn.Module) -> int:
+    """Mark the routed-expert module of every Megatron-Core ``MoELayer`` in ``model``
+    (:func:`pgregistry.params.mark_expert_module`); returns how many were marked.
+
+    Grad statistics then refuse an expert parameter that lost its ``allreduce`` role (a copy that dropped it would
+    otherwise count as dense). Shared experts are dense, replicated across EP, and are not marked.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from pgregistry.params import mark_expert_module
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer) and module.experts is not None:
+            mark_expert_module(module.experts)
+            marked += 1
+    return marked

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from pgregistry import count_zeros, grad_norm, registry  # noqa: E402
 from pgregistry.collection import group_rank, group_size  # noqa: E402
-from pgregistry.interop.megatron import megatron_config_kwargs, to_megatron  # noqa: E402
+from pgregistry.interop.megatron import mark_megatron_experts, megatron_config_kwargs, to_megatron  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
@@ -66,7 +66,7 @@ def _unsharded_on_rank() -> dict[str, int]:
     return {name: param.numel() for name, param in model.named_parameters()}
 
 
-def _stats_on_rank(layout_sizes: dict[str, int]) -> dict[str, float]:
+def _stats_on_rank(layout_sizes: dict[str, int]) -> dict[str, Any]:
     layout = ParallelLayout(world_size=torch.distributed.get_world_size(), **layout_sizes)
     model, pg = _model(layout)
     local_experts = NUM_EXPERTS // group_size(pg.get("ep"))
@@ -74,7 +74,20 @@ def _stats_on_rank(layout_sizes: dict[str, int]) -> dict[str, float]:
     for name, param in model.named_parameters():
         unsharded_name = _LOCAL_EXPERT.sub(lambda m: f".local_experts.{first_expert + int(m.group(1))}.", name)
         param.grad = torch.full_like(param, _value(unsharded_name))
-    out = {"norm": float(grad_norm(model, pg)), "zeros": float(count_zeros(model, pg))}
+    out: dict[str, Any] = {
+        "marked": mark_megatron_experts(model),
+        "norm": float(grad_norm(model, pg)),
+        "zeros": float(count_zeros(model, pg)),
+    }
+    # A copy that lost the expert role (Megatron-LM PR 6470) would count as dense: the marked module refuses it.
+    expert_name, expert = next((n, p) for n, p in model.named_parameters() if ".local_experts." in n)
+    del expert.allreduce
+    try:
+        grad_norm(model, pg)
+        out["lost_role"] = "no error"
+    except ValueError as exc:
+        out["lost_role"] = str(exc)
+    out["expert_name"] = expert_name
     registry.destroy()
     return out
 
@@ -94,3 +107,5 @@ def test_grad_norm_of_a_megatron_moe_model_matches_the_float64_oracle(
     for rank, stats in enumerate(run_world(4, _stats_on_rank, LAYOUTS[name], timeout=120)):
         assert stats["norm"] == pytest.approx(want_norm, rel=1e-6), (name, rank)
         assert stats["zeros"] == want_zeros, (name, rank)
+        assert stats["marked"] == 2, (name, rank)  # one MoE layer per decoder layer
+        assert "carry no EP classification" in stats["lost_role"] and stats["expert_name"] in stats["lost_role"]

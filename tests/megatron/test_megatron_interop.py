@@ -26,6 +26,7 @@ from pgregistry.interop.megatron import (  # noqa: E402
     from_megatron,
     megatron_config_kwargs,
     megatron_initialize_kwargs,
+    seed_megatron_rng,
     to_megatron,
 )
 from pgregistry.layout import ParallelLayout  # noqa: E402
@@ -205,3 +206,10 @@ def test_layout_sizes_under_megatrons_names(sizes: dict[str, Any]) -> None:
     assert (config.gtp_weight_remat_size, config.expert_gtp_weight_remat_size) == (
         layout.gtp_remat, layout.expt_gtp_remat,
     )
+
+
+def test_seed_megatron_rng_refuses_a_collection_without_its_groups() -> None:
+    # Checked before Megatron-Core is called: its own fallback would read the global ranks. (Seeding itself needs
+    # CUDA; scripts/megatron_gpu_step.py checks the seeds on a GPU.)
+    with pytest.raises(ValueError, match=r"needs the collection's \['ep', 'expt_tp', 'gtp_remat', 'expt_gtp_remat'\]"):
+        seed_megatron_rng(1234, ProcessGroupCollection(tp=None))
