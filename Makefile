@@ -10,10 +10,13 @@ STAMP := $(VENV)/.pgregistry-installed
 MEGATRON_CORE ?= 0.19.2
 TRITON ?= triton==3.9.0
 MEGATRON_STAMP := $(VENV)/.megatron-core-$(MEGATRON_CORE)
+# An older release, without the GTP fields, installed aside for tests/megatron/test_megatron_older_release.py.
+MEGATRON_CORE_OLDER ?= 0.16.1
+MEGATRON_OLDER_DIR := $(VENV)/megatron-core-$(MEGATRON_CORE_OLDER)
 
 .PHONY: setup demo test lint allowlist-check bench
 
-setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP))
+setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR))
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +32,11 @@ $(MEGATRON_STAMP): $(STAMP)
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q --no-deps "$(TRITON)"
 	touch $(MEGATRON_STAMP)
 
+$(MEGATRON_OLDER_DIR): $(MEGATRON_STAMP)
+	rm -rf $@.partial
+	$(PY) -m pip install -q --no-deps --target $@.partial "megatron-core==$(MEGATRON_CORE_OLDER)"
+	mv $@.partial $@
+
 demo: setup
 	$(PY) -m examples.moe_demo
 
@@ -36,7 +44,8 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pgregistry allowlist check
-	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) $(PY) -m pytest
+	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
+		$(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .
