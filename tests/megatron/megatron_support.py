@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 __all__ = [
     "describe_groups",
+    "error_of",
     "fake_world",
     "megatron_fields",
     "megatron_initialize",
@@ -37,6 +38,16 @@ def require_megatron() -> None:
         if os.environ.get("PGREGISTRY_REQUIRE_MEGATRON") == "1":
             raise
         pytest.skip(f"megatron-core is not importable ({exc}); `make setup` installs it", allow_module_level=True)
+
+
+def error_of(call: Any) -> str:
+    """``"<ExceptionType>: <message>"`` for a ValueError or TypeError ``call`` raises, ``"no error"`` otherwise (run
+    inside a world, so each rank's outcome comes back to the test as text)."""
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def megatron_fields() -> tuple[str, ...]:

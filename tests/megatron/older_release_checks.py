@@ -13,7 +13,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.distributed as dist  # noqa: E402
-from megatron_support import describe_groups, megatron_fields, megatron_initialize  # noqa: E402
+from megatron_support import describe_groups, error_of, megatron_fields, megatron_initialize  # noqa: E402
 
 from pgregistry import registry  # noqa: E402
 from pgregistry.interop.megatron import from_megatron, megatron_config_kwargs, to_megatron  # noqa: E402
@@ -22,14 +22,6 @@ from pgregistry.testing import run_world  # noqa: E402
 
 SIZES = {"tp": 2, "ep": 2, "etp": 1}
 GTP_FIELDS = ("gtp_remat", "expt_gtp_remat", "tp_ep_pp_with_egtp_remat", "dp_cp_gtp_remat", "expt_dp_gtp_remat")
-
-
-def _error(call: Any) -> str:
-    try:
-        call()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
 
 
 def _on_rank() -> dict[str, Any]:
@@ -44,8 +36,8 @@ def _on_rank() -> dict[str, Any]:
     out["parity_wrong"] = [n for n, r in describe_groups(pg, names).items() if r != theirs[n]]
     out["to_megatron_fields"] = sorted(vars(to_megatron(pg)))
     gtp = registry.build(ParallelLayout(world_size=dist.get_world_size(), tp=2, gtp_remat=2), explicit_singletons=True)
-    out["gtp_refused"] = _error(lambda: to_megatron(gtp))
-    out["gtp_config_refused"] = _error(lambda: megatron_config_kwargs(ParallelLayout(world_size=4, gtp_remat=2)))
+    out["gtp_refused"] = error_of(lambda: to_megatron(gtp))
+    out["gtp_config_refused"] = error_of(lambda: megatron_config_kwargs(ParallelLayout(world_size=4, gtp_remat=2)))
     registry.destroy()
     return out
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from megatron_support import megatron_fields, megatron_initialize, megatron_kwargs, require_megatron
+from megatron_support import error_of, megatron_fields, megatron_initialize, megatron_kwargs, require_megatron
 
 require_megatron()
 
@@ -34,14 +34,6 @@ from pgregistry.testing import run_world  # noqa: E402
 
 WORLD = 4
 SIZES: dict[str, Any] = {"tp": 2, "ep": 2, "etp": 1}
-
-
-def _error(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _same_communicators(mine: ProcessGroupCollection, theirs: Any) -> list[str]:
@@ -67,8 +59,8 @@ def _to_megatron_checks() -> dict[str, Any]:
         "round_trip": from_megatron(mc) == pg,
         "created_by_to_megatron": registry.default_registry.groups_created - created,
         "partial_present": sorted(vars(to_megatron(partial))),
-        "none_refused": _error(lambda: to_megatron(registry.build(layout, name="default-singletons-off"))),
-        "not_a_collection": _error(lambda: to_megatron(mc)),
+        "none_refused": error_of(lambda: to_megatron(registry.build(layout, name="default-singletons-off"))),
+        "not_a_collection": error_of(lambda: to_megatron(mc)),
     }
     registry.destroy()
     return out
@@ -96,8 +88,8 @@ def _from_megatron_checks() -> dict[str, Any]:
             ],
             "created_by_rebuild": registry.default_registry.groups_created - before,
             "unset_stays_unset": from_megatron(MegatronCollection(tp=mc.tp)).is_set("dp"),
-            "none_refused": _error(lambda: from_megatron(MegatronCollection(tp=None, dp=mc.dp))),
-            "not_megatrons": _error(lambda: from_megatron(pg)),
+            "none_refused": error_of(lambda: from_megatron(MegatronCollection(tp=None, dp=mc.dp))),
+            "not_megatrons": error_of(lambda: from_megatron(pg)),
         }
         registry.destroy()
         # Megatron-Core still owns its groups: the registry forgot them without destroying them.
@@ -109,16 +101,16 @@ def _config_checks() -> dict[str, str]:
     pg = registry.build(ParallelLayout(world_size=WORLD, **SIZES), explicit_singletons=True)
     base = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "num_moe_experts": 4, "add_bias_linear": False}
     out = {
-        "agrees": _error(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2,
+        "agrees": error_of(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2,
                                                                   expert_model_parallel_size=2,
                                                                   expert_tensor_parallel_size=1), pg)),
-        "etp_default_is_tp": _error(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2,
+        "etp_default_is_tp": error_of(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2,
                                                                              expert_model_parallel_size=2), pg)),
-        "megatrons_collection": _error(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=1,
+        "megatrons_collection": error_of(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=1,
                                                                                 expert_model_parallel_size=2,
                                                                                 expert_tensor_parallel_size=1),
                                                             to_megatron(pg))),
-        "unset_group": _error(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2),
+        "unset_group": error_of(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2),
                                                    ProcessGroupCollection(tp=pg.get("tp")))),
     }
     registry.destroy()
