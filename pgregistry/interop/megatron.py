@@ -29,7 +29,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Final
 
 from pgregistry._logging import get_logger
-from pgregistry.collection import FIELD_NAMES, UNSET, ProcessGroupCollection, group_rank, group_size
+from pgregistry.collection import FIELD_NAMES, UNSET, GroupName, ProcessGroupCollection, group_rank, group_size
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,7 +56,7 @@ optimizer instance, no hierarchical CP, no separate all-gather communicator). Ev
 Megatron-Core fall back to its global groups, so it is refused."""
 
 # Fields only recent Megatron-Core releases have, and the field holding the same ranks when their axis is off.
-_GTP_FIELDS: Final[dict[str, str | None]] = {
+_GTP_FIELDS: Final[dict[str, GroupName | None]] = {
     "gtp_remat": None,
     "expt_gtp_remat": None,
     "tp_ep_pp_with_egtp_remat": "tp_ep_pp",
@@ -65,7 +65,7 @@ _GTP_FIELDS: Final[dict[str, str | None]] = {
 }
 
 # (Megatron-Core config attribute, initialize_model_parallel keyword, layout attribute, collection field)
-_SIZES: Final = (
+_SIZES: Final[tuple[tuple[str, str, str, GroupName], ...]] = (
     ("tensor_model_parallel_size", "tensor_model_parallel_size", "tp", "tp"),
     ("pipeline_model_parallel_size", "pipeline_model_parallel_size", "pp", "pp"),
     ("context_parallel_size", "context_parallel_size", "cp", "cp"),
@@ -246,7 +246,7 @@ def check_config(config: Any, pg_collection: Any) -> None:
         raise ValueError("the Megatron-Core config disagrees with the process groups: " + "; ".join(problems))
 
 
-def _group_in(collection: Any, name: str) -> tuple[bool, Any]:
+def _group_in(collection: Any, name: GroupName) -> tuple[bool, Any]:
     """(provided, group) for either package's collection."""
     if isinstance(collection, ProcessGroupCollection):
         return (collection.is_set(name), collection.get(name) if collection.is_set(name) else None)
