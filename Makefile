@@ -32,7 +32,8 @@ $(MEGATRON_STAMP): $(STAMP)
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q --no-deps "$(TRITON)"
 	touch $(MEGATRON_STAMP)
 
-$(MEGATRON_OLDER_DIR): $(MEGATRON_STAMP)
+# Order-only: built once, when missing (a newer pyproject.toml does not touch it).
+$(MEGATRON_OLDER_DIR): | $(STAMP)
 	rm -rf $@.partial
 	$(PY) -m pip install -q --no-deps --target $@.partial "megatron-core==$(MEGATRON_CORE_OLDER)"
 	mv $@.partial $@
