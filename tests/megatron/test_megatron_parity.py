@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from megatron_support import describe_groups, fake_world, megatron_fields, megatron_initialize, require_megatron
 
@@ -108,31 +108,40 @@ def _outcome_on_fake_rank(sizes: dict[str, Any], world: int, rank: int) -> str |
         return _both_on_this_rank(sizes, "sweep")
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 @st.composite
 def sweep_case(draw: st.DrawFn) -> tuple[dict[str, Any], int, list[int]]:
     small = st.sampled_from([1, 1, 2, 2, 3, 4])
     tp, cp, pp, gtp = draw(small), draw(small), draw(small), draw(small)
     world = tp * gtp * cp * pp * draw(st.sampled_from([1, 2, 3, 4]))
+    # Expert sizes drawn among those that divide what a pipeline stage holds, so most draws are layouts.
     per_stage = world // pp
-    divisors = [d for d in range(1, per_stage + 1) if per_stage % d == 0]
+    ep = draw(st.sampled_from(_divisors(per_stage)))
+    etp = draw(st.sampled_from(_divisors(per_stage // ep)))
+    egtp = draw(st.sampled_from([d for d in _divisors(per_stage // (ep * etp)) if d <= 3]))
     sizes: dict[str, Any] = {
-        "tp": tp, "cp": cp, "pp": pp, "gtp_remat": gtp, "ep": draw(st.sampled_from(divisors)),
-        "etp": draw(st.sampled_from(divisors)), "expt_gtp_remat": draw(st.sampled_from([1, 1, 2, 3])),
+        "tp": tp, "cp": cp, "pp": pp, "gtp_remat": gtp, "ep": ep, "etp": etp, "expt_gtp_remat": egtp,
     }
     tokens = draw(st.permutations(["tp", "cp", "ep", "dp", "pp"]))
-    dropped = draw(st.sets(st.sampled_from(tokens), max_size=2))  # Megatron-Core appends size-1 axes left out
+    # Megatron-Core appends size-1 axes left out of the order (all but "tp", whose omission it crashes on).
+    dropped = draw(st.sets(st.sampled_from([t for t in tokens if t != "tp"]), max_size=2))
     sizes["order"] = "-".join(t for t in tokens if t not in dropped)
     ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=3, unique=True))
     return sizes, world, ranks
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 @given(sweep_case())
 def test_sweep_matches_megatron_initialize_model_parallel(case: tuple[dict[str, Any], int, list[int]]) -> None:
     sizes, world, ranks = case
-    if world > 96:
-        return  # keeps each example to milliseconds; sizes beyond add nothing the smaller ones do not test
+    assume(world <= 96)  # keeps each example to milliseconds; larger worlds add nothing the smaller ones do not test
     outcomes = {rank: _outcome_on_fake_rank(sizes, world, rank) for rank in ranks}
+    event("megatron refuses" if "megatron refuses" in outcomes.values() else "compared field by field")
     assert all(outcome in ("megatron refuses", []) for outcome in outcomes.values()), (sizes, world, outcomes)
 
 
