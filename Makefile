@@ -3,16 +3,40 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP := $(VENV)/.pgregistry-installed
+# The Megatron-Core the parity and interop tests run against (tests/megatron). Releases from 0.17 on declare
+# Python >= 3.12 and ship cp312 wheels only, but megatron/core is pure Python that runs on 3.11: the wheel's
+# megatron/ is unpacked into the venv (no install, so pip's Python check does not apply). `import megatron.core`
+# imports triton, which a CUDA torch brings along and the CPU wheel does not. MEGATRON_CORE= skips all of this.
+MEGATRON_CORE ?= 0.19.2
+TRITON ?= triton==3.9.0
+MEGATRON_STAMP := $(VENV)/.megatron-core-$(MEGATRON_CORE)
+# An older release, without the GTP fields, installed aside for tests/megatron/test_megatron_older_release.py.
+MEGATRON_CORE_OLDER ?= 0.16.1
+MEGATRON_OLDER_DIR := $(VENV)/megatron-core-$(MEGATRON_CORE_OLDER)
 
 .PHONY: setup demo test lint allowlist-check bench
 
-setup: $(STAMP)
+setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR))
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_CPU)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
+
+$(MEGATRON_STAMP): $(STAMP)
+	rm -rf $(VENV)/megatron-wheel
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(VENV)/megatron-wheel \
+		"megatron-core==$(MEGATRON_CORE)"
+	$(PY) tools/unpack_megatron_wheel.py $(VENV)/megatron-wheel/megatron_core-*.whl
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q --no-deps "$(TRITON)"
+	touch $(MEGATRON_STAMP)
+
+# Order-only: built once, when missing (a newer pyproject.toml does not touch it).
+$(MEGATRON_OLDER_DIR): | $(STAMP)
+	rm -rf $@.partial
+	$(PY) -m pip install -q --no-deps --target $@.partial "megatron-core==$(MEGATRON_CORE_OLDER)"
+	mv $@.partial $@
 
 demo: setup
 	$(PY) -m examples.moe_demo
@@ -21,7 +45,8 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pgregistry allowlist check
-	$(PY) -m pytest
+	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
+		$(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .

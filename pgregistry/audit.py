@@ -154,8 +154,9 @@ class GradReplicationReport:
 def audit_grad_replication(model_or_params: ParamsLike, pg_collection: ProcessGroupCollection) -> GradReplicationReport:
     """Measure each gradient's replication against its classification; see the module docstring.
 
-    ``pg_collection`` must set ``tp``, ``mp``, ``tp_ep_pp``, ``ep``, ``dp_cp`` and ``expt_dp`` (``None`` when an
-    axis is off); ``expt_tp`` and the GTP groups resolve as in :class:`~pgregistry.grad_stats.StatsGroups`.
+    ``pg_collection`` must set ``tp``, ``mp``, ``ep``, ``dp_cp``, ``expt_dp`` and the expert model-parallel
+    group (``None`` when an axis is off); ``expt_tp``, that group and the GTP groups resolve as in
+    :class:`~pgregistry.grad_stats.StatsGroups`.
     Collective over those groups; raises ``ValueError`` on every rank when the ranks of a group hold different
     parameter structures.
     """

@@ -64,8 +64,8 @@ UNSET: Final = Unset.UNSET
 
 GroupName: TypeAlias = Literal[
     "tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "mp", "tp_dp_cp", "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp",
-    "gtp_remat", "expt_gtp_remat", "embd", "pos_embd", "intra_dp_cp", "intra_expt_dp", "inter_dist_opt",
-    "intra_dist_opt",
+    "tp_ep_pp_with_egtp_remat", "gtp_remat", "expt_gtp_remat", "dp_cp_gtp_remat", "expt_dp_gtp_remat", "dp_cp_ag",
+    "expt_dp_ag", "embd", "pos_embd", "intra_dp_cp", "intra_expt_dp", "inter_dist_opt", "intra_dist_opt",
 ]
 """The name of every field that holds one process group (every field but ``hcp``)."""
 
@@ -89,9 +89,13 @@ def _group_field() -> GroupField:
 class ProcessGroupCollection:
     """One process group (or ``None`` = axis off, or ``UNSET``) per group kind.
 
-    Field names follow Megatron-Core's ``ProcessGroupCollection``. ``mp`` is TP x GTP-remat x PP (the dense
-    grad-norm group), ``tp_ep_pp`` is expert TP x EP x expert GTP-remat x PP (the expert one), ``intra_dist_opt`` is the
-    group one distributed-optimizer instance spans. ``hcp`` is a list of hierarchical context-parallel groups.
+    Field names are Megatron-Core's ``ProcessGroupCollection`` names, and a field holds the ranks Megatron-Core
+    gives it (docs/layout.md). ``mp`` is TP x GTP-remat x PP (the dense grad-norm group),
+    ``tp_ep_pp_with_egtp_remat`` is expert TP x EP x expert GTP-remat x PP (the expert one; ``tp_ep_pp`` leaves the
+    expert GTP axis out), ``intra_dist_opt`` is the group one distributed-optimizer instance spans. ``hcp`` is a
+    list of hierarchical context-parallel groups. ``dp_cp_ag`` and ``expt_dp_ag`` are optional second
+    communicators for parameter all-gathers; ``None`` there means "use ``dp_cp`` / ``expt_dp``", as in
+    Megatron-Core.
 
     Checked when built (:func:`_check_fields`): every field must be a ``ProcessGroup``, ``None`` or ``UNSET``
     (``TypeError`` naming the field), and a group that spans several axes must be as large as those axes
@@ -111,8 +115,13 @@ class ProcessGroupCollection:
     expt_dp: GroupField = _group_field()
     tp_ep: GroupField = _group_field()
     tp_ep_pp: GroupField = _group_field()
+    tp_ep_pp_with_egtp_remat: GroupField = _group_field()
     gtp_remat: GroupField = _group_field()
     expt_gtp_remat: GroupField = _group_field()
+    dp_cp_gtp_remat: GroupField = _group_field()
+    expt_dp_gtp_remat: GroupField = _group_field()
+    dp_cp_ag: GroupField = _group_field()
+    expt_dp_ag: GroupField = _group_field()
     embd: GroupField = _group_field()
     pos_embd: GroupField = _group_field()
     intra_dp_cp: GroupField = _group_field()
@@ -210,9 +219,9 @@ def _composite_axes() -> dict[GroupName, tuple[GroupName, ...]]:
 
 COMPOSITE_AXES: Final[Mapping[GroupName, tuple[GroupName, ...]]] = _composite_axes()
 """Each field whose group spans several axes -> the fields of those axes, as the layout defines the kinds
-(``mp`` spans ``tp``, ``gtp_remat``, ``pp``; ``tp_ep_pp`` spans ``expt_tp``, ``expt_gtp_remat``, ``ep``,
-``pp``; ...). A collection is refused when such a group's size is not the product of its axes' sizes (``None``
-counts 1): a group set to ``None`` on an axis the composite spans is how a norm reads ranks twice."""
+(``mp`` spans ``tp``, ``gtp_remat``, ``pp``; ``tp_ep_pp_with_egtp_remat`` spans ``expt_tp``, ``expt_gtp_remat``,
+``ep``, ``pp``; ...). A collection is refused when such a group's size is not the product of its axes' sizes
+(``None`` counts 1): a group set to ``None`` on an axis the composite spans is how a norm reads ranks twice."""
 
 
 def _check_fields(groups: Mapping[str, object]) -> None:

@@ -9,7 +9,7 @@ Megatron-Core's ``RankGenerator`` so that users migrating get the same communica
 * There are two grids over the same ranks. The dense grid has sizes ``tp, cp, dp, pp`` (ep is 1 there); the
   expert grid has ``tp=etp, ep, dp=expt_dp, pp`` and ``cp=1``. Both use the same order string.
 * The GTP-remat axis (``gtp``) is placed right after ``tp`` in the dense grid and right after ``ep`` in the
-  expert grid.
+  expert grid (after ``tp``, or first, when the order does not name that axis).
 * A group kind such as ``"tp-dp"`` is the set of ranks that differ only in those coordinates; its ranks are
   listed in grid order (the order string's axis order, fastest first), whatever order the kind names them in.
 
@@ -76,7 +76,11 @@ DENSE_GROUP_KINDS: Final[Mapping[str, str]] = {
     # The model-parallel group spans every axis that shards the dense model (GTP remat included), which is the
     # group dense grad norms reduce over. With gtp_remat == 1 it is Megatron-Core's "tp-pp".
     "mp": "tp-gtp-pp",
-    "tp_dp_cp": "tp-dp-cp",
+    # Spans the GTP axis like Megatron-Core's: GTP peers hold distinct data, and the router's expert-bias and the
+    # FP8 amax reductions run over every rank of one TP x data domain.
+    "tp_dp_cp": "tp-gtp-dp-cp",
+    # The full data-distribution group (every rank holding a distinct micro-batch); ``dp_cp`` when GTP is off.
+    "dp_cp_gtp_remat": "gtp-dp-cp",
 }
 """Dense-grid group kinds: collection field -> axes of the dense grid."""
 
@@ -86,8 +90,12 @@ EXPERT_GROUP_KINDS: Final[Mapping[str, str]] = {
     "expt_gtp_remat": "gtp",
     "expt_dp": "dp",
     "tp_ep": "tp-ep",
-    # The expert model-parallel group: every axis that shards expert weights (expert TP x EP x expert GTP-remat x PP).
-    "tp_ep_pp": "tp-gtp-ep-pp",
+    "tp_ep_pp": "tp-ep-pp",
+    # The expert model-parallel group: every axis that shards expert weights (expert TP x EP x expert GTP-remat x
+    # PP), which is the group expert grad norms reduce over. ``tp_ep_pp`` when expert GTP is off.
+    "tp_ep_pp_with_egtp_remat": "tp-gtp-ep-pp",
+    # The full expert data-distribution group; ``expt_dp`` when expert GTP is off.
+    "expt_dp_gtp_remat": "gtp-dp",
 }
 """Expert-grid group kinds: collection field -> axes of the expert grid."""
 
@@ -226,8 +234,9 @@ class ParallelLayout:
         expert_sizes = {
             "tp": self.etp, "gtp": self.expt_gtp_remat, "cp": 1, "ep": self.ep, "dp": expt_dp, "pp": self.pp,
         }
-        object.__setattr__(self, "_dense", self._grid(tokens, dense_sizes, after=Axis.TP.value))
-        object.__setattr__(self, "_expert", self._grid(tokens, expert_sizes, after=Axis.EP.value))
+        declared = tuple(self.order.split("-"))
+        object.__setattr__(self, "_dense", self._grid(declared, tokens, dense_sizes, after=Axis.TP.value))
+        object.__setattr__(self, "_expert", self._grid(declared, tokens, expert_sizes, after=Axis.EP.value))
         if self.pp > 1 and not self._dense.all_groups("pp").equal(self._expert.all_groups("pp")):
             raise ValueError(
                 f"order {self.order!r} gives the dense and expert grids different pipeline stages; put pp last"
@@ -255,13 +264,16 @@ class ParallelLayout:
         return tokens + tuple(missing)
 
     @staticmethod
-    def _grid(tokens: tuple[str, ...], sizes: Mapping[str, int], *, after: str) -> _Grid:
-        axes: list[str] = []
-        for token in tokens:
-            axes.append(token)
-            if token == after:
-                axes.append(Axis.GTP.value)
-        return _Grid(axes=tuple(axes), sizes=tuple(sizes[a] for a in axes))
+    def _grid(
+        declared: tuple[str, ...], tokens: tuple[str, ...], sizes: Mapping[str, int], *, after: str
+    ) -> _Grid:
+        """The grid of ``tokens`` (the declared order, then the appended size-1 axes) with the GTP axis placed as
+        Megatron-Core places it: right after ``after`` when the declared order names it, else right after ``tp``
+        when named, else first. The appended axes have size 1, so only the declared ones decide the ranks."""
+        anchor = after if after in declared else Axis.TP.value
+        position = declared.index(anchor) + 1 if anchor in declared else 0
+        axes = (*tokens[:position], Axis.GTP.value, *tokens[position:])
+        return _Grid(axes=axes, sizes=tuple(sizes[a] for a in axes))
 
     # ----------------------------------------------------------------------------------------------- queries
 

@@ -79,6 +79,12 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "is_gtp_weight_remat",
     "gtp_replica_group",
     "in_expert_module",
+    # Set by Megatron-Core and read by its optimizers and checkpoints: expert TP and QKV-split layout (Muon), the
+    # padding of a GTP shard. Its copy helpers carry them over to main-parameter copies, so this does too.
+    "expert_tp",
+    "is_qkv",
+    "qkv_split_shapes",
+    "pad_length",
 )
 """Every attribute that carries a parameter role; :func:`copy_param_roles` copies those present."""
 

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupRegistry",
+    "adopt",
     "attach",
     "build",
     "collection_of",
@@ -86,6 +87,7 @@ class GroupRegistry:
 
     def __init__(self) -> None:
         self._groups: dict[RankGroup, tuple[ProcessGroup, _GroupOptions]] = {}
+        self._adopted: set[RankGroup] = set()
         self._built: dict[str, _Built] = {}
         self._global: ProcessGroupCollection | None = None
         self._attached: weakref.WeakKeyDictionary[nn.Module, ProcessGroupCollection] = (
@@ -151,8 +153,8 @@ class GroupRegistry:
         fields: dict[str, Any] = {kind: group_for(wanted[kind]) for kind in GROUP_KINDS}
         fields.update({alias: fields[kind] for alias, kind in _ALIASES.items()})
         fields["intra_dist_opt"] = group_for(tuple(range(world_size)))
-        fields["inter_dist_opt"] = None
-        fields["hcp"] = None
+        # Not built, as Megatron-Core's initialize_model_parallel does not build them either (docs/layout.md).
+        fields.update(inter_dist_opt=None, hcp=None, dp_cp_ag=None, expt_dp_ag=None)
         collection = ProcessGroupCollection(**fields)
         self._built[name] = _Built(layout, options, explicit_singletons, collection)
         _log.debug("built layout", name=name, layout=repr(layout), groups_created=self.groups_created)
@@ -189,6 +191,30 @@ class GroupRegistry:
         members_only = _members_only_creation(options.backend)
         self._create_in_order(set(mine) if members_only else set(sets), options, members_only)
         return self._groups[mine[0]][0] if mine else None
+
+    def adopt(self, groups: Iterable[ProcessGroup]) -> None:
+        """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so that a later
+        :meth:`build` whose rank sets they cover reuses them instead of creating a second set.
+
+        Collective over the default process group: every rank passes the groups it is a member of. The rank sets
+        are gathered so every rank records every adopted set (non-members as torch's ``NON_GROUP_MEMBER``), which
+        keeps the gloo path, where every rank walks every rank set, in step. Adopted groups count as created with
+        default options. Where several given groups share a rank set (Megatron-Core creates one communicator per
+        kind), the first is kept. A rank set the registry already has keeps its communicator.
+        Adopted groups belong to their creator: :meth:`destroy` forgets them without destroying them.
+        """
+        _require_distributed("GroupRegistry.adopt")
+        mine: dict[RankGroup, ProcessGroup] = {}
+        for group in groups:
+            mine.setdefault(tuple(sorted(dist.get_process_group_ranks(group))), group)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(mine))
+        default = _GroupOptions(None, None)
+        non_member: Any = dist.GroupMember.NON_GROUP_MEMBER
+        for ranks in sorted({tuple(r) for sets in everyone for r in sets}):
+            if ranks not in self._groups:
+                self._groups[ranks] = (mine.get(ranks, non_member), default)
+                self._adopted.add(ranks)
 
     def _create_in_order(self, rank_sets: set[RankGroup], options: _GroupOptions, members_only: bool) -> None:
         # One global order (by size, then ranks) on every rank, so group creations never wait on each other.
@@ -266,10 +292,11 @@ class GroupRegistry:
 
     def destroy(self) -> None:
         """Destroy every group this registry created and forget layouts, attachments and the global grid."""
-        for group, _ in self._groups.values():
-            if group is not dist.group.WORLD and dist.is_initialized():
+        for ranks, (group, _) in self._groups.items():
+            if group is not dist.group.WORLD and ranks not in self._adopted and dist.is_initialized():
                 dist.destroy_process_group(group)
         self._groups.clear()
+        self._adopted.clear()
         self._built.clear()
         self._attached.clear()
         self._global = None
@@ -365,6 +392,11 @@ def build(
     return default_registry.build(
         layout, name=name, backend=backend, timeout=timeout, explicit_singletons=explicit_singletons
     )
+
+
+def adopt(groups: Iterable[ProcessGroup]) -> None:
+    """:meth:`GroupRegistry.adopt` on the process-wide registry."""
+    default_registry.adopt(groups)
 
 
 def attach(module: nn.Module | Sequence[nn.Module], collection: ProcessGroupCollection) -> None:

@@ -97,7 +97,9 @@ class RNGStatesTracker:
 
     ``fork(name)`` swaps the stream's state into the generators, runs the block, stores the advanced state back
     and restores the generators' previous state, also when the block raises. A stream can be forked again later
-    and continues where it stopped.
+    and continues where it stopped. Forks nest as in Megatron-Core: entering a fork first stores the progress of the
+    stream being left, and leaving it resumes that stream where it now is, so forking a stream that is already
+    forked (a -> b -> a, or a -> a) draws the same numbers as the same draws made one after the other.
 
     ``generators`` defaults to the CPU default generator plus every CUDA device's default generator (when CUDA
     is available), chosen on the first :meth:`add` so that creating a tracker never initialises CUDA. Pass
@@ -109,7 +111,7 @@ class RNGStatesTracker:
         self._generators: tuple[torch.Generator, ...] | None = self._explicit_generators
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[int, str] = {}
-        self._active: set[str] = set()
+        self._current: str | None = None
 
     @property
     def generators(self) -> tuple[torch.Generator, ...]:
@@ -120,8 +122,8 @@ class RNGStatesTracker:
 
     def reset(self) -> None:
         """Forget every stream and seed (the generators' current states are left as they are)."""
-        if self._active:
-            raise RuntimeError(f"cannot reset the RNG tracker inside fork({sorted(self._active)[0]!r})")
+        if self._current is not None:
+            raise RuntimeError(f"cannot reset the RNG tracker inside fork({self._current!r})")
         self._states.clear()
         self._seeds.clear()
         self._generators = self._explicit_generators
@@ -163,8 +165,8 @@ class RNGStatesTracker:
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
         """Replace every stream's state (from :meth:`get_states` of a tracker over as many generators)."""
-        if self._active:
-            raise RuntimeError(f"cannot set RNG states inside fork({sorted(self._active)[0]!r})")
+        if self._current is not None:
+            raise RuntimeError(f"cannot set RNG states inside fork({self._current!r})")
         count = len(self.generators)
         checked: dict[str, RNGState] = {}
         for name, state in states.items():
@@ -183,19 +185,18 @@ class RNGStatesTracker:
         if name not in self._states:
             known = ", ".join(repr(n) for n in self._states) or "none"
             raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
-        if name in self._active:
-            # The inner fork would restart from the state the outer one has not stored back yet: repeated draws.
-            raise RuntimeError(f"RNG tracker {name!r} is already forked; nested forks of one stream repeat draws")
         generators = self.generators
-        outer = _capture(generators)
+        outer_name, outer = self._current, _capture(generators)
+        if outer_name is not None:
+            self._states[outer_name] = outer  # a nested fork of the same stream continues from here
         _restore(generators, self._states[name])
-        self._active.add(name)
+        self._current = name
         try:
             yield
         finally:
-            self._active.discard(name)
             self._states[name] = _capture(generators)
-            _restore(generators, outer)
+            _restore(generators, self._states[outer_name] if outer_name is not None else outer)
+            self._current = outer_name
 
 
 def _capture(generators: Sequence[torch.Generator]) -> RNGState:

@@ -244,7 +244,7 @@ def _dense_tp_filter_norm(model: Any, pg: Any) -> float:
         if not param_is_not_tensor_parallel_duplicate(param, tp, tp, use_global_fallback=False):
             continue
         (expert if is_expert_param(param) else dense).append(grad)
-    return float(norm_of_grads({pg.get("mp"): dense, pg.get("tp_ep_pp"): expert}))
+    return float(norm_of_grads({pg.get("mp"): dense, pg.get("tp_ep_pp_with_egtp_remat"): expert}))
 
 
 def _checkpoint_roundtrip(model: Any, model_config: Any, pg: Any, pg_second: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["get_global_unique_param_name", "global_param_name_fn", "named_global_parameters"]
 
 _LAYER: Final = re.compile(r"(?:^|(?<=\.))layers\.([0-9]+)(?=\.|$)")
+_MTP: Final = "mtp"
 
 
 class _GlobalNamer:
@@ -54,7 +55,10 @@ class _GlobalNamer:
 
     def name(self, chunk_index: int, local_name: str) -> str:
         name = local_name
-        match = _LAYER.search(name)
+        # Multi-token-prediction layers keep their own numbering, as in Megatron-Core (which renumbers no name that
+        # contains "mtp"): the MTP block sits on the last stage whatever the pipeline, so offsetting it would give
+        # one parameter a different name at PP 2 than at PP 1.
+        match = None if _MTP in name else _LAYER.search(name)
         if match is not None:
             layer = self._offset(chunk_index) + int(match.group(1))
             name = f"{name[: match.start(1)]}{layer}{name[match.end(1) :]}"
@@ -127,7 +131,8 @@ def named_global_parameters(
     """``(global name, parameter)`` for every parameter of the chunks, each once, in chunk order.
 
     The name is the chunk's ``named_parameters()`` name with the first ``layers.<n>`` renumbered to
-    ``layer_offset + n`` and expert indices made global. ``layer_offset`` is the chunk's first global layer index:
+    ``layer_offset + n`` (not in multi-token-prediction names, those containing ``mtp``, as in Megatron-Core) and
+    expert indices made global. ``layer_offset`` is the chunk's first global layer index:
     ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
     only with one chunk and pipeline parallelism off. EP rank and size are ``ep_rank``/``ep_size`` or come from
     the ``ep`` group of ``pg_collection``, read only when a name belongs to an expert; the ``pp`` group, read only

@@ -3,7 +3,8 @@
 FSDP2 (``fully_shard``), ``parallelize_module`` and ``distribute_tensor`` leave DTensor grads. A DTensor's local
 piece (``to_local()``) is classified per mesh dim it spans, the dim's group matched to a group of the collection:
 
-* a dim inside the parameter's reduction group (``mp`` for dense, ``tp_ep_pp`` for experts: TP, EP, PP):
+* a dim inside the parameter's reduction group (``mp`` for dense, ``tp_ep_pp_with_egtp_remat`` for experts: TP, EP,
+  PP):
   ``Shard`` pieces are distinct and summed there; ``Replicate`` copies are counted on the dim's rank 0 only;
 * a dim outside it (a data-parallel group: ``dp_cp``, ``expt_dp``, HSDP's ``intra_dp_cp`` / ``inter_dist_opt``):
   ``Shard`` pieces are summed over that group first (one all-reduce per such collection field, in field order);

@@ -3,8 +3,8 @@
 Every rank classifies each of its local gradients by the parameter's roles (:mod:`pgregistry.params`). A parameter
 that is not TP-sharded is replicated across its TP group (the expert TP group for experts, ``allreduce is False``)
 and only TP rank 0 counts it; one that is not GTP-sharded is likewise counted on GTP-remat rank 0 only; ``shared``
-copies are never counted. Dense grads are summed over ``mp`` (TP x GTP x PP), expert grads over ``tp_ep_pp``
-(expert TP x EP x expert GTP-remat x PP).
+copies are never counted. Dense grads are summed over ``mp`` (TP x GTP x PP), expert grads over
+``tp_ep_pp_with_egtp_remat`` (expert TP x EP x expert GTP-remat x PP).
 
 ``None`` in the collection is an axis that is off (rank 0 of 1), never "ask the global grid": reading the global
 rank for a model whose own grid turned TP or GTP off undercounts the norm (see ``docs/known_bugs.md``). Only an
@@ -14,13 +14,13 @@ with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_rank
+from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_rank, group_size
 from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
 from pgregistry.params import is_expert_param
 from pgregistry.resolver import resolve_collection
@@ -41,8 +41,8 @@ class StatsGroups:
     """The groups grad statistics need, resolved once; each a ProcessGroup or ``None`` (axis off).
 
     ``tp``/``expt_tp`` and ``gtp_remat``/``expt_gtp_remat`` decide which rank counts a replicated gradient;
-    ``dense_reduce`` (the collection's ``mp``) and ``expert_reduce`` (its ``tp_ep_pp``) are what the counted
-    gradients are summed over.
+    ``dense_reduce`` (the collection's ``mp``) and ``expert_reduce`` (its ``tp_ep_pp_with_egtp_remat``) are what
+    the counted gradients are summed over.
     """
 
     tp: ProcessGroup | None
@@ -58,28 +58,51 @@ class StatsGroups:
 
         ``tp`` must be set (``None`` when TP is off): ``ValueError`` otherwise. An unset ``expt_tp`` is ``tp``
         (expert TP defaults to TP). Unset ``gtp_remat``/``expt_gtp_remat`` resolve through
-        :func:`~pgregistry.fallback.resolve_gtp_remat_group`, as the model's layers resolve them. ``mp`` and
-        ``tp_ep_pp`` must be set (``ValueError`` naming the field). ``pg_collection=None`` is the global grid, with a
-        fallback warning (:func:`~pgregistry.resolver.resolve_collection`).
+        :func:`~pgregistry.fallback.resolve_gtp_remat_group`, as the model's layers resolve them. ``mp`` must be
+        set, and ``tp_ep_pp_with_egtp_remat``, or ``tp_ep_pp`` where expert GTP is off (the two then hold the same
+        ranks, as Megatron-Core's optimizer assumes): ``ValueError`` naming the field otherwise.
+        ``pg_collection=None`` is the global grid, with a fallback warning
+        (:func:`~pgregistry.resolver.resolve_collection`).
         """
         owner = "StatsGroups.from_collection"
         pg_collection = resolve_collection(pg_collection, owner=owner)
-        for name in ("tp", "mp", "tp_ep_pp"):
-            if not pg_collection.is_set(name):
-                raise ValueError(
-                    f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
-                    "the axis is off) so a duplicate filter never reads the global grid for it"
-                )
-        tp, mp, tp_ep_pp = pg_collection.get("tp"), pg_collection.get("mp"), pg_collection.get("tp_ep_pp")
+        for name in ("tp", "mp"):
+            _require_stats_group(pg_collection, name)
+        tp, mp = pg_collection.get("tp"), pg_collection.get("mp")
         expt_tp = pg_collection.get_or("expt_tp", tp)
+        expt_gtp_remat = resolve_gtp_remat_group(pg_collection, True, owner=owner)
+        expert_reduce = _expert_reduce_group(pg_collection, expt_gtp_remat)
         return cls(
             tp=tp,
             expt_tp=expt_tp,
             gtp_remat=resolve_gtp_remat_group(pg_collection, False, owner=owner),
-            expt_gtp_remat=resolve_gtp_remat_group(pg_collection, True, owner=owner),
+            expt_gtp_remat=expt_gtp_remat,
             dense_reduce=mp,
-            expert_reduce=tp_ep_pp,
+            expert_reduce=expert_reduce,
         )
+
+
+_EXPERT_REDUCE: Final = "tp_ep_pp_with_egtp_remat"
+
+
+def _require_stats_group(pg_collection: ProcessGroupCollection, name: GroupName) -> None:
+    if not pg_collection.is_set(name):
+        raise ValueError(
+            f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
+            "the axis is off) so a duplicate filter never reads the global grid for it"
+        )
+
+
+def _expert_reduce_group(
+    pg_collection: ProcessGroupCollection, expt_gtp_remat: ProcessGroup | None
+) -> ProcessGroup | None:
+    """The expert model-parallel group: ``tp_ep_pp_with_egtp_remat``; ``tp_ep_pp`` is the same ranks only when
+    expert GTP is off, so it stands in for an unset one only then (a collection written before the field)."""
+    if pg_collection.is_set(_EXPERT_REDUCE) or group_size(expt_gtp_remat) > 1:
+        _require_stats_group(pg_collection, _EXPERT_REDUCE)
+        return pg_collection.get(_EXPERT_REDUCE)
+    _require_stats_group(pg_collection, "tp_ep_pp")
+    return pg_collection.get("tp_ep_pp")
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:

@@ -203,8 +203,8 @@ def grad_norm(
     (FSDP2, ``parallelize_module``) by its placements over the mesh dims it spans and by the roles elsewhere
     (:mod:`pgregistry.grad_stats.dtensors`). Given a model or model chunks, parameters of a marked expert module without
     an EP classification raise ``ValueError`` first (:func:`~pgregistry.params.check_expert_classification`).
-    Collective over the collection's ``mp`` and ``tp_ep_pp`` groups (and the data-parallel groups DTensor grads
-    are sharded over). Returns a 0-dim float32 tensor on the grads' device.
+    Collective over the collection's ``mp`` and ``tp_ep_pp_with_egtp_remat`` groups (and the data-parallel groups
+    DTensor grads are sharded over). Returns a 0-dim float32 tensor on the grads' device.
     """
     return norm_of_classified(_classified(params, pg_collection, "grad_norm"), norm_type)
 

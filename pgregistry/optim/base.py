@@ -4,7 +4,7 @@ over its spans, clipping, and the wiring of model parameters to the buffer.
 An optimizer here holds the parameters of one kind, dense or routed-expert (the builder splits them and chains
 the two), because the two kinds differ in every group they use: grads are synchronised over ``dp_cp`` or
 ``expt_dp``, counted with the dense or the expert TP group, and their statistics summed over ``mp`` or
-``tp_ep_pp`` (the whole instance, ``intra_dist_opt``, for a sharded optimizer).
+``tp_ep_pp_with_egtp_remat`` (the whole instance, ``intra_dist_opt``, for a sharded optimizer).
 
 Grad synchronisation follows Megatron-Core (``average_in_collective=False``): each data-parallel rank's loss is the
 mean over its own tokens, and the global loss the mean over the ``dp_cp`` ranks. Dense grads are therefore divided

@@ -76,10 +76,10 @@ def build_optimizer(
     ``pg_collection`` defaults to the collection attached to the model (:func:`pgregistry.registry.attach`; looked
     up through ``.module`` wrappers, the same on every chunk), then to the global grid with a fallback warning
     (:func:`pgregistry.resolver.resolve_collection`). Dense parameters go to one child (grads reduced over ``dp_cp``,
-    statistics over ``mp``), routed experts (``allreduce=False``) to another (``expt_dp``, ``tp_ep_pp``); a sharded
-    build shards each child over its data-parallel group and reduces statistics over ``intra_dist_opt``. A child
-    exists when any rank of its statistics group has parameters of its kind, so every rank issues the same
-    collectives.
+    statistics over ``mp``), routed experts (``allreduce=False``) to another (``expt_dp``,
+    ``tp_ep_pp_with_egtp_remat``); a sharded build shards each child over its data-parallel group and reduces
+    statistics over ``intra_dist_opt``. A child exists when any rank of its statistics group has parameters of its
+    kind, so every rank issues the same collectives.
 
     ``optimizer`` names the inner update rule (``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum`` apply) or
     is a factory over the tensors to step. ``mixed_precision`` keeps float32 main copies and grads;

@@ -1,7 +1,8 @@
 """A chained optimizer: one child per parameter kind (dense, routed experts), one set of grad statistics.
 
 The global norm must count every child's grads, each with its own groups. When every child reduces over the same
-single group (a sharded optimizer's instance, or ``mp`` and ``tp_ep_pp`` holding the same ranks), the children's
+single group (a sharded optimizer's instance, or ``mp`` and ``tp_ep_pp_with_egtp_remat`` holding the same ranks),
+the children's
 filtered local terms are concatenated into one :func:`~pgregistry.grad_stats.norm_of_grads` call: one all-reduce.
 Otherwise each child reduces over its own groups and the child norms combine as ``(sum n_i^p)^(1/p)`` (max for
 the inf-norm). The zero count follows the same rule (a sum). Clipping scales every child's grads by the one

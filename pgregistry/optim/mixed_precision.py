@@ -41,7 +41,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             (``inner_factory("adam", lr=1e-3)``) steps them as one flat tensor; any other factory, e.g.
             ``functools.partial(torch.optim.Adam, lr=1e-3)``, gets the per-parameter main params.
         expert: whether ``params`` are routed-expert parameters (grads summed over ``expt_dp``, counted with the
-            expert TP group, statistics over ``tp_ep_pp``) or dense ones (``dp_cp``, TP group, ``mp``); both
+            expert TP group, statistics over ``tp_ep_pp_with_egtp_remat``) or dense ones (``dp_cp``, TP group,
+            ``mp``); both
             are divided by the ``dp_cp`` size (see :mod:`pgregistry.optim.base`).
         main_dtype: dtype of the main copies and grads; ``None`` steps the parameters themselves.
         bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one bucket).

@@ -45,9 +45,12 @@ def test_composite_groups_are_listed_from_the_layout_kinds() -> None:
     assert COMPOSITE_AXES["mp"] == ("tp", "gtp_remat", "pp")
     assert COMPOSITE_AXES["tp_cp"] == ("tp", "cp")
     assert COMPOSITE_AXES["dp_cp"] == ("dp", "cp")
-    assert COMPOSITE_AXES["tp_dp_cp"] == ("tp", "dp", "cp")
+    assert COMPOSITE_AXES["tp_dp_cp"] == ("tp", "gtp_remat", "dp", "cp")  # as Megatron-Core's: GTP included
+    assert COMPOSITE_AXES["dp_cp_gtp_remat"] == ("gtp_remat", "dp", "cp")
     assert COMPOSITE_AXES["tp_ep"] == ("expt_tp", "ep")
-    assert COMPOSITE_AXES["tp_ep_pp"] == ("expt_tp", "expt_gtp_remat", "ep", "pp")
+    assert COMPOSITE_AXES["tp_ep_pp"] == ("expt_tp", "ep", "pp")  # as Megatron-Core's: expert GTP left out
+    assert COMPOSITE_AXES["tp_ep_pp_with_egtp_remat"] == ("expt_tp", "expt_gtp_remat", "ep", "pp")
+    assert COMPOSITE_AXES["expt_dp_gtp_remat"] == ("expt_gtp_remat", "expt_dp")
 
 
 def test_a_composite_group_larger_than_its_axes_is_refused_naming_both() -> None:

@@ -172,3 +172,22 @@ def test_global_names_are_unique_across_every_rank_of_a_pipeline() -> None:
             names.update(n for n, _ in named if ".experts." in n)
     assert total == len(names) > 0
     assert {int(n.split(".")[1]) for n in names} == set(range(NUM_LAYERS))
+
+
+class _StageWithMTP(nn.Module):
+    """A last pipeline stage: decoder layers from ``layer_offset`` on, and a multi-token-prediction block."""
+
+    def __init__(self, layer_offset: int, num_layers: int) -> None:
+        super().__init__()
+        self.layer_offset = layer_offset
+        self.layers = nn.ModuleList(nn.Linear(2, 2, bias=False) for _ in range(num_layers))
+        self.mtp = nn.Module()
+        self.mtp.layers = nn.ModuleList([nn.Linear(2, 2, bias=False)])
+
+
+def test_mtp_names_do_not_depend_on_the_pipeline_layout() -> None:
+    # Saved at PP 2 (the last stage holds decoder layers 2-3 and the MTP block), reloaded at PP 1.
+    at_pp2 = [name for name, _ in named_global_parameters(_StageWithMTP(2, 2), ep_rank=0, ep_size=1)]
+    at_pp1 = [name for name, _ in named_global_parameters(_StageWithMTP(0, 4), ep_rank=0, ep_size=1)]
+    assert at_pp2 == ["layers.2.weight", "layers.3.weight", "mtp.layers.0.weight"]
+    assert at_pp1[-1] == "mtp.layers.0.weight" and set(at_pp2) <= set(at_pp1)

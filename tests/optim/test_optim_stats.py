@@ -27,7 +27,7 @@ from pgregistry.testing_models import EXPERT, local_model, set_main_grads, shard
 WORLD = 4
 LAYOUTS: dict[str, dict[str, Any]] = {
     "DP4": {},
-    "TP2-EP2-ETP1": {"tp": 2, "ep": 2, "etp": 1},  # mp and tp_ep_pp hold the same ranks: shared
+    "TP2-EP2-ETP1": {"tp": 2, "ep": 2, "etp": 1},  # mp and the expert stats group hold the same ranks: shared
     "TP2-EP4-ETP1": {"tp": 2, "ep": 4, "etp": 1},
     "TP2-EP2-ETP2": {"tp": 2, "ep": 2, "etp": 2},
     "PP2-EP2": {"pp": 2, "ep": 2},  # the first stage holds no expert: an empty expert child joins the reduction
@@ -101,7 +101,7 @@ def test_chained_statistics_match_the_unsharded_oracle(name: str) -> None:
     want_norm, want_inf, want_zeros = oracle_norm(grads, 2.0), oracle_norm(grads, math.inf), oracle_zeros(grads)
     numel = oracle_numel()
     mp = set(layout.groups_of(0)["mp"])
-    shared_groups = mp == set(layout.groups_of(0)["tp_ep_pp"])
+    shared_groups = mp == set(layout.groups_of(0)["tp_ep_pp_with_egtp_remat"])
     for rank, result in enumerate(run_world(WORLD, _on_rank, layout)):
         for kind, res in result.items():
             where = f"{name} rank {rank} {kind}"

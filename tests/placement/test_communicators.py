@@ -39,9 +39,9 @@ def test_communicators_match_every_ranks_view(sizes: dict[str, object]) -> None:
 
 
 def test_kinds_naming_the_same_ranks_share_one_communicator() -> None:
-    # cp off and etp == tp: dp, dp_cp and expt_dp are the same rank sets.
+    # cp and GTP off and etp == tp: dp, dp_cp, expt_dp and their GTP-spanning kinds are the same rank sets.
     comms = communicators(ParallelLayout(world_size=8, tp=2))
-    assert comms[(0, 2, 4, 6)] == ("dp", "dp_cp", "expt_dp")
+    assert comms[(0, 2, 4, 6)] == ("dp", "dp_cp", "dp_cp_gtp_remat", "expt_dp", "expt_dp_gtp_remat")
 
 
 @pytest.mark.parametrize(("sizes_a", "sizes_b"), [(LAYOUTS[0], LAYOUTS[1]), (LAYOUTS[1], LAYOUTS[0])])
@@ -67,7 +67,7 @@ def test_policy_and_reference_share_the_blocks_of_four() -> None:
     assert comparison.shared == blocks
     (row,) = comparison.shared_by_kinds()
     assert (row.kinds_a, row.count, row.size) == (("ep", "tp_ep"), 4, 4)
-    assert row.kinds_b == ("tp", "tp_cp", "mp", "expt_tp", "tp_ep", "tp_ep_pp")
+    assert row.kinds_b == ("tp", "tp_cp", "mp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_ep_pp_with_egtp_remat")
 
 
 def test_compare_refuses_different_worlds() -> None:

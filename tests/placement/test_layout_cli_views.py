@@ -86,7 +86,8 @@ def test_compare_lists_the_shared_communicators(tmp_path: Path, capsys: pytest.C
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "policy: 40 communicators, reference: 9, shared: 4 (the registry creates 45, not 49)" in out
-    assert re.search(r"^ +4 +4  ep, tp_ep +tp, tp_cp, mp, expt_tp, tp_ep, tp_ep_pp$", out, flags=re.M)
+    assert re.search(r"^ +4 +4  ep, tp_ep +tp, tp_cp, mp, expt_tp, tp_ep, tp_ep_pp, tp_ep_pp_with_egtp_remat$", out,
+                     flags=re.M)
     assert "\npolicy placement: 2 nodes of 8 GPUs" in out and "\nreference placement: " in out
     assert ET.parse(svg).getroot().tag == "{http://www.w3.org/2000/svg}svg"
     assert main([*argv[:6], "--json"]) == 0
@@ -94,7 +95,7 @@ def test_compare_lists_the_shared_communicators(tmp_path: Path, capsys: pytest.C
     assert report["shared"] == 4 and report["layouts"]["reference"]["communicators"] == 9
     assert report["shared_by_kinds"] == [
         {"count": 4, "size": 4, "policy": ["ep", "tp_ep"],
-         "reference": ["tp", "tp_cp", "mp", "expt_tp", "tp_ep", "tp_ep_pp"]},
+         "reference": ["tp", "tp_cp", "mp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_ep_pp_with_egtp_remat"]},
     ]
 
 

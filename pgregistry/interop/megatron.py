@@ -1,0 +1,318 @@
+"""Megatron-Core interop: one set of communicators shared by pgregistry and a Megatron-Core model.
+
+* :func:`to_megatron` hands a pgregistry collection to Megatron-Core as its own ``ProcessGroupCollection``, holding
+  the same communicators (no group is created);
+* :func:`from_megatron` turns Megatron-Core's collection (``use_mpu_process_groups()`` after
+  ``initialize_model_parallel``) into a pgregistry one and teaches the registry its communicators, so a later
+  ``pgregistry.build`` of the same layout reuses them;
+* :func:`megatron_config_kwargs` and :func:`megatron_initialize_kwargs` give the sizes of a layout under Megatron-Core's
+  names, and :func:`check_config` refuses a config whose sizes disagree with the groups (Megatron-Core itself accepts
+  ``expert_tensor_parallel_size=1`` next to a 2-rank expert-TP group);
+* :func:`seed_megatron_rng` seeds Megatron-Core's own CUDA RNG tracker with the collection's ranks, so a Megatron-Core
+  model draws what :mod:`pgregistry.rng` computes; :func:`mark_megatron_experts` marks Megatron-Core's routed-expert
+  modules, so the unclassified-expert check of grad statistics covers a Megatron-Core MoE model.
+
+Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global ``parallel_state`` group"
+(or the default group, in a collective): a TP-off model whose collection said ``tp=None`` under another model's
+global TP 2 gets its weights sharded over that TP group, without an error. So :func:`to_megatron` refuses
+``None`` there, naming the field; build the collection with ``explicit_singletons=True`` so an axis that is off is a
+real one-rank group. ``None`` passes only in the fields where Megatron-Core reads it as "not in such a group" or "not
+used" (:data:`NONE_MEANS_NOT_USED`).
+
+Megatron-Core is imported inside the functions: ``import pgregistry.interop.megatron`` works without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import TYPE_CHECKING, Any, Final
+
+from pgregistry._logging import get_logger
+from pgregistry.collection import FIELD_NAMES, UNSET, GroupName, ProcessGroupCollection, group_rank, group_size
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.registry import GroupRegistry
+
+__all__ = [
+    "NONE_MEANS_NOT_USED",
+    "check_config",
+    "from_megatron",
+    "mark_megatron_experts",
+    "megatron_config_kwargs",
+    "megatron_initialize_kwargs",
+    "seed_megatron_rng",
+    "to_megatron",
+]
+
+_log = get_logger(__name__)
+
+NONE_MEANS_NOT_USED: Final = frozenset({"embd", "pos_embd", "hcp", "inter_dist_opt", "dp_cp_ag", "expt_dp_ag"})
+"""Fields where Megatron-Core reads ``None`` as "this rank holds no embedding" or "the feature is not used" (one
+optimizer instance, no hierarchical CP, no separate all-gather communicator). Everywhere else ``None`` makes
+Megatron-Core fall back to its global groups, so it is refused."""
+
+# Fields only recent Megatron-Core releases have, and the field holding the same ranks when their axis is off.
+_GTP_FIELDS: Final[dict[str, GroupName | None]] = {
+    "gtp_remat": None,
+    "expt_gtp_remat": None,
+    "tp_ep_pp_with_egtp_remat": "tp_ep_pp",
+    "dp_cp_gtp_remat": "dp_cp",
+    "expt_dp_gtp_remat": "expt_dp",
+}
+
+# (Megatron-Core config attribute, initialize_model_parallel keyword, layout attribute, collection field)
+_SIZES: Final[tuple[tuple[str, str, str, GroupName], ...]] = (
+    ("tensor_model_parallel_size", "tensor_model_parallel_size", "tp", "tp"),
+    ("pipeline_model_parallel_size", "pipeline_model_parallel_size", "pp", "pp"),
+    ("context_parallel_size", "context_parallel_size", "cp", "cp"),
+    ("expert_model_parallel_size", "expert_model_parallel_size", "ep", "ep"),
+    ("expert_tensor_parallel_size", "expert_tensor_parallel_size", "etp", "expt_tp"),
+    ("gtp_weight_remat_size", "gtp_remat_size", "gtp_remat", "gtp_remat"),
+    ("expert_gtp_weight_remat_size", "expert_gtp_remat_size", "expt_gtp_remat", "expt_gtp_remat"),
+)
+
+
+def _megatron_collection_type() -> type:
+    from megatron.core.process_groups_config import ProcessGroupCollection as MegatronCollection
+
+    return MegatronCollection
+
+
+def _megatron_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(_megatron_collection_type()))
+
+
+def _megatron_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:  # unpacked from a wheel rather than installed (make setup does that)
+        import megatron.core
+
+        return str(getattr(megatron.core, "__version__", "unknown version"))
+
+
+def _refuse_none(name: str, where: str) -> None:
+    raise ValueError(
+        f"{where} field {name!r} is None: Megatron-Core has no 'axis off' value and reads None there as 'use the "
+        "global parallel_state group', so a model on this collection would run on another grid's groups. Build "
+        "the collection with pgregistry.build(layout, explicit_singletons=True) so an axis that is off is a real "
+        "one-rank group"
+    )
+
+
+def to_megatron(pg_collection: ProcessGroupCollection) -> Any:
+    """Megatron-Core's ``ProcessGroupCollection`` holding the communicators of ``pg_collection`` (none created).
+
+    An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided"). ``None`` is refused
+    outside :data:`NONE_MEANS_NOT_USED` (``ValueError`` naming the field). A field the installed Megatron-Core does
+    not know (the GTP ones, before 0.17) is left out when it carries nothing: ``None``, one rank, or the same
+    communicator as the field it reduces to when GTP is off; otherwise ``ValueError``, since that Megatron-Core
+    cannot run the layout.
+    """
+    if not isinstance(pg_collection, ProcessGroupCollection):
+        raise TypeError(f"to_megatron expects a pgregistry ProcessGroupCollection, got {type(pg_collection).__name__}")
+    known = set(_megatron_fields())
+    fields: dict[str, Any] = {}
+    for name, value in pg_collection.items():
+        if value is UNSET:
+            continue
+        if name not in known:
+            _check_droppable(pg_collection, name, value)
+            continue
+        if value is None and name not in NONE_MEANS_NOT_USED:
+            _refuse_none(name, "pg_collection")
+        fields[name] = value
+    return _megatron_collection_type()(**fields)
+
+
+def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: Any) -> None:
+    twin = _GTP_FIELDS.get(name)
+    if value is None or group_size(value) == 1:
+        return
+    if twin is not None and pg_collection.is_set(twin) and pg_collection.get(twin) is value:
+        return
+    raise ValueError(
+        f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} field, so it cannot carry this "
+        f"collection's {group_size(value)}-rank {name!r} group: that Megatron-Core cannot run the layout's GTP axis"
+    )
+
+
+def from_megatron(mc_collection: Any, *, registry: GroupRegistry | None = None) -> ProcessGroupCollection:
+    """A pgregistry collection holding Megatron-Core's communicators, which the registry adopts.
+
+    Collective over the default process group (every rank calls it): the registry learns every rank set, so a
+    later ``build`` of a layout with the same rank sets reuses Megatron-Core's communicators instead of creating a
+    second set (:meth:`~pgregistry.registry.GroupRegistry.adopt`). A field absent from ``vars(mc_collection)`` is
+    UNSET; a field the installed Megatron-Core does not have (older releases lack the GTP ones) is UNSET too.
+    ``None`` is refused outside :data:`NONE_MEANS_NOT_USED`, where Megatron-Core would read it as "use the global
+    group", which a pgregistry collection cannot say (``ValueError`` naming the field).
+    """
+    from pgregistry import registry as registry_module
+
+    megatron_type = _megatron_collection_type()
+    if not isinstance(mc_collection, megatron_type):
+        raise TypeError(
+            f"from_megatron expects megatron.core.process_groups_config.ProcessGroupCollection, got "
+            f"{type(mc_collection).__name__}"
+        )
+    present = vars(mc_collection)
+    fields: dict[str, Any] = {}
+    for name in _megatron_fields():
+        if name not in present:
+            continue
+        value = present[name]
+        if name not in FIELD_NAMES:
+            if value is None:
+                continue
+            raise ValueError(f"Megatron-Core field {name!r} holds a group pgregistry has no field for")
+        if value is None and name not in NONE_MEANS_NOT_USED:
+            _refuse_none(name, "Megatron-Core collection")
+        fields[name] = value
+    groups = [g for value in fields.values() for g in (value if isinstance(value, list) else [value]) if g is not None]
+    (registry or registry_module.default_registry).adopt(groups)
+    return ProcessGroupCollection(**fields)
+
+
+def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
+    """The parallel sizes of ``layout`` as keywords of Megatron-Core's ``TransformerConfig`` /
+    ``ModelParallelConfig``; GTP sizes only where the installed Megatron-Core has them (``ValueError`` for a GTP
+    size above 1 it cannot express)."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    known = {f.name for f in dataclasses.fields(ModelParallelConfig)}
+    return _sizes_by_name(layout, {config: config for config, *_ in _SIZES}, known, "ModelParallelConfig")
+
+
+def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
+    """Keywords for Megatron-Core's ``parallel_state.initialize_model_parallel`` that build ``layout``'s groups
+    (the sizes and the order); GTP sizes only where the installed Megatron-Core has them."""
+    from megatron.core import parallel_state
+
+    known = set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
+    names = {config: keyword for config, keyword, *_ in _SIZES}
+    out: dict[str, Any] = dict(_sizes_by_name(layout, names, known, "initialize_model_parallel"))
+    out["order"] = layout.order
+    return out
+
+
+def _sizes_by_name(
+    layout: ParallelLayout, names: dict[str, str], known: set[str], where: str
+) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for config, _, attribute, _ in _SIZES:
+        size = int(getattr(layout, attribute))
+        name = names[config]
+        if name in known:
+            out[name] = size
+        elif size != 1:
+            raise ValueError(
+                f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} in {where}, so it cannot "
+                f"express {attribute}={size}"
+            )
+    return out
+
+
+def check_config(config: Any, pg_collection: Any) -> None:
+    """Raise ``ValueError`` when ``config`` (a Megatron-Core ``TransformerConfig`` or any object with its size
+    attributes) disagrees with the sizes of ``pg_collection``'s groups (pgregistry's collection or
+    Megatron-Core's), listing every mismatch.
+
+    ``expert_tensor_parallel_size=None`` means the tensor-parallel size, as in Megatron-Core. A group the
+    collection does not provide is a mismatch (Megatron-Core would read the global one). A GTP size the config
+    does not have (an older Megatron-Core) must be matched by a one-rank group or an unset field.
+    """
+    problems: list[str] = []
+    for attribute, _, _, field in _SIZES:
+        provided, group = _group_in(pg_collection, field)
+        has = f"the collection's {field!r} group has {group_size(group)} ranks"
+        if not hasattr(config, attribute):
+            if provided and group_size(group) != 1:
+                problems.append(f"config has no {attribute} but {has}")
+            continue
+        want = getattr(config, attribute)
+        if attribute == "expert_tensor_parallel_size" and want is None:
+            want = config.tensor_model_parallel_size
+        if not provided:
+            problems.append(f"config.{attribute} = {want} but the collection does not provide {field!r}")
+        elif group_size(group) != want:
+            problems.append(f"config.{attribute} = {want} but {has}")
+    if problems:
+        raise ValueError("the Megatron-Core config disagrees with the process groups: " + "; ".join(problems))
+
+
+def _group_in(collection: Any, name: GroupName) -> tuple[bool, Any]:
+    """(provided, group) for either package's collection."""
+    if isinstance(collection, ProcessGroupCollection):
+        return (collection.is_set(name), collection.get(name) if collection.is_set(name) else None)
+    present = vars(collection)
+    return (name in present, present.get(name))
+
+
+def seed_megatron_rng(seed: int, pg_collection: ProcessGroupCollection, **megatron_options: Any) -> dict[str, int]:
+    """Seed Megatron-Core's CUDA RNG tracker (``model_parallel_cuda_manual_seed``) from the collection's ranks;
+    returns tracker name -> seed, as :func:`pgregistry.rng.tracker_seeds` computes them.
+
+    ``seed`` is the base seed (:func:`pgregistry.rng.base_seed_for_rank`: pipeline offset included). The TP, EP and
+    expert-TP ranks come from ``tp``, ``ep`` and ``expt_tp``, which must be set (``ValueError``: Megatron-Core would
+    read its global ranks). Megatron-Core reads the GTP-remat ranks from its global ``parallel_state`` only, so the
+    GTP streams are added here from ``gtp_remat``/``expt_gtp_remat``; a GTP stream its global grid already added
+    must have the collection's seed (``ValueError`` otherwise). ``megatron_options`` go to
+    ``model_parallel_cuda_manual_seed`` (``te_rng_tracker``, ``use_cudagraphable_rng``, ...). Needs CUDA.
+    """
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    from pgregistry.rng import EGTP_REMAT_RNG, GTP_REMAT_RNG, tracker_seeds
+
+    missing = [name for name in _SEED_GROUPS if not pg_collection.is_set(name)]
+    if missing:
+        raise ValueError(f"seed_megatron_rng needs the collection's {missing} group(s); set them (None = axis off)")
+    rank = {name: group_rank(pg_collection.get(name)) for name in _SEED_GROUPS}
+    seeds = tracker_seeds(
+        seed, tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"],
+        gtp_remat_rank=rank["gtp_remat"], gtp_remat_size=group_size(pg_collection.get("gtp_remat")),
+        expt_gtp_remat_rank=rank["expt_gtp_remat"],
+        expt_gtp_remat_size=group_size(pg_collection.get("expt_gtp_remat")),
+    )
+    megatron_random.model_parallel_cuda_manual_seed(
+        seed, tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"], **megatron_options
+    )
+    tracker = megatron_random.get_cuda_rng_tracker()
+    for name in (GTP_REMAT_RNG, EGTP_REMAT_RNG):
+        if name not in seeds:
+            continue
+        if name not in tracker.get_states():
+            tracker.add(name, seeds[name])
+        elif seeds[name] not in tracker.seeds_:
+            raise ValueError(
+                f"Megatron-Core's global grid already seeded {name!r} with another seed than the collection's "
+                f"{seeds[name]}: its parallel_state has a different GTP layout"
+            )
+    return seeds
+
+
+_SEED_GROUPS: Final = ("tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+
+
+def mark_megatron_experts(model: nn.Module) -> int:
+    """Mark the routed-expert module of every Megatron-Core ``MoELayer`` in ``model``
+    (:func:`pgregistry.params.mark_expert_module`); returns how many were marked.
+
+    Grad statistics then refuse an expert parameter that lost its ``allreduce`` role (a copy that dropped it would
+    otherwise count as dense). Shared experts are dense, replicated across EP, and are not marked.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from pgregistry.params import mark_expert_module
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer) and module.experts is not None:
+            mark_expert_module(module.experts)
+            marked += 1
+    return marked

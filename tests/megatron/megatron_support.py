@@ -1,0 +1,119 @@
+"""Helpers for the tests that run the real Megatron-Core (imported as ``megatron_support``).
+
+``make setup`` installs megatron-core; without it these tests skip, unless ``PGREGISTRY_REQUIRE_MEGATRON=1`` (set by
+``make test``) makes the missing package a failure, so CI can never pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+__all__ = [
+    "describe_groups",
+    "error_of",
+    "fake_world",
+    "megatron_fields",
+    "megatron_initialize",
+    "megatron_kwargs",
+    "require_megatron",
+]
+
+
+def require_megatron() -> None:
+    """Import megatron.core, or skip the calling test module (fail instead under PGREGISTRY_REQUIRE_MEGATRON=1)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Apex is not installed": Megatron-Core falls back to torch norms
+            import megatron.core.parallel_state  # noqa: F401
+            import megatron.core.process_groups_config  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("PGREGISTRY_REQUIRE_MEGATRON") == "1":
+            raise
+        pytest.skip(f"megatron-core is not importable ({exc}); `make setup` installs it", allow_module_level=True)
+
+
+def error_of(call: Any) -> str:
+    """``"<ExceptionType>: <message>"`` for a ValueError or TypeError ``call`` raises, ``"no error"`` otherwise (run
+    inside a world, so each rank's outcome comes back to the test as text)."""
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def megatron_fields() -> tuple[str, ...]:
+    """Every field of the installed Megatron-Core's ProcessGroupCollection."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return tuple(f.name for f in dataclasses.fields(ProcessGroupCollection))
+
+
+def megatron_kwargs(sizes: Mapping[str, Any]) -> dict[str, Any]:
+    """``initialize_model_parallel`` keywords for pgregistry layout sizes, written out here, independently of
+    pgregistry.interop, so the parity tests do not take the mapping they check from the code under test."""
+    names = {
+        "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
+        "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size", "gtp_remat": "gtp_remat_size",
+        "expt_gtp_remat": "expert_gtp_remat_size", "order": "order",
+    }
+    return {names[key]: value for key, value in sizes.items() if key != "world_size"}
+
+
+@contextmanager
+def megatron_initialize(sizes: Mapping[str, Any]) -> Iterator[Any]:
+    """Megatron-Core's own ``initialize_model_parallel`` for ``sizes``; yields its
+    ``ProcessGroupCollection.use_mpu_process_groups()`` and destroys Megatron's globals on exit."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    try:
+        parallel_state.initialize_model_parallel(**megatron_kwargs(sizes), create_gloo_process_groups=False)
+        yield ProcessGroupCollection.use_mpu_process_groups()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _ranks(group: Any) -> Any:
+    if group is None:
+        return None
+    if isinstance(group, list):
+        return [_ranks(g) for g in group]
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def describe_groups(collection: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """Field -> the ranks of its group (``None`` for None, a list for ``hcp``), for either package's collection.
+
+    A field absent from ``vars()`` (Megatron-Core) or UNSET (pgregistry) is reported as ``"unset"``."""
+    from pgregistry.collection import UNSET, ProcessGroupCollection
+
+    out: dict[str, Any] = {}
+    for name in names:
+        if isinstance(collection, ProcessGroupCollection):
+            value = collection.get(name) if collection.is_set(name) else UNSET
+        else:
+            value = vars(collection).get(name, UNSET)
+        out[name] = "unset" if value is UNSET else _ranks(value)
+    return out
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of a ``world_size`` world on torch's fake backend (collectives compute nothing):
+    enough to run Megatron-Core's and pgregistry's group creation for any rank of any world, in one process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,178 @@
+"""Every collection field named like Megatron-Core's holds Megatron-Core's ranks: the oracle is Megatron-Core itself.
+
+Megatron-Core's ``initialize_model_parallel`` then ``ProcessGroupCollection.use_mpu_process_groups()`` give, on each
+rank, the groups Megatron-Core would use; ``pgregistry.build`` of the same sizes must give the same rank sets field by
+field. Megatron-Core builds real one-rank groups where pgregistry's default build says ``None`` (axis off), so the
+default build is compared modulo that and ``explicit_singletons=True`` exactly.
+
+Two layers: real gloo worlds of 8 ranks (the layouts the issue names, both orders Megatron-Core documents), and a
+property-based sweep on torch's fake backend, where one process plays any rank of any world, so hundreds of sizes and
+orders (axes left out included) run in seconds. Refusals must agree too: a layout Megatron-Core refuses is a
+``ValueError`` here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+from megatron_support import describe_groups, fake_world, megatron_fields, megatron_initialize, require_megatron
+
+require_megatron()
+
+from pgregistry.collection import FIELD_NAMES  # noqa: E402
+from pgregistry.layout import ParallelLayout  # noqa: E402
+from pgregistry.registry import GroupRegistry  # noqa: E402
+from pgregistry.testing import run_world  # noqa: E402
+
+WORLD = 8
+
+GLOO_LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2-gtp2-ep2-egtp2": {"tp": 2, "gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2},
+    "tp2-pp2-cp2": {"tp": 2, "pp": 2, "cp": 2},
+    "tp2-ep4-etp1-pp2": {"tp": 2, "ep": 4, "etp": 1, "pp": 2},
+    "tp2-pp2-order-tp-pp-dp": {"tp": 2, "pp": 2, "order": "tp-pp-dp"},
+    "cp2-gtp2-ep4-etp1-order-pp-before-dp": {"cp": 2, "gtp_remat": 2, "ep": 4, "etp": 1, "order": "tp-cp-ep-pp-dp"},
+    "gtp2-pp2-ep2-etp2-egtp2": {"gtp_remat": 2, "pp": 2, "ep": 2, "etp": 2},
+    "tp4-ep2-etp1-egtp2": {"tp": 4, "ep": 2, "etp": 1, "expt_gtp_remat": 2},
+    "ep8-etp1": {"ep": 8, "etp": 1},
+}
+
+
+def _compare(theirs: dict[str, Any], exact: dict[str, Any], default: dict[str, Any]) -> list[str]:
+    """Fields where pgregistry differs from Megatron-Core: exactly with singletons, modulo None by default."""
+    wrong = []
+    for name, ranks in theirs.items():
+        if exact[name] != ranks:
+            wrong.append(f"{name}: megatron {ranks}, pgregistry (singletons) {exact[name]}")
+        one_rank = isinstance(ranks, tuple) and len(ranks) == 1
+        if default[name] != (None if one_rank else ranks):
+            wrong.append(f"{name}: megatron {ranks}, pgregistry (default) {default[name]}")
+    return wrong
+
+
+def _both_on_this_rank(sizes: dict[str, Any], tag: str) -> list[str]:
+    """Build ``sizes`` with Megatron-Core and with pgregistry on this rank; the fields that differ."""
+    names = megatron_fields()
+    with megatron_initialize(sizes) as theirs:
+        megatron_ranks = describe_groups(theirs, names)
+    layout = ParallelLayout(world_size=dist.get_world_size(), **sizes)
+    # A registry of its own: the fake-backend sweep runs in the test process, whose default registry forked worlds
+    # of other tests inherit.
+    groups = GroupRegistry()
+    try:
+        exact = describe_groups(groups.build(layout, name=f"{tag}-exact", explicit_singletons=True), names)
+        default = describe_groups(groups.build(layout, name=f"{tag}-default"), names)
+    finally:
+        groups.destroy()
+    return _compare(megatron_ranks, exact, default)
+
+
+def _gloo_parity_on_rank() -> dict[str, list[str]]:
+    return {name: _both_on_this_rank(sizes, name) for name, sizes in GLOO_LAYOUTS.items()}
+
+
+def test_pgregistry_has_every_megatron_field() -> None:
+    assert set(megatron_fields()) <= set(FIELD_NAMES)
+
+
+def test_every_field_holds_megatrons_ranks_on_gloo_worlds() -> None:
+    # One world for every layout: each rank imports nothing new, and the groups of both libraries are real.
+    for rank, wrong_by_layout in enumerate(run_world(WORLD, _gloo_parity_on_rank, timeout=240)):
+        for layout_name, wrong in wrong_by_layout.items():
+            assert wrong == [], f"{layout_name} rank {rank}: {wrong}"
+
+
+# ------------------------------------------------------------------------------------------------ fake-backend sweep
+
+
+def _outcome_on_fake_rank(sizes: dict[str, Any], world: int, rank: int) -> str | list[str]:
+    """``"megatron refuses"`` when Megatron-Core rejects ``sizes`` (any layout it accepts is in scope), else the
+    fields that differ (``[]``: parity; pgregistry must accept what Megatron-Core accepts)."""
+    with fake_world(rank, world):
+        try:
+            with megatron_initialize(sizes):
+                pass
+        except (RuntimeError, AssertionError, ValueError):
+            # Its refusals (sizes that do not divide, pp not last, ...); also its crash on an order that leaves
+            # out "tp" (a substring test finds "tp" inside "gtp_remat"), which pgregistry accepts for tp = 1.
+            return "megatron refuses"
+        try:
+            ParallelLayout(world_size=world, **sizes)
+        except ValueError as ours:
+            return [f"pgregistry refuses what Megatron-Core accepts: {ours}"]
+        return _both_on_this_rank(sizes, "sweep")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def sweep_case(draw: st.DrawFn) -> tuple[dict[str, Any], int, list[int]]:
+    small = st.sampled_from([1, 1, 2, 2, 3, 4])
+    tp, cp, pp, gtp = draw(small), draw(small), draw(small), draw(small)
+    world = tp * gtp * cp * pp * draw(st.sampled_from([1, 2, 3, 4]))
+    # Expert sizes drawn among those that divide what a pipeline stage holds, so most draws are layouts.
+    per_stage = world // pp
+    ep = draw(st.sampled_from(_divisors(per_stage)))
+    etp = draw(st.sampled_from(_divisors(per_stage // ep)))
+    egtp = draw(st.sampled_from([d for d in _divisors(per_stage // (ep * etp)) if d <= 3]))
+    sizes: dict[str, Any] = {
+        "tp": tp, "cp": cp, "pp": pp, "gtp_remat": gtp, "ep": ep, "etp": etp, "expt_gtp_remat": egtp,
+    }
+    tokens = draw(st.permutations(["tp", "cp", "ep", "dp", "pp"]))
+    # Megatron-Core appends size-1 axes left out of the order (all but "tp", whose omission it crashes on).
+    dropped = draw(st.sets(st.sampled_from([t for t in tokens if t != "tp"]), max_size=2))
+    sizes["order"] = "-".join(t for t in tokens if t not in dropped)
+    ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=3, unique=True))
+    return sizes, world, ranks
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
+@given(sweep_case())
+def test_sweep_matches_megatron_initialize_model_parallel(case: tuple[dict[str, Any], int, list[int]]) -> None:
+    sizes, world, ranks = case
+    assume(world <= 96)  # keeps each example to milliseconds; larger worlds add nothing the smaller ones do not test
+    outcomes = {rank: _outcome_on_fake_rank(sizes, world, rank) for rank in ranks}
+    event("megatron refuses" if "megatron refuses" in outcomes.values() else "compared field by field")
+    assert all(outcome in ("megatron refuses", []) for outcome in outcomes.values()), (sizes, world, outcomes)
+
+
+def test_every_order_matches_megatron() -> None:
+    # Exhaustive over the 120 orders at one mixed layout (two ranks each); the sweep samples, this enumerates.
+    sizes = {"tp": 2, "cp": 2, "pp": 2, "ep": 2, "etp": 1}
+    for index, tokens in enumerate(itertools.permutations(["tp", "cp", "ep", "dp", "pp"])):
+        case = {**sizes, "order": "-".join(tokens)}
+        for rank in (index % 16, 15 - index % 16):
+            outcome = _outcome_on_fake_rank(case, 16, rank)
+            assert outcome in ("megatron refuses", []), (case, rank, outcome)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [{"tp": 3}, {"ep": 3}, {"tp": 2, "order": "tp-cp-ep-pp"}, {"pp": 2, "ep": 4, "order": "tp-cp-ep-pp-dp"}],
+)
+def test_megatron_refusals_are_value_errors_here(sizes: dict[str, Any]) -> None:
+    assert _outcome_on_fake_rank(sizes, 8, 0) == "megatron refuses"
+    with pytest.raises(ValueError):
+        ParallelLayout(world_size=8, **sizes)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        # The order leaves out "ep": Megatron-Core then places the expert GTP axis after "tp", not at the end.
+        {"tp": 2, "expt_gtp_remat": 2, "order": "tp-cp-dp-pp"},
+        {"gtp_remat": 2, "expt_gtp_remat": 2, "order": "dp-tp-pp"},
+    ],
+)
+def test_gtp_axis_placed_as_megatron_places_it_when_the_order_omits_its_anchor(sizes: dict[str, Any]) -> None:
+    for rank in range(8):
+        assert _outcome_on_fake_rank(sizes, 8, rank) == [], rank
