@@ -1,9 +1,14 @@
 """The Triton kernel of the one-read grad statistics of :mod:`pgregistry.grad_stats.fused` (imports triton: import
 this module only inside a function, after checking that triton is importable).
 
-Each program reads ``BLOCK * ITERS`` consecutive elements of one tensor and writes two partials: the sum of their
-squares (float32: at most ``ITERS`` additions per lane, then a tree over the block) and the number of exact zeros
-(``x == 0``: ``-0.0`` counts, NaN does not, as ``count_nonzero``). The caller sums the partials in float64 / int64.
+Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes two partials: the sum of their squares
+(float32: at most ``ITERS`` additions per lane, then a tree over the block) and the number of exact zeros (``x == 0``:
+``-0.0`` counts, NaN does not, as ``count_nonzero``). The caller sums the partials in float64 / int64.
+
+Loads are 16-byte vectors wherever the compiler can prove it: a program whose first element is a multiple of ``VEC``
+elements (16 bytes) from a 16-byte aligned ``x_ptr`` reads its elements up to the last multiple of ``VEC`` with
+vector loads (the bound ``(count // VEC) * VEC`` is provably a multiple of ``VEC``, so the mask is uniform over each
+vector) and the few elements after it with one short masked load; any other program reads element by element.
 """
 
 from __future__ import annotations
@@ -18,37 +23,51 @@ __all__ = ["squares_and_zeros_kernel"]
 def squares_and_zeros_kernel(
     x_ptr,
     n,
-    addresses_ptr,
-    numels_ptr,
-    block_tensor_ptr,
-    block_start_ptr,
+    table_ptr,
     squares_ptr,
     zeros_ptr,
     TABLE: tl.constexpr,  # noqa: N803
-    DTYPE: tl.constexpr,  # noqa: N803
     BLOCK: tl.constexpr,  # noqa: N803
     ITERS: tl.constexpr,  # noqa: N803
+    VEC: tl.constexpr,  # noqa: N803
 ):
     """Without ``TABLE``, program ``p`` reads elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)`` of the
-    contiguous tensor ``x_ptr`` of ``n`` elements. With ``TABLE``, it reads ``BLOCK * ITERS`` elements of tensor
-    ``t = block_tensor[p]`` (``DTYPE``, at address ``addresses[t]``, ``numels[t]`` elements) from element
-    ``block_start[p]``: any number of tensors in one launch."""
+    contiguous tensor ``x_ptr`` of ``n`` elements. With ``TABLE``, it reads ``table[p, 1]`` elements (at most
+    ``BLOCK * ITERS``) from element ``table[p, 0]`` after ``x_ptr`` (``table``: int64, shape ``[programs, 2]``): any
+    number of tensors of one dtype in one launch, each addressed from ``x_ptr``."""
     pid = tl.program_id(0)
     if TABLE:
-        tensor = tl.load(block_tensor_ptr + pid)
-        start = tl.load(block_start_ptr + pid)
-        n = tl.load(numels_ptr + tensor)
-        x_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(DTYPE))
+        start = tl.load(table_ptr + 2 * pid)
+        count = tl.load(table_ptr + 2 * pid + 1)
     else:
         start = pid.to(tl.int64) * (BLOCK * ITERS)
+        count = tl.minimum(n - start, BLOCK * ITERS)
     lanes = tl.arange(0, BLOCK)
     squares = tl.zeros([BLOCK], dtype=tl.float32)
     zeros = tl.zeros([BLOCK], dtype=tl.int32)
-    for i in tl.static_range(ITERS):
-        offsets = start + i * BLOCK + lanes
-        inside = offsets < n
-        x = tl.load(x_ptr + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        squares += x * x
-        zeros += ((x == 0.0) & inside).to(tl.int32)
-    tl.store(squares_ptr + pid, tl.sum(squares, axis=0))
-    tl.store(zeros_ptr + pid, tl.sum(zeros, axis=0))
+    if start % VEC == 0:
+        first = x_ptr + (start // VEC) * VEC  # a multiple of VEC the compiler can see
+        body = (count // VEC) * VEC
+        for i in tl.static_range(ITERS):
+            offsets = i * BLOCK + lanes
+            inside = offsets < body
+            x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            squares += x * x
+            zeros += ((x == 0.0) & inside).to(tl.int32)
+        tail = body + tl.arange(0, VEC)
+        inside = tail < count
+        x = tl.load(first + tail, mask=inside, other=0.0).to(tl.float32)
+        total_squares = tl.sum(squares, axis=0) + tl.sum(x * x, axis=0)
+        total_zeros = tl.sum(zeros, axis=0) + tl.sum(((x == 0.0) & inside).to(tl.int32), axis=0)
+    else:
+        first = x_ptr + start
+        for i in tl.static_range(ITERS):
+            offsets = i * BLOCK + lanes
+            inside = offsets < count
+            x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            squares += x * x
+            zeros += ((x == 0.0) & inside).to(tl.int32)
+        total_squares = tl.sum(squares, axis=0)
+        total_zeros = tl.sum(zeros, axis=0)
+    tl.store(squares_ptr + pid, total_squares)
+    tl.store(zeros_ptr + pid, total_zeros)

@@ -62,6 +62,15 @@ def _in_interpreter() -> dict[str, Any]:
         for index, view in enumerate(_span_views(whole))
     }
     tables = {str(dtype): _stats(fused_stats.squares_and_zeros(_table(dtype), **SMALL)) for dtype in DTYPES}
+    tables["with empty"] = _stats(fused_stats.squares_and_zeros([torch.empty(0), *_table(torch.float32)], **SMALL))
+    tables["all empty"] = _stats(fused_stats.squares_and_zeros([torch.empty(0), torch.empty(0)], **SMALL))
+    # The launch table is kept by addresses and sizes: the same tensor objects with new storage, or new values in
+    # the same storage, are read afresh.
+    kept = _table(torch.float32)
+    first = _stats(fused_stats.squares_and_zeros(kept, **SMALL))
+    kept[3].data = _grads(torch.float32, [700])[0]
+    kept[5].mul_(2.0)
+    tables["kept"] = (first, _stats(fused_stats.squares_and_zeros(kept, **SMALL)), kept)
     special = {
         "nan": _stats(fused_stats.span_squares_and_zeros(torch.tensor([0.0, float("nan"), 1.0, 0.0]), **SMALL)),
         "inf": _stats(fused_stats.squares_and_zeros([torch.tensor([float("inf"), 0.0])], **SMALL)),
@@ -113,7 +122,9 @@ def _span_views(whole: torch.Tensor) -> list[torch.Tensor]:
 
 def _table(dtype: torch.dtype) -> list[torch.Tensor]:
     grads = _grads(dtype, [1, 3, 255, 256, 257, 1000, 2])
-    grads.append(_grads(dtype, [600])[0][100:400])  # a view: read from its own address
+    whole = _grads(dtype, [600])[0]
+    grads.append(whole[100:400])  # a view: read from its own address
+    grads.append(whole[401:598])  # a view off the 16-byte grid: read element by element
     return grads
 
 
@@ -148,6 +159,19 @@ def test_one_span_equals_the_oracle(interpreted: dict[str, Any], dtype: torch.dt
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_table_of_tensors_equals_the_oracle(interpreted: dict[str, Any], dtype: torch.dtype) -> None:
     _check(interpreted["tables"][str(dtype)], _table(dtype))
+
+
+def test_a_table_with_empty_tensors(interpreted: dict[str, Any]) -> None:
+    _check(interpreted["tables"]["with empty"], _table(torch.float32))
+    _check(interpreted["tables"]["all empty"], [])
+
+
+def test_a_kept_table_is_never_stale(interpreted: dict[str, Any]) -> None:
+    """Same tensor objects, one with new storage of another size and one with new values: the new statistics."""
+    first, again, kept = interpreted["tables"]["kept"]
+    _check(first, _table(torch.float32))
+    _check(again, kept)
+    assert again[:2] != first[:2]
 
 
 def test_nan_and_inf_propagate_and_nan_is_not_a_zero(interpreted: dict[str, Any]) -> None:
