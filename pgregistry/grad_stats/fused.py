@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOCK",
     "ITERS",
+    "WARPS",
     "fused_stats_available",
     "one_read_applies",
     "readable",
@@ -46,6 +47,9 @@ BLOCK = 1024
 
 ITERS = 16
 """Iterations per program: a program reads ``BLOCK * ITERS`` consecutive elements (64 KiB of float32)."""
+
+WARPS = 4
+"""Warps per program (``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte vectors of float32)."""
 
 
 @functools.cache
@@ -134,7 +138,7 @@ def _launch(
     with _on(x.device):
         _loaded().squares_and_zeros_kernel[(programs,)](
             x, n, x if table is None else table, squares, zeros,
-            TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector(x.dtype),
+            TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector(x.dtype), num_warps=WARPS,
         )
     return _finish(squares, zeros)
 
