@@ -54,11 +54,12 @@ def squares_and_zeros_kernel(
             x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
             squares += x * x
             zeros += ((x == 0.0) & inside).to(tl.int32)
-        tail = body + tl.arange(0, VEC)
-        inside = tail < count
-        x = tl.load(first + tail, mask=inside, other=0.0).to(tl.float32)
-        total_squares = tl.sum(squares, axis=0) + tl.sum(x * x, axis=0)
-        total_zeros = tl.sum(zeros, axis=0) + tl.sum(((x == 0.0) & inside).to(tl.int32), axis=0)
+        # After the last whole vector: fewer than VEC elements (names apart from the loop's: shapes differ).
+        after = body + tl.arange(0, VEC)
+        in_tail = after < count
+        tail = tl.load(first + after, mask=in_tail, other=0.0).to(tl.float32)
+        total_squares = tl.sum(squares, axis=0) + tl.sum(tail * tail, axis=0)
+        total_zeros = tl.sum(zeros, axis=0) + tl.sum(((tail == 0.0) & in_tail).to(tl.int32), axis=0)
     else:
         first = x_ptr + start
         for i in tl.static_range(ITERS):
