@@ -12,9 +12,9 @@ a handful of span views, whatever the parameter count:
 * grads live only in the buffer: each ``param.grad`` (same dtype) or ``param.main_grad`` (mixed precision) is a
   view into :attr:`GradBuffer.data`;
 * on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output (a
-  bf16/fp16 span is cast inside the kernel when the output is float32). The per-span norms go to
-  :func:`~pgregistry.grad_stats.norm_of_grads`: the p-norm of the span p-norms is the p-norm of the grads, so the
-  reduction (one all-reduce per group) is the grad-stats module's own;
+  bf16/fp16 span is cast inside the kernel when the output is float32). The per-span norms are reduced by
+  :func:`reduce_norm_terms`: the p-norm of the span p-norms is the p-norm of the grads, and the reduction (one
+  all-reduce per group) goes through the grad-stats module's own collective order;
 * on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0`` (a byte per
   element), so a span is viewed as rows of at most 2**24 elements and reduced with ``vector_norm(ord=0)``, whose
   float32 count is exact per row (every partial sum is an integer below 2**24), and the row counts are summed in
@@ -45,8 +45,10 @@ import torch
 import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
-from pgregistry.grad_stats import is_counted, norm_of_grads, reduce_group_of, reduce_over_groups
+from pgregistry.grad_stats import is_counted, reduce_group_of, reduce_over_groups
+from pgregistry.grad_stats.devices import reduction_device
 from pgregistry.grad_stats.fused import fused_stats_available, readable, span_squares_and_zeros
+from pgregistry.grad_stats.reductions import _checked_norm_type
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -335,11 +337,30 @@ def span_statistics(
 
 
 def reduce_norm_terms(terms: Mapping[GroupKey, Sequence[torch.Tensor]], norm_type: float = 2.0) -> torch.Tensor:
-    """The global norm from per-group local norms: :func:`~pgregistry.grad_stats.norm_of_grads` of the norms.
+    """The global norm from per-group local norms (0-dim float32, no host sync): what
+    :func:`~pgregistry.grad_stats.norm_of_grads` of the norms gives, reduced in its collective order.
 
-    Exact, since the p-norm of p-norms of disjoint parts is the p-norm of the whole (max of maxima for inf).
+    Exact, since the p-norm of p-norms of disjoint parts is the p-norm of the whole (max of maxima for inf). Each
+    group's share is a few scalar operations on its handful of span norms: norms are not grads, so none of the
+    grads' multi-tensor machinery (grouping, a kernel launch per kind) is spent on them, and the one-read statistics
+    of a buffer stay a read of the buffer plus a few tiny kernels.
     """
-    return norm_of_grads(terms, norm_type)
+    p = _checked_norm_type(norm_type)
+    infinite = math.isinf(p)
+    device = reduction_device((term for parts in terms.values() for term in parts), terms)
+
+    def local(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not parts:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = parts[0].reshape(1) if len(parts) == 1 else torch.cat([part.reshape(1) for part in parts])
+        share = norms.max() if infinite else norms.pow(p).sum()
+        return share.to(device=device, dtype=torch.float32)
+
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for share in reduce_over_groups(terms, local, op):
+        total = torch.maximum(total, share) if infinite else total + share
+    return total if infinite else total.pow(1.0 / p)
 
 
 def reduce_zero_counts(
