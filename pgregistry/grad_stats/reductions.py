@@ -98,14 +98,20 @@ def _one_read_split(
     reads their memory directly) and the rest (tensor subclasses such as DTensor, non-contiguous views). The usual
     case, every grad a plain contiguous tensor, takes two passes at C speed; only a mixed list is split in Python."""
     if not one_read_applies(device, dtype):
-        return [], grads
+        return [], _non_empty(grads)
     if set(map(type, grads)) == {torch.Tensor} and all(map(torch.Tensor.is_contiguous, grads)):
         return grads, []
     read_once: list[torch.Tensor] = []
     rest: list[torch.Tensor] = []
     for grad in grads:
         (read_once if type(grad) is torch.Tensor and grad.is_contiguous() else rest).append(grad)
-    return read_once, rest
+    return read_once, _non_empty(rest)
+
+
+def _non_empty(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` without empty tensors, for torch's route (the inf-norm of an empty tensor is an error there); the
+    one-read kernel reads empty tensors as nothing, so its route skips this pass."""
+    return [grad for grad in grads if grad.numel()] if 0 in map(torch.Tensor.numel, grads) else grads
 
 
 def clip_grads_(
@@ -156,8 +162,10 @@ def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) 
             read_once, same_kind = _one_read_split(kind_device, dtype, same_kind)
             if read_once:  # squares summed in float64 by the kernel's caller
                 share = share + squares_and_zeros(read_once, checked=True)[0].to(device=device, dtype=torch.float32)
-            if not same_kind:
-                continue
+        else:
+            same_kind = _non_empty(same_kind)
+        if not same_kind:
+            continue
         # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32 at least
         # (float64 grads stay float64 until their share is summed).
         accumulate = torch.promote_types(dtype, torch.float32)
@@ -169,11 +177,10 @@ def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) 
 
 
 def _by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """The non-empty ``grads`` by (device, dtype): the unit of one fused call. Grouped by torch's own C++ helper
-    (the one its optimizers use): a Python loop over 20,000 grads costs milliseconds per call."""
+    """``grads`` by (device, dtype): the unit of one fused call (empty tensors included: each route drops them as
+    it needs). Grouped by torch's own C++ helper (the one its optimizers use): a Python loop over 20,000 grads
+    costs milliseconds per call."""
     grads = list(grads)
-    if 0 in map(torch.Tensor.numel, grads):
-        grads = [grad for grad in grads if grad.numel()]
     if not grads:
         return {}
     grouped = torch._C._group_tensors_by_device_and_dtype([list[torch.Tensor | None](grads)], False)

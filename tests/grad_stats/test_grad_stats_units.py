@@ -161,6 +161,13 @@ def test_empty_inputs_give_zero(grads_by_group: dict[Any, list[torch.Tensor]]) -
     assert int(zeros_of_grads(grads_by_group)) == 0
 
 
+def test_empty_grads_beside_others_count_nothing() -> None:
+    grads = [torch.empty(0), torch.tensor([0.0, -3.0, 4.0]), torch.empty(0, 2)]
+    for p, want in ((2.0, 5.0), (math.inf, 4.0), (3.0, 91.0 ** (1 / 3))):
+        assert float(norm_of_grads({None: grads}, norm_type=p)) == pytest.approx(want, rel=1e-6)
+    assert int(zeros_of_grads({None: grads})) == 1
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan])
 def test_norm_type_must_be_positive(bad: float) -> None:
     with pytest.raises(ValueError, match="norm_type"):
