@@ -42,33 +42,30 @@ def squares_and_zeros_kernel(
     else:
         start = pid.to(tl.int64) * (BLOCK * ITERS)
         count = tl.minimum(n - start, BLOCK * ITERS)
-    lanes = tl.arange(0, BLOCK)
-    squares = tl.zeros([BLOCK], dtype=tl.float32)
-    zeros = tl.zeros([BLOCK], dtype=tl.int32)
     if start % VEC == 0:
         first = x_ptr + (start // VEC) * VEC  # a multiple of VEC the compiler can see
         body = (count // VEC) * VEC
-        for i in tl.static_range(ITERS):
-            offsets = i * BLOCK + lanes
-            inside = offsets < body
-            x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            squares += x * x
-            zeros += ((x == 0.0) & inside).to(tl.int32)
-        # After the last whole vector: fewer than VEC elements (names apart from the loop's: shapes differ).
-        after = body + tl.arange(0, VEC)
-        in_tail = after < count
-        tail = tl.load(first + after, mask=in_tail, other=0.0).to(tl.float32)
-        total_squares = tl.sum(squares, axis=0) + tl.sum(tail * tail, axis=0)
-        total_zeros = tl.sum(zeros, axis=0) + tl.sum(((tail == 0.0) & in_tail).to(tl.int32), axis=0)
+        squares, zeros = _sums(first, body, BLOCK, ITERS)
+        tail_squares, tail_zeros = _sums(first + body, count - body, VEC, 1)  # fewer than VEC elements
+        squares += tail_squares
+        zeros += tail_zeros
     else:
-        first = x_ptr + start
-        for i in tl.static_range(ITERS):
-            offsets = i * BLOCK + lanes
-            inside = offsets < count
-            x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            squares += x * x
-            zeros += ((x == 0.0) & inside).to(tl.int32)
-        total_squares = tl.sum(squares, axis=0)
-        total_zeros = tl.sum(zeros, axis=0)
-    tl.store(squares_ptr + pid, total_squares)
-    tl.store(zeros_ptr + pid, total_zeros)
+        squares, zeros = _sums(x_ptr + start, count, BLOCK, ITERS)
+    tl.store(squares_ptr + pid, squares)
+    tl.store(zeros_ptr + pid, zeros)
+
+
+@triton.jit
+def _sums(first, count, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
+    """The float32 sum of squares and the int32 zero count of the ``count`` (at most ``BLOCK * ITERS``) elements
+    from ``first``: ``ITERS`` loads of ``BLOCK`` lanes, then a tree over the lanes."""
+    lanes = tl.arange(0, BLOCK)
+    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    zeros = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in tl.static_range(ITERS):
+        offsets = i * BLOCK + lanes
+        inside = offsets < count
+        x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        squares += x * x
+        zeros += ((x == 0.0) & inside).to(tl.int32)
+    return tl.sum(squares, axis=0), tl.sum(zeros, axis=0)
