@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from pgregistry.checkpoint.by_name import (
-    _MODEL,
-    _OPTIMIZER,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
     Optimizer,
-    _apply,
-    _flat_state,
-    _model,
-    _split_optimizer_key,
+    apply_flat_state,
+    flat_state,
+    rank_model,
+    split_optimizer_key,
 )
 from pgregistry.collection import ProcessGroupCollection
 
@@ -35,8 +35,8 @@ def save_distributed(
     """Save with ``torch.distributed.checkpoint`` (collective over the default group); each tensor once."""
     import torch.distributed.checkpoint as dcp
 
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_distributed")
-    dcp.save(_flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
+    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "save_distributed")
+    dcp.save(flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
 
 
 def load_distributed(
@@ -52,19 +52,19 @@ def load_distributed(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_distributed")
+    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "load_distributed")
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     destination: dict[str, Any] = {}
     for name, param in model.params.items():
-        if _MODEL + name in metadata:
-            destination[_MODEL + name] = torch.empty_like(param.detach())
+        if MODEL_PREFIX + name in metadata:
+            destination[MODEL_PREFIX + name] = torch.empty_like(param.detach())
     if optimizer is not None:
         wanted = set(model.params)
         for key, entry in metadata.items():
-            if key.startswith(_OPTIMIZER) and _split_optimizer_key(key)[0] in wanted:
+            if key.startswith(OPTIMIZER_PREFIX) and split_optimizer_key(key)[0] in wanted:
                 if isinstance(entry, TensorStorageMetadata):
                     destination[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
                 else:
                     destination[key] = None  # a non-tensor value: DCP replaces the placeholder
     dcp.load(destination, checkpoint_id=str(directory))
-    _apply(model, optimizer, destination)
+    apply_flat_state(model, optimizer, destination)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.experts.ep import _as_chunks, _chain_attribute, _ep_of
-from pgregistry.experts.keys import _check_ep, _expert_slot, _global_key
+from pgregistry.experts.ep import as_chunks, chain_attribute, ep_of
+from pgregistry.experts.keys import check_ep, expert_slot, global_key
 from pgregistry.fallback import resolve_process_groups
 from pgregistry.resolver import resolve_collection
 
@@ -43,7 +43,7 @@ class _GlobalNamer:
         if (ep_rank is None) != (ep_size is None):
             raise ValueError("pass both ep_rank and ep_size, or neither (then the model's collection is read)")
         if ep_rank is not None and ep_size is not None:
-            _check_ep(ep_rank, ep_size)
+            check_ep(ep_rank, ep_size)
         if layer_offsets is not None and len(layer_offsets) != len(chunks):
             raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
         self._chunks = chunks
@@ -62,15 +62,15 @@ class _GlobalNamer:
         if match is not None:
             layer = self._offset(chunk_index) + int(match.group(1))
             name = f"{name[: match.start(1)]}{layer}{name[match.end(1) :]}"
-        slot = _expert_slot(name)
+        slot = expert_slot(name)
         if slot is None:
             return name
         ep_rank, ep_size = self._ep_rank_and_size()
-        return _global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
+        return global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
         if self._ep is None:
-            self._ep = _ep_of(self._collection(), "get_model_ep_rank_and_size")
+            self._ep = ep_of(self._collection(), "get_model_ep_rank_and_size")
         return self._ep
 
     def _collection(self) -> ProcessGroupCollection:
@@ -83,9 +83,9 @@ class _GlobalNamer:
         if self._num_experts is not None:
             return self._num_experts
         chunk = self._chunks[chunk_index]
-        value = _chain_attribute(chunk, "num_experts")
+        value = chain_attribute(chunk, "num_experts")
         if value is None:
-            value = getattr(_chain_attribute(chunk, "config"), "num_moe_experts", None)
+            value = getattr(chain_attribute(chunk, "config"), "num_moe_experts", None)
         if value is None:
             raise ValueError(
                 f"parameter {local_name!r} belongs to an expert but the number of experts is unknown: pass "
@@ -99,7 +99,7 @@ class _GlobalNamer:
         if self._layer_offsets is not None:
             offset = self._layer_offsets[chunk_index]
         else:
-            offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
+            offset = chain_attribute(self._chunks[chunk_index], "layer_offset")
         if offset is None:
             offset = self._offset_without_pipeline(chunk_index)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -141,7 +141,7 @@ def named_global_parameters(
     (:func:`~pgregistry.resolver.resolve_collection`).
     ``num_experts`` defaults to the chunk's ``num_experts`` or ``config.num_moe_experts``.
     """
-    chunks = _as_chunks(model_chunks)
+    chunks = as_chunks(model_chunks)
     namer = _GlobalNamer(
         chunks,
         pg_collection=pg_collection,
@@ -176,7 +176,7 @@ def get_global_unique_param_name(
     Same rules as :func:`named_global_parameters`: names are unique across pipeline stages and virtual chunks,
     experts are numbered globally, and on the standard grid the name is the ``named_parameters()`` one.
     """
-    chunks = _as_chunks(model_chunks)
+    chunks = as_chunks(model_chunks)
     namer = _GlobalNamer(
         chunks,
         pg_collection=pg_collection,
@@ -223,7 +223,7 @@ def global_param_name_fn(
             layer_offsets=layer_offsets,
         )
     }
-    count = len(_as_chunks(model_chunks))
+    count = len(as_chunks(model_chunks))
 
     def name_of(param: torch.Tensor) -> str:
         entry = names.get(id(param))
