@@ -10,7 +10,7 @@ Every parameter and its optimizer state are keyed by the parameter's global name
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import attrs
 import torch
@@ -18,9 +18,13 @@ from torch import nn
 
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key, named_global_parameters
+from pgregistry.experts.names import NamingOptions
 from pgregistry.fallback import resolve_process_groups
 from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
 from pgregistry.resolver import resolve_collection
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["load_optimizer_state_by_name", "state_by_name"]
 
@@ -49,10 +53,11 @@ class RankModel:
 
 def rank_model(
     model_chunks: nn.Module | Sequence[nn.Module],
-    pg_collection: ProcessGroupCollection | None,
-    num_experts: int | None,
-    layer_offsets: Sequence[int] | None,
     owner: str,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
 ) -> RankModel:
     """This rank's parameters by global name and what it writes; ``ValueError`` for a sharded TP/GTP axis or two
     parameters of one global name (``owner`` names the caller in errors and fallback warnings)."""
@@ -138,19 +143,16 @@ def state_by_name(
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
     *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
     primary_only: bool = False,
+    **naming: Unpack[NamingOptions],
 ) -> dict[str, dict[str, Any]]:
     """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
     "optimizer": {name: {state key: value}}}`` (tensors alias the live ones).
 
-    ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``pg_collection`` defaults to
-    the collection attached to the model; ``num_experts`` and ``layer_offsets`` are as in
-    :func:`pgregistry.experts.named_global_parameters`.
+    ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
+    ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts.names.NamingOptions`).
     """
-    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "state_by_name")
+    model = rank_model(model_chunks, "state_by_name", **naming)
     return _nested(flat_state(model, optimizer, primary_only=primary_only))
 
 
@@ -178,10 +180,7 @@ def load_optimizer_state_by_name(
     optimizer: Optimizer,
     model_chunks: nn.Module | Sequence[nn.Module],
     state: Mapping[str, Mapping[str, Any]],
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
     part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
@@ -190,7 +189,7 @@ def load_optimizer_state_by_name(
     through the inner ``load_state_dict``, which casts floating state to each parameter's dtype and device. Load
     the model parameters first: a main copy without a saved ``main_param`` is taken from its parameter.
     """
-    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "load_optimizer_state_by_name")
+    model = rank_model(model_chunks, "load_optimizer_state_by_name", **naming)
     _load_optimizer(optimizer, model, state)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,7 +18,10 @@ from pgregistry.checkpoint.by_name import (
     rank_model,
     split_optimizer_key,
 )
-from pgregistry.collection import ProcessGroupCollection
+from pgregistry.experts.names import NamingOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["load_distributed", "save_distributed"]
 
@@ -27,15 +30,12 @@ def save_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Save with ``torch.distributed.checkpoint`` (collective over the default group); each tensor once."""
     import torch.distributed.checkpoint as dcp
 
-    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "save_distributed")
+    model = rank_model(model_chunks, "save_distributed", **naming)
     dcp.save(flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
 
 
@@ -43,16 +43,13 @@ def load_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Load a :func:`save_distributed` checkpoint of any layout (collective over the default group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "load_distributed")
+    model = rank_model(model_chunks, "load_distributed", **naming)
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     destination: dict[str, Any] = {}
     for name, param in model.params.items():

@@ -20,15 +20,18 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pgregistry.checkpoint.by_name import Optimizer, apply_flat_state, flat_state, param_name_of_key, rank_model
-from pgregistry.collection import ProcessGroupCollection
+from pgregistry.experts.names import NamingOptions
 from pgregistry.grad_stats import backend_device
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["load_rank_files", "save_rank_files"]
 
@@ -59,10 +62,7 @@ def save_rank_files(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> Path:
     """Write this rank's share (each tensor once over all ranks) to ``directory/rank-<rank>.pt``.
 
@@ -70,7 +70,7 @@ def save_rank_files(
     ``rank-<rank>.pt`` files is refused (``ValueError`` on every rank, nothing written): remove the old checkpoint
     first or save elsewhere. Returns the file written.
     """
-    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "save_rank_files")
+    model = rank_model(model_chunks, "save_rank_files", **naming)
     return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True))
 
 
@@ -199,10 +199,8 @@ def load_rank_files(
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
     *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
     strict: bool = True,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files of any layout.
 
@@ -213,7 +211,7 @@ def load_rank_files(
     success. ``strict=False`` loads a subset on purpose, ignoring those keys. Also ``ValueError`` when a key is
     stored twice, the files mix checkpoints, or a file cannot be read (the file is named).
     """
-    model = rank_model(model_chunks, pg_collection, num_experts, layer_offsets, "load_rank_files")
+    model = rank_model(model_chunks, "load_rank_files", **naming)
     stored = _read_on_every_rank(Path(directory))
     _check_keys_over_ranks(Path(directory), stored, set(model.params), strict)
     apply_flat_state(model, optimizer, stored)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypedDict
 
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.experts.ep import as_chunks, chain_attribute, ep_of
@@ -20,11 +20,38 @@ from pgregistry.resolver import resolve_collection
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from typing_extensions import Unpack
 
 __all__ = ["get_global_unique_param_name", "global_param_name_fn", "named_global_parameters"]
 
 _LAYER: Final = re.compile(r"(?:^|(?<=\.))layers\.([0-9]+)(?=\.|$)")
 _MTP: Final = "mtp"
+
+
+class NamingOptions(TypedDict, total=False):
+    """Keywords that say where a model's parameters sit globally: those of every function that names them (here
+    and in :mod:`pgregistry.checkpoint`), each optional.
+
+    ``pg_collection`` is the model's collection: its ``ep`` group gives the EP rank and size (read only when a
+    name belongs to an expert) and its ``pp`` group tells that pipeline parallelism is off (read only when a chunk
+    has no layer offset). It defaults to the collection attached to the model; without either the global grid is
+    read, with a fallback warning (:func:`~pgregistry.resolver.resolve_collection`). ``num_experts`` defaults to
+    the chunk's ``num_experts`` or ``config.num_moe_experts``. ``layer_offsets`` holds each chunk's first global
+    layer index; it defaults to a ``layer_offset`` attribute on each chunk (or a module it wraps), and may be left
+    out altogether only with one chunk and pipeline parallelism off.
+    """
+
+    pg_collection: ProcessGroupCollection | None
+    num_experts: int | None
+    layer_offsets: Sequence[int] | None
+
+
+class EPNamingOptions(NamingOptions, total=False):
+    """:class:`NamingOptions` and ``ep_rank``/``ep_size``: given (both or neither), they stand for the ``ep``
+    group of ``pg_collection``, which is then not read."""
+
+    ep_rank: int | None
+    ep_size: int | None
 
 
 class _GlobalNamer:
@@ -34,11 +61,11 @@ class _GlobalNamer:
         self,
         chunks: list[nn.Module],
         *,
-        pg_collection: ProcessGroupCollection | None,
-        ep_rank: int | None,
-        ep_size: int | None,
-        num_experts: int | None,
-        layer_offsets: Sequence[int] | None,
+        pg_collection: ProcessGroupCollection | None = None,
+        ep_rank: int | None = None,
+        ep_size: int | None = None,
+        num_experts: int | None = None,
+        layer_offsets: Sequence[int] | None = None,
     ) -> None:
         if (ep_rank is None) != (ep_size is None):
             raise ValueError("pass both ep_rank and ep_size, or neither (then the model's collection is read)")
@@ -121,12 +148,7 @@ class _GlobalNamer:
 
 def named_global_parameters(
     model_chunks: nn.Module | Sequence[nn.Module],
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    ep_rank: int | None = None,
-    ep_size: int | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **options: Unpack[EPNamingOptions],
 ) -> list[tuple[str, nn.Parameter]]:
     """``(global name, parameter)`` for every parameter of the chunks, each once, in chunk order.
 
@@ -134,22 +156,11 @@ def named_global_parameters(
     ``layer_offset + n`` (not in multi-token-prediction names, those containing ``mtp``, as in Megatron-Core) and
     expert indices made global. ``layer_offset`` is the chunk's first global layer index:
     ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
-    only with one chunk and pipeline parallelism off. EP rank and size are ``ep_rank``/``ep_size`` or come from
-    the ``ep`` group of ``pg_collection``, read only when a name belongs to an expert; the ``pp`` group, read only
-    to tell that pipeline parallelism is off, comes from it too. ``pg_collection`` defaults to the collection
-    attached to the model; without either the global grid is read, with a fallback warning
-    (:func:`~pgregistry.resolver.resolve_collection`).
-    ``num_experts`` defaults to the chunk's ``num_experts`` or ``config.num_moe_experts``.
+    only with one chunk and pipeline parallelism off. The keywords (``pg_collection``, ``ep_rank``/``ep_size``,
+    ``num_experts``, ``layer_offsets``) are those of :class:`EPNamingOptions`, which says what each defaults to.
     """
     chunks = as_chunks(model_chunks)
-    namer = _GlobalNamer(
-        chunks,
-        pg_collection=pg_collection,
-        ep_rank=ep_rank,
-        ep_size=ep_size,
-        num_experts=num_experts,
-        layer_offsets=layer_offsets,
-    )
+    namer = _GlobalNamer(chunks, **options)
     seen: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
     for index, chunk in enumerate(chunks):
@@ -164,12 +175,7 @@ def named_global_parameters(
 def get_global_unique_param_name(
     model_chunks: nn.Module | Sequence[nn.Module],
     param: torch.Tensor,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    ep_rank: int | None = None,
-    ep_size: int | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **options: Unpack[EPNamingOptions],
 ) -> str:
     """The global name of ``param`` (found by identity; ``ValueError`` when no chunk holds it).
 
@@ -177,14 +183,7 @@ def get_global_unique_param_name(
     experts are numbered globally, and on the standard grid the name is the ``named_parameters()`` one.
     """
     chunks = as_chunks(model_chunks)
-    namer = _GlobalNamer(
-        chunks,
-        pg_collection=pg_collection,
-        ep_rank=ep_rank,
-        ep_size=ep_size,
-        num_experts=num_experts,
-        layer_offsets=layer_offsets,
-    )
+    namer = _GlobalNamer(chunks, **options)
     for index, chunk in enumerate(chunks):
         for local_name, candidate in chunk.named_parameters():
             if candidate is param:
@@ -198,12 +197,7 @@ def _not_held(param: torch.Tensor, count: int) -> ValueError:
 
 def global_param_name_fn(
     model_chunks: nn.Module | Sequence[nn.Module],
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    ep_rank: int | None = None,
-    ep_size: int | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **options: Unpack[EPNamingOptions],
 ) -> Callable[[torch.Tensor], str]:
     """A function from parameter to global name (:func:`named_global_parameters`), with every name computed once.
 
@@ -214,14 +208,7 @@ def global_param_name_fn(
     # Holding the parameters keeps their ids from being reused by other tensors.
     names = {
         id(param): (param, name)
-        for name, param in named_global_parameters(
-            model_chunks,
-            pg_collection=pg_collection,
-            ep_rank=ep_rank,
-            ep_size=ep_size,
-            num_experts=num_experts,
-            layer_offsets=layer_offsets,
-        )
+        for name, param in named_global_parameters(model_chunks, **options)
     }
     count = len(as_chunks(model_chunks))
 
