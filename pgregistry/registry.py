@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, overload
 
 import attrs
 import torch
@@ -40,6 +40,7 @@ from pgregistry.layout import GROUP_KINDS, ParallelLayout, RankGroup
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack
 
 __all__ = [
     "GroupRegistry",
@@ -58,6 +59,16 @@ _log = get_logger(__name__)
 
 # Collection fields that alias a layout kind when there is one distributed-optimizer instance.
 _ALIASES: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
+
+
+class BuildOptions(TypedDict, total=False):
+    """The keywords of :meth:`GroupRegistry.build` besides ``name``, which :func:`build` and
+    :func:`initialize_global_grid` pass on: the groups' ``backend`` and ``timeout`` (``None``: those
+    ``torch.distributed.new_group`` picks), and ``explicit_singletons`` (size-1 axes get groups too, not ``None``)."""
+
+    backend: str | None
+    timeout: timedelta | float | None
+    explicit_singletons: bool
 
 
 @attrs.frozen(slots=True)
@@ -273,7 +284,9 @@ class GroupRegistry:
 
     # ------------------------------------------------------------------------------------------- global grid
 
-    def initialize_global_grid(self, layout: ParallelLayout, **build_options: Any) -> ProcessGroupCollection:
+    def initialize_global_grid(
+        self, layout: ParallelLayout, **build_options: Unpack[BuildOptions]
+    ) -> ProcessGroupCollection:
         """Build ``layout`` and make it the global grid that fallbacks read (the deprecated path)."""
         if self._global is not None:
             raise RuntimeError("the global grid is already initialised; call destroy() first")
@@ -381,17 +394,10 @@ default_registry = GroupRegistry()
 
 
 def build(
-    layout: ParallelLayout,
-    *,
-    name: str | None = None,
-    backend: str | None = None,
-    timeout: timedelta | float | None = None,
-    explicit_singletons: bool = False,
+    layout: ParallelLayout, *, name: str | None = None, **options: Unpack[BuildOptions]
 ) -> ProcessGroupCollection:
     """:meth:`GroupRegistry.build` on the process-wide registry."""
-    return default_registry.build(
-        layout, name=name, backend=backend, timeout=timeout, explicit_singletons=explicit_singletons
-    )
+    return default_registry.build(layout, name=name, **options)
 
 
 def adopt(groups: Iterable[ProcessGroup]) -> None:
@@ -419,7 +425,7 @@ def collection_of(module: nn.Module, default: object = _RAISE) -> object:
     return default_registry.collection_of(module, default)
 
 
-def initialize_global_grid(layout: ParallelLayout, **build_options: Any) -> ProcessGroupCollection:
+def initialize_global_grid(layout: ParallelLayout, **build_options: Unpack[BuildOptions]) -> ProcessGroupCollection:
     """Build ``layout`` as the global grid (deprecated path, read only by fallbacks)."""
     return default_registry.initialize_global_grid(layout, **build_options)
 

@@ -18,6 +18,10 @@ tensor-parallel shards is not done here.
   :func:`load_distributed`);
 * :mod:`~pgregistry.checkpoint.optimizer_shards`: the sharded optimizer-state format (merge, cut, save, load).
 
+The functions given model chunks find the global names with the keywords ``pg_collection``, ``num_experts``
+and ``layer_offsets`` (:class:`~pgregistry.experts.names.NamingOptions`; ``pg_collection`` defaults to the
+collection attached to the model).
+
 Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
 """
 

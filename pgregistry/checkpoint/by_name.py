@@ -10,7 +10,7 @@ Every parameter and its optimizer state are keyed by the parameter's global name
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import attrs
 import torch
@@ -18,9 +18,13 @@ from torch import nn
 
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key, named_global_parameters
+from pgregistry.experts.names import NamingOptions
 from pgregistry.fallback import resolve_process_groups
 from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
 from pgregistry.resolver import resolve_collection
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["load_optimizer_state_by_name", "state_by_name"]
 
@@ -28,15 +32,15 @@ Optimizer: TypeAlias = torch.optim.Optimizer | ParamStateOptimizer
 """What the checkpoint functions accept: a ``torch.optim.Optimizer``, or any optimizer pgregistry builds (each is a
 :class:`~pgregistry.optim.ParamStateOptimizer`: mixed-precision, sharded or chained)."""
 
-_MODEL: Final = "model/"
+MODEL_PREFIX: Final = "model/"
 
-_OPTIMIZER: Final = "optimizer/"
+OPTIMIZER_PREFIX: Final = "optimizer/"
 
 _SHARDED_AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
 
 
 @attrs.frozen(slots=True)
-class _Model:
+class RankModel:
     """One rank's view: its parameters by global name, and which of them it writes."""
 
     params: dict[str, nn.Parameter]
@@ -47,13 +51,16 @@ class _Model:
         return self.writes_experts if is_expert_key(name) else self.writes_dense
 
 
-def _model(
+def rank_model(
     model_chunks: nn.Module | Sequence[nn.Module],
-    pg_collection: ProcessGroupCollection | None,
-    num_experts: int | None,
-    layer_offsets: Sequence[int] | None,
     owner: str,
-) -> _Model:
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    num_experts: int | None = None,
+    layer_offsets: Sequence[int] | None = None,
+) -> RankModel:
+    """This rank's parameters by global name and what it writes; ``ValueError`` for a sharded TP/GTP axis or two
+    parameters of one global name (``owner`` names the caller in errors and fallback warnings)."""
     collection = resolve_collection(pg_collection, model_chunks, owner=owner)
     groups = resolve_process_groups(collection, ("ep", "dp_cp", "expt_dp", *_SHARDED_AXES), owner=owner)
     sharded = [name for name in _SHARDED_AXES if group_size(groups[name]) > 1]
@@ -75,10 +82,10 @@ def _model(
         if name in params:
             raise ValueError(f"two parameters of the model have the global name {name!r}")
         params[name] = param
-    return _Model(params, group_rank(groups["dp_cp"]) == 0, group_rank(groups["expt_dp"]) == 0)
+    return RankModel(params, group_rank(groups["dp_cp"]) == 0, group_rank(groups["expt_dp"]) == 0)
 
 
-def _named_state(optimizer: Optimizer, model: _Model) -> list[tuple[str, ParamState]]:
+def _named_state(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
     """``(global name, whole state)`` of every parameter ``optimizer`` updates (collective for a sharded one)."""
     by_id = {id(param): name for name, param in model.params.items()}
     out: list[tuple[str, ParamState]] = []
@@ -89,32 +96,34 @@ def _named_state(optimizer: Optimizer, model: _Model) -> list[tuple[str, ParamSt
     return out
 
 
-def _flat_state(model: _Model, optimizer: Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
+def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
+    """The flat ``model/<name>`` and ``optimizer/<name>/<state key>`` entries both storage back-ends write
+    (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks)."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         if not primary_only or model.writes(name):
-            flat[_MODEL + name] = param.detach()
+            flat[MODEL_PREFIX + name] = param.detach()
     if optimizer is not None:
         for name, state in _named_state(optimizer, model):
             if primary_only and not model.writes(name):
                 continue
             for key, value in state.items():
-                flat[f"{_OPTIMIZER}{name}/{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+                flat[f"{OPTIMIZER_PREFIX}{name}/{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
     return flat
 
 
-def _split_optimizer_key(key: str) -> tuple[str, str]:
+def split_optimizer_key(key: str) -> tuple[str, str]:
     """``(parameter name, state key)`` of a flat ``optimizer/<name>/<state key>`` key."""
-    name, state_key = key[len(_OPTIMIZER) :].rsplit("/", 1)
+    name, state_key = key[len(OPTIMIZER_PREFIX) :].rsplit("/", 1)
     return name, state_key
 
 
-def _param_name_of_key(key: str) -> str | None:
+def param_name_of_key(key: str) -> str | None:
     """The parameter a flat key stores (``model/<name>``, ``optimizer/<name>/<state key>``); None for another key."""
-    if key.startswith(_MODEL):
-        return key[len(_MODEL) :]
-    if key.startswith(_OPTIMIZER) and "/" in key[len(_OPTIMIZER) :]:
-        return _split_optimizer_key(key)[0]
+    if key.startswith(MODEL_PREFIX):
+        return key[len(MODEL_PREFIX) :]
+    if key.startswith(OPTIMIZER_PREFIX) and "/" in key[len(OPTIMIZER_PREFIX) :]:
+        return split_optimizer_key(key)[0]
     return None
 
 
@@ -122,10 +131,10 @@ def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys."""
     out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
     for key, value in flat.items():
-        if key.startswith(_MODEL):
-            out["model"][key[len(_MODEL) :]] = value
-        elif key.startswith(_OPTIMIZER):
-            name, state_key = _split_optimizer_key(key)
+        if key.startswith(MODEL_PREFIX):
+            out["model"][key[len(MODEL_PREFIX) :]] = value
+        elif key.startswith(OPTIMIZER_PREFIX):
+            name, state_key = split_optimizer_key(key)
             out["optimizer"].setdefault(name, {})[state_key] = value
     return out
 
@@ -134,23 +143,20 @@ def state_by_name(
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
     *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
     primary_only: bool = False,
+    **naming: Unpack[NamingOptions],
 ) -> dict[str, dict[str, Any]]:
     """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
     "optimizer": {name: {state key: value}}}`` (tensors alias the live ones).
 
-    ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``pg_collection`` defaults to
-    the collection attached to the model; ``num_experts`` and ``layer_offsets`` are as in
-    :func:`pgregistry.experts.named_global_parameters`.
+    ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
+    ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts.names.NamingOptions`).
     """
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "state_by_name")
-    return _nested(_flat_state(model, optimizer, primary_only=primary_only))
+    model = rank_model(model_chunks, "state_by_name", **naming)
+    return _nested(flat_state(model, optimizer, primary_only=primary_only))
 
 
-def _apply(model: _Model, optimizer: Optimizer | None, lookup: Mapping[str, Any]) -> None:
+def apply_flat_state(model: RankModel, optimizer: Optimizer | None, lookup: Mapping[str, Any]) -> None:
     """Copy every parameter (all required) and optimizer state (where present) from flat ``lookup``."""
     nested = _nested(lookup)
     missing = [name for name in model.params if name not in nested["model"]]
@@ -174,10 +180,7 @@ def load_optimizer_state_by_name(
     optimizer: Optimizer,
     model_chunks: nn.Module | Sequence[nn.Module],
     state: Mapping[str, Mapping[str, Any]],
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
     part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
@@ -186,16 +189,12 @@ def load_optimizer_state_by_name(
     through the inner ``load_state_dict``, which casts floating state to each parameter's dtype and device. Load
     the model parameters first: a main copy without a saved ``main_param`` is taken from its parameter.
     """
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_optimizer_state_by_name")
+    model = rank_model(model_chunks, "load_optimizer_state_by_name", **naming)
     _load_optimizer(optimizer, model, state)
 
 
-def _load_optimizer(optimizer: Optimizer, model: _Model, state: Mapping[str, Mapping[str, Any]]) -> None:
+def _load_optimizer(optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> None:
     by_param: dict[torch.Tensor, Mapping[str, Any]] = {
         param: state[name] for name, param in model.params.items() if state.get(name)
     }
     as_param_state_optimizer(optimizer).load_param_state(by_param)
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value

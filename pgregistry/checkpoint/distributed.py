@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pgregistry.checkpoint.by_name import (
-    _MODEL,
-    _OPTIMIZER,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
     Optimizer,
-    _apply,
-    _flat_state,
-    _model,
-    _split_optimizer_key,
+    apply_flat_state,
+    flat_state,
+    rank_model,
+    split_optimizer_key,
 )
-from pgregistry.collection import ProcessGroupCollection
+from pgregistry.experts.names import NamingOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["load_distributed", "save_distributed"]
 
@@ -27,44 +30,38 @@ def save_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Save with ``torch.distributed.checkpoint`` (collective over the default group); each tensor once."""
     import torch.distributed.checkpoint as dcp
 
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_distributed")
-    dcp.save(_flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
+    model = rank_model(model_chunks, "save_distributed", **naming)
+    dcp.save(flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
 
 
 def load_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Load a :func:`save_distributed` checkpoint of any layout (collective over the default group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_distributed")
+    model = rank_model(model_chunks, "load_distributed", **naming)
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     destination: dict[str, Any] = {}
     for name, param in model.params.items():
-        if _MODEL + name in metadata:
-            destination[_MODEL + name] = torch.empty_like(param.detach())
+        if MODEL_PREFIX + name in metadata:
+            destination[MODEL_PREFIX + name] = torch.empty_like(param.detach())
     if optimizer is not None:
         wanted = set(model.params)
         for key, entry in metadata.items():
-            if key.startswith(_OPTIMIZER) and _split_optimizer_key(key)[0] in wanted:
+            if key.startswith(OPTIMIZER_PREFIX) and split_optimizer_key(key)[0] in wanted:
                 if isinstance(entry, TensorStorageMetadata):
                     destination[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
                 else:
                     destination[key] = None  # a non-tensor value: DCP replaces the placeholder
     dcp.load(destination, checkpoint_id=str(directory))
-    _apply(model, optimizer, destination)
+    apply_flat_state(model, optimizer, destination)

@@ -16,8 +16,7 @@ from typing import Any, Final
 
 import torch
 
-from pgregistry.checkpoint.by_name import _copy
-from pgregistry.checkpoint.rank_files import _read_rank_contents, _write_rank_file
+from pgregistry.checkpoint.rank_files import read_rank_contents, write_rank_file
 from pgregistry.optim.chained import ChainedOptimizer
 from pgregistry.optim.sharded import ShardedOptimizer
 
@@ -114,6 +113,11 @@ def _cut(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     return tensor[start : start + numel].clone()
 
 
+def _copy(value: Any) -> Any:
+    """A copy of a per-parameter state value, so the cut state shares no tensor with the merged one."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def _sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
     children = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     sharded: list[ShardedOptimizer] = []
@@ -143,7 +147,7 @@ def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
             if name in shards:
                 raise ValueError(f"two parameters of the optimizer are named {name!r}; give it unique names")
             shards[name] = piece
-    return _write_rank_file(directory, _OPTIMIZER_FILE, shards)
+    return write_rank_file(directory, _OPTIMIZER_FILE, shards)
 
 
 def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> None:
@@ -157,7 +161,7 @@ def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
     the whole state of those parameters for a moment. Hyper-parameters stay those of ``optimizer``.
     ``ValueError`` when a parameter of the optimizer is not in the checkpoint or the files mix checkpoints.
     """
-    saved = [shards for _, shards in _read_rank_contents(Path(directory), _OPTIMIZER_FILE)]
+    saved = [shards for _, shards in read_rank_contents(Path(directory), _OPTIMIZER_FILE)]
     for child in _sharded_children(optimizer, "load_optimizer_shards"):
         current = child.state_dict()
         template = current["shards"]

@@ -20,15 +20,18 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry.checkpoint.by_name import Optimizer, _apply, _flat_state, _model, _param_name_of_key
-from pgregistry.collection import ProcessGroupCollection
+from pgregistry.checkpoint.by_name import Optimizer, apply_flat_state, flat_state, param_name_of_key, rank_model
+from pgregistry.experts.names import NamingOptions
 from pgregistry.grad_stats import backend_device
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["load_rank_files", "save_rank_files"]
 
@@ -59,10 +62,7 @@ def save_rank_files(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> Path:
     """Write this rank's share (each tensor once over all ranks) to ``directory/rank-<rank>.pt``.
 
@@ -70,11 +70,11 @@ def save_rank_files(
     ``rank-<rank>.pt`` files is refused (``ValueError`` on every rank, nothing written): remove the old checkpoint
     first or save elsewhere. Returns the file written.
     """
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "save_rank_files")
-    return _write_rank_file(directory, _PARAMS_FILE, _flat_state(model, optimizer, primary_only=True))
+    model = rank_model(model_chunks, "save_rank_files", **naming)
+    return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True))
 
 
-def _write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
+def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
     """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world.
 
     Collective: refuses an existing checkpoint first (:func:`_refuse_existing`) and returns once every rank's file
@@ -162,7 +162,7 @@ def _load_payload(path: Path) -> dict[str, Any]:
     return payload
 
 
-def _read_rank_contents(directory: Path, prefix: str) -> list[tuple[Path, Any]]:
+def read_rank_contents(directory: Path, prefix: str) -> list[tuple[Path, Any]]:
     """``(file, content)`` of every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped).
 
     ``ValueError`` unless the files are those of every rank of one save, in this format.
@@ -186,7 +186,7 @@ def _read_rank_contents(directory: Path, prefix: str) -> list[tuple[Path, Any]]:
 
 def _read_rank_files(directory: Path) -> dict[str, Any]:
     merged: dict[str, Any] = {}
-    for path, state in _read_rank_contents(directory, _PARAMS_FILE):
+    for path, state in read_rank_contents(directory, _PARAMS_FILE):
         for key, value in state.items():
             if key in merged:
                 raise ValueError(f"{key!r} is stored more than once in {directory} (again in {path.name})")
@@ -199,10 +199,8 @@ def load_rank_files(
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
     *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
     strict: bool = True,
+    **naming: Unpack[NamingOptions],
 ) -> None:
     """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files of any layout.
 
@@ -213,10 +211,10 @@ def load_rank_files(
     success. ``strict=False`` loads a subset on purpose, ignoring those keys. Also ``ValueError`` when a key is
     stored twice, the files mix checkpoints, or a file cannot be read (the file is named).
     """
-    model = _model(model_chunks, pg_collection, num_experts, layer_offsets, "load_rank_files")
+    model = rank_model(model_chunks, "load_rank_files", **naming)
     stored = _read_on_every_rank(Path(directory))
     _check_keys_over_ranks(Path(directory), stored, set(model.params), strict)
-    _apply(model, optimizer, stored)
+    apply_flat_state(model, optimizer, stored)
 
 
 def _read_on_every_rank(directory: Path) -> dict[str, Any]:
@@ -243,7 +241,7 @@ def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], held: set[st
     is held by some rank: one all-reduce of a flag per stored key (every rank read the same keys, checked by
     :func:`_read_on_every_rank`) and of whether a rank misses parameters."""
     keys = sorted(stored)
-    names = [_param_name_of_key(key) for key in keys]
+    names = [param_name_of_key(key) for key in keys]
     missing = sorted(held - {name for name in names if name is not None})
     union = _max_over_ranks([*(int(name in held) for name in names), len(missing)])
     if union[-1]:

@@ -29,7 +29,7 @@ def get_ep_rank_and_size(pg_collection: ProcessGroupCollection | None) -> tuple[
     global grid and warns.
     """
     owner = "get_ep_rank_and_size"
-    return _ep_of(resolve_collection(pg_collection, owner=owner), owner)
+    return ep_of(resolve_collection(pg_collection, owner=owner), owner)
 
 
 def get_model_ep_rank_and_size(model_or_chunks: nn.Module | Sequence[nn.Module]) -> tuple[int, int]:
@@ -39,22 +39,24 @@ def get_model_ep_rank_and_size(model_or_chunks: nn.Module | Sequence[nn.Module])
     wrappers, the same on every chunk), else the global grid with a fallback warning.
     """
     owner = "get_model_ep_rank_and_size"
-    return _ep_of(resolve_collection(None, model_or_chunks, owner=owner), owner)
+    return ep_of(resolve_collection(None, model_or_chunks, owner=owner), owner)
 
 
-def _ep_of(collection: ProcessGroupCollection, owner: str) -> tuple[int, int]:
+def ep_of(collection: ProcessGroupCollection, owner: str) -> tuple[int, int]:
     """Rank and size in the collection's ``ep`` group (the global grid's, with a warning, when not set)."""
     group = resolve_process_groups(collection, ("ep",), owner=owner)["ep"]
     return group_rank(group), group_size(group)
 
 
-def _as_chunks(model_or_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+def as_chunks(model_or_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """A model or a sequence of model chunks, as a list of chunks."""
     if isinstance(model_or_chunks, Sequence):
         return list(model_or_chunks)
     return [model_or_chunks]
 
 
-def _chain_attribute(module: nn.Module, name: str) -> Any:
+def chain_attribute(module: nn.Module, name: str) -> Any:
+    """The first non-None ``name`` attribute of ``module`` or a module it wraps (DDP, FSDP, ...); else None."""
     for inner in wrapper_chain(module):
         value = getattr(inner, name, None)
         if value is not None:

@@ -42,7 +42,8 @@ def _num_local(num_experts: int, ep_size: int) -> int:
     return num_experts // ep_size
 
 
-def _check_ep(ep_rank: int, ep_size: int) -> None:
+def check_ep(ep_rank: int, ep_size: int) -> None:
+    """``ValueError`` unless ``ep_rank`` and ``ep_size`` are integers with ``0 <= ep_rank < ep_size``."""
     for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -53,7 +54,7 @@ def _check_ep(ep_rank: int, ep_size: int) -> None:
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
     """``ep_rank * (num_experts // ep_size) + local_index``; ``ValueError`` for an index or rank out of range or
     an ``ep_size`` that does not divide ``num_experts``."""
-    _check_ep(ep_rank, ep_size)
+    check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= local_index < num_local:
         raise ValueError(
@@ -72,7 +73,7 @@ def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int
 
 
 @attrs.frozen(slots=True)
-class _ExpertSlot:
+class ExpertSlot:
     """An expert key split around its expert index."""
 
     head: str
@@ -89,27 +90,27 @@ def _parse_index(text: str, key: str) -> int:
     return int(text)
 
 
-def _expert_slot(key: str) -> _ExpertSlot | None:
+def expert_slot(key: str) -> ExpertSlot | None:
     """Where the expert index sits in ``key``, or ``None`` when ``key`` names no expert."""
     segments = key.split(".")
     for j, segment in enumerate(segments[:-1]):
         if segment == "local_experts" and _INDEX.fullmatch(segments[j + 1]):
             head = ".".join(segments[: j + 1]) + "."
             rest = segments[j + 2 :]
-            return _ExpertSlot(head, _parse_index(segments[j + 1], key), "." + ".".join(rest) if rest else "")
+            return ExpertSlot(head, _parse_index(segments[j + 1], key), "." + ".".join(rest) if rest else "")
     match = _GROUPED_TAIL.fullmatch(segments[-1])
     if match is None or "experts" not in segments[:-1]:
         return None
     head = ".".join(segments[:-1]) + "." + match.group(1)
-    return _ExpertSlot(head, _parse_index(match.group(2), key), match.group(3) or "")
+    return ExpertSlot(head, _parse_index(match.group(2), key), match.group(3) or "")
 
 
 def is_expert_key(key: str) -> bool:
     """Whether ``key`` names an expert's tensor in one of the two key styles."""
-    return _expert_slot(key) is not None
+    return expert_slot(key) is not None
 
 
-def _global_key(key: str, slot: _ExpertSlot, num_experts: int, ep_rank: int, ep_size: int) -> str:
+def global_key(key: str, slot: ExpertSlot, num_experts: int, ep_rank: int, ep_size: int) -> str:
     """``key`` (whose expert index is at ``slot``) with that index made global; errors name ``key``."""
     try:
         return slot.with_index(global_expert_index(slot.index, num_experts, ep_rank, ep_size))
@@ -126,8 +127,8 @@ def globalize_expert_keys(
     and ``num_experts`` is ``None``, when ``ep_size`` does not divide ``num_experts``, or when a key's local index
     is not below ``num_experts // ep_size``.
     """
-    _check_ep(ep_rank, ep_size)
-    return _renamed(state_dict, num_experts, lambda key, slot, n: _global_key(key, slot, n, ep_rank, ep_size))
+    check_ep(ep_rank, ep_size)
+    return _renamed(state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size))
 
 
 def localize_expert_keys(
@@ -145,11 +146,11 @@ def localize_expert_keys(
     (to pick this rank's experts out of a whole-model state dict). The other errors are those of
     :func:`globalize_expert_keys`, with global indices checked against ``num_experts``.
     """
-    _check_ep(ep_rank, ep_size)
+    check_ep(ep_rank, ep_size)
     if foreign not in ("raise", "skip"):
         raise ValueError(f"foreign must be 'raise' or 'skip', got {foreign!r}")
 
-    def rename(key: str, slot: _ExpertSlot, num_experts: int) -> str | None:
+    def rename(key: str, slot: ExpertSlot, num_experts: int) -> str | None:
         try:
             owner, local = expert_owner(slot.index, num_experts, ep_size)
         except ValueError as exc:
@@ -166,13 +167,13 @@ def localize_expert_keys(
 def _renamed(
     state_dict: Mapping[str, V],
     num_experts: int | None,
-    rename_expert: Callable[[str, _ExpertSlot, int], str | None],
+    rename_expert: Callable[[str, ExpertSlot, int], str | None],
 ) -> dict[str, V]:
     """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)`` (``None`` leaves
     the entry out) and the other keys kept, in order; ``ValueError`` when two keys get one name."""
     out: dict[str, V] = {}
     for key, value in state_dict.items():
-        slot = _expert_slot(key)
+        slot = expert_slot(key)
         if slot is None:
             new_key: str | None = key
         elif num_experts is None:

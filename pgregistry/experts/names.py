@@ -9,22 +9,49 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypedDict
 
 from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.experts.ep import _as_chunks, _chain_attribute, _ep_of
-from pgregistry.experts.keys import _check_ep, _expert_slot, _global_key
+from pgregistry.experts.ep import as_chunks, chain_attribute, ep_of
+from pgregistry.experts.keys import check_ep, expert_slot, global_key
 from pgregistry.fallback import resolve_process_groups
 from pgregistry.resolver import resolve_collection
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from typing_extensions import Unpack
 
 __all__ = ["get_global_unique_param_name", "global_param_name_fn", "named_global_parameters"]
 
 _LAYER: Final = re.compile(r"(?:^|(?<=\.))layers\.([0-9]+)(?=\.|$)")
 _MTP: Final = "mtp"
+
+
+class NamingOptions(TypedDict, total=False):
+    """Keywords that say where a model's parameters sit globally: those of every function that names them (here
+    and in :mod:`pgregistry.checkpoint`), each optional.
+
+    ``pg_collection`` is the model's collection: its ``ep`` group gives the EP rank and size (read only when a
+    name belongs to an expert) and its ``pp`` group tells that pipeline parallelism is off (read only when a chunk
+    has no layer offset). It defaults to the collection attached to the model; without either the global grid is
+    read, with a fallback warning (:func:`~pgregistry.resolver.resolve_collection`). ``num_experts`` defaults to
+    the chunk's ``num_experts`` or ``config.num_moe_experts``. ``layer_offsets`` holds each chunk's first global
+    layer index; it defaults to a ``layer_offset`` attribute on each chunk (or a module it wraps), and may be left
+    out altogether only with one chunk and pipeline parallelism off.
+    """
+
+    pg_collection: ProcessGroupCollection | None
+    num_experts: int | None
+    layer_offsets: Sequence[int] | None
+
+
+class EPNamingOptions(NamingOptions, total=False):
+    """:class:`NamingOptions` and ``ep_rank``/``ep_size``: given (both or neither), they stand for the ``ep``
+    group of ``pg_collection``, which is then not read."""
+
+    ep_rank: int | None
+    ep_size: int | None
 
 
 class _GlobalNamer:
@@ -34,16 +61,16 @@ class _GlobalNamer:
         self,
         chunks: list[nn.Module],
         *,
-        pg_collection: ProcessGroupCollection | None,
-        ep_rank: int | None,
-        ep_size: int | None,
-        num_experts: int | None,
-        layer_offsets: Sequence[int] | None,
+        pg_collection: ProcessGroupCollection | None = None,
+        ep_rank: int | None = None,
+        ep_size: int | None = None,
+        num_experts: int | None = None,
+        layer_offsets: Sequence[int] | None = None,
     ) -> None:
         if (ep_rank is None) != (ep_size is None):
             raise ValueError("pass both ep_rank and ep_size, or neither (then the model's collection is read)")
         if ep_rank is not None and ep_size is not None:
-            _check_ep(ep_rank, ep_size)
+            check_ep(ep_rank, ep_size)
         if layer_offsets is not None and len(layer_offsets) != len(chunks):
             raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
         self._chunks = chunks
@@ -62,15 +89,15 @@ class _GlobalNamer:
         if match is not None:
             layer = self._offset(chunk_index) + int(match.group(1))
             name = f"{name[: match.start(1)]}{layer}{name[match.end(1) :]}"
-        slot = _expert_slot(name)
+        slot = expert_slot(name)
         if slot is None:
             return name
         ep_rank, ep_size = self._ep_rank_and_size()
-        return _global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
+        return global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
         if self._ep is None:
-            self._ep = _ep_of(self._collection(), "get_model_ep_rank_and_size")
+            self._ep = ep_of(self._collection(), "get_model_ep_rank_and_size")
         return self._ep
 
     def _collection(self) -> ProcessGroupCollection:
@@ -83,9 +110,9 @@ class _GlobalNamer:
         if self._num_experts is not None:
             return self._num_experts
         chunk = self._chunks[chunk_index]
-        value = _chain_attribute(chunk, "num_experts")
+        value = chain_attribute(chunk, "num_experts")
         if value is None:
-            value = getattr(_chain_attribute(chunk, "config"), "num_moe_experts", None)
+            value = getattr(chain_attribute(chunk, "config"), "num_moe_experts", None)
         if value is None:
             raise ValueError(
                 f"parameter {local_name!r} belongs to an expert but the number of experts is unknown: pass "
@@ -99,7 +126,7 @@ class _GlobalNamer:
         if self._layer_offsets is not None:
             offset = self._layer_offsets[chunk_index]
         else:
-            offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
+            offset = chain_attribute(self._chunks[chunk_index], "layer_offset")
         if offset is None:
             offset = self._offset_without_pipeline(chunk_index)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -121,12 +148,7 @@ class _GlobalNamer:
 
 def named_global_parameters(
     model_chunks: nn.Module | Sequence[nn.Module],
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    ep_rank: int | None = None,
-    ep_size: int | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **options: Unpack[EPNamingOptions],
 ) -> list[tuple[str, nn.Parameter]]:
     """``(global name, parameter)`` for every parameter of the chunks, each once, in chunk order.
 
@@ -134,22 +156,11 @@ def named_global_parameters(
     ``layer_offset + n`` (not in multi-token-prediction names, those containing ``mtp``, as in Megatron-Core) and
     expert indices made global. ``layer_offset`` is the chunk's first global layer index:
     ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
-    only with one chunk and pipeline parallelism off. EP rank and size are ``ep_rank``/``ep_size`` or come from
-    the ``ep`` group of ``pg_collection``, read only when a name belongs to an expert; the ``pp`` group, read only
-    to tell that pipeline parallelism is off, comes from it too. ``pg_collection`` defaults to the collection
-    attached to the model; without either the global grid is read, with a fallback warning
-    (:func:`~pgregistry.resolver.resolve_collection`).
-    ``num_experts`` defaults to the chunk's ``num_experts`` or ``config.num_moe_experts``.
+    only with one chunk and pipeline parallelism off. The keywords (``pg_collection``, ``ep_rank``/``ep_size``,
+    ``num_experts``, ``layer_offsets``) are those of :class:`EPNamingOptions`, which says what each defaults to.
     """
-    chunks = _as_chunks(model_chunks)
-    namer = _GlobalNamer(
-        chunks,
-        pg_collection=pg_collection,
-        ep_rank=ep_rank,
-        ep_size=ep_size,
-        num_experts=num_experts,
-        layer_offsets=layer_offsets,
-    )
+    chunks = as_chunks(model_chunks)
+    namer = _GlobalNamer(chunks, **options)
     seen: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
     for index, chunk in enumerate(chunks):
@@ -164,27 +175,15 @@ def named_global_parameters(
 def get_global_unique_param_name(
     model_chunks: nn.Module | Sequence[nn.Module],
     param: torch.Tensor,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    ep_rank: int | None = None,
-    ep_size: int | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **options: Unpack[EPNamingOptions],
 ) -> str:
     """The global name of ``param`` (found by identity; ``ValueError`` when no chunk holds it).
 
     Same rules as :func:`named_global_parameters`: names are unique across pipeline stages and virtual chunks,
     experts are numbered globally, and on the standard grid the name is the ``named_parameters()`` one.
     """
-    chunks = _as_chunks(model_chunks)
-    namer = _GlobalNamer(
-        chunks,
-        pg_collection=pg_collection,
-        ep_rank=ep_rank,
-        ep_size=ep_size,
-        num_experts=num_experts,
-        layer_offsets=layer_offsets,
-    )
+    chunks = as_chunks(model_chunks)
+    namer = _GlobalNamer(chunks, **options)
     for index, chunk in enumerate(chunks):
         for local_name, candidate in chunk.named_parameters():
             if candidate is param:
@@ -198,12 +197,7 @@ def _not_held(param: torch.Tensor, count: int) -> ValueError:
 
 def global_param_name_fn(
     model_chunks: nn.Module | Sequence[nn.Module],
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    ep_rank: int | None = None,
-    ep_size: int | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    **options: Unpack[EPNamingOptions],
 ) -> Callable[[torch.Tensor], str]:
     """A function from parameter to global name (:func:`named_global_parameters`), with every name computed once.
 
@@ -214,16 +208,9 @@ def global_param_name_fn(
     # Holding the parameters keeps their ids from being reused by other tensors.
     names = {
         id(param): (param, name)
-        for name, param in named_global_parameters(
-            model_chunks,
-            pg_collection=pg_collection,
-            ep_rank=ep_rank,
-            ep_size=ep_size,
-            num_experts=num_experts,
-            layer_offsets=layer_offsets,
-        )
+        for name, param in named_global_parameters(model_chunks, **options)
     }
-    count = len(_as_chunks(model_chunks))
+    count = len(as_chunks(model_chunks))
 
     def name_of(param: torch.Tensor) -> str:
         entry = names.get(id(param))

@@ -14,6 +14,7 @@ with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
@@ -128,13 +129,13 @@ def param_is_not_tensor_parallel_duplicate(
     if getattr(param, "tensor_model_parallel", False):
         return True
     expert = is_expert_param(param)
-    group = expert_tp_group if expert else tp_group
-    if group is UNSET:
-        if not use_global_fallback:
-            raise ValueError(_omitted_message("expert_tp_group" if expert else "tp_group"))
-        field: GroupName = "expt_tp" if expert else "tp"
-        group = resolve_process_groups(None, (field,), owner="param_is_not_tensor_parallel_duplicate")[field]
-    return group_rank(group) == 0
+    field: GroupName = "expt_tp" if expert else "tp"
+    return _is_first_replica(
+        expert_tp_group if expert else tp_group,
+        "expert_tp_group" if expert else "tp_group",
+        use_global_fallback,
+        lambda: resolve_process_groups(None, (field,), owner="param_is_not_tensor_parallel_duplicate")[field],
+    )
 
 
 def param_is_not_gtp_duplicate(
@@ -154,19 +155,33 @@ def param_is_not_gtp_duplicate(
     if getattr(param, "is_gtp_weight_remat", False):
         return True
     expert = is_expert_param(param)
-    group = expert_gtp_group if expert else gtp_group
+    return _is_first_replica(
+        expert_gtp_group if expert else gtp_group,
+        "expert_gtp_group" if expert else "gtp_group",
+        use_global_fallback,
+        lambda: resolve_gtp_remat_group(None, expert, owner="param_is_not_gtp_duplicate"),
+    )
+
+
+def _is_first_replica(
+    group: ProcessGroup | None | Unset,
+    argument: str,
+    use_global_fallback: bool,
+    global_group: Callable[[], ProcessGroup | None],
+) -> bool:
+    """Whether this rank is rank 0 of ``group``, over which a parameter is replicated (``None``: the axis is off).
+
+    An omitted ``group`` (:data:`UNSET`, passed as ``argument``) comes from ``global_group()`` when
+    ``use_global_fallback``; otherwise it is a ``ValueError``.
+    """
     if group is UNSET:
         if not use_global_fallback:
-            raise ValueError(_omitted_message("expert_gtp_group" if expert else "gtp_group"))
-        group = resolve_gtp_remat_group(None, expert, owner="param_is_not_gtp_duplicate")
+            raise ValueError(
+                f"{argument} was not given and use_global_fallback=False; pass the group (None when the axis is "
+                "off) or build the filter groups with StatsGroups.from_collection"
+            )
+        group = global_group()
     return group_rank(group) == 0
-
-
-def _omitted_message(argument: str) -> str:
-    return (
-        f"{argument} was not given and use_global_fallback=False; pass the group (None when the axis is off) or "
-        "build the filter groups with StatsGroups.from_collection"
-    )
 
 
 def is_counted(param: torch.Tensor, groups: StatsGroups) -> bool:

@@ -28,10 +28,10 @@ from pgregistry.grad_stats.filters import (
     reduce_group_of,
 )
 from pgregistry.grad_stats.reductions import (
-    _checked_norm_type,
-    _local_share,
-    _local_zeros,
+    checked_norm_type,
     clip_grads_,
+    local_share,
+    local_zeros,
     reduce_over_groups,
 )
 from pgregistry.params import ParamsLike, check_expert_classification, model_chunks_of, named_parameters_of
@@ -183,13 +183,13 @@ def _statistic(
 
 def norm_of_classified(classified: ClassifiedGrads, norm_type: float) -> torch.Tensor:
     """The ``norm_type``-norm of classified grads (a 0-dim float32 tensor on their device, no host sync)."""
-    p = _checked_norm_type(norm_type)
+    p = checked_norm_type(norm_type)
     device = reduction_device(classified.local_grads, classified.by_group)
     infinite = math.isinf(p)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
     combine = torch.maximum if infinite else torch.add
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for share in _statistic(classified, lambda grads: _local_share(grads, p, device), op, combine):
+    for share in _statistic(classified, lambda grads: local_share(grads, p, device), op, combine):
         total = combine(total, share)
     return total if infinite else total.pow(1.0 / p)
 
@@ -214,7 +214,7 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
     classified = _classified(params, pg_collection, "count_zeros")
     device = reduction_device(classified.local_grads, classified.by_group)
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for share in _statistic(classified, lambda grads: _local_zeros(grads, device), dist.ReduceOp.SUM, torch.add):
+    for share in _statistic(classified, lambda grads: local_zeros(grads, device), dist.ReduceOp.SUM, torch.add):
         total += share
     return int(total.item())
 

@@ -41,12 +41,12 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
     pass that group as a key, with an empty list when it holds no grads for it. Returns a 0-dim float32 tensor
     on the grads' device, without a host sync. An empty mapping or empty lists give 0.
     """
-    p = _checked_norm_type(norm_type)
+    p = checked_norm_type(norm_type)
     device = _device_of(grads_by_group)
     infinite = math.isinf(p)
     total = torch.zeros((), dtype=torch.float32, device=device)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    for share in reduce_over_groups(grads_by_group, lambda grads: _local_share(grads, p, device), op):
+    for share in reduce_over_groups(grads_by_group, lambda grads: local_share(grads, p, device), op):
         total = torch.maximum(total, share) if infinite else total + share
     return total if infinite else total.pow(1.0 / p)
 
@@ -55,7 +55,7 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     """The number of zero elements in already-filtered grads, summed over each group (a 0-dim int64 tensor)."""
     device = _device_of(grads_by_group)
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for share in reduce_over_groups(grads_by_group, lambda grads: _local_zeros(grads, device), dist.ReduceOp.SUM):
+    for share in reduce_over_groups(grads_by_group, lambda grads: local_zeros(grads, device), dist.ReduceOp.SUM):
         total += share
     return total
 
@@ -76,7 +76,7 @@ def reduce_over_groups(
         yield share
 
 
-def _local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Zero elements in ``grads`` as a 0-dim int64 tensor, one fused call per (device, dtype) and no mask the size
     of the grads (``count_nonzero`` allocates one per tensor on CUDA): the one-read kernel's exact count, else
     numel minus the L0 norms, accumulated in float64 (exact up to 2**53 elements)."""
@@ -147,14 +147,15 @@ def clip_grads_(
     return coeff
 
 
-def _checked_norm_type(norm_type: float) -> float:
+def checked_norm_type(norm_type: float) -> float:
+    """``norm_type`` as a float; ``ValueError`` unless it is positive (inf included)."""
     p = float(norm_type)
     if math.isnan(p) or p <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
     return p
 
 
-def _local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+def local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
     """Sum of ``|g|^p`` (max of ``|g|`` for the inf-norm) over ``grads``, as a 0-dim float32 tensor."""
     share = torch.zeros((), dtype=torch.float32, device=device)
     for (kind_device, dtype), same_kind in _by_kind(grads).items():

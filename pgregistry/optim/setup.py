@@ -39,13 +39,9 @@ Group = ProcessGroup | None
 
 
 @attrs.frozen(slots=True, kw_only=True)
-class OptimizerProcessGroups:
-    """The groups an optimizer uses, validated by :func:`setup_process_groups_for_optimizer`.
-
-    ``intra_dist_opt`` is :data:`~pgregistry.collection.UNSET` when no distributed optimizer was asked for and
-    the collection did not set it. The gloo groups are ``None`` unless ``use_gloo`` read them from the global
-    grid.
-    """
+class DataParallelGroups:
+    """The data-parallel groups both an optimizer and a data-parallel wrapper use, checked in Megatron-Core's
+    order by both setup functions."""
 
     dp: Group
     dp_cp: Group
@@ -53,6 +49,17 @@ class OptimizerProcessGroups:
     expt_dp: Group
     intra_expt_dp: Group
     inter_dist_opt: Group
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class OptimizerProcessGroups(DataParallelGroups):
+    """The groups an optimizer uses, validated by :func:`setup_process_groups_for_optimizer`.
+
+    ``intra_dist_opt`` is :data:`~pgregistry.collection.UNSET` when no distributed optimizer was asked for and
+    the collection did not set it. The gloo groups are ``None`` unless ``use_gloo`` read them from the global
+    grid.
+    """
+
     intra_dist_opt: ProcessGroup | None | Unset
     mp: Group
     tp_ep_pp: Group
@@ -61,15 +68,9 @@ class OptimizerProcessGroups:
 
 
 @attrs.frozen(slots=True, kw_only=True)
-class DDPProcessGroups:
+class DDPProcessGroups(DataParallelGroups):
     """The groups a data-parallel wrapper uses, validated by :func:`setup_process_groups_for_ddp`."""
 
-    dp: Group
-    dp_cp: Group
-    intra_dp_cp: Group
-    expt_dp: Group
-    intra_expt_dp: Group
-    inter_dist_opt: Group
     tp: Group
     pp: Group
     ep: Group

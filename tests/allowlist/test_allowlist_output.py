@@ -114,6 +114,13 @@ def repository(project: Project, capsys: pytest.CaptureFixture[str]) -> Project:
     return project
 
 
+def move_the_data_parallel_read(repository: Project, path: str, content: str) -> None:
+    """Take the data-parallel read out of ``a.py`` (written as :data:`THREE`) and write ``path`` with ``content``,
+    which reads it instead."""
+    repository.write("src/pkg/a.py", THREE.replace("    d = ps.get_data_parallel_group()\n", "    d = None\n"))
+    repository.write(path, content)
+
+
 def test_base_flags_only_the_added_site_of_a_key(repository: Project, capsys: pytest.CaptureFixture[str]) -> None:
     repository.write("src/pkg/a.py", THREE.replace("    c = ", "    e = ps.get_data_parallel_group()\n    c = "))
     code, out, _ = run(capsys, "check")
@@ -134,8 +141,8 @@ def test_base_pairs_reads_across_a_git_rename(repository: Project, capsys: pytes
 
 
 def test_stats_since_a_revision_shows_the_burn_down(repository: Project, capsys: pytest.CaptureFixture[str]) -> None:
-    repository.write("src/pkg/a.py", THREE.replace("    d = ps.get_data_parallel_group()\n", "    d = None\n"))
-    repository.write(
+    move_the_data_parallel_read(
+        repository,
         "src/pkg/b.py",
         "from megatron.core import parallel_state\n\ndef g(x=None):\n"
         "    if x is None:\n        x = parallel_state.get_data_parallel_group()\n",
@@ -150,8 +157,8 @@ def test_stats_since_a_revision_shows_the_burn_down(repository: Project, capsys:
 
 def test_base_pairs_reads_split_out_into_a_new_file(repository: Project, capsys: pytest.CaptureFixture[str]) -> None:
     """Megatron-LM: MoE logging moved out of moe_utils.py (which stays) into a new moe_logging.py."""
-    repository.write("src/pkg/a.py", THREE.replace("    d = ps.get_data_parallel_group()\n", "    d = None\n"))
-    repository.write(
+    move_the_data_parallel_read(
+        repository,
         "src/pkg/logging.py",
         "import megatron.core.parallel_state as ps\n\nclass Tracker:\n    def sync(self):\n"
         "        return ps.get_data_parallel_group()\n",

@@ -313,3 +313,14 @@ def test_build_needs_torch_distributed() -> None:
         reg.build(ParallelLayout(world_size=1))
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         reg.default_registry.group_of_partition([[0]])
+
+
+def test_a_misspelt_build_option_is_refused() -> None:
+    # build and initialize_global_grid pass their options on as **kwargs (BuildOptions): a misspelt one must
+    # raise, never be ignored.
+    layout = ParallelLayout(world_size=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'explicit_singleton'"):
+        reg.build(layout, explicit_singleton=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'backnd'"):
+        reg.initialize_global_grid(layout, backnd="gloo")  # type: ignore[call-arg]
+    assert reg.global_collection_or_none() is None

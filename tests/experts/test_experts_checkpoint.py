@@ -20,13 +20,15 @@ from toy_moe import NUM_EXPERTS, adam, build_stage, initialise
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry.checkpoint import (
     cut_optimizer_shards,
+    load_distributed,
     load_optimizer_state_by_name,
     load_rank_files,
     merge_optimizer_shards,
+    save_distributed,
     save_rank_files,
     state_by_name,
 )
-from pgregistry.experts import global_param_name_fn, named_global_parameters
+from pgregistry.experts import get_global_unique_param_name, global_param_name_fn, named_global_parameters
 from pgregistry.registry import attach
 
 _OFF: dict[str, Any] = dict(
@@ -124,6 +126,28 @@ def test_bad_checkpoint_directories_are_refused(tmp_path: Path) -> None:
         load_rank_files(tmp_path / "small", nn.Linear(2, 2), pg_collection=off)
     with pytest.raises(ValueError, match=r"has shape \(3, 2\) but the checkpoint holds \(2, 2\)"):
         load_rank_files(tmp_path / "small", nn.Linear(2, 3, bias=False), pg_collection=off)
+
+
+def test_a_misspelt_naming_keyword_is_refused(tmp_path: Path) -> None:
+    # The naming keywords reach these functions as **kwargs (NamingOptions): a misspelt one must raise, never be
+    # ignored (a silently ignored layer_offset would name every layer as if PP were off).
+    model = _stage(0, 1)
+    param = next(model.parameters())
+    calls: list[Any] = [
+        lambda: state_by_name(model, layer_offset=[0]),
+        lambda: load_optimizer_state_by_name(adam([param]), model, {}, num_expert=4),
+        lambda: save_rank_files(tmp_path, model, num_expert=4),
+        lambda: load_rank_files(tmp_path, model, pg_colection=None),
+        lambda: save_distributed(tmp_path, model, layer_offset=[0]),
+        lambda: load_distributed(tmp_path, model, layer_offset=[0]),
+        lambda: named_global_parameters(model, ep_rnk=0),
+        lambda: get_global_unique_param_name(model, param, ep_rnk=0),
+        lambda: global_param_name_fn(model, layer_offset=[0]),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            call()
+    assert not any(tmp_path.iterdir())  # nothing was written
 
 
 def test_optimizer_of_foreign_parameters_is_refused() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -120,8 +121,19 @@ def test_package_root_exports_stay_torch_free() -> None:
 _PREFIX = st.sampled_from(["", "decoder.", "module.decoder."])
 
 
+@attrs.frozen
+class _Layout:
+    """An EP layout and one rank's local state dict (the same on every rank): keys from ``templates`` over two
+    layers and ``num_experts // ep_size`` local experts, each valued by its position."""
+
+    ep_size: int
+    num_experts: int
+    templates: list[str]
+    local: dict[str, int]
+
+
 @st.composite
-def _layouts(draw: st.DrawFn) -> tuple[int, int, list[str]]:
+def _layouts(draw: st.DrawFn) -> _Layout:
     ep_size = draw(st.integers(1, 16))
     num_local = draw(st.integers(1, 8))
     templates = draw(
@@ -144,7 +156,8 @@ def _layouts(draw: st.DrawFn) -> tuple[int, int, list[str]]:
         )
     )
     prefix = draw(_PREFIX)
-    return ep_size, num_local, [prefix + t for t in templates]
+    templates = [prefix + t for t in templates]
+    return _Layout(ep_size, ep_size * num_local, templates, _local_state(templates, num_local))
 
 
 def _local_state(templates: list[str], num_local: int) -> dict[str, int]:
@@ -158,10 +171,8 @@ def _local_state(templates: list[str], num_local: int) -> dict[str, int]:
 
 @settings(max_examples=150, deadline=None)
 @given(_layouts())
-def test_local_global_local_is_the_identity(case: tuple[int, int, list[str]]) -> None:
-    ep_size, num_local, templates = case
-    num_experts = ep_size * num_local
-    local = _local_state(templates, num_local)
+def test_local_global_local_is_the_identity(case: _Layout) -> None:
+    ep_size, num_experts, local = case.ep_size, case.num_experts, case.local
     for ep_rank in range(ep_size):
         global_state = globalize_expert_keys(local, num_experts, ep_rank, ep_size)
         assert list(global_state.values()) == list(local.values())  # order and values kept
@@ -171,11 +182,9 @@ def test_local_global_local_is_the_identity(case: tuple[int, int, list[str]]) ->
 
 @settings(max_examples=150, deadline=None)
 @given(_layouts())
-def test_global_indices_of_all_ranks_are_exactly_every_expert(case: tuple[int, int, list[str]]) -> None:
-    ep_size, num_local, templates = case
-    num_experts = ep_size * num_local
-    local = _local_state(templates, num_local)
-    expert_templates = [t for t in templates if "{i}" in t]
+def test_global_indices_of_all_ranks_are_exactly_every_expert(case: _Layout) -> None:
+    ep_size, num_experts, local = case.ep_size, case.num_experts, case.local
+    expert_templates = [t for t in case.templates if "{i}" in t]
     seen: list[str] = []
     for ep_rank in range(ep_size):
         seen.extend(k for k in globalize_expert_keys(local, num_experts, ep_rank, ep_size) if is_expert_key(k))
