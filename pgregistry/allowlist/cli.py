@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from pgregistry.allowlist.baseline import GitError, GitTree, mark_added
+from pgregistry.allowlist.baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist.cache import ScanCache
 from pgregistry.allowlist.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
 from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files, scan_sources
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.allowlist_action == "check":
             allowed = Allowlist.load(allowlist_path, name)
-            comparison = _compare(args, settings, results, allowed, judged)
+            comparison = _compare(args, settings, results, allowed, judged, cache)
             print(render_check(comparison, allowed, len(found.files), name, fmt), end="")
             return 0 if comparison.ok else 1
         previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
@@ -271,18 +271,57 @@ def _compare(
     results: list[FileResult],
     allowed: Allowlist,
     judged: Callable[[str], bool],
+    cache: ScanCache | None,
 ) -> Comparison:
-    """The ratchet's comparison; with ``--base``, git's renames pair moved reads and added sites are marked."""
+    """The ratchet's comparison; with ``--base``, git's renames pair moved reads, added sites are marked, and
+    each key's allowance is held to what the base read (:func:`~pgregistry.allowlist.baseline.base_limits`)."""
     if not args.base:
         return compare(results, allowed, judged)
     base = GitTree(settings.root, args.base)
     changes = base.changes()
-    comparison = compare(results, allowed, judged, changes.renames, changes.added)
 
     def current(path: str) -> bytes | None:
         return read_bytes(settings.root / path)
 
+    limits = _base_limits(args, settings, results, allowed, judged, cache, base, changes.renames, current)
+    comparison = compare(results, allowed, judged, changes.renames, changes.added, limits)
     return mark_added(comparison, settings.scan, current, base, changes.renames)
+
+
+def _base_limits(
+    args: argparse.Namespace,
+    settings: Settings,
+    results: list[FileResult],
+    allowed: Allowlist,
+    judged: Callable[[str], bool],
+    cache: ScanCache | None,
+    base: GitTree,
+    renames: dict[str, str],
+    current: Callable[[str], bytes | None],
+) -> Allowlist:
+    """The allowances at ``--base``: the allowlist and the judged files as they were there, scanned with the
+    same settings (a file unchanged since is not rescanned: today's result is its result)."""
+    name = project_path(settings.resolve(settings.allowlist), settings.root)
+    listed = base.source(name)
+    base_allowlist = Allowlist.from_bytes(listed, f"{name} at {args.base}") if listed is not None else Allowlist({})
+    old_of = {new: old for old, new in renames.items()}
+    today_of = {old_of.get(path, path): path for path in allowed.entries if judged(path)}
+    counts = Allowlist.from_results(results).entries
+    base_counts: dict[str, Mapping[str, int]] = {}
+    changed: list[tuple[str, bytes]] = []
+    for old, data in sorted(base.python_files(sorted(today_of)).items() if today_of else ()):
+        if old not in today_of:
+            continue
+        if data == current(today_of[old]):
+            base_counts[old] = counts.get(today_of[old], {})
+        else:
+            changed.append((old, data))
+    report = scan_sources(changed, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    if report.failures:
+        first = report.failures[0]
+        raise GitError(f"{first.path} at {args.base} does not parse: {first.failure and first.failure.message}")
+    base_counts.update(Allowlist.from_results(report.results).entries)
+    return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path))
 
 
 def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:
