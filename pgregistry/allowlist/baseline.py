@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import subprocess
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,7 @@ def base_limits(
     base_allowlist: Allowlist,
     base_counts: Mapping[str, Mapping[str, int]],
     base_path: Callable[[str], str],
+    paths: Iterable[str] = (),
 ) -> Allowlist:
     """Each key's allowance against a base revision: ``min(listed, read at base + granted here)``.
 
@@ -175,14 +177,32 @@ def base_limits(
     (``base_counts``, by base path); ``granted here`` how much this change raised the key over the base's
     allowlist (``base_allowlist``): an ``update`` a reviewer saw in the diff. So a commit that only removes
     reads passes with its entries left stale, and a later commit cannot re-add a read into that slack: the
-    base's code already read less. ``base_path``: today's path -> the path at the base (git renames)."""
+    base's code already read less. ``base_path``: today's path -> the path at the base (git renames).
+
+    Reads the base holds under keys the list lacks were moved there by a change that passed without
+    rewriting the list; those keys (in today's ``paths``) share what the list's own keys of the same
+    accessor and form lost to the rule above, never more, so the total allowance of a read never exceeds
+    the list's."""
     limits: dict[str, dict[str, int]] = {}
+    lost: Counter[str] = Counter()  # accessor|form -> allowance the listed keys lost
     for path, keys in allowlist.entries.items():
         old = base_path(path)
         counts, listed_at_base = base_counts.get(old, {}), base_allowlist.entries.get(old, {})
         for key, listed in keys.items():
             granted = max(0, listed - listed_at_base.get(key, 0))
             limit = min(listed, counts.get(key, 0) + granted)
+            lost[key.split("|", 1)[1]] += listed - limit
             if limit:
                 limits.setdefault(path, {})[key] = limit
+    # Base reads a listed key already accounts for (under today's path or the one it was renamed from).
+    accounted = {(base_path(path), key) for path, keys in allowlist.entries.items() for key in keys}
+    for path in sorted(set(paths)):
+        old = base_path(path)
+        for key, count in sorted(base_counts.get(old, {}).items()):
+            read = key.split("|", 1)[1]
+            share = min(count, lost[read])
+            if share and (old, key) not in accounted:
+                accounted.add((old, key))
+                limits.setdefault(path, {})[key] = share
+                lost[read] -= share
     return Allowlist(limits)

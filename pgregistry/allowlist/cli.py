@@ -299,14 +299,14 @@ def _base_limits(
     renames: dict[str, str],
     current: Callable[[str], bytes | None],
 ) -> Allowlist:
-    """The allowances at ``--base``: the allowlist and the judged files as they were there, scanned with the
-    same settings (a file unchanged since is not rescanned: today's result is its result)."""
+    """The allowances at ``--base``: the allowlist and the judged files (listed or reading today) as they were
+    there, scanned with the same settings (a file unchanged since is not rescanned: today's result is its)."""
     name = project_path(settings.resolve(settings.allowlist), settings.root)
     listed = base.source(name)
     base_allowlist = Allowlist.from_bytes(listed, f"{name} at {args.base}") if listed is not None else Allowlist({})
     old_of = {new: old for old, new in renames.items()}
-    today_of = {old_of.get(path, path): path for path in allowed.entries if judged(path)}
     counts = Allowlist.from_results(results).entries
+    today_of = {old_of.get(path, path): path for path in {*allowed.entries, *counts} if judged(path)}
     base_counts: dict[str, Mapping[str, int]] = {}
     changed: list[tuple[str, bytes]] = []
     for old, data in sorted(base.python_files(sorted(today_of)).items() if today_of else ()):
@@ -321,7 +321,7 @@ def _base_limits(
         first = report.failures[0]
         raise GitError(f"{first.path} at {args.base} does not parse: {first.failure and first.failure.message}")
     base_counts.update(Allowlist.from_results(report.results).entries)
-    return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path))
+    return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path), counts)
 
 
 def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:

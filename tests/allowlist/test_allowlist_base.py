@@ -152,6 +152,24 @@ def test_moves_are_still_paired_and_cannot_smuggle_a_read_into_slack(
     assert code == 1 and "1 new read" in out.splitlines()[-1], out
 
 
+def test_a_move_merged_without_update_still_passes_later_and_stays_tight(
+    repository: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found replaying Megatron-LM with a list that is only updated when the check fails: after a move merged
+    without `update`, the base reads under keys the list lacks; they keep the allowance their old keys lost."""
+    repository.write("src/pkg/a.py", THREE.replace("def step", "def train_step"))
+    assert check(capsys, "--base", "HEAD")[0] == 0
+    commit(repository, "rename step, list not rewritten")
+    repository.write("src/pkg/c.py", "x = 1\n")
+    code, out = check(capsys, "--base", "HEAD")
+    assert code == 0, out
+    assert "notice: allowlist entry 'step|get_data_parallel_group|call' can shrink" in out
+    added = THREE.replace("    d = ps", "    e = ps.get_data_parallel_group()\n    d = ps")
+    repository.write("src/pkg/a.py", added.replace("def step", "def train_step"))
+    code, out = check(capsys, "--base", "HEAD")
+    assert code == 1 and "found 4, allowed 3" in out, out
+
+
 def test_an_unreadable_allowlist_at_the_base_is_an_error(
     repository: Project, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -171,3 +189,11 @@ def test_base_limits_by_hand() -> None:
     limits = base_limits(listed_now, at_base, read_at_base, lambda path: {"new.py": "old.py"}.get(path, path))
     # f: read 2 at the base, nothing granted -> 2; g: read 1, granted 2 - 1 = 1 -> 2; h: read 0 at the base -> none.
     assert limits.entries == {"new.py": {"f|x|call": 2, "g|x|call": 2}}
+
+
+def test_base_limits_share_lost_allowance_with_keys_moved_at_the_base() -> None:
+    listed_now = Allowlist({"a.py": {"f|x|call": 3, "g|y|call": 1}})
+    read_at_base = {"a.py": {"f2|x|call": 2, "h|x|call": 4, "g|y|call": 1}}
+    limits = base_limits(listed_now, listed_now, read_at_base, lambda path: path, ["a.py"])
+    # f lost its 3 (read 0 at the base); f2 and h, unlisted, share those 3 in sorted order: f2 2, h 1.
+    assert limits.entries == {"a.py": {"g|y|call": 1, "f2|x|call": 2, "h|x|call": 1}}
