@@ -13,8 +13,9 @@ pairing with git's rename detection (stale entries still failing), and ``check -
 renames plus each key held to what the base read (:func:`~pgregistry.allowlist.baseline.base_limits`), so a
 commit that only removes reads passes with "can shrink" notices. The last check is also replayed with a lazy
 team: the list is updated only when the check fails (never to shrink it), so stale slack builds up and every
-later commit is judged against it. The goal: no failure without a real new read, and every commit with a real
-new read still failing.
+later commit is judged against it; for contrast, the same lazy team with stale entries merely made warnings
+(no base limits), where a read re-added within a stale entry's slack goes through. The goal: no failure
+without a real new read, and every commit with a real new read still failing.
 
 Needs the repository's git history, so it cannot run in CI (no network there). Fetch it once, e.g.
 ``git clone --bare https://github.com/NVIDIA/Megatron-LM``, then::
@@ -103,6 +104,7 @@ LABELS = (
     "pairing + git renames",
     "--base",
     "--base, lazy list",
+    "stale as warning, lazy",
 )
 
 
@@ -133,6 +135,7 @@ def main() -> int:
     start = time.perf_counter()
     previous_commit, previous = parent, trees.results(parent)
     lazy = Allowlist.from_results(previous)  # the list of a team that never shrinks it, only grants on failure
+    lax = lazy  # the same team, when stale entries are only warnings and nothing holds the allowance down
     rows: Counter[str] = Counter()
     listed: list[str] = []
     for commit in commits:
@@ -151,19 +154,22 @@ def main() -> int:
         previous_counts = Allowlist.from_results(previous)
         base = check_base(current, allowed, allowed, previous_counts, files)
         lazy_check = check_base(current, lazy, lazy, previous_counts, files)
-        verdicts = (raw_fail, not paired.ok, not with_git.ok, not base.ok, not lazy_check.ok)
+        lax_check = compare(current, lax, everything, files.renames, files.added)
+        verdicts = (raw_fail, not paired.ok, not with_git.ok, not base.ok, not lazy_check.ok, bool(lax_check.new))
         for label, failed in zip(LABELS, verdicts, strict=True):
             if failed:
                 rows[f"{label}: fail, {kind}"] += 1
         rows[f"--base: notices, {kind}"] += bool(base.ok and base.stale)
         if not lazy_check.ok:
             lazy = Allowlist.from_results(current)  # the reviewed `update` that lets the change in
-        if args.verbose and (raw_fail or not base.ok or not lazy_check.ok):
+        if lax_check.new:
+            lax = Allowlist.from_results(current)
+        if args.verbose and (raw_fail or not base.ok or not lazy_check.ok or bool(lax_check.new)):
             subject = git(repository, "log", "-1", "--format=%h %s", commit).decode().strip()[:60]
             listed.append(
                 f"  {kind:26} raw={int(raw_fail)} git={int(not with_git.ok)} base={int(not base.ok)} "
-                f"lazy={int(not lazy_check.ok)} new={base.new_sites} stale={len(base.stale)} "
-                f"moved={len(base.moves)}  {subject}"
+                f"lazy={int(not lazy_check.ok)} warn={int(bool(lax_check.new))} new={base.new_sites} "
+                f"stale={len(base.stale)} moved={len(base.moves)}  {subject}"
             )
         previous_commit, previous = commit, current
     elapsed = time.perf_counter() - start
@@ -178,7 +184,10 @@ def main() -> int:
         print(f"{label + ': fail':24} " + " ".join(f"{rows[f'{label}: fail, {k}']:>26}" for k in kinds))
     print(f"{'--base: pass, notices':24} " + " ".join(f"{rows[f'--base: notices, {k}']:>26}" for k in kinds))
     if listed:
-        print("failing commits (raw: keys as they are; git: pairing + git renames; base / lazy: --base):")
+        print(
+        "failing commits (raw: keys as they are; git: pairing + git renames; base / lazy: --base; "
+        "warn: stale as warning, lazy):"
+    )
         print("\n".join(listed))
     return 0
 

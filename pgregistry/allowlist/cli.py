@@ -1,7 +1,8 @@
 """``pgregistry allowlist check|update|stats``: the ratchet on reads of global process-group state.
 
 - ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no longer
-  needs (the list may only shrink); it prints each with its file:line and the fix.
+  needs (the list may only shrink); it prints each with its file:line and the fix. With ``--base REV`` each
+  key is also held to what REV read, so a stale entry is a "can shrink" notice, not a failure.
 - ``update`` rewrites the allowlist from the scan (sorted, byte-identical when nothing changed).
 - ``stats`` prints counts by accessor, file and scope.
 
@@ -131,7 +132,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                 "--base",
                 metavar="REV",
                 help="git revision the change is against (in CI: the target branch): reads in files git saw "
-                "renamed since count as moved, and only the added sites of a key are flagged",
+                "renamed since count as moved, only the added sites of a key are flagged, and each key may read "
+                "no more than at REV plus what this change adds to the allowlist, so stale entries are notices "
+                "(run update to shrink), not failures",
             )
         if name == "import":
             action.add_argument(
