@@ -286,27 +286,28 @@ def _compare(
     def current(path: str) -> bytes | None:
         return read_bytes(settings.root / path)
 
-    limits = _base_limits(args, settings, results, allowed, judged, cache, base, changes.renames, current)
+    def scan(sources: list[tuple[str, bytes]]) -> list[FileResult]:
+        return _scan_at(args, settings, cache, args.base, sources)
+
+    limits = _base_limits(settings, base, changes.renames, allowed, judged, results, scan)
     comparison = compare(results, allowed, judged, changes.renames, changes.added, limits)
     return mark_added(comparison, settings.scan, current, base, changes.renames)
 
 
 def _base_limits(
-    args: argparse.Namespace,
     settings: Settings,
-    results: list[FileResult],
-    allowed: Allowlist,
-    judged: Callable[[str], bool],
-    cache: ScanCache | None,
     base: GitTree,
     renames: dict[str, str],
-    current: Callable[[str], bytes | None],
+    allowed: Allowlist,
+    judged: Callable[[str], bool],
+    results: list[FileResult],
+    scan: Callable[[list[tuple[str, bytes]]], list[FileResult]],
 ) -> Allowlist:
     """The allowances at ``--base``: the allowlist and the judged files (listed or reading today) as they were
     there, scanned with the same settings (a file unchanged since is not rescanned: today's result is its)."""
     name = project_path(settings.resolve(settings.allowlist), settings.root)
     listed = base.source(name)
-    base_allowlist = Allowlist.from_bytes(listed, f"{name} at {args.base}") if listed is not None else Allowlist({})
+    base_allowlist = Allowlist.from_bytes(listed, f"{name} at {base.rev}") if listed is not None else Allowlist({})
     old_of = {new: old for old, new in renames.items()}
     counts = Allowlist.from_results(results).entries
     today_of = {old_of.get(path, path): path for path in {*allowed.entries, *counts} if judged(path)}
@@ -315,15 +316,11 @@ def _base_limits(
     for old, data in sorted(base.python_files(sorted(today_of)).items() if today_of else ()):
         if old not in today_of:
             continue
-        if data == current(today_of[old]):
+        if data == read_bytes(settings.root / today_of[old]):
             base_counts[old] = counts.get(today_of[old], {})
         else:
             changed.append((old, data))
-    report = scan_sources(changed, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
-    if report.failures:
-        first = report.failures[0]
-        raise GitError(f"{first.path} at {args.base} does not parse: {first.failure and first.failure.message}")
-    base_counts.update(Allowlist.from_results(report.results).entries)
+    base_counts.update(Allowlist.from_results(scan(changed)).entries)
     return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path), counts)
 
 
@@ -336,11 +333,18 @@ def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path],
         for path, data in sorted(tree.python_files(prefixes).items())
         if not excluded(path, settings.exclude)
     ]
+    return Baseline(args.since, _scan_at(args, settings, cache, args.since, sources))
+
+
+def _scan_at(
+    args: argparse.Namespace, settings: Settings, cache: ScanCache | None, rev: str, sources: list[tuple[str, bytes]]
+) -> list[FileResult]:
+    """Scan ``sources`` read at git revision ``rev``; a file there that does not parse is a :class:`GitError`."""
     report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
     if report.failures:
         first = report.failures[0]
-        raise GitError(f"{first.path} at {args.since} does not parse: {first.failure and first.failure.message}")
-    return Baseline(args.since, report.results)
+        raise GitError(f"{first.path} at {rev} does not parse: {first.failure and first.failure.message}")
+    return report.results
 
 
 def _import(args: argparse.Namespace, results: list[FileResult]) -> int:

@@ -8,10 +8,9 @@ small git repositories made in each test; the reference counts are written out b
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from allowlist_support import Project
+from allowlist_support import THREE, Project, git
 
 from pgregistry.allowlist.baseline import base_limits
 from pgregistry.allowlist.cli import main as allowlist_main
@@ -19,16 +18,6 @@ from pgregistry.allowlist.ratchet import Allowlist
 
 KEY = "step|get_data_parallel_group|call"
 
-THREE = """
-import megatron.core.parallel_state as ps
-
-def step():
-    a = ps.get_data_parallel_group()
-    b = ps.get_tensor_model_parallel_rank()
-    c = ps.get_data_parallel_group()
-    d = ps.get_data_parallel_group()
-    return a, b, c, d
-"""
 TWO = THREE.replace("    d = ps.get_data_parallel_group()\n", "    d = None\n")
 
 
@@ -36,11 +25,6 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     code = allowlist_main([*argv, "--no-cache"])
     return code, capsys.readouterr().out
 
-
-def git(project: Project, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project.root, check=True, capture_output=True
-    )
 
 
 def commit(project: Project, message: str) -> None:
