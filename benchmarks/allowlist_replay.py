@@ -8,8 +8,13 @@ current), and the check runs on the commit's tree. A failure is classified by wh
 - *stale only*: reads were removed and none added (the ratchet asks for ``update``, by design);
 - *refactor noise*: the check failed though no accessor's count rose and none fell (renames, moves).
 
-Three checks are replayed in the same run: keys compared as they are (no pairing of moved reads), pairing
-without git, and pairing with git's rename detection (``check --base``). The goal of the pairing: no failure
+Checks replayed in the same run: keys compared as they are (no pairing of moved reads), pairing without git,
+pairing with git's rename detection (stale entries still failing), and ``check --base`` as it runs now: git's
+renames plus each key held to what the base read (:func:`~pgregistry.allowlist.baseline.base_limits`), so a
+commit that only removes reads passes with "can shrink" notices. The last check is also replayed with a lazy
+team: the list is updated only when the check fails (never to shrink it), so stale slack builds up and every
+later commit is judged against it; for contrast, the same lazy team with stale entries merely made warnings
+(no base limits), where a read re-added within a stale entry's slack goes through. The goal: no failure
 without a real new read, and every commit with a real new read still failing.
 
 Needs the repository's git history, so it cannot run in CI (no network there). Fetch it once, e.g.
@@ -35,9 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pgregistry.allowlist.baseline import FileChanges, parse_name_status  # noqa: E402
+from pgregistry.allowlist.baseline import FileChanges, base_limits, parse_name_status  # noqa: E402
 from pgregistry.allowlist.config import PRESETS, ScanConfig  # noqa: E402
-from pgregistry.allowlist.ratchet import Allowlist, compare  # noqa: E402
+from pgregistry.allowlist.ratchet import Allowlist, Comparison, compare  # noqa: E402
 from pgregistry.allowlist.scanner import FileResult, scan_source  # noqa: E402
 
 
@@ -83,6 +88,26 @@ def reads(results: list[FileResult]) -> Counter[tuple[str, str]]:
     return Counter((site.accessor, site.form) for result in results for site in result.sites)
 
 
+def check_base(
+    current: list[FileResult], allowed: Allowlist, listed_at_base: Allowlist, previous: Allowlist, files: FileChanges
+) -> Comparison:
+    """``check --base`` of the commit against its parent: ``previous`` holds the counts the parent's code read."""
+    old_of = {new: old for old, new in files.renames.items()}
+    counts = Allowlist.from_results(current).entries
+    limits = base_limits(allowed, listed_at_base, previous.entries, lambda path: old_of.get(path, path), counts)
+    return compare(current, allowed, lambda path: True, files.renames, files.added, limits)
+
+
+LABELS = (
+    "keys as they are",
+    "pairing moved reads",
+    "pairing + git renames",
+    "--base",
+    "--base, lazy list",
+    "stale as warning, lazy",
+)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("repository", type=Path, help="a git directory (bare clone or .git) of the project")
@@ -109,6 +134,8 @@ def main() -> int:
     trees = Trees(repository, args.subtree, config)
     start = time.perf_counter()
     previous_commit, previous = parent, trees.results(parent)
+    lazy = Allowlist.from_results(previous)  # the list of a team that never shrinks it, only grants on failure
+    lax = lazy  # the same team, when stale entries are only warnings and nothing holds the allowance down
     rows: Counter[str] = Counter()
     listed: list[str] = []
     for commit in commits:
@@ -124,18 +151,25 @@ def main() -> int:
         raw_fail = bool(paired.mismatches) or bool(paired.moves)  # without pairing, a move is a failure too
         files = changes(repository, previous_commit, commit, args.subtree)
         with_git = compare(current, allowed, everything, files.renames, files.added)
-        for label, failed in (
-            ("keys as they are", raw_fail),
-            ("pairing moved reads", not paired.ok),
-            ("pairing + git renames", not with_git.ok),
-        ):
+        previous_counts = Allowlist.from_results(previous)
+        base = check_base(current, allowed, allowed, previous_counts, files)
+        lazy_check = check_base(current, lazy, lazy, previous_counts, files)
+        lax_check = compare(current, lax, everything, files.renames, files.added)
+        verdicts = (raw_fail, not paired.ok, not with_git.ok, not base.ok, not lazy_check.ok, bool(lax_check.new))
+        for label, failed in zip(LABELS, verdicts, strict=True):
             if failed:
                 rows[f"{label}: fail, {kind}"] += 1
-        if args.verbose and (raw_fail or not with_git.ok):
-            subject = git(repository, "log", "-1", "--format=%h %s", commit).decode().strip()[:70]
+        rows[f"--base: notices, {kind}"] += bool(base.ok and base.stale)
+        if not lazy_check.ok:
+            lazy = Allowlist.from_results(current)  # the reviewed `update` that lets the change in
+        if lax_check.new:
+            lax = Allowlist.from_results(current)
+        if args.verbose and (raw_fail or not base.ok or not lazy_check.ok or bool(lax_check.new)):
+            subject = git(repository, "log", "-1", "--format=%h %s", commit).decode().strip()[:60]
             listed.append(
-                f"  {kind:26} raw={int(raw_fail)} git={int(not with_git.ok)} "
-                f"new={with_git.new_sites} stale={len(with_git.stale)} moved={len(with_git.moves)}  {subject}"
+                f"  {kind:26} raw={int(raw_fail)} git={int(not with_git.ok)} base={int(not base.ok)} "
+                f"lazy={int(not lazy_check.ok)} warn={int(bool(lax_check.new))} new={base.new_sites} "
+                f"stale={len(base.stale)} moved={len(base.moves)}  {subject}"
             )
         previous_commit, previous = commit, current
     elapsed = time.perf_counter() - start
@@ -146,10 +180,14 @@ def main() -> int:
     kinds = ("real new read", "stale only", "no read added or removed")
     print(f"{'check':24} " + " ".join(f"{k:>26}" for k in kinds))
     print(f"{'commits':24} " + " ".join(f"{rows[f'commits: {k}']:>26}" for k in kinds))
-    for label in ("keys as they are", "pairing moved reads", "pairing + git renames"):
+    for label in LABELS:
         print(f"{label + ': fail':24} " + " ".join(f"{rows[f'{label}: fail, {k}']:>26}" for k in kinds))
+    print(f"{'--base: pass, notices':24} " + " ".join(f"{rows[f'--base: notices, {k}']:>26}" for k in kinds))
     if listed:
-        print("failing commits (raw / with git):")
+        print(
+        "failing commits (raw: keys as they are; git: pairing + git renames; base / lazy: --base; "
+        "warn: stale as warning, lazy):"
+    )
         print("\n".join(listed))
     return 0
 

@@ -4,8 +4,10 @@ key's sites are the added ones.
 ``check --base REV`` (in CI: the pull request's target branch) pairs stale and new entries across files git
 reports renamed, and, when a scope's count rises from 3 to 4, points at the one added site instead of all
 four: the file at REV is scanned with the same settings, its lines are matched to today's with
-:mod:`difflib`, and the sites on lines that did not exist at REV are the added ones. ``stats --since REV``
-scans the whole tree as it was at REV. Everything is read with ``git`` plumbing (``ls-tree``, ``cat-file
+:mod:`difflib`, and the sites on lines that did not exist at REV are the added ones. It also keeps the
+allowance tight (:func:`base_limits`): a key may not read more than it did at REV, plus what this change adds
+to the allowlist, so a read removed without shrinking the list cannot come back in a later change. ``stats
+--since REV`` scans the whole tree as it was at REV. Everything is read with ``git`` plumbing (``ls-tree``, ``cat-file
 --batch``, ``diff -M``), never by checking anything out; a failing git command raises :class:`GitError`.
 """
 
@@ -14,15 +16,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import subprocess
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from pgregistry.allowlist.config import ScanConfig
-from pgregistry.allowlist.ratchet import Comparison, Mismatch
+from pgregistry.allowlist.ratchet import Allowlist, Comparison, Mismatch
 from pgregistry.allowlist.scanner import Site, scan_source
 
-__all__ = ["FileChanges", "GitError", "GitTree", "mark_added", "parse_name_status"]
+__all__ = ["FileChanges", "GitError", "GitTree", "base_limits", "mark_added", "parse_name_status"]
 
 
 class GitError(RuntimeError):
@@ -159,3 +162,47 @@ def mark_added(
                     item = dataclasses.replace(item, added=added)
         marked.append(item)
     return dataclasses.replace(comparison, mismatches=tuple(marked))
+
+
+def base_limits(
+    allowlist: Allowlist,
+    base_allowlist: Allowlist,
+    base_counts: Mapping[str, Mapping[str, int]],
+    base_path: Callable[[str], str],
+    paths: Iterable[str] = (),
+) -> Allowlist:
+    """Each key's allowance against a base revision: ``min(listed, read at base + granted here)``.
+
+    ``listed`` is the allowlist's count; ``read at base`` the key's site count in the code at the base
+    (``base_counts``, by base path); ``granted here`` how much this change raised the key over the base's
+    allowlist (``base_allowlist``): an ``update`` a reviewer saw in the diff. So a commit that only removes
+    reads passes with its entries left stale, and a later commit cannot re-add a read into that slack: the
+    base's code already read less. ``base_path``: today's path -> the path at the base (git renames).
+
+    Reads the base holds under keys the list lacks were moved there by a change that passed without
+    rewriting the list; those keys (in today's ``paths``) share what the list's own keys of the same
+    accessor and form lost to the rule above, never more, so the total allowance of a read never exceeds
+    the list's."""
+    limits: dict[str, dict[str, int]] = {}
+    lost: Counter[str] = Counter()  # accessor|form -> allowance the listed keys lost
+    for path, keys in allowlist.entries.items():
+        old = base_path(path)
+        counts, listed_at_base = base_counts.get(old, {}), base_allowlist.entries.get(old, {})
+        for key, listed in keys.items():
+            granted = max(0, listed - listed_at_base.get(key, 0))
+            limit = min(listed, counts.get(key, 0) + granted)
+            lost[key.split("|", 1)[1]] += listed - limit
+            if limit:
+                limits.setdefault(path, {})[key] = limit
+    # Base reads a listed key already accounts for (under today's path or the one it was renamed from).
+    accounted = {(base_path(path), key) for path, keys in allowlist.entries.items() for key in keys}
+    for path in sorted(set(paths)):
+        old = base_path(path)
+        for key, count in sorted(base_counts.get(old, {}).items()):
+            read = key.split("|", 1)[1]
+            share = min(count, lost[read])
+            if share and (old, key) not in accounted:
+                accounted.add((old, key))
+                limits.setdefault(path, {})[key] = share
+                lost[read] -= share
+    return Allowlist(limits)

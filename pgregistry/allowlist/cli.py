@@ -1,7 +1,8 @@
 """``pgregistry allowlist check|update|stats``: the ratchet on reads of global process-group state.
 
 - ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no longer
-  needs (the list may only shrink); it prints each with its file:line and the fix.
+  needs (the list may only shrink); it prints each with its file:line and the fix. With ``--base REV`` each
+  key is also held to what REV read, so a stale entry is a "can shrink" notice, not a failure.
 - ``update`` rewrites the allowlist from the scan (sorted, byte-identical when nothing changed).
 - ``stats`` prints counts by accessor, file and scope.
 
@@ -18,10 +19,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from pgregistry.allowlist.baseline import GitError, GitTree, mark_added
+from pgregistry.allowlist.baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist.cache import ScanCache
 from pgregistry.allowlist.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
 from pgregistry.allowlist.engine import ScanReport, default_jobs, scan_files, scan_sources
@@ -131,7 +132,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                 "--base",
                 metavar="REV",
                 help="git revision the change is against (in CI: the target branch): reads in files git saw "
-                "renamed since count as moved, and only the added sites of a key are flagged",
+                "renamed since count as moved, only the added sites of a key are flagged, and each key may read "
+                "no more than at REV plus what this change adds to the allowlist, so stale entries are notices "
+                "(run update to shrink), not failures",
             )
         if name == "import":
             action.add_argument(
@@ -252,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.allowlist_action == "check":
             allowed = Allowlist.load(allowlist_path, name)
-            comparison = _compare(args, settings, results, allowed, judged)
+            comparison = _compare(args, settings, results, allowed, judged, cache)
             print(render_check(comparison, allowed, len(found.files), name, fmt), end="")
             return 0 if comparison.ok else 1
         previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
@@ -271,18 +274,54 @@ def _compare(
     results: list[FileResult],
     allowed: Allowlist,
     judged: Callable[[str], bool],
+    cache: ScanCache | None,
 ) -> Comparison:
-    """The ratchet's comparison; with ``--base``, git's renames pair moved reads and added sites are marked."""
+    """The ratchet's comparison; with ``--base``, git's renames pair moved reads, added sites are marked, and
+    each key's allowance is held to what the base read (:func:`~pgregistry.allowlist.baseline.base_limits`)."""
     if not args.base:
         return compare(results, allowed, judged)
     base = GitTree(settings.root, args.base)
     changes = base.changes()
-    comparison = compare(results, allowed, judged, changes.renames, changes.added)
 
     def current(path: str) -> bytes | None:
         return read_bytes(settings.root / path)
 
+    def scan(sources: list[tuple[str, bytes]]) -> list[FileResult]:
+        return _scan_at(args, settings, cache, args.base, sources)
+
+    limits = _base_limits(settings, base, changes.renames, allowed, judged, results, scan)
+    comparison = compare(results, allowed, judged, changes.renames, changes.added, limits)
     return mark_added(comparison, settings.scan, current, base, changes.renames)
+
+
+def _base_limits(
+    settings: Settings,
+    base: GitTree,
+    renames: dict[str, str],
+    allowed: Allowlist,
+    judged: Callable[[str], bool],
+    results: list[FileResult],
+    scan: Callable[[list[tuple[str, bytes]]], list[FileResult]],
+) -> Allowlist:
+    """The allowances at ``--base``: the allowlist and the judged files (listed or reading today) as they were
+    there, scanned with the same settings (a file unchanged since is not rescanned: today's result is its)."""
+    name = project_path(settings.resolve(settings.allowlist), settings.root)
+    listed = base.source(name)
+    base_allowlist = Allowlist.from_bytes(listed, f"{name} at {base.rev}") if listed is not None else Allowlist({})
+    old_of = {new: old for old, new in renames.items()}
+    counts = Allowlist.from_results(results).entries
+    today_of = {old_of.get(path, path): path for path in {*allowed.entries, *counts} if judged(path)}
+    base_counts: dict[str, Mapping[str, int]] = {}
+    changed: list[tuple[str, bytes]] = []
+    for old, data in sorted(base.python_files(sorted(today_of)).items() if today_of else ()):
+        if old not in today_of:
+            continue
+        if data == read_bytes(settings.root / today_of[old]):
+            base_counts[old] = counts.get(today_of[old], {})
+        else:
+            changed.append((old, data))
+    base_counts.update(Allowlist.from_results(scan(changed)).entries)
+    return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path), counts)
 
 
 def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:
@@ -294,11 +333,18 @@ def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path],
         for path, data in sorted(tree.python_files(prefixes).items())
         if not excluded(path, settings.exclude)
     ]
+    return Baseline(args.since, _scan_at(args, settings, cache, args.since, sources))
+
+
+def _scan_at(
+    args: argparse.Namespace, settings: Settings, cache: ScanCache | None, rev: str, sources: list[tuple[str, bytes]]
+) -> list[FileResult]:
+    """Scan ``sources`` read at git revision ``rev``; a file there that does not parse is a :class:`GitError`."""
     report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
     if report.failures:
         first = report.failures[0]
-        raise GitError(f"{first.path} at {args.since} does not parse: {first.failure and first.failure.message}")
-    return Baseline(args.since, report.results)
+        raise GitError(f"{first.path} at {rev} does not parse: {first.failure and first.failure.message}")
+    return report.results
 
 
 def _import(args: argparse.Namespace, results: list[FileResult]) -> int:

@@ -212,7 +212,9 @@ class Mismatch:
     More sites than allowed are new reads (``sites`` holds all of them, in line order; ``added``, when a base
     revision tells, the ones that are new); fewer is a stale entry (``sites`` holds those that remain).
     ``moved``: reads of this key explained by a :class:`~pgregistry.allowlist.moves.Move` (moved here, for a
-    new key; moved away, for a stale one), so ``unexplained`` is what really changed."""
+    new key; moved away, for a stale one), so ``unexplained`` is what really changed. ``listed``: for a new
+    read judged against a base revision, the allowlist's own count when the base's allowance is lower (the
+    read fills slack that a stale entry left)."""
 
     path: str
     key: str
@@ -220,6 +222,7 @@ class Mismatch:
     sites: tuple[Site, ...]
     moved: int = 0
     added: tuple[Site, ...] = ()
+    listed: int | None = None
 
     @property
     def found(self) -> int:
@@ -236,8 +239,12 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class Comparison:
+    """The ratchet's verdict. ``stale_fails``: whether stale entries fail the check (without a base revision)
+    or are notices that the list can shrink (with one: the base's counts keep the allowance tight)."""
+
     mismatches: tuple[Mismatch, ...]
     moves: tuple[Move, ...] = ()
+    stale_fails: bool = True
 
     @property
     def new(self) -> tuple[Mismatch, ...]:
@@ -249,7 +256,7 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches
+        return not (self.new or (self.stale_fails and self.stale))
 
     @property
     def new_sites(self) -> int:
@@ -262,33 +269,56 @@ def compare(
     covers: Callable[[str], bool],
     renames: Mapping[str, str] | None = None,
     added: frozenset[str] = frozenset(),
+    limits: Allowlist | None = None,
 ) -> Comparison:
     """The ratchet: every key's count must equal the allowed count, for the paths the scan ``covers``.
 
     More is a new read; fewer is a stale entry (the list must shrink with the code), except where a stale
     entry and a new one are the same reads moved by a refactor (:func:`~pgregistry.allowlist.moves.pair_moves`;
     ``renames``: old path -> new path, ``added``: files added, both from git). Paths the scan did not cover (a run on a
-    sub-directory) are not judged."""
+    sub-directory) are not judged.
+
+    ``limits`` (from a base revision, :func:`~pgregistry.allowlist.baseline.base_limits`): the allowance of
+    each key, at most the allowlist's. New reads and moves are judged against it, and stale entries (the
+    allowlist above what the code reads) no longer fail: the limits already deny their slack."""
     found = _sites_by_key(results)
+    limit = limits if limits is not None else allowlist
     counts: dict[tuple[str, str], tuple[int, tuple[Site, ...]]] = {}
-    for path in sorted(set(found) | {path for path in allowlist.entries if covers(path)}):
-        allowed_keys = allowlist.entries.get(path, {})
+    listed: dict[tuple[str, str], tuple[int, tuple[Site, ...]]] = {}
+    paths = set(found) | {path for path in allowlist.entries if covers(path)}
+    for path in sorted(paths | {path for path in limit.entries if covers(path)}):
+        allowed_keys, limit_keys = allowlist.entries.get(path, {}), limit.entries.get(path, {})
         found_keys = found.get(path, {})
-        for key in sorted(set(allowed_keys) | set(found_keys)):
-            allowed, sites = allowed_keys.get(key, 0), tuple(sorted(found_keys.get(key, ())))
-            if len(sites) != allowed:
-                counts[path, key] = (allowed, sites)
+        for key in sorted(set(allowed_keys) | set(limit_keys) | set(found_keys)):
+            sites = tuple(sorted(found_keys.get(key, ())))
+            if len(sites) != limit_keys.get(key, 0):
+                counts[path, key] = (limit_keys.get(key, 0), sites)
+            if len(sites) != allowed_keys.get(key, 0):
+                listed[path, key] = (allowed_keys.get(key, 0), sites)
     stale = {where: allowed - len(sites) for where, (allowed, sites) in counts.items() if len(sites) < allowed}
     new = {where: len(sites) - allowed for where, (allowed, sites) in counts.items() if len(sites) > allowed}
-    emptied = frozenset(path for path in allowlist.entries if covers(path) and path not in found)
+    emptied = frozenset(path for path in limit.entries if covers(path) and path not in found)
     moves = pair_moves(stale, new, emptied, renames or {}, added)
     moved: dict[tuple[str, str], int] = {}
     for move in moves:
         for where in ((move.old_path, move.old_key), (move.new_path, move.new_key)):
             moved[where] = moved.get(where, 0) + move.count
+
+    def listed_count(where: tuple[str, str], allowed: int) -> int | None:
+        count = allowlist.entries.get(where[0], {}).get(where[1], 0)
+        return count if count > allowed else None
+
     mismatches = [
-        Mismatch(path, key, allowed, sites, moved.get((path, key), 0))
+        Mismatch(path, key, allowed, sites, moved.get((path, key), 0), listed=listed_count((path, key), allowed))
         for (path, key), (allowed, sites) in counts.items()
-        if abs(len(sites) - allowed) > moved.get((path, key), 0)
+        if len(sites) > allowed and len(sites) - allowed > moved.get((path, key), 0)
     ]
-    return Comparison(tuple(mismatches), tuple(moves))
+    # Stale against the allowlist itself: with limits, also entries whose slack the base already had.
+    mismatches += [
+        Mismatch(path, key, allowed, sites, moved.get((path, key), 0))
+        for (path, key), (allowed, sites) in listed.items()
+        if len(sites) < allowed and allowed - len(sites) > moved.get((path, key), 0)
+        and len(sites) <= limit.entries.get(path, {}).get(key, 0)  # a key over its limit is reported new
+    ]
+    mismatches.sort(key=lambda item: (item.path, item.key))
+    return Comparison(tuple(mismatches), tuple(moves), stale_fails=limits is None)

@@ -33,6 +33,11 @@ UPDATE = "`pgregistry allowlist update`"
 _FIX_TAIL = f"; if the read must stay for now, run {UPDATE} and commit the allowlist"
 _FIX_STALE = f"run {UPDATE} to shrink the allowlist (it may only shrink) and commit it"
 _FIX_MOVED = f"not a failure; run {UPDATE} to rewrite their keys"
+_FIX_SHRINK = f"can shrink: run {UPDATE} and commit the smaller allowlist (not a failure against the base revision)"
+_FIX_SLACK = (
+    "the allowlist lists {listed}, but the base revision reads {allowed}: a removed read's leftover entry does not "
+    f"allow a new one. If the read must stay, run {UPDATE} on the base branch first, then here"
+)
 
 #: GitHub shows about 10 error annotations per step; past this many keys, the rest go to the log only.
 GITHUB_ANNOTATION_CAP = 10
@@ -108,9 +113,11 @@ def _describe(site: Site) -> str:
     return f"{site.form} of {site.accessor} (`{site.expr}`) in {site.scope}"
 
 
-def _fix(item: Mismatch) -> str:
+def _fix(item: Mismatch, stale_fails: bool = True) -> str:
     if not item.is_new:
-        return _FIX_STALE
+        return _FIX_STALE if stale_fails else _FIX_SHRINK
+    if item.listed is not None:
+        return fix_for(item.sites[0]) + "; " + _FIX_SLACK.format(listed=item.listed, allowed=item.allowed)
     return fix_for(item.sites[0]) + _FIX_TAIL
 
 
@@ -125,7 +132,7 @@ def _counts(item: Mismatch) -> str:
     return f"found {item.found}, allowed {item.allowed} in this scope{moved}"
 
 
-def _mismatch_json(item: Mismatch) -> dict[str, Any]:
+def _mismatch_json(item: Mismatch, stale_fails: bool) -> dict[str, Any]:
     scope, accessor, form = item.key.split("|")
     return {
         "path": item.path,
@@ -141,7 +148,8 @@ def _mismatch_json(item: Mismatch) -> dict[str, Any]:
             for s in item.sites
         ],
         "added_lines": [s.line for s in item.added],
-        "fix": _fix(item),
+        "listed": item.listed,
+        "fix": _fix(item, stale_fails),
     }
 
 
@@ -172,16 +180,24 @@ def _text_lines(comparison: Comparison) -> list[str]:
             else:
                 first = item.sites[0] if item.sites else None
                 message = f"stale allowlist entry {item.key!r}: {_counts(item)}"
+                if not comparison.stale_fails:
+                    message = f"notice: allowlist entry {item.key!r} {_FIX_SHRINK}; {_counts(item)}"
                 where = f"{path}:{first.line}:{first.col}" if first else path
                 located.append((first.line if first else 0, first.col if first else 0, f"{where}: {message}"))
         lines.extend(text for _, _, text in sorted(located))
-        lines.extend(f"    fix for {item.key}: {_fix(item)}" for item in by_path[path])
+        lines.extend(
+            f"    fix for {item.key}: {_fix(item)}"
+            for item in by_path[path]
+            if item.is_new or comparison.stale_fails
+        )
     return lines
 
 
 def _github_lines(comparison: Comparison) -> list[str]:
-    """One annotation per key (at its first added site), at most :data:`GITHUB_ANNOTATION_CAP`, then a summary."""
+    """One annotation per key (at its first added site), at most :data:`GITHUB_ANNOTATION_CAP` errors and as
+    many notices (GitHub caps each level apart), then a summary."""
     annotations: list[str] = []
+    notices: list[str] = []
     for item in sorted(comparison.mismatches, key=lambda m: (m.path, (_flagged(m) or m.sites or (None,))[0] or 0)):
         if item.is_new:
             flagged = _flagged(item)
@@ -193,17 +209,24 @@ def _github_lines(comparison: Comparison) -> list[str]:
             )
         else:
             first = item.sites[0] if item.sites else None
-            message = f"stale allowlist entry {item.key!r}: {_counts(item)}. Fix: {_fix(item)}."
             line, col = (first.line, first.col) if first else (None, None)
-            annotations.append(_annotation("Stale allowlist entry", message, item.path, line, col))
-    shown = annotations[:GITHUB_ANNOTATION_CAP]
-    if len(annotations) > len(shown):
-        hidden = len(annotations) - len(shown)
-        shown.append(
-            f"::error title=pgregistry allowlist::{hidden} more allowlist finding(s) not annotated "
-            f"(GitHub shows about {GITHUB_ANNOTATION_CAP} per step); every finding is listed in the log below"
-        )
-    return shown + _text_lines(comparison) if len(annotations) > GITHUB_ANNOTATION_CAP else shown
+            if comparison.stale_fails:
+                message = f"stale allowlist entry {item.key!r}: {_counts(item)}. Fix: {_fix(item)}."
+                annotations.append(_annotation("Stale allowlist entry", message, item.path, line, col))
+            else:
+                message = f"allowlist entry {item.key!r} {_FIX_SHRINK}; {_counts(item)}."
+                notices.append(_annotation("Allowlist entry can shrink", message, item.path, line, col, "notice"))
+    shown: list[str] = []
+    for level, found in (("error", annotations), ("notice", notices)):
+        shown += found[:GITHUB_ANNOTATION_CAP]
+        if len(found) > GITHUB_ANNOTATION_CAP:
+            shown.append(
+                f"::{level} title=pgregistry allowlist::{len(found) - GITHUB_ANNOTATION_CAP} more allowlist "
+                f"finding(s) not annotated (GitHub shows about {GITHUB_ANNOTATION_CAP} per step); every finding "
+                "is listed in the log below"
+            )
+    overflow = max(len(annotations), len(notices)) > GITHUB_ANNOTATION_CAP
+    return shown + _text_lines(comparison) if overflow else shown
 
 
 def render_check(
@@ -214,15 +237,18 @@ def render_check(
     moved = sum(move.count for move in comparison.moves)
     moved_text = f"; {_plural(moved, 'read')} moved ({_FIX_MOVED})" if moved else ""
     if comparison.ok:
+        shrink = len(comparison.stale)
+        shrink_text = f"; {_plural(shrink, 'entry', 'entries')} can shrink (run {UPDATE})" if shrink else ""
         verdict = (
             f"allowlist check passed: {_plural(allowlist.total, 'allowed read')} of {state} in "
             f"{_plural(len(allowlist.entries), 'file')}; {_plural(files, 'file')} scanned ({allowlist_name})"
-            f"{moved_text}"
+            f"{moved_text}{shrink_text}"
         )
     else:
         verdict = (
             f"allowlist check failed: {_plural(comparison.new_sites, 'new read')} of {state}, "
-            f"{_plural(len(comparison.stale), 'stale entry', 'stale entries')} ({allowlist_name}){moved_text}"
+            f"{_plural(len(comparison.stale), 'stale entry', 'stale entries')}"
+            f"{'' if comparison.stale_fails else ' (not failures: they can shrink)'} ({allowlist_name}){moved_text}"
         )
     if fmt == "json":
         return _json(
@@ -230,8 +256,9 @@ def render_check(
                 "ok": comparison.ok,
                 "allowlist": allowlist_name,
                 "files_scanned": files,
-                "new": [_mismatch_json(item) for item in comparison.new],
-                "stale": [_mismatch_json(item) for item in comparison.stale],
+                "new": [_mismatch_json(item, comparison.stale_fails) for item in comparison.new],
+                "stale": [_mismatch_json(item, comparison.stale_fails) for item in comparison.stale],
+                "stale_fails": comparison.stale_fails,
                 "moved": [_move_json(move) for move in comparison.moves],
             }
         )

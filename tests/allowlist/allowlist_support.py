@@ -5,6 +5,7 @@ is re-exported by ``conftest.py``."""
 
 from __future__ import annotations
 
+import subprocess
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,3 +57,23 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Project
     result.write("pyproject.toml", PYPROJECT)
     result.write("src/pkg/__init__.py", "")
     yield result
+
+
+def git(project: Project, *args: str) -> None:
+    """Run git in the project (a throw-away identity for commits)."""
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project.root, check=True, capture_output=True
+    )
+
+
+#: A function with three reads of ``get_data_parallel_group`` (lines 5, 7, 8) and one of the TP rank (line 6).
+THREE = """
+import megatron.core.parallel_state as ps
+
+def step():
+    a = ps.get_data_parallel_group()
+    b = ps.get_tensor_model_parallel_rank()
+    c = ps.get_data_parallel_group()
+    d = ps.get_data_parallel_group()
+    return a, b, c, d
+"""

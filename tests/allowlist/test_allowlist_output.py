@@ -4,10 +4,8 @@ git), ``stats`` on a subset, and ``stats --since`` against an earlier revision o
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
-from allowlist_support import Project
+from allowlist_support import THREE, Project, git
 
 from pgregistry.allowlist.cli import main as allowlist_main
 from pgregistry.allowlist.report import GITHUB_ANNOTATION_CAP
@@ -19,22 +17,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def git(project: Project, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project.root, check=True, capture_output=True
-    )
 
-
-THREE = """
-import megatron.core.parallel_state as ps
-
-def step():
-    a = ps.get_data_parallel_group()
-    b = ps.get_tensor_model_parallel_rank()
-    c = ps.get_data_parallel_group()
-    d = ps.get_data_parallel_group()
-    return a, b, c, d
-"""
 
 
 def test_sites_in_line_order_and_one_fix_per_key(project: Project, capsys: pytest.CaptureFixture[str]) -> None:
