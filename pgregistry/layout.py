@@ -270,8 +270,8 @@ class ParallelLayout:
         """The grid of ``tokens`` (the declared order, then the appended size-1 axes) with the GTP axis placed as
         Megatron-Core places it: right after ``after`` when the declared order names it, else right after ``tp``
         when named, else first. The appended axes have size 1, so only the declared ones decide the ranks."""
-        anchor = after if after in declared else Axis.TP.value
-        position = declared.index(anchor) + 1 if anchor in declared else 0
+        preceding = after if after in declared else Axis.TP.value
+        position = declared.index(preceding) + 1 if preceding in declared else 0
         axes = (*tokens[:position], Axis.GTP.value, *tokens[position:])
         return _Grid(axes=axes, sizes=tuple(sizes[a] for a in axes))
 
