@@ -48,7 +48,7 @@ from pgregistry.collection import UNSET, Unset, group_rank, group_size
 from pgregistry.grad_stats import is_counted, reduce_group_of, reduce_over_groups
 from pgregistry.grad_stats.devices import reduction_device
 from pgregistry.grad_stats.fused import fused_stats_available, readable, span_squares_and_zeros
-from pgregistry.grad_stats.reductions import _checked_norm_type
+from pgregistry.grad_stats.reductions import checked_norm_type
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -345,7 +345,7 @@ def reduce_norm_terms(terms: Mapping[GroupKey, Sequence[torch.Tensor]], norm_typ
     grads' multi-tensor machinery (grouping, a kernel launch per kind) is spent on them, and the one-read statistics
     of a buffer stay a read of the buffer plus a few tiny kernels.
     """
-    p = _checked_norm_type(norm_type)
+    p = checked_norm_type(norm_type)
     infinite = math.isinf(p)
     device = reduction_device((term for parts in terms.values() for term in parts), terms)
 
