@@ -38,7 +38,7 @@ $(MEGATRON_OLDER_DIR): | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $@.partial "megatron-core==$(MEGATRON_CORE_OLDER)"
 	mv $@.partial $@
 
-demo: setup
+demo: $(STAMP)
 	$(PY) -m examples.moe_demo
 
 test: setup

@@ -133,7 +133,7 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
 
     pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="verify-expert-tp")
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
-    scenario = f"TP = EP = {world}, expert TP 1"
+    scenario = f"fixed grid TP = EP = world ({world}), expert TP 1"
     model = dense_and_expert(device=device)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
