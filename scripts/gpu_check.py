@@ -163,6 +163,12 @@ def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.de
             listed = (float(grad_norm(model, pg)), count_zeros(model, pg))
             checks.append((f"{where}: list path (grad_norm, count_zeros) = float64 oracle",
                            close(listed[0], want[0]) and listed[1] == want[2], f"{listed} vs {(want[0], want[2])}"))
+            if device.type == "cuda":  # one list, half its grads on the host: grouped per device, one result
+                mixed = _half_on_host(model)
+                listed = (float(grad_norm(mixed, pg)), count_zeros(mixed, pg))
+                checks.append((f"{where}: list path over CUDA and CPU grads = float64 oracle",
+                               close(listed[0], want[0]) and listed[1] == want[2],
+                               f"{listed} vs {(want[0], want[2])}"))
         opt.step()
         params = dict(model.named_parameters())
         worst = max(
@@ -180,6 +186,19 @@ def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.de
         checks.append((f"{where}: invariance, norm sqrt({numel}) and zero count {numel}",
                        close(ones, math.sqrt(numel)) and zeros == numel, f"norm {ones:.7f}, zeros {zeros}"))
     return checks
+
+
+def _half_on_host(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters, every other one replaced by a host copy (roles and grad copied): a list whose grads
+    live on two devices."""
+    params: list[torch.Tensor] = []
+    for index, param in enumerate(model.parameters()):
+        if index % 2 and param.grad is not None:
+            host = copy_param_roles(param, torch.nn.Parameter(param.detach().cpu()))
+            host.grad = param.grad.detach().cpu()
+            param = host
+        params.append(param)
+    return params
 
 
 # --------------------------------------------------------------------------------------------------- driver
