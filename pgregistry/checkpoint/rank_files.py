@@ -46,7 +46,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _max_over_ranks(values: list[int]) -> list[int]:
+def max_over_ranks(values: list[int]) -> list[int]:
     """The element-wise maximum of ``values`` over every rank (``values`` itself outside a distributed world).
 
     Every rank must call it with as many values; the checks built on it therefore raise on every rank alike.
@@ -91,7 +91,7 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
         error = None
     except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised here
         error = exc
-    if _max_over_ranks([int(error is not None)])[0]:  # also the barrier: every file is in place on return
+    if max_over_ranks([int(error is not None)])[0]:  # also the barrier: every file is in place on return
         path.unlink(missing_ok=True)  # a save that failed anywhere leaves none of its files
         if error is not None:
             raise error
@@ -120,7 +120,7 @@ def _refuse_existing(directory: Path, prefix: str) -> None:
     itself are never mistaken for an old checkpoint.
     """
     found = _rank_file_paths(directory, prefix)
-    if _max_over_ranks([len(found)])[0] == 0:
+    if max_over_ranks([len(found)])[0] == 0:
         return
     seen = f"e.g. {', '.join(p.name for p in found[:3])}" if found else "seen by another rank"
     raise ValueError(
@@ -165,8 +165,10 @@ def _load_payload(path: Path) -> dict[str, Any]:
 def read_rank_contents(directory: Path, prefix: str) -> list[tuple[Path, Any]]:
     """``(file, content)`` of every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped).
 
-    ``ValueError`` unless the files are those of every rank of one save, in this format.
+    ``ValueError`` unless ``directory`` exists and its files are those of every rank of one save, in this format.
     """
+    if not directory.is_dir():
+        raise ValueError(f"no checkpoint directory {directory}")
     files = _rank_file_paths(directory, prefix)
     if not files:
         raise ValueError(f"no {prefix}<rank>.pt files in {directory}")
@@ -223,10 +225,10 @@ def _read_on_every_rank(directory: Path) -> dict[str, Any]:
     a later collective for a rank that has already raised."""
     try:
         stored, error = _read_rank_files(directory), None
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a directory this rank may not list
         stored, error = {}, exc
     digest = int(hashlib.sha256("\n".join(sorted(stored)).encode()).hexdigest()[:15], 16)
-    failed, largest, negated_smallest = _max_over_ranks([int(error is not None), digest, -digest])
+    failed, largest, negated_smallest = max_over_ranks([int(error is not None), digest, -digest])
     if error is not None:
         raise error
     if failed:
@@ -243,7 +245,7 @@ def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], held: set[st
     keys = sorted(stored)
     names = [param_name_of_key(key) for key in keys]
     missing = sorted(held - {name for name in names if name is not None})
-    union = _max_over_ranks([*(int(name in held) for name in names), len(missing)])
+    union = max_over_ranks([*(int(name in held) for name in names), len(missing)])
     if union[-1]:
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5])

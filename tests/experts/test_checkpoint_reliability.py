@@ -246,3 +246,13 @@ def test_a_rank_that_cannot_read_the_checkpoint_fails_every_rank_without_a_hang(
         f"another rank could not read the checkpoint {tmp_path / 'saved'} (see its error)",
         f"no rank-<rank>.pt files in {tmp_path / 'empty'}",
     ]
+
+
+def test_a_rank_whose_directory_is_missing_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
+    # A checkpoint on one node's local disk: the other node's rank finds no such directory. Its OSError used to
+    # escape before the all-reduce that tells the peers, so rank 0 waited there for ever.
+    run_world(2, _save, str(tmp_path / "saved"))
+    assert run_world(2, _load_from, [str(tmp_path / "saved"), str(tmp_path / "absent")], timeout=30.0) == [
+        f"another rank could not read the checkpoint {tmp_path / 'saved'} (see its error)",
+        f"no checkpoint directory {tmp_path / 'absent'}",
+    ]
