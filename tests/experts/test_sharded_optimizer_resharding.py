@@ -272,3 +272,24 @@ def test_optimizer_shard_files_refuse_what_they_cannot_load(tmp_path: Path) -> N
     incomplete.mkdir()
     (incomplete / "optimizer-rank-00000.pt").write_bytes((complete / "optimizer-rank-00000.pt").read_bytes())
     run_world(1, _load_one_rank, complete, incomplete)
+
+
+def _load_shards_from(directories: list[Path]) -> str:
+    optimizer = _build(ParallelLayout(world_size=2, ep=2), sharded=True)
+    try:
+        load_optimizer_shards(directories[dist.get_rank()], optimizer)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_optimizer_shards_a_rank_cannot_read_fail_every_rank_without_a_hang(tmp_path: Path) -> None:
+    # Rank 1 cannot read its directory: it used to raise alone while rank 0 went on into the dense child's
+    # all-gather of the restored shard (over dp_cp, which rank 1 is in), and waited there for ever.
+    complete, empty = tmp_path / "complete", tmp_path / "empty"
+    run_world(2, _save_two_ranks, complete)
+    empty.mkdir()
+    assert run_world(2, _load_shards_from, [complete, empty], timeout=30.0) == [
+        f"another rank could not load the optimizer shards of {complete} (see its error)",
+        f"no optimizer-rank-<rank>.pt files in {empty}",
+    ]
