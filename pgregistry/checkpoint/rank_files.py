@@ -83,7 +83,6 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
     """
     rank, world_size = _world()
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     _refuse_existing(directory, prefix)
     path = directory / f"{prefix}{rank:05d}.pt"
     try:
@@ -114,13 +113,23 @@ def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
 
 
 def _refuse_existing(directory: Path, prefix: str) -> None:
-    """``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in ``directory``.
+    """Make ``directory``; ``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in it.
 
     Every rank looks before any rank writes (the look is followed by one all-reduce), so ranks of the save
-    itself are never mistaken for an old checkpoint.
+    itself are never mistaken for an old checkpoint. A rank that cannot make or list the directory raises its
+    ``OSError``, and every other rank ``RuntimeError``, after that all-reduce (none waits in it for ever).
     """
-    found = _rank_file_paths(directory, prefix)
-    if max_over_ranks([len(found)])[0] == 0:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        found, error = _rank_file_paths(directory, prefix), None
+    except OSError as exc:
+        found, error = [], exc
+    existing, failed = max_over_ranks([len(found), int(error is not None)])
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"another rank could not make or list the checkpoint directory {directory} (see its error)")
+    if existing == 0:
         return
     seen = f"e.g. {', '.join(p.name for p in found[:3])}" if found else "seen by another rank"
     raise ValueError(

@@ -256,3 +256,24 @@ def test_a_rank_whose_directory_is_missing_fails_every_rank_without_a_hang(tmp_p
         f"another rank could not read the checkpoint {tmp_path / 'saved'} (see its error)",
         f"no checkpoint directory {tmp_path / 'absent'}",
     ]
+
+
+def _save_to(directories: list[str]) -> str:
+    model = _MoE(8, ep_size=2)
+    attach(model, build(ParallelLayout(world_size=2, ep=2, etp=1)))
+    try:
+        save_rank_files(directories[dist.get_rank()], model)
+    except (OSError, RuntimeError) as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def test_a_rank_that_cannot_create_the_directory_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
+    # Rank 1's path is a file on its node, so it cannot make the directory: its error used to escape before the
+    # all-reduce that looks for an older checkpoint, where rank 0 then waited for ever.
+    (tmp_path / "a-file").write_text("not a directory")
+    assert run_world(2, _save_to, [str(tmp_path / "fresh"), str(tmp_path / "a-file")], timeout=30.0) == [
+        "RuntimeError",
+        "FileExistsError",
+    ]
+    assert not (tmp_path / "fresh").exists() or list((tmp_path / "fresh").iterdir()) == []
