@@ -163,17 +163,27 @@ def apply_flat_state(model: RankModel, optimizer: Optimizer | None, lookup: Mapp
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
         raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
+    mismatched = shape_mismatches(model, lookup)
+    if mismatched:
+        raise ValueError(mismatched[0])
     with torch.no_grad():
         for name, param in model.params.items():
-            source = nested["model"][name]
-            if tuple(source.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(param.shape)} but the checkpoint holds "
-                    f"{tuple(source.shape)}"
-                )
-            param.copy_(source)
+            param.copy_(nested["model"][name])
     if optimizer is not None:
         _load_optimizer(optimizer, model, nested["optimizer"])
+
+
+def shape_mismatches(model: RankModel, lookup: Mapping[str, Any]) -> list[str]:
+    """A message for each parameter of ``model`` whose ``model/<name>`` entry in flat ``lookup`` has another shape
+    (checked before anything is copied, so a mismatch is never a partial load)."""
+    problems = []
+    for name, param in model.params.items():
+        source = lookup.get(MODEL_PREFIX + name)
+        if source is not None and tuple(source.shape) != tuple(param.shape):
+            problems.append(
+                f"parameter {name!r} has shape {tuple(param.shape)} but the checkpoint holds {tuple(source.shape)}"
+            )
+    return problems
 
 
 def load_optimizer_state_by_name(

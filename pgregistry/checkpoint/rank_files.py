@@ -26,7 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry.checkpoint.by_name import Optimizer, apply_flat_state, flat_state, param_name_of_key, rank_model
+from pgregistry.checkpoint.by_name import (
+    Optimizer,
+    RankModel,
+    apply_flat_state,
+    flat_state,
+    param_name_of_key,
+    rank_model,
+    shape_mismatches,
+)
 from pgregistry.experts.names import NamingOptions
 from pgregistry.grad_stats import backend_device
 
@@ -224,7 +232,7 @@ def load_rank_files(
     """
     model = rank_model(model_chunks, "load_rank_files", **naming)
     stored = _read_on_every_rank(Path(directory))
-    _check_keys_over_ranks(Path(directory), stored, set(model.params), strict)
+    _check_keys_over_ranks(Path(directory), stored, model, strict)
     apply_flat_state(model, optimizer, stored)
 
 
@@ -247,19 +255,25 @@ def _read_on_every_rank(directory: Path) -> dict[str, Any]:
     return stored
 
 
-def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], held: set[str], strict: bool) -> None:
-    """Raise on every rank unless each rank's parameters are all stored and (``strict``) each stored parameter
-    is held by some rank: one all-reduce of a flag per stored key (every rank read the same keys, checked by
-    :func:`_read_on_every_rank`) and of whether a rank misses parameters."""
+def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], model: RankModel, strict: bool) -> None:
+    """Raise on every rank unless each rank's parameters are all stored in their shapes and (``strict``) each
+    stored parameter is held by some rank: one all-reduce of a flag per stored key (every rank read the same keys,
+    checked by :func:`_read_on_every_rank`) and of whether a rank misses parameters or holds one of another shape."""
+    held = set(model.params)
     keys = sorted(stored)
     names = [param_name_of_key(key) for key in keys]
     missing = sorted(held - {name for name in names if name is not None})
-    union = max_over_ranks([*(int(name in held) for name in names), len(missing)])
-    if union[-1]:
+    mismatched = shape_mismatches(model, stored)
+    *union, lacking, misfit = max_over_ranks([*(int(name in held) for name in names), len(missing), len(mismatched)])
+    if lacking:
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5])
             raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
         raise ValueError(f"the checkpoint {directory} lacks parameters of another rank's model (see its error)")
+    if misfit:
+        if mismatched:
+            raise ValueError(mismatched[0])
+        raise ValueError(f"the checkpoint {directory} does not fit another rank's model (see its error)")
     unexpected = [key for key, used in zip(keys, union, strict=False) if not used]
     if strict and unexpected:
         shown = ", ".join(repr(k) for k in unexpected[:5])

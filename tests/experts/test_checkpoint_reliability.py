@@ -277,3 +277,34 @@ def test_a_rank_that_cannot_create_the_directory_fails_every_rank_without_a_hang
         "FileExistsError",
     ]
     assert not (tmp_path / "fresh").exists() or list((tmp_path / "fresh").iterdir()) == []
+
+
+def _load_with_a_wrong_shape_on_rank_one(directory: str) -> str:
+    model = _filled(_MoE(8, ep_size=2), -5.0)
+    if dist.get_rank() == 1:  # this rank's last expert (global expert 7) is wider than the saved one
+        model.experts.local_experts[3] = nn.Linear(2, 3)
+    attach(model, build(ParallelLayout(world_size=2, ep=2, etp=1)))
+    before = _snapshot(model)
+    try:
+        load_rank_files(directory, model)
+    except ValueError as exc:
+        message = f"ValueError: {exc}"
+    else:
+        message = "loaded"
+    after = _snapshot(model)
+    changed = sorted(name for name in before if not torch.equal(before[name], after[name]))
+    return f"{message}; changed {changed}"
+
+
+def test_a_shape_mismatch_on_one_rank_fails_every_rank_before_anything_is_copied(tmp_path: Path) -> None:
+    # The shape was checked while copying, on the rank holding the parameter only: that rank raised with the
+    # parameters before it already overwritten, and the other rank loaded as if nothing were wrong.
+    run_world(2, _save, str(tmp_path))
+    results = run_world(2, _load_with_a_wrong_shape_on_rank_one, str(tmp_path), timeout=30.0)
+    assert results[0] == (
+        f"ValueError: the checkpoint {tmp_path} does not fit another rank's model (see its error); changed []"
+    )
+    assert results[1] == (
+        "ValueError: parameter 'experts.local_experts.7.weight' has shape (3, 2) but the checkpoint holds (2, 2); "
+        "changed []"
+    )
