@@ -34,17 +34,15 @@ def _from_mesh() -> dict[str, Any]:
         "new_set": member_mask(again.get("tp_ep_pp")),
         # Two new sets: the (pp, dp) pairs, one per tp coordinate; the rest existed.
         "created": reg.default_registry.groups_created - created,
-        "errors": errors_of(
-            {
-                "field": lambda: from_device_mesh(mesh, {"tpp": "tp"}),
-                "dim": lambda: from_device_mesh(mesh, {"tp": "cp"}),
-                "repeated": lambda: from_device_mesh(mesh, {"mp": ("tp", "tp")}),
-                "empty": lambda: from_device_mesh(mesh, {"mp": ()}),
-                "hcp": lambda: from_device_mesh(mesh, {"hcp": "tp"}),
-                "sub_mesh": lambda: from_device_mesh(mesh["tp"], {"tp": "tp"}),
-                "sub_mesh_flat": lambda: from_device_mesh(mesh["dp", "tp"], {"tp_cp": ("dp", "tp")}),
-            }
-        ),
+        "errors": errors_of({
+            "field": lambda: from_device_mesh(mesh, {"tpp": "tp"}),
+            "dim": lambda: from_device_mesh(mesh, {"tp": "cp"}),
+            "repeated": lambda: from_device_mesh(mesh, {"mp": ("tp", "tp")}),
+            "empty": lambda: from_device_mesh(mesh, {"mp": ()}),
+            "hcp": lambda: from_device_mesh(mesh, {"hcp": "tp"}),
+            "sub_mesh": lambda: from_device_mesh(mesh["tp"], {"tp": "tp"}),
+            "sub_mesh_flat": lambda: from_device_mesh(mesh["dp", "tp"], {"tp_cp": ("dp", "tp")}),
+        }),
     }
 
 
@@ -53,12 +51,8 @@ def test_from_device_mesh_single_and_flattened_dims() -> None:
     for rank, out in enumerate(results):
         mine = _LAYOUT.groups_of(rank)
         assert out["masks"] == {
-            "tp": bits(mine["tp"]),
-            "dp": bits(mine["dp"]),
-            "pp": bits(mine["pp"]),
-            "tp_dp_cp": bits(mine["tp_dp_cp"]),
-            "mp": bits(mine["mp"]),
-            "dp_cp": bits(mine["dp"]),
+            "tp": bits(mine["tp"]), "dp": bits(mine["dp"]), "pp": bits(mine["pp"]),
+            "tp_dp_cp": bits(mine["tp_dp_cp"]), "mp": bits(mine["mp"]), "dp_cp": bits(mine["dp"]),
         }
         assert "cp" in out["unset"] and "ep" in out["unset"] and "tp" not in out["unset"]
         assert out["mesh_groups"]
@@ -102,26 +96,23 @@ def _to_mesh() -> dict[str, Any]:
         "part": part.mesh.tolist(),
         "part_masks": [member_mask(part.get_group(a)) for a in ("tp", "pp")],
         "created": reg.default_registry.groups_created - created,
-        "errors": errors_of(
-            {
-                "off": lambda: to_device_mesh(_GRID, plain, ("dp", "tp")),
-                "unset": lambda: to_device_mesh(_GRID, ProcessGroupCollection(tp=collection.get("tp")), ("cp", "tp")),
-                "axis": lambda: to_device_mesh(_GRID, collection, ("tp", "embd")),
-                "overlap": lambda: to_device_mesh(_GRID, collection, ("dp_cp", "cp")),
-                "names": lambda: to_device_mesh(_GRID, collection, ("cp", "tp"), dim_names=("x", "x")),
-                "repeated": lambda: to_device_mesh(_GRID, collection, ("tp", "tp")),
-                "other_layout": lambda: to_device_mesh(_GRID, other, ("pp", "tp")),
-            }
-        ),
+        "errors": errors_of({
+            "off": lambda: to_device_mesh(_GRID, plain, ("dp", "tp")),
+            "unset": lambda: to_device_mesh(_GRID, ProcessGroupCollection(tp=collection.get("tp")), ("cp", "tp")),
+            "axis": lambda: to_device_mesh(_GRID, collection, ("tp", "embd")),
+            "overlap": lambda: to_device_mesh(_GRID, collection, ("dp_cp", "cp")),
+            "names": lambda: to_device_mesh(_GRID, collection, ("cp", "tp"), dim_names=("x", "x")),
+            "repeated": lambda: to_device_mesh(_GRID, collection, ("tp", "tp")),
+            "other_layout": lambda: to_device_mesh(_GRID, other, ("pp", "tp")),
+        }),
     }
 
 
 def test_to_device_mesh_reuses_the_collection_groups() -> None:
     results = run_world(8, _to_mesh)
     # The default order: rank = tp + 2*(cp + 2*(dp + 1*pp)).
-    expected_mesh = [
-        [[[t + 2 * (c + 2 * (d + p)) for t in range(2)] for c in range(2)] for d in range(1)] for p in range(2)
-    ]
+    expected_mesh = [[[[t + 2 * (c + 2 * (d + p)) for t in range(2)] for c in range(2)] for d in range(1)]
+                     for p in range(2)]
     for rank, out in enumerate(results):
         coords = _GRID.coords(rank)
         mine = _GRID.groups_of(rank)
@@ -181,13 +172,11 @@ def _expert_and_hsdp_meshes() -> dict[str, Any]:
         "hsdp_masks": (member_mask(hsdp.get("intra_dp_cp")), member_mask(hsdp.get("inter_dist_opt"))),
         "expert_shard_mask": member_mask(hsdp.get("intra_expt_dp")),
         "created": reg.default_registry.groups_created - created,
-        "errors": errors_of(
-            {
-                "replicas": lambda: with_hsdp_groups(_MOE, collection, 3),
-                # dense dp 8 splits into 4, expert dp 2 (EP 4) does not: Megatron-Core needs both to.
-                "expert_replicas": lambda: with_hsdp_groups(ParallelLayout(world_size=8, ep=4), collection, 4),
-            }
-        ),
+        "errors": errors_of({
+            "replicas": lambda: with_hsdp_groups(_MOE, collection, 3),
+            # dense dp 8 splits into 4, expert dp 2 (EP 4) does not: Megatron-Core needs both to.
+            "expert_replicas": lambda: with_hsdp_groups(ParallelLayout(world_size=8, ep=4), collection, 4),
+        }),
     }
 
 
@@ -205,10 +194,12 @@ def test_expert_2d_and_hsdp_meshes_share_the_collection_groups() -> None:
         dp_group = list(range(rank % 2, 8, 2))
         position = dp_group.index(rank)
         block = position // 2
-        assert out["hsdp_masks"] == (bits(dp_group[2 * block : 2 * block + 2]), bits(dp_group[position % 2 :: 2]))
+        assert out["hsdp_masks"] == (
+            bits(dp_group[2 * block: 2 * block + 2]), bits(dp_group[position % 2:: 2])
+        )
         # Expert DP of rank r (the ranks at its EP coordinate, r % 2) holds the same ranks as its dense DP group
         # here (EP 2 spans the dense TP ranks): the same blocks of 2.
-        assert out["expert_shard_mask"] == bits(dp_group[2 * block : 2 * block + 2])
+        assert out["expert_shard_mask"] == bits(dp_group[2 * block: 2 * block + 2])
         assert out["created"] == 0
         assert out["errors"] == {
             "replicas": "ValueError: replicas 3 must be a positive divisor of the data-parallel size 4",
