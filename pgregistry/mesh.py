@@ -9,7 +9,8 @@ then share communicators instead of creating a second set:
   layout built with :func:`~pgregistry.registry.build`, or the same flattening asked for twice) is reused.
 * :func:`to_device_mesh` hands back a DeviceMesh for FSDP2 / TP / EP whose dims are the collection's own groups
   (``DeviceMesh.from_group``): dense or expert data parallelism, TP, EP, the 2-D meshes torchtitan uses, and HSDP
-  once :func:`with_hsdp_groups` has split the data-parallel group. No second grid of communicators exists.
+  once :func:`with_hsdp_groups` has split the dense and expert data-parallel groups. No second grid of
+  communicators exists.
 
 Only public DeviceMesh APIs are used (``mesh``, ``mesh_dim_names``, ``get_group``, ``from_group``).
 """
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MESH_FIELDS", "from_device_mesh", "to_device_mesh", "with_hsdp_groups"]
 
-_HSDP_FIELDS: dict[str, str] = {"intra_dp_cp": "dp_cp", "inter_dist_opt": "dp_cp"}
+_HSDP_FIELDS: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp", "inter_dist_opt": "dp_cp"}
 """HSDP fields (set by :func:`with_hsdp_groups`) -> the layout's group they split."""
 
 MESH_FIELDS: tuple[str, ...] = (
@@ -39,7 +40,7 @@ MESH_FIELDS: tuple[str, ...] = (
     *_HSDP_FIELDS,
 )
 """Collection fields :func:`to_device_mesh` can make mesh dims of: every layout group kind that holds every rank
-(dense and expert), and the HSDP split of the data-parallel group."""
+(dense and expert), and the HSDP split of the dense and expert data-parallel groups."""
 
 
 def from_device_mesh(
@@ -125,14 +126,16 @@ def to_device_mesh(
     For FSDP2 and DTensor code, so that it runs on the communicators the collection already has: the dense
     data-parallel mesh ``("dp_cp",)``, the expert one ``("expt_dp",)``, the 2-D meshes torchtitan builds
     (``("dp_cp", "tp")``, ``("expt_dp", "ep")``, ``("expt_dp", "ep", "expt_tp")``) and HSDP's
-    ``("inter_dist_opt", "intra_dp_cp")`` (after :func:`with_hsdp_groups`). ``axes`` are fields from
-    :data:`MESH_FIELDS`; a field spanning several axes (``dp_cp``) is one flattened dim. Dims are named ``axes``
-    unless ``dim_names`` renames them (``("dp_shard", "tp")``). Fields left out are fixed at this rank's
-    coordinates, so the mesh is this rank's slice of the grid. Creates no group.
+    ``("inter_dist_opt", "intra_dp_cp")`` and expert HSDP's ``("inter_dist_opt", "intra_expt_dp")`` (both after
+    :func:`with_hsdp_groups`). ``axes`` are fields from :data:`MESH_FIELDS`; a field spanning several axes
+    (``dp_cp``) is one flattened dim. Dims are named ``axes`` unless ``dim_names`` renames them
+    (``("dp_shard", "tp")``). Fields left out are fixed at this rank's coordinates, so the mesh is this rank's
+    slice of the grid. Creates no group.
 
     Raises ``ValueError`` when a field is unknown or repeated, UNSET or ``None`` in the collection (a mesh dim
     needs a group even for an axis of size 1: build with ``explicit_singletons=True``), when its group's ranks are
-    not the layout's, or when two dims share ranks (``("dp_cp", "cp")``: not a grid).
+    not the layout's, when two dims share ranks (``("dp_cp", "cp")``: not a grid), or when ``inter_dist_opt``
+    leaves the data-parallel group its shard dim splits.
     """
     import torch
     import torch.distributed as dist
@@ -147,6 +150,7 @@ def to_device_mesh(
     rank = dist.get_rank()
     mine = layout.groups_of(rank)
     groups = []
+    ranks_of: dict[str, tuple[int, ...]] = {}
     mesh = torch.tensor(rank, dtype=torch.int64)
     for position, axis in enumerate(axes):
         value = collection.get_or(cast(GroupName, axis), UNSET)  # a DENSE_MESH_AXES name, checked above
@@ -158,12 +162,14 @@ def to_device_mesh(
             )
         actual = tuple(dist.get_process_group_ranks(value))
         _check_against_layout(axis, actual, mine, rank)
+        ranks_of[axis] = actual
         groups.append(value)
         # Along this dim the grid steps through the group's ranks; broadcast it over the dims so far.
         steps = torch.tensor(actual, dtype=torch.int64) - rank
         shape = [1] * len(axes)
         shape[position] = len(actual)
         mesh = mesh + steps.reshape(shape)
+    _check_replicas_inside_shards(ranks_of, mine, rank)
     if mesh.unique().numel() != mesh.numel():
         raise ValueError(f"the groups of {axes!r} share ranks beyond this one, so they do not form a grid")
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
@@ -186,6 +192,21 @@ def _check_against_layout(axis: str, actual: tuple[int, ...], mine: Mapping[str,
         )
 
 
+def _check_replicas_inside_shards(ranks_of: Mapping[str, tuple[int, ...]], mine: Mapping[str, Any], rank: int) -> None:
+    """HSDP's replicate dim must stay inside the group its shard dim splits: with an order that puts EP slower than
+    DP, ``inter_dist_opt`` crosses EP ranks, and ``("inter_dist_opt", "intra_expt_dp")`` would be a grid over
+    other experts' ranks, not over expert data parallelism."""
+    replicate = ranks_of.get("inter_dist_opt")
+    for shard in ("intra_dp_cp", "intra_expt_dp"):
+        outer = _HSDP_FIELDS[shard]
+        if replicate is not None and shard in ranks_of and not set(replicate) <= set(mine[outer]):
+            raise ValueError(
+                f"the collection's 'inter_dist_opt' group holds ranks {list(replicate)}, outside rank {rank}'s "
+                f"{outer!r} group {list(mine[outer])} that {shard!r} splits: in this layout's order the {outer!r} "
+                "replicas are not inter_dist_opt's, so the two dims form no HSDP mesh"
+            )
+
+
 def with_hsdp_groups(
     layout: ParallelLayout,
     collection: ProcessGroupCollection,
@@ -195,23 +216,41 @@ def with_hsdp_groups(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> ProcessGroupCollection:
-    """``collection`` with its data-parallel group split for HSDP into ``replicas`` replicas of a shard group.
+    """``collection`` with its dense and expert data-parallel groups split for HSDP into ``replicas`` replicas.
 
-    As in Megatron-Core with several distributed-optimizer instances: ``intra_dp_cp`` becomes the shard group (a
-    contiguous block of each ``dp_cp`` group) and ``inter_dist_opt`` the replicate group (the ranks at the same
-    place in each block). Groups come from ``registry`` (default: the process-wide one), so a rank set it already
-    has is reused. Collective over the world: every rank calls it with the same arguments. Raises ``ValueError``
-    when ``replicas`` does not divide the data-parallel size.
+    As in Megatron-Core with several distributed-optimizer instances: ``intra_dp_cp`` becomes the dense shard group
+    (a contiguous block of each ``dp_cp`` group), ``intra_expt_dp`` the expert one (a contiguous block of each
+    ``expt_dp`` group), and ``inter_dist_opt`` the replicate group (the ranks at the same place in each block).
+    One replicate group serves both, as in Megatron-Core (its DDP all-reduces dense and expert buckets over the one
+    ``inter_dist_opt``): in the default order (any order with EP faster than DP) data parallelism is the slowest
+    axis below PP in both grids, so the blocks of either split are the same slices of the world and the ranks at
+    the same place in them coincide. The expert HSDP mesh
+    is then ``("inter_dist_opt", "intra_expt_dp")``; no other field is needed. Groups come from ``registry``
+    (default: the process-wide one), so a rank set it already has is reused. Collective over the world: every
+    rank calls it with the same arguments.
+
+    An order that puts EP slower than DP (``"tp-cp-dp-ep-pp"``) breaks that coincidence: the expert shard blocks
+    are still set, but :func:`to_device_mesh` refuses ``("inter_dist_opt", "intra_expt_dp")`` there. Raises
+    ``ValueError`` when ``replicas`` does not divide the dense or the expert data-parallel size (Megatron-Core
+    requires both).
     """
     from pgregistry.registry import default_registry
 
-    dp_cp_groups = layout.groups_tensor("dp_cp")
-    size = dp_cp_groups.shape[1]
-    if not isinstance(replicas, int) or replicas < 1 or size % replicas:
-        raise ValueError(f"replicas {replicas!r} must be a positive divisor of the data-parallel size {size}")
-    blocks = dp_cp_groups.reshape(-1, replicas, size // replicas)
+    dense_shards, dense_replicas = _hsdp_split(layout, "dp_cp", "data-parallel", replicas)
+    expert_shards, _ = _hsdp_split(layout, "expt_dp", "expert data-parallel", replicas)
     found = registry or default_registry
     options: dict[str, Any] = {"backend": backend, "timeout": timeout}
-    shard = found.group_of_partition(blocks.reshape(-1, size // replicas).tolist(), **options)
-    replicate = found.group_of_partition(blocks.transpose(1, 2).reshape(-1, replicas).tolist(), **options)
-    return collection.evolve(intra_dp_cp=shard, inter_dist_opt=replicate)
+    shard = found.group_of_partition(dense_shards, **options)
+    expert_shard = found.group_of_partition(expert_shards, **options)
+    replicate = found.group_of_partition(dense_replicas, **options)
+    return collection.evolve(intra_dp_cp=shard, intra_expt_dp=expert_shard, inter_dist_opt=replicate)
+
+
+def _hsdp_split(layout: ParallelLayout, kind: str, what: str, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each ``kind`` group cut into ``replicas`` contiguous shard blocks, and the replicate sets across them."""
+    groups = layout.groups_tensor(kind)
+    size = groups.shape[1]
+    if not isinstance(replicas, int) or replicas < 1 or size % replicas:
+        raise ValueError(f"replicas {replicas!r} must be a positive divisor of the {what} size {size}")
+    blocks = groups.reshape(-1, replicas, size // replicas)
+    return blocks.reshape(-1, size // replicas).tolist(), blocks.transpose(1, 2).reshape(-1, replicas).tolist()

@@ -125,7 +125,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Add the check/update/stats actions to ``parser``."""
     actions = parser.add_subparsers(dest="allowlist_action", metavar="ACTION", required=True)
     for name, text in _ACTIONS.items():
-        action = actions.add_parser(name, help=text, description=f"{text}. {_DESCRIPTION}")
+        # The action's own sentence only: the command's paragraph is in `pgregistry allowlist --help`.
+        action = actions.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.")
         _options(action)
         if name == "check":
             action.add_argument(

@@ -174,7 +174,7 @@ def _decide(
                 "to_device_mesh) so that every mesh dim is one of its groups"
             )
         dims.append(_Dim(index, dim_name, ranks, fields, placement))
-    _check_grid(name, param, expert, dims)
+    _check_grid(name, param, expert, dims, axes.field_ranks("expt_dp"))
 
     reduce_ranks = axes.reduce_ranks[expert]
     counted = not getattr(param, "shared", False)
@@ -213,9 +213,10 @@ def mesh_ranks(tensor: torch.Tensor, rank: int) -> frozenset[int]:
     return frozenset(tensor.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
 
 
-def _check_grid(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim]) -> None:
+def _check_grid(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], expert_dp: frozenset[int]) -> None:
     """A parameter laid out over an expert-grid group must say how it stands to EP; an expert must not be laid out
-    over a dense-grid group."""
+    over a dense-grid group, unless the group lies inside its expert data-parallel group: HSDP's replicate group
+    ``inter_dist_opt`` serves both grids (as in Megatron-Core), and there it crosses no EP or expert-TP rank."""
     for dim in dims:
         only_expert = all(field in _EXPERT_FIELDS for field in dim.fields)
         only_dense = not any(field in _EXPERT_FIELDS for field in dim.fields)
@@ -226,7 +227,7 @@ def _check_grid(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Di
                 "(distinct per EP rank) or mark_expert_replicated (replicated across EP): counting it as replicated "
                 "would make the norm low by 1/sqrt(ep) when it is not"
             )
-        if only_dense and expert:
+        if only_dense and expert and not dim.ranks <= expert_dp:
             raise ValueError(
                 f"{name}: a routed expert (allreduce=False) laid out over mesh dim {dim.name!r}, the collection's "
                 f"dense group {dim.fields[0]!r}; lay experts out over the expert groups (expt_dp, ep, expt_tp)"

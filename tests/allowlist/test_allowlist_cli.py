@@ -3,8 +3,10 @@ a command path that never imports torch."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 from allowlist_support import Project
 
+from pgregistry.allowlist.cli import configure
 from pgregistry.allowlist.cli import main as allowlist_main
 from pgregistry.cli import main
 
@@ -289,3 +292,30 @@ def test_the_allowlist_command_never_imports_torch(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("1 read of global process-group state") == 2
+
+
+def _action_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    (actions,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(actions.choices)
+
+
+def test_each_action_help_describes_only_that_action() -> None:
+    for name, parser in _action_parsers().items():
+        description = parser.description or ""
+        assert description.endswith(".") and description.count(". ") == 0, (name, description)
+        assert "ratchet it against a committed allowlist" not in description, name
+
+
+def test_the_docs_usage_lines_offer_what_help_offers() -> None:
+    """docs/allowlist.md's usage block names each action's own options; the shared ones are in its "More
+    options" paragraph. Together they are exactly what ``ACTION --help`` offers."""
+    text = (REPO / "docs" / "allowlist.md").read_text()
+    usage = text.split("```\n", 2)[1]
+    more = text.split("More options:", 1)[1].split("\n\n", 1)[0]
+    shared = set(re.findall(r"`(--[a-z-]+)", more))
+    for name, parser in _action_parsers().items():
+        (line,) = (line for line in usage.splitlines() if line.split()[2] == name)
+        offered = {s for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+        assert set(re.findall(r"--[a-z-]+", line)) == offered - shared, name

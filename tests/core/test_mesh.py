@@ -170,8 +170,13 @@ def _expert_and_hsdp_meshes() -> dict[str, Any]:
             for k, (m, fields) in meshes.items()
         },
         "hsdp_masks": (member_mask(hsdp.get("intra_dp_cp")), member_mask(hsdp.get("inter_dist_opt"))),
+        "expert_shard_mask": member_mask(hsdp.get("intra_expt_dp")),
         "created": reg.default_registry.groups_created - created,
-        "errors": errors_of({"replicas": lambda: with_hsdp_groups(_MOE, collection, 3)}),
+        "errors": errors_of({
+            "replicas": lambda: with_hsdp_groups(_MOE, collection, 3),
+            # dense dp 8 splits into 4, expert dp 2 (EP 4) does not: Megatron-Core needs both to.
+            "expert_replicas": lambda: with_hsdp_groups(ParallelLayout(world_size=8, ep=4), collection, 4),
+        }),
     }
 
 
@@ -192,7 +197,11 @@ def test_expert_2d_and_hsdp_meshes_share_the_collection_groups() -> None:
         assert out["hsdp_masks"] == (
             bits(dp_group[2 * block: 2 * block + 2]), bits(dp_group[position % 2:: 2])
         )
+        # Expert DP of rank r (the ranks at its EP coordinate, r % 2) holds the same ranks as its dense DP group
+        # here (EP 2 spans the dense TP ranks): the same blocks of 2.
+        assert out["expert_shard_mask"] == bits(dp_group[2 * block: 2 * block + 2])
         assert out["created"] == 0
-        assert out["errors"]["replicas"] == (
-            "ValueError: replicas 3 must be a positive divisor of the data-parallel size 4"
-        )
+        assert out["errors"] == {
+            "replicas": "ValueError: replicas 3 must be a positive divisor of the data-parallel size 4",
+            "expert_replicas": "ValueError: replicas 4 must be a positive divisor of the expert data-parallel size 2",
+        }

@@ -24,7 +24,7 @@ from pgregistry import registry
 from pgregistry.audit import audit_grad_replication
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
 from pgregistry.layout import ParallelLayout
-from pgregistry.mesh import to_device_mesh
+from pgregistry.mesh import to_device_mesh, with_hsdp_groups
 from pgregistry.params import mark_expert, mark_expert_module, mark_expert_replicated
 from pgregistry.testing import run_world
 
@@ -71,11 +71,16 @@ class _Model(nn.Module):
 _CORRECT = {"lora_a": mark_expert, "lora_b": mark_expert, "shared_a": mark_expert_replicated}
 
 
-def _build(ep: int, marks: dict[str, Any], expert_axes: tuple[str, ...], **kwargs: Any) -> tuple[_Model, Any]:
-    """The model sharded as the xorl stack shards it, with each grad set from the full grads as FSDP2 lays it out."""
+def _build(
+    ep: int, marks: dict[str, Any], expert_axes: tuple[str, ...], replicas: int = 1, **kwargs: Any
+) -> tuple[_Model, Any]:
+    """The model sharded as the xorl stack shards it, with each grad set from the full grads as FSDP2 lays it out;
+    with ``replicas`` > 1, HSDP: the dense model over ``("inter_dist_opt", "intra_dp_cp")``."""
     layout = ParallelLayout(world_size=dist.get_world_size(), ep=ep)
     collection = registry.build(layout, explicit_singletons=True)
-    dense_mesh = to_device_mesh(layout, collection, ("dp_cp",))
+    if replicas > 1:
+        collection = with_hsdp_groups(layout, collection, replicas)
+    dense_mesh = to_device_mesh(layout, collection, ("inter_dist_opt", "intra_dp_cp") if replicas > 1 else ("dp_cp",))
     expert_mesh = to_device_mesh(layout, collection, expert_axes)
     local = EXPERTS // ep
     model = _Model(_Experts(local, marks, **kwargs))  # marked before fully_shard
@@ -159,3 +164,44 @@ def test_xorl_per_expert_lora_under_fsdp2(world: int, ep: int) -> None:
             "collection's dense group"
         )
         assert not math.isclose(expected / math.sqrt(ep), expected)
+
+
+_EXPERT_HSDP = ("inter_dist_opt", "intra_expt_dp")
+
+
+def _expert_hsdp_on_rank() -> dict[str, Any]:
+    """EP 2 on 8 ranks: expert DP 4 split into 2 replicas x 2 shards, the experts under FSDP2's HSDP over it."""
+    full = _full_grads()
+    flat = torch.cat([g.reshape(-1) for g in full.values()])
+    model, collection = _build(2, _CORRECT, _EXPERT_HSDP, replicas=2)
+    mesh = model.experts.lora_a.device_mesh
+    out: dict[str, Any] = {
+        "mesh": (mesh.mesh.tolist(), [type(p).__name__ for p in model.experts.lora_a.grad.placements]),
+        # The mesh runs on the collection's groups: the registry's replicate group is inter_dist_opt's.
+        "shared": [mesh.get_group(i) is collection.get(field) for i, field in enumerate(_EXPERT_HSDP)],
+        "norm": (float(grad_norm(model, collection)), float(flat.norm())),
+        "zeros": (count_zeros(model, collection), int((flat == 0).sum())),
+        "clip": (float(clip_grad_norm_(model, MAX_NORM, collection)), float(grad_norm(model, collection))),
+    }
+    report = audit_grad_replication(model, collection)
+    out["audit"] = (report.ok, str(report))
+    # With EP slower than DP the one replicate group crosses EP ranks: no expert HSDP mesh, a clear error.
+    crossed = ParallelLayout(world_size=8, ep=2, order="tp-cp-dp-ep-pp")
+    hsdp = with_hsdp_groups(crossed, registry.build(crossed, explicit_singletons=True), 2)
+    out["crossed"] = error_of(lambda: to_device_mesh(crossed, hsdp, _EXPERT_HSDP))
+    return out
+
+
+def test_expert_hsdp_over_expert_data_parallelism() -> None:
+    for rank, out in enumerate(run_world(8, _expert_hsdp_on_rank, timeout=120)):
+        # Expert DP of rank r: the ranks of its EP coordinate (r % 2); 2 contiguous blocks of 2, replicated.
+        group = list(range(rank % 2, 8, 2))
+        assert out["mesh"] == ([group[:2], group[2:]], ["Replicate", "Shard"])
+        assert out["shared"] == [True, True]
+        got, expected = out["norm"]
+        assert close(got, expected)
+        assert out["zeros"][0] == out["zeros"][1] > 0
+        assert close(out["clip"][0], expected) and close(out["clip"][1], MAX_NORM)
+        assert out["audit"][0], out["audit"][1]
+        assert out["crossed"].startswith("ValueError: the collection's 'inter_dist_opt' group holds ranks [")
+        assert "'expt_dp' group" in out["crossed"] and "form no HSDP mesh" in out["crossed"]
