@@ -107,11 +107,11 @@ def _classified(
 
 
 def classify_named_params(
-    named: Sequence[tuple[str, torch.Tensor]], pg_collection: ProcessGroupCollection | None, groups: StatsGroups
+    named: Sequence[tuple[str, torch.Tensor]], pg_collection: ProcessGroupCollection, groups: StatsGroups
 ) -> ClassifiedGrads:
     """Classify the grads of ``named`` parameters: plain ones by :func:`classify_grads`, DTensor ones by
     :func:`~pgregistry.grad_stats.dtensors.classify_dtensor_grad` (``ValueError`` naming a parameter whose mesh
-    or placement disagrees with the collection or its roles; DTensor grads need a collection, not ``None``).
+    or placement disagrees with the collection or its roles).
     Collective only for ``Partial`` DTensor grads."""
     plain: list[torch.Tensor] = []
     distributed: list[tuple[str, torch.Tensor]] = []
@@ -124,8 +124,6 @@ def classify_named_params(
     local_grads = [param.grad for param in plain if param.grad is not None]
     if not distributed:
         return ClassifiedGrads(by_group=by_group, summed_first=[], axes=None, local_grads=local_grads)
-    if pg_collection is None:
-        raise ValueError("DTensor grads need the model's collection, to match their mesh dims to its groups")
     axes = MeshAxes(pg_collection, {False: groups.dense_reduce, True: groups.expert_reduce})
     summed_first: list[DTensorGrad] = []
     verdicts: dict[tuple[Any, ...], tuple[bool, bool]] = {}
