@@ -77,11 +77,11 @@ class ClassifiedGrads:
     local_grads: list[torch.Tensor]
 
 
-def _resolved(
+def _classified(
     model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
-) -> tuple[ProcessGroupCollection, StatsGroups, list[tuple[str, torch.Tensor]]]:
-    """The collection, the statistics groups and the named parameters of ``model_or_params``, after refusing
-    unclassified expert parameters however they were passed (:func:`~pgregistry.params.check_expert_classification`).
+) -> ClassifiedGrads:
+    """:func:`classify_named_params` of ``model_or_params``, after refusing unclassified expert parameters however
+    they were passed (:func:`~pgregistry.params.check_expert_classification`).
 
     The collection is resolved once (:func:`~pgregistry.resolver.resolve_collection`): explicit, else attached to
     the model, else the global grid with a warning."""
@@ -95,15 +95,7 @@ def _resolved(
                 f"the grad of {name!r} is {param.grad.layout} (e.g. from nn.Embedding(sparse=True)); grad statistics "
                 "need dense (torch.strided) grads"
             )
-    return collection, StatsGroups.from_collection(collection), named
-
-
-def _classified(
-    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
-) -> ClassifiedGrads:
-    """:func:`classify_named_params` of ``model_or_params`` on its resolved collection (:func:`_resolved`)."""
-    collection, groups, named = _resolved(model_or_params, pg_collection, owner)
-    return classify_named_params(named, collection, groups)
+    return classify_named_params(named, collection, StatsGroups.from_collection(collection))
 
 
 def classify_named_params(
