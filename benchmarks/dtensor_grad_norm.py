@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
     world = dist.get_world_size()
     layout = ParallelLayout(world_size=world)  # every rank data parallel
-    pg = registry.build(layout, explicit_singletons=True)
-    mesh = to_device_mesh(layout, pg, ("dp_cp",), device_type=device.type)
+    pg = registry.build(layout)
+    mesh = to_device_mesh(pg, ("dp_cp",), device_type=device.type)
     params = dtensor_params(tensor_sizes(count, nbytes // 4 * world), mesh, device)
     grads = [param.grad for param in params.values()]
 

@@ -50,13 +50,13 @@ class Model(nn.Module):
 def build() -> tuple[pgregistry.ParallelLayout, pgregistry.ProcessGroupCollection, Model]:
     """The layout, its collection, and the model sharded with FSDP2 over meshes made of the collection's groups."""
     layout = pgregistry.ParallelLayout(world_size=dist.get_world_size(), ep=2)  # dp 4, expert dp 2
-    pg = registry.build(layout, explicit_singletons=True)  # a mesh dim needs a group even for a size-1 axis
+    pg = registry.build(layout)
     torch.manual_seed(layout.coords(dist.get_rank())["ep"])  # each EP rank its own experts, the same dense layer
     model = Model(EXPERTS // layout.ep)
     torch.manual_seed(0)
     model.dense.reset_parameters()
-    fully_shard(model.experts, mesh=to_device_mesh(layout, pg, ("expt_dp",)))
-    fully_shard(model, mesh=to_device_mesh(layout, pg, ("dp_cp",)))
+    fully_shard(model.experts, mesh=to_device_mesh(pg, ("expt_dp",)))
+    fully_shard(model, mesh=to_device_mesh(pg, ("dp_cp",)))
     return layout, pg, model
 
 

@@ -29,7 +29,7 @@ from pgregistry.interop.megatron import (
 
 def build_model(world_size: int) -> tuple[GPTModel, ProcessGroupCollection]:
     layout = pgregistry.ParallelLayout(world_size=world_size, ep=world_size, etp=1)  # one expert group per rank
-    pg = registry.build(layout, explicit_singletons=True)  # real one-rank groups where an axis is off
+    pg = registry.build(layout)
     config = TransformerConfig(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_moe_experts=8,
         moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=not torch.cuda.is_available(),

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pgregistry.collection import UNSET, ProcessGroupCollection
+from pgregistry.attachments import attach, collection_of
+from pgregistry.collection import NOT_MEMBER, UNSET, ProcessGroupCollection
 from pgregistry.fallback import ProcessGroupFallbackWarning
 from pgregistry.layout import ParallelLayout
 
@@ -18,14 +19,12 @@ if TYPE_CHECKING:
     from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys, localize_expert_keys
     from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
     from pgregistry.optim import build_optimizer
-    from pgregistry.registry import attach, build, collection_of
+    from pgregistry.registry import build
     from pgregistry.rng import model_parallel_manual_seed
 
 # Public name -> module that defines it; imported on first access (these modules import torch).
 _LAZY: dict[str, str] = {
-    "attach": "pgregistry.registry",
     "build": "pgregistry.registry",
-    "collection_of": "pgregistry.registry",
     "globalize_expert_keys": "pgregistry.experts",
     "localize_expert_keys": "pgregistry.experts",
     "get_ep_rank_and_size": "pgregistry.experts",
@@ -38,6 +37,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "NOT_MEMBER",
     "UNSET",
     "ParallelLayout",
     "ProcessGroupCollection",

@@ -41,17 +41,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from pgregistry._classification import unclassified_expert_params
+from pgregistry._resolve import ParamsLike, normalise, resolve
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
 from pgregistry.grad_stats.dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
+from pgregistry.grad_stats.filters import STATS_FALLBACK
 from pgregistry.grad_stats.functional import ClassifiedGrads, classify_named_params, norm_of_classified
-from pgregistry.params import (
-    ParamsLike,
-    is_expert_param,
-    model_chunks_of,
-    named_parameters_of,
-    unclassified_expert_params,
-)
+from pgregistry.params import is_expert_param
 
 __all__ = ["GradReplicationReport", "ReplicationMismatch", "audit_grad_replication"]
 
@@ -151,29 +148,33 @@ class GradReplicationReport:
         return "\n".join(lines)
 
 
-def audit_grad_replication(model_or_params: ParamsLike, pg_collection: ProcessGroupCollection) -> GradReplicationReport:
+def audit_grad_replication(
+    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None = None
+) -> GradReplicationReport:
     """Measure each gradient's replication against its classification; see the module docstring.
 
-    ``pg_collection`` must set ``tp``, ``mp``, ``ep``, ``dp_cp``, ``expt_dp`` and the expert model-parallel
-    group (``None`` when an axis is off); ``expt_tp``, that group and the GTP groups resolve as in
-    :class:`~pgregistry.grad_stats.StatsGroups`.
+    The collection (``None``: the one attached to the model, else the global grid with a warning) must set
+    ``tp``, ``mp``, ``ep``, ``dp_cp``, ``expt_dp`` and the expert model-parallel group (``None`` when an axis is
+    off); the other groups resolve as for the grad statistics (:class:`~pgregistry.grad_stats.StatsGroups`).
     Collective over those groups; raises ``ValueError`` on every rank when the ranks of a group hold different
     parameter structures.
     """
-    missing = [name for name in ("ep", "dp_cp", "expt_dp") if not pg_collection.is_set(name)]
+    params = normalise(model_or_params)
+    collection = resolve(pg_collection, params.chunks, owner="audit_grad_replication", fallback=STATS_FALLBACK)
+    missing = [name for name in ("ep", "dp_cp", "expt_dp") if not collection.is_set(name)]
     if missing:
         raise ValueError(f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)")
-    stats = StatsGroups.from_collection(pg_collection)
+    stats = StatsGroups.from_collection(collection)
     axis_groups: dict[str, ProcessGroup | None] = {
         "tp": stats.tp,
         "expt_tp": stats.expt_tp,
         "gtp_remat": stats.gtp_remat,
         "expt_gtp_remat": stats.expt_gtp_remat,
-        "ep": pg_collection.get("ep"),
-        "dp_cp": pg_collection.get("dp_cp"),
-        "expt_dp": pg_collection.get("expt_dp"),
+        "ep": collection.get("ep"),
+        "dp_cp": collection.get("dp_cp"),
+        "expt_dp": collection.get("expt_dp"),
     }
-    named = named_parameters_of(model_or_params)
+    named = list(params.named)
     _check_same_structure(named, axis_groups, stats)
     audited = [(name, param) for name, param in named if param.grad is not None and param_is_not_shared(param)]
     rank = dist.get_rank()
@@ -184,7 +185,7 @@ def audit_grad_replication(model_or_params: ParamsLike, pg_collection: ProcessGr
         for _, param in audited
     ]
     replicated, zero = _measure(audited, axis_groups, spanned)
-    mesh_axes = MeshAxes(pg_collection, {False: stats.dense_reduce, True: stats.expert_reduce})
+    mesh_axes = MeshAxes(collection, {False: stats.dense_reduce, True: stats.expert_reduce})
     dtensor_truth: list[DTensorGrad] = []
 
     mismatches: list[ReplicationMismatch] = []
@@ -232,12 +233,12 @@ def audit_grad_replication(model_or_params: ParamsLike, pg_collection: ProcessGr
         if entry.outer is None and entry.counted:
             truth[mesh_axes.reduce_groups[entry.expert]].append(entry.local)
     summed_first = [entry for entry in dtensor_truth if entry.outer is not None]
-    classified = norm_of_classified(classify_named_params(named, pg_collection, stats), 2.0)
+    classified = norm_of_classified(classify_named_params(named, stats), 2.0)
     truth_grads = ClassifiedGrads(by_group=truth, summed_first=summed_first, axes=mesh_axes, local_grads=[])
     measured = norm_of_classified(truth_grads, 2.0)
     unclassified: tuple[str, ...] = ()
     if group_size(axis_groups["ep"]) > 1:
-        unclassified = tuple(unclassified_expert_params(model_chunks_of(model_or_params) or dict(named)))
+        unclassified = tuple(unclassified_expert_params(params))
     return GradReplicationReport(
         classified_norm=float(classified.item()),
         true_norm=float(measured.item()),

@@ -1,18 +1,26 @@
-"""``ProcessGroupCollection``: the typed, frozen set of process groups one model runs on.
+"""``ProcessGroupCollection``: the typed, frozen set of process groups one model runs on, and the layout it came from.
 
-Each field has three states that are never conflated:
+Each field holds exactly one of four things, and each means one thing only:
 
 * a ``ProcessGroup``: use it;
-* ``None``: the axis is off (size 1) for this model; code must treat it as rank 0 of 1, never as WORLD;
-* :data:`UNSET`: nobody said. Reading it with :meth:`ProcessGroupCollection.get` raises; the fallback resolvers
-  (:mod:`pgregistry.fallback`) read the global grid for it and warn.
+* ``None``: the axis is off (size 1) for this model. Code treats it as rank 0 of 1, never as WORLD (which is what
+  ``None`` means to a ``torch.distributed`` call), so library code reads sizes and ranks through
+  :func:`group_size` and :func:`group_rank`. In ``dp_cp_ag`` / ``expt_dp_ag`` "off" means "no second communicator
+  for parameter all-gathers": Megatron-Core's rule is that the all-gathers then run on ``dp_cp`` / ``expt_dp``;
+* :data:`UNSET`: nobody said. :meth:`ProcessGroupCollection.get` raises; only an entry point's resolution
+  (:mod:`pgregistry.fallback`) may read the global grid for it, with a warning. Mixing "unset" and "off" is what
+  made Megatron-Core's filters read the global rank for a model whose own grid turned an axis off (Megatron-LM
+  pull request 8042; ``docs/known_bugs.md``);
+* :data:`NOT_MEMBER`: this rank belongs to no group of that kind: the embedding groups of a middle pipeline stage,
+  or every field of a collection given to a rank outside its layout's span. Never "rank 0 of 1".
 
- Mixing "unset" and "off" is what made Megatron-Core's filters read the global rank for a model whose own grid
+``UNSET`` and ``NOT_MEMBER`` have no truth value: ``if pg.tp:`` raises for them instead of reading "nobody said" as
+"off".
 
-turned an axis off (Megatron-LM pull request 8042; ``docs/known_bugs.md``). ``None`` passed to a
-
-``torch.distributed`` call means WORLD, so library code goes
-through :func:`group_size` and :func:`group_rank`, which read ``None`` as size 1 / rank 0.
+A collection built by :func:`pgregistry.registry.build` knows its :attr:`~ProcessGroupCollection.layout`, its
+:attr:`~ProcessGroupCollection.name` and whether this rank is a member, and its groups are checked against the
+layout when it is made, so consumers take the collection alone: no second argument can disagree with it. Every
+field of a collection held by a rank outside the layout's ranks raises when read, naming the layout and the rank.
 """
 
 from __future__ import annotations
@@ -22,26 +30,36 @@ import enum
 import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar, Union, cast, get_args, overload
-
-import attrs
+from typing import (
+    TYPE_CHECKING,
+    Final,
+    Generic,
+    Literal,
+    NoReturn,
+    TypeAlias,
+    TypeVar,
+    Union,
+    cast,
+    get_args,
+    overload,
+)
 
 from pgregistry.layout import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from pgregistry.layout import ParallelLayout
+
 __all__ = [
-    "COMPOSITE_AXES",
     "FIELD_NAMES",
+    "NOT_MEMBER",
     "UNSET",
     "FieldName",
-    "FieldValue",
-    "GroupField",
     "GroupName",
+    "NotMember",
     "ProcessGroupCollection",
     "Unset",
-    "check_field_names",
     "group_rank",
     "group_size",
 ]
@@ -55,12 +73,33 @@ class Unset(enum.Enum):
     def __repr__(self) -> str:
         return "UNSET"
 
-    def __bool__(self) -> Literal[False]:
-        return False
+    def __bool__(self) -> NoReturn:
+        raise TypeError(
+            "UNSET (nobody gave this field) has no truth value: `if pg.tp:` would read it as 'off'. Ask "
+            "pg.is_set(name), or pg.get(name), which raises for an unset field"
+        )
 
 
 UNSET: Final = Unset.UNSET
 """A collection field nobody provided; distinct from ``None`` (the axis is off)."""
+
+
+class NotMember(enum.Enum):
+    """Type of the :data:`NOT_MEMBER` sentinel."""
+
+    NOT_MEMBER = "NOT_MEMBER"
+
+    def __repr__(self) -> str:
+        return "NOT_MEMBER"
+
+    def __bool__(self) -> NoReturn:
+        raise TypeError(
+            "NOT_MEMBER (this rank belongs to no group of that kind) has no truth value; ask pg.is_member_of(name)"
+        )
+
+
+NOT_MEMBER: Final = NotMember.NOT_MEMBER
+"""A field of a kind this rank belongs to no group of (an embedding group on a middle pipeline stage)."""
 
 GroupName: TypeAlias = Literal[
     "tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "mp", "tp_dp_cp", "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp",
@@ -72,74 +111,181 @@ GroupName: TypeAlias = Literal[
 FieldName: TypeAlias = Literal[GroupName, "hcp"]
 """The name of every field of :class:`ProcessGroupCollection`."""
 
-GroupField: TypeAlias = Union["ProcessGroup", None, Unset]
+GroupField: TypeAlias = Union["ProcessGroup", None, Unset, NotMember]
 """What a one-group field holds."""
 
-FieldValue: TypeAlias = Union["ProcessGroup", "list[ProcessGroup]", None, Unset]
-"""What any field holds (``hcp`` holds a list of groups)."""
+GroupsField: TypeAlias = Union["list[ProcessGroup]", None, Unset, NotMember]
+"""What ``hcp`` holds: a list of hierarchical context-parallel groups."""
+
+FieldValue: TypeAlias = Union["ProcessGroup", "list[ProcessGroup]", None, Unset, NotMember]
+"""What any field holds."""
+
+FIELD_NAMES: Final[tuple[FieldName, ...]] = (*get_args(GroupName), "hcp")
+"""Every field of :class:`ProcessGroupCollection`, in declaration order."""
+
+_LAYOUT_KINDS: Final = frozenset({*DENSE_GROUP_KINDS, *EXPERT_GROUP_KINDS, "embd", "pos_embd"})
+_EMBEDDING_KINDS: Final = ("embd", "pos_embd")
 
 D = TypeVar("D")
+V = TypeVar("V")
 
 
-def _group_field() -> GroupField:
-    return cast(GroupField, attrs.field(default=UNSET, kw_only=True))
+class _Field(Generic[V]):
+    """One field: reads the stored value, refusing every read on a rank outside the collection's layout."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> _Field[V]: ...
+
+    @overload
+    def __get__(self, instance: ProcessGroupCollection, owner: type) -> V: ...
+
+    def __get__(self, instance: ProcessGroupCollection | None, owner: type) -> V | _Field[V]:
+        if instance is None:
+            return self
+        return cast(V, instance._raw(self.name))
+
+    def __set__(self, instance: ProcessGroupCollection, value: object) -> NoReturn:
+        raise AttributeError(f"ProcessGroupCollection is frozen; use evolve({self.name}=...) for a changed copy")
 
 
-@attrs.frozen(slots=True, repr=False, eq=False, init=False)
 class ProcessGroupCollection:
-    """One process group (or ``None`` = axis off, or ``UNSET``) per group kind.
+    """One process group (or ``None`` = axis off, ``UNSET``, ``NOT_MEMBER``) per group kind, plus the layout.
 
     Field names are Megatron-Core's ``ProcessGroupCollection`` names, and a field holds the ranks Megatron-Core
     gives it (docs/layout.md). ``mp`` is TP x GTP-remat x PP (the dense grad-norm group),
     ``tp_ep_pp_with_egtp_remat`` is expert TP x EP x expert GTP-remat x PP (the expert one; ``tp_ep_pp`` leaves the
     expert GTP axis out), ``intra_dist_opt`` is the group one distributed-optimizer instance spans. ``hcp`` is a
-    list of hierarchical context-parallel groups. ``dp_cp_ag`` and ``expt_dp_ag`` are optional second
-    communicators for parameter all-gathers; ``None`` there means "use ``dp_cp`` / ``expt_dp``", as in
-    Megatron-Core.
+    list of hierarchical context-parallel groups.
 
-    Checked when built (:func:`_check_fields`): every field must be a ``ProcessGroup``, ``None`` or ``UNSET``
-    (``TypeError`` naming the field), and a group that spans several axes must be as large as those axes
-    together (``ValueError`` naming it and them; see :data:`COMPOSITE_AXES`).
+    Keywords besides the fields: ``layout`` (what the groups were built from; each group is then checked to hold
+    the layout's ranks for this rank), ``name`` (the build's name, for messages) and ``one_rank_group`` (a group
+    of this rank alone: adapters to libraries without an "axis off" value, Megatron-Core and DeviceMesh, pass it
+    where a field is ``None``).
+
+    Checked when built: every field must be a ``ProcessGroup``, ``None``, ``UNSET`` or ``NOT_MEMBER``
+    (``TypeError`` naming the field); a group that spans several axes must be as large as those axes together
+    (``ValueError`` naming it and them; see :data:`COMPOSITE_AXES`); with a layout, a group must hold the
+    layout's ranks (``ValueError`` naming the field, its ranks and the layout's).
     """
 
-    tp: GroupField = _group_field()
-    cp: GroupField = _group_field()
-    dp: GroupField = _group_field()
-    pp: GroupField = _group_field()
-    dp_cp: GroupField = _group_field()
-    tp_cp: GroupField = _group_field()
-    mp: GroupField = _group_field()
-    tp_dp_cp: GroupField = _group_field()
-    ep: GroupField = _group_field()
-    expt_tp: GroupField = _group_field()
-    expt_dp: GroupField = _group_field()
-    tp_ep: GroupField = _group_field()
-    tp_ep_pp: GroupField = _group_field()
-    tp_ep_pp_with_egtp_remat: GroupField = _group_field()
-    gtp_remat: GroupField = _group_field()
-    expt_gtp_remat: GroupField = _group_field()
-    dp_cp_gtp_remat: GroupField = _group_field()
-    expt_dp_gtp_remat: GroupField = _group_field()
-    dp_cp_ag: GroupField = _group_field()
-    expt_dp_ag: GroupField = _group_field()
-    embd: GroupField = _group_field()
-    pos_embd: GroupField = _group_field()
-    intra_dp_cp: GroupField = _group_field()
-    intra_expt_dp: GroupField = _group_field()
-    inter_dist_opt: GroupField = _group_field()
-    intra_dist_opt: GroupField = _group_field()
-    hcp: list[ProcessGroup] | None | Unset = attrs.field(default=UNSET, kw_only=True)
+    __slots__ = ("_values", "_layout", "_name", "_one_rank_group", "_member", "_lifetime")
 
-    def __init__(self, **groups: FieldValue) -> None:
+    tp = _Field[GroupField]()
+    cp = _Field[GroupField]()
+    dp = _Field[GroupField]()
+    pp = _Field[GroupField]()
+    dp_cp = _Field[GroupField]()
+    tp_cp = _Field[GroupField]()
+    mp = _Field[GroupField]()
+    tp_dp_cp = _Field[GroupField]()
+    ep = _Field[GroupField]()
+    expt_tp = _Field[GroupField]()
+    expt_dp = _Field[GroupField]()
+    tp_ep = _Field[GroupField]()
+    tp_ep_pp = _Field[GroupField]()
+    tp_ep_pp_with_egtp_remat = _Field[GroupField]()
+    gtp_remat = _Field[GroupField]()
+    expt_gtp_remat = _Field[GroupField]()
+    dp_cp_gtp_remat = _Field[GroupField]()
+    expt_dp_gtp_remat = _Field[GroupField]()
+    dp_cp_ag = _Field[GroupField]()
+    expt_dp_ag = _Field[GroupField]()
+    embd = _Field[GroupField]()
+    pos_embd = _Field[GroupField]()
+    intra_dp_cp = _Field[GroupField]()
+    intra_expt_dp = _Field[GroupField]()
+    inter_dist_opt = _Field[GroupField]()
+    intra_dist_opt = _Field[GroupField]()
+    hcp = _Field[GroupsField]()
+
+    def __init__(
+        self,
+        *,
+        layout: ParallelLayout | None = None,
+        name: str | None = None,
+        one_rank_group: ProcessGroup | None = None,
+        **groups: FieldValue,
+    ) -> None:
         check_field_names(groups)
         _check_fields(groups)
-        self.__attrs_init__(**groups)  # type: ignore[arg-type]  # names and types checked just above
+        if one_rank_group is not None:
+            _check_group_type("one_rank_group", one_rank_group, allow_none=False)
+        values: dict[str, FieldValue] = {name_: groups.get(name_, UNSET) for name_ in FIELD_NAMES}
+        if layout is not None:
+            _check_against_layout(values, layout, one_rank_group)
+        self._values = values
+        self._layout = layout
+        self._name = name
+        self._one_rank_group = one_rank_group
+        self._member = True
+        self._lifetime: _Lifetime | None = None
+
+    @classmethod
+    def _outside(cls, layout: ParallelLayout, name: str | None, lifetime: _Lifetime | None) -> ProcessGroupCollection:
+        """The collection a rank outside ``layout``'s ranks holds: it knows it is no member, and every read raises."""
+        collection = cls.__new__(cls)
+        collection._values = dict.fromkeys(FIELD_NAMES, NOT_MEMBER)
+        collection._layout = layout
+        collection._name = name
+        collection._one_rank_group = None
+        collection._member = False
+        collection._lifetime = lifetime
+        return collection
+
+    # ------------------------------------------------------------------------------------------- identity
+
+    @property
+    def layout(self) -> ParallelLayout | None:
+        """The layout this collection was built from (``None`` for a collection assembled by hand)."""
+        return self._layout
+
+    @property
+    def name(self) -> str | None:
+        """The name it was built under (``None`` for a collection assembled by hand)."""
+        return self._name
+
+    @property
+    def is_member(self) -> bool:
+        """Whether this rank is one of the layout's ranks (always true without a layout)."""
+        return self._member
+
+    @property
+    def one_rank_group(self) -> ProcessGroup | None:
+        """A group of this rank alone, for adapters where a field is ``None``; ``None`` when not given."""
+        self._check_member()
+        return self._one_rank_group
+
+    @property
+    def is_destroyed(self) -> bool:
+        """Whether :func:`pgregistry.registry.destroy` destroyed the groups of this (built) collection."""
+        return self._lifetime is not None and not self._lifetime.alive
+
+    def describe(self) -> str:
+        """How messages name this collection: its build name and layout, or "a collection assembled by hand"."""
+        if self._layout is None:
+            return f"collection {self._name!r}" if self._name else "a collection assembled by hand"
+        label = f"{self._name!r} " if self._name else ""
+        return f"layout {label}{self._layout!r}"
 
     # ------------------------------------------------------------------------------------------- access
 
     def is_set(self, name: FieldName) -> bool:
-        """True when ``name`` holds a group or ``None`` (axis off); False when it is :data:`UNSET`."""
+        """True when ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; False when it is ``UNSET``."""
         return self._raw(name) is not UNSET
+
+    def is_member_of(self, name: FieldName) -> bool:
+        """Whether this rank belongs to a group of kind ``name`` (``None``, axis off, counts: rank 0 of 1).
+
+        ``AttributeError`` when ``name`` is UNSET, as :meth:`get`."""
+        value = self._raw(name)
+        if isinstance(value, Unset):
+            raise self._unset_error(name)
+        return not isinstance(value, NotMember)
 
     @overload
     def get(self, name: GroupName) -> ProcessGroup | None: ...
@@ -148,36 +294,63 @@ class ProcessGroupCollection:
     def get(self, name: Literal["hcp"]) -> list[ProcessGroup] | None: ...
 
     def get(self, name: FieldName) -> ProcessGroup | list[ProcessGroup] | None:
-        """The group (or ``None`` = axis off) of ``name``; raises ``AttributeError`` naming it when UNSET."""
+        """The group (or ``None`` = axis off) of ``name``; raises when it is UNSET (``AttributeError``) or when
+        this rank belongs to no group of that kind (``ValueError``), naming the field."""
         value = self._raw(name)
         if isinstance(value, Unset):
-            raise AttributeError(
-                f"process group {name!r} is not set in this ProcessGroupCollection; pass it when building the "
-                f"collection (None means the axis is off)"
+            raise self._unset_error(name)
+        if isinstance(value, NotMember):
+            raise ValueError(
+                f"rank {_this_rank()} belongs to no {name!r} group of {self.describe()} (embedding groups hold the "
+                f"first and last pipeline stages only); ask pg.is_member_of({name!r}) first"
             )
         return value
 
     def get_or(self, name: GroupName, default: D) -> ProcessGroup | None | D:
         """The group (or ``None`` = axis off) of ``name`` when it is set, else ``default``."""
-        value = self._raw(name)
-        if isinstance(value, Unset):
+        if not self.is_set(name):
             return default
-        return cast("ProcessGroup | None", value)
+        return self.get(name)
 
     def evolve(self, **changes: FieldValue) -> ProcessGroupCollection:
-        """A copy with ``changes`` applied (unknown names raise ``ValueError``, from the constructor)."""
+        """A copy with ``changes`` applied, checked like a new collection (against the layout too); unknown names
+        raise ``ValueError``. The copy keeps the layout, name and one-rank group, and dies with the original's
+        groups (:func:`pgregistry.registry.destroy`)."""
         fields: dict[str, FieldValue] = dict(self.items())
         fields.update(changes)
-        return ProcessGroupCollection(**fields)
+        copy = ProcessGroupCollection(
+            layout=self._layout, name=self._name, one_rank_group=self._one_rank_group, **fields
+        )
+        copy._lifetime = self._lifetime
+        return copy
 
     def items(self) -> Iterator[tuple[FieldName, FieldValue]]:
         """``(name, value)`` for every field, UNSET ones included, in declaration order."""
+        self._check_member()
         for name in FIELD_NAMES:
-            yield name, getattr(self, name)  # our own names: no check needed
+            yield name, self._values[name]
 
     def _raw(self, name: str) -> FieldValue:
-        check_field_names((name,))
-        return cast(FieldValue, getattr(self, name))
+        value = self._values.get(name, _MISSING)
+        if value is _MISSING:
+            check_field_names((name,))
+        self._check_member()
+        return cast(FieldValue, value)
+
+    def _check_member(self) -> None:
+        if not self._member:
+            layout = cast("ParallelLayout", self._layout)
+            first, last = layout.rank_range()
+            raise ValueError(
+                f"rank {_this_rank()} is not a member of {self.describe()}, which spans ranks {first}-{last - 1}: "
+                "this rank holds no group of it and must not compute with it (check pg.is_member first)"
+            )
+
+    def _unset_error(self, name: str) -> AttributeError:
+        return AttributeError(
+            f"process group {name!r} is not set in this ProcessGroupCollection; pass it when building the "
+            f"collection (None means the axis is off)"
+        )
 
     # ------------------------------------------------------------------------------------------- dunder
 
@@ -185,32 +358,44 @@ class ProcessGroupCollection:
         # Groups compare by identity: two collections are equal when they hold the same communicators.
         if not isinstance(other, ProcessGroupCollection):
             return NotImplemented
-        return all(_same(a, b) for (_, a), (_, b) in zip(self.items(), other.items(), strict=True))
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(tuple((name, _identity(value)) for name, value in self.items()))
+        return hash(self._key())
+
+    def _key(self) -> tuple[object, ...]:
+        return (self._layout, self._member, tuple(_identity(value) for value in self._values.values()))
 
     def __repr__(self) -> str:
-        parts = [f"{name}({_describe(value)})" for name, value in self.items() if value is not UNSET]
+        if not self._member:
+            return f"ProcessGroupCollection(not a member of {self.describe()})"
+        parts = [f"{name}({_describe(value)})" for name, value in self._values.items() if value is not UNSET]
         return f"ProcessGroupCollection({', '.join(parts)})"
 
 
-FIELD_NAMES: Final[tuple[FieldName, ...]] = (*get_args(GroupName), "hcp")
-"""Every field of :class:`ProcessGroupCollection`, in declaration order."""
+_MISSING: Final = object()
 
-assert FIELD_NAMES == tuple(a.name for a in attrs.fields(ProcessGroupCollection)), "GroupName lists every field"
+
+class _Lifetime:
+    """Shared by the collections of one build: :func:`pgregistry.registry.destroy` marks it dead."""
+
+    __slots__ = ("alive",)
+
+    def __init__(self) -> None:
+        self.alive = True
+
+
+assert FIELD_NAMES == tuple(
+    name for name, value in vars(ProcessGroupCollection).items() if isinstance(value, _Field)
+), "GroupName lists every field, in declaration order"
 
 
 def _composite_axes() -> dict[GroupName, tuple[GroupName, ...]]:
     """Composite field -> the one-axis fields it spans, from the layout's group kinds."""
     spans: dict[str, tuple[str, ...]] = {}
-    no_shared_axis: dict[str, str] = {}
-    grids: tuple[tuple[Mapping[str, str], dict[str, str]], ...] = (
-        (DENSE_GROUP_KINDS, no_shared_axis),
-        (EXPERT_GROUP_KINDS, {"pp": "pp"}),  # the expert grid's pipeline axis is the dense one
-    )
-    for kinds, shared in grids:
-        axis_field = {**shared, **{axes: field for field, axes in kinds.items() if "-" not in axes}}
+    for kinds in (DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS):
+        axis_field = {axes: field for field, axes in kinds.items() if "-" not in axes}
+        axis_field.setdefault("pp", "pp")  # the expert grid's pipeline axis is the dense one
         for field, axes in kinds.items():
             if "-" in axes:
                 spans[field] = tuple(axis_field[axis] for axis in axes.split("-"))
@@ -225,28 +410,27 @@ COMPOSITE_AXES: Final[Mapping[GroupName, tuple[GroupName, ...]]] = _composite_ax
 
 
 def _check_fields(groups: Mapping[str, object]) -> None:
-    """``TypeError`` for a field that is not a group, ``None`` or UNSET; ``ValueError`` for a composite group
-    whose size disagrees with its axes. Imports nothing: a group exists only when torch is already loaded."""
+    """``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError`` for a composite
+    group whose size disagrees with its axes. Imports nothing: a group exists only when torch is already loaded."""
     for name, value in groups.items():
         if name != "hcp":
             _check_group_type(name, value, allow_none=True)
         elif isinstance(value, list):
             for index, item in enumerate(value):
                 _check_group_type(f"hcp[{index}]", item, allow_none=False)
-        elif value is not None and value is not UNSET:
+        elif value is not None and not isinstance(value, (Unset, NotMember)):
             raise TypeError(f"field 'hcp' must be a list of torch ProcessGroups, None or UNSET; got {value!r}")
     for composite, axes in COMPOSITE_AXES.items():
         group = groups.get(composite, UNSET)
-        if group is UNSET:
+        if isinstance(group, (Unset, NotMember)):
             continue
         size = group_size(cast("ProcessGroup | None", group))
-        given = [axis for axis in axes if groups.get(axis, UNSET) is not UNSET]
+        given = [axis for axis in axes if not isinstance(groups.get(axis, UNSET), (Unset, NotMember))]
         product = math.prod(group_size(cast("ProcessGroup | None", groups[axis])) for axis in given)
         complete = len(given) == len(axes)
         if (size != product) if complete else (size % product != 0):
             described = ", ".join(
-                f"{axis} ({_describe(cast(FieldValue, groups.get(axis, UNSET)))})"
-                for axis in axes
+                f"{axis} ({_describe(cast(FieldValue, groups.get(axis, UNSET)))})" for axis in axes
             )
             relation = "" if complete else "a multiple of "
             raise ValueError(
@@ -257,15 +441,118 @@ def _check_fields(groups: Mapping[str, object]) -> None:
 
 
 def _check_group_type(name: str, value: object, *, allow_none: bool) -> None:
-    if value is UNSET or (value is None and allow_none):
+    if isinstance(value, (Unset, NotMember)) or (value is None and allow_none):
         return
     distributed = sys.modules.get("torch.distributed")
     process_group = getattr(distributed, "ProcessGroup", None)
     if process_group is not None and isinstance(value, process_group):
         return
-    expected = "a torch ProcessGroup" + (", None (axis off) or UNSET" if allow_none else "")
-    hint = " (torch's NON_GROUP_MEMBER: this process is not a member of that group)" if isinstance(value, int) else ""
+    expected = "a torch ProcessGroup" + (", None (axis off), UNSET or NOT_MEMBER" if allow_none else "")
+    hint = (
+        " (torch's NON_GROUP_MEMBER: this process is not a member of that group; pass NOT_MEMBER)"
+        if isinstance(value, int)
+        else ""
+    )
     raise TypeError(f"process group field {name!r} must be {expected}; got {type(value).__name__} {value!r}{hint}")
+
+
+_INSIDE: Final[Mapping[str, str]] = {
+    "intra_dp_cp": "dp_cp",
+    "intra_expt_dp": "expt_dp",
+    "inter_dist_opt": "dp_cp",
+}
+"""Fields a layout does not enumerate, and the layout kind whose group holds them (the HSDP split)."""
+
+_SAME_AS: Final[Mapping[str, str]] = {"dp_cp_ag": "dp_cp", "expt_dp_ag": "expt_dp"}
+"""Second communicators over the same ranks as a layout kind."""
+
+
+def _check_against_layout(
+    values: Mapping[str, FieldValue], layout: ParallelLayout, one_rank_group: ProcessGroup | None
+) -> None:
+    """Every given group holds the ranks ``layout`` gives this rank (or lies inside them, for the HSDP fields);
+    ``None`` only where the layout's group has one rank; ``NOT_MEMBER`` only where this rank is in none."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("a ProcessGroupCollection with a layout needs torch.distributed initialised")
+    rank = dist.get_rank()
+    expected = layout.groups_of(rank)
+    first, last = layout.rank_range()
+    span = tuple(range(first, last))
+    if one_rank_group is not None and tuple(dist.get_process_group_ranks(one_rank_group)) != (rank,):
+        raise ValueError(f"one_rank_group holds ranks {_ranks_of(one_rank_group)}, not rank {rank} alone")
+    for name, value in values.items():
+        if isinstance(value, Unset):
+            continue
+        if name in _LAYOUT_KINDS:
+            want = expected[name]
+            _check_kind(name, value, want, layout, rank)
+        elif name in _INSIDE or name in _SAME_AS or name == "intra_dist_opt":
+            kind = _INSIDE.get(name) or _SAME_AS.get(name)
+            outer = expected[kind] if kind is not None else span
+            assert outer is not None  # every layout kind but the embedding ones holds every rank
+            _check_inside(name, value, outer, layout, rank, same=name in _SAME_AS)
+        elif isinstance(value, list):  # hcp: inside the context-parallel group
+            cp = expected["cp"]
+            assert cp is not None
+            for index, group in enumerate(value):
+                _check_inside(f"hcp[{index}]", group, cp, layout, rank, same=False)
+
+
+def _check_kind(name: str, value: FieldValue, want: tuple[int, ...] | None, layout: ParallelLayout, rank: int) -> None:
+    if want is None:
+        if not isinstance(value, NotMember):
+            raise ValueError(
+                f"field {name!r} is {_describe(value)}, but rank {rank} belongs to no {name!r} group of {layout!r}; "
+                "give NOT_MEMBER"
+            )
+        return
+    if isinstance(value, NotMember):
+        raise ValueError(
+            f"field {name!r} is NOT_MEMBER, but rank {rank}'s {name!r} group in {layout!r} is {list(want)}"
+        )
+    if value is None:
+        if len(want) != 1:
+            raise ValueError(
+                f"field {name!r} is None (axis off), but rank {rank}'s {name!r} group in {layout!r} spans "
+                f"{list(want)}: a reduction over it would miss ranks"
+            )
+        return
+    actual = _ranks_of(cast("ProcessGroup", value))
+    if actual != want:
+        raise ValueError(
+            f"field {name!r} holds ranks {list(actual)}, but rank {rank}'s {name!r} group in {layout!r} is "
+            f"{list(want)}: the group belongs to another layout"
+        )
+
+
+def _check_inside(
+    name: str, value: FieldValue, outer: tuple[int, ...], layout: ParallelLayout, rank: int, *, same: bool
+) -> None:
+    if value is None or isinstance(value, NotMember):
+        return
+    actual = _ranks_of(cast("ProcessGroup", value))
+    inside = set(actual) == set(outer) if same else rank in actual and set(actual) <= set(outer)
+    if not inside:
+        relation = "the same ranks as" if same else "a group inside"
+        raise ValueError(
+            f"field {name!r} holds ranks {list(actual)}, but in {layout!r} it must be {relation} rank {rank}'s "
+            f"ranks {list(outer)}"
+        )
+
+
+def _ranks_of(group: ProcessGroup) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _this_rank() -> int | str:
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_rank())
+    return "?"
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -277,7 +564,8 @@ def group_size(group: ProcessGroup | None) -> int:
 
 
 def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank in ``group``; ``None`` (axis off) is 0. Never the WORLD rank."""
+    """This process's rank in ``group``; ``None`` (axis off) is 0. Never the WORLD rank, and never "rank 0" for a
+    rank outside the group (``ValueError``)."""
     if group is None:
         return 0
     _check_group(group)
@@ -291,8 +579,10 @@ _NOT_A_MEMBER: Final = "this process is not a member of the group it asked about
 
 
 def _check_group(group: object) -> None:
-    if group is UNSET:
-        raise ValueError("UNSET is not a process group; resolve it first (pgregistry.fallback)")
+    if isinstance(group, Unset):
+        raise ValueError("UNSET is not a process group: the field was never given (resolve it first)")
+    if isinstance(group, NotMember):
+        raise ValueError(f"{_NOT_A_MEMBER} (the field is NOT_MEMBER)")
     # A non-member's handle from new_group is torch's NON_GROUP_MEMBER sentinel, an int with no size or rank.
     if isinstance(group, int):
         raise ValueError(f"{_NOT_A_MEMBER} (its handle is torch's NON_GROUP_MEMBER, {group!r})")
@@ -312,13 +602,9 @@ def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
 def _identity(value: FieldValue) -> object:
     if isinstance(value, list):
         return tuple(id(v) for v in value)
-    if value is None or value is UNSET:
+    if value is None or isinstance(value, (Unset, NotMember)):
         return value
     return id(value)
-
-
-def _same(a: FieldValue, b: FieldValue) -> bool:
-    return _identity(a) == _identity(b)
 
 
 def _describe(value: FieldValue) -> str:
@@ -326,6 +612,8 @@ def _describe(value: FieldValue) -> str:
         return "off"
     if isinstance(value, Unset):
         return "unset"
+    if isinstance(value, NotMember):
+        return "not a member"
     if isinstance(value, list):
         return "[" + ", ".join(str(g.size()) for g in value) + "]"
     return str(value.size())

@@ -350,6 +350,10 @@ class ParallelLayout:
             "etp": self.etp, "ep": self.ep, "expt_gtp_remat": self.expt_gtp_remat, "expt_dp": self.expt_dp,
         }
 
+    def rank_range(self) -> tuple[int, int]:
+        """``(first, stop)``: the layout's ranks are ``range(first, stop)``."""
+        return 0, self.world_size
+
     def fingerprint(self) -> str:
         """A stable digest of the declared layout; equal on every rank that declared the same layout."""
         text = (

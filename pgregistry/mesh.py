@@ -4,13 +4,14 @@ Code built on a DeviceMesh (DTensor, FSDP2, torchtitan-style parallel dims) and 
 then share communicators instead of creating a second set:
 
 * :func:`from_device_mesh` reads a collection off a mesh: a field mapped to one mesh dim gets that dim's group;
-  a field mapped to several dims gets one group over the flattened dims, created through the registry
-  (:meth:`~pgregistry.registry.GroupRegistry.group_of_partition`), so a rank set the registry already has (a
-  layout built with :func:`~pgregistry.registry.build`, or the same flattening asked for twice) is reused.
+  a field mapped to several dims gets one group over the flattened dims, from pgregistry's one communicator per
+  rank set, so a rank set it already has (a layout built with :func:`~pgregistry.registry.build`, or the same
+  flattening asked for twice) is reused.
 * :func:`to_device_mesh` hands back a DeviceMesh for FSDP2 / TP / EP whose dims are the collection's own groups
   (``DeviceMesh.from_group``): dense or expert data parallelism, TP, EP, the 2-D meshes torchtitan uses, and HSDP
   once :func:`with_hsdp_groups` has split the dense and expert data-parallel groups. No second grid of
-  communicators exists.
+  communicators exists. A DeviceMesh has no "axis off" value, so a field that is ``None`` (a size-1 axis) becomes a
+  dim of the collection's one-rank group.
 
 Only public DeviceMesh APIs are used (``mesh``, ``mesh_dim_names``, ``get_group``, ``from_group``).
 """
@@ -21,14 +22,13 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
+from pgregistry._resolve import checked
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-
-    from pgregistry.registry import GroupRegistry
 
 __all__ = ["MESH_FIELDS", "from_device_mesh", "to_device_mesh", "with_hsdp_groups"]
 
@@ -45,28 +45,29 @@ MESH_FIELDS: tuple[str, ...] = (
 
 def from_device_mesh(
     mesh: DeviceMesh,
-    axis_names: Mapping[str, str | Sequence[str]],
+    field_dims: Mapping[str, str | Sequence[str]],
     *,
-    registry: GroupRegistry | None = None,
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> ProcessGroupCollection:
-    """A collection whose fields are groups of ``mesh``: ``{"tp": "tp", "dp_cp": ("dp", "cp")}``.
+    """A collection whose fields are groups of ``mesh``: ``{"tp": "tp", "dp_cp": ("dp", "cp")}`` (collection field
+    -> mesh dim name, or several dim names).
 
     A field mapped to one dim name gets ``mesh.get_group(name)``. A field mapped to a tuple of dim names gets a
-    group over those dims flattened (the ranks that differ only in them), from ``registry`` (default: the
-    process-wide one) with ``backend``/``timeout``; that needs the mesh to span the whole world, and every rank
-    of the world to call this with the same arguments. Fields not named stay UNSET. Raises ``ValueError``
-    naming an unknown field, an unknown or repeated dim, or ``hcp`` (a list of groups, not one).
+    group over those dims flattened (the ranks that differ only in them), pgregistry's communicator of that rank
+    set (created with ``backend``/``timeout`` when it has none); that needs the mesh to span the whole world, and
+    every rank of the world to call this with the same arguments. Fields not named stay UNSET; the collection
+    knows no layout. Raises ``ValueError`` naming an unknown field, an unknown or repeated dim, or ``hcp`` (a list
+    of groups, not one).
     """
-    check_field_names(axis_names)
-    if "hcp" in axis_names:
+    check_field_names(field_dims)
+    if "hcp" in field_dims:
         raise ValueError("'hcp' holds a list of hierarchical context-parallel groups; map it outside from_device_mesh")
     dim_names = tuple(mesh.mesh_dim_names or ())
     if not dim_names:
         raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
     groups: dict[str, Any] = {}
-    for field, spec in axis_names.items():
+    for field, spec in field_dims.items():
         dims = (spec,) if isinstance(spec, str) else tuple(spec)
         unknown = [d for d in dims if d not in dim_names]
         if not dims or unknown or len(set(dims)) != len(dims):
@@ -77,22 +78,18 @@ def from_device_mesh(
         if len(dims) == 1:
             groups[field] = mesh.get_group(dims[0])
         else:
-            groups[field] = _flattened_group(mesh, dims, registry, backend, timeout)
+            groups[field] = _flattened_group(mesh, dims, backend, timeout)
     return ProcessGroupCollection(**groups)
 
 
 def _flattened_group(
-    mesh: DeviceMesh,
-    dims: tuple[str, ...],
-    registry: GroupRegistry | None,
-    backend: str | None,
-    timeout: timedelta | float | None,
+    mesh: DeviceMesh, dims: tuple[str, ...], backend: str | None, timeout: timedelta | float | None
 ) -> ProcessGroup:
     import math
 
     import torch.distributed as dist
 
-    from pgregistry.registry import default_registry
+    from pgregistry._group_cache import CACHE, GroupOptions
 
     ranks = mesh.mesh
     if ranks.numel() != dist.get_world_size():
@@ -107,116 +104,113 @@ def _flattened_group(
     # Every group of the flattening, one per coordinate of the other dims: the registry creates them in one
     # global order, each rank walking the same list.
     rank_sets = ranks.permute(*others, *flattened).reshape(-1, size).tolist()
-    group = (registry or default_registry).group_of_partition(rank_sets, backend=backend, timeout=timeout)
+    group = CACHE.partition_group(rank_sets, GroupOptions.of(backend, timeout))
     if group is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not in the mesh it flattens")
     return group
 
 
 def to_device_mesh(
-    layout: ParallelLayout,
-    collection: ProcessGroupCollection,
-    axes: Sequence[str],
+    pg_collection: ProcessGroupCollection,
+    fields: Sequence[str],
     device_type: str = "cpu",
     *,
     dim_names: Sequence[str] | None = None,
 ) -> DeviceMesh:
-    """A DeviceMesh whose dims are ``collection``'s groups ``axes`` (collection fields, slowest first).
+    """A DeviceMesh whose dims are ``pg_collection``'s groups ``fields`` (collection fields, slowest first).
 
     For FSDP2 and DTensor code, so that it runs on the communicators the collection already has: the dense
     data-parallel mesh ``("dp_cp",)``, the expert one ``("expt_dp",)``, the 2-D meshes torchtitan builds
     (``("dp_cp", "tp")``, ``("expt_dp", "ep")``, ``("expt_dp", "ep", "expt_tp")``) and HSDP's
     ``("inter_dist_opt", "intra_dp_cp")`` and expert HSDP's ``("inter_dist_opt", "intra_expt_dp")`` (both after
-    :func:`with_hsdp_groups`). ``axes`` are fields from :data:`MESH_FIELDS`; a field spanning several axes
-    (``dp_cp``) is one flattened dim. Dims are named ``axes`` unless ``dim_names`` renames them
-    (``("dp_shard", "tp")``). Fields left out are fixed at this rank's coordinates, so the mesh is this rank's
-    slice of the grid. Creates no group.
+    :func:`with_hsdp_groups`). ``fields`` are from :data:`MESH_FIELDS`; a field spanning several axes (``dp_cp``)
+    is one flattened dim; a field that is ``None`` (a size-1 axis) is a dim of the collection's one-rank group.
+    Dims are named ``fields`` unless ``dim_names`` renames them (``("dp_shard", "tp")``). Fields left out are fixed
+    at this rank's coordinates, so the mesh is this rank's slice of the grid. Creates no group.
 
-    Raises ``ValueError`` when a field is unknown or repeated, UNSET or ``None`` in the collection (a mesh dim
-    needs a group even for an axis of size 1: build with ``explicit_singletons=True``), when its group's ranks are
-    not the layout's, when two dims share ranks (``("dp_cp", "cp")``: not a grid), or when ``inter_dist_opt``
-    leaves the data-parallel group its shard dim splits.
+    Raises ``ValueError`` when a field is unknown, repeated or UNSET, when two dims share ranks
+    (``("dp_cp", "cp")``: not a grid), or when ``inter_dist_opt`` leaves the data-parallel group its shard dim
+    splits.
     """
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    axes = tuple(axes)
-    if not axes or len(set(axes)) != len(axes) or any(a not in MESH_FIELDS for a in axes):
-        raise ValueError(f"axes {axes!r} must be distinct names from {MESH_FIELDS}")
-    names = tuple(dim_names) if dim_names is not None else axes
-    if len(names) != len(axes) or len(set(names)) != len(names):
-        raise ValueError(f"dim_names {names!r} must be {len(axes)} distinct names, one per axis {axes!r}")
+    pg_collection = checked(pg_collection, "to_device_mesh")
+    fields = tuple(fields)
+    if not fields or len(set(fields)) != len(fields) or any(f not in MESH_FIELDS for f in fields):
+        raise ValueError(f"fields {fields!r} must be distinct names from {MESH_FIELDS}")
+    names = tuple(dim_names) if dim_names is not None else fields
+    if len(names) != len(fields) or len(set(names)) != len(names):
+        raise ValueError(f"dim_names {names!r} must be {len(fields)} distinct names, one per field {fields!r}")
     rank = dist.get_rank()
-    mine = layout.groups_of(rank)
     groups = []
     ranks_of: dict[str, tuple[int, ...]] = {}
     mesh = torch.tensor(rank, dtype=torch.int64)
-    for position, axis in enumerate(axes):
-        value = collection.get_or(cast(GroupName, axis), UNSET)  # a DENSE_MESH_AXES name, checked above
-        if value is UNSET or value is None:
-            state = "UNSET" if value is UNSET else "None (axis off)"
-            raise ValueError(
-                f"axis {axis!r} is {state} in the collection; a DeviceMesh needs a group for every dim, including "
-                "axes of size 1: build the collection with explicit_singletons=True"
-            )
-        actual = tuple(dist.get_process_group_ranks(value))
-        _check_against_layout(axis, actual, mine, rank)
-        ranks_of[axis] = actual
-        groups.append(value)
+    for position, field in enumerate(fields):
+        group = _mesh_group(pg_collection, cast(GroupName, field))
+        actual = tuple(dist.get_process_group_ranks(group))
+        ranks_of[field] = actual
+        groups.append(group)
         # Along this dim the grid steps through the group's ranks; broadcast it over the dims so far.
         steps = torch.tensor(actual, dtype=torch.int64) - rank
-        shape = [1] * len(axes)
+        shape = [1] * len(fields)
         shape[position] = len(actual)
         mesh = mesh + steps.reshape(shape)
-    _check_replicas_inside_shards(ranks_of, mine, rank)
+    _check_replicas_inside_shards(pg_collection, ranks_of, rank)
     if mesh.unique().numel() != mesh.numel():
-        raise ValueError(f"the groups of {axes!r} share ranks beyond this one, so they do not form a grid")
+        raise ValueError(f"the groups of {fields!r} share ranks beyond this one, so they do not form a grid")
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
 
 
-def _check_against_layout(axis: str, actual: tuple[int, ...], mine: Mapping[str, Any], rank: int) -> None:
-    """The group of ``axis`` must be the layout's (for an HSDP field: inside the layout's data-parallel group)."""
-    if axis in _HSDP_FIELDS:
-        outer = mine[_HSDP_FIELDS[axis]]
-        if rank in actual and set(actual) <= set(outer):
-            return
+def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> ProcessGroup:
+    """The group of ``field`` for a mesh dim: its group, or the one-rank group where it is ``None``."""
+    value = pg_collection.get_or(field, UNSET)
+    if value is UNSET:
+        raise ValueError(f"field {field!r} is UNSET in the collection; a DeviceMesh needs a group for every dim")
+    if value is not None:
+        return value
+    group = pg_collection.one_rank_group
+    if group is None:
         raise ValueError(
-            f"the collection's {axis!r} group holds ranks {list(actual)}, outside rank {rank}'s "
-            f"{_HSDP_FIELDS[axis]!r} group {list(outer)} in this layout: the collection was built for another layout"
+            f"field {field!r} is None (axis off) and a DeviceMesh has no 'axis off' value; this collection has no "
+            "one-rank group to stand for it: build it with pgregistry.build(layout), or pass one_rank_group= when "
+            "assembling it"
         )
-    if actual != mine[axis]:
-        raise ValueError(
-            f"the collection's {axis!r} group holds ranks {list(actual)}, but in this layout rank {rank}'s "
-            f"{axis!r} group is {list(mine[axis])}: the collection was built for another layout"
-        )
+    return group
 
 
-def _check_replicas_inside_shards(ranks_of: Mapping[str, tuple[int, ...]], mine: Mapping[str, Any], rank: int) -> None:
+def _check_replicas_inside_shards(
+    pg_collection: ProcessGroupCollection, ranks_of: Mapping[str, tuple[int, ...]], rank: int
+) -> None:
     """HSDP's replicate dim must stay inside the group its shard dim splits: with an order that puts EP slower than
     DP, ``inter_dist_opt`` crosses EP ranks, and ``("inter_dist_opt", "intra_expt_dp")`` would be a grid over
     other experts' ranks, not over expert data parallelism."""
+    import torch.distributed as dist
+
     replicate = ranks_of.get("inter_dist_opt")
     for shard in ("intra_dp_cp", "intra_expt_dp"):
-        outer = _HSDP_FIELDS[shard]
-        if replicate is not None and shard in ranks_of and not set(replicate) <= set(mine[outer]):
+        if replicate is None or shard not in ranks_of:
+            continue
+        outer_field = cast(GroupName, _HSDP_FIELDS[shard])
+        outer_group = pg_collection.get(outer_field)
+        outer = tuple(dist.get_process_group_ranks(outer_group)) if outer_group is not None else (rank,)
+        if not set(replicate) <= set(outer):
             raise ValueError(
                 f"the collection's 'inter_dist_opt' group holds ranks {list(replicate)}, outside rank {rank}'s "
-                f"{outer!r} group {list(mine[outer])} that {shard!r} splits: in this layout's order the {outer!r} "
-                "replicas are not inter_dist_opt's, so the two dims form no HSDP mesh"
+                f"{outer_field!r} group {list(outer)} that {shard!r} splits: in this layout's order the "
+                f"{outer_field!r} replicas are not inter_dist_opt's, so the two dims form no HSDP mesh"
             )
 
 
 def with_hsdp_groups(
-    layout: ParallelLayout,
-    collection: ProcessGroupCollection,
+    pg_collection: ProcessGroupCollection,
     replicas: int,
     *,
-    registry: GroupRegistry | None = None,
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> ProcessGroupCollection:
-    """``collection`` with its dense and expert data-parallel groups split for HSDP into ``replicas`` replicas.
+    """``pg_collection`` with its dense and expert data-parallel groups split for HSDP into ``replicas`` replicas.
 
     As in Megatron-Core with several distributed-optimizer instances: ``intra_dp_cp`` becomes the dense shard group
     (a contiguous block of each ``dp_cp`` group), ``intra_expt_dp`` the expert one (a contiguous block of each
@@ -224,26 +218,32 @@ def with_hsdp_groups(
     One replicate group serves both, as in Megatron-Core (its DDP all-reduces dense and expert buckets over the one
     ``inter_dist_opt``): in the default order (any order with EP faster than DP) data parallelism is the slowest
     axis below PP in both grids, so the blocks of either split are the same slices of the world and the ranks at
-    the same place in them coincide. The expert HSDP mesh
-    is then ``("inter_dist_opt", "intra_expt_dp")``; no other field is needed. Groups come from ``registry``
-    (default: the process-wide one), so a rank set it already has is reused. Collective over the world: every
-    rank calls it with the same arguments.
+    the same place in them coincide. The expert HSDP mesh is then ``("inter_dist_opt", "intra_expt_dp")``; no
+    other field is needed. The groups are pgregistry's communicators of those rank sets (reused when it has
+    them). Needs the collection's layout (a collection built by :func:`pgregistry.registry.build`); collective
+    over the world: every rank calls it with the same arguments.
 
     An order that puts EP slower than DP (``"tp-cp-dp-ep-pp"``) breaks that coincidence: the expert shard blocks
     are still set, but :func:`to_device_mesh` refuses ``("inter_dist_opt", "intra_expt_dp")`` there. Raises
     ``ValueError`` when ``replicas`` does not divide the dense or the expert data-parallel size (Megatron-Core
     requires both).
     """
-    from pgregistry.registry import default_registry
+    from pgregistry._group_cache import CACHE, GroupOptions
 
+    pg_collection = checked(pg_collection, "with_hsdp_groups")
+    layout = pg_collection.layout
+    if layout is None:
+        raise ValueError(
+            "with_hsdp_groups needs the collection's layout (every rank creates every group of the split), and this "
+            "collection was assembled by hand; build it with pgregistry.build(layout)"
+        )
     dense_shards, dense_replicas = _hsdp_split(layout, "dp_cp", "data-parallel", replicas)
     expert_shards, _ = _hsdp_split(layout, "expt_dp", "expert data-parallel", replicas)
-    found = registry or default_registry
-    options: dict[str, Any] = {"backend": backend, "timeout": timeout}
-    shard = found.group_of_partition(dense_shards, **options)
-    expert_shard = found.group_of_partition(expert_shards, **options)
-    replicate = found.group_of_partition(dense_replicas, **options)
-    return collection.evolve(intra_dp_cp=shard, intra_expt_dp=expert_shard, inter_dist_opt=replicate)
+    options = GroupOptions.of(backend, timeout)
+    shard = CACHE.partition_group(dense_shards, options)
+    expert_shard = CACHE.partition_group(expert_shards, options)
+    replicate = CACHE.partition_group(dense_replicas, options)
+    return pg_collection.evolve(intra_dp_cp=shard, intra_expt_dp=expert_shard, inter_dist_opt=replicate)
 
 
 def _hsdp_split(layout: ParallelLayout, kind: str, what: str, replicas: int) -> tuple[list[list[int]], list[list[int]]]:

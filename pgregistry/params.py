@@ -14,7 +14,7 @@ Roles are set by the ``mark_*`` helpers, never by hand. A copy made outside a mo
 :func:`copy_param_roles` (Megatron-LM PR 6470: a mixed-precision copy that dropped ``allreduce=False`` turned every
 expert into a dense parameter). A missing classification is an error, never a default (xorl: per-expert LoRA
 factors defaulted to EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``):
-:func:`check_expert_classification` refuses parameters of a marked expert module that say neither
+:func:`pgregistry.grad_stats.check_expert_classification` refuses parameters of a marked expert module that say neither
 ``allreduce=False`` nor ``allreduce=True``.
 
 Roles belong to the parameter's slot in its module as well as to the parameter object, because torch-native
@@ -37,21 +37,15 @@ modules are usually marked at the top of their ``__init__``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, TypeAlias, TypeVar
+from collections.abc import Sequence
+from typing import Any, Final, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.fallback import resolve_process_groups
-from pgregistry.resolver import resolve_collection
-
 __all__ = [
     "ROLE_ATTRIBUTES",
-    "ParamsLike",
-    "check_expert_classification",
     "copy_param_roles",
     "is_expert_module",
     "is_expert_param",
@@ -61,11 +55,8 @@ __all__ = [
     "mark_gtp_sharded",
     "mark_shared",
     "mark_tensor_parallel",
-    "model_chunks_of",
-    "named_parameters_of",
     "param_roles",
     "restore_param_roles",
-    "unclassified_expert_params",
 ]
 
 T = TypeVar("T", bound=torch.Tensor)
@@ -77,7 +68,6 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "allreduce",
     "shared",
     "is_gtp_weight_remat",
-    "gtp_replica_group",
     "in_expert_module",
     # Set by Megatron-Core and read by its optimizers and checkpoints: expert TP and QKV-split layout (Muon), the
     # padding of a GTP shard. Its copy helpers carry them over to main-parameter copies, so this does too.
@@ -95,11 +85,6 @@ _IN_EXPERT_MODULE: Final = "in_expert_module"
 _ROLE_TABLE: Final = "_pgregistry_param_roles"
 """Module attribute: parameter name -> the roles marked on the parameter in that slot."""
 
-ParamsLike: TypeAlias = (
-    nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]
-)
-"""What the grad-statistics entry points accept: a model, model chunks, a name -> parameter mapping, one
-tensor, or an iterable of tensors."""
 
 
 # ----------------------------------------------------------------------------------------------------- roles
@@ -245,108 +230,3 @@ torch.nn.modules.module.register_module_module_registration_hook(_on_module_regi
 def is_expert_module(module: nn.Module) -> bool:
     """Whether :func:`mark_expert_module` was applied to ``module``."""
     return getattr(module, _EXPERT_MODULE_FLAG, False) is True
-
-
-def unclassified_expert_params(model_or_params: ParamsLike) -> list[str]:
-    """Names of the parameters of a marked expert module that carry no ``allreduce`` attribute.
-
-    A model or model chunks are walked module by module; parameters given as tensors (a list, a mapping, one
-    tensor) are recognised by their ``in_expert_module`` mark. An iterator is consumed: pass a list.
-    """
-    chunks = model_chunks_of(model_or_params)
-    restore_param_roles(chunks)
-    if not chunks:
-        return [
-            name
-            for name, param in named_parameters_of(model_or_params)
-            if getattr(param, _IN_EXPERT_MODULE, False) and not hasattr(param, "allreduce")
-        ]
-    names: dict[int, str] = {}
-    for index, chunk in enumerate(chunks):
-        chunk_prefix = f"chunk{index}." if len(chunks) > 1 else ""
-        for prefix, module in chunk.named_modules():
-            if not is_expert_module(module):
-                continue
-            for name, param in module.named_parameters(prefix=prefix):
-                if not hasattr(param, "allreduce"):
-                    names.setdefault(id(param), chunk_prefix + name)
-    return list(names.values())
-
-
-def check_expert_classification(model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> None:
-    """Refuse a parameter of a marked expert module that does not say whether it is replicated across EP.
-
-    ``model_or_params`` is a model, model chunks, or parameters (see :func:`unclassified_expert_params`). Only
-    when the EP axis is on (more than one rank): with EP off the question does not arise. The collection is
-    resolved by :func:`pgregistry.resolver.resolve_collection` (explicit, else attached to the model, else the
-    global grid with a warning); an unset ``ep`` in it is read from the global grid with a fallback warning.
-    Raises ``ValueError`` naming every such parameter; classify each with :func:`mark_expert` or
-    :func:`mark_expert_replicated`.
-    """
-    owner = "check_expert_classification"
-    collection = resolve_collection(pg_collection, model_chunks_of(model_or_params) or None, owner=owner)
-    ep = resolve_process_groups(collection, ("ep",), owner=owner)["ep"]
-    if group_size(ep) <= 1:
-        return
-    missing = unclassified_expert_params(model_or_params)
-    if missing:
-        raise ValueError(
-            f"{len(missing)} parameter(s) of a marked expert module carry no EP classification: "
-            f"{', '.join(missing)}. Mark each with mark_expert (distinct per EP rank) or mark_expert_replicated "
-            "(replicated across EP); a default would silently miscount the grad norm (docs/known_bugs.md)."
-        )
-
-
-# -------------------------------------------------------------------------------------------- parameter lists
-
-
-def model_chunks_of(model_or_params: ParamsLike) -> list[nn.Module]:
-    """The model chunks ``model_or_params`` holds: ``[model]`` for a model, the modules of a non-empty sequence of
-    modules, ``[]`` for parameters (a tensor, a mapping, tensors). Where a model's expert classification is checked
-    (:func:`check_expert_classification`), whichever way the model was passed."""
-    if isinstance(model_or_params, nn.Module):
-        return [model_or_params]
-    if (
-        isinstance(model_or_params, Sequence)
-        and model_or_params
-        and all(isinstance(item, nn.Module) for item in model_or_params)
-    ):
-        return list(model_or_params)
-    return []
-
-
-def named_parameters_of(model_or_params: ParamsLike) -> list[tuple[str, torch.Tensor]]:
-    """``(name, parameter)`` pairs in a deterministic order, each parameter once (by identity).
-
-    A model or model chunks give their ``named_parameters`` (prefixed ``chunk<i>.`` when there are several
-    chunks), with the roles of their slots restored (:func:`restore_param_roles`); a mapping gives its items;
-    tensors are named ``param[<i>]`` by position.
-    """
-    if isinstance(model_or_params, nn.Module):
-        restore_param_roles(model_or_params)
-        pairs: Iterable[tuple[str, torch.Tensor]] = model_or_params.named_parameters()
-    elif isinstance(model_or_params, torch.Tensor):
-        pairs = [("param[0]", model_or_params)]
-    elif isinstance(model_or_params, Mapping):
-        pairs = list(model_or_params.items())
-    else:
-        items = list(model_or_params)
-        if items and all(isinstance(item, nn.Module) for item in items):
-            restore_param_roles(items)
-            prefix = len(items) > 1
-            pairs = [
-                (f"chunk{i}.{name}" if prefix else name, param)
-                for i, chunk in enumerate(items)
-                for name, param in chunk.named_parameters()
-            ]
-        else:
-            pairs = [(f"param[{i}]", item) for i, item in enumerate(items)]
-    out: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for name, param in pairs:
-        if not isinstance(param, torch.Tensor):
-            raise TypeError(f"{name} is a {type(param).__name__}, not a tensor or parameter")
-        if id(param) not in seen:
-            seen.add(id(param))
-            out.append((name, param))
-    return out

@@ -15,8 +15,9 @@ tracker                     seed
 ``egtp-remat-rng``          expert seed ``+ 32768 + 65536 * (1 + expt_gtp_remat_rank)``, likewise
 ==========================  =====================================================================================
 
-The ``seed`` above is the caller's base seed, which already holds the pipeline offset ``100 * pp_rank`` (and
-``10 * dp_rank`` when data-parallel replicas are initialised differently): :func:`base_seed_for_rank`.
+The ``seed`` above is the base seed: the job's seed plus the pipeline offset ``100 * pp_rank`` (and ``10 * dp_rank``
+when data-parallel replicas are initialised differently), which :func:`model_parallel_manual_seed` adds as
+Megatron's training loop does, so pipeline stages never share a stream.
 
 What differs from Megatron-Core:
 
@@ -39,10 +40,9 @@ from typing import Any, Final, Literal
 import attrs
 import torch
 
+from pgregistry._resolve import resolve
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
-from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
 from pgregistry.layout import ParallelLayout
-from pgregistry.resolver import resolve_collection
 
 __all__ = [
     "DATA_PARALLEL_RNG",
@@ -53,7 +53,6 @@ __all__ = [
     "RNGState",
     "RNGStatesTracker",
     "SeedCollision",
-    "base_seed_for_rank",
     "check_seed_plan",
     "get_rng_tracker",
     "model_parallel_manual_seed",
@@ -237,8 +236,9 @@ def tracker_seeds(
 ) -> dict[str, int]:
     """Tracker name -> seed for one rank, by Megatron-Core's formulas (see the module docstring).
 
-    ``seed`` is the base seed (:func:`base_seed_for_rank`). The GTP-remat streams appear only when their axis has
-    more than one rank. Pure arithmetic: :func:`model_parallel_manual_seed` and :func:`seed_plan` both use it.
+    ``seed`` is the base seed (the job's seed plus the pipeline and data-parallel offsets). The GTP-remat streams
+    appear only when their axis has more than one rank. Pure arithmetic: :func:`model_parallel_manual_seed` and
+    :func:`seed_plan` both use it.
     """
     _check_seed(seed, "the base seed")
     return _offset_seeds(
@@ -267,6 +267,26 @@ def _offset_seeds(
     return seeds
 
 
+_SEED_FIELDS: Final[tuple[GroupName, ...]] = ("pp", "tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+
+
+def rank_seeds(seed: int, collection: ProcessGroupCollection, *, data_parallel_random_init: bool) -> dict[str, int]:
+    """Tracker name -> seed of this rank, from the job's ``seed`` and a resolved collection (its
+    :data:`_SEED_FIELDS` set, and ``dp`` with ``data_parallel_random_init``)."""
+    rank = {name: group_rank(collection.get(name)) for name in _SEED_FIELDS}
+    dp_rank = group_rank(collection.get("dp")) if data_parallel_random_init else 0
+    return tracker_seeds(
+        _base_seed(seed, rank["pp"], dp_rank, data_parallel_random_init),
+        tp_rank=rank["tp"],
+        ep_rank=rank["ep"],
+        etp_rank=rank["expt_tp"],
+        gtp_remat_rank=rank["gtp_remat"],
+        gtp_remat_size=group_size(collection.get("gtp_remat")),
+        expt_gtp_remat_rank=rank["expt_gtp_remat"],
+        expt_gtp_remat_size=group_size(collection.get("expt_gtp_remat")),
+    )
+
+
 def _base_seed(seed: int, pp_rank: int, dp_rank: int, data_parallel_random_init: bool) -> int:
     _check_seed(seed, "the job")
     base = seed + _PIPELINE_STRIDE * pp_rank
@@ -275,54 +295,28 @@ def _base_seed(seed: int, pp_rank: int, dp_rank: int, data_parallel_random_init:
     return base
 
 
-def base_seed_for_rank(
-    seed: int, pg_collection: ProcessGroupCollection | None, *, data_parallel_random_init: bool = False
-) -> int:
-    """The base seed this rank passes to :func:`model_parallel_manual_seed`: the caller-side offsets.
-
-    ``seed + 100 * pp_rank``, plus ``10 * dp_rank`` when ``data_parallel_random_init`` (data-parallel replicas
-    initialised differently), as Megatron's training loop computes it. Ranks come from the collection's ``pp``
-    (and ``dp``) groups; an UNSET field or a missing collection reads the global grid, with a
-    :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (:func:`~pgregistry.resolver.resolve_collection`).
-    """
-    names: tuple[GroupName, ...] = ("pp", "dp") if data_parallel_random_init else ("pp",)
-    owner = "base_seed_for_rank"
-    groups = resolve_process_groups(resolve_collection(pg_collection, owner=owner), names, owner=owner)
-    dp_rank = group_rank(groups["dp"]) if data_parallel_random_init else 0
-    return _base_seed(seed, group_rank(groups["pp"]), dp_rank, data_parallel_random_init)
-
-
 def model_parallel_manual_seed(
     seed: int,
     pg_collection: ProcessGroupCollection | None = None,
     *,
+    data_parallel_random_init: bool = False,
     tracker: RNGStatesTracker | None = None,
 ) -> dict[str, int]:
-    """Seed the default stream and register this rank's RNG streams; returns tracker name -> seed.
+    """Seed the default stream and register this rank's RNG streams from the job's ``seed``; returns tracker name
+    -> seed.
 
-    ``tracker`` (default: :func:`get_rng_tracker`) is reset, its generators are seeded with the data-parallel
-    seed (the stream outside any fork), and the streams of :func:`tracker_seeds` are added. Ranks are read from
-    the groups of ``pg_collection``: ``tp``, ``ep``, ``expt_tp``, ``gtp_remat`` and ``expt_gtp_remat``, where
-    ``None`` is an axis that is off (rank 0 of 1). A missing collection is the global grid, with a warning
-    (:func:`~pgregistry.resolver.resolve_collection`); an UNSET field reads the global grid and warns
-    (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`; the GTP-remat fallback warns only when the global
-    axis has more than one rank).
+    The base seed is ``seed + 100 * pp_rank`` (plus ``10 * dp_rank`` with ``data_parallel_random_init``), as
+    Megatron's training loop computes it before seeding, so pipeline stages draw different streams; the streams
+    are then those of :func:`tracker_seeds`, and the seeds are exactly those :func:`seed_plan` lists for this rank.
+    ``tracker`` (default: :func:`get_rng_tracker`) is reset and its generators are seeded with the data-parallel
+    seed (the stream outside any fork). Ranks are read from the collection's ``pp``, ``tp``, ``ep``, ``expt_tp``,
+    ``gtp_remat``, ``expt_gtp_remat`` (and ``dp``) groups, where ``None`` is an axis that is off (rank 0 of 1).
+    ``pg_collection=None`` is the global grid, with a warning, as is an UNSET field
+    (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`).
     """
-    owner = "model_parallel_manual_seed"
-    pg_collection = resolve_collection(pg_collection, owner=owner)
-    groups = resolve_process_groups(pg_collection, ("tp", "ep", "expt_tp"), owner=owner)
-    gtp = resolve_gtp_remat_group(pg_collection, False, owner=owner)
-    egtp = resolve_gtp_remat_group(pg_collection, True, owner=owner)
-    seeds = tracker_seeds(
-        seed,
-        tp_rank=group_rank(groups["tp"]),
-        ep_rank=group_rank(groups["ep"]),
-        etp_rank=group_rank(groups["expt_tp"]),
-        gtp_remat_rank=group_rank(gtp),
-        gtp_remat_size=group_size(gtp),
-        expt_gtp_remat_rank=group_rank(egtp),
-        expt_gtp_remat_size=group_size(egtp),
-    )
+    fields = _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
+    collection = resolve(pg_collection, owner="model_parallel_manual_seed", fallback=fields)
+    seeds = rank_seeds(seed, collection, data_parallel_random_init=data_parallel_random_init)
     tracker = tracker if tracker is not None else _default_tracker
     tracker.reset()
     for generator in tracker.generators:
@@ -356,9 +350,9 @@ def seed_plan(
 ) -> dict[int, dict[str, int]]:
     """Rank -> tracker name -> seed, for every rank of ``layout``, without any process group.
 
-    The seeds are the full ones each rank's trackers get when it calls
-    ``model_parallel_manual_seed(base_seed_for_rank(seed, pgc, data_parallel_random_init=...), pgc)`` with the
-    collection ``pgc`` built from ``layout``: the caller-side pipeline (and data-parallel) offsets are included.
+    The seeds are those each rank's trackers get from ``model_parallel_manual_seed(seed, pg,
+    data_parallel_random_init=...)`` with the collection ``pg`` built from ``layout``: the pipeline (and
+    data-parallel) offsets included.
     """
     return {rank: seeds for rank, _, seeds in _rank_seeds(layout, seed, data_parallel_random_init)}
 

@@ -4,8 +4,8 @@ Run under torchrun, one rank per GPU (needs CUDA, Megatron-Core and its triton; 
 
     torchrun --standalone --nproc-per-node 1 scripts/megatron_gpu_step.py [--ep N] [--etp N] [--tp N]
 
-Every rank: builds a ``ParallelLayout`` (expert parallelism over every GPU by default), ``pgregistry.build(...,
-explicit_singletons=True)`` and hands it to Megatron-Core with ``to_megatron`` (no ``initialize_model_parallel``:
+Every rank: builds a ``ParallelLayout`` (expert parallelism over every GPU by default), ``pgregistry.build(...)``
+and hands it to Megatron-Core with ``to_megatron`` (no ``initialize_model_parallel``:
 Megatron-Core's only global set up here is its scratch memory buffer, which its local attention needs). Then:
 
 1. ``seed_megatron_rng`` seeds Megatron-Core's CUDA RNG tracker from the collection; each stream's first draw must
@@ -85,7 +85,7 @@ def _step(args: argparse.Namespace) -> dict[str, Any]:
 
     world = dist.get_world_size()
     layout = ParallelLayout(world_size=world, tp=args.tp, ep=args.ep or world, etp=args.etp)
-    pg = registry.build(layout, explicit_singletons=True)
+    pg = registry.build(layout)
     mc = to_megatron(pg)
     seeds = seed_megatron_rng(args.seed, pg)
     rng_wrong = _check_rng_streams(seeds)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pgregistry.fallback import forget_fallback_warnings
+from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
 
 
 @pytest.fixture(autouse=True)

@@ -74,11 +74,11 @@ def _rank_main(config: DemoConfig) -> dict[str, Any]:
     say("building layouts")
     layout = ParallelLayout(world_size=config.world_size, tp=config.tp, ep=config.ep, etp=1)
     second = ParallelLayout(world_size=config.world_size, tp=config.second_tp, ep=config.second_ep, etp=1)
-    created_before = registry.default_registry.groups_created
+    created_before = registry.communicators_created()
     pg = registry.build(layout, name="demo-model")
-    created_first = registry.default_registry.groups_created - created_before
+    created_first = registry.communicators_created() - created_before
     pg_second = registry.build(second, name="demo-second-model")
-    created_second = registry.default_registry.groups_created - created_before - created_first
+    created_second = registry.communicators_created() - created_before - created_first
     first_groups = {id(g) for _, g in pg.items() if g is not None and not isinstance(g, list)}
     shared = sorted(
         k for k, g in pg_second.items() if g is not None and not isinstance(g, list) and id(g) in first_groups
@@ -162,13 +162,13 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
     import torch
     import torch.distributed as dist
 
+    import pgregistry
     from examples.moe_demo.model import ReferenceMoE, ShardedMoE, make_batch, shard_of
-    from pgregistry import registry
     from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys
     from pgregistry.optim import build_optimizer
 
     model = ShardedMoE(model_config, weights, pg, dtype=torch.bfloat16)
-    registry.attach(model, pg)
+    pgregistry.attach(model, pg)
     optimizer = build_optimizer(model, pg, optimizer="sgd", lr=config.lr, mixed_precision=True)
     reference = ReferenceMoE(model_config, weights)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=config.lr)
@@ -230,9 +230,12 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
 
 def _dense_tp_filter_norm(model: Any, pg: Any) -> float:
     """The norm Megatron-LM reported before PR 6470: expert grads deduplicated with the *dense* TP group."""
+    from pgregistry import ProcessGroupCollection
     from pgregistry.grad_stats import norm_of_grads, param_is_not_shared, param_is_not_tensor_parallel_duplicate
     from pgregistry.params import is_expert_param
 
+    # The bug: the dense TP group stands in for the expert TP group.
+    dense_tp_for_experts = ProcessGroupCollection(tp=pg.get("tp"), expt_tp=pg.get("tp"))
     dense: list[Any] = []
     expert: list[Any] = []
     for param in model.parameters():
@@ -240,8 +243,7 @@ def _dense_tp_filter_norm(model: Any, pg: Any) -> float:
         grad = grad if grad is not None else param.grad
         if grad is None or not param_is_not_shared(param):
             continue
-        tp = pg.get("tp")
-        if not param_is_not_tensor_parallel_duplicate(param, tp, tp, use_global_fallback=False):
+        if not param_is_not_tensor_parallel_duplicate(param, dense_tp_for_experts):
             continue
         (expert if is_expert_param(param) else dense).append(grad)
     return float(norm_of_grads({pg.get("mp"): dense, pg.get("tp_ep_pp_with_egtp_remat"): expert}))
@@ -300,14 +302,13 @@ def _fallback_demo(layout: Any) -> dict[str, Any]:
     """The legacy call (no collection) warns once; under an ``error`` filter it raises."""
     import torch
 
-    from pgregistry import registry
-    from pgregistry.fallback import ProcessGroupFallbackWarning, forget_fallback_warnings
+    from pgregistry.fallback import ProcessGroupFallbackWarning
+    from pgregistry.global_grid import initialize_global_grid
     from pgregistry.grad_stats import grad_norm
 
-    registry.initialize_global_grid(layout)
+    initialize_global_grid(layout)
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.ones(3)
-    forget_fallback_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         grad_norm([param], None)

@@ -73,7 +73,7 @@ class ScanConfig:
         "_*_WORLD_SIZE",
     )
     ignore_accessors: tuple[str, ...] = ("get_virtual_pipeline_*", "_VIRTUAL_PIPELINE_*")
-    registry_modules: tuple[str, ...] = ("pgregistry.registry", "pgregistry")
+    registry_modules: tuple[str, ...] = ("pgregistry.global_grid", "pgregistry")
     registry_accessors: tuple[str, ...] = ("global_collection*", "get_global_*")
     shims: tuple[str, ...] = ("use_mpu_process_groups",)
     #: Qualified functions that read the global grid when an argument is None

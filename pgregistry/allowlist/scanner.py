@@ -178,7 +178,7 @@ class _Rules:
         self.helpers = tuple(config.fallback_helpers)
         self.exempt = _Family("exempt", config.exempt_modules, (), (), ())
         # Every component of every module name: an import that binds a prefix of a dotted module name
-        # (``import pgregistry as pg`` for ``pgregistry.registry``) must be seen for ``pg.registry.x`` to resolve.
+        # (``import pgregistry as pg`` for ``pgregistry.global_grid``) must be seen for ``pg.global_grid.x`` to resolve.
         words = {part for family in self.families for module in family.modules for part in module.split(".")}
         helper_names = {helper.rpartition(".")[2] for helper in self.helpers}
         self.words = frozenset(words | set(config.aliases) | self.shims | helper_names)

@@ -16,12 +16,11 @@ import attrs
 import torch
 from torch import nn
 
-from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
-from pgregistry.experts import is_expert_key, named_global_parameters
-from pgregistry.experts.names import NamingOptions
-from pgregistry.fallback import resolve_process_groups
+from pgregistry._resolve import normalise, resolve
+from pgregistry.collection import GroupName, group_rank, group_size
+from pgregistry.experts import is_expert_key
+from pgregistry.experts.names import GlobalNamer, NamingOptions, checked_naming, global_names
 from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
-from pgregistry.resolver import resolve_collection
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -36,7 +35,9 @@ MODEL_PREFIX: Final = "model/"
 
 OPTIMIZER_PREFIX: Final = "optimizer/"
 
-_SHARDED_AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
+_SHARDED_AXES: Final[tuple[GroupName, ...]] = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
+_CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp", "dp_cp", "expt_dp", *_SHARDED_AXES)
+"""The fields a checkpoint reads: from the global grid, with a warning, when the collection leaves them UNSET."""
 
 
 @attrs.frozen(slots=True)
@@ -52,37 +53,33 @@ class RankModel:
 
 
 def rank_model(
-    model_chunks: nn.Module | Sequence[nn.Module],
-    owner: str,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
-    num_experts: int | None = None,
-    layer_offsets: Sequence[int] | None = None,
+    model_chunks: nn.Module | Sequence[nn.Module], owner: str, **naming: Unpack[NamingOptions]
 ) -> RankModel:
-    """This rank's parameters by global name and what it writes; ``ValueError`` for a sharded TP/GTP axis or two
-    parameters of one global name (``owner`` names the caller in errors and fallback warnings)."""
-    collection = resolve_collection(pg_collection, model_chunks, owner=owner)
-    groups = resolve_process_groups(collection, ("ep", "dp_cp", "expt_dp", *_SHARDED_AXES), owner=owner)
-    sharded = [name for name in _SHARDED_AXES if group_size(groups[name]) > 1]
+    """The door of the checkpoint entry points: this rank's parameters by global name and what it writes, with the
+    collection resolved once; ``ValueError`` for a sharded TP/GTP axis or two parameters of one global name
+    (``owner`` names the caller in errors and fallback warnings)."""
+    checked_naming(naming, owner)
+    chunks = normalise(model_chunks).chunks
+    if not chunks:
+        raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
+    collection = resolve(naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK)
+    sharded = [name for name in _SHARDED_AXES if group_size(collection.get(name)) > 1]
     if sharded:
         raise ValueError(
             f"{owner} stores whole tensors, but the model's {', '.join(sharded)} axis has more than one rank; "
             "tensor-parallel and GTP-remat shards are not resharded by pgregistry.checkpoint"
         )
-    named = named_global_parameters(
-        model_chunks,
-        pg_collection=collection,
-        ep_rank=group_rank(groups["ep"]),
-        ep_size=group_size(groups["ep"]),
-        num_experts=num_experts,
-        layer_offsets=layer_offsets,
-    )
     params: dict[str, nn.Parameter] = {}
-    for name, param in named:
+    namer = GlobalNamer(
+        chunks, lambda: collection, num_experts=naming.get("num_experts"), layer_offsets=naming.get("layer_offsets")
+    )
+    for name, param in global_names(namer):
         if name in params:
             raise ValueError(f"two parameters of the model have the global name {name!r}")
         params[name] = param
-    return RankModel(params, group_rank(groups["dp_cp"]) == 0, group_rank(groups["expt_dp"]) == 0)
+    return RankModel(
+        params, group_rank(collection.get("dp_cp")) == 0, group_rank(collection.get("expt_dp")) == 0
+    )
 
 
 def _named_state(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:

@@ -53,13 +53,17 @@ def _checks_on_this_rank(args: argparse.Namespace, device: torch.device) -> list
     expected = layout.groups_of(rank)
     wrong = []
     for name in FIELD_NAMES:
-        group = pg.get(name)
-        if group is None or isinstance(group, list) or name not in expected:
+        if name not in expected:
             continue
-        members = _members(group, world, device)
         want = expected[name]
+        if not pg.is_member_of(name):
+            if want is not None:
+                wrong.append(f"{name}: not a member != {list(want)}")
+            continue
+        group = pg.get(name)
+        members = [rank] if group is None else _members(group, world, device)  # None: the axis is off
         if want is None or members != list(want):
-            wrong.append(f"{name}: {members} != {list(want) if want else None}")
+            wrong.append(f"{name}: {members} != {list(want) if want else 'not a member'}")
     checks.append(("groups: every communicator holds the layout's ranks", not wrong, "; ".join(wrong[:3])))
     checks += _placement(layout, args)
 
@@ -183,9 +187,9 @@ def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
 
 
 def _seeds(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
-    from pgregistry.rng import base_seed_for_rank, check_seed_plan, model_parallel_manual_seed, seed_plan
+    from pgregistry.rng import check_seed_plan, model_parallel_manual_seed, seed_plan
 
-    registered = model_parallel_manual_seed(base_seed_for_rank(seed, pg), pg)
+    registered = model_parallel_manual_seed(seed, pg)
     planned = seed_plan(layout, seed)[rank]
     collisions = check_seed_plan(layout, seed)
     return [

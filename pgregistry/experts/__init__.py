@@ -7,7 +7,7 @@ cannot be reloaded at another EP size. A *global* name numbers experts over the 
 (``ep_rank * (num_experts // ep_size) + local_index``) and layers over the whole pipeline, so it is the same on
 every layout. On the standard grid (EP 1, PP 1) global names equal local ones: existing checkpoints keep loading.
 
-* :mod:`~pgregistry.experts.ep`: the EP rank and size, from a collection or the one attached to a model;
+* :mod:`~pgregistry.experts.ep`: the EP rank and size, from a collection;
 * :mod:`~pgregistry.experts.keys`: state-dict expert keys renamed between local and global indices;
 * :mod:`~pgregistry.experts.names`: global parameter names of model chunks.
 
@@ -16,7 +16,7 @@ Nothing here imports torch at load, so the key functions can be used on checkpoi
 
 from __future__ import annotations
 
-from pgregistry.experts.ep import get_ep_rank_and_size, get_model_ep_rank_and_size
+from pgregistry.experts.ep import get_ep_rank_and_size
 from pgregistry.experts.keys import (
     expert_owner,
     global_expert_index,
@@ -30,7 +30,6 @@ __all__ = [
     "expert_owner",
     "get_ep_rank_and_size",
     "get_global_unique_param_name",
-    "get_model_ep_rank_and_size",
     "global_expert_index",
     "global_param_name_fn",
     "globalize_expert_keys",

@@ -8,14 +8,14 @@ names: existing checkpoints keep loading.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final, TypedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypedDict
 
-from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.experts.ep import as_chunks, chain_attribute, ep_of
-from pgregistry.experts.keys import check_ep, expert_slot, global_key
-from pgregistry.fallback import resolve_process_groups
-from pgregistry.resolver import resolve_collection
+from pgregistry._resolve import normalise, resolve
+from pgregistry.attachments import wrapper_chain
+from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
+from pgregistry.experts.ep import ep_rank_and_size
+from pgregistry.experts.keys import expert_slot, global_key
 
 if TYPE_CHECKING:
     import torch
@@ -35,10 +35,10 @@ class NamingOptions(TypedDict, total=False):
     ``pg_collection`` is the model's collection: its ``ep`` group gives the EP rank and size (read only when a
     name belongs to an expert) and its ``pp`` group tells that pipeline parallelism is off (read only when a chunk
     has no layer offset). It defaults to the collection attached to the model; without either the global grid is
-    read, with a fallback warning (:func:`~pgregistry.resolver.resolve_collection`). ``num_experts`` defaults to
-    the chunk's ``num_experts`` or ``config.num_moe_experts``. ``layer_offsets`` holds each chunk's first global
-    layer index; it defaults to a ``layer_offset`` attribute on each chunk (or a module it wraps), and may be left
-    out altogether only with one chunk and pipeline parallelism off.
+    read, with a fallback warning. ``num_experts`` defaults to the chunk's ``num_experts`` or
+    ``config.num_moe_experts``. ``layer_offsets`` holds each chunk's first global layer index; it defaults to a
+    ``layer_offset`` attribute on each chunk (or a module it wraps), and may be left out altogether only with one
+    chunk and pipeline parallelism off.
     """
 
     pg_collection: ProcessGroupCollection | None
@@ -46,39 +46,64 @@ class NamingOptions(TypedDict, total=False):
     layer_offsets: Sequence[int] | None
 
 
-class EPNamingOptions(NamingOptions, total=False):
-    """:class:`NamingOptions` and ``ep_rank``/``ep_size``: given (both or neither), they stand for the ``ep``
-    group of ``pg_collection``, which is then not read."""
-
-    ep_rank: int | None
-    ep_size: int | None
+_NAMING_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp")
 
 
-class _GlobalNamer:
-    """Renames the parameter names of model chunks to global names; see :func:`named_global_parameters`."""
+def checked_naming(options: Mapping[str, object], owner: str) -> None:
+    """``TypeError`` naming a keyword that is not a :class:`NamingOptions` one (``**options`` would otherwise
+    swallow a misspelled or removed keyword, and name the parameters on the wrong layout)."""
+    unknown = sorted(set(options) - set(NamingOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"{owner} got unexpected keyword argument(s) {unknown}; the naming keywords are "
+            f"{sorted(NamingOptions.__annotations__)} (EP ranks come from pg_collection's 'ep' group)"
+        )
+
+
+class GlobalNamer:
+    """Renames the parameter names of model chunks to global names; see :func:`named_global_parameters`.
+
+    ``collection`` gives the chunks' resolved collection; it is called at most once, and only when a name needs EP
+    or PP, so a model that needs neither is never asked for one."""
 
     def __init__(
         self,
-        chunks: list[nn.Module],
+        chunks: Sequence[nn.Module],
+        collection: Callable[[], ProcessGroupCollection],
         *,
-        pg_collection: ProcessGroupCollection | None = None,
-        ep_rank: int | None = None,
-        ep_size: int | None = None,
         num_experts: int | None = None,
         layer_offsets: Sequence[int] | None = None,
     ) -> None:
-        if (ep_rank is None) != (ep_size is None):
-            raise ValueError("pass both ep_rank and ep_size, or neither (then the model's collection is read)")
-        if ep_rank is not None and ep_size is not None:
-            check_ep(ep_rank, ep_size)
         if layer_offsets is not None and len(layer_offsets) != len(chunks):
             raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
         self._chunks = chunks
-        self._pg_collection = pg_collection
-        self._ep = (ep_rank, ep_size) if ep_rank is not None and ep_size is not None else None
+        self._resolve = collection
+        self._resolved: ProcessGroupCollection | None = None
         self._num_experts = num_experts
         self._layer_offsets = layer_offsets
         self._offsets: dict[int, int] = {}
+
+    @classmethod
+    def at_the_door(
+        cls, model_chunks: nn.Module | Sequence[nn.Module], owner: str, **options: Unpack[NamingOptions]
+    ) -> GlobalNamer:
+        """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection is resolved
+        (explicit, else attached, else the global grid with a warning) when first needed."""
+        checked_naming(options, owner)
+        chunks = _chunks(model_chunks, owner)
+        pg_collection = options.get("pg_collection")
+
+        def collection() -> ProcessGroupCollection:
+            return resolve(pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK)
+
+        return cls(
+            chunks, collection, num_experts=options.get("num_experts"), layer_offsets=options.get("layer_offsets")
+        )
+
+    @property
+    def chunks(self) -> Sequence[nn.Module]:
+        """The model chunks named."""
+        return self._chunks
 
     def name(self, chunk_index: int, local_name: str) -> str:
         name = local_name
@@ -96,23 +121,20 @@ class _GlobalNamer:
         return global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
-        if self._ep is None:
-            self._ep = ep_of(self._collection(), "get_model_ep_rank_and_size")
-        return self._ep
+        return ep_rank_and_size(self._collection())
 
     def _collection(self) -> ProcessGroupCollection:
-        """``pg_collection``, else the collection attached to the chunks, else the global grid with a warning
-        (:func:`~pgregistry.resolver.resolve_collection`); resolved only when a name needs EP or PP, so a model
-        that needs neither is never asked for one."""
-        return resolve_collection(self._pg_collection, self._chunks, owner="named_global_parameters")
+        if self._resolved is None:
+            self._resolved = self._resolve()
+        return self._resolved
 
     def _experts(self, chunk_index: int, local_name: str) -> int:
         if self._num_experts is not None:
             return self._num_experts
         chunk = self._chunks[chunk_index]
-        value = chain_attribute(chunk, "num_experts")
+        value = _chain_attribute(chunk, "num_experts")
         if value is None:
-            value = getattr(chain_attribute(chunk, "config"), "num_moe_experts", None)
+            value = getattr(_chain_attribute(chunk, "config"), "num_moe_experts", None)
         if value is None:
             raise ValueError(
                 f"parameter {local_name!r} belongs to an expert but the number of experts is unknown: pass "
@@ -126,7 +148,7 @@ class _GlobalNamer:
         if self._layer_offsets is not None:
             offset = self._layer_offsets[chunk_index]
         else:
-            offset = chain_attribute(self._chunks[chunk_index], "layer_offset")
+            offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
         if offset is None:
             offset = self._offset_without_pipeline(chunk_index)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -137,8 +159,7 @@ class _GlobalNamer:
     def _offset_without_pipeline(self, chunk_index: int) -> int:
         """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this raises."""
         if len(self._chunks) == 1:
-            pp = resolve_process_groups(self._collection(), ("pp",), owner="get_global_unique_param_name")["pp"]
-            if group_size(pp) == 1:
+            if group_size(self._collection().get("pp")) == 1:
                 return 0
         raise ValueError(
             f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
@@ -148,7 +169,7 @@ class _GlobalNamer:
 
 def named_global_parameters(
     model_chunks: nn.Module | Sequence[nn.Module],
-    **options: Unpack[EPNamingOptions],
+    **options: Unpack[NamingOptions],
 ) -> list[tuple[str, nn.Parameter]]:
     """``(global name, parameter)`` for every parameter of the chunks, each once, in chunk order.
 
@@ -156,14 +177,17 @@ def named_global_parameters(
     ``layer_offset + n`` (not in multi-token-prediction names, those containing ``mtp``, as in Megatron-Core) and
     expert indices made global. ``layer_offset`` is the chunk's first global layer index:
     ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
-    only with one chunk and pipeline parallelism off. The keywords (``pg_collection``, ``ep_rank``/``ep_size``,
-    ``num_experts``, ``layer_offsets``) are those of :class:`EPNamingOptions`, which says what each defaults to.
+    only with one chunk and pipeline parallelism off. The keywords (``pg_collection``, ``num_experts``,
+    ``layer_offsets``) are those of :class:`NamingOptions`, which says what each defaults to.
     """
-    chunks = as_chunks(model_chunks)
-    namer = _GlobalNamer(chunks, **options)
+    return global_names(GlobalNamer.at_the_door(model_chunks, "named_global_parameters", **options))
+
+
+def global_names(namer: GlobalNamer) -> list[tuple[str, nn.Parameter]]:
+    """``(global name, parameter)`` for every parameter of ``namer``'s chunks, each once, in chunk order."""
     seen: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
-    for index, chunk in enumerate(chunks):
+    for index, chunk in enumerate(namer.chunks):
         for local_name, param in chunk.named_parameters():
             if id(param) in seen:
                 continue
@@ -175,20 +199,35 @@ def named_global_parameters(
 def get_global_unique_param_name(
     model_chunks: nn.Module | Sequence[nn.Module],
     param: torch.Tensor,
-    **options: Unpack[EPNamingOptions],
+    **options: Unpack[NamingOptions],
 ) -> str:
     """The global name of ``param`` (found by identity; ``ValueError`` when no chunk holds it).
 
     Same rules as :func:`named_global_parameters`: names are unique across pipeline stages and virtual chunks,
     experts are numbered globally, and on the standard grid the name is the ``named_parameters()`` one.
     """
-    chunks = as_chunks(model_chunks)
-    namer = _GlobalNamer(chunks, **options)
-    for index, chunk in enumerate(chunks):
+    namer = GlobalNamer.at_the_door(model_chunks, "get_global_unique_param_name", **options)
+    for index, chunk in enumerate(namer.chunks):
         for local_name, candidate in chunk.named_parameters():
             if candidate is param:
                 return namer.name(index, local_name)
-    raise _not_held(param, len(chunks))
+    raise _not_held(param, len(namer.chunks))
+
+
+def _chunks(model_chunks: nn.Module | Sequence[nn.Module], owner: str) -> tuple[nn.Module, ...]:
+    chunks = normalise(model_chunks).chunks
+    if not chunks:
+        raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
+    return chunks
+
+
+def _chain_attribute(module: nn.Module, name: str) -> Any:
+    """The first non-None ``name`` attribute of ``module`` or a module it wraps (DDP, FSDP, ...); else None."""
+    for inner in wrapper_chain(module):
+        value = getattr(inner, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def _not_held(param: torch.Tensor, count: int) -> ValueError:
@@ -197,7 +236,7 @@ def _not_held(param: torch.Tensor, count: int) -> ValueError:
 
 def global_param_name_fn(
     model_chunks: nn.Module | Sequence[nn.Module],
-    **options: Unpack[EPNamingOptions],
+    **options: Unpack[NamingOptions],
 ) -> Callable[[torch.Tensor], str]:
     """A function from parameter to global name (:func:`named_global_parameters`), with every name computed once.
 
@@ -205,12 +244,10 @@ def global_param_name_fn(
     global names, the state reloads under another EP or PP layout. The function raises ``ValueError`` for a
     parameter the chunks do not hold.
     """
+    namer = GlobalNamer.at_the_door(model_chunks, "global_param_name_fn", **options)
     # Holding the parameters keeps their ids from being reused by other tensors.
-    names = {
-        id(param): (param, name)
-        for name, param in named_global_parameters(model_chunks, **options)
-    }
-    count = len(as_chunks(model_chunks))
+    names = {id(param): (param, name) for name, param in global_names(namer)}
+    count = len(namer.chunks)
 
     def name_of(param: torch.Tensor) -> str:
         entry = names.get(id(param))

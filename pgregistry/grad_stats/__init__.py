@@ -21,9 +21,14 @@ from pgregistry.grad_stats.filters import (
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
     reduce_group_of,
-    set_duplicate_filter_groups,
 )
-from pgregistry.grad_stats.functional import classify_grads, clip_grad_norm_, count_zeros, grad_norm
+from pgregistry.grad_stats.functional import (
+    check_expert_classification,
+    classify_grads,
+    clip_grad_norm_,
+    count_zeros,
+    grad_norm,
+)
 from pgregistry.grad_stats.reductions import (
     CLIP_EPSILON,
     clip_grads_,
@@ -36,6 +41,7 @@ __all__ = [
     "CLIP_EPSILON",
     "StatsGroups",
     "backend_device",
+    "check_expert_classification",
     "classify_grads",
     "clip_grad_norm_",
     "clip_grads_",
@@ -49,6 +55,5 @@ __all__ = [
     "reduce_group_of",
     "reduce_over_groups",
     "reduction_device",
-    "set_duplicate_filter_groups",
     "zeros_of_grads",
 ]

@@ -8,44 +8,50 @@ copies are never counted. Dense grads are summed over ``mp`` (TP x GTP x PP), ex
 
 ``None`` in the collection is an axis that is off (rank 0 of 1), never "ask the global grid": reading the global
 rank for a model whose own grid turned TP or GTP off undercounts the norm (see ``docs/known_bugs.md``). Only an
-omitted group (:data:`~pgregistry.collection.UNSET`) reaches the global grid, through :mod:`pgregistry.fallback`,
-with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
+omitted group (:data:`~pgregistry.collection.UNSET`) reaches the global grid, at the entry point's door
+(:mod:`pgregistry._resolve`), with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 import attrs
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_rank, group_size
-from pgregistry.fallback import resolve_gtp_remat_group, resolve_process_groups
+from pgregistry._resolve import resolve
+from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.params import is_expert_param
-from pgregistry.resolver import resolve_collection
 
 __all__ = [
+    "STATS_FALLBACK",
     "StatsGroups",
     "is_counted",
     "param_is_not_gtp_duplicate",
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
     "reduce_group_of",
-    "set_duplicate_filter_groups",
 ]
+
+STATS_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+"""The fields grad statistics read from the global grid (with a warning) when the collection leaves them UNSET;
+``tp`` and ``mp`` must be set."""
+
+_EXPERT_REDUCE: Final = "tp_ep_pp_with_egtp_remat"
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class StatsGroups:
-    """The groups grad statistics need, resolved once; each a ProcessGroup or ``None`` (axis off).
+    """The groups grad statistics need, each a ProcessGroup or ``None`` (axis off), and the collection they come
+    from (DTensor grads are matched to its fields).
 
     ``tp``/``expt_tp`` and ``gtp_remat``/``expt_gtp_remat`` decide which rank counts a replicated gradient;
     ``dense_reduce`` (the collection's ``mp``) and ``expert_reduce`` (its ``tp_ep_pp_with_egtp_remat``) are what
     the counted gradients are summed over.
     """
 
+    collection: ProcessGroupCollection
     tp: ProcessGroup | None
     expt_tp: ProcessGroup | None
     gtp_remat: ProcessGroup | None
@@ -54,40 +60,30 @@ class StatsGroups:
     expert_reduce: ProcessGroup | None
 
     @classmethod
-    def from_collection(cls, pg_collection: ProcessGroupCollection | None) -> StatsGroups:
-        """Resolve the groups of ``pg_collection``.
+    def from_collection(cls, collection: ProcessGroupCollection) -> StatsGroups:
+        """The groups of a resolved ``collection`` (its :data:`STATS_FALLBACK` fields set at the door).
 
-        ``tp`` must be set (``None`` when TP is off): ``ValueError`` otherwise. An unset ``expt_tp`` is ``tp``
-        (expert TP defaults to TP). Unset ``gtp_remat``/``expt_gtp_remat`` resolve through
-        :func:`~pgregistry.fallback.resolve_gtp_remat_group`, as the model's layers resolve them. ``mp`` must be
-        set, and ``tp_ep_pp_with_egtp_remat``, or ``tp_ep_pp`` where expert GTP is off (the two then hold the same
-        ranks, as Megatron-Core's optimizer assumes): ``ValueError`` naming the field otherwise.
-        ``pg_collection=None`` is the global grid, with a fallback warning
-        (:func:`~pgregistry.resolver.resolve_collection`).
+        ``tp`` and ``mp`` must be set (``None`` when the axis is off), and ``tp_ep_pp_with_egtp_remat``, or
+        ``tp_ep_pp`` where expert GTP is off (the two then hold the same ranks, as Megatron-Core's optimizer
+        assumes; a collection from a Megatron-Core release without the GTP fields has only ``tp_ep_pp``):
+        ``ValueError`` naming the field otherwise.
         """
-        owner = "StatsGroups.from_collection"
-        pg_collection = resolve_collection(pg_collection, owner=owner)
         for name in ("tp", "mp"):
-            _require_stats_group(pg_collection, name)
-        tp, mp = pg_collection.get("tp"), pg_collection.get("mp")
-        expt_tp = pg_collection.get_or("expt_tp", tp)
-        expt_gtp_remat = resolve_gtp_remat_group(pg_collection, True, owner=owner)
-        expert_reduce = _expert_reduce_group(pg_collection, expt_gtp_remat)
+            _require_stats_group(collection, name)
+        expt_gtp_remat = collection.get("expt_gtp_remat")
         return cls(
-            tp=tp,
-            expt_tp=expt_tp,
-            gtp_remat=resolve_gtp_remat_group(pg_collection, False, owner=owner),
+            collection=collection,
+            tp=collection.get("tp"),
+            expt_tp=collection.get("expt_tp"),
+            gtp_remat=collection.get("gtp_remat"),
             expt_gtp_remat=expt_gtp_remat,
-            dense_reduce=mp,
-            expert_reduce=expert_reduce,
+            dense_reduce=collection.get("mp"),
+            expert_reduce=_expert_reduce_group(collection, expt_gtp_remat),
         )
 
 
-_EXPERT_REDUCE: Final = "tp_ep_pp_with_egtp_remat"
-
-
-def _require_stats_group(pg_collection: ProcessGroupCollection, name: GroupName) -> None:
-    if not pg_collection.is_set(name):
+def _require_stats_group(collection: ProcessGroupCollection, name: GroupName) -> None:
+    if not collection.is_set(name):
         raise ValueError(
             f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
             "the axis is off) so a duplicate filter never reads the global grid for it"
@@ -95,15 +91,15 @@ def _require_stats_group(pg_collection: ProcessGroupCollection, name: GroupName)
 
 
 def _expert_reduce_group(
-    pg_collection: ProcessGroupCollection, expt_gtp_remat: ProcessGroup | None
+    collection: ProcessGroupCollection, expt_gtp_remat: ProcessGroup | None
 ) -> ProcessGroup | None:
     """The expert model-parallel group: ``tp_ep_pp_with_egtp_remat``; ``tp_ep_pp`` is the same ranks only when
-    expert GTP is off, so it stands in for an unset one only then (a collection written before the field)."""
-    if pg_collection.is_set(_EXPERT_REDUCE) or group_size(expt_gtp_remat) > 1:
-        _require_stats_group(pg_collection, _EXPERT_REDUCE)
-        return pg_collection.get(_EXPERT_REDUCE)
-    _require_stats_group(pg_collection, "tp_ep_pp")
-    return pg_collection.get("tp_ep_pp")
+    expert GTP is off, so it stands in for an unset one only then."""
+    if collection.is_set(_EXPERT_REDUCE) or group_size(expt_gtp_remat) > 1:
+        _require_stats_group(collection, _EXPERT_REDUCE)
+        return collection.get(_EXPERT_REDUCE)
+    _require_stats_group(collection, "tp_ep_pp")
+    return collection.get("tp_ep_pp")
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
@@ -112,96 +108,55 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
 
 
 def param_is_not_tensor_parallel_duplicate(
-    param: torch.Tensor,
-    tp_group: ProcessGroup | None | Unset = UNSET,
-    expert_tp_group: ProcessGroup | None | Unset = UNSET,
-    *,
-    use_global_fallback: bool = True,
+    param: torch.Tensor, pg_collection: ProcessGroupCollection | None = None
 ) -> bool:
     """Whether this rank counts ``param``'s gradient as far as tensor parallelism goes.
 
     A TP-sharded parameter (``tensor_model_parallel``) is unique on every rank. Any other is replicated across
-    its TP group and counted on rank 0 of it only; that group is ``expert_tp_group`` for an expert parameter
-    (``allreduce is False``) and ``tp_group`` otherwise. ``None`` is a TP axis that is off (rank 0). An omitted
-    group (:data:`UNSET`) is read from the global grid with a fallback warning when ``use_global_fallback``;
-    otherwise it raises ``ValueError``.
+    its TP group and counted on rank 0 of it only; that group is ``expt_tp`` for an expert parameter
+    (``allreduce is False``) and ``tp`` otherwise. ``pg_collection=None`` is the global grid, with a fallback
+    warning, as is an UNSET field.
     """
-    if getattr(param, "tensor_model_parallel", False):
-        return True
-    expert = is_expert_param(param)
-    field: GroupName = "expt_tp" if expert else "tp"
-    return _is_first_replica(
-        expert_tp_group if expert else tp_group,
-        "expert_tp_group" if expert else "tp_group",
-        use_global_fallback,
-        lambda: resolve_process_groups(None, (field,), owner="param_is_not_tensor_parallel_duplicate")[field],
-    )
+    collection = resolve(pg_collection, owner="param_is_not_tensor_parallel_duplicate", fallback=("tp", "expt_tp"))
+    groups = {True: collection.get("expt_tp"), False: collection.get("tp")}
+    return _not_tp_duplicate(param, groups[is_expert_param(param)])
 
 
-def param_is_not_gtp_duplicate(
-    param: torch.Tensor,
-    gtp_group: ProcessGroup | None | Unset = UNSET,
-    expert_gtp_group: ProcessGroup | None | Unset = UNSET,
-    *,
-    use_global_fallback: bool = True,
-) -> bool:
+def param_is_not_gtp_duplicate(param: torch.Tensor, pg_collection: ProcessGroupCollection | None = None) -> bool:
     """Whether this rank counts ``param``'s gradient as far as the GTP-remat axis goes.
 
     A GTP-sharded parameter (``is_gtp_weight_remat``) is unique per GTP rank. Any other is replicated across the
-    GTP-remat group (``expert_gtp_group`` for experts) and counted on its rank 0 only. ``None`` is an axis that
-    is off. An omitted group resolves through :func:`~pgregistry.fallback.resolve_gtp_remat_group` (which warns
-    when the global GTP group has more than one rank) when ``use_global_fallback``; otherwise ``ValueError``.
+    GTP-remat group (``expt_gtp_remat`` for experts) and counted on its rank 0 only. ``pg_collection=None`` is the
+    global grid, with a fallback warning, as is an UNSET field.
     """
-    if getattr(param, "is_gtp_weight_remat", False):
-        return True
-    expert = is_expert_param(param)
-    return _is_first_replica(
-        expert_gtp_group if expert else gtp_group,
-        "expert_gtp_group" if expert else "gtp_group",
-        use_global_fallback,
-        lambda: resolve_gtp_remat_group(None, expert, owner="param_is_not_gtp_duplicate"),
-    )
+    owner = "param_is_not_gtp_duplicate"
+    collection = resolve(pg_collection, owner=owner, fallback=("gtp_remat", "expt_gtp_remat"))
+    groups = {True: collection.get("expt_gtp_remat"), False: collection.get("gtp_remat")}
+    return _not_gtp_duplicate(param, groups[is_expert_param(param)])
 
 
-def _is_first_replica(
-    group: ProcessGroup | None | Unset,
-    argument: str,
-    use_global_fallback: bool,
-    global_group: Callable[[], ProcessGroup | None],
-) -> bool:
-    """Whether this rank is rank 0 of ``group``, over which a parameter is replicated (``None``: the axis is off).
+def _not_tp_duplicate(param: torch.Tensor, tp_group: ProcessGroup | None) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False)) or group_rank(tp_group) == 0
 
-    An omitted ``group`` (:data:`UNSET`, passed as ``argument``) comes from ``global_group()`` when
-    ``use_global_fallback``; otherwise it is a ``ValueError``.
-    """
-    if group is UNSET:
-        if not use_global_fallback:
-            raise ValueError(
-                f"{argument} was not given and use_global_fallback=False; pass the group (None when the axis is "
-                "off) or build the filter groups with StatsGroups.from_collection"
-            )
-        group = global_group()
-    return group_rank(group) == 0
+
+def _not_gtp_duplicate(param: torch.Tensor, gtp_group: ProcessGroup | None) -> bool:
+    return bool(getattr(param, "is_gtp_weight_remat", False)) or group_rank(gtp_group) == 0
 
 
 def is_counted(param: torch.Tensor, groups: StatsGroups) -> bool:
     """Whether this rank counts ``param``'s gradient: not shared, not a TP duplicate, not a GTP duplicate."""
+    return param_is_not_shared(param) and all(role_verdicts(param, groups))
+
+
+def role_verdicts(param: torch.Tensor, groups: StatsGroups) -> tuple[bool, bool]:
+    """Whether this rank counts ``param``'s grad as far as TP and GTP go, by its roles."""
+    expert = is_expert_param(param)
     return (
-        param_is_not_shared(param)
-        and param_is_not_tensor_parallel_duplicate(param, groups.tp, groups.expt_tp, use_global_fallback=False)
-        and param_is_not_gtp_duplicate(
-            param, groups.gtp_remat, groups.expt_gtp_remat, use_global_fallback=False
-        )
+        _not_tp_duplicate(param, groups.expt_tp if expert else groups.tp),
+        _not_gtp_duplicate(param, groups.expt_gtp_remat if expert else groups.gtp_remat),
     )
 
 
 def reduce_group_of(param: torch.Tensor, groups: StatsGroups) -> ProcessGroup | None:
     """The group ``param``'s counted gradient is summed over: expert or dense model-parallel group."""
     return groups.expert_reduce if is_expert_param(param) else groups.dense_reduce
-
-
-def set_duplicate_filter_groups(optimizer: Any, pg_collection: ProcessGroupCollection) -> StatsGroups:
-    """Resolve :class:`StatsGroups` from ``pg_collection`` and attach them as ``optimizer.stats_groups``."""
-    groups = StatsGroups.from_collection(pg_collection)
-    optimizer.stats_groups = groups
-    return groups

@@ -17,16 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from pgregistry._classification import require_classified_experts
+from pgregistry._resolve import ParamsLike, normalise, resolve
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats.devices import reduction_device
 from pgregistry.grad_stats.dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, outer_shares
-from pgregistry.grad_stats.filters import (
-    StatsGroups,
-    is_counted,
-    param_is_not_gtp_duplicate,
-    param_is_not_tensor_parallel_duplicate,
-    reduce_group_of,
-)
+from pgregistry.grad_stats.filters import STATS_FALLBACK, StatsGroups, is_counted, reduce_group_of, role_verdicts
 from pgregistry.grad_stats.reductions import (
     checked_norm_type,
     clip_grads_,
@@ -34,14 +30,13 @@ from pgregistry.grad_stats.reductions import (
     local_zeros,
     reduce_over_groups,
 )
-from pgregistry.params import ParamsLike, check_expert_classification, model_chunks_of, named_parameters_of
-from pgregistry.resolver import resolve_collection
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ClassifiedGrads",
+    "check_expert_classification",
     "classify_grads",
     "classify_named_params",
     "clip_grad_norm_",
@@ -80,27 +75,37 @@ class ClassifiedGrads:
 def _classified(
     model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
 ) -> ClassifiedGrads:
-    """:func:`classify_named_params` of ``model_or_params``, after refusing unclassified expert parameters however
-    they were passed (:func:`~pgregistry.params.check_expert_classification`).
-
-    The collection is resolved once (:func:`~pgregistry.resolver.resolve_collection`): explicit, else attached to
-    the model, else the global grid with a warning."""
-    chunks = model_chunks_of(model_or_params)
-    named = named_parameters_of(model_or_params)  # consumes an iterator, once
-    collection = resolve_collection(pg_collection, chunks or None, owner=owner)
-    check_expert_classification(chunks or dict(named), collection)
-    for name, param in named:
+    """The door of the statistics entry points: ``model_or_params`` normalised once, the collection resolved once
+    (explicit, else attached to the model, else the global grid with a warning), unclassified expert parameters
+    refused however they were passed, sparse grads refused; then :func:`classify_named_params`."""
+    params = normalise(model_or_params)
+    collection = resolve(pg_collection, params.chunks, owner=owner, fallback=STATS_FALLBACK)
+    require_classified_experts(params, collection)
+    for name, param in params.named:
         if param.grad is not None and param.grad.layout != torch.strided:
             raise TypeError(
                 f"the grad of {name!r} is {param.grad.layout} (e.g. from nn.Embedding(sparse=True)); grad statistics "
                 "need dense (torch.strided) grads"
             )
-    return classify_named_params(named, collection, StatsGroups.from_collection(collection))
+    return classify_named_params(params.named, StatsGroups.from_collection(collection))
 
 
-def classify_named_params(
-    named: Sequence[tuple[str, torch.Tensor]], pg_collection: ProcessGroupCollection, groups: StatsGroups
-) -> ClassifiedGrads:
+def check_expert_classification(
+    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None = None
+) -> None:
+    """Refuse a parameter of a marked expert module that does not say whether it is replicated across EP.
+
+    Every statistics entry point and the optimizer builder run this check; call it to check a model on its own.
+    Only when the EP axis is on (more than one rank): with EP off the question does not arise. ``ValueError``
+    naming every such parameter; classify each with :func:`~pgregistry.params.mark_expert` or
+    :func:`~pgregistry.params.mark_expert_replicated`.
+    """
+    params = normalise(model_or_params)
+    collection = resolve(pg_collection, params.chunks, owner="check_expert_classification", fallback=("ep",))
+    require_classified_experts(params, collection)
+
+
+def classify_named_params(named: Sequence[tuple[str, torch.Tensor]], groups: StatsGroups) -> ClassifiedGrads:
     """Classify the grads of ``named`` parameters: plain ones by :func:`classify_grads`, DTensor ones by
     :func:`~pgregistry.grad_stats.dtensors.classify_dtensor_grad` (``ValueError`` naming a parameter whose mesh
     or placement disagrees with the collection or its roles).
@@ -116,7 +121,7 @@ def classify_named_params(
     local_grads = [param.grad for param in plain if param.grad is not None]
     if not distributed:
         return ClassifiedGrads(by_group=by_group, summed_first=[], axes=None, local_grads=local_grads)
-    axes = MeshAxes(pg_collection, {False: groups.dense_reduce, True: groups.expert_reduce})
+    axes = MeshAxes(groups.collection, {False: groups.dense_reduce, True: groups.expert_reduce})
     summed_first: list[DTensorGrad] = []
     verdicts: dict[tuple[Any, ...], tuple[bool, bool]] = {}
     for name, param in distributed:
@@ -130,7 +135,7 @@ def classify_named_params(
             getattr(param, "is_gtp_weight_remat", None),
         )
         if key not in verdicts:
-            verdicts[key] = _role_verdicts(param, groups)
+            verdicts[key] = role_verdicts(param, groups)
         entry = classify_dtensor_grad(name, param, cast("DTensor", grad), axes, verdicts[key])
         local_grads.append(entry.piece)
         if entry.outer is not None:
@@ -138,14 +143,6 @@ def classify_named_params(
         elif entry.counted:
             by_group[axes.reduce_groups[entry.expert]].append(entry.local)
     return ClassifiedGrads(by_group=by_group, summed_first=summed_first, axes=axes, local_grads=local_grads)
-
-
-def _role_verdicts(param: torch.Tensor, groups: StatsGroups) -> tuple[bool, bool]:
-    """Whether this rank counts ``param``'s grad as far as TP and GTP go, by its roles."""
-    return (
-        param_is_not_tensor_parallel_duplicate(param, groups.tp, groups.expt_tp, use_global_fallback=False),
-        param_is_not_gtp_duplicate(param, groups.gtp_remat, groups.expt_gtp_remat, use_global_fallback=False),
-    )
 
 
 def _statistic(
@@ -185,21 +182,22 @@ def norm_of_classified(classified: ClassifiedGrads, norm_type: float) -> torch.T
 
 
 def grad_norm(
-    params: ParamsLike, pg_collection: ProcessGroupCollection | None, *, norm_type: float = 2.0
+    params: ParamsLike, pg_collection: ProcessGroupCollection | None = None, *, norm_type: float = 2.0
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of the grads of ``params`` (a model, its parameters, ...) on its collection.
 
     Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`); a DTensor grad
     (FSDP2, ``parallelize_module``) by its placements over the mesh dims it spans and by the roles elsewhere
     (:mod:`pgregistry.grad_stats.dtensors`). Given a model or model chunks, parameters of a marked expert module without
-    an EP classification raise ``ValueError`` first (:func:`~pgregistry.params.check_expert_classification`).
+    an EP classification raise ``ValueError`` first (:func:`check_expert_classification`). ``pg_collection=None``
+    is the collection attached to the model, else the global grid with a warning.
     Collective over the collection's ``mp`` and ``tp_ep_pp_with_egtp_remat`` groups (and the data-parallel groups
     DTensor grads are sharded over). Returns a 0-dim float32 tensor on the grads' device.
     """
     return norm_of_classified(_classified(params, pg_collection, "grad_norm"), norm_type)
 
 
-def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None) -> int:
+def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None = None) -> int:
     """The global number of zero grad elements of ``params``, each distinct element counted once."""
     classified = _classified(params, pg_collection, "count_zeros")
     device = reduction_device(classified.local_grads, classified.by_group)
@@ -212,7 +210,7 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
 def clip_grad_norm_(
     params: ParamsLike,
     max_norm: float,
-    pg_collection: ProcessGroupCollection | None,
+    pg_collection: ProcessGroupCollection | None = None,
     *,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,

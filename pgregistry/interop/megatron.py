@@ -14,10 +14,11 @@
 
 Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global ``parallel_state`` group"
 (or the default group, in a collective): a TP-off model whose collection said ``tp=None`` under another model's
-global TP 2 gets its weights sharded over that TP group, without an error. So :func:`to_megatron` refuses
-``None`` there, naming the field; build the collection with ``explicit_singletons=True`` so an axis that is off is a
-real one-rank group. ``None`` passes only in the fields where Megatron-Core reads it as "not in such a group" or "not
-used" (:data:`NONE_MEANS_NOT_USED`).
+global TP 2 gets its weights sharded over that TP group, without an error. So :func:`to_megatron` hands Megatron-Core
+the collection's one-rank group (:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`, which every
+build makes) where an axis is off, and refuses a collection assembled by hand without one. ``None`` passes only in
+the fields where Megatron-Core reads it as "not used" (:data:`NONE_MEANS_NOT_USED`), and is what a rank outside the
+embedding groups (``NOT_MEMBER``) gets there, as Megatron-Core gives it.
 
 Megatron-Core is imported inside the functions: ``import pgregistry.interop.megatron`` works without it.
 """
@@ -29,13 +30,21 @@ import inspect
 from typing import TYPE_CHECKING, Any, Final
 
 from pgregistry._logging import get_logger
-from pgregistry.collection import FIELD_NAMES, UNSET, GroupName, ProcessGroupCollection, group_rank, group_size
+from pgregistry._resolve import checked
+from pgregistry.collection import (
+    FIELD_NAMES,
+    NOT_MEMBER,
+    UNSET,
+    GroupName,
+    ProcessGroupCollection,
+    group_rank,
+    group_size,
+)
 
 if TYPE_CHECKING:
     from torch import nn
 
     from pgregistry.layout import ParallelLayout
-    from pgregistry.registry import GroupRegistry
 
 __all__ = [
     "NONE_MEANS_NOT_USED",
@@ -50,10 +59,13 @@ __all__ = [
 
 _log = get_logger(__name__)
 
-NONE_MEANS_NOT_USED: Final = frozenset({"embd", "pos_embd", "hcp", "inter_dist_opt", "dp_cp_ag", "expt_dp_ag"})
-"""Fields where Megatron-Core reads ``None`` as "this rank holds no embedding" or "the feature is not used" (one
-optimizer instance, no hierarchical CP, no separate all-gather communicator). Everywhere else ``None`` makes
-Megatron-Core fall back to its global groups, so it is refused."""
+NONE_MEANS_NOT_USED: Final = frozenset({"hcp", "inter_dist_opt", "dp_cp_ag", "expt_dp_ag"})
+"""Fields where Megatron-Core reads ``None`` as "the feature is not used" (one optimizer instance, no hierarchical
+CP, no separate all-gather communicator), as a pgregistry collection reads it. Everywhere else ``None`` makes
+Megatron-Core fall back to its global groups."""
+
+_MEMBERSHIP_FIELDS: Final = frozenset({"embd", "pos_embd"})
+"""Fields where Megatron-Core reads ``None`` as "this rank is in no such group" (pgregistry's ``NOT_MEMBER``)."""
 
 # Fields only recent Megatron-Core releases have, and the field holding the same ranks when their axis is off.
 _GTP_FIELDS: Final[dict[str, GroupName | None]] = {
@@ -97,26 +109,17 @@ def _megatron_version() -> str:
         return str(getattr(megatron.core, "__version__", "unknown version"))
 
 
-def _refuse_none(name: str, where: str) -> None:
-    raise ValueError(
-        f"{where} field {name!r} is None: Megatron-Core has no 'axis off' value and reads None there as 'use the "
-        "global parallel_state group', so a model on this collection would run on another grid's groups. Build "
-        "the collection with pgregistry.build(layout, explicit_singletons=True) so an axis that is off is a real "
-        "one-rank group"
-    )
-
-
 def to_megatron(pg_collection: ProcessGroupCollection) -> Any:
     """Megatron-Core's ``ProcessGroupCollection`` holding the communicators of ``pg_collection`` (none created).
 
-    An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided"). ``None`` is refused
-    outside :data:`NONE_MEANS_NOT_USED` (``ValueError`` naming the field). A field the installed Megatron-Core does
-    not know (the GTP ones, before 0.17) is left out when it carries nothing: ``None``, one rank, or the same
-    communicator as the field it reduces to when GTP is off; otherwise ``ValueError``, since that Megatron-Core
-    cannot run the layout.
+    An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided"). ``None`` (axis
+    off) becomes the collection's one-rank group outside :data:`NONE_MEANS_NOT_USED` (``ValueError`` naming the
+    field for a collection without one); ``NOT_MEMBER`` becomes ``None`` in the embedding fields. A field the
+    installed Megatron-Core does not know (the GTP ones, before 0.17) is left out when it carries nothing: ``None``,
+    one rank, or the same communicator as the field it reduces to when GTP is off; otherwise ``ValueError``, since
+    that Megatron-Core cannot run the layout.
     """
-    if not isinstance(pg_collection, ProcessGroupCollection):
-        raise TypeError(f"to_megatron expects a pgregistry ProcessGroupCollection, got {type(pg_collection).__name__}")
+    pg_collection = checked(pg_collection, "to_megatron")
     known = set(_megatron_fields())
     fields: dict[str, Any] = {}
     for name, value in pg_collection.items():
@@ -125,10 +128,26 @@ def to_megatron(pg_collection: ProcessGroupCollection) -> Any:
         if name not in known:
             _check_droppable(pg_collection, name, value)
             continue
-        if value is None and name not in NONE_MEANS_NOT_USED:
-            _refuse_none(name, "pg_collection")
+        if value is NOT_MEMBER:
+            if name not in _MEMBERSHIP_FIELDS:
+                raise ValueError(f"field {name!r} is NOT_MEMBER, which Megatron-Core cannot express there")
+            value = None
+        elif value is None and name not in NONE_MEANS_NOT_USED:
+            value = _one_rank_group(pg_collection, name)
         fields[name] = value
     return _megatron_collection_type()(**fields)
+
+
+def _one_rank_group(pg_collection: ProcessGroupCollection, name: str) -> Any:
+    group = pg_collection.one_rank_group
+    if group is None:
+        raise ValueError(
+            f"pg_collection field {name!r} is None (axis off), and Megatron-Core has no 'axis off' value: it reads "
+            "None there as 'use the global parallel_state group', so a model on this collection would run on another "
+            "grid's groups. This collection has no one-rank group to stand for the axis: build it with "
+            "pgregistry.build(layout), or pass one_rank_group= when assembling it"
+        )
+    return group
 
 
 def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: Any) -> None:
@@ -143,17 +162,19 @@ def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: An
     )
 
 
-def from_megatron(mc_collection: Any, *, registry: GroupRegistry | None = None) -> ProcessGroupCollection:
-    """A pgregistry collection holding Megatron-Core's communicators, which the registry adopts.
+def from_megatron(mc_collection: Any) -> ProcessGroupCollection:
+    """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts.
 
-    Collective over the default process group (every rank calls it): the registry learns every rank set, so a
-    later ``build`` of a layout with the same rank sets reuses Megatron-Core's communicators instead of creating a
-    second set (:meth:`~pgregistry.registry.GroupRegistry.adopt`). A field absent from ``vars(mc_collection)`` is
-    UNSET; a field the installed Megatron-Core does not have (older releases lack the GTP ones) is UNSET too.
-    ``None`` is refused outside :data:`NONE_MEANS_NOT_USED`, where Megatron-Core would read it as "use the global
-    group", which a pgregistry collection cannot say (``ValueError`` naming the field).
+    Collective over the world (every rank calls it): pgregistry learns every rank set, so a later
+    :func:`pgregistry.registry.build` of a layout with the same rank sets reuses Megatron-Core's communicators
+    instead of creating a second set (:func:`pgregistry.registry.adopt`). A field absent from
+    ``vars(mc_collection)`` is UNSET; a field the installed Megatron-Core does not have (older releases lack the GTP
+    ones) is UNSET too. ``None`` in an embedding field is ``NOT_MEMBER`` (Megatron-Core's "not in an embedding
+    group"); elsewhere outside :data:`NONE_MEANS_NOT_USED` it is refused, since Megatron-Core would read it as "use
+    the global group", which a pgregistry collection cannot say (``ValueError`` naming the field). The collection
+    knows no layout: Megatron-Core's does not carry one.
     """
-    from pgregistry import registry as registry_module
+    from pgregistry import registry
 
     megatron_type = _megatron_collection_type()
     if not isinstance(mc_collection, megatron_type):
@@ -171,11 +192,19 @@ def from_megatron(mc_collection: Any, *, registry: GroupRegistry | None = None) 
             if value is None:
                 continue
             raise ValueError(f"Megatron-Core field {name!r} holds a group pgregistry has no field for")
-        if value is None and name not in NONE_MEANS_NOT_USED:
-            _refuse_none(name, "Megatron-Core collection")
+        if value is None and name in _MEMBERSHIP_FIELDS:
+            value = NOT_MEMBER
+        elif value is None and name not in NONE_MEANS_NOT_USED:
+            raise ValueError(
+                f"Megatron-Core collection field {name!r} is None, which Megatron-Core reads as 'use the global "
+                "parallel_state group': a pgregistry collection cannot say that; give the field a group"
+            )
         fields[name] = value
-    groups = [g for value in fields.values() for g in (value if isinstance(value, list) else [value]) if g is not None]
-    (registry or registry_module.default_registry).adopt(groups)
+    groups = [
+        g for value in fields.values() for g in (value if isinstance(value, list) else [value])
+        if g is not None and g is not NOT_MEMBER
+    ]
+    registry.adopt(groups)
     return ProcessGroupCollection(**fields)
 
 
@@ -254,33 +283,35 @@ def _group_in(collection: Any, name: GroupName) -> tuple[bool, Any]:
     return (name in present, present.get(name))
 
 
-def seed_megatron_rng(seed: int, pg_collection: ProcessGroupCollection, **megatron_options: Any) -> dict[str, int]:
+def seed_megatron_rng(
+    seed: int, pg_collection: ProcessGroupCollection, *, data_parallel_random_init: bool = False,
+    **megatron_options: Any,
+) -> dict[str, int]:
     """Seed Megatron-Core's CUDA RNG tracker (``model_parallel_cuda_manual_seed``) from the collection's ranks;
-    returns tracker name -> seed, as :func:`pgregistry.rng.tracker_seeds` computes them.
+    returns tracker name -> seed, as :func:`pgregistry.rng.model_parallel_manual_seed` computes them.
 
-    ``seed`` is the base seed (:func:`pgregistry.rng.base_seed_for_rank`: pipeline offset included). The TP, EP and
-    expert-TP ranks come from ``tp``, ``ep`` and ``expt_tp``, which must be set (``ValueError``: Megatron-Core would
-    read its global ranks). Megatron-Core reads the GTP-remat ranks from its global ``parallel_state`` only, so the
-    GTP streams are added here from ``gtp_remat``/``expt_gtp_remat``; a GTP stream its global grid already added
-    must have the collection's seed (``ValueError`` otherwise). ``megatron_options`` go to
-    ``model_parallel_cuda_manual_seed`` (``te_rng_tracker``, ``use_cudagraphable_rng``, ...). Needs CUDA.
+    ``seed`` is the job's seed: the pipeline (and data-parallel) offsets are added as Megatron's training loop adds
+    them before seeding. The ranks come from ``pp``, ``tp``, ``ep``, ``expt_tp`` and the GTP-remat groups, which
+    must be set (``ValueError``: Megatron-Core would read its global ranks). Megatron-Core reads the GTP-remat ranks
+    from its global ``parallel_state`` only, so the GTP streams are added here from ``gtp_remat``/``expt_gtp_remat``;
+    a GTP stream its global grid already added must have the collection's seed (``ValueError`` otherwise).
+    ``megatron_options`` go to ``model_parallel_cuda_manual_seed`` (``te_rng_tracker``, ``use_cudagraphable_rng``,
+    ...). Needs CUDA.
     """
     from megatron.core.tensor_parallel import random as megatron_random
 
-    from pgregistry.rng import EGTP_REMAT_RNG, GTP_REMAT_RNG, tracker_seeds
+    from pgregistry.rng import DATA_PARALLEL_RNG, EGTP_REMAT_RNG, GTP_REMAT_RNG, rank_seeds
 
-    missing = [name for name in _SEED_GROUPS if not pg_collection.is_set(name)]
+    pg_collection = checked(pg_collection, "seed_megatron_rng")
+    needed = _SEED_GROUPS + (("dp",) if data_parallel_random_init else ())
+    missing = [name for name in needed if not pg_collection.is_set(name)]
     if missing:
         raise ValueError(f"seed_megatron_rng needs the collection's {missing} group(s); set them (None = axis off)")
-    rank = {name: group_rank(pg_collection.get(name)) for name in _SEED_GROUPS}
-    seeds = tracker_seeds(
-        seed, tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"],
-        gtp_remat_rank=rank["gtp_remat"], gtp_remat_size=group_size(pg_collection.get("gtp_remat")),
-        expt_gtp_remat_rank=rank["expt_gtp_remat"],
-        expt_gtp_remat_size=group_size(pg_collection.get("expt_gtp_remat")),
-    )
+    seeds = rank_seeds(seed, pg_collection, data_parallel_random_init=data_parallel_random_init)
+    rank = {name: group_rank(pg_collection.get(name)) for name in ("tp", "ep", "expt_tp")}
     megatron_random.model_parallel_cuda_manual_seed(
-        seed, tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"], **megatron_options
+        seeds[DATA_PARALLEL_RNG], tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"],
+        **megatron_options,
     )
     tracker = megatron_random.get_cuda_rng_tracker()
     for name in (GTP_REMAT_RNG, EGTP_REMAT_RNG):
@@ -296,7 +327,7 @@ def seed_megatron_rng(seed: int, pg_collection: ProcessGroupCollection, **megatr
     return seeds
 
 
-_SEED_GROUPS: Final = ("tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+_SEED_GROUPS: Final[tuple[GroupName, ...]] = ("pp", "tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
 
 
 def mark_megatron_experts(model: nn.Module) -> int:

@@ -17,7 +17,7 @@ from pgregistry.optim.chained import ChainedOptimizer
 from pgregistry.optim.flat_step import ElementwiseRule, FlatStep
 from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
 from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
-from pgregistry.optim.setup import setup_process_groups_for_ddp, setup_process_groups_for_optimizer
+from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
 from pgregistry.optim.sharded import ShardedOptimizer
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "FlatStep",
     "InnerFactory",
     "MixedPrecisionOptimizer",
+    "OptimizerProcessGroups",
     "ParamNameFn",
     "ParamState",
     "ParamStateOptimizer",
@@ -34,6 +35,5 @@ __all__ = [
     "as_param_state_optimizer",
     "build_optimizer",
     "inner_factory",
-    "setup_process_groups_for_ddp",
     "setup_process_groups_for_optimizer",
 ]

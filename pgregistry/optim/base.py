@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from pgregistry.collection import UNSET, ProcessGroupCollection, group_size
+from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_buffer import (
     GradBuffer,
     GroupKey,
@@ -45,10 +45,10 @@ from pgregistry.grad_buffer import (
     span_statistics,
     span_zero_counts,
 )
-from pgregistry.grad_stats import backend_device, clip_grads_, set_duplicate_filter_groups
+from pgregistry.grad_stats import backend_device, clip_grads_
 from pgregistry.optim.flat_step import FLAT_DTYPES, ElementwiseRule, FlatStep
 from pgregistry.optim.param_state import ParamState
-from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
+from pgregistry.optim.setup import OptimizerProcessGroups
 from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
@@ -87,17 +87,12 @@ class FlatOptimizer(abc.ABC):
     :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict`.
     """
 
-    stats_groups: StatsGroups
-    """Duplicate-filter and reduction groups, attached by :func:`~pgregistry.grad_stats.set_duplicate_filter_groups`."""
-
     def __init__(
         self,
         params: Iterable[torch.Tensor],
-        pg_collection: ProcessGroupCollection | None,
+        process_groups: OptimizerProcessGroups,
         *,
         expert: bool,
-        sharded: bool,
-        process_groups: OptimizerProcessGroups | None,
         param_name_fn: ParamNameFn | None,
     ) -> None:
         self.params: list[torch.Tensor] = list(params)
@@ -116,10 +111,15 @@ class FlatOptimizer(abc.ABC):
                     f"{self.param_name(param)} is {kind} parameter but this optimizer was built with expert={expert}; "
                     "give dense and expert parameters to separate optimizers (build_optimizer does)"
                 )
-        self.process_groups: OptimizerProcessGroups = process_groups or setup_process_groups_for_optimizer(
-            pg_collection, use_distributed_optimizer=sharded
-        )
-        set_duplicate_filter_groups(self, pg_collection)  # type: ignore[arg-type]
+        if not isinstance(process_groups, OptimizerProcessGroups):
+            raise TypeError(
+                f"{type(self).__name__} takes the groups setup_process_groups_for_optimizer(pg_collection) returns, "
+                f"got {type(process_groups).__name__}"
+            )
+        self.process_groups = process_groups
+        """The validated groups this optimizer runs on."""
+        self.stats_groups: StatsGroups = process_groups.stats
+        """Which rank counts a grad and where the counted grads are summed."""
         self.buffer: GradBuffer
         self.inner: Inner | None = None
         self._stat_spans: tuple[Span, ...] = ()

@@ -2,9 +2,9 @@
 
 The builder is where expert grads filtered with the dense TP group (Megatron-LM PR 6470) could come back, so it does
 every step from the collection: refuse unclassified expert parameters (the xorl 1/sqrt(ep) undercount), validate the
-groups the optimizer needs (:func:`~pgregistry.optim.setup.setup_process_groups_for_optimizer`, Megatron-Core's
-order, each missing group named), split dense from routed-expert parameters, and give each child its own groups
-through :class:`~pgregistry.grad_stats.StatsGroups` (dense and expert TP groups both).
+groups the optimizer needs once (:func:`~pgregistry.optim.setup.optimizer_process_groups`, Megatron-Core's order,
+each missing group named), split dense from routed-expert parameters, and give both children those groups, dense
+and expert TP groups included (:class:`~pgregistry.grad_stats.StatsGroups`). The collection is resolved once.
 """
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pgregistry._classification import require_classified_experts
+from pgregistry._resolve import normalise, resolve
 from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.grad_stats import StatsGroups, backend_device
+from pgregistry.grad_stats import backend_device
+from pgregistry.grad_stats.filters import STATS_FALLBACK
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim.chained import ChainedOptimizer
 from pgregistry.optim.flat_step import ElementwiseRule
 from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
-from pgregistry.optim.setup import setup_process_groups_for_optimizer
+from pgregistry.optim.setup import optimizer_process_groups
 from pgregistry.optim.sharded import ShardedOptimizer
-from pgregistry.params import check_expert_classification, is_expert_param, named_parameters_of
-from pgregistry.resolver import resolve_collection
+from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -88,14 +90,14 @@ def build_optimizer(
     Raises ``ValueError`` for an unclassified expert parameter (naming it), a collection missing a group the
     optimizer needs (naming it), or a model without trainable parameters.
     """
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
-    pg_collection = resolve_collection(pg_collection, chunks, owner="build_optimizer")
-    check_expert_classification(chunks, pg_collection)
-    process_groups = setup_process_groups_for_optimizer(
-        pg_collection, chunks, use_distributed_optimizer=sharded
-    )
-    stats_groups = StatsGroups.from_collection(pg_collection)
-    named = [(name, p) for name, p in named_parameters_of(chunks) if p.requires_grad]
+    params = normalise(model)
+    if not params.chunks:
+        raise TypeError(f"build_optimizer expects a model or model chunks, got {type(model).__name__}")
+    collection = resolve(pg_collection, params.chunks, owner="build_optimizer", fallback=STATS_FALLBACK)
+    require_classified_experts(params, collection)
+    process_groups = optimizer_process_groups(collection, params.chunks, use_distributed_optimizer=sharded)
+    stats_groups = process_groups.stats
+    named = [(name, p) for name, p in params.named if p.requires_grad]
     names = {id(p): name for name, p in named}
     name_fn = param_name_fn or (lambda p: names[id(p)])
     if isinstance(optimizer, str):
@@ -105,22 +107,21 @@ def build_optimizer(
     main_dtype = torch.float32 if mixed_precision else None
     children: list[FlatOptimizer] = []
     for expert in (False, True):
-        params = [p for _, p in named if is_expert_param(p) == expert]
+        kind = [p for _, p in named if is_expert_param(p) == expert]
         if sharded:
             stats_group = process_groups.intra_dist_opt
         else:
             stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
-        if not _any_rank_has(bool(params), stats_group):  # type: ignore[arg-type]
+        if not _any_rank_has(bool(kind), stats_group):  # type: ignore[arg-type]
             continue
         if sharded:
             children.append(ShardedOptimizer(
-                params, pg_collection, inner=inner, expert=expert, main_dtype=main_dtype,
-                process_groups=process_groups, param_name_fn=name_fn,
+                kind, process_groups, inner=inner, expert=expert, main_dtype=main_dtype, param_name_fn=name_fn,
             ))
         else:
             children.append(MixedPrecisionOptimizer(
-                params, pg_collection, inner=inner, expert=expert, main_dtype=main_dtype,
-                bucket_numel=bucket_numel, process_groups=process_groups, param_name_fn=name_fn,
+                kind, process_groups, inner=inner, expert=expert, main_dtype=main_dtype,
+                bucket_numel=bucket_numel, param_name_fn=name_fn,
             ))
     if not children:
         raise ValueError("the model has no trainable parameters (none with requires_grad=True)")

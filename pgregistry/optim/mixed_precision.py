@@ -21,7 +21,6 @@ from typing import Any
 import attrs
 import torch
 
-from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_buffer import GradBuffer, all_reduce_grads_
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim.param_state import MAIN_PARAM, ParamState, load_inner_state
@@ -36,7 +35,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     Args:
         params: the model parameters, all dense or all routed experts (``expert``).
-        pg_collection: the model's collection (``None``: the global grid, with fallback warnings).
+        process_groups: the groups it runs on, from
+            :func:`~pgregistry.optim.setup.setup_process_groups_for_optimizer` (``build_optimizer`` makes them once
+            for all its children).
         inner: the update rule over the main params: an :class:`~pgregistry.optim.flat_step.ElementwiseRule`
             (``inner_factory("adam", lr=1e-3)``) steps them as one flat tensor; any other factory, e.g.
             ``functools.partial(torch.optim.Adam, lr=1e-3)``, gets the per-parameter main params.
@@ -46,31 +47,21 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             are divided by the ``dp_cp`` size (see :mod:`pgregistry.optim.base`).
         main_dtype: dtype of the main copies and grads; ``None`` steps the parameters themselves.
         bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one bucket).
-        process_groups: groups already validated by
-            :func:`~pgregistry.optim.setup.setup_process_groups_for_optimizer` (the builder passes them).
         param_name_fn: names parameters in state dicts and errors.
     """
 
     def __init__(
         self,
         params: Iterable[torch.Tensor],
-        pg_collection: ProcessGroupCollection | None,
+        process_groups: OptimizerProcessGroups,
         *,
         inner: InnerFactory,
         expert: bool = False,
         main_dtype: torch.dtype | None = torch.float32,
         bucket_numel: int | None = None,
-        process_groups: OptimizerProcessGroups | None = None,
         param_name_fn: ParamNameFn | None = None,
     ) -> None:
-        super().__init__(
-            params,
-            pg_collection,
-            expert=expert,
-            sharded=False,
-            process_groups=process_groups,
-            param_name_fn=param_name_fn,
-        )
+        super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
         self.grad_sync_group = self.process_groups.expt_dp if expert else self.process_groups.dp_cp
         """Grads are summed over this group (after division by :attr:`grad_divisor`): ``expt_dp`` for experts,
         ``dp_cp`` for dense parameters."""

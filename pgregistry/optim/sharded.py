@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.collection import group_size
 from pgregistry.grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
 from pgregistry.optim.param_state import MAIN_PARAM, ParamState, load_inner_state
@@ -63,22 +63,14 @@ class ShardedOptimizer(FlatOptimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor],
-        pg_collection: ProcessGroupCollection | None,
+        process_groups: OptimizerProcessGroups,
         *,
         inner: InnerFactory,
         expert: bool = False,
         main_dtype: torch.dtype | None = torch.float32,
-        process_groups: OptimizerProcessGroups | None = None,
         param_name_fn: ParamNameFn | None = None,
     ) -> None:
-        super().__init__(
-            params,
-            pg_collection,
-            expert=expert,
-            sharded=True,
-            process_groups=process_groups,
-            param_name_fn=param_name_fn,
-        )
+        super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
         groups = self.process_groups
         if group_size(groups.inter_dist_opt) > 1:
             raise ValueError(

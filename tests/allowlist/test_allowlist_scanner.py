@@ -128,28 +128,28 @@ FOUND = {
         "make = ProcessGroupCollection.use_mpu_process_groups\n",
         "<module>|use_mpu_process_groups|reference",
     ),
-    "registry: from pgregistry.registry import global_collection": (
-        "from pgregistry.registry import global_collection\nglobal_collection()\n",
+    "global grid: from pgregistry.global_grid import global_collection": (
+        "from pgregistry.global_grid import global_collection\nglobal_collection()\n",
         "<module>|global_collection|call",
     ),
-    "registry: module imported from the package": (
-        "from pgregistry import registry\nregistry.global_collection_or_none()\n",
-        "<module>|global_collection_or_none|call",
-    ),
-    "registry: import ... as": (
-        "import pgregistry.registry as reg\nreg.global_collection()\n",
+    "global grid: module imported from the package": (
+        "from pgregistry import global_grid\nglobal_grid.global_collection()\n",
         "<module>|global_collection|call",
     ),
-    "registry: fully dotted": (
-        "import pgregistry\npgregistry.registry.global_collection()\n",
+    "global grid: import ... as": (
+        "import pgregistry.global_grid as reg\nreg.global_collection()\n",
         "<module>|global_collection|call",
     ),
-    "registry: re-exported from the package root": (
+    "global grid: fully dotted": (
+        "import pgregistry\npgregistry.global_grid.global_collection()\n",
+        "<module>|global_collection|call",
+    ),
+    "global grid: a name of the package root": (
         "import pgregistry\npgregistry.global_collection()\n",
         "<module>|global_collection|call",
     ),
-    "registry: get_global_*": (
-        "from pgregistry.registry import get_global_grid\nget_global_grid()\n",
+    "global grid: get_global_*": (
+        "from pgregistry.global_grid import get_global_grid\nget_global_grid()\n",
         "<module>|get_global_grid|call",
     ),
 }
@@ -162,8 +162,8 @@ def test_each_form_is_found(source: str, key: str) -> None:
 
 def test_relative_import_resolves_against_the_files_package() -> None:
     source = (
-        "from .registry import global_collection\nfrom . import registry\n"
-        "global_collection()\nregistry.global_collection()\n"
+        "from .global_grid import global_collection\nfrom . import global_grid\n"
+        "global_collection()\nglobal_grid.global_collection()\n"
     )
     assert keys(source, path="pgregistry/fallback.py") == ["<module>|global_collection|call"] * 2
     # The same relative import in another package names another module.
@@ -198,7 +198,8 @@ NOT_FOUND = {
     "a monkeypatched accessor": "ps.get_tensor_model_parallel_group = lambda: None\n",
     "getattr with a computed name": "getattr(ps, name)\n",
     "the global grid set up": (
-        "from pgregistry.registry import initialize_global_grid, build\ninitialize_global_grid(layout)\nbuild(layout)\n"
+        "from pgregistry.global_grid import initialize_global_grid\nfrom pgregistry.registry import build\n"
+        "initialize_global_grid(layout)\nbuild(layout)\n"
     ),
     "the module itself passed around": "import megatron.core.parallel_state as ps\nuse(ps)\n",
     "a lower-case private global": "ps._tensor_model_parallel_group\n",
@@ -301,10 +302,10 @@ def test_configured_module_names_and_patterns() -> None:
 
 
 def test_an_alias_for_part_of_a_dotted_module_name_resolves() -> None:
-    config = ScanConfig(registry_modules=("pgregistry.registry",))
-    source = "import pgregistry as pg\n\ndef f():\n    return pg.registry.global_collection()\n"
+    config = ScanConfig(registry_modules=("pgregistry.global_grid",))
+    source = "import pgregistry as pg\n\ndef f():\n    return pg.global_grid.global_collection()\n"
     assert keys(source, config=config) == ["f|global_collection|call"]
-    assert keys("import os as pg\npg.registry.global_collection()\n", config=config) == []
+    assert keys("import os as pg\npg.global_grid.global_collection()\n", config=config) == []
 
 
 def test_bad_configuration_names_the_setting() -> None:
@@ -372,7 +373,7 @@ SNIPPETS = (
     "g = getattr(mpu, 'get_pipeline_model_parallel_group')()",
     "cfg = config.get_tensor_model_parallel_group()",
     "pgc = ProcessGroupCollection.use_mpu_process_groups()",
-    "grid = registry.global_collection_or_none()",
+    "grid = global_grid.global_collection(None)",
     "other = obj.method(1, key=[i for i in range(3)])",
     "deep = ((((megatron.core.parallel_state\n    .get_context_parallel_group()))))",
     "text = 'ps.get_data_parallel_rank()'  # mpu.get_x_group()",
@@ -381,7 +382,7 @@ IMPORTS = (
     "import functools",
     "import megatron.core.parallel_state as pstate",
     "from megatron.core.parallel_state import get_tensor_model_parallel_world_size as tpws",
-    "from pgregistry import registry",
+    "from pgregistry import global_grid",
 )
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import attrs
 import pytest
 import torch
 import torch.distributed as dist
 from fixtures.groups import SizeRankGroup
 
-from pgregistry import UNSET, ProcessGroupCollection
+from pgregistry import NOT_MEMBER, UNSET, ProcessGroupCollection
 from pgregistry.collection import FIELD_NAMES, Unset, check_field_names, group_rank, group_size
 from pgregistry.testing import run_world
 
@@ -33,9 +32,12 @@ def test_three_states_are_kept_apart() -> None:
     assert not collection.is_set("dp")
     with pytest.raises(AttributeError, match=r"process group 'dp' is not set"):
         collection.get("dp")
-    # UNSET is not None and reads as false, so `if group:` never treats it as a group.
-    assert UNSET is not None and not UNSET and repr(UNSET) == "UNSET"
-    assert isinstance(UNSET, Unset)
+    # UNSET is not None and has no truth value, so `if pg.tp:` can never read "nobody said" as "off".
+    assert UNSET is not None and repr(UNSET) == "UNSET" and isinstance(UNSET, Unset)
+    with pytest.raises(TypeError, match="UNSET .* has no truth value"):
+        bool(collection.dp)
+    with pytest.raises(TypeError, match="NOT_MEMBER .* has no truth value"):
+        bool(NOT_MEMBER)
 
 
 def test_unknown_names_suggest_a_close_match() -> None:
@@ -80,8 +82,8 @@ def test_repr_names_set_fields_with_their_sizes() -> None:
 
 def test_collection_is_frozen() -> None:
     collection = ProcessGroupCollection(tp=None)
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        collection.tp = SizeRankGroup(2)  # type: ignore[misc]
+    with pytest.raises(AttributeError, match=r"ProcessGroupCollection is frozen; use evolve\(tp=...\)"):
+        collection.tp = SizeRankGroup(2)  # type: ignore[assignment]
     with pytest.raises(AttributeError):
         collection.not_a_field = None  # type: ignore[attr-defined]
     assert collection.get("tp") is None
@@ -92,8 +94,10 @@ def test_group_size_and_rank_read_none_as_axis_off() -> None:
     group: Any = SizeRankGroup(8, rank=3)
     assert group_size(group) == 8 and group_rank(group) == 3
     for helper in (group_size, group_rank):
-        with pytest.raises(ValueError, match="UNSET is not a process group; resolve it first"):
+        with pytest.raises(ValueError, match="UNSET is not a process group: the field was never given"):
             helper(UNSET)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="not a member of the group it asked about"):
+            helper(NOT_MEMBER)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a member of the group it asked about"):
         group_rank(SizeRankGroup(2, rank=-1))  # type: ignore[arg-type]
 

@@ -25,7 +25,8 @@ from pgregistry.testing import run_world
 
 
 def test_a_field_that_is_not_a_group_is_a_type_error_naming_it() -> None:
-    with pytest.raises(TypeError, match=r"'tp' must be a torch ProcessGroup, None \(axis off\) or UNSET; got int"):
+    expected = r"'tp' must be a torch ProcessGroup, None \(axis off\), UNSET or NOT_MEMBER; got int"
+    with pytest.raises(TypeError, match=expected):
         ProcessGroupCollection(tp=5, ep="oops")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"field 'ep' .* got str 'oops'"):
         ProcessGroupCollection(tp=None, ep="oops")  # type: ignore[arg-type]

@@ -12,19 +12,15 @@ import warnings
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from fixtures.groups import SizeRankGroup
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry import registry as reg
-from pgregistry.fallback import (
-    forget_fallback_warnings,
-    gtp_replica_rank,
-    resolve_gtp_remat_group,
-    resolve_process_groups,
-    warn_global_process_group_fallback,
-)
+from pgregistry._resolve import resolve
+from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
+from pgregistry.fallback import warn_fallback
+from pgregistry.global_grid import global_collection, initialize_global_grid
 from pgregistry.testing import run_world
 
 _ERROR_FLAG = "error::pgregistry.ProcessGroupFallbackWarning"
@@ -51,8 +47,8 @@ def _names(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 def _owner(argument: str = "tp", owner: str = "Owner") -> None:
-    """Stands for library code that falls back: its warning points at whoever called it (stacklevel 2)."""
-    warn_global_process_group_fallback(owner, argument)
+    """Stands for user code that falls back: the warning points at its first frame outside pgregistry."""
+    warn_fallback(owner, argument)
 
 
 def test_category_is_importable_at_interpreter_start_without_torch() -> None:
@@ -87,9 +83,10 @@ def test_warns_once_per_owner_and_argument_under_default_filters() -> None:
 def test_forget_lets_each_pair_warn_again() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
-        _owner("tp")
+        # Two call sites: Python's own "default" action shows a warning once per location besides.
+        warn_fallback("Owner", "tp")
         forget_fallback_warnings()
-        _owner("tp")
+        warn_fallback("Owner", "tp")
     assert _names(caught) == ["tp", "tp"]
 
 
@@ -103,11 +100,11 @@ def test_error_filter_raises_every_time() -> None:
 
 _RAISES_EVERY_TIME = """
     from pgregistry import ProcessGroupFallbackWarning
-    from pgregistry.fallback import warn_global_process_group_fallback
+    from pgregistry.fallback import warn_fallback
     raised = 0
     for _ in range(3):  # at the top level too, where the stack is shallower than stacklevel
         try:
-            warn_global_process_group_fallback("Owner", "tp")
+            warn_fallback("Owner", "tp")
         except ProcessGroupFallbackWarning:
             raised += 1
     print(raised)
@@ -137,9 +134,9 @@ def test_pythonwarnings_and_later_options_keep_their_meaning() -> None:
 def test_default_filters_in_a_fresh_interpreter_print_once() -> None:
     done = _run_python(
         """
-        from pgregistry.fallback import warn_global_process_group_fallback
-        def a(): warn_global_process_group_fallback("Owner", "tp")
-        def b(): warn_global_process_group_fallback("Owner", "tp")
+        from pgregistry.fallback import warn_fallback
+        def a(): warn_fallback("Owner", "tp")
+        def b(): warn_fallback("Owner", "tp")
         a(); b(); a()
         """
     )
@@ -164,7 +161,7 @@ def test_always_and_ignore_are_honoured() -> None:
 
 
 def _resolving_owner() -> None:
-    resolve_process_groups(None, ["tp", "not_a_group"], owner="Owner")
+    resolve(ProcessGroupCollection(tp=None), owner="Owner", fallback=["tp", "not_a_group"])  # type: ignore[list-item]
 
 
 def test_filters_match_the_calling_module_and_the_warning_points_at_the_caller() -> None:
@@ -184,45 +181,49 @@ def test_filters_match_the_calling_module_and_the_warning_points_at_the_caller()
     assert _names(caught) == ["tp"]
 
 
-# ------------------------------------------------------------------------------------------------ resolvers, no grid
+# ------------------------------------------------------------------------------------------------ the door, no grid
+
+
+def test_a_fallback_inside_pgregistry_is_attributed_to_the_callers_module() -> None:
+    """A migration config filters by the user's module (``error::...:mypackage.trainer``): the warning an entry
+    point emits must carry the first frame outside pgregistry, not the door's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore", ProcessGroupFallbackWarning)
+        warnings.filterwarnings("always", category=ProcessGroupFallbackWarning, module=re.escape(__name__))
+        with pytest.raises(RuntimeError, match="no global grid"):
+            resolve(ProcessGroupCollection(tp=None), owner="Owner", fallback=("dp",))
+    assert _names(caught) == ["dp"]
+    assert caught[0].filename == __file__
 
 
 def test_set_fields_are_returned_as_they_are_without_warning() -> None:
     tp = SizeRankGroup(2)
-    collection = ProcessGroupCollection(tp=tp, cp=None)
+    collection = ProcessGroupCollection(tp=tp, cp=None, gtp_remat=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("error", ProcessGroupFallbackWarning)
-        assert resolve_process_groups(collection, ("tp", "cp"), owner="Owner") == {"tp": tp, "cp": None}
-        assert resolve_gtp_remat_group(ProcessGroupCollection(gtp_remat=None), False, owner="Owner") is None
-        group = SizeRankGroup(4)
-        assert resolve_gtp_remat_group(ProcessGroupCollection(expt_gtp_remat=group), True, owner="O") is group
+        assert resolve(collection, owner="Owner", fallback=("tp", "cp", "gtp_remat")) is collection
     assert caught == []
 
 
 def test_unknown_name_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"Unknown attribute: 'dp_pc'; did you mean 'dp_cp'\?"):
-        resolve_process_groups(ProcessGroupCollection(tp=None), ["dp_pc"], owner="Owner")
+        resolve(ProcessGroupCollection(tp=None), owner="Owner", fallback=["dp_pc"])  # type: ignore[list-item]
 
 
 def test_missing_global_grid_is_a_runtime_error_naming_owner_and_group() -> None:
-    assert reg.global_collection_or_none() is None
+    assert global_collection(None) is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProcessGroupFallbackWarning)
         with pytest.raises(RuntimeError, match=r"^MyOptimizer needs process group 'dp': .*no global grid"):
-            resolve_process_groups(ProcessGroupCollection(tp=None), ["tp", "dp"], owner="MyOptimizer")
-        with pytest.raises(RuntimeError, match=r"^MyLinear needs process group 'expt_gtp_remat'"):
-            resolve_gtp_remat_group(None, True, owner="MyLinear")
+            resolve(ProcessGroupCollection(tp=None), owner="MyOptimizer", fallback=("tp", "dp"))
+        with pytest.raises(RuntimeError, match=r"^MyLinear was not given a ProcessGroupCollection and no global"):
+            resolve(None, owner="MyLinear", fallback=("expt_gtp_remat",))
         with pytest.raises(RuntimeError, match="the global grid is not initialised"):
-            reg.global_collection()
+            global_collection()
     assert _names(caught) == ["dp"]  # it warned before finding nothing to fall back to
 
 
-def test_gtp_replica_rank_is_zero_without_torch_distributed() -> None:
-    assert not dist.is_initialized()
-    assert gtp_replica_rank(torch.zeros(1)) == 0
-
-
-# ------------------------------------------------------------------------------------------------ resolvers, grid
+# ------------------------------------------------------------------------------------------------ the door, grid
 
 _GRID = ParallelLayout(world_size=8, tp=2, cp=2, ep=2, etp=1, gtp_remat=2)  # dp 1, expt_dp 4, dp_cp 2
 _GRID_NO_GTP = ParallelLayout(world_size=8, tp=2, cp=2, ep=2, etp=1, expt_gtp_remat=2)  # dp 2, dp_cp 4
@@ -236,69 +237,59 @@ def _resolve_on_a_grid() -> dict[str, Any]:
     out: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProcessGroupFallbackWarning)
-        # Before any grid: a distributed job still needs one to fall back to.
-        try:
-            gtp_replica_rank(torch.zeros(1))
-        except RuntimeError as exc:
-            out["no_grid"] = str(exc)
-        grid = reg.initialize_global_grid(_GRID)
-        assert reg.global_collection() is grid
+        grid = initialize_global_grid(_GRID)
+        assert global_collection() is grid
         caught.clear()
-        resolved = resolve_process_groups(ProcessGroupCollection(tp=None), ["tp", "dp_cp", "ep"], owner="O")
-        out["resolved"] = {name: _ranks(group) for name, group in resolved.items()}
-        out["same_objects"] = resolved["dp_cp"] is grid.get("dp_cp") and resolved["ep"] is grid.get("ep")
+        fields = ("tp", "dp_cp", "ep", "gtp_remat", "expt_gtp_remat")
+        resolved = resolve(ProcessGroupCollection(tp=None), owner="O", fallback=fields)
+        out["resolved"] = {name: _ranks(resolved.get(name)) for name in fields}
+        out["same_objects"] = resolved.get("dp_cp") is grid.get("dp_cp") and resolved.get("ep") is grid.get("ep")
         out["resolve_warned"] = _names(caught)
         caught.clear()
-        out["gtp"] = _ranks(resolve_gtp_remat_group(None, False, owner="O"))
-        out["egtp_none"] = resolve_gtp_remat_group(ProcessGroupCollection(), True, owner="O")
-        out["gtp_warned"] = _names(caught)  # only the 2-rank dense axis warns; expert GTP is 1 rank (None)
-        caught.clear()
-        dense, expert = torch.zeros(1), torch.zeros(1)
-        expert.allreduce = False  # type: ignore[attr-defined]
-        out["replica"] = [gtp_replica_rank(dense), gtp_replica_rank(expert)]
-        out["replica_warned"] = _names(caught)
-        caught.clear()
-        tagged = torch.zeros(1)
-        tagged.gtp_replica_group = grid.get("tp")  # type: ignore[attr-defined]
-        off = torch.zeros(1)
-        off.gtp_replica_group = None  # type: ignore[attr-defined]
-        out["replica_explicit"] = [
-            gtp_replica_rank(dense, grid.get("ep")), gtp_replica_rank(tagged), gtp_replica_rank(off),
-        ]
-        out["explicit_warned"] = _names(caught)
-        # A grid without the dense GTP axis: its fallback changes nothing and stays quiet.
+        out["whole"] = resolve(None, owner="O", fallback=fields) is grid
+        out["whole_warned"] = [str(c.message).split(" was")[0] for c in caught]
+        # A grid without the dense GTP axis: its fallback warns like any other, one-rank axis or not.
         reg.destroy()
-        assert reg.global_collection_or_none() is None
-        reg.initialize_global_grid(_GRID_NO_GTP)
+        assert global_collection(None) is None
+        initialize_global_grid(_GRID_NO_GTP)
         caught.clear()
-        out["gtp_off"] = resolve_gtp_remat_group(None, False, owner="O2")
-        out["egtp_on"] = _ranks(resolve_gtp_remat_group(None, True, owner="O2"))
+        off = resolve(ProcessGroupCollection(), owner="O2", fallback=("gtp_remat", "expt_gtp_remat"))
+        out["gtp_off"] = off.get("gtp_remat")
+        out["egtp_on"] = _ranks(off.get("expt_gtp_remat"))
         out["off_warned"] = _names(caught)
         try:
-            reg.initialize_global_grid(_GRID_NO_GTP)
+            initialize_global_grid(_GRID_NO_GTP)
         except RuntimeError as exc:
             out["twice"] = str(exc)
         reg.destroy()
     return out
 
 
-def test_resolvers_read_the_global_grid_and_warn() -> None:
+def test_the_door_reads_the_global_grid_and_warns_for_each_field_gtp_too() -> None:
     results = run_world(8, _resolve_on_a_grid)
     for rank, out in enumerate(results):
         mine = _GRID.groups_of(rank)
-        assert "gtp_replica_rank needs process group 'dp_cp'" in out["no_grid"]
-        assert out["resolved"] == {"tp": None, "dp_cp": list(mine["dp_cp"]), "ep": list(mine["ep"])}
+        assert out["resolved"] == {
+            "tp": None, "dp_cp": list(mine["dp_cp"]), "ep": list(mine["ep"]),
+            "gtp_remat": list(mine["gtp_remat"]), "expt_gtp_remat": None,
+        }
         assert out["same_objects"]
-        assert out["resolve_warned"] == ["dp_cp", "ep"]
-        assert out["gtp"] == list(mine["gtp_remat"]) and len(out["gtp"]) == 2
-        assert out["egtp_none"] is None
-        assert out["gtp_warned"] == ["gtp_remat"]
-        coords = _GRID.coords(rank)
-        assert out["replica"] == [mine["dp_cp"].index(rank), coords["expt_dp"]]
-        assert out["replica_warned"] == ["dp_cp", "expt_dp"]
-        assert out["replica_explicit"] == [coords["ep"], coords["tp"], 0]
-        assert out["explicit_warned"] == []
+        assert out["resolve_warned"] == ["dp_cp", "ep", "gtp_remat", "expt_gtp_remat"]
+        assert out["whole"] and out["whole_warned"] == ["O"]
         assert out["gtp_off"] is None
         assert out["egtp_on"] == list(_GRID_NO_GTP.groups_of(rank)["expt_gtp_remat"])
-        assert out["off_warned"] == ["expt_gtp_remat"]
+        assert out["off_warned"] == ["gtp_remat", "expt_gtp_remat"]
         assert "already initialised" in out["twice"]
+
+
+def test_a_misspelled_pgregistry_category_on_the_command_line_is_an_error_naming_the_right_one() -> None:
+    done = _run_python("import pgregistry", "-W", "error::pgregistry.ProcessGroupFallbakWarning")
+    assert done.returncode != 0
+    assert "names no pgregistry warning category; did you mean 'pgregistry.ProcessGroupFallbackWarning'" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co", os.devnull],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "error::pgregistry.fallback.ProcessGroupFallbakWarning"},
+    )
+    assert done.returncode != 0
+    assert "did you mean 'pgregistry.fallback.ProcessGroupFallbackWarning'" in done.stdout + done.stderr

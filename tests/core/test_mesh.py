@@ -18,7 +18,7 @@ _LAYOUT = ParallelLayout(world_size=8, tp=2, pp=2)
 
 def _from_mesh() -> dict[str, Any]:
     built = reg.build(_LAYOUT)
-    created = reg.default_registry.groups_created
+    created = reg.communicators_created()
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     collection = from_device_mesh(
         mesh, {"tp": "tp", "dp": ("dp",), "pp": "pp", "tp_dp_cp": ("dp", "tp"), "mp": ("tp", "pp"), "dp_cp": "dp"}
@@ -33,7 +33,7 @@ def _from_mesh() -> dict[str, Any]:
         "same_set_same_group": again.get("tp_cp") is collection.get("tp_dp_cp"),
         "new_set": member_mask(again.get("tp_ep_pp")),
         # Two new sets: the (pp, dp) pairs, one per tp coordinate; the rest existed.
-        "created": reg.default_registry.groups_created - created,
+        "created": reg.communicators_created() - created,
         "errors": errors_of({
             "field": lambda: from_device_mesh(mesh, {"tpp": "tp"}),
             "dim": lambda: from_device_mesh(mesh, {"tp": "cp"}),
@@ -80,30 +80,33 @@ _GRID = ParallelLayout(world_size=8, tp=2, cp=2, pp=2)  # dp is 1
 
 
 def _to_mesh() -> dict[str, Any]:
-    collection = reg.build(_GRID, explicit_singletons=True)
-    created = reg.default_registry.groups_created
-    full = to_device_mesh(_GRID, collection, ("pp", "dp", "cp", "tp"))
-    part = to_device_mesh(_GRID, collection, ("tp", "pp"))
-    plain = reg.build(_GRID, name="plain")
-    other = reg.build(ParallelLayout(world_size=8, tp=4, pp=2), explicit_singletons=True)
+    collection = reg.build(_GRID)
+    created = reg.communicators_created()
+    full = to_device_mesh(collection, ("pp", "dp", "cp", "tp"))
+    part = to_device_mesh(collection, ("tp", "pp"))
+    by_hand = ProcessGroupCollection(**dict(collection.items()))  # the same groups, no one-rank group
+    other = reg.build(ParallelLayout(world_size=8, tp=4, pp=2))
     return {
         "mesh": full.mesh.tolist(),
         "dim_names": full.mesh_dim_names,
-        "reused": [full.get_group(a) is collection.get(a) for a in ("pp", "dp", "cp", "tp")],
+        # dp is one rank: its dim is the build's one-rank group (a DeviceMesh has no "axis off").
+        "reused": [
+            full.get_group(a) is (collection.get(a) or collection.one_rank_group) for a in ("pp", "dp", "cp", "tp")
+        ],
         "masks": [member_mask(full.get_group(a)) for a in ("pp", "dp", "cp", "tp")],
         "local": [full.get_local_rank(a) for a in ("pp", "dp", "cp", "tp")],
         "coordinate": list(full.get_coordinate() or ()),
         "part": part.mesh.tolist(),
         "part_masks": [member_mask(part.get_group(a)) for a in ("tp", "pp")],
-        "created": reg.default_registry.groups_created - created,
+        "created": reg.communicators_created() - created,
         "errors": errors_of({
-            "off": lambda: to_device_mesh(_GRID, plain, ("dp", "tp")),
-            "unset": lambda: to_device_mesh(_GRID, ProcessGroupCollection(tp=collection.get("tp")), ("cp", "tp")),
-            "axis": lambda: to_device_mesh(_GRID, collection, ("tp", "embd")),
-            "overlap": lambda: to_device_mesh(_GRID, collection, ("dp_cp", "cp")),
-            "names": lambda: to_device_mesh(_GRID, collection, ("cp", "tp"), dim_names=("x", "x")),
-            "repeated": lambda: to_device_mesh(_GRID, collection, ("tp", "tp")),
-            "other_layout": lambda: to_device_mesh(_GRID, other, ("pp", "tp")),
+            "off": lambda: to_device_mesh(by_hand, ("dp", "tp")),
+            "unset": lambda: to_device_mesh(ProcessGroupCollection(tp=collection.get("tp")), ("cp", "tp")),
+            "axis": lambda: to_device_mesh(collection, ("tp", "embd")),
+            "overlap": lambda: to_device_mesh(collection, ("dp_cp", "cp")),
+            "names": lambda: to_device_mesh(collection, ("cp", "tp"), dim_names=("x", "x")),
+            "repeated": lambda: to_device_mesh(collection, ("tp", "tp")),
+            "other_layout": lambda: ProcessGroupCollection(layout=_GRID, **dict(other.items())),
         }),
     }
 
@@ -127,17 +130,18 @@ def test_to_device_mesh_reuses_the_collection_groups() -> None:
         assert out["part_masks"] == [bits(mine["tp"]), bits(mine["pp"])]
         assert out["created"] == 0
         errors = out["errors"]
-        assert errors["off"].startswith("ValueError: axis 'dp' is None (axis off) in the collection;")
-        assert "explicit_singletons=True" in errors["off"]
-        assert errors["unset"].startswith("ValueError: axis 'cp' is UNSET in the collection;")
-        assert errors["axis"].startswith("ValueError: axes ('tp', 'embd') must be distinct names from")
+        assert errors["off"].startswith("ValueError: field 'dp' is None (axis off) and a DeviceMesh has no 'axis off'")
+        assert "no one-rank group to stand for it" in errors["off"]
+        assert errors["unset"].startswith("ValueError: field 'cp' is UNSET in the collection;")
+        assert errors["axis"].startswith("ValueError: fields ('tp', 'embd') must be distinct names from")
         assert errors["overlap"] == (
             "ValueError: the groups of ('dp_cp', 'cp') share ranks beyond this one, so they do not form a grid"
         )
         assert errors["names"].startswith("ValueError: dim_names ('x', 'x') must be 2 distinct names")
-        assert errors["repeated"].startswith("ValueError: axes ('tp', 'tp') must be distinct names")
-        assert errors["other_layout"].startswith("ValueError: the collection's 'tp' group holds ranks [")
-        assert "the collection was built for another layout" in errors["other_layout"]
+        assert errors["repeated"].startswith("ValueError: fields ('tp', 'tp') must be distinct names")
+        # A collection's groups are held to its layout when it is made: another layout's groups are refused.
+        assert errors["other_layout"].startswith("ValueError: field 'tp' holds ranks [")
+        assert "the group belongs to another layout" in errors["other_layout"]
 
 
 _MOE = ParallelLayout(world_size=8, tp=2, ep=2, etp=1)  # dense dp 4, expert dp 4
@@ -154,12 +158,12 @@ _HSDP_AXES = ("inter_dist_opt", "intra_dp_cp", "tp")
 
 def _expert_and_hsdp_meshes() -> dict[str, Any]:
     collection = reg.build(_MOE)
-    hsdp = with_hsdp_groups(_MOE, collection, 2)
-    created = reg.default_registry.groups_created
+    hsdp = with_hsdp_groups(collection, 2)
+    created = reg.communicators_created()
     meshes = {
-        "expert": (to_device_mesh(_MOE, collection, ("expt_dp", "ep")), ("expt_dp", "ep")),
-        "dense_2d": (to_device_mesh(_MOE, collection, ("dp_cp", "tp"), dim_names=("dp_shard", "tp")), ("dp_cp", "tp")),
-        "hsdp": (to_device_mesh(_MOE, hsdp, _HSDP_AXES), _HSDP_AXES),
+        "expert": (to_device_mesh(collection, ("expt_dp", "ep")), ("expt_dp", "ep")),
+        "dense_2d": (to_device_mesh(collection, ("dp_cp", "tp"), dim_names=("dp_shard", "tp")), ("dp_cp", "tp")),
+        "hsdp": (to_device_mesh(hsdp, _HSDP_AXES), _HSDP_AXES),
     }
     return {
         "ranks": {k: sorted(m.mesh.flatten().tolist()) for k, (m, _) in meshes.items()},
@@ -171,11 +175,12 @@ def _expert_and_hsdp_meshes() -> dict[str, Any]:
         },
         "hsdp_masks": (member_mask(hsdp.get("intra_dp_cp")), member_mask(hsdp.get("inter_dist_opt"))),
         "expert_shard_mask": member_mask(hsdp.get("intra_expt_dp")),
-        "created": reg.default_registry.groups_created - created,
+        "created": reg.communicators_created() - created,
         "errors": errors_of({
-            "replicas": lambda: with_hsdp_groups(_MOE, collection, 3),
+            "replicas": lambda: with_hsdp_groups(collection, 3),
             # dense dp 8 splits into 4, expert dp 2 (EP 4) does not: Megatron-Core needs both to.
-            "expert_replicas": lambda: with_hsdp_groups(ParallelLayout(world_size=8, ep=4), collection, 4),
+            "expert_replicas": lambda: with_hsdp_groups(reg.build(ParallelLayout(world_size=8, ep=4)), 4),
+            "no_layout": lambda: with_hsdp_groups(ProcessGroupCollection(**dict(collection.items())), 2),
         }),
     }
 
@@ -204,4 +209,8 @@ def test_expert_2d_and_hsdp_meshes_share_the_collection_groups() -> None:
         assert out["errors"] == {
             "replicas": "ValueError: replicas 3 must be a positive divisor of the data-parallel size 4",
             "expert_replicas": "ValueError: replicas 4 must be a positive divisor of the expert data-parallel size 2",
+            "no_layout": (
+                "ValueError: with_hsdp_groups needs the collection's layout (every rank creates every group of the "
+                "split), and this collection was assembled by hand; build it with pgregistry.build(layout)"
+            ),
         }

@@ -10,7 +10,10 @@ import pgregistry
 
 
 def test_all_lists_the_eager_and_every_lazy_name() -> None:
-    eager = {"UNSET", "ParallelLayout", "ProcessGroupCollection", "ProcessGroupFallbackWarning"}
+    eager = {
+        "NOT_MEMBER", "UNSET", "ParallelLayout", "ProcessGroupCollection", "ProcessGroupFallbackWarning", "attach",
+        "collection_of",
+    }
     assert set(pgregistry.__all__) == eager | set(pgregistry._LAZY)
     for name in pgregistry.__all__:
         assert getattr(pgregistry, name) is not None
@@ -33,7 +36,8 @@ def test_unknown_name_raises_attribute_error() -> None:
 def test_star_import_loads_torch_only_on_first_use() -> None:
     code = (
         "import sys, pgregistry; assert 'torch' not in sys.modules; "
-        "assert {'build', 'attach', 'collection_of'} <= set(pgregistry._LAZY) <= set(dir(pgregistry)); "
+        "assert {'build', 'grad_norm'} <= set(pgregistry._LAZY) <= set(dir(pgregistry)); "
+        "assert {'attach', 'collection_of'} <= set(dir(pgregistry)); "
         "pgregistry.grad_norm; assert 'torch' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

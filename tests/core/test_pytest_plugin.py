@@ -20,11 +20,11 @@ _ERROR_FLAG = "error::pgregistry.ProcessGroupFallbackWarning"
 
 _TESTS = """
     import pytest
-    from pgregistry.fallback import warn_global_process_group_fallback
+    from pgregistry.fallback import warn_fallback
 
 
     def test_falls_back():
-        warn_global_process_group_fallback("my_consumer", "tp")
+        warn_fallback("my_consumer", "tp")
 
 
     def test_does_not_fall_back():
@@ -33,7 +33,7 @@ _TESTS = """
 
     @pytest.mark.filterwarnings("ignore::pgregistry.ProcessGroupFallbackWarning")
     def test_falls_back_where_a_mark_ignores_it():
-        warn_global_process_group_fallback("marked_consumer", "dp")
+        warn_fallback("marked_consumer", "dp")
 """
 
 
@@ -80,7 +80,7 @@ def test_each_documented_way_fails_the_test_that_falls_back(tmp_path: Path, way:
         done = _run_pytest(tmp_path, ini=f"filterwarnings =\n    {_ERROR_FLAG}\n")
     else:
         done = _run_pytest(
-            tmp_path, python_flags=("-W", _ERROR_FLAG), pytest_flags=("-p", "pgregistry.pytest_plugin"),
+            tmp_path, python_flags=("-W", _ERROR_FLAG), pytest_flags=("-p", "pgregistry._pytest_plugin"),
             env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
         )
     _assert_only_the_fallback_failed(done)

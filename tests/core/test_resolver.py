@@ -1,4 +1,4 @@
-"""One meaning for an omitted collection, at every entry point (pgregistry.resolver), in real gloo worlds.
+"""One meaning for an omitted collection, at every entry point's door (pgregistry._resolve), in real gloo worlds.
 
 Before, ``pg_collection=None`` meant four things: the global grid with a warning (grad statistics, RNG seeding),
 the first chunk's attached collection without looking through wrappers (``build_optimizer``), the attached
@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import pgregistry
 from pgregistry import ParallelLayout, ProcessGroupFallbackWarning, registry
-from pgregistry.experts import get_ep_rank_and_size, get_model_ep_rank_and_size, globalize_expert_keys
+from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys
+from pgregistry.global_grid import initialize_global_grid
 from pgregistry.grad_stats import count_zeros, grad_norm
 from pgregistry.optim import build_optimizer
 from pgregistry.params import mark_expert, mark_expert_module
@@ -62,7 +64,7 @@ EXPERT_KEY = "layers.0.mlp.experts.local_experts.0.weight"
 
 def _ep_on_a_global_ep4_grid() -> dict[str, Any]:
     out = {"no_grid": _outcome(lambda: get_ep_rank_and_size(None))}
-    registry.initialize_global_grid(ParallelLayout(world_size=4, ep=4, etp=1))
+    initialize_global_grid(ParallelLayout(world_size=4, ep=4, etp=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ep_rank, ep_size = get_ep_rank_and_size(None)
@@ -93,10 +95,10 @@ GRADS = {0: [0.5, -1.5, 2.0, 0.25], 1: [3.0, 1.0, -0.5, 0.75]}
 
 def _attached_wins() -> dict[str, Any]:
     rank = dist.get_rank()
-    registry.initialize_global_grid(ParallelLayout(world_size=2, tp=2))  # another grid: TP 2
+    initialize_global_grid(ParallelLayout(world_size=2, tp=2))  # another grid: TP 2
     own = registry.build(ParallelLayout(world_size=2), name="own")  # the model's grid: DP 2, TP off
     model = _model()
-    registry.attach(model, own)
+    pgregistry.attach(model, own)
     model.dense.weight.grad = torch.tensor(GRADS[rank]).repeat(4, 1)
     model.experts.w.grad = torch.zeros(2, 4)
     out: dict[str, Any] = {}
@@ -108,7 +110,10 @@ def _attached_wins() -> dict[str, Any]:
         out["optimizer_on_own_grid"] = all(
             child.process_groups.dp_cp is own.dp_cp for child in optimizer.chained_optimizers
         )
-        out["ep"] = get_model_ep_rank_and_size(Wrapper(Wrapper(model)))
+        out["ep"] = get_ep_rank_and_size(pgregistry.collection_of(Wrapper(Wrapper(model))))
+        # However the chunks come (a generator, a list, a tuple), the door finds the attached collection.
+        out["generator"] = float(grad_norm(chunk for chunk in [Wrapper(model)]).item())
+        out["tuple"] = count_zeros((model,))
     return out
 
 
@@ -119,6 +124,8 @@ def test_the_collection_attached_to_a_wrapped_model_is_used_by_every_entry_point
         assert out["zeros"] == 8  # the expert's zero grad; the dense grad has none
         assert out["optimizer_on_own_grid"]
         assert out["ep"] == (0, 1)  # the model's own grid has EP off; the global grid's is not read
+        assert out["generator"] == pytest.approx(oracle, rel=1e-6)
+        assert out["tuple"] == 8
 
 
 # ------------------------------------------------------------------------------------------------ chunks disagree
@@ -128,8 +135,8 @@ def _chunks_disagree() -> dict[str, str]:
     first = registry.build(ParallelLayout(world_size=2, ep=2, etp=1), name="first")
     second = registry.build(ParallelLayout(world_size=2), name="second")
     chunks = [_model(), Wrapper(_model())]
-    registry.attach(chunks[0], first)
-    registry.attach(chunks[1].module, second)
+    pgregistry.attach(chunks[0], first)
+    pgregistry.attach(chunks[1].module, second)
     for chunk in chunks:
         for param in chunk.parameters():
             param.grad = torch.ones_like(param)
@@ -137,7 +144,7 @@ def _chunks_disagree() -> dict[str, str]:
     return {
         "grad_norm": _outcome(lambda: grad_norm(chunks, None)),
         "build_optimizer": _outcome(lambda: build_optimizer(chunks)),
-        "ep": _outcome(lambda: get_model_ep_rank_and_size(chunks)),
+        "ep": _outcome(lambda: get_ep_rank_and_size(pgregistry.collection_of(chunks))),
         "one_bare": _outcome(lambda: build_optimizer(bare)),
         "nothing": _outcome(lambda: grad_norm(_model(), None)),
     }
@@ -147,9 +154,39 @@ def test_chunks_with_different_collections_are_refused_naming_them() -> None:
     for out in run_world(2, _chunks_disagree):
         for entry in ("grad_norm", "build_optimizer", "ep"):
             assert out[entry].startswith(
-                "ValueError: model chunks 0 and 1 carry different process-group collections (ProcessGroupCollection("
+                "ValueError: model chunks 0 and 1 carry different process-group collections (layout 'first' "
             ), (entry, out[entry])
         assert "and none attached)" in out["one_bare"]
         assert out["nothing"].startswith(
             "RuntimeError: grad_norm was not given a ProcessGroupCollection and the model has no collection attached"
         )
+
+
+# ------------------------------------------------------------------------------------------------ misuse at the door
+
+
+def _misuse() -> dict[str, str]:
+    own = registry.build(ParallelLayout(world_size=2), name="own")
+    other = registry.build(ParallelLayout(world_size=2, tp=2), name="other")
+    model = _model()
+    pgregistry.attach(model, own)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    out = {
+        "disagree": _outcome(lambda: grad_norm(model, other)),
+        "agree": _outcome(lambda: grad_norm(model, own)),
+    }
+    registry.destroy()
+    out["destroyed"] = _outcome(lambda: grad_norm(model))
+    out["destroyed_explicit"] = _outcome(lambda: get_ep_rank_and_size(own))
+    return out
+
+
+def test_an_explicit_collection_that_disagrees_with_the_attached_one_and_a_destroyed_one_are_refused() -> None:
+    for out in run_world(2, _misuse):
+        assert out["disagree"].startswith("ValueError: grad_norm was given layout 'other' ")
+        assert "but the model carries layout 'own' " in out["disagree"]
+        assert out["agree"].startswith("tensor(")
+        assert out["destroyed"].startswith("ValueError: grad_norm was given layout 'own' ")
+        assert "whose groups pgregistry.registry.destroy() destroyed" in out["destroyed"]
+        assert "get_ep_rank_and_size was given layout 'own'" in out["destroyed_explicit"]

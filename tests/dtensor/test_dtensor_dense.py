@@ -56,8 +56,8 @@ def _scenario(model: nn.Module, expected: dict[str, Any], collection: Any) -> di
 
 def _tp_dp_world() -> dict[str, Any]:
     layout = ParallelLayout(world_size=4, tp=2)  # dp 2
-    collection = registry.build(layout, explicit_singletons=True)
-    mesh = to_device_mesh(layout, collection, ("dp_cp", "tp"))
+    collection = registry.build(layout)
+    mesh = to_device_mesh(collection, ("dp_cp", "tp"))
     out: dict[str, Any] = {}
 
     # FSDP2 over dp only: the grads are replicated across TP, which the mesh does not span (roles decide).
@@ -127,7 +127,7 @@ def _tp_dp_world() -> dict[str, Any]:
     out["no_group"] = error_of(lambda: grad_norm(model, collection))
     # Sharded over every rank (tp_dp_cp): part model-parallel (TP), part data-parallel; refused.
     model = dense_model()
-    fully_shard(model, mesh=to_device_mesh(layout, collection, ("tp_dp_cp",)))
+    fully_shard(model, mesh=to_device_mesh(collection, ("tp_dp_cp",)))
     backward(model)
     out["straddle"] = error_of(lambda: count_zeros(model, collection))
     return out
@@ -163,8 +163,8 @@ def test_shared_and_mesh_mismatches(tp_dp_results: list[dict[str, Any]]) -> None
 
 def _hsdp_world() -> dict[str, Any]:
     layout = ParallelLayout(world_size=4)  # dp 4: HSDP 2 replicas x 2 shards
-    collection = with_hsdp_groups(layout, registry.build(layout, explicit_singletons=True), 2)
-    mesh = to_device_mesh(layout, collection, ("inter_dist_opt", "intra_dp_cp"))
+    collection = with_hsdp_groups(registry.build(layout), 2)
+    mesh = to_device_mesh(collection, ("inter_dist_opt", "intra_dp_cp"))
     model = dense_model()
     expected = oracle(model)
     fully_shard(model, mesh=mesh)

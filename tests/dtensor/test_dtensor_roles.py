@@ -17,14 +17,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+from pgregistry._resolve import normalise
+from pgregistry.grad_stats import check_expert_classification
 from pgregistry.params import (
-    check_expert_classification,
     mark_expert,
     mark_expert_module,
     mark_expert_replicated,
     mark_shared,
     mark_tensor_parallel,
-    named_parameters_of,
     param_roles,
 )
 from pgregistry.testing import run_world
@@ -49,7 +49,7 @@ class _Model(nn.Module):
 
 
 def _roles(model: nn.Module) -> dict[str, dict[str, Any]]:
-    return {name: param_roles(param) for name, param in named_parameters_of(model)}
+    return {name: param_roles(param) for name, param in normalise(model).named}
 
 
 def _on_rank() -> dict[str, Any]:

@@ -77,11 +77,11 @@ def _build(
     """The model sharded as the xorl stack shards it, with each grad set from the full grads as FSDP2 lays it out;
     with ``replicas`` > 1, HSDP: the dense model over ``("inter_dist_opt", "intra_dp_cp")``."""
     layout = ParallelLayout(world_size=dist.get_world_size(), ep=ep)
-    collection = registry.build(layout, explicit_singletons=True)
+    collection = registry.build(layout)
     if replicas > 1:
-        collection = with_hsdp_groups(layout, collection, replicas)
-    dense_mesh = to_device_mesh(layout, collection, ("inter_dist_opt", "intra_dp_cp") if replicas > 1 else ("dp_cp",))
-    expert_mesh = to_device_mesh(layout, collection, expert_axes)
+        collection = with_hsdp_groups(collection, replicas)
+    dense_mesh = to_device_mesh(collection, ("inter_dist_opt", "intra_dp_cp") if replicas > 1 else ("dp_cp",))
+    expert_mesh = to_device_mesh(collection, expert_axes)
     local = EXPERTS // ep
     model = _Model(_Experts(local, marks, **kwargs))  # marked before fully_shard
     fully_shard(model.experts, mesh=expert_mesh)
@@ -187,8 +187,8 @@ def _expert_hsdp_on_rank() -> dict[str, Any]:
     out["audit"] = (report.ok, str(report))
     # With EP slower than DP the one replicate group crosses EP ranks: no expert HSDP mesh, a clear error.
     crossed = ParallelLayout(world_size=8, ep=2, order="tp-cp-dp-ep-pp")
-    hsdp = with_hsdp_groups(crossed, registry.build(crossed, explicit_singletons=True), 2)
-    out["crossed"] = error_of(lambda: to_device_mesh(crossed, hsdp, _EXPERT_HSDP))
+    hsdp = with_hsdp_groups(registry.build(crossed), 2)
+    out["crossed"] = error_of(lambda: to_device_mesh(hsdp, _EXPERT_HSDP))
     return out
 
 

@@ -22,12 +22,13 @@ import torch._dynamo  # noqa: F401  # imported once here; each forked rank would
 import torch.distributed as dist
 from toy_moe import ToyMoE, build_stage, set_values, value_of
 
+from pgregistry import attach
 from pgregistry.checkpoint import load_rank_files, save_rank_files
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import ChainedOptimizer, build_optimizer
 from pgregistry.params import mark_expert
-from pgregistry.registry import attach, build
+from pgregistry.registry import build
 from pgregistry.testing import run_world
 
 LAYOUT = ParallelLayout(world_size=4, ep=2, etp=1)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry import ParallelLayout, ProcessGroupCollection
+from pgregistry import ParallelLayout, ProcessGroupCollection, attach
 from pgregistry.checkpoint import load_rank_files, save_rank_files
-from pgregistry.registry import attach, build
+from pgregistry.registry import build
 from pgregistry.testing import run_world
 
 _OFF: dict[str, Any] = dict(

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 from toy_moe import NUM_EXPERTS, adam, build_stage, initialise
 
-from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
+from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, attach
 from pgregistry.checkpoint import (
     cut_optimizer_shards,
     load_distributed,
@@ -29,7 +29,6 @@ from pgregistry.checkpoint import (
     state_by_name,
 )
 from pgregistry.experts import get_global_unique_param_name, global_param_name_fn, named_global_parameters
-from pgregistry.registry import attach
 
 _OFF: dict[str, Any] = dict(
     ep=None, dp_cp=None, expt_dp=None, tp=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None
@@ -69,7 +68,7 @@ def test_optimizer_state_reloads_by_name_under_another_ep_layout() -> None:
         params = list(part.parameters())
         optimizer = adam(params[::-1])  # another parameter order than the writer's
         load_optimizer_state_by_name(optimizer, part, whole_state)
-        for name, param in named_global_parameters(part, ep_rank=ep_rank, ep_size=4):
+        for name, param in named_global_parameters(part):  # the attached collection gives the EP rank
             for key, value in whole_state[name].items():
                 assert torch.equal(optimizer.state[param][key], value)
                 assert optimizer.state[param][key] is not value  # copied, not aliased
@@ -159,7 +158,8 @@ def test_optimizer_of_foreign_parameters_is_refused() -> None:
 
 def test_global_param_name_fn() -> None:
     model = build_stage(1, 4, 0, 1)
-    name_of = global_param_name_fn(model, ep_rank=1, ep_size=4, num_experts=NUM_EXPERTS)
+    ep = ProcessGroupCollection(ep=SizeRankGroup(4, 1), pp=None)  # type: ignore[arg-type]
+    name_of = global_param_name_fn(model, pg_collection=ep, num_experts=NUM_EXPERTS)
     weight = model.layers[0].mlp.experts.local_experts[1].linear_fc1.weight
     assert name_of(weight) == "layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
     with pytest.raises(ValueError, match="not held by any of the 1 model chunks"):

@@ -6,7 +6,6 @@ sharded build must name each of its parameters as the whole model names the para
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
@@ -15,16 +14,22 @@ from fixtures.groups import SizeRankGroup
 from torch import nn
 from toy_moe import NUM_EXPERTS, NUM_LAYERS, ToyMoE, build_stage, names_by_key
 
-from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
+from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, attach, collection_of
 from pgregistry.experts import (
     get_ep_rank_and_size,
     get_global_unique_param_name,
-    get_model_ep_rank_and_size,
     named_global_parameters,
 )
+from pgregistry.global_grid import initialize_global_grid
 from pgregistry.layout import ParallelLayout
-from pgregistry.registry import attach, build, initialize_global_grid
+from pgregistry.registry import build
 from pgregistry.testing import run_world
+
+
+def ep_collection(ep_rank: int, ep_size: int) -> ProcessGroupCollection:
+    """A collection of a rank ``ep_rank`` of ``ep_size`` (a stand-in group: these tests run no collective)."""
+    ep = SizeRankGroup(ep_size, ep_rank) if ep_size > 1 else None
+    return ProcessGroupCollection(ep=ep, pp=None)  # type: ignore[arg-type]
 
 
 def _whole_names() -> dict[tuple[int, int, str], str]:
@@ -50,9 +55,10 @@ def test_every_layout_names_parameters_as_the_whole_model_does(ep_size: int, pp_
     for pp_rank in range(pp_size):
         for ep_rank in range(ep_size):
             stage = build_stage(ep_rank, ep_size, pp_rank, pp_size)
-            named = dict((id(p), n) for n, p in named_global_parameters(stage, ep_rank=ep_rank, ep_size=ep_size))
+            ep = ep_collection(ep_rank, ep_size)
+            named = dict((id(p), n) for n, p in named_global_parameters(stage, pg_collection=ep))
             for param, key in stage.catalog:
-                name = get_global_unique_param_name([stage], param, ep_rank=ep_rank, ep_size=ep_size)
+                name = get_global_unique_param_name([stage], param, pg_collection=ep)
                 assert name == named[id(param)] == expected[key]
                 if key[1] >= 0 or ep_rank == 0:  # dense parameters are replicated over EP ranks
                     seen.append(name)
@@ -75,12 +81,14 @@ def test_virtual_chunks_use_their_offsets() -> None:
     expected = _whole_names()
     for chunk in chunks:
         for param, key in chunk.catalog:
-            name = get_global_unique_param_name(chunks, param, ep_rank=1, ep_size=2, layer_offsets=[0, 2])
+            name = get_global_unique_param_name(chunks, param, pg_collection=ep_collection(1, 2), layer_offsets=[0, 2])
             assert name == expected[key]
     with pytest.raises(ValueError, match="no first global layer index"):
-        get_global_unique_param_name(chunks, chunks[1].catalog[0][0], ep_rank=1, ep_size=2)
+        get_global_unique_param_name(chunks, chunks[1].catalog[0][0], pg_collection=ep_collection(1, 2))
     with pytest.raises(ValueError, match="layer_offsets has 1 entries for 2 model chunks"):
-        get_global_unique_param_name(chunks, chunks[1].catalog[0][0], ep_rank=1, ep_size=2, layer_offsets=[0])
+        get_global_unique_param_name(
+            chunks, chunks[1].catalog[0][0], pg_collection=ep_collection(1, 2), layer_offsets=[0]
+        )
 
 
 def test_pipeline_without_offsets_is_an_error() -> None:
@@ -100,12 +108,13 @@ def test_unknown_parameter_and_unknown_expert_count_are_errors() -> None:
     stage.num_experts = None  # type: ignore[assignment]
     expert_weight = stage.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
     with pytest.raises(ValueError, match="the number of experts is unknown"):
-        get_global_unique_param_name(stage, expert_weight, ep_rank=0, ep_size=2)
-    assert get_global_unique_param_name(stage, expert_weight, ep_rank=1, ep_size=2, num_experts=NUM_EXPERTS) == (
+        get_global_unique_param_name(stage, expert_weight, pg_collection=ep_collection(0, 2))
+    ep = ep_collection(1, 2)
+    assert get_global_unique_param_name(stage, expert_weight, pg_collection=ep, num_experts=NUM_EXPERTS) == (
         "layers.0.mlp.experts.local_experts.4.linear_fc1.weight"
     )
-    with pytest.raises(ValueError, match="pass both ep_rank and ep_size"):
-        get_global_unique_param_name(stage, expert_weight, ep_rank=1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['ep_rank'\]"):
+        get_global_unique_param_name(stage, expert_weight, ep_rank=1)  # type: ignore[call-arg]
 
 
 def test_config_num_moe_experts_and_wrappers_are_read() -> None:
@@ -122,7 +131,7 @@ def test_config_num_moe_experts_and_wrappers_are_read() -> None:
     stage.config = Config()
     wrapped = Wrapper(stage)
     attach(stage, ProcessGroupCollection(ep=SizeRankGroup(4, 1), pp=None))  # type: ignore[arg-type]
-    assert get_model_ep_rank_and_size(wrapped) == (1, 4)
+    assert get_ep_rank_and_size(collection_of(wrapped)) == (1, 4)
     weight = stage.layers[1].mlp.experts.linear_fc1.weight1_w
     assert get_global_unique_param_name([wrapped], weight) == "module.layers.1.mlp.experts.linear_fc1.weight3_w"
 
@@ -134,24 +143,18 @@ def _two_models() -> dict[str, Any]:
     attach(model_a, build(wide, name="wide"))
     attach([model_b], build(narrow, name="narrow"))
     grid = initialize_global_grid(ParallelLayout(world_size=8, ep=8, etp=1))
-    out: dict[str, Any] = {
-        "a": get_model_ep_rank_and_size(model_a),
-        "b": get_model_ep_rank_and_size([model_b]),
+    return {
+        "a": get_ep_rank_and_size(collection_of(model_a)),
+        "b": get_ep_rank_and_size(collection_of([model_b])),
         "explicit": get_ep_rank_and_size(grid),
     }
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out["unattached"] = get_model_ep_rank_and_size(nn.Linear(1, 1))
-    out["warned"] = [str(w.message) for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)]
-    return out
 
 
 def test_models_on_different_grids_get_their_own_ep_layout() -> None:
     for rank, out in enumerate(run_world(8, _two_models)):
         assert out["a"] == (ParallelLayout(world_size=8, ep=4, etp=1).coords(rank)["ep"], 4)
         assert out["b"] == (ParallelLayout(world_size=8, ep=2, etp=1).coords(rank)["ep"], 2)
-        assert out["explicit"] == out["unattached"] == (rank, 8)
-        assert len(out["warned"]) == 1 and "get_model_ep_rank_and_size" in out["warned"][0]
+        assert out["explicit"] == (rank, 8)
 
 
 def test_chunks_with_different_collections_are_refused() -> None:
@@ -159,7 +162,7 @@ def test_chunks_with_different_collections_are_refused() -> None:
     attach(a, ProcessGroupCollection(ep=None))
     attach(b, ProcessGroupCollection(ep=SizeRankGroup(2, 0)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="different process-group collections"):
-        get_model_ep_rank_and_size([a, b])
+        collection_of([a, b])
 
 
 def test_global_names_are_unique_across_every_rank_of_a_pipeline() -> None:
@@ -167,7 +170,8 @@ def test_global_names_are_unique_across_every_rank_of_a_pipeline() -> None:
     total = 0
     for pp_rank in range(2):
         for ep_rank in range(4):
-            named = named_global_parameters(build_stage(ep_rank, 4, pp_rank, 2), ep_rank=ep_rank, ep_size=4)
+            stage = build_stage(ep_rank, 4, pp_rank, 2)
+            named = named_global_parameters(stage, pg_collection=ep_collection(ep_rank, 4))
             total += sum(1 for n, _ in named if ".experts." in n)
             names.update(n for n, _ in named if ".experts." in n)
     assert total == len(names) > 0
@@ -187,7 +191,7 @@ class _StageWithMTP(nn.Module):
 
 def test_mtp_names_do_not_depend_on_the_pipeline_layout() -> None:
     # Saved at PP 2 (the last stage holds decoder layers 2-3 and the MTP block), reloaded at PP 1.
-    at_pp2 = [name for name, _ in named_global_parameters(_StageWithMTP(2, 2), ep_rank=0, ep_size=1)]
-    at_pp1 = [name for name, _ in named_global_parameters(_StageWithMTP(0, 4), ep_rank=0, ep_size=1)]
+    at_pp2 = [name for name, _ in named_global_parameters(_StageWithMTP(2, 2), pg_collection=ep_collection(0, 1))]
+    at_pp1 = [name for name, _ in named_global_parameters(_StageWithMTP(0, 4), pg_collection=ep_collection(0, 1))]
     assert at_pp2 == ["layers.2.weight", "layers.3.weight", "mtp.layers.0.weight"]
     assert at_pp1[-1] == "mtp.layers.0.weight" and set(at_pp2) <= set(at_pp1)

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from toy_moe import Key, adam, build_stage, initialise, names_by_key
 
-from pgregistry import ProcessGroupFallbackWarning
+from pgregistry import ProcessGroupFallbackWarning, attach
 from pgregistry.checkpoint import load_distributed, load_rank_files, save_distributed, save_rank_files
 from pgregistry.layout import ParallelLayout
-from pgregistry.registry import attach, build
+from pgregistry.registry import build
 from pgregistry.testing import run_world
 
 SAVE = {"files": save_rank_files, "dcp": save_distributed}

@@ -33,14 +33,14 @@ import torch._dynamo  # noqa: F401  # imported once here; each forked rank would
 import torch.distributed as dist
 from toy_moe import Key, ToyMoE, build_stage, set_values
 
-from pgregistry import ProcessGroupFallbackWarning
+from pgregistry import ProcessGroupFallbackWarning, attach
 from pgregistry.checkpoint import load_optimizer_shards, load_rank_files, save_optimizer_shards, save_rank_files
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.experts import global_param_name_fn, is_expert_key, named_global_parameters
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import ChainedOptimizer, build_optimizer
 from pgregistry.params import mark_expert
-from pgregistry.registry import attach, build
+from pgregistry.registry import build
 from pgregistry.testing import run_world
 
 LR, BETAS = 0.01, (0.8, 0.9)

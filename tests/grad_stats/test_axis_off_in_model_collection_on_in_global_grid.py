@@ -10,7 +10,6 @@ equal to the same model's on a standard grid (global grid = the model's layout).
 from __future__ import annotations
 
 import math
-import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from pgregistry import registry
+from pgregistry import ProcessGroupCollection, registry
+from pgregistry._resolve import resolve
 from pgregistry.collection import UNSET, group_rank
-from pgregistry.fallback import ProcessGroupFallbackWarning, forget_fallback_warnings
+from pgregistry.fallback import ProcessGroupFallbackWarning
+from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
+from pgregistry.global_grid import global_collection, initialize_global_grid
 from pgregistry.grad_stats import (
     StatsGroups,
     grad_norm,
@@ -28,8 +30,8 @@ from pgregistry.grad_stats import (
     norm_of_grads,
     param_is_not_gtp_duplicate,
     param_is_not_tensor_parallel_duplicate,
-    set_duplicate_filter_groups,
 )
+from pgregistry.grad_stats.filters import STATS_FALLBACK
 from pgregistry.layout import ParallelLayout
 from pgregistry.params import mark_expert
 from pgregistry.testing import run_world
@@ -69,9 +71,19 @@ def _raises_every_time(call: Callable[[], Any], times: int = 2) -> int:
     return raised
 
 
+def _by_hand(collection: ProcessGroupCollection, **changes: Any) -> ProcessGroupCollection:
+    """``collection``'s groups with ``changes``, assembled by hand: no layout to hold them to."""
+    return ProcessGroupCollection(**{**dict(collection.items()), **changes})
+
+
+def _stats_groups(collection: ProcessGroupCollection) -> StatsGroups:
+    """The statistics' groups of ``collection`` as an entry point's door resolves them."""
+    return StatsGroups.from_collection(resolve(collection, owner="grad statistics", fallback=STATS_FALLBACK))
+
+
 def _on_rank() -> dict[str, Any]:
     forget_fallback_warnings()
-    grid = registry.initialize_global_grid(GLOBAL)
+    grid = initialize_global_grid(GLOBAL)
     model = registry.build(MODEL, name="model")
     dense, expert = params = _params()
     out: dict[str, Any] = {"global_tp_rank": group_rank(grid.tp), "global_gtp_rank": group_rank(grid.gtp_remat)}
@@ -79,7 +91,7 @@ def _on_rank() -> dict[str, Any]:
 
     # The old reading of None: the global rank decides, so TP/GTP rank 1 drop the replicated dense grad.
     def global_rank_filters() -> float:
-        kept = [p.grad for p in params if is_counted(p, StatsGroups.from_collection(None))]
+        kept = [p.grad for p in params if is_counted(p, StatsGroups.from_collection(global_collection()))]
         return norm_of_grads({None: kept}).item()
 
     out["global_rank_local_norm"], _ = _fallback_warnings(global_rank_filters)
@@ -94,34 +106,33 @@ def _on_rank() -> dict[str, Any]:
     out["no_collection_norm"] = _fallback_warnings(lambda: [grad_norm(params, None).item() for _ in "ab"])
     out["raises"] = [
         _raises_every_time(lambda: param_is_not_tensor_parallel_duplicate(dense)),
-        _raises_every_time(lambda: param_is_not_tensor_parallel_duplicate(expert, tp_group=None)),
+        _raises_every_time(lambda: param_is_not_tensor_parallel_duplicate(expert, ProcessGroupCollection(tp=None))),
         _raises_every_time(lambda: param_is_not_gtp_duplicate(dense)),
         _raises_every_time(lambda: grad_norm(params, None)),
-        _raises_every_time(lambda: StatsGroups.from_collection(model.evolve(gtp_remat=UNSET))),
+        _raises_every_time(lambda: _stats_groups(_by_hand(grid, gtp_remat=UNSET))),
     ]
     forget_fallback_warnings()
-    groups, out["unset_gtp_warnings"] = _fallback_warnings(
-        lambda: StatsGroups.from_collection(model.evolve(gtp_remat=UNSET))
-    )
+    groups, out["unset_gtp_warnings"] = _fallback_warnings(lambda: _stats_groups(_by_hand(grid, gtp_remat=UNSET)))
     out["unset_gtp_is_global"] = groups.gtp_remat is grid.gtp_remat
-    out["unset_expt_tp_is_tp"] = StatsGroups.from_collection(grid.evolve(expt_tp=UNSET)).expt_tp is grid.tp
-    optimizer = types.SimpleNamespace()
-    attached = set_duplicate_filter_groups(optimizer, model)
-    out["attached"] = optimizer.stats_groups is attached and attached.tp is None and attached.gtp_remat is None
+    # UNSET means "not given" for expt_tp as for every field: the global grid's, with a warning; never "tp".
+    groups, out["unset_expt_tp_warnings"] = _fallback_warnings(lambda: _stats_groups(_by_hand(grid, expt_tp=UNSET)))
+    out["unset_expt_tp_is_global"] = groups.expt_tp is grid.expt_tp
+    stats = StatsGroups.from_collection(model)
+    out["attached"] = stats.tp is None and stats.gtp_remat is None and stats.collection is model
     try:
-        set_duplicate_filter_groups(types.SimpleNamespace(), model.evolve(tp=UNSET))
+        StatsGroups.from_collection(_by_hand(model, tp=UNSET))
         out["unset_tp"] = "no error"
     except ValueError as exc:
         out["unset_tp"] = str(exc)
-    try:
-        param_is_not_tensor_parallel_duplicate(dense, use_global_fallback=False)
-        out["no_fallback"] = "no error"
+    try:  # a collection that knows its layout refuses the global grid's GTP group: it is not the model's
+        _fallback_warnings(lambda: _stats_groups(model.evolve(gtp_remat=UNSET)))
+        out["layout_refuses"] = "no error"
     except ValueError as exc:
-        out["no_fallback"] = str(exc)
+        out["layout_refuses"] = str(exc)
 
     # The same model on a standard grid (the global grid is the model's own layout) gives the same norm.
     registry.destroy()
-    standard = registry.initialize_global_grid(MODEL)
+    standard = initialize_global_grid(MODEL)
     out["standard_norm"] = grad_norm(params, standard).item()
     return out
 
@@ -159,6 +170,7 @@ def test_omitted_groups_read_the_global_grid_and_warn_once(results: list[dict[st
         norms, warned = got["no_collection_norm"]
         assert norms == pytest.approx([ORACLE] * 2, rel=1e-6) and warned >= 1
         assert got["unset_gtp_is_global"] and got["unset_gtp_warnings"] == 1
+        assert got["unset_expt_tp_is_global"] and got["unset_expt_tp_warnings"] == 1
 
 
 def test_omitted_groups_raise_every_time_under_an_error_filter(results: list[dict[str, Any]]) -> None:
@@ -169,5 +181,6 @@ def test_omitted_groups_raise_every_time_under_an_error_filter(results: list[dic
 def test_collection_groups_are_required_or_defaulted(results: list[dict[str, Any]]) -> None:
     for got in results:
         assert "'tp'" in got["unset_tp"] and "not set" in got["unset_tp"]
-        assert got["unset_expt_tp_is_tp"]
-        assert "tp_group" in got["no_fallback"] and "use_global_fallback=False" in got["no_fallback"]
+        assert got["layout_refuses"].startswith(
+            "process group 'mp' spans 1 rank(s), but it spans the axes tp (off), gtp_remat (2), pp (off)"
+        )

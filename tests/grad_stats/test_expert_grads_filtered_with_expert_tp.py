@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from pgregistry import registry
+from pgregistry import ProcessGroupCollection, registry
 from pgregistry.grad_stats import (
     count_zeros,
     grad_norm,
@@ -46,10 +46,9 @@ def _on_rank(world: int) -> dict[str, Any]:
         for param in (dense, expert, *mains, *lost):
             param.grad = torch.full_like(param, fill)
         # Counterfactual: the bug's filter, expert params passed through the dense TP group.
+        dense_tp_for_experts = ProcessGroupCollection(tp=collection.tp, expt_tp=collection.tp)
         dense_tp_only = [
-            p.grad
-            for p in (dense, expert)
-            if param_is_not_tensor_parallel_duplicate(p, collection.tp, collection.tp, use_global_fallback=False)
+            p.grad for p in (dense, expert) if param_is_not_tensor_parallel_duplicate(p, dense_tp_for_experts)
         ]
         reduce_group = collection.mp  # = tp_ep_pp here: the whole world
         out[key] = {

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import pgregistry
 from pgregistry import ParallelLayout, ProcessGroupCollection, clip_grad_norm_, count_zeros, grad_norm, registry
 from pgregistry.grad_stats import CLIP_EPSILON
 from pgregistry.testing import run_world
@@ -81,7 +82,7 @@ def _optimizer_clip_on_rank() -> tuple[float, bool, str]:
     from pgregistry.optim import build_optimizer
 
     stage, pgc = _stage(None)
-    registry.attach(stage, pgc)
+    pgregistry.attach(stage, pgc)
     optimizer = build_optimizer(stage, pgc, optimizer="sgd", lr=0.1)
     for param, grad in zip(stage.parameters(), _grads(dist.get_rank()), strict=True):
         param.grad.copy_(grad)

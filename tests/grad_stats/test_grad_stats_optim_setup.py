@@ -1,4 +1,4 @@
-"""setup_process_groups_for_optimizer / _ddp: validation messages, their order, defaults and the global fallback."""
+"""setup_process_groups_for_optimizer: validation messages, their order, defaults and the global fallback."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from torch import nn
 
 from pgregistry import registry
 from pgregistry.collection import UNSET, ProcessGroupCollection
-from pgregistry.fallback import ProcessGroupFallbackWarning, forget_fallback_warnings
+from pgregistry.fallback import ProcessGroupFallbackWarning
+from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
+from pgregistry.global_grid import initialize_global_grid
 from pgregistry.layout import ParallelLayout
-from pgregistry.optim.setup import (
-    DDPProcessGroups,
-    OptimizerProcessGroups,
-    setup_process_groups_for_ddp,
-    setup_process_groups_for_optimizer,
-)
+from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
 from pgregistry.testing import run_world
+
+STATS_OFF = dict.fromkeys(("tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat"))
+"""The grad-statistics groups an optimizer also needs, every axis off: set so the door reads no global grid."""
 
 
 def _message(call: Any) -> str:
@@ -38,32 +38,26 @@ def _chunk(cp_size: int) -> nn.Module:
 
 def test_optimizer_validation_order() -> None:
     """Each missing group is reported in Megatron-Core's order; providing it moves on to the next."""
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = dict(STATS_OFF)
     seen: list[str] = []
     for name, value in (("dp", None), ("cp", None), ("expt_dp", None), ("intra_dist_opt", None), ("mp", None),
                         ("tp_ep_pp", None)):
         message = _message(
             lambda: setup_process_groups_for_optimizer(
-                ProcessGroupCollection(**fields), use_distributed_optimizer=True, use_gloo=True
+                ProcessGroupCollection(**fields), use_distributed_optimizer=True
             )
         )
         seen.append(message.split(" ")[0])
         assert "not set in pg_collection" in message or "is required" in message, message
         fields[name] = value
-    last = _message(
-        lambda: setup_process_groups_for_optimizer(
-            ProcessGroupCollection(**fields), use_distributed_optimizer=True, use_gloo=True
-        )
-    )
     assert seen == ["dp", "dp_cp", "expt_dp", "intra_dist_opt", "mp", "tp_ep_pp"]
-    assert last.startswith("gloo process groups are read from the global grid only")
     groups = setup_process_groups_for_optimizer(ProcessGroupCollection(**fields), use_distributed_optimizer=True)
     assert isinstance(groups, OptimizerProcessGroups)
-    assert groups.dp_cp is None and groups.intra_dist_opt is None and groups.intra_dp_cp_gloo is None
+    assert groups.dp_cp is None and groups.intra_dist_opt is None and groups.stats.tp is None
 
 
 def test_messages_say_how_to_fix() -> None:
-    full = {"dp": None, "cp": None, "expt_dp": None, "mp": None, "tp_ep_pp": None}
+    full = {"dp": None, "cp": None, "expt_dp": None, "mp": None, "tp_ep_pp": None, **STATS_OFF}
     message = _message(lambda: setup_process_groups_for_optimizer(ProcessGroupCollection(**full),
                                                                   use_distributed_optimizer=True))
     assert message.startswith("intra_dist_opt process group is required when use_distributed_optimizer=True")
@@ -75,28 +69,17 @@ def test_messages_say_how_to_fix() -> None:
 
 
 def test_intra_dist_opt_is_only_required_by_a_distributed_optimizer() -> None:
-    collection = ProcessGroupCollection(dp=None, cp=None, expt_dp=None, mp=None, tp_ep_pp=None)
+    collection = ProcessGroupCollection(dp=None, cp=None, expt_dp=None, mp=None, tp_ep_pp=None, **STATS_OFF)
     assert setup_process_groups_for_optimizer(collection).intra_dist_opt is UNSET
 
 
 def test_dp_cp_defaults_to_dp_only_when_cp_is_known_off() -> None:
-    base = {"dp": None, "expt_dp": None, "mp": None, "tp_ep_pp": None}
+    base = {"dp": None, "expt_dp": None, "mp": None, "tp_ep_pp": None, **STATS_OFF}
     collection = ProcessGroupCollection(**base)
     assert setup_process_groups_for_optimizer(collection, [_chunk(1)]).dp_cp is None
     assert "size is 2" in _message(lambda: setup_process_groups_for_optimizer(collection, [_chunk(2)]))
     assert "size is unknown" in _message(lambda: setup_process_groups_for_optimizer(collection, [nn.Linear(1, 1)]))
     assert "size is unknown" in _message(lambda: setup_process_groups_for_optimizer(collection))
-    assert setup_process_groups_for_ddp(ProcessGroupCollection(**base, tp=None, pp=None, ep=None), _chunk(1)).dp_cp \
-        is None
-
-
-def test_ddp_requires_tp_pp_and_ep() -> None:
-    base = {"dp": None, "cp": None, "expt_dp": None}
-    assert _message(lambda: setup_process_groups_for_ddp(ProcessGroupCollection(cp=None))).startswith("dp ")
-    message = _message(lambda: setup_process_groups_for_ddp(ProcessGroupCollection(**base, tp=None)))
-    assert message.startswith("tp, pp and ep process groups are required") and "['pp', 'ep']" in message
-    groups = setup_process_groups_for_ddp(ProcessGroupCollection(**base, tp=None, pp=None, ep=None))
-    assert isinstance(groups, DDPProcessGroups) and groups.tp is None and groups.intra_dp_cp is None
 
 
 def _on_rank() -> dict[str, Any]:
@@ -127,23 +110,22 @@ def _on_rank() -> dict[str, Any]:
             out["no_grid"] = str(exc)
 
     forget_fallback_warnings()
-    grid = registry.initialize_global_grid(ParallelLayout(world_size=4, tp=2))
+    grid = initialize_global_grid(ParallelLayout(world_size=4, tp=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
-        groups = setup_process_groups_for_optimizer(use_gloo=True)
-        ddp = setup_process_groups_for_ddp()
+        groups = setup_process_groups_for_optimizer()
     out["fallback_warnings"] = sorted({str(w.message).split(" ")[0] for w in caught
                                        if issubclass(w.category, ProcessGroupFallbackWarning)})
     out["global_groups"] = (
-        groups.mp is grid.mp and groups.dp is grid.dp and groups.intra_dp_cp_gloo is grid.intra_dp_cp
-        and ddp.tp is grid.tp and ddp.pp is grid.pp and ddp.ep is grid.ep
+        groups.mp is grid.mp and groups.dp is grid.dp and groups.intra_dp_cp is grid.intra_dp_cp
+        and groups.stats.tp is grid.tp and groups.stats.dense_reduce is grid.mp
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProcessGroupFallbackWarning)
         out["error_filter"] = 0
         for _ in range(2):
             try:
-                setup_process_groups_for_ddp()
+                setup_process_groups_for_optimizer()
             except ProcessGroupFallbackWarning:
                 out["error_filter"] += 1
     return out
@@ -165,6 +147,6 @@ def test_with_real_groups(results: list[dict[str, Any]]) -> None:
 def test_without_a_collection_reads_the_global_grid_and_warns(results: list[dict[str, Any]]) -> None:
     for got in results:
         assert "no global grid is initialised" in got["no_grid"]
-        assert got["fallback_warnings"] == ["setup_process_groups_for_ddp", "setup_process_groups_for_optimizer"]
+        assert got["fallback_warnings"] == ["setup_process_groups_for_optimizer"]
         assert got["global_groups"]
         assert got["error_filter"] == 2

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pgregistry import registry
+from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, registry
+from pgregistry._resolve import normalise
 from pgregistry.audit import audit_grad_replication
 from pgregistry.grad_stats import (
     CLIP_EPSILON,
@@ -30,7 +31,6 @@ from pgregistry.params import (
     mark_gtp_sharded,
     mark_shared,
     mark_tensor_parallel,
-    named_parameters_of,
 )
 from pgregistry.testing import run_world
 
@@ -53,26 +53,28 @@ def _param(*, allreduce: bool | None = None, tp_sharded: bool = False, gtp_shard
 def _rules_on_rank() -> dict[str, Any]:
     """Each rule with a 2-rank group G on one axis and the other axis off; rank 1 exercises the non-zero ranks."""
     group = registry.build(ParallelLayout(world_size=2, tp=2)).tp
+
+    def on(tp: Any, expt_tp: Any) -> ProcessGroupCollection:
+        return ProcessGroupCollection(tp=tp, expt_tp=expt_tp, gtp_remat=tp, expt_gtp_remat=expt_tp)
+
     tp_table = {}
     # (allreduce, tp rank, etp rank) -> counted, with the ranks of this process under each group assignment.
     for tp_group, etp_group in ((group, None), (None, group)):
         ranks = (group.rank() if tp_group is not None else 0, group.rank() if etp_group is not None else 0)
         for allreduce in (True, False):
-            counted = param_is_not_tensor_parallel_duplicate(
-                _param(allreduce=allreduce), tp_group, etp_group, use_global_fallback=False
-            )
+            counted = param_is_not_tensor_parallel_duplicate(_param(allreduce=allreduce), on(tp_group, etp_group))
             tp_table[(allreduce, *ranks)] = counted
     sharded_everywhere = all(
-        param_is_not_tensor_parallel_duplicate(_param(allreduce=a, tp_sharded=True), group, group)
+        param_is_not_tensor_parallel_duplicate(_param(allreduce=a, tp_sharded=True), on(group, group))
         for a in (None, True, False)
     )
-    unmarked_is_dense = param_is_not_tensor_parallel_duplicate(_param(), group, None, use_global_fallback=False)
+    unmarked_is_dense = param_is_not_tensor_parallel_duplicate(_param(), on(group, None))
     gtp = {
-        "dense": param_is_not_gtp_duplicate(_param(), group, None, use_global_fallback=False),
-        "dense_sharded": param_is_not_gtp_duplicate(_param(gtp_sharded=True), group, group),
-        "expert_axis_off": param_is_not_gtp_duplicate(_param(allreduce=False), group, None),
-        "expert": param_is_not_gtp_duplicate(_param(allreduce=False), None, group),
-        "expert_sharded": param_is_not_gtp_duplicate(_param(allreduce=False, gtp_sharded=True), group, group),
+        "dense": param_is_not_gtp_duplicate(_param(), on(group, None)),
+        "dense_sharded": param_is_not_gtp_duplicate(_param(gtp_sharded=True), on(group, group)),
+        "expert_axis_off": param_is_not_gtp_duplicate(_param(allreduce=False), on(group, None)),
+        "expert": param_is_not_gtp_duplicate(_param(allreduce=False), on(None, group)),
+        "expert_sharded": param_is_not_gtp_duplicate(_param(allreduce=False, gtp_sharded=True), on(group, group)),
     }
     return {
         "rank": group.rank(),
@@ -117,11 +119,14 @@ def test_shared_params_are_never_counted() -> None:
     assert not param_is_not_shared(mark_shared(_param()))
 
 
-def test_omitted_group_without_fallback_raises_naming_the_argument() -> None:
-    with pytest.raises(ValueError, match="expert_tp_group"):
-        param_is_not_tensor_parallel_duplicate(_param(allreduce=False), None, use_global_fallback=False)
-    with pytest.raises(ValueError, match="gtp_group"):
-        param_is_not_gtp_duplicate(_param(), use_global_fallback=False)
+def test_an_omitted_group_without_a_global_grid_raises_naming_the_group() -> None:
+    with (
+        pytest.warns(ProcessGroupFallbackWarning),
+        pytest.raises(RuntimeError, match="param_is_not_tensor_parallel_duplicate needs process group 'expt_tp'"),
+    ):
+        param_is_not_tensor_parallel_duplicate(_param(allreduce=False), ProcessGroupCollection(tp=None))
+    with pytest.raises(RuntimeError, match="param_is_not_gtp_duplicate was not given a ProcessGroupCollection"):
+        param_is_not_gtp_duplicate(_param())
 
 
 # ------------------------------------------------------------------------------------------------ reductions
@@ -242,15 +247,18 @@ def test_mark_tensor_parallel_validates() -> None:
         mark_tensor_parallel(nn.Parameter(torch.zeros(2, 2)), 0, stride=0)
 
 
-def test_named_parameters_of_accepts_models_chunks_mappings_and_tensors() -> None:
+def test_the_normaliser_accepts_models_chunks_mappings_and_tensors() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 1)
-    assert [n for n, _ in named_parameters_of(a)] == ["weight", "bias"]
-    assert [n for n, _ in named_parameters_of([a, b])][2:] == ["chunk1.weight", "chunk1.bias"]
-    assert [n for n, _ in named_parameters_of({"x": a.weight, "y": a.weight})] == ["x"]  # once per tensor
-    assert [n for n, _ in named_parameters_of([a.weight, a.bias])] == ["param[0]", "param[1]"]
-    assert named_parameters_of(a.weight)[0][1] is a.weight
+    assert [n for n, _ in normalise(a).named] == ["weight", "bias"]
+    assert [n for n, _ in normalise([a, b]).named][2:] == ["chunk1.weight", "chunk1.bias"]
+    assert [n for n, _ in normalise({"x": a.weight, "y": a.weight}).named] == ["x"]  # once per tensor
+    assert [n for n, _ in normalise([a.weight, a.bias]).named] == ["param[0]", "param[1]"]
+    assert normalise(a.weight).named[0][1] is a.weight
     with pytest.raises(TypeError, match="param\\[1\\]"):
-        named_parameters_of([a.weight, "nope"])  # type: ignore[list-item]
+        normalise([a.weight, "nope"])  # type: ignore[list-item]
+    # Chunks as a generator or a tuple are chunks, not tensors: the attached collection is then found through them.
+    assert normalise(chunk for chunk in [a, b]).chunks == (a, b)
+    assert normalise((a, b)).chunks == (a, b)
 
 
 # --------------------------------------------------------------------------------------------- audit guard

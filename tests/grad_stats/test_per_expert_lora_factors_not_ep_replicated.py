@@ -23,9 +23,9 @@ from torch import nn
 
 from pgregistry import registry
 from pgregistry.audit import audit_grad_replication
-from pgregistry.grad_stats import count_zeros, grad_norm
+from pgregistry.grad_stats import check_expert_classification, count_zeros, grad_norm
 from pgregistry.layout import ParallelLayout
-from pgregistry.params import check_expert_classification, mark_expert, mark_expert_module, mark_expert_replicated
+from pgregistry.params import mark_expert, mark_expert_module, mark_expert_replicated
 from pgregistry.testing import run_world
 
 EP = 4

@@ -32,10 +32,11 @@ def _on_rank() -> dict[str, Any]:
         adopted = from_megatron(mc)
         out: dict[str, Any] = {"unset_gtp_fields": [f for f in GTP_FIELDS if not adopted.is_set(f)]}
     registry.destroy()
-    pg = registry.build(layout, explicit_singletons=True)
-    out["parity_wrong"] = [n for n, r in describe_groups(pg, names).items() if r != theirs[n]]
+    pg = registry.build(layout)
+    ours = describe_groups(to_megatron(pg), names)  # off axes as the build's one-rank group, as Megatron-Core has
+    out["parity_wrong"] = [n for n, r in ours.items() if r != theirs[n]]
     out["to_megatron_fields"] = sorted(vars(to_megatron(pg)))
-    gtp = registry.build(ParallelLayout(world_size=dist.get_world_size(), tp=2, gtp_remat=2), explicit_singletons=True)
+    gtp = registry.build(ParallelLayout(world_size=dist.get_world_size(), tp=2, gtp_remat=2))
     out["gtp_refused"] = error_of(lambda: to_megatron(gtp))
     out["gtp_config_refused"] = error_of(lambda: megatron_config_kwargs(ParallelLayout(world_size=4, gtp_remat=2)))
     registry.destroy()

@@ -48,7 +48,7 @@ def _value(name: str) -> float:
 
 
 def _model(layout: ParallelLayout) -> tuple[GPTModel, Any]:
-    pg = registry.build(layout, explicit_singletons=True)
+    pg = registry.build(layout)
     config = TransformerConfig(
         num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=4, num_moe_experts=NUM_EXPERTS,
         moe_router_topk=2, moe_token_dispatcher_type="allgather", add_bias_linear=False,

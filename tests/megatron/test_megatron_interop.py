@@ -19,7 +19,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection as Megatr
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from pgregistry import registry  # noqa: E402
-from pgregistry.collection import UNSET, ProcessGroupCollection  # noqa: E402
+from pgregistry.collection import NOT_MEMBER, UNSET, ProcessGroupCollection  # noqa: E402
 from pgregistry.interop.megatron import (  # noqa: E402
     NONE_MEANS_NOT_USED,
     check_config,
@@ -36,12 +36,26 @@ WORLD = 4
 SIZES: dict[str, Any] = {"tp": 2, "ep": 2, "etp": 1}
 
 
+def _as_megatron_reads(mine: ProcessGroupCollection, name: str) -> Any:
+    """What Megatron-Core must be handed for ``mine``'s field ``name``: its group; this rank's one-rank group where
+    the axis is off (None) and Megatron-Core would read None as "the global group"; None for NOT_MEMBER or where
+    None means "not used"; UNSET where unset."""
+    if not mine.is_set(name):  # type: ignore[arg-type]  # a Megatron-Core field name
+        return UNSET
+    if not mine.is_member_of(name):  # type: ignore[arg-type]
+        return None
+    value = mine.get(name)  # type: ignore[call-overload]
+    if value is None and name not in NONE_MEANS_NOT_USED:
+        return mine.one_rank_group
+    return value
+
+
 def _same_communicators(mine: ProcessGroupCollection, theirs: Any) -> list[str]:
     """Fields whose communicator differs (by identity) between the two collections; presence must match too."""
     present = vars(theirs)
     wrong = []
     for name in megatron_fields():
-        value = mine.get(name) if mine.is_set(name) else UNSET
+        value = _as_megatron_reads(mine, name)
         if (value is UNSET) != (name not in present) or (value is not UNSET and value is not present[name]):
             wrong.append(name)
     return wrong
@@ -49,17 +63,20 @@ def _same_communicators(mine: ProcessGroupCollection, theirs: Any) -> list[str]:
 
 def _to_megatron_checks() -> dict[str, Any]:
     layout = ParallelLayout(world_size=WORLD, **SIZES)
-    pg = registry.build(layout, explicit_singletons=True)
-    created = registry.default_registry.groups_created
-    mc = to_megatron(pg)
-    partial = ProcessGroupCollection(tp=pg.get("tp"), dp=pg.get("dp"), embd=None)
+    pg = registry.build(layout)
+    created = registry.communicators_created()
+    mc = to_megatron(pg)  # a default build: off axes go to Megatron-Core as the build's one-rank group
+    partial = ProcessGroupCollection(tp=pg.get("tp"), dp=pg.get("dp"), embd=NOT_MEMBER)
+    by_hand = ProcessGroupCollection(**dict(pg.items()))  # the same groups, but no one-rank group
     out = {
         "type": type(mc).__name__ == "ProcessGroupCollection" and isinstance(mc, MegatronCollection),
         "differs": _same_communicators(pg, mc),
-        "round_trip": from_megatron(mc) == pg,
-        "created_by_to_megatron": registry.default_registry.groups_created - created,
+        "round_trip": _same_communicators(from_megatron(mc), mc),
+        "off_is_one_rank": [dist.get_process_group_ranks(mc.cp), dist.get_process_group_ranks(mc.expt_tp)],
+        "created_by_to_megatron": registry.communicators_created() - created,
         "partial_present": sorted(vars(to_megatron(partial))),
-        "none_refused": error_of(lambda: to_megatron(registry.build(layout, name="default-singletons-off"))),
+        "partial_embd": vars(to_megatron(partial))["embd"],
+        "none_refused": error_of(lambda: to_megatron(by_hand)),
         "not_a_collection": error_of(lambda: to_megatron(mc)),
     }
     registry.destroy()
@@ -69,8 +86,8 @@ def _to_megatron_checks() -> dict[str, Any]:
 def _from_megatron_checks() -> dict[str, Any]:
     with megatron_initialize(SIZES) as mc:
         pg = from_megatron(mc)
-        before = registry.default_registry.groups_created
-        rebuilt = registry.build(ParallelLayout(world_size=WORLD, **SIZES), explicit_singletons=True)
+        before = registry.communicators_created()
+        rebuilt = registry.build(ParallelLayout(world_size=WORLD, **SIZES))
         out = {
             "differs": _same_communicators(pg, mc),
             "back": _same_communicators(pg, to_megatron(pg)),
@@ -78,15 +95,15 @@ def _from_megatron_checks() -> dict[str, Any]:
             # one of Megatron-Core's with the same ranks, the first field's where several share them.
             "rebuilt_not_megatrons": [
                 name for name, value in rebuilt.items()
-                if value is not None and not isinstance(value, list)
-                and not any(value is g for g in vars(mc).values())
+                if isinstance(value, dist.ProcessGroup) and not any(value is g for g in vars(mc).values())
             ],
             "rebuilt_tp_is_megatrons_tp": rebuilt.get("tp") is mc.tp,
             "rebuilt_ranks": [
-                name for name, value in rebuilt.items() if value is not None and not isinstance(value, list)
+                name for name, value in rebuilt.items() if isinstance(value, dist.ProcessGroup)
                 and dist.get_process_group_ranks(value) != dist.get_process_group_ranks(pg.get(name))
             ],
-            "created_by_rebuild": registry.default_registry.groups_created - before,
+            "rebuilt_one_rank_is_megatrons": any(rebuilt.one_rank_group is g for g in vars(mc).values()),
+            "created_by_rebuild": registry.communicators_created() - before,
             "unset_stays_unset": from_megatron(MegatronCollection(tp=mc.tp)).is_set("dp"),
             "none_refused": error_of(lambda: from_megatron(MegatronCollection(tp=None, dp=mc.dp))),
             "not_megatrons": error_of(lambda: from_megatron(pg)),
@@ -98,7 +115,7 @@ def _from_megatron_checks() -> dict[str, Any]:
 
 
 def _config_checks() -> dict[str, str]:
-    pg = registry.build(ParallelLayout(world_size=WORLD, **SIZES), explicit_singletons=True)
+    pg = registry.build(ParallelLayout(world_size=WORLD, **SIZES))
     base = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "num_moe_experts": 4, "add_bias_linear": False}
     out = {
         "agrees": error_of(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2,
@@ -131,16 +148,18 @@ def test_to_megatron_carries_the_same_communicators(results: list[dict[str, Any]
         to = result["to"]
         assert to["type"], rank
         assert to["differs"] == [], rank
-        assert to["round_trip"], rank
+        assert to["round_trip"] == [], rank
+        assert to["off_is_one_rank"] == [[rank], [rank]], rank
         assert to["created_by_to_megatron"] == 0, rank
-        assert to["partial_present"] == ["dp", "embd", "tp"], rank  # UNSET stays absent; embd None passes
+        assert to["partial_present"] == ["dp", "embd", "tp"], rank  # UNSET stays absent; NOT_MEMBER is None
+        assert to["partial_embd"] is None, rank
 
 
-def test_to_megatron_refuses_none_where_megatron_would_fall_back(results: list[dict[str, Any]]) -> None:
+def test_to_megatron_refuses_none_it_cannot_stand_for(results: list[dict[str, Any]]) -> None:
     for result in results:
         message = result["to"]["none_refused"]
-        assert message.startswith("ValueError: pg_collection field 'cp' is None"), message
-        assert "explicit_singletons=True" in message
+        assert message.startswith("ValueError: pg_collection field 'cp' is None (axis off)"), message
+        assert "no one-rank group to stand for the axis" in message
         assert result["to"]["not_a_collection"].startswith("TypeError: to_megatron expects a pgregistry")
 
 
@@ -150,7 +169,7 @@ def test_from_megatron_adopts_megatrons_communicators(results: list[dict[str, An
         assert frm["differs"] == [] and frm["back"] == [], rank
         # A later build of the same layout reuses Megatron-Core's communicators: no second set.
         assert frm["rebuilt_not_megatrons"] == [] and frm["rebuilt_ranks"] == [], rank
-        assert frm["rebuilt_tp_is_megatrons_tp"], rank
+        assert frm["rebuilt_tp_is_megatrons_tp"] and frm["rebuilt_one_rank_is_megatrons"], rank
         assert frm["created_by_rebuild"] == 0, rank
         assert frm["unset_stays_unset"] is False, rank
         assert frm["none_refused"].startswith("ValueError: Megatron-Core collection field 'tp' is None"), rank
@@ -203,5 +222,7 @@ def test_layout_sizes_under_megatrons_names(sizes: dict[str, Any]) -> None:
 def test_seed_megatron_rng_refuses_a_collection_without_its_groups() -> None:
     # Checked before Megatron-Core is called: its own fallback would read the global ranks. (Seeding itself needs
     # CUDA; scripts/megatron_gpu_step.py checks the seeds on a GPU.)
-    with pytest.raises(ValueError, match=r"needs the collection's \['ep', 'expt_tp', 'gtp_remat', 'expt_gtp_remat'\]"):
+    with pytest.raises(
+        ValueError, match=r"needs the collection's \['pp', 'ep', 'expt_tp', 'gtp_remat', 'expt_gtp_remat'\]"
+    ):
         seed_megatron_rng(1234, ProcessGroupCollection(tp=None))

@@ -2,8 +2,8 @@
 
 Megatron-Core's ``initialize_model_parallel`` then ``ProcessGroupCollection.use_mpu_process_groups()`` give, on each
 rank, the groups Megatron-Core would use; ``pgregistry.build`` of the same sizes must give the same rank sets field by
-field. Megatron-Core builds real one-rank groups where pgregistry's default build says ``None`` (axis off), so the
-default build is compared modulo that and ``explicit_singletons=True`` exactly.
+field. Megatron-Core builds real one-rank groups where pgregistry says ``None`` (axis off), and says ``None`` where
+pgregistry says ``NOT_MEMBER`` (a rank outside the embedding groups): each is compared as exactly that.
 
 Two layers: real gloo worlds of 8 ranks (the layouts the issue names, both orders Megatron-Core documents), and a
 property-based sweep on torch's fake backend, where one process plays any rank of any world, so hundreds of sizes and
@@ -24,9 +24,9 @@ from megatron_support import describe_groups, fake_world, megatron_fields, megat
 
 require_megatron()
 
-from pgregistry.collection import FIELD_NAMES  # noqa: E402
+from pgregistry import registry  # noqa: E402
+from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
-from pgregistry.registry import GroupRegistry  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
 WORLD = 8
@@ -43,15 +43,37 @@ GLOO_LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _compare(theirs: dict[str, Any], exact: dict[str, Any], default: dict[str, Any]) -> list[str]:
-    """Fields where pgregistry differs from Megatron-Core: exactly with singletons, modulo None by default."""
+_NOT_USED = frozenset({"hcp", "inter_dist_opt", "dp_cp_ag", "expt_dp_ag"})
+"""Fields whose ``None`` means "not used" in both libraries."""
+
+
+def _ours(collection: ProcessGroupCollection, names: tuple[str, ...]) -> dict[str, Any]:
+    """Field -> the ranks of pgregistry's group, ``"off"`` (None) or ``"not a member"`` (NOT_MEMBER)."""
+    out: dict[str, Any] = {}
+    for name in names:
+        if not collection.is_member_of(name):  # type: ignore[arg-type]  # a Megatron-Core field name
+            out[name] = "not a member"
+            continue
+        value = collection.get(name)  # type: ignore[call-overload]
+        out[name] = "off" if value is None else describe_groups(collection, (name,))[name]
+    return out
+
+
+def _compare(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """Fields where pgregistry differs from Megatron-Core: the same ranks; None (off) exactly where Megatron-Core
+    has this rank alone (or "not used"); NOT_MEMBER exactly where it has no embedding group."""
+    rank = dist.get_rank()
     wrong = []
     for name, ranks in theirs.items():
-        if exact[name] != ranks:
-            wrong.append(f"{name}: megatron {ranks}, pgregistry (singletons) {exact[name]}")
-        one_rank = isinstance(ranks, tuple) and len(ranks) == 1
-        if default[name] != (None if one_rank else ranks):
-            wrong.append(f"{name}: megatron {ranks}, pgregistry (default) {default[name]}")
+        mine = ours[name]
+        if mine == "off":
+            agrees = ranks == (rank,) or (ranks is None and name in _NOT_USED)
+        elif mine == "not a member":
+            agrees = ranks is None and name in ("embd", "pos_embd")
+        else:
+            agrees = mine == ranks
+        if not agrees:
+            wrong.append(f"{name}: megatron {ranks}, pgregistry {mine}")
     return wrong
 
 
@@ -61,15 +83,13 @@ def _both_on_this_rank(sizes: dict[str, Any], tag: str) -> list[str]:
     with megatron_initialize(sizes) as theirs:
         megatron_ranks = describe_groups(theirs, names)
     layout = ParallelLayout(world_size=dist.get_world_size(), **sizes)
-    # A registry of its own: the fake-backend sweep runs in the test process, whose default registry forked worlds
-    # of other tests inherit.
-    groups = GroupRegistry()
+    # Destroyed right after: the fake-backend sweep runs in the test process, whose state forked worlds of other
+    # tests inherit.
     try:
-        exact = describe_groups(groups.build(layout, name=f"{tag}-exact", explicit_singletons=True), names)
-        default = describe_groups(groups.build(layout, name=f"{tag}-default"), names)
+        ours = _ours(registry.build(layout, name=tag), names)
     finally:
-        groups.destroy()
-    return _compare(megatron_ranks, exact, default)
+        registry.destroy()
+    return _compare(megatron_ranks, ours)
 
 
 def _gloo_parity_on_rank() -> dict[str, list[str]]:

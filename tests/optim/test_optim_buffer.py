@@ -26,13 +26,21 @@ from pgregistry.grad_stats import (
     zeros_of_grads,
 )
 from pgregistry.layout import ParallelLayout
-from pgregistry.optim import MixedPrecisionOptimizer, ShardedOptimizer, build_optimizer, inner_factory
+from pgregistry.optim import (
+    MixedPrecisionOptimizer,
+    ShardedOptimizer,
+    build_optimizer,
+    inner_factory,
+    setup_process_groups_for_optimizer,
+)
 from pgregistry.params import mark_expert, mark_shared
 from pgregistry.testing import run_world
 from pgregistry.testing_models import local_model
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 """Every axis off: a single process, no torch.distributed."""
+OFF = setup_process_groups_for_optimizer(ALL_OFF)
+SHARDED_OFF = setup_process_groups_for_optimizer(ALL_OFF, use_distributed_optimizer=True)
 
 OFF_GROUPS = StatsGroups.from_collection(ALL_OFF)
 
@@ -117,7 +125,7 @@ def test_classification_happens_once_at_construction(monkeypatch: pytest.MonkeyP
 def test_mixed_precision_grads_live_only_in_the_buffer() -> None:
     model = nn.Linear(4, 3).to(torch.bfloat16)
     model.scale = nn.Parameter(torch.ones(3))  # already float32: its own main param
-    opt = MixedPrecisionOptimizer(list(model.parameters()), ALL_OFF, inner=inner_factory("sgd", lr=0.1))
+    opt = MixedPrecisionOptimizer(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.1))
     data = opt.buffer.data
     assert data.dtype == torch.float32
     for param, main in zip(opt.params, opt.main_params, strict=True):
@@ -138,7 +146,7 @@ def test_mixed_precision_grads_live_only_in_the_buffer() -> None:
 def test_sharded_parameters_are_views_of_one_buffer() -> None:
     params = [nn.Parameter(torch.randn(3, 5)), nn.Parameter(torch.randn(7))]
     values = [p.detach().clone() for p in params]
-    opt = ShardedOptimizer(params, ALL_OFF, inner=inner_factory("sgd", lr=0.5), main_dtype=None)
+    opt = ShardedOptimizer(params, SHARDED_OFF, inner=inner_factory("sgd", lr=0.5), main_dtype=None)
     for param, value in zip(params, values, strict=True):
         assert _storage(param) == _storage(opt.param_data)
         assert torch.equal(param.detach(), value)

@@ -12,15 +12,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import pgregistry
 from pgregistry import registry
 from pgregistry.collection import FIELD_NAMES, UNSET, ProcessGroupCollection
 from pgregistry.fallback import ProcessGroupFallbackWarning
 from pgregistry.layout import ParallelLayout
-from pgregistry.optim import MixedPrecisionOptimizer, ShardedOptimizer, build_optimizer
+from pgregistry.optim import (
+    MixedPrecisionOptimizer,
+    ShardedOptimizer,
+    build_optimizer,
+    setup_process_groups_for_optimizer,
+)
 from pgregistry.params import is_expert_param, mark_expert, mark_expert_module
 from pgregistry.testing import run_world
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+OFF = setup_process_groups_for_optimizer(ALL_OFF)
 
 
 def _moe(classify_lora: bool = True) -> nn.Module:
@@ -54,12 +61,12 @@ def test_refuses_bad_arguments() -> None:
 def test_child_refuses_parameters_of_the_other_kind() -> None:
     model = _moe()
     with pytest.raises(ValueError, match=r"param\[2\] is a routed-expert parameter .* expert=False"):
-        MixedPrecisionOptimizer(list(model.parameters()), ALL_OFF, inner=torch.optim.SGD)
+        MixedPrecisionOptimizer(list(model.parameters()), OFF, inner=torch.optim.SGD)
 
 
 def test_uses_the_attached_collection_without_falling_back() -> None:
     model = _moe()
-    registry.attach(model, ALL_OFF)
+    pgregistry.attach(model, ALL_OFF)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProcessGroupFallbackWarning)
         opt = build_optimizer(model, optimizer=functools.partial(torch.optim.SGD, lr=0.5), mixed_precision=False)

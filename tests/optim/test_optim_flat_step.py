@@ -19,10 +19,17 @@ from torch import nn
 from pgregistry import registry
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.layout import ParallelLayout
-from pgregistry.optim import FlatStep, MixedPrecisionOptimizer, ShardedOptimizer, inner_factory
+from pgregistry.optim import (
+    FlatStep,
+    MixedPrecisionOptimizer,
+    ShardedOptimizer,
+    inner_factory,
+    setup_process_groups_for_optimizer,
+)
 from pgregistry.testing import run_world
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+OFF = setup_process_groups_for_optimizer(ALL_OFF)
 SHAPES = [(7,), (33, 5), (1000,), (4097,), (17, 3, 2), (65539,), ()]
 STEPS = 4
 RULES: dict[str, dict[str, Any]] = {
@@ -82,7 +89,7 @@ def _assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
 def test_mixed_precision_flat_step_equals_separate_tensors(rule: str, dtypes: list[torch.dtype]) -> None:
     params = _params(dtypes)
     want, ref_opt = _reference(rule, params)
-    opt = MixedPrecisionOptimizer(params, ALL_OFF, inner=inner_factory(rule, **RULES[rule]))  # type: ignore[arg-type]
+    opt = MixedPrecisionOptimizer(params, OFF, inner=inner_factory(rule, **RULES[rule]))  # type: ignore[arg-type]
     assert isinstance(opt.inner, FlatStep)
     _step_mixed(opt, range(STEPS))
     for index, (param, main, ref) in enumerate(zip(opt.params, opt.main_params, want, strict=True)):
@@ -106,7 +113,7 @@ def test_mixed_precision_flat_step_equals_separate_tensors(rule: str, dtypes: li
 
 
 def _mixed(params: list[nn.Parameter], rule: str = "adam") -> MixedPrecisionOptimizer:
-    return MixedPrecisionOptimizer(params, ALL_OFF, inner=inner_factory(rule, **RULES[rule]))  # type: ignore[arg-type]
+    return MixedPrecisionOptimizer(params, OFF, inner=inner_factory(rule, **RULES[rule]))  # type: ignore[arg-type]
 
 
 def test_mixed_precision_resumes_exactly_from_its_state_dict() -> None:
@@ -155,7 +162,7 @@ def test_a_factory_that_is_not_elementwise_steps_each_main_param() -> None:
     params = _params([torch.bfloat16])
     mains = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
     ref_opt = grouped(mains)  # type: ignore[arg-type]
-    opt = MixedPrecisionOptimizer(params, ALL_OFF, inner=grouped)
+    opt = MixedPrecisionOptimizer(params, OFF, inner=grouped)
     assert isinstance(opt.inner, torch.optim.AdamW)
     for step in range(STEPS):
         for main, grad in zip(mains, _grads(step), strict=True):
@@ -195,7 +202,9 @@ def test_flat_load_refuses_state_it_cannot_hold() -> None:
 def _sharded_on_rank(rule: str) -> dict[str, Any]:
     collection = registry.build(ParallelLayout(world_size=2))
     params = _params([torch.bfloat16])
-    opt = ShardedOptimizer(params, collection, inner=inner_factory(rule, **RULES[rule]))  # type: ignore[arg-type]
+    opt = ShardedOptimizer(params, setup_process_groups_for_optimizer(
+        collection, use_distributed_optimizer=True
+    ), inner=inner_factory(rule, **RULES[rule]))  # type: ignore[arg-type]
     assert isinstance(opt.inner, FlatStep)
     for step in range(STEPS):
         for param, grad in zip(opt.params, _grads(step), strict=True):
@@ -236,7 +245,9 @@ def test_sharded_flat_step_equals_separate_tensors(rule: str) -> None:
 def test_functools_partial_is_still_a_valid_factory() -> None:
     opt = _mixed(_params([torch.bfloat16]))
     other = MixedPrecisionOptimizer(
-        _params([torch.bfloat16]), ALL_OFF, inner=functools.partial(torch.optim.Adam, **RULES["adam"])
+        _params([torch.bfloat16]),
+        OFF,
+        inner=functools.partial(torch.optim.Adam, **RULES["adam"]),
     )
     _step_mixed(opt, range(STEPS))
     _step_mixed(other, range(STEPS))
@@ -251,7 +262,8 @@ def test_a_parameter_whose_data_was_replaced_is_refused(dtype: torch.dtype, shar
     training, so sync_grads refuses it, naming it."""
     params = _params([dtype])
     factory = inner_factory("sgd", lr=0.1)
-    opt = (ShardedOptimizer if sharded else MixedPrecisionOptimizer)(params, ALL_OFF, inner=factory)
+    groups = setup_process_groups_for_optimizer(ALL_OFF, use_distributed_optimizer=sharded)
+    opt = (ShardedOptimizer if sharded else MixedPrecisionOptimizer)(params, groups, inner=factory)
     opt.sync_grads()  # attached: fine
     params[3].data = params[3].data.clone()
     with pytest.raises(RuntimeError, match=r"param\[3\]\.data is no longer the optimizer's view"):
@@ -266,7 +278,7 @@ def test_bf16_main_params_step_per_tensor_with_the_same_bits() -> None:
     params = _params([dtype])
     separate = [nn.Parameter(p.detach().clone()) for p in params]
     ref_opt = torch.optim.SGD(separate, **RULES["sgd"])  # SGD with momentum shows the tail rounding
-    opt = MixedPrecisionOptimizer(params, ALL_OFF, inner=inner_factory("sgd", **RULES["sgd"]), main_dtype=None)
+    opt = MixedPrecisionOptimizer(params, OFF, inner=inner_factory("sgd", **RULES["sgd"]), main_dtype=None)
     assert isinstance(opt.inner, torch.optim.SGD)
     for step in range(STEPS):
         grads = [g.to(dtype) for g in _grads(step)]

@@ -13,7 +13,7 @@ from rng_support import oracle_seeds
 
 from pgregistry import registry
 from pgregistry.layout import ParallelLayout
-from pgregistry.rng import RNGStatesTracker, base_seed_for_rank, check_seed_plan, model_parallel_manual_seed
+from pgregistry.rng import RNGStatesTracker, check_seed_plan, model_parallel_manual_seed
 from pgregistry.testing import run_world
 
 _LAYOUT = ParallelLayout(world_size=4, tp=2, pp=2)
@@ -26,8 +26,7 @@ def _seed_on_rank(seed: int) -> str:
     """The real seeding on this rank: "ok", or the error it raises."""
     pgc = registry.build(_LAYOUT, name="seeds")
     try:
-        base = base_seed_for_rank(seed, pgc)
-        model_parallel_manual_seed(base, pgc, tracker=RNGStatesTracker())
+        model_parallel_manual_seed(seed, pgc, tracker=RNGStatesTracker())
     except ValueError as exc:
         return str(exc)
     return "ok"

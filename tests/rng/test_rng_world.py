@@ -15,8 +15,9 @@ import torch
 from rng_support import oracle_seeds
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning
+from pgregistry.global_grid import initialize_global_grid
 from pgregistry.layout import ParallelLayout
-from pgregistry.registry import build, initialize_global_grid
+from pgregistry.registry import build
 from pgregistry.rng import (
     DATA_PARALLEL_RNG,
     EGTP_REMAT_RNG,
@@ -24,7 +25,6 @@ from pgregistry.rng import (
     GTP_REMAT_RNG,
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
-    base_seed_for_rank,
     model_parallel_manual_seed,
 )
 from pgregistry.testing import run_world
@@ -43,8 +43,7 @@ def _seed_and_draw(layout: ParallelLayout, seed: int, dp_init: bool) -> dict[str
     tracker = RNGStatesTracker()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProcessGroupFallbackWarning)  # a complete collection never falls back
-        base = base_seed_for_rank(seed, pgc, data_parallel_random_init=dp_init)
-        seeds = model_parallel_manual_seed(base, pgc, tracker=tracker)
+        seeds = model_parallel_manual_seed(seed, pgc, data_parallel_random_init=dp_init, tracker=tracker)
     draws = {DATA_PARALLEL_RNG + " (default)": torch.rand(N)}
     restored = True
     for name in tracker.names():
@@ -117,7 +116,7 @@ def _fallbacks() -> dict[str, Any]:
         str(w.message) for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)
     ]
     out["explicit"] = model_parallel_manual_seed(7, grid, tracker=RNGStatesTracker())
-    partial = ProcessGroupCollection(ep=grid.ep, expt_tp=grid.expt_tp)  # tp and the GTP axes left UNSET
+    partial = ProcessGroupCollection(ep=grid.ep, expt_tp=grid.expt_tp)  # tp, pp and the GTP axes left UNSET
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out["partial"] = model_parallel_manual_seed(7, partial, tracker=RNGStatesTracker())
@@ -125,7 +124,9 @@ def _fallbacks() -> dict[str, Any]:
         str(w.message).split("'")[1] for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)
     )
     # The seed-003 bug class: the global grid has TP 2, the model's own collection turns TP off.
-    off = ProcessGroupCollection(tp=None, ep=grid.ep, expt_tp=grid.expt_tp, gtp_remat=None, expt_gtp_remat=None)
+    off = ProcessGroupCollection(
+        tp=None, pp=None, ep=grid.ep, expt_tp=grid.expt_tp, gtp_remat=None, expt_gtp_remat=None
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProcessGroupFallbackWarning)
         out["tp_off"] = model_parallel_manual_seed(7, off, tracker=RNGStatesTracker())
@@ -144,10 +145,11 @@ def test_fallback_to_the_global_grid_warns_and_none_means_off() -> None:
     for rank, out in enumerate(run_world(4, _fallbacks)):
         oracle = oracle_seeds(layout, rank, 7)
         assert out["no_collection"] == out["explicit"] == out["partial"] == oracle
-        # No collection at all: one warning, for the whole collection (pgregistry.resolver).
+        # No collection at all: one warning, for the whole collection (the door).
         [warned] = out["no_collection_warned"]
         assert warned.startswith("model_parallel_manual_seed was not given a ProcessGroupCollection")
-        assert out["partial_warned"] == ["tp"]
+        # Every omitted field warns, the one-rank GTP axes of this grid too: a fallback is a fallback.
+        assert out["partial_warned"] == ["expt_gtp_remat", "gtp_remat", "pp", "tp"]
         assert out["tp_off"][MODEL_PARALLEL_RNG] == 7 + 2718  # rank 0 of an axis that is off
         assert out["error_filter_raised"]
 
@@ -160,6 +162,6 @@ def test_without_any_grid_a_missing_collection_is_an_error() -> None:
             model_parallel_manual_seed(1, tracker=RNGStatesTracker([torch.Generator()]))
     off = ProcessGroupCollection(tp=None, ep=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None)
     tracker = RNGStatesTracker([torch.Generator()])
-    assert model_parallel_manual_seed(base_seed_for_rank(5, off), off, tracker=tracker) == {
+    assert model_parallel_manual_seed(5, off, tracker=tracker) == {
         DATA_PARALLEL_RNG: 5, MODEL_PARALLEL_RNG: 5 + 2718, EXPERT_PARALLEL_RNG: 5 + 1024,
     }

@@ -1,0 +1,225 @@
+"""One communicator per distinct rank set: the process-wide cache of process groups, and how they are created.
+
+* The same ranks named by two kinds (``dp`` and ``dp_cp`` when cp is 1), by two layouts (two models on two grids)
+  or by a DeviceMesh flattening share one ProcessGroup.
+* Each rank creates only the groups it belongs to (``new_group(use_local_synchronization=True)``): a few dozen
+  calls per rank at any scale, where Megatron-Core's ``initialize_model_parallel`` calls ``new_group`` for every
+  group of every kind on every rank (35,993 calls per rank at 8,192 ranks).
+* Creation follows one global order (by size, then ranks). Every member of a group reaches it after the same
+  smaller groups, so group creations can never wait on each other in a cycle.
+* gloo is the exception: its eager connection set-up deadlocks when member-only groups overlap (seen with torch
+  2.13: ranks 0 and 2 never connect in ``[0, 2]`` after ``[0, 1]`` was created by ranks 0 and 1). For gloo every
+  rank therefore walks every rank set of the request in the same global order (non-members get
+  ``NON_GROUP_MEMBER`` at no connection cost); that is still one call per distinct rank set, not per kind.
+* Before creating anything, ranks exchange a digest of what they were asked for (:func:`agree_on_request`).
+  Ranks that disagree raise on every rank, naming who asked for what, instead of hanging in mismatched creations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from pgregistry.layout import RankGroup
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["CACHE", "GroupCache", "GroupOptions", "agree_on_request", "require_distributed"]
+
+
+@attrs.frozen(slots=True)
+class GroupOptions:
+    """What a communicator is created with besides its ranks (``None``: what ``new_group`` picks)."""
+
+    backend: str | None = None
+    timeout: timedelta | None = None
+
+    @classmethod
+    def of(cls, backend: str | None, timeout: timedelta | float | None) -> GroupOptions:
+        """Checked options: ``ValueError`` for a timeout that is not positive (gloo would fail later, obscurely)."""
+        if timeout is not None and not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        if timeout is not None and not timeout.total_seconds() > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r} ({timeout.total_seconds()} s)")
+        return cls(backend, timeout)
+
+    def described(self) -> dict[str, str]:
+        """Option -> text, for messages and the agreement check."""
+        return {"backend": repr(self.backend), "timeout": repr(self.timeout)}
+
+
+class GroupCache:
+    """Every communicator this process created or adopted, keyed by its sorted rank set."""
+
+    def __init__(self) -> None:
+        self._groups: dict[RankGroup, tuple[ProcessGroup, GroupOptions]] = {}
+        self._adopted: set[RankGroup] = set()
+        self.created = 0
+        """How many ``new_group`` calls this process issued (for benchmarks and tests)."""
+
+    def group(self, ranks: RankGroup) -> ProcessGroup:
+        """The communicator of ``ranks`` (sorted), which must exist."""
+        return self._groups[ranks][0]
+
+    def options_of(self, ranks: RankGroup) -> GroupOptions | None:
+        """The options ``ranks``' communicator was created with; ``None`` when it has none yet."""
+        existing = self._groups.get(ranks)
+        return existing[1] if existing is not None else None
+
+    def create(self, rank_sets: Iterable[RankGroup], options: GroupOptions, members_only: bool) -> None:
+        """Create the communicators of ``rank_sets`` that do not exist yet, in the one global order. With
+        ``members_only`` each rank passes the sets it belongs to; otherwise every rank passes the same sets."""
+        for ranks in sorted(set(rank_sets), key=lambda r: (len(r), r)):
+            self._ensure(ranks, options, members_only)
+
+    def _ensure(self, ranks: RankGroup, options: GroupOptions, members_only: bool) -> None:
+        existing = self._groups.get(ranks)
+        if existing is not None:
+            if existing[1] != options:
+                raise ValueError(
+                    f"ranks {list(ranks)} already have a communicator created with {existing[1].described()}; "
+                    f"refusing a second one with {options.described()} (one communicator per rank set)"
+                )
+            return
+        group: ProcessGroup
+        if ranks == tuple(range(dist.get_world_size())) and options == GroupOptions():
+            world = dist.group.WORLD
+            assert world is not None  # callers checked that torch.distributed is initialised
+            group = world
+        else:
+            group = dist.new_group(
+                list(ranks),
+                backend=options.backend,
+                timeout=options.timeout,
+                use_local_synchronization=members_only,
+            )
+            self.created += 1
+        self._groups[ranks] = (group, options)
+
+    def partition_group(
+        self, rank_sets: Iterable[Iterable[int]], options: GroupOptions
+    ) -> ProcessGroup | None:
+        """Get or create a communicator for each of ``rank_sets``; return the one holding this rank (``None`` if
+        none does).
+
+        For groups no layout kind describes (a DeviceMesh dimension, a flattened set of dimensions, HSDP's split).
+        Collective over the world: every rank passes the same disjoint rank sets, typically every group of one
+        partition (``ValueError`` on every rank when they overlap), after the same agreement check as a build. A
+        1-rank set gets a communicator too: the caller asked for it explicitly.
+        """
+        require_distributed("creating process groups")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
+        agree_on_request("the rank sets to create", {"rank sets": repr(sets), **options.described()})
+        # Checked on the whole list, not on this rank's sets only, so that every rank raises alike (none hangs).
+        seen: set[int] = set()
+        for ranks in sets:
+            if seen.intersection(ranks):
+                raise ValueError(f"rank sets overlap at ranks {sorted(seen.intersection(ranks))}; pass disjoint sets")
+            seen.update(ranks)
+        mine = [ranks for ranks in sets if rank in ranks]
+        members_only = members_only_creation(options.backend)
+        self.create(mine if members_only else sets, options, members_only)
+        return self.group(mine[0]) if mine else None
+
+    def adopt(self, groups: Iterable[ProcessGroup]) -> None:
+        """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so that a later
+        build whose rank sets they cover reuses them instead of creating a second set.
+
+        Collective over the world: every rank passes the groups it is a member of. The rank sets are gathered so
+        every rank records every adopted set (non-members as torch's ``NON_GROUP_MEMBER``), which keeps the gloo
+        path, where every rank walks every rank set, in step. Adopted groups count as created with default options.
+        Where several given groups share a rank set (Megatron-Core creates one communicator per kind), the first is
+        kept. A rank set the cache already has keeps its communicator. Adopted groups belong to their creator:
+        :meth:`destroy` forgets them without destroying them.
+        """
+        require_distributed("adopting process groups")
+        mine: dict[RankGroup, ProcessGroup] = {}
+        for group in groups:
+            mine.setdefault(tuple(sorted(dist.get_process_group_ranks(group))), group)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(mine))
+        non_member: Any = dist.GroupMember.NON_GROUP_MEMBER
+        for ranks in sorted({tuple(r) for sets in everyone for r in sets}):
+            if ranks not in self._groups:
+                self._groups[ranks] = (mine.get(ranks, non_member), GroupOptions())
+                self._adopted.add(ranks)
+
+    def destroy(self) -> None:
+        """Destroy every communicator this cache created (not the adopted ones) and forget them all."""
+        for ranks, (group, _) in self._groups.items():
+            if group is not dist.group.WORLD and ranks not in self._adopted and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._groups.clear()
+        self._adopted.clear()
+
+
+CACHE = GroupCache()
+"""The process-wide cache every build, adoption and mesh flattening goes through."""
+
+
+def require_distributed(what: str) -> None:
+    """``RuntimeError`` unless torch.distributed is initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed initialised (init_process_group)")
+
+
+def members_only_creation(backend: str | None) -> bool:
+    """Whether groups may be created by their members alone (every backend but gloo; see the module docstring)."""
+    effective = backend if backend is not None else str(dist.get_backend())
+    return "gloo" not in effective or "nccl" in effective
+
+
+def _rank_set(ranks: Iterable[int], world_size: int) -> RankGroup:
+    """``ranks`` as a sorted tuple (a group's ranks are in ascending order in torch too); ``ValueError`` when
+    empty, repeated or outside the world."""
+    listed = [int(r) for r in ranks]
+    out = tuple(sorted(set(listed)))
+    if not out or len(out) != len(listed) or out[0] < 0 or out[-1] >= world_size:
+        raise ValueError(f"rank set {listed} must list distinct ranks of the {world_size}-rank world")
+    return out
+
+
+def agree_on_request(subject: str, fields: Mapping[str, str]) -> None:
+    """Compare a digest of ``fields`` across ranks; raise on every rank when ranks asked for different things.
+
+    One all-reduce (MAX of the digest and of its negation) decides; only when ranks disagree is every rank's
+    request gathered, to name the fields that differ and who asked for which value (two ranks that differ only in
+    a build's name or timeout print the same layout, so naming the field is the whole diagnosis). A world-sized
+    all-gather on every build cost 0.1 s per rank at 8,192 ranks, most of a build. ``subject`` names what is
+    agreed on in the message; ``fields`` maps each part of the request to its text.
+    """
+    request = "|".join(f"{key}={value}" for key, value in fields.items())
+    digest = int(hashlib.sha256(request.encode()).hexdigest()[:15], 16)
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()):
+        device = torch.device("cuda", torch.cuda.current_device())
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    if int(bounds[0]) == -int(bounds[1]):  # the largest digest is the smallest: all equal
+        return
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(fields))
+    differences = []
+    for key in fields:
+        by_value: dict[str, list[int]] = {}
+        for rank, asked in enumerate(everyone):
+            by_value.setdefault((asked or {}).get(key, "<missing>"), []).append(rank)
+        if len(by_value) > 1:
+            askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
+            differences.append(f"{key!r} differs ({askers})")
+    raise ValueError(
+        f"ranks disagree on {subject}: {'; '.join(differences)}; this rank is rank {dist.get_rank()}. Every rank "
+        "must build the same layouts and groups, with the same names and options, in the same order."
+    )
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -1,0 +1,189 @@
+"""The door of every entry point: what it was given (one normaliser) and which collection it runs on (one
+resolution).
+
+An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the optimizer
+builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise` and :func:`resolve` once and
+passes what they return down; nothing below the door resolves again. The collection is, in this order:
+
+1. the collection passed explicitly (refused when the model carries another one: which would win is a guess);
+2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module`` wrappers and
+   the same on every chunk;
+3. else the global grid (:mod:`pgregistry.global_grid`), with a
+   :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the entry point;
+4. else ``RuntimeError`` naming the entry point.
+
+No entry point reads "no collection" as a default layout (such as "expert parallelism off"): on an EP 4 grid that
+gave every rank EP rank 0 of 1, so every rank's experts got the same global names and overwrote each other in a
+checkpoint. The resolved collection must be usable: this rank must be a member of its layout, and its groups must
+not have been destroyed. The fields an entry point may read from the global grid when they are
+:data:`~pgregistry.collection.UNSET` (``fallback``) are filled here too, each with a warning; every other field it
+needs must be set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias
+
+import attrs
+
+from pgregistry.attachments import collection_of
+from pgregistry.collection import GroupName, ProcessGroupCollection
+from pgregistry.fallback import warn_fallback
+from pgregistry.global_grid import global_collection
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["Params", "ParamsLike", "checked", "normalise", "resolve"]
+
+ParamsLike: TypeAlias = (
+    "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]"
+)
+"""What the entry points accept: a model, model chunks (a list, tuple or generator of modules), a name ->
+parameter mapping, one tensor, or an iterable of tensors."""
+
+
+@attrs.frozen(slots=True)
+class Params:
+    """What an entry point was given, normalised once: the model chunks (empty when given tensors) and every
+    parameter once (by identity), named, in a deterministic order."""
+
+    chunks: tuple[nn.Module, ...]
+    named: tuple[tuple[str, torch.Tensor], ...]
+
+
+def normalise(model_or_params: ParamsLike) -> Params:
+    """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
+    iterables of tensors. A model's parameters are named as ``named_parameters`` names them (prefixed
+    ``chunk<i>.`` when there are several chunks), with the roles of their slots restored
+    (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named ``param[<i>]``.
+    ``TypeError`` naming an item that is not a tensor."""
+    import torch
+    from torch import nn
+
+    from pgregistry.params import restore_param_roles
+
+    chunks: list[nn.Module] = []
+    pairs: Iterable[tuple[str, object]]
+    if isinstance(model_or_params, nn.Module):
+        chunks = [model_or_params]
+    elif isinstance(model_or_params, torch.Tensor):
+        pairs = [("param[0]", model_or_params)]
+    elif isinstance(model_or_params, Mapping):
+        pairs = list(model_or_params.items())
+    else:
+        items = list(model_or_params)
+        if items and all(isinstance(item, nn.Module) for item in items):
+            chunks = items
+        else:
+            pairs = [(f"param[{i}]", item) for i, item in enumerate(items)]
+    if chunks:
+        restore_param_roles(chunks)
+        prefix = len(chunks) > 1
+        pairs = [
+            (f"chunk{i}.{name}" if prefix else name, param)
+            for i, chunk in enumerate(chunks)
+            for name, param in chunk.named_parameters()
+        ]
+    named: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, param in pairs:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"{name} is a {type(param).__name__}, not a tensor or parameter")
+        if id(param) not in seen:
+            seen.add(id(param))
+            named.append((name, param))
+    return Params(tuple(chunks), tuple(named))
+
+
+def resolve(
+    pg_collection: ProcessGroupCollection | None,
+    chunks: Sequence[nn.Module] = (),
+    *,
+    owner: str,
+    fallback: Iterable[GroupName] = (),
+) -> ProcessGroupCollection:
+    """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET fields of
+    ``fallback`` read from the global grid (each with a warning; ``RuntimeError`` when there is none to read).
+
+    ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when it disagrees with
+    the collection attached to ``chunks``, when this rank is not a member of it, or when it was destroyed.
+    """
+    attached = collection_of(chunks, None) if chunks else None
+    if pg_collection is not None:
+        if not isinstance(pg_collection, ProcessGroupCollection):
+            raise TypeError(
+                f"{owner} expects pg_collection to be a ProcessGroupCollection or None, got "
+                f"{type(pg_collection).__name__}"
+            )
+        if attached is not None and attached != pg_collection:
+            raise ValueError(
+                f"{owner} was given {pg_collection.describe()} but the model carries {attached.describe()}, "
+                "attached with pgregistry.attach: pass the attached one (or none), or attach the one you mean"
+            )
+        collection = pg_collection
+    elif attached is not None:
+        collection = attached
+    else:
+        collection = _global_grid_for(owner, model_given=bool(chunks))
+    collection = checked(collection, owner)
+    return _filled(collection, fallback, owner)
+
+
+def checked(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
+    """``collection``, refused (``ValueError``) when this rank is not a member of its layout or its groups were
+    destroyed (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a collection. For entry points
+    that take a collection only, never ``None``."""
+    if not isinstance(collection, ProcessGroupCollection):
+        kind = type(collection)
+        got = f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{owner} expects a pgregistry ProcessGroupCollection, got {got}")
+    if collection.is_destroyed:
+        raise ValueError(
+            f"{owner} was given {collection.describe()}, whose groups pgregistry.registry.destroy() destroyed; "
+            "build the layout again"
+        )
+    if not collection.is_member:
+        collection.items()  # raises, naming the layout and this rank
+    return collection
+
+
+def _global_grid() -> ProcessGroupCollection | None:
+    """The global grid, or ``None``: the one read of it in pgregistry (the allowlist holds it to that)."""
+    return global_collection(None)
+
+
+def _global_grid_for(owner: str, *, model_given: bool) -> ProcessGroupCollection:
+    grid = _global_grid()
+    if grid is None:
+        source = "and the model has no collection attached " if model_given else ""
+        raise RuntimeError(
+            f"{owner} was not given a ProcessGroupCollection {source}and no global grid is initialised; pass "
+            "pg_collection, attach one to the model (pgregistry.attach) or initialise the global grid"
+        )
+    warn_fallback(owner, "pg_collection")
+    return grid
+
+
+def _filled(
+    collection: ProcessGroupCollection, names: Iterable[GroupName], owner: str
+) -> ProcessGroupCollection:
+    """``collection`` with its UNSET fields among ``names`` read from the global grid, each with a warning."""
+    missing = [name for name in names if not collection.is_set(name)]
+    if not missing:
+        return collection
+    grid = _global_grid()
+    filled = {}
+    for name in missing:
+        warn_fallback(owner, name)
+        if grid is None:
+            raise RuntimeError(
+                f"{owner} needs process group {name!r}: it was not given one and no global grid is initialised "
+                "(pgregistry.global_grid.initialize_global_grid); pass a ProcessGroupCollection that sets it"
+            )
+        if not grid.is_set(name):
+            raise RuntimeError(f"{owner} needs process group {name!r}, which the global grid does not define")
+        filled[name] = grid.get(name)
+    return collection.evolve(**filled)

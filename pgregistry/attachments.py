@@ -1,0 +1,85 @@
+"""Which collection a model runs on: :func:`attach` records it, :func:`collection_of` finds it.
+
+A model knows its own grid, so entry points given the model need no ``pg_collection`` argument (and one given
+anyway must agree with it). The collection is found through ``.module`` wrappers (DDP, mixed-precision wrappers)
+and must be the same on every chunk of a pipelined model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from pgregistry.collection import ProcessGroupCollection
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["attach", "collection_of"]
+
+D = TypeVar("D")
+_RAISE: Any = object()
+_attached: weakref.WeakKeyDictionary[Any, ProcessGroupCollection] = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupCollection) -> None:
+    """Record that ``model`` (a model, or each chunk of a list of model chunks) runs on ``collection``."""
+    if not isinstance(collection, ProcessGroupCollection):
+        raise TypeError(f"attach expects a ProcessGroupCollection, got {type(collection).__name__}")
+    for chunk in _chunks(model):
+        _attached[chunk] = collection
+
+
+@overload
+def collection_of(model: nn.Module | Sequence[nn.Module]) -> ProcessGroupCollection: ...
+
+
+@overload
+def collection_of(model: nn.Module | Sequence[nn.Module], default: D) -> ProcessGroupCollection | D: ...
+
+
+def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAISE) -> object:
+    """The collection attached to ``model`` (a model or its chunks, each possibly wrapped).
+
+    Each chunk's collection is the first one attached along its wrapper chain. ``ValueError`` naming the chunks
+    when they disagree, including when some carry a collection and others none; ``LookupError`` when none is
+    attached, unless ``default`` is given.
+    """
+    per_chunk: list[ProcessGroupCollection | None] = []
+    for chunk in _chunks(model):
+        found = next((_attached[m] for m in wrapper_chain(chunk) if m in _attached), None)
+        per_chunk.append(found)
+    first = per_chunk[0] if per_chunk else None
+    for index, collection in enumerate(per_chunk[1:], start=1):
+        if collection != first:
+            raise ValueError(
+                f"model chunks 0 and {index} carry different process-group collections ({_describe(first)} and "
+                f"{_describe(collection)}); attach one collection to every chunk (pgregistry.attach)"
+            )
+    if first is None:
+        if default is _RAISE:
+            raise LookupError(
+                f"no ProcessGroupCollection is attached to this {type(model).__name__}; call "
+                "pgregistry.attach(model, collection)"
+            )
+        return default
+    return first
+
+
+def wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
+    """``module``, then what it wraps through ``.module`` attributes (DDP and mixed-precision wrappers)."""
+    seen: set[int] = set()
+    current: object = module
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current  # type: ignore[misc]  # a module, or what a wrapper's .module holds
+        current = getattr(current, "module", None)
+
+
+def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return list(model) if isinstance(model, Sequence) else [model]
+
+
+def _describe(collection: ProcessGroupCollection | None) -> str:
+    return "none attached" if collection is None else collection.describe()

@@ -1,0 +1,56 @@
+"""The global grid: one collection a process may declare for code that is given none (the deprecated path).
+
+Migrating code bases start here: :func:`initialize_global_grid` builds a layout as the process-wide default, and
+every entry point that is given no collection (nor a model with one attached) runs on it, with a
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the entry point, until the call sites pass
+collections. Nothing else reads it: the entry points resolve their collection once, at the door, and only there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from pgregistry.collection import ProcessGroupCollection
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.registry import BuildOptions
+
+__all__ = ["global_collection", "initialize_global_grid"]
+
+D = TypeVar("D")
+_RAISE: Any = object()
+_grid: ProcessGroupCollection | None = None
+
+
+def initialize_global_grid(layout: ParallelLayout, **build_options: Unpack[BuildOptions]) -> ProcessGroupCollection:
+    """Build ``layout`` (:func:`pgregistry.registry.build`, name ``"global"``) as the global grid; collective.
+
+    ``RuntimeError`` when a global grid exists whose groups :func:`pgregistry.registry.destroy` has not destroyed."""
+    from pgregistry import registry
+
+    global _grid
+    if _grid is not None and not _grid.is_destroyed:
+        raise RuntimeError("the global grid is already initialised; call pgregistry.registry.destroy() first")
+    _grid = registry.build(layout, name="global", **build_options)
+    return _grid
+
+
+@overload
+def global_collection() -> ProcessGroupCollection: ...
+
+
+@overload
+def global_collection(default: D) -> ProcessGroupCollection | D: ...
+
+
+def global_collection(default: object = _RAISE) -> object:
+    """The global grid; ``RuntimeError`` when none is initialised (or it was destroyed), unless ``default`` is
+    given."""
+    if _grid is None or _grid.is_destroyed:
+        if default is _RAISE:
+            raise RuntimeError("the global grid is not initialised (pgregistry.global_grid.initialize_global_grid)")
+        return default
+    return _grid
