@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat or (20 if cuda else 5)
 
     world = dist.get_world_size()
-    layout = ParallelLayout(world_size=world)  # every rank data parallel
+    layout = ParallelLayout(num_ranks=world)  # every rank data parallel
     pg = registry.build(layout)
     mesh = to_device_mesh(pg, ("dp_cp",), device_type=device.type)
     params = dtensor_params(tensor_sizes(count, nbytes // 4 * world), mesh, device)

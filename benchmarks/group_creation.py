@@ -28,9 +28,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 LAYOUTS: dict[str, dict[str, int]] = {
-    "TP8 PP8 CP2 EP8 ETP1": {"tp": 8, "pp": 8, "cp": 2, "ep": 8, "etp": 1},
+    "TP8 PP8 CP2 EP8 ETP1": {"tp": 8, "pp": 8, "cp": 2, "ep": 8, "expt_tp": 1},
     "TP4 GTP2 PP8 CP2 EP8 ETP1 EGTP2": {
-        "tp": 4, "gtp_remat": 2, "pp": 8, "cp": 2, "ep": 8, "etp": 1, "expt_gtp_remat": 2,
+        "tp": 4, "gtp_remat": 2, "pp": 8, "cp": 2, "ep": 8, "expt_tp": 1, "expt_gtp_remat": 2,
     },
 }
 
@@ -53,7 +53,7 @@ def _worker(world: int, rank: int, layout_name: str, method: str) -> dict[str, A
         return new_group(*args, **kwargs)
 
     dist.new_group = counting_new_group  # type: ignore[assignment]
-    layout = ParallelLayout(world_size=world, **LAYOUTS[layout_name])
+    layout = ParallelLayout(num_ranks=world, **LAYOUTS[layout_name])
     start = time.perf_counter()
     if method == "registry":
         registry.build(layout)

@@ -35,9 +35,9 @@ from pgregistry.layout import GROUP_KINDS, ParallelLayout  # noqa: E402
 
 WORLDS = (8192, 32768, 131072)
 LAYOUTS: dict[str, dict[str, int]] = {
-    "TP8 PP8 CP2 EP8 ETP1": {"tp": 8, "pp": 8, "cp": 2, "ep": 8, "etp": 1},
+    "TP8 PP8 CP2 EP8 ETP1": {"tp": 8, "pp": 8, "cp": 2, "ep": 8, "expt_tp": 1},
     "TP4 GTP2 PP8 CP2 EP8 ETP1 EGTP2": {
-        "tp": 4, "gtp_remat": 2, "pp": 8, "cp": 2, "ep": 8, "etp": 1, "expt_gtp_remat": 2,
+        "tp": 4, "gtp_remat": 2, "pp": 8, "cp": 2, "ep": 8, "expt_tp": 1, "expt_gtp_remat": 2,
     },
 }
 
@@ -61,10 +61,10 @@ def _oracle() -> ModuleType:
 
 
 def _row(name: str, sizes: dict[str, int], world: int, repeat: int, oracle: ModuleType | None) -> str:
-    layout = ParallelLayout(world_size=world, **sizes)
+    layout = ParallelLayout(num_ranks=world, **sizes)
     enumerated = {kind: layout.groups(kind) for kind in GROUP_KINDS}  # counted and checked, outside the timings
     count = sum(len(groups) for groups in enumerated.values())
-    construct = _median_seconds(lambda: ParallelLayout(world_size=world, **sizes), repeat)
+    construct = _median_seconds(lambda: ParallelLayout(num_ranks=world, **sizes), repeat)
     tensors = _median_seconds(lambda: [layout.groups_tensor(k) for k in GROUP_KINDS], repeat)
     tuples = _median_seconds(lambda: [layout.groups(k) for k in GROUP_KINDS], repeat)
     one_rank = _median_seconds(lambda: layout.groups_of(world // 2 + 3), repeat)

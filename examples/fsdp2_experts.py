@@ -49,7 +49,7 @@ class Model(nn.Module):
 
 def build() -> tuple[pgregistry.ParallelLayout, pgregistry.ProcessGroupCollection, Model]:
     """The layout, its collection, and the model sharded with FSDP2 over meshes made of the collection's groups."""
-    layout = pgregistry.ParallelLayout(world_size=dist.get_world_size(), ep=2)  # dp 4, expert dp 2
+    layout = pgregistry.ParallelLayout(num_ranks=dist.get_world_size(), ep=2)  # dp 4, expert dp 2
     pg = registry.build(layout)
     torch.manual_seed(layout.coords(dist.get_rank())["ep"])  # each EP rank its own experts, the same dense layer
     model = Model(EXPERTS // layout.ep)

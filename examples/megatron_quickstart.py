@@ -28,7 +28,7 @@ from pgregistry.interop.megatron import (
 
 
 def build_model(world_size: int) -> tuple[GPTModel, ProcessGroupCollection]:
-    layout = pgregistry.ParallelLayout(world_size=world_size, ep=world_size, etp=1)  # one expert group per rank
+    layout = pgregistry.ParallelLayout(num_ranks=world_size, ep=world_size, expt_tp=1)  # one expert group per rank
     pg = registry.build(layout)
     config = TransformerConfig(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_moe_experts=8,

@@ -12,7 +12,7 @@ from pgregistry.params import mark_expert, mark_expert_module
 
 
 def train_step() -> tuple[float, float]:
-    layout = pgregistry.ParallelLayout(world_size=8, tp=2, ep=4, etp=1)  # dp 4, expert dp 2
+    layout = pgregistry.ParallelLayout(num_ranks=8, tp=2, ep=4, expt_tp=1)  # dp 4, expert dp 2
     pg = registry.build(layout, name="policy")  # one communicator per distinct rank set
     pgregistry.attach(model := torch.nn.Module(), pg)  # the model knows its own grid
     model.dense = torch.nn.Linear(16, 16)  # replicated over TP: counted on TP rank 0 only

@@ -392,14 +392,8 @@ assert FIELD_NAMES == tuple(
 
 def _composite_axes() -> dict[GroupName, tuple[GroupName, ...]]:
     """Composite field -> the one-axis fields it spans, from the layout's group kinds."""
-    spans: dict[str, tuple[str, ...]] = {}
-    for kinds in (DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS):
-        axis_field = {axes: field for field, axes in kinds.items() if "-" not in axes}
-        axis_field.setdefault("pp", "pp")  # the expert grid's pipeline axis is the dense one
-        for field, axes in kinds.items():
-            if "-" in axes:
-                spans[field] = tuple(axis_field[axis] for axis in axes.split("-"))
-    return cast("dict[GroupName, tuple[GroupName, ...]]", spans)
+    kinds = {**DENSE_GROUP_KINDS, **EXPERT_GROUP_KINDS}  # every axis is named by its one-axis field
+    return cast("dict[GroupName, tuple[GroupName, ...]]", {f: axes for f, axes in kinds.items() if len(axes) > 1})
 
 
 COMPOSITE_AXES: Final[Mapping[GroupName, tuple[GroupName, ...]]] = _composite_axes()

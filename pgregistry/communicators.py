@@ -38,9 +38,9 @@ def communicators(layout: ParallelLayout) -> dict[RankGroup, tuple[str, ...]]:
     return {ranks: tuple(kinds) for ranks, kinds in out.items()}
 
 
-def communicators_per_rank(comms: Mapping[RankGroup, object], world_size: int) -> list[int]:
+def communicators_per_rank(comms: Mapping[RankGroup, object], num_ranks: int) -> list[int]:
     """How many of the communicators ``comms`` each rank of the world joins."""
-    counts = [0] * world_size
+    counts = [0] * num_ranks
     for ranks in comms:
         for rank in ranks:
             counts[rank] += 1
@@ -71,8 +71,8 @@ class LayoutComparison:
     """The communicators of ``layout_b``."""
 
     @property
-    def world_size(self) -> int:
-        return self.layout_a.world_size
+    def num_ranks(self) -> int:
+        return self.layout_a.num_ranks
 
     @property
     def shared(self) -> frozenset[RankGroup]:
@@ -92,9 +92,9 @@ class LayoutComparison:
 def compare_layouts(a: ParallelLayout, b: ParallelLayout) -> LayoutComparison:
     """Compare the communicators of two layouts of the same world; ``ValueError`` when the worlds differ (the
     registry builds every layout over the whole job, so two layouts of one job have one world size)."""
-    if a.world_size != b.world_size:
+    if a.num_ranks != b.num_ranks:
         raise ValueError(
-            f"the layouts to compare have different world sizes ({a.world_size} and {b.world_size}); layouts "
+            f"the layouts to compare have different world sizes ({a.num_ranks} and {b.num_ranks}); layouts "
             "built in one job span the same world"
         )
     return LayoutComparison(layout_a=a, layout_b=b, a=communicators(a), b=communicators(b))

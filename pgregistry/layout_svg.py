@@ -44,7 +44,7 @@ _FONT: Final = "font-family:DejaVu Sans,Helvetica,Arial,sans-serif"
 
 # Short names for the coordinates in a rank's label; the legend spells them out.
 _DENSE_AXES: Final = (("tp", "tp"), ("gtp_remat", "gtp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"))
-_EXPERT_AXES: Final = (("ep", "ep"), ("etp", "etp"), ("expt_gtp_remat", "egtp"), ("expt_dp", "edp"))
+_EXPERT_AXES: Final = (("ep", "ep"), ("expt_tp", "etp"), ("expt_gtp_remat", "egtp"), ("expt_dp", "edp"))
 
 
 # --------------------------------------------------------------------------------------------------- geometry
@@ -100,9 +100,9 @@ class _NodeGrid:
         return nx + _PAD + col * self.cell_w, ny + _NODE_LABEL_H + _PAD + row * self.cell_h
 
 
-def _drawn_ranks(world_size: int, gpus_per_node: int) -> int:
+def _drawn_ranks(num_ranks: int, gpus_per_node: int) -> int:
     """Whole nodes from rank 0, at most :data:`MAX_DRAWN_RANKS` ranks (one node at least)."""
-    return min(world_size, max(1, MAX_DRAWN_RANKS // gpus_per_node) * gpus_per_node)
+    return min(num_ranks, max(1, MAX_DRAWN_RANKS // gpus_per_node) * gpus_per_node)
 
 
 def _panel_cell(drawn: int) -> int:
@@ -181,12 +181,12 @@ def _draw_nodes(svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[
         svg.close("g")
 
 
-def _summary_note(svg: _Svg, world_size: int, drawn: int, gpus_per_node: int) -> None:
-    if drawn < world_size:
+def _summary_note(svg: _Svg, num_ranks: int, drawn: int, gpus_per_node: int) -> None:
+    if drawn < num_ranks:
         svg.y += 14
         svg.text(_MARGIN, svg.y, (
-            f"Drawn: ranks 0-{drawn - 1} ({drawn // gpus_per_node} of {world_size // gpus_per_node} nodes); "
-            f"the table covers all {world_size} ranks. Groups continue beyond the drawn nodes."
+            f"Drawn: ranks 0-{drawn - 1} ({drawn // gpus_per_node} of {num_ranks // gpus_per_node} nodes); "
+            f"the table covers all {num_ranks} ranks. Groups continue beyond the drawn nodes."
         ), size=12, class_="summary-note", fill=_RED)
         svg.y += 6
 
@@ -203,13 +203,13 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     layout = placement.layout
     panels = _panel_kinds(placement, kinds)
     g = placement.gpus_per_node
-    drawn = _drawn_ranks(layout.world_size, g)
+    drawn = _drawn_ranks(layout.num_ranks, g)
     svg = _Svg()
-    title = f"pgregistry layout: {layout.world_size} ranks on {placement.describe_nodes()}"
+    title = f"pgregistry layout: {layout.num_ranks} ranks on {placement.describe_nodes()}"
     svg.heading(title, size=18)
     svg.text(_MARGIN, svg.y + 6, _sizes_line(layout), size=12, fill="#333")
     svg.y += 16
-    _summary_note(svg, layout.world_size, drawn, g)
+    _summary_note(svg, layout.num_ranks, drawn, g)
     _placement_table(svg, placement)
     _rank_map(svg, layout, drawn, g)
     svg.heading("Groups of each kind: one colour per group; red outline: a group that should stay on one node does not")
@@ -265,7 +265,7 @@ def _label_axes(layout: ParallelLayout) -> tuple[list[tuple[str, str]], list[tup
     sizes = layout.axis_sizes()
     dense = [(axis, short) for axis, short in _DENSE_AXES if sizes[axis] > 1]
     expert = [(axis, short) for axis, short in _EXPERT_AXES if sizes[axis] > 1]
-    if layout.ep == 1 and layout.etp == layout.tp and layout.expt_gtp_remat == 1:
+    if layout.ep == 1 and layout.expt_tp == layout.tp and layout.expt_gtp_remat == 1:
         expert = []
     return dense or [("dp", "dp")], expert
 
@@ -425,12 +425,12 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
     A's panel left and B's right; groups the other layout also creates a communicator for are in full colour
     (class ``shared``), the others faded."""
     a, b = comparison.layout_a, comparison.layout_b
-    if a.world_size % gpus_per_node:
-        raise ValueError(f"world_size {a.world_size} is not a multiple of gpus_per_node {gpus_per_node}")
-    drawn = _drawn_ranks(a.world_size, gpus_per_node)
+    if a.num_ranks % gpus_per_node:
+        raise ValueError(f"num_ranks {a.num_ranks} is not a multiple of gpus_per_node {gpus_per_node}")
+    drawn = _drawn_ranks(a.num_ranks, gpus_per_node)
     shared = comparison.shared
     svg = _Svg()
-    title = f"pgregistry layout --compare: {names[0]} and {names[1]} on {a.world_size} ranks"
+    title = f"pgregistry layout --compare: {names[0]} and {names[1]} on {a.num_ranks} ranks"
     svg.heading(title, size=18)
     for name, layout in zip(names, (a, b), strict=True):
         svg.text(_MARGIN, svg.y + 6, f"{name}: {_sizes_line(layout)}", size=12, fill="#333")
@@ -442,7 +442,7 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
     ), size=13, font_weight="bold", class_="compare-summary", data_a=len(comparison.a), data_b=len(comparison.b),
         data_shared=len(shared))
     svg.y += 14
-    _summary_note(svg, a.world_size, drawn, gpus_per_node)
+    _summary_note(svg, a.num_ranks, drawn, gpus_per_node)
     _shared_table(svg, comparison, names)
     svg.heading(f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
                 "faded = only in this layout")

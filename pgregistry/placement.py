@@ -93,12 +93,12 @@ class Placement:
     """One entry per kind, in :data:`~pgregistry.layout.GROUP_KINDS` order."""
 
     @property
-    def world_size(self) -> int:
-        return self.layout.world_size
+    def num_ranks(self) -> int:
+        return self.layout.num_ranks
 
     @property
     def num_nodes(self) -> int:
-        return self.world_size // self.gpus_per_node
+        return self.num_ranks // self.gpus_per_node
 
     def describe_nodes(self) -> str:
         """``"4 nodes of 8 GPUs"``, for headings."""
@@ -133,9 +133,9 @@ def place(
     """
     if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
-    if layout.world_size % gpus_per_node:
+    if layout.num_ranks % gpus_per_node:
         raise ValueError(
-            f"world_size {layout.world_size} is not a multiple of gpus_per_node {gpus_per_node}: launchers start "
+            f"num_ranks {layout.num_ranks} is not a multiple of gpus_per_node {gpus_per_node}: launchers start "
             "the same number of ranks on every node"
         )
     stay = tuple(intra_node_kinds)

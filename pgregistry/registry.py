@@ -80,9 +80,9 @@ def build(
         "the layout to build", {"name": repr(name), "layout": repr(layout), **options.described()}
     )
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if layout.world_size != world_size:
+    if layout.num_ranks != world_size:
         raise ValueError(
-            f"{_label(name, layout)} declares world_size {layout.world_size} but the process group world has "
+            f"{_label(name, layout)} declares num_ranks {layout.num_ranks} but the process group world has "
             f"{world_size} ranks"
         )
     previous = _builds.get(key)

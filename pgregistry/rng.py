@@ -10,7 +10,7 @@ tracker                     seed
 ==========================  =====================================================================================
 ``data-parallel-rng``       ``seed``
 ``model-parallel-rng``      ``seed + 2718 + tp_rank``
-``expert-parallel-rng``     ``seed + 1024 + 100 * ep_rank + etp_rank``
+``expert-parallel-rng``     ``seed + 1024 + 100 * ep_rank + expt_tp_rank``
 ``gtp-remat-rng``           model-parallel seed ``+ 65536 * (1 + gtp_remat_rank)``, only when that axis has > 1 rank
 ``egtp-remat-rng``          expert seed ``+ 32768 + 65536 * (1 + expt_gtp_remat_rank)``, likewise
 ==========================  =====================================================================================
@@ -27,8 +27,8 @@ What differs from Megatron-Core:
 * the tracker handles a list of ``torch.Generator`` objects: the CPU default generator and, when CUDA is
   available, every CUDA device's default generator, so the same code seeds CPU-only and GPU runs;
 * :func:`check_seed_plan` computes every rank's seeds from a :class:`~pgregistry.layout.ParallelLayout` and
-  reports collisions, which the formulas above do produce (for instance ``100 * ep + etp == 1694 + tp`` at
-  ``tp=6, ep=17, etp=0`` gives one rank equal model- and expert-parallel seeds, which the tracker refuses).
+  reports collisions, which the formulas above do produce (for instance ``100 * ep + expt_tp == 1694 + tp``
+  at ``tp=6, ep=17, expt_tp=0`` gives one rank equal model- and expert-parallel seeds, which the tracker refuses).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def tracker_seeds(
     *,
     tp_rank: int = 0,
     ep_rank: int = 0,
-    etp_rank: int = 0,
+    expt_tp_rank: int = 0,
     gtp_remat_rank: int = 0,
     gtp_remat_size: int = 1,
     expt_gtp_remat_rank: int = 0,
@@ -242,7 +242,7 @@ def tracker_seeds(
     """
     _check_seed(seed, "the base seed")
     return _offset_seeds(
-        seed, tp_rank, ep_rank, etp_rank, gtp_remat_rank, gtp_remat_size, expt_gtp_remat_rank, expt_gtp_remat_size
+        seed, tp_rank, ep_rank, expt_tp_rank, gtp_remat_rank, gtp_remat_size, expt_gtp_remat_rank, expt_gtp_remat_size
     )
 
 
@@ -250,7 +250,7 @@ def _offset_seeds(
     seed: int,
     tp_rank: int,
     ep_rank: int,
-    etp_rank: int,
+    expt_tp_rank: int,
     gtp_remat_rank: int,
     gtp_remat_size: int,
     expt_gtp_remat_rank: int,
@@ -258,7 +258,7 @@ def _offset_seeds(
 ) -> dict[str, int]:
     """:func:`tracker_seeds` without the range check, for :func:`check_seed_plan` to report what is out of range."""
     model_seed = seed + _MODEL_PARALLEL_OFFSET + tp_rank
-    expert_seed = seed + _EXPERT_PARALLEL_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + etp_rank
+    expert_seed = seed + _EXPERT_PARALLEL_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + expt_tp_rank
     seeds = {DATA_PARALLEL_RNG: seed, MODEL_PARALLEL_RNG: model_seed, EXPERT_PARALLEL_RNG: expert_seed}
     if gtp_remat_size > 1:
         seeds[GTP_REMAT_RNG] = model_seed + _GTP_REMAT_STRIDE * (1 + gtp_remat_rank)
@@ -279,7 +279,7 @@ def rank_seeds(seed: int, collection: ProcessGroupCollection, *, data_parallel_r
         _base_seed(seed, rank["pp"], dp_rank, data_parallel_random_init),
         tp_rank=rank["tp"],
         ep_rank=rank["ep"],
-        etp_rank=rank["expt_tp"],
+        expt_tp_rank=rank["expt_tp"],
         gtp_remat_rank=rank["gtp_remat"],
         gtp_remat_size=group_size(collection.get("gtp_remat")),
         expt_gtp_remat_rank=rank["expt_gtp_remat"],
@@ -332,9 +332,9 @@ def model_parallel_manual_seed(
 _STREAM_AXES: Final[Mapping[str, tuple[str, ...]]] = {
     DATA_PARALLEL_RNG: ("pp",),
     MODEL_PARALLEL_RNG: ("pp", "tp"),
-    EXPERT_PARALLEL_RNG: ("pp", "ep", "etp"),
+    EXPERT_PARALLEL_RNG: ("pp", "ep", "expt_tp"),
     GTP_REMAT_RNG: ("pp", "tp", "gtp_remat"),
-    EGTP_REMAT_RNG: ("pp", "ep", "etp", "expt_gtp_remat"),
+    EGTP_REMAT_RNG: ("pp", "ep", "expt_tp", "expt_gtp_remat"),
 }
 """Tracker -> the coordinates that tell its streams apart: ranks differing in any of them must draw differently.
 
@@ -362,12 +362,12 @@ def _rank_seeds(
 ) -> Iterator[tuple[int, dict[str, int], dict[str, int]]]:
     """``(rank, coordinates, tracker name -> seed)`` for every rank of ``layout``, in rank order."""
     sizes = layout.axis_sizes()
-    for rank in range(layout.world_size):
+    for rank in range(*layout.rank_range()):
         coords = layout.coords(rank)
         base = _base_seed(seed, coords["pp"], coords["dp"], data_parallel_random_init)
         # Unchecked: a base seed pushed past 2**64 by the pipeline offset is reported by check_seed_plan.
         yield rank, coords, _offset_seeds(
-            base, coords["tp"], coords["ep"], coords["etp"], coords["gtp_remat"], sizes["gtp_remat"],
+            base, coords["tp"], coords["ep"], coords["expt_tp"], coords["gtp_remat"], sizes["gtp_remat"],
             coords["expt_gtp_remat"], sizes["expt_gtp_remat"],
         )
 

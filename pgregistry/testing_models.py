@@ -205,7 +205,7 @@ def shards_of(layout: ParallelLayout, rank: int) -> list[Shard]:
             if spec.expert // local_experts != c["ep"]:
                 continue
             local_name = spec.name.replace(f"experts.{spec.expert}.", f"experts.{spec.expert % local_experts}.")
-            tp, gtp = ("etp", sizes["etp"]), ("expt_gtp_remat", sizes["expt_gtp_remat"])
+            tp, gtp = ("expt_tp", sizes["expt_tp"]), ("expt_gtp_remat", sizes["expt_gtp_remat"])
         else:
             tp, gtp = ("tp", sizes["tp"]), ("gtp_remat", sizes["gtp_remat"])
         if spec.tp_dim is not None:

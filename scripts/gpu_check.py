@@ -68,17 +68,17 @@ def layouts_for(world: int) -> dict[str, dict[str, int]]:
     candidates: dict[str, dict[str, int]] = {
         f"DP{world}": {},
         f"TP{world}": {"tp": world},
-        f"EP{world}-ETP1": {"ep": world, "etp": 1},
+        f"EP{world}-ETP1": {"ep": world, "expt_tp": 1},
         f"TP{world}-EP{world}-ETP{world}": {"tp": world, "ep": world},
-        "TP2-EP2-ETP1": {"tp": 2, "ep": 2, "etp": 1},
-        "TP2-PP2-EP2-ETP1": {"tp": 2, "pp": 2, "ep": 2, "etp": 1},
-        "TP2-CP2-EP4-ETP1": {"tp": 2, "cp": 2, "ep": 4, "etp": 1},
+        "TP2-EP2-ETP1": {"tp": 2, "ep": 2, "expt_tp": 1},
+        "TP2-PP2-EP2-ETP1": {"tp": 2, "pp": 2, "ep": 2, "expt_tp": 1},
+        "TP2-CP2-EP4-ETP1": {"tp": 2, "cp": 2, "ep": 4, "expt_tp": 1},
         "GTP2-EP2-EGTP2": {"gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2},
     }
     out = {}
     for name, sizes in candidates.items():
         try:
-            layout = ParallelLayout(world_size=world, **sizes)
+            layout = ParallelLayout(num_ranks=world, **sizes)
         except ValueError:
             continue
         if EXPERTS % layout.ep == 0 and name not in out:
@@ -112,7 +112,7 @@ def _expert_tp_stats(pg: Any, sharded: bool, device: torch.device) -> tuple[floa
 
 
 def expert_grads_with_expert_tp(world: int, device: torch.device) -> list[Check]:
-    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="gpu-check-expert-tp")
+    pg = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1), name="gpu-check-expert-tp")
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
     checks = []
     for sharded in (False, True):
@@ -138,7 +138,7 @@ def expert_grads_with_expert_tp(world: int, device: torch.device) -> list[Check]
 
 
 def layout_checks(name: str, sizes: dict[str, int], world: int, device: torch.device) -> list[Check]:
-    layout = ParallelLayout(world_size=world, **sizes)
+    layout = ParallelLayout(num_ranks=world, **sizes)
     pg = registry.build(layout, name=f"gpu-check-{name}")
     rank = dist.get_rank()
     grads = full_grads("random")
@@ -207,7 +207,7 @@ def _half_on_host(model: torch.nn.Module) -> list[torch.Tensor]:
 def rng_checks(world: int, device: torch.device) -> list[Check]:
     """The RNG tracker on this device's generators, with TP = world: the data-parallel stream is the same on every
     rank, the model-parallel stream differs per TP rank, and a fork leaves the outer stream where it was."""
-    pg = registry.build(ParallelLayout(world_size=world, tp=world), name="gpu-check-rng")
+    pg = registry.build(ParallelLayout(num_ranks=world, tp=world), name="gpu-check-rng")
     model_parallel_manual_seed(1234, pg)
     outside = torch.rand(4, device=device)
     with get_rng_tracker().fork():

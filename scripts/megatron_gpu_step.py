@@ -2,7 +2,7 @@
 
 Run under torchrun, one rank per GPU (needs CUDA, Megatron-Core and its triton; no Transformer Engine or Apex)::
 
-    torchrun --standalone --nproc-per-node 1 scripts/megatron_gpu_step.py [--ep N] [--etp N] [--tp N]
+    torchrun --standalone --nproc-per-node 1 scripts/megatron_gpu_step.py [--ep N] [--expt-tp N] [--tp N]
 
 Every rank: builds a ``ParallelLayout`` (expert parallelism over every GPU by default), ``pgregistry.build(...)``
 and hands it to Megatron-Core with ``to_megatron`` (no ``initialize_model_parallel``:
@@ -44,7 +44,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: the world size)")
-    parser.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size (default 1)")
+    parser.add_argument("--expt-tp", type=int, default=1, help="expert tensor-parallel size (default 1)")
     parser.add_argument("--experts", type=int, default=8, help="routed experts (default 8)")
     parser.add_argument("--seed", type=int, default=1234, help="base seed (default 1234)")
     return parser.parse_args(argv)
@@ -84,7 +84,7 @@ def _step(args: argparse.Namespace) -> dict[str, Any]:
     from pgregistry.layout import ParallelLayout
 
     world = dist.get_world_size()
-    layout = ParallelLayout(world_size=world, tp=args.tp, ep=args.ep or world, etp=args.etp)
+    layout = ParallelLayout(num_ranks=world, tp=args.tp, ep=args.ep or world, expt_tp=args.expt_tp)
     pg = registry.build(layout)
     mc = to_megatron(pg)
     seeds = seed_megatron_rng(args.seed, pg)
@@ -125,7 +125,7 @@ def _step(args: argparse.Namespace) -> dict[str, Any]:
     success, megatron_norm, megatron_zeros = optimizer.step()
     registry.destroy()
     return {
-        "layout": f"tp{layout.tp} ep{layout.ep} etp{layout.etp} dp{layout.dp} expt_dp{layout.expt_dp}",
+        "layout": f"tp{layout.tp} ep{layout.ep} expt_tp{layout.expt_tp} dp{layout.dp} expt_dp{layout.expt_dp}",
         "loss": float(loss), "marked": marked, "rng_wrong": rng_wrong, "step_ok": bool(success),
         "megatron_norm": float(megatron_norm), "pgregistry_norm": ours_norm,
         "megatron_zeros": int(megatron_zeros), "pgregistry_zeros": ours_zeros,

@@ -72,8 +72,8 @@ def _rank_main(config: DemoConfig) -> dict[str, Any]:
     weights = full_weights(model_config)
 
     say("building layouts")
-    layout = ParallelLayout(world_size=config.world_size, tp=config.tp, ep=config.ep, etp=1)
-    second = ParallelLayout(world_size=config.world_size, tp=config.second_tp, ep=config.second_ep, etp=1)
+    layout = ParallelLayout(num_ranks=config.world_size, tp=config.tp, ep=config.ep, expt_tp=1)
+    second = ParallelLayout(num_ranks=config.world_size, tp=config.second_tp, ep=config.second_ep, expt_tp=1)
     created_before = registry.communicators_created()
     pg = registry.build(layout, name="demo-model")
     created_first = registry.communicators_created() - created_before
@@ -476,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {config.steps}")
         for tp, ep in ((config.tp, config.ep), (config.second_tp, config.second_ep)):
-            ParallelLayout(world_size=config.world_size, tp=tp, ep=ep, etp=1)
+            ParallelLayout(num_ranks=config.world_size, tp=tp, ep=ep, expt_tp=1)
             if num_experts % ep:
                 raise ValueError(f"the demo model's {num_experts} experts do not split over EP {ep}")
         if args.json is not None:

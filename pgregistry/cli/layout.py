@@ -54,8 +54,8 @@ def add_command(subparsers: Subparsers) -> None:
     )
     views.add_argument(
         "--compare", nargs=2, metavar=("A", "B"),
-        help="compare two layouts of --world-size ranks instead of the one of --tp ... --order, e.g. "
-        "policy:tp=2,ep=4,etp=1 reference:tp=4 (NAME: optional; keys tp cp pp ep etp gtp_remat expt_gtp_remat "
+        help="compare two layouts of --num-ranks ranks instead of the one of --tp ... --order, e.g. "
+        "policy:tp=2,ep=4,expt_tp=1 reference:tp=4 (NAME: optional; keys tp cp pp ep expt_tp gtp_remat expt_gtp_remat "
         "order): which communicators they share; --svg/--html draw them side by side",
     )
     parser.set_defaults(handler=_run)
@@ -104,11 +104,11 @@ def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
     listed = sum(min(show, count) * size for count, size in shapes)
     if rank is not None:
         listed += sum(size for _, size in shapes)
-    needed = _ENUMERATION_BYTES_PER_RANK * layout.world_size + _LISTED_BYTES_PER_RANK * listed
+    needed = _ENUMERATION_BYTES_PER_RANK * layout.num_ranks + _LISTED_BYTES_PER_RANK * listed
     available = _available_memory()
     if available is not None and needed > available:
         raise ValueError(
-            f"listing {layout.world_size} ranks ({listed} of them printed) needs about {needed / 2**30:.1f} GiB of "
+            f"listing {layout.num_ranks} ranks ({listed} of them printed) needs about {needed / 2**30:.1f} GiB of "
             f"memory, more than the {available / 2**30:.1f} GiB available; lower --show (--show 0 prints only the "
             "group counts and sizes)"
         )
@@ -136,9 +136,9 @@ def _report(layout: ParallelLayout, show: int, rank: int | None) -> dict[str, An
     for kind in GROUP_KINDS:
         groups = layout.groups_tensor(kind)  # one tensor per kind, even at 100k+ ranks
         if kind in DENSE_GROUP_KINDS:
-            spans = f"dense {DENSE_GROUP_KINDS[kind]}"
+            spans = f"dense {'-'.join(DENSE_GROUP_KINDS[kind])}"
         elif kind in EXPERT_GROUP_KINDS:
-            spans = f"expert {EXPERT_GROUP_KINDS[kind]}"
+            spans = f"expert {'-'.join(EXPERT_GROUP_KINDS[kind])}"
         else:
             spans = "pp first+last" if kind == "embd" else "pp first"
         kinds[kind] = {
@@ -147,7 +147,7 @@ def _report(layout: ParallelLayout, show: int, rank: int | None) -> dict[str, An
         }
     report: dict[str, Any] = {
         "layout": {
-            "world_size": layout.world_size, "order": layout.order, **layout.axis_sizes(),
+            "num_ranks": layout.num_ranks, "order": layout.order, **layout.axis_sizes(),
             "fingerprint": layout.fingerprint(),
         },
         "kinds": kinds,
@@ -175,9 +175,9 @@ def _ranks(group: list[int]) -> str:
 def _table(report: dict[str, Any]) -> str:
     sizes = report["layout"]
     lines = [
-        f"layout: {sizes['world_size']} ranks, order {sizes['order']}; "
+        f"layout: {sizes['num_ranks']} ranks, order {sizes['order']}; "
         + ", ".join(f"{axis} {sizes[axis]}" for axis in (
-            "tp", "gtp_remat", "cp", "dp", "pp", "etp", "ep", "expt_gtp_remat", "expt_dp",
+            "tp", "gtp_remat", "cp", "dp", "pp", "expt_tp", "ep", "expt_gtp_remat", "expt_dp",
         ))
         + f"; fingerprint {sizes['fingerprint']}",
         "",

@@ -36,10 +36,12 @@ __all__ = [
 
 # Spec key -> ParallelLayout argument (dashes accepted as on the command line).
 _SPEC_KEYS = {
-    "tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "etp": "etp", "gtp_remat": "gtp_remat",
+    "tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "expt_tp": "expt_tp", "gtp_remat": "gtp_remat",
     "expt_gtp_remat": "expt_gtp_remat", "order": "order",
 }
-_LAYOUT_FLAGS = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": None, "gtp_remat": 1, "expt_gtp_remat": 1, "order": None}
+_LAYOUT_FLAGS = {
+    "tp": 1, "cp": 1, "pp": 1, "ep": 1, "expt_tp": None, "gtp_remat": 1, "expt_gtp_remat": 1, "order": None,
+}
 
 
 def check_view_arguments(args: argparse.Namespace) -> None:
@@ -73,7 +75,7 @@ def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, 
     """The placement as plain data (the ``placement`` entry of ``--json``)."""
     from pgregistry.communicators import communicators, communicators_per_rank
 
-    per_rank = communicators_per_rank(communicators(layout), layout.world_size)
+    per_rank = communicators_per_rank(communicators(layout), layout.num_ranks)
     return {
         "gpus_per_node": placement.gpus_per_node,
         "num_nodes": placement.num_nodes,
@@ -119,7 +121,7 @@ def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: 
         return
     assert placement is not None, "check_view_arguments requires --gpus-per-node for pictures"
     kinds = [kind.strip() for kind in args.highlight.split(",") if kind.strip()] if args.highlight else None
-    _write(args, render_svg(placement, kinds), f"pgregistry layout: {layout.world_size} ranks")
+    _write(args, render_svg(placement, kinds), f"pgregistry layout: {layout.num_ranks} ranks")
 
 
 def _write(args: argparse.Namespace, svg: str, title: str) -> None:
@@ -160,8 +162,8 @@ def warn_and_check(args: argparse.Namespace, placements: list[Placement], names:
     return 1 if args.check and warned else 0
 
 
-def parse_layout_spec(spec: str, world_size: int, default_name: str) -> tuple[str, ParallelLayout]:
-    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``world_size`` ranks); ``ValueError``
+def parse_layout_spec(spec: str, num_ranks: int, default_name: str) -> tuple[str, ParallelLayout]:
+    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks); ``ValueError``
     naming the bad part."""
     from pgregistry.layout import ParallelLayout
 
@@ -182,7 +184,7 @@ def parse_layout_spec(spec: str, world_size: int, default_name: str) -> tuple[st
         except ValueError:
             raise ValueError(f"layout spec {spec!r}: {key} must be an integer, got {value.strip()!r}") from None
     try:
-        return name.strip() or default_name, ParallelLayout(world_size=world_size, **sizes)
+        return name.strip() or default_name, ParallelLayout(num_ranks=num_ranks, **sizes)
     except ValueError as exc:
         raise ValueError(f"layout spec {spec!r}: {exc}") from None
 
@@ -193,7 +195,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from pgregistry.layout_svg import render_compare_svg
 
     (name_a, a), (name_b, b) = (
-        parse_layout_spec(spec, args.world_size, default)
+        parse_layout_spec(spec, args.num_ranks, default)
         for spec, default in zip(args.compare, ("A", "B"), strict=True)
     )
     if name_a == name_b:
@@ -206,7 +208,7 @@ def run_compare(args: argparse.Namespace) -> int:
         _write(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
     shared = comparison.shared_by_kinds()
     report: dict[str, Any] = {
-        "world_size": args.world_size,
+        "num_ranks": args.num_ranks,
         "layouts": {name: {"sizes": layout.axis_sizes(), "order": layout.order, "communicators": len(comms)}
                     for name, layout, comms in ((name_a, a, comparison.a), (name_b, b, comparison.b))},
         "shared": len(comparison.shared),
@@ -229,7 +231,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
     a, b = (report["layouts"][name]["communicators"] for name in names)
-    lines = [f"compare on {report['world_size']} ranks:"]
+    lines = [f"compare on {report['num_ranks']} ranks:"]
     for name in names:
         info = report["layouts"][name]
         sizes = [f"{axis} {size}" for axis, size in info["sizes"].items() if size > 1] or ["every axis 1"]

@@ -17,33 +17,39 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``add_command`` receives: the top-level parser's sub-command table."""
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser, *, world_size: bool = True) -> None:
-    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--world-size`` left out when the
-    world comes from elsewhere, e.g. torchrun)."""
-    if world_size:
-        parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = True) -> None:
+    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--num-ranks`` and
+    ``--rank-offset`` left out when the world comes from elsewhere, e.g. torchrun)."""
+    if num_ranks:
+        parser.add_argument("--num-ranks", type=int, required=True, help="number of ranks the layout spans")
+        parser.add_argument(
+            "--rank-offset", type=int, default=0, help="the layout's first rank (default 0: from the world's first)"
+        )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
+    parser.add_argument("--expt-tp", type=int, default=None, help="expert TP size (default: --tp)")
     parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
     parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
     parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
 
 
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
-    """The layout :func:`add_layout_arguments` declared (over ``world_size`` ranks when given, else
-    ``--world-size``); ``ValueError`` (the layout's message) when invalid."""
+    """The layout :func:`add_layout_arguments` declared (over the whole ``world_size`` when given, else
+    ``--num-ranks`` from ``--rank-offset``); ``ValueError`` (the layout's message) when invalid."""
     from pgregistry.layout import ParallelLayout
 
+    span = {"num_ranks": world_size} if world_size is not None else {
+        "num_ranks": args.num_ranks, "rank_offset": args.rank_offset,
+    }
     sizes: dict[str, Any] = {
-        "world_size": world_size if world_size is not None else args.world_size,
+        **span,
         "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
         "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
     }
-    if args.etp is not None:
-        sizes["etp"] = args.etp
+    if args.expt_tp is not None:
+        sizes["expt_tp"] = args.expt_tp
     if args.order is not None:
         sizes["order"] = args.order
     return ParallelLayout(**sizes)

@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
             for collision in collisions:
                 print(collision.describe())
         else:
-            print(f"no seed collisions in {args.world_size} ranks")
+            print(f"no seed collisions in {args.num_ranks} ranks")
         return 1 if collisions else 0
     if args.json:
         print(json.dumps({str(rank): seeds for rank, seeds in plan.items()}, indent=2))
@@ -73,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print_table(layout: ParallelLayout, plan: dict[int, dict[str, int]]) -> None:
-    axes = ("tp", "cp", "dp", "pp", "ep", "etp", "gtp_remat", "expt_gtp_remat")
+    axes = ("tp", "cp", "dp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
     trackers: list[str] = []
     for seeds in plan.values():
         trackers.extend(t for t in seeds if t not in trackers)

@@ -135,7 +135,7 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
     from pgregistry.optim import build_optimizer
     from pgregistry.testing_models import dense_and_expert
 
-    pg = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1), name="verify-expert-tp")
+    pg = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1), name="verify-expert-tp")
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
     scenario = f"fixed grid TP = EP = world ({world}), expert TP 1"
     model = dense_and_expert(device=device)
@@ -207,10 +207,10 @@ def _close(value: float, want: float) -> bool:
 def _run(args: argparse.Namespace) -> int:
     from pgregistry.torchrun_checks import run_checks
 
-    etp = args.etp if args.etp is not None else args.tp
+    expt_tp = args.expt_tp if args.expt_tp is not None else args.tp
     title = (
-        f"pgregistry verify: backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} ep {args.ep} etp {etp} "
-        f"gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
+        f"pgregistry verify: backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} ep {args.ep} "
+        f"expt_tp {expt_tp} gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
     )
     return run_checks(
         title, args.backend, lambda device: _checks_on_this_rank(args, device), timeout=args.timeout,
@@ -230,7 +230,7 @@ def add_command(subparsers: Subparsers) -> None:
             "plan. Rank 0 prints a pass/fail table; exit 1 when a check failed on any rank."
         ),
     )
-    add_layout_arguments(parser, world_size=False)
+    add_layout_arguments(parser, num_ranks=False)
     add_placement_arguments(
         parser, check=False,
         gpus_per_node_help="ranks per node (default: the launcher's LOCAL_WORLD_SIZE): the placement check fails "

@@ -82,7 +82,7 @@ _SIZES: Final[tuple[tuple[str, str, str, GroupName], ...]] = (
     ("pipeline_model_parallel_size", "pipeline_model_parallel_size", "pp", "pp"),
     ("context_parallel_size", "context_parallel_size", "cp", "cp"),
     ("expert_model_parallel_size", "expert_model_parallel_size", "ep", "ep"),
-    ("expert_tensor_parallel_size", "expert_tensor_parallel_size", "etp", "expt_tp"),
+    ("expert_tensor_parallel_size", "expert_tensor_parallel_size", "expt_tp", "expt_tp"),
     ("gtp_weight_remat_size", "gtp_remat_size", "gtp_remat", "gtp_remat"),
     ("expert_gtp_weight_remat_size", "expert_gtp_remat_size", "expt_gtp_remat", "expt_gtp_remat"),
 )

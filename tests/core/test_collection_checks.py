@@ -92,7 +92,7 @@ GRAD = torch.tensor([1.2, -0.4, 0.9, 1.3, 0.0, -0.6, 0.5, 0.3], dtype=torch.floa
 
 
 def _tp_off_but_mp_on() -> dict[str, Any]:
-    grid = registry.build(ParallelLayout(world_size=2, tp=2))
+    grid = registry.build(ParallelLayout(num_ranks=2, tp=2))
     model = nn.Linear(8, 1, bias=False)  # replicated across the 2 TP ranks, identical grads
     model.weight.grad = GRAD.reshape(1, 8).float().clone()
     out: dict[str, Any] = {"norm": float(grad_norm(model, grid).item())}

@@ -225,8 +225,8 @@ def test_missing_global_grid_is_a_runtime_error_naming_owner_and_group() -> None
 
 # ------------------------------------------------------------------------------------------------ the door, grid
 
-_GRID = ParallelLayout(world_size=8, tp=2, cp=2, ep=2, etp=1, gtp_remat=2)  # dp 1, expt_dp 4, dp_cp 2
-_GRID_NO_GTP = ParallelLayout(world_size=8, tp=2, cp=2, ep=2, etp=1, expt_gtp_remat=2)  # dp 2, dp_cp 4
+_GRID = ParallelLayout(num_ranks=8, tp=2, cp=2, ep=2, expt_tp=1, gtp_remat=2)  # dp 1, expt_dp 4, dp_cp 2
+_GRID_NO_GTP = ParallelLayout(num_ranks=8, tp=2, cp=2, ep=2, expt_tp=1, expt_gtp_remat=2)  # dp 2, dp_cp 4
 
 
 def _ranks(group: Any) -> list[int] | None:

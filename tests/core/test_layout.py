@@ -24,7 +24,7 @@ def _as_lists(groups: tuple[tuple[int, ...], ...]) -> list[list[int]]:
 
 
 def test_hand_worked_example() -> None:
-    layout = ParallelLayout(world_size=8, tp=2, pp=2, order="tp-pp-dp")
+    layout = ParallelLayout(num_ranks=8, tp=2, pp=2, order="tp-pp-dp")
     assert layout.dp == 2
     assert _as_lists(layout.groups("dp")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert _as_lists(layout.groups("tp")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -50,14 +50,14 @@ def layout_args(draw: st.DrawFn) -> dict[str, object]:
     dropped = draw(st.sets(st.sampled_from(tokens), max_size=2))
     order = "-".join(t for t in tokens if t not in dropped)
     return {
-        "world_size": world, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp, "gtp_remat": gtp,
+        "num_ranks": world, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "expt_tp": etp, "gtp_remat": gtp,
         "expt_gtp_remat": egtp, "order": order,
     }
 
 
 # Single-axis kinds: a rank's index in its group of the kind is its coordinate on the axis.
 _AXIS_OF_KIND = {
-    "tp": "tp", "dp": "dp", "pp": "pp", "cp": "cp", "gtp_remat": "gtp_remat", "ep": "ep", "expt_tp": "etp",
+    "tp": "tp", "dp": "dp", "pp": "pp", "cp": "cp", "gtp_remat": "gtp_remat", "ep": "ep", "expt_tp": "expt_tp",
     "expt_dp": "expt_dp", "expt_gtp_remat": "expt_gtp_remat",
 }
 
@@ -70,7 +70,7 @@ def test_queries_and_coordinates_agree(args: dict[str, object]) -> None:
     except ValueError:
         assume(False)
         return
-    world = layout.world_size
+    world = layout.num_ranks
     enumerated = {kind: layout.groups(kind) for kind in GROUP_KINDS}
     for kind in GROUP_KINDS:
         assert layout.groups_tensor(kind).tolist() == _as_lists(enumerated[kind]), kind
@@ -92,18 +92,18 @@ def test_queries_and_coordinates_agree(args: dict[str, object]) -> None:
 
 
 _SAMPLE_LAYOUTS = [
-    {"world_size": 8, "tp": 2, "pp": 2, "order": "tp-pp-dp"},
-    {"world_size": 16, "tp": 2, "cp": 2, "pp": 2, "ep": 2, "etp": 1},
-    {"world_size": 24, "tp": 2, "gtp_remat": 2, "pp": 3, "ep": 4, "etp": 1, "expt_gtp_remat": 2},
-    {"world_size": 64, "tp": 4, "cp": 2, "pp": 2, "ep": 4, "etp": 2, "order": "tp-cp-ep-pp-dp"},
-    {"world_size": 1},
+    {"num_ranks": 8, "tp": 2, "pp": 2, "order": "tp-pp-dp"},
+    {"num_ranks": 16, "tp": 2, "cp": 2, "pp": 2, "ep": 2, "expt_tp": 1},
+    {"num_ranks": 24, "tp": 2, "gtp_remat": 2, "pp": 3, "ep": 4, "expt_tp": 1, "expt_gtp_remat": 2},
+    {"num_ranks": 64, "tp": 4, "cp": 2, "pp": 2, "ep": 4, "expt_tp": 2, "order": "tp-cp-ep-pp-dp"},
+    {"num_ranks": 1},
 ]
 
 
 @pytest.mark.parametrize("kw", _SAMPLE_LAYOUTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_every_kind_partitions_the_world(kw: dict[str, object]) -> None:
     layout = ParallelLayout(**kw)  # type: ignore[arg-type]
-    world = layout.world_size
+    world = layout.num_ranks
     for kind in GROUP_KINDS:
         groups = layout.groups(kind)
         members = [r for g in groups for r in g]
@@ -117,7 +117,7 @@ def test_every_kind_partitions_the_world(kw: dict[str, object]) -> None:
 
 
 def test_group_sizes_follow_the_axis_sizes() -> None:
-    layout = ParallelLayout(world_size=48, tp=2, gtp_remat=2, cp=2, pp=2, ep=3, etp=2, expt_gtp_remat=2)
+    layout = ParallelLayout(num_ranks=48, tp=2, gtp_remat=2, cp=2, pp=2, ep=3, expt_tp=2, expt_gtp_remat=2)
     assert (layout.dp, layout.expt_dp) == (3, 2)
     expected_size = {
         "tp": 2, "gtp_remat": 2, "cp": 2, "dp": 3, "pp": 2, "dp_cp": 6, "tp_cp": 4, "mp": 8, "tp_dp_cp": 24,
@@ -130,28 +130,29 @@ def test_group_sizes_follow_the_axis_sizes() -> None:
 
 
 def test_default_etp_is_tp_and_default_order() -> None:
-    layout = ParallelLayout(world_size=8, tp=4)
-    assert layout.etp == 4
+    layout = ParallelLayout(num_ranks=8, tp=4)
+    assert layout.expt_tp == 4
     assert layout.order == "tp-cp-ep-dp-pp"
     assert layout.groups("expt_tp") == layout.groups("tp")
 
 
 def test_order_is_case_insensitive() -> None:
-    assert ParallelLayout(world_size=8, tp=2, order="TP-CP-EP-DP-PP") == ParallelLayout(world_size=8, tp=2)
+    assert ParallelLayout(num_ranks=8, tp=2, order="TP-CP-EP-DP-PP") == ParallelLayout(num_ranks=8, tp=2)
 
 
 def test_coords_example() -> None:
     # Default order tp-cp-ep-dp-pp: rank = tp + tp*(cp + cp*(dp + dp*pp)).
-    layout = ParallelLayout(world_size=32, tp=2, cp=2, pp=2, ep=2, etp=1)
+    layout = ParallelLayout(num_ranks=32, tp=2, cp=2, pp=2, ep=2, expt_tp=1)
     rank = 1 + 2 * (1 + 2 * (3 + 4 * 1))  # tp 1, cp 1, dp 3 (dp = 4), pp 1
     coords = layout.coords(rank)
     assert {k: coords[k] for k in ("tp", "cp", "dp", "pp")} == {"tp": 1, "cp": 1, "dp": 3, "pp": 1}
-    # Expert grid: etp 1, ep 2, expt_dp 8; rank = etp + 1*(ep + 2*(edp + 8*pp)).
-    assert {k: coords[k] for k in ("etp", "ep", "expt_dp")} == {"etp": 0, "ep": rank % 2, "expt_dp": rank // 2 % 8}
+    # Expert grid: expt_tp 1, ep 2, expt_dp 8; rank = expt_tp + 1*(ep + 2*(expt_dp + 8*pp)).
+    expert = {"expt_tp": 0, "ep": rank % 2, "expt_dp": rank // 2 % 8}
+    assert {k: coords[k] for k in ("expt_tp", "ep", "expt_dp")} == expert
 
 
 def test_embedding_groups_only_hold_pipeline_edges() -> None:
-    layout = ParallelLayout(world_size=8, pp=4)
+    layout = ParallelLayout(num_ranks=8, pp=4)
     assert _as_lists(layout.groups("embd")) == [[0, 6], [1, 7]]
     assert _as_lists(layout.groups("pos_embd")) == [[0], [1]]
     assert layout.groups_of(2)["embd"] is None
@@ -161,21 +162,21 @@ def test_embedding_groups_only_hold_pipeline_edges() -> None:
 
 
 def test_fingerprint_is_stable_and_distinguishes_layouts() -> None:
-    a = ParallelLayout(world_size=8, tp=2)
-    assert a.fingerprint() == ParallelLayout(world_size=8, tp=2, etp=2).fingerprint()
-    assert a.fingerprint() != ParallelLayout(world_size=8, tp=2, etp=1).fingerprint()
-    assert a.fingerprint() != ParallelLayout(world_size=8, tp=2, order="tp-cp-ep-pp-dp").fingerprint()
+    a = ParallelLayout(num_ranks=8, tp=2)
+    assert a.fingerprint() == ParallelLayout(num_ranks=8, tp=2, expt_tp=2).fingerprint()
+    assert a.fingerprint() != ParallelLayout(num_ranks=8, tp=2, expt_tp=1).fingerprint()
+    assert a.fingerprint() != ParallelLayout(num_ranks=8, tp=2, order="tp-cp-ep-pp-dp").fingerprint()
 
 
 def test_layout_is_frozen_and_hashable() -> None:
-    layout = ParallelLayout(world_size=8, tp=2)
+    layout = ParallelLayout(num_ranks=8, tp=2)
     with pytest.raises(AttributeError):
         layout.tp = 4  # type: ignore[misc]
-    assert hash(layout) == hash(ParallelLayout(world_size=8, tp=2))
+    assert hash(layout) == hash(ParallelLayout(num_ranks=8, tp=2))
 
 
 def test_groups_of_matches_groups_on_a_large_layout() -> None:
-    layout = ParallelLayout(world_size=1024, tp=8, pp=4, cp=2, ep=8, etp=1, gtp_remat=2, expt_gtp_remat=2)
+    layout = ParallelLayout(num_ranks=1024, tp=8, pp=4, cp=2, ep=8, expt_tp=1, gtp_remat=2, expt_gtp_remat=2)
     enumerated = {kind: set(layout.groups(kind)) for kind in GROUP_KINDS}
     for rank in (0, 1, 7, 8, 255, 511, 512, 1023):
         for kind, group in layout.groups_of(rank).items():
@@ -191,24 +192,24 @@ def test_groups_of_matches_groups_on_a_large_layout() -> None:
 @pytest.mark.parametrize(
     ("kw", "pattern"),
     [
-        ({"world_size": 12, "tp": 8}, r"world_size 12 .*tp\*gtp_remat\*cp\*pp .*= 8"),
-        ({"world_size": 8, "tp": 2, "cp": 3}, r"world_size 8 .*2\*1\*3\*1 = 6"),
-        ({"world_size": 12, "tp": 2, "ep": 8, "etp": 1}, r"etp\*ep\*expt_gtp_remat\*pp = 1\*8\*1\*1 = 8 .*12"),
-        ({"world_size": 16, "pp": 2, "ep": 3}, r"= 6 does not divide world_size 16"),
-        ({"world_size": 0}, r"world_size must be a positive integer, got 0"),
-        ({"world_size": 8, "tp": 0}, r"tp must be a positive integer, got 0"),
-        ({"world_size": 8, "cp": -2}, r"cp must be a positive integer, got -2"),
-        ({"world_size": 8, "pp": 1.5}, r"pp must be a positive integer, got 1.5"),
-        ({"world_size": 8, "ep": True}, r"ep must be a positive integer, got True"),
-        ({"world_size": 8, "etp": 0}, r"etp must be a positive integer"),
-        ({"world_size": 8, "gtp_remat": 0}, r"gtp_remat must be a positive integer"),
-        ({"world_size": 8, "expt_gtp_remat": -1}, r"expt_gtp_remat must be a positive integer"),
-        ({"world_size": 8, "order": "tp-xp-dp-pp"}, r"unknown axis 'xp' in order 'tp-xp-dp-pp'"),
-        ({"world_size": 8, "order": "tp-cp-tp-dp-pp"}, r"axis 'tp' repeated in order"),
-        ({"world_size": 8, "tp": 2, "order": "cp-ep-dp-pp"}, r"lacks axis 'tp' whose size is 2"),
-        ({"world_size": 8, "etp": 2, "order": "cp-ep-dp-pp"}, r"lacks axis 'tp' whose expert size \(etp\) is 2"),
-        ({"world_size": 8, "tp": 2, "order": "tp-cp-ep-pp"}, r"lacks axis 'dp' whose size is 4"),
-        ({"world_size": 8, "tp": 8, "etp": 1, "ep": 2, "order": "tp-ep-pp"}, r"lacks axis 'dp' .*expert .* 4"),
+        ({"num_ranks": 12, "tp": 8}, r"num_ranks 12 .*tp\*gtp_remat\*cp\*pp .*= 8"),
+        ({"num_ranks": 8, "tp": 2, "cp": 3}, r"num_ranks 8 .*2\*1\*3\*1 = 6"),
+        ({"num_ranks": 12, "tp": 2, "ep": 8, "expt_tp": 1}, r"expt_tp\*ep\*expt_gtp_remat\*pp = 1\*8\*1\*1 = 8 .*12"),
+        ({"num_ranks": 16, "pp": 2, "ep": 3}, r"= 6 does not divide num_ranks 16"),
+        ({"num_ranks": 0}, r"num_ranks must be a positive integer, got 0"),
+        ({"num_ranks": 8, "tp": 0}, r"tp must be a positive integer, got 0"),
+        ({"num_ranks": 8, "cp": -2}, r"cp must be a positive integer, got -2"),
+        ({"num_ranks": 8, "pp": 1.5}, r"pp must be a positive integer, got 1.5"),
+        ({"num_ranks": 8, "ep": True}, r"ep must be a positive integer, got True"),
+        ({"num_ranks": 8, "expt_tp": 0}, r"expt_tp must be a positive integer"),
+        ({"num_ranks": 8, "gtp_remat": 0}, r"gtp_remat must be a positive integer"),
+        ({"num_ranks": 8, "expt_gtp_remat": -1}, r"expt_gtp_remat must be a positive integer"),
+        ({"num_ranks": 8, "order": "tp-xp-dp-pp"}, r"unknown axis 'xp' in order 'tp-xp-dp-pp'"),
+        ({"num_ranks": 8, "order": "tp-cp-tp-dp-pp"}, r"axis 'tp' repeated in order"),
+        ({"num_ranks": 8, "tp": 2, "order": "cp-ep-dp-pp"}, r"lacks axis 'tp' whose size is 2"),
+        ({"num_ranks": 8, "expt_tp": 2, "order": "cp-ep-dp-pp"}, r"lacks axis 'tp' whose expert size \(expt_tp\) is 2"),
+        ({"num_ranks": 8, "tp": 2, "order": "tp-cp-ep-pp"}, r"lacks axis 'dp' whose size is 4"),
+        ({"num_ranks": 8, "tp": 8, "expt_tp": 1, "ep": 2, "order": "tp-ep-pp"}, r"lacks axis 'dp' .*expert .* 4"),
     ],
 )
 def test_bad_sizes_raise_naming_the_culprit(kw: dict[str, object], pattern: str) -> None:
@@ -218,24 +219,24 @@ def test_bad_sizes_raise_naming_the_culprit(kw: dict[str, object], pattern: str)
 
 def test_axes_of_size_one_may_be_left_out_of_the_order() -> None:
     # Megatron-Core appends a missing axis of size 1; dp too, when both grids have one data-parallel rank.
-    layout = ParallelLayout(world_size=8, tp=4, pp=2, order="tp-pp")
+    layout = ParallelLayout(num_ranks=8, tp=4, pp=2, order="tp-pp")
     assert (layout.dp, layout.expt_dp) == (1, 1)
     assert layout.groups("pp") == ((0, 4), (1, 5), (2, 6), (3, 7))
-    assert ParallelLayout(world_size=8, tp=2, order="tp-dp").groups("dp") == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert ParallelLayout(num_ranks=8, tp=2, order="tp-dp").groups("dp") == ((0, 2, 4, 6), (1, 3, 5, 7))
 
 
 def test_pp_not_last_refused_when_expert_dp_differs() -> None:
     # dense dp = 16/(2*2) = 4, expert dp = 16/(1*2*2) = 4 with ep 2 -> allowed; ep 4 -> expert dp 2 -> refused.
     with pytest.raises(ValueError, match=r"pp must be last in order 'tp-cp-ep-pp-dp' when pp=2 .*\(2\).*\(4\)"):
-        ParallelLayout(world_size=16, tp=2, pp=2, ep=4, etp=1, order="tp-cp-ep-pp-dp")
+        ParallelLayout(num_ranks=16, tp=2, pp=2, ep=4, expt_tp=1, order="tp-cp-ep-pp-dp")
 
 
 @pytest.mark.parametrize(
     "kw",
     [
-        {"world_size": 16, "tp": 2, "pp": 2, "ep": 2, "etp": 1, "order": "tp-cp-ep-pp-dp"},  # expert dp == dp
-        {"world_size": 16, "tp": 2, "pp": 1, "ep": 4, "etp": 1, "order": "tp-cp-ep-pp-dp"},  # pp == 1
-        {"world_size": 8, "tp": 2, "pp": 2, "order": "tp-pp-dp"},  # no experts
+        {"num_ranks": 16, "tp": 2, "pp": 2, "ep": 2, "expt_tp": 1, "order": "tp-cp-ep-pp-dp"},  # expert dp == dp
+        {"num_ranks": 16, "tp": 2, "pp": 1, "ep": 4, "expt_tp": 1, "order": "tp-cp-ep-pp-dp"},  # pp == 1
+        {"num_ranks": 8, "tp": 2, "pp": 2, "order": "tp-pp-dp"},  # no experts
     ],
 )
 def test_pp_not_last_allowed_as_in_megatron(kw: dict[str, object]) -> None:
@@ -243,21 +244,21 @@ def test_pp_not_last_allowed_as_in_megatron(kw: dict[str, object]) -> None:
     # against Megatron-Core in tests/megatron.
     layout = ParallelLayout(**kw)  # type: ignore[arg-type]
     stages = {rank: group for group in layout.groups("pp") for rank in group}
-    assert sorted(stages) == list(range(layout.world_size))
+    assert sorted(stages) == list(range(layout.num_ranks))
 
 
 def test_unknown_kind_and_rank_out_of_range() -> None:
-    layout = ParallelLayout(world_size=8, tp=2)
+    layout = ParallelLayout(num_ranks=8, tp=2)
     with pytest.raises(ValueError, match=re.escape("unknown group kind 'dp_pc'; did you mean 'dp_cp'?")):
         layout.groups("dp_pc")
-    with pytest.raises(ValueError, match="rank 8 is outside the world of 8 ranks"):
+    with pytest.raises(ValueError, match="rank 8 is outside the 8 ranks of this layout"):
         layout.groups_of(8)
     with pytest.raises(ValueError, match="rank -1 is outside"):
         layout.coords(-1)
 
 
 def test_a_bool_or_a_non_integer_is_not_a_rank() -> None:
-    layout = ParallelLayout(world_size=8, tp=2)
+    layout = ParallelLayout(num_ranks=8, tp=2)
     for query in (layout.groups_of, layout.coords):
         with pytest.raises(TypeError, match="rank must be an integer, got the bool True"):
             query(True)  # would read as rank 1
@@ -266,12 +267,12 @@ def test_a_bool_or_a_non_integer_is_not_a_rank() -> None:
     assert layout.groups_of(np.int64(3)) == layout.groups_of(3)  # type: ignore[arg-type]  # any __index__
 
 
-def test_world_size_is_bounded_by_what_torch_distributed_can_address() -> None:
-    assert ParallelLayout(world_size=2**31 - 1).world_size == 2**31 - 1  # construction is arithmetic only
+def test_num_ranks_is_bounded_by_what_torch_distributed_can_address() -> None:
+    assert ParallelLayout(num_ranks=2**31 - 1).num_ranks == 2**31 - 1  # construction is arithmetic only
     for world in (2**31, 2**62):
-        with pytest.raises(ValueError, match=rf"world_size {world} is more ranks than torch.distributed can "
+        with pytest.raises(ValueError, match=rf"num_ranks {world} is more ranks than torch.distributed can "
                            r"address \(at most 2147483647 = 2\*\*31 - 1: ranks are C ints\)"):
-            ParallelLayout(world_size=world)
+            ParallelLayout(num_ranks=world)
 
 
 @pytest.mark.parametrize("kw", _SAMPLE_LAYOUTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))

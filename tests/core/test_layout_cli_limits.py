@@ -27,9 +27,9 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_two_to_the_31_ranks_is_refused_as_unaddressable(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _refused(["--world-size", str(2**31)], capsys)
+    err = _refused(["--num-ranks", str(2**31)], capsys)
     assert err == (
-        "pgregistry layout: error: world_size 2147483648 is more ranks than torch.distributed can address "
+        "pgregistry layout: error: num_ranks 2147483648 is more ranks than torch.distributed can address "
         "(at most 2147483647 = 2**31 - 1: ranks are C ints)\n"
     )
 
@@ -37,7 +37,7 @@ def test_two_to_the_31_ranks_is_refused_as_unaddressable(capsys: pytest.CaptureF
 def test_a_listing_larger_than_memory_is_refused_with_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     # Every group of every kind spans the whole world here, so the default listing prints billions of ranks:
     # an estimate of hundreds of GiB, more than any machine this suite runs on has free.
-    err = _refused(["--world-size", str(_LARGEST)], capsys)
+    err = _refused(["--num-ranks", str(_LARGEST)], capsys)
     match = re.fullmatch(
         r"pgregistry layout: error: listing 2147483647 ranks \((\d+) of them printed\) needs about ([\d.]+) GiB of "
         r"memory, more than the ([\d.]+) GiB available; lower --show \(--show 0 prints only the group counts and "

@@ -13,7 +13,7 @@ from pgregistry.mesh import from_device_mesh, to_device_mesh, with_hsdp_groups
 from pgregistry.testing import run_world
 
 # A (pp, dp, tp) mesh in row-major order is the default layout order (tp fastest, then dp, then pp).
-_LAYOUT = ParallelLayout(world_size=8, tp=2, pp=2)
+_LAYOUT = ParallelLayout(num_ranks=8, tp=2, pp=2)
 
 
 def _from_mesh() -> dict[str, Any]:
@@ -76,7 +76,7 @@ def test_from_device_mesh_single_and_flattened_dims() -> None:
         )
 
 
-_GRID = ParallelLayout(world_size=8, tp=2, cp=2, pp=2)  # dp is 1
+_GRID = ParallelLayout(num_ranks=8, tp=2, cp=2, pp=2)  # dp is 1
 
 
 def _to_mesh() -> dict[str, Any]:
@@ -85,7 +85,7 @@ def _to_mesh() -> dict[str, Any]:
     full = to_device_mesh(collection, ("pp", "dp", "cp", "tp"))
     part = to_device_mesh(collection, ("tp", "pp"))
     by_hand = ProcessGroupCollection(**dict(collection.items()))  # the same groups, no one-rank group
-    other = reg.build(ParallelLayout(world_size=8, tp=4, pp=2))
+    other = reg.build(ParallelLayout(num_ranks=8, tp=4, pp=2))
     return {
         "mesh": full.mesh.tolist(),
         "dim_names": full.mesh_dim_names,
@@ -144,7 +144,7 @@ def test_to_device_mesh_reuses_the_collection_groups() -> None:
         assert "the group belongs to another layout" in errors["other_layout"]
 
 
-_MOE = ParallelLayout(world_size=8, tp=2, ep=2, etp=1)  # dense dp 4, expert dp 4
+_MOE = ParallelLayout(num_ranks=8, tp=2, ep=2, expt_tp=1)  # dense dp 4, expert dp 4
 
 
 def _expected_mesh_ranks(rank: int, fixed: tuple[str, ...]) -> list[int]:
@@ -179,7 +179,7 @@ def _expert_and_hsdp_meshes() -> dict[str, Any]:
         "errors": errors_of({
             "replicas": lambda: with_hsdp_groups(collection, 3),
             # dense dp 8 splits into 4, expert dp 2 (EP 4) does not: Megatron-Core needs both to.
-            "expert_replicas": lambda: with_hsdp_groups(reg.build(ParallelLayout(world_size=8, ep=4)), 4),
+            "expert_replicas": lambda: with_hsdp_groups(reg.build(ParallelLayout(num_ranks=8, ep=4)), 4),
             "no_layout": lambda: with_hsdp_groups(ProcessGroupCollection(**dict(collection.items())), 2),
         }),
     }
@@ -188,7 +188,7 @@ def _expert_and_hsdp_meshes() -> dict[str, Any]:
 def test_expert_2d_and_hsdp_meshes_share_the_collection_groups() -> None:
     results = run_world(8, _expert_and_hsdp_meshes)
     for rank, out in enumerate(results):
-        assert out["ranks"]["expert"] == _expected_mesh_ranks(rank, ("etp", "expt_gtp_remat", "pp"))
+        assert out["ranks"]["expert"] == _expected_mesh_ranks(rank, ("expt_tp", "expt_gtp_remat", "pp"))
         assert out["ranks"]["dense_2d"] == _expected_mesh_ranks(rank, ("gtp_remat", "cp", "pp"))
         assert out["ranks"]["hsdp"] == _expected_mesh_ranks(rank, ("gtp_remat", "cp", "pp"))
         assert out["shape"] == {"expert": (4, 2), "dense_2d": (4, 2), "hsdp": (2, 2, 2)}

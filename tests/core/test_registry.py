@@ -29,7 +29,7 @@ def _expected_sets(layout: ParallelLayout, rank: int) -> dict[str, tuple[int, ..
     """Field -> the ranks its group must hold on ``rank``, from the layout arithmetic (None: no group)."""
     mine: dict[str, tuple[int, ...] | None] = dict(layout.groups_of(rank))
     mine.update({alias: mine[kind] for alias, kind in _ALIAS_OF.items()})
-    mine["intra_dist_opt"] = tuple(range(layout.world_size))
+    mine["intra_dist_opt"] = tuple(range(layout.num_ranks))
     return mine
 
 
@@ -91,15 +91,15 @@ def _distinct_sets(layout: ParallelLayout) -> set[tuple[int, ...]]:
     """The rank sets a build creates communicators for: every multi-rank set of every kind but the world (WORLD
     itself), and every rank alone (the one-rank groups)."""
     sets = {group for kind in GROUP_KINDS for group in layout.groups(kind)}
-    singles = {(rank,) for rank in range(layout.world_size)}
-    return {s for s in sets if 1 < len(s) < layout.world_size} | singles
+    singles = {(rank,) for rank in range(layout.num_ranks)}
+    return {s for s in sets if 1 < len(s) < layout.num_ranks} | singles
 
 
 # ------------------------------------------------------------------------------------------------ 8 ranks
 
-_MOE = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)  # dp 2, cp off, expt_dp 4
-_DENSE = ParallelLayout(world_size=8, tp=2, cp=2, pp=2)  # shares tp and pp rank sets with _MOE
-_GTP = ParallelLayout(world_size=8, tp=2, gtp_remat=2, ep=4, etp=1, expt_gtp_remat=2, order="tp-cp-ep-pp-dp")
+_MOE = ParallelLayout(num_ranks=8, tp=2, pp=2, ep=2, expt_tp=1)  # dp 2, cp off, expt_dp 4
+_DENSE = ParallelLayout(num_ranks=8, tp=2, cp=2, pp=2)  # shares tp and pp rank sets with _MOE
+_GTP = ParallelLayout(num_ranks=8, tp=2, gtp_remat=2, ep=4, expt_tp=1, expt_gtp_remat=2, order="tp-cp-ep-pp-dp")
 
 
 def _build_two_layouts() -> dict[str, Any]:
@@ -138,7 +138,7 @@ def test_build_in_an_8_rank_world_matches_the_layout() -> None:
 
 
 def _embedding_groups() -> dict[str, Any]:
-    collection = reg.build(ParallelLayout(world_size=8, pp=4))
+    collection = reg.build(ParallelLayout(num_ranks=8, pp=4))
     errors = errors_of({"embd": lambda: collection.get("embd"), "rank": lambda: group_rank(collection.embd)})
     return {
         "embd": collection.is_member_of("embd"),
@@ -163,29 +163,29 @@ def test_a_rank_outside_the_embedding_groups_is_not_a_member_never_rank_0_of_1()
 
 def _misuse() -> dict[str, str]:
     rank = dist.get_rank()
-    four = ParallelLayout(world_size=4, tp=2)
+    four = ParallelLayout(num_ranks=4, tp=2)
     reg.build(four, name="m")
     return errors_of({
         # Rank 0 asks for another layout than its peers: every rank raises instead of hanging.
-        "disagree": lambda: reg.build(ParallelLayout(world_size=4, tp=4 if rank == 0 else 2), name="x"),
+        "disagree": lambda: reg.build(ParallelLayout(num_ranks=4, tp=4 if rank == 0 else 2), name="x"),
         # The same layout, a different name or timeout on one rank: the message names the field.
         "disagree_name": lambda: reg.build(four, name="n0" if rank == 0 else "n1"),
         "disagree_timeout": lambda: reg.build(four, name="t", timeout=30.0 if rank == 3 else 60.0),
         "disagree_partition": lambda: CACHE.partition_group(
             [[0, 1], [2, 3]] if rank else [[0, 2], [1, 3]], GroupOptions()
         ),
-        "world": lambda: reg.build(ParallelLayout(world_size=8, tp=2)),
-        "renamed": lambda: reg.build(ParallelLayout(world_size=4, pp=2), name="m"),
+        "world": lambda: reg.build(ParallelLayout(num_ranks=8, tp=2)),
+        "renamed": lambda: reg.build(ParallelLayout(num_ranks=4, pp=2), name="m"),
         "options": lambda: reg.build(four, name="m", timeout=30.0),
         "conflict": lambda: reg.build(
-            ParallelLayout(world_size=4, tp=2, pp=2), name="y", timeout=timedelta(seconds=60)
+            ParallelLayout(num_ranks=4, tp=2, pp=2), name="y", timeout=timedelta(seconds=60)
         ),
         "partition_overlap": lambda: CACHE.partition_group([[0, 1, 2], [2, 3]], GroupOptions()),
         "partition_bad": lambda: CACHE.partition_group([[0, 4]], GroupOptions()),
         "timeout_zero": lambda: reg.build(four, name="z", timeout=0),
         "timeout_negative": lambda: reg.build(four, name="z", timeout=timedelta(seconds=-5)),
-        "unnamed_other_options": lambda: reg.build(ParallelLayout(world_size=4, pp=4)) and reg.build(
-            ParallelLayout(world_size=4, pp=4), timeout=20.0
+        "unnamed_other_options": lambda: reg.build(ParallelLayout(num_ranks=4, pp=4)) and reg.build(
+            ParallelLayout(num_ranks=4, pp=4), timeout=20.0
         ),
     })
 
@@ -194,8 +194,8 @@ def test_misuse_raises_a_clear_error_on_every_rank() -> None:
     results = run_world(4, _misuse, timeout=30.0)
     for rank, out in enumerate(results):
         assert out["disagree"].startswith("ValueError: ranks disagree on the layout to build: 'layout' differs (")
-        assert "ranks [0] asked for ParallelLayout(world_size=4, tp=4," in out["disagree"]
-        assert "ranks [1, 2, 3] asked for ParallelLayout(world_size=4, tp=2," in out["disagree"]
+        assert "ranks [0] asked for ParallelLayout(num_ranks=4, tp=4," in out["disagree"]
+        assert "ranks [1, 2, 3] asked for ParallelLayout(num_ranks=4, tp=2," in out["disagree"]
         assert "'name'" not in out["disagree"] and "'timeout'" not in out["disagree"]
         assert f"this rank is rank {rank}." in out["disagree"]
         assert out["disagree_name"].startswith(
@@ -211,19 +211,19 @@ def test_misuse_raises_a_clear_error_on_every_rank() -> None:
             "[(0, 2), (1, 3)]; ranks [1, 2, 3] asked for [(0, 1), (2, 3)]); this rank"
         )
         assert out["world"] == (
-            f"ValueError: {ParallelLayout(world_size=8, tp=2)!r} declares world_size 8 but the process group world "
+            f"ValueError: {ParallelLayout(num_ranks=8, tp=2)!r} declares num_ranks 8 but the process group world "
             "has 4 ranks"
         )
         assert out["renamed"].startswith(
-            "ValueError: name 'm' is already built with other settings: layout ParallelLayout(world_size=4, tp=2,"
+            "ValueError: name 'm' is already built with other settings: layout ParallelLayout(num_ranks=4, tp=2,"
         )
-        assert "then ParallelLayout(world_size=4, tp=1, cp=1, pp=2," in out["renamed"]
+        assert "then ParallelLayout(num_ranks=4, tp=1, cp=1, pp=2," in out["renamed"]
         assert out["options"].startswith(
             "ValueError: name 'm' is already built with other settings: timeout=None then "
             "timeout=datetime.timedelta(seconds=30)."
         )
         assert out["unnamed_other_options"].startswith(
-            f"ValueError: {ParallelLayout(world_size=4, pp=4)!r} is already built with other settings: timeout=None "
+            f"ValueError: {ParallelLayout(num_ranks=4, pp=4)!r} is already built with other settings: timeout=None "
         )
         assert out["conflict"].startswith("ValueError: layout 'y' needs a communicator over ranks [")
         assert "one communicator per rank set" in out["conflict"]
@@ -240,8 +240,8 @@ class _Model(nn.Module):
 
 
 def _attachments_and_global_grid() -> dict[str, Any]:
-    first = reg.build(ParallelLayout(world_size=4, tp=2), name="first")
-    second = reg.build(ParallelLayout(world_size=4, tp=4, ep=2, etp=1), name="second")
+    first = reg.build(ParallelLayout(num_ranks=4, tp=2), name="first")
+    second = reg.build(ParallelLayout(num_ranks=4, tp=4, ep=2, expt_tp=1), name="second")
     model_a, model_b, stray = _Model(), _Model(), _Model()
     chunks = [_Model(), _Model()]
     pgregistry.attach(model_a, first)
@@ -259,14 +259,14 @@ def _attachments_and_global_grid() -> dict[str, Any]:
             "no_grid": global_collection,
         }),
     }
-    grid = initialize_global_grid(ParallelLayout(world_size=4, pp=2))
+    grid = initialize_global_grid(ParallelLayout(num_ranks=4, pp=2))
     out["grid"] = [global_collection() is grid, global_collection(None) is grid]
     out["grid_pp"] = _membership(grid)["pp"]
-    out["errors"].update(errors_of({"twice": lambda: initialize_global_grid(ParallelLayout(world_size=4))}))
+    out["errors"].update(errors_of({"twice": lambda: initialize_global_grid(ParallelLayout(num_ranks=4))}))
     created = reg.communicators_created()
     reg.destroy()
     out["after_destroy"] = [global_collection(None) is None, pgregistry.collection_of(model_a).is_destroyed]
-    rebuilt = reg.build(ParallelLayout(world_size=4, tp=2), name="first")
+    rebuilt = reg.build(ParallelLayout(num_ranks=4, tp=2), name="first")
     out["rebuilt"] = [rebuilt is not first, reg.communicators_created() - created]
     out["rebuilt_tp"] = _membership(rebuilt)["tp"]
     return out
@@ -291,7 +291,7 @@ def test_attachments_global_grid_and_destroy() -> None:
 
 
 def _partition() -> dict[str, Any]:
-    collection = reg.build(ParallelLayout(world_size=4, tp=2), name="tp2")
+    collection = reg.build(ParallelLayout(num_ranks=4, tp=2), name="tp2")
     created = reg.communicators_created()
     pairs = CACHE.partition_group([[3, 2], [1, 0]], GroupOptions())
     strided = CACHE.partition_group(iter([(0, 2), (1, 3)]), GroupOptions())
@@ -322,7 +322,7 @@ def _members_only_on_the_fake_backend(rank: int, world_size: int) -> dict[str, A
 
     dist.destroy_process_group()  # run_world's gloo world; the fake one stands for a large job
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    layout = ParallelLayout(world_size=world_size, tp=4, pp=4, cp=2, ep=4, etp=1)
+    layout = ParallelLayout(num_ranks=world_size, tp=4, pp=4, cp=2, ep=4, expt_tp=1)
     collection = reg.build(layout)
     ranks = {
         name: dist.get_process_group_ranks(group)
@@ -332,7 +332,7 @@ def _members_only_on_the_fake_backend(rank: int, world_size: int) -> dict[str, A
 
 
 def test_members_only_creation_on_the_fake_backend() -> None:
-    layout = ParallelLayout(world_size=256, tp=4, pp=4, cp=2, ep=4, etp=1)
+    layout = ParallelLayout(num_ranks=256, tp=4, pp=4, cp=2, ep=4, expt_tp=1)
     for rank in (0, 77):
         (out,) = run_world(1, _members_only_on_the_fake_backend, rank, 256)
         expected = _expected_sets(layout, rank)
@@ -345,7 +345,7 @@ def test_members_only_creation_on_the_fake_backend() -> None:
 def test_build_needs_torch_distributed() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
-        reg.build(ParallelLayout(world_size=1))
+        reg.build(ParallelLayout(num_ranks=1))
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         CACHE.partition_group([[0]], GroupOptions())
 
@@ -353,7 +353,7 @@ def test_build_needs_torch_distributed() -> None:
 def test_a_misspelt_build_option_is_refused() -> None:
     # build and initialize_global_grid pass their options on as **kwargs (BuildOptions): a misspelt one must
     # raise, never be ignored.
-    layout = ParallelLayout(world_size=1)
+    layout = ParallelLayout(num_ranks=1)
     with pytest.raises(TypeError, match="unexpected keyword argument 'explicit_singleton'"):
         reg.build(layout, explicit_singleton=True)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="unexpected keyword argument 'backnd'"):

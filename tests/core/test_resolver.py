@@ -64,7 +64,7 @@ EXPERT_KEY = "layers.0.mlp.experts.local_experts.0.weight"
 
 def _ep_on_a_global_ep4_grid() -> dict[str, Any]:
     out = {"no_grid": _outcome(lambda: get_ep_rank_and_size(None))}
-    initialize_global_grid(ParallelLayout(world_size=4, ep=4, etp=1))
+    initialize_global_grid(ParallelLayout(num_ranks=4, ep=4, expt_tp=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ep_rank, ep_size = get_ep_rank_and_size(None)
@@ -95,8 +95,8 @@ GRADS = {0: [0.5, -1.5, 2.0, 0.25], 1: [3.0, 1.0, -0.5, 0.75]}
 
 def _attached_wins() -> dict[str, Any]:
     rank = dist.get_rank()
-    initialize_global_grid(ParallelLayout(world_size=2, tp=2))  # another grid: TP 2
-    own = registry.build(ParallelLayout(world_size=2), name="own")  # the model's grid: DP 2, TP off
+    initialize_global_grid(ParallelLayout(num_ranks=2, tp=2))  # another grid: TP 2
+    own = registry.build(ParallelLayout(num_ranks=2), name="own")  # the model's grid: DP 2, TP off
     model = _model()
     pgregistry.attach(model, own)
     model.dense.weight.grad = torch.tensor(GRADS[rank]).repeat(4, 1)
@@ -132,8 +132,8 @@ def test_the_collection_attached_to_a_wrapped_model_is_used_by_every_entry_point
 
 
 def _chunks_disagree() -> dict[str, str]:
-    first = registry.build(ParallelLayout(world_size=2, ep=2, etp=1), name="first")
-    second = registry.build(ParallelLayout(world_size=2), name="second")
+    first = registry.build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1), name="first")
+    second = registry.build(ParallelLayout(num_ranks=2), name="second")
     chunks = [_model(), Wrapper(_model())]
     pgregistry.attach(chunks[0], first)
     pgregistry.attach(chunks[1].module, second)
@@ -166,8 +166,8 @@ def test_chunks_with_different_collections_are_refused_naming_them() -> None:
 
 
 def _misuse() -> dict[str, str]:
-    own = registry.build(ParallelLayout(world_size=2), name="own")
-    other = registry.build(ParallelLayout(world_size=2, tp=2), name="other")
+    own = registry.build(ParallelLayout(num_ranks=2), name="own")
+    other = registry.build(ParallelLayout(num_ranks=2, tp=2), name="other")
     model = _model()
     pgregistry.attach(model, own)
     for param in model.parameters():

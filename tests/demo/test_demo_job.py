@@ -35,7 +35,7 @@ def test_demo_runs_on_a_chosen_world_and_layouts(capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--ep", "3"], "does not divide world_size"),
+        (["--ep", "3"], "does not divide num_ranks"),
         (["--world-size", "6", "--tp", "4"], "is not divisible"),
         (["--world-size", "16", "--ep", "16", "--tp", "1"], "do not split over EP 16"),
         (["--steps", "0"], "--steps must be at least 1"),

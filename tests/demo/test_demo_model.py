@@ -16,7 +16,7 @@ WORLD = 4
 
 
 def _sharded_grads(tp: int, ep: int) -> tuple[float, dict[str, torch.Tensor], int]:
-    layout = ParallelLayout(world_size=WORLD, tp=tp, ep=ep, etp=1)
+    layout = ParallelLayout(num_ranks=WORLD, tp=tp, ep=ep, expt_tp=1)
     pg = registry.build(layout)
     model = ShardedMoE(CONFIG, full_weights(CONFIG), pg, dtype=torch.float64)
     x, target, ids = make_batch(CONFIG, 0, layout.dp)
@@ -45,7 +45,7 @@ def test_sharded_grads_equal_the_float64_model(tp: int, ep: int) -> None:
     x, target, ids = make_batch(CONFIG, 0, WORLD // tp)
     loss = reference.loss(x, target, ids)
     loss.backward()
-    layout = ParallelLayout(world_size=WORLD, tp=tp, ep=ep, etp=1)
+    layout = ParallelLayout(num_ranks=WORLD, tp=tp, ep=ep, expt_tp=1)
     for rank, (sharded_loss, grads, first_expert) in enumerate(run_world(WORLD, _sharded_grads, tp, ep)):
         assert sharded_loss == pytest.approx(loss.item(), rel=1e-12)
         tp_rank = layout.coords(rank)["tp"]
@@ -63,7 +63,7 @@ def test_sharded_grads_equal_the_float64_model(tp: int, ep: int) -> None:
 
 def test_shard_of_places_experts_on_their_ep_rank() -> None:
     def shards() -> list[bool]:
-        pg = registry.build(ParallelLayout(world_size=WORLD, ep=4))
+        pg = registry.build(ParallelLayout(num_ranks=WORLD, ep=4))
         weights = full_weights(CONFIG)
         names = [f"layers.0.moe.experts.local_experts.{e}.fc1" for e in range(CONFIG.num_experts)]
         return [shard_of(n, weights[n], pg, CONFIG.num_experts) is not None for n in names]

@@ -15,7 +15,7 @@ from pgregistry.testing import run_world
 
 
 def _args(gpus_per_node: int = 8, intra_node: str = "tp,expt_tp,cp", **sizes: int) -> argparse.Namespace:
-    base = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": None, "gtp_remat": 1, "expt_gtp_remat": 1}
+    base = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "expt_tp": None, "gtp_remat": 1, "expt_gtp_remat": 1}
     base.update(sizes)
     return argparse.Namespace(
         order=None, backend="gloo", seed=1234, gpus_per_node=gpus_per_node, intra_node=intra_node, **base,
@@ -25,8 +25,8 @@ def _args(gpus_per_node: int = 8, intra_node: str = "tp,expt_tp,cp", **sizes: in
 @pytest.mark.parametrize(
     "sizes",
     [
-        {"tp": 2, "ep": 4, "etp": 1},
-        {"tp": 2, "pp": 2, "ep": 2, "etp": 1},
+        {"tp": 2, "ep": 4, "expt_tp": 1},
+        {"tp": 2, "pp": 2, "ep": 2, "expt_tp": 1},
         {"gtp_remat": 2, "cp": 2, "ep": 2, "expt_gtp_remat": 2},
     ],
     ids=["tp2-ep4", "tp2-pp2-ep2", "gtp2-cp2-egtp2"],
@@ -65,7 +65,7 @@ def test_nodes_share_hosts_names_a_split_node() -> None:
 def test_verify_under_torchrun_prints_a_table_and_exits_zero() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "pgregistry", "verify", "--tp", "2", "--ep", "2", "--etp", "1"]
+               "-m", "pgregistry", "verify", "--tp", "2", "--ep", "2", "--expt-tp", "1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "12 passed, 0 failed" in done.stdout

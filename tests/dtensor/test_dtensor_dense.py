@@ -55,7 +55,7 @@ def _scenario(model: nn.Module, expected: dict[str, Any], collection: Any) -> di
 
 
 def _tp_dp_world() -> dict[str, Any]:
-    layout = ParallelLayout(world_size=4, tp=2)  # dp 2
+    layout = ParallelLayout(num_ranks=4, tp=2)  # dp 2
     collection = registry.build(layout)
     mesh = to_device_mesh(collection, ("dp_cp", "tp"))
     out: dict[str, Any] = {}
@@ -162,7 +162,7 @@ def test_shared_and_mesh_mismatches(tp_dp_results: list[dict[str, Any]]) -> None
 
 
 def _hsdp_world() -> dict[str, Any]:
-    layout = ParallelLayout(world_size=4)  # dp 4: HSDP 2 replicas x 2 shards
+    layout = ParallelLayout(num_ranks=4)  # dp 4: HSDP 2 replicas x 2 shards
     collection = with_hsdp_groups(registry.build(layout), 2)
     mesh = to_device_mesh(collection, ("inter_dist_opt", "intra_dp_cp"))
     model = dense_model()

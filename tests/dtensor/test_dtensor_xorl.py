@@ -76,7 +76,7 @@ def _build(
 ) -> tuple[_Model, Any]:
     """The model sharded as the xorl stack shards it, with each grad set from the full grads as FSDP2 lays it out;
     with ``replicas`` > 1, HSDP: the dense model over ``("inter_dist_opt", "intra_dp_cp")``."""
-    layout = ParallelLayout(world_size=dist.get_world_size(), ep=ep)
+    layout = ParallelLayout(num_ranks=dist.get_world_size(), ep=ep)
     collection = registry.build(layout)
     if replicas > 1:
         collection = with_hsdp_groups(collection, replicas)
@@ -186,7 +186,7 @@ def _expert_hsdp_on_rank() -> dict[str, Any]:
     report = audit_grad_replication(model, collection)
     out["audit"] = (report.ok, str(report))
     # With EP slower than DP the one replicate group crosses EP ranks: no expert HSDP mesh, a clear error.
-    crossed = ParallelLayout(world_size=8, ep=2, order="tp-cp-dp-ep-pp")
+    crossed = ParallelLayout(num_ranks=8, ep=2, order="tp-cp-dp-ep-pp")
     hsdp = with_hsdp_groups(registry.build(crossed), 2)
     out["crossed"] = error_of(lambda: to_device_mesh(hsdp, _EXPERT_HSDP))
     return out

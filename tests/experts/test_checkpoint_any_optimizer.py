@@ -31,7 +31,7 @@ from pgregistry.params import mark_expert
 from pgregistry.registry import build
 from pgregistry.testing import run_world
 
-LAYOUT = ParallelLayout(world_size=4, ep=2, etp=1)
+LAYOUT = ParallelLayout(num_ranks=4, ep=2, expt_tp=1)
 CONFIGS = {
     "mixed_precision_bf16": {"dtype": torch.bfloat16, "mixed_precision": True, "sharded": False},
     "full_precision": {"dtype": torch.float32, "mixed_precision": False, "sharded": False},
@@ -113,7 +113,7 @@ def _assert_identical(a: Any, b: Any, where: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_build_optimizer_result_round_trips_through_rank_files(name: str, tmp_path: Path) -> None:
-    for rank, out in enumerate(run_world(LAYOUT.world_size, _rank, tmp_path, CONFIGS[name])):
+    for rank, out in enumerate(run_world(LAYOUT.num_ranks, _rank, tmp_path, CONFIGS[name])):
         assert out["saved"]["optimizer"]["children"], rank
         _assert_identical(out["saved"], out["loaded"], f"rank {rank}")
         _assert_identical(out["next"][0], out["next"][1], f"rank {rank} after one more step")

@@ -147,7 +147,7 @@ def test_a_damaged_rank_file_is_named(tmp_path: Path, damage: str) -> None:
 
 def _save_then_load(save_to: str, experts_on_load: int, extra_on_rank: int | None) -> str:
     warnings.simplefilter("error")
-    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
     saved = _filled(_MoE(8, ep_size=2), 1.0 + dist.get_rank())
     attach(saved, pgc)
     save_rank_files(save_to, saved)
@@ -184,7 +184,7 @@ def test_a_parameter_missing_on_one_rank_raises_on_every_rank_without_a_hang(tmp
 
 
 def _save_twice(directory: str) -> str:
-    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
     model = _MoE(8, ep_size=2)
     attach(model, pgc)
     save_rank_files(directory, model)
@@ -201,7 +201,7 @@ def test_saving_over_another_checkpoint_is_refused_on_every_rank(tmp_path: Path)
 
 
 def _save_failing_on_rank_one(directory: str) -> str:
-    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
     model = _MoE(8, ep_size=2)
     attach(model, pgc)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -223,7 +223,7 @@ def test_a_save_failing_on_one_rank_fails_every_rank_and_leaves_no_file(tmp_path
 
 
 def _load_from(directories: list[str]) -> str:
-    pgc = build(ParallelLayout(world_size=2, ep=2, etp=1))
+    pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
     model = _MoE(8, ep_size=2)
     attach(model, pgc)
     try:
@@ -235,7 +235,7 @@ def _load_from(directories: list[str]) -> str:
 
 def _save(directory: str) -> None:
     model = _MoE(8, ep_size=2)
-    attach(model, build(ParallelLayout(world_size=2, ep=2, etp=1)))
+    attach(model, build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1)))
     save_rank_files(directory, model)
 
 
@@ -260,7 +260,7 @@ def test_a_rank_whose_directory_is_missing_fails_every_rank_without_a_hang(tmp_p
 
 def _save_to(directories: list[str]) -> str:
     model = _MoE(8, ep_size=2)
-    attach(model, build(ParallelLayout(world_size=2, ep=2, etp=1)))
+    attach(model, build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1)))
     try:
         save_rank_files(directories[dist.get_rank()], model)
     except (OSError, RuntimeError) as exc:
@@ -283,7 +283,7 @@ def _load_with_a_wrong_shape_on_rank_one(directory: str) -> str:
     model = _filled(_MoE(8, ep_size=2), -5.0)
     if dist.get_rank() == 1:  # this rank's last expert (global expert 7) is wider than the saved one
         model.experts.local_experts[3] = nn.Linear(2, 3)
-    attach(model, build(ParallelLayout(world_size=2, ep=2, etp=1)))
+    attach(model, build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1)))
     before = _snapshot(model)
     try:
         load_rank_files(directory, model)

@@ -137,12 +137,12 @@ def test_config_num_moe_experts_and_wrappers_are_read() -> None:
 
 
 def _two_models() -> dict[str, Any]:
-    wide = ParallelLayout(world_size=8, ep=4, etp=1)
-    narrow = ParallelLayout(world_size=8, ep=2, etp=1)
+    wide = ParallelLayout(num_ranks=8, ep=4, expt_tp=1)
+    narrow = ParallelLayout(num_ranks=8, ep=2, expt_tp=1)
     model_a, model_b = nn.Linear(1, 1), nn.Linear(1, 1)
     attach(model_a, build(wide, name="wide"))
     attach([model_b], build(narrow, name="narrow"))
-    grid = initialize_global_grid(ParallelLayout(world_size=8, ep=8, etp=1))
+    grid = initialize_global_grid(ParallelLayout(num_ranks=8, ep=8, expt_tp=1))
     return {
         "a": get_ep_rank_and_size(collection_of(model_a)),
         "b": get_ep_rank_and_size(collection_of([model_b])),
@@ -152,8 +152,8 @@ def _two_models() -> dict[str, Any]:
 
 def test_models_on_different_grids_get_their_own_ep_layout() -> None:
     for rank, out in enumerate(run_world(8, _two_models)):
-        assert out["a"] == (ParallelLayout(world_size=8, ep=4, etp=1).coords(rank)["ep"], 4)
-        assert out["b"] == (ParallelLayout(world_size=8, ep=2, etp=1).coords(rank)["ep"], 2)
+        assert out["a"] == (ParallelLayout(num_ranks=8, ep=4, expt_tp=1).coords(rank)["ep"], 4)
+        assert out["b"] == (ParallelLayout(num_ranks=8, ep=2, expt_tp=1).coords(rank)["ep"], 2)
         assert out["explicit"] == (rank, 8)
 
 

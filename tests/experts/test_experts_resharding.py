@@ -29,11 +29,11 @@ LOAD = {"files": load_rank_files, "dcp": load_distributed}
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 CHAIN = [
-    ParallelLayout(world_size=8, ep=4),  # dp 8, expert dp 2
-    ParallelLayout(world_size=4, ep=2),
-    ParallelLayout(world_size=2, ep=1),
-    ParallelLayout(world_size=8, pp=2, ep=4),  # expert dp 1
-    ParallelLayout(world_size=4, pp=1, ep=4),
+    ParallelLayout(num_ranks=8, ep=4),  # dp 8, expert dp 2
+    ParallelLayout(num_ranks=4, ep=2),
+    ParallelLayout(num_ranks=2, ep=1),
+    ParallelLayout(num_ranks=8, pp=2, ep=4),  # expert dp 1
+    ParallelLayout(num_ranks=4, pp=1, ep=4),
 ]
 
 
@@ -129,7 +129,7 @@ def test_expert_and_optimizer_state_reshard_across_ep_and_pp(
     previous: Path | None = None
     for step, layout in enumerate(CHAIN):
         directory = tmp_path / f"step{step}-ep{layout.ep}-pp{layout.pp}"
-        results = run_world(layout.world_size, _rank, layout, fmt, previous, directory)
+        results = run_world(layout.num_ranks, _rank, layout, fmt, previous, directory)
         _check_ranks(layout, results, oracle)
         _check_storage(fmt, directory, oracle, names)
         previous = directory

@@ -49,12 +49,12 @@ CONTRIBUTIONS = 8  # a gradient is the mean of this many parts, split over the d
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 
 CHAIN = [
-    ParallelLayout(world_size=8, ep=4),  # trains and saves: dense dp 8, expert dp 2
-    ParallelLayout(world_size=8, ep=2),  # expert dp 4
-    ParallelLayout(world_size=4, ep=2),  # dense dp 4, expert dp 2
-    ParallelLayout(world_size=8, ep=1),  # expert dp 8: every expert on every rank, cut 8 ways
-    ParallelLayout(world_size=8, pp=2, ep=4),  # two pipeline stages: dense dp 4, expert dp 1 (experts whole)
-    ParallelLayout(world_size=8, ep=4),  # back to the start
+    ParallelLayout(num_ranks=8, ep=4),  # trains and saves: dense dp 8, expert dp 2
+    ParallelLayout(num_ranks=8, ep=2),  # expert dp 4
+    ParallelLayout(num_ranks=4, ep=2),  # dense dp 4, expert dp 2
+    ParallelLayout(num_ranks=8, ep=1),  # expert dp 8: every expert on every rank, cut 8 ways
+    ParallelLayout(num_ranks=8, pp=2, ep=4),  # two pipeline stages: dense dp 4, expert dp 1 (experts whole)
+    ParallelLayout(num_ranks=8, ep=4),  # back to the start
 ]
 
 Whole = dict[str, dict[str, torch.Tensor]]
@@ -222,9 +222,9 @@ def test_sharded_adam_state_reshards_across_ep_and_pp(tmp_path: Path, oracle: li
     first_cuts: set[tuple[str, int, int]] = set()
     previous: Path | None = None
     for hop, layout in enumerate(CHAIN):
-        where = f"hop {hop}: world {layout.world_size}, EP {layout.ep}, PP {layout.pp}"
-        directory = tmp_path / f"hop{hop}-ws{layout.world_size}-ep{layout.ep}-pp{layout.pp}"
-        results = run_world(layout.world_size, _rank, layout, previous, directory)
+        where = f"hop {hop}: world {layout.num_ranks}, EP {layout.ep}, PP {layout.pp}"
+        directory = tmp_path / f"hop{hop}-ws{layout.num_ranks}-ep{layout.ep}-pp{layout.pp}"
+        results = run_world(layout.num_ranks, _rank, layout, previous, directory)
         _assert_equal(_tile([r["loaded"]["pieces"] for r in results], saved), saved, where)
         _assert_params(results, "loaded", saved, where)
         _assert_equal(_tile(_stored(directory), saved), saved, f"{where}, stored")
@@ -249,14 +249,14 @@ def _build(layout: ParallelLayout, *, sharded: bool) -> ChainedOptimizer:
 
 
 def _save_two_ranks(directory: Path) -> None:
-    layout = ParallelLayout(world_size=2, ep=2)
+    layout = ParallelLayout(num_ranks=2, ep=2)
     with pytest.raises(ValueError, match="child 0 is a MixedPrecisionOptimizer"):
         save_optimizer_shards(directory, _build(layout, sharded=False))
     save_optimizer_shards(directory, _build(layout, sharded=True))
 
 
 def _load_one_rank(complete: Path, incomplete: Path) -> None:
-    optimizer = _build(ParallelLayout(world_size=1, ep=1), sharded=True)
+    optimizer = _build(ParallelLayout(num_ranks=1, ep=1), sharded=True)
     with pytest.raises(ValueError, match="does not hold exactly one checkpoint"):
         load_optimizer_shards(incomplete, optimizer)
     # The plain state-dict loader refuses another layout's pieces, and says what to use instead.
@@ -275,7 +275,7 @@ def test_optimizer_shard_files_refuse_what_they_cannot_load(tmp_path: Path) -> N
 
 
 def _load_shards_from(directories: list[Path]) -> str:
-    optimizer = _build(ParallelLayout(world_size=2, ep=2), sharded=True)
+    optimizer = _build(ParallelLayout(num_ranks=2, ep=2), sharded=True)
     try:
         load_optimizer_shards(directories[dist.get_rank()], optimizer)
     except ValueError as exc:

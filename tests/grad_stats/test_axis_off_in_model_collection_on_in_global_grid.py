@@ -37,8 +37,8 @@ from pgregistry.params import mark_expert
 from pgregistry.testing import run_world
 
 WORLD = 4
-GLOBAL = ParallelLayout(world_size=WORLD, tp=2, gtp_remat=2)
-MODEL = ParallelLayout(world_size=WORLD)
+GLOBAL = ParallelLayout(num_ranks=WORLD, tp=2, gtp_remat=2)
+MODEL = ParallelLayout(num_ranks=WORLD)
 DENSE_GRAD = [1.0, 2.0, 2.0]
 EXPERT_GRAD = [4.0, 0.0, 0.0, 0.0]
 ORACLE = math.sqrt(sum(x * x for x in DENSE_GRAD + EXPERT_GRAD))

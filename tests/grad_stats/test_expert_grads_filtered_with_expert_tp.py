@@ -35,7 +35,7 @@ def _main_copy(param: torch.nn.Parameter, *, keep_roles: bool) -> torch.nn.Param
 
 
 def _on_rank(world: int) -> dict[str, Any]:
-    collection = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1))
+    collection = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1))
     model = dense_and_expert()
     dense, expert = model.dense, model.experts.weight
     # Mixed-precision main params: fp32 copies with the roles copied, and copies that lost them.

@@ -26,17 +26,17 @@ from pgregistry.testing_models import local_model, set_grads
 WORLD = 8
 LAYOUTS: dict[str, dict[str, Any]] = {
     "DP8": {},
-    "TP2-EP4-ETP1": {"tp": 2, "ep": 4, "etp": 1},
+    "TP2-EP4-ETP1": {"tp": 2, "ep": 4, "expt_tp": 1},
     "TP2-CP2-PP2": {"tp": 2, "cp": 2, "pp": 2},
-    "TP4-EP2-ETP2": {"tp": 4, "ep": 2, "etp": 2},
+    "TP4-EP2-ETP2": {"tp": 4, "ep": 2, "expt_tp": 2},
     "TP2-GTP2-EP2": {"tp": 2, "gtp_remat": 2, "ep": 2},
     "TP2-GTP2-EP2-EGTP2": {"tp": 2, "gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2},
-    "PP2-EP4-ETP1": {"pp": 2, "ep": 4, "etp": 1},
-    "TP2-PP2-EP2-ETP2": {"tp": 2, "pp": 2, "ep": 2, "etp": 2},
-    "TP2-CP2-EP4-ETP1": {"tp": 2, "cp": 2, "ep": 4, "etp": 1},
+    "PP2-EP4-ETP1": {"pp": 2, "ep": 4, "expt_tp": 1},
+    "TP2-PP2-EP2-ETP2": {"tp": 2, "pp": 2, "ep": 2, "expt_tp": 2},
+    "TP2-CP2-EP4-ETP1": {"tp": 2, "cp": 2, "ep": 4, "expt_tp": 1},
     "GTP2-PP2-EP2-EGTP2": {"gtp_remat": 2, "pp": 2, "ep": 2, "expt_gtp_remat": 2},
-    "EP8-ETP1": {"ep": 8, "etp": 1},
-    "TP2-EP2-ETP1-order-tp-dp-ep-cp-pp": {"tp": 2, "ep": 2, "etp": 1, "order": "tp-dp-ep-cp-pp"},
+    "EP8-ETP1": {"ep": 8, "expt_tp": 1},
+    "TP2-EP2-ETP1-order-tp-dp-ep-cp-pp": {"tp": 2, "ep": 2, "expt_tp": 1, "order": "tp-dp-ep-cp-pp"},
 }
 
 REL = 1e-6
@@ -77,7 +77,7 @@ def _on_rank(layout: ParallelLayout, max_norm: float) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_unsharded_oracle(name: str) -> None:
-    layout = ParallelLayout(world_size=WORLD, **LAYOUTS[name])
+    layout = ParallelLayout(num_ranks=WORLD, **LAYOUTS[name])
     grads = full_grads("random")
     norm2 = oracle_norm(grads, 2.0)
     max_norm = norm2 / 3

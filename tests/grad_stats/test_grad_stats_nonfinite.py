@@ -29,7 +29,7 @@ def _grads(rank: int) -> list[torch.Tensor]:
 
 
 def _stage(poison: float | None) -> tuple[nn.Module, ProcessGroupCollection]:
-    pgc = registry.build(ParallelLayout(world_size=2, pp=2))
+    pgc = registry.build(ParallelLayout(num_ranks=2, pp=2))
     stage = nn.Linear(3, 2)
     for param, grad in zip(stage.parameters(), _grads(dist.get_rank()), strict=True):
         param.grad = grad.clone()

@@ -85,7 +85,7 @@ def test_dp_cp_defaults_to_dp_only_when_cp_is_known_off() -> None:
 def _on_rank() -> dict[str, Any]:
     forget_fallback_warnings()
     out: dict[str, Any] = {}
-    cp_collection = registry.build(ParallelLayout(world_size=4, cp=2, tp=2), name="cp")
+    cp_collection = registry.build(ParallelLayout(num_ranks=4, cp=2, tp=2), name="cp")
     out["cp_unset_dp_cp"] = _message(
         lambda: setup_process_groups_for_optimizer(cp_collection.evolve(dp_cp=UNSET))
     )
@@ -94,7 +94,7 @@ def _on_rank() -> dict[str, Any]:
         getattr(groups, name) is cp_collection.get(name)
         for name in ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "mp", "tp_ep_pp", "intra_dist_opt")
     )
-    dp_collection = registry.build(ParallelLayout(world_size=4), name="dp")
+    dp_collection = registry.build(ParallelLayout(num_ranks=4), name="dp")
     out["instances"] = _message(
         lambda: setup_process_groups_for_optimizer(
             dp_collection.evolve(inter_dist_opt=dp_collection.dp, intra_dp_cp=UNSET, intra_expt_dp=UNSET)
@@ -110,7 +110,7 @@ def _on_rank() -> dict[str, Any]:
             out["no_grid"] = str(exc)
 
     forget_fallback_warnings()
-    grid = initialize_global_grid(ParallelLayout(world_size=4, tp=2))
+    grid = initialize_global_grid(ParallelLayout(num_ranks=4, tp=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         groups = setup_process_groups_for_optimizer()

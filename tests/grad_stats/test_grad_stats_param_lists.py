@@ -78,7 +78,7 @@ def _forms(model: nn.Module) -> dict[str, Callable[[], Any]]:
 
 
 def _on_rank() -> dict[str, Any]:
-    collection = registry.build(ParallelLayout(world_size=EP, ep=EP, etp=1))
+    collection = registry.build(ParallelLayout(num_ranks=EP, ep=EP, expt_tp=1))
     rank = torch.distributed.get_rank()
     out: dict[str, Any] = {"unclassified": {}, "norms": {}}
     unclassified = _model(rank, classify=False)

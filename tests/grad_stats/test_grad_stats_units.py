@@ -52,7 +52,7 @@ def _param(*, allreduce: bool | None = None, tp_sharded: bool = False, gtp_shard
 
 def _rules_on_rank() -> dict[str, Any]:
     """Each rule with a 2-rank group G on one axis and the other axis off; rank 1 exercises the non-zero ranks."""
-    group = registry.build(ParallelLayout(world_size=2, tp=2)).tp
+    group = registry.build(ParallelLayout(num_ranks=2, tp=2)).tp
 
     def on(tp: Any, expt_tp: Any) -> ProcessGroupCollection:
         return ProcessGroupCollection(tp=tp, expt_tp=expt_tp, gtp_remat=tp, expt_gtp_remat=expt_tp)
@@ -182,7 +182,7 @@ def test_norm_type_must_be_positive(bad: float) -> None:
 def _two_groups_in_either_order(rank: int) -> float:
     """Ranks pass the two groups in insertion orders that would wait in a cycle if reduced as given: rank 0 waits
     for 1 on tp, 1 for 3 on dp, 3 for 2 on tp, 2 for 0 on dp."""
-    collection = registry.build(ParallelLayout(world_size=4, tp=2))
+    collection = registry.build(ParallelLayout(num_ranks=4, tp=2))
     tp_share = [torch.full((1,), float(rank + 1))]
     dp_share = [torch.full((1,), 10.0 * (rank + 1))]
     items = [(collection.tp, tp_share), (collection.dp, dp_share)]
@@ -265,7 +265,7 @@ def test_the_normaliser_accepts_models_chunks_mappings_and_tensors() -> None:
 
 
 def _audit_with_extra_param_on_rank_1() -> str:
-    collection = registry.build(ParallelLayout(world_size=2))
+    collection = registry.build(ParallelLayout(num_ranks=2))
     params = {"w": nn.Parameter(torch.zeros(3))}
     if torch.distributed.get_rank() == 1:
         params["extra"] = nn.Parameter(torch.zeros(1))

@@ -78,7 +78,7 @@ def _build(roles: dict[str, Callable[[nn.Parameter], Any] | None], with_grads: t
 
 
 def _on_rank() -> dict[str, Any]:
-    collection = registry.build(ParallelLayout(world_size=EP, ep=EP, etp=1))
+    collection = registry.build(ParallelLayout(num_ranks=EP, ep=EP, expt_tp=1))
     out: dict[str, Any] = {}
 
     correct = _build(

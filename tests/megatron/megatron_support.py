@@ -62,10 +62,10 @@ def megatron_kwargs(sizes: Mapping[str, Any]) -> dict[str, Any]:
     pgregistry.interop, so the parity tests do not take the mapping they check from the code under test."""
     names = {
         "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
-        "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size", "gtp_remat": "gtp_remat_size",
+        "ep": "expert_model_parallel_size", "expt_tp": "expert_tensor_parallel_size", "gtp_remat": "gtp_remat_size",
         "expt_gtp_remat": "expert_gtp_remat_size", "order": "order",
     }
-    return {names[key]: value for key, value in sizes.items() if key != "world_size"}
+    return {names[key]: value for key, value in sizes.items() if key != "num_ranks"}
 
 
 @contextmanager

@@ -20,13 +20,13 @@ from pgregistry.interop.megatron import from_megatron, megatron_config_kwargs, t
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
-SIZES = {"tp": 2, "ep": 2, "etp": 1}
+SIZES = {"tp": 2, "ep": 2, "expt_tp": 1}
 GTP_FIELDS = ("gtp_remat", "expt_gtp_remat", "tp_ep_pp_with_egtp_remat", "dp_cp_gtp_remat", "expt_dp_gtp_remat")
 
 
 def _on_rank() -> dict[str, Any]:
     names = megatron_fields()
-    layout = ParallelLayout(world_size=dist.get_world_size(), **SIZES)
+    layout = ParallelLayout(num_ranks=dist.get_world_size(), **SIZES)
     with megatron_initialize(SIZES) as mc:
         theirs = describe_groups(mc, names)
         adopted = from_megatron(mc)
@@ -36,9 +36,9 @@ def _on_rank() -> dict[str, Any]:
     ours = describe_groups(to_megatron(pg), names)  # off axes as the build's one-rank group, as Megatron-Core has
     out["parity_wrong"] = [n for n, r in ours.items() if r != theirs[n]]
     out["to_megatron_fields"] = sorted(vars(to_megatron(pg)))
-    gtp = registry.build(ParallelLayout(world_size=dist.get_world_size(), tp=2, gtp_remat=2))
+    gtp = registry.build(ParallelLayout(num_ranks=dist.get_world_size(), tp=2, gtp_remat=2))
     out["gtp_refused"] = error_of(lambda: to_megatron(gtp))
-    out["gtp_config_refused"] = error_of(lambda: megatron_config_kwargs(ParallelLayout(world_size=4, gtp_remat=2)))
+    out["gtp_config_refused"] = error_of(lambda: megatron_config_kwargs(ParallelLayout(num_ranks=4, gtp_remat=2)))
     registry.destroy()
     return out
 

@@ -33,9 +33,9 @@ from pgregistry.testing import run_world  # noqa: E402
 
 NUM_EXPERTS = 4
 LAYOUTS: dict[str, dict[str, int]] = {
-    "tp2-ep2-etp1": {"tp": 2, "ep": 2, "etp": 1},
-    "tp2-ep2-etp2": {"tp": 2, "ep": 2, "etp": 2},
-    "ep4-etp1": {"ep": 4, "etp": 1},
+    "tp2-ep2-etp1": {"tp": 2, "ep": 2, "expt_tp": 1},
+    "tp2-ep2-etp2": {"tp": 2, "ep": 2, "expt_tp": 2},
+    "ep4-etp1": {"ep": 4, "expt_tp": 1},
 }
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
@@ -61,13 +61,13 @@ def _model(layout: ParallelLayout) -> tuple[GPTModel, Any]:
 
 
 def _unsharded_on_rank() -> dict[str, int]:
-    model, _ = _model(ParallelLayout(world_size=1))
+    model, _ = _model(ParallelLayout(num_ranks=1))
     registry.destroy()
     return {name: param.numel() for name, param in model.named_parameters()}
 
 
 def _stats_on_rank(layout_sizes: dict[str, int]) -> dict[str, Any]:
-    layout = ParallelLayout(world_size=torch.distributed.get_world_size(), **layout_sizes)
+    layout = ParallelLayout(num_ranks=torch.distributed.get_world_size(), **layout_sizes)
     model, pg = _model(layout)
     local_experts = NUM_EXPERTS // group_size(pg.get("ep"))
     first_expert = group_rank(pg.get("ep")) * local_experts

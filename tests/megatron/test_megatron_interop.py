@@ -33,7 +33,7 @@ from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
 WORLD = 4
-SIZES: dict[str, Any] = {"tp": 2, "ep": 2, "etp": 1}
+SIZES: dict[str, Any] = {"tp": 2, "ep": 2, "expt_tp": 1}
 
 
 def _as_megatron_reads(mine: ProcessGroupCollection, name: str) -> Any:
@@ -62,7 +62,7 @@ def _same_communicators(mine: ProcessGroupCollection, theirs: Any) -> list[str]:
 
 
 def _to_megatron_checks() -> dict[str, Any]:
-    layout = ParallelLayout(world_size=WORLD, **SIZES)
+    layout = ParallelLayout(num_ranks=WORLD, **SIZES)
     pg = registry.build(layout)
     created = registry.communicators_created()
     mc = to_megatron(pg)  # a default build: off axes go to Megatron-Core as the build's one-rank group
@@ -87,7 +87,7 @@ def _from_megatron_checks() -> dict[str, Any]:
     with megatron_initialize(SIZES) as mc:
         pg = from_megatron(mc)
         before = registry.communicators_created()
-        rebuilt = registry.build(ParallelLayout(world_size=WORLD, **SIZES))
+        rebuilt = registry.build(ParallelLayout(num_ranks=WORLD, **SIZES))
         out = {
             "differs": _same_communicators(pg, mc),
             "back": _same_communicators(pg, to_megatron(pg)),
@@ -115,7 +115,7 @@ def _from_megatron_checks() -> dict[str, Any]:
 
 
 def _config_checks() -> dict[str, str]:
-    pg = registry.build(ParallelLayout(world_size=WORLD, **SIZES))
+    pg = registry.build(ParallelLayout(num_ranks=WORLD, **SIZES))
     base = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "num_moe_experts": 4, "add_bias_linear": False}
     out = {
         "agrees": error_of(lambda: check_config(TransformerConfig(**base, tensor_model_parallel_size=2,
@@ -200,20 +200,20 @@ def test_none_is_allowed_only_where_megatron_reads_it_as_not_used() -> None:
 @pytest.mark.parametrize(
     "sizes",
     [
-        {"tp": 2, "ep": 2, "etp": 1},
+        {"tp": 2, "ep": 2, "expt_tp": 1},
         {"pp": 2, "cp": 2, "gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2, "order": "tp-cp-ep-pp-dp"},
     ],
 )
 def test_layout_sizes_under_megatrons_names(sizes: dict[str, Any]) -> None:
-    layout = ParallelLayout(world_size=16, **sizes)
-    full = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": layout.etp, "gtp_remat": 1, "expt_gtp_remat": 1,
+    layout = ParallelLayout(num_ranks=16, **sizes)
+    full = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "expt_tp": layout.expt_tp, "gtp_remat": 1, "expt_gtp_remat": 1,
             "order": layout.order, **sizes}
     assert megatron_initialize_kwargs(layout) == megatron_kwargs(full)
     config = TransformerConfig(
         num_layers=2, hidden_size=8, num_attention_heads=2, num_moe_experts=4, add_bias_linear=False,
         pipeline_dtype=torch.float32, **megatron_config_kwargs(layout),
     )
-    assert config.tensor_model_parallel_size == layout.tp and config.expert_tensor_parallel_size == layout.etp
+    assert config.tensor_model_parallel_size == layout.tp and config.expert_tensor_parallel_size == layout.expt_tp
     assert (config.gtp_weight_remat_size, config.expert_gtp_weight_remat_size) == (
         layout.gtp_remat, layout.expt_gtp_remat,
     )

@@ -34,12 +34,12 @@ WORLD = 8
 GLOO_LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2-gtp2-ep2-egtp2": {"tp": 2, "gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2},
     "tp2-pp2-cp2": {"tp": 2, "pp": 2, "cp": 2},
-    "tp2-ep4-etp1-pp2": {"tp": 2, "ep": 4, "etp": 1, "pp": 2},
+    "tp2-ep4-etp1-pp2": {"tp": 2, "ep": 4, "expt_tp": 1, "pp": 2},
     "tp2-pp2-order-tp-pp-dp": {"tp": 2, "pp": 2, "order": "tp-pp-dp"},
-    "cp2-gtp2-ep4-etp1-order-pp-before-dp": {"cp": 2, "gtp_remat": 2, "ep": 4, "etp": 1, "order": "tp-cp-ep-pp-dp"},
-    "gtp2-pp2-ep2-etp2-egtp2": {"gtp_remat": 2, "pp": 2, "ep": 2, "etp": 2},
-    "tp4-ep2-etp1-egtp2": {"tp": 4, "ep": 2, "etp": 1, "expt_gtp_remat": 2},
-    "ep8-etp1": {"ep": 8, "etp": 1},
+    "cp2-gtp2-ep4-etp1-order-pp-before-dp": {"cp": 2, "gtp_remat": 2, "ep": 4, "expt_tp": 1, "order": "tp-cp-ep-pp-dp"},
+    "gtp2-pp2-ep2-etp2-egtp2": {"gtp_remat": 2, "pp": 2, "ep": 2, "expt_tp": 2},
+    "tp4-ep2-etp1-egtp2": {"tp": 4, "ep": 2, "expt_tp": 1, "expt_gtp_remat": 2},
+    "ep8-etp1": {"ep": 8, "expt_tp": 1},
 }
 
 
@@ -82,7 +82,7 @@ def _both_on_this_rank(sizes: dict[str, Any], tag: str) -> list[str]:
     names = megatron_fields()
     with megatron_initialize(sizes) as theirs:
         megatron_ranks = describe_groups(theirs, names)
-    layout = ParallelLayout(world_size=dist.get_world_size(), **sizes)
+    layout = ParallelLayout(num_ranks=dist.get_world_size(), **sizes)
     # Destroyed right after: the fake-backend sweep runs in the test process, whose state forked worlds of other
     # tests inherit.
     try:
@@ -122,7 +122,7 @@ def _outcome_on_fake_rank(sizes: dict[str, Any], world: int, rank: int) -> str |
             # out "tp" (a substring test finds "tp" inside "gtp_remat"), which pgregistry accepts for tp = 1.
             return "megatron refuses"
         try:
-            ParallelLayout(world_size=world, **sizes)
+            ParallelLayout(num_ranks=world, **sizes)
         except ValueError as ours:
             return [f"pgregistry refuses what Megatron-Core accepts: {ours}"]
         return _both_on_this_rank(sizes, "sweep")
@@ -143,7 +143,7 @@ def sweep_case(draw: st.DrawFn) -> tuple[dict[str, Any], int, list[int]]:
     etp = draw(st.sampled_from(_divisors(per_stage // ep)))
     egtp = draw(st.sampled_from([d for d in _divisors(per_stage // (ep * etp)) if d <= 3]))
     sizes: dict[str, Any] = {
-        "tp": tp, "cp": cp, "pp": pp, "gtp_remat": gtp, "ep": ep, "etp": etp, "expt_gtp_remat": egtp,
+        "tp": tp, "cp": cp, "pp": pp, "gtp_remat": gtp, "ep": ep, "expt_tp": etp, "expt_gtp_remat": egtp,
     }
     tokens = draw(st.permutations(["tp", "cp", "ep", "dp", "pp"]))
     # Megatron-Core appends size-1 axes left out of the order (all but "tp", whose omission it crashes on).
@@ -167,7 +167,7 @@ def test_sweep_matches_megatron_initialize_model_parallel(case: tuple[dict[str, 
 
 def test_every_order_matches_megatron() -> None:
     # Exhaustive over the 120 orders at one mixed layout (two ranks each); the sweep samples, this enumerates.
-    sizes = {"tp": 2, "cp": 2, "pp": 2, "ep": 2, "etp": 1}
+    sizes = {"tp": 2, "cp": 2, "pp": 2, "ep": 2, "expt_tp": 1}
     for index, tokens in enumerate(itertools.permutations(["tp", "cp", "ep", "dp", "pp"])):
         case = {**sizes, "order": "-".join(tokens)}
         for rank in (index % 16, 15 - index % 16):
@@ -182,7 +182,7 @@ def test_every_order_matches_megatron() -> None:
 def test_megatron_refusals_are_value_errors_here(sizes: dict[str, Any]) -> None:
     assert _outcome_on_fake_rank(sizes, 8, 0) == "megatron refuses"
     with pytest.raises(ValueError):
-        ParallelLayout(world_size=8, **sizes)
+        ParallelLayout(num_ranks=8, **sizes)
 
 
 @pytest.mark.parametrize(

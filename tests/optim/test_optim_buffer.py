@@ -86,15 +86,15 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "name,sizes",
     [
-        ("TP2-EP4-ETP1", {"tp": 2, "ep": 4, "etp": 1}),
-        ("TP2-EP2-ETP2", {"tp": 2, "ep": 2, "etp": 2}),
-        ("TP2-PP2-EP2-ETP1", {"tp": 2, "pp": 2, "ep": 2, "etp": 1}),
+        ("TP2-EP4-ETP1", {"tp": 2, "ep": 4, "expt_tp": 1}),
+        ("TP2-EP2-ETP2", {"tp": 2, "ep": 2, "expt_tp": 2}),
+        ("TP2-PP2-EP2-ETP1", {"tp": 2, "pp": 2, "ep": 2, "expt_tp": 1}),
     ],
 )
 def test_buffer_layout_and_statistics(name: str, sizes: dict[str, int]) -> None:
     grads = full_grads("random")
     want = (oracle_norm(grads, 2.0), oracle_norm(grads, math.inf), oracle_zeros(grads))
-    for rank, out in enumerate(run_world(4, _on_rank, ParallelLayout(world_size=4, **sizes))):
+    for rank, out in enumerate(run_world(4, _on_rank, ParallelLayout(num_ranks=4, **sizes))):
         where = f"{name} rank {rank}"
         for check in ("same_storage", "views_at_offsets", "one_span_per_class", "spans_disjoint_aligned",
                       "params_in_their_span", "spans_cover_params"):

@@ -75,7 +75,7 @@ def test_uses_the_attached_collection_without_falling_back() -> None:
 
 
 def _wiring(sharded: bool) -> dict[str, Any]:
-    collection = registry.build(ParallelLayout(world_size=dist.get_world_size(), tp=2, ep=2, etp=1, cp=1))
+    collection = registry.build(ParallelLayout(num_ranks=dist.get_world_size(), tp=2, ep=2, expt_tp=1, cp=1))
     model = _moe()
     model.to(torch.bfloat16)
     opt = build_optimizer(model, collection, sharded=sharded)
@@ -121,7 +121,7 @@ def test_splits_dense_and_expert_parameters_and_wires_their_groups(sharded: bool
 
 
 def _unclassified() -> None:
-    collection = registry.build(ParallelLayout(world_size=2, ep=2))
+    collection = registry.build(ParallelLayout(num_ranks=2, ep=2))
     build_optimizer(_moe(classify_lora=False), collection)
 
 

@@ -200,7 +200,7 @@ def test_flat_load_refuses_state_it_cannot_hold() -> None:
 
 
 def _sharded_on_rank(rule: str) -> dict[str, Any]:
-    collection = registry.build(ParallelLayout(world_size=2))
+    collection = registry.build(ParallelLayout(num_ranks=2))
     params = _params([torch.bfloat16])
     opt = ShardedOptimizer(params, setup_process_groups_for_optimizer(
         collection, use_distributed_optimizer=True

@@ -27,9 +27,9 @@ from pgregistry.testing_models import EXPERT, local_model, set_main_grads, shard
 WORLD = 4
 LAYOUTS: dict[str, dict[str, Any]] = {
     "DP4": {},
-    "TP2-EP2-ETP1": {"tp": 2, "ep": 2, "etp": 1},  # mp and the expert stats group hold the same ranks: shared
-    "TP2-EP4-ETP1": {"tp": 2, "ep": 4, "etp": 1},
-    "TP2-EP2-ETP2": {"tp": 2, "ep": 2, "etp": 2},
+    "TP2-EP2-ETP1": {"tp": 2, "ep": 2, "expt_tp": 1},  # mp and the expert stats group hold the same ranks: shared
+    "TP2-EP4-ETP1": {"tp": 2, "ep": 4, "expt_tp": 1},
+    "TP2-EP2-ETP2": {"tp": 2, "ep": 2, "expt_tp": 2},
     "PP2-EP2": {"pp": 2, "ep": 2},  # the first stage holds no expert: an empty expert child joins the reduction
     "GTP2-EP2-EGTP2": {"gtp_remat": 2, "ep": 2, "expt_gtp_remat": 2},
 }
@@ -96,7 +96,7 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_chained_statistics_match_the_unsharded_oracle(name: str) -> None:
-    layout = ParallelLayout(world_size=WORLD, **LAYOUTS[name])
+    layout = ParallelLayout(num_ranks=WORLD, **LAYOUTS[name])
     grads = full_grads("random")
     want_norm, want_inf, want_zeros = oracle_norm(grads, 2.0), oracle_norm(grads, math.inf), oracle_zeros(grads)
     numel = oracle_numel()

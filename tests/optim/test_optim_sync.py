@@ -78,12 +78,12 @@ def _on_rank(layout: ParallelLayout, bucket_numel: int | None) -> dict[str, Any]
 
 @pytest.mark.parametrize(
     "world,sizes,bucket_numel",
-    [(4, {"cp": 2, "ep": 2}, None), (8, {"tp": 2, "ep": 4, "etp": 1}, 7), (4, {"ep": 4}, 16)],
+    [(4, {"cp": 2, "ep": 2}, None), (8, {"tp": 2, "ep": 4, "expt_tp": 1}, 7), (4, {"ep": 4}, 16)],
 )
 def test_dense_grads_averaged_over_dp_cp_and_expert_grads_over_expt_dp(
     world: int, sizes: dict[str, int], bucket_numel: int | None
 ) -> None:
-    layout = ParallelLayout(world_size=world, **sizes)
+    layout = ParallelLayout(num_ranks=world, **sizes)
     dp_cp_size = layout.dp * layout.cp
     results = run_world(world, _on_rank, layout, bucket_numel)
     for rank, result in enumerate(results):

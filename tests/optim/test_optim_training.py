@@ -23,7 +23,7 @@ from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.testing import run_world
 
-LAYOUT = ParallelLayout(world_size=8, tp=2, ep=4, etp=1)
+LAYOUT = ParallelLayout(num_ranks=8, tp=2, ep=4, expt_tp=1)
 CONFIG = ToyMoEConfig(num_layers=1, seed=7)
 STEPS, LR, MAX_NORM = 3, 0.02, 0.5
 
@@ -116,7 +116,7 @@ def _on_rank() -> dict[str, Any]:
 def test_sharded_and_unsharded_training_match_the_float64_model() -> None:
     oracle = _reference("sgd")[1]
     assert all(n > MAX_NORM for n in oracle)  # clipping acts every step
-    results = run_world(LAYOUT.world_size, _on_rank, timeout=120.0)
+    results = run_world(LAYOUT.num_ranks, _on_rank, timeout=120.0)
     for rank, result in enumerate(results):
         for name in ("float64", "float64_sharded"):
             # Norms reduce in float32 (grad_stats), so float64 runs agree to float32 precision.

@@ -51,7 +51,7 @@ def _stats(collection: Any, sharded: bool) -> dict[str, Any]:
 
 def _on_rank() -> dict[str, Any]:
     world = dist.get_world_size()
-    collection = registry.build(ParallelLayout(world_size=world, tp=world, ep=world, etp=1))
+    collection = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1))
     out = {kind: _stats(collection, kind == "sharded") for kind in ("mixed_precision", "sharded")}
     # The bug, reproduced in this process: main copies without allreduce=False.
     pgregistry.optim.mixed_precision.copy_param_roles = _copy_roles_dropping_allreduce  # type: ignore[attr-defined]

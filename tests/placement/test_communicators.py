@@ -11,15 +11,15 @@ from pgregistry.communicators import communicators, communicators_per_rank, comp
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
 LAYOUTS = [
-    {"world_size": 16, "tp": 2, "pp": 2, "ep": 4, "etp": 1},
-    {"world_size": 16, "tp": 4},
-    {"world_size": 48, "tp": 2, "cp": 2, "pp": 2, "ep": 3, "etp": 1, "gtp_remat": 2, "expt_gtp_remat": 2},
+    {"num_ranks": 16, "tp": 2, "pp": 2, "ep": 4, "expt_tp": 1},
+    {"num_ranks": 16, "tp": 4},
+    {"num_ranks": 48, "tp": 2, "cp": 2, "pp": 2, "ep": 3, "expt_tp": 1, "gtp_remat": 2, "expt_gtp_remat": 2},
 ]
 
 
 def _from_rank_views(layout: ParallelLayout) -> dict[tuple[int, ...], set[str]]:
     out: dict[tuple[int, ...], set[str]] = defaultdict(set)
-    for rank in range(layout.world_size):
+    for rank in range(layout.num_ranks):
         for kind, group in layout.groups_of(rank).items():
             if group is not None and len(group) > 1:
                 out[tuple(sorted(group))].add(kind)
@@ -34,13 +34,13 @@ def test_communicators_match_every_ranks_view(sizes: dict[str, object]) -> None:
     assert {ranks: set(kinds) for ranks, kinds in comms.items()} == expected
     for kinds in comms.values():
         assert list(kinds) == sorted(kinds, key=GROUP_KINDS.index)
-    counts = communicators_per_rank(comms, layout.world_size)
-    assert counts == [sum(rank in ranks for ranks in expected) for rank in range(layout.world_size)]
+    counts = communicators_per_rank(comms, layout.num_ranks)
+    assert counts == [sum(rank in ranks for ranks in expected) for rank in range(layout.num_ranks)]
 
 
 def test_kinds_naming_the_same_ranks_share_one_communicator() -> None:
     # cp and GTP off and etp == tp: dp, dp_cp, expt_dp and their GTP-spanning kinds are the same rank sets.
-    comms = communicators(ParallelLayout(world_size=8, tp=2))
+    comms = communicators(ParallelLayout(num_ranks=8, tp=2))
     assert comms[(0, 2, 4, 6)] == ("dp", "dp_cp", "dp_cp_gtp_remat", "expt_dp", "expt_dp_gtp_remat")
 
 
@@ -72,4 +72,4 @@ def test_policy_and_reference_share_the_blocks_of_four() -> None:
 
 def test_compare_refuses_different_worlds() -> None:
     with pytest.raises(ValueError, match="different world sizes \\(16 and 8\\)"):
-        compare_layouts(ParallelLayout(world_size=16), ParallelLayout(world_size=8))
+        compare_layouts(ParallelLayout(num_ranks=16), ParallelLayout(num_ranks=8))

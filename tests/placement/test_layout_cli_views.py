@@ -13,7 +13,7 @@ import pytest
 from pgregistry.cli import main
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
-_CROSSING_TP = ["layout", "--world-size", "16", "--tp", "2", "--order", "dp-tp-cp-ep-pp"]
+_CROSSING_TP = ["layout", "--num-ranks", "16", "--tp", "2", "--order", "dp-tp-cp-ep-pp"]
 
 
 def _spans(layout: ParallelLayout, kind: str, gpus_per_node: int) -> list[int]:
@@ -23,7 +23,7 @@ def _spans(layout: ParallelLayout, kind: str, gpus_per_node: int) -> list[int]:
 def test_placement_table_and_warning(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*_CROSSING_TP, "--gpus-per-node", "8"]) == 0  # a warning, not a failure, without --check
     out, err = capsys.readouterr()
-    layout = ParallelLayout(world_size=16, tp=2, order="dp-tp-cp-ep-pp")
+    layout = ParallelLayout(num_ranks=16, tp=2, order="dp-tp-cp-ep-pp")
     table = out.split("\nplacement: ")[1]
     assert table.startswith("2 nodes of 8 GPUs (rank r on node r // 8); each rank joins 3 communicators;")
     rows = {m[0]: m[1:] for m in re.findall(r"^(\w+) +(\d+) +(\d+) +([\d-]+)  (.+)$", table, flags=re.M)}
@@ -40,15 +40,15 @@ def test_placement_table_and_warning(capsys: pytest.CaptureFixture[str]) -> None
 def test_check_exits_1_only_when_an_intra_node_kind_crosses(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*_CROSSING_TP, "--gpus-per-node", "8", "--check"]) == 1
     assert main([*_CROSSING_TP, "--gpus-per-node", "16", "--check"]) == 0  # one node holds everything
-    assert main(["layout", "--world-size", "16", "--tp", "2", "--gpus-per-node", "8", "--check"]) == 0
+    assert main(["layout", "--num-ranks", "16", "--tp", "2", "--gpus-per-node", "8", "--check"]) == 0
     assert main([*_CROSSING_TP, "--gpus-per-node", "8", "--check", "--intra-node", "cp"]) == 0
-    assert main(["layout", "--world-size", "16", "--ep", "4", "--gpus-per-node", "2", "--check",
+    assert main(["layout", "--num-ranks", "16", "--ep", "4", "--gpus-per-node", "2", "--check",
                  "--intra-node", "ep"]) == 1
     capsys.readouterr()
 
 
 def test_json_placement_matches_node_membership(capsys: pytest.CaptureFixture[str]) -> None:
-    sizes = {"world_size": 32, "tp": 4, "cp": 2, "pp": 2, "ep": 2, "etp": 2}
+    sizes = {"num_ranks": 32, "tp": 4, "cp": 2, "pp": 2, "ep": 2, "expt_tp": 2}
     argv = ["layout", "--json", "--gpus-per-node", "4"]
     for key, value in sizes.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -81,7 +81,7 @@ def test_svg_and_html_are_written(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_compare_lists_the_shared_communicators(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     svg = tmp_path / "compare.svg"
-    argv = ["layout", "--world-size", "16", "--compare", "policy:tp=2,pp=2,ep=4,etp=1", "reference:tp=4",
+    argv = ["layout", "--num-ranks", "16", "--compare", "policy:tp=2,pp=2,ep=4,expt_tp=1", "reference:tp=4",
             "--gpus-per-node", "8", "--svg", str(svg)]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -104,12 +104,12 @@ def test_compare_lists_the_shared_communicators(tmp_path: Path, capsys: pytest.C
     [
         (["--svg", "x.svg"], "--svg needs --gpus-per-node"),
         (["--check"], "--check needs --gpus-per-node"),
-        (["--gpus-per-node", "3"], "world_size 16 is not a multiple of gpus_per_node 3"),
+        (["--gpus-per-node", "3"], "num_ranks 16 is not a multiple of gpus_per_node 3"),
         (["--gpus-per-node", "8", "--intra-node", "tp,tensor"], "unknown group kind 'tensor' among intra-node"),
         (["--gpus-per-node", "8", "--highlight", "tp"], "--highlight chooses the panels of --svg/--html"),
         (["--gpus-per-node", "8", "--svg", "/nonexistent-dir/x.svg"], "cannot write /nonexistent-dir/x.svg"),
         (["--tp", "2", "--compare", "tp=2", "ep=2"], "--compare takes both layouts as specs; drop --tp"),
-        (["--compare", "a:tp=3", "b:"], "layout spec 'a:tp=3': world_size 16 is not divisible by tp"),
+        (["--compare", "a:tp=3", "b:"], "layout spec 'a:tp=3': num_ranks 16 is not divisible by tp"),
         (["--compare", "a:tq=2", "b:"], "layout spec 'a:tq=2': 'tq=2' is not KEY=VALUE"),
         (["--compare", "a:tp=x", "b:"], "layout spec 'a:tp=x': tp must be an integer, got 'x'"),
         (["--compare", "x:tp=2", "x:ep=2"], "both layouts are named 'x'"),
@@ -117,7 +117,7 @@ def test_compare_lists_the_shared_communicators(tmp_path: Path, capsys: pytest.C
     ],
 )
 def test_bad_input_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["layout", "--world-size", "16", *argv]) == 2
+    assert main(["layout", "--num-ranks", "16", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -151,7 +151,7 @@ def test_docs_example_picture_is_current(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_rank_view_names_its_node(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["layout", "--world-size", "16", "--tp", "2", "--rank", "13", "--gpus-per-node", "4"]) == 0
+    assert main(["layout", "--num-ranks", "16", "--tp", "2", "--rank", "13", "--gpus-per-node", "4"]) == 0
     assert "\nrank 13 (node 3): tp 1," in capsys.readouterr().out  # 13 // 4
-    assert main(["layout", "--world-size", "16", "--rank", "13", "--gpus-per-node", "8", "--json"]) == 0
+    assert main(["layout", "--num-ranks", "16", "--rank", "13", "--gpus-per-node", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rank"]["node"] == 1

@@ -42,15 +42,15 @@ def _dense_coords(layout: ParallelLayout, rank: int) -> dict[str, int]:
 
 
 def _expert_coords(layout: ParallelLayout, rank: int) -> dict[str, int]:
-    etp, ep = layout.etp, layout.ep
+    etp, ep = layout.expt_tp, layout.ep
     return {"ep": rank // etp % ep, "edp": rank // (etp * ep) % layout.expt_dp}
 
 
 CASES = [
-    ({"world_size": 8, "tp": 2, "ep": 2, "etp": 1}, 4),
-    ({"world_size": 16, "tp": 2, "pp": 2, "ep": 4, "etp": 1}, 8),
-    ({"world_size": 16, "tp": 2, "ep": 4, "etp": 1, "order": "dp-tp-cp-ep-pp"}, 8),
-    ({"world_size": 256, "tp": 4, "pp": 2, "ep": 8, "etp": 1}, 8),
+    ({"num_ranks": 8, "tp": 2, "ep": 2, "expt_tp": 1}, 4),
+    ({"num_ranks": 16, "tp": 2, "pp": 2, "ep": 4, "expt_tp": 1}, 8),
+    ({"num_ranks": 16, "tp": 2, "ep": 4, "expt_tp": 1, "order": "dp-tp-cp-ep-pp"}, 8),
+    ({"num_ranks": 256, "tp": 4, "pp": 2, "ep": 8, "expt_tp": 1}, 8),
 ]
 
 
@@ -75,7 +75,7 @@ def test_sheet_shows_the_placement(sizes: dict[str, object], gpus_per_node: int)
 
     (rank_map,) = _groups(root, "rank-map")
     nodes = _groups(rank_map, "node")
-    assert [int(node.get("data-node", -1)) for node in nodes] == list(range(layout.world_size // gpus_per_node))
+    assert [int(node.get("data-node", -1)) for node in nodes] == list(range(layout.num_ranks // gpus_per_node))
     seen = []
     for node in nodes:
         for cell in _groups(node, "rank"):
@@ -89,7 +89,7 @@ def test_sheet_shows_the_placement(sizes: dict[str, object], gpus_per_node: int)
                 assert _text(cell, "dense-coords") == "·".join(str(dense[axis]) for axis in shown)
                 expert = _expert_coords(layout, rank)
                 assert _text(cell, "expert-coords") == f"{expert['ep']}·{expert['edp']}"
-    assert seen == list(range(layout.world_size))
+    assert seen == list(range(layout.num_ranks))
 
     panels = {panel.get("data-kind"): panel for panel in _groups(root, "kind-panel")}
     assert list(panels) == [kind for kind in GROUP_KINDS if len(layout.groups(kind)[0]) > 1]
@@ -111,7 +111,7 @@ def test_sheet_shows_the_placement(sizes: dict[str, object], gpus_per_node: int)
 
 
 def test_large_worlds_are_summarised() -> None:
-    layout = ParallelLayout(world_size=1024, tp=2, pp=2, ep=4, etp=1)
+    layout = ParallelLayout(num_ranks=1024, tp=2, pp=2, ep=4, expt_tp=1)
     root = ET.fromstring(render_svg(place(layout, 8)))
     (rank_map,) = _groups(root, "rank-map")
     drawn = [int(cell.get("data-rank", -1)) for cell in _groups(rank_map, "rank")]
@@ -123,7 +123,7 @@ def test_large_worlds_are_summarised() -> None:
 
 
 def test_chosen_kinds_only_and_unknown_kinds_refused() -> None:
-    layout = ParallelLayout(world_size=16, tp=2, ep=4, etp=1)
+    layout = ParallelLayout(num_ranks=16, tp=2, ep=4, expt_tp=1)
     root = ET.fromstring(render_svg(place(layout, 8), kinds=["ep", "tp"]))
     assert [panel.get("data-kind") for panel in _groups(root, "kind-panel")] == ["ep", "tp"]
     with pytest.raises(ValueError, match="unknown group kind 'tensor'"):
@@ -154,7 +154,7 @@ class _Tags(HTMLParser):
 
 
 def test_html_page_is_valid_and_holds_the_same_picture() -> None:
-    layout = ParallelLayout(world_size=16, tp=2, ep=4, etp=1, order="dp-tp-cp-ep-pp")
+    layout = ParallelLayout(num_ranks=16, tp=2, ep=4, expt_tp=1, order="dp-tp-cp-ep-pp")
     svg = render_svg(place(layout, 8))
     html = svg_to_html(svg, "layout")
     assert html.startswith("<!DOCTYPE html>")
@@ -172,8 +172,8 @@ def test_html_page_is_valid_and_holds_the_same_picture() -> None:
 
 @pytest.mark.parametrize("gpus_per_node", [4, 8])
 def test_compare_sheet_marks_exactly_the_shared_communicators(gpus_per_node: int) -> None:
-    a = ParallelLayout(world_size=16, tp=2, pp=2, ep=4, etp=1)
-    b = ParallelLayout(world_size=16, tp=4)
+    a = ParallelLayout(num_ranks=16, tp=2, pp=2, ep=4, expt_tp=1)
+    b = ParallelLayout(num_ranks=16, tp=4)
     root = ET.fromstring(render_compare_svg(compare_layouts(a, b), gpus_per_node, ("policy", "reference")))
 
     def rank_sets(layout: ParallelLayout) -> set[tuple[int, ...]]:

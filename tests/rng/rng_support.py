@@ -18,7 +18,7 @@ def oracle_seeds(layout: ParallelLayout, rank: int, seed: int, dp_init: bool = F
     c = layout.coords(rank)
     base = seed + 100 * c["pp"] + (10 * c["dp"] if dp_init else 0)
     model = base + 2718 + c["tp"]
-    expert = base + 1024 + 100 * c["ep"] + c["etp"]
+    expert = base + 1024 + 100 * c["ep"] + c["expt_tp"]
     out = {DATA_PARALLEL_RNG: base, MODEL_PARALLEL_RNG: model, EXPERT_PARALLEL_RNG: expert}
     if layout.gtp_remat > 1:
         out[GTP_REMAT_RNG] = model + 65536 * (1 + c["gtp_remat"])

@@ -16,7 +16,7 @@ from pgregistry.layout import ParallelLayout
 from pgregistry.rng import RNGStatesTracker, check_seed_plan, model_parallel_manual_seed
 from pgregistry.testing import run_world
 
-_LAYOUT = ParallelLayout(world_size=4, tp=2, pp=2)
+_LAYOUT = ParallelLayout(num_ranks=4, tp=2, pp=2)
 # The largest seed of this layout is rank 3's model-parallel one, seed + 100 * pp_rank + 2718 + tp_rank
 # = seed + 2819: exactly 2**64 here, one past the range; every other seed of the plan is in range.
 _SEED = 2**64 - 2819
@@ -54,7 +54,7 @@ def test_a_pipeline_offset_past_the_range_is_flagged_not_raised() -> None:
 
 
 def test_cli_check_exits_1_naming_the_rank_and_tracker() -> None:
-    argv = ["seed-plan", "--world-size", "4", "--tp", "2", "--pp", "2", "--seed", str(_SEED), "--check"]
+    argv = ["seed-plan", "--num-ranks", "4", "--tp", "2", "--pp", "2", "--seed", str(_SEED), "--check"]
     done = subprocess.run([sys.executable, "-m", "pgregistry", *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.splitlines() == [

@@ -33,17 +33,17 @@ from pgregistry.rng import (
 )
 
 LAYOUTS = [
-    ParallelLayout(world_size=8, tp=2, ep=2),
-    ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1),
-    ParallelLayout(world_size=16, tp=2, cp=2, pp=2, ep=4, etp=1),
-    ParallelLayout(world_size=16, tp=2, gtp_remat=2, ep=2, expt_gtp_remat=2, etp=2),
-    ParallelLayout(world_size=12, tp=3, pp=2, ep=2, etp=1, order="tp-cp-ep-dp-pp"),
-    ParallelLayout(world_size=126, tp=7, ep=18, etp=1),
+    ParallelLayout(num_ranks=8, tp=2, ep=2),
+    ParallelLayout(num_ranks=8, tp=2, pp=2, ep=2, expt_tp=1),
+    ParallelLayout(num_ranks=16, tp=2, cp=2, pp=2, ep=4, expt_tp=1),
+    ParallelLayout(num_ranks=16, tp=2, gtp_remat=2, ep=2, expt_gtp_remat=2, expt_tp=2),
+    ParallelLayout(num_ranks=12, tp=3, pp=2, ep=2, expt_tp=1, order="tp-cp-ep-dp-pp"),
+    ParallelLayout(num_ranks=126, tp=7, ep=18, expt_tp=1),
 ]
 
 
 def test_megatron_example_seeds() -> None:
-    seeds = tracker_seeds(1234, tp_rank=1, ep_rank=2, etp_rank=0)
+    seeds = tracker_seeds(1234, tp_rank=1, ep_rank=2, expt_tp_rank=0)
     assert seeds == {DATA_PARALLEL_RNG: 1234, MODEL_PARALLEL_RNG: 3953, EXPERT_PARALLEL_RNG: 2458}
 
 
@@ -61,7 +61,7 @@ def test_gtp_trackers_only_when_their_axis_has_more_than_one_rank() -> None:
 @pytest.mark.parametrize("dp_init", [False, True])
 def test_seed_plan_matches_the_formulas(layout: ParallelLayout, dp_init: bool) -> None:
     plan = seed_plan(layout, 1234, data_parallel_random_init=dp_init)
-    assert list(plan) == list(range(layout.world_size))
+    assert list(plan) == list(range(layout.num_ranks))
     for rank, seeds in plan.items():
         assert seeds == oracle_seeds(layout, rank, 1234, dp_init)
 
@@ -69,18 +69,18 @@ def test_seed_plan_matches_the_formulas(layout: ParallelLayout, dp_init: bool) -
 _MUST_DIFFER = {
     DATA_PARALLEL_RNG: ("pp",),
     MODEL_PARALLEL_RNG: ("pp", "tp"),
-    EXPERT_PARALLEL_RNG: ("pp", "ep", "etp"),
+    EXPERT_PARALLEL_RNG: ("pp", "ep", "expt_tp"),
     GTP_REMAT_RNG: ("pp", "tp", "gtp_remat"),
-    EGTP_REMAT_RNG: ("pp", "ep", "etp", "expt_gtp_remat"),
+    EGTP_REMAT_RNG: ("pp", "ep", "expt_tp", "expt_gtp_remat"),
 }
 
 
 def _brute_force(layout: ParallelLayout, seed: int, dp_init: bool) -> tuple[set[Any], set[Any]]:
     """(tracker, seed) pairs shared by two ranks that must differ; (trackers, seed, rank) shared on one rank."""
-    seeds = {r: oracle_seeds(layout, r, seed, dp_init) for r in range(layout.world_size)}
-    coords = {r: layout.coords(r) for r in range(layout.world_size)}
+    seeds = {r: oracle_seeds(layout, r, seed, dp_init) for r in range(layout.num_ranks)}
+    coords = {r: layout.coords(r) for r in range(layout.num_ranks)}
     across = set()
-    for a, b in itertools.combinations(range(layout.world_size), 2):
+    for a, b in itertools.combinations(range(layout.num_ranks), 2):
         for tracker, axes in _MUST_DIFFER.items():
             axes = axes + (("dp",) if dp_init else ())
             if tracker not in seeds[a]:
@@ -114,7 +114,7 @@ def test_check_seed_plan_agrees_with_a_brute_force_scan(layout: ParallelLayout, 
 
 def test_pipeline_and_expert_offsets_collide_across_ranks() -> None:
     # 100 * pp_rank (caller) + 100 * ep_rank (expert formula): stage 1's expert 0 draws as stage 0's expert 1.
-    layout = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)
+    layout = ParallelLayout(num_ranks=8, tp=2, pp=2, ep=2, expt_tp=1)
     collisions = [c for c in check_seed_plan(layout, 1234) if c.kind == "across_ranks"]
     assert collisions
     for c in collisions:
@@ -124,12 +124,12 @@ def test_pipeline_and_expert_offsets_collide_across_ranks() -> None:
 
 
 def test_model_and_expert_seeds_collide_on_one_rank_with_megatron_offsets() -> None:
-    # Megatron-Core's offsets: 100 * ep + etp == 1694 + tp at tp=6, ep=17 (etp=0). tp=7, ep=18 (etp 1) contains that
-    # rank.
-    layout = ParallelLayout(world_size=126, tp=7, ep=18, etp=1)
+    # Megatron-Core's offsets: 100 * ep + expt_tp == 1694 + tp at tp=6, ep=17 (expt_tp=0). tp=7, ep=18 (expt_tp 1)
+    # contains that rank.
+    layout = ParallelLayout(num_ranks=126, tp=7, ep=18, expt_tp=1)
     expected = {
-        r for r in range(layout.world_size)
-        if 1024 + 100 * layout.coords(r)["ep"] + layout.coords(r)["etp"] == 2718 + layout.coords(r)["tp"]
+        r for r in range(layout.num_ranks)
+        if 1024 + 100 * layout.coords(r)["ep"] + layout.coords(r)["expt_tp"] == 2718 + layout.coords(r)["tp"]
     }
     assert expected and all((layout.coords(r)["tp"], layout.coords(r)["ep"]) == (6, 17) for r in expected)
     collisions = check_seed_plan(layout, 1234)
@@ -151,7 +151,7 @@ def test_model_and_expert_seeds_collide_on_one_rank_with_megatron_offsets() -> N
 
 
 def test_collision_records_are_json_ready() -> None:
-    layout = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)
+    layout = ParallelLayout(num_ranks=8, tp=2, pp=2, ep=2, expt_tp=1)
     for c in check_seed_plan(layout, 1):
         record = json.loads(json.dumps(c.to_dict()))
         assert record["kind"] == c.kind and record["ranks"] == list(c.ranks)
@@ -175,27 +175,27 @@ def test_cli_is_registered() -> None:
 
 
 def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run_cli(["seed-plan", "--world-size", "4", "--tp", "2", "--ep", "2", "--seed", "1234"], capsys)
+    code, out, _ = _run_cli(["seed-plan", "--num-ranks", "4", "--tp", "2", "--ep", "2", "--seed", "1234"], capsys)
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split()[-3:] == [DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG]
-    layout = ParallelLayout(world_size=4, tp=2, ep=2)
+    layout = ParallelLayout(num_ranks=4, tp=2, ep=2)
     for rank, line in enumerate(lines[1:]):
         oracle = oracle_seeds(layout, rank, 1234, False)
         assert [int(x) for x in line.split()[-3:]] == list(oracle.values())
 
 
 def test_cli_json_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["seed-plan", "--world-size", "8", "--tp", "2", "--pp", "2", "--seed", "7", "--json",
+    argv = ["seed-plan", "--num-ranks", "8", "--tp", "2", "--pp", "2", "--seed", "7", "--json",
             "--data-parallel-random-init"]
     code, out, _ = _run_cli(argv, capsys)
-    layout = ParallelLayout(world_size=8, tp=2, pp=2)
+    layout = ParallelLayout(num_ranks=8, tp=2, pp=2)
     assert code == 0
     assert json.loads(out) == {str(r): oracle_seeds(layout, r, 7, True) for r in range(8)}
 
 
 def test_cli_check_finds_the_reference_collision(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["seed-plan", "--world-size", "126", "--tp", "7", "--ep", "18", "--etp", "1", "--seed", "0", "--check"]
+    argv = ["seed-plan", "--num-ranks", "126", "--tp", "7", "--ep", "18", "--expt-tp", "1", "--seed", "0", "--check"]
     code, out, _ = _run_cli(argv, capsys)
     assert code == 1
     assert "model-parallel-rng, expert-parallel-rng" in out
@@ -205,13 +205,13 @@ def test_cli_check_finds_the_reference_collision(capsys: pytest.CaptureFixture[s
 
 
 def test_cli_check_passes_a_clean_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run_cli(["seed-plan", "--world-size", "8", "--tp", "2", "--ep", "4", "--seed", "1", "--check"],
+    code, out, _ = _run_cli(["seed-plan", "--num-ranks", "8", "--tp", "2", "--ep", "4", "--seed", "1", "--check"],
                             capsys)
     assert (code, out.strip()) == (0, "no seed collisions in 8 ranks")
 
 
-@pytest.mark.parametrize("argv", [["--world-size", "6", "--tp", "4"], ["--world-size", "8", "--ep", "3"],
-                                  ["--world-size", "0"], ["--world-size", "4", "--order", "tp-xx"]])
+@pytest.mark.parametrize("argv", [["--num-ranks", "6", "--tp", "4"], ["--num-ranks", "8", "--ep", "3"],
+                                  ["--num-ranks", "0"], ["--num-ranks", "4", "--order", "tp-xx"]])
 def test_cli_bad_sizes_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run_cli(["seed-plan", *argv, "--seed", "1"], capsys)
     assert code == 2 and out == "" and err.startswith("pgregistry seed-plan: error:")
@@ -224,15 +224,15 @@ def test_cli_module_does_not_import_torch() -> None:
 
 
 def test_console_command_end_to_end() -> None:
-    argv = ["seed-plan", "--world-size", "72", "--tp", "8", "--ep", "18", "--etp", "2", "--seed", "1234", "--check"]
+    argv = ["seed-plan", "--num-ranks", "72", "--tp", "8", "--ep", "18", "--expt-tp", "2", "--seed", "1234", "--check"]
     done = subprocess.run([sys.executable, "-m", "pgregistry", *argv], capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
-    # tp=6/etp=0 and tp=7/etp=1 at ep=17: ranks 70 and 71 of this layout.
+    # tp=6/expt_tp=0 and tp=7/expt_tp=1 at ep=17: ranks 70 and 71 of this layout.
     assert done.stdout.splitlines() == [
         "seed 3958 is used by trackers model-parallel-rng, expert-parallel-rng on rank 70",
         "seed 3959 is used by trackers model-parallel-rng, expert-parallel-rng on rank 71",
     ]
-    layout = ParallelLayout(world_size=72, tp=8, ep=18, etp=2)
-    assert [(layout.coords(r)["tp"], layout.coords(r)["ep"], layout.coords(r)["etp"]) for r in (70, 71)] == [
+    layout = ParallelLayout(num_ranks=72, tp=8, ep=18, expt_tp=2)
+    assert [(layout.coords(r)["tp"], layout.coords(r)["ep"], layout.coords(r)["expt_tp"]) for r in (70, 71)] == [
         (6, 17, 0), (7, 17, 1),
     ]

@@ -57,14 +57,14 @@ def _seed_and_draw(layout: ParallelLayout, seed: int, dp_init: bool) -> dict[str
 @pytest.mark.parametrize(
     "layout",
     [
-        ParallelLayout(world_size=8, tp=2, ep=4, etp=1),
-        ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=2),
+        ParallelLayout(num_ranks=8, tp=2, ep=4, expt_tp=1),
+        ParallelLayout(num_ranks=8, tp=2, pp=2, ep=2, expt_tp=2),
     ],
     ids=repr,
 )
 @pytest.mark.parametrize("dp_init", [False, True])
 def test_streams_follow_tp_ep_etp_ranks(layout: ParallelLayout, dp_init: bool) -> None:
-    results = run_world(layout.world_size, _seed_and_draw, layout, 1234, dp_init)
+    results = run_world(layout.num_ranks, _seed_and_draw, layout, 1234, dp_init)
     for rank, result in enumerate(results):
         oracle = oracle_seeds(layout, rank, 1234, dp_init)
         assert result["seeds"] == oracle == result["tracker_seeds"]
@@ -81,19 +81,21 @@ def test_streams_follow_tp_ep_etp_ranks(layout: ParallelLayout, dp_init: bool) -
             # One TP group: the same data-parallel stream, different model-parallel streams.
             assert torch.equal(draws(a, DATA_PARALLEL_RNG), draws(b, DATA_PARALLEL_RNG))
             assert not torch.equal(draws(a, MODEL_PARALLEL_RNG), draws(b, MODEL_PARALLEL_RNG))
-    for a, b in itertools.combinations(range(layout.world_size), 2):
+    for a, b in itertools.combinations(range(layout.num_ranks), 2):
         ca, cb = layout.coords(a), layout.coords(b)
         if ca["pp"] != cb["pp"]:
             continue  # across stages the pipeline offset decides (see test_rng_seeds for where it collides)
-        same_expert_shard = (ca["ep"], ca["etp"]) == (cb["ep"], cb["etp"]) and (not dp_init or ca["dp"] == cb["dp"])
+        same_expert_shard = (ca["ep"], ca["expt_tp"]) == (cb["ep"], cb["expt_tp"]) and (
+            not dp_init or ca["dp"] == cb["dp"]
+        )
         assert torch.equal(draws(a, EXPERT_PARALLEL_RNG), draws(b, EXPERT_PARALLEL_RNG)) == same_expert_shard
         same_tp_shard = ca["tp"] == cb["tp"] and (not dp_init or ca["dp"] == cb["dp"])
         assert torch.equal(draws(a, MODEL_PARALLEL_RNG), draws(b, MODEL_PARALLEL_RNG)) == same_tp_shard
 
 
 def test_gtp_remat_streams_in_a_world() -> None:
-    layout = ParallelLayout(world_size=8, tp=2, gtp_remat=2, ep=2, etp=1, expt_gtp_remat=2)
-    results = run_world(layout.world_size, _seed_and_draw, layout, 99, False)
+    layout = ParallelLayout(num_ranks=8, tp=2, gtp_remat=2, ep=2, expt_tp=1, expt_gtp_remat=2)
+    results = run_world(layout.num_ranks, _seed_and_draw, layout, 99, False)
     for rank, result in enumerate(results):
         oracle = oracle_seeds(layout, rank, 99)
         assert set(oracle) >= {GTP_REMAT_RNG, EGTP_REMAT_RNG}
@@ -106,7 +108,7 @@ def test_gtp_remat_streams_in_a_world() -> None:
 
 
 def _fallbacks() -> dict[str, Any]:
-    layout = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
+    layout = ParallelLayout(num_ranks=4, tp=2, ep=2, expt_tp=1)
     grid = initialize_global_grid(layout)
     out: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -141,7 +143,7 @@ def _fallbacks() -> dict[str, Any]:
 
 
 def test_fallback_to_the_global_grid_warns_and_none_means_off() -> None:
-    layout = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
+    layout = ParallelLayout(num_ranks=4, tp=2, ep=2, expt_tp=1)
     for rank, out in enumerate(run_world(4, _fallbacks)):
         oracle = oracle_seeds(layout, rank, 7)
         assert out["no_collection"] == out["explicit"] == out["partial"] == oracle
