@@ -20,7 +20,16 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.optim_reference import CASES, reference_step, rounding_units, state_before
+from fixtures.optim_reference import (
+    CASES,
+    SENTINEL,
+    flat_steps,
+    model_params,
+    rule_steps,
+    state_before,
+    values,
+    worst_units,
+)
 from torch import nn
 
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
@@ -42,9 +51,6 @@ elements."""
 N = 1000
 """Elements of the flat tensor of the rule tests (a multiple of VEC; the last program partial)."""
 STEPS = 4
-SENTINEL = 7.0
-"""What a copy's buffer holds where no copy goes: the kernel must leave it."""
-SHAPES = [(7,), (33, 5), (1000,), (4097,), (17, 3, 2), (65539,), ()]
 MODEL_RULES: dict[str, dict[str, Any]] = {
     "adam": {"lr": 1e-2, "weight_decay": 0.01},
     "adamw": {"lr": 1e-2, "weight_decay": 0.1},
@@ -53,47 +59,15 @@ MODEL_RULES: dict[str, dict[str, Any]] = {
 TORCH_RULES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-def _values(n: int, seed: int) -> torch.Tensor:
-    """Normal float32 values with about 30% exact zeros, and the first eight zero at every seed (their moments stay
-    zero)."""
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randn(n, generator=gen)
-    values[torch.rand(n, generator=gen) < 0.3] = 0.0
-    values[:8] = 0.0
-    return values
-
-
 def _copy_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if sorted(CASES).index(name) % 2 else torch.float16
 
 
 def _flat(n: int) -> nn.Parameter:
-    """Parameters with about 30% zeros: there the first update is the whole result, so its rounding is what a
-    check measures (beside a parameter of magnitude 1 an update of 1e-2 could be off by 1e-6 relative unseen)."""
-    return nn.Parameter(_values(n, seed=1))
+    return nn.Parameter(values(n, seed=1))
 
 
 # ---------------------------------------------------------------------------------------- in the interpreter
-
-
-def _rule_steps(name: str) -> dict[str, Any]:
-    """STEPS steps of rule ``name`` over a flat tensor whose elements [8, N - 16) are copied into the middle of a
-    sentinel buffer (the copy starts and ends inside blocks); inputs and outputs of each step."""
-    optimizer_class, hyper = CASES[name]
-    flat = _flat(N)
-    optimizer = optimizer_class([flat], **hyper)
-    buffer = torch.full((N,), SENTINEL, dtype=_copy_dtype(name))
-    stepper = fused_step.FusedStep(flat, [Copy(8, buffer[4 : N - 20])], **SMALL)
-    records = []
-    for step in range(1, STEPS + 1):
-        flat.grad = _values(N, seed=100 + step)
-        before = state_before(flat, flat.grad, optimizer.state.get(flat, {}))
-        ran = stepper.step(optimizer)
-        state = optimizer.state.get(flat, {})
-        after = {"param": flat.detach().clone(), **{k: v.clone() for k, v in state.items() if k != "step"}}
-        count = float(state["step"]) if "step" in state else None
-        records.append({"ran": ran, "before": before, "after": after, "step": count, "buffer": buffer.clone()})
-    return {"records": records, "unfused": len(stepper.unfused)}
 
 
 def _layout() -> dict[str, Any]:
@@ -101,7 +75,7 @@ def _layout() -> dict[str, Any]:
     kernel writes in whole blocks to aligned places, from inside a block, to a misaligned place, and copies it
     leaves (one sharing a block with the copy before it, a minority dtype)."""
     flat = _flat(1500)
-    flat.grad = _values(1500, seed=7)
+    flat.grad = values(1500, seed=7)
     before = state_before(flat, flat.grad, {})
     packed = torch.full((1000,), SENTINEL, dtype=torch.bfloat16)
     halves = torch.full((100,), SENTINEL, dtype=torch.float16)
@@ -127,44 +101,21 @@ def _layout() -> dict[str, Any]:
     }
 
 
-def _model(dtypes: list[torch.dtype]) -> list[nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [nn.Parameter(torch.randn(s, generator=gen).to(dtypes[i % len(dtypes)])) for i, s in enumerate(SHAPES)]
-
-
 def _optimizer_steps(sharded: bool, rule: str, dtypes: list[torch.dtype], steps: int) -> dict[str, Any]:
     """``steps`` steps of a mixed-precision (or one-rank sharded) optimizer through its flat step with the kernel
     forced on (``fused_step_applies`` patched: it is False off CUDA); each step's inputs and outputs."""
     factory = inner_factory(rule, **MODEL_RULES[rule])  # type: ignore[arg-type]
-    kind = ShardedOptimizer if sharded else MixedPrecisionOptimizer
-    opt = kind(_model(dtypes), ALL_OFF, inner=factory)
-    inner = opt.inner
-    assert isinstance(inner, FlatStep)
-    records = []
-    for step in range(steps):
-        _set_grads(opt.params, step)
-        flat = inner.flat
-        before = state_before(flat, flat.grad, inner.optimizer.state.get(flat, {}))  # type: ignore[arg-type]
-        opt.step()
-        state = inner.optimizer.state.get(flat, {})
-        after = {"param": flat.detach().clone(), **{k: v.clone() for k, v in state.items() if k != "step"}}
-        records.append({"before": before, "after": after})
+    opt = (ShardedOptimizer if sharded else MixedPrecisionOptimizer)(model_params(dtypes), ALL_OFF, inner=factory)
+    records = flat_steps(opt, range(steps))
+    fused = opt.inner._fused  # type: ignore[union-attr]
     return {
         "records": records,
-        "fused": inner._fused is not None,
-        "unfused": len(inner._fused.unfused) if inner._fused is not None else None,
+        "fused": fused is not None,
+        "unfused": len(fused.unfused) if fused is not None else None,
         "params": [p.detach().clone() for p in opt.params],
         "mains": _mains(opt),
         "state_dict": copy.deepcopy(opt.state_dict()),
     }
-
-
-def _set_grads(params: list[torch.Tensor], step: int, *also: list[torch.Tensor]) -> None:
-    """Step ``step``'s grads into each parameter's ``main_grad`` (and those of the parameters ``also`` lists)."""
-    for index, param in enumerate(params):
-        grad = _values(max(param.numel(), 8), seed=10 * step + index)[: param.numel()].view(param.shape)
-        for same in (param, *(other[index] for other in also)):
-            same.main_grad.copy_(grad)  # type: ignore[attr-defined]
 
 
 def _mains(opt: MixedPrecisionOptimizer | ShardedOptimizer) -> list[torch.Tensor]:
@@ -182,7 +133,7 @@ def _in_interpreter() -> dict[str, Any]:
     flat_step_module.fused_step_applies = lambda flat: True  # type: ignore[assignment]
     mixed = [torch.bfloat16, torch.float32, torch.float16]
     return {
-        "rules": {name: _rule_steps(name) for name in CASES},
+        "rules": {name: rule_steps(name, N, STEPS, _copy_dtype(name), **SMALL) for name in CASES},
         "layout": _layout(),
         "mixed": {rule: _optimizer_steps(False, rule, mixed, STEPS) for rule in MODEL_RULES},
         "sharded": _optimizer_steps(True, "adamw", [torch.bfloat16], STEPS),
@@ -216,22 +167,11 @@ def _is_rounding_of(copied: torch.Tensor, values: torch.Tensor) -> bool:
     return bool(((copied == nearest) | (copied == _truncated_to_bf16(values))).all())
 
 
-def _check_steps(optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any], records: list[Any]) -> None:
-    """Every recorded step's outputs (param and state) within rounding of the float64 rule from its inputs."""
-    group = optimizer_class([nn.Parameter(torch.zeros(1))], **hyper).param_groups[0]
-    for step, record in enumerate(records, start=1):
-        want = reference_step(optimizer_class, group, step, record["before"])
-        assert sorted(record["after"]) == sorted(want), step
-        for key, value in want.items():
-            units = rounding_units(record["after"][key], value)
-            assert units <= 1.0, f"step {step}, {key}: {units:.1f} units of rounding from the float64 rule"
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_step_is_the_float64_rule_to_rounding(interpreted: dict[str, Any], name: str) -> None:
     records = interpreted["rules"][name]["records"]
     assert all(record["ran"] for record in records)
-    _check_steps(*CASES[name], records)
+    assert worst_units(*CASES[name], records) <= 1.0
     counts = [record["step"] for record in records]
     assert counts == ([None] * STEPS if CASES[name][0] is torch.optim.SGD else [1.0, 2.0, 3.0, 4.0])
 
@@ -253,8 +193,7 @@ def test_copies_through_their_own_offsets_and_those_left_to_torch(interpreted: d
     layout = interpreted["layout"]
     flat = layout["flat"]
     assert layout["ran"]
-    group = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5).param_groups[0]
-    assert rounding_units(flat, reference_step(torch.optim.SGD, group, 1, layout["before"])["param"]) <= 1.0
+    assert worst_units(torch.optim.SGD, {"lr": 0.5}, [{"before": layout["before"], "after": {"param": flat}}]) <= 1
     assert layout["unfused"] == ["from the block where the last one ends", "a minority dtype"]
     packed, halves = layout["kernel"]
     assert _is_rounding_of(packed[0:300], flat[0:300])
@@ -275,7 +214,7 @@ def test_mixed_precision_steps_its_flat_buffer_and_model_in_the_kernel(interpret
     main param rounded."""
     result = interpreted["mixed"][rule]
     assert result["fused"] and result["unfused"] == 3  # the bf16 runs (SHAPES[0], [3], [6]), each alone
-    _check_steps(TORCH_RULES[rule], MODEL_RULES[rule], result["records"])
+    assert worst_units(TORCH_RULES[rule], MODEL_RULES[rule], result["records"]) <= 1.0
     for param, main in zip(result["params"], result["mains"], strict=True):
         assert torch.equal(param, main.to(param.dtype))
 
@@ -283,7 +222,7 @@ def test_mixed_precision_steps_its_flat_buffer_and_model_in_the_kernel(interpret
 def test_sharded_steps_and_writes_its_shard_in_the_kernel(interpreted: dict[str, Any]) -> None:
     result = interpreted["sharded"]
     assert result["fused"] and result["unfused"] == 0
-    _check_steps(torch.optim.AdamW, MODEL_RULES["adamw"], result["records"])
+    assert worst_units(torch.optim.AdamW, MODEL_RULES["adamw"], result["records"]) <= 1.0
     for param, main in zip(result["params"], result["mains"], strict=True):
         assert _is_rounding_of(param, main)
 
@@ -293,29 +232,16 @@ def test_a_checkpoint_after_kernel_steps_continues_on_torchs_step(interpreted: d
     rule from the saved state (so the step count and moments were stored as torch stores them), and the state dict
     has the form of one torch's step wrote."""
     saved = interpreted["checkpoint"]
-    params = _model([torch.bfloat16])
+    params = model_params([torch.bfloat16])
     opt = MixedPrecisionOptimizer(params, ALL_OFF, inner=inner_factory("adam", **MODEL_RULES["adam"]))  # type: ignore[arg-type]
     torch_only = MixedPrecisionOptimizer(
-        _model([torch.bfloat16]), ALL_OFF, inner=inner_factory("adam", **MODEL_RULES["adam"])  # type: ignore[arg-type]
+        model_params([torch.bfloat16]), ALL_OFF, inner=inner_factory("adam", **MODEL_RULES["adam"])  # type: ignore[arg-type]
     )
     assert isinstance(opt.inner, FlatStep) and opt.inner._fused is None  # CPU: torch's step
     opt.load_state_dict(copy.deepcopy(saved["state_dict"]))
-    records = []
-    for step in range(2, STEPS):
-        _set_grads(opt.params, step, torch_only.params)
-        flat = opt.inner.flat
-        before = state_before(flat, flat.grad, opt.inner.optimizer.state[flat])  # type: ignore[arg-type]
-        opt.step()
-        torch_only.step()
-        state = opt.inner.optimizer.state[flat]
-        after = {"param": flat.detach().clone(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        records.append({"before": before, "after": {key: value.clone() for key, value in after.items()}})
-        assert float(state["step"]) == step + 1
-    group = torch.optim.Adam([nn.Parameter(torch.zeros(1))], **MODEL_RULES["adam"]).param_groups[0]
-    for step, record in enumerate(records, start=3):
-        want = reference_step(torch.optim.Adam, group, step, record["before"])
-        for key, value in want.items():
-            assert rounding_units(record["after"][key], value) <= 1.0, (step, key)
+    records = flat_steps(opt, range(2, STEPS), torch_only)
+    assert [record["step"] for record in records] == [3.0, 4.0]
+    assert worst_units(torch.optim.Adam, MODEL_RULES["adam"], records, first_step=3) <= 1.0
     for index, entry in saved["state_dict"]["inner"]["state"].items():
         mine = torch_only.state_dict()["inner"]["state"][index]
         assert sorted(entry) == sorted(mine)
@@ -386,7 +312,7 @@ def test_what_the_kernel_does_not_run_is_refused_untouched(name: str) -> None:
     """``step`` returns False before launching or changing anything (the caller then runs torch's step, which
     raises where torch raises)."""
     flat = _flat(N)
-    flat.grad = _values(N, seed=3)
+    flat.grad = values(N, seed=3)
     opt = _refused()[name](flat)
     state, value = _snapshot(opt), flat.detach().clone()
     assert fused_step.FusedStep(flat, [Copy(0, torch.zeros(N, dtype=torch.bfloat16))]).step(opt) is False
@@ -412,7 +338,7 @@ def test_a_rule_given_torchs_implementation_keeps_it(monkeypatch: pytest.MonkeyP
 
 def test_the_cpu_path_is_torchs_step() -> None:
     """Off CUDA the kernel never runs (the bit-identity with plain torch.optim is test_optim_flat_step.py's)."""
-    opt = MixedPrecisionOptimizer(_model([torch.bfloat16]), ALL_OFF, inner=inner_factory("adamw", lr=1e-3))
+    opt = MixedPrecisionOptimizer(model_params([torch.bfloat16]), ALL_OFF, inner=inner_factory("adamw", lr=1e-3))
     assert isinstance(opt.inner, FlatStep) and opt.inner._fused is None
     assert not fused_step.fused_step_available(torch.device("cpu"))
 
