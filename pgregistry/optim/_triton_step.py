@@ -36,6 +36,21 @@ def _chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexpr):  # n
 
 
 @triton.jit
+def _block(start, count, i, BLOCK: tl.constexpr):  # noqa: N803
+    """Block ``i`` of the program's ``count`` elements from ``start``: the elements' offsets in the flat tensor,
+    their lanes, which lie inside the program, and how many do."""
+    lanes = tl.arange(0, BLOCK)
+    size = tl.minimum(count - i * BLOCK, BLOCK)
+    return start + i * BLOCK + lanes, lanes, lanes < size, size
+
+
+@triton.jit
+def _load(ptr, at, inside):
+    """The elements ``at`` of ``ptr`` (read once: not kept in L1)."""
+    return tl.load(ptr + at, mask=inside, eviction_policy="evict_first")
+
+
+@triton.jit
 def _store_copy(out_ptr, table_ptr, block, lanes, inside, size, value, VEC: tl.constexpr):  # noqa: N803
     """Write ``value`` (the ``lanes`` of block number ``block``, ``size`` of them inside) rounded to ``out_ptr``'s
     dtype where the block's row says: one vector store when the whole block goes to a 16-byte aligned place, else
@@ -107,16 +122,12 @@ def adam_kernel(
     rest1 = (1.0 - beta1).to(tl.float32)
     rest2 = (1.0 - beta2).to(tl.float32)
     keep = (1.0 - tl.cast(lr, tl.float64) * tl.cast(weight_decay, tl.float64)).to(tl.float32)
-    lanes = tl.arange(0, BLOCK)
     for i in range(0, tl.cdiv(count, BLOCK)):
-        first = start + i * BLOCK
-        size = tl.minimum(count - i * BLOCK, BLOCK)
-        inside = lanes < size
-        at = first + lanes
-        param = tl.load(param_ptr + at, mask=inside, eviction_policy="evict_first")
-        grad = tl.load(grad_ptr + at, mask=inside, eviction_policy="evict_first")
-        exp_avg = tl.load(exp_avg_ptr + at, mask=inside, eviction_policy="evict_first")
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + at, mask=inside, eviction_policy="evict_first")
+        at, lanes, inside, size = _block(start, count, i, BLOCK)
+        param = _load(param_ptr, at, inside)
+        grad = _load(grad_ptr, at, inside)
+        exp_avg = _load(exp_avg_ptr, at, inside)
+        exp_avg_sq = _load(exp_avg_sq_ptr, at, inside)
         if MAXIMIZE:
             grad = -grad
         if DECAY:
@@ -128,7 +139,7 @@ def adam_kernel(
         exp_avg_sq = exp_avg_sq * beta2_high + rest2 * (grad * grad)
         second = exp_avg_sq
         if AMSGRAD:
-            most = tl.load(max_exp_avg_sq_ptr + at, mask=inside, eviction_policy="evict_first")
+            most = _load(max_exp_avg_sq_ptr, at, inside)
             second = tl.maximum(most, exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)
             tl.store(max_exp_avg_sq_ptr + at, second, mask=inside)
         denom = tl.sqrt_rn(second) * inverse_root + eps
@@ -137,7 +148,7 @@ def adam_kernel(
         tl.store(exp_avg_ptr + at, exp_avg, mask=inside)
         tl.store(exp_avg_sq_ptr + at, exp_avg_sq, mask=inside)
         if COPY:
-            _store_copy(out_ptr, table_ptr, first // BLOCK, lanes, inside, size, param, VEC)
+            _store_copy(out_ptr, table_ptr, start // BLOCK + i, lanes, inside, size, param, VEC)
 
 
 @triton.jit
@@ -166,14 +177,10 @@ def sgd_kernel(
     ``b = momentum * b + undamped * g`` (``undamped = 1 - dampening``; ``b = g`` on the ``FIRST`` step) replaces ``g``
     (``g + momentum * b`` with ``NESTEROV``); then ``p -= lr * g``."""
     start, count = _chunk(n, BLOCK, ITERS, VEC)
-    lanes = tl.arange(0, BLOCK)
     for i in range(0, tl.cdiv(count, BLOCK)):
-        first = start + i * BLOCK
-        size = tl.minimum(count - i * BLOCK, BLOCK)
-        inside = lanes < size
-        at = first + lanes
-        param = tl.load(param_ptr + at, mask=inside, eviction_policy="evict_first")
-        grad = tl.load(grad_ptr + at, mask=inside, eviction_policy="evict_first")
+        at, lanes, inside, size = _block(start, count, i, BLOCK)
+        param = _load(param_ptr, at, inside)
+        grad = _load(grad_ptr, at, inside)
         if MAXIMIZE:
             grad = -grad
         if DECAY:
@@ -182,7 +189,7 @@ def sgd_kernel(
             if FIRST:
                 buffer = grad
             else:
-                buffer = tl.load(momentum_buffer_ptr + at, mask=inside, eviction_policy="evict_first")
+                buffer = _load(momentum_buffer_ptr, at, inside)
                 buffer = buffer * momentum + undamped * grad
             tl.store(momentum_buffer_ptr + at, buffer, mask=inside)
             if NESTEROV:
@@ -192,4 +199,4 @@ def sgd_kernel(
         param = param - lr * grad
         tl.store(param_ptr + at, param, mask=inside)
         if COPY:
-            _store_copy(out_ptr, table_ptr, first // BLOCK, lanes, inside, size, param, VEC)
+            _store_copy(out_ptr, table_ptr, start // BLOCK + i, lanes, inside, size, param, VEC)

@@ -13,13 +13,12 @@ Skipped where triton is not installed; the refusals and the CPU path need no tri
 from __future__ import annotations
 
 import copy
-import importlib.util
-import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from fixtures.interpreter import in_interpreter
 from fixtures.optim_reference import (
     CASES,
     SENTINEL,
@@ -128,8 +127,7 @@ def _mains(opt: MixedPrecisionOptimizer | ShardedOptimizer) -> list[torch.Tensor
 
 
 def _in_interpreter() -> dict[str, Any]:
-    """Every kernel launch of these tests, in a spawned process that imports triton with its interpreter on (the
-    mode is read when triton's own kernels are decorated: a process that imported triton already cannot switch)."""
+    """Every kernel launch of these tests (:func:`fixtures.interpreter.in_interpreter` runs it)."""
     flat_step_module.fused_step_applies = lambda flat: True  # type: ignore[assignment]
     mixed = [torch.bfloat16, torch.float32, torch.float16]
     return {
@@ -143,12 +141,7 @@ def _in_interpreter() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, Any]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton brings its CPU interpreter)")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            return pool.apply_async(_in_interpreter).get(timeout=600.0)
+    return in_interpreter(_in_interpreter, timeout=600.0)
 
 
 # ------------------------------------------------------------------------------------------------- checks
