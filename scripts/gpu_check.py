@@ -19,7 +19,13 @@ any check failed anywhere:
   whose result must be minus the oracle's grads (all-gather included), and the invariance oracle (all grads 1:
   norm ``sqrt(numel)``; all 0: zero count ``numel``);
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
-  model-parallel draws, and a fork that restores the outer stream.
+  model-parallel draws, and a fork that restores the outer stream;
+* on CUDA, the one-kernel optimizer step (:mod:`pgregistry.optim.fused_step`) compiled here: each rule it runs,
+  over several programs, is the float64 rule to rounding at every step and its bf16 copy is torch's rounding bit
+  for bit (the oracle and the run are tests/fixtures/optim_reference.py's, which the CPU tests run through triton's
+  interpreter); the mixed-precision optimizer (a bf16 model, and bf16 / float32 / fp16 parameters mixed) and the
+  sharded one step through it with every model parameter its main param rounded, agree with torch's fused AdamW
+  to one bf16 step, and their state moves both ways between the kernel and torch's fused step.
 
 Initialisation, the gathered table and the tear-down order are :func:`pgregistry.torchrun_checks.run_checks`'s.
 """
@@ -34,18 +40,39 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for root in (REPO, REPO / "tests"):  # tests/ for fixtures.optim_reference, the float64 oracle of the fused step
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from fixtures.optim_reference import (  # noqa: E402
+    CASES,
+    ROUNDING,
+    SENTINEL,
+    flat_steps,
+    model_params,
+    rule_steps,
+    worst_units,
+)
 
 import pgregistry.optim.mixed_precision  # noqa: E402
 import pgregistry.optim.sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
+from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import count_zeros, grad_norm  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
-from pgregistry.optim import build_optimizer  # noqa: E402
+from pgregistry.optim import (  # noqa: E402
+    ElementwiseRule,
+    FlatStep,
+    MixedPrecisionOptimizer,
+    ShardedOptimizer,
+    build_optimizer,
+    inner_factory,
+    setup_process_groups_for_optimizer,
+)
+from pgregistry.optim.base import FlatOptimizer  # noqa: E402
+from pgregistry.optim.fused_step import BLOCK, ITERS, fused_step_available  # noqa: E402
 from pgregistry.params import copy_param_roles  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
 from pgregistry.testing_models import (  # noqa: E402
@@ -201,6 +228,109 @@ def _half_on_host(model: torch.nn.Module) -> list[torch.Tensor]:
     return params
 
 
+# -------------------------------------------------------------------------------- one-kernel optimizer step
+
+FUSED_NUMEL = 3 * BLOCK * ITERS + 3000
+"""Elements of the rule checks: three programs and a partial fourth (a multiple of 4, as a flat buffer is)."""
+FUSED_STEPS = 4
+ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+
+
+def fused_step_checks(device: torch.device) -> list[Check]:
+    if device.type != "cuda":
+        return []
+    available = fused_step_available(device)
+    checks = [("one-kernel step: compiled on this GPU, probe exact", available, "else torch's step runs")]
+    if not available:
+        return checks
+    for name in CASES:
+        result = rule_steps(name, FUSED_NUMEL, FUSED_STEPS, torch.bfloat16, device)
+        records = result["records"]
+        units = worst_units(*CASES[name], records)
+        copies = all(
+            torch.equal(r["buffer"][4:-20], r["after"]["param"][8:-16].to(torch.bfloat16))
+            and bool((r["buffer"][:4] == SENTINEL).all() and (r["buffer"][-20:] == SENTINEL).all())
+            for r in records
+        )
+        ran = all(r["ran"] for r in records) and result["unfused"] == 0
+        checks.append((f"one-kernel step, {name}: float64 rule to rounding, bf16 copy bit-exact",
+                       ran and units <= 1.0 and copies,
+                       f"worst {units:.2f} x {ROUNDING:.1e} of the scale; copies {'exact' if copies else 'DIFFER'}"))
+    return checks + fused_optimizer_checks(device)
+
+
+def _optimizer(kind: type[FlatOptimizer], dtypes: list[torch.dtype], device: torch.device, *, kernel: bool) -> Any:
+    """``kind`` over :func:`model_params` with AdamW: ``inner_factory``'s rule (the kernel), or the rule naming
+    torch's fused AdamW (the flat step before the kernel)."""
+    rule = inner_factory("adamw", **ADAMW) if kernel else ElementwiseRule(torch.optim.AdamW, {**ADAMW, "fused": True})
+    groups = setup_process_groups_for_optimizer(ALL_OFF, use_distributed_optimizer=kind is ShardedOptimizer)
+    opt = kind(model_params(dtypes, device), groups, inner=rule)  # type: ignore[call-arg]
+    inner = opt.inner
+    if not isinstance(inner, FlatStep) or (inner._fused is not None) != kernel:
+        raise RuntimeError(f"{kind.__name__} over {dtypes} does not step {'in' if kernel else 'without'} the kernel")
+    return opt
+
+
+def _rounded_mains(opt: Any) -> bool:
+    """Whether every model parameter is its main param rounded to its dtype, bit for bit."""
+    if isinstance(opt, ShardedOptimizer):
+        whole = opt.main_shard.detach()
+        mains = [whole[o : o + p.numel()].view(p.shape) for p, o in zip(opt.params, opt.buffer.offsets, strict=True)]
+    else:
+        mains = opt.main_params
+    return all(torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in zip(opt.params, mains, strict=True))
+
+
+def _bf16_steps(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest difference in units of the bf16 rounding step at the value (0: identical)."""
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        diff = (a.detach().float() - b.detach().float()).abs()
+        worst = max(worst, float((diff / (b.detach().float().abs() * 2.0**-7)).nan_to_num().max()))
+    return worst
+
+
+def fused_optimizer_checks(device: torch.device) -> list[Check]:
+    checks = []
+    bf16, mixed = [torch.bfloat16], [torch.bfloat16, torch.float32, torch.float16]
+    for kind, dtypes, what in (
+        (MixedPrecisionOptimizer, bf16, "mixed precision, bf16 model"),
+        (MixedPrecisionOptimizer, mixed, "mixed precision, bf16/fp32/fp16 model"),
+        (ShardedOptimizer, bf16, "sharded, one rank"),
+    ):
+        opt = _optimizer(kind, dtypes, device, kernel=True)
+        units = worst_units(torch.optim.AdamW, ADAMW, flat_steps(opt, range(FUSED_STEPS)))
+        reference = _optimizer(kind, dtypes, device, kernel=False)
+        flat_steps(reference, range(FUSED_STEPS))
+        steps = _bf16_steps(opt.params, reference.params)
+        rounded = _rounded_mains(opt)
+        checks.append((f"one-kernel step, {what}: float64 rule to rounding, params = mains rounded, "
+                       "<= 1 bf16 step from torch's fused AdamW", units <= 1.0 and rounded and steps <= 1.0,
+                       f"worst {units:.2f}; params exact: {rounded}; {steps:.2f} bf16 steps from torch"))
+    for first, then in ((True, False), (False, True)):
+        saved = _optimizer(MixedPrecisionOptimizer, bf16, device, kernel=first)
+        flat_steps(saved, range(2))
+        resumed = _optimizer(MixedPrecisionOptimizer, bf16, device, kernel=then)
+        resumed.load_state_dict(saved.state_dict())
+        records = flat_steps(resumed, range(2, FUSED_STEPS))
+        units = worst_units(torch.optim.AdamW, ADAMW, records, first_step=3)
+        counts = [r["step"] for r in records]
+        same = _same_form(saved.state_dict()["inner"], resumed.state_dict()["inner"])
+        names = ("the kernel", "torch's fused AdamW")
+        checks.append((f"one-kernel step: state from {names[not first]} resumed by {names[not then]}",
+                       units <= 1.0 and counts == [3.0, 4.0] and same,
+                       f"steps 3-4: worst {units:.2f}, counts {counts}; state of the same form: {same}"))
+    return checks
+
+
+def _same_form(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two inner state dicts hold the same keys, and tensors of the same dtype, shape and device."""
+    def form(state: dict[str, Any]) -> Any:
+        return {i: {k: (v.dtype, v.shape, v.device) for k, v in e.items()} for i, e in state["state"].items()}
+    return bool(form(a) == form(b))
+
+
 # --------------------------------------------------------------------------------------------------- driver
 
 
@@ -230,7 +360,7 @@ def rng_checks(world: int, device: torch.device) -> list[Check]:
 
 def all_checks(device: torch.device) -> list[Check]:
     world = dist.get_world_size()
-    checks = expert_grads_with_expert_tp(world, device) + rng_checks(world, device)
+    checks = expert_grads_with_expert_tp(world, device) + rng_checks(world, device) + fused_step_checks(device)
     for name, sizes in layouts_for(world).items():
         checks += layout_checks(name, sizes, world, device)
     return checks

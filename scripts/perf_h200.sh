@@ -16,7 +16,8 @@ run() {  # run FILE COMMAND...: print and keep the raw output
     echo "== $*" >&2
     "$@" 2>&1 | tee "$out/$file" || status=1
 }
-run optimizer_step_h200.txt "$py" benchmarks/optimizer_step.py --device cuda
+run optimizer_step_h200.txt "$py" benchmarks/optimizer_step.py --device cuda \
+    --configs 1024x16x4,2048x8x8,2048x16x8,1024x8x4,4096x4x8,512x32x4
 run grad_stats_h200.txt "$py" benchmarks/grad_stats.py --device cuda --dtype float32
 run grad_stats_bf16_h200.txt "$py" benchmarks/grad_stats.py --device cuda --dtype bfloat16 --repeat 10
 run grad_stats_mixed_h200.txt "$py" benchmarks/grad_stats.py --device cuda --dtype mixed --repeat 10

@@ -20,13 +20,14 @@ accumulate in float64, and other norms keep the torch path.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from pgregistry._triton import cuda_index, launch_on, optional_kernels, probe_kernel
 
 if TYPE_CHECKING:
     import torch
@@ -54,11 +55,7 @@ WARPS = 4
 
 @functools.cache
 def _kernels() -> ModuleType | None:
-    try:
-        import pgregistry.grad_stats._triton_kernels as kernels
-    except ImportError:  # no triton: the callers' torch path
-        return None
-    return kernels
+    return optional_kernels("pgregistry.grad_stats._triton_kernels")
 
 
 def fused_stats_available(device: torch.device) -> bool:
@@ -67,29 +64,23 @@ def fused_stats_available(device: torch.device) -> bool:
     machine's C compiler and CUDA toolchain; where that fails, a warning names the error and the torch path runs."""
     if device.type != "cuda" or _kernels() is None:
         return False
-    import torch
-
-    return _works_on(device.index if device.index is not None else torch.cuda.current_device())
+    return _works_on(cuda_index(device))
 
 
 @functools.cache
 def _works_on(index: int) -> bool:
+    kernel = "the one-read grad statistics kernel"
+    return probe_kernel(index, _probe, (25.0, 2, 25.0, 2), event="one_read_stats_unavailable", kernel=kernel)
+
+
+def _probe(device: torch.device) -> tuple[float, int, float, int]:
+    """Both launches (a span, a table) over ``[0, 3, -0, 4]``: squares 25, zeros 2."""
     import torch
 
-    from pgregistry._logging import get_logger
-
-    device = torch.device("cuda", index)
-    try:
-        probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
-        squares, zeros = span_squares_and_zeros(probe)
-        table_squares, table_zeros = squares_and_zeros([probe[:2], probe[2:]])
-        results = (float(squares), int(zeros), float(table_squares), int(table_zeros))
-    except Exception as error:  # a compiler or driver failure: keep torch's reductions, and say so
-        get_logger(__name__).warning("one_read_stats_unavailable", device=str(device), error=repr(error))
-        return False
-    if results != (25.0, 2, 25.0, 2):
-        raise RuntimeError(f"the one-read grad statistics kernel gave {results} on {device}, not (25, 2, 25, 2)")
-    return True
+    probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
+    squares, zeros = span_squares_and_zeros(probe)
+    table_squares, table_zeros = squares_and_zeros([probe[:2], probe[2:]])
+    return float(squares), int(zeros), float(table_squares), int(table_zeros)
 
 
 def _readable_dtype(dtype: torch.dtype) -> bool:
@@ -135,7 +126,7 @@ def _launch(
 
     squares = torch.empty(programs, dtype=torch.float32, device=x.device)
     zeros = torch.empty(programs, dtype=torch.int32, device=x.device)
-    with _on(x.device):
+    with launch_on(x.device):
         _loaded().squares_and_zeros_kernel[(programs,)](
             x, n, x if table is None else table, squares, zeros,
             TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector(x.dtype), num_warps=WARPS,
@@ -267,12 +258,3 @@ class _Tables:
 
 
 _TABLES = _Tables(8)
-
-
-def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """Launch on ``device``'s GPU (triton launches on the current one); off CUDA (the interpreter) nothing."""
-    import torch
-
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-

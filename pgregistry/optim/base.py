@@ -46,7 +46,7 @@ from pgregistry.grad_buffer import (
     span_zero_counts,
 )
 from pgregistry.grad_stats import backend_device, clip_grads_
-from pgregistry.optim.flat_step import FLAT_DTYPES, ElementwiseRule, FlatStep
+from pgregistry.optim.flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
 from pgregistry.optim.param_state import ParamState
 from pgregistry.optim.setup import OptimizerProcessGroups
 from pgregistry.params import is_expert_param
@@ -185,14 +185,20 @@ class FlatOptimizer(abc.ABC):
         return self.params[0].device if self.params else backend_device(None)
 
     def _make_inner(
-        self, factory: InnerFactory, flat: torch.Tensor, mains: Sequence[torch.Tensor], starts: Sequence[int]
+        self,
+        factory: InnerFactory,
+        flat: torch.Tensor,
+        mains: Sequence[torch.Tensor],
+        starts: Sequence[int],
+        copies: Sequence[Copy],
     ) -> None:
         """``mains`` (views of ``flat`` at ``starts``; ``flat.grad`` is their grads' flat span) are stepped as one
-        tensor with an elementwise rule over float32/float64, one by one otherwise; ``None`` when there are none."""
+        tensor with an elementwise rule over float32/float64, which also writes ``copies`` (in its kernel on CUDA),
+        one by one otherwise (the caller writes the copies); ``None`` when there are none."""
         if not mains:
             self.inner = None
         elif isinstance(factory, ElementwiseRule) and flat.dtype in FLAT_DTYPES:
-            self.inner = FlatStep(factory, flat, mains, starts)
+            self.inner = FlatStep(factory, flat, mains, starts, copies)
         else:
             self.inner = factory(list(mains))
 

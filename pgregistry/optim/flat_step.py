@@ -14,6 +14,13 @@ last elements of a tensor (a scalar loop) than inside it (a vector loop), so a f
 Padding between and after the parameters (grad-buffer alignment) is stepped too: its param, grad and state are
 zero, and an elementwise rule keeps them zero.
 
+A flat step also writes the flat tensor's *copies* (:class:`Copy`: the low-precision model parameters of a
+mixed-precision optimizer, packed per dtype run; a sharded optimizer's parameter shard). On CUDA, over float32, with
+a rule whose implementation ``ElementwiseRule`` chooses, the step and the copies are one kernel
+(:mod:`pgregistry.optim.fused_step`: 30 bytes a parameter for AdamW into bf16, where torch's fused AdamW and a copy
+move 34); elsewhere, and for whatever that kernel does not take, torch's step then one ``_foreach_copy_`` (on CPU the
+bits of a step per parameter and its copies, as before).
+
 :class:`FlatStep` keeps the state dict in the per-parameter form a step over separate tensors has (parameter index
 -> state, moments shaped like the parameter), so checkpoints, :mod:`pgregistry.checkpoint`'s resharding and the
 per-parameter names are unchanged.
@@ -27,7 +34,9 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["FLAT_DTYPES", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS"]
+from pgregistry.optim.fused_step import FusedStep, fused_step_applies
+
+__all__ = ["FLAT_DTYPES", "Copy", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS", "write_copies"]
 
 FLAT_DTYPES = (torch.float32, torch.float64)
 """Main-param dtypes stepped flat (see the module docstring for why not bf16 and fp16)."""
@@ -49,17 +58,40 @@ class ElementwiseRule:
     (:class:`FlatStep`) when it is float32 or float64; any other factory steps one tensor per parameter. The rule
     must update each element from that element alone and keep no per-parameter state other than
     :data:`PER_PARAMETER_KEYS`. On CUDA the rule runs fused (one kernel) unless ``hyperparameters`` choose
-    ``fused`` or ``foreach`` themselves.
+    ``fused`` or ``foreach`` themselves: torch's fused optimizer, or pgregistry's kernel for a flat float32 step
+    (:mod:`~pgregistry.optim.fused_step`).
     """
 
     optimizer_class: type[torch.optim.Optimizer]
     hyperparameters: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
 
+    @property
+    def chooses_implementation(self) -> bool:
+        """Whether the rule, not its hyperparameters, picks the implementation (no ``fused`` or ``foreach``
+        given): a caller who names torch's implementation gets it."""
+        return "fused" not in self.hyperparameters and "foreach" not in self.hyperparameters
+
     def __call__(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
         kwargs = dict(self.hyperparameters)
-        if tensors and all(t.is_cuda for t in tensors) and "fused" not in kwargs and "foreach" not in kwargs:
+        if tensors and all(t.is_cuda for t in tensors) and self.chooses_implementation:
             kwargs["fused"] = True
         return self.optimizer_class(tensors, **kwargs)
+
+
+@attrs.frozen(slots=True, eq=False)
+class Copy:
+    """After every step, ``out`` (a contiguous 1-d tensor, of any floating dtype) holds ``flat[start : start +
+    out.numel()]`` rounded to its dtype."""
+
+    start: int
+    out: torch.Tensor
+
+
+def write_copies(flat: torch.Tensor, copies: Sequence[Copy]) -> None:
+    """Write ``copies`` of ``flat`` (one ``_foreach_copy_``)."""
+    if copies:
+        sources = [flat.detach()[c.start : c.start + c.out.numel()] for c in copies]
+        torch._foreach_copy_([c.out for c in copies], sources)
 
 
 @attrs.frozen(slots=True)
@@ -82,25 +114,42 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 class FlatStep:
-    """Steps ``flat`` (whose ``.grad`` is the flat grad buffer) with ``rule``; the state reads as if each of
-    ``mains`` (the views ``flat[start : start + numel].view(shape)``, ``start`` from ``starts``) were stepped alone.
+    """Steps ``flat`` (whose ``.grad`` is the flat grad buffer) with ``rule`` and writes its ``copies``; the state
+    reads as if each of ``mains`` (the views ``flat[start : start + numel].view(shape)``, ``start`` from ``starts``)
+    were stepped alone.
 
     The interface is the part of ``torch.optim.Optimizer`` the pgregistry optimizers use: :meth:`step`,
     :attr:`param_groups`, :attr:`state`, :meth:`state_dict`, :meth:`load_state_dict`.
     """
 
     def __init__(
-        self, rule: ElementwiseRule, flat: torch.Tensor, mains: Sequence[torch.Tensor], starts: Sequence[int]
+        self,
+        rule: ElementwiseRule,
+        flat: torch.Tensor,
+        mains: Sequence[torch.Tensor],
+        starts: Sequence[int],
+        copies: Sequence[Copy] = (),
     ) -> None:
         self.flat = flat
         self.mains: tuple[torch.Tensor, ...] = tuple(mains)
         """The main params, in the order the state dict numbers them."""
         self.optimizer: torch.optim.Optimizer = rule([flat])
-        """The torch optimizer over the one flat tensor."""
+        """The torch optimizer over the one flat tensor (it holds the state, on either path)."""
         self._slots = tuple(_Slot(start, tuple(main.shape)) for main, start in zip(mains, starts, strict=True))
         for slot in self._slots:
             if slot.start < 0 or slot.stop > flat.numel():
                 raise ValueError(f"a main param [{slot.start}, {slot.stop}) lies outside the flat tensor")
+        self.copies: tuple[Copy, ...] = tuple(copies)
+        """What :meth:`step` writes after stepping."""
+        for copy in self.copies:
+            stop = copy.start + copy.out.numel()
+            if copy.out.dim() != 1 or not copy.out.is_contiguous():
+                raise ValueError(f"a copy's target must be a contiguous 1-d tensor, not {tuple(copy.out.shape)}")
+            if copy.start < 0 or stop > flat.numel():
+                raise ValueError(f"a copy [{copy.start}, {stop}) lies outside the flat tensor")
+        fused = rule.chooses_implementation and fused_step_applies(flat)
+        self._fused = FusedStep(flat, self.copies) if fused else None
+        """The one-kernel step and copies on CUDA (:mod:`~pgregistry.optim.fused_step`), where it applies."""
 
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
@@ -116,7 +165,13 @@ class FlatStep:
         return self.optimizer.param_groups
 
     def step(self) -> None:
+        """Step, then write the copies: one kernel where the fused step takes this rule and state (the copies it
+        leaves after it), else torch's step and every copy."""
+        if self._fused is not None and self._fused.step(self.optimizer):
+            write_copies(self.flat, self._fused.unfused)
+            return
         self.optimizer.step()
+        write_copies(self.flat, self.copies)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {index: {key: value}}, "param_groups": [...]}`` numbered like a step over the main params:

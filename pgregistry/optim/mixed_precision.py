@@ -10,7 +10,8 @@ Every main param is a view of one flat tensor laid out like the grad buffer
 (:attr:`MixedPrecisionOptimizer.main_data`; parameters in the main dtype get their data moved there), so an
 elementwise rule steps it as one tensor (:mod:`pgregistry.optim.flat_step`), and the lower-precision parameters'
 data is packed per dtype in the same order, so the rounded copy back is one copy per run of consecutive parameters
-of one dtype, not one per parameter.
+of one dtype, not one per parameter; with a flat step on CUDA, it is written by the step's own kernel
+(:mod:`pgregistry.optim.fused_step`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from pgregistry.grad_buffer import GradBuffer, all_reduce_grads_
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
+from pgregistry.optim.flat_step import Copy, FlatStep, write_copies
 from pgregistry.optim.param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim.setup import OptimizerProcessGroups
 from pgregistry.params import copy_param_roles
@@ -94,16 +95,14 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 with torch.no_grad():
                     view.copy_(param)
                 main.data = view
-        self._runs = _pack_low_precision(
-            self.params, self.main_params, self.buffer.offsets, self.main_data, self._move_data
-        )
+        self._copies = _pack_low_precision(self.params, self.main_params, self.buffer.offsets, self._move_data)
         for param, main, view in zip(self.params, self.main_params, self.buffer.views, strict=True):
             if main is not param:
                 main.grad = view
         self._attach_grads(self.params, self.buffer.views)
         groups = self.stats_groups
         self._set_stats(self.buffer.spans, groups.expert_reduce if expert else groups.dense_reduce)
-        self._make_inner(inner, self.main_data, self.main_params, self.buffer.offsets)
+        self._make_inner(inner, self.main_data, self.main_params, self.buffer.offsets, self._copies)
 
     def sync_grads(self) -> None:
         """Divide the grads by :attr:`grad_divisor` and all-reduce them over :attr:`grad_sync_group`, one
@@ -115,14 +114,15 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the main params, then copy them (rounded) into the model parameters."""
+        """Step the main params and copy them (rounded) into the model parameters: a flat step writes the copies
+        itself (on CUDA in its kernel); after any other inner optimizer, one copy per run."""
         if self.inner is not None:
             self.inner.step()
-        self._copy_main_to_model()
+        if not isinstance(self.inner, FlatStep):
+            self._copy_main_to_model()
 
     def _copy_main_to_model(self) -> None:
-        if self._runs:
-            torch._foreach_copy_([run.model for run in self._runs], [run.main for run in self._runs])
+        write_copies(self.main_data, self._copies)
 
     def _copied(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, main copy) of each lower-precision parameter, in parameter order."""
@@ -178,25 +178,16 @@ def _placeholder(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((), dtype=dtype, device=param.device).expand(param.shape)
 
 
-@attrs.frozen(slots=True, eq=False)
-class _Run:
-    """Consecutive lower-precision parameters of one dtype and device: ``model`` (their data, packed) receives
-    ``main`` (their main copies in the flat main buffer, padding between them included) in one copy."""
-
-    model: torch.Tensor
-    main: torch.Tensor
-
-
 def _pack_low_precision(
     params: Sequence[torch.Tensor],
     mains: Sequence[torch.Tensor],
     offsets: Sequence[int],
-    main_data: torch.Tensor,
     move_data: Callable[[torch.Tensor, torch.Tensor], None],
-) -> list[_Run]:
+) -> list[Copy]:
     """Move (``move_data``) the data of every parameter that has a main copy into one flat tensor per (dtype,
     device), in the order of the main buffer, so that the copy back is one copy per run of consecutive parameters
-    of one kind (one per dtype for a model of bf16 parameters) instead of one per parameter."""
+    of one kind (one per dtype for a model of bf16 parameters) instead of one per parameter: each run's packed data
+    receives its main copies' span of the flat main buffer, padding between them included."""
     runs: list[tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]] = []
     open_run = False
     for offset, param, main in sorted(zip(offsets, params, mains, strict=True), key=lambda entry: entry[0]):
@@ -221,5 +212,5 @@ def _pack_low_precision(
         cursor[key] += stop - start
         for param, offset in members:
             move_data(param, model[offset - start : offset - start + param.numel()].view(param.shape))
-        out.append(_Run(model=model, main=main_data.detach()[start:stop]))
+        out.append(Copy(start=start, out=model))
     return out

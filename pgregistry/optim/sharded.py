@@ -6,7 +6,8 @@ experts; one optimizer instance). A step is: reduce-scatter the grads (one colle
 as in :mod:`pgregistry.optim.base`; each rank keeps its shard), step float32 main copies of the shard's pieces,
 write them into the parameter buffer, all-gather it (one collective). The main copies are views of one flat
 float32 tensor, the shard's (:attr:`ShardedOptimizer.main_shard`): with an elementwise rule the step is one
-update over it (:mod:`pgregistry.optim.flat_step`) and the write-back one copy.
+update over it (:mod:`pgregistry.optim.flat_step`) and the write-back one copy, on CUDA both in one kernel
+(:mod:`pgregistry.optim.fused_step`).
 
 Statistics: shards are disjoint across the sharding group and the duplicate filters drop TP/GTP duplicates, so the
 norm and zero count are summed over the whole instance (``intra_dist_opt``). The pieces are classified by their
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from pgregistry.collection import group_size
 from pgregistry.grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
 from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
+from pgregistry.optim.flat_step import Copy, FlatStep
 from pgregistry.optim.param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim.setup import OptimizerProcessGroups
 from pgregistry.params import copy_param_roles
@@ -107,7 +109,8 @@ class ShardedOptimizer(FlatOptimizer):
         entries = [(piece.main, piece.start, piece.stop) for piece in self._pieces]
         self._set_stats(class_spans(entries, self.stats_groups, reduce_over=norm_group), norm_group)
         mains = [piece.main for piece in self._pieces]
-        self._make_inner(inner, self.main_shard, mains, [piece.start - start for piece in self._pieces])
+        shard_copy = Copy(start=0, out=self.param_data[start:stop])  # the shard's padding is zero in both buffers
+        self._make_inner(inner, self.main_shard, mains, [piece.start - start for piece in self._pieces], [shard_copy])
 
     def _make_pieces(self) -> list[_Piece]:
         """Each parameter's part of the shard, with its main copy: a view of :attr:`main_shard` carrying the
@@ -135,15 +138,24 @@ class ShardedOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the shard's main copies, write them into the parameter buffer and all-gather it."""
+        """Step the shard's main copies, write them into the parameter buffer (a flat step writes them itself, on
+        CUDA in its kernel) and all-gather it."""
         if self.inner is not None:
             self.inner.step()
-        self._publish()
+        if isinstance(self.inner, FlatStep):
+            self._gather()
+        else:
+            self._publish()
 
     def _publish(self) -> None:
+        """Write the shard's main copies into the parameter buffer and all-gather it."""
         start, stop = self.shard
         if self._pieces:  # one copy: the shard's padding is zero in both buffers
             self.param_data[start:stop].copy_(self.main_shard.detach())
+        self._gather()
+
+    def _gather(self) -> None:
+        start, stop = self.shard
         if group_size(self.shard_group) > 1 and self.buffer.numel:
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             all_gather(self.param_data, self.param_data[start:stop], group=self.shard_group)

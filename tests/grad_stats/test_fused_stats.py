@@ -8,14 +8,13 @@ kernels.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from fixtures.interpreter import in_interpreter
 
 from pgregistry.grad_buffer import Span, span_norms, span_statistics, span_zero_counts
 from pgregistry.grad_stats import fused as fused_stats
@@ -130,12 +129,7 @@ def _table(dtype: torch.dtype) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, Any]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton brings its CPU interpreter)")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            return pool.apply_async(_in_interpreter).get(timeout=180.0)
+    return in_interpreter(_in_interpreter, timeout=180.0)
 
 
 def _oracle(grads: list[torch.Tensor]) -> tuple[float, int]:
