@@ -201,7 +201,7 @@ def _raise_on_every_rank(caller: str, problems: Sequence[str]) -> None:
     if found:
         ranks = [rank for rank, mine in enumerate(everyone) if mine]
         more = "; ..." if len(found) > 6 else ""
-        raise ValueError(f"{caller}: {'; '.join(found[:6])}{more} (on ranks {ranks})")
+        raise ValueError(f"{caller}: {'; '.join(found[:6])}{more} (found on ranks {ranks})")
 
 
 def _require_distributed(caller: str) -> None:

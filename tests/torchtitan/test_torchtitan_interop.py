@@ -1,0 +1,154 @@
+"""pgregistry.interop.torchtitan in a real 8-rank gloo world, the issue's shape (``dp_shard 4 x tp 2, ep 4``):
+communicators counted in torch's process-group registry, and bad input refused on every rank.
+
+* torchtitan's own ``build_mesh`` holds several communicators per rank set (the baseline, measured here);
+* ``from_parallel_dims`` creates no group (the process-group registry has as many entries after as before), its
+  collection holds torchtitan's communicators, and ``registry.build`` of its layout then reuses them;
+* ``to_parallel_dims`` on a collection the registry built creates no communicator, under every ``spmd_backend``,
+  and its meshes hold exactly one communicator per distinct rank set, each the collection's.
+
+All checks run in one world, so torchtitan is imported once and the world started once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch.distributed as dist
+from titan_support import communicators, error_of, require_torchtitan, use_cpu
+
+require_torchtitan()
+
+from torch.distributed.distributed_c10d import _world  # noqa: E402
+from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+
+from pgregistry import registry  # noqa: E402
+from pgregistry.collection import UNSET  # noqa: E402
+from pgregistry.interop.torchtitan import SPMD_BACKENDS, from_parallel_dims, to_parallel_dims  # noqa: E402
+from pgregistry.layout import ParallelLayout  # noqa: E402
+from pgregistry.registry import GroupRegistry  # noqa: E402
+from pgregistry.testing import run_world  # noqa: E402
+
+WORLD = 8
+DEGREES = {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2, "pp": 1, "ep": 4}
+
+
+def _new(after: list[tuple[int, ...]], before: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    return sorted((Counter(after) - Counter(before)).elements())
+
+
+def _groups_of(parallel_dims: Any) -> list[Any]:
+    """Every group every mesh of ``parallel_dims`` holds (global views, one-dimensional meshes, world)."""
+    meshes = [*parallel_dims._global_meshes.values(), *parallel_dims._single_axis_meshes.values()]
+    meshes.append(parallel_dims.world_mesh)
+    return [mesh.get_group(i) for mesh in meshes for i in range(mesh.ndim)]
+
+
+def _held(parallel_dims: Any) -> tuple[int, int]:
+    """(communicators, distinct rank sets) among the real groups of ``parallel_dims``' meshes."""
+    real = [group for group in _groups_of(parallel_dims) if dist.get_backend(group) != "fake"]
+    by_id = {id(group): tuple(sorted(dist.get_process_group_ranks(group))) for group in real}
+    return len(by_id), len(set(by_id.values()))
+
+
+def _titan_and_adoption() -> dict[str, Any]:
+    titan = ParallelDims(**DEGREES, world_size=WORLD)  # torchtitan's default spmd_backend
+    titan.build_mesh()
+    entries = len(_world.pg_map)
+    created = registry.default_registry.groups_created
+    layout, collection = from_parallel_dims(titan)
+    titan_groups = {id(group) for group in _groups_of(titan)}
+    held = {name: value for name, value in collection.items() if isinstance(value, dist.ProcessGroup)}
+    rebuilt = registry.build(layout)
+    return {
+        "titan": _held(titan),
+        "from_entries": len(_world.pg_map) - entries,
+        "from_created": registry.default_registry.groups_created - created,
+        "layout": layout,
+        "held_are_titans": sorted(name for name, group in held.items() if id(group) not in titan_groups),
+        "unset": sorted(name for name, value in collection.items() if value is UNSET),
+        "build_created": registry.default_registry.groups_created - created,
+        "build_reuses": sorted(name for name, group in held.items() if rebuilt.get(name) is not group),
+    }
+
+
+def _ours(layout: ParallelLayout) -> dict[str, Any]:
+    """A registry of its own builds the layout; to_parallel_dims under every backend adds no communicator."""
+    own = GroupRegistry()
+    before = communicators()
+    collection = own.build(layout)
+    built = _new(communicators(), before)
+    fields = {id(value) for _, value in collection.items() if isinstance(value, dist.ProcessGroup)}
+    out: dict[str, Any] = {"built": built}
+    for spmd_backend in SPMD_BACKENDS:
+        before = communicators()
+        parallel_dims = to_parallel_dims(layout, collection, spmd_backend=spmd_backend, device_type="cpu", registry=own)
+        real = [group for group in _groups_of(parallel_dims) if dist.get_backend(group) != "fake"]
+        out[spmd_backend] = {
+            "created": _new(communicators(), before),
+            "held": _held(parallel_dims),
+            "all_the_collections": all(id(group) in fields for group in real),
+        }
+    out["bad"] = _bad_input(layout, collection, own)
+    return out
+
+
+def _bad_input(layout: ParallelLayout, pg: Any, own: GroupRegistry) -> dict[str, str]:
+    def to(layout: ParallelLayout, collection: Any = pg, **options: Any) -> Any:
+        return lambda: to_parallel_dims(layout, collection, device_type="cpu", registry=own, **options)
+
+    # Rank 0 alone passes a collection whose tp group is another 2-rank group: every rank must raise all the same.
+    wrong_on_rank_0 = pg.evolve(tp=pg.get("expt_dp")) if dist.get_rank() == 0 else pg
+    return {
+        "not built": error_of(lambda: from_parallel_dims(ParallelDims(**DEGREES, world_size=WORLD))),
+        "world size": error_of(to(ParallelLayout(world_size=4, tp=2, ep=2, etp=1))),
+        "expert tp": error_of(to(ParallelLayout(world_size=WORLD, tp=2, ep=4, etp=2))),
+        "ep borrows beyond dp_shard": error_of(to(layout, pg.evolve(inter_dist_opt=pg.get("dp")))),
+        "order": error_of(to(ParallelLayout(world_size=WORLD, tp=2, ep=4, etp=1, order="tp-cp-dp-ep-pp"))),
+        "another layout's collection": error_of(to(ParallelLayout(world_size=WORLD, tp=2, ep=2, etp=1))),
+        "wrong on one rank": error_of(to(layout, wrong_on_rank_0)),
+        "unset": error_of(to(layout, pg.evolve(ep=UNSET))),
+        "backend": error_of(to(layout, spmd_backend="dtensor")),
+    }
+
+
+def _checks() -> dict[str, Any]:
+    use_cpu()
+    out = _titan_and_adoption()
+    out.update(_ours(out["layout"]))
+    return out
+
+
+def test_torchtitan_interop_communicators_and_bad_input() -> None:
+    results = run_world(WORLD, _checks, timeout=110)
+    for rank, out in enumerate(results):
+        held, rank_sets = out["titan"]
+        assert held > rank_sets, out["titan"]  # torchtitan's meshes: several communicators per rank set
+        assert out["layout"] == ParallelLayout(world_size=WORLD, tp=2, ep=4, etp=1)
+        assert (out["from_entries"], out["from_created"]) == (0, 0), rank
+        assert out["held_are_titans"] == [] and out["build_reuses"] == [], rank
+        assert out["build_created"] == 0, rank  # torchtitan has every rank set this layout needs
+        assert out["unset"] == [], out["unset"]
+        assert len(out["built"]) == len(set(out["built"])), out["built"]  # the registry: one per rank set
+        for spmd_backend in SPMD_BACKENDS:
+            mine = out[spmd_backend]
+            assert mine["created"] == [], (rank, spmd_backend, mine["created"])
+            assert mine["held"] == (rank_sets, rank_sets), (rank, spmd_backend, mine["held"])  # one per rank set
+            assert mine["all_the_collections"], (rank, spmd_backend)
+    bad = {name: {out["bad"][name] for out in results} for name in results[0]["bad"]}
+    expected = {
+        "not built": "build_mesh",
+        "world size": "world_size 4",
+        "expert tp": "etp=2",
+        "ep borrows beyond dp_shard": "ep=4 does not divide dp_shard x cp x tp = 1 x 1 x 2",
+        "order": "order 'tp-cp-dp-ep-pp'",
+        "another layout's collection": "'ep' group holds ranks",
+        "wrong on one rank": "'tp' group holds ranks [0, 4]",
+        "unset": "'ep' is UNSET",
+        "backend": "'dtensor'",
+    }
+    for name, needle in expected.items():
+        assert len(bad[name]) == 1, (name, bad[name])  # the same error on every rank
+        (message,) = bad[name]
+        assert message.startswith("ValueError") and needle in message, (name, message)
