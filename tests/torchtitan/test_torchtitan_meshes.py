@@ -38,7 +38,7 @@ SHAPES: dict[str, tuple[dict[str, int], str]] = {
     "hsdp 2 x 2 x tp 2, ep 4": ({"dp_replicate": 2, "dp_shard": 2, "tp": 2, "ep": 4}, "partial_dtensor"),
     "dp_shard 2 x cp 2 x tp 2, ep 8 (EP across CP)": ({"dp_shard": 2, "cp": 2, "tp": 2, "ep": 8}, "spmd_types"),
     "dp_shard 4 x tp 2, EP off": ({"dp_shard": 4, "tp": 2, "ep": 1}, "partial_dtensor"),
-    "hsdp 2 x 2 x cp 2 x tp 2, ep 2": ({"dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, "full_dtensor"),
+    "hsdp 2 x 2 x cp 2, ep 2": ({"dp_replicate": 2, "dp_shard": 2, "cp": 2, "ep": 2}, "full_dtensor"),
     "tp 8, ep 8 (one-rank data parallelism)": ({"dp_shard": 1, "tp": 8, "ep": 8}, "spmd_types"),
 }
 
