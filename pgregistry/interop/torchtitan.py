@@ -9,7 +9,8 @@ communicators over the same ranks). This module moves between the two without a 
   collection holding torchtitan's own communicators (one per rank set, the others it holds are left alone), and
   teaches the registry those communicators; it creates no group;
 * :func:`to_parallel_dims` hands torchtitan a ``ParallelDims`` whose every mesh and submesh is made of the
-  collection's communicators (``DeviceMesh.from_group``), one per distinct rank set;
+  collection's communicators (``DeviceMesh.from_group``), one per distinct rank set (expert FSDP gets a second
+  one where its ranks are the dense FSDP ranks, which FSDP2 needs);
 * :func:`mark_torchtitan_experts` marks torchtitan's routed-expert modules, so grad statistics refuse an expert
   parameter that lost its classification instead of counting it as dense;
 * :func:`communicator_ranks` lists the real communicators this process holds, for proving the above.
@@ -232,10 +233,12 @@ def to_parallel_dims(
     for ``batch`` / ``dp`` (and ``dp_shard`` without HSDP); ``dp_cp`` for ``loss`` and ``fsdp``; ``expt_dp`` for
     ``efsdp``; under HSDP (``collection.inter_dist_opt`` set, as :func:`pgregistry.mesh.with_hsdp_groups` sets it)
     ``inter_dist_opt`` for ``dp_replicate``, ``intra_dp_cp`` / ``intra_expt_dp`` for ``fsdp`` / ``efsdp``. So
-    the meshes hold one communicator per distinct rank set. The world, the one-rank group of a size-1 dim torchtitan
-    keeps real, and ``dp_shard`` under HSDP with CP (no field holds it) come from ``registry`` (default: the
-    process-wide one) with ``backend`` / ``timeout``, which reuses a rank set it has. Dims torchtitan leaves to the
-    ``fake`` backend get fake groups. ``spmd_backend`` is torchtitan's (``SPMD_BACKENDS``); ``device_type``
+    the meshes hold one communicator per distinct rank set, with one exception: where the expert FSDP ranks are the
+    dense FSDP ranks (EP = TP), ``efsdp`` gets a second communicator over them, created by this call, because
+    FSDP2 cannot shard one block's dense and expert parameters on two meshes over one communicator. The world,
+    the one-rank group of a size-1 dim torchtitan keeps real, and ``dp_shard`` under HSDP with CP (no field holds
+    it) come from ``registry`` (default: the process-wide one) with ``backend`` / ``timeout``, which reuses a rank
+    set it has. Dims torchtitan leaves to the ``fake`` backend get fake groups. ``spmd_backend`` is torchtitan's (``SPMD_BACKENDS``); ``device_type``
     defaults to torchtitan's own (``torchtitan.distributed.parallel_dims.device_type``, "cuda" when it finds no
     accelerator). Collective over the world.
 
@@ -409,11 +412,28 @@ class _GroupSource:
         if not real:
             return self._fake(_row_of(partition, dist.get_rank()))
         field = _field_of(dim, self.sizes)
+        if dim == "efsdp" and self.sizes.ep > 1 and _same_partition(partition, self.sizes.partition("fsdp")):
+            return self._expert_fsdp_twin(partition)
         if partition.shape[1] == 1 or field is None:
             group = self.registry.group_of_partition(partition.tolist(), **self.options)
             assert group is not None  # the partition covers every rank
             return group
         return cast("ProcessGroup", self.collection.get(field))
+
+    def _expert_fsdp_twin(self, partition: torch.Tensor) -> ProcessGroup:
+        """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks (EP = TP).
+
+        FSDP2 (torch 2.13) groups the parameters of one ``fully_shard`` call by their shard communicator and
+        requires one mesh of theirs per communicator; torchtitan shards a block's dense and expert parameters in
+        one call on two meshes (``fsdp`` / ``dp_shard`` and ``efsdp``), so the two must be different communicators
+        even over the same ranks. Each call creates them afresh, through a registry of their own (one group per
+        rank set, created as the registry creates groups).
+        """
+        from pgregistry.registry import GroupRegistry
+
+        group = GroupRegistry().group_of_partition(partition.tolist(), **self.options)
+        assert group is not None  # the partition covers every rank
+        return group
 
     def _fake(self, ranks: tuple[int, ...]) -> ProcessGroup:
         """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan gives the dims

@@ -90,6 +90,12 @@ def _ours(layout: ParallelLayout) -> dict[str, Any]:
             "held": _held(parallel_dims),
             "all_the_collections": all(id(group) in fields for group in real),
         }
+    # EP = TP: expert FSDP's ranks are dense FSDP's, and FSDP2 needs a second communicator there (the only one made).
+    same_ranks = ParallelLayout(world_size=WORLD, tp=2, ep=2, etp=1)
+    twinned = own.build(same_ranks)
+    before = communicators()
+    to_parallel_dims(same_ranks, twinned, spmd_backend="partial_dtensor", device_type="cpu", registry=own)
+    out["ep = tp"] = (_new(communicators(), before), tuple(dist.get_process_group_ranks(twinned.get("dp_cp"))))
     out["bad"] = _bad_input(layout, collection, own)
     return out
 
@@ -136,6 +142,8 @@ def test_torchtitan_interop_communicators_and_bad_input() -> None:
             assert mine["created"] == [], (rank, spmd_backend, mine["created"])
             assert mine["held"] == (rank_sets, rank_sets), (rank, spmd_backend, mine["held"])  # one per rank set
             assert mine["all_the_collections"], (rank, spmd_backend)
+        created, expert_fsdp = out["ep = tp"]
+        assert created == [expert_fsdp], (rank, created)
     bad = {name: {out["bad"][name] for out in results} for name in results[0]["bad"]}
     expected = {
         "not built": "build_mesh",

@@ -40,6 +40,7 @@ SHAPES: dict[str, tuple[dict[str, int], str]] = {
     "dp_shard 4 x tp 2, EP off": ({"dp_shard": 4, "tp": 2, "ep": 1}, "partial_dtensor"),
     "hsdp 2 x 2 x cp 2, ep 2": ({"dp_replicate": 2, "dp_shard": 2, "cp": 2, "ep": 2}, "full_dtensor"),
     "tp 8, ep 8 (one-rank data parallelism)": ({"dp_shard": 1, "tp": 8, "ep": 8}, "spmd_types"),
+    "dp_shard 4 x tp 2, ep 2 (EP = TP)": ({"dp_shard": 4, "tp": 2, "ep": 2}, "partial_dtensor"),
 }
 
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
@@ -151,10 +152,17 @@ def _to_report(degrees: dict[str, int], spmd_backend: str, theirs: ParallelDims,
     exempt = {"efsdp"} if degrees.get("ep", 1) == 1 else set()
     if replicas > 1 and degrees.get("cp", 1) > 1:
         exempt.add("dp_shard")
+    # Where EP = TP the expert FSDP ranks are the dense FSDP ranks, and FSDP2 needs two communicators there.
+    twins = degrees.get("ep", 1) == degrees.get("tp", 1) > 1
+    single = ours._single_axis_meshes
+    dense_fsdp = (single["fsdp"] if "fsdp" in single else single["dp_shard"]).get_group()
     for name, mesh in _meshes(ours).items():
         for index, dim in enumerate(mesh.mesh_dim_names):
             group = mesh.get_group(index)
-            if mesh.size(index) > 1 and dim not in exempt and group is not fields.get(_ranks(group)):
+            if dim == "efsdp" and twins:
+                if group is dense_fsdp or _ranks(group) != _ranks(dense_fsdp):
+                    problems.append(f"rank {rank} {name} efsdp: not a second group over the dense FSDP ranks")
+            elif mesh.size(index) > 1 and dim not in exempt and group is not fields.get(_ranks(group)):
                 problems.append(f"rank {rank} {name} {dim}: its group over {_ranks(group)} is not the collection's")
     return problems
 
