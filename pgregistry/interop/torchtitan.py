@@ -238,9 +238,10 @@ def to_parallel_dims(
     FSDP2 cannot shard one block's dense and expert parameters on two meshes over one communicator. The world,
     the one-rank group of a size-1 dim torchtitan keeps real, and ``dp_shard`` under HSDP with CP (no field holds
     it) come from ``registry`` (default: the process-wide one) with ``backend`` / ``timeout``, which reuses a rank
-    set it has. Dims torchtitan leaves to the ``fake`` backend get fake groups. ``spmd_backend`` is torchtitan's (``SPMD_BACKENDS``); ``device_type``
-    defaults to torchtitan's own (``torchtitan.distributed.parallel_dims.device_type``, "cuda" when it finds no
-    accelerator). Collective over the world.
+    set it has. Dims torchtitan leaves to the ``fake`` backend get fake groups. ``spmd_backend`` is torchtitan's
+    (``SPMD_BACKENDS``); ``device_type`` defaults to torchtitan's own
+    (``torchtitan.distributed.parallel_dims.device_type``, "cuda" when it finds no accelerator). Collective over
+    the world.
 
     Raises ``ValueError`` on every rank, naming the culprit, for a layout torchtitan cannot express (expert TP
     other than 1 under EP, GTP remat, EP not dividing ``dp_shard x cp x tp``, an order giving other rank sets), a

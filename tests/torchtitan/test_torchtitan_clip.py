@@ -8,7 +8,8 @@ norm is the oracle's. Where they are not declared right:
 
 * a per-expert factor whose grad says ``Replicate`` over "ep" (the xorl report's shape: each EP rank holds
   different experts): torchtitan counts each EP rank's own copy as the whole, so every EP rank gets a different,
-  low norm, and clips with it. pgregistry refuses the parameter, naming it;
+  low norm, and clips with it (the dense parameter's shards by different scales). pgregistry refuses the
+  parameter, naming it;
 * experts on a mesh whose EP dim has another name, or on a mesh without EP (FSDP over ``efsdp`` only): torchtitan
   puts them with the dense parameters and raises from DTensor (two meshes in one norm); pgregistry matches the
   mesh dims to the collection's groups by ranks, not names, and gives the oracle's norm.
@@ -85,6 +86,10 @@ def _no_pp() -> dict[str, Any]:
     mark_expert(factor)
     params = {"dense": dense, "lora": factor}
     out["replicated over ep"] = {"titan": _titan(params), "pgregistry": error_of(lambda: grad_norm(params, pg))}
+    # ... and torchtitan clips with that norm: the scale it gives this rank's shard of the dense grad.
+    before = dense.grad.to_local().clone()
+    titan_clip_grad_norm_(list(params.values()), 1.0, ep_enabled=True)
+    out["replicated over ep"]["dense scale"] = float((dense.grad.to_local() / before).mean())
     return out
 
 
@@ -137,3 +142,7 @@ def test_torchtitan_clip_against_the_oracle() -> None:
     oracle = results[0]["no pp"]["oracle"]
     assert sorted(titan) == [0, 1] and titan[0] != titan[1]
     assert all(norm < oracle * 0.95 for norm in titan.values()), (titan, oracle)
+    # The dense parameter's shards are clipped by different scales on the two EP ranks, neither the oracle's.
+    for out in results:
+        case = out["no pp"]["replicated over ep"]
+        assert math.isclose(case["dense scale"], 1.0 / (titan[out["no pp"]["ep_rank"]] + 1e-6), rel_tol=1e-9)
