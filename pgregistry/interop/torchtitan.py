@@ -260,7 +260,7 @@ def to_parallel_dims(
         dp_replicate=sizes.dp_replicate, dp_shard=sizes.dp_shard, cp=sizes.cp, tp=sizes.tp, pp=sizes.pp,
         ep=sizes.ep, world_size=sizes.world_size, spmd_backend=spmd_backend,
     )
-    found = _GroupSource(sizes, collection, registry, {"backend": backend, "timeout": timeout})
+    found = _GroupSource(sizes, collection, spmd_backend, registry, {"backend": backend, "timeout": timeout})
     groups = {dim: found.group(dim, _is_real(parallel_dims, dim)) for dim in _dims_of(spmd_backend)}
     _install_meshes(
         parallel_dims, groups, found.world(), spmd_backend,
@@ -390,6 +390,7 @@ class _GroupSource:
         self,
         sizes: _Sizes,
         collection: ProcessGroupCollection,
+        spmd_backend: str,
         registry: GroupRegistry | None,
         options: Mapping[str, Any],
     ) -> None:
@@ -397,6 +398,9 @@ class _GroupSource:
 
         self.sizes = sizes
         self.collection = collection
+        # The dense dim FSDP2 shards over with one communicator of this collection: under the DTensor backends with
+        # CP it flattens dp_shard x cp into a group of its own instead.
+        self.dense_fsdp = "fsdp" if spmd_backend == "partial_dtensor" else ("dp_shard" if sizes.cp == 1 else None)
         self.registry = registry or default_registry
         self.options = dict(options)
         self.fakes: dict[tuple[int, ...], ProcessGroup] = {}
@@ -413,13 +417,16 @@ class _GroupSource:
         if not real:
             return self._fake(_row_of(partition, dist.get_rank()))
         field = _field_of(dim, self.sizes)
-        if dim == "efsdp" and self.sizes.ep > 1 and _same_partition(partition, self.sizes.partition("fsdp")):
+        if dim == "efsdp" and self.sizes.ep > 1 and self._same_as_dense_fsdp(partition):
             return self._expert_fsdp_twin(partition)
         if partition.shape[1] == 1 or field is None:
             group = self.registry.group_of_partition(partition.tolist(), **self.options)
             assert group is not None  # the partition covers every rank
             return group
         return cast("ProcessGroup", self.collection.get(field))
+
+    def _same_as_dense_fsdp(self, partition: torch.Tensor) -> bool:
+        return self.dense_fsdp is not None and _same_partition(partition, self.sizes.partition(self.dense_fsdp))
 
     def _expert_fsdp_twin(self, partition: torch.Tensor) -> ProcessGroup:
         """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks (EP = TP).

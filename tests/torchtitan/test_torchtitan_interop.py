@@ -96,6 +96,13 @@ def _ours(layout: ParallelLayout) -> dict[str, Any]:
     before = communicators()
     to_parallel_dims(same_ranks, twinned, spmd_backend="partial_dtensor", device_type="cpu", registry=own)
     out["ep = tp"] = (_new(communicators(), before), tuple(dist.get_process_group_ranks(twinned.get("dp_cp"))))
+    # EP off: torchtitan's efsdp (tp x dp_shard ranks) is a fake group, no communicator.
+    dense_only = ParallelLayout(world_size=WORLD, tp=2)
+    dense_collection = own.build(dense_only)
+    before = communicators()
+    parallel_dims = to_parallel_dims(dense_only, dense_collection, device_type="cpu", registry=own)
+    efsdp = parallel_dims._single_axis_meshes["efsdp"]
+    out["ep off"] = (_new(communicators(), before), efsdp.size(), dist.get_backend(efsdp.get_group()))
     out["bad"] = _bad_input(layout, collection, own)
     return out
 
@@ -144,6 +151,7 @@ def test_torchtitan_interop_communicators_and_bad_input() -> None:
             assert mine["all_the_collections"], (rank, spmd_backend)
         created, expert_fsdp = out["ep = tp"]
         assert created == [expert_fsdp], (rank, created)
+        assert out["ep off"] == ([], 8, "fake"), (rank, out["ep off"])
     bad = {name: {out["bad"][name] for out in results} for name in results[0]["bad"]}
     expected = {
         "not built": "build_mesh",
