@@ -55,6 +55,10 @@ def _held(parallel_dims: Any) -> tuple[int, int]:
 def _titan_and_adoption() -> dict[str, Any]:
     titan = ParallelDims(**DEGREES, world_size=WORLD)  # torchtitan's default spmd_backend
     titan.build_mesh()
+    # Meshes of this world under a ParallelDims that says 4 ranks (built elsewhere, handed over): refused.
+    smaller = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=2, world_size=4)
+    smaller._single_axis_meshes = titan._single_axis_meshes
+    wrong_world = error_of(lambda: from_parallel_dims(smaller))
     entries = len(_world.pg_map)
     created = registry.default_registry.groups_created
     layout, collection = from_parallel_dims(titan)
@@ -63,6 +67,7 @@ def _titan_and_adoption() -> dict[str, Any]:
     rebuilt = registry.build(layout)
     return {
         "titan": _held(titan),
+        "wrong world": wrong_world,
         "from_entries": len(_world.pg_map) - entries,
         "from_created": registry.default_registry.groups_created - created,
         "layout": layout,
@@ -153,6 +158,7 @@ def test_torchtitan_interop_communicators_and_bad_input() -> None:
         assert created == [expert_fsdp], (rank, created)
         assert out["ep off"] == ([], 8, "fake"), (rank, out["ep off"])
     bad = {name: {out["bad"][name] for out in results} for name in results[0]["bad"]}
+    bad["parallel dims world size"] = {out["wrong world"] for out in results}
     expected = {
         "not built": "build_mesh",
         "world size": "world_size 4",
@@ -163,6 +169,7 @@ def test_torchtitan_interop_communicators_and_bad_input() -> None:
         "wrong on one rank": "'tp' group holds ranks [0, 4]",
         "unset": "'ep' is UNSET",
         "backend": "'dtensor'",
+        "parallel dims world size": "ParallelDims world_size 4 disagrees with the process group world of 8",
     }
     for name, needle in expected.items():
         assert len(bad[name]) == 1, (name, bad[name])  # the same error on every rank

@@ -120,6 +120,7 @@ def _meshes(parallel_dims: ParallelDims) -> dict[str, Any]:
     """Every mesh torchtitan's code can ask its ParallelDims for, by a name saying how it was asked."""
     meshes: dict[str, Any] = {f"global {name}": mesh for name, mesh in parallel_dims._global_meshes.items()}
     meshes.update({f"one-dim {name}": mesh for name, mesh in parallel_dims._single_axis_meshes.items()})
+    meshes.update({f"active {name}": mesh for name, mesh in parallel_dims.get_all_one_dimensional_meshes().items()})
     meshes.update({f"spmd {i}": mesh for i, mesh in enumerate(parallel_dims.spmd_meshes())})
     meshes["world"] = parallel_dims.world_mesh
     for dims in (["dp_replicate", "fsdp"], ["dp_replicate", "dp_shard"], ["dp_replicate", "efsdp"], ["efsdp", "ep"]):
