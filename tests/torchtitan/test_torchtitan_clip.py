@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from titan_support import error_of, require_torchtitan, use_cpu
+from fixtures.errors import value_error_of
+from titan_support import require_torchtitan, use_cpu
 
 require_torchtitan()
 
@@ -85,7 +86,7 @@ def _no_pp() -> dict[str, Any]:
     factor.grad = DTensor.from_local(grads[mine], mesh, [Replicate(), Replicate()])
     mark_expert(factor)
     params = {"dense": dense, "lora": factor}
-    out["replicated over ep"] = {"titan": _titan(params), "pgregistry": error_of(lambda: grad_norm(params, pg))}
+    out["replicated over ep"] = {"titan": _titan(params), "pgregistry": value_error_of(lambda: grad_norm(params, pg))}
     # ... and torchtitan clips with that norm: the scale it gives this rank's shard of the dense grad.
     before = dense.grad.to_local().clone()
     titan_clip_grad_norm_(list(params.values()), 1.0, ep_enabled=True)

@@ -4,9 +4,8 @@
 unless ``PGREGISTRY_REQUIRE_TORCHTITAN=1`` (set by ``make test``) makes the missing package a failure, so CI can
 never pass by skipping them.
 
-The model is torchtitan's own Qwen3 MoE (``Qwen3Model`` with ``_build_qwen3_moe_layers``), small, with two changes
-that touch no parallelism: SDPA as inner attention (torchtitan's language-model configs pick FlexAttention, which
-needs ``torch.compile``), and, where a test compares with a float64 oracle, :func:`exact_grouped_experts`, the
+The model is the example's (examples/torchtitan_moe.py): torchtitan's own Qwen3 MoE, small, with SDPA as inner
+attention; where a test compares with a float64 oracle, its experts are :func:`exact_grouped_experts`, the
 expert matmuls in the parameters' dtype (torchtitan's ``GroupedExperts`` rounds them to bfloat16 whatever the
 dtype, so sharding, which changes the order tokens reach an expert and splits each expert's grad sum over FSDP
 ranks, would move expert grads by bfloat16 rounding). Parameters, their sharding, the token dispatch and the
@@ -19,7 +18,6 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,20 +26,22 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "VOCAB",
-    "exact_grouped_experts",
+    "BATCH",
     "build_model",
+    "close",
     "communicators",
-    "error_of",
+    "exact_grouped_experts",
+    "forward_backward",
     "global_batch",
+    "loss_of",
+    "model_config",
     "oracle_steps",
     "parallelize",
     "require_torchtitan",
     "use_cpu",
 ]
 
-VOCAB = 64
-BATCH, SEQ = 2, 8  # per data-parallel rank
+BATCH = 2  # rows per data-parallel rank
 
 
 def require_torchtitan() -> None:
@@ -79,14 +79,6 @@ def communicators() -> list[tuple[int, ...]]:
     )
 
 
-def error_of(call: Callable[[], Any]) -> str:
-    try:
-        call()
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 @functools.cache
 def exact_grouped_experts() -> type:
     from torchtitan.models.common.moe import GroupedExperts
@@ -116,33 +108,17 @@ def exact_grouped_experts() -> type:
 
 
 def model_config(*, ep: int, experts: int = 8, layers: int = 1, exact: bool = True) -> Any:
-    """A small Qwen3 MoE config with torchtitan's sharding set (sequence parallel on, as torchtitan's default)."""
-    from torchtitan.models import qwen3
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3.model import Qwen3Model
-    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+    """The example's small Qwen3 MoE config (torchtitan's sharding set), with :func:`exact_grouped_experts` as its
+    experts when ``exact``."""
+    from examples.torchtitan_moe import qwen3_moe_config
 
-    dim, head_dim = 32, 8
-    config = Qwen3Model.Config(
-        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim),
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_moe_layers(
-            n_layers=layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=16,
-            num_experts=experts, top_k=2, attn_backend="flex", moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=10000.0),
-        ),
-    )
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-        if exact:
-            stock = layer.moe.routed_experts.inner_experts
-            layer.moe.routed_experts.inner_experts = exact_grouped_experts().Config(
-                dim=stock.dim, hidden_dim=stock.hidden_dim, num_experts=stock.num_experts,
-                param_init=stock.param_init,
-            )
-    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
+    config = qwen3_moe_config(ep=ep, experts=experts, layers=layers)
+    for layer in config.layers if exact else ():
+        stock = layer.moe.routed_experts.inner_experts
+        layer.moe.routed_experts.inner_experts = exact_grouped_experts().Config(
+            dim=stock.dim, hidden_dim=stock.hidden_dim, num_experts=stock.num_experts,
+            param_init=stock.param_init, sharding_config=stock.sharding_config,
+        )
     return config
 
 
@@ -179,13 +155,15 @@ def parallelize(model: torch.nn.Module, parallel_dims: Any, *, dtype: torch.dtyp
 
 def global_batch(step: int, dp: int) -> torch.Tensor:
     """Step ``step``'s tokens, ``BATCH`` rows per data-parallel rank, rank ``i``'s rows at ``[i * BATCH:]``."""
+    from examples.torchtitan_moe import SEQ, VOCAB
+
     return torch.randint(0, VOCAB, (dp * BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + step))
 
 
 def loss_of(output: torch.Tensor) -> torch.Tensor:
     """A loss that sums over tokens, so the data-parallel ranks' grads add up to the global batch's."""
     full = output.full_tensor() if hasattr(output, "full_tensor") else output
-    return full.square().sum() / (BATCH * SEQ)
+    return full.square().sum() / BATCH
 
 
 def forward_backward(model: torch.nn.Module, tokens: torch.Tensor, parallel_dims: Any = None) -> None:
