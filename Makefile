@@ -14,9 +14,17 @@ MEGATRON_STAMP := $(VENV)/.megatron-core-$(MEGATRON_CORE)
 MEGATRON_CORE_OLDER ?= 0.16.1
 MEGATRON_OLDER_DIR := $(VENV)/megatron-core-$(MEGATRON_CORE_OLDER)
 
+# The torchtitan tests/torchtitan run against. Its wheel is pure Python; its declared dependencies are those of its
+# training loop (datasets, tokenizers, wandb, tensorboard, ...), which the meshes, models and parallelize functions
+# pgregistry bridges do not import: it is installed without them, plus exactly what `import torchtitan.models` needs
+# (spmd_types at the version it pins, tyro, einops; triton as for megatron-core). TORCHTITAN= skips all of this.
+TORCHTITAN ?= 0.3.0
+TORCHTITAN_DEPS ?= spmd_types==0.2.3 tyro==1.0.17 einops==0.8.2
+TORCHTITAN_STAMP := $(VENV)/.torchtitan-$(TORCHTITAN)
+
 .PHONY: setup demo test lint allowlist-check bench
 
-setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR))
+setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR)) $(if $(TORCHTITAN),$(TORCHTITAN_STAMP))
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +46,13 @@ $(MEGATRON_OLDER_DIR): | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $@.partial "megatron-core==$(MEGATRON_CORE_OLDER)"
 	mv $@.partial $@
 
+$(TORCHTITAN_STAMP): $(STAMP)
+	$(PY) -m pip install -q $(TORCHTITAN_DEPS)
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q --no-deps "$(TRITON)"
+	$(PY) -m pip install -q --no-deps "torchtitan==$(TORCHTITAN)"
+	$(PY) -c "import torchtitan.models.qwen3"
+	touch $(TORCHTITAN_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m examples.moe_demo
 
@@ -46,7 +61,7 @@ test: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pgregistry allowlist check
 	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
-		$(PY) -m pytest
+		PGREGISTRY_REQUIRE_TORCHTITAN=$(if $(TORCHTITAN),1,0) $(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -31,7 +31,7 @@ from pgregistry.layout import RankGroup
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["CACHE", "GroupCache", "GroupOptions", "agree_on_request", "require_distributed"]
+__all__ = ["CACHE", "GroupCache", "GroupOptions", "agree_on_request", "members_only_creation", "require_distributed"]
 
 
 @attrs.frozen(slots=True)
@@ -61,6 +61,7 @@ class GroupCache:
     def __init__(self) -> None:
         self._groups: dict[RankGroup, tuple[ProcessGroup, GroupOptions]] = {}
         self._adopted: set[RankGroup] = set()
+        self._twins: list[ProcessGroup] = []
         self.created = 0
         """How many ``new_group`` calls this process issued (for benchmarks and tests)."""
 
@@ -129,6 +130,32 @@ class GroupCache:
         self.create(mine if members_only else sets, options, members_only)
         return self.group(mine[0]) if mine else None
 
+    def twin_partition_group(self, rank_sets: Iterable[Iterable[int]], options: GroupOptions) -> ProcessGroup | None:
+        """Like :meth:`partition_group`, but always a new communicator per rank set, beside any the cache holds.
+
+        For a library that needs two communicators over the same ranks: FSDP2 (torch 2.13) shards one
+        ``fully_shard`` call's parameters by communicator and needs one mesh per communicator, so torchtitan's
+        dense and expert FSDP meshes must be two communicators where their ranks coincide (EP = TP). The twins are
+        counted in :attr:`created` and destroyed with the cache's own, never handed out for a rank set again.
+        """
+        require_distributed("creating process groups")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
+        agree_on_request("the twin rank sets to create", {"rank sets": repr(sets), **options.described()})
+        members_only = members_only_creation(options.backend)
+        mine: ProcessGroup | None = None
+        for ranks in sorted(sets, key=lambda r: (len(r), r)):
+            if members_only and rank not in ranks:
+                continue
+            group = dist.new_group(
+                list(ranks), backend=options.backend, timeout=options.timeout, use_local_synchronization=members_only
+            )
+            self.created += 1
+            if rank in ranks:
+                mine = group
+                self._twins.append(group)
+        return mine
+
     def adopt(self, groups: Iterable[ProcessGroup]) -> None:
         """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so that a later
         build whose rank sets they cover reuses them instead of creating a second set.
@@ -154,11 +181,13 @@ class GroupCache:
 
     def destroy(self) -> None:
         """Destroy every communicator this cache created (not the adopted ones) and forget them all."""
-        for ranks, (group, _) in self._groups.items():
-            if group is not dist.group.WORLD and ranks not in self._adopted and dist.is_initialized():
+        owned = [group for ranks, (group, _) in self._groups.items() if ranks not in self._adopted] + self._twins
+        for group in owned:
+            if group is not dist.group.WORLD and dist.is_initialized() and not isinstance(group, int):
                 dist.destroy_process_group(group)
         self._groups.clear()
         self._adopted.clear()
+        self._twins.clear()
 
 
 CACHE = GroupCache()
