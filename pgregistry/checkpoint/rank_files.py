@@ -6,8 +6,9 @@ one save), and holding the CRC-32 of each of its tensors. What a user saved is n
 
 * a save into a directory already holding ``<prefix><rank>.pt`` files is refused on every rank before any rank
   writes, so an earlier checkpoint is never overwritten file by file;
-* each file is written under a temporary name, flushed to disk and renamed, so a crash leaves no truncated file
-  under a checkpoint's name;
+* each file is written under a temporary name and flushed to disk, and the files are renamed into place only
+  once every rank's is complete (:mod:`~pgregistry.checkpoint.disk`): a save that fails or is killed half-way
+  leaves no file under a checkpoint's name, and a failed write names the file and its disk;
 * a file that cannot be read (truncated, corrupt, not a checkpoint), files of two different saves, and a tensor
   whose bytes no longer match their checksum are errors naming the files (and the tensor);
 * loading is strict: a parameter of the checkpoint that no rank's model holds (an 8-expert checkpoint loaded
@@ -19,7 +20,6 @@ Every check raises on every rank alike (:mod:`~pgregistry.checkpoint.agreement`)
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import secrets
 from collections.abc import Sequence
@@ -41,6 +41,7 @@ from pgregistry.checkpoint.by_name import (
     rank_model,
     shape_mismatches,
 )
+from pgregistry.checkpoint.disk import partial_path, publish, write_partial
 from pgregistry.checkpoint.integrity import checksums_of, damaged_tensors
 from pgregistry.experts.names import NamingOptions
 
@@ -99,9 +100,9 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
     """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world and
     id and holding the checksum of each of its tensors.
 
-    Collective: refuses an existing checkpoint first (:func:`_refuse_existing`) and returns once every rank's file
-    is in place; each file appears under its name only once completely on disk, and when any rank fails to write,
-    every rank removes its file and raises.
+    Collective: refuses an existing checkpoint first (:func:`_refuse_existing`); each rank's file is renamed into
+    place only once every rank's is complete on disk, and the call returns once every rank's file is in place.
+    When any rank fails to write (its error names the file and the disk), every rank removes its file and raises.
     """
     rank, world_size = world()
     directory = Path(directory)
@@ -111,31 +112,16 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
         "checksums": checksums_of(content),
     }
     path = directory / f"{prefix}{rank:05d}.pt"
+    failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory} (see its error)")
     try:
-        _write_atomically(path, payload)
-        error = None
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised here
-        error = exc
-    if max_over_ranks([int(error is not None)])[0]:  # also the barrier: every file is in place on return
-        path.unlink(missing_ok=True)  # a save that failed anywhere leaves none of its files
-        if error is not None:
-            raise error
-        raise RuntimeError(f"another rank failed to write its file of the checkpoint in {directory} (see its error)")
+        partial = agreed(lambda: write_partial(path, payload), failed)
+        agreed(lambda: publish(partial, path), failed)  # also the barrier: every file is in place on return
+    except BaseException:
+        # Whatever stopped the save here (another rank's failure, a lost peer), it leaves none of its files.
+        partial_path(path).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise
     return path
-
-
-def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
-    """``torch.save`` to a temporary name beside ``path``, flush it to disk, rename it to ``path``."""
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        with open(partial, "wb") as file:
-            torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    _fsync_directory(path.parent)
 
 
 def _new_save_id() -> int:
@@ -169,20 +155,6 @@ def _refuse_existing(directory: Path, prefix: str) -> None:
         f"{directory} already holds a checkpoint ({prefix}<rank>.pt files, {seen}); pgregistry does not "
         "overwrite one: save to a new directory, or remove the old checkpoint first"
     )
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the renames in ``directory`` durable (where the platform lets a directory be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _rank_file_paths(directory: Path, prefix: str) -> list[Path]:

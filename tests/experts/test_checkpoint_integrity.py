@@ -1,13 +1,24 @@
-"""Rank-file checkpoints load nothing damaged or mixed.
+"""Rank-file checkpoints load nothing damaged or mixed, and a save that the disk fails or a ``kill -9`` stops
+leaves nothing behind.
 
 Before: one flipped bit inside a stored tensor loaded silently; the rank files of two different saves (rank 1's
-copied from a later one) loaded together. Multi-rank cases run in real gloo worlds, where each fault must raise on
-every rank (none may hang).
+copied from a later one) loaded together; a full disk surfaced as torch's ``enforce fail at inline_container.cc``
+naming neither the file nor the disk; a save killed after one rank had renamed its file left that file under the
+checkpoint's name, so the next save into the directory was refused as if a checkpoint were there. Multi-rank
+cases run in real gloo worlds, where each fault must raise on every rank (none may hang).
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +31,8 @@ from pgregistry import ParallelLayout
 from pgregistry.checkpoint import load_rank_files, save_rank_files
 from pgregistry.registry import attach, build
 from pgregistry.testing import run_world
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _ep2_model(fill: float | None = None) -> MoE:
@@ -91,3 +104,128 @@ def test_rank_files_of_two_saves_are_refused_on_every_rank(tmp_path: Path) -> No
         assert message.startswith(f"{first} mixes the files of 2 different saves (save 0x"), message
         assert message.endswith(": rank-00001.pt): a rank file copied from another checkpoint? Every rank file of "
                                 "a checkpoint must come from one save"), message
+
+
+# ------------------------------------------------------------------------------------------- a full disk
+
+
+def _save_with_a_full_disk_on(directory: str, full_rank: int) -> str:
+    """Fault injection: on ``full_rank`` the disk takes 512 bytes of the file, then every write fails with ENOSPC, as
+    a disk that fills up during the save does."""
+    real_write, room = os.write, [512]
+
+    def filling_disk(fd: int, data: Any) -> int:
+        if room[0] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = real_write(fd, memoryview(data)[: room[0]])
+        room[0] -= written
+        return written
+
+    model = _ep2_model()
+    if dist.get_rank() == full_rank:
+        os.write = filling_disk
+    try:
+        save_rank_files(directory, model)
+    except (OSError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        os.write = real_write
+    return "saved"
+
+
+def test_a_full_disk_names_the_file_and_the_disk_on_every_rank_and_leaves_nothing(tmp_path: Path) -> None:
+    zero, one = run_world(2, _save_with_a_full_disk_on, str(tmp_path), 1, timeout=30.0)
+    assert zero == (
+        f"RuntimeError: another rank failed to write its file of the checkpoint in {tmp_path} (see its error)"
+    )
+    # The file, then the disk: its device, where it is mounted, and its free space.
+    assert one.startswith(f"OSError: [Errno 28] No space left on device: writing {tmp_path / 'rank-00001.pt'} on "), one
+    assert " mounted at /" in one and one.endswith(" bytes free)"), one
+    assert list(tmp_path.iterdir()) == []  # no rank file, no partial file, on either rank
+
+
+_SAVE_ON_A_TINY_DISK = """
+    import json, os, sys
+    from torch import nn
+    from checkpoint_support import MoE
+    from pgregistry import ParallelLayout
+    from pgregistry.checkpoint import save_rank_files
+    from pgregistry.registry import attach, build
+    from pgregistry.testing import run_world
+
+    def save(directory):
+        model = MoE(8, ep_size=2)
+        model.dense = nn.Linear(512, 256)  # 512 KiB, written by rank 0: more than the disk holds
+        attach(model, build(ParallelLayout(world_size=2, ep=2, etp=1)))
+        try:
+            save_rank_files(directory, model)
+        except (OSError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "saved"
+
+    results = run_world(2, save, sys.argv[1], timeout=30.0)
+    print(json.dumps({"results": results, "left": os.listdir(sys.argv[1])}))
+"""
+
+
+def _tiny_disk_available() -> bool:
+    """Whether this machine lets an unprivileged process mount a tmpfs in its own user and mount namespace."""
+    if shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _tiny_disk_available(), reason="needs `unshare -rm` (user namespaces) to mount a tmpfs")
+def test_a_really_full_disk_names_the_file_and_the_disk(tmp_path: Path) -> None:
+    # A real ENOSPC from the kernel: a 256 KiB tmpfs, mounted in a private mount namespace, fills up mid-save.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent(_SAVE_ON_A_TINY_DISK))
+    mount_and_save = f"mount -t tmpfs -o size=256k tiny {disk} && exec {sys.executable} {script} {disk}/ckpt"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", mount_and_save], capture_output=True, text=True,
+                          timeout=90, env=environment)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    results, ckpt = report["results"], disk / "ckpt"
+
+    def no_space(rank: int) -> str:  # the free space is what the disk had when that rank failed: racy
+        file, mount = re.escape(str(ckpt / f"rank-0000{rank}.pt")), re.escape(str(disk))
+        return rf"OSError: \[Errno 28\] No space left on device: writing {file} on tiny mounted at {mount} " \
+            r"\(\d+ bytes free\)"
+
+    assert re.fullmatch(no_space(0), results[0]), results  # rank 0 writes the large dense layer
+    # Rank 1's small file may or may not have fitted beside rank 0's partial one.
+    another = f"RuntimeError: another rank failed to write its file of the checkpoint in {ckpt} (see its error)"
+    assert results[1] == another or re.fullmatch(no_space(1), results[1]), results
+    assert report["left"] == []  # no rank file, no partial file
+
+
+# ------------------------------------------------------------------------------------------- kill -9
+
+
+class _KillsItsRank:
+    """Optimizer state whose pickling kills the rank outright, in the middle of its save."""
+
+    def __reduce__(self) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_killed_on_rank_one(directory: str) -> None:
+    model = _ep2_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if dist.get_rank() == 1:
+        optimizer.state[model.experts.local_experts[3].bias] = {"zz": _KillsItsRank()}
+    save_rank_files(directory, model, optimizer)
+
+
+def test_a_save_killed_half_way_leaves_nothing_the_next_save_or_load_trips_over(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError):  # rank 1 killed by SIGKILL, or rank 0 losing its peer
+        run_world(2, _save_killed_on_rank_one, str(tmp_path), timeout=30.0)
+    assert not list(tmp_path.glob("rank-*.pt"))  # rank 0's complete file was never renamed into place
+    assert run_world(2, _load, str(tmp_path), timeout=30.0) == [f"no rank-<rank>.pt files in {tmp_path}"] * 2
+    run_world(2, _save_filled, str(tmp_path))  # the next save into the directory: not refused, and it replaces
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rank-00000.pt", "rank-00001.pt"]  # stale partials
+    assert run_world(2, _load, str(tmp_path), timeout=30.0) == ["loaded", "loaded"]
