@@ -16,6 +16,7 @@ import attrs
 import torch
 from torch import nn
 
+from pgregistry.checkpoint.agreement import agreed
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key, named_global_parameters
 from pgregistry.experts.names import NamingOptions
@@ -83,6 +84,17 @@ def rank_model(
             raise ValueError(f"two parameters of the model have the global name {name!r}")
         params[name] = param
     return RankModel(params, group_rank(groups["dp_cp"]) == 0, group_rank(groups["expt_dp"]) == 0)
+
+
+def agreed_rank_model(
+    model_chunks: nn.Module | Sequence[nn.Module], owner: str, naming: NamingOptions
+) -> RankModel:
+    """:func:`rank_model` in a collective save or load: raising on every rank when it raises on any, since a rank
+    whose model cannot be named must not leave the others waiting in the save's or load's collectives."""
+    return agreed(
+        lambda: rank_model(model_chunks, owner, **naming),
+        ValueError(f"{owner}: another rank's model cannot be checkpointed (see its error)"),
+    )
 
 
 def _named_state(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:

@@ -35,10 +35,10 @@ from pgregistry.checkpoint.by_name import (
     MODEL_PREFIX,
     Optimizer,
     RankModel,
+    agreed_rank_model,
     apply_flat_state,
     flat_state,
     param_name_of_key,
-    rank_model,
     shape_mismatches,
 )
 from pgregistry.checkpoint.disk import partial_path, publish, write_partial
@@ -92,7 +92,7 @@ def save_rank_files(
     ``rank-<rank>.pt`` files is refused (``ValueError`` on every rank, nothing written): remove the old checkpoint
     first or save elsewhere. Returns the file written.
     """
-    model = rank_model(model_chunks, "save_rank_files", **naming)
+    model = agreed_rank_model(model_chunks, "save_rank_files", naming)
     return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True))
 
 
@@ -253,7 +253,7 @@ def load_rank_files(
     rank loads does not match its checksum (the file and the tensor are named).
     """
     directory = Path(directory)
-    model = rank_model(model_chunks, "load_rank_files", **naming)
+    model = agreed_rank_model(model_chunks, "load_rank_files", naming)
     holders = _read_on_every_rank(directory)
     stored = {key: rank_file.state[key] for key, rank_file in holders.items()}
     _check_keys_over_ranks(directory, stored, model, strict)

@@ -1,8 +1,9 @@
-"""Rank-file checkpoints load nothing damaged or mixed, and a save that the disk fails or a ``kill -9`` stops
-leaves nothing behind.
+"""Rank-file checkpoints load nothing damaged or mixed, store no gaps in the expert numbering, and a save that the
+disk fails or a ``kill -9`` stops leaves nothing behind.
 
 Before: one flipped bit inside a stored tensor loaded silently; the rank files of two different saves (rank 1's
-copied from a later one) loaded together; a full disk surfaced as torch's ``enforce fail at inline_container.cc``
+copied from a later one) loaded together; ``num_experts`` larger than the local experts times EP stored experts
+0-3 and 8-11 of "16" without a word; a full disk surfaced as torch's ``enforce fail at inline_container.cc``
 naming neither the file nor the disk; a save killed after one rank had renamed its file left that file under the
 checkpoint's name, so the next save into the directory was refused as if a checkpoint were there. Multi-rank
 cases run in real gloo worlds, where each fault must raise on every rank (none may hang).
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from checkpoint_support import MoE, alone, filled, flip_a_byte_of, snapshot
 
 from pgregistry import ParallelLayout
-from pgregistry.checkpoint import load_rank_files, save_rank_files
+from pgregistry.checkpoint import load_rank_files, save_distributed, save_rank_files
 from pgregistry.registry import attach, build
 from pgregistry.testing import run_world
 
@@ -104,6 +105,55 @@ def test_rank_files_of_two_saves_are_refused_on_every_rank(tmp_path: Path) -> No
         assert message.startswith(f"{first} mixes the files of 2 different saves (save 0x"), message
         assert message.endswith(": rank-00001.pt): a rank file copied from another checkpoint? Every rank file of "
                                 "a checkpoint must come from one save"), message
+
+
+# ------------------------------------------------------------------------------------------- expert numbering
+
+
+def _save_with_num_experts(directory: str, num_experts_by_rank: list[int]) -> str:
+    try:
+        save_rank_files(directory, _ep2_model(), num_experts=num_experts_by_rank[dist.get_rank()])
+    except ValueError as exc:
+        return str(exc)
+    return "saved"
+
+
+_GAPS = (
+    "num_experts is 16, but model chunk 0 holds 4 local experts ('experts.local_experts.<i>.weight') with EP size 2, "
+    "8 experts in all: the global expert indices would leave gaps; pass num_experts=8, or build 8 local experts "
+    "per rank"
+)
+
+
+def test_num_experts_beyond_the_local_experts_times_ep_is_refused_at_save(tmp_path: Path) -> None:
+    # 4 local experts on each of 2 EP ranks, saved as 16 experts: global experts 0-3 and 8-11, with 4-7 and 12-15
+    # nowhere, used to be stored without a word.
+    assert run_world(2, _save_with_num_experts, str(tmp_path / "all"), [16, 16], timeout=30.0) == [_GAPS, _GAPS]
+    assert run_world(2, _save_with_num_experts, str(tmp_path / "one"), [8, 16], timeout=30.0) == [
+        "save_rank_files: another rank's model cannot be checkpointed (see its error)",
+        _GAPS,
+    ]
+    assert not any(path.is_file() for path in tmp_path.rglob("*"))  # nothing written
+
+
+def _save_distributed_with_num_experts(directory: str, num_experts_by_rank: list[int]) -> str:
+    try:
+        save_distributed(directory, _ep2_model(), num_experts=num_experts_by_rank[dist.get_rank()])
+    except ValueError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_num_experts_wrong_on_one_rank_fails_every_rank_of_a_dcp_save_without_a_hang(tmp_path: Path) -> None:
+    assert run_world(2, _save_distributed_with_num_experts, str(tmp_path), [8, 16], timeout=30.0) == [
+        "save_distributed: another rank's model cannot be checkpointed (see its error)",
+        _GAPS,
+    ]
+
+
+def test_num_experts_that_does_not_fit_the_model_is_named_at_load(tmp_path: Path) -> None:
+    run_world(2, _save, str(tmp_path))
+    assert run_world(2, _load, str(tmp_path), num_experts=16, timeout=30.0) == [_GAPS, _GAPS]
 
 
 # ------------------------------------------------------------------------------------------- a full disk
