@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from pgregistry.cli import build_parser
 from pgregistry.cli.verify import _checks_on_this_rank, nodes_share_hosts
 from pgregistry.testing import run_world
 
@@ -84,3 +88,47 @@ def test_ranks_per_node_unknown_is_bad_input_on_every_rank(monkeypatch: pytest.M
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # the world's ranks inherit this environment
     with pytest.raises(ValueError, match="ranks per node unknown: LOCAL_WORLD_SIZE is not set"):
         run_world(2, _checks_on_this_rank, _args(gpus_per_node=None), torch.device("cpu"))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------- bad input, refused
+
+
+def _verify_as_a_world_of_one(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m pgregistry verify ARGV`` with the environment torchrun gives a world of one rank (its own exit
+    code, which torchrun would fold into 1)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {
+        **os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **env,
+    }
+    return subprocess.run([sys.executable, "-m", "pgregistry", "verify", *argv], capture_output=True, text=True,
+                          timeout=90, env=environment)
+
+
+def test_nccl_without_cuda_says_so() -> None:
+    # It used to die in torch.cuda.set_device: "AttributeError: module 'torch._C' has no attribute
+    # '_cuda_setDevice'" on a CPU-only build, a traceback and exit 1.
+    done = _verify_as_a_world_of_one("--backend", "nccl", CUDA_VISIBLE_DEVICES="")
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert re.fullmatch(r"pgregistry verify: error: --backend nccl needs CUDA, and torch \S+ here has none "
+                        r"\((a CPU-only build|no GPU visible)\); use --backend gloo\n", done.stderr), done.stderr
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "inf", "nan", "soon"])
+def test_a_timeout_that_is_no_positive_number_of_seconds_is_refused(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["verify", "--timeout", timeout])
+    assert info.value.code == 2
+    assert "pgregistry verify: error: argument --timeout: " in capsys.readouterr().err
+
+
+def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path: Path) -> None:
+    # It used to be found when rank 0 wrote the report, after every check had run: FileNotFoundError, exit 1.
+    path = tmp_path / "missing" / "x.json"
+    done = _verify_as_a_world_of_one("--json", str(path))
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr  # no check ran, no table
+    assert done.stderr == f"pgregistry verify: error: --json {path}: directory {path.parent} does not exist\n"
