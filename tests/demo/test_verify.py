@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from pgregistry import ParallelLayout, ProcessGroupCollection, grad_stats, registry, rng
 from pgregistry.cli import build_parser
 from pgregistry.cli.verify import _checks_on_this_rank, nodes_share_hosts
 from pgregistry.testing import run_world
+from pgregistry.torchrun_checks import report_checks
 
 
 def _args(gpus_per_node: int = 8, intra_node: str = "tp,expt_tp,cp", **sizes: int) -> argparse.Namespace:
@@ -132,3 +137,59 @@ def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path: Path) -> No
     done = _verify_as_a_world_of_one("--json", str(path))
     assert (done.returncode, done.stdout) == (2, ""), done.stderr  # no check ran, no table
     assert done.stderr == f"pgregistry verify: error: --json {path}: directory {path.parent} does not exist\n"
+
+
+# ------------------------------------------------------------------------------------------- each check can fail
+
+
+def _crossed_tp_and_dp() -> None:
+    """The collection verify builds holds the dp communicator in its tp field."""
+    real = registry.build
+
+    def build(layout: ParallelLayout, **options: Any) -> ProcessGroupCollection:
+        built = real(layout, **options)
+        return built.evolve(tp=built.get("dp")) if options.get("name") == "verify" else built
+
+    registry.build = build  # type: ignore[assignment]
+
+
+def _grad_norm_off_by_a_thousandth() -> None:
+    real = grad_stats.grad_norm
+    grad_stats.grad_norm = lambda *args, **kwargs: real(*args, **kwargs) * 1.001  # type: ignore[assignment]
+
+
+def _seeded_with_the_next_seed() -> None:
+    real = rng.model_parallel_manual_seed
+    rng.model_parallel_manual_seed = lambda seed, *args, **kwargs: real(seed + 1, *args, **kwargs)  # type: ignore
+
+
+def _verify_with(plant: Callable[[], None], json_path: str) -> int:
+    plant()  # in this rank's process only
+    args = _args(gpus_per_node=4, tp=2, ep=2, etp=1)
+    return report_checks("t", lambda device: _checks_on_this_rank(args, device), torch.device("cpu"), json_path)
+
+
+_GROUPS = "groups: every communicator holds the layout's ranks"
+_NORM = "float64 oracle: 2.0-norm of random grads"
+_SEEDS = "RNG: this rank's tracker seeds equal the layout's seed plan"
+
+
+@pytest.mark.parametrize(
+    ("plant", "failing", "detail", "passing"),
+    [
+        # A crossed communicator also skews what is computed over it (norms, seeds): only its own check is named.
+        (_crossed_tp_and_dp, _GROUPS, "tp: [0, 2] != [0, 1]", []),
+        (_grad_norm_off_by_a_thousandth, _NORM, " vs ", [_GROUPS, _SEEDS]),
+        (_seeded_with_the_next_seed, _SEEDS, " != ", [_GROUPS, _NORM]),
+    ],
+    ids=["wrong-group", "wrong-grad-norm", "wrong-seed"],
+)
+def test_each_check_fails_when_its_subject_is_wrong(
+    plant: Callable[[], None], failing: str, detail: str, passing: list[str], tmp_path: Path
+) -> None:
+    report = tmp_path / "report.json"
+    assert run_world(4, _verify_with, plant, str(report)) == [1] * 4  # verify's exit code, on every rank
+    rows = {row["check"]: row for row in json.loads(report.read_text())}
+    assert rows[failing]["passed"] is False and rows[failing]["failing_ranks"], rows[failing]
+    assert detail in rows[failing]["detail"], rows[failing]
+    assert all(rows[name]["passed"] for name in passing), [rows[name] for name in passing]
