@@ -1,11 +1,12 @@
-"""``pgregistry layout`` on a world too large to list: exit 2 with a message before enumerating anything, and advice
-that would help.
+"""``pgregistry layout`` and ``seed-plan`` on a world too large to list: exit 2 with a message before enumerating
+anything, and advice that would help.
 
 At 2**31 ranks ``layout`` used to die in the allocator (a raw traceback, exit 1) after trying to enumerate every
 group: the world is now refused at construction (torch.distributed's ranks are C ints), and a world that is
 addressable but whose listing would not fit in memory is refused from the layout's shapes, estimated up front.
-With ``--show 0`` it advised ``--show 0``. The memory available is fixed in these tests (the estimate is compared
-with it), so their outcome does not depend on the machine.
+With ``--show 0`` it advised ``--show 0``. ``seed-plan --check`` at 2**31 - 1 ranks ran for hours, silent; it now
+has the same guard. The memory available is fixed in these tests (the estimate is compared with it), so their
+outcome does not depend on the machine.
 """
 
 from __future__ import annotations
@@ -82,3 +83,18 @@ def test_with_rank_the_advice_is_to_leave_it_out(
     free_memory(256)
     err = _refused(["layout", "--world-size", str(_LARGEST), "--show", "0", "--rank", "5"], capsys)
     assert err.endswith("; leave out --rank (it lists that rank's groups in full)\n"), err
+
+
+@pytest.mark.parametrize(
+    ("check", "doing", "gib"), [(True, "checking the seed plan", 1152), (False, "the seed plan", 6144)]
+)
+def test_seed_plan_of_too_many_ranks_is_refused_with_the_estimate(
+    check: bool, doing: str, gib: int, free_memory: Callable[[int], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --check at 2**31 - 1 ranks used to run for hours (about 10 microseconds a rank) with no output.
+    free_memory(256)
+    argv = ["seed-plan", "--world-size", str(_LARGEST), "--seed", "1", *(["--check"] if check else [])]
+    assert _refused(argv, capsys) == (
+        f"pgregistry seed-plan: error: {doing} of 2147483647 ranks needs about {gib}.0 GiB of memory, more than the "
+        "256.0 GiB available; it holds every rank's seeds: run it where more memory is free\n"
+    )
