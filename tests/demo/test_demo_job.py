@@ -16,9 +16,13 @@ def test_demo_passes_every_check_and_writes_json(tmp_path: Path, capsys: pytest.
     out = tmp_path / "demo.json"
     assert run_demo(DemoConfig(steps=2), str(out)) == 0
     printed = capsys.readouterr().out
-    assert "0 failed" in printed
     payload = json.loads(out.read_text())
-    assert all(check["passed"] for check in payload["checks"])
+    # One float64 check, two per step (norm, parameters), the TP filter, the zero count, two checkpoint checks and
+    # two fallback checks: every one there (an empty list would pass any all()), and every one passed.
+    checks = payload["checks"]
+    assert len(checks) == 1 + 2 * 2 + 1 + 1 + 2 + 2, [check["name"] for check in checks]
+    assert [check["name"] for check in checks if not check["passed"]] == []
+    assert f"\n{len(checks)} passed, 0 failed\n" in printed
     rank0 = payload["ranks"][0]
     assert len(rank0["steps"]) == 2
     # The second model's grid shares communicators with the first wherever rank sets coincide.
