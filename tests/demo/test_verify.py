@@ -75,7 +75,7 @@ def test_verify_under_torchrun_prints_a_table_and_exits_zero() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "pgregistry", "verify", "--tp", "2", "--ep", "2", "--etp", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=90, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "12 passed, 0 failed" in done.stdout
     assert "[PASS] placement: tp, cp, expt_tp groups stay on nodes of 2 ranks" in done.stdout

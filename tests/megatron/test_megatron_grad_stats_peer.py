@@ -90,7 +90,7 @@ def _both_on_this_rank() -> dict[str, tuple[float, int, float, int]]:
 
 @pytest.fixture(scope="module")
 def both() -> list[dict[str, tuple[float, int, float, int]]]:
-    return run_world(WORLD, _both_on_this_rank, timeout=90.0)
+    return run_world(WORLD, _both_on_this_rank, timeout=60.0)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -86,7 +86,7 @@ def test_pgregistry_has_every_megatron_field() -> None:
 
 def test_every_field_holds_megatrons_ranks_on_gloo_worlds() -> None:
     # One world for every layout: each rank imports nothing new, and the groups of both libraries are real.
-    for rank, wrong_by_layout in enumerate(run_world(WORLD, _gloo_parity_on_rank, timeout=240)):
+    for rank, wrong_by_layout in enumerate(run_world(WORLD, _gloo_parity_on_rank, timeout=60)):
         for layout_name, wrong in wrong_by_layout.items():
             assert wrong == [], f"{layout_name} rank {rank}: {wrong}"
 
