@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +111,10 @@ def test_rank_files_of_two_saves_are_refused_on_every_rank(tmp_path: Path) -> No
 # ------------------------------------------------------------------------------------------- expert numbering
 
 
-def _save_with_num_experts(directory: str, num_experts_by_rank: list[int]) -> str:
+def _save_with_num_experts(save: Callable[..., Any], directory: str, num_experts_by_rank: list[int]) -> str:
+    """``save`` (save_rank_files, save_distributed) of this rank's experts, named as ``num_experts`` of them."""
     try:
-        save_rank_files(directory, _ep2_model(), num_experts=num_experts_by_rank[dist.get_rank()])
+        save(directory, _ep2_model(), num_experts=num_experts_by_rank[dist.get_rank()])
     except ValueError as exc:
         return str(exc)
     return "saved"
@@ -128,24 +130,17 @@ _GAPS = (
 def test_num_experts_beyond_the_local_experts_times_ep_is_refused_at_save(tmp_path: Path) -> None:
     # 4 local experts on each of 2 EP ranks, saved as 16 experts: global experts 0-3 and 8-11, with 4-7 and 12-15
     # nowhere, used to be stored without a word.
-    assert run_world(2, _save_with_num_experts, str(tmp_path / "all"), [16, 16], timeout=30.0) == [_GAPS, _GAPS]
-    assert run_world(2, _save_with_num_experts, str(tmp_path / "one"), [8, 16], timeout=30.0) == [
+    every = run_world(2, _save_with_num_experts, save_rank_files, str(tmp_path / "all"), [16, 16], timeout=30.0)
+    assert every == [_GAPS, _GAPS]
+    assert run_world(2, _save_with_num_experts, save_rank_files, str(tmp_path / "one"), [8, 16], timeout=30.0) == [
         "save_rank_files: another rank's model cannot be checkpointed (see its error)",
         _GAPS,
     ]
     assert not any(path.is_file() for path in tmp_path.rglob("*"))  # nothing written
 
 
-def _save_distributed_with_num_experts(directory: str, num_experts_by_rank: list[int]) -> str:
-    try:
-        save_distributed(directory, _ep2_model(), num_experts=num_experts_by_rank[dist.get_rank()])
-    except ValueError as exc:
-        return str(exc)
-    return "saved"
-
-
 def test_num_experts_wrong_on_one_rank_fails_every_rank_of_a_dcp_save_without_a_hang(tmp_path: Path) -> None:
-    assert run_world(2, _save_distributed_with_num_experts, str(tmp_path), [8, 16], timeout=30.0) == [
+    assert run_world(2, _save_with_num_experts, save_distributed, str(tmp_path), [8, 16], timeout=30.0) == [
         "save_distributed: another rank's model cannot be checkpointed (see its error)",
         _GAPS,
     ]
