@@ -107,14 +107,14 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
     rank, world_size = world()
     directory = Path(directory)
     _refuse_existing(directory, prefix)
-    payload = {
-        "format": _FORMAT, "save_id": _new_save_id(), "rank": rank, "world_size": world_size, "state": content,
-        "checksums": checksums_of(content),
-    }
+    stamp = {"format": _FORMAT, "save_id": _new_save_id(), "rank": rank, "world_size": world_size}
     path = directory / f"{prefix}{rank:05d}.pt"
     failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory} (see its error)")
     try:
-        partial = agreed(lambda: write_partial(path, payload), failed)
+        # The checksums inside the agreed step too: a tensor that cannot be read fails every rank, not one.
+        partial = agreed(
+            lambda: write_partial(path, {**stamp, "state": content, "checksums": checksums_of(content)}), failed
+        )
         agreed(lambda: publish(partial, path), failed)  # also the barrier: every file is in place on return
     except BaseException:
         # Whatever stopped the save here (another rank's failure, a lost peer), it leaves none of its files.
