@@ -44,7 +44,7 @@ _FONT: Final = "font-family:DejaVu Sans,Helvetica,Arial,sans-serif"
 
 # Short names for the coordinates in a rank's label; the legend spells them out.
 _DENSE_AXES: Final = (("tp", "tp"), ("gtp_remat", "gtp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"))
-_EXPERT_AXES: Final = (("ep", "ep"), ("expt_tp", "etp"), ("expt_gtp_remat", "egtp"), ("expt_dp", "edp"))
+_EXPERT_AXES: Final = (("ep", "ep"), ("expt_tp", "expt_tp"), ("expt_gtp_remat", "egtp"), ("expt_dp", "edp"))
 
 
 # --------------------------------------------------------------------------------------------------- geometry

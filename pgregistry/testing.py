@@ -10,6 +10,9 @@ multi-process tests are many and silent:
 * a rank that skips a collective hangs the others past every torch timeout, so the parent holds a hard deadline
   and kills every rank when it passes, naming the ranks that had not finished and where each one was (a
   ``faulthandler`` stack dump taken just before the kill);
+* the deadline counts from when the last rank has joined the process group (each rank says so on its pipe): on a
+  loaded machine forking and joining can take seconds, which a short deadline must not spend; start-up itself may
+  take up to ``_STARTUP_GRACE_S`` beyond the deadline;
 * each rank runs in its own session (process group), and the whole group is killed at the end, so processes a rank
   spawned do not outlive it holding the test's stdout open (which hangs a pipeline reading it);
 * ranks die with the parent (``PR_SET_PDEATHSIG``), and a small watcher process (:mod:`pgregistry._world_watcher`)
@@ -49,7 +52,9 @@ T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 _ERROR_GRACE_S = 3.0
-_STACK_DUMP_WAIT_S = 2.0
+_STACK_DUMP_WAIT_S = 10.0  # the longest wait for a stuck rank's stack dump; usually milliseconds
+_STARTUP_GRACE_S = 30.0
+_JOINED = b"J"  # what a rank writes first once in the process group (a pickle starts with b"\x80")
 _STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
@@ -86,10 +91,11 @@ def run_world(
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on each rank of a fresh ``world_size`` world; results in rank order.
 
-    ``timeout`` (seconds) is the hard deadline for the whole world, start-up included; it also bounds torch's own
-    collective timeout. Raises the failing rank's exception (with ``RankFailure`` carrying its rank and
-    traceback attached as a note and as the exception's cause), :class:`RankFailure` itself, or
-    :class:`WorldTimeout`.
+    ``timeout`` (seconds) is the hard deadline for ``fn`` on every rank, counted from when the last rank has joined
+    the process group; start-up (forking and joining) may take up to ``_STARTUP_GRACE_S`` (30 s) more, so the
+    world ends at most ``timeout + 30`` seconds after the call. It also bounds torch's own collective timeout.
+    Raises the failing rank's exception (with ``RankFailure`` carrying its rank and traceback attached as a note
+    and as the exception's cause), :class:`RankFailure` itself, or :class:`WorldTimeout`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -157,6 +163,7 @@ def _child_main(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
+        os.write(write_fd, _JOINED)
         result = fn(*args, **kwargs)
         payload = pickle.dumps(("ok", result))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
@@ -196,9 +203,12 @@ def _write_all(fd: int, data: bytes) -> None:  # pragma: no cover - runs in the 
 
 
 def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: str) -> list[Any]:
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    latest = start + timeout + _STARTUP_GRACE_S  # whatever start-up took
+    deadline = latest  # until the last rank joins; then timeout after that
     buffers: dict[int, bytearray] = {rank: bytearray() for rank in children}
     open_fds = {read_fd: rank for rank, (_, read_fd) in children.items()}
+    joined: set[int] = set()
     results: dict[int, Any] = {}
     first_error: tuple[int, bytes | None, str] | None = None
     while open_fds:
@@ -215,6 +225,10 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: st
             rank = open_fds[fd]
             if chunk:
                 buffers[rank] += chunk
+                if rank not in joined and buffers[rank].startswith(_JOINED):
+                    joined.add(rank)
+                    if len(joined) == len(children):
+                        deadline = min(time.monotonic() + timeout, latest)
                 continue
             del open_fds[fd]
             outcome = _decode(bytes(buffers[rank]), children[rank][0])
@@ -226,12 +240,15 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: st
     if first_error is not None:
         _raise_rank_error(*first_error)
     if open_fds:
-        _raise_timeout(children, sorted(open_fds.values()), timeout, store_dir)
+        unjoined = sorted(set(children) - joined)
+        _raise_timeout(children, sorted(open_fds.values()), timeout, store_dir, unjoined)
     return [results[rank] for rank in sorted(children)]
 
 
 def _decode(data: bytes, pid: int) -> tuple[str, Any, str]:
-    """``("ok", result, "")`` or ``("error", pickled exception or None, text)`` from a rank's report."""
+    """``("ok", result, "")`` or ``("error", pickled exception or None, text)`` from a rank's report (after the
+    byte that says it joined, when it did)."""
+    data = data.removeprefix(_JOINED)
     if data:
         message = pickle.loads(data)
         if message[0] == "ok":
@@ -273,14 +290,23 @@ def _raise_rank_error(rank: int, pickled: bytes | None, text: str) -> None:
     raise exc from failure
 
 
-def _raise_timeout(children: dict[int, tuple[int, int]], stuck: list[int], timeout: float, store_dir: str) -> None:
+def _raise_timeout(
+    children: dict[int, tuple[int, int]], stuck: list[int], timeout: float, store_dir: str, unjoined: list[int]
+) -> None:
     stacks = _dump_stacks({rank: children[rank][0] for rank in stuck}, store_dir)
     where = "\n".join(f"  rank {rank}: {_where(stacks[rank])}" for rank in stuck)
     dumps = "\n".join(f"--- rank {rank} ---\n{stacks[rank].rstrip()}" for rank in stuck)
+    if unjoined:
+        when = (
+            f"did not start within {timeout + _STARTUP_GRACE_S:.1f} s: ranks {unjoined} never joined the process "
+            "group"
+        )
+    else:
+        when = f"did not finish within {timeout:.1f} s of joining the process group"
     raise WorldTimeout(
-        f"world of {len(children)} ranks did not finish within {timeout:.1f} s; ranks still running: {stuck} "
-        f"(a rank skipped or mismatched a collective or group creation?); all ranks were killed. Where each "
-        f"stuck rank was:\n{where}\nTheir stacks (most recent call first):\n{dumps}",
+        f"world of {len(children)} ranks {when}; ranks still running: {stuck} (a rank skipped or mismatched a "
+        f"collective or group creation?); all ranks were killed. Where each stuck rank was:\n{where}\nTheir "
+        f"stacks (most recent call first):\n{dumps}",
         stuck,
         stacks,
     )

@@ -59,6 +59,7 @@ from fixtures.optim_reference import (  # noqa: E402
 import pgregistry.optim.mixed_precision  # noqa: E402
 import pgregistry.optim.sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
+from pgregistry.cli.options import positive_seconds  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import count_zeros, grad_norm  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
@@ -369,7 +370,7 @@ def all_checks(device: torch.device) -> list[Check]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pgregistry optimizer checks under torchrun")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if torch.cuda.is_available() else "gloo")
-    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    parser.add_argument("--timeout", type=positive_seconds, default=120.0, help="collective timeout in seconds")
     args = parser.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     where = torch.cuda.get_device_name() if args.backend == "nccl" else "cpu"

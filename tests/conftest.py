@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
+
+# The same examples on every run, in CI and locally: a property test that fails once fails again (no example
+# database either: what a previous run saved would make the next one differ). HYPOTHESIS_PROFILE=explore draws
+# new examples on each run, to search further on purpose.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
+from pgregistry.cli.options import check_output_file
 
 __all__ = ["DemoConfig", "build_parser", "main", "run_demo"]
 
@@ -450,17 +451,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_writable(path: Path) -> None:
-    """``ValueError`` unless ``path`` can be written: checked before the run, not after minutes of it."""
-    if path.is_dir():
-        raise ValueError(f"--json {path} is a directory; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"--json {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"--json {path} is not writable")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the demo; exit code 0 when every check passed, 1 when one failed, 2 for bad sizes."""
     from examples.moe_demo.model import ToyMoEConfig
@@ -480,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if num_experts % ep:
                 raise ValueError(f"the demo model's {num_experts} experts do not split over EP {ep}")
         if args.json is not None:
-            _check_writable(Path(args.json))
+            check_output_file(args.json)
     except ValueError as exc:
         print(f"moe_demo: error: {exc}", file=sys.stderr)
         return 2

@@ -79,7 +79,11 @@ class GitTree:
         self.rev = rev
         # Project paths are relative to ``root``; git's are relative to the repository's top level.
         self.prefix = _git(root, "rev-parse", "--show-prefix").decode().strip()
-        self.commit = _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").decode().strip()
+        try:
+            self.commit = _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").decode().strip()
+        except GitError:  # --quiet: git says nothing, so the error would name neither the revision nor the cause
+            message = f"unknown revision {rev!r}: no commit of that name in the git repository at {root}"
+            raise GitError(message) from None
 
     def _project(self, git_path: str) -> str | None:
         return git_path[len(self.prefix) :] if git_path.startswith(self.prefix) else None

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pgregistry._resolve import normalise, resolve
+from pgregistry.checkpoint.agreement import agreed
 from pgregistry.collection import GroupName, group_rank, group_size
 from pgregistry.experts import is_expert_key
 from pgregistry.experts.names import GlobalNamer, NamingOptions, checked_naming, global_names
@@ -79,6 +80,17 @@ def rank_model(
         params[name] = param
     return RankModel(
         params, group_rank(collection.get("dp_cp")) == 0, group_rank(collection.get("expt_dp")) == 0
+    )
+
+
+def agreed_rank_model(
+    model_chunks: nn.Module | Sequence[nn.Module], owner: str, naming: NamingOptions
+) -> RankModel:
+    """:func:`rank_model` in a collective save or load: raising on every rank when it raises on any, since a rank
+    whose model cannot be named must not leave the others waiting in the save's or load's collectives."""
+    return agreed(
+        lambda: rank_model(model_chunks, owner, **naming),
+        ValueError(f"{owner}: another rank's model cannot be checkpointed (see its error)"),
     )
 
 

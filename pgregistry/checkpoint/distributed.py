@@ -13,9 +13,9 @@ from pgregistry.checkpoint.by_name import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     Optimizer,
+    agreed_rank_model,
     apply_flat_state,
     flat_state,
-    rank_model,
     split_optimizer_key,
 )
 from pgregistry.experts.names import NamingOptions
@@ -35,7 +35,7 @@ def save_distributed(
     """Save with ``torch.distributed.checkpoint`` (collective over the default group); each tensor once."""
     import torch.distributed.checkpoint as dcp
 
-    model = rank_model(model_chunks, "save_distributed", **naming)
+    model = agreed_rank_model(model_chunks, "save_distributed", naming)
     dcp.save(flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
 
 
@@ -49,7 +49,7 @@ def load_distributed(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    model = rank_model(model_chunks, "load_distributed", **naming)
+    model = agreed_rank_model(model_chunks, "load_distributed", naming)
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     destination: dict[str, Any] = {}
     for name, param in model.params.items():

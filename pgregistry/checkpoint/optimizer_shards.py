@@ -16,7 +16,8 @@ from typing import Any, Final
 
 import torch
 
-from pgregistry.checkpoint.rank_files import max_over_ranks, read_rank_contents, write_rank_file
+from pgregistry.checkpoint.agreement import raise_on_every_rank
+from pgregistry.checkpoint.rank_files import read_rank_contents, write_rank_file
 from pgregistry.optim.chained import ChainedOptimizer
 from pgregistry.optim.sharded import ShardedOptimizer
 
@@ -156,31 +157,34 @@ def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
     Each child's pieces are joined from every saved rank by name (:func:`merge_optimizer_shards`, which refuses
     gaps, overlaps and disagreeing per-parameter state) and cut for the shards this rank holds now
     (:func:`cut_optimizer_shards`); main copies and optimizer state are restored, and the parameters get the
-    main copies. Collective: every rank must call it; a rank that cannot load makes every rank raise, before any
-    loads. Only the saved pieces of parameters this rank holds are read (the files are memory-mapped), but each is
-    joined whole, so a rank holds the whole state of those parameters for a moment. Hyper-parameters stay those of
-    ``optimizer``. ``ValueError`` when a parameter of the optimizer is not in the checkpoint or the files mix
-    checkpoints.
+    main copies. Collective: every rank must call it; a rank that cannot load (a file it cannot read, a piece it
+    reads whose checksum does not match) makes every rank raise, before any loads. Only the saved pieces of
+    parameters this rank holds are read (the files are memory-mapped), but each is joined whole, so a rank holds
+    the whole state of those parameters for a moment. Hyper-parameters stay those of ``optimizer``.
+    ``ValueError`` when a parameter of the optimizer is not in the checkpoint, the files mix checkpoints or saves,
+    or a piece read is damaged (the file and the piece are named).
     """
     children = _sharded_children(optimizer, "load_optimizer_shards")
     # Every child's pieces are cut before any is loaded, and the ranks agree that all of them could be: loading
     # gathers the restored shards, so a rank raising alone would leave its peers waiting in that collective.
     try:
-        saved = [shards for _, shards in read_rank_contents(Path(directory), _OPTIMIZER_FILE)]
+        files = read_rank_contents(Path(directory), _OPTIMIZER_FILE)
         loads = []
         for child in children:
             current = child.state_dict()
             template = current["shards"]
+            for rank_file in files:  # the saved pieces this rank reads, checked against their checksums
+                for name in template.keys() & rank_file.state.keys():
+                    rank_file.verify(name)
             whole = merge_optimizer_shards(
-                {name: piece for name, piece in shards.items() if name in template} for shards in saved
+                {name: piece for name, piece in rank_file.state.items() if name in template} for rank_file in files
             )
             loads.append({"param_groups": current["param_groups"], "shards": cut_optimizer_shards(whole, template)})
         error = None
     except (ValueError, OSError) as exc:
         error = exc
-    if max_over_ranks([int(error is not None)])[0]:
-        if error is not None:
-            raise error
-        raise ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)")
+    raise_on_every_rank(
+        error, ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)")
+    )
     for child, state in zip(children, loads, strict=True):
         child.load_state_dict(state)

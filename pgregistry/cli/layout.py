@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pgregistry.cli.limits import memory_shortfall, not_enough_memory
 from pgregistry.cli.options import Subparsers, add_layout_arguments, add_placement_arguments, layout_from_args
 
 if TYPE_CHECKING:
@@ -97,36 +97,34 @@ _LISTED_BYTES_PER_RANK = 64
 
 
 def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
-    """``ValueError`` when the report would need more memory than is available, from the layout's shapes alone."""
+    """``ValueError`` when the report would need more memory than is available, from the layout's shapes alone;
+    its advice names the option that would help, if any does."""
     from pgregistry.layout import GROUP_KINDS
 
     shapes = [layout.group_shape(kind) for kind in GROUP_KINDS]
-    listed = sum(min(show, count) * size for count, size in shapes)
-    if rank is not None:
-        listed += sum(size for _, size in shapes)
-    needed = _ENUMERATION_BYTES_PER_RANK * layout.num_ranks + _LISTED_BYTES_PER_RANK * listed
-    available = _available_memory()
-    if available is not None and needed > available:
-        raise ValueError(
-            f"listing {layout.num_ranks} ranks ({listed} of them printed) needs about {needed / 2**30:.1f} GiB of "
-            f"memory, more than the {available / 2**30:.1f} GiB available; lower --show (--show 0 prints only the "
-            "group counts and sizes)"
+    shown = sum(min(show, count) * size for count, size in shapes)
+    of_rank = sum(size for _, size in shapes) if rank is not None else 0
+    enumeration = _ENUMERATION_BYTES_PER_RANK * layout.num_ranks
+
+    def needed(listed: int) -> int:
+        return enumeration + _LISTED_BYTES_PER_RANK * listed
+
+    available = memory_shortfall(needed(shown + of_rank))
+    if available is None:
+        return
+    if enumeration > available:
+        advice = (
+            f"enumerating the groups alone needs about {enumeration / 2**30:.1f} GiB, whatever --show and --rank "
+            "say: run it where more memory is free"
         )
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux ``MemAvailable``), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    elif shown and needed(of_rank) <= available:
+        advice = "lower --show (--show 0 prints only the group counts and sizes)"
+    elif of_rank and needed(shown) <= available:
+        advice = "leave out --rank (it lists that rank's groups in full)"
+    else:
+        advice = "use --show 0 and leave out --rank"
+    doing = f"listing {layout.num_ranks} ranks ({shown + of_rank} of them printed)"
+    raise not_enough_memory(doing, needed(shown + of_rank), available, advice)
 
 
 def _report(layout: ParallelLayout, show: int, rank: int | None) -> dict[str, Any]:

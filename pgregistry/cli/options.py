@@ -6,12 +6,23 @@ Torch-free at import (the layout arithmetic is imported inside :func:`layout_fro
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["Subparsers", "add_layout_arguments", "add_placement_arguments", "intra_node_kinds", "layout_from_args"]
+__all__ = [
+    "Subparsers",
+    "add_layout_arguments",
+    "add_placement_arguments",
+    "check_output_file",
+    "intra_node_kinds",
+    "layout_from_args",
+    "positive_seconds",
+]
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``add_command`` receives: the top-level parser's sub-command table."""
@@ -82,3 +93,27 @@ def add_placement_arguments(
 def intra_node_kinds(args: argparse.Namespace) -> tuple[str, ...]:
     """The kinds of ``--intra-node`` (unknown names are refused by :func:`pgregistry.placement.place`)."""
     return tuple(kind.strip() for kind in args.intra_node.split(",") if kind.strip())
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type``: a positive, finite number of seconds (a collective timeout of 0 fails at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def check_output_file(path: str | Path, option: str = "--json") -> None:
+    """``ValueError`` (naming ``option``) unless ``path`` can be written as a new or existing file: checked before a
+    run, not after minutes of it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option} {path} is not writable")

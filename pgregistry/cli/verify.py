@@ -26,7 +26,13 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from pgregistry.cli.options import Subparsers, add_layout_arguments, add_placement_arguments, intra_node_kinds
+from pgregistry.cli.options import (
+    Subparsers,
+    add_layout_arguments,
+    add_placement_arguments,
+    intra_node_kinds,
+    positive_seconds,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -240,6 +246,10 @@ def add_command(subparsers: Subparsers) -> None:
         "--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)"
     )
     parser.add_argument("--seed", type=int, default=1234, help="the job's seed for the RNG checks (default 1234)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
-    parser.add_argument("--json", metavar="FILE", help="rank 0 also writes the results as JSON")
+    parser.add_argument(
+        "--timeout", type=positive_seconds, default=120.0, help="collective timeout in seconds (default 120)"
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="rank 0 also writes the results as JSON (its path is checked before the run)"
+    )
     parser.set_defaults(handler=_run)

@@ -82,6 +82,8 @@ class GlobalNamer:
         self._num_experts = num_experts
         self._layer_offsets = layer_offsets
         self._offsets: dict[int, int] = {}
+        # (chunk, expert key with its index left out, num_experts) -> the local indices named
+        self._local_experts: dict[tuple[int, str, int], set[int]] = {}
 
     @classmethod
     def at_the_door(
@@ -118,7 +120,26 @@ class GlobalNamer:
         if slot is None:
             return name
         ep_rank, ep_size = self._ep_rank_and_size()
-        return global_key(name, slot, self._experts(chunk_index, local_name), ep_rank, ep_size)
+        num_experts = self._experts(chunk_index, local_name)
+        family = f"{slot.head}<i>{slot.tail}"
+        self._local_experts.setdefault((chunk_index, family, num_experts), set()).add(slot.index)
+        return global_key(name, slot, num_experts, ep_rank, ep_size)
+
+    def check_expert_counts(self) -> None:
+        """``ValueError`` when a chunk holds fewer local experts than ``num_experts`` over the EP size: its global
+        indices would leave gaps (16 experts over EP 2 with 4 local ones per rank: experts 0-3 and 8-11, while
+        4-7 and 12-15 exist nowhere), and a checkpoint would be stored with them. More local experts than that
+        are refused as each is named (:func:`~pgregistry.experts.keys.global_expert_index`)."""
+        for (chunk_index, key, num_experts), indices in self._local_experts.items():
+            ep_size = self._ep_rank_and_size()[1]
+            if len(indices) * ep_size != num_experts:
+                held = len(indices)
+                raise ValueError(
+                    f"num_experts is {num_experts}, but model chunk {chunk_index} holds {held} local experts "
+                    f"({key!r}) with EP size {ep_size}, {held * ep_size} experts in all: the global expert indices "
+                    f"would leave gaps; pass num_experts={held * ep_size}, or build {num_experts // ep_size} local "
+                    "experts per rank"
+                )
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
         return ep_rank_and_size(self._collection())
@@ -178,7 +199,9 @@ def named_global_parameters(
     expert indices made global. ``layer_offset`` is the chunk's first global layer index:
     ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
     only with one chunk and pipeline parallelism off. The keywords (``pg_collection``, ``num_experts``,
-    ``layer_offsets``) are those of :class:`NamingOptions`, which says what each defaults to.
+    ``layer_offsets``) are those of :class:`NamingOptions`, which says what each defaults to. ``ValueError`` when a
+    chunk's local experts do not number ``num_experts`` over the EP size (global indices with gaps, or past
+    ``num_experts``), naming both numbers.
     """
     return global_names(GlobalNamer.at_the_door(model_chunks, "named_global_parameters", **options))
 
@@ -193,6 +216,7 @@ def global_names(namer: GlobalNamer) -> list[tuple[str, nn.Parameter]]:
                 continue
             seen.add(id(param))
             out.append((namer.name(index, local_name), param))
+    namer.check_expert_counts()
     return out
 
 

@@ -62,7 +62,8 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Project
 def git(project: Project, *args: str) -> None:
     """Run git in the project (a throw-away identity for commits)."""
     subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project.root, check=True, capture_output=True
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project.root, check=True, capture_output=True,
+        timeout=60,
     )
 
 

@@ -181,3 +181,17 @@ def test_base_limits_share_lost_allowance_with_keys_moved_at_the_base() -> None:
     limits = base_limits(listed_now, listed_now, read_at_base, lambda path: path, ["a.py"])
     # f lost its 3 (read 0 at the base); f2 and h, unlisted, share those 3 in sorted order: f2 2, h 1.
     assert limits.entries == {"a.py": {"g|y|call": 1, "f2|x|call": 2, "h|x|call": 1}}
+
+
+@pytest.mark.parametrize("argv", [["check", "--allowlist", "allowlist.json", "--base"], ["stats", "--since"]])
+def test_a_revision_that_does_not_exist_is_named(
+    repository: Project, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    # It used to say "git rev-parse --verify failed: 1", naming neither the revision nor what was wrong with it.
+    code = allowlist_main([*argv, "no-such-rev", "--no-cache"])
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (2, "")
+    assert captured.err == (
+        "pgregistry allowlist: error: unknown revision 'no-such-rev': no commit of that name in the git repository "
+        f"at {repository.root}\n"
+    )

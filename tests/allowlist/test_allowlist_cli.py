@@ -289,7 +289,9 @@ def test_the_allowlist_command_never_imports_torch(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text("ps.get_data_parallel_rank()\n")
     script = TORCH_FREE.format(path=str(tmp_path / "m.py"))
     environment = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("1 read of global process-group state") == 2
 

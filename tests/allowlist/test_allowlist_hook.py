@@ -27,7 +27,7 @@ def _poisoned(directory: Path, *names: str) -> dict[str, str]:
 
 def _run(arguments: list[str], project: Project, environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, *arguments], cwd=project.root, env=environment, text=True, capture_output=True, timeout=120
+        [sys.executable, *arguments], cwd=project.root, env=environment, text=True, capture_output=True, timeout=90
     )
 
 

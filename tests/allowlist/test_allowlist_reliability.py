@@ -16,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,25 @@ def test_kill_9_during_update_leaves_the_old_file(listed: Project) -> None:
     assert (listed.root / "allowlist.json").read_bytes() == before
 
 
+def _holds_open(pid: int, directory: Path) -> bool:
+    """Whether process ``pid`` has ``directory`` open (the allowlist's lock is a lock on its directory)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        return any(os.path.realpath(f"/proc/{pid}/fd/{fd}") == str(directory.resolve()) for fd in fds)
+    except OSError:  # the process ended meanwhile
+        return False
+
+
+def _eventually(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
+    give_up = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the other update wait")
 def test_concurrent_partial_updates_lose_no_entry(
     project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,10 +135,10 @@ def test_concurrent_partial_updates_lose_no_entry(
     def racing_merge(self: ratchet.Allowlist, *args: object, **kwargs: object) -> ratchet.Allowlist:
         command = [sys.executable, "-m", "pgregistry.allowlist", "update", "--no-cache", "src/pkg/b.py"]
         other.append(subprocess.Popen(command, cwd=project.root, env=environment, stderr=subprocess.PIPE))
-        try:  # unlocked, the other update completes now; locked, it waits for this one
-            other[0].wait(timeout=4)
-        except subprocess.TimeoutExpired:
-            pass
+        # Unlocked, the other update completes now; locked, it waits for this one, holding the directory it locks
+        # open. Waited for as such, not for a fixed time: on a loaded machine the other interpreter can take
+        # seconds to start, and a fixed wait would let an unlocked update pass untested.
+        assert _eventually(lambda: other[0].poll() is not None or _holds_open(other[0].pid, project.root))
         return merged(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ratchet.Allowlist, "merged", racing_merge)

@@ -288,7 +288,7 @@ def test_a_misspelled_pgregistry_category_on_the_command_line_is_an_error_naming
     assert "names no pgregistry warning category; did you mean 'pgregistry.ProcessGroupFallbackWarning'" in done.stderr
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co", os.devnull],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=60,
         env={**os.environ, "PYTHONWARNINGS": "error::pgregistry.fallback.ProcessGroupFallbakWarning"},
     )
     assert done.returncode != 0

@@ -47,7 +47,7 @@ def _run_pytest(
     environment.update(env or {})
     return subprocess.run(
         [sys.executable, *python_flags, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_flags],
-        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=90,
     )
 
 

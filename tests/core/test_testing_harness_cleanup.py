@@ -97,7 +97,7 @@ def test_killing_the_parent_ends_ranks_what_they_spawned_and_the_store(world_scr
     script, pid_dir, temp = world_script
     world = _start(script, pid_dir, temp, "wait")
     try:
-        assert _eventually(lambda: len(list(pid_dir.iterdir())) == 2, 120.0)
+        assert _eventually(lambda: len(list(pid_dir.iterdir())) == 2, 45.0)
         assert [path.name for path in temp.iterdir() if path.name.startswith("pgregistry-world-")] != []
         world.kill()  # SIGKILL: the parent's clean-up never runs
         out, _ = world.communicate(timeout=30)

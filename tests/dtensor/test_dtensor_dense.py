@@ -135,7 +135,7 @@ def _tp_dp_world() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def tp_dp_results() -> list[dict[str, Any]]:
-    return run_world(4, _tp_dp_world, timeout=90)
+    return run_world(4, _tp_dp_world, timeout=60)
 
 
 @pytest.mark.parametrize("scenario", ["fsdp", "tp", "fsdp_tp", "mixed"])

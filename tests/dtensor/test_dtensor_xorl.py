@@ -136,7 +136,7 @@ def _on_rank(ep: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world, ep", [(4, 2), (8, 4)])
 def test_xorl_per_expert_lora_under_fsdp2(world: int, ep: int) -> None:
-    for out in run_world(world, _on_rank, ep, timeout=120):
+    for out in run_world(world, _on_rank, ep, timeout=60):
         got, expected = out["norm"]
         assert close(got, expected)
         ok, classified, true, text = out["audit"]
@@ -193,7 +193,7 @@ def _expert_hsdp_on_rank() -> dict[str, Any]:
 
 
 def test_expert_hsdp_over_expert_data_parallelism() -> None:
-    for rank, out in enumerate(run_world(8, _expert_hsdp_on_rank, timeout=120)):
+    for rank, out in enumerate(run_world(8, _expert_hsdp_on_rank, timeout=60)):
         # Expert DP of rank r: the ranks of its EP coordinate (r % 2); 2 contiguous blocks of 2, replicated.
         group = list(range(rank % 2, 8, 2))
         assert out["mesh"] == ([group[:2], group[2:]], ["Replicate", "Shard"])

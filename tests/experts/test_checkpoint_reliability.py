@@ -15,99 +15,66 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_support import MoE, alone, filled, snapshot
 from torch import nn
 
-from pgregistry import ParallelLayout, ProcessGroupCollection, attach
+from pgregistry import ParallelLayout, attach
 from pgregistry.checkpoint import load_rank_files, save_rank_files
 from pgregistry.registry import build
 from pgregistry.testing import run_world
-
-_OFF: dict[str, Any] = dict(
-    ep=None, dp_cp=None, expt_dp=None, tp=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None
-)
-
-
-class _MoE(nn.Module):
-    """A dense norm and ``num_experts // ep_size`` local experts, numbered from 0 on each EP rank."""
-
-    def __init__(self, num_experts: int, ep_size: int = 1, *, extra: bool = False) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.norm = nn.LayerNorm(2)
-        self.experts = nn.Module()
-        self.experts.local_experts = nn.ModuleList(nn.Linear(2, 2) for _ in range(num_experts // ep_size))
-        if extra:
-            self.extra = nn.Linear(2, 1)
-
-
-def _filled(model: nn.Module, value: float) -> nn.Module:
-    with torch.no_grad():
-        for index, param in enumerate(model.parameters()):
-            param.fill_(value + index)
-    return model
-
-
-def _alone(model: nn.Module) -> nn.Module:
-    attach(model, ProcessGroupCollection(**_OFF))
-    return model
-
-
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: param.detach().clone() for name, param in model.named_parameters()}
-
 
 # ------------------------------------------------------------------------------------------------ one process
 
 
 def test_more_experts_than_the_model_has_is_an_error_naming_them(tmp_path: Path) -> None:
-    save_rank_files(tmp_path, _alone(_filled(_MoE(8), 1.0)))
-    four = _alone(_filled(_MoE(4), -5.0))
-    before = _snapshot(four)
+    save_rank_files(tmp_path, alone(filled(MoE(8), 1.0)))
+    four = alone(filled(MoE(4), -5.0))
+    before = snapshot(four)
     with pytest.raises(ValueError, match=r"holds 8 keys no rank's model has, e\.g\. 'model/experts\.local_experts"
                        r"\.4\.bias', 'model/experts\.local_experts\.4\.weight'.*strict=False"):
         load_rank_files(tmp_path, four)
-    after = _snapshot(four)
+    after = snapshot(four)
     assert all(torch.equal(before[name], after[name]) for name in before)  # nothing copied before the refusal
     # The explicit opt-out loads the subset the model has.
     load_rank_files(tmp_path, four, strict=False)
-    eight = _filled(_MoE(8), 1.0)
+    eight = filled(MoE(8), 1.0)
     whole = dict(eight.named_parameters())
     for name, param in four.named_parameters():
         assert torch.equal(param, whole[name]), name
 
 
 def test_unrelated_extra_keys_are_an_error_naming_them(tmp_path: Path) -> None:
-    save_rank_files(tmp_path / "extra-param", _alone(_MoE(2, extra=True)))
+    save_rank_files(tmp_path / "extra-param", alone(MoE(2, extra=True)))
     with pytest.raises(ValueError, match=r"holds 2 keys no rank's model has, e\.g\. 'model/extra\.bias', "
                        r"'model/extra\.weight'"):
-        load_rank_files(tmp_path / "extra-param", _alone(_MoE(2)))
+        load_rank_files(tmp_path / "extra-param", alone(MoE(2)))
     # A key that is no parameter at all, stored beside the model's.
-    save_rank_files(tmp_path / "extra-key", _alone(_MoE(2)))
+    save_rank_files(tmp_path / "extra-key", alone(MoE(2)))
     path = tmp_path / "extra-key" / "rank-00000.pt"
     payload = torch.load(path, weights_only=True)
     payload["state"]["notes/step"] = torch.tensor(3)
     torch.save(payload, path)
     with pytest.raises(ValueError, match=r"holds 1 keys no rank's model has, e\.g\. 'notes/step'"):
-        load_rank_files(tmp_path / "extra-key", _alone(_MoE(2)))
-    load_rank_files(tmp_path / "extra-key", _alone(_MoE(2)), strict=False)
+        load_rank_files(tmp_path / "extra-key", alone(MoE(2)))
+    load_rank_files(tmp_path / "extra-key", alone(MoE(2)), strict=False)
 
 
 def test_a_missing_parameter_is_still_an_error_with_strict_off(tmp_path: Path) -> None:
-    save_rank_files(tmp_path, _alone(_MoE(2)))
+    save_rank_files(tmp_path, alone(MoE(2)))
     with pytest.raises(ValueError, match=r"lacks 2 of this rank's parameters, e\.g\. 'extra\.bias'"):
-        load_rank_files(tmp_path, _alone(_MoE(2, extra=True)), strict=False)
+        load_rank_files(tmp_path, alone(MoE(2, extra=True)), strict=False)
 
 
 def test_saving_over_another_checkpoint_is_refused_and_leaves_it_intact(tmp_path: Path) -> None:
-    first = _alone(_filled(_MoE(2), 1.0))
+    first = alone(filled(MoE(2), 1.0))
     save_rank_files(tmp_path, first)
     stored = (tmp_path / "rank-00000.pt").read_bytes()
     with pytest.raises(ValueError, match=rf"{tmp_path} already holds a checkpoint \(rank-<rank>\.pt files, e\.g\. "
                        r"rank-00000\.pt\); pgregistry does not overwrite one"):
-        save_rank_files(tmp_path, _alone(_filled(_MoE(2), 9.0)))
+        save_rank_files(tmp_path, alone(filled(MoE(2), 9.0)))
     assert (tmp_path / "rank-00000.pt").read_bytes() == stored
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-00000.pt"]
-    reloaded = _alone(_MoE(2))
+    reloaded = alone(MoE(2))
     load_rank_files(tmp_path, reloaded)
     assert all(torch.equal(a, b) for a, b in zip(reloaded.parameters(), first.parameters(), strict=True))
 
@@ -118,7 +85,7 @@ class _Unpicklable:
 
 
 def test_a_save_that_fails_half_way_leaves_no_file_under_the_checkpoints_name(tmp_path: Path) -> None:
-    model = _alone(_MoE(2))
+    model = alone(MoE(2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # Optimizer state after the tensors: torch.save has written part of the file when pickling fails.
     last = list(model.parameters())[-1]
@@ -130,7 +97,7 @@ def test_a_save_that_fails_half_way_leaves_no_file_under_the_checkpoints_name(tm
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "not a rank file"])
 def test_a_damaged_rank_file_is_named(tmp_path: Path, damage: str) -> None:
-    save_rank_files(tmp_path, _alone(_MoE(2)))
+    save_rank_files(tmp_path, alone(MoE(2)))
     path = tmp_path / "rank-00000.pt"
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -139,7 +106,7 @@ def test_a_damaged_rank_file_is_named(tmp_path: Path, damage: str) -> None:
     else:
         torch.save({"weights": torch.zeros(2)}, path)
     with pytest.raises(ValueError, match=rf"{path}"):
-        load_rank_files(tmp_path, _alone(_MoE(2)))
+        load_rank_files(tmp_path, alone(MoE(2)))
 
 
 # ------------------------------------------------------------------------------------------------ 2 ranks, EP 2
@@ -148,10 +115,10 @@ def test_a_damaged_rank_file_is_named(tmp_path: Path, damage: str) -> None:
 def _save_then_load(save_to: str, experts_on_load: int, extra_on_rank: int | None) -> str:
     warnings.simplefilter("error")
     pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
-    saved = _filled(_MoE(8, ep_size=2), 1.0 + dist.get_rank())
+    saved = filled(MoE(8, ep_size=2), 1.0 + dist.get_rank())
     attach(saved, pgc)
     save_rank_files(save_to, saved)
-    loaded = _MoE(experts_on_load, ep_size=2, extra=extra_on_rank == dist.get_rank())
+    loaded = MoE(experts_on_load, ep_size=2, extra=extra_on_rank == dist.get_rank())
     attach(loaded, pgc)
     try:
         load_rank_files(save_to, loaded)
@@ -185,7 +152,7 @@ def test_a_parameter_missing_on_one_rank_raises_on_every_rank_without_a_hang(tmp
 
 def _save_twice(directory: str) -> str:
     pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
-    model = _MoE(8, ep_size=2)
+    model = MoE(8, ep_size=2)
     attach(model, pgc)
     save_rank_files(directory, model)
     try:
@@ -202,7 +169,7 @@ def test_saving_over_another_checkpoint_is_refused_on_every_rank(tmp_path: Path)
 
 def _save_failing_on_rank_one(directory: str) -> str:
     pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
-    model = _MoE(8, ep_size=2)
+    model = MoE(8, ep_size=2)
     attach(model, pgc)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if dist.get_rank() == 1:
@@ -224,7 +191,7 @@ def test_a_save_failing_on_one_rank_fails_every_rank_and_leaves_no_file(tmp_path
 
 def _load_from(directories: list[str]) -> str:
     pgc = build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
-    model = _MoE(8, ep_size=2)
+    model = MoE(8, ep_size=2)
     attach(model, pgc)
     try:
         load_rank_files(directories[dist.get_rank()], model)
@@ -234,7 +201,7 @@ def _load_from(directories: list[str]) -> str:
 
 
 def _save(directory: str) -> None:
-    model = _MoE(8, ep_size=2)
+    model = MoE(8, ep_size=2)
     attach(model, build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1)))
     save_rank_files(directory, model)
 
@@ -259,7 +226,7 @@ def test_a_rank_whose_directory_is_missing_fails_every_rank_without_a_hang(tmp_p
 
 
 def _save_to(directories: list[str]) -> str:
-    model = _MoE(8, ep_size=2)
+    model = MoE(8, ep_size=2)
     attach(model, build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1)))
     try:
         save_rank_files(directories[dist.get_rank()], model)
@@ -280,18 +247,18 @@ def test_a_rank_that_cannot_create_the_directory_fails_every_rank_without_a_hang
 
 
 def _load_with_a_wrong_shape_on_rank_one(directory: str) -> str:
-    model = _filled(_MoE(8, ep_size=2), -5.0)
+    model = filled(MoE(8, ep_size=2), -5.0)
     if dist.get_rank() == 1:  # this rank's last expert (global expert 7) is wider than the saved one
         model.experts.local_experts[3] = nn.Linear(2, 3)
     attach(model, build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1)))
-    before = _snapshot(model)
+    before = snapshot(model)
     try:
         load_rank_files(directory, model)
     except ValueError as exc:
         message = f"ValueError: {exc}"
     else:
         message = "loaded"
-    after = _snapshot(model)
+    after = snapshot(model)
     changed = sorted(name for name in before if not torch.equal(before[name], after[name]))
     return f"{message}; changed {changed}"
 

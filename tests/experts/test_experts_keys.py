@@ -113,7 +113,7 @@ def test_package_root_exports_stay_torch_free() -> None:
         "import sys, pgregistry; pgregistry.globalize_expert_keys; pgregistry.localize_expert_keys; "
         "pgregistry.get_ep_rank_and_size; assert 'torch' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # --------------------------------------------------------------------------------------------------- properties

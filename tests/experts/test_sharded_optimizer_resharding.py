@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  # imported once here; each forked rank would otherwise import it (~3 s)
 import torch.distributed as dist
+from checkpoint_support import flip_a_byte_of
 from toy_moe import Key, ToyMoE, build_stage, set_values
 
 from pgregistry import ProcessGroupFallbackWarning, attach
@@ -292,4 +293,18 @@ def test_optimizer_shards_a_rank_cannot_read_fail_every_rank_without_a_hang(tmp_
     assert run_world(2, _load_shards_from, [complete, empty], timeout=30.0) == [
         f"another rank could not load the optimizer shards of {complete} (see its error)",
         f"no optimizer-rank-<rank>.pt files in {empty}",
+    ]
+
+
+def test_a_damaged_piece_one_rank_reads_fails_every_rank_naming_the_file_and_piece(tmp_path: Path) -> None:
+    # Per-tensor checksums: a flipped bit in a stored piece used to load as a silently different main copy.
+    run_world(2, _save_two_ranks, tmp_path)
+    path = tmp_path / "optimizer-rank-00001.pt"
+    pieces = torch.load(path, weights_only=True)["state"]
+    name = next(name for name in pieces if is_expert_key(name))  # an expert of EP rank 1: only rank 1 reads it
+    flip_a_byte_of(path, pieces[name]["main"])
+    assert run_world(2, _load_shards_from, [tmp_path, tmp_path], timeout=30.0) == [
+        f"another rank could not load the optimizer shards of {tmp_path} (see its error)",
+        f"{path} is damaged: the bytes of tensor '{name}/main' do not match the checksum stored when it was saved; "
+        "restore the file from a copy",
     ]

@@ -94,7 +94,7 @@ def _stats_on_rank(layout_sizes: dict[str, int]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def unsharded_numel() -> dict[str, int]:
-    return run_world(1, _unsharded_on_rank, timeout=120)[0]
+    return run_world(1, _unsharded_on_rank, timeout=60)[0]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -104,7 +104,7 @@ def test_grad_norm_of_a_megatron_moe_model_matches_the_float64_oracle(
     want_norm = math.sqrt(math.fsum(n * _value(p) ** 2 for p, n in unsharded_numel.items()))
     want_zeros = sum(n for p, n in unsharded_numel.items() if _value(p) == 0.0)
     assert 0 < want_zeros < sum(unsharded_numel.values())
-    for rank, stats in enumerate(run_world(4, _stats_on_rank, LAYOUTS[name], timeout=120)):
+    for rank, stats in enumerate(run_world(4, _stats_on_rank, LAYOUTS[name], timeout=60)):
         assert stats["norm"] == pytest.approx(want_norm, rel=1e-6), (name, rank)
         assert stats["zeros"] == want_zeros, (name, rank)
         assert stats["marked"] == 2, (name, rank)  # one MoE layer per decoder layer

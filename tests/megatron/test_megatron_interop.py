@@ -140,7 +140,7 @@ def _on_rank() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_world(WORLD, _on_rank, timeout=180)
+    return run_world(WORLD, _on_rank, timeout=60)
 
 
 def test_to_megatron_carries_the_same_communicators(results: list[dict[str, Any]]) -> None:

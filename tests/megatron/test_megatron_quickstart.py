@@ -44,9 +44,9 @@ def _build_on_rank() -> dict[str, Any]:
 
 
 def test_megatron_quickstart_model_and_grad_norm() -> None:
-    whole = run_world(1, _build_on_rank, timeout=120)[0]
+    whole = run_world(1, _build_on_rank, timeout=60)[0]
     assert math.isclose(whole["norm"], math.sqrt(whole["numel"]), rel_tol=1e-6)  # float32 sums
-    for rank, result in enumerate(run_world(2, _build_on_rank, timeout=120)):
+    for rank, result in enumerate(run_world(2, _build_on_rank, timeout=60)):
         assert result["numel"] < whole["numel"], rank  # the experts are split over the two ranks
         assert math.isclose(result["norm"], math.sqrt(whole["numel"]), rel_tol=1e-6), rank
         assert result["unclassified"] == [], rank

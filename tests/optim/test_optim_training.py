@@ -116,7 +116,7 @@ def _on_rank() -> dict[str, Any]:
 def test_sharded_and_unsharded_training_match_the_float64_model() -> None:
     oracle = _reference("sgd")[1]
     assert all(n > MAX_NORM for n in oracle)  # clipping acts every step
-    results = run_world(LAYOUT.num_ranks, _on_rank, timeout=120.0)
+    results = run_world(LAYOUT.num_ranks, _on_rank, timeout=60.0)
     for rank, result in enumerate(results):
         for name in ("float64", "float64_sharded"):
             # Norms reduce in float32 (grad_stats), so float64 runs agree to float32 precision.

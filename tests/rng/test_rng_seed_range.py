@@ -55,7 +55,7 @@ def test_a_pipeline_offset_past_the_range_is_flagged_not_raised() -> None:
 
 def test_cli_check_exits_1_naming_the_rank_and_tracker() -> None:
     argv = ["seed-plan", "--num-ranks", "4", "--tp", "2", "--pp", "2", "--seed", str(_SEED), "--check"]
-    done = subprocess.run([sys.executable, "-m", "pgregistry", *argv], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "pgregistry", *argv], capture_output=True, text=True, timeout=90)
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.splitlines() == [
         "seed 18446744073709551616 of tracker model-parallel-rng on rank 3 is outside [0, 2**64), which "

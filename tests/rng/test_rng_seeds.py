@@ -220,12 +220,12 @@ def test_cli_bad_sizes_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
 def test_cli_module_does_not_import_torch() -> None:
     code = "import sys, argparse, pgregistry.cli.seed_plan as m; "
     code += "m.add_command(argparse.ArgumentParser().add_subparsers()); assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_console_command_end_to_end() -> None:
     argv = ["seed-plan", "--num-ranks", "72", "--tp", "8", "--ep", "18", "--expt-tp", "2", "--seed", "1234", "--check"]
-    done = subprocess.run([sys.executable, "-m", "pgregistry", *argv], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pgregistry", *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     # tp=6/expt_tp=0 and tp=7/expt_tp=1 at ep=17: ranks 70 and 71 of this layout.
     assert done.stdout.splitlines() == [

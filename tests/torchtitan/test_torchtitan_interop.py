@@ -140,7 +140,7 @@ def _checks() -> dict[str, Any]:
 
 
 def test_torchtitan_interop_communicators_and_bad_input() -> None:
-    results = run_world(WORLD, _checks, timeout=110)
+    results = run_world(WORLD, _checks, timeout=60)
     for rank, out in enumerate(results):
         held, rank_sets = out["titan"]
         assert held > rank_sets, out["titan"]  # torchtitan's meshes: several communicators per rank set

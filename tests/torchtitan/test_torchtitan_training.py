@@ -88,7 +88,7 @@ def test_torchtitan_moe_trains_with_exact_grad_norm_on_every_rank(shape: str) ->
     world, sizes, dp_replicate, spmd_backend = SHAPES[shape]
     dp = world // sizes.get("tp", 1)
     expected = oracle_steps(model_config(ep=sizes["ep"]), dp=dp, steps=STEPS, max_norm=MAX_NORM, lr=LR)
-    results = run_world(world, _train, sizes, dp_replicate, spmd_backend, timeout=110)
+    results = run_world(world, _train, sizes, dp_replicate, spmd_backend, timeout=60)
     for rank, out in enumerate(results):
         assert out["created"] == [], f"rank {rank}: to_parallel_dims created communicators {out['created']}"
         assert out["marked"] == 1
