@@ -10,7 +10,7 @@ current), and the check runs on the commit's tree. A failure is classified by wh
 
 Checks replayed in the same run: keys compared as they are (no pairing of moved reads), pairing without git,
 pairing with git's rename detection (stale entries still failing), and ``check --base`` as it runs now: git's
-renames plus each key held to what the base read (:func:`~pgregistry.allowlist.baseline.base_limits`), so a
+renames plus each key held to what the base read (:func:`~pgregistry.allowlist._baseline.base_limits`), so a
 commit that only removes reads passes with "can shrink" notices. The last check is also replayed with a lazy
 team: the list is updated only when the check fails (never to shrink it), so stale slack builds up and every
 later commit is judged against it; for contrast, the same lazy team with stale entries merely made warnings
@@ -40,10 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pgregistry.allowlist.baseline import FileChanges, base_limits, parse_name_status  # noqa: E402
-from pgregistry.allowlist.config import PRESETS, ScanConfig  # noqa: E402
-from pgregistry.allowlist.ratchet import Allowlist, Comparison, compare  # noqa: E402
-from pgregistry.allowlist.scanner import FileResult, scan_source  # noqa: E402
+from pgregistry.allowlist._baseline import FileChanges, base_limits, parse_name_status  # noqa: E402
+from pgregistry.allowlist._config import PRESETS, ScanConfig  # noqa: E402
+from pgregistry.allowlist._ratchet import Allowlist, Comparison, compare  # noqa: E402
+from pgregistry.allowlist._scanner import FileResult, scan_source  # noqa: E402
 
 
 def git(repository: Path, *args: str, data: bytes | None = None) -> bytes:

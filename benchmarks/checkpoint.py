@@ -4,7 +4,7 @@ One process, no torch.distributed (every axis off). A model-like state (``--mib`
 ``--tensors`` tensors of sizes spread over two orders of magnitude) is, in this one run:
 
 - ``torch.save`` to a file in ``--dir`` and fsynced: the baseline, what any checkpoint pays;
-- ``checksums (save)``: :func:`pgregistry.checkpoint.integrity.checksums_of` over the same state, the extra work
+- ``checksums (save)``: :func:`pgregistry.checkpoint._integrity.checksums_of` over the same state, the extra work
   :func:`~pgregistry.checkpoint.save_rank_files` does per save;
 - ``save_rank_files``: the whole save (checksums, temporary file, fsync, rename);
 - ``torch.load`` (memory-mapped) and a copy of every tensor into the model: the baseline of a load;
@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 from benchmarks.common import MiB, Target, fill_, finish, measure, tensor_sizes  # noqa: E402
 from pgregistry import attach  # noqa: E402
 from pgregistry.checkpoint import load_rank_files, save_rank_files  # noqa: E402
-from pgregistry.checkpoint.integrity import checksums_of  # noqa: E402
+from pgregistry.checkpoint._integrity import checksums_of  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 
 _SAVE_OVERHEAD = 0.25

@@ -16,7 +16,7 @@ one run:
   flat buffer is stepped by torch's fused AdamW and copied back once per dtype: the flat step before the
   one-kernel step;
 - ``mixed precision, one kernel``: the same optimizer with ``inner_factory("adamw")``: on CUDA the step and the
-  copy back in one kernel (:mod:`pgregistry.optim.fused_step`; the header says whether it runs here), elsewhere
+  copy back in one kernel (:mod:`pgregistry.optim._fused_step`; the header says whether it runs here), elsewhere
   the row above;
 - ``sharded, ...``: :class:`~pgregistry.optim.ShardedOptimizer`, the same two rules; with one rank its shard is
   the whole model (the per-shard work of a sharded step: no collective runs).
@@ -57,9 +57,9 @@ from pgregistry.optim import (  # noqa: E402
     inner_factory,
     setup_process_groups_for_optimizer,
 )
-from pgregistry.optim.base import FlatOptimizer, InnerFactory  # noqa: E402
-from pgregistry.optim.flat_step import Copy  # noqa: E402
-from pgregistry.optim.fused_step import FusedStep, fused_step_available  # noqa: E402
+from pgregistry.optim._base import FlatOptimizer, InnerFactory  # noqa: E402
+from pgregistry.optim._flat_step import Copy  # noqa: E402
+from pgregistry.optim._fused_step import FusedStep, fused_step_available  # noqa: E402
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

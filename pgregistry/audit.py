@@ -45,9 +45,9 @@ from pgregistry._classification import unclassified_expert_params
 from pgregistry._resolve import ParamsLike, normalise, resolve
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
-from pgregistry.grad_stats.dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
-from pgregistry.grad_stats.filters import STATS_FALLBACK
-from pgregistry.grad_stats.functional import ClassifiedGrads, classify_named_params, norm_of_classified
+from pgregistry.grad_stats._dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
+from pgregistry.grad_stats._filters import STATS_FALLBACK
+from pgregistry.grad_stats._functional import ClassifiedGrads, classify_named_params, norm_of_classified
 from pgregistry.params import is_expert_param
 
 __all__ = ["GradReplicationReport", "ReplicationMismatch", "audit_grad_replication"]

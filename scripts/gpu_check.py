@@ -11,7 +11,7 @@ any check failed anywhere:
   dense and one distinct expert bf16 scalar per rank): through ``build_optimizer``, the mixed-precision and the
   sharded optimizer report norm ``sqrt(1 + W)`` and zero count ``1 + W``; and with the bug reproduced (main copies
   without ``allreduce=False``) ``sqrt(2)`` and ``2``, so the check can fail;
-* a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry.testing_models`, raw
+* a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry._toy_models`, raw
   per-rank grads synchronised by the optimizer (all-reduce, or reduce-scatter for the sharded one), then the
   2-norm, inf-norm and zero count against the unsharded float64 oracle (also both at once, one read of the
   buffer on CUDA with triton, and, unsharded, through the list path ``grad_norm``/``count_zeros``, whose
@@ -20,14 +20,14 @@ any check failed anywhere:
   norm ``sqrt(numel)``; all 0: zero count ``numel``);
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
   model-parallel draws, and a fork that restores the outer stream;
-* on CUDA, the one-kernel optimizer step (:mod:`pgregistry.optim.fused_step`) compiled here: each rule it runs,
+* on CUDA, the one-kernel optimizer step (:mod:`pgregistry.optim._fused_step`) compiled here: each rule it runs,
   over several programs, is the float64 rule to rounding at every step and its bf16 copy is torch's rounding bit
   for bit (the oracle and the run are tests/fixtures/optim_reference.py's, which the CPU tests run through triton's
   interpreter); the mixed-precision optimizer (a bf16 model, and bf16 / float32 / fp16 parameters mixed) and the
   sharded one step through it with every model parameter its main param rounded, agree with torch's fused AdamW
   to one bf16 step, and their state moves both ways between the kernel and torch's fused step.
 
-Initialisation, the gathered table and the tear-down order are :func:`pgregistry.torchrun_checks.run_checks`'s.
+Initialisation, the gathered table and the tear-down order are :func:`pgregistry._torchrun_checks.run_checks`'s.
 """
 
 from __future__ import annotations
@@ -56,10 +56,21 @@ from fixtures.optim_reference import (  # noqa: E402
     worst_units,
 )
 
-import pgregistry.optim.mixed_precision  # noqa: E402
-import pgregistry.optim.sharded  # noqa: E402
+import pgregistry.optim._mixed_precision  # noqa: E402
+import pgregistry.optim._sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
-from pgregistry.cli.options import positive_seconds  # noqa: E402
+from pgregistry._torchrun_checks import Check, run_checks  # noqa: E402
+from pgregistry._toy_models import (  # noqa: E402
+    EXPERTS,
+    dense_and_expert,
+    full_grads,
+    local_model,
+    oracle_norm,
+    oracle_numel,
+    oracle_zeros,
+    set_main_grads,
+)
+from pgregistry.cli._options import positive_seconds  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import count_zeros, grad_norm  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
@@ -72,21 +83,10 @@ from pgregistry.optim import (  # noqa: E402
     inner_factory,
     setup_process_groups_for_optimizer,
 )
-from pgregistry.optim.base import FlatOptimizer  # noqa: E402
-from pgregistry.optim.fused_step import BLOCK, ITERS, fused_step_available  # noqa: E402
+from pgregistry.optim._base import FlatOptimizer  # noqa: E402
+from pgregistry.optim._fused_step import BLOCK, ITERS, fused_step_available  # noqa: E402
 from pgregistry.params import copy_param_roles  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
-from pgregistry.testing_models import (  # noqa: E402
-    EXPERTS,
-    dense_and_expert,
-    full_grads,
-    local_model,
-    oracle_norm,
-    oracle_numel,
-    oracle_zeros,
-    set_main_grads,
-)
-from pgregistry.torchrun_checks import Check, run_checks  # noqa: E402
 
 REL = 1e-6
 
@@ -148,9 +148,9 @@ def expert_grads_with_expert_tp(world: int, device: torch.device) -> list[Check]
         norm, zeros = _expert_tp_stats(pg, sharded, device)
         checks.append((f"TP = EP = {world}, expert TP 1, {kind}: norm sqrt(1+{world}), zero count {want_zeros}",
                        close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
-    real = (pgregistry.optim.mixed_precision.copy_param_roles, pgregistry.optim.sharded.copy_param_roles)
-    pgregistry.optim.mixed_precision.copy_param_roles = _roles_without_allreduce  # type: ignore[attr-defined]
-    pgregistry.optim.sharded.copy_param_roles = _roles_without_allreduce  # type: ignore[attr-defined]
+    real = (pgregistry.optim._mixed_precision.copy_param_roles, pgregistry.optim._sharded.copy_param_roles)
+    pgregistry.optim._mixed_precision.copy_param_roles = _roles_without_allreduce  # type: ignore[attr-defined]
+    pgregistry.optim._sharded.copy_param_roles = _roles_without_allreduce  # type: ignore[attr-defined]
     try:
         for sharded in (False, True):
             kind = "sharded" if sharded else "mixed-precision"
@@ -158,7 +158,7 @@ def expert_grads_with_expert_tp(world: int, device: torch.device) -> list[Check]
             checks.append((f"counterfactual, {kind}: copies without allreduce=False give sqrt(2) and 2",
                            close(norm, math.sqrt(2)) and zeros == 2, f"norm {norm:.7f}, zeros {zeros}"))
     finally:
-        pgregistry.optim.mixed_precision.copy_param_roles, pgregistry.optim.sharded.copy_param_roles = real
+        pgregistry.optim._mixed_precision.copy_param_roles, pgregistry.optim._sharded.copy_param_roles = real
     return checks
 
 

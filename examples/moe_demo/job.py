@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from pgregistry.cli.options import check_output_file
+from pgregistry.cli._options import check_output_file
 
 __all__ = ["DemoConfig", "build_parser", "main", "run_demo"]
 

@@ -10,16 +10,16 @@ expert parameter by expert-data-parallel (``expt_dp``) rank 0. Tensors are store
 GTP-remat sharding must be off (``tp``, ``expt_tp``, ``gtp_remat``, ``expt_gtp_remat`` of size 1); resharding
 tensor-parallel shards is not done here.
 
-* :mod:`~pgregistry.checkpoint.by_name`: state keyed by global name (:func:`state_by_name`,
+* :mod:`~pgregistry.checkpoint._by_name`: state keyed by global name (:func:`state_by_name`,
   :func:`load_optimizer_state_by_name`);
-* :mod:`~pgregistry.checkpoint.rank_files`: one ``torch.save`` file per rank (:func:`save_rank_files` /
+* :mod:`~pgregistry.checkpoint._rank_files`: one ``torch.save`` file per rank (:func:`save_rank_files` /
   :func:`load_rank_files`);
-* :mod:`~pgregistry.checkpoint.distributed`: ``torch.distributed.checkpoint`` (:func:`save_distributed` /
+* :mod:`~pgregistry.checkpoint._distributed`: ``torch.distributed.checkpoint`` (:func:`save_distributed` /
   :func:`load_distributed`);
-* :mod:`~pgregistry.checkpoint.optimizer_shards`: the sharded optimizer-state format (merge, cut, save, load).
+* :mod:`~pgregistry.checkpoint._optimizer_shards`: the sharded optimizer-state format (merge, cut, save, load).
 
 The functions given model chunks find the global names with the keywords ``pg_collection``, ``num_experts``
-and ``layer_offsets`` (:class:`~pgregistry.experts.names.NamingOptions`; ``pg_collection`` defaults to the
+and ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`; ``pg_collection`` defaults to the
 collection attached to the model).
 
 Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
@@ -27,15 +27,15 @@ Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come
 
 from __future__ import annotations
 
-from pgregistry.checkpoint.by_name import load_optimizer_state_by_name, state_by_name
-from pgregistry.checkpoint.distributed import load_distributed, save_distributed
-from pgregistry.checkpoint.optimizer_shards import (
+from pgregistry.checkpoint._by_name import load_optimizer_state_by_name, state_by_name
+from pgregistry.checkpoint._distributed import load_distributed, save_distributed
+from pgregistry.checkpoint._optimizer_shards import (
     cut_optimizer_shards,
     load_optimizer_shards,
     merge_optimizer_shards,
     save_optimizer_shards,
 )
-from pgregistry.checkpoint.rank_files import load_rank_files, save_rank_files
+from pgregistry.checkpoint._rank_files import load_rank_files, save_rank_files
 
 __all__ = [
     "cut_optimizer_shards",

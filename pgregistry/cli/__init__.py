@@ -1,7 +1,7 @@
 """The ``pgregistry`` command line: the command table, :func:`build_parser` and :func:`main`.
 
-One convention for every command: a module of this package (:mod:`~pgregistry.cli.layout`,
-:mod:`~pgregistry.cli.seed_plan`, :mod:`~pgregistry.cli.verify`, :mod:`~pgregistry.cli.allowlist`) exposes
+One convention for every command: a module of this package (:mod:`~pgregistry.cli._layout`,
+:mod:`~pgregistry.cli._seed_plan`, :mod:`~pgregistry.cli._verify`, :mod:`~pgregistry.cli._allowlist`) exposes
 ``add_command(subparsers)``, which adds the command's parser (with ``help`` text on every option) and sets
 ``handler``, a callable taking the parsed namespace and returning the exit code. Bad input is reported as
 ``pgregistry COMMAND: error: ...`` on stderr.
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 __all__ = ["COMMAND_MODULES", "build_parser", "main"]
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "pgregistry.cli.layout",
-    "pgregistry.cli.allowlist",
-    "pgregistry.cli.seed_plan",
-    "pgregistry.cli.verify",
+    "pgregistry.cli._layout",
+    "pgregistry.cli._allowlist",
+    "pgregistry.cli._seed_plan",
+    "pgregistry.cli._verify",
 )
 """The modules whose ``add_command`` registers a sub-command, in ``--help`` order."""
 

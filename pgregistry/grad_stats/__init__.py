@@ -2,19 +2,19 @@
 
 A global grad statistic must count each distinct piece of the model exactly once:
 
-* :mod:`~pgregistry.grad_stats.filters`: which rank counts each gradient (TP, expert TP and GTP duplicates,
+* :mod:`~pgregistry.grad_stats._filters`: which rank counts each gradient (TP, expert TP and GTP duplicates,
   shared copies) and which group sums it (:class:`StatsGroups`);
-* :mod:`~pgregistry.grad_stats.reductions`: norms, zero counts and clipping of filtered grads, one all-reduce per
+* :mod:`~pgregistry.grad_stats._reductions`: norms, zero counts and clipping of filtered grads, one all-reduce per
   group in an order every rank agrees on;
-* :mod:`~pgregistry.grad_stats.devices`: the device a statistic is computed and reduced on;
-* :mod:`~pgregistry.grad_stats.functional`: :func:`grad_norm`, :func:`count_zeros`, :func:`clip_grad_norm_` and
+* :mod:`~pgregistry.grad_stats._devices`: the device a statistic is computed and reduced on;
+* :mod:`~pgregistry.grad_stats._functional`: :func:`grad_norm`, :func:`count_zeros`, :func:`clip_grad_norm_` and
   :func:`classify_grads` on a model and its collection.
 """
 
 from __future__ import annotations
 
-from pgregistry.grad_stats.devices import backend_device, reduction_device
-from pgregistry.grad_stats.filters import (
+from pgregistry.grad_stats._devices import backend_device, reduction_device
+from pgregistry.grad_stats._filters import (
     StatsGroups,
     is_counted,
     param_is_not_gtp_duplicate,
@@ -22,14 +22,14 @@ from pgregistry.grad_stats.filters import (
     param_is_not_tensor_parallel_duplicate,
     reduce_group_of,
 )
-from pgregistry.grad_stats.functional import (
+from pgregistry.grad_stats._functional import (
     check_expert_classification,
     classify_grads,
     clip_grad_norm_,
     count_zeros,
     grad_norm,
 )
-from pgregistry.grad_stats.reductions import (
+from pgregistry.grad_stats._reductions import (
     CLIP_EPSILON,
     clip_grads_,
     norm_of_grads,

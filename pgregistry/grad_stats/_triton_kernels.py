@@ -1,4 +1,4 @@
-"""The Triton kernel of the one-read grad statistics of :mod:`pgregistry.grad_stats.fused` (imports triton: import
+"""The Triton kernel of the one-read grad statistics of :mod:`pgregistry.grad_stats._fused` (imports triton: import
 this module only inside a function, after checking that triton is importable).
 
 Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes two partials: the sum of their squares

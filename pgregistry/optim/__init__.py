@@ -11,14 +11,14 @@ collection and returns a :class:`ChainedOptimizer` of a :class:`MixedPrecisionOp
     optimizer.zero_grad()
 """
 
-from pgregistry.optim.base import FlatOptimizer, InnerFactory, ParamNameFn
-from pgregistry.optim.builder import build_optimizer, inner_factory
-from pgregistry.optim.chained import ChainedOptimizer
-from pgregistry.optim.flat_step import ElementwiseRule, FlatStep
-from pgregistry.optim.mixed_precision import MixedPrecisionOptimizer
-from pgregistry.optim.param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
-from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
-from pgregistry.optim.sharded import ShardedOptimizer
+from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
+from pgregistry.optim._builder import build_optimizer, inner_factory
+from pgregistry.optim._chained import ChainedOptimizer
+from pgregistry.optim._flat_step import ElementwiseRule, FlatStep
+from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
+from pgregistry.optim._param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
+from pgregistry.optim._setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
+from pgregistry.optim._sharded import ShardedOptimizer
 
 __all__ = [
     "ChainedOptimizer",

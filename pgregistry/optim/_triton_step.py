@@ -1,4 +1,4 @@
-"""The Triton kernels of the one-kernel optimizer step of :mod:`pgregistry.optim.fused_step` (imports triton: import
+"""The Triton kernels of the one-kernel optimizer step of :mod:`pgregistry.optim._fused_step` (imports triton: import
 this module only inside a function, after checking that triton is importable).
 
 Program ``p`` steps elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)`` of a flat float32 tensor of ``n``

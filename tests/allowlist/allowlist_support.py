@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pgregistry.allowlist.config import ScanConfig
-from pgregistry.allowlist.scanner import FileResult, scan_source
+from pgregistry.allowlist._config import ScanConfig
+from pgregistry.allowlist._scanner import FileResult, scan_source
 
 PYPROJECT = """\
 [tool.pgregistry.allowlist]

@@ -12,9 +12,9 @@ import json
 import pytest
 from allowlist_support import THREE, Project, git
 
-from pgregistry.allowlist.baseline import base_limits
-from pgregistry.allowlist.cli import main as allowlist_main
-from pgregistry.allowlist.ratchet import Allowlist
+from pgregistry.allowlist._baseline import base_limits
+from pgregistry.allowlist._cli import main as allowlist_main
+from pgregistry.allowlist._ratchet import Allowlist
 
 KEY = "step|get_data_parallel_group|call"
 

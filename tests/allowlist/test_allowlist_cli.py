@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from allowlist_support import Project
 
-from pgregistry.allowlist.cli import configure
-from pgregistry.allowlist.cli import main as allowlist_main
+from pgregistry.allowlist._cli import configure
+from pgregistry.allowlist._cli import main as allowlist_main
 from pgregistry.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ from types import ModuleType
 
 import pytest
 
-from pgregistry.allowlist import engine
-from pgregistry.allowlist.cache import ScanCache, content_key
-from pgregistry.allowlist.config import ScanConfig
-from pgregistry.allowlist.files import PathError, discover
+from pgregistry.allowlist import _engine as engine
+from pgregistry.allowlist._cache import ScanCache, content_key
+from pgregistry.allowlist._config import ScanConfig
+from pgregistry.allowlist._files import PathError, discover
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from allowlist_support import Project
 
-from pgregistry.allowlist.cli import main as allowlist_main
+from pgregistry.allowlist._cli import main as allowlist_main
 
 MAPPINGS = """
 from megatron.core import parallel_state

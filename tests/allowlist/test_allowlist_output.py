@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from allowlist_support import THREE, Project, git
 
-from pgregistry.allowlist.cli import main as allowlist_main
-from pgregistry.allowlist.report import GITHUB_ANNOTATION_CAP
+from pgregistry.allowlist._cli import main as allowlist_main
+from pgregistry.allowlist._report import GITHUB_ANNOTATION_CAP
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

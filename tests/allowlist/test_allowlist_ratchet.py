@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from allowlist_support import scan
 
-from pgregistry.allowlist.ratchet import ALLOWLIST_VERSION, Allowlist, AllowlistError, compare
-from pgregistry.allowlist.scanner import FileResult
+from pgregistry.allowlist._ratchet import ALLOWLIST_VERSION, Allowlist, AllowlistError, compare
+from pgregistry.allowlist._scanner import FileResult
 
 
 def results(**sources: str) -> list[FileResult]:

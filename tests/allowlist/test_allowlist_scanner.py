@@ -8,8 +8,8 @@ from allowlist_support import keys, scan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgregistry.allowlist import scanner
-from pgregistry.allowlist.config import ConfigError, ScanConfig
+from pgregistry.allowlist import _scanner as scanner
+from pgregistry.allowlist._config import ConfigError, ScanConfig
 
 TP = "get_tensor_model_parallel_group"
 

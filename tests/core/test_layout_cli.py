@@ -111,7 +111,7 @@ def test_command_line_entry_point_and_torch_free_import() -> None:
     )
     code = (
         "import argparse, sys\n"
-        "import pgregistry.cli.layout as m\n"
+        "import pgregistry.cli._layout as m\n"
         "m.add_command(argparse.ArgumentParser().add_subparsers())\n"
         "assert 'torch' not in sys.modules\n"
     )

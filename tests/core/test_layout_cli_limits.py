@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import pytest
 
-from pgregistry.cli import limits, main
+from pgregistry.cli import _limits as limits
+from pgregistry.cli import main
 
 _LARGEST = 2**31 - 1
 _GiB = 2**30

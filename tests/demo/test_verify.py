@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, grad_stats, registry, rng
+from pgregistry._torchrun_checks import report_checks
 from pgregistry.cli import build_parser
-from pgregistry.cli.verify import _checks_on_this_rank, nodes_share_hosts
+from pgregistry.cli._verify import _checks_on_this_rank, nodes_share_hosts
 from pgregistry.testing import run_world
-from pgregistry.torchrun_checks import report_checks
 
 
 def _args(gpus_per_node: int = 8, intra_node: str = "tp,expt_tp,cp", **sizes: int) -> argparse.Namespace:

@@ -31,7 +31,7 @@ from pgregistry.grad_stats import (
     param_is_not_gtp_duplicate,
     param_is_not_tensor_parallel_duplicate,
 )
-from pgregistry.grad_stats.filters import STATS_FALLBACK
+from pgregistry.grad_stats._filters import STATS_FALLBACK
 from pgregistry.layout import ParallelLayout
 from pgregistry.params import mark_expert
 from pgregistry.testing import run_world

@@ -1,4 +1,4 @@
-"""The one-read statistics kernels (:mod:`pgregistry.grad_stats.fused`), run by triton's interpreter on CPU: the sum
+"""The one-read statistics kernels (:mod:`pgregistry.grad_stats._fused`), run by triton's interpreter on CPU: the sum
 of squares equals the float64 oracle, the zero count is exact, over one span and over a table of tensors.
 
 Skipped where triton is not installed (it ships with torch's CUDA wheels; ``pip install triton`` on a CPU machine
@@ -16,9 +16,10 @@ import pytest
 import torch
 from fixtures.interpreter import in_interpreter
 
-from pgregistry.grad_buffer import Span, span_norms, span_statistics, span_zero_counts
-from pgregistry.grad_stats import fused as fused_stats
-from pgregistry.grad_stats import norm_of_grads, reductions, zeros_of_grads
+from pgregistry._grad_buffer import Span, span_norms, span_statistics, span_zero_counts
+from pgregistry.grad_stats import _fused as fused_stats
+from pgregistry.grad_stats import _reductions as reductions
+from pgregistry.grad_stats import norm_of_grads, zeros_of_grads
 
 SMALL = {"block": 64, "iters": 4}
 """Programs of 256 elements: many programs and partial last blocks on small tensors."""

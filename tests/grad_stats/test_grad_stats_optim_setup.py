@@ -15,7 +15,7 @@ from pgregistry.fallback import ProcessGroupFallbackWarning
 from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
 from pgregistry.global_grid import initialize_global_grid
 from pgregistry.layout import ParallelLayout
-from pgregistry.optim.setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
+from pgregistry.optim._setup import OptimizerProcessGroups, setup_process_groups_for_optimizer
 from pgregistry.testing import run_world
 
 STATS_OFF = dict.fromkeys(("tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat"))

@@ -13,10 +13,11 @@ from fixtures.unsharded_oracle import full_grads, oracle_norm, oracle_zeros
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import pgregistry.grad_buffer as grad_buffer
+import pgregistry._grad_buffer as grad_buffer
 from pgregistry import registry
+from pgregistry._grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows, reduce_zero_counts
+from pgregistry._toy_models import local_model
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
-from pgregistry.grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows, reduce_zero_counts
 from pgregistry.grad_stats import (
     StatsGroups,
     classify_grads,
@@ -35,7 +36,6 @@ from pgregistry.optim import (
 )
 from pgregistry.params import mark_expert, mark_shared
 from pgregistry.testing import run_world
-from pgregistry.testing_models import local_model
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 """Every axis off: a single process, no torch.distributed."""

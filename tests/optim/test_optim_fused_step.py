@@ -1,4 +1,4 @@
-"""The one-kernel optimizer step (:mod:`pgregistry.optim.fused_step`), its kernel run by triton's interpreter on CPU:
+"""The one-kernel optimizer step (:mod:`pgregistry.optim._fused_step`), its kernel run by triton's interpreter on CPU:
 every step of every rule it takes is the float64 rule to rounding (the oracle, tests/fixtures/optim_reference.py, is
 written from torch's documented algorithms), the copies are the stepped params rounded and nothing else, the state
 is the one torch keeps (a checkpoint taken after kernel steps continues on torch's step), and what it does not take
@@ -37,12 +37,12 @@ from pgregistry.optim import (
     FlatStep,
     MixedPrecisionOptimizer,
     ShardedOptimizer,
-    fused_step,
     inner_factory,
     setup_process_groups_for_optimizer,
 )
-from pgregistry.optim import flat_step as flat_step_module
-from pgregistry.optim.flat_step import Copy, write_copies
+from pgregistry.optim import _flat_step as flat_step_module
+from pgregistry.optim import _fused_step as fused_step
+from pgregistry.optim._flat_step import Copy, write_copies
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 OFF = setup_process_groups_for_optimizer(ALL_OFF)

@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import pgregistry.optim.mixed_precision
-import pgregistry.optim.sharded
+import pgregistry.optim._mixed_precision
+import pgregistry.optim._sharded
 from pgregistry import registry
+from pgregistry._toy_models import dense_and_expert
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.params import copy_param_roles, is_expert_param
-from pgregistry.testing_models import dense_and_expert
 
 
 def _copy_roles_dropping_allreduce(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -54,8 +54,8 @@ def _on_rank() -> dict[str, Any]:
     collection = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1))
     out = {kind: _stats(collection, kind == "sharded") for kind in ("mixed_precision", "sharded")}
     # The bug, reproduced in this process: main copies without allreduce=False.
-    pgregistry.optim.mixed_precision.copy_param_roles = _copy_roles_dropping_allreduce  # type: ignore[attr-defined]
-    pgregistry.optim.sharded.copy_param_roles = _copy_roles_dropping_allreduce  # type: ignore[attr-defined]
+    pgregistry.optim._mixed_precision.copy_param_roles = _copy_roles_dropping_allreduce  # type: ignore[attr-defined]
+    pgregistry.optim._sharded.copy_param_roles = _copy_roles_dropping_allreduce  # type: ignore[attr-defined]
     for kind in ("mixed_precision", "sharded"):
         out[f"{kind}_bug"] = _stats(collection, kind == "sharded")
     return out

@@ -10,9 +10,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from pgregistry.communicators import compare_layouts
+from pgregistry._communicators import compare_layouts
+from pgregistry._layout_svg import MAX_DRAWN_RANKS, render_compare_svg, render_svg, svg_to_html
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
-from pgregistry.layout_svg import MAX_DRAWN_RANKS, render_compare_svg, render_svg, svg_to_html
 from pgregistry.placement import DEFAULT_INTRA_NODE_KINDS, place
 
 _SVG = "{http://www.w3.org/2000/svg}"

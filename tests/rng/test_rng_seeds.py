@@ -17,7 +17,7 @@ import pytest
 from rng_support import oracle_seeds
 
 from pgregistry import cli
-from pgregistry.cli import seed_plan as seed_plan_command
+from pgregistry.cli import _seed_plan as seed_plan_command
 from pgregistry.layout import ParallelLayout
 from pgregistry.rng import (
     DATA_PARALLEL_RNG,
@@ -171,7 +171,7 @@ def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 
 def test_cli_is_registered() -> None:
-    assert "pgregistry.cli.seed_plan" in cli.COMMAND_MODULES
+    assert "pgregistry.cli._seed_plan" in cli.COMMAND_MODULES
 
 
 def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,7 +218,7 @@ def test_cli_bad_sizes_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
 
 
 def test_cli_module_does_not_import_torch() -> None:
-    code = "import sys, argparse, pgregistry.cli.seed_plan as m; "
+    code = "import sys, argparse, pgregistry.cli._seed_plan as m; "
     code += "m.add_command(argparse.ArgumentParser().add_subparsers()); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -1,0 +1,516 @@
+"""A picture of a layout on its nodes: SVG (or an HTML page holding it), written with the standard library only.
+
+The sheet shows, top to bottom: the placement table (every kind, its groups, how many nodes a group spans, a red
+mark on kinds that should stay on one node and do not), a rank map (nodes as boxes, each rank labelled with its
+coordinates) and one small panel per group kind in which every group has its own colour, and the groups of a kind
+that should stay on one node but cross a node boundary are outlined in red. :func:`render_compare_svg` draws two
+layouts of one world side by side, the communicators they share in full colour and the others faded.
+
+At most :data:`MAX_DRAWN_RANKS` ranks are drawn (whole nodes, from rank 0): a larger world is summarised by its
+table, which covers every rank, and the first nodes, with a note saying so. Every drawn element carries ``data-*``
+attributes (rank, node, group, kind) so tools and tests can read the picture back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final
+from xml.sax.saxutils import escape, quoteattr
+
+import attrs
+
+from pgregistry.layout import GROUP_KINDS
+from pgregistry.placement import KindPlacement, Placement, node_of
+
+if TYPE_CHECKING:
+    from pgregistry._communicators import LayoutComparison
+    from pgregistry.layout import ParallelLayout
+
+__all__ = ["MAX_DRAWN_RANKS", "render_compare_svg", "render_svg", "svg_to_html"]
+
+MAX_DRAWN_RANKS: Final = 256
+"""Worlds larger than this are summarised: the table covers every rank, the drawing the first nodes."""
+
+_SHEET_WIDTH: Final = 1360
+_MARGIN: Final = 20
+_PAD: Final = 4
+_GAP: Final = 10
+_NODE_LABEL_H: Final = 13
+_ROW_H: Final = 17
+_RED: Final = "#c62828"
+_GREEN: Final = "#2e7d32"
+_FONT: Final = "font-family:DejaVu Sans,Helvetica,Arial,sans-serif"
+
+# Short names for the coordinates in a rank's label; the legend spells them out.
+_DENSE_AXES: Final = (("tp", "tp"), ("gtp_remat", "gtp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"))
+_EXPERT_AXES: Final = (("ep", "ep"), ("expt_tp", "expt_tp"), ("expt_gtp_remat", "egtp"), ("expt_dp", "edp"))
+
+
+# --------------------------------------------------------------------------------------------------- geometry
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class _NodeGrid:
+    """Where the nodes and rank cells of ``num_ranks`` ranks go inside a box at most ``max_width`` wide."""
+
+    num_ranks: int
+    gpus_per_node: int
+    cell_w: int
+    cell_h: int
+    max_width: int
+
+    @property
+    def cols_in_node(self) -> int:
+        return max(1, min(self.gpus_per_node, 16, (self.max_width - 2 * _PAD) // self.cell_w))
+
+    @property
+    def node_w(self) -> int:
+        return self.cols_in_node * self.cell_w + 2 * _PAD
+
+    @property
+    def node_h(self) -> int:
+        return _NODE_LABEL_H + math.ceil(self.gpus_per_node / self.cols_in_node) * self.cell_h + 2 * _PAD
+
+    @property
+    def nodes_per_row(self) -> int:
+        return max(1, (self.max_width + _GAP) // (self.node_w + _GAP))
+
+    @property
+    def num_nodes(self) -> int:
+        return math.ceil(self.num_ranks / self.gpus_per_node)
+
+    @property
+    def width(self) -> int:
+        per_row = min(self.nodes_per_row, self.num_nodes)
+        return per_row * self.node_w + (per_row - 1) * _GAP
+
+    @property
+    def height(self) -> int:
+        rows = math.ceil(self.num_nodes / self.nodes_per_row)
+        return rows * self.node_h + (rows - 1) * _GAP
+
+    def node_origin(self, node: int) -> tuple[int, int]:
+        row, col = divmod(node, self.nodes_per_row)
+        return col * (self.node_w + _GAP), row * (self.node_h + _GAP)
+
+    def cell_origin(self, rank: int) -> tuple[int, int]:
+        nx, ny = self.node_origin(node_of(rank, self.gpus_per_node))
+        row, col = divmod(rank % self.gpus_per_node, self.cols_in_node)
+        return nx + _PAD + col * self.cell_w, ny + _NODE_LABEL_H + _PAD + row * self.cell_h
+
+
+def _drawn_ranks(num_ranks: int, gpus_per_node: int) -> int:
+    """Whole nodes from rank 0, at most :data:`MAX_DRAWN_RANKS` ranks (one node at least)."""
+    return min(num_ranks, max(1, MAX_DRAWN_RANKS // gpus_per_node) * gpus_per_node)
+
+
+def _panel_cell(drawn: int) -> int:
+    return 30 if drawn <= 16 else 22 if drawn <= 64 else 14
+
+
+# --------------------------------------------------------------------------------------------------- drawing
+
+
+def _attrs(**values: object) -> str:
+    return " ".join(f"{name.rstrip('_').replace('_', '-')}={quoteattr(str(v))}" for name, v in values.items())
+
+
+class _Svg:
+    """Collects SVG elements; ``y`` is where the next section starts."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.y = _MARGIN
+        self.width = _SHEET_WIDTH
+
+    def open(self, tag: str, **values: object) -> None:
+        self.parts.append(f"<{tag} {_attrs(**values)}>")
+
+    def close(self, tag: str) -> None:
+        self.parts.append(f"</{tag}>")
+
+    def rect(self, x: float, y: float, w: float, h: float, **values: object) -> None:
+        self.parts.append(f"<rect {_attrs(x=x, y=y, width=w, height=h, **values)}/>")
+
+    def text(self, x: float, y: float, content: str, size: int = 11, **values: object) -> None:
+        self.parts.append(f"<text {_attrs(x=x, y=y, font_size=size, **values)}>{escape(content)}</text>")
+
+    def title(self, content: str) -> None:
+        """A tooltip for the enclosing element."""
+        self.parts.append(f"<title>{escape(content)}</title>")
+
+    def heading(self, content: str, size: int = 14) -> None:
+        self.y += size + 6
+        self.text(_MARGIN, self.y, content, size=size, font_weight="bold")
+        self.y += 8
+
+    def document(self, title: str) -> str:
+        height = self.y + _MARGIN
+        return "\n".join([
+            '<?xml version="1.0" encoding="UTF-8"?>',
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{height}" '
+            f'viewBox="0 0 {self.width} {height}" style="{_FONT}">',
+            f"<title>{escape(title)}</title>",
+            f'<rect x="0" y="0" width="{self.width}" height="{height}" fill="white"/>',
+            *self.parts,
+            "</svg>",
+            "",
+        ])
+
+
+def _colour(group: int) -> str:
+    """Distinct neighbouring colours: hues a golden angle apart, lightness cycling so close hues still differ."""
+    return f"hsl({group * 137.508 % 360:.1f},62%,{(68, 56, 82)[group % 3]}%)"
+
+
+def _draw_nodes(svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[[int, int, int], None]) -> None:
+    """Node boxes of ``grid`` at (x, y), each holding its ranks' cells drawn by ``draw_cell(rank, cx, cy)``."""
+    g = grid.gpus_per_node
+    for node in range(grid.num_nodes):
+        nx, ny = grid.node_origin(node)
+        first, last = node * g, min((node + 1) * g, grid.num_ranks) - 1
+        svg.open("g", class_="node", data_node=node)
+        svg.rect(x + nx, y + ny, grid.node_w, grid.node_h, class_="node-box", fill="#f7f7f7", stroke="#555",
+                 stroke_width=1, rx=3)
+        label = f"node {node}: {first}-{last}" if grid.node_w >= 90 else f"n{node}"
+        svg.text(x + nx + _PAD, y + ny + _NODE_LABEL_H - 2, label, size=9, class_="node-label", fill="#333")
+        for rank in range(first, last + 1):
+            cx, cy = grid.cell_origin(rank)
+            draw_cell(rank, x + cx, y + cy)
+        svg.close("g")
+
+
+def _summary_note(svg: _Svg, num_ranks: int, drawn: int, gpus_per_node: int) -> None:
+    if drawn < num_ranks:
+        svg.y += 14
+        svg.text(_MARGIN, svg.y, (
+            f"Drawn: ranks 0-{drawn - 1} ({drawn // gpus_per_node} of {num_ranks // gpus_per_node} nodes); "
+            f"the table covers all {num_ranks} ranks. Groups continue beyond the drawn nodes."
+        ), size=12, class_="summary-note", fill=_RED)
+        svg.y += 6
+
+
+# --------------------------------------------------------------------------------------------------- the sheet
+
+
+def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
+    """The sheet of a placed layout as an SVG document.
+
+    ``kinds`` chooses the group kinds drawn as panels (default: every kind whose groups have more than one rank);
+    ``ValueError`` for an unknown kind.
+    """
+    layout = placement.layout
+    panels = _panel_kinds(placement, kinds)
+    g = placement.gpus_per_node
+    drawn = _drawn_ranks(layout.num_ranks, g)
+    svg = _Svg()
+    title = f"pgregistry layout: {layout.num_ranks} ranks on {placement.describe_nodes()}"
+    svg.heading(title, size=18)
+    svg.text(_MARGIN, svg.y + 6, _sizes_line(layout), size=12, fill="#333")
+    svg.y += 16
+    _summary_note(svg, layout.num_ranks, drawn, g)
+    _placement_table(svg, placement)
+    _rank_map(svg, layout, drawn, g)
+    svg.heading("Groups of each kind: one colour per group; red outline: a group that should stay on one node does not")
+    _flow_panels(svg, [_kind_panel(layout, placement, kind, drawn) for kind in panels])
+    return svg.document(title)
+
+
+def _panel_kinds(placement: Placement, kinds: Sequence[str] | None) -> list[str]:
+    if kinds is None:
+        return [entry.kind for entry in placement.kinds if entry.group_size > 1]
+    for kind in kinds:
+        placement.kind(kind)  # ValueError naming an unknown kind
+    return list(kinds)
+
+
+def _sizes_line(layout: ParallelLayout) -> str:
+    sizes = layout.axis_sizes()
+    return " · ".join([*(f"{axis} {size}" for axis, size in sizes.items()), f"order {layout.order}"])
+
+
+def _placement_table(svg: _Svg, placement: Placement) -> None:
+    svg.heading(f"Placement: rank r runs on node r // {placement.gpus_per_node}")
+    columns = (0, 110, 230, 350)
+    for x, name in zip(columns, ("kind", "groups x ranks", "nodes per group", "placement"), strict=True):
+        svg.text(_MARGIN + x, svg.y + 4, name, size=11, font_weight="bold", fill="#333")
+    svg.y += 6
+    for entry in placement.kinds:
+        svg.y += _ROW_H
+        verdict, colour = _verdict(entry)
+        nodes = f"{entry.min_nodes}" if entry.min_nodes == entry.max_nodes else f"{entry.min_nodes}-{entry.max_nodes}"
+        svg.open("g", class_="placement-row", data_kind=entry.kind, data_groups=entry.num_groups,
+                 data_size=entry.group_size, data_min_nodes=entry.min_nodes, data_max_nodes=entry.max_nodes,
+                 data_crossing=entry.crossing_groups, data_violated=str(entry.violated).lower())
+        cells = (entry.kind, f"{entry.num_groups} x {entry.group_size}", nodes, verdict)
+        for x, cell in zip(columns, cells, strict=True):
+            svg.text(_MARGIN + x, svg.y, cell, size=11, fill=colour if x == columns[-1] else "#111")
+        svg.close("g")
+    svg.y += 8
+
+
+def _verdict(entry: KindPlacement) -> tuple[str, str]:
+    """The entry's verdict with a mark, and its colour."""
+    if entry.group_size == 1:
+        return entry.verdict, "#777"
+    if entry.violated:
+        return f"✗ {entry.verdict}", _RED
+    return (f"✓ {entry.verdict}", _GREEN) if entry.within_node else (entry.verdict, "#333")
+
+
+def _label_axes(layout: ParallelLayout) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The coordinates a rank's label shows: dense axes of size > 1, and expert ones when experts are sharded
+    differently from the dense grid."""
+    sizes = layout.axis_sizes()
+    dense = [(axis, short) for axis, short in _DENSE_AXES if sizes[axis] > 1]
+    expert = [(axis, short) for axis, short in _EXPERT_AXES if sizes[axis] > 1]
+    if layout.ep == 1 and layout.expt_tp == layout.tp and layout.expt_gtp_remat == 1:
+        expert = []
+    return dense or [("dp", "dp")], expert
+
+
+def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: int, gpus_per_node: int) -> None:
+    dense, expert = _label_axes(layout)
+    svg.heading("Ranks on nodes, each labelled with its coordinates")
+    legend = "cell: rank / dense (" + "·".join(s for _, s in dense) + ")"
+    if expert:
+        legend += " / expert (" + "·".join(s for _, s in expert) + ")"
+    svg.text(_MARGIN, svg.y + 4, legend, size=11, class_="legend", fill="#333")
+    svg.y += 12
+    sizes = layout.axis_sizes()
+    # The widest label: every coordinate at its largest value.
+    longest = max(len("·".join(str(sizes[a] - 1) for a, _ in axes)) for axes in (dense, expert))
+    size = 10 if drawn <= 64 else 9
+    cell_w = max(30, 8 + math.ceil(longest * size * 0.62))
+    line_h = size + 1
+    cell_h = (3 if expert else 2) * line_h + 6
+    grid = _NodeGrid(num_ranks=drawn, gpus_per_node=gpus_per_node, cell_w=cell_w, cell_h=cell_h,
+                     max_width=_SHEET_WIDTH - 2 * _MARGIN)
+
+    def cell(rank: int, x: int, y: int) -> None:
+        coords = layout.coords(rank)
+        dense_label = "·".join(str(coords[a]) for a, _ in dense)
+        expert_label = "·".join(str(coords[a]) for a, _ in expert)
+        svg.open("g", class_="rank", data_rank=rank, data_node=node_of(rank, gpus_per_node))
+        svg.title(f"rank {rank}: " + ", ".join(f"{a} {v}" for a, v in coords.items()))
+        svg.rect(x, y, cell_w - 2, cell_h - 2, fill="white", stroke="#999", stroke_width=0.8, rx=2)
+        svg.text(x + 3, y + line_h, str(rank), size=size, font_weight="bold", class_="rank-label")
+        svg.text(x + 3, y + 2 * line_h, dense_label, size=size, class_="dense-coords", fill="#1a237e")
+        if expert:
+            svg.text(x + 3, y + 3 * line_h, expert_label, size=size, class_="expert-coords", fill="#6a1b9a")
+        svg.close("g")
+
+    svg.y += 4
+    svg.open("g", class_="rank-map")
+    _draw_nodes(svg, grid, _MARGIN, svg.y, cell)
+    svg.close("g")
+    svg.y += grid.height + 6
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class _Panel:
+    """A titled drawing of width ``width`` and height ``height``; ``draw(svg, x, y)`` puts it at (x, y)."""
+
+    width: int
+    height: int
+    draw: Callable[[_Svg, int, int], None]
+
+
+_PANEL_TITLE_H: Final = 30
+
+
+def _flow_panels(svg: _Svg, panels: Sequence[_Panel]) -> None:
+    """Panels left to right, wrapping at the sheet width."""
+    x, row_h = _MARGIN, 0
+    for panel in panels:
+        if x > _MARGIN and x + panel.width > _SHEET_WIDTH - _MARGIN:
+            svg.y += row_h + _GAP
+            x, row_h = _MARGIN, 0
+        panel.draw(svg, x, svg.y)
+        x += panel.width + 2 * _GAP
+        row_h = max(row_h, panel.height)
+    svg.y += row_h + _GAP
+
+
+def _groups_panel(
+    layout: ParallelLayout, kind: str, drawn: int, gpus_per_node: int, heading: Sequence[tuple[str, str]],
+    group_class: Callable[[tuple[int, ...]], str], **panel_data: object,
+) -> _Panel:
+    """A panel colouring the drawn ranks by their group of ``kind``; ``group_class(group)`` gives the CSS-like
+    classes of a group's cells (``crossing``, ``shared``, ...), ``heading`` the title lines and their colours."""
+    cell = _panel_cell(drawn)
+    half = (_SHEET_WIDTH - 2 * _MARGIN - 2 * _GAP) // 2
+    grid = _NodeGrid(num_ranks=drawn, gpus_per_node=gpus_per_node, cell_w=cell, cell_h=cell, max_width=half)
+    full = attrs.evolve(grid, max_width=_SHEET_WIDTH - 2 * _MARGIN)
+    if grid.nodes_per_row < grid.num_nodes <= full.nodes_per_row:
+        grid = full  # every node on one row reads better than two panels side by side
+    group_index: dict[int, int] = {}
+    classes: dict[int, str] = {}
+    groups = layout.groups(kind)
+    group_size = len(groups[0])
+    for index, group in enumerate(groups):
+        if group[0] >= drawn:
+            continue
+        group_classes = group_class(group)
+        for rank in group:
+            group_index[rank] = index
+            classes[rank] = group_classes
+    title_w = min(max(len(text) for text, _ in heading) * 6, half)
+    if group_size == 1:  # the kind is off: its heading says so, a grid of grey cells would say nothing more
+        return _Panel(width=title_w, height=_PANEL_TITLE_H, draw=lambda svg, x, y: _panel_heading(
+            svg, x, y, heading, kind, panel_data))
+    width = max(grid.width, title_w)
+
+    def draw(svg: _Svg, x: int, y: int) -> None:
+        _panel_heading(svg, x, y, heading, kind, panel_data, close=False)
+
+        def rank_cell(rank: int, cx: int, cy: int) -> None:
+            index = group_index.get(rank)
+            cls = "rank" + (f" {classes[rank]}" if index is not None and classes[rank] else "")
+            data = {"data_group": index} if index is not None else {}
+            svg.open("g", class_=cls, data_rank=rank, data_node=node_of(rank, gpus_per_node), **data)
+            svg.title(f"rank {rank}: " + ("no group" if index is None else f"{kind} group {index}"))
+            faded = "faded" in cls
+            fill = "#eeeeee" if index is None or group_size == 1 else _colour(index)
+            alarm = "violated" in cls
+            svg.rect(cx, cy, cell - 2, cell - 2, fill=fill, fill_opacity=0.25 if faded else 1,
+                     stroke=_RED if alarm else "#888", stroke_width=2 if alarm else 0.6, rx=2)
+            if cell >= 20:
+                svg.text(cx + (cell - 2) / 2, cy + cell / 2 + 2, str(rank), size=9, text_anchor="middle",
+                         fill="#222", class_="rank-label")
+            svg.close("g")
+
+        _draw_nodes(svg, grid, x, y + _PANEL_TITLE_H, rank_cell)
+        svg.close("g")
+
+    return _Panel(width=width, height=_PANEL_TITLE_H + grid.height, draw=draw)
+
+
+def _groups_of(count: int, size: int) -> str:
+    return f"{count} group{'' if count == 1 else 's'} of {size}"
+
+
+def _panel_heading(
+    svg: _Svg, x: int, y: int, heading: Sequence[tuple[str, str]], kind: str, panel_data: dict[str, object],
+    close: bool = True,
+) -> None:
+    """Open a panel's group and write its title lines (closing the group unless cells follow)."""
+    svg.open("g", class_="kind-panel", data_kind=kind, **panel_data)
+    for i, (text, colour) in enumerate(heading):
+        svg.text(x, y + 12 + 13 * i, text, size=11 if i else 12, font_weight="normal" if i else "bold",
+                 fill=colour, class_="panel-title")
+    if close:
+        svg.close("g")
+
+
+def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: int) -> _Panel:
+    entry = placement.kind(kind)
+    g = placement.gpus_per_node
+    heading = [(f"{kind}: {_groups_of(entry.num_groups, entry.group_size)}", "#111"), _verdict(entry)]
+
+    def group_class(group: tuple[int, ...]) -> str:
+        if len({node_of(r, g) for r in group}) == 1:
+            return ""
+        return "crossing violated" if entry.violated else "crossing"
+
+    return _groups_panel(layout, kind, drawn, g, heading, group_class, data_violated=str(entry.violated).lower())
+
+
+# --------------------------------------------------------------------------------------------------- compare
+
+
+def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: tuple[str, str] = ("A", "B")) -> str:
+    """Two layouts of one world side by side: for every kind with more than one rank per group in either layout,
+    A's panel left and B's right; groups the other layout also creates a communicator for are in full colour
+    (class ``shared``), the others faded."""
+    a, b = comparison.layout_a, comparison.layout_b
+    if a.num_ranks % gpus_per_node:
+        raise ValueError(f"num_ranks {a.num_ranks} is not a multiple of gpus_per_node {gpus_per_node}")
+    drawn = _drawn_ranks(a.num_ranks, gpus_per_node)
+    shared = comparison.shared
+    svg = _Svg()
+    title = f"pgregistry layout --compare: {names[0]} and {names[1]} on {a.num_ranks} ranks"
+    svg.heading(title, size=18)
+    for name, layout in zip(names, (a, b), strict=True):
+        svg.text(_MARGIN, svg.y + 6, f"{name}: {_sizes_line(layout)}", size=12, fill="#333")
+        svg.y += 16
+    svg.y += 4
+    svg.text(_MARGIN, svg.y + 8, (
+        f"{names[0]}: {len(comparison.a)} communicators, {names[1]}: {len(comparison.b)}, shared: {len(shared)} "
+        f"(created once; {len(comparison.a) + len(comparison.b) - len(shared)} in all)"
+    ), size=13, font_weight="bold", class_="compare-summary", data_a=len(comparison.a), data_b=len(comparison.b),
+        data_shared=len(shared))
+    svg.y += 14
+    _summary_note(svg, a.num_ranks, drawn, gpus_per_node)
+    _shared_table(svg, comparison, names)
+    svg.heading(f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
+                "faded = only in this layout")
+
+    def panel(layout: ParallelLayout, side: str, kind: str) -> _Panel:
+        other = comparison.b if side == "a" else comparison.a
+        groups = layout.groups(kind)
+        shared_here = sum(1 for group in groups if group in other)
+        other_kinds = sorted({k for group in groups if group in other for k in other[group]},
+                             key=GROUP_KINDS.index)
+        name = names[0] if side == "a" else names[1]
+        if len(groups[0]) == 1:
+            status, colour = "off (one rank per group)", "#777"
+        else:
+            status = f"{shared_here} shared" + (f" (as {', '.join(other_kinds)})" if other_kinds else "")
+            colour = _GREEN if shared_here else "#777"
+        heading = [(f"{name} {kind}: {_groups_of(len(groups), len(groups[0]))}", "#111"), (status, colour)]
+        return _groups_panel(layout, kind, drawn, gpus_per_node, heading,
+                             lambda group: "shared" if group in other else "faded", data_side=side,
+                             data_shared_groups=shared_here)
+
+    rows = [(panel(a, "a", kind), panel(b, "b", kind)) for kind in GROUP_KINDS
+            if max(len(a.groups(kind)[0]), len(b.groups(kind)[0])) > 1]
+    right = _MARGIN + max((left.width for left, _ in rows), default=0) + 2 * _GAP  # B's column lines up
+    for left, right_panel in rows:
+        left.draw(svg, _MARGIN, svg.y)
+        right_panel.draw(svg, right, svg.y)
+        svg.y += max(left.height, right_panel.height) + _GAP
+    svg.width = max(svg.width, right + max((p.width for _, p in rows), default=0) + _MARGIN)
+    return svg.document(title)
+
+
+def _shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str, str]) -> None:
+    svg.heading("Shared communicators: the same ranks, named by these kinds")
+    columns = (0, 60, 130, 480)
+    for x, name in zip(columns, ("count", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}"), strict=True):
+        svg.text(_MARGIN + x, svg.y + 4, name, size=11, font_weight="bold", fill="#333")
+    svg.y += 6
+    for row in comparison.shared_by_kinds():
+        svg.y += _ROW_H
+        svg.open("g", class_="shared-row", data_count=row.count, data_size=row.size,
+                 data_kinds_a=" ".join(row.kinds_a), data_kinds_b=" ".join(row.kinds_b))
+        cells = (str(row.count), str(row.size), ", ".join(row.kinds_a), ", ".join(row.kinds_b))
+        for x, cell in zip(columns, cells, strict=True):
+            svg.text(_MARGIN + x, svg.y, cell, size=11)
+        svg.close("g")
+    if not comparison.shared:
+        svg.y += _ROW_H
+        svg.text(_MARGIN, svg.y, "none", size=11, fill="#777")
+    svg.y += 8
+
+
+# --------------------------------------------------------------------------------------------------- HTML
+
+
+def svg_to_html(svg: str, title: str) -> str:
+    """An HTML page showing ``svg`` inline (so it scales and its tooltips work in any browser)."""
+    body = svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
+    return "\n".join([
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        '<head><meta charset="utf-8">',
+        f"<title>{escape(title)}</title>",
+        "<style>body{margin:0;background:#fff} svg{max-width:100%;height:auto}</style>",
+        "</head>",
+        "<body>",
+        body.strip(),
+        "</body>",
+        "</html>",
+        "",
+    ])

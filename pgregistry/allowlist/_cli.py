@@ -1,0 +1,415 @@
+"""``pgregistry allowlist check|update|stats``: the ratchet on reads of global process-group state.
+
+- ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no longer
+  needs (the list may only shrink); it prints each with its file:line and the fix. With ``--base REV`` each
+  key is also held to what REV read, so a stale entry is a "can shrink" notice, not a failure.
+- ``update`` rewrites the allowlist from the scan (sorted, byte-identical when nothing changed).
+- ``stats`` prints counts by accessor, file and scope.
+
+Exit 2 for usage errors, bad settings, a malformed or wrongly-versioned allowlist, and source files that do
+not parse. Settings come from ``[tool.pgregistry.allowlist]`` in the nearest ``pyproject.toml`` that has that
+table (its directory is the project root all paths are relative to); command-line options override them.
+
+This module and everything it imports are torch-free: the check runs in lint jobs where torch is absent or
+slow to import. It also runs without the rest of the CLI as ``python -m pgregistry.allowlist``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
+from pgregistry.allowlist._cache import ScanCache
+from pgregistry.allowlist._config import PRESETS, ConfigError, Settings, find_config_file, load_settings
+from pgregistry.allowlist._engine import ScanReport, default_jobs, scan_files, scan_sources
+from pgregistry.allowlist._files import PathError, absolute, discover, excluded, project_path, under
+from pgregistry.allowlist._megatron_list import match_megatron_list, parse_megatron_list
+from pgregistry.allowlist._ratchet import (
+    Allowlist,
+    AllowlistError,
+    Comparison,
+    FutureAllowlistError,
+    compare,
+    read_bytes,
+)
+from pgregistry.allowlist._report import (
+    FORMATS,
+    Baseline,
+    render_check,
+    render_failures,
+    render_skipped,
+    render_stats,
+    render_update,
+)
+from pgregistry.allowlist._scanner import FileResult
+from pgregistry.allowlist._storage import StorageError, exclusive
+
+__all__ = ["add_command", "configure", "main", "run"]
+
+_ACTIONS = {
+    "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
+    "update": "rewrite the allowlist from the current code (deterministic, sorted)",
+    "stats": "print counts of reads by family, directory, accessor, file and scope",
+    "import": "write the allowlist from Megatron-LM's line-keyed list (tools/process_group_usage_allowlist.json)",
+}
+
+_DESCRIPTION = (
+    "Find every read of global process-group state (parallel_state accessors however imported, "
+    "use_mpu_process_groups, pgregistry's global grid) and ratchet it against a committed allowlist keyed by "
+    "file, scope and accessor, so the list can only shrink."
+)
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        metavar="PATH",
+        help="files or directories to scan instead of the configured roots; only their entries are judged",
+    )
+    parser.add_argument(
+        "--allowlist", type=Path, metavar="FILE", help="the allowlist file (default: configured)"
+    )
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument(
+        "--config", type=Path, metavar="PYPROJECT", help="read settings from this pyproject.toml"
+    )
+    parser.add_argument("--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd")
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        metavar="PATTERN",
+        help="exclude pattern (repeatable; replaces the configured)",
+    )
+    parser.add_argument(
+        "--extend-exclude", action="append", default=[], metavar="PATTERN", help="add an exclude"
+    )
+    parser.add_argument(
+        "--module",
+        action="append",
+        metavar="NAME",
+        help="legacy module name whose accessors count (repeatable; replaces the configured)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="built-in scan settings for a known code base (replaces the configured scan settings)",
+    )
+    parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
+    parser.add_argument("--cache-dir", type=Path, metavar="DIR", help="the scan cache directory")
+    parser.add_argument(
+        "--skip-newer-syntax",
+        action="store_true",
+        help="skip, with a listed warning, files using syntax newer than this Python (their entries are kept "
+        "and not judged) instead of failing",
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the check/update/stats actions to ``parser``."""
+    actions = parser.add_subparsers(dest="allowlist_action", metavar="ACTION", required=True)
+    for name, text in _ACTIONS.items():
+        # The action's own sentence only: the command's paragraph is in `pgregistry allowlist --help`.
+        action = actions.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.")
+        _options(action)
+        if name == "check":
+            action.add_argument(
+                "--base",
+                metavar="REV",
+                help="git revision the change is against (in CI: the target branch): reads in files git saw "
+                "renamed since count as moved, only the added sites of a key are flagged, and each key may read "
+                "no more than at REV plus what this change adds to the allowlist, so stale entries are notices "
+                "(run update to shrink), not failures",
+            )
+        if name == "import":
+            action.add_argument(
+                "--from", dest="source", type=Path, required=True, metavar="FILE", help="Megatron-LM's allowlist"
+            )
+        if name == "stats":
+            action.add_argument(
+                "--since", metavar="REV", help="compare with the tree at this git revision (burn-down table)"
+            )
+            action.add_argument(
+                "--depth", type=_jobs, default=2, metavar="N", help="directory depth of the by-directory table"
+            )
+        action.set_defaults(handler=run)
+
+
+def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``pgregistry allowlist`` (the hook :mod:`pgregistry.cli` calls)."""
+    parser = subparsers.add_parser(
+        "allowlist", help="ratchet reads of global process-group state", description=_DESCRIPTION
+    )
+    configure(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pgregistry.allowlist``: the same command without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="python -m pgregistry.allowlist", description=_DESCRIPTION)
+    configure(parser)
+    args = parser.parse_args(argv)
+    code: int = args.handler(args)
+    return code
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    cwd = Path.cwd()
+    if args.isolated:
+        config_file = None
+    elif args.config is not None:
+        if not args.config.is_file():
+            raise ConfigError(f"{args.config}: no such file")
+        config_file = args.config
+    else:
+        config_file = find_config_file(cwd)
+    settings = load_settings(config_file, cwd)
+    exclude = tuple(args.exclude) if args.exclude is not None else settings.exclude
+    settings = dataclasses.replace(settings, exclude=exclude + tuple(args.extend_exclude))
+    if args.allowlist is not None:
+        settings = dataclasses.replace(settings, allowlist=absolute(args.allowlist))
+    if args.cache_dir is not None:
+        settings = dataclasses.replace(settings, cache_dir=absolute(args.cache_dir))
+    if args.preset is not None:
+        settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
+    if args.module is not None:
+        settings = dataclasses.replace(
+            settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
+        )
+    return settings
+
+
+def _targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
+    """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
+    if not args.paths:
+        return [absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
+    targets = [absolute(path) for path in args.paths]
+    prefixes = [project_path(target, settings.root) for target in targets]
+    return targets, lambda path: under(path, prefixes)
+
+
+def _error(message: str, fmt: str) -> int:
+    if fmt == "github":
+        print(f"::error title=pgregistry allowlist::{message}")
+    print(f"pgregistry allowlist: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _skipped_newer(report: ScanReport, allowed: bool) -> tuple[list[FileResult], list[FileResult]]:
+    """(failures, skipped): files whose only fault is syntax newer than this Python are skipped when
+    ``allowed`` (``--skip-newer-syntax``); every other failure stays an error."""
+    failures = [r for r in report.failures if not (allowed and r.failure is not None and r.failure.needs)]
+    skipped = [r for r in report.failures if r not in failures]
+    return failures, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    """The handler of every action; returns the exit code (0 ok, 1 check failed, 2 error)."""
+    fmt: str = args.format
+    try:
+        settings = _settings(args)
+        targets, covers = _targets(args, settings)
+        found = discover(targets, settings.root, settings.exclude)
+    except (ConfigError, PathError) as error:
+        return _error(str(error), fmt)
+    cache = None
+    if not args.no_cache and settings.cache_dir is not None:
+        cache = ScanCache(settings.resolve(settings.cache_dir), settings.scan)
+    report = scan_files(found.files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    failures, newer = _skipped_newer(report, args.skip_newer_syntax)
+    if failures:
+        print(render_failures(failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
+        return 2
+    warnings = [(path, "skipped: not a regular file") for path in found.skipped]
+    warnings += [(r.path, f"skipped: needs Python >= {r.failure.needs}") for r in newer if r.failure is not None]
+    if warnings:
+        print(render_skipped(warnings, fmt), end="", file=sys.stdout if fmt == "github" else sys.stderr)
+    unjudged = {path for path, _ in warnings}
+    results = [result for result in report.results if result.failure is None]
+
+    def judged(path: str) -> bool:  # a skipped file's entries are neither judged nor rewritten
+        return covers(path) and path not in unjudged
+
+    allowlist_path = settings.resolve(settings.allowlist)
+    name = project_path(allowlist_path, settings.root)
+    if args.allowlist_action == "import":
+        code = _import(args, results)
+        if code:
+            return code
+    if args.allowlist_action in ("update", "import"):
+        return _update(args, results, judged, allowlist_path, name, partial=bool(args.paths or unjudged))
+    try:
+        if args.allowlist_action == "check":
+            allowed = Allowlist.load(allowlist_path, name)
+            comparison = _compare(args, settings, results, allowed, judged, cache)
+            print(render_check(comparison, allowed, len(found.files), name, fmt), end="")
+            return 0 if comparison.ok else 1
+        previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
+        since = _baseline(args, settings, targets, cache) if args.since else None
+    except (AllowlistError, GitError) as error:
+        return _error(str(error), fmt)
+    # Only the entries of the paths scanned: ``stats PATH`` compares like with like.
+    subset = Allowlist({p: keys for p, keys in previous.entries.items() if judged(p)}) if previous else None
+    print(render_stats(results, subset, fmt, since, args.depth), end="")
+    return 0
+
+
+def _compare(
+    args: argparse.Namespace,
+    settings: Settings,
+    results: list[FileResult],
+    allowed: Allowlist,
+    judged: Callable[[str], bool],
+    cache: ScanCache | None,
+) -> Comparison:
+    """The ratchet's comparison; with ``--base``, git's renames pair moved reads, added sites are marked, and
+    each key's allowance is held to what the base read (:func:`~pgregistry.allowlist._baseline.base_limits`)."""
+    if not args.base:
+        return compare(results, allowed, judged)
+    base = GitTree(settings.root, args.base)
+    changes = base.changes()
+
+    def current(path: str) -> bytes | None:
+        return read_bytes(settings.root / path)
+
+    def scan(sources: list[tuple[str, bytes]]) -> list[FileResult]:
+        return _scan_at(args, settings, cache, args.base, sources)
+
+    limits = _base_limits(settings, base, changes.renames, allowed, judged, results, scan)
+    comparison = compare(results, allowed, judged, changes.renames, changes.added, limits)
+    return mark_added(comparison, settings.scan, current, base, changes.renames)
+
+
+def _base_limits(
+    settings: Settings,
+    base: GitTree,
+    renames: dict[str, str],
+    allowed: Allowlist,
+    judged: Callable[[str], bool],
+    results: list[FileResult],
+    scan: Callable[[list[tuple[str, bytes]]], list[FileResult]],
+) -> Allowlist:
+    """The allowances at ``--base``: the allowlist and the judged files (listed or reading today) as they were
+    there, scanned with the same settings (a file unchanged since is not rescanned: today's result is its)."""
+    name = project_path(settings.resolve(settings.allowlist), settings.root)
+    listed = base.source(name)
+    base_allowlist = Allowlist.from_bytes(listed, f"{name} at {base.rev}") if listed is not None else Allowlist({})
+    old_of = {new: old for old, new in renames.items()}
+    counts = Allowlist.from_results(results).entries
+    today_of = {old_of.get(path, path): path for path in {*allowed.entries, *counts} if judged(path)}
+    base_counts: dict[str, Mapping[str, int]] = {}
+    changed: list[tuple[str, bytes]] = []
+    for old, data in sorted(base.python_files(sorted(today_of)).items() if today_of else ()):
+        if old not in today_of:
+            continue
+        if data == read_bytes(settings.root / today_of[old]):
+            base_counts[old] = counts.get(today_of[old], {})
+        else:
+            changed.append((old, data))
+    base_counts.update(Allowlist.from_results(scan(changed)).entries)
+    return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path), counts)
+
+
+def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:
+    """The scan of the same roots, with the same excludes, at revision ``--since``."""
+    tree = GitTree(settings.root, args.since)
+    prefixes = [project_path(target, settings.root) for target in targets]
+    sources = [
+        (path, data)
+        for path, data in sorted(tree.python_files(prefixes).items())
+        if not excluded(path, settings.exclude)
+    ]
+    return Baseline(args.since, _scan_at(args, settings, cache, args.since, sources))
+
+
+def _scan_at(
+    args: argparse.Namespace, settings: Settings, cache: ScanCache | None, rev: str, sources: list[tuple[str, bytes]]
+) -> list[FileResult]:
+    """Scan ``sources`` read at git revision ``rev``; a file there that does not parse is a :class:`GitError`."""
+    report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
+    if report.failures:
+        first = report.failures[0]
+        raise GitError(f"{first.path} at {rev} does not parse: {first.failure and first.failure.message}")
+    return report.results
+
+
+def _import(args: argparse.Namespace, results: list[FileResult]) -> int:
+    """Check that every entry of Megatron-LM's list is a read of today's tree (exit 2 naming those that are
+    not) and say what the import grandfathers beyond it; 0 when the update may go ahead."""
+    fmt: str = args.format
+    try:
+        entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
+    except OSError as error:
+        return _error(f"{args.source}: cannot read: {error.strerror or error}", fmt)
+    except (AllowlistError, UnicodeDecodeError) as error:
+        return _error(str(error), fmt)
+    imported = match_megatron_list(entries, results)
+    if imported.unmatched:
+        shown = "; ".join(imported.unmatched[:5]) + ("; ..." if len(imported.unmatched) > 5 else "")
+        return _error(
+            f"{len(imported.unmatched)} entries of {args.source} have no such read on their line in the scanned "
+            f"tree ({shown}): regenerate it with Megatron-LM's checker (--update) on this tree, then import",
+            fmt,
+        )
+    unseen = ", ".join(f"{accessor} {count}" for accessor, count in imported.unseen.most_common())
+    print(
+        f"imported {imported.matched} entries of {args.source}; grandfathered too, {sum(imported.unseen.values())} "
+        f"reads its rule does not list{': ' + unseen if unseen else ''}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _update(
+    args: argparse.Namespace,
+    results: list[FileResult],
+    judged: Callable[[str], bool],
+    path: Path,
+    name: str,
+    partial: bool,
+) -> int:
+    """Rewrite the allowlist under the update lock: read, merge, write atomically (exit 2 on any OS error,
+    the old file intact). ``partial``: some paths are not rescanned, so their old entries must be kept."""
+    fmt: str = args.format
+    try:
+        with exclusive(path):
+            try:
+                expected = read_bytes(path)
+            except OSError as error:
+                return _error(f"{name}: cannot read the allowlist: {error.strerror or error}", fmt)
+            previous = None
+            if expected is not None:
+                try:
+                    previous = Allowlist.from_bytes(expected, name)
+                except FutureAllowlistError as error:
+                    return _error(str(error), fmt)
+                except AllowlistError as error:
+                    if partial:
+                        return _error(
+                            f"{error}. A partial update (PATH given, or files skipped) only edits a readable "
+                            "allowlist: run `pgregistry allowlist update` with no PATH to regenerate it whole",
+                            fmt,
+                        )
+                    # A full update regenerates the whole list, so it may replace an unreadable (or old) file.
+                    print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
+            current = (previous or Allowlist({})).merged(Allowlist.from_results(results), judged)
+            changed = current.write(path, expected)
+    except StorageError as error:
+        return _error(str(error), fmt)
+    print(render_update(previous, current, name, changed, fmt), end="")
+    return 0

@@ -1,0 +1,109 @@
+"""Writing a file so that it is never lost or half-written, and serialising the processes that rewrite it.
+
+The allowlist is the one file the ratchet writes that a person cares about, so a rewrite goes to a temporary
+file in the same directory, is flushed to disk (``fsync``) and only then renamed over the old file: a crash,
+a ``kill -9`` or a full disk at any point leaves either the old file or the new one, never a truncated mix.
+
+Two updates running at once (two partial ``update PATH`` runs, or a pre-commit hook beside a manual run)
+would each read the old list and the last rename would drop the other's entries. :func:`exclusive` holds an
+advisory lock on the file's directory for the whole read-merge-write, so the second waits for the first and
+merges into its result. As a second line of defence (for writers that take no lock, and for Windows, which
+has no ``flock``), the allowlist's writer re-reads the file before the rename and refuses when it changed since
+it was read (see :meth:`pgregistry.allowlist._ratchet.Allowlist.write`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["LOCK_TIMEOUT_S", "StorageError", "atomic_write", "exclusive"]
+
+#: How long to wait for another process's update before giving up (nothing may hang forever).
+LOCK_TIMEOUT_S = 120.0
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+
+class StorageError(OSError):
+    """A file could not be written or locked; ``str()`` is a one-line message naming the file and the cause."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error) or type(error).__name__
+
+
+def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` all at once: temporary file in the same directory, ``fsync`` (when
+    ``durable``), rename. Raises :class:`StorageError` on any OS error; ``path`` is then untouched and no
+    temporary file is left behind."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise StorageError(f"cannot write {path}: {_reason(error)}") from error
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            if durable:
+                os.fsync(stream.fileno())
+        with contextlib.suppress(OSError):  # keep the old file's permissions (mkstemp makes it 0600)
+            os.chmod(temporary, path.stat().st_mode & 0o7777)
+        os.replace(temporary, path)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise StorageError(f"cannot write {path}: {_reason(error)}; the previous file is unchanged") from error
+        raise
+    if durable:  # make the rename itself durable
+        with contextlib.suppress(OSError):
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the advisory lock that serialises rewrites of ``path`` (a lock on its directory, so it survives
+    the rename that replaces the file). Waits up to ``timeout`` seconds, then raises :class:`StorageError`."""
+    if fcntl is None:  # pragma: no cover - Windows: the writer's re-read still detects a concurrent change
+        yield
+        return
+    directory = path.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError as error:
+        raise StorageError(f"cannot lock {path}: {_reason(error)}") from error
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as error:
+                if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise StorageError(f"cannot lock {path}: {_reason(error)}") from error
+                if time.monotonic() >= deadline:
+                    raise StorageError(
+                        f"cannot lock {path}: another process has been updating it for {timeout:.0f} s"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(handle)  # closing the descriptor releases the lock

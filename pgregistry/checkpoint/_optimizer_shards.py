@@ -1,0 +1,190 @@
+"""The sharded optimizer-state format: pieces of flattened parameters keyed by global name, read and written here.
+
+A sharded (distributed) optimizer stores pieces of flattened parameters; keyed by global names (give it
+:func:`pgregistry.experts.global_param_name_fn`), its pieces from every rank of one layout are joined by
+:func:`merge_optimizer_shards` and cut for another layout by :func:`cut_optimizer_shards`.
+:func:`save_optimizer_shards` / :func:`load_optimizer_shards` do both through per-rank files
+(``optimizer-rank-<rank>.pt``, beside the parameters' ``rank-<rank>.pt``), so its state reloads under another EP
+or data-parallel size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from pgregistry.checkpoint._agreement import raise_on_every_rank
+from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
+from pgregistry.optim._chained import ChainedOptimizer
+from pgregistry.optim._sharded import ShardedOptimizer
+
+__all__ = ["cut_optimizer_shards", "load_optimizer_shards", "merge_optimizer_shards", "save_optimizer_shards"]
+
+_OPTIMIZER_FILE: Final = "optimizer-rank-"
+
+
+def merge_optimizer_shards(shards: Iterable[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Whole flat per-parameter state from the pieces a sharded optimizer saved on every rank of one layout.
+
+    Each item of ``shards`` is one rank's ``name -> {"offset", "numel", "main", "state"}`` (the ``"shards"`` part
+    of a sharded optimizer's state dict, as pgregistry's ``ShardedOptimizer`` writes it): the piece
+    ``[offset, offset + numel)`` of the flattened parameter ``name``, its main copy and its optimizer state. A
+    state tensor of shape ``(numel,)`` is a piece of an elementwise state (Adam's moments); any other value (Adam's
+    0-d ``step``) belongs to the whole parameter and must be equal in every piece.
+
+    Returns ``name -> {"main": flat tensor, "state": {key: flat tensor or value}}``. ``ValueError`` when the
+    pieces of a parameter overlap, leave a gap, or disagree on their state keys or per-parameter values.
+    """
+    pieces: dict[str, list[Mapping[str, Any]]] = {}
+    for rank_shards in shards:
+        for name, piece in rank_shards.items():
+            pieces.setdefault(name, []).append(piece)
+    return {name: _merge_pieces(name, sorted(found, key=lambda p: p["offset"])) for name, found in pieces.items()}
+
+
+def _elementwise(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
+
+
+def _merge_pieces(name: str, pieces: list[Mapping[str, Any]]) -> dict[str, Any]:
+    end = 0
+    for piece in pieces:
+        if piece["offset"] != end:
+            problem = "overlap" if piece["offset"] < end else "leave a gap"
+            raise ValueError(f"the saved pieces of {name!r} {problem} at element {min(end, piece['offset'])}")
+        end += piece["numel"]
+    keys = {tuple(sorted(piece["state"])) for piece in pieces}
+    if len(keys) > 1:
+        raise ValueError(f"the saved pieces of {name!r} hold different optimizer state keys: {sorted(keys)}")
+    state: dict[str, Any] = {}
+    for key in next(iter(keys)):
+        values = [piece["state"][key] for piece in pieces]
+        if all(_elementwise(v, piece["numel"]) for v, piece in zip(values, pieces, strict=True)):
+            state[key] = torch.cat([v.reshape(-1) for v in values])
+            continue
+        first = values[0]
+        if not all(_same_value(first, v) for v in values[1:]):
+            raise ValueError(f"the saved pieces of {name!r} disagree on the per-parameter state {key!r}")
+        state[key] = first
+    return {"main": torch.cat([piece["main"].reshape(-1) for piece in pieces]), "state": state}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def cut_optimizer_shards(
+    whole: Mapping[str, Mapping[str, Any]], template: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """This rank's pieces, cut from :func:`merge_optimizer_shards` output, for the layout of ``template``.
+
+    ``template`` is the ``"shards"`` part of the state dict of the optimizer to load into (it says which pieces
+    this rank holds now); the result replaces it before ``optimizer.load_state_dict``. Tensors are copies.
+    ``ValueError`` when a piece's parameter is missing or too short.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name, piece in template.items():
+        if name not in whole:
+            raise ValueError(f"the saved optimizer state lacks parameter {name!r}")
+        start, numel = piece["offset"], piece["numel"]
+        source = whole[name]
+        total = source["main"].numel()
+        if start + numel > total:
+            raise ValueError(
+                f"{name!r}: this rank's piece [{start}, {start + numel}) exceeds the saved {total} elements"
+            )
+        out[name] = {
+            "offset": start,
+            "numel": numel,
+            "main": _cut(source["main"], start, numel),
+            "state": {
+                key: _cut(value, start, numel) if _elementwise(value, total) else _copy(value)
+                for key, value in source["state"].items()
+            },
+        }
+    return out
+
+
+def _cut(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    return tensor[start : start + numel].clone()
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a per-parameter state value, so the cut state shares no tensor with the merged one."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
+    children = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    sharded: list[ShardedOptimizer] = []
+    for index, child in enumerate(children):
+        if not isinstance(child, ShardedOptimizer):
+            raise ValueError(
+                f"{owner} handles sharded optimizers (build_optimizer(..., sharded=True)); child {index} is a "
+                f"{type(child).__name__}, whose state_dict() is keyed by parameter name already"
+            )
+        sharded.append(child)
+    return sharded
+
+
+def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> Path:
+    """Write this rank's pieces of a sharded optimizer to ``directory/optimizer-rank-<rank>.pt``.
+
+    The pieces are the ``"shards"`` of every child's state dict, keyed by the names the optimizer was built with:
+    give it :func:`pgregistry.experts.global_param_name_fn` names and :func:`load_optimizer_shards` reloads them
+    under another EP, PP or data-parallel size. Every rank must call it, with a fresh directory per checkpoint
+    (it may be the one :func:`save_rank_files` writes the parameters to). Hyper-parameters are not stored. The
+    pieces must be whole-tensor pieces held by one rank each, so TP and GTP-remat must be off, as for the other
+    savers here; the loader refuses overlapping pieces. Returns the file written.
+    """
+    shards: dict[str, Any] = {}
+    for child in _sharded_children(optimizer, "save_optimizer_shards"):
+        for name, piece in child.state_dict()["shards"].items():
+            if name in shards:
+                raise ValueError(f"two parameters of the optimizer are named {name!r}; give it unique names")
+            shards[name] = piece
+    return write_rank_file(directory, _OPTIMIZER_FILE, shards)
+
+
+def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> None:
+    """Load :func:`save_optimizer_shards` files written under any layout into a sharded optimizer.
+
+    Each child's pieces are joined from every saved rank by name (:func:`merge_optimizer_shards`, which refuses
+    gaps, overlaps and disagreeing per-parameter state) and cut for the shards this rank holds now
+    (:func:`cut_optimizer_shards`); main copies and optimizer state are restored, and the parameters get the
+    main copies. Collective: every rank must call it; a rank that cannot load (a file it cannot read, a piece it
+    reads whose checksum does not match) makes every rank raise, before any loads. Only the saved pieces of
+    parameters this rank holds are read (the files are memory-mapped), but each is joined whole, so a rank holds
+    the whole state of those parameters for a moment. Hyper-parameters stay those of ``optimizer``.
+    ``ValueError`` when a parameter of the optimizer is not in the checkpoint, the files mix checkpoints or saves,
+    or a piece read is damaged (the file and the piece are named).
+    """
+    children = _sharded_children(optimizer, "load_optimizer_shards")
+    # Every child's pieces are cut before any is loaded, and the ranks agree that all of them could be: loading
+    # gathers the restored shards, so a rank raising alone would leave its peers waiting in that collective.
+    try:
+        files = read_rank_contents(Path(directory), _OPTIMIZER_FILE)
+        loads = []
+        for child in children:
+            current = child.state_dict()
+            template = current["shards"]
+            for rank_file in files:  # the saved pieces this rank reads, checked against their checksums
+                for name in template.keys() & rank_file.state.keys():
+                    rank_file.verify(name)
+            whole = merge_optimizer_shards(
+                {name: piece for name, piece in rank_file.state.items() if name in template} for rank_file in files
+            )
+            loads.append({"param_groups": current["param_groups"], "shards": cut_optimizer_shards(whole, template)})
+        error = None
+    except (ValueError, OSError) as exc:
+        error = exc
+    raise_on_every_rank(
+        error, ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)")
+    )
+    for child, state in zip(children, loads, strict=True):
+        child.load_state_dict(state)

@@ -1,0 +1,319 @@
+"""One ``torch.save`` file per rank in a directory; the loader memory-maps every file and takes what it needs.
+
+Files are ``<prefix><rank>.pt`` (``rank-`` for parameters, ``optimizer-rank-`` for sharded optimizer state),
+each stamped with the format, the world of its save and the save's id (drawn by rank 0, the same in every file of
+one save), and holding the CRC-32 of each of its tensors. What a user saved is never lost, half-written or mixed:
+
+* a save into a directory already holding ``<prefix><rank>.pt`` files is refused on every rank before any rank
+  writes, so an earlier checkpoint is never overwritten file by file;
+* each file is written under a temporary name and flushed to disk, and the files are renamed into place only
+  once every rank's is complete (:mod:`~pgregistry.checkpoint._disk`): a save that fails or is killed half-way
+  leaves no file under a checkpoint's name, and a failed write names the file and its disk;
+* a file that cannot be read (truncated, corrupt, not a checkpoint), files of two different saves, and a tensor
+  whose bytes no longer match their checksum are errors naming the files (and the tensor);
+* loading is strict: a parameter of the checkpoint that no rank's model holds (an 8-expert checkpoint loaded
+  into a 4-expert model, an unrelated extra key) is an error naming it, as is one the model lacks.
+
+Every check raises on every rank alike (:mod:`~pgregistry.checkpoint._agreement`): no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import torch
+from torch import nn
+
+from pgregistry.checkpoint._agreement import agreed, max_over_ranks, world
+from pgregistry.checkpoint._by_name import (
+    MODEL_PREFIX,
+    Optimizer,
+    RankModel,
+    agreed_rank_model,
+    apply_flat_state,
+    flat_state,
+    param_name_of_key,
+    shape_mismatches,
+)
+from pgregistry.checkpoint._disk import partial_path, publish, write_partial
+from pgregistry.checkpoint._integrity import checksums_of, damaged_tensors
+from pgregistry.experts._names import NamingOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["load_rank_files", "save_rank_files"]
+
+_FORMAT: Final = 2
+"""Format 2 added the save id and the per-tensor checksums."""
+
+_PARAMS_FILE: Final = "rank-"
+
+_RECORD: Final = frozenset({"format", "rank", "world_size", "state"})
+
+_RECORD_SINCE_2: Final = frozenset({"save_id", "checksums"})
+
+
+@attrs.frozen(slots=True)
+class RankFile:
+    """One rank file as read: its path, the state it holds, and the checksums stored with that state."""
+
+    path: Path
+    state: Any
+    checksums: Any
+
+    def verify(self, key: str) -> None:
+        """``ValueError`` naming this file and the tensor when a tensor of ``state[key]`` does not match its
+        checksum (only the tensors read are checked, so a memory-mapped file is never read whole)."""
+        damaged = damaged_tensors(self.state[key], self.checksums.get(key), key)
+        if damaged:
+            more = f" (and {len(damaged) - 1} more under {key!r})" if len(damaged) > 1 else ""
+            raise ValueError(
+                f"{self.path} is damaged: the bytes of tensor {damaged[0]!r}{more} do not match the checksum "
+                "stored when it was saved; restore the file from a copy"
+            )
+
+
+def save_rank_files(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: Optimizer | None = None,
+    **naming: Unpack[NamingOptions],
+) -> Path:
+    """Write this rank's share (each tensor once over all ranks) to ``directory/rank-<rank>.pt``.
+
+    Collective: every rank must call it, with a fresh directory per checkpoint. A directory that already holds
+    ``rank-<rank>.pt`` files is refused (``ValueError`` on every rank, nothing written): remove the old checkpoint
+    first or save elsewhere. Returns the file written.
+    """
+    model = agreed_rank_model(model_chunks, "save_rank_files", naming)
+    return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True))
+
+
+def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
+    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world and
+    id and holding the checksum of each of its tensors.
+
+    Collective: refuses an existing checkpoint first (:func:`_refuse_existing`); each rank's file is renamed into
+    place only once every rank's is complete on disk, and the call returns once every rank's file is in place.
+    When any rank fails to write (its error names the file and the disk), every rank removes its file and raises.
+    """
+    rank, world_size = world()
+    directory = Path(directory)
+    _refuse_existing(directory, prefix)
+    stamp = {"format": _FORMAT, "save_id": _new_save_id(), "rank": rank, "world_size": world_size}
+    path = directory / f"{prefix}{rank:05d}.pt"
+    failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory} (see its error)")
+    try:
+        # The checksums inside the agreed step too: a tensor that cannot be read fails every rank, not one.
+        partial = agreed(
+            lambda: write_partial(path, {**stamp, "state": content, "checksums": checksums_of(content)}), failed
+        )
+        agreed(lambda: publish(partial, path), failed)  # also the barrier: every file is in place on return
+    except BaseException:
+        # Whatever stopped the save here (another rank's failure, a lost peer), it leaves none of its files.
+        partial_path(path).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _new_save_id() -> int:
+    """A random id of this save, drawn by rank 0 and the same on every rank (one all-reduce), which every rank file
+    of the save carries: a directory mixing files of two saves is then refused instead of loaded."""
+    drawn = secrets.randbits(62) + 1 if world()[0] == 0 else 0
+    return max_over_ranks([drawn])[0]
+
+
+def _refuse_existing(directory: Path, prefix: str) -> None:
+    """Make ``directory``; ``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in it.
+
+    Every rank looks before any rank writes (the look is followed by one all-reduce), so ranks of the save
+    itself are never mistaken for an old checkpoint. A rank that cannot make or list the directory raises its
+    ``OSError``, and every other rank ``RuntimeError``, after that all-reduce (none waits in it for ever).
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        found, error = _rank_file_paths(directory, prefix), None
+    except OSError as exc:
+        found, error = [], exc
+    existing, failed = max_over_ranks([len(found), int(error is not None)])
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"another rank could not make or list the checkpoint directory {directory} (see its error)")
+    if existing == 0:
+        return
+    seen = f"e.g. {', '.join(p.name for p in found[:3])}" if found else "seen by another rank"
+    raise ValueError(
+        f"{directory} already holds a checkpoint ({prefix}<rank>.pt files, {seen}); pgregistry does not "
+        "overwrite one: save to a new directory, or remove the old checkpoint first"
+    )
+
+
+def _rank_file_paths(directory: Path, prefix: str) -> list[Path]:
+    pattern = re.compile(re.escape(prefix) + r"[0-9]{5}\.pt")
+    return sorted(p for p in directory.iterdir() if pattern.fullmatch(p.name))
+
+
+def _load_payload(path: Path) -> dict[str, Any]:
+    """The payload of one rank file (memory-mapped); ``ValueError`` naming the file when it cannot be read or is
+    not a rank file of this format."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file; all name it now
+        raise ValueError(
+            f"cannot read checkpoint file {path} (truncated, corrupt or not a pgregistry rank file): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(payload, dict) or not _RECORD <= payload.keys():
+        raise ValueError(f"{path} is not a pgregistry rank file (no format/rank/world_size/state record)")
+    if payload["format"] != _FORMAT:
+        raise ValueError(
+            f"{path} has format {payload['format']!r}; this pgregistry reads format {_FORMAT} (format 1 files, "
+            "without checksums or save ids, load with the pgregistry that wrote them: load and save them again)"
+        )
+    if not _RECORD_SINCE_2 <= payload.keys():
+        raise ValueError(f"{path} is not a pgregistry rank file of format {_FORMAT} (no save_id/checksums record)")
+    return payload
+
+
+def read_rank_contents(directory: Path, prefix: str) -> list[RankFile]:
+    """Every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped; checksums not yet checked:
+    :meth:`RankFile.verify` checks what is read).
+
+    ``ValueError`` unless ``directory`` exists and its files are those of every rank of one save, in this format.
+    """
+    if not directory.is_dir():
+        raise ValueError(f"no checkpoint directory {directory}")
+    paths = _rank_file_paths(directory, prefix)
+    if not paths:
+        raise ValueError(f"no {prefix}<rank>.pt files in {directory}")
+    payloads = [_load_payload(path) for path in paths]
+    _refuse_a_mix(directory, paths, payloads)
+    world_sizes = {payload["world_size"] for payload in payloads}
+    ranks = sorted(payload["rank"] for payload in payloads)
+    if len(world_sizes) != 1 or ranks != list(range(next(iter(world_sizes)))):
+        raise ValueError(
+            f"{directory} does not hold exactly one checkpoint: {prefix}<rank>.pt files of ranks {ranks} from "
+            f"saves with world sizes {sorted(world_sizes)}"
+        )
+    return [
+        RankFile(path, payload["state"], payload["checksums"]) for path, payload in zip(paths, payloads, strict=True)
+    ]
+
+
+def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, Any]]) -> None:
+    """``ValueError`` naming the files of each save when the files come from more than one save (a rank file
+    copied from another checkpoint, two saves of one world into one directory)."""
+    by_save: dict[int, list[str]] = {}
+    for path, payload in zip(paths, payloads, strict=True):
+        by_save.setdefault(payload["save_id"], []).append(path.name)
+    if len(by_save) > 1:
+        saves = "; ".join(f"save {save_id:#x}: {', '.join(names)}" for save_id, names in by_save.items())
+        raise ValueError(
+            f"{directory} mixes the files of {len(by_save)} different saves ({saves}): a rank file copied from "
+            "another checkpoint? Every rank file of a checkpoint must come from one save"
+        )
+
+
+def _read_rank_files(directory: Path) -> dict[str, RankFile]:
+    """The rank file holding each stored key."""
+    holder: dict[str, RankFile] = {}
+    for rank_file in read_rank_contents(directory, _PARAMS_FILE):
+        for key in rank_file.state:
+            if key in holder:
+                raise ValueError(f"{key!r} is stored more than once in {directory} (again in {rank_file.path.name})")
+            holder[key] = rank_file
+    return holder
+
+
+def load_rank_files(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: Optimizer | None = None,
+    *,
+    strict: bool = True,
+    **naming: Unpack[NamingOptions],
+) -> None:
+    """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files of any layout.
+
+    Collective in a distributed world: every rank must call it, on the same directory. ``ValueError`` on every
+    rank, before anything is copied, when a parameter of a rank's model is missing from the checkpoint, or (with
+    ``strict``, the default) when the checkpoint holds a parameter no rank's model holds or a key that is no
+    parameter: loading experts 0-7 into a model of 4 experts, or a checkpoint of another model, is never a partial
+    success. ``strict=False`` loads a subset on purpose, ignoring those keys. Also ``ValueError`` when a key is
+    stored twice, the files mix checkpoints or saves, a file cannot be read (the file is named), or a tensor a
+    rank loads does not match its checksum (the file and the tensor are named).
+    """
+    directory = Path(directory)
+    model = agreed_rank_model(model_chunks, "load_rank_files", naming)
+    holders = _read_on_every_rank(directory)
+    stored = {key: rank_file.state[key] for key, rank_file in holders.items()}
+    _check_keys_over_ranks(directory, stored, model, strict)
+    agreed(
+        lambda: _verify_loaded(holders, model, optimizer is not None),
+        ValueError(f"another rank found a damaged tensor in the checkpoint {directory} (see its error)"),
+    )
+    apply_flat_state(model, optimizer, stored)
+
+
+def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimizer: bool) -> None:
+    """Check the checksum of every tensor loading into ``model`` reads: its parameters and (``with_optimizer``)
+    their optimizer state."""
+    for key, rank_file in holders.items():
+        if param_name_of_key(key) in model.params and (with_optimizer or key.startswith(MODEL_PREFIX)):
+            rank_file.verify(key)
+
+
+def _read_on_every_rank(directory: Path) -> dict[str, RankFile]:
+    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint or reads another
+    one than its peers (one all-reduce of a failure flag and a digest of the keys read), so that no rank waits in
+    a later collective for a rank that has already raised."""
+    try:
+        holders, error = _read_rank_files(directory), None
+    except (ValueError, OSError) as exc:  # OSError: a directory this rank may not list
+        holders, error = {}, exc
+    digest = int(hashlib.sha256("\n".join(sorted(holders)).encode()).hexdigest()[:15], 16)
+    failed, largest, negated_smallest = max_over_ranks([int(error is not None), digest, -digest])
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"another rank could not read the checkpoint {directory} (see its error)")
+    if largest != -negated_smallest:
+        raise ValueError(f"ranks read different checkpoints: every rank must load the same directory ({directory})")
+    return holders
+
+
+def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], model: RankModel, strict: bool) -> None:
+    """Raise on every rank unless each rank's parameters are all stored in their shapes and (``strict``) each
+    stored parameter is held by some rank: one all-reduce of a flag per stored key (every rank read the same keys,
+    checked by :func:`_read_on_every_rank`) and of whether a rank misses parameters or holds one of another shape."""
+    held = set(model.params)
+    keys = sorted(stored)
+    names = [param_name_of_key(key) for key in keys]
+    missing = sorted(held - {name for name in names if name is not None})
+    mismatched = shape_mismatches(model, stored)
+    *union, lacking, misfit = max_over_ranks([*(int(name in held) for name in names), len(missing), len(mismatched)])
+    if lacking:
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5])
+            raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
+        raise ValueError(f"the checkpoint {directory} lacks parameters of another rank's model (see its error)")
+    if misfit:
+        if mismatched:
+            raise ValueError(mismatched[0])
+        raise ValueError(f"the checkpoint {directory} does not fit another rank's model (see its error)")
+    unexpected = [key for key, used in zip(keys, union, strict=False) if not used]
+    if strict and unexpected:
+        shown = ", ".join(repr(k) for k in unexpected[:5])
+        raise ValueError(
+            f"the checkpoint {directory} holds {len(unexpected)} keys no rank's model has, e.g. {shown} (another "
+            "model, or more experts than this model's?); pass strict=False to load a subset on purpose"
+        )

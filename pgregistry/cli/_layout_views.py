@@ -1,0 +1,250 @@
+"""The node-placement, picture and comparison options of ``pgregistry layout``.
+
+``--gpus-per-node N`` adds a placement table (how many nodes each kind's groups span, how many communicators a rank
+joins) and warns on stderr when a kind of ``--intra-node`` crosses nodes; ``--check`` turns that warning into exit
+1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry._layout_svg`. ``--compare A B`` compares two layouts
+given as ``NAME:key=value,...`` specs. Usage errors raise ``ValueError`` (the command exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pgregistry.cli._layout import aligned
+from pgregistry.cli._options import intra_node_kinds
+
+if TYPE_CHECKING:
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.placement import Placement
+
+__all__ = [
+    "check_view_arguments",
+    "parse_layout_spec",
+    "placement_of",
+    "placement_report",
+    "placement_table",
+    "run_compare",
+    "warn_and_check",
+    "write_pictures",
+]
+
+# Spec key -> ParallelLayout argument (dashes accepted as on the command line).
+_SPEC_KEYS = {
+    "tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "expt_tp": "expt_tp", "gtp_remat": "gtp_remat",
+    "expt_gtp_remat": "expt_gtp_remat", "order": "order",
+}
+_LAYOUT_FLAGS = {
+    "tp": 1, "cp": 1, "pp": 1, "ep": 1, "expt_tp": None, "gtp_remat": 1, "expt_gtp_remat": 1, "order": None,
+}
+
+
+def check_view_arguments(args: argparse.Namespace) -> None:
+    """``ValueError`` for option combinations that cannot mean what the user wants."""
+    drawing = [flag for flag, value in (("--svg", args.svg), ("--html", args.html), ("--check", args.check)) if value]
+    if drawing and args.gpus_per_node is None:
+        raise ValueError(f"{drawing[0]} needs --gpus-per-node")
+    if args.highlight and not (args.svg or args.html):
+        raise ValueError("--highlight chooses the panels of --svg/--html; give one of them")
+    if args.compare:
+        if args.rank is not None:
+            raise ValueError("--rank shows one layout; it does not combine with --compare")
+        given = [f"--{flag.replace('_', '-')}" for flag, default in _LAYOUT_FLAGS.items()
+                 if getattr(args, flag) != default]
+        if given:
+            raise ValueError(f"--compare takes both layouts as specs; drop {', '.join(given)}")
+        if args.highlight:
+            raise ValueError("--highlight does not combine with --compare (every kind is drawn side by side)")
+
+
+def placement_of(layout: ParallelLayout, args: argparse.Namespace) -> Placement | None:
+    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without ``--gpus-per-node``)."""
+    from pgregistry.placement import place
+
+    if args.gpus_per_node is None:
+        return None
+    return place(layout, args.gpus_per_node, intra_node_kinds(args))
+
+
+def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
+    """The placement as plain data (the ``placement`` entry of ``--json``)."""
+    from pgregistry._communicators import communicators, communicators_per_rank
+
+    per_rank = communicators_per_rank(communicators(layout), layout.num_ranks)
+    return {
+        "gpus_per_node": placement.gpus_per_node,
+        "num_nodes": placement.num_nodes,
+        "nodes": placement.describe_nodes(),
+        "intra_node_kinds": [entry.kind for entry in placement.kinds if entry.should_stay_intra_node],
+        "communicators_per_rank": {"min": min(per_rank), "max": max(per_rank)},
+        "kinds": {
+            entry.kind: {
+                "groups": entry.num_groups, "size": entry.group_size, "min_nodes": entry.min_nodes,
+                "max_nodes": entry.max_nodes, "crossing_groups": entry.crossing_groups,
+                "first_crossing": None if entry.first_crossing is None else list(entry.first_crossing),
+                "within_node": entry.within_node, "violated": entry.violated, "verdict": entry.verdict,
+            }
+            for entry in placement.kinds
+        },
+        "warnings": placement.warnings(),
+    }
+
+
+def placement_table(report: dict[str, Any]) -> str:
+    """The placement report as text."""
+    g = report["gpus_per_node"]
+    per_rank = report["communicators_per_rank"]
+    joins = str(per_rank["min"]) if per_rank["min"] == per_rank["max"] else f"{per_rank['min']}-{per_rank['max']}"
+    lines = [
+        f"placement: {report['nodes']} (rank r on node r // {g}); each rank joins {joins} communicators; "
+        f"should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
+        "",
+    ]
+    rows = [("kind", "groups", "size", "nodes/group", "placement")]
+    for kind, info in report["kinds"].items():
+        spans = info["min_nodes"], info["max_nodes"]
+        nodes_per_group = str(spans[0]) if spans[0] == spans[1] else f"{spans[0]}-{spans[1]}"
+        rows.append((kind, str(info["groups"]), str(info["size"]), nodes_per_group, info["verdict"]))
+    return "\n".join(lines + aligned(rows, numeric=(1, 2, 3)))
+
+
+def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: Placement | None) -> None:
+    """Write ``--svg`` / ``--html`` of one layout."""
+    from pgregistry._layout_svg import render_svg
+
+    if not (args.svg or args.html):
+        return
+    assert placement is not None, "check_view_arguments requires --gpus-per-node for pictures"
+    kinds = [kind.strip() for kind in args.highlight.split(",") if kind.strip()] if args.highlight else None
+    _write(args, render_svg(placement, kinds), f"pgregistry layout: {layout.num_ranks} ranks")
+
+
+def _write(args: argparse.Namespace, svg: str, title: str) -> None:
+    from pgregistry._layout_svg import svg_to_html
+
+    if args.svg:
+        _write_atomically(Path(args.svg), svg)
+    if args.html:
+        _write_atomically(Path(args.html), svg_to_html(svg, title))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written picture."""
+    try:
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise OSError(f"cannot write {path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # what open() would have given; mkstemp makes it private
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def warn_and_check(args: argparse.Namespace, placements: list[Placement], names: tuple[str, ...] = ()) -> int:
+    """Print every placement warning on stderr; 1 under ``--check`` when there was one, else 0."""
+    warned = False
+    for i, placement in enumerate(placements):
+        prefix = f"{names[i]}: " if names else ""
+        for message in placement.warnings():
+            print(f"pgregistry layout: warning: {prefix}{message}", file=sys.stderr)
+            warned = True
+    return 1 if args.check and warned else 0
+
+
+def parse_layout_spec(spec: str, num_ranks: int, default_name: str) -> tuple[str, ParallelLayout]:
+    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks); ``ValueError``
+    naming the bad part."""
+    from pgregistry.layout import ParallelLayout
+
+    name, _, body = spec.rpartition(":") if ":" in spec else (default_name, "", spec)
+    sizes: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in body.split(","))):
+        key, equals, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not equals or key not in _SPEC_KEYS:
+            raise ValueError(f"layout spec {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SPEC_KEYS)}")
+        if key in sizes:
+            raise ValueError(f"layout spec {spec!r} gives {key} twice")
+        if key == "order":
+            sizes[key] = value.strip()
+            continue
+        try:
+            sizes[key] = int(value)
+        except ValueError:
+            raise ValueError(f"layout spec {spec!r}: {key} must be an integer, got {value.strip()!r}") from None
+    try:
+        return name.strip() or default_name, ParallelLayout(num_ranks=num_ranks, **sizes)
+    except ValueError as exc:
+        raise ValueError(f"layout spec {spec!r}: {exc}") from None
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """``pgregistry layout --compare A B``: the communicators the two layouts share (and pictures, placement)."""
+    from pgregistry._communicators import compare_layouts
+    from pgregistry._layout_svg import render_compare_svg
+
+    (name_a, a), (name_b, b) = (
+        parse_layout_spec(spec, args.num_ranks, default)
+        for spec, default in zip(args.compare, ("A", "B"), strict=True)
+    )
+    if name_a == name_b:
+        raise ValueError(f"both layouts are named {name_a!r}; name them NAME:sizes")
+    names = (name_a, name_b)
+    comparison = compare_layouts(a, b)
+    placements = [p for p in (placement_of(a, args), placement_of(b, args)) if p is not None]
+    if args.svg or args.html:
+        svg = render_compare_svg(comparison, args.gpus_per_node, names)
+        _write(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
+    shared = comparison.shared_by_kinds()
+    report: dict[str, Any] = {
+        "num_ranks": args.num_ranks,
+        "layouts": {name: {"sizes": layout.axis_sizes(), "order": layout.order, "communicators": len(comms)}
+                    for name, layout, comms in ((name_a, a, comparison.a), (name_b, b, comparison.b))},
+        "shared": len(comparison.shared),
+        "shared_by_kinds": [
+            {"count": row.count, "size": row.size, name_a: list(row.kinds_a), name_b: list(row.kinds_b)}
+            for row in shared
+        ],
+    }
+    if placements:
+        report["placement"] = {
+            name: placement_report(layout, placement)
+            for name, layout, placement in zip(names, (a, b), placements, strict=True)
+        }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_compare_table(report, names))
+    return warn_and_check(args, placements, names)
+
+
+def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
+    a, b = (report["layouts"][name]["communicators"] for name in names)
+    lines = [f"compare on {report['num_ranks']} ranks:"]
+    for name in names:
+        info = report["layouts"][name]
+        sizes = [f"{axis} {size}" for axis, size in info["sizes"].items() if size > 1] or ["every axis 1"]
+        lines.append(f"  {name}: {', '.join(sizes)}; order {info['order']}")
+    lines += [
+        f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} (the registry creates "
+        f"{a + b - report['shared']}, not {a + b})",
+        "",
+    ]
+    rows = [("shared", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}")]
+    rows += [(str(row["count"]), str(row["size"]), ", ".join(row[names[0]]), ", ".join(row[names[1]]))
+             for row in report["shared_by_kinds"]]
+    lines += aligned(rows, numeric=(0, 1)) if report["shared_by_kinds"] else ["no communicator is shared"]
+    for name, placement in report.get("placement", {}).items():
+        lines += ["", f"{name} " + placement_table(placement)]
+    return "\n".join(lines)

@@ -1,0 +1,282 @@
+"""Global parameter names: the same on every parallel layout, so checkpoints and optimizer state reload anywhere.
+
+A global name numbers experts over the whole model (``ep_rank * (num_experts // ep_size) + local_index``) and
+layers over the whole pipeline. On the standard grid (EP 1, PP 1) global names equal ``named_parameters()``
+names: existing checkpoints keep loading.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypedDict
+
+from pgregistry._resolve import normalise, resolve
+from pgregistry.attachments import wrapper_chain
+from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
+from pgregistry.experts._ep import ep_rank_and_size
+from pgregistry.experts._keys import expert_slot, global_key
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from typing_extensions import Unpack
+
+__all__ = ["get_global_unique_param_name", "global_param_name_fn", "named_global_parameters"]
+
+_LAYER: Final = re.compile(r"(?:^|(?<=\.))layers\.([0-9]+)(?=\.|$)")
+_MTP: Final = "mtp"
+
+
+class NamingOptions(TypedDict, total=False):
+    """Keywords that say where a model's parameters sit globally: those of every function that names them (here
+    and in :mod:`pgregistry.checkpoint`), each optional.
+
+    ``pg_collection`` is the model's collection: its ``ep`` group gives the EP rank and size (read only when a
+    name belongs to an expert) and its ``pp`` group tells that pipeline parallelism is off (read only when a chunk
+    has no layer offset). It defaults to the collection attached to the model; without either the global grid is
+    read, with a fallback warning. ``num_experts`` defaults to the chunk's ``num_experts`` or
+    ``config.num_moe_experts``. ``layer_offsets`` holds each chunk's first global layer index; it defaults to a
+    ``layer_offset`` attribute on each chunk (or a module it wraps), and may be left out altogether only with one
+    chunk and pipeline parallelism off.
+    """
+
+    pg_collection: ProcessGroupCollection | None
+    num_experts: int | None
+    layer_offsets: Sequence[int] | None
+
+
+_NAMING_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp")
+
+
+def checked_naming(options: Mapping[str, object], owner: str) -> None:
+    """``TypeError`` naming a keyword that is not a :class:`NamingOptions` one (``**options`` would otherwise
+    swallow a misspelled or removed keyword, and name the parameters on the wrong layout)."""
+    unknown = sorted(set(options) - set(NamingOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"{owner} got unexpected keyword argument(s) {unknown}; the naming keywords are "
+            f"{sorted(NamingOptions.__annotations__)} (EP ranks come from pg_collection's 'ep' group)"
+        )
+
+
+class GlobalNamer:
+    """Renames the parameter names of model chunks to global names; see :func:`named_global_parameters`.
+
+    ``collection`` gives the chunks' resolved collection; it is called at most once, and only when a name needs EP
+    or PP, so a model that needs neither is never asked for one."""
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        collection: Callable[[], ProcessGroupCollection],
+        *,
+        num_experts: int | None = None,
+        layer_offsets: Sequence[int] | None = None,
+    ) -> None:
+        if layer_offsets is not None and len(layer_offsets) != len(chunks):
+            raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
+        self._chunks = chunks
+        self._resolve = collection
+        self._resolved: ProcessGroupCollection | None = None
+        self._num_experts = num_experts
+        self._layer_offsets = layer_offsets
+        self._offsets: dict[int, int] = {}
+        # (chunk, expert key with its index left out, num_experts) -> the local indices named
+        self._local_experts: dict[tuple[int, str, int], set[int]] = {}
+
+    @classmethod
+    def at_the_door(
+        cls, model_chunks: nn.Module | Sequence[nn.Module], owner: str, **options: Unpack[NamingOptions]
+    ) -> GlobalNamer:
+        """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection is resolved
+        (explicit, else attached, else the global grid with a warning) when first needed."""
+        checked_naming(options, owner)
+        chunks = _chunks(model_chunks, owner)
+        pg_collection = options.get("pg_collection")
+
+        def collection() -> ProcessGroupCollection:
+            return resolve(pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK)
+
+        return cls(
+            chunks, collection, num_experts=options.get("num_experts"), layer_offsets=options.get("layer_offsets")
+        )
+
+    @property
+    def chunks(self) -> Sequence[nn.Module]:
+        """The model chunks named."""
+        return self._chunks
+
+    def name(self, chunk_index: int, local_name: str) -> str:
+        name = local_name
+        # Multi-token-prediction layers keep their own numbering, as in Megatron-Core (which renumbers no name that
+        # contains "mtp"): the MTP block sits on the last stage whatever the pipeline, so offsetting it would give
+        # one parameter a different name at PP 2 than at PP 1.
+        match = None if _MTP in name else _LAYER.search(name)
+        if match is not None:
+            layer = self._offset(chunk_index) + int(match.group(1))
+            name = f"{name[: match.start(1)]}{layer}{name[match.end(1) :]}"
+        slot = expert_slot(name)
+        if slot is None:
+            return name
+        ep_rank, ep_size = self._ep_rank_and_size()
+        num_experts = self._experts(chunk_index, local_name)
+        family = f"{slot.head}<i>{slot.tail}"
+        self._local_experts.setdefault((chunk_index, family, num_experts), set()).add(slot.index)
+        return global_key(name, slot, num_experts, ep_rank, ep_size)
+
+    def check_expert_counts(self) -> None:
+        """``ValueError`` when a chunk holds fewer local experts than ``num_experts`` over the EP size: its global
+        indices would leave gaps (16 experts over EP 2 with 4 local ones per rank: experts 0-3 and 8-11, while
+        4-7 and 12-15 exist nowhere), and a checkpoint would be stored with them. More local experts than that
+        are refused as each is named (:func:`~pgregistry.experts._keys.global_expert_index`)."""
+        for (chunk_index, key, num_experts), indices in self._local_experts.items():
+            ep_size = self._ep_rank_and_size()[1]
+            if len(indices) * ep_size != num_experts:
+                held = len(indices)
+                raise ValueError(
+                    f"num_experts is {num_experts}, but model chunk {chunk_index} holds {held} local experts "
+                    f"({key!r}) with EP size {ep_size}, {held * ep_size} experts in all: the global expert indices "
+                    f"would leave gaps; pass num_experts={held * ep_size}, or build {num_experts // ep_size} local "
+                    "experts per rank"
+                )
+
+    def _ep_rank_and_size(self) -> tuple[int, int]:
+        return ep_rank_and_size(self._collection())
+
+    def _collection(self) -> ProcessGroupCollection:
+        if self._resolved is None:
+            self._resolved = self._resolve()
+        return self._resolved
+
+    def _experts(self, chunk_index: int, local_name: str) -> int:
+        if self._num_experts is not None:
+            return self._num_experts
+        chunk = self._chunks[chunk_index]
+        value = _chain_attribute(chunk, "num_experts")
+        if value is None:
+            value = getattr(_chain_attribute(chunk, "config"), "num_moe_experts", None)
+        if value is None:
+            raise ValueError(
+                f"parameter {local_name!r} belongs to an expert but the number of experts is unknown: pass "
+                "num_experts, or set num_experts (or config.num_moe_experts) on the model chunk"
+            )
+        return int(value)
+
+    def _offset(self, chunk_index: int) -> int:
+        if chunk_index in self._offsets:
+            return self._offsets[chunk_index]
+        if self._layer_offsets is not None:
+            offset = self._layer_offsets[chunk_index]
+        else:
+            offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
+        if offset is None:
+            offset = self._offset_without_pipeline(chunk_index)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"layer offset of model chunk {chunk_index} must be a non-negative integer: {offset!r}")
+        self._offsets[chunk_index] = offset
+        return offset
+
+    def _offset_without_pipeline(self, chunk_index: int) -> int:
+        """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this raises."""
+        if len(self._chunks) == 1:
+            if group_size(self._collection().get("pp")) == 1:
+                return 0
+        raise ValueError(
+            f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
+            "pipeline stages set chunk.layer_offset on each chunk, or pass layer_offsets"
+        )
+
+
+def named_global_parameters(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    **options: Unpack[NamingOptions],
+) -> list[tuple[str, nn.Parameter]]:
+    """``(global name, parameter)`` for every parameter of the chunks, each once, in chunk order.
+
+    The name is the chunk's ``named_parameters()`` name with the first ``layers.<n>`` renumbered to
+    ``layer_offset + n`` (not in multi-token-prediction names, those containing ``mtp``, as in Megatron-Core) and
+    expert indices made global. ``layer_offset`` is the chunk's first global layer index:
+    ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
+    only with one chunk and pipeline parallelism off. The keywords (``pg_collection``, ``num_experts``,
+    ``layer_offsets``) are those of :class:`NamingOptions`, which says what each defaults to. ``ValueError`` when a
+    chunk's local experts do not number ``num_experts`` over the EP size (global indices with gaps, or past
+    ``num_experts``), naming both numbers.
+    """
+    return global_names(GlobalNamer.at_the_door(model_chunks, "named_global_parameters", **options))
+
+
+def global_names(namer: GlobalNamer) -> list[tuple[str, nn.Parameter]]:
+    """``(global name, parameter)`` for every parameter of ``namer``'s chunks, each once, in chunk order."""
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Parameter]] = []
+    for index, chunk in enumerate(namer.chunks):
+        for local_name, param in chunk.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            out.append((namer.name(index, local_name), param))
+    namer.check_expert_counts()
+    return out
+
+
+def get_global_unique_param_name(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    param: torch.Tensor,
+    **options: Unpack[NamingOptions],
+) -> str:
+    """The global name of ``param`` (found by identity; ``ValueError`` when no chunk holds it).
+
+    Same rules as :func:`named_global_parameters`: names are unique across pipeline stages and virtual chunks,
+    experts are numbered globally, and on the standard grid the name is the ``named_parameters()`` one.
+    """
+    namer = GlobalNamer.at_the_door(model_chunks, "get_global_unique_param_name", **options)
+    for index, chunk in enumerate(namer.chunks):
+        for local_name, candidate in chunk.named_parameters():
+            if candidate is param:
+                return namer.name(index, local_name)
+    raise _not_held(param, len(namer.chunks))
+
+
+def _chunks(model_chunks: nn.Module | Sequence[nn.Module], owner: str) -> tuple[nn.Module, ...]:
+    chunks = normalise(model_chunks).chunks
+    if not chunks:
+        raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
+    return chunks
+
+
+def _chain_attribute(module: nn.Module, name: str) -> Any:
+    """The first non-None ``name`` attribute of ``module`` or a module it wraps (DDP, FSDP, ...); else None."""
+    for inner in wrapper_chain(module):
+        value = getattr(inner, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _not_held(param: torch.Tensor, count: int) -> ValueError:
+    return ValueError(f"parameter of shape {tuple(param.shape)} is not held by any of the {count} model chunks")
+
+
+def global_param_name_fn(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    **options: Unpack[NamingOptions],
+) -> Callable[[torch.Tensor], str]:
+    """A function from parameter to global name (:func:`named_global_parameters`), with every name computed once.
+
+    Meant for optimizers that key their state by a ``param_name_fn`` (the pgregistry optimizers do): keyed by
+    global names, the state reloads under another EP or PP layout. The function raises ``ValueError`` for a
+    parameter the chunks do not hold.
+    """
+    namer = GlobalNamer.at_the_door(model_chunks, "global_param_name_fn", **options)
+    # Holding the parameters keeps their ids from being reused by other tensors.
+    names = {id(param): (param, name) for name, param in global_names(namer)}
+    count = len(namer.chunks)
+
+    def name_of(param: torch.Tensor) -> str:
+        entry = names.get(id(param))
+        if entry is None or entry[0] is not param:
+            raise _not_held(param, count)
+        return entry[1]
+
+    return name_of

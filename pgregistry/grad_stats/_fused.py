@@ -1,0 +1,260 @@
+"""One-read grad statistics on CUDA: the sum of squares (2-norm) and the zero count of contiguous grads in one
+pass, over one flat span or over any number of separate tensors in one launch.
+
+torch reads a tensor once per statistic, and its multi-tensor ops are bound by per-tensor host work: on an H200
+(docs/measurements/grad_stats_h200.txt) ``get_total_norm`` over 20,000 float32 tensors holding 2 GiB took 105 ms and
+a ``count_nonzero`` loop 500 ms (``_foreach_norm(ord=0)`` has no multi-tensor kernel either: one launch per tensor).
+The Triton kernel of :mod:`pgregistry.grad_stats._triton_kernels` reads every element once, in 16-byte vector loads
+wherever the data is 16-byte aligned, and writes per-block partials (float32 sums of ``BLOCK * ITERS`` squares at
+most, int32 zero counts), summed here in float64 and int64: the count is exact. Separate tensors are read through a
+table of each program's first element and length, one launch per (device, dtype); the table depends only on the
+tensors' addresses and sizes, so it is built once (vectorised on the host, pinned, copied without a host sync) and
+kept on the device for as long as the grads keep their storage. The host work per call is then a few passes over the
+tensors at C speed (addresses, sizes), not Python work per tensor.
+
+Optional by design: triton (shipped with torch's CUDA wheels) is imported inside a function, and
+:func:`fused_stats_available` is False off CUDA or without it; callers then keep their torch path (the CPU path is
+the torch one). Only float32, bfloat16 and float16 contiguous tensors are read here; float64 grads, which
+accumulate in float64, and other norms keep the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from pgregistry._triton import cuda_index, launch_on, optional_kernels, probe_kernel
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BLOCK",
+    "ITERS",
+    "WARPS",
+    "fused_stats_available",
+    "one_read_applies",
+    "readable",
+    "span_squares_and_zeros",
+    "squares_and_zeros",
+]
+
+BLOCK = 1024
+"""Elements one program loads per iteration (a vector of loads per thread)."""
+
+ITERS = 16
+"""Iterations per program: a program reads ``BLOCK * ITERS`` consecutive elements (64 KiB of float32)."""
+
+WARPS = 4
+"""Warps per program (``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte vectors of float32)."""
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    return optional_kernels("pgregistry.grad_stats._triton_kernels")
+
+
+def fused_stats_available(device: torch.device) -> bool:
+    """Whether the one-read kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per
+    device and process) that compiled and gave the exact statistics of a small tensor. Triton compiles with the
+    machine's C compiler and CUDA toolchain; where that fails, a warning names the error and the torch path runs."""
+    if device.type != "cuda" or _kernels() is None:
+        return False
+    return _works_on(cuda_index(device))
+
+
+@functools.cache
+def _works_on(index: int) -> bool:
+    kernel = "the one-read grad statistics kernel"
+    return probe_kernel(index, _probe, (25.0, 2, 25.0, 2), event="one_read_stats_unavailable", kernel=kernel)
+
+
+def _probe(device: torch.device) -> tuple[float, int, float, int]:
+    """Both launches (a span, a table) over ``[0, 3, -0, 4]``: squares 25, zeros 2."""
+    import torch
+
+    probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
+    squares, zeros = span_squares_and_zeros(probe)
+    table_squares, table_zeros = squares_and_zeros([probe[:2], probe[2:]])
+    return float(squares), int(zeros), float(table_squares), int(table_zeros)
+
+
+def _readable_dtype(dtype: torch.dtype) -> bool:
+    import torch
+
+    return dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether the kernels read ``tensor``: contiguous float32, bfloat16 or float16."""
+    return _readable_dtype(tensor.dtype) and tensor.is_contiguous()
+
+
+def one_read_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether contiguous grads of ``dtype`` on ``device`` are read by the kernels (CUDA, triton, a dtype they
+    read)."""
+    return _readable_dtype(dtype) and fused_stats_available(device)
+
+
+def _loaded() -> ModuleType:
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("the one-read grad statistics need triton, which is not importable here")
+    return kernels
+
+
+def _finish(squares: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    return squares.sum(dtype=torch.float64), zeros.sum(dtype=torch.int64)
+
+
+def _vector(dtype: torch.dtype) -> int:
+    """Elements in 16 bytes of ``dtype``: the width of the kernel's vector loads."""
+    return 16 // dtype.itemsize
+
+
+def _launch(
+    x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of ``programs`` programs (at least one) and the summed partials."""
+    import torch
+
+    squares = torch.empty(programs, dtype=torch.float32, device=x.device)
+    zeros = torch.empty(programs, dtype=torch.int32, device=x.device)
+    with launch_on(x.device):
+        _loaded().squares_and_zeros_kernel[(programs,)](
+            x, n, x if table is None else table, squares, zeros,
+            TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector(x.dtype), num_warps=WARPS,
+        )
+    return _finish(squares, zeros)
+
+
+def _nothing(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    return torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.int64, device=device)
+
+
+def span_squares_and_zeros(
+    view: torch.Tensor, *, block: int = BLOCK, iters: int = ITERS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of squares (0-dim float64) and number of zeros (0-dim int64) of a contiguous tensor, in one read."""
+    if not readable(view):
+        raise ValueError(f"the one-read kernels read contiguous float32/bf16/fp16 tensors, not {view.dtype}")
+    programs = -(-view.numel() // (block * iters))
+    if not programs:
+        return _nothing(view.device)
+    return _launch(view, view.numel(), None, programs, block, iters)
+
+
+def squares_and_zeros(
+    tensors: Sequence[torch.Tensor],
+    *,
+    checked: bool = False,
+    block: int = BLOCK,
+    iters: int = ITERS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of squares (0-dim float64) and number of zeros (0-dim int64) over ``tensors`` (contiguous, one device
+    and dtype), in one read and one launch whatever their number.
+
+    The kernel reads ``numel`` elements of the given dtype from each tensor's address, so every tensor is checked
+    for that first, unless ``checked=True``: the caller has grouped ``tensors`` by (device, dtype) and kept only
+    contiguous ones (:mod:`pgregistry.grad_stats._reductions` does, in the pass that groups them), which spares a
+    second pass over thousands of tensors.
+
+    The launch's table (each program's first element and length, relative to the lowest tensor) is a function of
+    the tensors' addresses and sizes only: it is built once per distinct (device, dtype, addresses, sizes) and kept
+    on the device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to the device.
+    """
+    import torch
+
+    if not tensors:
+        raise ValueError("squares_and_zeros needs at least one tensor")
+    device, dtype = tensors[0].device, tensors[0].dtype
+    if not _readable_dtype(dtype):
+        raise ValueError(f"the one-read kernels read float32/bf16/fp16 tensors, not {dtype}")
+    for index, tensor in enumerate(() if checked else tensors):
+        if not tensor.is_contiguous() or tensor.device != device or tensor.dtype != dtype:
+            raise ValueError(
+                f"tensor {index} ({tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()}) differs "
+                f"from tensor 0 ({dtype} on {device}) or is not contiguous: pass contiguous tensors of one kind"
+            )
+    if len(tensors) == 1:
+        return span_squares_and_zeros(tensors[0], block=block, iters=iters)
+    addresses = array("q", list(map(torch.Tensor.data_ptr, tensors)))
+    numels = array("q", list(map(torch.Tensor.numel, tensors)))
+    key = (device, dtype, block * iters, addresses.tobytes() + numels.tobytes())
+    plan = _TABLES.get(key)
+    if plan is None:
+        plan = _TABLES.put(key, _table(addresses, numels, dtype, device, block * iters))
+    base, table = plan
+    if table is None:
+        return _nothing(device)
+    return _launch(tensors[base], 0, table, table.shape[0], block, iters)
+
+
+def _table(
+    addresses: array[int], numels: array[int], dtype: torch.dtype, device: torch.device, chunk: int
+) -> tuple[int, torch.Tensor | None]:
+    """The index of the tensor at the lowest address (the kernel's base) and the table of the programs reading
+    tensors at ``addresses`` of ``numels`` elements: ``[first element after the base, elements]`` per program, at
+    most ``chunk`` elements each (``None``: no elements). Vectorised: no Python work per tensor or program."""
+    import torch
+
+    start = torch.frombuffer(addresses, dtype=torch.int64)
+    sizes = torch.frombuffer(numels, dtype=torch.int64)
+    present = sizes > 0  # an empty tensor may have no address: never the base, never read
+    base = int(torch.argmin(torch.where(present, start, torch.iinfo(torch.int64).max)))
+    offsets = start - start[base]
+    misaligned = torch.nonzero((offsets % dtype.itemsize != 0) & present).flatten()
+    if misaligned.numel():
+        index = int(misaligned[0])
+        raise ValueError(
+            f"tensor {index} starts {int(offsets[index])} bytes after tensor {base}, not a whole number of "
+            f"{dtype} elements: the one-read kernel addresses every tensor from the lowest one"
+        )
+    chunks = (sizes + chunk - 1) // chunk
+    total = int(chunks.sum())
+    if not total:
+        return base, None
+    ends = torch.cumsum(chunks, 0)
+    program = torch.arange(total)
+    tensor = torch.searchsorted(ends, program, right=True)
+    skipped = (program - (ends - chunks)[tensor]) * chunk  # elements of the tensor before this program's
+    first = offsets[tensor] // dtype.itemsize + skipped
+    count = torch.clamp(sizes[tensor] - skipped, max=chunk)
+    host = torch.stack([first, count], dim=1)
+    if device.type == "cuda":  # pinned, so the copy waits for nothing queued on the stream
+        return base, host.pin_memory().to(device, non_blocking=True)
+    return base, host
+
+
+class _Tables:
+    """The last few launch tables by (device, dtype, chunk, addresses and sizes), most recent last.
+
+    A hit needs the same addresses and sizes, from which the table is computed, so it is never stale; a few entries
+    cover the lists of one step (dense and expert grads, float32 and bf16)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._tables: OrderedDict[Hashable, tuple[int, torch.Tensor | None]] = OrderedDict()
+
+    def get(self, key: Hashable) -> tuple[int, torch.Tensor | None] | None:
+        plan = self._tables.get(key)
+        if plan is not None:
+            self._tables.move_to_end(key)
+        return plan
+
+    def put(self, key: Hashable, plan: tuple[int, torch.Tensor | None]) -> tuple[int, torch.Tensor | None]:
+        self._tables[key] = plan
+        while len(self._tables) > self._size:
+            self._tables.popitem(last=False)
+        return plan
+
+
+_TABLES = _Tables(8)

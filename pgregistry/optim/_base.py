@@ -1,0 +1,338 @@
+"""What every pgregistry optimizer shares: grads in a :class:`~pgregistry._grad_buffer.GradBuffer`, statistics
+over its spans, clipping, and the wiring of model parameters to the buffer.
+
+An optimizer here holds the parameters of one kind, dense or routed-expert (the builder splits them and chains
+the two), because the two kinds differ in every group they use: grads are synchronised over ``dp_cp`` or
+``expt_dp``, counted with the dense or the expert TP group, and their statistics summed over ``mp`` or
+``tp_ep_pp_with_egtp_remat`` (the whole instance, ``intra_dist_opt``, for a sharded optimizer).
+
+Grad synchronisation follows Megatron-Core (``average_in_collective=False``): each data-parallel rank's loss is the
+mean over its own tokens, and the global loss the mean over the ``dp_cp`` ranks. Dense grads are therefore divided
+by the ``dp_cp`` size and summed over ``dp_cp`` (an average). Expert grads are divided by the ``dp_cp`` size too,
+and summed over ``expt_dp``: an expert already holds the grads of every token its EP group routed to it, which
+come from ``dp_cp / expt_dp`` data-parallel ranks, so averaging over ``expt_dp`` instead would scale them by
+``dp_cp / expt_dp``.
+
+Statistics are computed from the *role tensors* the optimizer steps (mixed-precision main copies, shard pieces),
+classified once at construction. Those copies carry their roles only through
+:func:`pgregistry.params.copy_param_roles`; Megatron-LM PR 6470's bug was a copy that lost ``allreduce=False``.
+
+Grads reach the buffer without a second copy. A parameter whose dtype is the buffer's gets ``param.grad`` set to
+its buffer view, and autograd accumulates into it in place; a low-precision parameter of a mixed-precision
+optimizer gets ``param.main_grad`` (its float32 view) and a post-accumulate hook that adds each new ``.grad``
+into it and frees it. ``param.main_grad`` is set in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`:
+``model.zero_grad()`` sets ``.grad`` to ``None`` and detaches it from the buffer, which
+:meth:`FlatOptimizer.sync_grads` detects and refuses.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+
+from pgregistry._grad_buffer import (
+    GradBuffer,
+    GroupKey,
+    Span,
+    reduce_norm_terms,
+    reduce_zero_counts,
+    span_norms,
+    span_statistics,
+    span_zero_counts,
+)
+from pgregistry.collection import UNSET, group_size
+from pgregistry.grad_stats import backend_device, clip_grads_
+from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
+from pgregistry.optim._param_state import ParamState
+from pgregistry.optim._setup import OptimizerProcessGroups
+from pgregistry.params import is_expert_param
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from pgregistry.grad_stats import StatsGroups
+
+__all__ = [
+    "FlatOptimizer",
+    "Inner",
+    "InnerFactory",
+    "ParamNameFn",
+    "backend_device",
+    "combine_norms",
+    "required_group",
+]
+
+InnerFactory: TypeAlias = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the inner update rule over the tensors to step, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
+An :class:`~pgregistry.optim._flat_step.ElementwiseRule` (what ``inner_factory`` returns) steps the flat main
+buffer as one tensor; any other factory gets one tensor per main param."""
+
+Inner: TypeAlias = "torch.optim.Optimizer | FlatStep"
+"""What steps the main params: a :class:`~pgregistry.optim._flat_step.FlatStep` over the flat main buffer, or the
+factory's optimizer over the per-parameter main params."""
+
+ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
+"""Names a model parameter (state-dict keys, error messages), e.g. a global, expert-aware name."""
+
+
+class FlatOptimizer(abc.ABC):
+    """Base of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and :class:`~pgregistry.optim.ShardedOptimizer`.
+
+    Subclasses set :attr:`buffer`, :attr:`inner` (``None`` when this rank steps nothing) and, with
+    :meth:`_set_stats`, the statistics spans and the group they reduce over, and implement :meth:`sync_grads`,
+    :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        process_groups: OptimizerProcessGroups,
+        *,
+        expert: bool,
+        param_name_fn: ParamNameFn | None,
+    ) -> None:
+        self.params: list[torch.Tensor] = list(params)
+        """The model parameters this optimizer updates (one kind: all dense or all routed experts)."""
+        self.expert = expert
+        positions = {id(p): i for i, p in enumerate(self.params)}
+        self._name_fn: ParamNameFn = param_name_fn or (lambda p: f"param[{positions[id(p)]}]")
+        if len(positions) != len(self.params):
+            raise ValueError("a parameter is listed twice")
+        for param in self.params:
+            if not isinstance(param, torch.Tensor) or not param.is_floating_point():
+                raise TypeError(f"{self.param_name(param)} is not a floating-point tensor")
+            if is_expert_param(param) != expert:
+                kind = "a routed-expert" if is_expert_param(param) else "a dense"
+                raise ValueError(
+                    f"{self.param_name(param)} is {kind} parameter but this optimizer was built with expert={expert}; "
+                    "give dense and expert parameters to separate optimizers (build_optimizer does)"
+                )
+        if not isinstance(process_groups, OptimizerProcessGroups):
+            raise TypeError(
+                f"{type(self).__name__} takes the groups setup_process_groups_for_optimizer(pg_collection) returns, "
+                f"got {type(process_groups).__name__}"
+            )
+        self.process_groups = process_groups
+        """The validated groups this optimizer runs on."""
+        self.stats_groups: StatsGroups = process_groups.stats
+        """Which rank counts a grad and where the counted grads are summed."""
+        self.buffer: GradBuffer
+        self.inner: Inner | None = None
+        self._stat_spans: tuple[Span, ...] = ()
+        self._reduce_keys: tuple[GroupKey, ...] = ()
+        self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._moved: list[tuple[torch.Tensor, int]] = []
+
+    # ------------------------------------------------------------------------------------------- naming
+
+    def param_name(self, param: torch.Tensor) -> str:
+        """The caller's name for ``param`` (``param_name_fn``), else its position."""
+        return self._name_fn(param)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (change ``lr`` there); empty when this rank steps nothing."""
+        return self.inner.param_groups if self.inner is not None else []
+
+    # ------------------------------------------------------------------------------------------- wiring
+
+    def _attach_grads(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
+        """Make each view the only home of its parameter's grad (``.grad`` in place, or ``.main_grad`` + hook)."""
+        for param, view in zip(params, views, strict=True):
+            param.main_grad = view  # type: ignore[attr-defined]
+            if param.dtype == view.dtype:
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                param.grad = view
+                self._direct.append((param, view))
+                continue
+            if param.grad is not None:
+                view.copy_(param.grad)
+                param.grad = None
+            param.register_post_accumulate_grad_hook(_accumulate_into(view))
+
+    def _move_data(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        """Copy ``param`` into ``view`` (part of one of this optimizer's flat buffers) and make ``view`` its data,
+        so one kernel steps or writes every parameter; :meth:`_check_attached` refuses a parameter whose data was
+        replaced since (the optimizer would go on updating the buffer, not the parameter)."""
+        with torch.no_grad():
+            view.copy_(param)
+        param.data = view
+        self._moved.append((param, view.data_ptr()))
+
+    def _check_attached(self) -> None:
+        """Refuse grads detached from the grad buffer and parameters whose data left this optimizer's buffers."""
+        for param, view in self._direct:
+            if param.grad is not view:
+                raise RuntimeError(
+                    f"{self.param_name(param)}.grad is no longer a view of the optimizer's grad buffer (set to None "
+                    "by model.zero_grad() or assigned?); zero grads with optimizer.zero_grad()"
+                )
+        for param, address in self._moved:
+            if param.data_ptr() != address:
+                raise RuntimeError(
+                    f"{self.param_name(param)}.data is no longer the optimizer's view of it (replaced after the "
+                    "optimizer was built, e.g. by module.to() or param.data = ...); the optimizer would update its "
+                    "buffer, not the parameter: build the optimizer after moving the model"
+                )
+
+    def _device(self) -> torch.device:
+        """Where the buffer lives: the parameters' device; with no parameters, the one the backend reduces on."""
+        return self.params[0].device if self.params else backend_device(None)
+
+    def _make_inner(
+        self,
+        factory: InnerFactory,
+        flat: torch.Tensor,
+        mains: Sequence[torch.Tensor],
+        starts: Sequence[int],
+        copies: Sequence[Copy],
+    ) -> None:
+        """``mains`` (views of ``flat`` at ``starts``; ``flat.grad`` is their grads' flat span) are stepped as one
+        tensor with an elementwise rule over float32/float64, which also writes ``copies`` (in its kernel on CUDA),
+        one by one otherwise (the caller writes the copies); ``None`` when there are none."""
+        if not mains:
+            self.inner = None
+        elif isinstance(factory, ElementwiseRule) and flat.dtype in FLAT_DTYPES:
+            self.inner = FlatStep(factory, flat, mains, starts, copies)
+        else:
+            self.inner = factory(list(mains))
+
+    def _inner_tensors(self) -> list[torch.Tensor]:
+        """The tensors :attr:`inner`'s state dict numbers, in its order: a flat step's main params, else the
+        tensors of the inner optimizer's param groups."""
+        if self.inner is None:
+            return []
+        if isinstance(self.inner, FlatStep):
+            return list(self.inner.mains)
+        return [tensor for group in self.inner.param_groups for tensor in group["params"]]
+
+    # ------------------------------------------------------------------------------------------- statistics
+
+    def _set_stats(self, spans: tuple[Span, ...], group: ProcessGroup | None) -> None:
+        """Statistics run over ``spans`` of the buffer; ``group`` is always reduced, even with nothing counted
+        here, so every rank of it issues the same collectives."""
+        self._stat_spans = spans
+        keys: list[GroupKey] = [group]
+        for span in spans:
+            if span.counted and not any(span.group is key for key in keys):
+                keys.append(span.group)
+        self._reduce_keys = tuple(keys)
+
+    def stats_reduce_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """The groups this optimizer's statistics reduce over."""
+        return self._reduce_keys
+
+    def _by_reduce_key(self, parts: dict[GroupKey, list[torch.Tensor]]) -> dict[GroupKey, list[torch.Tensor]]:
+        return {key: parts.get(key, []) for key in self._reduce_keys}
+
+    def local_norm_terms(self, norm_type: float = 2.0) -> dict[GroupKey, list[torch.Tensor]]:
+        """Reduction group -> this rank's per-span norms of its counted grads (every group a key, even empty)."""
+        return self._by_reduce_key(span_norms(self.buffer.data, self._stat_spans, norm_type))
+
+    def local_zero_counts(self) -> dict[GroupKey, list[torch.Tensor]]:
+        """Reduction group -> this rank's per-span zero counts of its counted grads (every group a key)."""
+        return self._by_reduce_key(span_zero_counts(self.buffer.data, self._stat_spans))
+
+    def local_statistics(
+        self, norm_type: float = 2.0
+    ) -> tuple[dict[GroupKey, list[torch.Tensor]], dict[GroupKey, list[torch.Tensor]]]:
+        """:meth:`local_norm_terms` and :meth:`local_zero_counts` at once, reading the grads once where
+        :func:`~pgregistry._grad_buffer.span_statistics` can."""
+        terms, counts = span_statistics(self.buffer.data, self._stat_spans, norm_type)
+        return self._by_reduce_key(terms), self._by_reduce_key(counts)
+
+    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global grad norm of the model this optimizer covers (0-dim float32, no host sync)."""
+        return reduce_norm_terms(self.local_norm_terms(norm_type), norm_type)
+
+    def count_zeros(self) -> torch.Tensor:
+        """The global number of zero grad elements, each distinct element counted once (0-dim int64)."""
+        return reduce_zero_counts(self.local_zero_counts(), device=self.buffer.data.device)
+
+    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA, 2-norm)."""
+        terms, counts = self.local_statistics(norm_type)
+        return reduce_norm_terms(terms, norm_type), reduce_zero_counts(counts, device=self.buffer.data.device)
+
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates included."""
+        return [self.buffer.data]
+
+    def clip_grad_norm(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping.
+
+        A NaN or infinite norm scales nothing, or raises with ``error_if_nonfinite``
+        (:func:`~pgregistry.grad_stats.clip_grads_`)."""
+        total = self.get_grad_norm(norm_type)
+        clip_grads_(self.grads_to_clip(), max_norm, total, error_if_nonfinite=error_if_nonfinite)
+        return total
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def zero_grad(self) -> None:
+        """Zero every grad at once (the buffer); grads stay views of it."""
+        self.buffer.data.zero_()
+
+    @property
+    def grad_divisor(self) -> int:
+        """Grads are divided by this (the ``dp_cp`` size of one instance) before they are summed over the
+        data-parallel group, dense and expert alike: see the module docstring."""
+        return group_size(self.process_groups.intra_dp_cp)
+
+    @abc.abstractmethod
+    def sync_grads(self) -> None:
+        """Reduce the grads over the data-parallel group (``expt_dp`` for experts, ``dp_cp`` otherwise), divided
+        by :attr:`grad_divisor`."""
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """Apply the inner update rule and write the result to the model parameters."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state (inner state and main copies), keyed by parameter name."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (same layout, same names)."""
+
+    @abc.abstractmethod
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        """Model parameter -> its whole optimizer state (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
+
+    @abc.abstractmethod
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Restore :meth:`param_state` output of any layout (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
+
+
+def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        view.add_(param.grad)  # type: ignore[arg-type]
+        param.grad = None
+
+    return hook
+
+
+def combine_norms(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of a whole from the norms of disjoint parts: ``(sum n_i^p)^(1/p)``, max for the inf-norm."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    stacked = torch.stack([n.reshape(()).to(torch.float32) for n in norms])
+    if math.isinf(norm_type):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def required_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:
+    """``groups.<name>`` (a group, or ``None`` when the axis is off), refusing an unset one with a ``ValueError``."""
+    value = getattr(groups, name)
+    if value is UNSET:
+        raise ValueError(f"the optimizer needs process group {name!r}, which is not set in the collection")
+    return value

@@ -1,0 +1,137 @@
+"""``build_optimizer``: the chained dense + expert optimizer of a model, wired to the model's collection.
+
+The builder is where expert grads filtered with the dense TP group (Megatron-LM PR 6470) could come back, so it does
+every step from the collection: refuse unclassified expert parameters (the xorl 1/sqrt(ep) undercount), validate the
+groups the optimizer needs once (:func:`~pgregistry.optim._setup.optimizer_process_groups`, Megatron-Core's order,
+each missing group named), split dense from routed-expert parameters, and give both children those groups, dense
+and expert TP groups included (:class:`~pgregistry.grad_stats.StatsGroups`). The collection is resolved once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pgregistry._classification import require_classified_experts
+from pgregistry._resolve import normalise, resolve
+from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.grad_stats import backend_device
+from pgregistry.grad_stats._filters import STATS_FALLBACK
+from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
+from pgregistry.optim._chained import ChainedOptimizer
+from pgregistry.optim._flat_step import ElementwiseRule
+from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
+from pgregistry.optim._setup import optimizer_process_groups
+from pgregistry.optim._sharded import ShardedOptimizer
+from pgregistry.params import is_expert_param
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["build_optimizer", "inner_factory"]
+
+OptimizerName = Literal["adam", "adamw", "sgd"]
+
+
+def inner_factory(
+    optimizer: OptimizerName,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    momentum: float = 0.0,
+) -> InnerFactory:
+    """The torch.optim update rule named ``optimizer``, as a factory over the tensors to step: an
+    :class:`~pgregistry.optim._flat_step.ElementwiseRule`, so the optimizers step their flat main buffer as one
+    tensor (fused on CUDA)."""
+    if optimizer == "adam":
+        return ElementwiseRule(torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+    if optimizer == "adamw":
+        return ElementwiseRule(torch.optim.AdamW, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+    if optimizer == "sgd":
+        return ElementwiseRule(torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+    raise ValueError(f"unknown optimizer {optimizer!r}; use 'adam', 'adamw', 'sgd' or pass a factory")
+
+
+def build_optimizer(
+    model: nn.Module | Sequence[nn.Module],
+    pg_collection: ProcessGroupCollection | None = None,
+    *,
+    optimizer: OptimizerName | InnerFactory = "adam",
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    momentum: float = 0.0,
+    mixed_precision: bool = True,
+    sharded: bool = False,
+    bucket_numel: int | None = None,
+    param_name_fn: ParamNameFn | None = None,
+) -> ChainedOptimizer:
+    """A :class:`~pgregistry.optim.ChainedOptimizer` over the trainable parameters of ``model`` (or model chunks).
+
+    ``pg_collection`` defaults to the collection attached to the model (:func:`pgregistry.registry.attach`; looked
+    up through ``.module`` wrappers, the same on every chunk), then to the global grid with a fallback warning
+    (:func:`pgregistry.resolver.resolve_collection`). Dense parameters go to one child (grads reduced over ``dp_cp``,
+    statistics over ``mp``), routed experts (``allreduce=False``) to another (``expt_dp``,
+    ``tp_ep_pp_with_egtp_remat``); a sharded build shards each child over its data-parallel group and reduces
+    statistics over ``intra_dist_opt``. A child exists when any rank of its statistics group has parameters of its
+    kind, so every rank issues the same collectives.
+
+    ``optimizer`` names the inner update rule (``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum`` apply) or
+    is a factory over the tensors to step. ``mixed_precision`` keeps float32 main copies and grads;
+    ``param_name_fn`` names parameters in state dicts (default: the model's parameter names).
+
+    Raises ``ValueError`` for an unclassified expert parameter (naming it), a collection missing a group the
+    optimizer needs (naming it), or a model without trainable parameters.
+    """
+    params = normalise(model)
+    if not params.chunks:
+        raise TypeError(f"build_optimizer expects a model or model chunks, got {type(model).__name__}")
+    collection = resolve(pg_collection, params.chunks, owner="build_optimizer", fallback=STATS_FALLBACK)
+    require_classified_experts(params, collection)
+    process_groups = optimizer_process_groups(collection, params.chunks, use_distributed_optimizer=sharded)
+    stats_groups = process_groups.stats
+    named = [(name, p) for name, p in params.named if p.requires_grad]
+    names = {id(p): name for name, p in named}
+    name_fn = param_name_fn or (lambda p: names[id(p)])
+    if isinstance(optimizer, str):
+        inner = inner_factory(optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum)
+    else:
+        inner = optimizer
+    main_dtype = torch.float32 if mixed_precision else None
+    children: list[FlatOptimizer] = []
+    for expert in (False, True):
+        kind = [p for _, p in named if is_expert_param(p) == expert]
+        if sharded:
+            stats_group = process_groups.intra_dist_opt
+        else:
+            stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
+        if not _any_rank_has(bool(kind), stats_group):  # type: ignore[arg-type]
+            continue
+        if sharded:
+            children.append(ShardedOptimizer(
+                kind, process_groups, inner=inner, expert=expert, main_dtype=main_dtype, param_name_fn=name_fn,
+            ))
+        else:
+            children.append(MixedPrecisionOptimizer(
+                kind, process_groups, inner=inner, expert=expert, main_dtype=main_dtype,
+                bucket_numel=bucket_numel, param_name_fn=name_fn,
+            ))
+    if not children:
+        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+    return ChainedOptimizer(children)
+
+
+def _any_rank_has(local: bool, group: ProcessGroup | None) -> bool:
+    """Whether any rank of ``group`` has ``local`` true (one MAX all-reduce; none when the group is off)."""
+    if group_size(group) == 1:
+        return local
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=backend_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

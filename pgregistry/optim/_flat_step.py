@@ -1,0 +1,258 @@
+"""Stepping a flat main buffer as one tensor, with the optimizer state presented per parameter.
+
+A step over thousands of separate tensors is bound by host work and kernel launches: torch's Adam over 20,000
+float32 masters spends most of its time in Python and in per-tensor bookkeeping, whatever the bytes. The
+optimizers here keep every main param as a view of one flat buffer laid out like the grad buffer, so an
+*elementwise* update rule (every element updated from that element's own parameter, grad and state: Adam, AdamW,
+SGD) can step the whole buffer as one tensor: a handful of kernels (one with ``fused=True`` on CUDA) whatever the
+parameter count, and on CPU the same bits as a step per parameter (the ops are elementwise).
+
+Only float32 and float64 main params are stepped flat: torch's CPU kernels round bf16 and fp16 differently in the
+last elements of a tensor (a scalar loop) than inside it (a vector loop), so a flat step over bf16 main params
+(``main_dtype=None`` over a bf16 model) would not give the bits of a step per parameter; those stay per tensor.
+
+Padding between and after the parameters (grad-buffer alignment) is stepped too: its param, grad and state are
+zero, and an elementwise rule keeps them zero.
+
+A flat step also writes the flat tensor's *copies* (:class:`Copy`: the low-precision model parameters of a
+mixed-precision optimizer, packed per dtype run; a sharded optimizer's parameter shard). On CUDA, over float32, with
+a rule whose implementation ``ElementwiseRule`` chooses, the step and the copies are one kernel
+(:mod:`pgregistry.optim._fused_step`: 30 bytes a parameter for AdamW into bf16, where torch's fused AdamW and a copy
+move 34); elsewhere, and for whatever that kernel does not take, torch's step then one ``_foreach_copy_`` (on CPU the
+bits of a step per parameter and its copies, as before).
+
+:class:`FlatStep` keeps the state dict in the per-parameter form a step over separate tensors has (parameter index
+-> state, moments shaped like the parameter), so checkpoints, :mod:`pgregistry.checkpoint`'s resharding and the
+per-parameter names are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from pgregistry.optim._fused_step import FusedStep, fused_step_applies
+
+__all__ = ["FLAT_DTYPES", "Copy", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS", "write_copies"]
+
+FLAT_DTYPES = (torch.float32, torch.float64)
+"""Main-param dtypes stepped flat (see the module docstring for why not bf16 and fp16)."""
+
+PER_PARAMETER_KEYS = frozenset({"step"})
+"""State keys torch's optimizers keep once per parameter (not per element): the step count."""
+
+
+def _as_dict(value: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(value)
+
+
+@attrs.frozen(slots=True)
+class ElementwiseRule:
+    """An elementwise torch update rule and its hyperparameters; called over the tensors to step, like any
+    :data:`~pgregistry.optim.InnerFactory`.
+
+    Passing one (``inner_factory`` returns one) lets the optimizers step their flat main buffer as one tensor
+    (:class:`FlatStep`) when it is float32 or float64; any other factory steps one tensor per parameter. The rule
+    must update each element from that element alone and keep no per-parameter state other than
+    :data:`PER_PARAMETER_KEYS`. On CUDA the rule runs fused (one kernel) unless ``hyperparameters`` choose
+    ``fused`` or ``foreach`` themselves: torch's fused optimizer, or pgregistry's kernel for a flat float32 step
+    (:mod:`~pgregistry.optim._fused_step`).
+    """
+
+    optimizer_class: type[torch.optim.Optimizer]
+    hyperparameters: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
+
+    @property
+    def chooses_implementation(self) -> bool:
+        """Whether the rule, not its hyperparameters, picks the implementation (no ``fused`` or ``foreach``
+        given): a caller who names torch's implementation gets it."""
+        return "fused" not in self.hyperparameters and "foreach" not in self.hyperparameters
+
+    def __call__(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        kwargs = dict(self.hyperparameters)
+        if tensors and all(t.is_cuda for t in tensors) and self.chooses_implementation:
+            kwargs["fused"] = True
+        return self.optimizer_class(tensors, **kwargs)
+
+
+@attrs.frozen(slots=True, eq=False)
+class Copy:
+    """After every step, ``out`` (a contiguous 1-d tensor, of any floating dtype) holds ``flat[start : start +
+    out.numel()]`` rounded to its dtype."""
+
+    start: int
+    out: torch.Tensor
+
+
+def write_copies(flat: torch.Tensor, copies: Sequence[Copy]) -> None:
+    """Write ``copies`` of ``flat`` (one ``_foreach_copy_``)."""
+    if copies:
+        sources = [flat.detach()[c.start : c.start + c.out.numel()] for c in copies]
+        torch._foreach_copy_([c.out for c in copies], sources)
+
+
+@attrs.frozen(slots=True)
+class _Slot:
+    """Where parameter ``index``'s main param lies in the flat tensor, and its shape."""
+
+    start: int
+    shape: tuple[int, ...]
+
+    @property
+    def stop(self) -> int:
+        return self.start + _numel(self.shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+class FlatStep:
+    """Steps ``flat`` (whose ``.grad`` is the flat grad buffer) with ``rule`` and writes its ``copies``; the state
+    reads as if each of ``mains`` (the views ``flat[start : start + numel].view(shape)``, ``start`` from ``starts``)
+    were stepped alone.
+
+    The interface is the part of ``torch.optim.Optimizer`` the pgregistry optimizers use: :meth:`step`,
+    :attr:`param_groups`, :attr:`state`, :meth:`state_dict`, :meth:`load_state_dict`.
+    """
+
+    def __init__(
+        self,
+        rule: ElementwiseRule,
+        flat: torch.Tensor,
+        mains: Sequence[torch.Tensor],
+        starts: Sequence[int],
+        copies: Sequence[Copy] = (),
+    ) -> None:
+        self.flat = flat
+        self.mains: tuple[torch.Tensor, ...] = tuple(mains)
+        """The main params, in the order the state dict numbers them."""
+        self.optimizer: torch.optim.Optimizer = rule([flat])
+        """The torch optimizer over the one flat tensor (it holds the state, on either path)."""
+        self._slots = tuple(_Slot(start, tuple(main.shape)) for main, start in zip(mains, starts, strict=True))
+        for slot in self._slots:
+            if slot.start < 0 or slot.stop > flat.numel():
+                raise ValueError(f"a main param [{slot.start}, {slot.stop}) lies outside the flat tensor")
+        self.copies: tuple[Copy, ...] = tuple(copies)
+        """What :meth:`step` writes after stepping."""
+        for copy in self.copies:
+            stop = copy.start + copy.out.numel()
+            if copy.out.dim() != 1 or not copy.out.is_contiguous():
+                raise ValueError(f"a copy's target must be a contiguous 1-d tensor, not {tuple(copy.out.shape)}")
+            if copy.start < 0 or stop > flat.numel():
+                raise ValueError(f"a copy [{copy.start}, {stop}) lies outside the flat tensor")
+        fused = rule.chooses_implementation and fused_step_applies(flat)
+        self._fused = FusedStep(flat, self.copies) if fused else None
+        """The one-kernel step and copies on CUDA (:mod:`~pgregistry.optim._fused_step`), where it applies."""
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Main param -> its state, like ``torch.optim.Optimizer.state`` (elementwise values are views of the flat
+        state); empty before the first step."""
+        flat_state = self.optimizer.state.get(self.flat)
+        if not flat_state:
+            return {}
+        return {main: self._slice(flat_state, slot) for main, slot in zip(self.mains, self._slots, strict=True)}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def step(self) -> None:
+        """Step, then write the copies: one kernel where the fused step takes this rule and state (the copies it
+        leaves after it), else torch's step and every copy."""
+        if self._fused is not None and self._fused.step(self.optimizer):
+            write_copies(self.flat, self._fused.unfused)
+            return
+        self.optimizer.step()
+        write_copies(self.flat, self.copies)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {index: {key: value}}, "param_groups": [...]}`` numbered like a step over the main params:
+        elementwise state is a view shaped like its parameter, per-parameter state (``step``) shared."""
+        inner = self.optimizer.state_dict()
+        flat_state = inner["state"].get(0)
+        state = {}
+        if flat_state is not None:
+            state = {index: self._slice(flat_state, slot) for index, slot in enumerate(self._slots)}
+        groups = [{**group, "params": list(range(len(self._slots)))} for group in inner["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def _slice(self, flat_state: Mapping[str, Any], slot: _Slot) -> dict[str, Any]:
+        return {
+            key: value[slot.start : slot.stop].view(slot.shape) if self._elementwise(value) else value
+            for key, value in flat_state.items()
+        }
+
+    def _elementwise(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.shape == self.flat.shape
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (or a per-tensor optimizer's over the same main params): the
+        elementwise state of each parameter is copied into one flat tensor per key, the padding zero."""
+        groups = state_dict["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self._slots):
+            sizes = [len(group["params"]) for group in groups]
+            raise ValueError(
+                f"the state dict holds param groups of {sizes} parameters; this optimizer steps one group of "
+                f"{len(self._slots)} parameters"
+            )
+        saved = state_dict["state"]
+        per_param = [saved.get(pid) or {} for pid in groups[0]["params"]]
+        state = {0: self._join(per_param)} if any(per_param) else {}
+        self.optimizer.load_state_dict({"state": state, "param_groups": [{**groups[0], "params": [0]}]})
+
+    def _join(self, per_param: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        keys = set(per_param[0])
+        for index, entry in enumerate(per_param):
+            if set(entry) != keys:
+                raise ValueError(
+                    f"parameter {index} has optimizer state {sorted(entry)}, parameter 0 has {sorted(keys)}: a flat "
+                    "step needs the same state for every parameter"
+                )
+        joined: dict[str, Any] = {}
+        for key in sorted(keys):
+            values = [entry[key] for entry in per_param]
+            if key in PER_PARAMETER_KEYS:
+                joined[key] = self._join_per_parameter(key, values)
+            else:
+                joined[key] = self._join_elementwise(key, values)
+        return joined
+
+    def _join_elementwise(self, key: str, values: Sequence[Any]) -> torch.Tensor:
+        first = values[0]
+        if not isinstance(first, torch.Tensor):
+            raise TypeError(f"optimizer state {key!r} of parameter 0 is a {type(first).__name__}, not a tensor")
+        flat = torch.zeros(self.flat.shape, dtype=first.dtype, device=self.flat.device)
+        for index, (value, slot) in enumerate(zip(values, self._slots, strict=True)):
+            if not isinstance(value, torch.Tensor) or value.numel() != slot.stop - slot.start:
+                raise ValueError(
+                    f"optimizer state {key!r} of parameter {index} does not have the parameter's "
+                    f"{slot.stop - slot.start} elements"
+                )
+            flat[slot.start : slot.stop].copy_(value.reshape(-1))
+        return flat
+
+    @staticmethod
+    def _join_per_parameter(key: str, values: Sequence[Any]) -> Any:
+        first = values[0]
+        for index, value in enumerate(values[1:], start=1):
+            if not _same(first, value):
+                raise ValueError(
+                    f"optimizer state {key!r} differs between parameter 0 and parameter {index}: a flat step "
+                    "keeps one value for every parameter"
+                )
+        return first.clone() if isinstance(first, torch.Tensor) else first
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return both and a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b)

@@ -1,0 +1,104 @@
+"""One optimizer interface for checkpoints: the state of each model parameter, whole, keyed by the parameter.
+
+:class:`ParamStateOptimizer` is what :mod:`pgregistry.checkpoint` reads and writes, so every optimizer saves and
+loads through the same functions: a ``torch.optim.Optimizer`` (through :class:`TorchOptimizerState`), and the
+pgregistry optimizers :func:`~pgregistry.optim.build_optimizer` returns (mixed-precision, sharded, chained), which
+implement it themselves. The state of a parameter is whole whatever the optimizer's layout: a mixed-precision
+optimizer adds its float32 main copy (``main_param``), a sharded one gathers its pieces from the ranks of its
+shard group (collective). A checkpoint therefore holds no layout, and loads under another one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+import torch
+
+__all__ = ["MAIN_PARAM", "ParamState", "ParamStateOptimizer", "TorchOptimizerState", "as_param_state_optimizer"]
+
+ParamState: TypeAlias = dict[str, Any]
+"""One parameter's optimizer state: state key -> tensor or value (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``)."""
+
+MAIN_PARAM = "main_param"
+"""The state key of a mixed-precision optimizer's main copy of a lower-precision parameter."""
+
+
+@runtime_checkable
+class ParamStateOptimizer(Protocol):
+    """An optimizer whose state the checkpoint functions can read and write, parameter by parameter."""
+
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        """Model parameter -> its whole state (empty before the first step), for every parameter it updates.
+
+        Collective for a sharded optimizer: every rank of its groups must call it."""
+        ...
+
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Restore the state of each parameter from ``state`` (whole values, as :meth:`param_state` returns them;
+        a parameter without an entry gets an empty state). Call it after the model parameters are loaded: a main
+        copy without a saved ``main_param`` is taken from its parameter. Collective for a sharded optimizer."""
+        ...
+
+
+class TorchOptimizerState:
+    """:class:`ParamStateOptimizer` over a ``torch.optim.Optimizer`` (its ``state`` is keyed by parameter)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def _params(self) -> list[torch.Tensor]:
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
+
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        return {param: dict(self.optimizer.state.get(param, {})) for param in self._params()}
+
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        load_inner_state(self.optimizer, self._params(), state)
+
+
+class StateDictOptimizer(Protocol):
+    """What :func:`load_inner_state` needs: a ``torch.optim.Optimizer``, or a pgregistry flat step
+    (:class:`~pgregistry.optim._flat_step.FlatStep`), whose state dict numbers the main params alike."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def load_inner_state(
+    optimizer: StateDictOptimizer,
+    keys: list[torch.Tensor],
+    state: Mapping[torch.Tensor, Mapping[str, Any]],
+    *,
+    rename: Mapping[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Load ``state`` into ``optimizer`` through ``load_state_dict`` (which casts floating state to each tensor's
+    dtype and device). ``keys`` are the tensors ``optimizer`` steps, in ``param_groups`` order; ``rename`` maps one
+    to the key of its entry in ``state`` (a main copy to its model parameter). Values are copied; ``main_param``
+    is left out."""
+    current = optimizer.state_dict()
+    ids = [pid for group in current["param_groups"] for pid in group["params"]]
+    current["state"] = {}
+    for pid, tensor in zip(ids, keys, strict=True):
+        entry = state.get((rename or {}).get(tensor, tensor), {})
+        values = {key: _copy(value) for key, value in entry.items() if key != MAIN_PARAM}
+        if values:
+            current["state"][pid] = values
+    optimizer.load_state_dict(current)
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def as_param_state_optimizer(optimizer: torch.optim.Optimizer | ParamStateOptimizer) -> ParamStateOptimizer:
+    """``optimizer`` as a :class:`ParamStateOptimizer`; ``TypeError`` naming its type when it is neither."""
+    if isinstance(optimizer, ParamStateOptimizer):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return TorchOptimizerState(optimizer)
+    raise TypeError(
+        f"the checkpoint functions take a torch.optim.Optimizer or an optimizer with param_state() and "
+        f"load_param_state() (pgregistry.optim.ParamStateOptimizer), got {type(optimizer).__name__}"
+    )

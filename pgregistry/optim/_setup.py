@@ -1,0 +1,161 @@
+"""The process groups an optimizer runs on, validated before anything is built on them.
+
+:func:`setup_process_groups_for_optimizer` takes the model's :class:`~pgregistry.collection.ProcessGroupCollection`
+and checks, in Megatron-Core's order, that every group it needs was provided: ``dp`` always; ``dp_cp``, which may
+default to ``dp`` only when context parallelism is off; ``expt_dp`` (``None`` when the model has no experts);
+``intra_dist_opt`` for a distributed optimizer; ``mp`` and ``tp_ep_pp``; and the grad-statistics groups. A missing
+group raises ``ValueError`` naming it and saying how to provide it, so a model on its own grid never silently
+optimises on another grid's groups. The optimizers take the result alone: one source of truth for their groups.
+
+Without a collection it uses the one attached to the model, else the global grid with a
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (the deprecated path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from pgregistry._resolve import resolve
+from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
+from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups
+
+__all__ = ["OptimizerProcessGroups", "optimizer_process_groups", "setup_process_groups_for_optimizer"]
+
+Group = ProcessGroup | None
+"""A validated group: a ProcessGroup or ``None`` (the axis is off)."""
+
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class OptimizerProcessGroups:
+    """The groups an optimizer uses, validated by :func:`setup_process_groups_for_optimizer`.
+
+    ``intra_dist_opt`` is :data:`~pgregistry.collection.UNSET` when no distributed optimizer was asked for and
+    the collection did not set it.
+    """
+
+    dp: Group
+    dp_cp: Group
+    intra_dp_cp: Group
+    expt_dp: Group
+    intra_expt_dp: Group
+    inter_dist_opt: Group
+    intra_dist_opt: ProcessGroup | None | Unset
+    mp: Group
+    tp_ep_pp: Group
+    stats: StatsGroups
+    """Which rank counts a grad and where the counted grads are summed (the grad statistics' groups)."""
+
+
+def setup_process_groups_for_optimizer(
+    pg_collection: ProcessGroupCollection | None = None,
+    model_chunks: nn.Module | Sequence[nn.Module] = (),
+    *,
+    use_distributed_optimizer: bool = False,
+) -> OptimizerProcessGroups:
+    """Validate and return the groups an optimizer over ``model_chunks`` needs from ``pg_collection``.
+
+    ``pg_collection`` defaults to the collection attached to ``model_chunks``, else the global grid with a
+    warning; then :func:`optimizer_process_groups`.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    collection = resolve(pg_collection, chunks, owner="setup_process_groups_for_optimizer", fallback=STATS_FALLBACK)
+    return optimizer_process_groups(collection, chunks, use_distributed_optimizer=use_distributed_optimizer)
+
+
+def optimizer_process_groups(
+    collection: ProcessGroupCollection,
+    model_chunks: Sequence[nn.Module] = (),
+    *,
+    use_distributed_optimizer: bool = False,
+) -> OptimizerProcessGroups:
+    """The groups of a resolved ``collection`` an optimizer needs, checked in Megatron-Core's order.
+
+    Checks: ``dp`` set; ``dp_cp`` set, or context parallelism known to be off (the collection's ``cp`` is ``None``
+    or one rank, or the first chunk's ``config.context_parallel_size`` is 1), in which case it is ``dp``;
+    ``expt_dp`` set (``None`` allowed); ``intra_dist_opt`` set when ``use_distributed_optimizer``; ``intra_dp_cp``
+    and ``intra_expt_dp`` set when ``inter_dist_opt`` spans several optimizer instances (they default to
+    ``dp_cp`` and ``expt_dp`` for one instance); ``mp`` and ``tp_ep_pp`` set (``None`` allowed); and the
+    grad-statistics groups (:class:`~pgregistry.grad_stats.StatsGroups`). Each failure raises ``ValueError``
+    naming the group.
+    """
+    groups = _validated_data_parallel(collection, model_chunks, distributed_optimizer=use_distributed_optimizer)
+    for name in ("mp", "tp_ep_pp"):
+        _require(collection, name, "set it to None if the model does not need it")
+    return OptimizerProcessGroups(
+        **groups,
+        mp=collection.get("mp"),
+        tp_ep_pp=collection.get("tp_ep_pp"),
+        stats=StatsGroups.from_collection(collection),
+    )
+
+
+def _validated_data_parallel(
+    pg_collection: ProcessGroupCollection,
+    model_chunks: Sequence[nn.Module],
+    *,
+    distributed_optimizer: bool,
+) -> dict[str, Any]:
+    """The data-parallel groups of ``pg_collection``, checked in Megatron-Core's order."""
+    if not pg_collection.is_set("dp"):
+        raise ValueError("dp process group is required but not set in pg_collection (None when DP is off)")
+    dp = pg_collection.get("dp")
+    if pg_collection.is_set("dp_cp"):
+        dp_cp = pg_collection.get("dp_cp")
+    else:
+        cp_size = _context_parallel_size(pg_collection, model_chunks)
+        if cp_size != 1:
+            known = "unknown" if cp_size is None else str(cp_size)
+            raise ValueError(
+                f"dp_cp process group is required: it is not set in pg_collection and the context-parallel size "
+                f"is {known}; dp_cp defaults to dp only when context parallelism is known to be off (set cp, or "
+                "dp_cp)"
+            )
+        dp_cp = dp
+    _require(pg_collection, "expt_dp", "set it to None if the model has no experts")
+    expt_dp = pg_collection.get("expt_dp")
+    if distributed_optimizer:
+        _require(
+            pg_collection,
+            "intra_dist_opt",
+            "the distributed optimizer shards its state over this group (one optimizer instance); set it (None "
+            "for a single-rank instance)",
+            when="when use_distributed_optimizer=True",
+        )
+    intra_dist_opt = pg_collection.get("intra_dist_opt") if pg_collection.is_set("intra_dist_opt") else UNSET
+    inter_dist_opt = pg_collection.get("inter_dist_opt") if pg_collection.is_set("inter_dist_opt") else None
+    if group_size(inter_dist_opt) > 1:
+        missing = [name for name in ("intra_dp_cp", "intra_expt_dp") if not pg_collection.is_set(name)]
+        if missing:
+            raise ValueError(
+                f"{' and '.join(missing)} process group(s) are required when inter_dist_opt spans "
+                f"{group_size(inter_dist_opt)} distributed-optimizer instances, but not set in pg_collection"
+            )
+    return {
+        "dp": dp,
+        "dp_cp": dp_cp,
+        "intra_dp_cp": pg_collection.get("intra_dp_cp") if pg_collection.is_set("intra_dp_cp") else dp_cp,
+        "expt_dp": expt_dp,
+        "intra_expt_dp": pg_collection.get("intra_expt_dp") if pg_collection.is_set("intra_expt_dp") else expt_dp,
+        "inter_dist_opt": inter_dist_opt,
+        "intra_dist_opt": intra_dist_opt,
+    }
+
+
+def _require(pg_collection: ProcessGroupCollection, name: GroupName, how: str, *, when: str = "") -> None:
+    if not pg_collection.is_set(name):
+        condition = f" {when}" if when else ""
+        raise ValueError(f"{name} process group is required{condition} but not set in pg_collection: {how}")
+
+
+def _context_parallel_size(pg_collection: ProcessGroupCollection, model_chunks: Sequence[nn.Module]) -> int | None:
+    """The CP size from the collection's ``cp``, else the first chunk's config; ``None`` when unknown."""
+    if pg_collection.is_set("cp"):
+        return group_size(pg_collection.get("cp"))
+    size = getattr(getattr(model_chunks[0], "config", None), "context_parallel_size", None) if model_chunks else None
+    return int(size) if size is not None else None

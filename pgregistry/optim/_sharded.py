@@ -1,0 +1,286 @@
+"""A sharded (distributed) optimizer: main params and optimizer state partitioned over the data-parallel group.
+
+Like Megatron-Core's distributed optimizer. The model parameters and their grads each live in one flat buffer with
+the same layout, padded to equal shards over the sharding group (``dp_cp`` for dense parameters, ``expt_dp`` for
+experts; one optimizer instance). A step is: reduce-scatter the grads (one collective, divided by the ``dp_cp`` size
+as in :mod:`pgregistry.optim._base`; each rank keeps its shard), step float32 main copies of the shard's pieces,
+write them into the parameter buffer, all-gather it (one collective). The main copies are views of one flat
+float32 tensor, the shard's (:attr:`ShardedOptimizer.main_shard`): with an elementwise rule the step is one
+update over it (:mod:`pgregistry.optim._flat_step`) and the write-back one copy, on CUDA both in one kernel
+(:mod:`pgregistry.optim._fused_step`).
+
+Statistics: shards are disjoint across the sharding group and the duplicate filters drop TP/GTP duplicates, so the
+norm and zero count are summed over the whole instance (``intra_dist_opt``). The pieces are classified by their
+own roles, copied with :func:`pgregistry.params.copy_param_roles`.
+
+The inner update rule must be elementwise (Adam, AdamW, SGD): it sees only pieces of parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from pgregistry._grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
+from pgregistry.collection import group_size
+from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
+from pgregistry.optim._flat_step import Copy, FlatStep
+from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_state
+from pgregistry.optim._setup import OptimizerProcessGroups
+from pgregistry.params import copy_param_roles
+
+__all__ = ["ShardedOptimizer"]
+
+_OTHER_LAYOUT = (
+    "to load state saved under another layout, save and load it with pgregistry.checkpoint.save_optimizer_shards "
+    "and load_optimizer_shards"
+)
+
+
+@attrs.frozen(slots=True, eq=False)
+class _Piece:
+    """The part ``[start, stop)`` of the buffers that lies in this rank's shard and belongs to ``param``."""
+
+    param: torch.Tensor
+    main: torch.Tensor
+    start: int
+    stop: int
+    offset: int
+    """Where the piece starts inside the flattened parameter."""
+
+
+class ShardedOptimizer(FlatOptimizer):
+    """Steps this rank's shard of ``params`` with ``inner``; see the module docstring.
+
+    Args are those of :class:`~pgregistry.optim.MixedPrecisionOptimizer`, less ``bucket_numel``; ``main_dtype``
+    is the dtype of the shard's main copies and of the grads (``None``: the parameters' dtype). Parameters must
+    share one dtype (they are gathered through one buffer). ``param_name_fn`` keys the state dict, so a caller
+    can key it by global, expert-aware names.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        process_groups: OptimizerProcessGroups,
+        *,
+        inner: InnerFactory,
+        expert: bool = False,
+        main_dtype: torch.dtype | None = torch.float32,
+        param_name_fn: ParamNameFn | None = None,
+    ) -> None:
+        super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
+        groups = self.process_groups
+        if group_size(groups.inter_dist_opt) > 1:
+            raise ValueError(
+                "inter_dist_opt spans several distributed-optimizer instances; ShardedOptimizer supports one "
+                "instance (set inter_dist_opt to None)"
+            )
+        self.shard_group = groups.intra_expt_dp if expert else groups.intra_dp_cp
+        """Main params, state and grads are sharded over this group (``expt_dp`` / ``dp_cp`` of one instance)."""
+        norm_group = required_group(groups, "intra_dist_opt")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"ShardedOptimizer gathers its parameters through one buffer, but they mix "
+                f"{sorted(map(str, dtypes))}; give each dtype its own optimizer"
+            )
+        param_dtype = next(iter(dtypes), main_dtype or torch.float32)
+        main_dtype = main_dtype or param_dtype
+        device = self._device()
+        self.buffer = GradBuffer(
+            self.params, self.stats_groups, dtype=main_dtype, device=device, shard_multiple=group_size(self.shard_group)
+        )
+        self._attach_grads(self.params, self.buffer.views)
+        self.param_data = torch.zeros(self.buffer.numel, dtype=param_dtype, device=device)
+        """Every parameter's data (each ``param.data`` is a view), laid out like the grad buffer."""
+        for param, offset in zip(self.params, self.buffer.offsets, strict=True):
+            self._move_data(param, self.param_data[offset : offset + param.numel()].view(param.shape))
+        self.shard = self.buffer.shard_range(self.shard_group)
+        """``[start, stop)`` of this rank's shard in both buffers."""
+        start, stop = self.shard
+        self.main_shard = torch.nn.Parameter(self.param_data[start:stop].to(main_dtype, copy=True))
+        """The main copy of this rank's shard of :attr:`param_data` (its ``.grad``: the shard of the grads)."""
+        self.main_shard.grad = self.buffer.data[start:stop]
+        self._pieces = self._make_pieces()
+        entries = [(piece.main, piece.start, piece.stop) for piece in self._pieces]
+        self._set_stats(class_spans(entries, self.stats_groups, reduce_over=norm_group), norm_group)
+        mains = [piece.main for piece in self._pieces]
+        shard_copy = Copy(start=0, out=self.param_data[start:stop])  # the shard's padding is zero in both buffers
+        self._make_inner(inner, self.main_shard, mains, [piece.start - start for piece in self._pieces], [shard_copy])
+
+    def _make_pieces(self) -> list[_Piece]:
+        """Each parameter's part of the shard, with its main copy: a view of :attr:`main_shard` carrying the
+        parameter's roles."""
+        start, stop = self.shard
+        pieces = []
+        for param, offset in zip(self.params, self.buffer.offsets, strict=True):
+            lo, hi = max(offset, start), min(offset + param.numel(), stop)
+            if lo >= hi:
+                continue
+            main = copy_param_roles(param, torch.nn.Parameter(self.main_shard.detach()[lo - start : hi - start]))
+            main.grad = self.buffer.data[lo:hi]
+            pieces.append(_Piece(param=param, main=main, start=lo, stop=hi, offset=lo - offset))
+        return sorted(pieces, key=lambda piece: piece.start)
+
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        start, stop = self.shard
+        return [self.buffer.data[start:stop]]
+
+    def sync_grads(self) -> None:
+        """Divide the grads by :attr:`grad_divisor` and reduce-scatter them over :attr:`shard_group`: one
+        collective, this rank keeps its shard."""
+        self._check_attached()
+        reduce_scatter_grads_(self.buffer, self.shard_group, divide_by=self.grad_divisor)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the shard's main copies, write them into the parameter buffer (a flat step writes them itself, on
+        CUDA in its kernel) and all-gather it."""
+        if self.inner is not None:
+            self.inner.step()
+        if isinstance(self.inner, FlatStep):
+            self._gather()
+        else:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Write the shard's main copies into the parameter buffer and all-gather it."""
+        start, stop = self.shard
+        if self._pieces:  # one copy: the shard's padding is zero in both buffers
+            self.param_data[start:stop].copy_(self.main_shard.detach())
+        self._gather()
+
+    def _gather(self) -> None:
+        start, stop = self.shard
+        if group_size(self.shard_group) > 1 and self.buffer.numel:
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            all_gather(self.param_data, self.param_data[start:stop], group=self.shard_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"param_groups": ..., "shards": {name: {"offset", "numel", "main", "state"}}}`` for this rank's shard.
+
+        ``name`` is ``param_name_fn(param)``; ``offset`` and ``numel`` locate the piece in the flattened
+        parameter. Tensors are references, not copies.
+        """
+        inner = self.inner.state_dict() if self.inner is not None else {"state": {}, "param_groups": []}
+        shards = {
+            self.param_name(piece.param): {
+                "offset": piece.offset,
+                "numel": piece.stop - piece.start,
+                "main": piece.main.detach(),
+                "state": inner["state"].get(index, {}),
+            }
+            for index, piece in enumerate(self._pieces)
+        }
+        return {"param_groups": inner["param_groups"], "shards": shards}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output saved with the same sharding. Collective over :attr:`shard_group`
+        (the restored shards are all-gathered into the model). State saved under another layout (EP, PP or
+        data-parallel size) is cut for this one by :func:`pgregistry.checkpoint.load_optimizer_shards`."""
+        shards = state_dict["shards"]
+        names = [self.param_name(piece.param) for piece in self._pieces]
+        if set(shards) != set(names):
+            missing, unexpected = sorted(set(names) - set(shards)), sorted(set(shards) - set(names))
+            raise ValueError(f"shards do not match: missing {missing}, unexpected {unexpected}; {_OTHER_LAYOUT}")
+        for name, piece in zip(names, self._pieces, strict=True):
+            entry = shards[name]
+            if (entry["offset"], entry["numel"]) != (piece.offset, piece.stop - piece.start):
+                raise ValueError(
+                    f"{name}: saved piece [{entry['offset']}, +{entry['numel']}) differs from this rank's "
+                    f"[{piece.offset}, +{piece.stop - piece.start}); {_OTHER_LAYOUT}"
+                )
+            piece.main.copy_(entry["main"])
+        if self.inner is not None:
+            state = {index: shards[name]["state"] for index, name in enumerate(names) if shards[name]["state"]}
+            self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        self._publish()
+
+    # ------------------------------------------------------------------------------------------- whole state
+
+    def param_state(self) -> dict[torch.Tensor, ParamState]:
+        """Model parameter -> its whole state, gathered from the pieces of every rank of :attr:`shard_group`
+        (collective: one all-gather of the state's description, one all-reduce per elementwise state key and one
+        for the main copies). Elementwise state (Adam's moments) comes back shaped like the parameter; other
+        values (Adam's ``step``) are those of any piece. ``main_param`` is present when the main copies' dtype
+        differs from the parameters'."""
+        inner = self.inner.state if self.inner is not None else {}
+        index = {id(param): i for i, param in enumerate(self.params)}
+        described: dict[int, dict[str, Any]] = {}  # parameter index -> key -> dtype (elementwise) or value
+        for piece in self._pieces:
+            mine = described.setdefault(index[id(piece.param)], {})
+            for key, value in inner.get(piece.main, {}).items():
+                mine[key] = value.dtype if _elementwise(value, piece.main) else value
+        everyone = [described]
+        if group_size(self.shard_group) > 1:
+            everyone = [{} for _ in range(group_size(self.shard_group))]
+            dist.all_gather_object(everyone, described, group=self.shard_group)
+        merged: dict[int, dict[str, Any]] = {}
+        for rank_described in everyone:
+            for i, keys in rank_described.items():
+                merged.setdefault(i, {}).update(keys)
+        flat_dtypes: dict[str, torch.dtype] = {}
+        for keys in merged.values():
+            for key, value in keys.items():
+                if isinstance(value, torch.dtype) and flat_dtypes.setdefault(key, value) != value:
+                    raise ValueError(f"optimizer state {key!r} has several dtypes ({value}, {flat_dtypes[key]})")
+        flats = {
+            key: self._gathered([inner.get(piece.main, {}).get(key) for piece in self._pieces], dtype)
+            for key, dtype in sorted(flat_dtypes.items())
+        }
+        mains = self._gathered([piece.main for piece in self._pieces], self.buffer.data.dtype)
+        out: dict[torch.Tensor, ParamState] = {}
+        for i, (param, offset) in enumerate(zip(self.params, self.buffer.offsets, strict=True)):
+            whole = slice(offset, offset + param.numel())
+            state: ParamState = {
+                key: flats[key][whole].view(param.shape) if isinstance(value, torch.dtype) else value
+                for key, value in merged.get(i, {}).items()
+            }
+            if mains.dtype != param.dtype:
+                state[MAIN_PARAM] = mains[whole].view(param.shape)
+            out[param] = state
+        return out
+
+    def _gathered(self, values: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor laid out like the buffers, holding every rank's ``values`` (one per piece, or None)."""
+        flat = torch.zeros(self.buffer.numel, dtype=dtype, device=self.buffer.data.device)
+        for piece, value in zip(self._pieces, values, strict=True):
+            if value is not None:
+                flat[piece.start : piece.stop] = value.detach().reshape(-1)
+        if group_size(self.shard_group) > 1:
+            dist.all_reduce(flat, group=self.shard_group)  # pieces are disjoint: the sum is each rank's piece
+        return flat
+
+    @torch.no_grad()
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Cut this rank's pieces from whole :meth:`param_state` output of any layout, restore them and gather
+        the parameters (collective over :attr:`shard_group`). A main copy without a saved ``main_param`` is taken
+        from its parameter, so load the parameters first."""
+        pieces: dict[torch.Tensor, ParamState] = {}
+        for piece in self._pieces:
+            saved = state.get(piece.param, {})
+            cut = slice(piece.offset, piece.offset + piece.stop - piece.start)
+            piece.main.copy_(saved.get(MAIN_PARAM, piece.param).reshape(-1)[cut])
+            pieces[piece.main] = {
+                key: value.reshape(-1)[cut] if _whole_elementwise(value, piece.param) else value
+                for key, value in saved.items()
+                if key != MAIN_PARAM
+            }
+        if self.inner is not None:
+            load_inner_state(self.inner, [piece.main for piece in self._pieces], pieces)
+        self._publish()
+
+
+def _elementwise(value: object, main: torch.Tensor) -> bool:
+    """Whether a piece's state ``value`` has one element per element of the piece (Adam's moments)."""
+    return isinstance(value, torch.Tensor) and value.shape == main.shape
+
+
+def _whole_elementwise(value: object, param: torch.Tensor) -> bool:
+    """Whether a whole parameter's state ``value`` has one element per element of the parameter."""
+    return isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0
