@@ -29,21 +29,14 @@ from __future__ import annotations
 
 from pgregistry.checkpoint._by_name import load_optimizer_state_by_name, state_by_name
 from pgregistry.checkpoint._distributed import load_distributed, save_distributed
-from pgregistry.checkpoint._optimizer_shards import (
-    cut_optimizer_shards,
-    load_optimizer_shards,
-    merge_optimizer_shards,
-    save_optimizer_shards,
-)
+from pgregistry.checkpoint._optimizer_shards import load_optimizer_shards, save_optimizer_shards
 from pgregistry.checkpoint._rank_files import load_rank_files, save_rank_files
 
 __all__ = [
-    "cut_optimizer_shards",
     "load_distributed",
     "load_optimizer_state_by_name",
     "load_optimizer_shards",
     "load_rank_files",
-    "merge_optimizer_shards",
     "save_distributed",
     "save_optimizer_shards",
     "save_rank_files",

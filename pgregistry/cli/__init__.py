@@ -1,4 +1,4 @@
-"""The ``pgregistry`` command line: the command table, :func:`build_parser` and :func:`main`.
+"""The ``pgregistry`` command line: the command table and :func:`main`.
 
 One convention for every command: a module of this package (:mod:`~pgregistry.cli._layout`,
 :mod:`~pgregistry.cli._seed_plan`, :mod:`~pgregistry.cli._verify`, :mod:`~pgregistry.cli._allowlist`) exposes
@@ -18,9 +18,9 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
-__all__ = ["COMMAND_MODULES", "build_parser", "main"]
+__all__ = ["main"]
 
-COMMAND_MODULES: tuple[str, ...] = (
+_COMMAND_MODULES: tuple[str, ...] = (
     "pgregistry.cli._layout",
     "pgregistry.cli._allowlist",
     "pgregistry.cli._seed_plan",
@@ -29,20 +29,20 @@ COMMAND_MODULES: tuple[str, ...] = (
 """The modules whose ``add_command`` registers a sub-command, in ``--help`` order."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every sub-command registered."""
     parser = argparse.ArgumentParser(
         prog="pgregistry",
         description="Explicit process-group collections for distributed PyTorch training.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module_name in COMMAND_MODULES:
+    for module_name in _COMMAND_MODULES:
         importlib.import_module(module_name).add_command(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen sub-command; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    args = _build_parser().parse_args(argv)
     code: int = args.handler(args)
     return code

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from pgregistry.cli import build_parser
+from pgregistry.cli import _build_parser as build_parser
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
@@ -50,5 +50,5 @@ def test_every_command_has_a_help_line() -> None:
 
 
 def test_building_the_command_table_imports_no_torch() -> None:
-    code = "import sys; from pgregistry.cli import build_parser; build_parser(); assert 'torch' not in sys.modules"
+    code = "import sys; from pgregistry.cli import _build_parser; _build_parser(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -19,15 +19,14 @@ from toy_moe import NUM_EXPERTS, adam, build_stage, initialise
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, attach
 from pgregistry.checkpoint import (
-    cut_optimizer_shards,
     load_distributed,
     load_optimizer_state_by_name,
     load_rank_files,
-    merge_optimizer_shards,
     save_distributed,
     save_rank_files,
     state_by_name,
 )
+from pgregistry.checkpoint._optimizer_shards import cut_optimizer_shards, merge_optimizer_shards
 from pgregistry.experts import get_global_unique_param_name, global_param_name_fn, named_global_parameters
 
 _OFF: dict[str, Any] = dict(

@@ -171,7 +171,7 @@ def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 
 def test_cli_is_registered() -> None:
-    assert "pgregistry.cli._seed_plan" in cli.COMMAND_MODULES
+    assert "pgregistry.cli._seed_plan" in cli._COMMAND_MODULES
 
 
 def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
