@@ -146,7 +146,16 @@ def checked(collection: ProcessGroupCollection, owner: str) -> ProcessGroupColle
             "build the layout again"
         )
     if not collection.is_member:
-        collection.items()  # raises, naming the layout and this rank
+        import torch.distributed as dist
+
+        layout = collection.layout
+        assert layout is not None  # only a built collection can be outside its layout
+        first, stop = layout.rank_range()
+        raise ValueError(
+            f"{owner} was given {collection.describe()}, which spans ranks {first}-{stop - 1}; this rank "
+            f"({dist.get_rank()}) is not one of them and must not compute with it: give the collection of a module "
+            "this rank runs, or skip the module here (pg.is_member)"
+        )
     return collection
 
 

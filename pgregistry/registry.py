@@ -5,6 +5,10 @@
 process-wide cache (one per distinct rank set, created in one deadlock-free global order, after the ranks agree
 on the request: :mod:`pgregistry._group_cache`), so two layouts that share rank sets share communicators.
 
+A layout may cover part of the world (``rank_offset`` and ``num_ranks``: one module of a job on ranks of its own).
+The build stays collective over the world, so every rank agrees on every module's layout; a rank outside the span
+gets a collection that knows it is no member and refuses to be used.
+
 An axis of size 1 is ``None`` (off) in the collection. Each build also makes a group of this rank alone, which the
 collection carries (:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`) for the adapters to
 libraries that have no "axis off" value (Megatron-Core, DeviceMesh): one extra communicator per rank, never used
@@ -67,7 +71,10 @@ def build(
     """Create (or reuse) the groups of ``layout`` that this rank belongs to; return its collection.
 
     Collective over the world: every rank calls it with the same arguments (ranks that do not raise ``ValueError``
-    on every rank, naming who asked for what). ``name`` identifies the build in messages; building the same name
+    on every rank, naming who asked for what). The layout may span part of the world (``rank_offset`` and
+    ``num_ranks``; a span past the world's end raises on every rank): a rank outside it gets a collection that
+    knows it is no member (``is_member`` false), which raises, naming the layout and the rank, when anything
+    reads a group from it or computes with it. ``name`` identifies the build in messages; building the same name
     (or, unnamed, the same layout) again returns the same collection, and asking it for another layout or other
     options raises ``ValueError`` naming what differs.
     """
@@ -76,31 +83,38 @@ def build(
     if not isinstance(layout, ParallelLayout):
         raise TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}")
     key = name if name is not None else f"unnamed {layout!r}"
-    agree_on_request(
-        "the layout to build", {"name": repr(name), "layout": repr(layout), **options.described()}
-    )
+    declared = {field.name: repr(getattr(layout, field.name)) for field in attrs.fields(ParallelLayout) if field.init}
+    agree_on_request("the layout to build", {"name": repr(name), **declared, **options.described()})
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if layout.num_ranks != world_size:
+    first, stop = layout.rank_range()
+    if stop > world_size:
+        # Every rank agreed on the layout above, so every rank raises here alike.
         raise ValueError(
-            f"{_label(name, layout)} declares num_ranks {layout.num_ranks} but the process group world has "
-            f"{world_size} ranks"
+            f"{_label(name, layout)} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
+            f"{layout.num_ranks}), past the end of the {world_size}-rank world; shrink num_ranks or rank_offset"
         )
     previous = _builds.get(key)
     if previous is not None:
         _check_same_build(name, previous, layout, options)
         return previous.collection
 
-    wanted = layout.groups_of(rank)
-    first, stop = layout.rank_range()
+    member = first <= rank < stop
     span = tuple(range(first, stop))
+    wanted = layout.groups_of(rank) if member else {}
     needed = {ranks for ranks in wanted.values() if ranks is not None and len(ranks) > 1}
-    needed.add((rank,))
-    if len(span) > 1:
-        needed.add(span)  # intra_dist_opt: the one distributed-optimizer instance
+    if member:
+        needed.add((rank,))
+        if len(span) > 1:
+            needed.add(span)  # intra_dist_opt: the one distributed-optimizer instance
     members_only = members_only_creation(options.backend)
     to_create = needed if members_only else _all_rank_sets(layout)
     _refuse_other_options(to_create, options, name, layout)
     CACHE.create(to_create, options, members_only)
+    if not member:
+        outside = ProcessGroupCollection._outside(layout, name, _lifetime)
+        _builds[key] = _Built(layout, options, outside)
+        _log.debug("built layout elsewhere", name=name, layout=repr(layout), rank=rank)
+        return outside
 
     def group_for(ranks: RankGroup | None) -> ProcessGroup | None | Any:
         if ranks is None:

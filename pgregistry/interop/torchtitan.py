@@ -243,12 +243,22 @@ def to_parallel_dims(
 
     Raises ``ValueError`` on every rank, naming the culprit, for a layout torchtitan cannot express (expert TP
     other than 1 under EP, GTP remat, EP not dividing ``dp_shard x cp x tp``, an order giving other rank sets), a
-    world size that disagrees, and a collection field that is missing or holds other ranks than torchtitan's; and
+    layout over part of the world, and a collection field that is missing or holds other ranks than torchtitan's; and
     a collection without a layout (assembled by hand).
     """
     from torchtitan.distributed import parallel_dims as titan_parallel_dims
 
+    import torch.distributed as dist
+
     _require_distributed("to_parallel_dims")
+    # Before the membership check: a rank outside a span would raise alone and leave the others in a collective.
+    spanned = collection.layout if isinstance(collection, ProcessGroupCollection) else None
+    if spanned is not None and spanned.rank_range() != (0, dist.get_world_size()):
+        first, stop = spanned.rank_range()
+        raise ValueError(
+            f"to_parallel_dims needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and "
+            f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
+        )
     collection = checked(collection, "to_parallel_dims")
     layout = collection.layout
     if layout is None:
@@ -299,18 +309,11 @@ def _sizes_of_layout(
 ) -> tuple[_Sizes, list[str]]:
     """torchtitan's degrees for ``layout`` (``dp_replicate``: the size of ``collection.inter_dist_opt``, 1 when
     unset or off) and what makes the layout one torchtitan cannot run."""
-    import torch.distributed as dist
-
     replicate = collection.get_or("inter_dist_opt", None)
     dp_replicate = group_size(replicate) if replicate is not None else 1
     problems: list[str] = []
     if spmd_backend not in SPMD_BACKENDS:
         problems.append(f"spmd_backend {spmd_backend!r} is none of torchtitan's {SPMD_BACKENDS}")
-    if layout.num_ranks != dist.get_world_size():
-        problems.append(
-            f"layout num_ranks {layout.num_ranks} disagrees with the process group world of "
-            f"{dist.get_world_size()} ranks"
-        )
     if layout.gtp_remat != 1 or layout.expt_gtp_remat != 1:
         problems.append(
             f"torchtitan has no GTP-remat axis (layout gtp_remat={layout.gtp_remat}, "

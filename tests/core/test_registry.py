@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from core_support import bits, errors_of, member_mask
 from torch import nn
@@ -29,7 +30,7 @@ def _expected_sets(layout: ParallelLayout, rank: int) -> dict[str, tuple[int, ..
     """Field -> the ranks its group must hold on ``rank``, from the layout arithmetic (None: no group)."""
     mine: dict[str, tuple[int, ...] | None] = dict(layout.groups_of(rank))
     mine.update({alias: mine[kind] for alias, kind in _ALIAS_OF.items()})
-    mine["intra_dist_opt"] = tuple(range(layout.num_ranks))
+    mine["intra_dist_opt"] = tuple(range(*layout.rank_range()))
     return mine
 
 
@@ -87,12 +88,14 @@ def _sharing(collections: list[ProcessGroupCollection], layouts: list[ParallelLa
     return problems
 
 
-def _distinct_sets(layout: ParallelLayout) -> set[tuple[int, ...]]:
-    """The rank sets a build creates communicators for: every multi-rank set of every kind but the world (WORLD
-    itself), and every rank alone (the one-rank groups)."""
-    sets = {group for kind in GROUP_KINDS for group in layout.groups(kind)}
-    singles = {(rank,) for rank in range(layout.num_ranks)}
-    return {s for s in sets if 1 < len(s) < layout.num_ranks} | singles
+def _distinct_sets(layout: ParallelLayout, world_size: int | None = None) -> set[tuple[int, ...]]:
+    """The rank sets a build creates communicators for: every multi-rank set of every kind and the layout's span,
+    but the world (WORLD itself), and every rank of the span alone (the one-rank groups)."""
+    span = tuple(range(*layout.rank_range()))
+    sets = {group for kind in GROUP_KINDS for group in layout.groups(kind)} | {span}
+    singles = {(rank,) for rank in span}
+    world = world_size if world_size is not None else layout.num_ranks
+    return {s for s in sets if 1 < len(s) < world} | singles
 
 
 # ------------------------------------------------------------------------------------------------ 8 ranks
@@ -175,6 +178,8 @@ def _misuse() -> dict[str, str]:
             [[0, 1], [2, 3]] if rank else [[0, 2], [1, 3]], GroupOptions()
         ),
         "world": lambda: reg.build(ParallelLayout(num_ranks=8, tp=2)),
+        "past_the_end": lambda: reg.build(ParallelLayout(num_ranks=2, rank_offset=3), name="late"),
+        "disagree_span": lambda: reg.build(ParallelLayout(num_ranks=2, rank_offset=2 if rank == 1 else 0)),
         "renamed": lambda: reg.build(ParallelLayout(num_ranks=4, pp=2), name="m"),
         "options": lambda: reg.build(four, name="m", timeout=30.0),
         "conflict": lambda: reg.build(
@@ -193,10 +198,10 @@ def _misuse() -> dict[str, str]:
 def test_misuse_raises_a_clear_error_on_every_rank() -> None:
     results = run_world(4, _misuse, timeout=30.0)
     for rank, out in enumerate(results):
-        assert out["disagree"].startswith("ValueError: ranks disagree on the layout to build: 'layout' differs (")
-        assert "ranks [0] asked for ParallelLayout(num_ranks=4, tp=4," in out["disagree"]
-        assert "ranks [1, 2, 3] asked for ParallelLayout(num_ranks=4, tp=2," in out["disagree"]
-        assert "'name'" not in out["disagree"] and "'timeout'" not in out["disagree"]
+        assert out["disagree"].startswith(
+            "ValueError: ranks disagree on the layout to build: 'tp' differs (ranks [0] asked for 4; ranks [1, 2, 3] "
+            "asked for 2); 'expt_tp' differs (ranks [0] asked for 4; ranks [1, 2, 3] asked for 2); this rank"
+        )
         assert f"this rank is rank {rank}." in out["disagree"]
         assert out["disagree_name"].startswith(
             "ValueError: ranks disagree on the layout to build: 'name' differs (ranks [0] asked for 'n0'; "
@@ -211,8 +216,16 @@ def test_misuse_raises_a_clear_error_on_every_rank() -> None:
             "[(0, 2), (1, 3)]; ranks [1, 2, 3] asked for [(0, 1), (2, 3)]); this rank"
         )
         assert out["world"] == (
-            f"ValueError: {ParallelLayout(num_ranks=8, tp=2)!r} declares num_ranks 8 but the process group world "
-            "has 4 ranks"
+            f"ValueError: {ParallelLayout(num_ranks=8, tp=2)!r} spans ranks 0-7 (rank_offset 0 + num_ranks 8), past "
+            "the end of the 4-rank world; shrink num_ranks or rank_offset"
+        )
+        assert out["past_the_end"] == (
+            "ValueError: layout 'late' spans ranks 3-4 (rank_offset 3 + num_ranks 2), past the end of the 4-rank "
+            "world; shrink num_ranks or rank_offset"
+        )
+        assert out["disagree_span"].startswith(
+            "ValueError: ranks disagree on the layout to build: 'rank_offset' differs (ranks [0, 2, 3] asked for 0; "
+            "ranks [1] asked for 2); this rank"
         )
         assert out["renamed"].startswith(
             "ValueError: name 'm' is already built with other settings: layout ParallelLayout(num_ranks=4, tp=2,"
@@ -359,3 +372,74 @@ def test_a_misspelt_build_option_is_refused() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'backnd'"):
         initialize_global_grid(layout, backnd="gloo")  # type: ignore[call-arg]
     assert global_collection(None) is None
+
+
+# ------------------------------------------------------------------------------------------------ spans
+
+_ENCODER = ParallelLayout(num_ranks=4)  # ranks 0-3, dp 4
+_LANGUAGE = ParallelLayout(num_ranks=4, tp=2, pp=2, ep=2, expt_tp=1, rank_offset=4)  # ranks 4-7
+_MIDDLE = ParallelLayout(num_ranks=4, tp=2, rank_offset=2)  # ranks 2-5: overlaps both
+_COLOCATED = ParallelLayout(num_ranks=8, tp=4)  # the whole world, at another parallelism
+_SPANS = {"encoder": _ENCODER, "language": _LANGUAGE, "middle": _MIDDLE, "colocated": _COLOCATED}
+
+
+def _build_spans() -> dict[str, Any]:
+    collections = {name: reg.build(layout, name=name) for name, layout in _SPANS.items()}
+    members = {name: c for name, c in collections.items() if c.is_member}
+    outside = {name: c for name, c in collections.items() if not c.is_member}
+    model = nn.Linear(2, 2)
+    model.weight.grad = torch.ones_like(model.weight)
+    refusals = {}
+
+    def attached_then_used(collection: ProcessGroupCollection) -> object:
+        carrier = nn.Linear(1, 1)
+        pgregistry.attach(carrier, collection)
+        return pgregistry.grad_norm(carrier)
+
+    for name, collection in outside.items():
+        refusals.update(errors_of({
+            f"{name}.tp": lambda c=collection: c.tp,
+            f"{name}.get": lambda c=collection: c.get("dp"),
+            f"{name}.items": lambda c=collection: list(c.items()),
+            f"{name}.grad_norm": lambda c=collection: pgregistry.grad_norm(model, pg_collection=c),
+            f"{name}.attach": lambda c=collection: attached_then_used(c),
+        }))
+    return {
+        "members": sorted(members),
+        "membership": {name: _membership(c) for name, c in members.items()},
+        "outside": {name: (repr(c), c.layout == _SPANS[name], c.name) for name, c in outside.items()},
+        "refusals": refusals,
+        "sharing": _sharing(list(members.values()), [_SPANS[name] for name in members]),
+        "created": reg.communicators_created(),
+        "again": all(reg.build(layout, name=name) is collections[name] for name, layout in _SPANS.items()),
+    }
+
+
+def test_layouts_over_spans_of_the_world_build_disjoint_overlapping_and_colocated() -> None:
+    results = run_world(8, _build_spans)
+    union = set().union(*(_distinct_sets(layout, world_size=8) for layout in _SPANS.values()))
+    for rank, out in enumerate(results):
+        expected_members = sorted(n for n, layout in _SPANS.items() if rank in range(*layout.rank_range()))
+        assert out["members"] == expected_members
+        for name in expected_members:
+            _check_membership(_SPANS[name], rank, out["membership"][name])
+        assert out["sharing"] == []
+        # gloo: every rank creates every distinct rank set of the four layouts once, members or not.
+        assert out["created"] == len(union)
+        assert out["again"]
+        for name, (text, same_layout, built_name) in out["outside"].items():
+            first, stop = _SPANS[name].rank_range()
+            assert same_layout and built_name == name
+            assert text == f"ProcessGroupCollection(not a member of layout {name!r} {_SPANS[name]!r})"
+            not_member = (
+                f"ValueError: rank {rank} is not a member of layout {name!r} {_SPANS[name]!r}, which spans ranks "
+                f"{first}-{stop - 1}: this rank holds no group of it and must not compute with it"
+            )
+            for read in ("tp", "get", "items"):
+                assert out["refusals"][f"{name}.{read}"].startswith(not_member), (rank, name, read)
+            refused = (
+                f"ValueError: grad_norm was given layout {name!r} {_SPANS[name]!r}, which spans "
+                f"ranks {first}-{stop - 1}; this rank ({rank}) is not one of them and must not compute with it"
+            )
+            assert out["refusals"][f"{name}.grad_norm"].startswith(refused), out["refusals"][f"{name}.grad_norm"]
+            assert out["refusals"][f"{name}.attach"].startswith(refused)

@@ -121,7 +121,9 @@ def _bad_input(pg: Any) -> dict[str, str]:
     expert_tp = registry.build(ParallelLayout(num_ranks=WORLD, tp=2, ep=4, expt_tp=2))
     crossed = registry.build(ParallelLayout(num_ranks=WORLD, tp=2, ep=4, expt_tp=1, order="tp-cp-dp-ep-pp"))
     by_hand = type(pg)(**dict(pg.items()))  # the same groups, no layout
+    second_half = registry.build(ParallelLayout(num_ranks=WORLD // 2, tp=2, rank_offset=WORLD // 2), name="half")
     return {
+        "span": value_error_of(to(second_half)),
         "not built": value_error_of(lambda: from_parallel_dims(ParallelDims(**DEGREES, world_size=WORLD))),
         "expert tp": value_error_of(to(expert_tp)),
         "ep borrows beyond dp_shard": value_error_of(to(pg.evolve(inter_dist_opt=pg.get("dp")))),
@@ -163,6 +165,8 @@ def test_torchtitan_interop_communicators_and_bad_input() -> None:
     bad = {name: {out["bad"][name] for out in results} for name in results[0]["bad"]}
     bad["parallel dims world size"] = {out["wrong world"] for out in results}
     expected = {
+        "span": "needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and layout 'half' "
+        f"{ParallelLayout(num_ranks=WORLD // 2, tp=2, rank_offset=WORLD // 2)!r} spans ranks 4-7 of the 8-rank world",
         "not built": "build_mesh",
         "expert tp": "expt_tp=2",
         "ep borrows beyond dp_shard": "ep=4 does not divide dp_shard x cp x tp = 1 x 1 x 2",
