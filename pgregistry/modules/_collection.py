@@ -1,0 +1,181 @@
+"""The collections of every module of a job: :class:`MultiModuleCollection` and :func:`build_modules`.
+
+A job that runs several modules (a vision encoder and a language model, an RL actor and its critic) gives each its
+own layout, on ranks of its own or colocated with others. Megatron-Core's ``MultiModuleProcessGroupCollection``
+holds, on each rank, the collections of the modules that rank runs. This one is job-wide: every rank holds every
+module's collection, a rank outside a module holding one that refuses to be used. That is what a job-wide statistic
+needs: a rank must know every module to take part in the reduction over modules, even for the modules it lacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from types import MappingProxyType
+
+from pgregistry.collection import ProcessGroupCollection
+from pgregistry.layout import ParallelLayout
+
+__all__ = ["MultiModuleCollection", "build_modules"]
+
+
+class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
+    """Module name -> the collection that module runs on, for every module of the job; a read-only mapping.
+
+    ``language_model`` names the language model among them (Megatron-Core's ``language_model_module_name``), or is
+    ``None``. ``disjoint=True`` declares that no two modules share a rank, and is checked. Every collection must be
+    built (:func:`pgregistry.build`), so that every rank knows every module's span, its own or not.
+
+    Raises ``ValueError`` naming the culprit for no modules, a name that is not a non-empty string, a collection
+    assembled by hand, a ``language_model`` that names no module, and modules declared disjoint whose spans share
+    ranks; ``TypeError`` for a value that is not a collection.
+    """
+
+    __slots__ = ("_modules", "_language_model", "_disjoint")
+
+    def __init__(
+        self,
+        modules: Mapping[str, ProcessGroupCollection],
+        *,
+        language_model: str | None = None,
+        disjoint: bool = False,
+    ) -> None:
+        if not modules:
+            raise ValueError("a MultiModuleCollection needs at least one module")
+        for name, collection in modules.items():
+            _check_module(name, collection)
+        if language_model is not None and language_model not in modules:
+            raise ValueError(
+                f"language_model {language_model!r} is none of the modules {list(modules)}; name one of them or None"
+            )
+        if disjoint:
+            _check_disjoint({name: c.layout for name, c in modules.items() if c.layout is not None})
+        self._modules = MappingProxyType(dict(modules))
+        self._language_model = language_model
+        self._disjoint = disjoint
+
+    @property
+    def language_model(self) -> str | None:
+        """The language model's module name, or ``None``."""
+        return self._language_model
+
+    @property
+    def disjoint(self) -> bool:
+        """Whether the modules were declared (and checked) to share no rank."""
+        return self._disjoint
+
+    def language_model_collection(self) -> ProcessGroupCollection:
+        """The language model's collection; ``ValueError`` when no module is named the language model."""
+        if self._language_model is None:
+            raise ValueError(f"no module of {list(self._modules)} is named the language model (language_model=None)")
+        return self._modules[self._language_model]
+
+    def here(self) -> tuple[str, ...]:
+        """The names of the modules this rank runs (whose span holds it), in declaration order."""
+        return tuple(name for name, collection in self._modules.items() if collection.is_member)
+
+    def layouts(self) -> dict[str, ParallelLayout]:
+        """Module name -> its layout, on every rank (a rank outside a module knows its span too)."""
+        return {name: _layout_of(collection) for name, collection in self._modules.items()}
+
+    def __getitem__(self, name: str) -> ProcessGroupCollection:
+        try:
+            return self._modules[name]
+        except KeyError:
+            raise KeyError(f"no module {name!r}; the modules are {list(self._modules)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __repr__(self) -> str:
+        spans = ", ".join(f"{name}: ranks {_span_text(_layout_of(c))}" for name, c in self._modules.items())
+        extras = f", language_model={self._language_model!r}" if self._language_model is not None else ""
+        extras += ", disjoint=True" if self._disjoint else ""
+        return f"MultiModuleCollection({{{spans}}}{extras})"
+
+
+def build_modules(
+    layouts: Mapping[str, ParallelLayout],
+    *,
+    language_model: str | None = None,
+    disjoint: bool = False,
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+) -> MultiModuleCollection:
+    """Build every module's layout (each under its module name) and return their :class:`MultiModuleCollection`.
+
+    Collective over the world: every rank calls it with the same arguments, a rank outside a module included. The
+    ranks first agree on the whole request (module names, layouts, ``language_model``, ``disjoint``, options), so
+    that a rank that declares another span raises on every rank instead of leaving the others in a collective;
+    modules declared disjoint whose spans overlap raise on every rank before any group is created.
+    """
+    from pgregistry import registry
+    from pgregistry._group_cache import GroupOptions, agree_on_request, require_distributed
+
+    require_distributed("build_modules")
+    options = GroupOptions.of(backend, timeout)
+    request = {f"module {name!r}": repr(layout) for name, layout in layouts.items()}
+    request.update(language_model=repr(language_model), disjoint=repr(disjoint), **options.described())
+    agree_on_request("the modules to build", request)
+    if not layouts:
+        raise ValueError("build_modules needs at least one module")
+    for name, layout in layouts.items():
+        _check_name(name)
+        if not isinstance(layout, ParallelLayout):
+            raise TypeError(f"module {name!r}: build_modules expects a ParallelLayout, got {type(layout).__name__}")
+    if disjoint:
+        _check_disjoint(layouts)
+    if language_model is not None and language_model not in layouts:
+        raise ValueError(
+            f"language_model {language_model!r} is none of the modules {list(layouts)}; name one of them or None"
+        )
+    collections = {
+        name: registry.build(layout, name=name, backend=backend, timeout=timeout) for name, layout in layouts.items()
+    }
+    return MultiModuleCollection(collections, language_model=language_model, disjoint=disjoint)
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a module name must be a non-empty string, got {name!r}")
+
+
+def _check_module(name: str, collection: object) -> None:
+    _check_name(name)
+    if not isinstance(collection, ProcessGroupCollection):
+        raise TypeError(f"module {name!r}: expected a pgregistry ProcessGroupCollection, got {type(collection).__name__}")
+    if collection.layout is None:
+        raise ValueError(
+            f"module {name!r} has a collection assembled by hand: a rank outside the module could not know its "
+            "span. Build it with pgregistry.build(layout, name=...) (or build_modules)"
+        )
+
+
+def _layout_of(collection: ProcessGroupCollection) -> ParallelLayout:
+    layout = collection.layout
+    assert layout is not None  # checked when the MultiModuleCollection was made
+    return layout
+
+
+def _span_text(layout: ParallelLayout) -> str:
+    first, stop = layout.rank_range()
+    return f"{first}-{stop - 1}"
+
+
+def _check_disjoint(layouts: Mapping[str, ParallelLayout]) -> None:
+    """``ValueError`` naming the first two modules whose spans share ranks, and those ranks."""
+    names = list(layouts)
+    for index, first in enumerate(names):
+        a_first, a_stop = layouts[first].rank_range()
+        for second in names[index + 1 :]:
+            b_first, b_stop = layouts[second].rank_range()
+            low, high = max(a_first, b_first), min(a_stop, b_stop)
+            if low < high:
+                raise ValueError(
+                    f"modules {first!r} (ranks {a_first}-{a_stop - 1}) and {second!r} (ranks {b_first}-{b_stop - 1}) "
+                    f"are declared disjoint but share ranks {low}-{high - 1}; move one (rank_offset) or drop "
+                    "disjoint=True if they are meant to share ranks"
+                )
