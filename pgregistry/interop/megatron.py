@@ -5,6 +5,9 @@
 * :func:`from_megatron` turns Megatron-Core's collection (``use_mpu_process_groups()`` after
   ``initialize_model_parallel``) into a pgregistry one and teaches the registry its communicators, so a later
   ``pgregistry.build`` of the same layout reuses them;
+* :func:`from_hyper_comm_grid` reads the collection of a module off Megatron-Core's ``HyperCommGrid`` (the grid of a
+  span of ranks its multi-module models use), and both conversions above take a multi-module collection too
+  (Megatron-Core's ``MultiModuleProcessGroupCollection``, :class:`~pgregistry.modules.MultiModuleCollection`);
 * :func:`megatron_config_kwargs` and :func:`megatron_initialize_kwargs` give the sizes of a layout under Megatron-Core's
   names, and :func:`check_config` refuses a config whose sizes disagree with the groups (Megatron-Core itself accepts
   ``expert_tensor_parallel_size=1`` next to a 2-rank expert-TP group);
@@ -40,6 +43,8 @@ from pgregistry.collection import (
     group_rank,
     group_size,
 )
+from pgregistry.interop._megatron_grids import agreed_modules, described_groups, from_hyper_comm_grid
+from pgregistry.modules import MultiModuleCollection
 
 if TYPE_CHECKING:
     from torch import nn
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NONE_MEANS_NOT_USED",
     "check_config",
+    "from_hyper_comm_grid",
     "from_megatron",
     "mark_megatron_experts",
     "megatron_config_kwargs",
@@ -109,8 +115,11 @@ def _megatron_version() -> str:
         return str(getattr(megatron.core, "__version__", "unknown version"))
 
 
-def to_megatron(pg_collection: ProcessGroupCollection) -> Any:
-    """Megatron-Core's ``ProcessGroupCollection`` holding the communicators of ``pg_collection`` (none created).
+def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -> Any:
+    """Megatron-Core's ``ProcessGroupCollection`` holding the communicators of ``pg_collection`` (none created); for
+    a :class:`~pgregistry.modules.MultiModuleCollection`, Megatron-Core's ``MultiModuleProcessGroupCollection`` of
+    the modules this rank runs, the language model named only where this rank runs it (as Megatron-Core's MIMO
+    does; ``ValueError`` on a rank that runs none: Megatron-Core's cannot be empty).
 
     An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided"). ``None`` (axis
     off) becomes the collection's one-rank group outside :data:`NONE_MEANS_NOT_USED` (``ValueError`` naming the
@@ -119,6 +128,8 @@ def to_megatron(pg_collection: ProcessGroupCollection) -> Any:
     one rank, or the same communicator as the field it reduces to when GTP is off; otherwise ``ValueError``, since
     that Megatron-Core cannot run the layout.
     """
+    if isinstance(pg_collection, MultiModuleCollection):
+        return _to_megatron_modules(pg_collection)
     pg_collection = checked(pg_collection, "to_megatron")
     known = set(_megatron_fields())
     fields: dict[str, Any] = {}
@@ -136,6 +147,23 @@ def to_megatron(pg_collection: ProcessGroupCollection) -> Any:
             value = _one_rank_group(pg_collection, name)
         fields[name] = value
     return _megatron_collection_type()(**fields)
+
+
+def _to_megatron_modules(modules: MultiModuleCollection) -> Any:
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+    here = modules.here()
+    if not here:
+        import torch.distributed as dist
+
+        raise ValueError(
+            f"rank {dist.get_rank()} runs none of the modules of {modules!r}; Megatron-Core's "
+            "MultiModuleProcessGroupCollection cannot be empty: give it only to ranks that run a module"
+        )
+    language_model = modules.language_model if modules.language_model in here else None
+    return MultiModuleProcessGroupCollection(
+        module_pgs={name: to_megatron(modules[name]) for name in here}, language_model_module_name=language_model
+    )
 
 
 def _one_rank_group(pg_collection: ProcessGroupCollection, name: str) -> Any:
@@ -162,8 +190,9 @@ def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: An
     )
 
 
-def from_megatron(mc_collection: Any) -> ProcessGroupCollection:
-    """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts.
+def from_megatron(mc_collection: Any) -> Any:
+    """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts; for Megatron-Core's
+    ``MultiModuleProcessGroupCollection``, the job-wide :class:`~pgregistry.modules.MultiModuleCollection`.
 
     Collective over the world (every rank calls it): pgregistry learns every rank set, so a later
     :func:`pgregistry.registry.build` of a layout with the same rank sets reuses Megatron-Core's communicators
@@ -173,14 +202,31 @@ def from_megatron(mc_collection: Any) -> ProcessGroupCollection:
     group"); elsewhere outside :data:`NONE_MEANS_NOT_USED` it is refused, since Megatron-Core would read it as "use
     the global group", which a pgregistry collection cannot say (``ValueError`` naming the field). The collection
     knows no layout: Megatron-Core's does not carry one.
+
+    A multi-module collection holds, on each rank, only the modules that rank runs. The ranks exchange them, so
+    every rank learns every module's layout (recovered from the groups of all its ranks: the sizes and span from the
+    groups, the order as the first order string under which every group holds the layout's ranks) and gets, for a
+    module it does not run, the collection that refuses every use. ``ValueError`` on every rank, naming the module,
+    when no layout gives a module's groups or ranks name different language models.
     """
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
     from pgregistry import registry
 
+    if isinstance(mc_collection, MultiModuleProcessGroupCollection):
+        return _from_megatron_modules(mc_collection)
+    fields = _fields_from_megatron(mc_collection)
+    registry.adopt(_groups_in(fields))
+    return ProcessGroupCollection(**fields)
+
+
+def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
+    """pgregistry field -> value of Megatron-Core's collection (see :func:`from_megatron`), nothing adopted."""
     megatron_type = _megatron_collection_type()
     if not isinstance(mc_collection, megatron_type):
         raise TypeError(
-            f"from_megatron expects megatron.core.process_groups_config.ProcessGroupCollection, got "
-            f"{type(mc_collection).__name__}"
+            f"from_megatron expects megatron.core.process_groups_config.ProcessGroupCollection or "
+            f"MultiModuleProcessGroupCollection, got {type(mc_collection).__name__}"
         )
     present = vars(mc_collection)
     fields: dict[str, Any] = {}
@@ -200,12 +246,33 @@ def from_megatron(mc_collection: Any) -> ProcessGroupCollection:
                 "parallel_state group': a pgregistry collection cannot say that; give the field a group"
             )
         fields[name] = value
-    groups = [
+    return fields
+
+
+def _groups_in(fields: dict[str, Any]) -> list[Any]:
+    return [
         g for value in fields.values() for g in (value if isinstance(value, list) else [value])
         if g is not None and g is not NOT_MEMBER
     ]
-    registry.adopt(groups)
-    return ProcessGroupCollection(**fields)
+
+
+def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
+    import torch.distributed as dist
+
+    from pgregistry import registry
+
+    local = {name: _fields_from_megatron(collection) for name, collection in mc_modules.module_pgs.items()}
+    mine = {name: described_groups(fields) for name, fields in local.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, mc_modules.language_model_module_name))
+    layouts, language_model = agreed_modules(everyone)
+    registry.adopt(g for fields in local.values() for g in _groups_in(fields))
+    collections = {
+        name: ProcessGroupCollection(layout=layout, name=name, **local[name])
+        if name in local else ProcessGroupCollection._outside(layout, name, None)
+        for name, layout in layouts.items()
+    }
+    return MultiModuleCollection(collections, language_model=language_model)
 
 
 def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:

@@ -246,9 +246,8 @@ def to_parallel_dims(
     layout over part of the world, and a collection field that is missing or holds other ranks than torchtitan's; and
     a collection without a layout (assembled by hand).
     """
-    from torchtitan.distributed import parallel_dims as titan_parallel_dims
-
     import torch.distributed as dist
+    from torchtitan.distributed import parallel_dims as titan_parallel_dims
 
     _require_distributed("to_parallel_dims")
     # Before the membership check: a rank outside a span would raise alone and leave the others in a collective.

@@ -1,0 +1,287 @@
+"""Megatron-Core's multi-module objects: ``HyperCommGrid`` in, ``MultiModuleProcessGroupCollection`` both ways.
+
+Megatron-Core's MIMO models give each module a ``HyperCommGrid`` (a grid over a span of ranks: ``shape`` and
+``dim_names`` fastest first, ``rank_offset``), whose dense groups are created over the base dims ``tp cp dp pp``
+and whose expert groups over a registered view named ``"expert"`` with dims ``expt_tp ep expt_dp pp`` (what its
+MIMO optimizer reads, ``megatron/core/models/mimo/optimizer.py``). Its per-rank ``MultiModuleProcessGroupCollection``
+holds the collections of the modules that rank runs.
+
+Reading them in, pgregistry recovers each module's :class:`~pgregistry.layout.ParallelLayout` from the groups
+themselves: the axis sizes and the span come from the groups, and the order is the first order string (the default
+one first) under which every given group holds the layout's ranks; none fitting raises, naming the module. The
+collection then holds the very communicators Megatron-Core created (none is created here) and is checked against
+that layout like any other. Both readers are collective over the world: they adopt the communicators (so a later
+:func:`pgregistry.build` of the same rank sets reuses them) and learn the modules this rank does not run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from pgregistry.collection import NOT_MEMBER, GroupName, ProcessGroupCollection, group_size
+from pgregistry.layout import DEFAULT_ORDER, GROUP_KINDS, OrderToken, ParallelLayout, RankGroup
+
+__all__ = ["EXPERT_VIEW", "agreed_modules", "described_groups", "from_hyper_comm_grid"]
+
+EXPERT_VIEW: Final = "expert"
+"""The view of a ``HyperCommGrid`` whose dims hold the expert groups, as Megatron-Core's MIMO optimizer names it."""
+
+_BASE_DIMS: Final[Mapping[str, str]] = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp"}
+"""Base-view dim -> layout axis."""
+_EXPERT_DIMS: Final[Mapping[str, str]] = {"expt_tp": "expt_tp", "ep": "ep", "expt_dp": "expt_dp", "pp": "pp"}
+"""Expert-view dim -> layout axis."""
+
+_BASE_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_cp": ("dp", "cp"),
+    "tp_cp": ("tp", "cp"),
+    "mp": ("tp", "pp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),
+    "intra_dist_opt": ("tp", "cp", "dp", "pp"),
+}
+"""Collection field -> the base-view dims of the grid group that holds it (Megatron-Core's MIMO choice)."""
+_EXPERT_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
+    "ep": ("ep",),
+    "expt_tp": ("expt_tp",),
+    "expt_dp": ("expt_dp",),
+    "tp_ep": ("expt_tp", "ep"),
+    "tp_ep_pp": ("expt_tp", "ep", "pp"),
+}
+"""Collection field -> the expert-view dims of the grid group that holds it."""
+_ALIASES: Final[Mapping[str, GroupName]] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
+"""Fields that hold the same group as another when there is one distributed-optimizer instance."""
+
+_SIZE_FIELDS: Final[tuple[str, ...]] = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+"""The layout sizes read off a collection's groups (``dp`` and ``expt_dp`` follow from the span)."""
+
+
+# ---------------------------------------------------------------------------------------------- HyperCommGrid
+
+
+def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupCollection:
+    """The collection of a Megatron-Core ``HyperCommGrid``: the communicators its ``create_pg`` made, none new.
+
+    The layout is the grid's: its span (``rank_offset``, the grid's size), the sizes of its base dims (``tp cp dp
+    pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``), in an order that gives every created group its
+    ranks. Each field whose dims the grid has created holds that group (``intra_dist_opt`` is the group over all
+    four base dims); the others stay UNSET. A rank outside the grid's span gets the collection that refuses every
+    use. ``name`` names the collection in messages.
+
+    Collective over the world (as the grid's ``create_pg``): the communicators are adopted, so a later
+    :func:`pgregistry.build` whose rank sets they cover reuses them. ``ValueError`` for a dim pgregistry has no
+    axis for, naming it; ``TypeError`` for something that is not a ``HyperCommGrid``.
+    """
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    from pgregistry import registry
+
+    if not isinstance(grid, HyperCommGrid):
+        raise TypeError(
+            f"from_hyper_comm_grid expects megatron.core.hyper_comm_grid.HyperCommGrid, got {type(grid).__name__}"
+        )
+    sizes = _grid_sizes(grid)
+    fields, enums = _grid_groups(grid)
+    first, stop = int(grid.rank_offset), int(grid.rank_offset) + int(grid.size)
+    described = f"HyperCommGrid(shape={grid.shape}, dim_names={grid.dim_names}, rank_offset={first})"
+    layout = _layout_fitting(sizes, (first, stop), enums, described)
+    registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
+    if not grid.is_current_rank_in_grid():
+        return ProcessGroupCollection._outside(layout, name, None)
+    fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})
+    own = next((g for g in fields.values() if group_size(g) == 1), None)
+    return ProcessGroupCollection(layout=layout, name=name, one_rank_group=own, **fields)
+
+
+def _grid_sizes(grid: Any) -> dict[str, int]:
+    """Layout axis -> size, from the base dims and the expert view; ``ValueError`` for an unknown dim."""
+    sizes: dict[str, int] = {}
+    for dim, size in zip(grid.dim_names, grid.shape, strict=True):
+        if dim not in _BASE_DIMS:
+            raise ValueError(
+                f"HyperCommGrid dim {dim!r} is none of the base dims pgregistry reads ({', '.join(_BASE_DIMS)}); "
+                "expert dims belong in a view named 'expert' (expt_tp, ep, expt_dp, pp)"
+            )
+        sizes[_BASE_DIMS[dim]] = int(size)
+    for dim, axis in _EXPERT_DIMS.items():
+        enum = _rank_enum(grid, (dim,), EXPERT_VIEW)
+        if enum is not None and axis != "pp":
+            sizes[axis] = len(enum[0])
+    return sizes
+
+
+def _grid_groups(grid: Any) -> tuple[dict[str, Any], dict[str, set[RankGroup]]]:
+    """(field -> this rank's group of every field whose dims the grid created, field -> all its rank sets)."""
+    fields: dict[str, Any] = {}
+    enums: dict[str, set[RankGroup]] = {}
+    for table, view in ((_BASE_FIELDS, None), (_EXPERT_FIELDS, EXPERT_VIEW)):
+        for field, dims in table.items():
+            group = _created_group(grid, dims, view)
+            if group is _NOT_CREATED:
+                continue
+            fields[field] = group if _is_member_group(group) else NOT_MEMBER
+            enum = _rank_enum(grid, dims, view)
+            assert enum is not None  # the grid created the group, so it knows its dims
+            enums[field] = {tuple(sorted(ranks)) for ranks in enum}
+    return fields, enums
+
+
+_NOT_CREATED: Final = object()
+
+
+def _created_group(grid: Any, dims: tuple[str, ...], view: str | None) -> Any:
+    """The grid's group over ``dims`` (``_NOT_CREATED`` when the grid lacks the dims, the view, or the group)."""
+    try:
+        return grid.get_pg(list(dims), view=view)
+    except (KeyError, ValueError):
+        return _NOT_CREATED
+
+
+def _rank_enum(grid: Any, dims: tuple[str, ...], view: str | None) -> list[list[int]] | None:
+    try:
+        return grid.get_rank_enum(list(dims), view=view)
+    except (KeyError, ValueError):
+        return None
+
+
+def _is_member_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER
+
+
+# ------------------------------------------------------------------------------- MultiModuleProcessGroupCollection
+
+
+def described_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
+    """Field -> the sorted ranks of this rank's group (``None`` for NOT_MEMBER, axis off or a list), for the other
+    ranks to recover a module's layout with :func:`agreed_modules`."""
+    import torch.distributed as dist
+
+    out: dict[str, RankGroup | None] = {}
+    for field, value in fields.items():
+        if value is NOT_MEMBER or value is None or isinstance(value, list):
+            out[field] = None
+        else:
+            out[field] = tuple(sorted(dist.get_process_group_ranks(value)))
+    return out
+
+
+def agreed_modules(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str | None]:
+    """Every module's layout, from the groups every rank running it reported, and the language model's name.
+
+    ``everyone[rank]`` is ``(module name -> described_groups(...), language model name or None)`` of that rank;
+    ``ValueError`` naming the module when its ranks are not one span or no layout gives its groups, and when ranks
+    name different language models."""
+    observed: dict[str, dict[str, set[RankGroup]]] = {}
+    ranks_of: dict[str, set[int]] = {}
+    language_models: set[str] = set()
+    for rank, (modules, language_model) in enumerate(everyone):
+        if language_model is not None:
+            language_models.add(language_model)
+        for name, fields in modules.items():
+            ranks_of.setdefault(name, set()).add(rank)
+            seen = observed.setdefault(name, {})
+            for field, ranks in fields.items():
+                if ranks is not None:
+                    seen.setdefault(field, set()).add(ranks)
+    if len(language_models) > 1:
+        raise ValueError(f"ranks name different language models: {sorted(language_models)}")
+    layouts = {}
+    for name in sorted(observed):
+        members = sorted(ranks_of[name])
+        first, stop = members[0], members[-1] + 1
+        if members != list(range(first, stop)):
+            raise ValueError(f"module {name!r} runs on ranks {members}, which are not one span of consecutive ranks")
+        _require_sizing_groups(name, observed[name])
+        sizes = {axis: size for axis in _SIZE_FIELDS if (size := _size_of(observed[name], axis)) is not None}
+        layouts[name] = _layout_fitting(sizes, (first, stop), observed[name], f"module {name!r}")
+    return layouts, next(iter(language_models), None)
+
+
+def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) -> None:
+    """``ValueError`` naming the groups a module lacks to fix its layout: ``tp cp pp dp`` always, and ``ep expt_tp
+    expt_dp`` when it has any expert group (the data-parallel sizes fix the GTP-remat ones, which are 1 when their
+    groups are absent). Without them several layouts fit, and a guess would be a silent wrong answer."""
+    needed = ["tp", "cp", "pp", "dp"]
+    if any(field in _EXPERT_FIELD_NAMES for field in observed):
+        needed += ["ep", "expt_tp", "expt_dp"]
+    missing = [field for field in needed if field not in observed]
+    if missing:
+        raise ValueError(
+            f"module {name!r} lacks the groups {missing}, so its layout is not determined by its groups (several "
+            "layouts would fit); give every module's collection its tp, cp, pp and dp groups (and ep, expt_tp and "
+            "expt_dp with experts), a size-1 axis as a one-rank group"
+        )
+
+
+_EXPERT_FIELD_NAMES: Final = frozenset(
+    {"ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp", "tp_ep_pp_with_egtp_remat", "expt_gtp_remat", "expt_dp_gtp_remat"}
+)
+
+
+def _size_of(observed: Mapping[str, set[RankGroup]], axis: str) -> int | None:
+    sets = observed.get(axis)
+    if not sets:
+        return None
+    sizes = {len(ranks) for ranks in sets}
+    if len(sizes) > 1:
+        raise ValueError(f"the {axis!r} groups have different sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+# ------------------------------------------------------------------------------------------------- the layout
+
+
+def _layout_fitting(
+    sizes: Mapping[str, int], span: tuple[int, int], observed: Mapping[str, Iterable[RankGroup]], what: str
+) -> ParallelLayout:
+    """The layout over ``span`` with ``sizes`` in the first order (the default first) whose groups include every
+    rank set of ``observed`` (field -> sorted rank sets); ``ValueError`` naming ``what`` when none does."""
+    first, stop = span
+    keywords = {axis: size for axis, size in sizes.items() if axis not in ("dp", "expt_dp")}
+    wanted = {
+        field: {tuple(sorted(ranks)) for ranks in sets}
+        for field, sets in observed.items()
+        if field in GROUP_KINDS or field in _ALIASES or field == "intra_dist_opt"
+    }
+    for order in _orders():
+        try:
+            layout = ParallelLayout(num_ranks=stop - first, rank_offset=first, order=order, **keywords)
+        except ValueError:
+            continue
+        if _fits(layout, sizes, wanted):
+            return layout
+    raise ValueError(
+        f"no ParallelLayout over ranks {first}-{stop - 1} with sizes {dict(sizes)} gives the groups of {what}: "
+        "its groups are not those of one grid (Megatron-Core's rank order); build the module with pgregistry.build"
+    )
+
+
+def _orders() -> Iterable[str]:
+    tokens = tuple(token.value for token in OrderToken)
+    yield DEFAULT_ORDER
+    for permutation in itertools.permutations(tokens):
+        order = "-".join(permutation)
+        if order != DEFAULT_ORDER:
+            yield order
+
+
+def _fits(layout: ParallelLayout, sizes: Mapping[str, int], wanted: Mapping[str, set[RankGroup]]) -> bool:
+    if any(layout.axis_sizes()[axis] != size for axis, size in sizes.items()):
+        return False
+    span = tuple(range(*layout.rank_range()))
+    for field, sets in wanted.items():
+        if field == "intra_dist_opt":
+            groups = {span}
+        elif field in _ALIASES:
+            groups = {tuple(sorted(g)) for g in layout.groups(_ALIASES[field])}
+        else:
+            groups = {tuple(sorted(g)) for g in layout.groups(field)}
+        if not sets <= groups:
+            return False
+    return True
