@@ -52,7 +52,8 @@ def train_step() -> float:
     positions = torch.arange(32, device="cuda").expand(2, -1)
     loss = model.cuda()(tokens, positions, None, labels=tokens).float().mean()
     loss.backward()
-    return float(pgregistry.grad_norm(model, pg))  # the norm of the whole model, experts counted once
+    norm = pgregistry.grad_norm(model, pg)  # the norm of the whole model, experts counted once
+    return float(norm)
 
 
 if __name__ == "__main__":
