@@ -84,7 +84,10 @@ def test_streams_follow_tp_ep_etp_ranks(layout: ParallelLayout, dp_init: bool) -
     for a, b in itertools.combinations(range(layout.num_ranks), 2):
         ca, cb = layout.coords(a), layout.coords(b)
         if ca["pp"] != cb["pp"]:
-            continue  # across stages the pipeline offset decides (see test_rng_seeds for where it collides)
+            # Pipeline stages draw differently, as in Megatron-Core's training (the seed plus 100 per stage), and the
+            # seed plan calls that right (test_rng_seeds has where the offsets collide).
+            assert not torch.equal(draws(a, MODEL_PARALLEL_RNG), draws(b, MODEL_PARALLEL_RNG)), (a, b)
+            continue
         same_expert_shard = (ca["ep"], ca["expt_tp"]) == (cb["ep"], cb["expt_tp"]) and (
             not dp_init or ca["dp"] == cb["dp"]
         )
