@@ -209,11 +209,13 @@ def from_megatron(mc_collection: Any) -> Any:
     module it does not run, the collection that refuses every use. ``ValueError`` on every rank, naming the module,
     when no layout gives a module's groups or ranks name different language models.
     """
-    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+    from megatron.core import process_groups_config
 
     from pgregistry import registry
 
-    if isinstance(mc_collection, MultiModuleProcessGroupCollection):
+    # Megatron-Core releases before 0.17 have no multi-module collection.
+    multi_module = getattr(process_groups_config, "MultiModuleProcessGroupCollection", None)
+    if multi_module is not None and isinstance(mc_collection, multi_module):
         return _from_megatron_modules(mc_collection)
     fields = _fields_from_megatron(mc_collection)
     registry.adopt(_groups_in(fields))
