@@ -6,6 +6,10 @@ nodes sends its collectives over the network. Tensor, expert-tensor and context 
 inside every layer, so a layout whose TP, expert-TP or CP groups cross a node boundary is usually a mistake made
 while choosing sizes or the order string, and it shows up only as a slow job. :func:`place` finds it before launch.
 
+A layout over a span of the world (``rank_offset``) is placed by its global ranks: the launcher knows nothing of
+spans, so a span that starts or ends mid-node shares those nodes with ranks outside it, and a group across the
+boundary is counted as crossing, like any other.
+
 This module does arithmetic only: it imports no torch itself (the layout's group enumeration does, lazily) and
 creates no process group.
 """
@@ -85,25 +89,60 @@ class KindPlacement:
 
 @attrs.frozen(slots=True, kw_only=True)
 class Placement:
-    """Every group kind of a layout placed on nodes of ``gpus_per_node`` consecutive ranks."""
+    """Every group kind of a layout placed on nodes of ``gpus_per_node`` consecutive ranks of a ``world_size``-rank
+    world."""
 
     layout: ParallelLayout
     gpus_per_node: int
+    world_size: int
+    """Ranks in the world: the layout's span ends at or before it (whole nodes)."""
     kinds: tuple[KindPlacement, ...]
     """One entry per kind, in :data:`~pgregistry.layout.GROUP_KINDS` order."""
 
     @property
     def num_ranks(self) -> int:
+        """Ranks of the layout (its span)."""
         return self.layout.num_ranks
 
     @property
+    def first_node(self) -> int:
+        """The node of the layout's first rank."""
+        return node_of(self.layout.rank_offset, self.gpus_per_node)
+
+    @property
+    def last_node(self) -> int:
+        """The node of the layout's last rank."""
+        return node_of(self.layout.rank_offset + self.layout.num_ranks - 1, self.gpus_per_node)
+
+    @property
     def num_nodes(self) -> int:
-        return self.num_ranks // self.gpus_per_node
+        """Nodes holding some rank of the layout (those it shares with ranks outside it included)."""
+        return self.last_node - self.first_node + 1
+
+    @property
+    def shared_nodes(self) -> tuple[int, ...]:
+        """The nodes the layout shares with ranks outside it: the one a span starts in mid-node and the one it ends
+        in mid-node (none for a layout over whole nodes)."""
+        first, stop = self.layout.rank_range()
+        g = self.gpus_per_node
+        shared = {self.first_node} if first % g else set()
+        if stop % g:
+            shared.add(self.last_node)
+        return tuple(sorted(shared))
 
     def describe_nodes(self) -> str:
-        """``"4 nodes of 8 GPUs"``, for headings."""
-        nodes = "1 node" if self.num_nodes == 1 else f"{self.num_nodes} nodes"
-        return f"{nodes} of {self.gpus_per_node} GPU{'' if self.gpus_per_node == 1 else 's'}"
+        """``"4 nodes of 8 GPUs"`` for a layout over the whole world, else where its span lies, e.g. ``"ranks 2-5
+        on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks 6-7"``; for headings."""
+        gpus = f"{self.gpus_per_node} GPU{'' if self.gpus_per_node == 1 else 's'}"
+        first, stop = self.layout.rank_range()
+        if (first, stop) == (0, self.world_size):
+            nodes = "1 node" if self.num_nodes == 1 else f"{self.num_nodes} nodes"
+            return f"{nodes} of {gpus}"
+        where = f"node {self.first_node}" if self.num_nodes == 1 else f"nodes {self.first_node}-{self.last_node}"
+        text = f"ranks {first}-{stop - 1} on {where} of {gpus}"
+        shared = [f"node {node} with {_outside_ranks(self.layout, node, self.gpus_per_node)}"
+                  for node in self.shared_nodes]
+        return text + (f", sharing {' and '.join(shared)}" if shared else "")
 
     def kind(self, name: str) -> KindPlacement:
         """The placement of kind ``name``; ``ValueError`` for an unknown kind."""
@@ -121,22 +160,57 @@ class Placement:
         return [entry.warning(self.gpus_per_node) for entry in self.violations()]
 
 
+def _outside_ranks(layout: ParallelLayout, node: int, gpus_per_node: int) -> str:
+    """The ranks of ``node`` outside ``layout``'s span, as ``"ranks 0-1"`` / ``"rank 0"`` (``" and "`` between the
+    ranks before and after a span that lies inside one node)."""
+    first, stop = layout.rank_range()
+    start, end = node * gpus_per_node, (node + 1) * gpus_per_node
+    parts = []
+    for low, high in ((start, min(first, end)), (max(stop, start), end)):
+        if low < high:
+            parts.append(f"rank {low}" if high - low == 1 else f"ranks {low}-{high - 1}")
+    return " and ".join(parts)
+
+
 def place(
     layout: ParallelLayout,
     gpus_per_node: int,
     intra_node_kinds: Iterable[str] = DEFAULT_INTRA_NODE_KINDS,
+    *,
+    world_size: int | None = None,
 ) -> Placement:
     """Place every group kind of ``layout`` on nodes of ``gpus_per_node`` consecutive ranks.
 
-    ``ValueError`` when ``gpus_per_node`` is not a positive integer dividing the world size (launchers put the same
-    number of ranks on every node) or when ``intra_node_kinds`` names an unknown kind.
+    ``world_size`` is the number of ranks in the job (default: where the layout's span ends, ``rank_offset +
+    num_ranks``); the layout's span must end within it. ``ValueError`` when ``gpus_per_node`` is not a positive
+    integer dividing the world size (launchers put the same number of ranks on every node; a span may start and end
+    mid-node), when the span ends past ``world_size``, or when ``intra_node_kinds`` names an unknown kind.
     """
     if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
-    if layout.num_ranks % gpus_per_node:
+    first, stop = layout.rank_range()
+    if world_size is None:
+        world = stop
+    elif not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    elif stop > world_size:
         raise ValueError(
-            f"num_ranks {layout.num_ranks} is not a multiple of gpus_per_node {gpus_per_node}: launchers start "
-            "the same number of ranks on every node"
+            f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks {layout.num_ranks}), past "
+            f"the end of the world (world_size {world_size})"
+        )
+    else:
+        world = world_size
+    if world % gpus_per_node:
+        if (first, world_size) == (0, None):
+            whose = f"num_ranks {layout.num_ranks}"
+        elif world_size is None:
+            whose = (f"the world, taken to end where the layout does (rank_offset {first} + num_ranks "
+                     f"{layout.num_ranks} = {world} ranks; give world_size when it is larger),")
+        else:
+            whose = f"world_size {world_size}"
+        raise ValueError(
+            f"{whose} is not a multiple of gpus_per_node {gpus_per_node}: launchers start the same number of ranks "
+            "on every node"
         )
     stay = tuple(intra_node_kinds)
     unknown = [kind for kind in stay if kind not in GROUP_KINDS]
@@ -145,6 +219,7 @@ def place(
     return Placement(
         layout=layout,
         gpus_per_node=gpus_per_node,
+        world_size=world,
         kinds=tuple(_place_kind(layout, kind, gpus_per_node, kind in stay) for kind in GROUP_KINDS),
     )
 
