@@ -4,8 +4,10 @@ The registry creates one communicator per distinct rank set of more than one ran
 (``dp`` and ``dp_cp`` when cp is 1) or two layouts on the same world (the policy and the reference model of an RL
 job) share one ProcessGroup. :func:`communicators` lists those rank sets with the kinds naming them, and
 :func:`compare_layouts` tells which of them two layouts share, so a user choosing the second model's sizes sees how
-many communicators (and how much communicator memory) the second model adds. Arithmetic only; no process group is
-created and torch is imported only by the layout's own enumeration.
+many communicators (and how much communicator memory) the second model adds. The layouts may span different parts of
+the world (``rank_offset``, ``num_ranks``: two modules of one job): rank sets are global ranks, so only where the spans
+overlap can a communicator be shared. Arithmetic only; no process group is created and torch is imported only by the
+layout's own enumeration.
 """
 
 from __future__ import annotations
@@ -38,12 +40,18 @@ def communicators(layout: ParallelLayout) -> dict[RankGroup, tuple[str, ...]]:
     return {ranks: tuple(kinds) for ranks, kinds in out.items()}
 
 
-def communicators_per_rank(comms: Mapping[RankGroup, object], num_ranks: int) -> list[int]:
-    """How many of the communicators ``comms`` each rank of the world joins."""
-    counts = [0] * num_ranks
-    for ranks in comms:
-        for rank in ranks:
-            counts[rank] += 1
+def communicators_per_rank(comms: Mapping[RankGroup, object], ranks: range) -> list[int]:
+    """How many of the communicators ``comms`` each rank of ``ranks`` joins, in the order of ``ranks`` (a range of
+    global ranks: a layout's span, or the whole world); ``ValueError`` for a communicator reaching outside it."""
+    counts = [0] * len(ranks)
+    for group in comms:
+        for rank in group:
+            if rank not in ranks:
+                raise ValueError(
+                    f"communicator over ranks {list(group)} reaches rank {rank}, outside ranks "
+                    f"{ranks.start}-{ranks.stop - 1}"
+                )
+            counts[rank - ranks.start] += 1
     return counts
 
 
@@ -61,23 +69,46 @@ class SharedCommunicators:
 
 @attrs.frozen(slots=True, kw_only=True)
 class LayoutComparison:
-    """Two layouts of one world: their communicators and the ones they share."""
+    """Two layouts of one world of ``world_size`` ranks: their communicators and the ones they share."""
 
     layout_a: ParallelLayout
     layout_b: ParallelLayout
+    world_size: int
+    """Ranks in the world both layouts lie in."""
     a: Mapping[RankGroup, tuple[str, ...]]
     """The communicators of ``layout_a`` (rank set -> kinds naming it)."""
     b: Mapping[RankGroup, tuple[str, ...]]
     """The communicators of ``layout_b``."""
 
     @property
-    def num_ranks(self) -> int:
-        return self.layout_a.num_ranks
+    def overlap(self) -> range:
+        """The ranks both layouts span (empty when their spans are disjoint: then they share nothing)."""
+        first_a, stop_a = self.layout_a.rank_range()
+        first_b, stop_b = self.layout_b.rank_range()
+        first = max(first_a, first_b)
+        return range(first, max(first, min(stop_a, stop_b)))
 
     @property
     def shared(self) -> frozenset[RankGroup]:
         """Rank sets both layouts create a communicator for: the registry builds them once."""
         return frozenset(self.a.keys() & self.b.keys())
+
+    def differences(self) -> list[tuple[str, str, str]]:
+        """What the two layouts declare differently, as ``(what, in A, in B)``: ``"ranks"`` (their spans), then each
+        axis size (``dp`` and ``expt_dp`` included), then ``"order"``; empty for one layout given twice."""
+        out = []
+        spans = [_span_text(layout) for layout in (self.layout_a, self.layout_b)]
+        if spans[0] != spans[1]:
+            out.append(("ranks", spans[0], spans[1]))
+        sizes_a, sizes_b = self.layout_a.axis_sizes(), self.layout_b.axis_sizes()
+        out += [(axis, str(sizes_a[axis]), str(sizes_b[axis])) for axis in sizes_a if sizes_a[axis] != sizes_b[axis]]
+        if self.layout_a.order != self.layout_b.order:
+            out.append(("order", self.layout_a.order, self.layout_b.order))
+        return out
+
+    def communicators_per_rank(self) -> list[int]:
+        """How many communicators each rank of the world joins for the two layouts together (a shared one once)."""
+        return communicators_per_rank({**self.a, **self.b}, range(self.world_size))
 
     def shared_by_kinds(self) -> list[SharedCommunicators]:
         """The shared communicators grouped by (kinds of A, kinds of B, size), largest classes first."""
@@ -89,12 +120,26 @@ class LayoutComparison:
         return sorted(rows, key=lambda row: (GROUP_KINDS.index(row.kinds_a[0]), row.kinds_b, row.size))
 
 
-def compare_layouts(a: ParallelLayout, b: ParallelLayout) -> LayoutComparison:
-    """Compare the communicators of two layouts of the same world; ``ValueError`` when the worlds differ (the
-    registry builds every layout over the whole job, so two layouts of one job have one world size)."""
-    if a.num_ranks != b.num_ranks:
-        raise ValueError(
-            f"the layouts to compare have different world sizes ({a.num_ranks} and {b.num_ranks}); layouts "
-            "built in one job span the same world"
-        )
-    return LayoutComparison(layout_a=a, layout_b=b, a=communicators(a), b=communicators(b))
+def _span_text(layout: ParallelLayout) -> str:
+    first, stop = layout.rank_range()
+    return f"{first}-{stop - 1}"
+
+
+def compare_layouts(a: ParallelLayout, b: ParallelLayout, *, world_size: int | None = None) -> LayoutComparison:
+    """Compare the communicators of two layouts of one world of ``world_size`` ranks (default: where the later span
+    ends). The layouts may span different ranks; ``ValueError`` when ``world_size`` is not a positive integer or a
+    layout's span ends past it (naming the layout: ``a`` or ``b``)."""
+    if world_size is None:
+        world = max(a.rank_range()[1], b.rank_range()[1])
+    elif not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    else:
+        world = world_size
+    for name, layout in (("a", a), ("b", b)):
+        first, stop = layout.rank_range()
+        if stop > world:
+            raise ValueError(
+                f"layout {name} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks {layout.num_ranks}), "
+                f"past the end of the world (world_size {world})"
+            )
+    return LayoutComparison(layout_a=a, layout_b=b, world_size=world, a=communicators(a), b=communicators(b))

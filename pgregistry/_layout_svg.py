@@ -6,9 +6,12 @@ coordinates) and one small panel per group kind in which every group has its own
 that should stay on one node but cross a node boundary are outlined in red. :func:`render_compare_svg` draws two
 layouts of one world side by side, the communicators they share in full colour and the others faded.
 
-At most :data:`MAX_DRAWN_RANKS` ranks are drawn (whole nodes, from rank 0): a larger world is summarised by its
-table, which covers every rank, and the first nodes, with a note saying so. Every drawn element carries ``data-*``
-attributes (rank, node, group, kind) so tools and tests can read the picture back.
+A layout over a span of the world (``rank_offset``) is drawn on the nodes its global ranks run on: whole nodes, the
+ranks of a node outside the span drawn as empty cells (class ``outside``), so a span that starts or ends mid-node
+shows which ranks it shares the node with. At most :data:`MAX_DRAWN_RANKS` ranks are drawn (whole nodes, from the
+first node of the layout): a larger layout is summarised by its table, which covers every rank, and its first nodes,
+with a note saying so. Every drawn element carries ``data-*`` attributes (rank, node, group, kind) so tools and tests
+can read the picture back.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ _EXPERT_AXES: Final = (("ep", "ep"), ("expt_tp", "expt_tp"), ("expt_gtp_remat", 
 
 @attrs.frozen(slots=True, kw_only=True)
 class _NodeGrid:
-    """Where the nodes and rank cells of ``num_ranks`` ranks go inside a box at most ``max_width`` wide."""
+    """Where the drawn ``nodes`` and their rank cells go inside a box at most ``max_width`` wide."""
 
-    num_ranks: int
+    nodes: range
     gpus_per_node: int
     cell_w: int
     cell_h: int
@@ -78,7 +81,7 @@ class _NodeGrid:
 
     @property
     def num_nodes(self) -> int:
-        return math.ceil(self.num_ranks / self.gpus_per_node)
+        return len(self.nodes)
 
     @property
     def width(self) -> int:
@@ -91,7 +94,7 @@ class _NodeGrid:
         return rows * self.node_h + (rows - 1) * _GAP
 
     def node_origin(self, node: int) -> tuple[int, int]:
-        row, col = divmod(node, self.nodes_per_row)
+        row, col = divmod(node - self.nodes.start, self.nodes_per_row)
         return col * (self.node_w + _GAP), row * (self.node_h + _GAP)
 
     def cell_origin(self, rank: int) -> tuple[int, int]:
@@ -100,9 +103,16 @@ class _NodeGrid:
         return nx + _PAD + col * self.cell_w, ny + _NODE_LABEL_H + _PAD + row * self.cell_h
 
 
-def _drawn_ranks(num_ranks: int, gpus_per_node: int) -> int:
-    """Whole nodes from rank 0, at most :data:`MAX_DRAWN_RANKS` ranks (one node at least)."""
-    return min(num_ranks, max(1, MAX_DRAWN_RANKS // gpus_per_node) * gpus_per_node)
+def _drawn_nodes(first: int, stop: int, gpus_per_node: int) -> range:
+    """The whole nodes holding ranks ``first`` to ``stop - 1``, from the first one, at most :data:`MAX_DRAWN_RANKS`
+    ranks (one node at least)."""
+    first_node, last_node = node_of(first, gpus_per_node), node_of(stop - 1, gpus_per_node)
+    most = max(1, MAX_DRAWN_RANKS // gpus_per_node)
+    return range(first_node, min(last_node + 1, first_node + most))
+
+
+def _ranks_of(nodes: range, gpus_per_node: int) -> range:
+    return range(nodes.start * gpus_per_node, nodes.stop * gpus_per_node)
 
 
 def _panel_cell(drawn: int) -> int:
@@ -167,9 +177,9 @@ def _colour(group: int) -> str:
 def _draw_nodes(svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[[int, int, int], None]) -> None:
     """Node boxes of ``grid`` at (x, y), each holding its ranks' cells drawn by ``draw_cell(rank, cx, cy)``."""
     g = grid.gpus_per_node
-    for node in range(grid.num_nodes):
+    for node in grid.nodes:
         nx, ny = grid.node_origin(node)
-        first, last = node * g, min((node + 1) * g, grid.num_ranks) - 1
+        first, last = node * g, (node + 1) * g - 1
         svg.open("g", class_="node", data_node=node)
         svg.rect(x + nx, y + ny, grid.node_w, grid.node_h, class_="node-box", fill="#f7f7f7", stroke="#555",
                  stroke_width=1, rx=3)
@@ -181,14 +191,22 @@ def _draw_nodes(svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[
         svg.close("g")
 
 
-def _summary_note(svg: _Svg, num_ranks: int, drawn: int, gpus_per_node: int) -> None:
-    if drawn < num_ranks:
+def _summary_note(svg: _Svg, num_ranks: int, drawn: range, num_nodes: int, gpus_per_node: int) -> None:
+    """A note when the ``drawn`` nodes are fewer than the ``num_nodes`` the ranks run on."""
+    if len(drawn) < num_nodes:
+        ranks = _ranks_of(drawn, gpus_per_node)
         svg.y += 14
         svg.text(_MARGIN, svg.y, (
-            f"Drawn: ranks 0-{drawn - 1} ({drawn // gpus_per_node} of {num_ranks // gpus_per_node} nodes); "
+            f"Drawn: ranks {ranks.start}-{ranks.stop - 1} ({len(drawn)} of {num_nodes} nodes); "
             f"the table covers all {num_ranks} ranks. Groups continue beyond the drawn nodes."
         ), size=12, class_="summary-note", fill=_RED)
         svg.y += 6
+
+
+def _span_label(layout: ParallelLayout, world_size: int) -> str:
+    """``"ranks 4-7 · "`` for a layout over part of the world, ``""`` for one over all of it."""
+    first, stop = layout.rank_range()
+    return "" if (first, stop) == (0, world_size) else f"ranks {first}-{stop - 1} · "
 
 
 # --------------------------------------------------------------------------------------------------- the sheet
@@ -203,13 +221,21 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     layout = placement.layout
     panels = _panel_kinds(placement, kinds)
     g = placement.gpus_per_node
-    drawn = _drawn_ranks(layout.num_ranks, g)
+    drawn = _drawn_nodes(*layout.rank_range(), g)
     svg = _Svg()
-    title = f"pgregistry layout: {layout.num_ranks} ranks on {placement.describe_nodes()}"
+    span = _span_label(layout, placement.world_size)
+    if span:
+        first, stop = layout.rank_range()
+        title = f"pgregistry layout: ranks {first}-{stop - 1} of a world of {placement.world_size} ranks"
+    else:
+        title = f"pgregistry layout: {layout.num_ranks} ranks on {placement.describe_nodes()}"
     svg.heading(title, size=18)
+    if span:  # where the span lies: its nodes, and the ranks outside it it shares them with
+        svg.text(_MARGIN, svg.y + 6, placement.describe_nodes(), size=12, class_="span-nodes", fill="#333")
+        svg.y += 16
     svg.text(_MARGIN, svg.y + 6, _sizes_line(layout), size=12, fill="#333")
     svg.y += 16
-    _summary_note(svg, layout.num_ranks, drawn, g)
+    _summary_note(svg, layout.num_ranks, drawn, placement.num_nodes, g)
     _placement_table(svg, placement)
     _rank_map(svg, layout, drawn, g)
     svg.heading("Groups of each kind: one colour per group; red outline: a group that should stay on one node does not")
@@ -232,7 +258,7 @@ def _sizes_line(layout: ParallelLayout) -> str:
 
 def _placement_table(svg: _Svg, placement: Placement) -> None:
     svg.heading(f"Placement: rank r runs on node r // {placement.gpus_per_node}")
-    columns = (0, 110, 230, 350)
+    columns = (0, 170, 290, 410)  # the longest kind, tp_ep_pp_with_egtp_remat, is about 150 wide
     for x, name in zip(columns, ("kind", "groups x ranks", "nodes per group", "placement"), strict=True):
         svg.text(_MARGIN + x, svg.y + 4, name, size=11, font_weight="bold", fill="#333")
     svg.y += 6
@@ -270,7 +296,7 @@ def _label_axes(layout: ParallelLayout) -> tuple[list[tuple[str, str]], list[tup
     return dense or [("dp", "dp")], expert
 
 
-def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: int, gpus_per_node: int) -> None:
+def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: range, gpus_per_node: int) -> None:
     dense, expert = _label_axes(layout)
     svg.heading("Ranks on nodes, each labelled with its coordinates")
     legend = "cell: rank / dense (" + "·".join(s for _, s in dense) + ")"
@@ -281,14 +307,18 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: int, gpus_per_node: int)
     sizes = layout.axis_sizes()
     # The widest label: every coordinate at its largest value.
     longest = max(len("·".join(str(sizes[a] - 1) for a, _ in axes)) for axes in (dense, expert))
-    size = 10 if drawn <= 64 else 9
+    size = 10 if len(drawn) * gpus_per_node <= 64 else 9
     cell_w = max(30, 8 + math.ceil(longest * size * 0.62))
     line_h = size + 1
     cell_h = (3 if expert else 2) * line_h + 6
-    grid = _NodeGrid(num_ranks=drawn, gpus_per_node=gpus_per_node, cell_w=cell_w, cell_h=cell_h,
+    grid = _NodeGrid(nodes=drawn, gpus_per_node=gpus_per_node, cell_w=cell_w, cell_h=cell_h,
                      max_width=_SHEET_WIDTH - 2 * _MARGIN)
+    first, stop = layout.rank_range()
 
     def cell(rank: int, x: int, y: int) -> None:
+        if not first <= rank < stop:
+            _outside_cell(svg, rank, x, y, cell_w, cell_h, gpus_per_node, (first, stop))
+            return
         coords = layout.coords(rank)
         dense_label = "·".join(str(coords[a]) for a, _ in dense)
         expert_label = "·".join(str(coords[a]) for a, _ in expert)
@@ -306,6 +336,18 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: int, gpus_per_node: int)
     _draw_nodes(svg, grid, _MARGIN, svg.y, cell)
     svg.close("g")
     svg.y += grid.height + 6
+
+
+def _outside_cell(
+    svg: _Svg, rank: int, x: int, y: int, w: int, h: int, gpus_per_node: int, span: tuple[int, int],
+) -> None:
+    """A rank the drawn nodes hold but the layout does not: an empty, dashed cell (class ``outside``)."""
+    svg.open("g", class_="rank outside", data_rank=rank, data_node=node_of(rank, gpus_per_node))
+    svg.title(f"rank {rank}: outside the layout (ranks {span[0]}-{span[1] - 1})")
+    svg.rect(x, y, w - 2, h - 2, fill="white", stroke="#bbb", stroke_width=0.8, stroke_dasharray="3,2", rx=2)
+    if h >= 20:
+        svg.text(x + 3, y + 11, str(rank), size=9, fill="#aaa", class_="rank-label")
+    svg.close("g")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -334,14 +376,15 @@ def _flow_panels(svg: _Svg, panels: Sequence[_Panel]) -> None:
 
 
 def _groups_panel(
-    layout: ParallelLayout, kind: str, drawn: int, gpus_per_node: int, heading: Sequence[tuple[str, str]],
+    layout: ParallelLayout, kind: str, drawn: range, gpus_per_node: int, heading: Sequence[tuple[str, str]],
     group_class: Callable[[tuple[int, ...]], str], **panel_data: object,
 ) -> _Panel:
-    """A panel colouring the drawn ranks by their group of ``kind``; ``group_class(group)`` gives the CSS-like
-    classes of a group's cells (``crossing``, ``shared``, ...), ``heading`` the title lines and their colours."""
-    cell = _panel_cell(drawn)
+    """A panel colouring the ranks of the ``drawn`` nodes by their group of ``kind`` (ranks outside the layout
+    empty); ``group_class(group)`` gives the CSS-like classes of a group's cells (``crossing``, ``shared``, ...),
+    ``heading`` the title lines and their colours."""
+    cell = _panel_cell(len(drawn) * gpus_per_node)
     half = (_SHEET_WIDTH - 2 * _MARGIN - 2 * _GAP) // 2
-    grid = _NodeGrid(num_ranks=drawn, gpus_per_node=gpus_per_node, cell_w=cell, cell_h=cell, max_width=half)
+    grid = _NodeGrid(nodes=drawn, gpus_per_node=gpus_per_node, cell_w=cell, cell_h=cell, max_width=half)
     full = attrs.evolve(grid, max_width=_SHEET_WIDTH - 2 * _MARGIN)
     if grid.nodes_per_row < grid.num_nodes <= full.nodes_per_row:
         grid = full  # every node on one row reads better than two panels side by side
@@ -349,14 +392,16 @@ def _groups_panel(
     classes: dict[int, str] = {}
     groups = layout.groups(kind)
     group_size = len(groups[0])
+    drawn_stop = _ranks_of(drawn, gpus_per_node).stop
+    first, stop = layout.rank_range()
     for index, group in enumerate(groups):
-        if group[0] >= drawn:
+        if group[0] >= drawn_stop:  # a group lists its ranks in grid order, smallest first
             continue
         group_classes = group_class(group)
         for rank in group:
             group_index[rank] = index
             classes[rank] = group_classes
-    title_w = min(max(len(text) for text, _ in heading) * 6, half)
+    title_w = min(max(len(text) for text, _ in heading) * 7, half)  # 12 px bold: about 7 px a character
     if group_size == 1:  # the kind is off: its heading says so, a grid of grey cells would say nothing more
         return _Panel(width=title_w, height=_PANEL_TITLE_H, draw=lambda svg, x, y: _panel_heading(
             svg, x, y, heading, kind, panel_data))
@@ -366,6 +411,9 @@ def _groups_panel(
         _panel_heading(svg, x, y, heading, kind, panel_data, close=False)
 
         def rank_cell(rank: int, cx: int, cy: int) -> None:
+            if not first <= rank < stop:
+                _outside_cell(svg, rank, cx, cy, cell, cell, gpus_per_node, (first, stop))
+                return
             index = group_index.get(rank)
             cls = "rank" + (f" {classes[rank]}" if index is not None and classes[rank] else "")
             data = {"data_group": index} if index is not None else {}
@@ -404,7 +452,7 @@ def _panel_heading(
         svg.close("g")
 
 
-def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: int) -> _Panel:
+def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: range) -> _Panel:
     entry = placement.kind(kind)
     g = placement.gpus_per_node
     heading = [(f"{kind}: {_groups_of(entry.num_groups, entry.group_size)}", "#111"), _verdict(entry)]
@@ -425,15 +473,22 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
     A's panel left and B's right; groups the other layout also creates a communicator for are in full colour
     (class ``shared``), the others faded."""
     a, b = comparison.layout_a, comparison.layout_b
-    if a.num_ranks % gpus_per_node:
-        raise ValueError(f"num_ranks {a.num_ranks} is not a multiple of gpus_per_node {gpus_per_node}")
-    drawn = _drawn_ranks(a.num_ranks, gpus_per_node)
+    world = comparison.world_size
+    if world % gpus_per_node:
+        raise ValueError(
+            f"the world of {world} ranks is not a multiple of gpus_per_node {gpus_per_node}: launchers start the "
+            "same number of ranks on every node"
+        )
+    # The nodes of both spans: from the first one's node to the last one's.
+    first, stop = min(a.rank_range()[0], b.rank_range()[0]), max(a.rank_range()[1], b.rank_range()[1])
+    drawn = _drawn_nodes(first, stop, gpus_per_node)
     shared = comparison.shared
     svg = _Svg()
-    title = f"pgregistry layout --compare: {names[0]} and {names[1]} on {a.num_ranks} ranks"
+    title = f"pgregistry layout --compare: {names[0]} and {names[1]} on {world} ranks"
     svg.heading(title, size=18)
     for name, layout in zip(names, (a, b), strict=True):
-        svg.text(_MARGIN, svg.y + 6, f"{name}: {_sizes_line(layout)}", size=12, fill="#333")
+        line = f"{name}: {_span_label(layout, world)}{_sizes_line(layout)}"
+        svg.text(_MARGIN, svg.y + 6, line, size=12, fill="#333")
         svg.y += 16
     svg.y += 4
     svg.text(_MARGIN, svg.y + 8, (
@@ -442,7 +497,13 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
     ), size=13, font_weight="bold", class_="compare-summary", data_a=len(comparison.a), data_b=len(comparison.b),
         data_shared=len(shared))
     svg.y += 14
-    _summary_note(svg, a.num_ranks, drawn, gpus_per_node)
+    differences = [f"{what} ({in_a} / {in_b})" for what, in_a, in_b in comparison.differences()]
+    disjoint = "; their spans are disjoint: no communicator can be shared" if not comparison.overlap else ""
+    svg.text(_MARGIN, svg.y + 8, ("differ in: " + ", ".join(differences) if differences else "the same layout twice")
+             + disjoint, size=12, class_="compare-differences", fill="#333")
+    svg.y += 14
+    num_nodes = node_of(stop - 1, gpus_per_node) - node_of(first, gpus_per_node) + 1
+    _summary_note(svg, stop - first, drawn, num_nodes, gpus_per_node)
     _shared_table(svg, comparison, names)
     svg.heading(f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
                 "faded = only in this layout")
@@ -477,11 +538,13 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
 
 def _shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str, str]) -> None:
     svg.heading("Shared communicators: the same ranks, named by these kinds")
-    columns = (0, 60, 130, 480)
+    rows = comparison.shared_by_kinds()
+    widest = max((len(", ".join(row.kinds_a)) for row in rows), default=0)
+    columns = (0, 60, 130, max(480, 130 + 7 * widest))  # 11 px: under 7 px a character
     for x, name in zip(columns, ("count", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}"), strict=True):
         svg.text(_MARGIN + x, svg.y + 4, name, size=11, font_weight="bold", fill="#333")
     svg.y += 6
-    for row in comparison.shared_by_kinds():
+    for row in rows:
         svg.y += _ROW_H
         svg.open("g", class_="shared-row", data_count=row.count, data_size=row.size,
                  data_kinds_a=" ".join(row.kinds_a), data_kinds_b=" ".join(row.kinds_b))

@@ -1,7 +1,8 @@
 """``pgregistry layout``: the groups a layout creates, without creating any.
 
 Prints every group kind (which grid and axes it spans, how many groups, their size, the first few) and, with
-``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. Invalid sizes exit 2 with
+``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. A layout over part of the world
+(``--rank-offset``, ``--world-size``) is shown with its global ranks throughout. Invalid sizes exit 2 with
 the layout's own message, and so does a layout whose listing would not fit in the memory available (estimated
 from the layout's arithmetic before anything is enumerated, instead of dying in the allocator). Torch is imported
 only inside the handler (the layout arithmetic needs it), as the CLI table requires.
@@ -36,7 +37,9 @@ def add_command(subparsers: Subparsers) -> None:
         ),
     )
     add_layout_arguments(parser)
-    parser.add_argument("--rank", type=int, default=None, help="also show this rank's coordinates and groups")
+    parser.add_argument(
+        "--rank", type=int, default=None, help="also show this (global) rank's coordinates and groups",
+    )
     parser.add_argument("--show", type=int, default=3, help="how many groups of each kind to list (default 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_placement_arguments(parser)
@@ -54,9 +57,10 @@ def add_command(subparsers: Subparsers) -> None:
     )
     views.add_argument(
         "--compare", nargs=2, metavar=("A", "B"),
-        help="compare two layouts of --num-ranks ranks instead of the one of --tp ... --order, e.g. "
-        "policy:tp=2,ep=4,expt_tp=1 reference:tp=4 (NAME: optional; keys tp cp pp ep expt_tp gtp_remat expt_gtp_remat "
-        "order): which communicators they share; --svg/--html draw them side by side",
+        help="compare two layouts instead of the one of --tp ... --order, e.g. policy:tp=2,ep=4,expt_tp=1 "
+        "reference:tp=4 (NAME: optional; keys tp cp pp ep expt_tp gtp_remat expt_gtp_remat order, and num_ranks "
+        "rank_offset for a span of its own: default --num-ranks from --rank-offset): what differs, which "
+        "communicators they share; --svg/--html draw them side by side",
     )
     parser.set_defaults(handler=_run)
 
@@ -72,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
             return layout_views.run_compare(args)
         layout = layout_from_args(args)
         _check_memory(layout, args.show, args.rank)
-        report = _report(layout, args.show, args.rank)
+        report = _report(layout, args.show, args.rank, args.world_size)
         placement = layout_views.placement_of(layout, args)
         if placement is not None:
             report["placement"] = layout_views.placement_report(layout, placement)
@@ -127,7 +131,7 @@ def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
     raise not_enough_memory(doing, needed(shown + of_rank), available, advice)
 
 
-def _report(layout: ParallelLayout, show: int, rank: int | None) -> dict[str, Any]:
+def _report(layout: ParallelLayout, show: int, rank: int | None, world_size: int | None) -> dict[str, Any]:
     from pgregistry.layout import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, GROUP_KINDS
 
     kinds: dict[str, Any] = {}
@@ -143,10 +147,11 @@ def _report(layout: ParallelLayout, show: int, rank: int | None) -> dict[str, An
             "spans": spans, "groups": int(groups.shape[0]), "size": int(groups.shape[1]),
             "first": groups[:show].tolist(),
         }
+    first = layout.rank_offset
     report: dict[str, Any] = {
         "layout": {
-            "num_ranks": layout.num_ranks, "order": layout.order, **layout.axis_sizes(),
-            "fingerprint": layout.fingerprint(),
+            "num_ranks": layout.num_ranks, "rank_offset": first, "world_size": world_size,
+            "order": layout.order, **layout.axis_sizes(), "fingerprint": layout.fingerprint(),
         },
         "kinds": kinds,
     }
@@ -172,8 +177,12 @@ def _ranks(group: list[int]) -> str:
 
 def _table(report: dict[str, Any]) -> str:
     sizes = report["layout"]
+    first, stop, world = sizes["rank_offset"], sizes["rank_offset"] + sizes["num_ranks"], sizes["world_size"]
+    span = "" if (first, stop) == (0, world or stop) else f" (ranks {first}-{stop - 1}" + (
+        f" of the {world}-rank world)" if world else ")"
+    )
     lines = [
-        f"layout: {sizes['num_ranks']} ranks, order {sizes['order']}; "
+        f"layout: {sizes['num_ranks']} ranks{span}, order {sizes['order']}; "
         + ", ".join(f"{axis} {sizes[axis]}" for axis in (
             "tp", "gtp_remat", "cp", "dp", "pp", "expt_tp", "ep", "expt_gtp_remat", "expt_dp",
         ))

@@ -3,7 +3,9 @@
 ``--gpus-per-node N`` adds a placement table (how many nodes each kind's groups span, how many communicators a rank
 joins) and warns on stderr when a kind of ``--intra-node`` crosses nodes; ``--check`` turns that warning into exit
 1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry._layout_svg`. ``--compare A B`` compares two layouts
-given as ``NAME:key=value,...`` specs. Usage errors raise ``ValueError`` (the command exits 2).
+given as ``NAME:key=value,...`` specs, each over ``--num-ranks`` ranks from ``--rank-offset`` unless its spec gives
+its own ``num_ranks`` / ``rank_offset``, in one world (``--world-size``, default: where the later span ends). Usage
+errors raise ``ValueError`` naming the option or spec at fault (the command exits 2).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pgregistry.cli._layout import aligned
-from pgregistry.cli._options import intra_node_kinds
+from pgregistry.cli._options import check_span, intra_node_kinds
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
@@ -37,7 +39,7 @@ __all__ = [
 # Spec key -> ParallelLayout argument (dashes accepted as on the command line).
 _SPEC_KEYS = {
     "tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "expt_tp": "expt_tp", "gtp_remat": "gtp_remat",
-    "expt_gtp_remat": "expt_gtp_remat", "order": "order",
+    "expt_gtp_remat": "expt_gtp_remat", "order": "order", "num_ranks": "num_ranks", "rank_offset": "rank_offset",
 }
 _LAYOUT_FLAGS = {
     "tp": 1, "cp": 1, "pp": 1, "ep": 1, "expt_tp": None, "gtp_remat": 1, "expt_gtp_remat": 1, "order": None,
@@ -62,23 +64,56 @@ def check_view_arguments(args: argparse.Namespace) -> None:
             raise ValueError("--highlight does not combine with --compare (every kind is drawn side by side)")
 
 
-def placement_of(layout: ParallelLayout, args: argparse.Namespace) -> Placement | None:
-    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without ``--gpus-per-node``)."""
+def placement_of(
+    layout: ParallelLayout, args: argparse.Namespace, world_size: int | None = None,
+) -> Placement | None:
+    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without ``--gpus-per-node``), in a
+    world of ``world_size`` ranks (default ``--world-size``, else where the layout ends), which must be whole
+    nodes."""
     from pgregistry.placement import place
 
     if args.gpus_per_node is None:
         return None
-    return place(layout, args.gpus_per_node, intra_node_kinds(args))
+    world = world_size or args.world_size
+    _check_whole_nodes(layout, args, world)
+    return place(layout, args.gpus_per_node, intra_node_kinds(args), world_size=world)
+
+
+def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: int | None) -> None:
+    """``ValueError`` naming the options when the world is not whole nodes of ``--gpus-per-node`` (a launcher starts
+    the same number of ranks on every node; a span may start and end mid-node)."""
+    g = args.gpus_per_node
+    if g < 1:
+        raise ValueError(f"--gpus-per-node must be a positive integer, got {g}")
+    first, stop = layout.rank_range()
+    if (world or stop) % g == 0:
+        return
+    if args.world_size is not None:
+        whose = f"--world-size {args.world_size}"
+    elif world is not None:  # --compare: where the later span ends
+        whose = f"the world, taken to end where the later layout does ({world} ranks; give --world-size when larger),"
+    elif first == 0:
+        whose = f"--num-ranks {layout.num_ranks}"
+    else:
+        whose = (f"the world, taken to end where the layout does (--rank-offset {first} + --num-ranks "
+                 f"{layout.num_ranks} = {stop} ranks; give --world-size when larger),")
+    raise ValueError(
+        f"{whose} is not a multiple of --gpus-per-node {g}: launchers start the same number of ranks on every node"
+    )
 
 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
-    """The placement as plain data (the ``placement`` entry of ``--json``)."""
+    """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank are counted over
+    the layout's ranks."""
     from pgregistry._communicators import communicators, communicators_per_rank
 
-    per_rank = communicators_per_rank(communicators(layout), layout.num_ranks)
+    per_rank = communicators_per_rank(communicators(layout), range(*layout.rank_range()))
     return {
         "gpus_per_node": placement.gpus_per_node,
+        "world_size": placement.world_size,
         "num_nodes": placement.num_nodes,
+        "first_node": placement.first_node,
+        "shared_nodes": list(placement.shared_nodes),
         "nodes": placement.describe_nodes(),
         "intra_node_kinds": [entry.kind for entry in placement.kinds if entry.should_stay_intra_node],
         "communicators_per_rank": {"min": min(per_rank), "max": max(per_rank)},
@@ -98,11 +133,12 @@ def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, 
 def placement_table(report: dict[str, Any]) -> str:
     """The placement report as text."""
     g = report["gpus_per_node"]
+    span = report["nodes"].startswith("ranks ")  # a layout over part of the world
     per_rank = report["communicators_per_rank"]
     joins = str(per_rank["min"]) if per_rank["min"] == per_rank["max"] else f"{per_rank['min']}-{per_rank['max']}"
     lines = [
-        f"placement: {report['nodes']} (rank r on node r // {g}); each rank joins {joins} communicators; "
-        f"should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
+        f"placement: {report['nodes']} (rank r on node r // {g}); each rank {'of the layout ' * span}joins {joins} "
+        f"communicators; should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
         "",
     ]
     rows = [("kind", "groups", "size", "nodes/group", "placement")]
@@ -121,7 +157,8 @@ def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: 
         return
     assert placement is not None, "check_view_arguments requires --gpus-per-node for pictures"
     kinds = [kind.strip() for kind in args.highlight.split(",") if kind.strip()] if args.highlight else None
-    _write(args, render_svg(placement, kinds), f"pgregistry layout: {layout.num_ranks} ranks")
+    first, stop = layout.rank_range()
+    _write(args, render_svg(placement, kinds), f"pgregistry layout: {layout.num_ranks} ranks ({first}-{stop - 1})")
 
 
 def _write(args: argparse.Namespace, svg: str, title: str) -> None:
@@ -162,9 +199,12 @@ def warn_and_check(args: argparse.Namespace, placements: list[Placement], names:
     return 1 if args.check and warned else 0
 
 
-def parse_layout_spec(spec: str, num_ranks: int, default_name: str) -> tuple[str, ParallelLayout]:
-    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks); ``ValueError``
-    naming the bad part."""
+def parse_layout_spec(
+    spec: str, num_ranks: int, default_name: str, rank_offset: int = 0, world_size: int | None = None,
+) -> tuple[str, ParallelLayout]:
+    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks from ``rank_offset``
+    unless the spec gives its own ``num_ranks`` / ``rank_offset``); ``ValueError`` naming the bad part, and the
+    spec whose span ends past ``world_size``."""
     from pgregistry.layout import ParallelLayout
 
     name, _, body = spec.rpartition(":") if ":" in spec else (default_name, "", spec)
@@ -183,34 +223,48 @@ def parse_layout_spec(spec: str, num_ranks: int, default_name: str) -> tuple[str
             sizes[key] = int(value)
         except ValueError:
             raise ValueError(f"layout spec {spec!r}: {key} must be an integer, got {value.strip()!r}") from None
+    sizes.setdefault("num_ranks", num_ranks)
+    sizes.setdefault("rank_offset", rank_offset)
+    check_span(sizes["num_ranks"], sizes["rank_offset"], world_size, spec)
     try:
-        return name.strip() or default_name, ParallelLayout(num_ranks=num_ranks, **sizes)
+        return name.strip() or default_name, ParallelLayout(**sizes)
     except ValueError as exc:
         raise ValueError(f"layout spec {spec!r}: {exc}") from None
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """``pgregistry layout --compare A B``: the communicators the two layouts share (and pictures, placement)."""
+    """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they share (and
+    pictures, placement), in one world of ``--world-size`` ranks (default: where the later span ends)."""
     from pgregistry._communicators import compare_layouts
     from pgregistry._layout_svg import render_compare_svg
 
+    check_span(args.num_ranks, args.rank_offset, None)  # the default span; each spec's is checked as it is parsed
     (name_a, a), (name_b, b) = (
-        parse_layout_spec(spec, args.num_ranks, default)
+        parse_layout_spec(spec, args.num_ranks, default, args.rank_offset, args.world_size)
         for spec, default in zip(args.compare, ("A", "B"), strict=True)
     )
     if name_a == name_b:
         raise ValueError(f"both layouts are named {name_a!r}; name them NAME:sizes")
     names = (name_a, name_b)
-    comparison = compare_layouts(a, b)
-    placements = [p for p in (placement_of(a, args), placement_of(b, args)) if p is not None]
+    comparison = compare_layouts(a, b, world_size=args.world_size)
+    world = comparison.world_size
+    placements = [p for p in (placement_of(a, args, world), placement_of(b, args, world)) if p is not None]
     if args.svg or args.html:
         svg = render_compare_svg(comparison, args.gpus_per_node, names)
         _write(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
     shared = comparison.shared_by_kinds()
+    overlap = comparison.overlap
+    per_rank = comparison.communicators_per_rank()
     report: dict[str, Any] = {
-        "num_ranks": args.num_ranks,
-        "layouts": {name: {"sizes": layout.axis_sizes(), "order": layout.order, "communicators": len(comms)}
-                    for name, layout, comms in ((name_a, a, comparison.a), (name_b, b, comparison.b))},
+        "world_size": world,
+        "layouts": {
+            name: {"num_ranks": layout.num_ranks, "rank_offset": layout.rank_offset, "sizes": layout.axis_sizes(),
+                   "order": layout.order, "communicators": len(comms)}
+            for name, layout, comms in ((name_a, a, comparison.a), (name_b, b, comparison.b))
+        },
+        "differences": [{"what": what, name_a: in_a, name_b: in_b} for what, in_a, in_b in comparison.differences()],
+        "overlap": [overlap.start, overlap.stop] if overlap else None,
+        "communicators_per_rank": {"min": min(per_rank), "max": max(per_rank)},
         "shared": len(comparison.shared),
         "shared_by_kinds": [
             {"count": row.count, "size": row.size, name_a: list(row.kinds_a), name_b: list(row.kinds_b)}
@@ -231,14 +285,24 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
     a, b = (report["layouts"][name]["communicators"] for name in names)
-    lines = [f"compare on {report['num_ranks']} ranks:"]
+    world = report["world_size"]
+    lines = [f"compare on {world} ranks:"]
     for name in names:
         info = report["layouts"][name]
+        first, stop = info["rank_offset"], info["rank_offset"] + info["num_ranks"]
+        span = "" if (first, stop) == (0, world) else f"ranks {first}-{stop - 1}; "
         sizes = [f"{axis} {size}" for axis, size in info["sizes"].items() if size > 1] or ["every axis 1"]
-        lines.append(f"  {name}: {', '.join(sizes)}; order {info['order']}")
+        lines.append(f"  {name}: {span}{', '.join(sizes)}; order {info['order']}")
+    differences = [f"{row['what']} ({row[names[0]]} / {row[names[1]]})" for row in report["differences"]]
+    lines.append(f"differ in: {', '.join(differences)}" if differences else "the same layout twice")
+    if report["overlap"] is None:
+        lines.append("their spans are disjoint: no communicator can be shared")
+    per_rank = report["communicators_per_rank"]
+    joins = str(per_rank["min"]) if per_rank["min"] == per_rank["max"] else f"{per_rank['min']}-{per_rank['max']}"
+    created = f"{a + b - report['shared']}, not {a + b}" if report["shared"] else f"{a + b}"
     lines += [
         f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} (the registry creates "
-        f"{a + b - report['shared']}, not {a + b})",
+        f"{created}); each rank of the world joins {joins} of them",
         "",
     ]
     rows = [("shared", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}")]

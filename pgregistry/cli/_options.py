@@ -19,6 +19,7 @@ __all__ = [
     "add_layout_arguments",
     "add_placement_arguments",
     "check_output_file",
+    "check_span",
     "intra_node_kinds",
     "layout_from_args",
     "positive_seconds",
@@ -29,12 +30,19 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = True) -> None:
-    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--num-ranks`` and
-    ``--rank-offset`` left out when the world comes from elsewhere, e.g. torchrun)."""
+    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--num-ranks``, ``--rank-offset``
+    and ``--world-size`` left out when the world comes from elsewhere, e.g. torchrun)."""
     if num_ranks:
         parser.add_argument("--num-ranks", type=int, required=True, help="number of ranks the layout spans")
         parser.add_argument(
-            "--rank-offset", type=int, default=0, help="the layout's first rank (default 0: from the world's first)"
+            "--rank-offset", type=int, default=0,
+            help="the layout's first (global) rank, for a layout over part of the world (Megatron-Core's "
+            "HyperCommGrid rank_offset; default 0: from the world's first rank)",
+        )
+        parser.add_argument(
+            "--world-size", type=int, default=None, metavar="N",
+            help="ranks in the whole job, when the layout spans part of it: the span must end within it "
+            "(default: --rank-offset + --num-ranks)",
         )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
@@ -48,9 +56,12 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = T
 
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
     """The layout :func:`add_layout_arguments` declared (over the whole ``world_size`` when given, else
-    ``--num-ranks`` from ``--rank-offset``); ``ValueError`` (the layout's message) when invalid."""
+    ``--num-ranks`` from ``--rank-offset``, checked by :func:`check_span`); ``ValueError`` (the layout's message)
+    when invalid."""
     from pgregistry.layout import ParallelLayout
 
+    if world_size is None:
+        check_span(args.num_ranks, args.rank_offset, args.world_size)
     span = {"num_ranks": world_size} if world_size is not None else {
         "num_ranks": args.num_ranks, "rank_offset": args.rank_offset,
     }
@@ -64,6 +75,28 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     if args.order is not None:
         sizes["order"] = args.order
     return ParallelLayout(**sizes)
+
+
+def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: str = "") -> None:
+    """``ValueError`` naming the option at fault for a span that cannot be: ``--num-ranks`` not positive,
+    ``--rank-offset`` negative, ``--world-size`` not positive or ending before the span does (``spec``: the
+    ``--compare`` spec the span comes from, named in the message)."""
+    where = f"layout spec {spec!r}: " if spec else ""
+    num, offset = ("num_ranks", "rank_offset") if spec else ("--num-ranks", "--rank-offset")
+    if num_ranks < 1:
+        raise ValueError(f"{where}{num} must be a positive integer, got {num_ranks}")
+    if rank_offset < 0:
+        raise ValueError(f"{where}{offset} must be a non-negative integer (the layout's first rank), got {rank_offset}")
+    if world_size is None:
+        return
+    if world_size < 1:
+        raise ValueError(f"--world-size must be a positive integer, got {world_size}")
+    stop = rank_offset + num_ranks
+    if stop > world_size:
+        raise ValueError(
+            f"{where}the layout spans ranks {rank_offset}-{stop - 1} ({offset} {rank_offset} + {num} {num_ranks}), "
+            f"past the end of --world-size {world_size}"
+        )
 
 
 def add_placement_arguments(

@@ -1,5 +1,8 @@
 """``pgregistry seed-plan``: every rank's RNG tracker seeds for a layout, and a check for seed collisions.
 
+A layout over part of the world (``--rank-offset``) is planned for its own ranks, listed by their global rank: the
+seeds follow each rank's coordinates in the layout, as the collection built from it gives them.
+
 Torch is imported only inside the handler (through :mod:`pgregistry.rng`), as the CLI table requires.
 """
 
@@ -65,7 +68,9 @@ def _run(args: argparse.Namespace) -> int:
             for collision in collisions:
                 print(collision.describe())
         else:
-            print(f"no seed collisions in {args.num_ranks} ranks")
+            first, stop = layout.rank_range()
+            span = f" (ranks {first}-{stop - 1})" if first else ""
+            print(f"no seed collisions in {layout.num_ranks} ranks{span}")
         return 1 if collisions else 0
     if args.json:
         print(json.dumps({str(rank): seeds for rank, seeds in plan.items()}, indent=2))

@@ -58,8 +58,8 @@ def test_json_matches_the_layout(sizes: dict[str, object], capsys: pytest.Captur
     report = json.loads(capsys.readouterr().out)
     layout = ParallelLayout(**sizes)  # type: ignore[arg-type]
     assert report["layout"] == {
-        "num_ranks": layout.num_ranks, "order": layout.order, **layout.axis_sizes(),
-        "fingerprint": layout.fingerprint(),
+        "num_ranks": layout.num_ranks, "rank_offset": 0, "world_size": None, "order": layout.order,
+        **layout.axis_sizes(), "fingerprint": layout.fingerprint(),
     }
     assert list(report["kinds"]) == list(GROUP_KINDS)
     for kind, info in report["kinds"].items():

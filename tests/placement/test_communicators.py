@@ -19,7 +19,7 @@ LAYOUTS = [
 
 def _from_rank_views(layout: ParallelLayout) -> dict[tuple[int, ...], set[str]]:
     out: dict[tuple[int, ...], set[str]] = defaultdict(set)
-    for rank in range(layout.num_ranks):
+    for rank in range(*layout.rank_range()):
         for kind, group in layout.groups_of(rank).items():
             if group is not None and len(group) > 1:
                 out[tuple(sorted(group))].add(kind)
@@ -34,7 +34,7 @@ def test_communicators_match_every_ranks_view(sizes: dict[str, object]) -> None:
     assert {ranks: set(kinds) for ranks, kinds in comms.items()} == expected
     for kinds in comms.values():
         assert list(kinds) == sorted(kinds, key=GROUP_KINDS.index)
-    counts = communicators_per_rank(comms, layout.num_ranks)
+    counts = communicators_per_rank(comms, range(layout.num_ranks))
     assert counts == [sum(rank in ranks for ranks in expected) for rank in range(layout.num_ranks)]
 
 
@@ -70,6 +70,86 @@ def test_policy_and_reference_share_the_blocks_of_four() -> None:
     assert row.kinds_b == ("tp", "tp_cp", "mp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_ep_pp_with_egtp_remat")
 
 
-def test_compare_refuses_different_worlds() -> None:
-    with pytest.raises(ValueError, match="different world sizes \\(16 and 8\\)"):
-        compare_layouts(ParallelLayout(num_ranks=16), ParallelLayout(num_ranks=8))
+# ------------------------------------------------------------------------------------------------ spans
+
+SPANS = [
+    {"num_ranks": 8, "tp": 2, "pp": 2, "ep": 2, "expt_tp": 1, "rank_offset": 4},
+    {"num_ranks": 6, "tp": 3, "rank_offset": 1},
+    {"num_ranks": 6, "pp": 3, "rank_offset": 2},  # the middle stage joins no embedding group: counts differ by rank
+    {"num_ranks": 12, "tp": 2, "cp": 2, "ep": 3, "expt_tp": 1, "gtp_remat": 1, "rank_offset": 9},
+]
+
+
+@pytest.mark.parametrize("sizes", SPANS)
+def test_a_spans_communicators_are_its_ranks_views(sizes: dict[str, object]) -> None:
+    layout = ParallelLayout(**sizes)  # type: ignore[arg-type]
+    comms = communicators(layout)
+    expected = _from_rank_views(layout)
+    assert {ranks: set(kinds) for ranks, kinds in comms.items()} == expected
+    span = range(*layout.rank_range())
+    assert communicators_per_rank(comms, span) == [sum(rank in ranks for ranks in expected) for rank in span]
+    # Counted over a larger world, the ranks outside the span join none of them.
+    world = range(layout.rank_range()[1] + 2)
+    counts = communicators_per_rank(comms, world)
+    assert counts[: span.start] == [0] * span.start and counts[span.stop:] == [0, 0]
+    assert counts[span.start: span.stop] == communicators_per_rank(comms, span)
+
+
+def test_counting_over_ranks_that_miss_a_communicator_is_refused() -> None:
+    comms = communicators(ParallelLayout(num_ranks=4, tp=2, rank_offset=4))
+    with pytest.raises(ValueError, match=r"communicator over ranks \[4, 5\] reaches rank 4, outside ranks 0-3"):
+        communicators_per_rank(comms, range(4))
+
+
+@pytest.mark.parametrize(
+    ("sizes_a", "sizes_b"),
+    [
+        ({"num_ranks": 8, "tp": 4}, {"num_ranks": 4, "tp": 4, "rank_offset": 4}),  # B is A's second half
+        ({"num_ranks": 8, "tp": 2, "rank_offset": 2}, {"num_ranks": 8, "tp": 2, "ep": 2, "expt_tp": 1}),
+        ({"num_ranks": 16}, {"num_ranks": 8}),  # different sizes from rank 0
+        ({"num_ranks": 4, "tp": 2}, {"num_ranks": 4, "tp": 2, "rank_offset": 4}),  # disjoint: nothing shared
+    ],
+)
+def test_compare_spans_shares_exactly_the_common_rank_sets(
+    sizes_a: dict[str, object], sizes_b: dict[str, object],
+) -> None:
+    a = ParallelLayout(**sizes_a)  # type: ignore[arg-type]
+    b = ParallelLayout(**sizes_b)  # type: ignore[arg-type]
+    comparison = compare_layouts(a, b)
+    view_a, view_b = _from_rank_views(a), _from_rank_views(b)
+    assert comparison.shared == view_a.keys() & view_b.keys()
+    world = max(a.rank_range()[1], b.rank_range()[1])
+    assert comparison.world_size == world
+    both = set(view_a) | set(view_b)
+    assert comparison.communicators_per_rank() == [sum(rank in ranks for ranks in both) for rank in range(world)]
+    in_both = [r for r in range(world) if r in range(*a.rank_range()) and r in range(*b.rank_range())]
+    assert list(comparison.overlap) == in_both
+    if not in_both:
+        assert comparison.shared == frozenset()
+
+
+def test_the_second_half_shares_its_tp_group_with_the_whole() -> None:
+    comparison = compare_layouts(ParallelLayout(num_ranks=8, tp=4), ParallelLayout(num_ranks=4, tp=4, rank_offset=4))
+    assert (4, 5, 6, 7) in comparison.shared and (0, 1, 2, 3) not in comparison.shared
+    assert comparison.differences() == [("ranks", "0-7", "4-7"), ("dp", "2", "1"), ("expt_dp", "2", "1")]
+    assert comparison.overlap == range(4, 8)
+
+
+def test_differences_name_span_sizes_and_order() -> None:
+    a = ParallelLayout(num_ranks=8, tp=2, order="tp-pp-dp")
+    assert compare_layouts(a, a).differences() == []
+    b = ParallelLayout(num_ranks=8, tp=2, rank_offset=8)
+    assert compare_layouts(a, b).differences() == [("ranks", "0-7", "8-15"), ("order", "tp-pp-dp", "tp-cp-ep-dp-pp")]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "message"),
+    [
+        (8, "layout b spans ranks 4-11 (rank_offset 4 + num_ranks 8), past the end of the world (world_size 8)"),
+        (0, "world_size must be a positive integer, got 0"),
+    ],
+)
+def test_compare_refuses_a_span_past_the_world(world_size: int, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        compare_layouts(ParallelLayout(num_ranks=8), ParallelLayout(num_ranks=8, rank_offset=4), world_size=world_size)
+    assert str(info.value) == message

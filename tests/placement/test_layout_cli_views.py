@@ -104,7 +104,8 @@ def test_compare_lists_the_shared_communicators(tmp_path: Path, capsys: pytest.C
     [
         (["--svg", "x.svg"], "--svg needs --gpus-per-node"),
         (["--check"], "--check needs --gpus-per-node"),
-        (["--gpus-per-node", "3"], "num_ranks 16 is not a multiple of gpus_per_node 3"),
+        (["--gpus-per-node", "3"], "--num-ranks 16 is not a multiple of --gpus-per-node 3"),
+        (["--gpus-per-node", "0"], "--gpus-per-node must be a positive integer, got 0"),
         (["--gpus-per-node", "8", "--intra-node", "tp,tensor"], "unknown group kind 'tensor' among intra-node"),
         (["--gpus-per-node", "8", "--highlight", "tp"], "--highlight chooses the panels of --svg/--html"),
         (["--gpus-per-node", "8", "--svg", "/nonexistent-dir/x.svg"], "cannot write /nonexistent-dir/x.svg"),
