@@ -200,3 +200,16 @@ def test_compare_sheet_marks_exactly_the_shared_communicators(gpus_per_node: int
             (group,) = [g for g in groups if rank in g]
             assert ("shared" in _classes(cell)) == (group in other)
             assert ("faded" in _classes(cell)) == (group not in other)
+
+
+def test_a_large_span_is_summarised_from_its_first_node() -> None:
+    # Ranks 515-1538 of a 2048-rank world on nodes of 8: the span starts mid-node 64, so node 64's ranks 512-514
+    # are drawn empty, and 32 nodes (256 ranks) are drawn of the 129 the span touches.
+    layout = ParallelLayout(num_ranks=1024, tp=2, pp=2, ep=4, expt_tp=1, rank_offset=515)
+    root = ET.fromstring(render_svg(place(layout, 8, world_size=2048)))
+    (rank_map,) = _groups(root, "rank-map")
+    cells = _groups(rank_map, "rank")
+    assert [int(cell.get("data-rank", -1)) for cell in cells] == list(range(512, 512 + MAX_DRAWN_RANKS))
+    assert [int(c.get("data-rank", -1)) for c in cells if "outside" in _classes(c)] == [512, 513, 514]
+    note = _text(root, "summary-note")
+    assert note.startswith("Drawn: ranks 512-767 (32 of 129 nodes); the table covers all 1024 ranks.")
