@@ -14,6 +14,10 @@ is built here as its own ``HyperCommGrid``, mirroring two pieces of Megatron-Cor
   by Megatron-Core's own ``_inject_gtp_remat_axis`` (after ``tp`` in the dense grid, after ``ep`` in the expert
   one), and the dims of each group (``get_ranks('tp-gtp_remat-pp')`` for ``mp``, ...), written out below.
 
+The MIMO way (``megatron/core/models/mimo/optimizer.py``: one grid, its expert groups over a registered view named
+``"expert"``) must give the same expert groups as the expert grid of its own; ``register_view`` with ``pp`` shared
+also checks, in Megatron-Core's code, that both put the same ranks in each pipeline stage.
+
 Every group kind of the layout must equal ``get_rank_enum`` of its dims exactly: the same groups, in the same order,
 each listing its ranks in the same order. Two layers: a sweep of sizes, orders and offsets (0, and non-zero inside a
 larger world) read from ``WORLD_SIZE``, which ``HyperCommGrid`` takes as the world without a process group, and a
@@ -77,6 +81,9 @@ def megatron_enums(layout: ParallelLayout) -> dict[str, list[list[int]]]:
                    gtp_after="ep", absent="cp", rank_offset=layout.rank_offset)
     enums = {kind: dense.get_rank_enum(dims) for kind, dims in DENSE_DIMS.items()}
     enums.update({kind: expert.get_rank_enum(dims) for kind, dims in EXPERT_DIMS.items()})
+    dense.register_view("expert", expert.shape, expert.dim_names, shared_dims=["pp"])
+    for kind, dims in EXPERT_DIMS.items():
+        assert dense.get_rank_enum(dims, view="expert") == enums[kind], (kind, layout)
     pipelines = dense.get_rank_enum("pp")
     enums["embd"] = [[ranks[0]] if len(ranks) == 1 else [ranks[0], ranks[-1]] for ranks in pipelines]
     enums["pos_embd"] = [[ranks[0]] for ranks in pipelines]
