@@ -172,6 +172,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="split-families-overlap",
+        bug="one split_group over overlapping rank sets (NCCL's split gives each rank one communicator: the rest hang)",
+        file="pgregistry/_group_cache.py",
+        find="            if taken.isdisjoint(ranks):\n",
+        replace="            if True:\n",
+        tests=(
+            "tests/core/test_group_creation_paths.py::"
+            "test_the_plan_deals_every_set_once_into_disjoint_families_about_one_per_kind",
+        ),
+    ),
+    Mutant(
         name="expert-grads-sharded-over-dense-dp",
         bug="the sharded optimizer reduce-scatters expert grads over the dense data-parallel group",
         file="pgregistry/optim/_sharded.py",
