@@ -158,9 +158,14 @@ def main(argv: list[str]) -> int:
         device = torch.device("cpu")
     dist.init_process_group(**init)
     try:
-        _, layout = parse_layout_spec(args.layout, dist.get_world_size(), "layout")
-        if layout.expt_tp != 1 or layout.cp != 1 or layout.pp != 1 or EXPERTS % layout.ep:
-            raise ValueError(f"{layout!r}: this check takes expert TP 1, no CP or PP, and EP dividing {EXPERTS}")
+        try:
+            _, layout = parse_layout_spec(args.layout, dist.get_world_size(), "layout")
+            if layout.expt_tp != 1 or layout.cp != 1 or layout.pp != 1 or EXPERTS % layout.ep:
+                raise ValueError(f"{layout!r}: this check takes expert TP 1, no CP or PP, and EP dividing {EXPERTS}")
+        except ValueError as exc:  # every rank raises alike
+            if dist.get_rank() == 0:
+                print(f"dtensor_tp_fsdp_ep: error: {exc}", file=sys.stderr)
+            return 2
         mine = on_rank(layout, device)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

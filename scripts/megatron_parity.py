@@ -23,8 +23,13 @@ of each run, pgregistry's) and PASS/FAIL lines; every rank exits 1 when a check 
 
 * the pgregistry run needed no ``initialize_model_parallel``, and its RNG streams are the seeds pgregistry computes;
 * the losses (every last-stage rank's, every step), Megatron-Core's grad norms and zero counts of the two runs are
-  bit-identical (``--tolerance`` relaxes the losses and norms to a relative difference; the line says by how much
-  they differ, and where first);
+  bit-identical; or, where they are not, the reason is the known one and they agree to ``--tolerance`` (relative,
+  default 1e-6): Megatron-Core's ``ChainedOptimizer`` takes the dense and expert norms in one reduction when the two
+  optimizers' grad-statistics groups are one ``ProcessGroup`` object, and as ``sqrt(a**2 + b**2)`` of two
+  reductions otherwise. pgregistry keeps one communicator per rank set, so where ``mp`` and ``tp_ep_pp`` hold the
+  same ranks its collection takes the first path and ``initialize_model_parallel`` (a communicator per kind) the
+  second: the same norm, rounded differently (seen at 5e-8 on a CPU run). The line says which path each run took,
+  by how much the values differ, and where first;
 * ``pgregistry.grad_norm`` equals Megatron-Core's optimizer norm to 1e-5 relative (another summation order) and
   ``count_zeros`` its zero count exactly, at every step.
 
@@ -66,10 +71,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
     parser.add_argument("--experts", type=int, default=8, help="routed experts (default 8)")
     parser.add_argument("--seed", type=int, default=1234, help="the job's seed (default 1234)")
+    parser.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+                        help="Megatron-Core's MoE token dispatcher (default alltoall)")
     parser.add_argument("--modes", default=",".join(MODES), help="runs, in order (default pgregistry,megatron)")
-    parser.add_argument("--tolerance", type=float, default=0.0,
-                        help="relative difference allowed between the runs' losses and norms (default 0: "
-                        "bit-identical)")
+    parser.add_argument("--tolerance", type=float, default=1e-6,
+                        help="relative difference allowed between the runs' losses and norms when the known reason "
+                        "holds (default 1e-6); otherwise they must be bit-identical")
     args = parser.parse_args(argv)
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     unknown = sorted(set(args.modes) - set(MODES))
@@ -118,13 +125,37 @@ def _forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     return output, loss_func
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm for the layer spec's norms: Megatron-Core's own torch norm refuses sequence parallelism
+    (which its MoE layer requires in training with TP > 1) unless Apex or Transformer Engine provides the norm.
+    Its weight and bias are marked ``sequence_parallel``, as Apex's marks them, so ``finalize_model_grads``
+    all-reduces their grads over TP."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _block_spec(args: argparse.Namespace, config: Any, stages: int) -> Any:
+    """Megatron-Core's local GPT layer spec with :class:`SequenceParallelLayerNorm`, this stage's layers of it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    layer.submodules.input_layernorm = SequenceParallelLayerNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * (config.num_layers // stages), layer_norm=SequenceParallelLayerNorm
+    )
+
+
 def _train(mode: str, args: argparse.Namespace, layout: Any) -> dict[str, Any]:
     """One run: this rank's per-step losses (last stage only), Megatron-Core's norms and zero counts, and (for the
     pgregistry run) pgregistry's."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -163,15 +194,15 @@ def _train(mode: str, args: argparse.Namespace, layout: Any) -> dict[str, Any]:
         parallel_state._set_global_memory_buffer()  # the local attention's scratch memory (no process group)
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_moe_experts=args.experts,
-        moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+        num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_moe_experts=args.experts,
+        moe_router_topk=2, moe_token_dispatcher_type=args.dispatcher, moe_router_load_balancing_type="none",
         add_bias_linear=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, sequence_parallel=layout.tp > 1,
         **megatron_config_kwargs(layout),
     )
-    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQUENCE,
+    model = GPTModel(config=config, transformer_layer_spec=_block_spec(args, config, layout.pp), vocab_size=VOCAB,
+                     max_sequence_length=SEQUENCE,
                      pre_process=first, post_process=last, **groups).cuda()
     if pg is not None:
         mark_megatron_experts(model)
@@ -183,6 +214,8 @@ def _train(mode: str, args: argparse.Namespace, layout: Any) -> dict[str, Any]:
         OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0, log_num_zeros_in_grad=True, bf16=False),
         [ddp_model], use_gloo_process_groups=False, **groups,
     )
+    chained = getattr(optimizer, "chained_optimizers", [])
+    out["one_stats_group"] = len(chained) > 1 and bool(optimizer.grads_states_parallel_group_is_shared())
     schedule: dict[str, Any] = {}
     if pg is not None:
         forward_backward = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
@@ -233,13 +266,15 @@ def _differs(a: float, b: float, tolerance: float) -> float | None:
 
 
 def _compare(name: str, pairs: list[tuple[str, float, float]], tolerance: float) -> tuple[bool, str]:
-    """Whether every (where, a, b) pair agrees; the detail names the first disagreement and the largest."""
-    bad = [(where, rel) for where, a, b in pairs if (rel := _differs(a, b, tolerance)) is not None]
-    if not bad:
-        exact = all(a == b for _, a, b in pairs)
-        return True, f"{len(pairs)} {name} {'bit-identical' if exact else f'within {tolerance:g}'}"
-    worst = max(bad, key=lambda item: item[1])
-    return False, f"{len(bad)} of {len(pairs)} differ; first at {bad[0][0]}, largest {worst[1]:.3e} at {worst[0]}"
+    """Whether every (where, a, b) pair agrees to ``tolerance``; the detail says whether they are bit-identical, and
+    names the first difference and the largest."""
+    differ = [(where, rel) for where, a, b in pairs if (rel := _differs(a, b, 0.0)) is not None]
+    if not differ:
+        return True, f"{len(pairs)} {name} bit-identical"
+    worst = max(differ, key=lambda item: item[1])
+    detail = (f"{len(differ)} of {len(pairs)} {name} not bit-identical; first at {differ[0][0]}, largest "
+              f"{worst[1]:.3e} relative at {worst[0]}")
+    return worst[1] <= tolerance, detail
 
 
 def _report(args: argparse.Namespace, layout: Any, everyone: list[dict[str, dict[str, Any]]]) -> bool:
@@ -273,15 +308,16 @@ def _report(args: argparse.Namespace, layout: Any, everyone: list[dict[str, dict
     for mode in runs:
         failed = [(r, s) for r, runs_of in enumerate(everyone)
                   for s, ok in enumerate(runs_of[mode]["step_ok"]) if not ok]
-        checks.append((f"{mode}: every optimizer step succeeded", not failed, f"failed (rank, step): {failed[:4]}"))
+        checks.append((f"{mode}: every optimizer step succeeded", not failed,
+                       f"failed (rank, step): {failed[:4]}" if failed else f"{args.steps} steps"))
     if "pgregistry" in runs:
         ours_all = [runs_of["pgregistry"] for runs_of in everyone]
         initialised = [r for r, run in enumerate(ours_all) if run["globals_before"] or run["globals_after"]]
         checks.append(("pgregistry: no initialize_model_parallel (parallel_state uninitialised before and after)",
-                       not initialised, f"initialised on ranks {initialised}"))
+                       not initialised, f"initialised on ranks {initialised}" if initialised else "every rank"))
         wrong = {r: run["rng_wrong"] for r, run in enumerate(ours_all) if run["rng_wrong"]}
         checks.append(("pgregistry: Megatron-Core's RNG streams are the seeds pgregistry computes", not wrong,
-                       f"wrong streams {wrong}"))
+                       f"wrong streams {wrong}" if wrong else "every stream, every rank"))
         norms = [(f"rank {r} step {s + 1}", run["ours_norms"][s], run["norms"][s])
                  for r, run in enumerate(ours_all) for s in range(args.steps)]
         checks.append(("pgregistry.grad_norm equals Megatron-Core's optimizer norm (1e-5 relative)",
@@ -299,10 +335,17 @@ def _report(args: argparse.Namespace, layout: Any, everyone: list[dict[str, dict
                  for r, runs_of in enumerate(everyone) for s in range(args.steps)]
         zeros = [(f"rank {r} step {s + 1}", float(runs_of[a]["zeros"][s]), float(runs_of[b]["zeros"][s]))
                  for r, runs_of in enumerate(everyone) for s in range(args.steps)]
-        checks.append(("losses: Megatron-Core's groups and pgregistry's give the same", *_compare("losses", losses,
-                                                                                                   args.tolerance)))
-        checks.append(("grad norms (Megatron-Core's optimizer): the same on both", *_compare("norms", norms,
-                                                                                           args.tolerance)))
+        shared = {mode: everyone[0][mode]["one_stats_group"] for mode in (a, b)}
+        reason = shared[a] != shared[b]
+        allowed = args.tolerance if reason else 0.0
+        print("Megatron-Core's ChainedOptimizer reduces the dense and expert norms together (one grad-stats "
+              f"ProcessGroup): {a} {shared[a]}, {b} {shared[b]}; so the runs may round differently: {reason}")
+        checks.append(("losses: Megatron-Core's groups and pgregistry's give the same "
+                       f"({'bit-identical' if not reason else f'to {allowed:g}, the reason above'})",
+                       *_compare("losses", losses, allowed)))
+        checks.append(("grad norms (Megatron-Core's optimizer): the same on both "
+                       f"({'bit-identical' if not reason else f'to {allowed:g}, the reason above'})",
+                       *_compare("norms", norms, allowed)))
         checks.append(("zero counts (Megatron-Core's optimizer): the same on both", *_compare("counts", zeros, 0.0)))
     ops = sorted({op for runs_of in everyone for op in runs_of["nondeterministic"]})
     print("ops without a deterministic kernel (torch's warnings): " + ("; ".join(ops) if ops else "none"))
@@ -324,7 +367,12 @@ def main(argv: list[str]) -> int:
     torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
-        _, layout = parse_layout_spec(args.layout, dist.get_world_size(), "layout")
+        try:
+            _, layout = parse_layout_spec(args.layout, dist.get_world_size(), "layout")
+        except ValueError as exc:  # every rank raises alike
+            if dist.get_rank() == 0:
+                print(f"megatron_parity: error: {exc}", file=sys.stderr)
+            return 2
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mine: dict[str, Any] = {mode: _train(mode, args, layout) for mode in args.modes}
