@@ -9,21 +9,14 @@
 # Runs everything even when one fails; exits non-zero when anything failed. Needs megatron-core for 1 and 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT_DIR:-docs/measurements}"
 py="${PYTHON:-python}"
 n="${NPROC:-8}"
 tag="${TAG:-h200x$n}"
 layouts="${LAYOUTS:-tp=2,ep=4,expt_tp=1 tp=2,pp=2,ep=2}"
 verify_layouts="${VERIFY_LAYOUTS:-tp=2,ep=4,expt_tp=1 tp=2,pp=2,ep=2 tp=2,gtp_remat=2,ep=2,expt_gtp_remat=2}"
 export NCCL_NVLS_ENABLE=0
-mkdir -p "$out"
-status=0
-run() {  # run FILE COMMAND...: print and keep the raw output
-    local file="$1"
-    shift
-    echo "== $*" >&2
-    "$@" 2>&1 | tee "$out/$file" || status=1
-}
+# shellcheck source=scripts/record.sh
+. scripts/record.sh
 name() { echo "$1" | sed 's/=//g; s/,/-/g'; }                                  # tp=2,ep=4 -> tp2-ep4
 flags() { echo "--$1" | sed 's/,/ --/g; s/=/ /g; s/_/-/g'; }               # tp=2,expt_tp=1 -> --tp 2 --expt-tp 1
 launch=("$py" -m torch.distributed.run --standalone --nproc-per-node "$n")
