@@ -6,10 +6,11 @@
   calls per rank at any scale, where Megatron-Core's ``initialize_model_parallel`` calls ``new_group`` for every
   group of every kind on every rank (35,993 calls per rank at 8,192 ranks).
 * When NCCL is bound to a device at init (``init_process_group(device_id=...)``), groups are split from the world's
-  communicator instead (``torch.distributed.split_group``, NCCL's ``ncclCommSplit``): the rank sets every rank
-  needs are gathered once, dealt into families of disjoint sets (:func:`split_plan`: about one per group kind),
-  and each family is one split, collective over the world, with no store round trip per group. An unbound world,
-  gloo, or groups of another backend than the world's take ``new_group`` (:func:`split_creation` decides).
+  communicator instead (``torch.distributed.split_group``, NCCL's ``ncclCommSplit``): the rank sets the ranks need
+  are gathered once (each from its first member), dealt into families of disjoint sets (:func:`split_plan`: about
+  one per group kind), and each family is one split, collective over the world, with no store round trip per group.
+  An unbound world, gloo, or groups of another backend than the world's take ``new_group`` (:func:`split_creation`
+  decides).
 * Creation follows one global order (by size, then ranks). Every member of a group reaches it after the same
   smaller groups, so group creations can never wait on each other in a cycle.
 * gloo is the exception: its eager connection set-up deadlocks when member-only groups overlap (seen with torch
@@ -98,14 +99,21 @@ class GroupCache:
         Collective over the world; where :func:`split_creation` holds, every rank's sets are gathered and split."""
         ordered = sorted(set(rank_sets), key=lambda r: (len(r), r))
         if members_only and split_creation(options):
-            missing = [ranks for ranks in ordered if not self._exists(ranks, options)]
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, missing)
-            self._split({tuple(ranks) for sets in everyone for ranks in sets}, options)
+            self._split(self.missing_everywhere(ordered, options), options)
             return
         for ranks in ordered:
             if not self._exists(ranks, options):
                 self._groups[ranks] = (self._new_group(ranks, options, members_only), options)
+
+    def missing_everywhere(self, own_sets: Iterable[RankGroup], options: GroupOptions) -> set[RankGroup]:
+        """The sets, of every rank's ``own_sets``, that have no communicator yet: one gather over the world. A set's
+        members all lack it or all have it, so only its first member sends it: each set travels once, where every
+        rank sending its own sets (each up to the world's size) would send each set once per member."""
+        rank = dist.get_rank()
+        mine = [ranks for ranks in own_sets if ranks[0] == rank and not self._exists(ranks, options)]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {tuple(ranks) for sets in everyone for ranks in sets}
 
     def _exists(self, ranks: RankGroup, options: GroupOptions) -> bool:
         """Whether ``ranks`` has its communicator (``ValueError`` when it was created with other options); the

@@ -70,6 +70,25 @@ def test_gloo_and_unbound_worlds_create_with_new_group() -> None:
     assert out == {"chosen": False, "splits": 0, "created": len({r for r in own if r and 1 < len(r) < 64}) + 1}
 
 
+def _missing_on_rank(sizes: dict[str, int]) -> dict[str, Any]:
+    layout = ParallelLayout(num_ranks=dist.get_world_size(), **sizes)
+    own = {r for r in layout.groups_of(dist.get_rank()).values() if r is not None and len(r) > 1}
+    own.add((dist.get_rank(),))
+    timed = GroupOptions.of(None, 60)  # not the world's default options: its own rank set is missing too
+    timed_missing = CACHE.missing_everywhere(own, timed)  # first: the default options then take the world's group
+    return {"default": CACHE.missing_everywhere(own, GroupOptions()), "timed": timed_missing}
+
+
+def test_what_a_split_creates_is_every_ranks_missing_sets_gathered_once() -> None:
+    sizes = {"tp": 2, "ep": 4, "expt_tp": 1}
+    layout = ParallelLayout(num_ranks=8, **sizes)
+    world = tuple(range(8))
+    assert world in _every_rank_set(layout)  # tp_dp_cp spans the world here
+    for out in run_world(8, _missing_on_rank, sizes, timeout=60):
+        assert out["timed"] == _every_rank_set(layout)  # the same on every rank, each set whoever sent it
+        assert out["default"] == _every_rank_set(layout) - {world}  # the world's own group needs no creating
+
+
 def _every_rank_set(layout: ParallelLayout) -> set[tuple[int, ...]]:
     """What every rank of ``layout`` asks a build for: its groups of more than one rank, and itself alone."""
     sets: set[tuple[int, ...]] = {(rank,) for rank in range(layout.num_ranks)}
