@@ -22,7 +22,7 @@ TORCHTITAN ?= 0.3.0
 TORCHTITAN_DEPS ?= spmd_types==0.2.3 tyro==1.0.17 einops==0.8.2
 TORCHTITAN_STAMP := $(VENV)/.torchtitan-$(TORCHTITAN)
 
-.PHONY: setup demo test lint allowlist-check bench
+.PHONY: setup demo test lint allowlist-check bench mutants
 
 setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR)) $(if $(TORCHTITAN),$(TORCHTITAN_STAMP))
 
@@ -71,3 +71,8 @@ allowlist-check: setup
 
 bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+# Planted bugs (scripts/mutants.py): each applied to a copy of the repository, the tests listed for it must fail.
+# A few minutes; exit 1 when a mutant survives, 2 when the list went stale (docs/reliability.md, "Planted bugs").
+mutants: setup
+	$(PY) scripts/mutants.py

@@ -58,7 +58,7 @@ from pgregistry.optim import (  # noqa: E402
     setup_process_groups_for_optimizer,
 )
 from pgregistry.optim._base import FlatOptimizer, InnerFactory  # noqa: E402
-from pgregistry.optim._flat_step import Copy  # noqa: E402
+from pgregistry.optim._copies import Copy  # noqa: E402
 from pgregistry.optim._fused_step import FusedStep, fused_step_available  # noqa: E402
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))

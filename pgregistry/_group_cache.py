@@ -5,6 +5,12 @@
 * Each rank creates only the groups it belongs to (``new_group(use_local_synchronization=True)``): a few dozen
   calls per rank at any scale, where Megatron-Core's ``initialize_model_parallel`` calls ``new_group`` for every
   group of every kind on every rank (35,993 calls per rank at 8,192 ranks).
+* When NCCL is bound to a device at init (``init_process_group(device_id=...)``), groups are split from the world's
+  communicator instead (``torch.distributed.split_group``, NCCL's ``ncclCommSplit``): the rank sets the ranks need
+  are gathered once (each from its first member), dealt into families of disjoint sets (:func:`split_plan`: about
+  one per group kind), and each family is one split, collective over the world, with no store round trip per group.
+  An unbound world, gloo, or groups of another backend than the world's take ``new_group`` (:func:`split_creation`
+  decides).
 * Creation follows one global order (by size, then ranks). Every member of a group reaches it after the same
   smaller groups, so group creations can never wait on each other in a cycle.
 * gloo is the exception: its eager connection set-up deadlocks when member-only groups overlap (seen with torch
@@ -31,7 +37,17 @@ from pgregistry.layout import RankGroup
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["CACHE", "GroupCache", "GroupOptions", "agree_on_request", "members_only_creation", "require_distributed"]
+__all__ = [
+    "CACHE",
+    "GroupCache",
+    "GroupOptions",
+    "agree_on_request",
+    "members_only_creation",
+    "require_distributed",
+    "split_chosen",
+    "split_creation",
+    "split_plan",
+]
 
 
 @attrs.frozen(slots=True)
@@ -63,7 +79,10 @@ class GroupCache:
         self._adopted: set[RankGroup] = set()
         self._twins: list[ProcessGroup] = []
         self.created = 0
-        """How many ``new_group`` calls this process issued (for benchmarks and tests)."""
+        """How many communicators this process created: its ``new_group`` calls, and the splits it is a member of
+        (for benchmarks and tests)."""
+        self.splits = 0
+        """How many ``split_group`` calls this process took part in (each one collective over the world)."""
 
     def group(self, ranks: RankGroup) -> ProcessGroup:
         """The communicator of ``ranks`` (sorted), which must exist."""
@@ -76,11 +95,29 @@ class GroupCache:
 
     def create(self, rank_sets: Iterable[RankGroup], options: GroupOptions, members_only: bool) -> None:
         """Create the communicators of ``rank_sets`` that do not exist yet, in the one global order. With
-        ``members_only`` each rank passes the sets it belongs to; otherwise every rank passes the same sets."""
-        for ranks in sorted(set(rank_sets), key=lambda r: (len(r), r)):
-            self._ensure(ranks, options, members_only)
+        ``members_only`` each rank passes the sets it belongs to; otherwise every rank passes the same sets.
+        Collective over the world; where :func:`split_creation` holds, every rank's sets are gathered and split."""
+        ordered = sorted(set(rank_sets), key=lambda r: (len(r), r))
+        if members_only and split_creation(options):
+            self._split(self.missing_everywhere(ordered, options), options)
+            return
+        for ranks in ordered:
+            if not self._exists(ranks, options):
+                self._groups[ranks] = (self._new_group(ranks, options, members_only), options)
 
-    def _ensure(self, ranks: RankGroup, options: GroupOptions, members_only: bool) -> None:
+    def missing_everywhere(self, own_sets: Iterable[RankGroup], options: GroupOptions) -> set[RankGroup]:
+        """The sets, of every rank's ``own_sets``, that have no communicator yet: one gather over the world. A set's
+        members all lack it or all have it, so only its first member sends it: each set travels once, where every
+        rank sending its own sets (each up to the world's size) would send each set once per member."""
+        rank = dist.get_rank()
+        mine = [ranks for ranks in own_sets if ranks[0] == rank and not self._exists(ranks, options)]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {tuple(ranks) for sets in everyone for ranks in sets}
+
+    def _exists(self, ranks: RankGroup, options: GroupOptions) -> bool:
+        """Whether ``ranks`` has its communicator (``ValueError`` when it was created with other options); the
+        world's own ranks with default options are the world's group, which needs no creating."""
         existing = self._groups.get(ranks)
         if existing is not None:
             if existing[1] != options:
@@ -88,21 +125,38 @@ class GroupCache:
                     f"ranks {list(ranks)} already have a communicator created with {existing[1].described()}; "
                     f"refusing a second one with {options.described()} (one communicator per rank set)"
                 )
-            return
-        group: ProcessGroup
+            return True
         if ranks == tuple(range(dist.get_world_size())) and options == GroupOptions():
             world = dist.group.WORLD
             assert world is not None  # callers checked that torch.distributed is initialised
-            group = world
-        else:
-            group = dist.new_group(
-                list(ranks),
-                backend=options.backend,
-                timeout=options.timeout,
-                use_local_synchronization=members_only,
-            )
-            self.created += 1
-        self._groups[ranks] = (group, options)
+            self._groups[ranks] = (world, options)
+            return True
+        return False
+
+    def _new_group(self, ranks: RankGroup, options: GroupOptions, members_only: bool) -> ProcessGroup:
+        group = dist.new_group(
+            list(ranks), backend=options.backend, timeout=options.timeout, use_local_synchronization=members_only
+        )
+        self.created += 1
+        return group
+
+    def _split(self, rank_sets: Iterable[RankGroup], options: GroupOptions) -> None:
+        """Split the world's communicator into ``rank_sets`` (the same on every rank, none existing yet), one
+        ``split_group`` per family of :func:`split_plan`. Every rank records every set, those it is not in as
+        torch's ``NON_GROUP_MEMBER`` (as :meth:`adopt` does), so later decisions agree across ranks."""
+        rank = dist.get_rank()
+        non_member: Any = dist.GroupMember.NON_GROUP_MEMBER
+        for family in split_plan(rank_sets):
+            group = dist.split_group(split_ranks=[list(ranks) for ranks in family], timeout=options.timeout)
+            self.splits += 1
+            for ranks in family:
+                if rank not in ranks:
+                    self._groups[ranks] = (non_member, options)
+                    continue
+                if group is None:
+                    raise RuntimeError(f"split_group gave rank {rank} no communicator for its ranks {list(ranks)}")
+                self._groups[ranks] = (group, options)
+                self.created += 1
 
     def partition_group(
         self, rank_sets: Iterable[Iterable[int]], options: GroupOptions
@@ -127,7 +181,10 @@ class GroupCache:
             seen.update(ranks)
         mine = [ranks for ranks in sets if rank in ranks]
         members_only = members_only_creation(options.backend)
-        self.create(mine if members_only else sets, options, members_only)
+        if members_only and split_creation(options):  # every rank knows every set: no gathering
+            self._split([ranks for ranks in sets if not self._exists(ranks, options)], options)
+        else:
+            self.create(mine if members_only else sets, options, members_only)
         return self.group(mine[0]) if mine else None
 
     def twin_partition_group(self, rank_sets: Iterable[Iterable[int]], options: GroupOptions) -> ProcessGroup | None:
@@ -204,6 +261,42 @@ def members_only_creation(backend: str | None) -> bool:
     """Whether groups may be created by their members alone (every backend but gloo; see the module docstring)."""
     effective = backend if backend is not None else str(dist.get_backend())
     return "gloo" not in effective or "nccl" in effective
+
+
+def split_creation(options: GroupOptions) -> bool:
+    """Whether this world creates groups of ``options`` by splitting its communicator (see the module docstring):
+    :func:`split_chosen` of the world's backend, its bound device and the backend asked for."""
+    world = dist.distributed_c10d._get_default_group()
+    bound = getattr(world, "bound_device_id", None) is not None
+    return split_chosen(str(dist.get_backend()), bound, options.backend, hasattr(dist, "split_group"))
+
+
+def split_chosen(world_backend: str, bound: bool, requested: str | None, torch_splits: bool = True) -> bool:
+    """The rule: split when the world's backend is NCCL, bound to a device at init (NCCL splits only a
+    communicator that exists: the bound world's is created eagerly), the groups ask for no other backend, and
+    torch has ``split_group``; else ``new_group``."""
+    nccl = world_backend.lower() == "nccl"
+    same_backend = requested is None or requested.lower() == "nccl"
+    return nccl and bound and same_backend and torch_splits
+
+
+def split_plan(rank_sets: Iterable[RankGroup]) -> list[list[RankGroup]]:
+    """``rank_sets`` dealt into families of disjoint sets, one ``split_group`` each: in the global order (by size,
+    then ranks), each set joins the first family it does not overlap. The groups of one kind are disjoint and of
+    one size, so a kind takes one family (kinds over the same rank sets share it; the embedding groups, which
+    cover the pipeline's edge stages only, may join another kind's). Deterministic: every rank deals alike."""
+    families: list[list[RankGroup]] = []
+    covered: list[set[int]] = []
+    for ranks in sorted(set(rank_sets), key=lambda r: (len(r), r)):
+        for family, taken in zip(families, covered, strict=True):
+            if taken.isdisjoint(ranks):
+                family.append(ranks)
+                taken.update(ranks)
+                break
+        else:
+            families.append([ranks])
+            covered.append(set(ranks))
+    return families
 
 
 def _rank_set(ranks: Iterable[int], world_size: int) -> RankGroup:

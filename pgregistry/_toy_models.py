@@ -3,11 +3,13 @@
 Two models: :func:`dense_and_expert`, one replicated dense scalar and one expert scalar (on a TP = EP = world,
 expert TP 1 grid it exposes expert grads filtered with the dense TP group, Megatron-LM PR 6470), and a model with
 every kind of parameter, one unsharded float64 "truth" and its shards on any layout. The test suite builds its
-models here too, but computes its oracles itself (``tests/fixtures``), never from this module.
+models and draws its gradients here too, but computes its oracles itself (``tests/fixtures/unsharded_oracle.py``),
+never from this module: what lives here is the model's definition and its data, not what the right answer is.
 
-The unsharded model is a list of :class:`Spec` (name, shape, how real layers shard it). Its gradients are drawn
-per parameter from a ``torch.Generator`` seeded by the name, so every rank (and the parent test) reproduces them
-independently. :func:`local_model` builds one rank's parameters the way real layers shard them:
+The unsharded model is a list of :class:`Spec` (name, shape, how real layers shard it). Its gradients
+(:func:`full_grads`) are drawn from one ``torch.Generator`` with one seed, :data:`GRADS_SEED`, so every rank (and
+the parent test) reproduces them independently. :func:`local_model` builds one rank's parameters the way real
+layers shard them:
 
 * column-parallel weights and biases split dim 0 over TP, row-parallel weights split dim 1; GTP-remat weights are
   split again, dim 0 of the TP shard, over the GTP-remat axis;
@@ -18,14 +20,10 @@ independently. :func:`local_model` builds one rank's parameters the way real lay
 * pipeline stages hold different layers: the embedding on the first stage, the final norm and (tied) output on the
   last; with pp > 1 the last stage holds a ``shared`` copy of the embedding shard, as tied embeddings do;
 * everything else is replicated across TP, GTP, CP and DP.
-
-The oracle functions below work on the unsharded float64 gradients only and import none of the code they check.
 """
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +44,14 @@ __all__ = [
     "EXPERT",
     "EXPERTS",
     "EXPERT_SHARED",
+    "GRADS_SEED",
+    "ZEROED",
     "Shard",
     "Spec",
     "dense_and_expert",
     "full_grads",
     "local_model",
     "model_specs",
-    "oracle_norm",
-    "oracle_numel",
-    "oracle_zeros",
     "set_grads",
     "set_main_grads",
     "shards_of",
@@ -124,46 +121,29 @@ def model_specs() -> list[Spec]:
 
 
 ZEROED = "layers.0.proj.bias"
-"""A parameter whose whole gradient is zero in the "random" gradients."""
+"""A parameter whose whole gradient is zero in the ``random`` gradients (a tensor with no non-zero element)."""
+
+GRADS_SEED = 20_261_130
+"""The one seed of the ``random`` gradients."""
 
 
 def full_grads(kind: str = "random") -> dict[str, torch.Tensor]:
-    """The unsharded float64 gradients: ``random`` (about 30% of elements zero, one whole tensor zero), ``ones``
-    or ``zeros``. Random values are float32-representable, so local float32 copies are exact."""
-    grads: dict[str, torch.Tensor] = {}
-    for spec in model_specs():
-        if kind == "ones":
-            grads[spec.name] = torch.ones(spec.shape, dtype=torch.float64)
-            continue
-        if kind == "zeros":
-            grads[spec.name] = torch.zeros(spec.shape, dtype=torch.float64)
-            continue
-        gen = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()))
-        values = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
-        keep = torch.rand(spec.shape, generator=gen) >= 0.3
-        grads[spec.name] = (values * keep).to(torch.float64)
-    if kind == "random":
-        grads[ZEROED] = torch.zeros_like(grads[ZEROED])
+    """Every parameter's unsharded gradient in float64: ``ones``, ``zeros``, or ``random`` (about 30% of the
+    elements zero, the whole of :data:`ZEROED` zero; values are float32-representable, so float32 shards of
+    them are exact)."""
+    shapes = {spec.name: spec.shape for spec in model_specs()}
+    if kind in ("ones", "zeros"):
+        return {name: torch.full(shape, float(kind == "ones"), dtype=torch.float64) for name, shape in shapes.items()}
+    if kind != "random":
+        raise ValueError(f"unknown gradient kind {kind!r}")
+    generator = torch.Generator().manual_seed(GRADS_SEED)
+    grads = {}
+    for name, shape in shapes.items():
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        values[torch.rand(shape, generator=generator) < 0.3] = 0.0
+        grads[name] = values.to(torch.float64)
+    grads[ZEROED].zero_()
     return grads
-
-
-# ------------------------------------------------------------------------------------------------------ oracle
-
-
-def oracle_norm(grads: dict[str, torch.Tensor], p: float) -> float:
-    """The p-norm of the unsharded model's gradients, in float64."""
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    if math.isinf(p):
-        return float(flat.abs().max())
-    return float(flat.abs().pow(p).sum().pow(1.0 / p))
-
-
-def oracle_zeros(grads: dict[str, torch.Tensor]) -> int:
-    return int(sum(int((g == 0).sum()) for g in grads.values()))
-
-
-def oracle_numel() -> int:
-    return sum(math.prod(spec.shape) for spec in model_specs())
 
 
 # ------------------------------------------------------------------------------------------------- sharding

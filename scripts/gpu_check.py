@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-for root in (REPO, REPO / "tests"):  # tests/ for fixtures.optim_reference, the float64 oracle of the fused step
+for root in (REPO, REPO / "tests"):  # tests/ for fixtures: the float64 oracles of the fused step and the toy model
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
@@ -55,6 +55,7 @@ from fixtures.optim_reference import (  # noqa: E402
     rule_steps,
     worst_units,
 )
+from fixtures.unsharded_oracle import oracle_norm, oracle_numel, oracle_zeros  # noqa: E402
 
 import pgregistry.optim._mixed_precision  # noqa: E402
 import pgregistry.optim._sharded  # noqa: E402
@@ -65,9 +66,6 @@ from pgregistry._toy_models import (  # noqa: E402
     dense_and_expert,
     full_grads,
     local_model,
-    oracle_norm,
-    oracle_numel,
-    oracle_zeros,
     set_main_grads,
 )
 from pgregistry.cli._options import positive_seconds  # noqa: E402

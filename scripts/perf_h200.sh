@@ -6,16 +6,9 @@
 # (NCCL); exits non-zero when anything failed. About 4-5 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT_DIR:-docs/measurements}"
 py="${PYTHON:-python}"
-mkdir -p "$out"
-status=0
-run() {  # run FILE COMMAND...: print and keep the raw output
-    local file="$1"
-    shift
-    echo "== $*" >&2
-    "$@" 2>&1 | tee "$out/$file" || status=1
-}
+# shellcheck source=scripts/record.sh
+. scripts/record.sh
 run optimizer_step_h200.txt "$py" benchmarks/optimizer_step.py --device cuda \
     --configs 1024x16x4,2048x8x8,2048x16x8,1024x8x4,4096x4x8,512x32x4
 run grad_stats_h200.txt "$py" benchmarks/grad_stats.py --device cuda --dtype float32

@@ -13,16 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pgregistry.cli import _layout_views as layout_views
+from pgregistry.cli._columns import aligned
 from pgregistry.cli._limits import memory_shortfall, not_enough_memory
 from pgregistry.cli._options import Subparsers, add_layout_arguments, add_placement_arguments, layout_from_args
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["add_command", "aligned"]
+__all__ = ["add_command"]
 
 
 def add_command(subparsers: Subparsers) -> None:
@@ -66,8 +67,6 @@ def add_command(subparsers: Subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pgregistry.cli import _layout_views as layout_views
-
     try:
         if args.show < 0:
             raise ValueError(f"--show must be non-negative, got {args.show}")
@@ -208,14 +207,3 @@ def _table(report: dict[str, Any]) -> str:
         lines += aligned(group_rows, numeric=())
     return "\n".join(lines)
 
-
-def aligned(rows: Sequence[Sequence[str]], numeric: tuple[int, ...]) -> list[str]:
-    """Rows as text columns; the ``numeric`` columns right-aligned, the last one left as it is."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    out = []
-    for row in rows:
-        cells = [
-            cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])
-        ]
-        out.append("  ".join([*cells, row[-1]]).rstrip())
-    return out

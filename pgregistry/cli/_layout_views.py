@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pgregistry.cli._layout import aligned
+from pgregistry.cli._columns import aligned
 from pgregistry.cli._options import check_span, intra_node_kinds
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ last elements of a tensor (a scalar loop) than inside it (a vector loop), so a f
 Padding between and after the parameters (grad-buffer alignment) is stepped too: its param, grad and state are
 zero, and an elementwise rule keeps them zero.
 
-A flat step also writes the flat tensor's *copies* (:class:`Copy`: the low-precision model parameters of a
-mixed-precision optimizer, packed per dtype run; a sharded optimizer's parameter shard). On CUDA, over float32, with
-a rule whose implementation ``ElementwiseRule`` chooses, the step and the copies are one kernel
+A flat step also writes the flat tensor's *copies* (:class:`~pgregistry.optim._copies.Copy`: the low-precision model
+parameters of a mixed-precision optimizer, packed per dtype run; a sharded optimizer's parameter shard). On CUDA,
+over float32, with a rule whose implementation ``ElementwiseRule`` chooses, the step and the copies are one kernel
 (:mod:`pgregistry.optim._fused_step`: 30 bytes a parameter for AdamW into bf16, where torch's fused AdamW and a copy
 move 34); elsewhere, and for whatever that kernel does not take, torch's step then one ``_foreach_copy_`` (on CPU the
 bits of a step per parameter and its copies, as before).
@@ -34,9 +34,10 @@ from typing import Any
 import attrs
 import torch
 
+from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._fused_step import FusedStep, fused_step_applies
 
-__all__ = ["FLAT_DTYPES", "Copy", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS", "write_copies"]
+__all__ = ["FLAT_DTYPES", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS"]
 
 FLAT_DTYPES = (torch.float32, torch.float64)
 """Main-param dtypes stepped flat (see the module docstring for why not bf16 and fp16)."""
@@ -76,22 +77,6 @@ class ElementwiseRule:
         if tensors and all(t.is_cuda for t in tensors) and self.chooses_implementation:
             kwargs["fused"] = True
         return self.optimizer_class(tensors, **kwargs)
-
-
-@attrs.frozen(slots=True, eq=False)
-class Copy:
-    """After every step, ``out`` (a contiguous 1-d tensor, of any floating dtype) holds ``flat[start : start +
-    out.numel()]`` rounded to its dtype."""
-
-    start: int
-    out: torch.Tensor
-
-
-def write_copies(flat: torch.Tensor, copies: Sequence[Copy]) -> None:
-    """Write ``copies`` of ``flat`` (one ``_foreach_copy_``)."""
-    if copies:
-        sources = [flat.detach()[c.start : c.start + c.out.numel()] for c in copies]
-        torch._foreach_copy_([c.out for c in copies], sources)
 
 
 @attrs.frozen(slots=True)

@@ -17,7 +17,7 @@ The state is the one torch's fused optimizer keeps, created as it creates it (``
 device, incremented there before the kernel reads it, so there is no host sync; moments shaped like the flat tensor),
 in the torch optimizer's own ``state``: state dicts, checkpoints and a torch step in between are unchanged.
 
-Copies: a flat tensor's copies (:class:`~pgregistry.optim._flat_step.Copy`) are written by the kernel when their dtype
+Copies: a flat tensor's copies (:class:`~pgregistry.optim._copies.Copy`) are written by the kernel when their dtype
 is the one most of them share, they lie on the flat tensor's device, and no block of ``BLOCK`` elements would write
 two of them (the kernel reads one copy row per block). A mixed-precision optimizer over a bf16 model (one copy) and a
 sharded optimizer (one copy: its shard) qualify whole. In a model mixing dtypes, copies of a minority dtype, and a
@@ -38,15 +38,13 @@ import functools
 import struct
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 
 from pgregistry._triton import cuda_index, launch_on, optional_kernels, probe_kernel
-
-if TYPE_CHECKING:
-    from pgregistry.optim._flat_step import Copy
+from pgregistry.optim._copies import Copy
 
 __all__ = ["BLOCK", "COPY_DTYPES", "ITERS", "VEC", "WARPS", "FusedStep", "fused_step_applies", "fused_step_available"]
 
@@ -95,8 +93,6 @@ def _works_on(index: int) -> bool:
 def _probe(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """One Adam step (betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact) of ones with grads ±4 and
     ±2, copied to bf16: every param moves by 0.5 against its grad."""
-    from pgregistry.optim._flat_step import Copy
-
     flat = torch.nn.Parameter(torch.ones(8, device=device))
     flat.grad = torch.tensor([4.0, -4.0, 2.0, -2.0] * 2, device=device)
     out = torch.zeros(8, dtype=torch.bfloat16, device=device)

@@ -23,7 +23,8 @@ import torch
 
 from pgregistry._grad_buffer import GradBuffer, all_reduce_grads_
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
-from pgregistry.optim._flat_step import Copy, FlatStep, write_copies
+from pgregistry.optim._copies import Copy, write_copies
+from pgregistry.optim._flat_step import FlatStep
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.params import copy_param_roles

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from pgregistry._grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
 from pgregistry.collection import group_size
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
-from pgregistry.optim._flat_step import Copy, FlatStep
+from pgregistry.optim._copies import Copy
+from pgregistry.optim._flat_step import FlatStep
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.params import copy_param_roles

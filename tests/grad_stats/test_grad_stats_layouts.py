@@ -1,7 +1,7 @@
 """Grad statistics on sharded toy models over a matrix of 8-rank layouts, against the unsharded float64 oracle.
 
-Every layout shards the same unsharded model (:mod:`pgregistry._toy_models`) the way real layers do; its
-float64 gradients and oracles come from ``tests/fixtures/unsharded_oracle.py``. Each
+Every layout shards the same unsharded model (:mod:`pgregistry._toy_models`: its definition and its float64
+gradients) the way real layers do; the oracles come from ``tests/fixtures/unsharded_oracle.py``. Each
 rank computes norms (p = 2, inf, 3), the zero count, clipping and the replication audit through the public API;
 the parent compares every rank with the oracle computed from the unsharded gradients. One world per layout runs
 every check.
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.unsharded_oracle import full_grads, oracle_clipped, oracle_norm, oracle_numel, oracle_zeros
+from fixtures.unsharded_oracle import oracle_clipped, oracle_norm, oracle_numel, oracle_zeros
 
 from pgregistry import registry
-from pgregistry._toy_models import local_model, set_grads
+from pgregistry._toy_models import ZEROED, full_grads, local_model, set_grads
 from pgregistry.audit import audit_grad_replication
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
 from pgregistry.layout import ParallelLayout
@@ -99,8 +99,12 @@ def test_layout_matches_unsharded_oracle(name: str) -> None:
 
 
 def test_the_oracle_is_not_trivial() -> None:
-    """The random gradients have zeros, a wholly zero tensor and a norm far from the invariance oracle's."""
+    """The random gradients have zeros, a wholly zero tensor and a norm far from the invariance oracle's; every
+    rank draws the same ones (one seed), in float64 that float32 shards hold exactly."""
     grads = full_grads("random")
+    assert not grads[ZEROED].any() and all(g.any() for name, g in grads.items() if name != ZEROED)
+    assert all(torch.equal(g, again) for g, again in zip(grads.values(), full_grads("random").values(), strict=True))
+    assert all(g.dtype == torch.float64 and torch.equal(g.float().double(), g) for g in grads.values())
     assert 0 < oracle_zeros(grads) < oracle_numel()
     assert oracle_norm(grads, math.inf) < oracle_norm(grads, 3.0) < oracle_norm(grads, 2.0)
     unclipped = oracle_clipped(grads, oracle_norm(grads, 2.0) * 2)

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fixtures.unsharded_oracle import full_grads, oracle_norm, oracle_zeros
+from fixtures.unsharded_oracle import oracle_norm, oracle_zeros
 from megatron_support import megatron_initialize, require_megatron
 from torch.overrides import TorchFunctionMode
 
@@ -41,7 +41,7 @@ from pgregistry import (  # noqa: E402
     grad_norm,
     registry,  # noqa: E402
 )
-from pgregistry._toy_models import local_model  # noqa: E402
+from pgregistry._toy_models import full_grads, local_model  # noqa: E402
 from pgregistry.interop.megatron import to_megatron  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402

@@ -221,7 +221,7 @@ def test_layout_sizes_under_megatrons_names(sizes: dict[str, Any]) -> None:
 
 def test_seed_megatron_rng_refuses_a_collection_without_its_groups() -> None:
     # Checked before Megatron-Core is called: its own fallback would read the global ranks. (Seeding itself needs
-    # CUDA; scripts/megatron_gpu_step.py checks the seeds on a GPU.)
+    # CUDA; scripts/megatron_parity.py checks the seeds on a GPU.)
     with pytest.raises(
         ValueError, match=r"needs the collection's \['pp', 'ep', 'expt_tp', 'gtp_remat', 'expt_gtp_remat'\]"
     ):

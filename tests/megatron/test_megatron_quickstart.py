@@ -1,6 +1,6 @@
 """The README's Megatron-Core example (examples/megatron_quickstart.py) builds its model on pgregistry's groups.
 
-Its training step needs CUDA (scripts/megatron_gpu_step.py runs one on GPUs); here its ``build_model`` runs in gloo
+Its training step needs CUDA (scripts/megatron_parity.py trains one on GPUs); here its ``build_model`` runs in gloo
 worlds of 1 and 2 ranks, and the invariance oracle checks the grad norm: with every grad element 1 it is the square
 root of the unsharded model's parameter count, which the 1-rank build gives.
 """

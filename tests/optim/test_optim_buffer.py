@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fixtures.unsharded_oracle import full_grads, oracle_norm, oracle_zeros
+from fixtures.unsharded_oracle import oracle_norm, oracle_zeros
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import pgregistry._grad_buffer as grad_buffer
 from pgregistry import registry
 from pgregistry._grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows, reduce_zero_counts
-from pgregistry._toy_models import local_model
+from pgregistry._toy_models import full_grads, local_model
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import (
     StatsGroups,

@@ -42,7 +42,7 @@ from pgregistry.optim import (
 )
 from pgregistry.optim import _flat_step as flat_step_module
 from pgregistry.optim import _fused_step as fused_step
-from pgregistry.optim._flat_step import Copy, write_copies
+from pgregistry.optim._copies import Copy, write_copies
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 OFF = setup_process_groups_for_optimizer(ALL_OFF)

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fixtures.unsharded_oracle import full_grads, oracle_norm, oracle_numel, oracle_zeros
+from fixtures.unsharded_oracle import oracle_norm, oracle_numel, oracle_zeros
 
 from pgregistry import registry
-from pgregistry._toy_models import EXPERT, local_model, set_main_grads, shards_of
+from pgregistry._toy_models import EXPERT, full_grads, local_model, set_main_grads, shards_of
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.optim._base import combine_norms

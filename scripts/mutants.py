@@ -1,0 +1,396 @@
+"""Planted bugs, and the tests that must catch them: a test that cannot fail proves nothing.
+
+    python scripts/mutants.py            # every mutant (make mutants)
+    python scripts/mutants.py --only nan-clip-coefficient allowlist-written-in-place
+    python scripts/mutants.py --list     # the mutants and their tests, nothing run
+
+Each :class:`Mutant` is one bug this library exists to prevent, written as an edit: a file, a snippet that occurs
+in it exactly once, its replacement, and the test node ids that must fail with it. The script copies the
+repository's files (those git tracks, and those it does not ignore, as they are on disk) to a temporary directory,
+runs every listed test there once unmutated (they must pass: a red suite can catch nothing), then applies one mutant
+at a time to the copy, never to the working tree, and runs that mutant's tests with this interpreter's pytest, in
+the copy, with ``PYTHONPATH`` pointing at it so the copy's ``pgregistry`` is the one imported. A mutant is caught
+when every test listed for it fails; the table says which were and how long each took.
+
+Exit 0: every mutant caught. 1: a mutant survived (a listed test passed with it, or pytest could not run it), or a
+listed test failed unmutated. 2: the list went stale: a snippet not found exactly once, a file or a listed test
+that no longer exists (``tests/core/test_mutants.py`` checks this on every ``make test``, without running a
+mutant). When code moves, move its mutant with it (docs/reliability.md, "Planted bugs").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTEST_TIMEOUT_S = 900  # one mutant's tests; each test has its own deadline (run_world's, pytest-timeout's 120 s)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: in ``file`` (relative to the repository), ``find`` (exactly once) becomes ``replace``; every
+    test of ``tests`` (pytest node ids; an id without parameters stands for all of them) must then fail."""
+
+    name: str
+    bug: str
+    file: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        name="expert-grads-with-dense-tp",
+        bug="expert grads filtered with the dense TP group (Megatron-LM PR 6470)",
+        file="pgregistry/grad_stats/_filters.py",
+        find="_not_tp_duplicate(param, groups.expt_tp if expert else groups.tp)",
+        replace="_not_tp_duplicate(param, groups.tp)",
+        tests=(
+            "tests/grad_stats/test_expert_grads_filtered_with_expert_tp.py::"
+            "test_expert_grads_count_once_per_expert_tp_group",
+        ),
+    ),
+    Mutant(
+        name="gtp-duplicates-counted",
+        bug="every GTP-remat replica of a replicated grad counted (the GTP duplicate filter off)",
+        file="pgregistry/grad_stats/_filters.py",
+        find='return bool(getattr(param, "is_gtp_weight_remat", False)) or group_rank(gtp_group) == 0',
+        replace="return True",
+        tests=("tests/grad_stats/test_grad_stats_layouts.py::test_layout_matches_unsharded_oracle[TP2-GTP2-EP2]",),
+    ),
+    Mutant(
+        name="shared-copy-counted",
+        bug="the last stage's copy of a tied embedding counted a second time",
+        file="pgregistry/grad_stats/_filters.py",
+        find='return not getattr(param, "shared", False)',
+        replace="return True",
+        tests=("tests/grad_stats/test_grad_stats_layouts.py::test_layout_matches_unsharded_oracle[TP2-CP2-PP2]",),
+    ),
+    Mutant(
+        name="nan-clip-coefficient",
+        bug="a non-finite norm clips by a NaN (or zero) coefficient, poisoning every grad",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="coeff = torch.where(finite, clipped, torch.ones_like(clipped))",
+        replace="coeff = clipped",
+        tests=(
+            "tests/grad_stats/test_grad_stats_nonfinite.py::"
+            "test_a_non_finite_norm_leaves_every_grad_unscaled_on_every_rank",
+        ),
+    ),
+    Mutant(
+        name="allowlist-written-in-place",
+        bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
+        file="pgregistry/allowlist/_storage.py",
+        find='handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")',
+        replace="handle, temporary = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), str(path)",
+        tests=(
+            "tests/allowlist/test_allowlist_reliability.py::test_kill_9_during_update_leaves_the_old_file",
+            "tests/allowlist/test_allowlist_reliability.py::"
+            "test_a_full_disk_exits_2_with_one_line_and_keeps_the_old_file",
+        ),
+    ),
+    Mutant(
+        name="non-strict-load-by-default",
+        bug="a checkpoint with keys no rank's model holds (more experts) loads silently",
+        file="pgregistry/checkpoint/_rank_files.py",
+        find="    strict: bool = True,\n",
+        replace="    strict: bool = False,\n",
+        tests=(
+            "tests/experts/test_checkpoint_reliability.py::test_more_experts_than_the_model_has_is_an_error_naming_them",
+            "tests/experts/test_checkpoint_reliability.py::test_unrelated_extra_keys_are_an_error_naming_them",
+        ),
+    ),
+    Mutant(
+        name="checksum-not-checked",
+        bug="a flipped bit in a stored tensor loads as a silently different weight",
+        file="pgregistry/checkpoint/_integrity.py",
+        find="return [] if checksums == tensor_crc32(value) else [label]",
+        replace="return []",
+        tests=(
+            "tests/experts/test_checkpoint_integrity.py::"
+            "test_a_flipped_bit_in_a_tensor_is_named_with_its_file_and_tensor",
+        ),
+    ),
+    Mutant(
+        name="fallback-warning-dropped",
+        bug="an entry point given no collection reads the global grid silently",
+        file="pgregistry/_resolve.py",
+        find='    warn_fallback(owner, "pg_collection")\n    return grid\n',
+        replace="    return grid\n",
+        tests=("tests/core/test_resolver.py::test_no_collection_is_the_global_grid_with_a_warning_never_ep_off",),
+    ),
+    Mutant(
+        name="explicit-collection-beats-attached",
+        bug="an explicit collection that disagrees with the one attached to the model silently wins",
+        file="pgregistry/_resolve.py",
+        find="if attached is not None and attached != pg_collection:",
+        replace="if False:",
+        tests=(
+            "tests/core/test_resolver.py::"
+            "test_an_explicit_collection_that_disagrees_with_the_attached_one_and_a_destroyed_one_are_refused",
+        ),
+    ),
+    Mutant(
+        name="not-member-read-as-none",
+        bug="a middle stage's embedding field (NOT_MEMBER) read as None, i.e. rank 0 of a 1-rank group",
+        file="pgregistry/collection.py",
+        find="        if isinstance(value, NotMember):\n            raise ValueError(\n",
+        replace="        if isinstance(value, NotMember):\n            return None\n            raise ValueError(\n",
+        tests=(
+            "tests/core/test_registry.py::"
+            "test_a_rank_outside_the_embedding_groups_is_not_a_member_never_rank_0_of_1",
+        ),
+    ),
+    Mutant(
+        name="pipeline-seed-stride",
+        bug="a wrong RNG seed offset: the pipeline stride 10, not Megatron-Core's 100",
+        file="pgregistry/rng.py",
+        find="_PIPELINE_STRIDE: Final = 100",
+        replace="_PIPELINE_STRIDE: Final = 10",
+        tests=("tests/rng/test_rng_seeds.py::test_seed_plan_matches_the_formulas",),
+    ),
+    Mutant(
+        name="expert-gtp-axis-after-tp",
+        bug="an order swap in the layout: the expert GTP-remat axis placed after expert TP, not after EP",
+        file="pgregistry/layout.py",
+        find='"expt_gtp_remat", expert_sizes, after=OrderToken.EP.value)',
+        replace='"expt_gtp_remat", expert_sizes, after=OrderToken.TP.value)',
+        tests=(
+            "tests/core/test_layout_gtp_axes.py::test_dense_gtp_follows_tp_and_expert_gtp_follows_ep",
+            "tests/megatron/test_megatron_parity.py::test_every_field_holds_megatrons_ranks_on_gloo_worlds",
+        ),
+    ),
+    Mutant(
+        name="split-families-overlap",
+        bug="one split_group over overlapping rank sets (NCCL's split gives each rank one communicator: the rest hang)",
+        file="pgregistry/_group_cache.py",
+        find="            if taken.isdisjoint(ranks):\n",
+        replace="            if True:\n",
+        tests=(
+            "tests/core/test_group_creation_paths.py::"
+            "test_the_plan_deals_every_set_once_into_disjoint_families_about_one_per_kind",
+        ),
+    ),
+    Mutant(
+        name="expert-grads-sharded-over-dense-dp",
+        bug="the sharded optimizer reduce-scatters expert grads over the dense data-parallel group",
+        file="pgregistry/optim/_sharded.py",
+        find="self.shard_group = groups.intra_expt_dp if expert else groups.intra_dp_cp",
+        replace="self.shard_group = groups.intra_dp_cp",
+        tests=(
+            "tests/optim/test_optim_sync.py::test_dense_grads_averaged_over_dp_cp_and_expert_grads_over_expt_dp",
+        ),
+    ),
+    Mutant(
+        name="expert-global-index",
+        bug="a local expert's global index computed with the EP rank as the fast index",
+        file="pgregistry/experts/_keys.py",
+        find="return ep_rank * num_local + local_index",
+        replace="return ep_rank + local_index * ep_size",
+        tests=("tests/experts/test_experts_keys.py::test_reference_examples",),
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------------- the list
+
+
+def stale(mutants: Sequence[Mutant], root: Path) -> list[str]:
+    """What no longer holds of ``mutants`` in the tree at ``root``: a missing file, a snippet not found exactly
+    once, a listed test whose file or function is gone, a name used twice."""
+    problems = []
+    names = [m.name for m in mutants]
+    problems += [f"mutant name {name!r} is used twice" for name in sorted({n for n in names if names.count(n) > 1})]
+    for mutant in mutants:
+        path = root / mutant.file
+        if not path.is_file():
+            problems.append(f"{mutant.name}: {mutant.file} does not exist")
+        else:
+            count = path.read_text(encoding="utf-8").count(mutant.find)
+            if count != 1:
+                problems.append(f"{mutant.name}: its snippet occurs {count} times in {mutant.file}, not once")
+        if not mutant.tests:
+            problems.append(f"{mutant.name}: no test is listed to catch it")
+        problems += [f"{mutant.name}: {problem}" for test in mutant.tests if (problem := _missing_test(test, root))]
+    return problems
+
+
+def _missing_test(node_id: str, root: Path) -> str | None:
+    """Why ``node_id`` names no test function under ``root`` (None when it does): checked from the file's ``ast``,
+    without collecting it."""
+    file, _, function = node_id.partition("::")
+    function = function.partition("[")[0]
+    path = root / file
+    if not path.is_file():
+        return f"test file {file} does not exist"
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return None if function in defined else f"{file} defines no test {function!r}"
+
+
+# ------------------------------------------------------------------------------------------------ the copy
+
+
+def copy_repository(repo: Path, destination: Path) -> None:
+    """The files git tracks in ``repo`` and those it does not ignore, as they are on disk, into ``destination``."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=repo, capture_output=True, check=True, timeout=60,
+    ).stdout.decode()
+    for relative in filter(None, listed.split("\0")):
+        source = repo / relative
+        if source.is_file():  # a tracked file deleted in the working tree, or a submodule, is not copied
+            target = destination / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A pytest run: its exit code, the node ids that failed or errored, its output's tail, its duration."""
+
+    returncode: int
+    failed: frozenset[str]
+    tail: str
+    seconds: float
+
+
+def run_tests(copy: Path, node_ids: Sequence[str], python: str) -> Outcome:
+    """Run ``node_ids`` in ``copy`` with ``python -m pytest``, importing the copy's package."""
+    environment = {**os.environ, "PYTHONPATH": str(copy), "COLUMNS": "250", "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *node_ids],
+            cwd=copy, env=environment, capture_output=True, text=True, timeout=PYTEST_TIMEOUT_S,
+        )
+        returncode, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        returncode, output = -1, f"pytest ran past {PYTEST_TIMEOUT_S} s: {expired.stdout!r}"
+    failed = frozenset(
+        line.split(" ", 2)[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR ")) and " " in line
+    )
+    return Outcome(returncode, failed, "\n".join(output.strip().splitlines()[-15:]), time.monotonic() - start)
+
+
+def failed_tests(outcome: Outcome, node_ids: Sequence[str]) -> list[str]:
+    """The ids of ``node_ids`` that failed in ``outcome`` (an id without parameters: any of its parameters)."""
+    return [
+        node_id for node_id in node_ids
+        if any(failed == node_id or failed.startswith(node_id + "[") for failed in outcome.failed)
+    ]
+
+
+def _imports_the_copy(copy: Path, python: str) -> bool:
+    environment = {**os.environ, "PYTHONPATH": str(copy)}
+    done = subprocess.run(
+        [python, "-c", "import pgregistry; print(pgregistry.__file__)"],
+        cwd=copy, env=environment, capture_output=True, text=True, timeout=60,
+    )
+    return done.returncode == 0 and Path(done.stdout.strip()).resolve().is_relative_to(copy.resolve())
+
+
+# ----------------------------------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class Verdict:
+    mutant: Mutant
+    outcome: Outcome
+    failed: tuple[str, ...]
+
+    @property
+    def caught(self) -> bool:
+        return len(self.failed) == len(self.mutant.tests)
+
+
+def run(mutants: Sequence[Mutant], repo: Path, python: str, emit: Callable[[str], None] = print) -> int:
+    """Check, copy, run the baseline, then every mutant; ``emit`` the table; return the exit code."""
+    problems = stale(mutants, repo)
+    if problems:
+        emit("the mutant list went stale (fix it in scripts/mutants.py):")
+        for problem in problems:
+            emit(f"  {problem}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pgregistry-mutants-") as temporary:
+        copy = Path(temporary) / "repo"
+        copy_repository(repo, copy)
+        if not _imports_the_copy(copy, python):
+            emit(f"{python} does not import the copy's pgregistry with PYTHONPATH={copy}; cannot judge anything")
+            return 1
+        every_test = list(dict.fromkeys(test for mutant in mutants for test in mutant.tests))
+        baseline = run_tests(copy, every_test, python)
+        emit(f"baseline: {len(every_test)} tests unmutated, exit {baseline.returncode}, {baseline.seconds:.0f} s")
+        if baseline.returncode != 0:
+            emit("listed tests fail without any mutant (a red test catches nothing):")
+            emit(baseline.tail)
+            return 1
+        verdicts = []
+        for mutant in mutants:
+            path = copy / mutant.file
+            original = path.read_text(encoding="utf-8")
+            path.write_text(original.replace(mutant.find, mutant.replace), encoding="utf-8")
+            try:
+                outcome = run_tests(copy, mutant.tests, python)
+            finally:
+                path.write_text(original, encoding="utf-8")
+            verdict = Verdict(mutant, outcome, tuple(failed_tests(outcome, mutant.tests)))
+            verdicts.append(verdict)
+            emit(f"{mutant.name}: {'caught' if verdict.caught else 'SURVIVED'} ({outcome.seconds:.0f} s)")
+            if not verdict.caught:
+                emit(outcome.tail)
+    emit("")
+    emit(table(verdicts))
+    survived = [v.mutant.name for v in verdicts if not v.caught]
+    emit("")
+    emit(f"{len(verdicts) - len(survived)} of {len(verdicts)} mutants caught" + (
+        f"; SURVIVED: {', '.join(survived)}" if survived else ""
+    ))
+    return 1 if survived else 0
+
+
+def table(verdicts: Sequence[Verdict]) -> str:
+    rows = [("mutant", "file", "tests failed", "verdict", "seconds", "bug")]
+    rows += [
+        (
+            v.mutant.name, v.mutant.file, f"{len(v.failed)} of {len(v.mutant.tests)}",
+            "caught" if v.caught else "SURVIVED", f"{v.outcome.seconds:.0f}", v.mutant.bug,
+        )
+        for v in verdicts
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ("  ".join([*(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)), row[-1]]) for row in rows)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Apply planted bugs to a copy of the repository; each must be caught.")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--list", action="store_true", help="print the mutants and their tests; run nothing")
+    args = parser.parse_args(argv)
+    chosen = list(MUTANTS)
+    if args.only:
+        unknown = sorted(set(args.only) - {m.name for m in MUTANTS})
+        if unknown:
+            parser.error(f"unknown mutant(s) {', '.join(unknown)}; known: {', '.join(m.name for m in MUTANTS)}")
+        chosen = [m for m in MUTANTS if m.name in args.only]
+    if args.list:
+        for mutant in chosen:
+            print(f"{mutant.name}: {mutant.bug}\n  {mutant.file}\n" + "".join(f"  {t}\n" for t in mutant.tests))
+        return 0
+    return run(chosen, REPO, sys.executable)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
