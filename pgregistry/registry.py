@@ -202,7 +202,8 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
 
 
 def communicators_created() -> int:
-    """How many ``new_group`` calls pgregistry issued in this process (for benchmarks and tests)."""
+    """How many communicators pgregistry created in this process, by ``new_group`` or ``split_group`` (for
+    benchmarks and tests)."""
     return CACHE.created
 
 
