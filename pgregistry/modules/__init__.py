@@ -1,9 +1,12 @@
 """Several modules in one job, each on its own layout: the job-wide collection of modules and what uses it.
 
 A module (a vision encoder, a language model, an RL actor or critic) runs on a layout over a span of the world,
-its own or shared with others. :class:`MultiModuleCollection` holds every module's collection on every rank.
+its own or shared with others. :class:`MultiModuleCollection` holds every module's collection on every rank;
+:func:`grad_norm`, :func:`count_zeros` and :func:`clip_grad_norm_` are the job-wide grad statistics over the
+modules, each grad counted once across the whole job.
 """
 
 from pgregistry.modules._collection import MultiModuleCollection, build_modules
+from pgregistry.modules._stats import clip_grad_norm_, count_zeros, grad_norm
 
-__all__ = ["MultiModuleCollection", "build_modules"]
+__all__ = ["MultiModuleCollection", "build_modules", "clip_grad_norm_", "count_zeros", "grad_norm"]
