@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pgregistry._group_cache import agree_on_request, require_distributed
+from pgregistry._group_cache import require_distributed
 from pgregistry.grad_stats import backend_device
 
 __all__ = ["agree_over_the_world"]
@@ -30,8 +30,8 @@ def agree_over_the_world(subject: str, fields: Mapping[str, str], error: str | N
     """Raise ``ValueError`` on every rank when the ranks' ``fields`` differ or any rank's ``error`` is set.
 
     One all-reduce (MAX of the request's digest, of its negation and of a fault flag) decides. Only when it says no
-    is more exchanged: differing requests raise :func:`~pgregistry._group_cache.agree_on_request`'s message (the
-    fields that differ and who asked for which); faults are gathered and every rank raises one message quoting
+    is more exchanged: differing requests raise a message naming the fields that differ and which ranks asked for
+    which value; faults are gathered and every rank raises one message quoting
     each faulty rank's error. ``subject`` names the call in messages.
     """
     require_distributed(subject)
@@ -40,9 +40,8 @@ def agree_over_the_world(subject: str, fields: Mapping[str, str], error: str | N
     verdict = torch.tensor([digest, -digest, int(error is not None)], dtype=torch.int64, device=backend_device(None))
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     largest, negated_smallest, faulty = (int(value) for value in verdict.tolist())
-    if largest != -negated_smallest:
-        agree_on_request(subject, fields)  # every rank takes this branch alike; it raises, naming the fields
-        raise AssertionError("ranks disagreed, but agree_on_request did not raise")  # pragma: no cover
+    if largest != -negated_smallest:  # every rank takes this branch alike
+        _raise_differences(subject, fields)
     if not faulty:
         return
     errors: list[Any] = [None] * dist.get_world_size()
@@ -53,3 +52,25 @@ def agree_over_the_world(subject: str, fields: Mapping[str, str], error: str | N
     ranks = [rank for rank, _ in found]
     raise ValueError(f"{subject}: ranks {ranks} were given bad input ({quoted}{more}); this rank is rank "
                      f"{dist.get_rank()}")
+
+
+def _raise_differences(subject: str, fields: Mapping[str, str]) -> None:
+    """Gather every rank's ``fields`` and raise, naming each field that differs and which ranks asked for what."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(fields))
+    differences = []
+    for key in fields:
+        by_value: dict[str, list[int]] = {}
+        for rank, asked in enumerate(everyone):
+            by_value.setdefault((asked or {}).get(key, "<missing>"), []).append(rank)
+        if len(by_value) > 1:
+            askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
+            differences.append(f"{key!r} differs ({askers})")
+    raise ValueError(
+        f"ranks disagree on {subject}: {'; '.join(differences)}; this rank is rank {dist.get_rank()}. Every rank "
+        "must pass the same modules, in the same order, and the same options"
+    )
+
+
+def _shorten(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
