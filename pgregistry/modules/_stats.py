@@ -133,20 +133,23 @@ def reduce_over_modules(
     norms: Mapping[str, torch.Tensor] | None = None,
     norm_type: float = 2.0,
     zeros: Mapping[str, torch.Tensor | int] | None = None,
+    settings: Mapping[str, float] | None = None,
 ) -> tuple[torch.Tensor | None, int | None]:
     """The job-wide norm and zero count from the modules' own, in one all-reduce (MAX) over the world.
 
     ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
     of the modules this rank runs (the same on every rank of a module). Each module's norm travels as its finite
     value and two flags (NaN, infinite), never as a NaN; the zero counts as float64 (exact below 2**53). The
-    all-reduce also carries ``norm_type`` and its negation, so ranks that asked for different norms raise
-    ``ValueError`` on every rank. Returns ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim
-    float32 tensor (NaN when any module's is NaN, else infinite when any is), the count an int.
+    all-reduce also carries each of ``settings`` (name -> a number every rank must have alike; never NaN),
+    ``norm_type`` among them, and its negation: ranks that differ raise ``ValueError`` on every rank, naming the
+    setting. Returns ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim float32 tensor (NaN when
+    any module's is NaN, else infinite when any is), the count an int.
     """
     count = len(names)
     index = {name: i for i, name in enumerate(names)}
     device = backend_device(None)
-    packed = torch.zeros(3 * count + count + 2, dtype=torch.float64, device=device)
+    agreed = {"norm_type": float(norm_type), **(settings or {})}
+    packed = torch.zeros(3 * count + count + 2 * len(agreed), dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
             value = norm.detach().reshape(()).to(device=device, dtype=torch.float64)
@@ -158,14 +161,18 @@ def reduce_over_modules(
     if zeros is not None:
         for name, zero_count in zeros.items():
             packed[3 * count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
-    p = float(norm_type)
-    packed[-2], packed[-1] = p, -p
+    base = 4 * count
+    for i, value in enumerate(agreed.values()):
+        packed[base + 2 * i], packed[base + 2 * i + 1] = float(value), -float(value)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    if float(packed[-2]) != -float(packed[-1]):
-        raise ValueError(
-            f"ranks asked for different norm types (from {-float(packed[-1])} to {float(packed[-2])}); every rank "
-            "must ask for the same job-wide statistic"
-        )
+    for i, setting in enumerate(agreed):
+        largest, smallest = float(packed[base + 2 * i]), -float(packed[base + 2 * i + 1])
+        if largest != smallest:
+            raise ValueError(
+                f"ranks asked for different {setting} values (from {smallest} to {largest}); every rank must ask "
+                "for the same job-wide statistic"
+            )
+    p = float(norm_type)
     total = None
     if norms is not None:
         values, nan, inf = packed[0 : 3 * count : 3], packed[1 : 3 * count : 3], packed[2 : 3 * count : 3]
