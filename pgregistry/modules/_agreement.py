@@ -26,13 +26,16 @@ _SHOWN = 4
 """How many ranks' errors a message quotes in full."""
 
 
-def agree_over_the_world(subject: str, fields: Mapping[str, str], error: str | None) -> None:
+def agree_over_the_world(
+    subject: str, fields: Mapping[str, str], error: str | None, *, failed: str = "were given bad input"
+) -> None:
     """Raise ``ValueError`` on every rank when the ranks' ``fields`` differ or any rank's ``error`` is set.
 
     One all-reduce (MAX of the request's digest, of its negation and of a fault flag) decides. Only when it says no
     is more exchanged: differing requests raise a message naming the fields that differ and which ranks asked for
     which value; faults are gathered and every rank raises one message quoting
-    each faulty rank's error. ``subject`` names the call in messages.
+    each faulty rank's error (``failed`` says what happened to those ranks). ``subject`` names the call in
+    messages.
     """
     require_distributed(subject)
     request = "|".join(f"{key}={value}" for key, value in fields.items())
@@ -50,8 +53,7 @@ def agree_over_the_world(subject: str, fields: Mapping[str, str], error: str | N
     quoted = "; ".join(f"rank {rank}: {text}" for rank, text in found[:_SHOWN])
     more = f"; and {len(found) - _SHOWN} more rank(s)" if len(found) > _SHOWN else ""
     ranks = [rank for rank, _ in found]
-    raise ValueError(f"{subject}: ranks {ranks} were given bad input ({quoted}{more}); this rank is rank "
-                     f"{dist.get_rank()}")
+    raise ValueError(f"{subject}: ranks {ranks} {failed} ({quoted}{more}); this rank is rank {dist.get_rank()}")
 
 
 def _raise_differences(subject: str, fields: Mapping[str, str]) -> None:

@@ -146,7 +146,9 @@ def _check_name(name: object) -> None:
 def _check_module(name: str, collection: object) -> None:
     _check_name(name)
     if not isinstance(collection, ProcessGroupCollection):
-        raise TypeError(f"module {name!r}: expected a pgregistry ProcessGroupCollection, got {type(collection).__name__}")
+        raise TypeError(
+            f"module {name!r}: expected a pgregistry ProcessGroupCollection, got {type(collection).__name__}"
+        )
     if collection.layout is None:
         raise ValueError(
             f"module {name!r} has a collection assembled by hand: a rank outside the module could not know its "

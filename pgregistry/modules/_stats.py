@@ -162,8 +162,8 @@ def reduce_over_modules(
         for name, zero_count in zeros.items():
             packed[3 * count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
     base = 4 * count
-    for i, value in enumerate(agreed.values()):
-        packed[base + 2 * i], packed[base + 2 * i + 1] = float(value), -float(value)
+    for i, number in enumerate(agreed.values()):
+        packed[base + 2 * i], packed[base + 2 * i + 1] = float(number), -float(number)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     for i, setting in enumerate(agreed):
         largest, smallest = float(packed[base + 2 * i]), -float(packed[base + 2 * i + 1])

@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from modules_support import JOBS, job_grads, oracle_clip_coeff, oracle_norm, oracle_zeros
 
