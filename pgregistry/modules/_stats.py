@@ -9,10 +9,11 @@ fills every slot with its module's value (every rank of a module holds the same)
 contributes nothing for it, and a module is counted once however many ranks run it. The job-wide norm is then
 ``(sum_m n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m z_m``, both in float64.
 
-Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent as a flag beside a
-finite value (a NaN inside a MAX all-reduce is backend-dependent: it may be dropped, and a job-wide norm of a NaN
-gradient would then look finite); module norms are combined in float64, scaled by the largest, so no square
-overflows; and every rank agrees on the modules, their spans and the call's options first
+Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent encoded as a number
+above every finite norm (a NaN inside a MAX all-reduce is backend-dependent: gloo keeps or drops it depending on
+which rank holds it, and a job-wide norm of a NaN gradient would then look finite); module norms are combined in
+float64, scaled by the largest, so no square overflows (each module's own norm is :mod:`pgregistry.grad_stats`'s,
+float32); and every rank agrees on the modules, their spans and the call's options first
 (:mod:`~pgregistry.modules._agreement`), so a rank that lists other modules, or was given a model for a module it
 does not run (or none for one it runs), raises on every rank instead of leaving a module's ranks waiting.
 """
@@ -138,8 +139,8 @@ def reduce_over_modules(
     """The job-wide norm and zero count from the modules' own, in one all-reduce (MAX) over the world.
 
     ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
-    of the modules this rank runs (the same on every rank of a module). Each module's norm travels as its finite
-    value and two flags (NaN, infinite), never as a NaN; the zero counts as float64 (exact below 2**53). The
+    of the modules this rank runs (the same on every rank of a module). Each module's norm travels as a number,
+    never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53). The
     all-reduce also carries each of ``settings`` (name -> a number every rank must have alike; never NaN),
     ``norm_type`` among them, and its negation: ranks that differ raise ``ValueError`` on every rank, naming the
     setting. Returns ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim float32 tensor (NaN when
@@ -149,19 +150,16 @@ def reduce_over_modules(
     index = {name: i for i, name in enumerate(names)}
     device = backend_device(None)
     agreed = {"norm_type": float(norm_type), **(settings or {})}
-    packed = torch.zeros(3 * count + count + 2 * len(agreed), dtype=torch.float64, device=device)
+    # Kept short: gloo's all-reduce of a vector longer than the world takes a ring of 2 x world steps, several
+    # times the latency of a shorter one. One slot per module norm, one per module zero count, two per setting.
+    packed = torch.zeros(2 * count + 2 * len(agreed), dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
-            value = norm.detach().reshape(()).to(device=device, dtype=torch.float64)
-            finite = torch.isfinite(value)
-            slot = 3 * index[name]
-            packed[slot] = torch.where(finite, value, torch.zeros_like(value))
-            packed[slot + 1] = torch.isnan(value).to(torch.float64)
-            packed[slot + 2] = torch.isinf(value).to(torch.float64)
+            packed[index[name]] = _encoded(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
     if zeros is not None:
         for name, zero_count in zeros.items():
-            packed[3 * count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
-    base = 4 * count
+            packed[count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
+    base = 2 * count
     for i, number in enumerate(agreed.values()):
         packed[base + 2 * i], packed[base + 2 * i + 1] = float(number), -float(number)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
@@ -175,14 +173,29 @@ def reduce_over_modules(
     p = float(norm_type)
     total = None
     if norms is not None:
-        values, nan, inf = packed[0 : 3 * count : 3], packed[1 : 3 * count : 3], packed[2 : 3 * count : 3]
-        total = _combined(values, p)
-        total = torch.where(inf.max() > 0, torch.full_like(total, math.inf), total)
-        total = torch.where(nan.max() > 0, torch.full_like(total, math.nan), total).to(torch.float32)
+        slots = packed[:count]
+        finite = torch.where(slots < _INF, slots, torch.zeros_like(slots))
+        total = _combined(finite, p)
+        total = torch.where((slots == _INF).any(), torch.full_like(total, math.inf), total)
+        total = torch.where((slots == _NAN).any(), torch.full_like(total, math.nan), total).to(torch.float32)
     zero_total = None
     if zeros is not None:
-        zero_total = int(round(float(packed[3 * count : 4 * count].sum())))
+        zero_total = int(round(float(packed[count : 2 * count].sum())))
     return total, zero_total
+
+
+_INF = torch.finfo(torch.float64).max
+"""How an infinite module norm travels: above every finite norm (those come from float32, below 3.5e38)."""
+
+_NAN = math.inf
+"""How a NaN module norm travels: above everything else, so a MAX keeps it (a NaN itself it might drop)."""
+
+
+def _encoded(norm: torch.Tensor) -> torch.Tensor:
+    """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when infinite,
+    :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
+    norm = torch.where(torch.isinf(norm), torch.full_like(norm, _INF), norm)
+    return torch.where(torch.isnan(norm), torch.full_like(norm, _NAN), norm)
 
 
 def _combined(norms: torch.Tensor, p: float) -> torch.Tensor:
