@@ -175,3 +175,67 @@ def test_swapped_module_directories_are_refused_on_every_rank(
         every = "pgregistry.modules.load_checkpoint: ranks [0, 1, 2, 3, 4, 5, 6, 7] failed to load"
         assert message.startswith(every), (rank, message)
         assert "module 'encoder': ValueError: " in message and "holds a checkpoint of module 'language'" in message
+
+
+def _distributed_and_world(directory: Path) -> dict[str, Any]:
+    """Each module saved with DCP over its span and loaded back; a checkpoint of a whole-world layout and a
+    module's refused in each other's place."""
+    from pgregistry import build
+    from pgregistry.checkpoint import load_distributed, save_distributed, save_rank_files
+
+    rank = dist.get_rank()
+    modules, models, _, _ = _job(JOBS["disjoint"], None)
+    out: dict[str, Any] = {}
+    for name in modules:  # every rank walks every module; only its ranks save it
+        if name in models:
+            save_distributed(directory / f"dcp-{name}", models[name], pg_collection=modules[name], **NAMING[name])
+    _, fresh, _, _ = _job(JOBS["disjoint"], 0.0)
+    for name, model in fresh.items():
+        load_distributed(directory / f"dcp-{name}", model, pg_collection=modules[name], **NAMING[name])
+        out[f"dcp_{name}"] = all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), models[name].parameters(), strict=True)
+        )
+        other = "language" if name == "encoder" else "encoder"
+        try:
+            load_distributed(directory / f"dcp-{other}", model, pg_collection=modules[name], **NAMING[name])
+            out["dcp_refused"] = "no error"
+        except ValueError as exc:
+            out["dcp_refused"] = str(exc)
+    # A layout over the whole world, checkpointed over the world, next to the modules' checkpoints.
+    whole = build(ParallelLayout(num_ranks=8), name="whole")
+    world_model = local_model(ParallelLayout(num_ranks=8), rank, module_grads("whole"))[0]
+    save_rank_files(directory / "world", world_model, pg_collection=whole, num_experts=EXPERTS)
+    if rank < 4:
+        save_rank_files(directory / "encoder-only", models["encoder"], pg_collection=modules["encoder"],
+                        **NAMING["encoder"])
+    for label, call in (
+        ("world_into_module", lambda: load_rank_files(
+            directory / "world", next(iter(fresh.values())), pg_collection=modules[next(iter(fresh))],
+            **NAMING[next(iter(fresh))],
+        )),
+        ("module_into_world", lambda: load_rank_files(
+            directory / "encoder-only", world_model, pg_collection=whole, num_experts=EXPERTS
+        )),
+    ):
+        try:
+            call()
+            out[label] = "no error"
+        except ValueError as exc:
+            out[label] = str(exc)
+    return out
+
+
+def test_dcp_runs_over_each_modules_span_and_world_and_module_checkpoints_do_not_mix(tmp_path: Path) -> None:
+    for rank, got in enumerate(run_world(8, _distributed_and_world, tmp_path, timeout=60)):
+        name = "encoder" if rank < 4 else "language"
+        assert got[f"dcp_{name}"], rank
+        other, span = ("language' (ranks 4-7)", "0-3") if name == "encoder" else ("encoder' (ranks 0-3)", "4-7")
+        assert f"holds a checkpoint of module '{other}, and this load is of module '{name}' (ranks {span})" in (
+            got["dcp_refused"]
+        ), (rank, got["dcp_refused"])
+        assert f"holds a checkpoint of the whole world (8 ranks), and this load is of module '{name}'" in (
+            got["world_into_module"]
+        ), (rank, got["world_into_module"])
+        assert "holds a checkpoint of module 'encoder' (ranks 0-3), and this load is of the world" in (
+            got["module_into_world"]
+        ), (rank, got["module_into_world"])
