@@ -35,6 +35,11 @@ JOBS: dict[str, dict[str, ParallelLayout]] = {
         "audio": ParallelLayout(num_ranks=2, rank_offset=2),
         "language": ParallelLayout(num_ranks=4, tp=2, pp=2, ep=2, expt_tp=1, rank_offset=4),
     },
+    # Ranks 6 and 7 run no module: they still take part in every job-wide call, contributing nothing.
+    "idle": {
+        "encoder": ParallelLayout(num_ranks=4),
+        "language": ParallelLayout(num_ranks=2, tp=2, rank_offset=4),
+    },
 }
 
 

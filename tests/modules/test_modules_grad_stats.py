@@ -1,8 +1,8 @@
 """Job-wide grad norm, zero count and clipping over the modules of 8-rank jobs, against the float64 oracle.
 
-Three jobs (``modules_support.JOBS``): two modules on disjoint spans (an encoder on ranks 0-3 at DP 4, the
-language model on ranks 4-7 at TP 2 x PP 2), the same two colocated on all 8 ranks, and three modules of which two
-overlap (one with experts inside another's span). Every module is the toy model sharded on its own layout, with its
+Four jobs (``modules_support.JOBS``): two modules on disjoint spans (an encoder on ranks 0-3 at DP 4, the
+language model on ranks 4-7 at TP 2 x PP 2), the same two colocated on all 8 ranks, three modules of which two
+overlap (one with experts inside another's span), and two modules that leave ranks 6 and 7 without any. Every module is the toy model sharded on its own layout, with its
 own gradients; the oracle is the norm of every module's unsharded float64 gradients as one vector, so a module
 counted on the ranks outside it, or counted once per rank that runs it (a SUM over the world where each module's
 value must be taken once), or a module missing, fails.
@@ -78,8 +78,10 @@ def test_job_wide_statistics_match_the_float64_oracle_of_every_module(job: str) 
         assert here == [("encoder",)] * 4 + [("language",)] * 4
     elif job == "colocated":
         assert here == [("encoder", "language")] * 8
-    else:
+    elif job == "mixed":
         assert here == [("vision",)] * 2 + [("vision", "audio")] * 2 + [("language",)] * 4
+    else:
+        assert here == [("encoder",)] * 4 + [("language",)] * 2 + [()] * 2
 
 
 def test_the_oracles_tell_the_modules_apart() -> None:

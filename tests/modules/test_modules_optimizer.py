@@ -94,7 +94,7 @@ def _train(job: str, max_norm: float, reference: dict[str, dict[str, torch.Tenso
     return {"steps": steps, "worst": worst, "here": modules.here(), "state_keys": sorted(optimizer.state_dict())}
 
 
-@pytest.mark.parametrize("job", ["disjoint", "colocated", "mixed"])
+@pytest.mark.parametrize("job", ["disjoint", "colocated", "mixed", "idle"])
 def test_the_optimizer_steps_every_module_like_the_float64_reference(job: str) -> None:
     max_norm = oracle_norm({m: _step_grads(m, 0) for m in JOBS[job]}, 2.0) * 2  # steps 0 and 2 unclipped, 1 clipped
     reference, norms, zeros = _reference(job, max_norm)
