@@ -2,10 +2,11 @@
 
 Four jobs (``modules_support.JOBS``): two modules on disjoint spans (an encoder on ranks 0-3 at DP 4, the
 language model on ranks 4-7 at TP 2 x PP 2), the same two colocated on all 8 ranks, three modules of which two
-overlap (one with experts inside another's span), and two modules that leave ranks 6 and 7 without any. Every module is the toy model sharded on its own layout, with its
-own gradients; the oracle is the norm of every module's unsharded float64 gradients as one vector, so a module
-counted on the ranks outside it, or counted once per rank that runs it (a SUM over the world where each module's
-value must be taken once), or a module missing, fails.
+overlap (one with experts inside another's span), and two modules that leave ranks 6 and 7 without any. Every
+module is the toy model sharded on its own layout, with its own gradients; the oracle is the norm of every
+module's unsharded float64 gradients as one vector, so a module counted on the ranks outside it, or counted once
+per rank that runs it (a SUM over the world where each module's value must be taken once), or a module missing,
+fails.
 """
 
 from __future__ import annotations
