@@ -64,8 +64,7 @@ class MultiModuleOptimizer:
     def __init__(self, optimizers: Mapping[str, ChainedOptimizer], modules: MultiModuleCollection) -> None:
         if not isinstance(modules, MultiModuleCollection):
             raise TypeError(f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
-        given, error = check_models(optimizers, modules, "MultiModuleOptimizer", _built_on_the_module)
-        error = None if error is None else error.replace("model", "optimizer")
+        given, error = check_models(optimizers, modules, "MultiModuleOptimizer", _built_on_the_module, noun="optimizer")
         agree_over_the_world("MultiModuleOptimizer", described(modules), error)
         self._optimizers: Mapping[str, ChainedOptimizer] = MappingProxyType(given)
         self._modules = modules
@@ -166,8 +165,7 @@ class MultiModuleOptimizer:
 
         Collective over the world: ``ValueError`` on every rank, before anything loads, when a rank's state lacks a
         module it runs or holds one it does not run (another rank's state), naming the rank and the module."""
-        _, error = check_models(state_dict, self._modules, "MultiModuleOptimizer.load_state_dict")
-        error = None if error is None else error.replace("a model", "a state").replace("no model", "no state")
+        _, error = check_models(state_dict, self._modules, "MultiModuleOptimizer.load_state_dict", noun="state")
         agree_over_the_world("MultiModuleOptimizer.load_state_dict", described(self._modules), error)
         for name, optimizer in self._optimizers.items():
             optimizer.load_state_dict(state_dict[name])

@@ -226,18 +226,22 @@ def check_models(
     modules: MultiModuleCollection,
     owner: str,
     check: Callable[[str, Any, ProcessGroupCollection], None] | None = None,
+    *,
+    noun: str = "model",
 ) -> tuple[dict[str, Any], str | None]:
     """``models`` restricted to the modules this rank runs, in the modules' order, and this rank's error (``None``
     when it has none): ``models`` is not a mapping, names a module that does not exist or one this rank does not
     run, lacks one it runs, or a module's collection was destroyed; ``check(name, model, collection)`` raising
-    ``ValueError``, ``TypeError`` or ``RuntimeError`` is an error too. Local: the caller agrees on the error."""
+    ``ValueError``, ``TypeError`` or ``RuntimeError`` is an error too. ``noun`` names what the mapping holds in
+    messages (a model, an optimizer, a state). Local: the caller agrees on the error."""
     if not isinstance(models, Mapping) or isinstance(models, MultiModuleCollection):
         got = type(models).__name__
-        return {}, f"{owner} takes a mapping from module name to that module's model, got a {got}"
+        return {}, f"{owner} takes a mapping from module name to that module's {noun}, got a {got}"
     problems = []
+    article = "an" if noun[0] in "aeiou" else "a"
     unknown = [name for name in models if name not in modules]
     if unknown:
-        problems.append(f"models for {unknown}, which are not modules of the job ({list(modules)})")
+        problems.append(f"{noun}s for {unknown}, which are not modules of the job ({list(modules)})")
     here = modules.here()
     for name, collection in modules.items():
         layout = collection.layout
@@ -245,11 +249,11 @@ def check_models(
         first, stop = layout.rank_range()
         if name in models and name not in here:
             problems.append(
-                f"a model for module {name!r}, which runs on ranks {first}-{stop - 1}, not on this rank: a rank "
-                "outside a module passes no model for it"
+                f"{article} {noun} for module {name!r}, which runs on ranks {first}-{stop - 1}, not on this rank: a "
+                f"rank outside a module passes no {noun} for it"
             )
         elif name in here and name not in models:
-            problems.append(f"no model for module {name!r} (ranks {first}-{stop - 1}), which this rank runs")
+            problems.append(f"no {noun} for module {name!r} (ranks {first}-{stop - 1}), which this rank runs")
         elif name in here and collection.is_destroyed:
             problems.append(f"module {name!r}, whose groups pgregistry.registry.destroy() destroyed")
     given = {name: models[name] for name in here if name in models}

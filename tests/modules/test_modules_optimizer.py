@@ -20,6 +20,7 @@ from modules_support import JOBS, module_grads, oracle_norm, oracle_zeros
 
 from pgregistry import modules as mm
 from pgregistry._toy_models import local_model, set_main_grads
+from pgregistry.layout import ParallelLayout
 from pgregistry.testing import run_world
 
 STEPS, LR = 3, 0.05
@@ -181,3 +182,37 @@ def test_state_dicts_per_module_name_resume_exactly_and_refuse_another_ranks_sta
     for rank, got in enumerate(run_world(8, _resume, "disjoint", 1.0, timeout=60)):
         assert got["same"], f"rank {rank}"
         assert "ranks [0] were given bad input (rank 0: no state for module 'encoder' (ranks 0-3)" in got["refused"]
+
+
+def _refusals() -> dict[str, str]:
+    from pgregistry import build
+    from pgregistry.optim import build_optimizer
+
+    rank = dist.get_rank()
+    modules, models, _, good = _setup("disjoint")
+    other = build(ParallelLayout(num_ranks=4, pp=2, rank_offset=4), name="other")  # the language model's span
+    on_other = build_optimizer(models["language"], other, optimizer="sgd", lr=0.1) if rank >= 4 else None
+    mine = dict(good.optimizers)
+
+    def made(optimizers: dict[str, Any]) -> str:
+        try:
+            mm.MultiModuleOptimizer(optimizers, modules)
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        return "no error"
+
+    return {
+        "elsewhere": made({**mine, "language": mine["encoder"]} if rank == 0 else mine),
+        "other": made({"language": on_other} if rank == 5 else mine),
+        "not_chained": made({"encoder": torch.optim.SGD(models["encoder"].parameters())} if rank == 2 else mine),
+        "good": made(mine),
+    }
+
+
+def test_an_optimizer_for_another_module_or_collection_is_refused_on_every_rank() -> None:
+    for rank, got in enumerate(run_world(8, _refusals, timeout=60)):
+        elsewhere = "ranks [0] were given bad input (rank 0: an optimizer for module 'language', which runs on ranks"
+        assert elsewhere in got["elsewhere"], (rank, got["elsewhere"])
+        assert "rank 5: module 'language': its optimizer was built on layout 'other'" in got["other"], (rank, got)
+        assert "rank 2: module 'encoder': expected a pgregistry ChainedOptimizer" in got["not_chained"], (rank, got)
+        assert got["good"] == "no error", rank
