@@ -142,10 +142,11 @@ def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
 
     The pieces are the ``"shards"`` of every child's state dict, keyed by the names the optimizer was built with:
     give it :func:`pgregistry.experts.global_param_name_fn` names and :func:`load_optimizer_shards` reloads them
-    under another EP, PP or data-parallel size. Every rank must call it, with a fresh directory per checkpoint
-    (it may be the one :func:`save_rank_files` writes the parameters to). Hyper-parameters are not stored. The
-    pieces must be whole-tensor pieces held by one rank each, so TP and GTP-remat must be off, as for the other
-    savers here; the loader refuses overlapping pieces. Returns the file written.
+    under another EP, PP or data-parallel size. Every rank of the optimizer's collection (the world, or a module's
+    span) must call it, with a fresh directory per checkpoint (it may be the one :func:`save_rank_files` writes
+    the parameters to). Hyper-parameters are not stored. The pieces must be whole-tensor pieces held by one rank
+    each, so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards); the loader
+    refuses overlapping pieces. Returns the file written.
     """
     shards: dict[str, Any] = {}
     children = _sharded_children(optimizer, "save_optimizer_shards")
