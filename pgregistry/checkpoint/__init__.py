@@ -5,10 +5,17 @@ Every parameter and its optimizer state are stored under the parameter's global 
 whole pipeline. A checkpoint written with EP 4 and PP 2 therefore reloads with EP 2, EP 1 or PP 1: each rank
 asks for the names it holds now. Megatron-Core's optimizer state, keyed by rank-local parameter order, does not.
 
-Each tensor is written exactly once: a dense parameter by data-parallel (``dp_cp``) rank 0 of its replicas, an
-expert parameter by expert-data-parallel (``expt_dp``) rank 0. Tensors are stored whole, so tensor-parallel and
-GTP-remat sharding must be off (``tp``, ``expt_tp``, ``gtp_remat``, ``expt_gtp_remat`` of size 1); resharding
-tensor-parallel shards is not done here.
+Each tensor is written exactly once: a dense parameter by data-parallel (``dp_cp``) rank 0 of its replicas and
+TP rank 0, an expert parameter by expert-data-parallel (``expt_dp``) rank 0 and expert-TP rank 0. Tensors are
+stored whole: a TP-sharded parameter (and its optimizer state) is all-gathered over its TP group along its
+``partition_dim`` and cut again on load, so a checkpoint also reloads at another TP size. GTP-remat sharding must
+be off (``gtp_remat``, ``expt_gtp_remat`` of size 1), and interleaved TP shards (``partition_stride`` above 1)
+are refused.
+
+Every collective of a save or load runs over the ranks of the model's collection: the world, or, for one module of
+a job whose layout covers part of the world, the module's span (:mod:`~pgregistry.checkpoint._agreement`); such a
+checkpoint records the module's name and span and loads into that module on those ranks only
+(:mod:`pgregistry.modules` saves each module of a job into a directory of its own).
 
 * :mod:`~pgregistry.checkpoint._by_name`: state keyed by global name (:func:`state_by_name`,
   :func:`load_optimizer_state_by_name`);

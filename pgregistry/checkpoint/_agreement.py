@@ -1,60 +1,148 @@
-"""Decisions every rank of a checkpoint call takes alike, so that a fault on one rank raises on all of them.
+"""The ranks a checkpoint call runs over, and the decisions they take alike, so a fault on one raises on all.
+
+A checkpoint call runs over the ranks of its model's collection: the world for a model whose layout spans it, the
+module's span for one module of a job whose layout covers part of the world (:class:`Scope`). Every collective of
+the call runs over those ranks only: over the world, a module's save would wait for ranks of other modules that do
+not call it, or mix their files with its own.
 
 Saving and loading are collective: a rank that raised alone would leave its peers waiting for ever in the next
 collective (the next all-reduce of a check, the all-gather of restored shards, DCP's own exchanges). So each step
-that can fail on one rank (reading its files, naming its parameters, writing its file) runs on every rank, and one
-all-reduce of a failure flag then tells every rank whether any failed: the rank that failed raises its own error,
-the others an error saying another rank failed (see its error). Outside a distributed world these are plain calls.
+that can fail on one rank (reading its files, naming its parameters, writing its file) runs on every rank of the
+scope, and one all-reduce of a failure flag then tells every rank whether any failed: the rank that failed raises
+its own error, the others an error saying another rank failed (see its error). Outside a distributed world these
+are plain calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import attrs
 import torch
 import torch.distributed as dist
 
 from pgregistry.grad_stats import backend_device
 
-__all__ = ["agreed", "max_over_ranks", "raise_on_every_rank", "world"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from pgregistry.collection import ProcessGroupCollection
+
+__all__ = ["Scope", "agreed", "max_over_ranks", "raise_on_every_rank", "scope_of", "world_scope"]
 
 T = TypeVar("T")
 
 
-def world() -> tuple[int, int]:
-    """``(rank, world size)`` of the default group; ``(0, 1)`` outside a distributed world."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@attrs.frozen(slots=True)
+class Scope:
+    """The ranks one checkpoint call runs over: the world, or one module's span of it.
 
-
-def max_over_ranks(values: list[int]) -> list[int]:
-    """The element-wise maximum of ``values`` over every rank (``values`` itself outside a distributed world).
-
-    Every rank must call it with as many values; the checks built on it therefore raise on every rank alike.
+    ``rank`` and ``size`` are this rank's index among them and their number (rank files are numbered by it);
+    ``group`` is their communicator (``None`` when they are one rank, or outside a distributed world: nothing to
+    reduce); ``span`` is ``(first world rank, number of ranks)`` and ``name`` the module's build name, both
+    ``None`` for the world.
     """
-    if world()[1] == 1:
+
+    rank: int
+    size: int
+    group: Any = None
+    span: tuple[int, int] | None = None
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name the scope."""
+        if self.span is None:
+            return "the world"
+        first, size = self.span
+        return f"module {self.name!r} (ranks {first}-{first + size - 1})"
+
+    def identity(self) -> dict[str, Any]:
+        """What a rank file records of the scope that saved it (nothing for the world, as before spans)."""
+        if self.span is None:
+            return {}
+        return {"module": self.name, "span": list(self.span)}
+
+
+def world_scope() -> Scope:
+    """The default group; ``(0, 1)`` outside a distributed world."""
+    if dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size()
+        return Scope(dist.get_rank(), size, dist.group.WORLD if size > 1 else None)
+    return Scope(0, 1)
+
+
+def scope_of(collection: ProcessGroupCollection | None) -> Scope:
+    """The ranks a checkpoint of a model on ``collection`` runs over: its layout's span when that is part of the
+    world, else the world (a collection assembled by hand, or none: the global grid).
+
+    ``ValueError`` when this rank is outside the span: it takes no part in the module's checkpoint (no rank of
+    the span waits for it, so it raises alone)."""
+    world = world_scope()
+    layout = collection.layout if collection is not None else None
+    if collection is None or layout is None:
+        return world
+    first, stop = layout.rank_range()
+    if (first, stop) == (0, world.size):
+        return world
+    if not collection.is_member:
+        raise ValueError(
+            f"a checkpoint of {collection.describe()} runs on its ranks {first}-{stop - 1}; this rank ({world.rank}) "
+            "is not one of them: save or load a module on the ranks that run it"
+        )
+    group = _span_group(collection, (first, stop))
+    return Scope(world.rank - first, stop - first, group, (first, stop - first), collection.name)
+
+
+def _span_group(collection: ProcessGroupCollection, span: tuple[int, int]) -> ProcessGroup | None:
+    """The communicator of the span's ranks: the collection's ``intra_dist_opt`` group (a build makes it hold the
+    span), else the one the group cache holds for them; ``None`` for a span of one rank."""
+    first, stop = span
+    if stop - first == 1:
+        return None
+    ranks = tuple(range(first, stop))
+    if collection.is_set("intra_dist_opt"):
+        group = collection.get("intra_dist_opt")
+        if group is not None and tuple(dist.get_process_group_ranks(group)) == ranks:
+            return group
+    from pgregistry._group_cache import CACHE
+
+    if CACHE.options_of(ranks) is None:
+        raise ValueError(
+            f"{collection.describe()} spans ranks {first}-{stop - 1}, but no communicator over them exists: build the "
+            "layout with pgregistry.build, which makes one"
+        )
+    return CACHE.group(ranks)
+
+
+def max_over_ranks(values: list[int], scope: Scope) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``scope`` (``values`` itself for one rank).
+
+    Every rank of the scope must call it with as many values; the checks built on it therefore raise on every rank
+    alike.
+    """
+    if scope.size == 1 or scope.group is None:
         return values
-    tensor = torch.tensor(values, dtype=torch.int64, device=backend_device(None))
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    tensor = torch.tensor(values, dtype=torch.int64, device=backend_device(scope.group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=scope.group)
     return [int(v) for v in tensor.tolist()]
 
 
-def raise_on_every_rank(error: BaseException | None, elsewhere: Exception) -> None:
-    """Return when no rank has an error; otherwise raise ``error`` on the ranks that have one and ``elsewhere`` on
-    the others. Collective: one all-reduce of a flag, so every rank must call it, failed or not."""
-    if max_over_ranks([int(error is not None)])[0]:
+def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:
+    """Return when no rank of ``scope`` has an error; otherwise raise ``error`` on the ranks that have one and
+    ``elsewhere`` on the others. Collective: one all-reduce of a flag, so every rank must call it, failed or not."""
+    if max_over_ranks([int(error is not None)], scope)[0]:
         raise error if error is not None else elsewhere
 
 
-def agreed(step: Callable[[], T], elsewhere: Exception) -> T:
-    """``step()`` on this rank, raising on every rank when it raised on any: its own error where it raised,
-    ``elsewhere`` on the others (the same one all-reduce as :func:`raise_on_every_rank`)."""
+def agreed(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
+    """``step()`` on this rank, raising on every rank of ``scope`` when it raised on any: its own error where it
+    raised, ``elsewhere`` on the others (the same one all-reduce as :func:`raise_on_every_rank`)."""
     try:
         result = step()
     except Exception:
-        max_over_ranks([1])  # tell the other ranks before raising here
+        max_over_ranks([1], scope)  # tell the other ranks before raising here
         raise
-    raise_on_every_rank(None, elsewhere)
+    raise_on_every_rank(None, elsewhere, scope)
     return result

@@ -4,7 +4,14 @@ Every parameter and its optimizer state are keyed by the parameter's global name
 (:func:`pgregistry.experts.named_global_parameters`): flat keys ``model/<name>`` and
 ``optimizer/<name>/<state key>``, which both storage back-ends (:mod:`~pgregistry.checkpoint._rank_files`,
 :mod:`~pgregistry.checkpoint._distributed`) write. Each tensor has one writer: for a dense parameter, data-parallel
-(``dp_cp``) rank 0 of its replicas; for an expert parameter, expert-data-parallel (``expt_dp``) rank 0.
+(``dp_cp``) rank 0 of its replicas and tensor-parallel (``tp``) rank 0; for an expert parameter,
+expert-data-parallel (``expt_dp``) rank 0 and expert-TP (``expt_tp``) rank 0.
+
+Tensors are stored whole. A parameter sharded over tensor parallelism (``mark_tensor_parallel``: expert TP for
+an expert) is all-gathered over its TP group along its ``partition_dim`` before it is stored, with each of its
+optimizer state tensors of its shape; loading takes this rank's piece of the whole tensor, so a checkpoint
+reloads at another TP size too. Interleaved shards (``partition_stride`` above 1) and GTP-remat shards are not
+resharded here: a model with either is refused.
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pgregistry._resolve import normalise, resolve
-from pgregistry.checkpoint._agreement import agreed
-from pgregistry.collection import GroupName, group_rank, group_size
+from pgregistry.attachments import collection_of
+from pgregistry.checkpoint._agreement import Scope, agreed, scope_of
+from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key
 from pgregistry.experts._names import GlobalNamer, NamingOptions, checked_naming, global_names
 from pgregistry.optim._param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
+from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -36,39 +46,116 @@ MODEL_PREFIX: Final = "model/"
 
 OPTIMIZER_PREFIX: Final = "optimizer/"
 
-_SHARDED_AXES: Final[tuple[GroupName, ...]] = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
-_CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp", "dp_cp", "expt_dp", *_SHARDED_AXES)
+_UNSHARDED_AXES: Final[tuple[GroupName, ...]] = ("gtp_remat", "expt_gtp_remat")
+_CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp", "dp_cp", "expt_dp", "tp", "expt_tp", *_UNSHARDED_AXES)
 """The fields a checkpoint reads: from the global grid, with a warning, when the collection leaves them UNSET."""
 
 
 @attrs.frozen(slots=True)
+class TensorParallelShard:
+    """How a parameter is cut over tensor parallelism: along ``dim``, over ``group`` (of ``size`` ranks, this
+    one ``rank``)."""
+
+    dim: int
+    group: Any
+    rank: int
+    size: int
+
+    def whole(self, piece: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every rank's ``piece`` (collective over the group: an all-gather)."""
+        piece = piece.detach().contiguous()
+        pieces = [torch.empty_like(piece) for _ in range(self.size)]
+        dist.all_gather(pieces, piece, group=self.group)
+        return torch.cat(pieces, dim=self.dim)
+
+    def piece(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``whole``."""
+        return whole.chunk(self.size, dim=self.dim)[self.rank]
+
+    def whole_shape(self, piece_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(n * self.size if d == self.dim else n for d, n in enumerate(piece_shape))
+
+
+@attrs.frozen(slots=True)
 class RankModel:
-    """One rank's view: its parameters by global name, and which of them it writes."""
+    """One rank's view: its parameters by global name, which of them it writes, and the TP-sharded ones' cuts."""
 
     params: dict[str, nn.Parameter]
     writes_dense: bool
     writes_experts: bool
+    sharded: dict[str, TensorParallelShard] = attrs.field(factory=dict)
+    scope: Scope = attrs.field(factory=lambda: Scope(0, 1))
 
     def writes(self, name: str) -> bool:
         return self.writes_experts if is_expert_key(name) else self.writes_dense
 
+    def whole(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (the parameter ``name``, or a state tensor of its shape) whole: gathered when TP-sharded
+        (collective over its TP group), else as it is."""
+        shard = self.sharded.get(name)
+        if shard is None or tuple(value.shape) != tuple(self.params[name].shape):
+            return value.detach()
+        return shard.whole(value)
+
+    def whole_shape(self, name: str) -> tuple[int, ...]:
+        """The shape ``name`` is stored in."""
+        shape = tuple(self.params[name].shape)
+        shard = self.sharded.get(name)
+        return shard.whole_shape(shape) if shard is not None else shape
+
+    def piece(self, name: str, stored: Any) -> Any:
+        """This rank's piece of a stored value of ``name`` (a tensor of the stored shape is cut when TP-sharded)."""
+        shard = self.sharded.get(name)
+        if shard is None or not isinstance(stored, torch.Tensor) or tuple(stored.shape) != self.whole_shape(name):
+            return stored
+        return shard.piece(stored)
+
+
+def checkpoint_scope(model_chunks: Any, naming: NamingOptions) -> Scope:
+    """The ranks a checkpoint of ``model_chunks`` runs over (:func:`~pgregistry.checkpoint._agreement.scope_of`):
+    those of the collection its door will resolve, the explicit ``pg_collection`` else the one attached to the
+    model, found before the door so that its refusals are agreed over those ranks. No collection found (the door
+    then reads the global grid, or refuses): the world. The ranks of a module must agree on which collection they
+    name (an explicit one on some ranks of a module and another one attached on others leaves them in different
+    collectives)."""
+    explicit = naming.get("pg_collection")
+    if isinstance(explicit, ProcessGroupCollection):
+        return scope_of(explicit)
+    try:
+        chunks = normalise(model_chunks).chunks
+        attached = collection_of(chunks, None) if chunks else None
+    except (TypeError, ValueError):
+        attached = None  # the door names the fault, agreed over the world
+    return scope_of(attached)
+
 
 def rank_model(
-    model_chunks: nn.Module | Sequence[nn.Module], owner: str, **naming: Unpack[NamingOptions]
+    model_chunks: nn.Module | Sequence[nn.Module],
+    owner: str,
+    scope: Scope | None = None,
+    **naming: Unpack[NamingOptions],
 ) -> RankModel:
-    """The door of the checkpoint entry points: this rank's parameters by global name and what it writes, with the
-    collection resolved once; ``ValueError`` for a sharded TP/GTP axis or two parameters of one global name
-    (``owner`` names the caller in errors and fallback warnings)."""
+    """The door of the checkpoint entry points: this rank's parameters by global name, what it writes and how its
+    TP-sharded parameters are cut, with the collection resolved once; ``ValueError`` for a sharded GTP-remat axis,
+    an interleaved TP shard, or two parameters of one global name (``owner`` names the caller in errors and
+    fallback warnings). ``scope`` is the ranks the call runs over (:func:`checkpoint_scope`); it must be the
+    resolved collection's (``ValueError`` otherwise)."""
     checked_naming(naming, owner)
     chunks = normalise(model_chunks).chunks
     if not chunks:
         raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
     collection = resolve(naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK)
-    sharded = [name for name in _SHARDED_AXES if group_size(collection.get(name)) > 1]
-    if sharded:
+    resolved_scope = scope_of(collection)
+    if scope is not None and scope != resolved_scope:
         raise ValueError(
-            f"{owner} stores whole tensors, but the model's {', '.join(sharded)} axis has more than one rank; "
-            "tensor-parallel and GTP-remat shards are not resharded by pgregistry.checkpoint"
+            f"{owner} runs over {scope.label}, but the model's collection is {collection.describe()}, on "
+            f"{resolved_scope.label}"
+        )
+    unsharded = [name for name in _UNSHARDED_AXES if group_size(collection.get(name)) > 1]
+    if unsharded:
+        raise ValueError(
+            f"{owner} stores whole tensors, but the model's {', '.join(unsharded)} axis has more than one rank; "
+            "GTP-remat shards are not resharded by pgregistry.checkpoint"
         )
     params: dict[str, nn.Parameter] = {}
     namer = GlobalNamer(
@@ -78,46 +165,74 @@ def rank_model(
         if name in params:
             raise ValueError(f"two parameters of the model have the global name {name!r}")
         params[name] = param
+    tp, expt_tp = collection.get("tp"), collection.get("expt_tp")
+    sharded = {}
+    for name, param in params.items():
+        group = expt_tp if is_expert_param(param) else tp
+        if not getattr(param, "tensor_model_parallel", False) or group_size(group) == 1:
+            continue
+        if getattr(param, "partition_stride", 1) != 1:
+            raise ValueError(
+                f"{owner}: parameter {name!r} is TP-sharded with partition_stride {param.partition_stride} "  # type: ignore[attr-defined]
+                "(interleaved shards), which pgregistry.checkpoint does not join"
+            )
+        sharded[name] = TensorParallelShard(
+            int(param.partition_dim), group, group_rank(group), group_size(group)  # type: ignore[attr-defined]
+        )
     return RankModel(
-        params, group_rank(collection.get("dp_cp")) == 0, group_rank(collection.get("expt_dp")) == 0
+        params,
+        group_rank(collection.get("dp_cp")) == 0 and group_rank(tp) == 0,
+        group_rank(collection.get("expt_dp")) == 0 and group_rank(expt_tp) == 0,
+        sharded,
+        resolved_scope,
     )
 
 
 def agreed_rank_model(
-    model_chunks: nn.Module | Sequence[nn.Module], owner: str, naming: NamingOptions
+    model_chunks: nn.Module | Sequence[nn.Module], owner: str, naming: NamingOptions, scope: Scope
 ) -> RankModel:
-    """:func:`rank_model` in a collective save or load: raising on every rank when it raises on any, since a rank
-    whose model cannot be named must not leave the others waiting in the save's or load's collectives."""
+    """:func:`rank_model` in a collective save or load over ``scope``: raising on every rank of it when it raises on
+    any, since a rank whose model cannot be named must not leave the others waiting in the save's or load's
+    collectives."""
     return agreed(
-        lambda: rank_model(model_chunks, owner, **naming),
+        lambda: rank_model(model_chunks, owner, scope, **naming),
         ValueError(f"{owner}: another rank's model cannot be checkpointed (see its error)"),
+        scope,
     )
 
 
 def _named_state(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
-    """``(global name, whole state)`` of every parameter ``optimizer`` updates (collective for a sharded one)."""
+    """``(global name, whole state)`` of every parameter ``optimizer`` updates, in the model's order (the same on
+    every rank of a TP group, whose gathers must come in one order; collective for a sharded optimizer)."""
     by_id = {id(param): name for name, param in model.params.items()}
     out: list[tuple[str, ParamState]] = []
     for param, state in as_param_state_optimizer(optimizer).param_state().items():
         if id(param) not in by_id:
             raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} not in the model")
         out.append((by_id[id(param)], state))
-    return out
+    order = {name: index for index, name in enumerate(model.params)}
+    return sorted(out, key=lambda item: order[item[0]])
 
 
 def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
     """The flat ``model/<name>`` and ``optimizer/<name>/<state key>`` entries both storage back-ends write
-    (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks)."""
+    (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks). TP-sharded
+    parameters and their state tensors are gathered whole on every rank of their TP group (collective), in one
+    order on every rank: the model's parameter order, then by state key."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
+        whole = model.whole(name, param)
         if not primary_only or model.writes(name):
-            flat[MODEL_PREFIX + name] = param.detach()
+            flat[MODEL_PREFIX + name] = whole
     if optimizer is not None:
         for name, state in _named_state(optimizer, model):
-            if primary_only and not model.writes(name):
-                continue
-            for key, value in state.items():
-                flat[f"{OPTIMIZER_PREFIX}{name}/{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    value = model.whole(name, value)
+                if primary_only and not model.writes(name):
+                    continue
+                flat[f"{OPTIMIZER_PREFIX}{name}/{key}"] = value
     return flat
 
 
@@ -159,7 +274,8 @@ def state_by_name(
     "optimizer": {name: {state key: value}}}`` (tensors alias the live ones).
 
     ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
-    ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`).
+    ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`). TP-sharded parameters
+    come whole, gathered over their TP group: with tensor parallelism on, every rank of a TP group must call it.
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
     return _nested(flat_state(model, optimizer, primary_only=primary_only))
@@ -177,7 +293,7 @@ def apply_flat_state(model: RankModel, optimizer: Optimizer | None, lookup: Mapp
         raise ValueError(mismatched[0])
     with torch.no_grad():
         for name, param in model.params.items():
-            param.copy_(nested["model"][name])
+            param.copy_(model.piece(name, nested["model"][name]))
     if optimizer is not None:
         _load_optimizer(optimizer, model, nested["optimizer"])
 
@@ -186,11 +302,12 @@ def shape_mismatches(model: RankModel, lookup: Mapping[str, Any]) -> list[str]:
     """A message for each parameter of ``model`` whose ``model/<name>`` entry in flat ``lookup`` has another shape
     (checked before anything is copied, so a mismatch is never a partial load)."""
     problems = []
-    for name, param in model.params.items():
+    for name in model.params:
         source = lookup.get(MODEL_PREFIX + name)
-        if source is not None and tuple(source.shape) != tuple(param.shape):
+        whole = model.whole_shape(name)
+        if source is not None and tuple(source.shape) != whole:
             problems.append(
-                f"parameter {name!r} has shape {tuple(param.shape)} but the checkpoint holds {tuple(source.shape)}"
+                f"parameter {name!r} has shape {whole} but the checkpoint holds {tuple(source.shape)}"
             )
     return problems
 
@@ -214,6 +331,8 @@ def load_optimizer_state_by_name(
 
 def _load_optimizer(optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> None:
     by_param: dict[torch.Tensor, Mapping[str, Any]] = {
-        param: state[name] for name, param in model.params.items() if state.get(name)
+        param: {key: model.piece(name, value) for key, value in state[name].items()}
+        for name, param in model.params.items()
+        if state.get(name)
     }
     as_param_state_optimizer(optimizer).load_param_state(by_param)

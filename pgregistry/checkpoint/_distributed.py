@@ -1,7 +1,11 @@
-"""Checkpoints by global name through ``torch.distributed.checkpoint`` (DCP), collective over the default group."""
+"""Checkpoints by global name through ``torch.distributed.checkpoint`` (DCP), collective over the ranks of the model's
+collection: the default group, or the span of a module's layout (whose checkpoint then records the module's name
+and span under :data:`IDENTITY_KEY`, and loads into that module on those ranks only)."""
 
 from __future__ import annotations
 
+import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -9,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pgregistry.checkpoint._agreement import Scope, agreed
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     Optimizer,
     agreed_rank_model,
     apply_flat_state,
+    checkpoint_scope,
     flat_state,
     split_optimizer_key,
 )
@@ -23,7 +29,10 @@ from pgregistry.experts._names import NamingOptions
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load_distributed", "save_distributed"]
+__all__ = ["IDENTITY_KEY", "load_distributed", "save_distributed"]
+
+IDENTITY_KEY = "pgregistry/module"
+"""Where a module's DCP checkpoint records the module's name and span (a checkpoint of the world records none)."""
 
 
 def save_distributed(
@@ -32,11 +41,16 @@ def save_distributed(
     optimizer: Optimizer | None = None,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Save with ``torch.distributed.checkpoint`` (collective over the default group); each tensor once."""
+    """Save with ``torch.distributed.checkpoint`` (collective over the ranks of the model's collection: the world,
+    or a module's span); each tensor once, TP-sharded ones whole."""
     import torch.distributed.checkpoint as dcp
 
-    model = agreed_rank_model(model_chunks, "save_distributed", naming)
-    dcp.save(flat_state(model, optimizer, primary_only=True), checkpoint_id=str(directory))
+    scope = checkpoint_scope(model_chunks, naming)
+    model = agreed_rank_model(model_chunks, "save_distributed", naming, scope)
+    state = flat_state(model, optimizer, primary_only=True)
+    if scope.span is not None:
+        state[IDENTITY_KEY] = json.dumps(scope.identity())  # a string: DCP would flatten a dict into its items
+    dcp.save(state, checkpoint_id=str(directory), process_group=_group(scope))
 
 
 def load_distributed(
@@ -45,16 +59,20 @@ def load_distributed(
     optimizer: Optimizer | None = None,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Load a :func:`save_distributed` checkpoint of any layout (collective over the default group)."""
+    """Load a :func:`save_distributed` checkpoint of any layout (collective over the ranks of the model's
+    collection); a checkpoint of another module, or of other ranks, is refused on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    model = agreed_rank_model(model_chunks, "load_distributed", naming)
+    scope = checkpoint_scope(model_chunks, naming)
+    model = agreed_rank_model(model_chunks, "load_distributed", naming, scope)
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     destination: dict[str, Any] = {}
+    if IDENTITY_KEY in metadata or scope.span is not None:
+        _check_identity(directory, scope, metadata)
     for name, param in model.params.items():
         if MODEL_PREFIX + name in metadata:
-            destination[MODEL_PREFIX + name] = torch.empty_like(param.detach())
+            destination[MODEL_PREFIX + name] = torch.empty(model.whole_shape(name), dtype=param.dtype)
     if optimizer is not None:
         wanted = set(model.params)
         for key, entry in metadata.items():
@@ -63,5 +81,36 @@ def load_distributed(
                     destination[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
                 else:
                     destination[key] = None  # a non-tensor value: DCP replaces the placeholder
-    dcp.load(destination, checkpoint_id=str(directory))
+    dcp.load(destination, checkpoint_id=str(directory), process_group=_group(scope))
     apply_flat_state(model, optimizer, destination)
+
+
+def _group(scope: Scope) -> Any:
+    """The process group DCP runs over: the module's span, else ``None`` (DCP's default group)."""
+    return scope.group if scope.span is not None else None
+
+
+def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
+    """``ValueError`` on every rank of ``scope`` unless the checkpoint records the module and span loading it."""
+    import torch.distributed.checkpoint as dcp
+
+    def check() -> None:
+        saved: dict[str, Any] = {}
+        if IDENTITY_KEY in metadata:
+            holder: dict[str, Any] = {IDENTITY_KEY: ""}
+            with warnings.catch_warnings():  # no_dist: this rank reads the record alone, on purpose
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(holder, checkpoint_id=str(directory), no_dist=True)
+            saved = json.loads(holder[IDENTITY_KEY])
+        if saved != scope.identity():
+            if saved:
+                first, size = saved["span"]
+                what = f"module {saved['module']!r} (ranks {first}-{first + size - 1})"
+            else:
+                what = "the whole world"
+            raise ValueError(
+                f"{directory} holds a checkpoint of {what}, and this load is of {scope.label}: a module's "
+                "checkpoint loads into the same module on the same ranks (save each module into its own directory)"
+            )
+
+    agreed(check, ValueError(f"another rank refused the checkpoint {directory} (see its error)"), scope)

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import torch
 
-from pgregistry.checkpoint._agreement import raise_on_every_rank
+from pgregistry.checkpoint._agreement import Scope, raise_on_every_rank, scope_of
 from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
@@ -132,23 +132,30 @@ def _sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str
     return sharded
 
 
+def _scope(children: list[ShardedOptimizer]) -> Scope:
+    """The ranks the optimizer's checkpoint runs over: those of the collection it was built on."""
+    return scope_of(children[0].stats_groups.collection)
+
+
 def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> Path:
     """Write this rank's pieces of a sharded optimizer to ``directory/optimizer-rank-<rank>.pt``.
 
     The pieces are the ``"shards"`` of every child's state dict, keyed by the names the optimizer was built with:
     give it :func:`pgregistry.experts.global_param_name_fn` names and :func:`load_optimizer_shards` reloads them
-    under another EP, PP or data-parallel size. Every rank must call it, with a fresh directory per checkpoint
-    (it may be the one :func:`save_rank_files` writes the parameters to). Hyper-parameters are not stored. The
-    pieces must be whole-tensor pieces held by one rank each, so TP and GTP-remat must be off, as for the other
-    savers here; the loader refuses overlapping pieces. Returns the file written.
+    under another EP, PP or data-parallel size. Every rank of the optimizer's collection (the world, or a module's
+    span) must call it, with a fresh directory per checkpoint (it may be the one :func:`save_rank_files` writes
+    the parameters to). Hyper-parameters are not stored. The pieces must be whole-tensor pieces held by one rank
+    each, so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards); the loader
+    refuses overlapping pieces. Returns the file written.
     """
     shards: dict[str, Any] = {}
-    for child in _sharded_children(optimizer, "save_optimizer_shards"):
+    children = _sharded_children(optimizer, "save_optimizer_shards")
+    for child in children:
         for name, piece in child.state_dict()["shards"].items():
             if name in shards:
                 raise ValueError(f"two parameters of the optimizer are named {name!r}; give it unique names")
             shards[name] = piece
-    return write_rank_file(directory, _OPTIMIZER_FILE, shards)
+    return write_rank_file(directory, _OPTIMIZER_FILE, shards, _scope(children))
 
 
 def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> None:
@@ -165,10 +172,11 @@ def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
     or a piece read is damaged (the file and the piece are named).
     """
     children = _sharded_children(optimizer, "load_optimizer_shards")
+    scope = _scope(children)
     # Every child's pieces are cut before any is loaded, and the ranks agree that all of them could be: loading
     # gathers the restored shards, so a rank raising alone would leave its peers waiting in that collective.
     try:
-        files = read_rank_contents(Path(directory), _OPTIMIZER_FILE)
+        files = read_rank_contents(Path(directory), _OPTIMIZER_FILE, scope)
         loads = []
         for child in children:
             current = child.state_dict()
@@ -184,7 +192,7 @@ def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
     except (ValueError, OSError) as exc:
         error = exc
     raise_on_every_rank(
-        error, ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)")
+        error, ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)"), scope
     )
     for child, state in zip(children, loads, strict=True):
         child.load_state_dict(state)

@@ -14,7 +14,9 @@ one save), and holding the CRC-32 of each of its tensors. What a user saved is n
 * loading is strict: a parameter of the checkpoint that no rank's model holds (an 8-expert checkpoint loaded
   into a 4-expert model, an unrelated extra key) is an error naming it, as is one the model lacks.
 
-Every check raises on every rank alike (:mod:`~pgregistry.checkpoint._agreement`): no rank is left waiting.
+Every check raises on every rank alike (:mod:`~pgregistry.checkpoint._agreement`): no rank is left waiting. The
+ranks are those of the model's collection: the world, or the span of one module of a job (its files are numbered
+from 0 over the span and record the module's name and span; loading refuses another module's or span's).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import attrs
 import torch
 from torch import nn
 
-from pgregistry.checkpoint._agreement import agreed, max_over_ranks, world
+from pgregistry.checkpoint._agreement import Scope, agreed, max_over_ranks
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     Optimizer,
     RankModel,
     agreed_rank_model,
     apply_flat_state,
+    checkpoint_scope,
     flat_state,
     param_name_of_key,
     shape_mismatches,
@@ -88,34 +91,41 @@ def save_rank_files(
 ) -> Path:
     """Write this rank's share (each tensor once over all ranks) to ``directory/rank-<rank>.pt``.
 
-    Collective: every rank must call it, with a fresh directory per checkpoint. A directory that already holds
-    ``rank-<rank>.pt`` files is refused (``ValueError`` on every rank, nothing written): remove the old checkpoint
-    first or save elsewhere. Returns the file written.
+    Collective over the ranks of the model's collection (the world, or the span of a module's layout, whose files
+    are numbered from 0 and record the module's name and span): every rank of them must call it, with a fresh
+    directory per checkpoint. A directory that already holds ``rank-<rank>.pt`` files is refused (``ValueError``
+    on every rank, nothing written): remove the old checkpoint first or save elsewhere. TP-sharded parameters are
+    stored whole (gathered over their TP group). Returns the file written.
     """
-    model = agreed_rank_model(model_chunks, "save_rank_files", naming)
-    return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True))
+    scope = checkpoint_scope(model_chunks, naming)
+    model = agreed_rank_model(model_chunks, "save_rank_files", naming, scope)
+    return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope)
 
 
-def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
-    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world and
-    id and holding the checksum of each of its tensors.
+def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Scope) -> Path:
+    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world (the
+    ranks of ``scope``, and the module's name and span for a module's) and id, and holding the checksum of each of
+    its tensors.
 
-    Collective: refuses an existing checkpoint first (:func:`_refuse_existing`); each rank's file is renamed into
-    place only once every rank's is complete on disk, and the call returns once every rank's file is in place.
-    When any rank fails to write (its error names the file and the disk), every rank removes its file and raises.
+    Collective over ``scope``: refuses an existing checkpoint first (:func:`_refuse_existing`); each rank's file is
+    renamed into place only once every rank's is complete on disk, and the call returns once every rank's file is
+    in place. When any rank fails to write (its error names the file and the disk), every rank removes its file
+    and raises.
     """
-    rank, world_size = world()
+    rank, world_size = scope.rank, scope.size
     directory = Path(directory)
-    _refuse_existing(directory, prefix)
-    stamp = {"format": _FORMAT, "save_id": _new_save_id(), "rank": rank, "world_size": world_size}
+    _refuse_existing(directory, prefix, scope)
+    stamp = {
+        "format": _FORMAT, "save_id": _new_save_id(scope), "rank": rank, "world_size": world_size, **scope.identity()
+    }
     path = directory / f"{prefix}{rank:05d}.pt"
     failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory} (see its error)")
     try:
         # The checksums inside the agreed step too: a tensor that cannot be read fails every rank, not one.
         partial = agreed(
-            lambda: write_partial(path, {**stamp, "state": content, "checksums": checksums_of(content)}), failed
+            lambda: write_partial(path, {**stamp, "state": content, "checksums": checksums_of(content)}), failed, scope
         )
-        agreed(lambda: publish(partial, path), failed)  # also the barrier: every file is in place on return
+        agreed(lambda: publish(partial, path), failed, scope)  # also the barrier: every file is in place on return
     except BaseException:
         # Whatever stopped the save here (another rank's failure, a lost peer), it leaves none of its files.
         partial_path(path).unlink(missing_ok=True)
@@ -124,14 +134,14 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any) -> Path:
     return path
 
 
-def _new_save_id() -> int:
+def _new_save_id(scope: Scope) -> int:
     """A random id of this save, drawn by rank 0 and the same on every rank (one all-reduce), which every rank file
     of the save carries: a directory mixing files of two saves is then refused instead of loaded."""
-    drawn = secrets.randbits(62) + 1 if world()[0] == 0 else 0
-    return max_over_ranks([drawn])[0]
+    drawn = secrets.randbits(62) + 1 if scope.rank == 0 else 0
+    return max_over_ranks([drawn], scope)[0]
 
 
-def _refuse_existing(directory: Path, prefix: str) -> None:
+def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
     """Make ``directory``; ``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in it.
 
     Every rank looks before any rank writes (the look is followed by one all-reduce), so ranks of the save
@@ -143,7 +153,7 @@ def _refuse_existing(directory: Path, prefix: str) -> None:
         found, error = _rank_file_paths(directory, prefix), None
     except OSError as exc:
         found, error = [], exc
-    existing, failed = max_over_ranks([len(found), int(error is not None)])
+    existing, failed = max_over_ranks([len(found), int(error is not None)], scope)
     if error is not None:
         raise error
     if failed:
@@ -184,11 +194,13 @@ def _load_payload(path: Path) -> dict[str, Any]:
     return payload
 
 
-def read_rank_contents(directory: Path, prefix: str) -> list[RankFile]:
+def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankFile]:
     """Every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped; checksums not yet checked:
     :meth:`RankFile.verify` checks what is read).
 
-    ``ValueError`` unless ``directory`` exists and its files are those of every rank of one save, in this format.
+    ``ValueError`` unless ``directory`` exists and its files are those of every rank of one save, in this format,
+    and saved by the ranks this load runs over (``scope``): a module's checkpoint loads into that module on that
+    span only, and a checkpoint of the whole world only over the whole world.
     """
     if not directory.is_dir():
         raise ValueError(f"no checkpoint directory {directory}")
@@ -197,6 +209,7 @@ def read_rank_contents(directory: Path, prefix: str) -> list[RankFile]:
         raise ValueError(f"no {prefix}<rank>.pt files in {directory}")
     payloads = [_load_payload(path) for path in paths]
     _refuse_a_mix(directory, paths, payloads)
+    _refuse_another_scope(directory, payloads[0], scope)
     world_sizes = {payload["world_size"] for payload in payloads}
     ranks = sorted(payload["rank"] for payload in payloads)
     if len(world_sizes) != 1 or ranks != list(range(next(iter(world_sizes)))):
@@ -223,10 +236,27 @@ def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, A
         )
 
 
-def _read_rank_files(directory: Path) -> dict[str, RankFile]:
+def _refuse_another_scope(directory: Path, payload: dict[str, Any], scope: Scope) -> None:
+    """``ValueError`` naming both when the checkpoint was saved by another module, or over another span, than the
+    one loading it (all the files of one save record the same)."""
+    saved = {key: payload[key] for key in ("module", "span") if key in payload}
+    if saved == scope.identity():
+        return
+    if "span" in saved:
+        first, size = saved["span"]
+        what = f"module {saved.get('module')!r} (ranks {first}-{first + size - 1})"
+    else:
+        what = f"the whole world ({payload['world_size']} ranks)"
+    raise ValueError(
+        f"{directory} holds a checkpoint of {what}, and this load is of {scope.label}: a module's checkpoint loads "
+        "into the same module on the same ranks (save each module into its own directory)"
+    )
+
+
+def _read_rank_files(directory: Path, scope: Scope) -> dict[str, RankFile]:
     """The rank file holding each stored key."""
     holder: dict[str, RankFile] = {}
-    for rank_file in read_rank_contents(directory, _PARAMS_FILE):
+    for rank_file in read_rank_contents(directory, _PARAMS_FILE, scope):
         for key in rank_file.state:
             if key in holder:
                 raise ValueError(f"{key!r} is stored more than once in {directory} (again in {rank_file.path.name})")
@@ -244,22 +274,25 @@ def load_rank_files(
 ) -> None:
     """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files of any layout.
 
-    Collective in a distributed world: every rank must call it, on the same directory. ``ValueError`` on every
-    rank, before anything is copied, when a parameter of a rank's model is missing from the checkpoint, or (with
-    ``strict``, the default) when the checkpoint holds a parameter no rank's model holds or a key that is no
-    parameter: loading experts 0-7 into a model of 4 experts, or a checkpoint of another model, is never a partial
-    success. ``strict=False`` loads a subset on purpose, ignoring those keys. Also ``ValueError`` when a key is
-    stored twice, the files mix checkpoints or saves, a file cannot be read (the file is named), or a tensor a
-    rank loads does not match its checksum (the file and the tensor are named).
+    Collective over the ranks of the model's collection (the world, or a module's span): every rank of them must
+    call it, on the same directory; a checkpoint saved by another module, or over other ranks, is refused.
+    ``ValueError`` on every rank, before anything is copied, when a parameter of a rank's model is missing from the
+    checkpoint, or (with ``strict``, the default) when the checkpoint holds a parameter no rank's model holds or a
+    key that is no parameter: loading experts 0-7 into a model of 4 experts, or a checkpoint of another model, is
+    never a partial success. ``strict=False`` loads a subset on purpose, ignoring those keys. Also ``ValueError``
+    when a key is stored twice, the files mix checkpoints or saves, a file cannot be read (the file is named), or a
+    tensor a rank loads does not match its checksum (the file and the tensor are named).
     """
     directory = Path(directory)
-    model = agreed_rank_model(model_chunks, "load_rank_files", naming)
-    holders = _read_on_every_rank(directory)
+    scope = checkpoint_scope(model_chunks, naming)
+    model = agreed_rank_model(model_chunks, "load_rank_files", naming, scope)
+    holders = _read_on_every_rank(directory, scope)
     stored = {key: rank_file.state[key] for key, rank_file in holders.items()}
-    _check_keys_over_ranks(directory, stored, model, strict)
+    _check_keys_over_ranks(directory, stored, model, strict, scope)
     agreed(
         lambda: _verify_loaded(holders, model, optimizer is not None),
         ValueError(f"another rank found a damaged tensor in the checkpoint {directory} (see its error)"),
+        scope,
     )
     apply_flat_state(model, optimizer, stored)
 
@@ -272,16 +305,16 @@ def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimize
             rank_file.verify(key)
 
 
-def _read_on_every_rank(directory: Path) -> dict[str, RankFile]:
+def _read_on_every_rank(directory: Path, scope: Scope) -> dict[str, RankFile]:
     """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint or reads another
     one than its peers (one all-reduce of a failure flag and a digest of the keys read), so that no rank waits in
     a later collective for a rank that has already raised."""
     try:
-        holders, error = _read_rank_files(directory), None
+        holders, error = _read_rank_files(directory, scope), None
     except (ValueError, OSError) as exc:  # OSError: a directory this rank may not list
         holders, error = {}, exc
     digest = int(hashlib.sha256("\n".join(sorted(holders)).encode()).hexdigest()[:15], 16)
-    failed, largest, negated_smallest = max_over_ranks([int(error is not None), digest, -digest])
+    failed, largest, negated_smallest = max_over_ranks([int(error is not None), digest, -digest], scope)
     if error is not None:
         raise error
     if failed:
@@ -291,7 +324,9 @@ def _read_on_every_rank(directory: Path) -> dict[str, RankFile]:
     return holders
 
 
-def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], model: RankModel, strict: bool) -> None:
+def _check_keys_over_ranks(
+    directory: Path, stored: dict[str, Any], model: RankModel, strict: bool, scope: Scope
+) -> None:
     """Raise on every rank unless each rank's parameters are all stored in their shapes and (``strict``) each
     stored parameter is held by some rank: one all-reduce of a flag per stored key (every rank read the same keys,
     checked by :func:`_read_on_every_rank`) and of whether a rank misses parameters or holds one of another shape."""
@@ -300,7 +335,9 @@ def _check_keys_over_ranks(directory: Path, stored: dict[str, Any], model: RankM
     names = [param_name_of_key(key) for key in keys]
     missing = sorted(held - {name for name in names if name is not None})
     mismatched = shape_mismatches(model, stored)
-    *union, lacking, misfit = max_over_ranks([*(int(name in held) for name in names), len(missing), len(mismatched)])
+    *union, lacking, misfit = max_over_ranks(
+        [*(int(name in held) for name in names), len(missing), len(mismatched)], scope
+    )
     if lacking:
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5])

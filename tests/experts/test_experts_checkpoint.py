@@ -28,6 +28,7 @@ from pgregistry.checkpoint import (
 )
 from pgregistry.checkpoint._optimizer_shards import cut_optimizer_shards, merge_optimizer_shards
 from pgregistry.experts import get_global_unique_param_name, global_param_name_fn, named_global_parameters
+from pgregistry.params import mark_tensor_parallel
 
 _OFF: dict[str, Any] = dict(
     ep=None, dp_cp=None, expt_dp=None, tp=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None
@@ -73,9 +74,15 @@ def test_optimizer_state_reloads_by_name_under_another_ep_layout() -> None:
                 assert optimizer.state[param][key] is not value  # copied, not aliased
 
 
-def test_tensor_parallel_shards_are_refused() -> None:
+def test_gtp_remat_and_interleaved_tensor_parallel_shards_are_refused() -> None:
+    """Whole TP shards are gathered (tests/modules/test_modules_checkpoint.py); GTP-remat and interleaved TP
+    shards are not joined, so a model with them is refused, naming the axis or the parameter."""
+    model = _stage(0, 1, gtp_remat=SizeRankGroup(2, 0))
+    with pytest.raises(ValueError, match="the model's gtp_remat axis has more than one rank"):
+        state_by_name(model)
     model = _stage(0, 1, tp=SizeRankGroup(2, 0))
-    with pytest.raises(ValueError, match="the model's tp axis has more than one rank"):
+    mark_tensor_parallel(next(model.parameters()), 0, stride=2)
+    with pytest.raises(ValueError, match=r"parameter 'embedding\.weight' is TP-sharded with partition_stride 2"):
         state_by_name(model)
 
 

@@ -1,0 +1,131 @@
+"""A job's checkpoint: each module's parameters and optimizer state in a directory of its own, over its own span.
+
+Each module is saved with :func:`pgregistry.checkpoint.save_rank_files` on its collection, into
+``<directory>/<module name>``: every collective of a module's save runs over the module's span (its files are
+numbered over the span and record the module's name and span), so no rank of another module takes part or waits,
+and a directory never mixes two modules. Loading runs :func:`pgregistry.checkpoint.load_rank_files` the same way,
+which refuses a checkpoint saved by another module or over other ranks; within a module, parameters are keyed by
+global name, so a module reloads under another layout of the same span (another TP, EP or PP size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pgregistry.checkpoint import load_rank_files, save_rank_files
+from pgregistry.experts._names import NamingOptions, checked_naming
+from pgregistry.modules._agreement import agree_over_the_world
+from pgregistry.modules._collection import MultiModuleCollection
+from pgregistry.modules._optimizer import MultiModuleOptimizer
+from pgregistry.modules._stats import check_models, described
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def save_checkpoint(
+    directory: str | Path,
+    models: Mapping[str, Any],
+    modules: MultiModuleCollection,
+    optimizer: MultiModuleOptimizer | None = None,
+    *,
+    naming: Mapping[str, NamingOptions] | None = None,
+) -> Path:
+    """Save every module of the job, each into ``directory/<module name>`` (see the module docstring); returns
+    ``directory``.
+
+    ``models`` maps each module this rank runs to its model or model chunks, exactly those; ``optimizer`` is the
+    job's :class:`MultiModuleOptimizer` (its state is saved by global name beside each module's parameters);
+    ``naming`` gives a module's naming keywords (``num_experts``, ``layer_offsets``: those of
+    :func:`pgregistry.checkpoint.save_rank_files` but ``pg_collection``, which is the module's).
+
+    Collective over the world, and over each module's span. Bad input (a model for a module this rank does not
+    run or none for one it runs, an optimizer over other modules, a module name that is no directory name,
+    ``naming`` for no module or with other keywords) raises ``ValueError`` on every rank before anything is
+    written. A module's save that fails (its directory holds a checkpoint already, a disk is full) raises on every
+    rank once every module has been tried, naming the module; the other modules' checkpoints are complete.
+    """
+    directory = Path(directory)
+    given, naming = _agreed(models, modules, optimizer, naming, "pgregistry.modules.save_checkpoint")
+    errors: list[str] = []
+    for name, model in given.items():
+        try:
+            options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
+            save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
+        except (ValueError, OSError, RuntimeError) as exc:
+            errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
+    agree_over_the_world(
+        "pgregistry.modules.save_checkpoint", described(modules), "; ".join(errors) or None, failed="failed to save"
+    )
+    return directory
+
+
+def load_checkpoint(
+    directory: str | Path,
+    models: Mapping[str, Any],
+    modules: MultiModuleCollection,
+    optimizer: MultiModuleOptimizer | None = None,
+    *,
+    naming: Mapping[str, NamingOptions] | None = None,
+    strict: bool = True,
+) -> None:
+    """Load every module of the job from :func:`save_checkpoint`'s ``directory/<module name>``.
+
+    Arguments as :func:`save_checkpoint`; ``strict`` as :func:`pgregistry.checkpoint.load_rank_files`. Collective
+    over the world and each module's span. A module's checkpoint of another module (a renamed directory) or of
+    other ranks is refused, as are missing, damaged or misfit tensors: each module loads all or nothing, and a
+    failure raises on every rank once every module has been tried, naming the module (the modules that loaded
+    stay loaded).
+    """
+    directory = Path(directory)
+    given, naming = _agreed(models, modules, optimizer, naming, "pgregistry.modules.load_checkpoint")
+    errors: list[str] = []
+    for name, model in given.items():
+        try:
+            options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
+            load_rank_files(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
+        except (ValueError, OSError, RuntimeError) as exc:
+            errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
+    agree_over_the_world(
+        "pgregistry.modules.load_checkpoint", described(modules), "; ".join(errors) or None, failed="failed to load"
+    )
+
+
+def _optimizer_of(optimizer: MultiModuleOptimizer | None, name: str) -> Any:
+    return optimizer.optimizers[name] if optimizer is not None else None
+
+
+def _agreed(
+    models: Mapping[str, Any],
+    modules: MultiModuleCollection,
+    optimizer: MultiModuleOptimizer | None,
+    naming: Mapping[str, NamingOptions] | None,
+    owner: str,
+) -> tuple[dict[str, Any], dict[str, NamingOptions]]:
+    """The models of the modules this rank runs and each module's naming keywords, once every rank agreed that no
+    rank was given bad input."""
+    if not isinstance(modules, MultiModuleCollection):
+        raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
+    given, error = check_models(models, modules, owner)
+    problems = [error] if error else []
+    for name in modules:
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            problems.append(f"module name {name!r} cannot name a directory of the checkpoint")
+    if optimizer is not None and (
+        not isinstance(optimizer, MultiModuleOptimizer) or list(optimizer.modules) != list(modules)
+    ):
+        problems.append("the optimizer is not a MultiModuleOptimizer over these modules")
+    naming = dict(naming or {})
+    for name, options in naming.items():
+        if name not in modules:
+            problems.append(f"naming for {name!r}, which is not a module of the job")
+            continue
+        try:
+            checked_naming(options, owner)
+        except TypeError as exc:
+            problems.append(f"naming for {name!r}: {exc}")
+        if "pg_collection" in options:
+            problems.append(f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection")
+    agree_over_the_world(owner, described(modules), "; ".join(problems) or None)
+    return given, naming

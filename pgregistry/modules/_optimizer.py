@@ -1,0 +1,278 @@
+"""One optimizer over the modules of a job: :class:`MultiModuleOptimizer` and :func:`build_optimizer`.
+
+Megatron-Core's ``MimoOptimizer`` is the reference: one optimizer per module (here pgregistry's
+:class:`~pgregistry.optim.ChainedOptimizer` of the module's model, on the module's collection), chained, with
+job-wide statistics and a job-wide verdict on whether to step. What differs:
+
+* the job-wide norm and zero count are :mod:`pgregistry.modules._stats`'s: one all-reduce over the world after each
+  module's own reductions over its span, non-finite norms sent as flags (a NaN inside a MAX all-reduce may be
+  dropped), modules combined in float64, both statistics in the same all-reduce when both are asked for;
+* the verdict: a step is skipped on every rank when the job-wide norm is not finite (a NaN or infinite grad in
+  any module). It needs no all-reduce of its own: the norm it is read from is the same on every rank. (Megatron-
+  Core agrees on ``found_inf`` with a MAX first, then on the step's success with a MIN; pgregistry's optimizers
+  keep no loss scale, so the norm is the whole verdict, and a step cannot fail on one rank alone);
+* the modules, their spans and what each rank was given are agreed on by every rank when the optimizer is made
+  (:mod:`pgregistry.modules._agreement`): a rank that lists other modules, or holds an optimizer for a module it
+  does not run (or none for one it runs), raises on every rank.
+
+A training step::
+
+    loss.backward()                   # each rank through the modules it runs
+    optimizer.sync_grads()            # each module's grads over its own data-parallel group
+    stepped, norm, _ = optimizer.step(max_norm=1.0)   # job-wide clip; every rank skips when norm is not finite
+    optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from pgregistry.collection import ProcessGroupCollection
+from pgregistry.grad_stats import check_expert_classification, clip_grads_
+from pgregistry.modules._agreement import agree_over_the_world
+from pgregistry.modules._collection import MultiModuleCollection
+from pgregistry.modules._stats import check_models, described, reduce_over_modules
+from pgregistry.optim import ChainedOptimizer
+from pgregistry.optim import build_optimizer as build_module_optimizer
+
+__all__ = ["MultiModuleOptimizer", "build_optimizer"]
+
+
+class MultiModuleOptimizer:
+    """The optimizers of the modules this rank runs, stepped as one, with job-wide statistics and verdict.
+
+    ``optimizers`` maps each module this rank runs (:meth:`MultiModuleCollection.here`) to its optimizer, built
+    on that module's collection (:func:`pgregistry.optim.build_optimizer`; :func:`build_optimizer` builds them
+    all). Making one is collective over the world: every rank makes it with the same ``modules``, a rank that runs
+    no module included (with no optimizers), and ``ValueError`` is raised on every rank, naming each culprit rank
+    and module, when the ranks list other modules or a rank holds an optimizer for a module it does not run, none
+    for one it runs, or one built on another collection; ``TypeError`` likewise for one that is no
+    :class:`~pgregistry.optim.ChainedOptimizer`.
+
+    The statistics (:meth:`get_grad_norm`, :meth:`count_zeros`, :meth:`clip_grad_norm`, :meth:`step`) are
+    collective over the world; :meth:`sync_grads` over each module's groups; :meth:`load_state_dict` over the world
+    (its checks agreed) and each module's groups.
+    """
+
+    __slots__ = ("_optimizers", "_modules")
+
+    def __init__(self, optimizers: Mapping[str, ChainedOptimizer], modules: MultiModuleCollection) -> None:
+        if not isinstance(modules, MultiModuleCollection):
+            raise TypeError(f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
+        given, error = check_models(optimizers, modules, "MultiModuleOptimizer", _built_on_the_module, noun="optimizer")
+        agree_over_the_world("MultiModuleOptimizer", described(modules), error)
+        self._optimizers: Mapping[str, ChainedOptimizer] = MappingProxyType(given)
+        self._modules = modules
+
+    # ------------------------------------------------------------------------------------------- identity
+
+    @property
+    def optimizers(self) -> Mapping[str, ChainedOptimizer]:
+        """Module name -> its optimizer, for the modules this rank runs (read-only)."""
+        return self._optimizers
+
+    @property
+    def modules(self) -> MultiModuleCollection:
+        """The job's modules."""
+        return self._modules
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every module optimizer's param groups (change ``lr`` there), in module order."""
+        return [group for optimizer in self._optimizers.values() for group in optimizer.param_groups]
+
+    def __iter__(self) -> Iterator[ChainedOptimizer]:
+        return iter(self._optimizers.values())
+
+    def __repr__(self) -> str:
+        return f"MultiModuleOptimizer(here={list(self._optimizers)}, modules={list(self._modules)})"
+
+    # ------------------------------------------------------------------------------------------- statistics
+
+    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The job-wide grad norm over every module (0-dim float32; NaN or infinite when any module's is)."""
+        return self._statistics(norm_type, zeros=False)[0]
+
+    def count_zeros(self) -> int:
+        """The job-wide number of zero grad elements, each counted once."""
+        counts: dict[str, torch.Tensor | int] = {name: opt.count_zeros() for name, opt in self._optimizers.items()}
+        _, zeros = reduce_over_modules(list(self._modules), zeros=counts)
+        assert zeros is not None
+        return zeros
+
+    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, int]:
+        """:meth:`get_grad_norm` and :meth:`count_zeros` in one all-reduce over the world."""
+        norm, zeros = self._statistics(norm_type, zeros=True)
+        assert zeros is not None
+        return norm, zeros
+
+    def clip_grad_norm(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Scale every module's grads by ``max_norm / (norm + 1e-6)`` with the job-wide norm, where below 1; return
+        the norm. A NaN or infinite norm scales nothing, or raises ``RuntimeError`` on every rank with
+        ``error_if_nonfinite``."""
+        total, _ = self._statistics(norm_type, zeros=False, max_norm=max_norm)
+        self._clip(max_norm, total, error_if_nonfinite)
+        return total
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def sync_grads(self) -> None:
+        """Each module's grads averaged over its own data-parallel groups."""
+        for optimizer in self._optimizers.values():
+            optimizer.sync_grads()
+
+    def step(
+        self, max_norm: float | None = None, *, norm_type: float = 2.0, count_zeros: bool = False
+    ) -> tuple[bool, float, int | None]:
+        """Clip with the job-wide norm (when ``max_norm`` is given) and step every module, or skip on every rank.
+
+        Returns ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does: ``stepped`` is
+        false on every rank when the job-wide norm is NaN or infinite (nothing is scaled or stepped, grads are left
+        as they are); ``num_zeros`` is the job-wide zero count with ``count_zeros``, else ``None``. One all-reduce
+        over the world after the modules' own reductions; it also carries ``max_norm`` and ``norm_type``, so a
+        rank given other values (or ones that are no norm type or positive finite ``max_norm``) raises
+        ``ValueError`` on every rank, after the reductions every rank joins.
+        """
+        total, zeros = self._statistics(norm_type, zeros=count_zeros, max_norm=max_norm)
+        norm = float(total)
+        if not math.isfinite(norm):
+            return False, norm, zeros
+        if max_norm is not None:
+            self._clip(max_norm, total, error_if_nonfinite=False)
+        for optimizer in self._optimizers.values():
+            optimizer.step()
+        return True, norm, zeros
+
+    def zero_grad(self) -> None:
+        for optimizer in self._optimizers.values():
+            optimizer.zero_grad()
+
+    # ------------------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Module name -> its optimizer's state dict, for the modules this rank runs."""
+        return {name: optimizer.state_dict() for name, optimizer in self._optimizers.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: each module's optimizer from the entry under its name.
+
+        Collective over the world: ``ValueError`` on every rank, before anything loads, when a rank's state lacks a
+        module it runs or holds one it does not run (another rank's state), naming the rank and the module."""
+        _, error = check_models(state_dict, self._modules, "MultiModuleOptimizer.load_state_dict", noun="state")
+        agree_over_the_world("MultiModuleOptimizer.load_state_dict", described(self._modules), error)
+        for name, optimizer in self._optimizers.items():
+            optimizer.load_state_dict(state_dict[name])
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    def _statistics(
+        self, norm_type: float, *, zeros: bool, max_norm: float | None = None
+    ) -> tuple[torch.Tensor, int | None]:
+        """The job-wide norm (and zero count). A ``norm_type`` or ``max_norm`` that is bad on some rank only must
+        not raise there before the modules' reductions (its module's other ranks would wait in them), so each is
+        sent in the world all-reduce as a number (-1 when bad) and refused after it, on every rank alike."""
+        p_ok = _number(norm_type) > 0
+        p = float(norm_type) if p_ok else 2.0
+        settings = {"norm_type": float(norm_type) if p_ok else -1.0}
+        if max_norm is not None:
+            settings["max_norm"] = float(max_norm) if math.isfinite(_number(max_norm)) and max_norm > 0 else -1.0
+        if zeros:
+            both = {name: opt.get_grad_norm_and_zeros(p) for name, opt in self._optimizers.items()}
+            norms: dict[str, torch.Tensor] = {name: pair[0] for name, pair in both.items()}
+            counts: dict[str, torch.Tensor | int] | None = {name: pair[1] for name, pair in both.items()}
+        else:
+            norms, counts = {name: opt.get_grad_norm(p) for name, opt in self._optimizers.items()}, None
+        norm, count = reduce_over_modules(
+            list(self._modules), norms=norms, norm_type=settings["norm_type"], zeros=counts, settings=settings
+        )
+        if not p_ok:
+            raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
+        if settings.get("max_norm") == -1.0:
+            raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+        assert norm is not None
+        return norm, count
+
+    def _clip(self, max_norm: float, total: torch.Tensor, error_if_nonfinite: bool) -> None:
+        grads = [
+            grad
+            for optimizer in self._optimizers.values()
+            for child in optimizer.chained_optimizers
+            for grad in child.grads_to_clip()
+        ]
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same on every rank
+            raise RuntimeError(
+                f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are "
+                "left as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+            )
+        if grads:
+            clip_grads_(grads, max_norm, total)
+
+
+def _number(value: object) -> float:
+    """``value`` as a float; NaN when it is none."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _built_on_the_module(name: str, optimizer: Any, collection: ProcessGroupCollection) -> None:
+    """``TypeError`` unless ``optimizer`` is a chained optimizer; ``ValueError`` unless it runs on ``collection``."""
+    if not isinstance(optimizer, ChainedOptimizer):
+        raise TypeError(
+            f"expected a pgregistry ChainedOptimizer (pgregistry.optim.build_optimizer), got {type(optimizer).__name__}"
+        )
+    for child in optimizer.chained_optimizers:
+        built_on = child.stats_groups.collection
+        if built_on != collection:
+            raise ValueError(
+                f"its optimizer was built on {built_on.describe()}, not on the module's {collection.describe()}"
+            )
+
+
+def build_optimizer(
+    models: Mapping[str, Any],
+    modules: MultiModuleCollection,
+    *,
+    per_module: Mapping[str, Mapping[str, Any]] | None = None,
+    **options: Any,
+) -> MultiModuleOptimizer:
+    """The :class:`MultiModuleOptimizer` of a job: :func:`pgregistry.optim.build_optimizer` of each module this rank
+    runs, on the module's collection, with ``options`` (its keywords: ``optimizer``, ``lr``, ``sharded``, ...)
+    updated by ``per_module[name]`` for that module (a ``param_name_fn`` of its model, another ``lr``).
+
+    ``models`` maps each module this rank runs to its model or model chunks, exactly those. Collective over the
+    world (every rank calls it, a rank that runs no module included) and over each module's groups. Bad input
+    (a model for a module this rank does not run, none for one it runs, a model the module's optimizer refuses,
+    ``per_module`` naming no module of the job) raises ``ValueError`` on every rank, naming the rank and module,
+    before any module's optimizer is built.
+    """
+    if not isinstance(modules, MultiModuleCollection):
+        raise TypeError(f"build_optimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
+    per_module = dict(per_module or {})
+
+    def accepted(name: str, model: Any, collection: ProcessGroupCollection) -> None:
+        if not isinstance(model, torch.nn.Module) and not (
+            isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model)
+        ):
+            raise TypeError(f"expected a model or model chunks, got {type(model).__name__}")
+        check_expert_classification(model, collection)
+
+    given, error = check_models(models, modules, "pgregistry.modules.build_optimizer", accepted)
+    stray = sorted(set(per_module) - set(modules))
+    if stray:
+        error = (error + "; " if error else "") + f"per_module names {stray}, which are not modules of the job"
+    request = {**described(modules), "options": repr(sorted(options))}
+    agree_over_the_world("pgregistry.modules.build_optimizer", request, error)
+    optimizers = {
+        name: build_module_optimizer(model, modules[name], **{**options, **per_module.get(name, {})})
+        for name, model in given.items()
+    }
+    return MultiModuleOptimizer(optimizers, modules)

@@ -1,0 +1,320 @@
+"""Job-wide grad statistics over the modules of a job: :func:`grad_norm`, :func:`count_zeros`, :func:`clip_grad_norm_`.
+
+Each module's statistic comes from pgregistry's single-model path on that module's collection
+(:func:`pgregistry.grad_stats.grad_norm`, :func:`~pgregistry.grad_stats.count_zeros`): it counts each of the
+module's grads once over the module's span and leaves the same value on every rank of the span. One all-reduce over
+the world then combines the modules. A module's value lives on its ranks only: each rank puts, for each module it
+runs, that module's value in the module's slot of a vector indexed by module, and 0 elsewhere; a MAX over the world
+fills every slot with its module's value (every rank of a module holds the same), so a rank outside a module
+contributes nothing for it, and a module is counted once however many ranks run it. The job-wide norm is then
+``(sum_m n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m z_m``, both in float64.
+
+Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent encoded as a number
+above every finite norm (a NaN inside a MAX all-reduce is backend-dependent: gloo keeps or drops it depending on
+which rank holds it, and a job-wide norm of a NaN gradient would then look finite); module norms are combined in
+float64, scaled by the largest, so no square overflows (each module's own norm is :mod:`pgregistry.grad_stats`'s,
+float32); and every rank agrees on the modules, their spans and the call's options first
+(:mod:`~pgregistry.modules._agreement`), so a rank that lists other modules, or was given a model for a module it
+does not run (or none for one it runs), raises on every rank instead of leaving a module's ranks waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pgregistry._resolve import ParamsLike, normalise
+from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
+from pgregistry.grad_stats import count_zeros as module_count_zeros
+from pgregistry.grad_stats import grad_norm as module_grad_norm
+from pgregistry.modules._agreement import agree_over_the_world
+from pgregistry.modules._collection import MultiModuleCollection
+
+if TYPE_CHECKING:
+    from pgregistry.collection import ProcessGroupCollection
+
+__all__ = [
+    "check_models",
+    "clip_grad_norm_",
+    "count_zeros",
+    "described",
+    "grad_norm",
+    "reduce_over_modules",
+]
+
+
+def grad_norm(
+    models: Mapping[str, ParamsLike], modules: MultiModuleCollection, *, norm_type: float = 2.0
+) -> torch.Tensor:
+    """The ``norm_type``-norm of every grad of every module of the job, each grad counted once.
+
+    ``models`` maps the name of each module this rank runs (:meth:`MultiModuleCollection.here`) to its model,
+    model chunks or parameters, exactly those; ``modules`` is the job's :class:`MultiModuleCollection`. Each
+    module's norm is :func:`pgregistry.grad_stats.grad_norm` on its collection, over its span; the modules are
+    combined by one all-reduce over the world (see the module docstring). A NaN or infinite grad in any module
+    makes the job-wide norm NaN or infinite on every rank (NaN wins).
+
+    Collective over the world: every rank calls it, with the same ``modules`` and ``norm_type``, a rank that runs
+    no module included. ``ValueError`` on every rank, naming each culprit rank and module, when the ranks list
+    other modules or spans, or a rank was given a model for a module it does not run, none for one it runs, or a
+    model the module's statistics refuse (an unclassified expert parameter, another collection attached).
+    Returns a 0-dim float32 tensor on the device the world's backend reduces on.
+    """
+    given = _agreed(
+        models, modules, "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)},
+        extra_error=_norm_type_error(norm_type),
+    )
+    p = float(norm_type)
+    norms = {name: module_grad_norm(model, modules[name], norm_type=p) for name, model in given.items()}
+    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p)
+    assert total is not None
+    return total
+
+
+def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection) -> int:
+    """The number of zero grad elements over every module of the job, each element counted once.
+
+    Arguments, collectives and errors as :func:`grad_norm`; each module's count is
+    :func:`pgregistry.grad_stats.count_zeros` on its collection.
+    """
+    given = _agreed(models, modules, "pgregistry.modules.count_zeros", {})
+    zeros = {name: module_count_zeros(model, modules[name]) for name, model in given.items()}
+    _, total = reduce_over_modules(list(modules), zeros=zeros)
+    assert total is not None
+    return total
+
+
+def clip_grad_norm_(
+    models: Mapping[str, ParamsLike],
+    max_norm: float,
+    modules: MultiModuleCollection,
+    *,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the grads of every module in place to a job-wide norm of ``max_norm``; return the norm before clipping.
+
+    The norm is :func:`grad_norm`'s; each rank scales the grads of the modules it runs by
+    ``max_norm / (norm + 1e-6)`` where that is below 1 (:func:`pgregistry.grad_stats.clip_grads_`), duplicates
+    included, so replicas stay identical. A NaN or infinite norm scales nothing (skip the step), or with
+    ``error_if_nonfinite`` raises ``RuntimeError`` on every rank. Arguments, collectives and errors as
+    :func:`grad_norm`; a ``max_norm`` that is not a positive finite number raises ``ValueError`` on every rank.
+    """
+    options = {
+        "max_norm": repr(max_norm), "norm_type": repr(norm_type), "error_if_nonfinite": repr(error_if_nonfinite)
+    }
+    bad_max = None if _positive_finite(max_norm) else f"max_norm must be a positive finite number, got {max_norm!r}"
+    bad = "; ".join(e for e in (bad_max, _norm_type_error(norm_type)) if e) or None
+    given = _agreed(models, modules, "pgregistry.modules.clip_grad_norm_", options, extra_error=bad)
+    p = float(norm_type)
+    norms = {name: module_grad_norm(model, modules[name], norm_type=p) for name, model in given.items()}
+    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p)
+    assert total is not None
+    if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same on every rank, modules or none
+        raise RuntimeError(
+            f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are left "
+            "as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+        )
+    grads = [grad for model in given.values() for grad in _local_grads(model)]
+    if grads:
+        clip_grads_(grads, max_norm, total)
+    return total
+
+
+# --------------------------------------------------------------------------------------------------- combining
+
+
+def reduce_over_modules(
+    names: Sequence[str],
+    *,
+    norms: Mapping[str, torch.Tensor] | None = None,
+    norm_type: float = 2.0,
+    zeros: Mapping[str, torch.Tensor | int] | None = None,
+    settings: Mapping[str, float] | None = None,
+) -> tuple[torch.Tensor | None, int | None]:
+    """The job-wide norm and zero count from the modules' own, in one all-reduce (MAX) over the world.
+
+    ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
+    of the modules this rank runs (the same on every rank of a module). Each module's norm travels as a number,
+    never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53). The
+    all-reduce also carries each of ``settings`` (name -> a number every rank must have alike; never NaN),
+    ``norm_type`` among them, and its negation: ranks that differ raise ``ValueError`` on every rank, naming the
+    setting. Returns ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim float32 tensor (NaN when
+    any module's is NaN, else infinite when any is), the count an int.
+    """
+    count = len(names)
+    index = {name: i for i, name in enumerate(names)}
+    device = backend_device(None)
+    agreed = {"norm_type": float(norm_type), **(settings or {})}
+    # Kept short: gloo's all-reduce of a vector longer than the world takes a ring of 2 x world steps, several
+    # times the latency of a shorter one. One slot per module norm, one per module zero count, two per setting.
+    packed = torch.zeros(2 * count + 2 * len(agreed), dtype=torch.float64, device=device)
+    if norms is not None:
+        for name, norm in norms.items():
+            packed[index[name]] = _encoded(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
+    if zeros is not None:
+        for name, zero_count in zeros.items():
+            packed[count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
+    base = 2 * count
+    for i, number in enumerate(agreed.values()):
+        packed[base + 2 * i], packed[base + 2 * i + 1] = float(number), -float(number)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    for i, setting in enumerate(agreed):
+        largest, smallest = float(packed[base + 2 * i]), -float(packed[base + 2 * i + 1])
+        if largest != smallest:
+            raise ValueError(
+                f"ranks asked for different {setting} values (from {smallest} to {largest}); every rank must ask "
+                "for the same job-wide statistic"
+            )
+    p = float(norm_type)
+    total = None
+    if norms is not None:
+        slots = packed[:count]
+        finite = torch.where(slots < _INF, slots, torch.zeros_like(slots))
+        total = _combined(finite, p)
+        total = torch.where((slots == _INF).any(), torch.full_like(total, math.inf), total)
+        total = torch.where((slots == _NAN).any(), torch.full_like(total, math.nan), total).to(torch.float32)
+    zero_total = None
+    if zeros is not None:
+        zero_total = int(round(float(packed[count : 2 * count].sum())))
+    return total, zero_total
+
+
+_INF = torch.finfo(torch.float64).max
+"""How an infinite module norm travels: above every finite norm (those come from float32, below 3.5e38)."""
+
+_NAN = math.inf
+"""How a NaN module norm travels: above everything else, so a MAX keeps it (a NaN itself it might drop)."""
+
+
+def _encoded(norm: torch.Tensor) -> torch.Tensor:
+    """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when infinite,
+    :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
+    norm = torch.where(torch.isinf(norm), torch.full_like(norm, _INF), norm)
+    return torch.where(torch.isnan(norm), torch.full_like(norm, _NAN), norm)
+
+
+def _combined(norms: torch.Tensor, p: float) -> torch.Tensor:
+    """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm), scaled by the largest
+    so that no power overflows; 0 for no norms or all zero."""
+    if norms.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=norms.device)
+    largest = norms.max()
+    if math.isinf(p):
+        return largest
+    scale = torch.where(largest > 0, largest, torch.ones_like(largest))
+    return scale * (norms / scale).pow(p).sum().pow(1.0 / p)
+
+
+# ------------------------------------------------------------------------------------------------------ inputs
+
+
+def described(modules: MultiModuleCollection) -> dict[str, str]:
+    """What every rank must agree on about the job's modules: their names in order, spans and layouts."""
+    return {
+        "modules": "; ".join(f"{name}={layout!r}" for name, layout in modules.layouts().items()),
+        "language_model": repr(modules.language_model),
+    }
+
+
+def check_models(
+    models: object,
+    modules: MultiModuleCollection,
+    owner: str,
+    check: Callable[[str, Any, ProcessGroupCollection], None] | None = None,
+    *,
+    noun: str = "model",
+) -> tuple[dict[str, Any], str | None]:
+    """``models`` restricted to the modules this rank runs, in the modules' order, and this rank's error (``None``
+    when it has none): ``models`` is not a mapping, names a module that does not exist or one this rank does not
+    run, lacks one it runs, or a module's collection was destroyed; ``check(name, model, collection)`` raising
+    ``ValueError``, ``TypeError`` or ``RuntimeError`` is an error too. ``noun`` names what the mapping holds in
+    messages (a model, an optimizer, a state). Local: the caller agrees on the error."""
+    if not isinstance(models, Mapping) or isinstance(models, MultiModuleCollection):
+        got = type(models).__name__
+        return {}, f"{owner} takes a mapping from module name to that module's {noun}, got a {got}"
+    problems = []
+    article = "an" if noun[0] in "aeiou" else "a"
+    unknown = [name for name in models if name not in modules]
+    if unknown:
+        problems.append(f"{noun}s for {unknown}, which are not modules of the job ({list(modules)})")
+    here = modules.here()
+    for name, collection in modules.items():
+        layout = collection.layout
+        assert layout is not None
+        first, stop = layout.rank_range()
+        if name in models and name not in here:
+            problems.append(
+                f"{article} {noun} for module {name!r}, which runs on ranks {first}-{stop - 1}, not on this rank: a "
+                f"rank outside a module passes no {noun} for it"
+            )
+        elif name in here and name not in models:
+            problems.append(f"no {noun} for module {name!r} (ranks {first}-{stop - 1}), which this rank runs")
+        elif name in here and collection.is_destroyed:
+            problems.append(f"module {name!r}, whose groups pgregistry.registry.destroy() destroyed")
+    given = {name: models[name] for name in here if name in models}
+    if check is not None and not problems:
+        for name, model in given.items():
+            try:
+                check(name, model, modules[name])
+            except (ValueError, TypeError, RuntimeError) as exc:
+                problems.append(f"module {name!r}: {exc}")
+    return given, ("; ".join(problems) if problems else None)
+
+
+def _agreed(
+    models: Mapping[str, ParamsLike],
+    modules: MultiModuleCollection,
+    owner: str,
+    options: Mapping[str, str],
+    *,
+    extra_error: str | None = None,
+) -> dict[str, ParamsLike]:
+    """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
+    a fault (:func:`agree_over_the_world`)."""
+    if not isinstance(modules, MultiModuleCollection):
+        raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
+
+    def statistics_accept(name: str, model: Any, collection: ProcessGroupCollection) -> None:
+        # The door of the module's statistics, run here so that a refusal raises on every rank, not on one rank
+        # while the module's other ranks wait for it in the module's reductions.
+        check_expert_classification(model, collection)
+
+    given, error = check_models(models, modules, owner, statistics_accept)
+    if extra_error is not None:
+        error = extra_error if error is None else f"{extra_error}; {error}"
+    agree_over_the_world(owner, {**described(modules), **options}, error)
+    return given
+
+
+def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
+    """The grads of ``model`` as tensors to scale in place: each parameter's ``.grad`` (a DTensor's local piece)."""
+    grads = []
+    for _, param in normalise(model).named:
+        grad = param.grad
+        if grad is None:
+            continue
+        local = getattr(grad, "_local_tensor", None)  # a DTensor: its local piece, as the single-model clip scales
+        grads.append(local if isinstance(local, torch.Tensor) else grad)
+    return grads
+
+
+def _norm_type_error(norm_type: object) -> str | None:
+    """Why ``norm_type`` is no norm type (it must be positive, or inf), or ``None``."""
+    try:
+        p = float(norm_type)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        p = math.nan
+    return None if p > 0 else f"norm_type must be positive (or inf), got {norm_type!r}"
+
+
+def _positive_finite(value: object) -> bool:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return number > 0 and math.isfinite(number)
