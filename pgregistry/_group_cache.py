@@ -17,21 +17,20 @@
   2.13: ranks 0 and 2 never connect in ``[0, 2]`` after ``[0, 1]`` was created by ranks 0 and 1). For gloo every
   rank therefore walks every rank set of the request in the same global order (non-members get
   ``NON_GROUP_MEMBER`` at no connection cost); that is still one call per distinct rank set, not per kind.
-* Before creating anything, ranks exchange a digest of what they were asked for (:func:`agree_on_request`).
+* Before creating anything, ranks exchange a digest of what they were asked for (``pgregistry._agreement.agree``).
   Ranks that disagree raise on every rank, naming who asked for what, instead of hanging in mismatched creations.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 import torch.distributed as dist
 
+from pgregistry._agreement import agree, require_distributed
 from pgregistry.layout import RankGroup
 
 if TYPE_CHECKING:
@@ -41,13 +40,16 @@ __all__ = [
     "CACHE",
     "GroupCache",
     "GroupOptions",
-    "agree_on_request",
+    "BUILD_ADVICE",
     "members_only_creation",
-    "require_distributed",
     "split_chosen",
     "split_creation",
     "split_plan",
 ]
+
+
+BUILD_ADVICE = "every rank must build the same layouts and groups, with the same names and options, in the same order"
+"""What a disagreement about groups to create asks of the ranks."""
 
 
 @attrs.frozen(slots=True)
@@ -172,7 +174,7 @@ class GroupCache:
         require_distributed("creating process groups")
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
-        agree_on_request("the rank sets to create", {"rank sets": repr(sets), **options.described()})
+        agree("the rank sets to create", {"rank sets": repr(sets), **options.described()}, advice=BUILD_ADVICE)
         # Checked on the whole list, not on this rank's sets only, so that every rank raises alike (none hangs).
         seen: set[int] = set()
         for ranks in sets:
@@ -198,7 +200,7 @@ class GroupCache:
         require_distributed("creating process groups")
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
-        agree_on_request("the twin rank sets to create", {"rank sets": repr(sets), **options.described()})
+        agree("the twin rank sets to create", {"rank sets": repr(sets), **options.described()}, advice=BUILD_ADVICE)
         members_only = members_only_creation(options.backend)
         mine: ProcessGroup | None = None
         for ranks in sorted(sets, key=lambda r: (len(r), r)):
@@ -251,12 +253,6 @@ CACHE = GroupCache()
 """The process-wide cache every build, adoption and mesh flattening goes through."""
 
 
-def require_distributed(what: str) -> None:
-    """``RuntimeError`` unless torch.distributed is initialised."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{what} needs torch.distributed initialised (init_process_group)")
-
-
 def members_only_creation(backend: str | None) -> bool:
     """Whether groups may be created by their members alone (every backend but gloo; see the module docstring)."""
     effective = backend if backend is not None else str(dist.get_backend())
@@ -307,41 +303,3 @@ def _rank_set(ranks: Iterable[int], world_size: int) -> RankGroup:
     if not out or len(out) != len(listed) or out[0] < 0 or out[-1] >= world_size:
         raise ValueError(f"rank set {listed} must list distinct ranks of the {world_size}-rank world")
     return out
-
-
-def agree_on_request(subject: str, fields: Mapping[str, str]) -> None:
-    """Compare a digest of ``fields`` across ranks; raise on every rank when ranks asked for different things.
-
-    One all-reduce (MAX of the digest and of its negation) decides; only when ranks disagree is every rank's
-    request gathered, to name the fields that differ and who asked for which value (two ranks that differ only in
-    a build's name or timeout print the same layout, so naming the field is the whole diagnosis). A world-sized
-    all-gather on every build cost 0.1 s per rank at 8,192 ranks, most of a build. ``subject`` names what is
-    agreed on in the message; ``fields`` maps each part of the request to its text.
-    """
-    request = "|".join(f"{key}={value}" for key, value in fields.items())
-    digest = int(hashlib.sha256(request.encode()).hexdigest()[:15], 16)
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()):
-        device = torch.device("cuda", torch.cuda.current_device())
-    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    if int(bounds[0]) == -int(bounds[1]):  # the largest digest is the smallest: all equal
-        return
-    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dict(fields))
-    differences = []
-    for key in fields:
-        by_value: dict[str, list[int]] = {}
-        for rank, asked in enumerate(everyone):
-            by_value.setdefault((asked or {}).get(key, "<missing>"), []).append(rank)
-        if len(by_value) > 1:
-            askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
-            differences.append(f"{key!r} differs ({askers})")
-    raise ValueError(
-        f"ranks disagree on {subject}: {'; '.join(differences)}; this rank is rank {dist.get_rank()}. Every rank "
-        "must build the same layouts and groups, with the same names and options, in the same order."
-    )
-
-
-def _shorten(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -23,10 +23,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import attrs
-import torch
 import torch.distributed as dist
 
-from pgregistry._group_cache import CACHE, GroupOptions, agree_on_request, members_only_creation, require_distributed
+from pgregistry._agreement import agree, require_distributed
+from pgregistry._group_cache import BUILD_ADVICE, CACHE, GroupOptions, members_only_creation
 from pgregistry._logging import get_logger
 from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection, _Lifetime
 from pgregistry.layout import GROUP_KINDS, ParallelLayout, RankGroup
@@ -84,7 +84,7 @@ def build(
         raise TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}")
     key = name if name is not None else f"unnamed {layout!r}"
     declared = {field.name: repr(getattr(layout, field.name)) for field in attrs.fields(ParallelLayout) if field.init}
-    agree_on_request("the layout to build", {"name": repr(name), **declared, **options.described()})
+    agree("the layout to build", {"name": repr(name), **declared, **options.described()}, advice=BUILD_ADVICE)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     first, stop = layout.rank_range()
     if stop > world_size:
@@ -160,7 +160,7 @@ def _refuse_other_options(
     """``ValueError`` on every rank when a rank set this build needs already has a communicator with other options
     (one communicator per rank set). Agreed over the world: with members-only creation only a member of that set
     knows, and the others would hang in their next creation."""
-    conflict = ""
+    conflict = None
     for ranks in sorted(rank_sets):
         existing = CACHE.options_of(ranks)
         if existing is not None and existing != options:
@@ -170,18 +170,7 @@ def _refuse_other_options(
                 "so build with the same backend and timeout, or destroy() first"
             )
             break
-    flag = torch.tensor([int(bool(conflict))], dtype=torch.int32, device=_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag.item()):
-        messages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, conflict)
-        raise ValueError(next(message for message in messages if message))
-
-
-def _device() -> torch.device:
-    if "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    agree("pgregistry.build", {}, conflict, failed="found a communicator with other options")
 
 
 def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:

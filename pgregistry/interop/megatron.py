@@ -44,12 +44,12 @@ from pgregistry.collection import (
     group_size,
 )
 from pgregistry.interop._megatron_grids import agreed_modules, described_groups, from_hyper_comm_grid
-from pgregistry.modules import MultiModuleCollection
 
 if TYPE_CHECKING:
     from torch import nn
 
     from pgregistry.layout import ParallelLayout
+    from pgregistry.modules import MultiModuleCollection
 
 __all__ = [
     "NONE_MEANS_NOT_USED",
@@ -128,6 +128,8 @@ def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -
     one rank, or the same communicator as the field it reduces to when GTP is off; otherwise ``ValueError``, since
     that Megatron-Core cannot run the layout.
     """
+    from pgregistry.modules import MultiModuleCollection  # imports torch
+
     if isinstance(pg_collection, MultiModuleCollection):
         return _to_megatron_modules(pg_collection)
     pg_collection = checked(pg_collection, "to_megatron")
@@ -262,6 +264,7 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
     import torch.distributed as dist
 
     from pgregistry import registry
+    from pgregistry.modules import MultiModuleCollection
 
     local = {name: _fields_from_megatron(collection) for name, collection in mc_modules.module_pgs.items()}
     mine = {name: described_groups(fields) for name, fields in local.items()}

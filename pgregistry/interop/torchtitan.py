@@ -33,12 +33,13 @@ torchtitan is imported inside the functions: ``import pgregistry.interop.torchti
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
+from pgregistry._agreement import agree, require_distributed
 from pgregistry._logging import get_logger
 from pgregistry._resolve import checked
 from pgregistry.collection import NOT_MEMBER, UNSET, GroupName, ProcessGroupCollection, group_size
@@ -74,6 +75,9 @@ _VIEWS: Final[dict[str, tuple[str, ...]]] = {
 """torchtitan's views of the world, slowest dim first: each is the world's ranks reshaped to the dims' sizes."""
 
 _LOSS: Final = ("batch", "cp")
+
+_CANNOT: Final = "found what torchtitan cannot run on these groups"
+"""What a refusal of the conversion says of the ranks that found a problem."""
 """The dataloading dims torchtitan flattens into its ``loss`` mesh."""
 
 _SINGLE_AXIS_SOURCE: Final[dict[str, str]] = {
@@ -188,30 +192,6 @@ def _row_of(partition: torch.Tensor, rank: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------- problems
 
 
-def _raise_on_every_rank(caller: str, problems: Sequence[str]) -> None:
-    """Gather every rank's problems; raise ``ValueError`` on every rank when any rank has one.
-
-    A check that fails on some ranks only (a group whose ranks differ from the layout's on those ranks) would
-    otherwise let the others walk into the next collective and wait there until the timeout.
-    """
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, list(problems))
-    found = sorted({problem for mine in everyone for problem in (mine or [])})
-    if found:
-        ranks = [rank for rank, mine in enumerate(everyone) if mine]
-        more = "; ..." if len(found) > 6 else ""
-        raise ValueError(f"{caller}: {'; '.join(found[:6])}{more} (found on ranks {ranks})")
-
-
-def _require_distributed(caller: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{caller} needs torch.distributed initialised (init_process_group)")
-
-
 # ----------------------------------------------------------------------------------------- to_parallel_dims
 
 
@@ -249,7 +229,7 @@ def to_parallel_dims(
     import torch.distributed as dist
     from torchtitan.distributed import parallel_dims as titan_parallel_dims
 
-    _require_distributed("to_parallel_dims")
+    require_distributed("to_parallel_dims")
     # Before the membership check: a rank outside a span would raise alone and leave the others in a collective.
     spanned = collection.layout if isinstance(collection, ProcessGroupCollection) else None
     if spanned is not None and spanned.rank_range() != (0, dist.get_world_size()):
@@ -270,7 +250,7 @@ def to_parallel_dims(
     sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)
     if not problems:
         problems = _layout_problems(layout, sizes) + _collection_problems(collection, sizes, spmd_backend)
-    _raise_on_every_rank("to_parallel_dims", problems)
+    agree("to_parallel_dims", {}, "; ".join(problems) or None, failed=_CANNOT)
     parallel_dims = titan_parallel_dims.ParallelDims(
         dp_replicate=sizes.dp_replicate, dp_shard=sizes.dp_shard, cp=sizes.cp, tp=sizes.tp, pp=sizes.pp,
         ep=sizes.ep, world_size=sizes.world_size, spmd_backend=spmd_backend,
@@ -543,10 +523,10 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
     """
     from pgregistry import registry
 
-    _require_distributed("from_parallel_dims")
+    require_distributed("from_parallel_dims")
     sizes = _sizes_of_titan(parallel_dims)
     problems = _titan_problems(parallel_dims, sizes)
-    _raise_on_every_rank("from_parallel_dims", problems)
+    agree("from_parallel_dims", {}, "; ".join(problems) or None, failed=_CANNOT)
     layout = sizes.layout()
     titan = _titan_groups(parallel_dims)
     registry.adopt(titan.values())

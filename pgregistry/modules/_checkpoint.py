@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pgregistry._agreement import agree
 from pgregistry.checkpoint import load_rank_files, save_rank_files
 from pgregistry.experts._names import NamingOptions, checked_naming
-from pgregistry.modules._agreement import agree_over_the_world
-from pgregistry.modules._collection import MultiModuleCollection
+from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._optimizer import MultiModuleOptimizer
 from pgregistry.modules._stats import check_models, described
 
@@ -55,8 +55,9 @@ def save_checkpoint(
             save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
         except (ValueError, OSError, RuntimeError) as exc:
             errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    agree_over_the_world(
-        "pgregistry.modules.save_checkpoint", described(modules), "; ".join(errors) or None, failed="failed to save"
+    agree(
+        "pgregistry.modules.save_checkpoint", described(modules), "; ".join(errors) or None,
+        failed="failed to save", advice=MODULES_ADVICE,
     )
     return directory
 
@@ -87,8 +88,9 @@ def load_checkpoint(
             load_rank_files(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
         except (ValueError, OSError, RuntimeError) as exc:
             errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    agree_over_the_world(
-        "pgregistry.modules.load_checkpoint", described(modules), "; ".join(errors) or None, failed="failed to load"
+    agree(
+        "pgregistry.modules.load_checkpoint", described(modules), "; ".join(errors) or None,
+        failed="failed to load", advice=MODULES_ADVICE,
     )
 
 
@@ -127,5 +129,5 @@ def _agreed(
             problems.append(f"naming for {name!r}: {exc}")
         if "pg_collection" in options:
             problems.append(f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection")
-    agree_over_the_world(owner, described(modules), "; ".join(problems) or None)
+    agree(owner, described(modules), "; ".join(problems) or None, advice=MODULES_ADVICE)
     return given, naming

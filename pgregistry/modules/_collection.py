@@ -16,7 +16,10 @@ from types import MappingProxyType
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.layout import ParallelLayout
 
-__all__ = ["MultiModuleCollection", "build_modules"]
+__all__ = ["MODULES_ADVICE", "MultiModuleCollection", "build_modules"]
+
+MODULES_ADVICE = "every rank must pass the same modules, in the same order, and the same options"
+"""What a disagreement about a job's modules asks of the ranks."""
 
 
 class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
@@ -113,13 +116,14 @@ def build_modules(
     modules declared disjoint whose spans overlap raise on every rank before any group is created.
     """
     from pgregistry import registry
-    from pgregistry._group_cache import GroupOptions, agree_on_request, require_distributed
+    from pgregistry._agreement import agree, require_distributed
+    from pgregistry._group_cache import GroupOptions
 
     require_distributed("build_modules")
     options = GroupOptions.of(backend, timeout)
     request = {f"module {name!r}": repr(layout) for name, layout in layouts.items()}
     request.update(language_model=repr(language_model), disjoint=repr(disjoint), **options.described())
-    agree_on_request("the modules to build", request)
+    agree("the modules to build", request, advice=MODULES_ADVICE)
     if not layouts:
         raise ValueError("build_modules needs at least one module")
     for name, layout in layouts.items():

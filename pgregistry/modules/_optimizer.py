@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from pgregistry._agreement import agree
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification, clip_grads_
-from pgregistry.modules._agreement import agree_over_the_world
-from pgregistry.modules._collection import MultiModuleCollection
+from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._stats import check_models, described, reduce_over_modules
 from pgregistry.optim import ChainedOptimizer
 from pgregistry.optim import build_optimizer as build_module_optimizer
@@ -65,7 +65,7 @@ class MultiModuleOptimizer:
         if not isinstance(modules, MultiModuleCollection):
             raise TypeError(f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
         given, error = check_models(optimizers, modules, "MultiModuleOptimizer", _built_on_the_module, noun="optimizer")
-        agree_over_the_world("MultiModuleOptimizer", described(modules), error)
+        agree("MultiModuleOptimizer", described(modules), error, advice=MODULES_ADVICE)
         self._optimizers: Mapping[str, ChainedOptimizer] = MappingProxyType(given)
         self._modules = modules
 
@@ -166,7 +166,7 @@ class MultiModuleOptimizer:
         Collective over the world: ``ValueError`` on every rank, before anything loads, when a rank's state lacks a
         module it runs or holds one it does not run (another rank's state), naming the rank and the module."""
         _, error = check_models(state_dict, self._modules, "MultiModuleOptimizer.load_state_dict", noun="state")
-        agree_over_the_world("MultiModuleOptimizer.load_state_dict", described(self._modules), error)
+        agree("MultiModuleOptimizer.load_state_dict", described(self._modules), error, advice=MODULES_ADVICE)
         for name, optimizer in self._optimizers.items():
             optimizer.load_state_dict(state_dict[name])
 
@@ -270,7 +270,7 @@ def build_optimizer(
     if stray:
         error = (error + "; " if error else "") + f"per_module names {stray}, which are not modules of the job"
     request = {**described(modules), "options": repr(sorted(options))}
-    agree_over_the_world("pgregistry.modules.build_optimizer", request, error)
+    agree("pgregistry.modules.build_optimizer", request, error, advice=MODULES_ADVICE)
     optimizers = {
         name: build_module_optimizer(model, modules[name], **{**options, **per_module.get(name, {})})
         for name, model in given.items()

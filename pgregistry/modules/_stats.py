@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from pgregistry._agreement import agree
 from pgregistry._resolve import ParamsLike, normalise
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
-from pgregistry.modules._agreement import agree_over_the_world
-from pgregistry.modules._collection import MultiModuleCollection
+from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
     from pgregistry.collection import ProcessGroupCollection
@@ -275,7 +275,7 @@ def _agreed(
     extra_error: str | None = None,
 ) -> dict[str, ParamsLike]:
     """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
-    a fault (:func:`agree_over_the_world`)."""
+    a fault (``pgregistry._agreement.agree``)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
 
@@ -287,7 +287,7 @@ def _agreed(
     given, error = check_models(models, modules, owner, statistics_accept)
     if extra_error is not None:
         error = extra_error if error is None else f"{extra_error}; {error}"
-    agree_over_the_world(owner, {**described(modules), **options}, error)
+    agree(owner, {**described(modules), **options}, error, advice=MODULES_ADVICE)
     return given
 
 

@@ -238,7 +238,10 @@ def test_misuse_raises_a_clear_error_on_every_rank() -> None:
         assert out["unnamed_other_options"].startswith(
             f"ValueError: {ParallelLayout(num_ranks=4, pp=4)!r} is already built with other settings: timeout=None "
         )
-        assert out["conflict"].startswith("ValueError: layout 'y' needs a communicator over ranks [")
+        assert out["conflict"].startswith(
+            "ValueError: pgregistry.build: ranks [0, 1, 2, 3] found a communicator with other options (ranks [0, 1, 2, "
+            "3]: layout 'y' needs a communicator over ranks ["
+        )
         assert "one communicator per rank set" in out["conflict"]
         assert out["timeout_zero"] == "ValueError: timeout must be positive, got datetime.timedelta(0) (0.0 s)"
         assert out["timeout_negative"].startswith("ValueError: timeout must be positive, got")

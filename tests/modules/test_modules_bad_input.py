@@ -126,7 +126,7 @@ def test_a_bad_norm_type_on_one_rank_raises_on_every_rank(results: list[dict[str
     _on_every_rank(results, "norm_type", "ranks disagree on pgregistry.modules.grad_norm", "'norm_type' differs",
                    "ranks [7] asked for -1")
     _on_every_rank(results, "norm_zero", "ranks [0, 1, 2, 3, 4, 5, 6, 7] were given bad input",
-                   "rank 0: norm_type must be positive (or inf), got 0")
+                   "(ranks [0, 1, 2, 3, 4, 5, 6, 7]: norm_type must be positive (or inf), got 0)")
 
 
 def test_a_rank_outside_a_module_cannot_compute_with_its_collection(results: list[dict[str, str]]) -> None:
