@@ -47,7 +47,7 @@ import torch.distributed as dist
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
 from pgregistry.grad_stats import is_counted, reduce_group_of
 from pgregistry.grad_stats._fused import fused_stats_available, readable, span_squares_and_zeros
-from pgregistry.grad_stats._local import HOST_BLOCK
+from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
 from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, reduce_shares
 
 if TYPE_CHECKING:
@@ -74,12 +74,6 @@ SPAN_ALIGNMENT = 64
 
 ZERO_COUNT_ROW = 1 << 24
 """Longest row reduced in float32 by the CUDA zero count: below 2**24 every partial count is exact."""
-
-HOST_ROW = 1 << 12
-"""Off CUDA, the norm sums rows of this many elements in float32 and combines the rows in float64 (a 2-D
-reduction over a few long rows is slow on CPU; many short ones are as fast as one flat reduction)."""
-
-
 
 @attrs.frozen(slots=True, eq=False)
 class Span:
@@ -267,20 +261,9 @@ def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
     acc = _float_dtype(view.dtype)
     total = torch.zeros((), dtype=torch.float64, device=view.device)
     for block in view.split(HOST_BLOCK):
-        rows = _row_norms(block.to(acc), p).to(torch.float64)
+        rows = row_norms(block.to(acc), p, acc).to(torch.float64)
         total = torch.maximum(total, rows.max()) if infinite else total + rows.pow(p).sum()
     return total
-
-
-def _row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The norms of consecutive rows of :data:`HOST_ROW` elements of ``block`` (the last one shorter)."""
-    rows = block.numel() // HOST_ROW
-    parts = []
-    if rows:
-        parts.append(torch.linalg.vector_norm(block[: rows * HOST_ROW].view(rows, HOST_ROW), norm_type, dim=1))
-    if rows * HOST_ROW < block.numel():
-        parts.append(torch.linalg.vector_norm(block[rows * HOST_ROW :], norm_type).reshape(1))
-    return torch.cat(parts)
 
 
 def _count_nonzero(view: torch.Tensor) -> torch.Tensor:

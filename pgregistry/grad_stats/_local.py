@@ -33,10 +33,15 @@ from pgregistry.grad_stats import _fused
 from pgregistry.grad_stats._fused import one_read_applies
 from pgregistry.grad_stats._reductions import Wanted, make_part
 
-__all__ = ["HOST_BLOCK", "KindPlan", "by_kind", "parts_of", "plan_kind", "read_kind", "scale_kind"]
+__all__ = ["HOST_BLOCK", "HOST_ROW", "KindPlan", "by_kind", "parts_of", "plan_kind", "read_kind", "row_norms", "scale_kind"]
 
 HOST_BLOCK: Final = 1 << 18
 """Elements of the host's scratch block (1 MiB of float32): the bound on the statistics' temporary memory there."""
+
+HOST_ROW: Final = 1 << 12
+"""On the host, norms are taken over rows of this many elements in the grads' precision and the rows combined in
+float64: a float32 reduction over a long block is one sequential sum per thread, which loses precision (a relative
+error of 1.7e-4 measured over 8M elements); many short rows are as fast as one flat reduction."""
 
 
 def by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -163,9 +168,8 @@ def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, 
         else:
             block = torch._C._nn.flatten_dense_tensors(list(tensors[first:stop])).to(accumulate_in)
         if wanted.p is not None:
-            cast = None if block.dtype == accumulate_in else accumulate_in
-            norm = torch.linalg.vector_norm(block, wanted.p, dtype=cast).to(torch.float64)
-            norms.append(norm if math.isinf(wanted.p) else norm.pow(wanted.p))
+            rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
+            norms.append(rows.amax() if math.isinf(wanted.p) else rows.pow(wanted.p).sum())
         if wanted.zeros:
             nonzeros.append(torch.count_nonzero(block))
     share = zeros = None
@@ -176,6 +180,22 @@ def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, 
         counted = torch.stack(nonzeros).sum().to(torch.float64) if nonzeros else torch.zeros((), dtype=torch.float64)
         zeros = numel - counted
     return make_part(share, zeros, device)
+
+
+def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
+    """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements of ``tensor`` (the
+    last one shorter); a non-contiguous tensor's norm as one row."""
+    cast = None if tensor.dtype == accumulate_in else accumulate_in
+    if not tensor.is_contiguous():
+        return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)
+    flat = tensor.reshape(-1)
+    rows = flat.numel() // HOST_ROW
+    parts = []
+    if rows:
+        parts.append(torch.linalg.vector_norm(flat[: rows * HOST_ROW].view(rows, HOST_ROW), p, dim=1, dtype=cast))
+    if rows * HOST_ROW < flat.numel():
+        parts.append(torch.linalg.vector_norm(flat[rows * HOST_ROW :], p, dtype=cast).reshape(1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def parts_of(grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> list[torch.Tensor]:

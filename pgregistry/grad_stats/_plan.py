@@ -61,6 +61,10 @@ _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
 
 
+_UNCOUNTED: Final = object()
+"""The target of a grad this rank does not count (``None`` is a reduction group: the axis is off)."""
+
+
 def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
     """A function taking the items at ``indices`` from a sequence, at C speed."""
     if not indices:
@@ -167,7 +171,7 @@ class Plan:
         for index, name, grad in partial:  # the pending reduction, on a copy, every call (collective)
             entry = self._dtensor_entry(index, name, params[index], grad)
             target = self._target_of(entry.counted, entry.outer, entry.expert)
-            for part in parts_of([entry.local], wanted, device) if target is not None else ():
+            for part in parts_of([entry.local], wanted, device) if target is not _UNCOUNTED else ():
                 _add(shares, target, part, layout.fields, self.reduce_groups)
         return Read(shares, [(kind.take(pieces), kind.plan) for kind in layout.every])
 
@@ -205,7 +209,7 @@ class Plan:
             if entry.outer is not None:
                 fields[entry.outer] = self.groups.collection.get(entry.outer)
             target = self._target_of(entry.counted, entry.outer, entry.expert)
-            if target is not None:
+            if target is not _UNCOUNTED:
                 targets.setdefault(target, []).append(position)
         for index, name, grad in partial:  # decided without the pending reduction: read() does it, every call
             verdicts = role_verdicts(params[index], self.groups)
@@ -227,10 +231,10 @@ class Plan:
 
     def _target_of(self, counted: bool, outer: GroupName | None, expert: bool) -> Any:
         """Where a DTensor grad's piece is added: ``(field, slot)`` when summed over a field first, else its
-        reduction group; ``None`` when not counted here (and summed over no field)."""
-        if outer is not None:
-            return (outer, int(expert)) if counted else None
-        return self.reduce_groups[int(expert)] if counted else None
+        reduction group (``None``: no reduction); :data:`_UNCOUNTED` when not counted here."""
+        if not counted:
+            return _UNCOUNTED
+        return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
     def _plan_kinds(self, layout: _Layout, pieces: list[torch.Tensor], sizes: Any) -> None:
         """Group each target's pieces (and all of them) by kind and plan their reads."""
