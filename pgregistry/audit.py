@@ -118,7 +118,8 @@ class ReplicationMismatch:
 class GradReplicationReport:
     """What :func:`audit_grad_replication` found on this rank.
 
-    ``classified_norm`` is the 2-norm grad statistics compute from the roles; ``true_norm`` the one measured
+    ``classified_norm`` is the 2-norm grad statistics compute from the roles (in float64, before the statistics'
+    float32 result, so that a mismatch's effect shows); ``true_norm`` the one measured
     replication implies (NaN when some grads differ across data-parallel replicas with no model-parallel reason:
     they are not synchronised, and no norm is the truth). ``mismatches`` lists this rank's parameters whose
     replication disagrees with their roles; ``unclassified`` the parameters of marked expert modules that carry no
@@ -160,8 +161,11 @@ class GradReplicationReport:
             )
         else:
             ratio = f"{self.norm_ratio:.6f}"
-            if self.norm_ratio != 1.0 and ratio == "1.000000":  # never print "1.000000" beside a real difference
-                ratio = f"{self.norm_ratio:.15g}"
+            if self.mismatches and ratio == "1.000000":  # never "1.000000" beside a mismatch
+                ratio = (
+                    f"{self.norm_ratio:.17g}" if self.norm_ratio != 1.0
+                    else "1 within the statistics' precision, though the mismatches below change what is counted"
+                )
             norms = (
                 f"  classified norm {self.classified_norm:.6g}, measured-truth norm {self.true_norm:.6g}, "
                 f"ratio {ratio} (relative error {100 * self.relative_error:.3g}%)"
@@ -255,26 +259,26 @@ def audit_grad_replication(
         if is_dtensor(grad):
             verdict = _measured_verdicts(rep, axis_groups, truly_expert)
             entry = classify_dtensor_grad(name, param, grad, mesh_axes, verdict, expert=truly_expert)  # type: ignore[arg-type]
-            local = entry.local * math.sqrt(weight) if weight != 1.0 else entry.local
             if entry.outer is not None:
                 group = collection.get(entry.outer)
-                parts = parts_of([local], truth.wanted, device) if entry.counted else [None]
+                parts = _weighted_parts(entry.local, weight, device) if entry.counted else [None]
                 for part in parts:
                     truth.add_first(entry.outer, group, reduce_groups, int(entry.expert), part)
             elif entry.counted:
-                for part in parts_of([local], truth.wanted, device):
+                for part in _weighted_parts(entry.local, weight, device):
                     truth.add(mesh_axes.reduce_groups[entry.expert], part)
             continue
         for axis in ("expt_tp", "expt_gtp_remat", "ep") if truly_expert else ("tp", "gtp_remat"):
             if rep.get(axis, False):
                 weight /= group_size(axis_groups[axis])
         group = stats.expert_reduce if truly_expert else stats.dense_reduce
-        for part in parts_of([grad.detach() * math.sqrt(weight)], truth.wanted, device):
+        for part in _weighted_parts(grad.detach(), weight, device):
             truth.add(group, part)
 
     plan = Plan(named, stats)
-    classified = reduce_shares(plan.read([param for _, param in named], truth.wanted).shares).norm
-    measured = reduce_shares(truth).norm
+    classified = reduce_shares(plan.read([param for _, param in named], truth.wanted).shares).norm64
+    measured = reduce_shares(truth).norm64
+    assert classified is not None and measured is not None
     unclassified: tuple[str, ...] = ()
     if group_size(axis_groups["ep"]) > 1:
         unclassified = tuple(unclassified_expert_params(params))
@@ -285,6 +289,13 @@ def audit_grad_replication(
         mismatches=tuple(mismatches),
         unclassified=unclassified,
     )
+
+
+def _weighted_parts(grad: torch.Tensor, weight: float, device: torch.device) -> list[torch.Tensor]:
+    """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the weights of replicas
+    add up exactly, and a mismatch as small as float64 resolves shows in the ratio)."""
+    parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
+    return [part * torch.tensor([weight, 1.0, 1.0, 1.0], dtype=torch.float64, device=device) for part in parts]
 
 
 def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:

@@ -33,7 +33,17 @@ from pgregistry.grad_stats import _fused
 from pgregistry.grad_stats._fused import one_read_applies
 from pgregistry.grad_stats._reductions import Wanted, make_part
 
-__all__ = ["HOST_BLOCK", "HOST_ROW", "KindPlan", "by_kind", "parts_of", "plan_kind", "read_kind", "row_norms", "scale_kind"]
+__all__ = [
+    "HOST_BLOCK",
+    "HOST_ROW",
+    "KindPlan",
+    "by_kind",
+    "parts_of",
+    "plan_kind",
+    "read_kind",
+    "row_norms",
+    "scale_kind",
+]
 
 HOST_BLOCK: Final = 1 << 18
 """Elements of the host's scratch block (1 MiB of float32): the bound on the statistics' temporary memory there."""

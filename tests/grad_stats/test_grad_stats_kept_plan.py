@@ -173,7 +173,6 @@ def _tp_world_states() -> list[tuple[str, float]]:
 def _tp_world_oracle(rank: int) -> dict[str, float]:
     w = _fill(torch.zeros(4, 3), 40).double()
     s = [_fill(torch.zeros(2, 3), 41 + r).double() for r in (0, 1)]
-    both = float((w.square().sum() + sum(part.square().sum() for part in s)))
 
     def with_w(times: int) -> float:
         return math.sqrt(float(times * w.square().sum() + sum(part.square().sum() for part in s)))
@@ -186,7 +185,6 @@ def _tp_world_oracle(rank: int) -> dict[str, float]:
         "w's shared mark removed": with_w(1),
         # TP off: each rank counts what it holds, nothing is summed across ranks.
         "another collection: TP off": math.sqrt(float(w.square().sum() + s[rank].square().sum())),
-        "unused": both,
     }
 
 
