@@ -6,10 +6,12 @@ Each (device, dtype) *kind* of a list is read by one route:
   over a table of the contiguous grads' addresses, one launch for the whole kind, both statistics in one read (the
   non-contiguous few go to torch's route);
 * the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds each, which
-  dominates for small grads), so the grads are copied, many small ones at a time (``torch.cat``: one dispatch), into
-  one scratch block of :data:`HOST_BLOCK` elements in the accumulation dtype (float32; float64 for float64 grads),
-  and each block is reduced for both statistics while it is in the cache; a grad that fills a block alone in that
-  dtype is read in place. The extra memory is the block, whatever the grads' size;
+  dominates for small grads), so small grads are concatenated (one dispatch; by trailing shape, so that no view
+  of each is made) into blocks of at most :data:`HOST_FLAT` elements in the accumulation dtype (float32; float64
+  for float64 grads), each reduced for both statistics while it is in the cache; a grad of more than
+  :data:`HOST_SMALL` elements is read in place, over rows of :data:`HOST_ROW` elements combined in float64 when it
+  is longer than :data:`HOST_BLOCK` (one float32 reduction that long loses precision). The extra memory is one
+  block, whatever the grads' size;
 * otherwise (CUDA float64, norms other than 2 without the kernel): ``torch._foreach_norm``.
 
 How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their values:
@@ -20,9 +22,10 @@ layout stays the same. Shares accumulate in float64 (:mod:`pgregistry.grad_stats
 from __future__ import annotations
 
 import math
+import operator
 from array import array
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate, compress
 from typing import Final, cast
 
@@ -35,7 +38,9 @@ from pgregistry.grad_stats._reductions import Wanted, make_part
 
 __all__ = [
     "HOST_BLOCK",
+    "HOST_FLAT",
     "HOST_ROW",
+    "HOST_SMALL",
     "KindPlan",
     "by_kind",
     "parts_of",
@@ -46,7 +51,16 @@ __all__ = [
 ]
 
 HOST_BLOCK: Final = 1 << 18
-"""Elements of the host's scratch block (1 MiB of float32): the bound on the statistics' temporary memory there."""
+"""The most elements the host reduces in one float32 reduction (1 MiB of float32), and the bound on the statistics'
+temporary memory there."""
+
+HOST_FLAT: Final = 1 << 15
+"""Elements of one block of small grads flattened together on the host, and of one zero count there: torch's
+grain size, below which a reduction runs on the calling thread (above it, ``count_nonzero`` on a loaded 2-core
+machine waited on its thread pool for milliseconds: 8 ms for 2**16 elements, 27 us on one thread)."""
+
+HOST_SMALL: Final = 1 << 14
+"""On the host, a tensor of more elements than this is read in place; smaller ones are flattened together."""
 
 HOST_ROW: Final = 1 << 12
 """On the host, norms are taken over rows of this many elements in the grads' precision and the rows combined in
@@ -71,15 +85,16 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
 @attrs.frozen(slots=True)
 class KindPlan:
     """How one kind's tensors are read, by position in the list: those the kernel reads (``kernel``, with their
-    addresses and sizes for its launch table), and the rest, read by torch on the device or through the host's
-    scratch blocks (``blocks``: ``(first, stop, elements)`` runs of the rest)."""
+    addresses and sizes for its launch table), and the rest, read by torch on the device or, on the host, in blocks
+    (``blocks``: the tensors to concatenate, each block at most :data:`HOST_FLAT` elements of tensors of one trailing
+    shape, so ``torch.cat`` takes them without a view each; or one large tensor, read in place)."""
 
     device: torch.device
     dtype: torch.dtype
     kernel: tuple[int, ...]
     sizes: tuple[array[int], array[int]] | None
     rest: tuple[int, ...]
-    blocks: tuple[tuple[int, int, int], ...]
+    blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]
 
 
 def plan_kind(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype) -> KindPlan:
@@ -97,21 +112,34 @@ def plan_kind(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torc
         read = [tensors[index] for index in kernel] if rest else tensors
         sizes = (array("q", list(map(torch.Tensor.data_ptr, read))), array("q", list(map(torch.Tensor.numel, read))))
         return KindPlan(device, dtype, kernel, sizes if kernel else None, rest, ())
-    blocks: tuple[tuple[int, int, int], ...] = ()
+    blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...] = ()
     if device.type == "cpu":
-        blocks = _host_blocks(list(map(torch.Tensor.numel, tensors)))
+        blocks = _host_blocks(tensors)
     return KindPlan(device, dtype, (), None, everything, blocks)
 
 
-def _host_blocks(numels: list[int]) -> tuple[tuple[int, int, int], ...]:
-    """Runs of consecutive tensors of at most :data:`HOST_BLOCK` elements in all (a larger tensor alone)."""
-    ends = list(accumulate(numels))
-    blocks = []
-    first, done = 0, 0
-    while first < len(numels):
-        stop = max(bisect_right(ends, done + HOST_BLOCK, lo=first), first + 1)
-        blocks.append((first, stop, ends[stop - 1] - done))
-        first, done = stop, ends[stop - 1]
+def _host_blocks(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]:
+    """The host's blocks (see :class:`KindPlan`): tensors of more than :data:`HOST_SMALL` elements alone; the others
+    by trailing shape (a concatenation along dim 0 needs no view of each tensor, as flattening them would: a
+    microsecond and more a tensor), runs of at most :data:`HOST_FLAT` elements. Python work per tensor: made when the
+    tensors' layout changes, kept while it does not."""
+    classes: dict[tuple[int, ...], list[int]] = {}
+    blocks: list[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]] = []
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() > HOST_SMALL:
+            blocks.append(index)
+        else:
+            classes.setdefault((tensor.dim(), *tensor.shape[1:]), []).append(index)
+    for positions in classes.values():
+        numels = [tensors[index].numel() for index in positions]
+        ends = list(accumulate(numels))
+        first, done = 0, 0
+        while first < len(positions):
+            end = max(bisect_right(ends, done + HOST_FLAT, lo=first), first + 1)
+            blocks.append(positions[first] if end == first + 1 else operator.itemgetter(*positions[first:end]))
+            first, done = end, ends[end - 1]
     return tuple(blocks)
 
 
@@ -163,25 +191,29 @@ def _non_empty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device) -> torch.Tensor:
     """Both statistics of host ``tensors``, a block at a time (see the module docstring): the tensors of a block
-    flattened into one (``flatten_dense_tensors``: one dispatch, a block's memory), a tensor alone in its block read
-    in place."""
+    concatenated into one (one dispatch, a block's memory), a tensor alone in its block read in place."""
     accumulate_in = _accumulation(plan.dtype)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
     numel = 0
-    for first, stop, elements in plan.blocks:
-        numel += elements
-        if not elements:
+    for take in plan.blocks:
+        if isinstance(take, int):  # alone: read in place
+            block = tensors[take]
+        else:  # tensors of one trailing shape, concatenated along dim 0 (0-dim ones stacked)
+            pieces = take(tensors)
+            block = (torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)).to(accumulate_in)
+        numel += block.numel()
+        if not block.numel():
             continue
-        if stop - first == 1:
-            block = tensors[first]
-        else:
-            block = torch._C._nn.flatten_dense_tensors(list(tensors[first:stop])).to(accumulate_in)
         if wanted.p is not None:
-            rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
+            if block.numel() > HOST_BLOCK:  # a long reduction in float32 loses precision: by rows
+                rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
+            else:  # one reduction (a reduction over rows costs a dispatch more than a block's read)
+                cast = None if block.dtype == accumulate_in else accumulate_in
+                rows = torch.linalg.vector_norm(block, wanted.p, dtype=cast).to(torch.float64).reshape(1)
             norms.append(rows.amax() if math.isinf(wanted.p) else rows.pow(wanted.p).sum())
         if wanted.zeros:
-            nonzeros.append(torch.count_nonzero(block))
+            nonzeros.append(_host_nonzero(block))
     share = zeros = None
     if wanted.p is not None and norms:
         stacked = torch.stack(norms)
@@ -190,6 +222,13 @@ def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, 
         counted = torch.stack(nonzeros).sum().to(torch.float64) if nonzeros else torch.zeros((), dtype=torch.float64)
         zeros = numel - counted
     return make_part(share, zeros, device)
+
+
+def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
+    """``count_nonzero`` a flat block at a time (see :data:`HOST_FLAT`)."""
+    if tensor.numel() <= HOST_FLAT or not tensor.is_contiguous():
+        return torch.count_nonzero(tensor)
+    return torch.stack([torch.count_nonzero(piece) for piece in tensor.reshape(-1).split(HOST_FLAT)]).sum()
 
 
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
