@@ -295,7 +295,7 @@ def _weighted_parts(grad: torch.Tensor, weight: float, device: torch.device) -> 
     """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the weights of replicas
     add up exactly, and a mismatch as small as float64 resolves shows in the ratio)."""
     parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
-    return [part * torch.tensor([weight, 1.0, 1.0, 1.0], dtype=torch.float64, device=device) for part in parts]
+    return [part * torch.tensor([weight, 1.0], dtype=torch.float64, device=device) for part in parts]
 
 
 def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:

@@ -109,16 +109,17 @@ class _Layout:
 
 @attrs.frozen(slots=True)
 class Read:
-    """One call's grads read into shares, and the local pieces (every grad's local tensor, duplicates included) by
-    kind, for clipping."""
+    """One call's grads read into shares, and its local pieces (every grad's local tensor, duplicates included),
+    which clipping scales."""
 
     shares: Shares
-    every: list[tuple[list[torch.Tensor], KindPlan | None]]
+    pieces: list[torch.Tensor]
+    every: list[_Kind]
 
     def scale_(self, coeff: torch.Tensor) -> None:
-        """Multiply every local grad by ``coeff`` (0-dim float64, at most 1)."""
-        for tensors, plan in self.every:
-            scale_kind(tensors, plan, coeff)
+        """Multiply every local grad by ``coeff`` (0-dim float64, at most 1), one call per kind."""
+        for kind in self.every:
+            scale_kind(kind.take(self.pieces), kind.plan, coeff)
 
 
 class Plan:
@@ -173,7 +174,7 @@ class Plan:
             target = self._target_of(entry.counted, entry.outer, entry.expert)
             for part in parts_of([entry.local], wanted, device) if target is not _UNCOUNTED else ():
                 _add(shares, target, part, layout.fields, self.reduce_groups)
-        return Read(shares, [(kind.take(pieces), kind.plan) for kind in layout.every])
+        return Read(shares, pieces, layout.every)
 
     # ------------------------------------------------------------------------------------------- derived state
 

@@ -2,10 +2,9 @@
 
 Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`; DTensor local pieces,
 :mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry._grad_buffer`) turns them into *parts*:
-float64 rows ``[sum of |g|^p (max |g| for the inf-norm), zero count, NaN seen, inf seen]``, added to a
-:class:`Shares` under the group they are summed over. A chained optimizer merges its children's shares
-(:meth:`Shares.merge`); nothing combines finished norms. :func:`reduce_shares` then issues every collective of a call
-in the one agreed order and combines:
+float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]``, added to a :class:`Shares` under the group
+they are summed over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished
+norms. :func:`reduce_shares` then issues every collective of a call in the one agreed order and combines:
 
 1. DTensor pieces sharded over a data-parallel group (FSDP2): one all-reduce per collection field, in field order,
    of a two-row block (the dense and the expert share), added to the parts of the two reduction groups;
@@ -17,8 +16,10 @@ in the one agreed order and combines:
    alike. One 2-element all-reduce, none when a reduction group of step 2 already spans those ranks (the flags
    then ride in its row).
 
-Shares accumulate in float64 whatever the grads' dtype (float64 grads of 3e30 have a finite norm), and nothing
-waits on the device: results are 0-dim tensors on the reduction device.
+A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes first), so the
+inf-norm's rows carry a NaN flag. Shares accumulate in float64 whatever the grads' dtype (float64 grads of 3e30 have
+a finite norm), and nothing waits on the device: results are 0-dim tensors on the reduction device. A call issues a
+few small operations whatever the number of grads.
 """
 
 from __future__ import annotations
@@ -59,9 +60,8 @@ GroupKey = Any
 
 V = TypeVar("V")
 
-_NORM, _ZEROS, _NAN, _INF = range(4)
-_WIDTH: Final = 4
-"""A part's columns: the norm's share, the zero count, NaN seen, inf seen."""
+_NORM, _ZEROS = range(2)
+"""A part's columns: the norm's share and the zero count."""
 
 
 def checked_norm_type(norm_type: float) -> float:
@@ -90,12 +90,13 @@ class Wanted:
 
 def make_part(norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """A part from a norm share (``sum |g|^p``, or ``max |g|``) and a zero count (0-dim tensors, either absent)."""
-    part = _zeros(_WIDTH, device)
-    if norm_share is not None:
-        part[_NORM] = norm_share.to(device=device, dtype=torch.float64)
-    if zeros is not None:
-        part[_ZEROS] = zeros.to(device=device, dtype=torch.float64)
-    return part
+    if norm_share is None or zeros is None:
+        present = norm_share if norm_share is not None else zeros
+        if present is None:
+            return _zeros(2, device)
+        pair = [present.to(torch.float64), present.new_zeros((), dtype=torch.float64)]
+        return torch.stack(pair if norm_share is not None else pair[::-1]).to(device)
+    return torch.stack([norm_share.to(torch.float64), zeros.to(torch.float64)]).to(device)
 
 
 @attrs.define(slots=True)
@@ -168,39 +169,69 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     wanted, device = shares.wanted, shares.device
     for field in sorted(shares.first, key=FIELD_NAMES.index):
         first = shares.first[field]
-        block = torch.stack([_combined(parts, wanted, device) for parts in first.slots])
+        block = torch.stack([_local_row(parts, wanted, device) for parts in first.slots])
         _reduce_block(block, first.group, wanted)
         for target, row in zip(first.targets, block, strict=True):
-            shares.add(target, row)
-    rows = {group: _combined(parts, wanted, device) for group, parts in shares.by_group.items()}
+            shares.add(target, _as_part(row, wanted))
+    rows = {group: _local_row(parts, wanted, device) for group, parts in shares.by_group.items()}
     verdict_groups = [group for group in verdict if group is not None and group_size(group) > 1]
-    if wanted.p is None:
-        verdict_groups = []
-    seen = _zeros(2, device)
-    if verdict_groups:
-        if rows:
-            seen = torch.stack(list(rows.values()))[:, _NAN:].amax(0)
+    seen = carrier = None
+    if verdict_groups and wanted.p is not None:
+        seen = _seen(rows, wanted, device)
         carrier = _same_ranks(verdict_groups[0], rows)
-        if carrier is not _NO_GROUP:  # the flags ride in that group's row
-            rows[carrier][_NAN:] = seen
+        if carrier is not _NO_GROUP:  # the flags ride in that group's row: every rank of it appends them
+            rows[carrier] = torch.cat([rows[carrier], seen])
             verdict_groups = verdict_groups[1:]
-    total = torch.stack([_zeros(_WIDTH, device), *_reduced_rows(rows, wanted)])
-    if verdict_groups:
-        flags = torch.maximum(seen, total[:, _NAN:].amax(0))
-        for group in verdict_groups:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        total = torch.cat([total, torch.cat([_zeros(2, device), flags]).reshape(1, _WIDTH)])
-    return Reduced(
-        norm64=_norm_of(total, wanted.p) if wanted.p is not None else None,
-        zeros=total[:, _ZEROS].sum().round().to(torch.int64) if wanted.zeros else None,
-    )
+    reduced = _reduce_rows(rows, wanted)
+    zeros = None
+    if wanted.zeros:
+        zeros = torch.stack([row[_ZEROS] for row in reduced.values()]).sum() if reduced else _zeros((), device)
+        zeros = zeros.round().to(torch.int64)
+    if wanted.p is None:
+        return Reduced(norm64=None, zeros=zeros)
+    peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _zeros(1, device)
+    norm = peaks.amax() if wanted.infinite else peaks.sum().pow(1.0 / wanted.p)
+    flags = [_zeros(2, device)]
+    if wanted.infinite and reduced:  # the rows' NaN flags (a MAX reduction does not carry a NaN itself)
+        nan = torch.stack([row[_FLAG] for row in reduced.values()]).amax()
+        flags.append(torch.stack([nan, torch.zeros_like(nan)]))
+    if seen is not None:
+        if carrier is not _NO_GROUP:
+            flags.append(reduced[carrier][-2:])
+        if verdict_groups:
+            seen = torch.maximum(seen, _nonfinite(norm))
+            for group in verdict_groups:
+                dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+            flags.append(seen)
+    if len(flags) > 1:
+        nan, inf = torch.stack(flags).amax(0)
+        norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, norm))
+    return Reduced(norm64=norm, zeros=zeros)
 
 
 _NO_GROUP: Final = object()
+_FLAG: Final = 2
+"""An inf-norm row's third column: NaN seen."""
 
 
-def _zeros(size: int, device: torch.device) -> torch.Tensor:
+def _zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.float64, device=device)
+
+
+def _nonfinite(value: torch.Tensor) -> torch.Tensor:
+    """``[NaN, inf]`` flags (1 or 0, float64) of a 0-dim tensor."""
+    return torch.stack([value.isnan(), value.isinf()]).to(torch.float64)
+
+
+def _seen(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
+    """Whether this rank's local shares hold a NaN or an inf, as ``[NaN, inf]`` flags."""
+    if not rows:
+        return _zeros(2, device)
+    stacked = torch.stack(list(rows.values()))
+    seen = _nonfinite(stacked[:, _NORM].sum())
+    if wanted.infinite:
+        seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))
+    return seen
 
 
 def _same_ranks(group: ProcessGroup, rows: Mapping[GroupKey, torch.Tensor]) -> Any:
@@ -212,39 +243,56 @@ def _same_ranks(group: ProcessGroup, rows: Mapping[GroupKey, torch.Tensor]) -> A
     return _NO_GROUP
 
 
-def _combined(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
-    """One row from a group's parts: norm shares summed (max for the inf-norm), counts summed, flags set where a
-    share is NaN or inf (a NaN share then counts as 0: the flag carries it, as MAX reductions drop NaN)."""
+def _as_part(row: torch.Tensor, wanted: Wanted) -> torch.Tensor:
+    """A row reduced over a field first, as a part of its reduction group (an inf-norm row's NaN flag as a NaN)."""
+    if not wanted.infinite:
+        return row
+    return torch.stack([torch.where(row[_FLAG] > 0, math.nan, row[_NORM]), row[_ZEROS]])
+
+
+def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
+    """One group's row from its parts: ``[share, zeros]`` summed; for the inf-norm ``[max, zeros, NaN seen]``, the
+    NaN carried by the flag (a MAX reduction may drop it) and counting as 0 in the maximum."""
+    if not wanted.infinite:
+        if not parts:
+            return _zeros(2, device)
+        return parts[0] if len(parts) == 1 else torch.stack(list(parts)).sum(0)
     if not parts:
-        return _zeros(_WIDTH, device)
+        return _zeros(3, device)
     rows = torch.stack(list(parts))
     share = rows[:, _NORM]
     nan = share.isnan()
-    clean = torch.where(nan, 0.0, share)
-    return torch.stack([
-        clean.amax() if wanted.infinite else clean.sum(),
-        rows[:, _ZEROS].sum(),
-        torch.maximum(rows[:, _NAN], nan.to(torch.float64)).amax(),
-        torch.maximum(rows[:, _INF], share.isinf().to(torch.float64)).amax(),
-    ])
+    return torch.stack([torch.where(nan, 0.0, share).amax(), rows[:, _ZEROS].sum(), nan.any().to(torch.float64)])
 
 
-def _reduced_rows(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted) -> Iterator[torch.Tensor]:
+def _reduce_rows(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted) -> dict[GroupKey, torch.Tensor]:
     """Each group's row reduced over its group, in the agreed order: one SUM of the whole row (flags summed: set
-    when positive); for the inf-norm one MAX of the norm and the flags, then, with the zero count, one SUM of it.
-    The rows come back in collective order, which their sum and maximum do not depend on."""
+    when positive); for the inf-norm one MAX of all but the zero count, then, with the zero count, one SUM of it."""
     if not wanted.infinite:
-        yield from reduce_over_groups(rows, lambda row: row, dist.ReduceOp.SUM)
-        return
-    for peak in reduce_over_groups(rows, _max_columns, dist.ReduceOp.MAX):
-        yield torch.cat([peak[:1], _zeros(1, peak.device), peak[1:]])
-    if wanted.zeros:
-        for count in reduce_over_groups(rows, lambda row: row[_ZEROS : _ZEROS + 1].clone(), dist.ReduceOp.SUM):
-            yield torch.cat([_zeros(1, count.device), count, _zeros(2, count.device)])
+        return _each(rows, lambda row: row, dist.ReduceOp.SUM)
+    maxima = _each(rows, lambda row: torch.cat([row[:_ZEROS], row[_ZEROS + 1 :]]), dist.ReduceOp.MAX)
+    counts = (
+        _each(rows, lambda row: row[_ZEROS : _ZEROS + 1].clone(), dist.ReduceOp.SUM)
+        if wanted.zeros
+        else {group: row[_ZEROS : _ZEROS + 1] for group, row in rows.items()}
+    )
+    return {group: torch.cat([maxima[group][:1], counts[group], maxima[group][1:]]) for group in rows}
 
 
-def _max_columns(row: torch.Tensor) -> torch.Tensor:
-    return torch.cat([row[_NORM:_ZEROS], row[_NAN:]])
+def _each(
+    rows: Mapping[GroupKey, torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor], op: Any
+) -> dict[GroupKey, torch.Tensor]:
+    """:func:`reduce_over_groups` of ``local(row)`` for each group, by group."""
+    order: list[GroupKey] = []
+
+    def take(item: tuple[GroupKey, torch.Tensor]) -> torch.Tensor:
+        order.append(item[0])
+        return local(item[1])
+
+    reduced = {}
+    for row in reduce_over_groups({group: (group, row) for group, row in rows.items()}, take, op):
+        reduced[order[-1]] = row  # the group take() was given last
+    return reduced
 
 
 def _reduce_block(block: torch.Tensor, group: ProcessGroup | None, wanted: Wanted) -> None:
@@ -254,24 +302,14 @@ def _reduce_block(block: torch.Tensor, group: ProcessGroup | None, wanted: Wante
     if not wanted.infinite:
         dist.all_reduce(block, op=dist.ReduceOp.SUM, group=group)
         return
-    peaks = torch.cat([block[:, _NORM:_ZEROS], block[:, _NAN:]], dim=1)
+    peaks = torch.cat([block[:, :_ZEROS], block[:, _ZEROS + 1 :]], dim=1)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
     block[:, _NORM] = peaks[:, 0]
-    block[:, _NAN:] = peaks[:, 1:]
+    block[:, _ZEROS + 1 :] = peaks[:, 1:]
     if wanted.zeros:
         counts = block[:, _ZEROS].clone()
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
         block[:, _ZEROS] = counts
-
-
-def _norm_of(total: torch.Tensor, p: float) -> torch.Tensor:
-    """The norm from the reduced rows: shares summed (max for inf) and rooted, NaN where a NaN was seen, inf where
-    an inf was (and no NaN)."""
-    share = total[:, _NORM]
-    norm = share.amax() if math.isinf(p) else share.sum().pow(1.0 / p)
-    flags = total[:, _NAN:].amax(0)
-    norm = torch.where(flags[1] > 0, math.inf, norm)
-    return torch.where(flags[0] > 0, math.nan, norm)
 
 
 def reduce_over_groups(

@@ -245,3 +245,14 @@ def test_the_verdict_costs_one_scalar_all_reduce_or_none(sizes: dict[str, int], 
     pipeline stages the norm's own all-reduce over mp spans every rank and carries it."""
     for norm_calls, clip_calls in run_world(2, _collectives_of_a_clip, ParallelLayout(num_ranks=2, **sizes)):
         assert clip_calls == norm_calls + extra, (sizes, norm_calls, clip_calls)
+
+
+def _inf_norm_on_rank() -> float:
+    stage, pgc = _stage(math.nan)
+    return float(grad_norm(stage, pgc, norm_type=math.inf))
+
+
+def test_a_nan_reaches_every_rank_of_an_inf_norm() -> None:
+    """A MAX all-reduce may drop a NaN (gloo keeps whichever operand comes first): the inf-norm's NaN travels as a
+    flag, so both stages see it."""
+    assert all(math.isnan(norm) for norm in run_world(2, _inf_norm_on_rank))
