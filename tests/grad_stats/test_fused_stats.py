@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import torch
 from fixtures.interpreter import in_interpreter
+from torch import nn
 
 from pgregistry._grad_buffer import Span, span_shares
 from pgregistry.grad_stats import _fused as fused_stats
 from pgregistry.grad_stats import _local as local
-from pgregistry.grad_stats import norm_of_grads, zeros_of_grads
+from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
+from pgregistry.grad_stats import clip_grad_norm_, grad_norm_and_zeros, norm_of_grads, zeros_of_grads
 from pgregistry.grad_stats._reductions import Shares, Wanted
 
 SMALL = {"block": 64, "iters": 4}
@@ -105,6 +107,25 @@ def _in_interpreter() -> dict[str, Any]:
     # float64 as the kernel's caller claims (the share was cast to float32 before, an infinite norm).
     huge = [torch.full((256,), 1e18 * sign) for sign in (1, -1, 1, -1)]
     large = float(norm_of_grads({None: huge}))
+    # A model through the kept classification, read by the kernel and clipped by it: twice (the second call from the
+    # kept plan and launch tables), then clipped below its norm.
+    launches: list[str] = []
+    real_scale = fused_stats.scale_
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            launches.append(name)
+            return function(*args, **kwargs)
+
+        return call
+
+    fused_stats.squares_and_zeros = counted("read", real)  # type: ignore[assignment]
+    fused_stats.scale_ = counted("scale", real_scale)  # type: ignore[assignment]
+    model = _model()
+    through_model = [tuple(map(float, grad_norm_and_zeros(model, OFF))) for _ in range(2)]
+    returned = float(clip_grad_norm_(model, 0.5, OFF))
+    clipped = [param.grad.clone() for param in model.parameters()]
+    fused_stats.squares_and_zeros, fused_stats.scale_ = real, real_scale  # type: ignore[assignment]
     return {
         "spans": spans,
         "tables": tables,
@@ -114,7 +135,19 @@ def _in_interpreter() -> dict[str, Any]:
         "list": list_path,
         "large": large,
         "scaled": _scaled(),
+        "model": (through_model, returned, clipped, launches),
     }
+
+
+OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+
+
+def _model() -> nn.Module:
+    """Two layers, float32 and a bf16 one, with grads from :func:`_grads` (the same ones in every process)."""
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 7).to(torch.bfloat16))
+    for index, param in enumerate(model.parameters()):
+        param.grad = _grads(param.dtype, [param.numel()])[0].roll(index).view(param.shape)
+    return model
 
 
 def _scale_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -255,6 +288,21 @@ def test_the_scale_kernel_gives_torchs_bits_and_leaves_a_coefficient_of_one_alon
                 assert torch.equal(got.isnan(), nan) and not bool(nan.all())
                 apart = apart[~nan]
             assert int(apart.max()) <= ulps, (coeff, got, expected)
+
+
+def test_a_model_is_read_and_clipped_through_the_kernels(interpreted: dict[str, Any]) -> None:
+    through_model, returned, clipped, launches = interpreted["model"]
+    # One read per kind (float32, bf16) per call, and the clip's scaling one launch per kind.
+    assert sorted(launches) == ["read"] * 6 + ["scale"] * 2
+    grads = [param.grad for param in _model().parameters()]
+    squares, zeros = _oracle(grads)
+    for norm, count in through_model:
+        assert norm == pytest.approx(math.sqrt(squares), rel=1e-6) and count == zeros
+    assert returned == pytest.approx(math.sqrt(squares), rel=1e-6)
+    coeff = 0.5 / (math.sqrt(squares) + 1e-6)
+    for got, grad in zip(clipped, grads, strict=True):
+        rtol = 1e-2 if grad.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(got.double(), grad.double() * coeff, rtol=rtol, atol=1e-30)
 
 
 def test_not_available_off_cuda() -> None:
