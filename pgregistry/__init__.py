@@ -17,7 +17,7 @@ from pgregistry.layout import ParallelLayout
 if TYPE_CHECKING:
     from pgregistry.audit import audit_grad_replication
     from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys, localize_expert_keys
-    from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
+    from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros
     from pgregistry.optim import build_optimizer
     from pgregistry.registry import build
     from pgregistry.rng import model_parallel_manual_seed
@@ -30,6 +30,7 @@ _LAZY: dict[str, str] = {
     "get_ep_rank_and_size": "pgregistry.experts",
     "model_parallel_manual_seed": "pgregistry.rng",
     "grad_norm": "pgregistry.grad_stats",
+    "grad_norm_and_zeros": "pgregistry.grad_stats",
     "count_zeros": "pgregistry.grad_stats",
     "clip_grad_norm_": "pgregistry.grad_stats",
     "audit_grad_replication": "pgregistry.audit",
@@ -52,6 +53,7 @@ __all__ = [
     "get_ep_rank_and_size",
     "globalize_expert_keys",
     "grad_norm",
+    "grad_norm_and_zeros",
     "localize_expert_keys",
     "model_parallel_manual_seed",
 ]

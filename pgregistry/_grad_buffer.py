@@ -11,10 +11,11 @@ a handful of span views, whatever the parameter count:
   :func:`~pgregistry.grad_stats.reduce_group_of`, never again per step;
 * grads live only in the buffer: each ``param.grad`` (same dtype) or ``param.main_grad`` (mixed precision) is a
   view into :attr:`GradBuffer.data`;
+* a span is read into a *part* of its group's local share (:mod:`pgregistry.grad_stats._reductions`: ``sum |g|^p``
+  or ``max |g|`` in float64, and the zero count), and the shares are reduced by the grad statistics' one reducer,
+  which an optimizer's chained children share: one all-reduce per group, in the one agreed order;
 * on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output (a
-  bf16/fp16 span is cast inside the kernel when the output is float32). The per-span norms are reduced by
-  :func:`reduce_norm_terms`: the p-norm of the span p-norms is the p-norm of the grads, and the reduction (one
-  all-reduce per group) goes through the grad-stats module's own collective order;
+  bf16/fp16 span is cast inside the kernel when the output is float32);
 * on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0`` (a byte per
   element), so a span is viewed as rows of at most 2**24 elements and reduced with ``vector_norm(ord=0)``, whose
   float32 count is exact per row (every partial sum is an integer below 2**24), and the row counts are summed in
@@ -25,30 +26,29 @@ a handful of span views, whatever the parameter count:
   norm reduces rows of :data:`HOST_ROW` elements in float32 and accumulates them in float64, the zero count
   compares into one reused mask. The extra memory stays bounded by a block, whatever the buffer's size.
 
-:func:`span_norms` and :func:`span_zero_counts` also accept arbitrary spans over :attr:`GradBuffer.data`, which is
-how a sharded optimizer reduces only its shard (see :func:`class_spans`).
+:func:`span_shares` accepts arbitrary spans over :attr:`GradBuffer.data`, which is how a sharded optimizer reduces
+only its shard (see :func:`class_spans`).
 
-Both statistics at once (:func:`span_statistics`, :meth:`GradBuffer.norm_and_zeros`) read each span once on CUDA
-for the 2-norm of float32/bf16/fp16 grads: one Triton kernel computes the sum of squares and the zero count
-(:mod:`pgregistry.grad_stats._fused`), half the bytes of the two reductions. Elsewhere, and without triton, they are
-the two reductions above.
+On CUDA, for the 2-norm (or the zero count alone) of float32/bf16/fp16 grads, each span is read once for both
+statistics: one Triton kernel computes the sum of squares and the zero count (:mod:`pgregistry.grad_stats._fused`),
+half the bytes of the two reductions. Elsewhere, and without triton, they are the two reductions above.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
-from pgregistry.grad_stats import is_counted, reduce_group_of, reduce_over_groups
-from pgregistry.grad_stats._devices import reduction_device
+from pgregistry.grad_stats import is_counted, reduce_group_of
 from pgregistry.grad_stats._fused import fused_stats_available, readable, span_squares_and_zeros
-from pgregistry.grad_stats._reductions import checked_norm_type
+from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
+from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, reduce_shares
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -61,17 +61,12 @@ __all__ = [
     "SPAN_ALIGNMENT",
     "ZERO_COUNT_ROW",
     "GradBuffer",
-    "GroupKey",
     "Span",
     "all_reduce_grads_",
     "class_spans",
     "count_nonzero_by_rows",
-    "reduce_norm_terms",
-    "reduce_zero_counts",
     "reduce_scatter_grads_",
-    "span_norms",
-    "span_statistics",
-    "span_zero_counts",
+    "span_shares",
 ]
 
 SPAN_ALIGNMENT = 64
@@ -79,17 +74,6 @@ SPAN_ALIGNMENT = 64
 
 ZERO_COUNT_ROW = 1 << 24
 """Longest row reduced in float32 by the CUDA zero count: below 2**24 every partial count is exact."""
-
-HOST_ROW = 1 << 12
-"""Off CUDA, the norm sums rows of this many elements in float32 and combines the rows in float64 (a 2-D
-reduction over a few long rows is slow on CPU; many short ones are as fast as one flat reduction)."""
-
-HOST_BLOCK = 1 << 18
-"""Off CUDA, statistics handle this many elements at a time (the bound on their temporary memory)."""
-
-GroupKey = Any
-"""A reduction group as used in the statistics mappings: a ``ProcessGroup`` or ``None`` (no reduction)."""
-
 
 @attrs.frozen(slots=True, eq=False)
 class Span:
@@ -208,39 +192,58 @@ class GradBuffer:
         start = group_rank(group) * shard
         return start, start + shard
 
-    def local_norm_terms(self, norm_type: float = 2.0) -> dict[GroupKey, list[torch.Tensor]]:
-        """Per-group local span norms of the counted grads (see :func:`span_norms`)."""
-        return span_norms(self.data, self.spans, norm_type)
+    def local_shares(self, shares: Shares) -> None:
+        """Add the parts of the counted grads to ``shares`` (see :func:`span_shares`)."""
+        span_shares(self.data, self.spans, shares)
 
-    def local_zero_counts(self) -> dict[GroupKey, list[torch.Tensor]]:
-        """Per-group local zero counts of the counted grads (see :func:`span_zero_counts`)."""
-        return span_zero_counts(self.data, self.spans)
+    def statistics(self, wanted: Wanted) -> Reduced:
+        """The statistics of the counted grads, each span's part reduced over its group (no host sync)."""
+        shares = Shares(wanted, self.data.device, (span.group for span in self.spans if span.counted))
+        self.local_shares(shares)
+        return reduce_shares(shares)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the counted grads, reduced over each span's group (0-dim float32, no host sync)."""
-        return reduce_norm_terms(self.local_norm_terms(norm_type), norm_type)
+        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
         """The number of zero elements among the counted grads, reduced over each span's group (0-dim int64)."""
-        return reduce_zero_counts(self.local_zero_counts(), device=self.data.device)
+        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
+        assert zeros is not None
+        return zeros
 
     def norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`grad_norm` and :meth:`count_zeros` together, reading the buffer once where
-        :func:`span_statistics` can."""
-        terms, counts = span_statistics(self.data, self.spans, norm_type)
-        return reduce_norm_terms(terms, norm_type), reduce_zero_counts(counts, device=self.data.device)
+        """:meth:`grad_norm` and :meth:`count_zeros` together, reading the buffer once where the kernel runs."""
+        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
+        assert reduced.zeros is not None
+        return reduced.norm, reduced.zeros
 
 
-def span_norms(
-    data: torch.Tensor, spans: Iterable[Span], norm_type: float = 2.0
-) -> dict[GroupKey, list[torch.Tensor]]:
-    """Reduction group -> local ``norm_type``-norms (float32, shape ``[1]``) of the counted spans of ``data``."""
-    terms: dict[GroupKey, list[torch.Tensor]] = {}
+def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, one_read: bool | None = None) -> None:
+    """Add one part per counted span of ``data`` to ``shares``, under the span's group.
+
+    ``one_read`` (default: where it applies, i.e. the 2-norm or the zero count alone of float32/bf16/fp16 ``data``
+    on CUDA with triton importable) reads each span once for both statistics with
+    :func:`pgregistry.grad_stats._fused.span_squares_and_zeros`; otherwise a norm and a zero count reduction.
+    """
+    wanted = shares.wanted
+    if one_read is None:
+        one_read = wanted.p in (2.0, None) and readable(data) and fused_stats_available(data.device)
+    if one_read and wanted.p not in (2.0, None):
+        raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm")
     for span in spans:
-        if span.counted:
-            norm = _vector_norm(data[span.start : span.stop], norm_type)
-            terms.setdefault(span.group, []).append(norm.reshape(1))
-    return terms
+        if not span.counted:
+            continue
+        view = data[span.start : span.stop]
+        share: torch.Tensor | None
+        zeros: torch.Tensor | None
+        if one_read:
+            squares, zeros = span_squares_and_zeros(view)
+            share = squares if wanted.p is not None else None
+        else:
+            share = _norm_share(view, wanted.p) if wanted.p is not None else None
+            zeros = span.numel - _count_nonzero(view) if wanted.zeros else None
+        shares.add(span.group, make_part(share, zeros if wanted.zeros else None, shares.device))
 
 
 def _float_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -248,38 +251,19 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _vector_norm(view: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``norm_type``-norm of a 1-D contiguous ``view``, in float32 (float64 for float64); see the module docstring."""
-    acc = _float_dtype(view.dtype)
+def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
+    """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64; see the module
+    docstring."""
+    infinite = math.isinf(p)
     if view.device.type == "cuda":
-        return torch.linalg.vector_norm(view, norm_type, dtype=acc)
-    infinite = math.isinf(norm_type)
+        norm = torch.linalg.vector_norm(view, p, dtype=_float_dtype(view.dtype)).to(torch.float64)
+        return norm if infinite else norm.pow(p)
+    acc = _float_dtype(view.dtype)
     total = torch.zeros((), dtype=torch.float64, device=view.device)
     for block in view.split(HOST_BLOCK):
-        rows = _row_norms(block.to(acc), norm_type).to(torch.float64)
-        total = torch.maximum(total, rows.max()) if infinite else total + rows.pow(norm_type).sum()
-    return (total if infinite else total.pow(1.0 / norm_type)).to(acc)
-
-
-def _row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The norms of consecutive rows of :data:`HOST_ROW` elements of ``block`` (the last one shorter)."""
-    rows = block.numel() // HOST_ROW
-    parts = []
-    if rows:
-        parts.append(torch.linalg.vector_norm(block[: rows * HOST_ROW].view(rows, HOST_ROW), norm_type, dim=1))
-    if rows * HOST_ROW < block.numel():
-        parts.append(torch.linalg.vector_norm(block[rows * HOST_ROW :], norm_type).reshape(1))
-    return torch.cat(parts)
-
-
-def span_zero_counts(data: torch.Tensor, spans: Iterable[Span]) -> dict[GroupKey, list[torch.Tensor]]:
-    """Reduction group -> local zero counts (int64, shape ``[1]``) of the counted spans of ``data``."""
-    counts: dict[GroupKey, list[torch.Tensor]] = {}
-    for span in spans:
-        if span.counted:
-            nonzero = _count_nonzero(data[span.start : span.stop])
-            counts.setdefault(span.group, []).append((span.numel - nonzero).reshape(1))
-    return counts
+        rows = row_norms(block.to(acc), p, acc).to(torch.float64)
+        total = torch.maximum(total, rows.max()) if infinite else total + rows.pow(p).sum()
+    return total
 
 
 def _count_nonzero(view: torch.Tensor) -> torch.Tensor:
@@ -309,74 +293,6 @@ def count_nonzero_by_rows(view: torch.Tensor, row: int) -> torch.Tensor:
     if bulk < view.numel():
         total = total + torch.linalg.vector_norm(view[bulk:], 0, dtype=acc)
     return total.to(torch.int64)
-
-
-def span_statistics(
-    data: torch.Tensor, spans: Iterable[Span], norm_type: float = 2.0, *, one_read: bool | None = None
-) -> tuple[dict[GroupKey, list[torch.Tensor]], dict[GroupKey, list[torch.Tensor]]]:
-    """:func:`span_norms` and :func:`span_zero_counts` of the counted spans of ``data``, both at once.
-
-    ``one_read`` (default: where it applies, i.e. the 2-norm of float32/bf16/fp16 ``data`` on CUDA with triton
-    importable) reads each span once with :func:`pgregistry.grad_stats._fused.span_squares_and_zeros`; otherwise the two
-    reductions run. The norms are float32 as :func:`span_norms`'s, the counts int64.
-    """
-    if one_read is None:
-        one_read = norm_type == 2.0 and readable(data) and fused_stats_available(data.device)
-    if not one_read:
-        return span_norms(data, spans, norm_type), span_zero_counts(data, spans)
-    if norm_type != 2.0:
-        raise ValueError(f"one read computes the 2-norm only, not the {norm_type}-norm")
-    terms: dict[GroupKey, list[torch.Tensor]] = {}
-    counts: dict[GroupKey, list[torch.Tensor]] = {}
-    for span in spans:
-        if span.counted:
-            squares, zeros = span_squares_and_zeros(data[span.start : span.stop])
-            terms.setdefault(span.group, []).append(squares.sqrt().to(torch.float32).reshape(1))
-            counts.setdefault(span.group, []).append(zeros.reshape(1))
-    return terms, counts
-
-
-def reduce_norm_terms(terms: Mapping[GroupKey, Sequence[torch.Tensor]], norm_type: float = 2.0) -> torch.Tensor:
-    """The global norm from per-group local norms (0-dim float32, no host sync): what
-    :func:`~pgregistry.grad_stats.norm_of_grads` of the norms gives, reduced in its collective order.
-
-    Exact, since the p-norm of p-norms of disjoint parts is the p-norm of the whole (max of maxima for inf). Each
-    group's share is a few scalar operations on its handful of span norms: norms are not grads, so none of the
-    grads' multi-tensor machinery (grouping, a kernel launch per kind) is spent on them, and the one-read statistics
-    of a buffer stay a read of the buffer plus a few tiny kernels.
-    """
-    p = checked_norm_type(norm_type)
-    infinite = math.isinf(p)
-    device = reduction_device((term for parts in terms.values() for term in parts), terms)
-
-    def local(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        if not parts:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        norms = parts[0].reshape(1) if len(parts) == 1 else torch.cat([part.reshape(1) for part in parts])
-        share = norms.max() if infinite else norms.pow(p).sum()
-        return share.to(device=device, dtype=torch.float32)
-
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for share in reduce_over_groups(terms, local, op):
-        total = torch.maximum(total, share) if infinite else total + share
-    return total if infinite else total.pow(1.0 / p)
-
-
-def reduce_zero_counts(
-    counts: Mapping[GroupKey, Sequence[torch.Tensor]], *, device: torch.device | str
-) -> torch.Tensor:
-    """The global zero count (0-dim int64) from per-group local counts: one SUM all-reduce per group of more than
-    one rank, in :func:`~pgregistry.grad_stats.reduce_over_groups`'s order (the one :func:`reduce_norm_terms`
-    uses). Every rank of a group must pass it as a key, with an empty list when it counts nothing there."""
-    total = torch.zeros((), dtype=torch.int64, device=device)
-
-    def local(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([p.reshape(1).to(torch.int64) for p in parts]).sum() if parts else total.new_zeros(())
-
-    for share in reduce_over_groups(counts, local, dist.ReduceOp.SUM):
-        total = total + share
-    return total
 
 
 def all_reduce_grads_(

@@ -45,9 +45,11 @@ from pgregistry._classification import unclassified_expert_params
 from pgregistry._resolve import ParamsLike, normalise, resolve
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
-from pgregistry.grad_stats._dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
+from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
 from pgregistry.grad_stats._filters import STATS_FALLBACK
-from pgregistry.grad_stats._functional import ClassifiedGrads, classify_named_params, norm_of_classified
+from pgregistry.grad_stats._local import parts_of
+from pgregistry.grad_stats._plan import Plan
+from pgregistry.grad_stats._reductions import Shares, Wanted, reduce_shares
 from pgregistry.params import is_expert_param
 
 __all__ = ["GradReplicationReport", "ReplicationMismatch", "audit_grad_replication"]
@@ -72,7 +74,13 @@ _HINTS: Final[dict[tuple[str, str], str]] = {
     ("ep", UNIQUE): "is identical across EP ranks but is marked a routed expert (mark_expert_replicated)",
     ("dp", REPLICATED): "differs across data-parallel replicas though its roles hold on every model-parallel "
     "axis: are the grads synchronised yet?",
+    ("embd", UNIQUE): "is identical on the ranks of the embedding group (a copy tied across pipeline stages) but no "
+    "copy is marked shared, so each is counted (mark_shared the second copy; Megatron-Core sets shared=True)",
 }
+_UNMARKED_HINT: Final = (
+    "differs across EP ranks but carries no EP classification, so it is counted as a dense parameter (mark it with "
+    "mark_expert, or its module with mark_expert_module and it with mark_expert)"
+)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -83,6 +91,8 @@ class ReplicationMismatch:
     axis: str
     claimed: str
     measured: str
+    unmarked: bool = False
+    """The parameter carries no EP classification at all (in no marked expert module)."""
 
     @property
     def effect(self) -> str:
@@ -92,6 +102,8 @@ class ReplicationMismatch:
     @property
     def hint(self) -> str:
         """What the mismatch means and which role helper fixes it."""
+        if self.unmarked:
+            return _UNMARKED_HINT
         family = {"expt_tp": "tp", "expt_gtp_remat": "gtp", "gtp_remat": "gtp", "dp_cp": "dp", "expt_dp": "dp"}
         return _HINTS.get((family.get(self.axis, self.axis), self.claimed), "")
 
@@ -106,10 +118,13 @@ class ReplicationMismatch:
 class GradReplicationReport:
     """What :func:`audit_grad_replication` found on this rank.
 
-    ``classified_norm`` is the 2-norm grad statistics compute from the roles; ``true_norm`` the one measured
-    replication implies. ``mismatches`` lists this rank's parameters whose replication disagrees with their
-    roles; ``unclassified`` the parameters of marked expert modules that carry no EP classification (reported when
-    EP is on).
+    ``classified_norm`` is the 2-norm grad statistics compute from the roles (in float64, before the statistics'
+    float32 result, so that a mismatch's effect shows); ``true_norm`` the one measured
+    replication implies (NaN when some grads differ across data-parallel replicas with no model-parallel reason:
+    they are not synchronised, and no norm is the truth). ``mismatches`` lists this rank's parameters whose
+    replication disagrees with their roles; ``unclassified`` the parameters of marked expert modules that carry no
+    EP classification (reported when EP is on). A report that lists a mismatch never reads as agreeing: it is not
+    ``ok``, and its ratio is either shown to the digits that differ from 1 or said to be unknown.
     """
 
     classified_norm: float
@@ -125,7 +140,9 @@ class GradReplicationReport:
 
     @property
     def norm_ratio(self) -> float:
-        """``classified_norm / true_norm`` (1 when both are 0)."""
+        """``classified_norm / true_norm`` (1 when both are 0; NaN when the truth is unknown)."""
+        if math.isnan(self.true_norm):
+            return math.nan
         if self.true_norm == 0:
             return 1.0 if self.classified_norm == 0 else math.inf
         return self.classified_norm / self.true_norm
@@ -137,11 +154,23 @@ class GradReplicationReport:
 
     def __str__(self) -> str:
         verdict = "ok" if self.ok else f"{len(self.mismatches)} mismatch(es)"
-        lines = [
-            f"grad replication audit: {self.params_checked} gradient(s) checked, {verdict}",
-            f"  classified norm {self.classified_norm:.6g}, measured-truth norm {self.true_norm:.6g}, "
-            f"ratio {self.norm_ratio:.6f} (relative error {self.relative_error:.3%})",
-        ]
+        if math.isnan(self.true_norm):
+            norms = (
+                f"  classified norm {self.classified_norm:.6g}, measured-truth norm unknown: grads differ across "
+                "data-parallel replicas (synchronise them before auditing)"
+            )
+        else:
+            ratio = f"{self.norm_ratio:.6f}"
+            if self.mismatches and ratio == "1.000000":  # never "1.000000" beside a mismatch
+                ratio = (
+                    f"{self.norm_ratio:.17g}" if self.norm_ratio != 1.0
+                    else "1 within the statistics' precision, though the mismatches below change what is counted"
+                )
+            norms = (
+                f"  classified norm {self.classified_norm:.6g}, measured-truth norm {self.true_norm:.6g}, "
+                f"ratio {ratio} (relative error {100 * self.relative_error:.3g}%)"
+            )
+        lines = [f"grad replication audit: {self.params_checked} gradient(s) checked, {verdict}", norms]
         lines.extend(f"  - {mismatch}" for mismatch in self.mismatches)
         if self.unclassified:
             lines.append(f"  unclassified expert-module parameters (no allreduce): {', '.join(self.unclassified)}")
@@ -185,14 +214,18 @@ def audit_grad_replication(
         for _, param in audited
     ]
     replicated, zero = _measure(audited, axis_groups, spanned)
+    ties = _ties(named, audited, _embedding_group(collection))
     mesh_axes = MeshAxes(collection, {False: stats.dense_reduce, True: stats.expert_reduce})
-    dtensor_truth: list[DTensorGrad] = []
+    reduce_groups = (stats.dense_reduce, stats.expert_reduce)
+    device = reduction_device([p.grad for _, p in audited if p.grad is not None], reduce_groups)
+    truth = Shares(Wanted.of(2.0, zeros=False), device, reduce_groups)
 
     mismatches: list[ReplicationMismatch] = []
-    truth: dict[ProcessGroup | None, list[torch.Tensor]] = {}
+    unsynchronised = False
     for index, (name, param) in enumerate(audited):
         rep = {axis: measured[index] for axis, measured in replicated.items() if index in measured}
         is_zero = {axis: measured[index] for axis, measured in zero.items() if index in measured}
+        distinct = {axis for axis in rep if not is_zero[axis] and not rep[axis]}
         found = [
             ReplicationMismatch(
                 name=name,
@@ -203,49 +236,120 @@ def audit_grad_replication(
             for axis, claimed in _claims(param)
             if axis in rep and not is_zero[axis] and claimed != rep[axis]
         ]
+        # A parameter without an EP classification (in no marked expert module) that differs across EP ranks and
+        # across its data-parallel replicas is, in truth, a routed expert: say so, rather than "not synchronised".
+        unmarked_expert = not hasattr(param, "allreduce") and "ep" in distinct and "dp_cp" in distinct
+        if unmarked_expert:
+            found = [m for m in found if m.axis not in _DATA_PARALLEL_AXES]
+            found.append(ReplicationMismatch(name=name, axis="ep", claimed=REPLICATED, measured=UNIQUE, unmarked=True))
+        if index in ties:
+            found.append(ReplicationMismatch(name=name, axis="embd", claimed=UNIQUE, measured=REPLICATED))
         # Data-parallel replicas span the model-parallel axes of the other grid (EP ranks are dense DP ranks), so
-        # a mismatch there is only news when no model-parallel axis explains it.
+        # a mismatch there is only news when no model-parallel axis explains it; then the grads differ across
+        # replicas (not synchronised yet) and no norm is the truth.
         model_parallel = [m for m in found if m.axis not in _DATA_PARALLEL_AXES]
         mismatches.extend(model_parallel or found)
+        unsynchronised = unsynchronised or (bool(found) and not model_parallel)
         # An expert-module parameter claimed replicated across EP but measured distinct there is, in truth, a
         # routed expert: its copies are summed over the expert group like any other expert's.
-        truly_expert = is_expert_param(param) or (
-            hasattr(param, "allreduce") and "ep" in rep and not is_zero["ep"] and not rep["ep"]
-        )
+        truly_expert = is_expert_param(param) or unmarked_expert or (hasattr(param, "allreduce") and "ep" in distinct)
+        weight = 1.0 / ties.get(index, 1)
         grad = param.grad
         assert grad is not None  # params without grads were left out above
         if is_dtensor(grad):
             verdict = _measured_verdicts(rep, axis_groups, truly_expert)
-            dtensor_truth.append(
-                classify_dtensor_grad(name, param, grad, mesh_axes, verdict, expert=truly_expert)  # type: ignore[arg-type]
-            )
+            entry = classify_dtensor_grad(name, param, grad, mesh_axes, verdict, expert=truly_expert)  # type: ignore[arg-type]
+            if entry.outer is not None:
+                group = collection.get(entry.outer)
+                parts = _weighted_parts(entry.local, weight, device) if entry.counted else [None]
+                for part in parts:
+                    truth.add_first(entry.outer, group, reduce_groups, int(entry.expert), part)
+            elif entry.counted:
+                for part in _weighted_parts(entry.local, weight, device):
+                    truth.add(mesh_axes.reduce_groups[entry.expert], part)
             continue
-        weight = 1.0
         for axis in ("expt_tp", "expt_gtp_remat", "ep") if truly_expert else ("tp", "gtp_remat"):
             if rep.get(axis, False):
                 weight /= group_size(axis_groups[axis])
         group = stats.expert_reduce if truly_expert else stats.dense_reduce
-        truth.setdefault(group, []).append(grad.detach() * math.sqrt(weight))
+        for part in _weighted_parts(grad.detach(), weight, device):
+            truth.add(group, part)
 
-    truth.setdefault(stats.dense_reduce, [])
-    truth.setdefault(stats.expert_reduce, [])
-    for entry in dtensor_truth:
-        if entry.outer is None and entry.counted:
-            truth[mesh_axes.reduce_groups[entry.expert]].append(entry.local)
-    summed_first = [entry for entry in dtensor_truth if entry.outer is not None]
-    classified = norm_of_classified(classify_named_params(named, stats), 2.0)
-    truth_grads = ClassifiedGrads(by_group=truth, summed_first=summed_first, axes=mesh_axes, local_grads=[])
-    measured = norm_of_classified(truth_grads, 2.0)
+    plan = Plan(named, stats)
+    classified = reduce_shares(plan.read([param for _, param in named], truth.wanted).shares).norm64
+    measured = reduce_shares(truth).norm64
+    assert classified is not None and measured is not None
     unclassified: tuple[str, ...] = ()
     if group_size(axis_groups["ep"]) > 1:
         unclassified = tuple(unclassified_expert_params(params))
     return GradReplicationReport(
         classified_norm=float(classified.item()),
-        true_norm=float(measured.item()),
+        true_norm=math.nan if unsynchronised else float(measured.item()),
         params_checked=len(audited),
         mismatches=tuple(mismatches),
         unclassified=unclassified,
     )
+
+
+def _weighted_parts(grad: torch.Tensor, weight: float, device: torch.device) -> list[torch.Tensor]:
+    """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the weights of replicas
+    add up exactly, and a mismatch as small as float64 resolves shows in the ratio)."""
+    parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
+    return [part * torch.tensor([weight, 1.0], dtype=torch.float64, device=device) for part in parts]
+
+
+def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:
+    """The collection's ``embd`` group when this rank is in one of more than one rank; ``ValueError`` when it is
+    not set on a collection whose pipeline is on (ties across stages could not be checked)."""
+    if not collection.is_set("embd"):
+        if collection.is_set("pp") and group_size(collection.get("pp")) > 1:
+            raise ValueError(
+                "audit_grad_replication checks parameters tied across pipeline stages over the collection's 'embd' "
+                "group, which is not set; set it (pgregistry.build does)"
+            )
+        return None
+    if not collection.is_member_of("embd"):
+        return None
+    group = collection.get("embd")
+    return group if group_size(group) > 1 else None
+
+
+def _ties(
+    named: list[tuple[str, torch.Tensor]], audited: list[tuple[str, torch.Tensor]], embd: ProcessGroup | None
+) -> dict[int, int]:
+    """Audited grads (by index) that are identical, and not zero, on other ranks of the embedding group (the first
+    and last pipeline stages: a tied embedding) where no copy is marked ``shared``: index -> the number of copies.
+
+    Collective over ``embd`` (one all-gather of a digest of every grad: its values' SHA-256, shape and dtype, and
+    whether its parameter is marked shared). A tie whose other copy is marked is counted once and is no mismatch.
+    """
+    if embd is None:
+        return {}
+    mine = {id(param): index for index, (_, param) in enumerate(audited)}
+    digests = [
+        (_digest(param.grad), not param_is_not_shared(param), mine.get(id(param)))
+        for _, param in named
+        if param.grad is not None and bool(_local(param.grad).any())
+    ]
+    everyone: list[list[tuple[str, bool]]] = [[] for _ in range(group_size(embd))]
+    dist.all_gather_object(everyone, [(digest, shared) for digest, shared, _ in digests], group=embd)
+    here = dist.get_group_rank(embd, dist.get_rank())
+    elsewhere: dict[str, list[bool]] = {}
+    for position, entries in enumerate(everyone):
+        if position != here:
+            for digest, shared in entries:
+                elsewhere.setdefault(digest, []).append(shared)
+    return {
+        index: 1 + len(elsewhere[digest])
+        for digest, _, index in digests
+        if index is not None and digest in elsewhere and not any(elsewhere[digest])
+    }
+
+
+def _digest(grad: torch.Tensor) -> str:
+    local = _local(grad).detach()
+    values = local.to(device="cpu", dtype=torch.float64).contiguous().numpy().tobytes()
+    return f"{tuple(local.shape)}:{local.dtype}:{hashlib.sha256(values).hexdigest()}"
 
 
 def _ranks(group: ProcessGroup | None, rank: int) -> list[int]:

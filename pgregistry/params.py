@@ -7,7 +7,9 @@ local gradient is a distinct piece of the model or a copy of one from these role
   experts), so every TP rank holds a different piece;
 * ``allreduce=False``: a routed-expert parameter, distinct per EP rank and reduced over the expert groups;
   ``allreduce=True`` set explicitly: it lives in an expert module but is replicated across EP;
-* ``shared``: a second copy of another parameter (tied embeddings on the last pipeline stage), never counted;
+* ``shared``: a second copy of another parameter (tied embeddings on the last pipeline stage), never counted.
+  Megatron-Core sets it itself, directly on the parameter (with ``shared_embedding``, which it also sets on the
+  first stage's copy, the one that counts), as it does ``allreduce`` and ``tensor_model_parallel``;
 * ``is_gtp_weight_remat``: sharded over the GTP-remat axis (expert GTP-remat for experts).
 
 Roles are set by the ``mark_*`` helpers, never by hand. A copy made outside a module carries them only through
@@ -26,6 +28,17 @@ same roles. The slots a parameter fills are learnt from torch's global parameter
 this module is imported: a parameter registered on a module before that (a model built before any
 ``pgregistry.params`` import) and marked before sharding keeps its roles only as attributes of the object, which
 sharding drops; mark such models after sharding, or import the helpers first.
+
+Roles set without a helper (Megatron-Core sets ``shared``, ``shared_embedding``, ``allreduce`` and
+``tensor_model_parallel`` as plain attributes, after registering the parameter) never reach the role table. So the
+registration hook also keeps, per slot, the attribute dictionary of the parameter it registered (the object's own
+``__dict__``, which later plain assignments write into): when ``fully_shard`` puts a new parameter in the slot
+(bypassing the hook, through ``module._parameters``), :func:`restore_param_roles` reads the roles from the recorded
+dictionary, whether the old parameter is still alive or not.
+
+:func:`role_generation` counts every change made through this module (a helper's mark, a registration, a
+restored role): a cached classification (:mod:`pgregistry.grad_stats._plan`) made at one generation is stale at
+the next; plain attribute assignments it checks itself.
 
 That check must not depend on how the parameters are passed: a model, its chunks, ``list(model.parameters())``,
 a generator or a name -> parameter mapping. A model is walked module by module; bare tensors are recognised by
@@ -57,6 +70,7 @@ __all__ = [
     "mark_tensor_parallel",
     "param_roles",
     "restore_param_roles",
+    "role_generation",
 ]
 
 T = TypeVar("T", bound=torch.Tensor)
@@ -67,6 +81,7 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "partition_stride",
     "allreduce",
     "shared",
+    "shared_embedding",
     "is_gtp_weight_remat",
     "in_expert_module",
     # Set by Megatron-Core and read by its optimizers and checkpoints: expert TP and QKV-split layout (Muon), the
@@ -84,6 +99,23 @@ _INSIDE_EXPERT_MODULE: Final = "_pgregistry_inside_expert_module"
 _IN_EXPERT_MODULE: Final = "in_expert_module"
 _ROLE_TABLE: Final = "_pgregistry_param_roles"
 """Module attribute: parameter name -> the roles marked on the parameter in that slot."""
+_SLOT_ATTRIBUTES: Final = "_pgregistry_slot_attributes"
+"""Module attribute: parameter name -> the attribute dictionary of the parameter last seen in that slot."""
+_SET_DIRECTLY: Final = tuple(name for name in ROLE_ATTRIBUTES if name != _IN_EXPERT_MODULE)
+"""The roles read from a slot's previous parameter: all but pgregistry's own ``in_expert_module`` mark, which a
+model walk derives from the module (and which marks bare tensors only)."""
+
+_generation = 0
+
+
+def role_generation() -> int:
+    """A counter of the role changes made through this module (marks, copies, registrations, restored roles)."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 
@@ -125,6 +157,7 @@ def copy_param_roles(src: torch.Tensor, dst: T) -> T:
     """Copy every role attribute present on ``src`` to ``dst`` (mixed-precision main params, optimizer views)."""
     for name, value in param_roles(src).items():
         setattr(dst, name, value)
+    _changed()
     return dst
 
 
@@ -134,20 +167,33 @@ def param_roles(param: torch.Tensor) -> dict[str, Any]:
 
 
 def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Put the roles marked in each parameter slot of ``model`` back on the parameter now filling it.
+    """Put the roles of each parameter slot of ``model`` back on the parameter now filling it: those marked with
+    a helper (the slot's role table) and those the slot's previous parameter carried as plain attributes (set by
+    Megatron-Core, or by hand, before ``fully_shard`` replaced it).
 
-    A role already on the parameter wins over the table's (marking after sharding overrides marking before).
+    A role already on the parameter wins (marking after sharding overrides marking before).
     The grad-statistics entry points call this on every model they are given, so a user need not.
     """
     for chunk in [model] if isinstance(model, nn.Module) else model:
         for module in chunk.modules():
             table: dict[str, dict[str, Any]] = module.__dict__.get(_ROLE_TABLE, {})
-            for name, roles in table.items():
-                param = module._parameters.get(name)
-                if param is not None:
-                    for attribute, value in roles.items():
-                        if not hasattr(param, attribute):
-                            setattr(param, attribute, value)
+            seen: dict[str, dict[str, Any]] = module.__dict__.get(_SLOT_ATTRIBUTES, {})
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                previous = seen.get(name)
+                if previous is not None and previous is not vars(param):
+                    _give(param, {key: previous[key] for key in _SET_DIRECTLY if key in previous})
+                    seen[name] = vars(param)
+                _give(param, table.get(name, {}))
+
+
+def _give(param: torch.Tensor, roles: dict[str, Any]) -> None:
+    """Set each of ``roles`` that ``param`` does not carry yet."""
+    for attribute, value in roles.items():
+        if not hasattr(param, attribute):
+            setattr(param, attribute, value)
+            _changed()
 
 
 _SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -158,6 +204,7 @@ def _set_roles(param: T, **roles: Any) -> T:
     """Set ``roles`` on ``param`` and in the role table of every module slot it was registered in."""
     for attribute, value in roles.items():
         setattr(param, attribute, value)
+    _changed()
     for module_ref, name in _SLOTS.get(param, ()):
         module = module_ref()
         if module is not None and module._parameters.get(name) is param:
@@ -170,13 +217,14 @@ def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter
 
     A parameter replacing a marked one under the same name (``parallelize_module``, ``distribute_module``, a user's
     ``nn.Parameter(distribute_tensor(...))``) receives the roles it does not carry itself; a marked parameter
-    writes its roles to the slot's table.
+    writes its roles to the slot's table; the slot remembers the parameter's attribute dictionary (see the module
+    docstring).
     """
+    _changed()
     previous = module._parameters.get(name)
     if previous is not None and previous is not param:
-        for attribute, value in param_roles(previous).items():
-            if not hasattr(param, attribute):
-                setattr(param, attribute, value)
+        _give(param, param_roles(previous))
+    module.__dict__.setdefault(_SLOT_ATTRIBUTES, {})[name] = vars(param)
     slots = _SLOTS.setdefault(param, [])
     # FSDP2 re-registers the same parameters every step on modules with their own __setattr__: record a slot once.
     if not any(slot_module() is module and slot_name == name for slot_module, slot_name in slots):
@@ -211,6 +259,7 @@ def mark_expert_module(module: nn.Module) -> nn.Module:
 
 
 def _mark_inside(module: nn.Module) -> None:
+    _changed()
     for inner in module.modules():
         setattr(inner, _INSIDE_EXPERT_MODULE, True)
     for param in module.parameters():
@@ -218,6 +267,7 @@ def _mark_inside(module: nn.Module) -> None:
 
 
 def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    _changed()
     if submodule is not None and getattr(module, _INSIDE_EXPERT_MODULE, False):
         _mark_inside(submodule)
 

@@ -18,6 +18,11 @@ any check failed anywhere:
   contiguous grads the one-read kernel reads), one SGD step (lr 1, parameters from 0)
   whose result must be minus the oracle's grads (all-gather included), and the invariance oracle (all grads 1:
   norm ``sqrt(numel)``; all 0: zero count ``numel``);
+* the public grad statistics over a model on the device, through the kept classification: ``grad_norm_and_zeros``
+  (one read of plain grads) and ``clip_grad_norm_`` (scaled by the clip kernel, and left bit for bit when nothing
+  is to be scaled) against the float64 oracle, FSDP2's DTensor grads (``fully_shard`` over the collection's
+  ``dp_cp``) against torch's own DTensor norm, and on CUDA the clip kernel's rounding: bit for bit torch's
+  ``_foreach_mul_`` for float32, bf16 and fp16 over a table of tensors, views off the 16-byte grid included;
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
   model-parallel draws, and a fork that restores the outer stream;
 * on CUDA, the one-kernel optimizer step (:mod:`pgregistry.optim._fused_step`) compiled here: each rule it runs,
@@ -70,7 +75,8 @@ from pgregistry._toy_models import (  # noqa: E402
 )
 from pgregistry.cli._options import positive_seconds  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
-from pgregistry.grad_stats import count_zeros, grad_norm  # noqa: E402
+from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
+from pgregistry.grad_stats._fused import fused_stats_available, scale_  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import (  # noqa: E402
     ElementwiseRule,
@@ -227,6 +233,78 @@ def _half_on_host(model: torch.nn.Module) -> list[torch.Tensor]:
     return params
 
 
+# -------------------------------------------------------------------------------- the public grad statistics
+
+
+def stats_api_checks(world: int, device: torch.device) -> list[Check]:
+    """The functional API over a model on ``device``: one read for both statistics, clipping, FSDP2 grads."""
+    layout = ParallelLayout(num_ranks=world, **layouts_for(world)[next(iter(layouts_for(world)))])
+    pg = registry.build(layout, name="gpu-check-api")
+    grads = full_grads("random")
+    want_norm, want_zeros = oracle_norm(grads, 2.0), oracle_zeros(grads)
+    model, shards = local_model(layout, dist.get_rank(), grads, device=device)
+    checks = []
+    for call in range(2):  # the second call reads through the kept classification
+        norm, zeros = (float(x) for x in grad_norm_and_zeros(model, pg))
+        checks.append((f"grad_norm_and_zeros over the model, call {call + 1}: = float64 oracle",
+                       close(norm, want_norm) and int(zeros) == want_zeros, f"{norm}, {int(zeros)}"))
+    with_grads = [p for p in model.parameters() if p.grad is not None]
+    before = [p.grad.clone() for p in with_grads]  # type: ignore[union-attr]
+    returned = float(clip_grad_norm_(model, 2 * want_norm, pg))
+    same = all(torch.equal(a, p.grad) for a, p in zip(before, with_grads, strict=True))  # type: ignore[arg-type]
+    checks.append(("clip_grad_norm_ above the norm: returns it, leaves every grad bit for bit",
+                   close(returned, want_norm) and same, f"{returned}"))
+    max_norm = want_norm / 3
+    returned = float(clip_grad_norm_(model, max_norm, pg))
+    coeff = max_norm / (want_norm + 1e-6)
+    params = dict(model.named_parameters())
+    worst = max(
+        float((params[s.local_name].grad.double().cpu() - s.take(grads[s.full_name]) * coeff).abs().max())
+        for s in shards
+    )
+    checks.append(("clip_grad_norm_ below the norm: grads = oracle's clipped grads",
+                   close(returned, want_norm) and worst < 1e-6, f"max error {worst:.2e}"))
+    return checks + fsdp_checks(world, device) + scale_kernel_checks(device)
+
+
+def fsdp_checks(world: int, device: torch.device) -> list[Check]:
+    """FSDP2 (``fully_shard`` over ``dp_cp``): grad_norm of its DTensor grads = torch's DTensor norm."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pgregistry.mesh import to_device_mesh
+
+    pg = registry.build(ParallelLayout(num_ranks=world), name="gpu-check-fsdp")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8))).to(device)
+    fully_shard(model, mesh=to_device_mesh(pg, ("dp_cp",), device_type=device.type))
+    model(torch.randn(4, 64, device=device)).square().sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    theirs = float(torch.nn.utils.get_total_norm(grads, foreach=True).full_tensor())  # type: ignore[union-attr]
+    ours = [float(grad_norm(model, pg)) for _ in range(2)]
+    return [("FSDP2 DTensor grads: grad_norm (twice, kept) = torch's get_total_norm().full_tensor()",
+             all(close(value, theirs) for value in ours), f"{ours} vs {theirs}")]
+
+
+def scale_kernel_checks(device: torch.device) -> list[Check]:
+    if device.type != "cuda" or not fused_stats_available(device):
+        return []
+    checks = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        gen = torch.Generator(device=device).manual_seed(7)
+        whole = torch.randn(3 * BLOCK * ITERS + 997, generator=gen, device=device).to(dtype)
+        tensors = [whole[:5000], whole[5001:40000], whole[40003:]]  # the last two off the 16-byte grid
+        want = [t.clone() for t in tensors]
+        torch._foreach_mul_(want, torch.tensor(0.37, device=device))
+        scale_(tensors, torch.tensor(0.37, dtype=torch.float64, device=device))
+        exact = all(torch.equal(a, b) for a, b in zip(tensors, want, strict=True))
+        kept = [t.clone() for t in tensors]
+        scale_(tensors, torch.tensor(1.0, dtype=torch.float64, device=device))
+        unchanged = all(torch.equal(a, b) for a, b in zip(tensors, kept, strict=True))
+        checks.append((f"clip kernel, {dtype}: torch's _foreach_mul_ bit for bit; a coefficient of 1 changes nothing",
+                       exact and unchanged, f"scaled {'exact' if exact else 'DIFFER'}, one {unchanged}"))
+    return checks
+
+
 # -------------------------------------------------------------------------------- one-kernel optimizer step
 
 FUSED_NUMEL = 3 * BLOCK * ITERS + 3000
@@ -360,6 +438,7 @@ def rng_checks(world: int, device: torch.device) -> list[Check]:
 def all_checks(device: torch.device) -> list[Check]:
     world = dist.get_world_size()
     checks = expert_grads_with_expert_tp(world, device) + rng_checks(world, device) + fused_step_checks(device)
+    checks += stats_api_checks(world, device)
     for name, sizes in layouts_for(world).items():
         checks += layout_checks(name, sizes, world, device)
     return checks

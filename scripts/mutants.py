@@ -81,8 +81,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="nan-clip-coefficient",
         bug="a non-finite norm clips by a NaN (or zero) coefficient, poisoning every grad",
         file="pgregistry/grad_stats/_reductions.py",
-        find="coeff = torch.where(finite, clipped, torch.ones_like(clipped))",
-        replace="coeff = clipped",
+        find="return torch.where(torch.isfinite(norm64), clipped, torch.ones_like(clipped))",
+        replace="return clipped",
         tests=(
             "tests/grad_stats/test_grad_stats_nonfinite.py::"
             "test_a_non_finite_norm_leaves_every_grad_unscaled_on_every_rank",

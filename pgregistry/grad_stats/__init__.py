@@ -4,11 +4,14 @@ A global grad statistic must count each distinct piece of the model exactly once
 
 * :mod:`~pgregistry.grad_stats._filters`: which rank counts each gradient (TP, expert TP and GTP duplicates,
   shared copies) and which group sums it (:class:`StatsGroups`);
-* :mod:`~pgregistry.grad_stats._reductions`: norms, zero counts and clipping of filtered grads, one all-reduce per
-  group in an order every rank agrees on;
+* :mod:`~pgregistry.grad_stats._reductions`: the one reduction path: local shares by group, one reducer issuing
+  every collective in an order every rank agrees on;
+* :mod:`~pgregistry.grad_stats._local`: local shares of lists of grads (the one-read kernel, host blocks, torch);
+* :mod:`~pgregistry.grad_stats._lists`: norms, zero counts and clipping of grads already filtered by group;
+* :mod:`~pgregistry.grad_stats._plan`: a model's classification, kept between calls while it cannot be stale;
 * :mod:`~pgregistry.grad_stats._devices`: the device a statistic is computed and reduced on;
-* :mod:`~pgregistry.grad_stats._functional`: :func:`grad_norm`, :func:`count_zeros`, :func:`clip_grad_norm_` and
-  :func:`classify_grads` on a model and its collection.
+* :mod:`~pgregistry.grad_stats._functional`: :func:`grad_norm`, :func:`count_zeros`, :func:`grad_norm_and_zeros`,
+  :func:`clip_grad_norm_` and :func:`classify_grads` on a model and its collection.
 """
 
 from __future__ import annotations
@@ -28,14 +31,10 @@ from pgregistry.grad_stats._functional import (
     clip_grad_norm_,
     count_zeros,
     grad_norm,
+    grad_norm_and_zeros,
 )
-from pgregistry.grad_stats._reductions import (
-    CLIP_EPSILON,
-    clip_grads_,
-    norm_of_grads,
-    reduce_over_groups,
-    zeros_of_grads,
-)
+from pgregistry.grad_stats._lists import clip_grads_, norm_of_grads, zeros_of_grads
+from pgregistry.grad_stats._reductions import CLIP_EPSILON, reduce_over_groups
 
 __all__ = [
     "CLIP_EPSILON",
@@ -47,6 +46,7 @@ __all__ = [
     "clip_grads_",
     "count_zeros",
     "grad_norm",
+    "grad_norm_and_zeros",
     "is_counted",
     "norm_of_grads",
     "param_is_not_gtp_duplicate",

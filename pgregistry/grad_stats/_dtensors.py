@@ -7,7 +7,8 @@ piece (``to_local()``) is classified per mesh dim it spans, the dim's group matc
   PP):
   ``Shard`` pieces are distinct and summed there; ``Replicate`` copies are counted on the dim's rank 0 only;
 * a dim outside it (a data-parallel group: ``dp_cp``, ``expt_dp``, HSDP's ``intra_dp_cp`` / ``inter_dist_opt``):
-  ``Shard`` pieces are summed over that group first (one all-reduce per such collection field, in field order);
+  ``Shard`` pieces are summed over that group first (one all-reduce per such collection field, in field order, by
+  the one reducer, :func:`~pgregistry.grad_stats._reductions.reduce_shares`);
   ``Replicate`` copies are each counted by their own replica, as plain grads are;
 * ``Partial``: the pending reduction is done first, on a copy of the local tensor, then it counts as ``Replicate``.
 
@@ -23,7 +24,7 @@ and shares, over the collection's groups.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -31,14 +32,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import FIELD_NAMES, GroupName, ProcessGroupCollection
+from pgregistry.collection import GroupName, ProcessGroupCollection
 from pgregistry.layout import EXPERT_GROUP_KINDS
 from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["DTensorGrad", "MeshAxes", "classify_dtensor_grad", "is_dtensor", "mesh_ranks", "outer_shares"]
+__all__ = [
+    "DTensorGrad",
+    "Decision",
+    "MeshAxes",
+    "classify_dtensor_grad",
+    "decision_of",
+    "is_dtensor",
+    "is_partial",
+    "mesh_ranks",
+]
 
 _EXPERT_FIELDS: Final = frozenset({*EXPERT_GROUP_KINDS, "intra_expt_dp"})
 """Fields of the expert grid: a dense parameter's mesh dim must not be one of these only (and vice versa)."""
@@ -51,6 +61,13 @@ def is_dtensor(tensor: object) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def is_partial(grad: DTensor) -> bool:
+    """Whether ``grad`` has a pending reduction (a ``Partial`` placement): reading it is collective."""
+    from torch.distributed.tensor import Partial
+
+    return any(isinstance(placement, Partial) for placement in grad.placements)
 
 
 class MeshAxes:
@@ -70,7 +87,7 @@ class MeshAxes:
                 self._field_ranks[name] = ranks
         self.reduce_groups = reduce_groups
         self.reduce_ranks = {expert: self.ranks_of(group) for expert, group in reduce_groups.items()}
-        self.decisions: dict[tuple[Any, ...], _Decision] = {}
+        self.decisions: dict[tuple[Any, ...], Decision] = {}
 
     def ranks_of(self, group: ProcessGroup | None) -> frozenset[int]:
         """The ranks of ``group`` (``None``: this rank alone)."""
@@ -108,7 +125,10 @@ class _Dim:
 
 
 @attrs.frozen(slots=True)
-class _Decision:
+class Decision:
+    """How a DTensor grad is counted on this rank: ``counted``, summed over the ``outer`` field first (``None``:
+    no field), after the pending reductions over the ``partial`` dims."""
+
     counted: bool
     outer: GroupName | None
     partial: tuple[_Dim, ...]
@@ -132,6 +152,27 @@ def classify_dtensor_grad(
     mesh/collection/role mismatch.
     """
     expert = is_expert_param(param) if expert is None else expert
+    decision = decision_of(name, param, grad, axes, verdicts, expert=expert)
+    # What to_local() returns a view of, without the autograd Function call to_local() costs per grad.
+    piece = grad._local_tensor
+    local = piece
+    for dim in decision.partial:
+        local = _reduced_copy(local, dim, axes)
+    return DTensorGrad(piece=piece, local=local, counted=decision.counted, outer=decision.outer, expert=expert)
+
+
+def decision_of(
+    name: str,
+    param: torch.Tensor,
+    grad: DTensor,
+    axes: MeshAxes,
+    verdicts: tuple[bool, bool],
+    *,
+    expert: bool | None = None,
+) -> Decision:
+    """How ``grad`` is counted (:func:`classify_dtensor_grad` without the pending reduction: never collective),
+    decided once per (mesh, placements, roles) and kept in ``axes``."""
+    expert = is_expert_param(param) if expert is None else expert
     # Everything a decision depends on, as one flat tuple (built per grad: no intermediate objects).
     key = (
         id(grad.device_mesh),
@@ -146,17 +187,12 @@ def classify_dtensor_grad(
     decision = axes.decisions.get(key)
     if decision is None:
         decision = axes.decisions[key] = _decide(name, param, grad, axes, verdicts, expert)
-    # What to_local() returns a view of, without the autograd Function call to_local() costs per grad.
-    piece = grad._local_tensor
-    local = piece
-    for dim in decision.partial:
-        local = _reduced_copy(local, dim, axes)
-    return DTensorGrad(piece=piece, local=local, counted=decision.counted, outer=decision.outer, expert=expert)
+    return decision
 
 
 def _decide(
     name: str, param: torch.Tensor, grad: DTensor, axes: MeshAxes, verdicts: tuple[bool, bool], expert: bool
-) -> _Decision:
+) -> Decision:
     from torch.distributed.tensor import Partial, Replicate
 
     mesh = grad.device_mesh
@@ -203,7 +239,7 @@ def _decide(
         if axis not in spanned:
             counted = counted and verdict
     partial = tuple(dim for dim in dims if isinstance(dim.placement, Partial))
-    return _Decision(counted=counted, outer=outer[0].fields[0] if outer else None, partial=partial)
+    return Decision(counted=counted, outer=outer[0].fields[0] if outer else None, partial=partial)
 
 
 def mesh_ranks(tensor: torch.Tensor, rank: int) -> frozenset[int]:
@@ -274,34 +310,3 @@ def _reduced_copy(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -> torch.Tenso
     reduced = local.detach().clone()
     dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _PARTIAL_OPS[op]), group=axes.collection.get(dim.fields[0]))
     return reduced / len(dim.ranks) if op == "avg" else reduced
-
-
-def outer_shares(
-    entries: Iterable[DTensorGrad],
-    axes: MeshAxes,
-    local: Callable[[Sequence[torch.Tensor]], torch.Tensor],
-    op: Any,
-) -> dict[ProcessGroup | None, list[torch.Tensor]]:
-    """The shares of grads summed over a data-parallel group first, by reduction group.
-
-    One all-reduce per collection field some entry is summed over, in field order (the same on every rank of
-    that field's group, which all hold the same DTensor parameters), of a two-slot vector: the dense and the
-    expert share. Entries that are not counted still register their field, so every rank issues it.
-    """
-    by_field: dict[GroupName, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for entry in entries:
-        if entry.outer is None:
-            continue
-        slot = by_field.setdefault(entry.outer, ([], []))
-        if entry.counted:
-            slot[entry.expert].append(entry.local)
-    shares: dict[ProcessGroup | None, list[torch.Tensor]] = {group: [] for group in axes.reduce_groups.values()}
-    for field in sorted(by_field, key=FIELD_NAMES.index):
-        dense, expert = by_field[field]
-        both = torch.stack([local(dense), local(expert)])
-        group = axes.collection.get(field)
-        if group is not None and group.size() > 1:
-            dist.all_reduce(both, op=op, group=group)
-        shares[axes.reduce_groups[False]].append(both[0])
-        shares[axes.reduce_groups[True]].append(both[1])
-    return shares

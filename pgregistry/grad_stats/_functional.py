@@ -1,48 +1,41 @@
 """The functional API: global norm, zero count and clipping of a model's grads on its collection.
 
-Each plain grad is classified by its parameter's roles (:mod:`pgregistry.grad_stats._filters`), each DTensor grad
-by its placements and roles (:mod:`pgregistry.grad_stats._dtensors`), then reduced
-(:mod:`pgregistry.grad_stats._reductions`): first the DTensor pieces sharded over a data-parallel group, over that
-group, then everything over its reduction group.
+Every entry point goes through one door (:func:`~pgregistry.grad_stats._plan.kept_plan`: the collection resolved
+once, the model's classification kept between calls and made afresh whenever it could be stale), reads the grads
+once into local shares, plain grads and DTensor local pieces alike (:mod:`pgregistry.grad_stats._plan`), and reduces
+them through the one reducer (:mod:`pgregistry.grad_stats._reductions`): first the DTensor pieces sharded over a
+data-parallel group, over that group, then everything over its reduction group. Both statistics come from one read
+when both are wanted (:func:`grad_norm_and_zeros`), and clipping scales from that norm: one pass over the grads, none
+when the coefficient is 1 (decided on the device where the kernel runs).
+
+Clipping decides job-wide: a NaN or inf seen on any rank that holds grads (the collection's ``intra_dist_opt``,
+and ``inter_dist_opt`` across optimizer instances) makes the norm non-finite on every rank, so a data-parallel
+replica whose grads are finite skips, clips or raises exactly as the replica whose grads are not.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Iterable
 
-import attrs
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pgregistry._classification import require_classified_experts
 from pgregistry._resolve import ParamsLike, normalise, resolve
-from pgregistry.collection import ProcessGroupCollection
-from pgregistry.grad_stats._devices import reduction_device
-from pgregistry.grad_stats._dtensors import DTensorGrad, MeshAxes, classify_dtensor_grad, is_dtensor, outer_shares
-from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups, is_counted, reduce_group_of, role_verdicts
-from pgregistry.grad_stats._reductions import (
-    checked_norm_type,
-    clip_grads_,
-    local_share,
-    local_zeros,
-    reduce_over_groups,
-)
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
+from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
+from pgregistry.grad_stats._lists import check_finite
+from pgregistry.grad_stats._plan import kept_plan
+from pgregistry.grad_stats._reductions import Reduced, Wanted, check_max_norm, clip_coefficient, reduce_shares
 
 __all__ = [
-    "ClassifiedGrads",
     "check_expert_classification",
     "classify_grads",
-    "classify_named_params",
     "clip_grad_norm_",
     "count_zeros",
     "grad_norm",
-    "norm_of_classified",
+    "grad_norm_and_zeros",
+    "verdict_groups",
 ]
 
 
@@ -61,35 +54,6 @@ def classify_grads(
     return buckets
 
 
-@attrs.frozen(slots=True, kw_only=True)
-class ClassifiedGrads:
-    """Every grad of a call, classified: plain grads (and DTensor pieces summed only over their reduction group)
-    by reduction group, and the DTensor pieces summed over a data-parallel group first."""
-
-    by_group: dict[ProcessGroup | None, list[torch.Tensor]]
-    summed_first: list[DTensorGrad]
-    axes: MeshAxes | None
-    local_grads: list[torch.Tensor]
-
-
-def _classified(
-    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
-) -> ClassifiedGrads:
-    """The door of the statistics entry points: ``model_or_params`` normalised once, the collection resolved once
-    (explicit, else attached to the model, else the global grid with a warning), unclassified expert parameters
-    refused however they were passed, sparse grads refused; then :func:`classify_named_params`."""
-    params = normalise(model_or_params)
-    collection = resolve(pg_collection, params.chunks, owner=owner, fallback=STATS_FALLBACK)
-    require_classified_experts(params, collection)
-    for name, param in params.named:
-        if param.grad is not None and param.grad.layout != torch.strided:
-            raise TypeError(
-                f"the grad of {name!r} is {param.grad.layout} (e.g. from nn.Embedding(sparse=True)); grad statistics "
-                "need dense (torch.strided) grads"
-            )
-    return classify_named_params(params.named, StatsGroups.from_collection(collection))
-
-
 def check_expert_classification(
     model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None = None
 ) -> None:
@@ -105,80 +69,40 @@ def check_expert_classification(
     require_classified_experts(params, collection)
 
 
-def classify_named_params(named: Sequence[tuple[str, torch.Tensor]], groups: StatsGroups) -> ClassifiedGrads:
-    """Classify the grads of ``named`` parameters: plain ones by :func:`classify_grads`, DTensor ones by
-    :func:`~pgregistry.grad_stats._dtensors.classify_dtensor_grad` (``ValueError`` naming a parameter whose mesh
-    or placement disagrees with the collection or its roles).
-    Collective only for ``Partial`` DTensor grads."""
-    plain: list[torch.Tensor] = []
-    distributed: list[tuple[str, torch.Tensor]] = []
-    for name, param in named:
-        if is_dtensor(param.grad if param.grad is not None else param):
-            distributed.append((name, param))
-        else:
-            plain.append(param)
-    by_group = classify_grads(plain, groups)
-    local_grads = [param.grad for param in plain if param.grad is not None]
-    if not distributed:
-        return ClassifiedGrads(by_group=by_group, summed_first=[], axes=None, local_grads=local_grads)
-    axes = MeshAxes(groups.collection, {False: groups.dense_reduce, True: groups.expert_reduce})
-    summed_first: list[DTensorGrad] = []
-    verdicts: dict[tuple[Any, ...], tuple[bool, bool]] = {}
-    for name, param in distributed:
-        grad = param.grad
-        if grad is None:
-            continue
-        # The roles the TP and GTP verdicts depend on.
-        key = (
-            getattr(param, "allreduce", None),
-            getattr(param, "tensor_model_parallel", None),
-            getattr(param, "is_gtp_weight_remat", None),
+def verdict_groups(collection: ProcessGroupCollection, owner: str) -> tuple[ProcessGroup | None, ...]:
+    """The groups that together span every rank holding grads: ``intra_dist_opt`` (every rank of one optimizer
+    instance; the whole layout as the registry builds it), then ``inter_dist_opt`` when it spans several instances.
+    ``ValueError`` naming ``intra_dist_opt`` when the collection does not set it (``None`` for a one-rank job)."""
+    if not collection.is_set("intra_dist_opt"):
+        raise ValueError(
+            f"{owner} decides whether to clip on every rank that holds grads alike, over the collection's "
+            "'intra_dist_opt' group (every rank of the job, as pgregistry.build sets it; None for one rank), which "
+            "is not set; set it"
         )
-        if key not in verdicts:
-            verdicts[key] = role_verdicts(param, groups)
-        entry = classify_dtensor_grad(name, param, cast("DTensor", grad), axes, verdicts[key])
-        local_grads.append(entry.piece)
-        if entry.outer is not None:
-            summed_first.append(entry)
-        elif entry.counted:
-            by_group[axes.reduce_groups[entry.expert]].append(entry.local)
-    return ClassifiedGrads(by_group=by_group, summed_first=summed_first, axes=axes, local_grads=local_grads)
+    inter = collection.get("inter_dist_opt") if collection.is_set("inter_dist_opt") else None
+    return (collection.get("intra_dist_opt"), *((inter,) if group_size(inter) > 1 else ()))
 
 
-def _statistic(
-    classified: ClassifiedGrads,
-    local: Callable[[Sequence[torch.Tensor]], torch.Tensor],
-    op: Any,
-    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> Iterator[torch.Tensor]:
-    """Each reduction group's share: its grads' local share, combined with the shares summed over a
-    data-parallel group first, reduced over the group."""
-    first: dict[ProcessGroup | None, list[torch.Tensor]] = {}
-    if classified.axes is not None:
-        first = outer_shares(classified.summed_first, classified.axes, local, op)
-
-    def share(group_and_grads: tuple[ProcessGroup | None, Sequence[torch.Tensor]]) -> torch.Tensor:
-        group, grads = group_and_grads
-        total = local(grads)
-        for part in first.get(group, []):
-            total = combine(total, part)
-        return total
-
-    items = {group: (group, grads) for group, grads in classified.by_group.items()}
-    yield from reduce_over_groups(items, share, op)
-
-
-def norm_of_classified(classified: ClassifiedGrads, norm_type: float) -> torch.Tensor:
-    """The ``norm_type``-norm of classified grads (a 0-dim float32 tensor on their device, no host sync)."""
-    p = checked_norm_type(norm_type)
-    device = reduction_device(classified.local_grads, classified.by_group)
-    infinite = math.isinf(p)
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    combine = torch.maximum if infinite else torch.add
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for share in _statistic(classified, lambda grads: local_share(grads, p, device), op, combine):
-        total = combine(total, share)
-    return total if infinite else total.pow(1.0 / p)
+def _statistics(
+    params: ParamsLike,
+    pg_collection: ProcessGroupCollection | None,
+    owner: str,
+    wanted: Wanted,
+    max_norm: float | None = None,
+    error_if_nonfinite: bool = False,
+) -> Reduced:
+    """Read, reduce and (with ``max_norm``) clip: the one path of every entry point."""
+    if max_norm is not None:
+        check_max_norm(max_norm)  # before any collective
+    plan, ordered, collection = kept_plan(params, pg_collection, owner)
+    read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
+    verdict = verdict_groups(collection, owner) if max_norm is not None else ()
+    reduced = reduce_shares(read.shares, verdict=verdict)
+    if max_norm is not None:
+        assert reduced.norm64 is not None
+        check_finite(reduced.norm64, error_if_nonfinite)
+        read.scale_(clip_coefficient(max_norm, reduced.norm64))
+    return reduced
 
 
 def grad_norm(
@@ -192,19 +116,36 @@ def grad_norm(
     without an EP classification raise ``ValueError`` first (:func:`check_expert_classification`).
     ``pg_collection=None`` is the collection attached to the model, else the global grid with a warning.
     Collective over the collection's ``mp`` and ``tp_ep_pp_with_egtp_remat`` groups (and the data-parallel groups
-    DTensor grads are sharded over). Returns a 0-dim float32 tensor on the grads' device.
+    DTensor grads are sharded over). Returns a 0-dim float32 tensor on the grads' device. The classification is
+    kept between calls (:mod:`pgregistry.grad_stats._plan`).
     """
-    return norm_of_classified(_classified(params, pg_collection, "grad_norm"), norm_type)
+    return _statistics(params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)).norm
 
 
 def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None = None) -> int:
     """The global number of zero grad elements of ``params``, each distinct element counted once."""
-    classified = _classified(params, pg_collection, "count_zeros")
-    device = reduction_device(classified.local_grads, classified.by_group)
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for share in _statistic(classified, lambda grads: local_zeros(grads, device), dist.ReduceOp.SUM, torch.add):
-        total += share
-    return int(total.item())
+    zeros = _statistics(params, pg_collection, "count_zeros", Wanted.of(None, zeros=True)).zeros
+    assert zeros is not None
+    return int(zeros.item())
+
+
+def grad_norm_and_zeros(
+    params: ParamsLike,
+    pg_collection: ProcessGroupCollection | None = None,
+    *,
+    norm_type: float = 2.0,
+    max_norm: float | None = None,
+    error_if_nonfinite: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grad_norm` and :func:`count_zeros` from one read of the grads, reduced together (one all-reduce per
+    group for the 2-norm); with ``max_norm``, the grads clipped from that norm as :func:`clip_grad_norm_` does
+    (no second read). Returns the norm (0-dim float32, before clipping) and the zero count (0-dim int64), without a
+    host sync."""
+    reduced = _statistics(
+        params, pg_collection, "grad_norm_and_zeros", Wanted.of(norm_type, zeros=True), max_norm, error_if_nonfinite
+    )
+    assert reduced.zeros is not None
+    return reduced.norm, reduced.zeros
 
 
 def clip_grad_norm_(
@@ -218,11 +159,11 @@ def clip_grad_norm_(
     """Clip the grads of ``params`` in place to a global norm of ``max_norm``; return the norm before clipping.
 
     Every grad is scaled, the duplicates too, so replicas stay identical; a DTensor grad through its local tensor.
-    A NaN or infinite norm scales nothing (the returned norm says so; skip the step) or, with
-    ``error_if_nonfinite``, raises ``RuntimeError`` on every rank (the norm is the same everywhere):
-    :func:`~pgregistry.grad_stats.clip_grads_`.
+    The decision is job-wide (:func:`verdict_groups`): a NaN or infinite grad on any rank holding grads makes the
+    returned norm non-finite on every rank, and scales nothing anywhere (skip the step) or, with
+    ``error_if_nonfinite``, raises ``RuntimeError`` on every rank. The coefficient is computed from the float64
+    norm (:func:`~pgregistry.grad_stats.clip_grads_`).
     """
-    classified = _classified(params, pg_collection, "clip_grad_norm_")
-    total = norm_of_classified(classified, norm_type)
-    clip_grads_(classified.local_grads, max_norm, total, error_if_nonfinite=error_if_nonfinite)
-    return total
+    return _statistics(
+        params, pg_collection, "clip_grad_norm_", Wanted.of(norm_type, zeros=False), max_norm, error_if_nonfinite
+    ).norm

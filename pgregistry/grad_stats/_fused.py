@@ -1,5 +1,6 @@
 """One-read grad statistics on CUDA: the sum of squares (2-norm) and the zero count of contiguous grads in one
-pass, over one flat span or over any number of separate tensors in one launch.
+pass, over one flat span or over any number of separate tensors in one launch; and clipping's scaling over the same
+launch table, skipped on the device when the coefficient is 1.
 
 torch reads a tensor once per statistic, and its multi-tensor ops are bound by per-tensor host work: on an H200
 (docs/measurements/grad_stats_h200.txt) ``get_total_norm`` over 20,000 float32 tensors holding 2 GiB took 105 ms and
@@ -39,6 +40,7 @@ __all__ = [
     "fused_stats_available",
     "one_read_applies",
     "readable",
+    "scale_",
     "span_squares_and_zeros",
     "squares_and_zeros",
 ]
@@ -70,17 +72,20 @@ def fused_stats_available(device: torch.device) -> bool:
 @functools.cache
 def _works_on(index: int) -> bool:
     kernel = "the one-read grad statistics kernel"
-    return probe_kernel(index, _probe, (25.0, 2, 25.0, 2), event="one_read_stats_unavailable", kernel=kernel)
+    want = (25.0, 2, 25.0, 2, [0.0, 1.5, -0.0, 2.0])
+    return probe_kernel(index, _probe, want, event="one_read_stats_unavailable", kernel=kernel)
 
 
-def _probe(device: torch.device) -> tuple[float, int, float, int]:
-    """Both launches (a span, a table) over ``[0, 3, -0, 4]``: squares 25, zeros 2."""
+def _probe(device: torch.device) -> tuple[float, int, float, int, list[float]]:
+    """Every launch (a span, a table, scaling) over ``[0, 3, -0, 4]``: squares 25, zeros 2, halved values."""
     import torch
 
     probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
     squares, zeros = span_squares_and_zeros(probe)
     table_squares, table_zeros = squares_and_zeros([probe[:2], probe[2:]])
-    return float(squares), int(zeros), float(table_squares), int(table_zeros)
+    scale_([probe[:2], probe[2:]], torch.tensor(0.5, device=device))
+    scale_([probe[:2], probe[2:]], torch.tensor(1.0, device=device))
+    return float(squares), int(zeros), float(table_squares), int(table_zeros), probe.tolist()
 
 
 def _readable_dtype(dtype: torch.dtype) -> bool:
@@ -156,6 +161,7 @@ def squares_and_zeros(
     tensors: Sequence[torch.Tensor],
     *,
     checked: bool = False,
+    sizes: tuple[array[int], array[int]] | None = None,
     block: int = BLOCK,
     iters: int = ITERS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,17 +170,53 @@ def squares_and_zeros(
 
     The kernel reads ``numel`` elements of the given dtype from each tensor's address, so every tensor is checked
     for that first, unless ``checked=True``: the caller has grouped ``tensors`` by (device, dtype) and kept only
-    contiguous ones (:mod:`pgregistry.grad_stats._reductions` does, in the pass that groups them), which spares a
-    second pass over thousands of tensors.
+    contiguous ones (:mod:`pgregistry.grad_stats._local` does, in the pass that groups them), which spares a second
+    pass over thousands of tensors; ``sizes`` are their addresses and element counts when the caller has them
+    already.
 
     The launch's table (each program's first element and length, relative to the lowest tensor) is a function of
     the tensors' addresses and sizes only: it is built once per distinct (device, dtype, addresses, sizes) and kept
     on the device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to the device.
     """
+    _check(tensors, checked)
+    if len(tensors) == 1:
+        return span_squares_and_zeros(tensors[0], block=block, iters=iters)
+    base, table = _plan_of(tensors, sizes, block * iters)
+    if table is None:
+        return _nothing(tensors[0].device)
+    return _launch(tensors[base], 0, table, table.shape[0], block, iters)
+
+
+def scale_(
+    tensors: Sequence[torch.Tensor],
+    coeff: torch.Tensor,
+    *,
+    checked: bool = False,
+    sizes: tuple[array[int], array[int]] | None = None,
+    block: int = BLOCK,
+    iters: int = ITERS,
+) -> None:
+    """Multiply ``tensors`` (as for :func:`squares_and_zeros`) in place by ``coeff`` (a 0-dim tensor) where it is
+    below 1, in one launch over the statistics' launch table; where it is 1 every program returns at once, so
+    clipping that does not scale reads and writes nothing, and nothing waits on the host."""
     import torch
 
+    _check(tensors, checked)
+    base, table = _plan_of(tensors, sizes, block * iters)
+    if table is None:
+        return
+    factor = coeff.to(device=tensors[0].device, dtype=torch.float32).reshape(1)
+    with launch_on(tensors[0].device):
+        _loaded().scale_kernel[(table.shape[0],)](
+            tensors[base], 0, table, factor,
+            TABLE=True, BLOCK=block, ITERS=iters, VEC=_vector(tensors[0].dtype), num_warps=WARPS,
+        )
+
+
+def _check(tensors: Sequence[torch.Tensor], checked: bool) -> None:
+    """``ValueError`` unless ``tensors`` are one readable kind, each contiguous (``checked``: the caller knows)."""
     if not tensors:
-        raise ValueError("squares_and_zeros needs at least one tensor")
+        raise ValueError("the one-read kernels need at least one tensor")
     device, dtype = tensors[0].device, tensors[0].dtype
     if not _readable_dtype(dtype):
         raise ValueError(f"the one-read kernels read float32/bf16/fp16 tensors, not {dtype}")
@@ -184,18 +226,25 @@ def squares_and_zeros(
                 f"tensor {index} ({tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()}) differs "
                 f"from tensor 0 ({dtype} on {device}) or is not contiguous: pass contiguous tensors of one kind"
             )
-    if len(tensors) == 1:
-        return span_squares_and_zeros(tensors[0], block=block, iters=iters)
-    addresses = array("q", list(map(torch.Tensor.data_ptr, tensors)))
-    numels = array("q", list(map(torch.Tensor.numel, tensors)))
-    key = (device, dtype, block * iters, addresses.tobytes() + numels.tobytes())
+
+
+def _plan_of(
+    tensors: Sequence[torch.Tensor], sizes: tuple[array[int], array[int]] | None, chunk: int
+) -> tuple[int, torch.Tensor | None]:
+    """The launch table of ``tensors`` and the index of its base tensor, kept by addresses and sizes
+    (:class:`_Tables`)."""
+    import torch
+
+    if sizes is None:
+        sizes = (array("q", list(map(torch.Tensor.data_ptr, tensors))),
+                 array("q", list(map(torch.Tensor.numel, tensors))))
+    addresses, numels = sizes
+    device, dtype = tensors[0].device, tensors[0].dtype
+    key = (device, dtype, chunk, addresses.tobytes() + numels.tobytes())
     plan = _TABLES.get(key)
     if plan is None:
-        plan = _TABLES.put(key, _table(addresses, numels, dtype, device, block * iters))
-    base, table = plan
-    if table is None:
-        return _nothing(device)
-    return _launch(tensors[base], 0, table, table.shape[0], block, iters)
+        plan = _TABLES.put(key, _table(addresses, numels, dtype, device, chunk))
+    return plan
 
 
 def _table(

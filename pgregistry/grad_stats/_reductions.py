@@ -1,28 +1,53 @@
-"""Norms, zero counts and clipping of already-filtered grads, each group's share reduced over its group.
+"""The one reduction path of grad norms and zero counts: local shares per reduction group, then one reducer.
 
-The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave the result
-on the grads' device (no host sync), so optimizers can call them every step; see ``docs/design/grad_stats_api.md``.
+Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`; DTensor local pieces,
+:mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry._grad_buffer`) turns them into *parts*:
+float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]``, added to a :class:`Shares` under the group
+they are summed over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished
+norms. :func:`reduce_shares` then issues every collective of a call in the one agreed order and combines:
 
-Local shares take one multi-tensor call per (device, dtype), never a launch per tensor from Python: on CUDA, with
-triton, contiguous float32/bf16/fp16 grads are read by one kernel over a table of their addresses
-(:mod:`pgregistry.grad_stats._fused`) for the 2-norm and the zero count; otherwise ``torch._foreach_norm``.
+1. DTensor pieces sharded over a data-parallel group (FSDP2): one all-reduce per collection field, in field order,
+   of a two-row block (the dense and the expert share), added to the parts of the two reduction groups;
+2. one all-reduce per reduction group, in an order every rank agrees on (by the group's ranks, then its name;
+   :func:`reduce_over_groups`), of the group's row: both statistics in one collective (SUM), or, for the inf-norm
+   (MAX) with the zero count, two;
+3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the collection's
+   ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every rank clips, skips or raises
+   alike. One 2-element all-reduce, none when a reduction group of step 2 already spans those ranks (the flags
+   then ride in its row).
+
+A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes first), so the
+inf-norm's rows carry a NaN flag. Shares accumulate in float64 whatever the grads' dtype (float64 grads of 3e30 have
+a finite norm), and nothing waits on the device: results are 0-dim tensors on the reduction device. A call issues a
+few small operations whatever the number of grads.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from pgregistry.collection import group_size
-from pgregistry.grad_stats._devices import reduction_device
-from pgregistry.grad_stats._fused import one_read_applies, squares_and_zeros
+from pgregistry.collection import FIELD_NAMES, GroupName, group_size
 
-__all__ = ["CLIP_EPSILON", "GradsByGroup", "clip_grads_", "norm_of_grads", "reduce_over_groups", "zeros_of_grads"]
+__all__ = [
+    "CLIP_EPSILON",
+    "GradsByGroup",
+    "GroupKey",
+    "Reduced",
+    "Shares",
+    "Wanted",
+    "check_max_norm",
+    "checked_norm_type",
+    "clip_coefficient",
+    "reduce_over_groups",
+    "reduce_shares",
+]
 
 CLIP_EPSILON = 1e-6
 """Added to the total norm before dividing, as Megatron-Core does: ``coeff = max_norm / (norm + 1e-6)``."""
@@ -30,121 +55,13 @@ CLIP_EPSILON = 1e-6
 GradsByGroup = Mapping[ProcessGroup | None, Sequence[torch.Tensor]]
 """Reduction group (``None``: no reduction) -> already-filtered grads."""
 
+GroupKey = Any
+"""A reduction group as a key of the shares: a ``ProcessGroup`` or ``None`` (no reduction)."""
+
 V = TypeVar("V")
 
-
-def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch.Tensor:
-    """The ``norm_type``-norm of already-filtered grads, each group's share summed over its group.
-
-    One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order every rank
-    agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Every rank of a group must
-    pass that group as a key, with an empty list when it holds no grads for it. Returns a 0-dim float32 tensor
-    on the grads' device, without a host sync. An empty mapping or empty lists give 0.
-    """
-    p = checked_norm_type(norm_type)
-    device = _device_of(grads_by_group)
-    infinite = math.isinf(p)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    for share in reduce_over_groups(grads_by_group, lambda grads: local_share(grads, p, device), op):
-        total = torch.maximum(total, share) if infinite else total + share
-    return total if infinite else total.pow(1.0 / p)
-
-
-def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
-    """The number of zero elements in already-filtered grads, summed over each group (a 0-dim int64 tensor)."""
-    device = _device_of(grads_by_group)
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for share in reduce_over_groups(grads_by_group, lambda grads: local_zeros(grads, device), dist.ReduceOp.SUM):
-        total += share
-    return total
-
-
-def reduce_over_groups(
-    items_by_group: Mapping[ProcessGroup | None, V], local: Callable[[V], torch.Tensor], op: Any
-) -> Iterator[torch.Tensor]:
-    """Each group's local share ``local(items)``, all-reduced in place with ``op`` over its group.
-
-    One collective per group of more than one rank (none for ``None``), issued in an order every rank agrees on
-    (by the group's ranks, then its name): ranks that share two groups must reduce them in the same order. Every
-    rank of a group must pass that group as a key. The statistics of :func:`norm_of_grads`,
-    :func:`zeros_of_grads` and :mod:`pgregistry._grad_buffer` all reduce through this.
-    """
-    for group, items in _in_collective_order(items_by_group):
-        share = local(items)
-        _all_reduce(share, op, group)
-        yield share
-
-
-def local_zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Zero elements in ``grads`` as a 0-dim int64 tensor, one fused call per (device, dtype) and no mask the size
-    of the grads (``count_nonzero`` allocates one per tensor on CUDA): the one-read kernel's exact count, else
-    numel minus the L0 norms, accumulated in float64 (exact up to 2**53 elements)."""
-    zeros = torch.zeros((), dtype=torch.int64, device=device)
-    for (kind_device, dtype), same_kind in _by_kind(grads).items():
-        read_once, rest = _one_read_split(kind_device, dtype, same_kind)
-        if read_once:
-            zeros += squares_and_zeros(read_once, checked=True)[1].to(device)
-        if rest:
-            nonzero = torch.stack(torch._foreach_norm(rest, 0, dtype=torch.float64)).sum()
-            zeros += sum(grad.numel() for grad in rest) - nonzero.to(device=device, dtype=torch.int64)
-    return zeros
-
-
-def _one_read_split(
-    device: torch.device, dtype: torch.dtype, grads: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``grads`` (one device and dtype) split into those the one-read kernel reads (plain contiguous tensors: it
-    reads their memory directly) and the rest (tensor subclasses such as DTensor, non-contiguous views). The usual
-    case, every grad a plain contiguous tensor, takes two passes at C speed; only a mixed list is split in Python."""
-    if not one_read_applies(device, dtype):
-        return [], _non_empty(grads)
-    if set(map(type, grads)) == {torch.Tensor} and all(map(torch.Tensor.is_contiguous, grads)):
-        return grads, []
-    read_once: list[torch.Tensor] = []
-    rest: list[torch.Tensor] = []
-    for grad in grads:
-        (read_once if type(grad) is torch.Tensor and grad.is_contiguous() else rest).append(grad)
-    return read_once, _non_empty(rest)
-
-
-def _non_empty(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``grads`` without empty tensors, for torch's route (the inf-norm of an empty tensor is an error there); the
-    one-read kernel reads empty tensors as nothing, so its route skips this pass."""
-    return [grad for grad in grads if grad.numel()] if 0 in map(torch.Tensor.numel, grads) else grads
-
-
-def clip_grads_(
-    grads: Sequence[torch.Tensor],
-    max_norm: float,
-    total_norm: torch.Tensor | float,
-    *,
-    error_if_nonfinite: bool = False,
-) -> torch.Tensor:
-    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` where that is below 1.
-
-    The coefficient is clamped at 1 as a tensor, so nothing waits on the device; scaling by exactly 1 leaves a
-    grad unchanged. A NaN or infinite ``total_norm`` (an overflow, one NaN grad anywhere in the world) leaves
-    every grad unscaled: its coefficient would be NaN, or 0 for an infinite norm, and would poison or erase the
-    finite grads too; the caller sees the non-finite norm and skips the step. With ``error_if_nonfinite`` (as in
-    ``torch.nn.utils.clip_grad_norm_``) a non-finite norm raises ``RuntimeError`` instead, which waits for the
-    norm on the host. Returns the coefficient applied (a 0-dim float32 tensor).
-    """
-    if not max_norm > 0 or math.isinf(max_norm):
-        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
-    device = grads[0].device if grads else _tensor_device(total_norm)
-    norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
-    finite = torch.isfinite(norm)
-    if error_if_nonfinite and not bool(finite):
-        raise RuntimeError(
-            f"the total grad norm is {float(norm)}, not finite, so the grads cannot be clipped (they are left as "
-            "they are); pass error_if_nonfinite=False to leave them unscaled without raising"
-        )
-    clipped = torch.clamp(max_norm / (norm + CLIP_EPSILON), max=1.0)
-    coeff = torch.where(finite, clipped, torch.ones_like(clipped))
-    for (grad_device, _), same_kind in _by_kind(grads).items():
-        torch._foreach_mul_(same_kind, coeff.to(grad_device))
-    return coeff
+_NORM, _ZEROS = range(2)
+"""A part's columns: the norm's share and the zero count."""
 
 
 def checked_norm_type(norm_type: float) -> float:
@@ -155,37 +72,273 @@ def checked_norm_type(norm_type: float) -> float:
     return p
 
 
-def local_share(grads: Sequence[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
-    """Sum of ``|g|^p`` (max of ``|g|`` for the inf-norm) over ``grads``, as a 0-dim float32 tensor."""
-    share = torch.zeros((), dtype=torch.float32, device=device)
-    for (kind_device, dtype), same_kind in _by_kind(grads).items():
-        if p == 2.0:
-            read_once, same_kind = _one_read_split(kind_device, dtype, same_kind)
-            if read_once:  # squares summed in float64 by the kernel's caller
-                share = share + squares_and_zeros(read_once, checked=True)[0].to(device=device, dtype=torch.float32)
-        else:
-            same_kind = _non_empty(same_kind)
-        if not same_kind:
-            continue
-        # One fused kernel per (device, dtype) instead of a launch per tensor; norms accumulate in float32 at least
-        # (float64 grads stay float64 until their share is summed).
-        accumulate = torch.promote_types(dtype, torch.float32)
-        norms = torch.stack(torch._foreach_norm(same_kind, p, dtype=accumulate))
-        part = norms.max() if math.isinf(p) else norms.pow(p).sum()
-        part = part.to(device=device, dtype=torch.float32)
-        share = torch.maximum(share, part) if math.isinf(p) else share + part
-    return share
+@attrs.frozen(slots=True)
+class Wanted:
+    """What one call computes: the ``p``-norm (``None``: no norm) and whether the zero count."""
+
+    p: float | None
+    zeros: bool
+
+    @classmethod
+    def of(cls, norm_type: float | None, zeros: bool) -> Wanted:
+        return cls(None if norm_type is None else checked_norm_type(norm_type), zeros)
+
+    @property
+    def infinite(self) -> bool:
+        return self.p is not None and math.isinf(self.p)
 
 
-def _by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """``grads`` by (device, dtype): the unit of one fused call (empty tensors included: each route drops them as
-    it needs). Grouped by torch's own C++ helper (the one its optimizers use): a Python loop over 20,000 grads
-    costs milliseconds per call."""
-    grads = list(grads)
-    if not grads:
-        return {}
-    grouped = torch._C._group_tensors_by_device_and_dtype([list[torch.Tensor | None](grads)], False)
-    return {kind: cast("list[torch.Tensor]", lists[0]) for kind, (lists, _) in grouped.items()}
+def make_part(norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A part from a norm share (``sum |g|^p``, or ``max |g|``) and a zero count (0-dim tensors, either absent)."""
+    if norm_share is None or zeros is None:
+        present = norm_share if norm_share is not None else zeros
+        if present is None:
+            return _zeros(2, device)
+        pair = [present.to(torch.float64), present.new_zeros((), dtype=torch.float64)]
+        return torch.stack(pair if norm_share is not None else pair[::-1]).to(device)
+    return torch.stack([norm_share.to(torch.float64), zeros.to(torch.float64)]).to(device)
+
+
+@attrs.define(slots=True)
+class _First:
+    """The parts of DTensor pieces summed over one data-parallel collection field first, by slot (0: dense, 1:
+    expert), and the reduction groups each slot's total joins afterwards."""
+
+    group: ProcessGroup | None
+    targets: tuple[GroupKey, GroupKey]
+    slots: tuple[list[torch.Tensor], list[torch.Tensor]] = attrs.field(factory=lambda: ([], []))
+
+
+class Shares:
+    """This rank's local shares of one statistics call, by reduction group; see the module docstring.
+
+    Every group a rank must reduce over is a key, with no part when it counts nothing there, so every rank of a
+    group issues the same collectives (a pipeline stage without experts still joins the expert reduction).
+    """
+
+    def __init__(self, wanted: Wanted, device: torch.device, groups: Iterable[GroupKey] = ()) -> None:
+        self.wanted = wanted
+        self.device = device
+        self.by_group: dict[GroupKey, list[torch.Tensor]] = {group: [] for group in groups}
+        self.first: dict[GroupName, _First] = {}
+
+    def add(self, group: GroupKey, part: torch.Tensor | None = None) -> None:
+        """Register ``group`` and, unless ``None``, add ``part`` to its share."""
+        parts = self.by_group.setdefault(group, [])
+        if part is not None:
+            parts.append(part.to(self.device))
+
+    def add_first(
+        self,
+        field: GroupName,
+        group: ProcessGroup | None,
+        targets: tuple[GroupKey, GroupKey],
+        slot: int,
+        part: torch.Tensor | None,
+    ) -> None:
+        """Register ``field`` (its ``group`` summed over before ``targets``, the dense and the expert reduction
+        group) and, unless ``None``, add ``part`` to its ``slot`` (0 dense, 1 expert)."""
+        first = self.first.setdefault(field, _First(group, targets))
+        if part is not None:
+            first.slots[slot].append(part.to(self.device))
+
+
+@attrs.frozen(slots=True)
+class Reduced:
+    """The reduced statistics: ``norm64`` (float64, NaN / inf where one was seen; see :func:`reduce_shares`) and
+    ``zeros`` (int64), 0-dim tensors on the reduction device, ``None`` when not wanted."""
+
+    norm64: torch.Tensor | None
+    zeros: torch.Tensor | None
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """The norm as the statistics' API returns it: 0-dim float32."""
+        if self.norm64 is None:
+            raise ValueError("no norm was computed")
+        return self.norm64.to(torch.float32)
+
+
+def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()) -> Reduced:
+    """Reduce ``shares`` (see the module docstring; they are consumed) into the global statistics.
+
+    ``verdict``: the groups that together span every rank holding grads (``intra_dist_opt``, then
+    ``inter_dist_opt``); when given, a NaN or inf seen on any of those ranks makes the norm NaN or inf on all of
+    them. Without it, only the ranks of a rank's own reduction groups contribute.
+    """
+    wanted, device = shares.wanted, shares.device
+    for field in sorted(shares.first, key=FIELD_NAMES.index):
+        first = shares.first[field]
+        block = torch.stack([_local_row(parts, wanted, device) for parts in first.slots])
+        _reduce_block(block, first.group, wanted)
+        for target, row in zip(first.targets, block, strict=True):
+            shares.add(target, _as_part(row, wanted))
+    rows = {group: _local_row(parts, wanted, device) for group, parts in shares.by_group.items()}
+    verdict_groups = [group for group in verdict if group is not None and group_size(group) > 1]
+    seen = carrier = None
+    if verdict_groups and wanted.p is not None:
+        seen = _seen(rows, wanted, device)
+        carrier = _same_ranks(verdict_groups[0], rows)
+        if carrier is not _NO_GROUP:  # the flags ride in that group's row: every rank of it appends them
+            rows[carrier] = torch.cat([rows[carrier], seen])
+            verdict_groups = verdict_groups[1:]
+    reduced = _reduce_rows(rows, wanted)
+    zeros = None
+    if wanted.zeros:
+        zeros = torch.stack([row[_ZEROS] for row in reduced.values()]).sum() if reduced else _zeros((), device)
+        zeros = zeros.round().to(torch.int64)
+    if wanted.p is None:
+        return Reduced(norm64=None, zeros=zeros)
+    peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _zeros(1, device)
+    norm = peaks.amax() if wanted.infinite else peaks.sum().pow(1.0 / wanted.p)
+    flags = [_zeros(2, device)]
+    if wanted.infinite and reduced:  # the rows' NaN flags (a MAX reduction does not carry a NaN itself)
+        nan = torch.stack([row[_FLAG] for row in reduced.values()]).amax()
+        flags.append(torch.stack([nan, torch.zeros_like(nan)]))
+    if seen is not None:
+        if carrier is not _NO_GROUP:
+            flags.append(reduced[carrier][-2:])
+        if verdict_groups:
+            seen = torch.maximum(seen, _nonfinite(norm))
+            for group in verdict_groups:
+                dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+            flags.append(seen)
+    if len(flags) > 1:
+        nan, inf = torch.stack(flags).amax(0)
+        norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, norm))
+    return Reduced(norm64=norm, zeros=zeros)
+
+
+_NO_GROUP: Final = object()
+_FLAG: Final = 2
+"""An inf-norm row's third column: NaN seen."""
+
+
+def _zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
+    return torch.zeros(size, dtype=torch.float64, device=device)
+
+
+def _nonfinite(value: torch.Tensor) -> torch.Tensor:
+    """``[NaN, inf]`` flags (1 or 0, float64) of a 0-dim tensor."""
+    return torch.stack([value.isnan(), value.isinf()]).to(torch.float64)
+
+
+def _seen(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
+    """Whether this rank's local shares hold a NaN or an inf, as ``[NaN, inf]`` flags."""
+    if not rows:
+        return _zeros(2, device)
+    stacked = torch.stack(list(rows.values()))
+    seen = _nonfinite(stacked[:, _NORM].sum())
+    if wanted.infinite:
+        seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))
+    return seen
+
+
+def _same_ranks(group: ProcessGroup, rows: Mapping[GroupKey, torch.Tensor]) -> Any:
+    """The key of ``rows`` that is ``group`` or holds the same ranks, else :data:`_NO_GROUP`."""
+    ranks = dist.get_process_group_ranks(group)
+    for key in rows:
+        if key is group or (key is not None and dist.get_process_group_ranks(key) == ranks):
+            return key
+    return _NO_GROUP
+
+
+def _as_part(row: torch.Tensor, wanted: Wanted) -> torch.Tensor:
+    """A row reduced over a field first, as a part of its reduction group (an inf-norm row's NaN flag as a NaN)."""
+    if not wanted.infinite:
+        return row
+    return torch.stack([torch.where(row[_FLAG] > 0, math.nan, row[_NORM]), row[_ZEROS]])
+
+
+def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
+    """One group's row from its parts: ``[share, zeros]`` summed; for the inf-norm ``[max, zeros, NaN seen]``, the
+    NaN carried by the flag (a MAX reduction may drop it) and counting as 0 in the maximum."""
+    if not wanted.infinite:
+        if not parts:
+            return _zeros(2, device)
+        return parts[0] if len(parts) == 1 else torch.stack(list(parts)).sum(0)
+    if not parts:
+        return _zeros(3, device)
+    rows = torch.stack(list(parts))
+    share = rows[:, _NORM]
+    nan = share.isnan()
+    return torch.stack([torch.where(nan, 0.0, share).amax(), rows[:, _ZEROS].sum(), nan.any().to(torch.float64)])
+
+
+def _reduce_rows(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted) -> dict[GroupKey, torch.Tensor]:
+    """Each group's row reduced over its group, in the agreed order: one SUM of the whole row (flags summed: set
+    when positive); for the inf-norm one MAX of all but the zero count, then, with the zero count, one SUM of it."""
+    if not wanted.infinite:
+        return _each(rows, lambda row: row, dist.ReduceOp.SUM)
+    maxima = _each(rows, lambda row: torch.cat([row[:_ZEROS], row[_ZEROS + 1 :]]), dist.ReduceOp.MAX)
+    counts = (
+        _each(rows, lambda row: row[_ZEROS : _ZEROS + 1].clone(), dist.ReduceOp.SUM)
+        if wanted.zeros
+        else {group: row[_ZEROS : _ZEROS + 1] for group, row in rows.items()}
+    )
+    return {group: torch.cat([maxima[group][:1], counts[group], maxima[group][1:]]) for group in rows}
+
+
+def _each(
+    rows: Mapping[GroupKey, torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor], op: Any
+) -> dict[GroupKey, torch.Tensor]:
+    """:func:`reduce_over_groups` of ``local(row)`` for each group, by group."""
+    order: list[GroupKey] = []
+
+    def take(item: tuple[GroupKey, torch.Tensor]) -> torch.Tensor:
+        order.append(item[0])
+        return local(item[1])
+
+    reduced = {}
+    for row in reduce_over_groups({group: (group, row) for group, row in rows.items()}, take, op):
+        reduced[order[-1]] = row  # the group take() was given last
+    return reduced
+
+
+def _reduce_block(block: torch.Tensor, group: ProcessGroup | None, wanted: Wanted) -> None:
+    """All-reduce the rows of ``block`` in place over ``group`` (step 1 of :func:`reduce_shares`)."""
+    if group is None or group_size(group) <= 1:
+        return
+    if not wanted.infinite:
+        dist.all_reduce(block, op=dist.ReduceOp.SUM, group=group)
+        return
+    peaks = torch.cat([block[:, :_ZEROS], block[:, _ZEROS + 1 :]], dim=1)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+    block[:, _NORM] = peaks[:, 0]
+    block[:, _ZEROS + 1 :] = peaks[:, 1:]
+    if wanted.zeros:
+        counts = block[:, _ZEROS].clone()
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        block[:, _ZEROS] = counts
+
+
+def reduce_over_groups(
+    items_by_group: Mapping[ProcessGroup | None, V], local: Callable[[V], torch.Tensor], op: Any
+) -> Iterator[torch.Tensor]:
+    """Each group's local share ``local(items)``, all-reduced in place with ``op`` over its group.
+
+    One collective per group of more than one rank (none for ``None``), issued in an order every rank agrees on
+    (by the group's ranks, then its name): ranks that share two groups must reduce them in the same order. Every
+    rank of a group must pass that group as a key. :func:`reduce_shares` reduces every statistic through this.
+    """
+    for group, items in _in_collective_order(items_by_group):
+        share = local(items)
+        _all_reduce(share, op, group)
+        yield share
+
+
+def check_max_norm(max_norm: float) -> None:
+    """``ValueError`` unless ``max_norm`` is a positive finite number."""
+    if not max_norm > 0 or math.isinf(max_norm):
+        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+
+
+def clip_coefficient(max_norm: float, norm64: torch.Tensor) -> torch.Tensor:
+    """``max_norm / (norm + 1e-6)`` clamped at 1 (float64, no host sync); 1 for a NaN or infinite norm, whose
+    coefficient would be NaN or 0 and would poison or erase the finite grads too."""
+    check_max_norm(max_norm)
+    clipped = torch.clamp(max_norm / (norm64 + CLIP_EPSILON), max=1.0)
+    return torch.where(torch.isfinite(norm64), clipped, torch.ones_like(clipped))
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> None:
@@ -204,11 +357,3 @@ def _in_collective_order(items_by_group: Mapping[ProcessGroup | None, V]) -> lis
         return (1, tuple(dist.get_process_group_ranks(group)), str(getattr(group, "group_name", "")))
 
     return sorted(items_by_group.items(), key=key)
-
-
-def _device_of(grads_by_group: GradsByGroup) -> torch.device:
-    return reduction_device((grad for grads in grads_by_group.values() for grad in grads), grads_by_group)
-
-
-def _tensor_device(value: torch.Tensor | float) -> torch.device:
-    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")

@@ -1,5 +1,5 @@
-"""The Triton kernel of the one-read grad statistics of :mod:`pgregistry.grad_stats._fused` (imports triton: import
-this module only inside a function, after checking that triton is importable).
+"""The Triton kernels of the one-read grad statistics and of clipping, :mod:`pgregistry.grad_stats._fused` (imports
+triton: import this module only inside a function, after checking that triton is importable).
 
 Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes two partials: the sum of their squares
 (float32: at most ``ITERS`` additions per lane, then a tree over the block) and the number of exact zeros (``x == 0``:
@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["squares_and_zeros_kernel"]
+__all__ = ["scale_kernel", "squares_and_zeros_kernel"]
 
 
 @triton.jit
@@ -69,3 +69,46 @@ def _sums(first, count, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
         squares += x * x
         zeros += ((x == 0.0) & inside).to(tl.int32)
     return tl.sum(squares, axis=0), tl.sum(zeros, axis=0)
+
+
+@triton.jit
+def scale_kernel(
+    x_ptr,
+    n,
+    table_ptr,
+    coeff_ptr,
+    TABLE: tl.constexpr,  # noqa: N803
+    BLOCK: tl.constexpr,  # noqa: N803
+    ITERS: tl.constexpr,  # noqa: N803
+    VEC: tl.constexpr,  # noqa: N803
+):
+    """Multiply in place, by the float32 ``coeff_ptr[0]``, the elements program ``p`` reads in
+    :func:`squares_and_zeros_kernel` (the same grid and table), computing in float32 and rounding to the tensor's
+    dtype as torch's ``mul_`` does; nothing at all where the coefficient is not below 1 (clipping that does not
+    scale, decided on the device: no host sync, no pass over the grads)."""
+    pid = tl.program_id(0)
+    coeff = tl.load(coeff_ptr)
+    if coeff < 1.0:
+        if TABLE:
+            start = tl.load(table_ptr + 2 * pid)
+            count = tl.load(table_ptr + 2 * pid + 1)
+        else:
+            start = pid.to(tl.int64) * (BLOCK * ITERS)
+            count = tl.minimum(n - start, BLOCK * ITERS)
+        if start % VEC == 0:
+            first = x_ptr + (start // VEC) * VEC
+            body = (count // VEC) * VEC
+            _scale(first, body, coeff, BLOCK, ITERS)
+            _scale(first + body, count - body, coeff, VEC, 1)
+        else:
+            _scale(x_ptr + start, count, coeff, BLOCK, ITERS)
+
+
+@triton.jit
+def _scale(first, count, coeff, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
+    lanes = tl.arange(0, BLOCK)
+    for i in tl.static_range(ITERS):
+        offsets = i * BLOCK + lanes
+        inside = offsets < count
+        x = tl.load(first + offsets, mask=inside, other=0.0)
+        tl.store(first + offsets, (x.to(tl.float32) * coeff).to(x.dtype), mask=inside)

@@ -14,8 +14,11 @@ come from ``dp_cp / expt_dp`` data-parallel ranks, so averaging over ``expt_dp``
 ``dp_cp / expt_dp``.
 
 Statistics are computed from the *role tensors* the optimizer steps (mixed-precision main copies, shard pieces),
-classified once at construction. Those copies carry their roles only through
-:func:`pgregistry.params.copy_param_roles`; Megatron-LM PR 6470's bug was a copy that lost ``allreduce=False``.
+classified once at construction, and go through the grad statistics' one reduction path: an optimizer adds its
+spans' parts to a :class:`~pgregistry.grad_stats._reductions.Shares` (a chained optimizer's children add to the
+same one) and the one reducer reduces them; clipping decides job-wide, as the functional API does. Those copies
+carry their roles only through :func:`pgregistry.params.copy_param_roles`; Megatron-LM PR 6470's bug was a copy
+that lost ``allreduce=False``.
 
 Grads reach the buffer without a second copy. A parameter whose dtype is the buffer's gets ``param.grad`` set to
 its buffer view, and autograd accumulates into it in place; a low-precision parameter of a mixed-precision
@@ -28,24 +31,25 @@ into it and frees it. ``param.main_grad`` is set in both cases. Zero grads with 
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from pgregistry._grad_buffer import (
-    GradBuffer,
-    GroupKey,
-    Span,
-    reduce_norm_terms,
-    reduce_zero_counts,
-    span_norms,
-    span_statistics,
-    span_zero_counts,
-)
+from pgregistry._grad_buffer import GradBuffer, Span, span_shares
 from pgregistry.collection import UNSET, group_size
-from pgregistry.grad_stats import backend_device, clip_grads_
+from pgregistry.grad_stats import backend_device
+from pgregistry.grad_stats._functional import verdict_groups
+from pgregistry.grad_stats._lists import check_finite, scale_grads_
+from pgregistry.grad_stats._reductions import (
+    GroupKey,
+    Reduced,
+    Shares,
+    Wanted,
+    check_max_norm,
+    clip_coefficient,
+    reduce_shares,
+)
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
@@ -62,7 +66,6 @@ __all__ = [
     "InnerFactory",
     "ParamNameFn",
     "backend_device",
-    "combine_norms",
     "required_group",
 ]
 
@@ -227,37 +230,35 @@ class FlatOptimizer(abc.ABC):
         """The groups this optimizer's statistics reduce over."""
         return self._reduce_keys
 
-    def _by_reduce_key(self, parts: dict[GroupKey, list[torch.Tensor]]) -> dict[GroupKey, list[torch.Tensor]]:
-        return {key: parts.get(key, []) for key in self._reduce_keys}
+    def local_shares(self, shares: Shares) -> None:
+        """Add this optimizer's groups (every one, even with nothing counted here) and its spans' parts to
+        ``shares``."""
+        for key in self._reduce_keys:
+            shares.add(key)
+        span_shares(self.buffer.data, self._stat_spans, shares)
 
-    def local_norm_terms(self, norm_type: float = 2.0) -> dict[GroupKey, list[torch.Tensor]]:
-        """Reduction group -> this rank's per-span norms of its counted grads (every group a key, even empty)."""
-        return self._by_reduce_key(span_norms(self.buffer.data, self._stat_spans, norm_type))
-
-    def local_zero_counts(self) -> dict[GroupKey, list[torch.Tensor]]:
-        """Reduction group -> this rank's per-span zero counts of its counted grads (every group a key)."""
-        return self._by_reduce_key(span_zero_counts(self.buffer.data, self._stat_spans))
-
-    def local_statistics(
-        self, norm_type: float = 2.0
-    ) -> tuple[dict[GroupKey, list[torch.Tensor]], dict[GroupKey, list[torch.Tensor]]]:
-        """:meth:`local_norm_terms` and :meth:`local_zero_counts` at once, reading the grads once where
-        :func:`~pgregistry._grad_buffer.span_statistics` can."""
-        terms, counts = span_statistics(self.buffer.data, self._stat_spans, norm_type)
-        return self._by_reduce_key(terms), self._by_reduce_key(counts)
+    def statistics(self, wanted: Wanted, *, verdict: Sequence[ProcessGroup | None] = ()) -> Reduced:
+        """The grad statistics of the model this optimizer covers, through the one reducer."""
+        shares = Shares(wanted, self.buffer.data.device)
+        self.local_shares(shares)
+        return reduce_shares(shares, verdict=verdict)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global grad norm of the model this optimizer covers (0-dim float32, no host sync)."""
-        return reduce_norm_terms(self.local_norm_terms(norm_type), norm_type)
+        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
         """The global number of zero grad elements, each distinct element counted once (0-dim int64)."""
-        return reduce_zero_counts(self.local_zero_counts(), device=self.buffer.data.device)
+        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
+        assert zeros is not None
+        return zeros
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA, 2-norm)."""
-        terms, counts = self.local_statistics(norm_type)
-        return reduce_norm_terms(terms, norm_type), reduce_zero_counts(counts, device=self.buffer.data.device)
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA, 2-norm; one
+        all-reduce per group)."""
+        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
+        assert reduced.zeros is not None
+        return reduced.norm, reduced.zeros
 
     def grads_to_clip(self) -> list[torch.Tensor]:
         """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates included."""
@@ -268,11 +269,9 @@ class FlatOptimizer(abc.ABC):
     ) -> torch.Tensor:
         """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping.
 
-        A NaN or infinite norm scales nothing, or raises with ``error_if_nonfinite``
-        (:func:`~pgregistry.grad_stats.clip_grads_`)."""
-        total = self.get_grad_norm(norm_type)
-        clip_grads_(self.grads_to_clip(), max_norm, total, error_if_nonfinite=error_if_nonfinite)
-        return total
+        Decided job-wide (:func:`clip_grads_of`): a NaN or infinite norm anywhere scales nothing on any rank, or
+        raises on every rank with ``error_if_nonfinite``."""
+        return clip_grads_of([self], max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -320,14 +319,23 @@ def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return hook
 
 
-def combine_norms(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of a whole from the norms of disjoint parts: ``(sum n_i^p)^(1/p)``, max for the inf-norm."""
-    if not norms:
-        return torch.zeros((), dtype=torch.float32)
-    stacked = torch.stack([n.reshape(()).to(torch.float32) for n in norms])
-    if math.isinf(norm_type):
-        return stacked.max()
-    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+def clip_grads_of(
+    optimizers: Sequence[FlatOptimizer], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """Clip the grads of ``optimizers`` (one, or a chained optimizer's children) from their one norm: their shares
+    reduced together with the job-wide verdict over ``intra_dist_opt`` (:func:`~pgregistry.grad_stats._functional.
+    verdict_groups`), then every grad scaled by the one coefficient. Returns the norm before clipping."""
+    check_max_norm(max_norm)  # before any collective
+    verdict = verdict_groups(optimizers[0].stats_groups.collection, "clip_grad_norm")
+    shares = Shares(Wanted.of(norm_type, zeros=False), optimizers[0].buffer.data.device)
+    for optimizer in optimizers:
+        optimizer.local_shares(shares)
+    norm64 = reduce_shares(shares, verdict=verdict).norm64
+    assert norm64 is not None
+    check_finite(norm64, error_if_nonfinite)
+    grads = [grad for optimizer in optimizers for grad in optimizer.grads_to_clip()]
+    scale_grads_(grads, clip_coefficient(max_norm, norm64))
+    return norm64.to(torch.float32)
 
 
 def required_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:

@@ -1,12 +1,11 @@
 """A chained optimizer: one child per parameter kind (dense, routed experts), one set of grad statistics.
 
-The global norm must count every child's grads, each with its own groups. When every child reduces over the same
-single group (a sharded optimizer's instance, or ``mp`` and ``tp_ep_pp_with_egtp_remat`` holding the same ranks),
-the children's
-filtered local terms are concatenated into one :func:`~pgregistry.grad_stats.norm_of_grads` call: one all-reduce.
-Otherwise each child reduces over its own groups and the child norms combine as ``(sum n_i^p)^(1/p)`` (max for
-the inf-norm). The zero count follows the same rule (a sum). Clipping scales every child's grads by the one
-coefficient of the total norm.
+The global norm must count every child's grads, each with its own groups. Every child adds its parts to one
+:class:`~pgregistry.grad_stats._reductions.Shares` and the one reducer reduces them: one all-reduce per distinct
+group (one in all when every child reduces over the same group: a sharded optimizer's instance, or ``mp`` and
+``tp_ep_pp_with_egtp_remat`` holding the same ranks), both statistics in it when both are wanted. Nothing combines
+the children's finished norms. Clipping scales every child's grads by the one coefficient of the total norm, decided
+job-wide.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pgregistry._grad_buffer import GroupKey, reduce_norm_terms, reduce_zero_counts
-from pgregistry.grad_stats import clip_grads_
-from pgregistry.optim._base import FlatOptimizer, combine_norms
+from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, reduce_shares
+from pgregistry.optim._base import FlatOptimizer, clip_grads_of
 from pgregistry.optim._param_state import ParamState
 
 if TYPE_CHECKING:
@@ -47,48 +45,38 @@ class ChainedOptimizer:
         """Whether every child reduces its statistics over one and the same group."""
         return len(self.stats_reduce_groups()) == 1
 
-    def _merged(self, parts: Sequence[dict[GroupKey, list[torch.Tensor]]]) -> dict[GroupKey, list[torch.Tensor]]:
-        merged: dict[GroupKey, list[torch.Tensor]] = {}
-        for part in parts:
-            for group, terms in part.items():
-                merged.setdefault(group, []).extend(terms)
-        return merged
+    def statistics(self, wanted: Wanted) -> Reduced:
+        """The statistics over every child: their parts in one set of shares, reduced once."""
+        shares = Shares(wanted, self.chained_optimizers[0].buffer.data.device)
+        for child in self.chained_optimizers:
+            child.local_shares(shares)
+        return reduce_shares(shares)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global grad norm over every child (0-dim float32, no host sync)."""
-        if self.shares_stats_group():
-            terms = self._merged([child.local_norm_terms(norm_type) for child in self.chained_optimizers])
-            return reduce_norm_terms(terms, norm_type)
-        return combine_norms([child.get_grad_norm(norm_type) for child in self.chained_optimizers], norm_type)
+        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
         """The global zero count over every child, each with its own groups (0-dim int64)."""
-        if self.shares_stats_group():
-            counts = self._merged([child.local_zero_counts() for child in self.chained_optimizers])
-            return reduce_zero_counts(counts, device=self.chained_optimizers[0].buffer.data.device)
-        return torch.stack([child.count_zeros() for child in self.chained_optimizers]).sum()
+        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
+        assert zeros is not None
+        return zeros
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`get_grad_norm` and :meth:`count_zeros` together, each child reading its grads once (on CUDA, for
-        the 2-norm)."""
-        if self.shares_stats_group():
-            parts = [child.local_statistics(norm_type) for child in self.chained_optimizers]
-            terms, counts = self._merged([t for t, _ in parts]), self._merged([c for _, c in parts])
-            device = self.chained_optimizers[0].buffer.data.device
-            return reduce_norm_terms(terms, norm_type), reduce_zero_counts(counts, device=device)
-        stats = [child.get_grad_norm_and_zeros(norm_type) for child in self.chained_optimizers]
-        return combine_norms([n for n, _ in stats], norm_type), torch.stack([z for _, z in stats]).sum()
+        the 2-norm), one all-reduce per group."""
+        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
+        assert reduced.zeros is not None
+        return reduced.norm, reduced.zeros
 
     def clip_grad_norm(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
         """Scale every child's grads by ``max_norm / (norm + 1e-6)`` when below 1; return the total norm.
 
-        A NaN or infinite norm scales nothing, or raises with ``error_if_nonfinite``."""
-        total = self.get_grad_norm(norm_type)
-        grads = [g for child in self.chained_optimizers for g in child.grads_to_clip()]
-        clip_grads_(grads, max_norm, total, error_if_nonfinite=error_if_nonfinite)
-        return total
+        Decided job-wide: a NaN or infinite norm anywhere scales nothing on any rank, or raises on every rank with
+        ``error_if_nonfinite``."""
+        return clip_grads_of(self.chained_optimizers, max_norm, norm_type, error_if_nonfinite)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

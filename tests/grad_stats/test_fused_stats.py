@@ -15,11 +15,14 @@ from typing import Any
 import pytest
 import torch
 from fixtures.interpreter import in_interpreter
+from torch import nn
 
-from pgregistry._grad_buffer import Span, span_norms, span_statistics, span_zero_counts
+from pgregistry._grad_buffer import Span, span_shares
+from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import _fused as fused_stats
-from pgregistry.grad_stats import _reductions as reductions
-from pgregistry.grad_stats import norm_of_grads, zeros_of_grads
+from pgregistry.grad_stats import _local as local
+from pgregistry.grad_stats import clip_grad_norm_, grad_norm_and_zeros, norm_of_grads, zeros_of_grads
+from pgregistry.grad_stats._reductions import Shares, Wanted
 
 SMALL = {"block": 64, "iters": 4}
 """Programs of 256 elements: many programs and partial last blocks on small tensors."""
@@ -82,29 +85,86 @@ def _in_interpreter() -> dict[str, Any]:
     ])
     data = _grads(torch.float32, [4000])[0]
     buffer_spans = (Span(None, True, 0, 1000), Span(None, False, 1024, 2000), Span(None, True, 2048, 3001))
-    one_read = span_statistics(data, buffer_spans, one_read=True)
-    two_reads = (span_norms(data, buffer_spans), span_zero_counts(data, buffer_spans))
+    both = Wanted.of(2.0, zeros=True)
+    one_read, two_reads = Shares(both, data.device), Shares(both, data.device)
+    span_shares(data, buffer_spans, one_read, one_read=True)
+    span_shares(data, buffer_spans, two_reads, one_read=False)
     # The list path with the kernel on (here, on CPU, through the interpreter): mixed dtypes, a float64 grad and a
     # non-contiguous one take torch's route beside it.
-    reductions.one_read_applies = lambda device, dtype: dtype in DTYPES  # type: ignore[assignment]
+    local.one_read_applies = lambda device, dtype: dtype in DTYPES  # type: ignore[assignment]
     read: list[int] = []
-    real = reductions.squares_and_zeros
+    real = fused_stats.squares_and_zeros
 
     def counting(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         read.append(len(tensors))
         return real(tensors, **kwargs)
 
-    reductions.squares_and_zeros = counting  # type: ignore[assignment]
+    fused_stats.squares_and_zeros = counting  # type: ignore[assignment]
     listed = _mixed_list()
     list_path = (float(norm_of_grads({None: listed})), int(zeros_of_grads({None: listed})), read)
+    fused_stats.squares_and_zeros = real  # type: ignore[assignment]
+    # float32 grads whose squares fit the kernel's float32 partials but whose sum does not fit float32: summed in
+    # float64 as the kernel's caller claims (the share was cast to float32 before, an infinite norm).
+    huge = [torch.full((256,), 1e18 * sign) for sign in (1, -1, 1, -1)]
+    large = float(norm_of_grads({None: huge}))
+    # A model through the kept classification, read by the kernel and clipped by it: twice (the second call from the
+    # kept plan and launch tables), then clipped below its norm.
+    launches: list[str] = []
+    real_scale = fused_stats.scale_
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            launches.append(name)
+            return function(*args, **kwargs)
+
+        return call
+
+    fused_stats.squares_and_zeros = counted("read", real)  # type: ignore[assignment]
+    fused_stats.scale_ = counted("scale", real_scale)  # type: ignore[assignment]
+    model = _model()
+    through_model = [tuple(map(float, grad_norm_and_zeros(model, OFF))) for _ in range(2)]
+    returned = float(clip_grad_norm_(model, 0.5, OFF))
+    clipped = [param.grad.clone() for param in model.parameters()]
+    fused_stats.squares_and_zeros, fused_stats.scale_ = real, real_scale  # type: ignore[assignment]
     return {
         "spans": spans,
         "tables": tables,
         "special": special,
         "errors": errors,
-        "buffer": (one_read, two_reads),
+        "buffer": (one_read.by_group, two_reads.by_group),
         "list": list_path,
+        "large": large,
+        "scaled": _scaled(),
+        "model": (through_model, returned, clipped, launches),
     }
+
+
+OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+
+
+def _model() -> nn.Module:
+    """Two layers, float32 and a bf16 one, with grads from :func:`_grads` (the same ones in every process)."""
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 7).to(torch.bfloat16))
+    for index, param in enumerate(model.parameters()):
+        param.grad = _grads(param.dtype, [param.numel()])[0].roll(index).view(param.shape)
+    return model
+
+
+def _scale_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    grads = _table(dtype)
+    grads[3][0] = float("nan")
+    return grads
+
+
+def _scaled() -> dict[str, Any]:
+    """The scale kernel over a table of tensors (views off the 16-byte grid included), coefficients 0.37 and 1."""
+    out = {}
+    for dtype in DTYPES:
+        for coeff in (0.37, 1.0):
+            tensors = _scale_inputs(dtype)
+            fused_stats.scale_(tensors, torch.tensor(coeff, dtype=torch.float64), block=64, iters=4)
+            out[(str(dtype), coeff)] = tensors
+    return out
 
 
 def _mixed_list() -> list[torch.Tensor]:
@@ -183,12 +243,12 @@ def test_refuses_tensors_it_cannot_read(interpreted: dict[str, Any]) -> None:
 
 
 def test_span_statistics_in_one_read_equal_the_two_reductions(interpreted: dict[str, Any]) -> None:
-    (terms, counts), (norms, zeros) = interpreted["buffer"]
-    assert set(terms) == set(norms) == {None} and len(terms[None]) == len(norms[None]) == 2
-    for got, want in zip(terms[None], norms[None], strict=True):
-        assert got.dtype == want.dtype == torch.float32
-        assert float(got) == pytest.approx(float(want), rel=1e-6)
-    assert [int(c) for c in counts[None]] == [int(z) for z in zeros[None]]
+    one_read, two_reads = interpreted["buffer"]
+    assert set(one_read) == set(two_reads) == {None} and len(one_read[None]) == len(two_reads[None]) == 2
+    for got, want in zip(one_read[None], two_reads[None], strict=True):
+        assert got.dtype == want.dtype == torch.float64  # [sum of squares, zeros, NaN seen, inf seen]
+        assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
+        assert int(got[1]) == int(want[1])
 
 
 def test_the_list_path_reads_through_the_kernel_and_equals_the_oracle(interpreted: dict[str, Any]) -> None:
@@ -199,6 +259,50 @@ def test_the_list_path_reads_through_the_kernel_and_equals_the_oracle(interprete
     # One launch per readable (device, dtype) for each statistic: float32 (with its non-contiguous grad left to
     # torch), bf16 and fp16; the float64 grad is torch's.
     assert sorted(interpreted["list"][2]) == sorted([len(_table(torch.float32)), len(_table(torch.bfloat16)), 2] * 2)
+
+
+def test_float32_squares_are_summed_in_float64(interpreted: dict[str, Any]) -> None:
+    """The squares of a 256-element tensor of 1e18 fit one program's float32 partial; 1,024 of them do not fit
+    float32 (the norm does)."""
+    want = math.sqrt(1024 * 1e36)
+    assert interpreted["large"] == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_scale_kernel_gives_torchs_bits_and_leaves_a_coefficient_of_one_alone(
+    interpreted: dict[str, Any], dtype: torch.dtype
+) -> None:
+    """Bit for bit, but for bf16 with a coefficient: triton's interpreter rounds float32 to bf16 toward zero where
+    the compiled kernel rounds to nearest even (torch's rounding; ``scripts/gpu_check.py`` checks those bits on a
+    GPU), so there one bf16 unit in the last place is allowed. A coefficient of 1 leaves every bit, NaN included."""
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for coeff in (0.37, 1.0):
+        want = _scale_inputs(dtype)
+        if coeff != 1.0:
+            torch._foreach_mul_(want, torch.tensor(coeff, dtype=torch.float32))
+        ulps = 1 if dtype == torch.bfloat16 and coeff != 1.0 else 0
+        for got, expected in zip(interpreted["scaled"][(str(dtype), coeff)], want, strict=True):
+            apart = (got.view(bits).int() - expected.view(bits).int()).abs()
+            nan = expected.isnan()
+            if coeff != 1.0:  # NaN stays NaN (its payload is the hardware's)
+                assert torch.equal(got.isnan(), nan) and not bool(nan.all())
+                apart = apart[~nan]
+            assert int(apart.max()) <= ulps, (coeff, got, expected)
+
+
+def test_a_model_is_read_and_clipped_through_the_kernels(interpreted: dict[str, Any]) -> None:
+    through_model, returned, clipped, launches = interpreted["model"]
+    # One read per kind (float32, bf16) per call, and the clip's scaling one launch per kind.
+    assert sorted(launches) == ["read"] * 6 + ["scale"] * 2
+    grads = [param.grad for param in _model().parameters()]
+    squares, zeros = _oracle(grads)
+    for norm, count in through_model:
+        assert norm == pytest.approx(math.sqrt(squares), rel=1e-6) and count == zeros
+    assert returned == pytest.approx(math.sqrt(squares), rel=1e-6)
+    coeff = 0.5 / (math.sqrt(squares) + 1e-6)
+    for got, grad in zip(clipped, grads, strict=True):
+        rtol = 1e-2 if grad.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(got.double(), grad.double() * coeff, rtol=rtol, atol=1e-30)
 
 
 def test_not_available_off_cuda() -> None:

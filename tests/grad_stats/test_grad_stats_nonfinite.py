@@ -16,7 +16,15 @@ import torch.distributed as dist
 from torch import nn
 
 import pgregistry
-from pgregistry import ParallelLayout, ProcessGroupCollection, clip_grad_norm_, count_zeros, grad_norm, registry
+from pgregistry import (
+    ParallelLayout,
+    ProcessGroupCollection,
+    clip_grad_norm_,
+    count_zeros,
+    grad_norm,
+    grad_norm_and_zeros,
+    registry,
+)
 from pgregistry.grad_stats import CLIP_EPSILON
 from pgregistry.testing import run_world
 
@@ -135,3 +143,116 @@ def test_sparse_grads_are_refused_naming_the_parameter() -> None:
                  lambda: clip_grad_norm_(model, 1.0, off)):
         with pytest.raises(TypeError, match=r"the grad of 'embedding\.weight' is torch\.sparse_coo .*need dense"):
             call()
+
+
+# ------------------------------------------------------------------------------------- one verdict for the job
+
+
+def _replica(poison: float | None) -> tuple[nn.Module, ProcessGroupCollection]:
+    """Rank r of two data-parallel replicas holding the same grads, but rank 1's first bias element ``poison`` (not
+    synchronised yet, or a NaN that arose after the sync). Nothing is model-parallel: each replica's norm is its own."""
+    pgc = registry.build(ParallelLayout(num_ranks=2))
+    model = nn.Linear(3, 2)
+    for param, grad in zip(model.parameters(), _grads(0), strict=True):
+        param.grad = grad.clone()
+    if poison is not None and dist.get_rank() == 1:
+        model.bias.grad[0] = poison
+    return model, pgc
+
+
+def _replica_clip(poison: float, error_if_nonfinite: bool, entry: str) -> tuple[float, bool, str]:
+    """The norm (NaN when the clip raised), whether every grad is unchanged, and the error message."""
+    model, pgc = _replica(poison)
+    before = [p.grad.clone() for p in model.parameters()]
+    options = {"error_if_nonfinite": True} if error_if_nonfinite else {}
+    try:
+        if entry == "clip_grad_norm_":
+            norm = float(clip_grad_norm_(model, 1.0, pgc, **options))
+        else:
+            norm = float(grad_norm_and_zeros(model, pgc, max_norm=1.0, **options)[0])
+        message = ""
+    except RuntimeError as exc:
+        norm, message = math.nan, str(exc)
+    unchanged = all(_same(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+    return norm, unchanged, message
+
+
+@pytest.mark.parametrize("entry", ["clip_grad_norm_", "grad_norm_and_zeros"])
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_a_non_finite_grad_on_one_replica_skips_the_clip_on_every_replica(entry: str, poison: float) -> None:
+    """Before: the norm was reduced over the model-parallel groups only, so rank 0 got a finite norm and clipped
+    while rank 1 got NaN (or inf) and skipped."""
+    for rank, (norm, unchanged, message) in enumerate(run_world(2, _replica_clip, poison, False, entry)):
+        assert (math.isnan(norm) if math.isnan(poison) else norm == math.inf), (rank, norm)
+        assert unchanged and not message, rank
+
+
+def test_a_non_finite_grad_on_one_replica_raises_on_every_replica() -> None:
+    """Before: rank 1 raised and rank 0 went on into the next collective, and hung there."""
+    for rank, (_, unchanged, message) in enumerate(run_world(2, _replica_clip, math.nan, True, "clip_grad_norm_")):
+        assert message.startswith("the total grad norm is nan, not finite"), (rank, message)
+        assert unchanged, rank
+
+
+def _replica_optimizer_clip(error_if_nonfinite: bool) -> tuple[float, bool, str]:
+    from pgregistry.optim import build_optimizer
+
+    model, pgc = _replica(None)
+    optimizer = build_optimizer(model, pgc, optimizer="sgd", lr=0.1)
+    for param, grad in zip(model.parameters(), _grads(0), strict=True):
+        param.grad.copy_(grad)
+    optimizer.sync_grads()  # both replicas hold the same grads now
+    if dist.get_rank() == 1:
+        model.bias.grad[0] = math.nan  # arises after the sync, on one replica
+    before = [p.grad.clone() for p in model.parameters()]
+    try:
+        norm, message = float(optimizer.clip_grad_norm(1.0, error_if_nonfinite=error_if_nonfinite)), ""
+    except RuntimeError as exc:
+        norm, message = math.nan, str(exc)
+    return norm, all(_same(p.grad, b) for p, b in zip(model.parameters(), before, strict=True)), message
+
+
+@pytest.mark.parametrize("error_if_nonfinite", [False, True])
+def test_the_optimizer_clip_decides_on_every_replica_alike(error_if_nonfinite: bool) -> None:
+    for rank, (norm, unchanged, message) in enumerate(run_world(2, _replica_optimizer_clip, error_if_nonfinite)):
+        assert math.isnan(norm) and unchanged, (rank, norm)
+        assert bool(message) == error_if_nonfinite, (rank, message)
+
+
+def _collectives_of_a_clip(layout: ParallelLayout) -> tuple[int, int]:
+    """All-reduces issued by grad_norm and by clip_grad_norm_ on the same model (counted on this rank)."""
+    pgc = registry.build(layout)
+    model = nn.Linear(3, 2)
+    for param, grad in zip(model.parameters(), _grads(dist.get_rank()), strict=True):
+        param.grad = grad.clone()
+    calls: list[object] = []
+    real = dist.all_reduce
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs.get("group"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    grad_norm(model, pgc)
+    norm_calls = len(calls)
+    clip_grad_norm_(model, 1e9, pgc)
+    return norm_calls, len(calls) - norm_calls
+
+
+@pytest.mark.parametrize(("sizes", "extra"), [({}, 1), ({"pp": 2}, 0)])
+def test_the_verdict_costs_one_scalar_all_reduce_or_none(sizes: dict[str, int], extra: int) -> None:
+    """Over two data-parallel replicas the verdict is one more all-reduce (2 elements) than the norm; over two
+    pipeline stages the norm's own all-reduce over mp spans every rank and carries it."""
+    for norm_calls, clip_calls in run_world(2, _collectives_of_a_clip, ParallelLayout(num_ranks=2, **sizes)):
+        assert clip_calls == norm_calls + extra, (sizes, norm_calls, clip_calls)
+
+
+def _inf_norm_on_rank() -> float:
+    stage, pgc = _stage(math.nan)
+    return float(grad_norm(stage, pgc, norm_type=math.inf))
+
+
+def test_a_nan_reaches_every_rank_of_an_inf_norm() -> None:
+    """A MAX all-reduce may drop a NaN (gloo keeps whichever operand comes first): the inf-norm's NaN travels as a
+    flag, so both stages see it."""
+    assert all(math.isnan(norm) for norm in run_world(2, _inf_norm_on_rank))

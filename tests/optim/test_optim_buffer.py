@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import pgregistry._grad_buffer as grad_buffer
 from pgregistry import registry
-from pgregistry._grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows, reduce_zero_counts
+from pgregistry._grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows
 from pgregistry._toy_models import full_grads, local_model
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import (
@@ -26,6 +26,7 @@ from pgregistry.grad_stats import (
     reduce_group_of,
     zeros_of_grads,
 )
+from pgregistry.grad_stats._reductions import Shares, Wanted, make_part, reduce_shares
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import (
     MixedPrecisionOptimizer,
@@ -239,8 +240,11 @@ def _same_ranks_in_either_order(rank: int) -> int:
     """Two communicators over the same ranks, passed in opposite insertion orders on the two ranks: reduced as
     given, each rank would wait for the other on a different group."""
     first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
-    counts = [(first, [torch.tensor([rank + 1])]), (second, [torch.tensor([10 * (rank + 1)])])]
-    return int(reduce_zero_counts(dict(counts if rank == 0 else counts[::-1]), device="cpu"))
+    counts = [(first, torch.tensor(rank + 1)), (second, torch.tensor(10 * (rank + 1)))]
+    shares = Shares(Wanted.of(None, zeros=True), torch.device("cpu"))
+    for group, count in counts if rank == 0 else counts[::-1]:
+        shares.add(group, make_part(None, count, torch.device("cpu")))
+    return int(reduce_shares(shares).zeros)  # type: ignore[arg-type]
 
 
 def test_zero_counts_reduce_groups_of_the_same_ranks_in_one_order() -> None:

@@ -1,0 +1,92 @@
+"""Norms, zero counts and clipping of grads already filtered and keyed by reduction group (Megatron-Core's
+``get_grad_norm_fp32`` / ``count_zeros_fp32`` / ``clip_grads`` shape): the one reduction path
+(:mod:`pgregistry.grad_stats._reductions`) over lists of tensors read by :mod:`pgregistry.grad_stats._local`.
+
+The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave the result on
+the grads' device (no host sync), so optimizers and training loops can call them every step; see
+``docs/design/grad_stats_api.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pgregistry.grad_stats._devices import reduction_device
+from pgregistry.grad_stats._local import by_kind, parts_of, scale_kind
+from pgregistry.grad_stats._reductions import (
+    GradsByGroup,
+    Shares,
+    Wanted,
+    check_max_norm,
+    clip_coefficient,
+    reduce_shares,
+)
+
+__all__ = ["clip_grads_", "norm_of_grads", "scale_grads_", "zeros_of_grads"]
+
+
+def _shares(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
+    device = reduction_device((grad for grads in grads_by_group.values() for grad in grads), grads_by_group)
+    shares = Shares(wanted, device, grads_by_group)
+    for group, grads in grads_by_group.items():
+        for part in parts_of(grads, wanted, device):
+            shares.add(group, part)
+    return shares
+
+
+def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of already-filtered grads, each group's share summed over its group.
+
+    One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order every rank
+    agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Every rank of a group must
+    pass that group as a key, with an empty list when it holds no grads for it. Returns a 0-dim float32 tensor
+    on the grads' device, without a host sync. An empty mapping or empty lists give 0.
+    """
+    return reduce_shares(_shares(grads_by_group, Wanted.of(norm_type, zeros=False))).norm
+
+
+def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
+    """The number of zero elements in already-filtered grads, summed over each group (a 0-dim int64 tensor)."""
+    zeros = reduce_shares(_shares(grads_by_group, Wanted.of(None, zeros=True))).zeros
+    assert zeros is not None
+    return zeros
+
+
+def clip_grads_(
+    grads: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    max_norm: float,
+    total_norm: torch.Tensor | float,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` where that is below 1.
+
+    The coefficient is clamped at 1 as a tensor, so nothing waits on the device; scaling by exactly 1 leaves a
+    grad unchanged (and is skipped). A NaN or infinite ``total_norm`` (an overflow, one NaN grad anywhere in the
+    world) leaves every grad unscaled: its coefficient would be NaN, or 0 for an infinite norm, and would poison or
+    erase the finite grads too; the caller sees the non-finite norm and skips the step. With
+    ``error_if_nonfinite`` (as in ``torch.nn.utils.clip_grad_norm_``) a non-finite norm raises ``RuntimeError``
+    instead, which waits for the norm on the host. Returns the coefficient applied (a 0-dim float32 tensor).
+    """
+    check_max_norm(max_norm)
+    device = grads[0].device if grads else (total_norm.device if isinstance(total_norm, torch.Tensor) else None)
+    norm = torch.as_tensor(total_norm, dtype=torch.float64, device=device)
+    check_finite(norm, error_if_nonfinite)
+    coeff = clip_coefficient(max_norm, norm)
+    scale_grads_(grads, coeff)
+    return coeff.to(torch.float32)
+
+
+def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
+    """With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``norm`` (a host sync)."""
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):
+        raise RuntimeError(
+            f"the total grad norm is {float(norm)}, not finite, so the grads cannot be clipped (they are left as "
+            "they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+        )
+
+
+def scale_grads_(grads: list[torch.Tensor] | tuple[torch.Tensor, ...], coeff: torch.Tensor) -> None:
+    """Multiply ``grads`` (any devices and dtypes) in place by ``coeff`` (0-dim, at most 1), one call per kind."""
+    for same_kind in by_kind(grads).values():
+        scale_kind(same_kind, None, coeff)

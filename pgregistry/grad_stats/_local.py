@@ -1,0 +1,274 @@
+"""Local shares of lists of grads (plain tensors, DTensor local pieces), and scaling them: one read per (device, dtype).
+
+Each (device, dtype) *kind* of a list is read by one route:
+
+* CUDA with triton, float32/bf16/fp16, 2-norm or zero count: the one-read kernel (:mod:`pgregistry.grad_stats._fused`)
+  over a table of the contiguous grads' addresses, one launch for the whole kind, both statistics in one read (the
+  non-contiguous few go to torch's route);
+* the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds each, which
+  dominates for small grads), so small grads are concatenated (one dispatch; by trailing shape, so that no view
+  of each is made) into blocks of at most :data:`HOST_FLAT` elements in the accumulation dtype (float32; float64
+  for float64 grads), each reduced for both statistics while it is in the cache; a grad of more than
+  :data:`HOST_SMALL` elements is read in place, over rows of :data:`HOST_ROW` elements combined in float64 when it
+  is longer than :data:`HOST_BLOCK` (one float32 reduction that long loses precision). The extra memory is one
+  block, whatever the grads' size;
+* otherwise (CUDA float64, norms other than 2 without the kernel): ``torch._foreach_norm``.
+
+How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their values:
+:func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls for as long as that
+layout stays the same. Shares accumulate in float64 (:mod:`pgregistry.grad_stats._reductions`).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from itertools import accumulate, compress
+from typing import Final, cast
+
+import attrs
+import torch
+
+from pgregistry.grad_stats import _fused
+from pgregistry.grad_stats._fused import one_read_applies
+from pgregistry.grad_stats._reductions import Wanted, make_part
+
+__all__ = [
+    "HOST_BLOCK",
+    "HOST_FLAT",
+    "HOST_ROW",
+    "HOST_SMALL",
+    "KindPlan",
+    "by_kind",
+    "parts_of",
+    "plan_kind",
+    "read_kind",
+    "row_norms",
+    "scale_kind",
+]
+
+HOST_BLOCK: Final = 1 << 18
+"""The most elements the host reduces in one float32 reduction (1 MiB of float32), and the bound on the statistics'
+temporary memory there."""
+
+HOST_FLAT: Final = 1 << 15
+"""Elements of one block of small grads flattened together on the host, and of one zero count there: torch's
+grain size, below which a reduction runs on the calling thread (above it, ``count_nonzero`` on a loaded 2-core
+machine waited on its thread pool for milliseconds: 8 ms for 2**16 elements, 27 us on one thread)."""
+
+HOST_SMALL: Final = 1 << 14
+"""On the host, a tensor of more elements than this is read in place; smaller ones are flattened together."""
+
+HOST_ROW: Final = 1 << 12
+"""On the host, norms are taken over rows of this many elements in the grads' precision and the rows combined in
+float64: a float32 reduction over a long block is one sequential sum per thread, which loses precision (a relative
+error of 1.7e-4 measured over 8M elements); many short rows are as fast as one flat reduction."""
+
+
+def by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """``grads`` by (device, dtype): the unit of one read. Grouped by torch's own C++ helper (the one its optimizers
+    use): a Python loop over 20,000 grads costs milliseconds per call."""
+    grads = list(grads)
+    if not grads:
+        return {}
+    grouped = torch._C._group_tensors_by_device_and_dtype([list[torch.Tensor | None](grads)], False)
+    return {kind: cast("list[torch.Tensor]", lists[0]) for kind, (lists, _) in grouped.items()}
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@attrs.frozen(slots=True)
+class KindPlan:
+    """How one kind's tensors are read, by position in the list: those the kernel reads (``kernel``, with their
+    addresses and sizes for its launch table), and the rest, read by torch on the device or, on the host, in blocks
+    (``blocks``: the tensors to concatenate, each block at most :data:`HOST_FLAT` elements of tensors of one trailing
+    shape, so ``torch.cat`` takes them without a view each; or one large tensor, read in place)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kernel: tuple[int, ...]
+    sizes: tuple[array[int], array[int]] | None
+    rest: tuple[int, ...]
+    blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]
+
+
+def plan_kind(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype) -> KindPlan:
+    """How to read ``tensors`` (one device and dtype); a few passes at C speed, and Python work per host block."""
+    everything = tuple(range(len(tensors)))
+    if one_read_applies(device, dtype):
+        contiguous = list(map(torch.Tensor.is_contiguous, tensors))
+        kernel: tuple[int, ...]
+        rest: tuple[int, ...]
+        if all(contiguous):
+            kernel, rest = everything, ()
+        else:
+            kernel = tuple(compress(everything, contiguous))
+            rest = tuple(index for index in everything if not contiguous[index])
+        read = [tensors[index] for index in kernel] if rest else tensors
+        sizes = (array("q", list(map(torch.Tensor.data_ptr, read))), array("q", list(map(torch.Tensor.numel, read))))
+        return KindPlan(device, dtype, kernel, sizes if kernel else None, rest, ())
+    blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...] = ()
+    if device.type == "cpu":
+        blocks = _host_blocks(tensors)
+    return KindPlan(device, dtype, (), None, everything, blocks)
+
+
+def _host_blocks(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]:
+    """The host's blocks (see :class:`KindPlan`): tensors of more than :data:`HOST_SMALL` elements alone; the others
+    by trailing shape (a concatenation along dim 0 needs no view of each tensor, as flattening them would: a
+    microsecond and more a tensor), runs of at most :data:`HOST_FLAT` elements. Python work per tensor: made when the
+    tensors' layout changes, kept while it does not."""
+    classes: dict[tuple[int, ...], list[int]] = {}
+    blocks: list[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]] = []
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() > HOST_SMALL:
+            blocks.append(index)
+        else:
+            classes.setdefault((tensor.dim(), *tensor.shape[1:]), []).append(index)
+    for positions in classes.values():
+        numels = [tensors[index].numel() for index in positions]
+        ends = list(accumulate(numels))
+        first, done = 0, 0
+        while first < len(positions):
+            end = max(bisect_right(ends, done + HOST_FLAT, lo=first), first + 1)
+            blocks.append(positions[first] if end == first + 1 else operator.itemgetter(*positions[first:end]))
+            first, done = end, ends[end - 1]
+    return tuple(blocks)
+
+
+def read_kind(
+    tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
+) -> list[torch.Tensor]:
+    """The parts (:func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``) of one kind's ``tensors``."""
+    parts = []
+    rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
+    if plan.kernel:
+        read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
+        squares, zeros = _fused.squares_and_zeros(read, checked=True, sizes=plan.sizes)
+        parts.append(make_part(squares if wanted.p == 2.0 else None, zeros if wanted.zeros else None, device))
+    if plan.blocks:
+        parts.append(_host_part(rest, plan, wanted, device))
+        return parts
+    # torch reads the norm of what the kernel did not (all of them for a norm it does not compute), and the zeros of
+    # the rest.
+    norm_over = [] if wanted.p is None else (rest if wanted.p == 2.0 else tensors)
+    zeros_over = rest if wanted.zeros else []
+    if norm_over or zeros_over:
+        parts.append(_torch_part(norm_over, zeros_over, wanted, device))
+    return parts
+
+
+def _torch_part(
+    norm_over: Sequence[torch.Tensor], zeros_over: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
+) -> torch.Tensor:
+    """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms (float64: exact up to
+    2**53 elements; no mask the size of the grads)."""
+    share = zeros = None
+    norm_over = _non_empty(norm_over)
+    if norm_over and wanted.p is not None:
+        accumulate_in = _accumulation(norm_over[0].dtype)
+        norms = torch.stack(torch._foreach_norm(norm_over, wanted.p, dtype=accumulate_in)).to(torch.float64)
+        share = norms.amax() if math.isinf(wanted.p) else norms.pow(wanted.p).sum()
+    zeros_over = _non_empty(zeros_over)
+    if zeros_over:
+        nonzero = torch.stack(torch._foreach_norm(zeros_over, 0, dtype=torch.float64)).sum()
+        zeros = sum(map(torch.Tensor.numel, zeros_over)) - nonzero
+    return make_part(share, zeros, device)
+
+
+def _non_empty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without empty ones (the inf-norm of an empty tensor is an error in torch)."""
+    tensors = list(tensors)
+    return [t for t in tensors if t.numel()] if 0 in map(torch.Tensor.numel, tensors) else tensors
+
+
+def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device) -> torch.Tensor:
+    """Both statistics of host ``tensors``, a block at a time (see the module docstring): the tensors of a block
+    concatenated into one (one dispatch, a block's memory), a tensor alone in its block read in place."""
+    accumulate_in = _accumulation(plan.dtype)
+    norms: list[torch.Tensor] = []
+    nonzeros: list[torch.Tensor] = []
+    numel = 0
+    for take in plan.blocks:
+        if isinstance(take, int):  # alone: read in place
+            block = tensors[take]
+        else:  # tensors of one trailing shape, concatenated along dim 0 (0-dim ones stacked)
+            pieces = take(tensors)
+            block = (torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)).to(accumulate_in)
+        numel += block.numel()
+        if not block.numel():
+            continue
+        if wanted.p is not None:
+            if block.numel() > HOST_BLOCK:  # a long reduction in float32 loses precision: by rows
+                rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
+            else:  # one reduction (a reduction over rows costs a dispatch more than a block's read)
+                cast = None if block.dtype == accumulate_in else accumulate_in
+                rows = torch.linalg.vector_norm(block, wanted.p, dtype=cast).to(torch.float64).reshape(1)
+            norms.append(rows.amax() if math.isinf(wanted.p) else rows.pow(wanted.p).sum())
+        if wanted.zeros:
+            nonzeros.append(_host_nonzero(block))
+    share = zeros = None
+    if wanted.p is not None and norms:
+        stacked = torch.stack(norms)
+        share = stacked.amax() if math.isinf(wanted.p) else stacked.sum()
+    if wanted.zeros:
+        counted = torch.stack(nonzeros).sum().to(torch.float64) if nonzeros else torch.zeros((), dtype=torch.float64)
+        zeros = numel - counted
+    return make_part(share, zeros, device)
+
+
+def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
+    """``count_nonzero`` a flat block at a time (see :data:`HOST_FLAT`)."""
+    if tensor.numel() <= HOST_FLAT or not tensor.is_contiguous():
+        return torch.count_nonzero(tensor)
+    return torch.stack([torch.count_nonzero(piece) for piece in tensor.reshape(-1).split(HOST_FLAT)]).sum()
+
+
+def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
+    """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements of ``tensor`` (the
+    last one shorter); a non-contiguous tensor's norm as one row."""
+    cast = None if tensor.dtype == accumulate_in else accumulate_in
+    if not tensor.is_contiguous():
+        return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)
+    flat = tensor.reshape(-1)
+    rows = flat.numel() // HOST_ROW
+    parts = []
+    if rows:
+        parts.append(torch.linalg.vector_norm(flat[: rows * HOST_ROW].view(rows, HOST_ROW), p, dim=1, dtype=cast))
+    if rows * HOST_ROW < flat.numel():
+        parts.append(torch.linalg.vector_norm(flat[rows * HOST_ROW :], p, dtype=cast).reshape(1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def parts_of(grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> list[torch.Tensor]:
+    """The parts of ``grads`` (any devices and dtypes; plain tensors), one read per kind, planned afresh."""
+    return [
+        part
+        for (kind_device, dtype), same_kind in by_kind(grads).items()
+        for part in read_kind(same_kind, plan_kind(same_kind, kind_device, dtype), wanted, device)
+    ]
+
+
+def scale_kind(tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor) -> None:
+    """Multiply one kind's ``tensors`` in place by ``coeff`` (0-dim float64, at most 1): the kernel over its launch
+    table (nothing where ``coeff`` is 1, decided on the device), else ``torch._foreach_mul_`` (skipped where
+    ``coeff``, on the host, is 1: scaling by exactly 1 changes no bit)."""
+    if not tensors:
+        return
+    device = tensors[0].device
+    if plan is None:
+        plan = plan_kind(tensors, device, tensors[0].dtype)
+    if plan.kernel:
+        read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
+        _fused.scale_(read, coeff, checked=True, sizes=plan.sizes)
+    rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
+    if not rest or (coeff.device.type == "cpu" and not bool(coeff < 1.0)):
+        return
+    torch._foreach_mul_(list(rest), coeff.to(device))

@@ -1,0 +1,389 @@
+"""A model's grad-statistics classification, made once and kept for as long as it cannot be stale.
+
+Classifying a grad takes Python work per parameter (its roles, its placements), a few microseconds each: at 20,000
+parameters that was most of a call. :class:`Plan` does it once for named parameters on one collection's groups:
+
+* by roles (:func:`~pgregistry.grad_stats._filters.is_counted`,
+  :func:`~pgregistry.grad_stats._filters.reduce_group_of`),
+  once per plan;
+* by the grads' layout (none, plain, DTensor and its placements; each DTensor grad read through its local piece, so
+  plain grads and DTensor pieces go through the same one-read kernel, the placement reductions after), again only
+  when the grads' types or DTensor specs change;
+* by the pieces' (device, dtype), sizes, addresses and contiguity (:func:`~pgregistry.grad_stats._local.plan_kind`),
+  again only when those change.
+
+A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
+DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
+:class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
+on: the collection, the parameter set (every module's children and parameters, by identity), the roles (the
+classification's role attributes of every parameter, and :func:`~pgregistry.params.role_generation` for marks made
+with the helpers). Anything that differs makes a new plan. Memory: a plan keeps references, a few per parameter,
+and the small launch tables of the one-read kernel (``docs/performance.md`` states the measured size).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import chain, repeat
+from typing import TYPE_CHECKING, Any, Final, cast
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.weak import WeakIdKeyDictionary
+
+from pgregistry._classification import require_classified_experts
+from pgregistry._resolve import ParamsLike, normalise, resolve
+from pgregistry.collection import GroupName, ProcessGroupCollection
+from pgregistry.grad_stats._devices import reduction_device
+from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, decision_of, is_partial
+from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups, is_counted, reduce_group_of, role_verdicts
+from pgregistry.grad_stats._local import KindPlan, parts_of, plan_kind, read_kind, scale_kind
+from pgregistry.grad_stats._reductions import GroupKey, Shares, Wanted
+from pgregistry.params import role_generation
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+__all__ = ["Kept", "Plan", "Read", "kept_plan"]
+
+ROLE_KEYS: Final = ("allreduce", "tensor_model_parallel", "is_gtp_weight_remat", "shared")
+"""The role attributes a grad's classification depends on (the classification check also reads
+``in_expert_module``, which only :mod:`pgregistry.params` sets, counted by its generation)."""
+
+_GRAD: Final = operator.attrgetter("grad")
+_LOCAL: Final = operator.attrgetter("_local_tensor")
+_SPEC: Final = operator.attrgetter("_spec")
+_MODULES: Final = operator.attrgetter("_modules")
+_PARAMETERS: Final = operator.attrgetter("_parameters")
+
+
+_UNCOUNTED: Final = object()
+"""The target of a grad this rank does not count (``None`` is a reduction group: the axis is off)."""
+
+
+def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function taking the items at ``indices`` from a sequence, at C speed."""
+    if not indices:
+        return lambda items: []
+    if len(indices) == 1:
+        index = indices[0]
+        return lambda items: [items[index]]
+    getter = operator.itemgetter(*indices)
+    return lambda items: list(getter(items))
+
+
+def _same(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Whether two sequences hold the same objects (identity), at C speed."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+@attrs.frozen(slots=True)
+class _Kind:
+    """One (device, dtype) list of pieces: where they are among the pieces, how to read them."""
+
+    take: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+    plan: KindPlan
+
+
+@attrs.define(slots=True)
+class _Layout:
+    """What the grads of one call look like, and what is derived from it (see the module docstring)."""
+
+    types: list[type]
+    specs: list[object]
+    take_plain: Callable[[Sequence[Any]], list[Any]]
+    take_dtensor: Callable[[Sequence[Any]], list[Any]]
+    partial: list[tuple[int, str, torch.Tensor]]
+    targets: list[tuple[Any, list[int]]]
+    """(target, positions among the pieces): a reduction group, or ``(field, slot)`` summed over a field first."""
+    fields: dict[GroupName, ProcessGroup | None]
+    reads_by_kernel: bool = False
+    sizes: tuple[list[int], list[int], list[bool] | None] | None = None
+    kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
+    every: list[_Kind] = attrs.field(factory=list)
+
+
+@attrs.frozen(slots=True)
+class Read:
+    """One call's grads read into shares, and its local pieces (every grad's local tensor, duplicates included),
+    which clipping scales."""
+
+    shares: Shares
+    pieces: list[torch.Tensor]
+    every: list[_Kind]
+
+    def scale_(self, coeff: torch.Tensor) -> None:
+        """Multiply every local grad by ``coeff`` (0-dim float64, at most 1), one call per kind."""
+        for kind in self.every:
+            scale_kind(kind.take(self.pieces), kind.plan, coeff)
+
+
+class Plan:
+    """The classification of ``named`` parameters on ``groups``; see the module docstring."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.Tensor]], groups: StatsGroups) -> None:
+        self.names = [name for name, _ in named]
+        self.groups = groups
+        params = [param for _, param in named]
+        self.classes = [(is_counted(p, groups), reduce_group_of(p, groups)) for p in params]
+        self.reduce_groups: tuple[GroupKey, GroupKey] = (groups.dense_reduce, groups.expert_reduce)
+        self._axes: MeshAxes | None = None
+        self._layout: _Layout | None = None
+
+    @property
+    def axes(self) -> MeshAxes:
+        if self._axes is None:
+            self._axes = MeshAxes(self.groups.collection, dict(enumerate(self.reduce_groups)))  # type: ignore[arg-type]
+        return self._axes
+
+    def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
+        """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""
+        grads = list(map(_GRAD, params))
+        types = list(map(type, grads))
+        layout = self._layout
+        if layout is None or types != layout.types:
+            layout = self._layout = self._make_layout(params, grads, types)
+        dtensors = layout.take_dtensor(grads)
+        if dtensors and not _same(specs := list(map(_SPEC, dtensors)), layout.specs):
+            if any(a != b for a, b in zip(specs, layout.specs, strict=True)):
+                layout = self._layout = self._make_layout(params, grads, types)
+            else:
+                layout.specs = specs
+        pieces: list[torch.Tensor] = layout.take_plain(grads) + list(map(_LOCAL, dtensors))
+        partial = [(index, name, grads[index]) for index, name, _ in layout.partial]
+        pieces += [_LOCAL(grad) for _, _, grad in partial]
+        sizes = _sizes(pieces, layout.reads_by_kernel)
+        if sizes is None:
+            self._make_layout(params, grads, types)  # raises, naming the grad without storage
+        if sizes != layout.sizes:
+            self._plan_kinds(layout, pieces, sizes)
+        device = reduction_device(pieces, self.reduce_groups)
+        shares = Shares(wanted, device, self.reduce_groups)
+        for field, group in layout.fields.items():
+            shares.add_first(field, group, self.reduce_groups, 0, None)
+        for target, kinds in layout.kinds:
+            for kind in kinds:
+                for part in read_kind(kind.take(pieces), kind.plan, wanted, device):
+                    _add(shares, target, part, layout.fields, self.reduce_groups)
+        for index, name, grad in partial:  # the pending reduction, on a copy, every call (collective)
+            entry = self._dtensor_entry(index, name, params[index], grad)
+            target = self._target_of(entry.counted, entry.outer, entry.expert)
+            for part in parts_of([entry.local], wanted, device) if target is not _UNCOUNTED else ():
+                _add(shares, target, part, layout.fields, self.reduce_groups)
+        return Read(shares, pieces, layout.every)
+
+    # ------------------------------------------------------------------------------------------- derived state
+
+    def _make_layout(self, params: Sequence[torch.Tensor], grads: list[Any], types: list[type]) -> _Layout:
+        """Classify the grads by their layout (Python work per grad: only when the grads' types or specs change)."""
+        from torch.distributed.tensor import DTensor
+
+        plain: list[int] = []
+        dtensor: list[int] = []
+        partial: list[tuple[int, str, torch.Tensor]] = []
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            if grad.layout != torch.strided:
+                raise TypeError(
+                    f"the grad of {self.names[index]!r} is {grad.layout} (e.g. from nn.Embedding(sparse=True)); grad "
+                    "statistics need dense (torch.strided) grads"
+                )
+            if not isinstance(grad, DTensor):
+                plain.append(index)
+            elif is_partial(grad):
+                partial.append((index, self.names[index], grad))
+            else:
+                dtensor.append(index)
+        targets: dict[Any, list[int]] = {}
+        for position, index in enumerate(plain):
+            counted, group = self.classes[index]
+            if counted:
+                targets.setdefault(group, []).append(position)
+        fields: dict[GroupName, ProcessGroup | None] = {}
+        for position, index in enumerate(dtensor, start=len(plain)):
+            entry = self._dtensor_entry(index, self.names[index], params[index], grads[index])
+            if entry.outer is not None:
+                fields[entry.outer] = self.groups.collection.get(entry.outer)
+            target = self._target_of(entry.counted, entry.outer, entry.expert)
+            if target is not _UNCOUNTED:
+                targets.setdefault(target, []).append(position)
+        for index, name, grad in partial:  # decided without the pending reduction: read() does it, every call
+            verdicts = role_verdicts(params[index], self.groups)
+            decision = decision_of(name, params[index], grad, self.axes, verdicts)  # type: ignore[arg-type]
+            if decision.outer is not None:
+                fields[decision.outer] = self.groups.collection.get(decision.outer)
+        return _Layout(
+            types=types,
+            specs=[grads[index]._spec for index in dtensor],
+            take_plain=_picker(plain),
+            take_dtensor=_picker(dtensor),
+            partial=partial,
+            targets=list(targets.items()),
+            fields=fields,
+        )
+
+    def _dtensor_entry(self, index: int, name: str, param: torch.Tensor, grad: DTensor) -> Any:
+        return classify_dtensor_grad(name, param, grad, self.axes, role_verdicts(param, self.groups))
+
+    def _target_of(self, counted: bool, outer: GroupName | None, expert: bool) -> Any:
+        """Where a DTensor grad's piece is added: ``(field, slot)`` when summed over a field first, else its
+        reduction group (``None``: no reduction); :data:`_UNCOUNTED` when not counted here."""
+        if not counted:
+            return _UNCOUNTED
+        return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
+
+    def _plan_kinds(self, layout: _Layout, pieces: list[torch.Tensor], sizes: Any) -> None:
+        """Group each target's pieces (and all of them) by kind and plan their reads."""
+        layout.kinds = [(target, _kinds(pieces, positions)) for target, positions in layout.targets]
+        layout.every = _kinds(pieces, range(len(pieces)))
+        uses_kernel = any(kind.plan.kernel for _, kinds in layout.kinds for kind in kinds) or any(
+            kind.plan.kernel for kind in layout.every
+        )
+        if uses_kernel != layout.reads_by_kernel:
+            layout.reads_by_kernel = uses_kernel
+            sizes = _sizes(pieces, uses_kernel)
+        layout.sizes = sizes
+
+
+def _add(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupName, Any], groups: Any) -> None:
+    if isinstance(target, tuple):
+        field, slot = target
+        shares.add_first(field, fields[field], groups, slot, part)
+    else:
+        shares.add(target, part)
+
+
+def _sizes(pieces: list[torch.Tensor], contiguity: bool) -> tuple[list[int], list[int], list[bool] | None] | None:
+    """The pieces' addresses, sizes and (where the kernel reads them) contiguity: what their reads depend on.
+    ``None`` when a piece has no storage (a sparse grad): the layout is then made afresh, which names it."""
+    try:
+        addresses = list(map(torch.Tensor.data_ptr, pieces))
+    except RuntimeError:
+        return None
+    contiguous = list(map(torch.Tensor.is_contiguous, pieces)) if contiguity else None
+    return addresses, list(map(torch.Tensor.numel, pieces)), contiguous
+
+
+def _kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) -> list[_Kind]:
+    positions = list(positions)
+    if not positions:
+        return []
+    chosen = [pieces[position] for position in positions]
+    grouped = torch._C._group_tensors_by_device_and_dtype([list[torch.Tensor | None](chosen)], True)
+    kinds = []
+    for (device, dtype), (lists, indices) in grouped.items():
+        tensors = cast("list[torch.Tensor]", lists[0])
+        kinds.append(_Kind(_picker([positions[i] for i in indices]), plan_kind(tensors, device, dtype)))
+    return kinds
+
+
+# ----------------------------------------------------------------------------------------------- kept plans
+
+
+@attrs.define(slots=True)
+class _Source:
+    """What an entry point was given, taken apart without walking it: model chunks, or tensors."""
+
+    chunks: tuple[nn.Module, ...]
+    tensors: list[Any] | None
+    given: Any
+
+
+def _source_of(model_or_params: ParamsLike) -> _Source:
+    if isinstance(model_or_params, nn.Module):
+        return _Source((model_or_params,), None, model_or_params)
+    if isinstance(model_or_params, torch.Tensor):
+        return _Source((), [model_or_params], model_or_params)
+    if isinstance(model_or_params, Mapping):
+        return _Source((), list(model_or_params.values()), model_or_params)
+    items = list(model_or_params)
+    if items and all(isinstance(item, nn.Module) for item in items):
+        return _Source(tuple(items), None, items)
+    return _Source((), items, items)
+
+
+class Kept:
+    """A plan and what it was made from: the collection, the parameter set, the roles (module docstring)."""
+
+    def __init__(self, source: _Source, collection: ProcessGroupCollection, owner: str) -> None:
+        params = normalise(source.given)
+        require_classified_experts(params, collection)
+        self.collection = collection
+        self.plan = Plan(params.named, StatsGroups.from_collection(collection))
+        self.params = [param for _, param in params.named]
+        self._chunk_refs = [weakref.ref(chunk) for chunk in source.chunks[1:]]
+        modules = list(dict.fromkeys(chain.from_iterable(chunk.modules() for chunk in source.chunks)))
+        self._module_dicts = list(map(_MODULES, modules))
+        self._children = list(chain.from_iterable(map(dict.values, self._module_dicts)))
+        self._param_dicts = list(map(_PARAMETERS, modules))
+        self._slots = list(chain.from_iterable(map(dict.values, self._param_dicts)))
+        self._tensor_refs: list[weakref.ref[Any]] | None = None
+        self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
+        if source.tensors is not None:  # the plan must not keep a list's tensors alive: weak references
+            self._tensor_refs = [weakref.ref(tensor) for tensor in source.tensors]
+            first = {id(tensor): position for position, tensor in reversed(list(enumerate(source.tensors)))}
+            self._take_params = _picker([first[id(param)] for param in self.params])
+            self.params = []
+        self._dicts = list(map(vars, self.plan_params(source) or []))
+        self._roles = self._role_values()
+        self.generation = role_generation()
+
+    def plan_params(self, source: _Source) -> list[torch.Tensor] | None:
+        """The parameters of ``source`` in the plan's order if the parameter set is the plan's, else ``None``."""
+        if self._tensor_refs is None:
+            if source.tensors is not None or len(source.chunks) != len(self._chunk_refs) + 1:
+                return None
+            if not _same(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
+                return None
+            children = list(chain.from_iterable(map(dict.values, self._module_dicts)))
+            slots = list(chain.from_iterable(map(dict.values, self._param_dicts)))
+            return self.params if _same(children, self._children) and _same(slots, self._slots) else None
+        tensors = source.tensors
+        if tensors is None or not _same(tensors, list(map(operator.call, self._tensor_refs))):
+            return None
+        assert self._take_params is not None
+        return self._take_params(tensors)
+
+    def _role_values(self) -> list[list[Any]]:
+        return [list(map(dict.get, self._dicts, repeat(key))) for key in ROLE_KEYS]
+
+    def current(self, source: _Source, collection: ProcessGroupCollection) -> list[torch.Tensor] | None:
+        """The parameters to read if nothing the plan depends on changed, else ``None``."""
+        if self.generation != role_generation() or not (collection is self.collection or collection == self.collection):
+            return None
+        params = self.plan_params(source)
+        if params is None or self._role_values() != self._roles:
+            return None
+        return params
+
+
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""First model chunk -> its kept plan (gone with the model)."""
+_KEPT_TENSORS: list[Kept] = []
+"""The kept plan of the last list of tensors (it refers to them weakly)."""
+
+
+def kept_plan(
+    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
+) -> tuple[Plan, list[torch.Tensor], ProcessGroupCollection]:
+    """The door of the statistics entry points: the collection resolved once (explicit, else attached to the
+    model, else the global grid with a warning), then the kept plan of what was given, checked, or a new one
+    (normalised once, unclassified experts refused, classified); its parameters, in the plan's order."""
+    source = _source_of(model_or_params)
+    collection = resolve(pg_collection, source.chunks, owner=owner, fallback=STATS_FALLBACK)
+    kept = _KEPT.get(source.chunks[0]) if source.chunks else (_KEPT_TENSORS[0] if _KEPT_TENSORS else None)
+    params = kept.current(source, collection) if kept is not None else None
+    if kept is None or params is None:
+        kept = Kept(source, collection, owner)
+        if source.chunks:
+            _KEPT[source.chunks[0]] = kept
+        elif source.tensors:
+            _KEPT_TENSORS[:] = [kept]
+        params = kept.plan_params(source)
+        assert params is not None
+    return kept.plan, params, collection

@@ -1,0 +1,250 @@
+"""The kept classification is never stale: every way it could go stale is made to happen, and each call still equals
+the float64 oracle of the grads and roles of that moment.
+
+The functional API classifies a model once and keeps it (``pgregistry/grad_stats/_plan.py``), checking each call
+what the classification depends on: the parameter set (a parameter added, removed, or replaced behind the module's
+back as ``fully_shard`` does; a submodule added or removed), the roles (marked with a helper, or set and changed as
+plain attributes as Megatron-Core does), the grads (new storage, the same grad re-pointed at storage of another
+shape, grads set to None, a dtype change), the collection, and a list of tensors given instead of a model. The
+oracles are computed here from the grads in float64, never by the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pgregistry import ParallelLayout, ProcessGroupCollection, registry
+from pgregistry.collection import FIELD_NAMES
+from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros
+from pgregistry.params import mark_tensor_parallel
+from pgregistry.testing import run_world
+
+OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+
+
+def _fill(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
+    values[torch.rand(tensor.shape, generator=generator) < 0.3] = 0.0
+    return values.to(tensor.dtype)
+
+
+def _oracle(grads: list[torch.Tensor]) -> tuple[float, int]:
+    flat = torch.cat([grad.double().reshape(-1) for grad in grads]) if grads else torch.zeros(0, dtype=torch.float64)
+    return float(flat.norm()), int((flat == 0).sum())
+
+
+def _model() -> nn.Module:
+    model = nn.Module()
+    model.a = nn.Linear(4, 3)
+    model.b = nn.Linear(3, 2)
+    for seed, param in enumerate(model.parameters()):
+        param.grad = _fill(param, seed)
+    return model
+
+
+def _stats(params: Any, collection: ProcessGroupCollection = OFF) -> tuple[float, int]:
+    norm, zeros = grad_norm_and_zeros(params, collection)
+    assert float(grad_norm(params, collection)) == pytest.approx(float(norm), rel=1e-7)
+    assert count_zeros(params, collection) == int(zeros)
+    return float(norm), int(zeros)
+
+
+def _check(params: Any, grads: list[torch.Tensor], what: str) -> None:
+    norm, zeros = _oracle(grads)
+    got = _stats(params)
+    assert got[0] == pytest.approx(norm, rel=1e-6), what
+    assert got[1] == zeros, what
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [param.grad for param in model.parameters() if param.grad is not None]
+
+
+def test_a_changed_parameter_set_is_seen() -> None:
+    model = _model()
+    _check(model, _grads(model), "first call")
+    model.extra = nn.Parameter(torch.zeros(5))
+    model.extra.grad = _fill(model.extra, 10)
+    _check(model, _grads(model), "a parameter added")
+    del model.extra
+    _check(model, _grads(model), "a parameter removed")
+    replacement = nn.Parameter(torch.zeros(6, 4))
+    replacement.grad = _fill(replacement, 11)
+    model.a._parameters["weight"] = replacement  # behind the module's back, as fully_shard does
+    _check(model, _grads(model), "a parameter replaced in the module's dictionary")
+    model.c = nn.Linear(2, 2)
+    for seed, param in enumerate(model.c.parameters(), start=12):
+        param.grad = _fill(param, seed)
+    _check(model, _grads(model), "a submodule added")
+    del model.c
+    _check(model, _grads(model), "a submodule removed")
+    model.a._modules["inner"] = nn.Linear(1, 7)  # a submodule behind the module's back
+    for seed, param in enumerate(model.a.inner.parameters(), start=14):
+        param.grad = _fill(param, seed)
+    _check(model, _grads(model), "a submodule registered in the module's dictionary")
+
+
+def test_changed_grads_are_seen() -> None:
+    model = _model()
+    _check(model, _grads(model), "first call")
+    weight = model.a.weight
+    weight.grad = _fill(weight, 20)  # new storage
+    _check(model, _grads(model), "a grad with new storage")
+    weight.grad.mul_(3.0)  # new values in the same storage
+    _check(model, _grads(model), "new values in place")
+    weight.data = torch.zeros(2, 4)  # a new shape for the parameter and (below) for the same grad object
+    grad = weight.grad
+    grad.data = _fill(torch.zeros(2, 4), 21)
+    assert weight.grad is grad
+    _check(model, _grads(model), "the same grad object re-pointed at storage of another shape")
+    model.b.bias.grad = None
+    _check(model, _grads(model), "a grad set to None")
+    model.b.bias.grad = _fill(model.b.bias, 22)
+    _check(model, _grads(model), "a grad back")
+    model.double()
+    assert model.b.weight.grad.dtype == torch.float64
+    _check(model, _grads(model), "every grad converted to float64 in place")
+    for param in model.parameters():
+        param.grad = None
+    _check(model, [], "no grads at all")
+
+
+def test_a_list_of_tensors_is_checked_by_identity() -> None:
+    model = _model()
+    params = list(model.parameters())
+    _check(params, _grads(model), "a list")
+    _check(list(model.parameters()), _grads(model), "a new list of the same tensors")
+    other = nn.Parameter(torch.zeros(3))
+    other.grad = _fill(other, 30)
+    _check([*params[:-1], other], [p.grad for p in params[:-1]] + [other.grad], "one tensor swapped")
+    _check(params[::-1], _grads(model)[::-1], "the same tensors in another order")
+    _check({"w": params[0], "b": params[1]}, [params[0].grad, params[1].grad], "a mapping")
+
+
+def test_clipping_twice_clips_from_the_current_grads() -> None:
+    model = _model()
+    norm = _oracle(_grads(model))[0]
+    assert float(clip_grad_norm_(model, norm / 2, OFF)) == pytest.approx(norm, rel=1e-6)
+    assert _oracle(_grads(model))[0] == pytest.approx(norm / 2, rel=1e-5)
+    model.a.weight.grad = model.a.weight.grad * 4  # new storage after the first clip
+    norm = _oracle(_grads(model))[0]
+    assert float(clip_grad_norm_(model, 1.0, OFF)) == pytest.approx(norm, rel=1e-6)
+    assert _oracle(_grads(model))[0] == pytest.approx(1.0, rel=1e-5)
+
+
+# -------------------------------------------------------------------------------------- roles and collections
+
+
+def _tp_world_states() -> list[tuple[str, float]]:
+    """Rank r of a TP-2 world: ``w`` is replicated (the same grad on both ranks, counted on TP rank 0 only unless
+    its roles say otherwise), ``s`` is TP-sharded (a distinct grad per rank, counted on both)."""
+    collection = registry.build(ParallelLayout(num_ranks=2, tp=2))
+    dp_only = registry.build(ParallelLayout(num_ranks=2), name="dp only")
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(4, 3))
+    model.s = mark_tensor_parallel(nn.Parameter(torch.zeros(2, 3)), 0)
+    model.w.grad = _fill(model.w, 40)
+    model.s.grad = _fill(model.s, 41 + dist.get_rank())
+    norms: list[tuple[str, float]] = []
+
+    def record(what: str, collection: ProcessGroupCollection = collection) -> None:
+        norms.append((what, float(grad_norm(model, collection))))
+
+    record("first call")
+    mark_tensor_parallel(model.w, 1)  # with the helper
+    record("w marked TP-sharded with the helper")
+    model.w.tensor_model_parallel = False  # an existing role changed as a plain attribute
+    record("w's tensor_model_parallel set to False as an attribute")
+    model.w.shared = True  # a new role as a plain attribute (Megatron-Core's tied copies)
+    record("w marked shared as an attribute")
+    del model.w.shared
+    record("w's shared mark removed")
+    record("another collection: TP off", dp_only)
+    return norms
+
+
+def _tp_world_oracle(rank: int) -> dict[str, float]:
+    w = _fill(torch.zeros(4, 3), 40).double()
+    s = [_fill(torch.zeros(2, 3), 41 + r).double() for r in (0, 1)]
+
+    def with_w(times: int) -> float:
+        return math.sqrt(float(times * w.square().sum() + sum(part.square().sum() for part in s)))
+
+    return {
+        "first call": with_w(1),
+        "w marked TP-sharded with the helper": with_w(2),
+        "w's tensor_model_parallel set to False as an attribute": with_w(1),
+        "w marked shared as an attribute": with_w(0),
+        "w's shared mark removed": with_w(1),
+        # TP off: each rank counts what it holds, nothing is summed across ranks.
+        "another collection: TP off": math.sqrt(float(w.square().sum() + s[rank].square().sum())),
+    }
+
+
+def test_changed_roles_and_collections_are_seen() -> None:
+    for rank, norms in enumerate(run_world(2, _tp_world_states, timeout=60)):
+        oracle = _tp_world_oracle(rank)
+        for what, got in norms:
+            assert got == pytest.approx(oracle[what], rel=1e-6), (rank, what)
+
+
+def _dtensor_states() -> list[tuple[str, float]]:
+    """A DTensor grad whose placement changes between calls: Shard(0) over the data-parallel mesh (summed over
+    it), then Replicate (each replica counts its own copy)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from pgregistry.mesh import to_device_mesh
+
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    mesh = to_device_mesh(collection, ("dp_cp",), device_type="cpu")
+    rank = dist.get_rank()
+    model = nn.Module()
+    model.d = nn.Parameter(DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], run_check=False))
+    model.p = nn.Parameter(torch.zeros(5))
+    model.p.grad = _fill(model.p, 50)
+    norms = []
+    for what, rows, placement in (("sharded", 2, Shard(0)), ("replicated", 4, Replicate())):
+        local = _fill(torch.zeros(rows, 3), 51 + rank)
+        model.d.grad = DTensor.from_local(local, mesh, [placement], run_check=False)
+        norms.append((what, float(grad_norm(model, collection))))
+    return norms
+
+
+def test_a_changed_dtensor_placement_is_seen() -> None:
+    p = _fill(torch.zeros(5), 50).double().square().sum()
+    pieces = [_fill(torch.zeros(2, 3), 51 + r).double().square().sum() for r in (0, 1)]
+    copies = [_fill(torch.zeros(4, 3), 51 + r).double().square().sum() for r in (0, 1)]
+    for rank, norms in enumerate(run_world(2, _dtensor_states, timeout=60)):
+        got = dict(norms)
+        # Sharded: the pieces are summed over dp; p is each rank's own (dp replicas are not summed).
+        assert got["sharded"] == pytest.approx(math.sqrt(float(p + pieces[0] + pieces[1])), rel=1e-6), rank
+        assert got["replicated"] == pytest.approx(math.sqrt(float(p + copies[rank])), rel=1e-6), rank
+
+
+def _expert_module_marked_later() -> tuple[float, str]:
+    """At EP 2: a first call, then the module marked as holding experts (its parameter unclassified)."""
+    from fixtures.errors import value_error_of
+
+    from pgregistry.params import mark_expert_module
+
+    collection = registry.build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1))
+    model = nn.Module()
+    model.experts = nn.Linear(3, 2, bias=False)
+    model.experts.weight.grad = _fill(model.experts.weight, 60)
+    first = float(grad_norm(model, collection))
+    mark_expert_module(model.experts)
+    return first, value_error_of(lambda: grad_norm(model, collection))
+
+
+def test_an_expert_module_marked_after_a_call_is_checked() -> None:
+    norm = float(_fill(torch.zeros(2, 3), 60).double().norm())
+    for first, error in run_world(2, _expert_module_marked_later, timeout=60):
+        assert first == pytest.approx(norm, rel=1e-6)
+        assert "carry no EP classification: experts.weight" in error, error
