@@ -5,8 +5,9 @@ Runs on PyTorch's single-process ``fake`` backend, where one process stands for 
 on a real backend each call is also a store round trip). A process has one default group, so each measurement
 runs in a fresh interpreter, for a sample of ranks (the first and one in the middle) of each world size:
 
-- registry: ``pgregistry.registry.build(layout)``, which creates only the groups the rank belongs to, one per
-  distinct rank set, after one agreement all-reduce;
+- registry: ``pgregistry.registry.build(layout)`` in a world not bound to a device: ``new_group`` once per
+  distinct rank set of the layout, on every rank (torch names a group alike on all its members only so), after one
+  agreement all-reduce;
 - baseline: what Megatron-Core's ``initialize_model_parallel`` does, ``new_group`` for every group of every kind
   on every rank (world-synchronised), measured in the same run.
 
@@ -98,8 +99,8 @@ def main() -> None:
                 base = _measure(world, rank, layout_name, "baseline")
                 print(
                     f"{layout_name:<32} {world:>6} {rank:>5} {ours['calls']:>14} {ours['seconds']:>10.4f} "
-                    f"{base['calls']:>14} {base['seconds']:>10.3f} {base['calls'] / ours['calls']:>10.0f}x "
-                    f"{base['seconds'] / ours['seconds']:>9.0f}x",
+                    f"{base['calls']:>14} {base['seconds']:>10.3f} {base['calls'] / ours['calls']:>10.2f}x "
+                    f"{base['seconds'] / ours['seconds']:>9.2f}x",
                     flush=True,
                 )
 

@@ -2,21 +2,21 @@
 
 * The same ranks named by two kinds (``dp`` and ``dp_cp`` when cp is 1), by two layouts (two models on two grids)
   or by a DeviceMesh flattening share one ProcessGroup.
-* Each rank creates only the groups it belongs to (``new_group(use_local_synchronization=True)``): a few dozen
-  calls per rank at any scale, where Megatron-Core's ``initialize_model_parallel`` calls ``new_group`` for every
-  group of every kind on every rank (35,993 calls per rank at 8,192 ranks).
+* Every rank walks every rank set of a request, in one global order (by size, then ranks), and calls
+  ``new_group`` for each distinct set once (non-members get ``NON_GROUP_MEMBER`` at no connection cost): one call
+  per distinct rank set, where Megatron-Core's ``initialize_model_parallel`` calls ``new_group`` for every group of
+  every kind. Not members-only creation (``new_group(use_local_synchronization=True)``): torch names such a group by
+  its ranks and by how many groups the calling rank already holds, so two members that hold different numbers of
+  groups give it two names and wait for each other until the timeout (torch 2.13, four ranks, TP 2: rank 1 creates
+  ``[1, 3]`` after ``[0, 1]``, rank 3 first of all), on every backend; and a group destroyed and created again takes
+  its old name, and with it its members' stale addresses in the store.
 * When NCCL is bound to a device at init (``init_process_group(device_id=...)``), groups are split from the world's
-  communicator instead (``torch.distributed.split_group``, NCCL's ``ncclCommSplit``): the rank sets the ranks need
-  are gathered once (each from its first member), dealt into families of disjoint sets (:func:`split_plan`: about
-  one per group kind), and each family is one split, collective over the world, with no store round trip per group.
-  An unbound world, gloo, or groups of another backend than the world's take ``new_group`` (:func:`split_creation`
-  decides).
-* Creation follows one global order (by size, then ranks). Every member of a group reaches it after the same
-  smaller groups, so group creations can never wait on each other in a cycle.
-* gloo is the exception: its eager connection set-up deadlocks when member-only groups overlap (seen with torch
-  2.13: ranks 0 and 2 never connect in ``[0, 2]`` after ``[0, 1]`` was created by ranks 0 and 1). For gloo every
-  rank therefore walks every rank set of the request in the same global order (non-members get
-  ``NON_GROUP_MEMBER`` at no connection cost); that is still one call per distinct rank set, not per kind.
+  communicator instead (``torch.distributed.split_group``, NCCL's ``ncclCommSplit``): the rank sets are dealt into
+  families of disjoint sets (:func:`split_plan`: about one per group kind), and each family is one split,
+  collective over the world, with no store round trip per group. An unbound world, gloo, or groups of another
+  backend than the world's take ``new_group`` (:func:`split_creation` decides).
+* The global order also means every member of a group reaches it after the same smaller groups, so group
+  creations can never wait on each other in a cycle.
 * Before creating anything, ranks exchange a digest of what they were asked for (``pgregistry._agreement.agree``).
   Ranks that disagree raise on every rank, naming who asked for what, instead of hanging in mismatched creations.
 """
@@ -41,7 +41,6 @@ __all__ = [
     "GroupCache",
     "GroupOptions",
     "BUILD_ADVICE",
-    "members_only_creation",
     "split_chosen",
     "split_creation",
     "split_plan",
@@ -95,27 +94,17 @@ class GroupCache:
         existing = self._groups.get(ranks)
         return existing[1] if existing is not None else None
 
-    def create(self, rank_sets: Iterable[RankGroup], options: GroupOptions, members_only: bool) -> None:
-        """Create the communicators of ``rank_sets`` that do not exist yet, in the one global order. With
-        ``members_only`` each rank passes the sets it belongs to; otherwise every rank passes the same sets.
-        Collective over the world; where :func:`split_creation` holds, every rank's sets are gathered and split."""
+    def create(self, rank_sets: Iterable[RankGroup], options: GroupOptions) -> None:
+        """Create the communicators of ``rank_sets`` (the same on every rank) that do not exist yet, in the one
+        global order. Collective over the world: split where :func:`split_creation` holds, else one ``new_group``
+        per missing set on every rank."""
         ordered = sorted(set(rank_sets), key=lambda r: (len(r), r))
-        if members_only and split_creation(options):
-            self._split(self.missing_everywhere(ordered, options), options)
+        missing = [ranks for ranks in ordered if not self._exists(ranks, options)]
+        if split_creation(options):
+            self._split(missing, options)
             return
-        for ranks in ordered:
-            if not self._exists(ranks, options):
-                self._groups[ranks] = (self._new_group(ranks, options, members_only), options)
-
-    def missing_everywhere(self, own_sets: Iterable[RankGroup], options: GroupOptions) -> set[RankGroup]:
-        """The sets, of every rank's ``own_sets``, that have no communicator yet: one gather over the world. A set's
-        members all lack it or all have it, so only its first member sends it: each set travels once, where every
-        rank sending its own sets (each up to the world's size) would send each set once per member."""
-        rank = dist.get_rank()
-        mine = [ranks for ranks in own_sets if ranks[0] == rank and not self._exists(ranks, options)]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return {tuple(ranks) for sets in everyone for ranks in sets}
+        for ranks in missing:
+            self._groups[ranks] = (self._new_group(ranks, options), options)
 
     def _exists(self, ranks: RankGroup, options: GroupOptions) -> bool:
         """Whether ``ranks`` has its communicator (``ValueError`` when it was created with other options); the
@@ -128,18 +117,24 @@ class GroupCache:
                     f"refusing a second one with {options.described()} (one communicator per rank set)"
                 )
             return True
-        if ranks == tuple(range(dist.get_world_size())) and options == GroupOptions():
+        if len(ranks) == dist.get_world_size() and options == GroupOptions():  # sorted and distinct: the world
             world = dist.group.WORLD
             assert world is not None  # callers checked that torch.distributed is initialised
             self._groups[ranks] = (world, options)
             return True
         return False
 
-    def _new_group(self, ranks: RankGroup, options: GroupOptions, members_only: bool) -> ProcessGroup:
-        group = dist.new_group(
-            list(ranks), backend=options.backend, timeout=options.timeout, use_local_synchronization=members_only
-        )
-        self.created += 1
+    def _new_group(self, ranks: RankGroup, options: GroupOptions) -> ProcessGroup:
+        """``new_group`` of ``ranks``, called by every rank of the world (torch's own names, which agree only so)."""
+        try:
+            group = dist.new_group(list(ranks), backend=options.backend, timeout=options.timeout)
+        except RuntimeError as exc:  # the backend's own text names neither the group nor the rank
+            raise RuntimeError(
+                f"rank {dist.get_rank()} could not create the communicator of ranks {list(ranks)} "
+                f"({self.created} created before it): {exc}"
+            ) from exc
+        if dist.get_rank() in ranks:
+            self.created += 1
         return group
 
     def _split(self, rank_sets: Iterable[RankGroup], options: GroupOptions) -> None:
@@ -182,11 +177,7 @@ class GroupCache:
                 raise ValueError(f"rank sets overlap at ranks {sorted(seen.intersection(ranks))}; pass disjoint sets")
             seen.update(ranks)
         mine = [ranks for ranks in sets if rank in ranks]
-        members_only = members_only_creation(options.backend)
-        if members_only and split_creation(options):  # every rank knows every set: no gathering
-            self._split([ranks for ranks in sets if not self._exists(ranks, options)], options)
-        else:
-            self.create(mine if members_only else sets, options, members_only)
+        self.create(sets, options)
         return self.group(mine[0]) if mine else None
 
     def twin_partition_group(self, rank_sets: Iterable[Iterable[int]], options: GroupOptions) -> ProcessGroup | None:
@@ -201,15 +192,9 @@ class GroupCache:
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
         agree("the twin rank sets to create", {"rank sets": repr(sets), **options.described()}, advice=BUILD_ADVICE)
-        members_only = members_only_creation(options.backend)
         mine: ProcessGroup | None = None
         for ranks in sorted(sets, key=lambda r: (len(r), r)):
-            if members_only and rank not in ranks:
-                continue
-            group = dist.new_group(
-                list(ranks), backend=options.backend, timeout=options.timeout, use_local_synchronization=members_only
-            )
-            self.created += 1
+            group = self._new_group(ranks, options)
             if rank in ranks:
                 mine = group
                 self._twins.append(group)
@@ -251,12 +236,6 @@ class GroupCache:
 
 CACHE = GroupCache()
 """The process-wide cache every build, adoption and mesh flattening goes through."""
-
-
-def members_only_creation(backend: str | None) -> bool:
-    """Whether groups may be created by their members alone (every backend but gloo; see the module docstring)."""
-    effective = backend if backend is not None else str(dist.get_backend())
-    return "gloo" not in effective or "nccl" in effective
 
 
 def split_creation(options: GroupOptions) -> bool:

@@ -26,7 +26,7 @@ import attrs
 import torch.distributed as dist
 
 from pgregistry._agreement import agree, require_distributed
-from pgregistry._group_cache import BUILD_ADVICE, CACHE, GroupOptions, members_only_creation
+from pgregistry._group_cache import BUILD_ADVICE, CACHE, GroupOptions
 from pgregistry._logging import get_logger
 from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection, _Lifetime
 from pgregistry.layout import GROUP_KINDS, ParallelLayout, RankGroup
@@ -101,15 +101,9 @@ def build(
     member = first <= rank < stop
     span = tuple(range(first, stop))
     wanted = layout.groups_of(rank) if member else {}
-    needed = {ranks for ranks in wanted.values() if ranks is not None and len(ranks) > 1}
-    if member:
-        needed.add((rank,))
-        if len(span) > 1:
-            needed.add(span)  # intra_dist_opt: the one distributed-optimizer instance
-    members_only = members_only_creation(options.backend)
-    to_create = needed if members_only else _all_rank_sets(layout)
-    _refuse_other_options(to_create, options, name, layout)
-    CACHE.create(to_create, options, members_only)
+    every_set = _all_rank_sets(layout)
+    _refuse_other_options(every_set, options, name, layout)
+    CACHE.create(every_set, options)
     if not member:
         outside = ProcessGroupCollection._outside(layout, name, _lifetime)
         _builds[key] = _Built(layout, options, outside)
@@ -158,8 +152,7 @@ def _refuse_other_options(
     rank_sets: Iterable[RankGroup], options: GroupOptions, name: str | None, layout: ParallelLayout
 ) -> None:
     """``ValueError`` on every rank when a rank set this build needs already has a communicator with other options
-    (one communicator per rank set). Agreed over the world: with members-only creation only a member of that set
-    knows, and the others would hang in their next creation."""
+    (one communicator per rank set). Agreed over the world, so that no rank goes on into the creation alone."""
     conflict = None
     for ranks in sorted(rank_sets):
         existing = CACHE.options_of(ranks)
@@ -174,7 +167,7 @@ def _refuse_other_options(
 
 
 def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
-    """Every rank set of ``layout`` a rank may need (for the gloo path, where every rank walks them all)."""
+    """Every rank set of ``layout``: what every rank walks when creating its groups (``pgregistry._group_cache``)."""
     first, stop = layout.rank_range()
     sets: set[RankGroup] = {tuple(range(first, stop))}
     sets.update((rank,) for rank in range(first, stop))

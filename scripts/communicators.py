@@ -1,5 +1,5 @@
-"""Communicators and start-up per rank: pgregistry (members-only ``new_group``, and ``split_group``) against
-Megatron-Core's ``initialize_model_parallel``, on the same layouts.
+"""Communicators and start-up per rank: pgregistry (``new_group`` once per distinct rank set, and ``split_group``)
+against Megatron-Core's ``initialize_model_parallel``, on the same layouts.
 
     python scripts/communicators.py --nproc 8 --layouts tp=2,ep=4,expt_tp=1 tp=2,pp=2,ep=2
     python scripts/communicators.py --nproc 4 --layouts tp=2,ep=2,expt_tp=1 --backend gloo   # CPU
@@ -13,7 +13,8 @@ made (counted by wrapping them); the device memory in use after that warm-up (``
 GPU, which is the rank's own; on CPU the process's peak RSS). Methods:
 
 * ``megatron``: ``parallel_state.initialize_model_parallel`` (every group of every kind, on every rank);
-* ``new_group``: ``pgregistry.registry.build`` in a world not bound to a device (members-only ``new_group``);
+* ``new_group``: ``pgregistry.registry.build`` in a world not bound to a device (``new_group`` once per
+  distinct rank set, walked by every rank);
 * ``split_group``: the same build in a world bound to the rank's GPU (``init_process_group(device_id=...)``), so
   pgregistry splits the world's communicator (NCCL only; skipped on gloo).
 

@@ -1,5 +1,5 @@
-"""How groups are created: ``split_group`` when NCCL is bound to a device at init, members-only (or every-rank, for
-gloo) ``new_group`` otherwise; and how a split deals every rank's sets into families of disjoint sets.
+"""How groups are created: ``split_group`` when NCCL is bound to a device at init, ``new_group`` walked by every rank
+otherwise; and how a split deals every rank set into families of disjoint sets.
 
 The split itself needs NCCL on a GPU (``scripts/communicators.py --group-timeout`` exercises it on one, and
 ``pgregistry verify --backend nccl`` on a cluster, whose world ``run_checks`` binds); here the choice of path in real
@@ -64,29 +64,44 @@ def test_gloo_and_unbound_worlds_create_with_new_group() -> None:
     for out in run_world(4, _gloo_world, timeout=60):
         assert out == {"chosen": False, "splits": 0}
     (out,) = run_world(1, _fake_world, 5, 64, timeout=60)
-    # Unbound: members-only new_group, one call per distinct rank set of its own (the world's is the world's group),
-    # and one for the rank alone.
+    # Unbound: new_group over every distinct rank set; the rank creates (is a member of) one communicator per
+    # distinct rank set of its own (the world's is the world's group), and one for the rank alone.
     own = ParallelLayout(num_ranks=64, tp=4, ep=4, expt_tp=1).groups_of(5).values()
     assert out == {"chosen": False, "splits": 0, "created": len({r for r in own if r and 1 < len(r) < 64}) + 1}
 
 
-def _missing_on_rank(sizes: dict[str, int]) -> dict[str, Any]:
+def _names_on_rank(sizes: dict[str, int]) -> list[dict[tuple[int, ...], str]]:
+    """Each of this rank's groups -> torch's name for it, for two builds of ``sizes`` with a destroy between."""
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
     layout = ParallelLayout(num_ranks=dist.get_world_size(), **sizes)
-    own = {r for r in layout.groups_of(dist.get_rank()).values() if r is not None and len(r) > 1}
-    own.add((dist.get_rank(),))
-    timed = GroupOptions.of(None, 60)  # not the world's default options: its own rank set is missing too
-    timed_missing = CACHE.missing_everywhere(own, timed)  # first: the default options then take the world's group
-    return {"default": CACHE.missing_everywhere(own, GroupOptions()), "timed": timed_missing}
+    names = []
+    for _ in range(2):
+        collection = registry.build(layout)
+        groups = {field: collection.get(field) for field in GROUP_KINDS}  # type: ignore[call-overload]
+        names.append({
+            tuple(dist.get_process_group_ranks(group)): _get_process_group_name(group)
+            for group in groups.values() if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD
+        })
+        registry.destroy()
+    return names
 
 
-def test_what_a_split_creates_is_every_ranks_missing_sets_gathered_once() -> None:
+def test_every_member_gives_a_group_one_name_and_a_rebuilt_group_a_new_one() -> None:
+    # torch names a group created by its members only after how many groups the creating rank holds: at TP 2 on
+    # four ranks, rank 1 creates [1, 3] after [0, 1] and rank 3 first of all, so the two names differ and both
+    # wait until the timeout. A name is also the group's key prefix in the store: a group rebuilt under its old
+    # name reads its old members' stale addresses.
     sizes = {"tp": 2, "ep": 4, "expt_tp": 1}
-    layout = ParallelLayout(num_ranks=8, **sizes)
-    world = tuple(range(8))
-    assert world in _every_rank_set(layout)  # tp_dp_cp spans the world here
-    for out in run_world(8, _missing_on_rank, sizes, timeout=60):
-        assert out["timed"] == _every_rank_set(layout)  # the same on every rank, each set whoever sent it
-        assert out["default"] == _every_rank_set(layout) - {world}  # the world's own group needs no creating
+    results = run_world(4, _names_on_rank, sizes, timeout=60)
+    for build in range(2):
+        by_ranks: dict[tuple[int, ...], set[str]] = {}
+        for names in results:
+            for ranks, name in names[build].items():
+                by_ranks.setdefault(ranks, set()).add(name)
+        assert by_ranks and all(len(names) == 1 for names in by_ranks.values()), by_ranks
+    first, second = (set(results[0][build].values()) for build in range(2))
+    assert not first & second
 
 
 def _every_rank_set(layout: ParallelLayout) -> set[tuple[int, ...]]:

@@ -88,6 +88,10 @@ def _sharing(collections: list[ProcessGroupCollection], layouts: list[ParallelLa
     return problems
 
 
+def _holding(sets: set[tuple[int, ...]], rank: int) -> set[tuple[int, ...]]:
+    return {ranks for ranks in sets if rank in ranks}
+
+
 def _distinct_sets(layout: ParallelLayout, world_size: int | None = None) -> set[tuple[int, ...]]:
     """The rank sets a build creates communicators for: every multi-rank set of every kind and the layout's span,
     but the world (WORLD itself), and every rank of the span alone (the one-rank groups)."""
@@ -135,8 +139,9 @@ def test_build_in_an_8_rank_world_matches_the_layout() -> None:
         _check_membership(_GTP, rank, out["gtp"])
         assert out["sharing"] == []
         assert out["same_again"] and out["unnamed_shares_groups"] and out["layouts"] == [True, True, True]
-        # gloo: every rank creates every distinct rank set once (not once per kind); the world is WORLD.
-        assert out["created"] == (len(moe_sets), len(_distinct_sets(_DENSE) - moe_sets))
+        # A communicator for each distinct rank set of this rank's (not once per kind); the world is WORLD.
+        dense_only = _distinct_sets(_DENSE) - moe_sets
+        assert out["created"] == (len(_holding(moe_sets, rank)), len(_holding(dense_only, rank)))
         assert out["repr"].startswith("ProcessGroupCollection(tp(2), cp(off), dp(2), pp(2), dp_cp(2), tp_cp(2),")
 
 
@@ -301,7 +306,7 @@ def test_attachments_global_grid_and_destroy() -> None:
         pp = [rank % 2, rank % 2 + 2]
         assert out["grid_pp"] == (bits(pp), 2, pp.index(rank))
         assert out["after_destroy"] == [True, True]
-        assert out["rebuilt"] == [True, 8]  # the tp and dp pairs and the one-rank groups are created anew
+        assert out["rebuilt"] == [True, 3]  # this rank's tp and dp pairs and its one-rank group, created anew
         tp = [rank // 2 * 2, rank // 2 * 2 + 1]
         assert out["rebuilt_tp"] == (bits(tp), 2, rank % 2)
 
@@ -333,7 +338,7 @@ def test_group_of_partition_reuses_and_creates_groups() -> None:
         assert out["partial"] is (True if rank < 2 else None)
 
 
-def _members_only_on_the_fake_backend(rank: int, world_size: int) -> dict[str, Any]:
+def _build_on_the_fake_backend(rank: int, world_size: int) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.destroy_process_group()  # run_world's gloo world; the fake one stands for a large job
@@ -347,10 +352,10 @@ def _members_only_on_the_fake_backend(rank: int, world_size: int) -> dict[str, A
     return {"created": reg.communicators_created(), "ranks": ranks}
 
 
-def test_members_only_creation_on_the_fake_backend() -> None:
+def test_a_rank_of_a_large_world_creates_only_its_own_groups_each_once() -> None:
     layout = ParallelLayout(num_ranks=256, tp=4, pp=4, cp=2, ep=4, expt_tp=1)
     for rank in (0, 77):
-        (out,) = run_world(1, _members_only_on_the_fake_backend, rank, 256)
+        (out,) = run_world(1, _build_on_the_fake_backend, rank, 256)
         expected = _expected_sets(layout, rank)
         wanted = {ranks for ranks in expected.values() if ranks is not None and 1 < len(ranks) < 256}
         assert out["created"] == len(wanted) + 1  # only this rank's own groups, each once, and its one-rank group
@@ -427,8 +432,8 @@ def test_layouts_over_spans_of_the_world_build_disjoint_overlapping_and_colocate
         for name in expected_members:
             _check_membership(_SPANS[name], rank, out["membership"][name])
         assert out["sharing"] == []
-        # gloo: every rank creates every distinct rank set of the four layouts once, members or not.
-        assert out["created"] == len(union)
+        # One communicator for each distinct rank set of the four layouts holding this rank, members of a span or not.
+        assert out["created"] == len(_holding(union, rank))
         assert out["again"]
         for name, (text, same_layout, built_name) in out["outside"].items():
             first, stop = _SPANS[name].rank_range()
