@@ -198,14 +198,18 @@ def scale_(
 ) -> None:
     """Multiply ``tensors`` (as for :func:`squares_and_zeros`) in place by ``coeff`` (a 0-dim tensor) where it is
     below 1, in one launch over the statistics' launch table; where it is 1 every program returns at once, so
-    clipping that does not scale reads and writes nothing, and nothing waits on the host."""
+    clipping that does not scale reads and writes nothing, and nothing waits on the host.
+
+    The coefficient is first rounded to the tensors' dtype, then each product is computed in float32 and rounded:
+    torch's ``_foreach_mul_`` / ``mul_`` with a 0-dim CUDA coefficient casts it to the tensors' dtype (the common
+    dtype) before multiplying, and the unfused path passes it so, so every path gives torch's bits."""
     import torch
 
     _check(tensors, checked)
     base, table = _plan_of(tensors, sizes, block * iters)
     if table is None:
         return
-    factor = coeff.to(device=tensors[0].device, dtype=torch.float32).reshape(1)
+    factor = coeff.to(device=tensors[0].device, dtype=tensors[0].dtype).to(torch.float32).reshape(1)
     with launch_on(tensors[0].device):
         _loaded().scale_kernel[(table.shape[0],)](
             tensors[base], 0, table, factor,

@@ -32,7 +32,7 @@ def _from_mesh() -> dict[str, Any]:
         "shared_with_build": [collection.get(k) is built.get(k) for k in ("tp_dp_cp", "mp")],
         "same_set_same_group": again.get("tp_cp") is collection.get("tp_dp_cp"),
         "new_set": member_mask(again.get("tp_ep_pp")),
-        # Two new sets: the (pp, dp) pairs, one per tp coordinate; the rest existed.
+        # Two new sets, the (pp, dp) pairs, one per tp coordinate (the rest existed): one holds this rank.
         "created": reg.communicators_created() - created,
         "errors": errors_of({
             "field": lambda: from_device_mesh(mesh, {"tpp": "tp"}),
@@ -60,7 +60,7 @@ def test_from_device_mesh_single_and_flattened_dims() -> None:
         assert out["same_set_same_group"]
         tp = rank % 2
         assert out["new_set"] == bits(range(tp, 8, 2))  # every rank with this tp coordinate
-        assert out["created"] == 2
+        assert out["created"] == 1
         errors = out["errors"]
         assert errors["field"].startswith("ValueError: Unknown attribute: 'tpp'; did you mean 'tp'?")
         assert errors["dim"] == (

@@ -274,12 +274,14 @@ def test_the_scale_kernel_gives_torchs_bits_and_leaves_a_coefficient_of_one_alon
 ) -> None:
     """Bit for bit, but for bf16 with a coefficient: triton's interpreter rounds float32 to bf16 toward zero where
     the compiled kernel rounds to nearest even (torch's rounding; ``scripts/gpu_check.py`` checks those bits on a
-    GPU), so there one bf16 unit in the last place is allowed. A coefficient of 1 leaves every bit, NaN included."""
+    GPU), so there one bf16 unit in the last place is allowed. The reference's coefficient is of the grads' dtype,
+    as torch on CUDA casts a 0-dim coefficient (the kernel rounds it so too). A coefficient of 1 leaves every bit,
+    NaN included."""
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     for coeff in (0.37, 1.0):
         want = _scale_inputs(dtype)
         if coeff != 1.0:
-            torch._foreach_mul_(want, torch.tensor(coeff, dtype=torch.float32))
+            torch._foreach_mul_(want, torch.tensor(coeff, dtype=dtype))
         ulps = 1 if dtype == torch.bfloat16 and coeff != 1.0 else 0
         for got, expected in zip(interpreted["scaled"][(str(dtype), coeff)], want, strict=True):
             apart = (got.view(bits).int() - expected.view(bits).int()).abs()
