@@ -80,8 +80,8 @@ class GroupCache:
         self._adopted: set[RankGroup] = set()
         self._twins: list[ProcessGroup] = []
         self.created = 0
-        """How many communicators this process created: its ``new_group`` calls, and the splits it is a member of
-        (for benchmarks and tests)."""
+        """How many communicators holding this rank this process created, by ``new_group`` or ``split_group`` (a
+        non-member's ``new_group`` call creates none; for benchmarks and tests)."""
         self.splits = 0
         """How many ``split_group`` calls this process took part in (each one collective over the world)."""
 

@@ -184,8 +184,8 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
 
 
 def communicators_created() -> int:
-    """How many communicators pgregistry created in this process, by ``new_group`` or ``split_group`` (for
-    benchmarks and tests)."""
+    """How many communicators holding this rank pgregistry created in this process, by ``new_group`` or
+    ``split_group`` (for benchmarks and tests)."""
     return CACHE.created
 
 
