@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["agree", "require_distributed"]
+__all__ = ["agree", "all_reached", "require_distributed", "world_device"]
 
 _SHOWN = 4
 """How many distinct errors a message quotes in full."""
@@ -48,7 +48,7 @@ def agree(
     require_distributed(subject)
     request = "|".join(f"{key}={value}" for key, value in fields.items())
     digest = int(hashlib.sha256(request.encode()).hexdigest()[:15], 16)
-    verdict = torch.tensor([digest, -digest, int(error is not None)], dtype=torch.int64, device=_device())
+    verdict = torch.tensor([digest, -digest, int(error is not None)], dtype=torch.int64, device=world_device())
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     largest, negated_smallest, faulty = (int(value) for value in verdict.tolist())
     if largest != -negated_smallest:  # every rank takes this branch alike
@@ -57,7 +57,15 @@ def agree(
         _raise_errors(subject, error, failed)
 
 
-def _device() -> Any:
+def all_reached() -> None:
+    """Return once every rank of the world has called this (one small all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1, device=world_device()))
+
+
+def world_device() -> Any:
     """Where the world's collectives run: this rank's GPU for NCCL, else the CPU."""
     import torch
     import torch.distributed as dist

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch.distributed as dist
 
-from pgregistry._agreement import agree, require_distributed
+from pgregistry._agreement import agree, all_reached, require_distributed
 from pgregistry.layout import RankGroup
 
 if TYPE_CHECKING:
@@ -105,6 +105,8 @@ class GroupCache:
             return
         for ranks in missing:
             self._groups[ranks] = (self._new_group(ranks, options), options)
+        if missing:
+            all_reached()  # see _new_group
 
     def _exists(self, ranks: RankGroup, options: GroupOptions) -> bool:
         """Whether ``ranks`` has its communicator (``ValueError`` when it was created with other options); the
@@ -125,7 +127,12 @@ class GroupCache:
         return False
 
     def _new_group(self, ranks: RankGroup, options: GroupOptions) -> ProcessGroup:
-        """``new_group`` of ``ranks``, called by every rank of the world (torch's own names, which agree only so)."""
+        """``new_group`` of ``ranks``, called by every rank of the world (torch's own names, which agree only so).
+
+        Callers wait for every rank after their last creation (:func:`~pgregistry._agreement.all_reached`): gloo
+        finishes connecting a pair on one side before the other, so a rank that went on and destroyed its new
+        communicators (``registry.destroy()`` right after a build) closed pairs a peer was still connecting, and the
+        peer failed ("connectFullMesh failed ... Connection closed by peer", 3 runs in 36 of an 8-rank test)."""
         try:
             group = dist.new_group(list(ranks), backend=options.backend, timeout=options.timeout)
         except RuntimeError as exc:  # the backend's own text names neither the group nor the rank
@@ -198,6 +205,7 @@ class GroupCache:
             if rank in ranks:
                 mine = group
                 self._twins.append(group)
+        all_reached()  # see _new_group
         return mine
 
     def adopt(self, groups: Iterable[ProcessGroup]) -> None:

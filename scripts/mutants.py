@@ -183,6 +183,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="build-left-before-peers-connected",
+        bug="a rank leaves a build before its peers have created their groups (a destroy then closes their pairs)",
+        file="pgregistry/_group_cache.py",
+        find="        if missing:\n            all_reached()  # see _new_group\n",
+        replace="",
+        tests=(
+            "tests/core/test_group_creation_paths.py::"
+            "test_no_rank_leaves_a_build_before_every_rank_has_created_its_groups",
+        ),
+    ),
+    Mutant(
         name="expert-grads-sharded-over-dense-dp",
         bug="the sharded optimizer reduce-scatters expert grads over the dense data-parallel group",
         file="pgregistry/optim/_sharded.py",

@@ -87,13 +87,17 @@ def _both_on_this_rank(sizes: dict[str, Any], tag: str) -> list[str]:
     with megatron_initialize(sizes) as theirs:
         megatron_ranks = describe_groups(theirs, names)
     layout = ParallelLayout(num_ranks=dist.get_world_size(), **sizes)
-    return _compare(megatron_ranks, _ours(registry.build(layout, name=tag), names))
+    # Destroyed right after (a build followed at once by destroy() is what found ranks leaving a build before
+    # their peers had connected; pgregistry/_group_cache.py), and because the fake-backend sweep runs in the test
+    # process, whose state forked worlds of other tests inherit.
+    try:
+        ours = _ours(registry.build(layout, name=tag), names)
+    finally:
+        registry.destroy()
+    return _compare(megatron_ranks, ours)
 
 
 def _gloo_parity_on_rank() -> dict[str, list[str]]:
-    # Nothing is destroyed between layouts (a rank set of a later layout reuses its communicator): destroying each
-    # layout's groups right before the next layout created its own made gloo's connection set-up fail now and then
-    # on two busy cores ("connectFullMesh failed ... Connection closed by peer": 3 runs in 36; none in 20 since).
     return {name: _both_on_this_rank(sizes, name) for name, sizes in GLOO_LAYOUTS.items()}
 
 
@@ -127,10 +131,7 @@ def _outcome_on_fake_rank(sizes: dict[str, Any], world: int, rank: int) -> str |
             return BOTH_REFUSE if theirs is not None else [f"pgregistry refuses what Megatron-Core accepts: {ours}"]
         if theirs is not None:
             return [f"Megatron-Core refuses what pgregistry accepts: {type(theirs).__name__}: {theirs}"]
-        try:
-            return _both_on_this_rank(sizes, "sweep")
-        finally:
-            registry.destroy()  # the sweep runs in the test process, whose state forked worlds of other tests inherit
+        return _both_on_this_rank(sizes, "sweep")
 
 
 def _divisors(n: int) -> list[int]:
