@@ -64,6 +64,7 @@ __all__ = [
     "FlatOptimizer",
     "Inner",
     "InnerFactory",
+    "OptimizerStatistics",
     "ParamNameFn",
     "backend_device",
     "required_group",
@@ -82,7 +83,46 @@ ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
 """Names a model parameter (state-dict keys, error messages), e.g. a global, expert-aware name."""
 
 
-class FlatOptimizer(abc.ABC):
+class OptimizerStatistics(abc.ABC):
+    """The grad statistics and clipping of an optimizer, under Megatron-Core's method names: the local shares of
+    the flat optimizers it steps (itself, or a chained optimizer's children) in one set of shares, reduced once."""
+
+    @abc.abstractmethod
+    def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        """The flat optimizers whose grads the statistics read and clipping scales."""
+
+    def statistics(self, wanted: Wanted) -> Reduced:
+        """The grad statistics of the model the optimizer covers, through the one reducer."""
+        return statistics_of(self.stats_optimizers(), wanted)
+
+    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global grad norm of the model the optimizer covers (0-dim float32, no host sync)."""
+        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
+
+    def count_zeros(self) -> torch.Tensor:
+        """The global number of zero grad elements, each distinct element counted once (0-dim int64)."""
+        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
+        assert zeros is not None
+        return zeros
+
+    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA, 2-norm; one
+        all-reduce per group)."""
+        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
+        assert reduced.zeros is not None
+        return reduced.norm, reduced.zeros
+
+    def clip_grad_norm(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping.
+
+        Decided job-wide (:func:`clip_grads_of`): a NaN or infinite norm anywhere scales nothing on any rank, or
+        raises on every rank with ``error_if_nonfinite``."""
+        return clip_grads_of(self.stats_optimizers(), max_norm, norm_type, error_if_nonfinite)
+
+
+class FlatOptimizer(OptimizerStatistics):
     """Base of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and :class:`~pgregistry.optim.ShardedOptimizer`.
 
     Subclasses set :attr:`buffer`, :attr:`inner` (``None`` when this rank steps nothing) and, with
@@ -237,41 +277,12 @@ class FlatOptimizer(abc.ABC):
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
 
-    def statistics(self, wanted: Wanted, *, verdict: Sequence[ProcessGroup | None] = ()) -> Reduced:
-        """The grad statistics of the model this optimizer covers, through the one reducer."""
-        shares = Shares(wanted, self.buffer.data.device)
-        self.local_shares(shares)
-        return reduce_shares(shares, verdict=verdict)
-
-    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model this optimizer covers (0-dim float32, no host sync)."""
-        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
-
-    def count_zeros(self) -> torch.Tensor:
-        """The global number of zero grad elements, each distinct element counted once (0-dim int64)."""
-        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
-        assert zeros is not None
-        return zeros
-
-    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA, 2-norm; one
-        all-reduce per group)."""
-        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
-        assert reduced.zeros is not None
-        return reduced.norm, reduced.zeros
-
     def grads_to_clip(self) -> list[torch.Tensor]:
         """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates included."""
         return [self.buffer.data]
 
-    def clip_grad_norm(
-        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping.
-
-        Decided job-wide (:func:`clip_grads_of`): a NaN or infinite norm anywhere scales nothing on any rank, or
-        raises on every rank with ``error_if_nonfinite``."""
-        return clip_grads_of([self], max_norm, norm_type, error_if_nonfinite)
+    def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        return [self]
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -319,6 +330,17 @@ def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return hook
 
 
+def statistics_of(
+    optimizers: Sequence[FlatOptimizer], wanted: Wanted, *, verdict: Sequence[ProcessGroup | None] = ()
+) -> Reduced:
+    """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once (``verdict``: see
+    :func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+    shares = Shares(wanted, optimizers[0].buffer.data.device)
+    for optimizer in optimizers:
+        optimizer.local_shares(shares)
+    return reduce_shares(shares, verdict=verdict)
+
+
 def clip_grads_of(
     optimizers: Sequence[FlatOptimizer], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
@@ -327,10 +349,7 @@ def clip_grads_of(
     verdict_groups`), then every grad scaled by the one coefficient. Returns the norm before clipping."""
     check_max_norm(max_norm)  # before any collective
     verdict = verdict_groups(optimizers[0].stats_groups.collection, "clip_grad_norm")
-    shares = Shares(Wanted.of(norm_type, zeros=False), optimizers[0].buffer.data.device)
-    for optimizer in optimizers:
-        optimizer.local_shares(shares)
-    norm64 = reduce_shares(shares, verdict=verdict).norm64
+    norm64 = statistics_of(optimizers, Wanted.of(norm_type, zeros=False), verdict=verdict).norm64
     assert norm64 is not None
     check_finite(norm64, error_if_nonfinite)
     grads = [grad for optimizer in optimizers for grad in optimizer.grads_to_clip()]

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, reduce_shares
-from pgregistry.optim._base import FlatOptimizer, clip_grads_of
+from pgregistry.optim._base import FlatOptimizer, OptimizerStatistics
 from pgregistry.optim._param_state import ParamState
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["ChainedOptimizer"]
 
 
-class ChainedOptimizer:
+class ChainedOptimizer(OptimizerStatistics):
     """Runs ``children`` (e.g. a dense and an expert optimizer) as one optimizer; see the module docstring."""
 
     def __init__(self, children: Sequence[FlatOptimizer]) -> None:
@@ -45,38 +44,8 @@ class ChainedOptimizer:
         """Whether every child reduces its statistics over one and the same group."""
         return len(self.stats_reduce_groups()) == 1
 
-    def statistics(self, wanted: Wanted) -> Reduced:
-        """The statistics over every child: their parts in one set of shares, reduced once."""
-        shares = Shares(wanted, self.chained_optimizers[0].buffer.data.device)
-        for child in self.chained_optimizers:
-            child.local_shares(shares)
-        return reduce_shares(shares)
-
-    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm over every child (0-dim float32, no host sync)."""
-        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
-
-    def count_zeros(self) -> torch.Tensor:
-        """The global zero count over every child, each with its own groups (0-dim int64)."""
-        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
-        assert zeros is not None
-        return zeros
-
-    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together, each child reading its grads once (on CUDA, for
-        the 2-norm), one all-reduce per group."""
-        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
-        assert reduced.zeros is not None
-        return reduced.norm, reduced.zeros
-
-    def clip_grad_norm(
-        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Scale every child's grads by ``max_norm / (norm + 1e-6)`` when below 1; return the total norm.
-
-        Decided job-wide: a NaN or infinite norm anywhere scales nothing on any rank, or raises on every rank with
-        ``error_if_nonfinite``."""
-        return clip_grads_of(self.chained_optimizers, max_norm, norm_type, error_if_nonfinite)
+    def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        return self.chained_optimizers
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
