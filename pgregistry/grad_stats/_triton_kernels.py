@@ -36,12 +36,7 @@ def squares_and_zeros_kernel(
     ``BLOCK * ITERS``) from element ``table[p, 0]`` after ``x_ptr`` (``table``: int64, shape ``[programs, 2]``): any
     number of tensors of one dtype in one launch, each addressed from ``x_ptr``."""
     pid = tl.program_id(0)
-    if TABLE:
-        start = tl.load(table_ptr + 2 * pid)
-        count = tl.load(table_ptr + 2 * pid + 1)
-    else:
-        start = pid.to(tl.int64) * (BLOCK * ITERS)
-        count = tl.minimum(n - start, BLOCK * ITERS)
+    start, count = _extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
     if start % VEC == 0:
         first = x_ptr + (start // VEC) * VEC  # a multiple of VEC the compiler can see
         body = (count // VEC) * VEC
@@ -53,6 +48,19 @@ def squares_and_zeros_kernel(
         squares, zeros = _sums(x_ptr + start, count, BLOCK, ITERS)
     tl.store(squares_ptr + pid, squares)
     tl.store(zeros_ptr + pid, zeros)
+
+
+@triton.jit
+def _extent(pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
+    """Program ``pid``'s first element (after ``x_ptr``) and element count: its row of the table, or its
+    ``BLOCK * ITERS`` elements of one contiguous tensor of ``n``."""
+    if TABLE:
+        start = tl.load(table_ptr + 2 * pid)
+        count = tl.load(table_ptr + 2 * pid + 1)
+    else:
+        start = pid.to(tl.int64) * (BLOCK * ITERS)
+        count = tl.minimum(n - start, BLOCK * ITERS)
+    return start, count
 
 
 @triton.jit
@@ -89,12 +97,7 @@ def scale_kernel(
     pid = tl.program_id(0)
     coeff = tl.load(coeff_ptr)
     if coeff < 1.0:
-        if TABLE:
-            start = tl.load(table_ptr + 2 * pid)
-            count = tl.load(table_ptr + 2 * pid + 1)
-        else:
-            start = pid.to(tl.int64) * (BLOCK * ITERS)
-            count = tl.minimum(n - start, BLOCK * ITERS)
+        start, count = _extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
         if start % VEC == 0:
             first = x_ptr + (start // VEC) * VEC
             body = (count // VEC) * VEC
