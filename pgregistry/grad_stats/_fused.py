@@ -28,6 +28,8 @@ from collections.abc import Hashable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import attrs
+
 from pgregistry._triton import cuda_index, launch_on, optional_kernels, probe_kernel
 
 if TYPE_CHECKING:
@@ -37,10 +39,14 @@ __all__ = [
     "BLOCK",
     "ITERS",
     "WARPS",
+    "Launch",
     "fused_stats_available",
+    "launch_of",
     "one_read_applies",
+    "read_over",
     "readable",
     "scale_",
+    "scale_over_",
     "span_squares_and_zeros",
     "squares_and_zeros",
 ]
@@ -158,33 +164,27 @@ def span_squares_and_zeros(
 
 
 def squares_and_zeros(
-    tensors: Sequence[torch.Tensor],
-    *,
-    checked: bool = False,
-    sizes: tuple[array[int], array[int]] | None = None,
-    block: int = BLOCK,
-    iters: int = ITERS,
+    tensors: Sequence[torch.Tensor], *, checked: bool = False, block: int = BLOCK, iters: int = ITERS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of squares (0-dim float64) and number of zeros (0-dim int64) over ``tensors`` (contiguous, one device
     and dtype), in one read and one launch whatever their number.
 
     The kernel reads ``numel`` elements of the given dtype from each tensor's address, so every tensor is checked
     for that first, unless ``checked=True``: the caller has grouped ``tensors`` by (device, dtype) and kept only
-    contiguous ones (:mod:`pgregistry.grad_stats._local` does, in the pass that groups them), which spares a second
-    pass over thousands of tensors; ``sizes`` are their addresses and element counts when the caller has them
-    already.
-
-    The launch's table (each program's first element and length, relative to the lowest tensor) is a function of
-    the tensors' addresses and sizes only: it is built once per distinct (device, dtype, addresses, sizes) and kept
-    on the device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to the device.
+    contiguous ones. The launch table comes from :func:`launch_of`.
     """
     _check(tensors, checked)
     if len(tensors) == 1:
         return span_squares_and_zeros(tensors[0], block=block, iters=iters)
-    base, table = _plan_of(tensors, sizes, block * iters)
-    if table is None:
+    return read_over(tensors, launch_of(tensors, block=block, iters=iters))
+
+
+def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`squares_and_zeros` of ``tensors`` through ``launch``, made for their addresses and sizes (a caller
+    that keeps it checks them; nothing is checked here)."""
+    if launch.table is None:
         return _nothing(tensors[0].device)
-    return _launch(tensors[base], 0, table, table.shape[0], block, iters)
+    return _launch(tensors[launch.base], 0, launch.table, launch.table.shape[0], launch.block, launch.iters)
 
 
 def scale_(
@@ -192,7 +192,6 @@ def scale_(
     coeff: torch.Tensor,
     *,
     checked: bool = False,
-    sizes: tuple[array[int], array[int]] | None = None,
     block: int = BLOCK,
     iters: int = ITERS,
 ) -> None:
@@ -203,17 +202,21 @@ def scale_(
     The coefficient is first rounded to the tensors' dtype, then each product is computed in float32 and rounded:
     torch's ``_foreach_mul_`` / ``mul_`` with a 0-dim CUDA coefficient casts it to the tensors' dtype (the common
     dtype) before multiplying, and the unfused path passes it so, so every path gives torch's bits."""
+    _check(tensors, checked)
+    scale_over_(tensors, launch_of(tensors, block=block, iters=iters), coeff)
+
+
+def scale_over_(tensors: Sequence[torch.Tensor], launch: Launch, coeff: torch.Tensor) -> None:
+    """:func:`scale_` of ``tensors`` through ``launch`` (as :func:`read_over`)."""
     import torch
 
-    _check(tensors, checked)
-    base, table = _plan_of(tensors, sizes, block * iters)
-    if table is None:
+    if launch.table is None:
         return
     factor = coeff.to(device=tensors[0].device, dtype=tensors[0].dtype).to(torch.float32).reshape(1)
     with launch_on(tensors[0].device):
-        _loaded().scale_kernel[(table.shape[0],)](
-            tensors[base], 0, table, factor,
-            TABLE=True, BLOCK=block, ITERS=iters, VEC=_vector(tensors[0].dtype), num_warps=WARPS,
+        _loaded().scale_kernel[(launch.table.shape[0],)](
+            tensors[launch.base], 0, launch.table, factor,
+            TABLE=True, BLOCK=launch.block, ITERS=launch.iters, VEC=_vector(tensors[0].dtype), num_warps=WARPS,
         )
 
 
@@ -232,11 +235,30 @@ def _check(tensors: Sequence[torch.Tensor], checked: bool) -> None:
             )
 
 
-def _plan_of(
-    tensors: Sequence[torch.Tensor], sizes: tuple[array[int], array[int]] | None, chunk: int
-) -> tuple[int, torch.Tensor | None]:
-    """The launch table of ``tensors`` and the index of its base tensor, kept by addresses and sizes
-    (:class:`_Tables`)."""
+@attrs.frozen(slots=True)
+class Launch:
+    """The programs of one launch over a list of tensors: the index of the tensor at the lowest address (the
+    kernel's base), the table of each program's first element after it and element count (``None``: no
+    elements), and the ``block`` and ``iters`` the table was cut for."""
+
+    base: int
+    table: torch.Tensor | None
+    block: int
+    iters: int
+
+
+def launch_of(
+    tensors: Sequence[torch.Tensor],
+    sizes: tuple[array[int], array[int]] | None = None,
+    *,
+    block: int = BLOCK,
+    iters: int = ITERS,
+) -> Launch:
+    """The launch over ``tensors`` (one device and dtype; ``sizes``: their addresses and element counts, when the
+    caller has them). The table is a function of the addresses and sizes only: built once per distinct (device,
+    dtype, addresses, sizes), vectorised on the host, pinned and copied without a host sync, and kept on the
+    device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to the device; a caller that
+    keeps the launch itself (:mod:`pgregistry.grad_stats._local`'s kept plans) skips even the lookup."""
     import torch
 
     if sizes is None:
@@ -244,11 +266,12 @@ def _plan_of(
                  array("q", list(map(torch.Tensor.numel, tensors))))
     addresses, numels = sizes
     device, dtype = tensors[0].device, tensors[0].dtype
-    key = (device, dtype, chunk, addresses.tobytes() + numels.tobytes())
-    plan = _TABLES.get(key)
-    if plan is None:
-        plan = _TABLES.put(key, _table(addresses, numels, dtype, device, chunk))
-    return plan
+    key = (device, dtype, block, iters, addresses.tobytes() + numels.tobytes())
+    launch = _TABLES.get(key)
+    if launch is None:
+        base, table = _table(addresses, numels, dtype, device, block * iters)
+        launch = _TABLES.put(key, Launch(base, table, block, iters))
+    return launch
 
 
 def _table(
@@ -295,15 +318,15 @@ class _Tables:
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._tables: OrderedDict[Hashable, tuple[int, torch.Tensor | None]] = OrderedDict()
+        self._tables: OrderedDict[Hashable, Launch] = OrderedDict()
 
-    def get(self, key: Hashable) -> tuple[int, torch.Tensor | None] | None:
+    def get(self, key: Hashable) -> Launch | None:
         plan = self._tables.get(key)
         if plan is not None:
             self._tables.move_to_end(key)
         return plan
 
-    def put(self, key: Hashable, plan: tuple[int, torch.Tensor | None]) -> tuple[int, torch.Tensor | None]:
+    def put(self, key: Hashable, plan: Launch) -> Launch:
         self._tables[key] = plan
         while len(self._tables) > self._size:
             self._tables.popitem(last=False)

@@ -84,15 +84,16 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
 
 @attrs.frozen(slots=True)
 class KindPlan:
-    """How one kind's tensors are read, by position in the list: those the kernel reads (``kernel``, with their
-    addresses and sizes for its launch table), and the rest, read by torch on the device or, on the host, in blocks
-    (``blocks``: the tensors to concatenate, each block at most :data:`HOST_FLAT` elements of tensors of one trailing
-    shape, so ``torch.cat`` takes them without a view each; or one large tensor, read in place)."""
+    """How one kind's tensors are read, by position in the list: those the kernel reads (``kernel``, and the
+    ``launch`` over them, :func:`~pgregistry.grad_stats._fused.launch_of`), and the rest, read by torch on the
+    device or, on the host, in blocks (``blocks``: the tensors to concatenate, each block at most
+    :data:`HOST_FLAT` elements of tensors of one trailing shape, so ``torch.cat`` takes them without a view each;
+    or one large tensor, read in place)."""
 
     device: torch.device
     dtype: torch.dtype
     kernel: tuple[int, ...]
-    sizes: tuple[array[int], array[int]] | None
+    launch: _fused.Launch | None
     rest: tuple[int, ...]
     blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]
 
@@ -111,7 +112,7 @@ def plan_kind(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torc
             rest = tuple(index for index in everything if not contiguous[index])
         read = [tensors[index] for index in kernel] if rest else tensors
         sizes = (array("q", list(map(torch.Tensor.data_ptr, read))), array("q", list(map(torch.Tensor.numel, read))))
-        return KindPlan(device, dtype, kernel, sizes if kernel else None, rest, ())
+        return KindPlan(device, dtype, kernel, _fused.launch_of(read, sizes) if kernel else None, rest, ())
     blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...] = ()
     if device.type == "cpu":
         blocks = _host_blocks(tensors)
@@ -151,7 +152,8 @@ def read_kind(
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
     if plan.kernel:
         read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
-        squares, zeros = _fused.squares_and_zeros(read, checked=True, sizes=plan.sizes)
+        assert plan.launch is not None
+        squares, zeros = _fused.read_over(read, plan.launch)
         parts.append(make_part(squares if wanted.p == 2.0 else None, zeros if wanted.zeros else None, device))
     if plan.blocks:
         parts.append(_host_part(rest, plan, wanted, device))
@@ -267,7 +269,8 @@ def scale_kind(tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: to
         plan = plan_kind(tensors, device, tensors[0].dtype)
     if plan.kernel:
         read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
-        _fused.scale_(read, coeff, checked=True, sizes=plan.sizes)
+        assert plan.launch is not None
+        _fused.scale_over_(read, plan.launch, coeff)
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
     if not rest or (coeff.device.type == "cpu" and not bool(coeff < 1.0)):
         return

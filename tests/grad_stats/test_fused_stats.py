@@ -93,16 +93,16 @@ def _in_interpreter() -> dict[str, Any]:
     # non-contiguous one take torch's route beside it.
     local.one_read_applies = lambda device, dtype: dtype in DTYPES  # type: ignore[assignment]
     read: list[int] = []
-    real = fused_stats.squares_and_zeros
+    real = fused_stats.read_over
 
-    def counting(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def counting(tensors: list[torch.Tensor], launch: fused_stats.Launch) -> tuple[torch.Tensor, torch.Tensor]:
         read.append(len(tensors))
-        return real(tensors, **kwargs)
+        return real(tensors, launch)
 
-    fused_stats.squares_and_zeros = counting  # type: ignore[assignment]
+    fused_stats.read_over = counting  # type: ignore[assignment]
     listed = _mixed_list()
     list_path = (float(norm_of_grads({None: listed})), int(zeros_of_grads({None: listed})), read)
-    fused_stats.squares_and_zeros = real  # type: ignore[assignment]
+    fused_stats.read_over = real  # type: ignore[assignment]
     # float32 grads whose squares fit the kernel's float32 partials but whose sum does not fit float32: summed in
     # float64 as the kernel's caller claims (the share was cast to float32 before, an infinite norm).
     huge = [torch.full((256,), 1e18 * sign) for sign in (1, -1, 1, -1)]
@@ -110,7 +110,7 @@ def _in_interpreter() -> dict[str, Any]:
     # A model through the kept classification, read by the kernel and clipped by it: twice (the second call from the
     # kept plan and launch tables), then clipped below its norm.
     launches: list[str] = []
-    real_scale = fused_stats.scale_
+    real_scale = fused_stats.scale_over_
 
     def counted(name: str, function: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -119,13 +119,13 @@ def _in_interpreter() -> dict[str, Any]:
 
         return call
 
-    fused_stats.squares_and_zeros = counted("read", real)  # type: ignore[assignment]
-    fused_stats.scale_ = counted("scale", real_scale)  # type: ignore[assignment]
+    fused_stats.read_over = counted("read", real)  # type: ignore[assignment]
+    fused_stats.scale_over_ = counted("scale", real_scale)  # type: ignore[assignment]
     model = _model()
     through_model = [tuple(map(float, grad_norm_and_zeros(model, OFF))) for _ in range(2)]
     returned = float(clip_grad_norm_(model, 0.5, OFF))
     clipped = [param.grad.clone() for param in model.parameters()]
-    fused_stats.squares_and_zeros, fused_stats.scale_ = real, real_scale  # type: ignore[assignment]
+    fused_stats.read_over, fused_stats.scale_over_ = real, real_scale  # type: ignore[assignment]
     return {
         "spans": spans,
         "tables": tables,
