@@ -65,15 +65,22 @@ _UNCOUNTED: Final = object()
 """The target of a grad this rank does not count (``None`` is a reduction group: the axis is off)."""
 
 
-def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
-    """A function taking the items at ``indices`` from a sequence, at C speed."""
+def _picker(indices: Sequence[int], size: int | None = None) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function taking the items at ``indices`` from a sequence (of ``size`` items where known), at C speed;
+    where ``indices`` are all of them in order, the list itself (no copy: callers never change what it gives)."""
     if not indices:
         return lambda items: []
+    if size == len(indices) and all(map(operator.eq, indices, range(size))):
+        return _whole
     if len(indices) == 1:
         index = indices[0]
         return lambda items: [items[index]]
     getter = operator.itemgetter(*indices)
     return lambda items: list(getter(items))
+
+
+def _whole(items: Sequence[Any]) -> list[Any]:
+    return items if type(items) is list else list(items)
 
 
 def _same(a: Sequence[object], b: Sequence[object]) -> bool:
@@ -102,7 +109,8 @@ class _Layout:
     """(target, positions among the pieces): a reduction group, or ``(field, slot)`` summed over a field first."""
     fields: dict[GroupName, ProcessGroup | None]
     reads_by_kernel: bool = False
-    sizes: tuple[list[int], list[int], list[bool] | None] | None = None
+    facts: list[tuple[int, ...]] | None = None
+    """Each piece's address, size and (where the kernel reads) contiguity: what the reads depend on."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
 
@@ -142,25 +150,31 @@ class Plan:
 
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
         """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""
-        grads = list(map(_GRAD, params))
+        grads = _grads_of(params)
         types = list(map(type, grads))
         layout = self._layout
         if layout is None or types != layout.types:
             layout = self._layout = self._make_layout(params, grads, types)
         dtensors = layout.take_dtensor(grads)
-        if dtensors and not _same(specs := list(map(_SPEC, dtensors)), layout.specs):
-            if any(a != b for a, b in zip(specs, layout.specs, strict=True)):
-                layout = self._layout = self._make_layout(params, grads, types)
-            else:
-                layout.specs = specs
-        pieces: list[torch.Tensor] = layout.take_plain(grads) + list(map(_LOCAL, dtensors))
+        locals_: list[torch.Tensor] = []
+        if dtensors:  # each DTensor's spec and local tensor read together: its object is fetched once
+            both = list(chain.from_iterable(zip(map(_SPEC, dtensors), map(_LOCAL, dtensors), strict=True)))
+            specs, locals_ = both[0::2], both[1::2]
+            if not _same(specs, layout.specs):
+                if any(a != b for a, b in zip(specs, layout.specs, strict=True)):
+                    layout = self._layout = self._make_layout(params, grads, types)
+                else:
+                    layout.specs = specs
         partial = [(index, name, grads[index]) for index, name, _ in layout.partial]
-        pieces += [_LOCAL(grad) for _, _, grad in partial]
-        sizes = _sizes(pieces, layout.reads_by_kernel)
-        if sizes is None:
-            self._make_layout(params, grads, types)  # raises, naming the grad without storage
-        if sizes != layout.sizes:
-            self._plan_kinds(layout, pieces, sizes)
+        pieces = layout.take_plain(grads)
+        if dtensors or partial:
+            pieces = [*pieces, *locals_, *(_LOCAL(grad) for _, _, grad in partial)]
+        try:
+            same = _facts(pieces, layout.reads_by_kernel) == layout.facts
+        except RuntimeError:  # a piece without storage (a sparse grad): made afresh below, which names it
+            same = False
+        if not same:
+            self._plan_kinds(layout, pieces, params, grads, types)
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
         for field, group in layout.fields.items():
@@ -220,7 +234,7 @@ class Plan:
         return _Layout(
             types=types,
             specs=[grads[index]._spec for index in dtensor],
-            take_plain=_picker(plain),
+            take_plain=_picker(plain, len(grads)),
             take_dtensor=_picker(dtensor),
             partial=partial,
             targets=list(targets.items()),
@@ -237,17 +251,40 @@ class Plan:
             return _UNCOUNTED
         return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
-    def _plan_kinds(self, layout: _Layout, pieces: list[torch.Tensor], sizes: Any) -> None:
+    def _plan_kinds(
+        self, layout: _Layout, pieces: list[torch.Tensor], params: Sequence[torch.Tensor], grads: list[Any],
+        types: list[type],
+    ) -> None:
         """Group each target's pieces (and all of them) by kind and plan their reads."""
+        try:
+            _facts(pieces, False)
+        except RuntimeError:
+            self._make_layout(params, grads, types)  # raises, naming the grad without storage
+            raise
         layout.kinds = [(target, _kinds(pieces, positions)) for target, positions in layout.targets]
         layout.every = _kinds(pieces, range(len(pieces)))
-        uses_kernel = any(kind.plan.kernel for _, kinds in layout.kinds for kind in kinds) or any(
+        layout.reads_by_kernel = any(kind.plan.kernel for _, kinds in layout.kinds for kind in kinds) or any(
             kind.plan.kernel for kind in layout.every
         )
-        if uses_kernel != layout.reads_by_kernel:
-            layout.reads_by_kernel = uses_kernel
-            sizes = _sizes(pieces, uses_kernel)
-        layout.sizes = sizes
+        layout.facts = _facts(pieces, layout.reads_by_kernel)
+
+
+def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
+    """Each parameter's ``.grad``, at C speed. torch's getter first asks a tensor subclass's ``__torch_function__``
+    (a lookup through the class, a third of the getter's cost for FSDP2's DTensor parameters, whose
+    ``__torch_function__`` is torch's disabled one); that question is skipped here: the grad is what autograd or
+    the caller stored, whatever a subclass would say about reading it."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return list(map(_GRAD, params))
+
+
+def _facts(pieces: list[torch.Tensor], contiguity: bool) -> list[tuple[int, ...]]:
+    """Each piece's address, element count and (with ``contiguity``) contiguity, in one pass: a ``zip`` of
+    ``map`` calls (C speed) reads the three piece by piece, so each tensor's metadata comes from memory once, not
+    once per pass (at 20,000 grads, separate passes were bound by those fetches). ``RuntimeError`` for a piece
+    without storage (a sparse grad)."""
+    reads = [torch.Tensor.data_ptr, torch.Tensor.numel, *([torch.Tensor.is_contiguous] if contiguity else [])]
+    return list(zip(*(map(read, pieces) for read in reads), strict=True))
 
 
 def _add(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupName, Any], groups: Any) -> None:
@@ -256,17 +293,6 @@ def _add(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupN
         shares.add_first(field, fields[field], groups, slot, part)
     else:
         shares.add(target, part)
-
-
-def _sizes(pieces: list[torch.Tensor], contiguity: bool) -> tuple[list[int], list[int], list[bool] | None] | None:
-    """The pieces' addresses, sizes and (where the kernel reads them) contiguity: what their reads depend on.
-    ``None`` when a piece has no storage (a sparse grad): the layout is then made afresh, which names it."""
-    try:
-        addresses = list(map(torch.Tensor.data_ptr, pieces))
-    except RuntimeError:
-        return None
-    contiguous = list(map(torch.Tensor.is_contiguous, pieces)) if contiguity else None
-    return addresses, list(map(torch.Tensor.numel, pieces)), contiguous
 
 
 def _kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) -> list[_Kind]:
@@ -278,7 +304,8 @@ def _kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) -> list[_Ki
     kinds = []
     for (device, dtype), (lists, indices) in grouped.items():
         tensors = cast("list[torch.Tensor]", lists[0])
-        kinds.append(_Kind(_picker([positions[i] for i in indices]), plan_kind(tensors, device, dtype)))
+        take = _picker([positions[i] for i in indices], len(pieces))
+        kinds.append(_Kind(take, plan_kind(tensors, device, dtype)))
     return kinds
 
 
@@ -330,6 +357,8 @@ class Kept:
             self._take_params = _picker([first[id(param)] for param in self.params])
             self.params = []
         self._dicts = list(map(vars, self.plan_params(source) or []))
+        self._lengths = list(map(len, self._dicts))
+        self._take_filled = _picker([index for index, length in enumerate(self._lengths) if length], len(self._dicts))
         self._roles = self._role_values()
         self.generation = role_generation()
 
@@ -349,15 +378,21 @@ class Kept:
         assert self._take_params is not None
         return self._take_params(tensors)
 
-    def _role_values(self) -> list[list[Any]]:
-        return [list(map(dict.get, self._dicts, repeat(key))) for key in ROLE_KEYS]
+    def _role_values(self) -> list[tuple[Any, ...]]:
+        """The role attributes of the parameters that had attributes when the plan was made (while every
+        parameter's attribute count is unchanged, the others still have none)."""
+        filled = self._take_filled(self._dicts)
+        return list(zip(*(map(dict.get, filled, repeat(key)) for key in ROLE_KEYS), strict=True))  # one at a time
+
+    def _same_roles(self) -> bool:
+        return list(map(len, self._dicts)) == self._lengths and self._role_values() == self._roles
 
     def current(self, source: _Source, collection: ProcessGroupCollection) -> list[torch.Tensor] | None:
         """The parameters to read if nothing the plan depends on changed, else ``None``."""
         if self.generation != role_generation() or not (collection is self.collection or collection == self.collection):
             return None
         params = self.plan_params(source)
-        if params is None or self._role_values() != self._roles:
+        if params is None or not self._same_roles():
             return None
         return params
 

@@ -128,6 +128,23 @@ def test_a_list_of_tensors_is_checked_by_identity() -> None:
     _check({"w": params[0], "b": params[1]}, [params[0].grad, params[1].grad], "a mapping")
 
 
+def test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before() -> None:
+    """The plan reads the role attributes only of parameters that had attributes when it was made, and every
+    parameter's attribute count: a role on a parameter that had none, and a role that takes the place of another
+    attribute (the count unchanged), are both seen (``shared`` copies are never counted)."""
+    model = _model()
+    _check(model, _grads(model), "first call")
+    model.a.weight.shared = True  # the first attribute of a parameter that had none
+    _check(model, [model.a.bias.grad, model.b.weight.grad, model.b.bias.grad], "a role on a bare parameter")
+    model.b.bias.note = "a plain attribute"
+    _check(model, [model.a.bias.grad, model.b.weight.grad, model.b.bias.grad], "an attribute that is no role")
+    del model.b.bias.note
+    model.b.bias.shared = True  # in the place of the other attribute: the count is the same
+    _check(model, [model.a.bias.grad, model.b.weight.grad], "a role in the place of another attribute")
+    model.a.weight.shared = False  # a role's value changed
+    _check(model, [model.a.weight.grad, model.a.bias.grad, model.b.weight.grad], "a role's value changed")
+
+
 def test_clipping_twice_clips_from_the_current_grads() -> None:
     model = _model()
     norm = _oracle(_grads(model))[0]
