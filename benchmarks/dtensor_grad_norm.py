@@ -11,7 +11,10 @@ this run:
 - ``pgregistry grad_norm``: :func:`pgregistry.grad_stats.grad_norm` over the model and its collection, as a
   training loop calls it (the classification kept between calls; the local pieces read by the one-read kernel on
   CUDA, the placement reductions after);
-- ``pgregistry grad_norm_and_zeros``: both statistics from that one read.
+- ``pgregistry grad_norm_and_zeros``: both statistics from that one read;
+- ``floor (metadata reads)``: what any call that reads the grads as they are now must do per grad, and nothing
+  else (host time): each ``param.grad``, its spec and local tensor, the local tensor's address, element count and
+  contiguity. It bounds what the host work of a call can be brought down to.
 
 Columns: milliseconds (median of ``--repeat`` after ``--warmup``; CUDA events on a GPU), speed-up over torch's.
 Exits 1 if the two norms disagree (relative 1e-5). One process runs as a world of 1; under torchrun, all ranks.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import sys
 from pathlib import Path
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", type=int, help="grad bytes per rank (default: 2 GiB on CUDA, 8 MiB on CPU)")
     parser.add_argument("--tensors", type=int, help="grads per rank (default: 2,000 on CUDA, 200 on CPU)")
     parser.add_argument("--repeat", type=int, help="timed runs per figure (default: 20 on CUDA, 5 on CPU)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     init(args.device)
@@ -103,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     def ours() -> torch.Tensor:
         return grad_norm(model, pg)
 
+    params = list(model.parameters())
+
+    def floor() -> list[tuple[int, int, bool]]:
+        locals_ = list(map(operator.attrgetter("_local_tensor"), map(operator.attrgetter("grad"), params)))
+        reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
+        return list(zip(*(map(read, locals_) for read in reads), strict=True))
+
     theirs_value, ours_value = float(torch_norm()), float(ours())
     both_value = float(grad_norm_and_zeros(model, pg)[0])
     timings = {
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "pgregistry grad_norm_and_zeros": measure(lambda: grad_norm_and_zeros(model, pg), device, args.warmup,
                                                   repeat)[0],
     }
+    floor_ms = measure(floor, torch.device("cpu"), args.warmup, repeat)[0]
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name(device) if cuda else "CPU"
         print(f"DTensor grad norm (fully_shard): {world} rank(s), {name}, torch {torch.__version__}, "
@@ -120,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         base = timings["torch get_total_norm(foreach=True)"]
         for row, ms in timings.items():
             print(f"{row:40s} {ms:10.3f} {base / ms:8.2f}x")
+        print(f"{'floor (metadata reads, host time)':40s} {floor_ms:10.3f}")
         print(f"norms: torch {theirs_value:.6f}, pgregistry {ours_value:.6f}, one read {both_value:.6f}")
     agree = all(math.isclose(theirs_value, value, rel_tol=1e-5) for value in (ours_value, both_value))
     registry.destroy()
