@@ -345,10 +345,10 @@ class Kept:
         self.params = [param for _, param in params.named]
         self._chunk_refs = [weakref.ref(chunk) for chunk in source.chunks[1:]]
         modules = list(dict.fromkeys(chain.from_iterable(chunk.modules() for chunk in source.chunks)))
-        self._module_dicts = list(map(_MODULES, modules))
-        self._children = list(chain.from_iterable(map(dict.values, self._module_dicts)))
-        self._param_dicts = list(map(_PARAMETERS, modules))
-        self._slots = list(chain.from_iterable(map(dict.values, self._param_dicts)))
+        self._holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
+        self._holder_lengths = list(map(len, self._holders))
+        self._full_holders = [holder for holder in self._holders if holder]
+        self._held = self._held_now()
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
         if source.tensors is not None:  # the plan must not keep a list's tensors alive: weak references
@@ -358,7 +358,7 @@ class Kept:
             self.params = []
         self._dicts = list(map(vars, self.plan_params(source) or []))
         self._lengths = list(map(len, self._dicts))
-        self._take_filled = _picker([index for index, length in enumerate(self._lengths) if length], len(self._dicts))
+        self._filled = [attributes for attributes in self._dicts if attributes]
         self._roles = self._role_values()
         self.generation = role_generation()
 
@@ -369,20 +369,26 @@ class Kept:
                 return None
             if not _same(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            children = list(chain.from_iterable(map(dict.values, self._module_dicts)))
-            slots = list(chain.from_iterable(map(dict.values, self._param_dicts)))
-            return self.params if _same(children, self._children) and _same(slots, self._slots) else None
+            same = list(map(len, self._holders)) == self._holder_lengths and _same(self._held_now(), self._held)
+            return self.params if same else None
         tensors = source.tensors
         if tensors is None or not _same(tensors, list(map(operator.call, self._tensor_refs))):
             return None
         assert self._take_params is not None
         return self._take_params(tensors)
 
+    def _held_now(self) -> list[Any]:
+        """What the modules' child and parameter dictionaries that were not empty when the plan was made hold now,
+        in order. With every dictionary's length unchanged, the empty ones are still empty (most: a leaf module has
+        no children, a container no parameters) and equal flattened contents mean equal contents, dictionary by
+        dictionary."""
+        return list(chain.from_iterable(map(dict.values, self._full_holders)))
+
     def _role_values(self) -> list[tuple[Any, ...]]:
         """The role attributes of the parameters that had attributes when the plan was made (while every
         parameter's attribute count is unchanged, the others still have none)."""
-        filled = self._take_filled(self._dicts)
-        return list(zip(*(map(dict.get, filled, repeat(key)) for key in ROLE_KEYS), strict=True))  # one at a time
+        gets = (map(dict.get, self._filled, repeat(key)) for key in ROLE_KEYS)
+        return list(zip(*gets, strict=True))  # a parameter's four at a time
 
     def _same_roles(self) -> bool:
         return list(map(len, self._dicts)) == self._lengths and self._role_values() == self._roles

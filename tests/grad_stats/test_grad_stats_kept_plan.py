@@ -83,11 +83,12 @@ def test_a_changed_parameter_set_is_seen() -> None:
     for seed, param in enumerate(model.c.parameters(), start=12):
         param.grad = _fill(param, seed)
     _check(model, _grads(model), "a submodule added")
+    inner = nn.Linear(1, 7)  # made before the next call: making a module registers parameters, which is seen
+    for seed, param in enumerate(inner.parameters(), start=14):
+        param.grad = _fill(param, seed)
     del model.c
     _check(model, _grads(model), "a submodule removed")
-    model.a._modules["inner"] = nn.Linear(1, 7)  # a submodule behind the module's back
-    for seed, param in enumerate(model.a.inner.parameters(), start=14):
-        param.grad = _fill(param, seed)
+    model.a._modules["inner"] = inner  # a submodule behind the module's back, into a dictionary that was empty
     _check(model, _grads(model), "a submodule registered in the module's dictionary")
 
 
