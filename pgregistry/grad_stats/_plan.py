@@ -61,6 +61,9 @@ _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
 
 
+_NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
+"""Whether a parameter's attribute dictionary holds none of :data:`ROLE_KEYS`."""
+
 _UNCOUNTED: Final = object()
 """The target of a grad this rank does not count (``None`` is a reduction group: the axis is off)."""
 
@@ -356,9 +359,10 @@ class Kept:
             first = {id(tensor): position for position, tensor in reversed(list(enumerate(source.tensors)))}
             self._take_params = _picker([first[id(param)] for param in self.params])
             self.params = []
-        self._dicts = list(map(vars, self.plan_params(source) or []))
-        self._lengths = list(map(len, self._dicts))
-        self._filled = [attributes for attributes in self._dicts if attributes]
+        attributes = list(map(vars, self.plan_params(source) or []))
+        self._bare = [held for held in attributes if not held]
+        self._roleless = [held for held in attributes if held and _NO_ROLE(held)]
+        self._roled = [held for held in attributes if not _NO_ROLE(held)]
         self._roles = self._role_values()
         self.generation = role_generation()
 
@@ -385,13 +389,18 @@ class Kept:
         return list(chain.from_iterable(map(dict.values, self._full_holders)))
 
     def _role_values(self) -> list[tuple[Any, ...]]:
-        """The role attributes of the parameters that had attributes when the plan was made (while every
-        parameter's attribute count is unchanged, the others still have none)."""
-        gets = (map(dict.get, self._filled, repeat(key)) for key in ROLE_KEYS)
+        gets = (map(dict.get, self._roled, repeat(key)) for key in ROLE_KEYS)
         return list(zip(*gets, strict=True))  # a parameter's four at a time
 
     def _same_roles(self) -> bool:
-        return list(map(len, self._dicts)) == self._lengths and self._role_values() == self._roles
+        """Whether every parameter's roles are those the plan was made with: parameters without attributes then
+        still have none (one ``len`` each), those whose attributes held no role still hold none (FSDP2 marks its
+        parameters with ``_is_param``), and the roles of the others are equal."""
+        return (
+            not any(map(len, self._bare))
+            and all(map(_NO_ROLE, self._roleless))
+            and self._role_values() == self._roles
+        )
 
     def current(self, source: _Source, collection: ProcessGroupCollection) -> list[torch.Tensor] | None:
         """The parameters to read if nothing the plan depends on changed, else ``None``."""

@@ -130,9 +130,10 @@ def test_a_list_of_tensors_is_checked_by_identity() -> None:
 
 
 def test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before() -> None:
-    """The plan reads the role attributes only of parameters that had attributes when it was made, and every
-    parameter's attribute count: a role on a parameter that had none, and a role that takes the place of another
-    attribute (the count unchanged), are both seen (``shared`` copies are never counted)."""
+    """The plan compares the roles only of parameters that had a role when it was made; it holds the others to
+    having no attributes (those that had none) or no role among their attributes: a role on a parameter that had
+    no attributes, a role in the place of another attribute (their count unchanged) and a role's value changed
+    are each seen (``shared`` copies are never counted)."""
     model = _model()
     _check(model, _grads(model), "first call")
     model.a.weight.shared = True  # the first attribute of a parameter that had none
