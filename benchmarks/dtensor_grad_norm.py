@@ -30,6 +30,7 @@ import math
 import operator
 import os
 import sys
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
 
     params = list(model.parameters())
 
-    def floor() -> list[tuple[int, int, bool]]:
+    def floor() -> list[int]:
         locals_ = list(map(operator.attrgetter("_local_tensor"), map(operator.attrgetter("grad"), params)))
         reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
-        return list(zip(*(map(read, locals_) for read in reads), strict=True))
+        return list(chain.from_iterable(zip(*(map(read, locals_) for read in reads), strict=True)))
 
     theirs_value, ours_value = float(torch_norm()), float(ours())
     both_value = float(grad_norm_and_zeros(model, pg)[0])

@@ -16,7 +16,7 @@ torch's call and pgregistry's alternate, run by run, so that a shared machine's 
   ``count_nonzero`` loop against ``count_zeros``;
 - ``floor``: what any call that reads the grads as they are now must do per parameter, and nothing else: each
   ``param.grad``, then each grad's address, element count and contiguity (a kept launch table is only valid for
-  those), in one pass each at C speed. No statistic is computed; the row bounds what the host work of a call can
+  those), grad by grad at C speed into one flat list (nothing the garbage collector tracks). No statistic is computed; the row bounds what the host work of a call can
   be brought down to (on a GPU, calls are host-bound where this floor exceeds the read of the grads).
 
 It also prints the memory the kept classification takes (Python objects, by ``tracemalloc``, and device memory),
@@ -36,6 +36,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +125,10 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
         "torch zeros (count_nonzero loop)": torch_zeros,
         "pgregistry count_zeros": lambda: count_zeros(model, OFF),
     }
-    def floor() -> list[tuple[int, int, bool]]:
+    def floor() -> list[int]:
         grads_now = list(map(operator.attrgetter("grad"), params))
         reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
-        return list(zip(*(map(read, grads_now) for read in reads), strict=True))
+        return list(chain.from_iterable(zip(*(map(read, grads_now) for read in reads), strict=True)))
 
     values = {
         "torch": (float(torch_norm()), int(torch_zeros())),

@@ -112,7 +112,7 @@ class _Layout:
     """(target, positions among the pieces): a reduction group, or ``(field, slot)`` summed over a field first."""
     fields: dict[GroupName, ProcessGroup | None]
     reads_by_kernel: bool = False
-    facts: list[tuple[int, ...]] | None = None
+    facts: list[int] | None = None
     """Each piece's address, size and (where the kernel reads) contiguity: what the reads depend on."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -281,13 +281,14 @@ def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
         return list(map(_GRAD, params))
 
 
-def _facts(pieces: list[torch.Tensor], contiguity: bool) -> list[tuple[int, ...]]:
-    """Each piece's address, element count and (with ``contiguity``) contiguity, in one pass: a ``zip`` of
-    ``map`` calls (C speed) reads the three piece by piece, so each tensor's metadata comes from memory once, not
-    once per pass (at 20,000 grads, separate passes were bound by those fetches). ``RuntimeError`` for a piece
-    without storage (a sparse grad)."""
+def _facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
+    """Each piece's address, element count and (with ``contiguity``) contiguity, one piece after another in one
+    flat list: the reads go piece by piece (a ``zip`` of ``map`` calls, C speed), so each tensor's metadata comes
+    from memory once, not once per pass (at 20,000 grads, separate passes were bound by those fetches), and the flat
+    list allocates nothing the garbage collector tracks (a tuple a piece set off a few dozen collections a call).
+    ``RuntimeError`` for a piece without storage (a sparse grad)."""
     reads = [torch.Tensor.data_ptr, torch.Tensor.numel, *([torch.Tensor.is_contiguous] if contiguity else [])]
-    return list(zip(*(map(read, pieces) for read in reads), strict=True))
+    return list(chain.from_iterable(zip(*(map(read, pieces) for read in reads), strict=True)))
 
 
 def _add(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupName, Any], groups: Any) -> None:
@@ -388,9 +389,10 @@ class Kept:
         dictionary."""
         return list(chain.from_iterable(map(dict.values, self._full_holders)))
 
-    def _role_values(self) -> list[tuple[Any, ...]]:
+    def _role_values(self) -> list[Any]:
+        """The roles of the parameters that had one, a parameter's four after another (as :func:`_facts`)."""
         gets = (map(dict.get, self._roled, repeat(key)) for key in ROLE_KEYS)
-        return list(zip(*gets, strict=True))  # a parameter's four at a time
+        return list(chain.from_iterable(zip(*gets, strict=True)))
 
     def _same_roles(self) -> bool:
         """Whether every parameter's roles are those the plan was made with: parameters without attributes then
