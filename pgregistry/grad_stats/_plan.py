@@ -15,10 +15,15 @@ parameters that was most of a call. :class:`Plan` does it once for named paramet
 A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
 DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
-on: the collection, the parameter set (every module's children and parameters, by identity), the roles (the
-classification's role attributes of every parameter, and :func:`~pgregistry.params.role_generation` for marks made
-with the helpers). Anything that differs makes a new plan. Memory: a plan keeps references, a few per parameter,
-and the small launch tables of the one-read kernel (``docs/performance.md`` states the measured size).
+on: the collection, the parameter set (every module's child and parameter dictionaries by length, the contents of
+those that held something by identity), the roles (the classification's role attributes of the parameters that had
+one; the others held to no attributes, or to no role among them; :func:`~pgregistry.params.role_generation` for
+marks made with the helpers). Anything that differs makes a new plan.
+
+At 20,000 parameters a call is bound by fetching each object's memory, not by the Python around it, so every check
+reads each object once (several facts of one tensor read together, into flat lists the garbage collector does not
+track). Memory: a plan keeps references, a few per parameter, and the launch tables of the one-read kernel
+(``docs/performance.md`` states the measured size and the floor of what a call must read).
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ _UNCOUNTED: Final = object()
 """The target of a grad this rank does not count (``None`` is a reduction group: the axis is off)."""
 
 
-def _picker(indices: Sequence[int], size: int | None = None) -> Callable[[Sequence[Any]], list[Any]]:
-    """A function taking the items at ``indices`` from a sequence (of ``size`` items where known), at C speed;
+def _picker(indices: Sequence[int], size: int) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function taking the items at ``indices`` from a sequence of ``size`` items, at C speed;
     where ``indices`` are all of them in order, the list itself (no copy: callers never change what it gives)."""
     if not indices:
         return lambda items: []
@@ -238,7 +243,7 @@ class Plan:
             types=types,
             specs=[grads[index]._spec for index in dtensor],
             take_plain=_picker(plain, len(grads)),
-            take_dtensor=_picker(dtensor),
+            take_dtensor=_picker(dtensor, len(grads)),
             partial=partial,
             targets=list(targets.items()),
             fields=fields,
@@ -358,7 +363,7 @@ class Kept:
         if source.tensors is not None:  # the plan must not keep a list's tensors alive: weak references
             self._tensor_refs = [weakref.ref(tensor) for tensor in source.tensors]
             first = {id(tensor): position for position, tensor in reversed(list(enumerate(source.tensors)))}
-            self._take_params = _picker([first[id(param)] for param in self.params])
+            self._take_params = _picker([first[id(param)] for param in self.params], len(source.tensors))
             self.params = []
         attributes = list(map(vars, self.plan_params(source) or []))
         self._bare = [held for held in attributes if not held]
