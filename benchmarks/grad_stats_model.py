@@ -16,8 +16,9 @@ torch's call and pgregistry's alternate, run by run, so that a shared machine's 
   ``count_nonzero`` loop against ``count_zeros``;
 - ``floor``: what any call that reads the grads as they are now must do per parameter, and nothing else: each
   ``param.grad``, then each grad's address, element count and contiguity (a kept launch table is only valid for
-  those), grad by grad at C speed into one flat list (nothing the garbage collector tracks). No statistic is computed; the row bounds what the host work of a call can
-  be brought down to (on a GPU, calls are host-bound where this floor exceeds the read of the grads).
+  those), grad by grad at C speed into one flat list (nothing the garbage collector tracks). No statistic is
+  computed; the row bounds what the host work of a call can be brought down to (on a GPU, calls are host-bound
+  where this floor exceeds the read of the grads).
 
 It also prints the memory the kept classification takes (Python objects, by ``tracemalloc``, and device memory),
 per parameter. Exits 1 if a pgregistry value disagrees with torch's (relative 1e-4 for float32, 1e-2 for bf16, the
