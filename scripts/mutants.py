@@ -89,6 +89,33 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="kept-plan-misses-a-submodule",
+        bug="a kept classification misses a submodule registered behind a module's back into an empty dictionary",
+        file="pgregistry/grad_stats/_plan.py",
+        find="same = list(map(len, self._holders)) == self._holder_lengths and _same(self._held_now(), self._held)",
+        replace="same = _same(self._held_now(), self._held)",
+        tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_a_changed_parameter_set_is_seen",),
+    ),
+    Mutant(
+        name="kept-plan-misses-a-role",
+        bug="a kept classification misses a role set as an attribute in the place of another attribute",
+        file="pgregistry/grad_stats/_plan.py",
+        find="and all(map(_NO_ROLE, self._roleless))",
+        replace="and True",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before",
+        ),
+    ),
+    Mutant(
+        name="kept-plan-misses-new-storage",
+        bug="a kept classification reads the old addresses after a grad was re-pointed at storage of another shape",
+        file="pgregistry/grad_stats/_plan.py",
+        find="same = _facts(pieces, layout.reads_by_kernel) == layout.facts",
+        replace="same = layout.facts is not None",
+        tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
+    ),
+    Mutant(
         name="allowlist-written-in-place",
         bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
         file="pgregistry/allowlist/_storage.py",
