@@ -8,12 +8,24 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
 
-__all__ = ["GiB", "MiB", "Target", "describe_device", "fill_", "finish", "measure", "selected_device", "tensor_sizes"]
+__all__ = [
+    "GiB",
+    "MiB",
+    "Target",
+    "describe_device",
+    "fill_",
+    "finish",
+    "measure",
+    "metadata_reads",
+    "selected_device",
+    "tensor_sizes",
+]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -62,6 +74,14 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: in
     torch.cuda.synchronize(device)
     peak = (torch.cuda.max_memory_allocated(device) - before) / MiB
     return statistics.median(s.elapsed_time(e) for s, e in events), peak
+
+
+def metadata_reads(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's address, element count and contiguity, tensor by tensor at C speed into one flat list (nothing
+    the garbage collector tracks): with the reads of ``.grad`` before it, the benchmarks' floor, what any call that
+    reads the grads as they are now must do on the host."""
+    reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
+    return list(chain.from_iterable(zip(*(map(read, tensors) for read in reads), strict=True)))
 
 
 def selected_device(name: str) -> torch.device:

@@ -30,26 +30,21 @@ import math
 import operator
 import os
 import sys
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-for path in (REPO, REPO / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from grad_stats import fill_, measure, tensor_sizes  # noqa: E402  (benchmarks/grad_stats.py)
 
+from benchmarks.common import GiB, MiB, fill_, measure, metadata_reads, tensor_sizes  # noqa: E402
 from pgregistry import registry  # noqa: E402
 from pgregistry.grad_stats import grad_norm, grad_norm_and_zeros  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.mesh import to_device_mesh  # noqa: E402
-
-GiB = 1 << 30
-MiB = 1 << 20
 
 
 def init(device_type: str) -> None:
@@ -111,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     params = list(model.parameters())
 
     def floor() -> list[int]:
-        locals_ = list(map(operator.attrgetter("_local_tensor"), map(operator.attrgetter("grad"), params)))
-        reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
-        return list(chain.from_iterable(zip(*(map(read, locals_) for read in reads), strict=True)))
+        return metadata_reads(list(map(operator.attrgetter("_local_tensor"), map(operator.attrgetter("grad"), params))))
 
     theirs_value, ours_value = float(torch_norm()), float(ours())
     both_value = float(grad_norm_and_zeros(model, pg)[0])

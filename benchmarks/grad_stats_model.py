@@ -37,7 +37,6 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,17 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import GiB, Target, describe_device, fill_, finish, measure, selected_device, tensor_sizes  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    GiB,
+    Target,
+    describe_device,
+    fill_,
+    finish,
+    measure,
+    metadata_reads,
+    selected_device,
+    tensor_sizes,
+)
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import _fused as fused  # noqa: E402
 from pgregistry.grad_stats import _plan as plans  # noqa: E402
@@ -127,9 +136,7 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
         "pgregistry count_zeros": lambda: count_zeros(model, OFF),
     }
     def floor() -> list[int]:
-        grads_now = list(map(operator.attrgetter("grad"), params))
-        reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
-        return list(chain.from_iterable(zip(*(map(read, grads_now) for read in reads), strict=True)))
+        return metadata_reads(list(map(operator.attrgetter("grad"), params)))
 
     values = {
         "torch": (float(torch_norm()), int(torch_zeros())),
