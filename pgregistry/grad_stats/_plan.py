@@ -179,10 +179,11 @@ class Plan:
             pieces = [*pieces, *locals_, *(_LOCAL(grad) for _, _, grad in partial)]
         try:
             same = _facts(pieces, layout.reads_by_kernel) == layout.facts
-        except RuntimeError:  # a piece without storage (a sparse grad): made afresh below, which names it
-            same = False
+        except RuntimeError:  # a piece without storage (a sparse grad)
+            self._make_layout(params, grads, types)  # raises, naming it
+            raise
         if not same:
-            self._plan_kinds(layout, pieces, params, grads, types)
+            self._plan_kinds(layout, pieces)
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
         for field, group in layout.fields.items():
@@ -259,16 +260,9 @@ class Plan:
             return _UNCOUNTED
         return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
-    def _plan_kinds(
-        self, layout: _Layout, pieces: list[torch.Tensor], params: Sequence[torch.Tensor], grads: list[Any],
-        types: list[type],
-    ) -> None:
+    @staticmethod
+    def _plan_kinds(layout: _Layout, pieces: list[torch.Tensor]) -> None:
         """Group each target's pieces (and all of them) by kind and plan their reads."""
-        try:
-            _facts(pieces, False)
-        except RuntimeError:
-            self._make_layout(params, grads, types)  # raises, naming the grad without storage
-            raise
         layout.kinds = [(target, _kinds(pieces, positions)) for target, positions in layout.targets]
         layout.every = _kinds(pieces, range(len(pieces)))
         layout.reads_by_kernel = any(kind.plan.kernel for _, kinds in layout.kinds for kind in kinds) or any(

@@ -143,6 +143,13 @@ def test_sparse_grads_are_refused_naming_the_parameter() -> None:
                  lambda: clip_grad_norm_(model, 1.0, off)):
         with pytest.raises(TypeError, match=r"the grad of 'embedding\.weight' is torch\.sparse_coo .*need dense"):
             call()
+    # A grad that turns sparse after a kept plan was made for a dense one is refused alike.
+    model.embedding.weight.grad = torch.ones(10, 4)
+    assert float(grad_norm(model, off)) == pytest.approx(40**0.5)
+    model.embedding.weight.grad = None
+    model.embedding(torch.tensor([3])).sum().backward()
+    with pytest.raises(TypeError, match=r"the grad of 'embedding\.weight' is torch\.sparse_coo .*need dense"):
+        grad_norm(model, off)
 
 
 # ------------------------------------------------------------------------------------- one verdict for the job
