@@ -76,7 +76,8 @@ from pgregistry._toy_models import (  # noqa: E402
 from pgregistry.cli._options import positive_seconds  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
-from pgregistry.grad_stats._fused import fused_stats_available, scale_  # noqa: E402
+from pgregistry.grad_stats._fused import clip_over_, fused_stats_available, launch_of, scale_  # noqa: E402
+from pgregistry.grad_stats._reductions import clip_coefficient  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import (  # noqa: E402
     ElementwiseRule,
@@ -302,6 +303,15 @@ def scale_kernel_checks(device: torch.device) -> list[Check]:
         unchanged = all(torch.equal(a, b) for a, b in zip(tensors, kept, strict=True))
         checks.append((f"clip kernel, {dtype}: torch's _foreach_mul_ bit for bit; a coefficient of 1 changes nothing",
                        exact and unchanged, f"scaled {'exact' if exact else 'DIFFER'}, one {unchanged}"))
+        from_norm = []
+        for max_norm, norm in ((1.0, 2.7), (0.123456789, 3.3), (1.0, 1.0), (0.5, math.inf)):
+            norm64 = torch.tensor(norm, dtype=torch.float64, device=device)
+            ours, theirs = [t.clone() for t in kept], [t.clone() for t in kept]
+            clip_over_(ours, launch_of(ours), max_norm, norm64)
+            torch._foreach_mul_(theirs, clip_coefficient(max_norm, norm64))
+            from_norm.append(all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)))
+        checks.append((f"clip kernel from the norm, {dtype}: torch's coefficient and _foreach_mul_ bit for bit",
+                       all(from_norm), f"cases exact: {from_norm}"))
     return checks
 
 

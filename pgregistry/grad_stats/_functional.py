@@ -26,7 +26,7 @@ from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
 from pgregistry.grad_stats._plan import kept_plan
-from pgregistry.grad_stats._reductions import Reduced, Wanted, check_max_norm, clip_coefficient, reduce_shares
+from pgregistry.grad_stats._reductions import Clipping, Reduced, Wanted, check_max_norm, reduce_shares
 
 __all__ = [
     "check_expert_classification",
@@ -101,7 +101,7 @@ def _statistics(
     if max_norm is not None:
         assert reduced.norm64 is not None
         check_finite(reduced.norm64, error_if_nonfinite)
-        read.scale_(clip_coefficient(max_norm, reduced.norm64))
+        read.clip_(Clipping(max_norm, reduced.norm64))
     return reduced
 
 

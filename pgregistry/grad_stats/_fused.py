@@ -7,11 +7,11 @@ torch reads a tensor once per statistic, and its multi-tensor ops are bound by p
 a ``count_nonzero`` loop 500 ms (``_foreach_norm(ord=0)`` has no multi-tensor kernel either: one launch per tensor).
 The Triton kernel of :mod:`pgregistry.grad_stats._triton_kernels` reads every element once, in 16-byte vector loads
 wherever the data is 16-byte aligned, and writes per-block partials (float32 sums of ``BLOCK * ITERS`` squares at
-most, int32 zero counts), summed here in float64 and int64: the count is exact. Separate tensors are read through a
-table of each program's first element and length, one launch per (device, dtype); the table depends only on the
-tensors' addresses and sizes, so it is built once (vectorised on the host, pinned, copied without a host sync) and
-kept on the device for as long as the grads keep their storage. The host work per call is then a few passes over the
-tensors at C speed (addresses, sizes), not Python work per tensor.
+most and zero counts, as float64 pairs), summed here in float64 in one reduction: the count is exact. Separate
+tensors are read through a table of each program's first element and length, one launch per (device, dtype); the
+table depends only on the tensors' addresses and sizes, so it is built once (vectorised on the host, pinned, copied
+without a host sync) and kept on the device for as long as the grads keep their storage. The host work per call is
+then a few passes over the tensors at C speed (addresses, sizes), not Python work per tensor.
 
 Optional by design: triton (shipped with torch's CUDA wheels) is imported inside a function, and
 :func:`fused_stats_available` is False off CUDA or without it; callers then keep their torch path (the CPU path is
@@ -22,6 +22,8 @@ accumulate in float64, and other norms keep the torch path.
 from __future__ import annotations
 
 import functools
+import math
+import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -40,6 +42,8 @@ __all__ = [
     "ITERS",
     "WARPS",
     "Launch",
+    "clip_over_",
+    "float64_bits",
     "fused_stats_available",
     "launch_of",
     "one_read_applies",
@@ -83,7 +87,8 @@ def _works_on(index: int) -> bool:
 
 
 def _probe(device: torch.device) -> tuple[float, int, float, int, list[float]]:
-    """Every launch (a span, a table, scaling) over ``[0, 3, -0, 4]``: squares 25, zeros 2, halved values."""
+    """Every launch (a span, a table, scaling, clipping from a norm) over ``[0, 3, -0, 4]``: squares 25, zeros 2,
+    halved values (a NaN norm scales nothing)."""
     import torch
 
     probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
@@ -91,6 +96,8 @@ def _probe(device: torch.device) -> tuple[float, int, float, int, list[float]]:
     table_squares, table_zeros = squares_and_zeros([probe[:2], probe[2:]])
     scale_([probe[:2], probe[2:]], torch.tensor(0.5, device=device))
     scale_([probe[:2], probe[2:]], torch.tensor(1.0, device=device))
+    pieces = [probe[:2], probe[2:]]
+    clip_over_(pieces, launch_of(pieces), 1.0, torch.tensor(math.nan, dtype=torch.float64, device=device))  # no scale
     return float(squares), int(zeros), float(table_squares), int(table_zeros), probe.tolist()
 
 
@@ -118,37 +125,35 @@ def _loaded() -> ModuleType:
     return kernels
 
 
-def _finish(squares: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch
-
-    return squares.sum(dtype=torch.float64), zeros.sum(dtype=torch.int64)
-
-
 def _vector(dtype: torch.dtype) -> int:
     """Elements in 16 bytes of ``dtype``: the width of the kernel's vector loads."""
     return 16 // dtype.itemsize
 
 
-def _launch(
-    x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of ``programs`` programs (at least one) and the summed partials."""
+def _launch(x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int) -> torch.Tensor:
+    """One launch of ``programs`` programs (at least one): its pairs summed, ``[sum of squares, zeros]`` (float64)."""
     import torch
 
-    squares = torch.empty(programs, dtype=torch.float32, device=x.device)
-    zeros = torch.empty(programs, dtype=torch.int32, device=x.device)
+    pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
     with launch_on(x.device):
         _loaded().squares_and_zeros_kernel[(programs,)](
-            x, n, x if table is None else table, squares, zeros,
+            x, n, x if table is None else table, pairs,
             TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector(x.dtype), num_warps=WARPS,
         )
-    return _finish(squares, zeros)
+    return pairs.sum(0)
 
 
-def _nothing(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _nothing(device: torch.device) -> torch.Tensor:
     import torch
 
-    return torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.int64, device=device)
+    return torch.zeros(2, dtype=torch.float64, device=device)
+
+
+def _split(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair as the sum of squares (0-dim float64) and the zero count (0-dim int64)."""
+    import torch
+
+    return pair[0], pair[1].to(torch.int64)
 
 
 def span_squares_and_zeros(
@@ -159,8 +164,8 @@ def span_squares_and_zeros(
         raise ValueError(f"the one-read kernels read contiguous float32/bf16/fp16 tensors, not {view.dtype}")
     programs = -(-view.numel() // (block * iters))
     if not programs:
-        return _nothing(view.device)
-    return _launch(view, view.numel(), None, programs, block, iters)
+        return _split(_nothing(view.device))
+    return _split(_launch(view, view.numel(), None, programs, block, iters))
 
 
 def squares_and_zeros(
@@ -176,12 +181,13 @@ def squares_and_zeros(
     _check(tensors, checked)
     if len(tensors) == 1:
         return span_squares_and_zeros(tensors[0], block=block, iters=iters)
-    return read_over(tensors, launch_of(tensors, block=block, iters=iters))
+    return _split(read_over(tensors, launch_of(tensors, block=block, iters=iters)))
 
 
-def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`squares_and_zeros` of ``tensors`` through ``launch``, made for their addresses and sizes (a caller
-    that keeps it checks them; nothing is checked here)."""
+def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> torch.Tensor:
+    """The sum of squares and the zero count of ``tensors`` through ``launch``, made for their addresses and sizes
+    (a caller that keeps it checks them; nothing is checked here), as one float64 pair ``[squares, zeros]``: a part
+    of the reductions as it is (:func:`~pgregistry.grad_stats._reductions.make_part`), no operation to make it."""
     if launch.table is None:
         return _nothing(tensors[0].device)
     return _launch(tensors[launch.base], 0, launch.table, launch.table.shape[0], launch.block, launch.iters)
@@ -199,9 +205,10 @@ def scale_(
     below 1, in one launch over the statistics' launch table; where it is 1 every program returns at once, so
     clipping that does not scale reads and writes nothing, and nothing waits on the host.
 
-    The coefficient is first rounded to the tensors' dtype, then each product is computed in float32 and rounded:
-    torch's ``_foreach_mul_`` / ``mul_`` with a 0-dim CUDA coefficient casts it to the tensors' dtype (the common
-    dtype) before multiplying, and the unfused path passes it so, so every path gives torch's bits."""
+    The coefficient is first rounded to the tensors' dtype (on the device, through float32, as torch's ``.to`` of a
+    float64 tensor), then each product is computed in float32 and rounded: torch's ``_foreach_mul_`` / ``mul_`` with
+    a 0-dim CUDA coefficient casts it to the tensors' dtype (the common dtype) before multiplying, and the unfused
+    path passes it so, so every path gives torch's bits."""
     _check(tensors, checked)
     scale_over_(tensors, launch_of(tensors, block=block, iters=iters), coeff)
 
@@ -210,14 +217,37 @@ def scale_over_(tensors: Sequence[torch.Tensor], launch: Launch, coeff: torch.Te
     """:func:`scale_` of ``tensors`` through ``launch`` (as :func:`read_over`)."""
     import torch
 
+    _scale_launch(tensors, launch, coeff.to(device=tensors[0].device, dtype=torch.float64), None)
+
+
+def clip_over_(tensors: Sequence[torch.Tensor], launch: Launch, max_norm: float, norm64: torch.Tensor) -> None:
+    """Clip ``tensors`` through ``launch`` (as :func:`read_over`) by the coefficient of ``max_norm`` over the total
+    norm ``norm64`` (0-dim float64 on their device), computed by each program on the device with the bits of
+    :func:`~pgregistry.grad_stats._reductions.clip_coefficient`: no operation to make it, none to round it."""
+    _scale_launch(tensors, launch, norm64, max_norm)
+
+
+def _scale_launch(
+    tensors: Sequence[torch.Tensor], launch: Launch, value: torch.Tensor, max_norm: float | None
+) -> None:
+    """The scale kernel over ``launch``: by the coefficient ``value`` (``max_norm`` ``None``), else by clipping's
+    coefficient of ``max_norm`` over the norm ``value``."""
+    from pgregistry.grad_stats._reductions import CLIP_EPSILON
+
     if launch.table is None:
         return
-    factor = coeff.to(device=tensors[0].device, dtype=tensors[0].dtype).to(torch.float32).reshape(1)
     with launch_on(tensors[0].device):
         _loaded().scale_kernel[(launch.table.shape[0],)](
-            tensors[launch.base], 0, launch.table, factor,
-            TABLE=True, BLOCK=launch.block, ITERS=launch.iters, VEC=_vector(tensors[0].dtype), num_warps=WARPS,
+            tensors[launch.base], 0, launch.table, value, float64_bits(max_norm or 0.0), float64_bits(CLIP_EPSILON),
+            FROM_NORM=max_norm is not None, TABLE=True, BLOCK=launch.block, ITERS=launch.iters,
+            VEC=_vector(tensors[0].dtype), num_warps=WARPS,
         )
+
+
+def float64_bits(value: float) -> int:
+    """The bits of ``value`` as a float64, as a signed integer: how a float64 reaches a triton kernel exactly."""
+    bits: int = struct.unpack("<q", struct.pack("<d", value))[0]
+    return bits
 
 
 def _check(tensors: Sequence[torch.Tensor], checked: bool) -> None:

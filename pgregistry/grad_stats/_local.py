@@ -34,7 +34,7 @@ import torch
 
 from pgregistry.grad_stats import _fused
 from pgregistry.grad_stats._fused import one_read_applies
-from pgregistry.grad_stats._reductions import Wanted, make_part
+from pgregistry.grad_stats._reductions import Clipping, Wanted, make_part
 
 __all__ = [
     "HOST_BLOCK",
@@ -153,8 +153,8 @@ def read_kind(
     if plan.kernel:
         read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
         assert plan.launch is not None
-        squares, zeros = _fused.read_over(read, plan.launch)
-        parts.append(make_part(squares if wanted.p == 2.0 else None, zeros if wanted.zeros else None, device))
+        pair = _fused.read_over(read, plan.launch)  # [squares, zeros]: a 2-norm's part as it is
+        parts.append(pair if wanted.p == 2.0 else make_part(None, pair[1] if wanted.zeros else None, device))
     if plan.blocks:
         parts.append(_host_part(rest, plan, wanted, device))
         return parts
@@ -258,10 +258,11 @@ def parts_of(grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
     ]
 
 
-def scale_kind(tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor) -> None:
-    """Multiply one kind's ``tensors`` in place by ``coeff`` (0-dim float64, at most 1): the kernel over its launch
-    table (nothing where ``coeff`` is 1, decided on the device), else ``torch._foreach_mul_`` (skipped where
-    ``coeff``, on the host, is 1: scaling by exactly 1 changes no bit)."""
+def scale_kind(tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor | Clipping) -> None:
+    """Multiply one kind's ``tensors`` in place by ``coeff`` (0-dim float64, at most 1; or clipping's, made from the
+    norm): the kernel over its launch table (nothing where the coefficient is 1, decided on the device), else
+    ``torch._foreach_mul_`` (skipped where the coefficient, on the host, is 1: scaling by exactly 1 changes no
+    bit)."""
     if not tensors:
         return
     device = tensors[0].device
@@ -270,8 +271,14 @@ def scale_kind(tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: to
     if plan.kernel:
         read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
         assert plan.launch is not None
-        _fused.scale_over_(read, plan.launch, coeff)
+        if isinstance(coeff, Clipping):
+            _fused.clip_over_(read, plan.launch, coeff.max_norm, coeff.norm64.to(device))
+        else:
+            _fused.scale_over_(read, plan.launch, coeff)
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
-    if not rest or (coeff.device.type == "cpu" and not bool(coeff < 1.0)):
+    if not rest:
         return
-    torch._foreach_mul_(list(rest), coeff.to(device))
+    factor = coeff.coefficient() if isinstance(coeff, Clipping) else coeff
+    if factor.device.type == "cpu" and not bool(factor < 1.0):
+        return
+    torch._foreach_mul_(list(rest), factor.to(device))

@@ -47,7 +47,7 @@ from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, decision_of, is_partial
 from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups, is_counted, reduce_group_of, role_verdicts
 from pgregistry.grad_stats._local import KindPlan, parts_of, plan_kind, read_kind, scale_kind
-from pgregistry.grad_stats._reductions import GroupKey, Shares, Wanted
+from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted
 from pgregistry.params import role_generation
 
 if TYPE_CHECKING:
@@ -132,10 +132,10 @@ class Read:
     pieces: list[torch.Tensor]
     every: list[_Kind]
 
-    def scale_(self, coeff: torch.Tensor) -> None:
-        """Multiply every local grad by ``coeff`` (0-dim float64, at most 1), one call per kind."""
+    def clip_(self, clipping: Clipping) -> None:
+        """Scale every local grad by ``clipping``'s coefficient, one call per kind."""
         for kind in self.every:
-            scale_kind(kind.take(self.pieces), kind.plan, coeff)
+            scale_kind(kind.take(self.pieces), kind.plan, clipping)
 
 
 class Plan:

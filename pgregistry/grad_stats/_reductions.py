@@ -2,8 +2,9 @@
 
 Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`; DTensor local pieces,
 :mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry._grad_buffer`) turns them into *parts*:
-float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]``, added to a :class:`Shares` under the group
-they are summed over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished
+float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]`` (the count read only by a call that wants
+it: the one-read kernel's pair is a part as it comes), added to a :class:`Shares` under the group they are summed
+over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished
 norms. :func:`reduce_shares` then issues every collective of a call in the one agreed order and combines:
 
 1. DTensor pieces sharded over a data-parallel group (FSDP2): one all-reduce per collection field, in field order,
@@ -37,6 +38,7 @@ from pgregistry.collection import FIELD_NAMES, GroupName, group_size
 
 __all__ = [
     "CLIP_EPSILON",
+    "Clipping",
     "GradsByGroup",
     "GroupKey",
     "Reduced",
@@ -185,13 +187,15 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     reduced = _reduce_rows(rows, wanted)
     zeros = None
     if wanted.zeros:
-        zeros = torch.stack([row[_ZEROS] for row in reduced.values()]).sum() if reduced else _zeros((), device)
-        zeros = zeros.round().to(torch.int64)
+        zeros = _column_total(list(reduced.values()), _ZEROS, device).round().to(torch.int64)
     if wanted.p is None:
         return Reduced(norm64=None, zeros=zeros)
-    peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _zeros(1, device)
-    norm = peaks.amax() if wanted.infinite else peaks.sum().pow(1.0 / wanted.p)
-    flags = [_zeros(2, device)]
+    if wanted.infinite:
+        peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _zeros(1, device)
+        norm = peaks.amax()
+    else:
+        norm = _column_total(list(reduced.values()), _NORM, device).pow(1.0 / wanted.p)
+    flags = []  # each [NaN, inf] (counts, never negative: set where positive)
     if wanted.infinite and reduced:  # the rows' NaN flags (a MAX reduction does not carry a NaN itself)
         nan = torch.stack([row[_FLAG] for row in reduced.values()]).amax()
         flags.append(torch.stack([nan, torch.zeros_like(nan)]))
@@ -203,8 +207,8 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
             for group in verdict_groups:
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
             flags.append(seen)
-    if len(flags) > 1:
-        nan, inf = torch.stack(flags).amax(0)
+    if flags:
+        nan, inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
         norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, norm))
     return Reduced(norm64=norm, zeros=zeros)
 
@@ -216,6 +220,14 @@ _FLAG: Final = 2
 
 def _zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.float64, device=device)
+
+
+def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.device) -> torch.Tensor:
+    """The sum of one column over ``rows`` (0-dim float64): with one row (one reduction group, the common case) its
+    entry, with no operation to add it up."""
+    if len(rows) == 1:
+        return rows[0][column]
+    return torch.stack([row[column] for row in rows]).sum() if rows else _zeros((), device)
 
 
 def _nonfinite(value: torch.Tensor) -> torch.Tensor:
@@ -331,6 +343,23 @@ def check_max_norm(max_norm: float) -> None:
     """``ValueError`` unless ``max_norm`` is a positive finite number."""
     if not max_norm > 0 or math.isinf(max_norm):
         raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+
+
+@attrs.define(slots=True)
+class Clipping:
+    """Clipping to ``max_norm`` of grads whose total norm is ``norm64`` (0-dim float64), its coefficient not made
+    yet: the one-read scale kernel makes it on the device, from these two, with the bits of
+    :func:`clip_coefficient` (:func:`~pgregistry.grad_stats._fused.clip_over_`: no operations on the host); torch's
+    route takes :meth:`coefficient`, made once."""
+
+    max_norm: float
+    norm64: torch.Tensor
+    _coefficient: torch.Tensor | None = None
+
+    def coefficient(self) -> torch.Tensor:
+        if self._coefficient is None:
+            self._coefficient = clip_coefficient(self.max_norm, self.norm64)
+        return self._coefficient
 
 
 def clip_coefficient(max_norm: float, norm64: torch.Tensor) -> torch.Tensor:

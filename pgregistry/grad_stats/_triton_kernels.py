@@ -1,9 +1,10 @@
 """The Triton kernels of the one-read grad statistics and of clipping, :mod:`pgregistry.grad_stats._fused` (imports
 triton: import this module only inside a function, after checking that triton is importable).
 
-Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes two partials: the sum of their squares
-(float32: at most ``ITERS`` additions per lane, then a tree over the block) and the number of exact zeros (``x == 0``:
-``-0.0`` counts, NaN does not, as ``count_nonzero``). The caller sums the partials in float64 / int64.
+Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes one float64 pair: the sum of their
+squares (float32: at most ``ITERS`` additions per lane, then a tree over the block) and the number of exact zeros
+(``x == 0``: ``-0.0`` counts, NaN does not, as ``count_nonzero``; exact in float64). The caller sums the pairs in
+float64, one reduction for both statistics.
 
 Loads are 16-byte vectors wherever the compiler can prove it: a program whose first element is a multiple of ``VEC``
 elements (16 bytes) from a 16-byte aligned ``x_ptr`` reads its elements up to the last multiple of ``VEC`` with
@@ -24,8 +25,7 @@ def squares_and_zeros_kernel(
     x_ptr,
     n,
     table_ptr,
-    squares_ptr,
-    zeros_ptr,
+    pairs_ptr,
     TABLE: tl.constexpr,  # noqa: N803
     BLOCK: tl.constexpr,  # noqa: N803
     ITERS: tl.constexpr,  # noqa: N803
@@ -34,7 +34,8 @@ def squares_and_zeros_kernel(
     """Without ``TABLE``, program ``p`` reads elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)`` of the
     contiguous tensor ``x_ptr`` of ``n`` elements. With ``TABLE``, it reads ``table[p, 1]`` elements (at most
     ``BLOCK * ITERS``) from element ``table[p, 0]`` after ``x_ptr`` (``table``: int64, shape ``[programs, 2]``): any
-    number of tensors of one dtype in one launch, each addressed from ``x_ptr``."""
+    number of tensors of one dtype in one launch, each addressed from ``x_ptr``. Program ``p`` writes
+    ``pairs[p] = (sum of squares, zeros)`` (float64, shape ``[programs, 2]``)."""
     pid = tl.program_id(0)
     start, count = _extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
     if start % VEC == 0:
@@ -46,8 +47,8 @@ def squares_and_zeros_kernel(
         zeros += tail_zeros
     else:
         squares, zeros = _sums(x_ptr + start, count, BLOCK, ITERS)
-    tl.store(squares_ptr + pid, squares)
-    tl.store(zeros_ptr + pid, zeros)
+    tl.store(pairs_ptr + 2 * pid, squares.to(tl.float64))
+    tl.store(pairs_ptr + 2 * pid + 1, zeros.to(tl.float64))
 
 
 @triton.jit
@@ -79,23 +80,31 @@ def _sums(first, count, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
     return tl.sum(squares, axis=0), tl.sum(zeros, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_norm_bits", "epsilon_bits"])
 def scale_kernel(
     x_ptr,
     n,
     table_ptr,
-    coeff_ptr,
+    value_ptr,
+    max_norm_bits,
+    epsilon_bits,
+    FROM_NORM: tl.constexpr,  # noqa: N803
     TABLE: tl.constexpr,  # noqa: N803
     BLOCK: tl.constexpr,  # noqa: N803
     ITERS: tl.constexpr,  # noqa: N803
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """Multiply in place, by the float32 ``coeff_ptr[0]``, the elements program ``p`` reads in
-    :func:`squares_and_zeros_kernel` (the same grid and table), computing in float32 and rounding to the tensor's
-    dtype as torch's ``mul_`` does; nothing at all where the coefficient is not below 1 (clipping that does not
-    scale, decided on the device: no host sync, no pass over the grads)."""
+    """Multiply in place the elements program ``p`` reads in :func:`squares_and_zeros_kernel` (the same grid and
+    table) by a coefficient: the float64 ``value_ptr[0]``, or with ``FROM_NORM`` clipping's coefficient of the
+    float64 total norm ``value_ptr[0]`` (:func:`_clip_coefficient`). The coefficient is rounded to the tensor's
+    dtype through float32 (as torch's ``.to(dtype)`` of a float64 tensor), each product computed in float32 and
+    rounded to the dtype (as torch's ``mul_``); nothing at all where the rounded coefficient is not below 1
+    (clipping that does not scale, decided on the device: no host sync, no pass over the grads)."""
     pid = tl.program_id(0)
-    coeff = tl.load(coeff_ptr)
+    value = tl.load(value_ptr)
+    if FROM_NORM:
+        value = _clip_coefficient(value, max_norm_bits, epsilon_bits)
+    coeff = value.to(tl.float32).to(x_ptr.dtype.element_ty).to(tl.float32)
     if coeff < 1.0:
         start, count = _extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
         if start % VEC == 0:
@@ -105,6 +114,18 @@ def scale_kernel(
             _scale(first + body, count - body, coeff, VEC, 1)
         else:
             _scale(x_ptr + start, count, coeff, BLOCK, ITERS)
+
+
+@triton.jit
+def _clip_coefficient(norm, max_norm_bits, epsilon_bits):
+    """``max_norm / (norm + epsilon)`` clamped at 1, and 1 for a NaN or infinite norm, in float64 with torch's
+    operations of :func:`~pgregistry.grad_stats._reductions.clip_coefficient` (an addition, a reciprocal, a
+    product), so the bits are the same. ``max_norm`` and ``epsilon`` come as the bits of their float64 values
+    (:func:`~pgregistry.grad_stats._fused.float64_bits`): triton types a Python float argument as float32."""
+    max_norm = max_norm_bits.to(tl.int64).to(tl.float64, bitcast=True)  # bits below 2**31 come as int32
+    epsilon = epsilon_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    coefficient = tl.minimum(max_norm * (1.0 / (norm + epsilon)), 1.0)
+    return tl.where(norm < float("inf"), coefficient, 1.0)  # a norm is never negative: NaN and inf fail here
 
 
 @triton.jit

@@ -110,7 +110,7 @@ def _in_interpreter() -> dict[str, Any]:
     # A model through the kept classification, read by the kernel and clipped by it: twice (the second call from the
     # kept plan and launch tables), then clipped below its norm.
     launches: list[str] = []
-    real_scale = fused_stats.scale_over_
+    real_clip = fused_stats.clip_over_
 
     def counted(name: str, function: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -120,12 +120,12 @@ def _in_interpreter() -> dict[str, Any]:
         return call
 
     fused_stats.read_over = counted("read", real)  # type: ignore[assignment]
-    fused_stats.scale_over_ = counted("scale", real_scale)  # type: ignore[assignment]
+    fused_stats.clip_over_ = counted("clip", real_clip)  # type: ignore[assignment]
     model = _model()
     through_model = [tuple(map(float, grad_norm_and_zeros(model, OFF))) for _ in range(2)]
     returned = float(clip_grad_norm_(model, 0.5, OFF))
     clipped = [param.grad.clone() for param in model.parameters()]
-    fused_stats.read_over, fused_stats.scale_over_ = real, real_scale  # type: ignore[assignment]
+    fused_stats.read_over, fused_stats.clip_over_ = real, real_clip  # type: ignore[assignment]
     return {
         "spans": spans,
         "tables": tables,
@@ -135,6 +135,7 @@ def _in_interpreter() -> dict[str, Any]:
         "list": list_path,
         "large": large,
         "scaled": _scaled(),
+        "clipped": _clipped_from_norms(),
         "model": (through_model, returned, clipped, launches),
     }
 
@@ -164,6 +165,34 @@ def _scaled() -> dict[str, Any]:
             tensors = _scale_inputs(dtype)
             fused_stats.scale_(tensors, torch.tensor(coeff, dtype=torch.float64), block=64, iters=4)
             out[(str(dtype), coeff)] = tensors
+    return out
+
+
+CLIPS = (
+    (1.0, 2.7),  # a coefficient of about 0.37
+    (1.0, 1.0),  # 1 / (1 + 1e-6): below 1 in float32, 1 in bf16
+    (1.0, 1.0 - 1e-6),  # about 1: clamped
+    (1e300, 1e-300),  # far above 1: clamped
+    (5e-324, 3.0),  # the smallest float64: its bits fit int32, the kernel's argument is int32
+    (0.5, math.nan),  # a NaN norm scales nothing
+    (0.5, math.inf),  # nor an infinite one
+)
+"""(max_norm, total norm) pairs clipped by the kernel from the norm."""
+
+
+def _clipped_from_norms() -> dict[tuple[str, int], tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The scale kernel clipping from the norm (its coefficient made on the device), and the same kernel scaling by
+    the coefficient torch's route makes (``clip_coefficient``, on the host), for each of :data:`CLIPS`."""
+    from pgregistry.grad_stats._reductions import clip_coefficient
+
+    out = {}
+    for dtype in DTYPES:
+        for case, (max_norm, norm) in enumerate(CLIPS):
+            norm64 = torch.tensor(norm, dtype=torch.float64)
+            from_norm, by_coefficient = _scale_inputs(dtype), _scale_inputs(dtype)
+            fused_stats.clip_over_(from_norm, fused_stats.launch_of(from_norm, **SMALL), max_norm, norm64)
+            fused_stats.scale_(by_coefficient, clip_coefficient(max_norm, norm64), **SMALL)
+            out[(str(dtype), case)] = (from_norm, by_coefficient)
     return out
 
 
@@ -292,10 +321,29 @@ def test_the_scale_kernel_gives_torchs_bits_and_leaves_a_coefficient_of_one_alon
             assert int(apart.max()) <= ulps, (coeff, got, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clipping_from_the_norm_gives_the_bits_of_torchs_coefficient(
+    interpreted: dict[str, Any], dtype: torch.dtype
+) -> None:
+    """The kernel makes clipping's coefficient from the norm on the device: every bit as scaling by the coefficient
+    torch's route computes (``clip_coefficient``), across a clamp at 1, float32 against bf16 rounding, a max_norm
+    whose bits fit int32, and NaN and infinite norms (nothing scaled)."""
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for case, (max_norm, norm) in enumerate(CLIPS):
+        from_norm, by_coefficient = interpreted["clipped"][(str(dtype), case)]
+        unscaled = _scale_inputs(dtype)
+        for got, want, before in zip(from_norm, by_coefficient, unscaled, strict=True):
+            assert torch.equal(got.view(bits), want.view(bits)), (max_norm, norm, got, want)
+            if not math.isfinite(norm) or max_norm > norm:
+                assert torch.equal(got.view(bits), before.view(bits))
+    scaled = interpreted["clipped"][(str(dtype), 0)][0]
+    assert not all(map(torch.equal, scaled, _scale_inputs(dtype)))  # the first case does scale
+
+
 def test_a_model_is_read_and_clipped_through_the_kernels(interpreted: dict[str, Any]) -> None:
     through_model, returned, clipped, launches = interpreted["model"]
     # One read per kind (float32, bf16) per call, and the clip's scaling one launch per kind.
-    assert sorted(launches) == ["read"] * 6 + ["scale"] * 2
+    assert sorted(launches) == ["clip"] * 2 + ["read"] * 6
     grads = [param.grad for param in _model().parameters()]
     squares, zeros = _oracle(grads)
     for norm, count in through_model:
