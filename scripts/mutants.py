@@ -89,6 +89,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="nan-clip-coefficient-in-the-kernel",
+        bug="the clip kernel's coefficient made from an infinite norm is 0: every grad erased",
+        file="pgregistry/grad_stats/_triton_kernels.py",
+        find='return tl.where(norm < float("inf"), coefficient, 1.0)',
+        replace="return coefficient",
+        tests=(
+            "tests/grad_stats/test_fused_stats.py::test_clipping_from_the_norm_gives_the_bits_of_torchs_coefficient",
+        ),
+    ),
+    Mutant(
         name="kept-plan-misses-a-submodule",
         bug="a kept classification misses a submodule registered behind a module's back into an empty dictionary",
         file="pgregistry/grad_stats/_plan.py",

@@ -3,10 +3,11 @@ the float64 oracle of the grads and roles of that moment.
 
 The functional API classifies a model once and keeps it (``pgregistry/grad_stats/_plan.py``), checking each call
 what the classification depends on: the parameter set (a parameter added, removed, or replaced behind the module's
-back as ``fully_shard`` does; a submodule added or removed), the roles (marked with a helper, or set and changed as
-plain attributes as Megatron-Core does), the grads (new storage, the same grad re-pointed at storage of another
-shape, grads set to None, a dtype change), the collection, and a list of tensors given instead of a model. The
-oracles are computed here from the grads in float64, never by the code under test.
+back as ``fully_shard`` does; a submodule added or removed, also from a container that renumbers into a new
+dictionary), the roles (marked with a helper, or set and changed as plain attributes as Megatron-Core does), the
+grads (new storage, the same grad re-pointed at storage of another shape, grads set to None, a dtype change), the
+collection, and a list of tensors given instead of a model. The oracles are computed here from the grads in float64,
+never by the code under test.
 """
 
 from __future__ import annotations
@@ -90,6 +91,25 @@ def test_a_changed_parameter_set_is_seen() -> None:
     _check(model, _grads(model), "a submodule removed")
     model.a._modules["inner"] = inner  # a submodule behind the module's back, into a dictionary that was empty
     _check(model, _grads(model), "a submodule registered in the module's dictionary")
+
+
+def test_containers_that_renumber_into_a_new_dictionary_are_seen() -> None:
+    """Deleting from a ``ModuleList`` or ``Sequential`` renumbers the rest into a new dictionary; the kept plan holds
+    the old one, which torch changed first: the next call sees the new parameter set, and so does every call after."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
+    model.stack = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+    for seed, param in enumerate(model.parameters(), start=30):
+        param.grad = _fill(param, seed)
+    _check(model, _grads(model), "first call")
+    del model.layers[1]
+    _check(model, _grads(model), "a layer deleted from a ModuleList")
+    del model.stack[0]
+    _check(model, _grads(model), "a layer deleted from a Sequential")
+    model.layers.insert(0, model.stack.pop(0))  # a layer moved from one container to the other
+    _check(model, _grads(model), "a layer moved between containers")
+    model.layers.pop(-1)
+    _check(model, _grads(model), "a layer popped after the renumbered dictionaries were kept")
 
 
 def test_changed_grads_are_seen() -> None:
