@@ -22,7 +22,8 @@ any check failed anywhere:
   (one read of plain grads) and ``clip_grad_norm_`` (scaled by the clip kernel, and left bit for bit when nothing
   is to be scaled) against the float64 oracle, FSDP2's DTensor grads (``fully_shard`` over the collection's
   ``dp_cp``) against torch's own DTensor norm, and on CUDA the clip kernel's rounding: bit for bit torch's
-  ``_foreach_mul_`` for float32, bf16 and fp16 over a table of tensors, views off the 16-byte grid included;
+  ``_foreach_mul_`` for float32, bf16 and fp16 over a table of tensors, views off the 16-byte grid included, by a
+  given coefficient and by the one the kernel makes from the norm (torch's ``clip_coefficient`` of it);
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
   model-parallel draws, and a fork that restores the outer stream;
 * on CUDA, the one-kernel optimizer step (:mod:`pgregistry.optim._fused_step`) compiled here: each rule it runs,
@@ -30,7 +31,9 @@ any check failed anywhere:
   for bit (the oracle and the run are tests/fixtures/optim_reference.py's, which the CPU tests run through triton's
   interpreter); the mixed-precision optimizer (a bf16 model, and bf16 / float32 / fp16 parameters mixed) and the
   sharded one step through it with every model parameter its main param rounded, agree with torch's fused AdamW
-  to one bf16 step, and their state moves both ways between the kernel and torch's fused step.
+  to one bf16 step, and their state moves both ways between the kernel and torch's fused step; their
+  ``clip_grad_norm`` (through the clip kernel) returns the oracle's norm, scales to torch's bits and changes
+  nothing above the norm.
 
 Initialisation, the gathered table and the tear-down order are :func:`pgregistry._torchrun_checks.run_checks`'s.
 """
@@ -58,6 +61,7 @@ from fixtures.optim_reference import (  # noqa: E402
     flat_steps,
     model_params,
     rule_steps,
+    values,
     worst_units,
 )
 from fixtures.unsharded_oracle import oracle_norm, oracle_numel, oracle_zeros  # noqa: E402
@@ -77,7 +81,7 @@ from pgregistry.cli._options import positive_seconds  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
 from pgregistry.grad_stats._fused import clip_over_, fused_stats_available, launch_of, scale_  # noqa: E402
-from pgregistry.grad_stats._reductions import clip_coefficient  # noqa: E402
+from pgregistry.grad_stats._reductions import Wanted, clip_coefficient  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import (  # noqa: E402
     ElementwiseRule,
@@ -344,7 +348,37 @@ def fused_step_checks(device: torch.device) -> list[Check]:
         checks.append((f"one-kernel step, {name}: float64 rule to rounding, bf16 copy bit-exact",
                        ran and units <= 1.0 and copies,
                        f"worst {units:.2f} x {ROUNDING:.1e} of the scale; copies {'exact' if copies else 'DIFFER'}"))
-    return checks + fused_optimizer_checks(device)
+    return checks + fused_optimizer_checks(device) + optimizer_clip_checks(device)
+
+
+def optimizer_clip_checks(device: torch.device) -> list[Check]:
+    """The optimizers' ``clip_grad_norm`` on CUDA (the scale kernel making the coefficient from the norm): the norm
+    the float64 oracle's, the grads torch's ``_foreach_mul_`` by ``clip_coefficient`` of that norm bit for bit, and a
+    max_norm above the norm leaves every bit."""
+    if not fused_stats_available(device):
+        return []
+    checks = []
+    kinds = ((MixedPrecisionOptimizer, [torch.bfloat16, torch.float32]), (ShardedOptimizer, [torch.bfloat16]))
+    for kind, dtypes in kinds:
+        opt = _optimizer(kind, dtypes, device, kernel=True)
+        for index, param in enumerate(opt.params):
+            grad = values(max(param.numel(), 8), seed=index, device=device)[: param.numel()]
+            param.main_grad.copy_(grad.view(param.shape))
+        before = [grad.clone() for grad in opt.grads_to_clip()]
+        oracle = float(torch.cat([grad.double().flatten() for grad in before]).norm())
+        norm64 = opt.statistics(Wanted.of(2.0, zeros=False)).norm64
+        above = float(opt.clip_grad_norm(2 * oracle))
+        unchanged = all(torch.equal(a, b) for a, b in zip(opt.grads_to_clip(), before, strict=True))
+        returned = float(opt.clip_grad_norm(oracle / 3))
+        want = [grad.clone() for grad in before]
+        torch._foreach_mul_(want, clip_coefficient(oracle / 3, norm64))
+        exact = all(torch.equal(a, b) for a, b in zip(opt.grads_to_clip(), want, strict=True))
+        close = all(math.isclose(value, oracle, rel_tol=1e-6) for value in (above, returned))
+        checks.append((f"{kind.__name__}.clip_grad_norm on the kernel: the oracle's norm, torch's clipped bits, "
+                       "nothing changed above the norm", close and exact and unchanged,
+                       f"norm {returned:.7g} vs {oracle:.7g}; clipped {'exact' if exact else 'DIFFER'}; "
+                       f"above the norm unchanged: {unchanged}"))
+    return checks
 
 
 def _optimizer(kind: type[FlatOptimizer], dtypes: list[torch.dtype], device: torch.device, *, kernel: bool) -> Any:

@@ -14,6 +14,7 @@ import torch
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._local import by_kind, parts_of, scale_kind
 from pgregistry.grad_stats._reductions import (
+    Clipping,
     GradsByGroup,
     Shares,
     Wanted,
@@ -86,7 +87,8 @@ def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
         )
 
 
-def scale_grads_(grads: list[torch.Tensor] | tuple[torch.Tensor, ...], coeff: torch.Tensor) -> None:
-    """Multiply ``grads`` (any devices and dtypes) in place by ``coeff`` (0-dim, at most 1), one call per kind."""
+def scale_grads_(grads: list[torch.Tensor] | tuple[torch.Tensor, ...], coeff: torch.Tensor | Clipping) -> None:
+    """Multiply ``grads`` (any devices and dtypes) in place by ``coeff`` (0-dim, at most 1; or clipping's, which the
+    one-read kernel makes on the device from the norm), one call per kind."""
     for same_kind in by_kind(grads).values():
         scale_kind(same_kind, None, coeff)

@@ -42,12 +42,12 @@ from pgregistry.grad_stats import backend_device
 from pgregistry.grad_stats._functional import verdict_groups
 from pgregistry.grad_stats._lists import check_finite, scale_grads_
 from pgregistry.grad_stats._reductions import (
+    Clipping,
     GroupKey,
     Reduced,
     Shares,
     Wanted,
     check_max_norm,
-    clip_coefficient,
     reduce_shares,
 )
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
@@ -353,7 +353,7 @@ def clip_grads_of(
     assert norm64 is not None
     check_finite(norm64, error_if_nonfinite)
     grads = [grad for optimizer in optimizers for grad in optimizer.grads_to_clip()]
-    scale_grads_(grads, clip_coefficient(max_norm, norm64))
+    scale_grads_(grads, Clipping(max_norm, norm64))
     return norm64.to(torch.float32)
 
 
