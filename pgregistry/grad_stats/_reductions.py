@@ -4,8 +4,8 @@ Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`;
 :mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry._grad_buffer`) turns them into *parts*:
 float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]`` (the count read only by a call that wants
 it: the one-read kernel's pair is a part as it comes), added to a :class:`Shares` under the group they are summed
-over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished
-norms. :func:`reduce_shares` then issues every collective of a call in the one agreed order and combines:
+over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished norms.
+:func:`reduce_shares` then issues every collective of a call in the one agreed order and combines:
 
 1. DTensor pieces sharded over a data-parallel group (FSDP2): one all-reduce per collection field, in field order,
    of a two-row block (the dense and the expert share), added to the parts of the two reduction groups;
