@@ -354,7 +354,7 @@ class Clipping:
 
     max_norm: float
     norm64: torch.Tensor
-    _coefficient: torch.Tensor | None = None
+    _coefficient: torch.Tensor | None = attrs.field(default=None, init=False)
 
     def coefficient(self) -> torch.Tensor:
         if self._coefficient is None:
