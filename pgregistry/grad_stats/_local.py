@@ -150,7 +150,7 @@ def read_kind(
     """The parts (:func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``) of one kind's ``tensors``."""
     parts = []
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
-    if plan.kernel:
+    if plan.kernel and (wanted.p == 2.0 or wanted.zeros):  # it reads squares and zeros: nothing else it could give
         read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
         assert plan.launch is not None
         pair = _fused.read_over(read, plan.launch)  # [squares, zeros]: a 2-norm's part as it is

@@ -21,7 +21,7 @@ from pgregistry._grad_buffer import Span, span_shares
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import _fused as fused_stats
 from pgregistry.grad_stats import _local as local
-from pgregistry.grad_stats import clip_grad_norm_, grad_norm_and_zeros, norm_of_grads, zeros_of_grads
+from pgregistry.grad_stats import clip_grad_norm_, grad_norm, grad_norm_and_zeros, norm_of_grads, zeros_of_grads
 from pgregistry.grad_stats._reductions import Shares, Wanted
 
 SMALL = {"block": 64, "iters": 4}
@@ -125,6 +125,10 @@ def _in_interpreter() -> dict[str, Any]:
     through_model = [tuple(map(float, grad_norm_and_zeros(model, OFF))) for _ in range(2)]
     returned = float(clip_grad_norm_(model, 0.5, OFF))
     clipped = [param.grad.clone() for param in model.parameters()]
+    seen = len(launches)
+    other_norms = [float(grad_norm(model, OFF, norm_type=p)) for p in (1.0, math.inf)]  # the kernel reads 2-norms
+    other_launches = launches[seen:]
+    del launches[seen:]
     fused_stats.read_over, fused_stats.clip_over_ = real, real_clip  # type: ignore[assignment]
     return {
         "spans": spans,
@@ -137,6 +141,7 @@ def _in_interpreter() -> dict[str, Any]:
         "scaled": _scaled(),
         "clipped": _clipped_from_norms(),
         "model": (through_model, returned, clipped, launches),
+        "other norms": (other_norms, other_launches),
     }
 
 
@@ -353,6 +358,16 @@ def test_a_model_is_read_and_clipped_through_the_kernels(interpreted: dict[str, 
     for got, grad in zip(clipped, grads, strict=True):
         rtol = 1e-2 if grad.dtype == torch.bfloat16 else 1e-6
         torch.testing.assert_close(got.double(), grad.double() * coeff, rtol=rtol, atol=1e-30)
+
+
+def test_a_norm_the_kernel_does_not_compute_is_read_once_by_torch(interpreted: dict[str, Any]) -> None:
+    """The 1-norm and the inf-norm without the zero count: torch's route reads the grads, the kernel reads nothing
+    (it computes squares and zeros only; it read every grad for nothing before)."""
+    (one, peak), launches = interpreted["other norms"]
+    clipped = torch.cat([grad.double().flatten() for grad in interpreted["model"][2]])
+    assert launches == []
+    assert one == pytest.approx(float(clipped.abs().sum()), rel=1e-2)  # the bf16 layer's norm is torch's, in bf16
+    assert peak == pytest.approx(float(clipped.abs().max()), rel=1e-2)
 
 
 def test_not_available_off_cuda() -> None:
