@@ -232,16 +232,22 @@ def _scale_launch(
 ) -> None:
     """The scale kernel over ``launch``: by the coefficient ``value`` (``max_norm`` ``None``), else by clipping's
     coefficient of ``max_norm`` over the norm ``value``."""
-    from pgregistry.grad_stats._reductions import CLIP_EPSILON
-
     if launch.table is None:
         return
     with launch_on(tensors[0].device):
         _loaded().scale_kernel[(launch.table.shape[0],)](
-            tensors[launch.base], 0, launch.table, value, float64_bits(max_norm or 0.0), float64_bits(CLIP_EPSILON),
+            tensors[launch.base], 0, launch.table, value, float64_bits(max_norm or 0.0), _epsilon_bits(),
             FROM_NORM=max_norm is not None, TABLE=True, BLOCK=launch.block, ITERS=launch.iters,
             VEC=_vector(tensors[0].dtype), num_warps=WARPS,
         )
+
+
+@functools.cache
+def _epsilon_bits() -> int:
+    """The bits of clipping's epsilon, made once (the constant lives with the reductions, which import torch)."""
+    from pgregistry.grad_stats._reductions import CLIP_EPSILON
+
+    return float64_bits(CLIP_EPSILON)
 
 
 def float64_bits(value: float) -> int:
