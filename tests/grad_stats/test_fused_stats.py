@@ -67,6 +67,7 @@ def _in_interpreter() -> dict[str, Any]:
     tables = {str(dtype): _stats(fused_stats.squares_and_zeros(_table(dtype), **SMALL)) for dtype in DTYPES}
     tables["with empty"] = _stats(fused_stats.squares_and_zeros([torch.empty(0), *_table(torch.float32)], **SMALL))
     tables["all empty"] = _stats(fused_stats.squares_and_zeros([torch.empty(0), torch.empty(0)], **SMALL))
+    defaults = {str(dtype): _stats(fused_stats.squares_and_zeros(_long(dtype))) for dtype in DTYPES}
     # The launch table is kept by addresses and sizes: the same tensor objects with new storage, or new values in
     # the same storage, are read afresh.
     kept = _table(torch.float32)
@@ -133,6 +134,7 @@ def _in_interpreter() -> dict[str, Any]:
     return {
         "spans": spans,
         "tables": tables,
+        "defaults": defaults,
         "special": special,
         "errors": errors,
         "buffer": (one_read.by_group, two_reads.by_group),
@@ -210,6 +212,12 @@ def _mixed_list() -> list[torch.Tensor]:
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _long(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Tensors over several of the default programs of ``dtype`` (:func:`~pgregistry.grad_stats._fused.iterations`),
+    one ending part-way through a program."""
+    return _grads(dtype, [3 * fused_stats.BLOCK * fused_stats.iterations(dtype) + 5, 3])
+
+
 def _span_views(whole: torch.Tensor) -> list[torch.Tensor]:
     return [whole, whole[7:4103], whole[:1], whole[:0]]  # offsets and lengths off the block grid, empty
 
@@ -248,6 +256,20 @@ def test_one_span_equals_the_oracle(interpreted: dict[str, Any], dtype: torch.dt
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_table_of_tensors_equals_the_oracle(interpreted: dict[str, Any], dtype: torch.dtype) -> None:
     _check(interpreted["tables"][str(dtype)], _table(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_default_programs_of_each_dtype_read_every_element_once(
+    interpreted: dict[str, Any], dtype: torch.dtype
+) -> None:
+    """Each program reads ``BLOCK * ITERS`` elements of its dtype (32 KiB of float32, 64 KiB of bf16 / fp16), the
+    last of a tensor what is left; read through those programs, the oracle's statistics."""
+    tensors = _long(dtype)
+    launch = fused_stats.launch_of(tensors)  # built on the host for host tensors: no kernel runs here
+    per_program = fused_stats.BLOCK * {4: 8, 2: 32}[dtype.itemsize]
+    assert launch.table is not None and launch.iters * fused_stats.BLOCK == per_program
+    assert launch.table[:, 1].tolist() == [per_program] * 3 + [5, 3]
+    _check(interpreted["defaults"][str(dtype)], tensors)
 
 
 def test_a_table_with_empty_tensors(interpreted: dict[str, Any]) -> None:
