@@ -13,6 +13,12 @@ gradient values, 30% zeros, in every path. For each tensor count it measures, in
   one :class:`~pgregistry._grad_buffer.GradBuffer`, and ``norm_and_zeros`` (both statistics in one read where the
   Triton kernel runs: CUDA with triton).
 
+``--configs 1024x8,1024x16`` adds a table per tensor count timing the kernels alone over the list of grads (a
+launch table made once, as a kept plan holds it) with other programs: elements a program loads per iteration x
+iterations (the defaults: :data:`pgregistry.grad_stats._fused.ITERS`). ``table read``: the one-read kernel and the
+sum of its pairs; ``scale``: the clip's scale kernel by 0.5 (reads and writes every grad; timed last, after the
+values are taken).
+
 Columns: milliseconds (median of ``--repeat`` after ``--warmup``; CUDA events on a GPU), bytes read (each
 statistic reads every grad once, so a norm + zero-count row reads the grads twice), effective TB/s, speed-up over
 the baseline row of the same statistic, % of the measured read bandwidth, and on CUDA the peak memory allocated
@@ -42,6 +48,7 @@ from benchmarks.common import GiB, MiB, Target, describe_device, fill_, finish, 
 from pgregistry._grad_buffer import GradBuffer  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
+from pgregistry.grad_stats import _fused as fused  # noqa: E402
 from pgregistry.grad_stats._fused import fused_stats_available  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -99,7 +106,34 @@ def run_count(count: int, args: argparse.Namespace, device: torch.device) -> dic
         reference = torch.empty(nbytes // 4, device=device).normal_()
     paths = {READ: lambda: torch.linalg.vector_norm(reference)} | paths
     results = {name: measure(fn, device, args.warmup, args.repeat) for name, fn in paths.items()}
-    return {"count": count, "bytes": nbytes, "results": results, "values": values}
+    kernels = _kernel_configs(grads, args, device) if len(dtypes) == 1 else {}
+    return {"count": count, "bytes": nbytes, "results": results, "values": values, "kernels": kernels}
+
+
+def _kernel_configs(grads: list[torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Each of ``--configs``: (table read ms, scale ms), the launch table made once. Scales the grads."""
+    kernels = {}
+    half = torch.tensor(0.5, dtype=torch.float64, device=device)
+    for config in filter(None, args.configs.split(",")):
+        block, iters = (int(part) for part in config.split("x"))
+        launch = fused.launch_of(grads, block=block, iters=iters)
+        read = measure(lambda launch=launch: fused.read_over(grads, launch), device, args.warmup, args.repeat)[0]
+        scale = measure(lambda launch=launch: fused.scale_over_(grads, launch, half), device, args.warmup,
+                        args.repeat)[0]
+        kernels[f"{block} x {iters}"] = (read, scale)
+    return kernels
+
+
+def print_kernels(run: dict[str, Any]) -> None:
+    if not run["kernels"]:
+        return
+    nbytes, read_ms = run["bytes"], run["results"][READ][0]
+    print(f"  kernels alone over the {run['count']:,} tensors, by elements per iteration x iterations "
+          f"(% of the read reference's bandwidth)")
+    print(f"  {'program':<14} {'table read ms':>13} {'TB/s':>7} {'%':>6} {'scale ms':>9} {'TB/s':>7} {'%':>6}")
+    for name, (read, scale) in run["kernels"].items():
+        print(f"  {name:<14} {read:13.3f} {nbytes / read / 1e9:7.3f} {100 * read_ms / read:5.1f}% {scale:9.3f} "
+              f"{2 * nbytes / scale / 1e9:7.3f} {200 * read_ms / scale:5.1f}%")
 
 
 def print_table(run: dict[str, Any], device: torch.device, dtype: str) -> None:
@@ -179,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", default="2000,20000", help="comma-separated tensor counts")
     parser.add_argument("--repeat", type=int, help="timed runs per figure (default: 20 on CUDA, 5 on CPU)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--configs", default="", help="comma-separated BLOCKxITERS of the kernels to time alone "
+                        "over the list of grads (CUDA with triton only), e.g. 1024x8,1024x16,1024x32")
     args = parser.parse_args(argv)
     device = selected_device(args.device)
     args.bytes = args.bytes or (2 * GiB if device.type == "cuda" else 32 * MiB)
@@ -187,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if not counts or min(counts) < 1 or args.bytes < 1 or args.repeat < 1 or args.warmup < 0:
         parser.error("tensor counts, --bytes and --repeat must be positive, --warmup not negative")
     kernel = "on" if fused_stats_available(device) else "off"
+    if args.configs and (kernel != "on" or args.dtype == "mixed"):
+        parser.error("--configs times the kernels over one dtype's grads, and they do not run on this device")
     print(f"grad statistics: torch {torch.__version__}, device {describe_device(device)}, one-read kernel {kernel}, "
           f"{args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
     runs = []
@@ -194,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     for count in counts:
         run = run_count(count, args, device)
         print_table(run, device, args.dtype)
+        print_kernels(run)
         problems += check_values(run, args.dtype)
         runs.append(run)
         if device.type == "cuda":
