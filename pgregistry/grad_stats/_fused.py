@@ -41,11 +41,11 @@ __all__ = [
     "BLOCK",
     "ITERS",
     "WARPS",
-    "iterations",
     "Launch",
     "clip_over_",
     "float64_bits",
     "fused_stats_available",
+    "iterations",
     "launch_of",
     "one_read_applies",
     "read_over",
@@ -98,11 +98,11 @@ def _probe(device: torch.device) -> tuple[float, int, float, int, list[float]]:
     import torch
 
     probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
-    squares, zeros = span_squares_and_zeros(probe)
-    table_squares, table_zeros = squares_and_zeros([probe[:2], probe[2:]])
-    scale_([probe[:2], probe[2:]], torch.tensor(0.5, device=device))
-    scale_([probe[:2], probe[2:]], torch.tensor(1.0, device=device))
     pieces = [probe[:2], probe[2:]]
+    squares, zeros = span_squares_and_zeros(probe)
+    table_squares, table_zeros = squares_and_zeros(pieces)
+    scale_(pieces, torch.tensor(0.5, device=device))
+    scale_(pieces, torch.tensor(1.0, device=device))
     clip_over_(pieces, launch_of(pieces), 1.0, torch.tensor(math.nan, dtype=torch.float64, device=device))  # no scale
     return float(squares), int(zeros), float(table_squares), int(table_zeros), probe.tolist()
 
@@ -296,24 +296,16 @@ class Launch:
     iters: int
 
 
-def launch_of(
-    tensors: Sequence[torch.Tensor],
-    sizes: tuple[array[int], array[int]] | None = None,
-    *,
-    block: int = BLOCK,
-    iters: int | None = None,
-) -> Launch:
-    """The launch over ``tensors`` (one device and dtype; ``sizes``: their addresses and element counts, when the
-    caller has them). The table is a function of the addresses and sizes only: built once per distinct (device,
-    dtype, addresses, sizes), vectorised on the host, pinned and copied without a host sync, and kept on the
-    device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to the device; a caller that
-    keeps the launch itself (:mod:`pgregistry.grad_stats._local`'s kept plans) skips even the lookup."""
+def launch_of(tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int | None = None) -> Launch:
+    """The launch over ``tensors`` (one device and dtype). The table is a function of their addresses and sizes
+    only: built once per distinct (device, dtype, addresses, sizes), vectorised on the host, pinned and copied
+    without a host sync, and kept on the device (:class:`_Tables`), so a step whose grads keep their storage sends
+    nothing to the device; a caller that keeps the launch itself (:mod:`pgregistry.grad_stats._local`'s kept plans)
+    skips even the lookup."""
     import torch
 
-    if sizes is None:
-        sizes = (array("q", list(map(torch.Tensor.data_ptr, tensors))),
-                 array("q", list(map(torch.Tensor.numel, tensors))))
-    addresses, numels = sizes
+    addresses = array("q", list(map(torch.Tensor.data_ptr, tensors)))
+    numels = array("q", list(map(torch.Tensor.numel, tensors)))
     device, dtype = tensors[0].device, tensors[0].dtype
     iters = iterations(dtype) if iters is None else iters
     key = (device, dtype, block, iters, addresses.tobytes() + numels.tobytes())

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import operator
-from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from itertools import accumulate, compress
@@ -111,8 +110,7 @@ def plan_kind(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torc
             kernel = tuple(compress(everything, contiguous))
             rest = tuple(index for index in everything if not contiguous[index])
         read = [tensors[index] for index in kernel] if rest else tensors
-        sizes = (array("q", list(map(torch.Tensor.data_ptr, read))), array("q", list(map(torch.Tensor.numel, read))))
-        return KindPlan(device, dtype, kernel, _fused.launch_of(read, sizes) if kernel else None, rest, ())
+        return KindPlan(device, dtype, kernel, _fused.launch_of(read) if kernel else None, rest, ())
     blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...] = ()
     if device.type == "cpu":
         blocks = _host_blocks(tensors)
