@@ -8,6 +8,12 @@ naming this category onward are parsed here as Python parses them and re-applied
 option naming a ``pgregistry`` category that does not exist is an error naming the closest one: Python's own notice
 is the same for a misspelling as for a correct name, so a migration run with a typo would pass.
 
+The category without its module (``-W error::ProcessGroupFallbackWarning``) is looked up among the builtins only,
+so Python prints "unknown warning category" and a fallback is not an error. What was meant is plain: the option is
+applied as if spelled ``pgregistry.ProcessGroupFallbackWarning``, and one line on stderr (next to Python's notice,
+which says the option was ignored) gives the spelling that works without pgregistry's help. A bare name close to
+the category's but not it (``ProcessGroupFalbackWarning``) is the misspelling error above.
+
 Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at interpreter start.
 """
 
@@ -33,6 +39,8 @@ class CommandLineFilter(NamedTuple):
     category_name: str
     module: str
     lineno: int
+    unqualified: str = ""
+    """The option as given when it named the category without its module (and ``category_name`` is qualified)."""
 
     @property
     def message_pattern(self) -> str:
@@ -59,15 +67,15 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
     ``ValueError`` naming the closest existing spelling for an option that names a pgregistry category which does
     not exist.
     """
-    ours = {f"{category.__module__}.{category.__name__}", f"pgregistry.{category.__name__}"}
+    ours = _spellings(category)
     options = [option.split(":") for option in sys.warnoptions]
     for fields in options:
-        _check_spelling(fields[2].strip() if len(fields) > 2 else "", ours)
+        _check_spelling(fields[2].strip() if len(fields) > 2 else "", ours, category.__name__)
     first = next((i for i, fields in enumerate(options) if len(fields) > 2 and fields[2].strip() in ours), None)
     if first is None:
         return []
     parsed = []
-    for fields in options[first:]:
+    for option, fields in zip(sys.warnoptions[first:], options[first:], strict=True):
         action, message, category_name, module, lineno = (*(f.strip() for f in fields), "", "", "", "")[:5]
         action = "always" if action == "all" else action
         actions = [a for a in _ACTIONS if a.startswith(action)]
@@ -75,14 +83,27 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
         if len(fields) > 5 or not actions or found is None or not (lineno or "0").isdigit():
             continue  # Python rejected this option at start-up too
         name = category_name if found is category else found.__name__
-        parsed.append(CommandLineFilter(actions[0], message, found, name, module, int(lineno or 0)))
+        unqualified = option if name == category.__name__ else ""
+        name = f"pgregistry.{name}" if unqualified else name
+        parsed.append(CommandLineFilter(actions[0], message, found, name, module, int(lineno or 0), unqualified))
     return parsed
 
 
-def _check_spelling(category_name: str, ours: set[str]) -> None:
-    if not category_name.startswith("pgregistry.") or category_name in ours:
+def _spellings(category: type[Warning]) -> set[str]:
+    """The names an option may give ``category`` by: its module's, the package root's, and the bare class name."""
+    return {f"{category.__module__}.{category.__name__}", f"pgregistry.{category.__name__}", category.__name__}
+
+
+def _check_spelling(category_name: str, ours: set[str], bare: str) -> None:
+    if category_name in ours:
         return
-    close = difflib.get_close_matches(category_name, sorted(ours), n=1, cutoff=0.0)
+    if not category_name.startswith("pgregistry."):
+        # A bare name Python does not know either (a builtin is never this close to ours): a typo of the bare form.
+        if "." in category_name or _builtin_warning(category_name) is not None:
+            return
+        if not difflib.get_close_matches(category_name, [bare], n=1, cutoff=0.8):
+            return
+    close = difflib.get_close_matches(category_name, sorted(ours - {bare}), n=1, cutoff=0.0)
     raise ValueError(
         f"the -W / PYTHONWARNINGS option naming {category_name!r} names no pgregistry warning category; did you "
         f"mean {close[0]!r}? (Python ignores such an option with a generic notice, so the filter would not apply)"
@@ -97,6 +118,16 @@ def _builtin_warning(name: str) -> type[Warning] | None:
 
 
 def apply_command_line_filters(category: type[Warning]) -> None:
-    """Re-apply the options naming ``category`` (see the module docstring)."""
+    """Re-apply the options naming ``category`` (see the module docstring); one line on stderr for each option that
+    names it without its module, giving the spelling to use."""
     for option in command_line_filters(category):
         option.apply()
+        if option.unqualified:
+            fields = option.unqualified.split(":")
+            fields[2] = option.category_name
+            print(
+                f"pgregistry: the -W / PYTHONWARNINGS option {option.unqualified!r} names the category without its "
+                f"module (Python's notice above: it ignored it); pgregistry applies it as {':'.join(fields)!r}: "
+                "spell it so",
+                file=sys.stderr,
+            )

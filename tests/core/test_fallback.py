@@ -131,6 +131,32 @@ def test_pythonwarnings_and_later_options_keep_their_meaning() -> None:
     assert done.stdout.strip() == "0"
 
 
+def test_the_category_without_its_module_is_applied_and_the_spelling_given_once() -> None:
+    # Python looks a bare category name up among the builtins only: it printed "unknown warning category" and a
+    # fallback was not an error, with no word on the spelling that works.
+    bare = "error::ProcessGroupFallbackWarning"
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    for done in (
+        _run_python(_RAISES_EVERY_TIME, "-W", bare),
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_RAISES_EVERY_TIME)], capture_output=True, text=True,
+            env={**environment, "PYTHONWARNINGS": bare}, timeout=60,
+        ),
+    ):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "3"
+        note = (
+            "pgregistry: the -W / PYTHONWARNINGS option 'error::ProcessGroupFallbackWarning' names the category "
+            "without its module (Python's notice above: it ignored it); pgregistry applies it as "
+            "'error::pgregistry.ProcessGroupFallbackWarning': spell it so\n"
+        )
+        assert done.stderr.count(note) == 1, done.stderr
+    # A bare name close to the category's is a misspelling of it, refused as the prefixed one is.
+    done = _run_python("import pgregistry", "-W", "error::ProcessGroupFalbackWarning")
+    assert done.returncode != 0
+    assert "did you mean 'pgregistry.ProcessGroupFallbackWarning'" in done.stderr, done.stderr
+
+
 def test_default_filters_in_a_fresh_interpreter_print_once() -> None:
     done = _run_python(
         """

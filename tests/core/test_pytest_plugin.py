@@ -67,13 +67,18 @@ def test_without_a_filter_the_fallback_only_warns(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "way",
-    ["python -W", "PYTHONWARNINGS", "pytest -W", "pytest filterwarnings ini", "python -W, plugin autoload off"],
+    [
+        "python -W", "PYTHONWARNINGS", "pytest -W", "pytest filterwarnings ini", "python -W, plugin autoload off",
+        "PYTHONWARNINGS without the package prefix",
+    ],
 )
 def test_each_documented_way_fails_the_test_that_falls_back(tmp_path: Path, way: str) -> None:
     if way == "python -W":
         done = _run_pytest(tmp_path, python_flags=("-W", _ERROR_FLAG))
     elif way == "PYTHONWARNINGS":
         done = _run_pytest(tmp_path, env={"PYTHONWARNINGS": _ERROR_FLAG})
+    elif way == "PYTHONWARNINGS without the package prefix":
+        done = _run_pytest(tmp_path, env={"PYTHONWARNINGS": "error::ProcessGroupFallbackWarning"})
     elif way == "pytest -W":
         done = _run_pytest(tmp_path, pytest_flags=("-W", _ERROR_FLAG))
     elif way == "pytest filterwarnings ini":
