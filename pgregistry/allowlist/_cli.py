@@ -74,20 +74,51 @@ def _jobs(text: str) -> int:
     return value
 
 
+def _path(text: str) -> Path:
+    """An argparse ``type`` for a path option: an empty one (``--allowlist "$UNSET"``) would be ``Path('.')``, the
+    current directory, silently."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "is empty (an unset variable, as in \"$VAR\"?): give a path, or leave the option out"
+        )
+    return Path(text)
+
+
+_TEXT_OPTIONS = {
+    "base": ("--base", "a git revision, or leave the option out to check without a base"),
+    "since": ("--since", "a git revision, or leave the option out"),
+    "exclude": ("--exclude", "a pattern, or leave the option out"),
+    "extend_exclude": ("--extend-exclude", "a pattern, or leave the option out"),
+    "module": ("--module", "a module name, or leave the option out"),
+}
+"""Options whose empty value would pass as the option left out (or match nothing): dest -> (option, what to give)."""
+
+
+def _empty_option(args: argparse.Namespace) -> str | None:
+    """The error for the first option of :data:`_TEXT_OPTIONS` given an empty value (``--base "$BASE"`` with the
+    CI variable unset checked without a base, as if the option were absent); None when there is none."""
+    for dest, (option, give) in _TEXT_OPTIONS.items():
+        value = getattr(args, dest, None)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and not v.strip() for v in values):
+            return f"{option} is empty (an unset CI variable, as in {option} \"$VAR\"?): set it to {give}"
+    return None
+
+
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths",
         nargs="*",
-        type=Path,
+        type=_path,
         metavar="PATH",
         help="files or directories to scan instead of the configured roots; only their entries are judged",
     )
     parser.add_argument(
-        "--allowlist", type=Path, metavar="FILE", help="the allowlist file (default: configured)"
+        "--allowlist", type=_path, metavar="FILE", help="the allowlist file (default: configured)"
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     parser.add_argument(
-        "--config", type=Path, metavar="PYPROJECT", help="read settings from this pyproject.toml"
+        "--config", type=_path, metavar="PYPROJECT", help="read settings from this pyproject.toml"
     )
     parser.add_argument("--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd")
     parser.add_argument(
@@ -112,7 +143,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
-    parser.add_argument("--cache-dir", type=Path, metavar="DIR", help="the scan cache directory")
+    parser.add_argument("--cache-dir", type=_path, metavar="DIR", help="the scan cache directory")
     parser.add_argument(
         "--skip-newer-syntax",
         action="store_true",
@@ -139,7 +170,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
             )
         if name == "import":
             action.add_argument(
-                "--from", dest="source", type=Path, required=True, metavar="FILE", help="Megatron-LM's allowlist"
+                "--from", dest="source", type=_path, required=True, metavar="FILE", help="Megatron-LM's allowlist"
             )
         if name == "stats":
             action.add_argument(
@@ -221,6 +252,9 @@ def _skipped_newer(report: ScanReport, allowed: bool) -> tuple[list[FileResult],
 def run(args: argparse.Namespace) -> int:
     """The handler of every action; returns the exit code (0 ok, 1 check failed, 2 error)."""
     fmt: str = args.format
+    empty = _empty_option(args)
+    if empty is not None:
+        return _error(empty, fmt)
     try:
         settings = _settings(args)
         targets, covers = _targets(args, settings)

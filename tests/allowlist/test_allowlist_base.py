@@ -8,6 +8,9 @@ small git repositories made in each test; the reference counts are written out b
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from allowlist_support import THREE, Project, git
@@ -195,3 +198,52 @@ def test_a_revision_that_does_not_exist_is_named(
         "pgregistry allowlist: error: unknown revision 'no-such-rev': no commit of that name in the git repository "
         f"at {repository.root}\n"
     )
+
+
+def _allowlist_process(root: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pgregistry", "allowlist", *argv, "--no-cache"],
+        cwd=root, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_an_empty_base_is_refused_not_read_as_no_base(repository: Project) -> None:
+    # `--base "$BASE"` with the CI variable unset passed as a check without a base: the ratchet's base rule was
+    # silently off. It is now a usage error saying what to do.
+    repository.write("src/pkg/a.py", TWO)
+    commit(repository, "remove a read, list not shrunk")
+    assert _allowlist_process(repository.root, "check", "--base", "HEAD").returncode == 0
+    for fmt in ("text", "github"):
+        done = _allowlist_process(repository.root, "check", "--base", "", "--format", fmt)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr == (
+            'pgregistry allowlist: error: --base is empty (an unset CI variable, as in --base "$VAR"?): set it to a '
+            "git revision, or leave the option out to check without a base\n"
+        )
+    assert done.stdout.startswith("::error title=pgregistry allowlist::--base is empty")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["stats", "--since", ""], "pgregistry allowlist: error: --since is empty"),
+        (["check", "--exclude", ""], "pgregistry allowlist: error: --exclude is empty"),
+        (["check", "--extend-exclude", " "], "pgregistry allowlist: error: --extend-exclude is empty"),
+        (["update", "--module", "megatron.core.parallel_state", "--module", ""], "error: --module is empty"),
+        (["check", "--allowlist", ""], "pgregistry allowlist check: error: argument --allowlist: is empty"),
+        (["check", "--config", ""], "pgregistry allowlist check: error: argument --config: is empty"),
+        (["update", "--cache-dir", ""], "pgregistry allowlist update: error: argument --cache-dir: is empty"),
+        (["import", "--from", ""], "pgregistry allowlist import: error: argument --from: is empty"),
+        (["check", ""], "pgregistry allowlist check: error: argument PATH: is empty"),
+    ],
+)
+def test_every_empty_revision_path_or_pattern_is_refused_naming_the_option(
+    repository: Project, argv: list[str], named: str
+) -> None:
+    # An empty path was Path('.'), the current directory (`--cache-dir ''` wrote the cache into it, `check ''`
+    # judged the whole tree as a partial check); an empty pattern or module name matched nothing, silently.
+    before = sorted(repository.root.rglob("*"))
+    done = _allowlist_process(repository.root, *argv)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert named in done.stderr, done.stderr
+    assert sorted(repository.root.rglob("*")) == before  # nothing written
