@@ -34,7 +34,9 @@ What differs from Megatron-Core:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import attrs
@@ -54,6 +56,7 @@ __all__ = [
     "RNGStatesTracker",
     "SeedCollision",
     "check_seed_plan",
+    "check_seed_plan_size",
     "get_rng_tracker",
     "model_parallel_manual_seed",
     "seed_plan",
@@ -345,24 +348,36 @@ data-parallel coordinate is added to every tracker's list. Context-parallel rank
 replicas hold the same weights and share streams by design."""
 
 
+_PROGRESS_EVERY: Final = 16384
+"""Ranks between two calls of the ``progress`` callback of :func:`seed_plan` and :func:`check_seed_plan`."""
+
+
 def seed_plan(
-    layout: ParallelLayout, seed: int, *, data_parallel_random_init: bool = False
+    layout: ParallelLayout,
+    seed: int,
+    *,
+    data_parallel_random_init: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[int, dict[str, int]]:
     """Rank -> tracker name -> seed, for every rank of ``layout``, without any process group.
 
     The seeds are those each rank's trackers get from ``model_parallel_manual_seed(seed, pg,
     data_parallel_random_init=...)`` with the collection ``pg`` built from ``layout``: the pipeline (and
-    data-parallel) offsets included.
+    data-parallel) offsets included. ``progress``, when given, is called with the number of ranks done every
+    16384 ranks (a plan of millions of ranks takes minutes: the command line reports it).
     """
-    return {rank: seeds for rank, _, seeds in _rank_seeds(layout, seed, data_parallel_random_init)}
+    return {rank: seeds for rank, _, seeds in _rank_seeds(layout, seed, data_parallel_random_init, progress)}
 
 
 def _rank_seeds(
-    layout: ParallelLayout, seed: int, data_parallel_random_init: bool
+    layout: ParallelLayout, seed: int, data_parallel_random_init: bool, progress: Callable[[int], None] | None
 ) -> Iterator[tuple[int, dict[str, int], dict[str, int]]]:
     """``(rank, coordinates, tracker name -> seed)`` for every rank of ``layout``, in rank order."""
     sizes = layout.axis_sizes()
+    first = layout.rank_range()[0]
     for rank in range(*layout.rank_range()):
+        if progress is not None and (rank - first) % _PROGRESS_EVERY == 0 and rank > first:
+            progress(rank - first)
         coords = layout.coords(rank)
         base = _base_seed(seed, coords["pp"], coords["dp"], data_parallel_random_init)
         # Unchecked: a base seed pushed past 2**64 by the pipeline offset is reported by check_seed_plan.
@@ -422,24 +437,28 @@ class SeedCollision:
 
 
 def check_seed_plan(
-    layout: ParallelLayout, seed: int, *, data_parallel_random_init: bool = False
+    layout: ParallelLayout,
+    seed: int,
+    *,
+    data_parallel_random_init: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> list[SeedCollision]:
     """Every seed collision of :func:`seed_plan` (empty when there is none), without any process group.
 
     Three kinds are reported (:class:`SeedCollision`): ranks that must draw differently on a tracker (the
     coordinates of ``_STREAM_AXES`` differ) but get one seed for it, grouped by tracker and seed; trackers
     that share a seed on one rank, grouped by the trackers and seed over every rank where it happens; and
-    trackers whose seed leaves ``[0, 2**64)`` on some ranks, grouped by tracker.
+    trackers whose seed leaves ``[0, 2**64)`` on some ranks, grouped by tracker. ``progress`` as for
+    :func:`seed_plan`; :func:`check_seed_plan_size` tells what the check holds before it runs.
     """
-    extra = ("dp",) if data_parallel_random_init else ()
-    axes = {tracker: tracker_axes + extra for tracker, tracker_axes in _STREAM_AXES.items()}
+    axes = _check_axes(data_parallel_random_init)
     # (tracker, seed) -> coordinate tuple -> first rank holding it
     streams: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
     # (trackers, seed) -> ranks
     shared: dict[tuple[tuple[str, ...], int], list[int]] = {}
     # tracker -> (first seed out of range, ranks)
     out_of_range: dict[str, tuple[int, list[int]]] = {}
-    for rank, coords, seeds in _rank_seeds(layout, seed, data_parallel_random_init):
+    for rank, coords, seeds in _rank_seeds(layout, seed, data_parallel_random_init, progress):
         by_seed: dict[int, list[str]] = {}
         for tracker, tracker_seed in seeds.items():
             if not 0 <= tracker_seed < _MAX_SEED:
@@ -471,3 +490,49 @@ def check_seed_plan(
         for tracker, (first_seed, ranks) in out_of_range.items()
     )
     return collisions
+
+
+def _check_axes(data_parallel_random_init: bool) -> dict[str, tuple[str, ...]]:
+    """Tracker -> the coordinates :func:`check_seed_plan` tells its streams apart by."""
+    extra = ("dp",) if data_parallel_random_init else ()
+    return {tracker: tracker_axes + extra for tracker, tracker_axes in _STREAM_AXES.items()}
+
+
+_SHARED_COMBINATIONS_COUNTED: Final = 2**16
+"""The most (tp, ep, expt_tp, gtp_remat, expt_gtp_remat) rank combinations :func:`check_seed_plan_size` tries."""
+
+
+def check_seed_plan_size(
+    layout: ParallelLayout, seed: int, *, data_parallel_random_init: bool = False
+) -> tuple[int, int]:
+    """``(streams, listed)``: what :func:`check_seed_plan` of ``layout`` holds, from its sizes alone, so that the
+    command line estimates its memory before it starts (the check keeps no per-rank record otherwise).
+
+    ``streams`` is exact: the distinct (tracker, coordinates) streams the check keys (without
+    ``data_parallel_random_init`` a few per pipeline stage and TP/EP rank, whatever the data-parallel size; with it
+    about one per rank and tracker). ``listed`` estimates the (rank, collision) entries of the within-rank and
+    out-of-range collisions, which list every rank they hold: each tracker whose largest seed could reach 2**64
+    counts every rank; the within-rank collisions count the share of the (tp, ep, expt_tp, gtp_remat,
+    expt_gtp_remat) rank combinations (the first :data:`_SHARED_COMBINATIONS_COUNTED` of them) whose trackers
+    share seeds: what pipeline and data-parallel ranks add is the same for every tracker of a rank.
+    """
+    sizes = layout.axis_sizes()
+    streams = 0
+    active = [t for t in _STREAM_AXES if t not in (GTP_REMAT_RNG, EGTP_REMAT_RNG)]
+    active += [GTP_REMAT_RNG] if sizes["gtp_remat"] > 1 else []
+    active += [EGTP_REMAT_RNG] if sizes["expt_gtp_remat"] > 1 else []
+    for tracker in active:
+        streams += min(layout.num_ranks, math.prod(sizes[a] for a in _check_axes(data_parallel_random_init)[tracker]))
+    top = _base_seed(seed, sizes["pp"] - 1, sizes["dp"] - 1, data_parallel_random_init)
+    highest = _offset_seeds(
+        top, sizes["tp"] - 1, sizes["ep"] - 1, sizes["expt_tp"] - 1, sizes["gtp_remat"] - 1, sizes["gtp_remat"],
+        sizes["expt_gtp_remat"] - 1, sizes["expt_gtp_remat"],
+    )
+    listed = layout.num_ranks * sum(1 for value in highest.values() if value >= _MAX_SEED)
+    ranges = [range(sizes[a]) for a in ("tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")]
+    tried = shared = 0
+    for tp, ep, etp, gtp, egtp in itertools.islice(itertools.product(*ranges), _SHARED_COMBINATIONS_COUNTED):
+        seeds = _offset_seeds(0, tp, ep, etp, gtp, sizes["gtp_remat"], egtp, sizes["expt_gtp_remat"])
+        tried += 1
+        shared += len(seeds) - len(set(seeds.values()))
+    return streams, listed + math.ceil(layout.num_ranks * shared / tried)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -22,6 +23,7 @@ __all__ = [
     "check_span",
     "intra_node_kinds",
     "layout_from_args",
+    "non_negative",
     "positive_seconds",
 ]
 
@@ -137,6 +139,23 @@ def positive_seconds(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def non_negative(option: str) -> Callable[[str], float]:
+    """An argparse ``type`` for ``option``: a finite number, 0 or more (a NaN compares false with every limit, so
+    it would be none, silently)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value >= 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
+        return value
+
+    parse.__name__ = option  # argparse names the type in some messages
+    return parse
 
 
 def check_output_file(path: str | Path, option: str = "--json") -> None:

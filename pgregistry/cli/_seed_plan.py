@@ -3,6 +3,12 @@
 A layout over part of the world (``--rank-offset``) is planned for its own ranks, listed by their global rank: the
 seeds follow each rank's coordinates in the layout, as the collection built from it gives them.
 
+Before enumerating anything the command estimates the memory the plan or its check holds (from the layout's sizes,
+:func:`pgregistry.rng.check_seed_plan_size`) and refuses what would not fit; once the first ranks are done it
+estimates the time from their measured rate, refuses a run longer than ``--time-limit``, and reports progress on
+stderr for a run longer than ``--progress`` seconds: at about 10 microseconds a rank, 38 million ranks take six
+minutes, which used to pass in silence.
+
 Torch is imported only inside the handler (through :mod:`pgregistry.rng`), as the CLI table requires.
 """
 
@@ -10,16 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from pgregistry.cli._limits import memory_shortfall, not_enough_memory
-from pgregistry.cli._options import Subparsers, add_layout_arguments, layout_from_args
+from pgregistry.cli._options import Subparsers, add_layout_arguments, layout_from_args, non_negative
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["add_command"]
+__all__ = ["add_command", "estimated_bytes"]
 
 
 def add_command(subparsers: Subparsers) -> None:
@@ -45,19 +53,32 @@ def add_command(subparsers: Subparsers) -> None:
         "--check", action="store_true", help="report collisions and out-of-range seeds; exit 1 when any is found"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--time-limit", type=non_negative("--time-limit"), default=30.0, metavar="MINUTES",
+        help="refuse (exit 2) a run estimated, from the rate of its first ranks, to take longer (default: "
+        "%(default)s; 0 for no limit)",
+    )
+    parser.add_argument(
+        "--progress", type=non_negative("--progress"), default=10.0, metavar="SECONDS",
+        help="print progress on stderr every SECONDS of a run estimated to take longer than that (default: "
+        "%(default)s; 0 for none)",
+    )
     parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from pgregistry.rng import check_seed_plan, seed_plan
 
+    random_init = args.data_parallel_random_init
     try:
         layout = layout_from_args(args)
-        _check_memory(layout, args.check)
+        _check_memory(layout, args.seed, args.check, random_init)
+        doing = f"{'checking ' if args.check else ''}the seed plan of {layout.num_ranks} ranks"
+        progress = _Progress(doing, layout.num_ranks, args.time_limit, args.progress, random_init)
         if args.check:
-            collisions = check_seed_plan(layout, args.seed, data_parallel_random_init=args.data_parallel_random_init)
+            collisions = check_seed_plan(layout, args.seed, data_parallel_random_init=random_init, progress=progress)
         else:
-            plan = seed_plan(layout, args.seed, data_parallel_random_init=args.data_parallel_random_init)
+            plan = seed_plan(layout, args.seed, data_parallel_random_init=random_init, progress=progress)
     except ValueError as exc:
         print(f"pgregistry seed-plan: error: {exc}", file=sys.stderr)
         return 2
@@ -79,21 +100,93 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-# Measured with ru_maxrss at 2**19 ranks on three layouts: checking peaked at 403 to 425 bytes per rank, the plan
-# (table or JSON) at 1,800 to 2,275 bytes per rank. About 1.35 times the largest, to stay on the safe side.
-_CHECK_BYTES_PER_RANK = 576
+# Measured with tracemalloc at 2**18 ranks on layouts with and without expert and GTP-remat axes: checking held 256
+# to 450 bytes per stream (check_seed_plan_size's count) and 34 per listed (rank, collision) entry, nothing else per
+# rank; the plan (table or JSON) peaked at 1,174 to 1,670 bytes per rank (1,800 to 2,275 by ru_maxrss). Rounded up,
+# for what the allocator adds. tests/core/test_layout_cli_limits.py holds them within a small factor of tracemalloc.
+_STREAM_BYTES = 512
+_LISTED_BYTES = 48
 _PLAN_BYTES_PER_RANK = 3072
 
 
-def _check_memory(layout: ParallelLayout, check: bool) -> None:
-    """``ValueError`` when the plan (or its check) of every rank would need more memory than is available,
-    estimated from the world size before any seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
-    needed = (_CHECK_BYTES_PER_RANK if check else _PLAN_BYTES_PER_RANK) * layout.num_ranks
+def estimated_bytes(layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool) -> int:
+    """The memory the plan of ``layout`` (``check``: its check) holds, estimated from the layout's sizes alone."""
+    from pgregistry.rng import check_seed_plan_size
+
+    if not check:
+        return _PLAN_BYTES_PER_RANK * layout.num_ranks
+    streams, listed = check_seed_plan_size(layout, seed, data_parallel_random_init=data_parallel_random_init)
+    return _STREAM_BYTES * streams + _LISTED_BYTES * listed
+
+
+def _check_memory(layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool) -> None:
+    """``ValueError`` when the plan (or its check) would need more memory than is available, estimated before any
+    seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
+    needed = estimated_bytes(layout, seed, check, data_parallel_random_init)
     available = memory_shortfall(needed)
     if available is not None:
         doing = f"{'checking ' if check else ''}the seed plan of {layout.num_ranks} ranks"
-        advice = "it holds every rank's seeds: run it where more memory is free"
+        if not check:
+            advice = "it holds every rank's seeds: run it where more memory is free, or check it (--check)"
+        elif data_parallel_random_init:
+            advice = (
+                "with --data-parallel-random-init every data-parallel rank has streams of its own, which the check "
+                "holds: run it where more memory is free"
+            )
+        else:
+            advice = "it lists every rank of each collision found on a rank: run it where more memory is free"
         raise not_enough_memory(doing, needed, available, advice)
+
+
+class _Progress:
+    """The ``progress`` callback of the plan: from the rate of the first ranks, the time the whole run takes;
+    ``ValueError`` when that is past ``--time-limit``, and lines on stderr every ``--progress`` seconds of a run
+    estimated longer than that. Nothing is timed before the first callback, so short runs print nothing."""
+
+    def __init__(
+        self, doing: str, total: int, limit_minutes: float, every_s: float, data_parallel_random_init: bool
+    ) -> None:
+        self.doing, self.total = doing, total
+        self.limit_minutes, self.every_s = limit_minutes, every_s
+        self.random_init = data_parallel_random_init
+        self.start = self.printed = time.monotonic()
+        self.first = True
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        elapsed = now - self.start
+        whole = elapsed * self.total / done
+        if self.first:
+            self.first = False
+            rate = f"{elapsed / done * 1e6:.1f} microseconds a rank over the first {done}"
+            if self.limit_minutes and whole > self.limit_minutes * 60:
+                advice = "raise --time-limit (0 for no limit)"
+                if not self.random_init:
+                    advice += (
+                        ", or check the layout with fewer data-parallel replicas: without "
+                        "--data-parallel-random-init the seeds do not depend on the data-parallel size, so it has "
+                        "the same collisions"
+                    )
+                raise ValueError(
+                    f"{self.doing} would take about {_duration(whole)} here ({rate}), more than --time-limit "
+                    f"{self.limit_minutes:g} (minutes); {advice}"
+                )
+            if self.every_s and whole > self.every_s:
+                print(f"pgregistry seed-plan: {self.doing}: about {_duration(whole)} here ({rate})", file=sys.stderr)
+            return
+        if self.every_s and whole > self.every_s and now - self.printed >= self.every_s:
+            self.printed = now
+            print(
+                f"pgregistry seed-plan: {done} of {self.total} ranks ({100 * done // self.total}%), about "
+                f"{_duration(whole - elapsed)} left",
+                file=sys.stderr,
+            )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{math.ceil(seconds)} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def _print_table(layout: ParallelLayout, plan: dict[int, dict[str, int]]) -> None:

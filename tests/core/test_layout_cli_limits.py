@@ -5,19 +5,28 @@ At 2**31 ranks ``layout`` used to die in the allocator (a raw traceback, exit 1)
 group: the world is now refused at construction (torch.distributed's ranks are C ints), and a world that is
 addressable but whose listing would not fit in memory is refused from the layout's shapes, estimated up front.
 With ``--show 0`` it advised ``--show 0``. ``seed-plan --check`` at 2**31 - 1 ranks ran for hours, silent; it now
-has the same guard. The memory available is fixed in these tests (the estimate is compared with it), so their
-outcome does not depend on the machine.
+has the same guard, with estimates held to what tracemalloc sees the plan and its check hold, a time limit from the
+rate of the first ranks, and progress on stderr. The memory available is fixed in these tests (the estimate is
+compared with it), so their outcome does not depend on the machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import subprocess
+import sys
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
 
 from pgregistry.cli import _limits as limits
 from pgregistry.cli import main
+from pgregistry.cli._seed_plan import estimated_bytes
+from pgregistry.layout import ParallelLayout
+from pgregistry.rng import check_seed_plan, check_seed_plan_size
 
 _LARGEST = 2**31 - 1
 _GiB = 2**30
@@ -87,15 +96,124 @@ def test_with_rank_the_advice_is_to_leave_it_out(
 
 
 @pytest.mark.parametrize(
-    ("check", "doing", "gib"), [(True, "checking the seed plan", 1152), (False, "the seed plan", 6144)]
+    ("argv", "doing", "gib", "advice"),
+    [
+        (
+            ["--check", "--data-parallel-random-init"], "checking the seed plan", 3072,
+            "with --data-parallel-random-init every data-parallel rank has streams of its own, which the check holds: "
+            "run it where more memory is free",
+        ),
+        (
+            [], "the seed plan", 6144,
+            "it holds every rank's seeds: run it where more memory is free, or check it (--check)",
+        ),
+    ],
 )
 def test_seed_plan_of_too_many_ranks_is_refused_with_the_estimate(
-    check: bool, doing: str, gib: int, free_memory: Callable[[int], None], capsys: pytest.CaptureFixture[str]
+    argv: list[str], doing: str, gib: int, advice: str, free_memory: Callable[[int], None],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # --check at 2**31 - 1 ranks used to run for hours (about 10 microseconds a rank) with no output.
     free_memory(256)
-    argv = ["seed-plan", "--num-ranks", str(_LARGEST), "--seed", "1", *(["--check"] if check else [])]
+    argv = ["seed-plan", "--num-ranks", str(_LARGEST), "--seed", "1", *argv]
     assert _refused(argv, capsys) == (
         f"pgregistry seed-plan: error: {doing} of 2147483647 ranks needs about {gib}.0 GiB of memory, more than the "
-        "256.0 GiB available; it holds every rank's seeds: run it where more memory is free\n"
+        f"256.0 GiB available; {advice}\n"
     )
+
+
+# ------------------------------------------------------------------------------------ seed-plan's true estimates
+
+_RANKS = 2**14
+
+
+def _held(run: Callable[[], object]) -> int:
+    """The peak bytes Python allocates while ``run`` runs, by tracemalloc."""
+    tracemalloc.start()
+    try:
+        run()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "seed", "random_init"),
+    [
+        ({}, 1, False),  # every rank the same streams: the check holds almost nothing
+        ({}, 1, True),  # a stream per rank and tracker
+        ({"tp": 8, "pp": 4}, 1, True),  # many seeds shared across ranks: fewer, larger records
+        ({}, 2**64 - 50, False),  # every rank out of range on two trackers: each listed
+    ],
+)
+def test_the_seed_check_memory_estimate_is_within_a_small_factor_of_what_it_holds(
+    sizes: dict[str, int], seed: int, random_init: bool
+) -> None:
+    # It was 576 bytes a rank whatever the layout: 24.1 GiB at 45 M ranks, where the check held under 1 GiB.
+    layout = ParallelLayout(num_ranks=_RANKS, **sizes)
+    estimate = estimated_bytes(layout, seed, True, random_init)
+    held = _held(lambda: check_seed_plan(layout, seed, data_parallel_random_init=random_init))
+    slack = 512 * 1024  # what the check holds whatever the layout (its generator, the interpreter's caches)
+    assert held <= estimate + slack and estimate <= 4 * held + slack, (estimate, held)
+
+
+def test_the_seed_plan_memory_estimate_is_within_a_small_factor_of_what_printing_it_holds() -> None:
+    argv = ["seed-plan", "--num-ranks", str(_RANKS // 2), "--seed", "1", "--tp", "4", "--ep", "2", "--gtp-remat", "2"]
+    layout = ParallelLayout(num_ranks=_RANKS // 2, tp=4, ep=2, gtp_remat=2)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        held = _held(lambda: main(argv))
+    estimate = estimated_bytes(layout, 1, False, False)
+    assert held <= estimate <= 4 * held, (estimate, held)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "seed"),
+    [
+        ({}, 2**64 - 50),  # model- and expert-parallel seeds out of range on every rank
+        # 2718 + tp_rank == 1024 + 100 * ep_rank + expt_tp_rank at tp_rank 6, ep_rank 17: one rank in 8 * 19
+        ({"tp": 8, "ep": 19, "expt_tp": 1}, 1),
+    ],
+)
+def test_the_listed_estimate_counts_the_ranks_the_collisions_list(sizes: dict[str, int], seed: int) -> None:
+    layout = ParallelLayout(num_ranks=8 * 19 * 16, **sizes)
+    listed = sum(len(c.ranks) for c in check_seed_plan(layout, seed) if c.kind != "across_ranks")
+    assert listed > 0
+    assert check_seed_plan_size(layout, seed)[1] == listed
+
+
+def _seed_plan(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pgregistry", "seed-plan", "--seed", "1", *argv],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_a_check_longer_than_the_time_limit_is_refused_from_its_first_ranks() -> None:
+    # 2**31 - 1 ranks hold a few streams only, so the memory guard admits them; at about 10 microseconds a rank
+    # the check would then run for hours in silence. Refused once the first ranks have given the rate.
+    done = _seed_plan("--num-ranks", str(_LARGEST), "--check", "--time-limit", "1")
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert re.fullmatch(
+        r"pgregistry seed-plan: error: checking the seed plan of 2147483647 ranks would take about [\d.]+ (min|h) "
+        r"here \([\d.]+ microseconds a rank over the first 16384\), more than --time-limit 1 \(minutes\); raise "
+        r"--time-limit \(0 for no limit\), or check the layout with fewer data-parallel replicas: without "
+        r"--data-parallel-random-init the seeds do not depend on the data-parallel size, so it has the same "
+        r"collisions\n",
+        done.stderr,
+    ), done.stderr
+
+
+def test_a_long_check_reports_its_progress_on_stderr() -> None:
+    done = _seed_plan("--num-ranks", str(3 * 16384), "--check", "--progress", "0.001")
+    assert (done.returncode, done.stdout) == (0, "no seed collisions in 49152 ranks\n"), done.stderr
+    lines = done.stderr.splitlines()
+    assert re.fullmatch(
+        r"pgregistry seed-plan: checking the seed plan of 49152 ranks: about \d+ s here \([\d.]+ microseconds a "
+        r"rank over the first 16384\)",
+        lines[0],
+    ), lines
+    assert lines[1:] and all(
+        re.fullmatch(r"pgregistry seed-plan: 32768 of 49152 ranks \(66%\), about \d+ s left", line)
+        for line in lines[1:]
+    ), lines
+    assert _seed_plan("--num-ranks", str(2 * 16384), "--check", "--progress", "0").stderr == ""
