@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from pgregistry._empty_options import empty_option
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist._cache import ScanCache
 from pgregistry.allowlist._config import PRESETS, ConfigError, Settings, find_config_file, load_settings
@@ -91,18 +92,8 @@ _TEXT_OPTIONS = {
     "extend_exclude": ("--extend-exclude", "a pattern, or leave the option out"),
     "module": ("--module", "a module name, or leave the option out"),
 }
-"""Options whose empty value would pass as the option left out (or match nothing): dest -> (option, what to give)."""
-
-
-def _empty_option(args: argparse.Namespace) -> str | None:
-    """The error for the first option of :data:`_TEXT_OPTIONS` given an empty value (``--base "$BASE"`` with the
-    CI variable unset checked without a base, as if the option were absent); None when there is none."""
-    for dest, (option, give) in _TEXT_OPTIONS.items():
-        value = getattr(args, dest, None)
-        values = value if isinstance(value, list) else [value]
-        if any(v is not None and not v.strip() for v in values):
-            return f"{option} is empty (an unset CI variable, as in {option} \"$VAR\"?): set it to {give}"
-    return None
+"""Options whose empty value would pass as the option left out (or match nothing): dest -> (option, what to give).
+``--base ''`` (an unset CI variable) checked without a base."""
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -252,7 +243,7 @@ def _skipped_newer(report: ScanReport, allowed: bool) -> tuple[list[FileResult],
 def run(args: argparse.Namespace) -> int:
     """The handler of every action; returns the exit code (0 ok, 1 check failed, 2 error)."""
     fmt: str = args.format
-    empty = _empty_option(args)
+    empty = empty_option(args, _TEXT_OPTIONS)
     if empty is not None:
         return _error(empty, fmt)
     try:

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 from pgregistry.cli import _layout_views as layout_views
 from pgregistry.cli._columns import aligned
 from pgregistry.cli._limits import memory_shortfall, not_enough_memory
-from pgregistry.cli._options import Subparsers, add_layout_arguments, add_placement_arguments, layout_from_args
+from pgregistry.cli._options import (
+    Subparsers,
+    add_layout_arguments,
+    add_placement_arguments,
+    check_not_empty,
+    layout_from_args,
+)
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
@@ -66,10 +72,21 @@ def add_command(subparsers: Subparsers) -> None:
     parser.set_defaults(handler=_run)
 
 
+_PATH_AND_LIST_OPTIONS = {
+    "svg": ("--svg", "a file name, or leave the option out"),
+    "html": ("--html", "a file name, or leave the option out"),
+    "highlight": ("--highlight", "comma-separated kinds, or leave the option out to draw every kind"),
+    "compare": ("--compare", "two layout specs such as tp=2,ep=4 and tp=4 (a spec of defaults: tp=1)"),
+}
+"""The options of ``layout`` whose empty value would pass as the option left out (``--svg ''`` drew nothing,
+``--compare '' ''`` compared two default layouts)."""
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.show < 0:
             raise ValueError(f"--show must be non-negative, got {args.show}")
+        check_not_empty(args, _PATH_AND_LIST_OPTIONS)
         layout_views.check_view_arguments(args)
         if args.compare:
             return layout_views.run_compare(args)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from pgregistry._empty_options import empty_option
+
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
@@ -19,6 +21,7 @@ __all__ = [
     "Subparsers",
     "add_layout_arguments",
     "add_placement_arguments",
+    "check_not_empty",
     "check_output_file",
     "check_span",
     "intra_node_kinds",
@@ -56,12 +59,29 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = T
     parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
 
 
+_SIZE_OPTIONS = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+
+
+def check_not_empty(args: argparse.Namespace, options: dict[str, tuple[str, str]]) -> None:
+    """``ValueError`` naming the first of ``options`` (dest -> (option, what to set it to)) given an empty value:
+    ``--svg "$OUT"`` with the variable unset would otherwise pass as the option left out
+    (:mod:`pgregistry._empty_options`)."""
+    problem = empty_option(args, options)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
     """The layout :func:`add_layout_arguments` declared (over the whole ``world_size`` when given, else
     ``--num-ranks`` from ``--rank-offset``, checked by :func:`check_span`); ``ValueError`` (the layout's message)
     when invalid."""
     from pgregistry.layout import ParallelLayout
 
+    for dest in _SIZE_OPTIONS:  # named as the option, not as the layout's argument
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise ValueError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
+    check_not_empty(args, {"order": ("--order", "an axis order such as tp-cp-ep-dp-pp, or leave the option out")})
     if world_size is None:
         check_span(args.num_ranks, args.rank_offset, args.world_size)
     span = {"num_ranks": world_size} if world_size is not None else {

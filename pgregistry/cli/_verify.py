@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
+from pgregistry._empty_options import empty_option
 from pgregistry.cli._options import (
     Subparsers,
     add_layout_arguments,
@@ -223,6 +225,12 @@ def _close(value: float, want: float) -> bool:
 def _run(args: argparse.Namespace) -> int:
     from pgregistry._torchrun_checks import run_checks
 
+    # Every rank parses the same command line, so every rank refuses alike; rank 0 says why.
+    empty = empty_option(args, {"json": ("--json", "a file name, or leave the option out")})
+    if empty is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pgregistry verify: error: {empty}", file=sys.stderr)
+        return 2
     expt_tp = args.expt_tp if args.expt_tp is not None else args.tp
     title = (
         f"pgregistry verify: backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} ep {args.ep} "

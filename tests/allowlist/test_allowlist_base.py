@@ -217,7 +217,7 @@ def test_an_empty_base_is_refused_not_read_as_no_base(repository: Project) -> No
         done = _allowlist_process(repository.root, "check", "--base", "", "--format", fmt)
         assert done.returncode == 2, done.stdout + done.stderr
         assert done.stderr == (
-            'pgregistry allowlist: error: --base is empty (an unset CI variable, as in --base "$VAR"?): set it to a '
+            'pgregistry allowlist: error: --base is empty (an unset variable, as in --base "$VAR"?): set it to a '
             "git revision, or leave the option out to check without a base\n"
         )
     assert done.stdout.startswith("::error title=pgregistry allowlist::--base is empty")
