@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -62,7 +62,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = T
 _SIZE_OPTIONS = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
 
 
-def check_not_empty(args: argparse.Namespace, options: dict[str, tuple[str, str]]) -> None:
+def check_not_empty(args: argparse.Namespace, options: Mapping[str, tuple[str, str]]) -> None:
     """``ValueError`` naming the first of ``options`` (dest -> (option, what to set it to)) given an empty value:
     ``--svg "$OUT"`` with the variable unset would otherwise pass as the option left out
     (:mod:`pgregistry._empty_options`)."""
@@ -161,21 +161,16 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def non_negative(option: str) -> Callable[[str], float]:
-    """An argparse ``type`` for ``option``: a finite number, 0 or more (a NaN compares false with every limit, so
-    it would be none, silently)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not (value >= 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
-        return value
-
-    parse.__name__ = option  # argparse names the type in some messages
-    return parse
+def non_negative(text: str) -> float:
+    """An argparse ``type``: a finite number, 0 or more (a NaN compares false with every limit, so it would be no
+    limit, silently)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
+    return value
 
 
 def check_output_file(path: str | Path, option: str = "--json") -> None:

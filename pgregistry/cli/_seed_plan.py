@@ -54,12 +54,12 @@ def add_command(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
-        "--time-limit", type=non_negative("--time-limit"), default=30.0, metavar="MINUTES",
+        "--time-limit", type=non_negative, default=30.0, metavar="MINUTES",
         help="refuse (exit 2) a run estimated, from the rate of its first ranks, to take longer (default: "
         "%(default)s; 0 for no limit)",
     )
     parser.add_argument(
-        "--progress", type=non_negative("--progress"), default=10.0, metavar="SECONDS",
+        "--progress", type=non_negative, default=10.0, metavar="SECONDS",
         help="print progress on stderr every SECONDS of a run estimated to take longer than that (default: "
         "%(default)s; 0 for none)",
     )
@@ -72,9 +72,15 @@ def _run(args: argparse.Namespace) -> int:
     random_init = args.data_parallel_random_init
     try:
         layout = layout_from_args(args)
-        _check_memory(layout, args.seed, args.check, random_init)
         doing = f"{'checking ' if args.check else ''}the seed plan of {layout.num_ranks} ranks"
-        progress = _Progress(doing, layout.num_ranks, args.time_limit, args.progress, random_init)
+        _check_memory(layout, args.seed, args.check, random_init, doing)
+        advice = "raise --time-limit (0 for no limit)"
+        if args.check and not random_init:
+            advice += (
+                ", or check the layout with fewer data-parallel replicas: without --data-parallel-random-init the "
+                "seeds do not depend on the data-parallel size, so it has the same collisions"
+            )
+        progress = _Progress(doing, layout.num_ranks, args.time_limit, args.progress, advice)
         if args.check:
             collisions = check_seed_plan(layout, args.seed, data_parallel_random_init=random_init, progress=progress)
         else:
@@ -119,13 +125,14 @@ def estimated_bytes(layout: ParallelLayout, seed: int, check: bool, data_paralle
     return _STREAM_BYTES * streams + _LISTED_BYTES * listed
 
 
-def _check_memory(layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool) -> None:
+def _check_memory(
+    layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool, doing: str
+) -> None:
     """``ValueError`` when the plan (or its check) would need more memory than is available, estimated before any
     seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
     needed = estimated_bytes(layout, seed, check, data_parallel_random_init)
     available = memory_shortfall(needed)
     if available is not None:
-        doing = f"{'checking ' if check else ''}the seed plan of {layout.num_ranks} ranks"
         if not check:
             advice = "it holds every rank's seeds: run it where more memory is free, or check it (--check)"
         elif data_parallel_random_init:
@@ -134,21 +141,21 @@ def _check_memory(layout: ParallelLayout, seed: int, check: bool, data_parallel_
                 "holds: run it where more memory is free"
             )
         else:
-            advice = "it lists every rank of each collision found on a rank: run it where more memory is free"
+            advice = (
+                "it lists every rank of its within-rank and out-of-range collisions: run it where more memory is free"
+            )
         raise not_enough_memory(doing, needed, available, advice)
 
 
 class _Progress:
     """The ``progress`` callback of the plan: from the rate of the first ranks, the time the whole run takes;
-    ``ValueError`` when that is past ``--time-limit``, and lines on stderr every ``--progress`` seconds of a run
-    estimated longer than that. Nothing is timed before the first callback, so short runs print nothing."""
+    ``ValueError`` (with ``advice``) when that is past ``--time-limit``, and lines on stderr every ``--progress``
+    seconds of a run estimated longer than that. Nothing is timed before the first callback, so short runs print
+    nothing."""
 
-    def __init__(
-        self, doing: str, total: int, limit_minutes: float, every_s: float, data_parallel_random_init: bool
-    ) -> None:
-        self.doing, self.total = doing, total
+    def __init__(self, doing: str, total: int, limit_minutes: float, every_s: float, advice: str) -> None:
+        self.doing, self.total, self.advice = doing, total, advice
         self.limit_minutes, self.every_s = limit_minutes, every_s
-        self.random_init = data_parallel_random_init
         self.start = self.printed = time.monotonic()
         self.first = True
 
@@ -160,16 +167,9 @@ class _Progress:
             self.first = False
             rate = f"{elapsed / done * 1e6:.1f} microseconds a rank over the first {done}"
             if self.limit_minutes and whole > self.limit_minutes * 60:
-                advice = "raise --time-limit (0 for no limit)"
-                if not self.random_init:
-                    advice += (
-                        ", or check the layout with fewer data-parallel replicas: without "
-                        "--data-parallel-random-init the seeds do not depend on the data-parallel size, so it has "
-                        "the same collisions"
-                    )
                 raise ValueError(
                     f"{self.doing} would take about {_duration(whole)} here ({rate}), more than --time-limit "
-                    f"{self.limit_minutes:g} (minutes); {advice}"
+                    f"{self.limit_minutes:g} (minutes); {self.advice}"
                 )
             if self.every_s and whole > self.every_s:
                 print(f"pgregistry seed-plan: {self.doing}: about {_duration(whole)} here ({rate})", file=sys.stderr)
