@@ -124,7 +124,7 @@ def test_seed_plan_of_too_many_ranks_is_refused_with_the_estimate(
 
 # ------------------------------------------------------------------------------------ seed-plan's true estimates
 
-_RANKS = 2**14
+_RANKS = 2**13
 
 
 def _held(run: Callable[[], object]) -> int:
@@ -181,32 +181,37 @@ def test_the_listed_estimate_counts_the_ranks_the_collisions_list(sizes: dict[st
     assert check_seed_plan_size(layout, seed)[1] == listed
 
 
-def _seed_plan(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pgregistry", "seed-plan", "--seed", "1", *argv],
-        capture_output=True, text=True, timeout=60,
-    )
+def _seed_plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["seed-plan", "--seed", "1", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def test_a_check_longer_than_the_time_limit_is_refused_from_its_first_ranks() -> None:
     # 2**31 - 1 ranks hold a few streams only, so the memory guard admits them; at about 10 microseconds a rank
-    # the check would then run for hours in silence. Refused once the first ranks have given the rate.
-    done = _seed_plan("--num-ranks", str(_LARGEST), "--check", "--time-limit", "1")
-    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    # the check would then run for hours in silence. Refused once the first ranks have given the rate. In a
+    # subprocess, so that a check that is not refused ends at its timeout, not pytest's.
+    done = subprocess.run(
+        [sys.executable, "-m", "pgregistry", "seed-plan", "--seed", "1", "--num-ranks", str(_LARGEST), "--check",
+         "--time-limit", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    err = done.stderr
+    assert (done.returncode, done.stdout) == (2, ""), err
     assert re.fullmatch(
         r"pgregistry seed-plan: error: checking the seed plan of 2147483647 ranks would take about [\d.]+ (min|h) "
         r"here \([\d.]+ microseconds a rank over the first 16384\), more than --time-limit 1 \(minutes\); raise "
         r"--time-limit \(0 for no limit\), or check the layout with fewer data-parallel replicas: without "
         r"--data-parallel-random-init the seeds do not depend on the data-parallel size, so it has the same "
         r"collisions\n",
-        done.stderr,
-    ), done.stderr
+        err,
+    ), err
 
 
-def test_a_long_check_reports_its_progress_on_stderr() -> None:
-    done = _seed_plan("--num-ranks", str(3 * 16384), "--check", "--progress", "0.001")
-    assert (done.returncode, done.stdout) == (0, "no seed collisions in 49152 ranks\n"), done.stderr
-    lines = done.stderr.splitlines()
+def test_a_long_check_reports_its_progress_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _seed_plan(capsys, "--num-ranks", str(3 * 16384), "--check", "--progress", "0.001")
+    assert (code, out) == (0, "no seed collisions in 49152 ranks\n"), err
+    lines = err.splitlines()
     assert re.fullmatch(
         r"pgregistry seed-plan: checking the seed plan of 49152 ranks: about \d+ s here \([\d.]+ microseconds a "
         r"rank over the first 16384\)",
@@ -216,4 +221,4 @@ def test_a_long_check_reports_its_progress_on_stderr() -> None:
         re.fullmatch(r"pgregistry seed-plan: 32768 of 49152 ranks \(66%\), about \d+ s left", line)
         for line in lines[1:]
     ), lines
-    assert _seed_plan("--num-ranks", str(2 * 16384), "--check", "--progress", "0").stderr == ""
+    assert _seed_plan(capsys, "--num-ranks", str(2 * 16384), "--check", "--progress", "0")[2] == ""
