@@ -20,8 +20,10 @@ The protocol, all through the store, so it needs no collective over the broken w
    the lost set, :meth:`~ParallelLayout.shrink`'s result or its error, whether the survivors committed the same
    step. Bad input (ranks out of range, survivors told different lost sets, a loss that leaves no copy) is
    therefore the same error on every survivor, and no survivor goes on alone;
-4. *rebuild*: pgregistry's communicators and the default group are destroyed, the default group is re-formed over
-   the survivors under the next generation's prefix, and the layout's collection built there.
+4. *rebuild*: pgregistry's communicators (of every build: other collections are rebuilt by their owners on the
+   new world) and the default group are destroyed, the default group is re-formed over the survivors under the
+   next generation's prefix, and the layout's collection built there. A survivor lost after the decision makes
+   the re-formation time out on the others (torch's error, raised by ``recover``): restart from a checkpoint.
 
 A step in which the fault happened must not be half-applied: :func:`commit` is one all-reduce over the layout's
 span that every rank runs after its grads are synchronised and before ``optimizer.step()``; a rank whose step
