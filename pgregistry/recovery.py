@@ -23,7 +23,8 @@ The protocol, all through the store, so it needs no collective over the broken w
 4. *rebuild*: pgregistry's communicators (of every build: other collections are rebuilt by their owners on the
    new world) and the default group are destroyed, the default group is re-formed over the survivors under the
    next generation's prefix, and the layout's collection built there. A survivor lost after the decision makes
-   the re-formation time out on the others (torch's error, raised by ``recover``): restart from a checkpoint.
+   the re-formation fail on the others (at the timeout at most): a ``RuntimeError`` naming the second failure,
+   saying to restart from a checkpoint.
 
 A step in which the fault happened must not be half-applied: :func:`commit` is one all-reduce over the layout's
 span that every rank runs after its grads are synchronised and before ``optimizer.step()``; a rank whose step
@@ -150,10 +151,10 @@ def recover(
     apply to the new world and its groups.
 
     Raises :class:`LeftWithReplica` on a live rank that must leave with its replica; ``RuntimeError`` on a rank
-    that is lost (named in ``lost``, or checking in after the survivors decided without it) or when survivors
-    committed different steps; ``ValueError``, on every survivor alike, for lost ranks outside the world, survivors
-    told different lost sets, or a loss that leaves no copy of some state (reload a checkpoint). A rank told that
-    every rank is lost is itself among them.
+    that is lost (named in ``lost``, or checking in after the survivors decided without it), when survivors
+    committed different steps, or when a survivor is lost while the world is re-formed; ``ValueError``, on every
+    survivor alike, for lost ranks outside the world, survivors told different lost sets, or a loss that leaves no
+    copy of some state (reload a checkpoint). A rank told that every rank is lost is itself among them.
     """
     import torch.distributed as dist
 
@@ -191,11 +192,18 @@ def recover(
     wanted = timeout if isinstance(timeout, timedelta) or timeout is None else timedelta(seconds=timeout)
     init: dict[str, Any] = {"timeout": wanted} if wanted is not None else {}
     world_store = dist.PrefixStore(f"{_PREFIX}/{_generation}/world", store)
-    dist.init_process_group(
-        backend or old_backend, store=world_store, rank=new_rank, world_size=len(shrunk.rank_map), **init
-    )
     before = registry.communicators_created()
-    new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
+    try:
+        dist.init_process_group(
+            backend or old_backend, store=world_store, rank=new_rank, world_size=len(shrunk.rank_map), **init
+        )
+        new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
+    except RuntimeError as error:  # torch's DistError and its store and backend errors are RuntimeErrors
+        raise RuntimeError(
+            f"a second failure during recovery: re-forming the world of generation {_generation} over old ranks "
+            f"{list(shrunk.rank_map)} (rank {old_rank} -> {new_rank}) failed: {error}. A survivor was lost after "
+            "the survivors decided; restart from a checkpoint"
+        ) from error
     created = registry.communicators_created() - before + 1
     rebuilt = time.perf_counter()
     _log.info(

@@ -297,3 +297,38 @@ def test_a_rank_arriving_after_the_decision_is_lost_and_told_so() -> None:
     kind, (name, message) = results[1]
     assert (kind, name) == ("ok", "RuntimeError")
     assert message.startswith("rank 1 called recover after the survivors [0] had decided without it")
+
+
+def _second_failure(rank: int, store: dist.Store) -> tuple[str, str]:
+    import threading
+    import time
+
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    pg = build(ParallelLayout(num_ranks=4, tp=2), name="job", timeout=TIMEOUT_S)
+
+    def die_once_decided() -> None:  # rank 1 is lost after the survivors decided, before the world is re-formed
+        while not store.check(["pgregistry/recovery/0/decision"]):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == 1:
+        threading.Thread(target=die_once_decided, daemon=True).start()
+    try:
+        recover(pg, store, committed_step=0, lost=[3], wait=WAIT_S, timeout=TIMEOUT_S)
+    except RuntimeError as error:
+        return type(error).__name__, str(error)
+    return "ok", "recovered"
+
+
+def test_a_survivor_lost_while_the_world_is_re_formed_is_named_on_the_others() -> None:
+    results = run_faulty_world(4, _second_failure, collective_timeout=TIMEOUT_S)
+    assert results[1] == ("died", signal.SIGKILL), _why(results[1])
+    assert results[2][1][0] == "LeftWithReplica"
+    kind, (name, message) = results[0]
+    assert (kind, name) == ("ok", "RuntimeError"), results[0]
+    assert message.startswith("a second failure during recovery: re-forming the world of generation 1 over old "
+                              "ranks [0, 1] (rank 0 -> 0) failed: ")
+    assert message.endswith("A survivor was lost after the survivors decided; restart from a checkpoint")
