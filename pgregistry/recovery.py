@@ -144,7 +144,9 @@ def recover(
     the smaller layout's collection there (see the module docstring for the protocol and the store it needs).
 
     ``collection`` is the one the failed step ran on (its layout must span the whole world); ``store`` a store
-    every survivor reaches that no lost rank hosted; ``committed_step`` the last step this rank applied;
+    every survivor reaches that no lost rank hosted, holding no keys of an earlier run under ``pgregistry/recovery``
+    (a store kept across restarts: give each run a ``PrefixStore`` of its own); ``committed_step`` the last step
+    this rank applied;
     ``lost`` the ranks known to be lost (from the launcher), or ``None`` to take as lost every rank that has not
     called ``recover`` within ``wait`` seconds of this rank (more than the collective timeout, so a survivor stuck
     in a collective until it times out arrives in time). ``backend`` (default: the old world's) and ``timeout``
@@ -172,6 +174,10 @@ def recover(
             f"recover re-forms the whole world, so the layout must span it: {layout!r} spans ranks "
             f"{layout.rank_offset}-{layout.rank_offset + layout.num_ranks - 1} of {world_size}"
         )
+    if isinstance(committed_step, bool) or not isinstance(committed_step, int):
+        raise TypeError(f"committed_step must be an integer (the last step applied), got {committed_step!r}")
+    if not isinstance(wait, int | float) or isinstance(wait, bool) or not wait > 0:
+        raise ValueError(f"wait must be a positive number of seconds, got {wait!r}")
     told = None if lost is None else _as_ranks(lost)
     if told is not None and old_rank in told:
         raise RuntimeError(

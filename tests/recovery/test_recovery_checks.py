@@ -1,5 +1,6 @@
-"""``carry_optimizer_state`` refuses what cannot carry over: a sharded optimizer (the lost replica's shard has no
-copy) and parameters whose main grads are of another dtype (their grad hooks stay with the old optimizer)."""
+"""What the recovery refuses without a fault: ``carry_optimizer_state`` carries a replicated optimizer's state and
+refuses a sharded optimizer (the lost replica's shard has no copy) and parameters whose main grads are of another
+dtype (their grad hooks stay with the old optimizer); ``recover`` names a bad argument before it checks in."""
 
 from __future__ import annotations
 
@@ -62,3 +63,32 @@ def test_only_a_replicated_optimizer_carries_over() -> None:
         )
         assert got["low-precision"].startswith("weight (torch.bfloat16) has main grads of another dtype")
         assert got["replicated"] == "carried"
+
+
+def _bad_arguments() -> list[str]:
+    import torch.distributed as dist
+
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    pg = build(ParallelLayout(num_ranks=1))
+    store = dist.HashStore()
+    out = []
+    for kwargs in ({"committed_step": "3"}, {"committed_step": 3, "wait": 0}, {"committed_step": 3, "lost": "3"},
+                   {"committed_step": 3, "lost": [1.0]}):
+        try:
+            recover(pg, store, **kwargs)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as error:
+            out.append(f"{type(error).__name__}: {error}")
+    return out
+
+
+def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
+    (got,) = run_world(1, _bad_arguments, timeout=30.0)
+    assert got == [
+        "TypeError: committed_step must be an integer (the last step applied), got '3'",
+        "ValueError: wait must be a positive number of seconds, got 0",
+        "TypeError: lost must be an iterable of ranks or None, got str",
+        "TypeError: lost ranks must be integers, got 1.0 (float)",
+    ]
