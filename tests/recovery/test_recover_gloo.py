@@ -2,7 +2,7 @@
 
 A world of 4 (TP 2 x DP 2) trains a TP-sharded two-layer MLP in float64 with SGD + momentum (state that must carry
 over). Rank 3 kills itself after its backward, before the grads are synchronised. Its TP peer (rank 2) must leave
-with it; ranks 0 and 1 recover (nobody tells them who died: they wait for the check-ins), rebuild TP 2 x DP 1,
+with it; ranks 0 and 1 recover (told nothing, they find who died by the check-ins), rebuild TP 2 x DP 1,
 carry their optimizer state over, redo the faulted step on the whole global batch and go on. Every committed step,
 before and after the fault, must equal the unsharded float64 model trained on the same global batches (the oracle,
 computed here): so the faulted step was applied exactly once, on the smaller grid, and the momentum survived.
