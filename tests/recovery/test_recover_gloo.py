@@ -332,3 +332,30 @@ def test_a_survivor_lost_while_the_world_is_re_formed_is_named_on_the_others() -
     assert message.startswith("a second failure during recovery: re-forming the world of generation 1 over old "
                               "ranks [0, 1] (rank 0 -> 0) failed: ")
     assert message.endswith("A survivor was lost after the survivors decided; restart from a checkpoint")
+
+
+def _told_apart(rank: int, store: dist.Store) -> tuple[str, str]:
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    pg = build(ParallelLayout(num_ranks=4), name="job", timeout=TIMEOUT_S)
+    lost = {0: [2], 1: [3], 2: [3], 3: [2]}[rank]
+    try:
+        recover(pg, store, committed_step=0, lost=lost, wait=WAIT_S, timeout=TIMEOUT_S)
+    except (RuntimeError, ValueError) as error:
+        return type(error).__name__, str(error)
+    return "ok", "recovered"
+
+
+def test_survivors_told_different_lost_ranks_all_refuse() -> None:
+    results = run_faulty_world(4, _told_apart, collective_timeout=TIMEOUT_S)
+    outcomes = [outcome for kind, outcome in results.values() if kind == "ok"]
+    assert len(outcomes) == 4, results
+    refused = [message for name, message in outcomes if name == "ValueError"]
+    # The decision takes the first three (or four) to check in; a fourth checking in after it is told it is lost.
+    late = [message for name, message in outcomes if name == "RuntimeError"]
+    assert len(refused) >= 3 and len(refused) + len(late) == 4, outcomes
+    assert all(m.startswith("the survivors were told different lost ranks (rank ") for m in refused), refused
+    assert all(m.endswith("give every survivor the same lost ranks") for m in refused), refused
+    assert all("had decided without it" in m for m in late), late
