@@ -32,7 +32,11 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
+from pgregistry._shrink import Shrunk, shrink_layout
+
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "OrderToken",
     "ParallelLayout",
     "RankGroup",
+    "Shrunk",
 ]
 
 RankGroup = tuple[int, ...]
@@ -373,6 +378,23 @@ class ParallelLayout:
             f"ep={self.ep}|expt_tp={self.expt_tp}|gtp={self.gtp_remat}|egtp={self.expt_gtp_remat}|order={self.order}"
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def shrink(self, lost: Iterable[int], *, sharded_optimizer: bool = False) -> Shrunk:
+        """What losing the ranks ``lost`` does to this layout: the ranks that must leave with them, the smaller
+        layout the survivors go on with, and each survivor's new rank (:class:`~pgregistry._shrink.Shrunk`).
+
+        A lost rank takes its whole dense replica (its ``dp`` coordinate: every rank its TP, GTP-remat, CP and
+        pipeline peers are) and its whole expert replica (its ``expt_dp`` coordinate: expert TP x EP x expert
+        GTP-remat x PP), and so on until no leaving rank has a peer that stays. The survivors keep every size but
+        ``dp`` and ``expt_dp``, are renumbered from ``rank_offset`` in their old order, and every group of the
+        survivors keeps its members (only the data-parallel kinds lose some). ``sharded_optimizer``: the optimizer
+        state is sharded over the data-parallel replicas, so losing any replica loses a shard.
+
+        Raises ``ValueError`` naming the ranks for a rank outside the layout, a loss that leaves no copy of some
+        state (every replica touched; any loss with ``sharded_optimizer``), or survivors that no layout with the
+        same sizes and order fits; each message says to reload a checkpoint. ``TypeError`` for a non-integer rank.
+        """
+        return shrink_layout(self, lost, sharded_optimizer=sharded_optimizer)
 
     def _pipeline_edges(self, kind: str) -> tuple[int, ...]:
         """Positions in a pipeline group of the stages an embedding kind spans: first (and last)."""

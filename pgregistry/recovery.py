@@ -1,0 +1,339 @@
+"""Survive a lost replica in-process: the survivors agree on who is lost, rebuild their groups and go on.
+
+After a collective failed (a peer died, or timed out), every process that is still alive calls :func:`recover`.
+The survivors agree on the lost ranks through a *store no lost rank was needed for*: a ``TCPStore`` (or any
+``torch.distributed.Store``) hosted by the launcher (torchrun's agent store) or by a process that outlives every
+rank it may lose. The default store of a job whose rank 0 hosts it dies with rank 0; such a job survives no loss of
+rank 0. The layout decides the rest (:meth:`~pgregistry.layout.ParallelLayout.shrink`): the ranks tied to a lost
+one (its whole dense and expert replicas) leave too, the others are renumbered so every group keeps its members,
+and the world is re-formed over them under a fresh store prefix (a *generation*), where the registry builds the
+smaller layout's collection.
+
+The protocol, all through the store, so it needs no collective over the broken world:
+
+1. *check in*: each survivor writes its record (the last step it committed, the lost ranks it was told of) under
+   this generation's prefix, then counts itself;
+2. *decide*: once every rank that may be alive has checked in (or ``wait`` seconds passed), a survivor proposes
+   the ranks whose records exist; the store's ``compare_set`` keeps the first proposal, so every survivor reads one
+   decision. A rank that checks in after it is lost: it learns so and raises;
+3. *judge*: every survivor reads every record the decision names and derives, from the same data, the same verdict:
+   the lost set, :meth:`~ParallelLayout.shrink`'s result or its error, whether the survivors committed the same
+   step. Bad input (ranks out of range, survivors told different lost sets, a loss that leaves no copy) is
+   therefore the same error on every survivor, and no survivor goes on alone;
+4. *rebuild*: pgregistry's communicators (of every build: other collections are rebuilt by their owners on the
+   new world) and the default group are destroyed, the default group is re-formed over the survivors under the
+   next generation's prefix, and the layout's collection built there. A survivor lost after the decision makes
+   the re-formation fail on the others (at the timeout at most): a ``RuntimeError`` naming the second failure,
+   saying to restart from a checkpoint.
+
+A step in which the fault happened must not be half-applied: :func:`commit` is one all-reduce over the layout's
+span that every rank runs after its grads are synchronised and before ``optimizer.step()``; a rank whose step
+failed never reaches it, so no rank can pass it and step without the others (the survivors then redo that step on
+the smaller grid). Should a rank die inside the commit itself, some survivors may have stepped and others not: the
+verdict compares the steps they committed and raises on every survivor, saying to reload a checkpoint.
+
+Communicators: on this path every communicator of the smaller layout is created anew (``new_group`` under the new
+default group). torch binds a group to the default group it was created under (its global ranks), and a gloo group
+one of whose collectives was interrupted by the fault has its members' sequence numbers out of step, so keeping
+even a group whose members all survive would not be safe here. :attr:`Recovered.communicators_keepable` counts
+those a backend that can keep them (NCCL's ``shrink_group``, torch >= 2.10 with NCCL >= 2.27) would keep.
+
+Consumers re-derive from the new collection: the data-parallel rank and size data is sharded by, the RNG streams,
+grad statistics; :func:`carry_optimizer_state` moves a replicated optimizer's state into one built on it.
+
+Torch is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from pgregistry._logging import get_logger
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from pgregistry._shrink import Shrunk
+    from pgregistry.collection import ProcessGroupCollection
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.optim import ChainedOptimizer
+
+__all__ = ["LeftWithReplica", "Recovered", "carry_optimizer_state", "commit", "generation", "recover"]
+
+_log = get_logger(__name__)
+
+_PREFIX = "pgregistry/recovery"
+_POLL_S = 0.01
+_generation = 0
+"""This process's world generation: 0 for the world it started in, one more for each recovery it decided."""
+
+
+class LeftWithReplica(RuntimeError):
+    """This rank is alive but must leave: its replica lost a rank (``shrunk`` says which and who goes on)."""
+
+    def __init__(self, message: str, shrunk: Shrunk) -> None:
+        super().__init__(message)
+        self.shrunk = shrunk
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Recovered:
+    """What :func:`recover` returns on a rank that goes on."""
+
+    collection: ProcessGroupCollection
+    """The smaller layout's collection, on the re-formed world."""
+    generation: int
+    """The world generation it belongs to (0: the world the job started in)."""
+    shrunk: Shrunk
+    """Who was lost, who left with them, the smaller layout and the old -> new rank map."""
+    old_rank: int
+    rank: int
+    """This process's rank before and after."""
+    committed_step: int
+    """The last step every survivor committed; training goes on from the next one."""
+    communicators_created: int
+    """Communicators holding this rank created on the re-formed world (its default group included)."""
+    communicators_keepable: int
+    """Communicators holding this rank whose members all survived: those a backend able to keep them would keep
+    (this path creates them anew: see the module docstring)."""
+    agree_s: float
+    rebuild_s: float
+    """Seconds spent agreeing on the lost set (check-in to verdict), and re-forming the world and its groups."""
+
+
+def generation() -> int:
+    """This process's world generation (0 until a recovery)."""
+    return _generation
+
+
+def commit(collection: ProcessGroupCollection) -> None:
+    """Mark this rank's step as ready to apply: one all-reduce of one integer over the layout's span.
+
+    Call it after the step's last collective (grads synchronised, statistics reduced) and before
+    ``optimizer.step()``. A rank whose step failed never reaches it, so it fails on every rank and no rank applies
+    a step another did not; the survivors call :func:`recover` and redo the step.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from pgregistry._agreement import world_device
+    from pgregistry.collection import group_size
+
+    group = collection.get("intra_dist_opt")
+    if group_size(group) > 1:
+        dist.all_reduce(torch.ones(1, dtype=torch.int32, device=world_device()), group=group)
+
+
+def recover(
+    collection: ProcessGroupCollection,
+    store: Store,
+    *,
+    committed_step: int,
+    lost: Iterable[int] | None = None,
+    wait: float = 10.0,
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+) -> Recovered:
+    """Agree with the other survivors on the lost ranks, re-form the world over the ranks that go on, and return
+    the smaller layout's collection there (see the module docstring for the protocol and the store it needs).
+
+    ``collection`` is the one the failed step ran on (its layout must span the whole world); ``store`` a store
+    every survivor reaches that no lost rank hosted, holding no keys of an earlier run under ``pgregistry/recovery``
+    (a store kept across restarts: give each run a ``PrefixStore`` of its own); ``committed_step`` the last step
+    this rank applied;
+    ``lost`` the ranks known to be lost (from the launcher), or ``None`` to take as lost every rank that has not
+    called ``recover`` within ``wait`` seconds of this rank (more than the collective timeout, so a survivor stuck
+    in a collective until it times out arrives in time). ``backend`` (default: the old world's) and ``timeout``
+    apply to the new world and its groups.
+
+    Raises :class:`LeftWithReplica` on a live rank that must leave with its replica; ``RuntimeError`` on a rank
+    that is lost (named in ``lost``, or checking in after the survivors decided without it), when survivors
+    committed different steps, or when a survivor is lost while the world is re-formed; ``ValueError``, on every
+    survivor alike, for lost ranks outside the world, survivors told different lost sets, or a loss that leaves no
+    copy of some state (reload a checkpoint). A rank told that every rank is lost is itself among them.
+    """
+    import torch.distributed as dist
+
+    from pgregistry import registry
+    from pgregistry._agreement import require_distributed
+
+    global _generation
+    require_distributed("pgregistry.recovery.recover")
+    layout = collection.layout
+    if layout is None:
+        raise ValueError("recover needs a collection built by pgregistry.build (it knows its layout)")
+    world_size, old_rank = dist.get_world_size(), dist.get_rank()
+    if layout.rank_range() != (0, world_size):
+        raise ValueError(
+            f"recover re-forms the whole world, so the layout must span it: {layout!r} spans ranks "
+            f"{layout.rank_offset}-{layout.rank_offset + layout.num_ranks - 1} of {world_size}"
+        )
+    if isinstance(committed_step, bool) or not isinstance(committed_step, int):
+        raise TypeError(f"committed_step must be an integer (the last step applied), got {committed_step!r}")
+    if not isinstance(wait, int | float) or isinstance(wait, bool) or not wait > 0:
+        raise ValueError(f"wait must be a positive number of seconds, got {wait!r}")
+    told = None if lost is None else _as_ranks(lost)
+    if told is not None and old_rank in told:
+        raise RuntimeError(
+            f"rank {old_rank} called recover but is among the lost ranks {sorted(told)} it was given: a lost rank "
+            "takes no part in the recovery; end this process"
+        )
+    started = time.perf_counter()
+    prefix = f"{_PREFIX}/{_generation}"
+    records = _agree_on_survivors(store, prefix, old_rank, world_size, committed_step, told, wait)
+    _generation += 1
+    shrunk, step = _verdict(layout, records, world_size, old_rank)
+    agreed = time.perf_counter()
+    old_backend = dist.get_backend()
+    keepable = _keepable(layout, shrunk, old_rank)
+    registry.destroy()
+    dist.destroy_process_group()
+    new_rank = shrunk.rank_map[old_rank]
+    wanted = timeout if isinstance(timeout, timedelta) or timeout is None else timedelta(seconds=timeout)
+    init: dict[str, Any] = {"timeout": wanted} if wanted is not None else {}
+    world_store = dist.PrefixStore(f"{_PREFIX}/{_generation}/world", store)
+    before = registry.communicators_created()
+    try:
+        dist.init_process_group(
+            backend or old_backend, store=world_store, rank=new_rank, world_size=len(shrunk.rank_map), **init
+        )
+        new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
+    except RuntimeError as error:  # torch's DistError and its store and backend errors are RuntimeErrors
+        raise RuntimeError(
+            f"a second failure during recovery: re-forming the world of generation {_generation} over old ranks "
+            f"{list(shrunk.rank_map)} (rank {old_rank} -> {new_rank}) failed: {error}. A survivor was lost after "
+            "the survivors decided; restart from a checkpoint"
+        ) from error
+    created = registry.communicators_created() - before + 1
+    rebuilt = time.perf_counter()
+    _log.info(
+        "recovered", generation=_generation, lost=list(shrunk.lost), leaving=list(shrunk.leaving),
+        old_rank=old_rank, rank=new_rank, world_size=len(shrunk.rank_map), created=created, keepable=keepable,
+    )
+    return Recovered(
+        collection=new, generation=_generation, shrunk=shrunk, old_rank=old_rank, rank=new_rank,
+        committed_step=step, communicators_created=created, communicators_keepable=keepable,
+        agree_s=agreed - started, rebuild_s=rebuilt - agreed,
+    )
+
+
+def _as_ranks(lost: Iterable[int]) -> list[int]:
+    """The ranks of ``lost`` as a list of ints; ``TypeError`` for anything else (range is the verdict's to check,
+    so that every survivor raises it alike)."""
+    if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
+        raise TypeError(f"lost must be an iterable of ranks or None, got {type(lost).__name__}")
+    out = []
+    for rank in lost:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"lost ranks must be integers, got {rank!r} ({type(rank).__name__})")
+        out.append(rank)
+    return out
+
+
+def _agree_on_survivors(
+    store: Store, prefix: str, rank: int, world_size: int, step: int, told: list[int] | None, wait: float
+) -> dict[int, dict[str, Any]]:
+    """Check in, decide (the first proposal kept by ``compare_set``) and return the decided survivors' records."""
+    store.set(f"{prefix}/record/{rank}", json.dumps({"step": step, "lost": told}))
+    store.add(f"{prefix}/count", 1)
+    # When told who is lost, everyone else is expected (a told set that differs is the verdict's error).
+    expected = world_size - len(set(told) & set(range(world_size))) if told is not None else world_size
+    deadline = time.monotonic() + wait
+    decision_key = f"{prefix}/decision"
+    while not store.check([decision_key]):
+        if store.add(f"{prefix}/count", 0) >= expected or time.monotonic() >= deadline:
+            present = [r for r in range(world_size) if store.check([f"{prefix}/record/{r}"])]
+            store.compare_set(decision_key, "", json.dumps(present))
+            break
+        time.sleep(_POLL_S)
+    survivors: list[int] = json.loads(store.get(decision_key))
+    if rank not in survivors:
+        raise RuntimeError(
+            f"rank {rank} called recover after the survivors {survivors} had decided without it (generation "
+            f"{prefix.rsplit('/', 1)[1]}): it is lost to them; end this process. A survivor that arrives late was "
+            "stuck longer than the recovery's wait: make wait longer than the collective timeout"
+        )
+    return {r: json.loads(store.get(f"{prefix}/record/{r}")) for r in survivors}
+
+
+def _verdict(
+    layout: ParallelLayout, records: dict[int, dict[str, Any]], world_size: int, rank: int
+) -> tuple[Shrunk, int]:
+    """The same verdict on every survivor, from the same records: the shrink and the committed step, or the error."""
+    told = {r: rec["lost"] for r, rec in records.items() if rec["lost"] is not None}
+    given = {tuple(sorted(set(v))) for v in told.values()}
+    if len(given) > 1 or (told and len(told) != len(records)):
+        said = "; ".join(f"rank {r}: {v}" for r, v in sorted(told.items()))
+        raise ValueError(
+            f"the survivors were told different lost ranks ({said}; ranks {sorted(set(records) - set(told))} were "
+            "told none): give every survivor the same lost ranks"
+        )
+    named = set(given.pop()) if given else set()
+    outside = sorted(r for r in named if not 0 <= r < world_size)
+    if outside:
+        raise ValueError(f"lost rank(s) {outside} are outside the world of {world_size} ranks (0-{world_size - 1})")
+    lost = (set(range(world_size)) - set(records)) | named
+    shrunk = layout.shrink(sorted(lost))
+    staying = {r: rec["step"] for r, rec in records.items() if r in shrunk.rank_map}
+    if len(set(staying.values())) > 1:
+        steps = "; ".join(f"rank {r}: {s}" for r, s in sorted(staying.items()))
+        raise RuntimeError(
+            f"the survivors committed different steps ({steps}): the fault hit inside the commit, so some applied "
+            "a step others did not. Reload a checkpoint"
+        )
+    if rank not in shrunk.rank_map:
+        raise LeftWithReplica(
+            f"rank {rank} is alive but leaves: losing rank(s) {list(shrunk.lost)} takes ranks "
+            f"{list(shrunk.leaving)} (their whole replicas); ranks {list(shrunk.rank_map)} go on as "
+            f"{shrunk.layout!r}. End this process (or keep it as a spare)",
+            shrunk,
+        )
+    return shrunk, next(iter(staying.values()))
+
+
+def _keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
+    """How many of this rank's communicators have members that all survive and form a communicator of the smaller
+    layout under the rank map."""
+    from pgregistry._communicators import communicators
+
+    if rank not in shrunk.rank_map:
+        return 0
+    new_sets = communicators(shrunk.layout)
+    count = 0
+    for ranks in communicators(layout):
+        if rank in ranks and all(r in shrunk.rank_map for r in ranks):
+            count += tuple(sorted(shrunk.rank_map[r] for r in ranks)) in new_sets
+    return count
+
+
+def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
+    """Move ``old``'s state (built on the collection before the recovery) into ``new`` (``build_optimizer`` over
+    the same model on :attr:`Recovered.collection`), so training goes on as if nothing happened.
+
+    Only a replicated optimizer carries over: every data-parallel replica holds the whole state of its shard of
+    the model, and a survivor keeps its shard. A sharded optimizer's state was cut over the replicas, and the
+    lost replica's piece has no copy: ``ValueError``, saying to reload a checkpoint. So is an optimizer whose
+    parameters are of lower precision than their main grads (``build_optimizer`` attaches those through grad hooks
+    that the old optimizer would keep).
+    """
+    from pgregistry.optim import ShardedOptimizer
+
+    for child in old.chained_optimizers:
+        if isinstance(child, ShardedOptimizer):
+            raise ValueError(
+                "a sharded optimizer's state is cut over the data-parallel replicas and the lost replica's piece has "
+                "no copy: reload a checkpoint (load_optimizer_shards) instead of carrying the state over"
+            )
+        hooked = [p for p in child.params if getattr(p, "main_grad", p).dtype != p.dtype]
+        if hooked:
+            raise ValueError(
+                f"{child.param_name(hooked[0])} ({hooked[0].dtype}) has main grads of another dtype, attached "
+                "through grad hooks the old optimizer keeps: carrying its state is not supported; reload a checkpoint"
+            )
+    new.load_state_dict(old.state_dict())

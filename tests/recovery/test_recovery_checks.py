@@ -1,0 +1,94 @@
+"""What the recovery refuses without a fault: ``carry_optimizer_state`` carries a replicated optimizer's state and
+refuses a sharded optimizer (the lost replica's shard has no copy) and parameters whose main grads are of another
+dtype (their grad hooks stay with the old optimizer); ``recover`` names a bad argument before it checks in."""
+
+from __future__ import annotations
+
+import torch
+
+from pgregistry.testing import run_world
+
+_CASES = {
+    "sharded": (True, torch.float32),
+    "low-precision": (False, torch.bfloat16),
+    "replicated": (False, torch.float32),
+}
+
+
+def _carry_each() -> dict[str, str]:
+    from torch import nn
+
+    from pgregistry import build, build_optimizer
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import carry_optimizer_state
+
+    pg = build(ParallelLayout(num_ranks=2))
+    out = {}
+    for case, (sharded, dtype) in _CASES.items():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2, bias=False).to(dtype)
+        old = build_optimizer(model, pg, optimizer="sgd", lr=0.1, momentum=0.9, sharded=sharded)
+        model(torch.randn(3, 4, dtype=dtype)).sum().backward()
+        old.sync_grads()
+        old.step()  # momentum state to carry
+        before = _tensors(old.state_dict())
+        new = build_optimizer(model, pg, optimizer="sgd", lr=0.1, momentum=0.9)
+        try:
+            carry_optimizer_state(old, new)
+        except ValueError as error:
+            out[case] = str(error)
+            continue
+        after = _tensors(new.state_dict())
+        same = len(before) == len(after) > 0 and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        out[case] = "carried" if same else f"not carried: {before} then {after}"
+    return out
+
+
+def _tensors(state: object) -> list[torch.Tensor]:
+    """Every tensor of a nested state dict, in order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in _tensors(state[key])]
+    if isinstance(state, list | tuple):
+        return [t for item in state for t in _tensors(item)]
+    return []
+
+
+def test_only_a_replicated_optimizer_carries_over() -> None:
+    for got in run_world(2, _carry_each, timeout=30.0):
+        assert got["sharded"].startswith(
+            "a sharded optimizer's state is cut over the data-parallel replicas and the lost replica's piece has no "
+            "copy: reload a checkpoint"
+        )
+        assert got["low-precision"].startswith("weight (torch.bfloat16) has main grads of another dtype")
+        assert got["replicated"] == "carried"
+
+
+def _bad_arguments() -> list[str]:
+    import torch.distributed as dist
+
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    pg = build(ParallelLayout(num_ranks=1))
+    store = dist.HashStore()
+    out = []
+    for kwargs in ({"committed_step": "3"}, {"committed_step": 3, "wait": 0}, {"committed_step": 3, "lost": "3"},
+                   {"committed_step": 3, "lost": [1.0]}):
+        try:
+            recover(pg, store, **kwargs)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as error:
+            out.append(f"{type(error).__name__}: {error}")
+    return out
+
+
+def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
+    (got,) = run_world(1, _bad_arguments, timeout=30.0)
+    assert got == [
+        "TypeError: committed_step must be an integer (the last step applied), got '3'",
+        "ValueError: wait must be a positive number of seconds, got 0",
+        "TypeError: lost must be an iterable of ranks or None, got str",
+        "TypeError: lost ranks must be integers, got 1.0 (float)",
+    ]
