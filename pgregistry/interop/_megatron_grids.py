@@ -56,6 +56,9 @@ _EXPERT_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
 _ALIASES: Final[Mapping[str, GroupName]] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 """Fields that hold the same group as another when there is one distributed-optimizer instance."""
 
+_EMBEDDING_KINDS: Final = ("embd", "pos_embd")
+"""Kinds a grid says nothing about: which ranks hold the embeddings is the model's choice, not the grid's."""
+
 _SIZE_FIELDS: Final[tuple[str, ...]] = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
 """The layout sizes read off a collection's groups (``dp`` and ``expt_dp`` follow from the span)."""
 
@@ -67,10 +70,13 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     """The collection of a Megatron-Core ``HyperCommGrid``: the communicators its ``create_pg`` made, none new.
 
     The layout is the grid's: its span (``rank_offset``, the grid's size), the sizes of its base dims (``tp cp dp
-    pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``), in an order that gives every created group its
-    ranks. Each field whose dims the grid has created holds that group (``intra_dist_opt`` is the group over all
-    four base dims); the others stay UNSET. A rank outside the grid's span gets the collection that refuses every
-    use. ``name`` names the collection in messages.
+    pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``; without the view, expert TP and EP are off), in
+    an order that gives every created group its ranks. Each field whose dims the grid has created holds that group
+    (``intra_dist_opt`` is the group over all four base dims). A field the grid did not create is ``None`` where
+    this rank's group has one rank (an axis the grid does not have is off: GTP remat always, a dense grid's expert
+    axes), else the grid's communicator of another field over the same ranks (so a MIMO job builds nothing twice);
+    the others (the embedding groups, a group of several ranks the grid did not create) stay UNSET. A rank outside
+    the grid's span gets the collection that refuses every use. ``name`` names the collection in messages.
 
     Collective over the world (as the grid's ``create_pg``): the communicators are adopted, so a later
     :func:`pgregistry.build` whose rank sets they cover reuses them. ``ValueError`` for a dim pgregistry has no
@@ -92,9 +98,34 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
     if not grid.is_current_rank_in_grid():
         return ProcessGroupCollection._outside(layout, name, None)
-    fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})
     own = next((g for g in fields.values() if group_size(g) == 1), None)
+    fields.update(_not_created(layout, fields))
+    fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})
     return ProcessGroupCollection(layout=layout, name=name, one_rank_group=own, **fields)
+
+
+def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout kinds the grid did not create that need no new communicator: ``None`` where this rank's group
+    has one rank (an axis the grid does not have, GTP remat and a dense grid's expert axes, is off), else the
+    grid's communicator of another field over the same ranks (``tp_ep_pp`` is ``pp`` when expert TP and EP are
+    off). Every member of a group finds the same field first, so they all hold the same communicator."""
+    import torch.distributed as dist
+
+    ranks_of = {
+        field: tuple(sorted(dist.get_process_group_ranks(group)))
+        for field, group in created.items() if field in GROUP_KINDS and group is not NOT_MEMBER
+    }
+    out: dict[str, Any] = {}
+    for kind, ranks in layout.groups_of(dist.get_rank()).items():
+        if kind in created or kind in _EMBEDDING_KINDS or ranks is None:
+            continue
+        if len(ranks) == 1:
+            out[kind] = None
+            continue
+        same = next((field for field, held in ranks_of.items() if held == tuple(sorted(ranks))), None)
+        if same is not None:
+            out[kind] = created[same]
+    return out
 
 
 def _grid_sizes(grid: Any) -> dict[str, int]:
@@ -107,10 +138,14 @@ def _grid_sizes(grid: Any) -> dict[str, int]:
                 "expert dims belong in a view named 'expert' (expt_tp, ep, expt_dp, pp)"
             )
         sizes[_BASE_DIMS[dim]] = int(size)
+    expert_view = False
     for dim, axis in _EXPERT_DIMS.items():
         enum = _rank_enum(grid, (dim,), EXPERT_VIEW)
         if enum is not None and axis != "pp":
             sizes[axis] = len(enum[0])
+            expert_view = True
+    if not expert_view:  # a dense grid: its expert axes are off (expert TP would otherwise default to TP)
+        sizes.update(expt_tp=1, ep=1)
     return sizes
 
 

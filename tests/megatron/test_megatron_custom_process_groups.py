@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron_support import error_of, megatron_initialize, require_megatron
 from torch.overrides import TorchFunctionMode
 
