@@ -152,7 +152,9 @@ def test_megatron_tests_collection_builds_an_optimizer_with_the_oracles_norm(res
             assert step_error < 1e-6, (rank, path, step_error)
 
 
-def test_a_filled_field_that_contradicts_a_set_one_is_refused(results: list[dict[str, Any]]) -> None:
+def test_a_sharded_optimizer_over_part_of_its_instance_is_refused_on_every_rank(
+    results: list[dict[str, Any]],
+) -> None:
     for rank, out in enumerate(results):
         # The test's intra_dist_opt holds dp_cp's ranks: a sharded optimizer would leave the TP peers out of its
         # norm (0 on TP rank 1), so it is refused on every rank.
@@ -161,6 +163,10 @@ def test_a_filled_field_that_contradicts_a_set_one_is_refused(results: list[dict
             f"over it, but on rank {rank} it holds {[rank % TP, rank % TP + TP]}, not this rank's mp group "
             f"{[rank - rank % TP, rank - rank % TP + 1]}"
         ), out["sharded over dp_cp"]
+
+
+def test_a_filled_field_that_contradicts_a_set_one_is_refused(results: list[dict[str, Any]]) -> None:
+    for out in results:
         message = out["contradiction"]
         assert message.startswith("ValueError: build_optimizer needs process group 'expt_tp'"), message
         assert "'tp_ep_pp'" in message and "pass expt_tp" in message, message
