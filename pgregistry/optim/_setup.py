@@ -81,7 +81,9 @@ def setup_process_groups_for_optimizer(
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     params = normalise(chunks) if chunks else None
-    collection = optimizer_collection(pg_collection, params, owner="setup_process_groups_for_optimizer")
+    collection = optimizer_collection(
+        pg_collection, params, owner="setup_process_groups_for_optimizer", collective=False
+    )
     return optimizer_process_groups(collection, chunks, use_distributed_optimizer=use_distributed_optimizer)
 
 
@@ -90,22 +92,25 @@ _EXPERT_STATS_FIELDS: Final = tuple(name for name in STATS_FALLBACK if name in E
 
 
 def optimizer_collection(
-    pg_collection: ProcessGroupCollection | None, params: Params | None, *, owner: str
+    pg_collection: ProcessGroupCollection | None, params: Params | None, *, owner: str, collective: bool = True
 ) -> ProcessGroupCollection:
     """The collection an optimizer over ``params`` runs on, resolved at the door, with the grad-statistics fields
     the model needs filled (:func:`pgregistry._resolve.fill`).
 
-    The expert fields are needed when any rank of the model's ``mp`` group (every TP and pipeline rank of a
-    replica: one MAX all-reduce) holds an expert parameter or an unclassified parameter of a marked expert module,
-    or when no model is given; otherwise an UNSET one is ``None`` (off), never read from the global grid.
+    The expert fields are needed when the model holds an expert parameter or an unclassified parameter of a marked
+    expert module, or when no model is given; otherwise an UNSET one is ``None`` (off), never read from the global
+    grid. ``collective`` (an optimizer build) asks every rank of the model's ``mp`` group (each TP and pipeline
+    rank of a replica: one MAX all-reduce), so that a stage without experts decides as the others do; otherwise
+    (a validation on one rank) this rank's chunks decide.
     """
     chunks = params.chunks if params is not None else ()
     collection = resolve(pg_collection, chunks, owner=owner)
     if params is None:
         experts = True
     else:
-        local = any(is_expert_param(p) for _, p in params.named) or bool(unclassified_expert_params(params))
-        experts = any_rank_has(local, collection.get("mp") if collection.is_set("mp") else None)
+        experts = any(is_expert_param(p) for _, p in params.named) or bool(unclassified_expert_params(params))
+        if collective:
+            experts = any_rank_has(experts, collection.get("mp") if collection.is_set("mp") else None)
     unneeded = () if experts else _EXPERT_STATS_FIELDS
     return fill(collection, STATS_FALLBACK, owner, unneeded=unneeded)
 
