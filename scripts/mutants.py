@@ -311,6 +311,17 @@ MUTANTS: tuple[Mutant, ...] = (
         replace='    require_distributed("with_hsdp_groups")\n    checked(pg_collection, "with_hsdp_groups")\n',
         tests=("tests/core/test_hsdp_spans.py::test_a_span_collection_is_split_by_every_rank_and_held_by_its_own",),
     ),
+    Mutant(
+        name="hyper-comm-grid-ep-left-to-the-global-grid",
+        bug="a grid holding only what Megatron-Core's MIMO optimizer reads leaves ep to the global grid",
+        file="pgregistry/interop/_megatron_grids.py",
+        find="    _create_per_axis_groups(grid, layout, fields, enums)\n",
+        replace="",
+        tests=(
+            "tests/megatron/test_hyper_comm_grid_statistics.py::"
+            "test_a_grid_with_only_the_mimo_optimizers_groups_gets_its_ep_group_from_the_grid",
+        ),
+    ),
 )
 
 

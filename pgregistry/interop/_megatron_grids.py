@@ -9,8 +9,8 @@ holds the collections of the modules that rank runs.
 Reading them in, pgregistry recovers each module's :class:`~pgregistry.layout.ParallelLayout` from the groups
 themselves: the axis sizes and the span come from the groups, and the order is the first order string (the default
 one first) under which every given group holds the layout's ranks; none fitting raises, naming the module. The
-collection then holds the very communicators Megatron-Core created (none is created here) and is checked against
-that layout like any other. Both readers are collective over the world: they adopt the communicators (so a later
+collection then holds the very communicators Megatron-Core created (a grid lacking a one-axis group statistics read
+gets it through its own ``create_pg``; nothing else is created) and is checked against that layout like any other. Both readers are collective over the world: they adopt the communicators (so a later
 :func:`pgregistry.build` of the same rank sets reuses them) and learn the modules this rank does not run.
 """
 
@@ -67,7 +67,7 @@ _SIZE_FIELDS: Final[tuple[str, ...]] = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_
 
 
 def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupCollection:
-    """The collection of a Megatron-Core ``HyperCommGrid``: the communicators its ``create_pg`` made, none new.
+    """The collection of a Megatron-Core ``HyperCommGrid``: the communicators its ``create_pg`` made.
 
     The layout is the grid's: its span (``rank_offset``, the grid's size), the sizes of its base dims (``tp cp dp
     pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``; without the view, expert TP and EP are off), in
@@ -79,7 +79,10 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     the grid's span gets the collection that refuses every use. ``name`` names the collection in messages.
 
     Collective over the world (as the grid's ``create_pg``): the communicators are adopted, so a later
-    :func:`pgregistry.build` whose rank sets they cover reuses them. ``ValueError`` for a dim pgregistry has no
+    :func:`pgregistry.build` whose rank sets they cover reuses them. The one-axis groups grad statistics read
+    (``tp``, ``ep``, ``expt_tp``) are created through the grid's ``create_pg`` when the grid lacks them and no group
+    it made holds their ranks (a MIMO job's grids hold what Megatron-Core's MIMO optimizer reads: ``tp_ep_pp``, not
+    ``ep``); nothing else is created. ``ValueError`` for a dim pgregistry has no
     axis for, naming it; ``TypeError`` for something that is not a ``HyperCommGrid``.
     """
     from megatron.core.hyper_comm_grid import HyperCommGrid
@@ -95,6 +98,7 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     first, stop = int(grid.rank_offset), int(grid.rank_offset) + int(grid.size)
     described = f"HyperCommGrid(shape={grid.shape}, dim_names={grid.dim_names}, rank_offset={first})"
     layout = _layout_fitting(sizes, (first, stop), enums, described)
+    _create_per_axis_groups(grid, layout, fields, enums)
     registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
     if not grid.is_current_rank_in_grid():
         return ProcessGroupCollection._outside(layout, name, None)
@@ -102,6 +106,35 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     fields.update(_not_created(layout, fields))
     fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})
     return ProcessGroupCollection(layout=layout, name=name, one_rank_group=own, **fields)
+
+
+_PER_AXIS: Final[Mapping[GroupName, tuple[tuple[str, ...], str | None]]] = {
+    "tp": (("tp",), None), "ep": (("ep",), EXPERT_VIEW), "expt_tp": (("expt_tp",), EXPERT_VIEW),
+}
+"""The one-axis groups grad statistics decide duplicates with (field -> the grid's dims and view). A MIMO job's
+grids hold only what Megatron-Core's MIMO optimizer reads (``tp_ep_pp`` but neither ``ep`` nor ``expt_tp``)."""
+
+
+def _create_per_axis_groups(
+    grid: Any, layout: ParallelLayout, fields: dict[str, Any], enums: dict[str, set[RankGroup]]
+) -> None:
+    """Create, through the grid's own ``create_pg`` (so Megatron-Core finds them there too), each group of
+    :data:`_PER_AXIS` that the grid lacks, has several ranks, and no group the grid made holds the ranks of.
+
+    Without one, statistics would read that axis off the global grid: another grid's group, or none. Every rank
+    decides alike (the grid's state and its rank enumerations are the same on every rank) and creates them in one
+    order, as ``create_pg`` requires of a collective."""
+    for field, (dims, view) in _PER_AXIS.items():
+        if field in fields or _rank_enum(grid, dims, view) is None:
+            continue
+        partition = {tuple(sorted(ranks)) for ranks in layout.groups(field)}
+        if all(len(ranks) == 1 for ranks in partition):
+            continue  # off: None
+        if any(sets == partition for other, sets in enums.items() if other in GROUP_KINDS):
+            continue  # the grid's communicator of that field serves
+        group = grid.create_pg(list(dims), view=view)
+        fields[field] = group if _is_member_group(group) else NOT_MEMBER
+        enums[field] = partition
 
 
 def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,10 @@ remat; every expert axis of the dense grid) is off in the layout it describes, s
 
 These failed with "needs process group 'gtp_remat' ... no global grid is initialised" (or 'ep'): the collection
 left those axes UNSET. The norm is the float64 oracle's of the unsharded grads.
+
+An 8-rank grid (TP 2 x DP 2 x PP 2, its expert view EP 4) holding only the groups Megatron-Core's MIMO optimizer
+reads (``_get_pg_collection_for_optimizer``: ``tp_ep_pp``, not ``ep``) gets its ``ep`` group through its own
+``create_pg``, so statistics do not read a global grid for it.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from megatron_support import require_megatron
 require_megatron()
 
 from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
+from megatron.core.models.mimo.optimizer import _get_pg_collection_for_optimizer  # noqa: E402
 
-from pgregistry import modules, registry  # noqa: E402
+from pgregistry import grad_norm, modules, registry  # noqa: E402
 from pgregistry.fallback import ProcessGroupFallbackWarning  # noqa: E402
 from pgregistry.interop.megatron import from_hyper_comm_grid  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
@@ -130,3 +135,48 @@ def test_axes_a_grid_does_not_have_are_off(results: list[dict[str, Any]]) -> Non
                 "gtp_remat": "off", "expt_gtp_remat": "off", "ep": 2, "expt_tp": 1, "tp_ep_pp": 2, "expt_dp": 1,
             }, rank
         assert out["expert groups are the grid's"], rank
+
+
+MIMO_BASE = ("dp", ["dp", "cp"], "tp", "pp", ["tp", "pp"], ["tp", "cp", "dp", "pp"])
+MIMO_EXPERT = (["expt_tp", "ep", "pp"], "expt_dp")
+"""The groups Megatron-Core's MIMO optimizer collection reads (``_get_pg_collection_for_optimizer``)."""
+
+
+def _mimo_grads() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Float64 grads: a dense bias per pipeline stage (replicated over TP and DP), an expert weight per rank."""
+    generator = torch.Generator().manual_seed(88)
+    biases = [torch.randn(3, generator=generator, dtype=torch.float64) for _ in range(2)]
+    experts = [torch.randn(2, 2, generator=generator, dtype=torch.float64) for _ in range(8)]
+    return biases, experts
+
+
+def _grid_with_the_mimo_optimizers_groups() -> dict[str, Any]:
+    warnings.simplefilter("error", ProcessGroupFallbackWarning)
+    rank = dist.get_rank()
+    grid = HyperCommGrid([2, 1, 2, 2], ["tp", "cp", "dp", "pp"])
+    grid.register_view("expert", [1, 4, 1, 2], ["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
+    for dims in MIMO_BASE:
+        grid.create_pg(dims)
+    for dims in MIMO_EXPERT:
+        grid.create_pg(dims, view="expert")
+    _get_pg_collection_for_optimizer(grid)  # the grid holds what Megatron-Core's MIMO optimizer reads
+    collection = from_hyper_comm_grid(grid, name="language")
+    biases, experts = _mimo_grads()
+    model = torch.nn.Module()
+    model.bias = torch.nn.Parameter(torch.zeros(3))
+    model.bias.grad = biases[rank // 4].float()
+    model.expert = mark_expert(torch.nn.Parameter(torch.zeros(2, 2)))  # EP rank rank % 4 of stage rank // 4
+    model.expert.grad = experts[rank].float()
+    return {
+        "norm": float(grad_norm(model, collection)),
+        "ep is the grid's": collection.get("ep") is grid.get_pg(["ep"], view="expert"),
+        "ep ranks": dist.get_process_group_ranks(collection.get("ep")),
+    }
+
+
+def test_a_grid_with_only_the_mimo_optimizers_groups_gets_its_ep_group_from_the_grid() -> None:
+    biases, experts = _mimo_grads()
+    want = math.sqrt(sum(float(g.pow(2).sum()) for g in (*biases, *experts)))
+    for rank, out in enumerate(run_world(8, _grid_with_the_mimo_optimizers_groups, timeout=60)):
+        assert out["norm"] == pytest.approx(want, rel=1e-6), rank
+        assert out["ep is the grid's"] and out["ep ranks"] == list(range(rank - rank % 4, rank - rank % 4 + 4)), out
