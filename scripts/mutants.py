@@ -301,6 +301,7 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(
             "tests/torchtitan/test_torchtitan_agreement.py::"
             "test_options_that_differ_across_ranks_are_refused_on_every_rank",
+            "tests/torchtitan/test_torchtitan_agreement.py::test_a_span_on_one_rank_is_refused_on_every_rank",
         ),
     ),
     Mutant(

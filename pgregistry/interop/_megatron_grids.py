@@ -10,8 +10,9 @@ Reading them in, pgregistry recovers each module's :class:`~pgregistry.layout.Pa
 themselves: the axis sizes and the span come from the groups, and the order is the first order string (the default
 one first) under which every given group holds the layout's ranks; none fitting raises, naming the module. The
 collection then holds the very communicators Megatron-Core created (a grid lacking a one-axis group statistics read
-gets it through its own ``create_pg``; nothing else is created) and is checked against that layout like any other. Both readers are collective over the world: they adopt the communicators (so a later
-:func:`pgregistry.build` of the same rank sets reuses them) and learn the modules this rank does not run.
+gets it through its own ``create_pg``; nothing else is created) and is checked against that layout like any other.
+Both readers are collective over the world: they adopt the communicators (so a later :func:`pgregistry.build` of
+the same rank sets reuses them) and learn the modules this rank does not run.
 """
 
 from __future__ import annotations

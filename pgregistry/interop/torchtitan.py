@@ -232,37 +232,29 @@ def to_parallel_dims(
     layout over part of the world, and a collection field that is missing or holds other ranks than torchtitan's; and
     a collection without a layout (assembled by hand).
     """
-    import torch.distributed as dist
     from torchtitan.distributed import parallel_dims as titan_parallel_dims
 
     require_distributed("to_parallel_dims")
-    # Before the membership check: a rank outside a span would raise alone and leave the others in a collective.
-    spanned = collection.layout if isinstance(collection, ProcessGroupCollection) else None
-    if spanned is not None and spanned.rank_range() != (0, dist.get_world_size()):
-        first, stop = spanned.rank_range()
-        raise ValueError(
-            f"to_parallel_dims needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and "
-            f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
-        )
-    collection = checked(collection, "to_parallel_dims")
-    layout = collection.layout
-    if layout is None:
-        raise ValueError(
-            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and this collection was assembled "
-            "by hand; build it with pgregistry.build(layout)"
-        )
+    if not isinstance(collection, ProcessGroupCollection):
+        checked(collection, "to_parallel_dims")  # the TypeError naming what it got
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers torch's "fake" backend
 
+    layout = collection.layout
     device = device_type if device_type is not None else titan_parallel_dims.device_type
     # Every option that shapes the meshes or their communicators must be the same on every rank: ranks asking for
     # different SPMD backends build different meshes (different groups, in a different order) and wait on each other.
+    # Every fault is found before the agreement and raised through it: a rank raising alone (outside a span, say)
+    # would leave the others waiting in a collective.
     options = {
         "layout": repr(layout), "spmd_backend": repr(spmd_backend), "device_type": repr(device),
         "backend": repr(backend), "timeout": repr(timeout),
     }
-    sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)
+    problems = _usable_problems(collection)
     if not problems:
-        problems = _layout_problems(layout, sizes) + _collection_problems(collection, sizes, spmd_backend)
+        assert layout is not None  # a collection without one is a problem above
+        sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)
+        if not problems:
+            problems = _layout_problems(layout, sizes) + _collection_problems(collection, sizes, spmd_backend)
     agree("to_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT, advice=_SAME_OPTIONS)
     parallel_dims = titan_parallel_dims.ParallelDims(
         dp_replicate=sizes.dp_replicate, dp_shard=sizes.dp_shard, cp=sizes.cp, tp=sizes.tp, pp=sizes.pp,
@@ -273,6 +265,29 @@ def to_parallel_dims(
     _install_meshes(parallel_dims, groups, found.world(), spmd_backend, device)
     _log.debug("to_parallel_dims", layout=repr(layout), spmd_backend=spmd_backend)
     return parallel_dims
+
+
+def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
+    """What makes ``collection`` unusable here: a layout over part of the world, destroyed groups, no layout."""
+    import torch.distributed as dist
+
+    layout = collection.layout
+    if layout is not None and layout.rank_range() != (0, dist.get_world_size()):
+        first, stop = layout.rank_range()
+        return [
+            f"to_parallel_dims needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and "
+            f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
+        ]
+    try:
+        checked(collection, "to_parallel_dims")
+    except ValueError as exc:
+        return [str(exc)]
+    if layout is None:
+        return [
+            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and this collection was assembled "
+            "by hand; build it with pgregistry.build(layout)"
+        ]
+    return []
 
 
 def _views_of(spmd_backend: str) -> tuple[str, ...]:

@@ -126,6 +126,7 @@ def _on_rank() -> dict[str, Any]:
     # The same collection where the global grid contradicts it: expt_tp must be filled for an expert model, and
     # tp_ep_pp (2 ranks, ep and pp off) leaves it 2 ranks; the global grid's is 1.
     registry.destroy()
+    out["no global grid"] = _norm(mine)  # nothing the model needs is missing: no grid to read is needed either
     initialize_global_grid(ParallelLayout(num_ranks=WORLD))
     expert = _model()
     mark_expert(expert.weight)
@@ -146,7 +147,7 @@ def test_megatron_tests_collection_builds_an_optimizer_with_the_oracles_norm(res
     want = float(grad.norm())  # the weight is replicated over TP: counted once
     for rank, out in enumerate(results):
         assert out["megatron"] == pytest.approx(want, rel=1e-6), rank
-        for path in ("by hand", "sharded", "from_megatron"):
+        for path in ("by hand", "sharded", "from_megatron", "no global grid"):
             norm, step_error = out[path]
             assert norm == pytest.approx(want, rel=1e-6), (rank, path, norm)
             assert step_error < 1e-6, (rank, path, step_error)

@@ -2,7 +2,8 @@
 
 In a real 2-rank gloo world (TP 2): ``to_parallel_dims`` with an ``spmd_backend`` or ``device_type`` that differs
 across ranks is refused on every rank, naming the option and which ranks asked for what, before any group or mesh
-is made (it used to be accepted: the ranks then built different meshes). ``from_parallel_dims`` of something that is
+is made (it used to be accepted: the ranks then built different meshes); so is a span's collection on one rank only
+(that rank used to raise alone). ``from_parallel_dims`` of something that is
 not a ``ParallelDims`` is a ``TypeError`` naming the type and what to pass, on every rank that was given it (the
 others name it in their ``ValueError``), and outside a world too.
 """
@@ -50,6 +51,8 @@ def _on_rank() -> dict[str, str]:
             ))
         ),
     }
+    half = registry.build(ParallelLayout(num_ranks=1), name="half")  # rank 0's span
+    out["one rank's span"] = _error_of(lambda: to_parallel_dims(half if rank == 0 else pg, device_type="cpu"))
     out["still agrees"] = _error_of(lambda: to_parallel_dims(pg, device_type="cpu"))
     registry.destroy()
     return out
@@ -91,3 +94,9 @@ def test_from_parallel_dims_of_something_else_raises_on_every_rank(results: list
         "ValueError: ranks disagree on from_parallel_dims: 'degrees' differs (ranks [0] asked for not a ParallelDims "
         "(builtins.str); ranks [1] asked for _Sizes("
     ), mixed[1]
+
+
+def test_a_span_on_one_rank_is_refused_on_every_rank(results: list[dict[str, str]]) -> None:
+    for rank, out in enumerate(results):
+        message = out["one rank's span"]
+        assert message.startswith("ValueError: ranks disagree on to_parallel_dims: 'layout' differs"), (rank, message)
