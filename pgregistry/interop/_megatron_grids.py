@@ -83,7 +83,8 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     :func:`pgregistry.build` whose rank sets they cover reuses them. The one-axis groups grad statistics read
     (``tp``, ``ep``, ``expt_tp``) are created through the grid's ``create_pg`` when the grid lacks them and no group
     it made holds their ranks (a MIMO job's grids hold what Megatron-Core's MIMO optimizer reads: ``tp_ep_pp``, not
-    ``ep``); nothing else is created. ``ValueError`` for a dim pgregistry has no
+    ``ep``), and pgregistry's one-rank groups of the span when the grid made none (the collection's stand-in for
+    an off axis, as every build makes it); nothing else is created. ``ValueError`` for a dim pgregistry has no
     axis for, naming it; ``TypeError`` for something that is not a ``HyperCommGrid``.
     """
     from megatron.core.hyper_comm_grid import HyperCommGrid
@@ -101,9 +102,10 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     layout = _layout_fitting(sizes, (first, stop), enums, described)
     _create_per_axis_groups(grid, layout, fields, enums)
     registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
+    own = _one_rank_group(enums, (first, stop))
     if not grid.is_current_rank_in_grid():
         return ProcessGroupCollection._outside(layout, name, None)
-    own = next((g for g in fields.values() if group_size(g) == 1), None)
+    own = own or next((g for g in fields.values() if group_size(g) == 1), None)
     fields.update(_not_created(layout, fields))
     fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})
     return ProcessGroupCollection(layout=layout, name=name, one_rank_group=own, **fields)
@@ -136,6 +138,19 @@ def _create_per_axis_groups(
         group = grid.create_pg(list(dims), view=view)
         fields[field] = group if _is_member_group(group) else NOT_MEMBER
         enums[field] = partition
+
+
+def _one_rank_group(enums: Mapping[str, set[RankGroup]], span: tuple[int, int]) -> Any:
+    """This rank's one-rank group when the grid made none (``None`` when it did, and on ranks outside ``span``).
+
+    A collection's off axes go to Megatron-Core and DeviceMesh as that group (they have no "axis off"), so a grid
+    whose groups all have several ranks gets pgregistry's, as every build makes it: one communicator per rank of
+    the span, created once (a later build reuses them). Every rank decides alike, from the grid's enumerations."""
+    if any(all(len(ranks) == 1 for ranks in sets) for sets in enums.values()):
+        return None
+    from pgregistry._group_cache import CACHE, GroupOptions
+
+    return CACHE.partition_group([[rank] for rank in range(*span)], GroupOptions.of(None, None))
 
 
 def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str, Any]:

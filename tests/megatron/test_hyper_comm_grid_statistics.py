@@ -32,7 +32,7 @@ from megatron.core.models.mimo.optimizer import _get_pg_collection_for_optimizer
 
 from pgregistry import grad_norm, modules, registry  # noqa: E402
 from pgregistry.fallback import ProcessGroupFallbackWarning  # noqa: E402
-from pgregistry.interop.megatron import from_hyper_comm_grid  # noqa: E402
+from pgregistry.interop.megatron import from_hyper_comm_grid, to_megatron  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.params import mark_expert, mark_tensor_parallel  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
@@ -104,6 +104,16 @@ def _on_rank() -> dict[str, Any]:
     )
     out["new communicators"] = (dist.distributed_c10d._world.group_count - groups_before - created,
                                 registry.communicators_created())
+    # A grid that made no one-rank group gets pgregistry's (one per rank, as every build makes them), for its off
+    # axes to go to Megatron-Core as one-rank groups: none of them reads Megatron-Core's global groups.
+    bare = HyperCommGrid([2, 1, 2, 1], ["tp", "cp", "dp", "pp"])
+    for dims in (["tp"], ["dp"], ["dp", "cp"], ["tp", "pp"]):
+        bare.create_pg(dims)
+    megatron = to_megatron(from_hyper_comm_grid(bare, name="bare"))
+    out["bare to megatron"] = {
+        name: dist.get_process_group_ranks(group) for name, group in sorted(vars(megatron).items())
+        if name in ("tp", "cp", "gtp_remat", "ep")
+    }
     return out
 
 
@@ -119,6 +129,8 @@ def test_hyper_comm_grid_collections_give_the_oracles_job_wide_norm(results: lis
         assert out["optimizer norm"] == pytest.approx(want, rel=1e-6), rank
         assert out["clipped"] == pytest.approx(want, rel=1e-6), rank
         assert out["new communicators"] == (0, 0), rank
+        assert out["bare to megatron"] == {"cp": [rank], "ep": [rank], "gtp_remat": [rank], "tp": [rank - rank % 2,
+                                           rank - rank % 2 + 1]}, out["bare to megatron"]
 
 
 def test_axes_a_grid_does_not_have_are_off(results: list[dict[str, Any]]) -> None:
