@@ -75,7 +75,6 @@ _VIEWS: Final[dict[str, tuple[str, ...]]] = {
 """torchtitan's views of the world, slowest dim first: each is the world's ranks reshaped to the dims' sizes."""
 
 _LOSS: Final = ("batch", "cp")
-
 """The dataloading dims torchtitan flattens into its ``loss`` mesh."""
 
 _CANNOT: Final = "found what torchtitan cannot run on these groups"

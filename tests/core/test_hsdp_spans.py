@@ -17,7 +17,7 @@ from core_support import errors_of
 
 from pgregistry import registry
 from pgregistry.layout import ParallelLayout
-from pgregistry.mesh import with_hsdp_groups
+from pgregistry.mesh import to_device_mesh, with_hsdp_groups
 from pgregistry.testing import run_world
 
 WORLD = 4
@@ -41,6 +41,8 @@ def _on_rank() -> dict[str, Any]:
         out["replicate"] = dist.get_process_group_ranks(hsdp.get("inter_dist_opt"))
         out["shard"] = [dist.get_process_group_ranks(hsdp.get(f)) for f in ("intra_dp_cp", "intra_expt_dp")]
         out["replicate sum"] = _sum_of_ranks(hsdp.get("inter_dist_opt"))
+        mesh = to_device_mesh(hsdp, ("inter_dist_opt", "intra_dp_cp"))
+        out["mesh"] = (tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist())
     out["errors"] = errors_of({
         "replicas differ": lambda: with_hsdp_groups(module, 2 if rank else 1),
         "outside use": lambda: hsdp.get("dp") if not hsdp.is_member else None,
@@ -58,6 +60,7 @@ def test_a_span_collection_is_split_by_every_rank_and_held_by_its_own() -> None:
             # DP 2 over ranks 2-3 in 2 replicas: each replica one rank (shard), the replicate group both ranks.
             assert out["replicate"] == [2, 3] and out["shard"] == [[rank], [rank]], (rank, out)
             assert out["replicate sum"] == float(sum(r + 1 for r in range(first, stop))), rank
+            assert out["mesh"] == ((2, 1), [2, 3]), (rank, out["mesh"])  # HSDP's replicate x shard mesh
         else:
             assert out["errors"]["outside use"].startswith(f"ValueError: rank {rank} is not a member of layout"), out
         message = out["errors"]["replicas differ"]
