@@ -16,8 +16,10 @@ No entry point reads "no collection" as a default layout (such as "expert parall
 gave every rank EP rank 0 of 1, so every rank's experts got the same global names and overwrote each other in a
 checkpoint. The resolved collection must be usable: this rank must be a member of its layout, and its groups must
 not have been destroyed. The fields an entry point may read from the global grid when they are
-:data:`~pgregistry.collection.UNSET` (``fallback``) are filled here too, each with a warning; every other field it
-needs must be set.
+:data:`~pgregistry.collection.UNSET` (``fallback``) are filled here too, each with a warning, unless the
+collection's own composite groups leave them one rank (then they are ``None``, nothing read); a field filled from
+the global grid never contradicts one the collection sets (``ValueError`` naming both). Every other field it needs
+must be set.
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ from typing import TYPE_CHECKING, TypeAlias
 import attrs
 
 from pgregistry.attachments import collection_of
-from pgregistry.collection import GroupName, ProcessGroupCollection
+from pgregistry.collection import GroupName, ProcessGroupCollection, group_size, implied_size
 from pgregistry.fallback import warn_fallback
 from pgregistry.global_grid import global_collection
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed import ProcessGroup
 
-__all__ = ["Params", "ParamsLike", "checked", "normalise", "resolve"]
+__all__ = ["Params", "ParamsLike", "checked", "fill", "normalise", "resolve"]
 
 ParamsLike: TypeAlias = (
     "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]"
@@ -106,7 +109,8 @@ def resolve(
     fallback: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
     """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET fields of
-    ``fallback`` read from the global grid (each with a warning; ``RuntimeError`` when there is none to read).
+    ``fallback`` filled by :func:`fill` (from the global grid, each with a warning, where the collection does not
+    fix them; ``RuntimeError`` when there is none to read).
 
     ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when it disagrees with
     the collection attached to ``chunks``, when this rank is not a member of it, or when it was destroyed.
@@ -129,7 +133,7 @@ def resolve(
     else:
         collection = _global_grid_for(owner, model_given=bool(chunks))
     collection = checked(collection, owner)
-    return _filled(collection, fallback, owner)
+    return fill(collection, fallback, owner)
 
 
 def checked(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
@@ -176,16 +180,36 @@ def _global_grid_for(owner: str, *, model_given: bool) -> ProcessGroupCollection
     return grid
 
 
-def _filled(
-    collection: ProcessGroupCollection, names: Iterable[GroupName], owner: str
+def fill(
+    collection: ProcessGroupCollection,
+    names: Iterable[GroupName],
+    owner: str,
+    *,
+    unneeded: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
-    """``collection`` with its UNSET fields among ``names`` read from the global grid, each with a warning."""
-    missing = [name for name in names if not collection.is_set(name)]
+    """``collection`` with its UNSET fields among ``names`` filled; for an entry point that decides what its model
+    needs after :func:`resolve` (``fallback=()``), as ``build_optimizer`` does.
+
+    A field the collection's own composite groups leave one rank (:func:`~pgregistry.collection.implied_size`:
+    ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep`` off) is ``None``, nothing read. A field among ``unneeded`` (the
+    expert axes of a model without experts) is ``None`` too, unless the composites say it spans several ranks. Any
+    other is read from the global grid, with a warning (``RuntimeError`` when there is none), and must agree with
+    the collection: ``ValueError`` naming the field and the composite it contradicts, or the check that failed.
+    """
+    skipped = set(unneeded)
+    missing = [name for name in (*names, *unneeded) if not collection.is_set(name)]
     if not missing:
         return collection
-    grid = _global_grid()
-    filled = {}
-    for name in missing:
+    filled: dict[str, ProcessGroup | None] = {}
+    read = []
+    for name in dict.fromkeys(missing):
+        implied = implied_size(collection, name)
+        if (implied is not None and implied[0] == 1) or (implied is None and name in skipped):
+            filled[name] = None
+        else:
+            read.append(name)
+    grid = _global_grid() if read else None
+    for name in read:
         warn_fallback(owner, name)
         if grid is None:
             raise RuntimeError(
@@ -194,5 +218,20 @@ def _filled(
             )
         if not grid.is_set(name):
             raise RuntimeError(f"{owner} needs process group {name!r}, which the global grid does not define")
-        filled[name] = grid.get(name)
-    return collection.evolve(**filled)
+        group = grid.get(name)
+        implied = implied_size(collection, name)
+        if implied is not None and group_size(group) != implied[0]:
+            size, composite = implied
+            raise ValueError(
+                f"{owner} needs process group {name!r}, which the collection leaves unset; the global grid's "
+                f"{name!r} spans {group_size(group)} rank(s), but the collection's {composite!r} leaves it {size}: the "
+                f"global grid is another layout than the collection's, so pass {name} in the collection"
+            )
+        filled[name] = group
+    try:
+        return collection.evolve(**filled)
+    except ValueError as exc:
+        raise ValueError(
+            f"{owner} filled the unset process group(s) {read} from the global grid, which contradicts the "
+            f"collection ({exc}); pass them in the collection"
+        ) from exc

@@ -62,6 +62,7 @@ __all__ = [
     "Unset",
     "group_rank",
     "group_size",
+    "implied_size",
 ]
 
 
@@ -432,6 +433,28 @@ def _check_fields(groups: Mapping[str, object]) -> None:
                 f"must be {relation}{product}: a group set to None (off) on an axis {composite!r} spans, or a group "
                 f"of another layout, would make a reduction over {composite!r} count ranks twice or miss them"
             )
+
+
+def implied_size(collection: ProcessGroupCollection, axis: GroupName) -> tuple[int, GroupName] | None:
+    """The size the collection's own composite groups fix for ``axis``, and the composite that fixes it; ``None``
+    when none does.
+
+    A composite group that is set (a group, or ``None``: one rank) fixes its axes' sizes together: when its size is
+    the product of its set axes', each unset axis has one rank (``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep``
+    off); when ``axis`` is its only unset axis, ``axis`` has the quotient. Whatever fills an unset field (the
+    global grid) must agree with it: a collection never holds a filled field that contradicts one that was set.
+    """
+    for composite, axes in COMPOSITE_AXES.items():
+        if axis not in axes or not collection.is_set(composite) or not collection.is_member_of(composite):
+            continue
+        size = group_size(collection.get(composite))
+        unset = [other for other in axes if not collection.is_set(other)]
+        product = math.prod(group_size(collection.get(other)) for other in axes if other not in unset)
+        if size == product:
+            return 1, composite
+        if unset == [axis] and size % product == 0:
+            return size // product, composite
+    return None
 
 
 def _check_group_type(name: str, value: object, *, allow_none: bool) -> None:

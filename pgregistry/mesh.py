@@ -221,17 +221,33 @@ def with_hsdp_groups(
     the same place in them coincide. The expert HSDP mesh is then ``("inter_dist_opt", "intra_expt_dp")``; no
     other field is needed. The groups are pgregistry's communicators of those rank sets (reused when it has
     them). Needs the collection's layout (a collection built by :func:`pgregistry.registry.build`); collective
-    over the world: every rank calls it with the same arguments.
+    over the world: every rank calls it with the same arguments, so a module's collection over a span of the world
+    is split by every rank, those outside the span included (they get their collection back, still refusing every
+    use). Arguments that differ across ranks raise ``ValueError`` on every rank, naming them and who asked for what.
 
     An order that puts EP slower than DP (``"tp-cp-dp-ep-pp"``) breaks that coincidence: the expert shard blocks
     are still set, but :func:`to_device_mesh` refuses ``("inter_dist_opt", "intra_expt_dp")`` there. Raises
     ``ValueError`` when ``replicas`` does not divide the dense or the expert data-parallel size (Megatron-Core
     requires both).
     """
+    from pgregistry._agreement import agree, require_distributed
     from pgregistry._group_cache import CACHE, GroupOptions
 
-    pg_collection = checked(pg_collection, "with_hsdp_groups")
+    if not isinstance(pg_collection, ProcessGroupCollection):
+        checked(pg_collection, "with_hsdp_groups")  # the TypeError naming what it got
+    require_distributed("with_hsdp_groups")
     layout = pg_collection.layout
+    # Agreed first, so that every check below raises on every rank alike or on none: a rank outside a span holds
+    # the span's layout too, and creates the split's groups with the others.
+    agree(
+        "with_hsdp_groups",
+        {"layout": repr(layout), "name": repr(pg_collection.name), "destroyed": repr(pg_collection.is_destroyed),
+         "replicas": repr(replicas), "backend": repr(backend), "timeout": repr(timeout)},
+        advice="every rank of the world must call it with the same collection (a module's, on the ranks outside "
+        "its span too) and the same arguments",
+    )
+    if pg_collection.is_destroyed:
+        checked(pg_collection, "with_hsdp_groups")  # the ValueError naming the destroyed collection
     if layout is None:
         raise ValueError(
             "with_hsdp_groups needs the collection's layout (every rank creates every group of the split), and this "
@@ -243,6 +259,8 @@ def with_hsdp_groups(
     shard = CACHE.partition_group(dense_shards, options)
     expert_shard = CACHE.partition_group(expert_shards, options)
     replicate = CACHE.partition_group(dense_replicas, options)
+    if not pg_collection.is_member:  # a rank outside the span: it took part in the creation, and holds no group
+        return pg_collection
     return pg_collection.evolve(intra_dp_cp=shard, intra_expt_dp=expert_shard, inter_dist_opt=replicate)
 
 

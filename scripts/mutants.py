@@ -248,6 +248,81 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="return ep_rank + local_index * ep_size",
         tests=("tests/experts/test_experts_keys.py::test_reference_examples",),
     ),
+    Mutant(
+        name="fill-ignores-the-collections-composites",
+        bug="an UNSET axis is read from the global grid though the collection's composite (tp_ep_pp=None) fixes it",
+        file="pgregistry/_resolve.py",
+        find="        if (implied is not None and implied[0] == 1) or (implied is None and name in skipped):\n",
+        replace="        if implied is None and name in skipped:\n",
+        tests=(
+            "tests/megatron/test_megatron_custom_process_groups.py::"
+            "test_megatron_tests_collection_builds_an_optimizer_with_the_oracles_norm",
+        ),
+    ),
+    Mutant(
+        name="optimizer-reads-expert-fields-of-a-dense-model",
+        bug="build_optimizer reads the expert fields from the global grid for a model without experts",
+        file="pgregistry/optim/_setup.py",
+        find="    unneeded = () if experts else _EXPERT_STATS_FIELDS\n",
+        replace="    unneeded = ()\n",
+        tests=(
+            "tests/megatron/test_megatron_custom_process_groups.py::"
+            "test_megatron_tests_collection_builds_an_optimizer_with_the_oracles_norm",
+        ),
+    ),
+    Mutant(
+        name="sharded-stats-over-part-of-an-instance",
+        bug="a sharded optimizer reduces its norm over an intra_dist_opt that leaves out the TP peers",
+        file="pgregistry/optim/_builder.py",
+        find="    if sharded:\n        check_instance_holds_stats_groups(process_groups)\n",
+        replace="",
+        tests=(
+            "tests/megatron/test_megatron_custom_process_groups.py::"
+            "test_a_sharded_optimizer_over_part_of_its_instance_is_refused_on_every_rank",
+        ),
+    ),
+    Mutant(
+        name="hyper-comm-grid-axes-left-unset",
+        bug="from_hyper_comm_grid leaves the axes a grid does not have UNSET (statistics then read the global grid)",
+        file="pgregistry/interop/_megatron_grids.py",
+        find="    fields.update(_not_created(layout, fields))\n",
+        replace="",
+        tests=(
+            "tests/megatron/test_hyper_comm_grid_statistics.py::"
+            "test_hyper_comm_grid_collections_give_the_oracles_job_wide_norm",
+        ),
+    ),
+    Mutant(
+        name="torchtitan-options-not-agreed",
+        bug="to_parallel_dims accepts an spmd_backend / device_type that differs across ranks",
+        file="pgregistry/interop/torchtitan.py",
+        find='    agree("to_parallel_dims", options, ',
+        replace='    agree("to_parallel_dims", {}, ',
+        tests=(
+            "tests/torchtitan/test_torchtitan_agreement.py::"
+            "test_options_that_differ_across_ranks_are_refused_on_every_rank",
+            "tests/torchtitan/test_torchtitan_agreement.py::test_a_span_on_one_rank_is_refused_on_every_rank",
+        ),
+    ),
+    Mutant(
+        name="hsdp-split-refused-outside-the-span",
+        bug="with_hsdp_groups of a span collection raises on the ranks outside the span only (the others wait)",
+        file="pgregistry/mesh.py",
+        find='    require_distributed("with_hsdp_groups")\n',
+        replace='    require_distributed("with_hsdp_groups")\n    checked(pg_collection, "with_hsdp_groups")\n',
+        tests=("tests/core/test_hsdp_spans.py::test_a_span_collection_is_split_by_every_rank_and_held_by_its_own",),
+    ),
+    Mutant(
+        name="hyper-comm-grid-ep-left-to-the-global-grid",
+        bug="a grid holding only what Megatron-Core's MIMO optimizer reads leaves ep to the global grid",
+        file="pgregistry/interop/_megatron_grids.py",
+        find="    _create_per_axis_groups(grid, layout, fields, enums)\n",
+        replace="",
+        tests=(
+            "tests/megatron/test_hyper_comm_grid_statistics.py::"
+            "test_a_grid_with_only_the_mimo_optimizers_groups_gets_its_ep_group_from_the_grid",
+        ),
+    ),
 )
 
 

@@ -9,9 +9,10 @@ holds the collections of the modules that rank runs.
 Reading them in, pgregistry recovers each module's :class:`~pgregistry.layout.ParallelLayout` from the groups
 themselves: the axis sizes and the span come from the groups, and the order is the first order string (the default
 one first) under which every given group holds the layout's ranks; none fitting raises, naming the module. The
-collection then holds the very communicators Megatron-Core created (none is created here) and is checked against
-that layout like any other. Both readers are collective over the world: they adopt the communicators (so a later
-:func:`pgregistry.build` of the same rank sets reuses them) and learn the modules this rank does not run.
+collection then holds the very communicators Megatron-Core created (a grid lacking a one-axis group statistics read
+gets it through its own ``create_pg``; nothing else is created) and is checked against that layout like any other.
+Both readers are collective over the world: they adopt the communicators (so a later :func:`pgregistry.build` of
+the same rank sets reuses them) and learn the modules this rank does not run.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ _EXPERT_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
 _ALIASES: Final[Mapping[str, GroupName]] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 """Fields that hold the same group as another when there is one distributed-optimizer instance."""
 
+_EMBEDDING_KINDS: Final = ("embd", "pos_embd")
+"""Kinds a grid says nothing about: which ranks hold the embeddings is the model's choice, not the grid's."""
+
 _SIZE_FIELDS: Final[tuple[str, ...]] = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
 """The layout sizes read off a collection's groups (``dp`` and ``expt_dp`` follow from the span)."""
 
@@ -64,16 +68,23 @@ _SIZE_FIELDS: Final[tuple[str, ...]] = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_
 
 
 def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupCollection:
-    """The collection of a Megatron-Core ``HyperCommGrid``: the communicators its ``create_pg`` made, none new.
+    """The collection of a Megatron-Core ``HyperCommGrid``: the communicators its ``create_pg`` made.
 
     The layout is the grid's: its span (``rank_offset``, the grid's size), the sizes of its base dims (``tp cp dp
-    pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``), in an order that gives every created group its
-    ranks. Each field whose dims the grid has created holds that group (``intra_dist_opt`` is the group over all
-    four base dims); the others stay UNSET. A rank outside the grid's span gets the collection that refuses every
-    use. ``name`` names the collection in messages.
+    pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``; without the view, expert TP and EP are off), in
+    an order that gives every created group its ranks. Each field whose dims the grid has created holds that group
+    (``intra_dist_opt`` is the group over all four base dims). A field the grid did not create is ``None`` where
+    this rank's group has one rank (an axis the grid does not have is off: GTP remat always, a dense grid's expert
+    axes), else the grid's communicator of another field over the same ranks (so a MIMO job builds nothing twice);
+    the others (the embedding groups, a group of several ranks the grid did not create) stay UNSET. A rank outside
+    the grid's span gets the collection that refuses every use. ``name`` names the collection in messages.
 
     Collective over the world (as the grid's ``create_pg``): the communicators are adopted, so a later
-    :func:`pgregistry.build` whose rank sets they cover reuses them. ``ValueError`` for a dim pgregistry has no
+    :func:`pgregistry.build` whose rank sets they cover reuses them. The one-axis groups grad statistics read
+    (``tp``, ``ep``, ``expt_tp``) are created through the grid's ``create_pg`` when the grid lacks them and no group
+    it made holds their ranks (a MIMO job's grids hold what Megatron-Core's MIMO optimizer reads: ``tp_ep_pp``, not
+    ``ep``), and pgregistry's one-rank groups of the span when the grid made none (the collection's stand-in for
+    an off axis, as every build makes it); nothing else is created. ``ValueError`` for a dim pgregistry has no
     axis for, naming it; ``TypeError`` for something that is not a ``HyperCommGrid``.
     """
     from megatron.core.hyper_comm_grid import HyperCommGrid
@@ -89,12 +100,81 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     first, stop = int(grid.rank_offset), int(grid.rank_offset) + int(grid.size)
     described = f"HyperCommGrid(shape={grid.shape}, dim_names={grid.dim_names}, rank_offset={first})"
     layout = _layout_fitting(sizes, (first, stop), enums, described)
+    _create_per_axis_groups(grid, layout, fields, enums)
     registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
+    own = _one_rank_group(enums, (first, stop))
     if not grid.is_current_rank_in_grid():
         return ProcessGroupCollection._outside(layout, name, None)
+    own = own or next((g for g in fields.values() if group_size(g) == 1), None)
+    fields.update(_not_created(layout, fields))
     fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})
-    own = next((g for g in fields.values() if group_size(g) == 1), None)
     return ProcessGroupCollection(layout=layout, name=name, one_rank_group=own, **fields)
+
+
+_PER_AXIS: Final[Mapping[GroupName, tuple[tuple[str, ...], str | None]]] = {
+    "tp": (("tp",), None), "ep": (("ep",), EXPERT_VIEW), "expt_tp": (("expt_tp",), EXPERT_VIEW),
+}
+"""The one-axis groups grad statistics decide duplicates with (field -> the grid's dims and view). A MIMO job's
+grids hold only what Megatron-Core's MIMO optimizer reads (``tp_ep_pp`` but neither ``ep`` nor ``expt_tp``)."""
+
+
+def _create_per_axis_groups(
+    grid: Any, layout: ParallelLayout, fields: dict[str, Any], enums: dict[str, set[RankGroup]]
+) -> None:
+    """Create, through the grid's own ``create_pg`` (so Megatron-Core finds them there too), each group of
+    :data:`_PER_AXIS` that the grid lacks, has several ranks, and no group the grid made holds the ranks of.
+
+    Without one, statistics would read that axis off the global grid: another grid's group, or none. Every rank
+    decides alike (the grid's state and its rank enumerations are the same on every rank) and creates them in one
+    order, as ``create_pg`` requires of a collective."""
+    for field, (dims, view) in _PER_AXIS.items():
+        if field in fields or _rank_enum(grid, dims, view) is None:
+            continue
+        partition = {tuple(sorted(ranks)) for ranks in layout.groups(field)}
+        if all(len(ranks) == 1 for ranks in partition):
+            continue  # off: None
+        if any(sets == partition for other, sets in enums.items() if other in GROUP_KINDS):
+            continue  # the grid's communicator of that field serves
+        group = grid.create_pg(list(dims), view=view)
+        fields[field] = group if _is_member_group(group) else NOT_MEMBER
+        enums[field] = partition
+
+
+def _one_rank_group(enums: Mapping[str, set[RankGroup]], span: tuple[int, int]) -> Any:
+    """This rank's one-rank group when the grid made none (``None`` when it did, and on ranks outside ``span``).
+
+    A collection's off axes go to Megatron-Core and DeviceMesh as that group (they have no "axis off"), so a grid
+    whose groups all have several ranks gets pgregistry's, as every build makes it: one communicator per rank of
+    the span, created once (a later build reuses them). Every rank decides alike, from the grid's enumerations."""
+    if any(all(len(ranks) == 1 for ranks in sets) for sets in enums.values()):
+        return None
+    from pgregistry._group_cache import CACHE, GroupOptions
+
+    return CACHE.partition_group([[rank] for rank in range(*span)], GroupOptions.of(None, None))
+
+
+def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout kinds the grid did not create that need no new communicator: ``None`` where this rank's group
+    has one rank (an axis the grid does not have, GTP remat and a dense grid's expert axes, is off), else the
+    grid's communicator of another field over the same ranks (``tp_ep_pp`` is ``pp`` when expert TP and EP are
+    off). Every member of a group finds the same field first, so they all hold the same communicator."""
+    import torch.distributed as dist
+
+    ranks_of = {
+        field: tuple(sorted(dist.get_process_group_ranks(group)))
+        for field, group in created.items() if field in GROUP_KINDS and group is not NOT_MEMBER
+    }
+    out: dict[str, Any] = {}
+    for kind, ranks in layout.groups_of(dist.get_rank()).items():
+        if kind in created or kind in _EMBEDDING_KINDS or ranks is None:
+            continue
+        if len(ranks) == 1:
+            out[kind] = None
+            continue
+        same = next((field for field, held in ranks_of.items() if held == tuple(sorted(ranks))), None)
+        if same is not None:
+            out[kind] = created[same]
+    return out
 
 
 def _grid_sizes(grid: Any) -> dict[str, int]:
@@ -107,10 +187,14 @@ def _grid_sizes(grid: Any) -> dict[str, int]:
                 "expert dims belong in a view named 'expert' (expt_tp, ep, expt_dp, pp)"
             )
         sizes[_BASE_DIMS[dim]] = int(size)
+    expert_view = False
     for dim, axis in _EXPERT_DIMS.items():
         enum = _rank_enum(grid, (dim,), EXPERT_VIEW)
         if enum is not None and axis != "pp":
             sizes[axis] = len(enum[0])
+            expert_view = True
+    if not expert_view:  # a dense grid: its expert axes are off (expert TP would otherwise default to TP)
+        sizes.update(expt_tp=1, ep=1)
     return sizes
 
 

@@ -70,6 +70,12 @@ NONE_MEANS_NOT_USED: Final = frozenset({"hcp", "inter_dist_opt", "dp_cp_ag", "ex
 CP, no separate all-gather communicator), as a pgregistry collection reads it. Everywhere else ``None`` makes
 Megatron-Core fall back to its global groups."""
 
+_NONE_MEANS_NO_EXPERTS: Final = frozenset({"expt_dp", "tp_ep_pp"})
+"""Fields Megatron-Core's optimizer asks for even without experts, "set it to None if you don't need it" (its
+``setup_process_groups_for_optimizer``; Megatron-LM's ``test_get_megatron_optimizer_with_custom_process_groups``
+does so): :func:`from_megatron` reads that ``None`` as pgregistry's, the expert axes off, which a collection then
+holds to (a 2-rank ``ep`` next to ``tp_ep_pp=None`` is refused)."""
+
 _MEMBERSHIP_FIELDS: Final = frozenset({"embd", "pos_embd"})
 """Fields where Megatron-Core reads ``None`` as "this rank is in no such group" (pgregistry's ``NOT_MEMBER``)."""
 
@@ -201,9 +207,10 @@ def from_megatron(mc_collection: Any) -> Any:
     instead of creating a second set (:func:`pgregistry.registry.adopt`). A field absent from
     ``vars(mc_collection)`` is UNSET; a field the installed Megatron-Core does not have (older releases lack the GTP
     ones) is UNSET too. ``None`` in an embedding field is ``NOT_MEMBER`` (Megatron-Core's "not in an embedding
-    group"); elsewhere outside :data:`NONE_MEANS_NOT_USED` it is refused, since Megatron-Core would read it as "use
-    the global group", which a pgregistry collection cannot say (``ValueError`` naming the field). The collection
-    knows no layout: Megatron-Core's does not carry one.
+    group"); in ``expt_dp`` and ``tp_ep_pp`` it is ``None``, the expert axes off (Megatron-Core's optimizer: "set it
+    to None if you don't need it"); elsewhere outside :data:`NONE_MEANS_NOT_USED` it is refused, since
+    Megatron-Core would read it as "use the global group", which a pgregistry collection cannot say (``ValueError``
+    naming the field). The collection knows no layout: Megatron-Core's does not carry one.
 
     A multi-module collection holds, on each rank, only the modules that rank runs. The ranks exchange them, so
     every rank learns every module's layout (recovered from the groups of all its ranks: the sizes and span from the
@@ -244,7 +251,7 @@ def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
             raise ValueError(f"Megatron-Core field {name!r} holds a group pgregistry has no field for")
         if value is None and name in _MEMBERSHIP_FIELDS:
             value = NOT_MEMBER
-        elif value is None and name not in NONE_MEANS_NOT_USED:
+        elif value is None and name not in NONE_MEANS_NOT_USED and name not in _NONE_MEANS_NO_EXPERTS:
             raise ValueError(
                 f"Megatron-Core collection field {name!r} is None, which Megatron-Core reads as 'use the global "
                 "parallel_state group': a pgregistry collection cannot say that; give the field a group"

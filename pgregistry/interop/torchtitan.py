@@ -75,10 +75,13 @@ _VIEWS: Final[dict[str, tuple[str, ...]]] = {
 """torchtitan's views of the world, slowest dim first: each is the world's ranks reshaped to the dims' sizes."""
 
 _LOSS: Final = ("batch", "cp")
+"""The dataloading dims torchtitan flattens into its ``loss`` mesh."""
 
 _CANNOT: Final = "found what torchtitan cannot run on these groups"
 """What a refusal of the conversion says of the ranks that found a problem."""
-"""The dataloading dims torchtitan flattens into its ``loss`` mesh."""
+
+_SAME_OPTIONS: Final = "every rank must call it with the same collection layout and options, collectively"
+"""What a refusal of options that differ across ranks advises."""
 
 _SINGLE_AXIS_SOURCE: Final[dict[str, str]] = {
     "pp": "dataloading", "batch": "dataloading", "cp": "dataloading", "tp": "dataloading",
@@ -221,48 +224,69 @@ def to_parallel_dims(
     (``torchtitan.distributed.parallel_dims.device_type``, "cuda" when it finds no accelerator). Collective over
     the world.
 
-    Raises ``ValueError`` on every rank, naming the culprit, for a layout torchtitan cannot express (expert TP
+    Raises ``ValueError`` on every rank, naming the culprit, for options that differ across ranks (``spmd_backend``,
+    ``device_type``, ``backend``, ``timeout``, the layout: naming each and which ranks asked for what, before any
+    group or mesh is made), a layout torchtitan cannot express (expert TP
     other than 1 under EP, GTP remat, EP not dividing ``dp_shard x cp x tp``, an order giving other rank sets), a
     layout over part of the world, and a collection field that is missing or holds other ranks than torchtitan's; and
     a collection without a layout (assembled by hand).
     """
-    import torch.distributed as dist
     from torchtitan.distributed import parallel_dims as titan_parallel_dims
 
     require_distributed("to_parallel_dims")
-    # Before the membership check: a rank outside a span would raise alone and leave the others in a collective.
-    spanned = collection.layout if isinstance(collection, ProcessGroupCollection) else None
-    if spanned is not None and spanned.rank_range() != (0, dist.get_world_size()):
-        first, stop = spanned.rank_range()
-        raise ValueError(
-            f"to_parallel_dims needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and "
-            f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
-        )
-    collection = checked(collection, "to_parallel_dims")
-    layout = collection.layout
-    if layout is None:
-        raise ValueError(
-            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and this collection was assembled "
-            "by hand; build it with pgregistry.build(layout)"
-        )
+    if not isinstance(collection, ProcessGroupCollection):
+        checked(collection, "to_parallel_dims")  # the TypeError naming what it got
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers torch's "fake" backend
 
-    sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)
+    layout = collection.layout
+    device = device_type if device_type is not None else titan_parallel_dims.device_type
+    # Every option that shapes the meshes or their communicators must be the same on every rank: ranks asking for
+    # different SPMD backends build different meshes (different groups, in a different order) and wait on each other.
+    # Every fault is found before the agreement and raised through it: a rank raising alone (outside a span, say)
+    # would leave the others waiting in a collective.
+    options = {
+        "layout": repr(layout), "spmd_backend": repr(spmd_backend), "device_type": repr(device),
+        "backend": repr(backend), "timeout": repr(timeout),
+    }
+    problems = _usable_problems(collection)
     if not problems:
-        problems = _layout_problems(layout, sizes) + _collection_problems(collection, sizes, spmd_backend)
-    agree("to_parallel_dims", {}, "; ".join(problems) or None, failed=_CANNOT)
+        assert layout is not None  # a collection without one is a problem above
+        sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)
+        if not problems:
+            problems = _layout_problems(layout, sizes) + _collection_problems(collection, sizes, spmd_backend)
+    agree("to_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT, advice=_SAME_OPTIONS)
     parallel_dims = titan_parallel_dims.ParallelDims(
         dp_replicate=sizes.dp_replicate, dp_shard=sizes.dp_shard, cp=sizes.cp, tp=sizes.tp, pp=sizes.pp,
         ep=sizes.ep, world_size=sizes.world_size, spmd_backend=spmd_backend,
     )
     found = _GroupSource(sizes, collection, spmd_backend, backend, timeout)
     groups = {dim: found.group(dim, _is_real(parallel_dims, dim)) for dim in _dims_of(spmd_backend)}
-    _install_meshes(
-        parallel_dims, groups, found.world(), spmd_backend,
-        device_type if device_type is not None else titan_parallel_dims.device_type,
-    )
+    _install_meshes(parallel_dims, groups, found.world(), spmd_backend, device)
     _log.debug("to_parallel_dims", layout=repr(layout), spmd_backend=spmd_backend)
     return parallel_dims
+
+
+def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
+    """What makes ``collection`` unusable here: a layout over part of the world, destroyed groups, no layout."""
+    import torch.distributed as dist
+
+    layout = collection.layout
+    if layout is not None and layout.rank_range() != (0, dist.get_world_size()):
+        first, stop = layout.rank_range()
+        return [
+            f"to_parallel_dims needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and "
+            f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
+        ]
+    try:
+        checked(collection, "to_parallel_dims")
+    except ValueError as exc:
+        return [str(exc)]
+    if layout is None:
+        return [
+            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and this collection was assembled "
+            "by hand; build it with pgregistry.build(layout)"
+        ]
+    return []
 
 
 def _views_of(spmd_backend: str) -> tuple[str, ...]:
@@ -518,15 +542,40 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
     reuses them and creates only the rank sets torchtitan lacks. Creates no group (so the collection has no
     one-rank group). Collective over the world.
 
-    Raises ``ValueError`` on every rank when the meshes are not built, the world size disagrees, or a torchtitan
-    mesh holds other ranks than the layout's group (naming the dim and both rank lists).
+    Raises ``ValueError`` on every rank when the meshes are not built, the world size disagrees, ranks hold
+    ``ParallelDims`` of different degrees or SPMD backends (naming them and who holds which), or a torchtitan mesh
+    holds other ranks than the layout's group (naming the dim and both rank lists); ``TypeError`` (the other ranks:
+    ``ValueError`` naming it) for something that is not a ``ParallelDims``.
     """
+    import torch.distributed as dist
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
     from pgregistry import registry
 
+    wrong_type = None if isinstance(parallel_dims, ParallelDims) else (
+        f"from_parallel_dims expects torchtitan's ParallelDims (torchtitan.distributed.parallel_dims.ParallelDims, "
+        f"after parallel_dims.build_mesh()), got {type(parallel_dims).__module__}.{type(parallel_dims).__qualname__}; "
+        "for a collection of a layout of your own, call pgregistry.build(layout)"
+    )
+    if wrong_type is not None and not (dist.is_available() and dist.is_initialized()):
+        raise TypeError(wrong_type)  # no peer to wait: nothing collective has begun
     require_distributed("from_parallel_dims")
-    sizes = _sizes_of_titan(parallel_dims)
-    problems = _titan_problems(parallel_dims, sizes)
-    agree("from_parallel_dims", {}, "; ".join(problems) or None, failed=_CANNOT)
+    if wrong_type is not None:
+        given = f"not a ParallelDims ({type(parallel_dims).__module__}.{type(parallel_dims).__qualname__})"
+        options, problems = {"degrees": given, "spmd_backend": given}, [wrong_type]
+    else:
+        sizes = _sizes_of_titan(parallel_dims)
+        options = {"degrees": repr(sizes), "spmd_backend": repr(getattr(parallel_dims, "spmd_backend", None))}
+        problems = _titan_problems(parallel_dims, sizes)
+    try:
+        agree(
+            "from_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT,
+            advice="every rank must pass the ParallelDims of one torchtitan job (the same degrees and SPMD backend)",
+        )
+    except ValueError as exc:
+        if wrong_type is not None:  # this rank's own fault is a wrong type; the others name it in their error
+            raise TypeError(wrong_type) from exc
+        raise
     layout = sizes.layout()
     titan = _titan_groups(parallel_dims)
     registry.adopt(titan.values())

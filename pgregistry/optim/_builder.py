@@ -10,27 +10,26 @@ and expert TP groups included (:class:`~pgregistry.grad_stats.StatsGroups`). The
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pgregistry._classification import require_classified_experts
-from pgregistry._resolve import normalise, resolve
-from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.grad_stats import backend_device
-from pgregistry.grad_stats._filters import STATS_FALLBACK
+from pgregistry._resolve import normalise
+from pgregistry.collection import ProcessGroupCollection
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule
 from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
-from pgregistry.optim._setup import optimizer_process_groups
+from pgregistry.optim._setup import (
+    any_rank_has,
+    check_instance_holds_stats_groups,
+    optimizer_collection,
+    optimizer_process_groups,
+)
 from pgregistry.optim._sharded import ShardedOptimizer
 from pgregistry.params import is_expert_param
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 __all__ = ["build_optimizer", "inner_factory"]
 
@@ -93,9 +92,11 @@ def build_optimizer(
     params = normalise(model)
     if not params.chunks:
         raise TypeError(f"build_optimizer expects a model or model chunks, got {type(model).__name__}")
-    collection = resolve(pg_collection, params.chunks, owner="build_optimizer", fallback=STATS_FALLBACK)
+    collection = optimizer_collection(pg_collection, params, owner="build_optimizer")
     require_classified_experts(params, collection)
     process_groups = optimizer_process_groups(collection, params.chunks, use_distributed_optimizer=sharded)
+    if sharded:
+        check_instance_holds_stats_groups(process_groups)
     stats_groups = process_groups.stats
     named = [(name, p) for name, p in params.named if p.requires_grad]
     names = {id(p): name for name, p in named}
@@ -112,7 +113,7 @@ def build_optimizer(
             stats_group = process_groups.intra_dist_opt
         else:
             stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
-        if not _any_rank_has(bool(kind), stats_group):  # type: ignore[arg-type]
+        if not any_rank_has(bool(kind), stats_group):  # type: ignore[arg-type]
             continue
         if sharded:
             children.append(ShardedOptimizer(
@@ -126,12 +127,3 @@ def build_optimizer(
     if not children:
         raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
     return ChainedOptimizer(children)
-
-
-def _any_rank_has(local: bool, group: ProcessGroup | None) -> bool:
-    """Whether any rank of ``group`` has ``local`` true (one MAX all-reduce; none when the group is off)."""
-    if group_size(group) == 1:
-        return local
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=backend_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())

@@ -8,23 +8,39 @@ group raises ``ValueError`` naming it and saying how to provide it, so a model o
 optimises on another grid's groups. The optimizers take the result alone: one source of truth for their groups.
 
 Without a collection it uses the one attached to the model, else the global grid with a
-:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (the deprecated path).
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (the deprecated path). It reads only what the model needs
+(:func:`optimizer_collection`): the expert fields of a model without experts are never read from the global grid,
+as Megatron-LM's own ``test_get_megatron_optimizer_with_custom_process_groups`` sets ``expt_dp`` and ``tp_ep_pp``
+to ``None`` and gives no ``expt_tp``; a field filled from the global grid never contradicts one the collection sets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pgregistry._resolve import resolve
+from pgregistry._classification import unclassified_expert_params
+from pgregistry._resolve import Params, fill, normalise, resolve
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
+from pgregistry.grad_stats import backend_device
 from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups
+from pgregistry.layout import EXPERT_GROUP_KINDS
+from pgregistry.params import is_expert_param
 
-__all__ = ["OptimizerProcessGroups", "optimizer_process_groups", "setup_process_groups_for_optimizer"]
+__all__ = [
+    "OptimizerProcessGroups",
+    "any_rank_has",
+    "check_instance_holds_stats_groups",
+    "optimizer_collection",
+    "optimizer_process_groups",
+    "setup_process_groups_for_optimizer",
+]
 
 Group = ProcessGroup | None
 """A validated group: a ProcessGroup or ``None`` (the axis is off)."""
@@ -64,8 +80,48 @@ def setup_process_groups_for_optimizer(
     warning; then :func:`optimizer_process_groups`.
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    collection = resolve(pg_collection, chunks, owner="setup_process_groups_for_optimizer", fallback=STATS_FALLBACK)
+    params = normalise(chunks) if chunks else None
+    collection = optimizer_collection(
+        pg_collection, params, owner="setup_process_groups_for_optimizer", collective=False
+    )
     return optimizer_process_groups(collection, chunks, use_distributed_optimizer=use_distributed_optimizer)
+
+
+_EXPERT_STATS_FIELDS: Final = tuple(name for name in STATS_FALLBACK if name in EXPERT_GROUP_KINDS)
+"""The grad-statistics fields only expert parameters read (``ep``, ``expt_tp``, ``expt_gtp_remat``)."""
+
+
+def optimizer_collection(
+    pg_collection: ProcessGroupCollection | None, params: Params | None, *, owner: str, collective: bool = True
+) -> ProcessGroupCollection:
+    """The collection an optimizer over ``params`` runs on, resolved at the door, with the grad-statistics fields
+    the model needs filled (:func:`pgregistry._resolve.fill`).
+
+    The expert fields are needed when the model holds an expert parameter or an unclassified parameter of a marked
+    expert module, or when no model is given; otherwise an UNSET one is ``None`` (off), never read from the global
+    grid. ``collective`` (an optimizer build) asks every rank of the model's ``mp`` group (each TP and pipeline
+    rank of a replica: one MAX all-reduce), so that a stage without experts decides as the others do; otherwise
+    (a validation on one rank) this rank's chunks decide.
+    """
+    chunks = params.chunks if params is not None else ()
+    collection = resolve(pg_collection, chunks, owner=owner)
+    if params is None:
+        experts = True
+    else:
+        experts = any(is_expert_param(p) for _, p in params.named) or bool(unclassified_expert_params(params))
+        if collective:
+            experts = any_rank_has(experts, collection.get("mp") if collection.is_set("mp") else None)
+    unneeded = () if experts else _EXPERT_STATS_FIELDS
+    return fill(collection, STATS_FALLBACK, owner, unneeded=unneeded)
+
+
+def any_rank_has(local: bool, group: ProcessGroup | None) -> bool:
+    """Whether any rank of ``group`` has ``local`` true (one MAX all-reduce; none when the group is off)."""
+    if group_size(group) == 1:
+        return local
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=backend_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def optimizer_process_groups(
@@ -159,3 +215,41 @@ def _context_parallel_size(pg_collection: ProcessGroupCollection, model_chunks: 
         return group_size(pg_collection.get("cp"))
     size = getattr(getattr(model_chunks[0], "config", None), "context_parallel_size", None) if model_chunks else None
     return int(size) if size is not None else None
+
+
+def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
+    """``ValueError`` on every rank of ``intra_dist_opt`` and of ``mp`` when, on any of them, ``intra_dist_opt``
+    lacks a rank of this rank's statistics groups (``mp``, the expert model-parallel group).
+
+    A sharded optimizer reduces its statistics over ``intra_dist_opt``, the ranks of one optimizer instance
+    (Megatron-Core's is every rank of the instance, TP x PP x DP x CP). One that holds only the data-parallel ranks
+    (Megatron-LM's ``test_get_megatron_optimizer_with_custom_process_groups`` gives it ``dp_cp``'s ranks) leaves
+    out the TP peers: a TP-replicated grad, counted on TP rank 0 only, is missing from TP rank 1's norm, and the
+    ranks clip by different norms. Two MAX all-reduces (over ``intra_dist_opt``, then ``mp``) carry the verdict.
+    """
+    instance = groups.intra_dist_opt
+    assert not isinstance(instance, Unset)  # a sharded build requires it
+    held = set(_ranks(instance))
+    missing = {
+        name: ranks for name, group in (("mp", groups.stats.dense_reduce), ("expert", groups.stats.expert_reduce))
+        if not set(ranks := _ranks(group)) <= held
+    }
+    local = bool(missing)
+    anywhere = any_rank_has(any_rank_has(local, instance), groups.mp)
+    if not anywhere:
+        return
+    if missing:
+        lacking = ", ".join(f"this rank's {name} group {list(ranks)}" for name, ranks in missing.items())
+        where = f"on rank {dist.get_rank()} it holds {sorted(held)}, not {lacking}"
+    else:
+        where = "on another rank of this optimizer instance it does not"
+    raise ValueError(
+        f"intra_dist_opt must hold every rank of the statistics groups a sharded optimizer reduces over it, but "
+        f"{where}: give intra_dist_opt every rank of one optimizer instance (TP x PP x DP x CP, as Megatron-Core's; "
+        "Megatron-LM's custom-process-group test gives it dp_cp's ranks, right only at TP 1 and PP 1), or build "
+        "the collection with pgregistry.build"
+    )
+
+
+def _ranks(group: ProcessGroup | None) -> list[int]:
+    return [dist.get_rank()] if group is None else list(dist.get_process_group_ranks(group))
