@@ -248,6 +248,36 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="return ep_rank + local_index * ep_size",
         tests=("tests/experts/test_experts_keys.py::test_reference_examples",),
     ),
+    Mutant(
+        name="roles-follow-the-slot",
+        bug="a fresh parameter assigned into a marked slot inherits the roles of the one it replaced (shared=True: "
+        "not counted)",
+        file="pgregistry/params.py",
+        find="        if missing and _replaces(param, previous):\n",
+        replace="        if missing:\n",
+        tests=(
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[fresh-then-fully_shard]",
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[a-fresh-DTensor]",
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_a_fresh_parameter_where_megatron_marked_shared_is_counted",
+        ),
+    ),
+    Mutant(
+        name="roles-restored-into-an-unrelated-parameter",
+        bug="a model walk puts a slot's recorded roles on whatever parameter now fills it, not only on a replacement "
+        "of the same parameter",
+        file="pgregistry/params.py",
+        find="                if same:\n",
+        replace="                if True:\n",
+        tests=(
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[fresh-bypassing-torch-then-fully_shard]",
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[fully_shard-then-fresh-bypassing-torch]",
+        ),
+    ),
 )
 
 

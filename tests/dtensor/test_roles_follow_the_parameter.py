@@ -113,6 +113,11 @@ SAME = (
 )
 
 
+def _id(case: str) -> str:
+    """The case as a pytest id without spaces (``scripts/mutants.py`` reads failed ids from pytest's summary)."""
+    return case.replace(",", "").replace(" ", "-")
+
+
 def _grad(name: str) -> torch.Tensor:
     return torch.randn(4, 2, generator=torch.Generator().manual_seed(sum(map(ord, name))), dtype=torch.float64)
 
@@ -162,13 +167,13 @@ def world() -> list[dict[str, Any]]:
     return run_world(2, _on_rank)
 
 
-@pytest.mark.parametrize("case", FRESH)
+@pytest.mark.parametrize("case", FRESH, ids=_id)
 def test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role(world: list[dict[str, Any]], case: str) -> None:
     for rank, out in enumerate(world):
         assert out[case] == {}, (rank, out[case])
 
 
-@pytest.mark.parametrize("case", SAME)
+@pytest.mark.parametrize("case", SAME, ids=_id)
 def test_a_replacement_of_the_same_parameter_keeps_every_role(world: list[dict[str, Any]], case: str) -> None:
     for rank, out in enumerate(world):
         assert out[case] == EVERY_ROLE, (rank, out[case])
