@@ -264,20 +264,6 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_fresh_parameter_where_megatron_marked_shared_is_counted",
         ),
     ),
-    Mutant(
-        name="roles-restored-into-an-unrelated-parameter",
-        bug="a model walk puts a slot's recorded roles on whatever parameter now fills it, not only on a replacement "
-        "of the same parameter",
-        file="pgregistry/params.py",
-        find="                if same:\n",
-        replace="                if True:\n",
-        tests=(
-            "tests/dtensor/test_roles_follow_the_parameter.py::"
-            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[fresh-bypassing-torch-then-fully_shard]",
-            "tests/dtensor/test_roles_follow_the_parameter.py::"
-            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[fully_shard-then-fresh-bypassing-torch]",
-        ),
-    ),
 )
 
 
