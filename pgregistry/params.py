@@ -23,14 +23,16 @@ Roles belong to the parameter, and follow it into its replacements: torch-native
 ``fully_shard`` (FSDP2) puts a new ``nn.Parameter`` holding a DTensor in the slot, bypassing torch's registration
 hooks (through ``module._parameters``); ``parallelize_module`` and ``nn.Parameter(distribute_tensor(...))`` register
 one. So torch's global parameter-registration hook, installed when this module is imported, records per module slot
-the parameter that filled it (weakly) and its attribute dictionary (the object's own ``__dict__``, which later plain
-assignments, Megatron-Core's included, write into). The roles go into a replacement of the same parameter only
-(:func:`restore_param_roles` and the hook), never into an unrelated parameter assigned into the slot, which starts
-with the roles it carries itself (a fresh ``nn.Parameter`` put where Megatron-Core marked ``shared`` is counted).
+the parameter that filled it (its id, type, shape and dtype) and its attribute dictionary (the object's own
+``__dict__``, which later plain assignments, Megatron-Core's included, write into). The roles go into a
+replacement of the same parameter only (:func:`restore_param_roles` and the hook), never into an unrelated
+parameter assigned into the slot, which starts with the roles it carries itself (a fresh ``nn.Parameter`` put
+where Megatron-Core marked ``shared`` is counted).
 A replacement is the same parameter when
 
 * it is the same object whose attribute dictionary torch swapped (``module._apply`` through ``swap_tensors``, as
-  ``to_empty`` does for DTensor parameters);
+  ``to_empty`` does for DTensor parameters), or its copy made with a copy of its module (``copy.deepcopy``, which
+  drops a parameter's attributes);
 * ``fully_shard`` made it: torch stamps the original with ``_fsdp_orig_uid`` and its ``FSDPParam`` of this slot
   holds the same uid beside the sharded parameter now in the slot (FSDP2's own bookkeeping);
 * it holds the original's memory (``nn.Parameter(p.data)``, a Replicate distribution that kept the storage);
@@ -40,8 +42,9 @@ A replacement is the same parameter when
 The hook is installed as soon as both ``pgregistry`` and torch are imported, whichever comes first
 (:mod:`pgregistry._role_hooks`), so a model built after ``import pgregistry`` keeps Megatron-Core's plain
 attributes through ``fully_shard`` whatever else was imported when: no result depends on import order. A model
-built before ``pgregistry`` is imported at all is not seen; its roles set as plain attributes before
-``fully_shard`` are lost with the objects ``fully_shard`` drops (helpers' marks made after sharding are not).
+built before ``pgregistry`` is imported at all is known from its first model walk on; roles set on it as plain
+attributes before a ``fully_shard`` that came before that walk went with the objects ``fully_shard`` dropped, and
+nothing can bring them back: :func:`restore_param_roles` logs a warning naming those parameters.
 
 :func:`role_generation` counts every change made through this module (a helper's mark, a registration, a
 restored role): a cached classification (:mod:`pgregistry.grad_stats._plan`) made at one generation is stale at
@@ -62,6 +65,8 @@ from typing import Any, Final, TypeVar
 import torch
 from torch import nn
 
+from pgregistry._logging import get_logger
+
 __all__ = [
     "ROLE_ATTRIBUTES",
     "copy_param_roles",
@@ -79,6 +84,8 @@ __all__ = [
 ]
 
 T = TypeVar("T", bound=torch.Tensor)
+
+_LOG = get_logger(__name__)
 
 ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "tensor_model_parallel",
@@ -103,8 +110,9 @@ _INSIDE_EXPERT_MODULE: Final = "_pgregistry_inside_expert_module"
 """Set on a marked expert module and every module under it: parameters registered on them get the mark."""
 _IN_EXPERT_MODULE: Final = "in_expert_module"
 _SLOTS: Final = "_pgregistry_slots"
-"""Module attribute: parameter name -> ``(identity, attribute dictionary)`` of the parameter last known to fill that
-slot (see the module docstring). The identity is the object's id, type, shape and dtype, not a weak reference:
+"""Module attribute: parameter name -> ``(id of the module, identity, attribute dictionary)`` of the parameter last
+known to fill that slot (see the module docstring); a module id not the holder's own marks a record copied with its
+module. The identity is the object's id, type, shape and dtype, not a weak reference:
 ``swap_tensors`` (``to_empty`` of DTensor parameters) refuses a tensor with weak references."""
 _FSDP_UID: Final = "_fsdp_orig_uid"
 """The attribute ``fully_shard`` stamps on each parameter it shards (torch's ``_get_orig_param_uid``)."""
@@ -191,20 +199,27 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
     changes), so a user need not.
     """
     originals: dict[int, int] | None = None
+    unseen: list[str] = []
     for chunk in [model] if isinstance(model, nn.Module) else model:
-        for module in chunk.modules():
-            slots: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] | None = module.__dict__.get(_SLOTS)
+        for prefix, module in chunk.named_modules():
+            slots: dict[str, tuple[int, tuple[Any, ...], dict[str, Any]]] | None = module.__dict__.get(_SLOTS)
             for name, param in module._parameters.items():
                 if param is None:
                     continue
                 recorded = slots.get(name) if slots is not None else None
                 if recorded is None:  # a slot filled before this module was imported: known from now on
+                    if originals is None:
+                        originals = _fsdp_originals(model)
+                    if id(param) in originals:
+                        unseen.append(f"{prefix}.{name}" if prefix else name)
                     _record(module, name, param)
                     continue
-                held, attributes = recorded
+                owner, held, attributes = recorded
                 if attributes is vars(param):
                     continue
-                same = held == _identity(param)
+                # A record copied with its module (copy.deepcopy, which drops a parameter's attributes) belongs to
+                # the copy of the parameter it recorded.
+                same = owner != id(module) or held == _identity(param)
                 if not same and _FSDP_UID in attributes:
                     if originals is None:
                         originals = _fsdp_originals(model)
@@ -212,11 +227,21 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                 if same:
                     _give(param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes})
                 _record(module, name, param)
+    if unseen:
+        _LOG.warning(
+            "roles_before_fully_shard_unknown",
+            parameters=unseen,
+            hint="these parameters were sharded by fully_shard before pgregistry was imported: roles set on them as "
+            "plain attributes before that (Megatron-Core's shared, allreduce, tensor_model_parallel) went with the "
+            "objects fully_shard replaced; import pgregistry before building the model, or mark them again",
+        )
 
 
 def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int]:
     """``id(sharded parameter) -> the uid fully_shard stamped on the parameter it replaced``, over the FSDP2 states
     of ``model``'s modules (FSDP2's own record of which parameter each sharded one stands for)."""
+    if not torch.distributed.is_available():
+        return {}
     from torch.distributed.fsdp import FSDPModule
 
     out: dict[int, int] = {}
@@ -239,7 +264,7 @@ def _give(param: torch.Tensor, roles: dict[str, Any]) -> None:
 
 def _record(module: nn.Module, name: str, param: torch.Tensor) -> None:
     """Make ``param`` the parameter known to fill ``module``'s slot ``name``."""
-    module.__dict__.setdefault(_SLOTS, {})[name] = (_identity(param), vars(param))
+    module.__dict__.setdefault(_SLOTS, {})[name] = (id(module), _identity(param), vars(param))
 
 
 def _identity(param: torch.Tensor) -> tuple[Any, ...]:

@@ -9,6 +9,7 @@ world (DP 2); the oracle is the float64 norm of the grads set, each parameter co
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -89,6 +90,8 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
         module.w = nn.Parameter(distribute_tensor(old.detach(), mesh, [Replicate()]))
     elif replace == "a view of its memory":
         module.w = nn.Parameter(old.data)
+    elif replace == "copy.deepcopy of its module":  # torch's deepcopy of a parameter drops its attributes
+        module = copy.deepcopy(module)
     else:
         raise AssertionError(replace)
     assert module.w is not old or replace == "fully_shard, then to_empty"
@@ -110,6 +113,7 @@ SAME = (
     "distribute_tensor Shard(0)",
     "distribute_tensor Replicate",
     "a view of its memory",
+    "copy.deepcopy of its module",
 )
 
 
