@@ -418,10 +418,11 @@ def _shape_entry(name: str, param: torch.Tensor) -> dict[str, Any]:
 
 
 def _sums(tensor: torch.Tensor) -> tuple[float, float] | None:
+    """The float64 sum and sum of squares of ``tensor`` (accumulated in float64, no float64 copy of it)."""
     if tensor.is_meta:
         return None
-    values = tensor.detach().to(torch.float64)
-    return float(values.sum()), float(values.square().sum())
+    values = tensor.detach()
+    return float(values.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
 
 
 def _near(mine: tuple[float, float] | None, theirs: tuple[float, float] | None, numel: int) -> bool:
