@@ -140,11 +140,14 @@ def _changed() -> None:
 def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
     """Declare ``param`` sharded over TP (expert TP for an expert) along tensor dim ``partition_dim``."""
     _require_tensor(param, "mark_tensor_parallel")
-    if not isinstance(partition_dim, int) or not 0 <= partition_dim < max(param.dim(), 1):
+    for option, value in (("partition_dim", partition_dim), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"mark_tensor_parallel: {option} must be an int, got {value!r}")
+    if not 0 <= partition_dim < max(param.dim(), 1):
         raise ValueError(
             f"partition_dim {partition_dim!r} is not a dim of a parameter of shape {tuple(param.shape)}"
         )
-    if not isinstance(stride, int) or stride < 1:
+    if stride < 1:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
     return _set_roles(param, tensor_model_parallel=True, partition_dim=partition_dim, partition_stride=stride)
 

@@ -2,7 +2,8 @@
 
 Reported: ``mark_expert_module`` given a Parameter (instead of its module) set a flag on the tensor and returned, so
 nothing was checked and the experts counted as dense parameters. The same mistake the other way round (a module
-given to a parameter helper) or any other type is a ``TypeError`` too, before anything is marked.
+given to a parameter helper) or any other type is a ``TypeError`` too, before anything is marked; so is a
+``partition_dim`` or ``stride`` that is not an int (``True`` read as dim 1).
 """
 
 from __future__ import annotations
@@ -57,3 +58,22 @@ def test_a_parameter_helper_given_a_module_says_to_mark_its_parameters(helper: s
     assert not hasattr(module, "allreduce") and not hasattr(module, "shared")
     with pytest.raises(TypeError, match=rf"{helper} takes a parameter \(a torch.Tensor\), but was given a list"):
         HELPERS[helper]([module.weight])
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"partition_dim": True}, TypeError, "mark_tensor_parallel: partition_dim must be an int, got True"),
+        ({"partition_dim": "0"}, TypeError, "mark_tensor_parallel: partition_dim must be an int, got '0'"),
+        ({"partition_dim": 0, "stride": 1.0}, TypeError, "mark_tensor_parallel: stride must be an int, got 1.0"),
+        ({"partition_dim": 2}, ValueError, r"partition_dim 2 is not a dim of a parameter of shape \(4, 3\)"),
+        ({"partition_dim": 0, "stride": 0}, ValueError, "stride must be a positive integer, got 0"),
+    ],
+)
+def test_mark_tensor_parallel_refuses_a_dim_or_stride_that_is_no_int_or_out_of_range(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    param = nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(error, match=message):
+        mark_tensor_parallel(param, **options)
+    assert param_roles(param) == {}
