@@ -1,9 +1,9 @@
 """The role helpers refuse what is not theirs to mark, naming it and the helper to use.
 
 Reported: ``mark_expert_module`` given a Parameter (instead of its module) failed with torch's "'Parameter' object has
-no attribute 'modules'", having set its flag on the tensor: nothing said what to do. The same mistake the other way round (a module
-given to a parameter helper) or any other type is a ``TypeError`` too, before anything is marked; so is a
-``partition_dim`` or ``stride`` that is not an int (``True`` read as dim 1).
+no attribute 'modules'", having set its flag on the tensor: nothing said what to do. The same mistake the other way
+round (a module given to a parameter helper) or any other type is a ``TypeError`` too, before anything is marked;
+so is a ``partition_dim`` or ``stride`` that is not an int (``True`` read as dim 1).
 """
 
 from __future__ import annotations
