@@ -37,7 +37,9 @@ A replacement is the same parameter when
   holds the same uid beside the sharded parameter now in the slot (FSDP2's own bookkeeping);
 * it holds the original's memory (``nn.Parameter(p.data)``, a Replicate distribution that kept the storage);
 * it is a DTensor of the original's global shape and dtype whose local piece equals, bit for bit, the piece of the
-  original its placements select (a Shard distribution: ``parallelize_module``), or both are on the meta device.
+  original its placements select (a Shard distribution: ``parallelize_module``);
+* the original is on the meta device (it holds no values) and the replacement has its shape: its materialisation
+  (``load_state_dict(assign=True)``, a distribution of a meta model).
 
 The hook is installed as soon as both ``pgregistry`` and torch are imported, whichever comes first
 (:mod:`pgregistry._role_hooks`), so a model built after ``import pgregistry`` keeps Megatron-Core's plain
@@ -285,7 +287,11 @@ def _replaces(new: torch.Tensor, old: torch.Tensor) -> bool:
     distribution's piece, once) never runs for FSDP2's per-step re-registration of its own parameters."""
     from torch.distributed.tensor import DTensor
 
-    if new.shape != old.shape or new.dtype != old.dtype:
+    if new.shape != old.shape:
+        return False
+    if old.is_meta:  # it holds no values: what replaces it (load_state_dict(assign=True)) is its materialisation
+        return True
+    if new.dtype != old.dtype:
         return False
     if isinstance(new, DTensor) and _FSDP_UID in vars(old):
         return True  # fully_shard, through a module's own __setattr__: it stamped the original just before
@@ -294,8 +300,8 @@ def _replaces(new: torch.Tensor, old: torch.Tensor) -> bool:
     if isinstance(old, DTensor):
         return False
     local = new.to_local()
-    if local.is_meta or old.is_meta:
-        return local.is_meta and old.is_meta
+    if local.is_meta:
+        return False
     if _same_memory(local, old):
         return True
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -44,9 +44,9 @@ def _values(seed: int) -> torch.Tensor:
     return torch.randn(4, 2, generator=torch.Generator().manual_seed(seed))
 
 
-def _slot() -> nn.Module:
+def _slot(device: str = "cpu") -> nn.Module:
     module = nn.Module()
-    module.w = nn.Parameter(_values(1))
+    module.w = nn.Parameter(_values(1).to(device))
     for name, value in EVERY_ROLE.items():
         setattr(module.w, name, value)
     return module
@@ -59,7 +59,7 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
 
     from pgregistry._resolve import normalise
 
-    module = _slot()
+    module = _slot("meta" if "meta" in replace else "cpu")
     old = module.w
     if replace == "fresh, then fully_shard":
         module.w = nn.Parameter(_values(2))
@@ -90,11 +90,14 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
         module.w = nn.Parameter(distribute_tensor(old.detach(), mesh, [Replicate()]))
     elif replace == "a view of its memory":
         module.w = nn.Parameter(old.data)
+    elif replace == "load_state_dict(assign=True) into a meta model":
+        module.load_state_dict({"w": _values(2)}, assign=True)
     elif replace == "copy.deepcopy of its module":  # torch's deepcopy of a parameter drops its attributes
         module = copy.deepcopy(module)
     else:
         raise AssertionError(replace)
     assert module.w is not old or replace == "fully_shard, then to_empty"
+    assert not module.w.is_meta
     normalise(module)
     return param_roles(module.w)
 
@@ -114,6 +117,7 @@ SAME = (
     "distribute_tensor Replicate",
     "a view of its memory",
     "copy.deepcopy of its module",
+    "load_state_dict(assign=True) into a meta model",
 )
 
 
