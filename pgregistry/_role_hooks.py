@@ -6,15 +6,13 @@ Roles set as plain attributes (Megatron-Core's ``shared``, ``allreduce``, ``tens
 norm depend on import order: Megatron-Core's tie was counted twice (8.3079 for 6.5945) unless the helpers were
 imported before the model was built. ``import pgregistry`` must not import torch, so the package root calls
 :func:`install`: with torch already imported it imports :mod:`pgregistry.params` now; otherwise it waits for
-torch's import (a one-shot finder on ``sys.meta_path`` that lets the usual finders find torch and imports the
-helpers right after torch's module has run). Nothing is imported that the program would not import anyway.
+torch's import (a finder on ``sys.meta_path`` that lets the usual finders find torch, imports the helpers right
+after torch's module has run, and leaves). Nothing is imported that the program would not import anyway.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.abc
-import importlib.util
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -32,14 +30,18 @@ def install() -> None:
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on torch's import it removes itself, asks the other finders for torch's spec and has
-    its loader import the helpers once torch's module has run."""
+    """Finds nothing itself: asked for torch, it asks the finders after it for torch's spec and has its loader
+    import the helpers once torch's module has run; it leaves ``sys.meta_path`` then (a spec asked for without an
+    import, ``importlib.util.find_spec("torch")``, leaves it in place)."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
         if fullname != "torch":
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        spec = None
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :]:
+            find = getattr(finder, "find_spec", None)
+            if find is not None and (spec := find(fullname, path, target)) is not None:
+                break
         loader = spec.loader if spec is not None else None
         if loader is None:
             return spec
@@ -47,9 +49,14 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             _import_helpers()
 
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        try:
+            loader.exec_module = exec_module
+        except AttributeError:  # a loader without an instance dictionary: the helpers install on their import
+            pass
         return spec
 
 
