@@ -38,8 +38,9 @@ A replacement is the same parameter when
 * it holds the original's memory (``nn.Parameter(p.data)``, a Replicate distribution that kept the storage);
 * it is a DTensor of the original's global shape and dtype whose local piece equals, bit for bit, the piece of the
   original its placements select (a Shard distribution: ``parallelize_module``);
-* the original is on the meta device (it holds no values) and the replacement has its shape: its materialisation
-  (``load_state_dict(assign=True)``, a distribution of a meta model).
+* it has the original's shape and either the original is on the meta device (it holds no values: this is its
+  materialisation) or torch's ``load_state_dict(assign=True)`` puts it there (the checkpoint's tensor under the
+  parameter's own name).
 
 The hook is installed as soon as both ``pgregistry`` and torch are imported, whichever comes first
 (:mod:`pgregistry._role_hooks`), so a model built after ``import pgregistry`` keeps Megatron-Core's plain
@@ -61,6 +62,7 @@ modules are usually marked at the top of their ``__init__``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
@@ -289,7 +291,7 @@ def _replaces(new: torch.Tensor, old: torch.Tensor) -> bool:
 
     if new.shape != old.shape:
         return False
-    if old.is_meta:  # it holds no values: what replaces it (load_state_dict(assign=True)) is its materialisation
+    if old.is_meta or _loading_a_state_dict():  # its materialisation, or its checkpoint's tensor under its name
         return True
     if new.dtype != old.dtype:
         return False
@@ -313,6 +315,22 @@ def _replaces(new: torch.Tensor, old: torch.Tensor) -> bool:
     for dim, (start, size) in enumerate(zip(offset, shape, strict=True)):
         piece = piece.narrow(dim, start, size)
     return bool(torch.equal(local.detach(), piece.to(local.device)))
+
+
+_LOAD_FROM_STATE_DICT: Final = nn.Module._load_from_state_dict.__code__
+
+
+def _loading_a_state_dict() -> bool:
+    """Whether torch's ``load_state_dict(assign=True)`` registers the parameter (its ``_load_from_state_dict`` is
+    among the few callers above the hook: ``register_parameter`` and ``__setattr__`` in between)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame.f_code is _LOAD_FROM_STATE_DICT:
+            return True
+        if frame.f_back is None:
+            return False
+        frame = frame.f_back
+    return False
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

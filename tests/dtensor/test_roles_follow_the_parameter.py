@@ -90,7 +90,7 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
         module.w = nn.Parameter(distribute_tensor(old.detach(), mesh, [Replicate()]))
     elif replace == "a view of its memory":
         module.w = nn.Parameter(old.data)
-    elif replace == "load_state_dict(assign=True) into a meta model":
+    elif replace.startswith("load_state_dict(assign=True)"):
         module.load_state_dict({"w": _values(2)}, assign=True)
     elif replace == "copy.deepcopy of its module":  # torch's deepcopy of a parameter drops its attributes
         module = copy.deepcopy(module)
@@ -118,6 +118,7 @@ SAME = (
     "a view of its memory",
     "copy.deepcopy of its module",
     "load_state_dict(assign=True) into a meta model",
+    "load_state_dict(assign=True)",
 )
 
 
