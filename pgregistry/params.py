@@ -34,7 +34,8 @@ A replacement is the same parameter when
   ``to_empty`` does for DTensor parameters), or its copy made with a copy of its module (``copy.deepcopy``, which
   drops a parameter's attributes);
 * ``fully_shard`` made it: torch stamps the original with ``_fsdp_orig_uid`` and its ``FSDPParam`` of this slot
-  holds the same uid beside the sharded parameter now in the slot (FSDP2's own bookkeeping);
+  holds the same uid beside the sharded parameter now in the slot (FSDP2's own bookkeeping; releases that take the
+  original's id as its uid are compared by id, and one that keeps no uid trusts the slot's record);
 * it holds the original's memory (``nn.Parameter(p.data)``, a Replicate distribution that kept the storage);
 * it is a DTensor of the original's global shape and dtype whose local piece equals, bit for bit, the piece of the
   original its placements select (a Shard distribution: ``parallelize_module``);
@@ -205,7 +206,7 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
     entry points call this whenever they classify a model afresh (a kept plan is remade when a slot's parameter
     changes), so a user need not.
     """
-    originals: dict[int, int] | None = None
+    originals: dict[int, int | None] | None = None
     unseen: list[str] = []
     for chunk in [model] if isinstance(model, nn.Module) else model:
         for prefix, module in chunk.named_modules():
@@ -227,10 +228,12 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                 # A record copied with its module (copy.deepcopy, which drops a parameter's attributes) belongs to
                 # the copy of the parameter it recorded.
                 same = owner != id(module) or held == _identity(param)
-                if not same and _FSDP_UID in attributes:
+                if not same:
                     if originals is None:
                         originals = _fsdp_originals(model)
-                    same = originals.get(id(param)) == attributes[_FSDP_UID]
+                    if id(param) in originals:  # fully_shard's: of the recorded parameter?
+                        uid = originals[id(param)]
+                        same = uid is None or uid == attributes.get(_FSDP_UID, held[0])
                 if same:
                     _give(param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes})
                 _record(module, name, param)
@@ -244,20 +247,29 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
         )
 
 
-def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int]:
-    """``id(sharded parameter) -> the uid fully_shard stamped on the parameter it replaced``, over the FSDP2 states
-    of ``model``'s modules (FSDP2's own record of which parameter each sharded one stands for)."""
+def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int | None]:
+    """``id(sharded parameter) -> the uid of the parameter it replaced``, over the FSDP2 states of ``model``'s
+    modules: FSDP2's own record of which parameter each sharded one stands for. torch 2.13 stamps the uid on the
+    original (``_fsdp_orig_uid``); some releases take the original's id instead; ``None`` where the release keeps
+    none (the sharded parameter then stands for the slot's recorded one)."""
     if not torch.distributed.is_available():
         return {}
-    from torch.distributed.fsdp import FSDPModule
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
 
-    out: dict[int, int] = {}
+    out: dict[int, int | None] = {}
     for chunk in [model] if isinstance(model, nn.Module) else model:
         for module in chunk.modules():
             if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
+                state = module._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None)
+                if groups is None:  # a release with one group per state
+                    groups = [group] if (group := state._fsdp_param_group) is not None else []
+                for group in groups:
                     for fsdp_param in group.fsdp_params:
-                        out[id(fsdp_param.sharded_param)] = fsdp_param._orig_param_uid
+                        out[id(fsdp_param.sharded_param)] = getattr(fsdp_param, "_orig_param_uid", None)
     return out
 
 
