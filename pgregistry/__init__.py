@@ -1,7 +1,9 @@
 """pgregistry: explicit, typed process-group collections for distributed PyTorch training.
 
 Importing the package does not import torch, so ``python -W error::pgregistry.ProcessGroupFallbackWarning``
-(which imports it at interpreter start) stays cheap. Names that need torch are loaded on first access.
+(which imports it at interpreter start) stays cheap. Names that need torch are loaded on first access. Once torch
+is imported too (before or after this package), :mod:`pgregistry.params` installs its parameter-registration hooks
+(:mod:`pgregistry._role_hooks`), so parameter roles never depend on import order.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pgregistry import _role_hooks
 from pgregistry.attachments import attach, collection_of
 from pgregistry.collection import NOT_MEMBER, UNSET, ProcessGroupCollection
 from pgregistry.fallback import ProcessGroupFallbackWarning
@@ -70,3 +73,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+_role_hooks.install()

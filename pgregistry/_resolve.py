@@ -60,9 +60,9 @@ class Params:
 def normalise(model_or_params: ParamsLike) -> Params:
     """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
     iterables of tensors. A model's parameters are named as ``named_parameters`` names them (prefixed
-    ``chunk<i>.`` when there are several chunks), with the roles of their slots restored
-    (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named ``param[<i>]``.
-    ``TypeError`` naming an item that is not a tensor."""
+    ``chunk<i>.`` when there are several chunks), each with the roles of the parameter it replaced when it is the
+    same parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
+    ``param[<i>]``. ``TypeError`` naming an item that is not a tensor."""
     import torch
     from torch import nn
 

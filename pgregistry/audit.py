@@ -12,6 +12,12 @@ over every axis its classification makes a claim about, and reports:
   GTP-sharded; across EP, for parameters with an explicit ``allreduce``, replicated iff ``allreduce`` is True;
   across data-parallel replicas (``dp_cp``, ``expt_dp`` for experts), always replicated (reported only when no
   model-parallel axis explains the mismatch: EP ranks are dense data-parallel ranks);
+* suspected ties: a parameter with a same-shape (2-D or more) counterpart on the other end of the pipeline (the
+  collection's ``embd`` group) where neither copy is marked ``shared`` and their grads are not identical, so no
+  measurement proves a tie, yet a tie is likely: they are named as an input embedding and an output layer
+  (Megatron-Core's ``embedding.word_embeddings.weight`` and ``output_layer.weight``), either carries Megatron-Core's
+  ``shared_embedding``, or their values or grads agree to 1e-5 (copies 1e-7 apart, or not all-reduced yet). A
+  suspect is reported, never an error (an untied model has such pairs legitimately): ``ok`` ignores it;
 * the norm the classification gives (exactly what :func:`~pgregistry.grad_stats.grad_norm` computes) beside the
   measured-truth norm, in which every gradient counts once per distinct copy: weighted by 1/size of each axis it
   was measured replicated over, and reduced over the expert group when it was measured distinct across EP.
@@ -34,7 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Final
+import re
+from typing import Any, Final
 
 import attrs
 import torch
@@ -52,7 +59,7 @@ from pgregistry.grad_stats._plan import Plan
 from pgregistry.grad_stats._reductions import Shares, Wanted, reduce_shares
 from pgregistry.params import is_expert_param
 
-__all__ = ["GradReplicationReport", "ReplicationMismatch", "audit_grad_replication"]
+__all__ = ["GradReplicationReport", "ReplicationMismatch", "SuspectedTie", "audit_grad_replication"]
 
 REPLICATED: Final = "replicated"
 UNIQUE: Final = "unique"
@@ -77,6 +84,15 @@ _HINTS: Final[dict[tuple[str, str], str]] = {
     ("embd", UNIQUE): "is identical on the ranks of the embedding group (a copy tied across pipeline stages) but no "
     "copy is marked shared, so each is counted (mark_shared the second copy; Megatron-Core sets shared=True)",
 }
+_NEAR: Final = 1e-5
+"""Relative agreement of two copies' sums and sums of squares (values or grads) that makes a tie likely."""
+_INPUT_EMBEDDING: Final = re.compile(
+    r"(^|\.)(word_embeddings|embedding|embeddings|embed_tokens|tok_embeddings|wte)\.weight$"
+)
+_OUTPUT_LAYER: Final = re.compile(r"(^|\.)(output_layer|lm_head|output|embed_out)\.weight$")
+"""The names of an input embedding and of an output layer: Megatron-Core's (``embedding.word_embeddings.weight``,
+``output_layer.weight``) and the usual others (Hugging Face, torchtitan, GPT-2)."""
+
 _UNMARKED_HINT: Final = (
     "differs across EP ranks but carries no EP classification, so it is counted as a dense parameter (mark it with "
     "mark_expert, or its module with mark_expert_module and it with mark_expert)"
@@ -115,6 +131,28 @@ class ReplicationMismatch:
 
 
 @attrs.frozen(slots=True, kw_only=True)
+class SuspectedTie:
+    """A parameter that may be tied to one on the other end of the pipeline, though no measurement shows it (see
+    the module docstring): reported, never an error."""
+
+    name: str
+    other_name: str
+    other_rank: int
+    """The global rank holding ``other_name`` (a rank of this rank's ``embd`` group)."""
+    shape: tuple[int, ...]
+    evidence: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name} and {self.other_name} on rank {self.other_rank}: same shape {self.shape}, "
+            f"{', '.join(self.evidence)}, neither copy marked shared, so each is counted. If they are one weight "
+            "tied across pipeline stages, mark the last stage's copy with mark_shared (Megatron-Core sets "
+            "shared=True and shared_embedding=True on it) and synchronise the tie's grads over the 'embd' group; "
+            "if they are distinct weights, nothing is wrong"
+        )
+
+
+@attrs.frozen(slots=True, kw_only=True)
 class GradReplicationReport:
     """What :func:`audit_grad_replication` found on this rank.
 
@@ -123,8 +161,10 @@ class GradReplicationReport:
     replication implies (NaN when some grads differ across data-parallel replicas with no model-parallel reason:
     they are not synchronised, and no norm is the truth). ``mismatches`` lists this rank's parameters whose
     replication disagrees with their roles; ``unclassified`` the parameters of marked expert modules that carry no
-    EP classification (reported when EP is on). A report that lists a mismatch never reads as agreeing: it is not
-    ``ok``, and its ratio is either shown to the digits that differ from 1 or said to be unknown.
+    EP classification (reported when EP is on); ``suspected_ties`` the likely ties no measurement proves, which
+    leave the report ``ok`` (an untied model may have such pairs). A report that lists a mismatch never reads as
+    agreeing: it is not ``ok``, and its ratio is either shown to the digits that differ from 1 or said to be
+    unknown.
     """
 
     classified_norm: float
@@ -132,10 +172,11 @@ class GradReplicationReport:
     params_checked: int
     mismatches: tuple[ReplicationMismatch, ...]
     unclassified: tuple[str, ...] = ()
+    suspected_ties: tuple[SuspectedTie, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """True when every measured replication agrees with its classification."""
+        """True when every measured replication agrees with its classification (suspected ties aside)."""
         return not self.mismatches and not self.unclassified
 
     @property
@@ -174,6 +215,7 @@ class GradReplicationReport:
         lines.extend(f"  - {mismatch}" for mismatch in self.mismatches)
         if self.unclassified:
             lines.append(f"  unclassified expert-module parameters (no allreduce): {', '.join(self.unclassified)}")
+        lines.extend(f"  suspected tie (not an error): {suspect}" for suspect in self.suspected_ties)
         return "\n".join(lines)
 
 
@@ -214,7 +256,7 @@ def audit_grad_replication(
         for _, param in audited
     ]
     replicated, zero = _measure(audited, axis_groups, spanned)
-    ties = _ties(named, audited, _embedding_group(collection))
+    ties, suspects = _across_stages(named, audited, _embedding_group(collection))
     mesh_axes = MeshAxes(collection, {False: stats.dense_reduce, True: stats.expert_reduce})
     reduce_groups = (stats.dense_reduce, stats.expert_reduce)
     device = reduction_device([p.grad for _, p in audited if p.grad is not None], reduce_groups)
@@ -288,6 +330,7 @@ def audit_grad_replication(
         params_checked=len(audited),
         mismatches=tuple(mismatches),
         unclassified=unclassified,
+        suspected_ties=suspects,
     )
 
 
@@ -314,36 +357,106 @@ def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:
     return group if group_size(group) > 1 else None
 
 
-def _ties(
+def _across_stages(
     named: list[tuple[str, torch.Tensor]], audited: list[tuple[str, torch.Tensor]], embd: ProcessGroup | None
-) -> dict[int, int]:
-    """Audited grads (by index) that are identical, and not zero, on other ranks of the embedding group (the first
-    and last pipeline stages: a tied embedding) where no copy is marked ``shared``: index -> the number of copies.
+) -> tuple[dict[int, int], tuple[SuspectedTie, ...]]:
+    """Ties across the pipeline's ends, measured and suspected, in one all-gather over ``embd``.
 
-    Collective over ``embd`` (one all-gather of a digest of every grad: its values' SHA-256, shape and dtype, and
-    whether its parameter is marked shared). A tie whose other copy is marked is counted once and is no mismatch.
+    Measured: audited grads (by index) identical, and not zero, on other ranks of the embedding group (the first and
+    last pipeline stages: a tied embedding) where no copy is marked ``shared``: index -> the number of copies (each
+    grad's digest is its values' SHA-256, shape and dtype, and whether its parameter is marked shared). A tie whose
+    other copy is marked is counted once and is no mismatch. Suspected: see :class:`SuspectedTie`.
     """
     if embd is None:
-        return {}
+        return {}, ()
     mine = {id(param): index for index, (_, param) in enumerate(audited)}
     digests = [
         (_digest(param.grad), not param_is_not_shared(param), mine.get(id(param)))
         for _, param in named
         if param.grad is not None and bool(_local(param.grad).any())
     ]
-    everyone: list[list[tuple[str, bool]]] = [[] for _ in range(group_size(embd))]
-    dist.all_gather_object(everyone, [(digest, shared) for digest, shared, _ in digests], group=embd)
+    shapes = [_shape_entry(name, param) for name, param in named if param.dim() >= 2]
+    everyone: list[Any] = [None] * group_size(embd)
+    dist.all_gather_object(everyone, ([(digest, shared) for digest, shared, _ in digests], shapes), group=embd)
     here = dist.get_group_rank(embd, dist.get_rank())
     elsewhere: dict[str, list[bool]] = {}
-    for position, entries in enumerate(everyone):
+    for position, (entries, _) in enumerate(everyone):
         if position != here:
             for digest, shared in entries:
                 elsewhere.setdefault(digest, []).append(shared)
-    return {
+    ties = {
         index: 1 + len(elsewhere[digest])
         for digest, _, index in digests
         if index is not None and digest in elsewhere and not any(elsewhere[digest])
     }
+    tied = {audited[index][0] for index in ties}
+    suspects = [
+        suspect
+        for position, (_, theirs) in enumerate(everyone)
+        if position != here
+        for entry in shapes
+        if entry["name"] not in tied
+        for other in theirs
+        if (suspect := _suspect(entry, other, dist.get_global_rank(embd, position))) is not None
+    ]
+    return ties, tuple(suspects)
+
+
+def _shape_entry(name: str, param: torch.Tensor) -> dict[str, Any]:
+    """What another stage needs to suspect a tie with ``param``: name, shape, dtype, marks, and the float64 sum and
+    sum of squares of its (local) values and grad."""
+    grad = param.grad
+    return {
+        "name": name,
+        "shape": tuple(param.shape),
+        "dtype": str(param.dtype),
+        "shared": not param_is_not_shared(param),
+        "shared_embedding": bool(getattr(param, "shared_embedding", False)),
+        "values": _sums(_local(param)),
+        "grad": _sums(_local(grad)) if grad is not None else None,
+    }
+
+
+def _sums(tensor: torch.Tensor) -> tuple[float, float] | None:
+    """The float64 sum and sum of squares of ``tensor`` (accumulated in float64, no float64 copy of it)."""
+    if tensor.is_meta:
+        return None
+    values = tensor.detach()
+    return float(values.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+
+
+def _near(mine: tuple[float, float] | None, theirs: tuple[float, float] | None, numel: int) -> bool:
+    """Whether two copies' sums and sums of squares agree to :data:`_NEAR` (not both zero)."""
+    if mine is None or theirs is None or max(mine[1], theirs[1]) == 0:
+        return False
+    squares = max(mine[1], theirs[1])
+    return (
+        abs(mine[1] - theirs[1]) <= _NEAR * squares
+        and abs(mine[0] - theirs[0]) <= _NEAR * math.sqrt(squares * numel)
+    )
+
+
+def _suspect(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -> SuspectedTie | None:
+    """A suspected tie between this rank's ``mine`` and another stage's ``other``, or ``None``."""
+    if mine["shape"] != other["shape"] or mine["dtype"] != other["dtype"] or mine["shared"] or other["shared"]:
+        return None
+    numel = math.prod(mine["shape"])
+    evidence = []
+    names = mine["name"], other["name"]
+    if any(_INPUT_EMBEDDING.search(a) and _OUTPUT_LAYER.search(b) for a, b in (names, names[::-1])):
+        evidence.append("an input embedding's and an output layer's names")
+    if mine["shared_embedding"] or other["shared_embedding"]:
+        evidence.append("marked shared_embedding (Megatron-Core's mark of a tied embedding's copies)")
+    if _near(mine["values"], other["values"], numel):
+        evidence.append("values that agree to 1e-5")
+    if _near(mine["grad"], other["grad"], numel):
+        evidence.append("grads that agree to 1e-5 but are not identical")
+    if not evidence:
+        return None
+    return SuspectedTie(
+        name=mine["name"], other_name=other["name"], other_rank=other_rank, shape=mine["shape"],
+        evidence=tuple(evidence),
+    )
 
 
 def _digest(grad: torch.Tensor) -> str:

@@ -19,22 +19,36 @@ factors defaulted to EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known
 :func:`pgregistry.grad_stats.check_expert_classification` refuses parameters of a marked expert module that say neither
 ``allreduce=False`` nor ``allreduce=True``.
 
-Roles belong to the parameter's slot in its module as well as to the parameter object, because torch-native
-sharding replaces the object: ``fully_shard`` (FSDP2) and ``parallelize_module`` register a new ``nn.Parameter``
-(holding a DTensor) under the same name. Every role a ``mark_*`` helper sets on a parameter registered on a module
-is also written to that module's role table (one entry per parameter name), and :func:`restore_param_roles` puts
-the table's roles back on whatever parameter now fills the slot, so marking before or after sharding gives the
-same roles. The slots a parameter fills are learnt from torch's global parameter-registration hook, installed when
-this module is imported: a parameter registered on a module before that (a model built before any
-``pgregistry.params`` import) and marked before sharding keeps its roles only as attributes of the object, which
-sharding drops; mark such models after sharding, or import the helpers first.
+Roles belong to the parameter, and follow it into its replacements: torch-native sharding replaces the object.
+``fully_shard`` (FSDP2) puts a new ``nn.Parameter`` holding a DTensor in the slot, bypassing torch's registration
+hooks (through ``module._parameters``); ``parallelize_module`` and ``nn.Parameter(distribute_tensor(...))`` register
+one. So torch's global parameter-registration hook, installed when this module is imported, records per module slot
+the parameter that filled it (its id, type, shape and dtype) and its attribute dictionary (the object's own
+``__dict__``, which later plain assignments, Megatron-Core's included, write into). The roles go into a
+replacement of the same parameter only (:func:`restore_param_roles` and the hook), never into an unrelated
+parameter assigned into the slot, which starts with the roles it carries itself (a fresh ``nn.Parameter`` put
+where Megatron-Core marked ``shared`` is counted).
+A replacement is the same parameter when
 
-Roles set without a helper (Megatron-Core sets ``shared``, ``shared_embedding``, ``allreduce`` and
-``tensor_model_parallel`` as plain attributes, after registering the parameter) never reach the role table. So the
-registration hook also keeps, per slot, the attribute dictionary of the parameter it registered (the object's own
-``__dict__``, which later plain assignments write into): when ``fully_shard`` puts a new parameter in the slot
-(bypassing the hook, through ``module._parameters``), :func:`restore_param_roles` reads the roles from the recorded
-dictionary, whether the old parameter is still alive or not.
+* it is the same object whose attribute dictionary torch swapped (``module._apply`` through ``swap_tensors``, as
+  ``to_empty`` does for DTensor parameters), or its copy made with a copy of its module (``copy.deepcopy``, which
+  drops a parameter's attributes);
+* ``fully_shard`` made it: torch stamps the original with ``_fsdp_orig_uid`` and its ``FSDPParam`` of this slot
+  holds the same uid beside the sharded parameter now in the slot (FSDP2's own bookkeeping; releases that take the
+  original's id as its uid are compared by id, and one that keeps no uid trusts the slot's record);
+* it holds the original's memory (``nn.Parameter(p.data)``, a Replicate distribution that kept the storage);
+* it is a DTensor of the original's global shape and dtype whose local piece equals, bit for bit, the piece of the
+  original its placements select (a Shard distribution: ``parallelize_module``);
+* it has the original's shape and either the original is on the meta device (it holds no values: this is its
+  materialisation) or torch's ``load_state_dict(assign=True)`` puts it there (the checkpoint's tensor under the
+  parameter's own name).
+
+The hook is installed as soon as both ``pgregistry`` and torch are imported, whichever comes first
+(:mod:`pgregistry._role_hooks`), so a model built after ``import pgregistry`` keeps Megatron-Core's plain
+attributes through ``fully_shard`` whatever else was imported when: no result depends on import order. A model
+built before ``pgregistry`` is imported at all is known from its first model walk on; roles set on it as plain
+attributes before a ``fully_shard`` that came before that walk went with the objects ``fully_shard`` dropped, and
+nothing can bring them back: :func:`restore_param_roles` logs a warning naming those parameters.
 
 :func:`role_generation` counts every change made through this module (a helper's mark, a registration, a
 restored role): a cached classification (:mod:`pgregistry.grad_stats._plan`) made at one generation is stale at
@@ -49,13 +63,14 @@ modules are usually marked at the top of their ``__init__``).
 
 from __future__ import annotations
 
-import weakref
+import sys
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
+
+from pgregistry._logging import get_logger
 
 __all__ = [
     "ROLE_ATTRIBUTES",
@@ -74,6 +89,8 @@ __all__ = [
 ]
 
 T = TypeVar("T", bound=torch.Tensor)
+
+_LOG = get_logger(__name__)
 
 ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "tensor_model_parallel",
@@ -97,12 +114,15 @@ _EXPERT_MODULE_FLAG: Final = "_pgregistry_expert_module"
 _INSIDE_EXPERT_MODULE: Final = "_pgregistry_inside_expert_module"
 """Set on a marked expert module and every module under it: parameters registered on them get the mark."""
 _IN_EXPERT_MODULE: Final = "in_expert_module"
-_ROLE_TABLE: Final = "_pgregistry_param_roles"
-"""Module attribute: parameter name -> the roles marked on the parameter in that slot."""
-_SLOT_ATTRIBUTES: Final = "_pgregistry_slot_attributes"
-"""Module attribute: parameter name -> the attribute dictionary of the parameter last seen in that slot."""
+_SLOTS: Final = "_pgregistry_slots"
+"""Module attribute: parameter name -> ``(id of the module, identity, attribute dictionary)`` of the parameter last
+known to fill that slot (see the module docstring); a module id not the holder's own marks a record copied with its
+module. The identity is the object's id, type, shape and dtype, not a weak reference:
+``swap_tensors`` (``to_empty`` of DTensor parameters) refuses a tensor with weak references."""
+_FSDP_UID: Final = "_fsdp_orig_uid"
+"""The attribute ``fully_shard`` stamps on each parameter it shards (torch's ``_get_orig_param_uid``)."""
 _SET_DIRECTLY: Final = tuple(name for name in ROLE_ATTRIBUTES if name != _IN_EXPERT_MODULE)
-"""The roles read from a slot's previous parameter: all but pgregistry's own ``in_expert_module`` mark, which a
+"""The roles read from a slot's recorded dictionary: all but pgregistry's own ``in_expert_module`` mark, which a
 model walk derives from the module (and which marks bare tensors only)."""
 
 _generation = 0
@@ -124,37 +144,47 @@ def _changed() -> None:
 
 def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
     """Declare ``param`` sharded over TP (expert TP for an expert) along tensor dim ``partition_dim``."""
-    if not isinstance(partition_dim, int) or not 0 <= partition_dim < max(param.dim(), 1):
+    _require_tensor(param, "mark_tensor_parallel")
+    for option, value in (("partition_dim", partition_dim), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"mark_tensor_parallel: {option} must be an int, got {value!r}")
+    if not 0 <= partition_dim < max(param.dim(), 1):
         raise ValueError(
             f"partition_dim {partition_dim!r} is not a dim of a parameter of shape {tuple(param.shape)}"
         )
-    if not isinstance(stride, int) or stride < 1:
+    if stride < 1:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
     return _set_roles(param, tensor_model_parallel=True, partition_dim=partition_dim, partition_stride=stride)
 
 
 def mark_expert(param: T) -> T:
     """Declare ``param`` a routed-expert parameter: distinct per EP rank, reduced over the expert groups."""
+    _require_tensor(param, "mark_expert")
     return _set_roles(param, allreduce=False)
 
 
 def mark_expert_replicated(param: T) -> T:
     """Declare ``param`` (in an expert module) replicated across EP, such as a LoRA factor shared by experts."""
+    _require_tensor(param, "mark_expert_replicated")
     return _set_roles(param, allreduce=True)
 
 
 def mark_shared(param: T) -> T:
     """Declare ``param`` a second copy of a parameter counted elsewhere (tied embeddings on the last stage)."""
+    _require_tensor(param, "mark_shared")
     return _set_roles(param, shared=True)
 
 
 def mark_gtp_sharded(param: T) -> T:
     """Declare ``param`` sharded over the GTP-remat axis (expert GTP-remat for experts)."""
+    _require_tensor(param, "mark_gtp_sharded")
     return _set_roles(param, is_gtp_weight_remat=True)
 
 
 def copy_param_roles(src: torch.Tensor, dst: T) -> T:
     """Copy every role attribute present on ``src`` to ``dst`` (mixed-precision main params, optimizer views)."""
+    _require_tensor(src, "copy_param_roles")
+    _require_tensor(dst, "copy_param_roles")
     for name, value in param_roles(src).items():
         setattr(dst, name, value)
     _changed()
@@ -167,25 +197,80 @@ def param_roles(param: torch.Tensor) -> dict[str, Any]:
 
 
 def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Put the roles of each parameter slot of ``model`` back on the parameter now filling it: those marked with
-    a helper (the slot's role table) and those the slot's previous parameter carried as plain attributes (set by
-    Megatron-Core, or by hand, before ``fully_shard`` replaced it).
+    """Put the roles recorded for each parameter slot of ``model`` on the parameter now filling it, when it is a
+    replacement of the same parameter (see the module docstring): those marked with a helper and those set as plain
+    attributes (by Megatron-Core, or by hand) before ``fully_shard`` or ``to_empty`` replaced the object or its
+    attribute dictionary. An unrelated parameter put in the slot keeps only its own roles, and becomes the slot's.
 
-    A role already on the parameter wins (marking after sharding overrides marking before).
-    The grad-statistics entry points call this on every model they are given, so a user need not.
+    A role already on the parameter wins (marking after sharding overrides marking before). The grad-statistics
+    entry points call this whenever they classify a model afresh (a kept plan is remade when a slot's parameter
+    changes), so a user need not.
     """
+    originals: dict[int, int | None] | None = None
+    unseen: list[str] = []
     for chunk in [model] if isinstance(model, nn.Module) else model:
-        for module in chunk.modules():
-            table: dict[str, dict[str, Any]] = module.__dict__.get(_ROLE_TABLE, {})
-            seen: dict[str, dict[str, Any]] = module.__dict__.get(_SLOT_ATTRIBUTES, {})
+        for prefix, module in chunk.named_modules():
+            slots: dict[str, tuple[int, tuple[Any, ...], dict[str, Any]]] | None = module.__dict__.get(_SLOTS)
             for name, param in module._parameters.items():
                 if param is None:
                     continue
-                previous = seen.get(name)
-                if previous is not None and previous is not vars(param):
-                    _give(param, {key: previous[key] for key in _SET_DIRECTLY if key in previous})
-                    seen[name] = vars(param)
-                _give(param, table.get(name, {}))
+                recorded = slots.get(name) if slots is not None else None
+                if recorded is None:  # a slot filled before this module was imported: known from now on
+                    if originals is None:
+                        originals = _fsdp_originals(model)
+                    if id(param) in originals:
+                        unseen.append(f"{prefix}.{name}" if prefix else name)
+                    _record(module, name, param)
+                    continue
+                owner, held, attributes = recorded
+                if attributes is vars(param):
+                    continue
+                # A record copied with its module (copy.deepcopy, which drops a parameter's attributes) belongs to
+                # the copy of the parameter it recorded.
+                same = owner != id(module) or held == _identity(param)
+                if not same:
+                    if originals is None:
+                        originals = _fsdp_originals(model)
+                    if id(param) in originals:  # fully_shard's: of the recorded parameter?
+                        uid = originals[id(param)]
+                        same = uid is None or uid == attributes.get(_FSDP_UID, held[0])
+                if same:
+                    _give(param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes})
+                _record(module, name, param)
+    if unseen:
+        _LOG.warning(
+            "roles_before_fully_shard_unknown",
+            parameters=unseen,
+            hint="these parameters were sharded by fully_shard before pgregistry was imported: roles set on them as "
+            "plain attributes before that (Megatron-Core's shared, allreduce, tensor_model_parallel) went with the "
+            "objects fully_shard replaced; import pgregistry before building the model, or mark them again",
+        )
+
+
+def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int | None]:
+    """``id(sharded parameter) -> the uid of the parameter it replaced``, over the FSDP2 states of ``model``'s
+    modules: FSDP2's own record of which parameter each sharded one stands for. torch 2.13 stamps the uid on the
+    original (``_fsdp_orig_uid``); some releases take the original's id instead; ``None`` where the release keeps
+    none (the sharded parameter then stands for the slot's recorded one)."""
+    if not torch.distributed.is_available():
+        return {}
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+
+    out: dict[int, int | None] = {}
+    for chunk in [model] if isinstance(model, nn.Module) else model:
+        for module in chunk.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None)
+                if groups is None:  # a release with one group per state
+                    groups = [group] if (group := state._fsdp_param_group) is not None else []
+                for group in groups:
+                    for fsdp_param in group.fsdp_params:
+                        out[id(fsdp_param.sharded_param)] = getattr(fsdp_param, "_orig_param_uid", None)
+    return out
 
 
 def _give(param: torch.Tensor, roles: dict[str, Any]) -> None:
@@ -196,42 +281,111 @@ def _give(param: torch.Tensor, roles: dict[str, Any]) -> None:
             _changed()
 
 
-_SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Parameter -> ``[(weakref to module, name), ...]``: the module slots it was registered in."""
+def _record(module: nn.Module, name: str, param: torch.Tensor) -> None:
+    """Make ``param`` the parameter known to fill ``module``'s slot ``name``."""
+    module.__dict__.setdefault(_SLOTS, {})[name] = (id(module), _identity(param), vars(param))
+
+
+def _identity(param: torch.Tensor) -> tuple[Any, ...]:
+    """What stays of a parameter object when torch swaps its contents in place: its id, type, shape and dtype. An
+    id is reused only by an object made after the recorded one is gone, which takes two replacements behind torch's
+    back (``module._parameters[name] = ...``) with no restore between them: the first records nothing, the second
+    could pass for the first's predecessor."""
+    return (id(param), type(param), param.shape, param.dtype)
+
+
+def _replaces(new: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether ``new``, registered where ``old`` was, is the same parameter (see the module docstring).
+
+    Called by the registration hook only when ``old`` has roles ``new`` lacks, so the comparison of values (a
+    distribution's piece, once) never runs for FSDP2's per-step re-registration of its own parameters."""
+    from torch.distributed.tensor import DTensor
+
+    if new.shape != old.shape:
+        return False
+    if old.is_meta or _loading_a_state_dict():  # its materialisation, or its checkpoint's tensor under its name
+        return True
+    if new.dtype != old.dtype:
+        return False
+    if isinstance(new, DTensor) and _FSDP_UID in vars(old):
+        return True  # fully_shard, through a module's own __setattr__: it stamped the original just before
+    if not isinstance(new, DTensor):
+        return not isinstance(old, DTensor) and _same_memory(new, old)
+    if isinstance(old, DTensor):
+        return False
+    local = new.to_local()
+    if local.is_meta:
+        return False
+    if _same_memory(local, old):
+        return True
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(old.shape, new.device_mesh, new.placements)
+    if tuple(local.shape) != tuple(shape):
+        return False
+    piece = old.detach()
+    for dim, (start, size) in enumerate(zip(offset, shape, strict=True)):
+        piece = piece.narrow(dim, start, size)
+    return bool(torch.equal(local.detach(), piece.to(local.device)))
+
+
+_LOAD_FROM_STATE_DICT: Final = nn.Module._load_from_state_dict.__code__
+
+
+def _loading_a_state_dict() -> bool:
+    """Whether torch's ``load_state_dict(assign=True)`` registers the parameter (its ``_load_from_state_dict`` is
+    among the few callers above the hook: ``register_parameter`` and ``__setattr__`` in between)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame.f_code is _LOAD_FROM_STATE_DICT:
+            return True
+        if frame.f_back is None:
+            return False
+        frame = frame.f_back
+    return False
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one shape) view the same elements of one memory."""
+    return (
+        a.device == b.device and a.data_ptr() != 0 and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    )
 
 
 def _set_roles(param: T, **roles: Any) -> T:
-    """Set ``roles`` on ``param`` and in the role table of every module slot it was registered in."""
+    """Set ``roles`` on ``param`` (in its attribute dictionary, the one its slots record)."""
     for attribute, value in roles.items():
         setattr(param, attribute, value)
     _changed()
-    for module_ref, name in _SLOTS.get(param, ()):
-        module = module_ref()
-        if module is not None and module._parameters.get(name) is param:
-            module.__dict__.setdefault(_ROLE_TABLE, {}).setdefault(name, {}).update(roles)
     return param
 
 
-def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """torch's global parameter-registration hook: remember the slot, and carry roles into a replacement.
+def _require_tensor(value: object, helper: str) -> None:
+    """``TypeError`` naming what ``helper`` (a parameter helper) was given instead of a tensor."""
+    if isinstance(value, nn.Module):
+        raise TypeError(
+            f"{helper} takes a parameter, but was given a {type(value).__name__} module: mark each of its parameters "
+            f"(module.weight, ...){'; mark_expert_module marks a module of experts' if 'expert' in helper else ''}"
+        )
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{helper} takes a parameter (a torch.Tensor), but was given a {type(value).__name__}")
 
-    A parameter replacing a marked one under the same name (``parallelize_module``, ``distribute_module``, a user's
-    ``nn.Parameter(distribute_tensor(...))``) receives the roles it does not carry itself; a marked parameter
-    writes its roles to the slot's table; the slot remembers the parameter's attribute dictionary (see the module
-    docstring).
+
+def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """torch's global parameter-registration hook: carry roles into a replacement of the same parameter, and
+    record the slot's parameter (see the module docstring).
+
+    ``parallelize_module``, ``distribute_module``, a user's ``nn.Parameter(distribute_tensor(p...))`` and
+    ``fully_shard`` on a module with its own ``__setattr__`` register the replacement here, with the parameter it
+    replaces still in the slot; an unrelated parameter assigned into the slot receives nothing.
     """
     _changed()
     previous = module._parameters.get(name)
     if previous is not None and previous is not param:
-        _give(param, param_roles(previous))
-    module.__dict__.setdefault(_SLOT_ATTRIBUTES, {})[name] = vars(param)
-    slots = _SLOTS.setdefault(param, [])
-    # FSDP2 re-registers the same parameters every step on modules with their own __setattr__: record a slot once.
-    if not any(slot_module() is module and slot_name == name for slot_module, slot_name in slots):
-        slots.append((weakref.ref(module), name))
-    roles = param_roles(param)
-    if roles:
-        module.__dict__.setdefault(_ROLE_TABLE, {})[name] = roles
+        missing = {key: value for key, value in param_roles(previous).items() if not hasattr(param, key)}
+        if missing and _replaces(param, previous):
+            _give(param, missing)
+    _record(module, name, param)
     if getattr(module, _INSIDE_EXPERT_MODULE, False):
         setattr(param, _IN_EXPERT_MODULE, True)
 
@@ -251,8 +405,16 @@ def mark_expert_module(module: nn.Module) -> nn.Module:
     """Declare ``module`` as holding routed experts: each of its parameters must carry an explicit ``allreduce``.
 
     Every parameter under ``module``, now or registered later, is marked ``in_expert_module`` so the check also
-    applies when only the tensors are passed.
+    applies when only the tensors are passed. ``TypeError`` for a tensor (``mark_expert`` marks a parameter) or
+    anything else that is not a module.
     """
+    if isinstance(module, torch.Tensor):
+        raise TypeError(
+            f"mark_expert_module takes a module, but was given a {type(module).__name__} of shape "
+            f"{tuple(module.shape)}: use mark_expert (or mark_expert_replicated) for a parameter"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"mark_expert_module takes an nn.Module, but was given a {type(module).__name__}")
     setattr(module, _EXPERT_MODULE_FLAG, True)
     _mark_inside(module)
     return module

@@ -323,6 +323,22 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_grid_with_only_the_mimo_optimizers_groups_gets_its_ep_group_from_the_grid",
         ),
     ),
+    Mutant(
+        name="roles-follow-the-slot",
+        bug="a fresh parameter assigned into a marked slot inherits the roles of the one it replaced (shared=True: "
+        "not counted)",
+        file="pgregistry/params.py",
+        find="        if missing and _replaces(param, previous):\n",
+        replace="        if missing:\n",
+        tests=(
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[fresh-then-fully_shard]",
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_an_unrelated_parameter_put_in_a_marked_slot_gets_no_role[a-fresh-DTensor]",
+            "tests/dtensor/test_roles_follow_the_parameter.py::"
+            "test_a_fresh_parameter_where_megatron_marked_shared_is_counted",
+        ),
+    ),
 )
 
 
