@@ -300,7 +300,9 @@ def test_refuses_tensors_it_cannot_read(interpreted: dict[str, Any]) -> None:
 
 def test_span_statistics_in_one_read_equal_the_two_reductions(interpreted: dict[str, Any]) -> None:
     one_read, two_reads = interpreted["buffer"]
-    assert set(one_read) == set(two_reads) == {None} and len(one_read[None]) == len(two_reads[None]) == 2
+    # The counted spans' parts, and between them the uncounted span's seen part (its NaN or inf only: none here).
+    assert set(one_read) == set(two_reads) == {None} and len(one_read[None]) == len(two_reads[None]) == 3
+    assert one_read[None][1].tolist() == two_reads[None][1].tolist() == [0.0, 0.0]
     for got, want in zip(one_read[None], two_reads[None], strict=True):
         assert got.dtype == want.dtype == torch.float64  # [sum of squares, zeros, NaN seen, inf seen]
         assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
