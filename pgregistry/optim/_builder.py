@@ -88,7 +88,9 @@ def build_optimizer(
     ``param_name_fn`` names parameters in state dicts (default: the model's parameter names).
 
     Raises ``ValueError`` for an unclassified expert parameter (naming it), a collection missing a group the
-    optimizer needs (naming it), or a model without trainable parameters.
+    optimizer needs (naming it), or a model without trainable parameters; ``TypeError`` on every rank of the
+    statistics group when a rank holds a parameter that is not floating-point (a complex one: the flat buffers hold
+    real grads), naming it on that rank.
     """
     params = normalise(model)
     if not params.chunks:
@@ -106,13 +108,24 @@ def build_optimizer(
         inner = optimizer
     main_dtype = torch.float32 if mixed_precision else None
     children: list[FlatOptimizer] = []
+    # Refused on every rank of the first child's group, in the all-reduce that decides whether it exists: a rank
+    # raising alone would leave the others waiting in the second child's.
+    refused = [name for name, p in named if not p.is_floating_point()]
     for expert in (False, True):
         kind = [p for _, p in named if is_expert_param(p) == expert]
         if sharded:
             stats_group = process_groups.intra_dist_opt
         else:
             stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
-        if not _any_rank_has(bool(kind), stats_group):  # type: ignore[arg-type]
+        has, anyone_refused = _any_rank_has(bool(kind), stats_group, bool(refused) and not expert)  # type: ignore[arg-type]
+        if anyone_refused:
+            here = f"here: {refused}" if refused else "none here"
+            raise TypeError(
+                "build_optimizer steps floating-point parameters only (its flat buffers hold real grads), and a rank "
+                f"of the optimizer holds others ({here}, e.g. complex ones); keep them out of the optimizer or step "
+                "them as real views (torch.view_as_real)"
+            )
+        if not has:
             continue
         if sharded:
             children.append(ShardedOptimizer(
@@ -128,10 +141,12 @@ def build_optimizer(
     return ChainedOptimizer(children)
 
 
-def _any_rank_has(local: bool, group: ProcessGroup | None) -> bool:
-    """Whether any rank of ``group`` has ``local`` true (one MAX all-reduce; none when the group is off)."""
+def _any_rank_has(local: bool, group: ProcessGroup | None, refused: bool = False) -> tuple[bool, bool]:
+    """Whether any rank of ``group`` has ``local`` true, and whether any has ``refused`` true (one MAX all-reduce;
+    none when the group is off)."""
     if group_size(group) == 1:
-        return local
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=backend_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+        return local, refused
+    flags = torch.tensor([int(local), int(refused)], dtype=torch.int32, device=backend_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    has, anyone_refused = flags.tolist()
+    return bool(has), bool(anyone_refused)

@@ -75,3 +75,28 @@ def test_complex_grads_have_torchs_norm_and_zero_count_on_every_rank(dtype: torc
         assert got["clipped"] == pytest.approx(float(moduli.norm()), rel=rel), where
         for after, before in got["scaled"]:  # every grad this rank holds, the duplicate too, scaled alike
             torch.testing.assert_close(after, before * coeff, rtol=rel * 10, atol=0)
+
+
+def _optimizer_refusals() -> list[str]:
+    """The error of ``build_optimizer`` over a model whose complex parameter is on every rank (TP 2), then on the
+    last of two pipeline stages only."""
+    from pgregistry.optim import build_optimizer
+
+    errors = []
+    for layout, complex_here in (({"tp": 2}, True), ({"pp": 2}, dist.get_rank() == 1)):
+        collection = registry.build(ParallelLayout(num_ranks=2, **layout))
+        model = nn.Linear(3, 2, dtype=torch.complex64 if complex_here else torch.float32)
+        try:
+            build_optimizer(model, collection, optimizer="sgd", lr=0.1)
+            errors.append("")
+        except TypeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_the_optimizer_refuses_a_complex_parameter_on_every_rank() -> None:
+    """Before: the stage holding it raised alone and the other waited in the builder's next all-reduce."""
+    for rank, errors in enumerate(run_world(2, _optimizer_refusals)):
+        for error, complex_here in zip(errors, (True, rank == 1), strict=True):
+            assert "build_optimizer steps floating-point parameters only" in error, (rank, error)
+            assert ("here: ['weight', 'bias']" in error) == complex_here, (rank, error)
