@@ -147,7 +147,7 @@ def grad_norm_and_zeros(
         params, pg_collection, "grad_norm_and_zeros", Wanted.of(norm_type, zeros=True), max_norm, error_if_nonfinite
     )
     assert reduced.zeros is not None
-    return reduced.norm, reduced.zeros
+    return reduced.norm if max_norm is None else reduced.clip_norm, reduced.zeros
 
 
 def clip_grad_norm_(
@@ -168,4 +168,4 @@ def clip_grad_norm_(
     """
     return _statistics(
         params, pg_collection, "clip_grad_norm_", Wanted.of(norm_type, zeros=False), max_norm, error_if_nonfinite
-    ).norm
+    ).clip_norm

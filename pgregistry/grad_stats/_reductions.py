@@ -188,6 +188,16 @@ class Reduced:
             raise ValueError("no norm was computed")
         return self.norm64 if self.wide else self.norm64.to(torch.float32)
 
+    @property
+    def clip_norm(self) -> torch.Tensor:
+        """:attr:`norm` as a clip returns it: where it is float32 (no float64 grad on this rank) and the norm finite
+        but beyond float32's range (float64 grads on another rank), the largest float32, not inf: a clip made with a
+        finite norm never reports a non-finite one (a training loop would skip the step on this rank alone)."""
+        if self.norm64 is None or self.wide:
+            return self.norm
+        finite = self.norm64.clamp(max=torch.finfo(torch.float32).max)
+        return torch.where(torch.isinf(self.norm64), self.norm64, finite).to(torch.float32)
+
 
 def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()) -> Reduced:
     """Reduce ``shares`` (see the module docstring; they are consumed) into the global statistics.

@@ -355,7 +355,7 @@ def clip_grads_of(
     check_finite(reduced.norm64, error_if_nonfinite)
     grads = [grad for optimizer in optimizers for grad in optimizer.grads_to_clip()]
     scale_grads_(grads, Clipping(max_norm, reduced.norm64))
-    return reduced.norm
+    return reduced.clip_norm
 
 
 def required_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:

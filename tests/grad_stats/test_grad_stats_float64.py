@@ -100,6 +100,11 @@ def _beyond_oracle(grads: list[torch.Tensor]) -> float:
     return float((torch.cat([g.reshape(-1) for g in grads]) / BEYOND).norm()) * BEYOND
 
 
+def _apart_low() -> list[torch.Tensor]:
+    """Stage 1's float32 grads beside stage 0's float64 ones beyond float32's range."""
+    return [g / BEYOND for g in _beyond(1)]
+
+
 def _beyond_float32_on_rank() -> dict[str, object]:
     """Over two pipeline stages: the norm, the clip's norm and the norm after it, of float64 grads beyond float32's
     range; the optimizer's clip (float64 grads); a model of float32 and float64 grads; bf16 grads; and the job-wide
@@ -141,6 +146,11 @@ def _beyond_float32_on_rank() -> dict[str, object]:
     job_clipped = mm.clip_grad_norm_({"language": job}, 1.0, modules)
     out["modules"] = (job_norm.dtype, float(job_norm), job_clipped.dtype, float(job_clipped))
     out["modules_after"] = float(mm.grad_norm({"language": job}, modules))
+    # Stage 0's grads float64 and beyond float32's range, stage 1's float32: stage 1 reads no float64 grad, so its
+    # norm is float32, and a clip made with the finite norm reports the largest float32, never inf.
+    apart = stage(wide, [2 * g for g in _beyond(0)]) if rank == 0 else stage((torch.float32,) * 2, _apart_low())
+    apart_clipped = clip_grad_norm_(apart, 1.0, pgc)
+    out["apart"] = (apart_clipped.dtype, float(apart_clipped), float(grad_norm(apart, pgc)))
     return out
 
 
@@ -170,3 +180,11 @@ def test_float64_grads_beyond_float32s_range_keep_a_finite_float64_norm() -> Non
         assert norm_dtype == clip_dtype == torch.float64, where
         assert norm == pytest.approx(want, rel=1e-6) and clipped == pytest.approx(want, rel=1e-6), where
         assert got["modules_after"] == pytest.approx(1.0, rel=1e-5), where
+        dtype, clipped, after = got["apart"]  # type: ignore[misc]
+        apart_want = _beyond_oracle([*(2 * g for g in _beyond(0)), *_apart_low()])
+        assert apart_want > float(torch.finfo(torch.float32).max)
+        if rank == 0:
+            assert dtype == torch.float64 and clipped == pytest.approx(apart_want, rel=1e-6), where
+        else:
+            assert dtype == torch.float32 and clipped == float(torch.finfo(torch.float32).max), where
+        assert after == pytest.approx(1.0, rel=1e-5), where  # clipped alike on both stages
