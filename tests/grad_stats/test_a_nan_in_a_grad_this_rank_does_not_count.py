@@ -100,8 +100,33 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got == want) | (got.isnan() & want.isnan())).all())
 
 
-def _statistics_of_every_case() -> dict[str, dict[str, Any]]:
-    return {case: _statistics_of_a_case(case) for case in CASES}
+def _statistics_of_every_case() -> tuple[dict[str, dict[str, Any]], tuple[int, int]]:
+    return {case: _statistics_of_a_case(case) for case in CASES}, _collectives()
+
+
+def _collectives() -> tuple[int, int]:
+    """All-reduces a clip issues at TP 2 over a model with a TP duplicate, and over the same model with none."""
+    collection = registry.build(ParallelLayout(num_ranks=2, tp=2))
+    calls: list[object] = []
+    real = dist.all_reduce
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs.get("group"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    counts = []
+    for duplicate in (True, False):
+        model = _model("tp-duplicate", collection)
+        if not duplicate:
+            mark_tensor_parallel(model.duplicate, 0)
+        dist.all_reduce = counting  # type: ignore[assignment]
+        try:
+            clip_grad_norm_(model, 1e-3, collection)
+        finally:
+            dist.all_reduce = real
+        counts.append(len(calls))
+        calls.clear()
+    return counts[0], counts[1]
 
 
 def _statistics_of_a_case(case: str) -> dict[str, Any]:
@@ -144,7 +169,8 @@ def _non_finite(value: float, poison: float) -> bool:
 def test_a_non_finite_grad_this_rank_does_not_count_makes_the_norm_non_finite_on_every_rank() -> None:
     every = torch.cat([grad.flatten() for grad in _oracle_grads()])
     oracle_zeros = int((every == 0).sum())
-    for rank, by_case in enumerate(run_world(2, _statistics_of_every_case)):
+    for rank, (by_case, (with_duplicate, without)) in enumerate(run_world(2, _statistics_of_every_case)):
+        assert with_duplicate == without, rank  # the duplicate's NaN rides in the norm's all-reduce: none more
         for case, got in by_case.items():
             where = f"{case}, rank {rank}"
             assert got["finite"] == pytest.approx(float(every.norm()), rel=1e-6), where  # the duplicate counted once
