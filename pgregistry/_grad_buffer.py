@@ -4,8 +4,9 @@ Torch's multi-tensor norm over many tensors is bound by kernel launches and host
 contiguous tensor of the same bytes is bound by memory bandwidth (``benchmarks/grad_stats.py`` measures both;
 ``docs/performance.md``). A :class:`GradBuffer` keeps the grads of one optimizer in one contiguous tensor and orders the
 parameters so that the grads counted in the statistics of each reduction group form one contiguous span; the
-grads not counted (tensor- or GTP-parallel duplicates, shared copies) form one more span. Statistics then run over
-a handful of span views, whatever the parameter count:
+grads not counted (tensor- or GTP-parallel duplicates, shared copies) form one more span per group (one in all for
+an optimizer, whose grads have one group). Statistics then run over a handful of span views, whatever the parameter
+count:
 
 * parameters are classified once, here, with :func:`pgregistry.grad_stats.is_counted` and
   :func:`~pgregistry.grad_stats.reduce_group_of`, never again per step;
@@ -13,7 +14,9 @@ a handful of span views, whatever the parameter count:
   view into :attr:`GradBuffer.data`;
 * a span is read into a *part* of its group's local share (:mod:`pgregistry.grad_stats._reductions`: ``sum |g|^p``
   or ``max |g|`` in float64, and the zero count), and the shares are reduced by the grad statistics' one reducer,
-  which an optimizer's chained children share: one all-reduce per group, in the one agreed order;
+  which an optimizer's chained children share: one all-reduce per group, in the one agreed order; an uncounted span
+  is read into a seen part (:func:`~pgregistry.grad_stats._reductions.seen_part`: its NaN or inf only) under its
+  group, so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
 * on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output (a
   bf16/fp16 span is cast inside the kernel when the output is float32);
 * on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0`` (a byte per
@@ -48,7 +51,7 @@ from pgregistry.collection import UNSET, Unset, group_rank, group_size
 from pgregistry.grad_stats import is_counted, reduce_group_of
 from pgregistry.grad_stats._fused import fused_stats_available, readable, span_squares_and_zeros
 from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
-from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, reduce_shares
+from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, reduce_shares, seen_part
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -77,7 +80,8 @@ ZERO_COUNT_ROW = 1 << 24
 
 @attrs.frozen(slots=True, eq=False)
 class Span:
-    """``data[start:stop]`` holds grads of one class: counted (reduced over ``group``) or not counted."""
+    """``data[start:stop]`` holds grads of one class: counted or not counted here, and the group their counted
+    copies are reduced over (``group``; an uncounted span's NaN or inf is reduced over it too)."""
 
     group: ProcessGroup | None
     counted: bool
@@ -90,8 +94,7 @@ class Span:
 
 
 def _class_of(tensor: torch.Tensor, groups: StatsGroups) -> tuple[bool, ProcessGroup | None]:
-    counted = is_counted(tensor, groups)
-    return counted, (reduce_group_of(tensor, groups) if counted else None)
+    return is_counted(tensor, groups), reduce_group_of(tensor, groups)
 
 
 def class_spans(
@@ -103,13 +106,13 @@ def class_spans(
     """Spans of ``entries`` (``(role tensor, start, stop)`` in increasing, non-overlapping order), classified by
     the role tensor's attributes; adjacent entries of one class merge into one span.
 
-    ``reduce_over`` replaces the reduction group of every counted span (a sharded optimizer reduces over its whole
+    ``reduce_over`` replaces the reduction group of every span (a sharded optimizer reduces over its whole
     instance). Classification happens here, once; callers keep the spans.
     """
     spans: list[Span] = []
     for tensor, start, stop in entries:
         counted, group = _class_of(tensor, groups)
-        if counted and reduce_over is not UNSET:
+        if reduce_over is not UNSET:
             group = reduce_over
         last = spans[-1] if spans else None
         if last is not None and last.stop == start and last.counted == counted and last.group is group:
@@ -128,7 +131,7 @@ class GradBuffer:
 
     ``params`` are the tensors whose role attributes classify them (for a mixed-precision optimizer, the float32
     main copies made with :func:`pgregistry.params.copy_param_roles`). The layout puts the counted grads of each
-    reduction group together (groups in order of first appearance), then every uncounted grad; spans start at
+    reduction group together (groups in order of first appearance), then the uncounted grads, likewise; spans start at
     multiples of :data:`SPAN_ALIGNMENT`. The total length is padded to a multiple of
     ``SPAN_ALIGNMENT * shard_multiple`` so that ``shard_multiple`` equal shards exist (a sharded optimizer passes
     its data-parallel size). Padding is never part of a span and stays zero.
@@ -150,12 +153,12 @@ class GradBuffer:
         dtype = dtype if dtype is not None else params[0].dtype
         device = torch.device(device) if device is not None else params[0].device
         classes = [_class_of(p, groups) for p in params]
-        # Counted classes in order of first appearance, then one class for everything not counted.
+        # Counted classes in order of first appearance, then the uncounted ones.
         order: list[tuple[bool, ProcessGroup | None]] = []
-        for cls in classes:
-            if cls[0] and not any(o[1] is cls[1] for o in order):
-                order.append(cls)
-        order.append((False, None))
+        for counted in (True, False):
+            for cls in classes:
+                if cls[0] == counted and not any(o[0] == counted and o[1] is cls[1] for o in order):
+                    order.append(cls)
         offsets = [0] * len(params)
         spans: list[Span] = []
         cursor = 0
@@ -198,12 +201,13 @@ class GradBuffer:
 
     def statistics(self, wanted: Wanted) -> Reduced:
         """The statistics of the counted grads, each span's part reduced over its group (no host sync)."""
-        shares = Shares(wanted, self.data.device, (span.group for span in self.spans if span.counted))
+        shares = Shares(wanted, self.data.device, (span.group for span in self.spans))
         self.local_shares(shares)
         return reduce_shares(shares)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of the counted grads, reduced over each span's group (0-dim float32, no host sync)."""
+        """The norm of the counted grads, reduced over each span's group (0-dim, float64 for a float64 buffer, else
+        float32; no host sync); NaN or infinite when any grad is, uncounted ones too."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -220,7 +224,8 @@ class GradBuffer:
 
 
 def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, one_read: bool | None = None) -> None:
-    """Add one part per counted span of ``data`` to ``shares``, under the span's group.
+    """Add one part per counted span of ``data`` to ``shares``, under the span's group, and, when a norm is wanted,
+    one seen part per uncounted span (its NaN or inf only: the verdict covers every grad this rank holds).
 
     ``one_read`` (default: where it applies, i.e. the 2-norm or the zero count alone of float32/bf16/fp16 ``data``
     on CUDA with triton importable) reads each span once for both statistics with
@@ -231,19 +236,22 @@ def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, on
         one_read = wanted.p in (2.0, None) and readable(data) and fused_stats_available(data.device)
     if one_read and wanted.p not in (2.0, None):
         raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm")
+    shares.widen(data.dtype)
     for span in spans:
-        if not span.counted:
+        if not span.counted and wanted.p is None:
             continue
         view = data[span.start : span.stop]
         share: torch.Tensor | None
         zeros: torch.Tensor | None
+        count = wanted.zeros and span.counted
         if one_read:
             squares, zeros = span_squares_and_zeros(view)
             share = squares if wanted.p is not None else None
         else:
             share = _norm_share(view, wanted.p) if wanted.p is not None else None
-            zeros = span.numel - _count_nonzero(view) if wanted.zeros else None
-        shares.add(span.group, make_part(share, zeros if wanted.zeros else None, shares.device))
+            zeros = span.numel - _count_nonzero(view) if count else None
+        part = make_part(share, zeros if count else None, shares.device)
+        shares.add(span.group, part if span.counted else seen_part(part))
 
 
 def _float_dtype(dtype: torch.dtype) -> torch.dtype:

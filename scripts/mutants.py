@@ -339,6 +339,19 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_fresh_parameter_where_megatron_marked_shared_is_counted",
         ),
     ),
+    Mutant(
+        name="nan-in-an-uncounted-grad",
+        bug="a NaN or inf in a grad this rank holds but does not count (a duplicate, a shared copy) is dropped",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="return torch.where(part.isfinite(), 0.0, part)",
+        replace="return torch.zeros_like(part)",
+        tests=(
+            "tests/grad_stats/test_a_nan_in_a_grad_this_rank_does_not_count.py::"
+            "test_a_non_finite_grad_this_rank_does_not_count_makes_the_norm_non_finite_on_every_rank",
+            "tests/grad_stats/test_a_nan_in_a_grad_this_rank_does_not_count.py::"
+            "test_the_optimizer_sees_a_non_finite_duplicate_on_every_rank",
+        ),
+    ),
 )
 
 

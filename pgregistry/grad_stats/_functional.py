@@ -116,7 +116,9 @@ def grad_norm(
     without an EP classification raise ``ValueError`` first (:func:`check_expert_classification`).
     ``pg_collection=None`` is the collection attached to the model, else the global grid with a warning.
     Collective over the collection's ``mp`` and ``tp_ep_pp_with_egtp_remat`` groups (and the data-parallel groups
-    DTensor grads are sharded over). Returns a 0-dim float32 tensor on the grads' device. The classification is
+    DTensor grads are sharded over). Returns a 0-dim tensor on the grads' device, float64 where a grad is float64
+    (or complex128), else float32 (:attr:`~pgregistry.grad_stats._reductions.Reduced.norm`); NaN or infinite when
+    a grad of any rank of the reduction groups is, counted or not (a duplicate too). The classification is
     kept between calls (:mod:`pgregistry.grad_stats._plan`).
     """
     return _statistics(params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)).norm
@@ -139,13 +141,13 @@ def grad_norm_and_zeros(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`grad_norm` and :func:`count_zeros` from one read of the grads, reduced together (one all-reduce per
     group for the 2-norm); with ``max_norm``, the grads clipped from that norm as :func:`clip_grad_norm_` does
-    (no second read). Returns the norm (0-dim float32, before clipping) and the zero count (0-dim int64), without a
-    host sync."""
+    (no second read). Returns the norm (0-dim, as :func:`grad_norm`'s, before clipping) and the zero count (0-dim
+    int64), without a host sync."""
     reduced = _statistics(
         params, pg_collection, "grad_norm_and_zeros", Wanted.of(norm_type, zeros=True), max_norm, error_if_nonfinite
     )
     assert reduced.zeros is not None
-    return reduced.norm, reduced.zeros
+    return reduced.norm if max_norm is None else reduced.clip_norm, reduced.zeros
 
 
 def clip_grad_norm_(
@@ -166,4 +168,4 @@ def clip_grad_norm_(
     """
     return _statistics(
         params, pg_collection, "clip_grad_norm_", Wanted.of(norm_type, zeros=False), max_norm, error_if_nonfinite
-    ).norm
+    ).clip_norm

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pgregistry.grad_stats._devices import reduction_device
-from pgregistry.grad_stats._local import by_kind, parts_of, scale_kind
+from pgregistry.grad_stats._local import add_parts, by_kind, scale_kind
 from pgregistry.grad_stats._reductions import (
     Clipping,
     GradsByGroup,
@@ -30,8 +30,7 @@ def _shares(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
     device = reduction_device((grad for grads in grads_by_group.values() for grad in grads), grads_by_group)
     shares = Shares(wanted, device, grads_by_group)
     for group, grads in grads_by_group.items():
-        for part in parts_of(grads, wanted, device):
-            shares.add(group, part)
+        add_parts(shares, group, grads)
     return shares
 
 
@@ -40,8 +39,9 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
 
     One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order every rank
     agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Every rank of a group must
-    pass that group as a key, with an empty list when it holds no grads for it. Returns a 0-dim float32 tensor
-    on the grads' device, without a host sync. An empty mapping or empty lists give 0.
+    pass that group as a key, with an empty list when it holds no grads for it. Returns a 0-dim tensor on the
+    grads' device (float64 when a grad is float64, else float32), without a host sync. An empty mapping or empty
+    lists give 0.
     """
     return reduce_shares(_shares(grads_by_group, Wanted.of(norm_type, zeros=False))).norm
 

@@ -14,6 +14,10 @@ Each (device, dtype) *kind* of a list is read by one route:
   block, whatever the grads' size;
 * otherwise (CUDA float64, norms other than 2 without the kernel): ``torch._foreach_norm``.
 
+Complex grads are read through their moduli (``|z|``, a real copy of each): their norm is ``(sum |z|^p)^(1/p)``
+and an element is a zero when ``z == 0``, as torch's ``clip_grad_norm_`` has it; they are scaled in place by the
+real coefficient.
+
 How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their values:
 :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls for as long as that
 layout stays the same. Shares accumulate in float64 (:mod:`pgregistry.grad_stats._reductions`).
@@ -24,7 +28,7 @@ from __future__ import annotations
 import math
 import operator
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, compress
 from typing import Final, cast
 
@@ -33,7 +37,7 @@ import torch
 
 from pgregistry.grad_stats import _fused
 from pgregistry.grad_stats._fused import one_read_applies
-from pgregistry.grad_stats._reductions import Clipping, Wanted, make_part
+from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, make_part, widest
 
 __all__ = [
     "HOST_BLOCK",
@@ -41,6 +45,7 @@ __all__ = [
     "HOST_ROW",
     "HOST_SMALL",
     "KindPlan",
+    "add_parts",
     "by_kind",
     "parts_of",
     "plan_kind",
@@ -78,7 +83,8 @@ def by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dty
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The dtype a kind's norms are taken in: float64 for float64 (and complex128) grads, float32 otherwise."""
+    return torch.float64 if widest(dtype) else torch.float32
 
 
 @attrs.frozen(slots=True)
@@ -146,6 +152,8 @@ def read_kind(
     tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
     """The parts (:func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``) of one kind's ``tensors``."""
+    if plan.dtype.is_complex:  # through the moduli (module docstring): the plan's blocks are by shape, theirs too
+        tensors = [tensor.abs() for tensor in tensors]
     parts = []
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
     if plan.kernel and (wanted.p == 2.0 or wanted.zeros):  # it reads squares and zeros: nothing else it could give
@@ -247,13 +255,25 @@ def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> tor
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def _kind_parts(
+    grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
+) -> Iterator[tuple[torch.dtype, list[torch.Tensor]]]:
+    """Each kind's dtype and parts, one read per kind, planned afresh."""
+    for (kind_device, dtype), same_kind in by_kind(grads).items():
+        yield dtype, read_kind(same_kind, plan_kind(same_kind, kind_device, dtype), wanted, device)
+
+
 def parts_of(grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> list[torch.Tensor]:
     """The parts of ``grads`` (any devices and dtypes; plain tensors), one read per kind, planned afresh."""
-    return [
-        part
-        for (kind_device, dtype), same_kind in by_kind(grads).items()
-        for part in read_kind(same_kind, plan_kind(same_kind, kind_device, dtype), wanted, device)
-    ]
+    return [part for _, parts in _kind_parts(grads, wanted, device) for part in parts]
+
+
+def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) -> None:
+    """Add the parts of ``grads`` (as :func:`parts_of`) to ``shares`` under ``group``, noting their dtypes."""
+    for dtype, parts in _kind_parts(grads, shares.wanted, shares.device):
+        shares.widen(dtype)
+        for part in parts:
+            shares.add(group, part)
 
 
 def scale_kind(tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor | Clipping) -> None:

@@ -12,6 +12,10 @@ parameters that was most of a call. :class:`Plan` does it once for named paramet
 * by the pieces' (device, dtype), sizes, addresses and contiguity (:func:`~pgregistry.grad_stats._local.plan_kind`),
   again only when those change.
 
+The grads a rank holds but does not count (duplicates, ``shared`` copies) are read too, into seen parts
+(:func:`~pgregistry.grad_stats._reductions.seen_part`) under the group their counted copy is summed over, whenever
+a norm is wanted: a NaN or an inf in any of them makes the norm NaN or infinite wherever the counted copy's would.
+
 A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
 DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
@@ -51,7 +55,7 @@ from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, decision_of, is_partial
 from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups, is_counted, reduce_group_of, role_verdicts
 from pgregistry.grad_stats._local import KindPlan, parts_of, plan_kind, read_kind, scale_kind
-from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted
+from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, seen_part, widest
 from pgregistry.params import role_generation
 
 if TYPE_CHECKING:
@@ -72,9 +76,6 @@ _PARAMETERS: Final = operator.attrgetter("_parameters")
 
 _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
 """Whether a parameter's attribute dictionary holds none of :data:`ROLE_KEYS`."""
-
-_UNCOUNTED: Final = object()
-"""The target of a grad this rank does not count (``None`` is a reduction group: the axis is off)."""
 
 
 def _picker(indices: Sequence[int], size: int) -> Callable[[Sequence[Any]], list[Any]]:
@@ -119,12 +120,17 @@ class _Layout:
     partial: list[tuple[int, str, torch.Tensor]]
     targets: list[tuple[Any, list[int]]]
     """(target, positions among the pieces): a reduction group, or ``(field, slot)`` summed over a field first."""
+    watched: list[tuple[Any, list[int]]]
+    """The pieces this rank does not count, by the target their counted copy has: read for their NaN or inf only."""
     fields: dict[GroupName, ProcessGroup | None]
     reads_by_kernel: bool = False
     facts: list[int] | None = None
     """Each piece's address, size and (where the kernel reads) contiguity: what the reads depend on."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
+    watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
+    wide: bool = False
+    """Whether a piece is float64 (the norm is then returned in float64)."""
 
 
 @attrs.frozen(slots=True)
@@ -190,17 +196,28 @@ class Plan:
             self._plan_kinds(layout, pieces)
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
+        shares.wide = layout.wide
         for field, group in layout.fields.items():
             shares.add_first(field, group, self.reduce_groups, 0, None)
         for target, kinds in layout.kinds:
             for kind in kinds:
                 for part in read_kind(kind.take(pieces), kind.plan, wanted, device):
                     _add(shares, target, part, layout.fields, self.reduce_groups)
+        watch = wanted.p is not None  # the verdict on a norm covers the grads not counted here too
+        norm_only = Wanted(wanted.p, zeros=False)
+        for target, kinds in layout.watched_kinds if watch else ():
+            for kind in kinds:
+                for part in read_kind(kind.take(pieces), kind.plan, norm_only, device):
+                    _add(shares, target, seen_part(part), layout.fields, self.reduce_groups)
         for index, name, grad in partial:  # the pending reduction, on a copy, every call (collective)
             entry = self._dtensor_entry(index, name, params[index], grad)
-            target = self._target_of(entry.counted, entry.outer, entry.expert)
-            for part in parts_of([entry.local], wanted, device) if target is not _UNCOUNTED else ():
-                _add(shares, target, part, layout.fields, self.reduce_groups)
+            target = self._target_of(entry.outer, entry.expert)
+            if entry.counted:
+                for part in parts_of([entry.local], wanted, device):
+                    _add(shares, target, part, layout.fields, self.reduce_groups)
+            elif watch:
+                for part in parts_of([entry.local], norm_only, device):
+                    _add(shares, target, seen_part(part), layout.fields, self.reduce_groups)
         return Read(shares, pieces, layout.every)
 
     # ------------------------------------------------------------------------------------------- derived state
@@ -227,18 +244,17 @@ class Plan:
             else:
                 dtensor.append(index)
         targets: dict[Any, list[int]] = {}
+        watched: dict[Any, list[int]] = {}
         for position, index in enumerate(plain):
             counted, group = self.classes[index]
-            if counted:
-                targets.setdefault(group, []).append(position)
+            (targets if counted else watched).setdefault(group, []).append(position)
         fields: dict[GroupName, ProcessGroup | None] = {}
         for position, index in enumerate(dtensor, start=len(plain)):
             entry = self._dtensor_entry(index, self.names[index], params[index], grads[index])
             if entry.outer is not None:
                 fields[entry.outer] = self.groups.collection.get(entry.outer)
-            target = self._target_of(entry.counted, entry.outer, entry.expert)
-            if target is not _UNCOUNTED:
-                targets.setdefault(target, []).append(position)
+            target = self._target_of(entry.outer, entry.expert)
+            (targets if entry.counted else watched).setdefault(target, []).append(position)
         for index, name, grad in partial:  # decided without the pending reduction: read() does it, every call
             verdicts = role_verdicts(params[index], self.groups)
             decision = decision_of(name, params[index], grad, self.axes, verdicts)  # type: ignore[arg-type]
@@ -251,24 +267,25 @@ class Plan:
             take_dtensor=_picker(dtensor, len(grads)),
             partial=partial,
             targets=list(targets.items()),
+            watched=list(watched.items()),
             fields=fields,
         )
 
     def _dtensor_entry(self, index: int, name: str, param: torch.Tensor, grad: DTensor) -> Any:
         return classify_dtensor_grad(name, param, grad, self.axes, role_verdicts(param, self.groups))
 
-    def _target_of(self, counted: bool, outer: GroupName | None, expert: bool) -> Any:
-        """Where a DTensor grad's piece is added: ``(field, slot)`` when summed over a field first, else its
-        reduction group (``None``: no reduction); :data:`_UNCOUNTED` when not counted here."""
-        if not counted:
-            return _UNCOUNTED
+    def _target_of(self, outer: GroupName | None, expert: bool) -> Any:
+        """Where a DTensor grad's piece is added (its seen part, when not counted here): ``(field, slot)`` when
+        summed over a field first, else its reduction group (``None``: no reduction)."""
         return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
     @staticmethod
     def _plan_kinds(layout: _Layout, pieces: list[torch.Tensor]) -> None:
         """Group each target's pieces (and all of them) by kind and plan their reads."""
         layout.kinds = [(target, _kinds(pieces, positions)) for target, positions in layout.targets]
+        layout.watched_kinds = [(target, _kinds(pieces, positions)) for target, positions in layout.watched]
         layout.every = _kinds(pieces, range(len(pieces)))
+        layout.wide = any(widest(kind.plan.dtype) for kind in layout.every)
         layout.reads_by_kernel = any(kind.plan.kernel for _, kinds in layout.kinds for kind in kinds) or any(
             kind.plan.kernel for kind in layout.every
         )

@@ -18,9 +18,13 @@ over. A chained optimizer's children add their parts to one ``Shares``; nothing 
    then ride in its row).
 
 A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes first), so the
-inf-norm's rows carry a NaN flag. Shares accumulate in float64 whatever the grads' dtype (float64 grads of 3e30 have
-a finite norm), and nothing waits on the device: results are 0-dim tensors on the reduction device. A call issues a
-few small operations whatever the number of grads.
+inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP, expert TP and GTP duplicates,
+``shared`` copies) are read too, into *seen* parts (:func:`seen_part`: their NaN or inf, nothing else) under the
+group their counted copy is summed over: whether the norm is finite is decided over every grad of every rank, in
+the rows that already travel, while each element is still counted once. Shares accumulate in float64 whatever the
+grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device: results are 0-dim tensors
+on the reduction device, the norm returned in float64 where this rank holds a float64 (or complex128) grad, float32
+otherwise (:attr:`Reduced.norm`). A call issues a few small operations whatever the number of grads.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ __all__ = [
     "clip_coefficient",
     "reduce_over_groups",
     "reduce_shares",
+    "seen_part",
+    "widest",
 ]
 
 CLIP_EPSILON = 1e-6
@@ -90,6 +96,18 @@ class Wanted:
         return self.p is not None and math.isinf(self.p)
 
 
+def seen_part(part: torch.Tensor) -> torch.Tensor:
+    """The part a read of grads this rank does not count adds: their NaN or inf (a share of ``sum |g|^p`` or
+    ``max |g|`` is NaN or infinite exactly when one of the grads is), every finite entry and the zero count 0. So
+    the verdict on the norm covers every grad a rank holds while nothing is counted twice."""
+    return torch.where(part.isfinite(), 0.0, part)
+
+
+def widest(dtype: torch.dtype) -> bool:
+    """Whether grads of ``dtype`` make the norm float64 (:attr:`Reduced.norm`): float64 and complex128."""
+    return dtype in (torch.float64, torch.complex128)
+
+
 def make_part(norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """A part from a norm share (``sum |g|^p``, or ``max |g|``) and a zero count (0-dim tensors, either absent)."""
     if norm_share is None or zeros is None:
@@ -121,6 +139,8 @@ class Shares:
     def __init__(self, wanted: Wanted, device: torch.device, groups: Iterable[GroupKey] = ()) -> None:
         self.wanted = wanted
         self.device = device
+        self.wide = False
+        """Whether a grad read into these shares is float64 (:func:`widest`): the norm is returned in float64."""
         self.by_group: dict[GroupKey, list[torch.Tensor]] = {group: [] for group in groups}
         self.first: dict[GroupName, _First] = {}
 
@@ -129,6 +149,10 @@ class Shares:
         parts = self.by_group.setdefault(group, [])
         if part is not None:
             parts.append(part.to(self.device))
+
+    def widen(self, dtype: torch.dtype) -> None:
+        """Note that grads of ``dtype`` were read (the norm is float64 once one of them is, :func:`widest`)."""
+        self.wide = self.wide or widest(dtype)
 
     def add_first(
         self,
@@ -148,17 +172,31 @@ class Shares:
 @attrs.frozen(slots=True)
 class Reduced:
     """The reduced statistics: ``norm64`` (float64, NaN / inf where one was seen; see :func:`reduce_shares`) and
-    ``zeros`` (int64), 0-dim tensors on the reduction device, ``None`` when not wanted."""
+    ``zeros`` (int64), 0-dim tensors on the reduction device, ``None`` when not wanted; ``wide``: whether a grad
+    read was float64 (:func:`widest`)."""
 
     norm64: torch.Tensor | None
     zeros: torch.Tensor | None
+    wide: bool = False
 
     @property
     def norm(self) -> torch.Tensor:
-        """The norm as the statistics' API returns it: 0-dim float32."""
+        """The norm as the statistics' API returns it: 0-dim, in the grads' precision (as torch's
+        ``clip_grad_norm_``): float64 where a grad read was float64 (a norm of float64 grads beyond float32's range
+        stays finite), float32 otherwise (bf16 and fp16 grads too: their norm is no narrower than float32)."""
         if self.norm64 is None:
             raise ValueError("no norm was computed")
-        return self.norm64.to(torch.float32)
+        return self.norm64 if self.wide else self.norm64.to(torch.float32)
+
+    @property
+    def clip_norm(self) -> torch.Tensor:
+        """:attr:`norm` as a clip returns it: where it is float32 (no float64 grad on this rank) and the norm finite
+        but beyond float32's range (float64 grads on another rank), the largest float32, not inf: a clip made with a
+        finite norm never reports a non-finite one (a training loop would skip the step on this rank alone)."""
+        if self.norm64 is None or self.wide:
+            return self.norm
+        finite = self.norm64.clamp(max=torch.finfo(torch.float32).max)
+        return torch.where(torch.isinf(self.norm64), self.norm64, finite).to(torch.float32)
 
 
 def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()) -> Reduced:
@@ -189,7 +227,7 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     if wanted.zeros:
         zeros = _column_total(list(reduced.values()), _ZEROS, device).round().to(torch.int64)
     if wanted.p is None:
-        return Reduced(norm64=None, zeros=zeros)
+        return Reduced(norm64=None, zeros=zeros, wide=shares.wide)
     if wanted.infinite:
         peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _zeros(1, device)
         norm = peaks.amax()
@@ -210,7 +248,7 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     if flags:
         nan, inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
         norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, norm))
-    return Reduced(norm64=norm, zeros=zeros)
+    return Reduced(norm64=norm, zeros=zeros, wide=shares.wide)
 
 
 _NO_GROUP: Final = object()

@@ -12,10 +12,12 @@ contributes nothing for it, and a module is counted once however many ranks run 
 Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent encoded as a number
 above every finite norm (a NaN inside a MAX all-reduce is backend-dependent: gloo keeps or drops it depending on
 which rank holds it, and a job-wide norm of a NaN gradient would then look finite); module norms are combined in
-float64, scaled by the largest, so no square overflows (each module's own norm is :mod:`pgregistry.grad_stats`'s,
-float32); and every rank agrees on the modules, their spans and the call's options first
-(:mod:`~pgregistry.modules._agreement`), so a rank that lists other modules, or was given a model for a module it
-does not run (or none for one it runs), raises on every rank instead of leaving a module's ranks waiting.
+float64, scaled by the largest, so no square overflows (each module's own norm is :mod:`pgregistry.grad_stats`'s, in
+its grads' precision), and the job-wide norm is float64 on every rank when any module's is (float64 grads: a norm
+beyond float32's range stays finite where it was clipped by), float32 otherwise; and every rank agrees on the
+modules, their spans and the call's options first (:mod:`~pgregistry.modules._agreement`), so a rank that lists
+other modules, or was given a model for a module it does not run (or none for one it runs), raises on every rank
+instead of leaving a module's ranks waiting.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def grad_norm(
     no module included. ``ValueError`` on every rank, naming each culprit rank and module, when the ranks list
     other modules or spans, or a rank was given a model for a module it does not run, none for one it runs, or a
     model the module's statistics refuse (an unclassified expert parameter, another collection attached).
-    Returns a 0-dim float32 tensor on the device the world's backend reduces on.
+    Returns a 0-dim tensor on the device the world's backend reduces on: float64 when a module's grads are float64,
+    else float32, on every rank.
     """
     given = _agreed(
         models, modules, "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)},
@@ -140,22 +143,25 @@ def reduce_over_modules(
 
     ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
     of the modules this rank runs (the same on every rank of a module). Each module's norm travels as a number,
-    never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53). The
-    all-reduce also carries each of ``settings`` (name -> a number every rank must have alike; never NaN),
-    ``norm_type`` among them, and its negation: ranks that differ raise ``ValueError`` on every rank, naming the
-    setting. Returns ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim float32 tensor (NaN when
-    any module's is NaN, else infinite when any is), the count an int.
+    never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53); whether a module's norm is
+    float64 as one more slot. The all-reduce also carries each of ``settings`` (name -> a number every rank must
+    have alike; never NaN), ``norm_type`` among them, and its negation: ranks that differ raise ``ValueError`` on
+    every rank, naming the setting. Returns ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim
+    tensor, float64 when any module's norm is, else float32 (NaN when any module's is NaN, else infinite when any
+    is), the count an int.
     """
     count = len(names)
     index = {name: i for i, name in enumerate(names)}
     device = backend_device(None)
     agreed = {"norm_type": float(norm_type), **(settings or {})}
     # Kept short: gloo's all-reduce of a vector longer than the world takes a ring of 2 x world steps, several
-    # times the latency of a shorter one. One slot per module norm, one per module zero count, two per setting.
-    packed = torch.zeros(2 * count + 2 * len(agreed), dtype=torch.float64, device=device)
+    # times the latency of a shorter one. One slot per module norm, one per module zero count, two per setting, and
+    # whether a module's norm is float64.
+    packed = torch.zeros(2 * count + 2 * len(agreed) + 1, dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
             packed[index[name]] = _encoded(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
+        packed[-1] = float(any(norm.dtype == torch.float64 for norm in norms.values()))
     if zeros is not None:
         for name, zero_count in zeros.items():
             packed[count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
@@ -177,7 +183,8 @@ def reduce_over_modules(
         finite = torch.where(slots < _INF, slots, torch.zeros_like(slots))
         total = _combined(finite, p)
         total = torch.where((slots == _INF).any(), torch.full_like(total, math.inf), total)
-        total = torch.where((slots == _NAN).any(), torch.full_like(total, math.nan), total).to(torch.float32)
+        total = torch.where((slots == _NAN).any(), torch.full_like(total, math.nan), total)
+        total = total if float(packed[-1]) > 0 else total.to(torch.float32)
     zero_total = None
     if zeros is not None:
         zero_total = int(round(float(packed[count : 2 * count].sum())))
@@ -185,7 +192,8 @@ def reduce_over_modules(
 
 
 _INF = torch.finfo(torch.float64).max
-"""How an infinite module norm travels: above every finite norm (those come from float32, below 3.5e38)."""
+"""How an infinite module norm travels: above every finite norm (a finite float64 norm this large, the largest float64
+itself, reads as infinite)."""
 
 _NAN = math.inf
 """How a NaN module norm travels: above everything else, so a MAX keeps it (a NaN itself it might drop)."""

@@ -96,7 +96,8 @@ class OptimizerStatistics(abc.ABC):
         return statistics_of(self.stats_optimizers(), wanted)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model the optimizer covers (0-dim float32, no host sync)."""
+        """The global grad norm of the model the optimizer covers (0-dim, no host sync; float64 for a float64 grad
+        buffer, else float32; NaN or infinite when any grad is, duplicates included)."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -262,7 +263,7 @@ class FlatOptimizer(OptimizerStatistics):
         self._stat_spans = spans
         keys: list[GroupKey] = [group]
         for span in spans:
-            if span.counted and not any(span.group is key for key in keys):
+            if not any(span.group is key for key in keys):
                 keys.append(span.group)
         self._reduce_keys = tuple(keys)
 
@@ -349,12 +350,12 @@ def clip_grads_of(
     verdict_groups`), then every grad scaled by the one coefficient. Returns the norm before clipping."""
     check_max_norm(max_norm)  # before any collective
     verdict = verdict_groups(optimizers[0].stats_groups.collection, "clip_grad_norm")
-    norm64 = statistics_of(optimizers, Wanted.of(norm_type, zeros=False), verdict=verdict).norm64
-    assert norm64 is not None
-    check_finite(norm64, error_if_nonfinite)
+    reduced = statistics_of(optimizers, Wanted.of(norm_type, zeros=False), verdict=verdict)
+    assert reduced.norm64 is not None
+    check_finite(reduced.norm64, error_if_nonfinite)
     grads = [grad for optimizer in optimizers for grad in optimizer.grads_to_clip()]
-    scale_grads_(grads, Clipping(max_norm, norm64))
-    return norm64.to(torch.float32)
+    scale_grads_(grads, Clipping(max_norm, reduced.norm64))
+    return reduced.clip_norm
 
 
 def required_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:

@@ -23,7 +23,7 @@ from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule
 from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
 from pgregistry.optim._setup import (
-    any_rank_has,
+    any_rank_has_each,
     check_instance_holds_stats_groups,
     optimizer_collection,
     optimizer_process_groups,
@@ -87,7 +87,9 @@ def build_optimizer(
     ``param_name_fn`` names parameters in state dicts (default: the model's parameter names).
 
     Raises ``ValueError`` for an unclassified expert parameter (naming it), a collection missing a group the
-    optimizer needs (naming it), or a model without trainable parameters.
+    optimizer needs (naming it), or a model without trainable parameters; ``TypeError`` on every rank of the
+    statistics group when a rank holds a parameter that is not floating-point (a complex one: the flat buffers hold
+    real grads), naming it on that rank.
     """
     params = normalise(model)
     if not params.chunks:
@@ -107,13 +109,24 @@ def build_optimizer(
         inner = optimizer
     main_dtype = torch.float32 if mixed_precision else None
     children: list[FlatOptimizer] = []
+    # Refused on every rank of the first child's group, in the all-reduce that decides whether it exists: a rank
+    # raising alone would leave the others waiting in the second child's.
+    refused = [name for name, p in named if not p.is_floating_point()]
     for expert in (False, True):
         kind = [p for _, p in named if is_expert_param(p) == expert]
         if sharded:
             stats_group = process_groups.intra_dist_opt
         else:
             stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
-        if not any_rank_has(bool(kind), stats_group):  # type: ignore[arg-type]
+        has, anyone_refused = any_rank_has_each((bool(kind), bool(refused) and not expert), stats_group)  # type: ignore[arg-type]
+        if anyone_refused:
+            here = f"here: {refused}" if refused else "none here"
+            raise TypeError(
+                "build_optimizer steps floating-point parameters only (its flat buffers hold real grads), and a rank "
+                f"of the optimizer holds others ({here}, e.g. complex ones); keep them out of the optimizer or step "
+                "them as real views (torch.view_as_real)"
+            )
+        if not has:
             continue
         if sharded:
             children.append(ShardedOptimizer(

@@ -36,6 +36,7 @@ from pgregistry.params import is_expert_param
 __all__ = [
     "OptimizerProcessGroups",
     "any_rank_has",
+    "any_rank_has_each",
     "check_instance_holds_stats_groups",
     "optimizer_collection",
     "optimizer_process_groups",
@@ -117,11 +118,18 @@ def optimizer_collection(
 
 def any_rank_has(local: bool, group: ProcessGroup | None) -> bool:
     """Whether any rank of ``group`` has ``local`` true (one MAX all-reduce; none when the group is off)."""
+    (anywhere,) = any_rank_has_each((local,), group)
+    return anywhere
+
+
+def any_rank_has_each(local: Sequence[bool], group: ProcessGroup | None) -> tuple[bool, ...]:
+    """For each flag of ``local``, whether any rank of ``group`` has it true: one MAX all-reduce for all of them
+    (none when the group is off), so several verdicts cost one collective."""
     if group_size(group) == 1:
-        return local
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=backend_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+        return tuple(local)
+    flags = torch.tensor([int(flag) for flag in local], dtype=torch.int32, device=backend_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return tuple(bool(flag) for flag in flags.tolist())
 
 
 def optimizer_process_groups(

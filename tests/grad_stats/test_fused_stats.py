@@ -23,6 +23,7 @@ from pgregistry.grad_stats import _fused as fused_stats
 from pgregistry.grad_stats import _local as local
 from pgregistry.grad_stats import clip_grad_norm_, grad_norm, grad_norm_and_zeros, norm_of_grads, zeros_of_grads
 from pgregistry.grad_stats._reductions import Shares, Wanted
+from pgregistry.params import mark_shared
 
 SMALL = {"block": 64, "iters": 4}
 """Programs of 256 elements: many programs and partial last blocks on small tensors."""
@@ -130,6 +131,22 @@ def _in_interpreter() -> dict[str, Any]:
     other_norms = [float(grad_norm(model, OFF, norm_type=p)) for p in (1.0, math.inf)]  # the kernel reads 2-norms
     other_launches = launches[seen:]
     del launches[seen:]
+    # A NaN (an inf) in a shared copy, which no rank counts: the kernel reads it too, for its NaN only.
+    uncounted = {}
+    for poison in (math.nan, math.inf):
+        tied = _model()
+        mark_shared(tied[0].bias)
+        tied[0].bias.grad[3] = poison
+        before = [param.grad.clone() for param in tied.parameters()]
+        norm, zeros = grad_norm_and_zeros(tied, OFF)
+        returned_norm = float(clip_grad_norm_(tied, 0.5, OFF))
+        unscaled = all(
+            bool(((p.grad == b) | (p.grad.isnan() & b.isnan())).all())
+            for p, b in zip(tied.parameters(), before, strict=True)
+        )
+        uncounted[str(poison)] = (float(norm), int(zeros), returned_norm, unscaled)
+    uncounted_launches = launches[seen:]
+    del launches[seen:]
     fused_stats.read_over, fused_stats.clip_over_ = real, real_clip  # type: ignore[assignment]
     return {
         "spans": spans,
@@ -144,6 +161,7 @@ def _in_interpreter() -> dict[str, Any]:
         "clipped": _clipped_from_norms(),
         "model": (through_model, returned, clipped, launches),
         "other norms": (other_norms, other_launches),
+        "uncounted": (uncounted, uncounted_launches),
     }
 
 
@@ -300,7 +318,9 @@ def test_refuses_tensors_it_cannot_read(interpreted: dict[str, Any]) -> None:
 
 def test_span_statistics_in_one_read_equal_the_two_reductions(interpreted: dict[str, Any]) -> None:
     one_read, two_reads = interpreted["buffer"]
-    assert set(one_read) == set(two_reads) == {None} and len(one_read[None]) == len(two_reads[None]) == 2
+    # The counted spans' parts, and between them the uncounted span's seen part (its NaN or inf only: none here).
+    assert set(one_read) == set(two_reads) == {None} and len(one_read[None]) == len(two_reads[None]) == 3
+    assert one_read[None][1].tolist() == two_reads[None][1].tolist() == [0.0, 0.0]
     for got, want in zip(one_read[None], two_reads[None], strict=True):
         assert got.dtype == want.dtype == torch.float64  # [sum of squares, zeros, NaN seen, inf seen]
         assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
@@ -402,3 +422,17 @@ def test_a_device_where_the_kernel_cannot_launch_keeps_the_torch_path(caplog: py
     with caplog.at_level("WARNING"):
         assert fused_stats._works_on.__wrapped__(0) is False
     assert "one_read_stats_unavailable" in caplog.text
+
+
+def test_a_nan_in_a_grad_no_rank_counts_is_read_by_the_kernel(interpreted: dict[str, Any]) -> None:
+    """A ``shared`` copy's NaN or inf makes the norm NaN or infinite through the kernel's read too; the zero count
+    stays that of the counted grads, and the clip scales nothing."""
+    uncounted, launches = interpreted["uncounted"]
+    counted = [param.grad for name, param in _model().named_parameters() if name != "0.bias"]
+    want_zeros = sum(int((grad == 0).sum()) for grad in counted)
+    for poison, (norm, zeros, returned, unscaled) in uncounted.items():
+        assert (math.isnan(norm) and math.isnan(returned)) if poison == "nan" else norm == returned == math.inf
+        assert zeros == want_zeros and unscaled, poison
+    # Each call reads the counted float32 and bf16 kinds and the shared float32 copy: three launches (two before).
+    assert launches.count("read") == 3 * 2 * len(uncounted), launches
+

@@ -63,7 +63,7 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
         for v, o, p in zip(buffer.views, buffer.offsets, params, strict=True)
     )
     # One span per class, each param inside the span of its class (classified here with grad_stats directly).
-    classes = [(is_counted(p, groups), reduce_group_of(p, groups) if is_counted(p, groups) else None) for p in params]
+    classes = [(is_counted(p, groups), reduce_group_of(p, groups)) for p in params]
     spans = buffer.spans
     out["one_span_per_class"] = len(spans) == len({(c, id(g)) for c, g in classes})
     out["spans_disjoint_aligned"] = all(
