@@ -46,6 +46,10 @@ MODEL_PREFIX: Final = "model/"
 
 OPTIMIZER_PREFIX: Final = "optimizer/"
 
+OPTIMIZED_PREFIX: Final = "optimized/"
+"""``optimized/<name>`` marks a parameter the saving optimizer updated (its state may be empty, before the first
+step or for an optimizer without state): a load given an optimizer then tells a checkpoint saved without one."""
+
 _UNSHARDED_AXES: Final[tuple[GroupName, ...]] = ("gtp_remat", "expt_gtp_remat")
 _CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp", "dp_cp", "expt_dp", "tp", "expt_tp", *_UNSHARDED_AXES)
 """The fields a checkpoint reads: from the global grid, with a warning, when the collection leaves them UNSET."""
@@ -215,10 +219,10 @@ def _named_state(optimizer: Optimizer, model: RankModel) -> list[tuple[str, Para
 
 
 def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
-    """The flat ``model/<name>`` and ``optimizer/<name>/<state key>`` entries both storage back-ends write
-    (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks). TP-sharded
-    parameters and their state tensors are gathered whole on every rank of their TP group (collective), in one
-    order on every rank: the model's parameter order, then by state key."""
+    """The flat ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>`` entries both storage
+    back-ends write (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
+    TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group (collective),
+    in one order on every rank: the model's parameter order, then by state key."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
@@ -233,6 +237,8 @@ def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: b
                 if primary_only and not model.writes(name):
                     continue
                 flat[f"{OPTIMIZER_PREFIX}{name}/{key}"] = value
+            if not primary_only or model.writes(name):
+                flat[OPTIMIZED_PREFIX + name] = True
     return flat
 
 
@@ -243,20 +249,25 @@ def split_optimizer_key(key: str) -> tuple[str, str]:
 
 
 def param_name_of_key(key: str) -> str | None:
-    """The parameter a flat key stores (``model/<name>``, ``optimizer/<name>/<state key>``); None for another key."""
-    if key.startswith(MODEL_PREFIX):
-        return key[len(MODEL_PREFIX) :]
+    """The parameter a flat key stores (``model/<name>``, ``optimized/<name>``, ``optimizer/<name>/<state key>``);
+    None for another key."""
+    for prefix in (MODEL_PREFIX, OPTIMIZED_PREFIX):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
     if key.startswith(OPTIMIZER_PREFIX) and "/" in key[len(OPTIMIZER_PREFIX) :]:
         return split_optimizer_key(key)[0]
     return None
 
 
 def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys."""
+    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys (a parameter
+    the optimizer updates has an entry, empty before its first step)."""
     out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
     for key, value in flat.items():
         if key.startswith(MODEL_PREFIX):
             out["model"][key[len(MODEL_PREFIX) :]] = value
+        elif key.startswith(OPTIMIZED_PREFIX):
+            out["optimizer"].setdefault(key[len(OPTIMIZED_PREFIX) :], {})
         elif key.startswith(OPTIMIZER_PREFIX):
             name, state_key = split_optimizer_key(key)
             out["optimizer"].setdefault(name, {})[state_key] = value
@@ -282,34 +293,14 @@ def state_by_name(
 
 
 def apply_flat_state(model: RankModel, optimizer: Optimizer | None, lookup: Mapping[str, Any]) -> None:
-    """Copy every parameter (all required) and optimizer state (where present) from flat ``lookup``."""
+    """Copy every parameter and (``optimizer`` given) the optimizer state saved for it from flat ``lookup``, which
+    :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found to fit on every rank."""
     nested = _nested(lookup)
-    missing = [name for name in model.params if name not in nested["model"]]
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5])
-        raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
-    mismatched = shape_mismatches(model, lookup)
-    if mismatched:
-        raise ValueError(mismatched[0])
     with torch.no_grad():
         for name, param in model.params.items():
             param.copy_(model.piece(name, nested["model"][name]))
     if optimizer is not None:
         _load_optimizer(optimizer, model, nested["optimizer"])
-
-
-def shape_mismatches(model: RankModel, lookup: Mapping[str, Any]) -> list[str]:
-    """A message for each parameter of ``model`` whose ``model/<name>`` entry in flat ``lookup`` has another shape
-    (checked before anything is copied, so a mismatch is never a partial load)."""
-    problems = []
-    for name in model.params:
-        source = lookup.get(MODEL_PREFIX + name)
-        whole = model.whole_shape(name)
-        if source is not None and tuple(source.shape) != whole:
-            problems.append(
-                f"parameter {name!r} has shape {whole} but the checkpoint holds {tuple(source.shape)}"
-            )
-    return problems
 
 
 def load_optimizer_state_by_name(

@@ -16,6 +16,7 @@ from typing import Any
 
 from pgregistry._agreement import agree
 from pgregistry.checkpoint import load_rank_files, save_rank_files
+from pgregistry.checkpoint._agreement import lost_ranks_named, world_scope
 from pgregistry.experts._names import NamingOptions, checked_naming
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._optimizer import MultiModuleOptimizer
@@ -55,10 +56,11 @@ def save_checkpoint(
             save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
         except (ValueError, OSError, RuntimeError) as exc:
             errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    agree(
-        "pgregistry.modules.save_checkpoint", described(modules), "; ".join(errors) or None,
-        failed="failed to save", advice=MODULES_ADVICE,
-    )
+    with lost_ranks_named("pgregistry.modules.save_checkpoint", directory, world_scope()):
+        agree(
+            "pgregistry.modules.save_checkpoint", described(modules), "; ".join(errors) or None,
+            failed="failed to save", advice=MODULES_ADVICE,
+        )
     return directory
 
 
@@ -88,10 +90,11 @@ def load_checkpoint(
             load_rank_files(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
         except (ValueError, OSError, RuntimeError) as exc:
             errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    agree(
-        "pgregistry.modules.load_checkpoint", described(modules), "; ".join(errors) or None,
-        failed="failed to load", advice=MODULES_ADVICE,
-    )
+    with lost_ranks_named("pgregistry.modules.load_checkpoint", directory, world_scope()):
+        agree(
+            "pgregistry.modules.load_checkpoint", described(modules), "; ".join(errors) or None,
+            failed="failed to load", advice=MODULES_ADVICE,
+        )
 
 
 def _optimizer_of(optimizer: MultiModuleOptimizer | None, name: str) -> Any:
