@@ -252,8 +252,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="optimizer-state-not-required",
         bug="a load given an optimizer takes a checkpoint saved without one and keeps the fresh state",
         file="pgregistry/checkpoint/_strict.py",
-        find="_optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else []",
-        replace="[]",
+        find="_optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else \"\"",
+        replace="\"\"",
         tests=(
             "tests/experts/test_checkpoint_strict_loaders.py::"
             "test_rank_files_given_an_optimizer_refuse_a_checkpoint_without_its_state",

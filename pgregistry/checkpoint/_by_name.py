@@ -36,7 +36,7 @@ from pgregistry.params import is_expert_param
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load_optimizer_state_by_name", "state_by_name"]
+__all__ = ["state_by_name"]
 
 Optimizer: TypeAlias = torch.optim.Optimizer | ParamStateOptimizer
 """What the checkpoint functions accept: a ``torch.optim.Optimizer``, or any optimizer pgregistry builds (each is a
@@ -282,7 +282,8 @@ def state_by_name(
     **naming: Unpack[NamingOptions],
 ) -> dict[str, dict[str, Any]]:
     """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
-    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones).
+    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones; every parameter the optimizer updates
+    has an entry, empty before its first step).
 
     ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
     ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`). TP-sharded parameters
@@ -300,27 +301,11 @@ def apply_flat_state(model: RankModel, optimizer: Optimizer | None, lookup: Mapp
         for name, param in model.params.items():
             param.copy_(model.piece(name, nested["model"][name]))
     if optimizer is not None:
-        _load_optimizer(optimizer, model, nested["optimizer"])
+        load_optimizer(optimizer, model, nested["optimizer"])
 
 
-def load_optimizer_state_by_name(
-    optimizer: Optimizer,
-    model_chunks: nn.Module | Sequence[nn.Module],
-    state: Mapping[str, Mapping[str, Any]],
-    **naming: Unpack[NamingOptions],
-) -> None:
-    """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
-    part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
-
-    Parameters without an entry get an empty state (as before their first step). The values are copied and go
-    through the inner ``load_state_dict``, which casts floating state to each parameter's dtype and device. Load
-    the model parameters first: a main copy without a saved ``main_param`` is taken from its parameter.
-    """
-    model = rank_model(model_chunks, "load_optimizer_state_by_name", **naming)
-    _load_optimizer(optimizer, model, state)
-
-
-def _load_optimizer(optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> None:
+def load_optimizer(optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> None:
+    """Load ``state`` (global name -> state key -> value, whole) into ``optimizer``: this rank's piece of each."""
     by_param: dict[torch.Tensor, Mapping[str, Any]] = {
         param: {key: model.piece(name, value) for key, value in state[name].items()}
         for name, param in model.params.items()

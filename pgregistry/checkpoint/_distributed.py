@@ -85,7 +85,7 @@ def load_distributed(
         if IDENTITY_KEY in metadata or scope.span is not None:
             _check_identity(directory, scope, metadata)
         stored = {key: _described(entry) for key, entry in metadata.items() if key != IDENTITY_KEY}
-        refuse_misfits(str(directory), stored, model, optimizer, strict, scope)
+        refuse_misfits(f"the checkpoint {directory}", stored, model, optimizer, strict, scope)
         # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict check alone.
         read = (MODEL_PREFIX,) if optimizer is None else (MODEL_PREFIX, OPTIMIZER_PREFIX)
         destination: dict[str, Any] = {}

@@ -294,7 +294,7 @@ def load_rank_files(
         holders = _read_on_every_rank(directory, scope)
         stored = {key: rank_file.state[key] for key, rank_file in holders.items()}
         described = {key: Stored.of(value) for key, value in stored.items()}
-        refuse_misfits(str(directory), described, model, optimizer, strict, scope)
+        refuse_misfits(f"the checkpoint {directory}", described, model, optimizer, strict, scope)
         agreed(
             lambda: _verify_loaded(holders, model, optimizer is not None),
             ValueError(f"another rank found a damaged tensor in the checkpoint {directory} (see its error)"),

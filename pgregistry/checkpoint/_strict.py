@@ -64,19 +64,20 @@ class Stored:
 
 def refuse_misfits(
     source: str, stored: Mapping[str, Stored], model: RankModel, optimizer: Optimizer | None, strict: bool,
-    scope: Scope,
+    scope: Scope, *, parameters: bool = True,
 ) -> None:
-    """``ValueError`` on every rank of ``scope`` unless ``stored`` (the checkpoint ``source``'s entries by flat key)
-    loads into every rank's ``model`` (and ``optimizer``) as the module docstring says; otherwise nothing.
+    """``ValueError`` on every rank of ``scope`` unless ``stored`` (the entries of ``source``, "the checkpoint
+    <directory>", by flat key) loads into every rank's ``model`` (and ``optimizer``) as the module docstring says;
+    otherwise nothing. ``parameters=False``: ``stored`` holds optimizer state only (no parameter is loaded).
 
     Collective: one all-reduce, of a digest of the stored keys (ranks that read different checkpoints are
     refused), of a flag per stored key (whether this rank holds its parameter) and of this rank's faults."""
     keys = sorted(stored)
     names = [param_name_of_key(key) for key in keys]
     held = set(model.params)
-    lacking = _missing(model, stored)
-    misfits = _misfits(model, stored, strict)
-    optimizer_faults = _optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else []
+    lacking = _missing(model, stored) if parameters else ""
+    misfits = _misfits(model, stored, strict) if parameters else ""
+    optimizer_faults = _optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else ""
     digest = digest_of(keys)
     largest, negated_smallest, any_lacking, any_misfit, any_optimizer_fault, *union = max_over_ranks(
         [digest, -digest, int(bool(lacking)), int(bool(misfits)), int(bool(optimizer_faults)),
@@ -86,17 +87,17 @@ def refuse_misfits(
     if largest != -negated_smallest:
         raise ValueError(f"ranks read different checkpoints: every rank must load the same one ({source})")
     if any_lacking:
-        raise ValueError(lacking or f"the checkpoint {source} lacks parameters of another rank's model (see its error)")
+        raise ValueError(lacking or f"{source} lacks parameters of another rank's model (see its error)")
     if any_misfit:
-        raise ValueError(misfits or f"the checkpoint {source} does not fit another rank's model (see its error)")
+        raise ValueError(misfits or f"{source} does not fit another rank's model (see its error)")
     if any_optimizer_fault:
         raise ValueError(
-            optimizer_faults or f"the checkpoint {source} does not fit another rank's optimizer (see its error)"
+            optimizer_faults or f"{source} does not fit another rank's optimizer (see its error)"
         )
     unexpected = [key for key, used in zip(keys, union, strict=True) if not used]
     if strict and unexpected:
         raise ValueError(
-            f"the checkpoint {source} holds {len(unexpected)} keys no rank's model has, e.g. {_some(unexpected)} "
+            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. {_some(unexpected)} "
             f"(another model, more layers or more experts than this model's?); {_NON_STRICT}"
         )
 

@@ -203,3 +203,53 @@ def test_a_job_checkpoint_saved_without_the_optimizer_is_refused_on_every_rank(t
         ), (rank, message)
         assert "module 'b': ValueError: the checkpoint holds no optimizer state" in message, (rank, message)
         assert message.endswith("; changed []"), (rank, message)
+
+
+def _state_by_name(_: None) -> dict[str, str]:
+    from pgregistry.checkpoint import load_optimizer_state_by_name, state_by_name
+
+    pgc = build(ParallelLayout(num_ranks=2))
+    model = _layers(2, 1.0, pgc)
+    saved = state_by_name(model, _stepped(model, model.parameters()))["optimizer"]
+    fresh = state_by_name(model, torch.optim.SGD(model.parameters(), lr=0.5))["optimizer"]  # empty entries
+    out = {}
+    cases: dict[str, Any] = {
+        "whole": saved,
+        "fresh": fresh,
+        "lacking": {name: entry for name, entry in saved.items() if not name.startswith("1.")},
+        "extra": {**saved, "2.weight": {"momentum_buffer": torch.zeros(2, 2)}},
+        "bad_on_rank_one": saved if dist.get_rank() == 0 else [("0.weight", {})],
+    }
+    for label, state in cases.items():
+        optimizer = _sgd(model.parameters())
+        try:
+            load_optimizer_state_by_name(optimizer, model, state)
+            out[label] = f"loaded {sorted(len(entry) for entry in optimizer.state.values())}"
+        except (ValueError, TypeError) as exc:
+            out[label] = f"{type(exc).__name__}: {exc}"
+    optimizer = _sgd(model.parameters())
+    load_optimizer_state_by_name(optimizer, model, cases["lacking"], strict=False)
+    out["subset"] = f"loaded {len(optimizer.state)}"
+    return out
+
+
+def test_optimizer_state_given_by_name_is_refused_on_every_rank_unless_it_fits(tmp_path: Path) -> None:
+    results = run_world(2, _state_by_name, None, timeout=60.0)
+    for rank, got in enumerate(results):
+        assert got["whole"] == "loaded [1, 1, 1, 1]" and got["fresh"] == "loaded []", (rank, got)
+        assert got["lacking"] == (
+            "ValueError: the checkpoint holds no optimizer state for 2 of the parameters this rank's optimizer "
+            "updates, e.g. '1.bias', '1.weight' (saved with an optimizer over other parameters?); pass strict=False "
+            "to keep their fresh state"
+        ), (rank, got["lacking"])
+        assert got["extra"].startswith(
+            "ValueError: the optimizer state given holds 2 keys no rank's model has, e.g. "
+            "'optimized/2.weight', 'optimizer/2.weight/momentum_buffer'"
+        ), (rank, got["extra"])
+        assert got["subset"] == "loaded 2", rank
+    assert results[0]["bad_on_rank_one"] == (
+        "ValueError: load_optimizer_state_by_name: another rank's state is not keyed by parameter name (see its error)"
+    )
+    assert results[1]["bad_on_rank_one"] == (
+        "TypeError: load_optimizer_state_by_name takes {name: {state key: value}}, got list"
+    )
