@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -50,7 +50,7 @@ from pgregistry.experts._names import NamingOptions
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load_rank_files", "save_rank_files"]
+__all__ = ["load_rank_files", "prepared_load", "save_rank_files"]
 
 _FORMAT: Final = 2
 """Format 2 added the save id and the per-tensor checksums."""
@@ -287,6 +287,20 @@ def load_rank_files(
     when a key is stored twice, the files mix checkpoints or saves, a file cannot be read (the file is named), or a
     tensor a rank loads does not match its checksum (the file and the tensor are named).
     """
+    prepared_load(directory, model_chunks, optimizer, strict=strict, **naming)()
+
+
+def prepared_load(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: Optimizer | None = None,
+    *,
+    strict: bool = True,
+    **naming: Unpack[NamingOptions],
+) -> Callable[[], None]:
+    """Every check of :func:`load_rank_files` (collective, raising on every rank alike), and the copy that is left
+    once they all passed, returned uncalled: a job loading several modules checks them all before it copies into
+    any (:func:`pgregistry.modules.load_checkpoint`)."""
     directory = Path(directory)
     scope = checkpoint_scope(model_chunks, naming)
     with lost_ranks_named("load_rank_files", directory, scope):
@@ -300,7 +314,12 @@ def load_rank_files(
             ValueError(f"another rank found a damaged tensor in the checkpoint {directory} (see its error)"),
             scope,
         )
-        apply_flat_state(model, optimizer, stored)
+
+    def copy() -> None:
+        with lost_ranks_named("load_rank_files", directory, scope):  # a sharded optimizer's load is collective
+            apply_flat_state(model, optimizer, stored)
+
+    return copy
 
 
 def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimizer: bool) -> None:

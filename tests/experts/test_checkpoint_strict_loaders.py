@@ -253,3 +253,25 @@ def test_optimizer_state_given_by_name_is_refused_on_every_rank_unless_it_fits(t
     assert results[1]["bad_on_rank_one"] == (
         "TypeError: load_optimizer_state_by_name takes {name: {state key: value}}, got list"
     )
+
+
+def _job_with_one_module_unloadable(directory: str) -> str:
+    layouts = {"a": ParallelLayout(num_ranks=1), "b": ParallelLayout(num_ranks=1, rank_offset=1)}
+    modules = mm.build_modules(layouts)
+    mm.save_checkpoint(directory, {name: filled(nn.Linear(2, 2), 1.0) for name in modules.here()}, modules)
+    if dist.get_rank() == 1:  # module b's checkpoint is of another shape: b cannot load, a could
+        (Path(directory) / "b" / "rank-00000.pt").unlink()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        save_rank_files(f"{directory}/b", filled(nn.Linear(3, 2), 1.0), pg_collection=modules["b"])
+    fresh = {name: filled(nn.Linear(2, 2), -5.0) for name in modules.here()}
+    return _attempt(lambda: mm.load_checkpoint(directory, fresh, modules), next(iter(fresh.values())))
+
+
+def test_a_job_whose_one_module_cannot_load_loads_no_module(tmp_path: Path) -> None:
+    # Module a loaded and stayed loaded while module b failed: the job was half-loaded, though every rank raised.
+    for rank, message in enumerate(run_world(2, _job_with_one_module_unloadable, str(tmp_path), timeout=60.0)):
+        assert message.startswith("ValueError: pgregistry.modules.load_checkpoint: ranks [1] failed to load (rank 1: "
+                                  "module 'b': ValueError: parameter 'weight' has shape (2, 2) but the checkpoint "
+                                  "holds (2, 3)"), (rank, message)
+        assert message.endswith("; changed []"), (rank, message)
