@@ -14,7 +14,7 @@ things alike, naming them (the count and a few names):
 * (strict) a stored key of a parameter no rank's model holds, or a key that is no parameter: a 2-layer checkpoint
   loaded into a 1-layer model, 8 experts into a model of 4.
 
-The verdict is one all-reduce over the ranks of the load: every rank raises (its own error, or one saying which
+The verdict is two all-reduces over the ranks of the load: every rank raises (its own error, or one saying which
 check another rank failed) or none does, and none has copied anything yet. Optimizer state saved for a parameter
 is loaded only when an optimizer is given: loading the parameters alone out of a full checkpoint is no error.
 """
@@ -70,8 +70,9 @@ def refuse_misfits(
     <directory>", by flat key) loads into every rank's ``model`` (and ``optimizer``) as the module docstring says;
     otherwise nothing. ``parameters=False``: ``stored`` holds optimizer state only (no parameter is loaded).
 
-    Collective: one all-reduce, of a digest of the stored keys (ranks that read different checkpoints are
-    refused), of a flag per stored key (whether this rank holds its parameter) and of this rank's faults."""
+    Collective: one all-reduce of a digest of the stored keys (ranks that read different checkpoints are refused)
+    and of this rank's faults, then (``strict``) one of a flag per stored key: whether this rank holds its
+    parameter."""
     keys = sorted(stored)
     names = [param_name_of_key(key) for key in keys]
     held = set(model.params)
@@ -79,23 +80,22 @@ def refuse_misfits(
     misfits = _misfits(model, stored, strict) if parameters else ""
     optimizer_faults = _optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else ""
     digest = digest_of(keys)
-    largest, negated_smallest, any_lacking, any_misfit, any_optimizer_fault, *union = max_over_ranks(
-        [digest, -digest, int(bool(lacking)), int(bool(misfits)), int(bool(optimizer_faults)),
-         *(int(name in held) for name in names)],
-        scope,
+    largest, negated_smallest, any_lacking, any_misfit, any_optimizer_fault = max_over_ranks(
+        [digest, -digest, int(bool(lacking)), int(bool(misfits)), int(bool(optimizer_faults))], scope
     )
-    if largest != -negated_smallest:
+    if largest != -negated_smallest:  # before the flags per key: the ranks' key lists may differ in length
         raise ValueError(f"ranks read different checkpoints: every rank must load the same one ({source})")
     if any_lacking:
         raise ValueError(lacking or f"{source} lacks parameters of another rank's model (see its error)")
     if any_misfit:
         raise ValueError(misfits or f"{source} does not fit another rank's model (see its error)")
     if any_optimizer_fault:
-        raise ValueError(
-            optimizer_faults or f"{source} does not fit another rank's optimizer (see its error)"
-        )
+        raise ValueError(optimizer_faults or f"{source} does not fit another rank's optimizer (see its error)")
+    if not strict:
+        return
+    union = max_over_ranks([int(name in held) for name in names], scope)
     unexpected = [key for key, used in zip(keys, union, strict=True) if not used]
-    if strict and unexpected:
+    if unexpected:
         raise ValueError(
             f"{source} holds {len(unexpected)} keys no rank's model has, e.g. {_some(unexpected)} "
             f"(another model, more layers or more experts than this model's?); {_NON_STRICT}"

@@ -275,3 +275,20 @@ def test_a_job_whose_one_module_cannot_load_loads_no_module(tmp_path: Path) -> N
                                   "module 'b': ValueError: parameter 'weight' has shape (2, 2) but the checkpoint "
                                   "holds (2, 3)"), (rank, message)
         assert message.endswith("; changed []"), (rank, message)
+
+
+def _load_from_another_directory(directory: str, fmt: str) -> str:
+    pgc = build(ParallelLayout(num_ranks=2))
+    SAVE[fmt](f"{directory}/two", _layers(2, 1.0, pgc))
+    SAVE[fmt](f"{directory}/one", _layers(1, 1.0, pgc))
+    model = _layers(1, -5.0, pgc)
+    return _attempt(lambda: LOAD[fmt](f"{directory}/{['one', 'two'][dist.get_rank()]}", model), model)
+
+
+def test_ranks_loading_different_checkpoints_are_refused_on_every_rank(tmp_path: Path) -> None:
+    # The ranks' key lists differ in length: the flags per key must not be all-reduced before that is known.
+    for fmt in ("dcp", "files"):
+        for rank, message in enumerate(run_world(2, _load_from_another_directory, str(tmp_path / fmt), fmt)):
+            assert message.startswith(
+                "ValueError: ranks read different checkpoints: every rank must load the same one (the checkpoint "
+            ) and message.endswith("; changed []"), (fmt, rank, message)
