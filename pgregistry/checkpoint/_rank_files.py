@@ -293,9 +293,9 @@ def load_rank_files(
 def prepared_load(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
-    optimizer: Optimizer | None = None,
+    optimizer: Optimizer | None,
     *,
-    strict: bool = True,
+    strict: bool,
     **naming: Unpack[NamingOptions],
 ) -> Callable[[], None]:
     """Every check of :func:`load_rank_files` (collective, raising on every rank alike), and the copy that is left

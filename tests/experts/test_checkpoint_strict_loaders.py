@@ -292,3 +292,28 @@ def test_ranks_loading_different_checkpoints_are_refused_on_every_rank(tmp_path:
             assert message.startswith(
                 "ValueError: ranks read different checkpoints: every rank must load the same one (the checkpoint "
             ) and message.endswith("; changed []"), (fmt, rank, message)
+
+
+def _whole_state_on_every_ep_rank(_: None) -> bool:
+    from checkpoint_support import MoE
+
+    from pgregistry.checkpoint import load_optimizer_state_by_name, state_by_name
+    from pgregistry.experts import named_global_parameters
+
+    model = filled(MoE(4, ep_size=2), 1.0 + dist.get_rank())
+    attach(model, build(ParallelLayout(num_ranks=2, ep=2, expt_tp=1)))
+    mine = state_by_name(model, _stepped(model, model.parameters()))["optimizer"]
+    everyone: list[Any] = [None, None]
+    dist.all_gather_object(everyone, mine)
+    whole = everyone[0] | everyone[1]  # every expert of both ranks: each rank takes its own
+    optimizer = _sgd(model.parameters())
+    load_optimizer_state_by_name(optimizer, model, whole)
+    return all(
+        torch.equal(optimizer.state[param]["momentum_buffer"], whole[name]["momentum_buffer"])
+        for name, param in named_global_parameters(model)
+    )
+
+
+def test_optimizer_state_of_every_ep_rank_given_to_each_loads_strictly(tmp_path: Path) -> None:
+    # The union over the ranks holds every expert: no false alarm for the other ranks' experts.
+    assert run_world(2, _whole_state_on_every_ep_rank, None, timeout=60.0) == [True, True]
