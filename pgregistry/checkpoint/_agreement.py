@@ -56,7 +56,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-ANSWER_WAIT_S: Final = 2.0
+ANSWER_WAIT_S: Final = 1.0
 """How long a rank whose collective failed waits for its peers to record in the store that they are still there:
 the ranks that detect the failure (a peer's closed connection, a timeout) do so within milliseconds of each other."""
 

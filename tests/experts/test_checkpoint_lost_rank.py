@@ -84,7 +84,7 @@ def test_a_rank_killed_mid_save_is_named_on_every_survivor_and_the_old_checkpoin
     for rank, message in survivors.items():
         assert message.startswith(
             f"RuntimeError: {operation} of the checkpoint {tmp_path}/new over the world failed: rank(s) [{_KILLED}] "
-            "did not answer within 2 s (killed, lost or stuck: see their logs); no file of this save is under a "
+            "did not answer within 1 s (killed, lost or stuck: see their logs); no file of this save is under a "
             "checkpoint's name and earlier checkpoints are untouched: restart from the last complete one once "
             "every rank is up (this rank's collective failed with: "
         ), (rank, message)
@@ -115,6 +115,6 @@ def test_a_rank_killed_during_a_load_is_named_on_every_survivor(tmp_path: Path) 
     for rank, message in survivors.items():
         assert message.startswith(
             f"RuntimeError: load_rank_files of the checkpoint {tmp_path}/ckpt over the world failed: rank(s) "
-            f"[{_KILLED}] did not answer within 2 s (killed, lost or stuck: see their logs); the checkpoint on "
+            f"[{_KILLED}] did not answer within 1 s (killed, lost or stuck: see their logs); the checkpoint on "
             "disk is unchanged: load it again once every rank is up (this rank's collective failed with: "
         ), (rank, message)
