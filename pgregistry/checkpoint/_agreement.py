@@ -62,9 +62,10 @@ the ranks that detect the failure (a peer's closed connection, a timeout) do so 
 
 _COLLECTIVES_MODULE: Final = os.path.join("torch", "distributed", "distributed_c10d.py")
 
-_calls: Iterator[int] = itertools.count()
-"""Numbers the calls :func:`lost_ranks_named` watches, so each failure's records have keys of their own: every rank
-of a scope makes the same checkpoint calls in the same order (each is collective), so the numbers agree."""
+_calls: dict[tuple[int, int] | None, Iterator[int]] = {}
+"""Numbers the calls :func:`lost_ranks_named` watches, per scope (its span; ``None`` for the world), so each
+failure's records have keys of their own: every rank of a scope makes the same calls over it in the same order (each
+is collective), so the numbers agree among them, whatever calls over other scopes some of them made in between."""
 
 
 @attrs.frozen(slots=True)
@@ -192,13 +193,13 @@ def lost_ranks_named(operation: str, directory: str | Path, scope: Scope) -> Ite
     """Run the block (one checkpoint call of ``operation`` on ``directory``); when a collective in it fails (a rank of
     ``scope`` lost, stuck or killed), raise ``RuntimeError`` naming the call, the directory, the ranks that did not
     answer and what to do, chained to the backend's error. Every other error passes as it is."""
-    call = next(_calls)
+    call = next(_calls.setdefault(scope.span, itertools.count()))
     try:
         yield
     except RuntimeError as exc:
         if not _is_collective_failure(exc) or scope.size == 1:
             raise
-        missing = _unanswered(scope, f"pgregistry/checkpoint/{call}/{operation}")
+        missing = _unanswered(scope, f"pgregistry/checkpoint/{scope.span}/{call}/{operation}")
         if missing is None:
             who = "the ranks that did not answer cannot be told (the store is unreachable too)"
         elif missing:

@@ -50,19 +50,17 @@ def save_checkpoint(
     rank once every module has been tried, naming the module; the other modules' checkpoints are complete.
     """
     directory = Path(directory)
-    given, naming = _agreed(models, modules, optimizer, naming, "pgregistry.modules.save_checkpoint")
-    errors: list[str] = []
-    for name, model in given.items():
-        try:
-            options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
-            save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
-        except (ValueError, OSError, RuntimeError) as exc:
-            errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    with lost_ranks_named("pgregistry.modules.save_checkpoint", directory, world_scope()):
-        agree(
-            "pgregistry.modules.save_checkpoint", described(modules), "; ".join(errors) or None,
-            failed="failed to save", advice=MODULES_ADVICE,
-        )
+    owner = "pgregistry.modules.save_checkpoint"
+    with lost_ranks_named(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+        given, naming = _agreed(models, modules, optimizer, naming, owner)
+        errors: list[str] = []
+        for name, model in given.items():
+            try:
+                options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
+                save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
+            except (ValueError, OSError, RuntimeError) as exc:
+                errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
+        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to save", advice=MODULES_ADVICE)
     return directory
 
 
@@ -85,22 +83,20 @@ def load_checkpoint(
     all).
     """
     directory = Path(directory)
-    given, naming = _agreed(models, modules, optimizer, naming, "pgregistry.modules.load_checkpoint")
-    errors: list[str] = []
-    copies = []
-    for name, model in given.items():
-        try:
-            options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
-            copies.append(
-                prepared_load(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
-            )
-        except (ValueError, OSError, RuntimeError) as exc:
-            errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    with lost_ranks_named("pgregistry.modules.load_checkpoint", directory, world_scope()):
-        agree(
-            "pgregistry.modules.load_checkpoint", described(modules), "; ".join(errors) or None,
-            failed="failed to load", advice=MODULES_ADVICE,
-        )
+    owner = "pgregistry.modules.load_checkpoint"
+    with lost_ranks_named(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+        given, naming = _agreed(models, modules, optimizer, naming, owner)
+        errors: list[str] = []
+        copies = []
+        for name, model in given.items():
+            try:
+                options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
+                copies.append(
+                    prepared_load(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
+                )
+            except (ValueError, OSError, RuntimeError) as exc:
+                errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
+        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to load", advice=MODULES_ADVICE)
     for copy in copies:
         copy()
 

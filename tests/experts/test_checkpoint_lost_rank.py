@@ -118,3 +118,33 @@ def test_a_rank_killed_during_a_load_is_named_on_every_survivor(tmp_path: Path) 
             f"[{_KILLED}] did not answer within 1 s (killed, lost or stuck: see their logs); the checkpoint on "
             "disk is unchanged: load it again once every rank is up (this rank's collective failed with: "
         ), (rank, message)
+
+
+def _job_saved_twice_rank_one_lost(directory: str, out: str) -> None:
+    from torch import nn
+
+    from pgregistry import modules as mm
+
+    # Module b runs on rank 2 only, inside module a's span: rank 2 makes checkpoint calls the others do not.
+    modules = mm.build_modules({"a": ParallelLayout(num_ranks=3), "b": ParallelLayout(num_ranks=1, rank_offset=2)})
+    models = {name: filled(nn.Linear(2, 2), 1.0) for name in modules.here()}
+    mm.save_checkpoint(f"{directory}/first", models, modules)
+    if dist.get_rank() == _KILLED:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _report(out, lambda: mm.save_checkpoint(f"{directory}/second", models, modules))
+
+
+def test_a_rank_lost_in_a_jobs_save_is_named_though_ranks_made_different_calls_before(tmp_path: Path) -> None:
+    # The records of a failure were keyed by one count of checkpoint calls per process: rank 2, which had saved
+    # module b too, looked for other keys than rank 0, and each survivor named the other as lost.
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RankFailure, match=rf"rank {_KILLED} failed"):
+        run_world(3, _job_saved_twice_rank_one_lost, str(tmp_path), str(out), timeout=30.0)
+    survivors = _survivors(out)
+    assert sorted(survivors) == [0, 2]
+    for rank, message in survivors.items():
+        assert message.startswith(
+            f"RuntimeError: pgregistry.modules.save_checkpoint of the checkpoint {tmp_path}/second over the world "
+            f"failed: rank(s) [{_KILLED}] did not answer within 1 s"
+        ), (rank, message)
