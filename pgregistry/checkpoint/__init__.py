@@ -30,6 +30,10 @@ The functions given model chunks find the global names with the keywords ``pg_co
 and ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`; ``pg_collection`` defaults to the
 collection attached to the model).
 
+Every loader is strict by default, alike (:mod:`~pgregistry.checkpoint._strict`): what does not fit is refused on
+every rank, naming it, before anything is copied. A rank lost during a save or load is named on every survivor
+(:func:`~pgregistry.checkpoint._agreement.lost_ranks_named`).
+
 Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
 """
 
