@@ -352,6 +352,21 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_optimizer_sees_a_non_finite_duplicate_on_every_rank",
         ),
     ),
+    Mutant(
+        name="optimizer-state-not-required",
+        bug="a load given an optimizer takes a checkpoint saved without one and keeps the fresh state",
+        file="pgregistry/checkpoint/_strict.py",
+        find="_optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else \"\"",
+        replace="\"\"",
+        tests=(
+            "tests/experts/test_checkpoint_strict_loaders.py::"
+            "test_rank_files_given_an_optimizer_refuse_a_checkpoint_without_its_state",
+            "tests/experts/test_checkpoint_strict_loaders.py::"
+            "test_dcp_given_an_optimizer_refuses_a_checkpoint_without_its_state",
+            "tests/experts/test_checkpoint_strict_loaders.py::"
+            "test_a_job_checkpoint_saved_without_the_optimizer_is_refused_on_every_rank",
+        ),
+    ),
 )
 
 

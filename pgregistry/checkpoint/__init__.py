@@ -17,8 +17,9 @@ a job whose layout covers part of the world, the module's span (:mod:`~pgregistr
 checkpoint records the module's name and span and loads into that module on those ranks only
 (:mod:`pgregistry.modules` saves each module of a job into a directory of its own).
 
-* :mod:`~pgregistry.checkpoint._by_name`: state keyed by global name (:func:`state_by_name`,
-  :func:`load_optimizer_state_by_name`);
+* :mod:`~pgregistry.checkpoint._by_name`: state keyed by global name (:func:`state_by_name`;
+  :mod:`~pgregistry.checkpoint._optimizer_state`: :func:`load_optimizer_state_by_name`);
+* :mod:`~pgregistry.checkpoint._strict`: the strict verdict every loader takes on every rank before copying;
 * :mod:`~pgregistry.checkpoint._rank_files`: one ``torch.save`` file per rank (:func:`save_rank_files` /
   :func:`load_rank_files`);
 * :mod:`~pgregistry.checkpoint._distributed`: ``torch.distributed.checkpoint`` (:func:`save_distributed` /
@@ -29,14 +30,19 @@ The functions given model chunks find the global names with the keywords ``pg_co
 and ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`; ``pg_collection`` defaults to the
 collection attached to the model).
 
+Every loader is strict by default, alike (:mod:`~pgregistry.checkpoint._strict`): what does not fit is refused on
+every rank, naming it, before anything is copied. A rank lost during a save or load is named on every survivor
+(:func:`~pgregistry.checkpoint._agreement.lost_ranks_named`).
+
 Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
 """
 
 from __future__ import annotations
 
-from pgregistry.checkpoint._by_name import load_optimizer_state_by_name, state_by_name
+from pgregistry.checkpoint._by_name import state_by_name
 from pgregistry.checkpoint._distributed import load_distributed, save_distributed
 from pgregistry.checkpoint._optimizer_shards import load_optimizer_shards, save_optimizer_shards
+from pgregistry.checkpoint._optimizer_state import load_optimizer_state_by_name
 from pgregistry.checkpoint._rank_files import load_rank_files, save_rank_files
 
 __all__ = [

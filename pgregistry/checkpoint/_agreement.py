@@ -11,12 +11,25 @@ that can fail on one rank (reading its files, naming its parameters, writing its
 scope, and one all-reduce of a failure flag then tells every rank whether any failed: the rank that failed raises
 its own error, the others an error saying another rank failed (see its error). Outside a distributed world these
 are plain calls.
+
+A rank that never answers (killed, its node lost, stuck) fails its peers' next collective with the backend's words
+only (gloo's "Connection closed by peer", a timeout). :func:`lost_ranks_named` turns that into a ``RuntimeError``
+naming the call, its checkpoint directory, the ranks that did not answer and what to do: each rank whose collective
+failed records in the world's store that it is still there, waits up to :data:`ANSWER_WAIT_S` for the others'
+records, and names the ranks of the scope whose record never came.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+import hashlib
+import itertools
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 import torch
@@ -29,9 +42,30 @@ if TYPE_CHECKING:
 
     from pgregistry.collection import ProcessGroupCollection
 
-__all__ = ["Scope", "agreed", "max_over_ranks", "raise_on_every_rank", "scope_of", "world_scope"]
+__all__ = [
+    "ANSWER_WAIT_S",
+    "Scope",
+    "agreed",
+    "digest_of",
+    "lost_ranks_named",
+    "max_over_ranks",
+    "raise_on_every_rank",
+    "scope_of",
+    "world_scope",
+]
 
 T = TypeVar("T")
+
+ANSWER_WAIT_S: Final = 1.0
+"""How long a rank whose collective failed waits for its peers to record in the store that they are still there:
+the ranks that detect the failure (a peer's closed connection, a timeout) do so within milliseconds of each other."""
+
+_COLLECTIVES_MODULE: Final = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+_calls: dict[tuple[int, int] | None, Iterator[int]] = {}
+"""Numbers the calls :func:`lost_ranks_named` watches, per scope (its span; ``None`` for the world), so each
+failure's records have keys of their own: every rank of a scope makes the same calls over it in the same order (each
+is collective), so the numbers agree among them, whatever calls over other scopes some of them made in between."""
 
 
 @attrs.frozen(slots=True)
@@ -129,6 +163,12 @@ def max_over_ranks(values: list[int], scope: Scope) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
+def digest_of(keys: list[str]) -> int:
+    """A 60-bit digest of ``keys`` (in their order): ranks all-reduce its maximum and its negation's to learn
+    whether they all hold the same keys, in one collective of two integers."""
+    return int(hashlib.sha256("\n".join(keys).encode()).hexdigest()[:15], 16)
+
+
 def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:
     """Return when no rank of ``scope`` has an error; otherwise raise ``error`` on the ranks that have one and
     ``elsewhere`` on the others. Collective: one all-reduce of a flag, so every rank must call it, failed or not."""
@@ -146,3 +186,61 @@ def agreed(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
         raise
     raise_on_every_rank(None, elsewhere, scope)
     return result
+
+
+@contextmanager
+def lost_ranks_named(operation: str, directory: str | Path, scope: Scope) -> Iterator[None]:
+    """Run the block (one checkpoint call of ``operation`` on ``directory``); when a collective in it fails (a rank of
+    ``scope`` lost, stuck or killed), raise ``RuntimeError`` naming the call, the directory, the ranks that did not
+    answer and what to do, chained to the backend's error. Every other error passes as it is."""
+    call = next(_calls.setdefault(scope.span, itertools.count()))
+    try:
+        yield
+    except RuntimeError as exc:
+        if not _is_collective_failure(exc) or scope.size == 1:
+            raise
+        missing = _unanswered(scope, f"pgregistry/checkpoint/{scope.span}/{call}/{operation}")
+        if missing is None:
+            who = "the ranks that did not answer cannot be told (the store is unreachable too)"
+        elif missing:
+            who = f"rank(s) {missing} did not answer within {ANSWER_WAIT_S:g} s (killed, lost or stuck: see their logs)"
+        else:
+            who = "every rank answered afterwards (a rank was slower than the process group's timeout allows)"
+        kept = (
+            "no file of this save is under a checkpoint's name and earlier checkpoints are untouched: restart from "
+            "the last complete one"
+            if operation.startswith("save")
+            else "the checkpoint on disk is unchanged: load it again"
+        )
+        raise RuntimeError(
+            f"{operation} of the checkpoint {directory} over {scope.label} failed: {who}; {kept} once every rank is "
+            f"up (this rank's collective failed with: {exc})"
+        ) from exc
+
+
+def _is_collective_failure(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is a failed collective (the backend's error raised from a torch.distributed collective)
+    rather than an error of the checkpoint's own (which names its cause already)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.endswith(_COLLECTIVES_MODULE)
+
+
+def _unanswered(scope: Scope, prefix: str) -> list[int] | None:
+    """The world ranks of ``scope`` that have not recorded ``<prefix>/<rank>`` in the default store within
+    :data:`ANSWER_WAIT_S` of this rank recording its own; ``None`` when the store cannot be used (it may have been
+    hosted by the lost rank)."""
+    first = scope.span[0] if scope.span is not None else 0
+    ranks = range(first, first + scope.size)
+    try:
+        store = dist.distributed_c10d._get_default_store()  # the world's store: no public accessor
+        store.set(f"{prefix}/{dist.get_rank()}", "here")
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        while True:
+            missing = [rank for rank in ranks if not store.check([f"{prefix}/{rank}"])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - a store that fails too: the message says the ranks cannot be told
+        return None

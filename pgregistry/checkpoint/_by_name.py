@@ -36,7 +36,7 @@ from pgregistry.params import is_expert_param
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load_optimizer_state_by_name", "state_by_name"]
+__all__ = ["state_by_name"]
 
 Optimizer: TypeAlias = torch.optim.Optimizer | ParamStateOptimizer
 """What the checkpoint functions accept: a ``torch.optim.Optimizer``, or any optimizer pgregistry builds (each is a
@@ -45,6 +45,10 @@ Optimizer: TypeAlias = torch.optim.Optimizer | ParamStateOptimizer
 MODEL_PREFIX: Final = "model/"
 
 OPTIMIZER_PREFIX: Final = "optimizer/"
+
+OPTIMIZED_PREFIX: Final = "optimized/"
+"""``optimized/<name>`` marks a parameter the saving optimizer updated (its state may be empty, before the first
+step or for an optimizer without state): a load given an optimizer then tells a checkpoint saved without one."""
 
 _UNSHARDED_AXES: Final[tuple[GroupName, ...]] = ("gtp_remat", "expt_gtp_remat")
 _CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp", "dp_cp", "expt_dp", "tp", "expt_tp", *_UNSHARDED_AXES)
@@ -215,10 +219,10 @@ def _named_state(optimizer: Optimizer, model: RankModel) -> list[tuple[str, Para
 
 
 def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
-    """The flat ``model/<name>`` and ``optimizer/<name>/<state key>`` entries both storage back-ends write
-    (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks). TP-sharded
-    parameters and their state tensors are gathered whole on every rank of their TP group (collective), in one
-    order on every rank: the model's parameter order, then by state key."""
+    """The flat ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>`` entries both storage
+    back-ends write (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
+    TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group (collective),
+    in one order on every rank: the model's parameter order, then by state key."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
@@ -233,6 +237,8 @@ def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: b
                 if primary_only and not model.writes(name):
                     continue
                 flat[f"{OPTIMIZER_PREFIX}{name}/{key}"] = value
+            if not primary_only or model.writes(name):
+                flat[OPTIMIZED_PREFIX + name] = True
     return flat
 
 
@@ -243,20 +249,25 @@ def split_optimizer_key(key: str) -> tuple[str, str]:
 
 
 def param_name_of_key(key: str) -> str | None:
-    """The parameter a flat key stores (``model/<name>``, ``optimizer/<name>/<state key>``); None for another key."""
-    if key.startswith(MODEL_PREFIX):
-        return key[len(MODEL_PREFIX) :]
+    """The parameter a flat key stores (``model/<name>``, ``optimized/<name>``, ``optimizer/<name>/<state key>``);
+    None for another key."""
+    for prefix in (MODEL_PREFIX, OPTIMIZED_PREFIX):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
     if key.startswith(OPTIMIZER_PREFIX) and "/" in key[len(OPTIMIZER_PREFIX) :]:
         return split_optimizer_key(key)[0]
     return None
 
 
 def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys."""
+    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys (a parameter
+    the optimizer updates has an entry, empty before its first step)."""
     out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
     for key, value in flat.items():
         if key.startswith(MODEL_PREFIX):
             out["model"][key[len(MODEL_PREFIX) :]] = value
+        elif key.startswith(OPTIMIZED_PREFIX):
+            out["optimizer"].setdefault(key[len(OPTIMIZED_PREFIX) :], {})
         elif key.startswith(OPTIMIZER_PREFIX):
             name, state_key = split_optimizer_key(key)
             out["optimizer"].setdefault(name, {})[state_key] = value
@@ -271,7 +282,8 @@ def state_by_name(
     **naming: Unpack[NamingOptions],
 ) -> dict[str, dict[str, Any]]:
     """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
-    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones).
+    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones; every parameter the optimizer updates
+    has an entry, empty before its first step).
 
     ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
     ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`). TP-sharded parameters
@@ -282,54 +294,18 @@ def state_by_name(
 
 
 def apply_flat_state(model: RankModel, optimizer: Optimizer | None, lookup: Mapping[str, Any]) -> None:
-    """Copy every parameter (all required) and optimizer state (where present) from flat ``lookup``."""
+    """Copy every parameter and (``optimizer`` given) the optimizer state saved for it from flat ``lookup``, which
+    :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found to fit on every rank."""
     nested = _nested(lookup)
-    missing = [name for name in model.params if name not in nested["model"]]
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5])
-        raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
-    mismatched = shape_mismatches(model, lookup)
-    if mismatched:
-        raise ValueError(mismatched[0])
     with torch.no_grad():
         for name, param in model.params.items():
             param.copy_(model.piece(name, nested["model"][name]))
     if optimizer is not None:
-        _load_optimizer(optimizer, model, nested["optimizer"])
+        load_optimizer(optimizer, model, nested["optimizer"])
 
 
-def shape_mismatches(model: RankModel, lookup: Mapping[str, Any]) -> list[str]:
-    """A message for each parameter of ``model`` whose ``model/<name>`` entry in flat ``lookup`` has another shape
-    (checked before anything is copied, so a mismatch is never a partial load)."""
-    problems = []
-    for name in model.params:
-        source = lookup.get(MODEL_PREFIX + name)
-        whole = model.whole_shape(name)
-        if source is not None and tuple(source.shape) != whole:
-            problems.append(
-                f"parameter {name!r} has shape {whole} but the checkpoint holds {tuple(source.shape)}"
-            )
-    return problems
-
-
-def load_optimizer_state_by_name(
-    optimizer: Optimizer,
-    model_chunks: nn.Module | Sequence[nn.Module],
-    state: Mapping[str, Mapping[str, Any]],
-    **naming: Unpack[NamingOptions],
-) -> None:
-    """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
-    part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
-
-    Parameters without an entry get an empty state (as before their first step). The values are copied and go
-    through the inner ``load_state_dict``, which casts floating state to each parameter's dtype and device. Load
-    the model parameters first: a main copy without a saved ``main_param`` is taken from its parameter.
-    """
-    model = rank_model(model_chunks, "load_optimizer_state_by_name", **naming)
-    _load_optimizer(optimizer, model, state)
-
-
-def _load_optimizer(optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> None:
+def load_optimizer(optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> None:
+    """Load ``state`` (global name -> state key -> value, whole) into ``optimizer``: this rank's piece of each."""
     by_param: dict[torch.Tensor, Mapping[str, Any]] = {
         param: {key: model.piece(name, value) for key, value in state[name].items()}
         for name, param in model.params.items()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pgregistry.checkpoint._agreement import Scope, agreed
+from pgregistry.checkpoint._agreement import Scope, agreed, lost_ranks_named
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
@@ -22,8 +22,9 @@ from pgregistry.checkpoint._by_name import (
     apply_flat_state,
     checkpoint_scope,
     flat_state,
-    split_optimizer_key,
+    param_name_of_key,
 )
+from pgregistry.checkpoint._strict import Stored, refuse_misfits
 from pgregistry.experts._names import NamingOptions
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ __all__ = ["IDENTITY_KEY", "load_distributed", "save_distributed"]
 
 IDENTITY_KEY = "pgregistry/module"
 """Where a module's DCP checkpoint records the module's name and span (a checkpoint of the world records none)."""
+
 
 
 def save_distributed(
@@ -46,43 +48,76 @@ def save_distributed(
     import torch.distributed.checkpoint as dcp
 
     scope = checkpoint_scope(model_chunks, naming)
-    model = agreed_rank_model(model_chunks, "save_distributed", naming, scope)
-    state = flat_state(model, optimizer, primary_only=True)
-    if scope.span is not None:
-        state[IDENTITY_KEY] = json.dumps(scope.identity())  # a string: DCP would flatten a dict into its items
-    dcp.save(state, checkpoint_id=str(directory), process_group=_group(scope))
+    with lost_ranks_named("save_distributed", directory, scope):
+        model = agreed_rank_model(model_chunks, "save_distributed", naming, scope)
+        state = flat_state(model, optimizer, primary_only=True)
+        if scope.span is not None:
+            state[IDENTITY_KEY] = json.dumps(scope.identity())  # a string: DCP would flatten a dict into its items
+        dcp.save(state, checkpoint_id=str(directory), process_group=_group(scope))
 
 
 def load_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None = None,
+    *,
+    strict: bool = True,
     **naming: Unpack[NamingOptions],
 ) -> None:
     """Load a :func:`save_distributed` checkpoint of any layout (collective over the ranks of the model's
-    collection); a checkpoint of another module, or of other ranks, is refused on every rank."""
+    collection); a checkpoint of another module, or of other ranks, is refused on every rank.
+
+    Strict as :func:`~pgregistry.checkpoint.load_rank_files` is, from DCP's metadata before any tensor is read:
+    ``ValueError`` on every rank for a parameter the checkpoint lacks or stores in another shape, and (``strict``,
+    the default) in another dtype, for stored keys no rank's model has (a checkpoint of more layers or experts),
+    and, ``optimizer`` given, for optimizer state missing or of parameters it does not update
+    (:mod:`~pgregistry.checkpoint._strict`); also for a directory a rank cannot read."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     scope = checkpoint_scope(model_chunks, naming)
-    model = agreed_rank_model(model_chunks, "load_distributed", naming, scope)
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    destination: dict[str, Any] = {}
-    if IDENTITY_KEY in metadata or scope.span is not None:
-        _check_identity(directory, scope, metadata)
-    for name, param in model.params.items():
-        if MODEL_PREFIX + name in metadata:
-            destination[MODEL_PREFIX + name] = torch.empty(model.whole_shape(name), dtype=param.dtype)
-    if optimizer is not None:
-        wanted = set(model.params)
-        for key, entry in metadata.items():
-            if key.startswith(OPTIMIZER_PREFIX) and split_optimizer_key(key)[0] in wanted:
-                if isinstance(entry, TensorStorageMetadata):
-                    destination[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-                else:
-                    destination[key] = None  # a non-tensor value: DCP replaces the placeholder
-    dcp.load(destination, checkpoint_id=str(directory), process_group=_group(scope))
-    apply_flat_state(model, optimizer, destination)
+    with lost_ranks_named("load_distributed", directory, scope):
+        model = agreed_rank_model(model_chunks, "load_distributed", naming, scope)
+        metadata = agreed(
+            lambda: _read_metadata(directory),
+            ValueError(f"another rank could not read the checkpoint {directory} (see its error)"),
+            scope,
+        )
+        if IDENTITY_KEY in metadata or scope.span is not None:
+            _check_identity(directory, scope, metadata)
+        stored = {key: _described(entry) for key, entry in metadata.items() if key != IDENTITY_KEY}
+        refuse_misfits(f"the checkpoint {directory}", stored, model, optimizer, strict, scope)
+        # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict check alone.
+        read = (MODEL_PREFIX,) if optimizer is None else (MODEL_PREFIX, OPTIMIZER_PREFIX)
+        destination: dict[str, Any] = {}
+        for key, entry in stored.items():
+            if param_name_of_key(key) not in model.params or not key.startswith(read):
+                continue
+            # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has read it.
+            destination[key] = None if entry.shape is None else torch.empty(entry.shape, dtype=entry.dtype)
+        dcp.load(destination, checkpoint_id=str(directory), process_group=_group(scope))
+        apply_flat_state(model, optimizer, destination)
+
+
+def _described(entry: Any) -> Stored:
+    """What DCP's metadata says of one entry: a tensor's shape and dtype, or that it is none."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if isinstance(entry, TensorStorageMetadata):
+        return Stored(tuple(entry.size), entry.properties.dtype)
+    return Stored()
+
+
+def _read_metadata(directory: str | Path) -> Any:
+    """The entries of the DCP checkpoint in ``directory`` by key; ``ValueError`` naming it when it is none."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - a missing directory, a missing or damaged .metadata: all name it now
+        raise ValueError(
+            f"cannot read the checkpoint {directory} (no such directory, or no torch.distributed.checkpoint "
+            f"metadata in it): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _group(scope: Scope) -> Any:

@@ -16,7 +16,14 @@ from typing import Any, Final
 
 import torch
 
-from pgregistry.checkpoint._agreement import Scope, raise_on_every_rank, scope_of
+from pgregistry.checkpoint._agreement import (
+    Scope,
+    digest_of,
+    lost_ranks_named,
+    max_over_ranks,
+    raise_on_every_rank,
+    scope_of,
+)
 from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
@@ -155,44 +162,74 @@ def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
             if name in shards:
                 raise ValueError(f"two parameters of the optimizer are named {name!r}; give it unique names")
             shards[name] = piece
-    return write_rank_file(directory, _OPTIMIZER_FILE, shards, _scope(children))
+    scope = _scope(children)
+    with lost_ranks_named("save_optimizer_shards", directory, scope):
+        return write_rank_file(directory, _OPTIMIZER_FILE, shards, scope)
 
 
-def load_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> None:
+def load_optimizer_shards(
+    directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer, *, strict: bool = True
+) -> None:
     """Load :func:`save_optimizer_shards` files written under any layout into a sharded optimizer.
 
     Each child's pieces are joined from every saved rank by name (:func:`merge_optimizer_shards`, which refuses
     gaps, overlaps and disagreeing per-parameter state) and cut for the shards this rank holds now
     (:func:`cut_optimizer_shards`); main copies and optimizer state are restored, and the parameters get the
-    main copies. Collective: every rank must call it; a rank that cannot load (a file it cannot read, a piece it
-    reads whose checksum does not match) makes every rank raise, before any loads. Only the saved pieces of
-    parameters this rank holds are read (the files are memory-mapped), but each is joined whole, so a rank holds
-    the whole state of those parameters for a moment. Hyper-parameters stay those of ``optimizer``.
-    ``ValueError`` when a parameter of the optimizer is not in the checkpoint, the files mix checkpoints or saves,
-    or a piece read is damaged (the file and the piece are named).
+    main copies. Collective: every rank must call it, on the same directory; a rank that cannot load (a file it
+    cannot read, a piece it reads whose checksum does not match) makes every rank raise, before any loads. Only
+    the saved pieces of parameters this rank holds are read (the files are memory-mapped), but each is joined
+    whole, so a rank holds the whole state of those parameters for a moment. Hyper-parameters stay those of
+    ``optimizer``. ``ValueError`` on every rank when a parameter of the optimizer is not in the checkpoint, (with
+    ``strict``, the default, as :func:`~pgregistry.checkpoint.load_rank_files`) when the checkpoint holds pieces
+    of a parameter no rank's optimizer holds (``strict=False`` loads a subset on purpose), the files mix
+    checkpoints or saves, or a piece read is damaged (the file and the piece are named).
     """
     children = _sharded_children(optimizer, "load_optimizer_shards")
     scope = _scope(children)
-    # Every child's pieces are cut before any is loaded, and the ranks agree that all of them could be: loading
-    # gathers the restored shards, so a rank raising alone would leave its peers waiting in that collective.
-    try:
-        files = read_rank_contents(Path(directory), _OPTIMIZER_FILE, scope)
-        loads = []
-        for child in children:
-            current = child.state_dict()
-            template = current["shards"]
-            for rank_file in files:  # the saved pieces this rank reads, checked against their checksums
-                for name in template.keys() & rank_file.state.keys():
-                    rank_file.verify(name)
-            whole = merge_optimizer_shards(
-                {name: piece for name, piece in rank_file.state.items() if name in template} for rank_file in files
-            )
-            loads.append({"param_groups": current["param_groups"], "shards": cut_optimizer_shards(whole, template)})
-        error = None
-    except (ValueError, OSError) as exc:
-        error = exc
-    raise_on_every_rank(
-        error, ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)"), scope
-    )
-    for child, state in zip(children, loads, strict=True):
-        child.load_state_dict(state)
+    with lost_ranks_named("load_optimizer_shards", directory, scope):
+        # Every child's pieces are cut before any is loaded, and the ranks agree that all of them could be: loading
+        # gathers the restored shards, so a rank raising alone would leave its peers waiting in that collective.
+        saved: list[str] = []
+        held: set[str] = set()
+        try:
+            files = read_rank_contents(Path(directory), _OPTIMIZER_FILE, scope)
+            saved = sorted({name for rank_file in files for name in rank_file.state})
+            loads = []
+            for child in children:
+                current = child.state_dict()
+                template = current["shards"]
+                held |= template.keys()
+                for rank_file in files:  # the saved pieces this rank reads, checked against their checksums
+                    for name in template.keys() & rank_file.state.keys():
+                        rank_file.verify(name)
+                whole = merge_optimizer_shards(
+                    {name: piece for name, piece in rank_file.state.items() if name in template} for rank_file in files
+                )
+                loads.append({"param_groups": current["param_groups"], "shards": cut_optimizer_shards(whole, template)})
+            error = None
+        except (ValueError, OSError) as exc:
+            error = exc
+        raise_on_every_rank(
+            error, ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)"), scope
+        )
+        if strict:
+            _refuse_unheld(directory, saved, held, scope)
+        for child, state in zip(children, loads, strict=True):
+            child.load_state_dict(state)
+
+
+def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scope: Scope) -> None:
+    """``ValueError`` on every rank when a saved parameter is held by no rank's optimizer (after one all-reduce
+    that the ranks read the same names, and one of a flag per name)."""
+    digest = digest_of(saved)
+    largest, negated_smallest = max_over_ranks([digest, -digest], scope)
+    if largest != -negated_smallest:
+        raise ValueError(f"ranks read different checkpoints: every rank must load the same one ({directory})")
+    union = max_over_ranks([int(name in held) for name in saved], scope)
+    unheld = [name for name, used in zip(saved, union, strict=True) if not used]
+    if unheld:
+        shown = ", ".join(repr(name) for name in unheld[:5])
+        raise ValueError(
+            f"the optimizer shards of {directory} hold {len(unheld)} parameters no rank's optimizer holds, e.g. "
+            f"{shown} (another model, more layers or more experts?); pass strict=False to load a subset on purpose"
+        )

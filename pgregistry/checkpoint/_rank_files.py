@@ -21,10 +21,9 @@ from 0 over the span and record the module's name and span; loading refuses anot
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,7 +31,7 @@ import attrs
 import torch
 from torch import nn
 
-from pgregistry.checkpoint._agreement import Scope, agreed, max_over_ranks
+from pgregistry.checkpoint._agreement import Scope, agreed, lost_ranks_named, max_over_ranks, raise_on_every_rank
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     Optimizer,
@@ -42,16 +41,16 @@ from pgregistry.checkpoint._by_name import (
     checkpoint_scope,
     flat_state,
     param_name_of_key,
-    shape_mismatches,
 )
 from pgregistry.checkpoint._disk import partial_path, publish, write_partial
 from pgregistry.checkpoint._integrity import checksums_of, damaged_tensors
+from pgregistry.checkpoint._strict import Stored, refuse_misfits
 from pgregistry.experts._names import NamingOptions
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load_rank_files", "save_rank_files"]
+__all__ = ["load_rank_files", "prepared_load", "save_rank_files"]
 
 _FORMAT: Final = 2
 """Format 2 added the save id and the per-tensor checksums."""
@@ -98,8 +97,9 @@ def save_rank_files(
     stored whole (gathered over their TP group). Returns the file written.
     """
     scope = checkpoint_scope(model_chunks, naming)
-    model = agreed_rank_model(model_chunks, "save_rank_files", naming, scope)
-    return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope)
+    with lost_ranks_named("save_rank_files", directory, scope):
+        model = agreed_rank_model(model_chunks, "save_rank_files", naming, scope)
+        return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope)
 
 
 def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Scope) -> Path:
@@ -277,24 +277,49 @@ def load_rank_files(
     Collective over the ranks of the model's collection (the world, or a module's span): every rank of them must
     call it, on the same directory; a checkpoint saved by another module, or over other ranks, is refused.
     ``ValueError`` on every rank, before anything is copied, when a parameter of a rank's model is missing from the
-    checkpoint, or (with ``strict``, the default) when the checkpoint holds a parameter no rank's model holds or a
-    key that is no parameter: loading experts 0-7 into a model of 4 experts, or a checkpoint of another model, is
-    never a partial success. ``strict=False`` loads a subset on purpose, ignoring those keys. Also ``ValueError``
+    checkpoint or stored in another shape, or (with ``strict``, the default) in another dtype, when the checkpoint
+    holds a parameter no rank's model holds or a key that is no parameter, or, ``optimizer`` given, when it holds
+    no optimizer state for a parameter the optimizer updates (saved without an optimizer) or state for one it does
+    not update (:mod:`~pgregistry.checkpoint._strict`): loading experts 0-7 into a model of 4 experts, or a
+    checkpoint of another model, is never a partial success. ``strict=False`` loads a subset on purpose, ignoring
+    those keys, casting dtypes and keeping the fresh state of an optimizer the checkpoint has none for. Also
+    ``ValueError``
     when a key is stored twice, the files mix checkpoints or saves, a file cannot be read (the file is named), or a
     tensor a rank loads does not match its checksum (the file and the tensor are named).
     """
+    prepared_load(directory, model_chunks, optimizer, strict=strict, **naming)()
+
+
+def prepared_load(
+    directory: str | Path,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: Optimizer | None,
+    *,
+    strict: bool,
+    **naming: Unpack[NamingOptions],
+) -> Callable[[], None]:
+    """Every check of :func:`load_rank_files` (collective, raising on every rank alike), and the copy that is left
+    once they all passed, returned uncalled: a job loading several modules checks them all before it copies into
+    any (:func:`pgregistry.modules.load_checkpoint`)."""
     directory = Path(directory)
     scope = checkpoint_scope(model_chunks, naming)
-    model = agreed_rank_model(model_chunks, "load_rank_files", naming, scope)
-    holders = _read_on_every_rank(directory, scope)
-    stored = {key: rank_file.state[key] for key, rank_file in holders.items()}
-    _check_keys_over_ranks(directory, stored, model, strict, scope)
-    agreed(
-        lambda: _verify_loaded(holders, model, optimizer is not None),
-        ValueError(f"another rank found a damaged tensor in the checkpoint {directory} (see its error)"),
-        scope,
-    )
-    apply_flat_state(model, optimizer, stored)
+    with lost_ranks_named("load_rank_files", directory, scope):
+        model = agreed_rank_model(model_chunks, "load_rank_files", naming, scope)
+        holders = _read_on_every_rank(directory, scope)
+        stored = {key: rank_file.state[key] for key, rank_file in holders.items()}
+        described = {key: Stored.of(value) for key, value in stored.items()}
+        refuse_misfits(f"the checkpoint {directory}", described, model, optimizer, strict, scope)
+        agreed(
+            lambda: _verify_loaded(holders, model, optimizer is not None),
+            ValueError(f"another rank found a damaged tensor in the checkpoint {directory} (see its error)"),
+            scope,
+        )
+
+    def copy() -> None:
+        with lost_ranks_named("load_rank_files", directory, scope):  # a sharded optimizer's load is collective
+            apply_flat_state(model, optimizer, stored)
+
+    return copy
 
 
 def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimizer: bool) -> None:
@@ -306,51 +331,13 @@ def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimize
 
 
 def _read_on_every_rank(directory: Path, scope: Scope) -> dict[str, RankFile]:
-    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint or reads another
-    one than its peers (one all-reduce of a failure flag and a digest of the keys read), so that no rank waits in
-    a later collective for a rank that has already raised."""
+    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint (one all-reduce of
+    a failure flag), so that no rank waits in a later collective for a rank that has already raised."""
     try:
         holders, error = _read_rank_files(directory, scope), None
     except (ValueError, OSError) as exc:  # OSError: a directory this rank may not list
         holders, error = {}, exc
-    digest = int(hashlib.sha256("\n".join(sorted(holders)).encode()).hexdigest()[:15], 16)
-    failed, largest, negated_smallest = max_over_ranks([int(error is not None), digest, -digest], scope)
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(f"another rank could not read the checkpoint {directory} (see its error)")
-    if largest != -negated_smallest:
-        raise ValueError(f"ranks read different checkpoints: every rank must load the same directory ({directory})")
-    return holders
-
-
-def _check_keys_over_ranks(
-    directory: Path, stored: dict[str, Any], model: RankModel, strict: bool, scope: Scope
-) -> None:
-    """Raise on every rank unless each rank's parameters are all stored in their shapes and (``strict``) each
-    stored parameter is held by some rank: one all-reduce of a flag per stored key (every rank read the same keys,
-    checked by :func:`_read_on_every_rank`) and of whether a rank misses parameters or holds one of another shape."""
-    held = set(model.params)
-    keys = sorted(stored)
-    names = [param_name_of_key(key) for key in keys]
-    missing = sorted(held - {name for name in names if name is not None})
-    mismatched = shape_mismatches(model, stored)
-    *union, lacking, misfit = max_over_ranks(
-        [*(int(name in held) for name in names), len(missing), len(mismatched)], scope
+    raise_on_every_rank(
+        error, ValueError(f"another rank could not read the checkpoint {directory} (see its error)"), scope
     )
-    if lacking:
-        if missing:
-            shown = ", ".join(repr(n) for n in missing[:5])
-            raise ValueError(f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}")
-        raise ValueError(f"the checkpoint {directory} lacks parameters of another rank's model (see its error)")
-    if misfit:
-        if mismatched:
-            raise ValueError(mismatched[0])
-        raise ValueError(f"the checkpoint {directory} does not fit another rank's model (see its error)")
-    unexpected = [key for key, used in zip(keys, union, strict=False) if not used]
-    if strict and unexpected:
-        shown = ", ".join(repr(k) for k in unexpected[:5])
-        raise ValueError(
-            f"the checkpoint {directory} holds {len(unexpected)} keys no rank's model has, e.g. {shown} (another "
-            "model, or more experts than this model's?); pass strict=False to load a subset on purpose"
-        )
+    return holders

@@ -8,7 +8,12 @@ Two key styles are renamed, the same way in both directions:
 
 Every other key is left as it is. Unlike Megatron-Core's ``handle_experts_in_state_dict``: a missing or
 inconsistent ``num_experts`` raises instead of dropping keys, grouped ``bias<i>`` keys are renamed too, and the
-order of the keys is kept. This module imports no torch, so it can be used on checkpoints without it.
+order of the keys is kept. Renaming is strict by default, as the checkpoint loaders are: each family of expert keys
+(one key with its expert index left out) must hold exactly the experts ``num_experts`` gives (a rank's local ones,
+or every expert of a whole-model state dict), so a ``num_experts`` too large for the state dict (16 given for a
+model of 8: rank 1's experts 4-7 named 8-11) raises instead of renaming into the wrong slots; ``strict=False``
+renames a partial state dict (a few keys) on purpose. This module imports no torch, so it can be used on
+checkpoints without it.
 """
 
 from __future__ import annotations
@@ -119,16 +124,24 @@ def global_key(key: str, slot: ExpertSlot, num_experts: int, ep_rank: int, ep_si
 
 
 def globalize_expert_keys(
-    state_dict: Mapping[str, V], num_experts: int | None, ep_rank: int, ep_size: int
+    state_dict: Mapping[str, V], num_experts: int | None, ep_rank: int, ep_size: int, *, strict: bool = True
 ) -> dict[str, V]:
     """A new dict with the expert keys of this EP rank renamed from local to global expert indices.
 
     Key order and values are kept; non-expert keys are unchanged. ``ValueError`` when an expert key is present
-    and ``num_experts`` is ``None``, when ``ep_size`` does not divide ``num_experts``, or when a key's local index
-    is not below ``num_experts // ep_size``.
+    and ``num_experts`` is ``None``, when ``ep_size`` does not divide ``num_experts``, when a key's local index
+    is not below ``num_experts // ep_size``, or (``strict``, the default) when a family of expert keys does not
+    hold every local expert ``0 .. num_experts // ep_size - 1`` (see the module docstring).
     """
     check_ep(ep_rank, ep_size)
-    return _renamed(state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size))
+    renamed = _renamed(state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size))
+    if strict and num_experts is not None:
+        num_local = _num_local(num_experts, ep_size)
+        _refuse_incomplete(
+            state_dict, range(num_local), f"{num_experts} experts over {ep_size} EP ranks leave {num_local} local "
+            f"ones per rank"
+        )
+    return renamed
 
 
 def localize_expert_keys(
@@ -138,13 +151,16 @@ def localize_expert_keys(
     ep_size: int,
     *,
     foreign: Literal["raise", "skip"] = "raise",
+    strict: bool = True,
 ) -> dict[str, V]:
     """A new dict with expert keys renamed from global to this EP rank's local indices (inverse of
     :func:`globalize_expert_keys`).
 
     A key of an expert held by another EP rank raises ``ValueError``, or is left out with ``foreign="skip"``
     (to pick this rank's experts out of a whole-model state dict). The other errors are those of
-    :func:`globalize_expert_keys`, with global indices checked against ``num_experts``.
+    :func:`globalize_expert_keys`, with global indices checked against ``num_experts``; with ``strict`` (the
+    default) each family of expert keys must hold exactly this rank's experts (``foreign="raise"``) or every
+    expert ``0 .. num_experts - 1`` (``foreign="skip"``, a whole-model state dict).
     """
     check_ep(ep_rank, ep_size)
     if foreign not in ("raise", "skip"):
@@ -161,7 +177,40 @@ def localize_expert_keys(
             raise ValueError(f"key {key!r} names expert {slot.index}, held by EP rank {owner}, not {ep_rank}")
         return slot.with_index(local)
 
-    return _renamed(state_dict, num_experts, rename)
+    renamed = _renamed(state_dict, num_experts, rename)
+    if strict and num_experts is not None:
+        num_local = _num_local(num_experts, ep_size)
+        if foreign == "skip":
+            _refuse_incomplete(state_dict, range(num_experts), f"a whole-model state dict of {num_experts} experts")
+        else:
+            mine = range(ep_rank * num_local, (ep_rank + 1) * num_local)
+            _refuse_incomplete(
+                state_dict, mine, f"EP rank {ep_rank} of {ep_size} holds experts {_span(mine)} of {num_experts}"
+            )
+    return renamed
+
+
+def _refuse_incomplete(state_dict: Mapping[str, object], expected: range, why: str) -> None:
+    """``ValueError`` naming the first family of expert keys of ``state_dict`` whose indices are not ``expected``."""
+    families: dict[str, set[int]] = {}
+    for key in state_dict:
+        slot = expert_slot(key)
+        if slot is not None:
+            families.setdefault(f"{slot.head}<i>{slot.tail}", set()).add(slot.index)
+    for family, indices in families.items():
+        if indices != set(expected):
+            raise ValueError(
+                f"expert keys {family!r} hold experts {_span(sorted(indices))}, but {why} ({_span(expected)}): is "
+                "num_experts the model's? Pass strict=False to rename a partial state dict on purpose"
+            )
+
+
+def _span(indices: range | list[int]) -> str:
+    """``4-7`` for consecutive indices, else the list."""
+    listed = list(indices)
+    if listed and listed == list(range(listed[0], listed[-1] + 1)):
+        return str(listed[0]) if len(listed) == 1 else f"{listed[0]}-{listed[-1]}"
+    return str(listed)
 
 
 def _renamed(

@@ -3,9 +3,10 @@
 Each module is saved with :func:`pgregistry.checkpoint.save_rank_files` on its collection, into
 ``<directory>/<module name>``: every collective of a module's save runs over the module's span (its files are
 numbered over the span and record the module's name and span), so no rank of another module takes part or waits,
-and a directory never mixes two modules. Loading runs :func:`pgregistry.checkpoint.load_rank_files` the same way,
-which refuses a checkpoint saved by another module or over other ranks; within a module, parameters are keyed by
-global name, so a module reloads under another layout of the same span (another TP, EP or PP size).
+and a directory never mixes two modules. Loading runs :func:`pgregistry.checkpoint.load_rank_files`'s checks the
+same way for every module (they refuse a checkpoint saved by another module or over other ranks) and copies once
+every module's have passed; within a module, parameters are keyed by global name, so a module reloads under another
+layout of the same span (another TP, EP or PP size).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from pgregistry._agreement import agree
-from pgregistry.checkpoint import load_rank_files, save_rank_files
+from pgregistry.checkpoint import save_rank_files
+from pgregistry.checkpoint._agreement import lost_ranks_named, world_scope
+from pgregistry.checkpoint._rank_files import prepared_load
 from pgregistry.experts._names import NamingOptions, checked_naming
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._optimizer import MultiModuleOptimizer
@@ -47,18 +50,17 @@ def save_checkpoint(
     rank once every module has been tried, naming the module; the other modules' checkpoints are complete.
     """
     directory = Path(directory)
-    given, naming = _agreed(models, modules, optimizer, naming, "pgregistry.modules.save_checkpoint")
-    errors: list[str] = []
-    for name, model in given.items():
-        try:
-            options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
-            save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
-        except (ValueError, OSError, RuntimeError) as exc:
-            errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    agree(
-        "pgregistry.modules.save_checkpoint", described(modules), "; ".join(errors) or None,
-        failed="failed to save", advice=MODULES_ADVICE,
-    )
+    owner = "pgregistry.modules.save_checkpoint"
+    with lost_ranks_named(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+        given, naming = _agreed(models, modules, optimizer, naming, owner)
+        errors: list[str] = []
+        for name, model in given.items():
+            try:
+                options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
+                save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
+            except (ValueError, OSError, RuntimeError) as exc:
+                errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
+        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to save", advice=MODULES_ADVICE)
     return directory
 
 
@@ -73,25 +75,30 @@ def load_checkpoint(
 ) -> None:
     """Load every module of the job from :func:`save_checkpoint`'s ``directory/<module name>``.
 
-    Arguments as :func:`save_checkpoint`; ``strict`` as :func:`pgregistry.checkpoint.load_rank_files`. Collective
-    over the world and each module's span. A module's checkpoint of another module (a renamed directory) or of
-    other ranks is refused, as are missing, damaged or misfit tensors: each module loads all or nothing, and a
-    failure raises on every rank once every module has been tried, naming the module (the modules that loaded
-    stay loaded).
+    Arguments as :func:`save_checkpoint`; ``strict`` as :func:`pgregistry.checkpoint.load_rank_files` (given an
+    optimizer, a checkpoint saved without one is refused). Collective over the world and each module's span. A
+    module's checkpoint of another module (a renamed directory) or of other ranks is refused, as are missing,
+    damaged or misfit tensors: every module is checked first, and a failure raises on every rank once every module
+    has been tried, naming the module, before anything of any module is copied (the job is loaded whole or not at
+    all).
     """
     directory = Path(directory)
-    given, naming = _agreed(models, modules, optimizer, naming, "pgregistry.modules.load_checkpoint")
-    errors: list[str] = []
-    for name, model in given.items():
-        try:
-            options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
-            load_rank_files(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
-        except (ValueError, OSError, RuntimeError) as exc:
-            errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-    agree(
-        "pgregistry.modules.load_checkpoint", described(modules), "; ".join(errors) or None,
-        failed="failed to load", advice=MODULES_ADVICE,
-    )
+    owner = "pgregistry.modules.load_checkpoint"
+    with lost_ranks_named(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+        given, naming = _agreed(models, modules, optimizer, naming, owner)
+        errors: list[str] = []
+        copies = []
+        for name, model in given.items():
+            try:
+                options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
+                copies.append(
+                    prepared_load(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
+                )
+            except (ValueError, OSError, RuntimeError) as exc:
+                errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
+        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to load", advice=MODULES_ADVICE)
+    for copy in copies:
+        copy()
 
 
 def _optimizer_of(optimizer: MultiModuleOptimizer | None, name: str) -> Any:

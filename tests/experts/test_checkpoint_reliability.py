@@ -272,6 +272,7 @@ def test_a_shape_mismatch_on_one_rank_fails_every_rank_before_anything_is_copied
         f"ValueError: the checkpoint {tmp_path} does not fit another rank's model (see its error); changed []"
     )
     assert results[1] == (
-        "ValueError: parameter 'experts.local_experts.7.weight' has shape (3, 2) but the checkpoint holds (2, 2); "
-        "changed []"
+        "ValueError: parameter 'experts.local_experts.7.weight' has shape (3, 2) but the checkpoint holds (2, 2) "
+        "(and 1 more parameters of this rank do not fit, e.g. parameter 'experts.local_experts.7.bias' has shape "
+        "(3,) but the checkpoint holds (2,)); changed []"
     )

@@ -67,7 +67,9 @@ def test_optimizer_state_reloads_by_name_under_another_ep_layout() -> None:
         part = _stage(ep_rank, 4)
         params = list(part.parameters())
         optimizer = adam(params[::-1])  # another parameter order than the writer's
-        load_optimizer_state_by_name(optimizer, part, whole_state)
+        # One process plays each EP rank in turn, with no world: the other ranks' experts are held by no rank here
+        # (in a world, the strict check's union over the ranks holds them), so the subset is loaded on purpose.
+        load_optimizer_state_by_name(optimizer, part, whole_state, strict=False)
         for name, param in named_global_parameters(part):  # the attached collection gives the EP rank
             for key, value in whole_state[name].items():
                 assert torch.equal(optimizer.state[param][key], value)

@@ -21,17 +21,21 @@ from pgregistry.experts import (
 
 
 def test_reference_examples() -> None:
-    # 8 experts over 4 EP ranks: 2 per rank.
-    assert list(globalize_expert_keys({"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": 1}, 8, 1, 4)) \
-        == ["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"]
-    assert list(globalize_expert_keys({"decoder.layers.0.mlp.experts.linear_fc1.weight1_w": 1}, 8, 1, 4)) == [
+    # 8 experts over 4 EP ranks: 2 per rank (one key of them each: partial state dicts, renamed on purpose).
+    def renamed(key: str, ep_rank: int) -> list[str]:
+        return list(globalize_expert_keys({key: 1}, 8, ep_rank, 4, strict=False))
+
+    assert renamed("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", 1) == [
+        "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"
+    ]
+    assert renamed("decoder.layers.0.mlp.experts.linear_fc1.weight1_w", 1) == [
         "decoder.layers.0.mlp.experts.linear_fc1.weight3_w"
     ]
-    assert list(globalize_expert_keys({"decoder.layers.0.mlp.experts.linear_fc2.weight0": 1}, 8, 3, 4)) == [
+    assert renamed("decoder.layers.0.mlp.experts.linear_fc2.weight0", 3) == [
         "decoder.layers.0.mlp.experts.linear_fc2.weight6"
     ]
     keys = {"a.mlp.experts.local_experts.1.w": 0, "a.mlp.experts.linear_fc1.weight1_v": 1}
-    assert globalize_expert_keys(keys, 8, 0, 4) == keys  # rank 0 unchanged
+    assert globalize_expert_keys(keys, 8, 0, 4, strict=False) == keys  # rank 0 unchanged
 
 
 def test_grouped_bias_is_renamed_and_order_is_kept() -> None:
@@ -43,7 +47,7 @@ def test_grouped_bias_is_renamed_and_order_is_kept() -> None:
         "layers.1.mlp.experts.linear_fc1._extra_state": 4,
         "final_norm.weight": 5,
     }
-    out = globalize_expert_keys(state, 6, 2, 3)
+    out = globalize_expert_keys(state, 6, 2, 3, strict=False)
     assert list(out) == [
         "embedding.weight",
         "layers.1.mlp.experts.linear_fc1.bias5",
@@ -53,7 +57,7 @@ def test_grouped_bias_is_renamed_and_order_is_kept() -> None:
         "final_norm.weight",
     ]
     assert list(out.values()) == list(range(6))
-    assert localize_expert_keys(out, 6, 2, 3) == state
+    assert localize_expert_keys(out, 6, 2, 3, strict=False) == state
 
 
 @pytest.mark.parametrize(
@@ -104,6 +108,27 @@ def test_foreign_keys_can_be_skipped_to_pick_this_ranks_experts() -> None:
     whole = {f"m.experts.fc.weight{e}": e for e in range(8)} | {"m.router.weight": -1}
     mine = localize_expert_keys(whole, 8, 2, 4, foreign="skip")
     assert mine == {"m.experts.fc.weight0": 4, "m.experts.fc.weight1": 5, "m.router.weight": -1}
+
+
+def test_a_num_experts_other_than_the_state_dicts_is_refused_naming_the_keys() -> None:
+    # 8 experts over EP 2: rank 1 holds local experts 0-3, global 4-7. Given 16, its experts used to be renamed
+    # 8-11 (and a whole-model dict of 8 split as if rank 1 held none) without a word.
+    local = {f"layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight": i for i in range(4)} | {"norm.weight": -1}
+    assert list(globalize_expert_keys(local, 8, 1, 2))[:4] == [
+        f"layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight" for i in range(4, 8)
+    ]
+    with pytest.raises(ValueError, match=r"expert keys 'layers\.0\.mlp\.experts\.local_experts\.<i>\.linear_fc1\."
+                       r"weight' hold experts 0-3, but 16 experts over 2 EP ranks leave 8 local ones per rank \(0-7\): "
+                       r"is num_experts the model's\? Pass strict=False"):
+        globalize_expert_keys(local, 16, 1, 2)
+    whole = {f"m.experts.fc.weight{e}": e for e in range(8)}
+    with pytest.raises(ValueError, match=r"'m\.experts\.fc\.weight<i>' hold experts 0-7, but a whole-model state dict "
+                       r"of 16 experts \(0-15\)"):
+        localize_expert_keys(whole, 16, 0, 2, foreign="skip")
+    mine = {f"m.experts.fc.weight{e}": e for e in range(4)}  # rank 0's experts of 8
+    with pytest.raises(ValueError, match=r"hold experts 0-3, but EP rank 0 of 2 holds experts 0-7 of 16 \(0-7\)"):
+        localize_expert_keys(mine, 16, 0, 2)
+    assert localize_expert_keys(mine, 16, 0, 2, strict=False) == mine  # a partial dict, on purpose
 
 
 def test_package_root_exports_stay_torch_free() -> None:

@@ -275,10 +275,10 @@ def test_optimizer_shard_files_refuse_what_they_cannot_load(tmp_path: Path) -> N
     run_world(1, _load_one_rank, complete, incomplete)
 
 
-def _load_shards_from(directories: list[Path]) -> str:
+def _load_shards_from(directories: list[Path], strict: bool = True) -> str:
     optimizer = _build(ParallelLayout(num_ranks=2, ep=2), sharded=True)
     try:
-        load_optimizer_shards(directories[dist.get_rank()], optimizer)
+        load_optimizer_shards(directories[dist.get_rank()], optimizer, strict=strict)
     except ValueError as exc:
         return str(exc)
     return "loaded"
@@ -308,3 +308,19 @@ def test_a_damaged_piece_one_rank_reads_fails_every_rank_naming_the_file_and_pie
         f"{path} is damaged: the bytes of tensor '{name}/main' do not match the checksum stored when it was saved; "
         "restore the file from a copy",
     ]
+
+
+def test_saved_pieces_of_a_parameter_no_optimizer_holds_are_refused_on_every_rank(tmp_path: Path) -> None:
+    # The pieces of parameters no rank's optimizer held (another model's, more layers') were dropped silently.
+    run_world(2, _save_two_ranks, tmp_path)
+    path = tmp_path / "optimizer-rank-00000.pt"
+    payload = torch.load(path, weights_only=True)
+    payload["state"]["layers.9.extra.weight"] = next(iter(payload["state"].values()))
+    torch.save(payload, path)
+    refusal = (
+        f"the optimizer shards of {tmp_path} hold 1 parameters no rank's optimizer holds, e.g. "
+        "'layers.9.extra.weight' (another model, more layers or more experts?); pass strict=False to load a subset "
+        "on purpose"
+    )
+    assert run_world(2, _load_shards_from, [tmp_path, tmp_path], timeout=30.0) == [refusal, refusal]
+    assert run_world(2, _load_shards_from, [tmp_path, tmp_path], False, timeout=30.0) == ["loaded", "loaded"]

@@ -1,0 +1,176 @@
+"""The strict verdict of a load: what a checkpoint stores against what the loading ranks hold, decided on every rank
+before anything is copied.
+
+Both storage back-ends (:mod:`~pgregistry.checkpoint._rank_files`, :mod:`~pgregistry.checkpoint._distributed`)
+describe each stored entry by its shape and dtype (:class:`Stored`, read from a memory-mapped file or from DCP's
+metadata, no tensor read) and hand the description to :func:`refuse_misfits`, so every loader refuses the same
+things alike, naming them (the count and a few names):
+
+* a parameter of a rank's model that the checkpoint lacks, or stores in another shape (in both modes); in another
+  dtype (strict: ``strict=False`` casts on copy);
+* with an optimizer given (strict): a parameter the optimizer updates whose optimizer state was not saved (a
+  checkpoint saved without an optimizer would otherwise load and leave the optimizer's fresh state), and saved
+  optimizer state of a parameter the optimizer does not update;
+* (strict) a stored key of a parameter no rank's model holds, or a key that is no parameter: a 2-layer checkpoint
+  loaded into a 1-layer model, 8 experts into a model of 4.
+
+The verdict is two all-reduces over the ranks of the load: every rank raises (its own error, or one saying which
+check another rank failed) or none does, and none has copied anything yet. Optimizer state saved for a parameter
+is loaded only when an optimizer is given: loading the parameters alone out of a full checkpoint is no error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import attrs
+import torch
+
+from pgregistry.checkpoint._agreement import Scope, digest_of, max_over_ranks
+from pgregistry.checkpoint._by_name import (
+    MODEL_PREFIX,
+    OPTIMIZED_PREFIX,
+    OPTIMIZER_PREFIX,
+    Optimizer,
+    RankModel,
+    param_name_of_key,
+)
+from pgregistry.optim._base import FlatOptimizer
+from pgregistry.optim._chained import ChainedOptimizer
+from pgregistry.optim._param_state import as_param_state_optimizer
+
+__all__ = ["Stored", "refuse_misfits"]
+
+_SHOWN: Final = 5
+"""How many names a refusal quotes."""
+
+_NON_STRICT = "pass strict=False to load a subset on purpose"
+
+
+@attrs.frozen(slots=True)
+class Stored:
+    """What a load knows of one stored entry before reading it: its shape and dtype (both ``None``: not a tensor)."""
+
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, value: Any) -> Stored:
+        if isinstance(value, torch.Tensor):
+            return cls(tuple(value.shape), value.dtype)
+        return cls()
+
+
+def refuse_misfits(
+    source: str, stored: Mapping[str, Stored], model: RankModel, optimizer: Optimizer | None, strict: bool,
+    scope: Scope, *, parameters: bool = True,
+) -> None:
+    """``ValueError`` on every rank of ``scope`` unless ``stored`` (the entries of ``source``, "the checkpoint
+    <directory>", by flat key) loads into every rank's ``model`` (and ``optimizer``) as the module docstring says;
+    otherwise nothing. ``parameters=False``: ``stored`` holds optimizer state only (no parameter is loaded).
+
+    Collective: one all-reduce of a digest of the stored keys (ranks that read different checkpoints are refused)
+    and of this rank's faults, then (``strict``) one of a flag per stored key: whether this rank holds its
+    parameter."""
+    keys = sorted(stored)
+    names = [param_name_of_key(key) for key in keys]
+    held = set(model.params)
+    lacking = _missing(model, stored) if parameters else ""
+    misfits = _misfits(model, stored, strict) if parameters else ""
+    optimizer_faults = _optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else ""
+    digest = digest_of(keys)
+    largest, negated_smallest, any_lacking, any_misfit, any_optimizer_fault = max_over_ranks(
+        [digest, -digest, int(bool(lacking)), int(bool(misfits)), int(bool(optimizer_faults))], scope
+    )
+    if largest != -negated_smallest:  # before the flags per key: the ranks' key lists may differ in length
+        raise ValueError(f"ranks read different checkpoints: every rank must load the same one ({source})")
+    if any_lacking:
+        raise ValueError(lacking or f"{source} lacks parameters of another rank's model (see its error)")
+    if any_misfit:
+        raise ValueError(misfits or f"{source} does not fit another rank's model (see its error)")
+    if any_optimizer_fault:
+        raise ValueError(optimizer_faults or f"{source} does not fit another rank's optimizer (see its error)")
+    if not strict:
+        return
+    union = max_over_ranks([int(name in held) for name in names], scope)
+    unexpected = [key for key, used in zip(keys, union, strict=True) if not used]
+    if unexpected:
+        raise ValueError(
+            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. {_some(unexpected)} "
+            f"(another model, more layers or more experts than this model's?); {_NON_STRICT}"
+        )
+
+
+def _some(names: Iterable[str]) -> str:
+    """The first few of ``names`` in sorted order, quoted."""
+    listed = sorted(names)
+    shown = ", ".join(repr(name) for name in listed[:_SHOWN])
+    return shown + (", ..." if len(listed) > _SHOWN else "")
+
+
+def _missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
+    missing = [name for name in model.params if MODEL_PREFIX + name not in stored]
+    if not missing:
+        return ""
+    return f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {_some(missing)}"
+
+
+def _misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:
+    """This rank's parameters stored in another shape (or not as a tensor), and (``strict``) in another dtype."""
+    problems = []
+    for name, param in model.params.items():
+        entry = stored.get(MODEL_PREFIX + name)
+        whole = model.whole_shape(name)
+        if entry is None:
+            continue
+        if entry.shape is None:
+            problems.append(f"parameter {name!r} is stored as no tensor")
+        elif entry.shape != whole:
+            problems.append(f"parameter {name!r} has shape {whole} but the checkpoint holds {entry.shape}")
+        elif strict and entry.dtype != param.dtype:
+            problems.append(
+                f"parameter {name!r} is {param.dtype} but the checkpoint holds {entry.dtype} (make the model "
+                f"{entry.dtype} before loading, or pass strict=False to cast on copy)"
+            )
+    if len(problems) <= 1:
+        return "".join(problems)
+    return f"{problems[0]} (and {len(problems) - 1} more parameters of this rank do not fit, e.g. {problems[1]})"
+
+
+def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer: Optimizer) -> str:
+    """Parameters of this rank that ``optimizer`` updates but whose optimizer state the checkpoint did not save,
+    and parameters whose state it saved but that ``optimizer`` does not update."""
+    saved = {param_name_of_key(key) for key in stored if key.startswith((OPTIMIZED_PREFIX, OPTIMIZER_PREFIX))}
+    updated_ids = {id(param) for param in updated_params(optimizer)}
+    updated = [name for name, param in model.params.items() if id(param) in updated_ids]
+    unsaved = [name for name in updated if name not in saved]
+    foreign = [name for name, param in model.params.items() if name in saved and id(param) not in updated_ids]
+    if unsaved and len(unsaved) == len(updated) and not saved:
+        return (
+            "the checkpoint holds no optimizer state: it was saved without an optimizer; load it with "
+            "optimizer=None, or pass strict=False to keep the optimizer's fresh state"
+        )
+    if unsaved:
+        return (
+            f"the checkpoint holds no optimizer state for {len(unsaved)} of the parameters this rank's optimizer "
+            f"updates, e.g. {_some(unsaved)} (saved with an optimizer over other parameters?); pass strict=False "
+            "to keep their fresh state"
+        )
+    if foreign:
+        return (
+            f"the checkpoint holds optimizer state for {len(foreign)} parameters this rank's optimizer does not "
+            f"update, e.g. {_some(foreign)}; {_NON_STRICT}"
+        )
+    return ""
+
+
+def updated_params(optimizer: Optimizer) -> list[torch.Tensor]:
+    """The model parameters ``optimizer`` updates (a pgregistry optimizer's own list: no state is gathered)."""
+    if isinstance(optimizer, ChainedOptimizer):
+        return [param for child in optimizer.chained_optimizers for param in updated_params(child)]
+    if isinstance(optimizer, FlatOptimizer):
+        return list(optimizer.params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [param for group in optimizer.param_groups for param in group["params"]]
+    return list(as_param_state_optimizer(optimizer).param_state())
