@@ -78,6 +78,14 @@ def build(
     reads a group from it or computes with it. ``name`` identifies the build in messages; building the same name
     (or, unnamed, the same layout) again returns the same collection, and asking it for another layout or other
     options raises ``ValueError`` naming what differs.
+
+    ``timeout`` (seconds or a ``timedelta``; ``None``: torch's) is the groups' and bounds the build itself: every
+    rank checks in through the world's store first (:mod:`pgregistry._attendance`), and a rank that has not come
+    by then is named in a ``RuntimeError`` on every rank that did; the build's world all-reduces wait no longer,
+    and a collective failing in the build (a rank killed) raises ``RuntimeError`` naming the ranks that did not
+    answer a roll call. Bad arguments raise on every rank: ``TypeError`` for a layout that is none, a name that is
+    no string, a timeout that is no number (``'5'``, ``True``); ``ValueError`` for a timeout that is not positive
+    and finite (NaN, inf, 0, negative).
     """
     require_distributed("pgregistry.build")
     options, described, fault = checked_options(backend, timeout)

@@ -145,9 +145,11 @@ class MultiModuleOptimizer:
         Returns ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does: ``stepped`` is
         false on every rank when the job-wide norm is NaN or infinite (nothing is scaled or stepped, grads are left
         as they are); ``num_zeros`` is the job-wide zero count with ``count_zeros``, else ``None``. One all-reduce
-        over the world after the modules' own reductions; it also carries ``max_norm`` and ``norm_type``, so a
-        rank given other values (or ones that are no norm type or positive finite ``max_norm``) raises
-        ``ValueError`` on every rank, after the reductions every rank joins.
+        over the world after the modules' own reductions; it also carries the agreement on ``max_norm`` and
+        ``norm_type``: when a rank was given other values than its peers, or bad ones (``TypeError`` for no number,
+        such as ``'1.0'``; ``ValueError`` for a ``max_norm`` not positive and finite, a ``norm_type`` not
+        positive), every rank raises, after the reductions every rank joins, quoting the values and the ranks
+        given them; nothing is scaled or stepped.
         """
         total, zeros = self._statistics(
             norm_type, zeros=count_zeros, max_norm=max_norm, subject="MultiModuleOptimizer.step"
