@@ -120,11 +120,11 @@ def _check_in(
     if after // _GAVE_UP == 1 and after % _GAVE_UP == world_size:
         return  # the last rank came just before this one gave up, and went on: so does this one
     absent = [r for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
+    who = absent or "that came too late"  # none absent: a late rank came between two ranks giving up
     raise RuntimeError(  # the same text on every rank that came
-        f"{operation}: ranks {absent or 'that arrived too late'} did not call it within {bound.total_seconds():g} s, "
-        f"so nothing was done. {advice[0].upper()}{advice[1:]}: look at what ranks "
-        f"{absent} did instead (raised or exited earlier, took another branch, or are still busy), or give the "
-        "call a longer timeout"
+        f"{operation}: ranks {who} did not call it within {bound.total_seconds():g} s, so nothing was done. "
+        f"{advice[0].upper()}{advice[1:]}: look at what ranks {who} did instead (raised or exited earlier, took "
+        "another branch, or are still busy), or give the call a longer timeout"
     )
 
 
