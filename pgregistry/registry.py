@@ -45,7 +45,8 @@ _ALIASES: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 
 class BuildOptions(TypedDict, total=False):
     """The keywords of :func:`build` besides ``name``: the groups' ``backend`` and ``timeout`` (``None``: those
-    ``torch.distributed.new_group`` picks; a timeout must be positive)."""
+    ``torch.distributed.new_group`` picks; a timeout is a positive, finite number of seconds up
+    to 1e12 or a ``timedelta``, and bounds the build itself)."""
 
     backend: str | None
     timeout: timedelta | float | None
