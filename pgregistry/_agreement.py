@@ -3,20 +3,47 @@
 A call that is collective over the world must never raise on some ranks only: the others would go on into the
 next collective and wait there until the timeout. So a world-collective entry point first checks what this rank
 was given, and then :func:`agree` settles, in one all-reduce, whether every rank asked for the same thing and
-whether any rank found a fault; every rank then raises the same ``ValueError`` (naming the fields that differ and
-who asked for what, or each faulty rank's error), or none does.
+whether any rank found a fault; every rank then raises the same exception (quoting each faulty rank's error with
+the ranks that found it, then naming the fields that differ and who asked for what), or none does. The exception
+is the faults' own type when every faulty rank found the same kind (``TypeError`` for a value of the wrong type,
+``RuntimeError`` for missing distributed state), else ``ValueError``.
+
+A call that already has an all-reduce of its own carries the verdict in it instead (:func:`verdict_of` gives its
+three numbers, :func:`settle` reads them back), so agreeing costs that call nothing on its happy path.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["agree", "all_reached", "require_distributed", "world_device"]
+__all__ = [
+    "Fault",
+    "agree",
+    "all_reached",
+    "all_reduce_within",
+    "joined",
+    "require_distributed",
+    "settle",
+    "verdict_of",
+    "world_device",
+]
+
+Fault = str | Exception | None
+"""What a rank found wrong with its input: ``None`` for nothing, an exception (its type and text travel), or a
+text (a ``ValueError``'s)."""
+
+_POLL_S = 0.001
+"""How often a bounded all-reduce looks whether it has completed."""
 
 _SHOWN = 4
 """How many distinct errors a message quotes in full."""
+
+_TYPES: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+"""The exception types a fault keeps across ranks; any other is raised as a ``ValueError``."""
 
 
 def require_distributed(what: str) -> None:
@@ -30,39 +57,93 @@ def require_distributed(what: str) -> None:
 def agree(
     subject: str,
     fields: Mapping[str, str],
-    error: str | None = None,
+    error: Fault = None,
     *,
     failed: str = "were given bad input",
     advice: str = "every rank must make the same call with the same arguments",
+    timeout: timedelta | None = None,
 ) -> None:
-    """Raise ``ValueError`` on every rank when the ranks' ``fields`` differ or any rank's ``error`` is set.
+    """Raise on every rank when the ranks' ``fields`` differ or any rank's ``error`` is set.
 
-    One all-reduce (MAX of a digest of ``fields``, of its negation and of a fault flag) decides, so agreeing costs
-    one small collective; only when it says no is more exchanged. Differing requests raise naming each field that
-    differs and which ranks asked for which value, then ``advice``; faults raise quoting each distinct error with
-    the ranks that found it (``failed`` says what happened to them). ``subject`` names the call in messages.
+    One all-reduce (MAX of :func:`verdict_of`) decides, so agreeing costs one small collective; only when it says
+    no is more exchanged (:func:`settle`). ``subject`` names the call in messages, ``failed`` says what happened to
+    the faulty ranks, ``advice`` what differing ranks must do. With ``timeout``, ``RuntimeError`` when the
+    all-reduce has not completed by then (:func:`all_reduce_within`).
     """
     import torch
     import torch.distributed as dist
 
     require_distributed(subject)
+    verdict = torch.tensor(verdict_of(fields, error), dtype=torch.int64, device=world_device())
+    all_reduce_within(verdict, dist.ReduceOp.MAX, timeout, subject)
+    settle(subject, fields, error, verdict.tolist(), failed=failed, advice=advice)
+
+
+def verdict_of(fields: Mapping[str, str], error: Fault) -> list[int]:
+    """This rank's three numbers of a verdict: a digest of ``fields``, its negation and a fault flag. A MAX over the
+    world of them says whether every rank's fields are the same (the largest digest is minus the largest negation)
+    and whether any rank found a fault. The digest has 52 bits, so the numbers are exact in a float64 all-reduce."""
     request = "|".join(f"{key}={value}" for key, value in fields.items())
-    digest = int(hashlib.sha256(request.encode()).hexdigest()[:15], 16)
-    verdict = torch.tensor([digest, -digest, int(error is not None)], dtype=torch.int64, device=world_device())
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    largest, negated_smallest, faulty = (int(value) for value in verdict.tolist())
-    if largest != -negated_smallest:  # every rank takes this branch alike
-        _raise_differences(subject, fields, advice)
-    if faulty:
-        _raise_errors(subject, error, failed)
+    digest = int(hashlib.sha256(request.encode()).hexdigest()[:13], 16)
+    return [digest, -digest, int(error is not None)]
 
 
-def all_reached() -> None:
-    """Return once every rank of the world has called this (one small all-reduce)."""
+def settle(
+    subject: str,
+    fields: Mapping[str, str],
+    error: Fault,
+    reduced: Sequence[float],
+    *,
+    failed: str = "were given bad input",
+    advice: str = "every rank must make the same call with the same arguments",
+) -> None:
+    """Read back the MAX over the world of every rank's :func:`verdict_of` (``reduced``); when the ranks differ or
+    any found a fault, gather what each asked for and found and raise the same text on every rank."""
+    largest, negated_smallest, faulty = (int(value) for value in reduced)
+    differ = largest != -negated_smallest
+    if differ or faulty:  # every rank takes this branch alike
+        _raise(subject, fields, error, differ, failed, advice)
+
+
+def joined(*errors: Fault) -> Fault:
+    """The faults of several checks as one: ``None`` when none; the one when one; else their texts joined, as
+    their common type (``ValueError`` when they differ)."""
+    found = [error for error in errors if error is not None]
+    if len(found) <= 1:
+        return found[0] if found else None
+    kinds = {_kind(error) for error in found}
+    kind = _TYPES[kinds.pop()] if len(kinds) == 1 else ValueError
+    return kind("; ".join(str(error) for error in found))
+
+
+def all_reached(timeout: timedelta | None = None) -> None:
+    """Return once every rank of the world has called this (one small all-reduce; bounded by ``timeout`` as
+    :func:`all_reduce_within`)."""
     import torch
     import torch.distributed as dist
 
-    dist.all_reduce(torch.zeros(1, device=world_device()))
+    all_reduce_within(torch.zeros(1, device=world_device()), dist.ReduceOp.SUM, timeout, "all_reached")
+
+
+def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str) -> None:
+    """All-reduce ``tensor`` over the world in place; with ``timeout``, ``RuntimeError`` naming ``what`` when it
+    has not completed by then, whatever the world's own timeout (a rank that never comes would otherwise hold the
+    others for that long). The collective stays in flight after such an error: the world cannot be trusted any
+    more, as after any timeout of torch's."""
+    import torch.distributed as dist
+
+    if timeout is None:
+        dist.all_reduce(tensor, op=op)
+        return
+    work = dist.all_reduce(tensor, op=op, async_op=True)
+    assert work is not None
+    give_up = time.monotonic() + timeout.total_seconds()
+    while not work.is_completed():  # polled, not work.wait(timeout): NCCL's wait returns before the device is done
+        if time.monotonic() > give_up:
+            seconds = timeout.total_seconds()
+            raise RuntimeError(f"{what}: an all-reduce over the world did not complete within {seconds:g} s")
+        time.sleep(_POLL_S)
+    work.wait()
 
 
 def world_device() -> Any:
@@ -75,38 +156,49 @@ def world_device() -> Any:
     return torch.device("cpu")
 
 
-def _raise_differences(subject: str, fields: Mapping[str, str], advice: str) -> None:
+def _kind(error: str | Exception) -> str:
+    name = type(error).__name__ if isinstance(error, Exception) else "ValueError"
+    return name if name in _TYPES else "ValueError"
+
+
+def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, failed: str, advice: str) -> None:
+    """Gather every rank's fields and fault (one ``all_gather_object``) and raise the same text on every rank."""
     import torch.distributed as dist
 
+    mine = None if error is None else (_kind(error), str(error))
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dict(fields))
+    dist.all_gather_object(everyone, (dict(fields), mine))
+    differences = _differences(fields, [asked for asked, _ in everyone]) if differ else ""
+    by_text: dict[str, list[int]] = {}
+    kinds = set()
+    for rank, (_, found) in enumerate(everyone):
+        if found is not None:
+            kinds.add(found[0])
+            by_text.setdefault(found[1], []).append(rank)
+    kind = _TYPES[kinds.pop()] if len(kinds) == 1 else ValueError
+    then = f"{advice[0].upper()}{advice[1:]}."
+    if not by_text:
+        raise ValueError(f"ranks disagree on {subject}: {differences}; this rank is rank {dist.get_rank()}. {then}")
+    faulty = sorted(rank for ranks in by_text.values() for rank in ranks)
+    quoted = "; ".join(f"{_ranks_label(ranks)}: {text}" for text, ranks in list(by_text.items())[:_SHOWN])
+    more = f"; and {len(by_text) - _SHOWN} more distinct error(s)" if len(by_text) > _SHOWN else ""
+    message = f"{subject}: ranks {faulty} {failed} ({quoted}{more})"  # the same text on every rank
+    if differences:
+        message += f"; the ranks also disagree: {differences}. {then}"
+    raise kind(message)
+
+
+def _differences(fields: Mapping[str, str], everyone: list[dict[str, str]]) -> str:
+    """Each field whose value differs across ranks, with which ranks asked for which value."""
     differences = []
     for key in fields:
         by_value: dict[str, list[int]] = {}
         for rank, asked in enumerate(everyone):
-            by_value.setdefault((asked or {}).get(key, "<missing>"), []).append(rank)
+            by_value.setdefault(asked.get(key, "<missing>"), []).append(rank)
         if len(by_value) > 1:
             askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
             differences.append(f"{key!r} differs ({askers})")
-    raise ValueError(
-        f"ranks disagree on {subject}: {'; '.join(differences)}; this rank is rank {dist.get_rank()}. "
-        f"{advice[0].upper()}{advice[1:]}."
-    )
-
-
-def _raise_errors(subject: str, error: str | None, failed: str) -> None:
-    import torch.distributed as dist
-
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    by_text: dict[str, list[int]] = {}
-    for rank, text in enumerate(errors):
-        if text is not None:
-            by_text.setdefault(text, []).append(rank)
-    faulty = sorted(rank for ranks in by_text.values() for rank in ranks)
-    quoted = "; ".join(f"{_ranks_label(ranks)}: {text}" for text, ranks in list(by_text.items())[:_SHOWN])
-    more = f"; and {len(by_text) - _SHOWN} more distinct error(s)" if len(by_text) > _SHOWN else ""
-    raise ValueError(f"{subject}: ranks {faulty} {failed} ({quoted}{more})")  # the same text on every rank
+    return "; ".join(differences)
 
 
 def _ranks_label(ranks: list[int]) -> str:

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch.distributed as dist
 
-from pgregistry._agreement import agree, all_reached, require_distributed
+from pgregistry._agreement import Fault, agree, all_reached, require_distributed
 from pgregistry.layout import RankGroup
 
 if TYPE_CHECKING:
@@ -41,11 +42,17 @@ __all__ = [
     "GroupCache",
     "GroupOptions",
     "BUILD_ADVICE",
+    "checked_options",
     "split_chosen",
     "split_creation",
     "split_plan",
 ]
 
+
+_LONGEST_S = 10.0**12
+"""The longest timeout a build takes, in seconds (about 31,700 years: beyond it ``timedelta`` and torch's
+milliseconds overflow)."""
+_TIMEOUT_RANGE = "positive, finite and at most 1e12 seconds (or None for torch's default)"
 
 BUILD_ADVICE = "every rank must build the same layouts and groups, with the same names and options, in the same order"
 """What a disagreement about groups to create asks of the ranks."""
@@ -60,16 +67,41 @@ class GroupOptions:
 
     @classmethod
     def of(cls, backend: str | None, timeout: timedelta | float | None) -> GroupOptions:
-        """Checked options: ``ValueError`` for a timeout that is not positive (gloo would fail later, obscurely)."""
-        if timeout is not None and not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=float(timeout))
-        if timeout is not None and not timeout.total_seconds() > 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r} ({timeout.total_seconds()} s)")
-        return cls(backend, timeout)
+        """Checked options (gloo would fail later, obscurely, or wait for ever): ``TypeError`` for a ``backend``
+        that is no name, or a ``timeout`` that is neither a number of seconds nor a ``timedelta`` (a string, a
+        bool); ``ValueError`` for a timeout that is not positive and finite, or beyond 1e12 s."""
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a backend's name ('gloo', 'nccl') or None, got {backend!r}")
+        if timeout is None:
+            return cls(backend, None)
+        if isinstance(timeout, timedelta):
+            seconds = timeout.total_seconds()
+        elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+            seconds = float(timeout)
+        else:
+            raise TypeError(
+                "timeout must be a number of seconds (an int or a float) or a datetime.timedelta, or None for torch's "
+                f"default; got {timeout!r} ({type(timeout).__name__})"
+            )
+        if not 0 < seconds <= _LONGEST_S:  # NaN fails this too
+            raise ValueError(f"timeout must be {_TIMEOUT_RANGE}; got {timeout!r}")
+        return cls(backend, timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds))
 
     def described(self) -> dict[str, str]:
         """Option -> text, for messages and the agreement check."""
         return {"backend": repr(self.backend), "timeout": repr(self.timeout)}
+
+
+def checked_options(backend: object, timeout: object) -> tuple[GroupOptions, dict[str, str], Fault]:
+    """The options :meth:`GroupOptions.of` makes of ``backend`` and
+    ``timeout``, their text for the agreement, and ``None``; or, when it refuses them, torch's defaults, the text of
+    what was given and the refusal, which the caller's agreement raises on every rank (a rank raising alone would
+    leave the others waiting in it)."""
+    try:
+        options = GroupOptions.of(backend, timeout)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        return GroupOptions(), {"backend": repr(backend), "timeout": repr(timeout)}, exc
+    return options, options.described(), None
 
 
 class GroupCache:
@@ -106,7 +138,7 @@ class GroupCache:
         for ranks in missing:
             self._groups[ranks] = (self._new_group(ranks, options), options)
         if missing:
-            all_reached()  # see _new_group
+            all_reached(options.timeout)  # see _new_group
 
     def _exists(self, ranks: RankGroup, options: GroupOptions) -> bool:
         """Whether ``ranks`` has its communicator (``ValueError`` when it was created with other options); the
@@ -205,7 +237,7 @@ class GroupCache:
             if rank in ranks:
                 mine = group
                 self._twins.append(group)
-        all_reached()  # see _new_group
+        all_reached(options.timeout)  # see _new_group
         return mine
 
     def adopt(self, groups: Iterable[ProcessGroup]) -> None:

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import attrs
 import torch.distributed as dist
 
-from pgregistry._agreement import agree, require_distributed
-from pgregistry._group_cache import BUILD_ADVICE, CACHE, GroupOptions
+from pgregistry._agreement import agree, joined, require_distributed
+from pgregistry._attendance import attended
+from pgregistry._group_cache import BUILD_ADVICE, CACHE, GroupOptions, checked_options
 from pgregistry._logging import get_logger
 from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection, _Lifetime
 from pgregistry.layout import GROUP_KINDS, ParallelLayout, RankGroup
@@ -44,7 +45,8 @@ _ALIASES: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 
 class BuildOptions(TypedDict, total=False):
     """The keywords of :func:`build` besides ``name``: the groups' ``backend`` and ``timeout`` (``None``: those
-    ``torch.distributed.new_group`` picks; a timeout must be positive)."""
+    ``torch.distributed.new_group`` picks; a timeout is a positive, finite number of seconds up
+    to 1e12 or a ``timedelta``, and bounds the build itself)."""
 
     backend: str | None
     timeout: timedelta | float | None
@@ -77,14 +79,35 @@ def build(
     reads a group from it or computes with it. ``name`` identifies the build in messages; building the same name
     (or, unnamed, the same layout) again returns the same collection, and asking it for another layout or other
     options raises ``ValueError`` naming what differs.
+
+    ``timeout`` (seconds or a ``timedelta``; ``None``: torch's) is the groups' and bounds the build itself: every
+    rank checks in through the world's store first (:mod:`pgregistry._attendance`), and a rank that has not come
+    by then is named in a ``RuntimeError`` on every rank that did; the build's world all-reduces wait no longer,
+    and a collective failing in the build (a rank killed) raises ``RuntimeError`` naming the ranks that did not
+    answer a roll call. Bad arguments raise on every rank: ``TypeError`` for a layout that is none, a name that is
+    no string, a timeout that is no number (``'5'``, ``True``); ``ValueError`` for a timeout that is not positive
+    and finite (NaN, inf, 0, negative).
     """
     require_distributed("pgregistry.build")
-    options = GroupOptions.of(backend, timeout)
-    if not isinstance(layout, ParallelLayout):
-        raise TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}")
+    options, described, fault = checked_options(backend, timeout)
+    if isinstance(layout, ParallelLayout):
+        declared = {f.name: repr(getattr(layout, f.name)) for f in attrs.fields(ParallelLayout) if f.init}
+    else:
+        declared = {"layout": repr(layout)}
+        fault = joined(fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}"))
+    if name is not None and (not isinstance(name, str) or not name):
+        fault = joined(fault, TypeError(f"name must be a non-empty string or None, got {name!r}"))
+    with attended(f"pgregistry.build of {_label(name, layout)}", options.timeout, BUILD_ADVICE):
+        agree(
+            "the layout to build", {"name": repr(name), **declared, **described}, fault, advice=BUILD_ADVICE,
+            timeout=options.timeout,
+        )
+        return _build_agreed(layout, name, options)
+
+
+def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOptions) -> ProcessGroupCollection:
+    """:func:`build` once every rank has agreed on the request."""
     key = name if name is not None else f"unnamed {layout!r}"
-    declared = {field.name: repr(getattr(layout, field.name)) for field in attrs.fields(ParallelLayout) if field.init}
-    agree("the layout to build", {"name": repr(name), **declared, **options.described()}, advice=BUILD_ADVICE)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     first, stop = layout.rank_range()
     if stop > world_size:
@@ -127,7 +150,7 @@ def build(
     return collection
 
 
-def _label(name: str | None, layout: ParallelLayout) -> str:
+def _label(name: object, layout: object) -> str:
     return f"layout {name!r}" if name is not None else repr(layout)
 
 
@@ -163,7 +186,7 @@ def _refuse_other_options(
                 "so build with the same backend and timeout, or destroy() first"
             )
             break
-    agree("pgregistry.build", {}, conflict, failed="found a communicator with other options")
+    agree("pgregistry.build", {}, conflict, failed="found a communicator with other options", timeout=options.timeout)
 
 
 def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
@@ -179,8 +202,30 @@ def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
 def adopt(groups: Iterable[ProcessGroup]) -> None:
     """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so that a later
     :func:`build` whose rank sets they cover reuses them; collective over the world (every rank passes the groups
-    it belongs to). Adopted groups belong to their creator: :func:`destroy` does not destroy them."""
-    CACHE.adopt(groups)
+    it belongs to). Adopted groups belong to their creator: :func:`destroy` does not destroy them.
+
+    ``TypeError`` on every rank, before anything is adopted, when a rank passes no iterable of process groups
+    (a name such as ``'tp'``, a number, ``None``, which torch.distributed reads as the world), naming the rank and
+    what it passed."""
+    require_distributed("pgregistry.registry.adopt")
+    given, fault = _process_groups(groups)
+    agree("pgregistry.registry.adopt", {}, fault)
+    CACHE.adopt(given)
+
+
+def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | None]:
+    """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects instead."""
+    expects = (
+        "adopt expects an iterable of the torch.distributed ProcessGroup objects this rank belongs to (e.g. "
+        "Megatron-Core's parallel_state.get_tensor_model_parallel_group()), not their names"
+    )
+    if isinstance(groups, (str, bytes, dist.ProcessGroup)) or not isinstance(groups, Iterable):
+        return [], TypeError(f"{expects}; got {groups!r} ({type(groups).__name__})")
+    given = list(groups)
+    for index, group in enumerate(given):
+        if not isinstance(group, dist.ProcessGroup):
+            return [], TypeError(f"{expects}; item {index} is {group!r} ({type(group).__name__})")
+    return given, None
 
 
 def communicators_created() -> int:

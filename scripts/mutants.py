@@ -223,7 +223,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="build-left-before-peers-connected",
         bug="a rank leaves a build before its peers have created their groups (a destroy then closes their pairs)",
         file="pgregistry/_group_cache.py",
-        find="        if missing:\n            all_reached()  # see _new_group\n",
+        find="        if missing:\n            all_reached(options.timeout)  # see _new_group\n",
         replace="",
         tests=(
             "tests/core/test_group_creation_paths.py::"
@@ -366,6 +366,51 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/experts/test_checkpoint_strict_loaders.py::"
             "test_a_job_checkpoint_saved_without_the_optimizer_is_refused_on_every_rank",
         ),
+    ),
+    Mutant(
+        name="max-norm-refused-on-its-rank-alone",
+        bug="MultiModuleOptimizer.step raises on the rank given a bad max_norm before the world all-reduce, and the "
+        "other ranks wait in it (a string on one rank hung three)",
+        file="pgregistry/modules/_optimizer.py",
+        find="        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n",
+        replace="        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n"
+        "        if error is not None:\n            raise error\n",
+        tests=(
+            "tests/modules/test_modules_settings_agreed.py::"
+            "test_a_string_or_nan_max_norm_on_one_rank_raises_on_every_rank_naming_it",
+        ),
+    ),
+    Mutant(
+        name="module-options-unchecked",
+        bug="a per-module optimizer option is not checked on every rank: lr='x' for one module failed in torch on "
+        "that module's ranks only, naming no option",
+        file="pgregistry/modules/_options.py",
+        find="        for option, value in own.items():",
+        replace="        for option, value in {}.items():",
+        tests=(
+            "tests/modules/test_modules_settings_agreed.py::"
+            "test_an_option_bad_for_one_module_raises_on_every_rank_of_the_job",
+        ),
+    ),
+    Mutant(
+        name="build-check-in-at-the-worlds-timeout",
+        bug="a build's check-in waits the world's timeout, not the build's: a rank that never calls it holds the "
+        "others for the process group's timeout",
+        file="pgregistry/_attendance.py",
+        find="    bound = timeout if timeout is not None else world_timeout()",
+        replace="    bound = world_timeout()",
+        tests=(
+            "tests/core/test_registry_refusals.py::test_a_rank_that_never_calls_build_is_named_within_the_builds_timeout",
+        ),
+    ),
+    Mutant(
+        name="build-agreement-unbounded",
+        bug="a build's world all-reduces wait the world's timeout, not the build's: a rank killed in a build left "
+        "the ranks not connected to it waiting",
+        file="pgregistry/_agreement.py",
+        find="    if timeout is None:\n        dist.all_reduce(tensor, op=op)\n        return\n",
+        replace="    dist.all_reduce(tensor, op=op)\n    return\n",
+        tests=("tests/core/test_registry_refusals.py::test_a_rank_killed_in_a_build_is_named_on_every_other_rank",),
     ),
 )
 

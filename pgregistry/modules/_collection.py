@@ -113,17 +113,32 @@ def build_modules(
     Collective over the world: every rank calls it with the same arguments, a rank outside a module included. The
     ranks first agree on the whole request (module names, layouts, ``language_model``, ``disjoint``, options), so
     that a rank that declares another span raises on every rank instead of leaving the others in a collective;
-    modules declared disjoint whose spans overlap raise on every rank before any group is created.
+    modules declared disjoint whose spans overlap raise on every rank before any group is created. ``layouts``
+    must be a mapping (``TypeError`` on every rank otherwise, saying so: a list of ``(name, layout)`` pairs is
+    refused rather than read as one, as ``dict(pairs)`` would silently keep the last of two equal names);
+    ``backend`` and ``timeout`` are :func:`pgregistry.build`'s, checked alike, and ``timeout`` bounds the
+    agreement too (a rank that never calls it is named within that time).
     """
     from pgregistry import registry
-    from pgregistry._agreement import agree, require_distributed
-    from pgregistry._group_cache import GroupOptions
+    from pgregistry._agreement import agree, joined, require_distributed
+    from pgregistry._attendance import attended
+    from pgregistry._group_cache import checked_options
 
     require_distributed("build_modules")
-    options = GroupOptions.of(backend, timeout)
-    request = {f"module {name!r}": repr(layout) for name, layout in layouts.items()}
-    request.update(language_model=repr(language_model), disjoint=repr(disjoint), **options.described())
-    agree("the modules to build", request, advice=MODULES_ADVICE)
+    options, described_options, fault = checked_options(backend, timeout)
+    if isinstance(layouts, Mapping):
+        request = {f"module {name!r}": repr(layout) for name, layout in layouts.items()}
+    else:
+        request = {"modules": repr(layouts)}
+        fault = joined(fault, TypeError(
+            f"build_modules takes a mapping from module name to its ParallelLayout ({{'encoder': ParallelLayout(...), "
+            f"'language': ParallelLayout(...)}}, in the modules' order), got a {type(layouts).__name__}; for "
+            "(name, layout) pairs pass dict(pairs)"
+        ))
+    request.update(language_model=repr(language_model), disjoint=repr(disjoint), **described_options)
+    with attended("pgregistry.modules.build_modules", options.timeout, MODULES_ADVICE):
+        agree("the modules to build", request, fault, advice=MODULES_ADVICE, timeout=options.timeout)
+    assert isinstance(layouts, Mapping)  # agreed: every rank raised above otherwise
     if not layouts:
         raise ValueError("build_modules needs at least one module")
     for name, layout in layouts.items():

@@ -32,11 +32,18 @@ from typing import Any
 
 import torch
 
-from pgregistry._agreement import agree
+from pgregistry._agreement import agree, joined
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification, clip_grads_
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
-from pgregistry.modules._stats import check_models, described, reduce_over_modules
+from pgregistry.modules._options import described_options, options_error
+from pgregistry.modules._stats import (
+    check_models,
+    described,
+    max_norm_error,
+    norm_type_error,
+    reduce_over_modules,
+)
 from pgregistry.optim import ChainedOptimizer
 from pgregistry.optim import build_optimizer as build_module_optimizer
 
@@ -96,7 +103,7 @@ class MultiModuleOptimizer:
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The job-wide grad norm over every module (0-dim float32; NaN or infinite when any module's is)."""
-        return self._statistics(norm_type, zeros=False)[0]
+        return self._statistics(norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm")[0]
 
     def count_zeros(self) -> int:
         """The job-wide number of zero grad elements, each counted once."""
@@ -107,7 +114,7 @@ class MultiModuleOptimizer:
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, int]:
         """:meth:`get_grad_norm` and :meth:`count_zeros` in one all-reduce over the world."""
-        norm, zeros = self._statistics(norm_type, zeros=True)
+        norm, zeros = self._statistics(norm_type, zeros=True, subject="MultiModuleOptimizer.get_grad_norm_and_zeros")
         assert zeros is not None
         return norm, zeros
 
@@ -117,7 +124,9 @@ class MultiModuleOptimizer:
         """Scale every module's grads by ``max_norm / (norm + 1e-6)`` with the job-wide norm, where below 1; return
         the norm. A NaN or infinite norm scales nothing, or raises ``RuntimeError`` on every rank with
         ``error_if_nonfinite``."""
-        total, _ = self._statistics(norm_type, zeros=False, max_norm=max_norm)
+        total, _ = self._statistics(
+            norm_type, zeros=False, max_norm=max_norm, subject="MultiModuleOptimizer.clip_grad_norm"
+        )
         self._clip(max_norm, total, error_if_nonfinite)
         return total
 
@@ -136,11 +145,15 @@ class MultiModuleOptimizer:
         Returns ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does: ``stepped`` is
         false on every rank when the job-wide norm is NaN or infinite (nothing is scaled or stepped, grads are left
         as they are); ``num_zeros`` is the job-wide zero count with ``count_zeros``, else ``None``. One all-reduce
-        over the world after the modules' own reductions; it also carries ``max_norm`` and ``norm_type``, so a
-        rank given other values (or ones that are no norm type or positive finite ``max_norm``) raises
-        ``ValueError`` on every rank, after the reductions every rank joins.
+        over the world after the modules' own reductions; it also carries the agreement on ``max_norm`` and
+        ``norm_type``: when a rank was given other values than its peers, or bad ones (``TypeError`` for no number,
+        such as ``'1.0'``; ``ValueError`` for a ``max_norm`` not positive and finite, a ``norm_type`` not
+        positive), every rank raises, after the reductions every rank joins, quoting the values and the ranks
+        given them; nothing is scaled or stepped.
         """
-        total, zeros = self._statistics(norm_type, zeros=count_zeros, max_norm=max_norm)
+        total, zeros = self._statistics(
+            norm_type, zeros=count_zeros, max_norm=max_norm, subject="MultiModuleOptimizer.step"
+        )
         norm = float(total)
         if not math.isfinite(norm):
             return False, norm, zeros
@@ -173,16 +186,18 @@ class MultiModuleOptimizer:
     # ------------------------------------------------------------------------------------------- internals
 
     def _statistics(
-        self, norm_type: float, *, zeros: bool, max_norm: float | None = None
+        self, norm_type: float, *, zeros: bool, max_norm: float | None = None, subject: str
     ) -> tuple[torch.Tensor, int | None]:
         """The job-wide norm (and zero count). A ``norm_type`` or ``max_norm`` that is bad on some rank only must
         not raise there before the modules' reductions (its module's other ranks would wait in them), so each is
-        sent in the world all-reduce as a number (-1 when bad) and refused after it, on every rank alike."""
-        p_ok = _number(norm_type) > 0
-        p = float(norm_type) if p_ok else 2.0
-        settings = {"norm_type": float(norm_type) if p_ok else -1.0}
+        checked here, and the check travels in the world all-reduce as an agreement's verdict: after it, every rank
+        raises alike, naming the value and the ranks given it, or none does."""
+        bad_p = norm_type_error(norm_type)
+        p = 2.0 if bad_p is not None else float(norm_type)
+        fields = {"norm_type": repr(norm_type)}
         if max_norm is not None:
-            settings["max_norm"] = float(max_norm) if math.isfinite(_number(max_norm)) and max_norm > 0 else -1.0
+            fields["max_norm"] = repr(max_norm)
+        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
         if zeros:
             both = {name: opt.get_grad_norm_and_zeros(p) for name, opt in self._optimizers.items()}
             norms: dict[str, torch.Tensor] = {name: pair[0] for name, pair in both.items()}
@@ -190,12 +205,8 @@ class MultiModuleOptimizer:
         else:
             norms, counts = {name: opt.get_grad_norm(p) for name, opt in self._optimizers.items()}, None
         norm, count = reduce_over_modules(
-            list(self._modules), norms=norms, norm_type=settings["norm_type"], zeros=counts, settings=settings
+            list(self._modules), norms=norms, norm_type=p, zeros=counts, check=(subject, fields, error)
         )
-        if not p_ok:
-            raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
-        if settings.get("max_norm") == -1.0:
-            raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
         assert norm is not None
         return norm, count
 
@@ -213,14 +224,6 @@ class MultiModuleOptimizer:
             )
         if grads:
             clip_grads_(grads, max_norm, total)
-
-
-def _number(value: object) -> float:
-    """``value`` as a float; NaN when it is none."""
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _built_on_the_module(name: str, optimizer: Any, collection: ProcessGroupCollection) -> None:
@@ -249,10 +252,13 @@ def build_optimizer(
     updated by ``per_module[name]`` for that module (a ``param_name_fn`` of its model, another ``lr``).
 
     ``models`` maps each module this rank runs to its model or model chunks, exactly those. Collective over the
-    world (every rank calls it, a rank that runs no module included) and over each module's groups. Bad input
-    (a model for a module this rank does not run, none for one it runs, a model the module's optimizer refuses,
-    ``per_module`` naming no module of the job) raises ``ValueError`` on every rank, naming the rank and module,
-    before any module's optimizer is built.
+    world (every rank calls it, a rank that runs no module included) and over each module's groups; every rank
+    passes the same options (plain values compared, code by its type). Bad input raises on every rank, naming
+    the rank and module, before any module's optimizer is built: ``ValueError`` for a model for a module this rank
+    does not run, none for one it runs, a model the module's optimizer refuses, ``per_module`` naming no module of
+    the job, an option out of range (``lr=-1``); ``TypeError`` for an option of the wrong type (``lr='x'``) or none
+    of :func:`pgregistry.optim.build_optimizer`'s, naming the module (for ``per_module``) and the option. A module
+    whose optimizer fails to build all the same raises on every rank of the job, after the builds.
     """
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(f"build_optimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
@@ -269,10 +275,21 @@ def build_optimizer(
     stray = sorted(set(per_module) - set(modules))
     if stray:
         error = (error + "; " if error else "") + f"per_module names {stray}, which are not modules of the job"
-    request = {**described(modules), "options": repr(sorted(options))}
-    agree("pgregistry.modules.build_optimizer", request, error, advice=MODULES_ADVICE)
-    optimizers = {
-        name: build_module_optimizer(model, modules[name], **{**options, **per_module.get(name, {})})
-        for name, model in given.items()
+    request = {
+        **described(modules),
+        "options": described_options(options),
+        **{f"per_module[{name!r}]": described_options(dict(per_module[name])) for name in sorted(per_module)
+           if isinstance(per_module[name], Mapping)},
     }
+    owner = "pgregistry.modules.build_optimizer"
+    agree(owner, request, joined(options_error(options, per_module, list(modules)), error), advice=MODULES_ADVICE)
+    optimizers, failures = {}, []
+    for name, model in given.items():
+        try:
+            optimizers[name] = build_module_optimizer(model, modules[name], **{**options, **per_module.get(name, {})})
+        except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed below
+            failures.append(type(exc)(f"module {name!r}: {exc}"))
+    # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on any rank.
+    agree(owner, described(modules), joined(*failures), failed="could not build a module's optimizer",
+          advice=MODULES_ADVICE)
     return MultiModuleOptimizer(optimizers, modules)

@@ -23,13 +23,14 @@ instead of leaving a module's ranks waiting.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from pgregistry._agreement import agree
+from pgregistry._agreement import Fault, agree, joined, settle, verdict_of
 from pgregistry._resolve import ParamsLike, normalise
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
@@ -45,6 +46,9 @@ __all__ = [
     "count_zeros",
     "described",
     "grad_norm",
+    "max_norm_error",
+    "norm_type_error",
+    "real_number",
     "reduce_over_modules",
 ]
 
@@ -69,7 +73,7 @@ def grad_norm(
     """
     given = _agreed(
         models, modules, "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)},
-        extra_error=_norm_type_error(norm_type),
+        extra_error=norm_type_error(norm_type),
     )
     p = float(norm_type)
     norms = {name: module_grad_norm(model, modules[name], norm_type=p) for name, model in given.items()}
@@ -110,8 +114,10 @@ def clip_grad_norm_(
     options = {
         "max_norm": repr(max_norm), "norm_type": repr(norm_type), "error_if_nonfinite": repr(error_if_nonfinite)
     }
-    bad_max = None if _positive_finite(max_norm) else f"max_norm must be a positive finite number, got {max_norm!r}"
-    bad = "; ".join(e for e in (bad_max, _norm_type_error(norm_type)) if e) or None
+    not_a_flag = None
+    if not isinstance(error_if_nonfinite, bool):
+        not_a_flag = TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+    bad = joined(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     given = _agreed(models, modules, "pgregistry.modules.clip_grad_norm_", options, extra_error=bad)
     p = float(norm_type)
     norms = {name: module_grad_norm(model, modules[name], norm_type=p) for name, model in given.items()}
@@ -137,45 +143,40 @@ def reduce_over_modules(
     norms: Mapping[str, torch.Tensor] | None = None,
     norm_type: float = 2.0,
     zeros: Mapping[str, torch.Tensor | int] | None = None,
-    settings: Mapping[str, float] | None = None,
+    check: tuple[str, Mapping[str, str], Fault] | None = None,
 ) -> tuple[torch.Tensor | None, int | None]:
     """The job-wide norm and zero count from the modules' own, in one all-reduce (MAX) over the world.
 
     ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
     of the modules this rank runs (the same on every rank of a module). Each module's norm travels as a number,
     never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53); whether a module's norm is
-    float64 as one more slot. The all-reduce also carries each of ``settings`` (name -> a number every rank must
-    have alike; never NaN), ``norm_type`` among them, and its negation: ranks that differ raise ``ValueError`` on
-    every rank, naming the setting. Returns ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim
-    tensor, float64 when any module's norm is, else float32 (NaN when any module's is NaN, else infinite when any
-    is), the count an int.
+    float64 as one more slot. ``check`` (the call's name, the settings every rank must have alike as texts, and
+    this rank's fault) travels in the same all-reduce as an agreement's verdict
+    (:func:`pgregistry._agreement.verdict_of`): ranks that differ or any rank's fault raise on every rank, naming
+    the setting or fault and the ranks (:func:`~pgregistry._agreement.settle`). Returns ``(norm, zeros)``, each
+    ``None`` when not asked for: the norm a 0-dim tensor, float64 when any module's norm is, else float32 (NaN when
+    any module's is NaN, else infinite when any is), the count an int.
     """
     count = len(names)
     index = {name: i for i, name in enumerate(names)}
     device = backend_device(None)
-    agreed = {"norm_type": float(norm_type), **(settings or {})}
+    verdict = verdict_of(check[1], check[2]) if check is not None else []
     # Kept short: gloo's all-reduce of a vector longer than the world takes a ring of 2 x world steps, several
-    # times the latency of a shorter one. One slot per module norm, one per module zero count, two per setting, and
-    # whether a module's norm is float64.
-    packed = torch.zeros(2 * count + 2 * len(agreed) + 1, dtype=torch.float64, device=device)
+    # times the latency of a shorter one. One slot per module norm, one per module zero count, one for whether a
+    # module's norm is float64, then the check's.
+    packed = torch.zeros(2 * count + 1 + len(verdict), dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
             packed[index[name]] = _encoded(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
-        packed[-1] = float(any(norm.dtype == torch.float64 for norm in norms.values()))
+        packed[2 * count] = float(any(norm.dtype == torch.float64 for norm in norms.values()))
     if zeros is not None:
         for name, zero_count in zeros.items():
             packed[count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
-    base = 2 * count
-    for i, number in enumerate(agreed.values()):
-        packed[base + 2 * i], packed[base + 2 * i + 1] = float(number), -float(number)
+    if verdict:
+        packed[2 * count + 1 :] = torch.tensor(verdict, dtype=torch.float64)  # exact: 52-bit digests
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    for i, setting in enumerate(agreed):
-        largest, smallest = float(packed[base + 2 * i]), -float(packed[base + 2 * i + 1])
-        if largest != smallest:
-            raise ValueError(
-                f"ranks asked for different {setting} values (from {smallest} to {largest}); every rank must ask "
-                "for the same job-wide statistic"
-            )
+    if check is not None:
+        settle(check[0], check[1], check[2], packed[2 * count + 1 :].tolist(), advice=_STEP_ADVICE)
     p = float(norm_type)
     total = None
     if norms is not None:
@@ -184,12 +185,14 @@ def reduce_over_modules(
         total = _combined(finite, p)
         total = torch.where((slots == _INF).any(), torch.full_like(total, math.inf), total)
         total = torch.where((slots == _NAN).any(), torch.full_like(total, math.nan), total)
-        total = total if float(packed[-1]) > 0 else total.to(torch.float32)
+        total = total if float(packed[2 * count]) > 0 else total.to(torch.float32)
     zero_total = None
     if zeros is not None:
         zero_total = int(round(float(packed[count : 2 * count].sum())))
     return total, zero_total
 
+
+_STEP_ADVICE = "every rank must ask for the same job-wide statistic, with the same settings"
 
 _INF = torch.finfo(torch.float64).max
 """How an infinite module norm travels: above every finite norm (a finite float64 norm this large, the largest float64
@@ -280,7 +283,7 @@ def _agreed(
     owner: str,
     options: Mapping[str, str],
     *,
-    extra_error: str | None = None,
+    extra_error: Fault = None,
 ) -> dict[str, ParamsLike]:
     """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
     a fault (``pgregistry._agreement.agree``)."""
@@ -293,9 +296,7 @@ def _agreed(
         check_expert_classification(model, collection)
 
     given, error = check_models(models, modules, owner, statistics_accept)
-    if extra_error is not None:
-        error = extra_error if error is None else f"{extra_error}; {error}"
-    agree(owner, {**described(modules), **options}, error, advice=MODULES_ADVICE)
+    agree(owner, {**described(modules), **options}, joined(extra_error, error), advice=MODULES_ADVICE)
     return given
 
 
@@ -311,18 +312,33 @@ def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
     return grads
 
 
-def _norm_type_error(norm_type: object) -> str | None:
-    """Why ``norm_type`` is no norm type (it must be positive, or inf), or ``None``."""
-    try:
-        p = float(norm_type)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        p = math.nan
-    return None if p > 0 else f"norm_type must be positive (or inf), got {norm_type!r}"
+def norm_type_error(norm_type: object) -> Exception | None:
+    """Why ``norm_type`` is no norm type, or ``None``: ``TypeError`` for no real number (a string, a bool),
+    ``ValueError`` unless positive (inf is the max-norm; NaN is none)."""
+    p = real_number(norm_type)
+    if p is None:
+        return TypeError(f"norm_type must be a positive number or inf, got {norm_type!r} ({type(norm_type).__name__})")
+    return None if p > 0 else ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
 
 
-def _positive_finite(value: object) -> bool:
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return number > 0 and math.isfinite(number)
+def max_norm_error(max_norm: object) -> Exception | None:
+    """Why ``max_norm`` cannot be clipped to, or ``None``: ``TypeError`` for no real number (a string such as
+    ``'1.0'``, a bool), ``ValueError`` unless positive and finite (0, negative, NaN, inf)."""
+    number = real_number(max_norm)
+    if number is None:
+        kind = type(max_norm).__name__
+        return TypeError(f"max_norm must be a positive, finite number (a float), got {max_norm!r} ({kind})")
+    if number > 0 and math.isfinite(number):
+        return None
+    return ValueError(f"max_norm must be a positive, finite number, got {max_norm!r}")
+
+
+def real_number(value: object) -> float | None:
+    """``value`` as a float when it is a real number (a Python or NumPy number, a one-element real tensor), not a
+    bool; else ``None``."""
+    if isinstance(value, torch.Tensor):
+        real = value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+        return float(value.item()) if real else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None

@@ -248,8 +248,10 @@ def test_misuse_raises_a_clear_error_on_every_rank() -> None:
             "3]: layout 'y' needs a communicator over ranks ["
         )
         assert "one communicator per rank set" in out["conflict"]
-        assert out["timeout_zero"] == "ValueError: timeout must be positive, got datetime.timedelta(0) (0.0 s)"
-        assert out["timeout_negative"].startswith("ValueError: timeout must be positive, got")
+        every = "ranks [0, 1, 2, 3] were given bad input (ranks [0, 1, 2, 3]: timeout must be positive, finite"
+        assert out["timeout_zero"].startswith(f"ValueError: the layout to build: {every}"), out["timeout_zero"]
+        assert out["timeout_zero"].endswith("; got 0)")
+        assert out["timeout_negative"].endswith("; got datetime.timedelta(days=-1, seconds=86395))")
         assert out["partition_overlap"] == "ValueError: rank sets overlap at ranks [2]; pass disjoint sets"
         assert out["partition_bad"].startswith("ValueError: rank set [0, 4] must list distinct ranks of the 4-rank")
 

@@ -123,7 +123,8 @@ def test_a_model_the_modules_statistics_refuse_raises_on_every_rank(results: lis
 
 
 def test_a_bad_norm_type_on_one_rank_raises_on_every_rank(results: list[dict[str, str]]) -> None:
-    _on_every_rank(results, "norm_type", "ranks disagree on pgregistry.modules.grad_norm", "'norm_type' differs",
+    _on_every_rank(results, "norm_type", "pgregistry.modules.grad_norm: ranks [7] were given bad input (rank 7: "
+                   "norm_type must be positive (or inf), got -1); the ranks also disagree: 'norm_type' differs",
                    "ranks [7] asked for -1")
     _on_every_rank(results, "norm_zero", "ranks [0, 1, 2, 3, 4, 5, 6, 7] were given bad input",
                    "(ranks [0, 1, 2, 3, 4, 5, 6, 7]: norm_type must be positive (or inf), got 0)")

@@ -1,0 +1,97 @@
+"""The options of :func:`pgregistry.modules.build_optimizer`, checked on every rank before any optimizer is built.
+
+Each module's optimizer is :func:`pgregistry.optim.build_optimizer` with the job's options updated by the module's
+own (``per_module``). An option that fails there fails on that module's ranks only, while every other rank has
+gone on into the job's agreement and waits in it; and torch's own refusal of a bad value (``lr='x'``) names no
+option. So every rank checks every module's options here, whether it runs the module or not, and the job's
+agreement raises the same error on every rank, naming the module and the option. :func:`described` gives what
+every rank must agree on: the options' values where they are plain data, their types where they are code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from pgregistry._agreement import Fault, joined
+from pgregistry.modules._stats import real_number
+from pgregistry.optim import build_optimizer as build_module_optimizer
+
+__all__ = ["described_options", "options_error"]
+
+_NAMES = ("adam", "adamw", "sgd")
+"""The update rules :func:`pgregistry.optim.build_optimizer` names."""
+
+_NON_NEGATIVE = ("lr", "weight_decay", "eps", "momentum")
+_FLAGS = ("mixed_precision", "sharded")
+
+
+def options_error(options: Mapping[str, Any], per_module: Mapping[str, Any], modules: list[str]) -> Fault:
+    """Why the job's ``options`` or a module's ``per_module`` entry is refused, or ``None``; every module's entry
+    is checked, so that every rank finds the same faults."""
+    faults = [_error(option, value) for option, value in options.items()]
+    for name in modules:
+        own = per_module.get(name, {})
+        if not isinstance(own, Mapping):
+            faults.append(TypeError(f"module {name!r}: per_module[{name!r}] must be a mapping of options, got {own!r}"))
+            continue
+        for option, value in own.items():
+            fault = _error(option, value)
+            if fault is not None:
+                faults.append(type(fault)(f"module {name!r}: {fault}"))
+    return joined(*faults)
+
+
+def described_options(options: Mapping[str, Any]) -> str:
+    """``options`` as a text every rank given the same ones writes alike: values that are plain data by their repr,
+    code (a factory, a ``param_name_fn``) by its type, whose repr would carry an address that differs by process."""
+    return "{" + ", ".join(f"{option}={_described(value)}" for option, value in sorted(options.items())) + "}"
+
+
+def _described(value: Any) -> str:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_described(item) for item in value) + ")"
+    return f"<{type(value).__qualname__}>"
+
+
+def _keywords() -> set[str]:
+    """The keywords of :func:`pgregistry.optim.build_optimizer` that options may set."""
+    parameters = inspect.signature(build_module_optimizer).parameters.values()
+    return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _error(option: str, value: Any) -> Exception | None:
+    """Why ``value`` is refused for ``option`` of :func:`pgregistry.optim.build_optimizer` (torch's ranges for the
+    update rules' numbers), or ``None``."""
+    if option not in _keywords():
+        return TypeError(f"{option!r} is no option of pgregistry.optim.build_optimizer ({sorted(_keywords())})")
+    shown = f"{value!r} ({type(value).__name__})"
+    if option in _NON_NEGATIVE:
+        number = real_number(value)
+        if number is None:
+            return TypeError(f"{option} must be a number, got {shown}")
+        return None if number >= 0 and math.isfinite(number) else ValueError(
+            f"{option} must be a non-negative, finite number, got {value!r}"
+        )
+    if option == "betas":
+        pair = list(value) if isinstance(value, (tuple, list)) else None
+        if pair is None or len(pair) != 2 or any(real_number(b) is None for b in pair):
+            return TypeError(f"betas must be a pair of numbers, got {shown}")
+        return None if all(0 <= real_number(b) < 1 for b in pair) else ValueError(  # type: ignore[operator]
+            f"betas must each be in [0, 1), got {value!r}"
+        )
+    if option in _FLAGS and not isinstance(value, bool):
+        return TypeError(f"{option} must be True or False, got {shown}")
+    if option == "bucket_numel" and value is not None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return TypeError(f"bucket_numel must be a whole number of elements or None, got {shown}")
+        return None if value > 0 else ValueError(f"bucket_numel must be positive, got {value!r}")
+    if option == "optimizer" and not callable(value) and value not in _NAMES:
+        return ValueError(f"optimizer must be one of {list(_NAMES)} or a factory, got {value!r}")
+    if option == "param_name_fn" and value is not None and not callable(value):
+        return TypeError(f"param_name_fn must be a function of a parameter or None, got {shown}")
+    return None
