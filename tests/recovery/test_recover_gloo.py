@@ -28,7 +28,7 @@ HIDDEN, FFN, OUT, BATCH, STEPS, LR, MOMENTUM = 4, 8, 3, 12, 4, 0.1, 0.9  # BATCH
 TIMEOUT_S = 4.0  # collective timeout: a survivor stuck on a peer that already failed learns it after this long
 WAIT_S = 6.0  # recovery's check-in window: longer than the collective timeout
 TIMEOUT_8_S = 6.0  # 8 ranks on a loaded 2-core machine: a shorter timeout can expire on a live peer
-WAIT_8_S = 9.0
+WAIT_8_S = 9.0  # longer than the 8-rank timeout: a survivor blocked on a live peer checks in at that timeout
 
 
 def _init() -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +192,7 @@ def test_two_losses_in_a_row_on_8_ranks_train_on_and_leak_no_communicator() -> N
     # survivors, first ranks 0-5, then 0, 1, 4, 5, end on TP 2 x DP 2. The lost rank is told each time (the MoE
     # test finds it by the check-ins), so the world waits for no check-in window.
     results = run_faulty_world(
-        8, lambda rank, store: _train(rank, store, kills={1: 7, 3: 3}, told=True, timeout=TIMEOUT_8_S),
+        8, lambda rank, store: _train(rank, store, kills={1: 7, 3: 3}, told=True, timeout=TIMEOUT_8_S, wait=WAIT_8_S),
         collective_timeout=TIMEOUT_8_S,
     )
     for rank in (3, 7):
