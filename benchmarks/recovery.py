@@ -14,8 +14,12 @@ the same run:
 - restart: what torchrun does instead. The launcher ends the survivors, starts a fresh world of the survivors'
   size (new interpreters: import torch, join, build), each rank loads the checkpoint its TP shard saved at the last
   committed step (``torch.save`` of model and optimizer state) and runs the same step.
-- the cost of being recoverable when nothing fails: the step time with :func:`~pgregistry.recovery.commit` (one
-  all-reduce of one integer) against without, before the fault.
+- the cost of being recoverable when nothing fails, before the fault: steps with :func:`~pgregistry.recovery.commit`
+  (one all-reduce of one integer) and steps without it, interleaved in the same run (pairs, their order swapped
+  from pair to pair, so a change of load hits both alike); the ratio of their median step times, and the commit's
+  own median time. The commit is a barrier: its own time includes waiting for the slowest rank, a wait that
+  without it moves to the next step's first collective, so the step-time ratio is the overhead; and the commit's
+  latency alone (right after a barrier, so no rank waits for another), the part that is its own.
 
 Usage: ``python benchmarks/recovery.py [--world 4 --tp 2 --hidden 1024 --ffn 4096 --timeout 5]``.
 """
@@ -36,7 +40,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 64
-FAULT_STEP = 12  # steps 0-4 without commit, 5-11 with it (timed), the fault in step 12
+FAULT_STEP = 41  # step 0 a warm-up, steps 1-40 timed (20 with commit, 20 without, interleaved), the fault in 41
 
 
 def _model(args: argparse.Namespace, pg: Any) -> Any:
@@ -88,6 +92,17 @@ def _step(model: Any, opt: Any, pg: Any, step: int, args: argparse.Namespace, *,
     return committed
 
 
+def _recoverable(step: int) -> bool:
+    """Whether step ``step`` (before the fault) runs :func:`commit`: steps 1-2, 3-4, ... are pairs, one of each,
+    the one with the commit first in every other pair."""
+    pair, second = divmod(step - 1, 2)
+    return step == 0 or (pair % 2 == 0) != bool(second)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def _join(args: argparse.Namespace, prefix: str, rank: int, world: int) -> Any:
     import torch
     import torch.distributed as dist
@@ -101,23 +116,35 @@ def _join(args: argparse.Namespace, prefix: str, rank: int, world: int) -> Any:
 
 def _in_process(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     import torch
+    import torch.distributed as dist
 
     from pgregistry import build, build_optimizer
     from pgregistry.layout import ParallelLayout
-    from pgregistry.recovery import LeftWithReplica, carry_optimizer_state, recover
+    from pgregistry.recovery import LeftWithReplica, carry_optimizer_state, commit, recover
 
     store = _join(args, "a/world", rank, args.world)
     pg = build(ParallelLayout(num_ranks=args.world, tp=args.tp), name="job", timeout=args.timeout)
     model = _model(args, pg)
     opt = build_optimizer(model, pg, optimizer="adam", lr=1e-3, mixed_precision=False)
     victim = args.world - 1
-    steps, commits = [], []
+    timed: dict[bool, list[float]] = {True: [], False: []}
+    commits = []
     step = 0
     while step < FAULT_STEP:
+        recoverable = _recoverable(step)
         started = time.perf_counter()
-        commits.append(_step(model, opt, pg, step, args, recoverable=True))
-        steps.append(time.perf_counter() - started)
+        committed = _step(model, opt, pg, step, args, recoverable=recoverable)
+        if step > 0:
+            timed[recoverable].append(time.perf_counter() - started)
+            if recoverable:
+                commits.append(committed)
         step += 1
+    latency = []
+    for _ in range(20):
+        dist.barrier()
+        started = time.perf_counter()
+        commit(pg)
+        latency.append(time.perf_counter() - started)
     # The last committed step's checkpoint, for the restart (each TP shard's, from data-parallel replica 0).
     if rank < args.tp:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
@@ -148,7 +175,8 @@ def _in_process(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             "left": False, "detect": caught - killed, "told": told - killed, "agree": agreed - killed,
             "rebuild": rebuilt - killed, "first_step": time.time() - killed,
             "created": recovered.communicators_created, "keepable": recovered.communicators_keepable,
-            "step_s": sorted(steps[1:])[len(steps[1:]) // 2], "commit_s": sorted(commits[1:])[len(commits[1:]) // 2],
+            "step_s": _median(timed[True]), "bare_step_s": _median(timed[False]), "commit_s": _median(commits),
+            "commit_alone_s": _median(latency),
         }
     raise AssertionError("the step with the fault did not fail")
 
@@ -279,9 +307,14 @@ def _print_table(args: argparse.Namespace, torch_version: str, survivors: list[d
     print(f"communicators per survivor: kept 0, created {created} (keepable: members all survived {keepable}); "
           f"restart created {sorted({r['created'] for r in restarted})}")
     step = max(r["step_s"] for r in survivors)
+    bare = max(r["bare_step_s"] for r in survivors)
     commit = max(r["commit_s"] for r in survivors)
-    print(f"being recoverable when nothing fails (medians, slowest rank): commit() {commit * 1e3:.3f} ms of a "
-          f"{step * 1e3:.1f} ms step ({commit / step * 100:.2f}%)")
+    alone = max(r["commit_alone_s"] for r in survivors)
+    print(f"being recoverable when nothing fails (medians of {(FAULT_STEP - 1) // 2} steps each, interleaved, "
+          f"slowest rank): step with commit() {step * 1e3:.1f} ms, without {bare * 1e3:.1f} ms "
+          f"({(step / bare - 1) * 100:+.2f}%); commit() itself {commit * 1e3:.3f} ms ({commit / step * 100:.2f}% "
+          "of the step, its wait for the slowest rank included); commit() alone, after a barrier, "
+          f"{alone * 1e3:.3f} ms ({alone / step * 100:.2f}% of the step)")
 
 
 def _cell(value: float | None) -> str:

@@ -412,6 +412,38 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="    dist.all_reduce(tensor, op=op)\n    return\n",
         tests=("tests/core/test_registry_refusals.py::test_a_rank_killed_in_a_build_is_named_on_every_other_rank",),
     ),
+    Mutant(
+        name="shrink-ignores-expert-replicas",
+        bug="a lost rank takes only its dense replica, not the expert replica (EP peers holding other experts)",
+        file="pgregistry/_shrink.py",
+        find='leaving = [r for r in ranks if coords[r]["dp"] in dense_gone or coords[r]["expt_dp"] in expert_gone]',
+        replace='leaving = [r for r in ranks if coords[r]["dp"] in dense_gone]',
+        tests=(
+            "tests/recovery/test_shrink.py::test_shrink_matches_an_independent_enumeration",
+            "tests/recovery/test_shrink.py::test_expert_parallelism_across_replicas_takes_every_replica_it_spans",
+            "tests/recovery/test_shrink.py::"
+            "test_the_moe_layout_with_expert_tp_1_loses_one_expert_replica_and_the_dense_replicas_it_spans",
+        ),
+    ),
+    Mutant(
+        name="step-applied-without-commit",
+        bug="commit() runs no collective: a rank whose peers failed mid-step applies the step alone",
+        file="pgregistry/recovery.py",
+        find="    if group_size(group) > 1:\n        dist.all_reduce(",
+        replace="    if False:\n        dist.all_reduce(",
+        tests=(
+            "tests/recovery/test_recover_gloo.py::"
+            "test_a_rank_killed_before_the_grad_sync_lets_no_survivor_step_alone",
+        ),
+    ),
+    Mutant(
+        name="optimizer-state-dropped-on-recovery",
+        bug="the optimizer rebuilt after a recovery starts from empty state (the momentum lost)",
+        file="pgregistry/recovery.py",
+        find="    new.load_state_dict(old.state_dict())",
+        replace="    del new",
+        tests=("tests/recovery/test_recovery_checks.py::test_only_a_replicated_optimizer_carries_over",),
+    ),
 )
 
 

@@ -113,6 +113,19 @@ def test_expert_parallelism_across_replicas_takes_every_replica_it_spans() -> No
     assert (shrunk.layout.dp, shrunk.layout.expt_dp, shrunk.layout.ep) == (4, 1, 4)
 
 
+def test_the_moe_layout_with_expert_tp_1_loses_one_expert_replica_and_the_dense_replicas_it_spans() -> None:
+    # TP 2 x EP 4, expert TP 1 on 8 ranks: expert replicas {0-3} and {4-7}, each spanning two dense replicas.
+    shrunk = ParallelLayout(num_ranks=8, tp=2, ep=4, expt_tp=1).shrink([7])
+    assert shrunk.leaving == (4, 5, 6, 7)
+    assert (shrunk.dense_replicas_left, shrunk.expert_replicas_left) == ((2, 3), (1,))
+    assert dict(shrunk.rank_map) == {0: 0, 1: 1, 2: 2, 3: 3}
+    new = shrunk.layout
+    assert (new.tp, new.dp, new.ep, new.expt_tp, new.expt_dp) == (2, 2, 4, 1, 1)
+    # One expert replica is left: the next loss leaves no copy of some expert.
+    with pytest.raises(ValueError, match=r"losing rank\(s\) 0 leaves no copy of the model: .*expt_dp=0 of 1"):
+        new.shrink([0])
+
+
 @pytest.mark.parametrize(
     ("kw", "lost", "pattern"),
     [
