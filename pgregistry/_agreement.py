@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["agree", "all_reached", "require_distributed", "world_device"]
+__all__ = ["agree", "all_reached", "any_rank_has", "require_distributed", "world_device"]
 
 _SHOWN = 4
 """How many distinct errors a message quotes in full."""
@@ -63,6 +63,22 @@ def all_reached() -> None:
     import torch.distributed as dist
 
     dist.all_reduce(torch.zeros(1, device=world_device()))
+
+
+def any_rank_has(local: bool, group: Any) -> bool:
+    """Whether any rank of ``group`` (a ProcessGroup, or ``None``: the axis is off) has ``local`` true: one MAX
+    all-reduce over it, none when it has one rank. For a verdict the ranks of one group must take alike."""
+    import torch
+    import torch.distributed as dist
+
+    from pgregistry.collection import group_size
+    from pgregistry.grad_stats._devices import backend_device
+
+    if group_size(group) == 1:
+        return local
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=backend_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def world_device() -> Any:

@@ -43,7 +43,12 @@ from pgregistry.collection import (
     group_rank,
     group_size,
 )
-from pgregistry.interop._megatron_grids import agreed_modules, described_groups, from_hyper_comm_grid
+from pgregistry.interop._megatron_grids import (
+    agreed_modules,
+    described_groups,
+    expert_fields_off,
+    from_hyper_comm_grid,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -280,7 +285,9 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
     layouts, language_model = agreed_modules(everyone)
     registry.adopt(g for fields in local.values() for g in _groups_in(fields))
     collections = {
-        name: ProcessGroupCollection(layout=layout, name=name, **local[name])
+        name: ProcessGroupCollection(
+            layout=layout, name=name, **expert_fields_off(layout, local[name], _NONE_MEANS_NO_EXPERTS)
+        )
         if name in local else ProcessGroupCollection._outside(layout, name, None)
         for name, layout in layouts.items()
     }
