@@ -157,12 +157,14 @@ def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str
     """The layout kinds the grid did not create that need no new communicator: ``None`` where this rank's group
     has one rank (an axis the grid does not have, GTP remat and a dense grid's expert axes, is off), else the
     grid's communicator of another field over the same ranks (``tp_ep_pp`` is ``pp`` when expert TP and EP are
-    off). Every member of a group finds the same field first, so they all hold the same communicator."""
+    off; ``intra_dist_opt``, the whole span, is among them). Every member of a group finds the same field first,
+    so they all hold the same communicator."""
     import torch.distributed as dist
 
     ranks_of = {
         field: tuple(sorted(dist.get_process_group_ranks(group)))
-        for field, group in created.items() if field in GROUP_KINDS and group is not NOT_MEMBER and group is not None
+        for field, group in created.items()
+        if (field in GROUP_KINDS or field == "intra_dist_opt") and group is not NOT_MEMBER and group is not None
     }
     out: dict[str, Any] = {}
     for kind, ranks in layout.groups_of(dist.get_rank()).items():

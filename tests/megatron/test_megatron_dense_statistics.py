@@ -105,6 +105,17 @@ def _on_rank() -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProcessGroupFallbackWarning)  # the expert fields are asked for, alike
         out["expert on rank 0"] = _error_of(lambda: pgregistry.grad_norm(expert_here, mine))
+    return out
+
+
+def _modules_on_rank() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    warnings.simplefilter("error", ProcessGroupFallbackWarning)
+    groups = _megatron_tests_groups()
+    model = _model(dist.get_rank() % TP)
+    out: dict[str, Any] = {}
     # A MIMO module's collection: Megatron-Core's MIMO optimizer gives intra_dist_opt the module's whole span.
     theirs = MegatronCollection()
     for name, group in {**groups, "intra_dist_opt": init_device_mesh("cpu", (WORLD,)).get_group()}.items():
@@ -113,6 +124,8 @@ def _on_rank() -> dict[str, Any]:
     modules = from_megatron(mimo)
     layout = modules["llm"].layout
     out["layout"] = (layout.tp, layout.dp, layout.ep, layout.expt_tp, layout.expt_dp)
+    llm = modules["llm"]  # "not needed" as the layout has it: tp_ep_pp one rank, expt_dp the whole span
+    out["off fields"] = (llm.get("tp_ep_pp") is None, llm.get("expt_dp") is theirs.intra_dist_opt)
     out["modules norm"] = float(pgregistry.modules.grad_norm({"llm": model}, modules))
     out["modules zeros"] = pgregistry.modules.count_zeros({"llm": model}, modules)
     registry.destroy()
@@ -122,6 +135,11 @@ def _on_rank() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
     return run_world(WORLD, _on_rank, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def modules_results() -> list[dict[str, Any]]:
+    return run_world(WORLD, _modules_on_rank, timeout=60)
 
 
 def _oracle() -> tuple[float, float, int]:
@@ -149,10 +167,11 @@ def test_the_has_experts_verdict_is_the_same_on_every_rank(results: list[dict[st
 
 
 def test_a_megatron_multi_module_collection_without_experts_has_its_expert_axes_off(
-    results: list[dict[str, Any]],
+    modules_results: list[dict[str, Any]],
 ) -> None:
     norm, _, zeros = _oracle()
-    for rank, out in enumerate(results):
+    for rank, out in enumerate(modules_results):
         assert out["layout"] == (TP, DP, 1, 1, DP * TP), (rank, out["layout"])
+        assert out["off fields"] == (True, True), (rank, out["off fields"])
         assert out["modules norm"] == pytest.approx(norm, rel=1e-6), (rank, out["modules norm"])
         assert out["modules zeros"] == zeros, (rank, out["modules zeros"])
