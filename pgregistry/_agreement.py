@@ -72,21 +72,21 @@ def any_rank_has(local: bool, group: Any) -> bool:
     import torch.distributed as dist
 
     from pgregistry.collection import group_size
-    from pgregistry.grad_stats._devices import backend_device
 
     if group_size(group) == 1:
         return local
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=backend_device(group))
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=world_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
-def world_device() -> Any:
-    """Where the world's collectives run: this rank's GPU for NCCL, else the CPU."""
+def world_device(group: Any = None) -> Any:
+    """Where the collectives over ``group`` (the world's for ``None``) run: this rank's GPU for NCCL, else the
+    CPU."""
     import torch
     import torch.distributed as dist
 
-    if "nccl" in str(dist.get_backend()):
+    if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
