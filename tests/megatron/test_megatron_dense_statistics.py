@@ -11,7 +11,7 @@ That collection (tp, cp, pp, mp, dp, dp_cp, intra_dist_opt from a ``DeviceMesh``
   both ask for the expert fields and raise alike (rank 0 alone raised, and its peer waited in the reduction);
 * ``from_megatron`` of a Megatron-Core ``MultiModuleProcessGroupCollection`` of that collection recovers a layout
   with the expert axes off (it set expert TP to TP and refused the collection's ``tp_ep_pp=None``), and
-  ``pgregistry.modules.grad_norm`` / ``count_zeros`` on it give the oracle's values.
+  ``pgregistry.modules.grad_norm`` / ``count_zeros`` and the module's optimizer on it give the oracle's values.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pgregistry import registry  # noqa: E402
 from pgregistry.collection import ProcessGroupCollection  # noqa: E402
 from pgregistry.fallback import ProcessGroupFallbackWarning  # noqa: E402
 from pgregistry.interop.megatron import from_megatron  # noqa: E402
+from pgregistry.optim import build_optimizer  # noqa: E402
 from pgregistry.params import mark_expert  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
@@ -99,6 +100,10 @@ def _on_rank() -> dict[str, Any]:
         "zeros": pgregistry.count_zeros(model, mine),
         "again": float(pgregistry.grad_norm(model, mine)),  # the kept plan, its verdict kept
     }
+    theirs = MegatronCollection()
+    for name, group in groups.items():
+        setattr(theirs, name, group)
+    out["from_megatron"] = float(pgregistry.grad_norm(_model(rank % TP), from_megatron(theirs)))
     expert_here = _model(rank % TP)
     if rank == 0:
         mark_expert(expert_here.replicated)
@@ -128,8 +133,22 @@ def _modules_on_rank() -> dict[str, Any]:
     out["off fields"] = (llm.get("tp_ep_pp") is None, llm.get("expt_dp") is theirs.intra_dist_opt)
     out["modules norm"] = float(pgregistry.modules.grad_norm({"llm": model}, modules))
     out["modules zeros"] = pgregistry.modules.count_zeros({"llm": model}, modules)
+    out["optimizer"] = _optimizer_norm(llm, dist.get_rank() % TP)
     registry.destroy()
     return out
+
+
+def _optimizer_norm(collection: ProcessGroupCollection, tp_rank: int) -> float:
+    """The grad norm of pgregistry's optimizer over the model on ``collection`` (equal grads on every DP rank)."""
+    model = _model(tp_rank)
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    optimizer = build_optimizer(model, collection, optimizer="sgd", lr=0.1)
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        param.grad.copy_(grads[name])
+    optimizer.sync_grads()  # an average over DP of equal grads
+    return float(optimizer.get_grad_norm())
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +172,7 @@ def test_a_dense_models_statistics_read_no_expert_field(results: list[dict[str, 
     for rank, out in enumerate(results):
         assert out["norm"] == pytest.approx(norm, rel=1e-6), (rank, out["norm"])
         assert out["again"] == pytest.approx(norm, rel=1e-6), (rank, out["again"])
+        assert out["from_megatron"] == pytest.approx(norm, rel=1e-6), (rank, out["from_megatron"])
         assert out["inf norm"] == pytest.approx(largest, rel=1e-6), (rank, out["inf norm"])
         assert out["zeros"] == zeros, (rank, out["zeros"])
 
@@ -175,3 +195,4 @@ def test_a_megatron_multi_module_collection_without_experts_has_its_expert_axes_
         assert out["off fields"] == (True, True), (rank, out["off fields"])
         assert out["modules norm"] == pytest.approx(norm, rel=1e-6), (rank, out["modules norm"])
         assert out["modules zeros"] == zeros, (rank, out["modules zeros"])
+        assert out["optimizer"] == pytest.approx(norm, rel=1e-6), (rank, out["optimizer"])
