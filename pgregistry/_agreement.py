@@ -25,6 +25,8 @@ __all__ = [
     "agree",
     "all_reached",
     "all_reduce_within",
+    "any_rank_has",
+    "any_rank_has_each",
     "joined",
     "require_distributed",
     "settle",
@@ -146,12 +148,35 @@ def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str
     work.wait()
 
 
-def world_device() -> Any:
-    """Where the world's collectives run: this rank's GPU for NCCL, else the CPU."""
+def any_rank_has(local: bool, group: Any) -> bool:
+    """Whether any rank of ``group`` (a ProcessGroup, or ``None``: the axis is off) has ``local`` true: one MAX
+    all-reduce over it, none when it has one rank. For a verdict the ranks of one group must take alike."""
+    (anywhere,) = any_rank_has_each((local,), group)
+    return anywhere
+
+
+def any_rank_has_each(local: Sequence[bool], group: Any) -> tuple[bool, ...]:
+    """For each flag of ``local``, whether any rank of ``group`` has it true: one MAX all-reduce for all of them
+    (none when the group has one rank), so several verdicts cost one collective."""
     import torch
     import torch.distributed as dist
 
-    if "nccl" in str(dist.get_backend()):
+    from pgregistry.collection import group_size
+
+    if group_size(group) == 1:
+        return tuple(local)
+    flags = torch.tensor([int(flag) for flag in local], dtype=torch.int32, device=world_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return tuple(bool(flag) for flag in flags.tolist())
+
+
+def world_device(group: Any = None) -> Any:
+    """Where the collectives over ``group`` (the world's for ``None``) run: this rank's GPU for NCCL, else the
+    CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

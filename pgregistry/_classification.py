@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pgregistry._resolve import Params
 from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.params import is_expert_module
+from pgregistry.params import is_expert_module, is_expert_param
 
-__all__ = ["require_classified_experts", "unclassified_expert_params"]
+__all__ = ["holds_experts", "require_classified_experts", "unclassified_expert_params"]
 
 
 def unclassified_expert_params(params: Params) -> list[str]:
@@ -33,6 +33,13 @@ def unclassified_expert_params(params: Params) -> list[str]:
                 if not hasattr(param, "allreduce"):
                     names.setdefault(id(param), chunk_prefix + name)
     return list(names.values())
+
+
+def holds_experts(params: Params) -> bool:
+    """Whether ``params`` hold an expert parameter, or a parameter of a marked expert module not yet classified
+    (it may be one): what makes a collection's expert fields needed. Local: the ranks that must decide alike agree
+    the answer (:func:`pgregistry._agreement.any_rank_has`)."""
+    return any(is_expert_param(param) for _, param in params.named) or bool(unclassified_expert_params(params))
 
 
 def require_classified_experts(params: Params, collection: ProcessGroupCollection) -> None:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-__all__ = ["Params", "ParamsLike", "checked", "fill", "normalise", "resolve"]
+__all__ = ["Params", "ParamsLike", "checked", "fill", "grid_reads", "normalise", "resolve"]
 
 ParamsLike: TypeAlias = (
     "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]"
@@ -196,18 +196,11 @@ def fill(
     other is read from the global grid, with a warning (``RuntimeError`` when there is none), and must agree with
     the collection: ``ValueError`` naming the field and the composite it contradicts, or the check that failed.
     """
-    skipped = set(unneeded)
-    missing = [name for name in (*names, *unneeded) if not collection.is_set(name)]
+    missing = [name for name in dict.fromkeys((*names, *unneeded)) if not collection.is_set(name)]
     if not missing:
         return collection
-    filled: dict[str, ProcessGroup | None] = {}
-    read = []
-    for name in dict.fromkeys(missing):
-        implied = implied_size(collection, name)
-        if (implied is not None and implied[0] == 1) or (implied is None and name in skipped):
-            filled[name] = None
-        else:
-            read.append(name)
+    read = grid_reads(collection, missing, unneeded)
+    filled: dict[str, ProcessGroup | None] = {name: None for name in missing if name not in read}
     grid = _global_grid() if read else None
     for name in read:
         warn_fallback(owner, name)
@@ -235,3 +228,20 @@ def fill(
             f"{owner} filled the unset process group(s) {read} from the global grid, which contradicts the "
             f"collection ({exc}); pass them in the collection"
         ) from exc
+
+
+def grid_reads(
+    collection: ProcessGroupCollection, names: Iterable[GroupName], unneeded: Iterable[GroupName] = ()
+) -> list[GroupName]:
+    """The fields among ``names`` that :func:`fill` reads from the global grid: UNSET, not left one rank by the
+    collection's composite groups, and not ``unneeded`` unless the composites say they span several ranks."""
+    skipped = set(unneeded)
+    reads = []
+    for name in dict.fromkeys(names):
+        if collection.is_set(name):
+            continue
+        implied = implied_size(collection, name)
+        if (implied is not None and implied[0] == 1) or (implied is None and name in skipped):
+            continue
+        reads.append(name)
+    return reads

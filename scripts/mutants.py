@@ -263,7 +263,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="optimizer-reads-expert-fields-of-a-dense-model",
         bug="build_optimizer reads the expert fields from the global grid for a model without experts",
         file="pgregistry/optim/_setup.py",
-        find="    unneeded = () if experts else _EXPERT_STATS_FIELDS\n",
+        find="    unneeded = () if experts else EXPERT_STATS_FIELDS\n",
         replace="    unneeded = ()\n",
         tests=(
             "tests/megatron/test_megatron_custom_process_groups.py::"
@@ -443,6 +443,16 @@ MUTANTS: tuple[Mutant, ...] = (
         find="    new.load_state_dict(old.state_dict())",
         replace="    del new",
         tests=("tests/recovery/test_recovery_checks.py::test_only_a_replicated_optimizer_carries_over",),
+    ),
+    Mutant(
+        name="statistics-read-expert-fields-of-a-dense-model",
+        bug="grad_norm and count_zeros read the expert fields of a model without experts from the global grid",
+        file="pgregistry/grad_stats/_plan.py",
+        find="    return () if experts else EXPERT_STATS_FIELDS\n",
+        replace="    return ()\n",
+        tests=(
+            "tests/megatron/test_megatron_dense_statistics.py::test_a_dense_models_statistics_read_no_expert_field",
+        ),
     ),
 )
 

@@ -25,6 +25,7 @@ from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank,
 from pgregistry.params import is_expert_param
 
 __all__ = [
+    "EXPERT_STATS_FIELDS",
     "STATS_FALLBACK",
     "StatsGroups",
     "is_counted",
@@ -37,6 +38,9 @@ __all__ = [
 STATS_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
 """The fields grad statistics read from the global grid (with a warning) when the collection leaves them UNSET;
 ``tp`` and ``mp`` must be set."""
+
+EXPERT_STATS_FIELDS: Final[tuple[GroupName, ...]] = ("ep", "expt_tp", "expt_gtp_remat")
+"""The fields of :data:`STATS_FALLBACK` only expert parameters read: a model without experts needs none of them."""
 
 _EXPERT_REDUCE: Final = "tp_ep_pp_with_egtp_remat"
 

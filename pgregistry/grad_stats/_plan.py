@@ -48,12 +48,20 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pgregistry._classification import require_classified_experts
-from pgregistry._resolve import ParamsLike, normalise, resolve
+from pgregistry._agreement import any_rank_has
+from pgregistry._classification import holds_experts, require_classified_experts
+from pgregistry._resolve import Params, ParamsLike, fill, grid_reads, normalise, resolve
 from pgregistry.collection import GroupName, ProcessGroupCollection
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, decision_of, is_partial
-from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups, is_counted, reduce_group_of, role_verdicts
+from pgregistry.grad_stats._filters import (
+    EXPERT_STATS_FIELDS,
+    STATS_FALLBACK,
+    StatsGroups,
+    is_counted,
+    reduce_group_of,
+    role_verdicts,
+)
 from pgregistry.grad_stats._local import KindPlan, parts_of, plan_kind, read_kind, scale_kind
 from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, seen_part, widest
 from pgregistry.params import role_generation
@@ -361,10 +369,14 @@ def _source_of(model_or_params: ParamsLike) -> _Source:
 class Kept:
     """A plan and what it was made from: the collection, the parameter set, the roles (module docstring)."""
 
-    def __init__(self, source: _Source, collection: ProcessGroupCollection, owner: str) -> None:
+    def __init__(self, source: _Source, given: ProcessGroupCollection, owner: str) -> None:
         params = normalise(source.given)
+        self.given = given
+        self.unneeded = _unneeded_fields(params, given)
+        collection = fill(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
         require_classified_experts(params, collection)
         self.collection = collection
+        self._reads_grid = bool(grid_reads(given, STATS_FALLBACK, self.unneeded))
         self.plan = Plan(params.named, StatsGroups.from_collection(collection))
         self.params = [param for _, param in params.named]
         self._chunk_refs = [weakref.ref(chunk) for chunk in source.chunks[1:]]
@@ -425,14 +437,35 @@ class Kept:
             and self._role_values() == self._roles
         )
 
-    def current(self, source: _Source, collection: ProcessGroupCollection) -> list[torch.Tensor] | None:
-        """The parameters to read if nothing the plan depends on changed, else ``None``."""
-        if self.generation != role_generation() or not (collection is self.collection or collection == self.collection):
+    def current(self, source: _Source, given: ProcessGroupCollection, owner: str) -> list[torch.Tensor] | None:
+        """The parameters to read if nothing the plan depends on changed, else ``None``: the collection given (and
+        the fields the plan read from the global grid, read again, each time with its warning), the parameter set,
+        the roles."""
+        if self.generation != role_generation() or not (given is self.given or given == self.given):
             return None
         params = self.plan_params(source)
         if params is None or not self._same_roles():
             return None
-        return params
+        if not self._reads_grid:
+            return params
+        collection = fill(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
+        return params if collection is self.collection or collection == self.collection else None
+
+
+def _unneeded_fields(params: Params, given: ProcessGroupCollection) -> tuple[GroupName, ...]:
+    """The expert fields the statistics of ``params`` leave off (:data:`EXPERT_STATS_FIELDS`, when no rank of the
+    model's ``mp`` group holds an expert parameter), so a model without experts reads none from the global grid.
+
+    Decided once per plan, and alike on every rank of ``mp`` (each TP and pipeline rank of a replica, as
+    ``build_optimizer`` decides), so a stage without experts takes the groups its peers with experts take (or
+    raises as they do): one MAX all-reduce, only when the answer changes what is read (the collection leaves an
+    expert field to the global grid, :func:`~pgregistry._resolve.grid_reads`; a collection that sets them, as
+    ``pgregistry.build``'s do, needs none). The ranks of ``mp`` make their plans at the same call: what makes a plan
+    anew (another collection, parameter set or role) happens to the whole model."""
+    if grid_reads(given, EXPERT_STATS_FIELDS) == grid_reads(given, EXPERT_STATS_FIELDS, EXPERT_STATS_FIELDS):
+        return ()
+    experts = any_rank_has(holds_experts(params), given.get("mp") if given.is_set("mp") else None)
+    return () if experts else EXPERT_STATS_FIELDS
 
 
 _KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -446,17 +479,18 @@ def kept_plan(
 ) -> tuple[Plan, list[torch.Tensor], ProcessGroupCollection]:
     """The door of the statistics entry points: the collection resolved once (explicit, else attached to the
     model, else the global grid with a warning), then the kept plan of what was given, checked, or a new one
-    (normalised once, unclassified experts refused, classified); its parameters, in the plan's order."""
+    (normalised once, the grad-statistics fields the model needs filled, :func:`_unneeded_fields`, unclassified
+    experts refused, classified); its parameters, in the plan's order, and the filled collection."""
     source = _source_of(model_or_params)
-    collection = resolve(pg_collection, source.chunks, owner=owner, fallback=STATS_FALLBACK)
+    given = resolve(pg_collection, source.chunks, owner=owner)
     kept = _KEPT.get(source.chunks[0]) if source.chunks else (_KEPT_TENSORS[0] if _KEPT_TENSORS else None)
-    params = kept.current(source, collection) if kept is not None else None
+    params = kept.current(source, given, owner) if kept is not None else None
     if kept is None or params is None:
-        kept = Kept(source, collection, owner)
+        kept = Kept(source, given, owner)
         if source.chunks:
             _KEPT[source.chunks[0]] = kept
         elif source.tensors:
             _KEPT_TENSORS[:] = [kept]
         params = kept.plan_params(source)
         assert params is not None
-    return kept.plan, params, collection
+    return kept.plan, params, kept.collection

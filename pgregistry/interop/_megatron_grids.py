@@ -24,7 +24,7 @@ from typing import Any, Final
 from pgregistry.collection import NOT_MEMBER, GroupName, ProcessGroupCollection, group_size
 from pgregistry.layout import DEFAULT_ORDER, GROUP_KINDS, OrderToken, ParallelLayout, RankGroup
 
-__all__ = ["EXPERT_VIEW", "agreed_modules", "described_groups", "from_hyper_comm_grid"]
+__all__ = ["EXPERT_VIEW", "agreed_modules", "described_groups", "expert_fields_off", "from_hyper_comm_grid"]
 
 EXPERT_VIEW: Final = "expert"
 """The view of a ``HyperCommGrid`` whose dims hold the expert groups, as Megatron-Core's MIMO optimizer names it."""
@@ -157,12 +157,14 @@ def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str
     """The layout kinds the grid did not create that need no new communicator: ``None`` where this rank's group
     has one rank (an axis the grid does not have, GTP remat and a dense grid's expert axes, is off), else the
     grid's communicator of another field over the same ranks (``tp_ep_pp`` is ``pp`` when expert TP and EP are
-    off). Every member of a group finds the same field first, so they all hold the same communicator."""
+    off; ``intra_dist_opt``, the whole span, is among them). Every member of a group finds the same field first,
+    so they all hold the same communicator."""
     import torch.distributed as dist
 
     ranks_of = {
         field: tuple(sorted(dist.get_process_group_ranks(group)))
-        for field, group in created.items() if field in GROUP_KINDS and group is not NOT_MEMBER
+        for field, group in created.items()
+        if (field in GROUP_KINDS or field == "intra_dist_opt") and group is not NOT_MEMBER and group is not None
     }
     out: dict[str, Any] = {}
     for kind, ranks in layout.groups_of(dist.get_rank()).items():
@@ -241,14 +243,20 @@ def _is_member_group(group: Any) -> bool:
 # ------------------------------------------------------------------------------- MultiModuleProcessGroupCollection
 
 
+_OFF: Final[RankGroup] = ()
+"""How :func:`described_groups` reports a field that is ``None`` (off, or Megatron-Core's "not needed")."""
+
+
 def described_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
-    """Field -> the sorted ranks of this rank's group (``None`` for NOT_MEMBER, axis off or a list), for the other
-    ranks to recover a module's layout with :func:`agreed_modules`."""
+    """Field -> the sorted ranks of this rank's group (``()`` for ``None``, ``None`` for NOT_MEMBER or a list), for
+    the other ranks to recover a module's layout with :func:`agreed_modules`."""
     import torch.distributed as dist
 
     out: dict[str, RankGroup | None] = {}
     for field, value in fields.items():
-        if value is NOT_MEMBER or value is None or isinstance(value, list):
+        if value is None:
+            out[field] = _OFF
+        elif value is NOT_MEMBER or isinstance(value, list):
             out[field] = None
         else:
             out[field] = tuple(sorted(dist.get_process_group_ranks(value)))
@@ -262,6 +270,7 @@ def agreed_modules(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str 
     ``ValueError`` naming the module when its ranks are not one span or no layout gives its groups, and when ranks
     name different language models."""
     observed: dict[str, dict[str, set[RankGroup]]] = {}
+    off: dict[str, set[str]] = {}
     ranks_of: dict[str, set[int]] = {}
     language_models: set[str] = set()
     for rank, (modules, language_model) in enumerate(everyone):
@@ -271,7 +280,9 @@ def agreed_modules(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str 
             ranks_of.setdefault(name, set()).add(rank)
             seen = observed.setdefault(name, {})
             for field, ranks in fields.items():
-                if ranks is not None:
+                if ranks == _OFF:
+                    off.setdefault(name, set()).add(field)
+                elif ranks is not None:
                     seen.setdefault(field, set()).add(ranks)
     if len(language_models) > 1:
         raise ValueError(f"ranks name different language models: {sorted(language_models)}")
@@ -283,8 +294,21 @@ def agreed_modules(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str 
             raise ValueError(f"module {name!r} runs on ranks {members}, which are not one span of consecutive ranks")
         _require_sizing_groups(name, observed[name])
         sizes = {axis: size for axis in _SIZE_FIELDS if (size := _size_of(observed[name], axis)) is not None}
+        if off.get(name, set()) & _EXPERT_FIELD_NAMES and not set(observed[name]) & _EXPERT_FIELD_NAMES:
+            sizes.update(expt_tp=1, ep=1)  # expert groups "not needed" and none given: the expert axes are off
         layouts[name] = _layout_fitting(sizes, (first, stop), observed[name], f"module {name!r}")
     return layouts, next(iter(language_models), None)
+
+
+def expert_fields_off(layout: ParallelLayout, fields: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """``fields`` of this rank's module collection with each of ``names`` that is ``None`` (Megatron-Core's "not
+    needed" in ``expt_dp`` and ``tp_ep_pp``: the expert axes are off, as ``layout`` has them) holding what
+    ``layout`` gives it: ``None`` where this rank's group has one rank, else the communicator of another field over
+    the same ranks (``expt_dp`` is ``intra_dist_opt`` at PP 1), else left out (UNSET), so the collection never holds
+    a ``None`` that its layout contradicts."""
+    dropped = {field for field in names if field in fields and fields[field] is None}
+    kept = {field: value for field, value in fields.items() if field not in dropped}
+    return {**kept, **{field: value for field, value in _not_created(layout, kept).items() if field in dropped}}
 
 
 def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) -> None:

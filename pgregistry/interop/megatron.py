@@ -43,7 +43,12 @@ from pgregistry.collection import (
     group_rank,
     group_size,
 )
-from pgregistry.interop._megatron_grids import agreed_modules, described_groups, from_hyper_comm_grid
+from pgregistry.interop._megatron_grids import (
+    agreed_modules,
+    described_groups,
+    expert_fields_off,
+    from_hyper_comm_grid,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -215,8 +220,11 @@ def from_megatron(mc_collection: Any) -> Any:
     A multi-module collection holds, on each rank, only the modules that rank runs. The ranks exchange them, so
     every rank learns every module's layout (recovered from the groups of all its ranks: the sizes and span from the
     groups, the order as the first order string under which every group holds the layout's ranks) and gets, for a
-    module it does not run, the collection that refuses every use. ``ValueError`` on every rank, naming the module,
-    when no layout gives a module's groups or ranks name different language models.
+    module it does not run, the collection that refuses every use. A module whose ``expt_dp`` / ``tp_ep_pp`` are
+    ``None`` ("not needed") and which gives no expert group has expert TP and EP off in its layout (never contradicting
+    an expert group it gives), and those fields hold what that layout gives them: ``None`` where this rank's group
+    has one rank, else another field's communicator over the same ranks, else UNSET. ``ValueError`` on every rank,
+    naming the module, when no layout gives a module's groups or ranks name different language models.
     """
     from megatron.core import process_groups_config
 
@@ -280,7 +288,9 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
     layouts, language_model = agreed_modules(everyone)
     registry.adopt(g for fields in local.values() for g in _groups_in(fields))
     collections = {
-        name: ProcessGroupCollection(layout=layout, name=name, **local[name])
+        name: ProcessGroupCollection(
+            layout=layout, name=name, **expert_fields_off(layout, local[name], _NONE_MEANS_NO_EXPERTS)
+        )
         if name in local else ProcessGroupCollection._outside(layout, name, None)
         for name, layout in layouts.items()
     }

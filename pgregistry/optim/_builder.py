@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from pgregistry._agreement import any_rank_has_each
 from pgregistry._classification import require_classified_experts
 from pgregistry._resolve import normalise
 from pgregistry.collection import ProcessGroupCollection
@@ -23,7 +24,6 @@ from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule
 from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
 from pgregistry.optim._setup import (
-    any_rank_has_each,
     check_instance_holds_stats_groups,
     optimizer_collection,
     optimizer_process_groups,
@@ -118,7 +118,7 @@ def build_optimizer(
             stats_group = process_groups.intra_dist_opt
         else:
             stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
-        has, anyone_refused = any_rank_has_each((bool(kind), bool(refused) and not expert), stats_group)  # type: ignore[arg-type]
+        has, anyone_refused = any_rank_has_each((bool(kind), bool(refused) and not expert), stats_group)
         if anyone_refused:
             here = f"here: {refused}" if refused else "none here"
             raise TypeError(

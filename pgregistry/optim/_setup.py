@@ -17,26 +17,21 @@ to ``None`` and gives no ``expt_tp``; a field filled from the global grid never 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import attrs
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pgregistry._classification import unclassified_expert_params
+from pgregistry._agreement import any_rank_has
+from pgregistry._classification import holds_experts
 from pgregistry._resolve import Params, fill, normalise, resolve
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
-from pgregistry.grad_stats import backend_device
-from pgregistry.grad_stats._filters import STATS_FALLBACK, StatsGroups
-from pgregistry.layout import EXPERT_GROUP_KINDS
-from pgregistry.params import is_expert_param
+from pgregistry.grad_stats._filters import EXPERT_STATS_FIELDS, STATS_FALLBACK, StatsGroups
 
 __all__ = [
     "OptimizerProcessGroups",
-    "any_rank_has",
-    "any_rank_has_each",
     "check_instance_holds_stats_groups",
     "optimizer_collection",
     "optimizer_process_groups",
@@ -88,10 +83,6 @@ def setup_process_groups_for_optimizer(
     return optimizer_process_groups(collection, chunks, use_distributed_optimizer=use_distributed_optimizer)
 
 
-_EXPERT_STATS_FIELDS: Final = tuple(name for name in STATS_FALLBACK if name in EXPERT_GROUP_KINDS)
-"""The grad-statistics fields only expert parameters read (``ep``, ``expt_tp``, ``expt_gtp_remat``)."""
-
-
 def optimizer_collection(
     pg_collection: ProcessGroupCollection | None, params: Params | None, *, owner: str, collective: bool = True
 ) -> ProcessGroupCollection:
@@ -109,27 +100,11 @@ def optimizer_collection(
     if params is None:
         experts = True
     else:
-        experts = any(is_expert_param(p) for _, p in params.named) or bool(unclassified_expert_params(params))
+        experts = holds_experts(params)
         if collective:
             experts = any_rank_has(experts, collection.get("mp") if collection.is_set("mp") else None)
-    unneeded = () if experts else _EXPERT_STATS_FIELDS
+    unneeded = () if experts else EXPERT_STATS_FIELDS
     return fill(collection, STATS_FALLBACK, owner, unneeded=unneeded)
-
-
-def any_rank_has(local: bool, group: ProcessGroup | None) -> bool:
-    """Whether any rank of ``group`` has ``local`` true (one MAX all-reduce; none when the group is off)."""
-    (anywhere,) = any_rank_has_each((local,), group)
-    return anywhere
-
-
-def any_rank_has_each(local: Sequence[bool], group: ProcessGroup | None) -> tuple[bool, ...]:
-    """For each flag of ``local``, whether any rank of ``group`` has it true: one MAX all-reduce for all of them
-    (none when the group is off), so several verdicts cost one collective."""
-    if group_size(group) == 1:
-        return tuple(local)
-    flags = torch.tensor([int(flag) for flag in local], dtype=torch.int32, device=backend_device(group))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return tuple(bool(flag) for flag in flags.tolist())
 
 
 def optimizer_process_groups(
