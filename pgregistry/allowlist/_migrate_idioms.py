@@ -1,0 +1,93 @@
+"""What a read becomes in each target's idiom: the code of the replacement, the door, and the imports they need.
+
+``megatron``: Megatron-Core's ``ProcessGroupCollection``, whose fields are always groups; ranks and sizes are
+written as Megatron-Core's migrated code writes them (``pg_collection.tp.rank()``, ``.size()``), pipeline stages
+as ``is_pp_first_stage`` / ``is_pp_last_stage`` compute them (rank 0, rank size - 1 of ``pp``), inline, so no
+import of Megatron-Core's pipeline package can close an import cycle. The door is
+:func:`pgregistry.fallback.resolve_megatron_collection` (``use_mpu_process_groups`` of the fields read, with the
+warning).
+
+``pgregistry``: pgregistry's collection, where ``None`` means the axis is off: ranks and sizes through
+``group_rank`` / ``group_size``; the door is :func:`pgregistry.fallback.resolve_collection` (the global grid,
+with the warning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pgregistry.allowlist._migrate_plan import Read
+
+__all__ = ["TARGETS", "Idiom", "idiom"]
+
+
+@dataclass(frozen=True)
+class Idiom:
+    """One target: its resolver, and the imports each kind of replacement needs."""
+
+    name: str
+    resolver: str
+
+    def imports(self, code: str) -> list[tuple[str, str]]:
+        """The ``from module import name`` pairs ``code`` (a replacement or a door) needs."""
+        needed = [("pgregistry.fallback", self.resolver)] if self.resolver in code else []
+        needed += [("pgregistry.collection", name) for name in ("group_rank", "group_size") if f"{name}(" in code]
+        return needed
+
+    def resolved(self, collection: str, owner: str, fields: list[str]) -> str:
+        """The call that resolves ``collection`` (None: the global grid, with the warning)."""
+        if self.name == "megatron":
+            listed = ", ".join(f'"{f}"' for f in fields) + ("," if len(fields) == 1 else "")
+            return f'{self.resolver}({collection}, owner="{owner}", fields=({listed}))'
+        return f'{self.resolver}({collection}, owner="{owner}")'
+
+    def door(self, name: str, owner: str, fields: list[str]) -> str:
+        return f"{name} = {self.resolved(name, owner, fields)}\n"
+
+    def _rank(self, group: str) -> str:
+        return f"{group}.rank()" if self.name == "megatron" else f"group_rank({group})"
+
+    def _size(self, group: str) -> str:
+        return f"{group}.size()" if self.name == "megatron" else f"group_size({group})"
+
+    def replacement(self, read: Read, owner: str) -> tuple[str, bool]:
+        """(code, whether it is a comparison or conditional that needs parentheses where it is an operand)."""
+        choice = read.choice
+        assert choice is not None
+        collection = read.collection
+        if read.mode == "inline":
+            collection = self.resolved(collection, owner, [choice.field])
+        group = f"{collection}.{choice.field}"
+        kind = choice.kind
+        operator = False
+        if kind == "group":
+            code = group
+        elif kind == "rank":
+            code = self._rank(group)
+        elif kind == "size":
+            code = self._size(group)
+        elif kind == "src_rank":
+            code = f"torch.distributed.get_process_group_ranks({group})[0]"
+        elif kind == "global_ranks":
+            code = f"torch.distributed.get_process_group_ranks({group})"
+        elif kind == "first_stage":
+            code, operator = f"{self._rank(group)} == 0", True
+        else:
+            code, operator = f"{self._rank(group)} == {self._size(group)} - 1", True
+        if read.given:
+            code, operator = f"{read.given} if {read.given} is not None else {code}", True
+        return code, operator
+
+
+#: Both collections have every field of the shared table (:mod:`~pgregistry.allowlist._fixes`).
+TARGETS: dict[str, Idiom] = {
+    "megatron": Idiom("megatron", "resolve_megatron_collection"),
+    "pgregistry": Idiom("pgregistry", "resolve_collection"),
+}
+
+
+def idiom(target: str) -> Idiom:
+    """The :class:`Idiom` of ``target``; ``ValueError`` naming the known ones for another."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r} (known: {', '.join(sorted(TARGETS))})")
+    return TARGETS[target]

@@ -1,0 +1,235 @@
+"""Apply a :class:`~pgregistry.allowlist._migrate_plan.FilePlan` to its libcst tree: the new source text.
+
+Only the nodes planning named change; libcst keeps every other byte (comments, blank lines, quotes,
+parentheses). In order: each planned read becomes its replacement (parenthesised where it is an operand and a
+comparison or conditional), each call that passes a collection gets the keyword, each threaded function gets its
+keyword-only parameter and, where an unguarded read needs it, the door at the top of its body (after the
+docstring); then the imports the new code needs are added and the imports it left unused are removed (a name
+the old code used and the new code does not; a name only re-exported is kept).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor
+
+from pgregistry.allowlist._migrate_idioms import Idiom
+from pgregistry.allowlist._migrate_plan import LEFT, FilePlan, Function
+
+__all__ = ["rewrite"]
+
+_NO_SPACE = cst.SimpleWhitespace("")
+
+
+class _Operands(cst.CSTVisitor):
+    """The calls that stand alone where they are (a statement's value, a test, an argument): a comparison put
+    there needs no parentheses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alone: set[int] = set()
+
+    def _mark(self, node: cst.BaseExpression | None) -> None:
+        if isinstance(node, cst.Call):
+            self.alone.add(id(node))
+
+    def visit_If(self, node: cst.If) -> None:
+        self._mark(node.test)
+
+    def visit_While(self, node: cst.While) -> None:
+        self._mark(node.test)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self._mark(node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._mark(node.value)
+
+    def visit_Return(self, node: cst.Return) -> None:
+        self._mark(node.value)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        self._mark(node.value)
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        self._mark(node.test)
+
+
+class _Uses(cst.CSTVisitor):
+    """How often each name is read outside import statements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: Counter[str] = Counter()
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)  # ``x.name`` reads x, not a binding called name
+        return False
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.count[node.value] += 1
+
+
+def _uses(module: cst.Module) -> Counter[str]:
+    uses = _Uses()
+    module.visit(uses)
+    return uses.count
+
+
+def _bound(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+        return alias.asname.name.value
+    node = alias.name
+    while isinstance(node, cst.Attribute):
+        node = node.value  # ``import a.b`` binds ``a``
+    assert isinstance(node, cst.Name)
+    return node.value
+
+
+class _Prune(cst.CSTTransformer):
+    """Drop the import aliases whose names the rewrite left unused (and an import statement left empty)."""
+
+    def __init__(self, unused: set[str]) -> None:
+        super().__init__()
+        self.unused = unused
+
+    def _kept(self, names: tuple[cst.ImportAlias, ...] | list[cst.ImportAlias]) -> list[cst.ImportAlias]:
+        kept = [alias for alias in names if _bound(alias) not in self.unused]
+        if kept and len(kept) < len(names) and names[-1].comma is not cst.MaybeSentinel.DEFAULT:
+            kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
+        elif kept and len(kept) < len(names):
+            kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        return kept
+
+    def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
+        kept = self._kept(updated.names)
+        return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
+
+    def leave_ImportFrom(
+        self, original: cst.ImportFrom, updated: cst.ImportFrom
+    ) -> cst.ImportFrom | cst.RemovalSentinel:
+        if isinstance(updated.names, cst.ImportStar):
+            return updated
+        kept = self._kept(updated.names)
+        if not kept:
+            return cst.RemoveFromParent()
+        if len(kept) == len(updated.names):
+            return updated
+        return updated.with_changes(names=kept)
+
+
+def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
+    """``params`` with ``name=None`` added keyword-only (after ``*args`` or a new bare ``*``, before ``**kw``)."""
+    new = cst.Param(cst.Name(name), default=cst.Name("None"),
+                    equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
+    if params.kwonly_params:
+        last = params.kwonly_params[-1]
+        if last.comma is not cst.MaybeSentinel.DEFAULT:  # one parameter per line, trailing comma: keep the style
+            new = new.with_changes(comma=last.comma)
+        return params.with_changes(kwonly_params=[*params.kwonly_params, new])
+    if isinstance(params.star_arg, (cst.Param, cst.ParamStar)):
+        return params.with_changes(kwonly_params=[new])
+    previous = params.params[-1] if params.params else None
+    if previous is not None and previous.comma is not cst.MaybeSentinel.DEFAULT and \
+            isinstance(params.star_kwarg, cst.Param) is False:
+        star = cst.ParamStar(comma=previous.comma)
+        new = new.with_changes(comma=previous.comma)
+        return params.with_changes(star_arg=star, kwonly_params=[new])
+    return params.with_changes(star_arg=cst.ParamStar(), kwonly_params=[new])
+
+
+def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
+    new = cst.Arg(cst.parse_expression(value), keyword=cst.Name(keyword),
+                  equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
+    args = list(call.args)
+    if args and args[-1].comma is not cst.MaybeSentinel.DEFAULT:  # a trailing comma: one argument per line
+        new = new.with_changes(comma=args[-1].comma)
+        if len(args) >= 2:
+            args[-1] = args[-1].with_changes(comma=args[-2].comma)
+    return call.with_changes(args=[*args, new])
+
+
+def _docstring(statement: cst.BaseStatement) -> bool:
+    return (
+        isinstance(statement, cst.SimpleStatementLine)
+        and len(statement.body) == 1
+        and isinstance(statement.body[0], cst.Expr)
+        and isinstance(statement.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+class _Rewriter(cst.CSTTransformer):
+    def __init__(self, plan: FilePlan, target: Idiom) -> None:
+        super().__init__()
+        self.target = target
+        self.plan = plan
+        operands = _Operands()
+        plan.wrapper.module.visit(operands)
+        self.replacements: dict[int, cst.BaseExpression] = {}
+        self.imports: list[tuple[str, str]] = []
+        for read in plan.reads:
+            if read.way == LEFT or read.call is None or read.function is None:
+                continue
+            code, operator = target.replacement(read, _owner(plan, read.function))
+            if operator and id(read.call) not in operands.alone:
+                code = f"({code})"
+            self.replacements[id(read.call)] = cst.parse_expression(code)
+            self.imports += target.imports(code)
+        self.functions = {id(f.node): f for f in plan.functions if f.added or f.door_name}
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        replacement = self.replacements.get(id(original))
+        if replacement is not None:
+            return replacement
+        passing = self.plan.passes.get(id(original))
+        if passing is not None:
+            return _with_keyword(updated, *passing)
+        return updated
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        function = self.functions.get(id(original))
+        if function is None:
+            return updated
+        if function.added:
+            updated = updated.with_changes(params=_with_parameter(updated.params, function.added))
+        if function.door_name and isinstance(updated.body, cst.IndentedBlock):
+            code = self.target.door(function.door_name, _owner(self.plan, function), function.door)
+            self.imports += self.target.imports(code)
+            body = list(updated.body.body)
+            at = 1 if body and _docstring(body[0]) else 0
+            body.insert(at, cst.parse_statement(code))
+            updated = updated.with_changes(body=updated.body.with_changes(body=body))
+        return updated
+
+
+def _owner(plan: FilePlan, function: Function) -> str:
+    return f"{plan.module}.{function.qualname}" if plan.module else function.qualname
+
+
+def rewrite(plan: FilePlan, target: Idiom) -> str:
+    """The source of ``plan``'s file with its planned rewrites applied (the same text when none is planned)."""
+    module = plan.wrapper.module
+    rewriter = _Rewriter(plan, target)
+    if not rewriter.replacements and not plan.passes and not rewriter.functions:
+        return module.code
+    before = _uses(module)
+    changed = module.visit(rewriter)
+    if rewriter.imports:
+        context = CodemodContext()
+        for module_name, name in dict.fromkeys(rewriter.imports):
+            AddImportsVisitor.add_needed_import(context, module_name, name)
+        changed = AddImportsVisitor(context).transform_module(changed)
+    after = _uses(changed)
+    unused = {name for name, count in before.items() if count and not after[name]}
+    if unused:
+        changed = changed.visit(_Prune(unused))
+    return changed.code
