@@ -107,20 +107,24 @@ def fix_for(site: Site) -> str:
 _GTP_REMAT_AXES = ("data_parallel", "expert_data_parallel")
 #: Keyword arguments that change nothing about which group is read (only whether an unset one asserts).
 _NEUTRAL_KEYWORDS = frozenset({"check_initialized", "ignore_virtual", "vp_stage"})
-_KINDS = (
+_KINDS = (  # the more specific first: ``get_x_src_rank`` also matches ``get_(x_src)_rank``
+    (re.compile(r"get_(?P<axis>\w+?)_src_rank"), "src_rank"),
+    (re.compile(r"get_(?P<axis>\w+?)_global_ranks"), "global_ranks"),
+    (re.compile(r"get_(?P<axis>pipeline_model_parallel)_(?P<which>first|last|next|prev)_rank"), "_rank"),
     (re.compile(r"get_(?P<axis>\w+?)_groups?"), "group"),
     (re.compile(r"get_(?P<axis>\w+?)_rank"), "rank"),
     (re.compile(r"get_(?P<axis>\w+?)_world_size"), "size"),
-    (re.compile(r"get_(?P<axis>\w+?)_src_rank"), "src_rank"),
-    (re.compile(r"get_(?P<axis>\w+?)_global_ranks"), "global_ranks"),
 )
+#: The kinds whose accessors take ``with_gtp_remat`` (the global-rank lists are of the replicate group).
+_GTP_REMAT_KINDS = ("group", "rank", "size")
 _STAGES = {"is_pipeline_first_stage": "first_stage", "is_pipeline_last_stage": "last_stage"}
 
 
 @dataclass(frozen=True)
 class FieldChoice:
     """What a read is, for a rewrite: ``kind`` (``group``, ``rank``, ``size``, ``src_rank``, ``global_ranks``,
-    ``first_stage``, ``last_stage``) of collection field ``field``; or ``reason`` why no field says it."""
+    ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``first_stage``, ``last_stage``) of collection
+    field ``field``; or ``reason`` why no field says it."""
 
     field: str = ""
     kind: str = ""
@@ -155,13 +159,15 @@ def collection_field(accessor: str, keywords: Mapping[str, object]) -> FieldChoi
     else:
         return FieldChoice(reason="no collection field says what this accessor reads")
     axis = match.group("axis")
+    if kind == "_rank":
+        kind = match.group("which") + "_rank"
     partial = flags.get("partial_data_parallel", False) or flags.get("partial_expert_data_parallel", False)
     name = ("intra_partial_" if partial else "") + axis
     if flags.get("with_context_parallel", False):
         name += "_with_cp"
-    if axis in _GTP_REMAT_AXES and flags.get("with_gtp_remat", True):
+    if axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS and flags.get("with_gtp_remat", True):
         name += "_with_gtp_remat"
-    elif "with_gtp_remat" in flags and axis not in _GTP_REMAT_AXES:
+    elif "with_gtp_remat" in flags and (axis not in _GTP_REMAT_AXES or kind not in _GTP_REMAT_KINDS):
         return FieldChoice(reason="with_gtp_remat= on an accessor this table does not know it for")
     if name not in _FIELDS:
         return FieldChoice(reason=f"no collection field holds the {name.replace('_', ' ')} group")

@@ -85,7 +85,10 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
             plans[result.path] = plan_file(result.path, ".".join(module_name(result.path)), tree, result.sites, name)
     if outcome.failures:
         return outcome
-    threaded = {f.node.name.value for plan in plans.values() for f in plan.functions if f.added}
+    threaded = {  # only module-level functions are passed a collection (a method may be overridden elsewhere)
+        f.node.name.value for plan in plans.values() for f in plan.functions
+        if f.added and f.parent is None and f.method_of is None
+    }
     if threaded:
         mention = re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(threaded)) + rb")\s*\(")
         for path, (source, (data, _)) in contents.items():

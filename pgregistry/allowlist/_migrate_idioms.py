@@ -50,30 +50,37 @@ class Idiom:
     def _size(self, group: str) -> str:
         return f"{group}.size()" if self.name == "megatron" else f"group_size({group})"
 
+    def _read(self, read: Read, field: str, owner: str) -> tuple[str, bool]:
+        assert read.choice is not None
+        collection = read.collection
+        if read.mode == "inline":
+            collection = self.resolved(collection, owner, [field])
+        group = f"{collection}.{field}"
+        ranks = f"torch.distributed.get_process_group_ranks({group})"
+        kind = read.choice.kind
+        if kind == "group":
+            return group, False
+        if kind in ("rank", "size"):
+            return (self._rank(group) if kind == "rank" else self._size(group)), False
+        if kind in ("src_rank", "first_rank", "last_rank"):
+            return f"{ranks}[{-1 if kind == 'last_rank' else 0}]", False
+        if kind in ("next_rank", "prev_rank"):
+            step = "+" if kind == "next_rank" else "-"
+            return f"{ranks}[({self._rank(group)} {step} 1) % {self._size(group)}]", False
+        if kind == "global_ranks":
+            return ranks, False
+        if kind == "first_stage":
+            return f"{self._rank(group)} == 0", True
+        return f"{self._rank(group)} == {self._size(group)} - 1", True
+
     def replacement(self, read: Read, owner: str) -> tuple[str, bool]:
         """(code, whether it is a comparison or conditional that needs parentheses where it is an operand)."""
         choice = read.choice
         assert choice is not None
-        collection = read.collection
-        if read.mode == "inline":
-            collection = self.resolved(collection, owner, [choice.field])
-        group = f"{collection}.{choice.field}"
-        kind = choice.kind
-        operator = False
-        if kind == "group":
-            code = group
-        elif kind == "rank":
-            code = self._rank(group)
-        elif kind == "size":
-            code = self._size(group)
-        elif kind == "src_rank":
-            code = f"torch.distributed.get_process_group_ranks({group})[0]"
-        elif kind == "global_ranks":
-            code = f"torch.distributed.get_process_group_ranks({group})"
-        elif kind == "first_stage":
-            code, operator = f"{self._rank(group)} == 0", True
-        else:
-            code, operator = f"{self._rank(group)} == {self._size(group)} - 1", True
+        code, operator = self._read(read, choice.field, owner)
+        if read.expert_when:
+            expert, _ = self._read(read, "expt_tp", owner)
+            code, operator = f"{expert} if {read.expert_when} else {code}", True
         if read.given:
             code, operator = f"{read.given} if {read.given} is not None else {code}", True
         return code, operator

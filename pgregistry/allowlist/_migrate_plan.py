@@ -101,6 +101,8 @@ class Read:
     collection: str = ""
     #: A fallback helper's argument (``tp_group``), tested for None before the collection is read.
     given: str = ""
+    #: A fallback helper's ``is_expert=`` when it is an expression: the expert field is read when it is true.
+    expert_when: str = ""
 
 
 @dataclass(eq=False)
@@ -127,6 +129,7 @@ class FilePlan:
     bindings: dict[str, str]
     top_level: dict[str, str]
     attributes: dict[int, list[tuple[str, int]]]
+    alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -199,7 +202,9 @@ class _Locator(cst.CSTVisitor):
         self.attributes: dict[int, list[tuple[str, int]]] = {}
         self.bindings: dict[str, str] = {}
         self.top_level: dict[str, str] = {}
-        self.class_nodes: dict[str, cst.ClassDef] = {}
+        #: The calls that stand alone (a statement's value, a test, an argument): a comparison put there needs
+        #: no parentheses.
+        self.alone: set[int] = set()
 
     @property
     def current(self) -> Function | None:
@@ -216,7 +221,6 @@ class _Locator(cst.CSTVisitor):
             argument.visit(self)
         if not self.stack and not self.classes:
             self.top_level[node.name.value] = "class"
-            self.class_nodes[node.name.value] = node
         self.classes.append(node)
         self.class_names.append(node.name.value)
         self.in_class_body.append(True)
@@ -292,10 +296,12 @@ class _Locator(cst.CSTVisitor):
             self.attributes[id(function.method_of)].append((function.node.name.value, index))
 
     def visit_Assign(self, node: cst.Assign) -> None:
+        self._alone(node.value)
         for target in node.targets:
             self._bind(target.target, node.value)
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._alone(node.value)
         self._bind(node.target, node.value)
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
@@ -317,9 +323,30 @@ class _Locator(cst.CSTVisitor):
             elif parts:
                 self.bindings[parts[0]] = parts[0]
 
+    def _alone(self, node: cst.BaseExpression | None) -> None:
+        if isinstance(node, cst.Call):
+            self.alone.add(id(node))
+
+    def visit_If(self, node: cst.If) -> None:
+        self._alone(node.test)
+
+    def visit_While(self, node: cst.While) -> None:
+        self._alone(node.test)
+
+    def visit_Return(self, node: cst.Return) -> None:
+        self._alone(node.value)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        self._alone(node.value)
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        self._alone(node.test)
+
     def visit_Call(self, node: cst.Call) -> None:
-        start = self.get_metadata(PositionProvider, node.func).start
-        site = self.by_position.pop((start.line, start.column), None)
+        site = None
+        if self.by_position:  # a file read only for its calls has no sites (and no positions computed)
+            start = self.get_metadata(PositionProvider, node.func).start
+            site = self.by_position.pop((start.line, start.column), None)
         index = self.statement[-1]
         if site is not None:
             self.reads.append(Read(site, node, self.current, index))
@@ -346,8 +373,11 @@ def _function_choice(read: Read) -> FieldChoice:
             return FieldChoice(reason=f"{accessor} is given positional arguments after the group")
         expert = keywords.pop("is_expert", False)
         if expert is ...:
-            return FieldChoice(reason="is_expert= is not a literal True or False")
-        if expert:
+            flag = next(a.value for a in rest if a.keyword is not None and a.keyword.value == "is_expert")
+            if _dotted(flag) is None or axis != "get_tensor_model_parallel_group":
+                return FieldChoice(reason="is_expert= is neither a literal nor a plain name")
+            read.expert_when = cst.Module([]).code_for_node(flag)
+        elif expert:
             if axis != "get_tensor_model_parallel_group":
                 return FieldChoice(reason=f"{accessor}(is_expert=True): no rule says which field it falls back to")
             axis = "get_expert_tensor_parallel_group"
@@ -426,7 +456,10 @@ def plan_file(path: str, module: str, source: cst.Module, sites: Sequence[Site],
     :func:`passes` once every file is planned."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     locator = _Locator(sites, name)
-    wrapper.visit(locator)
+    if locator.by_position:
+        wrapper.visit(locator)
+    else:  # no site to locate: positions (the costly metadata) are not needed
+        source.visit(locator)
     reads = list(locator.reads)
     for site in locator.by_position.values():
         reads.append(Read(site, None, None, 0, reason="could not be located in the tree (non-ASCII text before it?)"))
@@ -484,7 +517,7 @@ def plan_file(path: str, module: str, source: cst.Module, sites: Sequence[Site],
             read.way = IN_SCOPE
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
-                    locator.top_level, locator.attributes)
+                    locator.top_level, locator.attributes, locator.alone)
 
 
 def _doors(reads: Sequence[Read]) -> None:
@@ -497,14 +530,20 @@ def _doors(reads: Sequence[Read]) -> None:
                 read.mode = "inline"  # a one-line body has no door to open
                 continue
             function.door_name = read.collection
-            if read.choice is not None and read.choice.field not in function.door:
-                function.door.append(read.choice.field)
+            _need(function, read)
     for read in reads:
         function = read.function
         if read.mode == "inline" and function is not None and function.door_name == read.collection:
             read.mode = "direct"
-            if read.choice is not None and read.choice.field not in function.door:
-                function.door.append(read.choice.field)
+            _need(function, read)
+
+
+def _need(function: Function, read: Read) -> None:
+    """Add the fields ``read`` reads to its function's door."""
+    assert read.choice is not None
+    for name in (read.choice.field, "expt_tp" if read.expert_when else ""):
+        if name and name not in function.door:
+            function.door.append(name)
 
 
 def _absolute(module: str, package: list[str]) -> str:

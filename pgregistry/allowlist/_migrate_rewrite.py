@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections import Counter
 
 import libcst as cst
-from libcst.codemod import CodemodContext
-from libcst.codemod.visitors import AddImportsVisitor
 
 from pgregistry.allowlist._migrate_idioms import Idiom
 from pgregistry.allowlist._migrate_plan import LEFT, FilePlan, Function
@@ -22,40 +20,6 @@ from pgregistry.allowlist._migrate_plan import LEFT, FilePlan, Function
 __all__ = ["rewrite"]
 
 _NO_SPACE = cst.SimpleWhitespace("")
-
-
-class _Operands(cst.CSTVisitor):
-    """The calls that stand alone where they are (a statement's value, a test, an argument): a comparison put
-    there needs no parentheses."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.alone: set[int] = set()
-
-    def _mark(self, node: cst.BaseExpression | None) -> None:
-        if isinstance(node, cst.Call):
-            self.alone.add(id(node))
-
-    def visit_If(self, node: cst.If) -> None:
-        self._mark(node.test)
-
-    def visit_While(self, node: cst.While) -> None:
-        self._mark(node.test)
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        self._mark(node.value)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._mark(node.value)
-
-    def visit_Return(self, node: cst.Return) -> None:
-        self._mark(node.value)
-
-    def visit_Arg(self, node: cst.Arg) -> None:
-        self._mark(node.value)
-
-    def visit_Assert(self, node: cst.Assert) -> None:
-        self._mark(node.test)
 
 
 class _Uses(cst.CSTVisitor):
@@ -172,15 +136,13 @@ class _Rewriter(cst.CSTTransformer):
         super().__init__()
         self.target = target
         self.plan = plan
-        operands = _Operands()
-        plan.wrapper.module.visit(operands)
         self.replacements: dict[int, cst.BaseExpression] = {}
         self.imports: list[tuple[str, str]] = []
         for read in plan.reads:
             if read.way == LEFT or read.call is None or read.function is None:
                 continue
             code, operator = target.replacement(read, _owner(plan, read.function))
-            if operator and id(read.call) not in operands.alone:
+            if operator and id(read.call) not in plan.alone:
                 code = f"({code})"
             self.replacements[id(read.call)] = cst.parse_expression(code)
             self.imports += target.imports(code)
@@ -211,6 +173,45 @@ class _Rewriter(cst.CSTTransformer):
         return updated
 
 
+def _is_import(statement: cst.CSTNode) -> bool:
+    return isinstance(statement, cst.SimpleStatementLine) and all(
+        isinstance(small, (cst.Import, cst.ImportFrom)) for small in statement.body
+    )
+
+
+def _with_imports(module: cst.Module, needed: list[tuple[str, str]]) -> cst.Module:
+    """``module`` with ``from M import N`` for each needed pair it does not import yet, after its last top-level
+    import (after the docstring when it has none): top-level statements only, no walk of the tree."""
+    have = {
+        (".".join(_parts(small.module)), _bound(alias))
+        for statement in module.body if _is_import(statement)
+        for small in statement.body  # type: ignore[attr-defined]
+        if isinstance(small, cst.ImportFrom) and small.module is not None and not small.relative
+        and not isinstance(small.names, cst.ImportStar)
+        for alias in small.names
+    }
+    grouped: dict[str, list[str]] = {}
+    for module_name, name in needed:
+        if (module_name, name) not in have:
+            grouped.setdefault(module_name, []).append(name)
+    if not grouped:
+        return module
+    body = list(module.body)
+    at = 0
+    for index, statement in enumerate(body):
+        if _is_import(statement) or (index == 0 and _docstring(statement)):
+            at = index + 1
+    lines = [cst.parse_statement(f"from {m} import {', '.join(sorted(names))}\n") for m, names in grouped.items()]
+    return module.with_changes(body=[*body[:at], *lines, *body[at:]])
+
+
+def _parts(node: cst.BaseExpression) -> list[str]:
+    if isinstance(node, cst.Attribute):
+        return [*_parts(node.value), node.attr.value]
+    assert isinstance(node, cst.Name)
+    return [node.value]
+
+
 def _owner(plan: FilePlan, function: Function) -> str:
     return f"{plan.module}.{function.qualname}" if plan.module else function.qualname
 
@@ -224,10 +225,7 @@ def rewrite(plan: FilePlan, target: Idiom) -> str:
     before = _uses(module)
     changed = module.visit(rewriter)
     if rewriter.imports:
-        context = CodemodContext()
-        for module_name, name in dict.fromkeys(rewriter.imports):
-            AddImportsVisitor.add_needed_import(context, module_name, name)
-        changed = AddImportsVisitor(context).transform_module(changed)
+        changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
     after = _uses(changed)
     unused = {name for name, count in before.items() if count and not after[name]}
     if unused:
