@@ -91,23 +91,33 @@ class _Prune(cst.CSTTransformer):
         return updated.with_changes(names=kept)
 
 
+def _clean(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
+    """``comma`` (its line break and indentation, to copy the one-a-line style) without its comment."""
+    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
+        after = comma.whitespace_after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+        return comma.with_changes(whitespace_after=after)
+    return comma
+
+
 def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
     """``params`` with ``name=None`` added keyword-only (after ``*args`` or a new bare ``*``, before ``**kw``)."""
     new = cst.Param(cst.Name(name), default=cst.Name("None"),
                     equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
     if params.kwonly_params:
-        last = params.kwonly_params[-1]
-        if last.comma is not cst.MaybeSentinel.DEFAULT:  # one parameter per line, trailing comma: keep the style
-            new = new.with_changes(comma=last.comma)
-        return params.with_changes(kwonly_params=[*params.kwonly_params, new])
+        kwonly = list(params.kwonly_params)
+        if kwonly[-1].comma is not cst.MaybeSentinel.DEFAULT and params.star_kwarg is None:
+            new = new.with_changes(comma=kwonly[-1].comma)  # one parameter a line, trailing comma: keep the style
+            if len(kwonly) >= 2:
+                kwonly[-1] = kwonly[-1].with_changes(comma=_clean(kwonly[-2].comma))
+        return params.with_changes(kwonly_params=[*kwonly, new])
     if isinstance(params.star_arg, (cst.Param, cst.ParamStar)):
         return params.with_changes(kwonly_params=[new])
-    previous = params.params[-1] if params.params else None
-    if previous is not None and previous.comma is not cst.MaybeSentinel.DEFAULT and \
-            isinstance(params.star_kwarg, cst.Param) is False:
-        star = cst.ParamStar(comma=previous.comma)
-        new = new.with_changes(comma=previous.comma)
-        return params.with_changes(star_arg=star, kwonly_params=[new])
+    positional = list(params.params)
+    if positional and positional[-1].comma is not cst.MaybeSentinel.DEFAULT and params.star_kwarg is None:
+        last, inner = positional[-1].comma, _clean((positional[-2] if len(positional) >= 2 else positional[-1]).comma)
+        positional[-1] = positional[-1].with_changes(comma=inner)
+        return params.with_changes(params=positional, star_arg=cst.ParamStar(comma=inner),
+                                   kwonly_params=[new.with_changes(comma=last)])
     return params.with_changes(star_arg=cst.ParamStar(), kwonly_params=[new])
 
 
@@ -118,7 +128,7 @@ def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
     if args and args[-1].comma is not cst.MaybeSentinel.DEFAULT:  # a trailing comma: one argument per line
         new = new.with_changes(comma=args[-1].comma)
         if len(args) >= 2:
-            args[-1] = args[-1].with_changes(comma=args[-2].comma)
+            args[-1] = args[-1].with_changes(comma=_clean(args[-2].comma))
     return call.with_changes(args=[*args, new])
 
 
