@@ -61,7 +61,8 @@ def _unchanged(change: Change) -> str | None:
 def write_changes(changes: Sequence[Change]) -> None:
     """Write every change, or (``WriteError`` naming the file) none when one cannot be written."""
     for change in changes:
-        if not os.access(change.absolute, os.W_OK):
+        mode = os.stat(change.absolute).st_mode
+        if not os.access(change.absolute, os.W_OK) or not mode & 0o222:  # read-only to its owner, even root
             raise WriteError(f"{change.path}: read-only; make it writable, or leave it out of the paths")
         if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
             raise WriteError(f"{change.path}: its directory is not writable (the rewrite renames a new file in)")
