@@ -248,6 +248,29 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="return ep_rank + local_index * ep_size",
         tests=("tests/experts/test_experts_keys.py::test_reference_examples",),
     ),
+    Mutant(
+        name="migrate-fallback-silent",
+        bug="a function pgregistry migrate threaded a collection into falls back to parallel_state without the warning",
+        file="pgregistry/fallback.py",
+        find='    warn_fallback(owner, "pg_collection")\n    from megatron.core.process_groups_config',
+        replace="    from megatron.core.process_groups_config",
+        tests=(
+            "tests/allowlist/test_migrate_world.py::"
+            "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
+        ),
+    ),
+    Mutant(
+        name="migrate-cp-keyword-ignored",
+        bug="pgregistry migrate maps get_data_parallel_group(with_context_parallel=True) to the group without CP",
+        file="pgregistry/allowlist/_fixes.py",
+        find='        name += "_with_cp"',
+        replace="        pass",
+        tests=(
+            "tests/allowlist/test_migrate_world.py::"
+            "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
+            "tests/allowlist/test_migrate.py::test_an_optional_parameter_is_resolved_once_at_the_door",
+        ),
+    ),
 )
 
 
