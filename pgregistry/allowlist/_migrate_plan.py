@@ -75,6 +75,8 @@ class Function:
     added: str = ""
     door: list[str] = field(default_factory=list)
     door_name: str = ""
+    #: Index of the module-level statement holding it (the rewrite visits only the statements it changes).
+    top: int = 0
 
     @property
     def self_name(self) -> str | None:
@@ -103,6 +105,7 @@ class Read:
     given: str = ""
     #: A fallback helper's ``is_expert=`` when it is an expression: the expert field is read when it is true.
     expert_when: str = ""
+    top: int = 0
 
 
 @dataclass(eq=False)
@@ -113,6 +116,7 @@ class Call:
     dotted: list[str]
     function: Function | None
     statement: int
+    top: int = 0
 
 
 @dataclass(eq=False)
@@ -132,6 +136,8 @@ class FilePlan:
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: The module-level statements holding such calls.
+    passing_tops: set[int] = field(default_factory=set)
 
 
 def _dotted(node: cst.BaseExpression) -> list[str] | None:
@@ -205,10 +211,17 @@ class _Locator(cst.CSTVisitor):
         #: The calls that stand alone (a statement's value, a test, an argument): a comparison put there needs
         #: no parentheses.
         self.alone: set[int] = set()
+        self.top = 0
 
     @property
     def current(self) -> Function | None:
         return self.stack[-1] if self.stack else None
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        for index, statement in enumerate(node.body):
+            self.top = index
+            statement.visit(self)
+        return False
 
     def _scope(self) -> str:
         return ".".join([*(self.class_names if not self.stack else []), *([self.stack[-1].qualname]
@@ -243,7 +256,7 @@ class _Locator(cst.CSTVisitor):
             self.class_names else ""
         if outer is not None and self.class_names and method_of is not None:
             prefix = outer.qualname + "." + ".".join(self.class_names[-1:]) + "."
-        function = Function(node, prefix + node.name.value, outer, method_of)
+        function = Function(node, prefix + node.name.value, outer, method_of, top=self.top)
         if outer is None and not self.classes:
             self.top_level[node.name.value] = "function"
         elif outer is not None:
@@ -349,11 +362,11 @@ class _Locator(cst.CSTVisitor):
             site = self.by_position.pop((start.line, start.column), None)
         index = self.statement[-1]
         if site is not None:
-            self.reads.append(Read(site, node, self.current, index))
+            self.reads.append(Read(site, node, self.current, index, top=self.top))
         else:
             parts = _dotted(node.func)
             if parts is not None:
-                self.calls.append(Call(node, parts, self.current, index))
+                self.calls.append(Call(node, parts, self.current, index, top=self.top))
 
 
 def _function_choice(read: Read) -> FieldChoice:
@@ -600,5 +613,6 @@ def passes(plans: Sequence[FilePlan], name: str) -> int:
                     continue
                 value = found[0]
             plan.passes[id(call.node)] = (keyword, value)
+            plan.passing_tops.add(call.top)
             count += 1
     return count
