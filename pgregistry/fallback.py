@@ -14,9 +14,7 @@ what they would do first, and only a non-``error``/``always`` action is deduplic
 the first frame outside pgregistry: the user's code that called an entry point without a collection, so a module
 filter of a migration config (``error::pgregistry.ProcessGroupFallbackWarning:mypackage.trainer``) matches it.
 
-Code that ``pgregistry migrate`` rewrote resolves its collection at the function's door through
-:func:`resolve_megatron_collection` (Megatron-Core's ``ProcessGroupCollection``) or :func:`resolve_collection`
-(pgregistry's): the collection given, else the global grid with this warning.
+Code that ``pgregistry migrate`` rewrote warns through :mod:`pgregistry.doors`.
 
 Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at interpreter start.
 """
@@ -28,15 +26,9 @@ import sys
 import threading
 import warnings
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
 from pgregistry._warning_options import apply_command_line_filters
 
-if TYPE_CHECKING:
-    from pgregistry.collection import ProcessGroupCollection
-
-__all__ = ["ProcessGroupFallbackWarning", "resolve_collection", "resolve_megatron_collection", "warn_fallback"]
+__all__ = ["ProcessGroupFallbackWarning", "warn_fallback"]
 
 
 class ProcessGroupFallbackWarning(UserWarning):
@@ -115,25 +107,3 @@ def _matches(pattern: re.Pattern[str] | str, text: str) -> bool:
         return re.match(pattern, text) is not None
     return pattern.match(text) is not None
 
-
-def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Sequence[str] | None = None) -> Any:
-    """``pg_collection`` when given; else, with a :class:`ProcessGroupFallbackWarning` naming ``owner``, Megatron-Core's
-    ``ProcessGroupCollection.use_mpu_process_groups(fields)``: exactly the groups ``parallel_state`` holds.
-
-    The door of a function ``pgregistry migrate`` threaded a collection into. ``fields`` (the ones the function
-    reads) keeps the fallback from reading groups the function never needed (some assert when uninitialised)."""
-    if pg_collection is not None:
-        return pg_collection
-    warn_fallback(owner, "pg_collection")
-    from megatron.core.process_groups_config import ProcessGroupCollection as MegatronCollection
-
-    return MegatronCollection.use_mpu_process_groups(None if fields is None else list(fields))
-
-
-def resolve_collection(pg_collection: ProcessGroupCollection | None, *, owner: str) -> ProcessGroupCollection:
-    """``pg_collection`` when given; else pgregistry's global grid, with a :class:`ProcessGroupFallbackWarning`
-    naming ``owner`` (``RuntimeError`` when none is initialised); checked usable either way. The door of a
-    function ``pgregistry migrate --target pgregistry`` threaded a collection into."""
-    from pgregistry._resolve import resolve
-
-    return resolve(pg_collection, owner=owner)

@@ -251,24 +251,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="migrate-fallback-silent",
         bug="a function pgregistry migrate threaded a collection into falls back to parallel_state without the warning",
-        file="pgregistry/fallback.py",
+        file="pgregistry/doors.py",
         find='    warn_fallback(owner, "pg_collection")\n    from megatron.core.process_groups_config',
         replace="    from megatron.core.process_groups_config",
         tests=(
             "tests/allowlist/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
-        ),
-    ),
-    Mutant(
-        name="migrate-cp-keyword-ignored",
-        bug="pgregistry migrate maps get_data_parallel_group(with_context_parallel=True) to the group without CP",
-        file="pgregistry/allowlist/_fixes.py",
-        find='        name += "_with_cp"',
-        replace="        pass",
-        tests=(
-            "tests/allowlist/test_migrate_world.py::"
-            "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
-            "tests/allowlist/test_migrate.py::test_an_optional_parameter_is_resolved_once_at_the_door",
         ),
     ),
 )

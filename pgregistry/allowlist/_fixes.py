@@ -12,7 +12,6 @@ arguments that pick another group of an axis (``with_context_parallel=True``, ``
 from __future__ import annotations
 
 import re
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -152,11 +151,9 @@ def collection_field(accessor: str, keywords: Mapping[str, object]) -> FieldChoi
         flags[name] = value
     if accessor in _STAGES:
         return FieldChoice("pp", _STAGES[accessor])
-    for pattern, kind in _KINDS:
-        match = pattern.fullmatch(accessor)
-        if match is not None:
-            break
-    else:
+    matches = ((pattern.fullmatch(accessor), kind) for pattern, kind in _KINDS)
+    match, kind = next(((m, k) for m, k in matches if m is not None), (None, ""))
+    if match is None:
         return FieldChoice(reason="no collection field says what this accessor reads")
     axis = match.group("axis")
     if kind == "_rank":

@@ -91,7 +91,7 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
     }
     if threaded:
         mention = re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(threaded)) + rb")\s*\(")
-        for path, (source, (data, _)) in contents.items():
+        for path, (_, (data, _)) in contents.items():
             if path not in plans and mention.search(data):
                 tree = _parse(path, data)
                 if isinstance(tree, cst.Module):  # a file only read for its calls is passed over if libcst balks

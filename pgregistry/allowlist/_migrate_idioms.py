@@ -4,11 +4,11 @@
 written as Megatron-Core's migrated code writes them (``pg_collection.tp.rank()``, ``.size()``), pipeline stages
 as ``is_pp_first_stage`` / ``is_pp_last_stage`` compute them (rank 0, rank size - 1 of ``pp``), inline, so no
 import of Megatron-Core's pipeline package can close an import cycle. The door is
-:func:`pgregistry.fallback.resolve_megatron_collection` (``use_mpu_process_groups`` of the fields read, with the
+:func:`pgregistry.doors.resolve_megatron_collection` (``use_mpu_process_groups`` of the fields read, with the
 warning).
 
 ``pgregistry``: pgregistry's collection, where ``None`` means the axis is off: ranks and sizes through
-``group_rank`` / ``group_size``; the door is :func:`pgregistry.fallback.resolve_collection` (the global grid,
+``group_rank`` / ``group_size``; the door is :func:`pgregistry.doors.resolve_collection` (the global grid,
 with the warning).
 """
 
@@ -30,7 +30,7 @@ class Idiom:
 
     def imports(self, code: str) -> list[tuple[str, str]]:
         """The ``from module import name`` pairs ``code`` (a replacement or a door) needs."""
-        needed = [("pgregistry.fallback", self.resolver)] if self.resolver in code else []
+        needed = [("pgregistry.doors", self.resolver)] if self.resolver in code else []
         needed += [("pgregistry.collection", name) for name in ("group_rank", "group_size") if f"{name}(" in code]
         return needed
 

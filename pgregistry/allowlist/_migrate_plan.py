@@ -230,7 +230,7 @@ class _Locator(cst.CSTVisitor):
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
         for decorator in node.decorators:
             decorator.visit(self)
-        for argument in node.bases + node.keywords:
+        for argument in (*node.bases, *node.keywords):
             argument.visit(self)
         if not self.stack and not self.classes:
             self.top_level[node.name.value] = "class"
@@ -503,12 +503,12 @@ def plan_file(path: str, module: str, source: cst.Module, sites: Sequence[Site],
         if reason is not None:
             read.way, read.reason = LEFT, reason
             continue
-        found = _collection_in_scope(read.function, read.statement, locator.attributes, name)
+        function = read.function
+        assert function is not None
+        found = _collection_in_scope(function, read.statement, locator.attributes, name)
         if isinstance(found, str):
             read.way, read.reason = LEFT, found
             continue
-        function = read.function
-        assert function is not None
         guarded = read.site.guarded or bool(read.given)
         if found is None:
             why = _cannot_thread(function)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 from collections import Counter
+from collections.abc import Sequence
 
 import libcst as cst
 
@@ -36,7 +37,7 @@ def _uses(code: str) -> Counter[str]:
 def _bound(alias: cst.ImportAlias) -> str:
     if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
         return alias.asname.name.value
-    node = alias.name
+    node: cst.BaseExpression = alias.name
     while isinstance(node, cst.Attribute):
         node = node.value  # ``import a.b`` binds ``a``
     assert isinstance(node, cst.Name)
@@ -50,7 +51,7 @@ class _Prune(cst.CSTTransformer):
         super().__init__()
         self.unused = unused
 
-    def _kept(self, names: tuple[cst.ImportAlias, ...] | list[cst.ImportAlias]) -> list[cst.ImportAlias]:
+    def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
         kept = [alias for alias in names if _bound(alias) not in self.unused]
         if kept and len(kept) < len(names) and names[-1].comma is not cst.MaybeSentinel.DEFAULT:
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
@@ -97,10 +98,12 @@ def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
     if isinstance(params.star_arg, (cst.Param, cst.ParamStar)):
         return params.with_changes(kwonly_params=[new])
     positional = list(params.params)
-    if positional and positional[-1].comma is not cst.MaybeSentinel.DEFAULT and params.star_kwarg is None:
-        last, inner = positional[-1].comma, _clean((positional[-2] if len(positional) >= 2 else positional[-1]).comma)
+    last = positional[-1].comma if positional else cst.MaybeSentinel.DEFAULT
+    if isinstance(last, cst.Comma) and params.star_kwarg is None:
+        inner = _clean((positional[-2] if len(positional) >= 2 else positional[-1]).comma)
         positional[-1] = positional[-1].with_changes(comma=inner)
-        return params.with_changes(params=positional, star_arg=cst.ParamStar(comma=inner),
+        star = cst.ParamStar(comma=inner) if isinstance(inner, cst.Comma) else cst.ParamStar()
+        return params.with_changes(params=positional, star_arg=star,
                                    kwonly_params=[new.with_changes(comma=last)])
     return params.with_changes(star_arg=cst.ParamStar(), kwonly_params=[new])
 
@@ -182,7 +185,7 @@ def _with_imports(module: cst.Module, needed: list[tuple[str, str]]) -> cst.Modu
     have = {
         (".".join(_parts(small.module)), _bound(alias))
         for statement in module.body if _is_import(statement)
-        for small in statement.body  # type: ignore[attr-defined]
+        for small in (statement.body if isinstance(statement, cst.SimpleStatementLine) else ())
         if isinstance(small, cst.ImportFrom) and small.module is not None and not small.relative
         and not isinstance(small.names, cst.ImportStar)
         for alias in small.names

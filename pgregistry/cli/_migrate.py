@@ -88,7 +88,6 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
     """The ratchet's settings for these options, and whether a pyproject table configured them."""
     from pgregistry.allowlist._cli import _settings as allowlist_settings
-
     from pgregistry.allowlist._config import find_config_file
 
     if args.isolated and args.config is not None:

@@ -60,7 +60,7 @@ def f(x, pg_collection=None):
     # the reduction
     return ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
 '''
-    assert after(tmp_path, source) == '''from pgregistry.fallback import resolve_megatron_collection
+    assert after(tmp_path, source) == '''from pgregistry.doors import resolve_megatron_collection
 
 def f(x, pg_collection=None):
     """Doc."""
@@ -135,7 +135,7 @@ def wrapped(x, **kwargs):
 """
     migration = run(tmp_path, {"lib.py": library, "user.py": user})
     texts = {change.path: change.after.decode() for change in migration.changes}
-    assert texts["lib.py"] == """from pgregistry.fallback import resolve_megatron_collection
+    assert texts["lib.py"] == """from pgregistry.doors import resolve_megatron_collection
 
 def shard(x, *args, pg_collection=None, **kwargs):
     pg_collection = resolve_megatron_collection(pg_collection, owner="lib.shard", fields=("tp",))
@@ -222,7 +222,7 @@ def test_a_pg_collection_of_another_meaning_is_not_reused(tmp_path: Path) -> Non
 def f(pg_collection: str):
     return pg_collection, ps.get_data_parallel_group(with_gtp_remat=False)
 """
-    assert after(tmp_path, source) == """from pgregistry.fallback import resolve_megatron_collection
+    assert after(tmp_path, source) == """from pgregistry.doors import resolve_megatron_collection
 
 def f(pg_collection: str, *, process_group_collection=None):
     process_group_collection = resolve_megatron_collection(process_group_collection, owner="m.f", fields=("dp",))
@@ -241,7 +241,7 @@ def f(
     return (x,
             y,   group)
 """
-    assert after(tmp_path, source) == """from pgregistry.fallback import resolve_megatron_collection
+    assert after(tmp_path, source) == """from pgregistry.doors import resolve_megatron_collection
 
 def f(
     x,  # the input
@@ -328,7 +328,7 @@ def g():
     return ps.get_data_parallel_world_size(with_gtp_remat=False)
 """
     assert after(tmp_path, source, target="pgregistry") == """from pgregistry.collection import group_rank, group_size
-from pgregistry.fallback import resolve_collection
+from pgregistry.doors import resolve_collection
 
 def f(pg_collection):
     return group_rank(pg_collection.tp), (group_rank(pg_collection.pp) == group_size(pg_collection.pp) - 1)
