@@ -82,7 +82,9 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
                 outcome.failures.append(tree)
                 continue
             assert isinstance(tree, cst.Module)
-            plans[result.path] = plan_file(result.path, ".".join(module_name(result.path)), tree, result.sites, name)
+            plans[result.path] = plan_file(
+                result.path, ".".join(module_name(result.path)), tree, result.sites, name, data
+            )
     if outcome.failures:
         return outcome
     threaded = {  # only module-level functions are passed a collection (a method may be overridden elsewhere)

@@ -18,11 +18,12 @@ tree pass a threaded function its collection is decided across files (:func:`pas
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from pgregistry.allowlist._fixes import FieldChoice, collection_field
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
@@ -77,6 +78,8 @@ class Function:
     door_name: str = ""
     #: Index of the module-level statement holding it (the rewrite visits only the statements it changes).
     top: int = 0
+    #: Index in the body of the module-level class holding it (-1: not in one).
+    member: int = -1
 
     @property
     def self_name(self) -> str | None:
@@ -106,6 +109,7 @@ class Read:
     #: A fallback helper's ``is_expert=`` when it is an expression: the expert field is read when it is true.
     expert_when: str = ""
     top: int = 0
+    member: int = -1
 
 
 @dataclass(eq=False)
@@ -117,6 +121,7 @@ class Call:
     function: Function | None
     statement: int
     top: int = 0
+    member: int = -1
 
 
 @dataclass(eq=False)
@@ -136,8 +141,8 @@ class FilePlan:
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
-    #: The module-level statements holding such calls.
-    passing_tops: set[int] = field(default_factory=set)
+    #: Where such calls are: (module-level statement, member of its class body or -1).
+    passing_tops: set[tuple[int, int]] = field(default_factory=set)
 
 
 def _dotted(node: cst.BaseExpression) -> list[str] | None:
@@ -188,8 +193,6 @@ class _Locator(cst.CSTVisitor):
     """One walk of the tree: functions with their bindings, the scanner's call sites, every dotted call, and
     ``self.<name> = ...`` assignments per class."""
 
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
     def __init__(self, sites: Iterable[Site], name: str) -> None:
         super().__init__()
         self.by_position: dict[tuple[int, int], Site] = {
@@ -212,6 +215,9 @@ class _Locator(cst.CSTVisitor):
         #: no parentheses.
         self.alone: set[int] = set()
         self.top = 0
+        self.member = -1
+        #: Positions of the nodes of the module-level statements with sites, and each one's line offset.
+        self.positions: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
 
     @property
     def current(self) -> Function | None:
@@ -238,7 +244,13 @@ class _Locator(cst.CSTVisitor):
         self.class_names.append(node.name.value)
         self.in_class_body.append(True)
         self.attributes.setdefault(id(node), [])
-        node.body.visit(self)
+        if len(self.classes) == 1 and not self.stack:
+            for index, statement in enumerate(node.body.body):
+                self.member = index
+                statement.visit(self)
+            self.member = -1
+        else:
+            node.body.visit(self)
         self.in_class_body.pop()
         self.class_names.pop()
         self.classes.pop()
@@ -256,7 +268,7 @@ class _Locator(cst.CSTVisitor):
             self.class_names else ""
         if outer is not None and self.class_names and method_of is not None:
             prefix = outer.qualname + "." + ".".join(self.class_names[-1:]) + "."
-        function = Function(node, prefix + node.name.value, outer, method_of, top=self.top)
+        function = Function(node, prefix + node.name.value, outer, method_of, top=self.top, member=self.member)
         if outer is None and not self.classes:
             self.top_level[node.name.value] = "function"
         elif outer is not None:
@@ -357,16 +369,18 @@ class _Locator(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         site = None
-        if self.by_position:  # a file read only for its calls has no sites (and no positions computed)
-            start = self.get_metadata(PositionProvider, node.func).start
-            site = self.by_position.pop((start.line, start.column), None)
+        located = self.positions.get(self.top)
+        if located is not None:  # only the statements with sites have positions (computing them is costly)
+            ranges, offset = located
+            start = ranges[node.func].start
+            site = self.by_position.pop((start.line + offset, start.column), None)
         index = self.statement[-1]
         if site is not None:
-            self.reads.append(Read(site, node, self.current, index, top=self.top))
+            self.reads.append(Read(site, node, self.current, index, top=self.top, member=self.member))
         else:
             parts = _dotted(node.func)
             if parts is not None:
-                self.calls.append(Call(node, parts, self.current, index, top=self.top))
+                self.calls.append(Call(node, parts, self.current, index, top=self.top, member=self.member))
 
 
 def _function_choice(read: Read) -> FieldChoice:
@@ -464,15 +478,15 @@ def _site_reason(site: Site) -> str | None:
     return None
 
 
-def plan_file(path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str) -> FilePlan:
+def plan_file(
+    path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None
+) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
-    :func:`passes` once every file is planned."""
+    :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code)."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     locator = _Locator(sites, name)
-    if locator.by_position:
-        wrapper.visit(locator)
-    else:  # no site to locate: positions (the costly metadata) are not needed
-        source.visit(locator)
+    locator.positions = _positions(source, {site.line for site in sites if site.form == CALL}, data)
+    source.visit(locator)
     reads = list(locator.reads)
     for site in locator.by_position.values():
         reads.append(Read(site, None, None, 0, reason="could not be located in the tree (non-ASCII text before it?)"))
@@ -531,6 +545,35 @@ def plan_file(path: str, module: str, source: cst.Module, sites: Sequence[Site],
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
                     locator.top_level, locator.attributes, locator.alone)
+
+
+def _positions(
+    source: cst.Module, lines: set[int], data: bytes | None
+) -> dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]]:
+    """For each module-level statement covering one of ``lines``: its nodes' positions (computed on a module of
+    that statement alone) and the line offset that makes them the file's. :mod:`ast` gives each statement's
+    span; a libcst statement line holds one or more ast statements (``a; b``)."""
+    if not lines:
+        return {}
+    tree = ast.parse(data if data is not None else source.code)
+    spans: list[tuple[int, int]] = []
+    position = 0
+    for statement in source.body:
+        count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
+        nodes = tree.body[position:position + count]
+        position += count
+        first = nodes[0]
+        start = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
+        spans.append((start, nodes[-1].end_lineno or nodes[-1].lineno))
+    found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
+    for index, (start, end) in enumerate(spans):
+        if any(start <= line <= end for line in lines):
+            statement = source.body[index]
+            alone = cst.Module(body=[statement], default_indent=source.default_indent,
+                               default_newline=source.default_newline)
+            ranges = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+            found[index] = (ranges, start - 1 - len(statement.leading_lines))
+    return found
 
 
 def _doors(reads: Sequence[Read]) -> None:
@@ -613,6 +656,6 @@ def passes(plans: Sequence[FilePlan], name: str) -> int:
                     continue
                 value = found[0]
             plan.passes[id(call.node)] = (keyword, value)
-            plan.passing_tops.add(call.top)
+            plan.passing_tops.add((call.top, call.member))
             count += 1
     return count

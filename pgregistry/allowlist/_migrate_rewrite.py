@@ -135,18 +135,40 @@ class _Rewriter(cst.CSTTransformer):
         self.plan = plan
         self.replacements: dict[int, cst.BaseExpression] = {}
         self.imports: list[tuple[str, str]] = []
-        self.touched: set[int] = set(plan.passing_tops)
+        #: Module-level statement -> the members of its class body to walk (None: the whole statement).
+        self.touched: dict[int, set[int] | None] = {}
+        for top, member in plan.passing_tops:
+            self._touch(top, member)
         for read in plan.reads:
             if read.way == LEFT or read.call is None or read.function is None:
                 continue
-            self.touched.add(read.top)
+            self._touch(read.top, read.member)
             code, operator = target.replacement(read, _owner(plan, read.function))
             if operator and id(read.call) not in plan.alone:
                 code = f"({code})"
             self.replacements[id(read.call)] = cst.parse_expression(code)
             self.imports += target.imports(code)
         self.functions = {id(f.node): f for f in plan.functions if f.added or f.door_name}
-        self.touched.update(f.top for f in self.functions.values())
+        for function in self.functions.values():
+            self._touch(function.top, function.member)
+
+    def _touch(self, top: int, member: int) -> None:
+        members = self.touched.setdefault(top, set())
+        if members is not None and member >= 0:
+            members.add(member)
+        else:
+            self.touched[top] = None
+
+    def walk(self, index: int, statement: cst.BaseStatement) -> object:
+        """``statement`` rewritten, walking only what changes (a class's touched members, not all of it)."""
+        members = self.touched.get(index, set())
+        if index not in self.touched:
+            return statement
+        if members is None or not isinstance(statement, cst.ClassDef):
+            return statement.visit(self)
+        body = [s.visit(self) if i in members else s for i, s in enumerate(statement.body.body)]
+        kept = [s for s in body if isinstance(s, cst.CSTNode)]
+        return statement.with_changes(body=statement.body.with_changes(body=kept))
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
@@ -224,7 +246,7 @@ def rewrite(plan: FilePlan, target: Idiom) -> str:
         return module.code
     before = _uses(module.code)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
-    body = [s.visit(rewriter) if i in rewriter.touched else s for i, s in enumerate(module.body)]
+    body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
