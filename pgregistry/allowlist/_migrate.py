@@ -97,14 +97,15 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
             if path not in plans and mention.search(data):
                 tree = _parse(path, data)
                 if isinstance(tree, cst.Module):  # a file only read for its calls is passed over if libcst balks
-                    plans[path] = plan_file(path, ".".join(module_name(path)), tree, (), name)
+                    plans[path] = plan_file(path, ".".join(module_name(path)), tree, (), name, data)
     ordered = [plans[path] for path in sorted(plans)]
     outcome.passed = passes(ordered, name)
     for plan in ordered:
         outcome.reads += [(plan.path, r) for r in sorted(plan.reads, key=lambda r: (r.site.line, r.site.col))]
         outcome.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
         source, (data, mtime) = contents[plan.path]
-        after = rewrite(plan, idiom_).encode(plan.wrapper.module.encoding)
+        text = rewrite(plan, idiom_)
+        after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         if after == data:
             continue
         try:

@@ -141,6 +141,8 @@ class FilePlan:
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: The file's bytes, when planning was given them.
+    data: bytes | None = None
     #: Where such calls are: (module-level statement, member of its class body or -1).
     passing_tops: set[tuple[int, int]] = field(default_factory=set)
 
@@ -544,7 +546,7 @@ def plan_file(
             read.way = IN_SCOPE
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
-                    locator.top_level, locator.attributes, locator.alone)
+                    locator.top_level, locator.attributes, locator.alone, data=data)
 
 
 def _positions(

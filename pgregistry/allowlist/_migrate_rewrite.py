@@ -59,6 +59,11 @@ class _Prune(cst.CSTTransformer):
             kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
         return kept
 
+    def leave_SimpleStatementLine(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        return updated if updated.body else cst.RemoveFromParent()  # not a ``pass`` left in its place
+
     def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
         kept = self._kept(updated.names)
         return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
@@ -238,20 +243,28 @@ def _owner(plan: FilePlan, function: Function) -> str:
     return f"{plan.module}.{function.qualname}" if plan.module else function.qualname
 
 
-def rewrite(plan: FilePlan, target: Idiom) -> str:
-    """The source of ``plan``'s file with its planned rewrites applied (the same text when none is planned)."""
+def rewrite(plan: FilePlan, target: Idiom) -> str | None:
+    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned."""
     module = plan.wrapper.module
     rewriter = _Rewriter(plan, target)
     if not rewriter.replacements and not plan.passes and not rewriter.functions:
-        return module.code
-    before = _uses(module.code)
+        return None
+    before = _uses(plan.data.decode(module.encoding) if plan.data is not None else module.code)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
-    after = _uses(changed.code)
-    unused = {name for name, count in before.items() if count and not after[name]}
-    if unused:
-        changed = changed.visit(_Prune(unused))
-    return changed.code
+    code = changed.code
+    unused = {name for name, count in before.items() if count and not _uses(code)[name]}
+    if not unused:
+        return code
+    # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
+    # ``try:``) or in a statement the rewrite changed: only those are walked.
+    prune = _Prune(unused)
+    walked = {id(s) for i, s in enumerate(body) if i in rewriter.touched}
+    pruned = [
+        s.visit(prune) if id(s) in walked or not isinstance(s, (cst.FunctionDef, cst.ClassDef)) else s
+        for s in changed.body
+    ]
+    return changed.with_changes(body=[s for s in pruned if isinstance(s, cst.CSTNode)]).code
