@@ -9,7 +9,8 @@ interpreter, timed), and reports in one run:
 - ``ruff check --select F`` findings before and after (a finding is keyed by file, code and message, not by line,
   which the rewrite moves); the new ones are listed;
 - ``pgregistry migrate --check`` right after exits 0 (the rewrite is idempotent);
-- the wall time of the ``--write`` run and of the ``--check`` run;
+- the wall and CPU time of the ``--write`` run and of the ``--check`` run (CPU time too: on a shared machine
+  the wall time mostly measures the other jobs);
 - the tool's report: every read left in place, with its reason.
 
 Usage: ``python benchmarks/migrate_megatron.py /path/to/Megatron-LM.git [--rev d98e8a64dd]``.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import resource
 import subprocess
 import sys
 import tarfile
@@ -67,14 +69,19 @@ def _ruff(root: Path) -> Counter[str]:
     return findings
 
 
-def _migrate(root: Path, *options: str) -> tuple[int, float, str]:
+def _migrate(root: Path, *options: str) -> tuple[int, float, float, str]:
+    """(exit code, wall seconds, CPU seconds of the process, its output)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "pgregistry", "migrate", *options, "--isolated", "--preset", "megatron",
          "megatron/core"], cwd=root, env=env, capture_output=True, text=True, timeout=1800,
     )
-    return done.returncode, time.perf_counter() - started, done.stdout + done.stderr
+    wall = time.perf_counter() - started
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = now.ru_utime - cpu.ru_utime + now.ru_stime - cpu.ru_stime
+    return done.returncode, wall, used, done.stdout + done.stderr
 
 
 def main() -> None:
@@ -87,13 +94,14 @@ def main() -> None:
         _export(args.git_dir, args.rev, before_root)
         _export(args.git_dir, args.rev, after_root)
         before, ruff_before = _families(before_root), _ruff(before_root)
-        code, write_s, report = _migrate(after_root, "--write")
+        code, write_s, write_cpu, report = _migrate(after_root, "--write")
         after, ruff_after = _families(after_root), _ruff(after_root)
         compiled = subprocess.run(
             [sys.executable, "-m", "compileall", "-q", "megatron/core"], cwd=after_root, capture_output=True,
             timeout=600,
         ).returncode
-        check_code, check_s, _ = _migrate(after_root, "--check")
+        check_code, check_s, check_cpu, _ = _migrate(after_root, "--check")
+        load = os.getloadavg()[0]
     new = ruff_after - ruff_before
     print(f"pgregistry migrate on Megatron-LM megatron/core at {args.rev} (Python {sys.version.split()[0]}, "
           f"{os.cpu_count()} cores)")
@@ -102,13 +110,15 @@ def main() -> None:
         print(f"{family:<10}{before[family]:>8}{after[family]:>8}")
     share = after["direct"] / before["direct"] if before["direct"] else 0.0
     print(f"direct reads left: {after['direct']} of {before['direct']} ({share:.1%}; goal at most 10%)")
-    print(f"--write exit code: {code}; wall time {write_s:.1f} s")
+    print(f"--write exit code: {code}; wall time {write_s:.1f} s, CPU time {write_cpu:.1f} s "
+          f"(load average {load:.1f} on {os.cpu_count()} cores when done)")
     print(f"every file byte-compiles: {'yes' if compiled == 0 else 'NO'}")
     print(f"ruff --select F: {sum(ruff_before.values())} findings before, {sum(ruff_after.values())} after, "
           f"{sum(new.values())} new")
     for finding in sorted(new):
         print(f"  new: {finding}")
-    print(f"--check right after: exit code {check_code} (0: nothing left to change); wall time {check_s:.1f} s")
+    print(f"--check right after: exit code {check_code} (0: nothing left to change); wall time {check_s:.1f} s, "
+          f"CPU time {check_cpu:.1f} s")
     print("the tool's report:")
     print(report, end="")
 

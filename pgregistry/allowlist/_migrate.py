@@ -22,7 +22,7 @@ from pgregistry.allowlist._engine import scan_sources
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._migrate_files import Change
 from pgregistry.allowlist._migrate_idioms import idiom
-from pgregistry.allowlist._migrate_plan import FilePlan, Read, passes, plan_file
+from pgregistry.allowlist._migrate_plan import FilePlan, Read, passes, plan_file, visit_mentions
 from pgregistry.allowlist._migrate_rewrite import rewrite
 from pgregistry.allowlist._scanner import FileResult, ParseFailure, module_name
 
@@ -98,6 +98,8 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
                 tree = _parse(path, data)
                 if isinstance(tree, cst.Module):  # a file only read for its calls is passed over if libcst balks
                     plans[path] = plan_file(path, ".".join(module_name(path)), tree, (), name, data)
+        for plan in plans.values():
+            visit_mentions(plan, mention)
     ordered = [plans[path] for path in sorted(plans)]
     outcome.passed = passes(ordered, name)
     for plan in ordered:

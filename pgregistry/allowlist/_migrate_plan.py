@@ -19,6 +19,7 @@ tree pass a threaded function its collection is decided across files (:func:`pas
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ __all__ = [
     "Read",
     "passes",
     "plan_file",
+    "visit_mentions",
 ]
 
 IN_SCOPE = "in-scope"
@@ -141,8 +143,10 @@ class FilePlan:
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
-    #: The file's bytes, when planning was given them.
+    #: The file's bytes, the module-level statements' line spans, and the walk that can visit more of them.
     data: bytes | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    locator: _Locator | None = None
     #: Where such calls are: (module-level statement, member of its class body or -1).
     passing_tops: set[tuple[int, int]] = field(default_factory=set)
 
@@ -218,6 +222,9 @@ class _Locator(cst.CSTVisitor):
         self.alone: set[int] = set()
         self.top = 0
         self.member = -1
+        #: The module-level statements to walk at once (those with sites, and every one but a def or class).
+        self.wanted: set[int] = set()
+        self.visited: set[int] = set()
         #: Positions of the nodes of the module-level statements with sites, and each one's line offset.
         self.positions: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
 
@@ -227,9 +234,18 @@ class _Locator(cst.CSTVisitor):
 
     def visit_Module(self, node: cst.Module) -> bool:
         for index, statement in enumerate(node.body):
+            if index in self.wanted or not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+                self.visit_top(index, statement)
+            else:  # walked later only if it mentions a function a collection was threaded into
+                self.top_level[statement.name.value] = "class" if isinstance(statement, cst.ClassDef) else "function"
+        return False
+
+    def visit_top(self, index: int, statement: cst.CSTNode) -> None:
+        """Walk module-level statement ``index`` (once)."""
+        if index not in self.visited:
+            self.visited.add(index)
             self.top = index
             statement.visit(self)
-        return False
 
     def _scope(self) -> str:
         return ".".join([*(self.class_names if not self.stack else []), *([self.stack[-1].qualname]
@@ -487,7 +503,11 @@ def plan_file(
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code)."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     locator = _Locator(sites, name)
-    locator.positions = _positions(source, {site.line for site in sites if site.form == CALL}, data)
+    data = data if data is not None else source.bytes
+    spans = _spans(source, data)
+    lines = {site.line for site in sites}
+    locator.wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
+    locator.positions = _positions(source, spans, {site.line for site in sites if site.form == CALL})
     source.visit(locator)
     reads = list(locator.reads)
     for site in locator.by_position.values():
@@ -546,18 +566,13 @@ def plan_file(
             read.way = IN_SCOPE
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
-                    locator.top_level, locator.attributes, locator.alone, data=data)
+                    locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator)
 
 
-def _positions(
-    source: cst.Module, lines: set[int], data: bytes | None
-) -> dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]]:
-    """For each module-level statement covering one of ``lines``: its nodes' positions (computed on a module of
-    that statement alone) and the line offset that makes them the file's. :mod:`ast` gives each statement's
-    span; a libcst statement line holds one or more ast statements (``a; b``)."""
-    if not lines:
-        return {}
-    tree = ast.parse(data if data is not None else source.code)
+def _spans(source: cst.Module, data: bytes) -> list[tuple[int, int]]:
+    """The first and last line of each module-level statement, from :mod:`ast` (a libcst statement line holds
+    one or more ast statements: ``a; b``)."""
+    tree = ast.parse(data)
     spans: list[tuple[int, int]] = []
     position = 0
     for statement in source.body:
@@ -567,6 +582,14 @@ def _positions(
         first = nodes[0]
         start = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
         spans.append((start, nodes[-1].end_lineno or nodes[-1].lineno))
+    return spans
+
+
+def _positions(
+    source: cst.Module, spans: list[tuple[int, int]], lines: set[int]
+) -> dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]]:
+    """For each module-level statement covering one of ``lines``: its nodes' positions (computed on a module of
+    that statement alone, far cheaper than the whole file's) and the line offset that makes them the file's."""
     found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
     for index, (start, end) in enumerate(spans):
         if any(start <= line <= end for line in lines):
@@ -661,3 +684,18 @@ def passes(plans: Sequence[FilePlan], name: str) -> int:
             plan.passing_tops.add((call.top, call.member))
             count += 1
     return count
+
+
+def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
+    """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a call of a
+    function a collection was threaded into), so :func:`passes` sees their calls."""
+    if plan.locator is None or plan.data is None:
+        return
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    body = plan.wrapper.module.body
+    for index, (start, end) in enumerate(plan.spans):
+        if index in plan.locator.visited:
+            continue
+        text = plan.data[starts[start - 1]: starts[end] if end < len(starts) else None]
+        if pattern.search(text):
+            plan.locator.visit_top(index, body[index])
