@@ -4,6 +4,7 @@ named with exit 2 and nothing written."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -135,3 +136,11 @@ def test_without_libcst_the_error_names_the_extra(
     monkeypatch.setitem(sys.modules, "libcst", None)  # import libcst raises ImportError
     assert main(ARGS) == 2
     assert "pip install 'pgregistry[migrate]'" in capsys.readouterr().err
+
+
+def test_the_package_and_the_command_table_import_no_libcst() -> None:
+    code = (
+        "import sys, pgregistry, pgregistry.doors; from pgregistry.cli import _build_parser; _build_parser(); "
+        "assert 'libcst' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
