@@ -256,7 +256,8 @@ def rewrite(plan: FilePlan, target: Idiom) -> str | None:
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
     code = changed.code
-    unused = {name for name, count in before.items() if count and not _uses(code)[name]}
+    after = _uses(code)
+    unused = {name for name, count in before.items() if count and not after[name]}
     if not unused:
         return code
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
