@@ -14,6 +14,8 @@ what they would do first, and only a non-``error``/``always`` action is deduplic
 the first frame outside pgregistry: the user's code that called an entry point without a collection, so a module
 filter of a migration config (``error::pgregistry.ProcessGroupFallbackWarning:mypackage.trainer``) matches it.
 
+Code that ``pgregistry migrate`` rewrote warns through :mod:`pgregistry.doors`.
+
 Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at interpreter start.
 """
 
@@ -104,3 +106,4 @@ def _matches(pattern: re.Pattern[str] | str, text: str) -> bool:
     if isinstance(pattern, str):
         return re.match(pattern, text) is not None
     return pattern.match(text) is not None
+

@@ -454,6 +454,17 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/megatron/test_megatron_dense_statistics.py::test_a_dense_models_statistics_read_no_expert_field",
         ),
     ),
+    Mutant(
+        name="migrate-fallback-silent",
+        bug="a function pgregistry migrate threaded a collection into falls back to parallel_state without the warning",
+        file="pgregistry/doors.py",
+        find='    warn_fallback(owner, "pg_collection")\n    from megatron.core.process_groups_config',
+        replace="    from megatron.core.process_groups_config",
+        tests=(
+            "tests/allowlist/test_migrate_world.py::"
+            "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
+        ),
+    ),
 )
 
 

@@ -3,18 +3,24 @@
 ``get_data_parallel_group()`` becomes ``pg_collection.dp``, not the ``pg_collection.tp`` a generic hint would
 suggest; a rank or size becomes ``group_rank`` / ``group_size`` of the same field (``None`` there means the
 axis is off, never WORLD). Field names follow Megatron-Core's ``ProcessGroupCollection``.
+
+The same table serves ``pgregistry migrate`` (:func:`collection_field`), which must also read the keyword
+arguments that pick another group of an axis (``with_context_parallel=True``, ``partial_data_parallel=True``,
+``with_gtp_remat``, ``is_expert``): a hint may be approximate, a rewrite may not.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pgregistry.allowlist._scanner import HELPER, REGISTRY, SHIM, Site
 
-__all__ = ["fix_for"]
+__all__ = ["FieldChoice", "collection_field", "fix_for"]
 
 #: The axis word of an accessor (``get_<axis>_group``, ``_<AXIS>_GROUP``) -> the collection field.
-_FIELDS = {
+_FIELDS: dict[str, str | None] = {
     "tensor_model_parallel": "tp",
     "context_parallel": "cp",
     "data_parallel": "dp",
@@ -38,7 +44,13 @@ _FIELDS = {
     "intra_distributed_optimizer_instance": "intra_dist_opt",
     "inter_distributed_optimizer_instance": "inter_dist_opt",
     "hierarchical_context_parallel": "hcp",
+    "data_parallel_with_cp_with_gtp_remat": "dp_cp_gtp_remat",
+    "expert_data_parallel_with_gtp_remat": "expt_dp_gtp_remat",
+    "intra_partial_data_parallel_with_cp_with_gtp_remat": None,
+    "intra_partial_expert_data_parallel_with_gtp_remat": None,
+    "data_parallel_with_gtp_remat": None,
 }
+"""``None``: the group exists in Megatron-Core's ``parallel_state`` but no collection field holds it."""
 
 _SHAPES = (
     # (accessor pattern, replacement with {f} for the field)
@@ -69,8 +81,9 @@ def _replacement(accessor: str) -> str | None:
             axis = match.group("axis").lower()
             qualified = axis + (match.groupdict().get("with") or "").lower()
             for name in (qualified, qualified.replace("_with_gtp_remat", "").replace("_with_egtp", ""), axis):
-                if name in _FIELDS:
-                    return template.format(f=_FIELDS[name])
+                field = _FIELDS.get(name)
+                if field is not None:
+                    return template.format(f=field)
     return None
 
 
@@ -86,3 +99,78 @@ def fix_for(site: Site) -> str:
     if replacement is None:
         return "take the value from the ProcessGroupCollection the caller passes in instead of reading parallel_state"
     return f"use {replacement} from the ProcessGroupCollection the caller passes in instead of `{site.expr}`"
+
+
+#: Accessors whose group also depends on ``with_gtp_remat``, which defaults to True in Megatron-Core since GTP
+#: (the group spanning the GTP-remat peers; the very same group object when GTP remat is off).
+_GTP_REMAT_AXES = ("data_parallel", "expert_data_parallel")
+#: Keyword arguments that change nothing about which group is read (only whether an unset one asserts).
+_NEUTRAL_KEYWORDS = frozenset({"check_initialized", "ignore_virtual", "vp_stage"})
+_KINDS = (  # the more specific first: ``get_x_src_rank`` also matches ``get_(x_src)_rank``
+    (re.compile(r"get_(?P<axis>\w+?)_src_rank"), "src_rank"),
+    (re.compile(r"get_(?P<axis>\w+?)_global_ranks"), "global_ranks"),
+    (re.compile(r"get_(?P<axis>pipeline_model_parallel)_(?P<which>first|last|next|prev)_rank"), "_rank"),
+    (re.compile(r"get_(?P<axis>\w+?)_groups?"), "group"),
+    (re.compile(r"get_(?P<axis>\w+?)_rank"), "rank"),
+    (re.compile(r"get_(?P<axis>\w+?)_world_size"), "size"),
+)
+#: The kinds whose accessors take ``with_gtp_remat`` (the global-rank lists are of the replicate group).
+_GTP_REMAT_KINDS = ("group", "rank", "size")
+_STAGES = {"is_pipeline_first_stage": "first_stage", "is_pipeline_last_stage": "last_stage"}
+
+
+@dataclass(frozen=True)
+class FieldChoice:
+    """What a read is, for a rewrite: ``kind`` (``group``, ``rank``, ``size``, ``src_rank``, ``global_ranks``,
+    ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``first_stage``, ``last_stage``) of collection
+    field ``field``; or ``reason`` why no field says it."""
+
+    field: str = ""
+    kind: str = ""
+    reason: str = ""
+
+
+def collection_field(accessor: str, keywords: Mapping[str, object]) -> FieldChoice:
+    """The collection field a call ``accessor(**keywords)`` reads. ``keywords`` maps each keyword argument to
+    its literal value (``True``, ``False``, ``None``, a number), or to ``...`` when it is not a literal.
+
+    A keyword that may pick another group and is not a literal, or one this table does not know, is a reason:
+    guessing would change which group the code reads."""
+    unknown = sorted(set(keywords) - _NEUTRAL_KEYWORDS - {"with_context_parallel", "partial_data_parallel",
+                                                          "partial_expert_data_parallel", "with_gtp_remat"})
+    if unknown:
+        return FieldChoice(reason=f"keyword argument {unknown[0]}= may pick another group")
+    if keywords.get("ignore_virtual") not in (None, True) and accessor in _STAGES:
+        return FieldChoice(reason="ignore_virtual=False also reads the virtual pipeline stage")
+    flags: dict[str, bool] = {}
+    for name, value in keywords.items():
+        if name in _NEUTRAL_KEYWORDS:
+            continue
+        if not isinstance(value, bool):
+            return FieldChoice(reason=f"{name}= is not a literal True or False")
+        flags[name] = value
+    if accessor in _STAGES:
+        return FieldChoice("pp", _STAGES[accessor])
+    matches = ((pattern.fullmatch(accessor), kind) for pattern, kind in _KINDS)
+    match, kind = next(((m, k) for m, k in matches if m is not None), (None, ""))
+    if match is None:
+        return FieldChoice(reason="no collection field says what this accessor reads")
+    axis = match.group("axis")
+    if kind == "_rank":
+        kind = match.group("which") + "_rank"
+    partial = flags.get("partial_data_parallel", False) or flags.get("partial_expert_data_parallel", False)
+    name = ("intra_partial_" if partial else "") + axis
+    if flags.get("with_context_parallel", False):
+        name += "_with_cp"
+    if axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS and flags.get("with_gtp_remat", True):
+        name += "_with_gtp_remat"
+    elif "with_gtp_remat" in flags and (axis not in _GTP_REMAT_AXES or kind not in _GTP_REMAT_KINDS):
+        return FieldChoice(reason="with_gtp_remat= on an accessor this table does not know it for")
+    if name not in _FIELDS:
+        return FieldChoice(reason=f"no collection field holds the {name.replace('_', ' ')} group")
+    field = _FIELDS[name]
+    if field is None:
+        hint = " (with_gtp_remat defaults to True; pass with_gtp_remat=False for the replicate group)" if (
+            "gtp_remat" in name and "with_gtp_remat" not in flags) else ""
+        return FieldChoice(reason=f"no collection field holds the {name.replace('_', ' ')} group{hint}")
+    return FieldChoice(field, kind)

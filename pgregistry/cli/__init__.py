@@ -1,7 +1,8 @@
 """The ``pgregistry`` command line: the command table and :func:`main`.
 
 One convention for every command: a module of this package (:mod:`~pgregistry.cli._layout`,
-:mod:`~pgregistry.cli._seed_plan`, :mod:`~pgregistry.cli._verify`, :mod:`~pgregistry.cli._allowlist`) exposes
+:mod:`~pgregistry.cli._seed_plan`, :mod:`~pgregistry.cli._verify`, :mod:`~pgregistry.cli._allowlist`,
+:mod:`~pgregistry.cli._migrate`) exposes
 ``add_command(subparsers)``, which adds the command's parser (with ``help`` text on every option) and sets
 ``handler``, a callable taking the parsed namespace and returning the exit code. Bad input is reported as
 ``pgregistry COMMAND: error: ...`` on stderr.
@@ -23,6 +24,7 @@ __all__ = ["main"]
 _COMMAND_MODULES: tuple[str, ...] = (
     "pgregistry.cli._layout",
     "pgregistry.cli._allowlist",
+    "pgregistry.cli._migrate",
     "pgregistry.cli._seed_plan",
     "pgregistry.cli._verify",
 )

@@ -1,0 +1,127 @@
+"""Benchmark on the real tree: ``pgregistry migrate`` over Megatron-LM's ``megatron/core``.
+
+Exports ``megatron/core`` at ``--rev`` (``git archive``, into a temporary directory) twice (one copy stays the
+baseline), runs ``pgregistry migrate --write --isolated --preset megatron megatron/core`` on one (a fresh
+interpreter, timed), and reports in one run:
+
+- reads by family (the ratchet's scan, the same preset) before and after, and the share of direct reads left;
+- every file byte-compiles (``python -m compileall -q``);
+- ``ruff check --select F`` findings before and after (a finding is keyed by file, code and message, not by line,
+  which the rewrite moves); the new ones are listed;
+- ``pgregistry migrate --check`` right after exits 0 (the rewrite is idempotent);
+- the wall and CPU time of the ``--write`` run and of the ``--check`` run (CPU time too: on a shared machine
+  the wall time mostly measures the other jobs);
+- the tool's report: every read left in place, with its reason.
+
+Usage: ``python benchmarks/migrate_megatron.py /path/to/Megatron-LM.git [--rev d98e8a64dd]``.
+Needs the repository's git history, so it is not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import resource
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pgregistry.allowlist._config import PRESETS  # noqa: E402
+from pgregistry.allowlist._report import family_of  # noqa: E402
+from pgregistry.allowlist._scanner import scan_source  # noqa: E402
+
+
+def _export(git_dir: str, rev: str, into: Path) -> None:
+    data = subprocess.run(
+        ["git", "-C", git_dir, "archive", rev, "megatron/core"], check=True, capture_output=True, timeout=300
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        archive.extractall(into, filter="data")
+
+
+def _families(root: Path) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for path in sorted((root / "megatron" / "core").rglob("*.py")):
+        result = scan_source(path.read_bytes(), path.relative_to(root).as_posix(), PRESETS["megatron"])
+        counts.update(family_of(site) for site in result.sites)
+    return counts
+
+
+def _ruff(root: Path) -> Counter[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F", "--output-format", "concise",
+         "megatron/core"], cwd=root, capture_output=True, text=True, timeout=300,
+    ).stdout
+    findings: Counter[str] = Counter()
+    for line in out.splitlines():
+        parts = line.split(":", 3)
+        if len(parts) == 4 and parts[0].endswith(".py"):
+            findings[f"{parts[0]}: {parts[3].strip()}"] += 1
+    return findings
+
+
+def _migrate(root: Path, *options: str) -> tuple[int, float, float, str]:
+    """(exit code, wall seconds, CPU seconds of the process, its output)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pgregistry", "migrate", *options, "--isolated", "--preset", "megatron",
+         "megatron/core"], cwd=root, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    wall = time.perf_counter() - started
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = now.ru_utime - cpu.ru_utime + now.ru_stime - cpu.ru_stime
+    return done.returncode, wall, used, done.stdout + done.stderr
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("git_dir", help="a Megatron-LM git directory (a bare mirror will do)")
+    parser.add_argument("--rev", default="d98e8a64dd", help="the revision to export (default: d98e8a64dd)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as temporary:
+        before_root, after_root = Path(temporary, "before"), Path(temporary, "after")
+        _export(args.git_dir, args.rev, before_root)
+        _export(args.git_dir, args.rev, after_root)
+        before, ruff_before = _families(before_root), _ruff(before_root)
+        code, write_s, write_cpu, report = _migrate(after_root, "--write")
+        after, ruff_after = _families(after_root), _ruff(after_root)
+        compiled = subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", "megatron/core"], cwd=after_root, capture_output=True,
+            timeout=600,
+        ).returncode
+        check_code, check_s, check_cpu, _ = _migrate(after_root, "--check")
+        load = os.getloadavg()[0]
+    new = ruff_after - ruff_before
+    print(f"pgregistry migrate on Megatron-LM megatron/core at {args.rev} (Python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} cores)")
+    print(f"{'family':<10}{'before':>8}{'after':>8}")
+    for family in ("direct", "global", "fallback", "shim"):
+        print(f"{family:<10}{before[family]:>8}{after[family]:>8}")
+    share = after["direct"] / before["direct"] if before["direct"] else 0.0
+    print(f"direct reads left: {after['direct']} of {before['direct']} ({share:.1%}; goal at most 10%)")
+    print(f"--write exit code: {code}; wall time {write_s:.1f} s, CPU time {write_cpu:.1f} s "
+          f"(load average {load:.1f} on {os.cpu_count()} cores when done)")
+    print(f"every file byte-compiles: {'yes' if compiled == 0 else 'NO'}")
+    print(f"ruff --select F: {sum(ruff_before.values())} findings before, {sum(ruff_after.values())} after, "
+          f"{sum(new.values())} new")
+    for finding in sorted(new):
+        print(f"  new: {finding}")
+    print(f"--check right after: exit code {check_code} (0: nothing left to change); wall time {check_s:.1f} s, "
+          f"CPU time {check_cpu:.1f} s")
+    print("the tool's report:")
+    print(report, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""``pgregistry migrate``'s engine: the files of a run to their planned rewrites, across the whole tree.
+
+1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist`` counts).
+2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.allowlist._migrate_plan`).
+3. Parse the other files that mention a function a collection was threaded into, so their calls can pass one.
+4. Rewrite (:mod:`~pgregistry.allowlist._migrate_rewrite`) and check that each new text still compiles: a
+   rewrite that would not is refused, never written.
+
+Nothing here writes: :mod:`~pgregistry.allowlist._migrate_files` does, once every file has been planned.
+libcst is imported here and below only, so ``pgregistry`` and the ratchet run without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pgregistry.allowlist._config import ScanConfig
+from pgregistry.allowlist._engine import scan_sources
+from pgregistry.allowlist._files import SourceFile
+from pgregistry.allowlist._migrate_files import Change
+from pgregistry.allowlist._migrate_idioms import idiom
+from pgregistry.allowlist._migrate_plan import FilePlan, Read, passes, plan_file, visit_mentions
+from pgregistry.allowlist._migrate_rewrite import rewrite
+from pgregistry.allowlist._scanner import FileResult, ParseFailure, module_name
+
+__all__ = ["Migration", "migrate"]
+
+
+@dataclass
+class Migration:
+    """A run's outcome: the changes to write, every read with its way, the files that could not be read or
+    parsed (nothing may be written then), and how many calls now pass a collection."""
+
+    changes: list[Change] = field(default_factory=list)
+    reads: list[tuple[str, Read]] = field(default_factory=list)
+    failures: list[FileResult] = field(default_factory=list)
+    passed: int = 0
+    threaded: list[str] = field(default_factory=list)
+
+
+def _read(source: SourceFile) -> tuple[bytes, int] | FileResult:
+    try:
+        with open(source.absolute, "rb") as stream:
+            return stream.read(), os.fstat(stream.fileno()).st_mtime_ns
+    except OSError as error:
+        return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror or error}", 1, 1))
+
+
+def _parse(path: str, data: bytes) -> object:
+    import libcst as cst
+
+    try:
+        return cst.parse_module(data)
+    except cst.ParserSyntaxError as error:
+        return FileResult(path, failure=ParseFailure(f"libcst cannot parse it: {error.message}", error.raw_line,
+                                                     error.raw_column + 1))
+
+
+def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1) -> Migration:
+    """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
+    collection's parameter name. ``ValueError`` for an unknown target or a name that is no identifier."""
+    if not name.isidentifier():
+        raise ValueError(f"--collection-name {name!r} is not a Python identifier")
+    idiom_ = idiom(target)
+    import libcst as cst
+
+    read = [(source, _read(source)) for source in files]
+    report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
+    outcome = Migration(failures=list(report.failures))
+    if outcome.failures:
+        return outcome
+    contents = {source.path: (source, data) for source, data in read if not isinstance(data, FileResult)}
+    plans: dict[str, FilePlan] = {}
+    for result in report.results:
+        if result.sites:
+            source, (data, _) = contents[result.path]
+            tree = _parse(result.path, data)
+            if isinstance(tree, FileResult):
+                outcome.failures.append(tree)
+                continue
+            assert isinstance(tree, cst.Module)
+            plans[result.path] = plan_file(
+                result.path, ".".join(module_name(result.path)), tree, result.sites, name, data
+            )
+    if outcome.failures:
+        return outcome
+    threaded = {  # only module-level functions are passed a collection (a method may be overridden elsewhere)
+        f.node.name.value for plan in plans.values() for f in plan.functions
+        if f.added and f.parent is None and f.method_of is None
+    }
+    if threaded:
+        mention = re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(threaded)) + rb")\s*\(")
+        for path, (_, (data, _)) in contents.items():
+            if path not in plans and mention.search(data):
+                tree = _parse(path, data)
+                if isinstance(tree, cst.Module):  # a file only read for its calls is passed over if libcst balks
+                    plans[path] = plan_file(path, ".".join(module_name(path)), tree, (), name, data)
+        for plan in plans.values():
+            visit_mentions(plan, mention)
+    ordered = [plans[path] for path in sorted(plans)]
+    outcome.passed = passes(ordered, name)
+    for plan in ordered:
+        outcome.reads += [(plan.path, r) for r in sorted(plan.reads, key=lambda r: (r.site.line, r.site.col))]
+        outcome.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
+        source, (data, mtime) = contents[plan.path]
+        text = rewrite(plan, idiom_)
+        after = text.encode(plan.wrapper.module.encoding) if text is not None else data
+        if after == data:
+            continue
+        try:
+            compile(after, plan.path, "exec", dont_inherit=True)
+        except SyntaxError as error:  # a bug of this tool: refuse the whole run rather than write broken code
+            message = f"internal error: the rewrite would not compile ({error.msg}); please report it"
+            outcome.failures.append(FileResult(plan.path, failure=ParseFailure(message, error.lineno or 1, 1)))
+            continue
+        outcome.changes.append(Change(plan.path, source.absolute, data, mtime, after))
+    return outcome

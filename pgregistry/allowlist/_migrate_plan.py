@@ -1,0 +1,712 @@
+"""Which reads ``pgregistry migrate`` rewrites, and how: one file's functions, their collections, each read's way.
+
+The scanner (:mod:`~pgregistry.allowlist._scanner`) says where the reads are; this module finds them in the
+file's libcst tree (by position), walks the scopes around each, and decides for every read, first that applies:
+
+1. ``in-scope``: a collection is in scope (a parameter or a local of the configured name assigned above the
+   read, the same in an enclosing function, or ``self.<name>`` assigned in the class): the read becomes its field;
+2. ``threaded``: none is: the enclosing function gets an optional keyword-only parameter (a name that collides
+   with nothing), resolved through the fallback that warns;
+3. ``fallback``: a read that only runs when a value is missing (``if group is None: group = ...``, a fallback
+   helper) goes through the same warning, lazily, so a caller that passes the group never warns;
+4. ``left``: anything else, with the reason.
+
+A parameter that may be ``None`` (the optional one this tool adds, or one the code had) is resolved once at the
+function's door when an unguarded read needs it, else inline at each guarded read. Which calls in the scanned
+tree pass a threaded function its collection is decided across files (:func:`passes`). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+
+from pgregistry.allowlist._fixes import FieldChoice, collection_field
+from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+
+__all__ = [
+    "FALLBACK",
+    "IN_SCOPE",
+    "LEFT",
+    "THREADED",
+    "WAYS",
+    "Call",
+    "FilePlan",
+    "Function",
+    "Read",
+    "passes",
+    "plan_file",
+    "visit_mentions",
+]
+
+IN_SCOPE = "in-scope"
+THREADED = "threaded"
+FALLBACK = "fallback"
+LEFT = "left"
+WAYS = (IN_SCOPE, THREADED, FALLBACK)
+
+#: Decorators that fix a function's signature or key on its arguments: a new parameter would break them.
+_FIXED_SIGNATURE = ("property", "setter", "getter", "deleter", "jit", "script", "compile", "cache", "lru_cache",
+                    "overload", "fuser")
+#: Special methods Python calls with its own arguments (``__init__`` and ``__call__`` are called by the code).
+_CALLED_BY_CODE = frozenset({"__init__", "__call__", "__new__"})
+_LITERALS = (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString, cst.Integer, cst.Float,
+             cst.Imaginary, cst.List, cst.Dict, cst.Set, cst.Tuple, cst.ListComp, cst.DictComp, cst.SetComp)
+
+
+@dataclass(eq=False)
+class Function:
+    """A ``def`` (or ``async def``) with the names bound in it and the collection it may already hold."""
+
+    node: cst.FunctionDef
+    qualname: str
+    parent: Function | None
+    method_of: cst.ClassDef | None
+    names: set[str] = field(default_factory=set)
+    #: The configured name as a parameter: None (not one), or whether it may be None (it has a default).
+    param_optional: bool | None = None
+    param_other: bool = False
+    #: Top-level statement indexes of ``<name> = value`` with a value that may be a collection.
+    local_at: list[int] = field(default_factory=list)
+    local_other: bool = False
+    #: ``<name>.field = ...`` in it: the function builds the collection (from the globals), so it reads none.
+    builds: bool = False
+    #: Set by planning: the parameter this tool adds (its name), and the door's fields.
+    added: str = ""
+    door: list[str] = field(default_factory=list)
+    door_name: str = ""
+    #: Index of the module-level statement holding it (the rewrite visits only the statements it changes).
+    top: int = 0
+    #: Index in the body of the module-level class holding it (-1: not in one).
+    member: int = -1
+
+    @property
+    def self_name(self) -> str | None:
+        params = self.node.params.params or self.node.params.posonly_params
+        if self.method_of is None or not params or _decorated(self.node, ("staticmethod", "classmethod")):
+            return None
+        return params[0].name.value
+
+
+@dataclass(eq=False)
+class Read:
+    """One site of the scanner, with where it is in the tree and what planning decided for it."""
+
+    site: Site
+    call: cst.Call | None
+    function: Function | None
+    statement: int
+    choice: FieldChoice | None = None
+    way: str = LEFT
+    reason: str = ""
+    #: How the replacement reads the collection: ``C.f`` (``direct``), through the door (``door``) or inline
+    #: through the fallback (``inline``); ``collection`` is the expression of the collection.
+    mode: str = ""
+    collection: str = ""
+    #: A fallback helper's argument (``tp_group``), tested for None before the collection is read.
+    given: str = ""
+    #: A fallback helper's ``is_expert=`` when it is an expression: the expert field is read when it is true.
+    expert_when: str = ""
+    top: int = 0
+    member: int = -1
+
+
+@dataclass(eq=False)
+class Call:
+    """A call of a plain or dotted name (a candidate for passing a threaded function its collection)."""
+
+    node: cst.Call
+    dotted: list[str]
+    function: Function | None
+    statement: int
+    top: int = 0
+    member: int = -1
+
+
+@dataclass(eq=False)
+class FilePlan:
+    """One file: its tree, functions, reads and calls, and the import bindings calls resolve through."""
+
+    path: str
+    module: str
+    package: list[str]
+    wrapper: MetadataWrapper
+    functions: list[Function]
+    reads: list[Read]
+    calls: list[Call]
+    bindings: dict[str, str]
+    top_level: dict[str, str]
+    attributes: dict[int, list[tuple[str, int]]]
+    alone: set[int]
+    #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
+    passes: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: The file's bytes, the module-level statements' line spans, and the walk that can visit more of them.
+    data: bytes | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    locator: _Locator | None = None
+    #: Where such calls are: (module-level statement, member of its class body or -1).
+    passing_tops: set[tuple[int, int]] = field(default_factory=set)
+
+
+def _dotted(node: cst.BaseExpression) -> list[str] | None:
+    parts: list[str] = []
+    while isinstance(node, cst.Attribute):
+        parts.append(node.attr.value)
+        node = node.value
+    if not isinstance(node, cst.Name):
+        return None
+    parts.append(node.value)
+    return parts[::-1]
+
+
+def _decorator_names(node: cst.FunctionDef) -> list[str]:
+    names = []
+    for decorator in node.decorators:
+        expression = decorator.decorator
+        if isinstance(expression, cst.Call):
+            expression = expression.func
+        parts = _dotted(expression)
+        names.append(".".join(parts) if parts else "")
+    return names
+
+
+def _decorated(node: cst.FunctionDef, words: Sequence[str]) -> str | None:
+    for name in _decorator_names(node):
+        last = name.rpartition(".")[2]
+        if any(word == last or (word in last and word in ("jit", "script", "compile", "fuser")) for word in words):
+            return name
+    return None
+
+
+def _literal(node: cst.BaseExpression) -> object:
+    if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[node.value]
+    if isinstance(node, cst.Integer):
+        return int(node.value, 0)
+    return ...
+
+
+def _other_meaning(annotation: cst.Annotation | None) -> bool:
+    if annotation is None:
+        return False
+    return "Collection" not in cst.Module([]).code_for_node(annotation.annotation)
+
+
+class _Locator(cst.CSTVisitor):
+    """One walk of the tree: functions with their bindings, the scanner's call sites, every dotted call, and
+    ``self.<name> = ...`` assignments per class."""
+
+    def __init__(self, sites: Iterable[Site], name: str) -> None:
+        super().__init__()
+        self.by_position: dict[tuple[int, int], Site] = {
+            (site.line, site.col - 1): site for site in sites if site.form == CALL
+        }
+        self.name = name
+        self.functions: list[Function] = []
+        self.reads: list[Read] = []
+        self.calls: list[Call] = []
+        self.stack: list[Function] = []
+        self.classes: list[cst.ClassDef] = []
+        self.class_names: list[str] = []
+        self.statement: list[int] = [0]
+        self.in_class_body: list[bool] = [False]
+        #: class node -> (method name, statement index) of each ``self.<name> = ...``.
+        self.attributes: dict[int, list[tuple[str, int]]] = {}
+        self.bindings: dict[str, str] = {}
+        self.top_level: dict[str, str] = {}
+        #: The calls that stand alone (a statement's value, a test, an argument): a comparison put there needs
+        #: no parentheses.
+        self.alone: set[int] = set()
+        self.top = 0
+        self.member = -1
+        #: The module-level statements to walk at once (those with sites, and every one but a def or class).
+        self.wanted: set[int] = set()
+        self.visited: set[int] = set()
+        #: Positions of the nodes of the module-level statements with sites, and each one's line offset.
+        self.positions: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
+
+    @property
+    def current(self) -> Function | None:
+        return self.stack[-1] if self.stack else None
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        for index, statement in enumerate(node.body):
+            if index in self.wanted or not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+                self.visit_top(index, statement)
+            else:  # walked later only if it mentions a function a collection was threaded into
+                self.top_level[statement.name.value] = "class" if isinstance(statement, cst.ClassDef) else "function"
+        return False
+
+    def visit_top(self, index: int, statement: cst.CSTNode) -> None:
+        """Walk module-level statement ``index`` (once)."""
+        if index not in self.visited:
+            self.visited.add(index)
+            self.top = index
+            statement.visit(self)
+
+    def _scope(self) -> str:
+        return ".".join([*(self.class_names if not self.stack else []), *([self.stack[-1].qualname]
+                                                                          if self.stack else [])])
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        for decorator in node.decorators:
+            decorator.visit(self)
+        for argument in (*node.bases, *node.keywords):
+            argument.visit(self)
+        if not self.stack and not self.classes:
+            self.top_level[node.name.value] = "class"
+        self.classes.append(node)
+        self.class_names.append(node.name.value)
+        self.in_class_body.append(True)
+        self.attributes.setdefault(id(node), [])
+        if len(self.classes) == 1 and not self.stack:
+            for index, statement in enumerate(node.body.body):
+                self.member = index
+                statement.visit(self)
+            self.member = -1
+        else:
+            node.body.visit(self)
+        self.in_class_body.pop()
+        self.class_names.pop()
+        self.classes.pop()
+        return False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        for decorator in node.decorators:
+            decorator.visit(self)
+        node.params.visit(self)
+        if node.returns is not None:
+            node.returns.visit(self)
+        outer = self.current
+        method_of = self.classes[-1] if self.in_class_body[-1] and self.classes else None
+        prefix = outer.qualname + "." if outer is not None else ".".join(self.class_names) + "." if \
+            self.class_names else ""
+        if outer is not None and self.class_names and method_of is not None:
+            prefix = outer.qualname + "." + ".".join(self.class_names[-1:]) + "."
+        function = Function(node, prefix + node.name.value, outer, method_of, top=self.top, member=self.member)
+        if outer is None and not self.classes:
+            self.top_level[node.name.value] = "function"
+        elif outer is not None:
+            outer.names.add(node.name.value)
+        params = node.params
+        for param in (*params.posonly_params, *params.params, *params.kwonly_params):
+            function.names.add(param.name.value)
+            if param.name.value == self.name:
+                if _other_meaning(param.annotation):
+                    function.param_other = True
+                else:
+                    function.param_optional = param.default is not None
+        for star in (params.star_arg, params.star_kwarg):
+            if isinstance(star, cst.Param):
+                function.names.add(star.name.value)
+        self.functions.append(function)
+        self.stack.append(function)
+        self.in_class_body.append(False)
+        statements = node.body.body
+        for index, statement in enumerate(statements):
+            self.statement.append(index)
+            statement.visit(self)
+            self.statement.pop()
+        self.in_class_body.pop()
+        self.stack.pop()
+        return False
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if self.current is not None:
+            self.current.names.add(node.value)
+
+    def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
+        function = self.current
+        if isinstance(target, cst.Name) and function is not None and target.value == self.name:
+            if value is not None and isinstance(value, _LITERALS):
+                function.local_other = True
+            elif len(self.statement) == 2 and value is not None:
+                function.local_at.append(self.statement[-1])
+            else:
+                function.local_other = True  # bound elsewhere (a branch, a loop): not known above every read
+        if (
+            isinstance(target, cst.Attribute)
+            and isinstance(target.value, cst.Name)
+            and target.value.value == self.name
+            and function is not None
+        ):
+            function.builds = True
+        if (
+            isinstance(target, cst.Attribute)
+            and target.attr.value == self.name
+            and isinstance(target.value, cst.Name)
+            and function is not None
+            and function.method_of is not None
+            and target.value.value == function.self_name
+        ):
+            index = self.statement[-1] if len(self.statement) == 2 else -1
+            self.attributes[id(function.method_of)].append((function.node.name.value, index))
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self._alone(node.value)
+        for target in node.targets:
+            self._bind(target.target, node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._alone(node.value)
+        self._bind(node.target, node.value)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if isinstance(node.names, cst.ImportStar):
+            return
+        module = "." * len(node.relative) + (".".join(_dotted(node.module) or []) if node.module else "")
+        for alias in node.names:
+            parts = _dotted(alias.name)
+            if parts is None:
+                continue
+            bound = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else parts[0]
+            self.bindings[bound] = f"{module}:{'.'.join(parts)}"
+
+    def visit_Import(self, node: cst.Import) -> None:
+        for alias in node.names:
+            parts = _dotted(alias.name) or []
+            if alias.asname and isinstance(alias.asname.name, cst.Name):
+                self.bindings[alias.asname.name.value] = ".".join(parts)
+            elif parts:
+                self.bindings[parts[0]] = parts[0]
+
+    def _alone(self, node: cst.BaseExpression | None) -> None:
+        if isinstance(node, cst.Call):
+            self.alone.add(id(node))
+
+    def visit_If(self, node: cst.If) -> None:
+        self._alone(node.test)
+
+    def visit_While(self, node: cst.While) -> None:
+        self._alone(node.test)
+
+    def visit_Return(self, node: cst.Return) -> None:
+        self._alone(node.value)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        self._alone(node.value)
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        self._alone(node.test)
+
+    def visit_Call(self, node: cst.Call) -> None:
+        site = None
+        located = self.positions.get(self.top)
+        if located is not None:  # only the statements with sites have positions (computing them is costly)
+            ranges, offset = located
+            start = ranges[node.func].start
+            site = self.by_position.pop((start.line + offset, start.column), None)
+        index = self.statement[-1]
+        if site is not None:
+            self.reads.append(Read(site, node, self.current, index, top=self.top, member=self.member))
+        else:
+            parts = _dotted(node.func)
+            if parts is not None:
+                self.calls.append(Call(node, parts, self.current, index, top=self.top, member=self.member))
+
+
+def _function_choice(read: Read) -> FieldChoice:
+    """The field of a call site (an accessor or a fallback helper), or the reason none says what it reads."""
+    call = read.call
+    assert call is not None
+    site = read.site
+    accessor = site.accessor
+    arguments = list(call.args)
+    if site.family == HELPER:
+        if not accessor.endswith("_group_if_none") or not arguments or arguments[0].keyword is not None:
+            return FieldChoice(reason=f"fallback helper {accessor}: no rule says which field it falls back to")
+        given, *rest = arguments
+        axis = accessor.removesuffix("_if_none")
+        keywords = {a.keyword.value: _literal(a.value) for a in rest if a.keyword is not None}
+        if any(a.keyword is None for a in rest) or any(a.star for a in rest):
+            return FieldChoice(reason=f"{accessor} is given positional arguments after the group")
+        expert = keywords.pop("is_expert", False)
+        if expert is ...:
+            flag = next(a.value for a in rest if a.keyword is not None and a.keyword.value == "is_expert")
+            if _dotted(flag) is None or axis != "get_tensor_model_parallel_group":
+                return FieldChoice(reason="is_expert= is neither a literal nor a plain name")
+            read.expert_when = cst.Module([]).code_for_node(flag)
+        elif expert:
+            if axis != "get_tensor_model_parallel_group":
+                return FieldChoice(reason=f"{accessor}(is_expert=True): no rule says which field it falls back to")
+            axis = "get_expert_tensor_parallel_group"
+        return collection_field(axis, keywords)
+    if any(a.keyword is None for a in arguments):
+        return FieldChoice(reason="positional or star arguments: which group they pick is not known")
+    keywords = {a.keyword.value: _literal(a.value) for a in arguments if a.keyword is not None}
+    return collection_field(accessor, keywords)
+
+
+def _collection_in_scope(function: Function, statement: int, attributes: Mapping[int, list[tuple[str, int]]],
+                         name: str) -> tuple[str, bool, bool] | str | None:
+    """(expression, may be None, from an enclosing function) of the collection in scope at top-level statement
+    ``statement`` of ``function``; a reason string when a name is bound in a way that hides it; None when there
+    is none."""
+    if function.builds:
+        return f"builds the collection: assigns fields of {name} (a shim written by hand)"
+    if function.param_optional is not None:
+        return name, function.param_optional, False
+    if any(index < statement for index in function.local_at):
+        return name, False, False
+    if function.local_at or function.local_other or function.param_other:
+        if function.param_other or function.local_other:
+            return None  # another meaning (or unknown): thread under another name
+        return f"read above the assignment of the local {name}"
+    outer = function.parent
+    while outer is not None:
+        if outer.param_optional is not None:
+            return name, outer.param_optional, True
+        if outer.local_at:
+            return name, False, True
+        if name in outer.names:
+            break
+        outer = outer.parent
+    self_name = function.self_name
+    if self_name is not None and function.method_of is not None:
+        assigned = attributes.get(id(function.method_of), [])
+        own = function.node.name.value
+        if any(method != own or 0 <= index < statement for method, index in assigned):
+            if own != "__init__" or any(method == own and 0 <= index < statement for method, index in assigned):
+                return f"{self_name}.{name}", False, False
+    return None
+
+
+def _cannot_thread(function: Function) -> str | None:
+    decorated = _decorated(function.node, _FIXED_SIGNATURE)
+    if decorated is not None:
+        return f"decorated with @{decorated}, which a new parameter would break"
+    name = function.node.name.value
+    if name.startswith("__") and name.endswith("__") and name not in _CALLED_BY_CODE:
+        return f"special method {name}: Python calls it with its own arguments"
+    return None
+
+
+def _free_name(function: Function, name: str, taken: set[str]) -> str:
+    if name not in function.names and name not in taken:
+        return name
+    for candidate in ("process_group_collection", *(f"{name}_{i}" for i in range(2, 100))):
+        if candidate not in function.names and candidate not in taken:
+            return candidate
+    raise AssertionError("unreachable: a hundred names taken")
+
+
+def _site_reason(site: Site) -> str | None:
+    if site.family == SHIM:
+        return "shim: builds a collection from the globals (remove it once every caller passes one)"
+    if site.family not in (LEGACY, HELPER):
+        return "pgregistry's global grid: read by the fallback on purpose"
+    if site.form == GETATTR:
+        return "dynamic getattr: the accessor is looked up by name at run time"
+    if site.form != CALL:
+        return "a module global or a reference to the accessor, not a call of it"
+    return None
+
+
+def plan_file(
+    path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None
+) -> FilePlan:
+    """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
+    :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code)."""
+    wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
+    locator = _Locator(sites, name)
+    data = data if data is not None else source.bytes
+    spans = _spans(source, data)
+    lines = {site.line for site in sites}
+    locator.wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
+    locator.positions = _positions(source, spans, {site.line for site in sites if site.form == CALL})
+    source.visit(locator)
+    reads = list(locator.reads)
+    for site in locator.by_position.values():
+        reads.append(Read(site, None, None, 0, reason="could not be located in the tree (non-ASCII text before it?)"))
+    located = {id(read.site) for read in reads}
+    for site in sites:
+        if id(site) not in located:
+            reads.append(Read(site, None, None, 0, reason=_site_reason(site) or "not a call"))
+    taken: set[str] = set(locator.top_level) | set(locator.bindings)
+    for read in reads:
+        if read.call is None:
+            continue
+        reason = _site_reason(read.site)
+        if reason is None and read.function is None:
+            scope = read.site.scope
+            reason = ("module level: runs at import, before any collection exists" if scope == MODULE_SCOPE else
+                      "class body: runs when the class is defined, before any collection exists")
+        if reason is None:
+            read.choice = _function_choice(read)
+            reason = read.choice.reason or None
+            if reason is None and read.choice.kind in ("src_rank", "global_ranks") and "torch" not in locator.bindings:
+                reason = "its replacement calls torch.distributed, and the file does not import torch"
+        if reason is None and read.site.family == HELPER:
+            given = read.call.args[0].value
+            if _dotted(given) is None and not (isinstance(given, cst.Name) and given.value == "None"):
+                reason = "the fallback helper's argument is not a plain name (it would be evaluated twice)"
+            elif not (isinstance(given, cst.Name) and given.value == "None"):
+                read.given = cst.Module([]).code_for_node(given)
+        if reason is not None:
+            read.way, read.reason = LEFT, reason
+            continue
+        function = read.function
+        assert function is not None
+        found = _collection_in_scope(function, read.statement, locator.attributes, name)
+        if isinstance(found, str):
+            read.way, read.reason = LEFT, found
+            continue
+        guarded = read.site.guarded or bool(read.given)
+        if found is None:
+            why = _cannot_thread(function)
+            if why is not None:
+                read.way, read.reason = LEFT, why
+                continue
+            if not function.added:
+                function.added = _free_name(function, name, taken)
+            expression, optional, closure = function.added, True, False
+            read.way = FALLBACK if guarded else THREADED
+        else:
+            expression, optional, closure = found
+            read.way = FALLBACK if guarded else IN_SCOPE
+        read.collection = expression
+        read.mode = "inline" if optional and (closure or guarded) else "door" if optional else "direct"
+    _doors(reads)
+    for read in reads:  # a guarded read of a collection that is always there needs no warning
+        if read.way == FALLBACK and read.mode == "direct" and not (read.function and read.function.door_name):
+            read.way = IN_SCOPE
+    package = path.split("/")[:-1]
+    return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
+                    locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator)
+
+
+def _spans(source: cst.Module, data: bytes) -> list[tuple[int, int]]:
+    """The first and last line of each module-level statement, from :mod:`ast` (a libcst statement line holds
+    one or more ast statements: ``a; b``)."""
+    tree = ast.parse(data)
+    spans: list[tuple[int, int]] = []
+    position = 0
+    for statement in source.body:
+        count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
+        nodes = tree.body[position:position + count]
+        position += count
+        first = nodes[0]
+        start = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
+        spans.append((start, nodes[-1].end_lineno or nodes[-1].lineno))
+    return spans
+
+
+def _positions(
+    source: cst.Module, spans: list[tuple[int, int]], lines: set[int]
+) -> dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]]:
+    """For each module-level statement covering one of ``lines``: its nodes' positions (computed on a module of
+    that statement alone, far cheaper than the whole file's) and the line offset that makes them the file's."""
+    found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
+    for index, (start, end) in enumerate(spans):
+        if any(start <= line <= end for line in lines):
+            statement = source.body[index]
+            alone = cst.Module(body=[statement], default_indent=source.default_indent,
+                               default_newline=source.default_newline)
+            ranges = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+            found[index] = (ranges, start - 1 - len(statement.leading_lines))
+    return found
+
+
+def _doors(reads: Sequence[Read]) -> None:
+    """Open a door (resolve the optional collection once, at the top of the function) where an unguarded read
+    needs it; the guarded reads of that function then read the resolved collection directly."""
+    for read in reads:
+        function = read.function
+        if read.mode == "door" and function is not None:
+            if not isinstance(function.node.body, cst.IndentedBlock):
+                read.mode = "inline"  # a one-line body has no door to open
+                continue
+            function.door_name = read.collection
+            _need(function, read)
+    for read in reads:
+        function = read.function
+        if read.mode == "inline" and function is not None and function.door_name == read.collection:
+            read.mode = "direct"
+            _need(function, read)
+
+
+def _need(function: Function, read: Read) -> None:
+    """Add the fields ``read`` reads to its function's door."""
+    assert read.choice is not None
+    for name in (read.choice.field, "expt_tp" if read.expert_when else ""):
+        if name and name not in function.door:
+            function.door.append(name)
+
+
+def _absolute(module: str, package: list[str]) -> str:
+    level = len(module) - len(module.lstrip("."))
+    if level == 0:
+        return module
+    base = package[: max(0, len(package) - (level - 1))]
+    rest = module[level:]
+    return ".".join([*base, rest] if rest else base)
+
+
+def _callee(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
+    """(module, function) a call of ``dotted`` in ``plan`` calls, when it is a module-level function."""
+    head = dotted[0]
+    if len(dotted) == 1 and plan.top_level.get(head) == "function":
+        return plan.module, head
+    bound = plan.bindings.get(head)
+    if bound is None:
+        return None
+    module, _, attribute = bound.partition(":")
+    module = _absolute(module, plan.package)
+    if len(dotted) == 1 and attribute:
+        return module, attribute
+    target = f"{module}.{attribute}" if attribute else module
+    if len(dotted) >= 2:
+        return ".".join([target, *dotted[1:-1]]), dotted[-1]
+    return None
+
+
+def passes(plans: Sequence[FilePlan], name: str) -> int:
+    """Decide which calls pass a threaded module-level function the caller's collection (the caller's own, or
+    the one threaded into it): fills each plan's ``passes``; returns how many calls pass one."""
+    threaded = {
+        (plan.module, function.node.name.value): function.added
+        for plan in plans
+        for function in plan.functions
+        if function.added and function.parent is None and function.method_of is None
+    }
+    count = 0
+    for plan in plans:
+        for call in plan.calls:
+            target = _callee(plan, call.dotted)
+            keyword = threaded.get(target) if target is not None else None
+            caller = call.function
+            if keyword is None or caller is None:
+                continue
+            if any(a.star == "**" or (a.keyword is not None and a.keyword.value == keyword) for a in call.node.args):
+                continue
+            if caller.added:
+                value = caller.added
+            else:
+                found = _collection_in_scope(caller, call.statement, plan.attributes, name)
+                if not isinstance(found, tuple):
+                    continue
+                value = found[0]
+            plan.passes[id(call.node)] = (keyword, value)
+            plan.passing_tops.add((call.top, call.member))
+            count += 1
+    return count
+
+
+def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
+    """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a call of a
+    function a collection was threaded into), so :func:`passes` sees their calls."""
+    if plan.locator is None or plan.data is None:
+        return
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    body = plan.wrapper.module.body
+    for index, (start, end) in enumerate(plan.spans):
+        if index in plan.locator.visited:
+            continue
+        text = plan.data[starts[start - 1]: starts[end] if end < len(starts) else None]
+        if pattern.search(text):
+            plan.locator.visit_top(index, body[index])

@@ -1,0 +1,59 @@
+"""What ``pgregistry migrate`` did, per family: reads found, rewritten by each way, left in place and why."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+from pgregistry.allowlist._migrate_plan import LEFT, WAYS, Read
+from pgregistry.allowlist._report import FAMILIES, family_of
+from pgregistry.allowlist._scanner import FileResult
+
+__all__ = ["render_failures", "render_report", "tally"]
+
+
+def render_failures(failures: Sequence[FileResult]) -> str:
+    """One ``path:line:col: message`` line per file that cannot be migrated."""
+    return "".join(
+        f"{r.path}:{r.failure.line}:{r.failure.col}: {r.failure.message}\n" for r in failures if r.failure is not None
+    )
+
+
+def tally(reads: Sequence[tuple[str, Read]]) -> dict[str, Counter[str]]:
+    """Per family: ``found`` and the count of each way (``in-scope``, ``threaded``, ``fallback``, ``left``)."""
+    table: dict[str, Counter[str]] = {family: Counter() for family in FAMILIES}
+    for _, read in reads:
+        row = table[family_of(read.site)]
+        row["found"] += 1
+        row[read.way] += 1
+    return table
+
+
+def render_report(reads: Sequence[tuple[str, Read]], threaded: int, passed: int, changed: int, verb: str) -> str:
+    """The table per family, then every read left in place grouped by reason (``path:line accessor``).
+    ``verb``: what happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
+    table = tally(reads)
+    columns = ("found", *WAYS, LEFT)
+    lines = [f"{'family':<10}" + "".join(f"{c:>10}" for c in columns)]
+    for family in FAMILIES:
+        row = table[family]
+        if row["found"]:
+            lines.append(f"{family:<10}" + "".join(f"{row[c]:>10}" for c in columns))
+    total = Counter[str]()
+    for row in table.values():
+        total.update(row)
+    lines.append(f"{'total':<10}" + "".join(f"{total[c]:>10}" for c in columns))
+    lines.append(
+        f"{changed} file{'s' if changed != 1 else ''} {verb}; a collection threaded into {threaded} "
+        f"function{'s' if threaded != 1 else ''}; {passed} call{'s' if passed != 1 else ''} now pass one"
+    )
+    left: defaultdict[str, list[str]] = defaultdict(list)
+    for path, read in reads:
+        if read.way == LEFT:
+            left[read.reason].append(f"{path}:{read.site.line} {read.site.expr} ({family_of(read.site)})")
+    if left:
+        lines.append("left in place:")
+        for reason, where in sorted(left.items(), key=lambda item: (-len(item[1]), item[0])):
+            lines.append(f"  {len(where)} {reason}")
+            lines += [f"      {spot}" for spot in where]
+    return "\n".join(lines) + "\n"

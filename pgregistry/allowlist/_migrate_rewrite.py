@@ -1,0 +1,271 @@
+"""Apply a :class:`~pgregistry.allowlist._migrate_plan.FilePlan` to its libcst tree: the new source text.
+
+Only the nodes planning named change; libcst keeps every other byte (comments, blank lines, quotes,
+parentheses). In order: each planned read becomes its replacement (parenthesised where it is an operand and a
+comparison or conditional), each call that passes a collection gets the keyword, each threaded function gets its
+keyword-only parameter and, where an unguarded read needs it, the door at the top of its body (after the
+docstring); then the imports the new code needs are added and the imports it left unused are removed (a name
+the old code used and the new code does not; a name only re-exported is kept).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from collections.abc import Sequence
+
+import libcst as cst
+
+from pgregistry.allowlist._migrate_idioms import Idiom
+from pgregistry.allowlist._migrate_plan import LEFT, FilePlan, Function
+
+__all__ = ["rewrite"]
+
+_NO_SPACE = cst.SimpleWhitespace("")
+
+
+def _uses(code: str) -> Counter[str]:
+    """How often each name is read outside import statements (``x.name`` reads x only). Through :mod:`ast`, many
+    times faster than a libcst walk, since only names count."""
+    count: Counter[str] = Counter()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            count[node.id] += 1
+    return count
+
+
+def _bound(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+        return alias.asname.name.value
+    node: cst.BaseExpression = alias.name
+    while isinstance(node, cst.Attribute):
+        node = node.value  # ``import a.b`` binds ``a``
+    assert isinstance(node, cst.Name)
+    return node.value
+
+
+class _Prune(cst.CSTTransformer):
+    """Drop the import aliases whose names the rewrite left unused (and an import statement left empty)."""
+
+    def __init__(self, unused: set[str]) -> None:
+        super().__init__()
+        self.unused = unused
+
+    def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
+        kept = [alias for alias in names if _bound(alias) not in self.unused]
+        if kept and len(kept) < len(names) and names[-1].comma is not cst.MaybeSentinel.DEFAULT:
+            kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
+        elif kept and len(kept) < len(names):
+            kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        return kept
+
+    def leave_SimpleStatementLine(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        return updated if updated.body else cst.RemoveFromParent()  # not a ``pass`` left in its place
+
+    def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
+        kept = self._kept(updated.names)
+        return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
+
+    def leave_ImportFrom(
+        self, original: cst.ImportFrom, updated: cst.ImportFrom
+    ) -> cst.ImportFrom | cst.RemovalSentinel:
+        if isinstance(updated.names, cst.ImportStar):
+            return updated
+        kept = self._kept(updated.names)
+        if not kept:
+            return cst.RemoveFromParent()
+        if len(kept) == len(updated.names):
+            return updated
+        return updated.with_changes(names=kept)
+
+
+def _clean(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
+    """``comma`` (its line break and indentation, to copy the one-a-line style) without its comment."""
+    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
+        after = comma.whitespace_after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+        return comma.with_changes(whitespace_after=after)
+    return comma
+
+
+def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
+    """``params`` with ``name=None`` added keyword-only (after ``*args`` or a new bare ``*``, before ``**kw``)."""
+    new = cst.Param(cst.Name(name), default=cst.Name("None"),
+                    equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
+    if params.kwonly_params:
+        kwonly = list(params.kwonly_params)
+        if kwonly[-1].comma is not cst.MaybeSentinel.DEFAULT and params.star_kwarg is None:
+            new = new.with_changes(comma=kwonly[-1].comma)  # one parameter a line, trailing comma: keep the style
+            if len(kwonly) >= 2:
+                kwonly[-1] = kwonly[-1].with_changes(comma=_clean(kwonly[-2].comma))
+        return params.with_changes(kwonly_params=[*kwonly, new])
+    if isinstance(params.star_arg, (cst.Param, cst.ParamStar)):
+        return params.with_changes(kwonly_params=[new])
+    positional = list(params.params)
+    last = positional[-1].comma if positional else cst.MaybeSentinel.DEFAULT
+    if isinstance(last, cst.Comma) and params.star_kwarg is None:
+        inner = _clean((positional[-2] if len(positional) >= 2 else positional[-1]).comma)
+        positional[-1] = positional[-1].with_changes(comma=inner)
+        star = cst.ParamStar(comma=inner) if isinstance(inner, cst.Comma) else cst.ParamStar()
+        return params.with_changes(params=positional, star_arg=star,
+                                   kwonly_params=[new.with_changes(comma=last)])
+    return params.with_changes(star_arg=cst.ParamStar(), kwonly_params=[new])
+
+
+def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
+    new = cst.Arg(cst.parse_expression(value), keyword=cst.Name(keyword),
+                  equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
+    args = list(call.args)
+    if args and args[-1].comma is not cst.MaybeSentinel.DEFAULT:  # a trailing comma: one argument per line
+        new = new.with_changes(comma=args[-1].comma)
+        if len(args) >= 2:
+            args[-1] = args[-1].with_changes(comma=_clean(args[-2].comma))
+    return call.with_changes(args=[*args, new])
+
+
+def _docstring(statement: cst.BaseStatement) -> bool:
+    return (
+        isinstance(statement, cst.SimpleStatementLine)
+        and len(statement.body) == 1
+        and isinstance(statement.body[0], cst.Expr)
+        and isinstance(statement.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+class _Rewriter(cst.CSTTransformer):
+    def __init__(self, plan: FilePlan, target: Idiom) -> None:
+        super().__init__()
+        self.target = target
+        self.plan = plan
+        self.replacements: dict[int, cst.BaseExpression] = {}
+        self.imports: list[tuple[str, str]] = []
+        #: Module-level statement -> the members of its class body to walk (None: the whole statement).
+        self.touched: dict[int, set[int] | None] = {}
+        for top, member in plan.passing_tops:
+            self._touch(top, member)
+        for read in plan.reads:
+            if read.way == LEFT or read.call is None or read.function is None:
+                continue
+            self._touch(read.top, read.member)
+            code, operator = target.replacement(read, _owner(plan, read.function))
+            if operator and id(read.call) not in plan.alone:
+                code = f"({code})"
+            self.replacements[id(read.call)] = cst.parse_expression(code)
+            self.imports += target.imports(code)
+        self.functions = {id(f.node): f for f in plan.functions if f.added or f.door_name}
+        for function in self.functions.values():
+            self._touch(function.top, function.member)
+
+    def _touch(self, top: int, member: int) -> None:
+        members = self.touched.setdefault(top, set())
+        if members is not None and member >= 0:
+            members.add(member)
+        else:
+            self.touched[top] = None
+
+    def walk(self, index: int, statement: cst.BaseStatement) -> object:
+        """``statement`` rewritten, walking only what changes (a class's touched members, not all of it)."""
+        members = self.touched.get(index, set())
+        if index not in self.touched:
+            return statement
+        if members is None or not isinstance(statement, cst.ClassDef):
+            return statement.visit(self)
+        body = [s.visit(self) if i in members else s for i, s in enumerate(statement.body.body)]
+        kept = [s for s in body if isinstance(s, cst.CSTNode)]
+        return statement.with_changes(body=statement.body.with_changes(body=kept))
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        replacement = self.replacements.get(id(original))
+        if replacement is not None:
+            return replacement
+        passing = self.plan.passes.get(id(original))
+        if passing is not None:
+            return _with_keyword(updated, *passing)
+        return updated
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        function = self.functions.get(id(original))
+        if function is None:
+            return updated
+        if function.added:
+            updated = updated.with_changes(params=_with_parameter(updated.params, function.added))
+        if function.door_name and isinstance(updated.body, cst.IndentedBlock):
+            code = self.target.door(function.door_name, _owner(self.plan, function), function.door)
+            self.imports += self.target.imports(code)
+            body = list(updated.body.body)
+            at = 1 if body and _docstring(body[0]) else 0
+            body.insert(at, cst.parse_statement(code))
+            updated = updated.with_changes(body=updated.body.with_changes(body=body))
+        return updated
+
+
+def _is_import(statement: cst.CSTNode) -> bool:
+    return isinstance(statement, cst.SimpleStatementLine) and all(
+        isinstance(small, (cst.Import, cst.ImportFrom)) for small in statement.body
+    )
+
+
+def _with_imports(module: cst.Module, needed: list[tuple[str, str]]) -> cst.Module:
+    """``module`` with ``from M import N`` for each needed pair it does not import yet, after its last top-level
+    import (after the docstring when it has none): top-level statements only, no walk of the tree."""
+    have = {
+        (".".join(_parts(small.module)), _bound(alias))
+        for statement in module.body if _is_import(statement)
+        for small in (statement.body if isinstance(statement, cst.SimpleStatementLine) else ())
+        if isinstance(small, cst.ImportFrom) and small.module is not None and not small.relative
+        and not isinstance(small.names, cst.ImportStar)
+        for alias in small.names
+    }
+    grouped: dict[str, list[str]] = {}
+    for module_name, name in needed:
+        if (module_name, name) not in have:
+            grouped.setdefault(module_name, []).append(name)
+    if not grouped:
+        return module
+    body = list(module.body)
+    at = 0
+    for index, statement in enumerate(body):
+        if _is_import(statement) or (index == 0 and _docstring(statement)):
+            at = index + 1
+    lines = [cst.parse_statement(f"from {m} import {', '.join(sorted(names))}\n") for m, names in grouped.items()]
+    return module.with_changes(body=[*body[:at], *lines, *body[at:]])
+
+
+def _parts(node: cst.BaseExpression) -> list[str]:
+    if isinstance(node, cst.Attribute):
+        return [*_parts(node.value), node.attr.value]
+    assert isinstance(node, cst.Name)
+    return [node.value]
+
+
+def _owner(plan: FilePlan, function: Function) -> str:
+    return f"{plan.module}.{function.qualname}" if plan.module else function.qualname
+
+
+def rewrite(plan: FilePlan, target: Idiom) -> str | None:
+    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned."""
+    module = plan.wrapper.module
+    rewriter = _Rewriter(plan, target)
+    if not rewriter.replacements and not plan.passes and not rewriter.functions:
+        return None
+    before = _uses(plan.data.decode(module.encoding) if plan.data is not None else module.code)
+    # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
+    body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
+    changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
+    if rewriter.imports:
+        changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
+    code = changed.code
+    after = _uses(code)
+    unused = {name for name, count in before.items() if count and not after[name]}
+    if not unused:
+        return code
+    # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
+    # ``try:``) or in a statement the rewrite changed: only those are walked.
+    prune = _Prune(unused)
+    walked = {id(s) for i, s in enumerate(body) if i in rewriter.touched}
+    pruned = [
+        s.visit(prune) if id(s) in walked or not isinstance(s, (cst.FunctionDef, cst.ClassDef)) else s
+        for s in changed.body
+    ]
+    return changed.with_changes(body=[s for s in pruned if isinstance(s, cst.CSTNode)]).code

@@ -1,0 +1,163 @@
+"""``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state into reads of a collection.
+
+``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every file checked
+first, each replaced atomically, none overwritten that changed on disk since it was read) and then regenerates
+the allowlist when ``[tool.pgregistry.allowlist]`` configures one, so the ratchet shrinks in the same commit;
+``--check`` exits 1 when anything would change (for CI). The report per family goes to stderr with ``--diff``,
+to stdout otherwise. Settings are the ratchet's (pyproject table, ``--preset``, ``--isolated``, excludes,
+``--module``); see docs/migrating.md.
+
+Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a file that
+does not parse or needs a newer Python, a read-only file, a path outside the project, conflicting settings, an
+unknown target, libcst missing); nothing is written then.
+
+libcst is an optional extra (``pip install 'pgregistry[migrate]'``), imported by the handler only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pgregistry.allowlist._config import PRESETS, ConfigError, Settings
+from pgregistry.allowlist._files import PathError, discover, project_path
+
+__all__ = ["add_command"]
+
+_DESCRIPTION = (
+    "Rewrite reads of global process-group state (parallel_state accessors, fallback helpers) into reads of "
+    "a process-group collection: the collection in scope, else one threaded into the enclosing function as "
+    "an optional keyword-only parameter that falls back to the global grid with ProcessGroupFallbackWarning."
+)
+
+
+def _error(message: str) -> int:
+    print(f"pgregistry migrate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``pgregistry migrate`` (the hook :mod:`pgregistry.cli` calls)."""
+    parser = subparsers.add_parser(
+        "migrate", help="rewrite reads of global process-group state into a collection", description=_DESCRIPTION
+    )
+    parser.add_argument(
+        "paths", nargs="*", type=Path, metavar="PATH", help="files or directories to migrate (default: the roots)"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--diff", action="store_true", help="print a unified diff, write nothing (the default)")
+    mode.add_argument(
+        "--write", action="store_true", help="apply the rewrite atomically per file and regenerate the allowlist"
+    )
+    mode.add_argument("--check", action="store_true", help="exit 1 when anything would change (write nothing)")
+    parser.add_argument(
+        "--target",
+        choices=("megatron", "pgregistry"),
+        default="megatron",
+        help="whose collection the code reads: Megatron-Core's ProcessGroupCollection (default) or pgregistry's",
+    )
+    parser.add_argument(
+        "--collection-name",
+        default="pg_collection",
+        metavar="NAME",
+        help="the collection's parameter, local and attribute name (default: pg_collection)",
+    )
+    parser.add_argument("--config", type=Path, metavar="PYPROJECT", help="read settings from this pyproject.toml")
+    parser.add_argument("--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd")
+    parser.add_argument(
+        "--exclude", action="append", metavar="PATTERN", help="exclude pattern (repeatable; replaces the configured)"
+    )
+    parser.add_argument("--extend-exclude", action="append", default=[], metavar="PATTERN", help="add an exclude")
+    parser.add_argument(
+        "--module",
+        action="append",
+        metavar="NAME",
+        help="legacy module name whose accessors count (repeatable; replaces the configured)",
+    )
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="built-in scan settings for a known code base (e.g. megatron)"
+    )
+    parser.add_argument(
+        "--allowlist", type=Path, metavar="FILE", help="the allowlist --write regenerates (default: configured)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="print no report, only the diff or errors")
+    parser.set_defaults(handler=run)
+
+
+def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
+    """The ratchet's settings for these options, and whether a pyproject table configured them."""
+    from pgregistry.allowlist._cli import _settings as allowlist_settings
+    from pgregistry.allowlist._config import find_config_file
+
+    if args.isolated and args.config is not None:
+        raise ConfigError("--isolated and --config contradict each other: pass one")
+    args.cache_dir = None
+    configured = not args.isolated and (args.config is not None or find_config_file(Path.cwd()) is not None)
+    return allowlist_settings(args), configured
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    """``pgregistry allowlist update`` with the same settings and paths (its exit code)."""
+    from pgregistry.allowlist._cli import run as allowlist_run
+
+    update = argparse.Namespace(**vars(args))
+    update.allowlist_action = "update"
+    update.format = "text"
+    update.jobs = None
+    update.no_cache = True
+    update.skip_newer_syntax = False
+    code: int = allowlist_run(update)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """The handler; returns the exit code (see the module docstring)."""
+    try:
+        import libcst  # noqa: F401
+    except ImportError:
+        return _error("needs libcst, an optional extra: pip install 'pgregistry[migrate]'")
+    from pgregistry.allowlist._engine import default_jobs
+    from pgregistry.allowlist._migrate import migrate
+    from pgregistry.allowlist._migrate_files import WriteError, unified_diff, write_changes
+    from pgregistry.allowlist._migrate_report import render_failures, render_report
+
+    try:
+        settings, configured = _settings(args)
+        targets = [Path(p).absolute() for p in args.paths] or [settings.resolve(Path(r)) for r in settings.roots]
+        for target in targets:
+            if project_path(target, settings.root).startswith("../") or project_path(target, settings.root) == "..":
+                raise PathError(f"{target}: outside the project root {settings.root}; run from the project, or "
+                                "pass --isolated to make the current directory the root")
+        found = discover(targets, settings.root, settings.exclude)
+        migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
+                            jobs=default_jobs())
+    except (ConfigError, PathError, ValueError) as error:
+        return _error(str(error))
+    if migration.failures:
+        print(render_failures(migration.failures), end="", file=sys.stderr)
+        return _error(f"{len(migration.failures)} file(s) cannot be migrated (above); nothing was written")
+    changes = migration.changes
+    verb = "changed" if args.write else "would change"
+    report = render_report(migration.reads, len(migration.threaded), migration.passed, len(changes), verb)
+    if args.write:
+        try:
+            write_changes(changes)
+        except WriteError as error:
+            return _error(str(error))
+        if not args.quiet:
+            print(report, end="")
+        if changes and configured:
+            allowlist = settings.resolve(settings.allowlist)
+            if allowlist.exists():
+                return _regenerate(args)
+        return 0
+    if args.check:
+        if not args.quiet:
+            print(report, end="")
+        return 1 if changes else 0
+    for change in changes:
+        print(unified_diff(change), end="")
+    if not args.quiet:
+        print(report, end="", file=sys.stderr)
+    return 0

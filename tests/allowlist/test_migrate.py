@@ -1,0 +1,376 @@
+"""``pgregistry migrate``: each form of read rewritten (or left, with its reason), on small sources.
+
+The expected sources are written out whole: a rewrite is judged by the code it produces, never by the counts it
+reports. Megatron-Core is not imported: the rewritten code is only compiled here (a real world runs it in
+test_migrate_world.py)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libcst")
+
+from pgregistry.allowlist._config import PRESETS  # noqa: E402
+from pgregistry.allowlist._files import SourceFile  # noqa: E402
+from pgregistry.allowlist._migrate import Migration, migrate  # noqa: E402
+
+HEAD = "from megatron.core import parallel_state as ps\n"
+
+
+def run(tmp_path: Path, files: dict[str, str], target: str = "megatron", name: str = "pg_collection") -> Migration:
+    sources = []
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(textwrap.dedent(text))
+        sources.append(SourceFile(path, tmp_path / path))
+    return migrate(sources, PRESETS["megatron"], target=target, name=name)
+
+
+def after(tmp_path: Path, source: str, **options: str) -> str:
+    """The rewritten text of one file ``m.py`` (the original when nothing changes)."""
+    migration = run(tmp_path, {"m.py": source}, **options)
+    assert not migration.failures, migration.failures
+    changed = {change.path: change.after.decode() for change in migration.changes}
+    return changed.get("m.py", textwrap.dedent(source))
+
+
+def reasons(tmp_path: Path, source: str) -> list[str]:
+    migration = run(tmp_path, {"m.py": source})
+    return [read.reason for _, read in migration.reads if read.way == "left"]
+
+
+def test_a_required_parameter_is_read_directly(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(x, pg_collection):
+    return ps.get_tensor_model_parallel_group(), ps.get_context_parallel_world_size()
+"""
+    assert after(tmp_path, source) == """
+def f(x, pg_collection):
+    return pg_collection.tp, pg_collection.cp.size()
+"""
+
+
+def test_an_optional_parameter_is_resolved_once_at_the_door(tmp_path: Path) -> None:
+    source = HEAD + '''
+def f(x, pg_collection=None):
+    """Doc."""
+    # the reduction
+    return ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
+'''
+    assert after(tmp_path, source) == '''from pgregistry.doors import resolve_megatron_collection
+
+def f(x, pg_collection=None):
+    """Doc."""
+    pg_collection = resolve_megatron_collection(pg_collection, owner="m.f", fields=("dp_cp",))
+    # the reduction
+    return pg_collection.dp_cp
+'''
+
+
+def test_a_local_above_the_read_is_used_and_one_below_is_a_reason(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(build):
+    pg_collection = build()
+    return ps.get_pipeline_model_parallel_rank()
+
+def g(build):
+    rank = ps.get_pipeline_model_parallel_rank()
+    pg_collection = build()
+    return rank, pg_collection
+"""
+    text = after(tmp_path, source)
+    assert "    return pg_collection.pp.rank()\n" in text
+    assert "rank = ps.get_pipeline_model_parallel_rank()" in text
+    assert reasons(tmp_path, source) == ["read above the assignment of the local pg_collection"]
+
+
+def test_an_attribute_of_self_is_used_in_methods_and_after_its_assignment_in_init(tmp_path: Path) -> None:
+    source = HEAD + """
+class Layer:
+    def __init__(self, collection):
+        self.pg_collection = collection
+        self.tp = ps.get_tensor_model_parallel_world_size()
+
+    def forward(self, x):
+        if ps.is_pipeline_first_stage():
+            return x
+        return ps.get_expert_model_parallel_group()
+"""
+    assert after(tmp_path, source) == """
+class Layer:
+    def __init__(self, collection):
+        self.pg_collection = collection
+        self.tp = self.pg_collection.tp.size()
+
+    def forward(self, x):
+        if self.pg_collection.pp.rank() == 0:
+            return x
+        return self.pg_collection.ep
+"""
+
+
+def test_no_collection_threads_a_keyword_only_parameter_and_callers_pass_theirs(tmp_path: Path) -> None:
+    library = HEAD + """
+def shard(x, *args, **kwargs):
+    return ps.get_tensor_model_parallel_rank()
+
+def size(x):
+    return ps.get_tensor_model_parallel_world_size()
+"""
+    user = """
+from lib import shard
+import lib
+
+def step(x, pg_collection):
+    return shard(x, 1), lib.size(x)
+
+def bare(x):
+    return shard(x)
+
+def wrapped(x, **kwargs):
+    return shard(x, **kwargs)
+"""
+    migration = run(tmp_path, {"lib.py": library, "user.py": user})
+    texts = {change.path: change.after.decode() for change in migration.changes}
+    assert texts["lib.py"] == """from pgregistry.doors import resolve_megatron_collection
+
+def shard(x, *args, pg_collection=None, **kwargs):
+    pg_collection = resolve_megatron_collection(pg_collection, owner="lib.shard", fields=("tp",))
+    return pg_collection.tp.rank()
+
+def size(x, *, pg_collection=None):
+    pg_collection = resolve_megatron_collection(pg_collection, owner="lib.size", fields=("tp",))
+    return pg_collection.tp.size()
+"""
+    assert texts["user.py"] == textwrap.dedent(user).replace(
+        "return shard(x, 1), lib.size(x)", "return shard(x, 1, pg_collection=pg_collection), "
+        "lib.size(x, pg_collection=pg_collection)"
+    )
+    assert migration.passed == 2
+
+
+def test_threading_is_transitive_a_threaded_caller_passes_its_collection_on(tmp_path: Path) -> None:
+    source = HEAD + """
+def inner():
+    return ps.get_context_parallel_group()
+
+def outer():
+    return inner(), ps.get_context_parallel_rank()
+"""
+    text = after(tmp_path, source)
+    assert "def outer(*, pg_collection=None):" in text
+    assert "return inner(pg_collection=pg_collection), pg_collection.cp.rank()" in text
+
+
+def test_nested_functions_read_the_enclosing_collection_inline(tmp_path: Path) -> None:
+    source = HEAD + """
+def outer(pg_collection=None):
+    def inner():
+        return ps.get_tensor_model_parallel_group()
+    return inner
+
+def alone():
+    def inner():
+        return ps.get_tensor_model_parallel_group()
+    return inner
+"""
+    text = after(tmp_path, source)
+    # The closure's collection may be None: resolved where it is read (a door would make it a local of inner).
+    assert 'return resolve_megatron_collection(pg_collection, owner="m.outer.inner", fields=("tp",)).tp' in text
+    assert "    def inner(*, pg_collection=None):" in text  # alone's inner has none: it is threaded
+
+
+def test_decorators_async_and_methods(tmp_path: Path) -> None:
+    source = HEAD + """
+import functools
+
+class C:
+    @staticmethod
+    def s():
+        return ps.get_pipeline_model_parallel_group()
+
+    @property
+    def p(self):
+        return ps.get_pipeline_model_parallel_group()
+
+    def __len__(self):
+        return ps.get_pipeline_model_parallel_world_size()
+
+@functools.lru_cache
+def cached():
+    return ps.get_pipeline_model_parallel_group()
+
+@some.decorator(1)
+async def run():
+    return ps.get_pipeline_model_parallel_group()
+"""
+    text = after(tmp_path, source)
+    assert "    def s(*, pg_collection=None):" in text
+    assert "async def run(*, pg_collection=None):" in text
+    assert sorted(reasons(tmp_path, source)) == [
+        "decorated with @functools.lru_cache, which a new parameter would break",
+        "decorated with @property, which a new parameter would break",
+        "special method __len__: Python calls it with its own arguments",
+    ]
+
+
+def test_a_pg_collection_of_another_meaning_is_not_reused(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(pg_collection: str):
+    return pg_collection, ps.get_data_parallel_group(with_gtp_remat=False)
+"""
+    assert after(tmp_path, source) == """from pgregistry.doors import resolve_megatron_collection
+
+def f(pg_collection: str, *, process_group_collection=None):
+    process_group_collection = resolve_megatron_collection(process_group_collection, owner="m.f", fields=("dp",))
+    return pg_collection, process_group_collection.dp
+"""
+
+
+def test_comments_and_formatting_are_kept(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(
+    x,  # the input
+    y,
+):
+    # the tensor-parallel group
+    group = ps.get_tensor_model_parallel_group()   # keep me
+    return (x,
+            y,   group)
+"""
+    assert after(tmp_path, source) == """from pgregistry.doors import resolve_megatron_collection
+
+def f(
+    x,  # the input
+    y,
+    *,
+    pg_collection=None,
+):
+    pg_collection = resolve_megatron_collection(pg_collection, owner="m.f", fields=("tp",))
+    # the tensor-parallel group
+    group = pg_collection.tp   # keep me
+    return (x,
+            y,   group)
+"""
+
+
+def test_existing_fallbacks_go_through_the_warning_lazily(tmp_path: Path) -> None:
+    source = """
+from megatron.core import parallel_state
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+def f(x, tp_group=None, cp_group=None):
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if cp_group is None:
+        cp_group = parallel_state.get_context_parallel_group()
+    return x
+
+class L:
+    def __init__(self, tp_group=None, pg_collection=None):
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=self.is_expert)
+"""
+    text = after(tmp_path, source)
+    assert "def f(x, tp_group=None, cp_group=None, *, pg_collection=None):" in text
+    assert (
+        '    tp_group = tp_group if tp_group is not None else resolve_megatron_collection(pg_collection, '
+        'owner="m.f", fields=("tp",)).tp\n' in text
+    )
+    assert '        cp_group = resolve_megatron_collection(pg_collection, owner="m.f", fields=("cp",)).cp\n' in text
+    assert (
+        "self.tp_group = tp_group if tp_group is not None else resolve_megatron_collection(pg_collection, "
+        'owner="m.L.__init__", fields=("expt_tp",)).expt_tp if self.is_expert else resolve_megatron_collection('
+        'pg_collection, owner="m.L.__init__", fields=("tp",)).tp' in text
+    )
+    assert "get_tensor_model_parallel_group_if_none" not in text  # the unused import went with the reads
+    assert "parallel_state" not in text
+
+
+def test_what_cannot_be_rewritten_stays_with_its_reason(tmp_path: Path) -> None:
+    source = HEAD + """
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+GROUP = ps.get_tensor_model_parallel_group()
+
+class C:
+    size = ps.get_tensor_model_parallel_world_size()
+
+def f(name, vp_stage):
+    a = getattr(ps, "get_data_parallel_rank")()
+    b = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    c = ps.get_data_parallel_group()
+    d = ps.get_data_parallel_group(flag)
+    e = ps._TENSOR_MODEL_PARALLEL_GROUP
+    g = ProcessGroupCollection.use_mpu_process_groups()
+    return a, b, c, d, e, g
+"""
+    assert sorted(reasons(tmp_path, source)) == sorted([
+        "module level: runs at import, before any collection exists",
+        "class body: runs when the class is defined, before any collection exists",
+        "dynamic getattr: the accessor is looked up by name at run time",
+        "ignore_virtual=False also reads the virtual pipeline stage",
+        "no collection field holds the data parallel with gtp remat group (with_gtp_remat defaults to True; "
+        "pass with_gtp_remat=False for the replicate group)",
+        "positional or star arguments: which group they pick is not known",
+        "a module global or a reference to the accessor, not a call of it",
+        "shim: builds a collection from the globals (remove it once every caller passes one)",
+    ])
+
+
+def test_the_pgregistry_target_reads_ranks_through_group_rank(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(pg_collection):
+    return ps.get_tensor_model_parallel_rank(), ps.is_pipeline_last_stage()
+
+def g():
+    return ps.get_data_parallel_world_size(with_gtp_remat=False)
+"""
+    assert after(tmp_path, source, target="pgregistry") == """from pgregistry.collection import group_rank, group_size
+from pgregistry.doors import resolve_collection
+
+def f(pg_collection):
+    return group_rank(pg_collection.tp), (group_rank(pg_collection.pp) == group_size(pg_collection.pp) - 1)
+
+def g(*, pg_collection=None):
+    pg_collection = resolve_collection(pg_collection, owner="m.g")
+    return group_size(pg_collection.dp)
+"""
+
+
+def test_a_configured_collection_name(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(pgs):
+    return ps.get_tensor_model_parallel_group()
+"""
+    assert "return pgs.tp" in after(tmp_path, source, name="pgs")
+
+
+def test_the_rewrite_is_idempotent(tmp_path: Path) -> None:
+    source = HEAD + """
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+def f(tp_group=None):
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    return ps.get_tensor_model_parallel_rank(), ps.is_pipeline_first_stage(), tp_group
+"""
+    once = after(tmp_path, source)
+    assert once != textwrap.dedent(source)
+    second = run(tmp_path, {"m.py": once})
+    assert second.changes == [] and second.failures == []
+
+
+def test_a_function_that_builds_the_collection_from_the_globals_is_left(tmp_path: Path) -> None:
+    source = HEAD + """
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+def default_collection():
+    pg_collection = ProcessGroupCollection()
+    pg_collection.tp = ps.get_tensor_model_parallel_group()
+    return pg_collection
+"""
+    assert after(tmp_path, source) == textwrap.dedent(source)
+    assert reasons(tmp_path, source) == [
+        "builds the collection: assigns fields of pg_collection (a shim written by hand)"
+    ]

@@ -1,0 +1,146 @@
+"""``pgregistry migrate`` on disk: --diff/--write/--check exit codes, the allowlist regenerated, and every bad input
+named with exit 2 and nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from allowlist_support import Project
+
+pytest.importorskip("libcst")
+
+from pgregistry.allowlist._files import SourceFile  # noqa: E402
+from pgregistry.allowlist._migrate_files import Change, WriteError, write_changes  # noqa: E402
+from pgregistry.cli import main  # noqa: E402
+
+SOURCE = """\
+from megatron.core import parallel_state as ps
+
+
+def f(x):
+    return ps.get_tensor_model_parallel_group()
+"""
+ARGS = ["migrate", "--preset", "megatron"]
+
+
+def test_diff_by_default_writes_nothing(project: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    assert main(ARGS) == 0
+    out, err = capsys.readouterr()
+    assert "--- a/src/pkg/m.py\n+++ b/src/pkg/m.py\n" in out
+    assert "+def f(x, *, pg_collection=None):" in out
+    assert "direct" in err and "1 file would change" in err
+    assert project.read("src/pkg/m.py") == SOURCE
+
+
+def test_check_exits_1_then_write_then_check_exits_0_and_a_second_write_changes_nothing(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    project.write("allowlist.json", "")
+    assert main(["allowlist", "update", "--preset", "megatron"]) == 0
+    before = json.loads(project.read("allowlist.json"))
+    assert "src/pkg/m.py" in json.dumps(before)
+    assert main([*ARGS, "--check"]) == 1
+    assert main([*ARGS, "--write"]) == 0
+    written = project.read("src/pkg/m.py")
+    assert "return pg_collection.tp" in written
+    assert "src/pkg/m.py" not in project.read("allowlist.json")  # the ratchet shrank in the same run
+    assert main([*ARGS, "--check"]) == 0
+    assert main([*ARGS, "--write"]) == 0
+    assert project.read("src/pkg/m.py") == written
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--write", "--check"], "not allowed with argument"),
+        (["--target", "jax"], "invalid choice: 'jax'"),
+        (["--isolated", "--config", "pyproject.toml"], "--isolated and --config contradict each other"),
+        (["--collection-name", "pg-collection"], "is not a Python identifier"),
+        (["/"], "outside the project root"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_problem(
+    project: Project, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    with pytest.raises(SystemExit) if "--write" in args or "--target" in args else _no_exit() as raised:
+        code = main([*ARGS, *args])
+    if raised is not None:
+        code = raised.value.code  # type: ignore[attr-defined]
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert project.read("src/pkg/m.py") == SOURCE
+
+
+class _no_exit:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("def broken(:\n", "syntax error"),
+        ("type Alias = int\n", "needs Python >= 3.12"),
+    ],
+)
+def test_a_file_that_does_not_parse_is_named_and_nothing_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    if "type Alias" in text and sys.version_info >= (3, 12):
+        pytest.skip("this Python parses type aliases")
+    project.write("src/pkg/m.py", SOURCE)
+    project.write("src/pkg/z.py", text)
+    assert main([*ARGS, "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "src/pkg/z.py:1:" in err and message in err and "nothing was written" in err
+    assert project.read("src/pkg/m.py") == SOURCE
+
+
+def test_a_read_only_file_is_named_and_nothing_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project.write("src/pkg/a.py", SOURCE)
+    locked = project.write("src/pkg/b.py", SOURCE)
+    locked.chmod(0o444)
+    assert main([*ARGS, "--write"]) == 2
+    assert "src/pkg/b.py: read-only" in capsys.readouterr().err
+    assert project.read("src/pkg/a.py") == SOURCE  # checked before anything was written
+
+
+def test_a_file_changed_on_disk_since_it_was_read_is_not_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(SOURCE)
+    stat = path.stat()
+    change = Change("m.py", path, SOURCE.encode(), stat.st_mtime_ns, b"new\n")
+    path.write_text(SOURCE + "# edited meanwhile\n")
+    with pytest.raises(WriteError, match="m.py: changed on disk since it was read"):
+        write_changes([change])
+    assert path.read_text() == SOURCE + "# edited meanwhile\n"
+    assert SourceFile("m.py", path).absolute == path
+
+
+def test_without_libcst_the_error_names_the_extra(
+    project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "libcst", None)  # import libcst raises ImportError
+    assert main(ARGS) == 2
+    assert "pip install 'pgregistry[migrate]'" in capsys.readouterr().err
+
+
+def test_the_package_and_the_command_table_import_no_libcst() -> None:
+    code = (
+        "import sys, pgregistry, pgregistry.doors; from pgregistry.cli import _build_parser; _build_parser(); "
+        "assert 'libcst' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
