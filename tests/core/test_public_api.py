@@ -15,7 +15,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pgregistry"
 API = ROOT / "docs" / "api.md"
-MOST_NAMES = 150
+MOST_NAMES = 160
 
 _SECTION = re.compile(r"^## `(pgregistry[\w.]*)`\s*$")
 _ROW = re.compile(r"^\| `(\w+)` \| (.*) \|\s*$")
@@ -77,7 +77,7 @@ def _identity(value: Any) -> object:
     return id(value)
 
 
-def test_the_public_api_has_at_most_150_names() -> None:
+def test_the_public_api_has_at_most_160_names() -> None:
     objects = {
         _identity(getattr(importlib.import_module(module), name))
         for module, names in _in_code().items()

@@ -88,15 +88,22 @@ def test_from_parallel_dims_of_something_else_raises_on_every_rank(results: list
             "TypeError: from_parallel_dims expects torchtitan's ParallelDims"
         ), out["not parallel dims"]
         assert "got builtins.str" in out["not parallel dims"]
+    # Rank 0 passes a string, rank 1 a ParallelDims without meshes: rank 0 raises its TypeError, rank 1 a ValueError
+    # naming both ranks' faults and then the degrees the ranks disagree on.
     mixed = [out["one rank's not parallel dims"] for out in results]
     assert mixed[0].startswith("TypeError: from_parallel_dims expects torchtitan's ParallelDims"), mixed[0]
-    assert mixed[1].startswith(
-        "ValueError: ranks disagree on from_parallel_dims: 'degrees' differs (ranks [0] asked for not a ParallelDims "
-        "(builtins.str); ranks [1] asked for _Sizes("
-    ), mixed[1]
+    assert mixed[1].startswith("ValueError: from_parallel_dims: ranks [0, 1] found"), mixed[1]
+    assert "rank 0: from_parallel_dims expects torchtitan's ParallelDims" in mixed[1], mixed[1]
+    assert "got builtins.str" in mixed[1] and "rank 1: the ParallelDims has no meshes yet" in mixed[1], mixed[1]
+    assert (
+        "the ranks also disagree: 'degrees' differs (ranks [0] asked for not a ParallelDims (builtins.str); "
+        "ranks [1] asked for _Sizes("
+    ) in mixed[1], mixed[1]
 
 
 def test_a_span_on_one_rank_is_refused_on_every_rank(results: list[dict[str, str]]) -> None:
     for rank, out in enumerate(results):
         message = out["one rank's span"]
-        assert message.startswith("ValueError: ranks disagree on to_parallel_dims: 'layout' differs"), (rank, message)
+        assert message == results[0]["one rank's span"], (rank, message)
+        assert message.startswith("ValueError: to_parallel_dims: ranks [0] found"), (rank, message)
+        assert "the ranks also disagree: 'layout' differs" in message, (rank, message)
