@@ -1,0 +1,222 @@
+"""Benchmark against people: ``pgregistry migrate`` on the parents of Megatron-LM's hand migrations.
+
+Megatron-LM deprecates ``parallel_state`` in a series of hand-written pull requests, each threading a
+``pg_collection`` into a few functions and replacing their global reads with the collection's fields. For each
+such commit this script exports the parent's version of the Python files the commit touched (``git archive``, into
+a temporary directory, paths kept so relative imports resolve), runs ``pgregistry migrate --write --isolated
+--preset megatron`` on them, and compares the tool's result with the authors' version of the same files:
+
+- **reads**: the global process-group reads the project's own scanner (``pgregistry.allowlist``, ``megatron``
+  preset) finds in each version, keyed by enclosing function and accessor; those the authors removed, those the
+  tool removed, those both removed;
+- **fields**: per function where the authors removed a read, the collection fields they now read
+  (``pg_collection.dp_cp``, ``self.pg_collection.tp``) and those the tool's version reads; a function agrees when
+  the tool reads every field the authors do.
+
+The comparison rests on the scanner's sites and on the fields read, not on text, so the tool's formatting (and
+the authors' unrelated edits in the same commits) do not enter it.
+
+Usage: ``python benchmarks/migrate_hand_migrations.py /path/to/Megatron-LM.git [--commit SHA ...]``. Needs the
+repository's history, so it is not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pgregistry.allowlist._config import PRESETS  # noqa: E402
+from pgregistry.allowlist._scanner import scan_source  # noqa: E402
+from pgregistry.collection import FIELD_NAMES  # noqa: E402
+
+#: Megatron-LM's hand migrations threading ``pg_collection`` (commit, pull request).
+HAND_MIGRATIONS: tuple[tuple[str, str], ...] = (
+    ("de6305c0ae", "#5259 Thread pg_collection into train_step reductions"),
+    ("75e382c633", "#5250 Thread pg_collection into get_model DDP bucket sizing"),
+    ("eb1c677d7b", "#5328 Thread pg_collection through wrap_model_chunks_with_ddp"),
+    ("9f3fe8c925", "#6234 [GTP] Cleanup usage of pg_collection in gtp"),
+)
+Key = tuple[str, str]  # (enclosing scope, accessor)
+
+
+def git(repository: Path, *args: str) -> bytes:
+    return subprocess.run(["git", "--git-dir", str(repository), *args], capture_output=True, check=True).stdout
+
+
+def touched_python_files(repository: Path, commit: str) -> list[str]:
+    names = git(repository, "diff-tree", "--no-commit-id", "--name-only", "-r", f"{commit}^", commit).decode()
+    return [
+        name
+        for name in names.split()
+        if name.endswith(".py") and name.startswith("megatron/") and "/tests/" not in f"/{name}"
+    ]
+
+
+def export(repository: Path, rev: str, target: Path, paths: list[str]) -> None:
+    archive = git(repository, "archive", "--format=tar", rev, *paths)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(target, filter="data")
+
+
+def read_keys(data: bytes, path: str) -> Counter[Key]:
+    result = scan_source(data, path, PRESETS["megatron"])
+    if result.failure is not None:
+        raise SystemExit(f"{path}: does not parse: {result.failure}")
+    return Counter((site.scope, site.accessor) for site in result.sites)
+
+
+class _FieldReads(ast.NodeVisitor):
+    """Per enclosing scope (the scanner's spelling: ``Class.method``, ``outer.inner``), the collection fields read:
+    an attribute named as a field of pgregistry's collection (``pg_collection.dp_cp``, ``self.pg_collection.tp``,
+    ``layout_pgs.dp_cp`` after ``layout_pgs = pg_collection or ...``), or ``getattr(x, "expt_dp", ...)``. Names
+    only: the collection may reach the function under any local name."""
+
+    def __init__(self) -> None:
+        self.scopes: list[str] = []
+        self.fields: dict[str, set[str]] = {}
+
+    def _scoped(self, node: ast.AST, name: str) -> None:
+        self.scopes.append(name)
+        self.generic_visit(node)
+        self.scopes.pop()
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self._scoped(node, node.name)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self._scoped(node, node.name)
+
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:
+        self._scoped(node, node.name)
+
+    def _read(self, name: str) -> None:
+        if name in FIELD_NAMES:
+            self.fields.setdefault(".".join(self.scopes) or "<module>", set()).add(name)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self._read(node.attr)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(node.args) >= 2:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                self._read(name.value)
+        self.generic_visit(node)
+
+
+def field_reads(data: bytes) -> dict[str, set[str]]:
+    visitor = _FieldReads()
+    visitor.visit(ast.parse(data))
+    return visitor.fields
+
+
+@dataclass
+class Comparison:
+    commit: str
+    title: str
+    files: list[str]
+    by_authors: Counter[Key] = field(default_factory=Counter)
+    by_tool: Counter[Key] = field(default_factory=Counter)
+    functions: list[tuple[str, str, set[str], set[str]]] = field(default_factory=list)  # file, scope, authors, tool
+    tool_seconds: float = 0.0
+    tool_output: str = ""
+
+    @property
+    def in_both(self) -> Counter[Key]:
+        return self.by_authors & self.by_tool
+
+    @property
+    def fields_agree(self) -> int:
+        return sum(1 for _, _, authors, tool in self.functions if authors <= tool)
+
+
+def run_tool(root: Path, files: list[str]) -> tuple[float, str]:
+    command = [sys.executable, "-m", "pgregistry", "migrate", "--write", "--isolated", "--preset", "megatron", *files]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, env=env, timeout=300)
+    seconds = time.perf_counter() - start
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"pgregistry migrate exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return seconds, done.stdout + done.stderr
+
+
+def compare(repository: Path, commit: str, title: str) -> Comparison:
+    files = touched_python_files(repository, commit)
+    comparison = Comparison(commit, title, files)
+    with tempfile.TemporaryDirectory(prefix="pgregistry-hand-") as temp:
+        root = Path(temp)
+        export(repository, f"{commit}^", root, files)
+        before = {name: (root / name).read_bytes() for name in files}
+        comparison.tool_seconds, comparison.tool_output = run_tool(root, files)
+        for name in files:
+            after_tool = (root / name).read_bytes()
+            after_authors = git(repository, "show", f"{commit}:{name}")
+            keys_before = read_keys(before[name], name)
+            removed_by_authors = keys_before - read_keys(after_authors, name)
+            comparison.by_authors += Counter({(f"{name}:{s}", a): n for (s, a), n in removed_by_authors.items()})
+            removed_by_tool = keys_before - read_keys(after_tool, name)
+            comparison.by_tool += Counter({(f"{name}:{s}", a): n for (s, a), n in removed_by_tool.items()})
+            fields_before = field_reads(before[name])
+            fields_authors = field_reads(after_authors)
+            fields_tool = field_reads(after_tool)
+            for scope in sorted({scope for scope, _ in removed_by_authors}):
+                new_authors = fields_authors.get(scope, set()) - fields_before.get(scope, set())
+                tool_fields = fields_tool.get(scope, set())
+                comparison.functions.append((name, scope, new_authors, tool_fields))
+    return comparison
+
+
+def report(comparisons: list[Comparison]) -> None:
+    print("| pull request | files | reads removed by authors | by the tool | by both | authors' only | fields agree |")
+    print("|---|---|---|---|---|---|---|")
+    for c in comparisons:
+        authors = sum(c.by_authors.values())
+        tool = sum(c.by_tool.values())
+        both = sum(c.in_both.values())
+        print(
+            f"| {c.title.split()[0]} ({c.commit}) | {len(c.files)} | {authors} | {tool} | {both} | {authors - both} "
+            f"| {c.fields_agree} of {len(c.functions)} functions |"
+        )
+    for c in comparisons:
+        print(f"\n## {c.title} ({c.commit}): tool {c.tool_seconds:.2f} s on {len(c.files)} file(s)")
+        for (scope, accessor), count in sorted(c.by_authors.items()):
+            mark = "both" if c.by_tool[(scope, accessor)] >= count else "AUTHORS ONLY"
+            print(f"  removed {count}x {accessor} in {scope}: {mark}")
+        for (scope, accessor), count in sorted((c.by_tool - c.by_authors).items()):
+            print(f"  removed {count}x {accessor} in {scope}: tool only (the authors left it)")
+        for name, scope, authors, tool in c.functions:
+            verdict = "agree" if authors <= tool else f"MISSING {sorted(authors - tool)}"
+            print(f"  fields in {name}:{scope}: authors {sorted(authors)}, tool {sorted(tool)}: {verdict}")
+        print("  tool report:")
+        for line in c.tool_output.strip().splitlines():
+            print(f"    {line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("repository", type=Path, help="Megatron-LM's git directory (a bare mirror is enough)")
+    parser.add_argument("--commit", action="append", help="a hand migration's commit (default: the built-in list)")
+    args = parser.parse_args(argv)
+    commits = [(sha, sha) for sha in args.commit] if args.commit else list(HAND_MIGRATIONS)
+    report([compare(args.repository, sha, title) for sha, title in commits])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
