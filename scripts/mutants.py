@@ -465,6 +465,19 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
         ),
     ),
+    Mutant(
+        name="module-fault-raised-alone",
+        bug="a module's statistic that refuses its grads raises on that module's ranks only; the others wait",
+        file="pgregistry/modules/_stats.py",
+        find="agreed in the reduce\n            faults.append(",
+        replace="agreed in the reduce\n            raise\n            faults.append(",
+        tests=(
+            "tests/modules/test_modules_module_fault.py::"
+            "test_a_fault_in_one_modules_statistic_raises_on_every_rank_then_good_calls_match_the_oracle",
+            "tests/modules/test_modules_module_fault.py::"
+            "test_a_fault_in_one_modules_optimizer_statistic_raises_on_every_rank_and_nothing_steps",
+        ),
+    ),
 )
 
 

@@ -41,6 +41,7 @@ from pgregistry.modules._stats import (
     check_models,
     described,
     max_norm_error,
+    module_values,
     norm_type_error,
     reduce_over_modules,
 )
@@ -107,8 +108,9 @@ class MultiModuleOptimizer:
 
     def count_zeros(self) -> int:
         """The job-wide number of zero grad elements, each counted once."""
-        counts: dict[str, torch.Tensor | int] = {name: opt.count_zeros() for name, opt in self._optimizers.items()}
-        _, zeros = reduce_over_modules(list(self._modules), zeros=counts)
+        counts, fault = module_values(self._optimizers, lambda _, opt: opt.count_zeros())
+        subject = "MultiModuleOptimizer.count_zeros"
+        _, zeros = reduce_over_modules(list(self._modules), zeros=counts, check=(subject, {}, fault))
         assert zeros is not None
         return zeros
 
@@ -191,7 +193,8 @@ class MultiModuleOptimizer:
         """The job-wide norm (and zero count). A ``norm_type`` or ``max_norm`` that is bad on some rank only must
         not raise there before the modules' reductions (its module's other ranks would wait in them), so each is
         checked here, and the check travels in the world all-reduce as an agreement's verdict: after it, every rank
-        raises alike, naming the value and the ranks given it, or none does."""
+        raises alike, naming the value and the ranks given it, or none does. A module optimizer's statistic that raises
+        on its module's ranks travels there too (:func:`~pgregistry.modules._stats.module_values`)."""
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
         fields = {"norm_type": repr(norm_type)}
@@ -199,13 +202,13 @@ class MultiModuleOptimizer:
             fields["max_norm"] = repr(max_norm)
         error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
         if zeros:
-            both = {name: opt.get_grad_norm_and_zeros(p) for name, opt in self._optimizers.items()}
+            both, fault = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm_and_zeros(p))
             norms: dict[str, torch.Tensor] = {name: pair[0] for name, pair in both.items()}
             counts: dict[str, torch.Tensor | int] | None = {name: pair[1] for name, pair in both.items()}
         else:
-            norms, counts = {name: opt.get_grad_norm(p) for name, opt in self._optimizers.items()}, None
+            (norms, fault), counts = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm(p)), None
         norm, count = reduce_over_modules(
-            list(self._modules), norms=norms, norm_type=p, zeros=counts, check=(subject, fields, error)
+            list(self._modules), norms=norms, norm_type=p, zeros=counts, check=(subject, fields, joined(error, fault))
         )
         assert norm is not None
         return norm, count

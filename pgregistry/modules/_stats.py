@@ -47,6 +47,7 @@ __all__ = [
     "described",
     "grad_norm",
     "max_norm_error",
+    "module_values",
     "norm_type_error",
     "real_number",
     "reduce_over_modules",
@@ -71,13 +72,11 @@ def grad_norm(
     Returns a 0-dim tensor on the device the world's backend reduces on: float64 when a module's grads are float64,
     else float32, on every rank.
     """
-    given = _agreed(
-        models, modules, "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)},
-        extra_error=norm_type_error(norm_type),
-    )
+    owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
+    given = _agreed(models, modules, owner, options, extra_error=norm_type_error(norm_type))
     p = float(norm_type)
-    norms = {name: module_grad_norm(model, modules[name], norm_type=p) for name, model in given.items()}
-    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p)
+    norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
+    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
     assert total is not None
     return total
 
@@ -88,9 +87,10 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
     Arguments, collectives and errors as :func:`grad_norm`; each module's count is
     :func:`pgregistry.grad_stats.count_zeros` on its collection.
     """
-    given = _agreed(models, modules, "pgregistry.modules.count_zeros", {})
-    zeros = {name: module_count_zeros(model, modules[name]) for name, model in given.items()}
-    _, total = reduce_over_modules(list(modules), zeros=zeros)
+    owner = "pgregistry.modules.count_zeros"
+    given = _agreed(models, modules, owner, {})
+    zeros, fault = module_values(given, lambda name, model: module_count_zeros(model, modules[name]))
+    _, total = reduce_over_modules(list(modules), zeros=zeros, check=(owner, {}, fault))
     assert total is not None
     return total
 
@@ -118,10 +118,11 @@ def clip_grad_norm_(
     if not isinstance(error_if_nonfinite, bool):
         not_a_flag = TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
     bad = joined(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
-    given = _agreed(models, modules, "pgregistry.modules.clip_grad_norm_", options, extra_error=bad)
+    owner = "pgregistry.modules.clip_grad_norm_"
+    given = _agreed(models, modules, owner, options, extra_error=bad)
     p = float(norm_type)
-    norms = {name: module_grad_norm(model, modules[name], norm_type=p) for name, model in given.items()}
-    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p)
+    norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
+    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
     assert total is not None
     if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same on every rank, modules or none
         raise RuntimeError(
@@ -219,6 +220,28 @@ def _combined(norms: torch.Tensor, p: float) -> torch.Tensor:
         return largest
     scale = torch.where(largest > 0, largest, torch.ones_like(largest))
     return scale * (norms / scale).pow(p).sum().pow(1.0 / p)
+
+
+def module_values(given: Mapping[str, Any], compute: Callable[[str, Any], Any]) -> tuple[dict[str, Any], Fault]:
+    """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault: every module's
+    ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the module, joined (``None`` when none raised).
+
+    A module's statistic can refuse what its ranks hold (a sparse grad, a plan its grads do not fit); raised
+    here, its ranks would leave the ranks of every other module waiting in the world all-reduce. Caught, the fault
+    travels in that all-reduce instead (:func:`reduce_over_modules`' ``check``), so every rank raises it, at no cost
+    on the happy path. The other modules this rank runs are still computed, so their ranks issue the same
+    collectives. Sound when the module's ranks fail alike (the module's statistic refuses its input before or after
+    its collectives on all of them, as it does for the layout and roles its ranks share); a fault on some ranks of
+    a module only, midway through its collectives, leaves its peers waiting there until the process group's
+    timeout: the single-model statistics would hang the same way.
+    """
+    values, faults = {}, []
+    for name, item in given.items():
+        try:
+            values[name] = compute(name, item)
+        except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed in the reduce
+            faults.append(type(exc)(f"module {name!r}: {exc}"))
+    return values, joined(*faults)
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
