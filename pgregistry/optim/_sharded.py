@@ -189,7 +189,8 @@ class ShardedOptimizer(FlatOptimizer):
             return ["it is no {'shards': ..., 'param_groups': ...} dict (ShardedOptimizer.state_dict output)"]
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
-        faults = missing_and_extra("pieces", shards, names)
+        faults = missing_and_extra("pieces", shards, names)  # another layout
+        misfits: list[str] = []
         for name, piece in zip(names, self._pieces, strict=True):
             entry = shards.get(name)
             if entry is None:
@@ -200,9 +201,10 @@ class ShardedOptimizer(FlatOptimizer):
                     f"[{piece.offset}, +{piece.stop - piece.start})"
                 )
             else:
-                faults.extend(tensor_faults(f"main copy of {name!r}'s piece", entry.get("main"), piece.main))
+                misfits.extend(tensor_faults(f"the main copy in the piece of {name!r}", entry.get("main"), piece.main))
         if faults:  # the advice in the first fault, which a refusal always quotes
-            return [f"shards do not match: {faults[0]} ({_OTHER_LAYOUT})", *faults[1:]]
+            return [f"shards do not match: {faults[0]} ({_OTHER_LAYOUT})", *faults[1:], *misfits]
+        faults = misfits
         if self.inner is not None:
             state = {index: shards[name].get("state") for index, name in enumerate(names) if shards[name].get("state")}
             inner = {"state": state, "param_groups": state_dict["param_groups"]}
