@@ -470,7 +470,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a chained optimizer loads child by child, so a later child's refusal leaves the first ones loaded",
         file="pgregistry/optim/_chained.py",
         find=(
-            '        refuse_faults("ChainedOptimizer.load_state_dict", self.state_dict_faults(state_dict))\n'
+            '        refuse_faults("ChainedOptimizer.load_state_dict", '
+            "agreed_faults(self.state_dict_faults(state_dict), groups))\n"
             '        for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):\n'
             "            child._load_checked_state_dict(child_state)"
         ),

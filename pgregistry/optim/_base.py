@@ -53,7 +53,7 @@ from pgregistry.grad_stats._reductions import (
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
-from pgregistry.optim._state_check import refuse_faults
+from pgregistry.optim._state_check import agreed_faults, refuse_faults
 from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
@@ -314,9 +314,16 @@ class FlatOptimizer(OptimizerStatistics):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same layout, same names). Strict: a state dict with any
         :meth:`state_dict_faults` is refused (``ValueError``, the count and a few of them) before anything changes.
-        The check is local (:mod:`pgregistry.optim._state_check`)."""
-        refuse_faults(f"{type(self).__name__}.load_state_dict", self.state_dict_faults(state_dict))
+        The check is local; a collective load agrees on it over :meth:`load_groups` first
+        (:mod:`pgregistry.optim._state_check`)."""
+        faults = agreed_faults(self.state_dict_faults(state_dict), self.load_groups())
+        refuse_faults(f"{type(self).__name__}.load_state_dict", faults)
         self._load_checked_state_dict(state_dict)
+
+    def load_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """The groups whose ranks agree on :meth:`state_dict_faults` before a load: none, the load is local (a
+        collective load's optimizer returns the groups that cover its collectives)."""
+        return ()
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:

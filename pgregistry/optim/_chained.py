@@ -17,7 +17,7 @@ import torch
 
 from pgregistry.optim._base import FlatOptimizer, OptimizerStatistics
 from pgregistry.optim._param_state import ParamState
-from pgregistry.optim._state_check import refuse_faults
+from pgregistry.optim._state_check import agreed_faults, refuse_faults
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -87,9 +87,13 @@ class ChainedOptimizer(OptimizerStatistics):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output into every child. Strict, every child checked before any loads: a
         fault in any child's state (:meth:`state_dict_faults`) is a ``ValueError`` and leaves every child as it
-        was (a later child's refusal used to leave the first ones loaded). The check is local; loading is
-        collective where a child's is (a sharded child's all-gather)."""
-        refuse_faults("ChainedOptimizer.load_state_dict", self.state_dict_faults(state_dict))
+        was (a later child's refusal used to leave the first ones loaded). The check is local; where a child's
+        load is collective (a sharded child's all-gather) the ranks agree on it first over the children's
+        :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, so every rank refuses alike."""
+        groups: list[ProcessGroup | None] = []
+        for child in self.chained_optimizers:
+            groups.extend(g for g in child.load_groups() if not any(g is seen for seen in groups))
+        refuse_faults("ChainedOptimizer.load_state_dict", agreed_faults(self.state_dict_faults(state_dict), groups))
         for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):
             child._load_checked_state_dict(child_state)
 

@@ -19,7 +19,7 @@ The inner update rule must be elementwise (Adam, AdamW, SGD): it sees only piece
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -34,6 +34,9 @@ from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_sta
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import inner_state_faults, missing_and_extra, tensor_faults
 from pgregistry.params import copy_param_roles
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["ShardedOptimizer"]
 
@@ -180,11 +183,15 @@ class ShardedOptimizer(FlatOptimizer):
         }
         return {"param_groups": inner["param_groups"], "shards": shards}
 
+    def load_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """The whole instance (``intra_dist_opt``, the group of the statistics): every rank of it refuses a load
+        when one does (one small all-reduce), instead of leaving the others waiting in the load's all-gather."""
+        return self.stats_reduce_groups()[:1]
+
     def state_dict_faults(self, state_dict: Any) -> list[str]:
         """This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the inner state's
-        faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local: :meth:`load_state_dict` checks
-        this rank's state only, so give every rank of :attr:`shard_group` its own state (a rank that refuses
-        leaves the others waiting in the load's all-gather)."""
+        faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local: :meth:`load_state_dict` agrees
+        on them over :meth:`load_groups`."""
         if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
             return ["it is no {'shards': ..., 'param_groups': ...} dict (ShardedOptimizer.state_dict output)"]
         shards = state_dict["shards"]

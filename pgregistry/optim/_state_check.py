@@ -7,7 +7,9 @@ them (a chained optimizer every child's), and loads only when there are none, as
 (:mod:`pgregistry.checkpoint._strict`): entries missing or extra (main copies, shard pieces, the state of a
 parameter), and saved tensors of another shape or dtype than the ones they would be copied into. A refusal is one
 ``ValueError`` giving the count and the first few faults. The check is local: it reads no tensor's values beyond
-a per-parameter value (``step``) and runs no collective.
+a per-parameter value (``step``) and runs no collective; only a load that is collective anyway (a sharded
+optimizer's, whose all-gather a refusing rank would leave the others waiting in) agrees on it first
+(:func:`agreed_faults`), so that every rank refuses or none does.
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
+import torch.distributed as dist
+
+from pgregistry.collection import group_size
+from pgregistry.grad_stats import backend_device
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from pgregistry.optim._flat_step import FlatStep
 
-__all__ = ["inner_state_faults", "missing_and_extra", "refuse_faults", "tensor_faults"]
+__all__ = ["agreed_faults", "inner_state_faults", "missing_and_extra", "refuse_faults", "tensor_faults"]
 
 _SHOWN: Final = 3
 """How many faults a refusal quotes."""
@@ -36,6 +44,20 @@ def refuse_faults(subject: str, faults: Sequence[str]) -> None:
         f"{subject}: the state dict does not fit this optimizer ({len(faults)} fault(s): {shown}); nothing was "
         "loaded (load state saved by an optimizer over the same parameters, dtypes and layout)"
     )
+
+
+def agreed_faults(faults: list[str], groups: Sequence[ProcessGroup | None]) -> list[str]:
+    """``faults``, or (when another rank of ``groups`` found some and this one none) one saying so: one MAX
+    all-reduce of a flag per group of more than one rank (``None``: an axis that is off)."""
+    flag = 0 if not faults else 1
+    for group in groups:
+        if group is not None and group_size(group) > 1:
+            reduced = torch.tensor([flag], device=backend_device(group))
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+            flag = int(reduced.item())
+    if flag and not faults:
+        return ["another rank's state does not fit its optimizer (see the error there); every rank refuses alike"]
+    return faults
 
 
 def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) -> list[str]:

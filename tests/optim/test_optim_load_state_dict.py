@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from pgregistry import registry
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
+from pgregistry.layout import ParallelLayout
 from pgregistry.optim import (
     ChainedOptimizer,
     FlatOptimizer,
@@ -25,6 +28,7 @@ from pgregistry.optim import (
     inner_factory,
     setup_process_groups_for_optimizer,
 )
+from pgregistry.testing import run_world
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 SHAPES = [(6, 4), (5,), (3, 2, 2)]
@@ -148,8 +152,11 @@ def test_a_torch_inner_optimizer_refuses_moments_of_another_shape() -> None:
     state["inner"]["state"][1]["exp_avg"] = torch.zeros(1)
     del state["inner"]["state"][2]
     before = _snapshot(opt)
-    with pytest.raises(ValueError, match=r"2 fault\(s\).*lacks the state of 1 parameters, e.g. 'param\[2\]'.*"
-                       r"'exp_avg' of param\[1\] has shape \(1,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 fault\(s\).*lacks the state of 1 parameters, e.g. 'param\[2\]'.*"
+        r"'exp_avg' of param\[1\] has shape \(1,\)",
+    ):
         opt.load_state_dict(state)
     _same(before, _snapshot(opt))
 
@@ -168,3 +175,37 @@ def test_a_sharded_optimizer_refuses_a_piece_of_another_shape_and_changes_nothin
     with pytest.raises(ValueError, match=r"main copy in the piece of 'param\[0\]' has shape \(3,\)"):
         opt.load_state_dict(state)
     _same(before, _snapshot(opt))
+
+
+def _refused_on_one_rank() -> dict[str, Any]:
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    groups = setup_process_groups_for_optimizer(collection, use_distributed_optimizer=True)
+    out: dict[str, Any] = {}
+    for kind in ("sharded", "chained"):
+        made = [ShardedOptimizer(_params(seed), groups, inner=inner_factory("adam", lr=1e-2)) for seed in (0, 0)]
+        opt, ahead = (ChainedOptimizer([m]) for m in made) if kind == "chained" else made
+        _steps(opt, 2)
+        _steps(ahead, 3)
+        state = copy.deepcopy(ahead.state_dict())
+        if dist.get_rank() == 1:  # rank 1 only: a piece of a parameter this optimizer does not hold
+            (state["children"][0] if kind == "chained" else state)["shards"]["bogus"] = {}
+        before = _snapshot(opt)
+        try:
+            opt.load_state_dict(state)
+            out[kind] = "no error"
+        except ValueError as exc:
+            out[kind] = str(exc)
+        after = _snapshot(opt)
+        out[f"{kind} unchanged"] = [path for path, _ in before] == [path for path, _ in after] and all(
+            not isinstance(x, torch.Tensor) or torch.equal(x, y) for (_, x), (_, y) in zip(before, after, strict=True)
+        )
+    return out
+
+
+def test_a_sharded_load_refused_on_one_rank_is_refused_on_every_rank() -> None:
+    """A sharded load all-gathers: a rank refusing alone would leave the others waiting in it."""
+    for rank, got in enumerate(run_world(2, _refused_on_one_rank, timeout=60.0)):
+        for kind in ("sharded", "chained"):
+            want = "holds unexpected 1 pieces, e.g. 'bogus'" if rank == 1 else "another rank's state"
+            assert want in got[kind], (rank, kind, got[kind])
+            assert got[f"{kind} unchanged"], (rank, kind)
