@@ -478,6 +478,25 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_fault_in_one_modules_optimizer_statistic_raises_on_every_rank_and_nothing_steps",
         ),
     ),
+    Mutant(
+        name="chained-load-child-by-child",
+        bug="a chained optimizer loads child by child, so a later child's refusal leaves the first ones loaded",
+        file="pgregistry/optim/_chained.py",
+        find=(
+            '        refuse_faults("ChainedOptimizer.load_state_dict", '
+            "agreed_faults(self.state_dict_faults(state_dict), groups))\n"
+            '        for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):\n'
+            "            child._load_checked_state_dict(child_state)"
+        ),
+        replace=(
+            '        for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):\n'
+            "            child.load_state_dict(child_state)"
+        ),
+        tests=tuple(
+            f"tests/optim/test_optim_load_state_dict.py::test_a_refused_load_changes_nothing[chained-{case}]"
+            for case in ("extra", "float64", "reshaped", "short")
+        ),
+    ),
 )
 
 

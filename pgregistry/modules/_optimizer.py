@@ -47,6 +47,7 @@ from pgregistry.modules._stats import (
 )
 from pgregistry.optim import ChainedOptimizer
 from pgregistry.optim import build_optimizer as build_module_optimizer
+from pgregistry.optim._state_check import refuse_faults
 
 __all__ = ["MultiModuleOptimizer", "build_optimizer"]
 
@@ -179,11 +180,19 @@ class MultiModuleOptimizer:
         """Restore :meth:`state_dict` output: each module's optimizer from the entry under its name.
 
         Collective over the world: ``ValueError`` on every rank, before anything loads, when a rank's state lacks a
-        module it runs or holds one it does not run (another rank's state), naming the rank and the module."""
-        _, error = check_models(state_dict, self._modules, "MultiModuleOptimizer.load_state_dict", noun="state")
+        module it runs or holds one it does not run (another rank's state), or a module's state does not fit its
+        optimizer (:meth:`~pgregistry.optim.ChainedOptimizer.state_dict_faults`: missing, extra, another shape or
+        dtype), naming the rank and the module; a refused load leaves every optimizer as it was."""
+        _, error = check_models(
+            state_dict, self._modules, "MultiModuleOptimizer.load_state_dict", self._check_state, noun="state"
+        )
         agree("MultiModuleOptimizer.load_state_dict", described(self._modules), error, advice=MODULES_ADVICE)
         for name, optimizer in self._optimizers.items():
             optimizer.load_state_dict(state_dict[name])
+
+    def _check_state(self, name: str, state: Any, _collection: ProcessGroupCollection) -> None:
+        """``ValueError`` when ``state`` does not fit module ``name``'s optimizer (local, loads nothing)."""
+        refuse_faults("its optimizer", self._optimizers[name].state_dict_faults(state))
 
     # ------------------------------------------------------------------------------------------- internals
 

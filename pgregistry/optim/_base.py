@@ -53,6 +53,7 @@ from pgregistry.grad_stats._reductions import (
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
+from pgregistry.optim._state_check import agreed_faults, refuse_faults
 from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class FlatOptimizer(OptimizerStatistics):
 
     Subclasses set :attr:`buffer`, :attr:`inner` (``None`` when this rank steps nothing) and, with
     :meth:`_set_stats`, the statistics spans and the group they reduce over, and implement :meth:`sync_grads`,
-    :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict`.
+    :meth:`step`, :meth:`state_dict`, :meth:`state_dict_faults` and :meth:`_load_checked_state_dict`.
     """
 
     def __init__(
@@ -310,9 +311,28 @@ class FlatOptimizer(OptimizerStatistics):
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state (inner state and main copies), keyed by parameter name."""
 
-    @abc.abstractmethod
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (same layout, same names)."""
+        """Restore :meth:`state_dict` output (same layout, same names). Strict: a state dict with any
+        :meth:`state_dict_faults` is refused (``ValueError``, the count and a few of them) before anything changes.
+        The check is local; a collective load agrees on it over :meth:`load_groups` first
+        (:mod:`pgregistry.optim._state_check`)."""
+        faults = agreed_faults(self.state_dict_faults(state_dict), self.load_groups())
+        refuse_faults(f"{type(self).__name__}.load_state_dict", faults)
+        self._load_checked_state_dict(state_dict)
+
+    def load_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """The groups whose ranks agree on :meth:`state_dict_faults` before a load: none, the load is local (a
+        collective load's optimizer returns the groups that cover its collectives)."""
+        return ()
+
+    @abc.abstractmethod
+    def state_dict_faults(self, state_dict: Any) -> list[str]:
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict``: missing or extra entries, saved tensors
+        of another shape or dtype (empty: it loads). Local; changes nothing."""
+
+    @abc.abstractmethod
+    def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict``, which has no :meth:`state_dict_faults`."""
 
     @abc.abstractmethod
     def param_state(self) -> dict[torch.Tensor, ParamState]:

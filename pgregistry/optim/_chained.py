@@ -17,6 +17,7 @@ import torch
 
 from pgregistry.optim._base import FlatOptimizer, OptimizerStatistics
 from pgregistry.optim._param_state import ParamState
+from pgregistry.optim._state_check import agreed_faults, refuse_faults
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -69,14 +70,32 @@ class ChainedOptimizer(OptimizerStatistics):
         """``{"children": [child state dicts]}``."""
         return {"children": [child.state_dict() for child in self.chained_optimizers]}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        children = state_dict["children"]
+    def state_dict_faults(self, state_dict: Any) -> list[str]:
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict_faults`, each prefixed with the child's
+        index, or a count of children that differs. Local; changes nothing."""
+        children = state_dict.get("children") if isinstance(state_dict, Mapping) else None
+        if not isinstance(children, Sequence):
+            return ["it is no {'children': [...]} dict (ChainedOptimizer.state_dict output)"]
         if len(children) != len(self.chained_optimizers):
-            raise ValueError(
-                f"the state dict holds {len(children)} child optimizers, this one has {len(self.chained_optimizers)}"
-            )
-        for child, child_state in zip(self.chained_optimizers, children, strict=True):
-            child.load_state_dict(child_state)
+            return [f"it holds {len(children)} child optimizers, this one has {len(self.chained_optimizers)}"]
+        return [
+            f"child {index}: {fault}"
+            for index, (child, child_state) in enumerate(zip(self.chained_optimizers, children, strict=True))
+            for fault in child.state_dict_faults(child_state)
+        ]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output into every child. Strict, every child checked before any loads: a
+        fault in any child's state (:meth:`state_dict_faults`) is a ``ValueError`` and leaves every child as it
+        was (a later child's refusal used to leave the first ones loaded). The check is local; where a child's
+        load is collective (a sharded child's all-gather) the ranks agree on it first over the children's
+        :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, so every rank refuses alike."""
+        groups: list[ProcessGroup | None] = []
+        for child in self.chained_optimizers:
+            groups.extend(g for g in child.load_groups() if not any(g is seen for seen in groups))
+        refuse_faults("ChainedOptimizer.load_state_dict", agreed_faults(self.state_dict_faults(state_dict), groups))
+        for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):
+            child._load_checked_state_dict(child_state)
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
         """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state` (collective where a child's is)."""

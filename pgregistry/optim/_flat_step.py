@@ -36,6 +36,7 @@ import torch
 
 from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._fused_step import FusedStep, fused_step_applies
+from pgregistry.optim._state_check import refuse_faults
 
 __all__ = ["FLAT_DTYPES", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS"]
 
@@ -178,62 +179,71 @@ class FlatStep:
     def _elementwise(self, value: Any) -> bool:
         return isinstance(value, torch.Tensor) and value.shape == self.flat.shape
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (or a per-tensor optimizer's over the same main params): the
-        elementwise state of each parameter is copied into one flat tensor per key, the padding zero."""
+    def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]:
+        """What keeps :meth:`load_state_dict` from holding ``state_dict`` (empty: it loads), found without copying
+        anything: one param group of the main params; the same state keys for every parameter (or none for all);
+        one value of each per-parameter key; elementwise state with each parameter's number of elements."""
         groups = state_dict["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self._slots):
             sizes = [len(group["params"]) for group in groups]
-            raise ValueError(
+            return [
                 f"the state dict holds param groups of {sizes} parameters; this optimizer steps one group of "
                 f"{len(self._slots)} parameters"
+            ]
+        per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]
+        if not any(per_param):
+            return []
+        keys = set(per_param[0])
+        faults = [
+            f"parameter {index} has optimizer state {sorted(entry)}, parameter 0 has {sorted(keys)}: a flat step "
+            "needs the same state for every parameter"
+            for index, entry in enumerate(per_param)
+            if set(entry) != keys
+        ]
+        for key in sorted(keys if not faults else ()):
+            values = [entry[key] for entry in per_param]
+            if key in PER_PARAMETER_KEYS:
+                faults.extend(
+                    f"optimizer state {key!r} differs between parameter 0 and parameter {index}: a flat step keeps "
+                    "one value for every parameter"
+                    for index, value in enumerate(values[1:], start=1)
+                    if not _same(values[0], value)
+                )
+                continue
+            if not isinstance(values[0], torch.Tensor):
+                faults.append(f"optimizer state {key!r} of parameter 0 is a {type(values[0]).__name__}, not a tensor")
+                continue
+            faults.extend(
+                f"optimizer state {key!r} of parameter {index} does not have the parameter's "
+                f"{slot.stop - slot.start} elements"
+                for index, (value, slot) in enumerate(zip(values, self._slots, strict=True))
+                if not isinstance(value, torch.Tensor) or value.numel() != slot.stop - slot.start
             )
-        saved = state_dict["state"]
-        per_param = [saved.get(pid) or {} for pid in groups[0]["params"]]
+        return faults
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (or a per-tensor optimizer's over the same main params): the
+        elementwise state of each parameter is copied into one flat tensor per key, the padding zero. A state dict
+        with :meth:`state_dict_faults` is refused (``ValueError``) before anything changes. Local: no collective."""
+        refuse_faults("FlatStep.load_state_dict", self.state_dict_faults(state_dict))
+        groups = state_dict["param_groups"]
+        per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]
         state = {0: self._join(per_param)} if any(per_param) else {}
         self.optimizer.load_state_dict({"state": state, "param_groups": [{**groups[0], "params": [0]}]})
 
     def _join(self, per_param: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        keys = set(per_param[0])
-        for index, entry in enumerate(per_param):
-            if set(entry) != keys:
-                raise ValueError(
-                    f"parameter {index} has optimizer state {sorted(entry)}, parameter 0 has {sorted(keys)}: a flat "
-                    "step needs the same state for every parameter"
-                )
+        """The flat state of ``per_param`` (checked by :meth:`state_dict_faults`)."""
         joined: dict[str, Any] = {}
-        for key in sorted(keys):
+        for key in sorted(per_param[0]):
             values = [entry[key] for entry in per_param]
             if key in PER_PARAMETER_KEYS:
-                joined[key] = self._join_per_parameter(key, values)
-            else:
-                joined[key] = self._join_elementwise(key, values)
+                joined[key] = values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
+                continue
+            flat = torch.zeros(self.flat.shape, dtype=values[0].dtype, device=self.flat.device)
+            for value, slot in zip(values, self._slots, strict=True):
+                flat[slot.start : slot.stop].copy_(value.reshape(-1))
+            joined[key] = flat
         return joined
-
-    def _join_elementwise(self, key: str, values: Sequence[Any]) -> torch.Tensor:
-        first = values[0]
-        if not isinstance(first, torch.Tensor):
-            raise TypeError(f"optimizer state {key!r} of parameter 0 is a {type(first).__name__}, not a tensor")
-        flat = torch.zeros(self.flat.shape, dtype=first.dtype, device=self.flat.device)
-        for index, (value, slot) in enumerate(zip(values, self._slots, strict=True)):
-            if not isinstance(value, torch.Tensor) or value.numel() != slot.stop - slot.start:
-                raise ValueError(
-                    f"optimizer state {key!r} of parameter {index} does not have the parameter's "
-                    f"{slot.stop - slot.start} elements"
-                )
-            flat[slot.start : slot.stop].copy_(value.reshape(-1))
-        return flat
-
-    @staticmethod
-    def _join_per_parameter(key: str, values: Sequence[Any]) -> Any:
-        first = values[0]
-        for index, value in enumerate(values[1:], start=1):
-            if not _same(first, value):
-                raise ValueError(
-                    f"optimizer state {key!r} differs between parameter 0 and parameter {index}: a flat step "
-                    "keeps one value for every parameter"
-                )
-        return first.clone() if isinstance(first, torch.Tensor) else first
 
 
 def _same(a: Any, b: Any) -> bool:

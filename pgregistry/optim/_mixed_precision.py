@@ -27,6 +27,7 @@ from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._flat_step import FlatStep
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
+from pgregistry.optim._state_check import inner_state_faults, missing_and_extra, tensor_faults
 from pgregistry.params import copy_param_roles
 
 __all__ = ["MixedPrecisionOptimizer"]
@@ -136,16 +137,32 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             "main_params": {self.param_name(p): m.detach() for p, m in self._copied()},
         }
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output and copy the restored main params into the model."""
+    def state_dict_faults(self, state_dict: Any) -> list[str]:
+        """Main copies missing, extra or of another shape or dtype, and the inner state's faults
+        (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local."""
+        if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
+            return ["it is no {'inner': ..., 'main_params': ...} dict (MixedPrecisionOptimizer.state_dict output)"]
         saved = state_dict["main_params"]
         names = {self.param_name(p): m for p, m in self._copied()}
-        if set(saved) != set(names):
-            missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
-            raise ValueError(f"main params do not match: missing {missing}, unexpected {unexpected}")
+        faults = missing_and_extra("main copies", saved, names)
+        for name, main in names.items():
+            if name in saved:
+                faults.extend(tensor_faults(f"main copy {name!r}", saved[name], main))
         if (state_dict["inner"] is None) != (self.inner is None):
-            raise ValueError("the state dict was saved by an optimizer with a different set of parameters")
+            faults.append("it was saved by an optimizer with a different set of parameters (inner state on one side)")
+        elif self.inner is not None:
+            model_name = {id(main): self.param_name(p) for p, main in zip(self.params, self.main_params, strict=True)}
+            tensors = self._inner_tensors()
+            faults.extend(
+                inner_state_faults(self.inner, state_dict["inner"], tensors, [model_name[id(t)] for t in tensors])
+            )
+        return faults
+
+    @torch.no_grad()
+    def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the checked :meth:`state_dict` output and copy the restored main params into the model."""
+        saved = state_dict["main_params"]
+        names = {self.param_name(p): m for p, m in self._copied()}
         for name, main in names.items():
             main.copy_(saved[name])
         if self.inner is not None:

@@ -19,7 +19,7 @@ The inner update rule must be elementwise (Adam, AdamW, SGD): it sees only piece
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -32,7 +32,11 @@ from pgregistry.optim._copies import Copy
 from pgregistry.optim._flat_step import FlatStep
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
+from pgregistry.optim._state_check import inner_state_faults, missing_and_extra, tensor_faults
 from pgregistry.params import copy_param_roles
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["ShardedOptimizer"]
 
@@ -179,24 +183,51 @@ class ShardedOptimizer(FlatOptimizer):
         }
         return {"param_groups": inner["param_groups"], "shards": shards}
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output saved with the same sharding. Collective over :attr:`shard_group`
-        (the restored shards are all-gathered into the model). State saved under another layout (EP, PP or
-        data-parallel size) is cut for this one by :func:`pgregistry.checkpoint.load_optimizer_shards`."""
+    def load_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """The whole instance (``intra_dist_opt``, the group of the statistics): every rank of it refuses a load
+        when one does (one small all-reduce), instead of leaving the others waiting in the load's all-gather."""
+        return self.stats_reduce_groups()[:1]
+
+    def state_dict_faults(self, state_dict: Any) -> list[str]:
+        """This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the inner state's
+        faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local: :meth:`load_state_dict` agrees
+        on them over :meth:`load_groups`."""
+        if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
+            return ["it is no {'shards': ..., 'param_groups': ...} dict (ShardedOptimizer.state_dict output)"]
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
-        if set(shards) != set(names):
-            missing, unexpected = sorted(set(names) - set(shards)), sorted(set(shards) - set(names))
-            raise ValueError(f"shards do not match: missing {missing}, unexpected {unexpected}; {_OTHER_LAYOUT}")
+        faults = missing_and_extra("pieces", shards, names)  # another layout
+        misfits: list[str] = []
         for name, piece in zip(names, self._pieces, strict=True):
-            entry = shards[name]
-            if (entry["offset"], entry["numel"]) != (piece.offset, piece.stop - piece.start):
-                raise ValueError(
-                    f"{name}: saved piece [{entry['offset']}, +{entry['numel']}) differs from this rank's "
-                    f"[{piece.offset}, +{piece.stop - piece.start}); {_OTHER_LAYOUT}"
+            entry = shards.get(name)
+            if entry is None:
+                continue
+            if (entry.get("offset"), entry.get("numel")) != (piece.offset, piece.stop - piece.start):
+                faults.append(
+                    f"{name}: saved piece [{entry.get('offset')}, +{entry.get('numel')}) differs from this rank's "
+                    f"[{piece.offset}, +{piece.stop - piece.start})"
                 )
-            piece.main.copy_(entry["main"])
+            else:
+                misfits.extend(tensor_faults(f"the main copy in the piece of {name!r}", entry.get("main"), piece.main))
+        if faults:  # the advice in the first fault, which a refusal always quotes
+            return [f"shards do not match: {faults[0]} ({_OTHER_LAYOUT})", *faults[1:], *misfits]
+        faults = misfits
+        if self.inner is not None:
+            state = {index: shards[name].get("state") for index, name in enumerate(names) if shards[name].get("state")}
+            inner = {"state": state, "param_groups": state_dict["param_groups"]}
+            faults.extend(inner_state_faults(self.inner, inner, [piece.main for piece in self._pieces], names))
+        return faults
+
+    @torch.no_grad()
+    def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore checked :meth:`state_dict` output saved with the same sharding. Collective over
+        :attr:`shard_group` (the restored shards are all-gathered into the model). State saved under another
+        layout (EP, PP or data-parallel size) is cut for this one by
+        :func:`pgregistry.checkpoint.load_optimizer_shards`."""
+        shards = state_dict["shards"]
+        names = [self.param_name(piece.param) for piece in self._pieces]
+        for name, piece in zip(names, self._pieces, strict=True):
+            piece.main.copy_(shards[name]["main"])
         if self.inner is not None:
             state = {index: shards[name]["state"] for index, name in enumerate(names) if shards[name]["state"]}
             self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

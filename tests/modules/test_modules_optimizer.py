@@ -10,6 +10,7 @@ taken on some ranks only, fails.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -175,13 +176,37 @@ def _resume(job: str, max_norm: float) -> dict[str, Any]:
         refused = "no error"
     except ValueError as exc:
         refused = str(exc)
-    return {"same": same, "refused": refused}
+    # A moment of another shape in rank 0's state of its first module: refused on every rank, nothing loaded.
+    misshapen = copy.deepcopy(state)
+    if rank == 0:
+        moments = next(iter(misshapen.values()))["children"][0]["inner"]["state"][0]
+        moments["exp_avg"] = moments["exp_avg"].reshape(1, -1)
+    before = _tensors(fresh.state_dict())
+    try:
+        fresh.load_state_dict(misshapen)
+        misfit = "no error"
+    except ValueError as exc:
+        misfit = str(exc)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, _tensors(fresh.state_dict()), strict=True))
+    return {"same": same, "refused": refused, "misfit": misfit, "unchanged": unchanged}
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested state dict, cloned, in a fixed order."""
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in _tensors(state[key])]
+    if isinstance(state, list):
+        return [t for item in state for t in _tensors(item)]
+    return [state.detach().clone()] if isinstance(state, torch.Tensor) else []
 
 
 def test_state_dicts_per_module_name_resume_exactly_and_refuse_another_ranks_state() -> None:
     for rank, got in enumerate(run_world(8, _resume, "disjoint", 1.0, timeout=60)):
         assert got["same"], f"rank {rank}"
         assert "ranks [0] were given bad input (rank 0: no state for module 'encoder' (ranks 0-3)" in got["refused"]
+        assert "ranks [0] were given bad input (rank 0: module 'encoder': its optimizer: " in got["misfit"], rank
+        assert "state 'exp_avg' of " in got["misfit"] and "has shape (1, " in got["misfit"], got["misfit"]
+        assert got["unchanged"], f"rank {rank}"
 
 
 def _refusals() -> dict[str, str]:
