@@ -101,12 +101,13 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
         for plan in plans.values():
             visit_mentions(plan, mention)
     ordered = [plans[path] for path in sorted(plans)]
+    modules = frozenset(".".join(module_name(source.path)) for source in files)
     outcome.passed = passes(ordered, name)
     for plan in ordered:
         outcome.reads += [(plan.path, r) for r in sorted(plan.reads, key=lambda r: (r.site.line, r.site.col))]
         outcome.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
         source, (data, mtime) = contents[plan.path]
-        text = rewrite(plan, idiom_)
+        text = rewrite(plan, idiom_, modules)
         after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         if after == data:
             continue
