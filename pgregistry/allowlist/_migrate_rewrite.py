@@ -79,7 +79,7 @@ class _Prune(cst.CSTTransformer):
             m.startswith(qualified + ".") for m in self.modules)
 
     def _kept(self, names: Sequence[cst.ImportAlias], droppable: list[bool]) -> list[cst.ImportAlias]:
-        kept = [alias for alias, drop in zip(names, droppable) if not drop]
+        kept = [alias for alias, drop in zip(names, droppable, strict=True) if not drop]
         if kept and len(kept) < len(names) and names[-1].comma is not cst.MaybeSentinel.DEFAULT:
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
         elif kept and len(kept) < len(names):
@@ -99,8 +99,8 @@ class _Prune(cst.CSTTransformer):
     def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
         names = updated.names
         unused = [_bound(alias) in self.unused for alias in names]
-        droppable = [u and ".".join(_parts(a.name)) in self.imported for u, a in zip(unused, names)]
-        self.kept_unused |= any(u and not d for u, d in zip(unused, droppable))
+        droppable = [u and ".".join(_parts(a.name)) in self.imported for u, a in zip(unused, names, strict=True)]
+        self.kept_unused |= any(u and not d for u, d in zip(unused, droppable, strict=True))
         kept = self._kept(names, droppable)
         return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
 
@@ -113,13 +113,13 @@ class _Prune(cst.CSTTransformer):
         names = updated.names
         unused = [_bound(alias) in self.unused for alias in names]
         droppable = [u and _attribute for u, _attribute in
-                     zip(unused, (self._attribute(module, ".".join(_parts(a.name))) for a in names))]
+                     zip(unused, (self._attribute(module, ".".join(_parts(a.name))) for a in names), strict=True)]
         if all(droppable) and module not in self.imported:
             droppable = [False] * len(names)  # the statement would go, and with it the import of its module
         kept = self._kept(names, droppable)
         if not kept:
             return cst.RemoveFromParent()
-        if any(u and not d for u, d in zip(unused, droppable)):
+        if any(u and not d for u, d in zip(unused, droppable, strict=True)):
             whitespace = updated.lpar.whitespace_after if updated.lpar is not None else None
             if isinstance(whitespace, cst.ParenthesizedWhitespace):  # the comment goes on the first line
                 first = whitespace.first_line.with_changes(comment=_comment(whitespace.first_line.comment))
@@ -359,11 +359,11 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
     # ``try:``) or in a statement the rewrite changed: only those are walked.
     prune = _Prune(unused, plan.module, plan.package, modules)
     walked = {id(s) for i, s in enumerate(body) if i in rewriter.touched}
-    pruned = []
-    for statement in changed.body:
-        if id(statement) in walked or not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
-            statement = statement.visit(prune)
-        if isinstance(statement, cst.CSTNode):
-            prune.note(statement)
-        pruned.append(statement)
-    return changed.with_changes(body=[s for s in pruned if isinstance(s, cst.CSTNode)]).code
+    pruned: list[cst.BaseStatement] = []
+    for statement in changed.body:  # in order: each import kept tells what the ones below may drop
+        visited = statement.visit(prune) if id(statement) in walked or not isinstance(
+            statement, (cst.FunctionDef, cst.ClassDef)) else statement
+        if isinstance(visited, cst.BaseStatement):
+            prune.note(visited)
+            pruned.append(visited)
+    return changed.with_changes(body=pruned).code

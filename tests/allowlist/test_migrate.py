@@ -377,7 +377,8 @@ def f(pg_collection):
 def g():
     return ps.get_data_parallel_world_size(with_gtp_remat=False)
 """
-    assert after(tmp_path, source, target="pgregistry") == KEPT + """from pgregistry.collection import group_rank, group_size
+    assert after(tmp_path, source, target="pgregistry") == KEPT + """\
+from pgregistry.collection import group_rank, group_size
 from pgregistry.doors import resolve_collection
 
 def f(pg_collection):
