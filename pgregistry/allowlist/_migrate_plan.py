@@ -225,8 +225,15 @@ class _Locator(cst.CSTVisitor):
         #: The module-level statements to walk at once (those with sites, and every one but a def or class).
         self.wanted: set[int] = set()
         self.visited: set[int] = set()
-        #: Positions of the nodes of the module-level statements with sites, and each one's line offset.
+        #: Positions of the nodes of the module-level statements with sites, and each one's line offset (the
+        #: slow way, when ``order`` does not match the tree).
         self.positions: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
+        #: The fast way: the calls of each module-level statement with sites, from :mod:`ast`, in the order a
+        #: walk of the libcst tree meets them (see :func:`_call_order`); how many of each were met; whether a
+        #: call met did not match its :mod:`ast` twin (then the file is located again, the slow way).
+        self.order: dict[int, list[tuple[int, int, str | None]]] = {}
+        self.met: dict[int, int] = {}
+        self.mismatch = False
 
     @property
     def current(self) -> Function | None:
@@ -388,10 +395,19 @@ class _Locator(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         site = None
         located = self.positions.get(self.top)
+        order = self.order.get(self.top)
         if located is not None:  # only the statements with sites have positions (computing them is costly)
             ranges, offset = located
             start = ranges[node.func].start
             site = self.by_position.pop((start.line + offset, start.column), None)
+        elif order is not None:
+            met = self.met.get(self.top, 0)
+            self.met[self.top] = met + 1
+            parts = _dotted(node.func)
+            if met >= len(order) or order[met][2] != (".".join(parts) if parts is not None else None):
+                self.mismatch = True
+            else:
+                site = self.by_position.pop(order[met][:2], None)
         index = self.statement[-1]
         if site is not None:
             self.reads.append(Read(site, node, self.current, index, top=self.top, member=self.member))
@@ -502,13 +518,20 @@ def plan_file(
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code)."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
-    locator = _Locator(sites, name)
     data = data if data is not None else source.bytes
-    spans = _spans(source, data)
+    spans, statements = _spans(source, data)
     lines = {site.line for site in sites}
-    locator.wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
-    locator.positions = _positions(source, spans, {site.line for site in sites if site.form == CALL})
+    wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
+    call_lines = {site.line for site in sites if site.form == CALL}
+    locator = _Locator(sites, name)
+    locator.wanted = wanted
+    locator.order = {i: _call_order(statements[i]) for i in wanted}
     source.visit(locator)
+    if locator.mismatch or any(locator.met.get(i, 0) != len(order) for i, order in locator.order.items()):
+        locator = _Locator(sites, name)  # the ast's calls are not the tree's: libcst's own positions, slowly
+        locator.wanted = wanted
+        locator.positions = _positions(source, spans, call_lines)
+        source.visit(locator)
     reads = list(locator.reads)
     for site in locator.by_position.values():
         reads.append(Read(site, None, None, 0, reason="could not be located in the tree (non-ASCII text before it?)"))
@@ -569,11 +592,12 @@ def plan_file(
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator)
 
 
-def _spans(source: cst.Module, data: bytes) -> list[tuple[int, int]]:
-    """The first and last line of each module-level statement, from :mod:`ast` (a libcst statement line holds
-    one or more ast statements: ``a; b``)."""
+def _spans(source: cst.Module, data: bytes) -> tuple[list[tuple[int, int]], list[list[ast.stmt]]]:
+    """The first and last line of each module-level statement, and its :mod:`ast` statements (a libcst
+    statement line holds one or more: ``a; b``)."""
     tree = ast.parse(data)
     spans: list[tuple[int, int]] = []
+    groups: list[list[ast.stmt]] = []
     position = 0
     for statement in source.body:
         count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
@@ -582,7 +606,26 @@ def _spans(source: cst.Module, data: bytes) -> list[tuple[int, int]]:
         first = nodes[0]
         start = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
         spans.append((start, nodes[-1].end_lineno or nodes[-1].lineno))
-    return spans
+        groups.append(nodes)
+    return spans, groups
+
+
+def _ast_dotted(node: ast.expr) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *parts[::-1]]) if isinstance(node, ast.Name) else None
+
+
+def _call_order(statements: Sequence[ast.stmt]) -> list[tuple[int, int, str | None]]:
+    """The calls in ``statements`` as (line, column of the callee, dotted callee) in source pre-order: by
+    start, the outer of two calls that start together first. A walk of the libcst tree meets its calls in that
+    order, so the n-th call it meets is the n-th here (checked by the callee's name): the scanner's positions
+    (ast's) locate its sites without libcst's PositionProvider, many times slower."""
+    calls = [node for statement in statements for node in ast.walk(statement) if isinstance(node, ast.Call)]
+    calls.sort(key=lambda c: (c.lineno, c.col_offset, -(c.end_lineno or 0), -(c.end_col_offset or 0)))
+    return [(c.func.lineno, c.func.col_offset, _ast_dotted(c.func)) for c in calls]
 
 
 def _positions(

@@ -410,3 +410,15 @@ def f(tp_group=None):
     assert once != textwrap.dedent(source)
     second = run(tmp_path, {"m.py": once})
     assert second.changes == [] and second.failures == []
+
+
+def test_a_read_after_non_ascii_text_on_its_line_is_located(tmp_path: Path) -> None:
+    """Reads are located by the scanner's own (ast) positions, whose columns count bytes, not characters."""
+    source = HEAD + """
+def f(pg_collection):
+    return "né", ps.get_tensor_model_parallel_group()
+"""
+    assert after(tmp_path, source) == KEPT + """
+def f(pg_collection):
+    return "né", pg_collection.tp
+"""
