@@ -231,8 +231,14 @@ class _Locator(cst.CSTVisitor):
         #: The fast way: the calls of each module-level statement with sites, from :mod:`ast`, in the order a
         #: walk of the libcst tree meets them (see :func:`_call_order`); how many of each were met; whether a
         #: call met did not match its :mod:`ast` twin (then the file is located again, the slow way).
-        self.order: dict[int, list[tuple[int, int, str | None]]] = {}
-        self.met: dict[int, int] = {}
+        #: Keyed by unit: (module-level statement, -1), or (class, member) for a class walked member by member.
+        self.order: dict[tuple[int, int], list[tuple[int, int, str | None]]] = {}
+        self.met: dict[tuple[int, int], int] = {}
+        #: Module-level classes walked member by member: the members to walk at once (those with sites or
+        #: that mention the collection's name); the others are walked later only if they call a threaded one.
+        self.members: dict[int, set[int]] = {}
+        self.visited_members: set[tuple[int, int]] = set()
+        self.member_spans: dict[int, list[tuple[int, int]]] = {}
         self.mismatch = False
 
     @property
@@ -270,16 +276,35 @@ class _Locator(cst.CSTVisitor):
         self.in_class_body.append(True)
         self.attributes.setdefault(id(node), [])
         if len(self.classes) == 1 and not self.stack:
+            members = self.members.get(self.top)
             for index, statement in enumerate(node.body.body):
-                self.member = index
-                statement.visit(self)
-            self.member = -1
+                if members is None or index in members:
+                    self._walk_member(index, statement)
         else:
             node.body.visit(self)
         self.in_class_body.pop()
         self.class_names.pop()
         self.classes.pop()
         return False
+
+    def _walk_member(self, index: int, statement: cst.CSTNode) -> None:
+        self.visited_members.add((self.top, index))
+        self.member = index
+        statement.visit(self)
+        self.member = -1
+
+    def visit_member(self, top: int, node: cst.ClassDef, index: int) -> None:
+        """Walk member ``index`` of module-level class ``node`` (statement ``top``) not walked with it."""
+        if (top, index) in self.visited_members:
+            return
+        self.top = top
+        self.classes.append(node)
+        self.class_names.append(node.name.value)
+        self.in_class_body.append(True)
+        self._walk_member(index, node.body.body[index])
+        self.in_class_body.pop()
+        self.class_names.pop()
+        self.classes.pop()
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         for decorator in node.decorators:
@@ -395,14 +420,15 @@ class _Locator(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         site = None
         located = self.positions.get(self.top)
-        order = self.order.get(self.top)
+        unit = (self.top, self.member if self.top in self.members else -1)
+        order = self.order.get(unit)
         if located is not None:  # only the statements with sites have positions (computing them is costly)
             ranges, offset = located
             start = ranges[node.func].start
             site = self.by_position.pop((start.line + offset, start.column), None)
         elif order is not None:
-            met = self.met.get(self.top, 0)
-            self.met[self.top] = met + 1
+            met = self.met.get(unit, 0)
+            self.met[unit] = met + 1
             parts = _dotted(node.func)
             if met >= len(order) or order[met][2] != (".".join(parts) if parts is not None else None):
                 self.mismatch = True
@@ -519,15 +545,31 @@ def plan_file(
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code)."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
-    spans, statements = _spans(source, data)
+    spans, statements = _spans(source.body, ast.parse(data).body)
     lines = {site.line for site in sites}
     wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
     call_lines = {site.line for site in sites if site.form == CALL}
     locator = _Locator(sites, name)
     locator.wanted = wanted
-    locator.order = {i: _call_order(statements[i]) for i in wanted}
+    pattern = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
+    starts = _line_starts(data)
+    for i in wanted:
+        top, tree = source.body[i], statements[i][0]
+        if isinstance(top, cst.ClassDef) and isinstance(top.body, cst.IndentedBlock) and isinstance(
+                tree, ast.ClassDef):
+            member_spans, groups = _spans(top.body.body, tree.body)
+            locator.member_spans[i] = member_spans
+            locator.members[i] = {
+                m for m, (start, end) in enumerate(member_spans)
+                if any(start <= line <= end for line in lines) or pattern.search(_text(data, starts, start, end))
+            }
+            header = [*tree.decorator_list, *tree.bases, *(k.value for k in tree.keywords)]
+            locator.order[(i, -1)] = _call_order(header)
+            locator.order.update({(i, m): _call_order(groups[m]) for m in locator.members[i]})
+        else:
+            locator.order[(i, -1)] = _call_order(statements[i])
     source.visit(locator)
-    if locator.mismatch or any(locator.met.get(i, 0) != len(order) for i, order in locator.order.items()):
+    if locator.mismatch or any(locator.met.get(unit, 0) != len(o) for unit, o in locator.order.items()):
         locator = _Locator(sites, name)  # the ast's calls are not the tree's: libcst's own positions, slowly
         locator.wanted = wanted
         locator.positions = _positions(source, spans, call_lines)
@@ -592,22 +634,32 @@ def plan_file(
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator)
 
 
-def _spans(source: cst.Module, data: bytes) -> tuple[list[tuple[int, int]], list[list[ast.stmt]]]:
-    """The first and last line of each module-level statement, and its :mod:`ast` statements (a libcst
-    statement line holds one or more: ``a; b``)."""
-    tree = ast.parse(data)
+def _spans(
+    body: Sequence[cst.BaseStatement], tree: Sequence[ast.stmt]
+) -> tuple[list[tuple[int, int]], list[list[ast.stmt]]]:
+    """The first and last line of each statement of a libcst ``body``, and its :mod:`ast` statements (of the
+    same body's ``tree``: a libcst statement line holds one or more, ``a; b``)."""
     spans: list[tuple[int, int]] = []
     groups: list[list[ast.stmt]] = []
     position = 0
-    for statement in source.body:
+    for statement in body:
         count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
-        nodes = tree.body[position:position + count]
+        nodes = tree[position:position + count]
         position += count
         first = nodes[0]
         start = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
         spans.append((start, nodes[-1].end_lineno or nodes[-1].lineno))
-        groups.append(nodes)
+        groups.append(list(nodes))
     return spans, groups
+
+
+def _line_starts(data: bytes) -> list[int]:
+    return [0, *(m.end() for m in re.finditer(rb"\n", data))]
+
+
+def _text(data: bytes, starts: list[int], start: int, end: int) -> bytes:
+    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``."""
+    return data[starts[start - 1]: starts[end] if end < len(starts) else None]
 
 
 def _ast_dotted(node: ast.expr) -> str | None:
@@ -618,7 +670,7 @@ def _ast_dotted(node: ast.expr) -> str | None:
     return ".".join([node.id, *parts[::-1]]) if isinstance(node, ast.Name) else None
 
 
-def _call_order(statements: Sequence[ast.stmt]) -> list[tuple[int, int, str | None]]:
+def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | None]]:
     """The calls in ``statements`` as (line, column of the callee, dotted callee) in source pre-order: by
     start, the outer of two calls that start together first. A walk of the libcst tree meets its calls in that
     order, so the n-th call it meets is the n-th here (checked by the callee's name): the scanner's positions
@@ -732,13 +784,17 @@ def passes(plans: Sequence[FilePlan], name: str) -> int:
 def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
     """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a call of a
     function a collection was threaded into), so :func:`passes` sees their calls."""
-    if plan.locator is None or plan.data is None:
+    locator = plan.locator
+    if locator is None or plan.data is None:
         return
-    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    starts = _line_starts(plan.data)
     body = plan.wrapper.module.body
     for index, (start, end) in enumerate(plan.spans):
-        if index in plan.locator.visited:
-            continue
-        text = plan.data[starts[start - 1]: starts[end] if end < len(starts) else None]
-        if pattern.search(text):
-            plan.locator.visit_top(index, body[index])
+        statement = body[index]
+        if index in locator.members and isinstance(statement, cst.ClassDef):  # walked in part: the rest
+            for member, (first, last) in enumerate(locator.member_spans[index]):
+                if (index, member) not in locator.visited_members and pattern.search(
+                        _text(plan.data, starts, first, last)):
+                    locator.visit_member(index, statement, member)
+        elif index not in locator.visited and pattern.search(_text(plan.data, starts, start, end)):
+            locator.visit_top(index, statement)

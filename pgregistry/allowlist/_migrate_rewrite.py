@@ -25,7 +25,7 @@ __all__ = ["rewrite"]
 _NO_SPACE = cst.SimpleWhitespace("")
 
 
-def _uses(code: str) -> Counter[str]:
+def _uses(code: str | bytes) -> Counter[str]:
     """How often each name is read outside import statements (``x.name`` reads x only). Through :mod:`ast`, many
     times faster than a libcst walk, since only names count."""
     count: Counter[str] = Counter()
@@ -333,6 +333,26 @@ def _parts(node: cst.BaseExpression) -> list[str]:
     return [node.value]
 
 
+def _uses_after(
+    plan: FilePlan, before: Counter[str], body: Sequence[object], touched: Sequence[int]
+) -> Counter[str] | None:
+    """The names' uses in the new text without rendering it whole: the file's, less those of the module-level
+    statements the rewrite changed, plus those of their new code. None when one does not parse alone."""
+    assert plan.data is not None
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    after = Counter(before)
+    try:
+        for index in touched:
+            start, end = plan.spans[index]
+            after.subtract(_uses(plan.data[starts[start - 1]: starts[end] if end < len(starts) else None]))
+            statement = body[index]
+            if isinstance(statement, cst.CSTNode):
+                after.update(_uses(plan.wrapper.module.code_for_node(statement)))
+    except (SyntaxError, ValueError):
+        return None
+    return after
+
+
 def _owner(plan: FilePlan, function: Function) -> str:
     return f"{plan.module}.{function.qualname}" if plan.module else function.qualname
 
@@ -344,17 +364,19 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
     rewriter = _Rewriter(plan, target)
     if not rewriter.replacements and not plan.passes and not rewriter.functions:
         return None
-    before = _uses(plan.data.decode(module.encoding) if plan.data is not None else module.code)
+    data = plan.data if plan.data is not None else module.bytes
+    before = _uses(data)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
-    code = changed.code
-    after = _uses(code)
-    unused = {name for name, count in before.items() if count and not after[name]}
+    after = _uses_after(plan, before, body, sorted(rewriter.touched)) if plan.spans else None
+    if after is None:  # no spans, or a statement that does not parse alone: the whole new text
+        after = _uses(changed.code)
+    unused = {name for name, count in before.items() if count and after[name] <= 0}
     if not unused:
-        return code
+        return changed.code
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
     # ``try:``) or in a statement the rewrite changed: only those are walked.
     prune = _Prune(unused, plan.module, plan.package, modules)
