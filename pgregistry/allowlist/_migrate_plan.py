@@ -74,6 +74,8 @@ class Function:
     #: Top-level statement indexes of ``<name> = value`` with a value that may be a collection.
     local_at: list[int] = field(default_factory=list)
     local_other: bool = False
+    #: ``<name>.field = ...`` in it: the function builds the collection (from the globals), so it reads none.
+    builds: bool = False
     #: Set by planning: the parameter this tool adds (its name), and the door's fields.
     added: str = ""
     door: list[str] = field(default_factory=list)
@@ -361,6 +363,13 @@ class _Locator(cst.CSTVisitor):
                 function.local_other = True  # bound elsewhere (a branch, a loop): not known above every read
         if (
             isinstance(target, cst.Attribute)
+            and isinstance(target.value, cst.Name)
+            and target.value.value == self.name
+            and function is not None
+        ):
+            function.builds = True
+        if (
+            isinstance(target, cst.Attribute)
             and target.attr.value == self.name
             and isinstance(target.value, cst.Name)
             and function is not None
@@ -480,6 +489,8 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
     """(expression, may be None, from an enclosing function) of the collection in scope at top-level statement
     ``statement`` of ``function``; a reason string when a name is bound in a way that hides it; None when there
     is none."""
+    if function.builds:
+        return f"builds the collection: assigns fields of {name} (a shim written by hand)"
     if function.param_optional is not None:
         return name, function.param_optional, False
     if any(index < statement for index in function.local_at):

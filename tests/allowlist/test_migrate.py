@@ -422,3 +422,18 @@ def f(pg_collection):
 def f(pg_collection):
     return "né", pg_collection.tp
 """
+
+
+def test_a_function_that_builds_the_collection_from_the_globals_is_left(tmp_path: Path) -> None:
+    source = HEAD + """
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+def default_collection():
+    pg_collection = ProcessGroupCollection()
+    pg_collection.tp = ps.get_tensor_model_parallel_group()
+    return pg_collection
+"""
+    assert after(tmp_path, source) == textwrap.dedent(source)
+    assert reasons(tmp_path, source) == [
+        "builds the collection: assigns fields of pg_collection (a shim written by hand)"
+    ]
