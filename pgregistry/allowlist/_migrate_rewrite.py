@@ -207,6 +207,32 @@ def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
     return params.with_changes(star_arg=cst.ParamStar(), kwonly_params=[new])
 
 
+def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters:
+    """``after`` (``before`` with the new keyword-only parameter last) with the line break that preceded the
+    closing parenthesis moved from the old last parameter to the new one: ``(\\n    a, b\\n)`` becomes
+    ``(\\n    a, b, *, pg_collection=None\\n)``, not a break before the ``*`` at column 0."""
+    if after.star_kwarg is not None or not after.kwonly_params:
+        return after
+    if before.kwonly_params:
+        old = after.kwonly_params[-2]
+    elif isinstance(before.star_arg, cst.Param) and isinstance(after.star_arg, cst.Param):
+        old = after.star_arg
+    elif before.params and not before.kwonly_params:
+        old = after.params[-1]
+    else:
+        return after
+    moved = old.whitespace_after_param
+    if not isinstance(moved, cst.ParenthesizedWhitespace):
+        return after
+    kept = old.with_changes(whitespace_after_param=_NO_SPACE)
+    new = after.kwonly_params[-1].with_changes(whitespace_after_param=moved)
+    if before.kwonly_params:
+        return after.with_changes(kwonly_params=[*after.kwonly_params[:-2], kept, new])
+    if old is after.star_arg:
+        return after.with_changes(star_arg=kept, kwonly_params=[new])
+    return after.with_changes(params=[*after.params[:-1], kept], kwonly_params=[new])
+
+
 def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
     new = cst.Arg(cst.parse_expression(value), keyword=cst.Name(keyword),
                   equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
@@ -283,7 +309,8 @@ class _Rewriter(cst.CSTTransformer):
         if function is None:
             return updated
         if function.added:
-            updated = updated.with_changes(params=_with_parameter(updated.params, function.added))
+            params = _with_parameter(updated.params, function.added)
+            updated = updated.with_changes(params=_break_kept(updated.params, params))
         if function.door_name and isinstance(updated.body, cst.IndentedBlock):
             code = self.target.door(function.door_name, _owner(self.plan, function), function.door)
             self.imports += self.target.imports(code)

@@ -437,3 +437,14 @@ def default_collection():
     assert reasons(tmp_path, source) == [
         "builds the collection: assigns fields of pg_collection (a shim written by hand)"
     ]
+
+
+def test_a_new_parameter_keeps_the_closing_parenthesis_on_its_own_line(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(
+    x: int, y: bool = False
+) -> int:
+    return ps.get_tensor_model_parallel_world_size()
+"""
+    text = after(tmp_path, source)
+    assert "def f(\n    x: int, y: bool = False, *, pg_collection=None\n) -> int:\n" in text, text
