@@ -405,13 +405,25 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
     if not unused:
         return changed.code
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
-    # ``try:``) or in a statement the rewrite changed: only those are walked.
+    # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
     prune = _Prune(unused, plan.module, plan.package, modules)
-    walked = {id(s) for i, s in enumerate(body) if i in rewriter.touched}
+    index = {id(s): i for i, s in enumerate(body)}
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", data))] if plan.spans else []
+
+    def may_import(statement: cst.CSTNode) -> bool:
+        at = index.get(id(statement))
+        if at is None:  # an import the rewrite added
+            return True
+        if at not in rewriter.touched and isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+            return False
+        if not plan.spans:
+            return True
+        start, end = plan.spans[at]
+        return b"import" in data[starts[start - 1]: starts[end] if end < len(starts) else None]
+
     pruned: list[cst.BaseStatement] = []
     for statement in changed.body:  # in order: each import kept tells what the ones below may drop
-        visited = statement.visit(prune) if id(statement) in walked or not isinstance(
-            statement, (cst.FunctionDef, cst.ClassDef)) else statement
+        visited = statement.visit(prune) if may_import(statement) else statement
         if isinstance(visited, cst.BaseStatement):
             prune.note(visited)
             pruned.append(visited)
