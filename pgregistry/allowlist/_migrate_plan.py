@@ -41,6 +41,7 @@ __all__ = [
     "Read",
     "passes",
     "plan_file",
+    "left_by_site",
     "visit_mentions",
 ]
 
@@ -549,6 +550,18 @@ def _site_reason(site: Site) -> str | None:
     return None
 
 
+_MODULE_LEVEL = "module level: runs at import, before any collection exists"
+
+
+def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
+    """The reads of a file whose every site stays for a reason its site alone gives (a shim, a module-level
+    read, a reference): the way :func:`plan_file` decides them, without a libcst tree. None for any other file."""
+    reasons = [_site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None) for site in sites]
+    if any(reason is None for reason in reasons):
+        return None
+    return [Read(site, None, None, 0, reason=reason or "") for site, reason in zip(sites, reasons, strict=True)]
+
+
 def plan_file(
     path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None
 ) -> FilePlan:
@@ -598,9 +611,8 @@ def plan_file(
             continue
         reason = _site_reason(read.site)
         if reason is None and read.function is None:
-            scope = read.site.scope
-            reason = ("module level: runs at import, before any collection exists" if scope == MODULE_SCOPE else
-                      "class body: runs when the class is defined, before any collection exists")
+            reason = _MODULE_LEVEL if read.site.scope == MODULE_SCOPE else \
+                "class body: runs when the class is defined, before any collection exists"
         if reason is None:
             read.choice = _function_choice(read)
             reason = read.choice.reason or None

@@ -448,3 +448,18 @@ def f(
 """
     text = after(tmp_path, source)
     assert "def f(\n    x: int, y: bool = False, *, pg_collection=None\n) -> int:\n" in text, text
+
+
+def test_a_file_whose_reads_all_stay_gets_the_same_reasons_unparsed(tmp_path: Path) -> None:
+    """Such a file is not parsed with libcst (a shim, a module-level read): its reasons are still given."""
+    source = HEAD + """
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+GROUP = ps.get_tensor_model_parallel_group()
+DEFAULT = ProcessGroupCollection.use_mpu_process_groups()
+"""
+    assert after(tmp_path, source) == textwrap.dedent(source)
+    assert reasons(tmp_path, source) == [
+        "module level: runs at import, before any collection exists",
+        "shim: builds a collection from the globals (remove it once every caller passes one)",
+    ]
