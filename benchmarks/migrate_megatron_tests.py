@@ -78,6 +78,9 @@ def run_tests(copy_root: Path, action: str, extra: list[str]) -> tuple[int, str,
     start = time.perf_counter()
     # A Megatron-Core that does not import must fail the run, not skip it (tests/megatron skip without one).
     env = {**env_with(copy_root, REPO), "PGREGISTRY_REQUIRE_MEGATRON": "1"}
+    older = sorted(Path(sys.prefix).glob("megatron-core-*/megatron/core"))  # as ``make test`` sets it
+    if older and "PGREGISTRY_OLDER_MEGATRON" not in env:
+        env["PGREGISTRY_OLDER_MEGATRON"] = str(older[-1].parent.parent)
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=1800)
     return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
 

@@ -22,7 +22,7 @@ from pgregistry.allowlist._engine import scan_sources
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._migrate_files import Change
 from pgregistry.allowlist._migrate_idioms import idiom
-from pgregistry.allowlist._migrate_plan import FilePlan, Read, passes, plan_file, visit_mentions
+from pgregistry.allowlist._migrate_plan import FilePlan, Read, left_by_site, passes, plan_file, visit_mentions
 from pgregistry.allowlist._migrate_rewrite import rewrite
 from pgregistry.allowlist._scanner import FileResult, ParseFailure, module_name
 
@@ -74,8 +74,13 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
         return outcome
     contents = {source.path: (source, data) for source, data in read if not isinstance(data, FileResult)}
     plans: dict[str, FilePlan] = {}
+    #: Files whose reads all stay for reasons their sites give: not parsed with libcst (unless called into).
+    left: dict[str, list[Read]] = {}
     for result in report.results:
-        if result.sites:
+        reads = left_by_site(result.sites) if result.sites else None
+        if reads is not None:
+            left[result.path] = reads
+        elif result.sites:
             source, (data, _) = contents[result.path]
             tree = _parse(result.path, data)
             if isinstance(tree, FileResult):
@@ -101,12 +106,15 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
         for plan in plans.values():
             visit_mentions(plan, mention)
     ordered = [plans[path] for path in sorted(plans)]
+    modules = frozenset(".".join(module_name(source.path)) for source in files)
     outcome.passed = passes(ordered, name)
+    every = {**{plan.path: plan.reads for plan in ordered}, **left}
+    for path in sorted(every):
+        outcome.reads += [(path, r) for r in sorted(every[path], key=lambda r: (r.site.line, r.site.col))]
     for plan in ordered:
-        outcome.reads += [(plan.path, r) for r in sorted(plan.reads, key=lambda r: (r.site.line, r.site.col))]
         outcome.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
         source, (data, mtime) = contents[plan.path]
-        text = rewrite(plan, idiom_)
+        text = rewrite(plan, idiom_, modules)
         after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         if after == data:
             continue

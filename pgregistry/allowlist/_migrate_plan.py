@@ -41,6 +41,7 @@ __all__ = [
     "Read",
     "passes",
     "plan_file",
+    "left_by_site",
     "visit_mentions",
 ]
 
@@ -227,8 +228,21 @@ class _Locator(cst.CSTVisitor):
         #: The module-level statements to walk at once (those with sites, and every one but a def or class).
         self.wanted: set[int] = set()
         self.visited: set[int] = set()
-        #: Positions of the nodes of the module-level statements with sites, and each one's line offset.
+        #: Positions of the nodes of the module-level statements with sites, and each one's line offset (the
+        #: slow way, when ``order`` does not match the tree).
         self.positions: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
+        #: The fast way: the calls of each module-level statement with sites, from :mod:`ast`, in the order a
+        #: walk of the libcst tree meets them (see :func:`_call_order`); how many of each were met; whether a
+        #: call met did not match its :mod:`ast` twin (then the file is located again, the slow way).
+        #: Keyed by unit: (module-level statement, -1), or (class, member) for a class walked member by member.
+        self.order: dict[tuple[int, int], list[tuple[int, int, str | None]]] = {}
+        self.met: dict[tuple[int, int], int] = {}
+        #: Module-level classes walked member by member: the members to walk at once (those with sites or
+        #: that mention the collection's name); the others are walked later only if they call a threaded one.
+        self.members: dict[int, set[int]] = {}
+        self.visited_members: set[tuple[int, int]] = set()
+        self.member_spans: dict[int, list[tuple[int, int]]] = {}
+        self.mismatch = False
 
     @property
     def current(self) -> Function | None:
@@ -265,16 +279,35 @@ class _Locator(cst.CSTVisitor):
         self.in_class_body.append(True)
         self.attributes.setdefault(id(node), [])
         if len(self.classes) == 1 and not self.stack:
+            members = self.members.get(self.top)
             for index, statement in enumerate(node.body.body):
-                self.member = index
-                statement.visit(self)
-            self.member = -1
+                if members is None or index in members:
+                    self._walk_member(index, statement)
         else:
             node.body.visit(self)
         self.in_class_body.pop()
         self.class_names.pop()
         self.classes.pop()
         return False
+
+    def _walk_member(self, index: int, statement: cst.CSTNode) -> None:
+        self.visited_members.add((self.top, index))
+        self.member = index
+        statement.visit(self)
+        self.member = -1
+
+    def visit_member(self, top: int, node: cst.ClassDef, index: int) -> None:
+        """Walk member ``index`` of module-level class ``node`` (statement ``top``) not walked with it."""
+        if (top, index) in self.visited_members:
+            return
+        self.top = top
+        self.classes.append(node)
+        self.class_names.append(node.name.value)
+        self.in_class_body.append(True)
+        self._walk_member(index, node.body.body[index])
+        self.in_class_body.pop()
+        self.class_names.pop()
+        self.classes.pop()
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         for decorator in node.decorators:
@@ -397,10 +430,20 @@ class _Locator(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         site = None
         located = self.positions.get(self.top)
+        unit = (self.top, self.member if self.top in self.members else -1)
+        order = self.order.get(unit)
         if located is not None:  # only the statements with sites have positions (computing them is costly)
             ranges, offset = located
             start = ranges[node.func].start
             site = self.by_position.pop((start.line + offset, start.column), None)
+        elif order is not None:
+            met = self.met.get(unit, 0)
+            self.met[unit] = met + 1
+            parts = _dotted(node.func)
+            if met >= len(order) or order[met][2] != (".".join(parts) if parts is not None else None):
+                self.mismatch = True
+            else:
+                site = self.by_position.pop(order[met][:2], None)
         index = self.statement[-1]
         if site is not None:
             self.reads.append(Read(site, node, self.current, index, top=self.top, member=self.member))
@@ -507,19 +550,54 @@ def _site_reason(site: Site) -> str | None:
     return None
 
 
+_MODULE_LEVEL = "module level: runs at import, before any collection exists"
+
+
+def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
+    """The reads of a file whose every site stays for a reason its site alone gives (a shim, a module-level
+    read, a reference): the way :func:`plan_file` decides them, without a libcst tree. None for any other file."""
+    reasons = [_site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None) for site in sites]
+    if any(reason is None for reason in reasons):
+        return None
+    return [Read(site, None, None, 0, reason=reason or "") for site, reason in zip(sites, reasons, strict=True)]
+
+
 def plan_file(
     path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code)."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
-    locator = _Locator(sites, name)
     data = data if data is not None else source.bytes
-    spans = _spans(source, data)
+    spans, statements = _spans(source.body, ast.parse(data).body)
     lines = {site.line for site in sites}
-    locator.wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
-    locator.positions = _positions(source, spans, {site.line for site in sites if site.form == CALL})
+    wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
+    call_lines = {site.line for site in sites if site.form == CALL}
+    locator = _Locator(sites, name)
+    locator.wanted = wanted
+    pattern = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
+    starts = _line_starts(data)
+    for i in wanted:
+        top, tree = source.body[i], statements[i][0]
+        if isinstance(top, cst.ClassDef) and isinstance(top.body, cst.IndentedBlock) and isinstance(
+                tree, ast.ClassDef):
+            member_spans, groups = _spans(top.body.body, tree.body)
+            locator.member_spans[i] = member_spans
+            locator.members[i] = {
+                m for m, (start, end) in enumerate(member_spans)
+                if any(start <= line <= end for line in lines) or pattern.search(_text(data, starts, start, end))
+            }
+            header = [*tree.decorator_list, *tree.bases, *(k.value for k in tree.keywords)]
+            locator.order[(i, -1)] = _call_order(header)
+            locator.order.update({(i, m): _call_order(groups[m]) for m in locator.members[i]})
+        else:
+            locator.order[(i, -1)] = _call_order(statements[i])
     source.visit(locator)
+    if locator.mismatch or any(locator.met.get(unit, 0) != len(o) for unit, o in locator.order.items()):
+        locator = _Locator(sites, name)  # the ast's calls are not the tree's: libcst's own positions, slowly
+        locator.wanted = wanted
+        locator.positions = _positions(source, spans, call_lines)
+        source.visit(locator)
     reads = list(locator.reads)
     for site in locator.by_position.values():
         reads.append(Read(site, None, None, 0, reason="could not be located in the tree (non-ASCII text before it?)"))
@@ -533,9 +611,8 @@ def plan_file(
             continue
         reason = _site_reason(read.site)
         if reason is None and read.function is None:
-            scope = read.site.scope
-            reason = ("module level: runs at import, before any collection exists" if scope == MODULE_SCOPE else
-                      "class body: runs when the class is defined, before any collection exists")
+            reason = _MODULE_LEVEL if read.site.scope == MODULE_SCOPE else \
+                "class body: runs when the class is defined, before any collection exists"
         if reason is None:
             read.choice = _function_choice(read)
             reason = read.choice.reason or None
@@ -580,20 +657,50 @@ def plan_file(
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator)
 
 
-def _spans(source: cst.Module, data: bytes) -> list[tuple[int, int]]:
-    """The first and last line of each module-level statement, from :mod:`ast` (a libcst statement line holds
-    one or more ast statements: ``a; b``)."""
-    tree = ast.parse(data)
+def _spans(
+    body: Sequence[cst.BaseStatement], tree: Sequence[ast.stmt]
+) -> tuple[list[tuple[int, int]], list[list[ast.stmt]]]:
+    """The first and last line of each statement of a libcst ``body``, and its :mod:`ast` statements (of the
+    same body's ``tree``: a libcst statement line holds one or more, ``a; b``)."""
     spans: list[tuple[int, int]] = []
+    groups: list[list[ast.stmt]] = []
     position = 0
-    for statement in source.body:
+    for statement in body:
         count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
-        nodes = tree.body[position:position + count]
+        nodes = tree[position:position + count]
         position += count
         first = nodes[0]
         start = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
         spans.append((start, nodes[-1].end_lineno or nodes[-1].lineno))
-    return spans
+        groups.append(list(nodes))
+    return spans, groups
+
+
+def _line_starts(data: bytes) -> list[int]:
+    return [0, *(m.end() for m in re.finditer(rb"\n", data))]
+
+
+def _text(data: bytes, starts: list[int], start: int, end: int) -> bytes:
+    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``."""
+    return data[starts[start - 1]: starts[end] if end < len(starts) else None]
+
+
+def _ast_dotted(node: ast.expr) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *parts[::-1]]) if isinstance(node, ast.Name) else None
+
+
+def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | None]]:
+    """The calls in ``statements`` as (line, column of the callee, dotted callee) in source pre-order: by
+    start, the outer of two calls that start together first. A walk of the libcst tree meets its calls in that
+    order, so the n-th call it meets is the n-th here (checked by the callee's name): the scanner's positions
+    (ast's) locate its sites without libcst's PositionProvider, many times slower."""
+    calls = [node for statement in statements for node in ast.walk(statement) if isinstance(node, ast.Call)]
+    calls.sort(key=lambda c: (c.lineno, c.col_offset, -(c.end_lineno or 0), -(c.end_col_offset or 0)))
+    return [(c.func.lineno, c.func.col_offset, _ast_dotted(c.func)) for c in calls]
 
 
 def _positions(
@@ -700,13 +807,17 @@ def passes(plans: Sequence[FilePlan], name: str) -> int:
 def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
     """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a call of a
     function a collection was threaded into), so :func:`passes` sees their calls."""
-    if plan.locator is None or plan.data is None:
+    locator = plan.locator
+    if locator is None or plan.data is None:
         return
-    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    starts = _line_starts(plan.data)
     body = plan.wrapper.module.body
     for index, (start, end) in enumerate(plan.spans):
-        if index in plan.locator.visited:
-            continue
-        text = plan.data[starts[start - 1]: starts[end] if end < len(starts) else None]
-        if pattern.search(text):
-            plan.locator.visit_top(index, body[index])
+        statement = body[index]
+        if index in locator.members and isinstance(statement, cst.ClassDef):  # walked in part: the rest
+            for member, (first, last) in enumerate(locator.member_spans[index]):
+                if (index, member) not in locator.visited_members and pattern.search(
+                        _text(plan.data, starts, first, last)):
+                    locator.visit_member(index, statement, member)
+        elif index not in locator.visited and pattern.search(_text(plan.data, starts, start, end)):
+            locator.visit_top(index, statement)

@@ -11,6 +11,7 @@ the old code used and the new code does not; a name only re-exported is kept).
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -24,7 +25,7 @@ __all__ = ["rewrite"]
 _NO_SPACE = cst.SimpleWhitespace("")
 
 
-def _uses(code: str) -> Counter[str]:
+def _uses(code: str | bytes) -> Counter[str]:
     """How often each name is read outside import statements (``x.name`` reads x only). Through :mod:`ast`, many
     times faster than a libcst walk, since only names count."""
     count: Counter[str] = Counter()
@@ -44,15 +45,41 @@ def _bound(alias: cst.ImportAlias) -> str:
     return node.value
 
 
-class _Prune(cst.CSTTransformer):
-    """Drop the import aliases whose names the rewrite left unused (and an import statement left empty)."""
+#: The comment on an import the rewrite left unused but keeps: it may be what imports its module first.
+NOQA = "# noqa: F401  (kept for its import order)"
 
-    def __init__(self, unused: set[str]) -> None:
+
+def _ancestors(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+
+
+class _Prune(cst.CSTTransformer):
+    """Drop the import aliases whose names the rewrite left unused, where dropping cannot change what is
+    imported when: an import runs its module's code (and can decide a circular import's order), so a name goes
+    only when it is no submodule (a module of the scanned tree whose submodules are known) or one imported
+    already, and its statement still imports the module or the module was imported already (above, at module
+    level, or as the file's own package). Any other unused alias stays, its statement marked :data:`NOQA`."""
+
+    def __init__(self, unused: set[str], module: str, package: list[str], modules: frozenset[str]) -> None:
         super().__init__()
         self.unused = unused
+        self.package = package
+        self.modules = modules
+        #: Modules surely imported before the statement now visited (the module-level imports above it).
+        self.imported = _ancestors(module) if module else set()
+        self.kept_unused = False
 
-    def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
-        kept = [alias for alias in names if _bound(alias) not in self.unused]
+    def _attribute(self, module: str, name: str) -> bool:
+        """Whether ``from module import name`` surely reads an attribute, not a submodule it would import."""
+        qualified = f"{module}.{name}"
+        if qualified in self.imported:
+            return True
+        return module in self.modules and qualified not in self.modules and not any(
+            m.startswith(qualified + ".") for m in self.modules)
+
+    def _kept(self, names: Sequence[cst.ImportAlias], droppable: list[bool]) -> list[cst.ImportAlias]:
+        kept = [alias for alias, drop in zip(names, droppable, strict=True) if not drop]
         if kept and len(kept) < len(names) and names[-1].comma is not cst.MaybeSentinel.DEFAULT:
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
         elif kept and len(kept) < len(names):
@@ -62,10 +89,19 @@ class _Prune(cst.CSTTransformer):
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        return updated if updated.body else cst.RemoveFromParent()  # not a ``pass`` left in its place
+        if not updated.body:
+            return cst.RemoveFromParent()  # not a ``pass`` left in its place
+        if self.kept_unused:
+            self.kept_unused = False
+            updated = updated.with_changes(trailing_whitespace=_noqa(updated.trailing_whitespace))
+        return updated
 
     def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
-        kept = self._kept(updated.names)
+        names = updated.names
+        unused = [_bound(alias) in self.unused for alias in names]
+        droppable = [u and ".".join(_parts(a.name)) in self.imported for u, a in zip(unused, names, strict=True)]
+        self.kept_unused |= any(u and not d for u, d in zip(unused, droppable, strict=True))
+        kept = self._kept(names, droppable)
         return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
 
     def leave_ImportFrom(
@@ -73,12 +109,70 @@ class _Prune(cst.CSTTransformer):
     ) -> cst.ImportFrom | cst.RemovalSentinel:
         if isinstance(updated.names, cst.ImportStar):
             return updated
-        kept = self._kept(updated.names)
+        module = _absolute(updated, self.package)
+        names = updated.names
+        unused = [_bound(alias) in self.unused for alias in names]
+        droppable = [u and _attribute for u, _attribute in
+                     zip(unused, (self._attribute(module, ".".join(_parts(a.name))) for a in names), strict=True)]
+        if all(droppable) and module not in self.imported:
+            droppable = [False] * len(names)  # the statement would go, and with it the import of its module
+        kept = self._kept(names, droppable)
         if not kept:
             return cst.RemoveFromParent()
-        if len(kept) == len(updated.names):
-            return updated
-        return updated.with_changes(names=kept)
+        if any(u and not d for u, d in zip(unused, droppable, strict=True)):
+            whitespace = updated.lpar.whitespace_after if updated.lpar is not None else None
+            if isinstance(whitespace, cst.ParenthesizedWhitespace):  # the comment goes on the first line
+                first = whitespace.first_line.with_changes(comment=_comment(whitespace.first_line.comment))
+                lpar = updated.lpar
+                assert lpar is not None
+                updated = updated.with_changes(
+                    lpar=lpar.with_changes(whitespace_after=whitespace.with_changes(first_line=first)))
+            else:
+                self.kept_unused = True
+        return updated if len(kept) == len(names) else updated.with_changes(names=kept)
+
+    def note(self, statement: cst.CSTNode) -> None:
+        """Record the modules a module-level import statement that stays imports."""
+        if not _is_import(statement):
+            return
+        assert isinstance(statement, cst.SimpleStatementLine)
+        for small in statement.body:
+            if isinstance(small, cst.Import):
+                for alias in small.names:
+                    self.imported |= _ancestors(".".join(_parts(alias.name)))
+            elif isinstance(small, cst.ImportFrom):
+                module = _absolute(small, self.package)
+                if module:
+                    self.imported |= _ancestors(module)
+                if not isinstance(small.names, cst.ImportStar):
+                    self.imported |= {f"{module}.{'.'.join(_parts(a.name))}" for a in small.names
+                                      if not self._attribute(module, ".".join(_parts(a.name)))}
+
+
+def _comment(comment: cst.Comment | None) -> cst.Comment:
+    if comment is None:
+        return cst.Comment(NOQA)
+    codes = re.search(r"#\s*noqa(:)?", comment.value, re.IGNORECASE)
+    if codes is not None:  # a bare noqa covers F401; one with codes gets it added
+        if codes.group(1) is None or "F401" in comment.value[codes.end():].split("#")[0]:
+            return comment
+        return cst.Comment(f"{comment.value[:codes.end()]} F401,{comment.value[codes.end():]}")
+    return cst.Comment(f"{comment.value}  {NOQA}")
+
+
+def _noqa(trailing: cst.TrailingWhitespace) -> cst.TrailingWhitespace:
+    whitespace = trailing.whitespace if trailing.comment is not None else cst.SimpleWhitespace("  ")
+    return trailing.with_changes(whitespace=whitespace, comment=_comment(trailing.comment))
+
+
+def _absolute(node: cst.ImportFrom, package: list[str]) -> str:
+    """The absolute name of the module ``node`` imports from (relative to ``package``)."""
+    parts = _parts(node.module) if node.module is not None else []
+    level = len(node.relative)
+    if level == 0:
+        return ".".join(parts)
+    base = package[: max(0, len(package) - (level - 1))]
+    return ".".join([*base, *parts])
 
 
 def _clean(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
@@ -111,6 +205,32 @@ def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
         return params.with_changes(params=positional, star_arg=star,
                                    kwonly_params=[new.with_changes(comma=last)])
     return params.with_changes(star_arg=cst.ParamStar(), kwonly_params=[new])
+
+
+def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters:
+    """``after`` (``before`` with the new keyword-only parameter last) with the line break that preceded the
+    closing parenthesis moved from the old last parameter to the new one: ``(\\n    a, b\\n)`` becomes
+    ``(\\n    a, b, *, pg_collection=None\\n)``, not a break before the ``*`` at column 0."""
+    if after.star_kwarg is not None or not after.kwonly_params:
+        return after
+    if before.kwonly_params:
+        old = after.kwonly_params[-2]
+    elif isinstance(before.star_arg, cst.Param) and isinstance(after.star_arg, cst.Param):
+        old = after.star_arg
+    elif before.params and not before.kwonly_params:
+        old = after.params[-1]
+    else:
+        return after
+    moved = old.whitespace_after_param
+    if not isinstance(moved, cst.ParenthesizedWhitespace):
+        return after
+    kept = old.with_changes(whitespace_after_param=_NO_SPACE)
+    new = after.kwonly_params[-1].with_changes(whitespace_after_param=moved)
+    if before.kwonly_params:
+        return after.with_changes(kwonly_params=[*after.kwonly_params[:-2], kept, new])
+    if old is after.star_arg:
+        return after.with_changes(star_arg=kept, kwonly_params=[new])
+    return after.with_changes(params=[*after.params[:-1], kept], kwonly_params=[new])
 
 
 def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
@@ -189,7 +309,8 @@ class _Rewriter(cst.CSTTransformer):
         if function is None:
             return updated
         if function.added:
-            updated = updated.with_changes(params=_with_parameter(updated.params, function.added))
+            params = _with_parameter(updated.params, function.added)
+            updated = updated.with_changes(params=_break_kept(updated.params, params))
         if function.door_name and isinstance(updated.body, cst.IndentedBlock):
             code = self.target.door(function.door_name, _owner(self.plan, function), function.door)
             self.imports += self.target.imports(code)
@@ -239,33 +360,71 @@ def _parts(node: cst.BaseExpression) -> list[str]:
     return [node.value]
 
 
+def _uses_after(
+    plan: FilePlan, before: Counter[str], body: Sequence[object], touched: Sequence[int]
+) -> Counter[str] | None:
+    """The names' uses in the new text without rendering it whole: the file's, less those of the module-level
+    statements the rewrite changed, plus those of their new code. None when one does not parse alone."""
+    assert plan.data is not None
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    after = Counter(before)
+    try:
+        for index in touched:
+            start, end = plan.spans[index]
+            after.subtract(_uses(plan.data[starts[start - 1]: starts[end] if end < len(starts) else None]))
+            statement = body[index]
+            if isinstance(statement, cst.CSTNode):
+                after.update(_uses(plan.wrapper.module.code_for_node(statement)))
+    except (SyntaxError, ValueError):
+        return None
+    return after
+
+
 def _owner(plan: FilePlan, function: Function) -> str:
     return f"{plan.module}.{function.qualname}" if plan.module else function.qualname
 
 
-def rewrite(plan: FilePlan, target: Idiom) -> str | None:
-    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned."""
+def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()) -> str | None:
+    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned. ``modules``:
+    the dotted names of the scanned tree's modules (which names an import may not drop, see :class:`_Prune`)."""
     module = plan.wrapper.module
     rewriter = _Rewriter(plan, target)
     if not rewriter.replacements and not plan.passes and not rewriter.functions:
         return None
-    before = _uses(plan.data.decode(module.encoding) if plan.data is not None else module.code)
+    data = plan.data if plan.data is not None else module.bytes
+    before = _uses(data)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
-    code = changed.code
-    after = _uses(code)
-    unused = {name for name, count in before.items() if count and not after[name]}
+    after = _uses_after(plan, before, body, sorted(rewriter.touched)) if plan.spans else None
+    if after is None:  # no spans, or a statement that does not parse alone: the whole new text
+        after = _uses(changed.code)
+    unused = {name for name, count in before.items() if count and after[name] <= 0}
     if not unused:
-        return code
+        return changed.code
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
-    # ``try:``) or in a statement the rewrite changed: only those are walked.
-    prune = _Prune(unused)
-    walked = {id(s) for i, s in enumerate(body) if i in rewriter.touched}
-    pruned = [
-        s.visit(prune) if id(s) in walked or not isinstance(s, (cst.FunctionDef, cst.ClassDef)) else s
-        for s in changed.body
-    ]
-    return changed.with_changes(body=[s for s in pruned if isinstance(s, cst.CSTNode)]).code
+    # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
+    prune = _Prune(unused, plan.module, plan.package, modules)
+    index = {id(s): i for i, s in enumerate(body)}
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", data))] if plan.spans else []
+
+    def may_import(statement: cst.CSTNode) -> bool:
+        at = index.get(id(statement))
+        if at is None:  # an import the rewrite added
+            return True
+        if at not in rewriter.touched and isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+            return False
+        if not plan.spans:
+            return True
+        start, end = plan.spans[at]
+        return b"import" in data[starts[start - 1]: starts[end] if end < len(starts) else None]
+
+    pruned: list[cst.BaseStatement] = []
+    for statement in changed.body:  # in order: each import kept tells what the ones below may drop
+        visited = statement.visit(prune) if may_import(statement) else statement
+        if isinstance(visited, cst.BaseStatement):
+            prune.note(visited)
+            pruned.append(visited)
+    return changed.with_changes(body=pruned).code

@@ -18,6 +18,8 @@ from pgregistry.allowlist._files import SourceFile  # noqa: E402
 from pgregistry.allowlist._migrate import Migration, migrate  # noqa: E402
 
 HEAD = "from megatron.core import parallel_state as ps\n"
+#: ``HEAD`` once its name is unused: a submodule import may be what imports it first, so it stays.
+KEPT = "from megatron.core import parallel_state as ps  # noqa: F401  (kept for its import order)\n"
 
 
 def run(tmp_path: Path, files: dict[str, str], target: str = "megatron", name: str = "pg_collection") -> Migration:
@@ -47,7 +49,7 @@ def test_a_required_parameter_is_read_directly(tmp_path: Path) -> None:
 def f(x, pg_collection):
     return ps.get_tensor_model_parallel_group(), ps.get_context_parallel_world_size()
 """
-    assert after(tmp_path, source) == """
+    assert after(tmp_path, source) == KEPT + """
 def f(x, pg_collection):
     return pg_collection.tp, pg_collection.cp.size()
 """
@@ -60,7 +62,7 @@ def f(x, pg_collection=None):
     # the reduction
     return ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
 '''
-    assert after(tmp_path, source) == '''from pgregistry.doors import resolve_megatron_collection
+    assert after(tmp_path, source) == KEPT + '''from pgregistry.doors import resolve_megatron_collection
 
 def f(x, pg_collection=None):
     """Doc."""
@@ -99,7 +101,7 @@ class Layer:
             return x
         return ps.get_expert_model_parallel_group()
 """
-    assert after(tmp_path, source) == """
+    assert after(tmp_path, source) == KEPT + """
 class Layer:
     def __init__(self, collection):
         self.pg_collection = collection
@@ -135,7 +137,7 @@ def wrapped(x, **kwargs):
 """
     migration = run(tmp_path, {"lib.py": library, "user.py": user})
     texts = {change.path: change.after.decode() for change in migration.changes}
-    assert texts["lib.py"] == """from pgregistry.doors import resolve_megatron_collection
+    assert texts["lib.py"] == KEPT + """from pgregistry.doors import resolve_megatron_collection
 
 def shard(x, *args, pg_collection=None, **kwargs):
     pg_collection = resolve_megatron_collection(pg_collection, owner="lib.shard", fields=("tp",))
@@ -222,7 +224,7 @@ def test_a_pg_collection_of_another_meaning_is_not_reused(tmp_path: Path) -> Non
 def f(pg_collection: str):
     return pg_collection, ps.get_data_parallel_group(with_gtp_remat=False)
 """
-    assert after(tmp_path, source) == """from pgregistry.doors import resolve_megatron_collection
+    assert after(tmp_path, source) == KEPT + """from pgregistry.doors import resolve_megatron_collection
 
 def f(pg_collection: str, *, process_group_collection=None):
     process_group_collection = resolve_megatron_collection(process_group_collection, owner="m.f", fields=("dp",))
@@ -241,7 +243,7 @@ def f(
     return (x,
             y,   group)
 """
-    assert after(tmp_path, source) == """from pgregistry.doors import resolve_megatron_collection
+    assert after(tmp_path, source) == KEPT + """from pgregistry.doors import resolve_megatron_collection
 
 def f(
     x,  # the input
@@ -284,8 +286,56 @@ class L:
         'owner="m.L.__init__", fields=("expt_tp",)).expt_tp if self.is_expert else resolve_megatron_collection('
         'pg_collection, owner="m.L.__init__", fields=("tp",)).tp' in text
     )
-    assert "get_tensor_model_parallel_group_if_none" not in text  # the unused import went with the reads
-    assert "parallel_state" not in text
+    # the imports the reads needed stay (their modules are not in the scanned tree: nothing says what else
+    # imports them), marked for ruff
+    assert "from megatron.core import parallel_state  # noqa: F401  (kept for its import order)\n" in text
+    assert "get_tensor_model_parallel_group_if_none  # noqa: F401  (kept for its import order)\n" in text
+
+
+def test_an_unused_import_goes_only_where_it_cannot_change_what_is_imported_when(tmp_path: Path) -> None:
+    """An import runs its module (and can decide a circular import's order): a name left unused goes only when
+    its statement still imports the module, or the module was imported already, and it is no submodule."""
+    user = """
+    from megatron.core.parallel_state import get_tensor_model_parallel_group
+    from megatron.core import mpu
+    from .utils import divide, get_tensor_model_parallel_group_if_none
+
+    def f(x, pg_collection, tp_group=None):
+        tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        return divide(x, 2), get_tensor_model_parallel_group(), mpu.get_context_parallel_group(), tp_group
+    """
+    again = """
+    from megatron.core import parallel_state  # noqa: E402
+    from megatron.core.parallel_state import get_context_parallel_group
+
+    def g(pg_collection):
+        return get_context_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+    """
+    migration = run(tmp_path, {
+        "megatron/core/__init__.py": "from megatron.core import parallel_state as mpu\n",
+        "megatron/core/parallel_state.py": "def get_tensor_model_parallel_group(): ...\n",
+        "megatron/core/utils.py": "def divide(a, b): ...\n",
+        "megatron/core/user.py": user,
+        "megatron/core/again.py": again,
+    })
+    texts = {change.path: change.after.decode() for change in migration.changes}
+    # the only import of parallel_state stays (dropping it would break Megatron-Core's own import order); an
+    # attribute of the file's own package and a name beside one still used go
+    assert texts["megatron/core/user.py"] == """
+from megatron.core.parallel_state import get_tensor_model_parallel_group  # noqa: F401  (kept for its import order)
+from .utils import divide
+
+def f(x, pg_collection, tp_group=None):
+    tp_group = tp_group if tp_group is not None else pg_collection.tp
+    return divide(x, 2), pg_collection.tp, pg_collection.cp, tp_group
+"""
+    # a submodule imported by the line above it: the second import of it goes
+    assert texts["megatron/core/again.py"] == """
+from megatron.core import parallel_state  # noqa: F401, E402
+
+def g(pg_collection):
+    return pg_collection.cp, pg_collection.tp
+"""
 
 
 def test_what_cannot_be_rewritten_stays_with_its_reason(tmp_path: Path) -> None:
@@ -327,7 +377,8 @@ def f(pg_collection):
 def g():
     return ps.get_data_parallel_world_size(with_gtp_remat=False)
 """
-    assert after(tmp_path, source, target="pgregistry") == """from pgregistry.collection import group_rank, group_size
+    assert after(tmp_path, source, target="pgregistry") == KEPT + """\
+from pgregistry.collection import group_rank, group_size
 from pgregistry.doors import resolve_collection
 
 def f(pg_collection):
@@ -361,6 +412,18 @@ def f(tp_group=None):
     assert second.changes == [] and second.failures == []
 
 
+def test_a_read_after_non_ascii_text_on_its_line_is_located(tmp_path: Path) -> None:
+    """Reads are located by the scanner's own (ast) positions, whose columns count bytes, not characters."""
+    source = HEAD + """
+def f(pg_collection):
+    return "né", ps.get_tensor_model_parallel_group()
+"""
+    assert after(tmp_path, source) == KEPT + """
+def f(pg_collection):
+    return "né", pg_collection.tp
+"""
+
+
 def test_a_function_that_builds_the_collection_from_the_globals_is_left(tmp_path: Path) -> None:
     source = HEAD + """
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -373,4 +436,30 @@ def default_collection():
     assert after(tmp_path, source) == textwrap.dedent(source)
     assert reasons(tmp_path, source) == [
         "builds the collection: assigns fields of pg_collection (a shim written by hand)"
+    ]
+
+
+def test_a_new_parameter_keeps_the_closing_parenthesis_on_its_own_line(tmp_path: Path) -> None:
+    source = HEAD + """
+def f(
+    x: int, y: bool = False
+) -> int:
+    return ps.get_tensor_model_parallel_world_size()
+"""
+    text = after(tmp_path, source)
+    assert "def f(\n    x: int, y: bool = False, *, pg_collection=None\n) -> int:\n" in text, text
+
+
+def test_a_file_whose_reads_all_stay_gets_the_same_reasons_unparsed(tmp_path: Path) -> None:
+    """Such a file is not parsed with libcst (a shim, a module-level read): its reasons are still given."""
+    source = HEAD + """
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+GROUP = ps.get_tensor_model_parallel_group()
+DEFAULT = ProcessGroupCollection.use_mpu_process_groups()
+"""
+    assert after(tmp_path, source) == textwrap.dedent(source)
+    assert reasons(tmp_path, source) == [
+        "module level: runs at import, before any collection exists",
+        "shim: builds a collection from the globals (remove it once every caller passes one)",
     ]
