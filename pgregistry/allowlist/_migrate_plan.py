@@ -75,8 +75,12 @@ class Function:
     #: Top-level statement indexes of ``<name> = value`` with a value that may be a collection.
     local_at: list[int] = field(default_factory=list)
     local_other: bool = False
-    #: ``<name>.field = ...`` in it: the function builds the collection (from the globals), so it reads none.
-    builds: bool = False
+    #: Top-level statement indexes holding ``<name>.field = ...``: there the function fills the collection, so a
+    #: read being assigned into it stays (rewritten, it would read the field it is filling).
+    fills_at: list[int] = field(default_factory=list)
+    #: ``<name> = ProcessGroupCollection(...)`` in it: with fields filled, the function builds the collection (from
+    #: the globals, a shim written by hand), so none of its reads may go through it.
+    constructs: bool = False
     #: Set by planning: the parameter this tool adds (its name), and the door's fields.
     added: str = ""
     door: list[str] = field(default_factory=list)
@@ -356,6 +360,8 @@ class _Locator(cst.CSTVisitor):
     def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
         if isinstance(target, cst.Name) and function is not None and target.value == self.name:
+            if isinstance(value, cst.Call) and _called_name(value) == "ProcessGroupCollection":
+                function.constructs = True
             if value is not None and isinstance(value, _LITERALS):
                 function.local_other = True
             elif len(self.statement) == 2 and value is not None:
@@ -368,7 +374,7 @@ class _Locator(cst.CSTVisitor):
             and target.value.value == self.name
             and function is not None
         ):
-            function.builds = True
+            function.fills_at.append(self.statement[-1])
         if (
             isinstance(target, cst.Attribute)
             and target.attr.value == self.name
@@ -490,7 +496,7 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
     """(expression, may be None, from an enclosing function) of the collection in scope at top-level statement
     ``statement`` of ``function``; a reason string when a name is bound in a way that hides it; None when there
     is none."""
-    if function.builds:
+    if function.fills_at and (function.constructs or statement in function.fills_at):
         return f"builds the collection: assigns fields of {name} (a shim written by hand)"
     if function.param_optional is not None:
         return name, function.param_optional, False
@@ -821,3 +827,11 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
                     locator.visit_member(index, statement, member)
         elif index not in locator.visited and pattern.search(_text(plan.data, starts, start, end)):
             locator.visit_top(index, statement)
+
+
+def _called_name(call: cst.Call) -> str:
+    """The last name of what ``call`` calls (``ProcessGroupCollection`` for ``pgc.ProcessGroupCollection()``)."""
+    func = call.func
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    return func.value if isinstance(func, cst.Name) else ""

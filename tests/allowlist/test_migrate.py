@@ -439,6 +439,31 @@ def default_collection():
     ]
 
 
+def test_a_function_that_adds_a_field_to_the_collection_it_was_given_still_reads_through_it(tmp_path: Path) -> None:
+    # As Megatron-LM's get_model before its hand migration #5250: the collection it resolves gets one more field;
+    # its other reads go through the collection, the read assigned into the field stays.
+    source = HEAD + """
+def get_model(pg_collection=None):
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pg_collection.dp_cp_ag = ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
+    return ps.get_pipeline_model_parallel_rank()
+"""
+    assert after(tmp_path, source) == HEAD + """from pgregistry.doors import resolve_megatron_collection
+
+def get_model(pg_collection=None):
+    pg_collection = resolve_megatron_collection(pg_collection, owner="m.get_model", fields=("pp",))
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pg_collection.dp_cp_ag = ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
+    return pg_collection.pp.rank()
+"""
+    assert reasons(tmp_path, source) == [
+        "shim: builds a collection from the globals (remove it once every caller passes one)",
+        "builds the collection: assigns fields of pg_collection (a shim written by hand)",
+    ]
+
+
 def test_a_new_parameter_keeps_the_closing_parenthesis_on_its_own_line(tmp_path: Path) -> None:
     source = HEAD + """
 def f(
