@@ -426,6 +426,13 @@ def mark_megatron_experts(model: nn.Module) -> int:
     Grad statistics then refuse an expert parameter that lost its ``allreduce`` role (a copy that dropped it would
     otherwise count as dense). Shared experts are dense, replicated across EP, and are not marked.
     """
+    import torch
+
+    if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
+        raise TypeError(
+            f"mark_megatron_experts takes the model (an nn.Module), but was given a {type(model).__name__}; "
+            "mark one parameter with pgregistry.params.mark_expert"
+        )
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from pgregistry.params import mark_expert_module

@@ -655,6 +655,13 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
     torchtitan's ``_clip_grad_norm_with_ep`` classifies by whether the parameter's mesh has a dim named "ep".
     Shared experts and the router are dense and are not marked.
     """
+    import torch
+
+    if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
+        raise TypeError(
+            f"mark_torchtitan_experts takes the model (an nn.Module), but was given a {type(model).__name__}; "
+            "mark one parameter with pgregistry.params.mark_expert"
+        )
     from torchtitan.models.common.moe import GroupedExperts
 
     from pgregistry.params import mark_expert, mark_expert_module

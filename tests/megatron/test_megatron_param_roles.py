@@ -40,3 +40,12 @@ def test_copy_param_roles_copies_what_megatrons_helpers_copy() -> None:
     assert {"is_qkv", "qkv_split_shapes", "expert_tp", "allreduce", "is_gtp_weight_remat"} <= megatron
     assert megatron <= ours, sorted(megatron - ours)
     assert "pad_length" in ours  # a GTP shard's padding, which Megatron-Core's checkpointing reads
+
+
+def test_mark_megatron_experts_given_a_parameter_says_to_mark_it_with_mark_expert() -> None:
+    import pytest
+
+    from pgregistry.interop.megatron import mark_megatron_experts
+
+    with pytest.raises(TypeError, match=r"takes the model \(an nn.Module\), but was given a Parameter; .*mark_expert"):
+        mark_megatron_experts(torch.nn.Parameter(torch.zeros(2)))  # type: ignore[arg-type]

@@ -107,3 +107,12 @@ def test_a_span_on_one_rank_is_refused_on_every_rank(results: list[dict[str, str
         assert message == results[0]["one rank's span"], (rank, message)
         assert message.startswith("ValueError: to_parallel_dims: ranks [0] found"), (rank, message)
         assert "the ranks also disagree: 'layout' differs" in message, (rank, message)
+
+
+def test_mark_torchtitan_experts_given_a_parameter_says_to_mark_it_with_mark_expert() -> None:
+    import torch
+
+    from pgregistry.interop.torchtitan import mark_torchtitan_experts
+
+    with pytest.raises(TypeError, match=r"takes the model \(an nn.Module\), but was given a Parameter; .*mark_expert"):
+        mark_torchtitan_experts(torch.nn.Parameter(torch.zeros(2)))  # type: ignore[arg-type]
