@@ -14,15 +14,19 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "CudaAllocationsOnTheCpu",
     "describe_groups",
     "error_of",
     "fake_world",
     "megatron_fields",
     "megatron_initialize",
     "megatron_kwargs",
+    "megatron_tests_groups",
     "require_megatron",
 ]
 
@@ -117,3 +121,28 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class CudaAllocationsOnTheCpu(TorchFunctionMode):
+    """Tensors created with ``device='cuda'`` (Megatron-Core's scalars and buffers) are created on the CPU."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def megatron_tests_groups(dp: int, tp: int) -> dict[str, Any]:
+    """The groups Megatron-LM's test_get_megatron_optimizer_with_custom_process_groups builds from a DeviceMesh
+    (PP 1, ``dp`` x ``tp``), under Megatron-Core's field names: ``expt_dp`` and ``tp_ep_pp`` None, no ``expt_tp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, dp, 1, 1, tp), mesh_dim_names=("pp", "dp", "ep", "cp", "tp"))
+    return {
+        "dp": mesh.get_group("dp"), "dp_cp": mesh["dp", "cp"]._flatten().get_group(),
+        "intra_dist_opt": mesh["dp", "cp"]._flatten().get_group(), "expt_dp": None,
+        "tp": mesh.get_group("tp"), "cp": mesh.get_group("cp"), "pp": mesh.get_group("pp"),
+        "mp": mesh["pp", "tp"]._flatten().get_group(), "tp_ep_pp": None,
+    }

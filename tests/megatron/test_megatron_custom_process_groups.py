@@ -22,8 +22,13 @@ from typing import Any
 
 import pytest
 import torch
-from megatron_support import error_of, megatron_initialize, require_megatron
-from torch.overrides import TorchFunctionMode
+from megatron_support import (
+    CudaAllocationsOnTheCpu,
+    error_of,
+    megatron_initialize,
+    megatron_tests_groups,
+    require_megatron,
+)
 
 require_megatron()
 
@@ -46,17 +51,6 @@ WORLD, TP, DP = 4, 2, 2
 SHAPE = (6, 5)
 
 
-class _CudaAllocationsOnTheCpu(TorchFunctionMode):
-    """Tensors created with ``device='cuda'`` (Megatron-Core's scalars) are created on the CPU."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
 def _grad() -> torch.Tensor:
     """The (DP-reduced) grad of the replicated weight, the same on every rank."""
     generator = torch.Generator().manual_seed(29)
@@ -67,17 +61,6 @@ def _model() -> torch.nn.Module:
     model = torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False)
     model.weight.grad = _grad().to(torch.float32)
     return model
-
-
-def _megatron_tests_groups() -> dict[str, Any]:
-    """The groups of Megatron-LM's test, from a DeviceMesh, under Megatron-Core's field names."""
-    mesh = init_device_mesh("cpu", (1, DP, 1, 1, TP), mesh_dim_names=("pp", "dp", "ep", "cp", "tp"))
-    return {
-        "dp": mesh.get_group("dp"), "dp_cp": mesh["dp", "cp"]._flatten().get_group(),
-        "intra_dist_opt": mesh["dp", "cp"]._flatten().get_group(), "expt_dp": None,
-        "tp": mesh.get_group("tp"), "cp": mesh.get_group("cp"), "pp": mesh.get_group("pp"),
-        "mp": mesh["pp", "tp"]._flatten().get_group(), "tp_ep_pp": None,
-    }
 
 
 def _instance_group() -> Any:
@@ -106,13 +89,13 @@ def _on_rank() -> dict[str, Any]:
     out: dict[str, Any] = {}
     initialize_global_grid(ParallelLayout(num_ranks=WORLD, tp=TP))
     with megatron_initialize({"tp": TP}):
-        groups = _megatron_tests_groups()
+        groups = megatron_tests_groups(DP, TP)
         theirs = MegatronCollection()
         for name, group in groups.items():
             setattr(theirs, name, group)
         model = _model()
         model.ddp_config = DistributedDataParallelConfig()  # type: ignore[assignment]  # what Megatron-Core reads
-        with _CudaAllocationsOnTheCpu():
+        with CudaAllocationsOnTheCpu():
             optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="sgd", lr=0.1), [model], use_gloo_process_groups=False,
                 pg_collection=theirs,

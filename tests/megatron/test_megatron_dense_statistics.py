@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from megatron_support import require_megatron
+from megatron_support import megatron_tests_groups, require_megatron
 
 require_megatron()
 
@@ -66,17 +66,6 @@ def _model(tp_rank: int) -> torch.nn.Module:
     return model
 
 
-def _megatron_tests_groups() -> dict[str, Any]:
-    """The groups of Megatron-LM's test, from a DeviceMesh, under Megatron-Core's field names."""
-    mesh = init_device_mesh("cpu", (1, DP, 1, 1, TP), mesh_dim_names=("pp", "dp", "ep", "cp", "tp"))
-    return {
-        "dp": mesh.get_group("dp"), "dp_cp": mesh["dp", "cp"]._flatten().get_group(),
-        "intra_dist_opt": mesh["dp", "cp"]._flatten().get_group(), "expt_dp": None,
-        "tp": mesh.get_group("tp"), "cp": mesh.get_group("cp"), "pp": mesh.get_group("pp"),
-        "mp": mesh["pp", "tp"]._flatten().get_group(), "tp_ep_pp": None,
-    }
-
-
 def _error_of(call: Any) -> str:
     try:
         call()
@@ -91,7 +80,7 @@ def _on_rank() -> dict[str, Any]:
     warnings.simplefilter("ignore")  # Megatron-Core's notices about optional packages
     warnings.simplefilter("error", ProcessGroupFallbackWarning)  # nothing the model does not need is read
     rank = dist.get_rank()
-    groups = _megatron_tests_groups()
+    groups = megatron_tests_groups(DP, TP)
     mine = ProcessGroupCollection(**groups)
     model = _model(rank % TP)
     out: dict[str, Any] = {
@@ -118,7 +107,7 @@ def _modules_on_rank() -> dict[str, Any]:
 
     warnings.simplefilter("ignore")
     warnings.simplefilter("error", ProcessGroupFallbackWarning)
-    groups = _megatron_tests_groups()
+    groups = megatron_tests_groups(DP, TP)
     model = _model(dist.get_rank() % TP)
     out: dict[str, Any] = {}
     # A MIMO module's collection: Megatron-Core's MIMO optimizer gives intra_dist_opt the module's whole span.

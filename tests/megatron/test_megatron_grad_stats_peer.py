@@ -25,11 +25,9 @@ import warnings
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from fixtures.unsharded_oracle import oracle_norm, oracle_zeros
-from megatron_support import megatron_initialize, require_megatron
-from torch.overrides import TorchFunctionMode
+from megatron_support import CudaAllocationsOnTheCpu, megatron_initialize, require_megatron
 
 require_megatron()
 
@@ -55,17 +53,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 
-class _CudaAllocationsOnTheCpu(TorchFunctionMode):
-    """Tensors created with ``device='cuda'`` (Megatron-Core's scalars and buffers) are created on the CPU."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
 def _both_on_this_rank() -> dict[str, tuple[float, int, float, int]]:
     """Layout name -> (pgregistry's norm and zero count, Megatron-Core's norm and zero count) on this rank."""
     warnings.simplefilter("ignore")  # Megatron-Core's notices about optional packages (Apex, Transformer Engine)
@@ -77,7 +64,7 @@ def _both_on_this_rank() -> dict[str, tuple[float, int, float, int]]:
         try:
             pg = registry.build(layout, name=name)
             ours = float(grad_norm(model, pg)), int(count_zeros(model, pg))
-            with megatron_initialize(sizes), _CudaAllocationsOnTheCpu():
+            with megatron_initialize(sizes), CudaAllocationsOnTheCpu():
                 model.ddp_config = DistributedDataParallelConfig()  # what get_megatron_optimizer reads of a chunk
                 config = OptimizerConfig(optimizer="sgd", lr=0.1, log_num_zeros_in_grad=True)
                 optimizer = get_megatron_optimizer(

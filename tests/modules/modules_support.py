@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from pgregistry._toy_models import model_specs
 from pgregistry.layout import ParallelLayout
 
-__all__ = ["JOBS", "job_grads", "module_grads", "oracle_clip_coeff", "oracle_norm", "oracle_zeros"]
+__all__ = ["JOBS", "error_of", "job_grads", "module_grads", "oracle_clip_coeff", "oracle_norm", "oracle_zeros"]
 
 JOBS: dict[str, dict[str, ParallelLayout]] = {
     # An encoder on ranks 0-3 at DP 4, the language model on ranks 4-7 at TP 2 x PP 2 (MIMO's non-colocated job).
@@ -82,3 +84,13 @@ def oracle_zeros(grads: dict[str, dict[str, torch.Tensor]]) -> int:
 def oracle_clip_coeff(grads: dict[str, dict[str, torch.Tensor]], max_norm: float) -> float:
     """Megatron-Core's clipping coefficient for the job-wide 2-norm: ``max_norm / (norm + 1e-6)``, at most 1."""
     return min(max_norm / (oracle_norm(grads, 2.0) + 1e-6), 1.0)
+
+
+def error_of(call: Callable[[], Any]) -> str:
+    """What ``call`` raised, as ``"Type: message"`` (a ValueError, TypeError or RuntimeError), or ``"no error"``:
+    a rank's outcome as text, so a test can compare every rank's."""
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

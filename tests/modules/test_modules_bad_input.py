@@ -8,11 +8,9 @@ every rank raised, and with the culprit's rank and module named.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch.distributed as dist
-from modules_support import JOBS, job_grads, oracle_norm
+from modules_support import JOBS, error_of, job_grads, oracle_norm
 
 import pgregistry
 from pgregistry import modules as mm
@@ -24,14 +22,6 @@ JOB = JOBS["disjoint"]
 ENCODER, LANGUAGE = JOB["encoder"], JOB["language"]
 
 
-def _error(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _cases() -> dict[str, str]:
     rank = dist.get_rank()
     modules = mm.build_modules(JOB, language_model="language", disjoint=True)
@@ -41,36 +31,36 @@ def _cases() -> dict[str, str]:
     out: dict[str, str] = {}
     # Rank 3 declares the language model one rank lower (ranks 3-6).
     shifted = ParallelLayout(num_ranks=4, tp=2, pp=2, rank_offset=3)
-    out["span"] = _error(lambda: mm.build_modules({
+    out["span"] = error_of(lambda: mm.build_modules({
         "encoder": ENCODER, "language": shifted if rank == 3 else LANGUAGE,
     }))
     # Declared disjoint, but the encoder's five ranks reach into the language model's span.
-    out["overlap"] = _error(lambda: mm.build_modules(
+    out["overlap"] = error_of(lambda: mm.build_modules(
         {"encoder": ParallelLayout(num_ranks=5), "language": LANGUAGE}, disjoint=True
     ))
     # Rank 0 passes a model for the language model, which does not run on it.
-    out["elsewhere"] = _error(lambda: mm.grad_norm({**models, "language": stray} if rank == 0 else models, modules))
+    out["elsewhere"] = error_of(lambda: mm.grad_norm({**models, "language": stray} if rank == 0 else models, modules))
     # Rank 6 passes no model for the language model it runs.
-    out["missing"] = _error(lambda: mm.count_zeros({} if rank == 6 else models, modules))
+    out["missing"] = error_of(lambda: mm.count_zeros({} if rank == 6 else models, modules))
     # Rank 1 names a module the job does not have.
-    out["unknown"] = _error(lambda: mm.clip_grad_norm_({**models, "decoder": stray} if rank == 1 else models, 1.0,
+    out["unknown"] = error_of(lambda: mm.clip_grad_norm_({**models, "decoder": stray} if rank == 1 else models, 1.0,
                                                        modules))
     # Rank 2 holds a collection of the encoder alone (assembled by hand): it lists other modules than its peers.
     partial = mm.MultiModuleCollection({"encoder": modules["encoder"]})
-    out["listed"] = _error(lambda: mm.grad_norm(models, partial if rank == 2 else modules))
+    out["listed"] = error_of(lambda: mm.grad_norm(models, partial if rank == 2 else modules))
     # Rank 5's language model carries the encoder's collection (attached): the module's statistics refuse it.
     if rank == 5:
         pgregistry.attach(models["language"], modules["encoder"])
-    out["attached"] = _error(lambda: mm.grad_norm(models, modules))
+    out["attached"] = error_of(lambda: mm.grad_norm(models, modules))
     if rank == 5:
         pgregistry.attach(models["language"], modules["language"])
     # Rank 7 asks for a norm type that is none.
-    out["norm_type"] = _error(lambda: mm.grad_norm(models, modules, norm_type=-1 if rank == 7 else 2))
-    out["norm_zero"] = _error(lambda: mm.grad_norm(models, modules, norm_type=0))
+    out["norm_type"] = error_of(lambda: mm.grad_norm(models, modules, norm_type=-1 if rank == 7 else 2))
+    out["norm_zero"] = error_of(lambda: mm.grad_norm(models, modules, norm_type=0))
     # A rank outside the language model gives its collection to a single-model consumer: it raises there, and the
     # language model's ranks, which make no such call, are not waiting for it.
     if rank < 4:
-        out["outside"] = _error(lambda: pgregistry.grad_norm(stray, modules["language"]))
+        out["outside"] = error_of(lambda: pgregistry.grad_norm(stray, modules["language"]))
     out["good"] = repr(float(mm.grad_norm(models, modules)))
     return out
 

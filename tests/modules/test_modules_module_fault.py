@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from modules_support import module_grads, oracle_norm
+from modules_support import error_of, module_grads, oracle_norm
 
 from pgregistry import modules as mm
 from pgregistry._toy_models import local_model
@@ -23,14 +23,6 @@ from pgregistry.testing import run_world
 
 JOB = {"a": ParallelLayout(num_ranks=2), "b": ParallelLayout(num_ranks=2, tp=2, rank_offset=2)}
 SPARSE = "is torch.sparse_coo"  # how the module's statistic names a sparse grad it refuses (a TypeError)
-
-
-def _error(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _cases() -> dict[str, Any]:
@@ -44,14 +36,14 @@ def _cases() -> dict[str, Any]:
         param = next(iter(models["b"].parameters()))
         dense = param.grad
         param.grad = dense.to_sparse()
-    out["grad_norm"] = _error(lambda: mm.grad_norm(models, modules))
+    out["grad_norm"] = error_of(lambda: mm.grad_norm(models, modules))
     before = [p.grad.clone() for model in models.values() for p in model.parameters()]
-    out["clip"] = _error(lambda: mm.clip_grad_norm_(models, 1e-3, modules))
+    out["clip"] = error_of(lambda: mm.clip_grad_norm_(models, 1e-3, modules))
     after = [p.grad for model in models.values() for p in model.parameters()]
     out["unscaled"] = all(
         torch.equal(kept.to_dense(), now.to_dense()) for kept, now in zip(before, after, strict=True)
     )
-    out["count_zeros"] = _error(lambda: mm.count_zeros(models, modules))
+    out["count_zeros"] = error_of(lambda: mm.count_zeros(models, modules))
     if "b" in models:
         param.grad = dense
     out["good"] = float(mm.grad_norm(models, modules))
@@ -75,8 +67,8 @@ def _optimizer_cases() -> dict[str, Any]:
 
         chained.get_grad_norm = refuses  # type: ignore[method-assign]
         chained.get_grad_norm_and_zeros = refuses  # type: ignore[method-assign]
-    out["step"] = _error(lambda: optimizer.step(max_norm=1.0, count_zeros=True))
-    out["get_grad_norm"] = _error(lambda: optimizer.get_grad_norm())
+    out["step"] = error_of(lambda: optimizer.step(max_norm=1.0, count_zeros=True))
+    out["get_grad_norm"] = error_of(lambda: optimizer.get_grad_norm())
     now = [p.detach() for model in models.values() for p in model.parameters()]
     out["unstepped"] = all(torch.equal(kept, p) for kept, p in zip(weights, now, strict=True))
     if "b" in models:

@@ -10,11 +10,10 @@ would fail (or the world's short deadline would), and its norm is checked agains
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch.distributed as dist
-from modules_support import module_grads, oracle_norm
+from modules_support import error_of, module_grads, oracle_norm
 
 from pgregistry import modules as mm
 from pgregistry._toy_models import local_model
@@ -24,32 +23,24 @@ from pgregistry.testing import run_world
 JOB = {"a": ParallelLayout(num_ranks=2), "b": ParallelLayout(num_ranks=2, tp=2, rank_offset=2)}
 
 
-def _error(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _cases() -> dict[str, str]:
     rank = dist.get_rank()
     out: dict[str, str] = {}
-    out["pairs"] = _error(lambda: mm.build_modules(list(JOB.items())))  # type: ignore[arg-type]
+    out["pairs"] = error_of(lambda: mm.build_modules(list(JOB.items())))  # type: ignore[arg-type]
     modules = mm.build_modules(JOB)
     models = {name: local_model(JOB[name], rank, module_grads(name))[0] for name in modules.here()}
     # Options bad for module b only, whose ranks are half the world.
-    out["lr_for_b"] = _error(lambda: mm.build_optimizer(models, modules, per_module={"b": {"lr": "x"}}))
-    out["lr_negative"] = _error(lambda: mm.build_optimizer(models, modules, lr=-1.0))
-    out["lr_differs"] = _error(
+    out["lr_for_b"] = error_of(lambda: mm.build_optimizer(models, modules, per_module={"b": {"lr": "x"}}))
+    out["lr_negative"] = error_of(lambda: mm.build_optimizer(models, modules, lr=-1.0))
+    out["lr_differs"] = error_of(
         lambda: mm.build_optimizer(models, modules, per_module={"b": {"lr": 0.1 if rank == 3 else 0.2}})
     )
     optimizer = mm.build_optimizer(models, modules, optimizer="sgd", lr=0.0)
-    out["step_string"] = _error(lambda: optimizer.step(max_norm="1.0" if rank == 1 else 1.0))  # type: ignore[arg-type]
-    out["step_nan"] = _error(lambda: optimizer.step(max_norm=math.nan if rank == 2 else 1.0))
-    out["clip_norm_type"] = _error(lambda: optimizer.clip_grad_norm(1.0, norm_type="2" if rank == 3 else 2.0))
+    out["step_string"] = error_of(lambda: optimizer.step(max_norm="1.0" if rank == 1 else 1.0))  # type: ignore[arg-type]
+    out["step_nan"] = error_of(lambda: optimizer.step(max_norm=math.nan if rank == 2 else 1.0))
+    out["clip_norm_type"] = error_of(lambda: optimizer.clip_grad_norm(1.0, norm_type="2" if rank == 3 else 2.0))
     for label, bad in (("string", "1.0"), ("nan", math.nan), ("negative", -1.0), ("inf", math.inf)):
-        out[f"clip_{label}"] = _error(lambda bad=bad: mm.clip_grad_norm_(models, bad, modules))
+        out[f"clip_{label}"] = error_of(lambda bad=bad: mm.clip_grad_norm_(models, bad, modules))
     out["good"] = repr(optimizer.step(max_norm=1e9)[1])
     return out
 
