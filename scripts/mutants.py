@@ -497,6 +497,17 @@ MUTANTS: tuple[Mutant, ...] = (
             for case in ("extra", "float64", "reshaped", "short")
         ),
     ),
+    Mutant(
+        name="door-at-the-top",
+        bug="migrate resolves the collection at the function's top, so a caller that gave its group still warns",
+        file="pgregistry/allowlist/_migrate_rewrite.py",
+        find="at = max(function.door_at, 1 if body and _docstring(body[0]) else 0)",
+        replace="at = 1 if body and _docstring(body[0]) else 0",
+        tests=(
+            "tests/allowlist/test_migrate.py::"
+            "test_the_door_opens_before_the_first_statement_that_needs_it_so_an_early_return_never_warns",
+        ),
+    ),
 )
 
 

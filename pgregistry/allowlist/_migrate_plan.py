@@ -85,6 +85,11 @@ class Function:
     added: str = ""
     door: list[str] = field(default_factory=list)
     door_name: str = ""
+    #: Top-level statement indexes of its body that name the configured name (read, bound, filled or passed).
+    mentions_at: list[int] = field(default_factory=list)
+    #: The top-level statement of its body the door goes before: the first that reads through it or names the
+    #: collection, so a call that returns earlier (``if tp_group is not None: return ...``) never warns.
+    door_at: int = 0
     #: Index of the module-level statement holding it (the rewrite visits only the statements it changes).
     top: int = 0
     #: Index in the body of the module-level class holding it (-1: not in one).
@@ -356,6 +361,8 @@ class _Locator(cst.CSTVisitor):
     def visit_Name(self, node: cst.Name) -> None:
         if self.current is not None:
             self.current.names.add(node.value)
+            if node.value == self.name:
+                self.current.mentions_at.append(self.statement[-1])
 
     def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
@@ -726,19 +733,27 @@ def _positions(
 
 
 def _doors(reads: Sequence[Read]) -> None:
-    """Open a door (resolve the optional collection once, at the top of the function) where an unguarded read
-    needs it; the guarded reads of that function then read the resolved collection directly."""
+    """Open a door (resolve the optional collection once, before the first top-level statement of the function
+    that reads through it) where an unguarded read needs it; the guarded reads of that function at or after the
+    door then read the resolved collection directly, those before it keep their inline fallback.
+
+    The door goes before the first statement that reads through it or names the collection at all (binds it,
+    fills it, passes it), not at the top: statements run in order, so it precedes every use, and a call that
+    returns before that statement (its caller gave the group) never warns."""
     for read in reads:
         function = read.function
         if read.mode == "door" and function is not None:
             if not isinstance(function.node.body, cst.IndentedBlock):
                 read.mode = "inline"  # a one-line body has no door to open
                 continue
+            first = min([read.statement, *function.mentions_at])
+            function.door_at = min(function.door_at, first) if function.door_name else first
             function.door_name = read.collection
             _need(function, read)
     for read in reads:
         function = read.function
-        if read.mode == "inline" and function is not None and function.door_name == read.collection:
+        if (read.mode == "inline" and function is not None and function.door_name == read.collection
+                and read.statement >= function.door_at):
             read.mode = "direct"
             _need(function, read)
 

@@ -315,7 +315,7 @@ class _Rewriter(cst.CSTTransformer):
             code = self.target.door(function.door_name, _owner(self.plan, function), function.door)
             self.imports += self.target.imports(code)
             body = list(updated.body.body)
-            at = 1 if body and _docstring(body[0]) else 0
+            at = max(function.door_at, 1 if body and _docstring(body[0]) else 0)
             body.insert(at, cst.parse_statement(code))
             updated = updated.with_changes(body=updated.body.with_changes(body=body))
         return updated

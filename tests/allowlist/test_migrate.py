@@ -72,6 +72,35 @@ def f(x, pg_collection=None):
 '''
 
 
+def test_the_door_opens_before_the_first_statement_that_needs_it_so_an_early_return_never_warns(
+    tmp_path: Path,
+) -> None:
+    # Megatron-Core's param_is_not_tensor_parallel_duplicate: a caller that gives tp_group returns before the
+    # global read; a door at the top would warn (an error under -W error) though that caller passed its group.
+    source = HEAD + '''
+def is_not_duplicate(param, tp_group=None):
+    """Doc."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if tp_group is not None:
+        return tp_group.rank() == 0
+    # Fallback to legacy global state.
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_world_size() == 1
+'''
+    assert after(tmp_path, source) == KEPT + '''from pgregistry.doors import resolve_megatron_collection
+
+def is_not_duplicate(param, tp_group=None, *, pg_collection=None):
+    """Doc."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if tp_group is not None:
+        return tp_group.rank() == 0
+    pg_collection = resolve_megatron_collection(pg_collection, owner="m.is_not_duplicate", fields=("tp", "cp"))
+    # Fallback to legacy global state.
+    return pg_collection.tp.rank() == 0 and pg_collection.cp.size() == 1
+'''
+
+
 def test_a_local_above_the_read_is_used_and_one_below_is_a_reason(tmp_path: Path) -> None:
     source = HEAD + """
 def f(build):
