@@ -260,6 +260,8 @@ class _Rewriter(cst.CSTTransformer):
         self.plan = plan
         self.replacements: dict[int, cst.BaseExpression] = {}
         self.imports: list[tuple[str, str]] = []
+        #: How many indented blocks enclose the node being left (the door's indentation).
+        self.depth = 0
         #: Module-level statement -> the members of its class body to walk (None: the whole statement).
         self.touched: dict[int, set[int] | None] = {}
         for top, member in plan.passing_tops:
@@ -291,9 +293,19 @@ class _Rewriter(cst.CSTTransformer):
             return statement
         if members is None or not isinstance(statement, cst.ClassDef):
             return statement.visit(self)
+        self.depth = 1  # a member is visited alone: its class's block is not entered
         body = [s.visit(self) if i in members else s for i, s in enumerate(statement.body.body)]
+        self.depth = 0
         kept = [s for s in body if isinstance(s, cst.CSTNode)]
         return statement.with_changes(body=statement.body.with_changes(body=kept))
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
+        self.depth += 1
+        return True
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        self.depth -= 1
+        return updated
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
@@ -312,7 +324,8 @@ class _Rewriter(cst.CSTTransformer):
             params = _with_parameter(updated.params, function.added)
             updated = updated.with_changes(params=_break_kept(updated.params, params))
         if function.door_name and isinstance(updated.body, cst.IndentedBlock):
-            code = self.target.door(function.door_name, _owner(self.plan, function), function.door)
+            indent = (self.depth + 1) * len(self.plan.wrapper.module.default_indent.expandtabs())
+            code = self.target.door(function.door_name, _owner(self.plan, function), function.door, indent)
             self.imports += self.target.imports(code)
             body = list(updated.body.body)
             at = max(function.door_at, 1 if body and _docstring(body[0]) else 0)
