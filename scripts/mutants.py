@@ -508,6 +508,17 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_door_opens_before_the_first_statement_that_needs_it_so_an_early_return_never_warns",
         ),
     ),
+    Mutant(
+        name="amax-choice-ignored",
+        bug="migrate reads the data-parallel amax group where tp_only_amax_red= picks the tensor-parallel one",
+        file="pgregistry/allowlist/_migrate_plan.py",
+        find="read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field",
+        replace="read.when, read.when_field = cst.Module([]).code_for_node(flag), choice.field",
+        tests=(
+            "tests/allowlist/test_migrate_world.py::"
+            "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
+        ),
+    ),
 )
 
 

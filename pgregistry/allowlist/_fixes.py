@@ -28,7 +28,7 @@ _FIELDS: dict[str, str | None] = {
     "pipeline_model_parallel": "pp",
     "model_parallel": "mp",
     "tensor_and_context_parallel": "tp_cp",
-    "tensor_and_data_parallel": "tp_dp_cp",
+    "tensor_and_data_parallel": None,  # without CP: the collection holds only tp_dp_cp
     "tensor_and_data_parallel_with_cp": "tp_dp_cp",
     "expert_model_parallel": "ep",
     "expert_tensor_parallel": "expt_tp",
@@ -136,6 +136,16 @@ def collection_field(accessor: str, keywords: Mapping[str, object]) -> FieldChoi
 
     A keyword that may pick another group and is not a literal, or one this table does not know, is a reason:
     guessing would change which group the code reads."""
+    if accessor == "get_amax_reduction_group":  # Megatron-Core's: one of four groups, by its two flags
+        keywords = dict(keywords)
+        tp_only = keywords.pop("tp_only_amax_red", False)
+        if not isinstance(tp_only, bool):
+            return FieldChoice(reason="tp_only_amax_red= is not a literal True or False")
+        with_cp = keywords.get("with_context_parallel", False)
+        accessor = ("get_tensor_and_context_parallel_group" if with_cp else "get_tensor_model_parallel_group") \
+            if tp_only else "get_tensor_and_data_parallel_group"
+        if tp_only:
+            keywords.pop("with_context_parallel", None)
     unknown = sorted(set(keywords) - _NEUTRAL_KEYWORDS - {"with_context_parallel", "partial_data_parallel",
                                                           "partial_expert_data_parallel", "with_gtp_remat"})
     if unknown:

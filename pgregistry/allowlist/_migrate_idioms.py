@@ -88,9 +88,9 @@ class Idiom:
         choice = read.choice
         assert choice is not None
         code, operator = self._read(read, choice.field, owner)
-        if read.expert_when:
-            expert, _ = self._read(read, "expt_tp", owner)
-            code, operator = f"{expert} if {read.expert_when} else {code}", True
+        if read.when:
+            other, _ = self._read(read, read.when_field, owner)
+            code, operator = f"{other} if {read.when} else {code}", True
         if read.given:
             code, operator = f"{read.given} if {read.given} is not None else {code}", True
         return code, operator

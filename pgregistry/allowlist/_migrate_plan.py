@@ -120,8 +120,10 @@ class Read:
     collection: str = ""
     #: A fallback helper's argument (``tp_group``), tested for None before the collection is read.
     given: str = ""
-    #: A fallback helper's ``is_expert=`` when it is an expression: the expert field is read when it is true.
-    expert_when: str = ""
+    #: An argument that picks the group when it is an expression (a fallback helper's ``is_expert=``,
+    #: ``get_amax_reduction_group``'s ``tp_only_amax_red=``): field ``when_field`` is read when it is true.
+    when: str = ""
+    when_field: str = ""
     top: int = 0
     member: int = -1
 
@@ -486,7 +488,7 @@ def _function_choice(read: Read) -> FieldChoice:
             flag = next(a.value for a in rest if a.keyword is not None and a.keyword.value == "is_expert")
             if _dotted(flag) is None or axis != "get_tensor_model_parallel_group":
                 return FieldChoice(reason="is_expert= is neither a literal nor a plain name")
-            read.expert_when = cst.Module([]).code_for_node(flag)
+            read.when, read.when_field = cst.Module([]).code_for_node(flag), "expt_tp"
         elif expert:
             if axis != "get_tensor_model_parallel_group":
                 return FieldChoice(reason=f"{accessor}(is_expert=True): no rule says which field it falls back to")
@@ -495,6 +497,15 @@ def _function_choice(read: Read) -> FieldChoice:
     if any(a.keyword is None for a in arguments):
         return FieldChoice(reason="positional or star arguments: which group they pick is not known")
     keywords = {a.keyword.value: _literal(a.value) for a in arguments if a.keyword is not None}
+    if accessor == "get_amax_reduction_group" and keywords.get("tp_only_amax_red") is ...:
+        flag = next(a.value for a in arguments if a.keyword is not None and a.keyword.value == "tp_only_amax_red")
+        if _dotted(flag) is None:
+            return FieldChoice(reason="tp_only_amax_red= is neither a literal nor a plain name")
+        choice = collection_field(accessor, {**keywords, "tp_only_amax_red": False})
+        tp_only = collection_field(accessor, {**keywords, "tp_only_amax_red": True})
+        if not choice.reason and not tp_only.reason:
+            read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field
+        return choice if not tp_only.reason else tp_only
     return collection_field(accessor, keywords)
 
 
@@ -761,7 +772,7 @@ def _doors(reads: Sequence[Read]) -> None:
 def _need(function: Function, read: Read) -> None:
     """Add the fields ``read`` reads to its function's door."""
     assert read.choice is not None
-    for name in (read.choice.field, "expt_tp" if read.expert_when else ""):
+    for name in (read.choice.field, read.when_field if read.when else ""):
         if name and name not in function.door:
             function.door.append(name)
 

@@ -104,6 +104,28 @@ def is_not_duplicate(param, tp_group=None, *, pg_collection=None):
 '''
 
 
+def test_the_amax_group_is_chosen_by_its_flag_and_the_tensor_and_data_group_without_cp_stays(
+    tmp_path: Path,
+) -> None:
+    source = HEAD + """
+def amax(config, pg_collection):
+    return ps.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=config.tp_only_amax_red)
+
+
+def tp_dp(pg_collection):
+    return ps.get_tensor_and_data_parallel_group()
+"""
+    assert after(tmp_path, source) == HEAD + """
+def amax(config, pg_collection):
+    return pg_collection.tp_cp if config.tp_only_amax_red else pg_collection.tp_dp_cp
+
+
+def tp_dp(pg_collection):
+    return ps.get_tensor_and_data_parallel_group()
+"""
+    assert reasons(tmp_path, source) == ["no collection field holds the tensor and data parallel group"]
+
+
 def test_a_local_above_the_read_is_used_and_one_below_is_a_reason(tmp_path: Path) -> None:
     source = HEAD + """
 def f(build):

@@ -53,6 +53,10 @@ SOURCE = textwrap.dedent("""\
 
     def fallback(tp_group=None):
         return get_tensor_model_parallel_group_if_none(tp_group)
+
+
+    def amax(config):
+        return ps.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=config.tp_only)
     """)
 
 
@@ -108,6 +112,15 @@ def _rank(original: str, rewritten: str) -> dict[str, Any]:
                 out["error mode"] = str(error).split(" ", 1)[0]
         out["expected given"] = _plain(parallel_state.get_pipeline_model_parallel_group())
         out["world"] = dist.get_world_size()
+        # The amax group needs data parallelism to tell its two choices apart: TP 2 x DP 2.
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for tp_only in (True, False):
+                config = types.SimpleNamespace(tp_only=tp_only)
+                out[f"old amax {tp_only}"] = _plain(old.amax(config))
+                out[f"new amax {tp_only}"] = _plain(new.amax(config))
         return out
     finally:
         parallel_state.destroy_model_parallel()
@@ -131,3 +144,6 @@ def test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning(t
         assert out["given group"] == out["expected given"]
         assert out["warned"] == ["m.fallback", "m.groups", "m.numbers"]
         assert out["error mode"] == "m.groups"
+        for tp_only in (True, False):
+            assert out[f"new amax {tp_only}"] == out[f"old amax {tp_only}"], (rank, tp_only)
+        assert out["old amax True"] != out["old amax False"]  # the two choices differ, so a swap is seen
