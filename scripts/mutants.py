@@ -519,6 +519,19 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
         ),
     ),
+    Mutant(
+        name="builder-reads-what-it-fills",
+        bug="migrate rewrites a hand-written builder's reads into the fields of the collection it is filling",
+        file="pgregistry/allowlist/_migrate_plan.py",
+        find='read.way, read.mode, read.collection = BUILDER, "direct", function.shim_name',
+        replace='read.way, read.mode, read.collection = BUILDER, "direct", name',
+        tests=(
+            "tests/allowlist/test_migrate_world.py::"
+            "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
+            "tests/allowlist/test_migrate.py::"
+            "test_a_function_that_builds_the_collection_from_the_globals_reads_one_shim_of_its_class",
+        ),
+    ),
 )
 
 

@@ -49,7 +49,10 @@ IN_SCOPE = "in-scope"
 THREADED = "threaded"
 FALLBACK = "fallback"
 LEFT = "left"
-WAYS = (IN_SCOPE, THREADED, FALLBACK)
+#: A read assigned into a field of the collection its function builds by hand: read from one
+#: ``use_mpu_process_groups`` of that class instead (the same groups, one shim in place of many reads).
+BUILDER = "builder"
+WAYS = (IN_SCOPE, THREADED, FALLBACK, BUILDER)
 
 #: Decorators that fix a function's signature or key on its arguments: a new parameter would break them.
 _FIXED_SIGNATURE = ("property", "setter", "getter", "deleter", "jit", "script", "compile", "cache", "lru_cache",
@@ -81,6 +84,12 @@ class Function:
     #: ``<name> = ProcessGroupCollection(...)`` in it: with fields filled, the function builds the collection (from
     #: the globals, a shim written by hand), so none of its reads may go through it.
     constructs: bool = False
+    #: The expression of the class it constructs (``ProcessGroupCollection``), for its builder's shim.
+    builder_class: str = ""
+    #: Set by planning, for a builder: the shim local its fills read, before which statement, and its fields.
+    shim_name: str = ""
+    shim_at: int = 0
+    shim_fields: list[str] = field(default_factory=list)
     #: Set by planning: the parameter this tool adds (its name), and the door's fields.
     added: str = ""
     door: list[str] = field(default_factory=list)
@@ -371,6 +380,7 @@ class _Locator(cst.CSTVisitor):
         if isinstance(target, cst.Name) and function is not None and target.value == self.name:
             if isinstance(value, cst.Call) and _called_name(value) == "ProcessGroupCollection":
                 function.constructs = True
+                function.builder_class = cst.Module([]).code_for_node(value.func)
             if value is not None and isinstance(value, _LITERALS):
                 function.local_other = True
             elif len(self.statement) == 2 and value is not None:
@@ -507,6 +517,29 @@ def _function_choice(read: Read) -> FieldChoice:
             read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field
         return choice if not tp_only.reason else tp_only
     return collection_field(accessor, keywords)
+
+
+def _fills_a_field(function: Function, read: Read, name: str) -> bool:
+    """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds ``<name>`` with
+    ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's ``use_mpu_process_groups``
+    reads the very same group for that field (the door's fallback relies on the same equivalence)."""
+    if not function.constructs or read.choice is None or read.choice.kind != "group" or read.when or read.given:
+        return False
+    body = function.node.body
+    if not isinstance(body, cst.IndentedBlock) or read.statement >= len(body.body):
+        return False
+    statement = body.body[read.statement]
+    if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
+        return False
+    assign = statement.body[0]
+    return (
+        isinstance(assign, cst.Assign)
+        and assign.value is read.call
+        and len(assign.targets) == 1
+        and isinstance(assign.targets[0].target, cst.Attribute)
+        and isinstance(assign.targets[0].target.value, cst.Name)
+        and assign.targets[0].target.value.value == name
+    )
 
 
 def _collection_in_scope(function: Function, statement: int, attributes: Mapping[int, list[tuple[str, int]]],
@@ -654,6 +687,14 @@ def plan_file(
         function = read.function
         assert function is not None
         found = _collection_in_scope(function, read.statement, locator.attributes, name)
+        if isinstance(found, str) and _fills_a_field(function, read, name):
+            if not function.shim_name:
+                function.shim_name, function.shim_at = _free_name(function, "mpu_groups", taken), read.statement
+            assert read.choice is not None
+            if read.choice.field not in function.shim_fields:
+                function.shim_fields.append(read.choice.field)
+            read.way, read.mode, read.collection = BUILDER, "direct", function.shim_name
+            continue
         if isinstance(found, str):
             read.way, read.reason = LEFT, found
             continue

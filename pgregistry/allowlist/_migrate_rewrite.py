@@ -275,7 +275,7 @@ class _Rewriter(cst.CSTTransformer):
                 code = f"({code})"
             self.replacements[id(read.call)] = cst.parse_expression(code)
             self.imports += target.imports(code)
-        self.functions = {id(f.node): f for f in plan.functions if f.added or f.door_name}
+        self.functions = {id(f.node): f for f in plan.functions if f.added or f.door_name or f.shim_name}
         for function in self.functions.values():
             self._touch(function.top, function.member)
 
@@ -323,6 +323,13 @@ class _Rewriter(cst.CSTTransformer):
         if function.added:
             params = _with_parameter(updated.params, function.added)
             updated = updated.with_changes(params=_break_kept(updated.params, params))
+        if function.shim_name and isinstance(updated.body, cst.IndentedBlock):
+            listed = ", ".join(f'"{f}"' for f in function.shim_fields)
+            shim = (f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups(\n"
+                    f"    required_pgs=[{listed}]\n)\n")
+            body = list(updated.body.body)
+            body.insert(function.shim_at, cst.parse_statement(shim))
+            updated = updated.with_changes(body=updated.body.with_changes(body=body))
         if function.door_name and isinstance(updated.body, cst.IndentedBlock):
             indent = (self.depth + 1) * len(self.plan.wrapper.module.default_indent.expandtabs())
             code = self.target.door(function.door_name, _owner(self.plan, function), function.door, indent)

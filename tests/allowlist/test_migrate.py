@@ -480,18 +480,39 @@ def f(pg_collection):
 """
 
 
-def test_a_function_that_builds_the_collection_from_the_globals_is_left(tmp_path: Path) -> None:
+def test_a_function_that_builds_the_collection_from_the_globals_reads_one_shim_of_its_class(tmp_path: Path) -> None:
+    # As Megatron-Core's _build_default_pg_collection / get_default_pg_collection: each field the table names is
+    # read from one use_mpu_process_groups (the same group); a group no field holds stays, with its reason.
     source = HEAD + """
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 def default_collection():
     pg_collection = ProcessGroupCollection()
     pg_collection.tp = ps.get_tensor_model_parallel_group()
+    pg_collection.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    pg_collection.dp = ps.get_data_parallel_group(with_context_parallel=False)
+    pg_collection.expt_dp = ps.get_expert_data_parallel_group(with_gtp_remat=False)
     return pg_collection
 """
-    assert after(tmp_path, source) == textwrap.dedent(source)
+    rewritten = HEAD + """
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+def default_collection():
+    pg_collection = ProcessGroupCollection()
+    mpu_groups = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "dp_cp_gtp_remat", "expt_dp"]
+    )
+    pg_collection.tp = mpu_groups.tp
+    pg_collection.dp_cp = mpu_groups.dp_cp_gtp_remat
+    pg_collection.dp = ps.get_data_parallel_group(with_context_parallel=False)
+    pg_collection.expt_dp = mpu_groups.expt_dp
+    return pg_collection
+"""
+    assert after(tmp_path, source) == rewritten
+    assert after(tmp_path, rewritten) == rewritten  # idempotent
     assert reasons(tmp_path, source) == [
-        "builds the collection: assigns fields of pg_collection (a shim written by hand)"
+        "no collection field holds the data parallel with gtp remat group (with_gtp_remat defaults to True; pass "
+        "with_gtp_remat=False for the replicate group)"
     ]
 
 

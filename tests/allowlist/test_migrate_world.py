@@ -24,6 +24,7 @@ from pgregistry.testing import run_world  # noqa: E402
 SOURCE = textwrap.dedent("""\
     import torch
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 
@@ -53,6 +54,15 @@ SOURCE = textwrap.dedent("""\
 
     def fallback(tp_group=None):
         return get_tensor_model_parallel_group_if_none(tp_group)
+
+
+    def build():
+        pg_collection = ProcessGroupCollection()
+        pg_collection.tp = ps.get_tensor_model_parallel_group()
+        pg_collection.pp = ps.get_pipeline_model_parallel_group()
+        pg_collection.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+        pg_collection.tp_dp_cp = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        return pg_collection
 
 
     def amax(config):
@@ -121,6 +131,9 @@ def _rank(original: str, rewritten: str) -> dict[str, Any]:
                 config = types.SimpleNamespace(tp_only=tp_only)
                 out[f"old amax {tp_only}"] = _plain(old.amax(config))
                 out[f"new amax {tp_only}"] = _plain(new.amax(config))
+            for name, module in (("old", old), ("new", new)):
+                built = module.build()
+                out[f"{name} build"] = _plain((built.tp, built.pp, built.dp_cp, built.tp_dp_cp))
         return out
     finally:
         parallel_state.destroy_model_parallel()
@@ -133,7 +146,7 @@ def test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning(t
     migration = migrate([SourceFile("m.py", path)], PRESETS["megatron"], target="megatron", name="pg_collection")
     assert [read.reason for _, read in migration.reads if read.way == "left"] == []
     rewritten = migration.changes[0].after.decode()
-    assert "ps." not in rewritten and "get_tensor_model_parallel_group_if_none(" not in rewritten  # imports stay
+    assert " ps." not in rewritten and "get_tensor_model_parallel_group_if_none(" not in rewritten  # imports stay
     results = run_world(4, _rank, SOURCE, rewritten, timeout=60)
     for rank, out in enumerate(results):
         assert out["world"] == 4
@@ -147,3 +160,4 @@ def test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning(t
         for tp_only in (True, False):
             assert out[f"new amax {tp_only}"] == out[f"old amax {tp_only}"], (rank, tp_only)
         assert out["old amax True"] != out["old amax False"]  # the two choices differ, so a swap is seen
+        assert out["new build"] == out["old build"], rank
