@@ -47,10 +47,10 @@ class Idiom:
 
     def door(self, name: str, owner: str, fields: list[str], indent: int = 0) -> str:
         """The door's statement; over three lines when, ``indent`` columns in, it would pass :data:`WIDTH`."""
-        line = f"{name} = {self.resolved(name, owner, fields)}\n"
+        call = self.resolved(name, owner, fields)
+        line = f"{name} = {call}\n"
         if indent + len(line) - 1 <= WIDTH:
             return line
-        call = self.resolved(name, owner, fields)
         head, arguments = call.split("(", 1)
         return f"{name} = {head}(\n    {arguments[:-1]}\n)\n"
 
