@@ -532,6 +532,22 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_function_that_builds_the_collection_from_the_globals_reads_one_shim_of_its_class",
         ),
     ),
+    Mutant(
+        name="skeleton-hides-callers",
+        bug="migrate's skeleton stands in for the definitions that call a threaded function, so they never pass it",
+        file="pgregistry/allowlist/_migrate_skeleton.py",
+        find="return bool((calls is not None and calls.search(text)) or (member and name.search(text)))",
+        replace="return bool(member and name.search(text))",
+        tests=("tests/allowlist/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
+    ),
+    Mutant(
+        name="skeleton-placeholders-counted-as-code",
+        bug="migrate counts a touched class's names without its stood-in members, and drops an import they use",
+        file="pgregistry/allowlist/_migrate_rewrite.py",
+        find="after.update(_uses(_restored(plan, plan.wrapper.module.code_for_node(statement))))",
+        replace="after.update(_uses(plan.wrapper.module.code_for_node(statement)))",
+        tests=("tests/allowlist/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
+    ),
 )
 
 

@@ -12,18 +12,21 @@ libcst is imported here and below only, so ``pgregistry`` and the ratchet run wi
 
 from __future__ import annotations
 
+import ast
+import gc
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pgregistry.allowlist._config import ScanConfig
 from pgregistry.allowlist._engine import scan_sources
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._migrate_files import Change
-from pgregistry.allowlist._migrate_idioms import idiom
+from pgregistry.allowlist._migrate_idioms import Idiom, idiom
 from pgregistry.allowlist._migrate_plan import FilePlan, Read, left_by_site, passes, plan_file, visit_mentions
-from pgregistry.allowlist._migrate_rewrite import rewrite
+from pgregistry.allowlist._migrate_rewrite import UnrestorableError, rewrite
+from pgregistry.allowlist._migrate_skeleton import needed_by, skeleton
 from pgregistry.allowlist._scanner import FileResult, ParseFailure, module_name
 
 __all__ = ["Migration", "migrate"]
@@ -49,22 +52,72 @@ def _read(source: SourceFile) -> tuple[bytes, int] | FileResult:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror or error}", 1, 1))
 
 
-def _parse(path: str, data: bytes) -> object:
+@dataclass
+class _Parsed:
+    """A file's libcst tree (of its skeleton, where it has one), its :mod:`ast` tree and the placeholders."""
+
+    tree: object
+    syntax: ast.Module
+    kept: dict[str, str]
+
+
+def _parse(
+    path: str, data: bytes, syntax: ast.Module, needed: Callable[[int, int, bool], bool]
+) -> _Parsed | FileResult:
+    """Parse ``data`` (whose :mod:`ast` tree is ``syntax``) with libcst: its skeleton, each definition that is not
+    ``needed`` stood in for by a placeholder."""
     import libcst as cst
 
+    frame = skeleton(data, syntax, needed)
     try:
-        return cst.parse_module(data)
+        tree = cst.parse_module(frame.data if frame is not None else data)
     except cst.ParserSyntaxError as error:
         return FileResult(path, failure=ParseFailure(f"libcst cannot parse it: {error.message}", error.raw_line,
                                                      error.raw_column + 1))
+    return _Parsed(tree, syntax, frame.decoded(tree.encoding) if frame is not None else {})
+
+
+def _module_functions(syntax: ast.Module) -> set[str]:
+    """The names of the functions defined at module level (in module-level blocks too: ``if``, ``try``)."""
+    names: set[str] = set()
+    stack: list[ast.stmt] = list(syntax.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif not isinstance(node, ast.ClassDef):
+            for value in ast.iter_child_nodes(node):
+                if isinstance(value, ast.stmt):
+                    stack.append(value)
+    return names
+
+
+def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
+    """A call of one of ``names`` (by its plain name, as :func:`passes` resolves it)."""
+    if not names:
+        return None
+    return re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")\s*\(")
 
 
 def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1) -> Migration:
     """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
-    collection's parameter name. ``ValueError`` for an unknown target or a name that is no identifier."""
+    collection's parameter name. ``ValueError`` for an unknown target or a name that is no identifier.
+
+    The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles the run
+    must free, so its collections would only rescan them (a tenth of the time on a large tree)."""
     if not name.isidentifier():
         raise ValueError(f"--collection-name {name!r} is not a Python identifier")
     idiom_ = idiom(target)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _migrate(files, config, idiom_, name, jobs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _migrate(files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int) -> Migration:
     import libcst as cst
 
     read = [(source, _read(source)) for source in files]
@@ -76,33 +129,45 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
     plans: dict[str, FilePlan] = {}
     #: Files whose reads all stay for reasons their sites give: not parsed with libcst (unless called into).
     left: dict[str, list[Read]] = {}
+    planned = []
     for result in report.results:
         reads = left_by_site(result.sites) if result.sites else None
         if reads is not None:
             left[result.path] = reads
         elif result.sites:
-            source, (data, _) = contents[result.path]
-            tree = _parse(result.path, data)
-            if isinstance(tree, FileResult):
-                outcome.failures.append(tree)
-                continue
-            assert isinstance(tree, cst.Module)
-            plans[result.path] = plan_file(
-                result.path, ".".join(module_name(result.path)), tree, result.sites, name, data
-            )
+            planned.append(result)
+    named = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
+    # Any module-level function holding a read may be threaded: the definitions that call one are parsed too,
+    # so that once the threaded ones are known their callers can pass the collection (see visit_mentions).
+    syntaxes = {r.path: ast.parse(contents[r.path][1][0]) for r in planned}
+    may_thread = _calls_of(set().union(*(
+        _module_functions(syntaxes[r.path]) & {s.scope.partition(".")[0] for s in r.sites} for r in planned)))
+    for result in planned:
+        source, (data, _) = contents[result.path]
+        lines = {site.line for site in result.sites}
+        parsed = _parse(result.path, data, syntaxes[result.path], needed_by(data, lines, may_thread, named))
+        if isinstance(parsed, FileResult):
+            outcome.failures.append(parsed)
+            continue
+        assert isinstance(parsed.tree, cst.Module)
+        plans[result.path] = plan_file(result.path, ".".join(module_name(result.path)), parsed.tree, result.sites,
+                                       name, data, parsed.syntax)
+        plans[result.path].kept = parsed.kept
     if outcome.failures:
         return outcome
-    threaded = {  # only module-level functions are passed a collection (a method may be overridden elsewhere)
+    mention = _calls_of({  # only module-level functions are passed a collection (a method may be overridden)
         f.node.name.value for plan in plans.values() for f in plan.functions
         if f.added and f.parent is None and f.method_of is None
-    }
-    if threaded:
-        mention = re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(threaded)) + rb")\s*\(")
+    })
+    if mention is not None:
         for path, (_, (data, _)) in contents.items():
             if path not in plans and mention.search(data):
-                tree = _parse(path, data)
-                if isinstance(tree, cst.Module):  # a file only read for its calls is passed over if libcst balks
-                    plans[path] = plan_file(path, ".".join(module_name(path)), tree, (), name, data)
+                parsed = _parse(path, data, ast.parse(data), needed_by(data, set(), mention, named))
+                if not isinstance(parsed, FileResult):  # a file only read for its calls is passed over if libcst balks
+                    assert isinstance(parsed.tree, cst.Module)
+                    plans[path] = plan_file(path, ".".join(module_name(path)), parsed.tree, (), name, data,
+                                            parsed.syntax)
+                    plans[path].kept = parsed.kept
         for plan in plans.values():
             visit_mentions(plan, mention)
     ordered = [plans[path] for path in sorted(plans)]
@@ -114,7 +179,12 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
     for plan in ordered:
         outcome.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
         source, (data, mtime) = contents[plan.path]
-        text = rewrite(plan, idiom_, modules)
+        try:
+            text = rewrite(plan, idiom_, modules)
+        except UnrestorableError as error:  # a bug of this tool: refuse the run rather than write a mix
+            outcome.failures.append(FileResult(plan.path, failure=ParseFailure(
+                f"internal error: {error}; please report it", 1, 1)))
+            continue
         after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         if after == data:
             continue

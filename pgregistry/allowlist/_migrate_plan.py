@@ -172,6 +172,10 @@ class FilePlan:
     locator: _Locator | None = None
     #: Where such calls are: (module-level statement, member of its class body or -1).
     passing_tops: set[tuple[int, int]] = field(default_factory=set)
+    #: The :mod:`ast` statements of each module-level statement (where the names it reads are counted).
+    statements: list[list[ast.stmt]] = field(default_factory=list)
+    #: When the tree is a skeleton: each placeholder's text and the original text it stands for.
+    kept: dict[str, str] = field(default_factory=dict)
 
 
 def _dotted(node: cst.BaseExpression) -> list[str] | None:
@@ -620,18 +624,23 @@ def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
 
 
 def plan_file(
-    path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None
+    path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None,
+    syntax: ast.Module | None = None,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
-    :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code)."""
+    :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
+    and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
+    (:mod:`~pgregistry.allowlist._migrate_skeleton`): a placeholder is never walked, its definition's name is
+    taken from ``syntax``."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
-    spans, statements = _spans(source.body, ast.parse(data).body)
+    spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
     lines = {site.line for site in sites}
     wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
     call_lines = {site.line for site in sites if site.form == CALL}
     locator = _Locator(sites, name)
     locator.wanted = wanted
+    _skip_placeholders(locator, source.body, statements)
     pattern = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
     starts = _line_starts(data)
     for i in wanted:
@@ -653,6 +662,7 @@ def plan_file(
     if locator.mismatch or any(locator.met.get(unit, 0) != len(o) for unit, o in locator.order.items()):
         locator = _Locator(sites, name)  # the ast's calls are not the tree's: libcst's own positions, slowly
         locator.wanted = wanted
+        _skip_placeholders(locator, source.body, statements)
         locator.positions = _positions(source, spans, call_lines)
         source.visit(locator)
     reads = list(locator.reads)
@@ -719,7 +729,18 @@ def plan_file(
             read.way = IN_SCOPE
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
-                    locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator)
+                    locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator,
+                    statements=statements)
+
+
+def _skip_placeholders(locator: _Locator, body: Sequence[cst.BaseStatement], statements: list[list[ast.stmt]]) -> None:
+    """Mark the placeholders of a skeleton walked (there is nothing in them), naming their definitions."""
+    for index, (statement, group) in enumerate(zip(body, statements, strict=True)):
+        node = group[0]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not isinstance(
+                statement, (cst.FunctionDef, cst.ClassDef)):
+            locator.visited.add(index)
+            locator.top_level[node.name] = "class" if isinstance(node, ast.ClassDef) else "function"
 
 
 def _spans(

@@ -13,26 +13,33 @@ from __future__ import annotations
 import ast
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import libcst as cst
 
 from pgregistry.allowlist._migrate_idioms import Idiom
 from pgregistry.allowlist._migrate_plan import LEFT, FilePlan, Function
+from pgregistry.allowlist._migrate_skeleton import restore
 
-__all__ = ["rewrite"]
+__all__ = ["UnrestorableError", "rewrite"]
 
 _NO_SPACE = cst.SimpleWhitespace("")
 
 
-def _uses(code: str | bytes) -> Counter[str]:
-    """How often each name is read outside import statements (``x.name`` reads x only). Through :mod:`ast`, many
-    times faster than a libcst walk, since only names count."""
+def _names(nodes: Iterable[ast.AST]) -> Counter[str]:
+    """How often each name is read in ``nodes`` outside import statements (``x.name`` reads x only)."""
     count: Counter[str] = Counter()
-    for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.Name):
-            count[node.id] += 1
+    for root in nodes:
+        for node in ast.walk(root):
+            if isinstance(node, ast.Name):
+                count[node.id] += 1
     return count
+
+
+def _uses(code: str | bytes) -> Counter[str]:
+    """:func:`_names` of ``code``. Through :mod:`ast`, many times faster than a libcst walk, since only names
+    count."""
+    return _names([ast.parse(code)])
 
 
 def _bound(alias: cst.ImportAlias) -> str:
@@ -385,19 +392,30 @@ def _uses_after(
 ) -> Counter[str] | None:
     """The names' uses in the new text without rendering it whole: the file's, less those of the module-level
     statements the rewrite changed, plus those of their new code. None when one does not parse alone."""
-    assert plan.data is not None
-    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
     after = Counter(before)
     try:
         for index in touched:
-            start, end = plan.spans[index]
-            after.subtract(_uses(plan.data[starts[start - 1]: starts[end] if end < len(starts) else None]))
+            after.subtract(_names(plan.statements[index]))
             statement = body[index]
             if isinstance(statement, cst.CSTNode):
-                after.update(_uses(plan.wrapper.module.code_for_node(statement)))
+                after.update(_uses(_restored(plan, plan.wrapper.module.code_for_node(statement))))
     except (SyntaxError, ValueError):
         return None
     return after
+
+
+class UnrestorableError(RuntimeError):
+    """A placeholder of the skeleton occurs twice in the rewritten text: a bug of this tool."""
+
+
+def _restored(plan: FilePlan, text: str) -> str:
+    """``text`` with the skeleton's placeholders it holds replaced by their original text."""
+    if not plan.kept:
+        return text
+    restored = restore(text, plan.kept)
+    if restored is None:
+        raise UnrestorableError(f"{plan.path}: a placeholder occurs twice in the rewritten text")
+    return restored
 
 
 def _owner(plan: FilePlan, function: Function) -> str:
@@ -412,18 +430,18 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
     if not rewriter.replacements and not plan.passes and not rewriter.functions:
         return None
     data = plan.data if plan.data is not None else module.bytes
-    before = _uses(data)
+    before = _names(n for group in plan.statements for n in group) if plan.statements else _uses(data)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
-    after = _uses_after(plan, before, body, sorted(rewriter.touched)) if plan.spans else None
+    after = _uses_after(plan, before, body, sorted(rewriter.touched)) if plan.statements else None
     if after is None:  # no spans, or a statement that does not parse alone: the whole new text
-        after = _uses(changed.code)
+        after = _uses(_restored(plan, changed.code))
     unused = {name for name, count in before.items() if count and after[name] <= 0}
     if not unused:
-        return changed.code
+        return _restored(plan, changed.code)
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
     # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
     prune = _Prune(unused, plan.module, plan.package, modules)
@@ -447,4 +465,4 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
         if isinstance(visited, cst.BaseStatement):
             prune.note(visited)
             pruned.append(visited)
-    return changed.with_changes(body=pruned).code
+    return _restored(plan, changed.with_changes(body=pruned).code)

@@ -1,0 +1,195 @@
+"""``migrate`` parses a skeleton of each file: the definitions no rewrite touches stood in for by placeholders.
+
+The oracle is the whole file: the skeleton's rewrite must be the whole file's, byte for byte, and a skeleton
+put back untouched must be the file again."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+cst = pytest.importorskip("libcst")
+
+from pgregistry.allowlist import _migrate  # noqa: E402
+from pgregistry.allowlist._config import PRESETS  # noqa: E402
+from pgregistry.allowlist._files import SourceFile  # noqa: E402
+from pgregistry.allowlist._migrate import migrate  # noqa: E402
+from pgregistry.allowlist._migrate_skeleton import restore, skeleton  # noqa: E402
+
+#: A module with every kind of definition around the reads: decorated, one-line, async, nested classes,
+#: members with and without reads, a method that binds ``self.pg_collection`` and callers of threaded functions.
+A = '''\
+"""Module doc."""
+import functools
+import operator
+
+from megatron.core import parallel_state as ps
+
+
+@functools.lru_cache(maxsize=None)
+def cached():  # a comment on the def line
+    return 1
+
+
+def one_line(): return 2
+
+
+async def fetch(x):
+    # a comment inside
+    return x
+
+
+def reduce(x):
+    group = ps.get_tensor_model_parallel_group()
+    return x, group
+
+
+def calls_reduce(x):
+    return reduce(x)
+
+
+class Model:
+    """Class doc."""
+
+    size = 3
+
+    def __init__(self, pg_collection):
+        self.pg_collection = pg_collection
+
+    @property
+    def untouched(self):
+        return operator.add(1, 2)  # operator is read here only
+
+    def reads(self):
+        return ps.get_data_parallel_world_size()
+
+    def passes(self, x):
+        return reduce(x)
+
+    class Inner:
+        def deep(self):
+            return 0
+
+
+class Unrelated:
+    def method(self):
+        return 4
+'''
+
+#: A module without reads that calls a threaded function from a function, a method and one of the others.
+B = '''\
+from pkg.a import reduce
+
+
+def caller(x, pg_collection=None):
+    return reduce(x)
+
+
+def bystander():
+    return 5
+
+
+class Holder:
+    def __init__(self, pg_collection):
+        self.pg_collection = pg_collection
+
+    def step(self, x):
+        return reduce(x)
+
+    def other(self):
+        return 6
+'''
+
+
+def _run(tmp_path: Path, files: dict[str, bytes]) -> _migrate.Migration:
+    sources = []
+    for path, data in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+        sources.append(SourceFile(path, tmp_path / path))
+    return migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection")
+
+
+def _outcome(migration: _migrate.Migration) -> tuple[object, ...]:
+    return (
+        sorted((c.path, c.after) for c in migration.changes),
+        [(path, read.site.line, read.way, read.mode, read.reason) for path, read in migration.reads],
+        migration.passed,
+        migration.threaded,
+        migration.failures,
+    )
+
+
+def _variants() -> dict[str, dict[str, bytes]]:
+    tabbed = A.replace("    ", "\t")
+    return {
+        "spaces": {"pkg/a.py": A.encode(), "pkg/b.py": B.encode()},
+        "crlf": {"pkg/a.py": A.replace("\n", "\r\n").encode(), "pkg/b.py": B.replace("\n", "\r\n").encode()},
+        "tabs": {"pkg/a.py": tabbed.encode(), "pkg/b.py": B.replace("    ", "\t").encode()},
+        "latin-1": {"pkg/a.py": ("# -*- coding: latin-1 -*-\n# caf\u00e9\n" + A).encode("latin-1"),
+                    "pkg/b.py": B.encode()},
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(_variants()))
+def test_the_skeletons_rewrite_is_the_whole_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str
+) -> None:
+    files = _variants()[variant]
+    made: list[object] = []
+    real = _migrate.skeleton
+
+    def counted(*args: object) -> object:
+        frame = real(*args)  # type: ignore[arg-type]
+        made.append(frame)
+        return frame
+
+    monkeypatch.setattr(_migrate, "skeleton", counted)
+    with_skeletons = _outcome(_run(tmp_path / "skeleton", files))
+    assert any(frame is not None for frame in made)  # the fixture does exercise placeholders
+    monkeypatch.setattr(_migrate, "skeleton", lambda *args: None)
+    whole = _outcome(_run(tmp_path / "whole", files))
+    assert with_skeletons == whole
+    changes, _, passed, threaded, failures = whole
+    assert not failures and passed == 3 and threaded == ["pkg/a.py: reduce"]
+    assert [path for path, _ in changes] == ["pkg/a.py", "pkg/b.py"]  # type: ignore[union-attr]
+
+
+def _placeholders(data: bytes, needed: object) -> tuple[bytes, dict[str, str]]:
+    frame = skeleton(data, ast.parse(data), needed)  # type: ignore[arg-type]
+    assert frame is not None
+    return frame.data, frame.decoded("utf-8")
+
+
+@pytest.mark.parametrize("members", [False, True])
+def test_a_skeleton_keeps_every_line_number_parses_and_puts_back_the_file(members: bool) -> None:
+    data = A.replace("\n", "\r\n").encode() + b"x = 1"  # no newline at the end
+    # members=True: keep the module-level definitions, stand in for every member.
+    text, kept = _placeholders(data, lambda start, end, member: members and not member)
+    assert text.count(b"\n") == data.count(b"\n")
+    assert ast.dump(ast.parse(text).body[2]) == ast.dump(ast.parse(data).body[2])  # not a definition: as it was
+    module = cst.parse_module(text)
+    assert restore(module.code, kept) == data.decode()
+    left = {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.ClassDef,
+                                                                        ast.AsyncFunctionDef))}
+    assert left == ({"cached", "one_line", "fetch", "reduce", "calls_reduce", "Model", "Unrelated"} if members
+                    else set())
+    assert len(kept) == (6 if members else 7)  # the members of Model (Inner.deep goes with Inner) and Unrelated
+
+
+def test_a_file_that_holds_the_placeholders_prefix_is_parsed_whole() -> None:
+    data = textwrap.dedent("""
+        _pgregistry_kept_0 = 1
+        def f():
+            return 1
+    """).encode()
+    assert skeleton(data, ast.parse(data), lambda *_: False) is None
+
+
+def test_a_placeholder_found_twice_is_not_put_back() -> None:
+    data = b"def f():\n    return 1\n"
+    text, kept = _placeholders(data, lambda *_: False)
+    assert restore(text.decode() * 2, kept) is None
