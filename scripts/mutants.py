@@ -544,9 +544,26 @@ MUTANTS: tuple[Mutant, ...] = (
         name="skeleton-placeholders-counted-as-code",
         bug="migrate counts a touched class's names without its stood-in members, and drops an import they use",
         file="pgregistry/allowlist/_migrate_rewrite.py",
-        find="after.update(_uses(_restored(plan, plan.wrapper.module.code_for_node(statement))))",
-        replace="after.update(_uses(plan.wrapper.module.code_for_node(statement)))",
+        find="new.update(_uses(_restored(plan, render.statement(statement))))",
+        replace="new.update(_uses(render.statement(statement)))",
         tests=("tests/allowlist/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
+    ),
+    Mutant(
+        name="split-run-knows-one-share",
+        bug="migrate split across processes tells each worker only the first worker's threaded functions",
+        file="pgregistry/allowlist/_migrate.py",
+        find="threaded: Threaded = {key: value for first in firsts for key, value in first.threaded.items()}",
+        replace="threaded: Threaded = dict(firsts[0].threaded)",
+        tests=("tests/allowlist/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
+    ),
+    Mutant(
+        name="unused-import-by-ascii-text",
+        bug="migrate drops an import still read in an untouched function that spells it with a normalised letter",
+        file="pgregistry/allowlist/_migrate_rewrite.py",
+        find="if word.search(text) or not text.isascii()]",
+        replace="if word.search(text)]",
+        tests=("tests/allowlist/test_migrate.py::"
+               "test_an_import_the_rewrite_stops_reading_stays_while_another_function_reads_it",),
     ),
 )
 

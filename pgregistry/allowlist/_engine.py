@@ -28,7 +28,7 @@ from pgregistry.allowlist._config import ScanConfig
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
 
-__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "default_jobs", "scan_files", "scan_sources"]
+__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "can_fork", "default_jobs", "scan_files", "scan_sources"]
 
 #: Below this many bytes to parse, forking costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -57,7 +57,8 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _can_fork() -> bool:
+def can_fork() -> bool:
+    """Whether work may be split into forked children: ``fork`` exists and no other thread could hold a lock."""
     return hasattr(os, "fork") and threading.active_count() == 1
 
 
@@ -172,7 +173,7 @@ def scan_sources(
     gc.disable()
     try:
         work = min(jobs, len(items))
-        if work > 1 and sum(len(data) for _, data in items) >= PARALLEL_MIN_BYTES and _can_fork():
+        if work > 1 and sum(len(data) for _, data in items) >= PARALLEL_MIN_BYTES and can_fork():
             scanned, processes = _scan_parallel(items, config, work)
         else:
             scanned = _scan_bucket(items, config)

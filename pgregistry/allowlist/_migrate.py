@@ -6,6 +6,9 @@
 4. Rewrite (:mod:`~pgregistry.allowlist._migrate_rewrite`) and check that each new text still compiles: a
    rewrite that would not is refused, never written.
 
+Steps 2 to 4 are split by file across the cores (:mod:`~pgregistry.allowlist._phases`), with one exchange
+after step 2: which functions were threaded. The result does not depend on the split.
+
 Nothing here writes: :mod:`~pgregistry.allowlist._migrate_files` does, once every file has been planned.
 libcst is imported here and below only, so ``pgregistry`` and the ratchet run without it.
 """
@@ -16,18 +19,29 @@ import ast
 import gc
 import os
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._engine import scan_sources
+from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, can_fork, scan_sources
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._migrate_files import Change
 from pgregistry.allowlist._migrate_idioms import Idiom, idiom
-from pgregistry.allowlist._migrate_plan import FilePlan, Read, left_by_site, passes, plan_file, visit_mentions
+from pgregistry.allowlist._migrate_plan import (
+    LEFT,
+    FilePlan,
+    Read,
+    left_by_site,
+    passes,
+    plan_file,
+    threaded_functions,
+    visit_mentions,
+)
 from pgregistry.allowlist._migrate_rewrite import UnrestorableError, rewrite
 from pgregistry.allowlist._migrate_skeleton import needed_by, skeleton
-from pgregistry.allowlist._scanner import FileResult, ParseFailure, module_name
+from pgregistry.allowlist._phases import two_phases
+from pgregistry.allowlist._scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 
 __all__ = ["Migration", "migrate"]
 
@@ -77,21 +91,6 @@ def _parse(
     return _Parsed(tree, syntax, frame.decoded(tree.encoding) if frame is not None else {})
 
 
-def _module_functions(syntax: ast.Module) -> set[str]:
-    """The names of the functions defined at module level (in module-level blocks too: ``if``, ``try``)."""
-    names: set[str] = set()
-    stack: list[ast.stmt] = list(syntax.body)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-        elif not isinstance(node, ast.ClassDef):
-            for value in ast.iter_child_nodes(node):
-                if isinstance(value, ast.stmt):
-                    stack.append(value)
-    return names
-
-
 def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
     """A call of one of ``names`` (by its plain name, as :func:`passes` resolves it)."""
     if not names:
@@ -117,16 +116,156 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
             gc.enable()
 
 
-def _migrate(files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int) -> Migration:
-    import libcst as cst
+#: Threaded module-level functions: (module, name) -> the parameter that was added.
+Threaded = dict[tuple[str, str], str]
 
+
+@dataclass
+class _Planned:
+    """A worker's first phase: the files it could not parse, and the functions it threaded."""
+
+    failures: list[FileResult]
+    threaded: Threaded
+    #: The bytes of the statements its rewrites will walk: what the second phase's time grows with.
+    load: int
+
+
+@dataclass
+class _Finish:
+    """A worker's second phase: every threaded function, and the files without reads it plans for their calls."""
+
+    threaded: Threaded
+    callers: list[str]
+
+
+@dataclass
+class _Done:
+    """A worker's second phase done: its files' rewritten bytes, reads (without their tree nodes), the functions
+    threaded, the calls that now pass a collection, and the files whose rewrite failed (this tool's bugs)."""
+
+    changes: list[tuple[str, bytes]]
+    reads: list[tuple[str, Read]]
+    threaded: list[str]
+    passed: int
+    failures: list[FileResult]
+
+
+@dataclass
+class _Worker:
+    """Plans, then rewrites, one share of the files with reads (see :mod:`~pgregistry.allowlist._phases`)."""
+
+    files: list[tuple[str, bytes, tuple[Site, ...]]]
+    contents: Mapping[str, bytes]
+    may_thread: re.Pattern[bytes] | None
+    name: str
+    idiom: Idiom
+    modules: frozenset[str]
+    plans: dict[str, FilePlan] = field(default_factory=dict)
+
+    def _plan(
+        self, path: str, data: bytes, sites: Sequence[Site], calls: re.Pattern[bytes] | None
+    ) -> FileResult | None:
+        import libcst as cst
+
+        named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
+        parsed = _parse(path, data, ast.parse(data), needed_by(data, {s.line for s in sites}, calls, named))
+        if isinstance(parsed, FileResult):
+            return parsed
+        assert isinstance(parsed.tree, cst.Module)
+        plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, parsed.syntax)
+        plan.kept = parsed.kept
+        self.plans[path] = plan
+        return None
+
+    def first(self) -> _Planned:
+        failures = [f for path, data, sites in self.files if (f := self._plan(path, data, sites, self.may_thread))]
+        return _Planned(failures, threaded_functions(self.plans.values()), sum(map(_walked, self.plans.values())))
+
+    def second(self, instruction: _Finish) -> _Done:
+        mention = _calls_of({function for _, function in instruction.threaded})
+        for path in instruction.callers:  # a file only read for its calls is passed over if libcst balks
+            assert mention is not None
+            self._plan(path, self.contents[path], (), mention)
+        ordered = [self.plans[path] for path in sorted(self.plans)]
+        if mention is not None:
+            for plan in ordered:
+                visit_mentions(plan, mention)
+        done = _Done([], [], [], passes(ordered, self.name, instruction.threaded), [])
+        for plan in ordered:
+            done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
+            done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
+            result = self._rewrite(plan)
+            if isinstance(result, FileResult):
+                done.failures.append(result)
+            elif result is not None:
+                done.changes.append((plan.path, result))
+        return done
+
+    def _rewrite(self, plan: FilePlan) -> bytes | FileResult | None:
+        """The file's new bytes (None: unchanged), checked to compile."""
+        data = self.contents[plan.path]
+        try:
+            text = rewrite(plan, self.idiom, self.modules)
+        except UnrestorableError as error:  # a bug of this tool: refuse the run rather than write a mix
+            return FileResult(plan.path, failure=ParseFailure(f"internal error: {error}; please report it", 1, 1))
+        after = text.encode(plan.wrapper.module.encoding) if text is not None else data
+        if after == data:
+            return None
+        try:
+            compile(after, plan.path, "exec", dont_inherit=True)
+        except SyntaxError as error:  # a bug of this tool: refuse the whole run rather than write broken code
+            message = f"internal error: the rewrite would not compile ({error.msg}); please report it"
+            return FileResult(plan.path, failure=ParseFailure(message, error.lineno or 1, 1))
+        return after
+
+
+def _walked(plan: FilePlan) -> int:
+    """The bytes of the module-level statements (of a class walked member by member: the members) that hold a
+    read to rewrite or a function that changes."""
+    units = {(r.top, r.member) for r in plan.reads if r.way != LEFT and r.call is not None}
+    units |= {(f.top, f.member) for f in plan.functions if f.added or f.door_name or f.shim_name}
+    assert plan.data is not None and plan.locator is not None
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    total = 0
+    for top, member in units:
+        members = plan.locator.member_spans.get(top)
+        start, end = members[member] if members is not None and member >= 0 else plan.spans[top]
+        total += (starts[end] if end < len(starts) else len(plan.data)) - starts[start - 1]
+    return total
+
+
+def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> re.Pattern[bytes] | None:
+    """A call of any function that may be threaded: a read's enclosing scope whose head some ``def`` names
+    (a superset of the module-level functions with reads; the definitions it matches are parsed, not stood in
+    for, so that once the threaded ones are known their callers can pass the collection)."""
+    names = set()
+    for result in planned:
+        heads = {s.scope.partition(".")[0] for s in result.sites if s.scope != MODULE_SCOPE}
+        data = contents[result.path]
+        names |= {h for h in heads if re.search(rb"^[ \t]*(?:async[ \t]+)?def[ \t]+" + re.escape(h.encode())
+                                                 + rb"\b", data, re.M)}
+    return _calls_of(names)
+
+
+def _shares(count: int, sizes: Sequence[int], loads: Sequence[int] | None = None) -> list[list[int]]:
+    """Indexes split into ``count`` lists of near-equal total size, each starting from ``loads``."""
+    totals = list(loads or [0] * count)
+    shares: list[list[int]] = [[] for _ in range(count)]
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        lightest = totals.index(min(totals))
+        shares[lightest].append(index)
+        totals[lightest] += sizes[index]
+    return shares
+
+
+def _migrate(files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int) -> Migration:
     read = [(source, _read(source)) for source in files]
     report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
     outcome = Migration(failures=list(report.failures))
     if outcome.failures:
         return outcome
-    contents = {source.path: (source, data) for source, data in read if not isinstance(data, FileResult)}
-    plans: dict[str, FilePlan] = {}
+    sources = {source.path: (source, data) for source, data in read if not isinstance(data, FileResult)}
+    contents = {path: data for path, (_, (data, _)) in sources.items()}
     #: Files whose reads all stay for reasons their sites give: not parsed with libcst (unless called into).
     left: dict[str, list[Read]] = {}
     planned = []
@@ -136,63 +275,47 @@ def _migrate(files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, nam
             left[result.path] = reads
         elif result.sites:
             planned.append(result)
-    named = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
-    # Any module-level function holding a read may be threaded: the definitions that call one are parsed too,
-    # so that once the threaded ones are known their callers can pass the collection (see visit_mentions).
-    syntaxes = {r.path: ast.parse(contents[r.path][1][0]) for r in planned}
-    may_thread = _calls_of(set().union(*(
-        _module_functions(syntaxes[r.path]) & {s.scope.partition(".")[0] for s in r.sites} for r in planned)))
-    for result in planned:
-        source, (data, _) = contents[result.path]
-        lines = {site.line for site in result.sites}
-        parsed = _parse(result.path, data, syntaxes[result.path], needed_by(data, lines, may_thread, named))
-        if isinstance(parsed, FileResult):
-            outcome.failures.append(parsed)
-            continue
-        assert isinstance(parsed.tree, cst.Module)
-        plans[result.path] = plan_file(result.path, ".".join(module_name(result.path)), parsed.tree, result.sites,
-                                       name, data, parsed.syntax)
-        plans[result.path].kept = parsed.kept
-    if outcome.failures:
-        return outcome
-    mention = _calls_of({  # only module-level functions are passed a collection (a method may be overridden)
-        f.node.name.value for plan in plans.values() for f in plan.functions
-        if f.added and f.parent is None and f.method_of is None
-    })
-    if mention is not None:
-        for path, (_, (data, _)) in contents.items():
-            if path not in plans and mention.search(data):
-                parsed = _parse(path, data, ast.parse(data), needed_by(data, set(), mention, named))
-                if not isinstance(parsed, FileResult):  # a file only read for its calls is passed over if libcst balks
-                    assert isinstance(parsed.tree, cst.Module)
-                    plans[path] = plan_file(path, ".".join(module_name(path)), parsed.tree, (), name, data,
-                                            parsed.syntax)
-                    plans[path].kept = parsed.kept
-        for plan in plans.values():
-            visit_mentions(plan, mention)
-    ordered = [plans[path] for path in sorted(plans)]
+    size = sum(len(contents[r.path]) for r in planned)
+    count = max(1, min(jobs, len(planned)))
+    fork = count > 1 and size >= PARALLEL_MIN_BYTES and can_fork()
+    shares = _shares(count if fork else 1, [len(contents[r.path]) for r in planned])
+    may_thread = _may_thread(planned, contents)
     modules = frozenset(".".join(module_name(source.path)) for source in files)
-    outcome.passed = passes(ordered, name)
-    every = {**{plan.path: plan.reads for plan in ordered}, **left}
+    makers = [
+        partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], contents,
+                may_thread, name, idiom_, modules)
+        for share in shares
+    ]
+
+    def between(firsts: list[_Planned]) -> list[_Finish] | None:
+        outcome.failures += sorted((f for first in firsts for f in first.failures), key=lambda f: f.path)
+        if outcome.failures:
+            return None
+        threaded: Threaded = {key: value for first in firsts for key, value in first.threaded.items()}
+        mention = _calls_of({function for _, function in threaded})
+        with_reads = {r.path for r in planned}
+        callers = [path for path, data in contents.items()
+                   if mention is not None and path not in with_reads and mention.search(data)]
+        loads = [first.load for first in firsts]
+        split = _shares(len(shares), [len(contents[path]) for path in callers], loads)
+        return [_Finish(threaded, [callers[i] for i in share]) for share in split]
+
+    _, done = two_phases(makers, between, fork=fork)
+    if done is None:
+        return outcome
+    every = dict(left)
+    for part in done:
+        for path, read_ in part.reads:
+            every.setdefault(path, []).append(read_)
+        outcome.failures += part.failures
+        outcome.passed += part.passed
+        outcome.threaded += part.threaded
+        for path, after in part.changes:
+            source, (data, mtime) = sources[path]
+            outcome.changes.append(Change(path, source.absolute, data, mtime, after))
     for path in sorted(every):
         outcome.reads += [(path, r) for r in sorted(every[path], key=lambda r: (r.site.line, r.site.col))]
-    for plan in ordered:
-        outcome.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
-        source, (data, mtime) = contents[plan.path]
-        try:
-            text = rewrite(plan, idiom_, modules)
-        except UnrestorableError as error:  # a bug of this tool: refuse the run rather than write a mix
-            outcome.failures.append(FileResult(plan.path, failure=ParseFailure(
-                f"internal error: {error}; please report it", 1, 1)))
-            continue
-        after = text.encode(plan.wrapper.module.encoding) if text is not None else data
-        if after == data:
-            continue
-        try:
-            compile(after, plan.path, "exec", dont_inherit=True)
-        except SyntaxError as error:  # a bug of this tool: refuse the whole run rather than write broken code
-            message = f"internal error: the rewrite would not compile ({error.msg}); please report it"
-            outcome.failures.append(FileResult(plan.path, failure=ParseFailure(message, error.lineno or 1, 1)))
-            continue
-        outcome.changes.append(Change(plan.path, source.absolute, data, mtime, after))
+    outcome.changes.sort(key=lambda change: change.path)
+    outcome.failures.sort(key=lambda failure: failure.path)
+    outcome.threaded.sort(key=lambda entry: entry.partition(": ")[0])
     return outcome

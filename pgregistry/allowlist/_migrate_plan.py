@@ -41,6 +41,7 @@ __all__ = [
     "Read",
     "passes",
     "plan_file",
+    "threaded_functions",
     "left_by_site",
     "visit_mentions",
 ]
@@ -866,15 +867,23 @@ def _callee(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
     return None
 
 
-def passes(plans: Sequence[FilePlan], name: str) -> int:
-    """Decide which calls pass a threaded module-level function the caller's collection (the caller's own, or
-    the one threaded into it): fills each plan's ``passes``; returns how many calls pass one."""
-    threaded = {
+def threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
+    """The module-level functions a collection was threaded into: (module, name) -> the parameter added. Only
+    those are passed one: a method may be overridden where the scan does not look."""
+    return {
         (plan.module, function.node.name.value): function.added
         for plan in plans
         for function in plan.functions
         if function.added and function.parent is None and function.method_of is None
     }
+
+
+def passes(plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, str], str] | None = None) -> int:
+    """Decide which calls pass a threaded module-level function the caller's collection (the caller's own, or
+    the one threaded into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``:
+    every file's :func:`threaded_functions` (default: those of ``plans``)."""
+    if threaded is None:
+        threaded = threaded_functions(plans)
     count = 0
     for plan in plans:
         for call in plan.calls:

@@ -387,21 +387,61 @@ def _parts(node: cst.BaseExpression) -> list[str]:
     return [node.value]
 
 
-def _uses_after(
-    plan: FilePlan, before: Counter[str], body: Sequence[object], touched: Sequence[int]
-) -> Counter[str] | None:
-    """The names' uses in the new text without rendering it whole: the file's, less those of the module-level
-    statements the rewrite changed, plus those of their new code. None when one does not parse alone."""
-    after = Counter(before)
+class _Renderer:
+    """Renders module-level statements once: each one's text is kept (with the node, as ids are reused) and the
+    module's text is theirs joined, so a statement rendered to count its names is not rendered again."""
+
+    def __init__(self, module: cst.Module) -> None:
+        self.module = module
+        self.done: dict[int, tuple[cst.CSTNode, str]] = {}
+
+    def statement(self, node: cst.CSTNode) -> str:
+        kept = self.done.get(id(node))
+        if kept is not None and kept[0] is node:
+            return kept[1]
+        text = self.module.code_for_node(node)
+        self.done[id(node)] = (node, text)
+        return text
+
+    def code(self, module: cst.Module) -> str:
+        """``module.code``, from the statements' texts (libcst's own render where the file has no final newline,
+        which pops it)."""
+        if not module.has_trailing_newline:
+            return module.code
+        text = "".join([*(module.code_for_node(h) for h in module.header), *map(self.statement, module.body),
+                        *(module.code_for_node(f) for f in module.footer)])
+        return text or module.default_newline
+
+
+def _unused(plan: FilePlan, body: Sequence[object], touched: Sequence[int], render: _Renderer) -> set[str] | None:
+    """The names the rewrite leaves unread: read in a statement it changed, not in that statement's new code,
+    and nowhere else (the other statements' text is searched first; the rare hit is checked on their ast). None
+    when a new statement does not parse alone."""
+    assert plan.data is not None
+    old = _names(n for index in touched for n in plan.statements[index])
+    new: Counter[str] = Counter()
     try:
         for index in touched:
-            after.subtract(_names(plan.statements[index]))
             statement = body[index]
             if isinstance(statement, cst.CSTNode):
-                after.update(_uses(_restored(plan, plan.wrapper.module.code_for_node(statement))))
+                new.update(_uses(_restored(plan, render.statement(statement))))
     except (SyntaxError, ValueError):
         return None
-    return after
+    gone = {name for name, count in old.items() if count and new[name] <= 0}
+    if not gone:
+        return gone
+    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
+    others = [i for i in range(len(plan.statements)) if i not in set(touched)]
+    texts = {i: plan.data[starts[plan.spans[i][0] - 1]: starts[plan.spans[i][1]] if plan.spans[i][1] < len(starts)
+                          else None] for i in others}
+    unused = set()
+    for name in gone:
+        word = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
+        # An identifier's text is its name unless it is not ASCII (the parser normalises those): then the ast.
+        hits = [i for i, text in texts.items() if word.search(text) or not text.isascii()]
+        if not hits or _names(n for i in hits for n in plan.statements[i])[name] == 0:
+            unused.add(name)
+    return unused
 
 
 class UnrestorableError(RuntimeError):
@@ -430,18 +470,18 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
     if not rewriter.replacements and not plan.passes and not rewriter.functions:
         return None
     data = plan.data if plan.data is not None else module.bytes
-    before = _names(n for group in plan.statements for n in group) if plan.statements else _uses(data)
+    render = _Renderer(module)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
-    after = _uses_after(plan, before, body, sorted(rewriter.touched)) if plan.statements else None
-    if after is None:  # no spans, or a statement that does not parse alone: the whole new text
-        after = _uses(_restored(plan, changed.code))
-    unused = {name for name, count in before.items() if count and after[name] <= 0}
+    unused = _unused(plan, body, sorted(rewriter.touched), render) if plan.statements else None
+    if unused is None:  # no spans, or a statement that does not parse alone: the whole texts
+        before, after = _uses(data), _uses(_restored(plan, render.code(changed)))
+        unused = {name for name, count in before.items() if count and after[name] <= 0}
     if not unused:
-        return _restored(plan, changed.code)
+        return _restored(plan, render.code(changed))
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
     # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
     prune = _Prune(unused, plan.module, plan.package, modules)
@@ -465,4 +505,4 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
         if isinstance(visited, cst.BaseStatement):
             prune.note(visited)
             pruned.append(visited)
-    return _restored(plan, changed.with_changes(body=pruned).code)
+    return _restored(plan, render.code(changed.with_changes(body=pruned)))

@@ -394,6 +394,29 @@ def g(pg_collection):
 """
 
 
+@pytest.mark.parametrize("spelling", ["get_tensor_model_parallel_group_if_none",
+                                      "\uff47et_tensor_model_parallel_group_if_none"])
+def test_an_import_the_rewrite_stops_reading_stays_while_another_function_reads_it(
+    tmp_path: Path, spelling: str
+) -> None:
+    """The other read is in a function the rewrite does not touch (and does not parse): found by its text, or,
+    spelled with a letter Python normalises (a fullwidth g), by its ast."""
+    user = f"""
+    from .utils import get_tensor_model_parallel_group_if_none
+
+    def f(pg_collection, tp_group=None):
+        return get_tensor_model_parallel_group_if_none(tp_group)
+
+    def g():
+        return {spelling}
+    """
+    migration = run(tmp_path, {"megatron/core/utils.py": "def divide(a, b): ...\n", "megatron/core/user.py": user})
+    texts = {change.path: change.after.decode() for change in migration.changes}
+    assert texts["megatron/core/user.py"] == textwrap.dedent(user).replace(
+        "return get_tensor_model_parallel_group_if_none(tp_group)",
+        "return tp_group if tp_group is not None else pg_collection.tp")
+
+
 def test_what_cannot_be_rewritten_stays_with_its_reason(tmp_path: Path) -> None:
     source = HEAD + """
 from megatron.core.process_groups_config import ProcessGroupCollection

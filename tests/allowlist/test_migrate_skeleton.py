@@ -6,6 +6,7 @@ put back untouched must be the file again."""
 from __future__ import annotations
 
 import ast
+import os
 import textwrap
 from pathlib import Path
 
@@ -193,3 +194,53 @@ def test_a_placeholder_found_twice_is_not_put_back() -> None:
     data = b"def f():\n    return 1\n"
     text, kept = _placeholders(data, lambda *_: False)
     assert restore(text.decode() * 2, kept) is None
+
+
+def _tree(copies: int) -> dict[str, bytes]:
+    """``copies`` of the pair above, each in its own package, plus files without reads calling into each."""
+    files: dict[str, bytes] = {}
+    for index in range(copies):
+        files[f"pkg{index}/a.py"] = A.encode()
+        files[f"pkg{index}/b.py"] = B.replace("pkg.a", f"pkg{index}.a").encode()
+        files[f"pkg{index}/c.py"] = B.replace("pkg.a", f"pkg{(index + 1) % copies}.a").encode()
+    return files
+
+
+@pytest.mark.parametrize("failing", ["", "first", "second"])
+def test_a_run_split_across_processes_is_the_run_in_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """Forked workers (three, on files the size threshold would keep in one process), calls from one worker's
+    files into another's threaded functions; a child that dies in either phase is redone here."""
+    files = _tree(6)
+    serial = _outcome(_run(tmp_path / "serial", files))
+    assert serial[2] == 30  # 5 calls per package pass their collection, those in c.py into the next package
+    monkeypatch.setattr(_migrate, "PARALLEL_MIN_BYTES", 0)
+    forked: list[bool] = []
+    real_phases = _migrate.two_phases
+
+    def spied(*args: object, fork: bool) -> object:
+        forked.append(fork)
+        return real_phases(*args, fork=fork)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_migrate, "two_phases", spied)
+    parent = os.getpid()
+    if failing:
+        real = getattr(_migrate._Worker, failing)
+
+        def dies_in_a_child(self: object, *args: object) -> object:
+            if os.getpid() != parent:
+                os._exit(3)
+            return real(self, *args)
+
+        monkeypatch.setattr(_migrate._Worker, failing, dies_in_a_child)
+    sources = []
+    for path, data in files.items():
+        (tmp_path / "split" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "split" / path).write_bytes(data)
+        sources.append(SourceFile(path, tmp_path / "split" / path))
+    split = _outcome(migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection", jobs=3))
+    assert forked == [True]
+    assert split == serial
+    with pytest.raises(ChildProcessError):  # every child was reaped
+        os.waitpid(-1, os.WNOHANG)

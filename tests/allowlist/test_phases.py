@@ -1,0 +1,61 @@
+"""Two phases across forked workers: results in order, a stop between the phases, and no child left behind."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from pgregistry.allowlist._phases import two_phases
+
+
+@dataclass
+class _Square:
+    value: int
+    fails_here: bool = False
+
+    def first(self) -> tuple[int, int]:
+        return self.value, os.getpid()
+
+    def second(self, offset: int) -> int:
+        if self.fails_here and os.getpid() == PARENT:
+            raise RuntimeError("worker failed")
+        return self.value * self.value + offset
+
+
+PARENT = os.getpid()
+
+
+def _makers(count: int, fails_here: bool = False) -> list[object]:
+    return [lambda v=value: _Square(v, fails_here) for value in range(count)]
+
+
+def _no_child_left() -> bool:
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("fork", [False, True])
+def test_each_worker_keeps_its_state_across_the_exchange(fork: bool) -> None:
+    firsts, seconds = two_phases(_makers(4), lambda firsts: [sum(v for v, _ in firsts)] * 4, fork=fork)  # type: ignore[arg-type]
+    assert [value for value, _ in firsts] == [0, 1, 2, 3]
+    pids = [pid for _, pid in firsts]
+    assert pids[0] == PARENT and all((pid != PARENT) == fork for pid in pids[1:])
+    assert seconds == [6, 7, 10, 15]
+    assert _no_child_left()
+
+
+def test_a_stop_between_the_phases_ends_every_child() -> None:
+    firsts, seconds = two_phases(_makers(3), lambda firsts: None, fork=True)  # type: ignore[arg-type]
+    assert len(firsts) == 3 and seconds is None
+    assert _no_child_left()
+
+
+def test_an_error_here_is_raised_and_every_child_is_reaped() -> None:
+    with pytest.raises(RuntimeError, match="worker failed"):
+        two_phases(_makers(3, fails_here=True), lambda firsts: [0, 0, 0], fork=True)  # type: ignore[arg-type]
+    assert _no_child_left()
