@@ -552,8 +552,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="split-run-knows-one-share",
         bug="migrate split across processes tells each worker only the first worker's threaded functions",
         file="pgregistry/allowlist/_migrate.py",
-        find="threaded: Threaded = {key: value for first in firsts for key, value in first.threaded.items()}",
-        replace="threaded: Threaded = dict(firsts[0].threaded)",
+        find="threaded.update({key: value for first in firsts for key, value in first.threaded.items()})",
+        replace="threaded.update(firsts[0].threaded)",
         tests=("tests/allowlist/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
     ),
     Mutant(
@@ -564,6 +564,14 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="if word.search(text)]",
         tests=("tests/allowlist/test_migrate.py::"
                "test_an_import_the_rewrite_stops_reading_stays_while_another_function_reads_it",),
+    ),
+    Mutant(
+        name="split-run-loses-a-dead-childs-files",
+        bug="migrate split across processes forgets the files a child took to look through before it died",
+        file="pgregistry/allowlist/_migrate.py",
+        find="    if missed:  # taken by a child that failed after taking them: looked through here",
+        replace="    if False:  # taken by a child that failed after taking them: looked through here",
+        tests=("tests/allowlist/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
     ),
 )
 

@@ -9,6 +9,8 @@ through a pipe; the instructions for its second phase come down another pipe.
 A child that fails (an exception, a signal, a result that does not unpickle) is not trusted: its worker is run
 again here, both phases, so a result never depends on how the work was split. Children are reaped before this
 returns, also when it raises.
+
+What cannot be split well before the work starts is shared out as it goes, through a :class:`TaskQueue`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Generic, Protocol, TypeVar
 
-__all__ = ["Worker", "two_phases"]
+__all__ = ["TaskQueue", "Worker", "two_phases"]
 
 First = TypeVar("First")
 Second = TypeVar("Second")
@@ -36,6 +39,44 @@ class Worker(Protocol[First_co, Instruction_contra, Second_co]):
     def first(self) -> First_co: ...
 
     def second(self, instruction: Instruction_contra) -> Second_co: ...
+
+
+class TaskQueue:
+    """Tasks taken one at a time by whichever process asks first, across forks: a pipe made before forking and
+    filled once, before anyone takes, by the process that made it. Each task is a 4-byte record (pipe writes and
+    reads this small are whole), at most :attr:`RECORDS` of them so the filling never waits for a reader; a
+    reader finds the pipe empty (not blocking) when every task is taken."""
+
+    RECORDS = 4096
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+
+    def fill(self, count: int) -> None:
+        """Offer tasks ``0 .. count - 1`` (``count`` at most :attr:`RECORDS`)."""
+        if not 0 <= count <= self.RECORDS:
+            raise ValueError(f"a task queue holds at most {self.RECORDS} tasks, not {count}")
+        if count:
+            os.write(self._write, struct.pack(f"<{count}I", *range(count)))
+        os.close(self._write)
+        self._write = -1
+
+    def take(self) -> int | None:
+        """The next task, or None when all are taken."""
+        try:
+            record = os.read(self._read, 4)
+        except BlockingIOError:
+            return None
+        if len(record) != 4:  # the end (the filling closed its end and no writer is left)
+            return None
+        return int(struct.unpack("<I", record)[0])
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            if fd >= 0:
+                os.close(fd)
+        self._read = self._write = -1
 
 
 @dataclass

@@ -206,12 +206,13 @@ def _tree(copies: int) -> dict[str, bytes]:
     return files
 
 
-@pytest.mark.parametrize("failing", ["", "first", "second"])
+@pytest.mark.parametrize("failing", ["", "first", "second", "look"])
 def test_a_run_split_across_processes_is_the_run_in_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
     """Forked workers (three, on files the size threshold would keep in one process), calls from one worker's
-    files into another's threaded functions; a child that dies in either phase is redone here."""
+    files into another's threaded functions; a child that dies in either phase, or once it took files without
+    reads to look through, is redone here."""
     files = _tree(6)
     serial = _outcome(_run(tmp_path / "serial", files))
     assert serial[2] == 30  # 5 calls per package pass their collection, those in c.py into the next package

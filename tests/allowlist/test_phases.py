@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pgregistry.allowlist._phases import two_phases
+from pgregistry.allowlist._phases import TaskQueue, two_phases
 
 
 @dataclass
@@ -59,3 +59,41 @@ def test_an_error_here_is_raised_and_every_child_is_reaped() -> None:
     with pytest.raises(RuntimeError, match="worker failed"):
         two_phases(_makers(3, fails_here=True), lambda firsts: [0, 0, 0], fork=True)  # type: ignore[arg-type]
     assert _no_child_left()
+
+
+def test_a_task_queue_hands_each_task_to_exactly_one_process() -> None:
+    """As in migrate: the child is forked first, the queue filled after, then both take until it is empty."""
+    queue = TaskQueue()
+    go_read, go_write = os.pipe()
+    out_read, out_write = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                os.read(go_read, 1)
+                os.write(out_write, " ".join(str(task) for task in iter(queue.take, None)).encode() + b"\n")
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(out_write)
+        queue.fill(3000)
+        os.write(go_write, b"x")
+        mine = list(iter(queue.take, None))
+        with os.fdopen(out_read, "rb") as stream:
+            theirs = [int(task) for task in stream.read().split()]
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        queue.close()
+        os.close(go_read)
+        os.close(go_write)
+    assert sorted(mine + theirs) == list(range(3000))
+
+
+def test_a_task_queue_refuses_more_tasks_than_it_can_hold_without_a_reader() -> None:
+    queue = TaskQueue()
+    try:
+        with pytest.raises(ValueError, match="at most 4096 tasks"):
+            queue.fill(TaskQueue.RECORDS + 1)
+    finally:
+        queue.close()
