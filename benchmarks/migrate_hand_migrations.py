@@ -3,8 +3,10 @@
 Megatron-LM deprecates ``parallel_state`` in a series of hand-written pull requests, each threading a
 ``pg_collection`` into a few functions and replacing their global reads with the collection's fields. For each
 such commit this script exports the parent's version of the Python files the commit touched (``git archive``, into
-a temporary directory, paths kept so relative imports resolve), runs ``pgregistry migrate --write --isolated
---preset megatron`` on them, and compares the tool's result with the authors' version of the same files:
+a temporary directory, paths kept so relative imports resolve, with the parent's
+``megatron/core/parallel_state.py`` beside them, which says the release's field table), runs ``pgregistry
+migrate --write --isolated --preset megatron`` on them, and compares the tool's result with the authors' version
+of the same files:
 
 - **reads**: the global process-group reads the project's own scanner (``pgregistry.allowlist``, ``megatron``
   preset) finds in each version, keyed by enclosing function and accessor; those the authors removed, those the
@@ -162,6 +164,9 @@ def compare(repository: Path, commit: str, title: str) -> Comparison:
     with tempfile.TemporaryDirectory(prefix="pgregistry-hand-") as temp:
         root = Path(temp)
         export(repository, f"{commit}^", root, files)
+        # The Megatron-Core of the same parent, so the tool reads the field table of the release the code ran on.
+        if "megatron/core/parallel_state.py" not in files:
+            export(repository, f"{commit}^", root, ["megatron/core/parallel_state.py"])
         before = {name: (root / name).read_bytes() for name in files}
         comparison.tool_seconds, comparison.tool_output = run_tool(root, files)
         for name in files:

@@ -573,6 +573,16 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="    if False:  # taken by a child that failed after taking them: looked through here",
         tests=("tests/allowlist/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
     ),
+    Mutant(
+        name="migrate-field-table-of-one-release",
+        bug="migrate writes 0.19's dp_cp_gtp_remat for code whose Megatron-Core predates GTP remat (dp_cp there)",
+        file="pgregistry/allowlist/_fixes.py",
+        find="    if gtp_remat and axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
+        replace="    if axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
+        tests=("tests/allowlist/test_migrate_source.py::test_a_data_parallel_read_is_the_field_of_the_codes_release",
+               "tests/allowlist/test_migrate_source.py::"
+               "test_migrate_rewrites_with_the_table_of_the_projects_megatron_core"),
+    ),
 )
 
 

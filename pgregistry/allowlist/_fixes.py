@@ -130,9 +130,12 @@ class FieldChoice:
     reason: str = ""
 
 
-def collection_field(accessor: str, keywords: Mapping[str, object]) -> FieldChoice:
+def collection_field(accessor: str, keywords: Mapping[str, object], *, gtp_remat: bool = True) -> FieldChoice:
     """The collection field a call ``accessor(**keywords)`` reads. ``keywords`` maps each keyword argument to
     its literal value (``True``, ``False``, ``None``, a number), or to ``...`` when it is not a literal.
+    ``gtp_remat``: whether the code's Megatron-Core has GTP remat (0.19 on), where the data-parallel accessors
+    read the group spanning the GTP-remat peers unless ``with_gtp_remat=False``; before it they read the plain
+    group (``dp_cp``, not ``dp_cp_gtp_remat``: the fields Megatron-LM's own hand migrations wrote then).
 
     A keyword that may pick another group and is not a literal, or one this table does not know, is a reason:
     guessing would change which group the code reads."""
@@ -172,7 +175,9 @@ def collection_field(accessor: str, keywords: Mapping[str, object]) -> FieldChoi
     name = ("intra_partial_" if partial else "") + axis
     if flags.get("with_context_parallel", False):
         name += "_with_cp"
-    if axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS and flags.get("with_gtp_remat", True):
+    if "with_gtp_remat" in flags and not gtp_remat:
+        return FieldChoice(reason="with_gtp_remat= in code whose Megatron-Core has no GTP remat")
+    if gtp_remat and axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS and flags.get("with_gtp_remat", True):
         name += "_with_gtp_remat"
     elif "with_gtp_remat" in flags and (axis not in _GTP_REMAT_AXES or kind not in _GTP_REMAT_KINDS):
         return FieldChoice(reason="with_gtp_remat= on an accessor this table does not know it for")

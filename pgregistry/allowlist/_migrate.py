@@ -102,9 +102,13 @@ def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
     return re.compile(rb"\b(?=[" + first + rb"])(?:" + alternatives + rb")\s*\(")
 
 
-def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1) -> Migration:
+def migrate(
+    files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1, gtp_remat: bool = True
+) -> Migration:
     """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
-    collection's parameter name. ``ValueError`` for an unknown target or a name that is no identifier.
+    collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has GTP remat
+    (:mod:`~pgregistry.allowlist._migrate_source`). ``ValueError`` for an unknown target or a name that is no
+    identifier.
 
     The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles the run
     must free, so its collections would only rescan them (a tenth of the time on a large tree)."""
@@ -114,7 +118,7 @@ def migrate(files: Sequence[SourceFile], config: ScanConfig, *, target: str, nam
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _migrate(files, config, idiom_, name, jobs)
+        return _migrate(files, config, idiom_, name, jobs, gtp_remat)
     finally:
         if enabled:
             gc.enable()
@@ -159,6 +163,7 @@ class _Worker:
     name: str
     idiom: Idiom
     modules: frozenset[str]
+    gtp_remat: bool
     plans: dict[str, FilePlan] = field(default_factory=dict)
 
     def _plan(
@@ -171,7 +176,8 @@ class _Worker:
         if isinstance(parsed, FileResult):
             return parsed
         assert isinstance(parsed.tree, cst.Module)
-        plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, parsed.syntax)
+        plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, parsed.syntax,
+                         gtp_remat=self.gtp_remat)
         plan.kept = parsed.kept
         return plan
 
@@ -265,7 +271,9 @@ def _shares(count: int, sizes: Sequence[int]) -> list[list[int]]:
     return shares
 
 
-def _migrate(files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int) -> Migration:
+def _migrate(
+    files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int, gtp_remat: bool
+) -> Migration:
     read = [(source, _read(source)) for source in files]
     report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
     outcome = Migration(failures=list(report.failures))
@@ -295,7 +303,7 @@ def _migrate(files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, nam
     modules = frozenset(".".join(module_name(source.path)) for source in files)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, modules)
+                queue, may_thread, name, idiom_, modules, gtp_remat)
         for share in shares
     ]
     threaded: Threaded = {}

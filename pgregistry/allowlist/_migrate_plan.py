@@ -483,8 +483,9 @@ class _Locator(cst.CSTVisitor):
                 self.calls.append(Call(node, parts, self.current, index, top=self.top, member=self.member))
 
 
-def _function_choice(read: Read) -> FieldChoice:
-    """The field of a call site (an accessor or a fallback helper), or the reason none says what it reads."""
+def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
+    """The field of a call site (an accessor or a fallback helper), or the reason none says what it reads
+    (``gtp_remat``: see :func:`~pgregistry.allowlist._fixes.collection_field`)."""
     call = read.call
     assert call is not None
     site = read.site
@@ -508,7 +509,7 @@ def _function_choice(read: Read) -> FieldChoice:
             if axis != "get_tensor_model_parallel_group":
                 return FieldChoice(reason=f"{accessor}(is_expert=True): no rule says which field it falls back to")
             axis = "get_expert_tensor_parallel_group"
-        return collection_field(axis, keywords)
+        return collection_field(axis, keywords, gtp_remat=gtp_remat)
     if any(a.keyword is None for a in arguments):
         return FieldChoice(reason="positional or star arguments: which group they pick is not known")
     keywords = {a.keyword.value: _literal(a.value) for a in arguments if a.keyword is not None}
@@ -516,12 +517,12 @@ def _function_choice(read: Read) -> FieldChoice:
         flag = next(a.value for a in arguments if a.keyword is not None and a.keyword.value == "tp_only_amax_red")
         if _dotted(flag) is None:
             return FieldChoice(reason="tp_only_amax_red= is neither a literal nor a plain name")
-        choice = collection_field(accessor, {**keywords, "tp_only_amax_red": False})
-        tp_only = collection_field(accessor, {**keywords, "tp_only_amax_red": True})
+        choice = collection_field(accessor, {**keywords, "tp_only_amax_red": False}, gtp_remat=gtp_remat)
+        tp_only = collection_field(accessor, {**keywords, "tp_only_amax_red": True}, gtp_remat=gtp_remat)
         if not choice.reason and not tp_only.reason:
             read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field
         return choice if not tp_only.reason else tp_only
-    return collection_field(accessor, keywords)
+    return collection_field(accessor, keywords, gtp_remat=gtp_remat)
 
 
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
@@ -626,13 +627,14 @@ def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
 
 def plan_file(
     path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None,
-    syntax: ast.Module | None = None,
+    syntax: ast.Module | None = None, *, gtp_remat: bool = True,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
     and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
     (:mod:`~pgregistry.allowlist._migrate_skeleton`): a placeholder is never walked, its definition's name is
-    taken from ``syntax``."""
+    taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
+    data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`)."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
     spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
@@ -682,7 +684,7 @@ def plan_file(
             reason = _MODULE_LEVEL if read.site.scope == MODULE_SCOPE else \
                 "class body: runs when the class is defined, before any collection exists"
         if reason is None:
-            read.choice = _function_choice(read)
+            read.choice = _function_choice(read, gtp_remat)
             reason = read.choice.reason or None
             if reason is None and read.choice.kind in ("src_rank", "global_ranks") and "torch" not in locator.bindings:
                 reason = "its replacement calls torch.distributed, and the file does not import torch"

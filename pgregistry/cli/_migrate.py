@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from pgregistry.allowlist._migrate import migrate
     from pgregistry.allowlist._migrate_files import WriteError, unified_diff, write_changes
     from pgregistry.allowlist._migrate_report import render_failures, render_report
+    from pgregistry.allowlist._migrate_source import megatron_source
 
     try:
         settings, configured = _settings(args)
@@ -130,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
                 raise PathError(f"{target}: outside the project root {settings.root}; run from the project, or "
                                 "pass --isolated to make the current directory the root")
         found = discover(targets, settings.root, settings.exclude)
+        source = megatron_source(settings.root)
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
-                            jobs=default_jobs())
+                            jobs=default_jobs(), gtp_remat=source.gtp_remat)
     except (ConfigError, PathError, ValueError) as error:
         return _error(str(error))
     if migration.failures:
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     changes = migration.changes
     verb = "changed" if args.write else "would change"
     report = render_report(migration.reads, len(migration.threaded), migration.passed, len(changes), verb)
+    report += source.describe() + "\n"
     if args.write:
         try:
             write_changes(changes)
