@@ -49,7 +49,7 @@ from pgregistry.allowlist._report import (
 from pgregistry.allowlist._scanner import FileResult
 from pgregistry.allowlist._storage import StorageError, exclusive
 
-__all__ = ["add_command", "configure", "main", "run"]
+__all__ = ["add_command", "add_settings_options", "configure", "main", "run"]
 
 _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
@@ -96,18 +96,9 @@ _TEXT_OPTIONS = {
 ``--base ''`` (an unset CI variable) checked without a base."""
 
 
-def _options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "paths",
-        nargs="*",
-        type=_path,
-        metavar="PATH",
-        help="files or directories to scan instead of the configured roots; only their entries are judged",
-    )
-    parser.add_argument(
-        "--allowlist", type=_path, metavar="FILE", help="the allowlist file (default: configured)"
-    )
-    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+def add_settings_options(parser: argparse.ArgumentParser) -> None:
+    """The options that choose the scan settings, shared by ``allowlist`` and ``migrate`` (one set of names and
+    meanings: a migration reads exactly what the ratchet counts)."""
     parser.add_argument(
         "--config", type=_path, metavar="PYPROJECT", help="read settings from this pyproject.toml"
     )
@@ -132,6 +123,21 @@ def _options(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         help="built-in scan settings for a known code base (replaces the configured scan settings)",
     )
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        type=_path,
+        metavar="PATH",
+        help="files or directories to scan instead of the configured roots; only their entries are judged",
+    )
+    parser.add_argument(
+        "--allowlist", type=_path, metavar="FILE", help="the allowlist file (default: configured)"
+    )
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    add_settings_options(parser)
     parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
     parser.add_argument("--cache-dir", type=_path, metavar="DIR", help="the scan cache directory")

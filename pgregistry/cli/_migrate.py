@@ -20,7 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pgregistry.allowlist._config import PRESETS, ConfigError, Settings
+from pgregistry.allowlist._cli import add_settings_options
+from pgregistry.allowlist._config import ConfigError, Settings
 from pgregistry.allowlist._files import PathError, discover, project_path
 
 __all__ = ["add_command"]
@@ -63,21 +64,7 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         metavar="NAME",
         help="the collection's parameter, local and attribute name (default: pg_collection)",
     )
-    parser.add_argument("--config", type=Path, metavar="PYPROJECT", help="read settings from this pyproject.toml")
-    parser.add_argument("--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd")
-    parser.add_argument(
-        "--exclude", action="append", metavar="PATTERN", help="exclude pattern (repeatable; replaces the configured)"
-    )
-    parser.add_argument("--extend-exclude", action="append", default=[], metavar="PATTERN", help="add an exclude")
-    parser.add_argument(
-        "--module",
-        action="append",
-        metavar="NAME",
-        help="legacy module name whose accessors count (repeatable; replaces the configured)",
-    )
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), help="built-in scan settings for a known code base (e.g. megatron)"
-    )
+    add_settings_options(parser)
     parser.add_argument(
         "--allowlist", type=Path, metavar="FILE", help="the allowlist --write regenerates (default: configured)"
     )
