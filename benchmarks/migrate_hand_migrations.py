@@ -2,18 +2,19 @@
 
 Megatron-LM deprecates ``parallel_state`` in a series of hand-written pull requests, each threading a
 ``pg_collection`` into a few functions and replacing their global reads with the collection's fields. For each
-such commit this script exports the parent's version of the Python files the commit touched (``git archive``, into
-a temporary directory, paths kept so relative imports resolve, with the parent's
-``megatron/core/parallel_state.py`` beside them, which says the release's field table), runs ``pgregistry
-migrate --write --isolated --preset megatron`` on them, and compares the tool's result with the authors' version
-of the same files:
+such commit this script exports the parent's ``megatron/`` tree (``git archive``, into a temporary directory),
+runs ``pgregistry migrate --write --isolated --preset megatron megatron`` on it as a user would (so the helpers
+the touched files call are threaded too, and ``megatron/core/parallel_state.py`` says the release's field table),
+and compares the tool's result on the Python files the commit touched with the authors' version of them:
 
 - **reads**: the global process-group reads the project's own scanner (``pgregistry.allowlist``, ``megatron``
   preset) finds in each version, keyed by enclosing function and accessor; those the authors removed, those the
   tool removed, those both removed;
 - **fields**: per function where the authors removed a read, the collection fields they now read
-  (``pg_collection.dp_cp``, ``self.pg_collection.tp``) and those the tool's version reads; a function agrees when
-  the tool reads every field the authors do.
+  (``pg_collection.dp_cp``, ``self.pg_collection.tp``, a ``group=pg_collection.mp`` given to a helper) and those
+  the tool's version reads, itself or in the functions it passes its collection to (where the authors hand a
+  helper a field, the tool hands it the collection); a function agrees when the tool reads every field the
+  authors do.
 
 The comparison rests on the scanner's sites and on the fields read, not on text, so the tool's formatting (and
 the authors' unrelated edits in the same commits) do not enter it.
@@ -90,6 +91,8 @@ class _FieldReads(ast.NodeVisitor):
     def __init__(self) -> None:
         self.scopes: list[str] = []
         self.fields: dict[str, set[str]] = {}
+        #: Per scope, the functions (by plain name) its calls pass a ``pg_collection=`` keyword.
+        self.passes: dict[str, set[str]] = {}
 
     def _scoped(self, node: ast.AST, name: str) -> None:
         self.scopes.append(name)
@@ -114,6 +117,9 @@ class _FieldReads(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
+        callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if callee and any(k.arg == "pg_collection" for k in node.keywords):
+            self.passes.setdefault(".".join(self.scopes) or "<module>", set()).add(callee)
         if isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(node.args) >= 2:
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str):
@@ -127,6 +133,20 @@ def field_reads(data: bytes) -> dict[str, set[str]]:
     return visitor.fields
 
 
+def passed_reads(root: Path, data: bytes, scope: str) -> dict[str, set[str]]:
+    """The fields read by the module-level functions of the tree at ``root`` that ``scope`` of ``data`` passes its
+    collection to (``f(x, pg_collection=pg_collection)``): callee name -> fields, found by ``def <name>(``."""
+    visitor = _FieldReads()
+    visitor.visit(ast.parse(data))
+    found: dict[str, set[str]] = {}
+    for callee in sorted(visitor.passes.get(scope, ())):
+        for path in root.rglob("*.py"):
+            text = path.read_bytes()
+            if f"def {callee}(".encode() in text:
+                found.setdefault(callee, set()).update(field_reads(text).get(callee, set()))
+    return found
+
+
 @dataclass
 class Comparison:
     commit: str
@@ -137,6 +157,8 @@ class Comparison:
     functions: list[tuple[str, str, set[str], set[str]]] = field(default_factory=list)  # file, scope, authors, tool
     tool_seconds: float = 0.0
     tool_output: str = ""
+    #: (file, scope) -> the functions the tool's version passes its collection to, with the fields they read.
+    through: dict[tuple[str, str], dict[str, set[str]]] = field(default_factory=dict)
 
     @property
     def in_both(self) -> Counter[Key]:
@@ -163,12 +185,16 @@ def compare(repository: Path, commit: str, title: str) -> Comparison:
     comparison = Comparison(commit, title, files)
     with tempfile.TemporaryDirectory(prefix="pgregistry-hand-") as temp:
         root = Path(temp)
-        export(repository, f"{commit}^", root, files)
-        # The Megatron-Core of the same parent, so the tool reads the field table of the release the code ran on.
-        if "megatron/core/parallel_state.py" not in files:
-            export(repository, f"{commit}^", root, ["megatron/core/parallel_state.py"])
+        # The parent's whole megatron/ tree, as a user runs the tool: the helpers the touched files call are
+        # threaded too, and megatron/core/parallel_state.py says the release's field table. Only the touched
+        # files are compared.
+        export(repository, f"{commit}^", root, ["megatron"])
         before = {name: (root / name).read_bytes() for name in files}
-        comparison.tool_seconds, comparison.tool_output = run_tool(root, files)
+        comparison.tool_seconds, output = run_tool(root, ["megatron"])
+        comparison.tool_output = "\n".join(
+            line for line in output.splitlines()
+            if not line.startswith("      ") or any(f" {name}:" in f" {line.strip()}" for name in files)
+        )
         for name in files:
             after_tool = (root / name).read_bytes()
             after_authors = git(repository, "show", f"{commit}:{name}")
@@ -182,8 +208,10 @@ def compare(repository: Path, commit: str, title: str) -> Comparison:
             fields_tool = field_reads(after_tool)
             for scope in sorted({scope for scope, _ in removed_by_authors}):
                 new_authors = fields_authors.get(scope, set()) - fields_before.get(scope, set())
-                tool_fields = fields_tool.get(scope, set())
+                through = passed_reads(root, after_tool, scope)
+                tool_fields = fields_tool.get(scope, set()) | {f for fields in through.values() for f in fields}
                 comparison.functions.append((name, scope, new_authors, tool_fields))
+                comparison.through[(name, scope)] = through
     return comparison
 
 
@@ -199,7 +227,8 @@ def report(comparisons: list[Comparison]) -> None:
             f"| {c.fields_agree} of {len(c.functions)} functions |"
         )
     for c in comparisons:
-        print(f"\n## {c.title} ({c.commit}): tool {c.tool_seconds:.2f} s on {len(c.files)} file(s)")
+        print(f"\n## {c.title} ({c.commit}): tool {c.tool_seconds:.2f} s on the parent's megatron/, "
+              f"{len(c.files)} file(s) compared")
         for (scope, accessor), count in sorted(c.by_authors.items()):
             mark = "both" if c.by_tool[(scope, accessor)] >= count else "AUTHORS ONLY"
             print(f"  removed {count}x {accessor} in {scope}: {mark}")
@@ -208,7 +237,10 @@ def report(comparisons: list[Comparison]) -> None:
         for name, scope, authors, tool in c.functions:
             verdict = "agree" if authors <= tool else f"MISSING {sorted(authors - tool)}"
             print(f"  fields in {name}:{scope}: authors {sorted(authors)}, tool {sorted(tool)}: {verdict}")
-        print("  tool report:")
+            for callee, fields in sorted(c.through.get((name, scope), {}).items()):
+                if fields:
+                    print(f"    ({sorted(fields)} read in {callee}, which the tool's version passes the collection to)")
+        print("  tool report (of what it left, the lines of the compared files):")
         for line in c.tool_output.strip().splitlines():
             print(f"    {line}")
 

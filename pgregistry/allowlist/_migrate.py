@@ -36,6 +36,7 @@ from pgregistry.allowlist._migrate_plan import (
     left_by_site,
     passes,
     plan_file,
+    reexported,
     threaded_functions,
     visit_mentions,
 )
@@ -314,6 +315,7 @@ def _migrate(
             return None
         queue.fill(len(chunks))
         threaded.update({key: value for first in firsts for key, value in first.threaded.items()})
+        threaded.update(reexported(threaded, {p: d for p, d in contents.items() if p.endswith("__init__.py")}))
         return [threaded] * len(firsts)
 
     try:

@@ -41,6 +41,7 @@ __all__ = [
     "Read",
     "passes",
     "plan_file",
+    "reexported",
     "threaded_functions",
     "left_by_site",
     "visit_mentions",
@@ -878,6 +879,38 @@ def threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
         for function in plan.functions
         if function.added and function.parent is None and function.method_of is None
     }
+
+
+def reexported(threaded: Mapping[tuple[str, str], str], packages: Mapping[str, bytes]) -> dict[tuple[str, str], str]:
+    """``threaded`` with the names packages re-export its functions under: ``from .common_utils import f`` in
+    ``pkg/__init__.py`` (``packages``: path -> bytes of such files) makes ``pkg.f`` the same function, so a call
+    through the package (``from pkg import f``, ``pkg.f(...)``) is passed the collection too; chains of packages
+    are followed. Module-level imports only (in ``if`` / ``try`` blocks too), read with :mod:`ast`."""
+    found = dict(threaded)
+    names = {function for _, function in threaded}
+    imports: list[tuple[str, str, str, str]] = []  # (package, bound name, module, name)
+    for path, data in packages.items():
+        if not names or not re.search(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")\b",
+                                       data):
+            continue
+        package = ".".join(path.split("/")[:-1])
+        stack: list[ast.stmt] = list(ast.parse(data).body)
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute("." * node.level + (node.module or ""), path.split("/")[:-1])
+                imports += [(package, a.asname or a.name, module, a.name) for a in node.names if a.name != "*"]
+            elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+    changed = True
+    while changed:  # a package re-exporting another package's re-export
+        changed = False
+        for package, bound, module, name in imports:
+            added = found.get((module, name))
+            if added is not None and (package, bound) not in found:
+                found[(package, bound)] = added
+                changed = True
+    return found
 
 
 def passes(plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, str], str] | None = None) -> int:

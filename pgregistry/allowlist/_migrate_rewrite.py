@@ -241,6 +241,8 @@ def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters
 
 
 def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
+    """``call`` with ``keyword=value`` after its arguments, in their layout: one a line when they are (the
+    closing parenthesis kept on its own line), else after a comma and a space."""
     new = cst.Arg(cst.parse_expression(value), keyword=cst.Name(keyword),
                   equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
     args = list(call.args)
@@ -248,6 +250,11 @@ def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
         new = new.with_changes(comma=args[-1].comma)
         if len(args) >= 2:
             args[-1] = args[-1].with_changes(comma=_clean(args[-2].comma))
+    elif args and isinstance(args[-1].whitespace_after_arg, cst.ParenthesizedWhitespace) and isinstance(
+            call.whitespace_before_args, cst.ParenthesizedWhitespace):  # the last argument on its own line
+        line_break = call.whitespace_before_args.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+        new = new.with_changes(whitespace_after_arg=args[-1].whitespace_after_arg)
+        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=line_break), whitespace_after_arg=_NO_SPACE)
     return call.with_changes(args=[*args, new])
 
 

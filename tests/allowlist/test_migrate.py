@@ -208,6 +208,61 @@ def size(x, *, pg_collection=None):
     assert migration.passed == 2
 
 
+def test_a_call_through_a_package_that_re_exports_the_function_passes_the_collection(tmp_path: Path) -> None:
+    """Megatron-LM's ``from .utils import logical_and_across_model_parallel_group`` (defined in
+    ``utils/common_utils.py``, re-exported by ``utils/__init__.py``): the call through the package is the call."""
+    common = HEAD + """
+def all_true(flag, group=None):
+    if group is None:
+        group = ps.get_model_parallel_group()
+    return flag, group
+"""
+    user = """
+from .utils import all_true
+from pkg import utils
+import pkg as top
+
+def step(flag, pg_collection):
+    return all_true(flag), utils.all_true(flag), top.all_true(flag)
+"""
+    migration = run(tmp_path, {
+        "pkg/__init__.py": "from .utils import all_true  # a chain: the package re-exports its subpackage's\n",
+        "pkg/utils/__init__.py": "from .common import all_true\n",
+        "pkg/utils/common.py": common,
+        "pkg/user.py": user,
+    })
+    texts = {change.path: change.after.decode() for change in migration.changes}
+    assert texts["pkg/user.py"] == textwrap.dedent(user).replace(
+        "return all_true(flag), utils.all_true(flag), top.all_true(flag)",
+        "return all_true(flag, pg_collection=pg_collection), utils.all_true(flag, pg_collection=pg_collection), "
+        "top.all_true(flag, pg_collection=pg_collection)")
+    assert migration.passed == 3
+
+
+def test_a_keyword_added_to_a_call_over_several_lines_goes_on_its_own_line(tmp_path: Path) -> None:
+    source = HEAD + """
+def inner(x):
+    return x, ps.get_context_parallel_group()
+
+def outer(x, pg_collection):
+    y = inner(
+        x
+    )  # the closing parenthesis stays on its line
+    return inner(x,
+                 )
+"""
+    assert after(tmp_path, source).endswith("""
+def outer(x, pg_collection):
+    y = inner(
+        x,
+        pg_collection=pg_collection
+    )  # the closing parenthesis stays on its line
+    return inner(x,
+                 pg_collection=pg_collection,
+                 )
+""")
+
+
 def test_threading_is_transitive_a_threaded_caller_passes_its_collection_on(tmp_path: Path) -> None:
     source = HEAD + """
 def inner():
