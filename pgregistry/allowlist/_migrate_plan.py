@@ -593,10 +593,11 @@ def _cannot_thread(function: Function) -> str | None:
     return None
 
 
-def _free_name(function: Function, name: str, taken: set[str]) -> str:
+def _free_name(function: Function, name: str, taken: set[str], spare: tuple[str, ...] = ()) -> str:
+    """``name`` unless ``function`` or the module binds it; else the first free of ``spare``, ``name_2``, ..."""
     if name not in function.names and name not in taken:
         return name
-    for candidate in ("process_group_collection", *(f"{name}_{i}" for i in range(2, 100))):
+    for candidate in (*spare, *(f"{name}_{i}" for i in range(2, 100))):
         if candidate not in function.names and candidate not in taken:
             return candidate
     raise AssertionError("unreachable: a hundred names taken")
@@ -719,7 +720,7 @@ def plan_file(
                 read.way, read.reason = LEFT, why
                 continue
             if not function.added:
-                function.added = _free_name(function, name, taken)
+                function.added = _free_name(function, name, taken, ("process_group_collection",))
             expression, optional, closure = function.added, True, False
             read.way = FALLBACK if guarded else THREADED
         else:

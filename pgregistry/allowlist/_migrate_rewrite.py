@@ -337,20 +337,25 @@ class _Rewriter(cst.CSTTransformer):
         if function.added:
             params = _with_parameter(updated.params, function.added)
             updated = updated.with_changes(params=_break_kept(updated.params, params))
-        if function.shim_name and isinstance(updated.body, cst.IndentedBlock):
+        if not isinstance(updated.body, cst.IndentedBlock):
+            return updated
+        body = list(updated.body.body)
+        inserts: list[tuple[int, int, cst.BaseStatement]] = []  # (index in the original body, order there, it)
+        if function.shim_name:
             listed = ", ".join(f'"{f}"' for f in function.shim_fields)
             shim = (f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups(\n"
                     f"    required_pgs=[{listed}]\n)\n")
-            body = list(updated.body.body)
-            body.insert(function.shim_at, cst.parse_statement(shim))
-            updated = updated.with_changes(body=updated.body.with_changes(body=body))
-        if function.door_name and isinstance(updated.body, cst.IndentedBlock):
+            inserts.append((function.shim_at, 0, cst.parse_statement(shim)))
+        if function.door_name:
             indent = (self.depth + 1) * len(self.plan.wrapper.module.default_indent.expandtabs())
             code = self.target.door(function.door_name, _owner(self.plan, function), function.door, indent)
             self.imports += self.target.imports(code)
-            body = list(updated.body.body)
             at = max(function.door_at, 1 if body and _docstring(body[0]) else 0)
-            body.insert(at, cst.parse_statement(code))
+            inserts.append((at, 1, cst.parse_statement(code)))
+        # Both indexes are of the original body: inserted from the last, each lands where it was planned.
+        for at, _, statement in sorted(inserts, key=lambda insert: (insert[0], insert[1]), reverse=True):
+            body.insert(at, statement)
+        if inserts:
             updated = updated.with_changes(body=updated.body.with_changes(body=body))
         return updated
 

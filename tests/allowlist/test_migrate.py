@@ -594,6 +594,20 @@ def default_collection():
     ]
 
 
+def test_a_builders_shim_takes_a_numbered_name_when_mpu_groups_is_taken(tmp_path: Path) -> None:
+    source = HEAD + """
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+def default_collection(mpu_groups):
+    pg_collection = ProcessGroupCollection()
+    pg_collection.tp = ps.get_tensor_model_parallel_group()
+    return pg_collection, mpu_groups
+"""
+    text = after(tmp_path, source)
+    assert "    mpu_groups_2 = ProcessGroupCollection.use_mpu_process_groups(\n" in text
+    assert "    pg_collection.tp = mpu_groups_2.tp\n" in text
+
+
 def test_a_function_that_adds_a_field_to_the_collection_it_was_given_still_reads_through_it(tmp_path: Path) -> None:
     # As Megatron-LM's get_model before its hand migration #5250: the collection it resolves gets one more field;
     # its other reads go through the collection, the read assigned into the field stays.
