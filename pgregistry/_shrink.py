@@ -19,7 +19,6 @@ the smaller layout with :func:`attrs.evolve`, so the layout module can delegate 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -102,21 +101,7 @@ def _checked_lost(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int, ...
     rank outside the layout's span."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks, got {type(lost).__name__}")
-    first, stop = layout.rank_range()
-    out = set()
-    for rank in lost:
-        if isinstance(rank, bool):
-            raise TypeError(f"lost ranks must be integers, got the bool {rank!r}")
-        try:
-            value = operator.index(rank)
-        except TypeError:
-            raise TypeError(f"lost ranks must be integers, got {rank!r} ({type(rank).__name__})") from None
-        if not first <= value < stop:
-            raise ValueError(
-                f"lost rank {value} is outside ranks {first}-{stop - 1} of the layout ({layout.num_ranks} ranks from "
-                f"rank_offset {first}); name ranks of this layout"
-            )
-        out.add(value)
+    out = {layout._check_rank(rank, "lost rank") for rank in lost}
     return tuple(sorted(out))
 
 

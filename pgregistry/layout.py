@@ -402,19 +402,19 @@ class ParallelLayout:
             return (0,)
         return (0, self.pp - 1)
 
-    def _check_rank(self, rank: int) -> int:
+    def _check_rank(self, rank: int, what: str = "rank") -> int:
         """``rank`` as an int; ``TypeError`` for a bool (``True`` is not rank 1) or a non-integer, ``ValueError``
-        outside the layout's ranks."""
+        outside the layout's ranks. ``what`` names it in the message (``lost rank`` for :meth:`shrink`)."""
         if isinstance(rank, bool):
-            raise TypeError(f"rank must be an integer, got the bool {rank!r}")
+            raise TypeError(f"{what} must be an integer, got the bool {rank!r}")
         try:
             rank = operator.index(rank)
         except TypeError:
-            raise TypeError(f"rank must be an integer, got {rank!r} ({type(rank).__name__})") from None
+            raise TypeError(f"{what} must be an integer, got {rank!r} ({type(rank).__name__})") from None
         first, stop = self.rank_range()
         if not first <= rank < stop:
             span = f"the {self.num_ranks} ranks" if first == 0 else f"ranks {first}..{stop - 1}"
-            raise ValueError(f"rank {rank} is outside {span} of this layout")
+            raise ValueError(f"{what} {rank} is outside {span} of this layout")
         return rank
 
     @staticmethod

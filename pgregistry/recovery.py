@@ -231,7 +231,7 @@ def _as_ranks(lost: Iterable[int]) -> list[int]:
     out = []
     for rank in lost:
         if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"lost ranks must be integers, got {rank!r} ({type(rank).__name__})")
+            raise TypeError(f"lost rank must be an integer, got {rank!r} ({type(rank).__name__})")
         out.append(rank)
     return out
 

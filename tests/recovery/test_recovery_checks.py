@@ -90,5 +90,5 @@ def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
         "TypeError: committed_step must be an integer (the last step applied), got '3'",
         "ValueError: wait must be a positive number of seconds, got 0",
         "TypeError: lost must be an iterable of ranks or None, got str",
-        "TypeError: lost ranks must be integers, got 1.0 (float)",
+        "TypeError: lost rank must be an integer, got 1.0 (float)",
     ]
