@@ -27,7 +27,7 @@ ast positions, member walks, one render, fewer parses  19.0 s (load 2.9) 19.5 s 
 at 4d4e2e5, measured again 2026-12-03 (load 1.0)    28.0 s            28.9 s            4.9 s wall
 skeletons, gc off, two phases on 2 cores (b434bf9)     9.8-10.7 s        16.7-18.0 s       2.9 s wall
 the files without reads from a queue (cf142b3)         7.6-9.9 s         13.8-18.1 s       2.3-2.8 s wall
-calls through re-exports resolved (7de01da)            8.5-9.4 s         15.5-17.1 s       2.8 s wall
+calls through re-exports resolved (7de01da)            8.5-9.4 s         15.5-17.1 s       2.1-2.8 s wall
 =====================================================  ================  ================  ============
 
 The goal (the whole tree under 10 s) is met (median of five runs 9.1 s): libcst parses a skeleton of each file
