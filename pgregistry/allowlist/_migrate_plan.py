@@ -27,6 +27,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from pgregistry.allowlist._fixes import FieldChoice, collection_field
+from pgregistry.allowlist._migrate_skeleton import line_starts, lines, span
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 
 __all__ = [
@@ -176,8 +177,16 @@ class FilePlan:
     passing_tops: set[tuple[int, int]] = field(default_factory=set)
     #: The :mod:`ast` statements of each module-level statement (where the names it reads are counted).
     statements: list[list[ast.stmt]] = field(default_factory=list)
+    #: The offset of each line of ``data``.
+    line_starts: list[int] = field(default_factory=list)
     #: When the tree is a skeleton: each placeholder's text and the original text it stands for.
     kept: dict[str, str] = field(default_factory=dict)
+
+
+    def text(self, start: int, end: int) -> bytes:
+        """Lines ``start`` to ``end`` (1-based, inclusive) of the file."""
+        assert self.data is not None
+        return lines(self.data, self.line_starts, start, end)
 
 
 def _dotted(node: cst.BaseExpression) -> list[str] | None:
@@ -640,14 +649,14 @@ def plan_file(
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
     spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
-    lines = {site.line for site in sites}
-    wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in lines)}
+    site_lines = {site.line for site in sites}
+    wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in site_lines)}
     call_lines = {site.line for site in sites if site.form == CALL}
     locator = _Locator(sites, name)
     locator.wanted = wanted
     _skip_placeholders(locator, source.body, statements)
     pattern = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
-    starts = _line_starts(data)
+    starts = line_starts(data)
     for i in wanted:
         top, tree = source.body[i], statements[i][0]
         if isinstance(top, cst.ClassDef) and isinstance(top.body, cst.IndentedBlock) and isinstance(
@@ -656,7 +665,7 @@ def plan_file(
             locator.member_spans[i] = member_spans
             locator.members[i] = {
                 m for m, (start, end) in enumerate(member_spans)
-                if any(start <= line <= end for line in lines) or pattern.search(_text(data, starts, start, end))
+                if any(start <= line <= end for line in site_lines) or pattern.search(lines(data, starts, start, end))
             }
             header = [*tree.decorator_list, *tree.bases, *(k.value for k in tree.keywords)]
             locator.order[(i, -1)] = _call_order(header)
@@ -735,7 +744,7 @@ def plan_file(
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator,
-                    statements=statements)
+                    statements=statements, line_starts=starts)
 
 
 def _skip_placeholders(locator: _Locator, body: Sequence[cst.BaseStatement], statements: list[list[ast.stmt]]) -> None:
@@ -760,20 +769,9 @@ def _spans(
         count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
         nodes = tree[position:position + count]
         position += count
-        first = nodes[0]
-        start = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
-        spans.append((start, nodes[-1].end_lineno or nodes[-1].lineno))
+        spans.append((span(nodes[0])[0], span(nodes[-1])[1]))
         groups.append(list(nodes))
     return spans, groups
-
-
-def _line_starts(data: bytes) -> list[int]:
-    return [0, *(m.end() for m in re.finditer(rb"\n", data))]
-
-
-def _text(data: bytes, starts: list[int], start: int, end: int) -> bytes:
-    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``."""
-    return data[starts[start - 1]: starts[end] if end < len(starts) else None]
 
 
 def _ast_dotted(node: ast.expr) -> str | None:
@@ -949,16 +947,14 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
     locator = plan.locator
     if locator is None or plan.data is None:
         return
-    starts = _line_starts(plan.data)
     body = plan.wrapper.module.body
     for index, (start, end) in enumerate(plan.spans):
         statement = body[index]
         if index in locator.members and isinstance(statement, cst.ClassDef):  # walked in part: the rest
             for member, (first, last) in enumerate(locator.member_spans[index]):
-                if (index, member) not in locator.visited_members and pattern.search(
-                        _text(plan.data, starts, first, last)):
+                if (index, member) not in locator.visited_members and pattern.search(plan.text(first, last)):
                     locator.visit_member(index, statement, member)
-        elif index not in locator.visited and pattern.search(_text(plan.data, starts, start, end)):
+        elif index not in locator.visited and pattern.search(plan.text(start, end)):
             locator.visit_top(index, statement)
 
 

@@ -442,10 +442,8 @@ def _unused(plan: FilePlan, body: Sequence[object], touched: Sequence[int], rend
     gone = {name for name, count in old.items() if count and new[name] <= 0}
     if not gone:
         return gone
-    starts = [0, *(m.end() for m in re.finditer(rb"\n", plan.data))]
-    others = [i for i in range(len(plan.statements)) if i not in set(touched)]
-    texts = {i: plan.data[starts[plan.spans[i][0] - 1]: starts[plan.spans[i][1]] if plan.spans[i][1] < len(starts)
-                          else None] for i in others}
+    changed = set(touched)
+    texts = {i: plan.text(*plan.spans[i]) for i in range(len(plan.statements)) if i not in changed}
     unused = set()
     for name in gone:
         word = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
@@ -498,7 +496,6 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
     # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
     prune = _Prune(unused, plan.module, plan.package, modules)
     index = {id(s): i for i, s in enumerate(body)}
-    starts = [0, *(m.end() for m in re.finditer(rb"\n", data))] if plan.spans else []
 
     def may_import(statement: cst.CSTNode) -> bool:
         at = index.get(id(statement))
@@ -508,8 +505,7 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
             return False
         if not plan.spans:
             return True
-        start, end = plan.spans[at]
-        return b"import" in data[starts[start - 1]: starts[end] if end < len(starts) else None]
+        return b"import" in plan.text(*plan.spans[at])
 
     pruned: list[cst.BaseStatement] = []
     for statement in changed.body:  # in order: each import kept tells what the ones below may drop

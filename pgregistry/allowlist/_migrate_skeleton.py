@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Skeleton", "needed_by", "restore", "skeleton"]
+__all__ = ["Skeleton", "line_starts", "lines", "needed_by", "restore", "skeleton", "span"]
 
 _PREFIX = b"_pgregistry_kept_"
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -47,9 +47,20 @@ def restore(text: str, kept: Mapping[str, str]) -> str | None:
     return text
 
 
-def _span(node: ast.stmt) -> tuple[int, int]:
+def span(node: ast.stmt) -> tuple[int, int]:
+    """The first and last line of ``node``, a decorated definition from its first decorator."""
     decorators = getattr(node, "decorator_list", ())
     return min([node.lineno, *(d.lineno for d in decorators)]), node.end_lineno or node.lineno
+
+
+def line_starts(data: bytes) -> list[int]:
+    """The offset of each line of ``data`` (for :func:`lines`)."""
+    return [0, *(m.end() for m in re.finditer(rb"\n", data))]
+
+
+def lines(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
+    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``, whose :func:`line_starts` are ``starts``."""
+    return data[starts[start - 1]: starts[end] if end < len(starts) else None]
 
 
 def skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]) -> Skeleton | None:
@@ -57,37 +68,37 @@ def skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], b
     false stood in for by a placeholder; None when nothing is, or the file already holds the prefix."""
     if _PREFIX in data:
         return None
-    lines = data.split(b"\n")
+    rows = data.split(b"\n")
     kept: dict[bytes, bytes] = {}
 
     def stand_in(node: ast.stmt, tag: str) -> None:
-        start, end = _span(node)
-        original = b"\n".join(lines[start - 1:end])
-        first = lines[start - 1]
+        start, end = span(node)
+        original = b"\n".join(rows[start - 1:end])
+        first = rows[start - 1]
         indent = first[: len(first) - len(first.lstrip(b" \t\f"))]
-        eol = [b"\r" if line.endswith(b"\r") else b"" for line in lines[start - 1:end]]
+        eol = [b"\r" if row.endswith(b"\r") else b"" for row in rows[start - 1:end]]
         name = indent + _PREFIX + tag.encode()
         if start == end:
             placeholder = [name + b" = 0" + eol[0]]
         else:
             placeholder = [name + b' = """' + eol[0], *eol[1:-1], b'"""' + eol[-1]]
-        lines[start - 1:end] = placeholder
+        rows[start - 1:end] = placeholder
         kept[b"\n".join(placeholder)] = original
 
     for index, node in enumerate(tree.body):
         if not isinstance(node, _DEFINITIONS):
             continue
-        start, end = _span(node)
+        start, end = span(node)
         if not needed(start, end, False):
             stand_in(node, str(index))
         elif isinstance(node, ast.ClassDef):
             for member, inner in enumerate(node.body):
-                if isinstance(inner, _DEFINITIONS) and _span(inner)[0] > node.lineno and not needed(
-                        *_span(inner), True):
+                if isinstance(inner, _DEFINITIONS) and span(inner)[0] > node.lineno and not needed(
+                        *span(inner), True):
                     stand_in(inner, f"{index}_{member}")
     if not kept:
         return None
-    return Skeleton(b"\n".join(lines), kept)
+    return Skeleton(b"\n".join(rows), kept)
 
 
 def needed_by(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None,
@@ -95,12 +106,12 @@ def needed_by(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None
     """The usual ``needed``: a definition is needed when it holds a read (a line of ``site_lines``), a call
     ``calls`` matches (one that may pass a threaded function its collection), or, as a class member, the
     collection's ``name`` (where a method binds ``self.<name>``)."""
-    starts = [0, *(m.end() for m in re.finditer(rb"\n", data))]
+    starts = line_starts(data)
 
     def needed(start: int, end: int, member: bool) -> bool:
         if any(start <= line <= end for line in site_lines):
             return True
-        text = data[starts[start - 1]: starts[end] if end < len(starts) else None]
+        text = lines(data, starts, start, end)
         return bool((calls is not None and calls.search(text)) or (member and name.search(text)))
 
     return needed
