@@ -28,7 +28,7 @@ from pgregistry.allowlist._config import ScanConfig
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
 
-__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "can_fork", "default_jobs", "scan_files", "scan_sources"]
+__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "buckets", "can_fork", "default_jobs", "scan_files", "scan_sources"]
 
 #: Below this many bytes to parse, forking costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -66,23 +66,23 @@ def _scan_bucket(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> list
     return [scan_source(data, path, config) for path, data in items]
 
 
-def _buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
+def buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
     """Indexes split into ``count`` lists of near-equal total size (largest first, into the lightest)."""
-    buckets: list[list[int]] = [[] for _ in range(count)]
+    filled: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
     for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         lightest = loads.index(min(loads))
-        buckets[lightest].append(index)
+        filled[lightest].append(index)
         loads[lightest] += sizes[index]
-    return [bucket for bucket in buckets if bucket]
+    return [bucket for bucket in filled if bucket]
 
 
 def _scan_parallel(
     items: Sequence[tuple[str, bytes]], config: ScanConfig, jobs: int
 ) -> tuple[list[FileResult], int]:
-    buckets = _buckets(jobs, [len(data) for _, data in items])
+    split = buckets(jobs, [len(data) for _, data in items])
     children: list[tuple[int, int, list[int]]] = []
-    for bucket in buckets[1:]:
+    for bucket in split[1:]:
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: scan, send, exit without running any of the parent's cleanup
@@ -100,7 +100,7 @@ def _scan_parallel(
         os.close(write_end)
         children.append((pid, read_end, bucket))
     results: list[FileResult | None] = [None] * len(items)
-    for index, result in zip(buckets[0], _scan_bucket([items[i] for i in buckets[0]], config), strict=True):
+    for index, result in zip(split[0], _scan_bucket([items[i] for i in split[0]], config), strict=True):
         results[index] = result
     for pid, read_end, bucket in children:
         with os.fdopen(read_end, "rb", closefd=True) as stream:
@@ -117,7 +117,7 @@ def _scan_parallel(
             decoded = _scan_bucket([items[i] for i in bucket], config)
         for index, result in zip(bucket, decoded, strict=True):
             results[index] = result
-    return [result for result in results if result is not None], len(buckets)
+    return [result for result in results if result is not None], len(split)
 
 
 def _read(source: SourceFile) -> bytes | FileResult:

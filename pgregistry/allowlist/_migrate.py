@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, can_fork, scan_sources
+from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, buckets, can_fork, scan_sources
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._migrate_files import Change
 from pgregistry.allowlist._migrate_idioms import Idiom, idiom
@@ -261,17 +261,6 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
     return _calls_of(names)
 
 
-def _shares(count: int, sizes: Sequence[int]) -> list[list[int]]:
-    """Indexes split into ``count`` lists of near-equal total size (largest first, into the lightest)."""
-    totals = [0] * count
-    shares: list[list[int]] = [[] for _ in range(count)]
-    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        lightest = totals.index(min(totals))
-        shares[lightest].append(index)
-        totals[lightest] += sizes[index]
-    return shares
-
-
 def _migrate(
     files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int, gtp_remat: bool
 ) -> Migration:
@@ -294,7 +283,8 @@ def _migrate(
     size = sum(len(contents[r.path]) for r in planned)
     count = max(1, min(jobs, len(planned)))
     fork = count > 1 and size >= PARALLEL_MIN_BYTES and can_fork()
-    shares = _shares(count if fork else 1, [len(contents[r.path]) for r in planned])
+    # At least one worker, also with no file to plan: it still looks through the others for calls.
+    shares = buckets(count if fork else 1, [len(contents[r.path]) for r in planned]) or [[]]
     with_reads = {r.path for r in planned}
     others = [(path, data) for path, data in contents.items() if path not in with_reads]
     chunk = -(-len(others) // TaskQueue.RECORDS)
