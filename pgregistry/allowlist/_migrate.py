@@ -194,14 +194,17 @@ class _Worker:
 
     def second(self, threaded: Threaded) -> _Done:
         done = _Done()
-        self.finish([self.plans[path] for path in sorted(self.plans)], threaded, done)
+        mention = _calls_of({function for _, function in threaded})
+        self.finish([self.plans[path] for path in sorted(self.plans)], threaded, mention, done)
         while (task := self.queue.take()) is not None:
-            self.look(self.others[task], threaded, done)
+            self.look(self.others[task], threaded, mention, done)
         return done
 
-    def look(self, files: Sequence[tuple[str, bytes]], threaded: Threaded, done: _Done) -> None:
-        """Plan and rewrite those of ``files`` (without reads) that call a threaded function."""
-        mention = _calls_of({function for _, function in threaded})
+    def look(
+        self, files: Sequence[tuple[str, bytes]], threaded: Threaded, mention: re.Pattern[bytes] | None, done: _Done
+    ) -> None:
+        """Plan and rewrite those of ``files`` (without reads) that call a threaded function (``mention``: a call
+        of one, None when there is none)."""
         done.looked += [path for path, _ in files]
         if mention is None:
             return
@@ -211,11 +214,12 @@ class _Worker:
                 planned = self._plan(path, data, (), mention)
                 if isinstance(planned, FilePlan):
                     plans.append(planned)
-        self.finish(plans, threaded, done)
+        self.finish(plans, threaded, mention, done)
 
-    def finish(self, plans: Sequence[FilePlan], threaded: Threaded, done: _Done) -> None:
+    def finish(
+        self, plans: Sequence[FilePlan], threaded: Threaded, mention: re.Pattern[bytes] | None, done: _Done
+    ) -> None:
         """The calls of ``plans`` that pass a threaded function its collection, and their rewrites."""
-        mention = _calls_of({function for _, function in threaded})
         if mention is not None:
             for plan in plans:
                 visit_mentions(plan, mention)
@@ -318,7 +322,7 @@ def _migrate(
     missed = [(path, data) for path, data in others if path not in looked]
     if missed:  # taken by a child that failed after taking them: looked through here
         done.append(_Done())
-        makers[0]().look(missed, threaded, done[-1])
+        makers[0]().look(missed, threaded, _calls_of({function for _, function in threaded}), done[-1])
     every = dict(left)
     for part in done:
         for path, read_ in part.reads:

@@ -886,18 +886,20 @@ def reexported(threaded: Mapping[tuple[str, str], str], packages: Mapping[str, b
     through the package (``from pkg import f``, ``pkg.f(...)``) is passed the collection too; chains of packages
     are followed. Module-level imports only (in ``if`` / ``try`` blocks too), read with :mod:`ast`."""
     found = dict(threaded)
-    names = {function for _, function in threaded}
+    if not found:
+        return found
+    named = re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted({f for _, f in found})) + rb")\b")
     imports: list[tuple[str, str, str, str]] = []  # (package, bound name, module, name)
     for path, data in packages.items():
-        if not names or not re.search(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")\b",
-                                       data):
+        if not named.search(data):
             continue
-        package = ".".join(path.split("/")[:-1])
+        parts = path.split("/")[:-1]
+        package = ".".join(parts)
         stack: list[ast.stmt] = list(ast.parse(data).body)
         while stack:
             node = stack.pop()
             if isinstance(node, ast.ImportFrom):
-                module = _absolute("." * node.level + (node.module or ""), path.split("/")[:-1])
+                module = _absolute("." * node.level + (node.module or ""), parts)
                 imports += [(package, a.asname or a.name, module, a.name) for a in node.names if a.name != "*"]
             elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
