@@ -20,8 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from pgregistry.allowlist._cli import _settings as allowlist_settings
 from pgregistry.allowlist._cli import add_settings_options
-from pgregistry.allowlist._config import ConfigError, Settings
+from pgregistry.allowlist._cli import run as allowlist_run
+from pgregistry.allowlist._config import ConfigError, Settings, find_config_file
 from pgregistry.allowlist._files import PathError, discover, project_path
 
 __all__ = ["add_command"]
@@ -74,9 +76,6 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
     """The ratchet's settings for these options, and whether a pyproject table configured them."""
-    from pgregistry.allowlist._cli import _settings as allowlist_settings
-    from pgregistry.allowlist._config import find_config_file
-
     if args.isolated and args.config is not None:
         raise ConfigError("--isolated and --config contradict each other: pass one")
     args.cache_dir = None
@@ -86,8 +85,6 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
 
 def _regenerate(args: argparse.Namespace) -> int:
     """``pgregistry allowlist update`` with the same settings and paths (its exit code)."""
-    from pgregistry.allowlist._cli import run as allowlist_run
-
     update = argparse.Namespace(**vars(args))
     update.allowlist_action = "update"
     update.format = "text"
