@@ -21,7 +21,7 @@ import signal
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO, Generic, Protocol, TypeVar
+from typing import IO, Protocol, TypeVar
 
 __all__ = ["TaskQueue", "Worker", "two_phases"]
 
@@ -80,7 +80,9 @@ class TaskQueue:
 
 
 @dataclass
-class _Child(Generic[First, Second]):
+class _Child:
+    """A forked worker as its parent sees it: its pipes, and whether it has failed or been reaped."""
+
     pid: int
     up: IO[bytes]
     down: IO[bytes] | None
@@ -161,7 +163,7 @@ def two_phases(
 ) -> tuple[list[First], list[Second] | None]:
     """Each worker's first phase, then ``between`` on their results in order (the instruction for each worker,
     or None to stop there), then each worker's second phase. Every worker runs here unless ``fork``."""
-    children: list[_Child[First, Second] | None] = [None]
+    children: list[_Child | None] = [None]
     try:
         for make in makers[1:] if fork else ():
             up_read, up_write = os.pipe()
