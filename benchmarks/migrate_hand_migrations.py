@@ -127,23 +127,21 @@ class _FieldReads(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def field_reads(data: bytes) -> dict[str, set[str]]:
+def field_reads(data: bytes) -> _FieldReads:
+    """The fields each scope of ``data`` reads, and the functions it passes its collection to."""
     visitor = _FieldReads()
     visitor.visit(ast.parse(data))
-    return visitor.fields
+    return visitor
 
 
-def passed_reads(root: Path, data: bytes, scope: str) -> dict[str, set[str]]:
-    """The fields read by the module-level functions of the tree at ``root`` that ``scope`` of ``data`` passes its
-    collection to (``f(x, pg_collection=pg_collection)``): callee name -> fields, found by ``def <name>(``."""
-    visitor = _FieldReads()
-    visitor.visit(ast.parse(data))
+def passed_reads(tree: dict[Path, bytes], callees: set[str]) -> dict[str, set[str]]:
+    """The fields read by the module-level functions ``callees`` (a scope passes them its collection,
+    ``f(x, pg_collection=pg_collection)``), found in the files of ``tree`` that say ``def <name>(``: name -> fields."""
     found: dict[str, set[str]] = {}
-    for callee in sorted(visitor.passes.get(scope, ())):
-        for path in root.rglob("*.py"):
-            text = path.read_bytes()
+    for callee in sorted(callees):
+        for text in tree.values():
             if f"def {callee}(".encode() in text:
-                found.setdefault(callee, set()).update(field_reads(text).get(callee, set()))
+                found.setdefault(callee, set()).update(field_reads(text).fields.get(callee, set()))
     return found
 
 
@@ -195,20 +193,22 @@ def compare(repository: Path, commit: str, title: str) -> Comparison:
             line for line in output.splitlines()
             if not line.startswith("      ") or any(f" {name}:" in f" {line.strip()}" for name in files)
         )
+        tree = {path: path.read_bytes() for path in root.rglob("*.py")}  # the tool's version, read once
         for name in files:
-            after_tool = (root / name).read_bytes()
+            after_tool = tree[root / name]
             after_authors = git(repository, "show", f"{commit}:{name}")
             keys_before = read_keys(before[name], name)
             removed_by_authors = keys_before - read_keys(after_authors, name)
             comparison.by_authors += Counter({(f"{name}:{s}", a): n for (s, a), n in removed_by_authors.items()})
             removed_by_tool = keys_before - read_keys(after_tool, name)
             comparison.by_tool += Counter({(f"{name}:{s}", a): n for (s, a), n in removed_by_tool.items()})
-            fields_before = field_reads(before[name])
-            fields_authors = field_reads(after_authors)
-            fields_tool = field_reads(after_tool)
+            fields_before = field_reads(before[name]).fields
+            fields_authors = field_reads(after_authors).fields
+            tool_reads = field_reads(after_tool)
+            fields_tool = tool_reads.fields
             for scope in sorted({scope for scope, _ in removed_by_authors}):
                 new_authors = fields_authors.get(scope, set()) - fields_before.get(scope, set())
-                through = passed_reads(root, after_tool, scope)
+                through = passed_reads(tree, tool_reads.passes.get(scope, set()))
                 tool_fields = fields_tool.get(scope, set()) | {f for fields in through.values() for f in fields}
                 comparison.functions.append((name, scope, new_authors, tool_fields))
                 comparison.through[(name, scope)] = through
