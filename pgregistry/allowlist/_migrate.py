@@ -70,10 +70,9 @@ def _read(source: SourceFile) -> tuple[bytes, int] | FileResult:
 
 @dataclass
 class _Parsed:
-    """A file's libcst tree (of its skeleton, where it has one), its :mod:`ast` tree and the placeholders."""
+    """A file's libcst tree (of its skeleton, where it has one) and the placeholders."""
 
     tree: object
-    syntax: ast.Module
     kept: dict[str, str]
 
 
@@ -90,7 +89,7 @@ def _parse(
     except cst.ParserSyntaxError as error:
         return FileResult(path, failure=ParseFailure(f"libcst cannot parse it: {error.message}", error.raw_line,
                                                      error.raw_column + 1))
-    return _Parsed(tree, syntax, frame.decoded(tree.encoding) if frame is not None else {})
+    return _Parsed(tree, frame.decoded(tree.encoding) if frame is not None else {})
 
 
 def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
@@ -173,11 +172,12 @@ class _Worker:
         import libcst as cst
 
         named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
-        parsed = _parse(path, data, ast.parse(data), needed_by(data, {s.line for s in sites}, calls, named))
+        syntax = ast.parse(data)
+        parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
         if isinstance(parsed, FileResult):
             return parsed
         assert isinstance(parsed.tree, cst.Module)
-        plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, parsed.syntax,
+        plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
                          gtp_remat=self.gtp_remat)
         plan.kept = parsed.kept
         return plan
