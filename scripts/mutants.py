@@ -461,7 +461,7 @@ MUTANTS: tuple[Mutant, ...] = (
         find='    warn_fallback(owner, "pg_collection")\n    from megatron.core.process_groups_config',
         replace="    from megatron.core.process_groups_config",
         tests=(
-            "tests/allowlist/test_migrate_world.py::"
+            "tests/migrate/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
         ),
     ),
@@ -500,78 +500,78 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="door-at-the-top",
         bug="migrate resolves the collection at the function's top, so a caller that gave its group still warns",
-        file="pgregistry/allowlist/_migrate_rewrite.py",
+        file="pgregistry/migrate/_rewrite.py",
         find="at = max(function.door_at, 1 if body and _docstring(body[0]) else 0)",
         replace="at = 1 if body and _docstring(body[0]) else 0",
         tests=(
-            "tests/allowlist/test_migrate.py::"
+            "tests/migrate/test_migrate_rewrites.py::"
             "test_the_door_opens_before_the_first_statement_that_needs_it_so_an_early_return_never_warns",
         ),
     ),
     Mutant(
         name="amax-choice-ignored",
         bug="migrate reads the data-parallel amax group where tp_only_amax_red= picks the tensor-parallel one",
-        file="pgregistry/allowlist/_migrate_plan.py",
+        file="pgregistry/migrate/_plan.py",
         find="read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field",
         replace="read.when, read.when_field = cst.Module([]).code_for_node(flag), choice.field",
         tests=(
-            "tests/allowlist/test_migrate_world.py::"
+            "tests/migrate/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
         ),
     ),
     Mutant(
         name="builder-reads-what-it-fills",
         bug="migrate rewrites a hand-written builder's reads into the fields of the collection it is filling",
-        file="pgregistry/allowlist/_migrate_plan.py",
+        file="pgregistry/migrate/_plan.py",
         find='read.way, read.mode, read.collection = BUILDER, "direct", function.shim_name',
         replace='read.way, read.mode, read.collection = BUILDER, "direct", name',
         tests=(
-            "tests/allowlist/test_migrate_world.py::"
+            "tests/migrate/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
-            "tests/allowlist/test_migrate.py::"
+            "tests/migrate/test_migrate_rewrites.py::"
             "test_a_function_that_builds_the_collection_from_the_globals_reads_one_shim_of_its_class",
         ),
     ),
     Mutant(
         name="skeleton-hides-callers",
         bug="migrate's skeleton stands in for the definitions that call a threaded function, so they never pass it",
-        file="pgregistry/allowlist/_migrate_skeleton.py",
+        file="pgregistry/migrate/_skeleton.py",
         find="return bool((calls is not None and calls.search(text)) or (member and name.search(text)))",
         replace="return bool(member and name.search(text))",
-        tests=("tests/allowlist/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
+        tests=("tests/migrate/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
     ),
     Mutant(
         name="skeleton-placeholders-counted-as-code",
         bug="migrate counts a touched class's names without its stood-in members, and drops an import they use",
-        file="pgregistry/allowlist/_migrate_rewrite.py",
+        file="pgregistry/migrate/_rewrite.py",
         find="new.update(_uses(_restored(plan, render.statement(statement))))",
         replace="new.update(_uses(render.statement(statement)))",
-        tests=("tests/allowlist/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
+        tests=("tests/migrate/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
     ),
     Mutant(
         name="split-run-knows-one-share",
         bug="migrate split across processes tells each worker only the first worker's threaded functions",
-        file="pgregistry/allowlist/_migrate.py",
+        file="pgregistry/migrate/_engine.py",
         find="threaded.update({key: value for first in firsts for key, value in first.threaded.items()})",
         replace="threaded.update(firsts[0].threaded)",
-        tests=("tests/allowlist/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
+        tests=("tests/migrate/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
     ),
     Mutant(
         name="unused-import-by-ascii-text",
         bug="migrate drops an import still read in an untouched function that spells it with a normalised letter",
-        file="pgregistry/allowlist/_migrate_rewrite.py",
+        file="pgregistry/migrate/_rewrite.py",
         find="if word.search(text) or not text.isascii()]",
         replace="if word.search(text)]",
-        tests=("tests/allowlist/test_migrate.py::"
+        tests=("tests/migrate/test_migrate_rewrites.py::"
                "test_an_import_the_rewrite_stops_reading_stays_while_another_function_reads_it",),
     ),
     Mutant(
         name="split-run-loses-a-dead-childs-files",
         bug="migrate split across processes forgets the files a child took to look through before it died",
-        file="pgregistry/allowlist/_migrate.py",
+        file="pgregistry/migrate/_engine.py",
         find="    if missed:  # taken by a child that failed after taking them: looked through here",
         replace="    if False:  # taken by a child that failed after taking them: looked through here",
-        tests=("tests/allowlist/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
+        tests=("tests/migrate/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
     ),
     Mutant(
         name="migrate-field-table-of-one-release",
@@ -579,8 +579,8 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/allowlist/_fixes.py",
         find="    if gtp_remat and axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
         replace="    if axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
-        tests=("tests/allowlist/test_migrate_source.py::test_a_data_parallel_read_is_the_field_of_the_codes_release",
-               "tests/allowlist/test_migrate_source.py::"
+        tests=("tests/migrate/test_migrate_megatron_release.py::test_a_data_parallel_read_is_the_field_of_the_codes_release",
+               "tests/migrate/test_migrate_megatron_release.py::"
                "test_migrate_rewrites_with_the_table_of_the_projects_megatron_core"),
     ),
 )

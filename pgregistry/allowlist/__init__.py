@@ -17,10 +17,10 @@ accessor, so edits that only move code do not disturb it. The modules:
 - :mod:`~pgregistry.allowlist._fixes`: each accessor's replacement from the collection;
 - :mod:`~pgregistry.allowlist._megatron_list`: importing Megatron-LM's line-keyed allowlist;
 - :mod:`~pgregistry.allowlist._report`: text, JSON and GitHub-annotation output;
-- :mod:`~pgregistry.allowlist._cli`: the ``allowlist`` sub-command;
-- :mod:`~pgregistry.allowlist._migrate` (with ``_migrate_plan``, ``_migrate_idioms``, ``_migrate_rewrite``,
-  ``_migrate_files``, ``_migrate_report``): ``pgregistry migrate``, which rewrites the reads with libcst (an
-  optional extra, imported by these modules only).
+- :mod:`~pgregistry.allowlist._cli`: the ``allowlist`` sub-command.
+
+``pgregistry migrate``, which rewrites the reads this package finds, is its own package:
+:mod:`pgregistry.migrate`.
 
 This package root imports nothing, so ``import pgregistry.allowlist`` stays as cheap as ``import pgregistry``.
 """

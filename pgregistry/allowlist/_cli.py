@@ -49,7 +49,7 @@ from pgregistry.allowlist._report import (
 from pgregistry.allowlist._scanner import FileResult
 from pgregistry.allowlist._storage import StorageError, exclusive
 
-__all__ = ["add_command", "add_settings_options", "configure", "main", "run"]
+__all__ = ["add_command", "add_settings_options", "configure", "main", "run", "settings_from_options"]
 
 _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
@@ -196,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def settings_from_options(args: argparse.Namespace) -> Settings:
+    """The scan settings a command's options give: the config file (or none with ``--isolated``), overridden by
+    the options; shared by ``allowlist`` and ``migrate`` so both scan the same reads."""
     cwd = Path.cwd()
     if args.isolated:
         config_file = None
@@ -253,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     if empty is not None:
         return _error(empty, fmt)
     try:
-        settings = _settings(args)
+        settings = settings_from_options(args)
         targets, covers = _targets(args, settings)
         found = discover(targets, settings.root, settings.exclude)
     except (ConfigError, PathError) as error:

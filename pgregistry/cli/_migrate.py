@@ -20,8 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pgregistry.allowlist._cli import _settings as allowlist_settings
-from pgregistry.allowlist._cli import add_settings_options
+from pgregistry.allowlist._cli import add_settings_options, settings_from_options
 from pgregistry.allowlist._cli import run as allowlist_run
 from pgregistry.allowlist._config import ConfigError, Settings, find_config_file
 from pgregistry.allowlist._files import PathError, discover, project_path
@@ -80,7 +79,7 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
         raise ConfigError("--isolated and --config contradict each other: pass one")
     args.cache_dir = None
     configured = not args.isolated and (args.config is not None or find_config_file(Path.cwd()) is not None)
-    return allowlist_settings(args), configured
+    return settings_from_options(args), configured
 
 
 def _regenerate(args: argparse.Namespace) -> int:
@@ -102,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         return _error("needs libcst, an optional extra: pip install 'pgregistry[migrate]'")
     from pgregistry.allowlist._engine import default_jobs
-    from pgregistry.allowlist._migrate import migrate
-    from pgregistry.allowlist._migrate_files import WriteError, unified_diff, write_changes
-    from pgregistry.allowlist._migrate_report import render_failures, render_report
-    from pgregistry.allowlist._migrate_source import megatron_source
+    from pgregistry.migrate._engine import migrate
+    from pgregistry.migrate._megatron_release import megatron_source
+    from pgregistry.migrate._report import render_failures, render_report
+    from pgregistry.migrate._writing import WriteError, unified_diff, write_changes
 
     try:
         settings, configured = _settings(args)

@@ -1,3 +1,3 @@
-from allowlist_support import project
+from fixtures.scan_projects import project
 
 __all__ = ["project"]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from allowlist_support import THREE, Project, git
+from fixtures.scan_projects import THREE, Project, git
 
 from pgregistry.allowlist._baseline import base_limits
 from pgregistry.allowlist._cli import main as allowlist_main

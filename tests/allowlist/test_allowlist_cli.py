@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from allowlist_support import Project
+from fixtures.scan_projects import Project
 
 from pgregistry.allowlist._cli import configure
 from pgregistry.allowlist._cli import main as allowlist_main

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from allowlist_support import Project
+from fixtures.scan_projects import Project
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK = REPO / "tools" / "allowlist_hook.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from allowlist_support import Project
+from fixtures.scan_projects import Project
 
 from pgregistry.allowlist._cli import main as allowlist_main
 

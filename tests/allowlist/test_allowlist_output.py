@@ -5,7 +5,7 @@ git), ``stats`` on a subset, and ``stats --since`` against an earlier revision o
 from __future__ import annotations
 
 import pytest
-from allowlist_support import THREE, Project, git
+from fixtures.scan_projects import THREE, Project, git
 
 from pgregistry.allowlist._cli import main as allowlist_main
 from pgregistry.allowlist._report import GITHUB_ANNOTATION_CAP

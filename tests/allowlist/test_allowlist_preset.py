@@ -6,7 +6,7 @@ NeMo RL), scanned at the path it has there, so relative imports resolve as they 
 from __future__ import annotations
 
 import pytest
-from allowlist_support import Project, keys, scan
+from fixtures.scan_projects import Project, keys, scan
 
 from pgregistry.allowlist._cli import main as allowlist_main
 from pgregistry.allowlist._config import PRESETS, ScanConfig

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from allowlist_support import scan
+from fixtures.scan_projects import scan
 
 from pgregistry.allowlist._ratchet import ALLOWLIST_VERSION, Allowlist, AllowlistError, compare
 from pgregistry.allowlist._scanner import FileResult

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from allowlist_support import Project
+from fixtures.scan_projects import Project
 
 from pgregistry.allowlist import _ratchet as ratchet
 from pgregistry.allowlist._cli import main as allowlist_main

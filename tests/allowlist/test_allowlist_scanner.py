@@ -4,7 +4,7 @@ sources that cannot be parsed reported with their line."""
 from __future__ import annotations
 
 import pytest
-from allowlist_support import keys, scan
+from fixtures.scan_projects import keys, scan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -14,11 +14,11 @@ import pytest
 
 cst = pytest.importorskip("libcst")
 
-from pgregistry.allowlist import _migrate  # noqa: E402
 from pgregistry.allowlist._config import PRESETS  # noqa: E402
 from pgregistry.allowlist._files import SourceFile  # noqa: E402
-from pgregistry.allowlist._migrate import migrate  # noqa: E402
-from pgregistry.allowlist._migrate_skeleton import restore, skeleton  # noqa: E402
+from pgregistry.migrate import _engine as _migrate  # noqa: E402
+from pgregistry.migrate._engine import migrate  # noqa: E402
+from pgregistry.migrate._skeleton import restore, skeleton  # noqa: E402
 
 #: A module with every kind of definition around the reads: decorated, one-line, async, nested classes,
 #: members with and without reads, a method that binds ``self.pg_collection`` and callers of threaded functions.

@@ -15,7 +15,7 @@ pytest.importorskip("libcst")
 
 from pgregistry.allowlist._config import PRESETS  # noqa: E402
 from pgregistry.allowlist._files import SourceFile  # noqa: E402
-from pgregistry.allowlist._migrate import Migration, migrate  # noqa: E402
+from pgregistry.migrate._engine import Migration, migrate  # noqa: E402
 
 HEAD = "from megatron.core import parallel_state as ps\n"
 #: ``HEAD`` once its name is unused: a submodule import may be what imports it first, so it stays.

@@ -1,4 +1,4 @@
-"""Apply a :class:`~pgregistry.allowlist._migrate_plan.FilePlan` to its libcst tree: the new source text.
+"""Apply a :class:`~pgregistry.migrate._plan.FilePlan` to its libcst tree: the new source text.
 
 Only the nodes planning named change; libcst keeps every other byte (comments, blank lines, quotes,
 parentheses). In order: each planned read becomes its replacement (parenthesised where it is an operand and a
@@ -17,9 +17,9 @@ from collections.abc import Iterable, Sequence
 
 import libcst as cst
 
-from pgregistry.allowlist._migrate_idioms import Idiom
-from pgregistry.allowlist._migrate_plan import LEFT, FilePlan, Function
-from pgregistry.allowlist._migrate_skeleton import restore
+from pgregistry.migrate._idioms import Idiom
+from pgregistry.migrate._plan import LEFT, FilePlan, Function
+from pgregistry.migrate._skeleton import restore
 
 __all__ = ["UnrestorableError", "rewrite"]
 

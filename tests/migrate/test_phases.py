@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pgregistry.allowlist._phases import TaskQueue, two_phases
+from pgregistry.migrate._phases import TaskQueue, two_phases
 
 
 @dataclass

@@ -1,17 +1,17 @@
 """``pgregistry migrate``'s engine: the files of a run to their planned rewrites, across the whole tree.
 
 1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist`` counts).
-2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.allowlist._migrate_plan`).
+2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.migrate._plan`).
 3. Parse the other files that mention a function a collection was threaded into, so their calls can pass one.
-4. Rewrite (:mod:`~pgregistry.allowlist._migrate_rewrite`) and check that each new text still compiles: a
+4. Rewrite (:mod:`~pgregistry.migrate._rewrite`) and check that each new text still compiles: a
    rewrite that would not is refused, never written.
 
-Steps 2 to 4 are split by file across the cores (:mod:`~pgregistry.allowlist._phases`), with one exchange
+Steps 2 to 4 are split by file across the cores (:mod:`~pgregistry.migrate._phases`), with one exchange
 after step 2: which functions were threaded. The files of step 3 are not split in advance but taken from a
 queue by whichever worker is free (what the rest of the work costs is only known once it is done). The result
 does not depend on the split.
 
-Nothing here writes: :mod:`~pgregistry.allowlist._migrate_files` does, once every file has been planned.
+Nothing here writes: :mod:`~pgregistry.migrate._writing` does, once every file has been planned.
 libcst is imported here and below only, so ``pgregistry`` and the ratchet run without it.
 """
 
@@ -28,9 +28,10 @@ from functools import partial
 from pgregistry.allowlist._config import ScanConfig
 from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, buckets, can_fork, scan_sources
 from pgregistry.allowlist._files import SourceFile
-from pgregistry.allowlist._migrate_files import Change
-from pgregistry.allowlist._migrate_idioms import Idiom, idiom
-from pgregistry.allowlist._migrate_plan import (
+from pgregistry.allowlist._scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
+from pgregistry.migrate._idioms import Idiom, idiom
+from pgregistry.migrate._phases import TaskQueue, two_phases
+from pgregistry.migrate._plan import (
     FilePlan,
     Read,
     left_by_site,
@@ -40,10 +41,9 @@ from pgregistry.allowlist._migrate_plan import (
     threaded_functions,
     visit_mentions,
 )
-from pgregistry.allowlist._migrate_rewrite import UnrestorableError, rewrite
-from pgregistry.allowlist._migrate_skeleton import needed_by, skeleton
-from pgregistry.allowlist._phases import TaskQueue, two_phases
-from pgregistry.allowlist._scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
+from pgregistry.migrate._rewrite import UnrestorableError, rewrite
+from pgregistry.migrate._skeleton import needed_by, skeleton
+from pgregistry.migrate._writing import Change
 
 __all__ = ["Migration", "migrate"]
 
@@ -107,7 +107,7 @@ def migrate(
 ) -> Migration:
     """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
     collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has GTP remat
-    (:mod:`~pgregistry.allowlist._migrate_source`). ``ValueError`` for an unknown target or a name that is no
+    (:mod:`~pgregistry.migrate._megatron_release`). ``ValueError`` for an unknown target or a name that is no
     identifier.
 
     The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles the run
@@ -152,7 +152,7 @@ class _Done:
 
 @dataclass
 class _Worker:
-    """Plans, then rewrites, one share of the files with reads (see :mod:`~pgregistry.allowlist._phases`); then,
+    """Plans, then rewrites, one share of the files with reads (see :mod:`~pgregistry.migrate._phases`); then,
     with the others, looks through the files without reads for calls of the threaded functions, taking them from
     ``queue`` in chunks (how long the rest takes is not known in advance, so they are not split in advance)."""
 

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from allowlist_support import Project
+from fixtures.scan_projects import Project
 
 pytest.importorskip("libcst")
 
 from pgregistry.allowlist._files import SourceFile  # noqa: E402
-from pgregistry.allowlist._migrate_files import Change, WriteError, write_changes  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
+from pgregistry.migrate._writing import Change, WriteError, write_changes  # noqa: E402
 
 SOURCE = """\
 from megatron.core import parallel_state as ps

@@ -27,8 +27,8 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from pgregistry.allowlist._fixes import FieldChoice, collection_field
-from pgregistry.allowlist._migrate_skeleton import line_starts, lines, span
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+from pgregistry.migrate._skeleton import line_starts, lines, span
 
 __all__ = [
     "FALLBACK",
@@ -643,7 +643,7 @@ def plan_file(
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
     and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
-    (:mod:`~pgregistry.allowlist._migrate_skeleton`): a placeholder is never walked, its definition's name is
+    (:mod:`~pgregistry.migrate._skeleton`): a placeholder is never walked, its definition's name is
     taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
     data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`)."""
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
-from pgregistry.allowlist._migrate_plan import LEFT, WAYS, Read
 from pgregistry.allowlist._report import FAMILIES, family_of
 from pgregistry.allowlist._scanner import FileResult
+from pgregistry.migrate._plan import LEFT, WAYS, Read
 
 __all__ = ["render_failures", "render_report", "tally"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pgregistry.allowlist._migrate_plan import Read
+from pgregistry.migrate._plan import Read
 
 __all__ = ["TARGETS", "WIDTH", "Idiom", "idiom"]
 

@@ -18,7 +18,7 @@ pytest.importorskip("libcst")
 
 from pgregistry.allowlist._config import PRESETS  # noqa: E402
 from pgregistry.allowlist._files import SourceFile  # noqa: E402
-from pgregistry.allowlist._migrate import migrate  # noqa: E402
+from pgregistry.migrate._engine import migrate  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
 SOURCE = textwrap.dedent("""\

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from allowlist_support import Project
+from fixtures.scan_projects import Project
 
 from pgregistry.allowlist._fixes import FieldChoice, collection_field
-from pgregistry.allowlist._migrate_source import megatron_source
+from pgregistry.migrate._megatron_release import megatron_source
 
 #: The accessor's signature before and since GTP remat (Megatron-Core's parallel_state.py).
 BEFORE = "def get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False):\n    ...\n"

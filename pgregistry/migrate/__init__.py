@@ -1,0 +1,21 @@
+"""``pgregistry migrate``: rewrite reads of global process-group state into reads of a collection.
+
+Built on the allowlist's scanner and field table (:mod:`pgregistry.allowlist`): the reads the ratchet counts are
+the reads this package rewrites. libcst (the ``migrate`` extra) is imported by the modules below only, so
+``import pgregistry.migrate`` stays as cheap as ``import pgregistry``. The modules, in the order a run uses them:
+
+- :mod:`~pgregistry.migrate._engine`: the run over a tree (scan, plan, rewrite, compile-check), split across cores;
+- :mod:`~pgregistry.migrate._phases`: work in two phases across processes, with one exchange between them;
+- :mod:`~pgregistry.migrate._skeleton`: the part of a file libcst parses, and a statement's lines and span;
+- :mod:`~pgregistry.migrate._megatron_release`: which Megatron-Core the migrated code runs against;
+- :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left) and which
+  calls pass a collection;
+- :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code;
+- :mod:`~pgregistry.migrate._rewrite`: the libcst transformer, imports added and pruned;
+- :mod:`~pgregistry.migrate._writing`: diffs, and checked, atomic writes;
+- :mod:`~pgregistry.migrate._report`: what a run did, per family of reads.
+
+The command itself is :mod:`pgregistry.cli._migrate`.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+from fixtures.scan_projects import project
+
+__all__ = ["project"]
