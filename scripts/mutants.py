@@ -445,6 +445,23 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/recovery/test_recovery_checks.py::test_only_a_replicated_optimizer_carries_over",),
     ),
     Mutant(
+        name="leaving-ranks-steps-compared",
+        bug="recovery compares the committed steps of the ranks leaving with a lost one too: survivors that agree "
+        "are refused because a rank that leaves applied another step",
+        file="pgregistry/recovery.py",
+        find='staying = {r: rec["step"] for r, rec in records.items() if r in shrunk.rank_map}',
+        replace='staying = {r: rec["step"] for r, rec in records.items()}',
+        tests=("tests/recovery/test_recover_gloo.py::test_only_the_steps_of_the_ranks_that_go_on_are_compared",),
+    ),
+    Mutant(
+        name="committed-step-of-a-leaving-rank",
+        bug="recovery resumes from the step the lowest checked-in rank committed, though that rank leaves",
+        file="pgregistry/recovery.py",
+        find="    return shrunk, next(iter(staying.values()))",
+        replace='    return shrunk, records[min(records)]["step"]',
+        tests=("tests/recovery/test_recover_gloo.py::test_only_the_steps_of_the_ranks_that_go_on_are_compared",),
+    ),
+    Mutant(
         name="statistics-read-expert-fields-of-a-dense-model",
         bug="grad_norm and count_zeros read the expert fields of a model without experts from the global grid",
         file="pgregistry/grad_stats/_plan.py",

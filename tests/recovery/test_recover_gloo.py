@@ -381,3 +381,44 @@ def test_survivors_told_different_lost_ranks_all_refuse() -> None:
     assert all(m.startswith("the survivors were told different lost ranks (rank ") for m in refused), refused
     assert all(m.endswith("give every survivor the same lost ranks") for m in refused), refused
     assert all("had decided without it" in m for m in late), late
+
+
+def _recover_with_steps(rank: int, store: dist.Store, calls: list[dict[int, int]]) -> list[tuple[str, str]]:
+    """TP 2 x DP 2, rank 0 told lost (rank 1 leaves with it): one ``recover`` per entry of ``calls``, each rank
+    saying it committed the step the entry gives it. How each call ended on this rank."""
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    pg = build(ParallelLayout(num_ranks=4, tp=2), name="job", timeout=TIMEOUT_S)
+    out = []
+    for steps in calls:
+        try:
+            recovered = recover(pg, store, committed_step=steps.get(rank, 0), lost=[0], wait=WAIT_S,
+                                timeout=TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - the outcome is the result
+            out.append((type(error).__name__, str(error)))
+            continue
+        out.append(("ok", f"rank {recovered.rank} of {dist.get_world_size()}, step {recovered.committed_step}"))
+    return out
+
+
+def test_only_the_steps_of_the_ranks_that_go_on_are_compared() -> None:
+    # Rank 0 is lost and its replica-mate rank 1 leaves with it: rank 1's committed step is no survivor's business
+    # (it may have applied a step the others did not, as a rank dying inside the commit leaves it). First ranks 2
+    # and 3, who go on, disagree (4 and 5): every checked-in rank raises naming those two, not rank 1. Then ranks 2
+    # and 3 agree on 5 while rank 1 says 6: they go on from 5, and rank 1 leaves.
+    calls = [{1: 6, 2: 5, 3: 4}, {1: 6, 2: 5, 3: 5}]
+    results = run_faulty_world(4, lambda rank, store: _recover_with_steps(rank, store, calls),
+                               collective_timeout=TIMEOUT_S)
+    outcomes = {rank: outcome for rank, (kind, outcome) in results.items() if kind == "ok"}
+    assert len(outcomes) == 4, results
+    for rank in (1, 2, 3):
+        assert outcomes[rank][0] == (
+            "RuntimeError", "the survivors committed different steps (rank 2: 5; rank 3: 4): the fault hit inside the "
+            "commit, so some applied a step others did not. Reload a checkpoint",
+        ), (rank, outcomes[rank][0])
+    assert outcomes[1][1][0] == "LeftWithReplica", outcomes[1][1]
+    assert outcomes[2][1] == ("ok", "rank 0 of 2, step 5") and outcomes[3][1] == ("ok", "rank 1 of 2, step 5")
+    for call in range(2):
+        assert outcomes[0][call][1].startswith("rank 0 called recover but is among the lost ranks [0]")
