@@ -368,6 +368,31 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="inf-norm-nan-flag-left-out-of-the-verdict",
+        bug="the clip's job-wide verdict reads an inf-norm's NaN from the norm column, where the row keeps it as 0 "
+        "(its NaN travels as a flag): a NaN on one data-parallel replica skips the clip there, the other clips",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if wanted.infinite:\n"
+        "        seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))\n",
+        replace="",
+        tests=(
+            "tests/grad_stats/test_inf_norm_verdict_across_replicas.py::"
+            "test_a_non_finite_grad_on_one_replica_gives_every_replica_the_same_inf_norm_verdict[nan]",
+        ),
+    ),
+    Mutant(
+        name="inf-norm-verdict-not-reduced-across-replicas",
+        bug="the inf-norm's non-finite verdict is not all-reduced over intra_dist_opt: each data-parallel replica "
+        "decides alone",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if verdict_groups and wanted.p is not None:\n",
+        replace="    if verdict_groups and wanted.p is not None and not wanted.infinite:\n",
+        tests=(
+            "tests/grad_stats/test_inf_norm_verdict_across_replicas.py::"
+            "test_a_non_finite_grad_on_one_replica_gives_every_replica_the_same_inf_norm_verdict",
+        ),
+    ),
+    Mutant(
         name="max-norm-refused-on-its-rank-alone",
         bug="MultiModuleOptimizer.step raises on the rank given a bad max_norm before the world all-reduce, and the "
         "other ranks wait in it (a string on one rank hung three)",
