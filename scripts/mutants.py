@@ -429,6 +429,40 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="roll-call-waits-its-cap",
+        bug="the roll call after a failed collective waits its 10 s cap, not the caller's shorter timeout",
+        file="pgregistry/_attendance.py",
+        find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        replace="_ROLL_CALL_S + _MARGIN_S",
+        tests=(
+            "tests/core/test_attendance_roll_call.py::"
+            "test_the_roll_call_waits_the_callers_timeout_and_hears_a_rank_that_answers_within_it",
+        ),
+    ),
+    Mutant(
+        name="roll-call-waits-twice-the-timeout",
+        bug="the roll call after a failed collective waits twice the caller's timeout",
+        file="pgregistry/_attendance.py",
+        find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        replace="2 * min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        tests=(
+            "tests/core/test_attendance_roll_call.py::"
+            "test_the_roll_call_waits_the_callers_timeout_and_hears_a_rank_that_answers_within_it",
+        ),
+    ),
+    Mutant(
+        name="roll-call-waits-the-margin-only",
+        bug="the roll call after a failed collective waits its margin only: a rank that fails later, within the "
+        "timeout, is named as silent",
+        file="pgregistry/_attendance.py",
+        find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        replace="_MARGIN_S",
+        tests=(
+            "tests/core/test_attendance_roll_call.py::"
+            "test_the_roll_call_waits_the_callers_timeout_and_hears_a_rank_that_answers_within_it",
+        ),
+    ),
+    Mutant(
         name="build-agreement-unbounded",
         bug="a build's world all-reduces wait the world's timeout, not the build's: a rank killed in a build left "
         "the ranks not connected to it waiting",
