@@ -504,6 +504,38 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/recovery/test_recovery_checks.py::test_only_a_replicated_optimizer_carries_over",),
     ),
     Mutant(
+        name="survivors-not-confirmed",
+        bug="recovery takes the first decision as final: a rank that checked in and then died is still named a "
+        "survivor, and the re-formation fails on the others (issue 41)",
+        file="pgregistry/_survivors.py",
+        find="        if confirmed == survivors:\n",
+        replace="        if True:\n",
+        tests=("tests/recovery/test_recover_gloo.py::test_a_survivor_lost_after_its_check_in_is_lost_like_the_first",),
+    ),
+    Mutant(
+        name="store-lost-unnamed",
+        bug="recover lets the store's network error through when the store's host died while the survivors agree: "
+        "DistNetworkError 'Broken pipe', nothing saying the store was lost or what to do (issue 41)",
+        file="pgregistry/recovery.py",
+        find="    except dist.DistNetworkError as error:\n        raise StoreLost(",
+        replace="    except ZeroDivisionError as error:\n        raise StoreLost(",
+        tests=(
+            "tests/recovery/test_recover_store_lost.py::"
+            "test_the_stores_host_lost_is_named_on_every_survivor_as_not_survivable[agreement]",
+        ),
+    ),
+    Mutant(
+        name="store-lost-read-as-a-second-failure",
+        bug="a store lost while the world is re-formed is reported as a lost survivor",
+        file="pgregistry/recovery.py",
+        find="        if not _answers(store):\n",
+        replace="        if False:\n",
+        tests=(
+            "tests/recovery/test_recover_store_lost.py::"
+            "test_the_stores_host_lost_is_named_on_every_survivor_as_not_survivable[re-formation]",
+        ),
+    ),
+    Mutant(
         name="leaving-ranks-steps-compared",
         bug="recovery compares the committed steps of the ranks leaving with a lost one too: survivors that agree "
         "are refused because a rank that leaves applied another step",

@@ -331,8 +331,8 @@ def _second_failure(rank: int, store: dist.Store) -> tuple[str, str]:
 
     pg = build(ParallelLayout(num_ranks=4, tp=2), name="job", timeout=TIMEOUT_S)
 
-    def die_once_decided() -> None:  # rank 1 is lost after the survivors decided, before the world is re-formed
-        while not store.check(["pgregistry/recovery/0/decision"]):
+    def die_once_decided() -> None:  # rank 1 is lost after the survivors confirmed, before the world is re-formed
+        while not store.check(["pgregistry/recovery/0/confirm/0/decision"]):
             time.sleep(0.001)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -351,9 +351,14 @@ def test_a_survivor_lost_while_the_world_is_re_formed_is_named_on_the_others() -
     assert results[2][1][0] == "LeftWithReplica"
     kind, (name, message) = results[0]
     assert (kind, name) == ("ok", "RuntimeError"), results[0]
-    assert message.startswith("a second failure during recovery: re-forming the world of generation 1 over old "
-                              "ranks [0, 1] (rank 0 -> 0) failed: ")
-    assert message.endswith("A survivor was lost after the survivors decided; restart from a checkpoint")
+    # Rank 0 fails while the default group is re-formed, or (rank 1 killed just after it joined) while the groups
+    # are built on it.
+    assert message.startswith("a second failure during recovery, after the survivors had confirmed who goes on: rank "
+                              "0 (-> 0) failed while the "), message
+    assert ("the default group of generation 1 was re-formed over old ranks [0, 1], so" in message
+            or "were built on the re-formed world of generation 1, so" in message), message
+    assert ("a rank that was to go on was lost (or stopped) after the decision. Recovery cannot go on from here: end "
+            "every process and restart the job from the last checkpoint. The backend said: ") in message
 
 
 def _told_apart(rank: int, store: dist.Store) -> tuple[str, str]:
@@ -422,3 +427,48 @@ def test_only_the_steps_of_the_ranks_that_go_on_are_compared() -> None:
     assert outcomes[2][1] == ("ok", "rank 0 of 2, step 5") and outcomes[3][1] == ("ok", "rank 1 of 2, step 5")
     for call in range(2):
         assert outcomes[0][call][1].startswith("rank 0 called recover but is among the lost ranks [0]")
+
+
+class _DiesAfterCheckIn(dist.Store):
+    """A store through which its rank dies inside ``recover`` once it has checked in (its record written and counted),
+    before the survivors decide: a second failure, named by the decision."""
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()
+        self._store = store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        total = self._store.add(key, amount)
+        if key.endswith("/count"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return total
+
+
+def _second_loss_before_the_decision(rank: int, store: dist.Store, told: bool) -> tuple[Any, ...]:
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    pg = build(ParallelLayout(num_ranks=4), name="job", timeout=TIMEOUT_S)
+    if rank == 3:  # the first loss
+        os.kill(os.getpid(), signal.SIGKILL)
+    recovered = recover(pg, _DiesAfterCheckIn(store) if rank == 1 else store, committed_step=0,
+                        lost=[3] if told else None, wait=2.0, timeout=TIMEOUT_S)
+    check = torch.ones(1)
+    dist.all_reduce(check)  # the re-formed world works
+    return recovered.shrunk.lost, recovered.rank, dist.get_world_size(), float(check)
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["told", "found-by-the-check-ins"])
+def test_a_survivor_lost_after_its_check_in_is_lost_like_the_first(told: bool) -> None:
+    # DP 4: rank 3 is lost, then rank 1 dies inside recover after its check-in, before the decision (which names
+    # it). The confirmation round finds it silent: ranks 0 and 2 go on as a world of 2, both losses named.
+    results = run_faulty_world(4, lambda rank, store: _second_loss_before_the_decision(rank, store, told),
+                               collective_timeout=TIMEOUT_S)
+    for rank in (1, 3):
+        assert results[rank] == ("died", signal.SIGKILL), _why(results[rank])
+    assert results[0] == ("ok", ((1, 3), 0, 2, 2.0)), _why(results[0])
+    assert results[2] == ("ok", ((1, 3), 1, 2, 2.0)), _why(results[2])
