@@ -42,14 +42,14 @@ def agree_on_survivors(
     expected = world_size - len(set(told) & set(range(world_size))) if told is not None else world_size
     survivors = _decided(store, prefix, range(world_size), expected, wait)
     generation = prefix.rsplit("/", 1)[1]
-    _require_named(survivors, rank, generation, "called recover after the survivors {survivors} had decided")
+    _require_named(survivors, rank, generation, f"called recover after the survivors {survivors} had decided")
     round_number = 0
     while True:
         confirmation = f"{prefix}/confirm/{round_number}"
         _check_in(store, confirmation, rank, "")
         confirmed = _decided(store, confirmation, survivors, len(survivors), wait)
         _require_named(
-            confirmed, rank, generation, "answered the survivors' confirmation after they had confirmed {survivors}"
+            confirmed, rank, generation, f"answered the survivors' confirmation after they had confirmed {confirmed}"
         )
         if confirmed == survivors:
             return {r: json.loads(store.get(f"{prefix}/record/{r}")) for r in survivors}
@@ -77,9 +77,10 @@ def _decided(store: Any, prefix: str, candidates: Sequence[int], expected: int, 
 
 
 def _require_named(survivors: list[int], rank: int, generation: str, when: str) -> None:
+    """``RuntimeError`` on ``rank`` when ``survivors`` (decided ``when``) leave it out: it is lost to them."""
     if rank not in survivors:
         raise RuntimeError(
-            f"rank {rank} {when.format(survivors=survivors)} without it (generation {generation}): it is lost to "
+            f"rank {rank} {when} without it (generation {generation}): it is lost to "
             "them; end this process. A survivor that arrives late was stuck longer than the recovery's wait: make "
             "wait longer than the collective timeout"
         )
