@@ -8,7 +8,9 @@ trained on the same global batches (the oracle, computed here): parameters, grad
 faulted step was applied exactly once, on the smaller grid, and the momentum survived. A world of 4 (TP 2 x DP 2)
 checks that the commit keeps a survivor from stepping alone; worlds of 8 lose two replicas of TP 2 x DP 4 in a row
 (leaking no communicator) and a rank of the MoE layout TP 2 x EP 4 (expert TP 1), whose expert replica spans two
-dense ones, found by the check-ins; smaller worlds check each bad input is the same named error on every survivor.
+dense ones, found by the check-ins; smaller worlds check each bad input is the same named error on every survivor,
+that a rank lost inside ``recover`` after its check-in is lost like the first, and that only the committed steps of
+the ranks that go on are compared.
 Collective timeouts are short (the time a survivor stuck on a live peer takes to learn of the fault), and long
 enough for 8 ranks on a loaded 2-core machine.
 """
