@@ -16,15 +16,24 @@ The protocol, all through the store, so it needs no collective over the broken w
 2. *decide*: once every rank that may be alive has checked in (or ``wait`` seconds passed), a survivor proposes
    the ranks whose records exist; the store's ``compare_set`` keeps the first proposal, so every survivor reads one
    decision. A rank that checks in after it is lost: it learns so and raises;
-3. *judge*: every survivor reads every record the decision names and derives, from the same data, the same verdict:
+3. *confirm*: every rank the decision names answers a confirmation round, decided the same way; a rank that checked
+   in and then died (a second failure) does not answer, and is lost like the first: the ranks that answered
+   confirm again among themselves (:mod:`pgregistry._survivors`);
+4. *judge*: every survivor reads every record the confirmation names and derives, from the same data, the same
+   verdict:
    the lost set, :meth:`~ParallelLayout.shrink`'s result or its error, whether the survivors committed the same
    step. Bad input (ranks out of range, survivors told different lost sets, a loss that leaves no copy) is
    therefore the same error on every survivor, and no survivor goes on alone;
-4. *rebuild*: pgregistry's communicators (of every build: other collections are rebuilt by their owners on the
+5. *rebuild*: pgregistry's communicators (of every build: other collections are rebuilt by their owners on the
    new world) and the default group are destroyed, the default group is re-formed over the survivors under the
-   next generation's prefix, and the layout's collection built there. A survivor lost after the decision makes
-   the re-formation fail on the others (at the timeout at most): a ``RuntimeError`` naming the second failure,
-   saying to restart from a checkpoint.
+   next generation's prefix, and the layout's collection built there. A survivor lost after the confirmation
+   makes the re-formation fail on the others (at the timeout at most): a ``RuntimeError`` naming the second
+   failure and the phase it hit, saying to restart the job from the last checkpoint.
+
+The store is the one thing every survivor must reach: when it stops answering (its host died: a training rank that
+hosted it, as rank 0 hosts the store of an ``env://`` rendezvous), no survivor can learn what the others know, and
+the loss is not survivable. Every survivor then raises :class:`StoreLost`, naming the store's address and the phase,
+and saying to restart from the last checkpoint with a store no training rank hosts.
 
 A step in which the fault happened must not be half-applied: :func:`commit` is one all-reduce over the layout's
 span that every rank runs after its grads are synchronised and before ``optimizer.step()``; a rank whose step
@@ -46,7 +55,6 @@ Torch is imported inside functions only.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -55,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pgregistry._logging import get_logger
+from pgregistry._survivors import agree_on_survivors
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -64,12 +73,11 @@ if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
     from pgregistry.optim import ChainedOptimizer
 
-__all__ = ["LeftWithReplica", "Recovered", "carry_optimizer_state", "commit", "generation", "recover"]
+__all__ = ["LeftWithReplica", "Recovered", "StoreLost", "carry_optimizer_state", "commit", "generation", "recover"]
 
 _log = get_logger(__name__)
 
 _PREFIX = "pgregistry/recovery"
-_POLL_S = 0.01
 _generation = 0
 """This process's world generation: 0 for the world it started in, one more for each recovery it decided."""
 
@@ -80,6 +88,11 @@ class LeftWithReplica(RuntimeError):
     def __init__(self, message: str, shrunk: Shrunk) -> None:
         super().__init__(message)
         self.shrunk = shrunk
+
+
+class StoreLost(RuntimeError):
+    """The store :func:`recover` was given stopped answering: its host is lost, and with it the only place the
+    survivors meet. Not survivable: restart the job from the last checkpoint."""
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -152,11 +165,14 @@ def recover(
     in a collective until it times out arrives in time). ``backend`` (default: the old world's) and ``timeout``
     apply to the new world and its groups.
 
-    Raises :class:`LeftWithReplica` on a live rank that must leave with its replica; ``RuntimeError`` on a rank
-    that is lost (named in ``lost``, or checking in after the survivors decided without it), when survivors
-    committed different steps, or when a survivor is lost while the world is re-formed; ``ValueError``, on every
-    survivor alike, for lost ranks outside the world, survivors told different lost sets, or a loss that leaves no
-    copy of some state (reload a checkpoint). A rank told that every rank is lost is itself among them.
+    A survivor that checked in and then died before the survivors confirmed who goes on is lost like the first
+    (it costs one more ``wait``). Raises :class:`LeftWithReplica` on a live rank that must leave with its replica;
+    ``RuntimeError`` on a rank that is lost (named in ``lost``, or checking in after the survivors decided without
+    it), when survivors committed different steps, or when a survivor is lost after the confirmation, while the
+    world is re-formed (naming the phase: restart from the last checkpoint); :class:`StoreLost` on every survivor
+    when ``store`` stops answering (its host died; not survivable); ``ValueError``, on every survivor alike, for
+    lost ranks outside the world, survivors told different lost sets, or a loss that leaves no copy of some state
+    (reload a checkpoint). A rank told that every rank is lost is itself among them.
     """
     import torch.distributed as dist
 
@@ -186,7 +202,10 @@ def recover(
         )
     started = time.perf_counter()
     prefix = f"{_PREFIX}/{_generation}"
-    records = _agree_on_survivors(store, prefix, old_rank, world_size, committed_step, told, wait)
+    try:
+        records = agree_on_survivors(store, prefix, old_rank, world_size, committed_step, told, wait)
+    except dist.DistNetworkError as error:
+        raise StoreLost(_store_lost(store, old_rank, "the survivors agreed on who is alive", error)) from error
     _generation += 1
     shrunk, step = _verdict(layout, records, world_size, old_rank)
     agreed = time.perf_counter()
@@ -199,16 +218,21 @@ def recover(
     init: dict[str, Any] = {"timeout": wanted} if wanted is not None else {}
     world_store = dist.PrefixStore(f"{_PREFIX}/{_generation}/world", store)
     before = registry.communicators_created()
+    phase = f"the default group of generation {_generation} was re-formed over old ranks {list(shrunk.rank_map)}"
     try:
         dist.init_process_group(
             backend or old_backend, store=world_store, rank=new_rank, world_size=len(shrunk.rank_map), **init
         )
+        phase = f"the groups of {shrunk.layout!r} were built on the re-formed world of generation {_generation}"
         new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
     except RuntimeError as error:  # torch's DistError and its store and backend errors are RuntimeErrors
+        if not _answers(store):
+            raise StoreLost(_store_lost(store, old_rank, phase, error)) from error
         raise RuntimeError(
-            f"a second failure during recovery: re-forming the world of generation {_generation} over old ranks "
-            f"{list(shrunk.rank_map)} (rank {old_rank} -> {new_rank}) failed: {error}. A survivor was lost after "
-            "the survivors decided; restart from a checkpoint"
+            f"a second failure during recovery, after the survivors had confirmed who goes on: rank {old_rank} "
+            f"(-> {new_rank}) failed while {phase}, so a rank that was to go on was lost (or stopped) after the "
+            f"decision. Recovery cannot go on from here: end every process and restart the job from the last "
+            f"checkpoint. The backend said: {error}"
         ) from error
     created = registry.communicators_created() - before + 1
     rebuilt = time.perf_counter()
@@ -234,32 +258,6 @@ def _as_ranks(lost: Iterable[int]) -> list[int]:
             raise TypeError(f"lost rank must be an integer, got {rank!r} ({type(rank).__name__})")
         out.append(rank)
     return out
-
-
-def _agree_on_survivors(
-    store: Store, prefix: str, rank: int, world_size: int, step: int, told: list[int] | None, wait: float
-) -> dict[int, dict[str, Any]]:
-    """Check in, decide (the first proposal kept by ``compare_set``) and return the decided survivors' records."""
-    store.set(f"{prefix}/record/{rank}", json.dumps({"step": step, "lost": told}))
-    store.add(f"{prefix}/count", 1)
-    # When told who is lost, everyone else is expected (a told set that differs is the verdict's error).
-    expected = world_size - len(set(told) & set(range(world_size))) if told is not None else world_size
-    deadline = time.monotonic() + wait
-    decision_key = f"{prefix}/decision"
-    while not store.check([decision_key]):
-        if store.add(f"{prefix}/count", 0) >= expected or time.monotonic() >= deadline:
-            present = [r for r in range(world_size) if store.check([f"{prefix}/record/{r}"])]
-            store.compare_set(decision_key, "", json.dumps(present))
-            break
-        time.sleep(_POLL_S)
-    survivors: list[int] = json.loads(store.get(decision_key))
-    if rank not in survivors:
-        raise RuntimeError(
-            f"rank {rank} called recover after the survivors {survivors} had decided without it (generation "
-            f"{prefix.rsplit('/', 1)[1]}): it is lost to them; end this process. A survivor that arrives late was "
-            "stuck longer than the recovery's wait: make wait longer than the collective timeout"
-        )
-    return {r: json.loads(store.get(f"{prefix}/record/{r}")) for r in survivors}
 
 
 def _verdict(
@@ -295,6 +293,36 @@ def _verdict(
             shrunk,
         )
     return shrunk, next(iter(staying.values()))
+
+
+def _answers(store: Store) -> bool:
+    """Whether ``store`` still answers (a read of a key nobody writes)."""
+    import torch.distributed as dist
+
+    try:
+        store.check([f"{_PREFIX}/probe"])
+    except dist.DistNetworkError:
+        return False
+    return True
+
+
+def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
+    """What :class:`StoreLost` says on ``rank``: the store's address, the phase, why it is not survivable, and what
+    to do."""
+    import torch.distributed as dist
+
+    underlying = store
+    while isinstance(underlying, dist.PrefixStore):
+        underlying = underlying.underlying_store
+    host, port = getattr(underlying, "host", None), getattr(underlying, "port", None)
+    where = f"the {type(underlying).__name__} at {host}:{port}" if host is not None else type(underlying).__name__
+    return (
+        f"the store recover was given ({where}) stopped answering rank {rank} while {phase}: its host is lost (when "
+        "a training rank hosts it, as rank 0 hosts the store of an env:// or tcp:// rendezvous, that rank died with "
+        "it). Every survivor meets the others through that store only, so this loss is not survivable: end every "
+        "process and restart the job from the last checkpoint, and give recover a store no training rank hosts "
+        f"(torchrun's agent store, or a TCPStore of a process outside the training ranks). The store said: {error}"
+    )
 
 
 def _keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:

@@ -368,6 +368,31 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="inf-norm-nan-flag-left-out-of-the-verdict",
+        bug="the clip's job-wide verdict reads an inf-norm's NaN from the norm column, where the row keeps it as 0 "
+        "(its NaN travels as a flag): a NaN on one data-parallel replica skips the clip there, the other clips",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if wanted.infinite:\n"
+        "        seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))\n",
+        replace="",
+        tests=(
+            "tests/grad_stats/test_inf_norm_verdict_across_replicas.py::"
+            "test_a_non_finite_grad_on_one_replica_gives_every_replica_the_same_inf_norm_verdict[nan]",
+        ),
+    ),
+    Mutant(
+        name="inf-norm-verdict-not-reduced-across-replicas",
+        bug="the inf-norm's non-finite verdict is not all-reduced over intra_dist_opt: each data-parallel replica "
+        "decides alone",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if verdict_groups and wanted.p is not None:\n",
+        replace="    if verdict_groups and wanted.p is not None and not wanted.infinite:\n",
+        tests=(
+            "tests/grad_stats/test_inf_norm_verdict_across_replicas.py::"
+            "test_a_non_finite_grad_on_one_replica_gives_every_replica_the_same_inf_norm_verdict",
+        ),
+    ),
+    Mutant(
         name="max-norm-refused-on-its-rank-alone",
         bug="MultiModuleOptimizer.step raises on the rank given a bad max_norm before the world all-reduce, and the "
         "other ranks wait in it (a string on one rank hung three)",
@@ -401,6 +426,40 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="    bound = world_timeout()",
         tests=(
             "tests/core/test_registry_refusals.py::test_a_rank_that_never_calls_build_is_named_within_the_builds_timeout",
+        ),
+    ),
+    Mutant(
+        name="roll-call-waits-its-cap",
+        bug="the roll call after a failed collective waits its 10 s cap, not the caller's shorter timeout",
+        file="pgregistry/_attendance.py",
+        find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        replace="_ROLL_CALL_S + _MARGIN_S",
+        tests=(
+            "tests/core/test_attendance_roll_call.py::"
+            "test_the_roll_call_waits_the_callers_timeout_and_hears_a_rank_that_answers_within_it",
+        ),
+    ),
+    Mutant(
+        name="roll-call-waits-twice-the-timeout",
+        bug="the roll call after a failed collective waits twice the caller's timeout",
+        file="pgregistry/_attendance.py",
+        find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        replace="2 * min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        tests=(
+            "tests/core/test_attendance_roll_call.py::"
+            "test_the_roll_call_waits_the_callers_timeout_and_hears_a_rank_that_answers_within_it",
+        ),
+    ),
+    Mutant(
+        name="roll-call-waits-the-margin-only",
+        bug="the roll call after a failed collective waits its margin only: a rank that fails later, within the "
+        "timeout, is named as silent",
+        file="pgregistry/_attendance.py",
+        find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
+        replace="_MARGIN_S",
+        tests=(
+            "tests/core/test_attendance_roll_call.py::"
+            "test_the_roll_call_waits_the_callers_timeout_and_hears_a_rank_that_answers_within_it",
         ),
     ),
     Mutant(
@@ -443,6 +502,55 @@ MUTANTS: tuple[Mutant, ...] = (
         find="    new.load_state_dict(old.state_dict())",
         replace="    del new",
         tests=("tests/recovery/test_recovery_checks.py::test_only_a_replicated_optimizer_carries_over",),
+    ),
+    Mutant(
+        name="survivors-not-confirmed",
+        bug="recovery takes the first decision as final: a rank that checked in and then died is still named a "
+        "survivor, and the re-formation fails on the others (issue 41)",
+        file="pgregistry/_survivors.py",
+        find="        if confirmed == survivors:\n",
+        replace="        if True:\n",
+        tests=("tests/recovery/test_recover_gloo.py::test_a_survivor_lost_after_its_check_in_is_lost_like_the_first",),
+    ),
+    Mutant(
+        name="store-lost-unnamed",
+        bug="recover lets the store's network error through when the store's host died while the survivors agree: "
+        "DistNetworkError 'Broken pipe', nothing saying the store was lost or what to do (issue 41)",
+        file="pgregistry/recovery.py",
+        find="    except dist.DistNetworkError as error:\n        raise StoreLost(",
+        replace="    except ZeroDivisionError as error:\n        raise StoreLost(",
+        tests=(
+            "tests/recovery/test_recover_store_lost.py::"
+            "test_the_stores_host_lost_is_named_on_every_survivor_as_not_survivable[agreement]",
+        ),
+    ),
+    Mutant(
+        name="store-lost-read-as-a-second-failure",
+        bug="a store lost while the world is re-formed is reported as a lost survivor",
+        file="pgregistry/recovery.py",
+        find="        if not _answers(store):\n",
+        replace="        if False:\n",
+        tests=(
+            "tests/recovery/test_recover_store_lost.py::"
+            "test_the_stores_host_lost_is_named_on_every_survivor_as_not_survivable[re-formation]",
+        ),
+    ),
+    Mutant(
+        name="leaving-ranks-steps-compared",
+        bug="recovery compares the committed steps of the ranks leaving with a lost one too: survivors that agree "
+        "are refused because a rank that leaves applied another step",
+        file="pgregistry/recovery.py",
+        find='staying = {r: rec["step"] for r, rec in records.items() if r in shrunk.rank_map}',
+        replace='staying = {r: rec["step"] for r, rec in records.items()}',
+        tests=("tests/recovery/test_recover_gloo.py::test_only_the_steps_of_the_ranks_that_go_on_are_compared",),
+    ),
+    Mutant(
+        name="committed-step-of-a-leaving-rank",
+        bug="recovery resumes from the step the lowest checked-in rank committed, though that rank leaves",
+        file="pgregistry/recovery.py",
+        find="    return shrunk, next(iter(staying.values()))",
+        replace='    return shrunk, records[min(records)]["step"]',
+        tests=("tests/recovery/test_recover_gloo.py::test_only_the_steps_of_the_ranks_that_go_on_are_compared",),
     ),
     Mutant(
         name="statistics-read-expert-fields-of-a-dense-model",

@@ -8,7 +8,9 @@ trained on the same global batches (the oracle, computed here): parameters, grad
 faulted step was applied exactly once, on the smaller grid, and the momentum survived. A world of 4 (TP 2 x DP 2)
 checks that the commit keeps a survivor from stepping alone; worlds of 8 lose two replicas of TP 2 x DP 4 in a row
 (leaking no communicator) and a rank of the MoE layout TP 2 x EP 4 (expert TP 1), whose expert replica spans two
-dense ones, found by the check-ins; smaller worlds check each bad input is the same named error on every survivor.
+dense ones, found by the check-ins; smaller worlds check each bad input is the same named error on every survivor,
+that a rank lost inside ``recover`` after its check-in is lost like the first, and that only the committed steps of
+the ranks that go on are compared.
 Collective timeouts are short (the time a survivor stuck on a live peer takes to learn of the fault), and long
 enough for 8 ranks on a loaded 2-core machine.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -297,8 +300,6 @@ def test_a_told_loss_takes_its_replica_and_a_lost_rank_calling_recover_is_refuse
 
 
 def _late(rank: int, store: dist.Store) -> tuple[str, str]:
-    import time
-
     from pgregistry import build
     from pgregistry.layout import ParallelLayout
     from pgregistry.recovery import recover
@@ -323,7 +324,6 @@ def test_a_rank_arriving_after_the_decision_is_lost_and_told_so() -> None:
 
 def _second_failure(rank: int, store: dist.Store) -> tuple[str, str]:
     import threading
-    import time
 
     from pgregistry import build
     from pgregistry.layout import ParallelLayout
@@ -331,8 +331,8 @@ def _second_failure(rank: int, store: dist.Store) -> tuple[str, str]:
 
     pg = build(ParallelLayout(num_ranks=4, tp=2), name="job", timeout=TIMEOUT_S)
 
-    def die_once_decided() -> None:  # rank 1 is lost after the survivors decided, before the world is re-formed
-        while not store.check(["pgregistry/recovery/0/decision"]):
+    def die_once_decided() -> None:  # rank 1 is lost after the survivors confirmed, before the world is re-formed
+        while not store.check(["pgregistry/recovery/0/confirm/0/decision"]):
             time.sleep(0.001)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -351,9 +351,14 @@ def test_a_survivor_lost_while_the_world_is_re_formed_is_named_on_the_others() -
     assert results[2][1][0] == "LeftWithReplica"
     kind, (name, message) = results[0]
     assert (kind, name) == ("ok", "RuntimeError"), results[0]
-    assert message.startswith("a second failure during recovery: re-forming the world of generation 1 over old "
-                              "ranks [0, 1] (rank 0 -> 0) failed: ")
-    assert message.endswith("A survivor was lost after the survivors decided; restart from a checkpoint")
+    # Rank 0 fails while the default group is re-formed, or (rank 1 killed just after it joined) while the groups
+    # are built on it.
+    assert message.startswith("a second failure during recovery, after the survivors had confirmed who goes on: rank "
+                              "0 (-> 0) failed while the "), message
+    assert ("the default group of generation 1 was re-formed over old ranks [0, 1], so" in message
+            or "were built on the re-formed world of generation 1, so" in message), message
+    assert ("a rank that was to go on was lost (or stopped) after the decision. Recovery cannot go on from here: end "
+            "every process and restart the job from the last checkpoint. The backend said: ") in message
 
 
 def _told_apart(rank: int, store: dist.Store) -> tuple[str, str]:
@@ -381,3 +386,113 @@ def test_survivors_told_different_lost_ranks_all_refuse() -> None:
     assert all(m.startswith("the survivors were told different lost ranks (rank ") for m in refused), refused
     assert all(m.endswith("give every survivor the same lost ranks") for m in refused), refused
     assert all("had decided without it" in m for m in late), late
+
+
+def _recover_with_steps(rank: int, store: dist.Store, calls: list[dict[int, int]]) -> list[tuple[str, str]]:
+    """TP 2 x DP 2, rank 0 told lost (rank 1 leaves with it): one ``recover`` per entry of ``calls``, each rank
+    saying it committed the step the entry gives it. How each call ended on this rank."""
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    pg = build(ParallelLayout(num_ranks=4, tp=2), name="job", timeout=TIMEOUT_S)
+    out = []
+    for steps in calls:
+        try:
+            recovered = recover(pg, store, committed_step=steps.get(rank, 0), lost=[0], wait=WAIT_S,
+                                timeout=TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - the outcome is the result
+            out.append((type(error).__name__, str(error)))
+            continue
+        out.append(("ok", f"rank {recovered.rank} of {dist.get_world_size()}, step {recovered.committed_step}"))
+    return out
+
+
+def test_only_the_steps_of_the_ranks_that_go_on_are_compared() -> None:
+    # Rank 0 is lost and its replica-mate rank 1 leaves with it: rank 1's committed step is no survivor's business
+    # (it may have applied a step the others did not, as a rank dying inside the commit leaves it). First ranks 2
+    # and 3, who go on, disagree (4 and 5): every checked-in rank raises naming those two, not rank 1. Then ranks 2
+    # and 3 agree on 5 while rank 1 says 6: they go on from 5, and rank 1 leaves.
+    calls = [{1: 6, 2: 5, 3: 4}, {1: 6, 2: 5, 3: 5}]
+    results = run_faulty_world(4, lambda rank, store: _recover_with_steps(rank, store, calls),
+                               collective_timeout=TIMEOUT_S)
+    outcomes = {rank: outcome for rank, (kind, outcome) in results.items() if kind == "ok"}
+    assert len(outcomes) == 4, results
+    for rank in (1, 2, 3):
+        assert outcomes[rank][0] == (
+            "RuntimeError", "the survivors committed different steps (rank 2: 5; rank 3: 4): the fault hit inside the "
+            "commit, so some applied a step others did not. Reload a checkpoint",
+        ), (rank, outcomes[rank][0])
+    assert outcomes[1][1][0] == "LeftWithReplica", outcomes[1][1]
+    assert outcomes[2][1] == ("ok", "rank 0 of 2, step 5") and outcomes[3][1] == ("ok", "rank 1 of 2, step 5")
+    for call in range(2):
+        assert outcomes[0][call][1].startswith("rank 0 called recover but is among the lost ranks [0]")
+
+
+class _StopsAfterCheckIn(dist.Store):
+    """A store through which its rank stops inside ``recover`` once it has checked in (its record written and
+    counted), before the survivors decide: killed (a second failure, named by the decision), or stuck for
+    ``stuck_s`` seconds."""
+
+    def __init__(self, store: dist.Store, stuck_s: float | None) -> None:
+        super().__init__()
+        self._store = store
+        self._stuck_s = stuck_s
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def add(self, key: str, amount: int) -> int:
+        total = self._store.add(key, amount)
+        if key.endswith("/0/count") and amount == 1:
+            if self._stuck_s is None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self._stuck_s)
+        return total
+
+
+SECOND_LOSSES = {"killed-told": (True, None), "killed-found-by-the-check-ins": (False, None), "stuck-told": (True, 4.0)}
+
+
+def _second_loss_before_the_decision(rank: int, store: dist.Store, case: str) -> tuple[Any, ...]:
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import recover
+
+    told, stuck_s = SECOND_LOSSES[case]
+    pg = build(ParallelLayout(num_ranks=4), name="job", timeout=TIMEOUT_S)
+    if rank == 3:  # the first loss
+        os.kill(os.getpid(), signal.SIGKILL)
+    recovered = recover(pg, _StopsAfterCheckIn(store, stuck_s) if rank == 1 else store, committed_step=0,
+                        lost=[3] if told else None, wait=2.0, timeout=TIMEOUT_S)
+    check = torch.ones(1)
+    dist.all_reduce(check)  # the re-formed world works
+    return recovered.shrunk.lost, recovered.rank, dist.get_world_size(), float(check)
+
+
+@pytest.mark.parametrize("case", list(SECOND_LOSSES))
+def test_a_survivor_lost_after_its_check_in_is_lost_like_the_first(case: str) -> None:
+    # DP 4: rank 3 is lost, then rank 1 stops inside recover after its check-in, before the decision (which names
+    # it). The confirmation round finds it silent: ranks 0 and 2 go on as a world of 2, both losses named. Stuck
+    # past the wait rather than killed, rank 1 learns, when it answers, that it is lost.
+    results = run_faulty_world(4, lambda rank, store: _second_loss_before_the_decision(rank, store, case),
+                               collective_timeout=TIMEOUT_S)
+    assert results[3] == ("died", signal.SIGKILL), _why(results[3])
+    if SECOND_LOSSES[case][1] is None:
+        assert results[1] == ("died", signal.SIGKILL), _why(results[1])
+    else:
+        kind, (name, message, _) = results[1]
+        assert (kind, name) == ("raised", "RuntimeError"), _why(results[1])
+        assert message.startswith("rank 1 answered the survivors' confirmation after they had confirmed [0, 2] "
+                                  "without it (generation 0): it is lost to them; end this process"), message
+    assert results[0] == ("ok", ((1, 3), 0, 2, 2.0)), _why(results[0])
+    assert results[2] == ("ok", ((1, 3), 1, 2, 2.0)), _why(results[2])
