@@ -35,16 +35,10 @@ import torch
 from pgregistry._agreement import agree, joined
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification, clip_grads_
+from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._options import described_options, options_error
-from pgregistry.modules._stats import (
-    check_models,
-    described,
-    max_norm_error,
-    module_values,
-    norm_type_error,
-    reduce_over_modules,
-)
+from pgregistry.modules._stats import check_models, described, module_values, reduce_over_modules
 from pgregistry.optim import ChainedOptimizer
 from pgregistry.optim import build_optimizer as build_module_optimizer
 from pgregistry.optim._state_check import refuse_faults
