@@ -44,6 +44,9 @@ _POLL_S = 0.001
 _SHOWN = 4
 """How many distinct errors a message quotes in full."""
 
+_NOT_GIVEN = "nothing (not given)"
+"""How a message shows a field that a rank's call did not give at all."""
+
 _TYPES: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
 """The exception types a fault keeps across ranks; any other is raised as a ``ValueError``."""
 
@@ -193,7 +196,7 @@ def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, 
     mine = None if error is None else (_kind(error), str(error))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (dict(fields), mine))
-    differences = _differences(fields, [asked for asked, _ in everyone]) if differ else ""
+    differences = _differences([asked for asked, _ in everyone]) if differ else ""
     by_text: dict[str, list[int]] = {}
     kinds = set()
     for rank, (_, found) in enumerate(everyone):
@@ -213,13 +216,16 @@ def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, 
     raise kind(message)
 
 
-def _differences(fields: Mapping[str, str], everyone: list[dict[str, str]]) -> str:
-    """Each field whose value differs across ranks, with which ranks asked for which value."""
+def _differences(everyone: list[dict[str, str]]) -> str:
+    """Each field whose value differs across ranks, with which ranks asked for which value. Every rank's fields are
+    read, not only this rank's: a field that some ranks did not give at all (an argument given on some ranks only)
+    is named on every rank alike, with the ranks that did not give it (in one order on every rank: rank 0's fields,
+    then those only later ranks gave)."""
     differences = []
-    for key in fields:
+    for key in dict.fromkeys(key for asked in everyone for key in asked):
         by_value: dict[str, list[int]] = {}
         for rank, asked in enumerate(everyone):
-            by_value.setdefault(asked.get(key, "<missing>"), []).append(rank)
+            by_value.setdefault(asked.get(key, _NOT_GIVEN), []).append(rank)
         if len(by_value) > 1:
             askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
             differences.append(f"{key!r} differs ({askers})")

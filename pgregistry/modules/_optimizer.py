@@ -200,9 +200,7 @@ class MultiModuleOptimizer:
         on its module's ranks travels there too (:func:`~pgregistry.modules._stats.module_values`)."""
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
-        fields = {"norm_type": repr(norm_type)}
-        if max_norm is not None:
-            fields["max_norm"] = repr(max_norm)
+        fields = {"norm_type": repr(norm_type), "max_norm": repr(max_norm)}  # None too: step's "do not clip"
         error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
         if zeros:
             both, fault = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm_and_zeros(p))
