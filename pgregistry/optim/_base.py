@@ -319,11 +319,11 @@ class FlatOptimizer(OptimizerStatistics):
         refuse_agreed(f"{type(self).__name__}.load_state_dict", self.state_dict_faults(state_dict), self.load_groups())
         self._load_checked_state_dict(state_dict)
 
+    @abc.abstractmethod
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
         """The groups whose ranks agree on the faults of a load before any of them loads (one small all-reduce over
         each): together they hold every rank of this optimizer's instance, replicas included, so a state refused
         on one rank is refused on all of them, never loaded by its replicas alone."""
-        return ()
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:
