@@ -5,9 +5,11 @@ Reported (issue 41): a 2-rank world, ``load_optimizer_state_by_name`` with the r
 fit``, rank 1 loaded, and its next collective succeeded, so the replicas' optimizer states differed. The same held
 for an optimizer's own ``load_state_dict`` and ``load_param_state`` (a data-parallel replica's load was local).
 
-Each case runs in a real 2-rank gloo world (DP 2: the ranks are replicas) on pgregistry's Adam optimizer, stepped
-twice so that the state loaded (saved after the first step) differs from the state held. Rank 0 alone is given a
-misshaped ``exp_avg``. Every rank must raise the same exception type naming rank 0, and every tensor of every rank's
+Each case runs in a real 2-rank gloo world (DP 2: the ranks are replicas) on a fresh pgregistry Adam optimizer,
+stepped twice so that the state loaded (saved after the first step) differs from the state held. Rank 0 alone is given a
+misshaped ``exp_avg``: in the state it passes, or in the checkpoint it loads (rank files and DCP: each rank loads
+its own directory, holding the same keys, so only the values differ; these loads used to copy the parameters before
+the optimizer refused). Every rank must raise the same exception type naming rank 0, and every tensor of every rank's
 optimizer and model must be bit for bit as before (the snapshot is the optimizer's own state dict and parameters,
 cloned before the call, compared with ``torch.equal`` and dtype). A collective after the cases ends the world: a
 rank left inside one would fail it.
@@ -15,7 +17,8 @@ rank left inside one would fail it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,11 +27,19 @@ import torch.distributed as dist
 from torch import nn
 
 from pgregistry import ParallelLayout, attach, build
-from pgregistry.checkpoint import load_optimizer_state_by_name, state_by_name
+from pgregistry.checkpoint import (
+    load_distributed,
+    load_optimizer_state_by_name,
+    load_rank_files,
+    save_distributed,
+    save_rank_files,
+    state_by_name,
+)
 from pgregistry.optim import ChainedOptimizer, build_optimizer
 from pgregistry.testing import run_world
 
 FAULTY_RANK = 0
+LOADS = ["load_optimizer_state_by_name", "load_rank_files", "load_distributed", "load_state_dict", "load_param_state"]
 MISSHAPED = torch.arange(7, dtype=torch.float32)
 """7 elements for the 3 of ``0.weight``."""
 
@@ -84,35 +95,69 @@ def _misshaped_on_the_faulty_rank(state: dict[str, dict[str, Any]]) -> dict[str,
     return {**state, "0.weight": {**state["0.weight"], "exp_avg": MISSHAPED}}
 
 
-def _cases() -> dict[str, str]:
-    collection = build(ParallelLayout(num_ranks=2))  # DP 2: the two ranks are replicas
+class _Misshaped:
+    """An optimizer whose state, as the checkpoint functions read it, is ``optimizer``'s with ``0.weight``'s
+    ``exp_avg`` misshaped: what a checkpoint saved through it holds (a checkpoint that loads on one rank only)."""
+
+    def __init__(self, optimizer: ChainedOptimizer, weight: torch.Tensor) -> None:
+        self.optimizer, self.weight = optimizer, weight
+
+    def param_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        state = self.optimizer.param_state()
+        return {**state, self.weight: {**state[self.weight], "exp_avg": MISSHAPED}}
+
+    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        raise AssertionError("never loaded")
+
+
+def _stepped(collection: Any, steps: int) -> tuple[nn.Module, ChainedOptimizer]:
+    """The model and its optimizer after ``steps`` steps (the same values on every call)."""
     model = _model()
     attach(model, collection)
     optimizer = build_optimizer(model, collection, optimizer="adam", lr=0.1)
-    _step(model, optimizer, seed=1)
+    for seed in range(1, steps + 1):
+        _step(model, optimizer, seed)
+    return model, optimizer
+
+
+def _cases(directory: str) -> dict[str, str]:
+    collection = build(ParallelLayout(num_ranks=2))  # DP 2: the two ranks are replicas
+    model, optimizer = _stepped(collection, steps=1)  # what is loaded: its state
+    saved = {}  # the checkpoint each rank loads: a misshaped one on the faulty rank, the good one on the other
+    for fmt, save in (("files", save_rank_files), ("dcp", save_distributed)):
+        good, bad = Path(directory, fmt, "good"), Path(directory, fmt, "misshaped")
+        save(good, model, optimizer)
+        save(bad, model, _Misshaped(optimizer, model[0].weight))
+        saved[fmt] = bad if dist.get_rank() == FAULTY_RANK else good
     by_name = state_by_name(model, optimizer)["optimizer"]
     by_name = {name: {key: _copy(value) for key, value in entry.items()} for name, entry in by_name.items()}
     state_dict = _flat_copy(optimizer.state_dict())
-    by_param = {param: dict(entry) for param, entry in optimizer.param_state().items()}
-    by_param = {param: {key: _copy(value) for key, value in entry.items()} for param, entry in by_param.items()}
-    _step(model, optimizer, seed=2)
-    weight = model[0].weight
-    loads: dict[str, Callable[[], None]] = {
-        "load_optimizer_state_by_name": lambda: load_optimizer_state_by_name(
-            optimizer, model, _misshaped_on_the_faulty_rank(by_name)
-        ),
-        "load_state_dict": lambda: optimizer.load_state_dict(_misshaped_state_dict(state_dict)),
-        "load_param_state": lambda: optimizer.load_param_state(
-            {**by_param, weight: {**by_param[weight], "exp_avg": MISSHAPED}}
-            if dist.get_rank() == FAULTY_RANK
-            else by_param
-        ),
-    }
+    names = {param: name for name, param in model.named_parameters()}
+    whole = {names[param]: {key: _copy(value) for key, value in entry.items()}
+             for param, entry in optimizer.param_state().items()}
+    if dist.get_rank() == FAULTY_RANK:
+        whole["0.weight"]["exp_avg"] = MISSHAPED
+
+    def each_case(model: nn.Module, optimizer: ChainedOptimizer) -> dict[str, Callable[[], None]]:
+        params = dict(model.named_parameters())
+        return {
+            "load_optimizer_state_by_name": lambda: load_optimizer_state_by_name(
+                optimizer, model, _misshaped_on_the_faulty_rank(by_name)
+            ),
+            "load_rank_files": lambda: load_rank_files(saved["files"], model, optimizer),
+            "load_distributed": lambda: load_distributed(saved["dcp"], model, optimizer),
+            "load_state_dict": lambda: optimizer.load_state_dict(_misshaped_state_dict(state_dict)),
+            "load_param_state": lambda: optimizer.load_param_state(
+                {params[name]: entry for name, entry in whole.items()}
+            ),
+        }
+
     out = {}
-    for label, load in loads.items():
+    for label in LOADS:  # each case on a model and optimizer one step further than what it loads
+        model, optimizer = _stepped(collection, steps=2)
         before = _snapshot(model, optimizer)
         try:
-            load()
+            each_case(model, optimizer)[label]()
             outcome = "loaded"
         except Exception as exc:  # noqa: BLE001 - the type and text are what is checked
             outcome = f"{type(exc).__name__}: {exc}"
@@ -146,11 +191,11 @@ def _misshaped_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, str]]:
-    return run_world(2, _cases, timeout=20.0)
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    return run_world(2, _cases, str(tmp_path_factory.mktemp("checkpoints")), timeout=20.0)
 
 
-@pytest.mark.parametrize("load", ["load_optimizer_state_by_name", "load_state_dict", "load_param_state"])
+@pytest.mark.parametrize("load", LOADS)
 def test_one_rank_refused_means_every_rank_refused_and_unchanged(results: list[dict[str, str]], load: str) -> None:
     for rank, out in enumerate(results):
         message = out[load]
@@ -159,7 +204,7 @@ def test_one_rank_refused_means_every_rank_refused_and_unchanged(results: list[d
         assert out["after"] == "2", (rank, out)
 
 
-@pytest.mark.parametrize("load", ["load_optimizer_state_by_name", "load_state_dict", "load_param_state"])
+@pytest.mark.parametrize("load", LOADS)
 def test_every_rank_names_the_rank_with_the_fault(results: list[dict[str, str]], load: str) -> None:
     for rank, out in enumerate(results):
         message = out[load]
