@@ -603,9 +603,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/checkpoint/_by_name.py",
         find="    by_param = agreed(checked_pieces, elsewhere, scope)\n",
         replace="    by_param = checked_pieces()\n",
-        tests=(
+        tests=tuple(
             "tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::"
-            "test_one_rank_refused_means_every_rank_refused_and_unchanged[load_optimizer_state_by_name]",
+            f"test_one_rank_refused_means_every_rank_refused_and_unchanged[{load}]"
+            for load in ("load_optimizer_state_by_name", "load_rank_files", "load_distributed")
         ),
     ),
 )
