@@ -27,7 +27,9 @@ __all__ = [
     "all_reduce_within",
     "any_rank_has",
     "any_rank_has_each",
+    "faulty_ranks",
     "joined",
+    "ranks_label",
     "require_distributed",
     "settle",
     "verdict_of",
@@ -43,6 +45,9 @@ _POLL_S = 0.001
 
 _SHOWN = 4
 """How many distinct errors a message quotes in full."""
+
+_NOT_GIVEN = "nothing (not given)"
+"""How a message shows a field that a rank's call did not give at all."""
 
 _TYPES: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
 """The exception types a fault keeps across ranks; any other is raised as a ``ValueError``."""
@@ -170,6 +175,35 @@ def any_rank_has_each(local: Sequence[bool], group: Any) -> tuple[bool, ...]:
     return tuple(bool(flag) for flag in flags.tolist())
 
 
+def faulty_ranks(failed: bool, groups: Sequence[Any]) -> list[int]:
+    """The world ranks that found a fault (``failed`` on them), among the ranks of ``groups`` (ProcessGroups;
+    ``None`` and one-rank groups skipped): a flag per world rank (one byte each), MAX all-reduced over each group
+    in turn, so every rank of the groups learns the same list, and a refusal on the ranks without a fault can name
+    the ranks that have it. Outside a distributed world, or with no group of several ranks: this rank when it
+    failed."""
+    import torch
+    import torch.distributed as dist
+
+    from pgregistry.collection import group_size
+
+    initialised = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialised else 0
+    reducing = [group for group in groups if group is not None and group_size(group) > 1] if initialised else []
+    if not reducing:
+        return [rank] if failed else []
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.uint8)
+    flags[rank] = int(failed)
+    for group in reducing:
+        flags = flags.to(world_device(group))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [index for index, flag in enumerate(flags.tolist()) if flag]
+
+
+def ranks_label(ranks: Sequence[int]) -> str:
+    """``"rank 3"`` for one rank, ``"ranks [1, 3]"`` for several."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
 def world_device(group: Any = None) -> Any:
     """Where the collectives over ``group`` (the world's for ``None``) run: this rank's GPU for NCCL, else the
     CPU."""
@@ -193,7 +227,7 @@ def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, 
     mine = None if error is None else (_kind(error), str(error))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (dict(fields), mine))
-    differences = _differences(fields, [asked for asked, _ in everyone]) if differ else ""
+    differences = _differences([asked for asked, _ in everyone]) if differ else ""
     by_text: dict[str, list[int]] = {}
     kinds = set()
     for rank, (_, found) in enumerate(everyone):
@@ -205,7 +239,7 @@ def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, 
     if not by_text:
         raise ValueError(f"ranks disagree on {subject}: {differences}; this rank is rank {dist.get_rank()}. {then}")
     faulty = sorted(rank for ranks in by_text.values() for rank in ranks)
-    quoted = "; ".join(f"{_ranks_label(ranks)}: {text}" for text, ranks in list(by_text.items())[:_SHOWN])
+    quoted = "; ".join(f"{ranks_label(ranks)}: {text}" for text, ranks in list(by_text.items())[:_SHOWN])
     more = f"; and {len(by_text) - _SHOWN} more distinct error(s)" if len(by_text) > _SHOWN else ""
     message = f"{subject}: ranks {faulty} {failed} ({quoted}{more})"  # the same text on every rank
     if differences:
@@ -213,21 +247,20 @@ def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, 
     raise kind(message)
 
 
-def _differences(fields: Mapping[str, str], everyone: list[dict[str, str]]) -> str:
-    """Each field whose value differs across ranks, with which ranks asked for which value."""
+def _differences(everyone: list[dict[str, str]]) -> str:
+    """Each field whose value differs across ranks, with which ranks asked for which value. Every rank's fields are
+    read, not only this rank's: a field that some ranks did not give at all (an argument given on some ranks only)
+    is named on every rank alike, with the ranks that did not give it (in one order on every rank: rank 0's fields,
+    then those only later ranks gave)."""
     differences = []
-    for key in fields:
+    for key in dict.fromkeys(key for asked in everyone for key in asked):
         by_value: dict[str, list[int]] = {}
         for rank, asked in enumerate(everyone):
-            by_value.setdefault(asked.get(key, "<missing>"), []).append(rank)
+            by_value.setdefault(asked.get(key, _NOT_GIVEN), []).append(rank)
         if len(by_value) > 1:
             askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
             differences.append(f"{key!r} differs ({askers})")
     return "; ".join(differences)
-
-
-def _ranks_label(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _shorten(text: str, limit: int = 300) -> str:

@@ -48,7 +48,8 @@ The hook is installed as soon as both ``pgregistry`` and torch are imported, whi
 attributes through ``fully_shard`` whatever else was imported when: no result depends on import order. A model
 built before ``pgregistry`` is imported at all is known from its first model walk on; roles set on it as plain
 attributes before a ``fully_shard`` that came before that walk went with the objects ``fully_shard`` dropped, and
-nothing can bring them back: :func:`restore_param_roles` logs a warning naming those parameters.
+nothing can bring them back: :func:`restore_param_roles` refuses such a model (``RuntimeError`` naming those
+parameters and the import to move), on every rank that holds one, rather than give a number computed without them.
 
 :func:`role_generation` counts every change made through this module (a helper's mark, a registration, a
 restored role): a cached classification (:mod:`pgregistry.grad_stats._plan`) made at one generation is stale at
@@ -70,8 +71,6 @@ from typing import Any, Final, TypeVar
 import torch
 from torch import nn
 
-from pgregistry._logging import get_logger
-
 __all__ = [
     "ROLE_ATTRIBUTES",
     "copy_param_roles",
@@ -89,8 +88,6 @@ __all__ = [
 ]
 
 T = TypeVar("T", bound=torch.Tensor)
-
-_LOG = get_logger(__name__)
 
 ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "tensor_model_parallel",
@@ -204,7 +201,9 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
 
     A role already on the parameter wins (marking after sharding overrides marking before). The grad-statistics
     entry points call this whenever they classify a model afresh (a kept plan is remade when a slot's parameter
-    changes), so a user need not.
+    changes), so a user need not. ``RuntimeError`` naming the parameters ``fully_shard`` replaced before pgregistry
+    was imported (no slot record, a sharded parameter of FSDP2's): their roles cannot be known, so nothing is
+    computed from them; the message names the import to move.
     """
     originals: dict[int, int | None] | None = None
     unseen: list[str] = []
@@ -218,9 +217,10 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                 if recorded is None:  # a slot filled before this module was imported: known from now on
                     if originals is None:
                         originals = _fsdp_originals(model)
-                    if id(param) in originals:
+                    if id(param) in originals:  # its roles went with the object fully_shard dropped: refused below
                         unseen.append(f"{prefix}.{name}" if prefix else name)
-                    _record(module, name, param)
+                    else:
+                        _record(module, name, param)
                     continue
                 owner, held, attributes = recorded
                 if attributes is vars(param):
@@ -238,12 +238,12 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                     _give(param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes})
                 _record(module, name, param)
     if unseen:
-        _LOG.warning(
-            "roles_before_fully_shard_unknown",
-            parameters=unseen,
-            hint="these parameters were sharded by fully_shard before pgregistry was imported: roles set on them as "
-            "plain attributes before that (Megatron-Core's shared, allreduce, tensor_model_parallel) went with the "
-            "objects fully_shard replaced; import pgregistry before building the model, or mark them again",
+        raise RuntimeError(
+            f"the roles of {len(unseen)} parameter(s) cannot be known: {unseen} were replaced by fully_shard "
+            "before pgregistry was imported, and roles set on them as plain attributes before that (Megatron-Core's "
+            "shared, allreduce, tensor_model_parallel) went with the objects fully_shard replaced, so a statistic "
+            "read without them could count a tied embedding twice. Move `import pgregistry` above the code that "
+            "builds the model (the top of the training script)"
         )
 
 

@@ -129,7 +129,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="allowlist-written-in-place",
         bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
         file="pgregistry/allowlist/_storage.py",
-        find='handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")',
+        find="handle, temporary = _new_temporary(path)",
         replace="handle, temporary = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), str(path)",
         tests=(
             "tests/allowlist/test_allowlist_reliability.py::test_kill_9_during_update_leaves_the_old_file",
@@ -591,8 +591,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a chained optimizer loads child by child, so a later child's refusal leaves the first ones loaded",
         file="pgregistry/optim/_chained.py",
         find=(
-            '        refuse_faults("ChainedOptimizer.load_state_dict", '
-            "agreed_faults(self.state_dict_faults(state_dict), groups))\n"
+            '        refuse_agreed("ChainedOptimizer.load_state_dict", self.state_dict_faults(state_dict), '
+            "self.load_groups())\n"
             '        for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):\n'
             "            child._load_checked_state_dict(child_state)"
         ),
@@ -690,6 +690,32 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_megatron_release.py::test_a_data_parallel_read_is_the_field_of_the_codes_release",
                "tests/migrate/test_migrate_megatron_release.py::"
                "test_migrate_rewrites_with_the_table_of_the_projects_megatron_core"),
+    ),
+    # One rank's load refused, every rank unchanged (issue 41): a load agrees before anything is copied.
+    Mutant(
+        name="optimizer-load-skips-the-agreement",
+        bug="an optimizer's load_state_dict / load_param_state refuses on the faulty rank alone; its replicas load",
+        file="pgregistry/optim/_state_check.py",
+        find="    faulty = faulty_ranks(bool(faults), groups)\n",
+        replace="    faulty: list[int] = []\n",
+        tests=tuple(
+            f"tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::{test}[{load}]"
+            for test in ("test_one_rank_refused_means_every_rank_refused_and_unchanged",
+                         "test_every_rank_names_the_rank_with_the_fault")
+            for load in ("load_state_dict", "load_param_state")
+        ),
+    ),
+    Mutant(
+        name="load-by-name-skips-the-agreement",
+        bug="a checkpoint's optimizer state is loaded without agreeing first that it fits every rank's optimizer",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    by_param = agreed(checked_pieces, elsewhere, scope)\n",
+        replace="    by_param = checked_pieces()\n",
+        tests=tuple(
+            "tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::"
+            f"test_one_rank_refused_means_every_rank_refused_and_unchanged[{load}]"
+            for load in ("load_optimizer_state_by_name", "load_rank_files", "load_distributed")
+        ),
     ),
 )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -47,10 +48,11 @@ def _reason(error: OSError) -> str:
 def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` all at once: temporary file in the same directory, ``fsync`` (when
     ``durable``), rename. Raises :class:`StorageError` on any OS error; ``path`` is then untouched and no
-    temporary file is left behind."""
+    temporary file is left behind. The file keeps its mode; a new one gets the mode any new file gets (``0666``
+    less the umask, as ``open`` makes it), not ``mkstemp``'s ``0600``."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        handle, temporary = _new_temporary(path)
     except OSError as error:
         raise StorageError(f"cannot write {path}: {_reason(error)}") from error
     try:
@@ -59,7 +61,7 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
             stream.flush()
             if durable:
                 os.fsync(stream.fileno())
-        with contextlib.suppress(OSError):  # keep the old file's permissions (mkstemp makes it 0600)
+        with contextlib.suppress(OSError):  # keep the old file's permissions (none: a new file)
             os.chmod(temporary, path.stat().st_mode & 0o7777)
         os.replace(temporary, path)
     except BaseException as error:
@@ -75,6 +77,18 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
                 os.fsync(directory)
             finally:
                 os.close(directory)
+
+
+def _new_temporary(path: Path) -> tuple[int, str]:
+    """A new file beside ``path`` opened for writing, and its name: made by ``open`` with mode ``0666``, so the
+    umask (and a directory's default ACL) applies as to any new file."""
+    for _ in range(tempfile.TMP_MAX):
+        name = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no unused temporary name beside {path}")
 
 
 @contextlib.contextmanager

@@ -8,9 +8,9 @@ not call it, or mix their files with its own.
 Saving and loading are collective: a rank that raised alone would leave its peers waiting for ever in the next
 collective (the next all-reduce of a check, the all-gather of restored shards, DCP's own exchanges). So each step
 that can fail on one rank (reading its files, naming its parameters, writing its file) runs on every rank of the
-scope, and one all-reduce of a failure flag then tells every rank whether any failed: the rank that failed raises
-its own error, the others an error saying another rank failed (see its error). Outside a distributed world these
-are plain calls.
+scope, and one all-reduce of a failure flag per rank then tells every rank which failed: the rank that failed
+raises its own error, the others an error saying another rank failed and naming it ("(rank 3: see its error)").
+Nothing is copied before that verdict. Outside a distributed world these are plain calls.
 
 A rank that never answers (killed, its node lost, stuck) fails its peers' next collective with the backend's words
 only (gloo's "Connection closed by peer", a timeout). :func:`lost_ranks_named` turns that into a ``RuntimeError``
@@ -35,6 +35,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from pgregistry._agreement import faulty_ranks, ranks_label
 from pgregistry.grad_stats import backend_device
 
 if TYPE_CHECKING:
@@ -47,9 +48,11 @@ __all__ = [
     "Scope",
     "agreed",
     "digest_of",
+    "elsewhere_named",
     "lost_ranks_named",
     "max_over_ranks",
     "raise_on_every_rank",
+    "scope_groups",
     "scope_of",
     "world_scope",
 ]
@@ -171,21 +174,38 @@ def digest_of(keys: list[str]) -> int:
 
 def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:
     """Return when no rank of ``scope`` has an error; otherwise raise ``error`` on the ranks that have one and
-    ``elsewhere`` on the others. Collective: one all-reduce of a flag, so every rank must call it, failed or not."""
-    if max_over_ranks([int(error is not None)], scope)[0]:
-        raise error if error is not None else elsewhere
+    ``elsewhere`` on the others, naming the ranks that have one (:func:`elsewhere_named`). Collective: one
+    all-reduce of a flag per rank, so every rank must call it, failed or not."""
+    faulty = faulty_ranks(error is not None, scope_groups(scope))
+    if error is not None:
+        raise error
+    if faulty:
+        raise elsewhere_named(elsewhere, faulty)
 
 
 def agreed(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
     """``step()`` on this rank, raising on every rank of ``scope`` when it raised on any: its own error where it
-    raised, ``elsewhere`` on the others (the same one all-reduce as :func:`raise_on_every_rank`)."""
+    raised, ``elsewhere`` naming the ranks where it did on the others (the same one all-reduce as
+    :func:`raise_on_every_rank`)."""
     try:
         result = step()
     except Exception:
-        max_over_ranks([1], scope)  # tell the other ranks before raising here
+        faulty_ranks(True, scope_groups(scope))  # tell the other ranks before raising here
         raise
     raise_on_every_rank(None, elsewhere, scope)
     return result
+
+
+def elsewhere_named(elsewhere: Exception, faulty: list[int]) -> Exception:
+    """``elsewhere`` (what a rank without a fault raises: "another rank could not ...") naming the world ranks
+    ``faulty`` that have one, so its reader knows whose log holds the cause."""
+    its = "its error" if len(faulty) == 1 else "their errors"
+    return type(elsewhere)(f"{elsewhere} ({ranks_label(faulty)}: see {its})")
+
+
+def scope_groups(scope: Scope) -> list[Any]:
+    """The communicators a verdict over ``scope`` all-reduces over: its group, none for one rank."""
+    return [scope.group] if scope.size > 1 and scope.group is not None else []
 
 
 @contextmanager

@@ -16,7 +16,7 @@ resharded here: a model with either is refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import attrs
@@ -30,7 +30,13 @@ from pgregistry.checkpoint._agreement import Scope, agreed, scope_of
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key
 from pgregistry.experts._names import GlobalNamer, NamingOptions, checked_naming, global_names
-from pgregistry.optim._param_state import ParamState, ParamStateOptimizer, as_param_state_optimizer
+from pgregistry.optim._param_state import (
+    ParamState,
+    ParamStateOptimizer,
+    as_param_state_optimizer,
+    param_state_faults,
+)
+from pgregistry.optim._state_check import refuse_faults
 from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
@@ -200,7 +206,7 @@ def agreed_rank_model(
     collectives."""
     return agreed(
         lambda: rank_model(model_chunks, owner, scope, **naming),
-        ValueError(f"{owner}: another rank's model cannot be checkpointed (see its error)"),
+        ValueError(f"{owner}: another rank's model cannot be checkpointed"),
         scope,
     )
 
@@ -293,22 +299,47 @@ def state_by_name(
     return _nested(flat_state(model, optimizer, primary_only=primary_only))
 
 
-def apply_flat_state(model: RankModel, optimizer: Optimizer | None, lookup: Mapping[str, Any]) -> None:
-    """Copy every parameter and (``optimizer`` given) the optimizer state saved for it from flat ``lookup``, which
-    :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found to fit on every rank."""
+def prepared_flat_state(
+    model: RankModel, optimizer: Optimizer | None, lookup: Mapping[str, Any], scope: Scope, subject: str
+) -> Callable[[], None]:
+    """The copy of every parameter and (``optimizer`` given) the optimizer state saved for it from flat ``lookup``,
+    which :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found to fit on every rank, returned uncalled
+    once the optimizer state's values are found to fit too (:func:`prepared_optimizer_load`: collective over
+    ``scope``, refused on every rank alike)."""
     nested = _nested(lookup)
-    with torch.no_grad():
-        for name, param in model.params.items():
-            param.copy_(model.piece(name, nested["model"][name]))
+    load_state = None
     if optimizer is not None:
-        load_optimizer(optimizer, model, nested["optimizer"])
+        load_state = prepared_optimizer_load(optimizer, model, nested["optimizer"], scope, subject)
+
+    def copy() -> None:
+        with torch.no_grad():
+            for name, param in model.params.items():
+                param.copy_(model.piece(name, nested["model"][name]))
+        if load_state is not None:
+            load_state()
+
+    return copy
 
 
-def load_optimizer(optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> None:
-    """Load ``state`` (global name -> state key -> value, whole) into ``optimizer``: this rank's piece of each."""
-    by_param: dict[torch.Tensor, Mapping[str, Any]] = {
-        param: {key: model.piece(name, value) for key, value in state[name].items()}
-        for name, param in model.params.items()
-        if state.get(name)
-    }
-    as_param_state_optimizer(optimizer).load_param_state(by_param)
+def prepared_optimizer_load(
+    optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]], scope: Scope, subject: str
+) -> Callable[[], None]:
+    """The load of ``state`` (global name -> state key -> value, whole) into ``optimizer`` (this rank's piece of
+    each), returned uncalled once every rank of ``scope`` found its state to fit its optimizer
+    (:func:`~pgregistry.optim._param_state.param_state_faults`: a misshaped ``exp_avg``, a main copy of another
+    shape). A rank whose state does not fit raises its faults, naming itself; every other rank raises naming it;
+    no rank has changed anything. ``subject`` names the call in messages."""
+    target = as_param_state_optimizer(optimizer)
+
+    def checked_pieces() -> dict[torch.Tensor, Mapping[str, Any]]:
+        by_param: dict[torch.Tensor, Mapping[str, Any]] = {
+            param: {key: model.piece(name, value) for key, value in state[name].items()}
+            for name, param in model.params.items()
+            if state.get(name)
+        }
+        refuse_faults(subject, param_state_faults(target, by_param))
+        return by_param
+
+    elsewhere = ValueError(f"{subject}: another rank's optimizer state does not fit its optimizer; nothing was loaded")
+    by_param = agreed(checked_pieces, elsewhere, scope)
+    return lambda: target.load_param_state(by_param)

@@ -19,10 +19,10 @@ from pgregistry.checkpoint._by_name import (
     OPTIMIZER_PREFIX,
     Optimizer,
     agreed_rank_model,
-    apply_flat_state,
     checkpoint_scope,
     flat_state,
     param_name_of_key,
+    prepared_flat_state,
 )
 from pgregistry.checkpoint._strict import Stored, refuse_misfits
 from pgregistry.experts._names import NamingOptions
@@ -79,7 +79,7 @@ def load_distributed(
         model = agreed_rank_model(model_chunks, "load_distributed", naming, scope)
         metadata = agreed(
             lambda: _read_metadata(directory),
-            ValueError(f"another rank could not read the checkpoint {directory} (see its error)"),
+            ValueError(f"another rank could not read the checkpoint {directory}"),
             scope,
         )
         if IDENTITY_KEY in metadata or scope.span is not None:
@@ -95,7 +95,7 @@ def load_distributed(
             # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has read it.
             destination[key] = None if entry.shape is None else torch.empty(entry.shape, dtype=entry.dtype)
         dcp.load(destination, checkpoint_id=str(directory), process_group=_group(scope))
-        apply_flat_state(model, optimizer, destination)
+        prepared_flat_state(model, optimizer, destination, scope, f"load_distributed of {directory}")()
 
 
 def _described(entry: Any) -> Stored:
@@ -148,4 +148,4 @@ def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
                 "checkpoint loads into the same module on the same ranks (save each module into its own directory)"
             )
 
-    agreed(check, ValueError(f"another rank refused the checkpoint {directory} (see its error)"), scope)
+    agreed(check, ValueError(f"another rank refused the checkpoint {directory}"), scope)

@@ -27,6 +27,7 @@ from pgregistry.checkpoint._agreement import (
 from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
+from pgregistry.optim._state_check import refuse_faults
 
 __all__ = ["cut_optimizer_shards", "load_optimizer_shards", "merge_optimizer_shards", "save_optimizer_shards"]
 
@@ -187,14 +188,15 @@ def load_optimizer_shards(
     children = _sharded_children(optimizer, "load_optimizer_shards")
     scope = _scope(children)
     with lost_ranks_named("load_optimizer_shards", directory, scope):
-        # Every child's pieces are cut before any is loaded, and the ranks agree that all of them could be: loading
-        # gathers the restored shards, so a rank raising alone would leave its peers waiting in that collective.
+        # Every child's pieces are cut and checked against it before any is loaded, and the ranks agree that all of
+        # them fit: a child refusing after another loaded would leave a half-loaded optimizer, and loading gathers
+        # the restored shards, so a rank raising alone would leave its peers waiting in that collective.
         saved: list[str] = []
         held: set[str] = set()
         try:
             files = read_rank_contents(Path(directory), _OPTIMIZER_FILE, scope)
             saved = sorted({name for rank_file in files for name in rank_file.state})
-            loads = []
+            loads: list[dict[str, Any]] = []
             for child in children:
                 current = child.state_dict()
                 template = current["shards"]
@@ -205,12 +207,15 @@ def load_optimizer_shards(
                 whole = merge_optimizer_shards(
                     {name: piece for name, piece in rank_file.state.items() if name in template} for rank_file in files
                 )
-                loads.append({"param_groups": current["param_groups"], "shards": cut_optimizer_shards(whole, template)})
+                load = {"param_groups": current["param_groups"], "shards": cut_optimizer_shards(whole, template)}
+                subject = f"the optimizer shards of {directory} for child {len(loads)}"
+                refuse_faults(subject, child.state_dict_faults(load))
+                loads.append(load)
             error = None
         except (ValueError, OSError) as exc:
             error = exc
         raise_on_every_rank(
-            error, ValueError(f"another rank could not load the optimizer shards of {directory} (see its error)"), scope
+            error, ValueError(f"another rank could not load the optimizer shards of {directory}"), scope
         )
         if strict:
             _refuse_unheld(directory, saved, held, scope)

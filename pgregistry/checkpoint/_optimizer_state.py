@@ -15,7 +15,7 @@ from pgregistry.checkpoint._by_name import (
     Optimizer,
     agreed_rank_model,
     checkpoint_scope,
-    load_optimizer,
+    prepared_optimizer_load,
 )
 from pgregistry.checkpoint._strict import Stored, refuse_misfits
 from pgregistry.experts._names import NamingOptions
@@ -43,7 +43,9 @@ def load_optimizer_state_by_name(
     empty: :func:`state_by_name` gives one for every parameter the optimizer updated), holds state of a parameter
     of this rank's model the optimizer does not update, or names a parameter no rank's model holds (``state`` may
     hold every rank's: each takes its own). ``strict=False`` gives parameters without an entry an empty state (as
-    before their first step) and ignores the rest. The values are copied and go through the inner
+    before their first step) and ignores the rest. Also ``ValueError`` on every rank, before any rank loads
+    anything, when a rank's state does not fit its optimizer (an ``exp_avg`` of another shape than its parameter,
+    a main copy of another shape), naming that rank. The values are copied and go through the inner
     ``load_state_dict``, which casts floating state to each parameter's dtype and device. Load the model
     parameters first: a main copy without a saved ``main_param`` is taken from its parameter.
     """
@@ -52,11 +54,11 @@ def load_optimizer_state_by_name(
     model = agreed_rank_model(model_chunks, owner, naming, scope)
     stored = agreed(
         lambda: _described(state),
-        ValueError(f"{owner}: another rank's state is not keyed by parameter name (see its error)"),
+        ValueError(f"{owner}: another rank's state is not keyed by parameter name"),
         scope,
     )
     refuse_misfits("the optimizer state given", stored, model, optimizer, strict, scope, parameters=False)
-    load_optimizer(optimizer, model, state)
+    prepared_optimizer_load(optimizer, model, state, scope, owner)()
 
 
 def _described(state: Mapping[str, Mapping[str, Any]]) -> dict[str, Stored]:

@@ -37,10 +37,10 @@ from pgregistry.checkpoint._by_name import (
     Optimizer,
     RankModel,
     agreed_rank_model,
-    apply_flat_state,
     checkpoint_scope,
     flat_state,
     param_name_of_key,
+    prepared_flat_state,
 )
 from pgregistry.checkpoint._disk import partial_path, publish, write_partial
 from pgregistry.checkpoint._integrity import checksums_of, damaged_tensors
@@ -119,7 +119,7 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Sco
         "format": _FORMAT, "save_id": _new_save_id(scope), "rank": rank, "world_size": world_size, **scope.identity()
     }
     path = directory / f"{prefix}{rank:05d}.pt"
-    failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory} (see its error)")
+    failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory}")
     try:
         # The checksums inside the agreed step too: a tensor that cannot be read fails every rank, not one.
         partial = agreed(
@@ -153,11 +153,10 @@ def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
         found, error = _rank_file_paths(directory, prefix), None
     except OSError as exc:
         found, error = [], exc
-    existing, failed = max_over_ranks([len(found), int(error is not None)], scope)
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"another rank could not make or list the checkpoint directory {directory} (see its error)")
+    raise_on_every_rank(
+        error, RuntimeError(f"another rank could not make or list the checkpoint directory {directory}"), scope
+    )
+    (existing,) = max_over_ranks([len(found)], scope)
     if existing == 0:
         return
     seen = f"e.g. {', '.join(p.name for p in found[:3])}" if found else "seen by another rank"
@@ -311,13 +310,14 @@ def prepared_load(
         refuse_misfits(f"the checkpoint {directory}", described, model, optimizer, strict, scope)
         agreed(
             lambda: _verify_loaded(holders, model, optimizer is not None),
-            ValueError(f"another rank found a damaged tensor in the checkpoint {directory} (see its error)"),
+            ValueError(f"another rank found a damaged tensor in the checkpoint {directory}"),
             scope,
         )
+        apply = prepared_flat_state(model, optimizer, stored, scope, f"load_rank_files of {directory}")
 
     def copy() -> None:
         with lost_ranks_named("load_rank_files", directory, scope):  # a sharded optimizer's load is collective
-            apply_flat_state(model, optimizer, stored)
+            apply()
 
     return copy
 
@@ -338,6 +338,6 @@ def _read_on_every_rank(directory: Path, scope: Scope) -> dict[str, RankFile]:
     except (ValueError, OSError) as exc:  # OSError: a directory this rank may not list
         holders, error = {}, exc
     raise_on_every_rank(
-        error, ValueError(f"another rank could not read the checkpoint {directory} (see its error)"), scope
+        error, ValueError(f"another rank could not read the checkpoint {directory}"), scope
     )
     return holders

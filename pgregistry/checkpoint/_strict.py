@@ -15,8 +15,11 @@ things alike, naming them (the count and a few names):
   loaded into a 1-layer model, 8 experts into a model of 4.
 
 The verdict is two all-reduces over the ranks of the load: every rank raises (its own error, or one saying which
-check another rank failed) or none does, and none has copied anything yet. Optimizer state saved for a parameter
-is loaded only when an optimizer is given: loading the parameters alone out of a full checkpoint is no error.
+check another rank failed and naming that rank: one more all-reduce, on a refusal only) or none does, and none has
+copied anything yet. Optimizer state saved for a parameter is loaded only when an optimizer is given: loading the
+parameters alone out of a full checkpoint is no error. The values of the optimizer state are checked against the
+optimizer itself (a misshaped ``exp_avg``) once they are read, still before anything is copied
+(:func:`~pgregistry.checkpoint._by_name.prepared_flat_state`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Final
 import attrs
 import torch
 
-from pgregistry.checkpoint._agreement import Scope, digest_of, max_over_ranks
+from pgregistry.checkpoint._agreement import Scope, digest_of, max_over_ranks, raise_on_every_rank
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     OPTIMIZED_PREFIX,
@@ -85,12 +88,13 @@ def refuse_misfits(
     )
     if largest != -negated_smallest:  # before the flags per key: the ranks' key lists may differ in length
         raise ValueError(f"ranks read different checkpoints: every rank must load the same one ({source})")
-    if any_lacking:
-        raise ValueError(lacking or f"{source} lacks parameters of another rank's model (see its error)")
-    if any_misfit:
-        raise ValueError(misfits or f"{source} does not fit another rank's model (see its error)")
-    if any_optimizer_fault:
-        raise ValueError(optimizer_faults or f"{source} does not fit another rank's optimizer (see its error)")
+    for found, own, elsewhere in (
+        (any_lacking, lacking, f"{source} lacks parameters of another rank's model"),
+        (any_misfit, misfits, f"{source} does not fit another rank's model"),
+        (any_optimizer_fault, optimizer_faults, f"{source} does not fit another rank's optimizer"),
+    ):
+        if found:  # alike on every rank: one more all-reduce names the ranks that found it
+            raise_on_every_rank(ValueError(own) if own else None, ValueError(elsewhere), scope)
     if not strict:
         return
     union = max_over_ranks([int(name in held) for name in names], scope)

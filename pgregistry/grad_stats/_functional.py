@@ -166,6 +166,7 @@ def clip_grad_norm_(
     ``error_if_nonfinite``, raises ``RuntimeError`` on every rank. The coefficient is computed from the float64
     norm (:func:`~pgregistry.grad_stats.clip_grads_`).
     """
+    check_max_norm(max_norm)  # None too: here it is no "do not clip"
     return _statistics(
         params, pg_collection, "clip_grad_norm_", Wanted.of(norm_type, zeros=False), max_norm, error_if_nonfinite
     ).clip_norm

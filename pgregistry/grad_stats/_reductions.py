@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import FIELD_NAMES, GroupName, group_size
+from pgregistry.grad_stats._arguments import check_max_norm, checked_norm_type
 
 __all__ = [
     "CLIP_EPSILON",
@@ -70,14 +71,6 @@ V = TypeVar("V")
 
 _NORM, _ZEROS = range(2)
 """A part's columns: the norm's share and the zero count."""
-
-
-def checked_norm_type(norm_type: float) -> float:
-    """``norm_type`` as a float; ``ValueError`` unless it is positive (inf included)."""
-    p = float(norm_type)
-    if math.isnan(p) or p <= 0:
-        raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
-    return p
 
 
 @attrs.frozen(slots=True)
@@ -375,12 +368,6 @@ def reduce_over_groups(
         share = local(items)
         _all_reduce(share, op, group)
         yield share
-
-
-def check_max_norm(max_norm: float) -> None:
-    """``ValueError`` unless ``max_norm`` is a positive finite number."""
-    if not max_norm > 0 or math.isinf(max_norm):
-        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
 
 
 @attrs.define(slots=True)

@@ -35,16 +35,10 @@ import torch
 from pgregistry._agreement import agree, joined
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification, clip_grads_
+from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._options import described_options, options_error
-from pgregistry.modules._stats import (
-    check_models,
-    described,
-    max_norm_error,
-    module_values,
-    norm_type_error,
-    reduce_over_modules,
-)
+from pgregistry.modules._stats import check_models, described, module_values, reduce_over_modules
 from pgregistry.optim import ChainedOptimizer
 from pgregistry.optim import build_optimizer as build_module_optimizer
 from pgregistry.optim._state_check import refuse_faults
@@ -206,9 +200,7 @@ class MultiModuleOptimizer:
         on its module's ranks travels there too (:func:`~pgregistry.modules._stats.module_values`)."""
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
-        fields = {"norm_type": repr(norm_type)}
-        if max_norm is not None:
-            fields["max_norm"] = repr(max_norm)
+        fields = {"norm_type": repr(norm_type), "max_norm": repr(max_norm)}  # None too: step's "do not clip"
         error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
         if zeros:
             both, fault = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm_and_zeros(p))

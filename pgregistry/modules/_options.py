@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pgregistry._agreement import Fault, joined
-from pgregistry.modules._stats import real_number
+from pgregistry.grad_stats._arguments import real_number
 from pgregistry.optim import build_optimizer as build_module_optimizer
 
 __all__ = ["described_options", "options_error"]

@@ -23,7 +23,6 @@ instead of leaving a module's ranks waiting.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +34,7 @@ from pgregistry._resolve import ParamsLike, normalise
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
+from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
@@ -46,10 +46,7 @@ __all__ = [
     "count_zeros",
     "described",
     "grad_norm",
-    "max_norm_error",
     "module_values",
-    "norm_type_error",
-    "real_number",
     "reduce_over_modules",
 ]
 
@@ -333,35 +330,3 @@ def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
         local = getattr(grad, "_local_tensor", None)  # a DTensor: its local piece, as the single-model clip scales
         grads.append(local if isinstance(local, torch.Tensor) else grad)
     return grads
-
-
-def norm_type_error(norm_type: object) -> Exception | None:
-    """Why ``norm_type`` is no norm type, or ``None``: ``TypeError`` for no real number (a string, a bool),
-    ``ValueError`` unless positive (inf is the max-norm; NaN is none)."""
-    p = real_number(norm_type)
-    if p is None:
-        return TypeError(f"norm_type must be a positive number or inf, got {norm_type!r} ({type(norm_type).__name__})")
-    return None if p > 0 else ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
-
-
-def max_norm_error(max_norm: object) -> Exception | None:
-    """Why ``max_norm`` cannot be clipped to, or ``None``: ``TypeError`` for no real number (a string such as
-    ``'1.0'``, a bool), ``ValueError`` unless positive and finite (0, negative, NaN, inf)."""
-    number = real_number(max_norm)
-    if number is None:
-        kind = type(max_norm).__name__
-        return TypeError(f"max_norm must be a positive, finite number (a float), got {max_norm!r} ({kind})")
-    if number > 0 and math.isfinite(number):
-        return None
-    return ValueError(f"max_norm must be a positive, finite number, got {max_norm!r}")
-
-
-def real_number(value: object) -> float | None:
-    """``value`` as a float when it is a real number (a Python or NumPy number, a one-element real tensor), not a
-    bool; else ``None``."""
-    if isinstance(value, torch.Tensor):
-        real = value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
-        return float(value.item()) if real else None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    return None

@@ -53,7 +53,7 @@ from pgregistry.grad_stats._reductions import (
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
-from pgregistry.optim._state_check import agreed_faults, refuse_faults
+from pgregistry.optim._state_check import refuse_agreed
 from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
@@ -314,16 +314,16 @@ class FlatOptimizer(OptimizerStatistics):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same layout, same names). Strict: a state dict with any
         :meth:`state_dict_faults` is refused (``ValueError``, the count and a few of them) before anything changes.
-        The check is local; a collective load agrees on it over :meth:`load_groups` first
-        (:mod:`pgregistry.optim._state_check`)."""
-        faults = agreed_faults(self.state_dict_faults(state_dict), self.load_groups())
-        refuse_faults(f"{type(self).__name__}.load_state_dict", faults)
+        The check is local; the ranks of :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`),
+        so every rank of the instance refuses alike or none does."""
+        refuse_agreed(f"{type(self).__name__}.load_state_dict", self.state_dict_faults(state_dict), self.load_groups())
         self._load_checked_state_dict(state_dict)
 
+    @abc.abstractmethod
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The groups whose ranks agree on :meth:`state_dict_faults` before a load: none, the load is local (a
-        collective load's optimizer returns the groups that cover its collectives)."""
-        return ()
+        """The groups whose ranks agree on the faults of a load before any of them loads (one small all-reduce over
+        each): together they hold every rank of this optimizer's instance, replicas included, so a state refused
+        on one rank is refused on all of them, never loaded by its replicas alone."""
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:
@@ -338,9 +338,22 @@ class FlatOptimizer(OptimizerStatistics):
     def param_state(self) -> dict[torch.Tensor, ParamState]:
         """Model parameter -> its whole optimizer state (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
 
-    @abc.abstractmethod
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore :meth:`param_state` output of any layout (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
+        """Restore :meth:`param_state` output of any layout (:class:`~pgregistry.optim.ParamStateOptimizer`).
+        Strict as :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused (``ValueError``)
+        on every rank of :meth:`load_groups` before any rank changes anything."""
+        refuse_agreed(f"{type(self).__name__}.load_param_state", self.param_state_faults(state), self.load_groups())
+        self._load_checked_param_state(state)
+
+    @abc.abstractmethod
+    def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
+        """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong: a main copy or
+        elementwise state of another shape than its tensor's, state a flat step cannot hold. Local; changes
+        nothing."""
+
+    @abc.abstractmethod
+    def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+        """Load ``state``, which has no :meth:`param_state_faults`."""
 
 
 def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -17,7 +17,7 @@ import torch
 
 from pgregistry.optim._base import FlatOptimizer, OptimizerStatistics
 from pgregistry.optim._param_state import ParamState
-from pgregistry.optim._state_check import agreed_faults, refuse_faults
+from pgregistry.optim._state_check import refuse_agreed
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -90,12 +90,16 @@ class ChainedOptimizer(OptimizerStatistics):
         was (a later child's refusal used to leave the first ones loaded). The check is local; where a child's
         load is collective (a sharded child's all-gather) the ranks agree on it first over the children's
         :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, so every rank refuses alike."""
+        refuse_agreed("ChainedOptimizer.load_state_dict", self.state_dict_faults(state_dict), self.load_groups())
+        for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):
+            child._load_checked_state_dict(child_state)
+
+    def load_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, each group once."""
         groups: list[ProcessGroup | None] = []
         for child in self.chained_optimizers:
             groups.extend(g for g in child.load_groups() if not any(g is seen for seen in groups))
-        refuse_faults("ChainedOptimizer.load_state_dict", agreed_faults(self.state_dict_faults(state_dict), groups))
-        for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):
-            child._load_checked_state_dict(child_state)
+        return tuple(groups)
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
         """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state` (collective where a child's is)."""
@@ -104,7 +108,17 @@ class ChainedOptimizer(OptimizerStatistics):
             merged.update(child.param_state())
         return merged
 
+    def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state_faults`, prefixed with its index."""
+        return [
+            f"child {index}: {fault}"
+            for index, child in enumerate(self.chained_optimizers)
+            for fault in child.param_state_faults(state)
+        ]
+
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Each child restores the state of its own parameters from ``state``."""
+        """Each child restores the state of its own parameters from ``state``; strict as :meth:`load_state_dict`:
+        every child is checked, and the ranks of :meth:`load_groups` agree, before any child loads."""
+        refuse_agreed("ChainedOptimizer.load_param_state", self.param_state_faults(state), self.load_groups())
         for child in self.chained_optimizers:
-            child.load_param_state(state)
+            child._load_checked_param_state(state)

@@ -17,7 +17,7 @@ of one dtype, not one per parameter; with a flat step on CUDA, it is written by 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,10 +25,18 @@ from pgregistry._grad_buffer import GradBuffer, all_reduce_grads_
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._flat_step import FlatStep
-from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_state
+from pgregistry.optim._param_state import MAIN_PARAM, ParamState, inner_state_dict, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
-from pgregistry.optim._state_check import inner_state_faults, missing_and_extra, tensor_faults
+from pgregistry.optim._state_check import (
+    inner_param_state_faults,
+    inner_state_faults,
+    missing_and_extra,
+    tensor_faults,
+)
 from pgregistry.params import copy_param_roles
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["MixedPrecisionOptimizer"]
 
@@ -180,8 +188,33 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             out[param] = entry
         return out
 
+    def load_groups(self) -> tuple[ProcessGroup | None, ...]:
+        """The replicas (:attr:`grad_sync_group`) and the statistics groups: every rank of the instance."""
+        groups: list[ProcessGroup | None] = []
+        for group in (self.grad_sync_group, *self.stats_reduce_groups()):
+            if not any(group is seen for seen in groups):
+                groups.append(group)
+        return tuple(groups)
+
+    def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
+        """Saved main copies of another shape than their parameter's (or no tensor), and the inner state's faults
+        (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local."""
+        faults = [
+            fault
+            for param, main in self._copied()
+            if (saved := state.get(param, {}).get(MAIN_PARAM)) is not None
+            for fault in tensor_faults(f"main copy {self.param_name(param)!r}", saved, main, cast=True)
+        ]
+        if self.inner is not None:
+            tensors = self._inner_tensors()
+            model_param = dict(zip(self.main_params, self.params, strict=True))
+            inner = inner_state_dict(self.inner, tensors, state, rename=model_param)
+            names = [self.param_name(model_param[tensor]) for tensor in tensors]
+            faults.extend(inner_param_state_faults(self.inner, inner, tensors, names))
+        return faults
+
     @torch.no_grad()
-    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+    def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Restore :meth:`param_state` output; a main copy without a saved ``main_param`` is its parameter's value."""
         for param, main in self._copied():
             main.copy_(state.get(param, {}).get(MAIN_PARAM, param))

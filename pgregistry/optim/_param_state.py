@@ -15,7 +15,16 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
-__all__ = ["MAIN_PARAM", "ParamState", "ParamStateOptimizer", "TorchOptimizerState", "as_param_state_optimizer"]
+__all__ = [
+    "MAIN_PARAM",
+    "ParamState",
+    "ParamStateOptimizer",
+    "TorchOptimizerState",
+    "as_param_state_optimizer",
+    "inner_state_dict",
+    "load_inner_state",
+    "param_state_faults",
+]
 
 ParamState: TypeAlias = dict[str, Any]
 """One parameter's optimizer state: state key -> tensor or value (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``)."""
@@ -56,6 +65,11 @@ class TorchOptimizerState:
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         load_inner_state(self.optimizer, self._params(), state)
 
+    def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
+        """None: torch's ``load_state_dict`` refuses nothing of a state dict numbered like its own (it casts, and
+        an optimizer of another rule may keep state of any shape)."""
+        return []
+
 
 class StateDictOptimizer(Protocol):
     """What :func:`load_inner_state` needs: a ``torch.optim.Optimizer``, or a pgregistry flat step
@@ -74,22 +88,46 @@ def load_inner_state(
     rename: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Load ``state`` into ``optimizer`` through ``load_state_dict`` (which casts floating state to each tensor's
-    dtype and device). ``keys`` are the tensors ``optimizer`` steps, in ``param_groups`` order; ``rename`` maps one
-    to the key of its entry in ``state`` (a main copy to its model parameter). Values are copied; ``main_param``
-    is left out."""
+    dtype and device): :func:`inner_state_dict`'s state dict, its values copied."""
+    optimizer.load_state_dict(inner_state_dict(optimizer, keys, state, rename=rename, copied=True))
+
+
+def inner_state_dict(
+    optimizer: StateDictOptimizer,
+    keys: list[torch.Tensor],
+    state: Mapping[torch.Tensor, Mapping[str, Any]],
+    *,
+    rename: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    copied: bool = False,
+) -> dict[str, Any]:
+    """The state dict of ``optimizer`` holding ``state``, as :func:`load_inner_state` loads it (and a check reads
+    it first, ``copied=False``: the values themselves). ``keys`` are the tensors ``optimizer`` steps, in
+    ``param_groups`` order; ``rename`` maps one to the key of its entry in ``state`` (a main copy to its model
+    parameter). ``main_param`` is left out."""
     current = optimizer.state_dict()
     ids = [pid for group in current["param_groups"] for pid in group["params"]]
     current["state"] = {}
     for pid, tensor in zip(ids, keys, strict=True):
         entry = state.get((rename or {}).get(tensor, tensor), {})
-        values = {key: _copy(value) for key, value in entry.items() if key != MAIN_PARAM}
+        values = {key: _copy(value) if copied else value for key, value in entry.items() if key != MAIN_PARAM}
         if values:
             current["state"][pid] = values
-    optimizer.load_state_dict(current)
+    return current
 
 
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def param_state_faults(
+    optimizer: ParamStateOptimizer, state: Mapping[torch.Tensor, Mapping[str, Any]]
+) -> list[str]:
+    """Every reason ``optimizer``'s ``load_param_state`` would refuse ``state``, found without changing anything:
+    its ``param_state_faults`` (every pgregistry optimizer has one), else none (an optimizer of another library,
+    whose load is its own). A collective load agrees on them before any rank loads
+    (:mod:`pgregistry.checkpoint`)."""
+    check = getattr(optimizer, "param_state_faults", None)
+    return list(check(state)) if check is not None else []
 
 
 def as_param_state_optimizer(optimizer: torch.optim.Optimizer | ParamStateOptimizer) -> ParamStateOptimizer:

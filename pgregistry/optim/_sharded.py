@@ -30,9 +30,14 @@ from pgregistry.collection import group_size
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
 from pgregistry.optim._copies import Copy
 from pgregistry.optim._flat_step import FlatStep
-from pgregistry.optim._param_state import MAIN_PARAM, ParamState, load_inner_state
+from pgregistry.optim._param_state import MAIN_PARAM, ParamState, inner_state_dict, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
-from pgregistry.optim._state_check import inner_state_faults, missing_and_extra, tensor_faults
+from pgregistry.optim._state_check import (
+    inner_param_state_faults,
+    inner_state_faults,
+    missing_and_extra,
+    tensor_faults,
+)
 from pgregistry.params import copy_param_roles
 
 if TYPE_CHECKING:
@@ -288,24 +293,47 @@ class ShardedOptimizer(FlatOptimizer):
             dist.all_reduce(flat, group=self.shard_group)  # pieces are disjoint: the sum is each rank's piece
         return flat
 
+    def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
+        """Saved main copies of another shape than their parameter's (or no tensor), and the faults of the inner
+        state cut for this rank's pieces (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local:
+        :meth:`load_param_state` agrees on them over :meth:`load_groups`."""
+        faults = [
+            fault
+            for piece in self._pieces
+            if (saved := state.get(piece.param, {}).get(MAIN_PARAM)) is not None
+            for fault in tensor_faults(f"main copy {self.param_name(piece.param)!r}", saved, piece.param, cast=True)
+        ]
+        if self.inner is not None:
+            mains = [piece.main for piece in self._pieces]
+            inner = inner_state_dict(self.inner, mains, self._cut(state))
+            names = [self.param_name(piece.param) for piece in self._pieces]
+            faults.extend(inner_param_state_faults(self.inner, inner, mains, names))
+        return faults
+
     @torch.no_grad()
-    def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+    def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Cut this rank's pieces from whole :meth:`param_state` output of any layout, restore them and gather
         the parameters (collective over :attr:`shard_group`). A main copy without a saved ``main_param`` is taken
         from its parameter, so load the parameters first."""
+        for piece in self._pieces:
+            saved = state.get(piece.param, {}).get(MAIN_PARAM, piece.param)
+            piece.main.copy_(saved.reshape(-1)[piece.offset : piece.offset + piece.stop - piece.start])
+        if self.inner is not None:
+            load_inner_state(self.inner, [piece.main for piece in self._pieces], self._cut(state))
+        self._publish()
+
+    def _cut(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> dict[torch.Tensor, ParamState]:
+        """The state of each of this rank's pieces (keyed by its main copy): elementwise values of the whole
+        parameter cut for the piece, others as they are; ``main_param`` left out."""
         pieces: dict[torch.Tensor, ParamState] = {}
         for piece in self._pieces:
-            saved = state.get(piece.param, {})
             cut = slice(piece.offset, piece.offset + piece.stop - piece.start)
-            piece.main.copy_(saved.get(MAIN_PARAM, piece.param).reshape(-1)[cut])
             pieces[piece.main] = {
                 key: value.reshape(-1)[cut] if _whole_elementwise(value, piece.param) else value
-                for key, value in saved.items()
+                for key, value in state.get(piece.param, {}).items()
                 if key != MAIN_PARAM
             }
-        if self.inner is not None:
-            load_inner_state(self.inner, [piece.main for piece in self._pieces], pieces)
-        self._publish()
+        return pieces
 
 
 def _elementwise(value: object, main: torch.Tensor) -> bool:

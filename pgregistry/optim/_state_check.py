@@ -7,9 +7,11 @@ them (a chained optimizer every child's), and loads only when there are none, as
 (:mod:`pgregistry.checkpoint._strict`): entries missing or extra (main copies, shard pieces, the state of a
 parameter), and saved tensors of another shape or dtype than the ones they would be copied into. A refusal is one
 ``ValueError`` giving the count and the first few faults. The check is local: it reads no tensor's values beyond
-a per-parameter value (``step``) and runs no collective; only a load that is collective anyway (a sharded
-optimizer's, whose all-gather a refusing rank would leave the others waiting in) agrees on it first
-(:func:`agreed_faults`), so that every rank refuses or none does.
+a per-parameter value (``step``) and runs no collective; the ranks of the optimizer's instance (its replicas and
+its statistics groups: :meth:`~pgregistry.optim.FlatOptimizer.load_groups`) then agree on it (:func:`refuse_agreed`,
+one small all-reduce), so that every rank refuses or none does: a replica never loads what another refused (their
+states would differ from then on), and a sharded load's all-gather never waits for a rank that refused. The same
+holds for a load of whole parameter state (``load_param_state``, :func:`inner_param_state_faults`).
 """
 
 from __future__ import annotations
@@ -20,44 +22,53 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 import torch.distributed as dist
 
-from pgregistry.collection import group_size
-from pgregistry.grad_stats import backend_device
+from pgregistry._agreement import faulty_ranks, ranks_label
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from pgregistry.optim._flat_step import FlatStep
 
-__all__ = ["agreed_faults", "inner_state_faults", "missing_and_extra", "refuse_faults", "tensor_faults"]
+__all__ = [
+    "inner_param_state_faults",
+    "inner_state_faults",
+    "missing_and_extra",
+    "refuse_agreed",
+    "refuse_faults",
+    "tensor_faults",
+]
 
 _SHOWN: Final = 3
 """How many faults a refusal quotes."""
 
 
 def refuse_faults(subject: str, faults: Sequence[str]) -> None:
-    """``ValueError`` from ``subject`` (the method refusing) giving the count and the first few ``faults``; nothing
-    when there are none."""
+    """``ValueError`` from ``subject`` (the method refusing) giving the count and the first few ``faults``, and (in
+    a distributed world) this rank, which the other ranks' refusals name too (:func:`refuse_agreed`); nothing when
+    there are none."""
     if not faults:
         return
     shown = "; ".join(faults[:_SHOWN]) + ("; ..." if len(faults) > _SHOWN else "")
+    where = f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
     raise ValueError(
-        f"{subject}: the state dict does not fit this optimizer ({len(faults)} fault(s): {shown}); nothing was "
-        "loaded (load state saved by an optimizer over the same parameters, dtypes and layout)"
+        f"{subject}{where}: the state given does not fit this optimizer ({len(faults)} fault(s): {shown}); nothing "
+        "was loaded (load state saved by an optimizer over the same parameters, dtypes and layout)"
     )
 
 
-def agreed_faults(faults: list[str], groups: Sequence[ProcessGroup | None]) -> list[str]:
-    """``faults``, or (when another rank of ``groups`` found some and this one none) one saying so: one MAX
-    all-reduce of a flag per group of more than one rank (``None``: an axis that is off)."""
-    flag = 0 if not faults else 1
-    for group in groups:
-        if group is not None and group_size(group) > 1:
-            reduced = torch.tensor([flag], device=backend_device(group))
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-            flag = int(reduced.item())
-    if flag and not faults:
-        return ["another rank's state does not fit its optimizer (see the error there); every rank refuses alike"]
-    return faults
+def refuse_agreed(subject: str, faults: Sequence[str], groups: Sequence[ProcessGroup | None]) -> None:
+    """:func:`refuse_faults` on every rank of ``groups`` alike: one MAX all-reduce of a flag per rank over each group
+    of more than one rank (``None``: an axis that is off; :func:`~pgregistry._agreement.faulty_ranks`), then the
+    ranks with ``faults`` raise them, naming themselves, and the others raise naming those ranks; nothing when no
+    rank has any. Collective: every rank of ``groups`` calls it, before any of them loads."""
+    faulty = faulty_ranks(bool(faults), groups)
+    refuse_faults(subject, faults)
+    if faulty:
+        its = "its error" if len(faulty) == 1 else "their errors"
+        raise ValueError(
+            f"{subject}: the state given to {ranks_label(faulty)} does not fit its optimizer (see {its}); nothing was "
+            "loaded on any rank"
+        )
 
 
 def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) -> list[str]:
@@ -76,14 +87,14 @@ def _some(names: Iterable[str]) -> str:
     return ", ".join(repr(name) for name in listed[:_SHOWN]) + (", ..." if len(listed) > _SHOWN else "")
 
 
-def tensor_faults(what: str, value: Any, like: torch.Tensor) -> list[str]:
+def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = False) -> list[str]:
     """Why ``value`` (saved as ``what``) cannot be copied into ``like`` unchanged: no tensor, another shape or
-    another dtype."""
+    (unless ``cast``: the load casts) another dtype."""
     if not isinstance(value, torch.Tensor):
         return [f"{what} is a {type(value).__name__}, not a tensor"]
     if value.shape != like.shape:
         return [f"{what} has shape {tuple(value.shape)}, this optimizer's {tuple(like.shape)}"]
-    if value.dtype != like.dtype:
+    if not cast and value.dtype != like.dtype:
         return [f"{what} is {value.dtype}, this optimizer's {like.dtype}"]
     return []
 
@@ -116,3 +127,25 @@ def inner_state_faults(
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 faults.extend(tensor_faults(f"state {key!r} of {name}", value, tensor))
     return faults
+
+
+def inner_param_state_faults(
+    inner: torch.optim.Optimizer | FlatStep, state_dict: Any, tensors: Sequence[torch.Tensor], names: Sequence[str]
+) -> list[str]:
+    """The faults of ``state_dict`` (:func:`~pgregistry.optim._param_state.inner_state_dict` of whole parameter
+    state, as ``load_param_state`` loads it) for ``inner``, which steps ``tensors`` (named ``names``): a flat
+    step's own rules (:meth:`~pgregistry.optim.FlatStep.state_dict_faults`), and elementwise state (a tensor of
+    one dimension or more) of another shape than its tensor's. Not its dtype (the load casts), nor state saved for
+    some parameters only (``strict=False`` of a checkpoint gives the others none)."""
+    if not isinstance(inner, torch.optim.Optimizer):
+        faults = inner.state_dict_faults(state_dict)
+        if faults:
+            return faults
+    ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    return [
+        fault
+        for pid, tensor, name in zip(ids, tensors, names, strict=True)
+        for key, value in (state_dict["state"].get(pid) or {}).items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+        for fault in tensor_faults(f"state {key!r} of {name}", value, tensor, cast=True)
+    ]

@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -285,3 +285,35 @@ def test_pep_701_f_strings_name_python_3_12_and_a_broken_f_string_does_not(sourc
     assert failure is not None and failure.needs == "3.12"
     broken = scan_source(b'message = f"{}"\n', "m.py", ScanConfig()).failure
     assert broken is not None and broken.needs == ""
+
+
+@pytest.fixture
+def umask_027() -> Iterator[None]:
+    """A umask no default shares (``0o027``: a new file is ``0o640``), restored afterwards."""
+    previous = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def test_a_new_allowlist_gets_the_mode_of_any_new_file(
+    project: Project, capsys: pytest.CaptureFixture[str], umask_027: None
+) -> None:
+    """Reported (issue 41): ``update`` made a new allowlist ``0600`` (``mkstemp``'s mode), unreadable to the group
+    that reads the repository; it gets what the umask gives any new file, as a file the test writes does."""
+    project.write("src/pkg/a.py", READ_A)
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    other = project.write("src/pkg/other.py", "")
+    assert (project.root / "allowlist.json").stat().st_mode & 0o7777 == other.stat().st_mode & 0o7777 == 0o640
+
+
+def test_a_rewritten_allowlist_keeps_its_mode(
+    listed: Project, capsys: pytest.CaptureFixture[str], umask_027: None
+) -> None:
+    path = listed.root / "allowlist.json"
+    path.chmod(0o604)
+    before = path.read_text()
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    assert path.read_text() != before  # rewritten (b.py's read is new)
+    assert path.stat().st_mode & 0o7777 == 0o604

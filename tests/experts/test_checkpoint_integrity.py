@@ -88,7 +88,7 @@ def test_a_damaged_tensor_one_rank_loads_fails_every_rank_before_any_copy(tmp_pa
     # is its model's parameter 4 (norm weight and bias, expert 0's weight and bias first), filled with 11 + 4.
     flip_a_byte_of(tmp_path / "rank-00001.pt", torch.full((2, 2), 15.0))
     assert run_world(2, _load, str(tmp_path), timeout=30.0) == [
-        f"another rank found a damaged tensor in the checkpoint {tmp_path} (see its error)",
+        f"another rank found a damaged tensor in the checkpoint {tmp_path} (rank 1: see its error)",
         f"{tmp_path / 'rank-00001.pt'} is damaged: the bytes of tensor 'model/experts.local_experts.5.weight' do "
         "not match the checksum stored when it was saved; restore the file from a copy",
     ]
@@ -133,7 +133,7 @@ def test_num_experts_beyond_the_local_experts_times_ep_is_refused_at_save(tmp_pa
     every = run_world(2, _save_with_num_experts, save_rank_files, str(tmp_path / "all"), [16, 16], timeout=30.0)
     assert every == [_GAPS, _GAPS]
     assert run_world(2, _save_with_num_experts, save_rank_files, str(tmp_path / "one"), [8, 16], timeout=30.0) == [
-        "save_rank_files: another rank's model cannot be checkpointed (see its error)",
+        "save_rank_files: another rank's model cannot be checkpointed (rank 1: see its error)",
         _GAPS,
     ]
     assert not any(path.is_file() for path in tmp_path.rglob("*"))  # nothing written
@@ -141,7 +141,7 @@ def test_num_experts_beyond_the_local_experts_times_ep_is_refused_at_save(tmp_pa
 
 def test_num_experts_wrong_on_one_rank_fails_every_rank_of_a_dcp_save_without_a_hang(tmp_path: Path) -> None:
     assert run_world(2, _save_with_num_experts, save_distributed, str(tmp_path), [8, 16], timeout=30.0) == [
-        "save_distributed: another rank's model cannot be checkpointed (see its error)",
+        "save_distributed: another rank's model cannot be checkpointed (rank 1: see its error)",
         _GAPS,
     ]
 
@@ -181,7 +181,7 @@ def _save_with_a_full_disk_on(directory: str, full_rank: int) -> str:
 def test_a_full_disk_names_the_file_and_the_disk_on_every_rank_and_leaves_nothing(tmp_path: Path) -> None:
     zero, one = run_world(2, _save_with_a_full_disk_on, str(tmp_path), 1, timeout=30.0)
     assert zero == (
-        f"RuntimeError: another rank failed to write its file of the checkpoint in {tmp_path} (see its error)"
+        f"RuntimeError: another rank failed to write its file of the checkpoint in {tmp_path} (rank 1: see its error)"
     )
     # The file, then the disk: its device, where it is mounted, and its free space.
     assert one.startswith(f"OSError: [Errno 28] No space left on device: writing {tmp_path / 'rank-00001.pt'} on "), one
@@ -244,7 +244,7 @@ def test_a_really_full_disk_names_the_file_and_the_disk(tmp_path: Path) -> None:
 
     assert re.fullmatch(no_space(0), results[0]), results  # rank 0 writes the large dense layer
     # Rank 1's small file may or may not have fitted beside rank 0's partial one.
-    another = f"RuntimeError: another rank failed to write its file of the checkpoint in {ckpt} (see its error)"
+    another = f"RuntimeError: another rank failed to write its file of the checkpoint in {ckpt} (rank 0: see its error)"
     assert results[1] == another or re.fullmatch(no_space(1), results[1]), results
     assert report["left"] == []  # no rank file, no partial file
 

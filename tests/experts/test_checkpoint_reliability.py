@@ -146,7 +146,7 @@ def test_a_parameter_missing_on_one_rank_raises_on_every_rank_without_a_hang(tmp
     results = run_world(2, _save_then_load, str(tmp_path), 8, 1, timeout=60.0)
     assert results[1].startswith("ValueError: the checkpoint lacks 2 of this rank's parameters, e.g. 'extra.bias'")
     assert results[0] == (
-        f"ValueError: the checkpoint {tmp_path} lacks parameters of another rank's model (see its error)"
+        f"ValueError: the checkpoint {tmp_path} lacks parameters of another rank's model (rank 1: see its error)"
     )
 
 
@@ -183,7 +183,7 @@ def _save_failing_on_rank_one(directory: str) -> str:
 
 def test_a_save_failing_on_one_rank_fails_every_rank_and_leaves_no_file(tmp_path: Path) -> None:
     assert run_world(2, _save_failing_on_rank_one, str(tmp_path), timeout=60.0) == [
-        f"another rank failed to write its file of the checkpoint in {tmp_path} (see its error)",
+        f"another rank failed to write its file of the checkpoint in {tmp_path} (rank 1: see its error)",
         "cannot pickle this state",
     ]
     assert list(tmp_path.iterdir()) == []
@@ -210,7 +210,7 @@ def test_a_rank_that_cannot_read_the_checkpoint_fails_every_rank_without_a_hang(
     run_world(2, _save, str(tmp_path / "saved"))
     (tmp_path / "empty").mkdir()
     assert run_world(2, _load_from, [str(tmp_path / "saved"), str(tmp_path / "empty")], timeout=60.0) == [
-        f"another rank could not read the checkpoint {tmp_path / 'saved'} (see its error)",
+        f"another rank could not read the checkpoint {tmp_path / 'saved'} (rank 1: see its error)",
         f"no rank-<rank>.pt files in {tmp_path / 'empty'}",
     ]
 
@@ -220,7 +220,7 @@ def test_a_rank_whose_directory_is_missing_fails_every_rank_without_a_hang(tmp_p
     # escape before the all-reduce that tells the peers, so rank 0 waited there for ever.
     run_world(2, _save, str(tmp_path / "saved"))
     assert run_world(2, _load_from, [str(tmp_path / "saved"), str(tmp_path / "absent")], timeout=30.0) == [
-        f"another rank could not read the checkpoint {tmp_path / 'saved'} (see its error)",
+        f"another rank could not read the checkpoint {tmp_path / 'saved'} (rank 1: see its error)",
         f"no checkpoint directory {tmp_path / 'absent'}",
     ]
 
@@ -269,7 +269,7 @@ def test_a_shape_mismatch_on_one_rank_fails_every_rank_before_anything_is_copied
     run_world(2, _save, str(tmp_path))
     results = run_world(2, _load_with_a_wrong_shape_on_rank_one, str(tmp_path), timeout=30.0)
     assert results[0] == (
-        f"ValueError: the checkpoint {tmp_path} does not fit another rank's model (see its error); changed []"
+        f"ValueError: the checkpoint {tmp_path} does not fit another rank's model (rank 1: see its error); changed []"
     )
     assert results[1] == (
         "ValueError: parameter 'experts.local_experts.7.weight' has shape (3, 2) but the checkpoint holds (2, 2) "

@@ -95,7 +95,7 @@ def _dtype_on_rank_one(directory: str, fmt: str) -> dict[str, Any]:
 def _check_dtype(fmt: str, tmp_path: Path) -> None:
     results = run_world(2, _dtype_on_rank_one, str(tmp_path), fmt, timeout=60.0)
     assert results[0]["strict"] == (
-        f"ValueError: the checkpoint {tmp_path} does not fit another rank's model (see its error); changed []"
+        f"ValueError: the checkpoint {tmp_path} does not fit another rank's model (rank 1: see its error); changed []"
     )
     assert results[1]["strict"] == (
         "ValueError: parameter '0.weight' is torch.float64 but the checkpoint holds torch.float32 (make the model "
@@ -248,7 +248,8 @@ def test_optimizer_state_given_by_name_is_refused_on_every_rank_unless_it_fits(t
         ), (rank, got["extra"])
         assert got["subset"] == "loaded 2", rank
     assert results[0]["bad_on_rank_one"] == (
-        "ValueError: load_optimizer_state_by_name: another rank's state is not keyed by parameter name (see its error)"
+        "ValueError: load_optimizer_state_by_name: another rank's state is not keyed by parameter name "
+        "(rank 1: see its error)"
     )
     assert results[1]["bad_on_rank_one"] == (
         "TypeError: load_optimizer_state_by_name takes {name: {state key: value}}, got list"

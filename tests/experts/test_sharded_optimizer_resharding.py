@@ -291,7 +291,7 @@ def test_optimizer_shards_a_rank_cannot_read_fail_every_rank_without_a_hang(tmp_
     run_world(2, _save_two_ranks, complete)
     empty.mkdir()
     assert run_world(2, _load_shards_from, [complete, empty], timeout=30.0) == [
-        f"another rank could not load the optimizer shards of {complete} (see its error)",
+        f"another rank could not load the optimizer shards of {complete} (rank 1: see its error)",
         f"no optimizer-rank-<rank>.pt files in {empty}",
     ]
 
@@ -304,7 +304,7 @@ def test_a_damaged_piece_one_rank_reads_fails_every_rank_naming_the_file_and_pie
     name = next(name for name in pieces if is_expert_key(name))  # an expert of EP rank 1: only rank 1 reads it
     flip_a_byte_of(path, pieces[name]["main"])
     assert run_world(2, _load_shards_from, [tmp_path, tmp_path], timeout=30.0) == [
-        f"another rank could not load the optimizer shards of {tmp_path} (see its error)",
+        f"another rank could not load the optimizer shards of {tmp_path} (rank 1: see its error)",
         f"{path} is damaged: the bytes of tensor '{name}/main' do not match the checksum stored when it was saved; "
         "restore the file from a copy",
     ]

@@ -204,7 +204,8 @@ def test_state_dicts_per_module_name_resume_exactly_and_refuse_another_ranks_sta
     for rank, got in enumerate(run_world(8, _resume, "disjoint", 1.0, timeout=60)):
         assert got["same"], f"rank {rank}"
         assert "ranks [0] were given bad input (rank 0: no state for module 'encoder' (ranks 0-3)" in got["refused"]
-        assert "ranks [0] were given bad input (rank 0: module 'encoder': its optimizer: " in got["misfit"], rank
+        want = "ranks [0] were given bad input (rank 0: module 'encoder': its optimizer on rank 0: "
+        assert want in got["misfit"], rank
         assert "state 'exp_avg' of " in got["misfit"] and "has shape (1, " in got["misfit"], got["misfit"]
         assert got["unchanged"], f"rank {rank}"
 

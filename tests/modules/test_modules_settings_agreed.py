@@ -37,6 +37,7 @@ def _cases() -> dict[str, str]:
     )
     optimizer = mm.build_optimizer(models, modules, optimizer="sgd", lr=0.0)
     out["step_string"] = error_of(lambda: optimizer.step(max_norm="1.0" if rank == 1 else 1.0))  # type: ignore[arg-type]
+    out["step_none"] = error_of(lambda: optimizer.step(max_norm=None if rank == 0 else 1.0))
     out["step_nan"] = error_of(lambda: optimizer.step(max_norm=math.nan if rank == 2 else 1.0))
     out["clip_norm_type"] = error_of(lambda: optimizer.clip_grad_norm(1.0, norm_type="2" if rank == 3 else 2.0))
     for label, bad in (("string", "1.0"), ("nan", math.nan), ("negative", -1.0), ("inf", math.inf)):
@@ -73,6 +74,17 @@ def test_a_string_or_nan_max_norm_on_one_rank_raises_on_every_rank_naming_it(res
         results, "clip_norm_type", "TypeError", "MultiModuleOptimizer.clip_grad_norm: ranks [3] were given bad "
         "input (rank 3: norm_type must be a positive number or inf, got '2' (str))"
     )
+
+
+def test_a_max_norm_of_none_on_one_rank_is_named_with_the_rank_on_every_rank(results: list[dict[str, str]]) -> None:
+    """Reported (issue 41): rank 0's message had an empty detail, the others' said ``<missing>``, naming neither
+    ``None`` nor the rank."""
+    for rank, out in enumerate(results):
+        assert out["step_none"] == (
+            "ValueError: ranks disagree on MultiModuleOptimizer.step: 'max_norm' differs (ranks [0] asked for None; "
+            f"ranks [1, 2, 3] asked for 1.0); this rank is rank {rank}. Every rank "
+            "must ask for the same job-wide statistic, with the same settings."
+        ), f"rank {rank}: {out['step_none']}"
 
 
 def test_an_option_bad_for_one_module_raises_on_every_rank_of_the_job(results: list[dict[str, str]]) -> None:

@@ -206,6 +206,6 @@ def test_a_sharded_load_refused_on_one_rank_is_refused_on_every_rank() -> None:
     """A sharded load all-gathers: a rank refusing alone would leave the others waiting in it."""
     for rank, got in enumerate(run_world(2, _refused_on_one_rank, timeout=60.0)):
         for kind in ("sharded", "chained"):
-            want = "holds unexpected 1 pieces, e.g. 'bogus'" if rank == 1 else "another rank's state"
+            want = "holds unexpected 1 pieces, e.g. 'bogus'" if rank == 1 else "the state given to rank 1 does not fit"
             assert want in got[kind], (rank, kind, got[kind])
             assert got[f"{kind} unchanged"], (rank, kind)
