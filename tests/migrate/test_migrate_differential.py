@@ -77,6 +77,7 @@ def test_the_migrated_function_behaves_as_the_original(outcomes: dict[str, Any],
                 for r in per_process
             ), f"{case.id}: the recipe cannot tell the two grids apart"
         assert (got["raised"], got["value"]) == (oracle["raised"], oracle["value"]), where
+        assert got["groups"] == oracle["groups"], f"{where}: communicated over other groups"
         if mode in ("a", "c") and case.expect_fallback:
             assert _named(got, case), f"{where}: no fallback warning naming {case.owner} (warned: {got['warned']})"
         if mode in ("a", "c") and not case.expect_fallback:
