@@ -22,9 +22,18 @@ TORCHTITAN ?= 0.3.0
 TORCHTITAN_DEPS ?= spmd_types==0.2.3 tyro==1.0.17 einops==0.8.2
 TORCHTITAN_STAMP := $(VENV)/.torchtitan-$(TORCHTITAN)
 
+# The trees the migration harness runs (tests/migrate/test_migrate_differential.py): Megatron-Bridge and NeMo as
+# their pure-Python wheels hold them, unpacked (not installed: their dependencies are not needed, and stand in for
+# what the harness's functions never use) into $(CORPUS_DIR)/<name>-<version>/. CORPUS= skips this.
+CORPUS ?= megatron-bridge==0.6.2 nemo-toolkit==3.0.0
+CORPUS_DIR := $(VENV)/corpus
+space := $(empty) $(empty)
+CORPUS_STAMP := $(CORPUS_DIR)/.$(subst $(space),_,$(subst ==,-,$(CORPUS)))
+
 .PHONY: setup demo test lint allowlist-check bench mutants
 
-setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR)) $(if $(TORCHTITAN),$(TORCHTITAN_STAMP))
+setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR)) $(if $(TORCHTITAN),$(TORCHTITAN_STAMP)) \
+	$(if $(CORPUS),$(CORPUS_STAMP))
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,6 +62,13 @@ $(TORCHTITAN_STAMP): $(STAMP)
 	$(PY) -c "import torchtitan.models.qwen3"
 	touch $(TORCHTITAN_STAMP)
 
+$(CORPUS_STAMP): $(STAMP)
+	rm -rf $(CORPUS_DIR)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(CORPUS_DIR)/wheels $(CORPUS)
+	for wheel in $(CORPUS_DIR)/wheels/*.whl; do \
+		$(PY) -m zipfile -e $$wheel $(CORPUS_DIR)/$$(basename $$wheel | cut -d- -f1-2) || exit 1; done
+	touch $@
+
 demo: $(STAMP)
 	$(PY) -m examples.moe_demo
 
@@ -61,7 +77,8 @@ test: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pgregistry allowlist check
 	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
-		PGREGISTRY_REQUIRE_TORCHTITAN=$(if $(TORCHTITAN),1,0) $(PY) -m pytest
+		PGREGISTRY_REQUIRE_TORCHTITAN=$(if $(TORCHTITAN),1,0) PGREGISTRY_REQUIRE_CORPUS=$(if $(CORPUS),1,0) \
+		$(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .
