@@ -95,16 +95,25 @@ def _regenerate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The handler; returns the exit code (see the module docstring)."""
+    """The handler; returns the exit code (see the module docstring). An exception of this tool (a bug) is
+    exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would change"."""
     try:
         import libcst  # noqa: F401
     except ImportError:
         return _error("needs libcst, an optional extra: pip install 'pgregistry[migrate]'")
+    try:
+        return _run(args)
+    except Exception as error:
+        return _error(f"internal error ({type(error).__name__}: {error}); please report it")
+
+
+def _run(args: argparse.Namespace) -> int:
     from pgregistry.allowlist._engine import default_jobs
+    from pgregistry.migrate._diff import unified_diff
     from pgregistry.migrate._engine import migrate
     from pgregistry.migrate._megatron_release import megatron_source
     from pgregistry.migrate._report import render_failures, render_report
-    from pgregistry.migrate._writing import WriteError, unified_diff, write_changes
+    from pgregistry.migrate._writing import WriteError, write_changes
 
     try:
         settings, configured = _settings(args)
@@ -143,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             print(report, end="")
         return 1 if changes else 0
     for change in changes:
-        print(unified_diff(change), end="")
+        print(unified_diff(change.path, change.before, change.after), end="")
     if not args.quiet:
         print(report, end="", file=sys.stderr)
     return 0

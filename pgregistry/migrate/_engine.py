@@ -21,6 +21,7 @@ import ast
 import gc
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -41,11 +42,11 @@ from pgregistry.migrate._plan import (
     threaded_functions,
     visit_mentions,
 )
-from pgregistry.migrate._rewrite import UnrestorableError, rewrite
+from pgregistry.migrate._rewrite import rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
 from pgregistry.migrate._writing import Change
 
-__all__ = ["Migration", "migrate"]
+__all__ = ["Migration", "internal_error", "migrate"]
 
 
 @dataclass
@@ -90,6 +91,16 @@ def _parse(
         return FileResult(path, failure=ParseFailure(f"libcst cannot parse it: {error.message}", error.raw_line,
                                                      error.raw_column + 1))
     return _Parsed(tree, frame.decoded(tree.encoding) if frame is not None else {})
+
+
+_INTERNAL = "internal error"
+
+
+def internal_error(path: str, error: BaseException) -> FileResult:
+    """``error``, raised by this tool on ``path`` (a bug), as the file's failure: the run writes nothing and
+    exits 2, never 1, which ``--check`` keeps for "would change"."""
+    detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return FileResult(path, failure=ParseFailure(f"{_INTERNAL} ({detail}); please report it", 1, 1))
 
 
 def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
@@ -171,14 +182,17 @@ class _Worker:
     ) -> FileResult | FilePlan:
         import libcst as cst
 
-        named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
-        syntax = ast.parse(data)
-        parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
-        if isinstance(parsed, FileResult):
-            return parsed
-        assert isinstance(parsed.tree, cst.Module)
-        plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
-                         gtp_remat=self.gtp_remat)
+        try:
+            named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
+            syntax = ast.parse(data)
+            parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
+            if isinstance(parsed, FileResult):
+                return parsed
+            assert isinstance(parsed.tree, cst.Module)
+            plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
+                             gtp_remat=self.gtp_remat)
+        except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
+            return internal_error(path, error)
         plan.kept = parsed.kept
         return plan
 
@@ -214,16 +228,22 @@ class _Worker:
                 planned = self._plan(path, data, (), mention)
                 if isinstance(planned, FilePlan):
                     plans.append(planned)
+                elif planned.failure is not None and planned.failure.message.startswith(_INTERNAL):
+                    done.failures.append(planned)
         self.finish(plans, threaded, mention, done)
 
     def finish(
         self, plans: Sequence[FilePlan], threaded: Threaded, mention: re.Pattern[bytes] | None, done: _Done
     ) -> None:
         """The calls of ``plans`` that pass a threaded function its collection, and their rewrites."""
-        if mention is not None:
-            for plan in plans:
-                visit_mentions(plan, mention)
-        done.passed += passes(plans, self.name, threaded)
+        try:
+            if mention is not None:
+                for plan in plans:
+                    visit_mentions(plan, mention)
+            done.passed += passes(plans, self.name, threaded)
+        except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
+            done.failures += [internal_error(plan.path, error) for plan in plans]
+            return
         for plan in plans:
             done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
             done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
@@ -239,29 +259,35 @@ class _Worker:
         data = plan.data
         try:
             text = rewrite(plan, self.idiom, self.modules)
-        except UnrestorableError as error:  # a bug of this tool: refuse the run rather than write a mix
-            return FileResult(plan.path, failure=ParseFailure(f"internal error: {error}; please report it", 1, 1))
-        after = text.encode(plan.wrapper.module.encoding) if text is not None else data
+            after = text.encode(plan.wrapper.module.encoding) if text is not None else data
+        except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
+            return internal_error(plan.path, error)
         if after == data:
             return None
         try:
-            compile(after, plan.path, "exec", dont_inherit=True)
+            with warnings.catch_warnings():  # the file's own SyntaxWarnings are not this run's to print
+                warnings.simplefilter("ignore")
+                compile(after, plan.path, "exec", dont_inherit=True)
         except SyntaxError as error:  # a bug of this tool: refuse the whole run rather than write broken code
-            message = f"internal error: the rewrite would not compile ({error.msg}); please report it"
+            message = f"{_INTERNAL}: the rewrite would not compile ({error.msg}); please report it"
             return FileResult(plan.path, failure=ParseFailure(message, error.lineno or 1, 1))
         return after
+
+
+#: The name a ``def`` line defines (up to its parameters or type parameters).
+_DEFINED = re.compile(rb"^[ \t]*(?:async[ \t]+)?def[ \t]+([^\s(\[]+)", re.M)
 
 
 def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> re.Pattern[bytes] | None:
     """A call of any function that may be threaded: a read's enclosing scope whose head some ``def`` names
     (a superset of the module-level functions with reads; the definitions it matches are parsed, not stood in
-    for, so that once the threaded ones are known their callers can pass the collection)."""
+    for, so that once the threaded ones are known their callers can pass the collection). Each file is scanned
+    once for the names it defines (a search per scope would be quadratic in a file's size)."""
     names = set()
     for result in planned:
         heads = {s.scope.partition(".")[0] for s in result.sites if s.scope != MODULE_SCOPE}
-        data = contents[result.path]
-        names |= {h for h in heads if re.search(rb"^[ \t]*(?:async[ \t]+)?def[ \t]+" + re.escape(h.encode())
-                                                 + rb"\b", data, re.M)}
+        defined = set(_DEFINED.findall(contents[result.path]))
+        names |= {head for head in heads if head.encode() in defined}
     return _calls_of(names)
 
 

@@ -9,7 +9,6 @@ since it was read: a file edited meanwhile is never overwritten.
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from pgregistry.allowlist._storage import StorageError, atomic_write
 
-__all__ = ["Change", "WriteError", "unified_diff", "write_changes"]
+__all__ = ["Change", "WriteError", "write_changes"]
 
 
 class WriteError(OSError):
@@ -36,14 +35,6 @@ class Change:
     before: bytes
     mtime_ns: int
     after: bytes
-
-
-def unified_diff(change: Change) -> str:
-    """The change as a unified diff (``a/PATH`` to ``b/PATH``), as ``git diff`` names them."""
-    old = change.before.decode("utf-8").splitlines(keepends=True)
-    new = change.after.decode("utf-8").splitlines(keepends=True)
-    lines = difflib.unified_diff(old, new, f"a/{change.path}", f"b/{change.path}")
-    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
 
 
 def _unchanged(change: Change) -> str | None:
