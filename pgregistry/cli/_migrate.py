@@ -82,6 +82,26 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
     return settings_from_options(args), configured
 
 
+def _allowlist(args: argparse.Namespace, settings: Settings, configured: bool) -> Path | None:
+    """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it does not
+    exist: nothing is written then), else the configured one where it exists (a line on stderr when it does
+    not); None for none."""
+    allowlist = settings.resolve(settings.allowlist)
+    if args.allowlist is not None:
+        if args.write and not allowlist.is_file():
+            raise ConfigError(f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry allowlist "
+                              f"update --allowlist {args.allowlist}`), or leave the option out")
+        return allowlist
+    if not configured:
+        return None
+    if allowlist.is_file():
+        return allowlist
+    if args.write and not args.quiet:
+        print(f"pgregistry migrate: no allowlist regenerated: the configured {allowlist} does not exist",
+              file=sys.stderr)
+    return None
+
+
 def _regenerate(args: argparse.Namespace) -> int:
     """``pgregistry allowlist update`` with the same settings and paths (its exit code)."""
     update = argparse.Namespace(**vars(args))
@@ -111,22 +131,32 @@ def _run(args: argparse.Namespace) -> int:
     from pgregistry.allowlist._engine import default_jobs
     from pgregistry.migrate._diff import unified_diff
     from pgregistry.migrate._engine import migrate
+    from pgregistry.migrate._links import own_files
     from pgregistry.migrate._megatron_release import megatron_source
     from pgregistry.migrate._report import render_failures, render_report
-    from pgregistry.migrate._writing import WriteError, write_changes
+    from pgregistry.migrate._writing import JOURNAL, WriteError, finish_interrupted, write_changes
 
     try:
         settings, configured = _settings(args)
+        allowlist = _allowlist(args, settings, configured)
+        if args.check and (settings.root / JOURNAL).exists():
+            return _error(f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
+                          "half-written; run `pgregistry migrate` (any mode but --check) to finish it first")
+        finished = finish_interrupted(settings.root)
+        if finished is not None:
+            print(f"pgregistry migrate: {finished}", file=sys.stderr)
         targets = [Path(p).absolute() for p in args.paths] or [settings.resolve(Path(r)) for r in settings.roots]
         for target in targets:
             if project_path(target, settings.root).startswith("../") or project_path(target, settings.root) == "..":
                 raise PathError(f"{target}: outside the project root {settings.root}; run from the project, or "
                                 "pass --isolated to make the current directory the root")
-        found = discover(targets, settings.root, settings.exclude)
+        found = own_files(discover(targets, settings.root, settings.exclude).files, settings.root)
+        for line in found.left if not args.quiet else ():
+            print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
                             jobs=default_jobs(), gtp_remat=source.gtp_remat)
-    except (ConfigError, PathError, ValueError) as error:
+    except (ConfigError, PathError, ValueError, WriteError) as error:
         return _error(str(error))
     if migration.failures:
         print(render_failures(migration.failures), end="", file=sys.stderr)
@@ -137,16 +167,12 @@ def _run(args: argparse.Namespace) -> int:
     report += source.describe() + "\n"
     if args.write:
         try:
-            write_changes(changes)
+            write_changes(changes, settings.root, found.hard_links)
         except WriteError as error:
             return _error(str(error))
         if not args.quiet:
             print(report, end="")
-        if changes and configured:
-            allowlist = settings.resolve(settings.allowlist)
-            if allowlist.exists():
-                return _regenerate(args)
-        return 0
+        return _regenerate(args) if changes and allowlist is not None else 0
     if args.check:
         if not args.quiet:
             print(report, end="")
