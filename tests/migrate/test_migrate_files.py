@@ -174,3 +174,47 @@ def test_the_work_grows_linearly_with_the_size_of_a_file(tmp_path: Path, monkeyp
              if count >= 300 and count > 2.4 * small.get(name, 0)}
     assert not grown, f"called more than linearly more often (150 -> 300 functions): {grown}"
     assert large_scanned <= 2.4 * small_scanned, (small_scanned, large_scanned)
+
+
+SOURCE = f"from megatron.core import parallel_state as ps\n\n\n{READ}"
+
+
+@pytest.fixture
+def untabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Project:
+    """A project whose pyproject.toml has no ``[tool.pgregistry.allowlist]`` table, with a read in a file."""
+    monkeypatch.chdir(tmp_path)
+    project = Project(tmp_path)
+    project.write("pyproject.toml", "[project]\nname = 'x'\n")
+    project.write("src/pkg/__init__.py", "")
+    project.write("src/pkg/m.py", SOURCE)
+    return project
+
+
+def test_write_regenerates_the_allowlist_the_user_named_without_a_pyproject_table(
+    untabled: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    named = ["--allowlist", "lists/allow.json"]
+    untabled.write("lists/allow.json", "")
+    assert main(["allowlist", "update", "--preset", "megatron", *named]) == 0
+    assert "src/pkg/m.py" in untabled.read("lists/allow.json")
+    assert main([*ARGS, "--write", *named]) == 0
+    assert "pg_collection" in untabled.read("src/pkg/m.py")
+    assert "src/pkg/m.py" not in untabled.read("lists/allow.json")  # was left stale, silently
+    capsys.readouterr()
+
+
+def test_write_with_an_allowlist_that_does_not_exist_exits_2_and_writes_nothing(
+    untabled: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*ARGS, "--write", "--allowlist", "lists/typo.json"]) == 2
+    assert "--allowlist lists/typo.json: no such file" in capsys.readouterr().err
+    assert untabled.read("src/pkg/m.py") == SOURCE
+
+
+def test_write_says_why_a_configured_allowlist_is_not_regenerated(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    assert main([*ARGS, "--write"]) == 0
+    assert f"no allowlist regenerated: the configured {project.root / 'allowlist.json'} does not exist" in (
+        capsys.readouterr().err)
