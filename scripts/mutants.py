@@ -583,6 +583,36 @@ MUTANTS: tuple[Mutant, ...] = (
                "tests/migrate/test_migrate_megatron_release.py::"
                "test_migrate_rewrites_with_the_table_of_the_projects_megatron_core"),
     ),
+    Mutant(
+        name="migrate-reexport-alias-ignored",
+        bug="migrate takes `from .common import f as g` in a package for a re-export of f under f, so the calls of "
+        "g never pass the collection (issue 41, item 9)",
+        file="pgregistry/migrate/_plan.py",
+        find='imports += [(package, a.asname or a.name, module, a.name) for a in node.names if a.name != "*"]',
+        replace='imports += [(package, a.name, module, a.name) for a in node.names if a.name != "*"]',
+        tests=("tests/migrate/test_migrate_reexports.py::"
+               "test_a_call_of_a_function_re_exported_under_another_name_passes_the_collection",),
+    ),
+    Mutant(
+        name="migrate-write-checks-the-first-file-only",
+        bug="migrate --write checks only the first file for a change on disk at write time: a file edited while "
+        "the others were written is overwritten (issue 41, item 10)",
+        file="pgregistry/migrate/_writing.py",
+        find="        problem = _unchanged(change)\n        try:",
+        replace="        problem = _unchanged(change) if not renamed else None\n        try:",
+        tests=("tests/migrate/test_migrate_writing.py::"
+               "test_a_file_changed_on_disk_while_the_others_are_written_is_not_overwritten_and_none_is_left_written",),
+    ),
+    Mutant(
+        name="migrate-write-without-journal",
+        bug="migrate --write renames its files with no journal of the run: killed half-way, callers pass "
+        "pg_collection= to functions not rewritten and nothing says so (issue 40, item 8)",
+        file="pgregistry/migrate/_writing.py",
+        find="        _record(journal, root, _RENAMING, entries)\n",
+        replace="        journal.unlink()\n",
+        tests=("tests/migrate/test_migrate_writing.py::"
+               "test_a_write_killed_at_any_step_leaves_old_or_new_files_and_the_next_run_finishes_it",),
+    ),
 )
 
 
