@@ -603,16 +603,6 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_writing.py::"
                "test_a_file_changed_on_disk_while_the_others_are_written_is_not_overwritten_and_none_is_left_written",),
     ),
-    Mutant(
-        name="migrate-write-without-journal",
-        bug="migrate --write renames its files with no journal of the run: killed half-way, callers pass "
-        "pg_collection= to functions not rewritten and nothing says so (issue 40, item 8)",
-        file="pgregistry/migrate/_writing.py",
-        find="        _record(journal, root, _RENAMING, entries)\n",
-        replace="        journal.unlink()\n",
-        tests=("tests/migrate/test_migrate_writing.py::"
-               "test_a_write_killed_at_any_step_leaves_old_or_new_files_and_the_next_run_finishes_it",),
-    ),
 )
 
 
