@@ -133,6 +133,7 @@ def _run(args: argparse.Namespace) -> int:
     from pgregistry.migrate._engine import migrate
     from pgregistry.migrate._links import own_files
     from pgregistry.migrate._megatron_release import megatron_source
+    from pgregistry.migrate._progress import Progress
     from pgregistry.migrate._report import render_failures, render_report
     from pgregistry.migrate._writing import JOURNAL, WriteError, finish_interrupted, write_changes
 
@@ -155,7 +156,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
-                            jobs=default_jobs(), gtp_remat=source.gtp_remat)
+                            jobs=default_jobs(), gtp_remat=source.gtp_remat,
+                            progress=Progress(None if args.quiet else sys.stderr))
     except (ConfigError, PathError, ValueError, WriteError) as error:
         return _error(str(error))
     if migration.failures:

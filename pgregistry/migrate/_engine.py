@@ -42,6 +42,7 @@ from pgregistry.migrate._plan import (
     threaded_functions,
     visit_mentions,
 )
+from pgregistry.migrate._progress import SILENT, Progress
 from pgregistry.migrate._rewrite import rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
 from pgregistry.migrate._writing import Change
@@ -114,12 +115,13 @@ def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
 
 
 def migrate(
-    files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1, gtp_remat: bool = True
+    files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1, gtp_remat: bool = True,
+    progress: Progress = SILENT,
 ) -> Migration:
     """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
     collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has GTP remat
-    (:mod:`~pgregistry.migrate._megatron_release`). ``ValueError`` for an unknown target or a name that is no
-    identifier.
+    (:mod:`~pgregistry.migrate._megatron_release`); ``progress``: where a long run says how far it is.
+    ``ValueError`` for an unknown target or a name that is no identifier.
 
     The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles the run
     must free, so its collections would only rescan them (a tenth of the time on a large tree)."""
@@ -129,7 +131,7 @@ def migrate(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _migrate(files, config, idiom_, name, jobs, gtp_remat)
+        return _migrate(files, config, idiom_, name, jobs, gtp_remat, progress)
     finally:
         if enabled:
             gc.enable()
@@ -175,6 +177,7 @@ class _Worker:
     idiom: Idiom
     modules: frozenset[str]
     gtp_remat: bool
+    progress: Progress
     plans: dict[str, FilePlan] = field(default_factory=dict)
 
     def _plan(
@@ -198,8 +201,9 @@ class _Worker:
 
     def first(self) -> _Planned:
         failures = []
-        for path, data, sites in self.files:
+        for done, (path, data, sites) in enumerate(self.files, 1):
             planned = self._plan(path, data, sites, self.may_thread)
+            self.progress("planning the files with reads", done, len(self.files))
             if isinstance(planned, FileResult):
                 failures.append(planned)
             else:
@@ -212,6 +216,7 @@ class _Worker:
         self.finish([self.plans[path] for path in sorted(self.plans)], threaded, mention, done)
         while (task := self.queue.take()) is not None:
             self.look(self.others[task], threaded, mention, done)
+            self.progress("looking through the other files for calls (groups of files)", task + 1, len(self.others))
         return done
 
     def look(
@@ -244,7 +249,8 @@ class _Worker:
         except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
             done.failures += [internal_error(plan.path, error) for plan in plans]
             return
-        for plan in plans:
+        for rewritten, plan in enumerate(plans, 1):
+            self.progress("rewriting", rewritten, len(plans))
             done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
             done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
             result = self._rewrite(plan)
@@ -292,9 +298,13 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
 
 
 def _migrate(
-    files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int, gtp_remat: bool
+    files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int, gtp_remat: bool,
+    progress: Progress,
 ) -> Migration:
-    read = [(source, _read(source)) for source in files]
+    read = []
+    for source in files:
+        read.append((source, _read(source)))
+        progress("reading the files", len(read), len(files))
     report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
     outcome = Migration(failures=list(report.failures))
     if outcome.failures:
@@ -324,7 +334,7 @@ def _migrate(
     modules = frozenset(".".join(module_name(source.path)) for source in files)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, modules, gtp_remat)
+                queue, may_thread, name, idiom_, modules, gtp_remat, progress)
         for share in shares
     ]
     threaded: Threaded = {}

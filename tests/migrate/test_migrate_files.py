@@ -218,3 +218,33 @@ def test_write_says_why_a_configured_allowlist_is_not_regenerated(
     assert main([*ARGS, "--write"]) == 0
     assert f"no allowlist regenerated: the configured {project.root / 'allowlist.json'} does not exist" in (
         capsys.readouterr().err)
+
+
+class _SlowClock:
+    """``time`` as the progress sees it, each reading 4 s after the one before: a long run."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 4.0
+        return self.now
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short-run-quiet", "long-run-says-progress"])
+def test_progress_goes_to_stderr_on_a_long_run_only(
+    project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, long: bool
+) -> None:
+    from pgregistry.migrate import _progress
+
+    for index in range(3):
+        project.write(f"src/pkg/m{index}.py", SOURCE)
+    if long:
+        monkeypatch.setattr(_progress, "time", _SlowClock())
+    assert main(ARGS) == 0
+    out, err = capsys.readouterr()
+    said = [line for line in err.splitlines() if re.match(r"pgregistry migrate: .*: \d+ of \d+ \(\d+ s\)$", line)]
+    assert "pgregistry migrate:" not in out  # the diff alone on stdout
+    assert bool(said) == long, err
+    if long:
+        assert any(line.startswith("pgregistry migrate: planning the files with reads: ") for line in said)
