@@ -1,15 +1,17 @@
 """``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state into reads of a collection.
 
 ``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every file checked
-first, each replaced atomically, none overwritten that changed on disk since it was read) and then regenerates
-the allowlist when ``[tool.pgregistry.allowlist]`` configures one, so the ratchet shrinks in the same commit;
-``--check`` exits 1 when anything would change (for CI). The report per family goes to stderr with ``--diff``,
-to stdout otherwise. Settings are the ratchet's (pyproject table, ``--preset``, ``--isolated``, excludes,
-``--module``); see docs/migrating.md.
+first, all written or none under a journal that the next run finishes if this one is killed, none overwritten
+that changed on disk since it was read) and then regenerates the allowlist ``--allowlist`` names, else the
+configured one, so the ratchet shrinks in the same commit; ``--check`` exits 1 when anything would change (for
+CI). The report per family goes to stderr with ``--diff``, to stdout otherwise; progress of a long run to stderr.
+Settings are the ratchet's (pyproject table, ``--preset``, ``--isolated``, excludes, ``--module``); see
+docs/migrating.md.
 
 Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a file that
-does not parse or needs a newer Python, a read-only file, a path outside the project, conflicting settings, an
-unknown target, libcst missing); nothing is written then.
+does not parse or needs a newer Python, a read-only or hard-linked file, a path outside the project, conflicting
+settings, an unknown target, libcst missing, ``--check`` on a tree an interrupted ``--write`` left half-written)
+or an error of this tool; nothing is written then.
 
 libcst is an optional extra (``pip install 'pgregistry[migrate]'``), imported by the handler only.
 """
