@@ -104,9 +104,11 @@ def _sync_directories(paths: Sequence[Path]) -> None:
                 os.close(handle)
 
 
-def _record(journal: Path, root: Path, state: str, entries: Sequence[tuple[Change, Path]]) -> None:
+def _record(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -> None:
+    """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the project's
+    path cannot make them name other files), and the hashes of its old and new bytes."""
     rows = [
-        {"target": os.path.relpath(change.absolute, root), "temporary": os.path.relpath(temporary, root),
+        {"target": str(change.absolute), "temporary": str(temporary),
          "old": _hash(change.before), "new": _hash(change.after)}
         for change, temporary in entries
     ]
@@ -159,7 +161,7 @@ def write_changes(
         token = secrets.token_hex(4)
         entries = [(c, c.absolute.with_name(f".{c.absolute.name}.{token}.pgregistry-migrate.tmp")) for c in changes]
         temporaries = [temporary for _, temporary in entries]
-        _record(journal, root, _WRITING, entries)
+        _record(journal, _WRITING, entries)
         try:
             for change, temporary in entries:
                 _write_temporary(change, temporary)
@@ -169,7 +171,7 @@ def write_changes(
             journal.unlink()
             raise WriteError(f"{change.path}: cannot write it: {error.strerror or error}; nothing was written") \
                 from error
-        _record(journal, root, _RENAMING, entries)
+        _record(journal, _RENAMING, entries)
         try:
             _rename_all(entries)
         except WriteError:
@@ -213,7 +215,7 @@ def finish_interrupted(root: Path) -> str | None:
         try:
             record = json.loads(journal.read_bytes())
             state, rows = record["state"], record["files"]
-            files = [(root / row["target"], root / row["temporary"], row["old"], row["new"]) for row in rows]
+            files = [(Path(row["target"]), Path(row["temporary"]), row["old"], row["new"]) for row in rows]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise WriteError(f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
                              "files it lists from version control, then delete it") from error
@@ -231,7 +233,7 @@ def finish_interrupted(root: Path) -> str | None:
                 os.replace(temporary, target)
                 completed += 1
             else:
-                conflicts.append(os.path.relpath(target, root))
+                conflicts.append(str(target))
         if conflicts:
             raise WriteError(
                 f"{journal}: an interrupted `pgregistry migrate --write` cannot be finished: "

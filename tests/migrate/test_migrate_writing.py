@@ -158,3 +158,18 @@ def test_a_hard_linked_file_is_refused_naming_its_links_and_nothing_is_written(
     assert "src/pkg/a.py: has 2 hard links (others: src/pkg/a_again.py)" in err
     assert _tree(project) == FILES
     assert os.stat(project.root / "src/pkg/a.py").st_nlink == 2
+
+
+def test_a_file_edited_after_the_kill_stops_the_recovery_naming_it_and_the_journal_stays(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path, text in FILES.items():
+        project.write(path, text)
+    killed = subprocess.run([sys.executable, "-c", KILL, "replace", "4"], cwd=project.root, capture_output=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    edited = project.write("src/pkg/c.py", FILES["src/pkg/c.py"] + "# edited after the kill\n")
+    assert main([*ARGS, "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be finished" in err and str(edited) in err and JOURNAL in err
+    assert (project.root / JOURNAL).exists() and project.read("src/pkg/c.py").endswith("# edited after the kill\n")
