@@ -280,8 +280,9 @@ class _Worker:
         return after
 
 
-#: The name a ``def`` line defines (up to its parameters or type parameters).
-_DEFINED = re.compile(rb"^[ \t]*(?:async[ \t]+)?def[ \t]+([^\s(\[]+)", re.M)
+#: The name a ``def`` line defines (up to its parameters or type parameters); a line starts after any of
+#: Python's line endings (``re.M``'s ``^`` knows only ``\n``, not a CR-only file's ``\r``).
+_DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:async[ \t]+)?def[ \t]+([^\s(\[]+)")
 
 
 def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> re.Pattern[bytes] | None:
