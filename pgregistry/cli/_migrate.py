@@ -153,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
             if project_path(target, settings.root).startswith("../") or project_path(target, settings.root) == "..":
                 raise PathError(f"{target}: outside the project root {settings.root}; run from the project, or "
                                 "pass --isolated to make the current directory the root")
-        found = own_files(discover(targets, settings.root, settings.exclude).files, settings.root)
+        found = own_files(discover(targets, settings.root, settings.exclude).files, settings.root, settings.exclude)
         for line in found.left if not args.quiet else ():
             print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgregistry.allowlist._files import SourceFile, project_path
+from pgregistry.allowlist._files import SourceFile, excluded, project_path
 
 __all__ = ["OwnFiles", "own_files"]
 
@@ -29,8 +29,9 @@ class OwnFiles:
     hard_links: dict[str, list[str]] = field(default_factory=dict)
 
 
-def own_files(files: Sequence[SourceFile], root: Path) -> OwnFiles:
-    """``files`` (as discovered under ``root``) with each link replaced by the project file it names, once."""
+def own_files(files: Sequence[SourceFile], root: Path, exclude: Sequence[str] = ()) -> OwnFiles:
+    """``files`` (as discovered under ``root``) with each link replaced by the project file it names, once;
+    a link to a file the ``exclude`` patterns exclude is left like one out of the project."""
     found = OwnFiles()
     real_root = root.resolve()
     seen: dict[str, SourceFile] = {}  # resolved path -> the file kept for it
@@ -42,7 +43,11 @@ def own_files(files: Sequence[SourceFile], root: Path) -> OwnFiles:
         if not real.is_relative_to(real_root):
             found.left.append(f"{source.path}: a link to {real}, outside the project: left untouched")
             continue
-        seen.setdefault(str(real), SourceFile(project_path(real, real_root), real))
+        path = project_path(real, real_root)
+        if excluded(path, exclude):
+            found.left.append(f"{source.path}: a link to {path}, which is excluded: left untouched")
+            continue
+        seen.setdefault(str(real), SourceFile(path, real))
     found.files = sorted(seen.values())
     inodes: dict[tuple[int, int], list[str]] = {}
     for source in found.files:

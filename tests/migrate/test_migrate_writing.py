@@ -137,14 +137,18 @@ def test_links_stay_links_and_each_file_is_rewritten_once(
     outside = tmp_path_factory.mktemp("elsewhere") / "shared.py"
     outside.write_text(text)
     (project.root / "src/pkg/shared.py").symlink_to(outside)
-    assert main([*ARGS, "--write"]) == 0
+    vendored = project.write("src/vendored/v.py", text)
+    (project.root / "src/pkg/v.py").symlink_to("../vendored/v.py")
+    assert main([*ARGS, "--write", "--extend-exclude", "vendored"]) == 0
     err = capsys.readouterr().err
     assert f"src/pkg/shared.py: a link to {outside}, outside the project: left untouched" in err
+    assert "src/pkg/v.py: a link to src/vendored/v.py, which is excluded: left untouched" in err
+    assert vendored.read_text() == text
     assert (project.root / "src/pkg/alias.py").is_symlink() and (project.root / "src/pkg/sub/again.py").is_symlink()
     assert (project.root / "src/pkg/shared.py").is_symlink() and outside.read_text() == text
     written = real.read_text()
     assert written.count("pg_collection=None") == 1 and "resolve_megatron_collection" in written
-    assert main([*ARGS, "--check"]) == 0
+    assert main([*ARGS, "--check", "--extend-exclude", "vendored"]) == 0
 
 
 def test_a_hard_linked_file_is_refused_naming_its_links_and_nothing_is_written(
