@@ -84,6 +84,17 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
     return settings_from_options(args), configured
 
 
+def _print_bytes(data: bytes) -> None:
+    """``data`` on stdout as they are (a diff in a file's own encoding, as ``git diff`` prints it)."""
+    sys.stdout.flush()
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:  # a text-only stream (an embedding's): the bytes as close as it can take them
+        sys.stdout.write(data.decode("utf-8", "backslashreplace"))
+        return
+    buffer.write(data)
+    buffer.flush()
+
+
 def _allowlist(args: argparse.Namespace, settings: Settings, configured: bool) -> Path | None:
     """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it does not
     exist: nothing is written then), else the configured one where it exists (a line on stderr when it does
@@ -182,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
             print(report, end="")
         return 1 if changes else 0
     for change in changes:
-        print(unified_diff(change.path, change.before, change.after), end="")
+        _print_bytes(unified_diff(change.path, change.before, change.after))
     if not args.quiet:
         print(report, end="", file=sys.stderr)
     return 0

@@ -6,35 +6,29 @@ occur once in the old text and once in the new one, in the same order in both (t
 found in ``n log n``), are matched first, as ``git diff --patience`` does; :class:`difflib.SequenceMatcher`
 only matches the short stretches between two of them. The diff is ``patch``'s format either way.
 
-Each file is decoded as Python decodes it (its BOM or ``# -*- coding: ... -*-`` line, UTF-8 by default), and
-split into lines at ``\\n`` as ``patch`` and ``git`` split them (a file ending its lines with a lone ``\\r`` is
-one line to them).
+The diff is of the files' bytes, as ``git diff`` gives it: a file in latin-1 (its ``# -*- coding: ... -*-``
+line) or with a BOM is shown in its own encoding, so the diff applies to it byte for byte, whatever encoding the
+terminal has (a diff decoded as UTF-8 crashed on such a file). Every encoding Python accepts for a source file
+keeps ``\\n`` a line's end, which is where ``patch`` and ``git`` split lines (a file ending its lines with a
+lone ``\\r`` is one line to them).
 """
 
 from __future__ import annotations
 
 import bisect
 import difflib
-import io
 import re
-import tokenize
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
-__all__ = ["decoded", "unified_diff"]
+__all__ = ["unified_diff"]
 
-_LINE = re.compile(r"[^\n]*\n|[^\n]+")
+_LINE = re.compile(rb"[^\n]*\n|[^\n]+")
 #: Lines of context around each change, as ``diff -u`` gives.
 _CONTEXT = 3
 
 
-def decoded(data: bytes) -> str:
-    """``data`` decoded as Python decodes a source file: its BOM or coding declaration, else UTF-8."""
-    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    return data.decode(encoding)
-
-
-def _anchors(a: Sequence[str], b: Sequence[str], alo: int, ahi: int, blo: int, bhi: int) -> list[tuple[int, int]]:
+def _anchors(a: Sequence[bytes], b: Sequence[bytes], alo: int, ahi: int, blo: int, bhi: int) -> list[tuple[int, int]]:
     """The pairs (i, j) of lines unique to both ``a[alo:ahi]`` and ``b[blo:bhi]``, equal, in the longest run
     in which both indexes increase (patience sorting)."""
     count_a, count_b = Counter(a[alo:ahi]), Counter(b[blo:bhi])
@@ -58,7 +52,7 @@ def _anchors(a: Sequence[str], b: Sequence[str], alo: int, ahi: int, blo: int, b
     return run[::-1]
 
 
-def _matching_blocks(a: Sequence[str], b: Sequence[str]) -> list[tuple[int, int, int]]:
+def _matching_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> list[tuple[int, int, int]]:
     """What :meth:`difflib.SequenceMatcher.get_matching_blocks` gives, anchored on unique lines first."""
     blocks: list[tuple[int, int, int]] = []
     stretches = [(0, len(a), 0, len(b))]
@@ -92,10 +86,10 @@ def _matching_blocks(a: Sequence[str], b: Sequence[str]) -> list[tuple[int, int,
     return [*merged, (len(a), len(b), 0)]
 
 
-class _Matcher(difflib.SequenceMatcher[str]):
+class _Matcher(difflib.SequenceMatcher[bytes]):
     """A :class:`difflib.SequenceMatcher` whose matching blocks are :func:`_matching_blocks`'."""
 
-    def __init__(self, a: Sequence[str], b: Sequence[str]) -> None:
+    def __init__(self, a: Sequence[bytes], b: Sequence[bytes]) -> None:
         super().__init__(None, a, b, autojunk=False)
         self._lines = (a, b)
         self._blocks: list[difflib.Match] | None = None
@@ -113,22 +107,22 @@ def _range(start: int, stop: int) -> str:
     return str(first) if length == 1 else f"{first},{length}"
 
 
-def _hunks(a: Sequence[str], b: Sequence[str]) -> Iterator[str]:
+def _hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
     for group in _Matcher(a, b).get_grouped_opcodes(_CONTEXT):
-        yield f"@@ -{_range(group[0][1], group[-1][2])} +{_range(group[0][3], group[-1][4])} @@\n"
+        yield f"@@ -{_range(group[0][1], group[-1][2])} +{_range(group[0][3], group[-1][4])} @@\n".encode()
         for tag, i1, i2, j1, j2 in group:
             if tag == "equal":
-                yield from (" " + line for line in a[i1:i2])
+                yield from (b" " + line for line in a[i1:i2])
                 continue
-            yield from ("-" + line for line in a[i1:i2] if tag != "insert")
-            yield from ("+" + line for line in b[j1:j2] if tag != "delete")
+            yield from (b"-" + line for line in a[i1:i2] if tag != "insert")
+            yield from (b"+" + line for line in b[j1:j2] if tag != "delete")
 
 
-def unified_diff(path: str, before: bytes, after: bytes) -> str:
+def unified_diff(path: str, before: bytes, after: bytes) -> bytes:
     """The change of ``path`` from ``before`` to ``after`` as a unified diff (``a/PATH`` to ``b/PATH``, as
-    ``git diff`` names them); empty when they are equal."""
-    hunks = list(_hunks(_LINE.findall(decoded(before)), _LINE.findall(decoded(after))))
+    ``git diff`` names them), in the file's own bytes; empty when they are equal."""
+    hunks = list(_hunks(_LINE.findall(before), _LINE.findall(after)))
     if not hunks:
-        return ""
-    lines = [f"--- a/{path}\n", f"+++ b/{path}\n", *hunks]
-    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+        return b""
+    lines = [f"--- a/{path}\n".encode(), f"+++ b/{path}\n".encode(), *hunks]
+    return b"".join(line if line.endswith(b"\n") else line + b"\n\\ No newline at end of file\n" for line in lines)

@@ -38,13 +38,15 @@ def _write_bytes(project: Project, path: str, data: bytes) -> Path:
     ids=["coding-declaration", "bom"],
 )
 def test_a_file_in_another_encoding_is_diffed_checked_and_written_in_it(
-    project: Project, capsys: pytest.CaptureFixture[str], header: bytes, encoding: str
+    project: Project, capsysbinary: pytest.CaptureFixture[bytes], header: bytes, encoding: str
 ) -> None:
     text = f"from megatron.core import parallel_state as ps\n\n# café\n{READ}"
-    path = _write_bytes(project, "src/pkg/m.py", header + text.encode(encoding.removesuffix("-sig")))
+    original = header + text.encode(encoding.removesuffix("-sig"))
+    path = _write_bytes(project, "src/pkg/m.py", original)
     assert main(ARGS) == 0  # the default mode, which crashed with UnicodeDecodeError on latin-1
-    out = capsys.readouterr().out
-    assert " # café\n" in out and "+def f(x, *, pg_collection=None):\n" in out
+    out = capsysbinary.readouterr().out  # the diff in the file's own bytes, as git diff gives it
+    assert " # café\n".encode(encoding.removesuffix("-sig")) in out and b"+def f(x, *, pg_collection=None):\n" in out
+    assert out.startswith(b"--- a/src/pkg/m.py\n+++ b/src/pkg/m.py\n@@ -1,")
     assert main([*ARGS, "--check"]) == 1
     assert main([*ARGS, "--write"]) == 0
     data = path.read_bytes()
@@ -159,7 +161,7 @@ def _operations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, functions: int)
                               name="pg_collection", jobs=1)
     diff = unified_diff("pkg/m.py", outcome.changes[0].before, outcome.changes[0].after)
     profile.disable()
-    assert not outcome.failures and diff.count("+def f") == -(-functions // 3)
+    assert not outcome.failures and diff.count(b"+def f") == -(-functions // 3)
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     return {pstats.func_std_string(function): row[1] for function, row in stats.items()}, counting.scanned
 
