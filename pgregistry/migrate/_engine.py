@@ -47,7 +47,7 @@ from pgregistry.migrate._rewrite import rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
 from pgregistry.migrate._writing import Change
 
-__all__ = ["Migration", "internal_error", "migrate"]
+__all__ = ["Migration", "migrate"]
 
 
 @dataclass
@@ -97,7 +97,7 @@ def _parse(
 _INTERNAL = "internal error"
 
 
-def internal_error(path: str, error: BaseException) -> FileResult:
+def _internal_error(path: str, error: BaseException) -> FileResult:
     """``error``, raised by this tool on ``path`` (a bug), as the file's failure: the run writes nothing and
     exits 2, never 1, which ``--check`` keeps for "would change"."""
     detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
@@ -195,7 +195,7 @@ class _Worker:
             plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
                              gtp_remat=self.gtp_remat)
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
-            return internal_error(path, error)
+            return _internal_error(path, error)
         plan.kept = parsed.kept
         return plan
 
@@ -247,7 +247,7 @@ class _Worker:
                     visit_mentions(plan, mention)
             done.passed += passes(plans, self.name, threaded)
         except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
-            done.failures += [internal_error(plan.path, error) for plan in plans]
+            done.failures += [_internal_error(plan.path, error) for plan in plans]
             return
         for rewritten, plan in enumerate(plans, 1):
             self.progress("rewriting", rewritten, len(plans))
@@ -267,7 +267,7 @@ class _Worker:
             text = rewrite(plan, self.idiom, self.modules)
             after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
-            return internal_error(plan.path, error)
+            return _internal_error(plan.path, error)
         if after == data:
             return None
         try:
