@@ -717,6 +717,26 @@ MUTANTS: tuple[Mutant, ...] = (
             for load in ("load_optimizer_state_by_name", "load_rank_files", "load_distributed")
         ),
     ),
+    Mutant(
+        name="migrate-reexport-alias-ignored",
+        bug="migrate takes `from .common import f as g` in a package for a re-export of f under f, so the calls of "
+        "g never pass the collection (issue 41, item 9)",
+        file="pgregistry/migrate/_plan.py",
+        find='imports += [(package, a.asname or a.name, module, a.name) for a in node.names if a.name != "*"]',
+        replace='imports += [(package, a.name, module, a.name) for a in node.names if a.name != "*"]',
+        tests=("tests/migrate/test_migrate_reexports.py::"
+               "test_a_call_of_a_function_re_exported_under_another_name_passes_the_collection",),
+    ),
+    Mutant(
+        name="migrate-write-checks-the-first-file-only",
+        bug="migrate --write checks only the first file for a change on disk at write time: a file edited while "
+        "the others were written is overwritten (issue 41, item 10)",
+        file="pgregistry/migrate/_writing.py",
+        find="        problem = _unchanged(change)\n        try:",
+        replace="        problem = _unchanged(change) if not renamed else None\n        try:",
+        tests=("tests/migrate/test_migrate_writing.py::"
+               "test_a_file_changed_on_disk_while_the_others_are_written_is_not_overwritten_and_none_is_left_written",),
+    ),
 )
 
 

@@ -1,15 +1,17 @@
 """``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state into reads of a collection.
 
 ``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every file checked
-first, each replaced atomically, none overwritten that changed on disk since it was read) and then regenerates
-the allowlist when ``[tool.pgregistry.allowlist]`` configures one, so the ratchet shrinks in the same commit;
-``--check`` exits 1 when anything would change (for CI). The report per family goes to stderr with ``--diff``,
-to stdout otherwise. Settings are the ratchet's (pyproject table, ``--preset``, ``--isolated``, excludes,
-``--module``); see docs/migrating.md.
+first, all written or none under a journal that the next run finishes if this one is killed, none overwritten
+that changed on disk since it was read) and then regenerates the allowlist ``--allowlist`` names, else the
+configured one, so the ratchet shrinks in the same commit; ``--check`` exits 1 when anything would change (for
+CI). The report per family goes to stderr with ``--diff``, to stdout otherwise; progress of a long run to stderr.
+Settings are the ratchet's (pyproject table, ``--preset``, ``--isolated``, excludes, ``--module``); see
+docs/migrating.md.
 
 Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a file that
-does not parse or needs a newer Python, a read-only file, a path outside the project, conflicting settings, an
-unknown target, libcst missing); nothing is written then.
+does not parse or needs a newer Python, a read-only or hard-linked file, a path outside the project, conflicting
+settings, an unknown target, libcst missing, ``--check`` on a tree an interrupted ``--write`` left half-written)
+or an error of this tool; nothing is written then.
 
 libcst is an optional extra (``pip install 'pgregistry[migrate]'``), imported by the handler only.
 """
@@ -82,6 +84,37 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
     return settings_from_options(args), configured
 
 
+def _print_bytes(data: bytes) -> None:
+    """``data`` on stdout as they are (a diff in a file's own encoding, as ``git diff`` prints it)."""
+    sys.stdout.flush()
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:  # a text-only stream (an embedding's): the bytes as close as it can take them
+        sys.stdout.write(data.decode("utf-8", "backslashreplace"))
+        return
+    buffer.write(data)
+    buffer.flush()
+
+
+def _allowlist(args: argparse.Namespace, settings: Settings, configured: bool) -> Path | None:
+    """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it does not
+    exist: nothing is written then), else the configured one where it exists (a line on stderr when it does
+    not); None for none."""
+    allowlist = settings.resolve(settings.allowlist)
+    if args.allowlist is not None:
+        if args.write and not allowlist.is_file():
+            raise ConfigError(f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry allowlist "
+                              f"update --allowlist {args.allowlist}`), or leave the option out")
+        return allowlist
+    if not configured:
+        return None
+    if allowlist.is_file():
+        return allowlist
+    if args.write and not args.quiet:
+        print(f"pgregistry migrate: no allowlist regenerated: the configured {allowlist} does not exist",
+              file=sys.stderr)
+    return None
+
+
 def _regenerate(args: argparse.Namespace) -> int:
     """``pgregistry allowlist update`` with the same settings and paths (its exit code)."""
     update = argparse.Namespace(**vars(args))
@@ -95,29 +128,50 @@ def _regenerate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The handler; returns the exit code (see the module docstring)."""
+    """The handler; returns the exit code (see the module docstring). An exception of this tool (a bug) is
+    exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would change"."""
     try:
         import libcst  # noqa: F401
     except ImportError:
         return _error("needs libcst, an optional extra: pip install 'pgregistry[migrate]'")
+    try:
+        return _run(args)
+    except Exception as error:
+        return _error(f"internal error ({type(error).__name__}: {error}); please report it")
+
+
+def _run(args: argparse.Namespace) -> int:
     from pgregistry.allowlist._engine import default_jobs
+    from pgregistry.migrate._diff import unified_diff
     from pgregistry.migrate._engine import migrate
+    from pgregistry.migrate._links import own_files
     from pgregistry.migrate._megatron_release import megatron_source
+    from pgregistry.migrate._progress import Progress
     from pgregistry.migrate._report import render_failures, render_report
-    from pgregistry.migrate._writing import WriteError, unified_diff, write_changes
+    from pgregistry.migrate._writing import JOURNAL, WriteError, finish_interrupted, write_changes
 
     try:
         settings, configured = _settings(args)
+        allowlist = _allowlist(args, settings, configured)
+        if args.check and (settings.root / JOURNAL).exists():
+            return _error(f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
+                          "half-written; run `pgregistry migrate` (any mode but --check) to finish it first")
+        finished = finish_interrupted(settings.root)
+        if finished is not None:
+            print(f"pgregistry migrate: {finished}", file=sys.stderr)
         targets = [Path(p).absolute() for p in args.paths] or [settings.resolve(Path(r)) for r in settings.roots]
         for target in targets:
             if project_path(target, settings.root).startswith("../") or project_path(target, settings.root) == "..":
                 raise PathError(f"{target}: outside the project root {settings.root}; run from the project, or "
                                 "pass --isolated to make the current directory the root")
-        found = discover(targets, settings.root, settings.exclude)
+        found = own_files(discover(targets, settings.root, settings.exclude).files, settings.root, settings.exclude)
+        for line in found.left if not args.quiet else ():
+            print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
-                            jobs=default_jobs(), gtp_remat=source.gtp_remat)
-    except (ConfigError, PathError, ValueError) as error:
+                            jobs=default_jobs(), gtp_remat=source.gtp_remat,
+                            progress=Progress(None if args.quiet else sys.stderr))
+    except (ConfigError, PathError, ValueError, WriteError) as error:
         return _error(str(error))
     if migration.failures:
         print(render_failures(migration.failures), end="", file=sys.stderr)
@@ -128,22 +182,18 @@ def run(args: argparse.Namespace) -> int:
     report += source.describe() + "\n"
     if args.write:
         try:
-            write_changes(changes)
+            write_changes(changes, settings.root, found.hard_links)
         except WriteError as error:
             return _error(str(error))
         if not args.quiet:
             print(report, end="")
-        if changes and configured:
-            allowlist = settings.resolve(settings.allowlist)
-            if allowlist.exists():
-                return _regenerate(args)
-        return 0
+        return _regenerate(args) if changes and allowlist is not None else 0
     if args.check:
         if not args.quiet:
             print(report, end="")
         return 1 if changes else 0
     for change in changes:
-        print(unified_diff(change), end="")
+        _print_bytes(unified_diff(change.path, change.before, change.after))
     if not args.quiet:
         print(report, end="", file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ import ast
 import gc
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -41,7 +42,8 @@ from pgregistry.migrate._plan import (
     threaded_functions,
     visit_mentions,
 )
-from pgregistry.migrate._rewrite import UnrestorableError, rewrite
+from pgregistry.migrate._progress import SILENT, Progress
+from pgregistry.migrate._rewrite import rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
 from pgregistry.migrate._writing import Change
 
@@ -92,6 +94,16 @@ def _parse(
     return _Parsed(tree, frame.decoded(tree.encoding) if frame is not None else {})
 
 
+_INTERNAL = "internal error"
+
+
+def _internal_error(path: str, error: BaseException) -> FileResult:
+    """``error``, raised by this tool on ``path`` (a bug), as the file's failure: the run writes nothing and
+    exits 2, never 1, which ``--check`` keeps for "would change"."""
+    detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return FileResult(path, failure=ParseFailure(f"{_INTERNAL} ({detail}); please report it", 1, 1))
+
+
 def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
     """A call of one of ``names`` (by its plain name, as :func:`passes` resolves it). The lookahead on their
     first letters spares trying every name at every word (three times faster on megatron/core)."""
@@ -103,12 +115,13 @@ def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
 
 
 def migrate(
-    files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1, gtp_remat: bool = True
+    files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1, gtp_remat: bool = True,
+    progress: Progress = SILENT,
 ) -> Migration:
     """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
     collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has GTP remat
-    (:mod:`~pgregistry.migrate._megatron_release`). ``ValueError`` for an unknown target or a name that is no
-    identifier.
+    (:mod:`~pgregistry.migrate._megatron_release`); ``progress``: where a long run says how far it is.
+    ``ValueError`` for an unknown target or a name that is no identifier.
 
     The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles the run
     must free, so its collections would only rescan them (a tenth of the time on a large tree)."""
@@ -118,7 +131,7 @@ def migrate(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _migrate(files, config, idiom_, name, jobs, gtp_remat)
+        return _migrate(files, config, idiom_, name, jobs, gtp_remat, progress)
     finally:
         if enabled:
             gc.enable()
@@ -164,6 +177,7 @@ class _Worker:
     idiom: Idiom
     modules: frozenset[str]
     gtp_remat: bool
+    progress: Progress
     plans: dict[str, FilePlan] = field(default_factory=dict)
 
     def _plan(
@@ -171,21 +185,25 @@ class _Worker:
     ) -> FileResult | FilePlan:
         import libcst as cst
 
-        named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
-        syntax = ast.parse(data)
-        parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
-        if isinstance(parsed, FileResult):
-            return parsed
-        assert isinstance(parsed.tree, cst.Module)
-        plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
-                         gtp_remat=self.gtp_remat)
+        try:
+            named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
+            syntax = ast.parse(data)
+            parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
+            if isinstance(parsed, FileResult):
+                return parsed
+            assert isinstance(parsed.tree, cst.Module)
+            plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
+                             gtp_remat=self.gtp_remat)
+        except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
+            return _internal_error(path, error)
         plan.kept = parsed.kept
         return plan
 
     def first(self) -> _Planned:
         failures = []
-        for path, data, sites in self.files:
+        for done, (path, data, sites) in enumerate(self.files, 1):
             planned = self._plan(path, data, sites, self.may_thread)
+            self.progress("planning the files with reads", done, len(self.files))
             if isinstance(planned, FileResult):
                 failures.append(planned)
             else:
@@ -198,6 +216,7 @@ class _Worker:
         self.finish([self.plans[path] for path in sorted(self.plans)], threaded, mention, done)
         while (task := self.queue.take()) is not None:
             self.look(self.others[task], threaded, mention, done)
+            self.progress("looking through the other files for calls (groups of files)", task + 1, len(self.others))
         return done
 
     def look(
@@ -214,17 +233,24 @@ class _Worker:
                 planned = self._plan(path, data, (), mention)
                 if isinstance(planned, FilePlan):
                     plans.append(planned)
+                elif planned.failure is not None and planned.failure.message.startswith(_INTERNAL):
+                    done.failures.append(planned)
         self.finish(plans, threaded, mention, done)
 
     def finish(
         self, plans: Sequence[FilePlan], threaded: Threaded, mention: re.Pattern[bytes] | None, done: _Done
     ) -> None:
         """The calls of ``plans`` that pass a threaded function its collection, and their rewrites."""
-        if mention is not None:
-            for plan in plans:
-                visit_mentions(plan, mention)
-        done.passed += passes(plans, self.name, threaded)
-        for plan in plans:
+        try:
+            if mention is not None:
+                for plan in plans:
+                    visit_mentions(plan, mention)
+            done.passed += passes(plans, self.name, threaded)
+        except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
+            done.failures += [_internal_error(plan.path, error) for plan in plans]
+            return
+        for rewritten, plan in enumerate(plans, 1):
+            self.progress("rewriting", rewritten, len(plans))
             done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
             done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
             result = self._rewrite(plan)
@@ -239,36 +265,47 @@ class _Worker:
         data = plan.data
         try:
             text = rewrite(plan, self.idiom, self.modules)
-        except UnrestorableError as error:  # a bug of this tool: refuse the run rather than write a mix
-            return FileResult(plan.path, failure=ParseFailure(f"internal error: {error}; please report it", 1, 1))
-        after = text.encode(plan.wrapper.module.encoding) if text is not None else data
+            after = text.encode(plan.wrapper.module.encoding) if text is not None else data
+        except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
+            return _internal_error(plan.path, error)
         if after == data:
             return None
         try:
-            compile(after, plan.path, "exec", dont_inherit=True)
+            with warnings.catch_warnings():  # the file's own SyntaxWarnings are not this run's to print
+                warnings.simplefilter("ignore")
+                compile(after, plan.path, "exec", dont_inherit=True)
         except SyntaxError as error:  # a bug of this tool: refuse the whole run rather than write broken code
-            message = f"internal error: the rewrite would not compile ({error.msg}); please report it"
+            message = f"{_INTERNAL}: the rewrite would not compile ({error.msg}); please report it"
             return FileResult(plan.path, failure=ParseFailure(message, error.lineno or 1, 1))
         return after
+
+
+#: The name a ``def`` line defines (up to its parameters or type parameters); a line starts after any of
+#: Python's line endings (``re.M``'s ``^`` knows only ``\n``, not a CR-only file's ``\r``).
+_DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:async[ \t]+)?def[ \t]+([^\s(\[]+)")
 
 
 def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> re.Pattern[bytes] | None:
     """A call of any function that may be threaded: a read's enclosing scope whose head some ``def`` names
     (a superset of the module-level functions with reads; the definitions it matches are parsed, not stood in
-    for, so that once the threaded ones are known their callers can pass the collection)."""
+    for, so that once the threaded ones are known their callers can pass the collection). Each file is scanned
+    once for the names it defines (a search per scope would be quadratic in a file's size)."""
     names = set()
     for result in planned:
         heads = {s.scope.partition(".")[0] for s in result.sites if s.scope != MODULE_SCOPE}
-        data = contents[result.path]
-        names |= {h for h in heads if re.search(rb"^[ \t]*(?:async[ \t]+)?def[ \t]+" + re.escape(h.encode())
-                                                 + rb"\b", data, re.M)}
+        defined = set(_DEFINED.findall(contents[result.path]))
+        names |= {head for head in heads if head.encode() in defined}
     return _calls_of(names)
 
 
 def _migrate(
-    files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int, gtp_remat: bool
+    files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int, gtp_remat: bool,
+    progress: Progress,
 ) -> Migration:
-    read = [(source, _read(source)) for source in files]
+    read = []
+    for source in files:
+        read.append((source, _read(source)))
+        progress("reading the files", len(read), len(files))
     report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
     outcome = Migration(failures=list(report.failures))
     if outcome.failures:
@@ -298,7 +335,7 @@ def _migrate(
     modules = frozenset(".".join(module_name(source.path)) for source in files)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, modules, gtp_remat)
+                queue, may_thread, name, idiom_, modules, gtp_remat, progress)
         for share in shares
     ]
     threaded: Threaded = {}

@@ -28,7 +28,7 @@ from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from pgregistry.allowlist._fixes import FieldChoice, collection_field
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
-from pgregistry.migrate._skeleton import line_starts, lines, span
+from pgregistry.migrate._skeleton import covers, line_starts, lines, span
 
 __all__ = [
     "FALLBACK",
@@ -649,8 +649,8 @@ def plan_file(
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
     spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
-    site_lines = {site.line for site in sites}
-    wanted = {i for i, (start, end) in enumerate(spans) if any(start <= line <= end for line in site_lines)}
+    site_lines = sorted({site.line for site in sites})
+    wanted = {i for i, (start, end) in enumerate(spans) if covers(site_lines, start, end)}
     call_lines = {site.line for site in sites if site.form == CALL}
     locator = _Locator(sites, name)
     locator.wanted = wanted
@@ -665,7 +665,7 @@ def plan_file(
             locator.member_spans[i] = member_spans
             locator.members[i] = {
                 m for m, (start, end) in enumerate(member_spans)
-                if any(start <= line <= end for line in site_lines) or pattern.search(lines(data, starts, start, end))
+                if covers(site_lines, start, end) or pattern.search(lines(data, starts, start, end))
             }
             header = [*tree.decorator_list, *tree.bases, *(k.value for k in tree.keywords)]
             locator.order[(i, -1)] = _call_order(header)
@@ -798,8 +798,9 @@ def _positions(
     """For each module-level statement covering one of ``lines``: its nodes' positions (computed on a module of
     that statement alone, far cheaper than the whole file's) and the line offset that makes them the file's."""
     found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
+    ordered = sorted(lines)
     for index, (start, end) in enumerate(spans):
-        if any(start <= line <= end for line in lines):
+        if covers(ordered, start, end):
             statement = source.body[index]
             alone = cst.Module(body=[statement], default_indent=source.default_indent,
                                default_newline=source.default_newline)

@@ -13,11 +13,12 @@ whole; a placeholder found twice in the rewritten text (which no rewrite causes)
 from __future__ import annotations
 
 import ast
+import bisect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Skeleton", "line_starts", "lines", "needed_by", "restore", "skeleton", "span"]
+__all__ = ["Kept", "Skeleton", "covers", "line_starts", "lines", "needed_by", "restore", "skeleton", "span"]
 
 _PREFIX = b"_pgregistry_kept_"
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -30,21 +31,47 @@ class Skeleton:
     data: bytes
     kept: Mapping[bytes, bytes]
 
-    def decoded(self, encoding: str) -> dict[str, str]:
+    def decoded(self, encoding: str) -> Kept:
         """:attr:`kept` as text, in the file's encoding (the one libcst detected)."""
-        return {k.decode(encoding): v.decode(encoding) for k, v in self.kept.items()}
+        return Kept({k.decode(encoding): v.decode(encoding) for k, v in self.kept.items()})
+
+
+class Kept(dict[str, str]):
+    """Each placeholder's text -> the original text it stands for, indexed by the placeholder's name once, so
+    that :func:`restore` runs in time linear in the text it is given, however many placeholders the file has
+    (it runs once per rewritten statement)."""
+
+    def __init__(self, pairs: Mapping[str, str]) -> None:
+        super().__init__(pairs)
+        self.by_name: dict[str, tuple[str, int]] = {}  # name -> (placeholder, where the name starts in it)
+        for placeholder in self:
+            found = _PLACEHOLDER.search(placeholder)
+            assert found is not None, placeholder
+            self.by_name[found.group()] = (placeholder, found.start())
 
 
 def restore(text: str, kept: Mapping[str, str]) -> str | None:
-    """``text`` with each placeholder it holds replaced by its original lines; None when one occurs twice."""
-    for placeholder, original in kept.items():
-        at = text.find(placeholder)
-        if at < 0:
+    """``text`` with each placeholder it holds replaced by its original lines; None when one occurs twice.
+    One pass over ``text``: a placeholder is found by its name, then checked whole."""
+    if not kept:
+        return text
+    index = kept if isinstance(kept, Kept) else Kept(kept)
+    pieces, done, restored = [], 0, set()
+    for found in _PLACEHOLDER.finditer(text):
+        entry = index.by_name.get(found.group())
+        if entry is None:
             continue
-        if text.find(placeholder, at + 1) >= 0:
+        placeholder, indent = entry
+        begin = found.start() - indent  # the placeholder starts with its line's indentation
+        if begin < done or not text.startswith(placeholder, begin):
+            continue
+        if found.group() in restored:
             return None
-        text = text[:at] + original + text[at + len(placeholder):]
-    return text
+        restored.add(found.group())
+        pieces += [text[done:begin], index[placeholder]]
+        done = begin + len(placeholder)
+    pieces.append(text[done:])
+    return "".join(pieces)
 
 
 def span(node: ast.stmt) -> tuple[int, int]:
@@ -53,9 +80,15 @@ def span(node: ast.stmt) -> tuple[int, int]:
     return min([node.lineno, *(d.lineno for d in decorators)]), node.end_lineno or node.lineno
 
 
+#: A line ending as Python's tokenizer reads one: ``\r\n``, a lone ``\r`` (old Mac files) or ``\n``.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+#: A placeholder's name (its tag: the definition's index in the module, and in its class).
+_PLACEHOLDER = re.compile(re.escape(_PREFIX.decode()) + r"\d+(?:_\d+)?\b")
+
+
 def line_starts(data: bytes) -> list[int]:
-    """The offset of each line of ``data`` (for :func:`lines`)."""
-    return [0, *(m.end() for m in re.finditer(rb"\n", data))]
+    """The offset of each line of ``data`` (for :func:`lines`), its lines ended as Python ends them."""
+    return [0, *(m.end() for m in _LINE_END.finditer(data))]
 
 
 def lines(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
@@ -63,27 +96,47 @@ def lines(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
     return data[starts[start - 1]: starts[end] if end < len(starts) else None]
 
 
+def covers(ordered: Sequence[int], start: int, end: int) -> bool:
+    """Whether one of the sorted line numbers ``ordered`` lies in ``start .. end`` (a bisection: a file's
+    definitions checked against its reads' lines in time linear in the file, not their product)."""
+    at = bisect.bisect_left(ordered, start)
+    return at < len(ordered) and ordered[at] <= end
+
+
+def _rows(data: bytes) -> list[tuple[bytes, bytes]]:
+    """Each line of ``data`` as (its text, its line ending: ``\r\n``, ``\r``, ``\n`` or, last, none)."""
+    starts = line_starts(data)
+    rows = []
+    for begin, end in zip(starts, [*starts[1:], len(data)], strict=True):
+        row = data[begin:end]
+        content = row.rstrip(b"\r\n")
+        rows.append((content, row[len(content):]))
+    return rows
+
+
 def skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]) -> Skeleton | None:
     """``data`` (parsed as ``tree``) with each definition for which ``needed(first line, last line, member)`` is
     false stood in for by a placeholder; None when nothing is, or the file already holds the prefix."""
     if _PREFIX in data:
         return None
-    rows = data.split(b"\n")
+    rows = _rows(data)
     kept: dict[bytes, bytes] = {}
 
     def stand_in(node: ast.stmt, tag: str) -> None:
         start, end = span(node)
-        original = b"\n".join(rows[start - 1:end])
-        first = rows[start - 1]
+        ends = [ending for _, ending in rows[start - 1:end]]
+        original = b"".join(text + ending for text, ending in rows[start - 1:end])
+        first = rows[start - 1][0]
         indent = first[: len(first) - len(first.lstrip(b" \t\f"))]
-        eol = [b"\r" if row.endswith(b"\r") else b"" for row in rows[start - 1:end]]
         name = indent + _PREFIX + tag.encode()
         if start == end:
-            placeholder = [name + b" = 0" + eol[0]]
+            placeholder = [(name + b" = 0", ends[0])]
         else:
-            placeholder = [name + b' = """' + eol[0], *eol[1:-1], b'"""' + eol[-1]]
+            placeholder = [(name + b' = """', ends[0]), *((b"", e) for e in ends[1:-1]), (b'"""', ends[-1])]
         rows[start - 1:end] = placeholder
-        kept[b"\n".join(placeholder)] = original
+        text = b"".join(text + ending for text, ending in placeholder)
+        # Both without the last line's ending, which stays in the text around them.
+        kept[text[: len(text) - len(ends[-1])]] = original[: len(original) - len(ends[-1])]
 
     for index, node in enumerate(tree.body):
         if not isinstance(node, _DEFINITIONS):
@@ -98,7 +151,7 @@ def skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], b
                     stand_in(inner, f"{index}_{member}")
     if not kept:
         return None
-    return Skeleton(b"\n".join(rows), kept)
+    return Skeleton(b"".join(text + ending for text, ending in rows), kept)
 
 
 def needed_by(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None,
@@ -107,9 +160,10 @@ def needed_by(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None
     ``calls`` matches (one that may pass a threaded function its collection), or, as a class member, the
     collection's ``name`` (where a method binds ``self.<name>``)."""
     starts = line_starts(data)
+    ordered = sorted(site_lines)
 
     def needed(start: int, end: int, member: bool) -> bool:
-        if any(start <= line <= end for line in site_lines):
+        if covers(ordered, start, end):
             return True
         text = lines(data, starts, start, end)
         return bool((calls is not None and calls.search(text)) or (member and name.search(text)))

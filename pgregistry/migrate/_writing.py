@@ -1,23 +1,44 @@
-"""The files ``pgregistry migrate`` changes: their diffs, and writing them so nothing is lost or half-written.
+"""Writing the files ``pgregistry migrate`` changes: all of them or none, even when the run is killed.
 
-Every file to write is checked before any is written: it must be writable (a read-only file is refused even
-though a rename into its directory would replace it) and still hold the bytes it was planned from, with the
-same modification time. Each is then replaced atomically (temporary file, ``fsync``, rename; its permissions
-kept, :func:`~pgregistry.allowlist._storage.atomic_write`), after checking once more that it did not change
-since it was read: a file edited meanwhile is never overwritten.
+A rewrite changes callers together with the functions they call (a call passing ``pg_collection=`` to a function
+not yet given the parameter is a ``TypeError``), so the files of one run are one change. Every file is checked
+before any is written: it must be writable (a read-only file is refused even though a rename into its directory
+would replace it), have one hard link (a rename would split it from the others, and writing through the link is
+not atomic: refused, naming the other paths), and still hold the bytes it was planned from, with the same
+modification time. Then:
+
+1. a journal at the project root (:data:`JOURNAL`) lists, for each file, its temporary file beside it and the
+   hashes of its old and new bytes, in the state ``writing``; every temporary file is written and ``fsync``-ed;
+2. the journal is rewritten in the state ``renaming`` (atomically: it is itself replaced by a rename);
+3. each file is checked once more (a file edited meanwhile is never overwritten: the files already renamed are
+   put back and nothing is left written) and its temporary file renamed over it;
+4. the journal is removed.
+
+A run killed at any moment leaves every file old or new, and the journal. The next ``migrate`` (any mode but
+``--check``, which exits 2 naming it) finishes it first (:func:`finish_interrupted`): in the state ``writing``
+nothing was renamed yet, so the temporary files are removed (rolled back); in ``renaming`` every new text is on
+disk, so the renames are completed (rolled forward). No temporary file remains either way. A file that holds
+neither its old nor its new bytes by then (edited after the kill) stops the recovery, naming it, the journal kept.
 """
 
 from __future__ import annotations
 
-import difflib
+import contextlib
+import hashlib
+import json
 import os
-from collections.abc import Sequence
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pgregistry.allowlist._storage import StorageError, atomic_write
+from pgregistry.allowlist._storage import StorageError, atomic_write, exclusive
 
-__all__ = ["Change", "WriteError", "unified_diff", "write_changes"]
+__all__ = ["JOURNAL", "Change", "WriteError", "finish_interrupted", "write_changes"]
+
+#: The journal of a ``--write`` in progress, at the project root.
+JOURNAL = ".pgregistry-migrate-journal.json"
+_WRITING, _RENAMING = "writing", "renaming"
 
 
 class WriteError(OSError):
@@ -38,12 +59,8 @@ class Change:
     after: bytes
 
 
-def unified_diff(change: Change) -> str:
-    """The change as a unified diff (``a/PATH`` to ``b/PATH``), as ``git diff`` names them."""
-    old = change.before.decode("utf-8").splitlines(keepends=True)
-    new = change.after.decode("utf-8").splitlines(keepends=True)
-    lines = difflib.unified_diff(old, new, f"a/{change.path}", f"b/{change.path}")
-    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+def _hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _unchanged(change: Change) -> str | None:
@@ -58,22 +75,172 @@ def _unchanged(change: Change) -> str | None:
     return None
 
 
-def write_changes(changes: Sequence[Change]) -> None:
-    """Write every change, or (``WriteError`` naming the file) none when one cannot be written."""
+def _check(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
+    """``WriteError`` unless ``change`` may be written (see the module docstring)."""
+    status = os.stat(change.absolute)
+    if not os.access(change.absolute, os.W_OK) or not status.st_mode & 0o222:  # read-only to its owner, even root
+        raise WriteError(f"{change.path}: read-only; make it writable, or leave it out of the paths")
+    if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
+        raise WriteError(f"{change.path}: its directory is not writable (the rewrite renames a new file in)")
+    if status.st_nlink > 1:
+        others = ", ".join(hard_links.get(change.path, ())) or "none of them among the migrated files"
+        raise WriteError(
+            f"{change.path}: has {status.st_nlink} hard links (others: {others}); a rewrite would split them into "
+            "differing copies: make them one file or symbolic links, or leave it out of the paths"
+        )
+    problem = _unchanged(change)
+    if problem is not None:
+        raise WriteError(f"{change.path}: {problem}")
+
+
+def _sync_directories(paths: Sequence[Path]) -> None:
+    """Make the renames and creations in the directories of ``paths`` durable."""
+    for directory in sorted({str(path.parent) for path in paths}):
+        with contextlib.suppress(OSError):
+            handle = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(handle)
+            finally:
+                os.close(handle)
+
+
+def _record(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -> None:
+    """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the project's
+    path cannot make them name other files), and the hashes of its old and new bytes."""
+    rows = [
+        {"target": str(change.absolute), "temporary": str(temporary),
+         "old": _hash(change.before), "new": _hash(change.after)}
+        for change, temporary in entries
+    ]
+    try:
+        atomic_write(journal, json.dumps({"state": state, "files": rows}, indent=1).encode() + b"\n")
+    except StorageError as error:
+        raise WriteError(f"{error}; nothing was written") from error
+
+
+def _write_temporary(change: Change, temporary: Path) -> None:
+    """The new bytes beside the file, with its permissions, flushed to disk."""
+    mode = os.stat(change.absolute).st_mode & 0o7777
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(handle, "wb") as stream:
+        stream.write(change.after)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.chmod(temporary, mode)
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def _journal_lock(root: Path) -> Iterator[Path]:
+    """The journal's path, with the lock that keeps two runs from writing or finishing one at once."""
+    journal = root / JOURNAL
+    try:
+        with exclusive(journal):
+            yield journal
+    except StorageError as error:
+        raise WriteError(str(error)) from error
+
+
+def write_changes(
+    changes: Sequence[Change], root: Path, hard_links: Mapping[str, Sequence[str]] | None = None
+) -> None:
+    """Write every change, or (``WriteError`` naming the file) none; ``root``: the project root, where the
+    journal goes; ``hard_links``: each path's other paths to the same file among those migrated."""
     for change in changes:
-        mode = os.stat(change.absolute).st_mode
-        if not os.access(change.absolute, os.W_OK) or not mode & 0o222:  # read-only to its owner, even root
-            raise WriteError(f"{change.path}: read-only; make it writable, or leave it out of the paths")
-        if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
-            raise WriteError(f"{change.path}: its directory is not writable (the rewrite renames a new file in)")
-        problem = _unchanged(change)
-        if problem is not None:
-            raise WriteError(f"{change.path}: {problem}")
-    for change in changes:
-        problem = _unchanged(change)
-        if problem is not None:
-            raise WriteError(f"{change.path}: {problem} (files listed before it were written)")
+        _check(change, hard_links or {})
+    if not changes:
+        return
+    with _journal_lock(root) as journal:
+        if journal.exists():
+            raise WriteError(f"{journal}: another run's journal appeared meanwhile; run the migration again")
+        token = secrets.token_hex(4)
+        entries = [(c, c.absolute.with_name(f".{c.absolute.name}.{token}.pgregistry-migrate.tmp")) for c in changes]
+        temporaries = [temporary for _, temporary in entries]
+        _record(journal, _WRITING, entries)
         try:
-            atomic_write(change.absolute, change.after)
-        except StorageError as error:
-            raise WriteError(f"{change.path}: {error} (files listed before it were written)") from error
+            for change, temporary in entries:
+                _write_temporary(change, temporary)
+            _sync_directories(temporaries)
+        except OSError as error:
+            _remove(temporaries)
+            journal.unlink()
+            raise WriteError(f"{change.path}: cannot write it: {error.strerror or error}; nothing was written") \
+                from error
+        _record(journal, _RENAMING, entries)
+        try:
+            _rename_all(entries)
+        except WriteError:
+            journal.unlink()
+            raise
+        _sync_directories([change.absolute for change in changes])
+        journal.unlink()
+        _sync_directories([journal])
+
+
+def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
+    """Rename each temporary file over its file, each checked once more just before; when one changed on disk
+    meanwhile (or cannot be renamed), put back those renamed already: none is left written."""
+    renamed: list[Change] = []
+    for change, temporary in entries:
+        problem = _unchanged(change)
+        try:
+            if problem is None:
+                os.replace(temporary, change.absolute)
+                renamed.append(change)
+                continue
+        except OSError as error:
+            problem = f"cannot rename its new text into place: {error.strerror or error}"
+        for done in renamed:
+            atomic_write(done.absolute, done.before)
+        _remove([temporary for _, temporary in entries])
+        raise WriteError(f"{change.path}: {problem}; nothing was written (the {len(renamed)} file(s) already "
+                         "rewritten were put back)")
+
+
+def finish_interrupted(root: Path) -> str | None:
+    """Finish the ``--write`` that left a journal at ``root`` (see the module docstring): what was done, or None
+    when there is no journal. ``WriteError`` naming the files when it cannot (the journal kept)."""
+    with _journal_lock(root) as journal:
+        # A run killed while writing the journal itself left its temporary file, and nothing else.
+        stale = sorted(root.glob(f".{JOURNAL}.*.tmp"))
+        _remove(stale)
+        if not journal.exists():
+            return "an interrupted `pgregistry migrate --write` had written nothing; its journal's temporary " \
+                   "file is removed" if stale else None
+        try:
+            record = json.loads(journal.read_bytes())
+            state, rows = record["state"], record["files"]
+            files = [(Path(row["target"]), Path(row["temporary"]), row["old"], row["new"]) for row in rows]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise WriteError(f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
+                             "files it lists from version control, then delete it") from error
+        if state == _WRITING:
+            _remove([temporary for _, temporary, _, _ in files])
+            journal.unlink()
+            return (f"an interrupted `pgregistry migrate --write` was rolled back: none of its {len(files)} "
+                    "file(s) had been written; its temporary files are removed")
+        conflicts, completed = [], 0
+        for target, temporary, old, new in files:
+            current = _hash(target.read_bytes()) if target.exists() else ""
+            if current == new:
+                _remove([temporary])
+            elif current == old and temporary.exists() and _hash(temporary.read_bytes()) == new:
+                os.replace(temporary, target)
+                completed += 1
+            else:
+                conflicts.append(str(target))
+        if conflicts:
+            raise WriteError(
+                f"{journal}: an interrupted `pgregistry migrate --write` cannot be finished: "
+                f"{', '.join(conflicts)} changed since; restore them (from version control), run again, or "
+                "delete the journal and its temporary files to keep the tree as it is"
+            )
+        _sync_directories([target for target, _, _, _ in files])
+        journal.unlink()
+        return (f"an interrupted `pgregistry migrate --write` was finished: {completed} of its {len(files)} "
+                "file(s) were renamed into place now")

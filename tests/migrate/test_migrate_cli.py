@@ -125,7 +125,7 @@ def test_a_file_changed_on_disk_since_it_was_read_is_not_overwritten(tmp_path: P
     change = Change("m.py", path, SOURCE.encode(), stat.st_mtime_ns, b"new\n")
     path.write_text(SOURCE + "# edited meanwhile\n")
     with pytest.raises(WriteError, match="m.py: changed on disk since it was read"):
-        write_changes([change])
+        write_changes([change], tmp_path)
     assert path.read_text() == SOURCE + "# edited meanwhile\n"
     assert SourceFile("m.py", path).absolute == path
 

@@ -129,6 +129,8 @@ def _variants() -> dict[str, dict[str, bytes]]:
     return {
         "spaces": {"pkg/a.py": A.encode(), "pkg/b.py": B.encode()},
         "crlf": {"pkg/a.py": A.replace("\n", "\r\n").encode(), "pkg/b.py": B.replace("\n", "\r\n").encode()},
+        "cr-only": {"pkg/a.py": A.replace("\n", "\r").encode(), "pkg/b.py": B.replace("\n", "\r").encode()},
+        "mixed": {"pkg/a.py": A.replace("\n\n", "\r\n\r").encode(), "pkg/b.py": B.encode()},
         "tabs": {"pkg/a.py": tabbed.encode(), "pkg/b.py": B.replace("    ", "\t").encode()},
         "latin-1": {"pkg/a.py": ("# -*- coding: latin-1 -*-\n# caf\u00e9\n" + A).encode("latin-1"),
                     "pkg/b.py": B.encode()},

@@ -1,0 +1,179 @@
+"""``pgregistry migrate --write`` leaves nothing half-done: a run killed (a real SIGKILL) at any step leaves every
+file old or new and a journal the next run finishes, the tree then all old or all new with no temporary file;
+links stay links; a hard-linked file is refused; a file changed on disk while the others are written is never
+overwritten and nothing is left written."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.scan_projects import Project
+
+pytest.importorskip("libcst")
+
+from pgregistry.cli import main  # noqa: E402
+from pgregistry.migrate import _writing  # noqa: E402
+from pgregistry.migrate._writing import JOURNAL, Change, WriteError, write_changes  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ARGS = ["migrate", "--preset", "megatron"]
+IMPORT = "from megatron.core import parallel_state as ps\n"
+#: A callee and its callers in other files: a caller rewritten without its callee is a TypeError at run time.
+FILES = {
+    "src/pkg/a.py": f"{IMPORT}\n\ndef reduce(x):\n    return ps.get_tensor_model_parallel_group()\n",
+    **{
+        f"src/pkg/{name}.py": f"{IMPORT}from .a import reduce\n\n\ndef {name}(x):\n"
+                              "    return reduce(x), ps.get_tensor_model_parallel_rank()\n"
+        for name in ("b", "c")
+    },
+}
+
+
+def _tree(project: Project) -> dict[str, str]:
+    return {path: project.read(path) for path in FILES}
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith(".tmp") or p.name == JOURNAL)
+
+
+KILL = """
+import os, signal, sys
+calls = {"fsync": 0, "replace": 0, "unlink": 0}
+name, at = sys.argv[1], int(sys.argv[2])
+real = getattr(os, name)
+def killing(*args, **kwargs):
+    calls[name] += 1
+    if calls[name] == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+setattr(os, name, killing)
+from pgregistry.cli import main
+sys.exit(main(["migrate", "--preset", "megatron", "--write"]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("call", "at"),
+    [
+        ("fsync", 1),  # writing the journal (state: writing)
+        ("fsync", 4),  # writing the temporary files
+        ("replace", 2),  # the journal turning to "renaming"
+        ("replace", 4),  # one file renamed of three
+        ("unlink", 1),  # every file renamed, the journal not yet removed
+    ],
+)
+def test_a_write_killed_at_any_step_leaves_old_or_new_files_and_the_next_run_finishes_it(
+    project: Project, capsys: pytest.CaptureFixture[str], call: str, at: int
+) -> None:
+    for path, text in FILES.items():
+        project.write(path, text)
+    old = _tree(project)
+    killed = subprocess.run([sys.executable, "-c", KILL, call, str(at)], cwd=project.root, capture_output=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    now = _tree(project)
+    assert all(now[path] == old[path] or "pg_collection" in now[path] for path in FILES)
+    if (project.root / JOURNAL).exists():
+        assert main([*ARGS, "--check"]) == 2  # CI never reads a half-written tree as done or "would change"
+        assert JOURNAL in capsys.readouterr().err
+    else:  # killed while writing the journal: nothing else was written
+        assert now == old
+    assert main([*ARGS, "--quiet"]) == 0  # any other mode finishes (or rolls back) the interrupted run first
+    finished = capsys.readouterr().err
+    assert "an interrupted `pgregistry migrate --write` " in finished
+    assert _leftovers(project.root) == []
+    now = _tree(project)
+    if "rolled back" in finished or "had written nothing" in finished:
+        assert now == old
+    else:
+        assert all(now[path] != old[path] for path in FILES)  # every file new: none left behind
+        assert "def reduce(x, *, pg_collection=None):" in now["src/pkg/a.py"]
+        assert "reduce(x, pg_collection=pg_collection)" in now["src/pkg/b.py"]
+        assert main([*ARGS, "--check"]) == 0
+    assert main([*ARGS, "--write"]) == 0
+    assert _leftovers(project.root) == []
+    assert main([*ARGS, "--check"]) == 0
+    capsys.readouterr()
+
+
+def test_a_file_changed_on_disk_while_the_others_are_written_is_not_overwritten_and_none_is_left_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check at write time, for every file, not only the first: the third file is edited while the first
+    is renamed into place."""
+    paths = [tmp_path / f"m{i}.py" for i in range(3)]
+    changes = []
+    for path in paths:
+        path.write_text("x = 1\n")
+        changes.append(Change(path.name, path, b"x = 1\n", path.stat().st_mtime_ns, b"x = 2\n"))
+    real_replace = os.replace
+
+    def replace_then_edit(source: str, target: str) -> None:
+        real_replace(source, target)
+        if Path(target) == paths[0]:
+            paths[2].write_text("x = 1  # edited meanwhile\n")
+
+    monkeypatch.setattr(_writing.os, "replace", replace_then_edit)
+    with pytest.raises(WriteError, match=r"m2.py: changed on disk since it was read.*nothing was written"):
+        write_changes(changes, tmp_path)
+    assert [p.read_text() for p in paths] == ["x = 1\n", "x = 1\n", "x = 1  # edited meanwhile\n"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_links_stay_links_and_each_file_is_rewritten_once(
+    project: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    text = FILES["src/pkg/a.py"]
+    real = project.write("src/pkg/a.py", text)
+    (project.root / "src/pkg/alias.py").symlink_to("a.py")
+    (project.root / "src/pkg/sub").mkdir()
+    (project.root / "src/pkg/sub/again.py").symlink_to("../a.py")
+    outside = tmp_path_factory.mktemp("elsewhere") / "shared.py"
+    outside.write_text(text)
+    (project.root / "src/pkg/shared.py").symlink_to(outside)
+    vendored = project.write("src/vendored/v.py", text)
+    (project.root / "src/pkg/v.py").symlink_to("../vendored/v.py")
+    assert main([*ARGS, "--write", "--extend-exclude", "vendored"]) == 0
+    err = capsys.readouterr().err
+    assert f"src/pkg/shared.py: a link to {outside}, outside the project: left untouched" in err
+    assert "src/pkg/v.py: a link to src/vendored/v.py, which is excluded: left untouched" in err
+    assert vendored.read_text() == text
+    assert (project.root / "src/pkg/alias.py").is_symlink() and (project.root / "src/pkg/sub/again.py").is_symlink()
+    assert (project.root / "src/pkg/shared.py").is_symlink() and outside.read_text() == text
+    written = real.read_text()
+    assert written.count("pg_collection=None") == 1 and "resolve_megatron_collection" in written
+    assert main([*ARGS, "--check", "--extend-exclude", "vendored"]) == 0
+
+
+def test_a_hard_linked_file_is_refused_naming_its_links_and_nothing_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path, text in FILES.items():
+        project.write(path, text)
+    os.link(project.root / "src/pkg/a.py", project.root / "src/pkg/a_again.py")
+    assert main([*ARGS, "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "src/pkg/a.py: has 2 hard links (others: src/pkg/a_again.py)" in err
+    assert _tree(project) == FILES
+    assert os.stat(project.root / "src/pkg/a.py").st_nlink == 2
+
+
+def test_a_file_edited_after_the_kill_stops_the_recovery_naming_it_and_the_journal_stays(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path, text in FILES.items():
+        project.write(path, text)
+    killed = subprocess.run([sys.executable, "-c", KILL, "replace", "4"], cwd=project.root, capture_output=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    edited = project.write("src/pkg/c.py", FILES["src/pkg/c.py"] + "# edited after the kill\n")
+    assert main([*ARGS, "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be finished" in err and str(edited) in err and JOURNAL in err
+    assert (project.root / JOURNAL).exists() and project.read("src/pkg/c.py").endswith("# edited after the kill\n")
