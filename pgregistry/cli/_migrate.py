@@ -70,6 +70,14 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--allowlist", type=Path, metavar="FILE", help="the allowlist --write regenerates (default: configured)"
     )
     parser.add_argument("--quiet", action="store_true", help="print no report, only the diff or errors")
+    # What a read becomes: the fallback helper module --target megatron writes into the tree.
+    parser.add_argument(
+        "--helper-module",
+        metavar="MODULE",
+        help="the dotted module the rewritten reads import pg_group/pg_rank/pg_size/pg_read from, written into "
+        "the tree by --write (default: [tool.pgregistry.migrate] helper-module, else "
+        "<top package>._process_group_fallback)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -101,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         return _error("needs libcst, an optional extra: pip install 'pgregistry[migrate]'")
     from pgregistry.allowlist._engine import default_jobs
-    from pgregistry.migrate._engine import migrate
+    from pgregistry.migrate._engine import Helper, migrate
     from pgregistry.migrate._megatron_release import megatron_source
     from pgregistry.migrate._report import render_failures, render_report
+    from pgregistry.migrate._style import line_length, migrate_settings
     from pgregistry.migrate._writing import WriteError, unified_diff, write_changes
 
     try:
@@ -115,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
                                 "pass --isolated to make the current directory the root")
         found = discover(targets, settings.root, settings.exclude)
         source = megatron_source(settings.root)
+        helper = Helper(args.helper_module or migrate_settings(settings.root).get("helper-module"),
+                        source.accessors, line_length(settings.root))
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
-                            jobs=default_jobs(), gtp_remat=source.gtp_remat)
+                            jobs=default_jobs(), gtp_remat=source.gtp_remat, helper=helper)
     except (ConfigError, PathError, ValueError) as error:
         return _error(str(error))
     if migration.failures:

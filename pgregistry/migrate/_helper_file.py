@@ -70,15 +70,25 @@ def helper_text(accessors: Iterable[str] = (), *, gtp_remat: bool = True) -> byt
     return text.encode("utf-8")
 
 
-def helper_path(module: str) -> str:
-    """The project path of ``module`` (``a.b.c`` -> ``a/b/c.py``)."""
-    return module.replace(".", "/") + ".py"
+#: A top directory that is the import root of a ``src`` layout, not a package.
+_SOURCE_ROOT = "src"
+
+
+def helper_path(module: str, is_directory: Callable[[str], bool]) -> str:
+    """The project path of ``module`` (``a.b.c`` -> ``a/b/c.py``, or ``src/a/b/c.py`` in a ``src`` layout: where
+    only ``src/a/b`` ``is_directory``)."""
+    path = module.replace(".", "/") + ".py"
+    parent = path.rpartition("/")[0]
+    if parent and not is_directory(parent) and is_directory(f"{_SOURCE_ROOT}/{parent}"):
+        return f"{_SOURCE_ROOT}/{path}"
+    return path
 
 
 def default_module(paths: Iterable[str], is_package: Callable[[str], bool]) -> str:
     """``<top package>._process_group_fallback``: in the outermost directory holding every one of ``paths`` that
     ``is_package`` (it has an ``__init__.py``; ``megatron/core`` for files of ``megatron/core/`` in a tree where
-    ``megatron`` is a namespace package); at the project root when there is none."""
+    ``megatron`` is a namespace package), named from the project root (from ``src/`` in a ``src`` layout); at
+    the project root when there is none."""
     common: list[str] | None = None
     for path in paths:
         parts = path.split("/")[:-1]
@@ -90,7 +100,8 @@ def default_module(paths: Iterable[str], is_package: Callable[[str], bool]) -> s
                 same += 1
             common = common[:same]
     top = common or []
-    for end in range(1, len(top) + 1):
+    skipped = 1 if top[:1] == [_SOURCE_ROOT] and not is_package(_SOURCE_ROOT) else 0
+    for end in range(skipped + 1, len(top) + 1):
         if is_package("/".join(top[:end])):
-            return ".".join([*top[:end], DEFAULT_NAME])
+            return ".".join([*top[skipped:end], DEFAULT_NAME])
     return DEFAULT_NAME

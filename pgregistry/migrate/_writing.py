@@ -29,25 +29,30 @@ class WriteError(OSError):
 
 @dataclass(frozen=True)
 class Change:
-    """One file's planned rewrite: its project path, where it is, the bytes read (and their mtime), the new text."""
+    """One file's planned rewrite: its project path, where it is, the bytes read (and their mtime), the new text;
+    ``created``: a new file (the fallback helper module), which must still not exist when it is written."""
 
     path: str
     absolute: Path
     before: bytes
     mtime_ns: int
     after: bytes
+    created: bool = False
 
 
 def unified_diff(change: Change) -> str:
     """The change as a unified diff (``a/PATH`` to ``b/PATH``), as ``git diff`` names them."""
     old = change.before.decode("utf-8").splitlines(keepends=True)
     new = change.after.decode("utf-8").splitlines(keepends=True)
-    lines = difflib.unified_diff(old, new, f"a/{change.path}", f"b/{change.path}")
+    lines = difflib.unified_diff(old, new, "/dev/null" if change.created else f"a/{change.path}", f"b/{change.path}")
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
 
 
 def _unchanged(change: Change) -> str | None:
-    """None when the file still holds what it was planned from; else why not."""
+    """None when the file still holds what it was planned from (a new one: still does not exist); else why
+    not."""
+    if change.created:
+        return "created since the run began; run the migration again" if os.path.lexists(change.absolute) else None
     try:
         now = os.stat(change.absolute)
         data = change.absolute.read_bytes()
@@ -61,6 +66,13 @@ def _unchanged(change: Change) -> str | None:
 def write_changes(changes: Sequence[Change]) -> None:
     """Write every change, or (``WriteError`` naming the file) none when one cannot be written."""
     for change in changes:
+        if change.created:
+            if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
+                raise WriteError(f"{change.path}: its directory is not writable (the new file is renamed in)")
+            problem = _unchanged(change)
+            if problem is not None:
+                raise WriteError(f"{change.path}: {problem}")
+            continue
         mode = os.stat(change.absolute).st_mode
         if not os.access(change.absolute, os.W_OK) or not mode & 0o222:  # read-only to its owner, even root
             raise WriteError(f"{change.path}: read-only; make it writable, or leave it out of the paths")
@@ -75,5 +87,9 @@ def write_changes(changes: Sequence[Change]) -> None:
             raise WriteError(f"{change.path}: {problem} (files listed before it were written)")
         try:
             atomic_write(change.absolute, change.after)
-        except StorageError as error:
+            if change.created:  # mkstemp's 0600 would hide the module from other users of the tree
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(change.absolute, 0o666 & ~umask)
+        except (StorageError, OSError) as error:
             raise WriteError(f"{change.path}: {error} (files listed before it were written)") from error
