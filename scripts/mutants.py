@@ -544,6 +544,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="long-line-split-at-its-last-call",
+        bug="migrate splits a too-long rewritten line at its last call where black parenthesises the whole value",
+        file="pgregistry/migrate/_layout.py",
+        find="len(parts) < 3 and not isinstance(value, cst.Tuple)",
+        replace="True",
+        tests=("tests/migrate/test_migrate_layout.py::test_a_statement_is_split_as_black_splits_it",),
+    ),
+    Mutant(
+        name="line-length-black-before-ruff",
+        bug="migrate keeps to black's line length where the project's ruff sets another",
+        file="pgregistry/migrate/_style.py",
+        find='    for tool in ("ruff", "black"):',
+        replace='    for tool in ("black", "ruff"):',
+        tests=("tests/migrate/test_migrate_layout.py::test_the_line_length_is_the_projects",),
+    ),
+    Mutant(
         name="amax-choice-ignored",
         bug="migrate reads the data-parallel amax group where tp_only_amax_red= picks the tensor-parallel one",
         file="pgregistry/migrate/_plan.py",

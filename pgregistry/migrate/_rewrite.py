@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
+from pgregistry.migrate._layout import split_header, split_statement
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._skeleton import restore
 
@@ -183,10 +184,16 @@ def _docstring(statement: cst.BaseStatement) -> bool:
 
 
 class _Rewriter(cst.CSTTransformer):
-    def __init__(self, plan: FilePlan, target: Idiom) -> None:
+    def __init__(self, plan: FilePlan, target: Idiom, width: int) -> None:
         super().__init__()
         self.target = target
         self.plan = plan
+        #: The tree's line length and indentation unit; how many blocks enclose the node visited; whether the
+        #: statement being visited has a call the rewrite changed (then a line it made too long is split).
+        self.width = width
+        self.unit = plan.wrapper.module.default_indent
+        self.depth = 0
+        self.changed = False
         self.replacements: dict[int, cst.BaseExpression] = {}
         self.imports: list[tuple[str, str]] = []
         #: Module-level statement -> the members of its class body to walk (None: the whole statement).
@@ -220,16 +227,43 @@ class _Rewriter(cst.CSTTransformer):
             return statement
         if members is None or not isinstance(statement, cst.ClassDef):
             return statement.visit(self)
+        self.depth = 1  # a member is visited alone: its class's block is not entered
         body = [s.visit(self) if i in members else s for i, s in enumerate(statement.body.body)]
+        self.depth = 0
         kept = [s for s in body if isinstance(s, cst.CSTNode)]
         return statement.with_changes(body=statement.body.with_changes(body=kept))
+
+    def _indent(self) -> int:
+        return self.depth * len(self.unit.expandtabs(4))
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
+        self.depth += 1
+        return True
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        self.depth -= 1
+        return updated
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+        self.changed = False
+        return True
+
+    def leave_SimpleStatementLine(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine:
+        if not self.changed:
+            return updated
+        self.changed = False
+        return split_statement(updated, self._indent(), self.width, self.unit)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
         if replacement is not None:
+            self.changed = True
             return replacement
         passing = self.plan.passes.get(id(original))
         if passing is not None:
+            self.changed = True
             return _with_keyword(updated, *passing)
         return updated
 
@@ -240,6 +274,7 @@ class _Rewriter(cst.CSTTransformer):
         if function.added:
             params = _with_parameter(updated.params, function.added)
             updated = updated.with_changes(params=_break_kept(updated.params, params))
+            updated = split_header(updated, self._indent(), self.width, self.unit)
         if not function.shim_name or not isinstance(updated.body, cst.IndentedBlock):
             return updated
         listed = ", ".join(f'"{f}"' for f in function.shim_fields)
@@ -401,7 +436,7 @@ def rewrite(plan: FilePlan, target: Idiom, width: int = 100) -> str | None:
     """The source of ``plan``'s file with its planned rewrites applied; None when none is planned. ``width``:
     the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
-    rewriter = _Rewriter(plan, target)
+    rewriter = _Rewriter(plan, target, width)
     if not rewriter.replacements and not plan.passes and not rewriter.functions:
         return None
     data = plan.data if plan.data is not None else module.bytes

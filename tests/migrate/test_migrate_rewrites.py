@@ -111,7 +111,11 @@ def tp_dp(pg_collection):
 """
     assert after(tmp_path, source) == HEAD + helper("pg_group") + """
 def amax(config, pg_collection):
-    return pg_group(pg_collection, "tp_cp") if config.tp_only_amax_red else pg_group(pg_collection, "tp_dp_cp")
+    return (
+        pg_group(pg_collection, "tp_cp")
+        if config.tp_only_amax_red
+        else pg_group(pg_collection, "tp_dp_cp")
+    )
 
 
 def tp_dp(pg_collection):
@@ -225,8 +229,9 @@ def step(flag, pg_collection):
     texts = {change.path: change.after.decode() for change in migration.changes}
     assert texts["pkg/user.py"] == textwrap.dedent(user).replace(
         "return all_true(flag), utils.all_true(flag), top.all_true(flag)",
-        "return all_true(flag, pg_collection=pg_collection), utils.all_true(flag, pg_collection=pg_collection), "
-        "top.all_true(flag, pg_collection=pg_collection)")
+        "return (\n        all_true(flag, pg_collection=pg_collection),\n"
+        "        utils.all_true(flag, pg_collection=pg_collection),\n"
+        "        top.all_true(flag, pg_collection=pg_collection),\n    )")  # over 100 columns: split as black
     assert migration.passed == 3
 
 
@@ -374,8 +379,9 @@ class L:
     assert '    tp_group = tp_group if tp_group is not None else pg_group(pg_collection, "tp")\n' in text
     assert '        cp_group = pg_group(pg_collection, "cp")\n' in text
     assert (
-        '        self.tp_group = tp_group if tp_group is not None else pg_group(pg_collection, "expt_tp") if '
-        'self.is_expert else pg_group(pg_collection, "tp")\n' in text
+        '        self.tp_group = (\n            tp_group\n            if tp_group is not None\n'
+        '            else (\n                pg_group(pg_collection, "expt_tp")\n                if self.is_expert\n'
+        '                else pg_group(pg_collection, "tp")\n            )\n        )\n' in text  # black\'s split
     )
     # the imports the reads needed go, the helper's comes in their place, and no noqa marker is added
     assert text.startswith("\nfrom _process_group_fallback import pg_group\n\ndef f(")
