@@ -69,6 +69,13 @@ def _last_call(value: cst.BaseExpression) -> cst.Call | None:
     return None
 
 
+def _argument_head(arg: cst.Arg) -> str:
+    """What comes before an argument's value: ``name=``, ``*``, ``**`` or nothing."""
+    if arg.keyword is not None:
+        return f"{arg.keyword.value}="
+    return arg.star if isinstance(arg.star, str) else ""
+
+
 def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str) -> list[str]:
     """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each indented
     relative to the first."""
@@ -83,8 +90,18 @@ def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: 
         if _fits(indent, before, width):  # black splits the last call, omitting optional parentheses
             arguments = [_code(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in call.args]
             one = ", ".join(arguments)
-            inner = [one] if _fits(deeper, one, width) else [f"{argument}," for argument in arguments]
+            if _fits(deeper, one, width):
+                inner = [one]
+            else:  # one a line (a trailing comma where there are several), each split in turn if still too long
+                comma = "," if len(call.args) > 1 else ""
+                inner = [line for arg in call.args
+                         for line in _lines(_argument_head(arg), arg.value, comma, deeper, width, unit)]
             return [before, *(unit + line for line in inner), ")" + tail]
+    if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements:  # one element a line
+        opening, closing = ("[", "]") if isinstance(value, cst.List) else ("{", "}")
+        inner = [line for element in value.elements for line in _lines(
+            "", element.value, ",", deeper, width, unit)]
+        return [head + opening, *(unit + line for line in inner), closing + tail]
     if parts is None:
         return [head + body + tail]
     if _fits(deeper, body, width):
@@ -144,13 +161,13 @@ def _parameters(params: cst.Parameters) -> list[str]:
 
 
 def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) -> cst.FunctionDef:
-    """``function`` (``indent`` columns in) with its parameters split where its ``def`` line is one physical
-    line longer than ``width``."""
+    """``function`` (``indent`` columns in) with its parameters laid out again where a line of its header is
+    longer than ``width`` (the ``def`` line, or the line of parameters of a header already split)."""
     header = _code(function.with_changes(decorators=[], leading_lines=[], lines_after_decorators=[],
                                          body=cst.SimpleStatementSuite([cst.Pass()])))
     header = header.rstrip("\n").removesuffix(" pass").rstrip()
-    if "\n" in header or _fits(indent, header, width):
-        return function
+    if "#" in header or all(_fits(indent, line, width) for line in header.splitlines()):
+        return function  # it fits (or holds a comment, which a new layout would have to move)
     items = _parameters(function.params)
     one = ", ".join(items)
     inner = [f"{unit}{one}"] if _fits(indent + len(unit), one, width) else [f"{unit}{item}," for item in items]

@@ -278,8 +278,10 @@ class _Rewriter(cst.CSTTransformer):
         if not function.shim_name or not isinstance(updated.body, cst.IndentedBlock):
             return updated
         listed = ", ".join(f'"{f}"' for f in function.shim_fields)
-        shim = cst.parse_statement(f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups(\n"
-                                   f"    required_pgs=[{listed}]\n)\n")
+        shim = cst.parse_statement(f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups("
+                                   f"required_pgs=[{listed}])\n")
+        assert isinstance(shim, cst.SimpleStatementLine)
+        shim = split_statement(shim, self._indent() + len(self.unit.expandtabs(4)), self.width, self.unit)
         body = list(updated.body.body)
         body.insert(function.shim_at, shim)
         return updated.with_changes(body=updated.body.with_changes(body=body))

@@ -63,6 +63,16 @@ BLACK = [
         '    self.pg_collection, "tp"\n'
         ')',
     ),
+    (
+        'mpu_groups = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "tp", "cp", "expt_tp", '
+        '"expt_dp", "expt_dp_gtp_remat", "tp_ep", "tp_cp", "tp_dp_cp"])',
+        'mpu_groups = ProcessGroupCollection.use_mpu_process_groups(\n'
+        '    required_pgs=[\n'
+        + "".join(f'        "{name}",\n' for name in ("ep", "tp", "cp", "expt_tp", "expt_dp", "expt_dp_gtp_remat",
+                                                     "tp_ep", "tp_cp", "tp_dp_cp"))
+        + '    ]\n'
+        ')',
+    ),
     (  # two delimiters of the lowest priority: parentheses, though it ends in a call
         'return pg_rank(pg_collection_long_name, "tp") == 0 and first_flag and pg_size(pg_collection, "cp")',
         'return (\n'
@@ -133,6 +143,14 @@ def test_a_line_that_fits_or_spans_lines_already_is_left() -> None:
         "pg_collection=None):",
         "def is_not_duplicate_with_a_longer_name(\n"
         "    parameter_one, parameter_two, tp_group=None, another_group=None, *, pg_collection=None\n):",
+    ),
+    (  # a header split before, whose line of parameters the new one makes too long
+        "def get_model_with_a_long_name(\n    tokenizer, prompts=None, tokens_to_generate=None, add_BOS=None, "
+        "rank=0, data_parallel=False, *, pg_collection=None\n):",
+        "def get_model_with_a_long_name(\n"
+        + "".join(f"    {p},\n" for p in ("tokenizer", "prompts=None", "tokens_to_generate=None", "add_BOS=None",
+                                         "rank=0", "data_parallel=False", "*", "pg_collection=None"))
+        + "):",
     ),
     (
         "def f(parameter_one: int, parameter_two: str = 'x', /, *args: int, keyword: bool = False, "

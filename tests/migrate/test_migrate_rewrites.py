@@ -584,7 +584,7 @@ def default_collection(mpu_groups):
     return pg_collection, mpu_groups
 """
     text = after(tmp_path, source)
-    assert "    mpu_groups_2 = ProcessGroupCollection.use_mpu_process_groups(\n" in text
+    assert '    mpu_groups_2 = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])\n' in text  # fits
     assert "    pg_collection.tp = mpu_groups_2.tp\n" in text
 
 
