@@ -104,34 +104,45 @@ def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: 
         return [head + opening, *(unit + line for line in inner), closing + tail]
     if parts is None:
         return [head + body + tail]
-    if _fits(deeper, body, width):
-        inner = [body]
-    else:
-        inner = [line for before, operand, after in parts
-                 for line in _lines(before, operand, after, deeper, width, unit)]
+    inner = [body] if _fits(deeper, body, width) else _exploded(parts, deeper, width, unit)
     return [head + "(", *(unit + line for line in inner), ")" + tail]
 
 
+def _exploded(parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int, unit: str) -> list[str]:
+    """The lines of ``parts`` (of :func:`_parts`), one part a line, each split in turn where still too long."""
+    return [line for before, operand, after in parts for line in _lines(before, operand, after, indent, width, unit)]
+
+
 def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit: str) -> cst.SimpleStatementLine:
-    """``line`` (``indent`` columns in), split where it is one physical line longer than ``width``."""
+    """``line`` (``indent`` columns in), split where it is one physical line longer than ``width``, or where its
+    value, in parentheses on a line of its own (``x = (``, the value, ``)``), no longer fits that line."""
     if len(line.body) != 1:
         return line
     small = line.body[0]
     text = _code(small)
-    if "\n" in text or _fits(indent, text + _code(line.trailing_whitespace).rstrip("\n"), width):
-        return line
     if isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)) and small.value is not None:
         value = small.value
-        head = text[: len(text) - len(_code(value))]
-    elif isinstance(small, cst.Return) and small.value is not None:
-        value, head = small.value, "return "
-    elif isinstance(small, cst.Expr):
-        value, head = small.value, ""
+    elif isinstance(small, (cst.Return, cst.Expr)) and small.value is not None:
+        value = small.value
     else:
         return line
-    if not text.endswith(_code(value)):
+    head = text[: len(text) - len(_code(value))]
+    if not text.endswith(_code(value)) or "\n" in head:
         return line
-    lines = _lines(head, value, "", indent, width, unit)
+    if "\n" in text:  # only the layout ``(``, one line, ``)``, without comments, is laid out again
+        bare = value.with_changes(lpar=[], rpar=[])
+        inner = _code(bare)
+        if len(value.lpar) != 1 or "\n" in inner or "#" in text or _code(value) != f"(\n{unit}{inner}\n)":
+            return line
+        deeper = indent + len(unit.expandtabs(4))
+        parts = _parts(bare)
+        if parts is None or _fits(deeper, inner, width):
+            return line
+        lines = [f"{head}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
+    elif _fits(indent, text + _code(line.trailing_whitespace).rstrip("\n"), width):
+        return line
+    else:
+        lines = _lines(head, value, "", indent, width, unit)
     if len(lines) == 1:
         return line
     parsed = cst.parse_statement("\n".join(lines) + "\n")

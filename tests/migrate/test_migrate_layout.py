@@ -125,6 +125,24 @@ def test_a_nested_conditional_gets_its_own_parentheses_as_black_gives_them() -> 
     )
 
 
+def test_a_value_in_parentheses_on_its_own_line_is_split_where_it_no_longer_fits() -> None:
+    # Megatron-Core's TransformerBlock.forward, once the call passes the collection (black's output)
+    statement = cst.parse_statement(
+        "outer_quantization_context = (\n"
+        "    get_fp8_context(self.config, pg_collection=self.pg_collection) if use_outer_quantization_context "
+        "else nullcontext()\n"
+        ")\n"
+    )
+    assert isinstance(statement, cst.SimpleStatementLine)
+    assert cst.Module([split_statement(statement, 12, 100, "    ")]).code == (
+        "outer_quantization_context = (\n"
+        "    get_fp8_context(self.config, pg_collection=self.pg_collection)\n"
+        "    if use_outer_quantization_context\n"
+        "    else nullcontext()\n"
+        ")\n"
+    )
+
+
 def test_a_line_that_fits_or_spans_lines_already_is_left() -> None:
     for line in ('x = pg_group(pg_collection, "tp")\n', 'x = f(\n    a, pg_group(pg_collection, "tp")\n)\n'):
         statement = cst.parse_statement(line)
