@@ -533,6 +533,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="helper-imports-parallel-state-before-its-functions",
+        bug="the helper written into a tree imports parallel_state before defining pg_group, breaking a cycle",
+        file="pgregistry/migrate/_helper_file.py",
+        find='    text = _TEMPLATE.read_text(encoding="utf-8") + _AT_IMPORT',
+        replace='    text = _TEMPLATE.read_text(encoding="utf-8").replace("import warnings\\n", "import warnings\\n" + '
+                '_AT_IMPORT, 1)',
+        tests=("tests/migrate/test_migrate_cli.py::"
+               "test_the_migrated_tree_imports_in_the_order_it_did_through_a_cycle_with_parallel_state",),
+    ),
+    Mutant(
         name="helper-module-overwrites-a-users-file",
         bug="migrate --write replaces a file of the user's at the helper module's path",
         file="pgregistry/migrate/_engine.py",

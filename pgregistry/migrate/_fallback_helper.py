@@ -14,11 +14,15 @@ pgregistry installed the warning is its ``ProcessGroupFallbackWarning``
 (``-W error::pgregistry.ProcessGroupFallbackWarning`` finds every fallback); without it, this
 module's own.
 
-Needs nothing but Python and Megatron-Core, which it imports only when a read falls back.
+Needs nothing but Python and Megatron-Core. The copy written into a tree imports Megatron-Core's
+``parallel_state`` when it is imported itself (at its end): the rewritten files import it where
+they imported ``parallel_state`` before, so the order in which modules load (and every circular
+import that order resolves) is kept.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from typing import Any
@@ -136,6 +140,9 @@ FALLBACKS: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {
 #: holds it, but it is the collection's ``dp`` when the collection's ``gtp_remat`` is off or of one
 #: rank.
 _GTP_REMAT_DP = "dp_gtp_remat"
+#: Megatron-Core's parallel_state (None: imported when a read first falls back). The copy written into a tree
+#: imports it at its end (:mod:`pgregistry.migrate._helper_file`).
+parallel_state: Any = None
 #: Frames of comprehensions and lambdas are named after the function that holds them.
 _INNER = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
 
@@ -241,10 +248,10 @@ def _read(collection: Any, field: str, kind: str, accessor_keywords: dict[str, A
     if (field, kind) not in FALLBACKS:
         raise ValueError(f"no accessor of Megatron-Core's parallel_state reads {kind} of {field!r}")
     _warn(field)
-    from megatron.core import parallel_state
-
+    accessors = parallel_state if parallel_state is not None else importlib.import_module(
+        "megatron.core.parallel_state")
     accessor, keywords = FALLBACKS[(field, kind)]
-    return getattr(parallel_state, accessor)(**keywords, **accessor_keywords)
+    return getattr(accessors, accessor)(**keywords, **accessor_keywords)
 
 
 def pg_read(collection: Any, field: str, kind: str, **accessor_keywords: Any) -> Any:

@@ -23,6 +23,18 @@ DEFAULT_NAME = "_process_group_fallback"
 MARKER = b"Written by `pgregistry migrate` (do not edit"
 _TEMPLATE = Path(__file__).with_name("_fallback_helper.py")
 _TABLE = re.compile(r"(?<=# fmt: off\n).*?(?=# fmt: on\n)", re.S)
+#: What the copy in a tree ends with: Megatron-Core's parallel_state imported where the rewritten files imported it
+#: before, so the order modules load in is kept; last, so a module that parallel_state imports, and that imports
+#: this one in turn, finds every function defined.
+_AT_IMPORT = """
+
+# Imported where the rewritten files imported it before (the order modules load in is kept); last, so
+# that a module it imports, and that imports this one in turn, finds every function here.
+try:
+    from megatron.core import parallel_state
+except ImportError:  # imported again (raising then) when a read falls back
+    parallel_state = None
+"""
 #: The helper's own line length (Megatron-Core's).
 _WIDTH = 100
 
@@ -60,9 +72,9 @@ def table_text(table: Mapping[tuple[str, str], tuple[str, dict[str, bool]]]) -> 
 
 
 def helper_text(accessors: Iterable[str] = (), *, gtp_remat: bool = True) -> bytes:
-    """The helper module's text: the template's, its table for the release that defines ``accessors`` (none
-    known: the template's own, Megatron-Core 0.19's)."""
-    text = _TEMPLATE.read_text(encoding="utf-8")
+    """The helper module's text: the template's, importing ``parallel_state`` when it is imported, its table for
+    the release that defines ``accessors`` (none known: the template's own, Megatron-Core 0.19's)."""
+    text = _TEMPLATE.read_text(encoding="utf-8") + _AT_IMPORT
     names = list(accessors)
     if names:
         table = table_text(fallback_table(names, gtp_remat=gtp_remat))

@@ -187,6 +187,7 @@ def test_without_pgregistry_the_warning_is_the_modules_own_once_per_function_and
 
     local = _load_without_pgregistry(monkeypatch)
 
+    assert local.parallel_state is ps  # the copy in a tree imports it when it is imported
     assert local.ProcessGroupFallbackWarning is not ProcessGroupFallbackWarning
     assert not issubclass(local.ProcessGroupFallbackWarning, ProcessGroupFallbackWarning)
 

@@ -192,3 +192,50 @@ def test_the_package_and_the_command_table_import_no_libcst() -> None:
         "assert 'libcst' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_migrated_tree_imports_in_the_order_it_did_through_a_cycle_with_parallel_state(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Megatron-Core's own cycle: parallel_state imports utils, which imports parallel_state (and, rewritten, the
+    helper). The helper imports parallel_state where the files imported it before, after defining its functions."""
+    project.write("megatron/core/__init__.py", "import megatron.core.user\n")
+    project.write("megatron/core/parallel_state.py", """\
+        from .utils import divide
+
+
+        def get_tensor_model_parallel_group():
+            return "the global tp group"
+        """)
+    project.write("megatron/core/utils.py", """\
+        from megatron.core import parallel_state
+
+
+        def divide(a, b):
+            return a // b
+
+
+        def tp(pg_collection=None):
+            return parallel_state.get_tensor_model_parallel_group()
+
+
+        def where():  # parallel_state stays imported here
+            return parallel_state.__name__
+        """)
+    project.write("megatron/core/user.py", """\
+        from megatron.core.parallel_state import get_tensor_model_parallel_group
+        from megatron.core.utils import divide
+
+
+        def f(x, pg_collection=None):
+            return divide(x, 2), get_tensor_model_parallel_group()
+        """)
+    assert main([*ARGS, "--write", "megatron"]) == 0
+    assert "from megatron.core._process_group_fallback import pg_group\n" in project.read("megatron/core/user.py")
+    code = ("import warnings; warnings.simplefilter('ignore'); import megatron.core.user as user, "
+            "megatron.core.utils as utils; print(user.f(4), utils.tp())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=project.root, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(project.root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "(2, 'the global tp group') the global tp group\n"
+    capsys.readouterr()
