@@ -140,8 +140,8 @@ FALLBACKS: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {
 #: holds it, but it is the collection's ``dp`` when the collection's ``gtp_remat`` is off or of one
 #: rank.
 _GTP_REMAT_DP = "dp_gtp_remat"
-#: Megatron-Core's parallel_state (None: imported when a read first falls back). The copy written into a tree
-#: imports it at its end (:mod:`pgregistry.migrate._helper_file`).
+#: Megatron-Core's parallel_state (None: imported when a read first falls back). The copy written
+#: into a tree imports it at its end (:mod:`pgregistry.migrate._helper_file`).
 parallel_state: Any = None
 #: Frames of comprehensions and lambdas are named after the function that holds them.
 _INNER = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")

@@ -28,8 +28,8 @@ _TABLE = re.compile(r"(?<=# fmt: off\n).*?(?=# fmt: on\n)", re.S)
 #: this one in turn, finds every function defined.
 _AT_IMPORT = """
 
-# Imported where the rewritten files imported it before (the order modules load in is kept); last, so
-# that a module it imports, and that imports this one in turn, finds every function here.
+# Imported where the rewritten files imported it before (the order modules load in is kept);
+# last, so that a module it imports, and that imports this one in turn, finds every function here.
 try:
     from megatron.core import parallel_state
 except ImportError:  # imported again (raising then) when a read falls back

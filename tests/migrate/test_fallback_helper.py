@@ -232,6 +232,7 @@ def test_the_helpers_table_is_the_field_tables_inverse_over_the_releases_accesso
     assert table[("tp_dp_cp", "group")] == ("get_tensor_and_data_parallel_group", {"with_context_parallel": True})
     assert collection_field("get_data_parallel_rank", {}) == FieldChoice("dp_gtp_remat", "rank")
     assert table_text(table) in helper_text(accessors).decode()
+    assert max(map(len, helper_text(accessors).decode().splitlines())) <= 100  # Megatron-Core's line length
     # before GTP remat: the plain data-parallel group is dp_cp, read without with_gtp_remat
     before = fallback_table(accessors, gtp_remat=False)
     assert before[("dp_cp", "group")] == ("get_data_parallel_group", {"with_context_parallel": True})
