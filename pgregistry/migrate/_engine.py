@@ -50,6 +50,7 @@ from pgregistry.migrate._plan import (
 )
 from pgregistry.migrate._rewrite import UnrestorableError, rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
+from pgregistry.migrate._style import DEFAULT_WIDTH
 from pgregistry.migrate._writing import Change
 
 __all__ = ["Migration", "migrate"]
@@ -117,7 +118,7 @@ class Helper:
 
     module: str | None = None
     accessors: Sequence[str] = ()
-    width: int = 100
+    width: int = DEFAULT_WIDTH
 
 
 def migrate(

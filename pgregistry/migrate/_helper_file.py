@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from pgregistry.allowlist._fixes import fallback_table
+from pgregistry.migrate._style import DEFAULT_WIDTH
 
 __all__ = ["DEFAULT_NAME", "MARKER", "HelperConflict", "default_module", "helper_path", "helper_text", "table_text"]
 
@@ -35,8 +36,6 @@ try:
 except ImportError:  # imported again (raising then) when a read falls back
     parallel_state = None
 """
-#: The helper's own line length (Megatron-Core's).
-_WIDTH = 100
 
 
 class HelperConflict(ValueError):
@@ -62,9 +61,9 @@ def table_text(table: Mapping[tuple[str, str], tuple[str, dict[str, bool]]]) -> 
         head = f"    {_literal(key)}: "
         one = f"{head}{_literal((accessor, keywords))},"
         inner = f"        {_literal(accessor)}, {_literal(keywords)}"
-        if len(one) <= _WIDTH:
+        if len(one) <= DEFAULT_WIDTH:
             lines.append(one)
-        elif len(inner) <= _WIDTH:
+        elif len(inner) <= DEFAULT_WIDTH:
             lines += [f"{head}(", inner, "    ),"]
         else:
             lines += [f"{head}(", f"        {_literal(accessor)},", f"        {_literal(keywords)},", "    ),"]

@@ -37,7 +37,6 @@ _FORWARDED = ("check_initialized",)
 class Idiom:
     """One target: where its helper functions come from, and whether the read's own keywords go to them."""
 
-    name: str
     module: str
     forwards: bool
 
@@ -81,7 +80,7 @@ def idiom(target: str, helper_module: str = "") -> Idiom:
     """The :class:`Idiom` of ``target`` (``megatron``: its helper imported from ``helper_module``); ``ValueError``
     naming the known ones for another."""
     if target == "megatron":
-        return Idiom("megatron", helper_module, forwards=True)
+        return Idiom(helper_module, forwards=True)
     if target == "pgregistry":
-        return Idiom("pgregistry", "pgregistry.doors", forwards=False)
+        return Idiom("pgregistry.doors", forwards=False)
     raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")

@@ -21,6 +21,7 @@ from pgregistry.migrate._idioms import Idiom
 from pgregistry.migrate._layout import split_header, split_statement
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._skeleton import restore
+from pgregistry.migrate._style import DEFAULT_WIDTH
 
 __all__ = ["UnrestorableError", "rewrite"]
 
@@ -434,7 +435,7 @@ def _restored(plan: FilePlan, text: str) -> str:
     return restored
 
 
-def rewrite(plan: FilePlan, target: Idiom, width: int = 100) -> str | None:
+def rewrite(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
     """The source of ``plan``'s file with its planned rewrites applied; None when none is planned. ``width``:
     the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
