@@ -543,6 +543,15 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_the_migrated_tree_imports_in_the_order_it_did_through_a_cycle_with_parallel_state",),
     ),
     Mutant(
+        name="if-none-read-falls-back-to-the-accessor",
+        bug="a rewritten get_tensor_model_parallel_group_if_none(None) asserts where Megatron-Core's helper gave None",
+        file="pgregistry/migrate/_fallback_helper.py",
+        find="    if kind == _IF_NONE and field in IF_NONE:",
+        replace="    if False:",
+        tests=("tests/migrate/test_fallback_helper.py::"
+               "test_without_torch_distributed_the_accessors_own_values_and_exceptions_are_kept",),
+    ),
+    Mutant(
         name="helper-module-overwrites-a-users-file",
         bug="migrate --write replaces a file of the user's at the helper module's path",
         file="pgregistry/migrate/_engine.py",

@@ -140,6 +140,18 @@ FALLBACKS: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {
 #: holds it, but it is the collection's ``dp`` when the collection's ``gtp_remat`` is off or of one
 #: rank.
 _GTP_REMAT_DP = "dp_gtp_remat"
+#: Kind ``group_if_none``: a read of Megatron-Core's fallback helper
+#: (``get_tensor_model_parallel_group_if_none(tp_group)`` ->
+#: ``tp_group if tp_group is not None else pg_read(c, "tp", "group_if_none")``), which falls back
+#: to that helper given no group (it answers ``None`` where torch.distributed or parallel_state is
+#: not initialised); for another field, to the field's accessor.
+IF_NONE: dict[str, tuple[str, str, dict[str, bool]]] = {
+    "tp": ("megatron.core.utils", "get_tensor_model_parallel_group_if_none", {}),
+    "expt_tp": (
+        "megatron.core.utils", "get_tensor_model_parallel_group_if_none", {"is_expert": True}
+    ),
+}
+_IF_NONE = "group_if_none"
 #: Megatron-Core's parallel_state (None: imported when a read first falls back). The copy written
 #: into a tree imports it at its end (:mod:`pgregistry.migrate._helper_file`).
 parallel_state: Any = None
@@ -244,7 +256,13 @@ def value(group: Any, kind: str) -> Any:
 def _read(collection: Any, field: str, kind: str, accessor_keywords: dict[str, Any]) -> Any:
     found, group = _from_collection(collection, field)
     if found:
-        return value(group, kind)
+        return value(group, "group" if kind == _IF_NONE else kind)
+    if kind == _IF_NONE and field in IF_NONE:
+        _warn(field)
+        module, helper, keywords = IF_NONE[field]
+        fallback = getattr(importlib.import_module(module), helper)
+        return fallback(None, **keywords, **accessor_keywords)
+    kind = "group" if kind == _IF_NONE else kind
     if (field, kind) not in FALLBACKS:
         raise ValueError(f"no accessor of Megatron-Core's parallel_state reads {kind} of {field!r}")
     _warn(field)

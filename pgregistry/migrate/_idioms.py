@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from pgregistry.allowlist._scanner import HELPER
 from pgregistry.migrate._plan import BUILDER, Read
 
 __all__ = ["HELPERS", "TARGETS", "Idiom", "idiom"]
@@ -49,6 +50,8 @@ class Idiom:
         if read.way == BUILDER:
             return f"{read.collection}.{field}"
         kind = read.choice.kind
+        if read.site.family == HELPER and self.forwards:  # falls back to the helper, as the read did
+            kind = "group_if_none"
         function = HELPERS.get(kind)
         arguments = f'{read.collection}, "{field}"' + ("" if function else f', "{kind}"')
         return f"{function or _READ}({arguments}{forwarded})"

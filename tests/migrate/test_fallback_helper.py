@@ -22,6 +22,7 @@ from pgregistry.migrate._helper_file import helper_text, table_text
 from pgregistry.testing import run_world
 
 ps = pytest.importorskip("megatron.core.parallel_state")
+from megatron.core.utils import get_tensor_model_parallel_group_if_none  # noqa: E402
 
 #: (field, kind) -> the accessor call a rewritten read of it replaced: the oracle.
 READS: dict[tuple[str, str], Callable[[], Any]] = {
@@ -47,6 +48,9 @@ READS: dict[tuple[str, str], Callable[[], Any]] = {
     ("dp_gtp_remat", "group"): lambda: ps.get_data_parallel_group(),
     ("dp_gtp_remat", "rank"): lambda: ps.get_data_parallel_rank(),
     ("dp_gtp_remat", "size"): lambda: ps.get_data_parallel_world_size(),
+    # a read of Megatron-Core's fallback helper falls back to it (None without torch.distributed)
+    ("tp", "group_if_none"): lambda: get_tensor_model_parallel_group_if_none(None),
+    ("expt_tp", "group_if_none"): lambda: get_tensor_model_parallel_group_if_none(None, is_expert=True),
 }
 
 
@@ -90,7 +94,9 @@ def _rank() -> dict[str, Any]:
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                  create_gloo_process_groups=False)
     try:
-        out["oracle"] = {key: _outcome(read) for key, read in READS.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Megatron-Core's own deprecation notices
+            out["oracle"] = {key: _outcome(read) for key, read in READS.items()}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("ignore")
             warnings.simplefilter("always", ProcessGroupFallbackWarning)
@@ -170,6 +176,7 @@ def test_without_torch_distributed_the_accessors_own_values_and_exceptions_are_k
     assert helped == oracle
     assert oracle[("cp", "size")] == 0 and oracle[("ep", "size")] == 0 and oracle[("dp_gtp_remat", "rank")] == 0
     assert oracle[("tp", "group")][:2] == ("raised", "AssertionError")
+    assert oracle[("tp", "group_if_none")] is None
 
 
 def _load_without_pgregistry(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:

@@ -376,15 +376,18 @@ class L:
 """
     text = after(tmp_path, source)
     assert "def f(x, tp_group=None, cp_group=None, *, pg_collection=None):" in text
-    assert '    tp_group = tp_group if tp_group is not None else pg_group(pg_collection, "tp")\n' in text
+    # a fallback helper's read falls back to the helper (it answers None where nothing is initialised)
+    assert '    tp_group = tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")\n' \
+        in text
     assert '        cp_group = pg_group(pg_collection, "cp")\n' in text
     assert (
         '        self.tp_group = (\n            tp_group\n            if tp_group is not None\n'
-        '            else (\n                pg_group(pg_collection, "expt_tp")\n                if self.is_expert\n'
-        '                else pg_group(pg_collection, "tp")\n            )\n        )\n' in text  # black\'s split
+        '            else (\n                pg_read(pg_collection, "expt_tp", "group_if_none")\n'
+        '                if self.is_expert\n                else pg_read(pg_collection, "tp", "group_if_none")\n'
+        '            )\n        )\n' in text  # black\'s split
     )
     # the imports the reads needed go, the helper's comes in their place, and no noqa marker is added
-    assert text.startswith("\nfrom _process_group_fallback import pg_group\n\ndef f(")
+    assert text.startswith("\nfrom _process_group_fallback import pg_group, pg_read\n\ndef f(")
     assert "noqa" not in text
 
 
@@ -416,11 +419,11 @@ def test_an_import_the_rewrite_leaves_unused_goes_and_the_helpers_comes_among_it
     })
     texts = {change.path: change.after.decode() for change in migration.changes}
     assert texts["megatron/core/user.py"] == """
-from megatron.core._process_group_fallback import pg_group
+from megatron.core._process_group_fallback import pg_group, pg_read
 from .utils import divide
 
 def f(x, pg_collection, tp_group=None):
-    tp_group = tp_group if tp_group is not None else pg_group(pg_collection, "tp")
+    tp_group = tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")
     return divide(x, 2), pg_group(pg_collection, "tp"), pg_group(pg_collection, "cp"), tp_group
 """
     assert texts["megatron/core/again.py"] == """
@@ -452,8 +455,8 @@ def test_an_import_the_rewrite_stops_reading_stays_while_another_function_reads_
     texts = {change.path: change.after.decode() for change in migration.changes}
     assert texts["megatron/core/user.py"] == textwrap.dedent(user).replace(
         "return get_tensor_model_parallel_group_if_none(tp_group)",
-        'return tp_group if tp_group is not None else pg_group(pg_collection, "tp")').replace(
-        "\nfrom .utils", "\nfrom _process_group_fallback import pg_group\nfrom .utils")
+        'return tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")').replace(
+        "\nfrom .utils", "\nfrom _process_group_fallback import pg_read\nfrom .utils")
 
 
 def test_what_cannot_be_rewritten_stays_with_its_reason(tmp_path: Path) -> None:
