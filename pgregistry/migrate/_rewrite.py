@@ -340,8 +340,9 @@ def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int)
             found = _imported_from(statement)
             if found is not None and found[0] == name:
                 have = found[1]
-                if not set(names) <= set(have):
-                    body[index] = _from_import(name, sorted({*have, *names}), width)
+                if not set(names) <= set(have):  # one import of the helper, its blank lines above kept
+                    merged = _from_import(name, sorted({*have, *names}), width)
+                    body[index] = _with_leading(merged, _leading(statement))
                 break
             if _is_import(statement) or (index == 0 and _docstring(statement)):
                 at = index + 1

@@ -515,6 +515,24 @@ def f(pgs):
     assert 'return pg_group(pgs, "tp")' in after(tmp_path, source, name="pgs")
 
 
+def test_a_file_that_imports_the_helper_already_imports_what_it_needs_in_that_one_statement(tmp_path: Path) -> None:
+    source = """\
+import os
+
+# the process groups
+from _process_group_fallback import pg_rank
+from megatron.core import parallel_state as ps
+
+
+def f(pg_collection):
+    return pg_rank(pg_collection, "tp"), ps.get_tensor_model_parallel_group(), os.sep
+"""
+    assert after(tmp_path, source) == source.replace(
+        "from _process_group_fallback import pg_rank\nfrom megatron.core import parallel_state as ps\n",
+        "from _process_group_fallback import pg_group, pg_rank\n").replace(
+        "ps.get_tensor_model_parallel_group()", 'pg_group(pg_collection, "tp")')
+
+
 def test_the_rewrite_is_idempotent(tmp_path: Path) -> None:
     source = HEAD + """
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
