@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
                                 "pass --isolated to make the current directory the root")
         found = discover(targets, settings.root, settings.exclude)
         source = megatron_source(settings.root)
-        helper = Helper(args.helper_module or migrate_settings(settings.root).get("helper-module"),
-                        source.accessors, line_length(settings.root))
+        configured_helper = None if args.isolated else migrate_settings(settings.root).get("helper-module")
+        helper = Helper(args.helper_module or configured_helper, source.accessors, line_length(settings.root))
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
                             jobs=default_jobs(), gtp_remat=source.gtp_remat, helper=helper)
     except (ConfigError, PathError, ValueError) as error:

@@ -239,3 +239,13 @@ def test_the_migrated_tree_imports_in_the_order_it_did_through_a_cycle_with_para
     assert done.returncode == 0, done.stderr
     assert done.stdout == "(2, 'the global tp group') the global tp group\n"
     capsys.readouterr()
+
+
+def test_an_unknown_migrate_setting_is_named_and_nothing_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    project.write("pyproject.toml", project.read("pyproject.toml") + '\n[tool.pgregistry.migrate]\nhelper = "x"\n')
+    assert main([*ARGS, "--write"]) == 2
+    assert "[tool.pgregistry.migrate] has no setting 'helper' (known: helper-module)" in capsys.readouterr().err
+    assert project.read("src/pkg/m.py") == SOURCE
