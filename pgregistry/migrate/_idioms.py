@@ -36,10 +36,11 @@ _FORWARDED = ("check_initialized",)
 
 @dataclass(frozen=True)
 class Idiom:
-    """One target: where its helper functions come from, and whether the read's own keywords go to them."""
+    """One target: where its helper functions come from, and whether they fall back to Megatron-Core (then the
+    read's own keywords go to them, and a read of a fallback helper falls back to that helper)."""
 
     module: str
-    forwards: bool
+    megatron_fallback: bool
 
     def imports(self, code: str) -> list[tuple[str, str]]:
         """The ``from module import name`` pairs ``code`` (a replacement) needs."""
@@ -50,7 +51,7 @@ class Idiom:
         if read.way == BUILDER:
             return f"{read.collection}.{field}"
         kind = read.choice.kind
-        if read.site.family == HELPER and self.forwards:  # falls back to the helper, as the read did
+        if read.site.family == HELPER and self.megatron_fallback:  # falls back to the helper, as the read did
             kind = "group_if_none"
         function = HELPERS.get(kind)
         arguments = f'{read.collection}, "{field}"' + ("" if function else f', "{kind}"')
@@ -61,7 +62,7 @@ class Idiom:
         choice = read.choice
         assert choice is not None
         forwarded = ""
-        if self.forwards and read.call is not None:
+        if self.megatron_fallback and read.call is not None:
             forwarded = "".join(
                 f", {a.keyword.value}={cst.Module([]).code_for_node(a.value)}"
                 for a in read.call.args if a.keyword is not None and a.keyword.value in _FORWARDED
@@ -75,7 +76,7 @@ class Idiom:
         return code, operator
 
 
-#: The targets by name, each with its default helper module (``megatron``'s is chosen per run).
+#: The targets by name.
 TARGETS = ("megatron", "pgregistry")
 
 
@@ -83,7 +84,7 @@ def idiom(target: str, helper_module: str = "") -> Idiom:
     """The :class:`Idiom` of ``target`` (``megatron``: its helper imported from ``helper_module``); ``ValueError``
     naming the known ones for another."""
     if target == "megatron":
-        return Idiom(helper_module, forwards=True)
+        return Idiom(helper_module, megatron_fallback=True)
     if target == "pgregistry":
-        return Idiom("pgregistry.doors", forwards=False)
+        return Idiom("pgregistry.doors", megatron_fallback=False)
     raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
