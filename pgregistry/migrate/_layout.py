@@ -29,6 +29,15 @@ def _code(node: cst.CSTNode) -> str:
     return _CODE.code_for_node(node)
 
 
+def _parsed(text: str) -> cst.BaseStatement | None:
+    """``text`` parsed; None where the new layout does not parse (a shape this module does not know): the line
+    is then left as it is, never broken."""
+    try:
+        return cst.parse_statement(text)
+    except cst.ParserSyntaxError:
+        return None
+
+
 def _fits(indent: int, text: str, width: int) -> bool:
     return indent + len(text) <= width
 
@@ -36,7 +45,7 @@ def _fits(indent: int, text: str, width: int) -> bool:
 def _parts(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str]] | None:
     """(text before, operand, text after) of each operand of ``value`` split at its lowest-priority delimiters
     at the top; None when it has none."""
-    if value.lpar:
+    if value.lpar or _starred(value):
         return None
     if isinstance(value, cst.Tuple):
         return [("", element.value, ",") for element in value.elements]
@@ -51,6 +60,12 @@ def _parts(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str
     if isinstance(value, cst.Comparison):
         return [("", value.left, ""), *((_code(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons)]
     return None
+
+
+def _starred(value: cst.BaseExpression) -> bool:
+    """Whether ``value`` is a tuple, list or set with a ``*element`` (left as it is)."""
+    elements = value.elements if isinstance(value, (cst.Tuple, cst.List, cst.Set)) else ()
+    return any(isinstance(element, cst.StarredElement) for element in elements)
 
 
 def _last_call(value: cst.BaseExpression) -> cst.Call | None:
@@ -97,7 +112,7 @@ def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: 
                 inner = [line for arg in call.args
                          for line in _lines(_argument_head(arg), arg.value, comma, deeper, width, unit)]
             return [before, *(unit + line for line in inner), ")" + tail]
-    if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements:  # one element a line
+    if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements and not _starred(value):
         opening, closing = ("[", "]") if isinstance(value, cst.List) else ("{", "}")
         inner = [line for element in value.elements for line in _lines(
             "", element.value, ",", deeper, width, unit)]
@@ -145,9 +160,8 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         lines = _lines(head, value, "", indent, width, unit)
     if len(lines) == 1:
         return line
-    parsed = cst.parse_statement("\n".join(lines) + "\n")
-    assert isinstance(parsed, cst.SimpleStatementLine)
-    return line.with_changes(body=parsed.body)
+    parsed = _parsed("\n".join(lines) + "\n")
+    return line.with_changes(body=parsed.body) if isinstance(parsed, cst.SimpleStatementLine) else line
 
 
 def _parameters(params: cst.Parameters) -> list[str]:
@@ -182,6 +196,7 @@ def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) 
     items = _parameters(function.params)
     one = ", ".join(items)
     inner = [f"{unit}{one}"] if _fits(indent + len(unit), one, width) else [f"{unit}{item}," for item in items]
-    parsed = cst.parse_statement("\n".join(["def f(", *inner, "): pass"]) + "\n")
-    assert isinstance(parsed, cst.FunctionDef)
+    parsed = _parsed("\n".join(["def f(", *inner, "): pass"]) + "\n")
+    if not isinstance(parsed, cst.FunctionDef):
+        return function
     return function.with_changes(params=parsed.params, whitespace_before_params=parsed.whitespace_before_params)

@@ -143,6 +143,13 @@ def test_a_value_in_parentheses_on_its_own_line_is_split_where_it_no_longer_fits
     )
 
 
+def test_a_tuple_with_a_starred_element_is_left() -> None:
+    statement = cst.parse_statement(
+        'return *leading_values_of_the_tuple, pg_group(pg_collection, "tp"), pg_size(pg_collection, "cp"), x\n')
+    assert isinstance(statement, cst.SimpleStatementLine)
+    assert split_statement(statement, 4, 100, "    ") is statement
+
+
 def test_a_line_that_fits_or_spans_lines_already_is_left() -> None:
     for line in ('x = pg_group(pg_collection, "tp")\n', 'x = f(\n    a, pg_group(pg_collection, "tp")\n)\n'):
         statement = cst.parse_statement(line)
