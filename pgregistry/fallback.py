@@ -14,7 +14,8 @@ what they would do first, and only a non-``error``/``always`` action is deduplic
 the first frame outside pgregistry: the user's code that called an entry point without a collection, so a module
 filter of a migration config (``error::pgregistry.ProcessGroupFallbackWarning:mypackage.trainer``) matches it.
 
-Code that ``pgregistry migrate`` rewrote warns through :mod:`pgregistry.doors`.
+Code that ``pgregistry migrate`` rewrote warns through its fallback helper (:mod:`pgregistry.doors`, or the module
+the tool wrote into the tree, which uses this warning when pgregistry is importable).
 
 Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at interpreter start.
 """

@@ -564,13 +564,15 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="migrate-fallback-silent",
-        bug="a function pgregistry migrate threaded a collection into falls back to parallel_state without the warning",
-        file="pgregistry/doors.py",
-        find='    warn_fallback(owner, "pg_collection")\n    from megatron.core.process_groups_config',
-        replace="    from megatron.core.process_groups_config",
+        bug="a read pgregistry migrate rewrote falls back to parallel_state without the warning",
+        file="pgregistry/migrate/_fallback_helper.py",
+        find="    _warn(field)\n    accessors = parallel_state",
+        replace="    accessors = parallel_state",
         tests=(
             "tests/migrate/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
+            "tests/migrate/test_fallback_helper.py::"
+            "test_the_helper_reads_the_collections_field_else_exactly_what_the_accessor_returns",
         ),
     ),
     Mutant(
@@ -606,14 +608,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        name="door-at-the-top",
-        bug="migrate resolves the collection at the function's top, so a caller that gave its group still warns",
-        file="pgregistry/migrate/_rewrite.py",
-        find="at = max(function.door_at, 1 if body and _docstring(body[0]) else 0)",
-        replace="at = 1 if body and _docstring(body[0]) else 0",
+        name="partial-collection-field-read-as-none",
+        bug="a rewritten read takes None for a field a partial Megatron-Core collection was not built with",
+        file="pgregistry/migrate/_fallback_helper.py",
+        find="        return True, object.__getattribute__(collection, field)",
+        replace="        return True, getattr(collection, field)",
         tests=(
-            "tests/migrate/test_migrate_rewrites.py::"
-            "test_the_door_opens_before_the_first_statement_that_needs_it_so_an_early_return_never_warns",
+            "tests/migrate/test_fallback_helper.py::"
+            "test_the_helper_reads_the_collections_field_else_exactly_what_the_accessor_returns",
         ),
     ),
     Mutant(
@@ -631,8 +633,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="builder-reads-what-it-fills",
         bug="migrate rewrites a hand-written builder's reads into the fields of the collection it is filling",
         file="pgregistry/migrate/_plan.py",
-        find='read.way, read.mode, read.collection = BUILDER, "direct", function.shim_name',
-        replace='read.way, read.mode, read.collection = BUILDER, "direct", name',
+        find="read.way, read.collection = BUILDER, function.shim_name",
+        replace="read.way, read.collection = BUILDER, name",
         tests=(
             "tests/migrate/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",

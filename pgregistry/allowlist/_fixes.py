@@ -12,12 +12,12 @@ arguments that pick another group of an axis (``with_context_parallel=True``, ``
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from pgregistry.allowlist._scanner import HELPER, REGISTRY, SHIM, Site
 
-__all__ = ["FieldChoice", "collection_field", "fix_for"]
+__all__ = ["GTP_REMAT_DP", "FieldChoice", "collection_field", "fallback_table", "fix_for"]
 
 #: The axis word of an accessor (``get_<axis>_group``, ``_<AXIS>_GROUP``) -> the collection field.
 _FIELDS: dict[str, str | None] = {
@@ -51,6 +51,13 @@ _FIELDS: dict[str, str | None] = {
     "data_parallel_with_gtp_remat": None,
 }
 """``None``: the group exists in Megatron-Core's ``parallel_state`` but no collection field holds it."""
+
+#: The pseudo field of the data-parallel group with GTP remat and without CP (``get_data_parallel_rank()`` on a
+#: Megatron-Core with GTP remat): no collection field holds it, but it is the collection's ``dp`` whenever the
+#: collection's ``gtp_remat`` is off or one rank (the same ranks); the fallback helper reads ``dp`` then, and the
+#: global group otherwise (:mod:`pgregistry.migrate._fallback_helper`).
+GTP_REMAT_DP = "dp_gtp_remat"
+_PSEUDO_FIELDS: dict[str, str] = {"data_parallel_with_gtp_remat": GTP_REMAT_DP}
 
 _SHAPES = (
     # (accessor pattern, replacement with {f} for the field)
@@ -181,6 +188,8 @@ def collection_field(accessor: str, keywords: Mapping[str, object], *, gtp_remat
         name += "_with_gtp_remat"
     elif "with_gtp_remat" in flags and (axis not in _GTP_REMAT_AXES or kind not in _GTP_REMAT_KINDS):
         return FieldChoice(reason="with_gtp_remat= on an accessor this table does not know it for")
+    if name in _PSEUDO_FIELDS and kind in _GTP_REMAT_KINDS:
+        return FieldChoice(_PSEUDO_FIELDS[name], kind)
     if name not in _FIELDS:
         return FieldChoice(reason=f"no collection field holds the {name.replace('_', ' ')} group")
     field = _FIELDS[name]
@@ -189,3 +198,32 @@ def collection_field(accessor: str, keywords: Mapping[str, object], *, gtp_remat
             "gtp_remat" in name and "with_gtp_remat" not in flags) else ""
         return FieldChoice(reason=f"no collection field holds the {name.replace('_', ' ')} group{hint}")
     return FieldChoice(field, kind)
+
+
+#: The keyword arguments tried when inverting :func:`collection_field`, fewest first (the accessor's defaults are
+#: what a plain call means).
+_KEYWORD_SETS: tuple[dict[str, bool], ...] = (
+    {},
+    {"with_context_parallel": True},
+    {"with_gtp_remat": False},
+    {"with_context_parallel": True, "with_gtp_remat": False},
+    {"partial_data_parallel": True, "with_context_parallel": True},
+    {"partial_data_parallel": True, "with_context_parallel": True, "with_gtp_remat": False},
+    {"partial_expert_data_parallel": True},
+    {"partial_expert_data_parallel": True, "with_gtp_remat": False},
+)
+#: Accessors that choose among several groups by a run-time flag: never the one a field falls back through.
+_COMPOSITE_ACCESSORS = frozenset({"get_amax_reduction_group"})
+
+
+def fallback_table(accessors: Iterable[str], *, gtp_remat: bool) -> dict[tuple[str, str], tuple[str, dict[str, bool]]]:
+    """(field, kind) -> (accessor, keyword arguments): the call of Megatron-Core's ``parallel_state`` that reads
+    what :func:`collection_field` calls that field and kind, among ``accessors`` (the names the release defines).
+    The inverse of :func:`collection_field`, so the fallback helper reads exactly what a rewritten read read."""
+    table: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {}
+    for accessor in sorted(set(accessors) - _COMPOSITE_ACCESSORS):
+        for keywords in _KEYWORD_SETS:
+            choice = collection_field(accessor, keywords, gtp_remat=gtp_remat)
+            if not choice.reason:
+                table.setdefault((choice.field, choice.kind), (accessor, dict(keywords)))
+    return dict(sorted(table.items()))

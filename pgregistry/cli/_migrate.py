@@ -72,6 +72,14 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--allowlist", type=Path, metavar="FILE", help="the allowlist --write regenerates (default: configured)"
     )
     parser.add_argument("--quiet", action="store_true", help="print no report, only the diff or errors")
+    # What a read becomes: the fallback helper module --target megatron writes into the tree.
+    parser.add_argument(
+        "--helper-module",
+        metavar="MODULE",
+        help="the dotted module the rewritten reads import pg_group/pg_rank/pg_size/pg_read from, written into "
+        "the tree by --write (default: [tool.pgregistry.migrate] helper-module, else "
+        "<top package>._process_group_fallback)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -143,11 +151,12 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pgregistry.allowlist._engine import default_jobs
     from pgregistry.migrate._diff import unified_diff
-    from pgregistry.migrate._engine import migrate
+    from pgregistry.migrate._engine import Helper, migrate
     from pgregistry.migrate._links import own_files
     from pgregistry.migrate._megatron_release import megatron_source
     from pgregistry.migrate._progress import Progress
     from pgregistry.migrate._report import render_failures, render_report
+    from pgregistry.migrate._style import line_length, migrate_settings
     from pgregistry.migrate._writing import JOURNAL, WriteError, finish_interrupted, write_changes
 
     try:
@@ -168,8 +177,10 @@ def _run(args: argparse.Namespace) -> int:
         for line in found.left if not args.quiet else ():
             print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
+        configured_helper = None if args.isolated else migrate_settings(settings.root).get("helper-module")
+        helper = Helper(args.helper_module or configured_helper, source.accessors, line_length(settings.root))
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
-                            jobs=default_jobs(), gtp_remat=source.gtp_remat,
+                            jobs=default_jobs(), gtp_remat=source.gtp_remat, helper=helper,
                             progress=Progress(None if args.quiet else sys.stderr))
     except (ConfigError, PathError, ValueError, WriteError) as error:
         return _error(str(error))
@@ -193,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
             print(report, end="")
         return 1 if changes else 0
     for change in changes:
-        _print_bytes(unified_diff(change.path, change.before, change.after))
+        _print_bytes(unified_diff(change.path, change.before, change.after, created=change.created))
     if not args.quiet:
         print(report, end="", file=sys.stderr)
     return 0

@@ -10,8 +10,11 @@ the reads this package rewrites. libcst (the ``migrate`` extra) is imported by t
 - :mod:`~pgregistry.migrate._megatron_release`: which Megatron-Core the migrated code runs against;
 - :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left) and which
   calls pass a collection;
-- :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code;
+- :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code (a call of the fallback helper);
+- :mod:`~pgregistry.migrate._fallback_helper`: that helper, as written into a migrated tree;
+- :mod:`~pgregistry.migrate._helper_file`: its text for the code's release, and where it goes;
 - :mod:`~pgregistry.migrate._rewrite`: the libcst transformer, imports added and pruned;
+- :mod:`~pgregistry.migrate._layout` and :mod:`~pgregistry.migrate._style`: lines kept to the tree's length;
 - :mod:`~pgregistry.migrate._writing`: diffs, and checked, atomic writes;
 - :mod:`~pgregistry.migrate._report`: what a run did, per family of reads.
 

@@ -118,11 +118,13 @@ def _hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
             yield from (b"+" + line for line in b[j1:j2] if tag != "delete")
 
 
-def unified_diff(path: str, before: bytes, after: bytes) -> bytes:
+def unified_diff(path: str, before: bytes, after: bytes, *, created: bool = False) -> bytes:
     """The change of ``path`` from ``before`` to ``after`` as a unified diff (``a/PATH`` to ``b/PATH``, as
-    ``git diff`` names them), in the file's own bytes; empty when they are equal."""
+    ``git diff`` names them; ``/dev/null`` to ``b/PATH`` for a ``created`` file), in the file's own bytes; empty
+    when they are equal."""
     hunks = list(_hunks(_LINE.findall(before), _LINE.findall(after)))
     if not hunks:
         return b""
-    lines = [f"--- a/{path}\n".encode(), f"+++ b/{path}\n".encode(), *hunks]
+    source = "/dev/null" if created else f"a/{path}"
+    lines = [f"--- {source}\n".encode(), f"+++ b/{path}\n".encode(), *hunks]
     return b"".join(line if line.endswith(b"\n") else line + b"\n\\ No newline at end of file\n" for line in lines)

@@ -5,6 +5,9 @@
 3. Parse the other files that mention a function a collection was threaded into, so their calls can pass one.
 4. Rewrite (:mod:`~pgregistry.migrate._rewrite`) and check that each new text still compiles: a
    rewrite that would not is refused, never written.
+5. With ``--target megatron``, add the fallback helper module the rewritten reads call
+   (:mod:`~pgregistry.migrate._helper_file`): a new file, or one this tool wrote before; any other file at its
+   path is refused.
 
 Steps 2 to 4 are split by file across the cores (:mod:`~pgregistry.migrate._phases`), with one exchange
 after step 2: which functions were threaded. The files of step 3 are not split in advance but taken from a
@@ -25,14 +28,18 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 
 from pgregistry.allowlist._config import ScanConfig
 from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, buckets, can_fork, scan_sources
 from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
+from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
+    BUILDER,
+    LEFT,
     FilePlan,
     Read,
     left_by_site,
@@ -45,6 +52,7 @@ from pgregistry.migrate._plan import (
 from pgregistry.migrate._progress import SILENT, Progress
 from pgregistry.migrate._rewrite import rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
+from pgregistry.migrate._style import DEFAULT_WIDTH
 from pgregistry.migrate._writing import Change
 
 __all__ = ["Migration", "migrate"]
@@ -114,24 +122,38 @@ def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
     return re.compile(rb"\b(?=[" + first + rb"])(?:" + alternatives + rb")\s*\(")
 
 
+@dataclass(frozen=True)
+class Helper:
+    """Where ``--target megatron``'s fallback helper goes (``module``: None, the default of the rewritten files'
+    top package), the accessors of the code's Megatron-Core release (none known: 0.19's), and the tree's line
+    length."""
+
+    module: str | None = None
+    accessors: Sequence[str] = ()
+    width: int = DEFAULT_WIDTH
+
+
 def migrate(
     files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1, gtp_remat: bool = True,
-    progress: Progress = SILENT,
+    helper: Helper = Helper(), progress: Progress = SILENT,
 ) -> Migration:
     """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
     collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has GTP remat
-    (:mod:`~pgregistry.migrate._megatron_release`); ``progress``: where a long run says how far it is.
-    ``ValueError`` for an unknown target or a name that is no identifier.
+    (:mod:`~pgregistry.migrate._megatron_release`); ``helper``: where the fallback helper goes; ``progress``: where
+    a long run says how far it is. ``ValueError`` for an unknown target, a name that is no identifier or a helper
+    module that is no dotted name.
 
     The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles the run
     must free, so its collections would only rescan them (a tenth of the time on a large tree)."""
     if not name.isidentifier():
         raise ValueError(f"--collection-name {name!r} is not a Python identifier")
-    idiom_ = idiom(target)
+    if helper.module is not None and not all(part.isidentifier() for part in helper.module.split(".")):
+        raise ValueError(f"--helper-module {helper.module!r} is not a dotted module name")
+    idiom(target)  # an unknown one refused before any work
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _migrate(files, config, idiom_, name, jobs, gtp_remat, progress)
+        return _migrate(files, config, target, name, jobs, gtp_remat, helper, progress)
     finally:
         if enabled:
             gc.enable()
@@ -175,7 +197,7 @@ class _Worker:
     may_thread: re.Pattern[bytes] | None
     name: str
     idiom: Idiom
-    modules: frozenset[str]
+    width: int
     gtp_remat: bool
     progress: Progress
     plans: dict[str, FilePlan] = field(default_factory=dict)
@@ -264,7 +286,7 @@ class _Worker:
         assert plan.data is not None
         data = plan.data
         try:
-            text = rewrite(plan, self.idiom, self.modules)
+            text = rewrite(plan, self.idiom, self.width)
             after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
             return _internal_error(plan.path, error)
@@ -298,9 +320,35 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
     return _calls_of(names)
 
 
+def _root(files: Sequence[SourceFile]) -> Path:
+    """The project root the paths of ``files`` are relative to (the current directory when there are none)."""
+    if not files:
+        return Path.cwd()
+    return files[0].absolute.parents[files[0].path.count("/")]
+
+
+def _helper_change(root: Path, path: str, module: str, helper: Helper, gtp_remat: bool) -> Change | FileResult | None:
+    """The helper module's file (``path`` in the project at ``root``): new, or rewritten where this tool wrote it
+    and it differs; a failure naming it when a file this tool did not write is at its path."""
+    absolute = root / path
+    text = helper_text(helper.accessors, gtp_remat=gtp_remat)
+    try:
+        with open(absolute, "rb") as stream:
+            data, mtime = stream.read(), os.fstat(stream.fileno()).st_mtime_ns
+    except FileNotFoundError:
+        return Change(path, absolute, b"", 0, text, created=True)
+    except OSError as error:
+        return FileResult(path, failure=ParseFailure(f"cannot read the fallback helper module: {error}", 1, 1))
+    if MARKER not in data:
+        message = (f"the fallback helper module {module} is a file pgregistry migrate did not write; name another "
+                   "module with --helper-module (or [tool.pgregistry.migrate] helper-module)")
+        return FileResult(path, failure=ParseFailure(message, 1, 1))
+    return Change(path, absolute, data, mtime, text) if data != text else None
+
+
 def _migrate(
-    files: Sequence[SourceFile], config: ScanConfig, idiom_: Idiom, name: str, jobs: int, gtp_remat: bool,
-    progress: Progress,
+    files: Sequence[SourceFile], config: ScanConfig, target: str, name: str, jobs: int, gtp_remat: bool,
+    helper: Helper, progress: Progress,
 ) -> Migration:
     read = []
     for source in files:
@@ -332,10 +380,13 @@ def _migrate(
     chunks = [others[i:i + chunk] for i in range(0, len(others), chunk)] if others else []
     queue = TaskQueue()
     may_thread = _may_thread(planned, contents)
-    modules = frozenset(".".join(module_name(source.path)) for source in files)
+    root = _root(files)
+    helper_module = helper.module or default_module([r.path for r in planned],
+                                                    lambda directory: (root / directory / "__init__.py").is_file())
+    idiom_ = idiom(target, helper_module)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, modules, gtp_remat, progress)
+                queue, may_thread, name, idiom_, helper.width, gtp_remat, progress)
         for share in shares
     ]
     threaded: Threaded = {}
@@ -372,6 +423,13 @@ def _migrate(
             outcome.changes.append(Change(path, source.absolute, data, mtime, after))
     for path in sorted(every):
         outcome.reads += [(path, r) for r in sorted(every[path], key=lambda r: (r.site.line, r.site.col))]
+    if target == "megatron" and any(read.way not in (LEFT, BUILDER) for _, read in outcome.reads):
+        path = helper_path(helper_module, lambda directory: (root / directory).is_dir())
+        made = _helper_change(root, path, helper_module, helper, gtp_remat)
+        if isinstance(made, FileResult):
+            outcome.failures.append(made)
+        elif made is not None:
+            outcome.changes.append(made)
     outcome.changes.sort(key=lambda change: change.path)
     outcome.failures.sort(key=lambda failure: failure.path)
     outcome.threaded.sort(key=lambda entry: entry.partition(": ")[0])

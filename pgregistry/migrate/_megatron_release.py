@@ -20,14 +20,18 @@ __all__ = ["MegatronSource", "megatron_source"]
 _PARALLEL_STATE = Path("megatron", "core", "parallel_state.py")
 #: The accessor's signature names the flag when the release has GTP remat.
 _WITH_GTP_REMAT = re.compile(rb"def get_data_parallel_group\([^)]*\bwith_gtp_remat\b")
+#: Its module-level accessors: what the fallback helper may call (:mod:`~pgregistry.migrate._helper_file`).
+_ACCESSOR = re.compile(rb"^def ((?:get|is)_\w+)\(", re.M)
 
 
 @dataclass(frozen=True)
 class MegatronSource:
-    """Whether the code's Megatron-Core has GTP remat, and what says so (a path, or that nothing did)."""
+    """Whether the code's Megatron-Core has GTP remat, what says so (a path, or that nothing did), and the
+    accessors its ``parallel_state`` defines (none when it was not found)."""
 
     gtp_remat: bool
     where: str
+    accessors: tuple[str, ...] = ()
 
     def describe(self) -> str:
         grid = "with GTP remat (0.19 on)" if self.gtp_remat else "without GTP remat (before 0.19)"
@@ -44,5 +48,6 @@ def megatron_source(root: Path, search: Sequence[str] | None = None) -> Megatron
             text = path.read_bytes()
         except OSError:
             continue
-        return MegatronSource(bool(_WITH_GTP_REMAT.search(text)), f"{label} {path}")
+        accessors = tuple(name.decode() for name in _ACCESSOR.findall(text))
+        return MegatronSource(bool(_WITH_GTP_REMAT.search(text)), f"{label} {path}", accessors)
     return MegatronSource(True, "no megatron/core/parallel_state.py found: Megatron-Core 0.19's assumed")

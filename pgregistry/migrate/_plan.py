@@ -6,14 +6,15 @@ file's libcst tree (by position), walks the scopes around each, and decides for 
 1. ``in-scope``: a collection is in scope (a parameter or a local of the configured name assigned above the
    read, the same in an enclosing function, or ``self.<name>`` assigned in the class): the read becomes its field;
 2. ``threaded``: none is: the enclosing function gets an optional keyword-only parameter (a name that collides
-   with nothing), resolved through the fallback that warns;
+   with nothing);
 3. ``fallback``: a read that only runs when a value is missing (``if group is None: group = ...``, a fallback
-   helper) goes through the same warning, lazily, so a caller that passes the group never warns;
+   helper) of a collection that may be ``None``;
 4. ``left``: anything else, with the reason.
 
-A parameter that may be ``None`` (the optional one this tool adds, or one the code had) is resolved once at the
-function's door when an unguarded read needs it, else inline at each guarded read. Which calls in the scanned
-tree pass a threaded function its collection is decided across files (:func:`passes`). Pure: no I/O.
+Each rewritten read becomes, in place, a call of the fallback helper on the collection (:mod:`._idioms`): the
+collection's field when it holds it, else the original accessor's value with the warning, evaluated only where
+and when the read was. Which calls in the scanned tree pass a threaded function its collection is decided across
+files (:func:`passes`). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from pgregistry.allowlist._fixes import FieldChoice, collection_field
+from pgregistry.allowlist._fixes import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._skeleton import covers, line_starts, lines, span
 
@@ -93,15 +94,8 @@ class Function:
     shim_name: str = ""
     shim_at: int = 0
     shim_fields: list[str] = field(default_factory=list)
-    #: Set by planning: the parameter this tool adds (its name), and the door's fields.
+    #: Set by planning: the parameter this tool adds (its name).
     added: str = ""
-    door: list[str] = field(default_factory=list)
-    door_name: str = ""
-    #: Top-level statement indexes of its body that name the configured name (read, bound, filled or passed).
-    mentions_at: list[int] = field(default_factory=list)
-    #: The top-level statement of its body the door goes before: the first that reads through it or names the
-    #: collection, so a call that returns earlier (``if tp_group is not None: return ...``) never warns.
-    door_at: int = 0
     #: Index of the module-level statement holding it (the rewrite visits only the statements it changes).
     top: int = 0
     #: Index in the body of the module-level class holding it (-1: not in one).
@@ -126,9 +120,7 @@ class Read:
     choice: FieldChoice | None = None
     way: str = LEFT
     reason: str = ""
-    #: How the replacement reads the collection: ``C.f`` (``direct``), through the door (``door``) or inline
-    #: through the fallback (``inline``); ``collection`` is the expression of the collection.
-    mode: str = ""
+    #: The expression of the collection the replacement reads (its parameter, ``self.pg_collection``, a shim).
     collection: str = ""
     #: A fallback helper's argument (``tp_group``), tested for None before the collection is read.
     given: str = ""
@@ -387,8 +379,6 @@ class _Locator(cst.CSTVisitor):
     def visit_Name(self, node: cst.Name) -> None:
         if self.current is not None:
             self.current.names.add(node.value)
-            if node.value == self.name:
-                self.current.mentions_at.append(self.statement[-1])
 
     def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
@@ -538,8 +528,10 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds ``<name>`` with
     ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's ``use_mpu_process_groups``
-    reads the very same group for that field (the door's fallback relies on the same equivalence)."""
+    reads the very same group for that field (a pseudo field, which no collection has, is none)."""
     if not function.constructs or read.choice is None or read.choice.kind != "group" or read.when or read.given:
+        return False
+    if read.choice.field == GTP_REMAT_DP:
         return False
     body = function.node.body
     if not isinstance(body, cst.IndentedBlock) or read.statement >= len(body.body):
@@ -697,8 +689,6 @@ def plan_file(
         if reason is None:
             read.choice = _function_choice(read, gtp_remat)
             reason = read.choice.reason or None
-            if reason is None and read.choice.kind in ("src_rank", "global_ranks") and "torch" not in locator.bindings:
-                reason = "its replacement calls torch.distributed, and the file does not import torch"
         if reason is None and read.site.family == HELPER:
             given = read.call.args[0].value
             if _dotted(given) is None and not (isinstance(given, cst.Name) and given.value == "None"):
@@ -717,7 +707,7 @@ def plan_file(
             assert read.choice is not None
             if read.choice.field not in function.shim_fields:
                 function.shim_fields.append(read.choice.field)
-            read.way, read.mode, read.collection = BUILDER, "direct", function.shim_name
+            read.way, read.collection = BUILDER, function.shim_name
             continue
         if isinstance(found, str):
             read.way, read.reason = LEFT, found
@@ -730,17 +720,11 @@ def plan_file(
                 continue
             if not function.added:
                 function.added = _free_name(function, name, taken, ("process_group_collection",))
-            expression, optional, closure = function.added, True, False
             read.way = FALLBACK if guarded else THREADED
+            read.collection = function.added
         else:
-            expression, optional, closure = found
-            read.way = FALLBACK if guarded else IN_SCOPE
-        read.collection = expression
-        read.mode = "inline" if optional and (closure or guarded) else "door" if optional else "direct"
-    _doors(reads)
-    for read in reads:  # a guarded read of a collection that is always there needs no warning
-        if read.way == FALLBACK and read.mode == "direct" and not (read.function and read.function.door_name):
-            read.way = IN_SCOPE
+            read.collection, optional, _ = found
+            read.way = FALLBACK if guarded and optional else IN_SCOPE
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator,
@@ -807,40 +791,6 @@ def _positions(
             ranges = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
             found[index] = (ranges, start - 1 - len(statement.leading_lines))
     return found
-
-
-def _doors(reads: Sequence[Read]) -> None:
-    """Open a door (resolve the optional collection once, before the first top-level statement of the function
-    that reads through it) where an unguarded read needs it; the guarded reads of that function at or after the
-    door then read the resolved collection directly, those before it keep their inline fallback.
-
-    The door goes before the first statement that reads through it or names the collection at all (binds it,
-    fills it, passes it), not at the top: statements run in order, so it precedes every use, and a call that
-    returns before that statement (its caller gave the group) never warns."""
-    for read in reads:
-        function = read.function
-        if read.mode == "door" and function is not None:
-            if not isinstance(function.node.body, cst.IndentedBlock):
-                read.mode = "inline"  # a one-line body has no door to open
-                continue
-            first = min([read.statement, *function.mentions_at])
-            function.door_at = min(function.door_at, first) if function.door_name else first
-            function.door_name = read.collection
-            _need(function, read)
-    for read in reads:
-        function = read.function
-        if (read.mode == "inline" and function is not None and function.door_name == read.collection
-                and read.statement >= function.door_at):
-            read.mode = "direct"
-            _need(function, read)
-
-
-def _need(function: Function, read: Read) -> None:
-    """Add the fields ``read`` reads to its function's door."""
-    assert read.choice is not None
-    for name in (read.choice.field, read.when_field if read.when else ""):
-        if name and name not in function.door:
-            function.door.append(name)
 
 
 def _absolute(module: str, package: list[str]) -> str:

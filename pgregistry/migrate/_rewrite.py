@@ -1,11 +1,11 @@
 """Apply a :class:`~pgregistry.migrate._plan.FilePlan` to its libcst tree: the new source text.
 
 Only the nodes planning named change; libcst keeps every other byte (comments, blank lines, quotes,
-parentheses). In order: each planned read becomes its replacement (parenthesised where it is an operand and a
-comparison or conditional), each call that passes a collection gets the keyword, each threaded function gets its
-keyword-only parameter and, where an unguarded read needs it, the door at the top of its body (after the
-docstring); then the imports the new code needs are added and the imports it left unused are removed (a name
-the old code used and the new code does not; a name only re-exported is kept).
+parentheses). In order: each planned read becomes, in place, its call of the fallback helper (parenthesised
+where it is a conditional and an operand), each call that passes a collection gets the keyword, each threaded
+function gets its keyword-only parameter; then the helper's import is added among the file's imports of the
+same top package, and the imports the rewrite left unused are removed (a name the old code used and the new
+code does not; a name only re-exported is kept).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
-from pgregistry.migrate._plan import LEFT, FilePlan, Function
+from pgregistry.migrate._layout import split_header, split_statement
+from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._skeleton import restore
+from pgregistry.migrate._style import DEFAULT_WIDTH
 
 __all__ = ["UnrestorableError", "rewrite"]
 
@@ -52,63 +54,28 @@ def _bound(alias: cst.ImportAlias) -> str:
     return node.value
 
 
-#: The comment on an import the rewrite left unused but keeps: it may be what imports its module first.
-NOQA = "# noqa: F401  (kept for its import order)"
-
-
-def _ancestors(module: str) -> set[str]:
-    parts = module.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-
-
 class _Prune(cst.CSTTransformer):
-    """Drop the import aliases whose names the rewrite left unused, where dropping cannot change what is
-    imported when: an import runs its module's code (and can decide a circular import's order), so a name goes
-    only when it is no submodule (a module of the scanned tree whose submodules are known) or one imported
-    already, and its statement still imports the module or the module was imported already (above, at module
-    level, or as the file's own package). Any other unused alias stays, its statement marked :data:`NOQA`."""
+    """Drop the import aliases whose names the rewrite left unused, and a statement left importing nothing (the
+    modules they import are imported where the code that reads them runs: the fallback helper's import of
+    ``parallel_state`` when it falls back)."""
 
-    def __init__(self, unused: set[str], module: str, package: list[str], modules: frozenset[str]) -> None:
+    def __init__(self, unused: set[str]) -> None:
         super().__init__()
         self.unused = unused
-        self.package = package
-        self.modules = modules
-        #: Modules surely imported before the statement now visited (the module-level imports above it).
-        self.imported = _ancestors(module) if module else set()
-        self.kept_unused = False
-
-    def _attribute(self, module: str, name: str) -> bool:
-        """Whether ``from module import name`` surely reads an attribute, not a submodule it would import."""
-        qualified = f"{module}.{name}"
-        if qualified in self.imported:
-            return True
-        return module in self.modules and qualified not in self.modules and not any(
-            m.startswith(qualified + ".") for m in self.modules)
-
-    def _kept(self, names: Sequence[cst.ImportAlias], droppable: list[bool]) -> list[cst.ImportAlias]:
-        kept = [alias for alias, drop in zip(names, droppable, strict=True) if not drop]
-        if kept and len(kept) < len(names) and names[-1].comma is not cst.MaybeSentinel.DEFAULT:
-            kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
-        elif kept and len(kept) < len(names):
-            kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-        return kept
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        if not updated.body:
-            return cst.RemoveFromParent()  # not a ``pass`` left in its place
-        if self.kept_unused:
-            self.kept_unused = False
-            updated = updated.with_changes(trailing_whitespace=_noqa(updated.trailing_whitespace))
-        return updated
+        return updated if updated.body else cst.RemoveFromParent()  # not a ``pass`` left in its place
+
+    def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
+        kept = [alias for alias in names if _bound(alias) not in self.unused]
+        if kept and len(kept) < len(names):  # the last one's comma (a trailing one, or none)
+            kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
+        return kept
 
     def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
-        names = updated.names
-        unused = [_bound(alias) in self.unused for alias in names]
-        droppable = [u and ".".join(_parts(a.name)) in self.imported for u, a in zip(unused, names, strict=True)]
-        self.kept_unused |= any(u and not d for u, d in zip(unused, droppable, strict=True))
-        kept = self._kept(names, droppable)
+        kept = self._kept(updated.names)
         return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
 
     def leave_ImportFrom(
@@ -116,60 +83,10 @@ class _Prune(cst.CSTTransformer):
     ) -> cst.ImportFrom | cst.RemovalSentinel:
         if isinstance(updated.names, cst.ImportStar):
             return updated
-        module = _absolute(updated, self.package)
-        names = updated.names
-        unused = [_bound(alias) in self.unused for alias in names]
-        droppable = [u and _attribute for u, _attribute in
-                     zip(unused, (self._attribute(module, ".".join(_parts(a.name))) for a in names), strict=True)]
-        if all(droppable) and module not in self.imported:
-            droppable = [False] * len(names)  # the statement would go, and with it the import of its module
-        kept = self._kept(names, droppable)
+        kept = self._kept(updated.names)
         if not kept:
             return cst.RemoveFromParent()
-        if any(u and not d for u, d in zip(unused, droppable, strict=True)):
-            whitespace = updated.lpar.whitespace_after if updated.lpar is not None else None
-            if isinstance(whitespace, cst.ParenthesizedWhitespace):  # the comment goes on the first line
-                first = whitespace.first_line.with_changes(comment=_comment(whitespace.first_line.comment))
-                lpar = updated.lpar
-                assert lpar is not None
-                updated = updated.with_changes(
-                    lpar=lpar.with_changes(whitespace_after=whitespace.with_changes(first_line=first)))
-            else:
-                self.kept_unused = True
-        return updated if len(kept) == len(names) else updated.with_changes(names=kept)
-
-    def note(self, statement: cst.CSTNode) -> None:
-        """Record the modules a module-level import statement that stays imports."""
-        if not _is_import(statement):
-            return
-        assert isinstance(statement, cst.SimpleStatementLine)
-        for small in statement.body:
-            if isinstance(small, cst.Import):
-                for alias in small.names:
-                    self.imported |= _ancestors(".".join(_parts(alias.name)))
-            elif isinstance(small, cst.ImportFrom):
-                module = _absolute(small, self.package)
-                if module:
-                    self.imported |= _ancestors(module)
-                if not isinstance(small.names, cst.ImportStar):
-                    self.imported |= {f"{module}.{'.'.join(_parts(a.name))}" for a in small.names
-                                      if not self._attribute(module, ".".join(_parts(a.name)))}
-
-
-def _comment(comment: cst.Comment | None) -> cst.Comment:
-    if comment is None:
-        return cst.Comment(NOQA)
-    codes = re.search(r"#\s*noqa(:)?", comment.value, re.IGNORECASE)
-    if codes is not None:  # a bare noqa covers F401; one with codes gets it added
-        if codes.group(1) is None or "F401" in comment.value[codes.end():].split("#")[0]:
-            return comment
-        return cst.Comment(f"{comment.value[:codes.end()]} F401,{comment.value[codes.end():]}")
-    return cst.Comment(f"{comment.value}  {NOQA}")
-
-
-def _noqa(trailing: cst.TrailingWhitespace) -> cst.TrailingWhitespace:
-    whitespace = trailing.whitespace if trailing.comment is not None else cst.SimpleWhitespace("  ")
-    return trailing.with_changes(whitespace=whitespace, comment=_comment(trailing.comment))
+        return updated if len(kept) == len(updated.names) else updated.with_changes(names=kept)
 
 
 def _absolute(node: cst.ImportFrom, package: list[str]) -> str:
@@ -268,14 +185,18 @@ def _docstring(statement: cst.BaseStatement) -> bool:
 
 
 class _Rewriter(cst.CSTTransformer):
-    def __init__(self, plan: FilePlan, target: Idiom) -> None:
+    def __init__(self, plan: FilePlan, target: Idiom, width: int) -> None:
         super().__init__()
         self.target = target
         self.plan = plan
+        #: The tree's line length and indentation unit; how many blocks enclose the node visited; whether the
+        #: statement being visited has a call the rewrite changed (then a line it made too long is split).
+        self.width = width
+        self.unit = plan.wrapper.module.default_indent
+        self.depth = 0
+        self.changed = False
         self.replacements: dict[int, cst.BaseExpression] = {}
         self.imports: list[tuple[str, str]] = []
-        #: How many indented blocks enclose the node being left (the door's indentation).
-        self.depth = 0
         #: Module-level statement -> the members of its class body to walk (None: the whole statement).
         self.touched: dict[int, set[int] | None] = {}
         for top, member in plan.passing_tops:
@@ -284,12 +205,12 @@ class _Rewriter(cst.CSTTransformer):
             if read.way == LEFT or read.call is None or read.function is None:
                 continue
             self._touch(read.top, read.member)
-            code, operator = target.replacement(read, _owner(plan, read.function))
+            code, operator = target.replacement(read)
             if operator and id(read.call) not in plan.alone:
                 code = f"({code})"
             self.replacements[id(read.call)] = cst.parse_expression(code)
             self.imports += target.imports(code)
-        self.functions = {id(f.node): f for f in plan.functions if f.added or f.door_name or f.shim_name}
+        self.functions = {id(f.node): f for f in plan.functions if f.added or f.shim_name}
         for function in self.functions.values():
             self._touch(function.top, function.member)
 
@@ -313,6 +234,9 @@ class _Rewriter(cst.CSTTransformer):
         kept = [s for s in body if isinstance(s, cst.CSTNode)]
         return statement.with_changes(body=statement.body.with_changes(body=kept))
 
+    def _indent(self) -> int:
+        return self.depth * len(self.unit.expandtabs(4))
+
     def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
         self.depth += 1
         return True
@@ -321,12 +245,26 @@ class _Rewriter(cst.CSTTransformer):
         self.depth -= 1
         return updated
 
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+        self.changed = False
+        return True
+
+    def leave_SimpleStatementLine(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine:
+        if not self.changed:
+            return updated
+        self.changed = False
+        return split_statement(updated, self._indent(), self.width, self.unit)
+
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
         if replacement is not None:
+            self.changed = True
             return replacement
         passing = self.plan.passes.get(id(original))
         if passing is not None:
+            self.changed = True
             return _with_keyword(updated, *passing)
         return updated
 
@@ -337,27 +275,17 @@ class _Rewriter(cst.CSTTransformer):
         if function.added:
             params = _with_parameter(updated.params, function.added)
             updated = updated.with_changes(params=_break_kept(updated.params, params))
-        if not isinstance(updated.body, cst.IndentedBlock):
+            updated = split_header(updated, self._indent(), self.width, self.unit)
+        if not function.shim_name or not isinstance(updated.body, cst.IndentedBlock):
             return updated
+        listed = ", ".join(f'"{f}"' for f in function.shim_fields)
+        shim = cst.parse_statement(f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups("
+                                   f"required_pgs=[{listed}])\n")
+        assert isinstance(shim, cst.SimpleStatementLine)
+        shim = split_statement(shim, self._indent() + len(self.unit.expandtabs(4)), self.width, self.unit)
         body = list(updated.body.body)
-        inserts: list[tuple[int, int, cst.BaseStatement]] = []  # (index in the original body, order there, it)
-        if function.shim_name:
-            listed = ", ".join(f'"{f}"' for f in function.shim_fields)
-            shim = (f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups(\n"
-                    f"    required_pgs=[{listed}]\n)\n")
-            inserts.append((function.shim_at, 0, cst.parse_statement(shim)))
-        if function.door_name:
-            indent = (self.depth + 1) * len(self.plan.wrapper.module.default_indent.expandtabs())
-            code = self.target.door(function.door_name, _owner(self.plan, function), function.door, indent)
-            self.imports += self.target.imports(code)
-            at = max(function.door_at, 1 if body and _docstring(body[0]) else 0)
-            inserts.append((at, 1, cst.parse_statement(code)))
-        # Both indexes are of the original body: inserted from the last, each lands where it was planned.
-        for at, _, statement in sorted(inserts, key=lambda insert: (insert[0], insert[1]), reverse=True):
-            body.insert(at, statement)
-        if inserts:
-            updated = updated.with_changes(body=updated.body.with_changes(body=body))
-        return updated
+        body.insert(function.shim_at, shim)
+        return updated.with_changes(body=updated.body.with_changes(body=body))
 
 
 def _is_import(statement: cst.CSTNode) -> bool:
@@ -366,30 +294,70 @@ def _is_import(statement: cst.CSTNode) -> bool:
     )
 
 
-def _with_imports(module: cst.Module, needed: list[tuple[str, str]]) -> cst.Module:
-    """``module`` with ``from M import N`` for each needed pair it does not import yet, after its last top-level
-    import (after the docstring when it has none): top-level statements only, no walk of the tree."""
-    have = {
-        (".".join(_parts(small.module)), _bound(alias))
-        for statement in module.body if _is_import(statement)
-        for small in (statement.body if isinstance(statement, cst.SimpleStatementLine) else ())
-        if isinstance(small, cst.ImportFrom) and small.module is not None and not small.relative
-        and not isinstance(small.names, cst.ImportStar)
-        for alias in small.names
-    }
-    grouped: dict[str, list[str]] = {}
-    for module_name, name in needed:
-        if (module_name, name) not in have:
-            grouped.setdefault(module_name, []).append(name)
-    if not grouped:
-        return module
-    body = list(module.body)
-    at = 0
-    for index, statement in enumerate(body):
-        if _is_import(statement) or (index == 0 and _docstring(statement)):
-            at = index + 1
-    lines = [cst.parse_statement(f"from {m} import {', '.join(sorted(names))}\n") for m, names in grouped.items()]
-    return module.with_changes(body=[*body[:at], *lines, *body[at:]])
+def _leading(statement: cst.CSTNode) -> Sequence[cst.EmptyLine]:
+    return statement.leading_lines if isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement)) \
+        else ()
+
+
+def _with_leading(statement: cst.BaseStatement, lines: Sequence[cst.EmptyLine]) -> cst.BaseStatement:
+    """``statement`` with ``lines`` (blank lines, comments) above it."""
+    if isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        return statement.with_changes(leading_lines=lines)
+    return statement
+
+
+def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseStatement:
+    """``from module import names`` on one line, or one name a line in parentheses where that would pass
+    ``width``, as black writes it."""
+    line = f"from {module} import {', '.join(names)}"
+    if len(line) > width:
+        line = f"from {module} import (\n" + "".join(f"    {name},\n" for name in names) + ")"
+    return cst.parse_statement(line + "\n")
+
+
+def _imported_from(statement: cst.BaseStatement) -> tuple[str, list[str]] | None:
+    """(the module, the names bound) of a module-level ``from M import names`` statement standing alone."""
+    if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
+        return None
+    small = statement.body[0]
+    if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
+        return None
+    module = "." * len(small.relative) + (".".join(_parts(small.module)) if small.module else "")
+    return module, [_bound(alias) for alias in small.names]
+
+
+def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int) -> cst.Module:
+    """``module`` importing each needed ``(module, name)``: added to its ``from M import`` of that module if it
+    has one, else as a new statement among its peers (the module-level imports of the same top package, in
+    order of module name, relative ones last), after its last module-level import when it has none (after the
+    docstring when it has no import). Top-level statements only, no walk of the tree."""
+    body: list[cst.BaseStatement] = list(module.body)
+    for name in dict.fromkeys(m for m, _ in needed):
+        names = sorted({n for m, n in needed if m == name})
+        top = name.partition(".")[0]
+        at, peers = 0, []
+        for index, statement in enumerate(body):
+            found = _imported_from(statement)
+            if found is not None and found[0] == name:
+                have = found[1]
+                if not set(names) <= set(have):  # one import of the helper, its blank lines above kept
+                    merged = _from_import(name, sorted({*have, *names}), width)
+                    body[index] = _with_leading(merged, _leading(statement))
+                break
+            if _is_import(statement) or (index == 0 and _docstring(statement)):
+                at = index + 1
+            if found is not None and (found[0].startswith(".") or found[0].partition(".")[0] == top):
+                peers.append((index, found[0]))
+        else:
+            later = [index for index, peer in peers if peer.startswith(".") or peer > name]
+            new = _from_import(name, names, width)
+            if later:  # first of its peers: it takes the blank lines and comments above the block
+                at = later[0]
+                new, body[at] = _with_leading(new, _leading(body[at])), _with_leading(body[at], ())
+            else:
+                at = peers[-1][0] + 1 if peers else at
+            body.insert(at, new)
+    return module.with_changes(body=body)
 
 
 def _parts(node: cst.BaseExpression) -> list[str]:
@@ -468,15 +436,11 @@ def _restored(plan: FilePlan, text: str) -> str:
     return restored
 
 
-def _owner(plan: FilePlan, function: Function) -> str:
-    return f"{plan.module}.{function.qualname}" if plan.module else function.qualname
-
-
-def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()) -> str | None:
-    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned. ``modules``:
-    the dotted names of the scanned tree's modules (which names an import may not drop, see :class:`_Prune`)."""
+def rewrite(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
+    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned. ``width``:
+    the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
-    rewriter = _Rewriter(plan, target)
+    rewriter = _Rewriter(plan, target, width)
     if not rewriter.replacements and not plan.passes and not rewriter.functions:
         return None
     data = plan.data if plan.data is not None else module.bytes
@@ -485,7 +449,7 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
-        changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)))
+        changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)), width)
     unused = _unused(plan, body, sorted(rewriter.touched), render) if plan.statements else None
     if unused is None:  # no spans, or a statement that does not parse alone: the whole texts
         before, after = _uses(data), _uses(_restored(plan, render.code(changed)))
@@ -494,7 +458,7 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
         return _restored(plan, render.code(changed))
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
     # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
-    prune = _Prune(unused, plan.module, plan.package, modules)
+    prune = _Prune(unused)
     index = {id(s): i for i, s in enumerate(body)}
 
     def may_import(statement: cst.CSTNode) -> bool:
@@ -508,9 +472,12 @@ def rewrite(plan: FilePlan, target: Idiom, modules: frozenset[str] = frozenset()
         return b"import" in plan.text(*plan.spans[at])
 
     pruned: list[cst.BaseStatement] = []
-    for statement in changed.body:  # in order: each import kept tells what the ones below may drop
+    orphaned: Sequence[cst.EmptyLine] = ()  # the blank lines and comments above a statement that went
+    for statement in changed.body:
         visited = statement.visit(prune) if may_import(statement) else statement
         if isinstance(visited, cst.BaseStatement):
-            prune.note(visited)
-            pruned.append(visited)
+            pruned.append(_with_leading(visited, [*orphaned, *_leading(visited)]) if orphaned else visited)
+            orphaned = ()
+        elif not orphaned:
+            orphaned = _leading(statement)
     return _restored(plan, render.code(changed.with_changes(body=pruned)))

@@ -50,13 +50,15 @@ class WriteError(OSError):
 
 @dataclass(frozen=True)
 class Change:
-    """One file's planned rewrite: its project path, where it is, the bytes read (and their mtime), the new text."""
+    """One file's planned rewrite: its project path, where it is, the bytes read (and their mtime), the new text;
+    ``created``: a new file (the fallback helper module), which must still not exist when it is written."""
 
     path: str
     absolute: Path
     before: bytes
     mtime_ns: int
     after: bytes
+    created: bool = False
 
 
 def _hash(data: bytes) -> str:
@@ -64,7 +66,10 @@ def _hash(data: bytes) -> str:
 
 
 def _unchanged(change: Change) -> str | None:
-    """None when the file still holds what it was planned from; else why not."""
+    """None when the file still holds what it was planned from (a new one: still does not exist); else why
+    not."""
+    if change.created:
+        return "created since the run began; run the migration again" if os.path.lexists(change.absolute) else None
     try:
         now = os.stat(change.absolute)
         data = change.absolute.read_bytes()
@@ -76,7 +81,15 @@ def _unchanged(change: Change) -> str | None:
 
 
 def _check(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
-    """``WriteError`` unless ``change`` may be written (see the module docstring)."""
+    """``WriteError`` unless ``change`` may be written (see the module docstring); a new file: unless its
+    directory is writable and it still does not exist."""
+    if change.created:
+        if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
+            raise WriteError(f"{change.path}: its directory is not writable (the new file is renamed in)")
+        problem = _unchanged(change)
+        if problem is not None:
+            raise WriteError(f"{change.path}: {problem}")
+        return
     status = os.stat(change.absolute)
     if not os.access(change.absolute, os.W_OK) or not status.st_mode & 0o222:  # read-only to its owner, even root
         raise WriteError(f"{change.path}: read-only; make it writable, or leave it out of the paths")
@@ -109,7 +122,7 @@ def _record(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -
     path cannot make them name other files), and the hashes of its old and new bytes."""
     rows = [
         {"target": str(change.absolute), "temporary": str(temporary),
-         "old": _hash(change.before), "new": _hash(change.after)}
+         "old": None if change.created else _hash(change.before), "new": _hash(change.after)}
         for change, temporary in entries
     ]
     try:
@@ -119,8 +132,14 @@ def _record(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -
 
 
 def _write_temporary(change: Change, temporary: Path) -> None:
-    """The new bytes beside the file, with its permissions, flushed to disk."""
-    mode = os.stat(change.absolute).st_mode & 0o7777
+    """The new bytes beside the file, with its permissions (a new file: those any new file gets, ``0666`` less
+    the umask, not ``0600``, which would hide the helper module from the tree's other users), flushed to disk."""
+    if change.created:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    else:
+        mode = os.stat(change.absolute).st_mode & 0o7777
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(handle, "wb") as stream:
         stream.write(change.after)
@@ -196,7 +215,10 @@ def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
         except OSError as error:
             problem = f"cannot rename its new text into place: {error.strerror or error}"
         for done in renamed:
-            atomic_write(done.absolute, done.before)
+            if done.created:
+                os.unlink(done.absolute)
+            else:
+                atomic_write(done.absolute, done.before)
         _remove([temporary for _, temporary in entries])
         raise WriteError(f"{change.path}: {problem}; nothing was written (the {len(renamed)} file(s) already "
                          "rewritten were put back)")
@@ -226,7 +248,7 @@ def finish_interrupted(root: Path) -> str | None:
                     "file(s) had been written; its temporary files are removed")
         conflicts, completed = [], 0
         for target, temporary, old, new in files:
-            current = _hash(target.read_bytes()) if target.exists() else ""
+            current = _hash(target.read_bytes()) if target.exists() else None  # None: a file the run creates
             if current == new:
                 _remove([temporary])
             elif current == old and temporary.exists() and _hash(temporary.read_bytes()) == new:

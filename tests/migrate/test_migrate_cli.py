@@ -4,6 +4,7 @@ named with exit 2 and nothing written."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ pytest.importorskip("libcst")
 
 from pgregistry.allowlist._files import SourceFile  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
+from pgregistry.migrate._helper_file import helper_text  # noqa: E402
+from pgregistry.migrate._megatron_release import megatron_source  # noqa: E402
 from pgregistry.migrate._writing import Change, WriteError, write_changes  # noqa: E402
 
 SOURCE = """\
@@ -33,8 +36,12 @@ def test_diff_by_default_writes_nothing(project: Project, capsys: pytest.Capture
     out, err = capsys.readouterr()
     assert "--- a/src/pkg/m.py\n+++ b/src/pkg/m.py\n" in out
     assert "+def f(x, *, pg_collection=None):" in out
-    assert "direct" in err and "1 file would change" in err
+    # the fallback helper the rewritten read calls: a new file of the top package, shown in the diff
+    assert "--- /dev/null\n+++ b/src/pkg/_process_group_fallback.py\n" in out
+    assert "+from pkg._process_group_fallback import pg_group\n" in out
+    assert "direct" in err and "2 files would change" in err
     assert project.read("src/pkg/m.py") == SOURCE
+    assert not (project.root / "src/pkg/_process_group_fallback.py").exists()
 
 
 def test_check_exits_1_then_write_then_check_exits_0_and_a_second_write_changes_nothing(
@@ -48,11 +55,51 @@ def test_check_exits_1_then_write_then_check_exits_0_and_a_second_write_changes_
     assert main([*ARGS, "--check"]) == 1
     assert main([*ARGS, "--write"]) == 0
     written = project.read("src/pkg/m.py")
-    assert "return pg_collection.tp" in written
+    assert 'return pg_group(pg_collection, "tp")' in written and "pgregistry" not in written
+    helper = project.root / "src/pkg/_process_group_fallback.py"
+    assert helper.read_bytes() == helper_text(megatron_source(project.root).accessors)
+    assert helper.stat().st_mode & 0o777 == 0o666 & ~_umask()  # not mkstemp's 0600
     assert "src/pkg/m.py" not in project.read("allowlist.json")  # the ratchet shrank in the same run
+    assert "_process_group_fallback" not in project.read("allowlist.json")  # it holds no counted read
     assert main([*ARGS, "--check"]) == 0
+    stamp = helper.stat().st_mtime_ns
     assert main([*ARGS, "--write"]) == 0
-    assert project.read("src/pkg/m.py") == written
+    assert project.read("src/pkg/m.py") == written and helper.stat().st_mtime_ns == stamp
+    assert list(helper.parent.glob("*.tmp")) == []
+    capsys.readouterr()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_helper_module_the_tool_did_not_write_is_refused_and_nothing_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    project.write("src/pkg/_process_group_fallback.py", "MINE = 1\n")
+    assert main([*ARGS, "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "src/pkg/_process_group_fallback.py:1:1: the fallback helper module pkg._process_group_fallback is a " \
+           "file pgregistry migrate did not write; name another module with --helper-module" in err
+    assert project.read("src/pkg/m.py") == SOURCE
+    assert project.read("src/pkg/_process_group_fallback.py") == "MINE = 1\n"
+
+
+@pytest.mark.parametrize("where", ["option", "pyproject"])
+def test_the_helper_module_is_the_one_the_user_names(
+    project: Project, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    options = ["--helper-module", "pkg.groups_fallback"] if where == "option" else []
+    if where == "pyproject":
+        project.write("pyproject.toml", project.read("pyproject.toml") +
+                      '\n[tool.pgregistry.migrate]\nhelper-module = "pkg.groups_fallback"\n')
+    assert main([*ARGS, "--write", *options]) == 0
+    assert "from pkg.groups_fallback import pg_group\n" in project.read("src/pkg/m.py")
+    assert b"Written by `pgregistry migrate`" in (project.root / "src/pkg/groups_fallback.py").read_bytes()
     capsys.readouterr()
 
 
@@ -63,6 +110,7 @@ def test_check_exits_1_then_write_then_check_exits_0_and_a_second_write_changes_
         (["--target", "jax"], "invalid choice: 'jax'"),
         (["--isolated", "--config", "pyproject.toml"], "--isolated and --config contradict each other"),
         (["--collection-name", "pg-collection"], "is not a Python identifier"),
+        (["--helper-module", "pkg.2nd"], "--helper-module 'pkg.2nd' is not a dotted module name"),
         (["/"], "outside the project root"),
     ],
 )
@@ -144,3 +192,60 @@ def test_the_package_and_the_command_table_import_no_libcst() -> None:
         "assert 'libcst' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_migrated_tree_imports_in_the_order_it_did_through_a_cycle_with_parallel_state(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Megatron-Core's own cycle: parallel_state imports utils, which imports parallel_state (and, rewritten, the
+    helper). The helper imports parallel_state where the files imported it before, after defining its functions."""
+    project.write("megatron/core/__init__.py", "import megatron.core.user\n")
+    project.write("megatron/core/parallel_state.py", """\
+        from .utils import divide
+
+
+        def get_tensor_model_parallel_group():
+            return "the global tp group"
+        """)
+    project.write("megatron/core/utils.py", """\
+        from megatron.core import parallel_state
+
+
+        def divide(a, b):
+            return a // b
+
+
+        def tp(pg_collection=None):
+            return parallel_state.get_tensor_model_parallel_group()
+
+
+        def where():  # parallel_state stays imported here
+            return parallel_state.__name__
+        """)
+    project.write("megatron/core/user.py", """\
+        from megatron.core.parallel_state import get_tensor_model_parallel_group
+        from megatron.core.utils import divide
+
+
+        def f(x, pg_collection=None):
+            return divide(x, 2), get_tensor_model_parallel_group()
+        """)
+    assert main([*ARGS, "--write", "megatron"]) == 0
+    assert "from megatron.core._process_group_fallback import pg_group\n" in project.read("megatron/core/user.py")
+    code = ("import warnings; warnings.simplefilter('ignore'); import megatron.core.user as user, "
+            "megatron.core.utils as utils; print(user.f(4), utils.tp())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=project.root, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(project.root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "(2, 'the global tp group') the global tp group\n"
+    capsys.readouterr()
+
+
+def test_an_unknown_migrate_setting_is_named_and_nothing_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project.write("src/pkg/m.py", SOURCE)
+    project.write("pyproject.toml", project.read("pyproject.toml") + '\n[tool.pgregistry.migrate]\nhelper = "x"\n')
+    assert main([*ARGS, "--write"]) == 2
+    assert "[tool.pgregistry.migrate] has no setting 'helper' (known: helper-module)" in capsys.readouterr().err
+    assert project.read("src/pkg/m.py") == SOURCE

@@ -21,7 +21,7 @@ SINCE = ("def get_data_parallel_group(\n    with_context_parallel=False, partial
 
 @pytest.mark.parametrize(("accessor", "keywords", "since", "before"), [
     ("get_data_parallel_group", {"with_context_parallel": True}, "dp_cp_gtp_remat", "dp_cp"),
-    ("get_data_parallel_world_size", {}, None, "dp"),
+    ("get_data_parallel_world_size", {}, "dp_gtp_remat", "dp"),  # a pseudo field since (see the helper)
     ("get_data_parallel_rank", {"with_context_parallel": True}, "dp_cp_gtp_remat", "dp_cp"),
     ("get_expert_data_parallel_group", {}, "expt_dp_gtp_remat", "expt_dp"),
     ("get_data_parallel_group", {"with_context_parallel": True, "with_gtp_remat": False}, "dp_cp", None),
@@ -73,6 +73,9 @@ def test_migrate_rewrites_with_the_table_of_the_projects_megatron_core(
             return ps.get_data_parallel_group(with_context_parallel=True)
         """)
     assert main(["migrate", "--write", "--preset", "megatron", "src"]) == 0
-    assert f"return pg_collection.{field}\n" in project.read("src/pkg/m.py")
+    assert f'return pg_group(pg_collection, "{field}")\n' in project.read("src/pkg/m.py")
+    # the helper falls back through the accessor as that release spells it
+    assert f'("{field}", "group"): ("get_data_parallel_group", {{"with_context_parallel": True}}),' in project.read(
+        "src/pkg/_process_group_fallback.py")
     out, _ = capsys.readouterr()
     assert f"project's {project.root / 'megatron' / 'core' / 'parallel_state.py'}" in out

@@ -18,8 +18,11 @@ from pgregistry.allowlist._files import SourceFile  # noqa: E402
 from pgregistry.migrate._engine import Migration, migrate  # noqa: E402
 
 HEAD = "from megatron.core import parallel_state as ps\n"
-#: ``HEAD`` once its name is unused: a submodule import may be what imports it first, so it stays.
-KEPT = "from megatron.core import parallel_state as ps  # noqa: F401  (kept for its import order)\n"
+
+
+def helper(*names: str) -> str:
+    """The import of the fallback helper the run writes (at the root of a tree of plain modules)."""
+    return f"from _process_group_fallback import {', '.join(names)}\n"
 
 
 def run(tmp_path: Path, files: dict[str, str], target: str = "megatron", name: str = "pg_collection") -> Migration:
@@ -49,35 +52,30 @@ def test_a_required_parameter_is_read_directly(tmp_path: Path) -> None:
 def f(x, pg_collection):
     return ps.get_tensor_model_parallel_group(), ps.get_context_parallel_world_size()
 """
-    assert after(tmp_path, source) == KEPT + """
+    assert after(tmp_path, source) == helper("pg_group", "pg_size") + """
 def f(x, pg_collection):
-    return pg_collection.tp, pg_collection.cp.size()
+    return pg_group(pg_collection, "tp"), pg_size(pg_collection, "cp")
 """
 
 
-def test_an_optional_parameter_is_resolved_once_at_the_door(tmp_path: Path) -> None:
+def test_an_optional_parameter_is_read_in_place(tmp_path: Path) -> None:
     source = HEAD + '''
 def f(x, pg_collection=None):
     """Doc."""
     # the reduction
     return ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
 '''
-    assert after(tmp_path, source) == KEPT + '''from pgregistry.doors import resolve_megatron_collection
-
+    assert after(tmp_path, source) == helper("pg_group") + '''
 def f(x, pg_collection=None):
     """Doc."""
-    pg_collection = resolve_megatron_collection(pg_collection, owner="m.f", fields=("dp_cp",))
     # the reduction
-    return pg_collection.dp_cp
+    return pg_group(pg_collection, "dp_cp")
 '''
 
 
-def test_the_door_opens_before_the_first_statement_that_needs_it_so_an_early_return_never_warns(
-    tmp_path: Path,
-) -> None:
+def test_each_read_falls_back_where_it_was_so_an_early_return_never_warns(tmp_path: Path) -> None:
     # Megatron-Core's param_is_not_tensor_parallel_duplicate: a caller that gives tp_group returns before the
-    # global read; a door at the top would warn (an error under -W error) though that caller passed its group.
-    # The door, 104 columns long, is split as black would split it (100 columns).
+    # global read; a fallback above it would warn (an error under -W error) though that caller passed its group.
     source = HEAD + '''
 def is_not_duplicate(param, tp_group=None):
     """Doc."""
@@ -88,19 +86,15 @@ def is_not_duplicate(param, tp_group=None):
     # Fallback to legacy global state.
     return ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_world_size() == 1
 '''
-    assert after(tmp_path, source) == KEPT + '''from pgregistry.doors import resolve_megatron_collection
-
+    assert after(tmp_path, source) == helper("pg_rank", "pg_size") + '''
 def is_not_duplicate(param, tp_group=None, *, pg_collection=None):
     """Doc."""
     if getattr(param, "tensor_model_parallel", False):
         return True
     if tp_group is not None:
         return tp_group.rank() == 0
-    pg_collection = resolve_megatron_collection(
-        pg_collection, owner="m.is_not_duplicate", fields=("tp", "cp")
-    )
     # Fallback to legacy global state.
-    return pg_collection.tp.rank() == 0 and pg_collection.cp.size() == 1
+    return pg_rank(pg_collection, "tp") == 0 and pg_size(pg_collection, "cp") == 1
 '''
 
 
@@ -115,9 +109,13 @@ def amax(config, pg_collection):
 def tp_dp(pg_collection):
     return ps.get_tensor_and_data_parallel_group()
 """
-    assert after(tmp_path, source) == HEAD + """
+    assert after(tmp_path, source) == HEAD + helper("pg_group") + """
 def amax(config, pg_collection):
-    return pg_collection.tp_cp if config.tp_only_amax_red else pg_collection.tp_dp_cp
+    return (
+        pg_group(pg_collection, "tp_cp")
+        if config.tp_only_amax_red
+        else pg_group(pg_collection, "tp_dp_cp")
+    )
 
 
 def tp_dp(pg_collection):
@@ -138,7 +136,7 @@ def g(build):
     return rank, pg_collection
 """
     text = after(tmp_path, source)
-    assert "    return pg_collection.pp.rank()\n" in text
+    assert '    return pg_rank(pg_collection, "pp")\n' in text
     assert "rank = ps.get_pipeline_model_parallel_rank()" in text
     assert reasons(tmp_path, source) == ["read above the assignment of the local pg_collection"]
 
@@ -155,16 +153,16 @@ class Layer:
             return x
         return ps.get_expert_model_parallel_group()
 """
-    assert after(tmp_path, source) == KEPT + """
+    assert after(tmp_path, source) == helper("pg_group", "pg_read", "pg_size") + """
 class Layer:
     def __init__(self, collection):
         self.pg_collection = collection
-        self.tp = self.pg_collection.tp.size()
+        self.tp = pg_size(self.pg_collection, "tp")
 
     def forward(self, x):
-        if self.pg_collection.pp.rank() == 0:
+        if pg_read(self.pg_collection, "pp", "first_stage"):
             return x
-        return self.pg_collection.ep
+        return pg_group(self.pg_collection, "ep")
 """
 
 
@@ -191,15 +189,12 @@ def wrapped(x, **kwargs):
 """
     migration = run(tmp_path, {"lib.py": library, "user.py": user})
     texts = {change.path: change.after.decode() for change in migration.changes}
-    assert texts["lib.py"] == KEPT + """from pgregistry.doors import resolve_megatron_collection
-
+    assert texts["lib.py"] == helper("pg_rank", "pg_size") + """
 def shard(x, *args, pg_collection=None, **kwargs):
-    pg_collection = resolve_megatron_collection(pg_collection, owner="lib.shard", fields=("tp",))
-    return pg_collection.tp.rank()
+    return pg_rank(pg_collection, "tp")
 
 def size(x, *, pg_collection=None):
-    pg_collection = resolve_megatron_collection(pg_collection, owner="lib.size", fields=("tp",))
-    return pg_collection.tp.size()
+    return pg_size(pg_collection, "tp")
 """
     assert texts["user.py"] == textwrap.dedent(user).replace(
         "return shard(x, 1), lib.size(x)", "return shard(x, 1, pg_collection=pg_collection), "
@@ -234,8 +229,9 @@ def step(flag, pg_collection):
     texts = {change.path: change.after.decode() for change in migration.changes}
     assert texts["pkg/user.py"] == textwrap.dedent(user).replace(
         "return all_true(flag), utils.all_true(flag), top.all_true(flag)",
-        "return all_true(flag, pg_collection=pg_collection), utils.all_true(flag, pg_collection=pg_collection), "
-        "top.all_true(flag, pg_collection=pg_collection)")
+        "return (\n        all_true(flag, pg_collection=pg_collection),\n"
+        "        utils.all_true(flag, pg_collection=pg_collection),\n"
+        "        top.all_true(flag, pg_collection=pg_collection),\n    )")  # over 100 columns: split as black
     assert migration.passed == 3
 
 
@@ -273,7 +269,7 @@ def outer():
 """
     text = after(tmp_path, source)
     assert "def outer(*, pg_collection=None):" in text
-    assert "return inner(pg_collection=pg_collection), pg_collection.cp.rank()" in text
+    assert 'return inner(pg_collection=pg_collection), pg_rank(pg_collection, "cp")' in text
 
 
 def test_nested_functions_read_the_enclosing_collection_inline(tmp_path: Path) -> None:
@@ -289,8 +285,7 @@ def alone():
     return inner
 """
     text = after(tmp_path, source)
-    # The closure's collection may be None: resolved where it is read (a door would make it a local of inner).
-    assert 'return resolve_megatron_collection(pg_collection, owner="m.outer.inner", fields=("tp",)).tp' in text
+    assert '        return pg_group(pg_collection, "tp")\n    return inner' in text  # the enclosing one's
     assert "    def inner(*, pg_collection=None):" in text  # alone's inner has none: it is threaded
 
 
@@ -333,13 +328,9 @@ def test_a_pg_collection_of_another_meaning_is_not_reused(tmp_path: Path) -> Non
 def f(pg_collection: str):
     return pg_collection, ps.get_data_parallel_group(with_gtp_remat=False)
 """
-    assert after(tmp_path, source) == KEPT + """from pgregistry.doors import resolve_megatron_collection
-
+    assert after(tmp_path, source) == helper("pg_group") + """
 def f(pg_collection: str, *, process_group_collection=None):
-    process_group_collection = resolve_megatron_collection(
-        process_group_collection, owner="m.f", fields=("dp",)
-    )
-    return pg_collection, process_group_collection.dp
+    return pg_collection, pg_group(process_group_collection, "dp")
 """
 
 
@@ -354,17 +345,15 @@ def f(
     return (x,
             y,   group)
 """
-    assert after(tmp_path, source) == KEPT + """from pgregistry.doors import resolve_megatron_collection
-
+    assert after(tmp_path, source) == helper("pg_group") + """
 def f(
     x,  # the input
     y,
     *,
     pg_collection=None,
 ):
-    pg_collection = resolve_megatron_collection(pg_collection, owner="m.f", fields=("tp",))
     # the tensor-parallel group
-    group = pg_collection.tp   # keep me
+    group = pg_group(pg_collection, "tp")   # keep me
     return (x,
             y,   group)
 """
@@ -387,25 +376,24 @@ class L:
 """
     text = after(tmp_path, source)
     assert "def f(x, tp_group=None, cp_group=None, *, pg_collection=None):" in text
+    # a fallback helper's read falls back to the helper (it answers None where nothing is initialised)
+    assert '    tp_group = tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")\n' \
+        in text
+    assert '        cp_group = pg_group(pg_collection, "cp")\n' in text
     assert (
-        '    tp_group = tp_group if tp_group is not None else resolve_megatron_collection(pg_collection, '
-        'owner="m.f", fields=("tp",)).tp\n' in text
+        '        self.tp_group = (\n            tp_group\n            if tp_group is not None\n'
+        '            else (\n                pg_read(pg_collection, "expt_tp", "group_if_none")\n'
+        '                if self.is_expert\n                else pg_read(pg_collection, "tp", "group_if_none")\n'
+        '            )\n        )\n' in text  # black\'s split
     )
-    assert '        cp_group = resolve_megatron_collection(pg_collection, owner="m.f", fields=("cp",)).cp\n' in text
-    assert (
-        "self.tp_group = tp_group if tp_group is not None else resolve_megatron_collection(pg_collection, "
-        'owner="m.L.__init__", fields=("expt_tp",)).expt_tp if self.is_expert else resolve_megatron_collection('
-        'pg_collection, owner="m.L.__init__", fields=("tp",)).tp' in text
-    )
-    # the imports the reads needed stay (their modules are not in the scanned tree: nothing says what else
-    # imports them), marked for ruff
-    assert "from megatron.core import parallel_state  # noqa: F401  (kept for its import order)\n" in text
-    assert "get_tensor_model_parallel_group_if_none  # noqa: F401  (kept for its import order)\n" in text
+    # the imports the reads needed go, the helper's comes in their place, and no noqa marker is added
+    assert text.startswith("\nfrom _process_group_fallback import pg_group, pg_read\n\ndef f(")
+    assert "noqa" not in text
 
 
-def test_an_unused_import_goes_only_where_it_cannot_change_what_is_imported_when(tmp_path: Path) -> None:
-    """An import runs its module (and can decide a circular import's order): a name left unused goes only when
-    its statement still imports the module, or the module was imported already, and it is no submodule."""
+def test_an_import_the_rewrite_leaves_unused_goes_and_the_helpers_comes_among_its_peers(tmp_path: Path) -> None:
+    """No noqa marker: a name the rewrite leaves unused goes (the helper imports parallel_state itself when a
+    read falls back); the helper's import goes with the file's imports of its package, before relative ones."""
     user = """
     from megatron.core.parallel_state import get_tensor_model_parallel_group
     from megatron.core import mpu
@@ -430,23 +418,21 @@ def test_an_unused_import_goes_only_where_it_cannot_change_what_is_imported_when
         "megatron/core/again.py": again,
     })
     texts = {change.path: change.after.decode() for change in migration.changes}
-    # the only import of parallel_state stays (dropping it would break Megatron-Core's own import order); an
-    # attribute of the file's own package and a name beside one still used go
     assert texts["megatron/core/user.py"] == """
-from megatron.core.parallel_state import get_tensor_model_parallel_group  # noqa: F401  (kept for its import order)
+from megatron.core._process_group_fallback import pg_group, pg_read
 from .utils import divide
 
 def f(x, pg_collection, tp_group=None):
-    tp_group = tp_group if tp_group is not None else pg_collection.tp
-    return divide(x, 2), pg_collection.tp, pg_collection.cp, tp_group
+    tp_group = tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")
+    return divide(x, 2), pg_group(pg_collection, "tp"), pg_group(pg_collection, "cp"), tp_group
 """
-    # a submodule imported by the line above it: the second import of it goes
     assert texts["megatron/core/again.py"] == """
-from megatron.core import parallel_state  # noqa: F401, E402
+from megatron.core._process_group_fallback import pg_group
 
 def g(pg_collection):
-    return pg_collection.cp, pg_collection.tp
+    return pg_group(pg_collection, "cp"), pg_group(pg_collection, "tp")
 """
+    assert "megatron/core/_process_group_fallback.py" in texts  # in the top package: megatron/core
 
 
 @pytest.mark.parametrize("spelling", ["get_tensor_model_parallel_group_if_none",
@@ -469,7 +455,8 @@ def test_an_import_the_rewrite_stops_reading_stays_while_another_function_reads_
     texts = {change.path: change.after.decode() for change in migration.changes}
     assert texts["megatron/core/user.py"] == textwrap.dedent(user).replace(
         "return get_tensor_model_parallel_group_if_none(tp_group)",
-        "return tp_group if tp_group is not None else pg_collection.tp")
+        'return tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")').replace(
+        "\nfrom .utils", "\nfrom _process_group_fallback import pg_read\nfrom .utils")
 
 
 def test_what_cannot_be_rewritten_stays_with_its_reason(tmp_path: Path) -> None:
@@ -495,15 +482,13 @@ def f(name, vp_stage):
         "class body: runs when the class is defined, before any collection exists",
         "dynamic getattr: the accessor is looked up by name at run time",
         "ignore_virtual=False also reads the virtual pipeline stage",
-        "no collection field holds the data parallel with gtp remat group (with_gtp_remat defaults to True; "
-        "pass with_gtp_remat=False for the replicate group)",
         "positional or star arguments: which group they pick is not known",
         "a module global or a reference to the accessor, not a call of it",
         "shim: builds a collection from the globals (remove it once every caller passes one)",
     ])
 
 
-def test_the_pgregistry_target_reads_ranks_through_group_rank(tmp_path: Path) -> None:
+def test_the_pgregistry_target_reads_through_pgregistry_doors(tmp_path: Path) -> None:
     source = HEAD + """
 def f(pg_collection):
     return ps.get_tensor_model_parallel_rank(), ps.is_pipeline_last_stage()
@@ -511,16 +496,14 @@ def f(pg_collection):
 def g():
     return ps.get_data_parallel_world_size(with_gtp_remat=False)
 """
-    assert after(tmp_path, source, target="pgregistry") == KEPT + """\
-from pgregistry.collection import group_rank, group_size
-from pgregistry.doors import resolve_collection
+    assert after(tmp_path, source, target="pgregistry") == """\
+from pgregistry.doors import pg_rank, pg_read, pg_size
 
 def f(pg_collection):
-    return group_rank(pg_collection.tp), (group_rank(pg_collection.pp) == group_size(pg_collection.pp) - 1)
+    return pg_rank(pg_collection, "tp"), pg_read(pg_collection, "pp", "last_stage")
 
 def g(*, pg_collection=None):
-    pg_collection = resolve_collection(pg_collection, owner="m.g")
-    return group_size(pg_collection.dp)
+    return pg_size(pg_collection, "dp")
 """
 
 
@@ -529,7 +512,25 @@ def test_a_configured_collection_name(tmp_path: Path) -> None:
 def f(pgs):
     return ps.get_tensor_model_parallel_group()
 """
-    assert "return pgs.tp" in after(tmp_path, source, name="pgs")
+    assert 'return pg_group(pgs, "tp")' in after(tmp_path, source, name="pgs")
+
+
+def test_a_file_that_imports_the_helper_already_imports_what_it_needs_in_that_one_statement(tmp_path: Path) -> None:
+    source = """\
+import os
+
+# the process groups
+from _process_group_fallback import pg_rank
+from megatron.core import parallel_state as ps
+
+
+def f(pg_collection):
+    return pg_rank(pg_collection, "tp"), ps.get_tensor_model_parallel_group(), os.sep
+"""
+    assert after(tmp_path, source) == source.replace(
+        "from _process_group_fallback import pg_rank\nfrom megatron.core import parallel_state as ps\n",
+        "from _process_group_fallback import pg_group, pg_rank\n").replace(
+        "ps.get_tensor_model_parallel_group()", 'pg_group(pg_collection, "tp")')
 
 
 def test_the_rewrite_is_idempotent(tmp_path: Path) -> None:
@@ -552,9 +553,9 @@ def test_a_read_after_non_ascii_text_on_its_line_is_located(tmp_path: Path) -> N
 def f(pg_collection):
     return "né", ps.get_tensor_model_parallel_group()
 """
-    assert after(tmp_path, source) == KEPT + """
+    assert after(tmp_path, source) == helper("pg_group") + """
 def f(pg_collection):
-    return "né", pg_collection.tp
+    return "né", pg_group(pg_collection, "tp")
 """
 
 
@@ -588,9 +589,9 @@ def default_collection():
 """
     assert after(tmp_path, source) == rewritten
     assert after(tmp_path, rewritten) == rewritten  # idempotent
+    # the data-parallel group with GTP remat (no CP) is a pseudo field: no collection holds it to fill from
     assert reasons(tmp_path, source) == [
-        "no collection field holds the data parallel with gtp remat group (with_gtp_remat defaults to True; pass "
-        "with_gtp_remat=False for the replicate group)"
+        "builds the collection: assigns fields of pg_collection (a shim written by hand)"
     ]
 
 
@@ -604,7 +605,7 @@ def default_collection(mpu_groups):
     return pg_collection, mpu_groups
 """
     text = after(tmp_path, source)
-    assert "    mpu_groups_2 = ProcessGroupCollection.use_mpu_process_groups(\n" in text
+    assert '    mpu_groups_2 = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])\n' in text  # fits
     assert "    pg_collection.tp = mpu_groups_2.tp\n" in text
 
 
@@ -618,14 +619,12 @@ def get_model(pg_collection=None):
     pg_collection.dp_cp_ag = ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
     return ps.get_pipeline_model_parallel_rank()
 """
-    assert after(tmp_path, source) == HEAD + """from pgregistry.doors import resolve_megatron_collection
-
+    assert after(tmp_path, source) == HEAD + helper("pg_rank") + """
 def get_model(pg_collection=None):
-    pg_collection = resolve_megatron_collection(pg_collection, owner="m.get_model", fields=("pp",))
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pg_collection.dp_cp_ag = ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
-    return pg_collection.pp.rank()
+    return pg_rank(pg_collection, "pp")
 """
     assert reasons(tmp_path, source) == [
         "shim: builds a collection from the globals (remove it once every caller passes one)",

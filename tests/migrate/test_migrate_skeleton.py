@@ -117,7 +117,7 @@ def _run(tmp_path: Path, files: dict[str, bytes]) -> _migrate.Migration:
 def _outcome(migration: _migrate.Migration) -> tuple[object, ...]:
     return (
         sorted((c.path, c.after) for c in migration.changes),
-        [(path, read.site.line, read.way, read.mode, read.reason) for path, read in migration.reads],
+        [(path, read.site.line, read.way, read.collection, read.reason) for path, read in migration.reads],
         migration.passed,
         migration.threaded,
         migration.failures,
@@ -158,7 +158,7 @@ def test_the_skeletons_rewrite_is_the_whole_files(
     assert with_skeletons == whole
     changes, _, passed, threaded, failures = whole
     assert not failures and passed == 3 and threaded == ["pkg/a.py: reduce"]
-    assert [path for path, _ in changes] == ["pkg/a.py", "pkg/b.py"]  # type: ignore[union-attr]
+    assert [path for path, _ in changes] == ["_process_group_fallback.py", "pkg/a.py", "pkg/b.py"]  # type: ignore[union-attr]
 
 
 def _placeholders(data: bytes, needed: object) -> tuple[bytes, dict[str, str]]:

@@ -1,6 +1,7 @@
 """A function ``pgregistry migrate`` rewrote, run in a real gloo world on Megatron-Core's own ``parallel_state``: it
-reads exactly the groups, ranks and sizes the original read, through the fallback with the warning when no
-collection is passed, and without one when Megatron-Core's collection is passed.
+reads exactly the groups, ranks and sizes the original read, through the fallback helper the run wrote (with the
+warning) when no collection is passed or the one passed lacks the field, and without one when Megatron-Core's
+collection is passed.
 
 The oracle is the original source, run in the same world: nothing the tool computes is compared with itself."""
 
@@ -70,9 +71,9 @@ SOURCE = textwrap.dedent("""\
     """)
 
 
-def _load(text: str) -> types.ModuleType:
-    module = types.ModuleType("m")
-    exec(compile(text, "m.py", "exec"), module.__dict__)
+def _load(text: str, name: str = "m") -> types.ModuleType:
+    module = types.ModuleType(name)
+    exec(compile(text, f"{name}.py", "exec"), module.__dict__)
     return module
 
 
@@ -86,7 +87,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _rank(original: str, rewritten: str) -> dict[str, Any]:
+def _rank(original: str, rewritten: str, helper: str) -> dict[str, Any]:
+    import sys
+
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -97,6 +100,7 @@ def _rank(original: str, rewritten: str) -> dict[str, Any]:
         tensor_model_parallel_size=2, pipeline_model_parallel_size=2, create_gloo_process_groups=False
     )
     try:
+        sys.modules["_process_group_fallback"] = _load(helper, "_process_group_fallback")  # as the run wrote it
         old, new = _load(original), _load(rewritten)
         out: dict[str, Any] = {}
         with warnings.catch_warnings(record=True) as caught:
@@ -115,6 +119,16 @@ def _rank(original: str, rewritten: str) -> dict[str, Any]:
             out["passed groups"] = _plain(new.groups(pg_collection=collection))
             out["passed numbers"] = _plain(new.numbers(pg_collection=collection))
             out["given group"] = _plain(new.fallback(parallel_state.get_pipeline_model_parallel_group()))
+        partial = ProcessGroupCollection.use_mpu_process_groups(["pp"])  # fields it lacks: the global ones
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("ignore")
+            warnings.simplefilter("always", ProcessGroupFallbackWarning)
+            out["partial numbers"] = _plain(new.numbers(pg_collection=partial))
+            out["partial warned"] = sorted({str(w.message).split("process group ")[1].split(" ")[0] for w in caught
+                                            if issubclass(w.category, ProcessGroupFallbackWarning)})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.simplefilter("error", ProcessGroupFallbackWarning)
             try:
                 new.groups()
                 out["error mode"] = "no error"
@@ -145,15 +159,19 @@ def test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning(t
     path.write_text(SOURCE)
     migration = migrate([SourceFile("m.py", path)], PRESETS["megatron"], target="megatron", name="pg_collection")
     assert [read.reason for _, read in migration.reads if read.way == "left"] == []
-    rewritten = migration.changes[0].after.decode()
-    assert " ps." not in rewritten and "get_tensor_model_parallel_group_if_none(" not in rewritten  # imports stay
-    results = run_world(4, _rank, SOURCE, rewritten, timeout=60)
+    texts = {change.path: change.after.decode() for change in migration.changes}
+    rewritten = texts["m.py"]
+    assert " ps." not in rewritten and "get_tensor_model_parallel_group_if_none" not in rewritten
+    assert "pgregistry" not in rewritten
+    results = run_world(4, _rank, SOURCE, rewritten, texts["_process_group_fallback.py"], timeout=60)
     for rank, out in enumerate(results):
         assert out["world"] == 4
         for name in ("groups", "numbers", "fallback"):
             assert out[f"new {name}"] == out[f"old {name}"], (rank, name)
         assert out["passed groups"] == out["old groups"]
         assert out["passed numbers"] == out["old numbers"]
+        assert out["partial numbers"] == out["old numbers"]
+        assert out["partial warned"] == ["'dp_cp_gtp_remat'", "'mp'", "'tp'"]  # not pp: it has it
         assert out["given group"] == out["expected given"]
         assert out["warned"] == ["m.fallback", "m.groups", "m.numbers"]
         assert out["error mode"] == "m.groups"

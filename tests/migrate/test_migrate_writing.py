@@ -147,7 +147,7 @@ def test_links_stay_links_and_each_file_is_rewritten_once(
     assert (project.root / "src/pkg/alias.py").is_symlink() and (project.root / "src/pkg/sub/again.py").is_symlink()
     assert (project.root / "src/pkg/shared.py").is_symlink() and outside.read_text() == text
     written = real.read_text()
-    assert written.count("pg_collection=None") == 1 and "resolve_megatron_collection" in written
+    assert written.count("pg_collection=None") == 1 and 'pg_group(pg_collection, "tp")' in written
     assert main([*ARGS, "--check", "--extend-exclude", "vendored"]) == 0
 
 

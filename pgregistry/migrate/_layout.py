@@ -1,0 +1,202 @@
+"""Lines the rewrite made longer than the tree's line length, split as black splits them.
+
+Only a statement or a ``def`` line the rewrite changed, that was one physical line and no longer fits, is split;
+every other byte stays as the author wrote it. The shapes black gives (black 24 to 26; the tests hold its
+output):
+
+- an assignment's value, a ``return``'s value or an expression statement with two or more delimiters of its
+  lowest priority at the top (a tuple, a conditional, an ``and`` / ``or`` chain of three, ...), or one that does
+  not end in a call: in parentheses, on a line of its own; where that line is still too long, split at those
+  delimiters (one element a line with a trailing comma for a tuple; ``if`` and ``else`` parts a line each; one
+  operand a line, its operator first);
+- else (it ends in a call): that last call's arguments on a line of their own, else one a line with a trailing
+  comma;
+- a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma.
+
+Anything else (a long line of another shape) is left as it is.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+__all__ = ["split_header", "split_statement"]
+
+_CODE = cst.Module([])
+
+
+def _code(node: cst.CSTNode) -> str:
+    return _CODE.code_for_node(node)
+
+
+def _parsed(text: str) -> cst.BaseStatement | None:
+    """``text`` parsed; None where the new layout does not parse (a shape this module does not know): the line
+    is then left as it is, never broken."""
+    try:
+        return cst.parse_statement(text)
+    except cst.ParserSyntaxError:
+        return None
+
+
+def _fits(indent: int, text: str, width: int) -> bool:
+    return indent + len(text) <= width
+
+
+def _parts(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str]] | None:
+    """(text before, operand, text after) of each operand of ``value`` split at its lowest-priority delimiters
+    at the top; None when it has none."""
+    if value.lpar or _starred(value):
+        return None
+    if isinstance(value, cst.Tuple):
+        return [("", element.value, ",") for element in value.elements]
+    if isinstance(value, cst.IfExp):
+        return [("", value.body, ""), ("if ", value.test, ""), ("else ", value.orelse, "")]
+    if isinstance(value, cst.BooleanOperation):
+        operator = _code(value.operator).strip() + " "
+        left = value.left
+        same = isinstance(left, cst.BooleanOperation) and not left.lpar and type(left.operator) is type(value.operator)
+        first = (_parts(left) or []) if same else [("", left, "")]
+        return [*first, (operator, value.right, "")]
+    if isinstance(value, cst.Comparison):
+        return [("", value.left, ""), *((_code(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons)]
+    return None
+
+
+def _starred(value: cst.BaseExpression) -> bool:
+    """Whether ``value`` is a tuple, list or set with a ``*element`` (left as it is)."""
+    elements = value.elements if isinstance(value, (cst.Tuple, cst.List, cst.Set)) else ()
+    return any(isinstance(element, cst.StarredElement) for element in elements)
+
+
+def _last_call(value: cst.BaseExpression) -> cst.Call | None:
+    """The call whose closing parenthesis ends ``value``, if one does."""
+    while not value.rpar:
+        if isinstance(value, cst.Call):
+            return value
+        if isinstance(value, (cst.BooleanOperation, cst.BinaryOperation)):
+            value = value.right
+        elif isinstance(value, cst.Comparison):
+            value = value.comparisons[-1].comparator
+        elif isinstance(value, cst.UnaryOperation):
+            value = value.expression
+        else:
+            return None
+    return None
+
+
+def _argument_head(arg: cst.Arg) -> str:
+    """What comes before an argument's value: ``name=``, ``*``, ``**`` or nothing."""
+    if arg.keyword is not None:
+        return f"{arg.keyword.value}="
+    return arg.star if isinstance(arg.star, str) else ""
+
+
+def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str) -> list[str]:
+    """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each indented
+    relative to the first."""
+    body = _code(value)
+    if _fits(indent, head + body + tail, width):
+        return [head + body + tail]
+    parts = _parts(value)
+    call = _last_call(value)
+    deeper = indent + len(unit.expandtabs(4))
+    if call is not None and call.args and (parts is None or len(parts) < 3 and not isinstance(value, cst.Tuple)):
+        before = head + body[: len(body) - len(_code(call))] + _code(call.func) + "("
+        if _fits(indent, before, width):  # black splits the last call, omitting optional parentheses
+            arguments = [_code(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in call.args]
+            one = ", ".join(arguments)
+            if _fits(deeper, one, width):
+                inner = [one]
+            else:  # one a line (a trailing comma where there are several), each split in turn if still too long
+                comma = "," if len(call.args) > 1 else ""
+                inner = [line for arg in call.args
+                         for line in _lines(_argument_head(arg), arg.value, comma, deeper, width, unit)]
+            return [before, *(unit + line for line in inner), ")" + tail]
+    if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements and not _starred(value):
+        opening, closing = ("[", "]") if isinstance(value, cst.List) else ("{", "}")
+        inner = [line for element in value.elements for line in _lines(
+            "", element.value, ",", deeper, width, unit)]
+        return [head + opening, *(unit + line for line in inner), closing + tail]
+    if parts is None:
+        return [head + body + tail]
+    inner = [body] if _fits(deeper, body, width) else _exploded(parts, deeper, width, unit)
+    return [head + "(", *(unit + line for line in inner), ")" + tail]
+
+
+def _exploded(parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int, unit: str) -> list[str]:
+    """The lines of ``parts`` (of :func:`_parts`), one part a line, each split in turn where still too long."""
+    return [line for before, operand, after in parts for line in _lines(before, operand, after, indent, width, unit)]
+
+
+def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit: str) -> cst.SimpleStatementLine:
+    """``line`` (``indent`` columns in), split where it is one physical line longer than ``width``, or where its
+    value, in parentheses on a line of its own (``x = (``, the value, ``)``), no longer fits that line."""
+    if len(line.body) != 1:
+        return line
+    small = line.body[0]
+    text = _code(small)
+    if isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)) and small.value is not None:
+        value = small.value
+    elif isinstance(small, (cst.Return, cst.Expr)) and small.value is not None:
+        value = small.value
+    else:
+        return line
+    head = text[: len(text) - len(_code(value))]
+    if not text.endswith(_code(value)) or "\n" in head:
+        return line
+    if "\n" in text:  # only the layout ``(``, one line, ``)``, without comments, is laid out again
+        bare = value.with_changes(lpar=[], rpar=[])
+        inner = _code(bare)
+        if len(value.lpar) != 1 or "\n" in inner or "#" in text or _code(value) != f"(\n{unit}{inner}\n)":
+            return line
+        deeper = indent + len(unit.expandtabs(4))
+        parts = _parts(bare)
+        if parts is None or _fits(deeper, inner, width):
+            return line
+        lines = [f"{head}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
+    elif _fits(indent, text + _code(line.trailing_whitespace).rstrip("\n"), width):
+        return line
+    else:
+        lines = _lines(head, value, "", indent, width, unit)
+    if len(lines) == 1:
+        return line
+    parsed = _parsed("\n".join(lines) + "\n")
+    return line.with_changes(body=parsed.body) if isinstance(parsed, cst.SimpleStatementLine) else line
+
+
+def _parameters(params: cst.Parameters) -> list[str]:
+    """Each parameter's text, with the ``/`` and bare ``*`` markers, in order."""
+    def text(param: cst.Param, star: str = "") -> str:
+        alone = param.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_param=cst.SimpleWhitespace(""),
+                                   star=param.star if isinstance(param.star, str) else star)
+        return _code(alone).strip()
+
+    items = [text(p) for p in params.posonly_params]
+    if params.posonly_params:
+        items.append("/")
+    items += [text(p) for p in params.params]
+    if isinstance(params.star_arg, cst.Param):
+        items.append(text(params.star_arg, "*"))
+    elif isinstance(params.star_arg, cst.ParamStar):
+        items.append("*")
+    items += [text(p) for p in params.kwonly_params]
+    if params.star_kwarg is not None:
+        items.append(text(params.star_kwarg, "**"))
+    return items
+
+
+def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) -> cst.FunctionDef:
+    """``function`` (``indent`` columns in) with its parameters laid out again where a line of its header is
+    longer than ``width`` (the ``def`` line, or the line of parameters of a header already split)."""
+    header = _code(function.with_changes(decorators=[], leading_lines=[], lines_after_decorators=[],
+                                         body=cst.SimpleStatementSuite([cst.Pass()])))
+    header = header.rstrip("\n").removesuffix(" pass").rstrip()
+    if "#" in header or all(_fits(indent, line, width) for line in header.splitlines()):
+        return function  # it fits (or holds a comment, which a new layout would have to move)
+    items = _parameters(function.params)
+    one = ", ".join(items)
+    inner = [f"{unit}{one}"] if _fits(indent + len(unit), one, width) else [f"{unit}{item}," for item in items]
+    parsed = _parsed("\n".join(["def f(", *inner, "): pass"]) + "\n")
+    if not isinstance(parsed, cst.FunctionDef):
+        return function
+    return function.with_changes(params=parsed.params, whitespace_before_params=parsed.whitespace_before_params)

@@ -1,0 +1,234 @@
+"""Lines the rewrite makes too long are split as black splits them, at the tree's own line length.
+
+The expected texts are black's own output (black 26.10, ``-l 100``) for the same lines: a line the rewrite leaves
+too long, or splits otherwise than black, is what a maintainer would have to reformat by hand."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libcst")
+
+import libcst as cst  # noqa: E402
+
+from pgregistry.allowlist._config import ConfigError  # noqa: E402
+from pgregistry.migrate._layout import split_header, split_statement  # noqa: E402
+from pgregistry.migrate._style import line_length  # noqa: E402
+
+#: (a line at one indentation level, black's output for it at 100 columns)
+BLACK = [
+    (
+        'tp_group = tp_group if tp_group is not None else pg_group(pg_collection, "tp_cp_something_long_enough")',
+        'tp_group = (\n'
+        '    tp_group if tp_group is not None else pg_group(pg_collection, "tp_cp_something_long_enough")\n'
+        ')',
+    ),
+    (
+        'return pg_rank(pg_collection, "dp_gtp_remat"), pg_read(pg_collection, "pp", "last_stage"), '
+        'pg_read(pg_collection, "pp", "next_rank")',
+        'return (\n'
+        '    pg_rank(pg_collection, "dp_gtp_remat"),\n'
+        '    pg_read(pg_collection, "pp", "last_stage"),\n'
+        '    pg_read(pg_collection, "pp", "next_rank"),\n'
+        ')',
+    ),
+    (
+        'x = pg_group(pg_collection, "tp_cp") if config.tp_only_amax_red else pg_group(pg_collection, "tp_dp_cp")',
+        'x = (\n'
+        '    pg_group(pg_collection, "tp_cp")\n'
+        '    if config.tp_only_amax_red\n'
+        '    else pg_group(pg_collection, "tp_dp_cp")\n'
+        ')',
+    ),
+    (
+        'return pg_rank(pg_collection_long_name, "tp") == 0 and pg_size(pg_collection_long_name, "cp") == 1 and x',
+        'return (\n'
+        '    pg_rank(pg_collection_long_name, "tp") == 0\n'
+        '    and pg_size(pg_collection_long_name, "cp") == 1\n'
+        '    and x\n'
+        ')',
+    ),
+    (
+        'self.something_long.call_method(first_argument, pg_group(self.pg_collection, "dp_cp_gtp_remat"), third=3)',
+        'self.something_long.call_method(\n'
+        '    first_argument, pg_group(self.pg_collection, "dp_cp_gtp_remat"), third=3\n'
+        ')',
+    ),
+    (
+        'total = compute_something_long(first_argument, second_argument) + pg_size(self.pg_collection, "tp")',
+        'total = compute_something_long(first_argument, second_argument) + pg_size(\n'
+        '    self.pg_collection, "tp"\n'
+        ')',
+    ),
+    (
+        'mpu_groups = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "tp", "cp", "expt_tp", '
+        '"expt_dp", "expt_dp_gtp_remat", "tp_ep", "tp_cp", "tp_dp_cp"])',
+        'mpu_groups = ProcessGroupCollection.use_mpu_process_groups(\n'
+        '    required_pgs=[\n'
+        + "".join(f'        "{name}",\n' for name in ("ep", "tp", "cp", "expt_tp", "expt_dp", "expt_dp_gtp_remat",
+                                                     "tp_ep", "tp_cp", "tp_dp_cp"))
+        + '    ]\n'
+        ')',
+    ),
+    (  # two delimiters of the lowest priority: parentheses, though it ends in a call
+        'return pg_rank(pg_collection_long_name, "tp") == 0 and first_flag and pg_size(pg_collection, "cp")',
+        'return (\n'
+        '    pg_rank(pg_collection_long_name, "tp") == 0 and first_flag and pg_size(pg_collection, "cp")\n'
+        ')',
+    ),
+    (
+        'return pg_rank(pg_collection_long_name, "tp_cp"), pg_rank(pg_collection_long_name, "tp"), pg_size(x)',
+        'return (\n'
+        '    pg_rank(pg_collection_long_name, "tp_cp"),\n'
+        '    pg_rank(pg_collection_long_name, "tp"),\n'
+        '    pg_size(x),\n'
+        ')',
+    ),
+    (
+        'value = pg_rank(pg_collection, "dp_gtp_remat") == 0 and pg_read(pg_collection, "pp", "last_stage")',
+        'value = pg_rank(pg_collection, "dp_gtp_remat") == 0 and pg_read(\n'
+        '    pg_collection, "pp", "last_stage"\n'
+        ')',
+    ),
+]
+
+
+@pytest.mark.parametrize(("line", "black"), BLACK)
+def test_a_statement_is_split_as_black_splits_it(line: str, black: str) -> None:
+    statement = cst.parse_statement(f"{line}  # kept\n")
+    assert isinstance(statement, cst.SimpleStatementLine)
+    split = split_statement(statement, 4, 100, "    ")
+    assert cst.Module([split]).code == black + "  # kept\n"
+
+
+def test_a_nested_conditional_gets_its_own_parentheses_as_black_gives_them() -> None:
+    source = textwrap.dedent("""\
+        class L:
+            def __init__(self, tp_group=None, pg_collection=None):
+                self.tp_group = tp_group if tp_group is not None else pg_group(pg_collection, "expt_tp") if self.is_expert else pg_group(pg_collection, "tp")
+        """)  # noqa: E501
+    method = cst.parse_module(source).body[0].body.body[0]  # type: ignore[attr-defined]
+    statement = method.body.body[0]
+    assert cst.Module([split_statement(statement, 8, 100, "    ")]).code == (
+        "self.tp_group = (\n"
+        "    tp_group\n"
+        "    if tp_group is not None\n"
+        "    else (\n"
+        '        pg_group(pg_collection, "expt_tp")\n'
+        "        if self.is_expert\n"
+        '        else pg_group(pg_collection, "tp")\n'
+        "    )\n"
+        ")\n"
+    )
+
+
+def test_a_value_in_parentheses_on_its_own_line_is_split_where_it_no_longer_fits() -> None:
+    # Megatron-Core's TransformerBlock.forward, once the call passes the collection (black's output)
+    statement = cst.parse_statement(
+        "outer_quantization_context = (\n"
+        "    get_fp8_context(self.config, pg_collection=self.pg_collection) if use_outer_quantization_context "
+        "else nullcontext()\n"
+        ")\n"
+    )
+    assert isinstance(statement, cst.SimpleStatementLine)
+    assert cst.Module([split_statement(statement, 12, 100, "    ")]).code == (
+        "outer_quantization_context = (\n"
+        "    get_fp8_context(self.config, pg_collection=self.pg_collection)\n"
+        "    if use_outer_quantization_context\n"
+        "    else nullcontext()\n"
+        ")\n"
+    )
+
+
+def test_a_tuple_with_a_starred_element_is_left() -> None:
+    statement = cst.parse_statement(
+        'return *leading_values_of_the_tuple, pg_group(pg_collection, "tp"), pg_size(pg_collection, "cp"), x\n')
+    assert isinstance(statement, cst.SimpleStatementLine)
+    assert split_statement(statement, 4, 100, "    ") is statement
+
+
+def test_a_line_that_fits_or_spans_lines_already_is_left() -> None:
+    for line in ('x = pg_group(pg_collection, "tp")\n', 'x = f(\n    a, pg_group(pg_collection, "tp")\n)\n'):
+        statement = cst.parse_statement(line)
+        assert isinstance(statement, cst.SimpleStatementLine)
+        assert split_statement(statement, 0, 20 if "\n    " in line else 100, "    ") is statement
+
+
+@pytest.mark.parametrize(("header", "black"), [
+    (
+        "def is_not_duplicate_with_a_long_name(param, tp_group=None, another_group=None, *, pg_collection=None):",
+        "def is_not_duplicate_with_a_long_name(\n"
+        "    param, tp_group=None, another_group=None, *, pg_collection=None\n):",
+    ),
+    (
+        "def is_not_duplicate_with_a_longer_name(parameter_one, parameter_two, tp_group=None, another_group=None, *, "
+        "pg_collection=None):",
+        "def is_not_duplicate_with_a_longer_name(\n"
+        "    parameter_one, parameter_two, tp_group=None, another_group=None, *, pg_collection=None\n):",
+    ),
+    (  # a header split before, whose line of parameters the new one makes too long
+        "def get_model_with_a_long_name(\n    tokenizer, prompts=None, tokens_to_generate=None, add_BOS=None, "
+        "rank=0, data_parallel=False, *, pg_collection=None\n):",
+        "def get_model_with_a_long_name(\n"
+        + "".join(f"    {p},\n" for p in ("tokenizer", "prompts=None", "tokens_to_generate=None", "add_BOS=None",
+                                         "rank=0", "data_parallel=False", "*", "pg_collection=None"))
+        + "):",
+    ),
+    (
+        "def f(parameter_one: int, parameter_two: str = 'x', /, *args: int, keyword: bool = False, "
+        "pg_collection=None, **kwargs) -> int:",
+        "def f(\n    parameter_one: int,\n    parameter_two: str = 'x',\n    /,\n    *args: int,\n"
+        "    keyword: bool = False,\n    pg_collection=None,\n    **kwargs,\n) -> int:",
+    ),
+])
+def test_a_def_line_is_split_as_black_splits_it(header: str, black: str) -> None:
+    function = cst.parse_statement(f"@decorated\n{header}\n    pass\n")
+    assert isinstance(function, cst.FunctionDef)
+    assert cst.Module([split_header(function, 0, 100 if "->" not in header else 60, "    ")]).code == (
+        f"@decorated\n{black}\n    pass\n")
+
+
+@pytest.mark.parametrize(("files", "width"), [
+    ({}, 100),
+    ({"pyproject.toml": "[tool.ruff]\nline-length = 88\n[tool.black]\nline-length = 79\n"}, 88),
+    ({"pyproject.toml": "[tool.black]\nline-length = 79\n"}, 79),
+    ({"ruff.toml": "line-length = 110\n", "pyproject.toml": "[tool.black]\nline-length = 79\n"}, 110),
+    ({"setup.cfg": "[flake8]\nmax-line-length = 119\n"}, 119),
+    ({".flake8": "[flake8]\nmax-line-length = 120\n", "setup.cfg": "[flake8]\nmax-line-length = 119\n"}, 120),
+])
+def test_the_line_length_is_the_projects(tmp_path: Path, files: dict[str, str], width: int) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert line_length(tmp_path) == width
+
+
+def test_a_line_length_that_is_no_number_is_named(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.ruff]\nline-length = "wide"\n')
+    with pytest.raises(ConfigError, match=r"\[tool.ruff\] line-length must be a positive whole number, not 'wide'"):
+        line_length(tmp_path)
+
+
+def test_a_migration_keeps_to_the_trees_line_length(tmp_path: Path) -> None:
+    from pgregistry.allowlist._config import PRESETS
+    from pgregistry.allowlist._files import SourceFile
+    from pgregistry.migrate._engine import Helper, migrate
+
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def shard_the_input_tensor_across_ranks(x, tp_group=None):
+            tp_group = tp_group or ps.get_tensor_model_parallel_group()
+            return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        """)
+    (tmp_path / "m.py").write_text(source)
+    for width in (79, 100):
+        migration = migrate([SourceFile("m.py", tmp_path / "m.py")], PRESETS["megatron"], target="megatron",
+                            name="pg_collection", helper=Helper(width=width))
+        text = {change.path: change.after.decode() for change in migration.changes}["m.py"]
+        assert max(map(len, text.splitlines())) <= width, text
+        one_line = "def shard_the_input_tensor_across_ranks(x, tp_group=None, *, pg_collection=None):"
+        assert (one_line in text) == (width == 100)
