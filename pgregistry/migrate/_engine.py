@@ -43,6 +43,7 @@ from pgregistry.migrate._plan import (
 )
 from pgregistry.migrate._rewrite import UnrestorableError, rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
+from pgregistry.migrate._tree import TreeFacts, learn_tree
 from pgregistry.migrate._writing import Change
 
 __all__ = ["Migration", "migrate"]
@@ -164,6 +165,7 @@ class _Worker:
     idiom: Idiom
     modules: frozenset[str]
     gtp_remat: bool
+    facts: TreeFacts
     plans: dict[str, FilePlan] = field(default_factory=dict)
 
     def _plan(
@@ -178,7 +180,7 @@ class _Worker:
             return parsed
         assert isinstance(parsed.tree, cst.Module)
         plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
-                         gtp_remat=self.gtp_remat)
+                         gtp_remat=self.gtp_remat, facts=self.facts)
         plan.kept = parsed.kept
         return plan
 
@@ -296,9 +298,12 @@ def _migrate(
     queue = TaskQueue()
     may_thread = _may_thread(planned, contents)
     modules = frozenset(".".join(module_name(source.path)) for source in files)
+    scoped = {part for r in planned for s in r.sites if s.scope != MODULE_SCOPE for part in s.scope.split(".")}
+    facts = learn_tree(contents.values(), scoped, name, state_modules=config.modules, aliases=config.aliases,
+                       modules=modules)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, modules, gtp_remat)
+                queue, may_thread, name, idiom_, modules, gtp_remat, facts)
         for share in shares
     ]
     threaded: Threaded = {}

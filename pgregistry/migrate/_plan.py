@@ -24,11 +24,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+from libcst.metadata import (
+    Assignment,
+    CodeRange,
+    ImportAssignment,
+    MetadataWrapper,
+    PositionProvider,
+    QualifiedNameSource,
+    Scope,
+    ScopeProvider,
+)
 
 from pgregistry.allowlist._fixes import FieldChoice, collection_field
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._skeleton import line_starts, lines, span
+from pgregistry.migrate._tree import TreeFacts
 
 __all__ = [
     "FALLBACK",
@@ -535,6 +545,161 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
     return collection_field(accessor, keywords, gtp_remat=gtp_remat)
 
 
+def _head(read: Read) -> str:
+    """The first name of what ``read`` calls (``self`` in ``self.mpu.get_x()``)."""
+    assert read.call is not None
+    parts = _dotted(read.call.func)
+    return parts[0] if parts else ""
+
+
+def _import_lines(tree: Sequence[ast.stmt]) -> list[tuple[int, int]]:
+    """The line spans of the imports among module-level statements ``tree`` (in ``if`` / ``try`` blocks too)."""
+    spans: list[tuple[int, int]] = []
+    stack = list(tree)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            spans.append((node.lineno, node.end_lineno or node.lineno))
+        elif isinstance(node, (ast.If, ast.Try)):
+            stack += [*node.body, *node.orelse, *(s for h in getattr(node, "handlers", ()) for s in h.body)]
+    return spans
+
+
+def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``data`` may bind ``head`` other than by a module-level import (lines ``imports``): an
+    assignment, a parameter, a loop or ``with`` target, ``global``. A superset, by the text, of where libcst's
+    scopes could find such a binding, so that they are resolved only for the reads whose object may be
+    something else than an import (a function's scopes cost as much as parsing it)."""
+    name = re.escape(head.encode())
+    pattern = re.compile(
+        rb"\b" + name + rb"[ \t]*(?::[^=\n]*)?(?:[-+*/%&|^@]|//|\*\*|>>|<<)?=(?!=)"
+        rb"|(?:[(\[,*]|\b(?:for|as|global|nonlocal|del|lambda|def|class))[ \t\n\\]*" + name
+        + rb"\b(?![ \t]*[.(])"
+    )
+    for match in pattern.finditer(data):
+        line = data.count(b"\n", 0, match.end()) + 1
+        if not any(start <= line <= end for start, end in imports):
+            return True
+    return False
+
+
+def _imports_the_module(head: str, bindings: Mapping[str, str], facts: TreeFacts, package: list[str]) -> bool:
+    """Whether an import binds ``head`` to a configured ``parallel_state`` module or to a name in one (or
+    nothing does): then libcst's scopes need not be resolved for it, unless :func:`_bound_otherwise`."""
+    bound = bindings.get(head)
+    if bound is None:
+        return True
+    module, _, attribute = bound.partition(":")
+    module = _absolute(module, package)
+    target = f"{module}.{attribute}" if attribute else module
+    return facts.is_state_module(target) is not None or bool(attribute) and facts.is_state_module(module) is not None
+
+
+def _scopes(source: cst.Module, reads: Sequence[Read]) -> Mapping[cst.CSTNode, Scope | None]:
+    """libcst's scopes of the statements holding ``reads``, resolved on a module of them (of a module-level
+    class, only its members that hold reads: a method does not see its class's names) and every module-level
+    statement that is no definition (the imports and globals their names may be bound to): the whole file's
+    would cost three times its parse."""
+    members: dict[int, set[int]] = {}
+    for read in reads:
+        members.setdefault(read.top, set()).add(read.member)
+    body: list[cst.BaseStatement] = []
+    for index, statement in enumerate(source.body):
+        held = members.get(index)
+        if isinstance(statement, cst.ClassDef) and held is not None and -1 not in held and isinstance(
+                statement.body, cst.IndentedBlock):
+            inner = [member for i, member in enumerate(statement.body.body) if i in held]
+            body.append(statement.with_changes(body=statement.body.with_changes(body=inner)))
+        elif held is not None or isinstance(statement, cst.SimpleStatementLine):
+            body.append(statement)
+        elif not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):  # ``if HAVE_TE:`` and its classes
+            stripped = statement.visit(_WithoutDefinitions())
+            if isinstance(stripped, cst.BaseStatement):
+                body.append(stripped)
+    return MetadataWrapper(source.with_changes(body=body), unsafe_skip_copy=True).resolve(ScopeProvider)
+
+
+class _WithoutDefinitions(cst.CSTTransformer):
+    """A compound statement without the definitions in it (they bind no name a read's object can be)."""
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.RemovalSentinel:
+        return cst.RemoveFromParent()
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.RemovalSentinel:
+        return cst.RemoveFromParent()
+
+
+def _imported(assignment: ImportAssignment, package: list[str]) -> str:
+    """The dotted name the import of ``assignment`` names for the name it binds (``a.b.c`` for ``import a.b.c``
+    and ``from a.b import c``)."""
+    node = assignment.node
+    assert isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar)
+    module = ""
+    if isinstance(node, cst.ImportFrom):
+        module = _absolute("." * len(node.relative) + ".".join(_dotted(node.module) or []) if node.module else
+                           "." * len(node.relative), package)
+    for alias in node.names:
+        dotted = ".".join(_dotted(alias.name) or [])
+        bound = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else \
+            dotted if isinstance(node, cst.ImportFrom) else dotted.partition(".")[0]
+        if bound == assignment.name:
+            return f"{module}.{dotted}" if module else dotted
+    return module
+
+
+def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None:
+    """The qualified name of ``node`` when it is ``function`` or one enclosing it (None for the module)."""
+    while function is not None and function.node is not node:
+        function = function.parent
+    return function.qualname if function is not None else None
+
+
+def _not_parallel_state(read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts,
+                        package: list[str]) -> str | None:
+    """Why the object a ``parallel_state`` read is called on (or the bare accessor) is not the module itself:
+    it is bound to a parameter, a local, a global assigned in the file, an attribute of one of them, or an
+    import of another module; None when it is bound to an import of a configured ``parallel_state`` module only,
+    or to nothing in the file (the scanner's own resolution: a configured alias, a star import)."""
+    assert read.call is not None
+    func = read.call.func
+    target = func.value if isinstance(func, cst.Attribute) else func
+    head = target
+    while isinstance(head, cst.Attribute):
+        head = head.value
+    scope = scopes.get(head)
+    if not isinstance(head, cst.Name) or scope is None or not scope[head.value]:
+        return None
+    spelled = cst.Module([]).code_for_node(target)
+    what = f"an attribute of `{head.value}`, " if target is not head else ""
+    for assignment in scope[head.value]:
+        if not isinstance(assignment, ImportAssignment):
+            owner = _owner_of(read.function, getattr(assignment.scope, "node", None))
+            if isinstance(assignment, Assignment) and isinstance(assignment.node, cst.Param):
+                return f"`{spelled}` is {what}a parameter of {owner}, not parallel_state"
+            where = f"{owner} assigns" if owner else "the module assigns"
+            return f"`{spelled}` is {what}a name {where}, not an import of parallel_state"
+    for assignment in scope[head.value]:
+        assert isinstance(assignment, ImportAssignment)
+        imported = _imported(assignment, package)
+        qualified = [_absolute(q.name, package) for q in scope.get_qualified_names_for(func)
+                     if q.source == QualifiedNameSource.IMPORT]
+        modules = [q.rpartition(".")[0] for q in qualified]
+        matched = [(m, facts.is_state_module(m)) for m in modules]
+        # The configured name must be named by the import, not only by attributes after it: ``groups.mpu``
+        # with ``from deepspeed.utils import groups`` is a global of that module, not a module ``mpu``.
+        if not any(name is not None and len(imported) > len(m) - len(name) for m, name in matched):
+            return f"`{spelled}` is {what}imported from {imported}, not parallel_state"
+    return None
+
+
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds ``<name>`` with
     ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's ``use_mpu_process_groups``
@@ -638,14 +803,17 @@ def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
 
 def plan_file(
     path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None,
-    syntax: ast.Module | None = None, *, gtp_remat: bool = True,
+    syntax: ast.Module | None = None, *, gtp_remat: bool = True, facts: TreeFacts | None = None,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
     and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
     (:mod:`~pgregistry.migrate._skeleton`): a placeholder is never walked, its definition's name is
     taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
-    data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`)."""
+    data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`). ``facts``: what the
+    whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the ratchet's default modules, no
+    other file)."""
+    facts = facts if facts is not None else TreeFacts()
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
     spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
@@ -687,10 +855,19 @@ def plan_file(
         if id(site) not in located:
             reads.append(Read(site, None, None, 0, reason=_site_reason(site) or "not a call"))
     taken: set[str] = set(locator.top_level) | set(locator.bindings)
+    package = path.split("/")[:-1]
+    legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
+    imports = _import_lines((syntax or ast.parse(data)).body) if legacy else []
+    heads = {head for head in {_head(read) for read in legacy} if _bound_otherwise(head, data, imports)
+             or not _imports_the_module(head, locator.bindings, facts, package)}
+    ambiguous = [read for read in legacy if _head(read) in heads]
+    scopes = _scopes(source, ambiguous) if ambiguous else {}
     for read in reads:
         if read.call is None:
             continue
         reason = _site_reason(read.site)
+        if reason is None and read.site.family == LEGACY:
+            reason = _not_parallel_state(read, scopes, facts, package)
         if reason is None and read.function is None:
             reason = _MODULE_LEVEL if read.site.scope == MODULE_SCOPE else \
                 "class body: runs when the class is defined, before any collection exists"
@@ -741,7 +918,6 @@ def plan_file(
     for read in reads:  # a guarded read of a collection that is always there needs no warning
         if read.way == FALLBACK and read.mode == "direct" and not (read.function and read.function.door_name):
             read.way = IN_SCOPE
-    package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator,
                     statements=statements, line_starts=starts)
