@@ -34,6 +34,7 @@ from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
     FilePlan,
     Read,
+    collection_mentions,
     left_by_site,
     passes,
     plan_file,
@@ -173,7 +174,7 @@ class _Worker:
     ) -> FileResult | FilePlan:
         import libcst as cst
 
-        named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
+        named = collection_mentions(self.name)
         syntax = ast.parse(data)
         parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
         if isinstance(parsed, FileResult):

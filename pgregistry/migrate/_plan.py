@@ -19,6 +19,7 @@ tree pass a threaded function its collection is decided across files (:func:`pas
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ __all__ = [
     "FilePlan",
     "Function",
     "Read",
+    "collection_mentions",
     "passes",
     "plan_file",
     "reexported",
@@ -70,6 +72,11 @@ WAYS = (IN_SCOPE, THREADED, FALLBACK, BUILDER)
 #: Decorators that fix a function's signature or key on its arguments: a new parameter would break them.
 _FIXED_SIGNATURE = ("property", "setter", "getter", "deleter", "jit", "script", "compile", "cache", "lru_cache",
                     "overload", "fuser")
+#: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional arguments only).
+_CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
+_AUTOGRAD_FUNCTION = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
+#: Modules whose classes call back no method of a subclass (abstract bases, typing, enums, dataclasses).
+_PLAIN_MODULES = frozenset({"abc", "typing", "typing_extensions", "enum", "dataclasses", "collections", "builtins"})
 #: Special methods Python calls with its own arguments (``__init__`` and ``__call__`` are called by the code).
 _CALLED_BY_CODE = frozenset({"__init__", "__call__", "__new__"})
 _LITERALS = (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString, cst.Integer, cst.Float,
@@ -175,7 +182,7 @@ class FilePlan:
     calls: list[Call]
     bindings: dict[str, str]
     top_level: dict[str, str]
-    attributes: dict[int, list[tuple[str, int]]]
+    attributes: dict[int, list[tuple[str, str, int]]]
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -261,8 +268,9 @@ class _Locator(cst.CSTVisitor):
         self.class_names: list[str] = []
         self.statement: list[int] = [0]
         self.in_class_body: list[bool] = [False]
-        #: class node -> (method name, statement index) of each ``self.<name> = ...``.
-        self.attributes: dict[int, list[tuple[str, int]]] = {}
+        #: class node -> (attribute, method name, statement index) of each ``self.<attribute> = ...`` that holds a
+        #: collection (:func:`_holds_a_collection`); a declaration in the class body has no method (index -1).
+        self.attributes: dict[int, list[tuple[str, str, int]]] = {}
         self.bindings: dict[str, str] = {}
         self.top_level: dict[str, str] = {}
         #: The calls that stand alone (a statement's value, a test, an argument): a comparison put there needs
@@ -421,14 +429,22 @@ class _Locator(cst.CSTVisitor):
             function.fills_at.append(self.statement[-1])
         if (
             isinstance(target, cst.Attribute)
-            and target.attr.value == self.name
+            and _holds_a_collection(target.attr.value, value, self.name)
             and isinstance(target.value, cst.Name)
             and function is not None
             and function.method_of is not None
             and target.value.value == function.self_name
         ):
             index = self.statement[-1] if len(self.statement) == 2 else -1
-            self.attributes[id(function.method_of)].append((function.node.name.value, index))
+            self.attributes[id(function.method_of)].append((target.attr.value, function.node.name.value, index))
+        if (  # a field declared in the class body (a dataclass's ``_pg_collection: ... = None``)
+            isinstance(target, cst.Name)
+            and function is None
+            and self.in_class_body[-1]
+            and self.classes
+            and _holds_a_collection(target.value, value, self.name)
+        ):
+            self.attributes[id(self.classes[-1])].append((target.value, "", -1))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         self._alone(node.value)
@@ -723,11 +739,15 @@ def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     )
 
 
-def _collection_in_scope(function: Function, statement: int, attributes: Mapping[int, list[tuple[str, int]]],
-                         name: str) -> tuple[str, bool, bool] | str | None:
-    """(expression, may be None, from an enclosing function) of the collection in scope at top-level statement
-    ``statement`` of ``function``; a reason string when a name is bound in a way that hides it; None when there
-    is none."""
+def _collection_in_scope(function: Function, statement: int, attributes: Mapping[int, list[tuple[str, str, int]]],
+                         name: str, collections: frozenset[str] = frozenset()) -> tuple[str, bool, bool] | str | None:
+    """(expression, may be None, read inline) of the collection in scope at top-level statement ``statement`` of
+    ``function``; a reason string when a name is bound in a way that hides it; None when there is none.
+
+    In order: the function's own ``name`` (a parameter, a local assigned above), an enclosing function's (a
+    closure), ``self.<attribute>`` that its class assigns or declares a collection (any method but a later
+    statement of ``__init__``), and ``<parameter>.<attribute>`` where the tree assigns that very expression
+    (``collections``: ``config._pg_collection``), read with ``getattr`` (another object may lack it)."""
     if function.fills_at and (function.constructs or statement in function.fills_at):
         return f"builds the collection: assigns fields of {name} (a shim written by hand)"
     if function.param_optional is not None:
@@ -749,21 +769,147 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
         outer = outer.parent
     self_name = function.self_name
     if self_name is not None and function.method_of is not None:
-        assigned = attributes.get(id(function.method_of), [])
         own = function.node.name.value
-        if any(method != own or 0 <= index < statement for method, index in assigned):
-            if own != "__init__" or any(method == own and 0 <= index < statement for method, index in assigned):
-                return f"{self_name}.{name}", False, False
+        held: dict[str, list[tuple[str, int]]] = {}
+        for attribute, method, index in attributes.get(id(function.method_of), []):
+            held.setdefault(attribute, []).append((method, index))
+        for attribute in sorted(held, key=lambda a: (a != name, a)):
+            assigned = held[attribute]
+            before = any(not method or method == own and 0 <= index < statement for method, index in assigned)
+            if before or own != "__init__" and any(method != own for method, _ in assigned):
+                return f"{self_name}.{attribute}", attribute != name, attribute != name
+    parameters = _parameters(function)
+    for expression in sorted(collections):
+        owner, _, attribute = expression.rpartition(".")
+        if owner.partition(".")[0] in parameters and owner != function.self_name:
+            return f'getattr({owner}, "{attribute}", None)', True, True
     return None
 
 
-def _cannot_thread(function: Function) -> str | None:
+def _parameters(function: Function) -> list[str]:
+    params = function.node.params
+    return [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
+
+
+def _outermost(function: Function) -> Function:
+    """The function ``function`` is nested in, at the outermost (itself when it is not nested)."""
+    while function.parent is not None:
+        function = function.parent
+    return function
+
+
+def _names_between(function: Function, root: Function) -> set[str]:
+    """The names of ``function`` and the functions between it and ``root`` (which encloses it), ``root``'s not."""
+    names: set[str] = set()
+    while function is not root and function.parent is not None:
+        names |= function.names
+        function = function.parent
+    return names
+
+
+def _enclosing_collection(function: Function, root: Function, attributes: Mapping[int, list[tuple[str, str, int]]],
+                          name: str, collections: frozenset[str]) -> tuple[str, bool, bool] | str | None:
+    """The collection in scope in ``root`` (``self.<attribute>``, ``<parameter>.<attribute>``) where the
+    statement of ``root`` that defines ``function`` runs, read by ``function`` inline as a closure; a reason
+    when ``function`` binds a name that hides it."""
+    child = function
+    while child.parent is not root and child.parent is not None:
+        child = child.parent
+    body = root.node.body.body if isinstance(root.node.body, cst.IndentedBlock) else ()
+    statement = next((i for i, s in enumerate(body) if s is child.node), 0)
+    found = _collection_in_scope(root, statement, attributes, name, collections)
+    if not isinstance(found, tuple):
+        return found
+    head = found[0].removeprefix("getattr(").partition(".")[0].partition(",")[0]
+    inner = function
+    while inner is not root and inner.parent is not None:
+        if head in _parameters(inner):
+            return f"binds {head}, which hides {root.qualname}'s collection"
+        inner = inner.parent
+    return found[0], True, True
+
+
+class _Classes:
+    """The bases of a file's classes, resolved through its imports: which are autograd Functions, and which
+    derive from a class outside the tree (whose methods a framework may call back)."""
+
+    def __init__(self, syntax: ast.Module, bindings: Mapping[str, str], package: list[str], facts: TreeFacts):
+        self.bindings = bindings
+        self.package = package
+        self.facts = facts
+        #: The module-level classes of the file (all of them: the libcst tree may hold placeholders).
+        self.bases: dict[str, list[str | None]] = {
+            node.name: [_ast_dotted(base) for base in node.bases]
+            for node in syntax.body if isinstance(node, ast.ClassDef)
+        }
+
+    def _resolved(self, base: str) -> str:
+        return _qualified(base.split("."), self.bindings, self.package) or base
+
+    def _ancestors(self, bases: list[str | None]) -> list[str | None]:
+        """``bases`` with the bases of those defined in the file, transitively (a cycle is walked once)."""
+        seen: list[str | None] = []
+        pending = list(bases)
+        while pending:
+            base = pending.pop()
+            if base in seen:
+                continue
+            seen.append(base)
+            if base is not None and base in self.bases and base not in self.bindings:
+                pending += self.bases[base]
+        return seen
+
+    def autograd(self, node: cst.ClassDef) -> bool:
+        """Whether ``node`` derives from ``torch.autograd.Function`` (directly or through classes of the file)."""
+        bases = [".".join(_dotted(a.value) or []) or None for a in node.bases if a.keyword is None]
+        return any(b is not None and self._resolved(b) in _AUTOGRAD_FUNCTION for b in self._ancestors(bases))
+
+    def outside(self, node: cst.ClassDef) -> str | None:
+        """A base of ``node`` outside the tree that may define methods a framework calls back, or None."""
+        bases = [".".join(_dotted(a.value) or []) or None for a in node.bases if a.keyword is None]
+        for base in self._ancestors(bases):
+            if base is None or base in self.bases and base not in self.bindings:
+                continue  # a subscripted or called base (``Generic[T]``), or a class of the file
+            qualified = _qualified(base.split("."), self.bindings, self.package)
+            if qualified is None:  # a builtin (``object``, ``Exception``) or from a star import
+                if hasattr(builtins, base):
+                    continue
+                return base
+            module = qualified.rpartition(".")[0]
+            if module.split(".")[0] in _PLAIN_MODULES or module in self.facts.modules or qualified in \
+                    self.facts.modules or any(module.startswith(m + ".") for m in self.facts.modules):
+                continue
+            return qualified
+        return None
+
+
+def _autograd_shaped(function: Function) -> bool:
+    """A static ``forward(ctx, ...)`` / ``backward(ctx, ...)``: an autograd Function's, whatever its class."""
+    params = function.node.params.params or function.node.params.posonly_params
+    return bool(_decorated(function.node, ("staticmethod",))) and bool(params) and params[0].name.value == "ctx"
+
+
+def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
+    """Why ``function`` may not be given a parameter: no caller could pass it, or a new one would break it."""
     decorated = _decorated(function.node, _FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
     name = function.node.name.value
     if name.startswith("__") and name.endswith("__") and name not in _CALLED_BY_CODE:
         return f"special method {name}: Python calls it with its own arguments"
+    method_of = function.method_of
+    if method_of is not None and name in _CALLED_BY_AUTOGRAD and (
+            classes.autograd(method_of) or _autograd_shaped(function)):
+        return f"{name} of an autograd Function: torch calls it through .apply(...), which takes no keyword"
+    if name in facts.hooks:
+        return f"a hook (passed to a register_*hook): torch calls {name} with its own arguments"
+    if name in facts.values:
+        return f"passed as a value ({name} is referenced, never called, in the tree): no caller can pass it one"
+    if method_of is not None and name not in _CALLED_BY_CODE and name not in facts.called:
+        base = classes.outside(method_of)
+        if base is not None:
+            return (f"a callback: {method_of.name.value} derives from {base}, outside the tree, and the tree never "
+                    f"calls {name} by name")
     return None
 
 
@@ -823,7 +969,7 @@ def plan_file(
     locator = _Locator(sites, name)
     locator.wanted = wanted
     _skip_placeholders(locator, source.body, statements)
-    pattern = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
+    pattern = collection_mentions(name)
     starts = line_starts(data)
     for i in wanted:
         top, tree = source.body[i], statements[i][0]
@@ -856,6 +1002,7 @@ def plan_file(
             reads.append(Read(site, None, None, 0, reason=_site_reason(site) or "not a call"))
     taken: set[str] = set(locator.top_level) | set(locator.bindings)
     package = path.split("/")[:-1]
+    classes = _Classes(syntax or ast.parse(data), locator.bindings, package, facts)
     legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
     imports = _import_lines((syntax or ast.parse(data)).body) if legacy else []
     heads = {head for head in {_head(read) for read in legacy} if _bound_otherwise(head, data, imports)
@@ -887,7 +1034,7 @@ def plan_file(
             continue
         function = read.function
         assert function is not None
-        found = _collection_in_scope(function, read.statement, locator.attributes, name)
+        found = _collection_in_scope(function, read.statement, locator.attributes, name, facts.collections)
         if isinstance(found, str) and _fills_a_field(function, read, name):
             if not function.shim_name:
                 function.shim_name, function.shim_at = _free_name(function, "mpu_groups", taken), read.statement
@@ -900,14 +1047,24 @@ def plan_file(
             read.way, read.reason = LEFT, found
             continue
         guarded = read.site.guarded or bool(read.given)
-        if found is None:
-            why = _cannot_thread(function)
-            if why is not None:
-                read.way, read.reason = LEFT, why
+        root = _outermost(function)
+        if found is None and root is not function:  # the enclosing function's collection, as a closure
+            found = _enclosing_collection(function, root, locator.attributes, name, facts.collections)
+            if isinstance(found, str):
+                read.way, read.reason = LEFT, found
                 continue
-            if not function.added:
-                function.added = _free_name(function, name, taken, ("process_group_collection",))
-            expression, optional, closure = function.added, True, False
+        if found is None:
+            why = _cannot_thread(root, classes, facts)
+            if why is not None:
+                read.way, read.reason = LEFT, why if root is function else f"nested in {root.qualname}: {why}"
+                continue
+            if not root.added:
+                root.added = _free_name(root, name, taken | _names_between(function, root),
+                                        ("process_group_collection",))
+            elif root.added in _names_between(function, root):
+                read.way, read.reason = LEFT, f"binds {root.added}, which hides {root.qualname}'s collection"
+                continue
+            expression, optional, closure = root.added, True, root is not function
             read.way = FALLBACK if guarded else THREADED
         else:
             expression, optional, closure = found
@@ -1027,22 +1184,27 @@ def _absolute(module: str, package: list[str]) -> str:
     return ".".join([*base, rest] if rest else base)
 
 
+def _qualified(dotted: list[str], bindings: Mapping[str, str], package: list[str]) -> str | None:
+    """The dotted name ``dotted`` stands for through the file's imports (``bindings``); None when no import binds
+    its first name."""
+    bound = bindings.get(dotted[0])
+    if bound is None:
+        return None
+    module, _, attribute = bound.partition(":")
+    module = _absolute(module, package)
+    return ".".join([f"{module}.{attribute}" if attribute else module, *dotted[1:]])
+
+
 def _callee(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
     """(module, function) a call of ``dotted`` in ``plan`` calls, when it is a module-level function."""
     head = dotted[0]
     if len(dotted) == 1 and plan.top_level.get(head) == "function":
         return plan.module, head
-    bound = plan.bindings.get(head)
-    if bound is None:
+    qualified = _qualified(dotted, plan.bindings, plan.package)
+    if qualified is None or "." not in qualified:
         return None
-    module, _, attribute = bound.partition(":")
-    module = _absolute(module, plan.package)
-    if len(dotted) == 1 and attribute:
-        return module, attribute
-    target = f"{module}.{attribute}" if attribute else module
-    if len(dotted) >= 2:
-        return ".".join([target, *dotted[1:-1]]), dotted[-1]
-    return None
+    module, _, function = qualified.rpartition(".")
+    return module, function
 
 
 def threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
@@ -1106,13 +1268,17 @@ def passes(plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, st
                 continue
             if any(a.star == "**" or (a.keyword is not None and a.keyword.value == keyword) for a in call.node.args):
                 continue
+            root = _outermost(caller)
             if caller.added:
                 value = caller.added
             else:
                 found = _collection_in_scope(caller, call.statement, plan.attributes, name)
-                if not isinstance(found, tuple):
+                if isinstance(found, tuple):
+                    value = found[0]
+                elif found is None and root.added and root.added not in _names_between(caller, root):
+                    value = root.added  # a nested function passes the collection threaded into its enclosing one
+                else:
                     continue
-                value = found[0]
             plan.passes[id(call.node)] = (keyword, value)
             plan.passing_tops.add((call.top, call.member))
             count += 1
@@ -1134,6 +1300,19 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
                     locator.visit_member(index, statement, member)
         elif index not in locator.visited and pattern.search(plan.text(start, end)):
             locator.visit_top(index, statement)
+
+
+def collection_mentions(name: str) -> re.Pattern[bytes]:
+    """Where a collection may be named, bound or built: a word containing ``name`` (``pg_collection``,
+    ``self._pg_collection``) or a construction (the class members to walk for ``self.<attribute> = ...``)."""
+    return re.compile(rb"\w*" + re.escape(name.encode()) + rb"|\b(?:ProcessGroupCollection|use_mpu_process_groups)\b")
+
+
+def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: str) -> bool:
+    """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name (it contains ``name``:
+    ``_pg_collection``) or by its value (``ProcessGroupCollection(...)``, ``use_mpu_process_groups(...)``)."""
+    return name in attribute or isinstance(value, cst.Call) and _called_name(value) in (
+        "ProcessGroupCollection", "use_mpu_process_groups")
 
 
 def _called_name(call: cst.Call) -> str:

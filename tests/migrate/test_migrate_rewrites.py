@@ -291,7 +291,8 @@ def alone():
     text = after(tmp_path, source)
     # The closure's collection may be None: resolved where it is read (a door would make it a local of inner).
     assert 'return resolve_megatron_collection(pg_collection, owner="m.outer.inner", fields=("tp",)).tp' in text
-    assert "    def inner(*, pg_collection=None):" in text  # alone's inner has none: it is threaded
+    # alone's inner has none: alone is given one, and inner reads it as a closure (nobody could pass inner one)
+    assert run(tmp_path, {"m.py": source}).threaded == ["m.py: alone"]
 
 
 def test_decorators_async_and_methods(tmp_path: Path) -> None:
