@@ -3,10 +3,14 @@
 The scanner (:mod:`~pgregistry.allowlist._scanner`) says where the reads are; this module finds them in the
 file's libcst tree (by position), walks the scopes around each, and decides for every read, first that applies:
 
+0. ``left`` when what it is called on is not ``parallel_state`` itself (a parameter, ``self.mpu``, another
+   module's global: libcst's scopes say what the name is bound to, see :func:`_not_parallel_state`);
 1. ``in-scope``: a collection is in scope (a parameter or a local of the configured name assigned above the
-   read, the same in an enclosing function, or ``self.<name>`` assigned in the class): the read becomes its field;
-2. ``threaded``: none is: the enclosing function gets an optional keyword-only parameter (a name that collides
-   with nothing), resolved through the fallback that warns;
+   read, the same in an enclosing function, ``self.<attribute>`` the class assigns a collection, or
+   ``<parameter>.<attribute>`` the tree assigns one, :mod:`~pgregistry.migrate._tree`): the read becomes its field;
+2. ``threaded``: none is: the outermost enclosing function gets an optional keyword-only parameter (a name that
+   collides with nothing), resolved through the fallback that warns, unless no caller could pass it
+   (:func:`_cannot_thread`: an autograd Function's ``forward``, a hook, a callback, a function passed as a value);
 3. ``fallback``: a read that only runs when a value is missing (``if group is None: group = ...``, a fallback
    helper) goes through the same warning, lazily, so a caller that passes the group never warns;
 4. ``left``: anything else, with the reason.
