@@ -43,7 +43,7 @@ from libcst.metadata import (
 from pgregistry.allowlist._fixes import FieldChoice, collection_field
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._skeleton import line_starts, lines, span
-from pgregistry.migrate._tree import TreeFacts
+from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [
     "FALLBACK",
@@ -102,6 +102,9 @@ class Function:
     #: Top-level statement indexes of ``<name> = value`` with a value that may be a collection.
     local_at: list[int] = field(default_factory=list)
     local_other: bool = False
+    #: Other names holding a collection: parameters (statement -1) and locals (the top-level statement that
+    #: assigns them) named like one (``model_pg_collection``) or assigned one (``ProcessGroupCollection(...)``).
+    held: list[tuple[str, int]] = field(default_factory=list)
     #: Top-level statement indexes holding ``<name>.field = ...``: there the function fills the collection, so a
     #: read being assigned into it stays (rewritten, it would read the field it is filling).
     fills_at: list[int] = field(default_factory=list)
@@ -391,6 +394,8 @@ class _Locator(cst.CSTVisitor):
                     function.param_other = True
                 else:
                     function.param_optional = param.default is not None
+            elif names_a_collection(param.name.value, self.name) and not _other_meaning(param.annotation):
+                function.held.append((param.name.value, -1))
         for star in (params.star_arg, params.star_kwarg):
             if isinstance(star, cst.Param):
                 function.names.add(star.name.value)
@@ -414,6 +419,10 @@ class _Locator(cst.CSTVisitor):
 
     def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
+        if (isinstance(target, cst.Name) and function is not None and target.value != self.name
+                and _holds_a_collection(target.value, value, self.name)):
+            function.held.append((target.value, self.statement[-1] if len(self.statement) == 2 else len(
+                function.node.body.body)))  # bound in a block: not known above a read
         if isinstance(target, cst.Name) and function is not None and target.value == self.name:
             if isinstance(value, cst.Call) and _called_name(value) == "ProcessGroupCollection":
                 function.constructs = True
@@ -762,6 +771,9 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
         if function.param_other or function.local_other:
             return None  # another meaning (or unknown): thread under another name
         return f"read above the assignment of the local {name}"
+    for local, index in function.held:  # the last binding above the read, and none between
+        if index < statement and not any(other == local and index < at < statement for other, at in function.held):
+            return local, True, True
     outer = function.parent
     while outer is not None:
         if outer.param_optional is not None:
@@ -1313,9 +1325,10 @@ def collection_mentions(name: str) -> re.Pattern[bytes]:
 
 
 def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: str) -> bool:
-    """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name (it contains ``name``:
-    ``_pg_collection``) or by its value (``ProcessGroupCollection(...)``, ``use_mpu_process_groups(...)``)."""
-    return name in attribute or isinstance(value, cst.Call) and _called_name(value) in (
+    """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name (``_pg_collection``, see
+    :func:`~pgregistry.migrate._tree.names_a_collection`) or by its value (``ProcessGroupCollection(...)``,
+    ``use_mpu_process_groups(...)``)."""
+    return names_a_collection(attribute, name) or isinstance(value, cst.Call) and _called_name(value) in (
         "ProcessGroupCollection", "use_mpu_process_groups")
 
 

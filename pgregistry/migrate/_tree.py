@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["TreeFacts", "learn_tree"]
+__all__ = ["TreeFacts", "learn_tree", "names_a_collection"]
 
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
 _ATTRIBUTE_TARGET = re.compile(rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)",
@@ -53,13 +53,19 @@ class TreeFacts:
         return next((m for m in self.state_modules if dotted == m or dotted.endswith("." + m)), None)
 
 
+def names_a_collection(identifier: str, collection: str) -> bool:
+    """Whether ``identifier`` names a collection by the configured name ``collection``: it is that name or holds
+    it as a ``_``-separated part (``_pg_collection``, ``model_pg_collection``; not ``pg_collections``)."""
+    return re.search(rf"(?:^|_){re.escape(collection)}(?:_|$)", identifier) is not None
+
+
 def _collections(data: bytes, collection: str) -> set[str]:
     """The dotted expressions (with at least one ``.``) ``data`` assigns a collection to: by name (its last part
     contains ``collection``) or by value (``ProcessGroupCollection(...)``, ``use_mpu_process_groups(...)``)."""
     found = set()
     for match in _ATTRIBUTE_TARGET.finditer(data):
         target = match.group(1).decode()
-        if collection in target.rpartition(".")[2] or _BUILDS.search(match.group(2)):
+        if names_a_collection(target.rpartition(".")[2], collection) or _BUILDS.search(match.group(2)):
             found.add(target)
     return found
 

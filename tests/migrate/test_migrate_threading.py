@@ -31,6 +31,7 @@ SOURCE = textwrap.dedent('''\
 
     import torch
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
     class Scale(torch.autograd.Function):
@@ -108,6 +109,19 @@ SOURCE = textwrap.dedent('''\
 
     def step(config):
         return ps.get_pipeline_model_parallel_group()
+
+
+    def given(model_pg_collection=None):
+        return ps.get_tensor_model_parallel_group()
+
+
+    def built():
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        return groups, ps.get_pipeline_model_parallel_group()
+
+
+    def listed(pg_collections):
+        return pg_collections, ps.get_pipeline_model_parallel_group()
     ''')
 
 
@@ -130,7 +144,7 @@ def _left(migration: Migration) -> dict[str, list[str]]:
 
 
 def test_only_plain_functions_whose_callers_the_tree_holds_are_given_the_parameter(migration: Migration) -> None:
-    assert migration.threaded == ["m.py: make_reader"]
+    assert sorted(migration.threaded) == ["m.py: listed", "m.py: make_reader"]
 
 
 def test_an_autograd_functions_forward_and_backward_keep_their_reads(migration: Migration) -> None:
@@ -159,6 +173,9 @@ def test_a_collection_the_code_holds_is_used(migration: Migration) -> None:
     assert ways["Model.tp"] == ("in-scope", "self._pg_collection")
     assert ways["step"] == ("in-scope", 'getattr(config, "_pg_collection", None)')  # setup assigns it
     assert ways["make_reader.read"] == ("threaded", "pg_collection")  # the enclosing function's, as a closure
+    assert ways["given"] == ("in-scope", "model_pg_collection")  # a parameter named as one
+    assert ways["built"] == ("in-scope", "groups")  # a local assigned one
+    assert ways["listed"] == ("threaded", "pg_collection")  # a list of collections is not one
 
 
 def _ranks(group: Any) -> list[int]:
@@ -210,12 +227,15 @@ def _rank(original: str, rewritten: str) -> dict[str, Any]:
             out["reader"] = _ranks(new.make_reader(pg_collection=collection)())
             out["model"] = _ranks(new.Model(pg_collection=collection).tp())
             out["step"] = _ranks(new.step(types.SimpleNamespace(_pg_collection=collection)))
+            out["given"] = _ranks(new.given(model_pg_collection=collection))
+            out["built"] = _ranks(new.built()[1]), _ranks(old.built()[1])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("ignore")
             warnings.simplefilter("always", ProcessGroupFallbackWarning)
             out["old reader"], out["new reader"] = _ranks(old.make_reader()()), _ranks(new.make_reader()())
             out["old step"] = _ranks(old.step(types.SimpleNamespace()))
             out["new step"] = _ranks(new.step(types.SimpleNamespace()))  # a config without a collection
+            out["old given"], out["new given"] = _ranks(old.given()), _ranks(new.given())
             out["warned"] = sorted(
                 {str(w.message).split(" ", 1)[0] for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)}
             )
@@ -232,11 +252,12 @@ def test_the_rewritten_code_runs_as_torch_and_its_callers_call_it(migration: Mig
         assert out["old uses"]["apply"][0] == [2.0, 2.0]  # TP 1: the values a swap of groups would change
         assert out["second grid"] == [0, 1]
         # The collection passed (of the second grid) is what is read, in the closure and where the code holds one.
-        assert out["reader"] == out["model"] == out["step"] == [0, 1]
+        assert out["reader"] == out["model"] == out["step"] == out["given"] == [0, 1]
+        assert out["built"][0] == out["built"][1] == [out["rank"]]
         # None passed: exactly the global group, with the warning naming the function that read.
         assert out["new reader"] == out["old reader"] == [out["rank"]]
-        assert out["new step"] == out["old step"] == [out["rank"]]
-        assert out["warned"] == ["m.make_reader.read", "m.step"]
+        assert out["new step"] == out["old step"] == out["new given"] == out["old given"] == [out["rank"]]
+        assert out["warned"] == ["m.given", "m.make_reader.read", "m.step"]
 
 
 def test_a_subclass_of_an_autograd_function_of_another_file_keeps_its_reads(tmp_path: Path) -> None:
