@@ -760,7 +760,8 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
     In order: the function's own ``name`` (a parameter, a local assigned above), an enclosing function's (a
     closure), ``self.<attribute>`` that its class assigns or declares a collection (any method but a later
     statement of ``__init__``), and ``<parameter>.<attribute>`` where the tree assigns that very expression
-    (``collections``: ``config._pg_collection``), read with ``getattr`` (another object may lack it)."""
+    (``collections``, see :meth:`~pgregistry.migrate._tree.TreeFacts.collections_of`: ``config._pg_collection``),
+    read with ``getattr`` (another object may lack it)."""
     if function.fills_at and (function.constructs or statement in function.fills_at):
         return f"builds the collection: assigns fields of {name} (a shim written by hand)"
     if function.param_optional is not None:
@@ -1019,6 +1020,7 @@ def plan_file(
     taken: set[str] = set(locator.top_level) | set(locator.bindings)
     package = path.split("/")[:-1]
     classes = _Classes(syntax or ast.parse(data), locator.bindings, package, facts)
+    collections = facts.collections_of(path)
     legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
     imports = _import_lines((syntax or ast.parse(data)).body) if legacy else []
     heads = {head for head in {_head(read) for read in legacy} if _bound_otherwise(head, data, imports)
@@ -1050,7 +1052,7 @@ def plan_file(
             continue
         function = read.function
         assert function is not None
-        found = _collection_in_scope(function, read.statement, locator.attributes, name, facts.collections)
+        found = _collection_in_scope(function, read.statement, locator.attributes, name, collections)
         if isinstance(found, str) and _fills_a_field(function, read, name):
             if not function.shim_name:
                 function.shim_name, function.shim_at = _free_name(function, "mpu_groups", taken), read.statement
@@ -1065,7 +1067,7 @@ def plan_file(
         guarded = read.site.guarded or bool(read.given)
         root = _outermost(function)
         if found is None and root is not function:  # the enclosing function's collection, as a closure
-            found = _enclosing_collection(function, root, locator.attributes, name, facts.collections)
+            found = _enclosing_collection(function, root, locator.attributes, name, collections)
             if isinstance(found, str):
                 read.way, read.reason = LEFT, found
                 continue

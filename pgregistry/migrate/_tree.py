@@ -3,11 +3,12 @@
 Whether a function may be given a new parameter depends on code in other files: a function whose only uses are
 as a value (``partial(f)``, ``callback=f``, ``@f``) or as a hook (``register_forward_hook(f)``) has no caller that
 could pass one, and a method of a class with a base outside the tree is a framework callback unless the tree
-calls it by name. Which collections are in scope depends on the tree's own names (``config._pg_collection`` is one
-only where the tree assigns it). This module finds those facts, for the names that matter (those of the
-functions reads are in), with regular expressions over every file's bytes: one pass per file, no parse, so a run
-stays linear in the tree's size. Name-based on purpose: the type of ``obj`` in ``obj.f`` is not known statically,
-so a method ``f`` of any class counts as called (or passed) when ``obj.f(...)`` (or ``obj.f``) is.
+calls it by name. Which collections are in scope depends on the tree's own names (``config._pg_collection`` is
+one where the file assigns it, or where a class of the tree declares the field). This module finds those facts,
+for the names that matter (those of the functions reads are in), with regular expressions over every file's
+bytes: one pass per file, no parse, so a run stays linear in the tree's size. Name-based on purpose: the type of
+``obj`` in ``obj.f`` is not known statically, so a method ``f`` of any class counts as called (or passed) when
+``obj.f(...)`` (or ``obj.f``) is.
 
 The patterns err on the safe side: a mention in a comment may make a function count as called (then it is
 threaded, and only its direct callers pass it a collection) or as passed as a value (then its reads stay, with
@@ -17,7 +18,7 @@ the reason). Pure: no I/O.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = ["TreeFacts", "learn_tree", "names_a_collection"]
@@ -25,6 +26,8 @@ __all__ = ["TreeFacts", "learn_tree", "names_a_collection"]
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
 _ATTRIBUTE_TARGET = re.compile(rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)",
                                re.M)
+#: An annotated name alone on an indented line, with no trailing comma (a class field, not a parameter).
+_FIELD = re.compile(rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[^=\n]*(?:=[^\n]*[^,\s])?[ \t]*$", re.M)
 #: A value that is a collection whatever its name.
 _BUILDS = re.compile(rb"\b(?:ProcessGroupCollection|use_mpu_process_groups)\s*\(")
 
@@ -36,8 +39,9 @@ class TreeFacts:
     ``state_modules`` / ``aliases``: the ratchet's configured ``parallel_state`` modules and bare aliases
     (``ps``); ``modules``: the tree's own module names; ``called``: names called somewhere (``f(`` or ``.f(``);
     ``values``: names referenced as values and never called; ``hooks``: names passed to a torch hook
-    registration (``register_*hook``); ``collections``: the dotted expressions the tree assigns a collection to
-    (``self._pg_collection``, ``config._pg_collection``)."""
+    registration (``register_*hook``); ``collections``: (path, dotted expression) of each assignment of a
+    collection to an attribute (``config._pg_collection = ...``); ``fields``: the collection attributes a class
+    body declares (``_pg_collection: Optional[ProcessGroupCollection] = None``)."""
 
     state_modules: tuple[str, ...] = ("parallel_state", "mpu")
     aliases: tuple[str, ...] = ("ps",)
@@ -45,7 +49,14 @@ class TreeFacts:
     called: frozenset[str] = frozenset()
     values: frozenset[str] = frozenset()
     hooks: frozenset[str] = frozenset()
-    collections: frozenset[str] = frozenset()
+    collections: frozenset[tuple[str, str]] = frozenset()
+    fields: frozenset[str] = frozenset()
+
+    def collections_of(self, path: str) -> frozenset[str]:
+        """The expressions that hold a collection in file ``path``: those it assigns one to, and those of other
+        files whose attribute a class declares as a field (any instance has it; ``ctx.pg_collection`` assigned in
+        another file's autograd Function says nothing of this file's ``ctx``)."""
+        return frozenset(e for p, e in self.collections if p == path or e.rpartition(".")[2] in self.fields)
 
     def is_state_module(self, dotted: str) -> str | None:
         """The configured ``parallel_state`` module ``dotted`` is (the ratchet's rule: the name itself or a
@@ -125,20 +136,23 @@ def _registered(data: bytes, names: re.Pattern[bytes]) -> set[str]:
 
 
 def learn_tree(
-    contents: Iterable[bytes], functions: Iterable[str], collection: str, *, state_modules: tuple[str, ...] = (
+    contents: Mapping[str, bytes], functions: Iterable[str], collection: str, *, state_modules: tuple[str, ...] = (
         "parallel_state", "mpu"), aliases: tuple[str, ...] = ("ps",), modules: frozenset[str] = frozenset(),
 ) -> TreeFacts:
-    """The :class:`TreeFacts` of the tree whose files' bytes are ``contents``, about the functions named
+    """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes), about the functions named
     ``functions`` (those reads are in); ``collection``: the collection's configured name."""
     called: set[str] = set()
     values: set[str] = set()
     hooks: set[str] = set()
-    collections: set[str] = set()
+    collections: set[tuple[str, str]] = set()
+    fields: set[str] = set()
     named = {n for n in functions if not (n.startswith("__") and n.endswith("__"))}  # Python calls those
     mention = _words(named) if named else None
-    for data in contents:
+    for path, data in contents.items():
         if collection.encode() in data or _BUILDS.search(data):
-            collections |= _collections(data, collection)
+            collections |= {(path, expression) for expression in _collections(data, collection)}
+            fields |= {f.group(1).decode() for f in _FIELD.finditer(data)
+                       if names_a_collection(f.group(1).decode(), collection)}
         if mention is None or not mention.search(data):
             continue
         for match in mention.finditer(data):
@@ -147,4 +161,5 @@ def learn_tree(
                 (called if use == "call" else values).add(match.group().decode())
         hooks |= _registered(data, mention)
     return TreeFacts(state_modules=state_modules, aliases=aliases, modules=modules, called=frozenset(called),
-                     values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections))
+                     values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections),
+                     fields=frozenset(fields))

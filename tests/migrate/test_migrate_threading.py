@@ -284,3 +284,31 @@ def test_a_subclass_of_an_autograd_function_of_another_file_keeps_its_reads(tmp_
     assert _left(done) == {
         "Sub.forward": ["forward of an autograd Function: torch calls it through .apply(...), which takes no keyword"]
     }
+
+
+def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declares_it(tmp_path: Path) -> None:
+    files = {
+        "provider.py": "class Provider:\n    _pg_collection: 'ProcessGroupCollection | None' = None\n",
+        "setup.py": "def setup(config, ctx, groups):\n    config._pg_collection = groups\n"
+                    "    ctx.pg_collection = groups\n",
+        "use.py": textwrap.dedent('''\
+            from megatron.core import parallel_state as ps
+
+
+            def step(config):
+                return ps.get_pipeline_model_parallel_group()
+
+
+            def apply_like(ctx):
+                return ps.get_tensor_model_parallel_group()
+            '''),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    done = migrate([SourceFile(name, tmp_path / name) for name in files], PRESETS["megatron"], target="megatron",
+                   name="pg_collection")
+    ways = {read.site.scope: (read.way, read.collection) for _, read in done.reads}
+    assert ways == {
+        "step": ("in-scope", 'getattr(config, "_pg_collection", None)'),  # Provider declares the field
+        "apply_like": ("threaded", "pg_collection"),  # setup's ctx says nothing of this ctx
+    }
