@@ -26,8 +26,12 @@ __all__ = ["TreeFacts", "learn_tree", "names_a_collection"]
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
 _ATTRIBUTE_TARGET = re.compile(rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)",
                                re.M)
-#: An annotated name alone on an indented line, with no trailing comma (a class field, not a parameter).
-_FIELD = re.compile(rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[^=\n]*(?:=[^\n]*[^,\s])?[ \t]*$", re.M)
+#: A type: ``X``, ``a.X``, ``Optional[X]``, ``X | None``, or a string (a docstring's ``name: what it is`` is none).
+_TYPE = rb"(?:[\w.]+(?:\[[^\]\n]*\])?(?:[ \t]*\|[ \t]*[\w.]+(?:\[[^\]\n]*\])?)*|'[^'\n]*'|\"[^\"\n]*\")"
+#: A field declared in a class body: an annotated name alone on an indented line, with no trailing comma and no
+#: closing parenthesis on the next line (a function's last parameter).
+_FIELD = re.compile(rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[ \t]*" + _TYPE + rb"[ \t]*(?:=[^\n]*[^,\s])?[ \t]*$(?!\n[ \t]*\))",
+                    re.M)
 #: A value that is a collection whatever its name.
 _BUILDS = re.compile(rb"\b(?:ProcessGroupCollection|use_mpu_process_groups)\s*\(")
 

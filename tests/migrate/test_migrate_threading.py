@@ -289,8 +289,15 @@ def test_a_subclass_of_an_autograd_function_of_another_file_keeps_its_reads(tmp_
 def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declares_it(tmp_path: Path) -> None:
     files = {
         "provider.py": "class Provider:\n    _pg_collection: 'ProcessGroupCollection | None' = None\n",
-        "setup.py": "def setup(config, ctx, groups):\n    config._pg_collection = groups\n"
-                    "    ctx.pg_collection = groups\n",
+        "setup.py": textwrap.dedent('''\
+            def setup(config, ctx, groups):
+                """
+                Args:
+                    pg_collection: a docstring's line, no field
+                """
+                config._pg_collection = groups
+                ctx.pg_collection = groups
+            '''),
         "use.py": textwrap.dedent('''\
             from megatron.core import parallel_state as ps
 
