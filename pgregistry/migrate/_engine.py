@@ -1,6 +1,7 @@
 """``pgregistry migrate``'s engine: the files of a run to their planned rewrites, across the whole tree.
 
-1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist`` counts).
+1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist`` counts);
+   learn what the whole tree says about the functions with reads (:mod:`~pgregistry.migrate._tree`).
 2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.migrate._plan`).
 3. Parse the other files that mention a function a collection was threaded into, so their calls can pass one.
 4. Rewrite (:mod:`~pgregistry.migrate._rewrite`) and check that each new text still compiles: a

@@ -74,15 +74,33 @@ def names_a_collection(identifier: str, collection: str) -> bool:
     return re.search(rf"(?:^|_){re.escape(collection)}(?:_|$)", identifier) is not None
 
 
-def _collections(data: bytes, collection: str) -> set[str]:
-    """The dotted expressions (with at least one ``.``) ``data`` assigns a collection to: by name (its last part
-    contains ``collection``) or by value (``ProcessGroupCollection(...)``, ``use_mpu_process_groups(...)``)."""
-    found = set()
-    for match in _ATTRIBUTE_TARGET.finditer(data):
-        target = match.group(1).decode()
-        if names_a_collection(target.rpartition(".")[2], collection) or _BUILDS.search(match.group(2)):
-            found.add(target)
-    return found
+def _lines_with(data: bytes, words: re.Pattern[bytes]) -> list[tuple[int, int]]:
+    """The (start, end) offsets of the distinct lines of ``data`` where ``words`` matches: the anchored patterns
+    below are tried on those only (a pattern anchored at every line start would try each line of every file)."""
+    spans: list[tuple[int, int]] = []
+    for match in words.finditer(data):
+        if spans and match.start() < spans[-1][1]:
+            continue
+        start = data.rfind(b"\n", 0, match.start()) + 1
+        end = data.find(b"\n", match.end())
+        spans.append((start, end if end >= 0 else len(data)))
+    return spans
+
+
+def _collections(data: bytes, collection: str) -> tuple[set[str], set[str]]:
+    """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name, see
+    :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection fields its class bodies
+    declare)."""
+    assigned, fields = set(), set()
+    for start, end in _lines_with(data, re.compile(re.escape(collection.encode()) + rb"|" + _BUILDS.pattern)):
+        target = _ATTRIBUTE_TARGET.match(data, start, end)
+        if target is not None and (names_a_collection(target.group(1).decode().rpartition(".")[2], collection)
+                                   or _BUILDS.search(target.group(2))):
+            assigned.add(target.group(1).decode())
+        declared = _FIELD.match(data, start)  # its lookahead reads the next line
+        if declared is not None and names_a_collection(declared.group(1).decode(), collection):
+            fields.add(declared.group(1).decode())
+    return assigned, fields
 
 
 def _words(names: Iterable[str]) -> re.Pattern[bytes]:
@@ -153,17 +171,18 @@ def learn_tree(
     named = {n for n in functions if not (n.startswith("__") and n.endswith("__"))}  # Python calls those
     mention = _words(named) if named else None
     for path, data in contents.items():
-        if collection.encode() in data or _BUILDS.search(data):
-            collections |= {(path, expression) for expression in _collections(data, collection)}
-            fields |= {f.group(1).decode() for f in _FIELD.finditer(data)
-                       if names_a_collection(f.group(1).decode(), collection)}
-        if mention is None or not mention.search(data):
+        if collection.encode() in data or b"ProcessGroupCollection" in data or b"use_mpu_process_groups" in data:
+            assigned, declared = _collections(data, collection)
+            collections |= {(path, expression) for expression in assigned}
+            fields |= declared
+        if mention is None:
             continue
         for match in mention.finditer(data):
             use = _use(data, match.start(), match.end())
             if use != "other":
                 (called if use == "call" else values).add(match.group().decode())
-        hooks |= _registered(data, mention)
+        if b"register_" in data:
+            hooks |= _registered(data, mention)
     return TreeFacts(state_modules=state_modules, aliases=aliases, modules=modules, called=frozenset(called),
                      values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections),
                      fields=frozenset(fields))
