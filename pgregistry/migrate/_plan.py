@@ -1021,6 +1021,9 @@ def plan_file(
     package = path.split("/")[:-1]
     classes = _Classes(syntax or ast.parse(data), locator.bindings, package, facts)
     collections = facts.collections_of(path)
+    #: An autograd Function's ctx is made by torch for each call: it holds only what this file stores on it
+    #: (another file's ``ctx.pg_collection``, even of a declared field name, says nothing of it).
+    autograd_collections = facts.collections_of(path, own=True)
     legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
     imports = _import_lines((syntax or ast.parse(data)).body) if legacy else []
     heads = {head for head in {_head(read) for read in legacy} if _bound_otherwise(head, data, imports)
@@ -1052,7 +1055,8 @@ def plan_file(
             continue
         function = read.function
         assert function is not None
-        found = _collection_in_scope(function, read.statement, locator.attributes, name, collections)
+        chains = autograd_collections if _autograd_shaped(_outermost(function)) else collections
+        found = _collection_in_scope(function, read.statement, locator.attributes, name, chains)
         if isinstance(found, str) and _fills_a_field(function, read, name):
             if not function.shim_name:
                 function.shim_name, function.shim_at = _free_name(function, "mpu_groups", taken), read.statement
@@ -1067,7 +1071,7 @@ def plan_file(
         guarded = read.site.guarded or bool(read.given)
         root = _outermost(function)
         if found is None and root is not function:  # the enclosing function's collection, as a closure
-            found = _enclosing_collection(function, root, locator.attributes, name, collections)
+            found = _enclosing_collection(function, root, locator.attributes, name, chains)
             if isinstance(found, str):
                 read.way, read.reason = LEFT, found
                 continue

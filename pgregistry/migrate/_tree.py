@@ -56,11 +56,11 @@ class TreeFacts:
     collections: frozenset[tuple[str, str]] = frozenset()
     fields: frozenset[str] = frozenset()
 
-    def collections_of(self, path: str) -> frozenset[str]:
-        """The expressions that hold a collection in file ``path``: those it assigns one to, and those of other
-        files whose attribute a class declares as a field (any instance has it; ``ctx.pg_collection`` assigned in
-        another file's autograd Function says nothing of this file's ``ctx``)."""
-        return frozenset(e for p, e in self.collections if p == path or e.rpartition(".")[2] in self.fields)
+    def collections_of(self, path: str, *, own: bool = False) -> frozenset[str]:
+        """The expressions that hold a collection in file ``path``: those it assigns one to, and (unless ``own``)
+        those of other files whose attribute a class declares as a field (an instance of that class has it)."""
+        return frozenset(e for p, e in self.collections
+                         if p == path or not own and e.rpartition(".")[2] in self.fields)
 
     def is_state_module(self, dotted: str) -> str | None:
         """The configured ``parallel_state`` module ``dotted`` is (the ratchet's rule: the name itself or a

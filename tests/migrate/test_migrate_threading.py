@@ -319,3 +319,47 @@ def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declar
         "step": ("in-scope", 'getattr(config, "_pg_collection", None)'),  # Provider declares the field
         "apply_like": ("threaded", "pg_collection"),  # setup's ctx says nothing of this ctx
     }
+
+
+def test_an_autograd_ctx_holds_only_what_its_own_file_stores_on_it(tmp_path: Path) -> None:
+    # Megatron-Core: dsa.py stores ctx.pg_collection and inference/config.py declares a pg_collection field;
+    # cross_entropy.py's forward gets a fresh ctx from torch, which holds neither.
+    files = {
+        "config.py": "class Config:\n    pg_collection: 'ProcessGroupCollection | None' = None\n",
+        "dsa.py": textwrap.dedent('''\
+            import torch
+            from megatron.core import parallel_state as ps
+
+
+            class Indexer(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, pg_collection):
+                    ctx.pg_collection = pg_collection
+                    return x
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return grad, ps.get_tensor_model_parallel_group()
+            '''),
+        "cross_entropy.py": textwrap.dedent('''\
+            import torch
+            from megatron.core import parallel_state as ps
+
+
+            class CrossEntropy(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, tp_group=None):
+                    if tp_group is None:
+                        tp_group = ps.get_tensor_model_parallel_group()
+                    return x
+            '''),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    done = migrate([SourceFile(name, tmp_path / name) for name in files], PRESETS["megatron"], target="megatron",
+                   name="pg_collection")
+    ways = {read.site.scope: (read.way, read.collection) for _, read in done.reads}
+    assert ways == {
+        "Indexer.backward": ("in-scope", 'getattr(ctx, "pg_collection", None)'),  # its forward stored it
+        "CrossEntropy.forward": ("left", ""),
+    }
