@@ -257,6 +257,13 @@ def _other_meaning(annotation: cst.Annotation | None) -> bool:
     return "Collection" not in cst.Module([]).code_for_node(annotation.annotation)
 
 
+def _another_class(annotation: cst.Annotation | None) -> bool:
+    """Whether a parameter named like a collection is annotated as something else, a
+    ``MultiModuleProcessGroupCollection`` (a collection of collections) included."""
+    code = cst.Module([]).code_for_node(annotation.annotation) if annotation is not None else ""
+    return annotation is not None and re.search(r"(?<!\w)(?:ProcessGroup)?Collection\b", code) is None
+
+
 class _Locator(cst.CSTVisitor):
     """One walk of the tree: functions with their bindings, the scanner's call sites, every dotted call, and
     ``self.<name> = ...`` assignments per class."""
@@ -394,7 +401,7 @@ class _Locator(cst.CSTVisitor):
                     function.param_other = True
                 else:
                     function.param_optional = param.default is not None
-            elif names_a_collection(param.name.value, self.name) and not _other_meaning(param.annotation):
+            elif names_a_collection(param.name.value, self.name) and not _another_class(param.annotation):
                 function.held.append((param.name.value, -1))
         for star in (params.star_arg, params.star_kwarg):
             if isinstance(star, cst.Param):

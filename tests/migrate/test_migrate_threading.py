@@ -363,3 +363,22 @@ def test_an_autograd_ctx_holds_only_what_its_own_file_stores_on_it(tmp_path: Pat
         "Indexer.backward": ("in-scope", 'getattr(ctx, "pg_collection", None)'),  # its forward stored it
         "CrossEntropy.forward": ("left", ""),
     }
+
+
+def test_a_parameter_named_like_a_collection_but_annotated_as_another_class_is_not_one(tmp_path: Path) -> None:
+    # Megatron-Core's get_forward_backward_func(schedule_pg_collection: MultiModuleProcessGroupCollection).
+    (tmp_path / "m.py").write_text(textwrap.dedent('''\
+        from megatron.core import parallel_state as ps
+
+
+        def schedule(schedule_pg_collection: "MultiModuleProcessGroupCollection | None" = None):
+            return ps.get_pipeline_model_parallel_world_size()
+
+
+        def given(model_pg_collection: "ProcessGroupCollection | None" = None):
+            return ps.get_pipeline_model_parallel_world_size()
+        '''))
+    done = migrate([SourceFile("m.py", tmp_path / "m.py")], PRESETS["megatron"], target="megatron",
+                   name="pg_collection")
+    ways = {read.site.scope: (read.way, read.collection) for _, read in done.reads}
+    assert ways == {"schedule": ("threaded", "pg_collection"), "given": ("in-scope", "model_pg_collection")}
