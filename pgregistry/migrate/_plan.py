@@ -804,9 +804,11 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
                 return f"{self_name}.{attribute}", attribute != name, attribute != name
     parameters = _parameters(function)
     for expression in sorted(collections):
-        owner, _, attribute = expression.rpartition(".")
-        if owner.partition(".")[0] in parameters and owner != function.self_name:
-            return f'getattr({owner}, "{attribute}", None)', True, True
+        head, *attributes_of = expression.split(".")
+        if head in parameters and expression.count(".") >= (2 if head == function.self_name else 1):
+            for attribute in attributes_of:  # every step may be missing on another object: None, then the fallback
+                head = f'getattr({head}, "{attribute}", None)'
+            return head, True, True
     return None
 
 

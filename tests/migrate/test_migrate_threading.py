@@ -297,6 +297,11 @@ def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declar
                 """
                 config._pg_collection = groups
                 ctx.pg_collection = groups
+
+
+            class Wrapper:
+                def attach(self, groups):
+                    self.config._pg_collection = groups
             '''),
         "use.py": textwrap.dedent('''\
             from megatron.core import parallel_state as ps
@@ -308,6 +313,11 @@ def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declar
 
             def apply_like(ctx):
                 return ps.get_tensor_model_parallel_group()
+
+
+            class Model:
+                def tp(self):
+                    return ps.get_tensor_model_parallel_group()
             '''),
     }
     for name, text in files.items():
@@ -318,7 +328,12 @@ def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declar
     assert ways == {
         "step": ("in-scope", 'getattr(config, "_pg_collection", None)'),  # Provider declares the field
         "apply_like": ("threaded", "pg_collection"),  # setup's ctx says nothing of this ctx
+        "Model.tp": ("in-scope", 'getattr(getattr(self, "config", None), "_pg_collection", None)'),
     }
+    # Each step may be missing on another object: the expression gives None (then the fallback), never raises.
+    assert eval(ways["Model.tp"][1], {"self": object()}) is None
+    config = types.SimpleNamespace(_pg_collection="held")
+    assert eval(ways["Model.tp"][1], {"self": types.SimpleNamespace(config=config)}) == "held"
 
 
 def test_an_autograd_ctx_holds_only_what_its_own_file_stores_on_it(tmp_path: Path) -> None:
