@@ -301,8 +301,7 @@ def _migrate(
     may_thread = _may_thread(planned, contents)
     modules = frozenset(".".join(module_name(source.path)) for source in files)
     scoped = {part for r in planned for s in r.sites if s.scope != MODULE_SCOPE for part in s.scope.split(".")}
-    facts = learn_tree(contents, scoped, name, state_modules=config.modules, aliases=config.aliases,
-                       modules=modules)
+    facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
                 queue, may_thread, name, idiom_, modules, gtp_remat, facts)

@@ -902,8 +902,8 @@ class _Classes:
                     continue
                 return base
             module = qualified.rpartition(".")[0]
-            if module.split(".")[0] in _PLAIN_MODULES or module in self.facts.modules or qualified in \
-                    self.facts.modules or any(module.startswith(m + ".") for m in self.facts.modules):
+            if module.split(".")[0] in _PLAIN_MODULES or module in self.facts.modules or any(
+                    module.startswith(m + ".") for m in self.facts.modules):
                 continue
             return qualified
         return None

@@ -40,15 +40,15 @@ _BUILDS = re.compile(rb"\b(?:ProcessGroupCollection|use_mpu_process_groups)\s*\(
 class TreeFacts:
     """Facts about the tree a file's plan needs.
 
-    ``state_modules`` / ``aliases``: the ratchet's configured ``parallel_state`` modules and bare aliases
-    (``ps``); ``modules``: the tree's own module names; ``called``: names called somewhere (``f(`` or ``.f(``);
+    ``state_modules``: the ratchet's configured ``parallel_state`` modules (a read on a bare name no import
+    binds, a configured alias such as ``ps``, is taken as the scanner resolved it); ``modules``: the tree's own
+    module names; ``called``: names called somewhere (``f(`` or ``.f(``);
     ``values``: names referenced as values and never called; ``hooks``: names passed to a torch hook
     registration (``register_*hook``); ``collections``: (path, dotted expression) of each assignment of a
     collection to an attribute (``config._pg_collection = ...``); ``fields``: the collection attributes a class
     body declares (``_pg_collection: Optional[ProcessGroupCollection] = None``)."""
 
     state_modules: tuple[str, ...] = ("parallel_state", "mpu")
-    aliases: tuple[str, ...] = ("ps",)
     modules: frozenset[str] = frozenset()
     called: frozenset[str] = frozenset()
     values: frozenset[str] = frozenset()
@@ -159,7 +159,7 @@ def _registered(data: bytes, names: re.Pattern[bytes]) -> set[str]:
 
 def learn_tree(
     contents: Mapping[str, bytes], functions: Iterable[str], collection: str, *, state_modules: tuple[str, ...] = (
-        "parallel_state", "mpu"), aliases: tuple[str, ...] = ("ps",), modules: frozenset[str] = frozenset(),
+        "parallel_state", "mpu"), modules: frozenset[str] = frozenset(),
 ) -> TreeFacts:
     """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes), about the functions named
     ``functions`` (those reads are in); ``collection``: the collection's configured name."""
@@ -183,6 +183,6 @@ def learn_tree(
                 (called if use == "call" else values).add(match.group().decode())
         if b"register_" in data:
             hooks |= _registered(data, mention)
-    return TreeFacts(state_modules=state_modules, aliases=aliases, modules=modules, called=frozenset(called),
+    return TreeFacts(state_modules=state_modules, modules=modules, called=frozenset(called),
                      values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections),
                      fields=frozenset(fields))
