@@ -588,21 +588,23 @@ def _head(read: Read) -> str:
     return parts[0] if parts else ""
 
 
-def _import_lines(tree: Sequence[ast.stmt]) -> list[tuple[int, int]]:
-    """The line spans of the imports among module-level statements ``tree`` (in ``if`` / ``try`` blocks too)."""
+def _import_bytes(tree: Sequence[ast.stmt], starts: Sequence[int]) -> list[tuple[int, int]]:
+    """The byte ranges of the imports among module-level statements ``tree`` (in ``if`` / ``try`` blocks too), in
+    the file whose :func:`~pgregistry.migrate._skeleton.line_starts` are ``starts``."""
     spans: list[tuple[int, int]] = []
     stack = list(tree)
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            spans.append((node.lineno, node.end_lineno or node.lineno))
+            last = node.end_lineno or node.lineno
+            spans.append((starts[node.lineno - 1], starts[last] if last < len(starts) else 1 << 62))
         elif isinstance(node, (ast.If, ast.Try)):
             stack += [*node.body, *node.orelse, *(s for h in getattr(node, "handlers", ()) for s in h.body)]
     return spans
 
 
 def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]]) -> bool:
-    """Whether ``data`` may bind ``head`` other than by a module-level import (lines ``imports``): an
+    """Whether ``data`` may bind ``head`` other than by a module-level import (byte ranges ``imports``): an
     assignment, a parameter, a loop or ``with`` target, ``global``. A superset, by the text, of where libcst's
     scopes could find such a binding, so that they are resolved only for the reads whose object may be
     something else than an import (a function's scopes cost as much as parsing it)."""
@@ -612,11 +614,7 @@ def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]])
         rb"|(?:[(\[,*]|\b(?:for|as|global|nonlocal|del|lambda|def|class))[ \t\n\\]*" + name
         + rb"\b(?![ \t]*[.(])"
     )
-    for match in pattern.finditer(data):
-        line = data.count(b"\n", 0, match.end()) + 1
-        if not any(start <= line <= end for start, end in imports):
-            return True
-    return False
+    return any(not any(start <= match.start() < end for start, end in imports) for match in pattern.finditer(data))
 
 
 def _imports_the_module(head: str, bindings: Mapping[str, str], facts: TreeFacts, package: list[str]) -> bool:
@@ -1034,7 +1032,7 @@ def plan_file(
     #: (another file's ``ctx.pg_collection``, even of a declared field name, says nothing of it).
     autograd_collections = facts.collections_of(path, own=True)
     legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
-    imports = _import_lines((syntax or ast.parse(data)).body) if legacy else []
+    imports = _import_bytes((syntax or ast.parse(data)).body, starts) if legacy else []
     heads = {head for head in {_head(read) for read in legacy} if _bound_otherwise(head, data, imports)
              or not _imports_the_module(head, locator.bindings, facts, package)}
     ambiguous = [read for read in legacy if _head(read) in heads]
@@ -1334,9 +1332,10 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
 
 
 def collection_mentions(name: str) -> re.Pattern[bytes]:
-    """Where a collection may be named, bound or built: a word containing ``name`` (``pg_collection``,
-    ``self._pg_collection``) or a construction (the class members to walk for ``self.<attribute> = ...``)."""
-    return re.compile(rb"\w*" + re.escape(name.encode()) + rb"|\b(?:ProcessGroupCollection|use_mpu_process_groups)\b")
+    """Where a collection may be named or bound: a word containing ``name`` (``pg_collection``,
+    ``self._pg_collection``) or a construction assigned (the class members to walk for ``self.<attribute> = ...``)."""
+    return re.compile(rb"\w*" + re.escape(name.encode())
+                      + rb"|=[ \t]*[\w.]*\b(?:ProcessGroupCollection|use_mpu_process_groups)[ \t]*\(")
 
 
 def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: str) -> bool:
