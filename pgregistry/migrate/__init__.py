@@ -7,6 +7,7 @@ the reads this package rewrites. libcst (the ``migrate`` extra) is imported by t
 - :mod:`~pgregistry.migrate._engine`: the run over a tree (scan, plan, rewrite, compile-check), split across cores;
 - :mod:`~pgregistry.migrate._phases`: work in two phases across processes, with one exchange between them;
 - :mod:`~pgregistry.migrate._skeleton`: the part of a file libcst parses, and a statement's lines and span;
+- :mod:`~pgregistry.migrate._tree`: what the whole tree says about its functions and collections, learned first;
 - :mod:`~pgregistry.migrate._megatron_release`: which Megatron-Core the migrated code runs against;
 - :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left) and which
   calls pass a collection;

@@ -1,6 +1,7 @@
 """``pgregistry migrate``'s engine: the files of a run to their planned rewrites, across the whole tree.
 
-1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist`` counts).
+1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist`` counts);
+   learn what the whole tree says about the functions with reads (:mod:`~pgregistry.migrate._tree`).
 2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.migrate._plan`).
 3. Parse the other files that mention a function a collection was threaded into, so their calls can pass one.
 4. Rewrite (:mod:`~pgregistry.migrate._rewrite`) and check that each new text still compiles: a
@@ -42,6 +43,7 @@ from pgregistry.migrate._plan import (
     LEFT,
     FilePlan,
     Read,
+    collection_mentions,
     left_by_site,
     passes,
     plan_file,
@@ -53,6 +55,7 @@ from pgregistry.migrate._progress import SILENT, Progress
 from pgregistry.migrate._rewrite import rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
 from pgregistry.migrate._style import DEFAULT_WIDTH
+from pgregistry.migrate._tree import TreeFacts, learn_tree
 from pgregistry.migrate._writing import Change
 
 __all__ = ["Migration", "migrate"]
@@ -200,6 +203,7 @@ class _Worker:
     width: int
     gtp_remat: bool
     progress: Progress
+    facts: TreeFacts
     plans: dict[str, FilePlan] = field(default_factory=dict)
 
     def _plan(
@@ -208,14 +212,14 @@ class _Worker:
         import libcst as cst
 
         try:
-            named = re.compile(rb"\b" + re.escape(self.name.encode()) + rb"\b")
+            named = collection_mentions(self.name)
             syntax = ast.parse(data)
             parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
             if isinstance(parsed, FileResult):
                 return parsed
             assert isinstance(parsed.tree, cst.Module)
             plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
-                             gtp_remat=self.gtp_remat)
+                             gtp_remat=self.gtp_remat, facts=self.facts)
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
             return _internal_error(path, error)
         plan.kept = parsed.kept
@@ -384,9 +388,12 @@ def _migrate(
     helper_module = helper.module or default_module([r.path for r in planned],
                                                     lambda directory: (root / directory / "__init__.py").is_file())
     idiom_ = idiom(target, helper_module)
+    modules = frozenset(".".join(module_name(source.path)) for source in files)
+    scoped = {part for r in planned for s in r.sites if s.scope != MODULE_SCOPE for part in s.scope.split(".")}
+    facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, helper.width, gtp_remat, progress)
+                queue, may_thread, name, idiom_, helper.width, gtp_remat, progress, facts)
         for share in shares
     ]
     threaded: Threaded = {}

@@ -3,10 +3,14 @@
 The scanner (:mod:`~pgregistry.allowlist._scanner`) says where the reads are; this module finds them in the
 file's libcst tree (by position), walks the scopes around each, and decides for every read, first that applies:
 
+0. ``left`` when what it is called on is not ``parallel_state`` itself (a parameter, ``self.mpu``, another
+   module's global: libcst's scopes say what the name is bound to, see :func:`_not_parallel_state`);
 1. ``in-scope``: a collection is in scope (a parameter or a local of the configured name assigned above the
-   read, the same in an enclosing function, or ``self.<name>`` assigned in the class): the read becomes its field;
-2. ``threaded``: none is: the enclosing function gets an optional keyword-only parameter (a name that collides
-   with nothing);
+   read, the same in an enclosing function, ``self.<attribute>`` the class assigns a collection, or
+   ``<parameter>.<attribute>`` the tree assigns one, :mod:`~pgregistry.migrate._tree`): the read becomes its field;
+2. ``threaded``: none is: the outermost enclosing function gets an optional keyword-only parameter (a name that
+   collides with nothing), unless no caller could pass it
+   (:func:`_cannot_thread`: an autograd Function's ``forward``, a hook, a callback, a function passed as a value);
 3. ``fallback``: a read that only runs when a value is missing (``if group is None: group = ...``, a fallback
    helper) of a collection that may be ``None``;
 4. ``left``: anything else, with the reason.
@@ -20,16 +24,27 @@ files (:func:`passes`). Pure: no I/O.
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+from libcst.metadata import (
+    Assignment,
+    CodeRange,
+    ImportAssignment,
+    MetadataWrapper,
+    PositionProvider,
+    QualifiedNameSource,
+    Scope,
+    ScopeProvider,
+)
 
 from pgregistry.allowlist._fixes import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._skeleton import covers, line_starts, lines, span
+from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [
     "FALLBACK",
@@ -41,6 +56,7 @@ __all__ = [
     "FilePlan",
     "Function",
     "Read",
+    "collection_mentions",
     "passes",
     "plan_file",
     "reexported",
@@ -61,6 +77,11 @@ WAYS = (IN_SCOPE, THREADED, FALLBACK, BUILDER)
 #: Decorators that fix a function's signature or key on its arguments: a new parameter would break them.
 _FIXED_SIGNATURE = ("property", "setter", "getter", "deleter", "jit", "script", "compile", "cache", "lru_cache",
                     "overload", "fuser")
+#: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional arguments only).
+_CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
+_AUTOGRAD_FUNCTION = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
+#: Modules whose classes call back no method of a subclass (abstract bases, typing, enums, dataclasses).
+_PLAIN_MODULES = frozenset({"abc", "typing", "typing_extensions", "enum", "dataclasses", "collections", "builtins"})
 #: Special methods Python calls with its own arguments (``__init__`` and ``__call__`` are called by the code).
 _CALLED_BY_CODE = frozenset({"__init__", "__call__", "__new__"})
 _LITERALS = (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString, cst.Integer, cst.Float,
@@ -82,6 +103,9 @@ class Function:
     #: Top-level statement indexes of ``<name> = value`` with a value that may be a collection.
     local_at: list[int] = field(default_factory=list)
     local_other: bool = False
+    #: Other names holding a collection: parameters (statement -1) and locals (the top-level statement that
+    #: assigns them) named like one (``model_pg_collection``) or assigned one (``ProcessGroupCollection(...)``).
+    held: list[tuple[str, int]] = field(default_factory=list)
     #: Top-level statement indexes holding ``<name>.field = ...``: there the function fills the collection, so a
     #: read being assigned into it stays (rewritten, it would read the field it is filling).
     fills_at: list[int] = field(default_factory=list)
@@ -157,7 +181,7 @@ class FilePlan:
     calls: list[Call]
     bindings: dict[str, str]
     top_level: dict[str, str]
-    attributes: dict[int, list[tuple[str, int]]]
+    attributes: dict[int, list[tuple[str, str, int]]]
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -225,6 +249,13 @@ def _other_meaning(annotation: cst.Annotation | None) -> bool:
     return "Collection" not in cst.Module([]).code_for_node(annotation.annotation)
 
 
+def _another_class(annotation: cst.Annotation | None) -> bool:
+    """Whether a parameter named like a collection is annotated as something else, a
+    ``MultiModuleProcessGroupCollection`` (a collection of collections) included."""
+    code = cst.Module([]).code_for_node(annotation.annotation) if annotation is not None else ""
+    return annotation is not None and re.search(r"(?<!\w)(?:ProcessGroup)?Collection\b", code) is None
+
+
 class _Locator(cst.CSTVisitor):
     """One walk of the tree: functions with their bindings, the scanner's call sites, every dotted call, and
     ``self.<name> = ...`` assignments per class."""
@@ -243,8 +274,9 @@ class _Locator(cst.CSTVisitor):
         self.class_names: list[str] = []
         self.statement: list[int] = [0]
         self.in_class_body: list[bool] = [False]
-        #: class node -> (method name, statement index) of each ``self.<name> = ...``.
-        self.attributes: dict[int, list[tuple[str, int]]] = {}
+        #: class node -> (attribute, method name, statement index) of each ``self.<attribute> = ...`` that holds a
+        #: collection (:func:`_holds_a_collection`); a declaration in the class body has no method (index -1).
+        self.attributes: dict[int, list[tuple[str, str, int]]] = {}
         self.bindings: dict[str, str] = {}
         self.top_level: dict[str, str] = {}
         #: The calls that stand alone (a statement's value, a test, an argument): a comparison put there needs
@@ -361,6 +393,8 @@ class _Locator(cst.CSTVisitor):
                     function.param_other = True
                 else:
                     function.param_optional = param.default is not None
+            elif names_a_collection(param.name.value, self.name) and not _another_class(param.annotation):
+                function.held.append((param.name.value, -1))
         for star in (params.star_arg, params.star_kwarg):
             if isinstance(star, cst.Param):
                 function.names.add(star.name.value)
@@ -382,6 +416,10 @@ class _Locator(cst.CSTVisitor):
 
     def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
+        if (isinstance(target, cst.Name) and function is not None and target.value != self.name
+                and _holds_a_collection(target.value, value, self.name)):
+            function.held.append((target.value, self.statement[-1] if len(self.statement) == 2 else len(
+                function.node.body.body)))  # bound in a block: not known above a read
         if isinstance(target, cst.Name) and function is not None and target.value == self.name:
             if isinstance(value, cst.Call) and _called_name(value) == "ProcessGroupCollection":
                 function.constructs = True
@@ -401,14 +439,22 @@ class _Locator(cst.CSTVisitor):
             function.fills_at.append(self.statement[-1])
         if (
             isinstance(target, cst.Attribute)
-            and target.attr.value == self.name
+            and _holds_a_collection(target.attr.value, value, self.name)
             and isinstance(target.value, cst.Name)
             and function is not None
             and function.method_of is not None
             and target.value.value == function.self_name
         ):
             index = self.statement[-1] if len(self.statement) == 2 else -1
-            self.attributes[id(function.method_of)].append((function.node.name.value, index))
+            self.attributes[id(function.method_of)].append((target.attr.value, function.node.name.value, index))
+        if (  # a field declared in the class body (a dataclass's ``_pg_collection: ... = None``)
+            isinstance(target, cst.Name)
+            and function is None
+            and self.in_class_body[-1]
+            and self.classes
+            and _holds_a_collection(target.value, value, self.name)
+        ):
+            self.attributes[id(self.classes[-1])].append((target.value, "", -1))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         self._alone(node.value)
@@ -525,6 +571,159 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
     return collection_field(accessor, keywords, gtp_remat=gtp_remat)
 
 
+def _head(read: Read) -> str:
+    """The first name of what ``read`` calls (``self`` in ``self.mpu.get_x()``)."""
+    assert read.call is not None
+    parts = _dotted(read.call.func)
+    return parts[0] if parts else ""
+
+
+def _import_bytes(tree: Sequence[ast.stmt], starts: Sequence[int]) -> list[tuple[int, int]]:
+    """The byte ranges of the imports among module-level statements ``tree`` (in ``if`` / ``try`` blocks too), in
+    the file whose :func:`~pgregistry.migrate._skeleton.line_starts` are ``starts``."""
+    spans: list[tuple[int, int]] = []
+    stack = list(tree)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            last = node.end_lineno or node.lineno
+            spans.append((starts[node.lineno - 1], starts[last] if last < len(starts) else 1 << 62))
+        elif isinstance(node, (ast.If, ast.Try)):
+            stack += [*node.body, *node.orelse, *(s for h in getattr(node, "handlers", ()) for s in h.body)]
+    return spans
+
+
+def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``data`` may bind ``head`` other than by a module-level import (byte ranges ``imports``): an
+    assignment, a parameter, a loop or ``with`` target, ``global``. A superset, by the text, of where libcst's
+    scopes could find such a binding, so that they are resolved only for the reads whose object may be
+    something else than an import (a function's scopes cost as much as parsing it)."""
+    name = re.escape(head.encode())
+    pattern = re.compile(
+        rb"\b" + name + rb"[ \t]*(?::[^=\n]*)?(?:[-+*/%&|^@]|//|\*\*|>>|<<)?=(?!=)"
+        rb"|(?:[(\[,*]|\b(?:for|as|global|nonlocal|del|lambda|def|class))[ \t\n\\]*" + name
+        + rb"\b(?![ \t]*[.(])"
+    )
+    return any(not any(start <= match.start() < end for start, end in imports) for match in pattern.finditer(data))
+
+
+def _imports_the_module(head: str, bindings: Mapping[str, str], facts: TreeFacts, package: list[str]) -> bool:
+    """Whether an import binds ``head`` to a configured ``parallel_state`` module or to a name in one (or
+    nothing does): then libcst's scopes need not be resolved for it, unless :func:`_bound_otherwise`."""
+    bound = bindings.get(head)
+    if bound is None:
+        return True
+    module, _, attribute = bound.partition(":")
+    module = _absolute(module, package)
+    target = f"{module}.{attribute}" if attribute else module
+    return facts.is_state_module(target) is not None or bool(attribute) and facts.is_state_module(module) is not None
+
+
+def _scopes(source: cst.Module, reads: Sequence[Read]) -> Mapping[cst.CSTNode, Scope | None]:
+    """libcst's scopes of the statements holding ``reads``, resolved on a module of them (of a module-level
+    class, only its members that hold reads: a method does not see its class's names) and every module-level
+    statement that is no definition (the imports and globals their names may be bound to): the whole file's
+    would cost three times its parse."""
+    members: dict[int, set[int]] = {}
+    for read in reads:
+        members.setdefault(read.top, set()).add(read.member)
+    body: list[cst.BaseStatement] = []
+    for index, statement in enumerate(source.body):
+        held = members.get(index)
+        if isinstance(statement, cst.ClassDef) and held is not None and -1 not in held and isinstance(
+                statement.body, cst.IndentedBlock):
+            inner = [member for i, member in enumerate(statement.body.body) if i in held]
+            body.append(statement.with_changes(body=statement.body.with_changes(body=inner)))
+        elif held is not None or isinstance(statement, cst.SimpleStatementLine):
+            body.append(statement)
+        elif not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):  # ``if HAVE_TE:`` and its classes
+            stripped = statement.visit(_WithoutDefinitions())
+            if isinstance(stripped, cst.BaseStatement):
+                body.append(stripped)
+    return MetadataWrapper(source.with_changes(body=body), unsafe_skip_copy=True).resolve(ScopeProvider)
+
+
+class _WithoutDefinitions(cst.CSTTransformer):
+    """A compound statement without the definitions in it (they bind no name a read's object can be)."""
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.RemovalSentinel:
+        return cst.RemoveFromParent()
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.RemovalSentinel:
+        return cst.RemoveFromParent()
+
+
+def _imported(assignment: ImportAssignment, package: list[str]) -> str:
+    """The dotted name the import of ``assignment`` names for the name it binds (``a.b.c`` for ``import a.b.c``
+    and ``from a.b import c``)."""
+    node = assignment.node
+    assert isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar)
+    module = ""
+    if isinstance(node, cst.ImportFrom):
+        module = _absolute("." * len(node.relative) + ".".join(_dotted(node.module) or []) if node.module else
+                           "." * len(node.relative), package)
+    for alias in node.names:
+        dotted = ".".join(_dotted(alias.name) or [])
+        bound = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else \
+            dotted if isinstance(node, cst.ImportFrom) else dotted.partition(".")[0]
+        if bound == assignment.name:
+            return f"{module}.{dotted}" if module else dotted
+    return module
+
+
+def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None:
+    """The qualified name of ``node`` when it is ``function`` or one enclosing it (None for the module)."""
+    while function is not None and function.node is not node:
+        function = function.parent
+    return function.qualname if function is not None else None
+
+
+def _not_parallel_state(read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts,
+                        package: list[str]) -> str | None:
+    """Why the object a ``parallel_state`` read is called on (or the bare accessor) is not the module itself:
+    it is bound to a parameter, a local, a global assigned in the file, an attribute of one of them, or an
+    import of another module; None when it is bound to an import of a configured ``parallel_state`` module only,
+    or to nothing in the file (the scanner's own resolution: a configured alias, a star import)."""
+    assert read.call is not None
+    func = read.call.func
+    target = func.value if isinstance(func, cst.Attribute) else func
+    head = target
+    while isinstance(head, cst.Attribute):
+        head = head.value
+    scope = scopes.get(head)
+    if not isinstance(head, cst.Name) or scope is None or not scope[head.value]:
+        return None
+    spelled = cst.Module([]).code_for_node(target)
+    what = f"an attribute of `{head.value}`, " if target is not head else ""
+    for assignment in scope[head.value]:
+        if not isinstance(assignment, ImportAssignment):
+            owner = _owner_of(read.function, getattr(assignment.scope, "node", None))
+            if isinstance(assignment, Assignment) and isinstance(assignment.node, cst.Param):
+                return f"`{spelled}` is {what}a parameter of {owner}, not parallel_state"
+            where = f"{owner} assigns" if owner else "the module assigns"
+            return f"`{spelled}` is {what}a name {where}, not an import of parallel_state"
+    for assignment in scope[head.value]:
+        assert isinstance(assignment, ImportAssignment)
+        imported = _imported(assignment, package)
+        qualified = [_absolute(q.name, package) for q in scope.get_qualified_names_for(func)
+                     if q.source == QualifiedNameSource.IMPORT]
+        modules = [q.rpartition(".")[0] for q in qualified]
+        matched = [(m, facts.is_state_module(m)) for m in modules]
+        # The configured name must be named by the import, not only by attributes after it: ``groups.mpu``
+        # with ``from deepspeed.utils import groups`` is a global of that module, not a module ``mpu``.
+        if not any(name is not None and len(imported) > len(m) - len(name) for m, name in matched):
+            return f"`{spelled}` is {what}imported from {imported}, not parallel_state"
+    return None
+
+
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds ``<name>`` with
     ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's ``use_mpu_process_groups``
@@ -550,11 +749,16 @@ def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     )
 
 
-def _collection_in_scope(function: Function, statement: int, attributes: Mapping[int, list[tuple[str, int]]],
-                         name: str) -> tuple[str, bool, bool] | str | None:
-    """(expression, may be None, from an enclosing function) of the collection in scope at top-level statement
-    ``statement`` of ``function``; a reason string when a name is bound in a way that hides it; None when there
-    is none."""
+def _collection_in_scope(function: Function, statement: int, attributes: Mapping[int, list[tuple[str, str, int]]],
+                         name: str, collections: frozenset[str] = frozenset()) -> tuple[str, bool, bool] | str | None:
+    """(expression, may be None, read inline) of the collection in scope at top-level statement ``statement`` of
+    ``function``; a reason string when a name is bound in a way that hides it; None when there is none.
+
+    In order: the function's own ``name`` (a parameter, a local assigned above), an enclosing function's (a
+    closure), ``self.<attribute>`` that its class assigns or declares a collection (any method but a later
+    statement of ``__init__``), and ``<parameter>.<attribute>`` where the tree assigns that very expression
+    (``collections``, see :meth:`~pgregistry.migrate._tree.TreeFacts.collections_of`: ``config._pg_collection``),
+    read with ``getattr`` (another object may lack it)."""
     if function.fills_at and (function.constructs or statement in function.fills_at):
         return f"builds the collection: assigns fields of {name} (a shim written by hand)"
     if function.param_optional is not None:
@@ -565,6 +769,9 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
         if function.param_other or function.local_other:
             return None  # another meaning (or unknown): thread under another name
         return f"read above the assignment of the local {name}"
+    for local, index in function.held:  # the last binding above the read, and none between
+        if index < statement and not any(other == local and index < at < statement for other, at in function.held):
+            return local, True, True
     outer = function.parent
     while outer is not None:
         if outer.param_optional is not None:
@@ -576,21 +783,149 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
         outer = outer.parent
     self_name = function.self_name
     if self_name is not None and function.method_of is not None:
-        assigned = attributes.get(id(function.method_of), [])
         own = function.node.name.value
-        if any(method != own or 0 <= index < statement for method, index in assigned):
-            if own != "__init__" or any(method == own and 0 <= index < statement for method, index in assigned):
-                return f"{self_name}.{name}", False, False
+        held: dict[str, list[tuple[str, int]]] = {}
+        for attribute, method, index in attributes.get(id(function.method_of), []):
+            held.setdefault(attribute, []).append((method, index))
+        for attribute in sorted(held, key=lambda a: (a != name, a)):
+            assigned = held[attribute]
+            before = any(not method or method == own and 0 <= index < statement for method, index in assigned)
+            if before or own != "__init__" and any(method != own for method, _ in assigned):
+                return f"{self_name}.{attribute}", attribute != name, attribute != name
+    parameters = _parameters(function)
+    for expression in sorted(collections):
+        head, *attributes_of = expression.split(".")
+        if head in parameters and expression.count(".") >= (2 if head == function.self_name else 1):
+            for attribute in attributes_of:  # every step may be missing on another object: None, then the fallback
+                head = f'getattr({head}, "{attribute}", None)'
+            return head, True, True
     return None
 
 
-def _cannot_thread(function: Function) -> str | None:
+def _parameters(function: Function) -> list[str]:
+    params = function.node.params
+    return [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
+
+
+def _outermost(function: Function) -> Function:
+    """The function ``function`` is nested in, at the outermost (itself when it is not nested)."""
+    while function.parent is not None:
+        function = function.parent
+    return function
+
+
+def _names_between(function: Function, root: Function) -> set[str]:
+    """The names of ``function`` and the functions between it and ``root`` (which encloses it), ``root``'s not."""
+    names: set[str] = set()
+    while function is not root and function.parent is not None:
+        names |= function.names
+        function = function.parent
+    return names
+
+
+def _enclosing_collection(function: Function, root: Function, attributes: Mapping[int, list[tuple[str, str, int]]],
+                          name: str, collections: frozenset[str]) -> tuple[str, bool, bool] | str | None:
+    """The collection in scope in ``root`` (``self.<attribute>``, ``<parameter>.<attribute>``) where the
+    statement of ``root`` that defines ``function`` runs, read by ``function`` inline as a closure; a reason
+    when ``function`` binds a name that hides it."""
+    child = function
+    while child.parent is not root and child.parent is not None:
+        child = child.parent
+    body = root.node.body.body if isinstance(root.node.body, cst.IndentedBlock) else ()
+    statement = next((i for i, s in enumerate(body) if s is child.node), 0)
+    found = _collection_in_scope(root, statement, attributes, name, collections)
+    if not isinstance(found, tuple):
+        return found
+    head = found[0].removeprefix("getattr(").partition(".")[0].partition(",")[0]
+    inner = function
+    while inner is not root and inner.parent is not None:
+        if head in _parameters(inner):
+            return f"binds {head}, which hides {root.qualname}'s collection"
+        inner = inner.parent
+    return found[0], True, True
+
+
+class _Classes:
+    """The bases of a file's classes, resolved through its imports: which are autograd Functions, and which
+    derive from a class outside the tree (whose methods a framework may call back)."""
+
+    def __init__(self, syntax: ast.Module, bindings: Mapping[str, str], package: list[str], facts: TreeFacts):
+        self.bindings = bindings
+        self.package = package
+        self.facts = facts
+        #: The module-level classes of the file (all of them: the libcst tree may hold placeholders).
+        self.bases: dict[str, list[str | None]] = {
+            node.name: [_ast_dotted(base) for base in node.bases]
+            for node in syntax.body if isinstance(node, ast.ClassDef)
+        }
+
+    def _resolved(self, base: str) -> str:
+        return _qualified(base.split("."), self.bindings, self.package) or base
+
+    def _ancestors(self, bases: list[str | None]) -> list[str | None]:
+        """``bases`` with the bases of those defined in the file, transitively (a cycle is walked once)."""
+        seen: list[str | None] = []
+        pending = list(bases)
+        while pending:
+            base = pending.pop()
+            if base in seen:
+                continue
+            seen.append(base)
+            if base is not None and base in self.bases and base not in self.bindings:
+                pending += self.bases[base]
+        return seen
+
+    def autograd(self, node: cst.ClassDef) -> bool:
+        """Whether ``node`` derives from ``torch.autograd.Function`` (directly or through classes of the file)."""
+        bases = [".".join(_dotted(a.value) or []) or None for a in node.bases if a.keyword is None]
+        return any(b is not None and self._resolved(b) in _AUTOGRAD_FUNCTION for b in self._ancestors(bases))
+
+    def outside(self, node: cst.ClassDef) -> str | None:
+        """A base of ``node`` outside the tree that may define methods a framework calls back, or None."""
+        bases = [".".join(_dotted(a.value) or []) or None for a in node.bases if a.keyword is None]
+        for base in self._ancestors(bases):
+            if base is None or base in self.bases and base not in self.bindings:
+                continue  # a subscripted or called base (``Generic[T]``), or a class of the file
+            qualified = _qualified(base.split("."), self.bindings, self.package)
+            if qualified is None:  # a builtin (``object``, ``Exception``) or from a star import
+                if hasattr(builtins, base):
+                    continue
+                return base
+            module = qualified.rpartition(".")[0]
+            if module.split(".")[0] in _PLAIN_MODULES or module in self.facts.modules or any(
+                    module.startswith(m + ".") for m in self.facts.modules):
+                continue
+            return qualified
+        return None
+
+
+def _autograd_shaped(function: Function) -> bool:
+    """A static ``forward(ctx, ...)`` / ``backward(ctx, ...)``: an autograd Function's, whatever its class."""
+    params = function.node.params.params or function.node.params.posonly_params
+    return bool(_decorated(function.node, ("staticmethod",))) and bool(params) and params[0].name.value == "ctx"
+
+
+def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
+    """Why ``function`` may not be given a parameter: no caller could pass it, or a new one would break it."""
     decorated = _decorated(function.node, _FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
     name = function.node.name.value
     if name.startswith("__") and name.endswith("__") and name not in _CALLED_BY_CODE:
         return f"special method {name}: Python calls it with its own arguments"
+    method_of = function.method_of
+    if method_of is not None and name in _CALLED_BY_AUTOGRAD and (
+            classes.autograd(method_of) or _autograd_shaped(function)):
+        return f"{name} of an autograd Function: torch calls it through .apply(...), which takes no keyword"
+    if name in facts.hooks:
+        return f"a hook (passed to a register_*hook): torch calls {name} with its own arguments"
+    if name in facts.values:
+        return f"passed as a value ({name} is referenced, never called, in the tree): no caller can pass it one"
+    if method_of is not None and name not in _CALLED_BY_CODE and name not in facts.called:
+        base = classes.outside(method_of)
+        if base is not None:
+            return (f"a callback: {method_of.name.value} derives from {base}, outside the tree, and the tree never "
+                    f"calls {name} by name")
     return None
 
 
@@ -630,14 +965,17 @@ def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
 
 def plan_file(
     path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None,
-    syntax: ast.Module | None = None, *, gtp_remat: bool = True,
+    syntax: ast.Module | None = None, *, gtp_remat: bool = True, facts: TreeFacts | None = None,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
     and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
     (:mod:`~pgregistry.migrate._skeleton`): a placeholder is never walked, its definition's name is
     taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
-    data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`)."""
+    data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`). ``facts``: what the
+    whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the ratchet's default modules, no
+    other file)."""
+    facts = facts if facts is not None else TreeFacts()
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
     spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
@@ -647,7 +985,7 @@ def plan_file(
     locator = _Locator(sites, name)
     locator.wanted = wanted
     _skip_placeholders(locator, source.body, statements)
-    pattern = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
+    pattern = collection_mentions(name)
     starts = line_starts(data)
     for i in wanted:
         top, tree = source.body[i], statements[i][0]
@@ -679,10 +1017,24 @@ def plan_file(
         if id(site) not in located:
             reads.append(Read(site, None, None, 0, reason=_site_reason(site) or "not a call"))
     taken: set[str] = set(locator.top_level) | set(locator.bindings)
+    package = path.split("/")[:-1]
+    classes = _Classes(syntax or ast.parse(data), locator.bindings, package, facts)
+    collections = facts.collections_of(path)
+    #: An autograd Function's ctx is made by torch for each call: it holds only what this file stores on it
+    #: (another file's ``ctx.pg_collection``, even of a declared field name, says nothing of it).
+    autograd_collections = facts.collections_of(path, own=True)
+    legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
+    imports = _import_bytes((syntax or ast.parse(data)).body, starts) if legacy else []
+    heads = {head for head in {_head(read) for read in legacy} if _bound_otherwise(head, data, imports)
+             or not _imports_the_module(head, locator.bindings, facts, package)}
+    ambiguous = [read for read in legacy if _head(read) in heads]
+    scopes = _scopes(source, ambiguous) if ambiguous else {}
     for read in reads:
         if read.call is None:
             continue
         reason = _site_reason(read.site)
+        if reason is None and read.site.family == LEGACY:
+            reason = _not_parallel_state(read, scopes, facts, package)
         if reason is None and read.function is None:
             reason = _MODULE_LEVEL if read.site.scope == MODULE_SCOPE else \
                 "class body: runs when the class is defined, before any collection exists"
@@ -700,7 +1052,8 @@ def plan_file(
             continue
         function = read.function
         assert function is not None
-        found = _collection_in_scope(function, read.statement, locator.attributes, name)
+        chains = autograd_collections if _autograd_shaped(_outermost(function)) else collections
+        found = _collection_in_scope(function, read.statement, locator.attributes, name, chains)
         if isinstance(found, str) and _fills_a_field(function, read, name):
             if not function.shim_name:
                 function.shim_name, function.shim_at = _free_name(function, "mpu_groups", taken), read.statement
@@ -713,15 +1066,25 @@ def plan_file(
             read.way, read.reason = LEFT, found
             continue
         guarded = read.site.guarded or bool(read.given)
-        if found is None:
-            why = _cannot_thread(function)
-            if why is not None:
-                read.way, read.reason = LEFT, why
+        root = _outermost(function)
+        if found is None and root is not function:  # the enclosing function's collection, as a closure
+            found = _enclosing_collection(function, root, locator.attributes, name, chains)
+            if isinstance(found, str):
+                read.way, read.reason = LEFT, found
                 continue
-            if not function.added:
-                function.added = _free_name(function, name, taken, ("process_group_collection",))
+        if found is None:
+            why = _cannot_thread(root, classes, facts)
+            if why is not None:
+                read.way, read.reason = LEFT, why if root is function else f"nested in {root.qualname}: {why}"
+                continue
+            if not root.added:
+                root.added = _free_name(root, name, taken | _names_between(function, root),
+                                        ("process_group_collection",))
+            elif root.added in _names_between(function, root):
+                read.way, read.reason = LEFT, f"binds {root.added}, which hides {root.qualname}'s collection"
+                continue
             read.way = FALLBACK if guarded else THREADED
-            read.collection = function.added
+            read.collection = root.added
         else:
             read.collection, optional, _ = found
             read.way = FALLBACK if guarded and optional else IN_SCOPE
@@ -802,22 +1165,27 @@ def _absolute(module: str, package: list[str]) -> str:
     return ".".join([*base, rest] if rest else base)
 
 
+def _qualified(dotted: list[str], bindings: Mapping[str, str], package: list[str]) -> str | None:
+    """The dotted name ``dotted`` stands for through the file's imports (``bindings``); None when no import binds
+    its first name."""
+    bound = bindings.get(dotted[0])
+    if bound is None:
+        return None
+    module, _, attribute = bound.partition(":")
+    module = _absolute(module, package)
+    return ".".join([f"{module}.{attribute}" if attribute else module, *dotted[1:]])
+
+
 def _callee(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
     """(module, function) a call of ``dotted`` in ``plan`` calls, when it is a module-level function."""
     head = dotted[0]
     if len(dotted) == 1 and plan.top_level.get(head) == "function":
         return plan.module, head
-    bound = plan.bindings.get(head)
-    if bound is None:
+    qualified = _qualified(dotted, plan.bindings, plan.package)
+    if qualified is None or "." not in qualified:
         return None
-    module, _, attribute = bound.partition(":")
-    module = _absolute(module, plan.package)
-    if len(dotted) == 1 and attribute:
-        return module, attribute
-    target = f"{module}.{attribute}" if attribute else module
-    if len(dotted) >= 2:
-        return ".".join([target, *dotted[1:-1]]), dotted[-1]
-    return None
+    module, _, function = qualified.rpartition(".")
+    return module, function
 
 
 def threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
@@ -881,13 +1249,17 @@ def passes(plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, st
                 continue
             if any(a.star == "**" or (a.keyword is not None and a.keyword.value == keyword) for a in call.node.args):
                 continue
+            root = _outermost(caller)
             if caller.added:
                 value = caller.added
             else:
                 found = _collection_in_scope(caller, call.statement, plan.attributes, name)
-                if not isinstance(found, tuple):
+                if isinstance(found, tuple):
+                    value = found[0]
+                elif found is None and root.added and root.added not in _names_between(caller, root):
+                    value = root.added  # a nested function passes the collection threaded into its enclosing one
+                else:
                     continue
-                value = found[0]
             plan.passes[id(call.node)] = (keyword, value)
             plan.passing_tops.add((call.top, call.member))
             count += 1
@@ -909,6 +1281,21 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
                     locator.visit_member(index, statement, member)
         elif index not in locator.visited and pattern.search(plan.text(start, end)):
             locator.visit_top(index, statement)
+
+
+def collection_mentions(name: str) -> re.Pattern[bytes]:
+    """Where a collection may be named or bound: a word containing ``name`` (``pg_collection``,
+    ``self._pg_collection``) or a construction assigned (the class members to walk for ``self.<attribute> = ...``)."""
+    return re.compile(rb"\w*" + re.escape(name.encode())
+                      + rb"|=[ \t]*[\w.]*\b(?:ProcessGroupCollection|use_mpu_process_groups)[ \t]*\(")
+
+
+def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: str) -> bool:
+    """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name (``_pg_collection``, see
+    :func:`~pgregistry.migrate._tree.names_a_collection`) or by its value (``ProcessGroupCollection(...)``,
+    ``use_mpu_process_groups(...)``)."""
+    return names_a_collection(attribute, name) or isinstance(value, cst.Call) and _called_name(value) in (
+        "ProcessGroupCollection", "use_mpu_process_groups")
 
 
 def _called_name(call: cst.Call) -> str:

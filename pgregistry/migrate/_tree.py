@@ -1,0 +1,188 @@
+"""What the whole tree says about its functions and collections, learned once before any file is planned.
+
+Whether a function may be given a new parameter depends on code in other files: a function whose only uses are
+as a value (``partial(f)``, ``callback=f``, ``@f``) or as a hook (``register_forward_hook(f)``) has no caller that
+could pass one, and a method of a class with a base outside the tree is a framework callback unless the tree
+calls it by name. Which collections are in scope depends on the tree's own names (``config._pg_collection`` is
+one where the file assigns it, or where a class of the tree declares the field). This module finds those facts,
+for the names that matter (those of the functions reads are in), with regular expressions over every file's
+bytes: one pass per file, no parse, so a run stays linear in the tree's size. Name-based on purpose: the type of
+``obj`` in ``obj.f`` is not known statically, so a method ``f`` of any class counts as called (or passed) when
+``obj.f(...)`` (or ``obj.f``) is.
+
+The patterns err on the safe side: a mention in a comment may make a function count as called (then it is
+threaded, and only its direct callers pass it a collection) or as passed as a value (then its reads stay, with
+the reason). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["TreeFacts", "learn_tree", "names_a_collection"]
+
+#: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
+_ATTRIBUTE_TARGET = re.compile(rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)",
+                               re.M)
+#: A type: ``X``, ``a.X``, ``Optional[X]``, ``X | None``, or a string (a docstring's ``name: what it is`` is none).
+_TYPE = rb"(?:[\w.]+(?:\[[^\]\n]*\])?(?:[ \t]*\|[ \t]*[\w.]+(?:\[[^\]\n]*\])?)*|'[^'\n]*'|\"[^\"\n]*\")"
+#: A field declared in a class body: an annotated name alone on an indented line, with no trailing comma and no
+#: closing parenthesis on the next line (a function's last parameter).
+_FIELD = re.compile(rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[ \t]*" + _TYPE + rb"[ \t]*(?:=[^\n]*[^,\s])?[ \t]*$(?!\n[ \t]*\))",
+                    re.M)
+#: A value that is a collection whatever its name.
+_BUILDS = re.compile(rb"\b(?:ProcessGroupCollection|use_mpu_process_groups)\s*\(")
+
+
+@dataclass(frozen=True)
+class TreeFacts:
+    """Facts about the tree a file's plan needs.
+
+    ``state_modules``: the ratchet's configured ``parallel_state`` modules (a read on a bare name no import
+    binds, a configured alias such as ``ps``, is taken as the scanner resolved it); ``modules``: the tree's own
+    module names; ``called``: names called somewhere (``f(`` or ``.f(``);
+    ``values``: names referenced as values and never called; ``hooks``: names passed to a torch hook
+    registration (``register_*hook``); ``collections``: (path, dotted expression) of each assignment of a
+    collection to an attribute (``config._pg_collection = ...``); ``fields``: the collection attributes a class
+    body declares (``_pg_collection: Optional[ProcessGroupCollection] = None``)."""
+
+    state_modules: tuple[str, ...] = ("parallel_state", "mpu")
+    modules: frozenset[str] = frozenset()
+    called: frozenset[str] = frozenset()
+    values: frozenset[str] = frozenset()
+    hooks: frozenset[str] = frozenset()
+    collections: frozenset[tuple[str, str]] = frozenset()
+    fields: frozenset[str] = frozenset()
+
+    def collections_of(self, path: str, *, own: bool = False) -> frozenset[str]:
+        """The expressions that hold a collection in file ``path``: those it assigns one to, and (unless ``own``)
+        those of other files whose attribute a class declares as a field (an instance of that class has it)."""
+        return frozenset(e for p, e in self.collections
+                         if p == path or not own and e.rpartition(".")[2] in self.fields)
+
+    def is_state_module(self, dotted: str) -> str | None:
+        """The configured ``parallel_state`` module ``dotted`` is (the ratchet's rule: the name itself or a
+        ``.``-suffix of it), None when it is none."""
+        return next((m for m in self.state_modules if dotted == m or dotted.endswith("." + m)), None)
+
+
+def names_a_collection(identifier: str, collection: str) -> bool:
+    """Whether ``identifier`` names a collection by the configured name ``collection``: it is that name or holds
+    it as a ``_``-separated part (``_pg_collection``, ``model_pg_collection``; not ``pg_collections``)."""
+    return re.search(rf"(?:^|_){re.escape(collection)}(?:_|$)", identifier) is not None
+
+
+def _lines_with(data: bytes, words: re.Pattern[bytes]) -> list[tuple[int, int]]:
+    """The (start, end) offsets of the distinct lines of ``data`` where ``words`` matches: the anchored patterns
+    below are tried on those only (a pattern anchored at every line start would try each line of every file)."""
+    spans: list[tuple[int, int]] = []
+    for match in words.finditer(data):
+        if spans and match.start() < spans[-1][1]:
+            continue
+        start = data.rfind(b"\n", 0, match.start()) + 1
+        end = data.find(b"\n", match.end())
+        spans.append((start, end if end >= 0 else len(data)))
+    return spans
+
+
+def _collections(data: bytes, collection: str) -> tuple[set[str], set[str]]:
+    """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name, see
+    :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection fields its class bodies
+    declare)."""
+    assigned, fields = set(), set()
+    for start, end in _lines_with(data, re.compile(re.escape(collection.encode()) + rb"|" + _BUILDS.pattern)):
+        target = _ATTRIBUTE_TARGET.match(data, start, end)
+        if target is not None and (names_a_collection(target.group(1).decode().rpartition(".")[2], collection)
+                                   or _BUILDS.search(target.group(2))):
+            assigned.add(target.group(1).decode())
+        declared = _FIELD.match(data, start)  # its lookahead reads the next line
+        if declared is not None and names_a_collection(declared.group(1).decode(), collection):
+            fields.add(declared.group(1).decode())
+    return assigned, fields
+
+
+def _words(names: Iterable[str]) -> re.Pattern[bytes]:
+    """A mention of one of ``names`` (the lookahead on their first letters spares trying each at every word)."""
+    first = b"".join(sorted({re.escape(n[:1].encode()) for n in names}))
+    alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names, key=len, reverse=True))
+    return re.compile(rb"\b(?=[" + first + rb"])(?:" + alternatives + rb")\b")
+
+
+_CALL_AFTER = re.compile(rb"[ \t]*\(")
+_NOT_VALUE_AFTER = re.compile(rb"[ \t]*[\w(.\[=]")
+_REGISTRATION = re.compile(rb"\bregister_(?:\w+_)?hook[ \t]*\(")
+#: What precedes a value (before the dotted chain it ends): an argument, an element, an assigned, default or
+#: returned value, a decorator.
+_VALUE_BEFORE = (b"(", b"[", b",", b"=", b":", b"@", b"return", b"yield")
+
+
+def _word_end(text: bytes, at: int) -> int:
+    """Where the identifier ending at ``at`` in ``text`` starts."""
+    while at > 0 and (text[at - 1:at].isalnum() or text[at - 1:at] == b"_"):
+        at -= 1
+    return at
+
+
+def _use(data: bytes, start: int, end: int) -> str:
+    """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other`` (its ``def``, an
+    attribute of it, a word in prose, a keyword argument's name)."""
+    before = data[max(0, start - 120):start]
+    stripped = before.rstrip(b" \t")
+    word = stripped[_word_end(stripped, len(stripped)):]
+    if word in (b"def", b"class") and len(stripped) < len(before):
+        return "other"
+    if _CALL_AFTER.match(data, end):
+        return "call"
+    at = len(before)
+    while at > 0 and before[at - 1:at] == b".":  # the chain the name ends: ``self.f``, ``module.f``
+        at = _word_end(before, at - 1)
+    if before[:at].rstrip(b" \t").endswith(_VALUE_BEFORE) and not _NOT_VALUE_AFTER.match(data, end):
+        return "value"
+    return "other"
+
+
+def _registered(data: bytes, names: re.Pattern[bytes]) -> set[str]:
+    """The names among the arguments of torch hook registrations in ``data`` (not called there)."""
+    found = set()
+    for registration in _REGISTRATION.finditer(data):
+        depth, at = 1, registration.end()
+        while depth and at < len(data) and at - registration.end() < 2000:
+            depth += {40: 1, 41: -1}.get(data[at], 0)
+            at += 1
+        for match in names.finditer(data, registration.end(), at):
+            if not _CALL_AFTER.match(data, match.end()):
+                found.add(match.group().decode())
+    return found
+
+
+def learn_tree(
+    contents: Mapping[str, bytes], functions: Iterable[str], collection: str, *, state_modules: tuple[str, ...] = (
+        "parallel_state", "mpu"), modules: frozenset[str] = frozenset(),
+) -> TreeFacts:
+    """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes), about the functions named
+    ``functions`` (those reads are in); ``collection``: the collection's configured name."""
+    called: set[str] = set()
+    values: set[str] = set()
+    hooks: set[str] = set()
+    collections: set[tuple[str, str]] = set()
+    fields: set[str] = set()
+    named = {n for n in functions if not (n.startswith("__") and n.endswith("__"))}  # Python calls those
+    mention = _words(named) if named else None
+    for path, data in contents.items():
+        if collection.encode() in data or b"ProcessGroupCollection" in data or b"use_mpu_process_groups" in data:
+            assigned, declared = _collections(data, collection)
+            collections |= {(path, expression) for expression in assigned}
+            fields |= declared
+        if mention is None:
+            continue
+        for match in mention.finditer(data):
+            use = _use(data, match.start(), match.end())
+            if use != "other":
+                (called if use == "call" else values).add(match.group().decode())
+        if b"register_" in data:
+            hooks |= _registered(data, mention)
+    return TreeFacts(state_modules=state_modules, modules=modules, called=frozenset(called),
+                     values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections),
+                     fields=frozenset(fields))
