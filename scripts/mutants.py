@@ -474,7 +474,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="shrink-ignores-expert-replicas",
         bug="a lost rank takes only its dense replica, not the expert replica (EP peers holding other experts)",
-        file="pgregistry/_shrink.py",
+        file="pgregistry/layout.py",
         find='leaving = [r for r in ranks if coords[r]["dp"] in dense_gone or coords[r]["expt_dp"] in expert_gone]',
         replace='leaving = [r for r in ranks if coords[r]["dp"] in dense_gone]',
         tests=(
