@@ -3,13 +3,15 @@
 The parent of a world kills its ranks' process groups and removes the store directory in a ``finally``; a parent
 killed outright (``kill -9``, an out-of-memory kill, a CI job cancelled) runs none of it. Ranks die with it
 (``PR_SET_PDEATHSIG``), but processes they spawned would not, and the store directory would stay in ``/tmp``.
-:class:`WorldWatcher` forks a small process before the ranks that waits on a pipe only the parent writes: the parent
-sends each rank's pid, then "done" once it has cleaned up; end-of-file without "done" means the parent died, and the
-watcher ends every rank's process group and removes the store directory itself.
+:class:`WorldWatcher` starts a small process before the ranks (a :mod:`multiprocessing` process, ``fork``-started:
+it needs nothing but a pipe and a path, and starts in milliseconds) that waits on a pipe only the parent writes: the
+parent sends each rank's pid, then "done" once it has cleaned up; end-of-file without "done" means the parent died,
+and the watcher ends every rank's process group and removes the store directory itself.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -24,12 +26,11 @@ class WorldWatcher:
 
     def __init__(self, store_dir: str) -> None:
         read_fd, self._write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the watcher
-            os.close(self._write_fd)
-            _watch(read_fd, store_dir)
+        self._process = multiprocessing.get_context("fork").Process(
+            target=_watch, args=(read_fd, self._write_fd, store_dir), name="pgregistry-world-watcher"
+        )
+        self._process.start()
         os.close(read_fd)
-        self._pid = pid
 
     def watch(self, rank_pid: int) -> None:
         """Have the watcher end ``rank_pid``'s process group if the parent dies."""
@@ -45,7 +46,7 @@ class WorldWatcher:
             os.write(self._write_fd, _DONE)
         finally:
             os.close(self._write_fd)
-            os.waitpid(self._pid, 0)
+            self._process.join()
 
 
 def end_process_group(pid: int) -> None:
@@ -64,8 +65,9 @@ def end_process_group(pid: int) -> None:
         pass
 
 
-def _watch(read_fd: int, store_dir: str) -> None:  # pragma: no cover - runs in the watcher
+def _watch(read_fd: int, parent_write_fd: int, store_dir: str) -> None:  # pragma: no cover - runs in the watcher
     try:
+        os.close(parent_write_fd)  # only the parent holds it: its death is our end-of-file
         os.setsid()  # out of the parent's process group: a Ctrl-C or a group kill of the parent leaves it running
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # hold none of the parent's streams open (a pipeline reading them waits for EOF)

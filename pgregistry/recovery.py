@@ -68,9 +68,8 @@ from pgregistry._survivors import agree_on_survivors
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from pgregistry._shrink import Shrunk
     from pgregistry.collection import ProcessGroupCollection
-    from pgregistry.layout import ParallelLayout
+    from pgregistry.layout import ParallelLayout, Shrunk
     from pgregistry.optim import ChainedOptimizer
 
 __all__ = ["LeftWithReplica", "Recovered", "StoreLost", "carry_optimizer_state", "commit", "generation", "recover"]

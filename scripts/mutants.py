@@ -472,9 +472,19 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/core/test_registry_refusals.py::test_a_rank_killed_in_a_build_is_named_on_every_other_rank",),
     ),
     Mutant(
+        name="import-from-a-lower-layer",
+        bug="rank arithmetic (placement) imports the registry, a layer below it in docs/architecture.md's map, for "
+        "type checking only: the layering the doc states no longer holds",
+        file="pgregistry/placement.py",
+        find="if TYPE_CHECKING:\n    from pgregistry.layout import ParallelLayout\n",
+        replace="if TYPE_CHECKING:\n    from pgregistry.layout import ParallelLayout\n"
+        "    from pgregistry.registry import build\n",
+        tests=("tests/core/test_layers.py::test_every_import_goes_to_the_same_or_a_higher_layer_of_the_module_map",),
+    ),
+    Mutant(
         name="shrink-ignores-expert-replicas",
         bug="a lost rank takes only its dense replica, not the expert replica (EP peers holding other experts)",
-        file="pgregistry/_shrink.py",
+        file="pgregistry/layout.py",
         find='leaving = [r for r in ranks if coords[r]["dp"] in dense_gone or coords[r]["expt_dp"] in expert_gone]',
         replace='leaving = [r for r in ranks if coords[r]["dp"] in dense_gone]',
         tests=(

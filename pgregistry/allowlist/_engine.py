@@ -1,25 +1,28 @@
 """Scanning many files: read, look up the cache, parse the rest in parallel, store.
 
 Parsing dominates (``ast.parse`` of Megatron-LM's 250k-line ``megatron/`` tree takes 1.2-1.3 s on one
-core), so files the cache does not hold are split into size-balanced buckets, one per core; the process forks
-a child per extra bucket and scans the first bucket itself. Children inherit the file contents (nothing is
-sent to them) and send back compact :mod:`marshal`-encoded rows through a pipe. The garbage collector is off
-while parsing: each tree is dropped as soon as it is walked and holds no reference cycles, so collections
-would only rescan the objects that stay alive.
+core), so files the cache does not hold are split into size-balanced buckets, one per core; a
+:class:`~concurrent.futures.ProcessPoolExecutor` of ``fork``-started workers scans every extra bucket while
+this process scans the first. The workers inherit the file contents (the pool's initializer runs in the forked
+worker with the parent's objects: nothing is pickled to them) and send back compact :mod:`marshal`-encoded
+rows. The garbage collector is off while parsing: each tree is dropped as soon as it is walked and holds no
+reference cycles, so collections would only rescan the objects that stay alive.
 
 Forking needs the ``fork`` start method and a single-threaded process; otherwise, or when there is too little
-work to repay a fork, everything runs in this process. A child that fails is not trusted: its bucket is
-rescanned here, so a result never depends on how the work was split.
+work to repay a fork, everything runs in this process. A worker that fails (raises, dies, sends what does not
+decode) is not trusted: its bucket is rescanned here, so a result never depends on how the work was split.
 """
 
 from __future__ import annotations
 
 import gc
 import marshal
+import multiprocessing
 import os
 import stat
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,46 +80,52 @@ def buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
     return [bucket for bucket in filled if bucket]
 
 
+_inherited_work: tuple[Sequence[tuple[str, bytes]], ScanConfig] | None = None
+"""In a worker of :func:`_scan_parallel`'s pool only: every file to scan and the configuration, inherited."""
+
+
+def _inherit_work(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> None:
+    """The pool's initializer: runs in the forked worker, so ``items`` is the parent's list, not a copy sent."""
+    global _inherited_work
+    _inherited_work = (items, config)
+
+
+def _scan_encoded(bucket: Sequence[int]) -> bytes:
+    """In a worker: the results of the inherited files at ``bucket``'s indexes, :mod:`marshal`-encoded."""
+    assert _inherited_work is not None, "_scan_encoded runs only in a worker of _scan_parallel's pool"
+    items, config = _inherited_work
+    return marshal.dumps([encode_result(result) for result in _scan_bucket([items[i] for i in bucket], config)])
+
+
+def _worker_results(
+    future: Future[bytes], items: Sequence[tuple[str, bytes]], bucket: Sequence[int]
+) -> list[FileResult] | None:
+    """A worker's results for ``bucket``; None when it raised, died or sent what does not decode."""
+    try:
+        rows: Any = marshal.loads(future.result())
+        return [decode_result(items[i][0], row) for i, row in zip(bucket, rows, strict=True)]
+    except Exception:  # noqa: BLE001 - whatever went wrong in the worker, its bucket is rescanned here
+        return None
+
+
 def _scan_parallel(
     items: Sequence[tuple[str, bytes]], config: ScanConfig, jobs: int
 ) -> tuple[list[FileResult], int]:
     split = buckets(jobs, [len(data) for _, data in items])
-    children: list[tuple[int, int, list[int]]] = []
-    for bucket in split[1:]:
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: scan, send, exit without running any of the parent's cleanup
-            status = 1
-            try:
-                os.close(read_end)
-                payload = marshal.dumps(
-                    [encode_result(result) for result in _scan_bucket([items[i] for i in bucket], config)]
-                )
-                with os.fdopen(write_end, "wb") as stream:
-                    stream.write(payload)
-                status = 0
-            finally:
-                os._exit(status)
-        os.close(write_end)
-        children.append((pid, read_end, bucket))
     results: list[FileResult | None] = [None] * len(items)
-    for index, result in zip(split[0], _scan_bucket([items[i] for i in split[0]], config), strict=True):
-        results[index] = result
-    for pid, read_end, bucket in children:
-        with os.fdopen(read_end, "rb", closefd=True) as stream:
-            payload = stream.read()
-        _, status = os.waitpid(pid, 0)
-        decoded: list[FileResult] | None = None
-        if status == 0:
-            try:
-                rows: Any = marshal.loads(payload)
-                decoded = [decode_result(items[i][0], row) for i, row in zip(bucket, rows, strict=True)]
-            except (EOFError, ValueError, TypeError):
-                decoded = None
-        if decoded is None:  # the child failed: trust nothing it sent
-            decoded = _scan_bucket([items[i] for i in bucket], config)
-        for index, result in zip(bucket, decoded, strict=True):
+    with ProcessPoolExecutor(
+        len(split) - 1, mp_context=multiprocessing.get_context("fork"), initializer=_inherit_work,
+        initargs=(items, config),
+    ) as pool:
+        submitted = [(pool.submit(_scan_encoded, bucket), bucket) for bucket in split[1:]]
+        for index, result in zip(split[0], _scan_bucket([items[i] for i in split[0]], config), strict=True):
             results[index] = result
+        for future, bucket in submitted:
+            decoded = _worker_results(future, items, bucket)
+            if decoded is None:  # the worker failed: trust nothing it sent
+                decoded = _scan_bucket([items[i] for i in bucket], config)
+            for index, result in zip(bucket, decoded, strict=True):
+                results[index] = result
     return [result for result in results if result is not None], len(split)
 
 

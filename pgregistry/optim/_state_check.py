@@ -17,7 +17,7 @@ holds for a load of whole parameter state (``load_param_state``, :func:`inner_pa
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,8 @@ from pgregistry._agreement import faulty_ranks, ranks_label
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from pgregistry.optim._flat_step import FlatStep
-
 __all__ = [
+    "ChecksItsStateDict",
     "inner_param_state_faults",
     "inner_state_faults",
     "missing_and_extra",
@@ -99,8 +98,19 @@ def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = Fal
     return []
 
 
+class ChecksItsStateDict(Protocol):
+    """What the check needs of an inner optimizer that is no ``torch.optim.Optimizer`` (a
+    :class:`~pgregistry.optim.FlatStep`): the faults of a state dict by its own rules. A protocol, so
+    this module needs nothing of the flat step, which itself refuses a load through :func:`refuse_faults`."""
+
+    def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]: ...
+
+
 def inner_state_faults(
-    inner: torch.optim.Optimizer | FlatStep, state_dict: Any, tensors: Sequence[torch.Tensor], names: Sequence[str]
+    inner: torch.optim.Optimizer | ChecksItsStateDict,
+    state_dict: Any,
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
 ) -> list[str]:
     """The faults of ``state_dict`` for ``inner`` (a flat step, or a torch optimizer), which steps ``tensors``
     (named ``names``) in its state dict's order: param groups of another size, state of no listed parameter, state
@@ -130,7 +140,10 @@ def inner_state_faults(
 
 
 def inner_param_state_faults(
-    inner: torch.optim.Optimizer | FlatStep, state_dict: Any, tensors: Sequence[torch.Tensor], names: Sequence[str]
+    inner: torch.optim.Optimizer | ChecksItsStateDict,
+    state_dict: Any,
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
 ) -> list[str]:
     """The faults of ``state_dict`` (:func:`~pgregistry.optim._param_state.inner_state_dict` of whole parameter
     state, as ``load_param_state`` loads it) for ``inner``, which steps ``tensors`` (named ``names``): a flat

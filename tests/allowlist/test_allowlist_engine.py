@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -92,6 +93,18 @@ def test_a_failing_worker_is_rescanned_not_trusted(tree: Path, monkeypatch: pyte
     monkeypatch.setattr(engine.marshal, "dumps", broken)
     assert engine.scan_files(files, ScanConfig(), jobs=2).results == serial.results
 
+
+
+def test_a_worker_that_dies_is_rescanned_not_waited_for(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = discover([tree], tree, ()).files
+    serial = engine.scan_files(files, ScanConfig(), jobs=1)
+    monkeypatch.setattr(engine, "PARALLEL_MIN_BYTES", 0)
+
+    def killed(result: object) -> object:  # only the forked workers encode their results
+        os._exit(3)
+
+    monkeypatch.setattr(engine, "encode_result", killed)
+    assert engine.scan_files(files, ScanConfig(), jobs=2).results == serial.results
 
 def test_unreadable_file_is_a_failure(tmp_path: Path) -> None:
     _touch(tmp_path, "a.py")

@@ -1,11 +1,13 @@
-"""No import circle among the package's modules, found statically (``ast``), so an import inside a function, which
-only runs later, counts as much as one at module level: a circle dodged by moving an import into a function is
-still two modules that each need the other, and the one that loads second sees the first half-initialised.
+"""No import circle among the package's modules, found statically (``ast``): every import statement counts, at
+module level, inside a function, and under ``if TYPE_CHECKING:``. A circle dodged by moving an import into a
+function is still two modules that each need the other, and the one that loads second sees the first
+half-initialised; a circle dodged by ``TYPE_CHECKING`` is still two modules that cannot be read, typed or moved
+apart one without the other.
 
 An edge is what an ``import`` statement names: ``import a.b`` and ``from a import b`` lead to ``a.b`` when that is
-a module of the package, ``from a import name`` to ``a`` (the package ``__init__``). Imports under ``if
-TYPE_CHECKING:`` never run and are left out; so are the parents an import initialises on the way (a package's
-``__init__`` importing its own modules, which import their siblings by full name, is how packages are built).
+a module of the package, ``from a import name`` to ``a`` (the package ``__init__``). The parents an import
+initialises on the way are left out (a package's ``__init__`` importing its own modules, which import their
+siblings by full name, is how packages are built).
 """
 
 from __future__ import annotations
@@ -29,27 +31,15 @@ def _modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement of ``tree`` that can run: at any depth, outside ``if TYPE_CHECKING:`` bodies."""
-    pending: list[ast.AST] = [tree]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            pending.extend(node.orelse)
-            continue
+    """Every import statement of ``tree``, at any depth (functions and ``if TYPE_CHECKING:`` bodies too)."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        pending.extend(ast.iter_child_nodes(node))
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (module level and inside functions alike)."""
+    """Module -> the package's modules it imports (module level, inside functions, for type checking)."""
     modules = _modules(root)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
@@ -126,16 +116,26 @@ def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path: P
     assert _describe(import_cycles(import_graph(root))) == "pkg.cli.layout -> pkg.cli.views -> pkg.cli.layout"
 
 
-def test_relative_and_plain_imports_make_edges_type_checking_ones_do_not(tmp_path: Path) -> None:
+def test_relative_plain_and_type_checking_imports_make_edges(tmp_path: Path) -> None:
     root = _tree(tmp_path, {
         "__init__.py": "from pkg.a import name\n",
         "a.py": "from . import b\nimport pkg.c.d\nimport os\n",
-        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\nelse:\n    import pkg.c\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import e\nelse:\n    import pkg.c\n",
         "c/__init__.py": "",
         "c/d.py": "from ..b import thing\nfrom .. import a\n",
+        "e.py": "",
     })
     assert import_graph(root) == {
-        "pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.c.d"}, "pkg.b": {"pkg.c"}, "pkg.c": set(),
-        "pkg.c.d": {"pkg.b", "pkg.a"},
+        "pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.c.d"}, "pkg.b": {"pkg.c", "pkg.e"}, "pkg.c": set(),
+        "pkg.c.d": {"pkg.b", "pkg.a"}, "pkg.e": set(),
     }
     assert _describe(import_cycles(import_graph(root))) == "pkg.a -> pkg.c.d -> pkg.a"
+
+
+def test_a_circle_closed_only_under_type_checking_is_found(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "layout.py": "from pkg.shrink import shrink_layout\n",
+        "shrink.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.layout import Layout\n",
+    })
+    assert _describe(import_cycles(import_graph(root))) == "pkg.layout -> pkg.shrink -> pkg.layout"

@@ -1,0 +1,151 @@
+"""The layering docs/architecture.md states holds: each module imports only modules of its own layer or of the
+layers above it, or the few every module may use.
+
+The doc's module map is the list of layers, read as text: each row whose first cell names a concern starts a
+layer, the rows below it (first cell empty) belong to it, and the table's order is the order of the layers. A
+row's second cell names its modules (``grad_stats/_fused.py``, ``_triton_kernels.py``: a name without a folder
+is in the folder of the name before it). The line ``Every module may use: ...`` names the modules exempt as
+targets. Imports are read as the import-cycle test reads them (every import statement: module level, inside a
+function, under ``TYPE_CHECKING``). A package's ``__init__`` belongs to the lowest layer of its modules (it
+imports them); the root ``__init__`` and the ``__main__`` entry points, which nothing imports, stand outside.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from test_import_cycles import import_graph
+
+import pgregistry
+
+PACKAGE = Path(pgregistry.__file__).resolve().parent
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+_SHARED_LINE = re.compile(r"^Every module may use: (?P<modules>.+)$", re.MULTILINE)
+
+
+def _module_name(package: str, relative_path: str) -> str:
+    dotted = relative_path.removesuffix(".py").replace("/", ".").removesuffix("__init__").rstrip(".")
+    return f"{package}.{dotted}" if dotted else package
+
+
+def layers_of(doc: str, package: str) -> dict[str, int]:
+    """Module -> its layer's position in the doc's module map (0 = top); ``ValueError`` for a module named twice."""
+    table = doc.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    layers: dict[str, int] = {}
+    layer = -1
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) < 3 or cells[0] == "concern" or set(cells[0]) <= {"-"} and cells[0]:
+            continue
+        if cells[0]:
+            layer += 1
+        folder = ""
+        for path in re.findall(r"`([\w/]+\.py)`", cells[1]):
+            if "/" in path:
+                folder = path.rpartition("/")[0] + "/"
+            else:
+                path = folder + path
+            name = _module_name(package, path)
+            if name in layers:
+                raise ValueError(f"{name} is in two rows of the module map")
+            layers[name] = layer
+    return layers
+
+
+def shared_modules(doc: str, package: str) -> set[str]:
+    """The modules the doc's ``Every module may use:`` line names."""
+    found = _SHARED_LINE.search(doc)
+    assert found, "docs/architecture.md has no 'Every module may use: ...' line"
+    return {_module_name(package, path) for path in re.findall(r"`([\w/]+\.py)`", found["modules"])}
+
+
+def layering_faults(graph: dict[str, set[str]], layers: dict[str, int], shared: set[str], package: str) -> list[str]:
+    """Every module the map leaves out, and every import of a module of a lower layer, as text."""
+    entry_points = {package} | {name for name in graph if name.endswith(".__main__")}
+    packages = {name.rpartition(".")[0] for name in graph if name.count(".") > 1} - {package}
+    placed = dict(layers)
+    for name in packages - set(layers):  # a package's __init__: the lowest layer of its modules
+        inside = [layer for module, layer in layers.items() if module.startswith(f"{name}.")]
+        if inside:
+            placed[name] = max(inside)
+    faults = [f"{name} is in no row of the module map" for name in sorted(set(graph) - set(placed) - entry_points)]
+    faults += [f"the module map names {name}, which is no module" for name in sorted(set(placed) - set(graph))]
+    for name in sorted(set(graph) & set(placed)):
+        for target in sorted(graph[name] - shared - entry_points):
+            if target in placed and placed[target] > placed[name]:
+                faults.append(f"{name} (layer {placed[name]}) imports {target} of the lower layer {placed[target]}")
+    return faults
+
+
+def test_every_import_goes_to_the_same_or_a_higher_layer_of_the_module_map() -> None:
+    doc = DOC.read_text(encoding="utf-8")
+    faults = layering_faults(import_graph(PACKAGE), layers_of(doc, "pgregistry"), shared_modules(doc, "pgregistry"),
+                             "pgregistry")
+    assert faults == []
+
+
+DOC_OF_A_TOY_PACKAGE = """
+Every module may use: `log.py`.
+
+## Module map
+
+| concern | module | job |
+| --- | --- | --- |
+| arithmetic | `layout.py` | rank arithmetic |
+| | `log.py` | logging |
+| groups | `registry.py`, `sub/_cache.py`, `_agree.py` | groups |
+| commands | `cli/__init__.py` | main |
+
+## After the map
+"""
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root
+
+
+def _toy_faults(tmp_path: Path, files: dict[str, str]) -> list[str]:
+    base = {
+        "__init__.py": "import pkg.cli\n", "__main__.py": "from pkg.cli import main\n", "layout.py": "",
+        "log.py": "", "registry.py": "", "sub/__init__.py": "from pkg.sub._cache import cache\n",
+        "sub/_cache.py": "", "sub/_agree.py": "", "cli/__init__.py": "from pkg import registry\n",
+    }
+    root = _tree(tmp_path, {**base, **files})
+    doc = DOC_OF_A_TOY_PACKAGE
+    return layering_faults(import_graph(root), layers_of(doc, "pkg"), shared_modules(doc, "pkg"), "pkg")
+
+
+def test_the_map_is_read_as_layers_in_order(tmp_path: Path) -> None:
+    assert layers_of(DOC_OF_A_TOY_PACKAGE, "pkg") == {
+        "pkg.layout": 0, "pkg.log": 0, "pkg.registry": 1, "pkg.sub._cache": 1, "pkg.sub._agree": 1, "pkg.cli": 2,
+    }
+    assert shared_modules(DOC_OF_A_TOY_PACKAGE, "pkg") == {"pkg.log"}
+    assert _toy_faults(tmp_path, {"layout.py": "from pkg import log\n", "registry.py": "import pkg.layout\n"}) == []
+
+
+def test_an_import_from_a_lower_layer_is_named_type_checking_and_function_level_ones_too(tmp_path: Path) -> None:
+    assert _toy_faults(tmp_path, {
+        "layout.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.registry import build\n"
+                     "def draw():\n    from pkg.sub import cache\n",
+    }) == [
+        "pkg.layout (layer 0) imports pkg.registry of the lower layer 1",
+        "pkg.layout (layer 0) imports pkg.sub of the lower layer 1",
+    ]
+
+
+def test_a_module_outside_the_map_and_a_module_in_two_rows_are_named(tmp_path: Path) -> None:
+    assert _toy_faults(tmp_path, {"stray.py": ""}) == ["pkg.stray is in no row of the module map"]
+    twice = DOC_OF_A_TOY_PACKAGE.replace("| | `log.py` |", "| | `log.py`, `registry.py` |")
+    try:
+        layers_of(twice, "pkg")
+    except ValueError as error:
+        assert str(error) == "pkg.registry is in two rows of the module map"
+    else:  # pragma: no cover - the assertion above is the test
+        raise AssertionError("a module in two rows was not refused")
