@@ -10,7 +10,6 @@ import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import Any
 
 import torch
@@ -26,7 +25,6 @@ __all__ = [
     "grad_reads",
     "host_median",
     "measure",
-    "metadata_reads",
     "norm64",
     "selected_device",
     "tensor_sizes",
@@ -111,14 +109,6 @@ def norm64(tensors: Sequence[torch.Tensor]) -> float:
     """The 2-norm of ``tensors`` in float64 (per tensor, then over them): the oracle a row's work is checked by."""
     norms = torch.stack([torch.linalg.vector_norm(tensor, dtype=torch.float64) for tensor in tensors])
     return float(torch.linalg.vector_norm(norms))
-
-
-def metadata_reads(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Each tensor's address, element count and contiguity, tensor by tensor at C speed into one flat list (nothing
-    the garbage collector tracks): with the reads of ``.grad`` before it, the benchmarks' floor, what any call that
-    reads the grads as they are now must do on the host."""
-    reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
-    return list(chain.from_iterable(zip(*(map(read, tensors) for read in reads), strict=True)))
 
 
 def selected_device(name: str) -> torch.device:
