@@ -18,6 +18,11 @@ a norm is wanted: a NaN or an inf in any of them makes the norm NaN or infinite 
 
 A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
 DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
+Where the grads are plain tensors and the very objects the reads were planned for (a flat buffer's views, as
+pgregistry's optimizers set them, or grads zeroed in place), it checks their identity (held weakly: the plan keeps no
+grad alive) and addresses only (:class:`_Planned`): the same object has the same type, and at the same address the
+same storage; a grad resized or restrided in place at its address (``resize_``, ``as_strided_``) is the one change
+this does not see.
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
 on: the collection, the parameter set (every module's child and parameter dictionaries by length, the contents of
 those that held something by identity), the roles (the classification's role attributes of the parameters that had
@@ -80,6 +85,8 @@ _LOCAL: Final = operator.attrgetter("_local_tensor")
 _SPEC: Final = operator.attrgetter("_spec")
 _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
+_ADDRESS: Final = torch._C.TensorBase.data_ptr
+_DEREFERENCE: Final = weakref.ref.__call__
 
 
 _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
@@ -117,6 +124,33 @@ class _Kind:
     plan: KindPlan
 
 
+@attrs.frozen(slots=True)
+class _Planned:
+    """The plain grads a layout's reads were planned for: weak references (a plan must not keep grads alive: a
+    training loop that sets them to ``None`` frees them), their addresses, and how many parameters had none."""
+
+    grads: list[weakref.ref[torch.Tensor]]
+    addresses: list[int]
+    nones: int
+
+    @classmethod
+    def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
+        return cls(list(map(weakref.ref, pieces)), list(map(_ADDRESS, pieces)), grads.count(None))
+
+    def pieces_of(self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]) -> list[Any] | None:
+        """The pieces of ``grads`` when they are the very grad objects planned for (as many ``None``, the others the
+        same objects, by identity), each still at its address; else ``None``. The same object has the same type and,
+        at the same address, the same storage (a grad re-pointed at other storage, ``grad.data = ...``, moves); only
+        an in-place change of a grad's sizes or strides at its address (``resize_``, ``as_strided_``) would pass
+        unseen. Reads no type, size or contiguity: at 20,000 grads, most of a call's checks."""
+        if grads.count(None) != self.nones:
+            return None
+        pieces = take_plain(grads)
+        if len(pieces) != len(self.grads) or not all(map(operator.is_, pieces, map(_DEREFERENCE, self.grads))):
+            return None
+        return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
+
+
 @attrs.define(slots=True)
 class _Layout:
     """What the grads of one call look like, and what is derived from it (see the module docstring)."""
@@ -134,6 +168,9 @@ class _Layout:
     reads_by_kernel: bool = False
     facts: list[int] | None = None
     """Each piece's address, size and (where the kernel reads) contiguity: what the reads depend on."""
+    planned_for: _Planned | None = None
+    """The grad objects the reads were planned for (plain grads only), by which a call whose grads are those same
+    objects at the same addresses skips reading their types, sizes and contiguity (:meth:`_Planned.pieces_of`)."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -177,8 +214,12 @@ class Plan:
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
         """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""
         grads = _grads_of(params)
-        types = list(map(type, grads))
         layout = self._layout
+        if layout is not None and layout.planned_for is not None:
+            planned = layout.planned_for.pieces_of(grads, layout.take_plain)
+            if planned is not None:  # the grads the reads were planned for, where they were
+                return self._read_pieces(layout, planned, [], params, wanted)
+        types = list(map(type, grads))
         if layout is None or types != layout.types:
             layout = self._layout = self._make_layout(params, grads, types)
         dtensors = layout.take_dtensor(grads)
@@ -202,6 +243,18 @@ class Plan:
             raise
         if not same:
             self._plan_kinds(layout, pieces)
+            layout.planned_for = None if dtensors or partial else _Planned.of(grads, pieces)
+        return self._read_pieces(layout, pieces, partial, params, wanted)
+
+    def _read_pieces(
+        self,
+        layout: _Layout,
+        pieces: list[torch.Tensor],
+        partial: list[tuple[int, str, Any]],
+        params: Sequence[torch.Tensor],
+        wanted: Wanted,
+    ) -> Read:
+        """Read ``pieces`` (checked against ``layout``) and the ``partial`` DTensor grads into shares."""
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
         shares.wide = layout.wide
