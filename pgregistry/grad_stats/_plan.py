@@ -23,15 +23,16 @@ pgregistry's optimizers set them, or grads zeroed in place), it checks their ide
 grad alive) and addresses only (:class:`_Planned`): the same object has the same type, and at the same address the
 same storage; a grad resized or restrided in place at its address (``resize_``, ``as_strided_``) is the one change
 this does not see.
+
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
-on: the collection, the parameter set (every module's child and parameter dictionaries by length, the contents of
-those that held something by identity), the roles (the classification's role attributes of the parameters that had
-one; the others held to no attributes, or to no role among them; :func:`~pgregistry.params.role_generation` for
-marks made with the helpers). Anything that differs makes a new plan. The dictionaries checked are those the modules
-held when the plan was made: torch changes them in place (a deletion from a ``ModuleList`` or ``Sequential`` too,
-before it renumbers into a new one), so a change through torch is seen; code that assigns a module a new dictionary
-behind torch's back, without changing the old one, is not (seeing it would read every module's attributes each
-call: twice the parameter-set check's time at 20,000 parameters).
+on: the collection, the parameter set (the modules' child and parameter dictionaries that were empty by length, the
+contents of those that held something by identity, :meth:`Kept._held_now`), the roles (the classification's role
+attributes of the parameters that had one; the others held to no attributes, or to no role among them;
+:func:`~pgregistry.params.role_generation` for marks made with the helpers). Anything that differs makes a new plan.
+The dictionaries checked are those the modules held when the plan was made: torch changes them in place (a deletion
+from a ``ModuleList`` or ``Sequential`` too, before it renumbers into a new one), so a change through torch is seen;
+code that assigns a module a new dictionary behind torch's back, without changing the old one, is not (seeing it
+would read every module's attributes each call: twice the parameter-set check's time at 20,000 parameters).
 
 At 20,000 parameters a call is bound by fetching each object's memory, not by the Python around it, so every check
 reads each object once (several facts of one tensor read together, into flat lists the garbage collector does not
@@ -434,9 +435,9 @@ class Kept:
         self.params = [param for _, param in params.named]
         self._chunk_refs = [weakref.ref(chunk) for chunk in source.chunks[1:]]
         modules = list(dict.fromkeys(chain.from_iterable(chunk.modules() for chunk in source.chunks)))
-        self._holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
-        self._holder_lengths = list(map(len, self._holders))
-        self._held_views = [holder.values() for holder in self._holders if holder]  # live: made once, read each call
+        holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
+        self._empty_holders = [holder for holder in holders if not holder]
+        self._held_views = [holder.values() for holder in holders if holder]  # live: made once, read each call
         self._held = self._held_now()
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
@@ -459,7 +460,7 @@ class Kept:
                 return None
             if not _same(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            same = list(map(len, self._holders)) == self._holder_lengths and _same(self._held_now(), self._held)
+            same = not any(map(len, self._empty_holders)) and _same(self._held_now(), self._held)
             return self.params if same else None
         tensors = source.tensors
         if tensors is None or not _same(tensors, list(map(operator.call, self._tensor_refs))):
@@ -469,9 +470,11 @@ class Kept:
 
     def _held_now(self) -> list[Any]:
         """What the modules' child and parameter dictionaries that were not empty when the plan was made hold now,
-        in order. With every dictionary's length unchanged, the empty ones are still empty (most: a leaf module has
-        no children, a container no parameters) and equal flattened contents mean equal contents, dictionary by
-        dictionary. Read through the dictionaries' values views, made with the plan (a view is live): a call makes
+        in order. With the empty ones still empty (most: a leaf module has no children, a container no parameters;
+        one ``len`` each), equal flattened contents mean the same modules and parameters in the same order: a
+        parameter could only have moved between two dictionaries next to each other in that order, which leaves
+        every statistic as it was (its roles are its own, not its module's), so the non-empty dictionaries' lengths
+        are not read. Read through the dictionaries' values views, made with the plan (a view is live): a call makes
         no view per dictionary (17-33% of this check on the 2-core machine)."""
         return list(chain.from_iterable(self._held_views))
 
