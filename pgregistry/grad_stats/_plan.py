@@ -136,7 +136,7 @@ class _Planned:
 
     @classmethod
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
-        return cls(list(map(weakref.ref, pieces)), list(map(_ADDRESS, pieces)), grads.count(None))
+        return cls(list(map(weakref.ref, pieces)), list(map(_ADDRESS, pieces)), _nones(grads))
 
     def pieces_of(self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]) -> list[Any] | None:
         """The pieces of ``grads`` when they are the very grad objects planned for (as many ``None``, the others the
@@ -144,12 +144,18 @@ class _Planned:
         at the same address, the same storage (a grad re-pointed at other storage, ``grad.data = ...``, moves); only
         an in-place change of a grad's sizes or strides at its address (``resize_``, ``as_strided_``) would pass
         unseen. Reads no type, size or contiguity: at 20,000 grads, most of a call's checks."""
-        if grads.count(None) != self.nones:
+        if _nones(grads) != self.nones:
             return None
         pieces = take_plain(grads)
         if len(pieces) != len(self.grads) or not all(map(operator.is_, pieces, map(_DEREFERENCE, self.grads))):
             return None
         return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
+
+
+def _nones(grads: list[Any]) -> int:
+    """How many of ``grads`` are ``None``, by identity at C speed (``list.count`` compares with ``==``, and a tensor's
+    ``__eq__`` with ``None`` costs microseconds: most of a call on a GPU at 2,000 grads)."""
+    return sum(map(operator.is_, grads, repeat(None)))
 
 
 @attrs.define(slots=True)
