@@ -6,10 +6,10 @@ Timing: median milliseconds of ``repeat`` runs after ``warmup``; on CUDA each ru
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import Any
 
 import torch
@@ -18,11 +18,14 @@ __all__ = [
     "GiB",
     "MiB",
     "Target",
+    "copy_bandwidth",
     "describe_device",
     "fill_",
     "finish",
+    "grad_reads",
+    "host_median",
     "measure",
-    "metadata_reads",
+    "norm64",
     "selected_device",
     "tensor_sizes",
 ]
@@ -76,12 +79,36 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: in
     return statistics.median(s.elapsed_time(e) for s, e in events), peak
 
 
-def metadata_reads(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Each tensor's address, element count and contiguity, tensor by tensor at C speed into one flat list (nothing
-    the garbage collector tracks): with the reads of ``.grad`` before it, the benchmarks' floor, what any call that
-    reads the grads as they are now must do on the host."""
-    reads = (torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous)
-    return list(chain.from_iterable(zip(*(map(read, tensors) for read in reads), strict=True)))
+def host_median(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
+    """Median host milliseconds of ``fn`` (for host-only work: nothing is left on a device stream)."""
+    return measure(fn, torch.device("cpu"), warmup, repeat)[0]
+
+
+def grad_reads(params: Sequence[torch.Tensor]) -> list[Any]:
+    """Each parameter's ``.grad``, read once from Python at C speed (``map``) into one list: the least host work any
+    implementation of a statistic over a model's grads must do per call (torch's ``clip_grad_norm_`` and
+    pgregistry's alike read every ``.grad`` before anything else). The benchmarks' host floor."""
+    return list(map(_GRAD, params))
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def copy_bandwidth(nbytes: int, device: torch.device, warmup: int = 3, repeat: int = 10) -> float:
+    """Bytes per second of a device-to-device copy of ``nbytes`` (read plus written, so twice ``nbytes`` a copy),
+    measured now: the bandwidth the byte floors are taken at."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = measure(lambda: dst.copy_(src), device, warmup, repeat)[0]
+    if not torch.equal(dst, src):
+        raise RuntimeError("the copy bandwidth's copy did not copy")
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def norm64(tensors: Sequence[torch.Tensor]) -> float:
+    """The 2-norm of ``tensors`` in float64 (per tensor, then over them): the oracle a row's work is checked by."""
+    norms = torch.stack([torch.linalg.vector_norm(tensor, dtype=torch.float64) for tensor in tensors])
+    return float(torch.linalg.vector_norm(norms))
 
 
 def selected_device(name: str) -> torch.device:

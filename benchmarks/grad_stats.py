@@ -17,7 +17,7 @@ gradient values, 30% zeros, in every path. For each tensor count it measures, in
 launch table made once, as a kept plan holds it) with other programs: elements a program loads per iteration x
 iterations (the defaults: :data:`pgregistry.grad_stats._fused.ITERS`). ``table read``: the one-read kernel and the
 sum of its pairs; ``scale``: the clip's scale kernel by 0.5 (reads and writes every grad; timed last, after the
-values are taken).
+values are taken; the run fails unless the grads' norm afterwards is halved once per call).
 
 Columns: milliseconds (median of ``--repeat`` after ``--warmup``; CUDA events on a GPU), bytes read (each
 statistic reads every grad once, so a norm + zero-count row reads the grads twice), effective TB/s, speed-up over
@@ -33,6 +33,7 @@ rows only). Exits 1 if the paths disagree.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +45,18 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.common import GiB, MiB, Target, describe_device, fill_, finish, measure, selected_device, tensor_sizes  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    GiB,
+    MiB,
+    Target,
+    describe_device,
+    fill_,
+    finish,
+    measure,
+    norm64,
+    selected_device,
+    tensor_sizes,
+)
 from pgregistry._grad_buffer import GradBuffer  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
@@ -106,22 +118,34 @@ def run_count(count: int, args: argparse.Namespace, device: torch.device) -> dic
         reference = torch.empty(nbytes // 4, device=device).normal_()
     paths = {READ: lambda: torch.linalg.vector_norm(reference)} | paths
     results = {name: measure(fn, device, args.warmup, args.repeat) for name, fn in paths.items()}
-    kernels = _kernel_configs(grads, args, device) if len(dtypes) == 1 else {}
-    return {"count": count, "bytes": nbytes, "results": results, "values": values, "kernels": kernels}
+    kernels, problems = _kernel_configs(grads, args, device) if len(dtypes) == 1 else ({}, [])
+    return {"count": count, "bytes": nbytes, "results": results, "values": values, "kernels": kernels,
+            "problems": problems}
 
 
-def _kernel_configs(grads: list[torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Each of ``--configs``: (table read ms, scale ms), the launch table made once. Scales the grads."""
-    kernels = {}
+def _kernel_configs(
+    grads: list[torch.Tensor], args: argparse.Namespace, device: torch.device
+) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """Each of ``--configs``: (table read ms, scale ms), the launch table made once. Scales the grads, each call by
+    0.5 (exact), and checks after each config that they were scaled by 0.5 as many times as the scale kernel ran
+    (the problems returned): a launch that skipped its work would time nothing."""
+    kernels: dict[str, tuple[float, float]] = {}
+    problems: list[str] = []
     half = torch.tensor(0.5, dtype=torch.float64, device=device)
     for config in filter(None, args.configs.split(",")):
         block, iters = (int(part) for part in config.split("x"))
         launch = fused.launch_of(grads, block=block, iters=iters)
         read = measure(lambda launch=launch: fused.read_over(grads, launch), device, args.warmup, args.repeat)[0]
+        before = norm64(grads)
         scale = measure(lambda launch=launch: fused.scale_over_(grads, launch, half), device, args.warmup,
                         args.repeat)[0]
+        calls = args.warmup + args.repeat
+        after, want = norm64(grads), before * 0.5**calls
+        if not math.isclose(after, want, rel_tol=1e-9):
+            problems.append(f"{len(grads):,} tensors, scale kernel {block} x {iters}: the grads' norm is {after!r} "
+                            f"after {calls} scalings by 0.5, not {want!r}")
         kernels[f"{block} x {iters}"] = (read, scale)
-    return kernels
+    return kernels, problems
 
 
 def print_kernels(run: dict[str, Any]) -> None:
@@ -233,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         run = run_count(count, args, device)
         print_table(run, device, args.dtype)
         print_kernels(run)
-        problems += check_values(run, args.dtype)
+        problems += check_values(run, args.dtype) + run["problems"]
         runs.append(run)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -21,7 +21,8 @@ any check failed anywhere:
 * the public grad statistics over a model on the device, through the kept classification: ``grad_norm_and_zeros``
   (one read of plain grads) and ``clip_grad_norm_`` (scaled by the clip kernel, and left bit for bit when nothing
   is to be scaled) against the float64 oracle, FSDP2's DTensor grads (``fully_shard`` over the collection's
-  ``dp_cp``) against torch's own DTensor norm, and on CUDA the clip kernel's rounding: bit for bit torch's
+  ``dp_cp``) against torch's own DTensor norm, the same grad objects re-pointed at new storage read and clipped
+  there (the kept reads check their addresses), and on CUDA the clip kernel's rounding: bit for bit torch's
   ``_foreach_mul_`` for float32, bf16 and fp16 over a table of tensors, views off the 16-byte grid included, by a
   given coefficient and by the one the kernel makes from the norm (torch's ``clip_coefficient`` of it);
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
@@ -269,7 +270,31 @@ def stats_api_checks(world: int, device: torch.device) -> list[Check]:
     )
     checks.append(("clip_grad_norm_ below the norm: grads = oracle's clipped grads",
                    close(returned, want_norm) and worst < 1e-6, f"max error {worst:.2e}"))
-    return checks + fsdp_checks(world, device) + scale_kernel_checks(device)
+    return checks + kept_grads_checks(device) + fsdp_checks(world, device) + scale_kernel_checks(device)
+
+
+def kept_grads_checks(device: torch.device) -> list[Check]:
+    """A call whose grads are the very objects its reads were planned for skips their types and sizes, never their
+    addresses: the same grad objects re-pointed at new storage (``grad.data = ...``, the old storage still alive)
+    are read and clipped where they are now, and the old storage is left as it was."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(33, 17) for _ in range(4))).to(device)
+    gen = torch.Generator(device=device).manual_seed(11)
+    for param in model.parameters():
+        param.grad = torch.randn(param.shape, generator=gen, device=device)
+    clip_grad_norm_(model, 1e30, ALL_OFF)
+    clip_grad_norm_(model, 1e30, ALL_OFF)  # kept: the grads' objects noted
+    grads = [param.grad for param in model.parameters()]
+    old = [grad.data for grad in grads]  # type: ignore[union-attr]
+    kept_old = [tensor.clone() for tensor in old]
+    for grad in grads:
+        grad.data = 3 * torch.randn(grad.shape, generator=gen, device=device)  # type: ignore[union-attr]
+    want = math.sqrt(sum(float(grad.double().square().sum()) for grad in grads))  # type: ignore[union-attr]
+    returned = float(clip_grad_norm_(model, want / 2, ALL_OFF))
+    after = math.sqrt(sum(float(grad.double().square().sum()) for grad in grads))  # type: ignore[union-attr]
+    untouched = all(torch.equal(a, b) for a, b in zip(old, kept_old, strict=True))
+    return [("clip_grad_norm_ of the same grad objects re-pointed at new storage: reads and scales the new storage",
+             close(returned, want) and close(after, want / 2) and untouched,
+             f"returned {returned} (want {want}), after {after}, old storage untouched {untouched}")]
 
 
 def fsdp_checks(world: int, device: torch.device) -> list[Check]:

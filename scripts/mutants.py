@@ -102,7 +102,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="kept-plan-misses-a-submodule",
         bug="a kept classification misses a submodule registered behind a module's back into an empty dictionary",
         file="pgregistry/grad_stats/_plan.py",
-        find="same = list(map(len, self._holders)) == self._holder_lengths and _same(self._held_now(), self._held)",
+        find="same = not any(map(len, self._empty_holders)) and _same(self._held_now(), self._held)",
         replace="same = _same(self._held_now(), self._held)",
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_a_changed_parameter_set_is_seen",),
     ),

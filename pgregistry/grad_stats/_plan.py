@@ -18,15 +18,21 @@ a norm is wanted: a NaN or an inf in any of them makes the norm NaN or infinite 
 
 A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
 DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
+Where the grads are plain tensors and the very objects the reads were planned for (a flat buffer's views, as
+pgregistry's optimizers set them, or grads zeroed in place), it checks their identity (held weakly: the plan keeps no
+grad alive) and addresses only (:class:`_Planned`): the same object has the same type, and at the same address the
+same storage; a grad resized or restrided in place at its address (``resize_``, ``as_strided_``) is the one change
+this does not see.
+
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
-on: the collection, the parameter set (every module's child and parameter dictionaries by length, the contents of
-those that held something by identity), the roles (the classification's role attributes of the parameters that had
-one; the others held to no attributes, or to no role among them; :func:`~pgregistry.params.role_generation` for
-marks made with the helpers). Anything that differs makes a new plan. The dictionaries checked are those the modules
-held when the plan was made: torch changes them in place (a deletion from a ``ModuleList`` or ``Sequential`` too,
-before it renumbers into a new one), so a change through torch is seen; code that assigns a module a new dictionary
-behind torch's back, without changing the old one, is not (seeing it would read every module's attributes each
-call: twice the parameter-set check's time at 20,000 parameters).
+on: the collection, the parameter set (the modules' child and parameter dictionaries that were empty by length, the
+contents of those that held something by identity, :meth:`Kept._held_now`), the roles (the classification's role
+attributes of the parameters that had one; the others held to no attributes, or to no role among them;
+:func:`~pgregistry.params.role_generation` for marks made with the helpers). Anything that differs makes a new plan.
+The dictionaries checked are those the modules held when the plan was made: torch changes them in place (a deletion
+from a ``ModuleList`` or ``Sequential`` too, before it renumbers into a new one), so a change through torch is seen;
+code that assigns a module a new dictionary behind torch's back, without changing the old one, is not (seeing it
+would read every module's attributes each call: twice the parameter-set check's time at 20,000 parameters).
 
 At 20,000 parameters a call is bound by fetching each object's memory, not by the Python around it, so every check
 reads each object once (several facts of one tensor read together, into flat lists the garbage collector does not
@@ -80,6 +86,8 @@ _LOCAL: Final = operator.attrgetter("_local_tensor")
 _SPEC: Final = operator.attrgetter("_spec")
 _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
+_ADDRESS: Final = torch._C.TensorBase.data_ptr
+_DEREFERENCE: Final = weakref.ref.__call__
 
 
 _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
@@ -117,6 +125,39 @@ class _Kind:
     plan: KindPlan
 
 
+@attrs.frozen(slots=True)
+class _Planned:
+    """The plain grads a layout's reads were planned for: weak references (a plan must not keep grads alive: a
+    training loop that sets them to ``None`` frees them), their addresses, and how many parameters had none."""
+
+    grads: list[weakref.ref[torch.Tensor]]
+    addresses: list[int]
+    nones: int
+
+    @classmethod
+    def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
+        return cls(list(map(weakref.ref, pieces)), list(map(_ADDRESS, pieces)), _nones(grads))
+
+    def pieces_of(self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]) -> list[Any] | None:
+        """The pieces of ``grads`` when they are the very grad objects planned for (as many ``None``, the others the
+        same objects, by identity), each still at its address; else ``None``. The same object has the same type and,
+        at the same address, the same storage (a grad re-pointed at other storage, ``grad.data = ...``, moves); only
+        an in-place change of a grad's sizes or strides at its address (``resize_``, ``as_strided_``) would pass
+        unseen. Reads no type, size or contiguity: at 20,000 grads, most of a call's checks."""
+        if _nones(grads) != self.nones:
+            return None
+        pieces = take_plain(grads)
+        if len(pieces) != len(self.grads) or not all(map(operator.is_, pieces, map(_DEREFERENCE, self.grads))):
+            return None
+        return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
+
+
+def _nones(grads: list[Any]) -> int:
+    """How many of ``grads`` are ``None``, by identity at C speed (``list.count`` compares with ``==``, and a tensor's
+    ``__eq__`` with ``None`` costs microseconds: most of a call on a GPU at 2,000 grads)."""
+    return sum(map(operator.is_, grads, repeat(None)))
+
+
 @attrs.define(slots=True)
 class _Layout:
     """What the grads of one call look like, and what is derived from it (see the module docstring)."""
@@ -134,6 +175,9 @@ class _Layout:
     reads_by_kernel: bool = False
     facts: list[int] | None = None
     """Each piece's address, size and (where the kernel reads) contiguity: what the reads depend on."""
+    planned_for: _Planned | None = None
+    """The grad objects the reads were planned for (plain grads only), by which a call whose grads are those same
+    objects at the same addresses skips reading their types, sizes and contiguity (:meth:`_Planned.pieces_of`)."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -177,8 +221,12 @@ class Plan:
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
         """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""
         grads = _grads_of(params)
-        types = list(map(type, grads))
         layout = self._layout
+        if layout is not None and layout.planned_for is not None:
+            planned = layout.planned_for.pieces_of(grads, layout.take_plain)
+            if planned is not None:  # the grads the reads were planned for, where they were
+                return self._read_pieces(layout, planned, [], params, wanted)
+        types = list(map(type, grads))
         if layout is None or types != layout.types:
             layout = self._layout = self._make_layout(params, grads, types)
         dtensors = layout.take_dtensor(grads)
@@ -202,6 +250,18 @@ class Plan:
             raise
         if not same:
             self._plan_kinds(layout, pieces)
+            layout.planned_for = None if dtensors or partial else _Planned.of(grads, pieces)
+        return self._read_pieces(layout, pieces, partial, params, wanted)
+
+    def _read_pieces(
+        self,
+        layout: _Layout,
+        pieces: list[torch.Tensor],
+        partial: list[tuple[int, str, Any]],
+        params: Sequence[torch.Tensor],
+        wanted: Wanted,
+    ) -> Read:
+        """Read ``pieces`` (checked against ``layout``) and the ``partial`` DTensor grads into shares."""
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
         shares.wide = layout.wide
@@ -381,9 +441,9 @@ class Kept:
         self.params = [param for _, param in params.named]
         self._chunk_refs = [weakref.ref(chunk) for chunk in source.chunks[1:]]
         modules = list(dict.fromkeys(chain.from_iterable(chunk.modules() for chunk in source.chunks)))
-        self._holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
-        self._holder_lengths = list(map(len, self._holders))
-        self._held_views = [holder.values() for holder in self._holders if holder]  # live: made once, read each call
+        holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
+        self._empty_holders = [holder for holder in holders if not holder]
+        self._held_views = [holder.values() for holder in holders if holder]  # live: made once, read each call
         self._held = self._held_now()
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
@@ -406,7 +466,7 @@ class Kept:
                 return None
             if not _same(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            same = list(map(len, self._holders)) == self._holder_lengths and _same(self._held_now(), self._held)
+            same = not any(map(len, self._empty_holders)) and _same(self._held_now(), self._held)
             return self.params if same else None
         tensors = source.tensors
         if tensors is None or not _same(tensors, list(map(operator.call, self._tensor_refs))):
@@ -416,9 +476,11 @@ class Kept:
 
     def _held_now(self) -> list[Any]:
         """What the modules' child and parameter dictionaries that were not empty when the plan was made hold now,
-        in order. With every dictionary's length unchanged, the empty ones are still empty (most: a leaf module has
-        no children, a container no parameters) and equal flattened contents mean equal contents, dictionary by
-        dictionary. Read through the dictionaries' values views, made with the plan (a view is live): a call makes
+        in order. With the empty ones still empty (most: a leaf module has no children, a container no parameters;
+        one ``len`` each), equal flattened contents mean the same modules and parameters in the same order: a
+        parameter could only have moved between two dictionaries next to each other in that order, which leaves
+        every statistic as it was (its roles are its own, not its module's), so the non-empty dictionaries' lengths
+        are not read. Read through the dictionaries' values views, made with the plan (a view is live): a call makes
         no view per dictionary (17-33% of this check on the 2-core machine)."""
         return list(chain.from_iterable(self._held_views))
 

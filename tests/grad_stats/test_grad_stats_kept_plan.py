@@ -5,14 +5,15 @@ The functional API classifies a model once and keeps it (``pgregistry/grad_stats
 what the classification depends on: the parameter set (a parameter added, removed, or replaced behind the module's
 back as ``fully_shard`` does; a submodule added or removed, also from a container that renumbers into a new
 dictionary), the roles (marked with a helper, or set and changed as plain attributes as Megatron-Core does), the
-grads (new storage, the same grad re-pointed at storage of another shape, grads set to None, a dtype change), the
-collection, and a list of tensors given instead of a model. The oracles are computed here from the grads in float64,
-never by the code under test.
+grads (new storage, the same grad re-pointed at storage of another shape, grads set to None and freed, a dtype
+change), the collection, and a list of tensors given instead of a model. The oracles are computed here from the grads
+in float64, never by the code under test.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import pytest
@@ -135,6 +136,23 @@ def test_changed_grads_are_seen() -> None:
     for param in model.parameters():
         param.grad = None
     _check(model, [], "no grads at all")
+
+
+def test_the_kept_reads_keep_no_grad_alive() -> None:
+    """A call whose grads are the objects its reads were planned for skips their types and sizes; the plan notes
+    those objects weakly, so a grad a training loop sets to None is freed at once (its memory is the loop's), and
+    each call still reads the grads as they are."""
+    model = _model()
+    _check(model, _grads(model), "first call")
+    _check(model, _grads(model), "the same grad objects")
+    model.a.weight.grad.mul_(2.0)
+    _check(model, _grads(model), "the same grad objects, new values")
+    freed = weakref.ref(model.b.bias.grad)
+    model.b.bias.grad = None
+    assert freed() is None, "the kept plan keeps a grad alive"
+    _check(model, _grads(model), "a grad set to None")
+    model.b.bias.grad = _fill(model.b.bias, 23)
+    _check(model, _grads(model), "a new grad object")
 
 
 def test_a_list_of_tensors_is_checked_by_identity() -> None:
