@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("libcst")
 pytest.importorskip("megatron.core.parallel_state")
 
-from fixtures.differential import Case, Loaded, load_cases, load_recipes, run_cases  # noqa: E402
+from fixtures.differential import MODES, Case, Loaded, load_cases, load_recipes, run_cases  # noqa: E402
 
 TREES, CASES = load_recipes()
 
@@ -95,10 +95,12 @@ def test_the_migrated_function_behaves_as_the_original(outcomes: dict[str, Any],
 
 
 def test_the_recipes_cover_the_trees() -> None:
-    """At least 30 functions, 10 of them from Megatron-Bridge (issue 40, "Proven by running it"). NeMo 3.0.0 holds 9
-    functions that read parallel_state: the 2 of utils/callbacks/dist_ckpt_io.py cannot run against Megatron-Core
-    0.19.2 here (their module's megatron.core imports need tensorstore) and one is a closure of an optimizer's hook,
-    so 6 are run."""
+    """At least 30 functions in each of the five modes, 10 of them from Megatron-Bridge (issue 40, "Proven by running
+    it"). NeMo 3.0.0 holds 9 functions that read parallel_state: the 2 of utils/callbacks/dist_ckpt_io.py cannot run
+    against Megatron-Core 0.19.2 here (their module's megatron.core imports need tensorstore) and one is a closure of
+    an optimizer's hook, so 6 are run."""
     functions = {(case.tree, case.module, case.function) for case in CASES}
     per_tree = {name: sum(1 for tree, _, _ in functions if tree == name) for name in TREES}
     assert len(functions) >= 30 and per_tree["bridge"] >= 10 and per_tree["nemo"] >= 6, per_tree
+    per_mode = {mode: len({(c.tree, c.module, c.function) for c in CASES if mode in c.modes}) for mode in MODES}
+    assert min(per_mode.values()) >= 30, per_mode
