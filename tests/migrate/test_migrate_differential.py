@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("libcst")
 pytest.importorskip("megatron.core.parallel_state")
 
-from fixtures.differential import Case, Loaded, load_cases, load_recipes, run_cases  # noqa: E402
+from fixtures.differential import MODES, Case, Loaded, load_cases, load_recipes, run_cases  # noqa: E402
 
 TREES, CASES = load_recipes()
 
@@ -49,12 +49,11 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"loaded": loaded, "ranks": ranks, "uninitialised": uninitialised, "missing": missing}
 
 
-def _named(outcome: dict[str, Any], case: Case) -> list[str]:
-    """The fallback warnings naming the function, or a function nested in it (a hook it returns)."""
-    return [
-        message for message in outcome["warned"]
-        if message.startswith(case.owner + " ") or message.startswith(case.owner + ".")
-    ]
+def _named(outcome: dict[str, Any], case: Case, function: str | None = None) -> list[str]:
+    """The fallback warnings naming the function that reads (the case's reader, else the function itself; or
+    ``function``), or a function nested in it (a hook it returns)."""
+    owner = case.owner if function is None else f"{case.module}.{function}"
+    return [message for message in outcome["warned"] if message.startswith((owner + " ", owner + "."))]
 
 
 @pytest.mark.timeout(300)  # the first test also migrates the trees and runs every case (the session fixture)
@@ -81,22 +80,27 @@ def test_the_migrated_function_behaves_as_the_original(outcomes: dict[str, Any],
             ), f"{case.id}: the recipe cannot tell the two grids apart"
         assert (got["raised"], got["value"]) == (oracle["raised"], oracle["value"]), where
         assert got["groups"] == oracle["groups"], f"{where}: communicated over other groups"
-        if mode in ("a", "c") and case.expect_fallback:
+        if mode in ("a", "c") and case.warns:
             named = _named(got, case)
             assert named, f"{where}: no fallback warning naming {case.owner} (warned: {got['warned']})"
             # Under default filters: one warning per field the function fell back for, never the same one twice.
             assert len(named) == len(set(named)), f"{where}: warned more than once for one field: {named}"
-        if mode in ("a", "c") and not case.expect_fallback:
-            assert not _named(got, case), f"{where}: {case.owner} read no global state, yet warned {got['warned']}"
+        if mode in ("a", "c") and case.reader:  # the function's own reads are skipped: it does not warn itself
+            assert not _named(got, case, case.function), f"{where}: {case.function} warned {got['warned']}"
+        if mode in ("a", "c") and not case.warns:
+            why = case.left or "read no global state"
+            assert not _named(got, case), f"{where}: {case.owner}: {why}, yet warned {got['warned']}"
         if mode in ("b", "d"):
             assert got["warned"] == [], f"{where}: fell back with a whole collection passed: {got['warned']}"
 
 
 def test_the_recipes_cover_the_trees() -> None:
-    """At least 30 functions, 10 of them from Megatron-Bridge (issue 40, "Proven by running it"). NeMo 3.0.0 holds 9
-    functions that read parallel_state: the 2 of utils/callbacks/dist_ckpt_io.py cannot run against Megatron-Core
-    0.19.2 here (their module's megatron.core imports need tensorstore) and one is a closure of an optimizer's hook,
-    so 6 are run."""
+    """At least 30 functions in each of the five modes, 10 of them from Megatron-Bridge (issue 40, "Proven by running
+    it"). NeMo 3.0.0 holds 9 functions that read parallel_state: the 2 of utils/callbacks/dist_ckpt_io.py cannot run
+    against Megatron-Core 0.19.2 here (their module's megatron.core imports need tensorstore) and one is a closure of
+    an optimizer's hook, so 6 are run."""
     functions = {(case.tree, case.module, case.function) for case in CASES}
     per_tree = {name: sum(1 for tree, _, _ in functions if tree == name) for name in TREES}
     assert len(functions) >= 30 and per_tree["bridge"] >= 10 and per_tree["nemo"] >= 6, per_tree
+    per_mode = {mode: len({(c.tree, c.module, c.function) for c in CASES if mode in c.modes}) for mode in MODES}
+    assert min(per_mode.values()) >= 30, per_mode
