@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from pgregistry._warning_options import CommandLineFilter, command_line_filters
+from pgregistry._runtime.warning_options import CommandLineFilter, command_line_filters
 from pgregistry.fallback import ProcessGroupFallbackWarning
 
 __all__ = ["pytest_configure"]

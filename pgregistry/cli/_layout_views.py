@@ -105,7 +105,7 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
     """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank are counted over
     the layout's ranks."""
-    from pgregistry._communicators import communicators, communicators_per_rank
+    from pgregistry._runtime.communicators import communicators, communicators_per_rank
 
     per_rank = communicators_per_rank(communicators(layout), range(*layout.rank_range()))
     return {
@@ -235,8 +235,8 @@ def parse_layout_spec(
 def run_compare(args: argparse.Namespace) -> int:
     """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they share (and
     pictures, placement), in one world of ``--world-size`` ranks (default: where the later span ends)."""
-    from pgregistry._communicators import compare_layouts
     from pgregistry._layout_svg import render_compare_svg
+    from pgregistry._runtime.communicators import compare_layouts
 
     check_span(args.num_ranks, args.rank_offset, None)  # the default span; each spec's is checked as it is parsed
     (name_a, a), (name_b, b) = (

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pgregistry._empty_options import empty_option
+from pgregistry._runtime.empty_options import empty_option
 from pgregistry.cli._options import (
     Subparsers,
     add_layout_arguments,

@@ -15,9 +15,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from pgregistry._agreement import any_rank_has_each
 from pgregistry._classification import require_classified_experts
-from pgregistry._resolve import normalise
+from pgregistry._runtime.agreement import any_rank_has_each
+from pgregistry._runtime.resolve import normalise
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._chained import ChainedOptimizer

@@ -20,7 +20,7 @@ require_megatron()
 
 from pgregistry import grad_norm, registry  # noqa: E402
 from pgregistry._classification import unclassified_expert_params  # noqa: E402
-from pgregistry._resolve import normalise  # noqa: E402
+from pgregistry._runtime.resolve import normalise  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_quickstart.py"
