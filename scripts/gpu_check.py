@@ -35,7 +35,7 @@ any check failed anywhere:
   ``clip_grad_norm`` (through the clip kernel) returns the oracle's norm, scales to torch's bits and changes
   nothing above the norm.
 
-Initialisation, the gathered table and the tear-down order are :func:`pgregistry._torchrun_checks.run_checks`'s.
+Initialisation, the gathered table and the tear-down order are :func:`pgregistry.cli._torchrun_checks.run_checks`'s.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ from fixtures.unsharded_oracle import oracle_norm, oracle_numel, oracle_zeros  #
 import pgregistry.optim._mixed_precision  # noqa: E402
 import pgregistry.optim._sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
-from pgregistry._torchrun_checks import Check, run_checks  # noqa: E402
 from pgregistry._toy_models import (  # noqa: E402
     EXPERTS,
     dense_and_expert,
@@ -78,6 +77,7 @@ from pgregistry._toy_models import (  # noqa: E402
     set_main_grads,
 )
 from pgregistry.cli._options import positive_seconds  # noqa: E402
+from pgregistry.cli._torchrun_checks import Check, run_checks  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
 from pgregistry.grad_stats._fused import clip_over_, fused_stats_available, launch_of, scale_  # noqa: E402

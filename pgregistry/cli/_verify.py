@@ -39,7 +39,7 @@ from pgregistry.cli._options import (
 if TYPE_CHECKING:
     import torch
 
-    from pgregistry._torchrun_checks import Check
+    from pgregistry.cli._torchrun_checks import Check
 
 __all__ = ["add_command", "nodes_share_hosts"]
 
@@ -223,7 +223,7 @@ def _close(value: float, want: float) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pgregistry._torchrun_checks import run_checks
+    from pgregistry.cli._torchrun_checks import run_checks
 
     # Every rank parses the same command line, so every rank refuses alike; rank 0 says why.
     empty = empty_option(args, {"json": ("--json", "a file name, or leave the option out")})

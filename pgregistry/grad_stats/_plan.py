@@ -48,10 +48,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pgregistry._classification import holds_experts, require_classified_experts
 from pgregistry._runtime.agreement import any_rank_has
 from pgregistry._runtime.resolve import Params, ParamsLike, fill, grid_reads, normalise, resolve
 from pgregistry.collection import GroupName, ProcessGroupCollection
+from pgregistry.grad_stats._classification import holds_experts, require_classified_experts
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, decision_of, is_partial
 from pgregistry.grad_stats._filters import (

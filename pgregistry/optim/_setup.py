@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pgregistry._classification import holds_experts
 from pgregistry._runtime.agreement import any_rank_has
 from pgregistry._runtime.resolve import Params, fill, normalise, resolve
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
+from pgregistry.grad_stats._classification import holds_experts
 from pgregistry.grad_stats._filters import EXPERT_STATS_FIELDS, STATS_FALLBACK, StatsGroups
 
 __all__ = [
