@@ -138,10 +138,10 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
     import torch
 
     from pgregistry import registry
-    from pgregistry._toy_models import dense_and_expert
     from pgregistry.grad_stats import count_zeros, grad_norm
     from pgregistry.layout import ParallelLayout
     from pgregistry.optim import build_optimizer
+    from pgregistry.testing._toy_models import dense_and_expert
 
     pg = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1), name="verify-expert-tp")
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
@@ -171,8 +171,8 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
 
 
 def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
-    from pgregistry._toy_models import full_grads, local_model, set_grads
     from pgregistry.grad_stats import count_zeros, grad_norm
+    from pgregistry.testing._toy_models import full_grads, local_model, set_grads
 
     out = []
     ones = full_grads("ones")

@@ -13,7 +13,7 @@ precedence of pytest's filters (the ini file, pytest's ``-W`` and ``@pytest.mark
 them), the place the interpreter's own filters have.
 
 Registered as a ``pytest11`` entry point, so it loads wherever pgregistry is installed; with plugin autoloading
-off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``) load it with ``-p pgregistry._pytest_plugin``. Imports no torch.
+off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``) load it with ``-p pgregistry.testing._pytest_plugin``. Imports no torch.
 """
 
 from __future__ import annotations
