@@ -9,8 +9,8 @@ gradient values, 30% zeros, in every path. For each tensor count it measures, in
   over separately allocated grads;
 - ``list path``: :func:`pgregistry.grad_stats.norm_of_grads` and :func:`~pgregistry.grad_stats.zeros_of_grads`
   over the same list of grads;
-- ``buffer``: :meth:`pgregistry._grad_buffer.GradBuffer.grad_norm` and ``count_zeros`` over the grads laid out in
-  one :class:`~pgregistry._grad_buffer.GradBuffer`, and ``norm_and_zeros`` (both statistics in one read where the
+- ``buffer``: :meth:`pgregistry.optim._grad_buffer.GradBuffer.grad_norm` and ``count_zeros`` over the grads laid out in
+  one :class:`~pgregistry.optim._grad_buffer.GradBuffer`, and ``norm_and_zeros`` (both statistics in one read where the
   Triton kernel runs: CUDA with triton).
 
 ``--configs 1024x8,1024x16`` adds a table per tensor count timing the kernels alone over the list of grads (a
@@ -57,11 +57,11 @@ from benchmarks.common import (  # noqa: E402
     selected_device,
     tensor_sizes,
 )
-from pgregistry._grad_buffer import GradBuffer  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
 from pgregistry.grad_stats import _fused as fused  # noqa: E402
 from pgregistry.grad_stats._fused import fused_stats_available  # noqa: E402
+from pgregistry.optim._grad_buffer import GradBuffer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 READ = "read reference (1 vector_norm)"

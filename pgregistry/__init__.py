@@ -3,7 +3,7 @@
 Importing the package does not import torch, so ``python -W error::pgregistry.ProcessGroupFallbackWarning``
 (which imports it at interpreter start) stays cheap. Names that need torch are loaded on first access. Once torch
 is imported too (before or after this package), :mod:`pgregistry.params` installs its parameter-registration hooks
-(:mod:`pgregistry._role_hooks`), so parameter roles never depend on import order.
+(:mod:`pgregistry._runtime.role_hooks`), so parameter roles never depend on import order.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pgregistry import _role_hooks
+from pgregistry._runtime import role_hooks
 from pgregistry.attachments import attach, collection_of
 from pgregistry.collection import NOT_MEMBER, UNSET, ProcessGroupCollection
 from pgregistry.fallback import ProcessGroupFallbackWarning
@@ -75,4 +75,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-_role_hooks.install()
+role_hooks.install()

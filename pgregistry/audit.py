@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from pgregistry._classification import unclassified_expert_params
-from pgregistry._resolve import ParamsLike, normalise, resolve
+from pgregistry._runtime.resolve import ParamsLike, normalise, resolve
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
+from pgregistry.grad_stats._classification import unclassified_expert_params
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
 from pgregistry.grad_stats._filters import STATS_FALLBACK
 from pgregistry.grad_stats._local import parts_of

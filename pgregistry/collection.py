@@ -8,7 +8,7 @@ Each field holds exactly one of four things, and each means one thing only:
   :func:`group_size` and :func:`group_rank`. In ``dp_cp_ag`` / ``expt_dp_ag`` "off" means "no second communicator
   for parameter all-gathers": Megatron-Core's rule is that the all-gathers then run on ``dp_cp`` / ``expt_dp``;
 * :data:`UNSET`: nobody said. :meth:`ProcessGroupCollection.get` raises; only an entry point's resolution
-  (:mod:`pgregistry._resolve`) may read the global grid for it, with a warning. Mixing "unset" and "off" is what
+  (:mod:`pgregistry._runtime.resolve`) may read the global grid for it, with a warning. Mixing "unset" and "off" is what
   made Megatron-Core's filters read the global rank for a model whose own grid turned an axis off (Megatron-LM
   pull request 8042; ``docs/known_bugs.md``);
 * :data:`NOT_MEMBER`: this rank belongs to no group of that kind: the embedding groups of a middle pipeline stage,

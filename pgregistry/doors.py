@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from pgregistry._resolve import resolve
+from pgregistry._runtime.resolve import resolve
 from pgregistry.allowlist._fixes import GTP_REMAT_DP
 from pgregistry.collection import check_field_names, group_size
 from pgregistry.fallback import warn_fallback

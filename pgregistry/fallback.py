@@ -27,7 +27,7 @@ import sys
 import threading
 import warnings
 
-from pgregistry._warning_options import apply_command_line_filters
+from pgregistry._runtime.warning_options import apply_command_line_filters
 
 __all__ = ["ProcessGroupFallbackWarning", "warn_fallback"]
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
-from pgregistry._resolve import checked
+from pgregistry._runtime.resolve import checked
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
@@ -89,7 +89,7 @@ def _flattened_group(
 
     import torch.distributed as dist
 
-    from pgregistry._group_cache import CACHE, GroupOptions
+    from pgregistry._runtime.group_cache import CACHE, GroupOptions
 
     ranks = mesh.mesh
     if ranks.numel() != dist.get_world_size():
@@ -230,8 +230,8 @@ def with_hsdp_groups(
     ``ValueError`` when ``replicas`` does not divide the dense or the expert data-parallel size (Megatron-Core
     requires both).
     """
-    from pgregistry._agreement import agree, require_distributed
-    from pgregistry._group_cache import CACHE, GroupOptions
+    from pgregistry._runtime.agreement import agree, require_distributed
+    from pgregistry._runtime.group_cache import CACHE, GroupOptions
 
     if not isinstance(pg_collection, ProcessGroupCollection):
         checked(pg_collection, "with_hsdp_groups")  # the TypeError naming what it got

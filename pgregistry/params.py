@@ -44,7 +44,7 @@ A replacement is the same parameter when
   parameter's own name).
 
 The hook is installed as soon as both ``pgregistry`` and torch are imported, whichever comes first
-(:mod:`pgregistry._role_hooks`), so a model built after ``import pgregistry`` keeps Megatron-Core's plain
+(:mod:`pgregistry._runtime.role_hooks`), so a model built after ``import pgregistry`` keeps Megatron-Core's plain
 attributes through ``fully_shard`` whatever else was imported when: no result depends on import order. A model
 built before ``pgregistry`` is imported at all is known from its first model walk on; roles set on it as plain
 attributes before a ``fully_shard`` that came before that walk went with the objects ``fully_shard`` dropped, and

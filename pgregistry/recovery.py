@@ -18,7 +18,7 @@ The protocol, all through the store, so it needs no collective over the broken w
    decision. A rank that checks in after it is lost: it learns so and raises;
 3. *confirm*: every rank the decision names answers a confirmation round, decided the same way; a rank that checked
    in and then died (a second failure) does not answer, and is lost like the first: the ranks that answered
-   confirm again among themselves (:mod:`pgregistry._survivors`);
+   confirm again among themselves (:mod:`pgregistry._runtime.survivors`);
 4. *judge*: every survivor reads every record the confirmation names and derives, from the same data, the same
    verdict:
    the lost set, :meth:`~ParallelLayout.shrink`'s result or its error, whether the survivors committed the same
@@ -62,8 +62,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pgregistry._logging import get_logger
-from pgregistry._survivors import agree_on_survivors
+from pgregistry._runtime.logger import get_logger
+from pgregistry._runtime.survivors import agree_on_survivors
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -134,7 +134,7 @@ def commit(collection: ProcessGroupCollection) -> None:
     import torch
     import torch.distributed as dist
 
-    from pgregistry._agreement import world_device
+    from pgregistry._runtime.agreement import world_device
     from pgregistry.collection import group_size
 
     group = collection.get("intra_dist_opt")
@@ -176,7 +176,7 @@ def recover(
     import torch.distributed as dist
 
     from pgregistry import registry
-    from pgregistry._agreement import require_distributed
+    from pgregistry._runtime.agreement import require_distributed
 
     global _generation
     require_distributed("pgregistry.recovery.recover")
@@ -327,7 +327,7 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
 def _keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
     """How many of this rank's communicators have members that all survive and form a communicator of the smaller
     layout under the rank map."""
-    from pgregistry._communicators import communicators
+    from pgregistry._runtime.communicators import communicators
 
     if rank not in shrunk.rank_map:
         return 0

@@ -3,7 +3,7 @@
 :func:`build` turns a :class:`~pgregistry.layout.ParallelLayout` into a
 :class:`~pgregistry.collection.ProcessGroupCollection` that knows its layout. Its communicators come from one
 process-wide cache (one per distinct rank set, created in one deadlock-free global order, after the ranks agree
-on the request: :mod:`pgregistry._group_cache`), so two layouts that share rank sets share communicators.
+on the request: :mod:`pgregistry._runtime.group_cache`), so two layouts that share rank sets share communicators.
 
 A layout may cover part of the world (``rank_offset`` and ``num_ranks``: one module of a job on ranks of its own).
 The build stays collective over the world, so every rank agrees on every module's layout; a rank outside the span
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import attrs
 import torch.distributed as dist
 
-from pgregistry._agreement import agree, joined, require_distributed
-from pgregistry._attendance import attended
-from pgregistry._group_cache import BUILD_ADVICE, CACHE, GroupOptions, checked_options
-from pgregistry._logging import get_logger
+from pgregistry._runtime.agreement import agree, joined, require_distributed
+from pgregistry._runtime.attendance import attended
+from pgregistry._runtime.group_cache import BUILD_ADVICE, CACHE, GroupOptions, checked_options
+from pgregistry._runtime.logger import get_logger
 from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection, _Lifetime
 from pgregistry.layout import GROUP_KINDS, ParallelLayout, RankGroup
 
@@ -81,7 +81,7 @@ def build(
     options raises ``ValueError`` naming what differs.
 
     ``timeout`` (seconds or a ``timedelta``; ``None``: torch's) is the groups' and bounds the build itself: every
-    rank checks in through the world's store first (:mod:`pgregistry._attendance`), and a rank that has not come
+    rank checks in through the world's store first (:mod:`pgregistry._runtime.attendance`), and a rank that has not come
     by then is named in a ``RuntimeError`` on every rank that did; the build's world all-reduces wait no longer,
     and a collective failing in the build (a rank killed) raises ``RuntimeError`` naming the ranks that did not
     answer a roll call. Bad arguments raise on every rank: ``TypeError`` for a layout that is none, a name that is
@@ -190,7 +190,8 @@ def _refuse_other_options(
 
 
 def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
-    """Every rank set of ``layout``: what every rank walks when creating its groups (``pgregistry._group_cache``)."""
+    """Every rank set of ``layout``: what every rank walks when creating its groups
+    (``pgregistry._runtime.group_cache``)."""
     first, stop = layout.rank_range()
     sets: set[RankGroup] = {tuple(range(first, stop))}
     sets.update((rank,) for rank in range(first, stop))

@@ -42,7 +42,7 @@ from typing import Any, Final, Literal
 import attrs
 import torch
 
-from pgregistry._resolve import resolve
+from pgregistry._runtime.resolve import resolve
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.layout import ParallelLayout
 

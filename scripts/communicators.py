@@ -148,7 +148,7 @@ def _wrong_groups(collection: Any, layout: Any, rank: int) -> list[str]:
 
 def _expected_splits(layout: Any, group_timeout: float | None) -> int:
     """The families pgregistry's plan deals a build's rank sets (every rank's) into."""
-    from pgregistry._group_cache import split_plan
+    from pgregistry._runtime.group_cache import split_plan
 
     world = tuple(range(layout.num_ranks))
     sets = {(rank,) for rank in world} | {world}

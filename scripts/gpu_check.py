@@ -11,7 +11,7 @@ any check failed anywhere:
   dense and one distinct expert bf16 scalar per rank): through ``build_optimizer``, the mixed-precision and the
   sharded optimizer report norm ``sqrt(1 + W)`` and zero count ``1 + W``; and with the bug reproduced (main copies
   without ``allreduce=False``) ``sqrt(2)`` and ``2``, so the check can fail;
-* a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry._toy_models`, raw
+* a layout matrix (every layout of the list that fits W): the toy model of :mod:`pgregistry.testing._toy_models`, raw
   per-rank grads synchronised by the optimizer (all-reduce, or reduce-scatter for the sharded one), then the
   2-norm, inf-norm and zero count against the unsharded float64 oracle (also both at once, one read of the
   buffer on CUDA with triton, and, unsharded, through the list path ``grad_norm``/``count_zeros``, whose
@@ -36,7 +36,7 @@ any check failed anywhere:
   ``clip_grad_norm`` (through the clip kernel) returns the oracle's norm, scales to torch's bits and changes
   nothing above the norm.
 
-Initialisation, the gathered table and the tear-down order are :func:`pgregistry._torchrun_checks.run_checks`'s.
+Initialisation, the gathered table and the tear-down order are :func:`pgregistry.cli._torchrun_checks.run_checks`'s.
 """
 
 from __future__ import annotations
@@ -70,15 +70,8 @@ from fixtures.unsharded_oracle import oracle_norm, oracle_numel, oracle_zeros  #
 import pgregistry.optim._mixed_precision  # noqa: E402
 import pgregistry.optim._sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
-from pgregistry._torchrun_checks import Check, run_checks  # noqa: E402
-from pgregistry._toy_models import (  # noqa: E402
-    EXPERTS,
-    dense_and_expert,
-    full_grads,
-    local_model,
-    set_main_grads,
-)
 from pgregistry.cli._options import positive_seconds  # noqa: E402
+from pgregistry.cli._torchrun_checks import Check, run_checks  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
 from pgregistry.grad_stats._fused import clip_over_, fused_stats_available, launch_of, scale_  # noqa: E402
@@ -97,6 +90,13 @@ from pgregistry.optim._base import FlatOptimizer  # noqa: E402
 from pgregistry.optim._fused_step import BLOCK, ITERS, fused_step_available  # noqa: E402
 from pgregistry.params import copy_param_roles  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
+from pgregistry.testing._toy_models import (  # noqa: E402
+    EXPERTS,
+    dense_and_expert,
+    full_grads,
+    local_model,
+    set_main_grads,
+)
 
 REL = 1e-6
 

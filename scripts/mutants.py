@@ -162,7 +162,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="fallback-warning-dropped",
         bug="an entry point given no collection reads the global grid silently",
-        file="pgregistry/_resolve.py",
+        file="pgregistry/_runtime/resolve.py",
         find='    warn_fallback(owner, "pg_collection")\n    return grid\n',
         replace="    return grid\n",
         tests=("tests/core/test_resolver.py::test_no_collection_is_the_global_grid_with_a_warning_never_ep_off",),
@@ -170,7 +170,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="explicit-collection-beats-attached",
         bug="an explicit collection that disagrees with the one attached to the model silently wins",
-        file="pgregistry/_resolve.py",
+        file="pgregistry/_runtime/resolve.py",
         find="if attached is not None and attached != pg_collection:",
         replace="if False:",
         tests=(
@@ -211,7 +211,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="split-families-overlap",
         bug="one split_group over overlapping rank sets (NCCL's split gives each rank one communicator: the rest hang)",
-        file="pgregistry/_group_cache.py",
+        file="pgregistry/_runtime/group_cache.py",
         find="            if taken.isdisjoint(ranks):\n",
         replace="            if True:\n",
         tests=(
@@ -222,7 +222,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="build-left-before-peers-connected",
         bug="a rank leaves a build before its peers have created their groups (a destroy then closes their pairs)",
-        file="pgregistry/_group_cache.py",
+        file="pgregistry/_runtime/group_cache.py",
         find="        if missing:\n            all_reached(options.timeout)  # see _new_group\n",
         replace="",
         tests=(
@@ -251,7 +251,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="fill-ignores-the-collections-composites",
         bug="an UNSET axis is read from the global grid though the collection's composite (tp_ep_pp=None) fixes it",
-        file="pgregistry/_resolve.py",
+        file="pgregistry/_runtime/resolve.py",
         find="        if (implied is not None and implied[0] == 1) or (implied is None and name in skipped):\n",
         replace="        if implied is None and name in skipped:\n",
         tests=(
@@ -421,7 +421,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="build-check-in-at-the-worlds-timeout",
         bug="a build's check-in waits the world's timeout, not the build's: a rank that never calls it holds the "
         "others for the process group's timeout",
-        file="pgregistry/_attendance.py",
+        file="pgregistry/_runtime/attendance.py",
         find="    bound = timeout if timeout is not None else world_timeout()",
         replace="    bound = world_timeout()",
         tests=(
@@ -431,7 +431,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="roll-call-waits-its-cap",
         bug="the roll call after a failed collective waits its 10 s cap, not the caller's shorter timeout",
-        file="pgregistry/_attendance.py",
+        file="pgregistry/_runtime/attendance.py",
         find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
         replace="_ROLL_CALL_S + _MARGIN_S",
         tests=(
@@ -442,7 +442,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="roll-call-waits-twice-the-timeout",
         bug="the roll call after a failed collective waits twice the caller's timeout",
-        file="pgregistry/_attendance.py",
+        file="pgregistry/_runtime/attendance.py",
         find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
         replace="2 * min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
         tests=(
@@ -454,7 +454,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="roll-call-waits-the-margin-only",
         bug="the roll call after a failed collective waits its margin only: a rank that fails later, within the "
         "timeout, is named as silent",
-        file="pgregistry/_attendance.py",
+        file="pgregistry/_runtime/attendance.py",
         find="min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S",
         replace="_MARGIN_S",
         tests=(
@@ -466,7 +466,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="build-agreement-unbounded",
         bug="a build's world all-reduces wait the world's timeout, not the build's: a rank killed in a build left "
         "the ranks not connected to it waiting",
-        file="pgregistry/_agreement.py",
+        file="pgregistry/_runtime/agreement.py",
         find="    if timeout is None:\n        dist.all_reduce(tensor, op=op)\n        return\n",
         replace="    dist.all_reduce(tensor, op=op)\n    return\n",
         tests=("tests/core/test_registry_refusals.py::test_a_rank_killed_in_a_build_is_named_on_every_other_rank",),
@@ -517,7 +517,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="survivors-not-confirmed",
         bug="recovery takes the first decision as final: a rank that checked in and then died is still named a "
         "survivor, and the re-formation fails on the others (issue 41)",
-        file="pgregistry/_survivors.py",
+        file="pgregistry/_runtime/survivors.py",
         find="        if confirmed == survivors:\n",
         replace="        if True:\n",
         tests=("tests/recovery/test_recover_gloo.py::test_a_survivor_lost_after_its_check_in_is_lost_like_the_first",),

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from pgregistry._empty_options import empty_option
+from pgregistry._runtime.empty_options import empty_option
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist._cache import ScanCache
 from pgregistry.allowlist._config import PRESETS, ConfigError, Settings, find_config_file, load_settings

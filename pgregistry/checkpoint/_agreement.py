@@ -35,7 +35,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from pgregistry._agreement import faulty_ranks, ranks_label
+from pgregistry._runtime.agreement import faulty_ranks, ranks_label
 from pgregistry.grad_stats import backend_device
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def _span_group(collection: ProcessGroupCollection, span: tuple[int, int]) -> Pr
         group = collection.get("intra_dist_opt")
         if group is not None and tuple(dist.get_process_group_ranks(group)) == ranks:
             return group
-    from pgregistry._group_cache import CACHE
+    from pgregistry._runtime.group_cache import CACHE
 
     if CACHE.options_of(ranks) is None:
         raise ValueError(

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry._resolve import normalise, resolve
+from pgregistry._runtime.resolve import normalise, resolve
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import Scope, agreed, scope_of
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size

@@ -2,7 +2,7 @@
 
 ``--gpus-per-node N`` adds a placement table (how many nodes each kind's groups span, how many communicators a rank
 joins) and warns on stderr when a kind of ``--intra-node`` crosses nodes; ``--check`` turns that warning into exit
-1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry._layout_svg`. ``--compare A B`` compares two layouts
+1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry.cli._layout_svg`. ``--compare A B`` compares two layouts
 given as ``NAME:key=value,...`` specs, each over ``--num-ranks`` ranks from ``--rank-offset`` unless its spec gives
 its own ``num_ranks`` / ``rank_offset``, in one world (``--world-size``, default: where the later span ends). Usage
 errors raise ``ValueError`` naming the option or spec at fault (the command exits 2).
@@ -105,7 +105,7 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
     """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank are counted over
     the layout's ranks."""
-    from pgregistry._communicators import communicators, communicators_per_rank
+    from pgregistry._runtime.communicators import communicators, communicators_per_rank
 
     per_rank = communicators_per_rank(communicators(layout), range(*layout.rank_range()))
     return {
@@ -151,7 +151,7 @@ def placement_table(report: dict[str, Any]) -> str:
 
 def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: Placement | None) -> None:
     """Write ``--svg`` / ``--html`` of one layout."""
-    from pgregistry._layout_svg import render_svg
+    from pgregistry.cli._layout_svg import render_svg
 
     if not (args.svg or args.html):
         return
@@ -162,7 +162,7 @@ def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: 
 
 
 def _write(args: argparse.Namespace, svg: str, title: str) -> None:
-    from pgregistry._layout_svg import svg_to_html
+    from pgregistry.cli._layout_svg import svg_to_html
 
     if args.svg:
         _write_atomically(Path(args.svg), svg)
@@ -235,8 +235,8 @@ def parse_layout_spec(
 def run_compare(args: argparse.Namespace) -> int:
     """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they share (and
     pictures, placement), in one world of ``--world-size`` ranks (default: where the later span ends)."""
-    from pgregistry._communicators import compare_layouts
-    from pgregistry._layout_svg import render_compare_svg
+    from pgregistry._runtime.communicators import compare_layouts
+    from pgregistry.cli._layout_svg import render_compare_svg
 
     check_span(args.num_ranks, args.rank_offset, None)  # the default span; each spec's is checked as it is parsed
     (name_a, a), (name_b, b) = (

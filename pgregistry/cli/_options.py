@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from pgregistry._empty_options import empty_option
+from pgregistry._runtime.empty_options import empty_option
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
@@ -65,7 +65,7 @@ _SIZE_OPTIONS = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat
 def check_not_empty(args: argparse.Namespace, options: Mapping[str, tuple[str, str]]) -> None:
     """``ValueError`` naming the first of ``options`` (dest -> (option, what to set it to)) given an empty value:
     ``--svg "$OUT"`` with the variable unset would otherwise pass as the option left out
-    (:mod:`pgregistry._empty_options`)."""
+    (:mod:`pgregistry._runtime.empty_options`)."""
     problem = empty_option(args, options)
     if problem is not None:
         raise ValueError(problem)

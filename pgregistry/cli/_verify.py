@@ -27,7 +27,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pgregistry._empty_options import empty_option
+from pgregistry._runtime.empty_options import empty_option
 from pgregistry.cli._options import (
     Subparsers,
     add_layout_arguments,
@@ -39,7 +39,7 @@ from pgregistry.cli._options import (
 if TYPE_CHECKING:
     import torch
 
-    from pgregistry._torchrun_checks import Check
+    from pgregistry.cli._torchrun_checks import Check
 
 __all__ = ["add_command", "nodes_share_hosts"]
 
@@ -138,10 +138,10 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
     import torch
 
     from pgregistry import registry
-    from pgregistry._toy_models import dense_and_expert
     from pgregistry.grad_stats import count_zeros, grad_norm
     from pgregistry.layout import ParallelLayout
     from pgregistry.optim import build_optimizer
+    from pgregistry.testing._toy_models import dense_and_expert
 
     pg = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1), name="verify-expert-tp")
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
@@ -171,8 +171,8 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
 
 
 def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
-    from pgregistry._toy_models import full_grads, local_model, set_grads
     from pgregistry.grad_stats import count_zeros, grad_norm
+    from pgregistry.testing._toy_models import full_grads, local_model, set_grads
 
     out = []
     ones = full_grads("ones")
@@ -223,7 +223,7 @@ def _close(value: float, want: float) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pgregistry._torchrun_checks import run_checks
+    from pgregistry.cli._torchrun_checks import run_checks
 
     # Every rank parses the same command line, so every rank refuses alike; rank 0 says why.
     empty = empty_option(args, {"json": ("--json", "a file name, or leave the option out")})

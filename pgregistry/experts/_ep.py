@@ -7,7 +7,7 @@ experts the same global names.
 
 from __future__ import annotations
 
-from pgregistry._resolve import resolve
+from pgregistry._runtime.resolve import resolve
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 
 __all__ = ["get_ep_rank_and_size"]

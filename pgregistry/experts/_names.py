@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypedDict
 
-from pgregistry._resolve import normalise, resolve
+from pgregistry._runtime.resolve import normalise, resolve
 from pgregistry.attachments import wrapper_chain
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
 from pgregistry.experts._ep import ep_rank_and_size

@@ -9,7 +9,7 @@ copies are never counted. Dense grads are summed over ``mp`` (TP x GTP x PP), ex
 ``None`` in the collection is an axis that is off (rank 0 of 1), never "ask the global grid": reading the global
 rank for a model whose own grid turned TP or GTP off undercounts the norm (see ``docs/known_bugs.md``). Only an
 omitted group (:data:`~pgregistry.collection.UNSET`) reaches the global grid, at the entry point's door
-(:mod:`pgregistry._resolve`), with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
+(:mod:`pgregistry._runtime.resolve`), with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import attrs
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry._resolve import resolve
+from pgregistry._runtime.resolve import resolve
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.params import is_expert_param
 

@@ -20,9 +20,9 @@ from collections.abc import Iterable
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry._classification import require_classified_experts
-from pgregistry._resolve import ParamsLike, normalise, resolve
+from pgregistry._runtime.resolve import ParamsLike, normalise, resolve
 from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
 from pgregistry.grad_stats._plan import kept_plan

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from pgregistry._triton import cuda_index, launch_on, optional_kernels, probe_kernel
+from pgregistry._runtime.optional_kernels import cuda_index, launch_on, optional_kernels, probe_kernel
 
 if TYPE_CHECKING:
     import torch

@@ -54,10 +54,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pgregistry._agreement import any_rank_has
-from pgregistry._classification import holds_experts, require_classified_experts
-from pgregistry._resolve import Params, ParamsLike, fill, grid_reads, normalise, resolve
+from pgregistry._runtime.agreement import any_rank_has
+from pgregistry._runtime.resolve import Params, ParamsLike, fill, grid_reads, normalise, resolve
 from pgregistry.collection import GroupName, ProcessGroupCollection
+from pgregistry.grad_stats._classification import holds_experts, require_classified_experts
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, decision_of, is_partial
 from pgregistry.grad_stats._filters import (
@@ -521,7 +521,7 @@ def _unneeded_fields(params: Params, given: ProcessGroupCollection) -> tuple[Gro
     Decided once per plan, and alike on every rank of ``mp`` (each TP and pipeline rank of a replica, as
     ``build_optimizer`` decides), so a stage without experts takes the groups its peers with experts take (or
     raises as they do): one MAX all-reduce, only when the answer changes what is read (the collection leaves an
-    expert field to the global grid, :func:`~pgregistry._resolve.grid_reads`; a collection that sets them, as
+    expert field to the global grid, :func:`~pgregistry._runtime.resolve.grid_reads`; a collection that sets them, as
     ``pgregistry.build``'s do, needs none). The ranks of ``mp`` make their plans at the same call: what makes a plan
     anew (another collection, parameter set or role) happens to the whole model."""
     if grid_reads(given, EXPERT_STATS_FIELDS) == grid_reads(given, EXPERT_STATS_FIELDS, EXPERT_STATS_FIELDS):

@@ -1,7 +1,7 @@
 """The one reduction path of grad norms and zero counts: local shares per reduction group, then one reducer.
 
 Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`; DTensor local pieces,
-:mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry._grad_buffer`) turns them into *parts*:
+:mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry.optim._grad_buffer`) turns them into *parts*:
 float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]`` (the count read only by a call that wants
 it: the one-read kernel's pair is a part as it comes), added to a :class:`Shares` under the group they are summed
 over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished norms.

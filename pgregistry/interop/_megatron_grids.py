@@ -148,7 +148,7 @@ def _one_rank_group(enums: Mapping[str, set[RankGroup]], span: tuple[int, int]) 
     the span, created once (a later build reuses them). Every rank decides alike, from the grid's enumerations."""
     if any(all(len(ranks) == 1 for ranks in sets) for sets in enums.values()):
         return None
-    from pgregistry._group_cache import CACHE, GroupOptions
+    from pgregistry._runtime.group_cache import CACHE, GroupOptions
 
     return CACHE.partition_group([[rank] for rank in range(*span)], GroupOptions.of(None, None))
 

@@ -32,8 +32,8 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any, Final
 
-from pgregistry._logging import get_logger
-from pgregistry._resolve import checked
+from pgregistry._runtime.logger import get_logger
+from pgregistry._runtime.resolve import checked
 from pgregistry.collection import (
     FIELD_NAMES,
     NOT_MEMBER,

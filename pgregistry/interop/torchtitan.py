@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
-from pgregistry._agreement import agree, require_distributed
-from pgregistry._logging import get_logger
-from pgregistry._resolve import checked
+from pgregistry._runtime.agreement import agree, require_distributed
+from pgregistry._runtime.logger import get_logger
+from pgregistry._runtime.resolve import checked
 from pgregistry.collection import NOT_MEMBER, UNSET, GroupName, ProcessGroupCollection, group_size
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
@@ -397,7 +397,7 @@ class _GroupSource:
         backend: str | None,
         timeout: timedelta | float | None,
     ) -> None:
-        from pgregistry._group_cache import GroupOptions
+        from pgregistry._runtime.group_cache import GroupOptions
 
         self.sizes = sizes
         self.collection = collection
@@ -408,7 +408,7 @@ class _GroupSource:
         self.fakes: dict[tuple[int, ...], ProcessGroup] = {}
 
     def world(self) -> ProcessGroup:
-        from pgregistry._group_cache import CACHE
+        from pgregistry._runtime.group_cache import CACHE
 
         group = CACHE.partition_group([range(self.sizes.world_size)], self.options)
         assert group is not None  # every rank is in the world
@@ -424,7 +424,7 @@ class _GroupSource:
         if dim == "efsdp" and self.sizes.ep > 1 and self._same_as_dense_fsdp(partition):
             return self._expert_fsdp_twin(partition)
         if partition.shape[1] == 1 or field is None:
-            from pgregistry._group_cache import CACHE
+            from pgregistry._runtime.group_cache import CACHE
 
             group = CACHE.partition_group(partition.tolist(), self.options)
             assert group is not None  # the partition covers every rank
@@ -442,7 +442,7 @@ class _GroupSource:
         one call on two meshes (``fsdp`` / ``dp_shard`` and ``efsdp``), so the two must be different communicators
         even over the same ranks. Each call creates them afresh, as pgregistry creates its own communicators.
         """
-        from pgregistry._group_cache import CACHE
+        from pgregistry._runtime.group_cache import CACHE
 
         group = CACHE.twin_partition_group(partition.tolist(), self.options)
         assert group is not None  # the partition covers every rank

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pgregistry._agreement import agree
+from pgregistry._runtime.agreement import agree
 from pgregistry.checkpoint import save_rank_files
 from pgregistry.checkpoint._agreement import lost_ranks_named, world_scope
 from pgregistry.checkpoint._rank_files import prepared_load

@@ -120,9 +120,9 @@ def build_modules(
     agreement too (a rank that never calls it is named within that time).
     """
     from pgregistry import registry
-    from pgregistry._agreement import agree, joined, require_distributed
-    from pgregistry._attendance import attended
-    from pgregistry._group_cache import checked_options
+    from pgregistry._runtime.agreement import agree, joined, require_distributed
+    from pgregistry._runtime.attendance import attended
+    from pgregistry._runtime.group_cache import checked_options
 
     require_distributed("build_modules")
     options, described_options, fault = checked_options(backend, timeout)

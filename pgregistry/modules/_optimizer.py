@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pgregistry._agreement import agree, joined
+from pgregistry._runtime.agreement import agree, joined
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification, clip_grads_
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pgregistry._agreement import Fault, joined
+from pgregistry._runtime.agreement import Fault, joined
 from pgregistry.grad_stats._arguments import real_number
 from pgregistry.optim import build_optimizer as build_module_optimizer
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pgregistry._agreement import Fault, agree, joined, settle, verdict_of
-from pgregistry._resolve import ParamsLike, normalise
+from pgregistry._runtime.agreement import Fault, agree, joined, settle, verdict_of
+from pgregistry._runtime.resolve import ParamsLike, normalise
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
@@ -150,10 +150,10 @@ def reduce_over_modules(
     never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53); whether a module's norm is
     float64 as one more slot. ``check`` (the call's name, the settings every rank must have alike as texts, and
     this rank's fault) travels in the same all-reduce as an agreement's verdict
-    (:func:`pgregistry._agreement.verdict_of`): ranks that differ or any rank's fault raise on every rank, naming
-    the setting or fault and the ranks (:func:`~pgregistry._agreement.settle`). Returns ``(norm, zeros)``, each
-    ``None`` when not asked for: the norm a 0-dim tensor, float64 when any module's norm is, else float32 (NaN when
-    any module's is NaN, else infinite when any is), the count an int.
+    (:func:`pgregistry._runtime.agreement.verdict_of`): ranks that differ or any rank's fault raise on every rank,
+    naming the setting or fault and the ranks (:func:`~pgregistry._runtime.agreement.settle`). Returns
+    ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim tensor, float64 when any module's norm is,
+    else float32 (NaN when any module's is NaN, else infinite when any is), the count an int.
     """
     count = len(names)
     index = {name: i for i, name in enumerate(names)}
@@ -306,7 +306,7 @@ def _agreed(
     extra_error: Fault = None,
 ) -> dict[str, ParamsLike]:
     """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
-    a fault (``pgregistry._agreement.agree``)."""
+    a fault (``pgregistry._runtime.agreement.agree``)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
 

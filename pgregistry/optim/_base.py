@@ -1,4 +1,4 @@
-"""What every pgregistry optimizer shares: grads in a :class:`~pgregistry._grad_buffer.GradBuffer`, statistics
+"""What every pgregistry optimizer shares: grads in a :class:`~pgregistry.optim._grad_buffer.GradBuffer`, statistics
 over its spans, clipping, and the wiring of model parameters to the buffer.
 
 An optimizer here holds the parameters of one kind, dense or routed-expert (the builder splits them and chains
@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from pgregistry._grad_buffer import GradBuffer, Span, span_shares
 from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
 from pgregistry.grad_stats._functional import verdict_groups
@@ -51,6 +50,7 @@ from pgregistry.grad_stats._reductions import (
     reduce_shares,
 )
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
+from pgregistry.optim._grad_buffer import GradBuffer, Span, span_shares
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import refuse_agreed

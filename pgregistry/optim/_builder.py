@@ -15,10 +15,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from pgregistry._agreement import any_rank_has_each
-from pgregistry._classification import require_classified_experts
-from pgregistry._resolve import normalise
+from pgregistry._runtime.agreement import any_rank_has_each
+from pgregistry._runtime.resolve import normalise
 from pgregistry.collection import ProcessGroupCollection
+from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule

@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 import torch
 
-from pgregistry._triton import cuda_index, launch_on, optional_kernels, probe_kernel
+from pgregistry._runtime.optional_kernels import cuda_index, launch_on, optional_kernels, probe_kernel
 from pgregistry.optim._copies import Copy
 
 __all__ = ["BLOCK", "COPY_DTYPES", "ITERS", "VEC", "WARPS", "FusedStep", "fused_step_applies", "fused_step_available"]
@@ -74,7 +74,8 @@ def _kernels() -> ModuleType | None:
 
 def fused_step_available(device: torch.device) -> bool:
     """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per device and
-    process) that compiled and gave the exact result of a small Adam step (see :mod:`pgregistry._triton`)."""
+    process) that compiled and gave the exact result of a small Adam step (see
+    :mod:`pgregistry._runtime.optional_kernels`)."""
     if device.type != "cuda" or _kernels() is None:
         return False
     return _works_on(cuda_index(device))

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pgregistry._grad_buffer import GradBuffer, all_reduce_grads_
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._flat_step import FlatStep
+from pgregistry.optim._grad_buffer import GradBuffer, all_reduce_grads_
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, inner_state_dict, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import (

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pgregistry._agreement import any_rank_has
-from pgregistry._classification import holds_experts
-from pgregistry._resolve import Params, fill, normalise, resolve
+from pgregistry._runtime.agreement import any_rank_has
+from pgregistry._runtime.resolve import Params, fill, normalise, resolve
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
+from pgregistry.grad_stats._classification import holds_experts
 from pgregistry.grad_stats._filters import EXPERT_STATS_FIELDS, STATS_FALLBACK, StatsGroups
 
 __all__ = [
@@ -87,7 +87,7 @@ def optimizer_collection(
     pg_collection: ProcessGroupCollection | None, params: Params | None, *, owner: str, collective: bool = True
 ) -> ProcessGroupCollection:
     """The collection an optimizer over ``params`` runs on, resolved at the door, with the grad-statistics fields
-    the model needs filled (:func:`pgregistry._resolve.fill`).
+    the model needs filled (:func:`pgregistry._runtime.resolve.fill`).
 
     The expert fields are needed when the model holds an expert parameter or an unclassified parameter of a marked
     expert module, or when no model is given; otherwise an UNSET one is ``None`` (off), never read from the global

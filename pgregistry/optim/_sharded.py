@@ -25,11 +25,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from pgregistry._grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
 from pgregistry.collection import group_size
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
 from pgregistry.optim._copies import Copy
 from pgregistry.optim._flat_step import FlatStep
+from pgregistry.optim._grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, inner_state_dict, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import (

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import torch
 import torch.distributed as dist
 
-from pgregistry._agreement import faulty_ranks, ranks_label
+from pgregistry._runtime.agreement import faulty_ranks, ranks_label
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -57,7 +57,7 @@ def refuse_faults(subject: str, faults: Sequence[str]) -> None:
 
 def refuse_agreed(subject: str, faults: Sequence[str], groups: Sequence[ProcessGroup | None]) -> None:
     """:func:`refuse_faults` on every rank of ``groups`` alike: one MAX all-reduce of a flag per rank over each group
-    of more than one rank (``None``: an axis that is off; :func:`~pgregistry._agreement.faulty_ranks`), then the
+    of more than one rank (``None``: an axis that is off; :func:`~pgregistry._runtime.agreement.faulty_ranks`), then the
     ranks with ``faults`` raise them, naming themselves, and the others raise naming those ranks; nothing when no
     rank has any. Collective: every rank of ``groups`` calls it, before any of them loads."""
     faulty = faulty_ranks(bool(faults), groups)

@@ -1,4 +1,4 @@
-"""``pgregistry._agreement.agree`` names a field that some ranks did not give at all, on every rank alike.
+"""``pgregistry._runtime.agreement.agree`` names a field that some ranks did not give at all, on every rank alike.
 
 Reported (issue 41): ``MultiModuleOptimizer.step(max_norm=None)`` on one rank left ``max_norm`` out of that rank's
 fields; its message had an empty detail ("ranks disagree on ...: ; this rank is rank 0") and the others said
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pgregistry._agreement import agree
+from pgregistry._runtime.agreement import agree
 from pgregistry.testing import run_world
 
 

@@ -1,7 +1,7 @@
 """The roll call after a failed collective waits the caller's timeout, not a fixed or a doubled one (issue 41, item 11).
 
-A 3-rank gloo world runs one attended operation (:func:`pgregistry._attendance.attended`, what a build runs in) with
-a timeout of ``TIMEOUT_S``, far below the world's own (60 s) and the roll call's cap (10 s). Inside it rank 0's
+A 3-rank gloo world runs one attended operation (:func:`pgregistry._runtime.attendance.attended`, what a build runs
+in) with a timeout of ``TIMEOUT_S``, far below the world's own (60 s) and the roll call's cap (10 s). Inside it rank 0's
 "collective" fails at once, rank 1's fails ``LATE_S`` later (a survivor that learns of a fault later than its peers,
 well within the timeout) and rank 2 never fails (stuck elsewhere: it never answers). Rank 0 must count rank 1 as
 answering, name rank 2 alone, and raise after the roll call's wait: the timeout plus its one-second margin. The
@@ -16,13 +16,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from pgregistry import _attendance
-from pgregistry._attendance import attended
+from pgregistry._runtime import attendance
+from pgregistry._runtime.attendance import attended
 from pgregistry.testing import run_world
 
 TIMEOUT_S = 3.0
 LATE_S = 2.0
-WAIT_S = TIMEOUT_S + _attendance._MARGIN_S
+WAIT_S = TIMEOUT_S + attendance._MARGIN_S
 SLACK_S = 1.5  # a loaded machine's polling and scheduling; twice the timeout is 3 s more
 
 

@@ -17,7 +17,7 @@ from fixtures.groups import SizeRankGroup
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry import registry as reg
-from pgregistry._resolve import resolve
+from pgregistry._runtime.resolve import resolve
 from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
 from pgregistry.fallback import warn_fallback
 from pgregistry.global_grid import global_collection, initialize_global_grid

@@ -37,7 +37,7 @@ def _toy_repository(tmp_path: Path) -> Path:
     repo = tmp_path / "toy"
     files = {
         "pgregistry/__init__.py": "def add(a, b):\n    return a + b\n\n\ndef unused():\n    return 1\n",
-        "pgregistry/_pytest_plugin.py": "",  # the installed package's pytest11 entry point imports it
+        "pgregistry/testing/_pytest_plugin.py": "",  # the installed package's pytest11 entry point imports it
         "tests/test_add.py": "from pgregistry import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
     }
     for relative, text in files.items():

@@ -85,7 +85,7 @@ def test_each_documented_way_fails_the_test_that_falls_back(tmp_path: Path, way:
         done = _run_pytest(tmp_path, ini=f"filterwarnings =\n    {_ERROR_FLAG}\n")
     else:
         done = _run_pytest(
-            tmp_path, python_flags=("-W", _ERROR_FLAG), pytest_flags=("-p", "pgregistry._pytest_plugin"),
+            tmp_path, python_flags=("-W", _ERROR_FLAG), pytest_flags=("-p", "pgregistry.testing._pytest_plugin"),
             env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
         )
     _assert_only_the_fallback_failed(done)

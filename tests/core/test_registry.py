@@ -16,7 +16,7 @@ from torch import nn
 import pgregistry
 from pgregistry import ParallelLayout, ProcessGroupCollection
 from pgregistry import registry as reg
-from pgregistry._group_cache import CACHE, GroupOptions
+from pgregistry._runtime.group_cache import CACHE, GroupOptions
 from pgregistry.collection import FIELD_NAMES, group_rank, group_size
 from pgregistry.global_grid import global_collection, initialize_global_grid
 from pgregistry.layout import GROUP_KINDS

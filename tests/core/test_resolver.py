@@ -1,4 +1,4 @@
-"""One meaning for an omitted collection, at every entry point's door (pgregistry._resolve), in real gloo worlds.
+"""One meaning for an omitted collection, at every entry point's door (pgregistry._runtime.resolve), in gloo worlds.
 
 Before, ``pg_collection=None`` meant four things: the global grid with a warning (grad statistics, RNG seeding),
 the first chunk's attached collection without looking through wrappers (``build_optimizer``), the attached

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, grad_stats, registry, rng
-from pgregistry._torchrun_checks import report_checks
 from pgregistry.cli import _build_parser as build_parser
+from pgregistry.cli._torchrun_checks import report_checks
 from pgregistry.cli._verify import _checks_on_this_rank, nodes_share_hosts
 from pgregistry.testing import run_world
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from pgregistry._resolve import normalise
+from pgregistry._runtime.resolve import normalise
 from pgregistry.grad_stats import check_expert_classification
 from pgregistry.params import (
     mark_expert,

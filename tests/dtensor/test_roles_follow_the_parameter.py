@@ -57,7 +57,7 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from pgregistry._resolve import normalise
+    from pgregistry._runtime.resolve import normalise
 
     module = _slot("meta" if "meta" in replace else "cpu")
     old = module.w

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pgregistry import ProcessGroupCollection, registry
-from pgregistry._resolve import resolve
+from pgregistry._runtime.resolve import resolve
 from pgregistry.collection import UNSET, group_rank
 from pgregistry.fallback import ProcessGroupFallbackWarning
 from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings

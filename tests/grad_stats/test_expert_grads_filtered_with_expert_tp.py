@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from pgregistry import ProcessGroupCollection, registry
-from pgregistry._toy_models import dense_and_expert
 from pgregistry.grad_stats import (
     count_zeros,
     grad_norm,
@@ -27,6 +26,7 @@ from pgregistry.grad_stats import (
 from pgregistry.layout import ParallelLayout
 from pgregistry.params import copy_param_roles
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import dense_and_expert
 
 
 def _main_copy(param: torch.nn.Parameter, *, keep_roles: bool) -> torch.nn.Parameter:

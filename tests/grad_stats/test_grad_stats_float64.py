@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, registry
-from pgregistry._grad_buffer import GradBuffer
 from pgregistry.collection import FIELD_NAMES
 from pgregistry.grad_stats import StatsGroups, clip_grad_norm_, grad_norm, norm_of_grads
+from pgregistry.optim._grad_buffer import GradBuffer
 from pgregistry.testing import run_world
 
 HUGE = 3e30

@@ -1,6 +1,6 @@
 """Grad statistics on sharded toy models over a matrix of 8-rank layouts, against the unsharded float64 oracle.
 
-Every layout shards the same unsharded model (:mod:`pgregistry._toy_models`: its definition and its float64
+Every layout shards the same unsharded model (:mod:`pgregistry.testing._toy_models`: its definition and its float64
 gradients) the way real layers do; the oracles come from ``tests/fixtures/unsharded_oracle.py``. Each
 rank computes norms (p = 2, inf, 3), the zero count, clipping and the replication audit through the public API;
 the parent compares every rank with the oracle computed from the unsharded gradients. One world per layout runs
@@ -17,11 +17,11 @@ import torch
 from fixtures.unsharded_oracle import oracle_clipped, oracle_norm, oracle_numel, oracle_zeros
 
 from pgregistry import registry
-from pgregistry._toy_models import ZEROED, full_grads, local_model, set_grads
 from pgregistry.audit import audit_grad_replication
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm
 from pgregistry.layout import ParallelLayout
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import ZEROED, full_grads, local_model, set_grads
 
 WORLD = 8
 LAYOUTS: dict[str, dict[str, Any]] = {

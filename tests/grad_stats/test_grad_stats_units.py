@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, registry
-from pgregistry._resolve import normalise
+from pgregistry._runtime.resolve import normalise
 from pgregistry.audit import audit_grad_replication
 from pgregistry.grad_stats import (
     CLIP_EPSILON,

@@ -8,7 +8,7 @@ the GTP-remat ranks of its own ``initialize_model_parallel``) and reduce them wi
 ``get_grad_norm_fp32`` and ``count_zeros_fp32`` over its own groups (model-parallel for dense grads,
 expert-tensor-model-pipeline for expert grads), combining the two norms as its ``ChainedOptimizer`` does.
 
-The model is the toy model of every kind of parameter (``pgregistry._toy_models``: TP, GTP-remat and expert
+The model is the toy model of every kind of parameter (``pgregistry.testing._toy_models``: TP, GTP-remat and expert
 TP shards, routed experts over EP, a LoRA factor shared by all experts, pipeline stages with a tied embedding),
 with random float32 grads (a third of the elements zero, one tensor all zero) that make every replica of a piece
 agree, in 8-rank gloo worlds with pipeline, context and GTP-remat parallelism. Both are also checked against the
@@ -39,10 +39,10 @@ from pgregistry import (  # noqa: E402
     grad_norm,
     registry,  # noqa: E402
 )
-from pgregistry._toy_models import full_grads, local_model  # noqa: E402
 from pgregistry.interop.megatron import to_megatron  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
+from pgregistry.testing._toy_models import full_grads, local_model  # noqa: E402
 
 WORLD = 8
 

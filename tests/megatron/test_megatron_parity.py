@@ -88,8 +88,8 @@ def _both_on_this_rank(sizes: dict[str, Any], tag: str) -> list[str]:
         megatron_ranks = describe_groups(theirs, names)
     layout = ParallelLayout(num_ranks=dist.get_world_size(), **sizes)
     # Destroyed right after (a build followed at once by destroy() is what found ranks leaving a build before
-    # their peers had connected; pgregistry/_group_cache.py), and because the fake-backend sweep runs in the test
-    # process, whose state forked worlds of other tests inherit.
+    # their peers had connected; pgregistry/_runtime/group_cache.py), and because the fake-backend sweep runs in the
+    # test process, whose state forked worlds of other tests inherit.
     try:
         ours = _ours(registry.build(layout, name=tag), names)
     finally:

@@ -19,8 +19,8 @@ from megatron_support import require_megatron
 require_megatron()
 
 from pgregistry import grad_norm, registry  # noqa: E402
-from pgregistry._classification import unclassified_expert_params  # noqa: E402
-from pgregistry._resolve import normalise  # noqa: E402
+from pgregistry._runtime.resolve import normalise  # noqa: E402
+from pgregistry.grad_stats._classification import unclassified_expert_params  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_quickstart.py"

@@ -1,6 +1,6 @@
 """The modules of the tests' jobs, their unsharded float64 gradients and the job-wide oracles.
 
-Every module is the toy model of :mod:`pgregistry._toy_models` (its shards on the module's layout); each module
+Every module is the toy model of :mod:`pgregistry.testing._toy_models` (its shards on the module's layout); each module
 draws its own gradients, seeded by the module's name, so no two modules have the same. The oracles work on the
 unsharded float64 gradients of every module, concatenated, with none of pgregistry's code.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from pgregistry._toy_models import model_specs
 from pgregistry.layout import ParallelLayout
+from pgregistry.testing._toy_models import model_specs
 
 __all__ = ["JOBS", "error_of", "job_grads", "module_grads", "oracle_clip_coeff", "oracle_norm", "oracle_zeros"]
 

@@ -14,9 +14,9 @@ from modules_support import JOBS, error_of, job_grads, oracle_norm
 
 import pgregistry
 from pgregistry import modules as mm
-from pgregistry._toy_models import local_model
 from pgregistry.layout import ParallelLayout
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import local_model
 
 JOB = JOBS["disjoint"]
 ENCODER, LANGUAGE = JOB["encoder"], JOB["language"]

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from modules_support import JOBS, module_grads
 
 from pgregistry import modules as mm
-from pgregistry._toy_models import EXPERTS, local_model, set_main_grads, shards_of
 from pgregistry.checkpoint import load_rank_files, state_by_name
 from pgregistry.layout import ParallelLayout
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import EXPERTS, local_model, set_main_grads, shards_of
 
 NAMING: dict[str, Any] = {
     "encoder": {"num_experts": EXPERTS}, "language": {"num_experts": EXPERTS, "layer_offsets": [0]}

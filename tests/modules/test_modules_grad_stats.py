@@ -19,9 +19,9 @@ import torch.distributed as dist
 from modules_support import JOBS, job_grads, oracle_clip_coeff, oracle_norm, oracle_zeros
 
 from pgregistry import modules as mm
-from pgregistry._toy_models import local_model
 from pgregistry.grad_stats import CLIP_EPSILON
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import local_model
 
 REL = 1e-6
 

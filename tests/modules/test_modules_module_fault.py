@@ -17,9 +17,9 @@ import torch.distributed as dist
 from modules_support import error_of, module_grads, oracle_norm
 
 from pgregistry import modules as mm
-from pgregistry._toy_models import local_model
 from pgregistry.layout import ParallelLayout
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import local_model
 
 JOB = {"a": ParallelLayout(num_ranks=2), "b": ParallelLayout(num_ranks=2, tp=2, rank_offset=2)}
 SPARSE = "is torch.sparse_coo"  # how the module's statistic names a sparse grad it refuses (a TypeError)

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from modules_support import JOBS, module_grads, oracle_norm, oracle_zeros
 
 from pgregistry import modules as mm
-from pgregistry._toy_models import local_model, set_main_grads
 from pgregistry.layout import ParallelLayout
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import local_model, set_main_grads
 
 STEPS, LR = 3, 0.05
 EPS = 1e-8

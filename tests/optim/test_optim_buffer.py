@@ -13,10 +13,8 @@ from fixtures.unsharded_oracle import oracle_norm, oracle_zeros
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import pgregistry._grad_buffer as grad_buffer
+import pgregistry.optim._grad_buffer as grad_buffer
 from pgregistry import registry
-from pgregistry._grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows
-from pgregistry._toy_models import full_grads, local_model
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import (
     StatsGroups,
@@ -35,8 +33,10 @@ from pgregistry.optim import (
     inner_factory,
     setup_process_groups_for_optimizer,
 )
+from pgregistry.optim._grad_buffer import SPAN_ALIGNMENT, GradBuffer, count_nonzero_by_rows
 from pgregistry.params import mark_expert, mark_shared
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import full_grads, local_model
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 """Every axis off: a single process, no torch.distributed."""

@@ -1,9 +1,10 @@
 """Grad statistics of built optimizers over 4-rank layouts, against the unsharded float64 oracle.
 
-Each world builds the unsharded and the sharded chained optimizer of the toy model (:mod:`pgregistry._toy_models`)
-and checks norms (p = 2, inf), the zero count, clipping, and how many all-reduces the chained optimizer issues:
-one per distinct statistics group, one in all when the dense and expert children share it. Collectives are
-counted by wrapping ``torch.distributed.all_reduce`` in the rank process; the wrapper still calls the real one.
+Each world builds the unsharded and the sharded chained optimizer of the toy model
+(:mod:`pgregistry.testing._toy_models`) and checks norms (p = 2, inf), the zero count, clipping, and how many
+all-reduces the chained optimizer issues: one per distinct statistics group, one in all when the dense and expert
+children share it. Collectives are counted by wrapping ``torch.distributed.all_reduce`` in the rank process; the
+wrapper still calls the real one.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch.distributed as dist
 from fixtures.unsharded_oracle import oracle_norm, oracle_numel, oracle_zeros
 
 from pgregistry import registry
-from pgregistry._toy_models import EXPERT, full_grads, local_model, set_main_grads, shards_of
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.testing import run_world
+from pgregistry.testing._toy_models import EXPERT, full_grads, local_model, set_main_grads, shards_of
 
 WORLD = 4
 LAYOUTS: dict[str, dict[str, Any]] = {

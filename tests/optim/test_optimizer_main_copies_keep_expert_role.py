@@ -19,10 +19,10 @@ import torch.distributed as dist
 import pgregistry.optim._mixed_precision
 import pgregistry.optim._sharded
 from pgregistry import registry
-from pgregistry._toy_models import dense_and_expert
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.params import copy_param_roles, is_expert_param
+from pgregistry.testing._toy_models import dense_and_expert
 
 
 def _copy_roles_dropping_allreduce(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from pgregistry._communicators import communicators, communicators_per_rank, compare_layouts
+from pgregistry._runtime.communicators import communicators, communicators_per_rank, compare_layouts
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
 LAYOUTS = [

@@ -10,8 +10,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from pgregistry._communicators import compare_layouts
-from pgregistry._layout_svg import MAX_DRAWN_RANKS, render_compare_svg, render_svg, svg_to_html
+from pgregistry._runtime.communicators import compare_layouts
+from pgregistry.cli._layout_svg import MAX_DRAWN_RANKS, render_compare_svg, render_svg, svg_to_html
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 from pgregistry.placement import DEFAULT_INTRA_NODE_KINDS, place
 

@@ -17,8 +17,9 @@
   backend than the world's take ``new_group`` (:func:`split_creation` decides).
 * The global order also means every member of a group reaches it after the same smaller groups, so group
   creations can never wait on each other in a cycle.
-* Before creating anything, ranks exchange a digest of what they were asked for (``pgregistry._agreement.agree``).
-  Ranks that disagree raise on every rank, naming who asked for what, instead of hanging in mismatched creations.
+* Before creating anything, ranks exchange a digest of what they were asked for
+  (``pgregistry._runtime.agreement.agree``). Ranks that disagree raise on every rank, naming who asked for what,
+  instead of hanging in mismatched creations.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch.distributed as dist
 
-from pgregistry._agreement import Fault, agree, all_reached, require_distributed
+from pgregistry._runtime.agreement import Fault, agree, all_reached, require_distributed
 from pgregistry.layout import RankGroup
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ class GroupCache:
     def _new_group(self, ranks: RankGroup, options: GroupOptions) -> ProcessGroup:
         """``new_group`` of ``ranks``, called by every rank of the world (torch's own names, which agree only so).
 
-        Callers wait for every rank after their last creation (:func:`~pgregistry._agreement.all_reached`): gloo
+        Callers wait for every rank after their last creation (:func:`~pgregistry._runtime.agreement.all_reached`): gloo
         finishes connecting a pair on one side before the other, so a rank that went on and destroyed its new
         communicators (``registry.destroy()`` right after a build) closed pairs a peer was still connecting, and the
         peer failed ("connectFullMesh failed ... Connection closed by peer", 3 runs in 36 of an 8-rank test)."""

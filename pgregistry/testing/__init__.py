@@ -16,8 +16,9 @@ multi-process tests are many and silent:
   take up to ``_STARTUP_GRACE_S`` beyond the deadline;
 * each rank runs in its own session (process group), and the whole group is killed at the end, so processes a rank
   spawned do not outlive it holding the test's stdout open (which hangs a pipeline reading it);
-* ranks die with the parent (``PR_SET_PDEATHSIG``), and a small watcher process (:mod:`pgregistry._world_watcher`)
-  ends their process groups and removes the store directory when the parent dies without cleaning up;
+* ranks die with the parent (``PR_SET_PDEATHSIG``), and a small watcher process
+  (:mod:`pgregistry.testing._world_watcher`) ends their process groups and removes the store directory when the
+  parent dies without cleaning up;
 * an exception on any rank is re-raised in the parent with its rank and the child's formatted traceback; one that
   cannot be rebuilt in the parent, or that is no ``Exception`` (a rank's ``KeyboardInterrupt``, which re-raised
   would stop a whole pytest session), is reported as :class:`RankFailure` with the same text. The other ranks,
@@ -26,6 +27,9 @@ multi-process tests are many and silent:
 
 Functions and results cross the fork/pipe boundary by pickle (results) and by inheritance (the function), so a
 closure or lambda works as ``fn``; results must be picklable.
+
+The package also holds what the harness and the checks on a real world use: the watcher (``_world_watcher``),
+the ``pytest11`` plugin (``_pytest_plugin``) and the toy models ``pgregistry verify`` runs (``_toy_models``).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from pgregistry._world_watcher import WorldWatcher, end_process_group
+from pgregistry.testing._world_watcher import WorldWatcher, end_process_group
 
 __all__ = ["RankFailure", "WorldTimeout", "run_world"]
 
@@ -269,7 +273,7 @@ def _describe_exit(pid: int) -> str:
     """How child ``pid`` ended, in words (``exit code 7``, ``killed by signal 9 (SIGKILL)``); waits for it to end.
 
     The child is left unreaped (``WNOWAIT``), so its pid, and the process group it leads, cannot be reused before
-    :func:`~pgregistry._world_watcher.end_process_group` kills the group and reaps it.
+    :func:`~pgregistry.testing._world_watcher.end_process_group` kills the group and reaps it.
     """
     info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
     assert info is not None  # only WNOHANG makes waitid return None

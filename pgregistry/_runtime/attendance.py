@@ -80,7 +80,7 @@ def world_timeout() -> timedelta:
     """The world's process-group timeout (``init_process_group(timeout=...)``), else its store's."""
     import torch.distributed as dist
 
-    from pgregistry._agreement import world_device
+    from pgregistry._runtime.agreement import world_device
 
     try:
         backend = dist.distributed_c10d._get_default_group()._get_backend(world_device())

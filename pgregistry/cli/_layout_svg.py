@@ -27,7 +27,7 @@ from pgregistry.layout import GROUP_KINDS
 from pgregistry.placement import KindPlacement, Placement, node_of
 
 if TYPE_CHECKING:
-    from pgregistry._communicators import LayoutComparison
+    from pgregistry._runtime.communicators import LayoutComparison
     from pgregistry.layout import ParallelLayout
 
 __all__ = ["MAX_DRAWN_RANKS", "render_compare_svg", "render_svg", "svg_to_html"]

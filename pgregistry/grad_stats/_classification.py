@@ -8,7 +8,7 @@ recognised by their own ``in_expert_module`` mark.
 
 from __future__ import annotations
 
-from pgregistry._resolve import Params
+from pgregistry._runtime.resolve import Params
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.params import is_expert_module, is_expert_param
 
@@ -38,7 +38,7 @@ def unclassified_expert_params(params: Params) -> list[str]:
 def holds_experts(params: Params) -> bool:
     """Whether ``params`` hold an expert parameter, or a parameter of a marked expert module not yet classified
     (it may be one): what makes a collection's expert fields needed. Local: the ranks that must decide alike agree
-    the answer (:func:`pgregistry._agreement.any_rank_has`)."""
+    the answer (:func:`pgregistry._runtime.agreement.any_rank_has`)."""
     return any(is_expert_param(param) for _, param in params.named) or bool(unclassified_expert_params(params))
 
 

@@ -13,14 +13,14 @@ precedence of pytest's filters (the ini file, pytest's ``-W`` and ``@pytest.mark
 them), the place the interpreter's own filters have.
 
 Registered as a ``pytest11`` entry point, so it loads wherever pgregistry is installed; with plugin autoloading
-off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``) load it with ``-p pgregistry._pytest_plugin``. Imports no torch.
+off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``) load it with ``-p pgregistry.testing._pytest_plugin``. Imports no torch.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from pgregistry._warning_options import CommandLineFilter, command_line_filters
+from pgregistry._runtime.warning_options import CommandLineFilter, command_line_filters
 from pgregistry.fallback import ProcessGroupFallbackWarning
 
 __all__ = ["pytest_configure"]

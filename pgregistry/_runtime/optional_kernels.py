@@ -44,7 +44,7 @@ def probe_kernel(index: int, probe: Callable[[torch.device], object], want: obje
     per device."""
     import torch
 
-    from pgregistry._logging import get_logger
+    from pgregistry._runtime.logger import get_logger
 
     device = torch.device("cuda", index)
     try:
