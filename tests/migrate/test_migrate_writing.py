@@ -75,7 +75,7 @@ def test_a_write_killed_at_any_step_leaves_old_or_new_files_and_the_next_run_fin
         project.write(path, text)
     old = _tree(project)
     killed = subprocess.run([sys.executable, "-c", KILL, call, str(at)], cwd=project.root, capture_output=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=90)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     now = _tree(project)
     assert all(now[path] == old[path] or "pg_collection" in now[path] for path in FILES)
@@ -170,7 +170,7 @@ def test_a_file_edited_after_the_kill_stops_the_recovery_naming_it_and_the_journ
     for path, text in FILES.items():
         project.write(path, text)
     killed = subprocess.run([sys.executable, "-c", KILL, "replace", "4"], cwd=project.root, capture_output=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=90)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     edited = project.write("src/pkg/c.py", FILES["src/pkg/c.py"] + "# edited after the kill\n")
     assert main([*ARGS, "--write"]) == 2
