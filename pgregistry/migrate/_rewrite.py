@@ -157,10 +157,10 @@ def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters
     return after.with_changes(params=[*after.params[:-1], kept], kwonly_params=[new])
 
 
-def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
+def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst.Call:
     """``call`` with ``keyword=value`` after its arguments, in their layout: one a line when they are (the
     closing parenthesis kept on its own line), else after a comma and a space."""
-    new = cst.Arg(cst.parse_expression(value), keyword=cst.Name(keyword),
+    new = cst.Arg(value, keyword=cst.Name(keyword),
                   equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
     args = list(call.args)
     if args and args[-1].comma is not cst.MaybeSentinel.DEFAULT:  # a trailing comma: one argument per line
@@ -173,6 +173,16 @@ def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
         new = new.with_changes(whitespace_after_arg=args[-1].whitespace_after_arg)
         args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=line_break), whitespace_after_arg=_NO_SPACE)
     return call.with_changes(args=[*args, new])
+
+
+class _SingleQuoted(cst.CSTTransformer):
+    """Each plain string literal of a node the rewrite made (``"tp"``, ``"next_rank"``) in single quotes: before
+    Python 3.12 an expression inside a double-quoted f-string may not hold a double quote."""
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.SimpleString:
+        if updated.value.startswith('"') and "'" not in updated.value and "\\" not in updated.value:
+            return updated.with_changes(value=f"'{updated.value[1:-1]}'")
+        return updated
 
 
 def _docstring(statement: cst.BaseStatement) -> bool:
@@ -213,6 +223,8 @@ class _Rewriter(cst.CSTTransformer):
         self.functions = {id(f.node): f for f in plan.functions if f.added or f.shim_name}
         for function in self.functions.values():
             self._touch(function.top, function.member)
+        #: The quotes of the f-strings enclosing the node visited (``f"``, ``rf'''``), innermost last.
+        self.f_strings: list[str] = []
 
     def _touch(self, top: int, member: int) -> None:
         members = self.touched.setdefault(top, set())
@@ -257,15 +269,32 @@ class _Rewriter(cst.CSTTransformer):
         self.changed = False
         return split_statement(updated, self._indent(), self.width, self.unit)
 
+    def visit_FormattedString(self, node: cst.FormattedString) -> bool:
+        self.f_strings.append(node.start)
+        return True
+
+    def leave_FormattedString(
+        self, original: cst.FormattedString, updated: cst.FormattedString
+    ) -> cst.FormattedString:
+        self.f_strings.pop()
+        return updated
+
+    def _quoted(self, node: cst.BaseExpression) -> cst.BaseExpression:
+        """``node`` (made by the rewrite) with the quotes the enclosing f-string allows in its expressions."""
+        if self.f_strings and '"' in self.f_strings[-1]:
+            return node.visit(_SingleQuoted())  # type: ignore[return-value]
+        return node
+
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
         if replacement is not None:
             self.changed = True
-            return replacement
+            return self._quoted(replacement)
         passing = self.plan.passes.get(id(original))
         if passing is not None:
             self.changed = True
-            return _with_keyword(updated, *passing)
+            keyword, value = passing
+            return _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
         return updated
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:

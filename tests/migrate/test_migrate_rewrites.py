@@ -657,3 +657,20 @@ DEFAULT = ProcessGroupCollection.use_mpu_process_groups()
         "module level: runs at import, before any collection exists",
         "shim: builds a collection from the globals (remove it once every caller passes one)",
     ]
+
+
+def test_a_read_inside_an_f_string_gets_the_quotes_the_f_string_allows(tmp_path: Path) -> None:
+    # Megatron-LM's training/initialize.py prints f"{mpu.get_tensor_model_parallel_world_size()}": before Python
+    # 3.12 an f-string's expression may not hold its own quote, so pg_size(c, "tp") there does not compile.
+    source = HEAD + '''
+def f(pg_collection):
+    print(f"size {ps.get_tensor_model_parallel_world_size()}")
+    print(f'next {ps.get_pipeline_model_parallel_next_rank()}')
+    return f"""{ps.get_context_parallel_rank()}"""
+'''
+    assert after(tmp_path, source) == helper("pg_rank", "pg_read", "pg_size") + '''
+def f(pg_collection):
+    print(f"size {pg_size(pg_collection, 'tp')}")
+    print(f'next {pg_read(pg_collection, "pp", "next_rank")}')
+    return f"""{pg_rank(pg_collection, 'cp')}"""
+'''
