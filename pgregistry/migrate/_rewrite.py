@@ -57,16 +57,41 @@ def _bound(alias: cst.ImportAlias) -> str:
 class _Prune(cst.CSTTransformer):
     """Drop the import aliases whose names the rewrite left unused, and a statement left importing nothing (the
     modules they import are imported where the code that reads them runs: the fallback helper's import of
-    ``parallel_state`` when it falls back)."""
+    ``parallel_state`` when it falls back). Such a statement is dropped by its block, not a ``pass`` left in its
+    place, and the comments above it go onto the statement after it: they say what that code does."""
 
     def __init__(self, unused: set[str]) -> None:
         super().__init__()
         self.unused = unused
+        #: A statement dropped (by id of the original node) -> the comment lines above it.
+        self.dropped: dict[int, list[cst.EmptyLine]] = {}
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        return updated if updated.body else cst.RemoveFromParent()  # not a ``pass`` left in its place
+        if updated.body:
+            return updated
+        self.dropped[id(original)] = [line for line in original.leading_lines if line.comment is not None]
+        return cst.RemoveFromParent()  # not a ``pass`` left in its place
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        """The block with the comments above each statement it dropped moved onto the statement after it (or
+        below the block's last one)."""
+        if not any(id(statement) in self.dropped for statement in original.body):
+            return updated
+        kept = iter(updated.body)
+        body: list[cst.BaseStatement] = []
+        comments: list[cst.EmptyLine] = []
+        for statement in original.body:
+            if id(statement) in self.dropped:
+                comments += self.dropped[id(statement)]
+                continue
+            new = next(kept)
+            body.append(_with_leading(new, [*comments, *_leading(new)]) if comments else new)
+            comments = []
+        if not body:  # the block held only the import: it still needs a statement
+            body = [cst.SimpleStatementLine([cst.Pass()])]
+        return updated.with_changes(body=body, footer=[*comments, *updated.footer])
 
     def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
         kept = [alias for alias in names if _bound(alias) not in self.unused]

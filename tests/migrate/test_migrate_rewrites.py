@@ -674,3 +674,24 @@ def f(pg_collection):
     print(f'next {pg_read(pg_collection, "pp", "next_rank")}')
     return f"""{pg_rank(pg_collection, 'cp')}"""
 '''
+
+
+def test_the_comments_above_a_local_import_the_rewrite_removes_stay(tmp_path: Path) -> None:
+    # Megatron-Bridge's gpt_builder.modelopt_transformer_layer_spec: the comments above its local import of
+    # parallel_state say what the code below does; the import goes, the comments stay.
+    source = '''import os
+
+def spec(config, pg_collection):
+    """Doc."""
+    # When context parallel > 1, only causal masks
+    from megatron.core import parallel_state
+
+    return config.mask if config.mask is not None else parallel_state.get_context_parallel_world_size() == 1
+'''
+    assert after(tmp_path, source) == "import os\n" + helper("pg_size") + '''
+def spec(config, pg_collection):
+    """Doc."""
+    # When context parallel > 1, only causal masks
+
+    return config.mask if config.mask is not None else pg_size(pg_collection, "cp") == 1
+'''
