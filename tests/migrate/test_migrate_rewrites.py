@@ -695,3 +695,18 @@ def spec(config, pg_collection):
 
     return config.mask if config.mask is not None else pg_size(pg_collection, "cp") == 1
 '''
+
+
+def test_a_method_called_on_a_read_s_group_stays(tmp_path: Path) -> None:
+    # Megatron-LM's get_megatron_optimizer (before #3349): the read is the inner call, which starts where the
+    # outer .rank() / .size() call does; taking the outer one dropped the method and read the outer call's keywords.
+    source = HEAD + '''
+def f(pg_collection):
+    rank = ps.get_model_parallel_group().rank()
+    return ps.get_data_parallel_group(with_context_parallel=True).size() > rank
+'''
+    assert after(tmp_path, source) == helper("pg_group") + '''
+def f(pg_collection):
+    rank = pg_group(pg_collection, "mp").rank()
+    return pg_group(pg_collection, "dp_cp_gtp_remat").size() > rank
+'''
