@@ -20,6 +20,7 @@ interpreter, timed), and reports in one run:
 
 Usage: ``python benchmarks/migrate_megatron.py /path/to/Megatron-LM.git [--rev d98e8a64dd]`` or
 ``python benchmarks/migrate_megatron.py --installed``. Not part of CI (the first needs the repository's history).
+``--timings N`` only times ``--write`` N times (the load average with each run).
 ``benchmarks/migrate_trees.py`` measures megatron/core, Megatron-Bridge and NeMo in one run with ``measure``.
 
 Measured at d98e8a64dd on the shared 2-core machine (Python 3.11.7; docs/measurements/migrate_megatron.txt):
@@ -255,9 +256,13 @@ def main() -> None:
     parser.add_argument("git_dir", nargs="?", help="a Megatron-LM git directory (a bare mirror will do)")
     parser.add_argument("--rev", default="d98e8a64dd", help="the revision to export (default: d98e8a64dd)")
     parser.add_argument("--installed", action="store_true", help="the installed Megatron-Core's megatron/core")
+    parser.add_argument("--timings", type=int, metavar="N", help="only time N runs of --write, each on a fresh copy")
     args = parser.parse_args()
     if (args.git_dir is None) == (not args.installed):
         parser.error("give a Megatron-LM git directory or --installed, not both")
+    if args.timings:
+        time_writes(args.timings, args.git_dir, args.rev)
+        return
     with tempfile.TemporaryDirectory() as temporary:
         before_root, after_root = Path(temporary, "before"), Path(temporary, "after")
         if args.installed:
@@ -270,6 +275,29 @@ def main() -> None:
         measured = measure(before_root, after_root, "megatron/core")
     print(f"pgregistry migrate on {what}'s megatron/core (Python {sys.version.split()[0]}, {os.cpu_count()} cores)")
     print_measured(measured)
+
+
+def time_writes(runs: int, git_dir: str | None, rev: str) -> None:
+    """``--write`` on megatron/core ``runs`` times, each on a fresh copy: wall and CPU seconds, the load average
+    (1 minute) before and after each, and the medians (the machine may be shared: the CPU time is the figure)."""
+    import statistics
+
+    walls, cpus = [], []
+    for run in range(1, runs + 1):
+        with tempfile.TemporaryDirectory() as temporary:
+            root = Path(temporary)
+            if git_dir is None:
+                _copy_installed(root)
+            else:
+                _export(git_dir, rev, root)
+            load_before = os.getloadavg()[0]
+            code, wall, cpu, _ = _migrate(root, "megatron/core", "--write")
+            load_after = os.getloadavg()[0]
+        walls.append(wall)
+        cpus.append(cpu)
+        print(f"run {run}: exit {code}, wall {wall:.1f} s, CPU {cpu:.1f} s, load average {load_before:.1f} before, "
+              f"{load_after:.1f} after ({os.cpu_count()} cores)", flush=True)
+    print(f"median of {runs}: wall {statistics.median(walls):.1f} s, CPU {statistics.median(cpus):.1f} s")
 
 
 def print_measured(m: Measured) -> None:
