@@ -37,11 +37,12 @@ the files without reads from a queue (cf142b3)         7.6-9.9 s         13.8-18
 calls through re-exports resolved (7de01da)            8.5-9.4 s         15.5-17.1 s       2.1-2.8 s wall
 =====================================================  ================  ================  ============
 
-The goal (the whole tree under 10 s) is met (median of five runs 9.1 s): libcst parses a skeleton of each file
-(the definitions no rewrite needs stood in for by placeholders of the same lines), the files are planned and
-rewritten on both cores, the files without reads are looked through from a queue by whichever core is free, and
-the garbage collector stays off while the trees are alive. The CPU time varies by a fifth between runs of the
-same code on this shared host.
+With the door model (before the in-place fallback helper) the goal (the whole tree under 10 s, idle) was met
+(median of five runs 9.1 s); the in-place model's runs so far were on a loaded machine (docs/migrating.md).
+libcst parses a skeleton of each file (the definitions no rewrite needs stood in for by placeholders of the same
+lines), the files are planned and rewritten on both cores, the files without reads are looked through from a
+queue by whichever core is free, and the garbage collector stays off while the trees are alive. The CPU time
+varies by a fifth between runs of the same code on this shared host.
 """
 
 from __future__ import annotations
