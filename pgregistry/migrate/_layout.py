@@ -11,7 +11,9 @@ output):
   operand a line, its operator first);
 - else (it ends in a call): that last call's arguments on a line of their own, else one a line with a trailing
   comma;
-- a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma.
+- a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma;
+- an ``if`` / ``elif`` / ``while`` line: its condition as a statement's value (in parentheses on a line of its
+  own, or its last call's arguments).
 
 Anything else (a long line of another shape) is left as it is.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-__all__ = ["split_header", "split_statement"]
+__all__ = ["split_condition", "split_header", "split_statement"]
 
 _CODE = cst.Module([])
 
@@ -200,3 +202,22 @@ def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) 
     if not isinstance(parsed, cst.FunctionDef):
         return function
     return function.with_changes(params=parsed.params, whitespace_before_params=parsed.whitespace_before_params)
+
+
+def split_condition(node: cst.If | cst.While, keyword: str, indent: int, width: int, unit: str) -> cst.If | cst.While:
+    """``node`` (``keyword`` ``if``, ``elif`` or ``while``, ``indent`` columns in) with its condition laid out as
+    black lays it out where its header is one physical line longer than ``width``."""
+    before, after = (("whitespace_before_test", "whitespace_after_test") if isinstance(node, cst.If)
+                     else ("whitespace_after_while", "whitespace_before_colon"))
+    test = _code(node.test)
+    header = f"{keyword}{_code(getattr(node, before))}{test}{_code(getattr(node, after))}:"
+    if "\n" in test or _fits(indent, header, width):
+        return node
+    lines = _lines(f"{keyword} ", node.test, ":", indent, width, unit)
+    if len(lines) == 1:
+        return node
+    parsed = _parsed("\n".join(["if" + lines[0].removeprefix(keyword), *lines[1:]]) + f"\n{unit}pass\n")
+    if not isinstance(parsed, cst.If):
+        return node
+    return node.with_changes(**{"test": parsed.test, before: parsed.whitespace_before_test,
+                                after: parsed.whitespace_after_test})

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
-from pgregistry.migrate._layout import split_header, split_statement
+from pgregistry.migrate._layout import split_condition, split_header, split_statement
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._skeleton import restore
 from pgregistry.migrate._style import DEFAULT_WIDTH
@@ -248,6 +248,8 @@ class _Rewriter(cst.CSTTransformer):
         self.functions = {id(f.node): f for f in plan.functions if f.added or f.shim_name}
         for function in self.functions.values():
             self._touch(function.top, function.member)
+        #: The ``If`` nodes (by id) that are the ``elif`` of another.
+        self.elifs: set[int] = set()
         #: The quotes of the f-strings enclosing the node visited (``f"``, ``rf'''``), innermost last.
         self.f_strings: list[str] = []
 
@@ -293,6 +295,26 @@ class _Rewriter(cst.CSTTransformer):
             return updated
         self.changed = False
         return split_statement(updated, self._indent(), self.width, self.unit)
+
+    def visit_If(self, node: cst.If) -> bool:
+        if isinstance(node.orelse, cst.If):
+            self.elifs.add(id(node.orelse))
+        return True
+
+    def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
+        if updated.test is original.test:
+            return updated
+        keyword = "elif" if id(original) in self.elifs else "if"
+        split = split_condition(updated, keyword, self._indent(), self.width, self.unit)
+        assert isinstance(split, cst.If)
+        return split
+
+    def leave_While(self, original: cst.While, updated: cst.While) -> cst.While:
+        if updated.test is original.test:
+            return updated
+        split = split_condition(updated, "while", self._indent(), self.width, self.unit)
+        assert isinstance(split, cst.While)
+        return split
 
     def visit_FormattedString(self, node: cst.FormattedString) -> bool:
         self.f_strings.append(node.start)

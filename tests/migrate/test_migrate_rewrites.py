@@ -710,3 +710,40 @@ def f(pg_collection):
     rank = pg_group(pg_collection, "mp").rank()
     return pg_group(pg_collection, "dp_cp_gtp_remat").size() > rank
 '''
+
+
+def test_an_if_or_while_line_the_rewrite_made_too_long_is_split_as_black_splits_it(tmp_path: Path) -> None:
+    # Megatron-Bridge's DiTSelfAttention: `if self.layernorm_across_heads and pg_size(<a learned chain>, "tp") > 1:`
+    # passed the tree's line length; black puts such a condition in parentheses, split at its delimiters.
+    source = HEAD + '''
+def f(heads, threshold, process_groups_of_the_whole_model):
+    if heads and ps.get_tensor_model_parallel_world_size() > 1 and threshold > 10000000000000000000:
+        return 1
+    elif threshold and ps.get_context_parallel_world_size() > threshold * 2 + 1000000000000000000:
+        return 2
+    while ps.get_pipeline_model_parallel_world_size() > heads + 100000000000000000000000000000000000:
+        return 3
+    if ps.get_tensor_model_parallel_rank():
+        return 4
+'''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_rank", "pg_size") + '''
+def f(heads, threshold, process_groups_of_the_whole_model):
+    if (
+        heads
+        and pg_size(process_groups_of_the_whole_model, "tp") > 1
+        and threshold > 10000000000000000000
+    ):
+        return 1
+    elif (
+        threshold
+        and pg_size(process_groups_of_the_whole_model, "cp") > threshold * 2 + 1000000000000000000
+    ):
+        return 2
+    while (
+        pg_size(process_groups_of_the_whole_model, "pp")
+        > heads + 100000000000000000000000000000000000
+    ):
+        return 3
+    if pg_rank(process_groups_of_the_whole_model, "tp"):
+        return 4
+'''
