@@ -1,8 +1,8 @@
 """Lines the rewrite made longer than the tree's line length, split as black splits them.
 
-Only a statement or a ``def`` line the rewrite changed, that was one physical line and no longer fits, is split;
-every other byte stays as the author wrote it. The shapes black gives (black 24 to 26; the tests hold its
-output):
+Only a statement, ``def``, ``if``, ``elif`` or ``while`` line the rewrite changed, that was one physical line
+and no longer fits, is split; every other byte stays as the author wrote it. The shapes black gives (black 24 to
+26; the tests hold its output):
 
 - an assignment's value, a ``return``'s value or an expression statement with two or more delimiters of its
   lowest priority at the top (a tuple, a conditional, an ``and`` / ``or`` chain of three, ...), or one that does
@@ -61,6 +61,8 @@ def _parts(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str
         return [*first, (operator, value.right, "")]
     if isinstance(value, cst.Comparison):
         return [("", value.left, ""), *((_code(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons)]
+    if isinstance(value, cst.BinaryOperation):  # ``a * 2``: its left operand split in turn where still too long
+        return [("", value.left, ""), (_code(value.operator).strip() + " ", value.right, "")]
     return None
 
 

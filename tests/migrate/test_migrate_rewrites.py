@@ -747,3 +747,20 @@ def f(heads, threshold, process_groups_of_the_whole_model):
     if pg_rank(process_groups_of_the_whole_model, "tp"):
         return 4
 '''
+
+
+def test_an_arithmetic_value_the_rewrite_made_too_long_goes_in_parentheses(tmp_path: Path) -> None:
+    # Megatron-Bridge's diffusion steps: `sharding_factor = pg_size(<a learned chain>, "cp") * 2` passed the line
+    # length and was left, since the splitter knew no shape for one arithmetic operation.
+    source = HEAD + '''
+def f(process_groups_of_the_whole_model):
+    sharding_factor_of_the_packed_sequence = ps.get_context_parallel_world_size() * 2 + 10000000
+    return sharding_factor_of_the_packed_sequence
+'''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_size") + '''
+def f(process_groups_of_the_whole_model):
+    sharding_factor_of_the_packed_sequence = (
+        pg_size(process_groups_of_the_whole_model, "cp") * 2 + 10000000
+    )
+    return sharding_factor_of_the_packed_sequence
+'''
