@@ -4,7 +4,8 @@ Only a statement, ``def``, ``if``, ``elif`` or ``while`` line the rewrite change
 and no longer fits, is split; every other byte stays as the author wrote it. The shapes black gives (black 24 to
 26; the tests hold its output):
 
-- an assignment's value, a ``return``'s value or an expression statement with two or more delimiters of its
+- an assignment's value, a ``return``'s value, an ``assert``'s test (without a message) or an expression
+  statement with two or more delimiters of its
   lowest priority at the top (a tuple, a conditional, an ``and`` / ``or`` chain of three, ...), or one that does
   not end in a call: in parentheses, on a line of its own; where that line is still too long, split at those
   delimiters (one element a line with a trailing comma for a tuple; ``if`` and ``else`` parts a line each; one
@@ -61,8 +62,6 @@ def _parts(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str
         return [*first, (operator, value.right, "")]
     if isinstance(value, cst.Comparison):
         return [("", value.left, ""), *((_code(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons)]
-    if isinstance(value, cst.BinaryOperation):  # ``a * 2``: its left operand split in turn where still too long
-        return [("", value.left, ""), (_code(value.operator).strip() + " ", value.right, "")]
     return None
 
 
@@ -143,6 +142,8 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         value = small.value
     elif isinstance(small, (cst.Return, cst.Expr)) and small.value is not None:
         value = small.value
+    elif isinstance(small, cst.Assert) and small.msg is None:
+        value = small.test
     else:
         return line
     head = text[: len(text) - len(_code(value))]
@@ -160,6 +161,10 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         lines = [f"{head}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
     elif _fits(indent, text + _code(line.trailing_whitespace).rstrip("\n"), width):
         return line
+    elif isinstance(value, cst.BinaryOperation) and not value.lpar and _last_call(value) is None:
+        # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then fits)
+        body = _code(value)
+        lines = [f"{head}(", unit + body, ")"] if _fits(indent + len(unit.expandtabs(4)), body, width) else [text]
     else:
         lines = _lines(head, value, "", indent, width, unit)
     if len(lines) == 1:

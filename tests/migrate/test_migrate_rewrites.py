@@ -764,3 +764,18 @@ def f(process_groups_of_the_whole_model):
     )
     return sharding_factor_of_the_packed_sequence
 '''
+
+
+def test_an_assert_the_rewrite_made_too_long_is_split_as_black_splits_it(tmp_path: Path) -> None:
+    # Megatron-Bridge's llama4 attention: `assert original_seq_len % (pg_size(<a learned chain>, "cp") * 2) == 0`.
+    source = HEAD + '''
+def f(original_length_of_the_batch, process_groups_of_the_whole_model):
+    assert original_length_of_the_batch % (ps.get_context_parallel_world_size() * 2) == 0 + 10000
+'''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_size") + '''
+def f(original_length_of_the_batch, process_groups_of_the_whole_model):
+    assert (
+        original_length_of_the_batch % (pg_size(process_groups_of_the_whole_model, "cp") * 2)
+        == 0 + 10000
+    )
+'''
