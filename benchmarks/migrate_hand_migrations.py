@@ -46,14 +46,21 @@ from pgregistry.allowlist._config import PRESETS  # noqa: E402
 from pgregistry.allowlist._scanner import scan_source  # noqa: E402
 from pgregistry.collection import FIELD_NAMES  # noqa: E402
 
-#: Megatron-LM's hand migrations threading ``pg_collection`` (commit, pull request).
+#: Megatron-LM's hand migrations threading a collection (commit, pull request): ``git log -i --grep=pg_collection
+#: --grep=parallel_state``; the M4 task force's two (#3349, #3962) threaded ``grad_comm_pgs`` / ``model_comm_pgs``,
+#: the collection's earlier names, and #3962 replays #3892, which was reverted.
 HAND_MIGRATIONS: tuple[tuple[str, str], ...] = (
+    ("0b3e2066f9", "#3349 M4 Task force: optimizer parallel state update"),
+    ("8c1a3f5df0", "#3962 M4: Merge model_comm_pgs, grad_comm_pgs, grad_finalize_pgs into pg_collection"),
     ("de6305c0ae", "#5259 Thread pg_collection into train_step reductions"),
     ("75e382c633", "#5250 Thread pg_collection into get_model DDP bucket sizing"),
     ("eb1c677d7b", "#5328 Thread pg_collection through wrap_model_chunks_with_ddp"),
     ("9f3fe8c925", "#6234 [GTP] Cleanup usage of pg_collection in gtp"),
 )
 Key = tuple[str, str]  # (enclosing scope, accessor)
+#: Calls whose second argument names the field read: ``getattr(c, "expt_dp", ...)`` and the fallback helper's
+#: ``pg_group(c, "dp_cp")``, ``pg_rank``, ``pg_size``, ``pg_read(c, "pp", "last_stage")``.
+_FIELD_ARGUMENT = frozenset({"getattr", "pg_group", "pg_rank", "pg_size", "pg_read"})
 
 
 def git(repository: Path, *args: str) -> bytes:
@@ -85,8 +92,9 @@ def read_keys(data: bytes, path: str) -> Counter[Key]:
 class _FieldReads(ast.NodeVisitor):
     """Per enclosing scope (the scanner's spelling: ``Class.method``, ``outer.inner``), the collection fields read:
     an attribute named as a field of pgregistry's collection (``pg_collection.dp_cp``, ``self.pg_collection.tp``,
-    ``layout_pgs.dp_cp`` after ``layout_pgs = pg_collection or ...``), or ``getattr(x, "expt_dp", ...)``. Names
-    only: the collection may reach the function under any local name."""
+    ``layout_pgs.dp_cp`` after ``layout_pgs = pg_collection or ...``), ``getattr(x, "expt_dp", ...)``, or a
+    call of the tool's fallback helper (``pg_group(pg_collection, "dp_cp")``). Names only: the collection may
+    reach the function under any local name."""
 
     def __init__(self) -> None:
         self.scopes: list[str] = []
@@ -120,7 +128,7 @@ class _FieldReads(ast.NodeVisitor):
         callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
         if callee and any(k.arg == "pg_collection" for k in node.keywords):
             self.passes.setdefault(".".join(self.scopes) or "<module>", set()).add(callee)
-        if isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(node.args) >= 2:
+        if isinstance(node.func, ast.Name) and node.func.id in _FIELD_ARGUMENT and len(node.args) >= 2:
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str):
                 self._read(name.value)

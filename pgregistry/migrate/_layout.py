@@ -1,17 +1,20 @@
 """Lines the rewrite made longer than the tree's line length, split as black splits them.
 
-Only a statement or a ``def`` line the rewrite changed, that was one physical line and no longer fits, is split;
-every other byte stays as the author wrote it. The shapes black gives (black 24 to 26; the tests hold its
-output):
+Only a statement, ``def``, ``if``, ``elif`` or ``while`` line the rewrite changed, that was one physical line
+and no longer fits, is split; every other byte stays as the author wrote it. The shapes black gives (black 24 to
+26; the tests hold its output):
 
-- an assignment's value, a ``return``'s value or an expression statement with two or more delimiters of its
+- an assignment's value, a ``return``'s value, an ``assert``'s test (without a message) or an expression
+  statement with two or more delimiters of its
   lowest priority at the top (a tuple, a conditional, an ``and`` / ``or`` chain of three, ...), or one that does
   not end in a call: in parentheses, on a line of its own; where that line is still too long, split at those
   delimiters (one element a line with a trailing comma for a tuple; ``if`` and ``else`` parts a line each; one
   operand a line, its operator first);
 - else (it ends in a call): that last call's arguments on a line of their own, else one a line with a trailing
   comma;
-- a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma.
+- a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma;
+- an ``if`` / ``elif`` / ``while`` line: its condition as a statement's value (in parentheses on a line of its
+  own, or its last call's arguments).
 
 Anything else (a long line of another shape) is left as it is.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-__all__ = ["split_header", "split_statement"]
+__all__ = ["split_condition", "split_header", "split_statement"]
 
 _CODE = cst.Module([])
 
@@ -139,6 +142,8 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         value = small.value
     elif isinstance(small, (cst.Return, cst.Expr)) and small.value is not None:
         value = small.value
+    elif isinstance(small, cst.Assert) and small.msg is None:
+        value = small.test
     else:
         return line
     head = text[: len(text) - len(_code(value))]
@@ -156,6 +161,10 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         lines = [f"{head}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
     elif _fits(indent, text + _code(line.trailing_whitespace).rstrip("\n"), width):
         return line
+    elif isinstance(value, cst.BinaryOperation) and not value.lpar and _last_call(value) is None:
+        # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then fits)
+        body = _code(value)
+        lines = [f"{head}(", unit + body, ")"] if _fits(indent + len(unit.expandtabs(4)), body, width) else [text]
     else:
         lines = _lines(head, value, "", indent, width, unit)
     if len(lines) == 1:
@@ -200,3 +209,22 @@ def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) 
     if not isinstance(parsed, cst.FunctionDef):
         return function
     return function.with_changes(params=parsed.params, whitespace_before_params=parsed.whitespace_before_params)
+
+
+def split_condition(node: cst.If | cst.While, keyword: str, indent: int, width: int, unit: str) -> cst.If | cst.While:
+    """``node`` (``keyword`` ``if``, ``elif`` or ``while``, ``indent`` columns in) with its condition laid out as
+    black lays it out where its header is one physical line longer than ``width``."""
+    before, after = (("whitespace_before_test", "whitespace_after_test") if isinstance(node, cst.If)
+                     else ("whitespace_after_while", "whitespace_before_colon"))
+    test = _code(node.test)
+    header = f"{keyword}{_code(getattr(node, before))}{test}{_code(getattr(node, after))}:"
+    if "\n" in test or _fits(indent, header, width):
+        return node
+    lines = _lines(f"{keyword} ", node.test, ":", indent, width, unit)
+    if len(lines) == 1:
+        return node
+    parsed = _parsed("\n".join(["if" + lines[0].removeprefix(keyword), *lines[1:]]) + f"\n{unit}pass\n")
+    if not isinstance(parsed, cst.If):
+        return node
+    return node.with_changes(**{"test": parsed.test, before: parsed.whitespace_before_test,
+                                after: parsed.whitespace_after_test})

@@ -508,7 +508,10 @@ class _Locator(cst.CSTVisitor):
         located = self.positions.get(self.top)
         unit = (self.top, self.member if self.top in self.members else -1)
         order = self.order.get(unit)
-        if located is not None:  # only the statements with sites have positions (computing them is costly)
+        # A call on a read's result (``ps.get_model_parallel_group().rank()``) starts where the read does: the
+        # site is the inner call, visited next, else the rewrite would drop the ``.rank()``.
+        on_a_call = isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call)
+        if located is not None and not on_a_call:  # only the statements with sites have positions (costly)
             ranges, offset = located
             start = ranges[node.func].start
             site = self.by_position.pop((start.line + offset, start.column), None)
@@ -518,7 +521,7 @@ class _Locator(cst.CSTVisitor):
             parts = _dotted(node.func)
             if met >= len(order) or order[met][2] != (".".join(parts) if parts is not None else None):
                 self.mismatch = True
-            else:
+            elif not on_a_call:
                 site = self.by_position.pop(order[met][:2], None)
         index = self.statement[-1]
         if site is not None:

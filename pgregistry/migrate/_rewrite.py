@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
-from pgregistry.migrate._layout import split_header, split_statement
+from pgregistry.migrate._layout import split_condition, split_header, split_statement
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._skeleton import restore
 from pgregistry.migrate._style import DEFAULT_WIDTH
@@ -57,16 +57,41 @@ def _bound(alias: cst.ImportAlias) -> str:
 class _Prune(cst.CSTTransformer):
     """Drop the import aliases whose names the rewrite left unused, and a statement left importing nothing (the
     modules they import are imported where the code that reads them runs: the fallback helper's import of
-    ``parallel_state`` when it falls back)."""
+    ``parallel_state`` when it falls back). Such a statement is dropped by its block, not a ``pass`` left in its
+    place, and the comments above it go onto the statement after it: they say what that code does."""
 
     def __init__(self, unused: set[str]) -> None:
         super().__init__()
         self.unused = unused
+        #: A statement dropped (by id of the original node) -> the comment lines above it.
+        self.dropped: dict[int, list[cst.EmptyLine]] = {}
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        return updated if updated.body else cst.RemoveFromParent()  # not a ``pass`` left in its place
+        if updated.body:
+            return updated
+        self.dropped[id(original)] = [line for line in original.leading_lines if line.comment is not None]
+        return cst.RemoveFromParent()  # not a ``pass`` left in its place
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        """The block with the comments above each statement it dropped moved onto the statement after it (or
+        below the block's last one)."""
+        if not any(id(statement) in self.dropped for statement in original.body):
+            return updated
+        kept = iter(updated.body)
+        body: list[cst.BaseStatement] = []
+        comments: list[cst.EmptyLine] = []
+        for statement in original.body:
+            if id(statement) in self.dropped:
+                comments += self.dropped[id(statement)]
+                continue
+            new = next(kept)
+            body.append(_with_leading(new, [*comments, *_leading(new)]) if comments else new)
+            comments = []
+        if not body:  # the block held only the import: it still needs a statement
+            body = [cst.SimpleStatementLine([cst.Pass()])]
+        return updated.with_changes(body=body, footer=[*comments, *updated.footer])
 
     def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
         kept = [alias for alias in names if _bound(alias) not in self.unused]
@@ -157,10 +182,10 @@ def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters
     return after.with_changes(params=[*after.params[:-1], kept], kwonly_params=[new])
 
 
-def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
+def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst.Call:
     """``call`` with ``keyword=value`` after its arguments, in their layout: one a line when they are (the
     closing parenthesis kept on its own line), else after a comma and a space."""
-    new = cst.Arg(cst.parse_expression(value), keyword=cst.Name(keyword),
+    new = cst.Arg(value, keyword=cst.Name(keyword),
                   equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
     args = list(call.args)
     if args and args[-1].comma is not cst.MaybeSentinel.DEFAULT:  # a trailing comma: one argument per line
@@ -173,6 +198,16 @@ def _with_keyword(call: cst.Call, keyword: str, value: str) -> cst.Call:
         new = new.with_changes(whitespace_after_arg=args[-1].whitespace_after_arg)
         args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=line_break), whitespace_after_arg=_NO_SPACE)
     return call.with_changes(args=[*args, new])
+
+
+class _SingleQuoted(cst.CSTTransformer):
+    """Each plain string literal of a node the rewrite made (``"tp"``, ``"next_rank"``) in single quotes: before
+    Python 3.12 an expression inside a double-quoted f-string may not hold a double quote."""
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.SimpleString:
+        if updated.value.startswith('"') and "'" not in updated.value and "\\" not in updated.value:
+            return updated.with_changes(value=f"'{updated.value[1:-1]}'")
+        return updated
 
 
 def _docstring(statement: cst.BaseStatement) -> bool:
@@ -213,6 +248,10 @@ class _Rewriter(cst.CSTTransformer):
         self.functions = {id(f.node): f for f in plan.functions if f.added or f.shim_name}
         for function in self.functions.values():
             self._touch(function.top, function.member)
+        #: The ``If`` nodes (by id) that are the ``elif`` of another.
+        self.elifs: set[int] = set()
+        #: The quotes of the f-strings enclosing the node visited (``f"``, ``rf'''``), innermost last.
+        self.f_strings: list[str] = []
 
     def _touch(self, top: int, member: int) -> None:
         members = self.touched.setdefault(top, set())
@@ -257,15 +296,52 @@ class _Rewriter(cst.CSTTransformer):
         self.changed = False
         return split_statement(updated, self._indent(), self.width, self.unit)
 
+    def visit_If(self, node: cst.If) -> bool:
+        if isinstance(node.orelse, cst.If):
+            self.elifs.add(id(node.orelse))
+        return True
+
+    def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
+        if updated.test is original.test:
+            return updated
+        keyword = "elif" if id(original) in self.elifs else "if"
+        split = split_condition(updated, keyword, self._indent(), self.width, self.unit)
+        assert isinstance(split, cst.If)
+        return split
+
+    def leave_While(self, original: cst.While, updated: cst.While) -> cst.While:
+        if updated.test is original.test:
+            return updated
+        split = split_condition(updated, "while", self._indent(), self.width, self.unit)
+        assert isinstance(split, cst.While)
+        return split
+
+    def visit_FormattedString(self, node: cst.FormattedString) -> bool:
+        self.f_strings.append(node.start)
+        return True
+
+    def leave_FormattedString(
+        self, original: cst.FormattedString, updated: cst.FormattedString
+    ) -> cst.FormattedString:
+        self.f_strings.pop()
+        return updated
+
+    def _quoted(self, node: cst.BaseExpression) -> cst.BaseExpression:
+        """``node`` (made by the rewrite) with the quotes the enclosing f-string allows in its expressions."""
+        if self.f_strings and '"' in self.f_strings[-1]:
+            return node.visit(_SingleQuoted())  # type: ignore[return-value]
+        return node
+
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
         if replacement is not None:
             self.changed = True
-            return replacement
+            return self._quoted(replacement)
         passing = self.plan.passes.get(id(original))
         if passing is not None:
             self.changed = True
-            return _with_keyword(updated, *passing)
+            keyword, value = passing
+            return _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
         return updated
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:

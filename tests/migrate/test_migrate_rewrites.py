@@ -657,3 +657,125 @@ DEFAULT = ProcessGroupCollection.use_mpu_process_groups()
         "module level: runs at import, before any collection exists",
         "shim: builds a collection from the globals (remove it once every caller passes one)",
     ]
+
+
+def test_a_read_inside_an_f_string_gets_the_quotes_the_f_string_allows(tmp_path: Path) -> None:
+    # Megatron-LM's training/initialize.py prints f"{mpu.get_tensor_model_parallel_world_size()}": before Python
+    # 3.12 an f-string's expression may not hold its own quote, so pg_size(c, "tp") there does not compile.
+    source = HEAD + '''
+def f(pg_collection):
+    print(f"size {ps.get_tensor_model_parallel_world_size()}")
+    print(f'next {ps.get_pipeline_model_parallel_next_rank()}')
+    return f"""{ps.get_context_parallel_rank()}"""
+'''
+    assert after(tmp_path, source) == helper("pg_rank", "pg_read", "pg_size") + '''
+def f(pg_collection):
+    print(f"size {pg_size(pg_collection, 'tp')}")
+    print(f'next {pg_read(pg_collection, "pp", "next_rank")}')
+    return f"""{pg_rank(pg_collection, 'cp')}"""
+'''
+
+
+def test_the_comments_above_a_local_import_the_rewrite_removes_stay(tmp_path: Path) -> None:
+    # Megatron-Bridge's gpt_builder.modelopt_transformer_layer_spec: the comments above its local import of
+    # parallel_state say what the code below does; the import goes, the comments stay.
+    source = '''import os
+
+def spec(config, pg_collection):
+    """Doc."""
+    # When context parallel > 1, only causal masks
+    from megatron.core import parallel_state
+
+    return config.mask if config.mask is not None else parallel_state.get_context_parallel_world_size() == 1
+'''
+    assert after(tmp_path, source) == "import os\n" + helper("pg_size") + '''
+def spec(config, pg_collection):
+    """Doc."""
+    # When context parallel > 1, only causal masks
+
+    return config.mask if config.mask is not None else pg_size(pg_collection, "cp") == 1
+'''
+
+
+def test_a_method_called_on_a_read_s_group_stays(tmp_path: Path) -> None:
+    # Megatron-LM's get_megatron_optimizer (before #3349): the read is the inner call, which starts where the
+    # outer .rank() / .size() call does; taking the outer one dropped the method and read the outer call's keywords.
+    source = HEAD + '''
+def f(pg_collection):
+    rank = ps.get_model_parallel_group().rank()
+    return ps.get_data_parallel_group(with_context_parallel=True).size() > rank
+'''
+    assert after(tmp_path, source) == helper("pg_group") + '''
+def f(pg_collection):
+    rank = pg_group(pg_collection, "mp").rank()
+    return pg_group(pg_collection, "dp_cp_gtp_remat").size() > rank
+'''
+
+
+def test_an_if_or_while_line_the_rewrite_made_too_long_is_split_as_black_splits_it(tmp_path: Path) -> None:
+    # Megatron-Bridge's DiTSelfAttention: `if self.layernorm_across_heads and pg_size(<a learned chain>, "tp") > 1:`
+    # passed the tree's line length; black puts such a condition in parentheses, split at its delimiters.
+    source = HEAD + '''
+def f(heads, threshold, process_groups_of_the_whole_model):
+    if heads and ps.get_tensor_model_parallel_world_size() > 1 and threshold > 10000000000000000000:
+        return 1
+    elif threshold and ps.get_context_parallel_world_size() > threshold * 2 + 1000000000000000000:
+        return 2
+    while ps.get_pipeline_model_parallel_world_size() > heads + 100000000000000000000000000000000000:
+        return 3
+    if ps.get_tensor_model_parallel_rank():
+        return 4
+'''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_rank", "pg_size") + '''
+def f(heads, threshold, process_groups_of_the_whole_model):
+    if (
+        heads
+        and pg_size(process_groups_of_the_whole_model, "tp") > 1
+        and threshold > 10000000000000000000
+    ):
+        return 1
+    elif (
+        threshold
+        and pg_size(process_groups_of_the_whole_model, "cp") > threshold * 2 + 1000000000000000000
+    ):
+        return 2
+    while (
+        pg_size(process_groups_of_the_whole_model, "pp")
+        > heads + 100000000000000000000000000000000000
+    ):
+        return 3
+    if pg_rank(process_groups_of_the_whole_model, "tp"):
+        return 4
+'''
+
+
+def test_an_arithmetic_value_the_rewrite_made_too_long_goes_in_parentheses(tmp_path: Path) -> None:
+    # Megatron-Bridge's diffusion steps: `sharding_factor = pg_size(<a learned chain>, "cp") * 2` passed the line
+    # length and was left, since the splitter knew no shape for one arithmetic operation.
+    source = HEAD + '''
+def f(process_groups_of_the_whole_model):
+    sharding_factor_of_the_packed_sequence = ps.get_context_parallel_world_size() * 2 + 10000000
+    return sharding_factor_of_the_packed_sequence
+'''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_size") + '''
+def f(process_groups_of_the_whole_model):
+    sharding_factor_of_the_packed_sequence = (
+        pg_size(process_groups_of_the_whole_model, "cp") * 2 + 10000000
+    )
+    return sharding_factor_of_the_packed_sequence
+'''
+
+
+def test_an_assert_the_rewrite_made_too_long_is_split_as_black_splits_it(tmp_path: Path) -> None:
+    # Megatron-Bridge's llama4 attention: `assert original_seq_len % (pg_size(<a learned chain>, "cp") * 2) == 0`.
+    source = HEAD + '''
+def f(original_length_of_the_batch, process_groups_of_the_whole_model):
+    assert original_length_of_the_batch % (ps.get_context_parallel_world_size() * 2) == 0 + 10000
+'''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_size") + '''
+def f(original_length_of_the_batch, process_groups_of_the_whole_model):
+    assert (
+        original_length_of_the_batch % (pg_size(process_groups_of_the_whole_model, "cp") * 2)
+        == 0 + 10000
+    )
+'''
