@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
+from fixtures.processes import children_left
 
 from pgregistry.migrate._phases import TaskQueue, two_phases
 
@@ -32,11 +33,7 @@ def _makers(count: int, fails_here: bool = False) -> list[object]:
 
 
 def _no_child_left() -> bool:
-    try:
-        os.waitpid(-1, os.WNOHANG)
-    except ChildProcessError:
-        return True
-    return False
+    return not children_left()
 
 
 @pytest.mark.parametrize("fork", [False, True])
