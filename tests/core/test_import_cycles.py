@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from fixtures.source_trees import write_package
+
 import pgregistry
 
 PACKAGE = Path(pgregistry.__file__).resolve().parent
@@ -97,17 +99,8 @@ def test_package_has_no_import_cycle() -> None:
     assert not cycles, f"import cycles: {_describe(cycles)}"
 
 
-def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    root = tmp_path / "pkg"
-    for relative, text in files.items():
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    return root
-
-
 def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
+    root = write_package(tmp_path, {
         "__init__.py": "",
         "cli/__init__.py": "",
         "cli/layout.py": "def run():\n    from pkg.cli import views\n",
@@ -117,7 +110,7 @@ def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path: P
 
 
 def test_relative_plain_and_type_checking_imports_make_edges(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
+    root = write_package(tmp_path, {
         "__init__.py": "from pkg.a import name\n",
         "a.py": "from . import b\nimport pkg.c.d\nimport os\n",
         "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import e\nelse:\n    import pkg.c\n",
@@ -133,7 +126,7 @@ def test_relative_plain_and_type_checking_imports_make_edges(tmp_path: Path) -> 
 
 
 def test_a_circle_closed_only_under_type_checking_is_found(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
+    root = write_package(tmp_path, {
         "__init__.py": "",
         "layout.py": "from pkg.shrink import shrink_layout\n",
         "shrink.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.layout import Layout\n",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from fixtures.source_trees import write_package
 from test_import_cycles import import_graph
 
 import pgregistry
@@ -102,22 +103,13 @@ Every module may use: `log.py`.
 """
 
 
-def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    root = tmp_path / "pkg"
-    for relative, text in files.items():
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    return root
-
-
 def _toy_faults(tmp_path: Path, files: dict[str, str]) -> list[str]:
     base = {
         "__init__.py": "import pkg.cli\n", "__main__.py": "from pkg.cli import main\n", "layout.py": "",
         "log.py": "", "registry.py": "", "sub/__init__.py": "from pkg.sub._cache import cache\n",
         "sub/_cache.py": "", "sub/_agree.py": "", "cli/__init__.py": "from pkg import registry\n",
     }
-    root = _tree(tmp_path, {**base, **files})
+    root = write_package(tmp_path, {**base, **files})
     doc = DOC_OF_A_TOY_PACKAGE
     return layering_faults(import_graph(root), layers_of(doc, "pkg"), shared_modules(doc, "pkg"), "pkg")
 
