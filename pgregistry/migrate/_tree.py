@@ -4,7 +4,8 @@ Whether a function may be given a new parameter depends on code in other files: 
 as a value (``partial(f)``, ``callback=f``, ``@f``) or as a hook (``register_forward_hook(f)``) has no caller that
 could pass one, and a method of a class with a base outside the tree is a framework callback unless the tree
 calls it by name. Which collections are in scope depends on the tree's own names (``config._pg_collection`` is
-one where the file assigns it, or where a class of the tree declares the field). This module finds those facts,
+one where the file assigns it, or where a class of the tree declares the field; a chain of ``self`` such as
+``self.dataset.pg_collection`` only in the classes the tree ties it to). This module finds those facts,
 for the names that matter (those of the functions reads are in), with regular expressions over every file's
 bytes: one pass per file, no parse, so a run stays linear in the tree's size. Name-based on purpose: the type of
 ``obj`` in ``obj.f`` is not known statically, so a method ``f`` of any class counts as called (or passed) when
