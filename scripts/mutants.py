@@ -749,6 +749,18 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_writing.py::"
                "test_a_file_changed_on_disk_while_the_others_are_written_is_not_overwritten_and_none_is_left_written",),
     ),
+    Mutant(
+        name="migrate-self-chain-in-every-method",
+        bug="migrate takes a self.<a>.<b> chain one class assigns as in scope in the methods of every class: "
+        "Bridge 0.6.2's self.dataset.pg_collection read with getattr in 21 unrelated files (issue 40)",
+        file="pgregistry/migrate/_plan.py",
+        find="return frozenset(chain for chain in chains if facts.ties_class(chain, cls))",
+        replace="return chains",
+        tests=("tests/migrate/test_migrate_threading.py::"
+               "test_a_chain_of_self_is_in_scope_only_in_the_classes_the_tree_ties_it_to",
+               "tests/migrate/test_migrate_threading.py::"
+               "test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declares_it"),
+    ),
 )
 
 

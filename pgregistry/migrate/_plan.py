@@ -805,6 +805,15 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
     return None
 
 
+def _tied_chains(chains: frozenset[str], function: Function, facts: TreeFacts) -> frozenset[str]:
+    """The ``chains`` in scope in ``function``'s class (of its outermost function when it is nested): a
+    ``self.<a>.<b>`` chain only where the tree ties it to that class (:meth:`TreeFacts.ties_class`), not in every
+    method that has a ``self`` (an unrelated class's ``self.<a>`` may be anything, most often missing)."""
+    method_of = function.method_of or _outermost(function).method_of
+    cls = method_of.name.value if method_of is not None else ""
+    return frozenset(chain for chain in chains if facts.ties_class(chain, cls))
+
+
 def _parameters(function: Function) -> list[str]:
     params = function.node.params
     return [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
@@ -1055,7 +1064,8 @@ def plan_file(
             continue
         function = read.function
         assert function is not None
-        chains = autograd_collections if _autograd_shaped(_outermost(function)) else collections
+        chains = _tied_chains(autograd_collections if _autograd_shaped(_outermost(function)) else collections,
+                              function, facts)
         found = _collection_in_scope(function, read.statement, locator.attributes, name, chains)
         if isinstance(found, str) and _fills_a_field(function, read, name):
             if not function.shim_name:

@@ -4,7 +4,8 @@ Whether a function may be given a new parameter depends on code in other files: 
 as a value (``partial(f)``, ``callback=f``, ``@f``) or as a hook (``register_forward_hook(f)``) has no caller that
 could pass one, and a method of a class with a base outside the tree is a framework callback unless the tree
 calls it by name. Which collections are in scope depends on the tree's own names (``config._pg_collection`` is
-one where the file assigns it, or where a class of the tree declares the field). This module finds those facts,
+one where the file assigns it, or where a class of the tree declares the field; a chain of ``self`` such as
+``self.dataset.pg_collection`` only in the classes the tree ties it to). This module finds those facts,
 for the names that matter (those of the functions reads are in), with regular expressions over every file's
 bytes: one pass per file, no parse, so a run stays linear in the tree's size. Name-based on purpose: the type of
 ``obj`` in ``obj.f`` is not known statically, so a method ``f`` of any class counts as called (or passed) when
@@ -32,6 +33,8 @@ _TYPE = rb"(?:[\w.]+(?:\[[^\]\n]*\])?(?:[ \t]*\|[ \t]*[\w.]+(?:\[[^\]\n]*\])?)*|
 #: closing parenthesis on the next line (a function's last parameter).
 _FIELD = re.compile(rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[ \t]*" + _TYPE + rb"[ \t]*(?:=[^\n]*[^,\s])?[ \t]*$(?!\n[ \t]*\))",
                     re.M)
+#: A class statement: its name and the text of its bases.
+_CLASS = re.compile(rb"^[ \t]*class[ \t]+([A-Za-z_]\w*)[ \t]*(?:\(([^)]*)\))?", re.M)
 #: A value that is a collection whatever its name.
 _BUILDS = re.compile(rb"\b(?:ProcessGroupCollection|use_mpu_process_groups)\s*\(")
 
@@ -55,6 +58,25 @@ class TreeFacts:
     hooks: frozenset[str] = frozenset()
     collections: frozenset[tuple[str, str]] = frozenset()
     fields: frozenset[str] = frozenset()
+    ties: frozenset[tuple[str, str]] = frozenset()
+    bases: frozenset[tuple[str, str]] = frozenset()
+
+    def ties_class(self, chain: str, cls: str) -> bool:
+        """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``: the tree ties it to
+        ``cls`` or to a class ``cls`` derives from (``ties``: (chain, class) where the class's own methods assign
+        the chain, or assign ``self.<a>`` an instance of a class of the tree that declares or assigns ``<b>``;
+        ``bases``: (class, base) by name). A chain with another head, or of one attribute, is not tied: True."""
+        if not chain.startswith("self.") or chain.count(".") < 2:
+            return True
+        tied = {c for t, c in self.ties if t == chain}
+        seen, todo = set(), [cls]
+        while todo:
+            name = todo.pop()
+            if name in tied:
+                return True
+            seen.add(name)
+            todo.extend(b for c, b in self.bases if c == name and b not in seen)
+        return False
 
     def collections_of(self, path: str, *, own: bool = False) -> frozenset[str]:
         """The expressions that hold a collection in file ``path``: those it assigns one to, and (unless ``own``)
@@ -87,20 +109,87 @@ def _lines_with(data: bytes, words: re.Pattern[bytes]) -> list[tuple[int, int]]:
     return spans
 
 
-def _collections(data: bytes, collection: str) -> tuple[set[str], set[str]]:
+def _indent(data: bytes, start: int) -> int:
+    """The indentation of the line starting at ``start``."""
+    at = start
+    while at < len(data) and data[at:at + 1] in (b" ", b"\t"):
+        at += 1
+    return at - start
+
+
+def _enclosing_class(data: bytes, start: int) -> str | None:
+    """The name of the innermost class whose body holds the line starting at ``start`` (read back through the
+    lines of smaller indentation; blank and comment lines aside), None when it is in none."""
+    level = _indent(data, start)
+    while level and start > 0:
+        start = data.rfind(b"\n", 0, start - 1) + 1
+        indent = _indent(data, start)
+        if indent >= level or data[start + indent:start + indent + 1] in (b"\n", b"#", b""):
+            continue
+        level = indent
+        found = _CLASS.match(data, start)
+        if found is not None:
+            return found.group(1).decode()
+    return None
+
+
+def _collections(data: bytes, collection: str) -> tuple[set[str], set[str], set[tuple[str, str]]]:
     """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name, see
     :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection fields its class bodies
-    declare)."""
-    assigned, fields = set(), set()
+    declare; (class, attribute) of each collection attribute a class declares or its methods assign to ``self``,
+    and (class, ``self.<a>.<b>``) of each deeper chain its methods assign)."""
+    assigned, fields, owned = set(), set(), set()
     for start, end in _lines_with(data, re.compile(re.escape(collection.encode()) + rb"|" + _BUILDS.pattern)):
         target = _ATTRIBUTE_TARGET.match(data, start, end)
         if target is not None and (names_a_collection(target.group(1).decode().rpartition(".")[2], collection)
                                    or _BUILDS.search(target.group(2))):
-            assigned.add(target.group(1).decode())
+            dotted = target.group(1).decode()
+            assigned.add(dotted)
+            cls = _enclosing_class(data, start) if dotted.startswith("self.") else None
+            if cls is not None:
+                owned.add((cls, dotted.removeprefix("self.") if dotted.count(".") == 1 else dotted))
         declared = _FIELD.match(data, start)  # its lookahead reads the next line
         if declared is not None and names_a_collection(declared.group(1).decode(), collection):
             fields.add(declared.group(1).decode())
-    return assigned, fields
+            cls = _enclosing_class(data, start)
+            if cls is not None:
+                owned.add((cls, declared.group(1).decode()))
+    return assigned, fields, owned
+
+
+def _ties(contents: Mapping[str, bytes], owned: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """(``self.<a>.<b>`` chain, class) for each class the tree ties such an assigned chain to: its methods assign
+    the chain, or assign ``self.<a> = X(...)`` where class ``X`` declares or assigns ``<b>`` (``owned``: see
+    :func:`_collections`)."""
+    chains = {chain for _, chain in owned if chain.count(".") >= 2}
+    ties = {(chain, cls) for cls, chain in owned if chain in chains}
+    holders = {attribute: {c for c, a in owned if a == attribute} for attribute in
+               {chain.rpartition(".")[2] for chain in chains if chain.count(".") == 2}}
+    steps = {chain.split(".")[1] for chain in chains if chain.count(".") == 2}
+    if not steps:
+        return ties
+    built = re.compile(rb"\bself\.(" + b"|".join(re.escape(s.encode()) for s in sorted(steps))
+                       + rb")[ \t]*(?::[^=\n]*)?=[ \t]*(?:[\w.]+\.)?([A-Za-z_]\w*)[ \t]*\(")
+    for data in contents.values():
+        for match in built.finditer(data):
+            cls = _enclosing_class(data, data.rfind(b"\n", 0, match.start()) + 1)
+            step, made = match.group(1).decode(), match.group(2).decode()
+            for chain in chains:
+                if cls is not None and chain.split(".")[1] == step and made in holders[chain.rpartition(".")[2]]:
+                    ties.add((chain, cls))
+    return ties
+
+
+def _bases(data: bytes) -> set[tuple[str, str]]:
+    """(class, base) of the classes ``data`` defines, each base by its last name (``a.B`` -> ``B``)."""
+    found = set()
+    for start, _ in _lines_with(data, re.compile(rb"\bclass\b")):
+        statement = _CLASS.match(data, start)
+        for base in (statement.group(2) or b"").split(b",") if statement is not None else ():
+            name = base.strip().rpartition(b".")[2]
+            if statement is not None and re.fullmatch(rb"[A-Za-z_]\w*", name):
+                found.add((statement.group(1).decode(), name.decode()))
+    return found
 
 
 def _words(names: Iterable[str]) -> re.Pattern[bytes]:
@@ -168,13 +257,15 @@ def learn_tree(
     hooks: set[str] = set()
     collections: set[tuple[str, str]] = set()
     fields: set[str] = set()
+    owned: set[tuple[str, str]] = set()
     named = {n for n in functions if not (n.startswith("__") and n.endswith("__"))}  # Python calls those
     mention = _words(named) if named else None
     for path, data in contents.items():
         if collection.encode() in data or b"ProcessGroupCollection" in data or b"use_mpu_process_groups" in data:
-            assigned, declared = _collections(data, collection)
+            assigned, declared, classes = _collections(data, collection)
             collections |= {(path, expression) for expression in assigned}
             fields |= declared
+            owned |= classes
         if mention is None:
             continue
         for match in mention.finditer(data):
@@ -183,6 +274,8 @@ def learn_tree(
                 (called if use == "call" else values).add(match.group().decode())
         if b"register_" in data:
             hooks |= _registered(data, mention)
+    ties = _ties(contents, owned)
+    bases = {pair for data in contents.values() for pair in _bases(data)} if ties else set()
     return TreeFacts(state_modules=state_modules, modules=modules, called=frozenset(called),
                      values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections),
-                     fields=frozenset(fields))
+                     fields=frozenset(fields), ties=frozenset(ties), bases=frozenset(bases))

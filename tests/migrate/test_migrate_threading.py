@@ -318,7 +318,12 @@ def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declar
                 return ps.get_tensor_model_parallel_group()
 
 
-            class Model:
+            class Model(Wrapper):
+                def tp(self):
+                    return ps.get_tensor_model_parallel_group()
+
+
+            class Unrelated:
                 def tp(self):
                     return ps.get_tensor_model_parallel_group()
             '''),
@@ -331,7 +336,8 @@ def test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declar
     assert ways == {
         "step": ("in-scope", 'getattr(config, "_pg_collection", None)'),  # Provider declares the field
         "apply_like": ("threaded", "pg_collection"),  # setup's ctx says nothing of this ctx
-        "Model.tp": ("in-scope", 'getattr(getattr(self, "config", None), "_pg_collection", None)'),
+        "Model.tp": ("in-scope", 'getattr(getattr(self, "config", None), "_pg_collection", None)'),  # a Wrapper
+        "Unrelated.tp": ("threaded", "pg_collection"),  # nothing ties its self.config to Wrapper's
     }
     # Each step may be missing on another object: the expression gives None (then the fallback), never raises.
     assert eval(ways["Model.tp"][1], {"self": object()}) is None
@@ -400,3 +406,51 @@ def test_a_parameter_named_like_a_collection_but_annotated_as_another_class_is_n
                    name="pg_collection")
     ways = {read.site.scope: (read.way, read.collection) for _, read in done.reads}
     assert ways == {"schedule": ("threaded", "pg_collection"), "given": ("in-scope", "model_pg_collection")}
+
+
+def test_a_chain_of_self_is_in_scope_only_in_the_classes_the_tree_ties_it_to(tmp_path: Path) -> None:
+    # Megatron-Bridge 0.6.2: two diffusion data modules assign self.dataset.pg_collection; methods of unrelated
+    # classes (whose self.dataset, if any, is something else) were given that chain, read with getattr.
+    files = {
+        "data.py": textwrap.dedent('''\
+            class DataModule:
+                pg_collection: 'ProcessGroupCollection | None' = None
+
+
+            class Provider:
+                def build(self, context):
+                    self.dataset.pg_collection = context.pg_collection
+            '''),
+        "use.py": textwrap.dedent('''\
+            from megatron.core import parallel_state as ps
+
+
+            class Trainer:
+                def tp(self):
+                    return ps.get_tensor_model_parallel_group()
+
+
+            class SubProvider(Provider):
+                def tp(self):
+                    return ps.get_tensor_model_parallel_group()
+
+
+            class Holder:
+                def __init__(self):
+                    self.dataset = DataModule()
+
+                def tp(self):
+                    return ps.get_tensor_model_parallel_group()
+            '''),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    done = migrate([SourceFile(name, tmp_path / name) for name in files], PRESETS["megatron"], target="megatron",
+                   name="pg_collection")
+    ways = {read.site.scope: (read.way, read.collection) for _, read in done.reads}
+    chain = 'getattr(getattr(self, "dataset", None), "pg_collection", None)'
+    assert ways == {
+        "Trainer.tp": ("threaded", "pg_collection"),  # nothing ties Trainer's self.dataset to a collection
+        "SubProvider.tp": ("in-scope", chain),  # Provider, its base, assigns the chain
+        "Holder.tp": ("in-scope", chain),  # its self.dataset is a DataModule, which declares pg_collection
+    }
