@@ -132,11 +132,7 @@ def inner_state_faults(
     lacking = [name for pid, name in zip(ids, names, strict=True) if not state.get(pid)]
     if state and lacking:  # saved after a step: every parameter has state (each has a grad in the buffer)
         faults.append(f"it lacks the state of {len(lacking)} parameters, e.g. {_some(lacking)}")
-    for pid, tensor, name in zip(ids, tensors, names, strict=True):
-        for key, value in (state.get(pid) or {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                faults.extend(tensor_faults(f"state {key!r} of {name}", value, tensor))
-    return faults
+    return faults + _elementwise_faults(state, ids, tensors, names, cast=False)
 
 
 def inner_param_state_faults(
@@ -155,10 +151,18 @@ def inner_param_state_faults(
         if faults:
             return faults
     ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    return _elementwise_faults(state_dict["state"], ids, tensors, names, cast=True)
+
+
+def _elementwise_faults(
+    state: Mapping[Any, Any], ids: Sequence[Any], tensors: Sequence[torch.Tensor], names: Sequence[str], *, cast: bool
+) -> list[str]:
+    """The faults of each parameter's elementwise state (a tensor of one dimension or more) against its tensor:
+    another shape, and another dtype unless ``cast`` (a load that casts)."""
     return [
         fault
         for pid, tensor, name in zip(ids, tensors, names, strict=True)
-        for key, value in (state_dict["state"].get(pid) or {}).items()
+        for key, value in (state.get(pid) or {}).items()
         if isinstance(value, torch.Tensor) and value.dim() > 0
-        for fault in tensor_faults(f"state {key!r} of {name}", value, tensor, cast=True)
+        for fault in tensor_faults(f"state {key!r} of {name}", value, tensor, cast=cast)
     ]
