@@ -132,20 +132,17 @@ def _record(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -
 
 
 def _write_temporary(change: Change, temporary: Path) -> None:
-    """The new bytes beside the file, with its permissions (a new file: those any new file gets, ``0666`` less
-    the umask, not ``0600``, which would hide the helper module from the tree's other users), flushed to disk."""
-    if change.created:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    else:
-        mode = os.stat(change.absolute).st_mode & 0o7777
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    """The new bytes beside the file, with its permissions, flushed to disk. A new file is opened with ``0666``, so
+    the umask applies as to any new file (not ``0600``, which would hide the helper module from the tree's other
+    users), as :func:`~pgregistry.allowlist._storage.atomic_write` makes one."""
+    mode = None if change.created else os.stat(change.absolute).st_mode & 0o7777
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)
     with os.fdopen(handle, "wb") as stream:
         stream.write(change.after)
         stream.flush()
         os.fsync(stream.fileno())
-    os.chmod(temporary, mode)
+    if mode is not None:
+        os.chmod(temporary, mode)
 
 
 def _remove(paths: Sequence[Path]) -> None:
