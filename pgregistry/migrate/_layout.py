@@ -14,7 +14,10 @@ and no longer fits, is split; every other byte stays as the author wrote it. The
   comma;
 - a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma;
 - an ``if`` / ``elif`` / ``while`` line: its condition as a statement's value (in parentheses on a line of its
-  own, or its last call's arguments).
+  own, or its last call's arguments);
+- an argument the rewrite changed on a line of its own in a call that already spans lines (one argument a
+  line): as a statement's value, after its ``name=`` (a conditional in parentheses on a line of its own, a
+  call's arguments on a line of their own, ...), its comma kept at the end.
 
 Anything else (a long line of another shape) is left as it is.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-__all__ = ["split_condition", "split_header", "split_statement"]
+__all__ = ["split_arguments", "split_condition", "split_header", "split_statement"]
 
 _CODE = cst.Module([])
 
@@ -228,3 +231,51 @@ def split_condition(node: cst.If | cst.While, keyword: str, indent: int, width: 
         return node
     return node.with_changes(**{"test": parsed.test, before: parsed.whitespace_before_test,
                                 after: parsed.whitespace_after_test})
+
+
+def _own_line(whitespace: cst.BaseParenthesizableWhitespace) -> str | None:
+    """The indentation (relative to the block's) of the line that ``whitespace`` starts, where it ends one without
+    a comment and starts the next at the block's indentation or deeper; else None."""
+    if not isinstance(whitespace, cst.ParenthesizedWhitespace) or not whitespace.indent:
+        return None
+    return None if whitespace.first_line.comment else whitespace.last_line.value
+
+
+def _before_argument(call: cst.Call, index: int) -> cst.BaseParenthesizableWhitespace:
+    """The whitespace between the argument ``index`` of ``call`` and what comes before it."""
+    if index == 0:
+        return call.whitespace_before_args
+    comma = call.args[index - 1].comma
+    return comma.whitespace_after if isinstance(comma, cst.Comma) else cst.SimpleWhitespace("")
+
+
+def split_arguments(call: cst.Call, original: cst.Call, indent: int, width: int, unit: str) -> cst.Call:
+    """``call`` (in a block ``indent`` columns in; ``original`` before the rewrite) with each argument that sits on
+    a line of its own, that the rewrite changed and that no longer fits that line laid out as black lays it out;
+    every other argument as the author wrote it."""
+    args = list(call.args)
+    for index, arg in enumerate(call.args):
+        comma = arg.comma
+        opening = _own_line(_before_argument(call, index))
+        closing = comma.whitespace_after if isinstance(comma, cst.Comma) else arg.whitespace_after_arg
+        if opening is None or _own_line(closing) is None or index >= len(original.args):
+            continue
+        bare = arg.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))
+        text, value = _code(bare), _code(arg.value)
+        tail = "," if isinstance(comma, cst.Comma) else ""
+        column = indent + len(opening.expandtabs(4))
+        if "\n" in text or not text.endswith(value) or _fits(column, text + tail, width):
+            continue
+        if text == _code(original.args[index].with_changes(
+                comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))):
+            continue  # the author's own long line
+        lines = _lines(text[: len(text) - len(value)], arg.value, tail, column, width, unit)
+        if len(lines) == 1:
+            continue
+        try:
+            parsed = cst.parse_expression("f(\n" + "".join(f"{opening}{line}\n" for line in lines) + ")")
+        except cst.ParserSyntaxError:
+            continue
+        if isinstance(parsed, cst.Call) and len(parsed.args) == 1:
+            args[index] = arg.with_changes(value=parsed.args[0].value)
+    return call.with_changes(args=args)

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
-from pgregistry.migrate._layout import split_condition, split_header, split_statement
+from pgregistry.migrate._layout import split_arguments, split_condition, split_header, split_statement
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._skeleton import restore
 from pgregistry.migrate._style import DEFAULT_WIDTH
@@ -341,7 +341,9 @@ class _Rewriter(cst.CSTTransformer):
         if passing is not None:
             self.changed = True
             keyword, value = passing
-            return _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
+            updated = _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
+        if self.changed and updated.args:  # an argument on a line of its own that a rewrite made too long
+            return split_arguments(updated, original, self._indent(), self.width, self.unit)
         return updated
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:

@@ -232,3 +232,80 @@ def test_a_migration_keeps_to_the_trees_line_length(tmp_path: Path) -> None:
         assert max(map(len, text.splitlines())) <= width, text
         one_line = "def shard_the_input_tensor_across_ranks(x, tp_group=None, *, pg_collection=None):"
         assert (one_line in text) == (width == 100)
+
+
+def _migrated(tmp_path: Path, source: str, width: int = 100) -> str:
+    from pgregistry.allowlist._config import PRESETS
+    from pgregistry.allowlist._files import SourceFile
+    from pgregistry.migrate._engine import Helper, migrate
+
+    (tmp_path / "m.py").write_text(source)
+    migration = migrate([SourceFile("m.py", tmp_path / "m.py")], PRESETS["megatron"], target="megatron",
+                        name="pg_collection", helper=Helper(width=width))
+    return {change.path: change.after.decode() for change in migration.changes}["m.py"]
+
+
+def test_a_conditional_argument_made_too_long_in_a_call_of_one_argument_a_line_is_split_as_black_splits_it(
+    tmp_path: Path,
+) -> None:
+    # Megatron-Bridge 0.6.2's FalconH1 and Wan providers; the argument the author wrote too long stays
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        class Provider:
+            def provide(self, pre_process=None, post_process=None):
+                return Model(
+                    self,
+                    pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
+                    post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
+                    the_authors_long_argument=some_function_of_the_authors(first_argument, second_argument_long),
+                )
+        """)
+    assert textwrap.dedent("""\
+        class Provider:
+            def provide(self, pre_process=None, post_process=None, *, pg_collection=None):
+                return Model(
+                    self,
+                    pre_process=(
+                        pg_read(pg_collection, "pp", "first_stage") if pre_process is None else pre_process
+                    ),
+                    post_process=(
+                        pg_read(pg_collection, "pp", "last_stage") if post_process is None else post_process
+                    ),
+                    the_authors_long_argument=some_function_of_the_authors(first_argument, second_argument_long),
+                )
+        """) in _migrated(tmp_path, source)
+
+
+def test_a_call_argument_made_too_long_in_a_call_of_one_argument_a_line_gets_its_own_lines(tmp_path: Path) -> None:
+    # NeMo 3.0.0's MainParamsOptimizerWrapper.__init__, once the call passes the collection (black's output)
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def _get_grad_data_group(is_expert):
+            if is_expert:
+                return ps.get_expert_data_parallel_group()
+            return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+        class Optimizer:
+            def __init__(self, param_groups, async_grad_allreduce):
+                self.buffers = {}
+                if async_grad_allreduce and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+                    for i, param_group in enumerate(param_groups):
+                        if param_group:
+                            self.buffers[i] = GradBucket(
+                                len(param_group),
+                                _get_grad_data_group(param_group.get("is_expert", False)),
+                            )
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+        self.buffers[i] = GradBucket(
+            len(param_group),
+            _get_grad_data_group(
+                param_group.get("is_expert", False), pg_collection=pg_collection
+            ),
+        )
+        """), " " * 20) in _migrated(tmp_path, source)
