@@ -10,7 +10,9 @@ namespace package, so the copy's ``megatron.core`` is the one imported), twice:
    (``-W default::pgregistry.ProcessGroupFallbackWarning``, overriding the suite's warnings-as-errors for this
    category only): nothing may fail;
 2. **migration mode** (``-W error::pgregistry.ProcessGroupFallbackWarning``): each failure names a rewritten
-   function whose caller still passes no collection; the script prints those functions, most frequent first.
+   function whose caller still passes no collection; the script prints those functions, most frequent first, and
+   for each the call that passed none (the frame above the reading function in the failure's traceback), so a
+   fallback left is seen to be one whose caller has no collection to pass.
 
 Usage: ``python benchmarks/migrate_megatron_tests.py [--pytest-args ...]``; minutes (tests/megatron runs twice).
 Not part of CI.
@@ -36,6 +38,39 @@ if str(REPO) not in sys.path:
 #: pgregistry's fallback warning names the function it warns for: ``<owner> fell back ...``-style messages
 #: carry it after "ProcessGroupFallbackWarning: ".
 _WARNING = re.compile(r"ProcessGroupFallbackWarning: (?P<message>[^\n]+)")
+
+
+#: A frame of a traceback (pytest may prefix the line with ``E``).
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
+
+
+def _short(frame: re.Match[str]) -> str:
+    """``path:line function``, the path from its ``megatron/`` or ``tests/`` on."""
+    path = frame["file"]
+    for root in ("/megatron/", "/tests/"):
+        if root in path:
+            path = root[1:] + path.rpartition(root)[2]
+            break
+    return f"{path}:{frame['line']} {frame['name']}"
+
+
+def fallback_callers(output: str) -> Counter[tuple[str, str]]:
+    """(the function that fell back, the call that passed it no collection) of each traceback in ``output`` that
+    reaches the fallback helper, counted: the two frames above the helper's first."""
+    found: Counter[tuple[str, str]] = Counter()
+    frames: list[re.Match[str]] = []
+    done = False
+    for line in output.splitlines():
+        if "Traceback (most recent call last)" in line:
+            frames, done = [], False
+        frame = _FRAME.search(line)
+        if frame is None or done:
+            continue
+        if frame["file"].endswith("_process_group_fallback.py") and len(frames) >= 2:
+            found[(_short(frames[-1]), _short(frames[-2]))] += 1
+            done = True
+        frames.append(frame)
+    return found
 
 
 def installed_megatron() -> Path:
@@ -119,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         print("  functions whose callers still pass no collection (warning text, count of failing reports):")
         for message, count in failing.most_common(40):
             print(f"    {count:4d}  {message}")
+        print("  the call that passed it none (reading function <- its caller, count of tracebacks):")
+        for (reader, caller), count in fallback_callers(output).most_common(40):
+            print(f"    {count:4d}  {reader} <- {caller}")
     return 0
 
 
