@@ -653,6 +653,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-argument-left-too-long",
+        bug="migrate leaves an argument it made too long in a call of one argument a line over the line length",
+        file="pgregistry/migrate/_rewrite.py",
+        find="        if self.changed and updated.args:  # an argument on a line of its own",
+        replace="        if False:  # an argument on a line of its own",
+        tests=(
+            "tests/migrate/test_migrate_layout.py::test_a_conditional_argument_made_too_long_in_a_call_of_one_"
+            "argument_a_line_is_split_as_black_splits_it",
+            "tests/migrate/test_migrate_layout.py::"
+            "test_a_call_argument_made_too_long_in_a_call_of_one_argument_a_line_gets_its_own_lines",
+        ),
+    ),
+    Mutant(
+        name="migrate-reformats-the-authors-arguments",
+        bug="migrate splits an argument the author wrote too long, a change to a line it did not rewrite",
+        file="pgregistry/migrate/_layout.py",
+        find="            continue  # the author's own long line",
+        replace="            pass  # the author's own long line",
+        tests=(
+            "tests/migrate/test_migrate_layout.py::test_a_conditional_argument_made_too_long_in_a_call_of_one_"
+            "argument_a_line_is_split_as_black_splits_it",
+        ),
+    ),
+    Mutant(
         name="skeleton-hides-callers",
         bug="migrate's skeleton stands in for the definitions that call a threaded function, so they never pass it",
         file="pgregistry/migrate/_skeleton.py",
