@@ -917,7 +917,9 @@ class Layer:
      "shim: the fields it lists are not a literal list"),
     ("return ProcessGroupCollection.use_mpu_process_groups(required_pgs=['nonsense']).nonsense",
      "shim: this Megatron-Core's use_mpu_process_groups builds no field 'nonsense'"),
-])
+], ids=["returned", "passed-on", "stored-on-self", "passed-inline", "unlisted-field", "unlisted-field-inline",
+        "field-assigned", "read-in-lambda", "bound-twice", "default-builder", "rebinds-the-parameter", "in-a-block",
+        "checked-field-moved", "not-a-literal-list", "no-such-field"])
 def test_a_shim_whose_collection_escapes_stays_with_its_reason(tmp_path: Path, body: str, reason: str) -> None:
     source = SHIM + f"""
 def f(self, flag, pg_collection=None):
