@@ -984,6 +984,7 @@ def plan_file(
     path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None,
     syntax: ast.Module | None = None, *, gtp_remat: bool = True, facts: TreeFacts | None = None,
     shims: Mapping[str, tuple[str, dict[str, object]]] | None = None,
+    kept_shims: Mapping[tuple[int, int], str] | None = None,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
@@ -993,7 +994,9 @@ def plan_file(
     data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`). ``facts``: what the
     whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the ratchet's default modules, no
     other file). ``shims``: what the release's ``use_mpu_process_groups`` calls for each field
-    (:func:`~pgregistry.migrate._megatron_release.shim_getters`; None: not known, every shim stays)."""
+    (:func:`~pgregistry.migrate._megatron_release.shim_getters`; None: not known, every shim stays);
+    ``kept_shims``: the shims (line, column) a first planning dissolved but could give no collection, and why:
+    planned again with them kept, as their locals are collections to the file's other reads then."""
     facts = facts if facts is not None else TreeFacts()
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
@@ -1050,7 +1053,11 @@ def plan_file(
     scopes = _scopes(source, ambiguous) if ambiguous else {}
     for read in reads:  # first, as a shim's local named like the collection is no collection then
         if read.call is not None and read.site.family == SHIM and read.function is not None:
-            _dissolve_shim(read, read.function, shims, gtp_remat)
+            kept = (kept_shims or {}).get((read.site.line, read.site.col))
+            if kept is None:
+                _dissolve_shim(read, read.function, shims, gtp_remat)
+            else:
+                read.reason = kept
     for read in reads:
         if read.call is None:
             continue
@@ -1113,6 +1120,10 @@ def plan_file(
         else:
             read.collection, optional, _ = found
             read.way = FALLBACK if guarded and optional else IN_SCOPE
+    stranded = {(read.site.line, read.site.col): read.reason for read in reads if read.shim and read.way == LEFT}
+    if stranded:  # a shim that stays after all: its local is what it was to the other reads
+        return plan_file(path, module, source, sites, name, data, syntax, gtp_remat=gtp_remat, facts=facts,
+                         shims=shims, kept_shims={**(kept_shims or {}), **stranded})
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator,

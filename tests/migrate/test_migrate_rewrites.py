@@ -962,3 +962,30 @@ def f():
 def f(*, pg_collection=None):
     return pg_group(pg_collection, "gtp_remat")
 """]
+
+
+def test_a_shim_that_stays_for_its_function_is_still_the_collection_of_its_other_reads(tmp_path: Path) -> None:
+    # No caller can pass an autograd Function's forward a collection, so its shim stays; the local it binds is then
+    # the collection in scope for the read below it, as before the shim rule.
+    source = SHIM + HEAD + '''
+import torch
+
+
+class F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        return pg_collection.tp, ps.get_tensor_model_parallel_rank()
+'''
+    assert after(tmp_path, source) == SHIM + '''
+import torch
+''' + helper("pg_rank") + '''
+
+class F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        return pg_collection.tp, pg_rank(pg_collection, "tp")
+'''
+    assert reasons(tmp_path, source) == [
+        "forward of an autograd Function: torch calls it through .apply(...), which takes no keyword"]
