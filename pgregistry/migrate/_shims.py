@@ -148,25 +148,45 @@ def _read_inline(call: cst.Call, statement: cst.BaseStatement) -> cst.Attribute 
     return found[0]
 
 
+class _Targets(cst.CSTVisitor):
+    """The nodes a statement assigns, deletes or binds (by id): assignment, ``for`` and ``with`` targets, each
+    element of a tuple or list of them too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: set[int] = set()
+
+    def _target(self, node: cst.BaseExpression) -> None:
+        self.targets.add(id(node))
+        if isinstance(node, (cst.Tuple, cst.List)):
+            for element in node.elements:
+                self._target(element.value)
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._target(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._target(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._target(node.target)
+
+    def visit_Del(self, node: cst.Del) -> None:
+        self._target(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._target(node.target)
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        if node.asname is not None:
+            self._target(node.asname.name)
+
+
 def _targets(statement: cst.BaseStatement, node: cst.CSTNode) -> bool:
     """Whether ``node`` is assigned or deleted in ``statement``."""
-    hit: list[bool] = []
-
-    class _Find(cst.CSTVisitor):
-        def visit_AssignTarget(self, target: cst.AssignTarget) -> None:
-            hit.append(target.target is node)
-
-        def visit_AugAssign(self, assign: cst.AugAssign) -> None:
-            hit.append(assign.target is node)
-
-        def visit_AnnAssign(self, assign: cst.AnnAssign) -> None:
-            hit.append(assign.target is node)
-
-        def visit_Del(self, delete: cst.Del) -> None:
-            hit.append(delete.target is node)
-
-    statement.visit(_Find())
-    return any(hit)
+    found = _Targets()
+    statement.visit(found)
+    return id(node) in found.targets
 
 
 def _assigned(call: cst.Call, statement: cst.BaseStatement) -> str | None:
@@ -192,9 +212,10 @@ def _alone(call: cst.Call, statement: cst.BaseStatement) -> bool:
     return isinstance(assign, cst.Assign) and assign.value is call
 
 
-class _Uses(cst.CSTVisitor):
+class _Uses(_Targets):
     """The reads ``<local>.<field>`` in a statement, or why ``local`` is used otherwise (any other use of the
-    name, a field assigned or deleted, a use in a nested function, lambda or class)."""
+    name, a field assigned or deleted, a use in a nested function, lambda or class). A target is visited before
+    the nodes in it, so it is known as one when they are."""
 
     def __init__(self, local: str) -> None:
         super().__init__()
@@ -204,7 +225,6 @@ class _Uses(cst.CSTVisitor):
         self.nested = 0
         #: Names that are not uses: attributes after a dot, keyword names, and the heads of the reads.
         self.not_uses: set[int] = set()
-        self.targets: set[int] = set()
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         self.not_uses.add(id(node.attr))
@@ -220,32 +240,6 @@ class _Uses(cst.CSTVisitor):
     def visit_Arg(self, node: cst.Arg) -> None:
         if node.keyword is not None:
             self.not_uses.add(id(node.keyword))
-
-    def _target(self, node: cst.BaseExpression) -> None:
-        """Note ``node`` assigned or deleted, each element of a tuple or list of targets too."""
-        self.targets.add(id(node))
-        if isinstance(node, (cst.Tuple, cst.List)):
-            for element in node.elements:
-                self._target(element.value)
-
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._target(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._target(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._target(node.target)
-
-    def visit_Del(self, node: cst.Del) -> None:
-        self._target(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._target(node.target)
-
-    def visit_WithItem(self, node: cst.WithItem) -> None:
-        if node.asname is not None:
-            self._target(node.asname.name)
 
     def visit_Name(self, node: cst.Name) -> None:
         if node.value == self.local and id(node) not in self.not_uses:
