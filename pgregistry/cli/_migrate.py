@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
         source = megatron_source(settings.root)
         configured_helper = None if args.isolated else migrate_settings(settings.root).get("helper-module")
         helper = Helper(args.helper_module or configured_helper, source.accessors, line_length(settings.root),
-                        source.shims if source.shims is not None else {})
+                        source.shims)
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
                             jobs=default_jobs(), gtp_remat=source.gtp_remat, helper=helper,
                             progress=Progress(None if args.quiet else sys.stderr))

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 from pgregistry.allowlist._config import ScanConfig
 from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, buckets, can_fork, scan_sources
@@ -135,9 +136,9 @@ class Helper:
     module: str | None = None
     accessors: Sequence[str] = ()
     width: int = DEFAULT_WIDTH
-    #: What the release's ``use_mpu_process_groups`` calls for each field (:mod:`._megatron_release`); None: the
-    #: installed Megatron-Core's, where this Python imports it from ({}: none known, every shim stays).
-    shims: ShimGetters | None = None
+    #: What the release's ``use_mpu_process_groups`` calls for each field (:mod:`._megatron_release`): the installed
+    #: Megatron-Core's (where this Python imports it from) unless given; None: not known, every shim stays.
+    shims: ShimGetters | Literal["installed"] | None = "installed"
 
 
 def migrate(
@@ -399,7 +400,7 @@ def _migrate(
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
                 queue, may_thread, name, idiom_, helper.width, gtp_remat, progress, facts,
-                helper.shims if helper.shims is not None else installed_shim_getters())
+                installed_shim_getters() if helper.shims == "installed" else helper.shims)
         for share in shares
     ]
     threaded: Threaded = {}

@@ -950,9 +950,13 @@ def f():
     return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat"]).gtp_remat
 """)
     files = [SourceFile("m.py", tmp_path / "m.py")]
-    unknown = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection", helper=Helper(shims={}))
+    unknown = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection", helper=Helper(shims=None))
     assert not unknown.changes
     assert [read.reason for _, read in unknown.reads] == [
+        "shim: which getter use_mpu_process_groups calls for each field is not known (no "
+        "megatron/core/process_groups_config.py found)"]
+    older = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection", helper=Helper(shims={}))
+    assert [read.reason for _, read in older.reads] == [
         "shim: this Megatron-Core's use_mpu_process_groups builds no field 'gtp_remat'"]
     # A release whose shim reads the field checked: the fallback calls the getter as that shim does.
     checked = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection",
