@@ -1144,8 +1144,7 @@ def _dissolve_shim(read: Read, function: Function, shims: Mapping[str, tuple[str
         read.reason = found
         return
     read.shim = found
-    first = found.reads[0][1] if found.reads else "tp"
-    read.choice = FieldChoice(field=first, kind="group")
+    read.choice = FieldChoice(field=found.fields[0], kind="group")  # a read to plan; its fields are found's
     if found.local:
         function.local_at = [at for at in function.local_at if at != read.statement]
         function.held = [(name, at) for name, at in function.held if (name, at) != (found.local, read.statement)]

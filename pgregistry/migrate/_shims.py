@@ -44,9 +44,11 @@ _ESCAPES = "shim: its collection is used otherwise than read for the fields it l
 
 @dataclass(eq=False)
 class Dissolved:
-    """A shim to dissolve: each field read (the ``Attribute`` node) with its field and the keywords its fallback
-    passes the getter, and the statement assigning the shim to a local (None for a shim read inline)."""
+    """A shim to dissolve: the fields it lists, each field read (the ``Attribute`` node) with its field and the
+    keywords its fallback passes the getter, and the statement assigning the shim to a local (None for a shim read
+    inline)."""
 
+    fields: list[str]
     reads: list[tuple[cst.Attribute, str, dict[str, object]]] = field(default_factory=list)
     statement: cst.SimpleStatementLine | None = None
     local: str = ""
@@ -78,7 +80,8 @@ def dissolve(call: cst.Call, body: list[cst.BaseStatement], statement: int, para
         if inline.attr.value not in listed:
             return f"shim: reads {inline.attr.value!r}, a field it does not list"
         moved = [name for name in listed if name != inline.attr.value]
-        return _unchecked(moved, keywords) or Dissolved([(inline, inline.attr.value, keywords[inline.attr.value])])
+        return _unchecked(moved, keywords) or Dissolved(
+            listed, [(inline, inline.attr.value, keywords[inline.attr.value])])
     local = _assigned(call, body[statement])
     if local is None:
         return _ESCAPES
@@ -102,7 +105,7 @@ def dissolve(call: cst.Call, body: list[cst.BaseStatement], statement: int, para
             reads.append((read, read.attr.value, keywords[read.attr.value]))
     assigned = body[statement]
     assert isinstance(assigned, cst.SimpleStatementLine)
-    return _unchecked(listed, keywords) or Dissolved(reads, assigned, local)
+    return _unchecked(listed, keywords) or Dissolved(listed, reads, assigned, local)
 
 
 def _listed(call: cst.Call) -> list[str] | str:
