@@ -785,6 +785,41 @@ MUTANTS: tuple[Mutant, ...] = (
                "tests/migrate/test_migrate_threading.py::"
                "test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declares_it"),
     ),
+    Mutant(
+        name="migrate-shim-fallback-checked",
+        bug="migrate dissolves a use_mpu_process_groups shim into reads that fall back to the checked getter, which "
+        "asserts where the shim gave None (parallel_state not initialised; Megatron-LM #6234's gtp_remat shims)",
+        file="pgregistry/migrate/_shims.py",
+        find="keywords[name] = {CHECK: passed[CHECK]} if CHECK in passed else {}",
+        replace="keywords[name] = {}",
+        tests=("tests/migrate/test_fallback_helper.py::"
+               "test_without_torch_distributed_a_dissolved_shims_reads_are_the_shims_fields",
+               "tests/migrate/test_migrate_rewrites.py::"
+               "test_a_shim_read_only_for_its_fields_becomes_the_reads_of_those_fields"),
+    ),
+    Mutant(
+        name="migrate-shim-keyword-dropped",
+        bug="migrate's dissolved shim reads do not pass the shim's check_initialized=False to the fallback: "
+        "finalize_model_grads' gtp_remat all-reduce asserts without torch.distributed",
+        file="pgregistry/migrate/_idioms.py",
+        find='forwarded = "".join(f", {k}={v!r}" for k, v in keywords.items()) if self.megatron_fallback else ""',
+        replace='forwarded = ""',
+        tests=("tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "megatron-core:megatron.core.distributed.finalize_model_grads."
+               "_allreduce_replicated_grads_over_gtp_remat_group[use_mpu_process_groups-shim]-e]",),
+    ),
+    Mutant(
+        name="migrate-shim-escaping-dissolved",
+        bug="migrate dissolves a use_mpu_process_groups shim whose collection is passed on or returned: the "
+        "callee gets the name of a local the rewrite removed",
+        file="pgregistry/migrate/_shims.py",
+        find="if node.value == self.local and id(node) not in self.not_uses:",
+        replace="if False:",
+        tests=("tests/migrate/test_migrate_rewrites.py::test_a_shim_whose_collection_escapes_stays_with_its_reason"
+               "[returned]",
+               "tests/migrate/test_migrate_rewrites.py::test_a_shim_whose_collection_escapes_stays_with_its_reason"
+               "[passed-on]"),
+    ),
 )
 
 

@@ -178,7 +178,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
         configured_helper = None if args.isolated else migrate_settings(settings.root).get("helper-module")
-        helper = Helper(args.helper_module or configured_helper, source.accessors, line_length(settings.root))
+        helper = Helper(args.helper_module or configured_helper, source.accessors, line_length(settings.root),
+                        source.shims)
         migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
                             jobs=default_jobs(), gtp_remat=source.gtp_remat, helper=helper,
                             progress=Progress(None if args.quiet else sys.stderr))

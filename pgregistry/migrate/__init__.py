@@ -8,9 +8,11 @@ the reads this package rewrites. libcst (the ``migrate`` extra) is imported by t
 - :mod:`~pgregistry.migrate._phases`: work in two phases across processes, with one exchange between them;
 - :mod:`~pgregistry.migrate._skeleton`: the part of a file libcst parses, and a statement's lines and span;
 - :mod:`~pgregistry.migrate._tree`: what the whole tree says about its functions and collections, learned first;
-- :mod:`~pgregistry.migrate._megatron_release`: which Megatron-Core the migrated code runs against;
+- :mod:`~pgregistry.migrate._megatron_release`: which Megatron-Core the migrated code runs against (its field
+  table, the getters its shims call);
 - :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left) and which
   calls pass a collection;
+- :mod:`~pgregistry.migrate._shims`: which ``use_mpu_process_groups`` shims become the reads of their fields;
 - :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code (a call of the fallback helper);
 - :mod:`~pgregistry.migrate._fallback_helper`: that helper, as written into a migrated tree;
 - :mod:`~pgregistry.migrate._helper_file`: its text for the code's release, and where it goes;

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 from pgregistry.allowlist._config import ScanConfig
 from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, buckets, can_fork, scan_sources
@@ -37,6 +38,7 @@ from pgregistry.allowlist._files import SourceFile
 from pgregistry.allowlist._scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom
+from pgregistry.migrate._megatron_release import ShimGetters, installed_shim_getters
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
     BUILDER,
@@ -128,12 +130,15 @@ def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
 @dataclass(frozen=True)
 class Helper:
     """Where ``--target megatron``'s fallback helper goes (``module``: None, the default of the rewritten files'
-    top package), the accessors of the code's Megatron-Core release (none known: 0.19's), and the tree's line
-    length."""
+    top package), the accessors of the code's Megatron-Core release (none known: 0.19's), the tree's line
+    length, and the getters the release's shims call."""
 
     module: str | None = None
     accessors: Sequence[str] = ()
     width: int = DEFAULT_WIDTH
+    #: What the release's ``use_mpu_process_groups`` calls for each field (:mod:`._megatron_release`): the installed
+    #: Megatron-Core's (where this Python imports it from) unless given; None: not known, every shim stays.
+    shims: ShimGetters | Literal["installed"] | None = "installed"
 
 
 def migrate(
@@ -204,6 +209,7 @@ class _Worker:
     gtp_remat: bool
     progress: Progress
     facts: TreeFacts
+    shims: ShimGetters | None
     plans: dict[str, FilePlan] = field(default_factory=dict)
 
     def _plan(
@@ -219,7 +225,7 @@ class _Worker:
                 return parsed
             assert isinstance(parsed.tree, cst.Module)
             plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
-                             gtp_remat=self.gtp_remat, facts=self.facts)
+                             gtp_remat=self.gtp_remat, facts=self.facts, shims=self.shims)
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
             return _internal_error(path, error)
         plan.kept = parsed.kept
@@ -393,7 +399,8 @@ def _migrate(
     facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, helper.width, gtp_remat, progress, facts)
+                queue, may_thread, name, idiom_, helper.width, gtp_remat, progress, facts,
+                installed_shim_getters() if helper.shims == "installed" else helper.shims)
         for share in shares
     ]
     threaded: Threaded = {}

@@ -13,7 +13,8 @@ accessor the read called, with the read's ``check_initialized=``.
 pgregistry's global grid.
 
 A read assigned into a field of a collection its function builds by hand reads the shim's field directly
-(``mpu_groups.tp``): the shim holds every field it was built with.
+(``mpu_groups.tp``): the shim holds every field it was built with. A ``use_mpu_process_groups`` shim read only
+for its fields becomes those reads (:mod:`._shims`), each falling back as the shim read it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class Idiom:
         function = HELPERS.get(kind)
         arguments = f'{read.collection}, "{field}"' + ("" if function else f', "{kind}"')
         return f"{function or _READ}({arguments}{forwarded})"
+
+    def field_read(self, collection: str, field: str, keywords: dict[str, object]) -> str:
+        """A dissolved shim's read of ``field`` (:mod:`._shims`): its group, falling back to the getter the shim
+        called, with the shim's ``keywords`` (``check_initialized=False``) for a Megatron-Core fallback."""
+        forwarded = "".join(f", {k}={v!r}" for k, v in keywords.items()) if self.megatron_fallback else ""
+        return f'{HELPERS["group"]}({collection}, "{field}"{forwarded})'
 
     def replacement(self, read: Read) -> tuple[str, bool]:
         """(code, whether it is a conditional that needs parentheses where it is an operand)."""

@@ -43,6 +43,7 @@ from libcst.metadata import (
 
 from pgregistry.allowlist._fixes import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+from pgregistry.migrate._shims import Dissolved, dissolve
 from pgregistry.migrate._skeleton import covers, line_starts, lines, span
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
@@ -152,6 +153,8 @@ class Read:
     #: ``get_amax_reduction_group``'s ``tp_only_amax_red=``): field ``when_field`` is read when it is true.
     when: str = ""
     when_field: str = ""
+    #: A ``use_mpu_process_groups`` shim read only for the fields it lists: its reads, rewritten in its place.
+    shim: Dissolved | None = None
     top: int = 0
     member: int = -1
 
@@ -967,9 +970,11 @@ _MODULE_LEVEL = "module level: runs at import, before any collection exists"
 
 
 def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
-    """The reads of a file whose every site stays for a reason its site alone gives (a shim, a module-level
-    read, a reference): the way :func:`plan_file` decides them, without a libcst tree. None for any other file."""
+    """The reads of a file whose every site stays for a reason its site alone gives (a module-level read or
+    shim, a reference): the way :func:`plan_file` decides them, without a libcst tree. None for any other file."""
     reasons = [_site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None) for site in sites]
+    if any(site.family == SHIM and site.form == CALL and site.scope != MODULE_SCOPE for site in sites):
+        return None  # a shim in a function may be dissolved (:mod:`._shims`): that takes its tree
     if any(reason is None for reason in reasons):
         return None
     return [Read(site, None, None, 0, reason=reason or "") for site, reason in zip(sites, reasons, strict=True)]
@@ -978,6 +983,8 @@ def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
 def plan_file(
     path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None,
     syntax: ast.Module | None = None, *, gtp_remat: bool = True, facts: TreeFacts | None = None,
+    shims: Mapping[str, tuple[str, dict[str, object]]] | None = None,
+    kept_shims: Mapping[tuple[int, int], str] | None = None,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
     :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
@@ -986,7 +993,10 @@ def plan_file(
     taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
     data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`). ``facts``: what the
     whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the ratchet's default modules, no
-    other file)."""
+    other file). ``shims``: what the release's ``use_mpu_process_groups`` calls for each field
+    (:func:`~pgregistry.migrate._megatron_release.shim_getters`; None: not known, every shim stays);
+    ``kept_shims``: the shims (line, column) a first planning dissolved but could give no collection, and why:
+    planned again with them kept, as their locals are collections to the file's other reads then."""
     facts = facts if facts is not None else TreeFacts()
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
@@ -1041,16 +1051,25 @@ def plan_file(
              or not _imports_the_module(head, locator.bindings, facts, package)}
     ambiguous = [read for read in legacy if _head(read) in heads]
     scopes = _scopes(source, ambiguous) if ambiguous else {}
+    for read in reads:  # first, as a shim's local named like the collection is no collection then
+        if read.call is not None and read.site.family == SHIM and read.function is not None:
+            kept = (kept_shims or {}).get((read.site.line, read.site.col))
+            if kept is None:
+                _dissolve_shim(read, read.function, shims, gtp_remat)
+            else:
+                read.reason = kept
     for read in reads:
         if read.call is None:
             continue
-        reason = _site_reason(read.site)
+        reason = _site_reason(read.site) if read.shim is None else None
+        if read.site.family == SHIM and read.reason:
+            reason = read.reason
         if reason is None and read.site.family == LEGACY:
             reason = _not_parallel_state(read, scopes, facts, package)
         if reason is None and read.function is None:
             reason = _MODULE_LEVEL if read.site.scope == MODULE_SCOPE else \
                 "class body: runs when the class is defined, before any collection exists"
-        if reason is None:
+        if reason is None and read.shim is None:
             read.choice = _function_choice(read, gtp_remat)
             reason = read.choice.reason or None
         if reason is None and read.site.family == HELPER:
@@ -1101,10 +1120,35 @@ def plan_file(
         else:
             read.collection, optional, _ = found
             read.way = FALLBACK if guarded and optional else IN_SCOPE
+    stranded = {(read.site.line, read.site.col): read.reason for read in reads if read.shim and read.way == LEFT}
+    if stranded:  # a shim that stays after all: its local is what it was to the other reads
+        return plan_file(path, module, source, sites, name, data, syntax, gtp_remat=gtp_remat, facts=facts,
+                         shims=shims, kept_shims={**(kept_shims or {}), **stranded})
     package = path.split("/")[:-1]
     return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
                     locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator,
                     statements=statements, line_starts=starts)
+
+
+def _dissolve_shim(read: Read, function: Function, shims: Mapping[str, tuple[str, dict[str, object]]] | None,
+                   gtp_remat: bool) -> None:
+    """Decide whether shim ``read`` is dissolved into its field reads (:mod:`._shims`): set its ``shim``, or its
+    reason. A dissolved shim's local is no collection in scope, and its name is free."""
+    assert read.call is not None
+    body = function.node.body
+    if not isinstance(body, cst.IndentedBlock) or read.statement >= len(body.body):
+        read.reason = "shim: not in a function's block"
+        return
+    found = dissolve(read.call, list(body.body), read.statement, _parameters(function), shims, gtp_remat=gtp_remat)
+    if isinstance(found, str):
+        read.reason = found
+        return
+    read.shim = found
+    read.choice = FieldChoice(field=found.fields[0], kind="group")  # a read to plan; its fields are found's
+    if found.local:
+        function.local_at = [at for at in function.local_at if at != read.statement]
+        function.held = [(name, at) for name, at in function.held if (name, at) != (found.local, read.statement)]
+        function.names.discard(found.local)
 
 
 def _skip_placeholders(locator: _Locator, body: Sequence[cst.BaseStatement], statements: list[list[ast.stmt]]) -> None:

@@ -20,6 +20,7 @@ import libcst as cst
 from pgregistry.migrate._idioms import Idiom
 from pgregistry.migrate._layout import split_arguments, split_condition, split_header, split_statement
 from pgregistry.migrate._plan import LEFT, FilePlan
+from pgregistry.migrate._shims import Dissolved
 from pgregistry.migrate._skeleton import restore
 from pgregistry.migrate._style import DEFAULT_WIDTH
 
@@ -75,23 +76,7 @@ class _Prune(cst.CSTTransformer):
         return cst.RemoveFromParent()  # not a ``pass`` left in its place
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
-        """The block with the comments above each statement it dropped moved onto the statement after it (or
-        below the block's last one)."""
-        if not any(id(statement) in self.dropped for statement in original.body):
-            return updated
-        kept = iter(updated.body)
-        body: list[cst.BaseStatement] = []
-        comments: list[cst.EmptyLine] = []
-        for statement in original.body:
-            if id(statement) in self.dropped:
-                comments += self.dropped[id(statement)]
-                continue
-            new = next(kept)
-            body.append(_with_leading(new, [*comments, *_leading(new)]) if comments else new)
-            comments = []
-        if not body:  # the block held only the import: it still needs a statement
-            body = [cst.SimpleStatementLine([cst.Pass()])]
-        return updated.with_changes(body=body, footer=[*comments, *updated.footer])
+        return _comments_kept(original, updated, self.dropped)
 
     def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
         kept = [alias for alias in names if _bound(alias) not in self.unused]
@@ -112,6 +97,38 @@ class _Prune(cst.CSTTransformer):
         if not kept:
             return cst.RemoveFromParent()
         return updated if len(kept) == len(updated.names) else updated.with_changes(names=kept)
+
+
+def _comments_kept(original: cst.IndentedBlock, updated: cst.IndentedBlock,
+                   dropped: dict[int, list[cst.EmptyLine]]) -> cst.IndentedBlock:
+    """``updated`` (``original`` without the statements ``dropped`` names: id -> the comment lines above it) with
+    those comments moved onto the statement after each (or below the block's last one)."""
+    if not any(id(statement) in dropped for statement in original.body):
+        return updated
+    kept = iter(updated.body)
+    body: list[cst.BaseStatement] = []
+    comments: list[cst.EmptyLine] = []
+    for statement in original.body:
+        if id(statement) in dropped:
+            comments += dropped[id(statement)]
+            continue
+        new = next(kept)
+        body.append(_with_leading(new, _one_blank([*comments, *_leading(new)])) if comments else new)
+        comments = []
+    if not body:  # the block held only what was dropped: it still needs a statement
+        body = [cst.SimpleStatementLine([cst.Pass()])]
+    return updated.with_changes(body=body, footer=[*comments, *updated.footer])
+
+
+def _one_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
+    """``lines`` with each run of blank lines (no comment) one blank line: the blank lines above a dropped
+    statement and those above the next one, joined."""
+    kept: list[cst.EmptyLine] = []
+    for line in lines:
+        if line.comment is None and kept and kept[-1].comment is None:
+            continue
+        kept.append(line)
+    return kept
 
 
 def _absolute(node: cst.ImportFrom, package: list[str]) -> str:
@@ -236,10 +253,18 @@ class _Rewriter(cst.CSTTransformer):
         self.touched: dict[int, set[int] | None] = {}
         for top, member in plan.passing_tops:
             self._touch(top, member)
+        #: A dissolved shim's field reads (by id of the ``Attribute``), and the statements assigning it (by id).
+        self.field_reads: dict[int, cst.BaseExpression] = {}
+        self.shims: set[int] = set()
+        #: The statements removed (by id of the original) -> the comment lines above each.
+        self.dropped: dict[int, list[cst.EmptyLine]] = {}
         for read in plan.reads:
             if read.way == LEFT or read.call is None or read.function is None:
                 continue
             self._touch(read.top, read.member)
+            if read.shim is not None:
+                self._dissolve(read.shim, read.collection)
+                continue
             code, operator = target.replacement(read)
             if operator and id(read.call) not in plan.alone:
                 code = f"({code})"
@@ -252,6 +277,15 @@ class _Rewriter(cst.CSTTransformer):
         self.elifs: set[int] = set()
         #: The quotes of the f-strings enclosing the node visited (``f"``, ``rf'''``), innermost last.
         self.f_strings: list[str] = []
+
+    def _dissolve(self, shim: Dissolved, collection: str) -> None:
+        """Plan shim ``shim`` (:mod:`._shims`) rewritten: each field read, the reads of ``collection``."""
+        for attribute, field, keywords in shim.reads:
+            code = self.target.field_read(collection, field, keywords)
+            self.field_reads[id(attribute)] = cst.parse_expression(code)
+            self.imports += self.target.imports(code)
+        if shim.statement is not None:
+            self.shims.add(id(shim.statement))
 
     def _touch(self, top: int, member: int) -> None:
         members = self.touched.setdefault(top, set())
@@ -282,7 +316,7 @@ class _Rewriter(cst.CSTTransformer):
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
         self.depth -= 1
-        return updated
+        return _comments_kept(original, updated, self.dropped)
 
     def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
         self.changed = False
@@ -290,7 +324,10 @@ class _Rewriter(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
-    ) -> cst.SimpleStatementLine:
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        if id(original) in self.shims:  # a dissolved shim's assignment: its reads are the fields' now
+            self.dropped[id(original)] = list(original.leading_lines)  # its blank lines and comments go on
+            return cst.RemoveFromParent()
         if not self.changed:
             return updated
         self.changed = False
@@ -331,6 +368,13 @@ class _Rewriter(cst.CSTTransformer):
         if self.f_strings and '"' in self.f_strings[-1]:
             return node.visit(_SingleQuoted())  # type: ignore[return-value]
         return node
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
+        replacement = self.field_reads.get(id(original))
+        if replacement is None:
+            return updated
+        self.changed = True
+        return self._quoted(replacement)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
@@ -519,7 +563,8 @@ def rewrite(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | 
     the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
     rewriter = _Rewriter(plan, target, width)
-    if not rewriter.replacements and not plan.passes and not rewriter.functions:
+    if not rewriter.replacements and not rewriter.field_reads and not rewriter.shims and not plan.passes and \
+            not rewriter.functions:
         return None
     data = plan.data if plan.data is not None else module.bytes
     render = _Renderer(module)

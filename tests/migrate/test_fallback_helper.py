@@ -179,6 +179,38 @@ def test_without_torch_distributed_the_accessors_own_values_and_exceptions_are_k
     assert oracle[("tp", "group_if_none")] is None
 
 
+def test_without_torch_distributed_a_dissolved_shims_reads_are_the_shims_fields() -> None:
+    """Each field a ``use_mpu_process_groups`` shim may be dissolved into (:mod:`pgregistry.migrate._shims`), read
+    through the helper with the keywords the rule gives it, is what Megatron-Core's own shim holds for it where
+    parallel_state is not initialised (the oracle: the shim itself). The field's plain accessor asserts there."""
+    import libcst as cst
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from pgregistry.migrate._megatron_release import installed_shim_getters
+    from pgregistry.migrate._shims import Dissolved, dissolve
+
+    getters = installed_shim_getters()
+    assert getters is not None
+    dissolved: dict[str, dict[str, object]] = {}
+    for name in getters:
+        statement = cst.parse_statement(f"g = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['{name}'])"
+                                        f".{name}\n")
+        call = statement.body[0].value.value  # type: ignore[attr-defined]
+        found = dissolve(call, [statement], 0, [], getters, gtp_remat=True)
+        if isinstance(found, Dissolved):
+            dissolved[name] = found.reads[0][2]
+    assert {"gtp_remat", "expt_gtp_remat", "tp", "dp", "dp_cp"} <= set(dissolved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oracle = {name: _outcome(lambda name=name: getattr(
+            ProcessGroupCollection.use_mpu_process_groups(required_pgs=[name]), name)) for name in dissolved}
+        helped = {name: _outcome(lambda name=name: helper.pg_group(None, name, **dissolved[name]))
+                  for name in dissolved}
+        plain = _outcome(lambda: helper.pg_group(None, "gtp_remat"))
+    assert helped == oracle
+    assert oracle["gtp_remat"] is None and plain[:2] == ("raised", "AssertionError")
+
+
 def _load_without_pgregistry(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """The helper as the tool writes it, loaded where ``pgregistry`` cannot be imported."""
     monkeypatch.setitem(sys.modules, "pgregistry.fallback", None)  # ``from pgregistry.fallback import`` fails

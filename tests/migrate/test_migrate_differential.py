@@ -1,8 +1,8 @@
 """``pgregistry migrate`` keeps behaviour, proven by running it (issue 40): functions of real trees (megatron/core of
-the installed Megatron-Core, Megatron-Bridge 0.6.2, NeMo 3.0.0, a DeepSpeed-like tree) and their migrated twins,
-run side by side in a 4-rank gloo world on Megatron-Core's real ``parallel_state``, in five modes (see
-tests/fixtures/differential.py). The oracle is always the original function, run in the same world: nothing the tool
-computes is compared with itself, and only behaviour is compared, never the rewritten text.
+the installed Megatron-Core, Megatron-Bridge 0.6.2, NeMo 3.0.0, a DeepSpeed-like tree, a tree of shim shapes) and
+their migrated twins, run side by side in a 4-rank gloo world on Megatron-Core's real ``parallel_state``, in five
+modes (see tests/fixtures/differential.py). The oracle is always the original function, run in the same world:
+nothing the tool computes is compared with itself, and only behaviour is compared, never the rewritten text.
 
 The cases are data (tests/migrate/differential/*.toml, and held-back files named in
 ``PGREGISTRY_DIFFERENTIAL_RECIPES``). A mode today's tool fails is a strict xfail naming the issue's class: a fix

@@ -5,6 +5,7 @@ Megatron-LM's hand migrations that predate GTP remat (#5259, #5250, #5328) wrote
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,71 @@ def test_migrate_rewrites_with_the_table_of_the_projects_megatron_core(
         "src/pkg/_process_group_fallback.py")
     out, _ = capsys.readouterr()
     assert f"project's {project.root / 'megatron' / 'core' / 'parallel_state.py'}" in out
+
+
+#: A release's ``use_mpu_process_groups`` (its table of getters, as Megatron-Core's process_groups_config.py has it).
+SHIMS = '''\
+from functools import partial
+
+from megatron.core import parallel_state
+
+
+class ProcessGroupCollection:
+    @classmethod
+    def use_mpu_process_groups(cls, required_pgs=None):
+        pg_to_func = {
+            'tp': partial(parallel_state.get_tensor_model_parallel_group, check_initialized=False),
+            'dp_cp_ag': lambda: None,
+            'dp_cp': partial(parallel_state.get_data_parallel_group, with_context_parallel=True),
+        }
+        return cls(**{pg: pg_to_func[pg]() for pg in required_pgs})
+'''
+
+
+def test_a_shims_getters_are_read_from_the_release_beside_its_parallel_state(tmp_path: Path) -> None:
+    from pgregistry.migrate._megatron_release import shim_getters
+
+    assert shim_getters(SHIMS.encode()) == {
+        "tp": ("get_tensor_model_parallel_group", {"check_initialized": False}),
+        "dp_cp": ("get_data_parallel_group", {"with_context_parallel": True}),
+    }
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    (tmp_path / "megatron" / "core" / "parallel_state.py").write_text(BEFORE)
+    assert megatron_source(tmp_path, []).shims is None  # no process_groups_config.py beside it
+    (tmp_path / "megatron" / "core" / "process_groups_config.py").write_text(SHIMS)
+    assert megatron_source(tmp_path, []).shims == shim_getters(SHIMS.encode())
+
+
+@pytest.mark.parametrize("with_shims", [True, False])
+def test_migrate_dissolves_a_shim_as_the_projects_release_reads_its_fields(
+    project: Project, capsys: pytest.CaptureFixture[str], with_shims: bool
+) -> None:
+    pytest.importorskip("libcst")
+    from pgregistry.cli import main
+
+    # Before GTP remat, dp_cp is get_data_parallel_group(with_context_parallel=True): this release's shim reads it
+    # with exactly that getter, checked (read inline: where the shim read it); tp unchecked.
+    project.write("megatron/core/parallel_state.py", BEFORE)
+    if with_shims:
+        project.write("megatron/core/process_groups_config.py", SHIMS)
+    source = """\
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+        def f():
+            return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["dp_cp"]).dp_cp
+
+
+        def g():
+            return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"]).tp
+        """
+    project.write("src/pkg/m.py", source)
+    assert main(["migrate", "--write", "--preset", "megatron", "src"]) == 0
+    text = project.read("src/pkg/m.py")
+    if with_shims:
+        assert 'return pg_group(pg_collection, "dp_cp")\n' in text
+        assert 'return pg_group(pg_collection, "tp", check_initialized=False)\n' in text
+    else:  # which getters this release's shim calls is not known: the shims stay, saying so
+        assert text == textwrap.dedent(source)
+        assert "2 shim: which getter use_mpu_process_groups calls for each field is not known (no " \
+               "megatron/core/process_groups_config.py found)" in capsys.readouterr().out

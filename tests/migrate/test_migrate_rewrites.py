@@ -485,7 +485,7 @@ def f(name, vp_stage):
         "ignore_virtual=False also reads the virtual pipeline stage",
         "positional or star arguments: which group they pick is not known",
         "a module global or a reference to the accessor, not a call of it",
-        "shim: builds a collection from the globals (remove it once every caller passes one)",
+        "shim: builds every field from the globals (remove it once every caller passes a collection)",
     ])
 
 
@@ -628,7 +628,7 @@ def get_model(pg_collection=None):
     return pg_rank(pg_collection, "pp")
 """
     assert reasons(tmp_path, source) == [
-        "shim: builds a collection from the globals (remove it once every caller passes one)",
+        "shim: builds every field from the globals (remove it once every caller passes a collection)",
         "builds the collection: assigns fields of pg_collection (a shim written by hand)",
     ]
 
@@ -779,3 +779,217 @@ def f(original_length_of_the_batch, process_groups_of_the_whole_model):
         == 0 + 10000
     )
 '''
+
+
+SHIM = "from megatron.core.process_groups_config import ProcessGroupCollection\n"
+
+
+def test_a_shim_read_only_for_its_fields_becomes_the_reads_of_those_fields(tmp_path: Path) -> None:
+    # The three shapes Megatron-LM's #6234 removed by hand: read inline (VocabParallelEmbedding), a local read for
+    # one of two fields (ColumnParallelLinear), a local named like the collection read for both
+    # (_allreduce_replicated_grads_over_gtp_remat_group). Each read falls back as use_mpu_process_groups reads the
+    # field (check_initialized=False: None where parallel_state is not initialised, where the getter raises).
+    source = SHIM + '''
+class Linear:
+    def __init__(self, is_expert):
+        self.is_expert = is_expert
+
+        # the weight-sharding group
+        _pg = ProcessGroupCollection.use_mpu_process_groups(
+            required_pgs=["gtp_remat", "expt_gtp_remat"]
+        )
+        group = _pg.expt_gtp_remat if self.is_expert else _pg.gtp_remat
+        self.group = group
+
+
+def embedding():
+    group = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat"]).gtp_remat
+    return group
+
+
+def allreduce(model):
+    """Doc."""
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["gtp_remat", "expt_gtp_remat"]
+    )
+    dense = pg_collection.gtp_remat
+    return dense, pg_collection.expt_gtp_remat
+'''
+    assert after(tmp_path, source) == helper("pg_group") + '''
+class Linear:
+    def __init__(self, is_expert, *, pg_collection=None):
+        self.is_expert = is_expert
+
+        # the weight-sharding group
+        group = (
+            pg_group(pg_collection, "expt_gtp_remat", check_initialized=False)
+            if self.is_expert
+            else pg_group(pg_collection, "gtp_remat", check_initialized=False)
+        )
+        self.group = group
+
+
+def embedding(*, pg_collection=None):
+    group = pg_group(pg_collection, "gtp_remat", check_initialized=False)
+    return group
+
+
+def allreduce(model, *, pg_collection=None):
+    """Doc."""
+    dense = pg_group(pg_collection, "gtp_remat", check_initialized=False)
+    return dense, pg_group(pg_collection, "expt_gtp_remat", check_initialized=False)
+'''
+
+
+def test_a_shim_named_like_the_collection_leaves_no_local_that_hides_the_collection(tmp_path: Path) -> None:
+    # The local pg_collection is gone: the read after it is the threaded collection's, not the shim's (which holds
+    # no tp), and the collection in scope (self.pg_collection) is the one the shim's reads read.
+    source = SHIM + HEAD + '''
+def allreduce(model):
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat"])
+    group = pg_collection.gtp_remat
+    return group, ps.get_tensor_model_parallel_rank()
+
+
+class Layer:
+    def __init__(self, pg_collection):
+        self.pg_collection = pg_collection
+
+    def forward(self):
+        _pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["expt_gtp_remat"])
+        return _pg.expt_gtp_remat
+'''
+    assert after(tmp_path, source) == helper("pg_group", "pg_rank") + '''
+def allreduce(model, *, pg_collection=None):
+    group = pg_group(pg_collection, "gtp_remat", check_initialized=False)
+    return group, pg_rank(pg_collection, "tp")
+
+
+class Layer:
+    def __init__(self, pg_collection):
+        self.pg_collection = pg_collection
+
+    def forward(self):
+        return pg_group(self.pg_collection, "expt_gtp_remat", check_initialized=False)
+'''
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ("_pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])\n    return _pg",
+     "shim: its collection is used otherwise than read for the fields it lists (_pg is passed on, returned, "
+     "stored or bound again)"),
+    ("_pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])\n    g(_pg.gtp_remat, _pg)",
+     "shim: its collection is used otherwise than read for the fields it lists (_pg is passed on, returned, "
+     "stored or bound again)"),
+    ("self.pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])",
+     "shim: its collection is used otherwise than read for the fields it lists"),
+    ("g(ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat']))",
+     "shim: its collection is used otherwise than read for the fields it lists"),
+    ("_pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])\n    return _pg.tp",
+     "shim: reads 'tp', a field it does not list"),
+    ("return ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat']).tp",
+     "shim: reads 'tp', a field it does not list"),
+    ("_pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])\n    _pg.gtp_remat = None",
+     "shim: a field of _pg is assigned or deleted"),
+    ("_pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])\n"
+     "    return lambda: _pg.gtp_remat",
+     "shim: _pg is read in a nested function, lambda or class"),
+    ("_pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])\n"
+     "    _pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['gtp_remat'])\n    return _pg.gtp_remat",
+     "shim: its collection is used otherwise than read for the fields it lists (_pg is passed on, returned, "
+     "stored or bound again)"),
+    ("if pg_collection is None:\n        pg_collection = ProcessGroupCollection.use_mpu_process_groups()\n"
+     "    return pg_collection.tp",
+     "shim: builds every field from the globals (remove it once every caller passes a collection)"),
+    ("if pg_collection is None:\n"
+     "        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp'])\n"
+     "    return pg_collection.tp",
+     "shim: rebinds the parameter pg_collection (the default of callers that pass none)"),
+    ("if flag:\n        _pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp'])\n"
+     "        return _pg.tp",
+     "shim: assigned to _pg inside a block, not at the function's top level"),
+    # dp's getter asserts where parallel_state is not initialised: the shim raised where it stood, a moved read
+    # would raise only where it is read (or never, in a branch not taken).
+    ("_pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['dp', 'tp'])\n    return _pg.tp",
+     "shim: use_mpu_process_groups reads 'dp' checked where it is built (it raises there when parallel_state is "
+     "not initialised): its reads may not move"),
+    ("return ProcessGroupCollection.use_mpu_process_groups(required_pgs=FIELDS).tp",
+     "shim: the fields it lists are not a literal list"),
+    ("return ProcessGroupCollection.use_mpu_process_groups(required_pgs=['nonsense']).nonsense",
+     "shim: this Megatron-Core's use_mpu_process_groups builds no field 'nonsense'"),
+], ids=["returned", "passed-on", "stored-on-self", "passed-inline", "unlisted-field", "unlisted-field-inline",
+        "field-assigned", "read-in-lambda", "bound-twice", "default-builder", "rebinds-the-parameter", "in-a-block",
+        "checked-field-moved", "not-a-literal-list", "no-such-field"])
+def test_a_shim_whose_collection_escapes_stays_with_its_reason(tmp_path: Path, body: str, reason: str) -> None:
+    source = SHIM + f"""
+def f(self, flag, pg_collection=None):
+    {body}
+"""
+    assert after(tmp_path, source) == source
+    assert set(reasons(tmp_path, source)) == {reason}  # each shim of it (two that bind one local: both)
+
+
+def test_a_checked_field_read_inline_is_read_where_the_shim_read_it(tmp_path: Path) -> None:
+    # Read inline, the read is where the shim was: dp's checked getter raises where it raised (the fallback calls
+    # it as use_mpu_process_groups does, with_gtp_remat=False, no check_initialized).
+    source = SHIM + """
+def f():
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["dp"]).dp
+"""
+    assert after(tmp_path, source) == helper("pg_group") + """
+def f(*, pg_collection=None):
+    return pg_group(pg_collection, "dp")
+"""
+
+
+def test_a_shim_stays_where_the_release_does_not_say_what_it_calls(tmp_path: Path) -> None:
+    from pgregistry.migrate._engine import Helper
+
+    (tmp_path / "m.py").write_text(SHIM + """
+def f():
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat"]).gtp_remat
+""")
+    files = [SourceFile("m.py", tmp_path / "m.py")]
+    unknown = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection", helper=Helper(shims=None))
+    assert not unknown.changes
+    assert [read.reason for _, read in unknown.reads] == [
+        "shim: which getter use_mpu_process_groups calls for each field is not known (no "
+        "megatron/core/process_groups_config.py found)"]
+    older = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection", helper=Helper(shims={}))
+    assert [read.reason for _, read in older.reads] == [
+        "shim: this Megatron-Core's use_mpu_process_groups builds no field 'gtp_remat'"]
+    # A release whose shim reads the field checked: the fallback calls the getter as that shim does.
+    checked = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection",
+                      helper=Helper(shims={"gtp_remat": ("get_gtp_weight_remat_group", {})}))
+    assert [change.after.decode() for change in checked.changes if change.path == "m.py"] == [
+        helper("pg_group") + """
+def f(*, pg_collection=None):
+    return pg_group(pg_collection, "gtp_remat")
+"""]
+
+
+def test_a_shim_that_stays_for_its_function_is_still_the_collection_of_its_other_reads(tmp_path: Path) -> None:
+    # No caller can pass an autograd Function's forward a collection, so its shim stays; the local it binds is then
+    # the collection in scope for the read below it, as before the shim rule.
+    source = SHIM + HEAD + '''
+import torch
+
+
+class F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        return pg_collection.tp, ps.get_tensor_model_parallel_rank()
+'''
+    assert after(tmp_path, source) == SHIM + '''
+import torch
+''' + helper("pg_rank") + '''
+
+class F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        return pg_collection.tp, pg_rank(pg_collection, "tp")
+'''
+    assert reasons(tmp_path, source) == [
+        "forward of an autograd Function: torch calls it through .apply(...), which takes no keyword"]
