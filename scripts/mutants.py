@@ -126,6 +126,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),
     Mutant(
+        name="kept-plan-takes-a-dead-grads-id",
+        bug="the kept reads take a tensor made over a freed grad's memory (its id and address) for the planned grad",
+        file="pgregistry/grad_stats/_plan.py",
+        find="same = not self.deaths and addresses == self.addresses",
+        replace="same = addresses == self.addresses",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad",
+        ),
+    ),
+    Mutant(
+        name="kept-plan-misses-a-moved-grad",
+        bug="the kept reads skip the addresses of the grads planned for: a grad re-pointed at other storage is read "
+        "by the plan of its old storage",
+        file="pgregistry/grad_stats/_plan.py",
+        find="same = not self.deaths and addresses == self.addresses and",
+        replace="same = not self.deaths and",
+        tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
+    ),
+    Mutant(
         name="allowlist-written-in-place",
         bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
         file="pgregistry/allowlist/_storage.py",
