@@ -129,8 +129,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="kept-plan-takes-a-dead-grads-id",
         bug="the kept reads take a tensor made over a freed grad's memory (its id and address) for the planned grad",
         file="pgregistry/grad_stats/_plan.py",
-        find="same = not self.deaths and addresses == self.addresses",
-        replace="same = addresses == self.addresses",
+        find="if self.deaths or list(map(id, grads)) != self.ids:",
+        replace="if list(map(id, grads)) != self.ids:",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad",
@@ -141,8 +141,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the kept reads skip the addresses of the grads planned for: a grad re-pointed at other storage is read "
         "by the plan of its old storage",
         file="pgregistry/grad_stats/_plan.py",
-        find="same = not self.deaths and addresses == self.addresses and",
-        replace="same = not self.deaths and",
+        find="return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None",
+        replace="return pieces",
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),
     Mutant(

@@ -20,10 +20,10 @@ A call then checks, at C speed (``map`` over the tensors, no Python work per par
 DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
 Where the grads are plain tensors and the very objects the reads were planned for (a flat buffer's views, as
 pgregistry's optimizers set them, or grads zeroed in place), it checks their identity and addresses only
-(:class:`_Planned`), read with the grads in one pass: their ids, which are theirs while none of them died (each held
-by a weak reference whose callback notes its death: the plan keeps no grad alive), and each grad's address; the
-same object has the same type, and at the same address the same storage; a grad resized or restrided in place at its
-address (``resize_``, ``as_strided_``) is the one change this does not see.
+(:class:`_Planned`): their ids, which are theirs while none of them died (each held by a weak reference whose
+callback notes its death: the plan keeps no grad alive), read from the list of grads without fetching a grad, and
+each grad's address. The same object has the same type, and at the same address the same storage; a grad resized
+or restrided in place at its address (``resize_``, ``as_strided_``) is the one change this does not see.
 
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
 on: the collection, the parameter set (the modules' child and parameter dictionaries that were empty by length, the
@@ -46,7 +46,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import chain, repeat, tee
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
@@ -135,9 +135,6 @@ class _Planned:
     """``id`` of every parameter's grad, ``None`` too, in the plan's order."""
     addresses: list[int]
     """Each piece's address."""
-    whole: bool
-    """Whether every parameter had a grad (the pieces are the grads): then a call reads them with their addresses
-    in one pass (:func:`_grads_and_addresses`)."""
     refs: list[weakref.ref[torch.Tensor]]
     deaths: list[weakref.ref[torch.Tensor]]
     """The references whose grad died: while empty, every id in ``ids`` is a live grad's."""
@@ -146,29 +143,19 @@ class _Planned:
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
         deaths: list[weakref.ref[torch.Tensor]] = []
         refs = list(map(weakref.ref, pieces, repeat(deaths.append)))
-        whole = len(pieces) == len(grads)
-        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), whole, refs, deaths)
+        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), refs, deaths)
 
-    def grads_of(
-        self, params: Sequence[torch.Tensor], take_plain: Callable[[Sequence[Any]], list[Any]]
-    ) -> tuple[list[Any], list[Any] | None]:
-        """Each parameter's grad, and their pieces when they are the very grad objects planned for (every one
-        alive, each parameter's grad, or ``None``, the same object by id), each still at its address (else
-        ``None``). The same object has the same type and, at the same address, the same storage (a grad re-pointed
-        at other storage, ``grad.data = ...`` or ``set_``, moves); only an in-place change of a grad's sizes or
-        strides at its address (``resize_``, ``as_strided_``) would pass unseen. Reads no type, size or
-        contiguity, and no object but the grads and their storages."""
-        if self.whole:
-            read = _grads_and_addresses(params)
-            if read is not None:
-                grads, addresses = read
-                same = not self.deaths and addresses == self.addresses and list(map(id, grads)) == self.ids
-                return grads, grads if same else None
-        grads = _grads_of(params)
+    def pieces_of(self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]) -> list[Any] | None:
+        """The pieces of ``grads`` when they are the very grad objects planned for (every one alive, each
+        parameter's grad, or ``None``, the same object by id), each still at its address; else ``None``. The same
+        object has the same type and, at the same address, the same storage (a grad re-pointed at other storage,
+        ``grad.data = ...`` or ``set_``, moves); only an in-place change of a grad's sizes or strides at its address
+        (``resize_``, ``as_strided_``) would pass unseen. Reads no type, size or contiguity: the ids are read from
+        the list (no object fetched), the addresses from the grads' storages."""
         if self.deaths or list(map(id, grads)) != self.ids:
-            return grads, None
+            return None
         pieces = take_plain(grads)
-        return grads, pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
+        return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
 
 
 @attrs.define(slots=True)
@@ -238,15 +225,14 @@ class Plan:
 
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
         """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""
+        grads = _grads_of(params)
         layout = self._layout
         if layout is not None and layout.planned_for is not None:
-            grads, planned = layout.planned_for.grads_of(params, layout.take_plain)
+            planned = layout.planned_for.pieces_of(grads, layout.take_plain)
             if planned is not None:  # the grads the reads were planned for, where they were
                 layout.misses = 0
                 return self._read_pieces(layout, planned, [], params, wanted)
             layout.misses += 1
-        else:
-            grads = _grads_of(params)
         types = list(map(type, grads))
         if layout is None or types != layout.types:
             layout = self._layout = self._make_layout(params, grads, types)
@@ -391,20 +377,6 @@ def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
     the caller stored, whatever a subclass would say about reading it."""
     with torch._C.DisableTorchFunctionSubclass():
         return list(map(_GRAD, params))
-
-
-def _grads_and_addresses(params: Sequence[torch.Tensor]) -> tuple[list[Any], list[int]] | None:
-    """Each parameter's ``.grad`` (as :func:`_grads_of`) and its address, in one pass at C speed: each grad's
-    tensor is fetched from memory once (at 20,000 grads, a second pass for the addresses took the check from 1.34x
-    to 1.6x the reads alone on the 2-core host). ``None`` when a grad has no address (``None``, or a tensor
-    without storage): a grad is gone or changed kind."""
-    with torch._C.DisableTorchFunctionSubclass():
-        grads, again = tee(map(_GRAD, params))
-        try:
-            both = list(chain.from_iterable(zip(grads, map(_ADDRESS, again), strict=True)))
-        except (TypeError, RuntimeError):
-            return None
-    return both[0::2], both[1::2]
 
 
 def _facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
