@@ -146,6 +146,17 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),
     Mutant(
+        name="statistics-plan-resolves-again",
+        bug="the kept plan resolves the collection again below the door (issue 39: a call bounces between rooms)",
+        file="pgregistry/grad_stats/_plan.py",
+        find="    params = kept.current(source, given, owner) if kept is not None else None\n",
+        replace=(
+            '    given = __import__("pgregistry._runtime.resolve", fromlist=["_"]).resolve(given, owner=owner)\n'
+            "    params = kept.current(source, given, owner) if kept is not None else None\n"
+        ),
+        tests=("tests/grad_stats/test_one_way_down.py::test_a_call_resolves_once_and_never_climbs_back",),
+    ),
+    Mutant(
         name="allowlist-written-in-place",
         bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
         file="pgregistry/allowlist/_storage.py",
