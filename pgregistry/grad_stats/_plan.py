@@ -135,15 +135,16 @@ class _Planned:
     """``id`` of every parameter's grad, ``None`` too, in the plan's order."""
     addresses: list[int]
     """Each piece's address."""
-    refs: list[weakref.ref[torch.Tensor]]
+    references: list[weakref.ref[torch.Tensor]]
+    """A weak reference to each piece, held so that its callback runs when the piece dies."""
     deaths: list[weakref.ref[torch.Tensor]]
     """The references whose grad died: while empty, every id in ``ids`` is a live grad's."""
 
     @classmethod
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
         deaths: list[weakref.ref[torch.Tensor]] = []
-        refs = list(map(weakref.ref, pieces, repeat(deaths.append)))
-        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), refs, deaths)
+        references = list(map(weakref.ref, pieces, repeat(deaths.append)))
+        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths)
 
     def pieces_of(self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]) -> list[Any] | None:
         """The pieces of ``grads`` when they are the very grad objects planned for (every one alive, each
