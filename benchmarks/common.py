@@ -23,6 +23,8 @@ __all__ = [
     "fill_",
     "finish",
     "grad_reads",
+    "grad_reads_unchecked",
+    "host_floor",
     "host_median",
     "measure",
     "norm64",
@@ -87,8 +89,34 @@ def host_median(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
 def grad_reads(params: Sequence[torch.Tensor]) -> list[Any]:
     """Each parameter's ``.grad``, read once from Python at C speed (``map``) into one list: the least host work any
     implementation of a statistic over a model's grads must do per call (torch's ``clip_grad_norm_`` and
-    pgregistry's alike read every ``.grad`` before anything else). The benchmarks' host floor."""
+    pgregistry's alike read every ``.grad`` before anything else). One of the two ways :func:`host_floor` times."""
     return list(map(_GRAD, params))
+
+
+def grad_reads_unchecked(params: Sequence[torch.Tensor]) -> list[Any]:
+    """:func:`grad_reads` with the ``__torch_function__`` question of tensor subclasses (``nn.Parameter``) off:
+    the getter then skips a lookup through the parameter's class, so this can be the cheaper way."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return list(map(_GRAD, params))
+
+
+def host_floor(params: Sequence[torch.Tensor], warmup: int, repeat: int) -> float:
+    """The host floor in milliseconds: the least host work any implementation must do per call, which is reading
+    each parameter's ``.grad`` once at C speed, from a parameter list built beforehand (no walk of the model, no
+    check, no read of anything else). Both ways of reading them (:func:`grad_reads`, :func:`grad_reads_unchecked`)
+    are timed, interleaved run by run so that both see the same load, and the lesser median is the floor: it
+    depends on no implementation's choice."""
+    ways = (grad_reads, grad_reads_unchecked)
+    for _ in range(warmup):
+        for way in ways:
+            way(params)
+    times: list[list[float]] = [[] for _ in ways]
+    for _ in range(repeat):
+        for way, runs in zip(ways, times, strict=True):
+            start = time.perf_counter()
+            way(params)
+            runs.append((time.perf_counter() - start) * 1e3)
+    return min(statistics.median(runs) for runs in times)
 
 
 _GRAD = operator.attrgetter("grad")

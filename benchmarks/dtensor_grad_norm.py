@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import GiB, MiB, copy_bandwidth, fill_, grad_reads, host_median, measure, tensor_sizes  # noqa: E402,E501
+from benchmarks.common import GiB, MiB, copy_bandwidth, fill_, host_floor, measure, tensor_sizes  # noqa: E402
 from pgregistry import registry  # noqa: E402
 from pgregistry.grad_stats import grad_norm, grad_norm_and_zeros  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     halved = {row: float(call()) for row, call in calls.items()}
     local_bytes = sum(grad._local_tensor.numel() * grad._local_tensor.element_size() for grad in grads)  # type: ignore[union-attr]
     byte_floor = local_bytes / copy_bandwidth(local_bytes, device) * 1e3
-    host_floor = host_median(lambda: grad_reads(params), args.warmup, repeat)
-    floor = max(byte_floor, host_floor)
+    host_floor_ms = host_floor(params, args.warmup, repeat)
+    floor = max(byte_floor, host_floor_ms)
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name(device) if cuda else "CPU"
         print(f"DTensor grad norm (fully_shard): {world} rank(s), {name}, torch {torch.__version__}, "
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for row, ms in timings.items():
             print(f"{row:40s} {ms:10.3f} {base / ms:8.2f}x {ms / floor:7.2f}x")
         print(f"{'byte floor (local grads read once)':40s} {byte_floor:10.3f}")
-        print(f"{'host floor (each .grad read once)':40s} {host_floor:10.3f}")
+        print(f"{'host floor (each .grad read once)':40s} {host_floor_ms:10.3f}")
         print(f"norms: {values} before the timing, {timed} from the last timed calls, {halved} after halving")
     want = values["torch get_total_norm(foreach=True)"]
     agree = all(math.isclose(want, value, rel_tol=1e-5) for value in [*values.values(), *timed.values()])

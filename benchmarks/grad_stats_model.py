@@ -30,13 +30,21 @@ Floors, measured in the same run and stated in the output:
   for a clip that scales, read them for the norm, then read and write them to scale: three times the grads'
   bytes), at the bandwidth of a device-to-device copy of the grads' size (64 MiB at least) measured in this run
   (bytes read plus bytes written);
-- host floor: the least host work any implementation must do per call, reading each parameter's ``.grad`` once
-  from Python at C speed (``map`` over the parameter list; torch's ``clip_grad_norm_`` starts with that too).
+- host floor: the least host work any implementation must do per call: each parameter's ``.grad`` read once from
+  Python at C speed (``map`` over a parameter list built beforehand; torch's ``clip_grad_norm_`` starts with that
+  too), nothing else: no walk of the model, no check of a kept plan, no address, no launch. Timed two ways (the
+  getter as is, and with the ``__torch_function__`` question of ``nn.Parameter`` off), interleaved, and the lesser
+  median taken (``benchmarks.common.host_floor``), so it is no implementation's own reads; measured again right
+  after each row's calls (a loaded host's speed drifts between rows).
 
 A row that makes two calls has twice each floor. Each row prints its ratio to the larger floor, torch's too.
 
 It also prints the memory the kept classification takes (Python objects, by ``tracemalloc``, and device memory),
 per parameter.
+
+With ``--pieces``, it also prints where a steady-state call's host time goes: each piece of the kept plan's check
+(the door, the parameter set, the roles, the grads' reads, their ids and addresses) timed alone, interleaved with
+the host floor, in nanoseconds a parameter.
 
 Usage: ``python benchmarks/grad_stats_model.py --device cuda`` (2 GiB over 2,000 and 20,000 parameters) or
 ``--device cpu`` (20,000 parameters of 64 elements by default: the host cost); ``--dtype bfloat16``.
@@ -46,7 +54,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
+import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -67,13 +77,13 @@ from benchmarks.common import (  # noqa: E402
     describe_device,
     fill_,
     finish,
-    grad_reads,
-    host_median,
+    host_floor,
     measure,
     norm64,
     selected_device,
     tensor_sizes,
 )
+from pgregistry._runtime.resolve import resolve, source_of  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import _fused as fused  # noqa: E402
 from pgregistry.grad_stats import _plan as plans  # noqa: E402
@@ -235,7 +245,6 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
     clip_grad_norm_(model, 1e30, OFF)  # compiles the scale kernel first: its compilation is no kept memory
     per_param = kept_size(model, device)
     bandwidth = copy_bandwidth(max(nbytes, 64 * MiB), device)
-    host_floor = host_median(lambda: grad_reads(params), args.warmup, args.repeat)
     results: dict[str, dict[str, float]] = {}
     problems: list[str] = []
     for row in rows:
@@ -244,14 +253,16 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
             torch._foreach_copy_(grads, saved)
             times[who] = measure(row.recorded(who), device, args.warmup, args.repeat)[0]
             problems += check_row(row, who, grads, (norm, zeros), tolerance)
+        one_call = host_floor(params, args.warmup, args.repeat)
         results[row.label] = {
             **times,
             "bytes": row.calls * row.moves * nbytes / bandwidth * 1e3,
-            "host": row.calls * host_floor,
+            "host": row.calls * one_call,
+            "host a call": one_call,
         }
     torch._foreach_copy_(grads, saved)
     return {"count": count, "bytes": nbytes, "results": results, "problems": problems, "kept": per_param,
-            "bandwidth": bandwidth, "host_floor": host_floor, "oracle": (norm, zeros)}
+            "bandwidth": bandwidth, "oracle": (norm, zeros)}
 
 
 def check_row(row: Row, who: str, grads: list[torch.Tensor], want: tuple[float, int], tolerance: float) -> list[str]:
@@ -284,10 +295,50 @@ def _returned(
     return problems
 
 
+FLOOR_PIECE = "host floor (each .grad, C speed)"
+
+
+def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
+    """Where a steady-state call's host time goes (``--pieces``): each piece of the kept plan's check timed alone,
+    interleaved with the host floor run by run, in nanoseconds a parameter (medians). The pieces are pgregistry's
+    own (private) steps, so this names what each costs beside the floor, not a floor."""
+    params = list(model.parameters())
+    grad_norm(model, OFF)
+    grad_norm(model, OFF)  # the plan and its planned grads made
+    source = source_of(model)
+    kept = plans._KEPT[model]
+    layout = kept.plan._layout
+    planned = layout.planned_for if layout is not None else None
+    if planned is None:
+        raise RuntimeError("--pieces: the kept plan has no planned grads (every grad should be a plain tensor)")
+    grads = plans._grads_of(params)
+    address = torch.Tensor.data_ptr
+    pieces: dict[str, Callable[[], object]] = {
+        "door (taken apart, resolved)": lambda: resolve(OFF, source_of(model).chunks, owner="bench"),
+        "kept: parameter set": lambda: kept.plan_params(source),
+        "kept: roles": kept._same_roles,
+        "grads read (pgregistry's)": lambda: plans._grads_of(params),
+        "planned grads: ids": lambda: list(map(id, grads)) == planned.ids,
+        "planned grads: addresses": lambda: list(map(address, grads)) == planned.addresses,
+    }
+    times: dict[str, list[float]] = {FLOOR_PIECE: [], **{label: [] for label in pieces}}
+    for run_index in range(warmup + repeat):
+        took = {FLOOR_PIECE: host_floor(params, 0, 1) / 1e3}
+        for label, piece in pieces.items():
+            start = time.perf_counter()
+            piece()
+            took[label] = time.perf_counter() - start
+        if run_index >= warmup:
+            for label, seconds in took.items():
+                times[label].append(seconds)
+    return {label: statistics.median(runs) / len(params) * 1e9 for label, runs in times.items()}
+
+
 def print_table(run: dict[str, Any], device: torch.device, dtype: str) -> None:
+    floors = [r["host a call"] for r in run["results"].values()]
     print(f"\n{run['count']:,} {dtype} parameters, {run['bytes'] / GiB:.3f} GiB on {device}: copy bandwidth "
-          f"{run['bandwidth'] / 1e12:.3f} TB/s (read + written), host floor {run['host_floor']:.3f} ms (each "
-          "parameter's .grad read once)")
+          f"{run['bandwidth'] / 1e12:.3f} TB/s (read + written), host floor {min(floors):.3f}-{max(floors):.3f} ms "
+          "a call over the rows (each parameter's .grad read once at C speed, the lesser of two ways)")
     print(f"  {'statistic':<24} {'torch ms':>9} {'pgregistry ms':>13} {'byte floor':>10} {'host floor':>10} "
           f"{'torch/floor':>11} {'pgregistry/floor':>16} {'vs torch':>9}")
     for label, r in run["results"].items():
@@ -327,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", help="comma-separated parameter counts (default: 2000,20000 on CUDA, 20000 on CPU)")
     parser.add_argument("--repeat", type=int, help="timed runs per figure (default: 20 on CUDA, 15 on CPU)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--pieces", action="store_true", help="also print where a call's host time goes, per piece "
+                        "of the kept plan's check (ns a parameter)")
     args = parser.parse_args(argv)
     device = selected_device(args.device)
     counts = [int(c) for c in (args.params or ("2000,20000" if device.type == "cuda" else "20000")).split(",")]
@@ -343,6 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         run_args = argparse.Namespace(**{**vars(args), "bytes": size})
         result = run(count, run_args, device)
         print_table(result, device, args.dtype)
+        if args.pieces:
+            model = make_model(count, size // itemsize, DTYPES[args.dtype], device)
+            costs = host_pieces(model, args.warmup, args.repeat)
+            floor = costs[FLOOR_PIECE]
+            print("  host time of a steady-state call, piece by piece (ns a parameter, x the host floor):")
+            for label, cost in costs.items():
+                print(f"    {label:<34} {cost:8.1f} ns {cost / floor:6.2f}x")
+            del model
         problems += result["problems"]
         runs.append(result)
         if device.type == "cuda":

@@ -126,6 +126,37 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),
     Mutant(
+        name="kept-plan-takes-a-dead-grads-id",
+        bug="the kept reads take a tensor made over a freed grad's memory (its id and address) for the planned grad",
+        file="pgregistry/grad_stats/_plan.py",
+        find="if self.deaths or list(map(id, grads)) != self.ids:",
+        replace="if list(map(id, grads)) != self.ids:",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad",
+        ),
+    ),
+    Mutant(
+        name="kept-plan-misses-a-moved-grad",
+        bug="the kept reads skip the addresses of the grads planned for: a grad re-pointed at other storage is read "
+        "by the plan of its old storage",
+        file="pgregistry/grad_stats/_plan.py",
+        find="return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None",
+        replace="return pieces",
+        tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
+    ),
+    Mutant(
+        name="statistics-plan-resolves-again",
+        bug="the kept plan resolves the collection again below the door (issue 39: a call bounces between rooms)",
+        file="pgregistry/grad_stats/_plan.py",
+        find="    params = kept.current(source, given, owner) if kept is not None else None\n",
+        replace=(
+            '    given = __import__("pgregistry._runtime.resolve", fromlist=["_"]).resolve(given, owner=owner)\n'
+            "    params = kept.current(source, given, owner) if kept is not None else None\n"
+        ),
+        tests=("tests/grad_stats/test_one_way_down.py::test_a_call_resolves_once_and_never_climbs_back",),
+    ),
+    Mutant(
         name="allowlist-written-in-place",
         bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
         file="pgregistry/allowlist/_storage.py",

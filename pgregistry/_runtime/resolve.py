@@ -25,7 +25,7 @@ must be set.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 
@@ -39,7 +39,18 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-__all__ = ["Params", "ParamsLike", "checked", "fill", "grid_reads", "normalise", "resolve"]
+__all__ = [
+    "Params",
+    "ParamsLike",
+    "Source",
+    "checked",
+    "fill",
+    "grid_reads",
+    "normalise",
+    "normalised",
+    "resolve",
+    "source_of",
+]
 
 ParamsLike: TypeAlias = (
     "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]"
@@ -57,39 +68,64 @@ class Params:
     named: tuple[tuple[str, torch.Tensor], ...]
 
 
-def normalise(model_or_params: ParamsLike) -> Params:
-    """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
-    iterables of tensors. A model's parameters are named as ``named_parameters`` names them (prefixed
-    ``chunk<i>.`` when there are several chunks), each with the roles of the parameter it replaced when it is the
-    same parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
-    ``param[<i>]``. ``TypeError`` naming an item that is not a tensor."""
+@attrs.frozen(slots=True)
+class Source:
+    """What an entry point was given, taken apart without walking it: the model chunks, or the tensors (``None``
+    for chunks), and the items as given (a one-shot iterable read into a list once), for :func:`normalised`."""
+
+    chunks: tuple[nn.Module, ...]
+    tensors: list[Any] | None
+    given: Any
+
+
+def source_of(model_or_params: ParamsLike) -> Source:
+    """:class:`Source` of a model, model chunks (any iterable of modules, generators included), a mapping, one
+    tensor or an iterable of tensors: a few ``isinstance`` checks, no walk (a kept classification checks what it
+    was made from against this, each call)."""
     import torch
     from torch import nn
 
+    if isinstance(model_or_params, nn.Module):
+        return Source((model_or_params,), None, model_or_params)
+    if isinstance(model_or_params, torch.Tensor):
+        return Source((), [model_or_params], model_or_params)
+    if isinstance(model_or_params, Mapping):
+        return Source((), list(model_or_params.values()), model_or_params)
+    items = list(model_or_params)
+    if items and all(isinstance(item, nn.Module) for item in items):
+        return Source(tuple(items), None, items)
+    return Source((), items, items)
+
+
+def normalise(model_or_params: ParamsLike) -> Params:
+    """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
+    iterables of tensors: :func:`normalised` of its :func:`source_of`."""
+    return normalised(source_of(model_or_params))
+
+
+def normalised(source: Source) -> Params:
+    """The parameters of ``source``: a model's named as ``named_parameters`` names them (prefixed ``chunk<i>.``
+    when there are several chunks), each with the roles of the parameter it replaced when it is the same
+    parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
+    ``param[<i>]``. ``TypeError`` naming an item that is not a tensor."""
+    import torch
+
     from pgregistry.params import restore_param_roles
 
-    chunks: list[nn.Module] = []
     pairs: Iterable[tuple[str, object]]
-    if isinstance(model_or_params, nn.Module):
-        chunks = [model_or_params]
-    elif isinstance(model_or_params, torch.Tensor):
-        pairs = [("param[0]", model_or_params)]
-    elif isinstance(model_or_params, Mapping):
-        pairs = list(model_or_params.items())
-    else:
-        items = list(model_or_params)
-        if items and all(isinstance(item, nn.Module) for item in items):
-            chunks = items
-        else:
-            pairs = [(f"param[{i}]", item) for i, item in enumerate(items)]
-    if chunks:
-        restore_param_roles(chunks)
-        prefix = len(chunks) > 1
+    if source.chunks:
+        restore_param_roles(source.chunks)
+        prefix = len(source.chunks) > 1
         pairs = [
             (f"chunk{i}.{name}" if prefix else name, param)
-            for i, chunk in enumerate(chunks)
+            for i, chunk in enumerate(source.chunks)
             for name, param in chunk.named_parameters()
         ]
+    elif isinstance(source.given, Mapping):
+        pairs = list(source.given.items())
+    else:
+        assert source.tensors is not None
+        pairs = [(f"param[{i}]", item) for i, item in enumerate(source.tensors)]
     named: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for name, param in pairs:
@@ -98,7 +134,7 @@ def normalise(model_or_params: ParamsLike) -> Params:
         if id(param) not in seen:
             seen.add(id(param))
             named.append((name, param))
-    return Params(tuple(chunks), tuple(named))
+    return Params(source.chunks, tuple(named))
 
 
 def resolve(

@@ -1,9 +1,10 @@
 """The functional API: global norm, zero count and clipping of a model's grads on its collection.
 
-Every entry point goes through one door (:func:`~pgregistry.grad_stats._plan.kept_plan`: the collection resolved
-once, the model's classification kept between calls and made afresh whenever it could be stale), reads the grads
-once into local shares, plain grads and DTensor local pieces alike (:mod:`pgregistry.grad_stats._plan`), and reduces
-them through the one reducer (:mod:`pgregistry.grad_stats._reductions`): first the DTensor pieces sharded over a
+Every entry point takes one way down (:func:`_statistics`), entering each module on it once and never a module
+above it again: the door (:mod:`pgregistry._runtime.resolve`) takes apart what was given and resolves its
+collection, once; the kept plan (:func:`~pgregistry.grad_stats._plan.kept_plan`) is checked, or made afresh whenever
+it could be stale; the plan reads the grads once into local shares, plain grads and DTensor local pieces alike;
+the one reducer (:mod:`pgregistry.grad_stats._reductions`) reduces them, first the DTensor pieces sharded over a
 data-parallel group, over that group, then everything over its reduction group. Both statistics come from one read
 when both are wanted (:func:`grad_norm_and_zeros`), and clipping scales from that norm: one pass over the grads, none
 when the coefficient is 1 (decided on the device where the kernel runs).
@@ -20,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry._runtime.resolve import ParamsLike, normalise, resolve
+from pgregistry._runtime.resolve import ParamsLike, normalise, resolve, source_of
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
@@ -91,10 +92,11 @@ def _statistics(
     max_norm: float | None = None,
     error_if_nonfinite: bool = False,
 ) -> Reduced:
-    """Read, reduce and (with ``max_norm``) clip: the one path of every entry point."""
-    if max_norm is not None:
-        check_max_norm(max_norm)  # before any collective
-    plan, ordered, collection = kept_plan(params, pg_collection, owner)
+    """Read, reduce and (with ``max_norm``, checked by the caller before any collective) clip: the one way down of
+    every entry point (module docstring)."""
+    source = source_of(params)
+    given = resolve(pg_collection, source.chunks, owner=owner)
+    plan, ordered, collection = kept_plan(source, given, owner)
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
     verdict = verdict_groups(collection, owner) if max_norm is not None else ()
     reduced = reduce_shares(read.shares, verdict=verdict)
@@ -143,6 +145,8 @@ def grad_norm_and_zeros(
     group for the 2-norm); with ``max_norm``, the grads clipped from that norm as :func:`clip_grad_norm_` does
     (no second read). Returns the norm (0-dim, as :func:`grad_norm`'s, before clipping) and the zero count (0-dim
     int64), without a host sync."""
+    if max_norm is not None:
+        check_max_norm(max_norm)  # before any collective
     reduced = _statistics(
         params, pg_collection, "grad_norm_and_zeros", Wanted.of(norm_type, zeros=True), max_norm, error_if_nonfinite
     )

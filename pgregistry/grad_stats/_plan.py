@@ -19,10 +19,11 @@ a norm is wanted: a NaN or an inf in any of them makes the norm NaN or infinite 
 A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
 DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
 Where the grads are plain tensors and the very objects the reads were planned for (a flat buffer's views, as
-pgregistry's optimizers set them, or grads zeroed in place), it checks their identity (held weakly: the plan keeps no
-grad alive) and addresses only (:class:`_Planned`): the same object has the same type, and at the same address the
-same storage; a grad resized or restrided in place at its address (``resize_``, ``as_strided_``) is the one change
-this does not see.
+pgregistry's optimizers set them, or grads zeroed in place), it checks their identity and addresses only
+(:class:`_Planned`): their ids, which are theirs while none of them died (each held by a weak reference whose
+callback notes its death: the plan keeps no grad alive), read from the list of grads without fetching a grad, and
+each grad's address. The same object has the same type, and at the same address the same storage; a grad resized
+or restrided in place at its address (``resize_``, ``as_strided_``) is the one change this does not see.
 
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
 on: the collection, the parameter set (the modules' child and parameter dictionaries that were empty by length, the
@@ -50,12 +51,11 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 import torch
-from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.agreement import any_rank_has
-from pgregistry._runtime.resolve import Params, ParamsLike, fill, grid_reads, normalise, resolve
+from pgregistry._runtime.resolve import Params, Source, fill, grid_reads, normalised
 from pgregistry.collection import GroupName, ProcessGroupCollection
 from pgregistry.grad_stats._classification import holds_experts, require_classified_experts
 from pgregistry.grad_stats._devices import reduction_device
@@ -87,7 +87,6 @@ _SPEC: Final = operator.attrgetter("_spec")
 _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
 _ADDRESS: Final = torch._C.TensorBase.data_ptr
-_DEREFERENCE: Final = weakref.ref.__call__
 
 
 _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
@@ -125,37 +124,39 @@ class _Kind:
     plan: KindPlan
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)
 class _Planned:
-    """The plain grads a layout's reads were planned for: weak references (a plan must not keep grads alive: a
-    training loop that sets them to ``None`` frees them), their addresses, and how many parameters had none."""
+    """The plain grads a layout's reads were planned for, known by their ids while every one of them lives: a live
+    object's id is its own, so equal ids are the same objects. Each is held by a weak reference (a plan must not
+    keep grads alive: a training loop that sets them to ``None`` frees them) whose callback notes its death
+    (``deaths``: a C-speed ``list.append``, nothing run per grad on a call), and by its address."""
 
-    grads: list[weakref.ref[torch.Tensor]]
+    ids: list[int]
+    """``id`` of every parameter's grad, ``None`` too, in the plan's order."""
     addresses: list[int]
-    nones: int
+    """Each piece's address."""
+    references: list[weakref.ref[torch.Tensor]]
+    """A weak reference to each piece, held so that its callback runs when the piece dies."""
+    deaths: list[weakref.ref[torch.Tensor]]
+    """The references whose grad died: while empty, every id in ``ids`` is a live grad's."""
 
     @classmethod
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
-        return cls(list(map(weakref.ref, pieces)), list(map(_ADDRESS, pieces)), _nones(grads))
+        deaths: list[weakref.ref[torch.Tensor]] = []
+        references = list(map(weakref.ref, pieces, repeat(deaths.append)))
+        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths)
 
     def pieces_of(self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]) -> list[Any] | None:
-        """The pieces of ``grads`` when they are the very grad objects planned for (as many ``None``, the others the
-        same objects, by identity), each still at its address; else ``None``. The same object has the same type and,
-        at the same address, the same storage (a grad re-pointed at other storage, ``grad.data = ...``, moves); only
-        an in-place change of a grad's sizes or strides at its address (``resize_``, ``as_strided_``) would pass
-        unseen. Reads no type, size or contiguity: at 20,000 grads, most of a call's checks."""
-        if _nones(grads) != self.nones:
+        """The pieces of ``grads`` when they are the very grad objects planned for (every one alive, each
+        parameter's grad, or ``None``, the same object by id), each still at its address; else ``None``. The same
+        object has the same type and, at the same address, the same storage (a grad re-pointed at other storage,
+        ``grad.data = ...`` or ``set_``, moves); only an in-place change of a grad's sizes or strides at its address
+        (``resize_``, ``as_strided_``) would pass unseen. Reads no type, size or contiguity: the ids are read from
+        the list (no object fetched), the addresses from the grads' storages."""
+        if self.deaths or list(map(id, grads)) != self.ids:
             return None
         pieces = take_plain(grads)
-        if len(pieces) != len(self.grads) or not all(map(operator.is_, pieces, map(_DEREFERENCE, self.grads))):
-            return None
         return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
-
-
-def _nones(grads: list[Any]) -> int:
-    """How many of ``grads`` are ``None``, by identity at C speed (``list.count`` compares with ``==``, and a tensor's
-    ``__eq__`` with ``None`` costs microseconds: most of a call on a GPU at 2,000 grads)."""
-    return sum(map(operator.is_, grads, repeat(None)))
 
 
 @attrs.define(slots=True)
@@ -178,6 +179,11 @@ class _Layout:
     planned_for: _Planned | None = None
     """The grad objects the reads were planned for (plain grads only), by which a call whose grads are those same
     objects at the same addresses skips reading their types, sizes and contiguity (:meth:`_Planned.pieces_of`)."""
+    misses: int = 0
+    """Calls in a row whose grads were not the objects planned for. Grads a loop replaces every step
+    (``zero_grad(set_to_none=True)``) are planned for again after 1, 2, 4, 8, ... such calls only (a pass that
+    makes a weak reference per grad, for grads that die before the next call); grads replaced once are planned
+    for again at once."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -225,7 +231,9 @@ class Plan:
         if layout is not None and layout.planned_for is not None:
             planned = layout.planned_for.pieces_of(grads, layout.take_plain)
             if planned is not None:  # the grads the reads were planned for, where they were
+                layout.misses = 0
                 return self._read_pieces(layout, planned, [], params, wanted)
+            layout.misses += 1
         types = list(map(type, grads))
         if layout is None or types != layout.types:
             layout = self._layout = self._make_layout(params, grads, types)
@@ -250,7 +258,10 @@ class Plan:
             raise
         if not same:
             self._plan_kinds(layout, pieces)
-            layout.planned_for = None if dtensors or partial else _Planned.of(grads, pieces)
+        if dtensors or partial:
+            layout.planned_for = None
+        elif not same or layout.planned_for is None or layout.misses & (layout.misses - 1) == 0:
+            layout.planned_for = _Planned.of(grads, pieces)
         return self._read_pieces(layout, pieces, partial, params, wanted)
 
     def _read_pieces(
@@ -404,33 +415,11 @@ def _kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) -> list[_Ki
 # ----------------------------------------------------------------------------------------------- kept plans
 
 
-@attrs.define(slots=True)
-class _Source:
-    """What an entry point was given, taken apart without walking it: model chunks, or tensors."""
-
-    chunks: tuple[nn.Module, ...]
-    tensors: list[Any] | None
-    given: Any
-
-
-def _source_of(model_or_params: ParamsLike) -> _Source:
-    if isinstance(model_or_params, nn.Module):
-        return _Source((model_or_params,), None, model_or_params)
-    if isinstance(model_or_params, torch.Tensor):
-        return _Source((), [model_or_params], model_or_params)
-    if isinstance(model_or_params, Mapping):
-        return _Source((), list(model_or_params.values()), model_or_params)
-    items = list(model_or_params)
-    if items and all(isinstance(item, nn.Module) for item in items):
-        return _Source(tuple(items), None, items)
-    return _Source((), items, items)
-
-
 class Kept:
     """A plan and what it was made from: the collection, the parameter set, the roles (module docstring)."""
 
-    def __init__(self, source: _Source, given: ProcessGroupCollection, owner: str) -> None:
-        params = normalise(source.given)
+    def __init__(self, source: Source, given: ProcessGroupCollection, owner: str) -> None:
+        params = normalised(source)
         self.given = given
         self.unneeded = _unneeded_fields(params, given)
         collection = fill(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
@@ -459,7 +448,7 @@ class Kept:
         self._roles = self._role_values()
         self.generation = role_generation()
 
-    def plan_params(self, source: _Source) -> list[torch.Tensor] | None:
+    def plan_params(self, source: Source) -> list[torch.Tensor] | None:
         """The parameters of ``source`` in the plan's order if the parameter set is the plan's, else ``None``."""
         if self._tensor_refs is None:
             if source.tensors is not None or len(source.chunks) != len(self._chunk_refs) + 1:
@@ -499,7 +488,7 @@ class Kept:
             and self._role_values() == self._roles
         )
 
-    def current(self, source: _Source, given: ProcessGroupCollection, owner: str) -> list[torch.Tensor] | None:
+    def current(self, source: Source, given: ProcessGroupCollection, owner: str) -> list[torch.Tensor] | None:
         """The parameters to read if nothing the plan depends on changed, else ``None``: the collection given (and
         the fields the plan read from the global grid, read again, each time with its warning), the parameter set,
         the roles."""
@@ -537,14 +526,13 @@ _KEPT_TENSORS: list[Kept] = []
 
 
 def kept_plan(
-    model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
+    source: Source, given: ProcessGroupCollection, owner: str
 ) -> tuple[Plan, list[torch.Tensor], ProcessGroupCollection]:
-    """The door of the statistics entry points: the collection resolved once (explicit, else attached to the
-    model, else the global grid with a warning), then the kept plan of what was given, checked, or a new one
-    (normalised once, the grad-statistics fields the model needs filled, :func:`_unneeded_fields`, unclassified
-    experts refused, classified); its parameters, in the plan's order, and the filled collection."""
-    source = _source_of(model_or_params)
-    given = resolve(pg_collection, source.chunks, owner=owner)
+    """The kept plan of what an entry point was given (``source``, taken apart by the door,
+    :func:`~pgregistry._runtime.resolve.source_of`) on the collection the door resolved (``given``): checked
+    (:meth:`Kept.current`), else made anew (normalised once, the grad-statistics fields the model needs filled,
+    :func:`_unneeded_fields`, unclassified experts refused, classified). Its plan, its parameters in the plan's
+    order, and the filled collection."""
     kept = _KEPT.get(source.chunks[0]) if source.chunks else (_KEPT_TENSORS[0] if _KEPT_TENSORS else None)
     params = kept.current(source, given, owner) if kept is not None else None
     if kept is None or params is None:

@@ -155,6 +155,60 @@ def test_the_kept_reads_keep_no_grad_alive() -> None:
     _check(model, _grads(model), "a new grad object")
 
 
+def test_a_grad_moved_in_place_and_requires_grad_toggled_are_seen() -> None:
+    """The same grad object pointed at other storage by ``set_`` (not ``.data =``) is read where it is now; a
+    parameter whose ``requires_grad`` is turned off keeps its grad, which counts as torch's clip counts it, until
+    the grad is set to None."""
+    model = _model()
+    _check(model, _grads(model), "first call")
+    grad = model.b.weight.grad
+    grad.set_(_fill(torch.zeros(2, 3), 24).untyped_storage(), 0, grad.shape, grad.stride())
+    assert model.b.weight.grad is grad
+    _check(model, _grads(model), "the same grad object moved by set_")
+    model.a.bias.requires_grad_(False)
+    _check(model, _grads(model), "requires_grad turned off, the grad kept")
+    model.a.bias.grad = None
+    _check(model, _grads(model), "that grad set to None")
+    model.a.bias.requires_grad_(True)
+    model.a.bias.grad = _fill(model.a.bias, 25)
+    _check(model, _grads(model), "requires_grad back on, a grad again")
+
+
+def test_grads_replaced_every_call_are_read_where_they_are() -> None:
+    """A loop that replaces its grads before every call (``zero_grad(set_to_none=True)``, or new grad objects over
+    the same storage) is read right at every call, whether its plan for those grad objects is made again at that
+    call or not (1, 2, 4, ... calls in a row)."""
+    model = _model()
+    for step in range(9):
+        for seed, param in enumerate(model.parameters(), start=100 + 10 * step):
+            if step % 2:  # a new object over the same storage, new values in it
+                param.grad = param.grad.view(param.grad.shape).copy_(_fill(param, seed))
+            else:  # a new grad, the old one freed
+                param.grad = None
+                param.grad = _fill(param, seed)
+        _check(model, _grads(model), f"step {step}")
+    for seed, param in enumerate(model.parameters(), start=200):
+        param.grad.copy_(_fill(param, seed))  # then kept: the same objects, new values
+        _check(model, _grads(model), f"kept grads, {param.shape}")
+
+
+def test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad() -> None:
+    """A grad object freed and another tensor made over its storage can take its id too (CPython reuses the memory,
+    often at once): same id, same address, perhaps other strides. The plan knows its grads by id only while all of
+    them live, so that tensor is not the planned grad. CPython's reuse is not certain in a test, so the new tensor's
+    id and address are written into the plan's record instead, as if it had taken the freed grad's."""
+    from pgregistry.grad_stats._plan import _Planned
+
+    grads = [_fill(torch.zeros(4, 3), 26), _fill(torch.zeros(5), 27)]
+    planned = _Planned.of(grads, grads)
+    assert planned.pieces_of(list(grads), list) == grads, "the planned grads themselves"
+    storage = grads[0].untyped_storage()
+    del grads[0]  # freed: its weak reference's callback notes it
+    other = torch.empty(0).set_(storage, 0, (4, 3), (1, 4))  # its memory, other strides
+    planned.ids[0], planned.addresses[0] = id(other), other.data_ptr()
+    assert planned.pieces_of([other, grads[0]], list) is None, "a dead grad's id taken for the planned grad"
+
+
 def test_a_list_of_tensors_is_checked_by_identity() -> None:
     model = _model()
     params = list(model.parameters())
