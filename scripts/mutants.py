@@ -128,7 +128,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="allowlist-written-in-place",
         bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
-        file="pgregistry/allowlist/_storage.py",
+        file="pgregistry/_source/storage.py",
         find="handle, temporary = _new_temporary(path)",
         replace="handle, temporary = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), str(path)",
         tests=(
@@ -696,7 +696,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="migrate-field-table-of-one-release",
         bug="migrate writes 0.19's dp_cp_gtp_remat for code whose Megatron-Core predates GTP remat (dp_cp there)",
-        file="pgregistry/allowlist/_fixes.py",
+        file="pgregistry/_source/fields.py",
         find="    if gtp_remat and axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
         replace="    if axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
         tests=("tests/migrate/test_migrate_megatron_release.py::test_a_data_parallel_read_is_the_field_of_the_codes_release",

@@ -23,11 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pgregistry._runtime.empty_options import empty_option
+from pgregistry._source.cache import ScanCache
+from pgregistry._source.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
+from pgregistry._source.engine import ScanReport, default_jobs, scan_files, scan_sources
+from pgregistry._source.files import PathError, absolute, discover, excluded, project_path, under
+from pgregistry._source.scanner import FileResult
+from pgregistry._source.storage import StorageError, exclusive
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
-from pgregistry.allowlist._cache import ScanCache
-from pgregistry.allowlist._config import PRESETS, ConfigError, Settings, find_config_file, load_settings
-from pgregistry.allowlist._engine import ScanReport, default_jobs, scan_files, scan_sources
-from pgregistry.allowlist._files import PathError, absolute, discover, excluded, project_path, under
 from pgregistry.allowlist._megatron_list import match_megatron_list, parse_megatron_list
 from pgregistry.allowlist._ratchet import (
     Allowlist,
@@ -46,8 +48,6 @@ from pgregistry.allowlist._report import (
     render_stats,
     render_update,
 )
-from pgregistry.allowlist._scanner import FileResult
-from pgregistry.allowlist._storage import StorageError, exclusive
 
 __all__ = ["add_command", "add_settings_options", "configure", "main", "run", "settings_from_options"]
 

@@ -22,10 +22,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from pgregistry._source.config import ConfigError, Settings, find_config_file
+from pgregistry._source.files import PathError, discover, project_path
 from pgregistry.allowlist._cli import add_settings_options, settings_from_options
 from pgregistry.allowlist._cli import run as allowlist_run
-from pgregistry.allowlist._config import ConfigError, Settings, find_config_file
-from pgregistry.allowlist._files import PathError, discover, project_path
 
 __all__ = ["add_command"]
 
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pgregistry.allowlist._engine import default_jobs
+    from pgregistry._source.engine import default_jobs
     from pgregistry.migrate._diff import unified_diff
     from pgregistry.migrate._engine import Helper, migrate
     from pgregistry.migrate._links import own_files

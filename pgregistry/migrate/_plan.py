@@ -41,8 +41,8 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from pgregistry.allowlist._fixes import GTP_REMAT_DP, FieldChoice, collection_field
-from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
+from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._skeleton import covers, line_starts, lines, span
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 

@@ -12,10 +12,10 @@ from types import ModuleType
 
 import pytest
 
-from pgregistry.allowlist import _engine as engine
-from pgregistry.allowlist._cache import ScanCache, content_key
-from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._files import PathError, discover
+from pgregistry._source import engine
+from pgregistry._source.cache import ScanCache, content_key
+from pgregistry._source.config import ScanConfig
+from pgregistry._source.files import PathError, discover
 
 REPO = Path(__file__).resolve().parents[2]
 

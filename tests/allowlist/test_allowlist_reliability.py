@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from fixtures.scan_projects import Project
 
+from pgregistry._source.scanner import _NEWER_SYNTAX
 from pgregistry.allowlist import _ratchet as ratchet
 from pgregistry.allowlist._cli import main as allowlist_main
-from pgregistry.allowlist._scanner import _NEWER_SYNTAX
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -186,9 +186,9 @@ def test_a_fifo_named_py_is_skipped_with_a_warning_not_read(listed: Project) -> 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Path) -> None:
-    from pgregistry.allowlist._config import ScanConfig
-    from pgregistry.allowlist._engine import scan_files
-    from pgregistry.allowlist._files import SourceFile
+    from pgregistry._source.config import ScanConfig
+    from pgregistry._source.engine import scan_files
+    from pgregistry._source.files import SourceFile
 
     os.mkfifo(tmp_path / "pipe.py")
     outcome: list[object] = []
@@ -278,8 +278,8 @@ def test_a_symlinked_root_keeps_project_keys_and_excludes(
     ],
 )
 def test_pep_701_f_strings_name_python_3_12_and_a_broken_f_string_does_not(source: str) -> None:
-    from pgregistry.allowlist._config import ScanConfig
-    from pgregistry.allowlist._scanner import scan_source
+    from pgregistry._source.config import ScanConfig
+    from pgregistry._source.scanner import scan_source
 
     failure = scan_source(source.encode(), "m.py", ScanConfig()).failure
     assert failure is not None and failure.needs == "3.12"

@@ -26,10 +26,10 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pgregistry.allowlist._cache import ScanCache, content_key
-from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._files import SourceFile
-from pgregistry.allowlist._scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
+from pgregistry._source.cache import ScanCache, content_key
+from pgregistry._source.config import ScanConfig
+from pgregistry._source.files import SourceFile
+from pgregistry._source.scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
 
 __all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "buckets", "can_fork", "default_jobs", "scan_files", "scan_sources"]
 
