@@ -5,6 +5,7 @@ each other. The modules:
 
 - :mod:`~pgregistry._source.config`: what counts as a read, the presets, and the ``[tool.pgregistry.allowlist]``
   table (the settings of both commands);
+- :mod:`~pgregistry._source.options`: the command-line options that choose those settings, for both commands;
 - :mod:`~pgregistry._source.scanner`: one source file to its sites and their families (pure, no I/O);
 - :mod:`~pgregistry._source.files`: which files a run covers;
 - :mod:`~pgregistry._source.engine`: scanning many files, in parallel (fork-started workers) and through the

@@ -15,7 +15,21 @@ accessor, so edits that only move code do not disturb it. The scan, its settings
 ``pgregistry migrate``, which rewrites the reads this package finds, is its own package:
 :mod:`pgregistry.migrate`.
 
-This package root imports nothing, so ``import pgregistry.allowlist`` stays as cheap as ``import pgregistry``.
+This package root imports nothing at load, so ``import pgregistry.allowlist`` stays as cheap as
+``import pgregistry``. Its one name, :func:`main`, is the command itself: what ``python -m pgregistry.allowlist``,
+the pre-commit hook and ``pgregistry migrate --write`` (which regenerates the allowlist) run.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``allowlist check|update|stats|import`` on ``argv`` (``sys.argv[1:]`` when None), as
+    ``python -m pgregistry.allowlist`` does; returns the exit code (0 ok, 1 check failed, 2 error)."""
+    from pgregistry.allowlist._cli import main as run_command
+
+    return run_command(argv)

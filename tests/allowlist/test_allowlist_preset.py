@@ -9,7 +9,7 @@ import pytest
 from fixtures.scan_projects import Project, keys, scan
 
 from pgregistry._source.config import PRESETS, ScanConfig
-from pgregistry.allowlist._cli import main as allowlist_main
+from pgregistry.allowlist import main as allowlist_main
 
 MEGATRON = PRESETS["megatron"]
 

@@ -25,7 +25,7 @@ from fixtures.scan_projects import Project
 
 from pgregistry._source.scanner import _NEWER_SYNTAX
 from pgregistry.allowlist import _ratchet as ratchet
-from pgregistry.allowlist._cli import main as allowlist_main
+from pgregistry.allowlist import main as allowlist_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_an_unwritable_location_exits_2_with_one_line(project: Project, capsys: 
 KILL_DURING_WRITE = """
 import os, signal, sys
 os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # the process dies with the new bytes half-flushed
-from pgregistry.allowlist._cli import main
+from pgregistry.allowlist import main
 main(["update", "--no-cache"])
 """
 
