@@ -694,6 +694,14 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
     ),
     Mutant(
+        name="phases-child-holds-the-parents-end",
+        bug="a migrate worker process keeps the parent's end of its own pipe: SIGKILL the parent and it waits forever",
+        file="pgregistry/migrate/_phases.py",
+        find="parent_ends = [here_end, *(c.connection for c in children if c is not None)]",
+        replace="parent_ends = [*(c.connection for c in children if c is not None)]",
+        tests=("tests/migrate/test_phases.py::test_a_child_exits_when_the_process_running_the_phases_is_killed",),
+    ),
+    Mutant(
         name="migrate-field-table-of-one-release",
         bug="migrate writes 0.19's dp_cp_gtp_remat for code whose Megatron-Core predates GTP remat (dp_cp there)",
         file="pgregistry/_source/fields.py",

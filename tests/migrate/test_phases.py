@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from fixtures.processes import children_left
@@ -56,6 +62,59 @@ def test_an_error_here_is_raised_and_every_child_is_reaped() -> None:
     with pytest.raises(RuntimeError, match="worker failed"):
         two_phases(_makers(3, fails_here=True), lambda firsts: [0, 0, 0], fork=True)  # type: ignore[arg-type]
     assert _no_child_left()
+
+
+_KILLED_HERE = """
+import os, signal, sys, time
+from pgregistry.migrate._phases import two_phases
+
+class Worker:
+    def __init__(self, index):
+        self.index = index
+
+    def first(self):
+        if self.index == 1:  # the child: say who it is, then wait for its instruction
+            with open(sys.argv[1] + ".tmp", "w") as record:
+                record.write(str(os.getpid()))
+            os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+            return 1
+        while not os.path.exists(sys.argv[1]):  # here, once the child sent its first result: killed
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def second(self, instruction):
+        return instruction
+
+two_phases([lambda: Worker(0), lambda: Worker(1)], lambda firsts: [0, 0], fork=True)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"  # exited, not yet reaped by its new parent
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_child_exits_when_the_process_running_the_phases_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves no cleanup to run: a child waiting for its instruction must see the parent's end of its pipe
+    close, so it may hold no parent's end itself."""
+    record = tmp_path / "child"
+    with open(tmp_path / "stderr", "w+") as stderr:  # a file: a pipe would be held open by a child left behind
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED_HERE), str(record)], timeout=60,
+                              stdout=subprocess.DEVNULL, stderr=stderr)
+        stderr.seek(0)
+        assert done.returncode == -signal.SIGKILL, stderr.read()
+    child = int(record.read_text())
+    deadline = time.monotonic() + 20
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _gone(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"the child {child} outlived the process that ran the phases")
 
 
 def test_a_task_queue_hands_each_task_to_exactly_one_process() -> None:
