@@ -695,10 +695,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="phases-child-holds-the-parents-end",
-        bug="a migrate worker process keeps the parent's end of its own pipe: SIGKILL the parent and it waits forever",
-        file="pgregistry/migrate/_phases.py",
-        find="parent_ends = [here_end, *(c.connection for c in children if c is not None)]",
-        replace="parent_ends = [*(c.connection for c in children if c is not None)]",
+        bug="a forked worker (the scan's, migrate's) keeps the parent's end of its own pipe: SIGKILL the parent and "
+        "the worker waits forever",
+        file="pgregistry/_source/processes.py",
+        find="parent_ends = [here_end, *(child.connection for child in started if not child.reaped)]",
+        replace="parent_ends = [*(child.connection for child in started if not child.reaped)]",
         tests=("tests/migrate/test_phases.py::test_a_child_exits_when_the_process_running_the_phases_is_killed",),
     ),
     Mutant(

@@ -32,8 +32,9 @@ from functools import partial
 from pathlib import Path
 
 from pgregistry._source.config import ScanConfig
-from pgregistry._source.engine import PARALLEL_MIN_BYTES, buckets, can_fork, scan_sources
+from pgregistry._source.engine import PARALLEL_MIN_BYTES, buckets, scan_sources
 from pgregistry._source.files import SourceFile
+from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom

@@ -2,14 +2,10 @@
 
 ``migrate`` plans each file alone, then needs what every file's plan says (which functions were threaded) before
 it can finish any file (which calls pass a collection). Each worker keeps its state (libcst trees, far too large
-to send) across the exchange, so each one stays in one process: worker 0 runs here, every other in a
-:class:`multiprocessing.Process` of its own (a pool's task could not keep its state across the exchange), which
-sends back only its phases' results through a :func:`multiprocessing.Pipe` and receives its second phase's
-instruction down the same pipe.
-
-The processes are started with ``fork``, explicitly: a forked child inherits the inputs (every file's bytes, what
-the tree says, the :class:`TaskQueue`), so nothing is sent to it, where a spawned one would be sent the whole
-tree and could not receive the workers' makers (closures over this run's objects) at all.
+to send) across the exchange, so each one stays in one process: worker 0 runs here, every other in a forked child
+of its own (:mod:`pgregistry._source.processes`; a pool's task could not keep its state across the exchange),
+which inherits the inputs (nothing is sent to it), sends back only its phases' results through its pipe and
+receives its second phase's instruction down the same pipe.
 
 A child that fails (an exception, a signal, a result that does not unpickle) is not trusted: its worker is run
 again here, both phases, so a result never depends on how the work was split. Children are reaped before this
@@ -20,15 +16,14 @@ What cannot be split well before the work starts is shared out as it goes, throu
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import struct
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Protocol, TypeVar
+
+from pgregistry._source.processes import Child, start_child
 
 __all__ = ["TaskQueue", "Worker", "two_phases"]
 
@@ -38,9 +33,6 @@ Instruction = TypeVar("Instruction")
 First_co = TypeVar("First_co", covariant=True)
 Second_co = TypeVar("Second_co", covariant=True)
 Instruction_contra = TypeVar("Instruction_contra", contravariant=True)
-
-_FORK = multiprocessing.get_context("fork")
-
 
 class Worker(Protocol[First_co, Instruction_contra, Second_co]):
     """One share of the work: ``first()``, then ``second(instruction)`` in the same process."""
@@ -89,65 +81,11 @@ class TaskQueue:
         self._read = self._write = -1
 
 
-@dataclass
-class _Child:
-    """A worker's process as its parent sees it: its end of the pipe, and whether it failed or was reaped."""
-
-    process: BaseProcess
-    connection: Connection
-    failed: bool = False
-    reaped: bool = False
-
-    def receive(self) -> object:
-        """The next result the child sends; ``failed`` (and None) when it sends none that unpickles."""
-        if self.failed:
-            return None
-        try:
-            return self.connection.recv()
-        except Exception:  # EOF, a truncated or foreign payload: the child failed
-            self.failed = True
-            return None
-
-    def send(self, instruction: object) -> None:
-        try:
-            self.connection.send(instruction)
-        except OSError:  # it exited already
-            self.failed = True
-
-    def wait(self) -> None:
-        """Reap the child once it has sent everything: ``failed`` unless it exited cleanly."""
-        self.connection.close()
-        self.process.join()
-        self.failed = self.failed or self.process.exitcode != 0
-        self._release()
-
-    def kill(self) -> None:
-        """Stop and reap the child, whatever it is doing (on the way out, or after it failed)."""
-        if self.reaped:
-            return
-        self.connection.close()
-        self.process.kill()  # harmless once it exited: it is a zombie until joined
-        self.process.join()
-        self._release()
-
-    def _release(self) -> None:
-        self.process.close()
-        self.reaped = True
-
-
-def _run_child(
-    make: Callable[[], Worker[object, object, object]], connection: Connection, parent_ends: Sequence[Connection]
-) -> None:
-    """In the child: both phases, results up the pipe. A failure exits 1 and prints nothing (the parent does
-    the share again), Ctrl-C included (the parent, interrupted too, stops every child)."""
-    for end in parent_ends:  # a child holding one would not see EOF when the parent dies
-        end.close()
-    try:
-        worker = make()
-        connection.send(worker.first())
-        connection.send(worker.second(connection.recv()))
-    except BaseException:  # noqa: BLE001 - whatever failed, the parent redoes this share
-        sys.exit(1)
+def _both_phases(make: Callable[[], Worker[object, object, object]], connection: Connection) -> None:
+    """In a child: both phases of the worker ``make`` makes, results up the pipe, the instruction down it."""
+    worker = make()
+    connection.send(worker.first())
+    connection.send(worker.second(connection.recv()))
 
 
 def two_phases(
@@ -158,15 +96,11 @@ def two_phases(
 ) -> tuple[list[First], list[Second] | None]:
     """Each worker's first phase, then ``between`` on their results in order (the instruction for each worker,
     or None to stop there), then each worker's second phase. Every worker runs here unless ``fork``."""
-    children: list[_Child | None] = [None]
+    children: list[Child | None] = [None]
     try:
         for make in makers[1:] if fork else ():
-            here_end, child_end = _FORK.Pipe()
-            parent_ends = [here_end, *(c.connection for c in children if c is not None)]
-            process = _FORK.Process(target=_run_child, args=(make, child_end, parent_ends))
-            process.start()
-            child_end.close()
-            children.append(_Child(process, here_end))
+            work = partial(_both_phases, make)  # type: ignore[arg-type]
+            children.append(start_child(work, [c for c in children if c is not None]))
         children += [None] * (len(makers) - len(children))
         here: dict[int, Worker[First, Instruction, Second]] = {}
         firsts: list[First] = []

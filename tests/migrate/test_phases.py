@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fixtures.processes import children_left
+from fixtures.processes import children_left, gone_within, killed_parents_child
 
 from pgregistry.migrate._phases import TaskQueue, two_phases
 
@@ -90,31 +85,12 @@ two_phases([lambda: Worker(0), lambda: Worker(1)], lambda firsts: [0, 0], fork=T
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] == "Z"  # exited, not yet reaped by its new parent
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 def test_a_child_exits_when_the_process_running_the_phases_is_killed(tmp_path: Path) -> None:
     """SIGKILL leaves no cleanup to run: a child waiting for its instruction must see the parent's end of its pipe
     close, so it may hold no parent's end itself."""
-    record = tmp_path / "child"
-    with open(tmp_path / "stderr", "w+") as stderr:  # a file: a pipe would be held open by a child left behind
-        done = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED_HERE), str(record)], timeout=60,
-                              stdout=subprocess.DEVNULL, stderr=stderr)
-        stderr.seek(0)
-        assert done.returncode == -signal.SIGKILL, stderr.read()
-    child = int(record.read_text())
-    deadline = time.monotonic() + 20
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not _gone(child):
-        os.kill(child, signal.SIGKILL)
-        raise AssertionError(f"the child {child} outlived the process that ran the phases")
+    child = killed_parents_child(_KILLED_HERE, tmp_path)
+    assert gone_within(child, 20), f"the child {child} outlived the process that ran the phases"
 
 
 def test_a_task_queue_hands_each_task_to_exactly_one_process() -> None:
