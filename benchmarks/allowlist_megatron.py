@@ -37,12 +37,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
+from pgregistry._source.engine import scan_files, scan_sources  # noqa: E402
+from pgregistry._source.files import discover  # noqa: E402
+from pgregistry._source.scanner import (  # noqa: E402
+    FAMILIES,
+    FileResult,  # noqa: E402
+    family_of,
+)
 from pgregistry.allowlist._baseline import GitTree  # noqa: E402
-from pgregistry.allowlist._config import PRESETS, ScanConfig  # noqa: E402
-from pgregistry.allowlist._engine import scan_files, scan_sources  # noqa: E402
-from pgregistry.allowlist._files import discover  # noqa: E402
-from pgregistry.allowlist._report import FAMILIES, family_of  # noqa: E402
-from pgregistry.allowlist._scanner import FileResult  # noqa: E402
 
 CHECKER = "tools/check_process_group_usage.py"
 

@@ -40,10 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
+from pgregistry._source.scanner import FileResult, scan_source  # noqa: E402
 from pgregistry.allowlist._baseline import FileChanges, base_limits, parse_name_status  # noqa: E402
-from pgregistry.allowlist._config import PRESETS, ScanConfig  # noqa: E402
 from pgregistry.allowlist._ratchet import Allowlist, Comparison, compare  # noqa: E402
-from pgregistry.allowlist._scanner import FileResult, scan_source  # noqa: E402
 
 
 def git(repository: Path, *args: str, data: bytes | None = None) -> bytes:

@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pgregistry.allowlist._cache import ScanCache  # noqa: E402
-from pgregistry.allowlist._config import ScanConfig  # noqa: E402
-from pgregistry.allowlist._engine import ScanReport, default_jobs, scan_files  # noqa: E402
-from pgregistry.allowlist._files import discover  # noqa: E402
+from pgregistry._source.cache import ScanCache  # noqa: E402
+from pgregistry._source.config import ScanConfig  # noqa: E402
+from pgregistry._source.engine import ScanReport, default_jobs, scan_files  # noqa: E402
+from pgregistry._source.files import discover  # noqa: E402
 
 WORDS = (
     "tensor layer weight bias grad buffer bucket param shard chunk token expert router logits hidden state "

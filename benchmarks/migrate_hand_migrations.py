@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pgregistry.allowlist._config import PRESETS  # noqa: E402
-from pgregistry.allowlist._scanner import scan_source  # noqa: E402
+from pgregistry._source.config import PRESETS  # noqa: E402
+from pgregistry._source.scanner import scan_source  # noqa: E402
 from pgregistry.collection import FIELD_NAMES  # noqa: E402
 
 #: Megatron-LM's hand migrations threading a collection (commit, pull request): ``git log -i --grep=pg_collection

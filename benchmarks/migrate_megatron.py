@@ -66,9 +66,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pgregistry.allowlist._config import PRESETS  # noqa: E402
-from pgregistry.allowlist._report import family_of  # noqa: E402
-from pgregistry.allowlist._scanner import scan_source  # noqa: E402
+from pgregistry._source.config import PRESETS  # noqa: E402
+from pgregistry._source.scanner import family_of, scan_source  # noqa: E402
 from pgregistry.migrate._style import line_length  # noqa: E402
 
 

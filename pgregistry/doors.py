@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from pgregistry._runtime.resolve import resolve
-from pgregistry.allowlist._fixes import GTP_REMAT_DP
+from pgregistry._source.fields import GTP_REMAT_DP
 from pgregistry.collection import check_field_names, group_size
 from pgregistry.fallback import warn_fallback
 from pgregistry.migrate._fallback_helper import reader, value

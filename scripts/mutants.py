@@ -159,7 +159,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="allowlist-written-in-place",
         bug="the allowlist rewritten in place: a crash or a full disk half-way loses the old list",
-        file="pgregistry/allowlist/_storage.py",
+        file="pgregistry/_source/storage.py",
         find="handle, temporary = _new_temporary(path)",
         replace="handle, temporary = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), str(path)",
         tests=(
@@ -749,9 +749,18 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
     ),
     Mutant(
+        name="phases-child-holds-the-parents-end",
+        bug="a forked worker (the scan's, migrate's) keeps the parent's end of its own pipe: SIGKILL the parent and "
+        "the worker waits forever",
+        file="pgregistry/_source/processes.py",
+        find="parent_ends = [here_end, *(child.connection for child in started if not child.reaped)]",
+        replace="parent_ends = [*(child.connection for child in started if not child.reaped)]",
+        tests=("tests/migrate/test_phases.py::test_a_child_exits_when_the_process_running_the_phases_is_killed",),
+    ),
+    Mutant(
         name="migrate-field-table-of-one-release",
         bug="migrate writes 0.19's dp_cp_gtp_remat for code whose Megatron-Core predates GTP remat (dp_cp there)",
-        file="pgregistry/allowlist/_fixes.py",
+        file="pgregistry/_source/fields.py",
         find="    if gtp_remat and axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
         replace="    if axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS",
         tests=("tests/migrate/test_migrate_megatron_release.py::test_a_data_parallel_read_is_the_field_of_the_codes_release",

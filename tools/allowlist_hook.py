@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     package = types.ModuleType("pgregistry", "pgregistry's allowlist scanner, loaded without its dependencies")
     package.__path__ = [str(PACKAGE)]
     sys.modules["pgregistry"] = package
-    from pgregistry.allowlist._cli import main as allowlist
+    from pgregistry.allowlist import main as allowlist
 
     return allowlist(argv)
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def main(argv: list[str]) -> int:
     os.chdir(REPO)
     sys.path.insert(0, str(REPO))
-    from pgregistry.allowlist._cli import main as allowlist
+    from pgregistry.allowlist import main as allowlist
 
     code = allowlist(["update", *argv])
     return code if code else allowlist(["check", *argv])

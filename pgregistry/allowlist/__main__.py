@@ -3,6 +3,6 @@ pgregistry beyond the package root and this sub-package (so it never imports tor
 
 import sys
 
-from pgregistry.allowlist._cli import main
+from pgregistry.allowlist import main
 
 sys.exit(main())

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pgregistry.allowlist._config import ScanConfig
+from pgregistry._source.config import ScanConfig
+from pgregistry._source.scanner import Site, scan_source
 from pgregistry.allowlist._ratchet import Allowlist, Comparison, Mismatch
-from pgregistry.allowlist._scanner import Site, scan_source
 
 __all__ = ["FileChanges", "GitError", "GitTree", "base_limits", "mark_added", "parse_name_status"]
 

@@ -17,17 +17,19 @@ slow to import. It also runs without the rest of the CLI as ``python -m pgregist
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pgregistry._runtime.empty_options import empty_option
+from pgregistry._source.cache import ScanCache
+from pgregistry._source.config import ConfigError, Settings
+from pgregistry._source.engine import ScanReport, default_jobs, scan_files, scan_sources
+from pgregistry._source.files import PathError, absolute, discover, excluded, project_path, under
+from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
+from pgregistry._source.scanner import FileResult
+from pgregistry._source.storage import StorageError, exclusive
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
-from pgregistry.allowlist._cache import ScanCache
-from pgregistry.allowlist._config import PRESETS, ConfigError, Settings, find_config_file, load_settings
-from pgregistry.allowlist._engine import ScanReport, default_jobs, scan_files, scan_sources
-from pgregistry.allowlist._files import PathError, absolute, discover, excluded, project_path, under
 from pgregistry.allowlist._megatron_list import match_megatron_list, parse_megatron_list
 from pgregistry.allowlist._ratchet import (
     Allowlist,
@@ -46,10 +48,8 @@ from pgregistry.allowlist._report import (
     render_stats,
     render_update,
 )
-from pgregistry.allowlist._scanner import FileResult
-from pgregistry.allowlist._storage import StorageError, exclusive
 
-__all__ = ["add_command", "add_settings_options", "configure", "main", "run", "settings_from_options"]
+__all__ = ["add_command", "configure", "main", "run"]
 
 _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
@@ -75,16 +75,6 @@ def _jobs(text: str) -> int:
     return value
 
 
-def _path(text: str) -> Path:
-    """An argparse ``type`` for a path option: an empty one (``--allowlist "$UNSET"``) would be ``Path('.')``, the
-    current directory, silently."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            "is empty (an unset variable, as in \"$VAR\"?): give a path, or leave the option out"
-        )
-    return Path(text)
-
-
 _TEXT_OPTIONS = {
     "base": ("--base", "a git revision, or leave the option out to check without a base"),
     "since": ("--since", "a git revision, or leave the option out"),
@@ -96,51 +86,22 @@ _TEXT_OPTIONS = {
 ``--base ''`` (an unset CI variable) checked without a base."""
 
 
-def add_settings_options(parser: argparse.ArgumentParser) -> None:
-    """The options that choose the scan settings, shared by ``allowlist`` and ``migrate`` (one set of names and
-    meanings: a migration reads exactly what the ratchet counts)."""
-    parser.add_argument(
-        "--config", type=_path, metavar="PYPROJECT", help="read settings from this pyproject.toml"
-    )
-    parser.add_argument("--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd")
-    parser.add_argument(
-        "--exclude",
-        action="append",
-        metavar="PATTERN",
-        help="exclude pattern (repeatable; replaces the configured)",
-    )
-    parser.add_argument(
-        "--extend-exclude", action="append", default=[], metavar="PATTERN", help="add an exclude"
-    )
-    parser.add_argument(
-        "--module",
-        action="append",
-        metavar="NAME",
-        help="legacy module name whose accessors count (repeatable; replaces the configured)",
-    )
-    parser.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        help="built-in scan settings for a known code base (replaces the configured scan settings)",
-    )
-
-
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths",
         nargs="*",
-        type=_path,
+        type=path_argument,
         metavar="PATH",
         help="files or directories to scan instead of the configured roots; only their entries are judged",
     )
     parser.add_argument(
-        "--allowlist", type=_path, metavar="FILE", help="the allowlist file (default: configured)"
+        "--allowlist", type=path_argument, metavar="FILE", help="the allowlist file (default: configured)"
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     add_settings_options(parser)
     parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
-    parser.add_argument("--cache-dir", type=_path, metavar="DIR", help="the scan cache directory")
+    parser.add_argument("--cache-dir", type=path_argument, metavar="DIR", help="the scan cache directory")
     parser.add_argument(
         "--skip-newer-syntax",
         action="store_true",
@@ -166,9 +127,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                 "(run update to shrink), not failures",
             )
         if name == "import":
-            action.add_argument(
-                "--from", dest="source", type=_path, required=True, metavar="FILE", help="Megatron-LM's allowlist"
-            )
+            action.add_argument("--from", dest="source", type=path_argument, required=True, metavar="FILE",
+                                help="Megatron-LM's allowlist")
         if name == "stats":
             action.add_argument(
                 "--since", metavar="REV", help="compare with the tree at this git revision (burn-down table)"
@@ -194,34 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     code: int = args.handler(args)
     return code
-
-
-def settings_from_options(args: argparse.Namespace) -> Settings:
-    """The scan settings a command's options give: the config file (or none with ``--isolated``), overridden by
-    the options; shared by ``allowlist`` and ``migrate`` so both scan the same reads."""
-    cwd = Path.cwd()
-    if args.isolated:
-        config_file = None
-    elif args.config is not None:
-        if not args.config.is_file():
-            raise ConfigError(f"{args.config}: no such file")
-        config_file = args.config
-    else:
-        config_file = find_config_file(cwd)
-    settings = load_settings(config_file, cwd)
-    exclude = tuple(args.exclude) if args.exclude is not None else settings.exclude
-    settings = dataclasses.replace(settings, exclude=exclude + tuple(args.extend_exclude))
-    if args.allowlist is not None:
-        settings = dataclasses.replace(settings, allowlist=absolute(args.allowlist))
-    if args.cache_dir is not None:
-        settings = dataclasses.replace(settings, cache_dir=absolute(args.cache_dir))
-    if args.preset is not None:
-        settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
-    if args.module is not None:
-        settings = dataclasses.replace(
-            settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
-        )
-    return settings
 
 
 def _targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:

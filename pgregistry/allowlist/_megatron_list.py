@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pgregistry._source.scanner import FileResult, Site
 from pgregistry.allowlist._ratchet import AllowlistError
-from pgregistry.allowlist._scanner import FileResult, Site
 
 __all__ = ["Imported", "match_megatron_list", "parse_megatron_list"]
 

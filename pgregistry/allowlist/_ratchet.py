@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgregistry._source.scanner import FileResult, Site
+from pgregistry._source.storage import StorageError, atomic_write
 from pgregistry.allowlist._moves import Move, pair_moves
-from pgregistry.allowlist._scanner import FileResult, Site
-from pgregistry.allowlist._storage import StorageError, atomic_write
 
 __all__ = [
     "ALLOWLIST_VERSION",
@@ -100,7 +100,7 @@ class Allowlist:
 
         ``expected`` is what the file held when it was read (None: it did not exist). If it holds anything
         else now, another process wrote it meanwhile and writing would drop that process's entries: raises
-        :class:`~pgregistry.allowlist._storage.StorageError` and writes nothing."""
+        :class:`~pgregistry._source.storage.StorageError` and writes nothing."""
         data = self.dumps().encode("ascii")
         try:
             current = read_bytes(path)

@@ -9,16 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pgregistry.allowlist._fixes import fix_for
+from pgregistry._source.fields import fix_for
+from pgregistry._source.scanner import FAMILIES, FileResult, Site, family_of
 from pgregistry.allowlist._moves import Move
 from pgregistry.allowlist._ratchet import Allowlist, Comparison, Mismatch
-from pgregistry.allowlist._scanner import HELPER, REGISTRY, SHIM, FileResult, Site
 
 __all__ = [
-    "FAMILIES",
     "FORMATS",
     "Baseline",
-    "family_of",
     "render_check",
     "render_failures",
     "render_skipped",
@@ -292,22 +290,6 @@ def render_update(previous: Allowlist | None, current: Allowlist, name: str, cha
         f"allowlist {state}: {name} allows {_plural(current.total, 'read')} in "
         f"{_plural(len(current.entries), 'file')} (+{added} added, -{removed} removed)\n"
     )
-
-
-FAMILIES = ("direct", "global", "fallback", "shim", "registry")
-
-
-def family_of(site: Site) -> str:
-    """The burn-down family of a read: ``fallback`` (a fallback helper, or a read that only runs when a value
-    is missing), ``shim``, ``registry`` (pgregistry's own grid), ``global`` (a module global such as
-    ``_TENSOR_MODEL_PARALLEL_GROUP``) or ``direct`` (an accessor call or reference)."""
-    if site.family == SHIM:
-        return "shim"
-    if site.family == HELPER or site.guarded:
-        return "fallback"
-    if site.family == REGISTRY:
-        return "registry"
-    return "global" if site.accessor.startswith("_") else "direct"
 
 
 def _directory(path: str, depth: int) -> str:

@@ -22,10 +22,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from pgregistry.allowlist._cli import add_settings_options, settings_from_options
-from pgregistry.allowlist._cli import run as allowlist_run
-from pgregistry.allowlist._config import ConfigError, Settings, find_config_file
-from pgregistry.allowlist._files import PathError, discover, project_path
+from pgregistry._source.config import ConfigError, Settings, find_config_file
+from pgregistry._source.files import PathError, discover, project_path
+from pgregistry._source.options import add_settings_options, settings_arguments, settings_from_options
 
 __all__ = ["add_command"]
 
@@ -124,15 +123,11 @@ def _allowlist(args: argparse.Namespace, settings: Settings, configured: bool) -
 
 
 def _regenerate(args: argparse.Namespace) -> int:
-    """``pgregistry allowlist update`` with the same settings and paths (its exit code)."""
-    update = argparse.Namespace(**vars(args))
-    update.allowlist_action = "update"
-    update.format = "text"
-    update.jobs = None
-    update.no_cache = True
-    update.skip_newer_syntax = False
-    code: int = allowlist_run(update)
-    return code
+    """``pgregistry allowlist update`` with the same settings, allowlist and paths (its exit code)."""
+    from pgregistry.allowlist import main as allowlist
+
+    chosen = [f"--allowlist={args.allowlist}"] if args.allowlist is not None else []
+    return allowlist(["update", "--no-cache", *settings_arguments(args), *chosen, "--", *map(str, args.paths)])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pgregistry.allowlist._engine import default_jobs
+    from pgregistry._source.engine import default_jobs
     from pgregistry.migrate._diff import unified_diff
     from pgregistry.migrate._engine import Helper, migrate
     from pgregistry.migrate._links import own_files

@@ -1,8 +1,9 @@
 """``pgregistry migrate``: rewrite reads of global process-group state into reads of a collection.
 
-Built on the allowlist's scanner and field table (:mod:`pgregistry.allowlist`): the reads the ratchet counts are
-the reads this package rewrites. libcst (the ``migrate`` extra) is imported by the modules below only, so
-``import pgregistry.migrate`` stays as cheap as ``import pgregistry``. The modules, in the order a run uses them:
+Built on the scanner and field table it shares with the allowlist ratchet (:mod:`pgregistry._source`): the reads
+the ratchet counts are the reads this package rewrites. libcst (the ``migrate`` extra) is imported by the modules
+below only, so ``import pgregistry.migrate`` stays as cheap as ``import pgregistry``. The modules, in the order a
+run uses them:
 
 - :mod:`~pgregistry.migrate._engine`: the run over a tree (scan, plan, rewrite, compile-check), split across cores;
 - :mod:`~pgregistry.migrate._phases`: work in two phases across processes, with one exchange between them;

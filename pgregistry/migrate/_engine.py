@@ -32,10 +32,11 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._engine import PARALLEL_MIN_BYTES, buckets, can_fork, scan_sources
-from pgregistry.allowlist._files import SourceFile
-from pgregistry.allowlist._scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
+from pgregistry._source.config import ScanConfig
+from pgregistry._source.engine import PARALLEL_MIN_BYTES, buckets, scan_sources
+from pgregistry._source.files import SourceFile
+from pgregistry._source.processes import can_fork
+from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom
 from pgregistry.migrate._megatron_release import ShimGetters, installed_shim_getters

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from pgregistry.allowlist._fixes import fallback_table
+from pgregistry._source.fields import fallback_table
 from pgregistry.migrate._style import DEFAULT_WIDTH
 
 __all__ = ["DEFAULT_NAME", "MARKER", "HelperConflict", "default_module", "helper_path", "helper_text", "table_text"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from pgregistry.allowlist._scanner import HELPER
+from pgregistry._source.scanner import HELPER
 from pgregistry.migrate._plan import BUILDER, Read
 
 __all__ = ["HELPERS", "TARGETS", "Idiom", "idiom"]

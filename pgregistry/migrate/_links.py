@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgregistry.allowlist._files import SourceFile, excluded, project_path
+from pgregistry._source.files import SourceFile, excluded, project_path
 
 __all__ = ["OwnFiles", "own_files"]
 

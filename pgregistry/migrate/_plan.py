@@ -1,6 +1,6 @@
 """Which reads ``pgregistry migrate`` rewrites, and how: one file's functions, their collections, each read's way.
 
-The scanner (:mod:`~pgregistry.allowlist._scanner`) says where the reads are; this module finds them in the
+The scanner (:mod:`~pgregistry._source.scanner`) says where the reads are; this module finds them in the
 file's libcst tree (by position), walks the scopes around each, and decides for every read, first that applies:
 
 0. ``left`` when what it is called on is not ``parallel_state`` itself (a parameter, ``self.mpu``, another
@@ -41,8 +41,8 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from pgregistry.allowlist._fixes import GTP_REMAT_DP, FieldChoice, collection_field
-from pgregistry.allowlist._scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
+from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._shims import Dissolved, dissolve
 from pgregistry.migrate._skeleton import covers, line_starts, lines, span
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
@@ -537,7 +537,7 @@ class _Locator(cst.CSTVisitor):
 
 def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
     """The field of a call site (an accessor or a fallback helper), or the reason none says what it reads
-    (``gtp_remat``: see :func:`~pgregistry.allowlist._fixes.collection_field`)."""
+    (``gtp_remat``: see :func:`~pgregistry._source.fields.collection_field`)."""
     call = read.call
     assert call is not None
     site = read.site
@@ -991,7 +991,7 @@ def plan_file(
     and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
     (:mod:`~pgregistry.migrate._skeleton`): a placeholder is never walked, its definition's name is
     taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
-    data-parallel reads are, see :func:`~pgregistry.allowlist._fixes.collection_field`). ``facts``: what the
+    data-parallel reads are, see :func:`~pgregistry._source.fields.collection_field`). ``facts``: what the
     whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the ratchet's default modules, no
     other file). ``shims``: what the release's ``use_mpu_process_groups`` calls for each field
     (:func:`~pgregistry.migrate._megatron_release.shim_getters`; None: not known, every shim stays);

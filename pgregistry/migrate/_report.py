@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
-from pgregistry.allowlist._report import FAMILIES, family_of
-from pgregistry.allowlist._scanner import FileResult
+from pgregistry._source.scanner import FAMILIES, FileResult, family_of
 from pgregistry.migrate._plan import LEFT, WAYS, Read
 
 __all__ = ["render_failures", "render_report", "tally"]

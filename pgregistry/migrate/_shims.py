@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from pgregistry.allowlist._fixes import collection_field
+from pgregistry._source.fields import collection_field
 
 __all__ = ["DEFAULT_BUILDER", "Dissolved", "dissolve"]
 

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pgregistry.allowlist._config import ConfigError, _read_toml
+from pgregistry._source.config import ConfigError
+from pgregistry._source.config import read_toml as _read_toml
 
 __all__ = ["DEFAULT_WIDTH", "line_length", "migrate_settings"]
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pgregistry.allowlist._storage import StorageError, atomic_write, exclusive
+from pgregistry._source.storage import StorageError, atomic_write, exclusive
 
 __all__ = ["JOURNAL", "Change", "WriteError", "finish_interrupted", "write_changes"]
 
@@ -134,7 +134,7 @@ def _record(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -
 def _write_temporary(change: Change, temporary: Path) -> None:
     """The new bytes beside the file, with its permissions, flushed to disk. A new file is opened with ``0666``, so
     the umask applies as to any new file (not ``0600``, which would hide the helper module from the tree's other
-    users), as :func:`~pgregistry.allowlist._storage.atomic_write` makes one."""
+    users), as :func:`~pgregistry._source.storage.atomic_write` makes one."""
     mode = None if change.created else os.stat(change.absolute).st_mode & 0o7777
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)
     with os.fdopen(handle, "wb") as stream:

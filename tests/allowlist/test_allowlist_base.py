@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from fixtures.scan_projects import THREE, Project, git
 
+from pgregistry.allowlist import main as allowlist_main
 from pgregistry.allowlist._baseline import base_limits
-from pgregistry.allowlist._cli import main as allowlist_main
 from pgregistry.allowlist._ratchet import Allowlist
 
 KEY = "step|get_data_parallel_group|call"

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from fixtures.scan_projects import Project
 
+from pgregistry._source.options import add_settings_options, settings_arguments
+from pgregistry.allowlist import main as allowlist_main
 from pgregistry.allowlist._cli import configure
-from pgregistry.allowlist._cli import main as allowlist_main
 from pgregistry.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -321,3 +322,17 @@ def test_the_docs_usage_lines_offer_what_help_offers() -> None:
         (line,) = (line for line in usage.splitlines() if line.split()[2] == name)
         offered = {s for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
         assert set(re.findall(r"--[a-z-]+", line)) == offered - shared, name
+
+
+def test_the_settings_options_handed_to_another_command_parse_back_to_the_same_settings() -> None:
+    """``migrate --write`` hands its settings options to ``allowlist update``: every option, repeated ones and
+    values that start with a dash included, arrives as it was given."""
+    parser = argparse.ArgumentParser()
+    add_settings_options(parser)
+    given = parser.parse_args([
+        "--config", "sub/pyproject.toml", "--isolated", "--exclude", "a/*", "--exclude=-odd/*",
+        "--extend-exclude", "b/*", "--extend-exclude=-c", "--module", "mpu", "--module", "ps", "--preset", "megatron",
+    ])
+    assert parser.parse_args(settings_arguments(given)) == given
+    nothing = parser.parse_args([])
+    assert settings_arguments(nothing) == [] and parser.parse_args(settings_arguments(nothing)) == nothing

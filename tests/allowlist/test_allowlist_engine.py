@@ -11,11 +11,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from fixtures.processes import gone_within, killed_parents_child
 
-from pgregistry.allowlist import _engine as engine
-from pgregistry.allowlist._cache import ScanCache, content_key
-from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._files import PathError, discover
+from pgregistry._source import engine
+from pgregistry._source.cache import ScanCache, content_key
+from pgregistry._source.config import ScanConfig
+from pgregistry._source.files import PathError, discover
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,6 +106,40 @@ def test_a_worker_that_dies_is_rescanned_not_waited_for(tree: Path, monkeypatch:
 
     monkeypatch.setattr(engine, "encode_result", killed)
     assert engine.scan_files(files, ScanConfig(), jobs=2).results == serial.results
+
+_KILLED_WHILE_SCANNING = """
+import os, signal, sys, time
+from pgregistry._source import engine
+from pgregistry._source.config import ScanConfig
+
+here, scan = os.getpid(), engine._scan_bucket
+
+
+def recorded(items, config):  # the child says who it is; this process, once the child has scanned, is killed
+    if os.getpid() != here:
+        with open(sys.argv[1] + ".tmp", "w") as record:
+            record.write(str(os.getpid()))
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    else:
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return scan(items, config)
+
+
+engine._scan_bucket, engine.PARALLEL_MIN_BYTES = recorded, 0
+engine.scan_sources([(f"m{i}.py", b"x = 1\\n") for i in range(4)], ScanConfig(), jobs=2)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_scanning_child_exits_when_the_process_scanning_is_killed(tmp_path: Path) -> None:
+    """A pool's worker waits for its next task on a queue it holds the write end of: killed by SIGKILL, its parent
+    would leave it waiting forever. A child of the scan exits once it has sent its bucket."""
+    child = killed_parents_child(_KILLED_WHILE_SCANNING, tmp_path)
+    assert gone_within(child, 20), f"the scan's child {child} outlived the process that scanned"
+
 
 def test_unreadable_file_is_a_failure(tmp_path: Path) -> None:
     _touch(tmp_path, "a.py")

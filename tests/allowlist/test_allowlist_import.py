@@ -7,7 +7,7 @@ import json
 import pytest
 from fixtures.scan_projects import Project
 
-from pgregistry.allowlist._cli import main as allowlist_main
+from pgregistry.allowlist import main as allowlist_main
 
 MAPPINGS = """
 from megatron.core import parallel_state

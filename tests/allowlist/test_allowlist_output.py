@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from fixtures.scan_projects import THREE, Project, git
 
-from pgregistry.allowlist._cli import main as allowlist_main
+from pgregistry.allowlist import main as allowlist_main
 from pgregistry.allowlist._report import GITHUB_ANNOTATION_CAP
 
 

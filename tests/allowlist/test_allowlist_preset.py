@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from fixtures.scan_projects import Project, keys, scan
 
-from pgregistry.allowlist._cli import main as allowlist_main
-from pgregistry.allowlist._config import PRESETS, ScanConfig
+from pgregistry._source.config import PRESETS, ScanConfig
+from pgregistry.allowlist import main as allowlist_main
 
 MEGATRON = PRESETS["megatron"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from fixtures.scan_projects import scan
 
+from pgregistry._source.scanner import FileResult
 from pgregistry.allowlist._ratchet import ALLOWLIST_VERSION, Allowlist, AllowlistError, compare
-from pgregistry.allowlist._scanner import FileResult
 
 
 def results(**sources: str) -> list[FileResult]:

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from fixtures.scan_projects import Project
 
+from pgregistry._source.scanner import _NEWER_SYNTAX
 from pgregistry.allowlist import _ratchet as ratchet
-from pgregistry.allowlist._cli import main as allowlist_main
-from pgregistry.allowlist._scanner import _NEWER_SYNTAX
+from pgregistry.allowlist import main as allowlist_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_an_unwritable_location_exits_2_with_one_line(project: Project, capsys: 
 KILL_DURING_WRITE = """
 import os, signal, sys
 os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # the process dies with the new bytes half-flushed
-from pgregistry.allowlist._cli import main
+from pgregistry.allowlist import main
 main(["update", "--no-cache"])
 """
 
@@ -186,9 +186,9 @@ def test_a_fifo_named_py_is_skipped_with_a_warning_not_read(listed: Project) -> 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Path) -> None:
-    from pgregistry.allowlist._config import ScanConfig
-    from pgregistry.allowlist._engine import scan_files
-    from pgregistry.allowlist._files import SourceFile
+    from pgregistry._source.config import ScanConfig
+    from pgregistry._source.engine import scan_files
+    from pgregistry._source.files import SourceFile
 
     os.mkfifo(tmp_path / "pipe.py")
     outcome: list[object] = []
@@ -278,8 +278,8 @@ def test_a_symlinked_root_keeps_project_keys_and_excludes(
     ],
 )
 def test_pep_701_f_strings_name_python_3_12_and_a_broken_f_string_does_not(source: str) -> None:
-    from pgregistry.allowlist._config import ScanConfig
-    from pgregistry.allowlist._scanner import scan_source
+    from pgregistry._source.config import ScanConfig
+    from pgregistry._source.scanner import scan_source
 
     failure = scan_source(source.encode(), "m.py", ScanConfig()).failure
     assert failure is not None and failure.needs == "3.12"

@@ -8,8 +8,8 @@ from fixtures.scan_projects import keys, scan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgregistry.allowlist import _scanner as scanner
-from pgregistry.allowlist._config import ConfigError, ScanConfig
+from pgregistry._source import scanner
+from pgregistry._source.config import ConfigError, ScanConfig
 
 TP = "get_tensor_model_parallel_group"
 

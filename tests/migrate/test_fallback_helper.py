@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pgregistry.allowlist._fixes import FieldChoice, collection_field, fallback_table
+from pgregistry._source.fields import FieldChoice, collection_field, fallback_table
 from pgregistry.migrate import _fallback_helper as helper
 from pgregistry.migrate._helper_file import helper_text, table_text
 from pgregistry.testing import run_world

@@ -14,7 +14,7 @@ from fixtures.scan_projects import Project
 
 pytest.importorskip("libcst")
 
-from pgregistry.allowlist._files import SourceFile  # noqa: E402
+from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
 from pgregistry.migrate._helper_file import helper_text  # noqa: E402
 from pgregistry.migrate._megatron_release import megatron_source  # noqa: E402

@@ -15,8 +15,8 @@ from fixtures.scan_projects import Project
 
 pytest.importorskip("libcst")
 
-from pgregistry.allowlist._config import PRESETS  # noqa: E402
-from pgregistry.allowlist._files import SourceFile  # noqa: E402
+from pgregistry._source.config import PRESETS  # noqa: E402
+from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
 from pgregistry.migrate import _engine, _plan, _rewrite, _skeleton  # noqa: E402
 from pgregistry.migrate._diff import unified_diff  # noqa: E402

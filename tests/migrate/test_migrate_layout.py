@@ -14,7 +14,7 @@ pytest.importorskip("libcst")
 
 import libcst as cst  # noqa: E402
 
-from pgregistry.allowlist._config import ConfigError  # noqa: E402
+from pgregistry._source.config import ConfigError  # noqa: E402
 from pgregistry.migrate._layout import split_header, split_statement  # noqa: E402
 from pgregistry.migrate._style import line_length  # noqa: E402
 
@@ -212,8 +212,8 @@ def test_a_line_length_that_is_no_number_is_named(tmp_path: Path) -> None:
 
 
 def test_a_migration_keeps_to_the_trees_line_length(tmp_path: Path) -> None:
-    from pgregistry.allowlist._config import PRESETS
-    from pgregistry.allowlist._files import SourceFile
+    from pgregistry._source.config import PRESETS
+    from pgregistry._source.files import SourceFile
     from pgregistry.migrate._engine import Helper, migrate
 
     source = textwrap.dedent("""\
@@ -235,8 +235,8 @@ def test_a_migration_keeps_to_the_trees_line_length(tmp_path: Path) -> None:
 
 
 def _migrated(tmp_path: Path, source: str, width: int = 100) -> str:
-    from pgregistry.allowlist._config import PRESETS
-    from pgregistry.allowlist._files import SourceFile
+    from pgregistry._source.config import PRESETS
+    from pgregistry._source.files import SourceFile
     from pgregistry.migrate._engine import Helper, migrate
 
     (tmp_path / "m.py").write_text(source)

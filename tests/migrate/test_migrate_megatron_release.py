@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fixtures.scan_projects import Project
 
-from pgregistry.allowlist._fixes import FieldChoice, collection_field
+from pgregistry._source.fields import FieldChoice, collection_field
 from pgregistry.migrate._megatron_release import megatron_source
 
 #: The accessor's signature before and since GTP remat (Megatron-Core's parallel_state.py).

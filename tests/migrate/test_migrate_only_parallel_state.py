@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("libcst")
 
-from pgregistry.allowlist._config import PRESETS, ScanConfig  # noqa: E402
-from pgregistry.allowlist._files import SourceFile  # noqa: E402
+from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
+from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.migrate._engine import Migration, migrate  # noqa: E402
 
 

@@ -15,8 +15,8 @@ from fixtures.processes import children_left
 
 cst = pytest.importorskip("libcst")
 
-from pgregistry.allowlist._config import PRESETS  # noqa: E402
-from pgregistry.allowlist._files import SourceFile  # noqa: E402
+from pgregistry._source.config import PRESETS  # noqa: E402
+from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.migrate import _engine as _migrate  # noqa: E402
 from pgregistry.migrate._engine import migrate  # noqa: E402
 from pgregistry.migrate._skeleton import restore, skeleton  # noqa: E402

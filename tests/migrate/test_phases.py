@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
-from fixtures.processes import children_left
+from fixtures.processes import children_left, gone_within, killed_parents_child
 
 from pgregistry.migrate._phases import TaskQueue, two_phases
 
@@ -56,6 +57,40 @@ def test_an_error_here_is_raised_and_every_child_is_reaped() -> None:
     with pytest.raises(RuntimeError, match="worker failed"):
         two_phases(_makers(3, fails_here=True), lambda firsts: [0, 0, 0], fork=True)  # type: ignore[arg-type]
     assert _no_child_left()
+
+
+_KILLED_HERE = """
+import os, signal, sys, time
+from pgregistry.migrate._phases import two_phases
+
+class Worker:
+    def __init__(self, index):
+        self.index = index
+
+    def first(self):
+        if self.index == 1:  # the child: say who it is, then wait for its instruction
+            with open(sys.argv[1] + ".tmp", "w") as record:
+                record.write(str(os.getpid()))
+            os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+            return 1
+        while not os.path.exists(sys.argv[1]):  # here, once the child sent its first result: killed
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def second(self, instruction):
+        return instruction
+
+two_phases([lambda: Worker(0), lambda: Worker(1)], lambda firsts: [0, 0], fork=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_child_exits_when_the_process_running_the_phases_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves no cleanup to run: a child waiting for its instruction must see the parent's end of its pipe
+    close, so it may hold no parent's end itself."""
+    child = killed_parents_child(_KILLED_HERE, tmp_path)
+    assert gone_within(child, 20), f"the child {child} outlived the process that ran the phases"
 
 
 def test_a_task_queue_hands_each_task_to_exactly_one_process() -> None:

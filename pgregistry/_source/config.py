@@ -33,6 +33,7 @@ __all__ = [
     "find_config_file",
     "load_settings",
     "preset",
+    "read_toml",
 ]
 
 #: Bump whenever the scanner's output for the same input could change: it is part of every cache key.
@@ -152,7 +153,9 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file at ``path`` (a ``pyproject.toml``, a ``ruff.toml``); ``ConfigError`` naming it when it cannot
+    be read or parsed, or when this Python has no TOML reader."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -188,7 +191,7 @@ def find_config_file(start: Path) -> Path | None:
     """The nearest ``pyproject.toml`` at or above ``start`` with a ``[tool.pgregistry.allowlist]`` table."""
     for directory in (start, *start.parents):
         candidate = directory / "pyproject.toml"
-        if candidate.is_file() and _table(_read_toml(candidate)) is not None:
+        if candidate.is_file() and _table(read_toml(candidate)) is not None:
             return candidate
     return None
 
@@ -228,7 +231,7 @@ def load_settings(config_file: Path | None, cwd: Path) -> Settings:
     if config_file is None:
         return Settings(root=cwd)
     config_file = config_file.resolve()
-    table = _table(_read_toml(config_file)) or {}
+    table = _table(read_toml(config_file)) or {}
     unknown = sorted(set(table) - set(_SCAN_KEYS) - _LIST_KEYS - _NAME_KEYS - _PATH_KEYS)
     if unknown:
         known = ", ".join(sorted({*_SCAN_KEYS, *_LIST_KEYS, *_NAME_KEYS, *_PATH_KEYS}))

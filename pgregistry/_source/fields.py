@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from pgregistry.allowlist._scanner import HELPER, REGISTRY, SHIM, Site
+from pgregistry._source.scanner import HELPER, REGISTRY, SHIM, Site
 
 __all__ = ["GTP_REMAT_DP", "FieldChoice", "collection_field", "fallback_table", "fix_for"]
 

@@ -32,10 +32,11 @@ from fnmatch import translate
 from functools import lru_cache
 from typing import Any
 
-from pgregistry.allowlist._config import ScanConfig
+from pgregistry._source.config import ScanConfig
 
 __all__ = [
     "CALL",
+    "FAMILIES",
     "GETATTR",
     "MODULE_SCOPE",
     "REFERENCE",
@@ -44,6 +45,7 @@ __all__ = [
     "Site",
     "decode_result",
     "encode_result",
+    "family_of",
     "module_name",
     "scan_source",
 ]
@@ -82,6 +84,23 @@ class Site:
     @property
     def key(self) -> str:
         return f"{self.scope}|{self.accessor}|{self.form}"
+
+
+#: The burn-down families of reads, in the order reports list them (:func:`family_of`).
+FAMILIES = ("direct", "global", "fallback", "shim", "registry")
+
+
+def family_of(site: Site) -> str:
+    """The burn-down family of a read: ``fallback`` (a fallback helper, or a read that only runs when a value
+    is missing), ``shim``, ``registry`` (pgregistry's own grid), ``global`` (a module global such as
+    ``_TENSOR_MODEL_PARALLEL_GROUP``) or ``direct`` (an accessor call or reference)."""
+    if site.family == SHIM:
+        return "shim"
+    if site.family == HELPER or site.guarded:
+        return "fallback"
+    if site.family == REGISTRY:
+        return "registry"
+    return "global" if site.accessor.startswith("_") else "direct"
 
 
 @dataclass(frozen=True)

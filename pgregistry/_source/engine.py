@@ -1,15 +1,14 @@
 """Scanning many files: read, look up the cache, parse the rest in parallel, store.
 
 Parsing dominates (``ast.parse`` of Megatron-LM's 250k-line ``megatron/`` tree takes 1.2-1.3 s on one
-core), so files the cache does not hold are split into size-balanced buckets, one per core; a
-:class:`~concurrent.futures.ProcessPoolExecutor` of ``fork``-started workers scans every extra bucket while
-this process scans the first. The workers inherit the file contents (the pool's initializer runs in the forked
-worker with the parent's objects: nothing is pickled to them) and send back compact :mod:`marshal`-encoded
-rows. The garbage collector is off while parsing: each tree is dropped as soon as it is walked and holds no
-reference cycles, so collections would only rescan the objects that stay alive.
+core), so files the cache does not hold are split into size-balanced buckets, one per core; a forked child
+(:mod:`pgregistry._source.processes`) scans every extra bucket while this process scans the first. The children
+inherit the file contents (nothing is pickled to them) and send back compact :mod:`marshal`-encoded rows. The
+garbage collector is off while parsing: each tree is dropped as soon as it is walked and holds no reference
+cycles, so collections would only rescan the objects that stay alive.
 
 Forking needs the ``fork`` start method and a single-threaded process; otherwise, or when there is too little
-work to repay a fork, everything runs in this process. A worker that fails (raises, dies, sends what does not
+work to repay a fork, everything runs in this process. A child that fails (raises, dies, sends what does not
 decode) is not trusted: its bucket is rescanned here, so a result never depends on how the work was split.
 """
 
@@ -17,21 +16,21 @@ from __future__ import annotations
 
 import gc
 import marshal
-import multiprocessing
 import os
 import stat
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
+from multiprocessing.connection import Connection
 from typing import Any
 
-from pgregistry.allowlist._cache import ScanCache, content_key
-from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._files import SourceFile
-from pgregistry.allowlist._scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
+from pgregistry._source.cache import ScanCache, content_key
+from pgregistry._source.config import ScanConfig
+from pgregistry._source.files import SourceFile
+from pgregistry._source.processes import Child, can_fork, start_child
+from pgregistry._source.scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
 
-__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "buckets", "can_fork", "default_jobs", "scan_files", "scan_sources"]
+__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "buckets", "default_jobs", "scan_files", "scan_sources"]
 
 #: Below this many bytes to parse, forking costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -60,11 +59,6 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def can_fork() -> bool:
-    """Whether work may be split into forked children: ``fork`` exists and no other thread could hold a lock."""
-    return hasattr(os, "fork") and threading.active_count() == 1
-
-
 def _scan_bucket(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> list[FileResult]:
     return [scan_source(data, path, config) for path, data in items]
 
@@ -80,31 +74,22 @@ def buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
     return [bucket for bucket in filled if bucket]
 
 
-_inherited_work: tuple[Sequence[tuple[str, bytes]], ScanConfig] | None = None
-"""In a worker of :func:`_scan_parallel`'s pool only: every file to scan and the configuration, inherited."""
+def _send_scan(
+    items: Sequence[tuple[str, bytes]], bucket: Sequence[int], config: ScanConfig, connection: Connection
+) -> None:
+    """In a child: the results of the inherited files at ``bucket``'s indexes, :mod:`marshal`-encoded, sent."""
+    scanned = _scan_bucket([items[i] for i in bucket], config)
+    connection.send_bytes(marshal.dumps([encode_result(result) for result in scanned]))
 
 
-def _inherit_work(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> None:
-    """The pool's initializer: runs in the forked worker, so ``items`` is the parent's list, not a copy sent."""
-    global _inherited_work
-    _inherited_work = (items, config)
-
-
-def _scan_encoded(bucket: Sequence[int]) -> bytes:
-    """In a worker: the results of the inherited files at ``bucket``'s indexes, :mod:`marshal`-encoded."""
-    assert _inherited_work is not None, "_scan_encoded runs only in a worker of _scan_parallel's pool"
-    items, config = _inherited_work
-    return marshal.dumps([encode_result(result) for result in _scan_bucket([items[i] for i in bucket], config)])
-
-
-def _worker_results(
-    future: Future[bytes], items: Sequence[tuple[str, bytes]], bucket: Sequence[int]
+def _child_results(
+    child: Child, items: Sequence[tuple[str, bytes]], bucket: Sequence[int]
 ) -> list[FileResult] | None:
-    """A worker's results for ``bucket``; None when it raised, died or sent what does not decode."""
+    """A child's results for ``bucket``; None when it raised, died or sent what does not decode."""
     try:
-        rows: Any = marshal.loads(future.result())
+        rows: Any = marshal.loads(child.connection.recv_bytes())
         return [decode_result(items[i][0], row) for i, row in zip(bucket, rows, strict=True)]
-    except Exception:  # noqa: BLE001 - whatever went wrong in the worker, its bucket is rescanned here
+    except Exception:  # noqa: BLE001 - whatever went wrong in the child, its bucket is rescanned here
         return None
 
 
@@ -113,19 +98,21 @@ def _scan_parallel(
 ) -> tuple[list[FileResult], int]:
     split = buckets(jobs, [len(data) for _, data in items])
     results: list[FileResult | None] = [None] * len(items)
-    with ProcessPoolExecutor(
-        len(split) - 1, mp_context=multiprocessing.get_context("fork"), initializer=_inherit_work,
-        initargs=(items, config),
-    ) as pool:
-        submitted = [(pool.submit(_scan_encoded, bucket), bucket) for bucket in split[1:]]
+    children: list[Child] = []
+    try:
+        for bucket in split[1:]:
+            children.append(start_child(partial(_send_scan, items, bucket, config), children))
         for index, result in zip(split[0], _scan_bucket([items[i] for i in split[0]], config), strict=True):
             results[index] = result
-        for future, bucket in submitted:
-            decoded = _worker_results(future, items, bucket)
-            if decoded is None:  # the worker failed: trust nothing it sent
+        for child, bucket in zip(children, split[1:], strict=True):
+            decoded = _child_results(child, items, bucket)
+            if decoded is None:  # the child failed: trust nothing it sent
                 decoded = _scan_bucket([items[i] for i in bucket], config)
             for index, result in zip(bucket, decoded, strict=True):
                 results[index] = result
+    finally:
+        for child in children:
+            child.kill()
     return [result for result in results if result is not None], len(split)
 
 

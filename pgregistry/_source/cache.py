@@ -1,7 +1,7 @@
 """Scan results keyed by content hash, so a re-run only parses what changed.
 
 A result is stored under a digest of the file's project path and bytes (the path matters: relative imports
-resolve against it), in a file named after the :class:`~pgregistry.allowlist._config.ScanConfig` fingerprint,
+resolve against it), in a file named after the :class:`~pgregistry._source.config.ScanConfig` fingerprint,
 which covers the scanner version and every setting that changes what it reports. So a cached result is reused
 exactly when a fresh scan would produce the same result; anything unreadable, truncated or of the wrong shape
 is ignored and rescanned, never trusted. Writes are atomic (temporary file, then rename).
@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pgregistry.allowlist._config import ScanConfig
-from pgregistry.allowlist._scanner import FileResult, decode_result, encode_result
-from pgregistry.allowlist._storage import atomic_write
+from pgregistry._source.config import ScanConfig
+from pgregistry._source.scanner import FileResult, decode_result, encode_result
+from pgregistry._source.storage import atomic_write
 
 __all__ = ["ScanCache", "content_key"]
 
