@@ -1,0 +1,116 @@
+"""List function names that do not say what they do: one word (``_on``, ``_each``) or a past participle (``agreed``).
+
+    python scripts/names.py                          # the whole package
+    python scripts/names.py pgregistry/layout.py pgregistry/cli   # some files or folders
+    python scripts/names.py --count                  # only the totals
+
+A function is flagged when its first word, leading underscores stripped, is a past participle (``agreed``,
+``checked_groups`` read as values, not as what a call does), or when its name is one word (no ``_`` inside) and it
+is not a method the receiver explains (``tracker.fork()``; a private method like ``self._raw()`` is still
+flagged) nor one of the entry points below. Properties name values and are skipped, as are dunder methods and
+methods whose name a base class fixes (``forward``, ``step``, ``visit_Call``). Prints ``path:line  name  (why)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Entry points whose one word is the convention (``main``) or the public API's (``pgregistry.build``).
+ONE_WORD_ENTRY_POINTS = frozenset("main build attach install".split())
+# Names a base class or protocol fixes (torch.nn.Module, Optimizer, argparse, libcst, structlog, pytest ...).
+FIXED_BY_BASE = frozenset(
+    "forward step zero_grad state_dict load_state_dict extra_repr reset_parameters default emit filter format "
+    "close flush fileno write read readline keys values items get".split()
+)
+IRREGULAR_PARTICIPLES = frozenset(
+    "seen given chosen written known taken shown done gone begun broken driven fallen forgotten frozen hidden "
+    "spoken thrown worn built kept left lost made meant met paid said sent sold spent told found held".split()
+)
+REGULAR_NOT_PARTICIPLES = frozenset("need embed shed seed bed feed speed red bleed breed proceed exceed".split())
+
+
+def is_participle(word: str) -> bool:
+    """Whether ``word`` reads as a past participle (``agreed``, ``checked``, ``seen``).
+
+    >>> [is_participle(w) for w in ("agreed", "checked", "seen", "seed", "build")]
+    [True, True, True, False, False]
+    """
+    if word in IRREGULAR_PARTICIPLES:
+        return True
+    return word.endswith("ed") and len(word) > 3 and word not in REGULAR_NOT_PARTICIPLES
+
+
+def why_unclear(name: str, public_method: bool = False) -> str | None:
+    """Why function name ``name`` does not say what it does, or None when it does.
+
+    >>> why_unclear("_on"), why_unclear("agreed"), why_unclear("_checked_groups"), why_unclear("read_layout")
+    ('one word', 'participle', 'participle', None)
+    >>> why_unclear("fork", public_method=True), why_unclear("_raw", public_method=False)
+    (None, 'one word')
+    """
+    if name.startswith("__") and name.endswith("__"):
+        return None
+    words = name.lstrip("_").split("_")
+    if is_participle(words[0]):
+        return "participle"
+    if len(words) == 1 and not public_method and words[0] not in ONE_WORD_ENTRY_POINTS:
+        return "one word"
+    return None
+
+
+def _is_property(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    decorators = [d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", "") for d in node.decorator_list]
+    return any(d in ("property", "cached_property", "setter") for d in decorators)
+
+
+def unclear_names(path: Path) -> Iterator[tuple[int, str, str]]:
+    """Yield ``(line, name, why)`` for each function defined in ``path`` whose name ``why_unclear`` flags."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    methods = {
+        id(item)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        for item in node.body
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        method = id(node) in methods
+        if _is_property(node) or method and (node.name in FIXED_BY_BASE or node.name.startswith("visit_")):
+            continue
+        why = why_unclear(node.name, public_method=method and not node.name.startswith("_"))
+        if why is not None:
+            yield node.lineno, node.name, why
+
+
+def python_files(paths: list[str]) -> list[Path]:
+    """The ``.py`` files at or under ``paths`` (the package when empty), sorted."""
+    roots = [REPO / p for p in paths] or [REPO / "pgregistry"]
+    found = {f for r in roots for f in ([r] if r.is_file() else r.rglob("*.py"))}
+    return sorted(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", help="files or folders, relative to the repository")
+    parser.add_argument("--count", action="store_true", help="print only the totals")
+    args = parser.parse_args(argv)
+    counts = {"one word": 0, "participle": 0}
+    for path in python_files(args.paths):
+        for line, name, why in unclear_names(path):
+            counts[why] += 1
+            if not args.count:
+                print(f"{path.relative_to(REPO)}:{line}  {name}  ({why})")
+    print(f"{sum(counts.values())} names: {counts['one word']} one word, {counts['participle']} participles")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
