@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from pgregistry._runtime.resolve import ParamsLike, normalise, resolve
+from pgregistry._runtime.resolve import ParamsLike, normalise_params, resolve_pg_collection
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
 from pgregistry.grad_stats._classification import unclassified_expert_params
@@ -230,8 +230,10 @@ def audit_grad_replication(
     Collective over those groups; raises ``ValueError`` on every rank when the ranks of a group hold different
     parameter structures.
     """
-    params = normalise(model_or_params)
-    collection = resolve(pg_collection, params.chunks, owner="audit_grad_replication", fallback=STATS_FALLBACK)
+    params = normalise_params(model_or_params)
+    collection = resolve_pg_collection(
+        pg_collection, params.chunks, owner="audit_grad_replication", fallback=STATS_FALLBACK
+    )
     missing = [name for name in ("ep", "dp_cp", "expt_dp") if not collection.is_set(name)]
     if missing:
         raise ValueError(f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)")

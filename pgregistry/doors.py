@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.allowlist._fixes import GTP_REMAT_DP
 from pgregistry.collection import check_field_names, group_size
 from pgregistry.fallback import warn_fallback
@@ -38,8 +38,8 @@ def _read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -
     owner, _ = reader(3)  # the function that called pg_*
     if field != GTP_REMAT_DP:
         names = cast(Any, check_field_names([field]))  # ValueError naming an unknown field
-        return value(getattr(resolve(pg_collection, owner=owner, fallback=names), field), kind)
-    resolved = resolve(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
+        return value(getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field), kind)
+    resolved = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
     if group_size(cast("ProcessGroup | None", resolved.gtp_remat)) != 1:  # resolved: set
         raise ValueError(
             f"{owner} reads the data-parallel group with GTP remat and without CP, which no field of pgregistry's "
@@ -88,4 +88,4 @@ def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Seque
 def resolve_collection(pg_collection: ProcessGroupCollection | None, *, owner: str) -> ProcessGroupCollection:
     """``pg_collection`` when given; else pgregistry's global grid, with the warning naming ``owner``
     (``RuntimeError`` when none is initialised); checked usable either way."""
-    return resolve(pg_collection, owner=owner)
+    return resolve_pg_collection(pg_collection, owner=owner)

@@ -327,13 +327,13 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
 def _keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
     """How many of this rank's communicators have members that all survive and form a communicator of the smaller
     layout under the rank map."""
-    from pgregistry._runtime.communicators import communicators
+    from pgregistry._runtime.communicators import kinds_by_communicator
 
     if rank not in shrunk.rank_map:
         return 0
-    new_sets = communicators(shrunk.layout)
+    new_sets = kinds_by_communicator(shrunk.layout)
     count = 0
-    for ranks in communicators(layout):
+    for ranks in kinds_by_communicator(layout):
         if rank in ranks and all(r in shrunk.rank_map for r in ranks):
             count += tuple(sorted(shrunk.rank_map[r] for r in ranks)) in new_sets
     return count

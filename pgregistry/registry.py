@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import attrs
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import agree, joined, require_distributed
-from pgregistry._runtime.attendance import attended
-from pgregistry._runtime.group_cache import BUILD_ADVICE, CACHE, GroupOptions, checked_options
+from pgregistry._runtime.agreement import check_agreement, combine_faults, require_distributed
+from pgregistry._runtime.attendance import require_attendance
+from pgregistry._runtime.group_cache import BUILD_ADVICE, CACHE, GroupOptions, check_group_options
 from pgregistry._runtime.logger import get_logger
 from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection, _Lifetime
 from pgregistry.layout import GROUP_KINDS, ParallelLayout, RankGroup
@@ -89,16 +89,16 @@ def build(
     and finite (NaN, inf, 0, negative).
     """
     require_distributed("pgregistry.build")
-    options, described, fault = checked_options(backend, timeout)
+    options, described, fault = check_group_options(backend, timeout)
     if isinstance(layout, ParallelLayout):
         declared = {f.name: repr(getattr(layout, f.name)) for f in attrs.fields(ParallelLayout) if f.init}
     else:
         declared = {"layout": repr(layout)}
-        fault = joined(fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}"))
+        fault = combine_faults(fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}"))
     if name is not None and (not isinstance(name, str) or not name):
-        fault = joined(fault, TypeError(f"name must be a non-empty string or None, got {name!r}"))
-    with attended(f"pgregistry.build of {_label(name, layout)}", options.timeout, BUILD_ADVICE):
-        agree(
+        fault = combine_faults(fault, TypeError(f"name must be a non-empty string or None, got {name!r}"))
+    with require_attendance(f"pgregistry.build of {_label(name, layout)}", options.timeout, BUILD_ADVICE):
+        check_agreement(
             "the layout to build", {"name": repr(name), **declared, **described}, fault, advice=BUILD_ADVICE,
             timeout=options.timeout,
         )
@@ -159,8 +159,8 @@ def _check_same_build(name: str | None, previous: _Built, layout: ParallelLayout
     differences = []
     if previous.layout != layout:
         differences.append(f"layout {previous.layout!r} then {layout!r}")
-    for option, before in previous.options.described().items():
-        now = options.described()[option]
+    for option, before in previous.options.describe().items():
+        now = options.describe()[option]
         if before != now:
             differences.append(f"{option}={before} then {option}={now}")
     if differences:
@@ -182,11 +182,13 @@ def _refuse_other_options(
         if existing is not None and existing != options:
             conflict = (
                 f"{_label(name, layout)} needs a communicator over ranks {list(ranks)}, which already exists with "
-                f"{existing.described()}, and this build asks {options.described()}: one communicator per rank set, "
+                f"{existing.describe()}, and this build asks {options.describe()}: one communicator per rank set, "
                 "so build with the same backend and timeout, or destroy() first"
             )
             break
-    agree("pgregistry.build", {}, conflict, failed="found a communicator with other options", timeout=options.timeout)
+    check_agreement(
+        "pgregistry.build", {}, conflict, failed="found a communicator with other options", timeout=options.timeout
+    )
 
 
 def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
@@ -210,7 +212,7 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
     what it passed."""
     require_distributed("pgregistry.registry.adopt")
     given, fault = _process_groups(groups)
-    agree("pgregistry.registry.adopt", {}, fault)
+    check_agreement("pgregistry.registry.adopt", {}, fault)
     CACHE.adopt(given)
 
 

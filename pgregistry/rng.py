@@ -42,7 +42,7 @@ from typing import Any, Final, Literal
 import attrs
 import torch
 
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.layout import ParallelLayout
 
@@ -318,7 +318,7 @@ def model_parallel_manual_seed(
     (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`).
     """
     fields = _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
-    collection = resolve(pg_collection, owner="model_parallel_manual_seed", fallback=fields)
+    collection = resolve_pg_collection(pg_collection, owner="model_parallel_manual_seed", fallback=fields)
     seeds = rank_seeds(seed, collection, data_parallel_random_init=data_parallel_random_init)
     tracker = tracker if tracker is not None else _default_tracker
     tracker.reset()

@@ -296,8 +296,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="torchtitan-options-not-agreed",
         bug="to_parallel_dims accepts an spmd_backend / device_type that differs across ranks",
         file="pgregistry/interop/torchtitan.py",
-        find='    agree("to_parallel_dims", options, ',
-        replace='    agree("to_parallel_dims", {}, ',
+        find='    check_agreement("to_parallel_dims", options, ',
+        replace='    check_agreement("to_parallel_dims", {}, ',
         tests=(
             "tests/torchtitan/test_torchtitan_agreement.py::"
             "test_options_that_differ_across_ranks_are_refused_on_every_rank",
@@ -309,7 +309,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="with_hsdp_groups of a span collection raises on the ranks outside the span only (the others wait)",
         file="pgregistry/mesh.py",
         find='    require_distributed("with_hsdp_groups")\n',
-        replace='    require_distributed("with_hsdp_groups")\n    checked(pg_collection, "with_hsdp_groups")\n',
+        replace='    require_distributed("with_hsdp_groups")\n    check_usable(pg_collection, "with_hsdp_groups")\n',
         tests=("tests/core/test_hsdp_spans.py::test_a_span_collection_is_split_by_every_rank_and_held_by_its_own",),
     ),
     Mutant(
@@ -397,8 +397,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="MultiModuleOptimizer.step raises on the rank given a bad max_norm before the world all-reduce, and the "
         "other ranks wait in it (a string on one rank hung three)",
         file="pgregistry/modules/_optimizer.py",
-        find="        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n",
-        replace="        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n"
+        find="        error = combine_faults(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n",
+        replace="        error = combine_faults(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n"
         "        if error is not None:\n            raise error\n",
         tests=(
             "tests/modules/test_modules_settings_agreed.py::"

@@ -2,7 +2,7 @@
 resolution).
 
 An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the optimizer
-builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise` and :func:`resolve` once and
+builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params` and :func:`resolve` once and
 passes what they return down; nothing below the door resolves again. The collection is, in this order:
 
 1. the collection passed explicitly (refused when the model carries another one: which would win is a guess);
@@ -39,7 +39,15 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-__all__ = ["Params", "ParamsLike", "checked", "fill", "grid_reads", "normalise", "resolve"]
+__all__ = [
+    "Params",
+    "ParamsLike",
+    "check_usable",
+    "fill_unset_fields",
+    "grid_reads",
+    "normalise_params",
+    "resolve_pg_collection",
+]
 
 ParamsLike: TypeAlias = (
     "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]"
@@ -57,7 +65,7 @@ class Params:
     named: tuple[tuple[str, torch.Tensor], ...]
 
 
-def normalise(model_or_params: ParamsLike) -> Params:
+def normalise_params(model_or_params: ParamsLike) -> Params:
     """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
     iterables of tensors. A model's parameters are named as ``named_parameters`` names them (prefixed
     ``chunk<i>.`` when there are several chunks), each with the roles of the parameter it replaced when it is the
@@ -101,7 +109,7 @@ def normalise(model_or_params: ParamsLike) -> Params:
     return Params(tuple(chunks), tuple(named))
 
 
-def resolve(
+def resolve_pg_collection(
     pg_collection: ProcessGroupCollection | None,
     chunks: Sequence[nn.Module] = (),
     *,
@@ -109,7 +117,8 @@ def resolve(
     fallback: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
     """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET fields of
-    ``fallback`` filled by :func:`fill` (from the global grid, each with a warning, where the collection does not
+    ``fallback`` filled by :func:`fill_unset_fields` (from the global grid, each with a warning, where the collection
+    does not
     fix them; ``RuntimeError`` when there is none to read).
 
     ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when it disagrees with
@@ -132,11 +141,11 @@ def resolve(
         collection = attached
     else:
         collection = _global_grid_for(owner, model_given=bool(chunks))
-    collection = checked(collection, owner)
-    return fill(collection, fallback, owner)
+    collection = check_usable(collection, owner)
+    return fill_unset_fields(collection, fallback, owner)
 
 
-def checked(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
+def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
     """``collection``, refused (``ValueError``) when this rank is not a member of its layout or its groups were
     destroyed (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a collection. For entry points
     that take a collection only, never ``None``."""
@@ -180,7 +189,7 @@ def _global_grid_for(owner: str, *, model_given: bool) -> ProcessGroupCollection
     return grid
 
 
-def fill(
+def fill_unset_fields(
     collection: ProcessGroupCollection,
     names: Iterable[GroupName],
     owner: str,
@@ -233,7 +242,8 @@ def fill(
 def grid_reads(
     collection: ProcessGroupCollection, names: Iterable[GroupName], unneeded: Iterable[GroupName] = ()
 ) -> list[GroupName]:
-    """The fields among ``names`` that :func:`fill` reads from the global grid: UNSET, not left one rank by the
+    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid: UNSET, not left one rank
+    by the
     collection's composite groups, and not ``unneeded`` unless the composites say they span several ranks."""
     skipped = set(unneeded)
     reads = []

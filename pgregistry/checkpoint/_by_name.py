@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry._runtime.resolve import normalise, resolve
+from pgregistry._runtime.resolve import normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import Scope, agreed, scope_of
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
@@ -132,7 +132,7 @@ def checkpoint_scope(model_chunks: Any, naming: NamingOptions) -> Scope:
     if isinstance(explicit, ProcessGroupCollection):
         return scope_of(explicit)
     try:
-        chunks = normalise(model_chunks).chunks
+        chunks = normalise_params(model_chunks).chunks
         attached = collection_of(chunks, None) if chunks else None
     except (TypeError, ValueError):
         attached = None  # the door names the fault, agreed over the world
@@ -151,10 +151,10 @@ def rank_model(
     fallback warnings). ``scope`` is the ranks the call runs over (:func:`checkpoint_scope`); it must be the
     resolved collection's (``ValueError`` otherwise)."""
     checked_naming(naming, owner)
-    chunks = normalise(model_chunks).chunks
+    chunks = normalise_params(model_chunks).chunks
     if not chunks:
         raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
-    collection = resolve(naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK)
+    collection = resolve_pg_collection(naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK)
     resolved_scope = scope_of(collection)
     if scope is not None and scope != resolved_scope:
         raise ValueError(

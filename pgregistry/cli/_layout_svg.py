@@ -538,7 +538,7 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
 
 def _shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str, str]) -> None:
     svg.heading("Shared communicators: the same ranks, named by these kinds")
-    rows = comparison.shared_by_kinds()
+    rows = comparison.group_shared_by_kinds()
     widest = max((len(", ".join(row.kinds_a)) for row in rows), default=0)
     columns = (0, 60, 130, max(480, 130 + 7 * widest))  # 11 px: under 7 px a character
     for x, name in zip(columns, ("count", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}"), strict=True):

@@ -105,9 +105,9 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
     """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank are counted over
     the layout's ranks."""
-    from pgregistry._runtime.communicators import communicators, communicators_per_rank
+    from pgregistry._runtime.communicators import communicators_per_rank, kinds_by_communicator
 
-    per_rank = communicators_per_rank(communicators(layout), range(*layout.rank_range()))
+    per_rank = communicators_per_rank(kinds_by_communicator(layout), range(*layout.rank_range()))
     return {
         "gpus_per_node": placement.gpus_per_node,
         "world_size": placement.world_size,
@@ -252,7 +252,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.svg or args.html:
         svg = render_compare_svg(comparison, args.gpus_per_node, names)
         _write(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
-    shared = comparison.shared_by_kinds()
+    shared = comparison.group_shared_by_kinds()
     overlap = comparison.overlap
     per_rank = comparison.communicators_per_rank()
     report: dict[str, Any] = {

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypedDict
 
-from pgregistry._runtime.resolve import normalise, resolve
+from pgregistry._runtime.resolve import normalise_params, resolve_pg_collection
 from pgregistry.attachments import wrapper_chain
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
 from pgregistry.experts._ep import ep_rank_and_size
@@ -96,7 +96,7 @@ class GlobalNamer:
         pg_collection = options.get("pg_collection")
 
         def collection() -> ProcessGroupCollection:
-            return resolve(pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK)
+            return resolve_pg_collection(pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK)
 
         return cls(
             chunks, collection, num_experts=options.get("num_experts"), layer_offsets=options.get("layer_offsets")
@@ -239,7 +239,7 @@ def get_global_unique_param_name(
 
 
 def _chunks(model_chunks: nn.Module | Sequence[nn.Module], owner: str) -> tuple[nn.Module, ...]:
-    chunks = normalise(model_chunks).chunks
+    chunks = normalise_params(model_chunks).chunks
     if not chunks:
         raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
     return chunks

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry._runtime.resolve import ParamsLike, normalise, resolve
+from pgregistry._runtime.resolve import ParamsLike, normalise_params, resolve_pg_collection
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
@@ -64,8 +64,10 @@ def check_expert_classification(
     naming every such parameter; classify each with :func:`~pgregistry.params.mark_expert` or
     :func:`~pgregistry.params.mark_expert_replicated`.
     """
-    params = normalise(model_or_params)
-    collection = resolve(pg_collection, params.chunks, owner="check_expert_classification", fallback=("ep",))
+    params = normalise_params(model_or_params)
+    collection = resolve_pg_collection(
+        pg_collection, params.chunks, owner="check_expert_classification", fallback=("ep",)
+    )
     require_classified_experts(params, collection)
 
 

@@ -55,7 +55,14 @@ from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.agreement import any_rank_has
-from pgregistry._runtime.resolve import Params, ParamsLike, fill, grid_reads, normalise, resolve
+from pgregistry._runtime.resolve import (
+    Params,
+    ParamsLike,
+    fill_unset_fields,
+    grid_reads,
+    normalise_params,
+    resolve_pg_collection,
+)
 from pgregistry.collection import GroupName, ProcessGroupCollection
 from pgregistry.grad_stats._classification import holds_experts, require_classified_experts
 from pgregistry.grad_stats._devices import reduction_device
@@ -430,10 +437,10 @@ class Kept:
     """A plan and what it was made from: the collection, the parameter set, the roles (module docstring)."""
 
     def __init__(self, source: _Source, given: ProcessGroupCollection, owner: str) -> None:
-        params = normalise(source.given)
+        params = normalise_params(source.given)
         self.given = given
         self.unneeded = _unneeded_fields(params, given)
-        collection = fill(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
+        collection = fill_unset_fields(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
         require_classified_experts(params, collection)
         self.collection = collection
         self._reads_grid = bool(grid_reads(given, STATS_FALLBACK, self.unneeded))
@@ -510,7 +517,7 @@ class Kept:
             return None
         if not self._reads_grid:
             return params
-        collection = fill(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
+        collection = fill_unset_fields(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
         return params if collection is self.collection or collection == self.collection else None
 
 
@@ -544,7 +551,7 @@ def kept_plan(
     (normalised once, the grad-statistics fields the model needs filled, :func:`_unneeded_fields`, unclassified
     experts refused, classified); its parameters, in the plan's order, and the filled collection."""
     source = _source_of(model_or_params)
-    given = resolve(pg_collection, source.chunks, owner=owner)
+    given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
     kept = _KEPT.get(source.chunks[0]) if source.chunks else (_KEPT_TENSORS[0] if _KEPT_TENSORS else None)
     params = kept.current(source, given, owner) if kept is not None else None
     if kept is None or params is None:

@@ -33,7 +33,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Final
 
 from pgregistry._runtime.logger import get_logger
-from pgregistry._runtime.resolve import checked
+from pgregistry._runtime.resolve import check_usable
 from pgregistry.collection import (
     FIELD_NAMES,
     NOT_MEMBER,
@@ -143,7 +143,7 @@ def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -
 
     if isinstance(pg_collection, MultiModuleCollection):
         return _to_megatron_modules(pg_collection)
-    pg_collection = checked(pg_collection, "to_megatron")
+    pg_collection = check_usable(pg_collection, "to_megatron")
     known = set(_megatron_fields())
     fields: dict[str, Any] = {}
     for name, value in pg_collection.items():
@@ -391,7 +391,7 @@ def seed_megatron_rng(
 
     from pgregistry.rng import DATA_PARALLEL_RNG, EGTP_REMAT_RNG, GTP_REMAT_RNG, rank_seeds
 
-    pg_collection = checked(pg_collection, "seed_megatron_rng")
+    pg_collection = check_usable(pg_collection, "seed_megatron_rng")
     needed = _SEED_GROUPS + (("dp",) if data_parallel_random_init else ())
     missing = [name for name in needed if not pg_collection.is_set(name)]
     if missing:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pgregistry._runtime.agreement import agree
+from pgregistry._runtime.agreement import check_agreement
 from pgregistry.checkpoint import save_rank_files
 from pgregistry.checkpoint._agreement import lost_ranks_named, world_scope
 from pgregistry.checkpoint._rank_files import prepared_load
@@ -60,7 +60,9 @@ def save_checkpoint(
                 save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
             except (ValueError, OSError, RuntimeError) as exc:
                 errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to save", advice=MODULES_ADVICE)
+        check_agreement(
+            owner, described(modules), "; ".join(errors) or None, failed="failed to save", advice=MODULES_ADVICE
+        )
     return directory
 
 
@@ -96,7 +98,9 @@ def load_checkpoint(
                 )
             except (ValueError, OSError, RuntimeError) as exc:
                 errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to load", advice=MODULES_ADVICE)
+        check_agreement(
+            owner, described(modules), "; ".join(errors) or None, failed="failed to load", advice=MODULES_ADVICE
+        )
     for copy in copies:
         copy()
 
@@ -136,5 +140,5 @@ def _agreed(
             problems.append(f"naming for {name!r}: {exc}")
         if "pg_collection" in options:
             problems.append(f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection")
-    agree(owner, described(modules), "; ".join(problems) or None, advice=MODULES_ADVICE)
+    check_agreement(owner, described(modules), "; ".join(problems) or None, advice=MODULES_ADVICE)
     return given, naming

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pgregistry._runtime.agreement import agree, joined
+from pgregistry._runtime.agreement import check_agreement, combine_faults
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification, clip_grads_
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
@@ -68,7 +68,7 @@ class MultiModuleOptimizer:
         if not isinstance(modules, MultiModuleCollection):
             raise TypeError(f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
         given, error = check_models(optimizers, modules, "MultiModuleOptimizer", _built_on_the_module, noun="optimizer")
-        agree("MultiModuleOptimizer", described(modules), error, advice=MODULES_ADVICE)
+        check_agreement("MultiModuleOptimizer", described(modules), error, advice=MODULES_ADVICE)
         self._optimizers: Mapping[str, ChainedOptimizer] = MappingProxyType(given)
         self._modules = modules
 
@@ -180,7 +180,7 @@ class MultiModuleOptimizer:
         _, error = check_models(
             state_dict, self._modules, "MultiModuleOptimizer.load_state_dict", self._check_state, noun="state"
         )
-        agree("MultiModuleOptimizer.load_state_dict", described(self._modules), error, advice=MODULES_ADVICE)
+        check_agreement("MultiModuleOptimizer.load_state_dict", described(self._modules), error, advice=MODULES_ADVICE)
         for name, optimizer in self._optimizers.items():
             optimizer.load_state_dict(state_dict[name])
 
@@ -201,7 +201,7 @@ class MultiModuleOptimizer:
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
         fields = {"norm_type": repr(norm_type), "max_norm": repr(max_norm)}  # None too: step's "do not clip"
-        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
+        error = combine_faults(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
         if zeros:
             both, fault = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm_and_zeros(p))
             norms: dict[str, torch.Tensor] = {name: pair[0] for name, pair in both.items()}
@@ -209,7 +209,8 @@ class MultiModuleOptimizer:
         else:
             (norms, fault), counts = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm(p)), None
         norm, count = reduce_over_modules(
-            list(self._modules), norms=norms, norm_type=p, zeros=counts, check=(subject, fields, joined(error, fault))
+            list(self._modules), norms=norms, norm_type=p, zeros=counts,
+            check=(subject, fields, combine_faults(error, fault)),
         )
         assert norm is not None
         return norm, count
@@ -286,7 +287,8 @@ def build_optimizer(
            if isinstance(per_module[name], Mapping)},
     }
     owner = "pgregistry.modules.build_optimizer"
-    agree(owner, request, joined(options_error(options, per_module, list(modules)), error), advice=MODULES_ADVICE)
+    fault = combine_faults(options_error(options, per_module, list(modules)), error)
+    check_agreement(owner, request, fault, advice=MODULES_ADVICE)
     optimizers, failures = {}, []
     for name, model in given.items():
         try:
@@ -294,6 +296,6 @@ def build_optimizer(
         except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed below
             failures.append(type(exc)(f"module {name!r}: {exc}"))
     # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on any rank.
-    agree(owner, described(modules), joined(*failures), failed="could not build a module's optimizer",
+    check_agreement(owner, described(modules), combine_faults(*failures), failed="could not build a module's optimizer",
           advice=MODULES_ADVICE)
     return MultiModuleOptimizer(optimizers, modules)

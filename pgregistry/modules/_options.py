@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pgregistry._runtime.agreement import Fault, joined
+from pgregistry._runtime.agreement import Fault, combine_faults
 from pgregistry.grad_stats._arguments import real_number
 from pgregistry.optim import build_optimizer as build_module_optimizer
 
@@ -41,7 +41,7 @@ def options_error(options: Mapping[str, Any], per_module: Mapping[str, Any], mod
             fault = _error(option, value)
             if fault is not None:
                 faults.append(type(fault)(f"module {name!r}: {fault}"))
-    return joined(*faults)
+    return combine_faults(*faults)
 
 
 def described_options(options: Mapping[str, Any]) -> str:

@@ -29,8 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import Fault, agree, joined, settle, verdict_of
-from pgregistry._runtime.resolve import ParamsLike, normalise
+from pgregistry._runtime.agreement import (
+    Fault,
+    check_agreement,
+    check_verdict,
+    combine_faults,
+    verdict_of,
+)
+from pgregistry._runtime.resolve import ParamsLike, normalise_params
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
@@ -114,7 +120,7 @@ def clip_grad_norm_(
     not_a_flag = None
     if not isinstance(error_if_nonfinite, bool):
         not_a_flag = TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
-    bad = joined(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
+    bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
     given = _agreed(models, modules, owner, options, extra_error=bad)
     p = float(norm_type)
@@ -151,7 +157,7 @@ def reduce_over_modules(
     float64 as one more slot. ``check`` (the call's name, the settings every rank must have alike as texts, and
     this rank's fault) travels in the same all-reduce as an agreement's verdict
     (:func:`pgregistry._runtime.agreement.verdict_of`): ranks that differ or any rank's fault raise on every rank,
-    naming the setting or fault and the ranks (:func:`~pgregistry._runtime.agreement.settle`). Returns
+    naming the setting or fault and the ranks (:func:`~pgregistry._runtime.agreement.check_verdict`). Returns
     ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim tensor, float64 when any module's norm is,
     else float32 (NaN when any module's is NaN, else infinite when any is), the count an int.
     """
@@ -174,7 +180,7 @@ def reduce_over_modules(
         packed[2 * count + 1 :] = torch.tensor(verdict, dtype=torch.float64)  # exact: 52-bit digests
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     if check is not None:
-        settle(check[0], check[1], check[2], packed[2 * count + 1 :].tolist(), advice=_STEP_ADVICE)
+        check_verdict(check[0], check[1], check[2], packed[2 * count + 1 :].tolist(), advice=_STEP_ADVICE)
     p = float(norm_type)
     total = None
     if norms is not None:
@@ -238,7 +244,7 @@ def module_values(given: Mapping[str, Any], compute: Callable[[str, Any], Any]) 
             values[name] = compute(name, item)
         except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed in the reduce
             faults.append(type(exc)(f"module {name!r}: {exc}"))
-    return values, joined(*faults)
+    return values, combine_faults(*faults)
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
@@ -306,7 +312,7 @@ def _agreed(
     extra_error: Fault = None,
 ) -> dict[str, ParamsLike]:
     """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
-    a fault (``pgregistry._runtime.agreement.agree``)."""
+    a fault (``pgregistry._runtime.agreement.check_agreement``)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
 
@@ -316,14 +322,14 @@ def _agreed(
         check_expert_classification(model, collection)
 
     given, error = check_models(models, modules, owner, statistics_accept)
-    agree(owner, {**described(modules), **options}, joined(extra_error, error), advice=MODULES_ADVICE)
+    check_agreement(owner, {**described(modules), **options}, combine_faults(extra_error, error), advice=MODULES_ADVICE)
     return given
 
 
 def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
     """The grads of ``model`` as tensors to scale in place: each parameter's ``.grad`` (a DTensor's local piece)."""
     grads = []
-    for _, param in normalise(model).named:
+    for _, param in normalise_params(model).named:
         grad = param.grad
         if grad is None:
             continue
