@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["pg_group", "pg_rank", "pg_read", "pg_size", "resolve_collection", "resolve_megatron_collection"]
 
 
-def _read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
+def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
     owner, _ = reader(3)  # the function that called pg_*
     if field != GTP_REMAT_DP:
         names = cast(Any, check_field_names([field]))  # ValueError naming an unknown field
@@ -53,22 +53,22 @@ def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str)
     ``first_stage``, ``last_stage``, or ``group`` / ``rank`` / ``size``) of ``field``: the collection's, else
     the global grid's with the warning (``RuntimeError`` when there is none). ``None`` (an axis that is off) is
     this rank alone."""
-    return _read(pg_collection, field, kind)
+    return _read_field(pg_collection, field, kind)
 
 
 def pg_group(pg_collection: ProcessGroupCollection | None, field: str) -> Any:
     """The group ``field`` (see :func:`pg_read`)."""
-    return _read(pg_collection, field, "group")
+    return _read_field(pg_collection, field, "group")
 
 
 def pg_rank(pg_collection: ProcessGroupCollection | None, field: str) -> int:
     """This rank in the group ``field`` (see :func:`pg_read`)."""
-    return int(_read(pg_collection, field, "rank"))
+    return int(_read_field(pg_collection, field, "rank"))
 
 
 def pg_size(pg_collection: ProcessGroupCollection | None, field: str) -> int:
     """The size of the group ``field`` (see :func:`pg_read`)."""
-    return int(_read(pg_collection, field, "size"))
+    return int(_read_field(pg_collection, field, "size"))
 
 
 def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Sequence[str] | None = None) -> Any:

@@ -94,16 +94,16 @@ def _filter_action(message: str, category: type[Warning], module: str, lineno: i
     """The action the active warning filters would take, matched as :func:`warnings.warn_explicit` does."""
     for action, msg, cat, mod, line in warnings.filters:
         if (
-            (msg is None or _matches(msg, message))
+            (msg is None or _pattern_matches(msg, message))
             and issubclass(category, cat)
-            and (mod is None or _matches(mod, module))
+            and (mod is None or _pattern_matches(mod, module))
             and (line == 0 or line == lineno)
         ):
             return str(action)
     return str(getattr(warnings, "defaultaction", "default"))
 
 
-def _matches(pattern: re.Pattern[str] | str, text: str) -> bool:
+def _pattern_matches(pattern: re.Pattern[str] | str, text: str) -> bool:
     if isinstance(pattern, str):
         return re.match(pattern, text) is not None
     return pattern.match(text) is not None

@@ -113,7 +113,7 @@ GROUP_KINDS: Final[tuple[str, ...]] = (*DENSE_GROUP_KINDS, *EXPERT_GROUP_KINDS, 
 """Every group kind a layout enumerates, in the deterministic order groups are created."""
 
 
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+def _check_positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
 
@@ -193,14 +193,14 @@ class ParallelLayout:
     combinations raise ``ValueError`` naming the offending size, so an invalid layout cannot exist.
     """
 
-    num_ranks: int = attrs.field(validator=_positive)
-    tp: int = attrs.field(default=1, validator=_positive)
-    cp: int = attrs.field(default=1, validator=_positive)
-    pp: int = attrs.field(default=1, validator=_positive)
-    ep: int = attrs.field(default=1, validator=_positive)
-    expt_tp: int = attrs.field(default=attrs.Factory(lambda self: self.tp, takes_self=True), validator=_positive)
-    gtp_remat: int = attrs.field(default=1, validator=_positive)
-    expt_gtp_remat: int = attrs.field(default=1, validator=_positive)
+    num_ranks: int = attrs.field(validator=_check_positive)
+    tp: int = attrs.field(default=1, validator=_check_positive)
+    cp: int = attrs.field(default=1, validator=_check_positive)
+    pp: int = attrs.field(default=1, validator=_check_positive)
+    ep: int = attrs.field(default=1, validator=_check_positive)
+    expt_tp: int = attrs.field(default=attrs.Factory(lambda self: self.tp, takes_self=True), validator=_check_positive)
+    gtp_remat: int = attrs.field(default=1, validator=_check_positive)
+    expt_gtp_remat: int = attrs.field(default=1, validator=_check_positive)
     order: str = attrs.field(default=DEFAULT_ORDER, converter=lambda s: str(s).lower())
     rank_offset: int = attrs.field(default=0, validator=_non_negative)
     dp: int = attrs.field(init=False)
@@ -217,7 +217,7 @@ class ParallelLayout:
                 f"{span} is more ranks than torch.distributed can address (at most {MAX_WORLD_SIZE} = 2**31 - 1: "
                 "ranks are C ints)"
             )
-        tokens = self._validated_order_tokens()
+        tokens = self._validate_order_tokens()
         dense_product = self.tp * self.gtp_remat * self.cp * self.pp
         if self.num_ranks % dense_product:
             raise ValueError(
@@ -251,8 +251,10 @@ class ParallelLayout:
             "expt_dp": expt_dp, "pp": self.pp,
         }
         declared = tuple(self.order.split("-"))
-        dense = self._grid(declared, tokens, _DENSE_AXES, "gtp_remat", dense_sizes, after=OrderToken.TP.value)
-        expert = self._grid(declared, tokens, _EXPERT_AXES, "expt_gtp_remat", expert_sizes, after=OrderToken.EP.value)
+        dense = self._build_grid(declared, tokens, _DENSE_AXES, "gtp_remat", dense_sizes, after=OrderToken.TP.value)
+        expert = self._build_grid(
+            declared, tokens, _EXPERT_AXES, "expt_gtp_remat", expert_sizes, after=OrderToken.EP.value
+        )
         object.__setattr__(self, "_dense", dense)
         object.__setattr__(self, "_expert", expert)
         if self.pp > 1 and not dense.all_groups(("pp",)).equal(expert.all_groups(("pp",))):
@@ -260,7 +262,7 @@ class ParallelLayout:
                 f"order {self.order!r} gives the dense and expert grids different pipeline stages; put pp last"
             )
 
-    def _validated_order_tokens(self) -> tuple[str, ...]:
+    def _validate_order_tokens(self) -> tuple[str, ...]:
         tokens = tuple(self.order.split("-"))
         unknown = [t for t in tokens if t not in _TOKENS]
         if unknown:
@@ -279,7 +281,7 @@ class ParallelLayout:
                 raise ValueError(f"order {self.order!r} lacks axis 'tp' whose expert size (expt_tp) is {self.expt_tp}")
         return tokens + tuple(missing)
 
-    def _grid(
+    def _build_grid(
         self,
         declared: tuple[str, ...],
         tokens: tuple[str, ...],
@@ -468,7 +470,7 @@ def _shrink_layout(layout: ParallelLayout, lost: Iterable[int], *, sharded_optim
     onto a group of the smaller layout, with the same members: their communicators can be kept. Only
     groups that reach across replicas (the data-parallel kinds) lose members.
     """
-    lost_ranks = _checked_lost(layout, lost)
+    lost_ranks = _check_lost_ranks(layout, lost)
     first, stop = layout.rank_range()
     ranks = range(first, stop)
     coords = {rank: layout.coords(rank) for rank in ranks}
@@ -508,7 +510,7 @@ def _shrink_layout(layout: ParallelLayout, lost: Iterable[int], *, sharded_optim
     )
 
 
-def _checked_lost(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int, ...]:
+def _check_lost_ranks(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int, ...]:
     """The lost ranks, sorted and deduplicated: ``TypeError`` for a non-integer (a bool too), ``ValueError`` for a
     rank outside the layout's span."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):

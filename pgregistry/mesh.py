@@ -78,11 +78,11 @@ def from_device_mesh(
         if len(dims) == 1:
             groups[field] = mesh.get_group(dims[0])
         else:
-            groups[field] = _flattened_group(mesh, dims, backend, timeout)
+            groups[field] = _flat_group(mesh, dims, backend, timeout)
     return ProcessGroupCollection(**groups)
 
 
-def _flattened_group(
+def _flat_group(
     mesh: DeviceMesh, dims: tuple[str, ...], backend: str | None, timeout: timedelta | float | None
 ) -> ProcessGroup:
     import math

@@ -206,10 +206,10 @@ def recover(
     except dist.DistNetworkError as error:
         raise StoreLost(_store_lost(store, old_rank, "the survivors agreed on who is alive", error)) from error
     _generation += 1
-    shrunk, step = _verdict(layout, records, world_size, old_rank)
+    shrunk, step = _survivors_verdict(layout, records, world_size, old_rank)
     agreed = time.perf_counter()
     old_backend = dist.get_backend()
-    keepable = _keepable(layout, shrunk, old_rank)
+    keepable = _count_keepable(layout, shrunk, old_rank)
     registry.destroy()
     dist.destroy_process_group()
     new_rank = shrunk.rank_map[old_rank]
@@ -225,7 +225,7 @@ def recover(
         phase = f"the groups of {shrunk.layout!r} were built on the re-formed world of generation {_generation}"
         new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
     except RuntimeError as error:  # torch's DistError and its store and backend errors are RuntimeErrors
-        if not _answers(store):
+        if not _store_answers(store):
             raise StoreLost(_store_lost(store, old_rank, phase, error)) from error
         raise RuntimeError(
             f"a second failure during recovery, after the survivors had confirmed who goes on: rank {old_rank} "
@@ -259,7 +259,7 @@ def _as_ranks(lost: Iterable[int]) -> list[int]:
     return out
 
 
-def _verdict(
+def _survivors_verdict(
     layout: ParallelLayout, records: dict[int, dict[str, Any]], world_size: int, rank: int
 ) -> tuple[Shrunk, int]:
     """The same verdict on every survivor, from the same records: the shrink and the committed step, or the error."""
@@ -294,7 +294,7 @@ def _verdict(
     return shrunk, next(iter(staying.values()))
 
 
-def _answers(store: Store) -> bool:
+def _store_answers(store: Store) -> bool:
     """Whether ``store`` still answers (a read of a key nobody writes)."""
     import torch.distributed as dist
 
@@ -324,7 +324,7 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
     )
 
 
-def _keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
+def _count_keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
     """How many of this rank's communicators have members that all survive and form a communicator of the smaller
     layout under the rank map."""
     from pgregistry._runtime.communicators import kinds_by_communicator

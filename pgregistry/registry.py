@@ -97,7 +97,7 @@ def build(
         fault = combine_faults(fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}"))
     if name is not None and (not isinstance(name, str) or not name):
         fault = combine_faults(fault, TypeError(f"name must be a non-empty string or None, got {name!r}"))
-    with require_attendance(f"pgregistry.build of {_label(name, layout)}", options.timeout, BUILD_ADVICE):
+    with require_attendance(f"pgregistry.build of {_layout_label(name, layout)}", options.timeout, BUILD_ADVICE):
         check_agreement(
             "the layout to build", {"name": repr(name), **declared, **described}, fault, advice=BUILD_ADVICE,
             timeout=options.timeout,
@@ -113,7 +113,7 @@ def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOption
     if stop > world_size:
         # Every rank agreed on the layout above, so every rank raises here alike.
         raise ValueError(
-            f"{_label(name, layout)} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
+            f"{_layout_label(name, layout)} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
             f"{layout.num_ranks}), past the end of the {world_size}-rank world; shrink num_ranks or rank_offset"
         )
     previous = _builds.get(key)
@@ -128,7 +128,7 @@ def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOption
     _refuse_other_options(every_set, options, name, layout)
     CACHE.create(every_set, options)
     if not member:
-        outside = ProcessGroupCollection._outside(layout, name, _lifetime)
+        outside = ProcessGroupCollection._for_non_member(layout, name, _lifetime)
         _builds[key] = _Built(layout, options, outside)
         _log.debug("built layout elsewhere", name=name, layout=repr(layout), rank=rank)
         return outside
@@ -150,7 +150,7 @@ def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOption
     return collection
 
 
-def _label(name: object, layout: object) -> str:
+def _layout_label(name: object, layout: object) -> str:
     return f"layout {name!r}" if name is not None else repr(layout)
 
 
@@ -181,7 +181,8 @@ def _refuse_other_options(
         existing = CACHE.options_of(ranks)
         if existing is not None and existing != options:
             conflict = (
-                f"{_label(name, layout)} needs a communicator over ranks {list(ranks)}, which already exists with "
+                f"{_layout_label(name, layout)} needs a communicator "
+                f"over ranks {list(ranks)}, which already exists with "
                 f"{existing.describe()}, and this build asks {options.describe()}: one communicator per rank set, "
                 "so build with the same backend and timeout, or destroy() first"
             )

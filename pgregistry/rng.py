@@ -144,13 +144,13 @@ class RNGStatesTracker:
                 f"seed {seed} for RNG tracker {name!r} is already used by RNG tracker {self._seeds[seed]!r}"
             )
         generators = self.generators
-        saved = _capture(generators)
+        saved = _capture_states(generators)
         try:
             for generator in generators:
                 generator.manual_seed(seed)
-            self._states[name] = _capture(generators)
+            self._states[name] = _capture_states(generators)
         finally:
-            _restore(generators, saved)
+            _restore_states(generators, saved)
         self._seeds[seed] = name
 
     def names(self) -> tuple[str, ...]:
@@ -188,24 +188,24 @@ class RNGStatesTracker:
             known = ", ".join(repr(n) for n in self._states) or "none"
             raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
         generators = self.generators
-        outer_name, outer = self._current, _capture(generators)
+        outer_name, outer = self._current, _capture_states(generators)
         if outer_name is not None:
             self._states[outer_name] = outer  # a nested fork of the same stream continues from here
-        _restore(generators, self._states[name])
+        _restore_states(generators, self._states[name])
         self._current = name
         try:
             yield
         finally:
-            self._states[name] = _capture(generators)
-            _restore(generators, self._states[outer_name] if outer_name is not None else outer)
+            self._states[name] = _capture_states(generators)
+            _restore_states(generators, self._states[outer_name] if outer_name is not None else outer)
             self._current = outer_name
 
 
-def _capture(generators: Sequence[torch.Generator]) -> RNGState:
+def _capture_states(generators: Sequence[torch.Generator]) -> RNGState:
     return tuple(generator.get_state() for generator in generators)
 
 
-def _restore(generators: Sequence[torch.Generator], state: RNGState) -> None:
+def _restore_states(generators: Sequence[torch.Generator], state: RNGState) -> None:
     for generator, generator_state in zip(generators, state, strict=True):
         generator.set_state(generator_state)
 

@@ -201,8 +201,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="expert-gtp-axis-after-tp",
         bug="an order swap in the layout: the expert GTP-remat axis placed after expert TP, not after EP",
         file="pgregistry/layout.py",
-        find='"expt_gtp_remat", expert_sizes, after=OrderToken.EP.value)',
-        replace='"expt_gtp_remat", expert_sizes, after=OrderToken.TP.value)',
+        find='"expt_gtp_remat", expert_sizes, after=OrderToken.EP.value\n',
+        replace='"expt_gtp_remat", expert_sizes, after=OrderToken.TP.value\n',
         tests=(
             "tests/core/test_layout_gtp_axes.py::test_dense_gtp_follows_tp_and_expert_gtp_follows_ep",
             "tests/megatron/test_megatron_parity.py::test_every_field_holds_megatrons_ranks_on_gloo_worlds",
@@ -328,7 +328,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a fresh parameter assigned into a marked slot inherits the roles of the one it replaced (shared=True: "
         "not counted)",
         file="pgregistry/params.py",
-        find="        if missing and _replaces(param, previous):\n",
+        find="        if missing and _is_same_param(param, previous):\n",
         replace="        if missing:\n",
         tests=(
             "tests/dtensor/test_roles_follow_the_parameter.py::"
@@ -538,7 +538,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="store-lost-read-as-a-second-failure",
         bug="a store lost while the world is re-formed is reported as a lost survivor",
         file="pgregistry/recovery.py",
-        find="        if not _answers(store):\n",
+        find="        if not _store_answers(store):\n",
         replace="        if False:\n",
         tests=(
             "tests/recovery/test_recover_store_lost.py::"

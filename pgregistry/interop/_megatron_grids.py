@@ -104,7 +104,7 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
     own = _one_rank_group(enums, (first, stop))
     if not grid.is_current_rank_in_grid():
-        return ProcessGroupCollection._outside(layout, name, None)
+        return ProcessGroupCollection._for_non_member(layout, name, None)
     own = own or next((g for g in fields.values() if group_size(g) == 1), None)
     fields.update(_not_created(layout, fields))
     fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})

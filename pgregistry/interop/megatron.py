@@ -291,7 +291,7 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
         name: ProcessGroupCollection(
             layout=layout, name=name, **expert_fields_off(layout, local[name], _NONE_MEANS_NO_EXPERTS)
         )
-        if name in local else ProcessGroupCollection._outside(layout, name, None)
+        if name in local else ProcessGroupCollection._for_non_member(layout, name, None)
         for name, layout in layouts.items()
     }
     return MultiModuleCollection(collections, language_model=language_model)

@@ -137,7 +137,7 @@ def run_world(
                 os.close(write_fd)
                 children[rank] = (pid, read_fd)
                 watcher.watch(pid)
-            return _collect(children, timeout, store_dir)
+            return _collect_results(children, timeout, store_dir)
         finally:
             os.close(release_read)
             os.close(release_write)
@@ -214,7 +214,7 @@ def _write_all(fd: int, data: bytes) -> None:  # pragma: no cover - runs in the 
     os.close(fd)
 
 
-def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: str) -> list[Any]:
+def _collect_results(children: dict[int, tuple[int, int]], timeout: float, store_dir: str) -> list[Any]:
     start = time.monotonic()
     latest = start + timeout + _STARTUP_GRACE_S  # whatever start-up took
     deadline = latest  # until the last rank joins; then timeout after that
@@ -243,7 +243,7 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: st
                         deadline = min(time.monotonic() + timeout, latest)
                 continue
             del open_fds[fd]
-            outcome = _decode(bytes(buffers[rank]), children[rank][0])
+            outcome = _decode_report(bytes(buffers[rank]), children[rank][0])
             if outcome[0] == "ok":
                 results[rank] = outcome[1]
             elif first_error is None:
@@ -257,7 +257,7 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: st
     return [results[rank] for rank in sorted(children)]
 
 
-def _decode(data: bytes, pid: int) -> tuple[str, Any, str]:
+def _decode_report(data: bytes, pid: int) -> tuple[str, Any, str]:
     """``("ok", result, "")`` or ``("error", pickled exception or None, text)`` from a rank's report (after the
     byte that says it joined, when it did)."""
     data = data.removeprefix(_JOINED)
@@ -306,7 +306,7 @@ def _raise_timeout(
     children: dict[int, tuple[int, int]], stuck: list[int], timeout: float, store_dir: str, unjoined: list[int]
 ) -> None:
     stacks = _dump_stacks({rank: children[rank][0] for rank in stuck}, store_dir)
-    where = "\n".join(f"  rank {rank}: {_where(stacks[rank])}" for rank in stuck)
+    where = "\n".join(f"  rank {rank}: {_where_stuck(stacks[rank])}" for rank in stuck)
     dumps = "\n".join(f"--- rank {rank} ---\n{stacks[rank].rstrip()}" for rank in stuck)
     if unjoined:
         when = (
@@ -352,7 +352,7 @@ def _read_text(path: str) -> str:
         return ""
 
 
-def _where(stack: str) -> str:
+def _where_stuck(stack: str) -> str:
     """The main thread's innermost call outside torch and the torch calls below it, from a faulthandler dump.
 
     E.g. ``_skip_a_collective (test_x.py:99) -> new_group -> _new_group_with_tag -> _new_process_group_helper``.
