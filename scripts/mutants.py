@@ -721,8 +721,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="load-by-name-skips-the-agreement",
         bug="a checkpoint's optimizer state is loaded without agreeing first that it fits every rank's optimizer",
         file="pgregistry/checkpoint/_by_name.py",
-        find="    by_param = agreed(checked_pieces, elsewhere, scope)\n",
-        replace="    by_param = checked_pieces()\n",
+        find="    by_param = run_agreed_step(check_state_pieces, elsewhere, scope)\n",
+        replace="    by_param = check_state_pieces()\n",
         tests=tuple(
             "tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::"
             f"test_one_rank_refused_means_every_rank_refused_and_unchanged[{load}]"

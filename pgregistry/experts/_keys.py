@@ -134,7 +134,9 @@ def globalize_expert_keys(
     hold every local expert ``0 .. num_experts // ep_size - 1`` (see the module docstring).
     """
     check_ep(ep_rank, ep_size)
-    renamed = _renamed(state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size))
+    renamed = _rename_expert_keys(
+        state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size)
+    )
     if strict and num_experts is not None:
         num_local = _num_local(num_experts, ep_size)
         _refuse_incomplete(
@@ -166,7 +168,7 @@ def localize_expert_keys(
     if foreign not in ("raise", "skip"):
         raise ValueError(f"foreign must be 'raise' or 'skip', got {foreign!r}")
 
-    def rename(key: str, slot: ExpertSlot, num_experts: int) -> str | None:
+    def rename_key(key: str, slot: ExpertSlot, num_experts: int) -> str | None:
         try:
             owner, local = expert_owner(slot.index, num_experts, ep_size)
         except ValueError as exc:
@@ -177,7 +179,7 @@ def localize_expert_keys(
             raise ValueError(f"key {key!r} names expert {slot.index}, held by EP rank {owner}, not {ep_rank}")
         return slot.with_index(local)
 
-    renamed = _renamed(state_dict, num_experts, rename)
+    renamed = _rename_expert_keys(state_dict, num_experts, rename_key)
     if strict and num_experts is not None:
         num_local = _num_local(num_experts, ep_size)
         if foreign == "skip":
@@ -185,7 +187,7 @@ def localize_expert_keys(
         else:
             mine = range(ep_rank * num_local, (ep_rank + 1) * num_local)
             _refuse_incomplete(
-                state_dict, mine, f"EP rank {ep_rank} of {ep_size} holds experts {_span(mine)} of {num_experts}"
+                state_dict, mine, f"EP rank {ep_rank} of {ep_size} holds experts {_format_span(mine)} of {num_experts}"
             )
     return renamed
 
@@ -200,12 +202,13 @@ def _refuse_incomplete(state_dict: Mapping[str, object], expected: range, why: s
     for family, indices in families.items():
         if indices != set(expected):
             raise ValueError(
-                f"expert keys {family!r} hold experts {_span(sorted(indices))}, but {why} ({_span(expected)}): is "
+                f"expert keys {family!r} hold experts {_format_span(sorted(indices))}, "
+                f"but {why} ({_format_span(expected)}): is "
                 "num_experts the model's? Pass strict=False to rename a partial state dict on purpose"
             )
 
 
-def _span(indices: range | list[int]) -> str:
+def _format_span(indices: range | list[int]) -> str:
     """``4-7`` for consecutive indices, else the list."""
     listed = list(indices)
     if listed and listed == list(range(listed[0], listed[-1] + 1)):
@@ -213,7 +216,7 @@ def _span(indices: range | list[int]) -> str:
     return str(listed)
 
 
-def _renamed(
+def _rename_expert_keys(
     state_dict: Mapping[str, V],
     num_experts: int | None,
     rename_expert: Callable[[str, ExpertSlot, int], str | None],

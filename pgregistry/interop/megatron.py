@@ -44,10 +44,10 @@ from pgregistry.collection import (
     group_size,
 )
 from pgregistry.interop._megatron_grids import (
-    agreed_modules,
-    described_groups,
+    describe_groups,
     expert_fields_off,
     from_hyper_comm_grid,
+    modules_from_reports,
 )
 
 if TYPE_CHECKING:
@@ -282,10 +282,10 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
     from pgregistry.modules import MultiModuleCollection
 
     local = {name: _fields_from_megatron(collection) for name, collection in mc_modules.module_pgs.items()}
-    mine = {name: described_groups(fields) for name, fields in local.items()}
+    mine = {name: describe_groups(fields) for name, fields in local.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, mc_modules.language_model_module_name))
-    layouts, language_model = agreed_modules(everyone)
+    layouts, language_model = modules_from_reports(everyone)
     registry.adopt(g for fields in local.values() for g in _groups_in(fields))
     collections = {
         name: ProcessGroupCollection(

@@ -419,7 +419,7 @@ class _GroupSource:
 
         partition = self.sizes.partition(dim)
         if not real:
-            return self._fake(_row_of(partition, dist.get_rank()))
+            return self._fake_group(_row_of(partition, dist.get_rank()))
         field = _field_of(dim, self.sizes)
         if dim == "efsdp" and self.sizes.ep > 1 and self._same_as_dense_fsdp(partition):
             return self._expert_fsdp_twin(partition)
@@ -448,7 +448,7 @@ class _GroupSource:
         assert group is not None  # the partition covers every rank
         return group
 
-    def _fake(self, ranks: tuple[int, ...]) -> ProcessGroup:
+    def _fake_group(self, ranks: tuple[int, ...]) -> ProcessGroup:
         """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan gives the dims
         it never communicates over. Created by its members only, in the same dim order on every rank."""
         import torch.distributed as dist

@@ -50,7 +50,7 @@ __all__ = [
     "check_models",
     "clip_grad_norm_",
     "count_zeros",
-    "described",
+    "describe_modules",
     "grad_norm",
     "module_values",
     "reduce_over_modules",
@@ -76,7 +76,7 @@ def grad_norm(
     else float32, on every rank.
     """
     owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
-    given = _agreed(models, modules, owner, options, extra_error=norm_type_error(norm_type))
+    given = _agree_on_models(models, modules, owner, options, extra_error=norm_type_error(norm_type))
     p = float(norm_type)
     norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
     total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
@@ -91,7 +91,7 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
     :func:`pgregistry.grad_stats.count_zeros` on its collection.
     """
     owner = "pgregistry.modules.count_zeros"
-    given = _agreed(models, modules, owner, {})
+    given = _agree_on_models(models, modules, owner, {})
     zeros, fault = module_values(given, lambda name, model: module_count_zeros(model, modules[name]))
     _, total = reduce_over_modules(list(modules), zeros=zeros, check=(owner, {}, fault))
     assert total is not None
@@ -122,7 +122,7 @@ def clip_grad_norm_(
         not_a_flag = TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
     bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
-    given = _agreed(models, modules, owner, options, extra_error=bad)
+    given = _agree_on_models(models, modules, owner, options, extra_error=bad)
     p = float(norm_type)
     norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
     total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
@@ -153,7 +153,7 @@ def reduce_over_modules(
 
     ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
     of the modules this rank runs (the same on every rank of a module). Each module's norm travels as a number,
-    never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53); whether a module's norm is
+    never as a NaN (:func:`_encode_norm`); the zero counts as float64 (exact below 2**53); whether a module's norm is
     float64 as one more slot. ``check`` (the call's name, the settings every rank must have alike as texts, and
     this rank's fault) travels in the same all-reduce as an agreement's verdict
     (:func:`pgregistry._runtime.agreement.verdict_of`): ranks that differ or any rank's fault raise on every rank,
@@ -171,7 +171,7 @@ def reduce_over_modules(
     packed = torch.zeros(2 * count + 1 + len(verdict), dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
-            packed[index[name]] = _encoded(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
+            packed[index[name]] = _encode_norm(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
         packed[2 * count] = float(any(norm.dtype == torch.float64 for norm in norms.values()))
     if zeros is not None:
         for name, zero_count in zeros.items():
@@ -186,7 +186,7 @@ def reduce_over_modules(
     if norms is not None:
         slots = packed[:count]
         finite = torch.where(slots < _INF, slots, torch.zeros_like(slots))
-        total = _combined(finite, p)
+        total = _combine_norms(finite, p)
         total = torch.where((slots == _INF).any(), torch.full_like(total, math.inf), total)
         total = torch.where((slots == _NAN).any(), torch.full_like(total, math.nan), total)
         total = total if float(packed[2 * count]) > 0 else total.to(torch.float32)
@@ -206,14 +206,14 @@ _NAN = math.inf
 """How a NaN module norm travels: above everything else, so a MAX keeps it (a NaN itself it might drop)."""
 
 
-def _encoded(norm: torch.Tensor) -> torch.Tensor:
+def _encode_norm(norm: torch.Tensor) -> torch.Tensor:
     """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when infinite,
     :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
     norm = torch.where(torch.isinf(norm), torch.full_like(norm, _INF), norm)
     return torch.where(torch.isnan(norm), torch.full_like(norm, _NAN), norm)
 
 
-def _combined(norms: torch.Tensor, p: float) -> torch.Tensor:
+def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
     """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm), scaled by the largest
     so that no power overflows; 0 for no norms or all zero."""
     if norms.numel() == 0:
@@ -250,7 +250,7 @@ def module_values(given: Mapping[str, Any], compute: Callable[[str, Any], Any]) 
 # ------------------------------------------------------------------------------------------------------ inputs
 
 
-def described(modules: MultiModuleCollection) -> dict[str, str]:
+def describe_modules(modules: MultiModuleCollection) -> dict[str, str]:
     """What every rank must agree on about the job's modules: their names in order, spans and layouts."""
     return {
         "modules": "; ".join(f"{name}={layout!r}" for name, layout in modules.layouts().items()),
@@ -303,7 +303,7 @@ def check_models(
     return given, ("; ".join(problems) if problems else None)
 
 
-def _agreed(
+def _agree_on_models(
     models: Mapping[str, ParamsLike],
     modules: MultiModuleCollection,
     owner: str,
@@ -322,7 +322,8 @@ def _agreed(
         check_expert_classification(model, collection)
 
     given, error = check_models(models, modules, owner, statistics_accept)
-    check_agreement(owner, {**described(modules), **options}, combine_faults(extra_error, error), advice=MODULES_ADVICE)
+    fields = {**describe_modules(modules), **options}
+    check_agreement(owner, fields, combine_faults(extra_error, error), advice=MODULES_ADVICE)
     return given
 
 
