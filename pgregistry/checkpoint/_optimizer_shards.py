@@ -127,7 +127,7 @@ def _copy_state_value(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _sharded_optimizers_of(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
+def _require_sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
     children = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     sharded: list[ShardedOptimizer] = []
     for index, child in enumerate(children):
@@ -157,7 +157,7 @@ def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
     refuses overlapping pieces. Returns the file written.
     """
     shards: dict[str, Any] = {}
-    children = _sharded_optimizers_of(optimizer, "save_optimizer_shards")
+    children = _require_sharded_children(optimizer, "save_optimizer_shards")
     for child in children:
         for name, piece in child.state_dict()["shards"].items():
             if name in shards:
@@ -185,7 +185,7 @@ def load_optimizer_shards(
     of a parameter no rank's optimizer holds (``strict=False`` loads a subset on purpose), the files mix
     checkpoints or saves, or a piece read is damaged (the file and the piece are named).
     """
-    children = _sharded_optimizers_of(optimizer, "load_optimizer_shards")
+    children = _require_sharded_children(optimizer, "load_optimizer_shards")
     scope = _checkpoint_scope(children)
     with name_lost_ranks("load_optimizer_shards", directory, scope):
         # Every child's pieces are cut and checked against it before any is loaded, and the ranks agree that all of
