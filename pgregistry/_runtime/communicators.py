@@ -2,7 +2,7 @@
 
 The registry creates one communicator per distinct rank set of more than one rank: two kinds naming the same ranks
 (``dp`` and ``dp_cp`` when cp is 1) or two layouts on the same world (the policy and the reference model of an RL
-job) share one ProcessGroup. :func:`communicators` lists those rank sets with the kinds naming them, and
+job) share one ProcessGroup. :func:`kinds_by_communicator` lists those rank sets with the kinds naming them, and
 :func:`compare_layouts` tells which of them two layouts share, so a user choosing the second model's sizes sees how
 many communicators (and how much communicator memory) the second model adds. The layouts may span different parts of
 the world (``rank_offset``, ``num_ranks``: two modules of one job): rank sets are global ranks, so only where the spans

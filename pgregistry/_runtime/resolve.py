@@ -2,8 +2,8 @@
 resolution).
 
 An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the optimizer
-builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params` and :func:`resolve` once and
-passes what they return down; nothing below the door resolves again. The collection is, in this order:
+builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params` and
+:func:`resolve_pg_collection` once and passes what they return down; nothing below the door resolves again. The collection is, in this order:
 
 1. the collection passed explicitly (refused when the model carries another one: which would win is a guess);
 2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module`` wrappers and
@@ -197,7 +197,7 @@ def fill_unset_fields(
     unneeded: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
     """``collection`` with its UNSET fields among ``names`` filled; for an entry point that decides what its model
-    needs after :func:`resolve` (``fallback=()``), as ``build_optimizer`` does.
+    needs after :func:`resolve_pg_collection` (``fallback=()``), as ``build_optimizer`` does.
 
     A field the collection's own composite groups leave one rank (:func:`~pgregistry.collection.implied_size`:
     ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep`` off) is ``None``, nothing read. A field among ``unneeded`` (the

@@ -4,7 +4,7 @@ Each module's optimizer is :func:`pgregistry.optim.build_optimizer` with the job
 own (``per_module``). An option that fails there fails on that module's ranks only, while every other rank has
 gone on into the job's agreement and waits in it; and torch's own refusal of a bad value (``lr='x'``) names no
 option. So every rank checks every module's options here, whether it runs the module or not, and the job's
-agreement raises the same error on every rank, naming the module and the option. :func:`described` gives what
+agreement raises the same error on every rank, naming the module and the option. :func:`describe_options` gives what
 every rank must agree on: the options' values where they are plain data, their types where they are code.
 """
 
