@@ -3,7 +3,8 @@ resolution).
 
 An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the optimizer
 builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params` and
-:func:`resolve_pg_collection` once and passes what they return down; nothing below the door resolves again. The collection is, in this order:
+:func:`resolve_pg_collection` once and passes what they return down; nothing below the door resolves again.
+The collection is, in this order:
 
 1. the collection passed explicitly (refused when the model carries another one: which would win is a guess);
 2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module`` wrappers and
