@@ -185,12 +185,32 @@ class _Grid:
 
 @attrs.frozen(slots=True, kw_only=True)
 class ParallelLayout:
-    """The declared parallelism of one model: axis sizes and their order over ``num_ranks`` ranks from
-    ``rank_offset`` (Megatron-Core's ``HyperCommGrid`` name; 0: from the first rank of the world).
+    """The declared parallelism of one model: axis sizes and their order over a span of ranks.
 
-    ``dp`` and ``expt_dp`` are derived: ``dp = num_ranks / (tp * gtp_remat * cp * pp)`` and
-    ``expt_dp = num_ranks / (expt_tp * ep * expt_gtp_remat * pp)``. ``expt_tp`` defaults to ``tp``. Invalid
-    combinations raise ``ValueError`` naming the offending size, so an invalid layout cannot exist.
+    Pure arithmetic, no process group: the same rank sets Megatron-Core's ``RankGenerator`` makes, so a layout
+    can be checked, drawn or compared on a laptop before any job starts.
+
+    Args:
+        num_ranks: the ranks of the span (the world, or the part one module runs on).
+        tp, cp, pp, ep, gtp_remat, expt_gtp_remat: axis sizes (1: off); ``expt_tp`` defaults to ``tp``.
+        order: the axes, fastest-varying first (:data:`DEFAULT_ORDER`).
+        rank_offset: the span's first rank (Megatron-Core's ``HyperCommGrid`` name; 0: the world's first).
+
+    ``dp = num_ranks / (tp * gtp_remat * cp * pp)`` and ``expt_dp = num_ranks / (expt_tp * ep * expt_gtp_remat *
+    pp)`` are derived.
+
+    Raises:
+        ValueError: a size that does not divide ``num_ranks``, an unknown or repeated axis in ``order``, or
+            more ranks than torch.distributed addresses; the message names the offending size, so an invalid
+            layout cannot exist.
+
+    Example:
+        >>> layout = ParallelLayout(num_ranks=8, tp=2, pp=2)
+        >>> layout.dp, layout.groups("tp")
+        (2, ((0, 1), (2, 3), (4, 5), (6, 7)))
+        >>> ParallelLayout(num_ranks=6, tp=4)
+        Traceback (most recent call last):
+        ValueError: num_ranks 6 is not divisible by tp*gtp_remat*cp*pp = 4*1*1*1 = 4
     """
 
     num_ranks: int = attrs.field(validator=_check_positive)
@@ -314,8 +334,13 @@ class ParallelLayout:
         raise ValueError(self._unknown_kind_message(kind))
 
     def group_shape(self, kind: str) -> tuple[int, int]:
-        """``(number of groups, ranks per group)`` of ``kind``: the shape of :meth:`groups_tensor`, by arithmetic
-        alone, so a caller can size what enumerating a huge layout would take before doing it."""
+        """``(number of groups, ranks per group)`` of ``kind``: the shape of :meth:`groups_tensor`.
+
+        By arithmetic alone, so a caller can size what enumerating a huge layout would take before doing it.
+
+        >>> ParallelLayout(num_ranks=131072, tp=8, pp=16).group_shape("dp")
+        (128, 1024)
+        """
         if kind in _PIPELINE_EDGE_KINDS:
             return self.num_ranks // self.pp, len(self._pipeline_edges(kind))
         if kind in DENSE_GROUP_KINDS:
@@ -328,16 +353,28 @@ class ParallelLayout:
         return self.num_ranks // size, size
 
     def groups(self, kind: str) -> tuple[RankGroup, ...]:
-        """Every group of ``kind``, each a tuple of ranks in grid order.
+        """Every group of ``kind`` (a :data:`GROUP_KINDS` name), each a tuple of ranks in grid order.
 
         ``embd`` and ``pos_embd`` hold the first and last pipeline stage (``[first]`` when pp is 1) and the first
         stage of each pipeline group, as Megatron-Core builds them; ranks outside them belong to no such group.
+        ``ValueError`` for an unknown kind, listing the known ones.
+
+        Example:
+            >>> ParallelLayout(num_ranks=8, tp=2, pp=2).groups("dp")
+            ((0, 2), (1, 3), (4, 6), (5, 7))
         """
         # Zipping the columns builds the row tuples in C: about 3x faster than a tuple() per row at 131k ranks.
         return tuple(zip(*self.groups_tensor(kind).T.tolist(), strict=True))
 
     def groups_of(self, rank: int) -> dict[str, RankGroup | None]:
-        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not part of)."""
+        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not part of).
+
+        Computed for ``rank`` alone (no kind is enumerated). ``ValueError`` for a rank outside the layout.
+
+        >>> groups = ParallelLayout(num_ranks=8, tp=2, pp=2).groups_of(5)
+        >>> groups["tp"], groups["dp"], groups["embd"]
+        ((4, 5), (5, 7), (1, 5))
+        """
         rank = self._check_rank(rank)
         out: dict[str, RankGroup | None] = {}
         for kind, axes in DENSE_GROUP_KINDS.items():
@@ -353,7 +390,12 @@ class ParallelLayout:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Axis -> coordinate of ``rank``: dense ``tp, gtp_remat, cp, dp, pp`` and expert ``expt_tp, ep,
-        expt_gtp_remat, expt_dp``."""
+        expt_gtp_remat, expt_dp``.
+
+        >>> coords = ParallelLayout(num_ranks=8, tp=2, pp=2).coords(5)
+        >>> coords["tp"], coords["dp"], coords["pp"]
+        (1, 0, 1)
+        """
         rank = self._check_rank(rank)
         dense = self._dense.coords(rank)
         expert = self._expert.coords(rank)
@@ -366,7 +408,11 @@ class ParallelLayout:
         return {axis: int(getattr(self, axis)) for axis in _AXIS_SIZES}
 
     def rank_range(self) -> tuple[int, int]:
-        """``(first, stop)``: the layout's ranks are ``range(first, stop)``."""
+        """``(first, stop)``: the layout's ranks are ``range(first, stop)``.
+
+        >>> ParallelLayout(num_ranks=4, tp=2, rank_offset=4).rank_range()
+        (4, 8)
+        """
         return self.rank_offset, self.rank_offset + self.num_ranks
 
     def fingerprint(self) -> str:
@@ -388,9 +434,16 @@ class ParallelLayout:
         survivors keeps its members (only the data-parallel kinds lose some). ``sharded_optimizer``: the optimizer
         state is sharded over the data-parallel replicas, so losing any replica loses a shard.
 
-        Raises ``ValueError`` naming the ranks for a rank outside the layout, a loss that leaves no copy of some
-        state (every replica touched; any loss with ``sharded_optimizer``), or survivors that no layout with the
-        same sizes and order fits; each message says to reload a checkpoint. ``TypeError`` for a non-integer rank.
+        Raises:
+            ValueError: naming the ranks, for a rank outside the layout, a loss that leaves no copy of some state
+                (every replica touched; any loss with ``sharded_optimizer``), or survivors that no layout with the
+                same sizes and order fits; each message says to reload a checkpoint.
+            TypeError: a non-integer rank.
+
+        Example:
+            >>> shrunk = ParallelLayout(num_ranks=8, tp=2, pp=2).shrink([3])
+            >>> shrunk.leaving, shrunk.layout.dp, shrunk.rank_map
+            ((2, 3, 6, 7), 1, {0: 0, 1: 1, 4: 2, 5: 3})
         """
         return _shrink_layout(self, lost, sharded_optimizer=sharded_optimizer)
 
