@@ -42,9 +42,15 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: D) -> Process
 def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAISE) -> object:
     """The collection attached to ``model`` (a model or its chunks, each possibly wrapped).
 
-    Each chunk's collection is the first one attached along its wrapper chain. ``ValueError`` naming the chunks
-    when they disagree, including when some carry a collection and others none; ``LookupError`` when none is
-    attached, unless ``default`` is given.
+    Each chunk's collection is the first one attached (:func:`attach`) along its wrapper chain.
+
+    Args:
+        model: a model, or a list of model chunks.
+        default: returned when no collection is attached (else ``LookupError``).
+
+    Raises:
+        ValueError: naming the chunks, when they disagree, including when some carry a collection and others none.
+        LookupError: none is attached and no ``default`` is given.
     """
     per_chunk: list[ProcessGroupCollection | None] = []
     for chunk in _as_chunks(model):

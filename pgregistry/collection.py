@@ -438,8 +438,9 @@ def _check_fields(groups: Mapping[str, object]) -> None:
 
 
 def implied_size(collection: ProcessGroupCollection, axis: GroupName) -> tuple[int, GroupName] | None:
-    """The size the collection's own composite groups fix for ``axis``, and the composite that fixes it; ``None``
-    when none does.
+    """The size the collection's own composite groups fix for ``axis``, and the composite that fixes it.
+
+    ``None`` when none does.
 
     A composite group that is set (a group, or ``None``: one rank) fixes its axes' sizes together: when its size is
     the product of its set axes', each unset axis has one rank (``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep``
@@ -576,7 +577,11 @@ def _this_rank() -> int | str:
 
 
 def group_size(group: ProcessGroup | None) -> int:
-    """Size of ``group``; ``None`` (axis off) is 1. Never WORLD."""
+    """Size of ``group``; ``None`` (axis off) is 1. Never WORLD.
+
+    >>> group_size(None)
+    1
+    """
     if group is None:
         return 1
     _check_group(group)
@@ -584,8 +589,13 @@ def group_size(group: ProcessGroup | None) -> int:
 
 
 def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank in ``group``; ``None`` (axis off) is 0. Never the WORLD rank, and never "rank 0" for a
-    rank outside the group (``ValueError``)."""
+    """This process's rank in ``group``; ``None`` (axis off) is 0.
+
+    Never the WORLD rank, and never "rank 0" for a rank outside the group (``ValueError``).
+
+    >>> group_rank(None)
+    0
+    """
     if group is None:
         return 0
     _check_group(group)

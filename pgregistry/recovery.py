@@ -152,8 +152,9 @@ def recover(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> Recovered:
-    """Agree with the other survivors on the lost ranks, re-form the world over the ranks that go on, and return
-    the smaller layout's collection there (see the module docstring for the protocol and the store it needs).
+    """After a lost rank, re-form the world over the ranks that go on; return the smaller layout's collection.
+
+    The survivors agree on the lost ranks first (see the module docstring for the protocol and the store it needs).
 
     ``collection`` is the one the failed step ran on (its layout must span the whole world); ``store`` a store
     every survivor reaches that no lost rank hosted, holding no keys of an earlier run under ``pgregistry/recovery``

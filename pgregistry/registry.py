@@ -73,20 +73,30 @@ def build(
     """Create (or reuse) the groups of ``layout`` that this rank belongs to; return its collection.
 
     Collective over the world: every rank calls it with the same arguments (ranks that do not raise ``ValueError``
-    on every rank, naming who asked for what). The layout may span part of the world (``rank_offset`` and
-    ``num_ranks``; a span past the world's end raises on every rank): a rank outside it gets a collection that
-    knows it is no member (``is_member`` false), which raises, naming the layout and the rank, when anything
-    reads a group from it or computes with it. ``name`` identifies the build in messages; building the same name
-    (or, unnamed, the same layout) again returns the same collection, and asking it for another layout or other
-    options raises ``ValueError`` naming what differs.
+    on every rank, naming who asked for what).
 
-    ``timeout`` (seconds or a ``timedelta``; ``None``: torch's) is the groups' and bounds the build itself: every
-    rank checks in through the world's store first (:mod:`pgregistry._runtime.attendance`), and a rank that has not come
-    by then is named in a ``RuntimeError`` on every rank that did; the build's world all-reduces wait no longer,
-    and a collective failing in the build (a rank killed) raises ``RuntimeError`` naming the ranks that did not
-    answer a roll call. Bad arguments raise on every rank: ``TypeError`` for a layout that is none, a name that is
-    no string, a timeout that is no number (``'5'``, ``True``); ``ValueError`` for a timeout that is not positive
-    and finite (NaN, inf, 0, negative).
+    Args:
+        layout: the layout to build; it may span part of the world (``rank_offset``, ``num_ranks``).
+        name: identifies the build in messages; building the same name (or, unnamed, the same layout) again
+            returns the same collection.
+        backend: the groups' backend (``None``: the world's).
+        timeout: seconds or a ``timedelta`` (``None``: torch's); the groups' timeout, and the bound of the build
+            itself: every rank checks in through the world's store first
+            (:mod:`pgregistry._runtime.attendance`), and the build's all-reduces wait no longer.
+
+    Returns:
+        The collection. On a rank outside the span it knows it is no member (``is_member`` false) and raises,
+        naming the layout and the rank, when anything reads a group from it or computes with it.
+
+    Raises:
+        ValueError: ranks that asked differently; the same name asked for another layout or other options
+            (naming what differs); a span past the world's end; a timeout not positive and finite.
+        TypeError: a layout that is none, a name that is no string, a timeout that is no number
+            (``'5'``, ``True``).
+        RuntimeError: a rank that has not checked in within ``timeout`` (named on every rank that did), or a
+            collective failing in the build (a rank killed), naming the ranks that did not answer a roll call.
+
+    All of these are raised on every rank alike.
     """
     require_distributed("pgregistry.build")
     options, described, fault = check_group_options(backend, timeout)

@@ -305,8 +305,9 @@ def model_parallel_manual_seed(
     data_parallel_random_init: bool = False,
     tracker: RNGStatesTracker | None = None,
 ) -> dict[str, int]:
-    """Seed the default stream and register this rank's RNG streams from the job's ``seed``; returns tracker name
-    -> seed.
+    """Seed the default stream and register this rank's RNG streams from the job's ``seed``.
+
+    Returns tracker name -> seed.
 
     The base seed is ``seed + 100 * pp_rank`` (plus ``10 * dp_rank`` with ``data_parallel_random_init``), as
     Megatron's training loop computes it before seeding, so pipeline stages draw different streams; the streams

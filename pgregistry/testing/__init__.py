@@ -64,8 +64,11 @@ _STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
 class RankFailure(RuntimeError):
-    """A rank failed: it raised (the original exception is chained as ``__cause__`` when it could be rebuilt here),
-    or its process died without reporting. ``detail`` holds the child's formatted traceback or how it died."""
+    """A rank failed: it raised, or its process died without reporting.
+
+    The original exception is chained as ``__cause__`` when it could be rebuilt here. ``detail`` holds the child's
+    formatted traceback or how it died.
+    """
 
     def __init__(self, rank: int, detail: str) -> None:
         super().__init__(f"rank {rank} failed: {detail}")
@@ -99,8 +102,12 @@ def run_world(
     ``timeout`` (seconds) is the hard deadline for ``fn`` on every rank, counted from when the last rank has joined
     the process group; start-up (forking and joining) may take up to ``_STARTUP_GRACE_S`` (30 s) more, so the
     world ends at most ``timeout + 30`` seconds after the call. It also bounds torch's own collective timeout.
-    Raises the failing rank's exception (with ``RankFailure`` carrying its rank and traceback attached as a note
-    and as the exception's cause), :class:`RankFailure` itself, or :class:`WorldTimeout`.
+
+    Raises:
+        Exception: the failing rank's own exception, with a :class:`RankFailure` carrying its rank and
+            traceback attached as a note and as the exception's cause.
+        RankFailure: a rank whose own exception cannot be rebuilt here, or whose process died without reporting.
+        WorldTimeout: the world did not finish by the deadline; every rank was killed.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")

@@ -12,7 +12,7 @@ import io
 
 import pytest
 
-TORCH_FREE_MODULES = ("pgregistry.layout", "pgregistry.placement")
+TORCH_FREE_MODULES = ("pgregistry.collection", "pgregistry.layout", "pgregistry.placement")
 
 
 @pytest.mark.parametrize("name", TORCH_FREE_MODULES)
