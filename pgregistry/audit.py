@@ -132,8 +132,10 @@ class ReplicationMismatch:
 
 @attrs.frozen(slots=True, kw_only=True)
 class SuspectedTie:
-    """A parameter that may be tied to one on the other end of the pipeline, though no measurement shows it (see
-    the module docstring): reported, never an error."""
+    """A parameter that may be tied to one at the other end of the pipeline: reported, never an error.
+
+    No measurement shows the tie (see the module docstring).
+    """
 
     name: str
     other_name: str

@@ -297,8 +297,10 @@ class ProcessGroupCollection:
     def get(self, name: Literal["hcp"]) -> list[ProcessGroup] | None: ...
 
     def get(self, name: FieldName) -> ProcessGroup | list[ProcessGroup] | None:
-        """The group (or ``None`` = axis off) of ``name``; raises when it is UNSET (``AttributeError``) or when
-        this rank belongs to no group of that kind (``ValueError``), naming the field."""
+        """The group (or ``None`` = axis off) of ``name``.
+
+        Raises, naming the field, when it is UNSET (``AttributeError``) or when this rank belongs to
+        no group of that kind (``ValueError``)."""
         value = self._raw_field(name)
         if isinstance(value, Unset):
             raise self._unset_error(name)
@@ -316,9 +318,10 @@ class ProcessGroupCollection:
         return self.get(name)
 
     def evolve(self, **changes: FieldValue) -> ProcessGroupCollection:
-        """A copy with ``changes`` applied, checked like a new collection (against the layout too); unknown names
-        raise ``ValueError``. The copy keeps the layout, name and one-rank group, and dies with the original's
-        groups (:func:`pgregistry.registry.destroy`)."""
+        """A copy with ``changes`` applied, checked like a new collection (against the layout too).
+
+        Unknown names raise ``ValueError``. The copy keeps the layout, name and one-rank group, and
+        dies with the original's groups (:func:`pgregistry.registry.destroy`)."""
         fields: dict[str, FieldValue] = dict(self.items())
         fields.update(changes)
         copy = ProcessGroupCollection(

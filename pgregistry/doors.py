@@ -74,8 +74,10 @@ def pg_size(pg_collection: ProcessGroupCollection | None, field: str) -> int:
 
 
 def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Sequence[str] | None = None) -> Any:
-    """``pg_collection`` when given; else, with the warning naming ``owner``, Megatron-Core's
-    ``ProcessGroupCollection.use_mpu_process_groups(fields)``: exactly the groups ``parallel_state`` holds.
+    """``pg_collection`` when given; else Megatron-Core's, with the warning naming ``owner``.
+
+    Megatron-Core's is ``ProcessGroupCollection.use_mpu_process_groups(fields)``: exactly the groups
+    ``parallel_state`` holds.
 
     ``fields`` (the ones the function reads) keeps the fallback from reading groups the function never needed
     (some assert when they were not initialised)."""
@@ -88,6 +90,8 @@ def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Seque
 
 
 def resolve_collection(pg_collection: ProcessGroupCollection | None, *, owner: str) -> ProcessGroupCollection:
-    """``pg_collection`` when given; else pgregistry's global grid, with the warning naming ``owner``
-    (``RuntimeError`` when none is initialised); checked usable either way."""
+    """``pg_collection`` when given; else the global grid, with the warning naming ``owner``.
+
+    ``RuntimeError`` when none is initialised; checked usable either way.
+    """
     return resolve_pg_collection(pg_collection, owner=owner)

@@ -52,8 +52,11 @@ def _forget_fallback_warnings() -> None:
 
 
 def warn_fallback(owner: str, argument: str) -> None:
-    """Warn that ``owner`` read ``argument`` (a group name, or ``"pg_collection"`` for the whole collection) from
-    the global grid instead of being given it; attributed to the first calling frame outside pgregistry."""
+    """Warn that ``owner`` read ``argument`` from the global grid instead of being given it.
+
+    ``argument`` is a group name, or ``"pg_collection"`` for the whole collection. The warning is
+    attributed to the first calling frame outside pgregistry.
+    """
     if argument == "pg_collection":
         message = (
             f"{owner} was not given a ProcessGroupCollection (nor a model with one attached) and falls back to the "

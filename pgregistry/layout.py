@@ -389,7 +389,9 @@ class ParallelLayout:
         return out
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Axis -> coordinate of ``rank``: dense ``tp, gtp_remat, cp, dp, pp`` and expert ``expt_tp, ep,
+        """Axis -> coordinate of ``rank``, over the axes of both grids.
+
+        The dense axes are ``tp, gtp_remat, cp, dp, pp``, the expert ones ``expt_tp, ep,
         expt_gtp_remat, expt_dp``.
 
         >>> coords = ParallelLayout(num_ranks=8, tp=2, pp=2).coords(5)
@@ -424,8 +426,10 @@ class ParallelLayout:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def shrink(self, lost: Iterable[int], *, sharded_optimizer: bool = False) -> Shrunk:
-        """What losing the ranks ``lost`` does to this layout: the ranks that must leave with them, the smaller
-        layout the survivors go on with, and each survivor's new rank (:class:`Shrunk`).
+        """What losing the ranks ``lost`` does to this layout (:class:`Shrunk`).
+
+        That is: the ranks that must leave with them, the smaller layout the survivors go on with,
+        and each survivor's new rank.
 
         A lost rank takes its whole dense replica (its ``dp`` coordinate: every rank its TP, GTP-remat, CP and
         pipeline peers are) and its whole expert replica (its ``expt_dp`` coordinate: expert TP x EP x expert

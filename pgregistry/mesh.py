@@ -50,8 +50,10 @@ def from_device_mesh(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> ProcessGroupCollection:
-    """A collection whose fields are groups of ``mesh``: ``{"tp": "tp", "dp_cp": ("dp", "cp")}`` (collection field
-    -> mesh dim name, or several dim names).
+    """A collection whose fields are groups of ``mesh``.
+
+    ``dims`` maps collection field -> mesh dim name, or several dim names: ``{"tp": "tp", "dp_cp":
+    ("dp", "cp")}``.
 
     A field mapped to one dim name gets ``mesh.get_group(name)``. A field mapped to a tuple of dim names gets a
     group over those dims flattened (the ranks that differ only in them), pgregistry's communicator of that rank

@@ -194,10 +194,12 @@ def param_roles(param: torch.Tensor) -> dict[str, Any]:
 
 
 def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Put the roles recorded for each parameter slot of ``model`` on the parameter now filling it, when it is a
-    replacement of the same parameter (see the module docstring): those marked with a helper and those set as plain
-    attributes (by Megatron-Core, or by hand) before ``fully_shard`` or ``to_empty`` replaced the object or its
-    attribute dictionary. An unrelated parameter put in the slot keeps only its own roles, and becomes the slot's.
+    """Put the roles recorded for each parameter slot of ``model`` back on the parameter in it.
+
+    Only when it is a replacement of the same parameter (see the module docstring): those marked
+    with a helper and those set as plain attributes (by Megatron-Core, or by hand) before
+    ``fully_shard`` or ``to_empty`` replaced the object or its attribute dictionary. An unrelated
+    parameter put in the slot keeps only its own roles, and becomes the slot's.
 
     A role already on the parameter wins (marking after sharding overrides marking before). The grad-statistics
     entry points call this whenever they classify a model afresh (a kept plan is remade when a slot's parameter

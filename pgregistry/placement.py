@@ -143,8 +143,12 @@ class Placement:
         return tuple(sorted(shared))
 
     def describe_nodes(self) -> str:
-        """``"4 nodes of 8 GPUs"`` for a layout over the whole world, else where its span lies, e.g. ``"ranks 2-5
-        on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks 6-7"``; for headings."""
+        """Where the layout's ranks lie, in words, for headings.
+
+        ``"4 nodes of 8 GPUs"`` for a layout over the whole world, else where its span lies, e.g.
+        ``"ranks 2-5 on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks
+        6-7"``.
+        """
         gpus = f"{self.gpus_per_node} GPU{'' if self.gpus_per_node == 1 else 's'}"
         first, stop = self.layout.rank_range()
         if (first, stop) == (0, self.world_size):

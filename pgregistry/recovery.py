@@ -90,8 +90,10 @@ class LeftWithReplica(RuntimeError):
 
 
 class StoreLost(RuntimeError):
-    """The store :func:`recover` was given stopped answering: its host is lost, and with it the only place the
-    survivors meet. Not survivable: restart the job from the last checkpoint."""
+    """The store :func:`recover` was given stopped answering: its host is lost.
+
+    With it goes the only place the survivors meet. Not survivable: restart the job from the last
+    checkpoint."""
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -341,8 +343,10 @@ def _count_keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
 
 
 def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
-    """Move ``old``'s state (built on the collection before the recovery) into ``new`` (``build_optimizer`` over
-    the same model on :attr:`Recovered.collection`), so training goes on as if nothing happened.
+    """Move ``old``'s optimizer state into ``new``, so training goes on as if nothing happened.
+
+    ``old`` was built on the collection before the recovery, ``new`` by ``build_optimizer`` over the
+    same model on :attr:`Recovered.collection`.
 
     Only a replicated optimizer carries over: every data-parallel replica holds the whole state of its shard of
     the model, and a survivor keeps its shard. A sharded optimizer's state was cut over the replicas, and the

@@ -44,9 +44,10 @@ _ALIASES: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 
 
 class BuildOptions(TypedDict, total=False):
-    """The keywords of :func:`build` besides ``name``: the groups' ``backend`` and ``timeout`` (``None``: those
-    ``torch.distributed.new_group`` picks; a timeout is a positive, finite number of seconds up
-    to 1e12 or a ``timedelta``, and bounds the build itself)."""
+    """The keywords of :func:`build` besides ``name``: the groups' ``backend`` and ``timeout``.
+
+    ``None``: those ``torch.distributed.new_group`` picks; a timeout is a positive, finite number of
+    seconds up to 1e12 or a ``timedelta``, and bounds the build itself."""
 
     backend: str | None
     timeout: timedelta | float | None
@@ -214,9 +215,11 @@ def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
 
 
 def adopt(groups: Iterable[ProcessGroup]) -> None:
-    """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so that a later
-    :func:`build` whose rank sets they cover reuses them; collective over the world (every rank passes the groups
-    it belongs to). Adopted groups belong to their creator: :func:`destroy` does not destroy them.
+    """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``).
+
+    A later :func:`build` whose rank sets they cover reuses them; collective over the world (every
+    rank passes the groups it belongs to). Adopted groups belong to their creator: :func:`destroy`
+    does not destroy them.
 
     ``TypeError`` on every rank, before anything is adopted, when a rank passes no iterable of process groups
     (a name such as ``'tp'``, a number, ``None``, which torch.distributed reads as the world), naming the rank and
@@ -243,14 +246,18 @@ def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | Non
 
 
 def communicators_created() -> int:
-    """How many communicators holding this rank pgregistry created in this process, by ``new_group`` or
-    ``split_group`` (for benchmarks and tests)."""
+    """How many communicators holding this rank pgregistry created here (for benchmarks and tests).
+
+    Those made by ``new_group`` or ``split_group``.
+    """
     return CACHE.created
 
 
 def destroy() -> None:
-    """Destroy every communicator pgregistry created and forget every build; collections built so far (and the
-    global grid) are marked destroyed, so using one raises instead of running a collective on a dead group."""
+    """Destroy every communicator pgregistry created and forget every build.
+
+    Collections built so far (and the global grid) are marked destroyed, so using one raises instead
+    of running a collective on a dead group."""
     global _lifetime
     CACHE.destroy()
     _builds.clear()

@@ -506,8 +506,10 @@ _SHARED_COMBINATIONS_COUNTED: Final = 2**16
 def check_seed_plan_size(
     layout: ParallelLayout, seed: int, *, data_parallel_random_init: bool = False
 ) -> tuple[int, int]:
-    """``(streams, listed)``: what :func:`check_seed_plan` of ``layout`` holds, from its sizes alone, so that the
-    command line estimates its memory before it starts (the check keeps no per-rank record otherwise).
+    """``(streams, listed)``: what :func:`check_seed_plan` of ``layout`` holds, by its sizes alone.
+
+    So the command line estimates its memory before it starts (the check keeps no per-rank record
+    otherwise).
 
     ``streams`` is exact: the distinct (tracker, coordinates) streams the check keys (without
     ``data_parallel_random_init`` a few per pipeline stage and TP/EP rank, whatever the data-parallel size; with it

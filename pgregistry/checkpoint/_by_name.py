@@ -287,9 +287,10 @@ def state_by_name(
     primary_only: bool = False,
     **naming: Unpack[NamingOptions],
 ) -> dict[str, dict[str, Any]]:
-    """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
-    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones; every parameter the optimizer updates
-    has an entry, empty before its first step).
+    """This rank's parameters and optimizer state by global name.
+
+    ``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` (tensors alias the live
+    ones; every parameter the optimizer updates has an entry, empty before its first step).
 
     ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
     ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`). TP-sharded parameters

@@ -43,8 +43,9 @@ def save_distributed(
     optimizer: Optimizer | None = None,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Save with ``torch.distributed.checkpoint`` (collective over the ranks of the model's collection: the world,
-    or a module's span); each tensor once, TP-sharded ones whole."""
+    """Save with ``torch.distributed.checkpoint``: each tensor once, TP-sharded ones whole.
+
+    Collective over the ranks of the model's collection: the world, or a module's span."""
     import torch.distributed.checkpoint as dcp
 
     scope = checkpoint_scope(model_chunks, naming)
@@ -64,8 +65,10 @@ def load_distributed(
     strict: bool = True,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Load a :func:`save_distributed` checkpoint of any layout (collective over the ranks of the model's
-    collection); a checkpoint of another module, or of other ranks, is refused on every rank.
+    """Load a :func:`save_distributed` checkpoint of any layout.
+
+    Collective over the ranks of the model's collection; a checkpoint of another module, or of other
+    ranks, is refused on every rank.
 
     Strict as :func:`~pgregistry.checkpoint.load_rank_files` is, from DCP's metadata before any tensor is read:
     ``ValueError`` on every rank for a parameter the checkpoint lacks or stores in another shape, and (``strict``,

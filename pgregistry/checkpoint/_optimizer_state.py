@@ -34,8 +34,10 @@ def load_optimizer_state_by_name(
     strict: bool = True,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
-    part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
+    """Load optimizer ``state`` keyed by global name into ``optimizer``.
+
+    ``state`` is ``{name: {state key: value}}``, as in the ``"optimizer"`` part of
+    :func:`state_by_name`, saved under any layout.
 
     Collective over the ranks of the model's collection (the world, or a module's span), as the checkpoint loaders
     are: ``ValueError`` on every rank, before anything loads, when ``state`` is not such a mapping on some rank,

@@ -57,8 +57,11 @@ def check_ep(ep_rank: int, ep_size: int) -> None:
 
 
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
-    """``ep_rank * (num_experts // ep_size) + local_index``; ``ValueError`` for an index or rank out of range or
-    an ``ep_size`` that does not divide ``num_experts``."""
+    """The global index of an EP rank's local expert.
+
+    It is ``ep_rank * (num_experts // ep_size) + local_index``. ``ValueError`` for an index or rank
+    out of range or an ``ep_size`` that does not divide ``num_experts``.
+    """
     check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= local_index < num_local:
@@ -155,8 +158,9 @@ def localize_expert_keys(
     foreign: Literal["raise", "skip"] = "raise",
     strict: bool = True,
 ) -> dict[str, V]:
-    """A new dict with expert keys renamed from global to this EP rank's local indices (inverse of
-    :func:`globalize_expert_keys`).
+    """A new dict with expert keys renamed from global to this EP rank's local indices.
+
+    The inverse of :func:`globalize_expert_keys`.
 
     A key of an expert held by another EP rank raises ``ValueError``, or is left out with ``foreign="skip"``
     (to pick this rank's experts out of a whole-model state dict). The other errors are those of

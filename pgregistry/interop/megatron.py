@@ -127,10 +127,12 @@ def _megatron_version() -> str:
 
 
 def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -> Any:
-    """Megatron-Core's ``ProcessGroupCollection`` holding the communicators of ``pg_collection`` (none created); for
-    a :class:`~pgregistry.modules.MultiModuleCollection`, Megatron-Core's ``MultiModuleProcessGroupCollection`` of
-    the modules this rank runs, the language model named only where this rank runs it (as Megatron-Core's MIMO
-    does; ``ValueError`` on a rank that runs none: Megatron-Core's cannot be empty).
+    """Megatron-Core's ``ProcessGroupCollection`` of ``pg_collection``'s communicators (none created).
+
+    For a :class:`~pgregistry.modules.MultiModuleCollection`, Megatron-Core's
+    ``MultiModuleProcessGroupCollection`` of the modules this rank runs, the language model named
+    only where this rank runs it (as Megatron-Core's MIMO does; ``ValueError`` on a rank that runs
+    none: Megatron-Core's cannot be empty).
 
     An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided"). ``None`` (axis
     off) becomes the collection's one-rank group outside :data:`NONE_MEANS_NOT_USED` (``ValueError`` naming the
@@ -204,8 +206,10 @@ def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: An
 
 
 def from_megatron(mc_collection: Any) -> Any:
-    """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts; for Megatron-Core's
-    ``MultiModuleProcessGroupCollection``, the job-wide :class:`~pgregistry.modules.MultiModuleCollection`.
+    """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts.
+
+    For Megatron-Core's ``MultiModuleProcessGroupCollection``, the job-wide
+    :class:`~pgregistry.modules.MultiModuleCollection`.
 
     Collective over the world (every rank calls it): pgregistry learns every rank set, so a later
     :func:`pgregistry.registry.build` of a layout with the same rank sets reuses Megatron-Core's communicators
@@ -298,9 +302,10 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
 
 
 def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
-    """The parallel sizes of ``layout`` as keywords of Megatron-Core's ``TransformerConfig`` /
-    ``ModelParallelConfig``; GTP sizes only where the installed Megatron-Core has them (``ValueError`` for a GTP
-    size above 1 it cannot express)."""
+    """The parallel sizes of ``layout`` as keywords of Megatron-Core's ``TransformerConfig``.
+
+    The same keywords serve ``ModelParallelConfig``. GTP sizes only where the installed
+    Megatron-Core has them (``ValueError`` for a GTP size above 1 it cannot express)."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     known = {f.name for f in dataclasses.fields(ModelParallelConfig)}
@@ -308,8 +313,10 @@ def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
 
 
 def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
-    """Keywords for Megatron-Core's ``parallel_state.initialize_model_parallel`` that build ``layout``'s groups
-    (the sizes and the order); GTP sizes only where the installed Megatron-Core has them."""
+    """Keywords of Megatron-Core's ``initialize_model_parallel`` that build ``layout``'s groups.
+
+    They are the sizes and the order, for ``parallel_state.initialize_model_parallel``; GTP sizes
+    only where the installed Megatron-Core has them."""
     from megatron.core import parallel_state
 
     known = set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
@@ -337,9 +344,10 @@ def _sizes_by_name(
 
 
 def check_config(config: Any, pg_collection: Any) -> None:
-    """Raise ``ValueError`` when ``config`` (a Megatron-Core ``TransformerConfig`` or any object with its size
-    attributes) disagrees with the sizes of ``pg_collection``'s groups (pgregistry's collection or
-    Megatron-Core's), listing every mismatch.
+    """Raise ``ValueError`` when ``config`` disagrees with the sizes of ``pg_collection``'s groups.
+
+    ``config`` is a Megatron-Core ``TransformerConfig`` or any object with its size attributes, the
+    collection pgregistry's or Megatron-Core's; the message lists every mismatch.
 
     ``expert_tensor_parallel_size=None`` means the tensor-parallel size, as in Megatron-Core. A group the
     collection does not provide is a mismatch (Megatron-Core would read the global one). A GTP size the config
@@ -376,8 +384,10 @@ def seed_megatron_rng(
     seed: int, pg_collection: ProcessGroupCollection, *, data_parallel_random_init: bool = False,
     **megatron_options: Any,
 ) -> dict[str, int]:
-    """Seed Megatron-Core's CUDA RNG tracker (``model_parallel_cuda_manual_seed``) from the collection's ranks;
-    returns tracker name -> seed, as :func:`pgregistry.rng.model_parallel_manual_seed` computes them.
+    """Seed Megatron-Core's CUDA RNG tracker from the collection's ranks; return name -> seed.
+
+    Through ``model_parallel_cuda_manual_seed``; the seeds are as
+    :func:`pgregistry.rng.model_parallel_manual_seed` computes them.
 
     ``seed`` is the job's seed: the pipeline (and data-parallel) offsets are added as Megatron's training loop adds
     them before seeding. The ranks come from ``pp``, ``tp``, ``ep``, ``expt_tp`` and the GTP-remat groups, which
@@ -420,8 +430,9 @@ _SEED_GROUPS: Final[tuple[GroupName, ...]] = ("pp", "tp", "ep", "expt_tp", "gtp_
 
 
 def mark_megatron_experts(model: nn.Module) -> int:
-    """Mark the routed-expert module of every Megatron-Core ``MoELayer`` in ``model``
-    (:func:`pgregistry.params.mark_expert_module`); returns how many were marked.
+    """Mark the routed experts of every Megatron-Core ``MoELayer`` in ``model``; return how many.
+
+    Each is marked with :func:`pgregistry.params.mark_expert_module`.
 
     Grad statistics then refuse an expert parameter that lost its ``allreduce`` role (a copy that dropped it would
     otherwise count as dense). Shared experts are dense, replicated across EP, and are not marked.

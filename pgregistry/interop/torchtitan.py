@@ -645,9 +645,10 @@ def _fields_from(layout: ParallelLayout, sizes: _Sizes, titan: Mapping[str, Proc
 
 
 def mark_torchtitan_experts(model: nn.Module) -> int:
-    """Mark every torchtitan routed-expert module in ``model`` (``GroupedExperts`` and its subclasses) with
-    :func:`pgregistry.params.mark_expert_module`, and each of its parameters with
-    :func:`pgregistry.params.mark_expert`; returns how many modules were marked.
+    """Mark every torchtitan routed-expert module in ``model``; return how many were marked.
+
+    Each ``GroupedExperts`` (and subclass) module with :func:`pgregistry.params.mark_expert_module`,
+    and each of its parameters with :func:`pgregistry.params.mark_expert`.
 
     Every parameter of a ``GroupedExperts`` is stacked over its experts (``w1_EFD``, ``w2_EDF``, ``w3_EFD``; GPT-OSS's
     biases too), so under EP each rank holds different experts. Grad statistics then count each expert once
@@ -680,8 +681,10 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
 
 
 def communicator_ranks() -> list[tuple[int, ...]]:
-    """The ranks of every real communicator this process holds (torch's process-group registry, the default
-    group included, the ``fake`` backend's groups excluded), one entry per communicator, sorted.
+    """The ranks of every real communicator this process holds, one entry per communicator, sorted.
+
+    From torch's process-group registry: the default group included, the ``fake`` backend's groups
+    excluded.
 
     Two entries with the same ranks are two communicators over one rank set: what :func:`to_parallel_dims` avoids.
     """

@@ -35,8 +35,9 @@ def save_checkpoint(
     *,
     naming: Mapping[str, NamingOptions] | None = None,
 ) -> Path:
-    """Save every module of the job, each into ``directory/<module name>`` (see the module docstring); returns
-    ``directory``.
+    """Save every module of the job, each into ``directory/<module name>``; return ``directory``.
+
+    See the module docstring.
 
     ``models`` maps each module this rank runs to its model or model chunks, exactly those; ``optimizer`` is the
     job's :class:`MultiModuleOptimizer` (its state is saved by global name beside each module's parameters);

@@ -121,9 +121,11 @@ class MultiModuleOptimizer:
     def clip_grad_norm(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Scale every module's grads by ``max_norm / (norm + 1e-6)`` with the job-wide norm, where below 1; return
-        the norm. A NaN or infinite norm scales nothing, or raises ``RuntimeError`` on every rank with
-        ``error_if_nonfinite``."""
+        """Clip every module's grads to the job-wide norm ``max_norm``; return the norm.
+
+        Grads are scaled by ``max_norm / (norm + 1e-6)`` where that is below 1. A NaN or infinite
+        norm scales nothing, or raises ``RuntimeError`` on every rank with ``error_if_nonfinite``.
+        """
         total, _ = self._norm_statistics(
             norm_type, zeros=False, max_norm=max_norm, subject="MultiModuleOptimizer.clip_grad_norm"
         )
@@ -254,9 +256,11 @@ def build_optimizer(
     per_module: Mapping[str, Mapping[str, Any]] | None = None,
     **options: Any,
 ) -> MultiModuleOptimizer:
-    """The :class:`MultiModuleOptimizer` of a job: :func:`pgregistry.optim.build_optimizer` of each module this rank
-    runs, on the module's collection, with ``options`` (its keywords: ``optimizer``, ``lr``, ``sharded``, ...)
-    updated by ``per_module[name]`` for that module (a ``param_name_fn`` of its model, another ``lr``).
+    """The :class:`MultiModuleOptimizer` of a job.
+
+    That is :func:`pgregistry.optim.build_optimizer` of each module this rank runs, on the module's
+    collection, with ``options`` (its keywords: ``optimizer``, ``lr``, ``sharded``, ...) updated by
+    ``per_module[name]`` for that module (a ``param_name_fn`` of its model, another ``lr``).
 
     ``models`` maps each module this rank runs to its model or model chunks, exactly those. Collective over the
     world (every rank calls it, a rank that runs no module included) and over each module's groups; every rank
