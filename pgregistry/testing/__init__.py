@@ -35,6 +35,7 @@ the ``pytest11`` plugin (``_pytest_plugin``) and the toy models ``pgregistry ver
 from __future__ import annotations
 
 import ctypes
+import enum
 import faulthandler
 import os
 import pickle
@@ -184,7 +185,7 @@ def _child_main(
         )
         os.write(write_fd, _JOINED)
         result = fn(*args, **kwargs)
-        payload = pickle.dumps(("ok", result))
+        payload = pickle.dumps((_Outcome.OK, result))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
         exit_code = 1
         text = traceback.format_exc()
@@ -192,7 +193,7 @@ def _child_main(
             pickled: bytes | None = pickle.dumps(exc)
         except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
             pickled = None
-        payload = pickle.dumps(("error", pickled, text))
+        payload = pickle.dumps((_Outcome.ERROR, pickled, text))
     try:
         _write_all(write_fd, payload)
         os.read(release_fd, 1)  # EOF once the parent has every rank's report (or we are killed)
@@ -251,7 +252,7 @@ def _collect_results(children: dict[int, tuple[int, int]], timeout: float, store
                 continue
             del open_fds[fd]
             outcome = _decode_report(bytes(buffers[rank]), children[rank][0])
-            if outcome[0] == "ok":
+            if outcome[0] is _Outcome.OK:
                 results[rank] = outcome[1]
             elif first_error is None:
                 # The first report is the root cause; later ones are usually peers losing their connection.
@@ -264,16 +265,25 @@ def _collect_results(children: dict[int, tuple[int, int]], timeout: float, store
     return [results[rank] for rank in sorted(children)]
 
 
-def _decode_report(data: bytes, pid: int) -> tuple[str, Any, str]:
-    """``("ok", result, "")`` or ``("error", pickled exception or None, text)`` from a rank's report (after the
-    byte that says it joined, when it did)."""
+class _Outcome(enum.Enum):
+    """How a rank's call ended, as its report to the parent says."""
+
+    OK = "ok"
+    ERROR = "error"
+
+
+def _decode_report(data: bytes, pid: int) -> tuple[_Outcome, Any, str]:
+    """``(OK, result, "")`` or ``(ERROR, pickled exception or None, text)`` from a rank's report.
+
+    The report follows the byte that says the rank joined, when it did.
+    """
     data = data.removeprefix(_JOINED)
     if data:
         message = pickle.loads(data)
-        if message[0] == "ok":
-            return ("ok", message[1], "")
-        return ("error", message[1], message[2])
-    return ("error", None, f"process exited without a result ({_describe_exit(pid)})")
+        if message[0] is _Outcome.OK:
+            return (_Outcome.OK, message[1], "")
+        return (_Outcome.ERROR, message[1], message[2])
+    return (_Outcome.ERROR, None, f"process exited without a result ({_describe_exit(pid)})")
 
 
 def _describe_exit(pid: int) -> str:
