@@ -61,6 +61,9 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
 
     It is ``ep_rank * (num_experts // ep_size) + local_index``. ``ValueError`` for an index or rank
     out of range or an ``ep_size`` that does not divide ``num_experts``.
+
+    >>> global_expert_index(1, num_experts=8, ep_rank=2, ep_size=4)
+    5
     """
     check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
@@ -73,7 +76,11 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
 
 
 def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int, int]:
-    """``(ep_rank, local_index)`` of the rank holding global expert ``global_index``."""
+    """``(ep_rank, local_index)`` of the rank holding global expert ``global_index``.
+
+    >>> expert_owner(5, num_experts=8, ep_size=4)
+    (2, 1)
+    """
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= global_index < num_experts:
         raise ValueError(f"global expert index {global_index} is out of range for {num_experts} experts")
@@ -131,10 +138,18 @@ def globalize_expert_keys(
 ) -> dict[str, V]:
     """A new dict with the expert keys of this EP rank renamed from local to global expert indices.
 
-    Key order and values are kept; non-expert keys are unchanged. ``ValueError`` when an expert key is present
-    and ``num_experts`` is ``None``, when ``ep_size`` does not divide ``num_experts``, when a key's local index
-    is not below ``num_experts // ep_size``, or (``strict``, the default) when a family of expert keys does not
-    hold every local expert ``0 .. num_experts // ep_size - 1`` (see the module docstring).
+    Key order and values are kept; non-expert keys are unchanged.
+
+    Raises:
+        ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not divide
+            ``num_experts``; a key's local index not below ``num_experts // ep_size``; or (``strict``, the
+            default) a family of expert keys that does not hold every local expert
+            ``0 .. num_experts // ep_size - 1`` (see the module docstring).
+
+    Example:
+        >>> local = {"mlp.experts.local_experts.0.weight": "a", "mlp.experts.local_experts.1.weight": "b"}
+        >>> globalize_expert_keys(local, num_experts=8, ep_rank=1, ep_size=4)
+        {'mlp.experts.local_experts.2.weight': 'a', 'mlp.experts.local_experts.3.weight': 'b'}
     """
     check_ep(ep_rank, ep_size)
     renamed = _rename_expert_keys(
@@ -167,6 +182,11 @@ def localize_expert_keys(
     :func:`globalize_expert_keys`, with global indices checked against ``num_experts``; with ``strict`` (the
     default) each family of expert keys must hold exactly this rank's experts (``foreign="raise"``) or every
     expert ``0 .. num_experts - 1`` (``foreign="skip"``, a whole-model state dict).
+
+    Example:
+        >>> whole = {f"mlp.experts.local_experts.{index}.weight": index for index in range(4)}
+        >>> localize_expert_keys(whole, num_experts=4, ep_rank=1, ep_size=2, foreign="skip")
+        {'mlp.experts.local_experts.0.weight': 2, 'mlp.experts.local_experts.1.weight': 3}
     """
     check_ep(ep_rank, ep_size)
     if foreign not in ("raise", "skip"):

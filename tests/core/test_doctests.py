@@ -12,7 +12,12 @@ import io
 
 import pytest
 
-TORCH_FREE_MODULES = ("pgregistry.collection", "pgregistry.layout", "pgregistry.placement")
+TORCH_FREE_MODULES = (
+    "pgregistry.collection",
+    "pgregistry.experts._keys",
+    "pgregistry.layout",
+    "pgregistry.placement",
+)
 
 
 @pytest.mark.parametrize("name", TORCH_FREE_MODULES)
