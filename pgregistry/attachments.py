@@ -49,7 +49,8 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
         default: returned when no collection is attached (else ``LookupError``).
 
     Raises:
-        ValueError: naming the chunks, when they disagree, including when some carry a collection and others none.
+        ValueError: naming the chunks, when they disagree, including when some carry a collection
+            and others none.
         LookupError: none is attached and no ``default`` is given.
     """
     per_chunk: list[ProcessGroupCollection | None] = []

@@ -51,9 +51,10 @@ def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: 
 def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
     """``kind`` of the group ``field``: the collection's, else the global grid's with the warning.
 
-    ``kind`` is ``src_rank``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``global_ranks``,
-    ``first_stage``, ``last_stage``, or ``group`` / ``rank`` / ``size``; ``RuntimeError`` when there is no
-    collection and no global grid. ``None`` (an axis that is off) is this rank alone.
+    ``kind`` is ``src_rank``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``,
+    ``global_ranks``, ``first_stage``, ``last_stage``, or ``group`` / ``rank`` / ``size``;
+    ``RuntimeError`` when there is no collection and no global grid. ``None`` (an axis that is off)
+    is this rank alone.
     """
     return _read_field(pg_collection, field, kind)
 

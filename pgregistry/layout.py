@@ -187,22 +187,24 @@ class _Grid:
 class ParallelLayout:
     """The declared parallelism of one model: axis sizes and their order over a span of ranks.
 
-    Pure arithmetic, no process group: the same rank sets Megatron-Core's ``RankGenerator`` makes, so a layout
-    can be checked, drawn or compared on a laptop before any job starts.
+    Pure arithmetic, no process group: the same rank sets Megatron-Core's ``RankGenerator`` makes,
+    so a layout can be checked, drawn or compared on a laptop before any job starts.
 
     Args:
         num_ranks: the ranks of the span (the world, or the part one module runs on).
-        tp, cp, pp, ep, gtp_remat, expt_gtp_remat: axis sizes (1: off); ``expt_tp`` defaults to ``tp``.
+        tp, cp, pp, ep, gtp_remat, expt_gtp_remat: axis sizes (1: off); ``expt_tp`` defaults to
+            ``tp``.
         order: the axes, fastest-varying first (:data:`DEFAULT_ORDER`).
-        rank_offset: the span's first rank (Megatron-Core's ``HyperCommGrid`` name; 0: the world's first).
+        rank_offset: the span's first rank (Megatron-Core's ``HyperCommGrid`` name; 0: the world's
+            first).
 
-    ``dp = num_ranks / (tp * gtp_remat * cp * pp)`` and ``expt_dp = num_ranks / (expt_tp * ep * expt_gtp_remat *
-    pp)`` are derived.
+    ``dp = num_ranks / (tp * gtp_remat * cp * pp)`` and ``expt_dp = num_ranks / (expt_tp * ep *
+    expt_gtp_remat * pp)`` are derived.
 
     Raises:
-        ValueError: a size that does not divide ``num_ranks``, an unknown or repeated axis in ``order``, or
-            more ranks than torch.distributed addresses; the message names the offending size, so an invalid
-            layout cannot exist.
+        ValueError: a size that does not divide ``num_ranks``, an unknown or repeated axis in
+            ``order``, or more ranks than torch.distributed addresses; the message names the
+            offending size, so an invalid layout cannot exist.
 
     Example:
         >>> layout = ParallelLayout(num_ranks=8, tp=2, pp=2)
@@ -336,7 +338,8 @@ class ParallelLayout:
     def group_shape(self, kind: str) -> tuple[int, int]:
         """``(number of groups, ranks per group)`` of ``kind``: the shape of :meth:`groups_tensor`.
 
-        By arithmetic alone, so a caller can size what enumerating a huge layout would take before doing it.
+        By arithmetic alone, so a caller can size what enumerating a huge layout would take before
+        doing it.
 
         >>> ParallelLayout(num_ranks=131072, tp=8, pp=16).group_shape("dp")
         (128, 1024)
@@ -431,17 +434,19 @@ class ParallelLayout:
         That is: the ranks that must leave with them, the smaller layout the survivors go on with,
         and each survivor's new rank.
 
-        A lost rank takes its whole dense replica (its ``dp`` coordinate: every rank its TP, GTP-remat, CP and
-        pipeline peers are) and its whole expert replica (its ``expt_dp`` coordinate: expert TP x EP x expert
-        GTP-remat x PP), and so on until no leaving rank has a peer that stays. The survivors keep every size but
-        ``dp`` and ``expt_dp``, are renumbered from ``rank_offset`` in their old order, and every group of the
-        survivors keeps its members (only the data-parallel kinds lose some). ``sharded_optimizer``: the optimizer
-        state is sharded over the data-parallel replicas, so losing any replica loses a shard.
+        A lost rank takes its whole dense replica (its ``dp`` coordinate: every rank its TP,
+        GTP-remat, CP and pipeline peers are) and its whole expert replica (its ``expt_dp``
+        coordinate: expert TP x EP x expert GTP-remat x PP), and so on until no leaving rank has a
+        peer that stays. The survivors keep every size but ``dp`` and ``expt_dp``, are renumbered
+        from ``rank_offset`` in their old order, and every group of the survivors keeps its members
+        (only the data-parallel kinds lose some). ``sharded_optimizer``: the optimizer state is
+        sharded over the data-parallel replicas, so losing any replica loses a shard.
 
         Raises:
-            ValueError: naming the ranks, for a rank outside the layout, a loss that leaves no copy of some state
-                (every replica touched; any loss with ``sharded_optimizer``), or survivors that no layout with the
-                same sizes and order fits; each message says to reload a checkpoint.
+            ValueError: naming the ranks, for a rank outside the layout, a loss that leaves no copy
+                of some state (every replica touched; any loss with ``sharded_optimizer``), or
+                survivors that no layout with the same sizes and order fits; each message says to
+                reload a checkpoint.
             TypeError: a non-integer rank.
 
         Example:

@@ -97,7 +97,8 @@ class Placement:
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
-        >>> placement = place(ParallelLayout(num_ranks=4, tp=2, rank_offset=2), gpus_per_node=4, world_size=8)
+        >>> span = ParallelLayout(num_ranks=4, tp=2, rank_offset=2)
+        >>> placement = place(span, gpus_per_node=4, world_size=8)
         >>> placement.describe_nodes()
         'ranks 2-5 on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks 6-7'
         >>> placement.kind("tp").verdict
@@ -200,20 +201,23 @@ def place(
     Args:
         layout: the layout to place, by its global ranks.
         gpus_per_node: ranks per node (launchers put the same number on every node).
-        intra_node_kinds: the kinds whose groups should stay on one node (a violation is reported, not raised).
-        world_size: ranks in the job (default: where the layout's span ends, ``rank_offset + num_ranks``); the
-            span must end within it, and may start and end mid-node.
+        intra_node_kinds: the kinds whose groups should stay on one node (a violation is reported,
+            not raised).
+        world_size: ranks in the job (default: where the layout's span ends, ``rank_offset +
+            num_ranks``); the span must end within it, and may start and end mid-node.
 
     Returns:
-        The :class:`Placement`: per kind, how many nodes its groups span and whether it stays where it should.
+        The :class:`Placement`: per kind, how many nodes its groups span and whether it stays where
+        it should.
 
     Raises:
-        ValueError: ``gpus_per_node`` not a positive integer dividing the world size, a span ending past
-            ``world_size``, or an unknown kind in ``intra_node_kinds``.
+        ValueError: ``gpus_per_node`` not a positive integer dividing the world size, a span ending
+            past ``world_size``, or an unknown kind in ``intra_node_kinds``.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
-        >>> crossing = place(ParallelLayout(num_ranks=16, tp=2, order="dp-tp-cp-ep-pp"), gpus_per_node=8)
+        >>> dp_first = ParallelLayout(num_ranks=16, tp=2, order="dp-tp-cp-ep-pp")
+        >>> crossing = place(dp_first, gpus_per_node=8)
         >>> crossing.kind("tp").verdict
         'crosses nodes (8 of 8 groups); should stay on one node'
         >>> [entry.kind for entry in crossing.violations()]

@@ -154,27 +154,38 @@ def recover(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> Recovered:
-    """After a lost rank, re-form the world over the ranks that go on; return the smaller layout's collection.
+    """After a lost rank, re-form the world over the ranks that go on; return their collection.
 
-    The survivors agree on the lost ranks first (see the module docstring for the protocol and the store it needs).
+    The survivors agree on the lost ranks first (see the module docstring for the protocol and the
+    store it needs). A survivor that checked in and then died before the survivors confirmed who
+    goes on is lost like the first (it costs one more ``wait``). A rank told that every rank is lost
+    is itself among them.
 
-    ``collection`` is the one the failed step ran on (its layout must span the whole world); ``store`` a store
-    every survivor reaches that no lost rank hosted, holding no keys of an earlier run under ``pgregistry/recovery``
-    (a store kept across restarts: give each run a ``PrefixStore`` of its own); ``committed_step`` the last step
-    this rank applied;
-    ``lost`` the ranks known to be lost (from the launcher), or ``None`` to take as lost every rank that has not
-    called ``recover`` within ``wait`` seconds of this rank (more than the collective timeout, so a survivor stuck
-    in a collective until it times out arrives in time). ``backend`` (default: the old world's) and ``timeout``
-    apply to the new world and its groups.
+    Args:
+        collection: the collection the failed step ran on (its layout must span the whole world).
+        store: a store every survivor reaches that no lost rank hosted, holding no keys of an
+            earlier run under ``pgregistry/recovery`` (a store kept across restarts: give each run a
+            ``PrefixStore`` of its own).
+        committed_step: the last step this rank applied.
+        lost: the ranks known to be lost (from the launcher), or ``None`` to take as lost every rank
+            that has not called ``recover`` within ``wait`` seconds of this rank (more than the
+            collective timeout, so a survivor stuck in a collective until it times out arrives in
+            time).
+        backend, timeout: for the new world and its groups (``backend`` defaults to the old
+            world's).
 
-    A survivor that checked in and then died before the survivors confirmed who goes on is lost like the first
-    (it costs one more ``wait``). Raises :class:`LeftWithReplica` on a live rank that must leave with its replica;
-    ``RuntimeError`` on a rank that is lost (named in ``lost``, or checking in after the survivors decided without
-    it), when survivors committed different steps, or when a survivor is lost after the confirmation, while the
-    world is re-formed (naming the phase: restart from the last checkpoint); :class:`StoreLost` on every survivor
-    when ``store`` stops answering (its host died; not survivable); ``ValueError``, on every survivor alike, for
-    lost ranks outside the world, survivors told different lost sets, or a loss that leaves no copy of some state
-    (reload a checkpoint). A rank told that every rank is lost is itself among them.
+    Returns:
+        :class:`Recovered`, on a rank that goes on.
+
+    Raises:
+        LeftWithReplica: on a live rank that must leave with its replica.
+        RuntimeError: on a rank that is lost (named in ``lost``, or checking in after the survivors
+            decided without it), when survivors committed different steps, or when a survivor is
+            lost after the confirmation, while the world is re-formed (naming the phase: restart
+            from the last checkpoint).
+        StoreLost: on every survivor when ``store`` stops answering (its host died; not survivable).
+        ValueError: on every survivor alike, for lost ranks outside the world, survivors told
+            different lost sets, or a loss that leaves no copy of some state (reload a checkpoint).
     """
     import torch.distributed as dist
 

@@ -73,29 +73,32 @@ def build(
 ) -> ProcessGroupCollection:
     """Create (or reuse) the groups of ``layout`` that this rank belongs to; return its collection.
 
-    Collective over the world: every rank calls it with the same arguments (ranks that do not raise ``ValueError``
-    on every rank, naming who asked for what).
+    Collective over the world: every rank calls it with the same arguments (ranks that do not raise
+    ``ValueError`` on every rank, naming who asked for what).
 
     Args:
         layout: the layout to build; it may span part of the world (``rank_offset``, ``num_ranks``).
-        name: identifies the build in messages; building the same name (or, unnamed, the same layout) again
-            returns the same collection.
+        name: identifies the build in messages; building the same name (or, unnamed, the same
+            layout) again returns the same collection.
         backend: the groups' backend (``None``: the world's).
-        timeout: seconds or a ``timedelta`` (``None``: torch's); the groups' timeout, and the bound of the build
-            itself: every rank checks in through the world's store first
+        timeout: seconds or a ``timedelta`` (``None``: torch's); the groups' timeout, and the bound
+            of the build itself: every rank checks in through the world's store first
             (:mod:`pgregistry._runtime.attendance`), and the build's all-reduces wait no longer.
 
     Returns:
-        The collection. On a rank outside the span it knows it is no member (``is_member`` false) and raises,
-        naming the layout and the rank, when anything reads a group from it or computes with it.
+        The collection. On a rank outside the span it knows it is no member (``is_member`` false)
+        and raises, naming the layout and the rank, when anything reads a group from it or computes
+        with it.
 
     Raises:
-        ValueError: ranks that asked differently; the same name asked for another layout or other options
-            (naming what differs); a span past the world's end; a timeout not positive and finite.
+        ValueError: ranks that asked differently; the same name asked for another layout or other
+            options (naming what differs); a span past the world's end; a timeout not positive and
+            finite.
         TypeError: a layout that is none, a name that is no string, a timeout that is no number
             (``'5'``, ``True``).
-        RuntimeError: a rank that has not checked in within ``timeout`` (named on every rank that did), or a
-            collective failing in the build (a rank killed), naming the ranks that did not answer a roll call.
+        RuntimeError: a rank that has not checked in within ``timeout`` (named on every rank that
+            did), or a collective failing in the build (a rank killed), naming the ranks that did
+            not answer a roll call.
 
     All of these are raised on every rank alike.
     """

@@ -307,8 +307,6 @@ def model_parallel_manual_seed(
 ) -> dict[str, int]:
     """Seed the default stream and register this rank's RNG streams from the job's ``seed``.
 
-    Returns tracker name -> seed.
-
     The base seed is ``seed + 100 * pp_rank`` (plus ``10 * dp_rank`` with ``data_parallel_random_init``), as
     Megatron's training loop computes it before seeding, so pipeline stages draw different streams; the streams
     are then those of :func:`tracker_seeds`, and the seeds are exactly those :func:`seed_plan` lists for this rank.
@@ -317,6 +315,9 @@ def model_parallel_manual_seed(
     ``gtp_remat``, ``expt_gtp_remat`` (and ``dp``) groups, where ``None`` is an axis that is off (rank 0 of 1).
     ``pg_collection=None`` is the global grid, with a warning, as is an UNSET field
     (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`).
+
+    Returns:
+        Tracker name -> seed, for this rank.
     """
     fields = _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
     collection = resolve_pg_collection(pg_collection, owner="model_parallel_manual_seed", fallback=fields)

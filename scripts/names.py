@@ -1,15 +1,16 @@
-"""List function names that do not say what they do: one word (``_on``, ``_each``) or a past participle (``agreed``).
+"""List function names that do not say what they do: one word (``_on``) or a participle.
 
     python scripts/names.py                          # the whole package
     python scripts/names.py pgregistry/layout.py pgregistry/cli   # some files or folders
     python scripts/names.py --count                  # only the totals
 
-A function is flagged when its first word, leading underscores stripped, is a past participle (``agreed``,
-``checked_groups`` read as values, not as what a call does), or when its name is one word (no ``_`` inside) and it
-is not a method the receiver explains (``tracker.fork()``; a private method like ``self._raw()`` is still
-flagged) nor one of the entry points below. Properties name values and are skipped, as are dunder methods and
-methods whose name a base class fixes (``forward``, ``step``, ``visit_Call``). Prints ``path:line  name  (why)``;
-a name docs/api.md lists (``pgregistry.place``) is the public API's, kept, and counted apart.
+A function is flagged when its first word, leading underscores stripped, is a past participle
+(``agreed``, ``checked_groups`` read as values, not as what a call does), or when its name is one
+word (no ``_`` inside) and it is not a method the receiver explains (``tracker.fork()``; a private
+method like ``self._raw()`` is still flagged) nor one of the entry points below. Properties name
+values and are skipped, as are dunder methods and methods whose name a base class fixes
+(``forward``, ``step``, ``visit_Call``). Prints ``path:line  name  (why)``; a name docs/api.md
+lists (``pgregistry.place``) is the public API's, kept, and counted apart.
 """
 
 from __future__ import annotations
@@ -23,18 +24,22 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Entry points whose one word is the convention (``main``) or the public API's (``pgregistry.build``).
+# Entry points whose one word is the convention (``main``) or the public API's (``build``).
 ONE_WORD_ENTRY_POINTS = frozenset("main build attach install".split())
-# Names a base class or protocol fixes (torch.nn.Module, Optimizer, argparse, libcst, structlog, pytest ...).
+# Names a base class or protocol fixes (torch.nn.Module, Optimizer, argparse, logging, ...).
 FIXED_BY_BASE = frozenset(
-    "forward step zero_grad state_dict load_state_dict extra_repr reset_parameters default emit filter format "
+    "forward step zero_grad state_dict load_state_dict extra_repr reset_parameters default emit "
+    "filter format "
     "close flush fileno write read readline keys values items get".split()
 )
 IRREGULAR_PARTICIPLES = frozenset(
-    "seen given chosen written known taken shown done gone begun broken driven fallen forgotten frozen hidden "
-    "spoken thrown worn built kept left lost made meant met paid said sent sold spent told found held".split()
+    "seen given chosen written known taken shown done gone begun broken driven fallen "
+    "forgotten frozen hidden spoken thrown worn built kept left lost made meant met paid said "
+    "sent sold spent told found held".split()
 )
-REGULAR_NOT_PARTICIPLES = frozenset("need embed shed seed bed feed speed red bleed breed proceed exceed".split())
+REGULAR_NOT_PARTICIPLES = frozenset(
+    "need embed shed seed bed feed speed red bleed breed proceed exceed".split()
+)
 
 
 def is_participle(word: str) -> bool:
@@ -51,8 +56,8 @@ def is_participle(word: str) -> bool:
 def why_unclear(name: str, public_method: bool = False) -> str | None:
     """Why function name ``name`` does not say what it does, or None when it does.
 
-    >>> why_unclear("_on"), why_unclear("agreed"), why_unclear("_checked_groups"), why_unclear("read_layout")
-    ('one word', 'participle', 'participle', None)
+    >>> [why_unclear(name) for name in ("_on", "agreed", "_checked_groups", "read_layout")]
+    ['one word', 'participle', 'participle', None]
     >>> why_unclear("fork", public_method=True), why_unclear("_raw", public_method=False)
     (None, 'one word')
     """
@@ -67,12 +72,15 @@ def why_unclear(name: str, public_method: bool = False) -> str | None:
 
 
 def _is_property(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    decorators = [d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", "") for d in node.decorator_list]
-    return any(d in ("property", "cached_property", "setter") for d in decorators)
+    for decorator in node.decorator_list:
+        name = getattr(decorator, "attr", None) or getattr(decorator, "id", "")
+        if name in ("property", "cached_property", "setter"):
+            return True
+    return False
 
 
 def unclear_names(path: Path) -> Iterator[tuple[int, str, str]]:
-    """Yield ``(line, name, why)`` for each function defined in ``path`` whose name ``why_unclear`` flags."""
+    """Yield ``(line, name, why)`` for each function of ``path`` that :func:`why_unclear` flags."""
     tree = ast.parse(path.read_text(), filename=str(path))
     methods = {
         id(item)
@@ -85,7 +93,8 @@ def unclear_names(path: Path) -> Iterator[tuple[int, str, str]]:
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         method = id(node) in methods
-        if _is_property(node) or method and (node.name in FIXED_BY_BASE or node.name.startswith("visit_")):
+        fixed = node.name in FIXED_BY_BASE or node.name.startswith("visit_")
+        if _is_property(node) or (method and fixed):
             continue
         why = why_unclear(node.name, public_method=method and not node.name.startswith("_"))
         if why is not None:
@@ -122,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.count:
                 print(f"{path.relative_to(REPO)}:{line}  {name}  ({why})")
     print(
-        f"{sum(counts.values())} names: {counts['one word']} one word, {counts['participle']} participles; "
-        f"{kept} more of the public API (docs/api.md) kept"
+        f"{sum(counts.values())} names: {counts['one word']} one word, "
+        f"{counts['participle']} participles; {kept} more of the public API (docs/api.md) kept"
     )
     return 0
 

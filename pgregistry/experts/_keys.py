@@ -141,15 +141,15 @@ def globalize_expert_keys(
     Key order and values are kept; non-expert keys are unchanged.
 
     Raises:
-        ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not divide
-            ``num_experts``; a key's local index not below ``num_experts // ep_size``; or (``strict``, the
-            default) a family of expert keys that does not hold every local expert
+        ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not
+            divide ``num_experts``; a key's local index not below ``num_experts // ep_size``; or
+            (``strict``, the default) a family of expert keys that does not hold every local expert
             ``0 .. num_experts // ep_size - 1`` (see the module docstring).
 
     Example:
-        >>> local = {"mlp.experts.local_experts.0.weight": "a", "mlp.experts.local_experts.1.weight": "b"}
+        >>> local = {"local_experts.0.w": "a", "local_experts.1.w": "b", "embedding.w": "c"}
         >>> globalize_expert_keys(local, num_experts=8, ep_rank=1, ep_size=4)
-        {'mlp.experts.local_experts.2.weight': 'a', 'mlp.experts.local_experts.3.weight': 'b'}
+        {'local_experts.2.w': 'a', 'local_experts.3.w': 'b', 'embedding.w': 'c'}
     """
     check_ep(ep_rank, ep_size)
     renamed = _rename_expert_keys(
@@ -184,9 +184,9 @@ def localize_expert_keys(
     expert ``0 .. num_experts - 1`` (``foreign="skip"``, a whole-model state dict).
 
     Example:
-        >>> whole = {f"mlp.experts.local_experts.{index}.weight": index for index in range(4)}
+        >>> whole = {f"local_experts.{index}.w": index for index in range(4)}
         >>> localize_expert_keys(whole, num_experts=4, ep_rank=1, ep_size=2, foreign="skip")
-        {'mlp.experts.local_experts.0.weight': 2, 'mlp.experts.local_experts.1.weight': 3}
+        {'local_experts.0.w': 2, 'local_experts.1.w': 3}
     """
     check_ep(ep_rank, ep_size)
     if foreign not in ("raise", "skip"):

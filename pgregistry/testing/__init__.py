@@ -67,8 +67,8 @@ _STACK_DUMP_SIGNAL = signal.SIGUSR1
 class RankFailure(RuntimeError):
     """A rank failed: it raised, or its process died without reporting.
 
-    The original exception is chained as ``__cause__`` when it could be rebuilt here. ``detail`` holds the child's
-    formatted traceback or how it died.
+    The original exception is chained as ``__cause__`` when it could be rebuilt here. ``detail``
+    holds the child's formatted traceback or how it died.
     """
 
     def __init__(self, rank: int, detail: str) -> None:
@@ -100,14 +100,16 @@ def run_world(
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on each rank of a fresh ``world_size`` world; results in rank order.
 
-    ``timeout`` (seconds) is the hard deadline for ``fn`` on every rank, counted from when the last rank has joined
-    the process group; start-up (forking and joining) may take up to ``_STARTUP_GRACE_S`` (30 s) more, so the
-    world ends at most ``timeout + 30`` seconds after the call. It also bounds torch's own collective timeout.
+    ``timeout`` (seconds) is the hard deadline for ``fn`` on every rank, counted from when the last
+    rank has joined the process group; start-up (forking and joining) may take up to
+    ``_STARTUP_GRACE_S`` (30 s) more, so the world ends at most ``timeout + 30`` seconds after the
+    call. It also bounds torch's own collective timeout.
 
     Raises:
-        Exception: the failing rank's own exception, with a :class:`RankFailure` carrying its rank and
-            traceback attached as a note and as the exception's cause.
-        RankFailure: a rank whose own exception cannot be rebuilt here, or whose process died without reporting.
+        Exception: the failing rank's own exception, with a :class:`RankFailure` carrying its rank
+            and traceback attached as a note and as the exception's cause.
+        RankFailure: a rank whose own exception cannot be rebuilt here, or whose process died
+            without reporting.
         WorldTimeout: the world did not finish by the deadline; every rank was killed.
     """
     if world_size < 1:

@@ -1,7 +1,8 @@
 """The examples in the docstrings of the torch-free modules run and print what they show.
 
-A docstring example is documentation a reader copies: one that went stale would teach a wrong rank set. Each
-module listed here must hold at least one example, so a module whose examples were all dropped fails too.
+A docstring example is documentation a reader copies: one that went stale would teach a wrong rank
+set. Each module listed here must hold at least one example, so a module whose examples were all
+dropped fails too.
 """
 
 from __future__ import annotations
