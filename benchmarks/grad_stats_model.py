@@ -83,7 +83,7 @@ from benchmarks.common import (  # noqa: E402
     selected_device,
     tensor_sizes,
 )
-from pgregistry._runtime.resolve import resolve, source_of  # noqa: E402
+from pgregistry._runtime.resolve import resolve_pg_collection, source_of  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import _fused as fused  # noqa: E402
 from pgregistry.grad_stats import _plan as plans  # noqa: E402
@@ -314,7 +314,7 @@ def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
     grads = plans._grads_of(params)
     address = torch.Tensor.data_ptr
     pieces: dict[str, Callable[[], object]] = {
-        "door (taken apart, resolved)": lambda: resolve(OFF, source_of(model).chunks, owner="bench"),
+        "door (taken apart, resolved)": lambda: resolve_pg_collection(OFF, source_of(model).chunks, owner="bench"),
         "kept: parameter set": lambda: kept.plan_params(source),
         "kept: roles": kept._same_roles,
         "grads read (pgregistry's)": lambda: plans._grads_of(params),

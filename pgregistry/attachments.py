@@ -27,7 +27,7 @@ def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupColle
     """Record that ``model`` (a model, or each chunk of a list of model chunks) runs on ``collection``."""
     if not isinstance(collection, ProcessGroupCollection):
         raise TypeError(f"attach expects a ProcessGroupCollection, got {type(collection).__name__}")
-    for chunk in _chunks(model):
+    for chunk in _as_chunks(model):
         _attached[chunk] = collection
 
 
@@ -42,20 +42,28 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: D) -> Process
 def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAISE) -> object:
     """The collection attached to ``model`` (a model or its chunks, each possibly wrapped).
 
-    Each chunk's collection is the first one attached along its wrapper chain. ``ValueError`` naming the chunks
-    when they disagree, including when some carry a collection and others none; ``LookupError`` when none is
-    attached, unless ``default`` is given.
+    Each chunk's collection is the first one attached (:func:`attach`) along its wrapper chain.
+
+    Args:
+        model: a model, or a list of model chunks.
+        default: returned when no collection is attached (else ``LookupError``).
+
+    Raises:
+        ValueError: naming the chunks, when they disagree, including when some carry a collection
+            and others none.
+        LookupError: none is attached and no ``default`` is given.
     """
     per_chunk: list[ProcessGroupCollection | None] = []
-    for chunk in _chunks(model):
+    for chunk in _as_chunks(model):
         found = next((_attached[m] for m in wrapper_chain(chunk) if m in _attached), None)
         per_chunk.append(found)
     first = per_chunk[0] if per_chunk else None
     for index, collection in enumerate(per_chunk[1:], start=1):
         if collection != first:
             raise ValueError(
-                f"model chunks 0 and {index} carry different process-group collections ({_describe(first)} and "
-                f"{_describe(collection)}); attach one collection to every chunk (pgregistry.attach)"
+                f"model chunks 0 and {index} carry different process-group collections "
+                f"({_describe_attached(first)} and "
+                f"{_describe_attached(collection)}); attach one collection to every chunk (pgregistry.attach)"
             )
     if first is None:
         if default is _RAISE:
@@ -77,9 +85,9 @@ def wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
         current = getattr(current, "module", None)
 
 
-def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+def _as_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return list(model) if isinstance(model, Sequence) else [model]
 
 
-def _describe(collection: ProcessGroupCollection | None) -> str:
+def _describe_attached(collection: ProcessGroupCollection | None) -> str:
     return "none attached" if collection is None else collection.describe()

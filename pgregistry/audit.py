@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from pgregistry._runtime.resolve import ParamsLike, normalise, resolve
+from pgregistry._runtime.resolve import ParamsLike, normalise_params, resolve_pg_collection
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
 from pgregistry.grad_stats._classification import unclassified_expert_params
@@ -132,8 +132,10 @@ class ReplicationMismatch:
 
 @attrs.frozen(slots=True, kw_only=True)
 class SuspectedTie:
-    """A parameter that may be tied to one on the other end of the pipeline, though no measurement shows it (see
-    the module docstring): reported, never an error."""
+    """A parameter that may be tied to one at the other end of the pipeline: reported, never an error.
+
+    No measurement shows the tie (see the module docstring).
+    """
 
     name: str
     other_name: str
@@ -230,8 +232,10 @@ def audit_grad_replication(
     Collective over those groups; raises ``ValueError`` on every rank when the ranks of a group hold different
     parameter structures.
     """
-    params = normalise(model_or_params)
-    collection = resolve(pg_collection, params.chunks, owner="audit_grad_replication", fallback=STATS_FALLBACK)
+    params = normalise_params(model_or_params)
+    collection = resolve_pg_collection(
+        pg_collection, params.chunks, owner="audit_grad_replication", fallback=STATS_FALLBACK
+    )
     missing = [name for name in ("ep", "dp_cp", "expt_dp") if not collection.is_set(name)]
     if missing:
         raise ValueError(f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)")
@@ -249,13 +253,13 @@ def audit_grad_replication(
     _check_same_structure(named, axis_groups, stats)
     audited = [(name, param) for name, param in named if param.grad is not None and param_is_not_shared(param)]
     rank = dist.get_rank()
-    axis_ranks = {axis: frozenset(_ranks(group, rank)) for axis, group in axis_groups.items()}
+    axis_ranks = {axis: frozenset(_group_ranks(group, rank)) for axis, group in axis_groups.items()}
     # Over an axis a DTensor grad's mesh spans, its placements say how it is laid out: nothing to measure there.
     spanned = [
         {axis for axis, ranks in axis_ranks.items() if len(mesh_ranks(param.grad, rank) & ranks) > 1}  # type: ignore[arg-type]
         for _, param in audited
     ]
-    replicated, zero = _measure(audited, axis_groups, spanned)
+    replicated, zero = _measure_replication(audited, axis_groups, spanned)
     ties, suspects = _across_stages(named, audited, _embedding_group(collection))
     mesh_axes = MeshAxes(collection, {False: stats.dense_reduce, True: stats.expert_reduce})
     reduce_groups = (stats.dense_reduce, stats.expert_reduce)
@@ -275,7 +279,7 @@ def audit_grad_replication(
                 claimed=REPLICATED if claimed else UNIQUE,
                 measured=REPLICATED if rep[axis] else UNIQUE,
             )
-            for axis, claimed in _claims(param)
+            for axis, claimed in _replication_claims(param)
             if axis in rep and not is_zero[axis] and claimed != rep[axis]
         ]
         # A parameter without an EP classification (in no marked expert module) that differs across EP ranks and
@@ -299,22 +303,22 @@ def audit_grad_replication(
         grad = param.grad
         assert grad is not None  # params without grads were left out above
         if is_dtensor(grad):
-            verdict = _measured_verdicts(rep, axis_groups, truly_expert)
+            verdict = _measure_dtensor_verdicts(rep, axis_groups, truly_expert)
             entry = classify_dtensor_grad(name, param, grad, mesh_axes, verdict, expert=truly_expert)  # type: ignore[arg-type]
             if entry.outer is not None:
                 group = collection.get(entry.outer)
-                parts = _weighted_parts(entry.local, weight, device) if entry.counted else [None]
+                parts = _norm_parts_weighted_by(entry.local, weight, device) if entry.counted else [None]
                 for part in parts:
                     truth.add_first(entry.outer, group, reduce_groups, int(entry.expert), part)
             elif entry.counted:
-                for part in _weighted_parts(entry.local, weight, device):
+                for part in _norm_parts_weighted_by(entry.local, weight, device):
                     truth.add(mesh_axes.reduce_groups[entry.expert], part)
             continue
         for axis in ("expt_tp", "expt_gtp_remat", "ep") if truly_expert else ("tp", "gtp_remat"):
             if rep.get(axis, False):
                 weight /= group_size(axis_groups[axis])
         group = stats.expert_reduce if truly_expert else stats.dense_reduce
-        for part in _weighted_parts(grad.detach(), weight, device):
+        for part in _norm_parts_weighted_by(grad.detach(), weight, device):
             truth.add(group, part)
 
     plan = Plan(named, stats)
@@ -334,7 +338,7 @@ def audit_grad_replication(
     )
 
 
-def _weighted_parts(grad: torch.Tensor, weight: float, device: torch.device) -> list[torch.Tensor]:
+def _norm_parts_weighted_by(grad: torch.Tensor, weight: float, device: torch.device) -> list[torch.Tensor]:
     """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the weights of replicas
     add up exactly, and a mismatch as small as float64 resolves shows in the ratio)."""
     parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
@@ -371,9 +375,9 @@ def _across_stages(
         return {}, ()
     mine = {id(param): index for index, (_, param) in enumerate(audited)}
     digests = [
-        (_digest(param.grad), not param_is_not_shared(param), mine.get(id(param)))
+        (_grad_digest(param.grad), not param_is_not_shared(param), mine.get(id(param)))
         for _, param in named
-        if param.grad is not None and bool(_local(param.grad).any())
+        if param.grad is not None and bool(_local_grad(param.grad).any())
     ]
     shapes = [_shape_entry(name, param) for name, param in named if param.dim() >= 2]
     everyone: list[Any] = [None] * group_size(embd)
@@ -397,7 +401,7 @@ def _across_stages(
         for entry in shapes
         if entry["name"] not in tied
         for other in theirs
-        if (suspect := _suspect(entry, other, dist.get_global_rank(embd, position))) is not None
+        if (suspect := _suspect_tie(entry, other, dist.get_global_rank(embd, position))) is not None
     ]
     return ties, tuple(suspects)
 
@@ -412,12 +416,12 @@ def _shape_entry(name: str, param: torch.Tensor) -> dict[str, Any]:
         "dtype": str(param.dtype),
         "shared": not param_is_not_shared(param),
         "shared_embedding": bool(getattr(param, "shared_embedding", False)),
-        "values": _sums(_local(param)),
-        "grad": _sums(_local(grad)) if grad is not None else None,
+        "values": _sum_and_sum_of_squares(_local_grad(param)),
+        "grad": _sum_and_sum_of_squares(_local_grad(grad)) if grad is not None else None,
     }
 
 
-def _sums(tensor: torch.Tensor) -> tuple[float, float] | None:
+def _sum_and_sum_of_squares(tensor: torch.Tensor) -> tuple[float, float] | None:
     """The float64 sum and sum of squares of ``tensor`` (accumulated in float64, no float64 copy of it)."""
     if tensor.is_meta:
         return None
@@ -425,7 +429,7 @@ def _sums(tensor: torch.Tensor) -> tuple[float, float] | None:
     return float(values.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
 
 
-def _near(mine: tuple[float, float] | None, theirs: tuple[float, float] | None, numel: int) -> bool:
+def _sums_agree(mine: tuple[float, float] | None, theirs: tuple[float, float] | None, numel: int) -> bool:
     """Whether two copies' sums and sums of squares agree to :data:`_NEAR` (not both zero)."""
     if mine is None or theirs is None or max(mine[1], theirs[1]) == 0:
         return False
@@ -436,7 +440,7 @@ def _near(mine: tuple[float, float] | None, theirs: tuple[float, float] | None, 
     )
 
 
-def _suspect(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -> SuspectedTie | None:
+def _suspect_tie(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -> SuspectedTie | None:
     """A suspected tie between this rank's ``mine`` and another stage's ``other``, or ``None``."""
     if mine["shape"] != other["shape"] or mine["dtype"] != other["dtype"] or mine["shared"] or other["shared"]:
         return None
@@ -447,9 +451,9 @@ def _suspect(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -> Su
         evidence.append("an input embedding's and an output layer's names")
     if mine["shared_embedding"] or other["shared_embedding"]:
         evidence.append("marked shared_embedding (Megatron-Core's mark of a tied embedding's copies)")
-    if _near(mine["values"], other["values"], numel):
+    if _sums_agree(mine["values"], other["values"], numel):
         evidence.append("values that agree to 1e-5")
-    if _near(mine["grad"], other["grad"], numel):
+    if _sums_agree(mine["grad"], other["grad"], numel):
         evidence.append("grads that agree to 1e-5 but are not identical")
     if not evidence:
         return None
@@ -459,17 +463,17 @@ def _suspect(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -> Su
     )
 
 
-def _digest(grad: torch.Tensor) -> str:
-    local = _local(grad).detach()
+def _grad_digest(grad: torch.Tensor) -> str:
+    local = _local_grad(grad).detach()
     values = local.to(device="cpu", dtype=torch.float64).contiguous().numpy().tobytes()
     return f"{tuple(local.shape)}:{local.dtype}:{hashlib.sha256(values).hexdigest()}"
 
 
-def _ranks(group: ProcessGroup | None, rank: int) -> list[int]:
+def _group_ranks(group: ProcessGroup | None, rank: int) -> list[int]:
     return [rank] if group is None else dist.get_process_group_ranks(group)
 
 
-def _measured_verdicts(
+def _measure_dtensor_verdicts(
     rep: dict[str, bool], axis_groups: dict[str, ProcessGroup | None], expert: bool
 ) -> tuple[bool, bool]:
     """Whether this rank counts a DTensor grad's piece over TP and GTP (when its mesh does not span them), by
@@ -479,7 +483,7 @@ def _measured_verdicts(
     return tp, gtp
 
 
-def _claims(param: torch.Tensor) -> list[tuple[str, bool]]:
+def _replication_claims(param: torch.Tensor) -> list[tuple[str, bool]]:
     """``(axis, claimed replicated)`` for each axis the classification of ``param`` makes a claim about."""
     expert = is_expert_param(param)
     claims = [
@@ -492,7 +496,7 @@ def _claims(param: torch.Tensor) -> list[tuple[str, bool]]:
     return claims
 
 
-def _on(group: ProcessGroup | None) -> bool:
+def _spans_several_ranks(group: ProcessGroup | None) -> bool:
     return group is not None and group_size(group) > 1
 
 
@@ -506,7 +510,7 @@ def _check_same_structure(
     """
     text = repr(
         [
-            (n, tuple(p.shape), str(p.dtype), p.grad is not None, not param_is_not_shared(p), _placements(p))
+            (n, tuple(p.shape), str(p.dtype), p.grad is not None, not param_is_not_shared(p), _dtensor_placements(p))
             for n, p in named
         ]
     )
@@ -515,7 +519,7 @@ def _check_same_structure(
     differing: list[str] = []
     for axis in _AXES:
         group = axis_groups[axis]
-        if not _on(group):
+        if not _spans_several_ranks(group):
             continue
         both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
@@ -523,7 +527,7 @@ def _check_same_structure(
             differing.append(axis)
     verdict = torch.tensor([1 if differing else 0], dtype=torch.int64, device=device)
     for group in (axis_groups["dp_cp"], stats.dense_reduce):
-        if _on(group):
+        if _spans_several_ranks(group):
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     if int(verdict.item()):
         where = f"this rank's {differing} group(s) differ" if differing else "another rank's groups differ"
@@ -533,20 +537,20 @@ def _check_same_structure(
         )
 
 
-def _measure(
+def _measure_replication(
     audited: list[tuple[str, torch.Tensor]],
     axis_groups: dict[str, ProcessGroup | None],
     spanned: list[set[str]],
 ) -> tuple[dict[str, dict[int, bool]], dict[str, dict[int, bool]]]:
     """Per axis that is on and per audited gradient (by index) not spanned there by its DTensor mesh: replicated
     over the group, and zero over the whole group. A DTensor grad is measured through its local piece."""
-    on = [axis for axis in _AXES if _on(axis_groups[axis])]
+    on = [axis for axis in _AXES if _spans_several_ranks(axis_groups[axis])]
     replicated: dict[str, dict[int, bool]] = {axis: {} for axis in on}
     zero: dict[str, dict[int, bool]] = {axis: {} for axis in on}
-    locals_ = [_local(param.grad) for _, param in audited]  # type: ignore[arg-type]
+    locals_ = [_local_grad(param.grad) for _, param in audited]  # type: ignore[arg-type]
     for axis in on:
         indices = [index for index in range(len(audited)) if axis not in spanned[index]]
-        for bucket in _buckets(indices, [locals_[index].numel() for index in indices]):
+        for bucket in _bucket_indices(indices, [locals_[index].numel() for index in indices]):
             # float64 holds every float32/bf16/fp16 value exactly, so equal there means bit-identical values.
             flat = torch.cat([locals_[index].detach().reshape(-1).to(torch.float64) for index in bucket])
             both = torch.cat([flat, -flat])
@@ -562,17 +566,17 @@ def _measure(
     return replicated, zero
 
 
-def _placements(param: torch.Tensor) -> str:
+def _dtensor_placements(param: torch.Tensor) -> str:
     """A DTensor grad's placements (the measured axes depend on them), else ``""``."""
     grad = param.grad
     return str(grad.placements) if grad is not None and is_dtensor(grad) else ""  # type: ignore[attr-defined]
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
+def _local_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if is_dtensor(grad) else grad  # type: ignore[attr-defined]
 
 
-def _buckets(indices: list[int], sizes: list[int]) -> list[list[int]]:
+def _bucket_indices(indices: list[int], sizes: list[int]) -> list[list[int]]:
     """Consecutive runs of ``indices`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad alone)."""
     buckets: list[list[int]] = []
     total = 0

@@ -148,7 +148,7 @@ class _Field(Generic[V]):
     def __get__(self, instance: ProcessGroupCollection | None, owner: type) -> V | _Field[V]:
         if instance is None:
             return self
-        return cast(V, instance._raw(self.name))
+        return cast(V, instance._raw_field(self.name))
 
     def __set__(self, instance: ProcessGroupCollection, value: object) -> NoReturn:
         raise AttributeError(f"ProcessGroupCollection is frozen; use evolve({self.name}=...) for a changed copy")
@@ -227,7 +227,9 @@ class ProcessGroupCollection:
         self._lifetime: _Lifetime | None = None
 
     @classmethod
-    def _outside(cls, layout: ParallelLayout, name: str | None, lifetime: _Lifetime | None) -> ProcessGroupCollection:
+    def _for_non_member(
+        cls, layout: ParallelLayout, name: str | None, lifetime: _Lifetime | None
+    ) -> ProcessGroupCollection:
         """The collection a rank outside ``layout``'s ranks holds: it knows it is no member, and every read raises."""
         collection = cls.__new__(cls)
         collection._values = dict.fromkeys(FIELD_NAMES, NOT_MEMBER)
@@ -277,13 +279,13 @@ class ProcessGroupCollection:
 
     def is_set(self, name: FieldName) -> bool:
         """True when ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; False when it is ``UNSET``."""
-        return self._raw(name) is not UNSET
+        return self._raw_field(name) is not UNSET
 
     def is_member_of(self, name: FieldName) -> bool:
         """Whether this rank belongs to a group of kind ``name`` (``None``, axis off, counts: rank 0 of 1).
 
         ``AttributeError`` when ``name`` is UNSET, as :meth:`get`."""
-        value = self._raw(name)
+        value = self._raw_field(name)
         if isinstance(value, Unset):
             raise self._unset_error(name)
         return not isinstance(value, NotMember)
@@ -295,9 +297,11 @@ class ProcessGroupCollection:
     def get(self, name: Literal["hcp"]) -> list[ProcessGroup] | None: ...
 
     def get(self, name: FieldName) -> ProcessGroup | list[ProcessGroup] | None:
-        """The group (or ``None`` = axis off) of ``name``; raises when it is UNSET (``AttributeError``) or when
-        this rank belongs to no group of that kind (``ValueError``), naming the field."""
-        value = self._raw(name)
+        """The group (or ``None`` = axis off) of ``name``.
+
+        Raises, naming the field, when it is UNSET (``AttributeError``) or when this rank belongs to
+        no group of that kind (``ValueError``)."""
+        value = self._raw_field(name)
         if isinstance(value, Unset):
             raise self._unset_error(name)
         if isinstance(value, NotMember):
@@ -314,9 +318,10 @@ class ProcessGroupCollection:
         return self.get(name)
 
     def evolve(self, **changes: FieldValue) -> ProcessGroupCollection:
-        """A copy with ``changes`` applied, checked like a new collection (against the layout too); unknown names
-        raise ``ValueError``. The copy keeps the layout, name and one-rank group, and dies with the original's
-        groups (:func:`pgregistry.registry.destroy`)."""
+        """A copy with ``changes`` applied, checked like a new collection (against the layout too).
+
+        Unknown names raise ``ValueError``. The copy keeps the layout, name and one-rank group, and
+        dies with the original's groups (:func:`pgregistry.registry.destroy`)."""
         fields: dict[str, FieldValue] = dict(self.items())
         fields.update(changes)
         copy = ProcessGroupCollection(
@@ -331,7 +336,7 @@ class ProcessGroupCollection:
         for name in FIELD_NAMES:
             yield name, self._values[name]
 
-    def _raw(self, name: str) -> FieldValue:
+    def _raw_field(self, name: str) -> FieldValue:
         value = self._values.get(name, _MISSING)
         if value is _MISSING:
             check_field_names((name,))
@@ -359,18 +364,18 @@ class ProcessGroupCollection:
         # Groups compare by identity: two collections are equal when they hold the same communicators.
         if not isinstance(other, ProcessGroupCollection):
             return NotImplemented
-        return self._key() == other._key()
+        return self._identity_key() == other._identity_key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self._identity_key())
 
-    def _key(self) -> tuple[object, ...]:
-        return (self._layout, self._member, tuple(_identity(value) for value in self._values.values()))
+    def _identity_key(self) -> tuple[object, ...]:
+        return (self._layout, self._member, tuple(_field_identity(value) for value in self._values.values()))
 
     def __repr__(self) -> str:
         if not self._member:
             return f"ProcessGroupCollection(not a member of {self.describe()})"
-        parts = [f"{name}({_describe(value)})" for name, value in self._values.items() if value is not UNSET]
+        parts = [f"{name}({_describe_field(value)})" for name, value in self._values.items() if value is not UNSET]
         return f"ProcessGroupCollection({', '.join(parts)})"
 
 
@@ -425,7 +430,7 @@ def _check_fields(groups: Mapping[str, object]) -> None:
         complete = len(given) == len(axes)
         if (size != product) if complete else (size % product != 0):
             described = ", ".join(
-                f"{axis} ({_describe(cast(FieldValue, groups.get(axis, UNSET)))})" for axis in axes
+                f"{axis} ({_describe_field(cast(FieldValue, groups.get(axis, UNSET)))})" for axis in axes
             )
             relation = "" if complete else "a multiple of "
             raise ValueError(
@@ -436,8 +441,9 @@ def _check_fields(groups: Mapping[str, object]) -> None:
 
 
 def implied_size(collection: ProcessGroupCollection, axis: GroupName) -> tuple[int, GroupName] | None:
-    """The size the collection's own composite groups fix for ``axis``, and the composite that fixes it; ``None``
-    when none does.
+    """The size the collection's own composite groups fix for ``axis``, and the composite that fixes it.
+
+    ``None`` when none does.
 
     A composite group that is set (a group, or ``None``: one rank) fixes its axes' sizes together: when its size is
     the product of its set axes', each unset axis has one rank (``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep``
@@ -521,7 +527,8 @@ def _check_kind(name: str, value: FieldValue, want: tuple[int, ...] | None, layo
     if want is None:
         if not isinstance(value, NotMember):
             raise ValueError(
-                f"field {name!r} is {_describe(value)}, but rank {rank} belongs to no {name!r} group of {layout!r}; "
+                f"field {name!r} is {_describe_field(value)}, "
+                f"but rank {rank} belongs to no {name!r} group of {layout!r}; "
                 "give NOT_MEMBER"
             )
         return
@@ -573,7 +580,11 @@ def _this_rank() -> int | str:
 
 
 def group_size(group: ProcessGroup | None) -> int:
-    """Size of ``group``; ``None`` (axis off) is 1. Never WORLD."""
+    """Size of ``group``; ``None`` (axis off) is 1. Never WORLD.
+
+    >>> group_size(None)
+    1
+    """
     if group is None:
         return 1
     _check_group(group)
@@ -581,8 +592,13 @@ def group_size(group: ProcessGroup | None) -> int:
 
 
 def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank in ``group``; ``None`` (axis off) is 0. Never the WORLD rank, and never "rank 0" for a
-    rank outside the group (``ValueError``)."""
+    """This process's rank in ``group``; ``None`` (axis off) is 0.
+
+    Never the WORLD rank, and never "rank 0" for a rank outside the group (``ValueError``).
+
+    >>> group_rank(None)
+    0
+    """
     if group is None:
         return 0
     _check_group(group)
@@ -616,7 +632,7 @@ def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
     return cast("tuple[FieldName, ...]", names)
 
 
-def _identity(value: FieldValue) -> object:
+def _field_identity(value: FieldValue) -> object:
     if isinstance(value, list):
         return tuple(id(v) for v in value)
     if value is None or isinstance(value, (Unset, NotMember)):
@@ -624,7 +640,7 @@ def _identity(value: FieldValue) -> object:
     return id(value)
 
 
-def _describe(value: FieldValue) -> str:
+def _describe_field(value: FieldValue) -> str:
     if value is None:
         return "off"
     if isinstance(value, Unset):

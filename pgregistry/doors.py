@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry._source.fields import GTP_REMAT_DP
 from pgregistry.collection import check_field_names, group_size
 from pgregistry.fallback import warn_fallback
@@ -34,12 +34,12 @@ if TYPE_CHECKING:
 __all__ = ["pg_group", "pg_rank", "pg_read", "pg_size", "resolve_collection", "resolve_megatron_collection"]
 
 
-def _read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
+def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
     owner, _ = reader(3)  # the function that called pg_*
     if field != GTP_REMAT_DP:
         names = cast(Any, check_field_names([field]))  # ValueError naming an unknown field
-        return value(getattr(resolve(pg_collection, owner=owner, fallback=names), field), kind)
-    resolved = resolve(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
+        return value(getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field), kind)
+    resolved = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
     if group_size(cast("ProcessGroup | None", resolved.gtp_remat)) != 1:  # resolved: set
         raise ValueError(
             f"{owner} reads the data-parallel group with GTP remat and without CP, which no field of pgregistry's "
@@ -49,31 +49,36 @@ def _read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -
 
 
 def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
-    """``kind`` (``src_rank``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``global_ranks``,
-    ``first_stage``, ``last_stage``, or ``group`` / ``rank`` / ``size``) of ``field``: the collection's, else
-    the global grid's with the warning (``RuntimeError`` when there is none). ``None`` (an axis that is off) is
-    this rank alone."""
-    return _read(pg_collection, field, kind)
+    """``kind`` of the group ``field``: the collection's, else the global grid's with the warning.
+
+    ``kind`` is ``src_rank``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``,
+    ``global_ranks``, ``first_stage``, ``last_stage``, or ``group`` / ``rank`` / ``size``;
+    ``RuntimeError`` when there is no collection and no global grid. ``None`` (an axis that is off)
+    is this rank alone.
+    """
+    return _read_field(pg_collection, field, kind)
 
 
 def pg_group(pg_collection: ProcessGroupCollection | None, field: str) -> Any:
     """The group ``field`` (see :func:`pg_read`)."""
-    return _read(pg_collection, field, "group")
+    return _read_field(pg_collection, field, "group")
 
 
 def pg_rank(pg_collection: ProcessGroupCollection | None, field: str) -> int:
     """This rank in the group ``field`` (see :func:`pg_read`)."""
-    return int(_read(pg_collection, field, "rank"))
+    return int(_read_field(pg_collection, field, "rank"))
 
 
 def pg_size(pg_collection: ProcessGroupCollection | None, field: str) -> int:
     """The size of the group ``field`` (see :func:`pg_read`)."""
-    return int(_read(pg_collection, field, "size"))
+    return int(_read_field(pg_collection, field, "size"))
 
 
 def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Sequence[str] | None = None) -> Any:
-    """``pg_collection`` when given; else, with the warning naming ``owner``, Megatron-Core's
-    ``ProcessGroupCollection.use_mpu_process_groups(fields)``: exactly the groups ``parallel_state`` holds.
+    """``pg_collection`` when given; else Megatron-Core's, with the warning naming ``owner``.
+
+    Megatron-Core's is ``ProcessGroupCollection.use_mpu_process_groups(fields)``: exactly the groups
+    ``parallel_state`` holds.
 
     ``fields`` (the ones the function reads) keeps the fallback from reading groups the function never needed
     (some assert when they were not initialised)."""
@@ -86,6 +91,8 @@ def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Seque
 
 
 def resolve_collection(pg_collection: ProcessGroupCollection | None, *, owner: str) -> ProcessGroupCollection:
-    """``pg_collection`` when given; else pgregistry's global grid, with the warning naming ``owner``
-    (``RuntimeError`` when none is initialised); checked usable either way."""
-    return resolve(pg_collection, owner=owner)
+    """``pg_collection`` when given; else the global grid, with the warning naming ``owner``.
+
+    ``RuntimeError`` when none is initialised; checked usable either way.
+    """
+    return resolve_pg_collection(pg_collection, owner=owner)

@@ -52,8 +52,11 @@ def _forget_fallback_warnings() -> None:
 
 
 def warn_fallback(owner: str, argument: str) -> None:
-    """Warn that ``owner`` read ``argument`` (a group name, or ``"pg_collection"`` for the whole collection) from
-    the global grid instead of being given it; attributed to the first calling frame outside pgregistry."""
+    """Warn that ``owner`` read ``argument`` from the global grid instead of being given it.
+
+    ``argument`` is a group name, or ``"pg_collection"`` for the whole collection. The warning is
+    attributed to the first calling frame outside pgregistry.
+    """
     if argument == "pg_collection":
         message = (
             f"{owner} was not given a ProcessGroupCollection (nor a model with one attached) and falls back to the "
@@ -94,16 +97,16 @@ def _filter_action(message: str, category: type[Warning], module: str, lineno: i
     """The action the active warning filters would take, matched as :func:`warnings.warn_explicit` does."""
     for action, msg, cat, mod, line in warnings.filters:
         if (
-            (msg is None or _matches(msg, message))
+            (msg is None or _pattern_matches(msg, message))
             and issubclass(category, cat)
-            and (mod is None or _matches(mod, module))
+            and (mod is None or _pattern_matches(mod, module))
             and (line == 0 or line == lineno)
         ):
             return str(action)
     return str(getattr(warnings, "defaultaction", "default"))
 
 
-def _matches(pattern: re.Pattern[str] | str, text: str) -> bool:
+def _pattern_matches(pattern: re.Pattern[str] | str, text: str) -> bool:
     if isinstance(pattern, str):
         return re.match(pattern, text) is not None
     return pattern.match(text) is not None

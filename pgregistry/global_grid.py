@@ -47,8 +47,10 @@ def global_collection(default: D) -> ProcessGroupCollection | D: ...
 
 
 def global_collection(default: object = _RAISE) -> object:
-    """The global grid; ``RuntimeError`` when none is initialised (or it was destroyed), unless ``default`` is
-    given."""
+    """The global grid.
+
+    ``RuntimeError`` when none is initialised (or it was destroyed), unless ``default`` is given.
+    """
     if _grid is None or _grid.is_destroyed:
         if default is _RAISE:
             raise RuntimeError("the global grid is not initialised (pgregistry.global_grid.initialize_global_grid)")

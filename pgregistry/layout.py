@@ -113,7 +113,7 @@ GROUP_KINDS: Final[tuple[str, ...]] = (*DENSE_GROUP_KINDS, *EXPERT_GROUP_KINDS, 
 """Every group kind a layout enumerates, in the deterministic order groups are created."""
 
 
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+def _check_positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
 
@@ -185,22 +185,44 @@ class _Grid:
 
 @attrs.frozen(slots=True, kw_only=True)
 class ParallelLayout:
-    """The declared parallelism of one model: axis sizes and their order over ``num_ranks`` ranks from
-    ``rank_offset`` (Megatron-Core's ``HyperCommGrid`` name; 0: from the first rank of the world).
+    """The declared parallelism of one model: axis sizes and their order over a span of ranks.
 
-    ``dp`` and ``expt_dp`` are derived: ``dp = num_ranks / (tp * gtp_remat * cp * pp)`` and
-    ``expt_dp = num_ranks / (expt_tp * ep * expt_gtp_remat * pp)``. ``expt_tp`` defaults to ``tp``. Invalid
-    combinations raise ``ValueError`` naming the offending size, so an invalid layout cannot exist.
+    Pure arithmetic, no process group: the same rank sets Megatron-Core's ``RankGenerator`` makes,
+    so a layout can be checked, drawn or compared on a laptop before any job starts.
+
+    Args:
+        num_ranks: the ranks of the span (the world, or the part one module runs on).
+        tp, cp, pp, ep, gtp_remat, expt_gtp_remat: axis sizes (1: off); ``expt_tp`` defaults to
+            ``tp``.
+        order: the axes, fastest-varying first (:data:`DEFAULT_ORDER`).
+        rank_offset: the span's first rank (Megatron-Core's ``HyperCommGrid`` name; 0: the world's
+            first).
+
+    ``dp = num_ranks / (tp * gtp_remat * cp * pp)`` and ``expt_dp = num_ranks / (expt_tp * ep *
+    expt_gtp_remat * pp)`` are derived.
+
+    Raises:
+        ValueError: a size that does not divide ``num_ranks``, an unknown or repeated axis in
+            ``order``, or more ranks than torch.distributed addresses; the message names the
+            offending size, so an invalid layout cannot exist.
+
+    Example:
+        >>> layout = ParallelLayout(num_ranks=8, tp=2, pp=2)
+        >>> layout.dp, layout.groups("tp")
+        (2, ((0, 1), (2, 3), (4, 5), (6, 7)))
+        >>> ParallelLayout(num_ranks=6, tp=4)
+        Traceback (most recent call last):
+        ValueError: num_ranks 6 is not divisible by tp*gtp_remat*cp*pp = 4*1*1*1 = 4
     """
 
-    num_ranks: int = attrs.field(validator=_positive)
-    tp: int = attrs.field(default=1, validator=_positive)
-    cp: int = attrs.field(default=1, validator=_positive)
-    pp: int = attrs.field(default=1, validator=_positive)
-    ep: int = attrs.field(default=1, validator=_positive)
-    expt_tp: int = attrs.field(default=attrs.Factory(lambda self: self.tp, takes_self=True), validator=_positive)
-    gtp_remat: int = attrs.field(default=1, validator=_positive)
-    expt_gtp_remat: int = attrs.field(default=1, validator=_positive)
+    num_ranks: int = attrs.field(validator=_check_positive)
+    tp: int = attrs.field(default=1, validator=_check_positive)
+    cp: int = attrs.field(default=1, validator=_check_positive)
+    pp: int = attrs.field(default=1, validator=_check_positive)
+    ep: int = attrs.field(default=1, validator=_check_positive)
+    expt_tp: int = attrs.field(default=attrs.Factory(lambda self: self.tp, takes_self=True), validator=_check_positive)
+    gtp_remat: int = attrs.field(default=1, validator=_check_positive)
+    expt_gtp_remat: int = attrs.field(default=1, validator=_check_positive)
     order: str = attrs.field(default=DEFAULT_ORDER, converter=lambda s: str(s).lower())
     rank_offset: int = attrs.field(default=0, validator=_non_negative)
     dp: int = attrs.field(init=False)
@@ -217,7 +239,7 @@ class ParallelLayout:
                 f"{span} is more ranks than torch.distributed can address (at most {MAX_WORLD_SIZE} = 2**31 - 1: "
                 "ranks are C ints)"
             )
-        tokens = self._validated_order_tokens()
+        tokens = self._validate_order_tokens()
         dense_product = self.tp * self.gtp_remat * self.cp * self.pp
         if self.num_ranks % dense_product:
             raise ValueError(
@@ -251,8 +273,10 @@ class ParallelLayout:
             "expt_dp": expt_dp, "pp": self.pp,
         }
         declared = tuple(self.order.split("-"))
-        dense = self._grid(declared, tokens, _DENSE_AXES, "gtp_remat", dense_sizes, after=OrderToken.TP.value)
-        expert = self._grid(declared, tokens, _EXPERT_AXES, "expt_gtp_remat", expert_sizes, after=OrderToken.EP.value)
+        dense = self._build_grid(declared, tokens, _DENSE_AXES, "gtp_remat", dense_sizes, after=OrderToken.TP.value)
+        expert = self._build_grid(
+            declared, tokens, _EXPERT_AXES, "expt_gtp_remat", expert_sizes, after=OrderToken.EP.value
+        )
         object.__setattr__(self, "_dense", dense)
         object.__setattr__(self, "_expert", expert)
         if self.pp > 1 and not dense.all_groups(("pp",)).equal(expert.all_groups(("pp",))):
@@ -260,7 +284,7 @@ class ParallelLayout:
                 f"order {self.order!r} gives the dense and expert grids different pipeline stages; put pp last"
             )
 
-    def _validated_order_tokens(self) -> tuple[str, ...]:
+    def _validate_order_tokens(self) -> tuple[str, ...]:
         tokens = tuple(self.order.split("-"))
         unknown = [t for t in tokens if t not in _TOKENS]
         if unknown:
@@ -279,7 +303,7 @@ class ParallelLayout:
                 raise ValueError(f"order {self.order!r} lacks axis 'tp' whose expert size (expt_tp) is {self.expt_tp}")
         return tokens + tuple(missing)
 
-    def _grid(
+    def _build_grid(
         self,
         declared: tuple[str, ...],
         tokens: tuple[str, ...],
@@ -312,8 +336,14 @@ class ParallelLayout:
         raise ValueError(self._unknown_kind_message(kind))
 
     def group_shape(self, kind: str) -> tuple[int, int]:
-        """``(number of groups, ranks per group)`` of ``kind``: the shape of :meth:`groups_tensor`, by arithmetic
-        alone, so a caller can size what enumerating a huge layout would take before doing it."""
+        """``(number of groups, ranks per group)`` of ``kind``: the shape of :meth:`groups_tensor`.
+
+        By arithmetic alone, so a caller can size what enumerating a huge layout would take before
+        doing it.
+
+        >>> ParallelLayout(num_ranks=131072, tp=8, pp=16).group_shape("dp")
+        (128, 1024)
+        """
         if kind in _PIPELINE_EDGE_KINDS:
             return self.num_ranks // self.pp, len(self._pipeline_edges(kind))
         if kind in DENSE_GROUP_KINDS:
@@ -326,16 +356,28 @@ class ParallelLayout:
         return self.num_ranks // size, size
 
     def groups(self, kind: str) -> tuple[RankGroup, ...]:
-        """Every group of ``kind``, each a tuple of ranks in grid order.
+        """Every group of ``kind`` (a :data:`GROUP_KINDS` name), each a tuple of ranks in grid order.
 
         ``embd`` and ``pos_embd`` hold the first and last pipeline stage (``[first]`` when pp is 1) and the first
         stage of each pipeline group, as Megatron-Core builds them; ranks outside them belong to no such group.
+        ``ValueError`` for an unknown kind, listing the known ones.
+
+        Example:
+            >>> ParallelLayout(num_ranks=8, tp=2, pp=2).groups("dp")
+            ((0, 2), (1, 3), (4, 6), (5, 7))
         """
         # Zipping the columns builds the row tuples in C: about 3x faster than a tuple() per row at 131k ranks.
         return tuple(zip(*self.groups_tensor(kind).T.tolist(), strict=True))
 
     def groups_of(self, rank: int) -> dict[str, RankGroup | None]:
-        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not part of)."""
+        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not part of).
+
+        Computed for ``rank`` alone (no kind is enumerated). ``ValueError`` for a rank outside the layout.
+
+        >>> groups = ParallelLayout(num_ranks=8, tp=2, pp=2).groups_of(5)
+        >>> groups["tp"], groups["dp"], groups["embd"]
+        ((4, 5), (5, 7), (1, 5))
+        """
         rank = self._check_rank(rank)
         out: dict[str, RankGroup | None] = {}
         for kind, axes in DENSE_GROUP_KINDS.items():
@@ -350,8 +392,15 @@ class ParallelLayout:
         return out
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Axis -> coordinate of ``rank``: dense ``tp, gtp_remat, cp, dp, pp`` and expert ``expt_tp, ep,
-        expt_gtp_remat, expt_dp``."""
+        """Axis -> coordinate of ``rank``, over the axes of both grids.
+
+        The dense axes are ``tp, gtp_remat, cp, dp, pp``, the expert ones ``expt_tp, ep,
+        expt_gtp_remat, expt_dp``.
+
+        >>> coords = ParallelLayout(num_ranks=8, tp=2, pp=2).coords(5)
+        >>> coords["tp"], coords["dp"], coords["pp"]
+        (1, 0, 1)
+        """
         rank = self._check_rank(rank)
         dense = self._dense.coords(rank)
         expert = self._expert.coords(rank)
@@ -364,7 +413,11 @@ class ParallelLayout:
         return {axis: int(getattr(self, axis)) for axis in _AXIS_SIZES}
 
     def rank_range(self) -> tuple[int, int]:
-        """``(first, stop)``: the layout's ranks are ``range(first, stop)``."""
+        """``(first, stop)``: the layout's ranks are ``range(first, stop)``.
+
+        >>> ParallelLayout(num_ranks=4, tp=2, rank_offset=4).rank_range()
+        (4, 8)
+        """
         return self.rank_offset, self.rank_offset + self.num_ranks
 
     def fingerprint(self) -> str:
@@ -376,19 +429,30 @@ class ParallelLayout:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def shrink(self, lost: Iterable[int], *, sharded_optimizer: bool = False) -> Shrunk:
-        """What losing the ranks ``lost`` does to this layout: the ranks that must leave with them, the smaller
-        layout the survivors go on with, and each survivor's new rank (:class:`Shrunk`).
+        """What losing the ranks ``lost`` does to this layout (:class:`Shrunk`).
 
-        A lost rank takes its whole dense replica (its ``dp`` coordinate: every rank its TP, GTP-remat, CP and
-        pipeline peers are) and its whole expert replica (its ``expt_dp`` coordinate: expert TP x EP x expert
-        GTP-remat x PP), and so on until no leaving rank has a peer that stays. The survivors keep every size but
-        ``dp`` and ``expt_dp``, are renumbered from ``rank_offset`` in their old order, and every group of the
-        survivors keeps its members (only the data-parallel kinds lose some). ``sharded_optimizer``: the optimizer
-        state is sharded over the data-parallel replicas, so losing any replica loses a shard.
+        That is: the ranks that must leave with them, the smaller layout the survivors go on with,
+        and each survivor's new rank.
 
-        Raises ``ValueError`` naming the ranks for a rank outside the layout, a loss that leaves no copy of some
-        state (every replica touched; any loss with ``sharded_optimizer``), or survivors that no layout with the
-        same sizes and order fits; each message says to reload a checkpoint. ``TypeError`` for a non-integer rank.
+        A lost rank takes its whole dense replica (its ``dp`` coordinate: every rank its TP,
+        GTP-remat, CP and pipeline peers are) and its whole expert replica (its ``expt_dp``
+        coordinate: expert TP x EP x expert GTP-remat x PP), and so on until no leaving rank has a
+        peer that stays. The survivors keep every size but ``dp`` and ``expt_dp``, are renumbered
+        from ``rank_offset`` in their old order, and every group of the survivors keeps its members
+        (only the data-parallel kinds lose some). ``sharded_optimizer``: the optimizer state is
+        sharded over the data-parallel replicas, so losing any replica loses a shard.
+
+        Raises:
+            ValueError: naming the ranks, for a rank outside the layout, a loss that leaves no copy
+                of some state (every replica touched; any loss with ``sharded_optimizer``), or
+                survivors that no layout with the same sizes and order fits; each message says to
+                reload a checkpoint.
+            TypeError: a non-integer rank.
+
+        Example:
+            >>> shrunk = ParallelLayout(num_ranks=8, tp=2, pp=2).shrink([3])
+            >>> shrunk.leaving, shrunk.layout.dp, shrunk.rank_map
+            ((2, 3, 6, 7), 1, {0: 0, 1: 1, 4: 2, 5: 3})
         """
         return _shrink_layout(self, lost, sharded_optimizer=sharded_optimizer)
 
@@ -468,7 +532,7 @@ def _shrink_layout(layout: ParallelLayout, lost: Iterable[int], *, sharded_optim
     onto a group of the smaller layout, with the same members: their communicators can be kept. Only
     groups that reach across replicas (the data-parallel kinds) lose members.
     """
-    lost_ranks = _checked_lost(layout, lost)
+    lost_ranks = _check_lost_ranks(layout, lost)
     first, stop = layout.rank_range()
     ranks = range(first, stop)
     coords = {rank: layout.coords(rank) for rank in ranks}
@@ -508,7 +572,7 @@ def _shrink_layout(layout: ParallelLayout, lost: Iterable[int], *, sharded_optim
     )
 
 
-def _checked_lost(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int, ...]:
+def _check_lost_ranks(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int, ...]:
     """The lost ranks, sorted and deduplicated: ``TypeError`` for a non-integer (a bool too), ``ValueError`` for a
     rank outside the layout's span."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):

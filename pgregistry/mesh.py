@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
-from pgregistry._runtime.resolve import checked
+from pgregistry._runtime.resolve import check_usable
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
@@ -50,8 +50,10 @@ def from_device_mesh(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> ProcessGroupCollection:
-    """A collection whose fields are groups of ``mesh``: ``{"tp": "tp", "dp_cp": ("dp", "cp")}`` (collection field
-    -> mesh dim name, or several dim names).
+    """A collection whose fields are groups of ``mesh``.
+
+    ``dims`` maps collection field -> mesh dim name, or several dim names: ``{"tp": "tp", "dp_cp":
+    ("dp", "cp")}``.
 
     A field mapped to one dim name gets ``mesh.get_group(name)``. A field mapped to a tuple of dim names gets a
     group over those dims flattened (the ranks that differ only in them), pgregistry's communicator of that rank
@@ -78,11 +80,11 @@ def from_device_mesh(
         if len(dims) == 1:
             groups[field] = mesh.get_group(dims[0])
         else:
-            groups[field] = _flattened_group(mesh, dims, backend, timeout)
+            groups[field] = _flat_group(mesh, dims, backend, timeout)
     return ProcessGroupCollection(**groups)
 
 
-def _flattened_group(
+def _flat_group(
     mesh: DeviceMesh, dims: tuple[str, ...], backend: str | None, timeout: timedelta | float | None
 ) -> ProcessGroup:
     import math
@@ -136,7 +138,7 @@ def to_device_mesh(
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    pg_collection = checked(pg_collection, "to_device_mesh")
+    pg_collection = check_usable(pg_collection, "to_device_mesh")
     fields = tuple(fields)
     if not fields or len(set(fields)) != len(fields) or any(f not in MESH_FIELDS for f in fields):
         raise ValueError(f"fields {fields!r} must be distinct names from {MESH_FIELDS}")
@@ -230,16 +232,16 @@ def with_hsdp_groups(
     ``ValueError`` when ``replicas`` does not divide the dense or the expert data-parallel size (Megatron-Core
     requires both).
     """
-    from pgregistry._runtime.agreement import agree, require_distributed
+    from pgregistry._runtime.agreement import check_agreement, require_distributed
     from pgregistry._runtime.group_cache import CACHE, GroupOptions
 
     if not isinstance(pg_collection, ProcessGroupCollection):
-        checked(pg_collection, "with_hsdp_groups")  # the TypeError naming what it got
+        check_usable(pg_collection, "with_hsdp_groups")  # the TypeError naming what it got
     require_distributed("with_hsdp_groups")
     layout = pg_collection.layout
     # Agreed first, so that every check below raises on every rank alike or on none: a rank outside a span holds
     # the span's layout too, and creates the split's groups with the others.
-    agree(
+    check_agreement(
         "with_hsdp_groups",
         {"layout": repr(layout), "name": repr(pg_collection.name), "destroyed": repr(pg_collection.is_destroyed),
          "replicas": repr(replicas), "backend": repr(backend), "timeout": repr(timeout)},
@@ -247,7 +249,7 @@ def with_hsdp_groups(
         "its span too) and the same arguments",
     )
     if pg_collection.is_destroyed:
-        checked(pg_collection, "with_hsdp_groups")  # the ValueError naming the destroyed collection
+        check_usable(pg_collection, "with_hsdp_groups")  # the ValueError naming the destroyed collection
     if layout is None:
         raise ValueError(
             "with_hsdp_groups needs the collection's layout (every rank creates every group of the split), and this "

@@ -130,7 +130,7 @@ def role_generation() -> int:
     return _generation
 
 
-def _changed() -> None:
+def _bump_generation() -> None:
     global _generation
     _generation += 1
 
@@ -184,7 +184,7 @@ def copy_param_roles(src: torch.Tensor, dst: T) -> T:
     _require_tensor(dst, "copy_param_roles")
     for name, value in param_roles(src).items():
         setattr(dst, name, value)
-    _changed()
+    _bump_generation()
     return dst
 
 
@@ -194,10 +194,12 @@ def param_roles(param: torch.Tensor) -> dict[str, Any]:
 
 
 def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Put the roles recorded for each parameter slot of ``model`` on the parameter now filling it, when it is a
-    replacement of the same parameter (see the module docstring): those marked with a helper and those set as plain
-    attributes (by Megatron-Core, or by hand) before ``fully_shard`` or ``to_empty`` replaced the object or its
-    attribute dictionary. An unrelated parameter put in the slot keeps only its own roles, and becomes the slot's.
+    """Put the roles recorded for each parameter slot of ``model`` back on the parameter in it.
+
+    Only when it is a replacement of the same parameter (see the module docstring): those marked
+    with a helper and those set as plain attributes (by Megatron-Core, or by hand) before
+    ``fully_shard`` or ``to_empty`` replaced the object or its attribute dictionary. An unrelated
+    parameter put in the slot keeps only its own roles, and becomes the slot's.
 
     A role already on the parameter wins (marking after sharding overrides marking before). The grad-statistics
     entry points call this whenever they classify a model afresh (a kept plan is remade when a slot's parameter
@@ -220,14 +222,14 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                     if id(param) in originals:  # its roles went with the object fully_shard dropped: refused below
                         unseen.append(f"{prefix}.{name}" if prefix else name)
                     else:
-                        _record(module, name, param)
+                        _record_param(module, name, param)
                     continue
                 owner, held, attributes = recorded
                 if attributes is vars(param):
                     continue
                 # A record copied with its module (copy.deepcopy, which drops a parameter's attributes) belongs to
                 # the copy of the parameter it recorded.
-                same = owner != id(module) or held == _identity(param)
+                same = owner != id(module) or held == _param_identity(param)
                 if not same:
                     if originals is None:
                         originals = _fsdp_originals(model)
@@ -235,8 +237,8 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                         uid = originals[id(param)]
                         same = uid is None or uid == attributes.get(_FSDP_UID, held[0])
                 if same:
-                    _give(param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes})
-                _record(module, name, param)
+                    _give_roles(param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes})
+                _record_param(module, name, param)
     if unseen:
         raise RuntimeError(
             f"the roles of {len(unseen)} parameter(s) cannot be known: {unseen} were replaced by fully_shard "
@@ -273,20 +275,20 @@ def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int | N
     return out
 
 
-def _give(param: torch.Tensor, roles: dict[str, Any]) -> None:
+def _give_roles(param: torch.Tensor, roles: dict[str, Any]) -> None:
     """Set each of ``roles`` that ``param`` does not carry yet."""
     for attribute, value in roles.items():
         if not hasattr(param, attribute):
             setattr(param, attribute, value)
-            _changed()
+            _bump_generation()
 
 
-def _record(module: nn.Module, name: str, param: torch.Tensor) -> None:
+def _record_param(module: nn.Module, name: str, param: torch.Tensor) -> None:
     """Make ``param`` the parameter known to fill ``module``'s slot ``name``."""
-    module.__dict__.setdefault(_SLOTS, {})[name] = (id(module), _identity(param), vars(param))
+    module.__dict__.setdefault(_SLOTS, {})[name] = (id(module), _param_identity(param), vars(param))
 
 
-def _identity(param: torch.Tensor) -> tuple[Any, ...]:
+def _param_identity(param: torch.Tensor) -> tuple[Any, ...]:
     """What stays of a parameter object when torch swaps its contents in place: its id, type, shape and dtype. An
     id is reused only by an object made after the recorded one is gone, which takes two replacements behind torch's
     back (``module._parameters[name] = ...``) with no restore between them: the first records nothing, the second
@@ -294,7 +296,7 @@ def _identity(param: torch.Tensor) -> tuple[Any, ...]:
     return (id(param), type(param), param.shape, param.dtype)
 
 
-def _replaces(new: torch.Tensor, old: torch.Tensor) -> bool:
+def _is_same_param(new: torch.Tensor, old: torch.Tensor) -> bool:
     """Whether ``new``, registered where ``old`` was, is the same parameter (see the module docstring).
 
     Called by the registration hook only when ``old`` has roles ``new`` lacks, so the comparison of values (a
@@ -356,7 +358,7 @@ def _set_roles(param: T, **roles: Any) -> T:
     """Set ``roles`` on ``param`` (in its attribute dictionary, the one its slots record)."""
     for attribute, value in roles.items():
         setattr(param, attribute, value)
-    _changed()
+    _bump_generation()
     return param
 
 
@@ -379,13 +381,13 @@ def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter
     ``fully_shard`` on a module with its own ``__setattr__`` register the replacement here, with the parameter it
     replaces still in the slot; an unrelated parameter assigned into the slot receives nothing.
     """
-    _changed()
+    _bump_generation()
     previous = module._parameters.get(name)
     if previous is not None and previous is not param:
         missing = {key: value for key, value in param_roles(previous).items() if not hasattr(param, key)}
-        if missing and _replaces(param, previous):
-            _give(param, missing)
-    _record(module, name, param)
+        if missing and _is_same_param(param, previous):
+            _give_roles(param, missing)
+    _record_param(module, name, param)
     if getattr(module, _INSIDE_EXPERT_MODULE, False):
         setattr(param, _IN_EXPERT_MODULE, True)
 
@@ -421,7 +423,7 @@ def mark_expert_module(module: nn.Module) -> nn.Module:
 
 
 def _mark_inside(module: nn.Module) -> None:
-    _changed()
+    _bump_generation()
     for inner in module.modules():
         setattr(inner, _INSIDE_EXPERT_MODULE, True)
     for param in module.parameters():
@@ -429,7 +431,7 @@ def _mark_inside(module: nn.Module) -> None:
 
 
 def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    _changed()
+    _bump_generation()
     if submodule is not None and getattr(module, _INSIDE_EXPERT_MODULE, False):
         _mark_inside(submodule)
 

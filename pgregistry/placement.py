@@ -33,7 +33,11 @@ DEFAULT_INTRA_NODE_KINDS: Final[tuple[str, ...]] = ("tp", "expt_tp", "cp")
 
 
 def node_of(rank: int, gpus_per_node: int) -> int:
-    """The node ``rank`` runs on when a launcher fills nodes with consecutive ranks."""
+    """The node ``rank`` runs on when a launcher fills nodes with consecutive ranks.
+
+    >>> node_of(13, gpus_per_node=8)
+    1
+    """
     return rank // gpus_per_node
 
 
@@ -89,8 +93,17 @@ class KindPlacement:
 
 @attrs.frozen(slots=True, kw_only=True)
 class Placement:
-    """Every group kind of a layout placed on nodes of ``gpus_per_node`` consecutive ranks of a ``world_size``-rank
-    world."""
+    """Every group kind of a layout placed on nodes of consecutive ranks: what :func:`place` returns.
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> span = ParallelLayout(num_ranks=4, tp=2, rank_offset=2)
+        >>> placement = place(span, gpus_per_node=4, world_size=8)
+        >>> placement.describe_nodes()
+        'ranks 2-5 on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks 6-7'
+        >>> placement.kind("tp").verdict
+        'within a node'
+    """
 
     layout: ParallelLayout
     gpus_per_node: int
@@ -131,8 +144,12 @@ class Placement:
         return tuple(sorted(shared))
 
     def describe_nodes(self) -> str:
-        """``"4 nodes of 8 GPUs"`` for a layout over the whole world, else where its span lies, e.g. ``"ranks 2-5
-        on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks 6-7"``; for headings."""
+        """Where the layout's ranks lie, in words, for headings.
+
+        ``"4 nodes of 8 GPUs"`` for a layout over the whole world, else where its span lies, e.g.
+        ``"ranks 2-5 on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks
+        6-7"``.
+        """
         gpus = f"{self.gpus_per_node} GPU{'' if self.gpus_per_node == 1 else 's'}"
         first, stop = self.layout.rank_range()
         if (first, stop) == (0, self.world_size):
@@ -181,10 +198,30 @@ def place(
 ) -> Placement:
     """Place every group kind of ``layout`` on nodes of ``gpus_per_node`` consecutive ranks.
 
-    ``world_size`` is the number of ranks in the job (default: where the layout's span ends, ``rank_offset +
-    num_ranks``); the layout's span must end within it. ``ValueError`` when ``gpus_per_node`` is not a positive
-    integer dividing the world size (launchers put the same number of ranks on every node; a span may start and end
-    mid-node), when the span ends past ``world_size``, or when ``intra_node_kinds`` names an unknown kind.
+    Args:
+        layout: the layout to place, by its global ranks.
+        gpus_per_node: ranks per node (launchers put the same number on every node).
+        intra_node_kinds: the kinds whose groups should stay on one node (a violation is reported,
+            not raised).
+        world_size: ranks in the job (default: where the layout's span ends, ``rank_offset +
+            num_ranks``); the span must end within it, and may start and end mid-node.
+
+    Returns:
+        The :class:`Placement`: per kind, how many nodes its groups span and whether it stays where
+        it should.
+
+    Raises:
+        ValueError: ``gpus_per_node`` not a positive integer dividing the world size, a span ending
+            past ``world_size``, or an unknown kind in ``intra_node_kinds``.
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> dp_first = ParallelLayout(num_ranks=16, tp=2, order="dp-tp-cp-ep-pp")
+        >>> crossing = place(dp_first, gpus_per_node=8)
+        >>> crossing.kind("tp").verdict
+        'crosses nodes (8 of 8 groups); should stay on one node'
+        >>> [entry.kind for entry in crossing.violations()]
+        ['tp', 'expt_tp']
     """
     if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")

@@ -90,8 +90,10 @@ class LeftWithReplica(RuntimeError):
 
 
 class StoreLost(RuntimeError):
-    """The store :func:`recover` was given stopped answering: its host is lost, and with it the only place the
-    survivors meet. Not survivable: restart the job from the last checkpoint."""
+    """The store :func:`recover` was given stopped answering: its host is lost.
+
+    With it goes the only place the survivors meet. Not survivable: restart the job from the last
+    checkpoint."""
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -152,26 +154,38 @@ def recover(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> Recovered:
-    """Agree with the other survivors on the lost ranks, re-form the world over the ranks that go on, and return
-    the smaller layout's collection there (see the module docstring for the protocol and the store it needs).
+    """After a lost rank, re-form the world over the ranks that go on; return their collection.
 
-    ``collection`` is the one the failed step ran on (its layout must span the whole world); ``store`` a store
-    every survivor reaches that no lost rank hosted, holding no keys of an earlier run under ``pgregistry/recovery``
-    (a store kept across restarts: give each run a ``PrefixStore`` of its own); ``committed_step`` the last step
-    this rank applied;
-    ``lost`` the ranks known to be lost (from the launcher), or ``None`` to take as lost every rank that has not
-    called ``recover`` within ``wait`` seconds of this rank (more than the collective timeout, so a survivor stuck
-    in a collective until it times out arrives in time). ``backend`` (default: the old world's) and ``timeout``
-    apply to the new world and its groups.
+    The survivors agree on the lost ranks first (see the module docstring for the protocol and the
+    store it needs). A survivor that checked in and then died before the survivors confirmed who
+    goes on is lost like the first (it costs one more ``wait``). A rank told that every rank is lost
+    is itself among them.
 
-    A survivor that checked in and then died before the survivors confirmed who goes on is lost like the first
-    (it costs one more ``wait``). Raises :class:`LeftWithReplica` on a live rank that must leave with its replica;
-    ``RuntimeError`` on a rank that is lost (named in ``lost``, or checking in after the survivors decided without
-    it), when survivors committed different steps, or when a survivor is lost after the confirmation, while the
-    world is re-formed (naming the phase: restart from the last checkpoint); :class:`StoreLost` on every survivor
-    when ``store`` stops answering (its host died; not survivable); ``ValueError``, on every survivor alike, for
-    lost ranks outside the world, survivors told different lost sets, or a loss that leaves no copy of some state
-    (reload a checkpoint). A rank told that every rank is lost is itself among them.
+    Args:
+        collection: the collection the failed step ran on (its layout must span the whole world).
+        store: a store every survivor reaches that no lost rank hosted, holding no keys of an
+            earlier run under ``pgregistry/recovery`` (a store kept across restarts: give each run a
+            ``PrefixStore`` of its own).
+        committed_step: the last step this rank applied.
+        lost: the ranks known to be lost (from the launcher), or ``None`` to take as lost every rank
+            that has not called ``recover`` within ``wait`` seconds of this rank (more than the
+            collective timeout, so a survivor stuck in a collective until it times out arrives in
+            time).
+        backend, timeout: for the new world and its groups (``backend`` defaults to the old
+            world's).
+
+    Returns:
+        :class:`Recovered`, on a rank that goes on.
+
+    Raises:
+        LeftWithReplica: on a live rank that must leave with its replica.
+        RuntimeError: on a rank that is lost (named in ``lost``, or checking in after the survivors
+            decided without it), when survivors committed different steps, or when a survivor is
+            lost after the confirmation, while the world is re-formed (naming the phase: restart
+            from the last checkpoint).
+        StoreLost: on every survivor when ``store`` stops answering (its host died; not survivable).
+        ValueError: on every survivor alike, for lost ranks outside the world, survivors told
+            different lost sets, or a loss that leaves no copy of some state (reload a checkpoint).
     """
     import torch.distributed as dist
 
@@ -206,10 +220,10 @@ def recover(
     except dist.DistNetworkError as error:
         raise StoreLost(_store_lost(store, old_rank, "the survivors agreed on who is alive", error)) from error
     _generation += 1
-    shrunk, step = _verdict(layout, records, world_size, old_rank)
+    shrunk, step = _survivors_verdict(layout, records, world_size, old_rank)
     agreed = time.perf_counter()
     old_backend = dist.get_backend()
-    keepable = _keepable(layout, shrunk, old_rank)
+    keepable = _count_keepable(layout, shrunk, old_rank)
     registry.destroy()
     dist.destroy_process_group()
     new_rank = shrunk.rank_map[old_rank]
@@ -225,7 +239,7 @@ def recover(
         phase = f"the groups of {shrunk.layout!r} were built on the re-formed world of generation {_generation}"
         new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
     except RuntimeError as error:  # torch's DistError and its store and backend errors are RuntimeErrors
-        if not _answers(store):
+        if not _store_answers(store):
             raise StoreLost(_store_lost(store, old_rank, phase, error)) from error
         raise RuntimeError(
             f"a second failure during recovery, after the survivors had confirmed who goes on: rank {old_rank} "
@@ -259,7 +273,7 @@ def _as_ranks(lost: Iterable[int]) -> list[int]:
     return out
 
 
-def _verdict(
+def _survivors_verdict(
     layout: ParallelLayout, records: dict[int, dict[str, Any]], world_size: int, rank: int
 ) -> tuple[Shrunk, int]:
     """The same verdict on every survivor, from the same records: the shrink and the committed step, or the error."""
@@ -294,7 +308,7 @@ def _verdict(
     return shrunk, next(iter(staying.values()))
 
 
-def _answers(store: Store) -> bool:
+def _store_answers(store: Store) -> bool:
     """Whether ``store`` still answers (a read of a key nobody writes)."""
     import torch.distributed as dist
 
@@ -324,24 +338,26 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
     )
 
 
-def _keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
+def _count_keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
     """How many of this rank's communicators have members that all survive and form a communicator of the smaller
     layout under the rank map."""
-    from pgregistry._runtime.communicators import communicators
+    from pgregistry._runtime.communicators import kinds_by_communicator
 
     if rank not in shrunk.rank_map:
         return 0
-    new_sets = communicators(shrunk.layout)
+    new_sets = kinds_by_communicator(shrunk.layout)
     count = 0
-    for ranks in communicators(layout):
+    for ranks in kinds_by_communicator(layout):
         if rank in ranks and all(r in shrunk.rank_map for r in ranks):
             count += tuple(sorted(shrunk.rank_map[r] for r in ranks)) in new_sets
     return count
 
 
 def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
-    """Move ``old``'s state (built on the collection before the recovery) into ``new`` (``build_optimizer`` over
-    the same model on :attr:`Recovered.collection`), so training goes on as if nothing happened.
+    """Move ``old``'s optimizer state into ``new``, so training goes on as if nothing happened.
+
+    ``old`` was built on the collection before the recovery, ``new`` by ``build_optimizer`` over the
+    same model on :attr:`Recovered.collection`.
 
     Only a replicated optimizer carries over: every data-parallel replica holds the whole state of its shard of
     the model, and a survivor keeps its shard. A sharded optimizer's state was cut over the replicas, and the

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import attrs
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import agree, joined, require_distributed
-from pgregistry._runtime.attendance import attended
-from pgregistry._runtime.group_cache import BUILD_ADVICE, CACHE, GroupOptions, checked_options
+from pgregistry._runtime.agreement import check_agreement, combine_faults, require_distributed
+from pgregistry._runtime.attendance import require_attendance
+from pgregistry._runtime.group_cache import BUILD_ADVICE, CACHE, GroupOptions, check_group_options
 from pgregistry._runtime.logger import get_logger
 from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection, _Lifetime
 from pgregistry.layout import GROUP_KINDS, ParallelLayout, RankGroup
@@ -44,9 +44,10 @@ _ALIASES: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 
 
 class BuildOptions(TypedDict, total=False):
-    """The keywords of :func:`build` besides ``name``: the groups' ``backend`` and ``timeout`` (``None``: those
-    ``torch.distributed.new_group`` picks; a timeout is a positive, finite number of seconds up
-    to 1e12 or a ``timedelta``, and bounds the build itself)."""
+    """The keywords of :func:`build` besides ``name``: the groups' ``backend`` and ``timeout``.
+
+    ``None``: those ``torch.distributed.new_group`` picks; a timeout is a positive, finite number of
+    seconds up to 1e12 or a ``timedelta``, and bounds the build itself."""
 
     backend: str | None
     timeout: timedelta | float | None
@@ -72,33 +73,46 @@ def build(
 ) -> ProcessGroupCollection:
     """Create (or reuse) the groups of ``layout`` that this rank belongs to; return its collection.
 
-    Collective over the world: every rank calls it with the same arguments (ranks that do not raise ``ValueError``
-    on every rank, naming who asked for what). The layout may span part of the world (``rank_offset`` and
-    ``num_ranks``; a span past the world's end raises on every rank): a rank outside it gets a collection that
-    knows it is no member (``is_member`` false), which raises, naming the layout and the rank, when anything
-    reads a group from it or computes with it. ``name`` identifies the build in messages; building the same name
-    (or, unnamed, the same layout) again returns the same collection, and asking it for another layout or other
-    options raises ``ValueError`` naming what differs.
+    Collective over the world: every rank calls it with the same arguments (ranks that do not raise
+    ``ValueError`` on every rank, naming who asked for what).
 
-    ``timeout`` (seconds or a ``timedelta``; ``None``: torch's) is the groups' and bounds the build itself: every
-    rank checks in through the world's store first (:mod:`pgregistry._runtime.attendance`), and a rank that has not come
-    by then is named in a ``RuntimeError`` on every rank that did; the build's world all-reduces wait no longer,
-    and a collective failing in the build (a rank killed) raises ``RuntimeError`` naming the ranks that did not
-    answer a roll call. Bad arguments raise on every rank: ``TypeError`` for a layout that is none, a name that is
-    no string, a timeout that is no number (``'5'``, ``True``); ``ValueError`` for a timeout that is not positive
-    and finite (NaN, inf, 0, negative).
+    Args:
+        layout: the layout to build; it may span part of the world (``rank_offset``, ``num_ranks``).
+        name: identifies the build in messages; building the same name (or, unnamed, the same
+            layout) again returns the same collection.
+        backend: the groups' backend (``None``: the world's).
+        timeout: seconds or a ``timedelta`` (``None``: torch's); the groups' timeout, and the bound
+            of the build itself: every rank checks in through the world's store first
+            (:mod:`pgregistry._runtime.attendance`), and the build's all-reduces wait no longer.
+
+    Returns:
+        The collection. On a rank outside the span it knows it is no member (``is_member`` false)
+        and raises, naming the layout and the rank, when anything reads a group from it or computes
+        with it.
+
+    Raises:
+        ValueError: ranks that asked differently; the same name asked for another layout or other
+            options (naming what differs); a span past the world's end; a timeout not positive and
+            finite.
+        TypeError: a layout that is none, a name that is no string, a timeout that is no number
+            (``'5'``, ``True``).
+        RuntimeError: a rank that has not checked in within ``timeout`` (named on every rank that
+            did), or a collective failing in the build (a rank killed), naming the ranks that did
+            not answer a roll call.
+
+    All of these are raised on every rank alike.
     """
     require_distributed("pgregistry.build")
-    options, described, fault = checked_options(backend, timeout)
+    options, described, fault = check_group_options(backend, timeout)
     if isinstance(layout, ParallelLayout):
         declared = {f.name: repr(getattr(layout, f.name)) for f in attrs.fields(ParallelLayout) if f.init}
     else:
         declared = {"layout": repr(layout)}
-        fault = joined(fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}"))
+        fault = combine_faults(fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}"))
     if name is not None and (not isinstance(name, str) or not name):
-        fault = joined(fault, TypeError(f"name must be a non-empty string or None, got {name!r}"))
-    with attended(f"pgregistry.build of {_label(name, layout)}", options.timeout, BUILD_ADVICE):
-        agree(
+        fault = combine_faults(fault, TypeError(f"name must be a non-empty string or None, got {name!r}"))
+    with require_attendance(f"pgregistry.build of {_layout_label(name, layout)}", options.timeout, BUILD_ADVICE):
+        check_agreement(
             "the layout to build", {"name": repr(name), **declared, **described}, fault, advice=BUILD_ADVICE,
             timeout=options.timeout,
         )
@@ -113,7 +127,7 @@ def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOption
     if stop > world_size:
         # Every rank agreed on the layout above, so every rank raises here alike.
         raise ValueError(
-            f"{_label(name, layout)} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
+            f"{_layout_label(name, layout)} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
             f"{layout.num_ranks}), past the end of the {world_size}-rank world; shrink num_ranks or rank_offset"
         )
     previous = _builds.get(key)
@@ -128,7 +142,7 @@ def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOption
     _refuse_other_options(every_set, options, name, layout)
     CACHE.create(every_set, options)
     if not member:
-        outside = ProcessGroupCollection._outside(layout, name, _lifetime)
+        outside = ProcessGroupCollection._for_non_member(layout, name, _lifetime)
         _builds[key] = _Built(layout, options, outside)
         _log.debug("built layout elsewhere", name=name, layout=repr(layout), rank=rank)
         return outside
@@ -150,7 +164,7 @@ def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOption
     return collection
 
 
-def _label(name: object, layout: object) -> str:
+def _layout_label(name: object, layout: object) -> str:
     return f"layout {name!r}" if name is not None else repr(layout)
 
 
@@ -159,8 +173,8 @@ def _check_same_build(name: str | None, previous: _Built, layout: ParallelLayout
     differences = []
     if previous.layout != layout:
         differences.append(f"layout {previous.layout!r} then {layout!r}")
-    for option, before in previous.options.described().items():
-        now = options.described()[option]
+    for option, before in previous.options.describe().items():
+        now = options.describe()[option]
         if before != now:
             differences.append(f"{option}={before} then {option}={now}")
     if differences:
@@ -181,12 +195,15 @@ def _refuse_other_options(
         existing = CACHE.options_of(ranks)
         if existing is not None and existing != options:
             conflict = (
-                f"{_label(name, layout)} needs a communicator over ranks {list(ranks)}, which already exists with "
-                f"{existing.described()}, and this build asks {options.described()}: one communicator per rank set, "
+                f"{_layout_label(name, layout)} needs a communicator "
+                f"over ranks {list(ranks)}, which already exists with "
+                f"{existing.describe()}, and this build asks {options.describe()}: one communicator per rank set, "
                 "so build with the same backend and timeout, or destroy() first"
             )
             break
-    agree("pgregistry.build", {}, conflict, failed="found a communicator with other options", timeout=options.timeout)
+    check_agreement(
+        "pgregistry.build", {}, conflict, failed="found a communicator with other options", timeout=options.timeout
+    )
 
 
 def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
@@ -201,16 +218,18 @@ def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
 
 
 def adopt(groups: Iterable[ProcessGroup]) -> None:
-    """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so that a later
-    :func:`build` whose rank sets they cover reuses them; collective over the world (every rank passes the groups
-    it belongs to). Adopted groups belong to their creator: :func:`destroy` does not destroy them.
+    """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``).
+
+    A later :func:`build` whose rank sets they cover reuses them; collective over the world (every
+    rank passes the groups it belongs to). Adopted groups belong to their creator: :func:`destroy`
+    does not destroy them.
 
     ``TypeError`` on every rank, before anything is adopted, when a rank passes no iterable of process groups
     (a name such as ``'tp'``, a number, ``None``, which torch.distributed reads as the world), naming the rank and
     what it passed."""
     require_distributed("pgregistry.registry.adopt")
     given, fault = _process_groups(groups)
-    agree("pgregistry.registry.adopt", {}, fault)
+    check_agreement("pgregistry.registry.adopt", {}, fault)
     CACHE.adopt(given)
 
 
@@ -230,14 +249,18 @@ def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | Non
 
 
 def communicators_created() -> int:
-    """How many communicators holding this rank pgregistry created in this process, by ``new_group`` or
-    ``split_group`` (for benchmarks and tests)."""
+    """How many communicators holding this rank pgregistry created here (for benchmarks and tests).
+
+    Those made by ``new_group`` or ``split_group``.
+    """
     return CACHE.created
 
 
 def destroy() -> None:
-    """Destroy every communicator pgregistry created and forget every build; collections built so far (and the
-    global grid) are marked destroyed, so using one raises instead of running a collective on a dead group."""
+    """Destroy every communicator pgregistry created and forget every build.
+
+    Collections built so far (and the global grid) are marked destroyed, so using one raises instead
+    of running a collective on a dead group."""
     global _lifetime
     CACHE.destroy()
     _builds.clear()

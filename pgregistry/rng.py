@@ -42,7 +42,7 @@ from typing import Any, Final, Literal
 import attrs
 import torch
 
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.layout import ParallelLayout
 
@@ -144,13 +144,13 @@ class RNGStatesTracker:
                 f"seed {seed} for RNG tracker {name!r} is already used by RNG tracker {self._seeds[seed]!r}"
             )
         generators = self.generators
-        saved = _capture(generators)
+        saved = _capture_states(generators)
         try:
             for generator in generators:
                 generator.manual_seed(seed)
-            self._states[name] = _capture(generators)
+            self._states[name] = _capture_states(generators)
         finally:
-            _restore(generators, saved)
+            _restore_states(generators, saved)
         self._seeds[seed] = name
 
     def names(self) -> tuple[str, ...]:
@@ -188,24 +188,24 @@ class RNGStatesTracker:
             known = ", ".join(repr(n) for n in self._states) or "none"
             raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
         generators = self.generators
-        outer_name, outer = self._current, _capture(generators)
+        outer_name, outer = self._current, _capture_states(generators)
         if outer_name is not None:
             self._states[outer_name] = outer  # a nested fork of the same stream continues from here
-        _restore(generators, self._states[name])
+        _restore_states(generators, self._states[name])
         self._current = name
         try:
             yield
         finally:
-            self._states[name] = _capture(generators)
-            _restore(generators, self._states[outer_name] if outer_name is not None else outer)
+            self._states[name] = _capture_states(generators)
+            _restore_states(generators, self._states[outer_name] if outer_name is not None else outer)
             self._current = outer_name
 
 
-def _capture(generators: Sequence[torch.Generator]) -> RNGState:
+def _capture_states(generators: Sequence[torch.Generator]) -> RNGState:
     return tuple(generator.get_state() for generator in generators)
 
 
-def _restore(generators: Sequence[torch.Generator], state: RNGState) -> None:
+def _restore_states(generators: Sequence[torch.Generator], state: RNGState) -> None:
     for generator, generator_state in zip(generators, state, strict=True):
         generator.set_state(generator_state)
 
@@ -305,8 +305,7 @@ def model_parallel_manual_seed(
     data_parallel_random_init: bool = False,
     tracker: RNGStatesTracker | None = None,
 ) -> dict[str, int]:
-    """Seed the default stream and register this rank's RNG streams from the job's ``seed``; returns tracker name
-    -> seed.
+    """Seed the default stream and register this rank's RNG streams from the job's ``seed``.
 
     The base seed is ``seed + 100 * pp_rank`` (plus ``10 * dp_rank`` with ``data_parallel_random_init``), as
     Megatron's training loop computes it before seeding, so pipeline stages draw different streams; the streams
@@ -316,9 +315,12 @@ def model_parallel_manual_seed(
     ``gtp_remat``, ``expt_gtp_remat`` (and ``dp``) groups, where ``None`` is an axis that is off (rank 0 of 1).
     ``pg_collection=None`` is the global grid, with a warning, as is an UNSET field
     (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`).
+
+    Returns:
+        Tracker name -> seed, for this rank.
     """
     fields = _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
-    collection = resolve(pg_collection, owner="model_parallel_manual_seed", fallback=fields)
+    collection = resolve_pg_collection(pg_collection, owner="model_parallel_manual_seed", fallback=fields)
     seeds = rank_seeds(seed, collection, data_parallel_random_init=data_parallel_random_init)
     tracker = tracker if tracker is not None else _default_tracker
     tracker.reset()
@@ -505,8 +507,10 @@ _SHARED_COMBINATIONS_COUNTED: Final = 2**16
 def check_seed_plan_size(
     layout: ParallelLayout, seed: int, *, data_parallel_random_init: bool = False
 ) -> tuple[int, int]:
-    """``(streams, listed)``: what :func:`check_seed_plan` of ``layout`` holds, from its sizes alone, so that the
-    command line estimates its memory before it starts (the check keeps no per-rank record otherwise).
+    """``(streams, listed)``: what :func:`check_seed_plan` of ``layout`` holds, by its sizes alone.
+
+    So the command line estimates its memory before it starts (the check keeps no per-rank record
+    otherwise).
 
     ``streams`` is exact: the distinct (tracker, coordinates) streams the check keys (without
     ``data_parallel_random_init`` a few per pipeline stage and TP/EP rank, whatever the data-parallel size; with it

@@ -151,7 +151,8 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/grad_stats/_plan.py",
         find="    params = kept.current(source, given, owner) if kept is not None else None\n",
         replace=(
-            '    given = __import__("pgregistry._runtime.resolve", fromlist=["_"]).resolve(given, owner=owner)\n'
+            '    given = __import__("pgregistry._runtime.resolve", fromlist=["_"])'
+            ".resolve_pg_collection(given, owner=owner)\n"
             "    params = kept.current(source, given, owner) if kept is not None else None\n"
         ),
         tests=("tests/grad_stats/test_one_way_down.py::test_a_call_resolves_once_and_never_climbs_back",),
@@ -232,8 +233,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="expert-gtp-axis-after-tp",
         bug="an order swap in the layout: the expert GTP-remat axis placed after expert TP, not after EP",
         file="pgregistry/layout.py",
-        find='"expt_gtp_remat", expert_sizes, after=OrderToken.EP.value)',
-        replace='"expt_gtp_remat", expert_sizes, after=OrderToken.TP.value)',
+        find='"expt_gtp_remat", expert_sizes, after=OrderToken.EP.value\n',
+        replace='"expt_gtp_remat", expert_sizes, after=OrderToken.TP.value\n',
         tests=(
             "tests/core/test_layout_gtp_axes.py::test_dense_gtp_follows_tp_and_expert_gtp_follows_ep",
             "tests/megatron/test_megatron_parity.py::test_every_field_holds_megatrons_ranks_on_gloo_worlds",
@@ -327,8 +328,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="torchtitan-options-not-agreed",
         bug="to_parallel_dims accepts an spmd_backend / device_type that differs across ranks",
         file="pgregistry/interop/torchtitan.py",
-        find='    agree("to_parallel_dims", options, ',
-        replace='    agree("to_parallel_dims", {}, ',
+        find='    check_agreement("to_parallel_dims", options, ',
+        replace='    check_agreement("to_parallel_dims", {}, ',
         tests=(
             "tests/torchtitan/test_torchtitan_agreement.py::"
             "test_options_that_differ_across_ranks_are_refused_on_every_rank",
@@ -340,7 +341,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="with_hsdp_groups of a span collection raises on the ranks outside the span only (the others wait)",
         file="pgregistry/mesh.py",
         find='    require_distributed("with_hsdp_groups")\n',
-        replace='    require_distributed("with_hsdp_groups")\n    checked(pg_collection, "with_hsdp_groups")\n',
+        replace='    require_distributed("with_hsdp_groups")\n    check_usable(pg_collection, "with_hsdp_groups")\n',
         tests=("tests/core/test_hsdp_spans.py::test_a_span_collection_is_split_by_every_rank_and_held_by_its_own",),
     ),
     Mutant(
@@ -359,7 +360,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a fresh parameter assigned into a marked slot inherits the roles of the one it replaced (shared=True: "
         "not counted)",
         file="pgregistry/params.py",
-        find="        if missing and _replaces(param, previous):\n",
+        find="        if missing and _is_same_param(param, previous):\n",
         replace="        if missing:\n",
         tests=(
             "tests/dtensor/test_roles_follow_the_parameter.py::"
@@ -428,8 +429,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="MultiModuleOptimizer.step raises on the rank given a bad max_norm before the world all-reduce, and the "
         "other ranks wait in it (a string on one rank hung three)",
         file="pgregistry/modules/_optimizer.py",
-        find="        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n",
-        replace="        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n"
+        find="        error = combine_faults(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n",
+        replace="        error = combine_faults(bad_p, max_norm_error(max_norm) if max_norm is not None else None)\n"
         "        if error is not None:\n            raise error\n",
         tests=(
             "tests/modules/test_modules_settings_agreed.py::"
@@ -569,7 +570,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="store-lost-read-as-a-second-failure",
         bug="a store lost while the world is re-formed is reported as a lost survivor",
         file="pgregistry/recovery.py",
-        find="        if not _answers(store):\n",
+        find="        if not _store_answers(store):\n",
         replace="        if False:\n",
         tests=(
             "tests/recovery/test_recover_store_lost.py::"
@@ -785,8 +786,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="load-by-name-skips-the-agreement",
         bug="a checkpoint's optimizer state is loaded without agreeing first that it fits every rank's optimizer",
         file="pgregistry/checkpoint/_by_name.py",
-        find="    by_param = agreed(checked_pieces, elsewhere, scope)\n",
-        replace="    by_param = checked_pieces()\n",
+        find="    by_param = run_agreed_step(check_state_pieces, elsewhere, scope)\n",
+        replace="    by_param = check_state_pieces()\n",
         tests=tuple(
             "tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::"
             f"test_one_rank_refused_means_every_rank_refused_and_unchanged[{load}]"

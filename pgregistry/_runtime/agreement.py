@@ -2,14 +2,14 @@
 
 A call that is collective over the world must never raise on some ranks only: the others would go on into the
 next collective and wait there until the timeout. So a world-collective entry point first checks what this rank
-was given, and then :func:`agree` settles, in one all-reduce, whether every rank asked for the same thing and
+was given, and then :func:`check_agreement` settles, in one all-reduce, whether every rank asked for the same thing and
 whether any rank found a fault; every rank then raises the same exception (quoting each faulty rank's error with
 the ranks that found it, then naming the fields that differ and who asked for what), or none does. The exception
 is the faults' own type when every faulty rank found the same kind (``TypeError`` for a value of the wrong type,
 ``RuntimeError`` for missing distributed state), else ``ValueError``.
 
 A call that already has an all-reduce of its own carries the verdict in it instead (:func:`verdict_of` gives its
-three numbers, :func:`settle` reads them back), so agreeing costs that call nothing on its happy path.
+three numbers, :func:`check_verdict` reads them back), so agreeing costs that call nothing on its happy path.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from typing import Any
 
 __all__ = [
     "Fault",
-    "agree",
+    "check_agreement",
     "all_reached",
     "all_reduce_within",
     "any_rank_has",
     "any_rank_has_each",
     "faulty_ranks",
-    "joined",
+    "combine_faults",
     "ranks_label",
     "require_distributed",
-    "settle",
+    "check_verdict",
     "verdict_of",
     "world_device",
 ]
@@ -61,7 +61,7 @@ def require_distributed(what: str) -> None:
         raise RuntimeError(f"{what} needs torch.distributed initialised (init_process_group)")
 
 
-def agree(
+def check_agreement(
     subject: str,
     fields: Mapping[str, str],
     error: Fault = None,
@@ -73,7 +73,8 @@ def agree(
     """Raise on every rank when the ranks' ``fields`` differ or any rank's ``error`` is set.
 
     One all-reduce (MAX of :func:`verdict_of`) decides, so agreeing costs one small collective; only when it says
-    no is more exchanged (:func:`settle`). ``subject`` names the call in messages, ``failed`` says what happened to
+    no is more exchanged (:func:`check_verdict`). ``subject`` names the call in messages, ``failed`` says what
+    happened to
     the faulty ranks, ``advice`` what differing ranks must do. With ``timeout``, ``RuntimeError`` when the
     all-reduce has not completed by then (:func:`all_reduce_within`).
     """
@@ -83,7 +84,7 @@ def agree(
     require_distributed(subject)
     verdict = torch.tensor(verdict_of(fields, error), dtype=torch.int64, device=world_device())
     all_reduce_within(verdict, dist.ReduceOp.MAX, timeout, subject)
-    settle(subject, fields, error, verdict.tolist(), failed=failed, advice=advice)
+    check_verdict(subject, fields, error, verdict.tolist(), failed=failed, advice=advice)
 
 
 def verdict_of(fields: Mapping[str, str], error: Fault) -> list[int]:
@@ -95,7 +96,7 @@ def verdict_of(fields: Mapping[str, str], error: Fault) -> list[int]:
     return [digest, -digest, int(error is not None)]
 
 
-def settle(
+def check_verdict(
     subject: str,
     fields: Mapping[str, str],
     error: Fault,
@@ -109,16 +110,16 @@ def settle(
     largest, negated_smallest, faulty = (int(value) for value in reduced)
     differ = largest != -negated_smallest
     if differ or faulty:  # every rank takes this branch alike
-        _raise(subject, fields, error, differ, failed, advice)
+        _raise_on_every_rank(subject, fields, error, differ, failed, advice)
 
 
-def joined(*errors: Fault) -> Fault:
+def combine_faults(*errors: Fault) -> Fault:
     """The faults of several checks as one: ``None`` when none; the one when one; else their texts joined, as
     their common type (``ValueError`` when they differ)."""
     found = [error for error in errors if error is not None]
     if len(found) <= 1:
         return found[0] if found else None
-    kinds = {_kind(error) for error in found}
+    kinds = {_fault_type_name(error) for error in found}
     kind = _TYPES[kinds.pop()] if len(kinds) == 1 else ValueError
     return kind("; ".join(str(error) for error in found))
 
@@ -215,19 +216,21 @@ def world_device(group: Any = None) -> Any:
     return torch.device("cpu")
 
 
-def _kind(error: str | Exception) -> str:
+def _fault_type_name(error: str | Exception) -> str:
     name = type(error).__name__ if isinstance(error, Exception) else "ValueError"
     return name if name in _TYPES else "ValueError"
 
 
-def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, failed: str, advice: str) -> None:
+def _raise_on_every_rank(
+    subject: str, fields: Mapping[str, str], error: Fault, differ: bool, failed: str, advice: str
+) -> None:
     """Gather every rank's fields and fault (one ``all_gather_object``) and raise the same text on every rank."""
     import torch.distributed as dist
 
-    mine = None if error is None else (_kind(error), str(error))
+    mine = None if error is None else (_fault_type_name(error), str(error))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (dict(fields), mine))
-    differences = _differences([asked for asked, _ in everyone]) if differ else ""
+    differences = _describe_differences([asked for asked, _ in everyone]) if differ else ""
     by_text: dict[str, list[int]] = {}
     kinds = set()
     for rank, (_, found) in enumerate(everyone):
@@ -247,7 +250,7 @@ def _raise(subject: str, fields: Mapping[str, str], error: Fault, differ: bool, 
     raise kind(message)
 
 
-def _differences(everyone: list[dict[str, str]]) -> str:
+def _describe_differences(everyone: list[dict[str, str]]) -> str:
     """Each field whose value differs across ranks, with which ranks asked for which value. Every rank's fields are
     read, not only this rank's: a field that some ranks did not give at all (an argument given on some ranks only)
     is named on every rank alike, with the ranks that did not give it (in one order on every rank: rank 0's fields,
@@ -258,10 +261,10 @@ def _differences(everyone: list[dict[str, str]]) -> str:
         for rank, asked in enumerate(everyone):
             by_value.setdefault(asked.get(key, _NOT_GIVEN), []).append(rank)
         if len(by_value) > 1:
-            askers = "; ".join(f"ranks {ranks} asked for {_shorten(value)}" for value, ranks in by_value.items())
+            askers = "; ".join(f"ranks {ranks} asked for {_truncate_text(value)}" for value, ranks in by_value.items())
             differences.append(f"{key!r} differs ({askers})")
     return "; ".join(differences)
 
 
-def _shorten(text: str, limit: int = 300) -> str:
+def _truncate_text(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -2,7 +2,8 @@
 
 A rank that never calls a world-collective operation (it raised earlier, took another branch, or died) leaves the
 others in the operation's first collective until the process group's timeout (30 minutes by default), and then
-they fail with the backend's text, which names neither the operation nor the missing ranks. :func:`attended` runs
+they fail with the backend's text, which names neither the operation nor the missing ranks.
+:func:`require_attendance` runs
 an operation after a check-in through the world's store, bounded by the operation's own timeout: each rank marks
 itself present and counts itself in; when the count falls short at the deadline, every rank that came raises
 ``RuntimeError`` naming the operation, the ranks that did not come and what to do. A collective that fails inside
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["attended", "world_timeout"]
+__all__ = ["require_attendance", "world_timeout"]
 
 _GAVE_UP = 1 << 32
 """What a rank that stopped waiting adds to the count: a rank arriving after it sees it, and knows to raise."""
@@ -41,7 +42,7 @@ operation on every rank (a rank that skips one is caught by the next check-in, o
 
 
 @contextmanager
-def attended(operation: str, timeout: timedelta | None, advice: str) -> Iterator[None]:
+def require_attendance(operation: str, timeout: timedelta | None, advice: str) -> Iterator[None]:
     """Run the body once every rank of the world has checked in, within ``timeout`` (``None``: the world's own,
     :func:`world_timeout`); ``RuntimeError`` on every rank that came when some did not, naming them and the
     operation, then ``advice``. A ``RuntimeError`` inside the body, which is what torch.distributed raises when a

@@ -2,7 +2,7 @@
 
 The registry creates one communicator per distinct rank set of more than one rank: two kinds naming the same ranks
 (``dp`` and ``dp_cp`` when cp is 1) or two layouts on the same world (the policy and the reference model of an RL
-job) share one ProcessGroup. :func:`communicators` lists those rank sets with the kinds naming them, and
+job) share one ProcessGroup. :func:`kinds_by_communicator` lists those rank sets with the kinds naming them, and
 :func:`compare_layouts` tells which of them two layouts share, so a user choosing the second model's sizes sees how
 many communicators (and how much communicator memory) the second model adds. The layouts may span different parts of
 the world (``rank_offset``, ``num_ranks``: two modules of one job): rank sets are global ranks, so only where the spans
@@ -23,10 +23,16 @@ from pgregistry.layout import GROUP_KINDS, RankGroup
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["LayoutComparison", "SharedCommunicators", "communicators", "communicators_per_rank", "compare_layouts"]
+__all__ = [
+    "LayoutComparison",
+    "SharedCommunicators",
+    "communicators_per_rank",
+    "compare_layouts",
+    "kinds_by_communicator",
+]
 
 
-def communicators(layout: ParallelLayout) -> dict[RankGroup, tuple[str, ...]]:
+def kinds_by_communicator(layout: ParallelLayout) -> dict[RankGroup, tuple[str, ...]]:
     """Every rank set of more than one rank that some kind of ``layout`` names -> the kinds naming it.
 
     Rank sets are sorted tuples (the registry's keys). Size-1 groups are left out: the registry creates no
@@ -110,7 +116,7 @@ class LayoutComparison:
         """How many communicators each rank of the world joins for the two layouts together (a shared one once)."""
         return communicators_per_rank({**self.a, **self.b}, range(self.world_size))
 
-    def shared_by_kinds(self) -> list[SharedCommunicators]:
+    def group_shared_by_kinds(self) -> list[SharedCommunicators]:
         """The shared communicators grouped by (kinds of A, kinds of B, size), largest classes first."""
         classes = Counter((self.a[ranks], self.b[ranks], len(ranks)) for ranks in self.shared)
         rows = [
@@ -142,4 +148,6 @@ def compare_layouts(a: ParallelLayout, b: ParallelLayout, *, world_size: int | N
                 f"layout {name} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks {layout.num_ranks}), "
                 f"past the end of the world (world_size {world})"
             )
-    return LayoutComparison(layout_a=a, layout_b=b, world_size=world, a=communicators(a), b=communicators(b))
+    return LayoutComparison(
+        layout_a=a, layout_b=b, world_size=world, a=kinds_by_communicator(a), b=kinds_by_communicator(b)
+    )

@@ -18,7 +18,8 @@
 * The global order also means every member of a group reaches it after the same smaller groups, so group
   creations can never wait on each other in a cycle.
 * Before creating anything, ranks exchange a digest of what they were asked for
-  (``pgregistry._runtime.agreement.agree``). Ranks that disagree raise on every rank, naming who asked for what,
+  (``pgregistry._runtime.agreement.check_agreement``). Ranks that disagree raise on every rank, naming who asked
+  for what,
   instead of hanging in mismatched creations.
 """
 
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import Fault, agree, all_reached, require_distributed
+from pgregistry._runtime.agreement import Fault, all_reached, check_agreement, require_distributed
 from pgregistry.layout import RankGroup
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ __all__ = [
     "GroupCache",
     "GroupOptions",
     "BUILD_ADVICE",
-    "checked_options",
+    "check_group_options",
     "split_chosen",
     "split_creation",
     "split_plan",
@@ -88,12 +89,12 @@ class GroupOptions:
             raise ValueError(f"timeout must be {_TIMEOUT_RANGE}; got {timeout!r}")
         return cls(backend, timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds))
 
-    def described(self) -> dict[str, str]:
+    def describe(self) -> dict[str, str]:
         """Option -> text, for messages and the agreement check."""
         return {"backend": repr(self.backend), "timeout": repr(self.timeout)}
 
 
-def checked_options(backend: object, timeout: object) -> tuple[GroupOptions, dict[str, str], Fault]:
+def check_group_options(backend: object, timeout: object) -> tuple[GroupOptions, dict[str, str], Fault]:
     """The options :meth:`GroupOptions.of` makes of ``backend`` and
     ``timeout``, their text for the agreement, and ``None``; or, when it refuses them, torch's defaults, the text of
     what was given and the refusal, which the caller's agreement raises on every rank (a rank raising alone would
@@ -102,7 +103,7 @@ def checked_options(backend: object, timeout: object) -> tuple[GroupOptions, dic
         options = GroupOptions.of(backend, timeout)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         return GroupOptions(), {"backend": repr(backend), "timeout": repr(timeout)}, exc
-    return options, options.described(), None
+    return options, options.describe(), None
 
 
 class GroupCache:
@@ -132,24 +133,24 @@ class GroupCache:
         global order. Collective over the world: split where :func:`split_creation` holds, else one ``new_group``
         per missing set on every rank."""
         ordered = sorted(set(rank_sets), key=lambda r: (len(r), r))
-        missing = [ranks for ranks in ordered if not self._exists(ranks, options)]
+        missing = [ranks for ranks in ordered if not self._has_communicator(ranks, options)]
         if split_creation(options):
-            self._split(missing, options)
+            self._split_world_communicator(missing, options)
             return
         for ranks in missing:
             self._groups[ranks] = (self._new_group(ranks, options), options)
         if missing:
             all_reached(options.timeout)  # see _new_group
 
-    def _exists(self, ranks: RankGroup, options: GroupOptions) -> bool:
+    def _has_communicator(self, ranks: RankGroup, options: GroupOptions) -> bool:
         """Whether ``ranks`` has its communicator (``ValueError`` when it was created with other options); the
         world's own ranks with default options are the world's group, which needs no creating."""
         existing = self._groups.get(ranks)
         if existing is not None:
             if existing[1] != options:
                 raise ValueError(
-                    f"ranks {list(ranks)} already have a communicator created with {existing[1].described()}; "
-                    f"refusing a second one with {options.described()} (one communicator per rank set)"
+                    f"ranks {list(ranks)} already have a communicator created with {existing[1].describe()}; "
+                    f"refusing a second one with {options.describe()} (one communicator per rank set)"
                 )
             return True
         if len(ranks) == dist.get_world_size() and options == GroupOptions():  # sorted and distinct: the world
@@ -177,7 +178,7 @@ class GroupCache:
             self.created += 1
         return group
 
-    def _split(self, rank_sets: Iterable[RankGroup], options: GroupOptions) -> None:
+    def _split_world_communicator(self, rank_sets: Iterable[RankGroup], options: GroupOptions) -> None:
         """Split the world's communicator into ``rank_sets`` (the same on every rank, none existing yet), one
         ``split_group`` per family of :func:`split_plan`. Every rank records every set, those it is not in as
         torch's ``NON_GROUP_MEMBER`` (as :meth:`adopt` does), so later decisions agree across ranks."""
@@ -209,7 +210,7 @@ class GroupCache:
         require_distributed("creating process groups")
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
-        agree("the rank sets to create", {"rank sets": repr(sets), **options.described()}, advice=BUILD_ADVICE)
+        check_agreement("the rank sets to create", {"rank sets": repr(sets), **options.describe()}, advice=BUILD_ADVICE)
         # Checked on the whole list, not on this rank's sets only, so that every rank raises alike (none hangs).
         seen: set[int] = set()
         for ranks in sets:
@@ -231,7 +232,8 @@ class GroupCache:
         require_distributed("creating process groups")
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
-        agree("the twin rank sets to create", {"rank sets": repr(sets), **options.described()}, advice=BUILD_ADVICE)
+        fields = {"rank sets": repr(sets), **options.describe()}
+        check_agreement("the twin rank sets to create", fields, advice=BUILD_ADVICE)
         mine: ProcessGroup | None = None
         for ranks in sorted(sets, key=lambda r: (len(r), r)):
             group = self._new_group(ranks, options)

@@ -2,8 +2,9 @@
 resolution).
 
 An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the optimizer
-builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise` and :func:`resolve` once and
-passes what they return down; nothing below the door resolves again. The collection is, in this order:
+builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params` and
+:func:`resolve_pg_collection` once and passes what they return down; nothing below the door resolves again.
+The collection is, in this order:
 
 1. the collection passed explicitly (refused when the model carries another one: which would win is a guess);
 2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module`` wrappers and
@@ -43,12 +44,12 @@ __all__ = [
     "Params",
     "ParamsLike",
     "Source",
-    "checked",
-    "fill",
+    "check_usable",
+    "fill_unset_fields",
     "grid_reads",
-    "normalise",
-    "normalised",
-    "resolve",
+    "normalise_params",
+    "params_of_source",
+    "resolve_pg_collection",
     "source_of",
 ]
 
@@ -71,7 +72,7 @@ class Params:
 @attrs.frozen(slots=True)
 class Source:
     """What an entry point was given, taken apart without walking it: the model chunks, or the tensors (``None``
-    for chunks), and the items as given (a one-shot iterable read into a list once), for :func:`normalised`."""
+    for chunks), and the items as given (a one-shot iterable read into a list once), for :func:`params_of_source`."""
 
     chunks: tuple[nn.Module, ...]
     tensors: list[Any] | None
@@ -97,13 +98,13 @@ def source_of(model_or_params: ParamsLike) -> Source:
     return Source((), items, items)
 
 
-def normalise(model_or_params: ParamsLike) -> Params:
+def normalise_params(model_or_params: ParamsLike) -> Params:
     """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
-    iterables of tensors: :func:`normalised` of its :func:`source_of`."""
-    return normalised(source_of(model_or_params))
+    iterables of tensors: :func:`params_of_source` of its :func:`source_of`."""
+    return params_of_source(source_of(model_or_params))
 
 
-def normalised(source: Source) -> Params:
+def params_of_source(source: Source) -> Params:
     """The parameters of ``source``: a model's named as ``named_parameters`` names them (prefixed ``chunk<i>.``
     when there are several chunks), each with the roles of the parameter it replaced when it is the same
     parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
@@ -137,7 +138,7 @@ def normalised(source: Source) -> Params:
     return Params(source.chunks, tuple(named))
 
 
-def resolve(
+def resolve_pg_collection(
     pg_collection: ProcessGroupCollection | None,
     chunks: Sequence[nn.Module] = (),
     *,
@@ -145,7 +146,8 @@ def resolve(
     fallback: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
     """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET fields of
-    ``fallback`` filled by :func:`fill` (from the global grid, each with a warning, where the collection does not
+    ``fallback`` filled by :func:`fill_unset_fields` (from the global grid, each with a warning, where the collection
+    does not
     fix them; ``RuntimeError`` when there is none to read).
 
     ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when it disagrees with
@@ -168,11 +170,11 @@ def resolve(
         collection = attached
     else:
         collection = _global_grid_for(owner, model_given=bool(chunks))
-    collection = checked(collection, owner)
-    return fill(collection, fallback, owner)
+    collection = check_usable(collection, owner)
+    return fill_unset_fields(collection, fallback, owner)
 
 
-def checked(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
+def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
     """``collection``, refused (``ValueError``) when this rank is not a member of its layout or its groups were
     destroyed (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a collection. For entry points
     that take a collection only, never ``None``."""
@@ -216,7 +218,7 @@ def _global_grid_for(owner: str, *, model_given: bool) -> ProcessGroupCollection
     return grid
 
 
-def fill(
+def fill_unset_fields(
     collection: ProcessGroupCollection,
     names: Iterable[GroupName],
     owner: str,
@@ -224,7 +226,7 @@ def fill(
     unneeded: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
     """``collection`` with its UNSET fields among ``names`` filled; for an entry point that decides what its model
-    needs after :func:`resolve` (``fallback=()``), as ``build_optimizer`` does.
+    needs after :func:`resolve_pg_collection` (``fallback=()``), as ``build_optimizer`` does.
 
     A field the collection's own composite groups leave one rank (:func:`~pgregistry.collection.implied_size`:
     ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep`` off) is ``None``, nothing read. A field among ``unneeded`` (the
@@ -269,7 +271,8 @@ def fill(
 def grid_reads(
     collection: ProcessGroupCollection, names: Iterable[GroupName], unneeded: Iterable[GroupName] = ()
 ) -> list[GroupName]:
-    """The fields among ``names`` that :func:`fill` reads from the global grid: UNSET, not left one rank by the
+    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid: UNSET, not left one rank
+    by the
     collection's composite groups, and not ``unneeded`` unless the composites say they span several ranks."""
     skipped = set(unneeded)
     reads = []

@@ -67,7 +67,7 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
     ``ValueError`` naming the closest existing spelling for an option that names a pgregistry category which does
     not exist.
     """
-    ours = _spellings(category)
+    ours = _category_spellings(category)
     options = [option.split(":") for option in sys.warnoptions]
     for fields in options:
         _check_spelling(fields[2].strip() if len(fields) > 2 else "", ours, category.__name__)
@@ -89,7 +89,7 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
     return parsed
 
 
-def _spellings(category: type[Warning]) -> set[str]:
+def _category_spellings(category: type[Warning]) -> set[str]:
     """The names an option may give ``category`` by: its module's, the package root's, and the bare class name."""
     return {f"{category.__module__}.{category.__name__}", f"pgregistry.{category.__name__}", category.__name__}
 

@@ -32,7 +32,7 @@ collection attached to the model).
 
 Every loader is strict by default, alike (:mod:`~pgregistry.checkpoint._strict`): what does not fit is refused on
 every rank, naming it, before anything is copied. A rank lost during a save or load is named on every survivor
-(:func:`~pgregistry.checkpoint._agreement.lost_ranks_named`).
+(:func:`~pgregistry.checkpoint._agreement.name_lost_ranks`).
 
 Optimizer hyper-parameters (learning rate, betas, ...) are not stored: they come from the optimizer loaded into.
 """

@@ -13,7 +13,7 @@ raises its own error, the others an error saying another rank failed and naming 
 Nothing is copied before that verdict. Outside a distributed world these are plain calls.
 
 A rank that never answers (killed, its node lost, stuck) fails its peers' next collective with the backend's words
-only (gloo's "Connection closed by peer", a timeout). :func:`lost_ranks_named` turns that into a ``RuntimeError``
+only (gloo's "Connection closed by peer", a timeout). :func:`name_lost_ranks` turns that into a ``RuntimeError``
 naming the call, its checkpoint directory, the ranks that did not answer and what to do: each rank whose collective
 failed records in the world's store that it is still there, waits up to :data:`ANSWER_WAIT_S` for the others'
 records, and names the ranks of the scope whose record never came.
@@ -46,10 +46,10 @@ if TYPE_CHECKING:
 __all__ = [
     "ANSWER_WAIT_S",
     "Scope",
-    "agreed",
+    "run_agreed_step",
     "digest_of",
     "elsewhere_named",
-    "lost_ranks_named",
+    "name_lost_ranks",
     "max_over_ranks",
     "raise_on_every_rank",
     "scope_groups",
@@ -66,7 +66,7 @@ the ranks that detect the failure (a peer's closed connection, a timeout) do so 
 _COLLECTIVES_MODULE: Final = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 _calls: dict[tuple[int, int] | None, Iterator[int]] = {}
-"""Numbers the calls :func:`lost_ranks_named` watches, per scope (its span; ``None`` for the world), so each
+"""Numbers the calls :func:`name_lost_ranks` watches, per scope (its span; ``None`` for the world), so each
 failure's records have keys of their own: every rank of a scope makes the same calls over it in the same order (each
 is collective), so the numbers agree among them, whatever calls over other scopes some of them made in between."""
 
@@ -183,7 +183,7 @@ def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope
         raise elsewhere_named(elsewhere, faulty)
 
 
-def agreed(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
+def run_agreed_step(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
     """``step()`` on this rank, raising on every rank of ``scope`` when it raised on any: its own error where it
     raised, ``elsewhere`` naming the ranks where it did on the others (the same one all-reduce as
     :func:`raise_on_every_rank`)."""
@@ -209,7 +209,7 @@ def scope_groups(scope: Scope) -> list[Any]:
 
 
 @contextmanager
-def lost_ranks_named(operation: str, directory: str | Path, scope: Scope) -> Iterator[None]:
+def name_lost_ranks(operation: str, directory: str | Path, scope: Scope) -> Iterator[None]:
     """Run the block (one checkpoint call of ``operation`` on ``directory``); when a collective in it fails (a rank of
     ``scope`` lost, stuck or killed), raise ``RuntimeError`` naming the call, the directory, the ranks that did not
     answer and what to do, chained to the backend's error. Every other error passes as it is."""
@@ -219,7 +219,7 @@ def lost_ranks_named(operation: str, directory: str | Path, scope: Scope) -> Ite
     except RuntimeError as exc:
         if not _is_collective_failure(exc) or scope.size == 1:
             raise
-        missing = _unanswered(scope, f"pgregistry/checkpoint/{scope.span}/{call}/{operation}")
+        missing = _ranks_not_answering(scope, f"pgregistry/checkpoint/{scope.span}/{call}/{operation}")
         if missing is None:
             who = "the ranks that did not answer cannot be told (the store is unreachable too)"
         elif missing:
@@ -247,7 +247,7 @@ def _is_collective_failure(exc: RuntimeError) -> bool:
     return bool(frames) and frames[-1].filename.endswith(_COLLECTIVES_MODULE)
 
 
-def _unanswered(scope: Scope, prefix: str) -> list[int] | None:
+def _ranks_not_answering(scope: Scope, prefix: str) -> list[int] | None:
     """The world ranks of ``scope`` that have not recorded ``<prefix>/<rank>`` in the default store within
     :data:`ANSWER_WAIT_S` of this rank recording its own; ``None`` when the store cannot be used (it may have been
     hosted by the lost rank)."""

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry._runtime.resolve import normalise, resolve
+from pgregistry._runtime.resolve import normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
-from pgregistry.checkpoint._agreement import Scope, agreed, scope_of
+from pgregistry.checkpoint._agreement import Scope, run_agreed_step, scope_of
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key
-from pgregistry.experts._names import GlobalNamer, NamingOptions, checked_naming, global_names
+from pgregistry.experts._names import GlobalNamer, NamingOptions, check_naming_options, global_names
 from pgregistry.optim._param_state import (
     ParamState,
     ParamStateOptimizer,
@@ -132,7 +132,7 @@ def checkpoint_scope(model_chunks: Any, naming: NamingOptions) -> Scope:
     if isinstance(explicit, ProcessGroupCollection):
         return scope_of(explicit)
     try:
-        chunks = normalise(model_chunks).chunks
+        chunks = normalise_params(model_chunks).chunks
         attached = collection_of(chunks, None) if chunks else None
     except (TypeError, ValueError):
         attached = None  # the door names the fault, agreed over the world
@@ -150,11 +150,11 @@ def rank_model(
     an interleaved TP shard, or two parameters of one global name (``owner`` names the caller in errors and
     fallback warnings). ``scope`` is the ranks the call runs over (:func:`checkpoint_scope`); it must be the
     resolved collection's (``ValueError`` otherwise)."""
-    checked_naming(naming, owner)
-    chunks = normalise(model_chunks).chunks
+    check_naming_options(naming, owner)
+    chunks = normalise_params(model_chunks).chunks
     if not chunks:
         raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
-    collection = resolve(naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK)
+    collection = resolve_pg_collection(naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK)
     resolved_scope = scope_of(collection)
     if scope is not None and scope != resolved_scope:
         raise ValueError(
@@ -198,20 +198,20 @@ def rank_model(
     )
 
 
-def agreed_rank_model(
+def agree_on_rank_model(
     model_chunks: nn.Module | Sequence[nn.Module], owner: str, naming: NamingOptions, scope: Scope
 ) -> RankModel:
     """:func:`rank_model` in a collective save or load over ``scope``: raising on every rank of it when it raises on
     any, since a rank whose model cannot be named must not leave the others waiting in the save's or load's
     collectives."""
-    return agreed(
+    return run_agreed_step(
         lambda: rank_model(model_chunks, owner, scope, **naming),
         ValueError(f"{owner}: another rank's model cannot be checkpointed"),
         scope,
     )
 
 
-def _named_state(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
+def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
     """``(global name, whole state)`` of every parameter ``optimizer`` updates, in the model's order (the same on
     every rank of a TP group, whose gathers must come in one order; collective for a sharded optimizer)."""
     by_id = {id(param): name for name, param in model.params.items()}
@@ -235,7 +235,7 @@ def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: b
         if not primary_only or model.writes(name):
             flat[MODEL_PREFIX + name] = whole
     if optimizer is not None:
-        for name, state in _named_state(optimizer, model):
+        for name, state in _state_by_global_name(optimizer, model):
             for key in sorted(state):
                 value = state[key]
                 if isinstance(value, torch.Tensor):
@@ -265,7 +265,7 @@ def param_name_of_key(key: str) -> str | None:
     return None
 
 
-def _nested(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def _nest_flat_keys(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys (a parameter
     the optimizer updates has an entry, empty before its first step)."""
     out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
@@ -287,41 +287,42 @@ def state_by_name(
     primary_only: bool = False,
     **naming: Unpack[NamingOptions],
 ) -> dict[str, dict[str, Any]]:
-    """This rank's parameters and optimizer state by global name: ``{"model": {name: tensor},
-    "optimizer": {name: {state key: value}}}`` (tensors alias the live ones; every parameter the optimizer updates
-    has an entry, empty before its first step).
+    """This rank's parameters and optimizer state by global name.
+
+    ``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` (tensors alias the live
+    ones; every parameter the optimizer updates has an entry, empty before its first step).
 
     ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
     ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`). TP-sharded parameters
     come whole, gathered over their TP group: with tensor parallelism on, every rank of a TP group must call it.
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
-    return _nested(flat_state(model, optimizer, primary_only=primary_only))
+    return _nest_flat_keys(flat_state(model, optimizer, primary_only=primary_only))
 
 
-def prepared_flat_state(
+def prepare_flat_state_load(
     model: RankModel, optimizer: Optimizer | None, lookup: Mapping[str, Any], scope: Scope, subject: str
 ) -> Callable[[], None]:
     """The copy of every parameter and (``optimizer`` given) the optimizer state saved for it from flat ``lookup``,
     which :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found to fit on every rank, returned uncalled
-    once the optimizer state's values are found to fit too (:func:`prepared_optimizer_load`: collective over
+    once the optimizer state's values are found to fit too (:func:`prepare_optimizer_load`: collective over
     ``scope``, refused on every rank alike)."""
-    nested = _nested(lookup)
+    nested = _nest_flat_keys(lookup)
     load_state = None
     if optimizer is not None:
-        load_state = prepared_optimizer_load(optimizer, model, nested["optimizer"], scope, subject)
+        load_state = prepare_optimizer_load(optimizer, model, nested["optimizer"], scope, subject)
 
-    def copy() -> None:
+    def copy_loaded_state() -> None:
         with torch.no_grad():
             for name, param in model.params.items():
                 param.copy_(model.piece(name, nested["model"][name]))
         if load_state is not None:
             load_state()
 
-    return copy
+    return copy_loaded_state
 
 
-def prepared_optimizer_load(
+def prepare_optimizer_load(
     optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]], scope: Scope, subject: str
 ) -> Callable[[], None]:
     """The load of ``state`` (global name -> state key -> value, whole) into ``optimizer`` (this rank's piece of
@@ -331,7 +332,7 @@ def prepared_optimizer_load(
     no rank has changed anything. ``subject`` names the call in messages."""
     target = as_param_state_optimizer(optimizer)
 
-    def checked_pieces() -> dict[torch.Tensor, Mapping[str, Any]]:
+    def check_state_pieces() -> dict[torch.Tensor, Mapping[str, Any]]:
         by_param: dict[torch.Tensor, Mapping[str, Any]] = {
             param: {key: model.piece(name, value) for key, value in state[name].items()}
             for name, param in model.params.items()
@@ -341,5 +342,5 @@ def prepared_optimizer_load(
         return by_param
 
     elsewhere = ValueError(f"{subject}: another rank's optimizer state does not fit its optimizer; nothing was loaded")
-    by_param = agreed(checked_pieces, elsewhere, scope)
+    by_param = run_agreed_step(check_state_pieces, elsewhere, scope)
     return lambda: target.load_param_state(by_param)

@@ -22,7 +22,7 @@ from typing import IO, Any, cast
 
 import torch
 
-__all__ = ["partial_path", "publish", "write_partial"]
+__all__ = ["partial_path", "rename_durably", "write_partial"]
 
 _OCTAL = re.compile(r"\\([0-7]{3})")
 
@@ -86,7 +86,7 @@ def write_partial(path: Path, payload: Any) -> Path:
     return partial
 
 
-def publish(partial: Path, path: Path) -> None:
+def rename_durably(partial: Path, path: Path) -> None:
     """Rename the complete ``partial`` file to ``path`` and make the rename durable."""
     os.replace(partial, path)
     _fsync_directory(path.parent)

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pgregistry.checkpoint._agreement import Scope, agreed, lost_ranks_named
+from pgregistry.checkpoint._agreement import Scope, name_lost_ranks, run_agreed_step
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     Optimizer,
-    agreed_rank_model,
+    agree_on_rank_model,
     checkpoint_scope,
     flat_state,
     param_name_of_key,
-    prepared_flat_state,
+    prepare_flat_state_load,
 )
 from pgregistry.checkpoint._strict import Stored, refuse_misfits
 from pgregistry.experts._names import NamingOptions
@@ -43,17 +43,18 @@ def save_distributed(
     optimizer: Optimizer | None = None,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Save with ``torch.distributed.checkpoint`` (collective over the ranks of the model's collection: the world,
-    or a module's span); each tensor once, TP-sharded ones whole."""
+    """Save with ``torch.distributed.checkpoint``: each tensor once, TP-sharded ones whole.
+
+    Collective over the ranks of the model's collection: the world, or a module's span."""
     import torch.distributed.checkpoint as dcp
 
     scope = checkpoint_scope(model_chunks, naming)
-    with lost_ranks_named("save_distributed", directory, scope):
-        model = agreed_rank_model(model_chunks, "save_distributed", naming, scope)
+    with name_lost_ranks("save_distributed", directory, scope):
+        model = agree_on_rank_model(model_chunks, "save_distributed", naming, scope)
         state = flat_state(model, optimizer, primary_only=True)
         if scope.span is not None:
             state[IDENTITY_KEY] = json.dumps(scope.identity())  # a string: DCP would flatten a dict into its items
-        dcp.save(state, checkpoint_id=str(directory), process_group=_group(scope))
+        dcp.save(state, checkpoint_id=str(directory), process_group=_dcp_group(scope))
 
 
 def load_distributed(
@@ -64,8 +65,10 @@ def load_distributed(
     strict: bool = True,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Load a :func:`save_distributed` checkpoint of any layout (collective over the ranks of the model's
-    collection); a checkpoint of another module, or of other ranks, is refused on every rank.
+    """Load a :func:`save_distributed` checkpoint of any layout.
+
+    Collective over the ranks of the model's collection; a checkpoint of another module, or of other
+    ranks, is refused on every rank.
 
     Strict as :func:`~pgregistry.checkpoint.load_rank_files` is, from DCP's metadata before any tensor is read:
     ``ValueError`` on every rank for a parameter the checkpoint lacks or stores in another shape, and (``strict``,
@@ -75,16 +78,16 @@ def load_distributed(
     import torch.distributed.checkpoint as dcp
 
     scope = checkpoint_scope(model_chunks, naming)
-    with lost_ranks_named("load_distributed", directory, scope):
-        model = agreed_rank_model(model_chunks, "load_distributed", naming, scope)
-        metadata = agreed(
+    with name_lost_ranks("load_distributed", directory, scope):
+        model = agree_on_rank_model(model_chunks, "load_distributed", naming, scope)
+        metadata = run_agreed_step(
             lambda: _read_metadata(directory),
             ValueError(f"another rank could not read the checkpoint {directory}"),
             scope,
         )
         if IDENTITY_KEY in metadata or scope.span is not None:
             _check_identity(directory, scope, metadata)
-        stored = {key: _described(entry) for key, entry in metadata.items() if key != IDENTITY_KEY}
+        stored = {key: _describe_entry(entry) for key, entry in metadata.items() if key != IDENTITY_KEY}
         refuse_misfits(f"the checkpoint {directory}", stored, model, optimizer, strict, scope)
         # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict check alone.
         read = (MODEL_PREFIX,) if optimizer is None else (MODEL_PREFIX, OPTIMIZER_PREFIX)
@@ -94,11 +97,11 @@ def load_distributed(
                 continue
             # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has read it.
             destination[key] = None if entry.shape is None else torch.empty(entry.shape, dtype=entry.dtype)
-        dcp.load(destination, checkpoint_id=str(directory), process_group=_group(scope))
-        prepared_flat_state(model, optimizer, destination, scope, f"load_distributed of {directory}")()
+        dcp.load(destination, checkpoint_id=str(directory), process_group=_dcp_group(scope))
+        prepare_flat_state_load(model, optimizer, destination, scope, f"load_distributed of {directory}")()
 
 
-def _described(entry: Any) -> Stored:
+def _describe_entry(entry: Any) -> Stored:
     """What DCP's metadata says of one entry: a tensor's shape and dtype, or that it is none."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -120,7 +123,7 @@ def _read_metadata(directory: str | Path) -> Any:
         ) from exc
 
 
-def _group(scope: Scope) -> Any:
+def _dcp_group(scope: Scope) -> Any:
     """The process group DCP runs over: the module's span, else ``None`` (DCP's default group)."""
     return scope.group if scope.span is not None else None
 
@@ -129,7 +132,7 @@ def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
     """``ValueError`` on every rank of ``scope`` unless the checkpoint records the module and span loading it."""
     import torch.distributed.checkpoint as dcp
 
-    def check() -> None:
+    def check_saved_identity() -> None:
         saved: dict[str, Any] = {}
         if IDENTITY_KEY in metadata:
             holder: dict[str, Any] = {IDENTITY_KEY: ""}
@@ -148,4 +151,4 @@ def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
                 "checkpoint loads into the same module on the same ranks (save each module into its own directory)"
             )
 
-    agreed(check, ValueError(f"another rank refused the checkpoint {directory}"), scope)
+    run_agreed_step(check_saved_identity, ValueError(f"another rank refused the checkpoint {directory}"), scope)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["checksums_of", "damaged_tensors", "tensor_crc32"]
+__all__ = ["checksums_of", "find_damaged_tensors", "tensor_crc32"]
 
 
 def tensor_crc32(tensor: torch.Tensor) -> int:
@@ -44,19 +44,21 @@ def checksums_of(value: Any) -> Any:
     return None
 
 
-def damaged_tensors(value: Any, checksums: Any, label: str) -> list[str]:
+def find_damaged_tensors(value: Any, checksums: Any, label: str) -> list[str]:
     """The labels (``label``, then ``/key`` or ``[index]`` per level) of the tensors under ``value`` whose bytes do
     not match ``checksums`` (as :func:`checksums_of` gave at save), a tensor without a stored checksum included."""
     if isinstance(value, torch.Tensor):
         return [] if checksums == tensor_crc32(value) else [label]
     if isinstance(value, Mapping):
         stored = checksums if isinstance(checksums, Mapping) else {}
-        return [bad for key, item in value.items() for bad in damaged_tensors(item, stored.get(key), f"{label}/{key}")]
+        return [
+            bad for key, item in value.items() for bad in find_damaged_tensors(item, stored.get(key), f"{label}/{key}")
+        ]
     if isinstance(value, (list, tuple)):
         stored_items = list(checksums) if isinstance(checksums, list) and len(checksums) == len(value) else []
         return [
             bad
             for index, item in enumerate(value)
-            for bad in damaged_tensors(item, stored_items[index] if stored_items else None, f"{label}[{index}]")
+            for bad in find_damaged_tensors(item, stored_items[index] if stored_items else None, f"{label}[{index}]")
         ]
     return []

@@ -19,8 +19,8 @@ import torch
 from pgregistry.checkpoint._agreement import (
     Scope,
     digest_of,
-    lost_ranks_named,
     max_over_ranks,
+    name_lost_ranks,
     raise_on_every_rank,
     scope_of,
 )
@@ -53,7 +53,7 @@ def merge_optimizer_shards(shards: Iterable[Mapping[str, Mapping[str, Any]]]) ->
     return {name: _merge_pieces(name, sorted(found, key=lambda p: p["offset"])) for name, found in pieces.items()}
 
 
-def _elementwise(value: Any, numel: int) -> bool:
+def _is_elementwise(value: Any, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
 
 
@@ -70,7 +70,7 @@ def _merge_pieces(name: str, pieces: list[Mapping[str, Any]]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for key in next(iter(keys)):
         values = [piece["state"][key] for piece in pieces]
-        if all(_elementwise(v, piece["numel"]) for v, piece in zip(values, pieces, strict=True)):
+        if all(_is_elementwise(v, piece["numel"]) for v, piece in zip(values, pieces, strict=True)):
             state[key] = torch.cat([v.reshape(-1) for v in values])
             continue
         first = values[0]
@@ -109,25 +109,25 @@ def cut_optimizer_shards(
         out[name] = {
             "offset": start,
             "numel": numel,
-            "main": _cut(source["main"], start, numel),
+            "main": _cut_slice(source["main"], start, numel),
             "state": {
-                key: _cut(value, start, numel) if _elementwise(value, total) else _copy(value)
+                key: _cut_slice(value, start, numel) if _is_elementwise(value, total) else _copy_state_value(value)
                 for key, value in source["state"].items()
             },
         }
     return out
 
 
-def _cut(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+def _cut_slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     return tensor[start : start + numel].clone()
 
 
-def _copy(value: Any) -> Any:
+def _copy_state_value(value: Any) -> Any:
     """A copy of a per-parameter state value, so the cut state shares no tensor with the merged one."""
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
+def _require_sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
     children = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     sharded: list[ShardedOptimizer] = []
     for index, child in enumerate(children):
@@ -140,7 +140,7 @@ def _sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str
     return sharded
 
 
-def _scope(children: list[ShardedOptimizer]) -> Scope:
+def _checkpoint_scope(children: list[ShardedOptimizer]) -> Scope:
     """The ranks the optimizer's checkpoint runs over: those of the collection it was built on."""
     return scope_of(children[0].stats_groups.collection)
 
@@ -157,14 +157,14 @@ def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
     refuses overlapping pieces. Returns the file written.
     """
     shards: dict[str, Any] = {}
-    children = _sharded_children(optimizer, "save_optimizer_shards")
+    children = _require_sharded_children(optimizer, "save_optimizer_shards")
     for child in children:
         for name, piece in child.state_dict()["shards"].items():
             if name in shards:
                 raise ValueError(f"two parameters of the optimizer are named {name!r}; give it unique names")
             shards[name] = piece
-    scope = _scope(children)
-    with lost_ranks_named("save_optimizer_shards", directory, scope):
+    scope = _checkpoint_scope(children)
+    with name_lost_ranks("save_optimizer_shards", directory, scope):
         return write_rank_file(directory, _OPTIMIZER_FILE, shards, scope)
 
 
@@ -185,9 +185,9 @@ def load_optimizer_shards(
     of a parameter no rank's optimizer holds (``strict=False`` loads a subset on purpose), the files mix
     checkpoints or saves, or a piece read is damaged (the file and the piece are named).
     """
-    children = _sharded_children(optimizer, "load_optimizer_shards")
-    scope = _scope(children)
-    with lost_ranks_named("load_optimizer_shards", directory, scope):
+    children = _require_sharded_children(optimizer, "load_optimizer_shards")
+    scope = _checkpoint_scope(children)
+    with name_lost_ranks("load_optimizer_shards", directory, scope):
         # Every child's pieces are cut and checked against it before any is loaded, and the ranks agree that all of
         # them fit: a child refusing after another loaded would leave a half-loaded optimizer, and loading gathers
         # the restored shards, so a rank raising alone would leave its peers waiting in that collective.

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from pgregistry.checkpoint._agreement import agreed
+from pgregistry.checkpoint._agreement import run_agreed_step
 from pgregistry.checkpoint._by_name import (
     OPTIMIZED_PREFIX,
     OPTIMIZER_PREFIX,
     Optimizer,
-    agreed_rank_model,
+    agree_on_rank_model,
     checkpoint_scope,
-    prepared_optimizer_load,
+    prepare_optimizer_load,
 )
 from pgregistry.checkpoint._strict import Stored, refuse_misfits
 from pgregistry.experts._names import NamingOptions
@@ -34,8 +34,10 @@ def load_optimizer_state_by_name(
     strict: bool = True,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Load optimizer ``state`` keyed by global name (``{name: {state key: value}}``, as in the ``"optimizer"``
-    part of :func:`state_by_name`, saved under any layout) into ``optimizer``.
+    """Load optimizer ``state`` keyed by global name into ``optimizer``.
+
+    ``state`` is ``{name: {state key: value}}``, as in the ``"optimizer"`` part of
+    :func:`state_by_name`, saved under any layout.
 
     Collective over the ranks of the model's collection (the world, or a module's span), as the checkpoint loaders
     are: ``ValueError`` on every rank, before anything loads, when ``state`` is not such a mapping on some rank,
@@ -51,17 +53,17 @@ def load_optimizer_state_by_name(
     """
     owner = "load_optimizer_state_by_name"
     scope = checkpoint_scope(model_chunks, naming)
-    model = agreed_rank_model(model_chunks, owner, naming, scope)
-    stored = agreed(
-        lambda: _described(state),
+    model = agree_on_rank_model(model_chunks, owner, naming, scope)
+    stored = run_agreed_step(
+        lambda: _describe_state(state),
         ValueError(f"{owner}: another rank's state is not keyed by parameter name"),
         scope,
     )
     refuse_misfits("the optimizer state given", stored, model, optimizer, strict, scope, parameters=False)
-    prepared_optimizer_load(optimizer, model, state, scope, owner)()
+    prepare_optimizer_load(optimizer, model, state, scope, owner)()
 
 
-def _described(state: Mapping[str, Mapping[str, Any]]) -> dict[str, Stored]:
+def _describe_state(state: Mapping[str, Mapping[str, Any]]) -> dict[str, Stored]:
     """The flat keys of ``state`` (a parameter's entry and its state keys), as a checkpoint stores them."""
     if not isinstance(state, Mapping):
         raise TypeError(

@@ -31,26 +31,32 @@ import attrs
 import torch
 from torch import nn
 
-from pgregistry.checkpoint._agreement import Scope, agreed, lost_ranks_named, max_over_ranks, raise_on_every_rank
+from pgregistry.checkpoint._agreement import (
+    Scope,
+    max_over_ranks,
+    name_lost_ranks,
+    raise_on_every_rank,
+    run_agreed_step,
+)
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     Optimizer,
     RankModel,
-    agreed_rank_model,
+    agree_on_rank_model,
     checkpoint_scope,
     flat_state,
     param_name_of_key,
-    prepared_flat_state,
+    prepare_flat_state_load,
 )
-from pgregistry.checkpoint._disk import partial_path, publish, write_partial
-from pgregistry.checkpoint._integrity import checksums_of, damaged_tensors
+from pgregistry.checkpoint._disk import partial_path, rename_durably, write_partial
+from pgregistry.checkpoint._integrity import checksums_of, find_damaged_tensors
 from pgregistry.checkpoint._strict import Stored, refuse_misfits
 from pgregistry.experts._names import NamingOptions
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load_rank_files", "prepared_load", "save_rank_files"]
+__all__ = ["load_rank_files", "prepare_rank_files_load", "save_rank_files"]
 
 _FORMAT: Final = 2
 """Format 2 added the save id and the per-tensor checksums."""
@@ -73,7 +79,7 @@ class RankFile:
     def verify(self, key: str) -> None:
         """``ValueError`` naming this file and the tensor when a tensor of ``state[key]`` does not match its
         checksum (only the tensors read are checked, so a memory-mapped file is never read whole)."""
-        damaged = damaged_tensors(self.state[key], self.checksums.get(key), key)
+        damaged = find_damaged_tensors(self.state[key], self.checksums.get(key), key)
         if damaged:
             more = f" (and {len(damaged) - 1} more under {key!r})" if len(damaged) > 1 else ""
             raise ValueError(
@@ -97,8 +103,8 @@ def save_rank_files(
     stored whole (gathered over their TP group). Returns the file written.
     """
     scope = checkpoint_scope(model_chunks, naming)
-    with lost_ranks_named("save_rank_files", directory, scope):
-        model = agreed_rank_model(model_chunks, "save_rank_files", naming, scope)
+    with name_lost_ranks("save_rank_files", directory, scope):
+        model = agree_on_rank_model(model_chunks, "save_rank_files", naming, scope)
         return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope)
 
 
@@ -122,10 +128,11 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Sco
     failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory}")
     try:
         # The checksums inside the agreed step too: a tensor that cannot be read fails every rank, not one.
-        partial = agreed(
+        partial = run_agreed_step(
             lambda: write_partial(path, {**stamp, "state": content, "checksums": checksums_of(content)}), failed, scope
         )
-        agreed(lambda: publish(partial, path), failed, scope)  # also the barrier: every file is in place on return
+        # also the barrier: every file is in place on return
+        run_agreed_step(lambda: rename_durably(partial, path), failed, scope)
     except BaseException:
         # Whatever stopped the save here (another rank's failure, a lost peer), it leaves none of its files.
         partial_path(path).unlink(missing_ok=True)
@@ -286,10 +293,10 @@ def load_rank_files(
     when a key is stored twice, the files mix checkpoints or saves, a file cannot be read (the file is named), or a
     tensor a rank loads does not match its checksum (the file and the tensor are named).
     """
-    prepared_load(directory, model_chunks, optimizer, strict=strict, **naming)()
+    prepare_rank_files_load(directory, model_chunks, optimizer, strict=strict, **naming)()
 
 
-def prepared_load(
+def prepare_rank_files_load(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
     optimizer: Optimizer | None,
@@ -302,24 +309,24 @@ def prepared_load(
     any (:func:`pgregistry.modules.load_checkpoint`)."""
     directory = Path(directory)
     scope = checkpoint_scope(model_chunks, naming)
-    with lost_ranks_named("load_rank_files", directory, scope):
-        model = agreed_rank_model(model_chunks, "load_rank_files", naming, scope)
+    with name_lost_ranks("load_rank_files", directory, scope):
+        model = agree_on_rank_model(model_chunks, "load_rank_files", naming, scope)
         holders = _read_on_every_rank(directory, scope)
         stored = {key: rank_file.state[key] for key, rank_file in holders.items()}
         described = {key: Stored.of(value) for key, value in stored.items()}
         refuse_misfits(f"the checkpoint {directory}", described, model, optimizer, strict, scope)
-        agreed(
+        run_agreed_step(
             lambda: _verify_loaded(holders, model, optimizer is not None),
             ValueError(f"another rank found a damaged tensor in the checkpoint {directory}"),
             scope,
         )
-        apply = prepared_flat_state(model, optimizer, stored, scope, f"load_rank_files of {directory}")
+        apply = prepare_flat_state_load(model, optimizer, stored, scope, f"load_rank_files of {directory}")
 
-    def copy() -> None:
-        with lost_ranks_named("load_rank_files", directory, scope):  # a sharded optimizer's load is collective
+    def copy_loaded_state() -> None:
+        with name_lost_ranks("load_rank_files", directory, scope):  # a sharded optimizer's load is collective
             apply()
 
-    return copy
+    return copy_loaded_state
 
 
 def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimizer: bool) -> None:

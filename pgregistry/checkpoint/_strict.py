@@ -19,7 +19,7 @@ check another rank failed and naming that rank: one more all-reduce, on a refusa
 copied anything yet. Optimizer state saved for a parameter is loaded only when an optimizer is given: loading the
 parameters alone out of a full checkpoint is no error. The values of the optimizer state are checked against the
 optimizer itself (a misshaped ``exp_avg``) once they are read, still before anything is copied
-(:func:`~pgregistry.checkpoint._by_name.prepared_flat_state`).
+(:func:`~pgregistry.checkpoint._by_name.prepare_flat_state_load`).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def refuse_misfits(
     keys = sorted(stored)
     names = [param_name_of_key(key) for key in keys]
     held = set(model.params)
-    lacking = _missing(model, stored) if parameters else ""
-    misfits = _misfits(model, stored, strict) if parameters else ""
+    lacking = _describe_missing(model, stored) if parameters else ""
+    misfits = _describe_misfits(model, stored, strict) if parameters else ""
     optimizer_faults = _optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else ""
     digest = digest_of(keys)
     largest, negated_smallest, any_lacking, any_misfit, any_optimizer_fault = max_over_ranks(
@@ -101,26 +101,26 @@ def refuse_misfits(
     unexpected = [key for key, used in zip(keys, union, strict=True) if not used]
     if unexpected:
         raise ValueError(
-            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. {_some(unexpected)} "
+            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. {_first_few(unexpected)} "
             f"(another model, more layers or more experts than this model's?); {_NON_STRICT}"
         )
 
 
-def _some(names: Iterable[str]) -> str:
+def _first_few(names: Iterable[str]) -> str:
     """The first few of ``names`` in sorted order, quoted."""
     listed = sorted(names)
     shown = ", ".join(repr(name) for name in listed[:_SHOWN])
     return shown + (", ..." if len(listed) > _SHOWN else "")
 
 
-def _missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
+def _describe_missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
     missing = [name for name in model.params if MODEL_PREFIX + name not in stored]
     if not missing:
         return ""
-    return f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {_some(missing)}"
+    return f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {_first_few(missing)}"
 
 
-def _misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:
+def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:
     """This rank's parameters stored in another shape (or not as a tensor), and (``strict``) in another dtype."""
     problems = []
     for name, param in model.params.items():
@@ -146,7 +146,7 @@ def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer:
     """Parameters of this rank that ``optimizer`` updates but whose optimizer state the checkpoint did not save,
     and parameters whose state it saved but that ``optimizer`` does not update."""
     saved = {param_name_of_key(key) for key in stored if key.startswith((OPTIMIZED_PREFIX, OPTIMIZER_PREFIX))}
-    updated_ids = {id(param) for param in updated_params(optimizer)}
+    updated_ids = {id(param) for param in params_updated_by(optimizer)}
     updated = [name for name, param in model.params.items() if id(param) in updated_ids]
     unsaved = [name for name in updated if name not in saved]
     foreign = [name for name, param in model.params.items() if name in saved and id(param) not in updated_ids]
@@ -158,21 +158,21 @@ def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer:
     if unsaved:
         return (
             f"the checkpoint holds no optimizer state for {len(unsaved)} of the parameters this rank's optimizer "
-            f"updates, e.g. {_some(unsaved)} (saved with an optimizer over other parameters?); pass strict=False "
+            f"updates, e.g. {_first_few(unsaved)} (saved with an optimizer over other parameters?); pass strict=False "
             "to keep their fresh state"
         )
     if foreign:
         return (
             f"the checkpoint holds optimizer state for {len(foreign)} parameters this rank's optimizer does not "
-            f"update, e.g. {_some(foreign)}; {_NON_STRICT}"
+            f"update, e.g. {_first_few(foreign)}; {_NON_STRICT}"
         )
     return ""
 
 
-def updated_params(optimizer: Optimizer) -> list[torch.Tensor]:
+def params_updated_by(optimizer: Optimizer) -> list[torch.Tensor]:
     """The model parameters ``optimizer`` updates (a pgregistry optimizer's own list: no state is gathered)."""
     if isinstance(optimizer, ChainedOptimizer):
-        return [param for child in optimizer.chained_optimizers for param in updated_params(child)]
+        return [param for child in optimizer.chained_optimizers for param in params_updated_by(child)]
     if isinstance(optimizer, FlatOptimizer):
         return list(optimizer.params)
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["aligned"]
+__all__ = ["align_columns"]
 
 
-def aligned(rows: Sequence[Sequence[str]], numeric: tuple[int, ...]) -> list[str]:
+def align_columns(rows: Sequence[Sequence[str]], numeric: tuple[int, ...]) -> list[str]:
     """Rows as text columns; the ``numeric`` columns right-aligned, the last one left as it is."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     out = []

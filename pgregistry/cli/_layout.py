@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pgregistry.cli import _layout_views as layout_views
-from pgregistry.cli._columns import aligned
+from pgregistry.cli._columns import align_columns
 from pgregistry.cli._limits import memory_shortfall, not_enough_memory
 from pgregistry.cli._options import (
     Subparsers,
@@ -69,7 +69,7 @@ def add_command(subparsers: Subparsers) -> None:
         "rank_offset for a span of its own: default --num-ranks from --rank-offset): what differs, which "
         "communicators they share; --svg/--html draw them side by side",
     )
-    parser.set_defaults(handler=_run)
+    parser.set_defaults(handler=_run_layout)
 
 
 _PATH_AND_LIST_OPTIONS = {
@@ -82,7 +82,7 @@ _PATH_AND_LIST_OPTIONS = {
 ``--compare '' ''`` compared two default layouts)."""
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run_layout(args: argparse.Namespace) -> int:
     try:
         if args.show < 0:
             raise ValueError(f"--show must be non-negative, got {args.show}")
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
             return layout_views.run_compare(args)
         layout = layout_from_args(args)
         _check_memory(layout, args.show, args.rank)
-        report = _report(layout, args.show, args.rank, args.world_size)
+        report = _layout_report(layout, args.show, args.rank, args.world_size)
         placement = layout_views.placement_of(layout, args)
         if placement is not None:
             report["placement"] = layout_views.placement_report(layout, placement)
@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pgregistry layout: error: {exc}", file=sys.stderr)
         return 2
-    text = _table(report)
+    text = _format_report(report)
     if placement is not None:
         text += "\n\n" + layout_views.placement_table(report["placement"])
     print(json.dumps(report) if args.json else text)
@@ -126,10 +126,10 @@ def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
     of_rank = sum(size for _, size in shapes) if rank is not None else 0
     enumeration = _ENUMERATION_BYTES_PER_RANK * layout.num_ranks
 
-    def needed(listed: int) -> int:
+    def bytes_needed(listed: int) -> int:
         return enumeration + _LISTED_BYTES_PER_RANK * listed
 
-    available = memory_shortfall(needed(shown + of_rank))
+    available = memory_shortfall(bytes_needed(shown + of_rank))
     if available is None:
         return
     if enumeration > available:
@@ -137,17 +137,17 @@ def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
             f"enumerating the groups alone needs about {enumeration / 2**30:.1f} GiB, whatever --show and --rank "
             "say: run it where more memory is free"
         )
-    elif shown and needed(of_rank) <= available:
+    elif shown and bytes_needed(of_rank) <= available:
         advice = "lower --show (--show 0 prints only the group counts and sizes)"
-    elif of_rank and needed(shown) <= available:
+    elif of_rank and bytes_needed(shown) <= available:
         advice = "leave out --rank (it lists that rank's groups in full)"
     else:
         advice = "use --show 0 and leave out --rank"
     doing = f"listing {layout.num_ranks} ranks ({shown + of_rank} of them printed)"
-    raise not_enough_memory(doing, needed(shown + of_rank), available, advice)
+    raise not_enough_memory(doing, bytes_needed(shown + of_rank), available, advice)
 
 
-def _report(layout: ParallelLayout, show: int, rank: int | None, world_size: int | None) -> dict[str, Any]:
+def _layout_report(layout: ParallelLayout, show: int, rank: int | None, world_size: int | None) -> dict[str, Any]:
     from pgregistry.layout import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, GROUP_KINDS
 
     kinds: dict[str, Any] = {}
@@ -183,7 +183,7 @@ def _report(layout: ParallelLayout, show: int, rank: int | None, world_size: int
 _SHOWN_RANKS = 8
 
 
-def _ranks(group: list[int]) -> str:
+def _format_group(group: list[int]) -> str:
     """A group for the table: in full up to 8 ranks, else its first ranks, the last one and its size."""
     if len(group) <= _SHOWN_RANKS:
         return "[" + ", ".join(map(str, group)) + "]"
@@ -191,7 +191,7 @@ def _ranks(group: list[int]) -> str:
     return f"[{head}, ..., {group[-1]}]({len(group)})"
 
 
-def _table(report: dict[str, Any]) -> str:
+def _format_report(report: dict[str, Any]) -> str:
     sizes = report["layout"]
     first, stop, world = sizes["rank_offset"], sizes["rank_offset"] + sizes["num_ranks"], sizes["world_size"]
     span = "" if (first, stop) == (0, world or stop) else f" (ranks {first}-{stop - 1}" + (
@@ -207,11 +207,11 @@ def _table(report: dict[str, Any]) -> str:
     ]
     rows = [("kind", "spans", "groups", "size", "first groups")]
     for kind, info in report["kinds"].items():
-        first = " ".join(_ranks(g) for g in info["first"])
+        first = " ".join(_format_group(g) for g in info["first"])
         if info["groups"] > len(info["first"]):
             first += " ..."
         rows.append((kind, info["spans"], str(info["groups"]), str(info["size"]), first))
-    lines += aligned(rows, numeric=(2, 3))
+    lines += align_columns(rows, numeric=(2, 3))
     mine = report.get("rank")
     if mine is not None:
         coords = ", ".join(f"{axis} {value}" for axis, value in mine["coords"].items())
@@ -219,8 +219,8 @@ def _table(report: dict[str, Any]) -> str:
         lines += ["", f"rank {mine['rank']}{node}: {coords}", ""]
         group_rows = [("kind", "group")]
         group_rows += [
-            (kind, "-" if group is None else _ranks(group)) for kind, group in mine["groups"].items()
+            (kind, "-" if group is None else _format_group(group)) for kind, group in mine["groups"].items()
         ]
-        lines += aligned(group_rows, numeric=())
+        lines += align_columns(group_rows, numeric=())
     return "\n".join(lines)
 

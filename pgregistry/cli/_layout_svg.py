@@ -122,7 +122,7 @@ def _panel_cell(drawn: int) -> int:
 # --------------------------------------------------------------------------------------------------- drawing
 
 
-def _attrs(**values: object) -> str:
+def _svg_attributes(**values: object) -> str:
     return " ".join(f"{name.rstrip('_').replace('_', '-')}={quoteattr(str(v))}" for name, v in values.items())
 
 
@@ -135,16 +135,16 @@ class _Svg:
         self.width = _SHEET_WIDTH
 
     def open(self, tag: str, **values: object) -> None:
-        self.parts.append(f"<{tag} {_attrs(**values)}>")
+        self.parts.append(f"<{tag} {_svg_attributes(**values)}>")
 
     def close(self, tag: str) -> None:
         self.parts.append(f"</{tag}>")
 
     def rect(self, x: float, y: float, w: float, h: float, **values: object) -> None:
-        self.parts.append(f"<rect {_attrs(x=x, y=y, width=w, height=h, **values)}/>")
+        self.parts.append(f"<rect {_svg_attributes(x=x, y=y, width=w, height=h, **values)}/>")
 
     def text(self, x: float, y: float, content: str, size: int = 11, **values: object) -> None:
-        self.parts.append(f"<text {_attrs(x=x, y=y, font_size=size, **values)}>{escape(content)}</text>")
+        self.parts.append(f"<text {_svg_attributes(x=x, y=y, font_size=size, **values)}>{escape(content)}</text>")
 
     def title(self, content: str) -> None:
         """A tooltip for the enclosing element."""
@@ -169,7 +169,7 @@ class _Svg:
         ])
 
 
-def _colour(group: int) -> str:
+def _group_colour(group: int) -> str:
     """Distinct neighbouring colours: hues a golden angle apart, lightness cycling so close hues still differ."""
     return f"hsl({group * 137.508 % 360:.1f},62%,{(68, 56, 82)[group % 3]}%)"
 
@@ -264,7 +264,7 @@ def _placement_table(svg: _Svg, placement: Placement) -> None:
     svg.y += 6
     for entry in placement.kinds:
         svg.y += _ROW_H
-        verdict, colour = _verdict(entry)
+        verdict, colour = _verdict_mark(entry)
         nodes = f"{entry.min_nodes}" if entry.min_nodes == entry.max_nodes else f"{entry.min_nodes}-{entry.max_nodes}"
         svg.open("g", class_="placement-row", data_kind=entry.kind, data_groups=entry.num_groups,
                  data_size=entry.group_size, data_min_nodes=entry.min_nodes, data_max_nodes=entry.max_nodes,
@@ -276,7 +276,7 @@ def _placement_table(svg: _Svg, placement: Placement) -> None:
     svg.y += 8
 
 
-def _verdict(entry: KindPlacement) -> tuple[str, str]:
+def _verdict_mark(entry: KindPlacement) -> tuple[str, str]:
     """The entry's verdict with a mark, and its colour."""
     if entry.group_size == 1:
         return entry.verdict, "#777"
@@ -315,7 +315,7 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: range, gpus_per_node: in
                      max_width=_SHEET_WIDTH - 2 * _MARGIN)
     first, stop = layout.rank_range()
 
-    def cell(rank: int, x: int, y: int) -> None:
+    def draw_rank_cell(rank: int, x: int, y: int) -> None:
         if not first <= rank < stop:
             _outside_cell(svg, rank, x, y, cell_w, cell_h, gpus_per_node, (first, stop))
             return
@@ -333,7 +333,7 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: range, gpus_per_node: in
 
     svg.y += 4
     svg.open("g", class_="rank-map")
-    _draw_nodes(svg, grid, _MARGIN, svg.y, cell)
+    _draw_nodes(svg, grid, _MARGIN, svg.y, draw_rank_cell)
     svg.close("g")
     svg.y += grid.height + 6
 
@@ -352,7 +352,7 @@ def _outside_cell(
 
 @attrs.frozen(slots=True, kw_only=True)
 class _Panel:
-    """A titled drawing of width ``width`` and height ``height``; ``draw(svg, x, y)`` puts it at (x, y)."""
+    """A titled drawing of width ``width`` and height ``height``; ``draw_panel(svg, x, y)`` puts it at (x, y)."""
 
     width: int
     height: int
@@ -407,7 +407,7 @@ def _groups_panel(
             svg, x, y, heading, kind, panel_data))
     width = max(grid.width, title_w)
 
-    def draw(svg: _Svg, x: int, y: int) -> None:
+    def draw_panel(svg: _Svg, x: int, y: int) -> None:
         _panel_heading(svg, x, y, heading, kind, panel_data, close=False)
 
         def rank_cell(rank: int, cx: int, cy: int) -> None:
@@ -420,7 +420,7 @@ def _groups_panel(
             svg.open("g", class_=cls, data_rank=rank, data_node=node_of(rank, gpus_per_node), **data)
             svg.title(f"rank {rank}: " + ("no group" if index is None else f"{kind} group {index}"))
             faded = "faded" in cls
-            fill = "#eeeeee" if index is None or group_size == 1 else _colour(index)
+            fill = "#eeeeee" if index is None or group_size == 1 else _group_colour(index)
             alarm = "violated" in cls
             svg.rect(cx, cy, cell - 2, cell - 2, fill=fill, fill_opacity=0.25 if faded else 1,
                      stroke=_RED if alarm else "#888", stroke_width=2 if alarm else 0.6, rx=2)
@@ -432,7 +432,7 @@ def _groups_panel(
         _draw_nodes(svg, grid, x, y + _PANEL_TITLE_H, rank_cell)
         svg.close("g")
 
-    return _Panel(width=width, height=_PANEL_TITLE_H + grid.height, draw=draw)
+    return _Panel(width=width, height=_PANEL_TITLE_H + grid.height, draw=draw_panel)
 
 
 def _groups_of(count: int, size: int) -> str:
@@ -455,7 +455,7 @@ def _panel_heading(
 def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: range) -> _Panel:
     entry = placement.kind(kind)
     g = placement.gpus_per_node
-    heading = [(f"{kind}: {_groups_of(entry.num_groups, entry.group_size)}", "#111"), _verdict(entry)]
+    heading = [(f"{kind}: {_groups_of(entry.num_groups, entry.group_size)}", "#111"), _verdict_mark(entry)]
 
     def group_class(group: tuple[int, ...]) -> str:
         if len({node_of(r, g) for r in group}) == 1:
@@ -504,11 +504,11 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
     svg.y += 14
     num_nodes = node_of(stop - 1, gpus_per_node) - node_of(first, gpus_per_node) + 1
     _summary_note(svg, stop - first, drawn, num_nodes, gpus_per_node)
-    _shared_table(svg, comparison, names)
+    _draw_shared_table(svg, comparison, names)
     svg.heading(f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
                 "faded = only in this layout")
 
-    def panel(layout: ParallelLayout, side: str, kind: str) -> _Panel:
+    def build_panel(layout: ParallelLayout, side: str, kind: str) -> _Panel:
         other = comparison.b if side == "a" else comparison.a
         groups = layout.groups(kind)
         shared_here = sum(1 for group in groups if group in other)
@@ -525,7 +525,7 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
                              lambda group: "shared" if group in other else "faded", data_side=side,
                              data_shared_groups=shared_here)
 
-    rows = [(panel(a, "a", kind), panel(b, "b", kind)) for kind in GROUP_KINDS
+    rows = [(build_panel(a, "a", kind), build_panel(b, "b", kind)) for kind in GROUP_KINDS
             if max(len(a.groups(kind)[0]), len(b.groups(kind)[0])) > 1]
     right = _MARGIN + max((left.width for left, _ in rows), default=0) + 2 * _GAP  # B's column lines up
     for left, right_panel in rows:
@@ -536,9 +536,9 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
     return svg.document(title)
 
 
-def _shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str, str]) -> None:
+def _draw_shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str, str]) -> None:
     svg.heading("Shared communicators: the same ranks, named by these kinds")
-    rows = comparison.shared_by_kinds()
+    rows = comparison.group_shared_by_kinds()
     widest = max((len(", ".join(row.kinds_a)) for row in rows), default=0)
     columns = (0, 60, 130, max(480, 130 + 7 * widest))  # 11 px: under 7 px a character
     for x, name in zip(columns, ("count", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}"), strict=True):

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pgregistry.cli._columns import aligned
+from pgregistry.cli._columns import align_columns
 from pgregistry.cli._options import check_span, intra_node_kinds
 
 if TYPE_CHECKING:
@@ -105,9 +105,9 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
     """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank are counted over
     the layout's ranks."""
-    from pgregistry._runtime.communicators import communicators, communicators_per_rank
+    from pgregistry._runtime.communicators import communicators_per_rank, kinds_by_communicator
 
-    per_rank = communicators_per_rank(communicators(layout), range(*layout.rank_range()))
+    per_rank = communicators_per_rank(kinds_by_communicator(layout), range(*layout.rank_range()))
     return {
         "gpus_per_node": placement.gpus_per_node,
         "world_size": placement.world_size,
@@ -146,7 +146,7 @@ def placement_table(report: dict[str, Any]) -> str:
         spans = info["min_nodes"], info["max_nodes"]
         nodes_per_group = str(spans[0]) if spans[0] == spans[1] else f"{spans[0]}-{spans[1]}"
         rows.append((kind, str(info["groups"]), str(info["size"]), nodes_per_group, info["verdict"]))
-    return "\n".join(lines + aligned(rows, numeric=(1, 2, 3)))
+    return "\n".join(lines + align_columns(rows, numeric=(1, 2, 3)))
 
 
 def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: Placement | None) -> None:
@@ -158,10 +158,11 @@ def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: 
     assert placement is not None, "check_view_arguments requires --gpus-per-node for pictures"
     kinds = [kind.strip() for kind in args.highlight.split(",") if kind.strip()] if args.highlight else None
     first, stop = layout.rank_range()
-    _write(args, render_svg(placement, kinds), f"pgregistry layout: {layout.num_ranks} ranks ({first}-{stop - 1})")
+    title = f"pgregistry layout: {layout.num_ranks} ranks ({first}-{stop - 1})"
+    _write_svg_and_html(args, render_svg(placement, kinds), title)
 
 
-def _write(args: argparse.Namespace, svg: str, title: str) -> None:
+def _write_svg_and_html(args: argparse.Namespace, svg: str, title: str) -> None:
     from pgregistry.cli._layout_svg import svg_to_html
 
     if args.svg:
@@ -251,8 +252,8 @@ def run_compare(args: argparse.Namespace) -> int:
     placements = [p for p in (placement_of(a, args, world), placement_of(b, args, world)) if p is not None]
     if args.svg or args.html:
         svg = render_compare_svg(comparison, args.gpus_per_node, names)
-        _write(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
-    shared = comparison.shared_by_kinds()
+        _write_svg_and_html(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
+    shared = comparison.group_shared_by_kinds()
     overlap = comparison.overlap
     per_rank = comparison.communicators_per_rank()
     report: dict[str, Any] = {
@@ -308,7 +309,7 @@ def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
     rows = [("shared", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}")]
     rows += [(str(row["count"]), str(row["size"]), ", ".join(row[names[0]]), ", ".join(row[names[1]]))
              for row in report["shared_by_kinds"]]
-    lines += aligned(rows, numeric=(0, 1)) if report["shared_by_kinds"] else ["no communicator is shared"]
+    lines += align_columns(rows, numeric=(0, 1)) if report["shared_by_kinds"] else ["no communicator is shared"]
     for name, placement in report.get("placement", {}).items():
         lines += ["", f"{name} " + placement_table(placement)]
     return "\n".join(lines)

@@ -35,7 +35,7 @@ _DESCRIPTION = (
 )
 
 
-def _error(message: str) -> int:
+def _print_error(message: str) -> int:
     print(f"pgregistry migrate: error: {message}", file=sys.stderr)
     return 2
 
@@ -79,10 +79,10 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "the tree by --write (default: [tool.pgregistry.migrate] helper-module, else "
         "<top package>._process_group_fallback)",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=_run_migrate)
 
 
-def _settings(args: argparse.Namespace) -> tuple[Settings, bool]:
+def _ratchet_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
     """The ratchet's settings for these options, and whether a pyproject table configured them."""
     if args.isolated and args.config is not None:
         raise ConfigError("--isolated and --config contradict each other: pass one")
@@ -102,7 +102,7 @@ def _print_bytes(data: bytes) -> None:
     buffer.flush()
 
 
-def _allowlist(args: argparse.Namespace, settings: Settings, configured: bool) -> Path | None:
+def _allowlist_to_write(args: argparse.Namespace, settings: Settings, configured: bool) -> Path | None:
     """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it does not
     exist: nothing is written then), else the configured one where it exists (a line on stderr when it does
     not); None for none."""
@@ -122,7 +122,7 @@ def _allowlist(args: argparse.Namespace, settings: Settings, configured: bool) -
     return None
 
 
-def _regenerate(args: argparse.Namespace) -> int:
+def _regenerate_allowlist(args: argparse.Namespace) -> int:
     """``pgregistry allowlist update`` with the same settings, allowlist and paths (its exit code)."""
     from pgregistry.allowlist import main as allowlist
 
@@ -130,20 +130,20 @@ def _regenerate(args: argparse.Namespace) -> int:
     return allowlist(["update", "--no-cache", *settings_arguments(args), *chosen, "--", *map(str, args.paths)])
 
 
-def run(args: argparse.Namespace) -> int:
+def _run_migrate(args: argparse.Namespace) -> int:
     """The handler; returns the exit code (see the module docstring). An exception of this tool (a bug) is
     exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would change"."""
     try:
         import libcst  # noqa: F401
     except ImportError:
-        return _error("needs libcst, an optional extra: pip install 'pgregistry[migrate]'")
+        return _print_error("needs libcst, an optional extra: pip install 'pgregistry[migrate]'")
     try:
-        return _run(args)
+        return _migrate_files(args)
     except Exception as error:
-        return _error(f"internal error ({type(error).__name__}: {error}); please report it")
+        return _print_error(f"internal error ({type(error).__name__}: {error}); please report it")
 
 
-def _run(args: argparse.Namespace) -> int:
+def _migrate_files(args: argparse.Namespace) -> int:
     from pgregistry._source.engine import default_jobs
     from pgregistry.migrate._diff import unified_diff
     from pgregistry.migrate._engine import Helper, migrate
@@ -155,10 +155,10 @@ def _run(args: argparse.Namespace) -> int:
     from pgregistry.migrate._writing import JOURNAL, WriteError, finish_interrupted, write_changes
 
     try:
-        settings, configured = _settings(args)
-        allowlist = _allowlist(args, settings, configured)
+        settings, configured = _ratchet_settings(args)
+        allowlist = _allowlist_to_write(args, settings, configured)
         if args.check and (settings.root / JOURNAL).exists():
-            return _error(f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
+            return _print_error(f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
                           "half-written; run `pgregistry migrate` (any mode but --check) to finish it first")
         finished = finish_interrupted(settings.root)
         if finished is not None:
@@ -179,10 +179,10 @@ def _run(args: argparse.Namespace) -> int:
                             jobs=default_jobs(), gtp_remat=source.gtp_remat, helper=helper,
                             progress=Progress(None if args.quiet else sys.stderr))
     except (ConfigError, PathError, ValueError, WriteError) as error:
-        return _error(str(error))
+        return _print_error(str(error))
     if migration.failures:
         print(render_failures(migration.failures), end="", file=sys.stderr)
-        return _error(f"{len(migration.failures)} file(s) cannot be migrated (above); nothing was written")
+        return _print_error(f"{len(migration.failures)} file(s) cannot be migrated (above); nothing was written")
     changes = migration.changes
     verb = "changed" if args.write else "would change"
     report = render_report(migration.reads, len(migration.threaded), migration.passed, len(changes), verb)
@@ -191,10 +191,10 @@ def _run(args: argparse.Namespace) -> int:
         try:
             write_changes(changes, settings.root, found.hard_links)
         except WriteError as error:
-            return _error(str(error))
+            return _print_error(str(error))
         if not args.quiet:
             print(report, end="")
-        return _regenerate(args) if changes and allowlist is not None else 0
+        return _regenerate_allowlist(args) if changes and allowlist is not None else 0
     if args.check:
         if not args.quiet:
             print(report, end="")

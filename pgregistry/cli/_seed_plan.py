@@ -27,7 +27,7 @@ from pgregistry.cli._options import Subparsers, add_layout_arguments, layout_fro
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
 
-__all__ = ["add_command", "estimated_bytes"]
+__all__ = ["add_command", "estimate_plan_bytes"]
 
 
 def add_command(subparsers: Subparsers) -> None:
@@ -63,10 +63,10 @@ def add_command(subparsers: Subparsers) -> None:
         help="print progress on stderr every SECONDS of a run estimated to take longer than that (default: "
         "%(default)s; 0 for none)",
     )
-    parser.set_defaults(handler=_run)
+    parser.set_defaults(handler=_run_seed_plan)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run_seed_plan(args: argparse.Namespace) -> int:
     from pgregistry.rng import check_seed_plan, seed_plan
 
     random_init = args.data_parallel_random_init
@@ -115,7 +115,7 @@ _LISTED_BYTES = 48
 _PLAN_BYTES_PER_RANK = 3072
 
 
-def estimated_bytes(layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool) -> int:
+def estimate_plan_bytes(layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool) -> int:
     """The memory the plan of ``layout`` (``check``: its check) holds, estimated from the layout's sizes alone."""
     from pgregistry.rng import check_seed_plan_size
 
@@ -130,7 +130,7 @@ def _check_memory(
 ) -> None:
     """``ValueError`` when the plan (or its check) would need more memory than is available, estimated before any
     seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
-    needed = estimated_bytes(layout, seed, check, data_parallel_random_init)
+    needed = estimate_plan_bytes(layout, seed, check, data_parallel_random_init)
     available = memory_shortfall(needed)
     if available is not None:
         if not check:
@@ -168,22 +168,23 @@ class _Progress:
             rate = f"{elapsed / done * 1e6:.1f} microseconds a rank over the first {done}"
             if self.limit_minutes and whole > self.limit_minutes * 60:
                 raise ValueError(
-                    f"{self.doing} would take about {_duration(whole)} here ({rate}), more than --time-limit "
+                    f"{self.doing} would take about {_format_duration(whole)} here ({rate}), more than --time-limit "
                     f"{self.limit_minutes:g} (minutes); {self.advice}"
                 )
             if self.every_s and whole > self.every_s:
-                print(f"pgregistry seed-plan: {self.doing}: about {_duration(whole)} here ({rate})", file=sys.stderr)
+                estimate = f"about {_format_duration(whole)} here ({rate})"
+                print(f"pgregistry seed-plan: {self.doing}: {estimate}", file=sys.stderr)
             return
         if self.every_s and whole > self.every_s and now - self.printed >= self.every_s:
             self.printed = now
             print(
                 f"pgregistry seed-plan: {done} of {self.total} ranks ({100 * done // self.total}%), about "
-                f"{_duration(whole - elapsed)} left",
+                f"{_format_duration(whole - elapsed)} left",
                 file=sys.stderr,
             )
 
 
-def _duration(seconds: float) -> str:
+def _format_duration(seconds: float) -> str:
     if seconds < 90:
         return f"{math.ceil(seconds)} s"
     return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"

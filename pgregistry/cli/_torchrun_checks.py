@@ -94,7 +94,7 @@ def report_checks(
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
-        _report(title, everyone, json_path)
+        _print_report(title, everyone, json_path)
     dist.barrier()
     return 1 if any(not ok for rank_checks in everyone for _, ok, _ in rank_checks) else 0
 
@@ -118,7 +118,7 @@ def _unwritable_on_rank_zero(json_path: str | None) -> str | None:
     return problem[0]
 
 
-def _report(title: str, everyone: list[list[Check]], json_path: str | None) -> None:
+def _print_report(title: str, everyone: list[list[Check]], json_path: str | None) -> None:
     rows = []
     for i, (name, _, _) in enumerate(everyone[0]):
         failing = [rank for rank, checks in enumerate(everyone) if not checks[i][1]]

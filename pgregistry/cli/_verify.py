@@ -69,19 +69,19 @@ def _checks_on_this_rank(args: argparse.Namespace, device: torch.device) -> list
                 wrong.append(f"{name}: not a member != {list(want)}")
             continue
         group = pg.get(name)
-        members = [rank] if group is None else _members(group, world, device)  # None: the axis is off
+        members = [rank] if group is None else _group_members(group, world, device)  # None: the axis is off
         if want is None or members != list(want):
             wrong.append(f"{name}: {members} != {list(want) if want else 'not a member'}")
     checks.append(("groups: every communicator holds the layout's ranks", not wrong, "; ".join(wrong[:3])))
-    checks += _placement(layout, args)
+    checks += _placement_checks(layout, args)
 
     checks += _expert_grads_with_expert_tp(world, device)
-    checks += _oracles(layout, pg, rank, device)
-    checks += _seeds(layout, pg, rank, args.seed)
+    checks += _oracle_checks(layout, pg, rank, device)
+    checks += _seed_checks(layout, pg, rank, args.seed)
     return checks
 
 
-def _placement(layout: Any, args: argparse.Namespace) -> list[Check]:
+def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
     import socket
 
     import torch.distributed as dist
@@ -121,7 +121,7 @@ def nodes_share_hosts(hosts: list[str], gpus_per_node: int) -> Check:
     return (f"placement: each node's {gpus_per_node} consecutive ranks share one host", not split, "; ".join(split[:2]))
 
 
-def _members(group: Any, world: int, device: Any) -> list[int]:
+def _group_members(group: Any, world: int, device: Any) -> list[int]:
     import torch
     import torch.distributed as dist
 
@@ -154,7 +154,7 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
         p.grad = torch.zeros_like(p)
     zeros = count_zeros(model, pg)
     out = [(f"{scenario}, functional: norm sqrt(1+{world}), zero count {want_zeros}",
-            _close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}")]
+            _is_close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}")]
     for sharded in (False, True):
         model = dense_and_expert(device=device)
         optimizer = build_optimizer(model, pg, optimizer="sgd", lr=0.0, sharded=sharded)
@@ -166,11 +166,11 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
         zeros = int(optimizer.count_zeros())
         kind = "sharded" if sharded else "mixed-precision"
         out.append((f"{scenario}, {kind} optimizer: norm sqrt(1+{world}), zero count {want_zeros}",
-                    _close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
+                    _is_close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
     return out
 
 
-def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
+def _oracle_checks(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
     from pgregistry.grad_stats import count_zeros, grad_norm
     from pgregistry.testing._toy_models import full_grads, local_model, set_grads
 
@@ -182,19 +182,19 @@ def _oracles(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
     set_grads(model, shards, full_grads("zeros"), device=device)
     zeros = count_zeros(model, pg)
     out.append((f"invariance: all-ones norm sqrt({numel}), zero count {numel}",
-                _close(norm, math.sqrt(numel)) and zeros == numel, f"norm {norm:.7f}, zeros {zeros}"))
+                _is_close(norm, math.sqrt(numel)) and zeros == numel, f"norm {norm:.7f}, zeros {zeros}"))
     grads = full_grads("random")
     set_grads(model, shards, grads, device=device)
-    norms, want_zeros = _unsharded_statistics(grads)
+    norms, want_zeros = _whole_model_statistics(grads)
     for p, want in norms.items():
         norm = float(grad_norm(model, pg, norm_type=p))
-        out.append((f"float64 oracle: {p}-norm of random grads", _close(norm, want), f"{norm:.9g} vs {want:.9g}"))
+        out.append((f"float64 oracle: {p}-norm of random grads", _is_close(norm, want), f"{norm:.9g} vs {want:.9g}"))
     zeros = count_zeros(model, pg)
     out.append(("float64 oracle: zero count of random grads", zeros == want_zeros, f"{zeros}"))
     return out
 
 
-def _unsharded_statistics(grads: dict[str, torch.Tensor]) -> tuple[dict[float, float], int]:
+def _whole_model_statistics(grads: dict[str, torch.Tensor]) -> tuple[dict[float, float], int]:
     """The float64 2-norm and inf-norm (keyed by p) and the zero count of the whole unsharded model's grads: what
     its shards must give on any layout. The test suite has its own oracle (``tests/fixtures/unsharded_oracle.py``),
     which this command may not import and which never reads this."""
@@ -204,7 +204,7 @@ def _unsharded_statistics(grads: dict[str, torch.Tensor]) -> tuple[dict[float, f
     return {2.0: float(flat.square().sum().sqrt()), math.inf: float(flat.abs().max())}, int((flat == 0).sum())
 
 
-def _seeds(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
+def _seed_checks(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
     from pgregistry.rng import check_seed_plan, model_parallel_manual_seed, seed_plan
 
     registered = model_parallel_manual_seed(seed, pg)
@@ -218,11 +218,11 @@ def _seeds(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
     ]
 
 
-def _close(value: float, want: float) -> bool:
+def _is_close(value: float, want: float) -> bool:
     return math.isclose(value, want, rel_tol=_REL_TOL, abs_tol=_REL_TOL)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run_verify(args: argparse.Namespace) -> int:
     from pgregistry.cli._torchrun_checks import run_checks
 
     # Every rank parses the same command line, so every rank refuses alike; rank 0 says why.
@@ -270,4 +270,4 @@ def add_command(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--json", metavar="FILE", help="rank 0 also writes the results as JSON (its path is checked before the run)"
     )
-    parser.set_defaults(handler=_run)
+    parser.set_defaults(handler=_run_verify)

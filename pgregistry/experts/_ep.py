@@ -7,7 +7,7 @@ experts the same global names.
 
 from __future__ import annotations
 
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 
 __all__ = ["get_ep_rank_and_size"]
@@ -20,7 +20,7 @@ def get_ep_rank_and_size(pg_collection: ProcessGroupCollection | None = None) ->
     ``RuntimeError`` without one; an UNSET ``ep`` also reads the global grid and warns. For a model's own grid pass
     ``pgregistry.collection_of(model)``.
     """
-    collection = resolve(pg_collection, owner="get_ep_rank_and_size", fallback=("ep",))
+    collection = resolve_pg_collection(pg_collection, owner="get_ep_rank_and_size", fallback=("ep",))
     return ep_rank_and_size(collection)
 
 

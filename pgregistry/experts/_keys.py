@@ -57,8 +57,14 @@ def check_ep(ep_rank: int, ep_size: int) -> None:
 
 
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
-    """``ep_rank * (num_experts // ep_size) + local_index``; ``ValueError`` for an index or rank out of range or
-    an ``ep_size`` that does not divide ``num_experts``."""
+    """The global index of an EP rank's local expert.
+
+    It is ``ep_rank * (num_experts // ep_size) + local_index``. ``ValueError`` for an index or rank
+    out of range or an ``ep_size`` that does not divide ``num_experts``.
+
+    >>> global_expert_index(1, num_experts=8, ep_rank=2, ep_size=4)
+    5
+    """
     check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= local_index < num_local:
@@ -70,7 +76,11 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
 
 
 def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int, int]:
-    """``(ep_rank, local_index)`` of the rank holding global expert ``global_index``."""
+    """``(ep_rank, local_index)`` of the rank holding global expert ``global_index``.
+
+    >>> expert_owner(5, num_experts=8, ep_size=4)
+    (2, 1)
+    """
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= global_index < num_experts:
         raise ValueError(f"global expert index {global_index} is out of range for {num_experts} experts")
@@ -128,13 +138,23 @@ def globalize_expert_keys(
 ) -> dict[str, V]:
     """A new dict with the expert keys of this EP rank renamed from local to global expert indices.
 
-    Key order and values are kept; non-expert keys are unchanged. ``ValueError`` when an expert key is present
-    and ``num_experts`` is ``None``, when ``ep_size`` does not divide ``num_experts``, when a key's local index
-    is not below ``num_experts // ep_size``, or (``strict``, the default) when a family of expert keys does not
-    hold every local expert ``0 .. num_experts // ep_size - 1`` (see the module docstring).
+    Key order and values are kept; non-expert keys are unchanged.
+
+    Raises:
+        ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not
+            divide ``num_experts``; a key's local index not below ``num_experts // ep_size``; or
+            (``strict``, the default) a family of expert keys that does not hold every local expert
+            ``0 .. num_experts // ep_size - 1`` (see the module docstring).
+
+    Example:
+        >>> local = {"local_experts.0.w": "a", "local_experts.1.w": "b", "embedding.w": "c"}
+        >>> globalize_expert_keys(local, num_experts=8, ep_rank=1, ep_size=4)
+        {'local_experts.2.w': 'a', 'local_experts.3.w': 'b', 'embedding.w': 'c'}
     """
     check_ep(ep_rank, ep_size)
-    renamed = _renamed(state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size))
+    renamed = _rename_expert_keys(
+        state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size)
+    )
     if strict and num_experts is not None:
         num_local = _num_local(num_experts, ep_size)
         _refuse_incomplete(
@@ -153,20 +173,26 @@ def localize_expert_keys(
     foreign: Literal["raise", "skip"] = "raise",
     strict: bool = True,
 ) -> dict[str, V]:
-    """A new dict with expert keys renamed from global to this EP rank's local indices (inverse of
-    :func:`globalize_expert_keys`).
+    """A new dict with expert keys renamed from global to this EP rank's local indices.
+
+    The inverse of :func:`globalize_expert_keys`.
 
     A key of an expert held by another EP rank raises ``ValueError``, or is left out with ``foreign="skip"``
     (to pick this rank's experts out of a whole-model state dict). The other errors are those of
     :func:`globalize_expert_keys`, with global indices checked against ``num_experts``; with ``strict`` (the
     default) each family of expert keys must hold exactly this rank's experts (``foreign="raise"``) or every
     expert ``0 .. num_experts - 1`` (``foreign="skip"``, a whole-model state dict).
+
+    Example:
+        >>> whole = {f"local_experts.{index}.w": index for index in range(4)}
+        >>> localize_expert_keys(whole, num_experts=4, ep_rank=1, ep_size=2, foreign="skip")
+        {'local_experts.0.w': 2, 'local_experts.1.w': 3}
     """
     check_ep(ep_rank, ep_size)
     if foreign not in ("raise", "skip"):
         raise ValueError(f"foreign must be 'raise' or 'skip', got {foreign!r}")
 
-    def rename(key: str, slot: ExpertSlot, num_experts: int) -> str | None:
+    def rename_key(key: str, slot: ExpertSlot, num_experts: int) -> str | None:
         try:
             owner, local = expert_owner(slot.index, num_experts, ep_size)
         except ValueError as exc:
@@ -177,7 +203,7 @@ def localize_expert_keys(
             raise ValueError(f"key {key!r} names expert {slot.index}, held by EP rank {owner}, not {ep_rank}")
         return slot.with_index(local)
 
-    renamed = _renamed(state_dict, num_experts, rename)
+    renamed = _rename_expert_keys(state_dict, num_experts, rename_key)
     if strict and num_experts is not None:
         num_local = _num_local(num_experts, ep_size)
         if foreign == "skip":
@@ -185,7 +211,7 @@ def localize_expert_keys(
         else:
             mine = range(ep_rank * num_local, (ep_rank + 1) * num_local)
             _refuse_incomplete(
-                state_dict, mine, f"EP rank {ep_rank} of {ep_size} holds experts {_span(mine)} of {num_experts}"
+                state_dict, mine, f"EP rank {ep_rank} of {ep_size} holds experts {_format_span(mine)} of {num_experts}"
             )
     return renamed
 
@@ -200,12 +226,13 @@ def _refuse_incomplete(state_dict: Mapping[str, object], expected: range, why: s
     for family, indices in families.items():
         if indices != set(expected):
             raise ValueError(
-                f"expert keys {family!r} hold experts {_span(sorted(indices))}, but {why} ({_span(expected)}): is "
+                f"expert keys {family!r} hold experts {_format_span(sorted(indices))}, "
+                f"but {why} ({_format_span(expected)}): is "
                 "num_experts the model's? Pass strict=False to rename a partial state dict on purpose"
             )
 
 
-def _span(indices: range | list[int]) -> str:
+def _format_span(indices: range | list[int]) -> str:
     """``4-7`` for consecutive indices, else the list."""
     listed = list(indices)
     if listed and listed == list(range(listed[0], listed[-1] + 1)):
@@ -213,7 +240,7 @@ def _span(indices: range | list[int]) -> str:
     return str(listed)
 
 
-def _renamed(
+def _rename_expert_keys(
     state_dict: Mapping[str, V],
     num_experts: int | None,
     rename_expert: Callable[[str, ExpertSlot, int], str | None],

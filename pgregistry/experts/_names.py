@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypedDict
 
-from pgregistry._runtime.resolve import normalise, resolve
+from pgregistry._runtime.resolve import normalise_params, resolve_pg_collection
 from pgregistry.attachments import wrapper_chain
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
 from pgregistry.experts._ep import ep_rank_and_size
@@ -49,7 +49,7 @@ class NamingOptions(TypedDict, total=False):
 _NAMING_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp")
 
 
-def checked_naming(options: Mapping[str, object], owner: str) -> None:
+def check_naming_options(options: Mapping[str, object], owner: str) -> None:
     """``TypeError`` naming a keyword that is not a :class:`NamingOptions` one (``**options`` would otherwise
     swallow a misspelled or removed keyword, and name the parameters on the wrong layout)."""
     unknown = sorted(set(options) - set(NamingOptions.__annotations__))
@@ -91,15 +91,18 @@ class GlobalNamer:
     ) -> GlobalNamer:
         """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection is resolved
         (explicit, else attached, else the global grid with a warning) when first needed."""
-        checked_naming(options, owner)
-        chunks = _chunks(model_chunks, owner)
+        check_naming_options(options, owner)
+        chunks = _model_chunks(model_chunks, owner)
         pg_collection = options.get("pg_collection")
 
-        def collection() -> ProcessGroupCollection:
-            return resolve(pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK)
+        def resolve_naming_collection() -> ProcessGroupCollection:
+            return resolve_pg_collection(pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK)
 
         return cls(
-            chunks, collection, num_experts=options.get("num_experts"), layer_offsets=options.get("layer_offsets")
+            chunks,
+            resolve_naming_collection,
+            num_experts=options.get("num_experts"),
+            layer_offsets=options.get("layer_offsets"),
         )
 
     @property
@@ -114,13 +117,13 @@ class GlobalNamer:
         # one parameter a different name at PP 2 than at PP 1.
         match = None if _MTP in name else _LAYER.search(name)
         if match is not None:
-            layer = self._offset(chunk_index) + int(match.group(1))
+            layer = self._layer_offset(chunk_index) + int(match.group(1))
             name = f"{name[: match.start(1)]}{layer}{name[match.end(1) :]}"
         slot = expert_slot(name)
         if slot is None:
             return name
         ep_rank, ep_size = self._ep_rank_and_size()
-        num_experts = self._experts(chunk_index, local_name)
+        num_experts = self._num_experts_in(chunk_index, local_name)
         family = f"{slot.head}<i>{slot.tail}"
         self._local_experts.setdefault((chunk_index, family, num_experts), set()).add(slot.index)
         return global_key(name, slot, num_experts, ep_rank, ep_size)
@@ -142,14 +145,14 @@ class GlobalNamer:
                 )
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
-        return ep_rank_and_size(self._collection())
+        return ep_rank_and_size(self._get_collection())
 
-    def _collection(self) -> ProcessGroupCollection:
+    def _get_collection(self) -> ProcessGroupCollection:
         if self._resolved is None:
             self._resolved = self._resolve()
         return self._resolved
 
-    def _experts(self, chunk_index: int, local_name: str) -> int:
+    def _num_experts_in(self, chunk_index: int, local_name: str) -> int:
         if self._num_experts is not None:
             return self._num_experts
         chunk = self._chunks[chunk_index]
@@ -163,7 +166,7 @@ class GlobalNamer:
             )
         return int(value)
 
-    def _offset(self, chunk_index: int) -> int:
+    def _layer_offset(self, chunk_index: int) -> int:
         if chunk_index in self._offsets:
             return self._offsets[chunk_index]
         if self._layer_offsets is not None:
@@ -180,7 +183,7 @@ class GlobalNamer:
     def _offset_without_pipeline(self, chunk_index: int) -> int:
         """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this raises."""
         if len(self._chunks) == 1:
-            if group_size(self._collection().get("pp")) == 1:
+            if group_size(self._get_collection().get("pp")) == 1:
                 return 0
         raise ValueError(
             f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
@@ -238,8 +241,8 @@ def get_global_unique_param_name(
     raise _not_held(param, len(namer.chunks))
 
 
-def _chunks(model_chunks: nn.Module | Sequence[nn.Module], owner: str) -> tuple[nn.Module, ...]:
-    chunks = normalise(model_chunks).chunks
+def _model_chunks(model_chunks: nn.Module | Sequence[nn.Module], owner: str) -> tuple[nn.Module, ...]:
+    chunks = normalise_params(model_chunks).chunks
     if not chunks:
         raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
     return chunks

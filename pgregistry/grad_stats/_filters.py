@@ -20,7 +20,7 @@ import attrs
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.params import is_expert_param
 
@@ -121,7 +121,9 @@ def param_is_not_tensor_parallel_duplicate(
     (``allreduce is False``) and ``tp`` otherwise. ``pg_collection=None`` is the global grid, with a fallback
     warning, as is an UNSET field.
     """
-    collection = resolve(pg_collection, owner="param_is_not_tensor_parallel_duplicate", fallback=("tp", "expt_tp"))
+    collection = resolve_pg_collection(
+        pg_collection, owner="param_is_not_tensor_parallel_duplicate", fallback=("tp", "expt_tp")
+    )
     groups = {True: collection.get("expt_tp"), False: collection.get("tp")}
     return _not_tp_duplicate(param, groups[is_expert_param(param)])
 
@@ -134,7 +136,7 @@ def param_is_not_gtp_duplicate(param: torch.Tensor, pg_collection: ProcessGroupC
     global grid, with a fallback warning, as is an UNSET field.
     """
     owner = "param_is_not_gtp_duplicate"
-    collection = resolve(pg_collection, owner=owner, fallback=("gtp_remat", "expt_gtp_remat"))
+    collection = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "expt_gtp_remat"))
     groups = {True: collection.get("expt_gtp_remat"), False: collection.get("gtp_remat")}
     return _not_gtp_duplicate(param, groups[is_expert_param(param)])
 

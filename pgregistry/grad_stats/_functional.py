@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry._runtime.resolve import ParamsLike, normalise, resolve, source_of
+from pgregistry._runtime.resolve import ParamsLike, normalise_params, resolve_pg_collection, source_of
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
@@ -65,8 +65,10 @@ def check_expert_classification(
     naming every such parameter; classify each with :func:`~pgregistry.params.mark_expert` or
     :func:`~pgregistry.params.mark_expert_replicated`.
     """
-    params = normalise(model_or_params)
-    collection = resolve(pg_collection, params.chunks, owner="check_expert_classification", fallback=("ep",))
+    params = normalise_params(model_or_params)
+    collection = resolve_pg_collection(
+        pg_collection, params.chunks, owner="check_expert_classification", fallback=("ep",)
+    )
     require_classified_experts(params, collection)
 
 
@@ -95,7 +97,7 @@ def _statistics(
     """Read, reduce and (with ``max_norm``, checked by the caller before any collective) clip: the one way down of
     every entry point (module docstring)."""
     source = source_of(params)
-    given = resolve(pg_collection, source.chunks, owner=owner)
+    given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
     plan, ordered, collection = kept_plan(source, given, owner)
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
     verdict = verdict_groups(collection, owner) if max_norm is not None else ()

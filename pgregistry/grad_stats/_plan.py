@@ -55,7 +55,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.agreement import any_rank_has
-from pgregistry._runtime.resolve import Params, Source, fill, grid_reads, normalised
+from pgregistry._runtime.resolve import Params, Source, fill_unset_fields, grid_reads, params_of_source
 from pgregistry.collection import GroupName, ProcessGroupCollection
 from pgregistry.grad_stats._classification import holds_experts, require_classified_experts
 from pgregistry.grad_stats._devices import reduction_device
@@ -419,10 +419,10 @@ class Kept:
     """A plan and what it was made from: the collection, the parameter set, the roles (module docstring)."""
 
     def __init__(self, source: Source, given: ProcessGroupCollection, owner: str) -> None:
-        params = normalised(source)
+        params = params_of_source(source)
         self.given = given
         self.unneeded = _unneeded_fields(params, given)
-        collection = fill(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
+        collection = fill_unset_fields(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
         require_classified_experts(params, collection)
         self.collection = collection
         self._reads_grid = bool(grid_reads(given, STATS_FALLBACK, self.unneeded))
@@ -499,7 +499,7 @@ class Kept:
             return None
         if not self._reads_grid:
             return params
-        collection = fill(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
+        collection = fill_unset_fields(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
         return params if collection is self.collection or collection == self.collection else None
 
 

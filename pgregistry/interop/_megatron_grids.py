@@ -24,7 +24,7 @@ from typing import Any, Final
 from pgregistry.collection import NOT_MEMBER, GroupName, ProcessGroupCollection, group_size
 from pgregistry.layout import DEFAULT_ORDER, GROUP_KINDS, OrderToken, ParallelLayout, RankGroup
 
-__all__ = ["EXPERT_VIEW", "agreed_modules", "described_groups", "expert_fields_off", "from_hyper_comm_grid"]
+__all__ = ["EXPERT_VIEW", "modules_from_reports", "describe_groups", "expert_fields_off", "from_hyper_comm_grid"]
 
 EXPERT_VIEW: Final = "expert"
 """The view of a ``HyperCommGrid`` whose dims hold the expert groups, as Megatron-Core's MIMO optimizer names it."""
@@ -104,7 +104,7 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
     own = _one_rank_group(enums, (first, stop))
     if not grid.is_current_rank_in_grid():
-        return ProcessGroupCollection._outside(layout, name, None)
+        return ProcessGroupCollection._for_non_member(layout, name, None)
     own = own or next((g for g in fields.values() if group_size(g) == 1), None)
     fields.update(_not_created(layout, fields))
     fields.update({alias: fields[field] for alias, field in _ALIASES.items() if field in fields})
@@ -206,7 +206,7 @@ def _grid_groups(grid: Any) -> tuple[dict[str, Any], dict[str, set[RankGroup]]]:
     enums: dict[str, set[RankGroup]] = {}
     for table, view in ((_BASE_FIELDS, None), (_EXPERT_FIELDS, EXPERT_VIEW)):
         for field, dims in table.items():
-            group = _created_group(grid, dims, view)
+            group = _grid_group(grid, dims, view)
             if group is _NOT_CREATED:
                 continue
             fields[field] = group if _is_member_group(group) else NOT_MEMBER
@@ -219,7 +219,7 @@ def _grid_groups(grid: Any) -> tuple[dict[str, Any], dict[str, set[RankGroup]]]:
 _NOT_CREATED: Final = object()
 
 
-def _created_group(grid: Any, dims: tuple[str, ...], view: str | None) -> Any:
+def _grid_group(grid: Any, dims: tuple[str, ...], view: str | None) -> Any:
     """The grid's group over ``dims`` (``_NOT_CREATED`` when the grid lacks the dims, the view, or the group)."""
     try:
         return grid.get_pg(list(dims), view=view)
@@ -244,12 +244,12 @@ def _is_member_group(group: Any) -> bool:
 
 
 _OFF: Final[RankGroup] = ()
-"""How :func:`described_groups` reports a field that is ``None`` (off, or Megatron-Core's "not needed")."""
+"""How :func:`describe_groups` reports a field that is ``None`` (off, or Megatron-Core's "not needed")."""
 
 
-def described_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
+def describe_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
     """Field -> the sorted ranks of this rank's group (``()`` for ``None``, ``None`` for NOT_MEMBER or a list), for
-    the other ranks to recover a module's layout with :func:`agreed_modules`."""
+    the other ranks to recover a module's layout with :func:`modules_from_reports`."""
     import torch.distributed as dist
 
     out: dict[str, RankGroup | None] = {}
@@ -263,7 +263,7 @@ def described_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
     return out
 
 
-def agreed_modules(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str | None]:
+def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str | None]:
     """Every module's layout, from the groups every rank running it reported, and the language model's name.
 
     ``everyone[rank]`` is ``(module name -> described_groups(...), language model name or None)`` of that rank;
@@ -357,12 +357,12 @@ def _layout_fitting(
         for field, sets in observed.items()
         if field in GROUP_KINDS or field in _ALIASES or field == "intra_dist_opt"
     }
-    for order in _orders():
+    for order in _candidate_orders():
         try:
             layout = ParallelLayout(num_ranks=stop - first, rank_offset=first, order=order, **keywords)
         except ValueError:
             continue
-        if _fits(layout, sizes, wanted):
+        if _layout_fits(layout, sizes, wanted):
             return layout
     raise ValueError(
         f"no ParallelLayout over ranks {first}-{stop - 1} with sizes {dict(sizes)} gives the groups of {what}: "
@@ -370,7 +370,7 @@ def _layout_fitting(
     )
 
 
-def _orders() -> Iterable[str]:
+def _candidate_orders() -> Iterable[str]:
     tokens = tuple(token.value for token in OrderToken)
     yield DEFAULT_ORDER
     for permutation in itertools.permutations(tokens):
@@ -379,7 +379,7 @@ def _orders() -> Iterable[str]:
             yield order
 
 
-def _fits(layout: ParallelLayout, sizes: Mapping[str, int], wanted: Mapping[str, set[RankGroup]]) -> bool:
+def _layout_fits(layout: ParallelLayout, sizes: Mapping[str, int], wanted: Mapping[str, set[RankGroup]]) -> bool:
     if any(layout.axis_sizes()[axis] != size for axis, size in sizes.items()):
         return False
     span = tuple(range(*layout.rank_range()))

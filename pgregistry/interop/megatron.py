@@ -33,7 +33,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Final
 
 from pgregistry._runtime.logger import get_logger
-from pgregistry._runtime.resolve import checked
+from pgregistry._runtime.resolve import check_usable
 from pgregistry.collection import (
     FIELD_NAMES,
     NOT_MEMBER,
@@ -44,10 +44,10 @@ from pgregistry.collection import (
     group_size,
 )
 from pgregistry.interop._megatron_grids import (
-    agreed_modules,
-    described_groups,
+    describe_groups,
     expert_fields_off,
     from_hyper_comm_grid,
+    modules_from_reports,
 )
 
 if TYPE_CHECKING:
@@ -127,10 +127,12 @@ def _megatron_version() -> str:
 
 
 def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -> Any:
-    """Megatron-Core's ``ProcessGroupCollection`` holding the communicators of ``pg_collection`` (none created); for
-    a :class:`~pgregistry.modules.MultiModuleCollection`, Megatron-Core's ``MultiModuleProcessGroupCollection`` of
-    the modules this rank runs, the language model named only where this rank runs it (as Megatron-Core's MIMO
-    does; ``ValueError`` on a rank that runs none: Megatron-Core's cannot be empty).
+    """Megatron-Core's ``ProcessGroupCollection`` of ``pg_collection``'s communicators (none created).
+
+    For a :class:`~pgregistry.modules.MultiModuleCollection`, Megatron-Core's
+    ``MultiModuleProcessGroupCollection`` of the modules this rank runs, the language model named
+    only where this rank runs it (as Megatron-Core's MIMO does; ``ValueError`` on a rank that runs
+    none: Megatron-Core's cannot be empty).
 
     An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided"). ``None`` (axis
     off) becomes the collection's one-rank group outside :data:`NONE_MEANS_NOT_USED` (``ValueError`` naming the
@@ -143,7 +145,7 @@ def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -
 
     if isinstance(pg_collection, MultiModuleCollection):
         return _to_megatron_modules(pg_collection)
-    pg_collection = checked(pg_collection, "to_megatron")
+    pg_collection = check_usable(pg_collection, "to_megatron")
     known = set(_megatron_fields())
     fields: dict[str, Any] = {}
     for name, value in pg_collection.items():
@@ -204,8 +206,10 @@ def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: An
 
 
 def from_megatron(mc_collection: Any) -> Any:
-    """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts; for Megatron-Core's
-    ``MultiModuleProcessGroupCollection``, the job-wide :class:`~pgregistry.modules.MultiModuleCollection`.
+    """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts.
+
+    For Megatron-Core's ``MultiModuleProcessGroupCollection``, the job-wide
+    :class:`~pgregistry.modules.MultiModuleCollection`.
 
     Collective over the world (every rank calls it): pgregistry learns every rank set, so a later
     :func:`pgregistry.registry.build` of a layout with the same rank sets reuses Megatron-Core's communicators
@@ -282,25 +286,26 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
     from pgregistry.modules import MultiModuleCollection
 
     local = {name: _fields_from_megatron(collection) for name, collection in mc_modules.module_pgs.items()}
-    mine = {name: described_groups(fields) for name, fields in local.items()}
+    mine = {name: describe_groups(fields) for name, fields in local.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, mc_modules.language_model_module_name))
-    layouts, language_model = agreed_modules(everyone)
+    layouts, language_model = modules_from_reports(everyone)
     registry.adopt(g for fields in local.values() for g in _groups_in(fields))
     collections = {
         name: ProcessGroupCollection(
             layout=layout, name=name, **expert_fields_off(layout, local[name], _NONE_MEANS_NO_EXPERTS)
         )
-        if name in local else ProcessGroupCollection._outside(layout, name, None)
+        if name in local else ProcessGroupCollection._for_non_member(layout, name, None)
         for name, layout in layouts.items()
     }
     return MultiModuleCollection(collections, language_model=language_model)
 
 
 def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
-    """The parallel sizes of ``layout`` as keywords of Megatron-Core's ``TransformerConfig`` /
-    ``ModelParallelConfig``; GTP sizes only where the installed Megatron-Core has them (``ValueError`` for a GTP
-    size above 1 it cannot express)."""
+    """The parallel sizes of ``layout`` as keywords of Megatron-Core's ``TransformerConfig``.
+
+    The same keywords serve ``ModelParallelConfig``. GTP sizes only where the installed
+    Megatron-Core has them (``ValueError`` for a GTP size above 1 it cannot express)."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     known = {f.name for f in dataclasses.fields(ModelParallelConfig)}
@@ -308,8 +313,10 @@ def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
 
 
 def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
-    """Keywords for Megatron-Core's ``parallel_state.initialize_model_parallel`` that build ``layout``'s groups
-    (the sizes and the order); GTP sizes only where the installed Megatron-Core has them."""
+    """Keywords of Megatron-Core's ``initialize_model_parallel`` that build ``layout``'s groups.
+
+    They are the sizes and the order, for ``parallel_state.initialize_model_parallel``; GTP sizes
+    only where the installed Megatron-Core has them."""
     from megatron.core import parallel_state
 
     known = set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
@@ -337,9 +344,10 @@ def _sizes_by_name(
 
 
 def check_config(config: Any, pg_collection: Any) -> None:
-    """Raise ``ValueError`` when ``config`` (a Megatron-Core ``TransformerConfig`` or any object with its size
-    attributes) disagrees with the sizes of ``pg_collection``'s groups (pgregistry's collection or
-    Megatron-Core's), listing every mismatch.
+    """Raise ``ValueError`` when ``config`` disagrees with the sizes of ``pg_collection``'s groups.
+
+    ``config`` is a Megatron-Core ``TransformerConfig`` or any object with its size attributes, the
+    collection pgregistry's or Megatron-Core's; the message lists every mismatch.
 
     ``expert_tensor_parallel_size=None`` means the tensor-parallel size, as in Megatron-Core. A group the
     collection does not provide is a mismatch (Megatron-Core would read the global one). A GTP size the config
@@ -376,8 +384,10 @@ def seed_megatron_rng(
     seed: int, pg_collection: ProcessGroupCollection, *, data_parallel_random_init: bool = False,
     **megatron_options: Any,
 ) -> dict[str, int]:
-    """Seed Megatron-Core's CUDA RNG tracker (``model_parallel_cuda_manual_seed``) from the collection's ranks;
-    returns tracker name -> seed, as :func:`pgregistry.rng.model_parallel_manual_seed` computes them.
+    """Seed Megatron-Core's CUDA RNG tracker from the collection's ranks; return name -> seed.
+
+    Through ``model_parallel_cuda_manual_seed``; the seeds are as
+    :func:`pgregistry.rng.model_parallel_manual_seed` computes them.
 
     ``seed`` is the job's seed: the pipeline (and data-parallel) offsets are added as Megatron's training loop adds
     them before seeding. The ranks come from ``pp``, ``tp``, ``ep``, ``expt_tp`` and the GTP-remat groups, which
@@ -391,7 +401,7 @@ def seed_megatron_rng(
 
     from pgregistry.rng import DATA_PARALLEL_RNG, EGTP_REMAT_RNG, GTP_REMAT_RNG, rank_seeds
 
-    pg_collection = checked(pg_collection, "seed_megatron_rng")
+    pg_collection = check_usable(pg_collection, "seed_megatron_rng")
     needed = _SEED_GROUPS + (("dp",) if data_parallel_random_init else ())
     missing = [name for name in needed if not pg_collection.is_set(name)]
     if missing:
@@ -420,8 +430,9 @@ _SEED_GROUPS: Final[tuple[GroupName, ...]] = ("pp", "tp", "ep", "expt_tp", "gtp_
 
 
 def mark_megatron_experts(model: nn.Module) -> int:
-    """Mark the routed-expert module of every Megatron-Core ``MoELayer`` in ``model``
-    (:func:`pgregistry.params.mark_expert_module`); returns how many were marked.
+    """Mark the routed experts of every Megatron-Core ``MoELayer`` in ``model``; return how many.
+
+    Each is marked with :func:`pgregistry.params.mark_expert_module`.
 
     Grad statistics then refuse an expert parameter that lost its ``allreduce`` role (a copy that dropped it would
     otherwise count as dense). Shared experts are dense, replicated across EP, and are not marked.

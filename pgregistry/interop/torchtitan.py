@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
-from pgregistry._runtime.agreement import agree, require_distributed
+from pgregistry._runtime.agreement import check_agreement, require_distributed
 from pgregistry._runtime.logger import get_logger
-from pgregistry._runtime.resolve import checked
+from pgregistry._runtime.resolve import check_usable
 from pgregistry.collection import NOT_MEMBER, UNSET, GroupName, ProcessGroupCollection, group_size
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
@@ -235,7 +235,7 @@ def to_parallel_dims(
 
     require_distributed("to_parallel_dims")
     if not isinstance(collection, ProcessGroupCollection):
-        checked(collection, "to_parallel_dims")  # the TypeError naming what it got
+        check_usable(collection, "to_parallel_dims")  # the TypeError naming what it got
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers torch's "fake" backend
 
     layout = collection.layout
@@ -254,7 +254,7 @@ def to_parallel_dims(
         sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)
         if not problems:
             problems = _layout_problems(layout, sizes) + _collection_problems(collection, sizes, spmd_backend)
-    agree("to_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT, advice=_SAME_OPTIONS)
+    check_agreement("to_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT, advice=_SAME_OPTIONS)
     parallel_dims = titan_parallel_dims.ParallelDims(
         dp_replicate=sizes.dp_replicate, dp_shard=sizes.dp_shard, cp=sizes.cp, tp=sizes.tp, pp=sizes.pp,
         ep=sizes.ep, world_size=sizes.world_size, spmd_backend=spmd_backend,
@@ -278,7 +278,7 @@ def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
             f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
         ]
     try:
-        checked(collection, "to_parallel_dims")
+        check_usable(collection, "to_parallel_dims")
     except ValueError as exc:
         return [str(exc)]
     if layout is None:
@@ -419,7 +419,7 @@ class _GroupSource:
 
         partition = self.sizes.partition(dim)
         if not real:
-            return self._fake(_row_of(partition, dist.get_rank()))
+            return self._fake_group(_row_of(partition, dist.get_rank()))
         field = _field_of(dim, self.sizes)
         if dim == "efsdp" and self.sizes.ep > 1 and self._same_as_dense_fsdp(partition):
             return self._expert_fsdp_twin(partition)
@@ -448,7 +448,7 @@ class _GroupSource:
         assert group is not None  # the partition covers every rank
         return group
 
-    def _fake(self, ranks: tuple[int, ...]) -> ProcessGroup:
+    def _fake_group(self, ranks: tuple[int, ...]) -> ProcessGroup:
         """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan gives the dims
         it never communicates over. Created by its members only, in the same dim order on every rank."""
         import torch.distributed as dist
@@ -568,7 +568,7 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
         options = {"degrees": repr(sizes), "spmd_backend": repr(getattr(parallel_dims, "spmd_backend", None))}
         problems = _titan_problems(parallel_dims, sizes)
     try:
-        agree(
+        check_agreement(
             "from_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT,
             advice="every rank must pass the ParallelDims of one torchtitan job (the same degrees and SPMD backend)",
         )
@@ -645,9 +645,10 @@ def _fields_from(layout: ParallelLayout, sizes: _Sizes, titan: Mapping[str, Proc
 
 
 def mark_torchtitan_experts(model: nn.Module) -> int:
-    """Mark every torchtitan routed-expert module in ``model`` (``GroupedExperts`` and its subclasses) with
-    :func:`pgregistry.params.mark_expert_module`, and each of its parameters with
-    :func:`pgregistry.params.mark_expert`; returns how many modules were marked.
+    """Mark every torchtitan routed-expert module in ``model``; return how many were marked.
+
+    Each ``GroupedExperts`` (and subclass) module with :func:`pgregistry.params.mark_expert_module`,
+    and each of its parameters with :func:`pgregistry.params.mark_expert`.
 
     Every parameter of a ``GroupedExperts`` is stacked over its experts (``w1_EFD``, ``w2_EDF``, ``w3_EFD``; GPT-OSS's
     biases too), so under EP each rank holds different experts. Grad statistics then count each expert once
@@ -680,8 +681,10 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
 
 
 def communicator_ranks() -> list[tuple[int, ...]]:
-    """The ranks of every real communicator this process holds (torch's process-group registry, the default
-    group included, the ``fake`` backend's groups excluded), one entry per communicator, sorted.
+    """The ranks of every real communicator this process holds, one entry per communicator, sorted.
+
+    From torch's process-group registry: the default group included, the ``fake`` backend's groups
+    excluded.
 
     Two entries with the same ranks are two communicators over one rank set: what :func:`to_parallel_dims` avoids.
     """

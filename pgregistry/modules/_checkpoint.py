@@ -15,14 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pgregistry._runtime.agreement import agree
+from pgregistry._runtime.agreement import check_agreement
 from pgregistry.checkpoint import save_rank_files
-from pgregistry.checkpoint._agreement import lost_ranks_named, world_scope
-from pgregistry.checkpoint._rank_files import prepared_load
-from pgregistry.experts._names import NamingOptions, checked_naming
+from pgregistry.checkpoint._agreement import name_lost_ranks, world_scope
+from pgregistry.checkpoint._rank_files import prepare_rank_files_load
+from pgregistry.experts._names import NamingOptions, check_naming_options
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._optimizer import MultiModuleOptimizer
-from pgregistry.modules._stats import check_models, described
+from pgregistry.modules._stats import check_models, describe_modules
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -35,8 +35,9 @@ def save_checkpoint(
     *,
     naming: Mapping[str, NamingOptions] | None = None,
 ) -> Path:
-    """Save every module of the job, each into ``directory/<module name>`` (see the module docstring); returns
-    ``directory``.
+    """Save every module of the job, each into ``directory/<module name>``; return ``directory``.
+
+    See the module docstring.
 
     ``models`` maps each module this rank runs to its model or model chunks, exactly those; ``optimizer`` is the
     job's :class:`MultiModuleOptimizer` (its state is saved by global name beside each module's parameters);
@@ -51,8 +52,8 @@ def save_checkpoint(
     """
     directory = Path(directory)
     owner = "pgregistry.modules.save_checkpoint"
-    with lost_ranks_named(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
-        given, naming = _agreed(models, modules, optimizer, naming, owner)
+    with name_lost_ranks(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+        given, naming = _agree_on_models(models, modules, optimizer, naming, owner)
         errors: list[str] = []
         for name, model in given.items():
             try:
@@ -60,7 +61,9 @@ def save_checkpoint(
                 save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
             except (ValueError, OSError, RuntimeError) as exc:
                 errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to save", advice=MODULES_ADVICE)
+        check_agreement(
+            owner, describe_modules(modules), "; ".join(errors) or None, failed="failed to save", advice=MODULES_ADVICE
+        )
     return directory
 
 
@@ -84,19 +87,23 @@ def load_checkpoint(
     """
     directory = Path(directory)
     owner = "pgregistry.modules.load_checkpoint"
-    with lost_ranks_named(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
-        given, naming = _agreed(models, modules, optimizer, naming, owner)
+    with name_lost_ranks(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+        given, naming = _agree_on_models(models, modules, optimizer, naming, owner)
         errors: list[str] = []
         copies = []
         for name, model in given.items():
             try:
                 options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
                 copies.append(
-                    prepared_load(directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options)
+                    prepare_rank_files_load(
+                        directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options
+                    )
                 )
             except (ValueError, OSError, RuntimeError) as exc:
                 errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-        agree(owner, described(modules), "; ".join(errors) or None, failed="failed to load", advice=MODULES_ADVICE)
+        check_agreement(
+            owner, describe_modules(modules), "; ".join(errors) or None, failed="failed to load", advice=MODULES_ADVICE
+        )
     for copy in copies:
         copy()
 
@@ -105,7 +112,7 @@ def _optimizer_of(optimizer: MultiModuleOptimizer | None, name: str) -> Any:
     return optimizer.optimizers[name] if optimizer is not None else None
 
 
-def _agreed(
+def _agree_on_models(
     models: Mapping[str, Any],
     modules: MultiModuleCollection,
     optimizer: MultiModuleOptimizer | None,
@@ -131,10 +138,10 @@ def _agreed(
             problems.append(f"naming for {name!r}, which is not a module of the job")
             continue
         try:
-            checked_naming(options, owner)
+            check_naming_options(options, owner)
         except TypeError as exc:
             problems.append(f"naming for {name!r}: {exc}")
         if "pg_collection" in options:
             problems.append(f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection")
-    agree(owner, described(modules), "; ".join(problems) or None, advice=MODULES_ADVICE)
+    check_agreement(owner, describe_modules(modules), "; ".join(problems) or None, advice=MODULES_ADVICE)
     return given, naming

@@ -120,24 +120,24 @@ def build_modules(
     agreement too (a rank that never calls it is named within that time).
     """
     from pgregistry import registry
-    from pgregistry._runtime.agreement import agree, joined, require_distributed
-    from pgregistry._runtime.attendance import attended
-    from pgregistry._runtime.group_cache import checked_options
+    from pgregistry._runtime.agreement import check_agreement, combine_faults, require_distributed
+    from pgregistry._runtime.attendance import require_attendance
+    from pgregistry._runtime.group_cache import check_group_options
 
     require_distributed("build_modules")
-    options, described_options, fault = checked_options(backend, timeout)
+    options, described_options, fault = check_group_options(backend, timeout)
     if isinstance(layouts, Mapping):
         request = {f"module {name!r}": repr(layout) for name, layout in layouts.items()}
     else:
         request = {"modules": repr(layouts)}
-        fault = joined(fault, TypeError(
+        fault = combine_faults(fault, TypeError(
             f"build_modules takes a mapping from module name to its ParallelLayout ({{'encoder': ParallelLayout(...), "
             f"'language': ParallelLayout(...)}}, in the modules' order), got a {type(layouts).__name__}; for "
             "(name, layout) pairs pass dict(pairs)"
         ))
     request.update(language_model=repr(language_model), disjoint=repr(disjoint), **described_options)
-    with attended("pgregistry.modules.build_modules", options.timeout, MODULES_ADVICE):
-        agree("the modules to build", request, fault, advice=MODULES_ADVICE, timeout=options.timeout)
+    with require_attendance("pgregistry.modules.build_modules", options.timeout, MODULES_ADVICE):
+        check_agreement("the modules to build", request, fault, advice=MODULES_ADVICE, timeout=options.timeout)
     assert isinstance(layouts, Mapping)  # agreed: every rank raised above otherwise
     if not layouts:
         raise ValueError("build_modules needs at least one module")

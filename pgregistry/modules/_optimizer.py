@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from pgregistry._runtime.agreement import agree, joined
+from pgregistry._runtime.agreement import check_agreement, combine_faults
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification, clip_grads_
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
-from pgregistry.modules._options import described_options, options_error
-from pgregistry.modules._stats import check_models, described, module_values, reduce_over_modules
+from pgregistry.modules._options import describe_options, options_error
+from pgregistry.modules._stats import check_models, describe_modules, module_values, reduce_over_modules
 from pgregistry.optim import ChainedOptimizer
 from pgregistry.optim import build_optimizer as build_module_optimizer
 from pgregistry.optim._state_check import refuse_faults
@@ -67,8 +67,10 @@ class MultiModuleOptimizer:
     def __init__(self, optimizers: Mapping[str, ChainedOptimizer], modules: MultiModuleCollection) -> None:
         if not isinstance(modules, MultiModuleCollection):
             raise TypeError(f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
-        given, error = check_models(optimizers, modules, "MultiModuleOptimizer", _built_on_the_module, noun="optimizer")
-        agree("MultiModuleOptimizer", described(modules), error, advice=MODULES_ADVICE)
+        given, error = check_models(
+            optimizers, modules, "MultiModuleOptimizer", _check_built_on_module, noun="optimizer"
+        )
+        check_agreement("MultiModuleOptimizer", describe_modules(modules), error, advice=MODULES_ADVICE)
         self._optimizers: Mapping[str, ChainedOptimizer] = MappingProxyType(given)
         self._modules = modules
 
@@ -99,7 +101,7 @@ class MultiModuleOptimizer:
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The job-wide grad norm over every module (0-dim float32; NaN or infinite when any module's is)."""
-        return self._statistics(norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm")[0]
+        return self._norm_statistics(norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm")[0]
 
     def count_zeros(self) -> int:
         """The job-wide number of zero grad elements, each counted once."""
@@ -111,20 +113,23 @@ class MultiModuleOptimizer:
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, int]:
         """:meth:`get_grad_norm` and :meth:`count_zeros` in one all-reduce over the world."""
-        norm, zeros = self._statistics(norm_type, zeros=True, subject="MultiModuleOptimizer.get_grad_norm_and_zeros")
+        subject = "MultiModuleOptimizer.get_grad_norm_and_zeros"
+        norm, zeros = self._norm_statistics(norm_type, zeros=True, subject=subject)
         assert zeros is not None
         return norm, zeros
 
     def clip_grad_norm(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Scale every module's grads by ``max_norm / (norm + 1e-6)`` with the job-wide norm, where below 1; return
-        the norm. A NaN or infinite norm scales nothing, or raises ``RuntimeError`` on every rank with
-        ``error_if_nonfinite``."""
-        total, _ = self._statistics(
+        """Clip every module's grads to the job-wide norm ``max_norm``; return the norm.
+
+        Grads are scaled by ``max_norm / (norm + 1e-6)`` where that is below 1. A NaN or infinite
+        norm scales nothing, or raises ``RuntimeError`` on every rank with ``error_if_nonfinite``.
+        """
+        total, _ = self._norm_statistics(
             norm_type, zeros=False, max_norm=max_norm, subject="MultiModuleOptimizer.clip_grad_norm"
         )
-        self._clip(max_norm, total, error_if_nonfinite)
+        self._clip_grads(max_norm, total, error_if_nonfinite)
         return total
 
     # ------------------------------------------------------------------------------------------- steps
@@ -148,14 +153,14 @@ class MultiModuleOptimizer:
         positive), every rank raises, after the reductions every rank joins, quoting the values and the ranks
         given them; nothing is scaled or stepped.
         """
-        total, zeros = self._statistics(
+        total, zeros = self._norm_statistics(
             norm_type, zeros=count_zeros, max_norm=max_norm, subject="MultiModuleOptimizer.step"
         )
         norm = float(total)
         if not math.isfinite(norm):
             return False, norm, zeros
         if max_norm is not None:
-            self._clip(max_norm, total, error_if_nonfinite=False)
+            self._clip_grads(max_norm, total, error_if_nonfinite=False)
         for optimizer in self._optimizers.values():
             optimizer.step()
         return True, norm, zeros
@@ -177,10 +182,9 @@ class MultiModuleOptimizer:
         module it runs or holds one it does not run (another rank's state), or a module's state does not fit its
         optimizer (:meth:`~pgregistry.optim.ChainedOptimizer.state_dict_faults`: missing, extra, another shape or
         dtype), naming the rank and the module; a refused load leaves every optimizer as it was."""
-        _, error = check_models(
-            state_dict, self._modules, "MultiModuleOptimizer.load_state_dict", self._check_state, noun="state"
-        )
-        agree("MultiModuleOptimizer.load_state_dict", described(self._modules), error, advice=MODULES_ADVICE)
+        subject = "MultiModuleOptimizer.load_state_dict"
+        _, error = check_models(state_dict, self._modules, subject, self._check_state, noun="state")
+        check_agreement(subject, describe_modules(self._modules), error, advice=MODULES_ADVICE)
         for name, optimizer in self._optimizers.items():
             optimizer.load_state_dict(state_dict[name])
 
@@ -190,7 +194,7 @@ class MultiModuleOptimizer:
 
     # ------------------------------------------------------------------------------------------- internals
 
-    def _statistics(
+    def _norm_statistics(
         self, norm_type: float, *, zeros: bool, max_norm: float | None = None, subject: str
     ) -> tuple[torch.Tensor, int | None]:
         """The job-wide norm (and zero count). A ``norm_type`` or ``max_norm`` that is bad on some rank only must
@@ -201,7 +205,7 @@ class MultiModuleOptimizer:
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
         fields = {"norm_type": repr(norm_type), "max_norm": repr(max_norm)}  # None too: step's "do not clip"
-        error = joined(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
+        error = combine_faults(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
         if zeros:
             both, fault = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm_and_zeros(p))
             norms: dict[str, torch.Tensor] = {name: pair[0] for name, pair in both.items()}
@@ -209,12 +213,13 @@ class MultiModuleOptimizer:
         else:
             (norms, fault), counts = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm(p)), None
         norm, count = reduce_over_modules(
-            list(self._modules), norms=norms, norm_type=p, zeros=counts, check=(subject, fields, joined(error, fault))
+            list(self._modules), norms=norms, norm_type=p, zeros=counts,
+            check=(subject, fields, combine_faults(error, fault)),
         )
         assert norm is not None
         return norm, count
 
-    def _clip(self, max_norm: float, total: torch.Tensor, error_if_nonfinite: bool) -> None:
+    def _clip_grads(self, max_norm: float, total: torch.Tensor, error_if_nonfinite: bool) -> None:
         grads = [
             grad
             for optimizer in self._optimizers.values()
@@ -230,7 +235,7 @@ class MultiModuleOptimizer:
             clip_grads_(grads, max_norm, total)
 
 
-def _built_on_the_module(name: str, optimizer: Any, collection: ProcessGroupCollection) -> None:
+def _check_built_on_module(name: str, optimizer: Any, collection: ProcessGroupCollection) -> None:
     """``TypeError`` unless ``optimizer`` is a chained optimizer; ``ValueError`` unless it runs on ``collection``."""
     if not isinstance(optimizer, ChainedOptimizer):
         raise TypeError(
@@ -251,9 +256,11 @@ def build_optimizer(
     per_module: Mapping[str, Mapping[str, Any]] | None = None,
     **options: Any,
 ) -> MultiModuleOptimizer:
-    """The :class:`MultiModuleOptimizer` of a job: :func:`pgregistry.optim.build_optimizer` of each module this rank
-    runs, on the module's collection, with ``options`` (its keywords: ``optimizer``, ``lr``, ``sharded``, ...)
-    updated by ``per_module[name]`` for that module (a ``param_name_fn`` of its model, another ``lr``).
+    """The :class:`MultiModuleOptimizer` of a job.
+
+    That is :func:`pgregistry.optim.build_optimizer` of each module this rank runs, on the module's
+    collection, with ``options`` (its keywords: ``optimizer``, ``lr``, ``sharded``, ...) updated by
+    ``per_module[name]`` for that module (a ``param_name_fn`` of its model, another ``lr``).
 
     ``models`` maps each module this rank runs to its model or model chunks, exactly those. Collective over the
     world (every rank calls it, a rank that runs no module included) and over each module's groups; every rank
@@ -268,25 +275,26 @@ def build_optimizer(
         raise TypeError(f"build_optimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
     per_module = dict(per_module or {})
 
-    def accepted(name: str, model: Any, collection: ProcessGroupCollection) -> None:
+    def check_model(name: str, model: Any, collection: ProcessGroupCollection) -> None:
         if not isinstance(model, torch.nn.Module) and not (
             isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model)
         ):
             raise TypeError(f"expected a model or model chunks, got {type(model).__name__}")
         check_expert_classification(model, collection)
 
-    given, error = check_models(models, modules, "pgregistry.modules.build_optimizer", accepted)
+    given, error = check_models(models, modules, "pgregistry.modules.build_optimizer", check_model)
     stray = sorted(set(per_module) - set(modules))
     if stray:
         error = (error + "; " if error else "") + f"per_module names {stray}, which are not modules of the job"
     request = {
-        **described(modules),
-        "options": described_options(options),
-        **{f"per_module[{name!r}]": described_options(dict(per_module[name])) for name in sorted(per_module)
+        **describe_modules(modules),
+        "options": describe_options(options),
+        **{f"per_module[{name!r}]": describe_options(dict(per_module[name])) for name in sorted(per_module)
            if isinstance(per_module[name], Mapping)},
     }
     owner = "pgregistry.modules.build_optimizer"
-    agree(owner, request, joined(options_error(options, per_module, list(modules)), error), advice=MODULES_ADVICE)
+    fault = combine_faults(options_error(options, per_module, list(modules)), error)
+    check_agreement(owner, request, fault, advice=MODULES_ADVICE)
     optimizers, failures = {}, []
     for name, model in given.items():
         try:
@@ -294,6 +302,11 @@ def build_optimizer(
         except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed below
             failures.append(type(exc)(f"module {name!r}: {exc}"))
     # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on any rank.
-    agree(owner, described(modules), joined(*failures), failed="could not build a module's optimizer",
-          advice=MODULES_ADVICE)
+    check_agreement(
+        owner,
+        describe_modules(modules),
+        combine_faults(*failures),
+        failed="could not build a module's optimizer",
+        advice=MODULES_ADVICE,
+    )
     return MultiModuleOptimizer(optimizers, modules)

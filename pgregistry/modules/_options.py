@@ -4,7 +4,7 @@ Each module's optimizer is :func:`pgregistry.optim.build_optimizer` with the job
 own (``per_module``). An option that fails there fails on that module's ranks only, while every other rank has
 gone on into the job's agreement and waits in it; and torch's own refusal of a bad value (``lr='x'``) names no
 option. So every rank checks every module's options here, whether it runs the module or not, and the job's
-agreement raises the same error on every rank, naming the module and the option. :func:`described` gives what
+agreement raises the same error on every rank, naming the module and the option. :func:`describe_options` gives what
 every rank must agree on: the options' values where they are plain data, their types where they are code.
 """
 
@@ -15,11 +15,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pgregistry._runtime.agreement import Fault, joined
+from pgregistry._runtime.agreement import Fault, combine_faults
 from pgregistry.grad_stats._arguments import real_number
 from pgregistry.optim import build_optimizer as build_module_optimizer
 
-__all__ = ["described_options", "options_error"]
+__all__ = ["describe_options", "options_error"]
 
 _NAMES = ("adam", "adamw", "sgd")
 """The update rules :func:`pgregistry.optim.build_optimizer` names."""
@@ -31,44 +31,44 @@ _FLAGS = ("mixed_precision", "sharded")
 def options_error(options: Mapping[str, Any], per_module: Mapping[str, Any], modules: list[str]) -> Fault:
     """Why the job's ``options`` or a module's ``per_module`` entry is refused, or ``None``; every module's entry
     is checked, so that every rank finds the same faults."""
-    faults = [_error(option, value) for option, value in options.items()]
+    faults = [_option_error(option, value) for option, value in options.items()]
     for name in modules:
         own = per_module.get(name, {})
         if not isinstance(own, Mapping):
             faults.append(TypeError(f"module {name!r}: per_module[{name!r}] must be a mapping of options, got {own!r}"))
             continue
         for option, value in own.items():
-            fault = _error(option, value)
+            fault = _option_error(option, value)
             if fault is not None:
                 faults.append(type(fault)(f"module {name!r}: {fault}"))
-    return joined(*faults)
+    return combine_faults(*faults)
 
 
-def described_options(options: Mapping[str, Any]) -> str:
+def describe_options(options: Mapping[str, Any]) -> str:
     """``options`` as a text every rank given the same ones writes alike: values that are plain data by their repr,
     code (a factory, a ``param_name_fn``) by its type, whose repr would carry an address that differs by process."""
-    return "{" + ", ".join(f"{option}={_described(value)}" for option, value in sorted(options.items())) + "}"
+    return "{" + ", ".join(f"{option}={_describe_value(value)}" for option, value in sorted(options.items())) + "}"
 
 
-def _described(value: Any) -> str:
+def _describe_value(value: Any) -> str:
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
     if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_described(item) for item in value) + ")"
+        return "(" + ", ".join(_describe_value(item) for item in value) + ")"
     return f"<{type(value).__qualname__}>"
 
 
-def _keywords() -> set[str]:
+def _option_keywords() -> set[str]:
     """The keywords of :func:`pgregistry.optim.build_optimizer` that options may set."""
     parameters = inspect.signature(build_module_optimizer).parameters.values()
     return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def _error(option: str, value: Any) -> Exception | None:
+def _option_error(option: str, value: Any) -> Exception | None:
     """Why ``value`` is refused for ``option`` of :func:`pgregistry.optim.build_optimizer` (torch's ranges for the
     update rules' numbers), or ``None``."""
-    if option not in _keywords():
-        return TypeError(f"{option!r} is no option of pgregistry.optim.build_optimizer ({sorted(_keywords())})")
+    if option not in _option_keywords():
+        return TypeError(f"{option!r} is no option of pgregistry.optim.build_optimizer ({sorted(_option_keywords())})")
     shown = f"{value!r} ({type(value).__name__})"
     if option in _NON_NEGATIVE:
         number = real_number(value)

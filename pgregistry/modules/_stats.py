@@ -29,8 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import Fault, agree, joined, settle, verdict_of
-from pgregistry._runtime.resolve import ParamsLike, normalise
+from pgregistry._runtime.agreement import (
+    Fault,
+    check_agreement,
+    check_verdict,
+    combine_faults,
+    verdict_of,
+)
+from pgregistry._runtime.resolve import ParamsLike, normalise_params
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
@@ -44,7 +50,7 @@ __all__ = [
     "check_models",
     "clip_grad_norm_",
     "count_zeros",
-    "described",
+    "describe_modules",
     "grad_norm",
     "module_values",
     "reduce_over_modules",
@@ -70,7 +76,7 @@ def grad_norm(
     else float32, on every rank.
     """
     owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
-    given = _agreed(models, modules, owner, options, extra_error=norm_type_error(norm_type))
+    given = _agree_on_models(models, modules, owner, options, extra_error=norm_type_error(norm_type))
     p = float(norm_type)
     norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
     total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
@@ -85,7 +91,7 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
     :func:`pgregistry.grad_stats.count_zeros` on its collection.
     """
     owner = "pgregistry.modules.count_zeros"
-    given = _agreed(models, modules, owner, {})
+    given = _agree_on_models(models, modules, owner, {})
     zeros, fault = module_values(given, lambda name, model: module_count_zeros(model, modules[name]))
     _, total = reduce_over_modules(list(modules), zeros=zeros, check=(owner, {}, fault))
     assert total is not None
@@ -114,9 +120,9 @@ def clip_grad_norm_(
     not_a_flag = None
     if not isinstance(error_if_nonfinite, bool):
         not_a_flag = TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
-    bad = joined(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
+    bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
-    given = _agreed(models, modules, owner, options, extra_error=bad)
+    given = _agree_on_models(models, modules, owner, options, extra_error=bad)
     p = float(norm_type)
     norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
     total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
@@ -147,11 +153,11 @@ def reduce_over_modules(
 
     ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
     of the modules this rank runs (the same on every rank of a module). Each module's norm travels as a number,
-    never as a NaN (:func:`_encoded`); the zero counts as float64 (exact below 2**53); whether a module's norm is
+    never as a NaN (:func:`_encode_norm`); the zero counts as float64 (exact below 2**53); whether a module's norm is
     float64 as one more slot. ``check`` (the call's name, the settings every rank must have alike as texts, and
     this rank's fault) travels in the same all-reduce as an agreement's verdict
     (:func:`pgregistry._runtime.agreement.verdict_of`): ranks that differ or any rank's fault raise on every rank,
-    naming the setting or fault and the ranks (:func:`~pgregistry._runtime.agreement.settle`). Returns
+    naming the setting or fault and the ranks (:func:`~pgregistry._runtime.agreement.check_verdict`). Returns
     ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim tensor, float64 when any module's norm is,
     else float32 (NaN when any module's is NaN, else infinite when any is), the count an int.
     """
@@ -165,7 +171,7 @@ def reduce_over_modules(
     packed = torch.zeros(2 * count + 1 + len(verdict), dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
-            packed[index[name]] = _encoded(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
+            packed[index[name]] = _encode_norm(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
         packed[2 * count] = float(any(norm.dtype == torch.float64 for norm in norms.values()))
     if zeros is not None:
         for name, zero_count in zeros.items():
@@ -174,13 +180,13 @@ def reduce_over_modules(
         packed[2 * count + 1 :] = torch.tensor(verdict, dtype=torch.float64)  # exact: 52-bit digests
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     if check is not None:
-        settle(check[0], check[1], check[2], packed[2 * count + 1 :].tolist(), advice=_STEP_ADVICE)
+        check_verdict(check[0], check[1], check[2], packed[2 * count + 1 :].tolist(), advice=_STEP_ADVICE)
     p = float(norm_type)
     total = None
     if norms is not None:
         slots = packed[:count]
         finite = torch.where(slots < _INF, slots, torch.zeros_like(slots))
-        total = _combined(finite, p)
+        total = _combine_norms(finite, p)
         total = torch.where((slots == _INF).any(), torch.full_like(total, math.inf), total)
         total = torch.where((slots == _NAN).any(), torch.full_like(total, math.nan), total)
         total = total if float(packed[2 * count]) > 0 else total.to(torch.float32)
@@ -200,14 +206,14 @@ _NAN = math.inf
 """How a NaN module norm travels: above everything else, so a MAX keeps it (a NaN itself it might drop)."""
 
 
-def _encoded(norm: torch.Tensor) -> torch.Tensor:
+def _encode_norm(norm: torch.Tensor) -> torch.Tensor:
     """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when infinite,
     :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
     norm = torch.where(torch.isinf(norm), torch.full_like(norm, _INF), norm)
     return torch.where(torch.isnan(norm), torch.full_like(norm, _NAN), norm)
 
 
-def _combined(norms: torch.Tensor, p: float) -> torch.Tensor:
+def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
     """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm), scaled by the largest
     so that no power overflows; 0 for no norms or all zero."""
     if norms.numel() == 0:
@@ -238,13 +244,13 @@ def module_values(given: Mapping[str, Any], compute: Callable[[str, Any], Any]) 
             values[name] = compute(name, item)
         except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed in the reduce
             faults.append(type(exc)(f"module {name!r}: {exc}"))
-    return values, joined(*faults)
+    return values, combine_faults(*faults)
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
 
 
-def described(modules: MultiModuleCollection) -> dict[str, str]:
+def describe_modules(modules: MultiModuleCollection) -> dict[str, str]:
     """What every rank must agree on about the job's modules: their names in order, spans and layouts."""
     return {
         "modules": "; ".join(f"{name}={layout!r}" for name, layout in modules.layouts().items()),
@@ -297,7 +303,7 @@ def check_models(
     return given, ("; ".join(problems) if problems else None)
 
 
-def _agreed(
+def _agree_on_models(
     models: Mapping[str, ParamsLike],
     modules: MultiModuleCollection,
     owner: str,
@@ -306,7 +312,7 @@ def _agreed(
     extra_error: Fault = None,
 ) -> dict[str, ParamsLike]:
     """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
-    a fault (``pgregistry._runtime.agreement.agree``)."""
+    a fault (``pgregistry._runtime.agreement.check_agreement``)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
 
@@ -316,14 +322,15 @@ def _agreed(
         check_expert_classification(model, collection)
 
     given, error = check_models(models, modules, owner, statistics_accept)
-    agree(owner, {**described(modules), **options}, joined(extra_error, error), advice=MODULES_ADVICE)
+    fields = {**describe_modules(modules), **options}
+    check_agreement(owner, fields, combine_faults(extra_error, error), advice=MODULES_ADVICE)
     return given
 
 
 def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
     """The grads of ``model`` as tensors to scale in place: each parameter's ``.grad`` (a DTensor's local piece)."""
     grads = []
-    for _, param in normalise(model).named:
+    for _, param in normalise_params(model).named:
         grad = param.grad
         if grad is None:
             continue

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pgregistry._runtime.agreement import any_rank_has_each
-from pgregistry._runtime.resolve import normalise
+from pgregistry._runtime.resolve import normalise_params
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
@@ -91,7 +91,7 @@ def build_optimizer(
     statistics group when a rank holds a parameter that is not floating-point (a complex one: the flat buffers hold
     real grads), naming it on that rank.
     """
-    params = normalise(model)
+    params = normalise_params(model)
     if not params.chunks:
         raise TypeError(f"build_optimizer expects a model or model chunks, got {type(model).__name__}")
     collection = optimizer_collection(pg_collection, params, owner="build_optimizer")

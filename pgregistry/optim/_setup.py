@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from pgregistry._runtime.agreement import any_rank_has
-from pgregistry._runtime.resolve import Params, fill, normalise, resolve
+from pgregistry._runtime.resolve import Params, fill_unset_fields, normalise_params, resolve_pg_collection
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
 from pgregistry.grad_stats._classification import holds_experts
 from pgregistry.grad_stats._filters import EXPERT_STATS_FIELDS, STATS_FALLBACK, StatsGroups
@@ -76,7 +76,7 @@ def setup_process_groups_for_optimizer(
     warning; then :func:`optimizer_process_groups`.
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    params = normalise(chunks) if chunks else None
+    params = normalise_params(chunks) if chunks else None
     collection = optimizer_collection(
         pg_collection, params, owner="setup_process_groups_for_optimizer", collective=False
     )
@@ -87,7 +87,7 @@ def optimizer_collection(
     pg_collection: ProcessGroupCollection | None, params: Params | None, *, owner: str, collective: bool = True
 ) -> ProcessGroupCollection:
     """The collection an optimizer over ``params`` runs on, resolved at the door, with the grad-statistics fields
-    the model needs filled (:func:`pgregistry._runtime.resolve.fill`).
+    the model needs filled (:func:`pgregistry._runtime.resolve.fill_unset_fields`).
 
     The expert fields are needed when the model holds an expert parameter or an unclassified parameter of a marked
     expert module, or when no model is given; otherwise an UNSET one is ``None`` (off), never read from the global
@@ -96,7 +96,7 @@ def optimizer_collection(
     (a validation on one rank) this rank's chunks decide.
     """
     chunks = params.chunks if params is not None else ()
-    collection = resolve(pg_collection, chunks, owner=owner)
+    collection = resolve_pg_collection(pg_collection, chunks, owner=owner)
     if params is None:
         experts = True
     else:
@@ -104,7 +104,7 @@ def optimizer_collection(
         if collective:
             experts = any_rank_has(experts, collection.get("mp") if collection.is_set("mp") else None)
     unneeded = () if experts else EXPERT_STATS_FIELDS
-    return fill(collection, STATS_FALLBACK, owner, unneeded=unneeded)
+    return fill_unset_fields(collection, STATS_FALLBACK, owner, unneeded=unneeded)
 
 
 def optimizer_process_groups(

@@ -35,6 +35,7 @@ the ``pytest11`` plugin (``_pytest_plugin``) and the toy models ``pgregistry ver
 from __future__ import annotations
 
 import ctypes
+import enum
 import faulthandler
 import os
 import pickle
@@ -64,8 +65,11 @@ _STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
 class RankFailure(RuntimeError):
-    """A rank failed: it raised (the original exception is chained as ``__cause__`` when it could be rebuilt here),
-    or its process died without reporting. ``detail`` holds the child's formatted traceback or how it died."""
+    """A rank failed: it raised, or its process died without reporting.
+
+    The original exception is chained as ``__cause__`` when it could be rebuilt here. ``detail``
+    holds the child's formatted traceback or how it died.
+    """
 
     def __init__(self, rank: int, detail: str) -> None:
         super().__init__(f"rank {rank} failed: {detail}")
@@ -96,11 +100,17 @@ def run_world(
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on each rank of a fresh ``world_size`` world; results in rank order.
 
-    ``timeout`` (seconds) is the hard deadline for ``fn`` on every rank, counted from when the last rank has joined
-    the process group; start-up (forking and joining) may take up to ``_STARTUP_GRACE_S`` (30 s) more, so the
-    world ends at most ``timeout + 30`` seconds after the call. It also bounds torch's own collective timeout.
-    Raises the failing rank's exception (with ``RankFailure`` carrying its rank and traceback attached as a note
-    and as the exception's cause), :class:`RankFailure` itself, or :class:`WorldTimeout`.
+    ``timeout`` (seconds) is the hard deadline for ``fn`` on every rank, counted from when the last
+    rank has joined the process group; start-up (forking and joining) may take up to
+    ``_STARTUP_GRACE_S`` (30 s) more, so the world ends at most ``timeout + 30`` seconds after the
+    call. It also bounds torch's own collective timeout.
+
+    Raises:
+        Exception: the failing rank's own exception, with a :class:`RankFailure` carrying its rank
+            and traceback attached as a note and as the exception's cause.
+        RankFailure: a rank whose own exception cannot be rebuilt here, or whose process died
+            without reporting.
+        WorldTimeout: the world did not finish by the deadline; every rank was killed.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -137,7 +147,7 @@ def run_world(
                 os.close(write_fd)
                 children[rank] = (pid, read_fd)
                 watcher.watch(pid)
-            return _collect(children, timeout, store_dir)
+            return _collect_results(children, timeout, store_dir)
         finally:
             os.close(release_read)
             os.close(release_write)
@@ -177,7 +187,7 @@ def _child_main(
         )
         os.write(write_fd, _JOINED)
         result = fn(*args, **kwargs)
-        payload = pickle.dumps(("ok", result))
+        payload = pickle.dumps((_Outcome.OK, result))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
         exit_code = 1
         text = traceback.format_exc()
@@ -185,7 +195,7 @@ def _child_main(
             pickled: bytes | None = pickle.dumps(exc)
         except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
             pickled = None
-        payload = pickle.dumps(("error", pickled, text))
+        payload = pickle.dumps((_Outcome.ERROR, pickled, text))
     try:
         _write_all(write_fd, payload)
         os.read(release_fd, 1)  # EOF once the parent has every rank's report (or we are killed)
@@ -214,7 +224,7 @@ def _write_all(fd: int, data: bytes) -> None:  # pragma: no cover - runs in the 
     os.close(fd)
 
 
-def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: str) -> list[Any]:
+def _collect_results(children: dict[int, tuple[int, int]], timeout: float, store_dir: str) -> list[Any]:
     start = time.monotonic()
     latest = start + timeout + _STARTUP_GRACE_S  # whatever start-up took
     deadline = latest  # until the last rank joins; then timeout after that
@@ -243,8 +253,8 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: st
                         deadline = min(time.monotonic() + timeout, latest)
                 continue
             del open_fds[fd]
-            outcome = _decode(bytes(buffers[rank]), children[rank][0])
-            if outcome[0] == "ok":
+            outcome = _decode_report(bytes(buffers[rank]), children[rank][0])
+            if outcome[0] is _Outcome.OK:
                 results[rank] = outcome[1]
             elif first_error is None:
                 # The first report is the root cause; later ones are usually peers losing their connection.
@@ -257,16 +267,25 @@ def _collect(children: dict[int, tuple[int, int]], timeout: float, store_dir: st
     return [results[rank] for rank in sorted(children)]
 
 
-def _decode(data: bytes, pid: int) -> tuple[str, Any, str]:
-    """``("ok", result, "")`` or ``("error", pickled exception or None, text)`` from a rank's report (after the
-    byte that says it joined, when it did)."""
+class _Outcome(enum.Enum):
+    """How a rank's call ended, as its report to the parent says."""
+
+    OK = "ok"
+    ERROR = "error"
+
+
+def _decode_report(data: bytes, pid: int) -> tuple[_Outcome, Any, str]:
+    """``(OK, result, "")`` or ``(ERROR, pickled exception or None, text)`` from a rank's report.
+
+    The report follows the byte that says the rank joined, when it did.
+    """
     data = data.removeprefix(_JOINED)
     if data:
         message = pickle.loads(data)
-        if message[0] == "ok":
-            return ("ok", message[1], "")
-        return ("error", message[1], message[2])
-    return ("error", None, f"process exited without a result ({_describe_exit(pid)})")
+        if message[0] is _Outcome.OK:
+            return (_Outcome.OK, message[1], "")
+        return (_Outcome.ERROR, message[1], message[2])
+    return (_Outcome.ERROR, None, f"process exited without a result ({_describe_exit(pid)})")
 
 
 def _describe_exit(pid: int) -> str:
@@ -306,7 +325,7 @@ def _raise_timeout(
     children: dict[int, tuple[int, int]], stuck: list[int], timeout: float, store_dir: str, unjoined: list[int]
 ) -> None:
     stacks = _dump_stacks({rank: children[rank][0] for rank in stuck}, store_dir)
-    where = "\n".join(f"  rank {rank}: {_where(stacks[rank])}" for rank in stuck)
+    where = "\n".join(f"  rank {rank}: {_where_stuck(stacks[rank])}" for rank in stuck)
     dumps = "\n".join(f"--- rank {rank} ---\n{stacks[rank].rstrip()}" for rank in stuck)
     if unjoined:
         when = (
@@ -352,7 +371,7 @@ def _read_text(path: str) -> str:
         return ""
 
 
-def _where(stack: str) -> str:
+def _where_stuck(stack: str) -> str:
     """The main thread's innermost call outside torch and the torch calls below it, from a faulthandler dump.
 
     E.g. ``_skip_a_collective (test_x.py:99) -> new_group -> _new_group_with_tag -> _new_process_group_helper``.

@@ -201,7 +201,7 @@ def shards_of(layout: ParallelLayout, rank: int) -> list[Shard]:
     return out
 
 
-def _roles(param: nn.Parameter, shard: Shard) -> None:
+def _mark_roles(param: nn.Parameter, shard: Shard) -> None:
     spec = shard.spec
     if spec.tp_dim is not None:
         mark_tensor_parallel(param, spec.tp_dim)
@@ -234,7 +234,7 @@ def local_model(
             module = getattr(module, part)
         local = shard.take(grads[shard.full_name])
         param = nn.Parameter(torch.zeros(local.shape, dtype=torch.float32, device=device))
-        _roles(param, shard)
+        _mark_roles(param, shard)
         param.grad = local.to(device=device, dtype=torch.float32).clone()
         module.register_parameter(leaf, param)
     return root, shards

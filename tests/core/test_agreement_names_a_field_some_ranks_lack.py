@@ -1,4 +1,5 @@
-"""``pgregistry._runtime.agreement.agree`` names a field that some ranks did not give at all, on every rank alike.
+"""``pgregistry._runtime.agreement.check_agreement`` names a field that some ranks did not give at all, on every rank
+alike.
 
 Reported (issue 41): ``MultiModuleOptimizer.step(max_norm=None)`` on one rank left ``max_norm`` out of that rank's
 fields; its message had an empty detail ("ranks disagree on ...: ; this rank is rank 0") and the others said
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import agree
+from pgregistry._runtime.agreement import check_agreement
 from pgregistry.testing import run_world
 
 
@@ -17,7 +18,7 @@ def _message() -> str:
     rank = dist.get_rank()
     fields = {"norm_type": "2.0"} if rank == 0 else {"norm_type": "2.0", "max_norm": "1.0"}
     try:
-        agree("a call", fields)
+        check_agreement("a call", fields)
     except ValueError as exc:
         return str(exc).replace(f"this rank is rank {rank}", "this rank is rank R")
     return "no error"

@@ -1,6 +1,7 @@
 """The roll call after a failed collective waits the caller's timeout, not a fixed or a doubled one (issue 41, item 11).
 
-A 3-rank gloo world runs one attended operation (:func:`pgregistry._runtime.attendance.attended`, what a build runs
+A 3-rank gloo world runs one attended operation (:func:`pgregistry._runtime.attendance.require_attendance`, what a
+build runs
 in) with a timeout of ``TIMEOUT_S``, far below the world's own (60 s) and the roll call's cap (10 s). Inside it rank 0's
 "collective" fails at once, rank 1's fails ``LATE_S`` later (a survivor that learns of a fault later than its peers,
 well within the timeout) and rank 2 never fails (stuck elsewhere: it never answers). Rank 0 must count rank 1 as
@@ -17,7 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pgregistry._runtime import attendance
-from pgregistry._runtime.attendance import attended
+from pgregistry._runtime.attendance import require_attendance
 from pgregistry.testing import run_world
 
 TIMEOUT_S = 3.0
@@ -33,7 +34,7 @@ def _fail_at_different_times() -> tuple[float, str]:
     failed = time.monotonic()
     message = ""
     try:
-        with attended("the test's operation", timedelta(seconds=TIMEOUT_S), "restart"):
+        with require_attendance("the test's operation", timedelta(seconds=TIMEOUT_S), "restart"):
             if rank == 1:
                 time.sleep(LATE_S)
             if rank < 2:

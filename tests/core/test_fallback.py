@@ -17,7 +17,7 @@ from fixtures.groups import SizeRankGroup
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, ProcessGroupFallbackWarning
 from pgregistry import registry as reg
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
 from pgregistry.fallback import warn_fallback
 from pgregistry.global_grid import global_collection, initialize_global_grid
@@ -187,7 +187,7 @@ def test_always_and_ignore_are_honoured() -> None:
 
 
 def _resolving_owner() -> None:
-    resolve(ProcessGroupCollection(tp=None), owner="Owner", fallback=["tp", "not_a_group"])  # type: ignore[list-item]
+    resolve_pg_collection(ProcessGroupCollection(tp=None), owner="Owner", fallback=["tp", "not_a_group"])  # type: ignore[list-item]
 
 
 def test_filters_match_the_calling_module_and_the_warning_points_at_the_caller() -> None:
@@ -217,7 +217,7 @@ def test_a_fallback_inside_pgregistry_is_attributed_to_the_callers_module() -> N
         warnings.simplefilter("ignore", ProcessGroupFallbackWarning)
         warnings.filterwarnings("always", category=ProcessGroupFallbackWarning, module=re.escape(__name__))
         with pytest.raises(RuntimeError, match="no global grid"):
-            resolve(ProcessGroupCollection(tp=None), owner="Owner", fallback=("dp",))
+            resolve_pg_collection(ProcessGroupCollection(tp=None), owner="Owner", fallback=("dp",))
     assert _names(caught) == ["dp"]
     assert caught[0].filename == __file__
 
@@ -227,13 +227,13 @@ def test_set_fields_are_returned_as_they_are_without_warning() -> None:
     collection = ProcessGroupCollection(tp=tp, cp=None, gtp_remat=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("error", ProcessGroupFallbackWarning)
-        assert resolve(collection, owner="Owner", fallback=("tp", "cp", "gtp_remat")) is collection
+        assert resolve_pg_collection(collection, owner="Owner", fallback=("tp", "cp", "gtp_remat")) is collection
     assert caught == []
 
 
 def test_unknown_name_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"Unknown attribute: 'dp_pc'; did you mean 'dp_cp'\?"):
-        resolve(ProcessGroupCollection(tp=None), owner="Owner", fallback=["dp_pc"])  # type: ignore[list-item]
+        resolve_pg_collection(ProcessGroupCollection(tp=None), owner="Owner", fallback=["dp_pc"])  # type: ignore[list-item]
 
 
 def test_missing_global_grid_is_a_runtime_error_naming_owner_and_group() -> None:
@@ -241,9 +241,9 @@ def test_missing_global_grid_is_a_runtime_error_naming_owner_and_group() -> None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProcessGroupFallbackWarning)
         with pytest.raises(RuntimeError, match=r"^MyOptimizer needs process group 'dp': .*no global grid"):
-            resolve(ProcessGroupCollection(tp=None), owner="MyOptimizer", fallback=("tp", "dp"))
+            resolve_pg_collection(ProcessGroupCollection(tp=None), owner="MyOptimizer", fallback=("tp", "dp"))
         with pytest.raises(RuntimeError, match=r"^MyLinear was not given a ProcessGroupCollection and no global"):
-            resolve(None, owner="MyLinear", fallback=("expt_gtp_remat",))
+            resolve_pg_collection(None, owner="MyLinear", fallback=("expt_gtp_remat",))
         with pytest.raises(RuntimeError, match="the global grid is not initialised"):
             global_collection()
     assert _names(caught) == ["dp"]  # it warned before finding nothing to fall back to
@@ -267,19 +267,19 @@ def _resolve_on_a_grid() -> dict[str, Any]:
         assert global_collection() is grid
         caught.clear()
         fields = ("tp", "dp_cp", "ep", "gtp_remat", "expt_gtp_remat")
-        resolved = resolve(ProcessGroupCollection(tp=None), owner="O", fallback=fields)
+        resolved = resolve_pg_collection(ProcessGroupCollection(tp=None), owner="O", fallback=fields)
         out["resolved"] = {name: _ranks(resolved.get(name)) for name in fields}
         out["same_objects"] = resolved.get("dp_cp") is grid.get("dp_cp") and resolved.get("ep") is grid.get("ep")
         out["resolve_warned"] = _names(caught)
         caught.clear()
-        out["whole"] = resolve(None, owner="O", fallback=fields) is grid
+        out["whole"] = resolve_pg_collection(None, owner="O", fallback=fields) is grid
         out["whole_warned"] = [str(c.message).split(" was")[0] for c in caught]
         # A grid without the dense GTP axis: its fallback warns like any other, one-rank axis or not.
         reg.destroy()
         assert global_collection(None) is None
         initialize_global_grid(_GRID_NO_GTP)
         caught.clear()
-        off = resolve(ProcessGroupCollection(), owner="O2", fallback=("gtp_remat", "expt_gtp_remat"))
+        off = resolve_pg_collection(ProcessGroupCollection(), owner="O2", fallback=("gtp_remat", "expt_gtp_remat"))
         out["gtp_off"] = off.get("gtp_remat")
         out["egtp_on"] = _ranks(off.get("expt_gtp_remat"))
         out["off_warned"] = _names(caught)

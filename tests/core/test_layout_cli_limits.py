@@ -24,7 +24,7 @@ import pytest
 
 from pgregistry.cli import _limits as limits
 from pgregistry.cli import main
-from pgregistry.cli._seed_plan import estimated_bytes
+from pgregistry.cli._seed_plan import estimate_plan_bytes
 from pgregistry.layout import ParallelLayout
 from pgregistry.rng import check_seed_plan, check_seed_plan_size
 
@@ -151,7 +151,7 @@ def test_the_seed_check_memory_estimate_is_within_a_small_factor_of_what_it_hold
 ) -> None:
     # It was 576 bytes a rank whatever the layout: 24.1 GiB at 45 M ranks, where the check held under 1 GiB.
     layout = ParallelLayout(num_ranks=_RANKS, **sizes)
-    estimate = estimated_bytes(layout, seed, True, random_init)
+    estimate = estimate_plan_bytes(layout, seed, True, random_init)
     held = _held(lambda: check_seed_plan(layout, seed, data_parallel_random_init=random_init))
     slack = 512 * 1024  # what the check holds whatever the layout (its generator, the interpreter's caches)
     assert held <= estimate + slack and estimate <= 4 * held + slack, (estimate, held)
@@ -162,7 +162,7 @@ def test_the_seed_plan_memory_estimate_is_within_a_small_factor_of_what_printing
     layout = ParallelLayout(num_ranks=_RANKS // 2, tp=4, ep=2, gtp_remat=2)
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         held = _held(lambda: main(argv))
-    estimate = estimated_bytes(layout, 1, False, False)
+    estimate = estimate_plan_bytes(layout, 1, False, False)
     assert held <= estimate <= 4 * held, (estimate, held)
 
 

@@ -1,8 +1,9 @@
 """The public API is what docs/api.md lists, both ways, and it stays small.
 
 A public module is one whose dotted path has no component starting with an underscore; its public names are its
-``__all__``. docs/api.md has a section ``## `pgregistry.x``` per public module and a table row per public name
-(``| `name` | one line |``). Everything the package uses internally lives in underscore modules or names.
+``__all__``. docs/api.md has a section ``## `pgregistry.x``` per public module and an entry per public name: a
+list item (``- `name`: what it is``, its text wrapped onto lines indented by two spaces) or a table row
+(``| `name` | what it is |``). Everything the package uses internally lives in underscore modules or names.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ MOST_NAMES = 160
 
 _SECTION = re.compile(r"^## `(pgregistry[\w.]*)`\s*$")
 _ROW = re.compile(r"^\| `(\w+)` \| (.*) \|\s*$")
+_ITEM = re.compile(r"^- `(\w+)`: (.*)$")
 
 
 def _public_modules() -> list[str]:
@@ -42,16 +44,20 @@ def _in_code() -> dict[str, list[str]]:
 
 def _in_docs() -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
-    section = None
+    section = item = None
     for line in API.read_text().splitlines():
         if match := _SECTION.match(line):
-            section = match.group(1)
+            section, item = match.group(1), None
             assert section not in out, f"docs/api.md has two sections for {section}"
             out[section] = {}
-        elif (match := _ROW.match(line)) and section is not None:
-            name, text = match.groups()
-            assert name not in out[section], f"docs/api.md lists {section}.{name} twice"
-            out[section][name] = text.strip()
+        elif section is not None and (match := _ROW.match(line) or _ITEM.match(line)):
+            item, text = match.groups()
+            assert item not in out[section], f"docs/api.md lists {section}.{item} twice"
+            out[section][item] = text.strip()
+        elif section is not None and item is not None and line.startswith("  "):
+            out[section][item] += " " + line.strip()  # an item's text, wrapped
+        else:
+            item = None
     return out
 
 

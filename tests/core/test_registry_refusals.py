@@ -104,7 +104,7 @@ def test_a_rank_that_never_calls_build_is_named_within_the_builds_timeout() -> N
 def _killed_in_the_build(reports: Path) -> None:
     rank = dist.get_rank()
     if rank == 3:  # killed once in the build, before its agreement: the others are in it, or about to be
-        reg.agree = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+        reg.check_agreement = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
     message = errors_of({"build": lambda: reg.build(FOUR, name="k", timeout=BUILD_TIMEOUT_S)})["build"]
     (reports / f"rank-{rank}.txt").write_text(message)
 

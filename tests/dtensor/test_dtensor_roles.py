@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from pgregistry._runtime.resolve import normalise
+from pgregistry._runtime.resolve import normalise_params
 from pgregistry.grad_stats import check_expert_classification
 from pgregistry.params import (
     mark_expert,
@@ -49,7 +49,7 @@ class _Model(nn.Module):
 
 
 def _roles(model: nn.Module) -> dict[str, dict[str, Any]]:
-    return {name: param_roles(param) for name, param in normalise(model).named}
+    return {name: param_roles(param) for name, param in normalise_params(model).named}
 
 
 def _on_rank() -> dict[str, Any]:

@@ -57,7 +57,7 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from pgregistry._runtime.resolve import normalise
+    from pgregistry._runtime.resolve import normalise_params
 
     module = _slot("meta" if "meta" in replace else "cpu")
     old = module.w
@@ -82,7 +82,7 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
         fully_shard(module, mesh=mesh)
     elif replace == "fully_shard, then to_empty":
         fully_shard(module, mesh=mesh)
-        normalise(module)
+        normalise_params(module)
         module.to_empty(device="cpu")  # DTensor parameters: torch swaps each one's attribute dictionary
     elif replace == "distribute_tensor Shard(0)":
         module.w = nn.Parameter(distribute_tensor(old.detach(), mesh, [Shard(0)]))
@@ -98,7 +98,7 @@ def _roles_after(replace: str, mesh: Any) -> dict[str, Any]:
         raise AssertionError(replace)
     assert module.w is not old or replace == "fully_shard, then to_empty"
     assert not module.w.is_meta
-    normalise(module)
+    normalise_params(module)
     return param_roles(module.w)
 
 

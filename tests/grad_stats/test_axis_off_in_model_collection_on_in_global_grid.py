@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pgregistry import ProcessGroupCollection, registry
-from pgregistry._runtime.resolve import resolve
+from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import UNSET, group_rank
 from pgregistry.fallback import ProcessGroupFallbackWarning
 from pgregistry.fallback import _forget_fallback_warnings as forget_fallback_warnings
@@ -78,7 +78,8 @@ def _by_hand(collection: ProcessGroupCollection, **changes: Any) -> ProcessGroup
 
 def _stats_groups(collection: ProcessGroupCollection) -> StatsGroups:
     """The statistics' groups of ``collection`` as an entry point's door resolves them."""
-    return StatsGroups.from_collection(resolve(collection, owner="grad statistics", fallback=STATS_FALLBACK))
+    collection = resolve_pg_collection(collection, owner="grad statistics", fallback=STATS_FALLBACK)
+    return StatsGroups.from_collection(collection)
 
 
 def _on_rank() -> dict[str, Any]:

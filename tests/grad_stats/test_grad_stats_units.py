@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, registry
-from pgregistry._runtime.resolve import normalise
+from pgregistry._runtime.resolve import normalise_params
 from pgregistry.audit import audit_grad_replication
 from pgregistry.grad_stats import (
     CLIP_EPSILON,
@@ -249,16 +249,16 @@ def test_mark_tensor_parallel_validates() -> None:
 
 def test_the_normaliser_accepts_models_chunks_mappings_and_tensors() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 1)
-    assert [n for n, _ in normalise(a).named] == ["weight", "bias"]
-    assert [n for n, _ in normalise([a, b]).named][2:] == ["chunk1.weight", "chunk1.bias"]
-    assert [n for n, _ in normalise({"x": a.weight, "y": a.weight}).named] == ["x"]  # once per tensor
-    assert [n for n, _ in normalise([a.weight, a.bias]).named] == ["param[0]", "param[1]"]
-    assert normalise(a.weight).named[0][1] is a.weight
+    assert [n for n, _ in normalise_params(a).named] == ["weight", "bias"]
+    assert [n for n, _ in normalise_params([a, b]).named][2:] == ["chunk1.weight", "chunk1.bias"]
+    assert [n for n, _ in normalise_params({"x": a.weight, "y": a.weight}).named] == ["x"]  # once per tensor
+    assert [n for n, _ in normalise_params([a.weight, a.bias]).named] == ["param[0]", "param[1]"]
+    assert normalise_params(a.weight).named[0][1] is a.weight
     with pytest.raises(TypeError, match="param\\[1\\]"):
-        normalise([a.weight, "nope"])  # type: ignore[list-item]
+        normalise_params([a.weight, "nope"])  # type: ignore[list-item]
     # Chunks as a generator or a tuple are chunks, not tensors: the attached collection is then found through them.
-    assert normalise(chunk for chunk in [a, b]).chunks == (a, b)
-    assert normalise((a, b)).chunks == (a, b)
+    assert normalise_params(chunk for chunk in [a, b]).chunks == (a, b)
+    assert normalise_params((a, b)).chunks == (a, b)
 
 
 # --------------------------------------------------------------------------------------------- audit guard

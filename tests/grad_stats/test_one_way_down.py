@@ -70,6 +70,6 @@ def test_a_call_resolves_once_and_never_climbs_back(entry: str) -> None:
     model(torch.randn(5, 4)).sum().backward()
     for which in ("the plan made", "the plan kept"):
         entered, reentries = _route(lambda: CALLS[entry](model))
-        resolved = [step for step in entered if step.endswith("> _runtime.resolve.resolve")]
-        assert resolved == ["grad_stats._functional > _runtime.resolve.resolve"], (entry, which, entered)
+        resolved = [step for step in entered if step.endswith("> _runtime.resolve.resolve_pg_collection")]
+        assert resolved == ["grad_stats._functional > _runtime.resolve.resolve_pg_collection"], (entry, which, entered)
         assert not reentries, (entry, which, reentries)

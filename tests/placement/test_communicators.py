@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from pgregistry._runtime.communicators import communicators, communicators_per_rank, compare_layouts
+from pgregistry._runtime.communicators import communicators_per_rank, compare_layouts, kinds_by_communicator
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
 LAYOUTS = [
@@ -29,7 +29,7 @@ def _from_rank_views(layout: ParallelLayout) -> dict[tuple[int, ...], set[str]]:
 @pytest.mark.parametrize("sizes", LAYOUTS)
 def test_communicators_match_every_ranks_view(sizes: dict[str, object]) -> None:
     layout = ParallelLayout(**sizes)  # type: ignore[arg-type]
-    comms = communicators(layout)
+    comms = kinds_by_communicator(layout)
     expected = _from_rank_views(layout)
     assert {ranks: set(kinds) for ranks, kinds in comms.items()} == expected
     for kinds in comms.values():
@@ -40,7 +40,7 @@ def test_communicators_match_every_ranks_view(sizes: dict[str, object]) -> None:
 
 def test_kinds_naming_the_same_ranks_share_one_communicator() -> None:
     # cp and GTP off and etp == tp: dp, dp_cp, expt_dp and their GTP-spanning kinds are the same rank sets.
-    comms = communicators(ParallelLayout(num_ranks=8, tp=2))
+    comms = kinds_by_communicator(ParallelLayout(num_ranks=8, tp=2))
     assert comms[(0, 2, 4, 6)] == ("dp", "dp_cp", "dp_cp_gtp_remat", "expt_dp", "expt_dp_gtp_remat")
 
 
@@ -51,7 +51,7 @@ def test_compare_shares_exactly_the_common_rank_sets(sizes_a: dict[str, object],
     comparison = compare_layouts(a, b)
     view_a, view_b = _from_rank_views(a), _from_rank_views(b)
     assert comparison.shared == view_a.keys() & view_b.keys()
-    rows = comparison.shared_by_kinds()
+    rows = comparison.group_shared_by_kinds()
     assert sum(row.count for row in rows) == len(comparison.shared)
     for row in rows:
         members = [r for r in comparison.shared if set(view_a[r]) == set(row.kinds_a)
@@ -65,7 +65,7 @@ def test_policy_and_reference_share_the_blocks_of_four() -> None:
     comparison = compare_layouts(ParallelLayout(**LAYOUTS[0]), ParallelLayout(**LAYOUTS[1]))  # type: ignore[arg-type]
     blocks = {tuple(range(start, start + 4)) for start in range(0, 16, 4)}
     assert comparison.shared == blocks
-    (row,) = comparison.shared_by_kinds()
+    (row,) = comparison.group_shared_by_kinds()
     assert (row.kinds_a, row.count, row.size) == (("ep", "tp_ep"), 4, 4)
     assert row.kinds_b == ("tp", "tp_cp", "mp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_ep_pp_with_egtp_remat")
 
@@ -83,7 +83,7 @@ SPANS = [
 @pytest.mark.parametrize("sizes", SPANS)
 def test_a_spans_communicators_are_its_ranks_views(sizes: dict[str, object]) -> None:
     layout = ParallelLayout(**sizes)  # type: ignore[arg-type]
-    comms = communicators(layout)
+    comms = kinds_by_communicator(layout)
     expected = _from_rank_views(layout)
     assert {ranks: set(kinds) for ranks, kinds in comms.items()} == expected
     span = range(*layout.rank_range())
@@ -96,7 +96,7 @@ def test_a_spans_communicators_are_its_ranks_views(sizes: dict[str, object]) -> 
 
 
 def test_counting_over_ranks_that_miss_a_communicator_is_refused() -> None:
-    comms = communicators(ParallelLayout(num_ranks=4, tp=2, rank_offset=4))
+    comms = kinds_by_communicator(ParallelLayout(num_ranks=4, tp=2, rank_offset=4))
     with pytest.raises(ValueError, match=r"communicator over ranks \[4, 5\] reaches rank 4, outside ranks 0-3"):
         communicators_per_rank(comms, range(4))
 

@@ -1,0 +1,33 @@
+"""The examples in the docstrings of the torch-free modules run and print what they show.
+
+A docstring example is documentation a reader copies: one that went stale would teach a wrong rank
+set. Each module listed here must hold at least one example, so a module whose examples were all
+dropped fails too.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import io
+
+import pytest
+
+TORCH_FREE_MODULES = (
+    "pgregistry.collection",
+    "pgregistry.experts._keys",
+    "pgregistry.layout",
+    "pgregistry.placement",
+)
+
+
+@pytest.mark.parametrize("name", TORCH_FREE_MODULES)
+def test_the_docstring_examples_print_what_they_show(name: str) -> None:
+    module = importlib.import_module(name)
+    report = io.StringIO()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [test for test in doctest.DocTestFinder().find(module) if test.examples]
+    assert tests, f"{name} has no docstring example"
+    for test in tests:
+        runner.run(test, out=report.write)
+    assert runner.failures == 0, report.getvalue()
