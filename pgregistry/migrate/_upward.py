@@ -221,16 +221,13 @@ def thread_upward(
                 known.add(short)
                 frontier.add(short)
                 learned += [d.name for d in by_callee.get(short, ()) if d.eligible]
-    candidates = {d.name for d in definitions.values() if d.eligible}
-    _, values, hooks = uses(contents, candidates) if candidates else (set(), set(), set())
     counts: dict[str, int] = {}
     for data in contents.values():
         for defined in _DEFINED.findall(data):
             counts[defined.decode()] = counts.get(defined.decode(), 0) + 1
     aliases = _aliases([key for key, d in definitions.items() if not d.method] + [k for k in seeds if "." not in k[1]],
                        packages)
-    chosen = {key for key, d in definitions.items()
-              if d.eligible and key not in seeds and d.calls and d.name not in values and d.name not in hooks}
+    chosen = {key for key, d in definitions.items() if d.eligible and key not in seeds and d.calls}
 
     def target(kind: str, module: str, callee: str) -> tuple[str, str, str]:
         """A call's target, a function by the module that defines it (not a package re-exporting it)."""
@@ -258,6 +255,7 @@ def thread_upward(
         return {short: name for short, count in threaded_defs.items()
                 if short in of_methods and short not in other_keyword and count == counts.get(short)}
 
+    checked = False
     while True:
         every = set(seeds) | chosen
         methods = alike(every)
@@ -281,6 +279,13 @@ def thread_upward(
             definitions[k].name for k in calling & reaching if not definitions[k].holds}
         kept = {key for key in calling & reaching if not definitions[key].method
                 or definitions[key].name in methods and definitions[key].name in needed}
+        if kept == chosen and not checked:
+            # Only now, for the few names left (a search for thousands would cost more than the rest): a function
+            # passed as a value or registered as a hook has no caller that passes it one.
+            if kept:
+                _, values, hooks = uses(contents, {definitions[key].name for key in kept})
+                kept = {key for key in kept if definitions[key].name not in (values | hooks)}
+            checked = True
         if kept == chosen:
             return Upward(frozenset(chosen), alike(set(seeds) | chosen))
         chosen = kept
