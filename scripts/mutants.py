@@ -806,6 +806,16 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="if short in of_methods and short not in other_keyword}",
         tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",),
     ),
+    Mutant(
+        name="migrate-upward-drops-the-held-collection",
+        bug="a method threaded upward only so that every method of its name takes the collection passes its "
+        "parameter (None unless given) where its class holds self.pg_collection, which it passed before (issue 40)",
+        file="pgregistry/migrate/_plan.py",
+        find="found = _collection_in_scope(caller, call.statement, plan.attributes, name) if caller.upward else None",
+        replace="found = None",
+        tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
+               "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read"),
+    ),
 )
 
 

@@ -83,6 +83,9 @@ class Holder:
 
     def filtered(self, params):
         return [p for p in params if layers.not_duplicate(p)]
+
+    def norm(self):
+        return len(self.filtered([0, 7])) + sum(1 for p in (0, 7) if layers.not_duplicate(p))
 '''
 
 
@@ -136,9 +139,11 @@ def test_read_less_callers_are_threaded_up_to_the_top(rewritten: dict[str, str])
         assert line in optimizer.splitlines(), line
     # step has a twin (the scheduler's) that calls nothing threaded: no step gets it, so no call passes one
     assert "    def step(self):\n        return self.norm()\n" in optimizer
-    # a class holding a collection passes its own, and needs no parameter
+    # a class holding a collection passes its own, and needs no parameter, but where another method of the name
+    # needs it (norm), it takes it too, so that the polymorphic call is accepted
     assert "    def filtered(self, params):" in optimizer
-    assert "layers.not_duplicate(p, pg_collection=self.pg_collection)" in optimizer
+    assert optimizer.count("layers.not_duplicate(p, pg_collection=self.pg_collection)") == 2
+    assert optimizer.count("    def norm(self, *, pg_collection=None):") == 3
 
 
 def test_a_collection_passed_at_the_top_reaches_the_read(rewritten: dict[str, str]) -> None:
@@ -164,6 +169,8 @@ def test_a_collection_passed_at_the_top_reaches_the_read(rewritten: dict[str, st
         assert chained.norm(pg_collection=Collection(0)) == 3  # TP rank 0: every parameter counted
         assert chained.norm(pg_collection=Collection(1)) == 1  # rank 1: only the non-duplicate one
         assert optimizer.Holder(Collection(1)).filtered([0, 7]) == [7]
+        # its own collection, not the None it was given
+        assert optimizer.Holder(Collection(1)).norm() == 2 == optimizer.Holder(Collection(1)).norm(pg_collection=None)
 
 
 def test_without_a_collection_the_read_falls_back_as_before(rewritten: dict[str, str]) -> None:
