@@ -861,6 +861,37 @@ MUTANTS: tuple[Mutant, ...] = (
                "tests/migrate/test_migrate_rewrites.py::test_a_shim_whose_collection_escapes_stays_with_its_reason"
                "[passed-on]"),
     ),
+    Mutant(
+        name="migrate-no-upward-threading",
+        bug="migrate threads only the functions that read: a read-less caller (MegatronOptimizer.get_grad_norm "
+        "above param_is_not_gtp_duplicate) gets no parameter, so no caller above can pass one (issue 40)",
+        file="pgregistry/migrate/_engine.py",
+        find="upward = thread_upward(contents, {**threaded, **methods}, packages, name)",
+        replace="upward = Upward()",
+        tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
+               "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read",
+               "tests/migrate/test_migrate_upward.py::"
+               "test_the_upward_closure_does_not_depend_on_skeletons_or_the_split"),
+    ),
+    Mutant(
+        name="migrate-upward-method-not-alike",
+        bug="migrate threads a method upward though another def of its name in the tree is not threaded: a "
+        "polymorphic call would pass an override the keyword it lacks (issue 40)",
+        file="pgregistry/migrate/_upward.py",
+        find="if short in of_methods and short not in other_keyword and count == counts.get(short)}",
+        replace="if short in of_methods and short not in other_keyword}",
+        tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",),
+    ),
+    Mutant(
+        name="migrate-upward-drops-the-held-collection",
+        bug="a method threaded upward only so that every method of its name takes the collection passes its "
+        "parameter (None unless given) where its class holds self.pg_collection, which it passed before (issue 40)",
+        file="pgregistry/migrate/_plan.py",
+        find="found = _collection_in_scope(caller, call.statement, plan.attributes, name) if caller.upward else None",
+        replace="found = None",
+        tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
+               "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read"),
+    ),
 )
 
 

@@ -27,6 +27,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -52,6 +53,7 @@ from pgregistry.migrate._plan import (
     plan_file,
     reexported,
     threaded_functions,
+    threaded_methods,
     visit_mentions,
 )
 from pgregistry.migrate._progress import SILENT, Progress
@@ -59,6 +61,7 @@ from pgregistry.migrate._rewrite import rewrite
 from pgregistry.migrate._skeleton import needed_by, skeleton
 from pgregistry.migrate._style import DEFAULT_WIDTH
 from pgregistry.migrate._tree import TreeFacts, learn_tree
+from pgregistry.migrate._upward import Upward, thread_upward
 from pgregistry.migrate._writing import Change
 
 __all__ = ["Migration", "migrate"]
@@ -118,7 +121,7 @@ def _internal_error(path: str, error: BaseException) -> FileResult:
     return FileResult(path, failure=ParseFailure(f"{_INTERNAL} ({detail}); please report it", 1, 1))
 
 
-def _calls_of(names: set[str]) -> re.Pattern[bytes] | None:
+def _calls_of(names: AbstractSet[str]) -> re.Pattern[bytes] | None:
     """A call of one of ``names`` (by its plain name, as :func:`passes` resolves it). The lookahead on their
     first letters spares trying every name at every word (three times faster on megatron/core)."""
     if not names:
@@ -174,10 +177,29 @@ Threaded = dict[tuple[str, str], str]
 
 @dataclass
 class _Planned:
-    """A worker's first phase: the files it could not parse, and the functions it threaded."""
+    """A worker's first phase: the files it could not parse, and the functions and methods it threaded."""
 
     failures: list[FileResult]
     threaded: Threaded
+    methods: Threaded
+
+
+@dataclass(frozen=True)
+class _Instruction:
+    """What every worker's second phase needs of the others' first: the module-level functions given the
+    parameter (with the names packages re-export them under) and what threading upward decided."""
+
+    threaded: Threaded
+    upward: Upward = Upward()
+
+    def names(self) -> set[str]:
+        """The names of the functions and methods a caller may now pass a collection to."""
+        return ({function for _, function in self.threaded} | {q.rpartition(".")[2] for _, q in self.upward.functions}
+                | set(self.upward.methods))
+
+    def mention(self) -> re.Pattern[bytes] | None:
+        """A call of one of :meth:`names`."""
+        return _calls_of(self.names())
 
 
 @dataclass
@@ -203,7 +225,7 @@ class _Worker:
     files: list[tuple[str, bytes, tuple[Site, ...]]]
     others: list[list[tuple[str, bytes]]]
     queue: TaskQueue
-    may_thread: re.Pattern[bytes] | None
+    may_thread_names: frozenset[str]
     name: str
     idiom: Idiom
     width: int
@@ -212,6 +234,11 @@ class _Worker:
     facts: TreeFacts
     shims: ShimGetters | None
     plans: dict[str, FilePlan] = field(default_factory=dict)
+    #: A call of one of ``may_thread_names``.
+    may_thread: re.Pattern[bytes] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.may_thread = _calls_of(self.may_thread_names)
 
     def _plan(
         self, path: str, data: bytes, sites: Sequence[Site], calls: re.Pattern[bytes] | None
@@ -241,19 +268,29 @@ class _Worker:
                 failures.append(planned)
             else:
                 self.plans[path] = planned
-        return _Planned(failures, threaded_functions(self.plans.values()))
+        return _Planned(failures, threaded_functions(self.plans.values()), threaded_methods(self.plans.values()))
 
-    def second(self, threaded: Threaded) -> _Done:
+    def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
-        mention = _calls_of({function for _, function in threaded})
-        self.finish([self.plans[path] for path in sorted(self.plans)], threaded, mention, done)
+        mention = instruction.mention()
+        modules = {module for module, _ in instruction.upward.functions}
+        for path, data, sites in self.files:  # a definition threaded upward may be a placeholder: planned again
+            plan = self.plans.get(path)
+            if plan is not None and plan.kept and plan.module in modules:
+                planned = self._plan(path, data, sites, _calls_of(self.may_thread_names | instruction.names()))
+                if isinstance(planned, FileResult):
+                    done.failures.append(planned)
+                else:
+                    self.plans[path] = planned
+        self.finish([self.plans[path] for path in sorted(self.plans)], instruction, mention, done)
         while (task := self.queue.take()) is not None:
-            self.look(self.others[task], threaded, mention, done)
+            self.look(self.others[task], instruction, mention, done)
             self.progress("looking through the other files for calls (groups of files)", task + 1, len(self.others))
         return done
 
     def look(
-        self, files: Sequence[tuple[str, bytes]], threaded: Threaded, mention: re.Pattern[bytes] | None, done: _Done
+        self, files: Sequence[tuple[str, bytes]], instruction: _Instruction, mention: re.Pattern[bytes] | None,
+        done: _Done,
     ) -> None:
         """Plan and rewrite those of ``files`` (without reads) that call a threaded function (``mention``: a call
         of one, None when there is none)."""
@@ -268,17 +305,23 @@ class _Worker:
                     plans.append(planned)
                 elif planned.failure is not None and planned.failure.message.startswith(_INTERNAL):
                     done.failures.append(planned)
-        self.finish(plans, threaded, mention, done)
+        self.finish(plans, instruction, mention, done)
 
     def finish(
-        self, plans: Sequence[FilePlan], threaded: Threaded, mention: re.Pattern[bytes] | None, done: _Done
+        self, plans: Sequence[FilePlan], instruction: _Instruction, mention: re.Pattern[bytes] | None, done: _Done
     ) -> None:
-        """The calls of ``plans`` that pass a threaded function its collection, and their rewrites."""
+        """The functions of ``plans`` threaded upward, the calls that pass a threaded function its collection,
+        and their rewrites."""
+        upward = instruction.upward
         try:
             if mention is not None:
                 for plan in plans:
                     visit_mentions(plan, mention)
-            done.passed += passes(plans, self.name, threaded)
+            for plan in plans:
+                for function in plan.functions:
+                    if function.parent is None and (plan.module, function.qualname) in upward.functions:
+                        function.added, function.upward = self.name, True
+            done.passed += passes(plans, self.name, instruction.threaded, upward.methods)
         except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
             done.failures += [_internal_error(plan.path, error) for plan in plans]
             return
@@ -318,8 +361,8 @@ class _Worker:
 _DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:async[ \t]+)?def[ \t]+([^\s(\[]+)")
 
 
-def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> re.Pattern[bytes] | None:
-    """A call of any function that may be threaded: a read's enclosing scope whose head some ``def`` names
+def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> frozenset[str]:
+    """The names of the functions that may be threaded: a read's enclosing scope whose head some ``def`` names
     (a superset of the module-level functions with reads; the definitions it matches are parsed, not stood in
     for, so that once the threaded ones are known their callers can pass the collection). Each file is scanned
     once for the names it defines (a search per scope would be quadratic in a file's size)."""
@@ -328,7 +371,7 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
         heads = {s.scope.partition(".")[0] for s in result.sites if s.scope != MODULE_SCOPE}
         defined = set(_DEFINED.findall(contents[result.path]))
         names |= {head for head in heads if head.encode() in defined}
-    return _calls_of(names)
+    return frozenset(names)
 
 
 def _root(files: Sequence[SourceFile]) -> Path:
@@ -405,15 +448,22 @@ def _migrate(
         for share in shares
     ]
     threaded: Threaded = {}
+    instruction = _Instruction(threaded)
 
-    def between(firsts: list[_Planned]) -> list[Threaded] | None:
+    def between(firsts: list[_Planned]) -> list[_Instruction] | None:
+        nonlocal instruction
         outcome.failures += sorted((f for first in firsts for f in first.failures), key=lambda f: f.path)
         if outcome.failures:
             return None
         queue.fill(len(chunks))
         threaded.update({key: value for first in firsts for key, value in first.threaded.items()})
-        threaded.update(reexported(threaded, {p: d for p, d in contents.items() if p.endswith("__init__.py")}))
-        return [threaded] * len(firsts)
+        packages = {p: d for p, d in contents.items() if p.endswith("__init__.py")}
+        methods = {key: value for first in firsts for key, value in first.methods.items()}
+        upward = thread_upward(contents, {**threaded, **methods}, packages, name)
+        threaded.update({key: name for key in upward.functions if "." not in key[1]})
+        threaded.update(reexported(threaded, packages))
+        instruction = _Instruction(threaded, upward)
+        return [instruction] * len(firsts)
 
     try:
         _, done = two_phases(makers, between, fork=fork)
@@ -425,7 +475,7 @@ def _migrate(
     missed = [(path, data) for path, data in others if path not in looked]
     if missed:  # taken by a child that failed after taking them: looked through here
         done.append(_Done())
-        makers[0]().look(missed, threaded, _calls_of({function for _, function in threaded}), done[-1])
+        makers[0]().look(missed, instruction, instruction.mention(), done[-1])
     every = dict(left)
     for part in done:
         for path, read_ in part.reads:

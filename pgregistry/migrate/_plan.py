@@ -119,8 +119,10 @@ class Function:
     shim_name: str = ""
     shim_at: int = 0
     shim_fields: list[str] = field(default_factory=list)
-    #: Set by planning: the parameter this tool adds (its name).
+    #: Set by planning: the parameter this tool adds (its name), and whether it is there only to be passed on
+    #: (threaded upward, :mod:`~pgregistry.migrate._upward`: the function reads nothing itself).
     added: str = ""
+    upward: bool = False
     #: Index of the module-level statement holding it (the rewrite visits only the statements it changes).
     top: int = 0
     #: Index in the body of the module-level class holding it (-1: not in one).
@@ -531,6 +533,9 @@ class _Locator(cst.CSTVisitor):
             self.reads.append(Read(site, node, self.current, index, top=self.top, member=self.member))
         else:
             parts = _dotted(node.func)
+            if parts is None and isinstance(node.func, cst.Attribute) and not (
+                    isinstance(node.func.value, cst.Call) and _called_name(node.func.value) == "super"):
+                parts = ["", node.func.attr.value]  # a method of some object: ``self.items[0].m(...)``
             if parts is not None:
                 self.calls.append(Call(node, parts, self.current, index, top=self.top, member=self.member))
 
@@ -1256,6 +1261,19 @@ def threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
     }
 
 
+def threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
+    """The methods of module-level classes a collection was threaded into: (module, ``Class.method``) -> the
+    parameter added (their callers pass it only where every method of that name is threaded alike, see
+    :mod:`~pgregistry.migrate._upward`)."""
+    return {
+        (plan.module, function.qualname): function.added
+        for plan in plans
+        for function in plan.functions
+        if function.added and function.parent is None and function.method_of is not None
+        and function.qualname.count(".") == 1
+    }
+
+
 def reexported(threaded: Mapping[tuple[str, str], str], packages: Mapping[str, bytes]) -> dict[tuple[str, str], str]:
     """``threaded`` with the names packages re-export its functions under: ``from .common_utils import f`` in
     ``pkg/__init__.py`` (``packages``: path -> bytes of such files) makes ``pkg.f`` the same function, so a call
@@ -1290,10 +1308,14 @@ def reexported(threaded: Mapping[tuple[str, str], str], packages: Mapping[str, b
     return found
 
 
-def passes(plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, str], str] | None = None) -> int:
-    """Decide which calls pass a threaded module-level function the caller's collection (the caller's own, or
-    the one threaded into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``:
-    every file's :func:`threaded_functions` (default: those of ``plans``)."""
+def passes(
+    plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, str], str] | None = None,
+    methods: Mapping[str, str] | None = None,
+) -> int:
+    """Decide which calls pass a threaded function the caller's collection (the caller's own, or the one threaded
+    into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``: every file's
+    :func:`threaded_functions` (default: those of ``plans``); ``methods``: method names every ``def`` of which in
+    the tree has the parameter (name -> keyword): a call ``obj.m(...)`` on anything no import binds passes it."""
     if threaded is None:
         threaded = threaded_functions(plans)
     count = 0
@@ -1301,13 +1323,20 @@ def passes(plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, st
         for call in plan.calls:
             target = _callee(plan, call.dotted)
             keyword = threaded.get(target) if target is not None else None
+            if keyword is None and methods and len(call.dotted) > 1 and (
+                    not call.dotted[0] or _qualified(call.dotted, plan.bindings, plan.package) is None):
+                keyword = methods.get(call.dotted[-1])
             caller = call.function
             if keyword is None or caller is None:
                 continue
             if any(a.star == "**" or (a.keyword is not None and a.keyword.value == keyword) for a in call.node.args):
                 continue
             root = _outermost(caller)
-            if caller.added:
+            # A function threaded upward passes a collection it already holds (``self.pg_collection``), as before.
+            found = _collection_in_scope(caller, call.statement, plan.attributes, name) if caller.upward else None
+            if isinstance(found, tuple):
+                value = found[0]
+            elif caller.added:
                 value = caller.added
             else:
                 found = _collection_in_scope(caller, call.statement, plan.attributes, name)

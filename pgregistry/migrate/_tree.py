@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["TreeFacts", "learn_tree", "names_a_collection"]
+__all__ = ["TreeFacts", "learn_tree", "names_a_collection", "uses"]
 
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
 _ATTRIBUTE_TARGET = re.compile(rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)",
@@ -246,6 +246,23 @@ def _registered(data: bytes, names: re.Pattern[bytes]) -> set[str]:
     return found
 
 
+def uses(contents: Mapping[str, bytes], names: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+    """Of ``names`` (not empty), those called somewhere in the tree ``contents``, those referenced as values and
+    never called, and those passed to a torch hook registration."""
+    called: set[str] = set()
+    values: set[str] = set()
+    hooks: set[str] = set()
+    mention = _words(names)
+    for data in contents.values():
+        for match in mention.finditer(data):
+            use = _use(data, match.start(), match.end())
+            if use != "other":
+                (called if use == "call" else values).add(match.group().decode())
+        if b"register_" in data:
+            hooks |= _registered(data, mention)
+    return called, values - called, hooks
+
+
 def learn_tree(
     contents: Mapping[str, bytes], functions: Iterable[str], collection: str, *, state_modules: tuple[str, ...] = (
         "parallel_state", "mpu"), modules: frozenset[str] = frozenset(),
@@ -259,21 +276,14 @@ def learn_tree(
     fields: set[str] = set()
     owned: set[tuple[str, str]] = set()
     named = {n for n in functions if not (n.startswith("__") and n.endswith("__"))}  # Python calls those
-    mention = _words(named) if named else None
     for path, data in contents.items():
         if collection.encode() in data or b"ProcessGroupCollection" in data or b"use_mpu_process_groups" in data:
             assigned, declared, classes = _collections(data, collection)
             collections |= {(path, expression) for expression in assigned}
             fields |= declared
             owned |= classes
-        if mention is None:
-            continue
-        for match in mention.finditer(data):
-            use = _use(data, match.start(), match.end())
-            if use != "other":
-                (called if use == "call" else values).add(match.group().decode())
-        if b"register_" in data:
-            hooks |= _registered(data, mention)
+    if named:
+        called, values, hooks = uses(contents, named)
     ties = _ties(contents, owned)
     bases = {pair for data in contents.values() for pair in _bases(data)} if ties else set()
     return TreeFacts(state_modules=state_modules, modules=modules, called=frozenset(called),

@@ -136,13 +136,18 @@ class CudaAllocationsOnTheCpu(TorchFunctionMode):
 
 def megatron_tests_groups(dp: int, tp: int) -> dict[str, Any]:
     """The groups Megatron-LM's test_get_megatron_optimizer_with_custom_process_groups builds from a DeviceMesh
-    (PP 1, ``dp`` x ``tp``), under Megatron-Core's field names: ``expt_dp`` and ``tp_ep_pp`` None, no ``expt_tp``."""
+    (PP 1, ``dp`` x ``tp``), under Megatron-Core's field names: ``expt_dp`` and ``tp_ep_pp`` None, no ``expt_tp``;
+    and ``gtp_remat``, which that test predates: Megatron-Core 0.19's collection has the field, and its optimizer
+    filters GTP duplicates by it (``param_is_not_gtp_duplicate``), so a collection without it makes a migrated
+    Megatron-Core fall back to the global grid there. GTP remat is off: each rank alone (an older Megatron-Core,
+    without the field, ignores it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, dp, 1, 1, tp), mesh_dim_names=("pp", "dp", "ep", "cp", "tp"))
+    names = ("pp", "dp", "ep", "cp", "gtp_remat", "tp")
+    mesh = init_device_mesh("cpu", (1, dp, 1, 1, 1, tp), mesh_dim_names=names)
     return {
         "dp": mesh.get_group("dp"), "dp_cp": mesh["dp", "cp"]._flatten().get_group(),
         "intra_dist_opt": mesh["dp", "cp"]._flatten().get_group(), "expt_dp": None,
         "tp": mesh.get_group("tp"), "cp": mesh.get_group("cp"), "pp": mesh.get_group("pp"),
-        "mp": mesh["pp", "tp"]._flatten().get_group(), "tp_ep_pp": None,
+        "mp": mesh["pp", "tp"]._flatten().get_group(), "tp_ep_pp": None, "gtp_remat": mesh.get_group("gtp_remat"),
     }
