@@ -68,7 +68,7 @@ _RULES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 @functools.cache
-def _kernels() -> ModuleType | None:
+def _import_kernels() -> ModuleType | None:
     return optional_kernels("pgregistry.optim._triton_step")
 
 
@@ -76,7 +76,7 @@ def fused_step_available(device: torch.device) -> bool:
     """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per device and
     process) that compiled and gave the exact result of a small Adam step (see
     :mod:`pgregistry._runtime.optional_kernels`)."""
-    if device.type != "cuda" or _kernels() is None:
+    if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))
 
@@ -87,11 +87,15 @@ _PROBE_WANT = ((0.5, 1.5, 0.5, 1.5, 0.5, 1.5, 0.5, 1.5), (0.5, 1.5, 0.5, 1.5, 0.
 @functools.cache
 def _works_on(index: int) -> bool:
     return probe_kernel(
-        index, _probe, _PROBE_WANT, event="fused_optimizer_step_unavailable", kernel="the fused optimizer step kernel"
+        index,
+        _probe_every_launch,
+        _PROBE_WANT,
+        event="fused_optimizer_step_unavailable",
+        kernel="the fused optimizer step kernel",
     )
 
 
-def _probe(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+def _probe_every_launch(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """One Adam step (betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact) of ones with grads ±4 and
     ±2, copied to bf16: every param moves by 0.5 against its grad."""
     flat = torch.nn.Parameter(torch.ones(8, device=device))
@@ -312,7 +316,7 @@ class FusedStep:
         """Launch ``kernel`` over ``tensors`` (then the copy target, the table, the length), ``scalars`` and
         ``flags``, and tell autograd that ``written`` and the copies' target changed in place, as a torch step
         would."""
-        kernels = _kernels()
+        kernels = _import_kernels()
         if kernels is None:
             raise RuntimeError("the fused optimizer step needs triton, which is not importable here")
         plan = self._plan

@@ -15,7 +15,7 @@ count:
 * a span is read into a *part* of its group's local share (:mod:`pgregistry.grad_stats._reductions`: ``sum |g|^p``
   or ``max |g|`` in float64, and the zero count), and the shares are reduced by the grad statistics' one reducer,
   which an optimizer's chained children share: one all-reduce per group, in the one agreed order; an uncounted span
-  is read into a seen part (:func:`~pgregistry.grad_stats._reductions.seen_part`: its NaN or inf only) under its
+  is read into a seen part (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`: its NaN or inf only) under its
   group, so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
 * on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output (a
   bf16/fp16 span is cast inside the kernel when the output is float32);
@@ -49,9 +49,9 @@ import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
 from pgregistry.grad_stats import is_counted, reduce_group_of
-from pgregistry.grad_stats._fused import fused_stats_available, readable, span_squares_and_zeros
+from pgregistry.grad_stats._fused import can_run_fused_stats, is_kernel_readable, span_squares_and_zeros
 from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
-from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, reduce_shares, seen_part
+from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, nonfinite_part, reduce_shares
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -233,7 +233,7 @@ def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, on
     """
     wanted = shares.wanted
     if one_read is None:
-        one_read = wanted.p in (2.0, None) and readable(data) and fused_stats_available(data.device)
+        one_read = wanted.p in (2.0, None) and is_kernel_readable(data) and can_run_fused_stats(data.device)
     if one_read and wanted.p not in (2.0, None):
         raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm")
     shares.widen(data.dtype)
@@ -251,7 +251,7 @@ def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, on
             share = _norm_share(view, wanted.p) if wanted.p is not None else None
             zeros = span.numel - _count_nonzero(view) if count else None
         part = make_part(share, zeros if count else None, shares.device)
-        shares.add(span.group, part if span.counted else seen_part(part))
+        shares.add(span.group, part if span.counted else nonfinite_part(part))
 
 
 def _float_dtype(dtype: torch.dtype) -> torch.dtype:
