@@ -87,7 +87,7 @@ from pgregistry.optim import (  # noqa: E402
     setup_process_groups_for_optimizer,
 )
 from pgregistry.optim._base import FlatOptimizer  # noqa: E402
-from pgregistry.optim._fused_step import BLOCK, ITERS, fused_step_available  # noqa: E402
+from pgregistry.optim._fused_step import BLOCK, ITERS, can_run_fused_step  # noqa: E402
 from pgregistry.params import copy_param_roles  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
 from pgregistry.testing._toy_models import (  # noqa: E402
@@ -356,7 +356,7 @@ ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 def fused_step_checks(device: torch.device) -> list[Check]:
     if device.type != "cuda":
         return []
-    available = fused_step_available(device)
+    available = can_run_fused_step(device)
     checks = [("one-kernel step: compiled on this GPU, probe exact", available, "else torch's step runs")]
     if not available:
         return checks

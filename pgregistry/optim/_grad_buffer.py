@@ -122,7 +122,7 @@ def class_spans(
     return tuple(spans)
 
 
-def _align(value: int, multiple: int) -> int:
+def _round_up_to_multiple(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -163,14 +163,14 @@ class GradBuffer:
         spans: list[Span] = []
         cursor = 0
         for counted, group in order:
-            start = cursor = _align(cursor, SPAN_ALIGNMENT)
+            start = cursor = _round_up_to_multiple(cursor, SPAN_ALIGNMENT)
             for index, (param, cls) in enumerate(zip(params, classes, strict=True)):
                 if cls[0] == counted and cls[1] is group:
                     offsets[index] = cursor
                     cursor += param.numel()
             if cursor > start:
                 spans.append(Span(group, counted, start, cursor))
-        total = _align(cursor, SPAN_ALIGNMENT * shard_multiple)
+        total = _round_up_to_multiple(cursor, SPAN_ALIGNMENT * shard_multiple)
         self.data: torch.Tensor = torch.zeros(total, dtype=dtype, device=device)
         """The grads, padding included; zero it to zero every grad at once."""
         self.params: tuple[torch.Tensor, ...] = tuple(params)
@@ -309,7 +309,7 @@ def all_reduce_grads_(
     """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``: one collective per
     bucket of at most ``bucket_numel`` elements (default: one bucket), never one per tensor; none when the group is
     off. Dividing first (as Megatron-Core does) keeps the sum in range; ``divide_by=size(group)`` averages."""
-    _divide(buffer, divide_by)
+    _divide_buffer(buffer, divide_by)
     if group_size(group) == 1 or buffer.numel == 0:  # data-parallel replicas hold the same parameters: all skip
         return
     step = bucket_numel if bucket_numel else buffer.numel
@@ -324,7 +324,7 @@ def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, div
     collective): afterwards this rank's shard, returned as ``[start, stop)``, holds its reduced grads and the rest
     of the buffer is stale."""
     start, stop = buffer.shard_range(group)
-    _divide(buffer, divide_by)
+    _divide_buffer(buffer, divide_by)
     if group_size(group) == 1 or buffer.numel == 0:
         return start, stop
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -332,7 +332,7 @@ def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, div
     return start, stop
 
 
-def _divide(buffer: GradBuffer, divide_by: int) -> None:
+def _divide_buffer(buffer: GradBuffer, divide_by: int) -> None:
     if divide_by < 1:
         raise ValueError(f"divide_by must be a positive integer, got {divide_by}")
     if divide_by > 1:
