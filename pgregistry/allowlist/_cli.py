@@ -25,10 +25,10 @@ from pgregistry._runtime.empty_options import empty_option
 from pgregistry._source.cache import ScanCache
 from pgregistry._source.config import ConfigError, Settings
 from pgregistry._source.engine import ScanReport, default_jobs, scan_files, scan_sources
-from pgregistry._source.files import PathError, absolute, discover, excluded, project_path, under
+from pgregistry._source.files import PathError, discover_files, is_excluded, is_under, make_absolute, project_path
 from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
 from pgregistry._source.scanner import FileResult
-from pgregistry._source.storage import StorageError, exclusive
+from pgregistry._source.storage import StorageError, exclusive_lock
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist._megatron_list import match_megatron_list, parse_megatron_list
 from pgregistry.allowlist._ratchet import (
@@ -159,10 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _scan_targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
     """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
     if not args.paths:
-        return [absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
-    targets = [absolute(path) for path in args.paths]
+        return [make_absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
+    targets = [make_absolute(path) for path in args.paths]
     prefixes = [project_path(target, settings.root) for target in targets]
-    return targets, lambda path: under(path, prefixes)
+    return targets, lambda path: is_under(path, prefixes)
 
 
 def _print_error(message: str, fmt: str) -> int:
@@ -189,7 +189,7 @@ def run_action(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_options(args)
         targets, covers = _scan_targets(args, settings)
-        found = discover(targets, settings.root, settings.exclude)
+        found = discover_files(targets, settings.root, settings.exclude)
     except (ConfigError, PathError) as error:
         return _print_error(str(error), fmt)
     cache = None
@@ -299,7 +299,7 @@ def _scan_at_since(
     sources = [
         (path, data)
         for path, data in sorted(tree.python_files(prefixes).items())
-        if not excluded(path, settings.exclude)
+        if not is_excluded(path, settings.exclude)
     ]
     return Baseline(args.since, _scan_at(args, settings, cache, args.since, sources))
 
@@ -354,7 +354,7 @@ def _update_allowlist(
     the old file intact). ``partial``: some paths are not rescanned, so their old entries must be kept."""
     fmt: str = args.format
     try:
-        with exclusive(path):
+        with exclusive_lock(path):
             try:
                 expected = read_bytes(path)
             except OSError as error:
