@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
 
 from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
 from pgregistry._source.engine import scan_files, scan_sources  # noqa: E402
-from pgregistry._source.files import discover  # noqa: E402
+from pgregistry._source.files import discover_files  # noqa: E402
 from pgregistry._source.scanner import (  # noqa: E402
     FAMILIES,
     FileResult,  # noqa: E402
@@ -61,7 +61,7 @@ def export(repository: Path, rev: str, target: Path, *paths: str) -> None:
 
 
 def scan(root: Path, subtree: str, config: ScanConfig) -> list[FileResult]:
-    return scan_files(discover([root / subtree], root, ()).files, config, jobs=os.cpu_count() or 1).results
+    return scan_files(discover_files([root / subtree], root, ()).files, config, jobs=os.cpu_count() or 1).results
 
 
 def families(results: list[FileResult]) -> Counter[str]:
@@ -110,7 +110,7 @@ def main() -> int:
         export(args.repository, checker_commit, root, CHECKER)
         core = scan(root, "megatron/core", preset)
         whole = scan(root, "megatron", preset)
-        files = len(discover([root / "megatron"], root, ()).files)
+        files = len(discover_files([root / "megatron"], root, ()).files)
         print(
             f"Megatron-LM {tip} (megatron/: {files} files), checker {CHECKER} from {checker_commit[:10]}, "
             f"{os.cpu_count()} cores"

@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
 from pgregistry._source.scanner import FileResult, scan_source  # noqa: E402
 from pgregistry.allowlist._baseline import FileChanges, base_limits, parse_name_status  # noqa: E402
-from pgregistry.allowlist._ratchet import Allowlist, Comparison, compare  # noqa: E402
+from pgregistry.allowlist._ratchet import Allowlist, Comparison, compare_counts  # noqa: E402
 
 
 def git(repository: Path, *args: str, data: bytes | None = None) -> bytes:
@@ -95,7 +95,7 @@ def check_base(
     old_of = {new: old for old, new in files.renames.items()}
     counts = Allowlist.from_results(current).entries
     limits = base_limits(allowed, listed_at_base, previous.entries, lambda path: old_of.get(path, path), counts)
-    return compare(current, allowed, lambda path: True, files.renames, files.added, limits)
+    return compare_counts(current, allowed, lambda path: True, files.renames, files.added, limits)
 
 
 LABELS = (
@@ -147,14 +147,14 @@ def main() -> int:
         kind = "real new read" if real_new else "stale only" if removed else "no read added or removed"
         rows[f"commits: {kind}"] += 1
         everything = lambda path: True  # noqa: E731
-        paired = compare(current, allowed, everything, {})
+        paired = compare_counts(current, allowed, everything, {})
         raw_fail = bool(paired.mismatches) or bool(paired.moves)  # without pairing, a move is a failure too
         files = changes(repository, previous_commit, commit, args.subtree)
-        with_git = compare(current, allowed, everything, files.renames, files.added)
+        with_git = compare_counts(current, allowed, everything, files.renames, files.added)
         previous_counts = Allowlist.from_results(previous)
         base = check_base(current, allowed, allowed, previous_counts, files)
         lazy_check = check_base(current, lazy, lazy, previous_counts, files)
-        lax_check = compare(current, lax, everything, files.renames, files.added)
+        lax_check = compare_counts(current, lax, everything, files.renames, files.added)
         verdicts = (raw_fail, not paired.ok, not with_git.ok, not base.ok, not lazy_check.ok, bool(lax_check.new))
         for label, failed in zip(LABELS, verdicts, strict=True):
             if failed:

@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
 from pgregistry._source.cache import ScanCache  # noqa: E402
 from pgregistry._source.config import ScanConfig  # noqa: E402
 from pgregistry._source.engine import ScanReport, default_jobs, scan_files  # noqa: E402
-from pgregistry._source.files import discover  # noqa: E402
+from pgregistry._source.files import discover_files  # noqa: E402
 
 WORDS = (
     "tensor layer weight bias grad buffer bucket param shard chunk token expert router logits hidden state "
@@ -240,7 +240,7 @@ def main() -> int:
         (root / "pyproject.toml").write_text(
             '[tool.pgregistry.allowlist]\nroots = ["megatron"]\nallowlist = "allowlist.json"\n'
         )
-        files = discover([root / "megatron"], root, ()).files
+        files = discover_files([root / "megatron"], root, ()).files
         size = sum(f.absolute.stat().st_size for f in files)
         config = ScanConfig()
         jobs = default_jobs()
@@ -252,7 +252,7 @@ def main() -> int:
 
         def scan(processes: int, cache: ScanCache | None = None) -> ScanReport:
             """What the command does after start-up: discover the files, then scan them."""
-            return scan_files(discover([root / "megatron"], root, ()).files, config, cache=cache, jobs=processes)
+            return scan_files(discover_files([root / "megatron"], root, ()).files, config, cache=cache, jobs=processes)
 
         found = sum(len(r.sites) for r in scan(jobs).results)
         baseline = median_time(lambda: naive_scan(root), args.repeat)

@@ -60,7 +60,7 @@ from benchmarks.common import (  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import StatsGroups, norm_of_grads, zeros_of_grads  # noqa: E402
 from pgregistry.grad_stats import _fused as fused  # noqa: E402
-from pgregistry.grad_stats._fused import fused_stats_available  # noqa: E402
+from pgregistry.grad_stats._fused import can_run_fused_stats  # noqa: E402
 from pgregistry.optim._grad_buffer import GradBuffer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.tensors.split(",")]
     if not counts or min(counts) < 1 or args.bytes < 1 or args.repeat < 1 or args.warmup < 0:
         parser.error("tensor counts, --bytes and --repeat must be positive, --warmup not negative")
-    kernel = "on" if fused_stats_available(device) else "off"
+    kernel = "on" if can_run_fused_stats(device) else "off"
     if args.configs and (kernel != "on" or args.dtype == "mixed"):
         parser.error("--configs times the kernels over one dtype's grads, and they do not run on this device")
     print(f"grad statistics: torch {torch.__version__}, device {describe_device(device)}, one-read kernel {kernel}, "

@@ -88,7 +88,7 @@ from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E
 from pgregistry.grad_stats import _fused as fused  # noqa: E402
 from pgregistry.grad_stats import _plan as plans  # noqa: E402
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
-from pgregistry.grad_stats._fused import fused_stats_available  # noqa: E402
+from pgregistry.grad_stats._fused import can_run_fused_stats  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args.repeat = args.repeat or (20 if device.type == "cuda" else 15)
     if not counts or min(counts) < 2 or args.repeat < 1 or args.warmup < 0:
         parser.error("parameter counts must be at least 2, --repeat positive, --warmup not negative")
-    kernel = "on" if fused_stats_available(device) else "off"
+    kernel = "on" if can_run_fused_stats(device) else "off"
     print(f"grad statistics over a model: torch {torch.__version__}, device {describe_device(device)}, one-read "
           f"kernel {kernel}, {args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
     runs, problems = [], []

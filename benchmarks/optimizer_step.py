@@ -59,7 +59,7 @@ from pgregistry.optim import (  # noqa: E402
 )
 from pgregistry.optim._base import FlatOptimizer, InnerFactory  # noqa: E402
 from pgregistry.optim._copies import Copy  # noqa: E402
-from pgregistry.optim._fused_step import FusedStep, fused_step_available  # noqa: E402
+from pgregistry.optim._fused_step import FusedStep, can_run_fused_step  # noqa: E402
 
 ALL_OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in (args.tensors or ("2000,20000" if cuda else "200,2000")).split(",")]
     if not counts or min(counts) < 1 or args.numel < max(counts) or args.repeat < 1 or args.warmup < 0:
         parser.error("tensor counts and --repeat must be positive, --numel at least the largest count")
-    kernel = "on" if fused_step_available(device) else "off (torch's step + copy)"
+    kernel = "on" if can_run_fused_step(device) else "off (torch's step + copy)"
     if args.configs and kernel != "on":
         parser.error("--configs times the one kernel, which does not run on this device")
     print(f"optimizer step: torch {torch.__version__}, device {describe_device(device)}, AdamW {HYPER}, "

@@ -51,7 +51,7 @@ from torch.distributed import ProcessGroup
 from pgregistry._runtime.resolve import ParamsLike, normalise_params, resolve_pg_collection
 from pgregistry.collection import ProcessGroupCollection, group_rank, group_size
 from pgregistry.grad_stats import StatsGroups, param_is_not_shared, reduction_device
-from pgregistry.grad_stats._classification import unclassified_expert_params
+from pgregistry.grad_stats._classification import expert_params_without_allreduce
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, is_dtensor, mesh_ranks
 from pgregistry.grad_stats._filters import STATS_FALLBACK
 from pgregistry.grad_stats._local import parts_of
@@ -327,7 +327,7 @@ def audit_grad_replication(
     assert classified is not None and measured is not None
     unclassified: tuple[str, ...] = ()
     if group_size(axis_groups["ep"]) > 1:
-        unclassified = tuple(unclassified_expert_params(params))
+        unclassified = tuple(expert_params_without_allreduce(params))
     return GradReplicationReport(
         classified_norm=float(classified.item()),
         true_norm=math.nan if unsynchronised else float(measured.item()),

@@ -74,7 +74,7 @@ from pgregistry.cli._options import positive_seconds  # noqa: E402
 from pgregistry.cli._torchrun_checks import Check, run_checks  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
-from pgregistry.grad_stats._fused import clip_over_, fused_stats_available, launch_of, scale_  # noqa: E402
+from pgregistry.grad_stats._fused import can_run_fused_stats, clip_over_, launch_of, scale_  # noqa: E402
 from pgregistry.grad_stats._reductions import Wanted, clip_coefficient  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import (  # noqa: E402
@@ -87,7 +87,7 @@ from pgregistry.optim import (  # noqa: E402
     setup_process_groups_for_optimizer,
 )
 from pgregistry.optim._base import FlatOptimizer  # noqa: E402
-from pgregistry.optim._fused_step import BLOCK, ITERS, fused_step_available  # noqa: E402
+from pgregistry.optim._fused_step import BLOCK, ITERS, can_run_fused_step  # noqa: E402
 from pgregistry.params import copy_param_roles  # noqa: E402
 from pgregistry.rng import get_rng_tracker, model_parallel_manual_seed  # noqa: E402
 from pgregistry.testing._toy_models import (  # noqa: E402
@@ -316,7 +316,7 @@ def fsdp_checks(world: int, device: torch.device) -> list[Check]:
 
 
 def scale_kernel_checks(device: torch.device) -> list[Check]:
-    if device.type != "cuda" or not fused_stats_available(device):
+    if device.type != "cuda" or not can_run_fused_stats(device):
         return []
     checks = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -356,7 +356,7 @@ ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 def fused_step_checks(device: torch.device) -> list[Check]:
     if device.type != "cuda":
         return []
-    available = fused_step_available(device)
+    available = can_run_fused_step(device)
     checks = [("one-kernel step: compiled on this GPU, probe exact", available, "else torch's step runs")]
     if not available:
         return checks
@@ -380,7 +380,7 @@ def optimizer_clip_checks(device: torch.device) -> list[Check]:
     """The optimizers' ``clip_grad_norm`` on CUDA (the scale kernel making the coefficient from the norm): the norm
     the float64 oracle's, the grads torch's ``_foreach_mul_`` by ``clip_coefficient`` of that norm bit for bit, and a
     max_norm above the norm leaves every bit."""
-    if not fused_stats_available(device):
+    if not can_run_fused_stats(device):
         return []
     checks = []
     kinds = ((MixedPrecisionOptimizer, [torch.bfloat16, torch.float32]), (ShardedOptimizer, [torch.bfloat16]))

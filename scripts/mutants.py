@@ -102,8 +102,11 @@ MUTANTS: tuple[Mutant, ...] = (
         name="kept-plan-misses-a-submodule",
         bug="a kept classification misses a submodule registered behind a module's back into an empty dictionary",
         file="pgregistry/grad_stats/_plan.py",
-        find="same = not any(map(len, self._empty_holders)) and _same(self._held_now(), self._held)",
-        replace="same = _same(self._held_now(), self._held)",
+        find=(
+            "same = not any(map(len, self._empty_holders))"
+            " and _same_objects(self._current_holder_contents(), self._held)"
+        ),
+        replace="same = _same_objects(self._current_holder_contents(), self._held)",
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_a_changed_parameter_set_is_seen",),
     ),
     Mutant(
@@ -121,7 +124,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="kept-plan-misses-new-storage",
         bug="a kept classification reads the old addresses after a grad was re-pointed at storage of another shape",
         file="pgregistry/grad_stats/_plan.py",
-        find="same = _facts(pieces, layout.reads_by_kernel) == layout.facts",
+        find="same = _piece_facts(pieces, layout.reads_by_kernel) == layout.facts",
         replace="same = layout.facts is not None",
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),

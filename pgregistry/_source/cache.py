@@ -40,11 +40,11 @@ class ScanCache:
         self.directory = directory
         self.fingerprint = config.fingerprint()
         self.file = directory / f"allowlist-scan-{self.fingerprint}.json"
-        self._stored = self._load()
+        self._stored = self._load_entries()
         self._used: dict[str, list[Any]] = {}
         self._added = False
 
-    def _load(self) -> dict[str, list[Any]]:
+    def _load_entries(self) -> dict[str, list[Any]]:
         try:
             with self.file.open("rb") as handle:
                 payload = json.load(handle)

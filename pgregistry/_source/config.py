@@ -32,7 +32,7 @@ __all__ = [
     "Settings",
     "find_config_file",
     "load_settings",
-    "preset",
+    "preset_config",
     "read_toml",
 ]
 
@@ -89,7 +89,7 @@ class ScanConfig:
             kind = _FIELD_KINDS[field.name]
             for value in getattr(self, field.name):
                 if not kind[0].match(value):
-                    raise ConfigError(f"{_key(field.name)}: {value!r} is not {kind[1]}")
+                    raise ConfigError(f"{_toml_key(field.name)}: {value!r} is not {kind[1]}")
 
     def fingerprint(self) -> str:
         """A digest of the scanner version, the running Python's version (it decides which syntax parses) and
@@ -149,7 +149,7 @@ class Settings:
         return path if path.is_absolute() else self.root / path
 
 
-def _key(name: str) -> str:
+def _toml_key(name: str) -> str:
     return name.replace("_", "-")
 
 
@@ -176,7 +176,7 @@ def read_toml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _table(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def _allowlist_table(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
     node: Any = data
     for part in _TABLE:
         if not isinstance(node, Mapping) or part not in node:
@@ -191,31 +191,31 @@ def find_config_file(start: Path) -> Path | None:
     """The nearest ``pyproject.toml`` at or above ``start`` with a ``[tool.pgregistry.allowlist]`` table."""
     for directory in (start, *start.parents):
         candidate = directory / "pyproject.toml"
-        if candidate.is_file() and _table(read_toml(candidate)) is not None:
+        if candidate.is_file() and _allowlist_table(read_toml(candidate)) is not None:
             return candidate
     return None
 
 
-def _strings(table: Mapping[str, Any], key: str, where: Path) -> tuple[str, ...]:
+def _string_list(table: Mapping[str, Any], key: str, where: Path) -> tuple[str, ...]:
     value = table[key]
     if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
         raise ConfigError(f"{where}: [tool.pgregistry.allowlist] {key} must be a list of non-empty strings")
     return tuple(value)
 
 
-def _string(table: Mapping[str, Any], key: str, where: Path) -> str:
+def _nonempty_string(table: Mapping[str, Any], key: str, where: Path) -> str:
     value = table[key]
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: [tool.pgregistry.allowlist] {key} must be a non-empty string")
     return value
 
 
-_SCAN_KEYS = {_key(field.name): field.name for field in dataclasses.fields(ScanConfig)}
+_SCAN_KEYS = {_toml_key(field.name): field.name for field in dataclasses.fields(ScanConfig)}
 _LIST_KEYS = {"roots", "exclude", "extend-exclude"}
 _NAME_KEYS = {"preset"}
 
 
-def preset(name: str, where: str) -> ScanConfig:
+def preset_config(name: str, where: str) -> ScanConfig:
     """The built-in :data:`PRESETS` entry ``name``; ``where`` names the setting in the error."""
     if name not in PRESETS:
         raise ConfigError(f"{where}: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
@@ -231,7 +231,7 @@ def load_settings(config_file: Path | None, cwd: Path) -> Settings:
     if config_file is None:
         return Settings(root=cwd)
     config_file = config_file.resolve()
-    table = _table(read_toml(config_file)) or {}
+    table = _allowlist_table(read_toml(config_file)) or {}
     unknown = sorted(set(table) - set(_SCAN_KEYS) - _LIST_KEYS - _NAME_KEYS - _PATH_KEYS)
     if unknown:
         known = ", ".join(sorted({*_SCAN_KEYS, *_LIST_KEYS, *_NAME_KEYS, *_PATH_KEYS}))
@@ -241,20 +241,21 @@ def load_settings(config_file: Path | None, cwd: Path) -> Settings:
         )
     base = ScanConfig()
     if "preset" in table:
-        base = preset(_string(table, "preset", config_file), f"{config_file}: [tool.pgregistry.allowlist] preset")
+        where = f"{config_file}: [tool.pgregistry.allowlist] preset"
+        base = preset_config(_nonempty_string(table, "preset", config_file), where)
     scan = dataclasses.replace(
-        base, **{_SCAN_KEYS[key]: _strings(table, key, config_file) for key in table if key in _SCAN_KEYS}
+        base, **{_SCAN_KEYS[key]: _string_list(table, key, config_file) for key in table if key in _SCAN_KEYS}
     )
     settings = Settings(root=config_file.parent, scan=scan)
     if "roots" in table:
-        settings = dataclasses.replace(settings, roots=_strings(table, "roots", config_file))
+        settings = dataclasses.replace(settings, roots=_string_list(table, "roots", config_file))
     if "exclude" in table:
-        settings = dataclasses.replace(settings, exclude=_strings(table, "exclude", config_file))
+        settings = dataclasses.replace(settings, exclude=_string_list(table, "exclude", config_file))
     if "extend-exclude" in table:
-        extra = _strings(table, "extend-exclude", config_file)
+        extra = _string_list(table, "extend-exclude", config_file)
         settings = dataclasses.replace(settings, exclude=settings.exclude + extra)
     if "allowlist" in table:
-        settings = dataclasses.replace(settings, allowlist=Path(_string(table, "allowlist", config_file)))
+        settings = dataclasses.replace(settings, allowlist=Path(_nonempty_string(table, "allowlist", config_file)))
     if "cache-dir" in table:
-        settings = dataclasses.replace(settings, cache_dir=Path(_string(table, "cache-dir", config_file)))
+        settings = dataclasses.replace(settings, cache_dir=Path(_nonempty_string(table, "cache-dir", config_file)))
     return settings

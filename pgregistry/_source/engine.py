@@ -30,7 +30,7 @@ from pgregistry._source.files import SourceFile
 from pgregistry._source.processes import Child, can_fork, start_child
 from pgregistry._source.scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
 
-__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "buckets", "default_jobs", "scan_files", "scan_sources"]
+__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "default_jobs", "scan_files", "scan_sources", "split_into_buckets"]
 
 #: Below this many bytes to parse, forking costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -63,7 +63,7 @@ def _scan_bucket(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> list
     return [scan_source(data, path, config) for path, data in items]
 
 
-def buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
+def split_into_buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
     """Indexes split into ``count`` lists of near-equal total size (largest first, into the lightest)."""
     filled: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
@@ -96,7 +96,7 @@ def _child_results(
 def _scan_parallel(
     items: Sequence[tuple[str, bytes]], config: ScanConfig, jobs: int
 ) -> tuple[list[FileResult], int]:
-    split = buckets(jobs, [len(data) for _, data in items])
+    split = split_into_buckets(jobs, [len(data) for _, data in items])
     results: list[FileResult | None] = [None] * len(items)
     children: list[Child] = []
     try:
@@ -116,7 +116,7 @@ def _scan_parallel(
     return [result for result in results if result is not None], len(split)
 
 
-def _read(source: SourceFile) -> bytes | FileResult:
+def _read_source_bytes(source: SourceFile) -> bytes | FileResult:
     """The file's bytes; a failure for anything but a regular file. Opened non-blocking and checked with
     ``fstat`` before reading, so a FIFO (or a file swapped for one after discovery) never blocks the scan."""
     try:
@@ -138,7 +138,7 @@ def scan_files(
     files: Sequence[SourceFile], config: ScanConfig, *, cache: ScanCache | None = None, jobs: int = 1
 ) -> ScanReport:
     """Scan ``files``: cached results where the cache holds them, the rest parsed on up to ``jobs`` cores."""
-    read = [(source.path, _read(source)) for source in files]
+    read = [(source.path, _read_source_bytes(source)) for source in files]
     return scan_sources(read, config, cache=cache, jobs=jobs)
 
 

@@ -79,7 +79,7 @@ _PIPELINE_STAGE = {
 }
 
 
-def _replacement(accessor: str) -> str | None:
+def _replacement_for(accessor: str) -> str | None:
     if accessor in _PIPELINE_STAGE:
         return _PIPELINE_STAGE[accessor]
     for pattern, template in _SHAPES:
@@ -102,7 +102,7 @@ def fix_for(site: Site) -> str:
         return "pass a ProcessGroupCollection down instead of reading pgregistry's global grid"
     if site.family == HELPER:
         return f"pass the group explicitly (never None) instead of calling {site.accessor}, which reads the global one"
-    replacement = _replacement(site.accessor)
+    replacement = _replacement_for(site.accessor)
     if replacement is None:
         return "take the value from the ProcessGroupCollection the caller passes in instead of reading parallel_state"
     return f"use {replacement} from the ProcessGroupCollection the caller passes in instead of `{site.expr}`"

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["Discovery", "PathError", "SourceFile", "absolute", "discover", "excluded", "project_path", "under"]
+__all__ = [
+    "Discovery",
+    "PathError",
+    "SourceFile",
+    "discover_files",
+    "is_excluded",
+    "is_under",
+    "make_absolute",
+    "project_path",
+]
 
 
 class PathError(ValueError):
@@ -31,7 +40,7 @@ class SourceFile:
     absolute: Path
 
 
-def absolute(path: Path) -> Path:
+def make_absolute(path: Path) -> Path:
     """``path`` made absolute and normalised without resolving symbolic links (``Path.resolve`` would turn a
     root that is a link, ``src -> /elsewhere/src``, into a path outside the project)."""
     return Path(os.path.abspath(path))
@@ -43,7 +52,7 @@ def project_path(path: Path, root: Path) -> str:
     Tried as spelled first (a symlinked directory inside the project keeps its project path), then with links
     resolved on both sides (the project reached through a linked working directory); only a path outside the
     project in both senses is given as ``../...``."""
-    for candidate, base in ((absolute(path), absolute(root)), (path.resolve(), root.resolve())):
+    for candidate, base in ((make_absolute(path), make_absolute(root)), (path.resolve(), root.resolve())):
         try:
             return candidate.relative_to(base).as_posix() or "."
         except ValueError:
@@ -51,7 +60,7 @@ def project_path(path: Path, root: Path) -> str:
     return Path(os.path.relpath(path, root)).as_posix()
 
 
-def under(path: str, prefixes: Iterable[str]) -> bool:
+def is_under(path: str, prefixes: Iterable[str]) -> bool:
     """Whether the project path ``path`` is one of ``prefixes`` or lies below one of them."""
     return any(prefix == "." or path == prefix or path.startswith(prefix + "/") for prefix in prefixes)
 
@@ -78,7 +87,7 @@ class _Excluder:
         return any(self.entry("/".join(parts[: i + 1])) for i in range(len(parts)))
 
 
-def excluded(path: str, exclude: Sequence[str]) -> bool:
+def is_excluded(path: str, exclude: Sequence[str]) -> bool:
     """Whether the project path ``path`` (a file that may not exist on disk, e.g. read from git) is excluded."""
     return _Excluder(exclude).any_level(path)
 
@@ -92,14 +101,14 @@ class Discovery:
     skipped: list[str]
 
 
-def _regular(path: Path) -> bool:
+def _is_regular_file(path: Path) -> bool:
     try:
         return stat.S_ISREG(path.stat().st_mode)
     except OSError:
         return False
 
 
-def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Discovery:
+def discover_files(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Discovery:
     """The files to scan under ``targets`` (absolute files or directories).
 
     Directories contribute their ``*.py`` files that are regular files (the others are listed as skipped); a
@@ -110,7 +119,7 @@ def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Dis
     skipped: list[str] = []
     for target in targets:
         relative = project_path(target, root)
-        if target.exists() and not target.is_dir() and not _regular(target):
+        if target.exists() and not target.is_dir() and not _is_regular_file(target):
             raise PathError(f"{target}: not a regular file or directory")
         if target.is_file():
             if relative == "." or not excluder.any_level(relative):
@@ -125,7 +134,7 @@ def discover(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Dis
                 for name in filenames:
                     path = prefix + name
                     if name.endswith(".py") and not excluder.entry(path):
-                        if _regular(Path(directory, name)):
+                        if _is_regular_file(Path(directory, name)):
                             found.setdefault(path, SourceFile(path, Path(directory, name)))
                         elif path not in skipped:
                             skipped.append(path)

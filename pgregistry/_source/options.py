@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from pgregistry._source.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
-from pgregistry._source.files import absolute
+from pgregistry._source.files import make_absolute
 
 __all__ = ["add_settings_options", "path_argument", "settings_arguments", "settings_from_options"]
 
@@ -83,9 +83,9 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
     exclude = tuple(args.exclude) if args.exclude is not None else settings.exclude
     settings = dataclasses.replace(settings, exclude=exclude + tuple(args.extend_exclude))
     if args.allowlist is not None:
-        settings = dataclasses.replace(settings, allowlist=absolute(args.allowlist))
+        settings = dataclasses.replace(settings, allowlist=make_absolute(args.allowlist))
     if args.cache_dir is not None:
-        settings = dataclasses.replace(settings, cache_dir=absolute(args.cache_dir))
+        settings = dataclasses.replace(settings, cache_dir=make_absolute(args.cache_dir))
     if args.preset is not None:
         settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
     if args.module is not None:

@@ -62,7 +62,7 @@ class Child:
         self.connection.close()
         self.process.join()
         self.failed = self.failed or self.process.exitcode != 0
-        self._release()
+        self._close_and_mark_reaped()
 
     def kill(self) -> None:
         """Stop and reap the child, whatever it is doing (on the way out, or after it failed)."""
@@ -71,9 +71,9 @@ class Child:
         self.connection.close()
         self.process.kill()  # harmless once it exited: it is a zombie until joined
         self.process.join()
-        self._release()
+        self._close_and_mark_reaped()
 
-    def _release(self) -> None:
+    def _close_and_mark_reaped(self) -> None:
         self.process.close()
         self.reaped = True
 

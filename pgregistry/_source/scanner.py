@@ -138,7 +138,7 @@ _SITE_TYPES = (int, int, str, str, str, str, str, bool)
 _FAILURE_TYPES = (str, int, int, str)
 
 
-def _typed(values: Sequence[Any], types: tuple[type, ...]) -> Sequence[Any]:
+def _check_row_types(values: Sequence[Any], types: tuple[type, ...]) -> Sequence[Any]:
     if len(values) != len(types) or not all(type(v) is t for v, t in zip(values, types, strict=True)):
         raise ValueError(f"malformed result row: {values!r}")
     return values
@@ -149,8 +149,8 @@ def decode_result(path: str, row: Sequence[Any]) -> FileResult:
     sites, failure = row
     return FileResult(
         path,
-        tuple(Site(*_typed(site, _SITE_TYPES)) for site in sites),
-        None if failure is None else ParseFailure(*_typed(failure, _FAILURE_TYPES)),
+        tuple(Site(*_check_row_types(site, _SITE_TYPES)) for site in sites),
+        None if failure is None else ParseFailure(*_check_row_types(failure, _FAILURE_TYPES)),
     )
 
 
@@ -201,7 +201,7 @@ class _Rules:
         words = {part for family in self.families for module in family.modules for part in module.split(".")}
         helper_names = {helper.rpartition(".")[2] for helper in self.helpers}
         self.words = frozenset(words | set(config.aliases) | self.shims | helper_names)
-        self.trigger = _words(self.words)
+        self.trigger = _word_pattern(self.words)
 
     def match(self, parts: Sequence[str], bound: bool, stars: Iterable[_Family]) -> tuple[str, str] | None:
         """(family, accessor) when the dotted name ``parts`` reads global state. ``bound``: whether its first
@@ -240,13 +240,13 @@ class _Rules:
         return next((family for family in self.families if family.module(module)), None)
 
 
-def _words(words: Iterable[str]) -> re.Pattern[bytes]:
+def _word_pattern(words: Iterable[str]) -> re.Pattern[bytes]:
     alternatives = "|".join(re.escape(word) for word in sorted(words))
     return re.compile(rb"\b(?:" + alternatives.encode() + rb")\b")
 
 
 @lru_cache(maxsize=8)
-def _rules(config: ScanConfig) -> _Rules:
+def _compile_rules(config: ScanConfig) -> _Rules:
     return _Rules(config)
 
 
@@ -263,7 +263,7 @@ def _lines_matching(pattern: re.Pattern[bytes], text: bytes) -> list[int]:
     return lines
 
 
-def _position(data: bytes, offset: int) -> tuple[int, int]:
+def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
     """The 1-based (line, column) of the byte at ``offset``."""
     return data.count(b"\n", 0, offset) + 1, offset - data.rfind(b"\n", 0, offset)
 
@@ -287,7 +287,7 @@ def _decode_failure(data: bytes) -> ParseFailure | None:
             return None
         except UnicodeDecodeError as error:
             start, reason = error.start, error.reason
-    return ParseFailure(f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})", *_position(data, start))
+    return ParseFailure(f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})", *_line_and_column(data, start))
 
 
 #: Syntax newer than some Python still in use, recognised on the line a SyntaxError points at:
@@ -318,7 +318,7 @@ def _newer_syntax(data: bytes, line: int, message: str) -> tuple[str, str] | Non
     return None
 
 
-def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
+def _parse_module(data: bytes, path: str) -> ast.Module | ParseFailure:
     failure = _decode_failure(data)
     if failure is not None:
         return failure
@@ -328,7 +328,7 @@ def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
             return ast.parse(data, filename=path)
     except SyntaxError as error:
         if error.lineno is None and b"\0" in data:
-            line, col = _position(data, data.index(b"\0"))
+            line, col = _line_and_column(data, data.index(b"\0"))
         else:
             line, col = max(1, error.lineno or 1), max(1, error.offset or 1)
         newer = _newer_syntax(data, line, str(error.msg))
@@ -345,7 +345,7 @@ def _parse(data: bytes, path: str) -> ast.Module | ParseFailure:
         return ParseFailure("syntax error: nested too deeply for Python's parser (recursion limit)", 1, 1)
 
 
-def _covers(lines: list[int], first: int, last: int) -> bool:
+def _lines_cover(lines: list[int], first: int, last: int) -> bool:
     index = bisect_left(lines, first)
     return index < len(lines) and lines[index] <= last
 
@@ -365,17 +365,17 @@ class _Imports:
         pending: list[list[ast.stmt]] = [body]
         while pending:
             for stmt in pending.pop():
-                if not _covers(lines, stmt.lineno, stmt.end_lineno or stmt.lineno):
+                if not _lines_cover(lines, stmt.lineno, stmt.end_lineno or stmt.lineno):
                     continue
                 if isinstance(stmt, ast.Import):
                     for alias in stmt.names:
                         if alias.asname:
-                            self._bind(alias.asname, alias.name)
+                            self._bind_name(alias.asname, alias.name)
                         else:
                             head = alias.name.split(".", 1)[0]
-                            self._bind(head, head)
+                            self._bind_name(head, head)
                 elif isinstance(stmt, ast.ImportFrom):
-                    module = self._absolute(stmt.module, stmt.level)
+                    module = self._absolute_module(stmt.module, stmt.level)
                     for alias in stmt.names:
                         if alias.name == "*":
                             family = self.rules.star_family(module)
@@ -383,7 +383,7 @@ class _Imports:
                                 self.stars.append(family)
                         else:
                             target = f"{module}.{alias.name}" if module else alias.name
-                            self._bind(alias.asname or alias.name, target)
+                            self._bind_name(alias.asname or alias.name, target)
                 else:
                     for field in ("body", "orelse", "finalbody"):
                         block = getattr(stmt, field, None)
@@ -392,13 +392,13 @@ class _Imports:
                     for clause in getattr(stmt, "handlers", ()) or getattr(stmt, "cases", ()):
                         pending.append(clause.body)
 
-    def _absolute(self, module: str | None, level: int) -> str:
+    def _absolute_module(self, module: str | None, level: int) -> str:
         if level == 0:
             return module or ""
         base = self.package[: max(0, len(self.package) - (level - 1))]
         return ".".join([*base, module] if module else base)
 
-    def _bind(self, name: str, target: str) -> None:
+    def _bind_name(self, name: str, target: str) -> None:
         self.bindings.setdefault(name, set()).add(target)
 
     def trigger_names(self) -> set[str]:
@@ -410,7 +410,7 @@ class _Imports:
         }
 
 
-def _chain(node: ast.expr) -> list[str] | None:
+def _parts_of_dotted_name(node: ast.expr) -> list[str] | None:
     """``a.b.c`` as ``["a", "b", "c"]``; None when the expression is not a plain dotted name."""
     parts: list[str] = []
     while isinstance(node, ast.Attribute):
@@ -426,20 +426,21 @@ def _chain(node: ast.expr) -> list[str] | None:
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
-def _is_none(test: ast.expr) -> str | None:
+def _branch_when_missing(test: ast.expr) -> str | None:
     """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not x`` (a
     name or attribute, not a call) or an ``or`` of such tests, ``"orelse"`` for ``x is not None``; None when
     ``test`` is no such check."""
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and _none(test.comparators[0]):
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and _is_none_constant(test.comparators[0]):
         return "body" if isinstance(test.ops[0], ast.Is) else "orelse" if isinstance(test.ops[0], ast.IsNot) else None
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):  # ``not group``, not ``not ready()``
         return "body" if isinstance(test.operand, (ast.Name, ast.Attribute)) else None
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and any(_is_none(v) == "body" for v in test.values):
-        return "body"
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+        if any(_branch_when_missing(v) == "body" for v in test.values):
+            return "body"
     return None
 
 
-def _none(node: ast.expr) -> bool:
+def _is_none_constant(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
@@ -465,21 +466,21 @@ class _Walker:
                 first = (
                     node.decorator_list[0].lineno if isinstance(node, _SCOPES) and node.decorator_list else 0
                 )
-                if not _covers(lines, first or node.lineno, node.end_lineno or node.lineno):
+                if not _lines_cover(lines, first or node.lineno, node.end_lineno or node.lineno):
                     continue
             if isinstance(node, ast.Call):
                 # getattr(ps, "get_x")(...) is one site: the outer call falls through to the inner one.
-                if self._record(node.func, scope, CALL, guarded):
+                if self._record_site(node.func, scope, CALL, guarded):
                     stack.extend((child, scope, guarded) for child in [*node.args, *node.keywords])
                     continue
                 if self._record_getattr(node, scope, guarded):
                     stack.extend((child, scope, guarded) for child in [*node.args[2:], *node.keywords])
                     continue
             elif isinstance(node, (ast.Attribute, ast.Name)):
-                if isinstance(node.ctx, ast.Load) and self._record(node, scope, REFERENCE, guarded):
+                if isinstance(node.ctx, ast.Load) and self._record_site(node, scope, REFERENCE, guarded):
                     continue
             elif isinstance(node, (ast.If, ast.IfExp)):
-                branch = _is_none(node.test)
+                branch = _branch_when_missing(node.test)
                 stack.append((node.test, scope, guarded))
                 for field in ("body", "orelse"):
                     value = getattr(node, field)
@@ -507,7 +508,7 @@ class _Walker:
         self.sites.sort()
         return self.sites
 
-    def _resolve(self, parts: list[str]) -> tuple[str, str] | None:
+    def _resolve_accessor(self, parts: list[str]) -> tuple[str, str] | None:
         targets = self.bindings.get(parts[0])
         if targets is None:
             if len(parts) == 1 and self.rules.helper([*self.module, parts[0]]):  # the helper's own module
@@ -519,11 +520,11 @@ class _Walker:
                 return hit
         return None
 
-    def _record(self, node: ast.expr, scope: str, form: str, guarded: bool) -> bool:
-        parts = _chain(node)
+    def _record_site(self, node: ast.expr, scope: str, form: str, guarded: bool) -> bool:
+        parts = _parts_of_dotted_name(node)
         if parts is None:
             return False
-        hit = self._resolve(parts)
+        hit = self._resolve_accessor(parts)
         if hit is None:
             return False
         family, accessor = hit
@@ -542,11 +543,11 @@ class _Walker:
             and isinstance(call.args[1].value, str)
         ):
             return False
-        parts = _chain(call.args[0])
+        parts = _parts_of_dotted_name(call.args[0])
         name = call.args[1].value
         if parts is None or not name.isidentifier():
             return False
-        hit = self._resolve([*parts, name])
+        hit = self._resolve_accessor([*parts, name])
         if hit is None:
             return False
         family, accessor = hit
@@ -565,10 +566,10 @@ def module_name(path: str) -> list[str]:
 def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
     """The sites in one file's bytes. ``path`` is the project-relative POSIX path: it names the file in
     failures and gives the package that relative imports resolve against."""
-    tree = _parse(data, path)
+    tree = _parse_module(data, path)
     if isinstance(tree, ParseFailure):
         return FileResult(path, failure=tree)
-    rules = _rules(config)
+    rules = _compile_rules(config)
     module = module_name(path)
     if rules.exempt.module(".".join(module)):
         return FileResult(path)
@@ -580,7 +581,7 @@ def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
     imports.collect(tree.body, lines)
     names = imports.trigger_names()
     if names:
-        extra = _lines_matching(_words(names), text)
+        extra = _lines_matching(_word_pattern(names), text)
         lines = sorted(set(lines).union(extra))
     walker = _Walker(rules, imports, None if imports.stars else lines, module)
     return FileResult(path, tuple(walker.walk(tree)))

@@ -5,7 +5,7 @@ file in the same directory, is flushed to disk (``fsync``) and only then renamed
 a ``kill -9`` or a full disk at any point leaves either the old file or the new one, never a truncated mix.
 
 Two updates running at once (two partial ``update PATH`` runs, or a pre-commit hook beside a manual run)
-would each read the old list and the last rename would drop the other's entries. :func:`exclusive` holds an
+would each read the old list and the last rename would drop the other's entries. :func:`exclusive_lock` holds an
 advisory lock on the file's directory for the whole read-merge-write, so the second waits for the first and
 merges into its result. As a second line of defence (for writers that take no lock, and for Windows, which
 has no ``flock``), the allowlist's writer re-reads the file before the rename and refuses when it changed since
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LOCK_TIMEOUT_S", "StorageError", "atomic_write", "exclusive"]
+__all__ = ["LOCK_TIMEOUT_S", "StorageError", "atomic_write", "exclusive_lock"]
 
 #: How long to wait for another process's update before giving up (nothing may hang forever).
 LOCK_TIMEOUT_S = 120.0
@@ -41,7 +41,7 @@ class StorageError(OSError):
         return str(self.args[0])
 
 
-def _reason(error: OSError) -> str:
+def _reason_of(error: OSError) -> str:
     return error.strerror or str(error) or type(error).__name__
 
 
@@ -54,7 +54,7 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = _new_temporary(path)
     except OSError as error:
-        raise StorageError(f"cannot write {path}: {_reason(error)}") from error
+        raise StorageError(f"cannot write {path}: {_reason_of(error)}") from error
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
@@ -68,7 +68,7 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         if isinstance(error, OSError):
-            raise StorageError(f"cannot write {path}: {_reason(error)}; the previous file is unchanged") from error
+            raise StorageError(f"cannot write {path}: {_reason_of(error)}; the previous file is unchanged") from error
         raise
     if durable:  # make the rename itself durable
         with contextlib.suppress(OSError):
@@ -92,7 +92,7 @@ def _new_temporary(path: Path) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def exclusive(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Hold the advisory lock that serialises rewrites of ``path`` (a lock on its directory, so it survives
     the rename that replaces the file). Waits up to ``timeout`` seconds, then raises :class:`StorageError`."""
     if fcntl is None:  # pragma: no cover - Windows: the writer's re-read still detects a concurrent change
@@ -103,7 +103,7 @@ def exclusive(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
         directory.mkdir(parents=True, exist_ok=True)
         handle = os.open(directory, os.O_RDONLY)
     except OSError as error:
-        raise StorageError(f"cannot lock {path}: {_reason(error)}") from error
+        raise StorageError(f"cannot lock {path}: {_reason_of(error)}") from error
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -112,7 +112,7 @@ def exclusive(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
                 break
             except OSError as error:
                 if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise StorageError(f"cannot lock {path}: {_reason(error)}") from error
+                    raise StorageError(f"cannot lock {path}: {_reason_of(error)}") from error
                 if time.monotonic() >= deadline:
                     raise StorageError(
                         f"cannot lock {path}: another process has been updating it for {timeout:.0f} s"

@@ -32,7 +32,7 @@ class GitError(RuntimeError):
     """A git command failed (not a repository, an unknown revision); the message says which and why."""
 
 
-def _git(root: Path, *args: str, data: bytes | None = None) -> bytes:
+def _run_git(root: Path, *args: str, data: bytes | None = None) -> bytes:
     try:
         done = subprocess.run(["git", "-C", str(root), *args], input=data, capture_output=True, check=False)
     except OSError as error:
@@ -78,21 +78,21 @@ class GitTree:
         self.root = root
         self.rev = rev
         # Project paths are relative to ``root``; git's are relative to the repository's top level.
-        self.prefix = _git(root, "rev-parse", "--show-prefix").decode().strip()
+        self.prefix = _run_git(root, "rev-parse", "--show-prefix").decode().strip()
         try:
-            self.commit = _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").decode().strip()
+            self.commit = _run_git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").decode().strip()
         except GitError:  # --quiet: git says nothing, so the error would name neither the revision nor the cause
             message = f"unknown revision {rev!r}: no commit of that name in the git repository at {root}"
             raise GitError(message) from None
 
-    def _project(self, git_path: str) -> str | None:
+    def _path_in_project(self, git_path: str) -> str | None:
         return git_path[len(self.prefix) :] if git_path.startswith(self.prefix) else None
 
     def changes(self) -> FileChanges:
         """The files git detects as renamed, and those added, since ``rev`` (working tree included)."""
-        out = _git(self.root, "diff", "--name-status", "-M", "-z", self.commit, "--", ".")
+        out = _run_git(self.root, "diff", "--name-status", "-M", "-z", self.commit, "--", ".")
         changes = parse_name_status(out)
-        project = self._project
+        project = self._path_in_project
         renames = {project(old): project(new) for old, new in changes.renames.items()}
         return FileChanges(
             {old: new for old, new in renames.items() if old is not None and new is not None},
@@ -101,29 +101,29 @@ class GitTree:
 
     def python_files(self, under: Iterable[str]) -> dict[str, bytes]:
         """Project path -> bytes of every ``*.py`` file at ``rev`` below the project paths ``under``."""
-        listing = _git(self.root, "ls-tree", "-r", "-z", self.commit, "--", *(under or ["."]))
+        listing = _run_git(self.root, "ls-tree", "-r", "-z", self.commit, "--", *(under or ["."]))
         blobs: list[tuple[str, str]] = []
         for entry in listing.split(b"\0"):
             if not entry:
                 continue
             meta, _, name = entry.partition(b"\t")
             mode, kind, sha = meta.decode().split()
-            path = self._project((self.prefix.encode() + name).decode("utf-8", "surrogateescape"))
+            path = self._path_in_project((self.prefix.encode() + name).decode("utf-8", "surrogateescape"))
             if kind == "blob" and mode != "120000" and path is not None and path.endswith(".py"):
                 blobs.append((path, sha))
-        return dict(zip([path for path, _ in blobs], self._contents([sha for _, sha in blobs]), strict=True))
+        return dict(zip([path for path, _ in blobs], self._read_blobs([sha for _, sha in blobs]), strict=True))
 
     def source(self, path: str) -> bytes | None:
         """The bytes of the project path ``path`` at ``rev``; None when it did not exist there."""
         try:
-            return _git(self.root, "show", f"{self.commit}:./{path}")
+            return _run_git(self.root, "show", f"{self.commit}:./{path}")
         except GitError:
             return None
 
-    def _contents(self, shas: list[str]) -> list[bytes]:
+    def _read_blobs(self, shas: list[str]) -> list[bytes]:
         if not shas:
             return []
-        out = _git(self.root, "cat-file", "--batch", data="".join(f"{sha}\n" for sha in shas).encode())
+        out = _run_git(self.root, "cat-file", "--batch", data="".join(f"{sha}\n" for sha in shas).encode())
         contents, position = [], 0
         for _ in shas:
             header_end = out.index(b"\n", position)
@@ -133,7 +133,9 @@ class GitTree:
         return contents
 
 
-def _added(item: Mismatch, before: bytes, after: bytes, config: ScanConfig, old_path: str) -> tuple[Site, ...]:
+def _sites_on_added_lines(
+    item: Mismatch, before: bytes, after: bytes, config: ScanConfig, old_path: str
+) -> tuple[Site, ...]:
     """The sites of ``item`` on lines that did not exist in ``before`` (lines matched with difflib)."""
     old_sites = scan_source(before, old_path, config).sites
     accessor, form = item.key.split("|")[1:]
@@ -161,7 +163,7 @@ def mark_added(
             old_path = old_of.get(item.path, item.path)
             before, after = base.source(old_path), current(item.path)
             if after is not None:
-                added = _added(item, before or b"", after, config, old_path)
+                added = _sites_on_added_lines(item, before or b"", after, config, old_path)
                 if len(added) >= item.unexplained:
                     item = dataclasses.replace(item, added=added)
         marked.append(item)

@@ -25,10 +25,10 @@ from pgregistry._runtime.empty_options import empty_option
 from pgregistry._source.cache import ScanCache
 from pgregistry._source.config import ConfigError, Settings
 from pgregistry._source.engine import ScanReport, default_jobs, scan_files, scan_sources
-from pgregistry._source.files import PathError, absolute, discover, excluded, project_path, under
+from pgregistry._source.files import PathError, discover_files, is_excluded, is_under, make_absolute, project_path
 from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
 from pgregistry._source.scanner import FileResult
-from pgregistry._source.storage import StorageError, exclusive
+from pgregistry._source.storage import StorageError, exclusive_lock
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist._megatron_list import match_megatron_list, parse_megatron_list
 from pgregistry.allowlist._ratchet import (
@@ -36,7 +36,7 @@ from pgregistry.allowlist._ratchet import (
     AllowlistError,
     Comparison,
     FutureAllowlistError,
-    compare,
+    compare_counts,
     read_bytes,
 )
 from pgregistry.allowlist._report import (
@@ -49,7 +49,7 @@ from pgregistry.allowlist._report import (
     render_update,
 )
 
-__all__ = ["add_command", "configure", "main", "run"]
+__all__ = ["add_actions", "add_command", "main", "run_action"]
 
 _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
@@ -65,7 +65,7 @@ _DESCRIPTION = (
 )
 
 
-def _jobs(text: str) -> int:
+def _job_count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -86,7 +86,7 @@ _TEXT_OPTIONS = {
 ``--base ''`` (an unset CI variable) checked without a base."""
 
 
-def _options(parser: argparse.ArgumentParser) -> None:
+def _add_scan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths",
         nargs="*",
@@ -99,7 +99,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     add_settings_options(parser)
-    parser.add_argument("--jobs", type=_jobs, metavar="N", help="processes to parse with (default: cores)")
+    parser.add_argument("--jobs", type=_job_count, metavar="N", help="processes to parse with (default: cores)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
     parser.add_argument("--cache-dir", type=path_argument, metavar="DIR", help="the scan cache directory")
     parser.add_argument(
@@ -110,13 +110,13 @@ def _options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def add_actions(parser: argparse.ArgumentParser) -> None:
     """Add the check/update/stats actions to ``parser``."""
     actions = parser.add_subparsers(dest="allowlist_action", metavar="ACTION", required=True)
     for name, text in _ACTIONS.items():
         # The action's own sentence only: the command's paragraph is in `pgregistry allowlist --help`.
         action = actions.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.")
-        _options(action)
+        _add_scan_options(action)
         if name == "check":
             action.add_argument(
                 "--base",
@@ -134,9 +134,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                 "--since", metavar="REV", help="compare with the tree at this git revision (burn-down table)"
             )
             action.add_argument(
-                "--depth", type=_jobs, default=2, metavar="N", help="directory depth of the by-directory table"
+                "--depth", type=_job_count, default=2, metavar="N", help="directory depth of the by-directory table"
             )
-        action.set_defaults(handler=run)
+        action.set_defaults(handler=run_action)
 
 
 def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -144,35 +144,35 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser = subparsers.add_parser(
         "allowlist", help="ratchet reads of global process-group state", description=_DESCRIPTION
     )
-    configure(parser)
+    add_actions(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pgregistry.allowlist``: the same command without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="python -m pgregistry.allowlist", description=_DESCRIPTION)
-    configure(parser)
+    add_actions(parser)
     args = parser.parse_args(argv)
     code: int = args.handler(args)
     return code
 
 
-def _targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
+def _scan_targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
     """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
     if not args.paths:
-        return [absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
-    targets = [absolute(path) for path in args.paths]
+        return [make_absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
+    targets = [make_absolute(path) for path in args.paths]
     prefixes = [project_path(target, settings.root) for target in targets]
-    return targets, lambda path: under(path, prefixes)
+    return targets, lambda path: is_under(path, prefixes)
 
 
-def _error(message: str, fmt: str) -> int:
+def _print_error(message: str, fmt: str) -> int:
     if fmt == "github":
         print(f"::error title=pgregistry allowlist::{message}")
     print(f"pgregistry allowlist: error: {message}", file=sys.stderr)
     return 2
 
 
-def _skipped_newer(report: ScanReport, allowed: bool) -> tuple[list[FileResult], list[FileResult]]:
+def _split_off_newer_syntax(report: ScanReport, allowed: bool) -> tuple[list[FileResult], list[FileResult]]:
     """(failures, skipped): files whose only fault is syntax newer than this Python are skipped when
     ``allowed`` (``--skip-newer-syntax``); every other failure stays an error."""
     failures = [r for r in report.failures if not (allowed and r.failure is not None and r.failure.needs)]
@@ -180,23 +180,23 @@ def _skipped_newer(report: ScanReport, allowed: bool) -> tuple[list[FileResult],
     return failures, skipped
 
 
-def run(args: argparse.Namespace) -> int:
+def run_action(args: argparse.Namespace) -> int:
     """The handler of every action; returns the exit code (0 ok, 1 check failed, 2 error)."""
     fmt: str = args.format
     empty = empty_option(args, _TEXT_OPTIONS)
     if empty is not None:
-        return _error(empty, fmt)
+        return _print_error(empty, fmt)
     try:
         settings = settings_from_options(args)
-        targets, covers = _targets(args, settings)
-        found = discover(targets, settings.root, settings.exclude)
+        targets, covers = _scan_targets(args, settings)
+        found = discover_files(targets, settings.root, settings.exclude)
     except (ConfigError, PathError) as error:
-        return _error(str(error), fmt)
+        return _print_error(str(error), fmt)
     cache = None
     if not args.no_cache and settings.cache_dir is not None:
         cache = ScanCache(settings.resolve(settings.cache_dir), settings.scan)
     report = scan_files(found.files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
-    failures, newer = _skipped_newer(report, args.skip_newer_syntax)
+    failures, newer = _split_off_newer_syntax(report, args.skip_newer_syntax)
     if failures:
         print(render_failures(failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
         return 2
@@ -207,34 +207,34 @@ def run(args: argparse.Namespace) -> int:
     unjudged = {path for path, _ in warnings}
     results = [result for result in report.results if result.failure is None]
 
-    def judged(path: str) -> bool:  # a skipped file's entries are neither judged nor rewritten
+    def is_judged(path: str) -> bool:  # a skipped file's entries are neither judged nor rewritten
         return covers(path) and path not in unjudged
 
     allowlist_path = settings.resolve(settings.allowlist)
     name = project_path(allowlist_path, settings.root)
     if args.allowlist_action == "import":
-        code = _import(args, results)
+        code = _check_import(args, results)
         if code:
             return code
     if args.allowlist_action in ("update", "import"):
-        return _update(args, results, judged, allowlist_path, name, partial=bool(args.paths or unjudged))
+        return _update_allowlist(args, results, is_judged, allowlist_path, name, partial=bool(args.paths or unjudged))
     try:
         if args.allowlist_action == "check":
             allowed = Allowlist.load(allowlist_path, name)
-            comparison = _compare(args, settings, results, allowed, judged, cache)
+            comparison = _compare_with_base(args, settings, results, allowed, is_judged, cache)
             print(render_check(comparison, allowed, len(found.files), name, fmt), end="")
             return 0 if comparison.ok else 1
         previous = Allowlist.load(allowlist_path, name) if allowlist_path.exists() else None
-        since = _baseline(args, settings, targets, cache) if args.since else None
+        since = _scan_at_since(args, settings, targets, cache) if args.since else None
     except (AllowlistError, GitError) as error:
-        return _error(str(error), fmt)
+        return _print_error(str(error), fmt)
     # Only the entries of the paths scanned: ``stats PATH`` compares like with like.
-    subset = Allowlist({p: keys for p, keys in previous.entries.items() if judged(p)}) if previous else None
+    subset = Allowlist({p: keys for p, keys in previous.entries.items() if is_judged(p)}) if previous else None
     print(render_stats(results, subset, fmt, since, args.depth), end="")
     return 0
 
 
-def _compare(
+def _compare_with_base(
     args: argparse.Namespace,
     settings: Settings,
     results: list[FileResult],
@@ -245,19 +245,19 @@ def _compare(
     """The ratchet's comparison; with ``--base``, git's renames pair moved reads, added sites are marked, and
     each key's allowance is held to what the base read (:func:`~pgregistry.allowlist._baseline.base_limits`)."""
     if not args.base:
-        return compare(results, allowed, judged)
+        return compare_counts(results, allowed, judged)
     base = GitTree(settings.root, args.base)
     changes = base.changes()
 
-    def current(path: str) -> bytes | None:
+    def read_today(path: str) -> bytes | None:
         return read_bytes(settings.root / path)
 
-    def scan(sources: list[tuple[str, bytes]]) -> list[FileResult]:
+    def scan_at_base(sources: list[tuple[str, bytes]]) -> list[FileResult]:
         return _scan_at(args, settings, cache, args.base, sources)
 
-    limits = _base_limits(settings, base, changes.renames, allowed, judged, results, scan)
-    comparison = compare(results, allowed, judged, changes.renames, changes.added, limits)
-    return mark_added(comparison, settings.scan, current, base, changes.renames)
+    limits = _base_limits(settings, base, changes.renames, allowed, judged, results, scan_at_base)
+    comparison = compare_counts(results, allowed, judged, changes.renames, changes.added, limits)
+    return mark_added(comparison, settings.scan, read_today, base, changes.renames)
 
 
 def _base_limits(
@@ -290,14 +290,16 @@ def _base_limits(
     return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path), counts)
 
 
-def _baseline(args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None) -> Baseline:
+def _scan_at_since(
+    args: argparse.Namespace, settings: Settings, targets: list[Path], cache: ScanCache | None
+) -> Baseline:
     """The scan of the same roots, with the same excludes, at revision ``--since``."""
     tree = GitTree(settings.root, args.since)
     prefixes = [project_path(target, settings.root) for target in targets]
     sources = [
         (path, data)
         for path, data in sorted(tree.python_files(prefixes).items())
-        if not excluded(path, settings.exclude)
+        if not is_excluded(path, settings.exclude)
     ]
     return Baseline(args.since, _scan_at(args, settings, cache, args.since, sources))
 
@@ -313,20 +315,20 @@ def _scan_at(
     return report.results
 
 
-def _import(args: argparse.Namespace, results: list[FileResult]) -> int:
+def _check_import(args: argparse.Namespace, results: list[FileResult]) -> int:
     """Check that every entry of Megatron-LM's list is a read of today's tree (exit 2 naming those that are
     not) and say what the import grandfathers beyond it; 0 when the update may go ahead."""
     fmt: str = args.format
     try:
         entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
     except OSError as error:
-        return _error(f"{args.source}: cannot read: {error.strerror or error}", fmt)
+        return _print_error(f"{args.source}: cannot read: {error.strerror or error}", fmt)
     except (AllowlistError, UnicodeDecodeError) as error:
-        return _error(str(error), fmt)
+        return _print_error(str(error), fmt)
     imported = match_megatron_list(entries, results)
     if imported.unmatched:
         shown = "; ".join(imported.unmatched[:5]) + ("; ..." if len(imported.unmatched) > 5 else "")
-        return _error(
+        return _print_error(
             f"{len(imported.unmatched)} entries of {args.source} have no such read on their line in the scanned "
             f"tree ({shown}): regenerate it with Megatron-LM's checker (--update) on this tree, then import",
             fmt,
@@ -340,7 +342,7 @@ def _import(args: argparse.Namespace, results: list[FileResult]) -> int:
     return 0
 
 
-def _update(
+def _update_allowlist(
     args: argparse.Namespace,
     results: list[FileResult],
     judged: Callable[[str], bool],
@@ -352,29 +354,29 @@ def _update(
     the old file intact). ``partial``: some paths are not rescanned, so their old entries must be kept."""
     fmt: str = args.format
     try:
-        with exclusive(path):
+        with exclusive_lock(path):
             try:
                 expected = read_bytes(path)
             except OSError as error:
-                return _error(f"{name}: cannot read the allowlist: {error.strerror or error}", fmt)
+                return _print_error(f"{name}: cannot read the allowlist: {error.strerror or error}", fmt)
             previous = None
             if expected is not None:
                 try:
                     previous = Allowlist.from_bytes(expected, name)
                 except FutureAllowlistError as error:
-                    return _error(str(error), fmt)
+                    return _print_error(str(error), fmt)
                 except AllowlistError as error:
                     if partial:
-                        return _error(
+                        return _print_error(
                             f"{error}. A partial update (PATH given, or files skipped) only edits a readable "
                             "allowlist: run `pgregistry allowlist update` with no PATH to regenerate it whole",
                             fmt,
                         )
                     # A full update regenerates the whole list, so it may replace an unreadable (or old) file.
                     print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
-            current = (previous or Allowlist({})).merged(Allowlist.from_results(results), judged)
+            current = (previous or Allowlist({})).merge_scanned(Allowlist.from_results(results), judged)
             changed = current.write(path, expected)
     except StorageError as error:
-        return _error(str(error), fmt)
+        return _print_error(str(error), fmt)
     print(render_update(previous, current, name, changed, fmt), end="")
     return 0

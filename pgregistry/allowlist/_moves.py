@@ -51,7 +51,7 @@ class _Side:
         return self.key.split("|", 1)[1]
 
 
-def _tail(scope: str) -> str:
+def _last_scope_part(scope: str) -> str:
     return scope.rpartition(".")[2]
 
 
@@ -69,7 +69,7 @@ def pair_moves(
     olds = [_Side(path, key, amount) for (path, key), amount in sorted(stale.items())]
     news = [_Side(path, key, amount) for (path, key), amount in sorted(new.items())]
 
-    def related(old: _Side, fresh: _Side) -> bool:
+    def are_related(old: _Side, fresh: _Side) -> bool:
         if old.read != fresh.read:
             return False
         if old.path == fresh.path:
@@ -78,12 +78,12 @@ def pair_moves(
             return True
         return old.path in emptied and old.scope == fresh.scope
 
-    candidates = [(old, fresh) for old in olds for fresh in news if related(old, fresh)]
+    candidates = [(old, fresh) for old in olds for fresh in news if are_related(old, fresh)]
     # Same file first, then same scope ending, then a file rename; sorted for a deterministic result.
     candidates.sort(
         key=lambda pair: (
             pair[0].path != pair[1].path,
-            _tail(pair[0].scope) != _tail(pair[1].scope),
+            _last_scope_part(pair[0].scope) != _last_scope_part(pair[1].scope),
             pair[0].path,
             pair[0].key,
             pair[1].path,

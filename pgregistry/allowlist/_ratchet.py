@@ -35,7 +35,7 @@ __all__ = [
     "Comparison",
     "FutureAllowlistError",
     "Mismatch",
-    "compare",
+    "compare_counts",
     "read_bytes",
 ]
 
@@ -79,7 +79,7 @@ class Allowlist:
         found = _sites_by_key(results)
         return cls({path: {key: len(sites) for key, sites in keys.items()} for path, keys in found.items()})
 
-    def merged(self, scanned: Allowlist, covers: Callable[[str], bool]) -> Allowlist:
+    def merge_scanned(self, scanned: Allowlist, covers: Callable[[str], bool]) -> Allowlist:
         """``scanned`` for the paths it ``covers``, this allowlist's entries for every other path."""
         kept = {path: keys for path, keys in self.entries.items() if not covers(path)}
         return Allowlist({**kept, **scanned.entries})
@@ -263,7 +263,7 @@ class Comparison:
         return sum(item.unexplained for item in self.new)
 
 
-def compare(
+def compare_counts(
     results: Iterable[FileResult],
     allowlist: Allowlist,
     covers: Callable[[str], bool],
@@ -304,12 +304,12 @@ def compare(
         for where in ((move.old_path, move.old_key), (move.new_path, move.new_key)):
             moved[where] = moved.get(where, 0) + move.count
 
-    def listed_count(where: tuple[str, str], allowed: int) -> int | None:
+    def count_over_allowed(where: tuple[str, str], allowed: int) -> int | None:
         count = allowlist.entries.get(where[0], {}).get(where[1], 0)
         return count if count > allowed else None
 
     mismatches = [
-        Mismatch(path, key, allowed, sites, moved.get((path, key), 0), listed=listed_count((path, key), allowed))
+        Mismatch(path, key, allowed, sites, moved.get((path, key), 0), listed=count_over_allowed((path, key), allowed))
         for (path, key), (allowed, sites) in counts.items()
         if len(sites) > allowed and len(sites) - allowed > moved.get((path, key), 0)
     ]

@@ -41,16 +41,16 @@ _FIX_SLACK = (
 GITHUB_ANNOTATION_CAP = 10
 
 
-def _json(payload: Any) -> str:
+def _to_json(payload: Any) -> str:
     return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
 
-def _escape(text: str, property_value: bool = False) -> str:
+def _escape_for_workflow(text: str, property_value: bool = False) -> str:
     text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
     return text.replace(":", "%3A").replace(",", "%2C") if property_value else text
 
 
-def _annotation(
+def _format_annotation(
     title: str,
     message: str,
     path: str,
@@ -58,28 +58,28 @@ def _annotation(
     col: int | None = None,
     level: str = "error",
 ) -> str:
-    where = f"file={_escape(path, True)}"
+    where = f"file={_escape_for_workflow(path, True)}"
     if line is not None:
         where += f",line={line}" + (f",col={col}" if col is not None else "")
-    return f"::{level} {where},title={_escape(title, True)}::{_escape(message)}"
+    return f"::{level} {where},title={_escape_for_workflow(title, True)}::{_escape_for_workflow(message)}"
 
 
 def render_skipped(skipped: Sequence[tuple[str, str]], fmt: str) -> str:
     """Files left out of the scan, each with why: listed, never silent (their allowlist entries are kept)."""
     if fmt == "github":
         title = "pgregistry allowlist: file not scanned"
-        return "".join(_annotation(title, why, path, level="warning") + "\n" for path, why in skipped)
+        return "".join(_format_annotation(title, why, path, level="warning") + "\n" for path, why in skipped)
     return "".join(f"{path}: warning: {why}; its allowlist entries are kept, not checked\n" for path, why in skipped)
 
 
-def _plural(count: int, word: str, plural: str | None = None) -> str:
+def _plural_of(count: int, word: str, plural: str | None = None) -> str:
     return f"{count} {word if count == 1 else plural or word + 's'}"
 
 
 def render_failures(failures: Sequence[FileResult], fmt: str) -> str:
     """Files that could not be parsed: always an error (exit 2), never a skip."""
     summary = (
-        f"pgregistry allowlist: {_plural(len(failures), 'file')} could not be parsed; fix them and re-run "
+        f"pgregistry allowlist: {_plural_of(len(failures), 'file')} could not be parsed; fix them and re-run "
         "(a file the scanner cannot read could hide any number of reads)"
     )
     if fmt == "json":
@@ -94,24 +94,24 @@ def render_failures(failures: Sequence[FileResult], fmt: str) -> str:
             for r in failures
             if r.failure is not None
         ]
-        return _json({"ok": False, "errors": errors})
+        return _to_json({"ok": False, "errors": errors})
     lines = []
     for result in failures:
         failure = result.failure
         assert failure is not None
         if fmt == "github":
             title = "pgregistry allowlist: unparseable source"
-            lines.append(_annotation(title, failure.message, result.path, failure.line, failure.col))
+            lines.append(_format_annotation(title, failure.message, result.path, failure.line, failure.col))
         else:
             lines.append(f"{result.path}:{failure.line}:{failure.col}: error: {failure.message}")
     return "\n".join([*lines, summary]) + "\n"
 
 
-def _describe(site: Site) -> str:
+def _describe_site(site: Site) -> str:
     return f"{site.form} of {site.accessor} (`{site.expr}`) in {site.scope}"
 
 
-def _fix(item: Mismatch, stale_fails: bool = True) -> str:
+def _how_to_fix(item: Mismatch, stale_fails: bool = True) -> str:
     if not item.is_new:
         return _FIX_STALE if stale_fails else _FIX_SHRINK
     if item.listed is not None:
@@ -119,12 +119,12 @@ def _fix(item: Mismatch, stale_fails: bool = True) -> str:
     return fix_for(item.sites[0]) + _FIX_TAIL
 
 
-def _flagged(item: Mismatch) -> tuple[Site, ...]:
+def _sites_shown(item: Mismatch) -> tuple[Site, ...]:
     """The sites to point at for a new read: the added ones when a base revision told them apart, else all."""
     return item.added or item.sites
 
 
-def _counts(item: Mismatch) -> str:
+def _describe_counts(item: Mismatch) -> str:
     moved = f", {item.moved} moved here" if item.is_new and item.moved else ""
     moved = f", {item.moved} moved away" if not item.is_new and item.moved else moved
     return f"found {item.found}, allowed {item.allowed} in this scope{moved}"
@@ -147,7 +147,7 @@ def _mismatch_json(item: Mismatch, stale_fails: bool) -> dict[str, Any]:
         ],
         "added_lines": [s.line for s in item.added],
         "listed": item.listed,
-        "fix": _fix(item, stale_fails),
+        "fix": _how_to_fix(item, stale_fails),
     }
 
 
@@ -158,7 +158,7 @@ def _move_json(move: Move) -> dict[str, Any]:
 
 def _move_line(move: Move) -> str:
     where = move.new_path if move.new_path == move.old_path else f"{move.old_path} -> {move.new_path}"
-    return f"{where}: moved {_plural(move.count, 'read')}: {move.old_key!r} -> {move.new_key!r}"
+    return f"{where}: moved {_plural_of(move.count, 'read')}: {move.old_key!r} -> {move.new_key!r}"
 
 
 def _text_lines(comparison: Comparison) -> list[str]:
@@ -172,19 +172,19 @@ def _text_lines(comparison: Comparison) -> list[str]:
         located: list[tuple[int, int, str]] = []
         for item in by_path[path]:
             if item.is_new:
-                for site in _flagged(item):
-                    message = f"new read of {state}: {_describe(site)}; {_counts(item)}"
+                for site in _sites_shown(item):
+                    message = f"new read of {state}: {_describe_site(site)}; {_describe_counts(item)}"
                     located.append((site.line, site.col, f"{path}:{site.line}:{site.col}: {message}"))
             else:
                 first = item.sites[0] if item.sites else None
-                message = f"stale allowlist entry {item.key!r}: {_counts(item)}"
+                message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}"
                 if not comparison.stale_fails:
-                    message = f"notice: allowlist entry {item.key!r} {_FIX_SHRINK}; {_counts(item)}"
+                    message = f"notice: allowlist entry {item.key!r} {_FIX_SHRINK}; {_describe_counts(item)}"
                 where = f"{path}:{first.line}:{first.col}" if first else path
                 located.append((first.line if first else 0, first.col if first else 0, f"{where}: {message}"))
         lines.extend(text for _, _, text in sorted(located))
         lines.extend(
-            f"    fix for {item.key}: {_fix(item)}"
+            f"    fix for {item.key}: {_how_to_fix(item)}"
             for item in by_path[path]
             if item.is_new or comparison.stale_fails
         )
@@ -196,24 +196,28 @@ def _github_lines(comparison: Comparison) -> list[str]:
     many notices (GitHub caps each level apart), then a summary."""
     annotations: list[str] = []
     notices: list[str] = []
-    for item in sorted(comparison.mismatches, key=lambda m: (m.path, (_flagged(m) or m.sites or (None,))[0] or 0)):
+    for item in sorted(comparison.mismatches, key=lambda m: (m.path, (_sites_shown(m) or m.sites or (None,))[0] or 0)):
         if item.is_new:
-            flagged = _flagged(item)
+            flagged = _sites_shown(item)
             others = ", ".join(str(site.line) for site in flagged[1:])
             also = f" (also line {others})" if others else ""
-            message = f"new read: {_describe(flagged[0])}{also}; {_counts(item)}. Fix: {_fix(item)}."
+            message = (
+                f"new read: {_describe_site(flagged[0])}{also}; {_describe_counts(item)}. Fix: {_how_to_fix(item)}."
+            )
             annotations.append(
-                _annotation("New global process-group read", message, item.path, flagged[0].line, flagged[0].col)
+                _format_annotation("New global process-group read", message, item.path, flagged[0].line, flagged[0].col)
             )
         else:
             first = item.sites[0] if item.sites else None
             line, col = (first.line, first.col) if first else (None, None)
             if comparison.stale_fails:
-                message = f"stale allowlist entry {item.key!r}: {_counts(item)}. Fix: {_fix(item)}."
-                annotations.append(_annotation("Stale allowlist entry", message, item.path, line, col))
+                message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}. Fix: {_how_to_fix(item)}."
+                annotations.append(_format_annotation("Stale allowlist entry", message, item.path, line, col))
             else:
-                message = f"allowlist entry {item.key!r} {_FIX_SHRINK}; {_counts(item)}."
-                notices.append(_annotation("Allowlist entry can shrink", message, item.path, line, col, "notice"))
+                message = f"allowlist entry {item.key!r} {_FIX_SHRINK}; {_describe_counts(item)}."
+                notices.append(
+                    _format_annotation("Allowlist entry can shrink", message, item.path, line, col, "notice")
+                )
     shown: list[str] = []
     for level, found in (("error", annotations), ("notice", notices)):
         shown += found[:GITHUB_ANNOTATION_CAP]
@@ -233,23 +237,23 @@ def render_check(
     """Each new read and each stale entry with its file:line and the fix, the moved reads; then a verdict."""
     state = "global process-group state"
     moved = sum(move.count for move in comparison.moves)
-    moved_text = f"; {_plural(moved, 'read')} moved ({_FIX_MOVED})" if moved else ""
+    moved_text = f"; {_plural_of(moved, 'read')} moved ({_FIX_MOVED})" if moved else ""
     if comparison.ok:
         shrink = len(comparison.stale)
-        shrink_text = f"; {_plural(shrink, 'entry', 'entries')} can shrink (run {UPDATE})" if shrink else ""
+        shrink_text = f"; {_plural_of(shrink, 'entry', 'entries')} can shrink (run {UPDATE})" if shrink else ""
         verdict = (
-            f"allowlist check passed: {_plural(allowlist.total, 'allowed read')} of {state} in "
-            f"{_plural(len(allowlist.entries), 'file')}; {_plural(files, 'file')} scanned ({allowlist_name})"
+            f"allowlist check passed: {_plural_of(allowlist.total, 'allowed read')} of {state} in "
+            f"{_plural_of(len(allowlist.entries), 'file')}; {_plural_of(files, 'file')} scanned ({allowlist_name})"
             f"{moved_text}{shrink_text}"
         )
     else:
         verdict = (
-            f"allowlist check failed: {_plural(comparison.new_sites, 'new read')} of {state}, "
-            f"{_plural(len(comparison.stale), 'stale entry', 'stale entries')}"
+            f"allowlist check failed: {_plural_of(comparison.new_sites, 'new read')} of {state}, "
+            f"{_plural_of(len(comparison.stale), 'stale entry', 'stale entries')}"
             f"{'' if comparison.stale_fails else ' (not failures: they can shrink)'} ({allowlist_name}){moved_text}"
         )
     if fmt == "json":
-        return _json(
+        return _to_json(
             {
                 "ok": comparison.ok,
                 "allowlist": allowlist_name,
@@ -274,7 +278,7 @@ def render_update(previous: Allowlist | None, current: Allowlist, name: str, cha
             delta = new.get(key, 0) - old.get(key, 0)
             added, removed = added + max(delta, 0), removed + max(-delta, 0)
     if fmt == "json":
-        return _json(
+        return _to_json(
             {
                 "ok": True,
                 "allowlist": name,
@@ -287,12 +291,12 @@ def render_update(previous: Allowlist | None, current: Allowlist, name: str, cha
         )
     state = "updated" if changed else "unchanged"
     return (
-        f"allowlist {state}: {name} allows {_plural(current.total, 'read')} in "
-        f"{_plural(len(current.entries), 'file')} (+{added} added, -{removed} removed)\n"
+        f"allowlist {state}: {name} allows {_plural_of(current.total, 'read')} in "
+        f"{_plural_of(len(current.entries), 'file')} (+{added} added, -{removed} removed)\n"
     )
 
 
-def _directory(path: str, depth: int) -> str:
+def _directory_at_depth(path: str, depth: int) -> str:
     parts = path.split("/")[:-1]
     return "/".join(parts[:depth]) or "."
 
@@ -305,24 +309,24 @@ class Baseline:
     results: Sequence[FileResult]
 
 
-def _tallies(results: Sequence[FileResult], depth: int) -> tuple[Counter[str], Counter[str]]:
+def _tally_sites(results: Sequence[FileResult], depth: int) -> tuple[Counter[str], Counter[str]]:
     families: Counter[str] = Counter()
     directories: Counter[str] = Counter()
     for result in results:
         for site in result.sites:
             families[family_of(site)] += 1
-            directories[_directory(result.path, depth)] += 1
+            directories[_directory_at_depth(result.path, depth)] += 1
     return families, directories
 
 
-def _bar(now: int, then: int, width: int = 20) -> str:
+def _burn_down_bar(now: int, then: int, width: int = 20) -> str:
     """``now`` as a share of ``then`` (or of itself): filled cells remain, empty ones were burnt down."""
     scale = max(then, now, 1)
     filled = round(width * now / scale)
     return "#" * filled + "." * (round(width * then / scale) - filled if then > now else 0)
 
 
-def _table(
+def _format_table(
     title: str, now: Counter[str], then: Counter[str] | None, rev: str | None, order: Sequence[str]
 ) -> list[str]:
     names = [name for name in order if now.get(name) or (then and then.get(name))]
@@ -336,7 +340,7 @@ def _table(
     rows = [f"{title:<{width}}  {label:>{column}}  {'now':>7}  {'change':>7}"]
     for name in names:
         change = now[name] - then[name]
-        bar = _bar(now[name], then[name])
+        bar = _burn_down_bar(now[name], then[name])
         rows.append(f"{name:<{width}}  {then[name]:>{column}}  {now[name]:>7}  {change:>+7}  {bar}")
     total_now, total_then = sum(now.values()), sum(then.values())
     rows.append(f"{'total':<{width}}  {total_then:>{column}}  {total_now:>7}  {total_now - total_then:>+7}")
@@ -357,10 +361,10 @@ def render_stats(
     by_file = Counter(path for path, _ in sites)
     by_scope = Counter((path, site.scope) for path, site in sites)
     by_form = Counter(site.form for _, site in sites)
-    by_family, by_directory = _tallies(results, depth)
-    then = _tallies(since.results, depth) if since is not None else None
+    by_family, by_directory = _tally_sites(results, depth)
+    then = _tally_sites(since.results, depth) if since is not None else None
 
-    def ranked(counter: Counter[Any]) -> list[tuple[Any, int]]:
+    def rank_by_count(counter: Counter[Any]) -> list[tuple[Any, int]]:
         return sorted(counter.items(), key=lambda item: (-item[1], item[0]))
 
     if fmt == "json":
@@ -373,7 +377,7 @@ def render_stats(
             "by_accessor": dict(by_accessor),
             "by_form": dict(by_form),
             "by_file": dict(by_file),
-            "by_scope": [{"path": p, "scope": s, "count": n} for (p, s), n in ranked(by_scope)],
+            "by_scope": [{"path": p, "scope": s, "count": n} for (p, s), n in rank_by_count(by_scope)],
         }
         if since is not None and then is not None:
             payload["since"] = {
@@ -382,26 +386,26 @@ def render_stats(
                 "by_family": dict(then[0]),
                 "by_directory": dict(then[1]),
             }
-        return _json(payload)
+        return _to_json(payload)
     allowed_text = f"; the allowlist allows {allowed.total} of them here" if allowed is not None else ""
     rev = since.rev if since is not None else None
     directories = sorted(set(by_directory) | set(then[1] if then else ()), key=lambda d: (-by_directory[d], d))
     lines = [
-        f"{_plural(len(sites), 'read')} of global process-group state in {_plural(len(by_file), 'file')}"
+        f"{_plural_of(len(sites), 'read')} of global process-group state in {_plural_of(len(by_file), 'file')}"
         f"{allowed_text}",
-        "by form: " + ", ".join(f"{form} {count}" for form, count in ranked(by_form)),
+        "by form: " + ", ".join(f"{form} {count}" for form, count in rank_by_count(by_form)),
         "",
-        *_table("family", by_family, then[0] if then else None, rev, FAMILIES),
+        *_format_table("family", by_family, then[0] if then else None, rev, FAMILIES),
         "",
-        *_table("directory", by_directory, then[1] if then else None, rev, directories),
+        *_format_table("directory", by_directory, then[1] if then else None, rev, directories),
         "",
         "by accessor:",
-        *(f"{count:7d}  {accessor}" for accessor, count in ranked(by_accessor)),
+        *(f"{count:7d}  {accessor}" for accessor, count in rank_by_count(by_accessor)),
         "",
         "by file:",
-        *(f"{count:7d}  {path}" for path, count in ranked(by_file)),
+        *(f"{count:7d}  {path}" for path, count in rank_by_count(by_file)),
         "",
         "by scope:",
-        *(f"{count:7d}  {path}  {scope}" for (path, scope), count in ranked(by_scope)),
+        *(f"{count:7d}  {path}  {scope}" for (path, scope), count in rank_by_count(by_scope)),
     ]
     return "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from pgregistry._source.config import ConfigError, Settings, find_config_file
-from pgregistry._source.files import PathError, discover, project_path
+from pgregistry._source.files import PathError, discover_files, project_path
 from pgregistry._source.options import add_settings_options, settings_arguments, settings_from_options
 
 __all__ = ["add_command"]
@@ -168,7 +168,8 @@ def _migrate_files(args: argparse.Namespace) -> int:
             if project_path(target, settings.root).startswith("../") or project_path(target, settings.root) == "..":
                 raise PathError(f"{target}: outside the project root {settings.root}; run from the project, or "
                                 "pass --isolated to make the current directory the root")
-        found = own_files(discover(targets, settings.root, settings.exclude).files, settings.root, settings.exclude)
+        discovered = discover_files(targets, settings.root, settings.exclude)
+        found = own_files(discovered.files, settings.root, settings.exclude)
         for line in found.left if not args.quiet else ():
             print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)

@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-__all__ = ["check_max_norm", "checked_norm_type", "max_norm_error", "norm_type_error", "real_number"]
+__all__ = ["check_max_norm", "norm_type_as_float", "max_norm_error", "norm_type_error", "real_number"]
 
 
 def real_number(value: object) -> float | None:
@@ -57,7 +57,7 @@ def check_max_norm(max_norm: object) -> None:
         raise error
 
 
-def checked_norm_type(norm_type: object) -> float:
+def norm_type_as_float(norm_type: object) -> float:
     """``norm_type`` as a float; raise :func:`norm_type_error`'s fault, if any."""
     error = norm_type_error(norm_type)
     if error is not None:

@@ -12,10 +12,10 @@ from pgregistry._runtime.resolve import Params
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.params import is_expert_module, is_expert_param
 
-__all__ = ["holds_experts", "require_classified_experts", "unclassified_expert_params"]
+__all__ = ["holds_experts", "require_classified_experts", "expert_params_without_allreduce"]
 
 
-def unclassified_expert_params(params: Params) -> list[str]:
+def expert_params_without_allreduce(params: Params) -> list[str]:
     """Names of the parameters of a marked expert module that carry no ``allreduce`` attribute."""
     if not params.chunks:
         return [
@@ -39,7 +39,7 @@ def holds_experts(params: Params) -> bool:
     """Whether ``params`` hold an expert parameter, or a parameter of a marked expert module not yet classified
     (it may be one): what makes a collection's expert fields needed. Local: the ranks that must decide alike agree
     the answer (:func:`pgregistry._runtime.agreement.any_rank_has`)."""
-    return any(is_expert_param(param) for _, param in params.named) or bool(unclassified_expert_params(params))
+    return any(is_expert_param(param) for _, param in params.named) or bool(expert_params_without_allreduce(params))
 
 
 def require_classified_experts(params: Params, collection: ProcessGroupCollection) -> None:
@@ -47,7 +47,7 @@ def require_classified_experts(params: Params, collection: ProcessGroupCollectio
     (with EP off the question does not arise). ``collection`` is resolved, with ``ep`` set."""
     if group_size(collection.get("ep")) <= 1:
         return
-    missing = unclassified_expert_params(params)
+    missing = expert_params_without_allreduce(params)
     if missing:
         raise ValueError(
             f"{len(missing)} parameter(s) of a marked expert module carry no EP classification: "

@@ -157,7 +157,7 @@ def classify_dtensor_grad(
     piece = grad._local_tensor
     local = piece
     for dim in decision.partial:
-        local = _reduced_copy(local, dim, axes)
+        local = _copy_with_partial_reduced(local, dim, axes)
     return DTensorGrad(piece=piece, local=local, counted=decision.counted, outer=decision.outer, expert=expert)
 
 
@@ -186,11 +186,11 @@ def decision_of(
     )
     decision = axes.decisions.get(key)
     if decision is None:
-        decision = axes.decisions[key] = _decide(name, param, grad, axes, verdicts, expert)
+        decision = axes.decisions[key] = _decide_dtensor_reduction(name, param, grad, axes, verdicts, expert)
     return decision
 
 
-def _decide(
+def _decide_dtensor_reduction(
     name: str, param: torch.Tensor, grad: DTensor, axes: MeshAxes, verdicts: tuple[bool, bool], expert: bool
 ) -> Decision:
     from torch.distributed.tensor import Partial, Replicate
@@ -234,7 +234,7 @@ def _decide(
             f"{name}: sharded over {len(outer)} data-parallel mesh dims {[d.name for d in outer]}; flatten them "
             "into one dim that is a group of the collection (dp_cp, expt_dp)"
         )
-    spanned = _spanned_axes(name, param, expert, dims, axes)
+    spanned = _axes_spanned_by_mesh(name, param, expert, dims, axes)
     for axis, verdict in zip(("tp", "gtp"), verdicts, strict=True):
         if axis not in spanned:
             counted = counted and verdict
@@ -270,7 +270,9 @@ def _check_grid(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Di
             )
 
 
-def _spanned_axes(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], axes: MeshAxes) -> set[str]:
+def _axes_spanned_by_mesh(
+    name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], axes: MeshAxes
+) -> set[str]:
     """The axes among tp, gtp and ep that some mesh dim spans; refuse a ``Replicate`` placement over one of them for
     a parameter whose role says it is distinct there (for EP: a routed expert, whose dims spanning EP all lie in its
     reduction group, so ``Replicate`` there would count one copy)."""
@@ -302,7 +304,7 @@ def _is_shard(placement: Any) -> bool:
     return isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard"
 
 
-def _reduced_copy(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -> torch.Tensor:
+def _copy_with_partial_reduced(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -> torch.Tensor:
     """``local`` with the pending ``Partial`` reduction over ``dim`` done, on a copy (the grad is untouched)."""
     op = dim.placement.reduce_op
     if op not in _PARTIAL_OPS:

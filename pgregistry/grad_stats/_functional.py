@@ -1,13 +1,13 @@
 """The functional API: global norm, zero count and clipping of a model's grads on its collection.
 
-Every entry point takes one way down (:func:`_statistics`), entering each module on it once and never a module
-above it again: the door (:mod:`pgregistry._runtime.resolve`) takes apart what was given and resolves its
-collection, once; the kept plan (:func:`~pgregistry.grad_stats._plan.kept_plan`) is checked, or made afresh whenever
-it could be stale; the plan reads the grads once into local shares, plain grads and DTensor local pieces alike;
-the one reducer (:mod:`pgregistry.grad_stats._reductions`) reduces them, first the DTensor pieces sharded over a
-data-parallel group, over that group, then everything over its reduction group. Both statistics come from one read
-when both are wanted (:func:`grad_norm_and_zeros`), and clipping scales from that norm: one pass over the grads, none
-when the coefficient is 1 (decided on the device where the kernel runs).
+Every entry point takes one way down (:func:`_read_reduce_and_clip`), entering each module on it once and never a
+module above it again: the door (:mod:`pgregistry._runtime.resolve`) takes apart what was given and resolves its
+collection, once; the kept plan (:func:`~pgregistry.grad_stats._plan.check_or_make_plan`) is checked, or made afresh
+whenever it could be stale; the plan reads the grads once into local shares, plain grads and DTensor local pieces
+alike; the one reducer (:mod:`pgregistry.grad_stats._reductions`) reduces them, first the DTensor pieces sharded
+over a data-parallel group, over that group, then everything over its reduction group. Both statistics come from one
+read when both are wanted (:func:`grad_norm_and_zeros`), and clipping scales from that norm: one pass over the
+grads, none when the coefficient is 1 (decided on the device where the kernel runs).
 
 Clipping decides job-wide: a NaN or inf seen on any rank that holds grads (the collection's ``intra_dist_opt``,
 and ``inter_dist_opt`` across optimizer instances) makes the norm non-finite on every rank, so a data-parallel
@@ -26,7 +26,7 @@ from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
-from pgregistry.grad_stats._plan import kept_plan
+from pgregistry.grad_stats._plan import check_or_make_plan
 from pgregistry.grad_stats._reductions import Clipping, Reduced, Wanted, check_max_norm, reduce_shares
 
 __all__ = [
@@ -86,7 +86,7 @@ def verdict_groups(collection: ProcessGroupCollection, owner: str) -> tuple[Proc
     return (collection.get("intra_dist_opt"), *((inter,) if group_size(inter) > 1 else ()))
 
 
-def _statistics(
+def _read_reduce_and_clip(
     params: ParamsLike,
     pg_collection: ProcessGroupCollection | None,
     owner: str,
@@ -98,7 +98,7 @@ def _statistics(
     every entry point (module docstring)."""
     source = source_of(params)
     given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
-    plan, ordered, collection = kept_plan(source, given, owner)
+    plan, ordered, collection = check_or_make_plan(source, given, owner)
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
     verdict = verdict_groups(collection, owner) if max_norm is not None else ()
     reduced = reduce_shares(read.shares, verdict=verdict)
@@ -125,12 +125,12 @@ def grad_norm(
     a grad of any rank of the reduction groups is, counted or not (a duplicate too). The classification is
     kept between calls (:mod:`pgregistry.grad_stats._plan`).
     """
-    return _statistics(params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)).norm
+    return _read_reduce_and_clip(params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)).norm
 
 
 def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None = None) -> int:
     """The global number of zero grad elements of ``params``, each distinct element counted once."""
-    zeros = _statistics(params, pg_collection, "count_zeros", Wanted.of(None, zeros=True)).zeros
+    zeros = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.of(None, zeros=True)).zeros
     assert zeros is not None
     return int(zeros.item())
 
@@ -149,7 +149,7 @@ def grad_norm_and_zeros(
     int64), without a host sync."""
     if max_norm is not None:
         check_max_norm(max_norm)  # before any collective
-    reduced = _statistics(
+    reduced = _read_reduce_and_clip(
         params, pg_collection, "grad_norm_and_zeros", Wanted.of(norm_type, zeros=True), max_norm, error_if_nonfinite
     )
     assert reduced.zeros is not None
@@ -173,6 +173,6 @@ def clip_grad_norm_(
     norm (:func:`~pgregistry.grad_stats.clip_grads_`).
     """
     check_max_norm(max_norm)  # None too: here it is no "do not clip"
-    return _statistics(
+    return _read_reduce_and_clip(
         params, pg_collection, "clip_grad_norm_", Wanted.of(norm_type, zeros=False), max_norm, error_if_nonfinite
     ).clip_norm

@@ -14,7 +14,7 @@ without a host sync) and kept on the device for as long as the grads keep their 
 then a few passes over the tensors at C speed (addresses, sizes), not Python work per tensor.
 
 Optional by design: triton (shipped with torch's CUDA wheels) is imported inside a function, and
-:func:`fused_stats_available` is False off CUDA or without it; callers then keep their torch path (the CPU path is
+:func:`can_run_fused_stats` is False off CUDA or without it; callers then keep their torch path (the CPU path is
 the torch one). Only float32, bfloat16 and float16 contiguous tensors are read here; float64 grads, which
 accumulate in float64, and other norms keep the torch path.
 """
@@ -44,12 +44,12 @@ __all__ = [
     "Launch",
     "clip_over_",
     "float64_bits",
-    "fused_stats_available",
-    "iterations",
+    "can_run_fused_stats",
+    "iterations_for",
     "launch_of",
     "one_read_applies",
     "read_over",
-    "readable",
+    "is_kernel_readable",
     "scale_",
     "scale_over_",
     "span_squares_and_zeros",
@@ -72,15 +72,15 @@ of bf16)."""
 
 
 @functools.cache
-def _kernels() -> ModuleType | None:
+def _import_kernels() -> ModuleType | None:
     return optional_kernels("pgregistry.grad_stats._triton_kernels")
 
 
-def fused_stats_available(device: torch.device) -> bool:
+def can_run_fused_stats(device: torch.device) -> bool:
     """Whether the one-read kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per
     device and process) that compiled and gave the exact statistics of a small tensor. Triton compiles with the
     machine's C compiler and CUDA toolchain; where that fails, a warning names the error and the torch path runs."""
-    if device.type != "cuda" or _kernels() is None:
+    if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))
 
@@ -89,10 +89,10 @@ def fused_stats_available(device: torch.device) -> bool:
 def _works_on(index: int) -> bool:
     kernel = "the one-read grad statistics kernel"
     want = (25.0, 2, 25.0, 2, [0.0, 1.5, -0.0, 2.0])
-    return probe_kernel(index, _probe, want, event="one_read_stats_unavailable", kernel=kernel)
+    return probe_kernel(index, _probe_every_launch, want, event="one_read_stats_unavailable", kernel=kernel)
 
 
-def _probe(device: torch.device) -> tuple[float, int, float, int, list[float]]:
+def _probe_every_launch(device: torch.device) -> tuple[float, int, float, int, list[float]]:
     """Every launch (a span, a table, scaling, clipping from a norm) over ``[0, 3, -0, 4]``: squares 25, zeros 2,
     halved values (a NaN norm scales nothing)."""
     import torch
@@ -113,7 +113,7 @@ def _readable_dtype(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def readable(tensor: torch.Tensor) -> bool:
+def is_kernel_readable(tensor: torch.Tensor) -> bool:
     """Whether the kernels read ``tensor``: contiguous float32, bfloat16 or float16."""
     return _readable_dtype(tensor.dtype) and tensor.is_contiguous()
 
@@ -121,46 +121,48 @@ def readable(tensor: torch.Tensor) -> bool:
 def one_read_applies(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether contiguous grads of ``dtype`` on ``device`` are read by the kernels (CUDA, triton, a dtype they
     read)."""
-    return _readable_dtype(dtype) and fused_stats_available(device)
+    return _readable_dtype(dtype) and can_run_fused_stats(device)
 
 
-def _loaded() -> ModuleType:
-    kernels = _kernels()
+def _require_kernels() -> ModuleType:
+    kernels = _import_kernels()
     if kernels is None:
         raise RuntimeError("the one-read grad statistics need triton, which is not importable here")
     return kernels
 
 
-def iterations(dtype: torch.dtype) -> int:
+def iterations_for(dtype: torch.dtype) -> int:
     """:data:`ITERS` for ``dtype`` (a dtype the kernels read)."""
     return ITERS[dtype.itemsize]
 
 
-def _vector(dtype: torch.dtype) -> int:
+def _vector_width(dtype: torch.dtype) -> int:
     """Elements in 16 bytes of ``dtype``: the width of the kernel's vector loads."""
     return 16 // dtype.itemsize
 
 
-def _launch(x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int) -> torch.Tensor:
+def _launch_squares_and_zeros(
+    x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int
+) -> torch.Tensor:
     """One launch of ``programs`` programs (at least one): its pairs summed, ``[sum of squares, zeros]`` (float64)."""
     import torch
 
     pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
     with launch_on(x.device):
-        _loaded().squares_and_zeros_kernel[(programs,)](
+        _require_kernels().squares_and_zeros_kernel[(programs,)](
             x, n, x if table is None else table, pairs,
-            TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector(x.dtype), num_warps=WARPS,
+            TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector_width(x.dtype), num_warps=WARPS,
         )
     return pairs.sum(0)
 
 
-def _nothing(device: torch.device) -> torch.Tensor:
+def _zero_pair(device: torch.device) -> torch.Tensor:
     import torch
 
     return torch.zeros(2, dtype=torch.float64, device=device)
 
 
-def _split(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_pair(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A pair as the sum of squares (0-dim float64) and the zero count (0-dim int64)."""
     import torch
 
@@ -171,14 +173,14 @@ def span_squares_and_zeros(
     view: torch.Tensor, *, block: int = BLOCK, iters: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of squares (0-dim float64) and number of zeros (0-dim int64) of a contiguous tensor, in one read
-    (``iters``: :func:`iterations` of its dtype unless given)."""
-    if not readable(view):
+    (``iters``: :func:`iterations_for` of its dtype unless given)."""
+    if not is_kernel_readable(view):
         raise ValueError(f"the one-read kernels read contiguous float32/bf16/fp16 tensors, not {view.dtype}")
-    iters = iterations(view.dtype) if iters is None else iters
+    iters = iterations_for(view.dtype) if iters is None else iters
     programs = -(-view.numel() // (block * iters))
     if not programs:
-        return _split(_nothing(view.device))
-    return _split(_launch(view, view.numel(), None, programs, block, iters))
+        return _split_pair(_zero_pair(view.device))
+    return _split_pair(_launch_squares_and_zeros(view, view.numel(), None, programs, block, iters))
 
 
 def squares_and_zeros(
@@ -191,10 +193,10 @@ def squares_and_zeros(
     for that first, unless ``checked=True``: the caller has grouped ``tensors`` by (device, dtype) and kept only
     contiguous ones. The launch table comes from :func:`launch_of`.
     """
-    _check(tensors, checked)
+    _check_readable(tensors, checked)
     if len(tensors) == 1:
         return span_squares_and_zeros(tensors[0], block=block, iters=iters)
-    return _split(read_over(tensors, launch_of(tensors, block=block, iters=iters)))
+    return _split_pair(read_over(tensors, launch_of(tensors, block=block, iters=iters)))
 
 
 def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> torch.Tensor:
@@ -202,8 +204,10 @@ def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> torch.Tensor:
     (a caller that keeps it checks them; nothing is checked here), as one float64 pair ``[squares, zeros]``: a part
     of the reductions as it is (:func:`~pgregistry.grad_stats._reductions.make_part`), no operation to make it."""
     if launch.table is None:
-        return _nothing(tensors[0].device)
-    return _launch(tensors[launch.base], 0, launch.table, launch.table.shape[0], launch.block, launch.iters)
+        return _zero_pair(tensors[0].device)
+    return _launch_squares_and_zeros(
+        tensors[launch.base], 0, launch.table, launch.table.shape[0], launch.block, launch.iters
+    )
 
 
 def scale_(
@@ -222,7 +226,7 @@ def scale_(
     float64 tensor), then each product is computed in float32 and rounded: torch's ``_foreach_mul_`` / ``mul_`` with
     a 0-dim CUDA coefficient casts it to the tensors' dtype (the common dtype) before multiplying, and the unfused
     path passes it so, so every path gives torch's bits."""
-    _check(tensors, checked)
+    _check_readable(tensors, checked)
     scale_over_(tensors, launch_of(tensors, block=block, iters=iters), coeff)
 
 
@@ -248,10 +252,10 @@ def _scale_launch(
     if launch.table is None:
         return
     with launch_on(tensors[0].device):
-        _loaded().scale_kernel[(launch.table.shape[0],)](
+        _require_kernels().scale_kernel[(launch.table.shape[0],)](
             tensors[launch.base], 0, launch.table, value, float64_bits(max_norm or 0.0), _epsilon_bits(),
             FROM_NORM=max_norm is not None, TABLE=True, BLOCK=launch.block, ITERS=launch.iters,
-            VEC=_vector(tensors[0].dtype), num_warps=WARPS,
+            VEC=_vector_width(tensors[0].dtype), num_warps=WARPS,
         )
 
 
@@ -269,7 +273,7 @@ def float64_bits(value: float) -> int:
     return bits
 
 
-def _check(tensors: Sequence[torch.Tensor], checked: bool) -> None:
+def _check_readable(tensors: Sequence[torch.Tensor], checked: bool) -> None:
     """``ValueError`` unless ``tensors`` are one readable kind, each contiguous (``checked``: the caller knows)."""
     if not tensors:
         raise ValueError("the one-read kernels need at least one tensor")
@@ -307,16 +311,16 @@ def launch_of(tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int
     addresses = array("q", list(map(torch.Tensor.data_ptr, tensors)))
     numels = array("q", list(map(torch.Tensor.numel, tensors)))
     device, dtype = tensors[0].device, tensors[0].dtype
-    iters = iterations(dtype) if iters is None else iters
+    iters = iterations_for(dtype) if iters is None else iters
     key = (device, dtype, block, iters, addresses.tobytes() + numels.tobytes())
     launch = _TABLES.get(key)
     if launch is None:
-        base, table = _table(addresses, numels, dtype, device, block * iters)
+        base, table = _base_and_program_table(addresses, numels, dtype, device, block * iters)
         launch = _TABLES.put(key, Launch(base, table, block, iters))
     return launch
 
 
-def _table(
+def _base_and_program_table(
     addresses: array[int], numels: array[int], dtype: torch.dtype, device: torch.device, chunk: int
 ) -> tuple[int, torch.Tensor | None]:
     """The index of the tensor at the lowest address (the kernel's base) and the table of the programs reading

@@ -26,7 +26,7 @@ from pgregistry.grad_stats._reductions import (
 __all__ = ["clip_grads_", "norm_of_grads", "scale_grads_", "zeros_of_grads"]
 
 
-def _shares(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
+def _shares_of_groups(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
     device = reduction_device((grad for grads in grads_by_group.values() for grad in grads), grads_by_group)
     shares = Shares(wanted, device, grads_by_group)
     for group, grads in grads_by_group.items():
@@ -43,12 +43,12 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
     grads' device (float64 when a grad is float64, else float32), without a host sync. An empty mapping or empty
     lists give 0.
     """
-    return reduce_shares(_shares(grads_by_group, Wanted.of(norm_type, zeros=False))).norm
+    return reduce_shares(_shares_of_groups(grads_by_group, Wanted.of(norm_type, zeros=False))).norm
 
 
 def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     """The number of zero elements in already-filtered grads, summed over each group (a 0-dim int64 tensor)."""
-    zeros = reduce_shares(_shares(grads_by_group, Wanted.of(None, zeros=True))).zeros
+    zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.of(None, zeros=True))).zeros
     assert zeros is not None
     return zeros
 

@@ -37,7 +37,7 @@ import torch
 
 from pgregistry.grad_stats import _fused
 from pgregistry.grad_stats._fused import one_read_applies
-from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, make_part, widest
+from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, make_part, makes_norm_float64
 
 __all__ = [
     "HOST_BLOCK",
@@ -82,9 +82,9 @@ def by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dty
     return {kind: cast("list[torch.Tensor]", lists[0]) for kind, (lists, _) in grouped.items()}
 
 
-def _accumulation(dtype: torch.dtype) -> torch.dtype:
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a kind's norms are taken in: float64 for float64 (and complex128) grads, float32 otherwise."""
-    return torch.float64 if widest(dtype) else torch.float32
+    return torch.float64 if makes_norm_float64(dtype) else torch.float32
 
 
 @attrs.frozen(slots=True)
@@ -181,7 +181,7 @@ def _torch_part(
     share = zeros = None
     norm_over = _non_empty(norm_over)
     if norm_over and wanted.p is not None:
-        accumulate_in = _accumulation(norm_over[0].dtype)
+        accumulate_in = _accumulation_dtype(norm_over[0].dtype)
         norms = torch.stack(torch._foreach_norm(norm_over, wanted.p, dtype=accumulate_in)).to(torch.float64)
         share = norms.amax() if math.isinf(wanted.p) else norms.pow(wanted.p).sum()
     zeros_over = _non_empty(zeros_over)
@@ -200,7 +200,7 @@ def _non_empty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device) -> torch.Tensor:
     """Both statistics of host ``tensors``, a block at a time (see the module docstring): the tensors of a block
     concatenated into one (one dispatch, a block's memory), a tensor alone in its block read in place."""
-    accumulate_in = _accumulation(plan.dtype)
+    accumulate_in = _accumulation_dtype(plan.dtype)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
     numel = 0

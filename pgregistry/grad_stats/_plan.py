@@ -13,7 +13,7 @@ parameters that was most of a call. :class:`Plan` does it once for named paramet
   again only when those change.
 
 The grads a rank holds but does not count (duplicates, ``shared`` copies) are read too, into seen parts
-(:func:`~pgregistry.grad_stats._reductions.seen_part`) under the group their counted copy is summed over, whenever
+(:func:`~pgregistry.grad_stats._reductions.nonfinite_part`) under the group their counted copy is summed over, whenever
 a norm is wanted: a NaN or an inf in any of them makes the norm NaN or infinite wherever the counted copy's would.
 
 A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
@@ -27,9 +27,10 @@ or restrided in place at its address (``resize_``, ``as_strided_``) is the one c
 
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
 on: the collection, the parameter set (the modules' child and parameter dictionaries that were empty by length, the
-contents of those that held something by identity, :meth:`Kept._held_now`), the roles (the classification's role
-attributes of the parameters that had one; the others held to no attributes, or to no role among them;
-:func:`~pgregistry.params.role_generation` for marks made with the helpers). Anything that differs makes a new plan.
+contents of those that held something by identity, :meth:`Kept._current_holder_contents`), the roles (the
+classification's role attributes of the parameters that had one; the others held to no attributes, or to no role
+among them; :func:`~pgregistry.params.role_generation` for marks made with the helpers). Anything that differs makes
+a new plan.
 The dictionaries checked are those the modules held when the plan was made: torch changes them in place (a deletion
 from a ``ModuleList`` or ``Sequential`` too, before it renumbers into a new one), so a change through torch is seen;
 code that assigns a module a new dictionary behind torch's back, without changing the old one, is not (seeing it
@@ -69,13 +70,13 @@ from pgregistry.grad_stats._filters import (
     role_verdicts,
 )
 from pgregistry.grad_stats._local import KindPlan, parts_of, plan_kind, read_kind, scale_kind
-from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, seen_part, widest
+from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, makes_norm_float64, nonfinite_part
 from pgregistry.params import role_generation
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["Kept", "Plan", "Read", "kept_plan"]
+__all__ = ["Kept", "Plan", "Read", "check_or_make_plan"]
 
 ROLE_KEYS: Final = ("allreduce", "tensor_model_parallel", "is_gtp_weight_remat", "shared")
 """The role attributes a grad's classification depends on (the classification check also reads
@@ -93,13 +94,13 @@ _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
 """Whether a parameter's attribute dictionary holds none of :data:`ROLE_KEYS`."""
 
 
-def _picker(indices: Sequence[int], size: int) -> Callable[[Sequence[Any]], list[Any]]:
+def _make_picker(indices: Sequence[int], size: int) -> Callable[[Sequence[Any]], list[Any]]:
     """A function taking the items at ``indices`` from a sequence of ``size`` items, at C speed;
     where ``indices`` are all of them in order, the list itself (no copy: callers never change what it gives)."""
     if not indices:
         return lambda items: []
     if size == len(indices) and all(map(operator.eq, indices, range(size))):
-        return _whole
+        return _as_list
     if len(indices) == 1:
         index = indices[0]
         return lambda items: [items[index]]
@@ -107,11 +108,11 @@ def _picker(indices: Sequence[int], size: int) -> Callable[[Sequence[Any]], list
     return lambda items: list(getter(items))
 
 
-def _whole(items: Sequence[Any]) -> list[Any]:
+def _as_list(items: Sequence[Any]) -> list[Any]:
     return items if type(items) is list else list(items)
 
 
-def _same(a: Sequence[object], b: Sequence[object]) -> bool:
+def _same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
     """Whether two sequences hold the same objects (identity), at C speed."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
@@ -242,7 +243,7 @@ class Plan:
         if dtensors:  # each DTensor's spec and local tensor read together: its object is fetched once
             both = list(chain.from_iterable(zip(map(_SPEC, dtensors), map(_LOCAL, dtensors), strict=True)))
             specs, locals_ = both[0::2], both[1::2]
-            if not _same(specs, layout.specs):
+            if not _same_objects(specs, layout.specs):
                 if any(a != b for a, b in zip(specs, layout.specs, strict=True)):
                     layout = self._layout = self._make_layout(params, grads, types)
                 else:
@@ -252,7 +253,7 @@ class Plan:
         if dtensors or partial:
             pieces = [*pieces, *locals_, *(_LOCAL(grad) for _, _, grad in partial)]
         try:
-            same = _facts(pieces, layout.reads_by_kernel) == layout.facts
+            same = _piece_facts(pieces, layout.reads_by_kernel) == layout.facts
         except RuntimeError:  # a piece without storage (a sparse grad)
             self._make_layout(params, grads, types)  # raises, naming it
             raise
@@ -281,22 +282,22 @@ class Plan:
         for target, kinds in layout.kinds:
             for kind in kinds:
                 for part in read_kind(kind.take(pieces), kind.plan, wanted, device):
-                    _add(shares, target, part, layout.fields, self.reduce_groups)
+                    _add_part(shares, target, part, layout.fields, self.reduce_groups)
         watch = wanted.p is not None  # the verdict on a norm covers the grads not counted here too
         norm_only = Wanted(wanted.p, zeros=False)
         for target, kinds in layout.watched_kinds if watch else ():
             for kind in kinds:
                 for part in read_kind(kind.take(pieces), kind.plan, norm_only, device):
-                    _add(shares, target, seen_part(part), layout.fields, self.reduce_groups)
+                    _add_part(shares, target, nonfinite_part(part), layout.fields, self.reduce_groups)
         for index, name, grad in partial:  # the pending reduction, on a copy, every call (collective)
             entry = self._dtensor_entry(index, name, params[index], grad)
             target = self._target_of(entry.outer, entry.expert)
             if entry.counted:
                 for part in parts_of([entry.local], wanted, device):
-                    _add(shares, target, part, layout.fields, self.reduce_groups)
+                    _add_part(shares, target, part, layout.fields, self.reduce_groups)
             elif watch:
                 for part in parts_of([entry.local], norm_only, device):
-                    _add(shares, target, seen_part(part), layout.fields, self.reduce_groups)
+                    _add_part(shares, target, nonfinite_part(part), layout.fields, self.reduce_groups)
         return Read(shares, pieces, layout.every)
 
     # ------------------------------------------------------------------------------------------- derived state
@@ -342,8 +343,8 @@ class Plan:
         return _Layout(
             types=types,
             specs=[grads[index]._spec for index in dtensor],
-            take_plain=_picker(plain, len(grads)),
-            take_dtensor=_picker(dtensor, len(grads)),
+            take_plain=_make_picker(plain, len(grads)),
+            take_dtensor=_make_picker(dtensor, len(grads)),
             partial=partial,
             targets=list(targets.items()),
             watched=list(watched.items()),
@@ -361,14 +362,14 @@ class Plan:
     @staticmethod
     def _plan_kinds(layout: _Layout, pieces: list[torch.Tensor]) -> None:
         """Group each target's pieces (and all of them) by kind and plan their reads."""
-        layout.kinds = [(target, _kinds(pieces, positions)) for target, positions in layout.targets]
-        layout.watched_kinds = [(target, _kinds(pieces, positions)) for target, positions in layout.watched]
-        layout.every = _kinds(pieces, range(len(pieces)))
-        layout.wide = any(widest(kind.plan.dtype) for kind in layout.every)
+        layout.kinds = [(target, _group_into_kinds(pieces, positions)) for target, positions in layout.targets]
+        layout.watched_kinds = [(target, _group_into_kinds(pieces, positions)) for target, positions in layout.watched]
+        layout.every = _group_into_kinds(pieces, range(len(pieces)))
+        layout.wide = any(makes_norm_float64(kind.plan.dtype) for kind in layout.every)
         layout.reads_by_kernel = any(kind.plan.kernel for _, kinds in layout.kinds for kind in kinds) or any(
             kind.plan.kernel for kind in layout.every
         )
-        layout.facts = _facts(pieces, layout.reads_by_kernel)
+        layout.facts = _piece_facts(pieces, layout.reads_by_kernel)
 
 
 def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
@@ -380,7 +381,7 @@ def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
         return list(map(_GRAD, params))
 
 
-def _facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
+def _piece_facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
     """Each piece's address, element count and (with ``contiguity``) contiguity, one piece after another in one
     flat list: the reads go piece by piece (a ``zip`` of ``map`` calls, C speed), so each tensor's metadata comes
     from memory once, not once per pass (at 20,000 grads, separate passes were bound by those fetches), and the flat
@@ -390,7 +391,7 @@ def _facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
     return list(chain.from_iterable(zip(*(map(read, pieces) for read in reads), strict=True)))
 
 
-def _add(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupName, Any], groups: Any) -> None:
+def _add_part(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupName, Any], groups: Any) -> None:
     if isinstance(target, tuple):
         field, slot = target
         shares.add_first(field, fields[field], groups, slot, part)
@@ -398,7 +399,7 @@ def _add(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupN
         shares.add(target, part)
 
 
-def _kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) -> list[_Kind]:
+def _group_into_kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) -> list[_Kind]:
     positions = list(positions)
     if not positions:
         return []
@@ -407,7 +408,7 @@ def _kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) -> list[_Ki
     kinds = []
     for (device, dtype), (lists, indices) in grouped.items():
         tensors = cast("list[torch.Tensor]", lists[0])
-        take = _picker([positions[i] for i in indices], len(pieces))
+        take = _make_picker([positions[i] for i in indices], len(pieces))
         kinds.append(_Kind(take, plan_kind(tensors, device, dtype)))
     return kinds
 
@@ -421,7 +422,7 @@ class Kept:
     def __init__(self, source: Source, given: ProcessGroupCollection, owner: str) -> None:
         params = params_of_source(source)
         self.given = given
-        self.unneeded = _unneeded_fields(params, given)
+        self.unneeded = _fields_left_off(params, given)
         collection = fill_unset_fields(given, STATS_FALLBACK, owner, unneeded=self.unneeded)
         require_classified_experts(params, collection)
         self.collection = collection
@@ -433,13 +434,13 @@ class Kept:
         holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
         self._empty_holders = [holder for holder in holders if not holder]
         self._held_views = [holder.values() for holder in holders if holder]  # live: made once, read each call
-        self._held = self._held_now()
+        self._held = self._current_holder_contents()
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
         if source.tensors is not None:  # the plan must not keep a list's tensors alive: weak references
             self._tensor_refs = [weakref.ref(tensor) for tensor in source.tensors]
             first = {id(tensor): position for position, tensor in reversed(list(enumerate(source.tensors)))}
-            self._take_params = _picker([first[id(param)] for param in self.params], len(source.tensors))
+            self._take_params = _make_picker([first[id(param)] for param in self.params], len(source.tensors))
             self.params = []
         attributes = list(map(vars, self.plan_params(source) or []))
         self._bare = [held for held in attributes if not held]
@@ -453,17 +454,17 @@ class Kept:
         if self._tensor_refs is None:
             if source.tensors is not None or len(source.chunks) != len(self._chunk_refs) + 1:
                 return None
-            if not _same(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
+            if not _same_objects(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            same = not any(map(len, self._empty_holders)) and _same(self._held_now(), self._held)
+            same = not any(map(len, self._empty_holders)) and _same_objects(self._current_holder_contents(), self._held)
             return self.params if same else None
         tensors = source.tensors
-        if tensors is None or not _same(tensors, list(map(operator.call, self._tensor_refs))):
+        if tensors is None or not _same_objects(tensors, list(map(operator.call, self._tensor_refs))):
             return None
         assert self._take_params is not None
         return self._take_params(tensors)
 
-    def _held_now(self) -> list[Any]:
+    def _current_holder_contents(self) -> list[Any]:
         """What the modules' child and parameter dictionaries that were not empty when the plan was made hold now,
         in order. With the empty ones still empty (most: a leaf module has no children, a container no parameters;
         one ``len`` each), equal flattened contents mean the same modules and parameters in the same order: a
@@ -474,7 +475,7 @@ class Kept:
         return list(chain.from_iterable(self._held_views))
 
     def _role_values(self) -> list[Any]:
-        """The roles of the parameters that had one, a parameter's four after another (as :func:`_facts`)."""
+        """The roles of the parameters that had one, a parameter's four after another (as :func:`_piece_facts`)."""
         gets = (map(dict.get, self._roled, repeat(key)) for key in ROLE_KEYS)
         return list(chain.from_iterable(zip(*gets, strict=True)))
 
@@ -503,7 +504,7 @@ class Kept:
         return params if collection is self.collection or collection == self.collection else None
 
 
-def _unneeded_fields(params: Params, given: ProcessGroupCollection) -> tuple[GroupName, ...]:
+def _fields_left_off(params: Params, given: ProcessGroupCollection) -> tuple[GroupName, ...]:
     """The expert fields the statistics of ``params`` leave off (:data:`EXPERT_STATS_FIELDS`, when no rank of the
     model's ``mp`` group holds an expert parameter), so a model without experts reads none from the global grid.
 
@@ -525,13 +526,13 @@ _KEPT_TENSORS: list[Kept] = []
 """The kept plan of the last list of tensors (it refers to them weakly)."""
 
 
-def kept_plan(
+def check_or_make_plan(
     source: Source, given: ProcessGroupCollection, owner: str
 ) -> tuple[Plan, list[torch.Tensor], ProcessGroupCollection]:
     """The kept plan of what an entry point was given (``source``, taken apart by the door,
     :func:`~pgregistry._runtime.resolve.source_of`) on the collection the door resolved (``given``): checked
     (:meth:`Kept.current`), else made anew (normalised once, the grad-statistics fields the model needs filled,
-    :func:`_unneeded_fields`, unclassified experts refused, classified). Its plan, its parameters in the plan's
+    :func:`_fields_left_off`, unclassified experts refused, classified). Its plan, its parameters in the plan's
     order, and the filled collection."""
     kept = _KEPT.get(source.chunks[0]) if source.chunks else (_KEPT_TENSORS[0] if _KEPT_TENSORS else None)
     params = kept.current(source, given, owner) if kept is not None else None

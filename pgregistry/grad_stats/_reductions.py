@@ -19,7 +19,7 @@ over. A chained optimizer's children add their parts to one ``Shares``; nothing 
 
 A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes first), so the
 inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP, expert TP and GTP duplicates,
-``shared`` copies) are read too, into *seen* parts (:func:`seen_part`: their NaN or inf, nothing else) under the
+``shared`` copies) are read too, into *seen* parts (:func:`nonfinite_part`: their NaN or inf, nothing else) under the
 group their counted copy is summed over: whether the norm is finite is decided over every grad of every rank, in
 the rows that already travel, while each element is still counted once. Shares accumulate in float64 whatever the
 grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device: results are 0-dim tensors
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import FIELD_NAMES, GroupName, group_size
-from pgregistry.grad_stats._arguments import check_max_norm, checked_norm_type
+from pgregistry.grad_stats._arguments import check_max_norm, norm_type_as_float
 
 __all__ = [
     "CLIP_EPSILON",
@@ -50,12 +50,12 @@ __all__ = [
     "Shares",
     "Wanted",
     "check_max_norm",
-    "checked_norm_type",
+    "norm_type_as_float",
     "clip_coefficient",
     "reduce_over_groups",
     "reduce_shares",
-    "seen_part",
-    "widest",
+    "nonfinite_part",
+    "makes_norm_float64",
 ]
 
 CLIP_EPSILON = 1e-6
@@ -82,21 +82,21 @@ class Wanted:
 
     @classmethod
     def of(cls, norm_type: float | None, zeros: bool) -> Wanted:
-        return cls(None if norm_type is None else checked_norm_type(norm_type), zeros)
+        return cls(None if norm_type is None else norm_type_as_float(norm_type), zeros)
 
     @property
     def infinite(self) -> bool:
         return self.p is not None and math.isinf(self.p)
 
 
-def seen_part(part: torch.Tensor) -> torch.Tensor:
+def nonfinite_part(part: torch.Tensor) -> torch.Tensor:
     """The part a read of grads this rank does not count adds: their NaN or inf (a share of ``sum |g|^p`` or
     ``max |g|`` is NaN or infinite exactly when one of the grads is), every finite entry and the zero count 0. So
     the verdict on the norm covers every grad a rank holds while nothing is counted twice."""
     return torch.where(part.isfinite(), 0.0, part)
 
 
-def widest(dtype: torch.dtype) -> bool:
+def makes_norm_float64(dtype: torch.dtype) -> bool:
     """Whether grads of ``dtype`` make the norm float64 (:attr:`Reduced.norm`): float64 and complex128."""
     return dtype in (torch.float64, torch.complex128)
 
@@ -106,7 +106,7 @@ def make_part(norm_share: torch.Tensor | None, zeros: torch.Tensor | None, devic
     if norm_share is None or zeros is None:
         present = norm_share if norm_share is not None else zeros
         if present is None:
-            return _zeros(2, device)
+            return _float64_zeros(2, device)
         pair = [present.to(torch.float64), present.new_zeros((), dtype=torch.float64)]
         return torch.stack(pair if norm_share is not None else pair[::-1]).to(device)
     return torch.stack([norm_share.to(torch.float64), zeros.to(torch.float64)]).to(device)
@@ -133,7 +133,8 @@ class Shares:
         self.wanted = wanted
         self.device = device
         self.wide = False
-        """Whether a grad read into these shares is float64 (:func:`widest`): the norm is returned in float64."""
+        """Whether a grad read into these shares is float64 (:func:`makes_norm_float64`): the norm is returned in
+        float64."""
         self.by_group: dict[GroupKey, list[torch.Tensor]] = {group: [] for group in groups}
         self.first: dict[GroupName, _First] = {}
 
@@ -144,8 +145,9 @@ class Shares:
             parts.append(part.to(self.device))
 
     def widen(self, dtype: torch.dtype) -> None:
-        """Note that grads of ``dtype`` were read (the norm is float64 once one of them is, :func:`widest`)."""
-        self.wide = self.wide or widest(dtype)
+        """Note that grads of ``dtype`` were read (the norm is float64 once one of them is,
+        :func:`makes_norm_float64`)."""
+        self.wide = self.wide or makes_norm_float64(dtype)
 
     def add_first(
         self,
@@ -166,7 +168,7 @@ class Shares:
 class Reduced:
     """The reduced statistics: ``norm64`` (float64, NaN / inf where one was seen; see :func:`reduce_shares`) and
     ``zeros`` (int64), 0-dim tensors on the reduction device, ``None`` when not wanted; ``wide``: whether a grad
-    read was float64 (:func:`widest`)."""
+    read was float64 (:func:`makes_norm_float64`)."""
 
     norm64: torch.Tensor | None
     zeros: torch.Tensor | None
@@ -210,7 +212,7 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     verdict_groups = [group for group in verdict if group is not None and group_size(group) > 1]
     seen = carrier = None
     if verdict_groups and wanted.p is not None:
-        seen = _seen(rows, wanted, device)
+        seen = _local_nonfinite_flags(rows, wanted, device)
         carrier = _same_ranks(verdict_groups[0], rows)
         if carrier is not _NO_GROUP:  # the flags ride in that group's row: every rank of it appends them
             rows[carrier] = torch.cat([rows[carrier], seen])
@@ -222,7 +224,7 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     if wanted.p is None:
         return Reduced(norm64=None, zeros=zeros, wide=shares.wide)
     if wanted.infinite:
-        peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _zeros(1, device)
+        peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _float64_zeros(1, device)
         norm = peaks.amax()
     else:
         norm = _column_total(list(reduced.values()), _NORM, device).pow(1.0 / wanted.p)
@@ -234,7 +236,7 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
         if carrier is not _NO_GROUP:
             flags.append(reduced[carrier][-2:])
         if verdict_groups:
-            seen = torch.maximum(seen, _nonfinite(norm))
+            seen = torch.maximum(seen, _nonfinite_flags(norm))
             for group in verdict_groups:
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
             flags.append(seen)
@@ -249,7 +251,7 @@ _FLAG: Final = 2
 """An inf-norm row's third column: NaN seen."""
 
 
-def _zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
+def _float64_zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.float64, device=device)
 
 
@@ -258,20 +260,20 @@ def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.devic
     entry, with no operation to add it up."""
     if len(rows) == 1:
         return rows[0][column]
-    return torch.stack([row[column] for row in rows]).sum() if rows else _zeros((), device)
+    return torch.stack([row[column] for row in rows]).sum() if rows else _float64_zeros((), device)
 
 
-def _nonfinite(value: torch.Tensor) -> torch.Tensor:
+def _nonfinite_flags(value: torch.Tensor) -> torch.Tensor:
     """``[NaN, inf]`` flags (1 or 0, float64) of a 0-dim tensor."""
     return torch.stack([value.isnan(), value.isinf()]).to(torch.float64)
 
 
-def _seen(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
+def _local_nonfinite_flags(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
     """Whether this rank's local shares hold a NaN or an inf, as ``[NaN, inf]`` flags."""
     if not rows:
-        return _zeros(2, device)
+        return _float64_zeros(2, device)
     stacked = torch.stack(list(rows.values()))
-    seen = _nonfinite(stacked[:, _NORM].sum())
+    seen = _nonfinite_flags(stacked[:, _NORM].sum())
     if wanted.infinite:
         seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))
     return seen
@@ -298,10 +300,10 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
     NaN carried by the flag (a MAX reduction may drop it) and counting as 0 in the maximum."""
     if not wanted.infinite:
         if not parts:
-            return _zeros(2, device)
+            return _float64_zeros(2, device)
         return parts[0] if len(parts) == 1 else torch.stack(list(parts)).sum(0)
     if not parts:
-        return _zeros(3, device)
+        return _float64_zeros(3, device)
     rows = torch.stack(list(parts))
     share = rows[:, _NORM]
     nan = share.isnan()
@@ -312,29 +314,29 @@ def _reduce_rows(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted) -> dict[
     """Each group's row reduced over its group, in the agreed order: one SUM of the whole row (flags summed: set
     when positive); for the inf-norm one MAX of all but the zero count, then, with the zero count, one SUM of it."""
     if not wanted.infinite:
-        return _each(rows, lambda row: row, dist.ReduceOp.SUM)
-    maxima = _each(rows, lambda row: torch.cat([row[:_ZEROS], row[_ZEROS + 1 :]]), dist.ReduceOp.MAX)
+        return _reduce_each_group(rows, lambda row: row, dist.ReduceOp.SUM)
+    maxima = _reduce_each_group(rows, lambda row: torch.cat([row[:_ZEROS], row[_ZEROS + 1 :]]), dist.ReduceOp.MAX)
     counts = (
-        _each(rows, lambda row: row[_ZEROS : _ZEROS + 1].clone(), dist.ReduceOp.SUM)
+        _reduce_each_group(rows, lambda row: row[_ZEROS : _ZEROS + 1].clone(), dist.ReduceOp.SUM)
         if wanted.zeros
         else {group: row[_ZEROS : _ZEROS + 1] for group, row in rows.items()}
     )
     return {group: torch.cat([maxima[group][:1], counts[group], maxima[group][1:]]) for group in rows}
 
 
-def _each(
+def _reduce_each_group(
     rows: Mapping[GroupKey, torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor], op: Any
 ) -> dict[GroupKey, torch.Tensor]:
     """:func:`reduce_over_groups` of ``local(row)`` for each group, by group."""
     order: list[GroupKey] = []
 
-    def take(item: tuple[GroupKey, torch.Tensor]) -> torch.Tensor:
+    def note_group_and_read_local(item: tuple[GroupKey, torch.Tensor]) -> torch.Tensor:
         order.append(item[0])
         return local(item[1])
 
     reduced = {}
-    for row in reduce_over_groups({group: (group, row) for group, row in rows.items()}, take, op):
-        reduced[order[-1]] = row  # the group take() was given last
+    for row in reduce_over_groups({group: (group, row) for group, row in rows.items()}, note_group_and_read_local, op):
+        reduced[order[-1]] = row  # the group note_group_and_read_local() was given last
     return reduced
 
 
@@ -404,10 +406,10 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> No
 def _in_collective_order(items_by_group: Mapping[ProcessGroup | None, V]) -> list[tuple[ProcessGroup | None, V]]:
     """Items ordered identically on every rank: ranks that share two groups must reduce them in the same order."""
 
-    def key(item: tuple[ProcessGroup | None, V]) -> tuple[int, tuple[int, ...], str]:
+    def collective_order_key(item: tuple[ProcessGroup | None, V]) -> tuple[int, tuple[int, ...], str]:
         group = item[0]
         if group is None:
             return (0, (), "")
         return (1, tuple(dist.get_process_group_ranks(group)), str(getattr(group, "group_name", "")))
 
-    return sorted(items_by_group.items(), key=key)
+    return sorted(items_by_group.items(), key=collective_order_key)

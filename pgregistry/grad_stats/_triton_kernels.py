@@ -37,22 +37,22 @@ def squares_and_zeros_kernel(
     number of tensors of one dtype in one launch, each addressed from ``x_ptr``. Program ``p`` writes
     ``pairs[p] = (sum of squares, zeros)`` (float64, shape ``[programs, 2]``)."""
     pid = tl.program_id(0)
-    start, count = _extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
+    start, count = _program_extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
     if start % VEC == 0:
         first = x_ptr + (start // VEC) * VEC  # a multiple of VEC the compiler can see
         body = (count // VEC) * VEC
-        squares, zeros = _sums(first, body, BLOCK, ITERS)
-        tail_squares, tail_zeros = _sums(first + body, count - body, VEC, 1)  # fewer than VEC elements
+        squares, zeros = _sum_squares_and_zeros(first, body, BLOCK, ITERS)
+        tail_squares, tail_zeros = _sum_squares_and_zeros(first + body, count - body, VEC, 1)  # fewer than VEC elements
         squares += tail_squares
         zeros += tail_zeros
     else:
-        squares, zeros = _sums(x_ptr + start, count, BLOCK, ITERS)
+        squares, zeros = _sum_squares_and_zeros(x_ptr + start, count, BLOCK, ITERS)
     tl.store(pairs_ptr + 2 * pid, squares.to(tl.float64))
     tl.store(pairs_ptr + 2 * pid + 1, zeros.to(tl.float64))
 
 
 @triton.jit
-def _extent(pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
+def _program_extent(pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
     """Program ``pid``'s first element (after ``x_ptr``) and element count: its row of the table, or its
     ``BLOCK * ITERS`` elements of one contiguous tensor of ``n``."""
     if TABLE:
@@ -65,7 +65,7 @@ def _extent(pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: 
 
 
 @triton.jit
-def _sums(first, count, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
+def _sum_squares_and_zeros(first, count, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
     """The float32 sum of squares and the int32 zero count of the ``count`` (at most ``BLOCK * ITERS``) elements
     from ``first``: ``ITERS`` loads of ``BLOCK`` lanes, then a tree over the lanes."""
     lanes = tl.arange(0, BLOCK)
@@ -106,14 +106,14 @@ def scale_kernel(
         value = _clip_coefficient(value, max_norm_bits, epsilon_bits)
     coeff = value.to(tl.float32).to(x_ptr.dtype.element_ty).to(tl.float32)
     if coeff < 1.0:
-        start, count = _extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
+        start, count = _program_extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
         if start % VEC == 0:
             first = x_ptr + (start // VEC) * VEC
             body = (count // VEC) * VEC
-            _scale(first, body, coeff, BLOCK, ITERS)
-            _scale(first + body, count - body, coeff, VEC, 1)
+            _scale_span(first, body, coeff, BLOCK, ITERS)
+            _scale_span(first + body, count - body, coeff, VEC, 1)
         else:
-            _scale(x_ptr + start, count, coeff, BLOCK, ITERS)
+            _scale_span(x_ptr + start, count, coeff, BLOCK, ITERS)
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def _clip_coefficient(norm, max_norm_bits, epsilon_bits):
 
 
 @triton.jit
-def _scale(first, count, coeff, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
+def _scale_span(first, count, coeff, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
     lanes = tl.arange(0, BLOCK)
     for i in tl.static_range(ITERS):
         offsets = i * BLOCK + lanes

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 from pgregistry._source.config import ScanConfig
-from pgregistry._source.engine import PARALLEL_MIN_BYTES, buckets, scan_sources
+from pgregistry._source.engine import PARALLEL_MIN_BYTES, scan_sources, split_into_buckets
 from pgregistry._source.files import SourceFile
 from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
@@ -427,7 +427,7 @@ def _migrate(
     count = max(1, min(jobs, len(planned)))
     fork = count > 1 and size >= PARALLEL_MIN_BYTES and can_fork()
     # At least one worker, also with no file to plan: it still looks through the others for calls.
-    shares = buckets(count if fork else 1, [len(contents[r.path]) for r in planned]) or [[]]
+    shares = split_into_buckets(count if fork else 1, [len(contents[r.path]) for r in planned]) or [[]]
     with_reads = {r.path for r in planned}
     others = [(path, data) for path, data in contents.items() if path not in with_reads]
     chunk = -(-len(others) // TaskQueue.RECORDS)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgregistry._source.files import SourceFile, excluded, project_path
+from pgregistry._source.files import SourceFile, is_excluded, project_path
 
 __all__ = ["OwnFiles", "own_files"]
 
@@ -44,7 +44,7 @@ def own_files(files: Sequence[SourceFile], root: Path, exclude: Sequence[str] = 
             found.left.append(f"{source.path}: a link to {real}, outside the project: left untouched")
             continue
         path = project_path(real, real_root)
-        if excluded(path, exclude):
+        if is_excluded(path, exclude):
             found.left.append(f"{source.path}: a link to {path}, which is excluded: left untouched")
             continue
         seen.setdefault(str(real), SourceFile(path, real))

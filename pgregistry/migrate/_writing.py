@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pgregistry._source.storage import StorageError, atomic_write, exclusive
+from pgregistry._source.storage import StorageError, atomic_write, exclusive_lock
 
 __all__ = ["JOURNAL", "Change", "WriteError", "finish_interrupted", "write_changes"]
 
@@ -156,7 +156,7 @@ def _journal_lock(root: Path) -> Iterator[Path]:
     """The journal's path, with the lock that keeps two runs from writing or finishing one at once."""
     journal = root / JOURNAL
     try:
-        with exclusive(journal):
+        with exclusive_lock(journal):
             yield journal
     except StorageError as error:
         raise WriteError(str(error)) from error

@@ -68,7 +68,7 @@ __all__ = [
     "OptimizerStatistics",
     "ParamNameFn",
     "backend_device",
-    "required_group",
+    "require_group",
 ]
 
 InnerFactory: TypeAlias = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -225,7 +225,7 @@ class FlatOptimizer(OptimizerStatistics):
                     "buffer, not the parameter: build the optimizer after moving the model"
                 )
 
-    def _device(self) -> torch.device:
+    def _buffer_device(self) -> torch.device:
         """Where the buffer lives: the parameters' device; with no parameters, the one the backend reduces on."""
         return self.params[0].device if self.params else backend_device(None)
 
@@ -357,11 +357,11 @@ class FlatOptimizer(OptimizerStatistics):
 
 
 def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
+    def add_grad_into_view(param: torch.Tensor) -> None:
         view.add_(param.grad)  # type: ignore[arg-type]
         param.grad = None
 
-    return hook
+    return add_grad_into_view
 
 
 def statistics_of(
@@ -391,7 +391,7 @@ def clip_grads_of(
     return reduced.clip_norm
 
 
-def required_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:
+def require_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:
     """``groups.<name>`` (a group, or ``None`` when the axis is off), refusing an unset one with a ``ValueError``."""
     value = getattr(groups, name)
     if value is UNSET:

@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from pgregistry.optim._copies import Copy, write_copies
-from pgregistry.optim._fused_step import FusedStep, fused_step_applies
+from pgregistry.optim._fused_step import FusedStep, kernel_can_step
 from pgregistry.optim._state_check import refuse_faults
 
 __all__ = ["FLAT_DTYPES", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS"]
@@ -89,10 +89,10 @@ class _Slot:
 
     @property
     def stop(self) -> int:
-        return self.start + _numel(self.shape)
+        return self.start + _count_elements(self.shape)
 
 
-def _numel(shape: Sequence[int]) -> int:
+def _count_elements(shape: Sequence[int]) -> int:
     total = 1
     for size in shape:
         total *= size
@@ -133,7 +133,7 @@ class FlatStep:
                 raise ValueError(f"a copy's target must be a contiguous 1-d tensor, not {tuple(copy.out.shape)}")
             if copy.start < 0 or stop > flat.numel():
                 raise ValueError(f"a copy [{copy.start}, {stop}) lies outside the flat tensor")
-        fused = rule.chooses_implementation and fused_step_applies(flat)
+        fused = rule.chooses_implementation and kernel_can_step(flat)
         self._fused = FusedStep(flat, self.copies) if fused else None
         """The one-kernel step and copies on CUDA (:mod:`~pgregistry.optim._fused_step`), where it applies."""
 
@@ -144,7 +144,7 @@ class FlatStep:
         flat_state = self.optimizer.state.get(self.flat)
         if not flat_state:
             return {}
-        return {main: self._slice(flat_state, slot) for main, slot in zip(self.mains, self._slots, strict=True)}
+        return {main: self._slice_state(flat_state, slot) for main, slot in zip(self.mains, self._slots, strict=True)}
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -166,17 +166,17 @@ class FlatStep:
         flat_state = inner["state"].get(0)
         state = {}
         if flat_state is not None:
-            state = {index: self._slice(flat_state, slot) for index, slot in enumerate(self._slots)}
+            state = {index: self._slice_state(flat_state, slot) for index, slot in enumerate(self._slots)}
         groups = [{**group, "params": list(range(len(self._slots)))} for group in inner["param_groups"]]
         return {"state": state, "param_groups": groups}
 
-    def _slice(self, flat_state: Mapping[str, Any], slot: _Slot) -> dict[str, Any]:
+    def _slice_state(self, flat_state: Mapping[str, Any], slot: _Slot) -> dict[str, Any]:
         return {
-            key: value[slot.start : slot.stop].view(slot.shape) if self._elementwise(value) else value
+            key: value[slot.start : slot.stop].view(slot.shape) if self._is_elementwise(value) else value
             for key, value in flat_state.items()
         }
 
-    def _elementwise(self, value: Any) -> bool:
+    def _is_elementwise(self, value: Any) -> bool:
         return isinstance(value, torch.Tensor) and value.shape == self.flat.shape
 
     def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]:
@@ -207,7 +207,7 @@ class FlatStep:
                     f"optimizer state {key!r} differs between parameter 0 and parameter {index}: a flat step keeps "
                     "one value for every parameter"
                     for index, value in enumerate(values[1:], start=1)
-                    if not _same(values[0], value)
+                    if not _same_value(values[0], value)
                 )
                 continue
             if not isinstance(values[0], torch.Tensor):
@@ -228,10 +228,10 @@ class FlatStep:
         refuse_faults("FlatStep.load_state_dict", self.state_dict_faults(state_dict))
         groups = state_dict["param_groups"]
         per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]
-        state = {0: self._join(per_param)} if any(per_param) else {}
+        state = {0: self._join_states(per_param)} if any(per_param) else {}
         self.optimizer.load_state_dict({"state": state, "param_groups": [{**groups[0], "params": [0]}]})
 
-    def _join(self, per_param: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def _join_states(self, per_param: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """The flat state of ``per_param`` (checked by :meth:`state_dict_faults`)."""
         joined: dict[str, Any] = {}
         for key in sorted(per_param[0]):
@@ -246,7 +246,7 @@ class FlatStep:
         return joined
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
         return both and a.shape == b.shape and bool(torch.equal(a, b))

@@ -28,7 +28,7 @@ target's packing and padding need not match the main buffer's; blocks going whol
 written in vectors, a copy's edges element by element.
 
 Optional like :mod:`pgregistry.grad_stats._fused`: triton is imported inside a function, and
-:func:`fused_step_available` is False off CUDA, without triton, or where the kernel's first launch on a device (once
+:func:`can_run_fused_step` is False off CUDA, without triton, or where the kernel's first launch on a device (once
 per device and process) fails; then the caller keeps torch's step.
 """
 
@@ -46,7 +46,7 @@ import torch
 from pgregistry._runtime.optional_kernels import cuda_index, launch_on, optional_kernels, probe_kernel
 from pgregistry.optim._copies import Copy
 
-__all__ = ["BLOCK", "COPY_DTYPES", "ITERS", "VEC", "WARPS", "FusedStep", "fused_step_applies", "fused_step_available"]
+__all__ = ["BLOCK", "COPY_DTYPES", "ITERS", "VEC", "WARPS", "FusedStep", "kernel_can_step", "can_run_fused_step"]
 
 BLOCK = 1024
 """Elements a program steps per iteration: a block, with one copy row."""
@@ -68,15 +68,15 @@ _RULES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 @functools.cache
-def _kernels() -> ModuleType | None:
+def _import_kernels() -> ModuleType | None:
     return optional_kernels("pgregistry.optim._triton_step")
 
 
-def fused_step_available(device: torch.device) -> bool:
+def can_run_fused_step(device: torch.device) -> bool:
     """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per device and
     process) that compiled and gave the exact result of a small Adam step (see
     :mod:`pgregistry._runtime.optional_kernels`)."""
-    if device.type != "cuda" or _kernels() is None:
+    if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))
 
@@ -87,11 +87,15 @@ _PROBE_WANT = ((0.5, 1.5, 0.5, 1.5, 0.5, 1.5, 0.5, 1.5), (0.5, 1.5, 0.5, 1.5, 0.
 @functools.cache
 def _works_on(index: int) -> bool:
     return probe_kernel(
-        index, _probe, _PROBE_WANT, event="fused_optimizer_step_unavailable", kernel="the fused optimizer step kernel"
+        index,
+        _probe_every_launch,
+        _PROBE_WANT,
+        event="fused_optimizer_step_unavailable",
+        kernel="the fused optimizer step kernel",
     )
 
 
-def _probe(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+def _probe_every_launch(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """One Adam step (betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact) of ones with grads ±4 and
     ±2, copied to bf16: every param moves by 0.5 against its grad."""
     flat = torch.nn.Parameter(torch.ones(8, device=device))
@@ -103,15 +107,15 @@ def _probe(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], 
     return tuple(flat.tolist()), tuple(out.float().tolist()), float(adam.state[flat]["step"])
 
 
-def fused_step_applies(flat: torch.Tensor) -> bool:
+def kernel_can_step(flat: torch.Tensor) -> bool:
     """Whether ``flat`` can be stepped by the kernel: contiguous float32 of a positive multiple of :data:`VEC`
-    elements, on a device where :func:`fused_step_available`."""
+    elements, on a device where :func:`can_run_fused_step`."""
     return (
         flat.dtype == torch.float32
         and flat.is_contiguous()
         and flat.numel() > 0
         and flat.numel() % VEC == 0
-        and fused_step_available(flat.device)
+        and can_run_fused_step(flat.device)
     )
 
 
@@ -160,13 +164,13 @@ def _plan_copies(flat: torch.Tensor, copies: Sequence[Copy], block: int) -> _Cop
     return _CopyPlan(base, table.to(flat.device), tuple(written), unfused)
 
 
-def _halves(value: float) -> tuple[float, float]:
+def _as_float32_pair(value: float) -> tuple[float, float]:
     """``value`` as two float32 (its float32 rounding and the rest), which the kernel adds in float64."""
     high: float = struct.unpack("f", struct.pack("f", value))[0]
     return high, value - high
 
 
-def _numbers(*values: object) -> bool:
+def _are_plain_numbers(*values: object) -> bool:
     """Whether ``values`` are plain numbers (the kernel takes them as arguments; a tensor ``lr`` or betas keep
     torch's step)."""
     return all(isinstance(value, (int, float)) for value in values)
@@ -204,14 +208,14 @@ class FusedStep:
         with nothing touched, where the rule or its state is not one the kernel runs (the caller steps with
         torch)."""
         grad = self.flat.grad
-        if grad is None or not self._runs(optimizer, grad):
+        if grad is None or not self._can_run_kernel(optimizer, grad):
             return False
         group = optimizer.param_groups[0]
         if isinstance(optimizer, torch.optim.SGD):
-            return self._sgd(optimizer, group, grad)
-        return self._adam(optimizer, group, grad)
+            return self._step_sgd(optimizer, group, grad)
+        return self._step_adam(optimizer, group, grad)
 
-    def _runs(self, optimizer: torch.optim.Optimizer, grad: torch.Tensor) -> bool:
+    def _can_run_kernel(self, optimizer: torch.optim.Optimizer, grad: torch.Tensor) -> bool:
         """Whether ``optimizer`` is one rule over this flat tensor alone, with a grad the kernel reads, no grad
         scaler and none of the options the kernel does not have."""
         groups = optimizer.param_groups
@@ -224,10 +228,10 @@ class FusedStep:
             and not groups[0].get("capturable", False)
             and getattr(optimizer, "grad_scale", None) is None
             and getattr(optimizer, "found_inf", None) is None
-            and self._fits(grad)
+            and self._fits_flat(grad)
         )
 
-    def _fits(self, tensor: object) -> bool:
+    def _fits_flat(self, tensor: object) -> bool:
         """Whether ``tensor`` is laid out like the flat tensor (state and grads the kernel reads by its offsets)."""
         flat = self.flat
         return (
@@ -238,8 +242,8 @@ class FusedStep:
             and tensor.is_contiguous()
         )
 
-    def _adam(self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor) -> bool:
-        if not _numbers(group["lr"], *group["betas"], group["eps"], group["weight_decay"]):
+    def _step_adam(self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor) -> bool:
+        if not _are_plain_numbers(group["lr"], *group["betas"], group["eps"], group["weight_decay"]):
             return False
         amsgrad = bool(group["amsgrad"])
         state = optimizer.state[self.flat]
@@ -251,16 +255,22 @@ class FusedStep:
                 state["max_exp_avg_sq"] = torch.zeros_like(self.flat, memory_format=torch.preserve_format)
         moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
         step = state.get("step")
-        if not all(self._fits(state.get(key)) for key in moments) or not _device_count(step, self.flat.device):
+        if not all(self._fits_flat(state.get(key)) for key in moments) or not _device_count(step, self.flat.device):
             return False
         step.add_(1)
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         decoupled = bool(group.get("decoupled_weight_decay", False)) or type(optimizer) is torch.optim.AdamW
         tensors = [state[key] for key in moments]
-        self._launch(
+        self._launch_kernel(
             "adam_kernel",
             [self.flat, grad, tensors[0], tensors[1], tensors[-1], step],
-            [lr, float(group["eps"]), weight_decay, *_halves(group["betas"][0]), *_halves(group["betas"][1])],
+            [
+                lr,
+                float(group["eps"]),
+                weight_decay,
+                *_as_float32_pair(group["betas"][0]),
+                *_as_float32_pair(group["betas"][1]),
+            ],
             dict(
                 AMSGRAD=amsgrad,
                 MAXIMIZE=bool(group["maximize"]),
@@ -271,19 +281,19 @@ class FusedStep:
         )
         return True
 
-    def _sgd(self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor) -> bool:
-        if not _numbers(group["lr"], group["weight_decay"], group["momentum"], group["dampening"]):
+    def _step_sgd(self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor) -> bool:
+        if not _are_plain_numbers(group["lr"], group["weight_decay"], group["momentum"], group["dampening"]):
             return False
         momentum, weight_decay = float(group["momentum"]), float(group["weight_decay"])
         buffer: Any = None
         if momentum != 0:  # torch's SGD keeps state only with momentum
             buffer = optimizer.state[self.flat].get("momentum_buffer")
-            if buffer is not None and not self._fits(buffer):
+            if buffer is not None and not self._fits_flat(buffer):
                 return False
         first = momentum != 0 and buffer is None
         if first:
             buffer = torch.empty_like(self.flat, memory_format=torch.preserve_format)
-        self._launch(
+        self._launch_kernel(
             "sgd_kernel",
             [self.flat, grad, self.flat if buffer is None else buffer],
             [float(group["lr"]), weight_decay, momentum, 1.0 - float(group["dampening"])],
@@ -300,7 +310,7 @@ class FusedStep:
             optimizer.state[self.flat]["momentum_buffer"] = buffer
         return True
 
-    def _launch(
+    def _launch_kernel(
         self,
         kernel: str,
         tensors: list[torch.Tensor],
@@ -312,7 +322,7 @@ class FusedStep:
         """Launch ``kernel`` over ``tensors`` (then the copy target, the table, the length), ``scalars`` and
         ``flags``, and tell autograd that ``written`` and the copies' target changed in place, as a torch step
         would."""
-        kernels = _kernels()
+        kernels = _import_kernels()
         if kernels is None:
             raise RuntimeError("the fused optimizer step needs triton, which is not importable here")
         plan = self._plan

@@ -15,7 +15,7 @@ count:
 * a span is read into a *part* of its group's local share (:mod:`pgregistry.grad_stats._reductions`: ``sum |g|^p``
   or ``max |g|`` in float64, and the zero count), and the shares are reduced by the grad statistics' one reducer,
   which an optimizer's chained children share: one all-reduce per group, in the one agreed order; an uncounted span
-  is read into a seen part (:func:`~pgregistry.grad_stats._reductions.seen_part`: its NaN or inf only) under its
+  is read into a seen part (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`: its NaN or inf only) under its
   group, so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
 * on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output (a
   bf16/fp16 span is cast inside the kernel when the output is float32);
@@ -49,9 +49,9 @@ import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
 from pgregistry.grad_stats import is_counted, reduce_group_of
-from pgregistry.grad_stats._fused import fused_stats_available, readable, span_squares_and_zeros
+from pgregistry.grad_stats._fused import can_run_fused_stats, is_kernel_readable, span_squares_and_zeros
 from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
-from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, reduce_shares, seen_part
+from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, nonfinite_part, reduce_shares
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -122,7 +122,7 @@ def class_spans(
     return tuple(spans)
 
 
-def _align(value: int, multiple: int) -> int:
+def _round_up_to_multiple(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -163,14 +163,14 @@ class GradBuffer:
         spans: list[Span] = []
         cursor = 0
         for counted, group in order:
-            start = cursor = _align(cursor, SPAN_ALIGNMENT)
+            start = cursor = _round_up_to_multiple(cursor, SPAN_ALIGNMENT)
             for index, (param, cls) in enumerate(zip(params, classes, strict=True)):
                 if cls[0] == counted and cls[1] is group:
                     offsets[index] = cursor
                     cursor += param.numel()
             if cursor > start:
                 spans.append(Span(group, counted, start, cursor))
-        total = _align(cursor, SPAN_ALIGNMENT * shard_multiple)
+        total = _round_up_to_multiple(cursor, SPAN_ALIGNMENT * shard_multiple)
         self.data: torch.Tensor = torch.zeros(total, dtype=dtype, device=device)
         """The grads, padding included; zero it to zero every grad at once."""
         self.params: tuple[torch.Tensor, ...] = tuple(params)
@@ -233,7 +233,7 @@ def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, on
     """
     wanted = shares.wanted
     if one_read is None:
-        one_read = wanted.p in (2.0, None) and readable(data) and fused_stats_available(data.device)
+        one_read = wanted.p in (2.0, None) and is_kernel_readable(data) and can_run_fused_stats(data.device)
     if one_read and wanted.p not in (2.0, None):
         raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm")
     shares.widen(data.dtype)
@@ -251,7 +251,7 @@ def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, on
             share = _norm_share(view, wanted.p) if wanted.p is not None else None
             zeros = span.numel - _count_nonzero(view) if count else None
         part = make_part(share, zeros if count else None, shares.device)
-        shares.add(span.group, part if span.counted else seen_part(part))
+        shares.add(span.group, part if span.counted else nonfinite_part(part))
 
 
 def _float_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -309,7 +309,7 @@ def all_reduce_grads_(
     """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``: one collective per
     bucket of at most ``bucket_numel`` elements (default: one bucket), never one per tensor; none when the group is
     off. Dividing first (as Megatron-Core does) keeps the sum in range; ``divide_by=size(group)`` averages."""
-    _divide(buffer, divide_by)
+    _divide_buffer(buffer, divide_by)
     if group_size(group) == 1 or buffer.numel == 0:  # data-parallel replicas hold the same parameters: all skip
         return
     step = bucket_numel if bucket_numel else buffer.numel
@@ -324,7 +324,7 @@ def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, div
     collective): afterwards this rank's shard, returned as ``[start, stop)``, holds its reduced grads and the rest
     of the buffer is stale."""
     start, stop = buffer.shard_range(group)
-    _divide(buffer, divide_by)
+    _divide_buffer(buffer, divide_by)
     if group_size(group) == 1 or buffer.numel == 0:
         return start, stop
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -332,7 +332,7 @@ def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, div
     return start, stop
 
 
-def _divide(buffer: GradBuffer, divide_by: int) -> None:
+def _divide_buffer(buffer: GradBuffer, divide_by: int) -> None:
     if divide_by < 1:
         raise ValueError(f"divide_by must be a positive integer, got {divide_by}")
     if divide_by > 1:

@@ -84,11 +84,11 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 "give each dtype its own optimizer or set main_dtype"
             )
         buffer_dtype = main_dtype or next(iter(dtypes), torch.float32)
-        device = self._device()
+        device = self._buffer_device()
         # Main copies exist before their storage: the buffer classifies them (their roles are what the optimizer
         # counts) and lays them out; each then becomes its view of the flat main buffer.
         self.main_params: list[torch.Tensor] = [
-            p if p.dtype == buffer_dtype else copy_param_roles(p, torch.nn.Parameter(_placeholder(p, buffer_dtype)))
+            p if p.dtype == buffer_dtype else copy_param_roles(p, torch.nn.Parameter(_stand_in_for(p, buffer_dtype)))
             for p in self.params
         ]
         """What ``inner`` steps: the float32 copy of each lower-precision parameter, else the parameter; each a
@@ -134,7 +134,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     def _copy_main_to_model(self) -> None:
         write_copies(self.main_data, self._copies)
 
-    def _copied(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _params_and_main_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, main copy) of each lower-precision parameter, in parameter order."""
         return [(p, m) for p, m in zip(self.params, self.main_params, strict=True) if m is not p]
 
@@ -142,7 +142,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         """``{"inner": inner state dict (or None), "main_params": {name: main copy}}`` (references, not copies)."""
         return {
             "inner": self.inner.state_dict() if self.inner is not None else None,
-            "main_params": {self.param_name(p): m.detach() for p, m in self._copied()},
+            "main_params": {self.param_name(p): m.detach() for p, m in self._params_and_main_copies()},
         }
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
@@ -151,7 +151,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
             return ["it is no {'inner': ..., 'main_params': ...} dict (MixedPrecisionOptimizer.state_dict output)"]
         saved = state_dict["main_params"]
-        names = {self.param_name(p): m for p, m in self._copied()}
+        names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
         faults = missing_and_extra("main copies", saved, names)
         for name, main in names.items():
             if name in saved:
@@ -170,7 +170,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the checked :meth:`state_dict` output and copy the restored main params into the model."""
         saved = state_dict["main_params"]
-        names = {self.param_name(p): m for p, m in self._copied()}
+        names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
         for name, main in names.items():
             main.copy_(saved[name])
         if self.inner is not None:
@@ -201,7 +201,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local."""
         faults = [
             fault
-            for param, main in self._copied()
+            for param, main in self._params_and_main_copies()
             if (saved := state.get(param, {}).get(MAIN_PARAM)) is not None
             for fault in tensor_faults(f"main copy {self.param_name(param)!r}", saved, main, cast=True)
         ]
@@ -216,7 +216,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     @torch.no_grad()
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Restore :meth:`param_state` output; a main copy without a saved ``main_param`` is its parameter's value."""
-        for param, main in self._copied():
+        for param, main in self._params_and_main_copies():
             main.copy_(state.get(param, {}).get(MAIN_PARAM, param))
         if self.inner is not None:
             model_param = dict(zip(self.main_params, self.params, strict=True))
@@ -224,7 +224,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._copy_main_to_model()
 
 
-def _placeholder(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _stand_in_for(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``param``'s shape and device that holds no memory (one element, expanded)."""
     return torch.empty((), dtype=dtype, device=param.device).expand(param.shape)
 

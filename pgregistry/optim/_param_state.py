@@ -56,14 +56,14 @@ class TorchOptimizerState:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
-    def _params(self) -> list[torch.Tensor]:
+    def _inner_params(self) -> list[torch.Tensor]:
         return [param for group in self.optimizer.param_groups for param in group["params"]]
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        return {param: dict(self.optimizer.state.get(param, {})) for param in self._params()}
+        return {param: dict(self.optimizer.state.get(param, {})) for param in self._inner_params()}
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        load_inner_state(self.optimizer, self._params(), state)
+        load_inner_state(self.optimizer, self._inner_params(), state)
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
         """None: torch's ``load_state_dict`` refuses nothing of a state dict numbered like its own (it casts, and
@@ -109,13 +109,15 @@ def inner_state_dict(
     current["state"] = {}
     for pid, tensor in zip(ids, keys, strict=True):
         entry = state.get((rename or {}).get(tensor, tensor), {})
-        values = {key: _copy(value) if copied else value for key, value in entry.items() if key != MAIN_PARAM}
+        values = {
+            key: _clone_if_tensor(value) if copied else value for key, value in entry.items() if key != MAIN_PARAM
+        }
         if values:
             current["state"][pid] = values
     return current
 
 
-def _copy(value: Any) -> Any:
+def _clone_if_tensor(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 

@@ -123,9 +123,9 @@ def optimizer_process_groups(
     grad-statistics groups (:class:`~pgregistry.grad_stats.StatsGroups`). Each failure raises ``ValueError``
     naming the group.
     """
-    groups = _validated_data_parallel(collection, model_chunks, distributed_optimizer=use_distributed_optimizer)
+    groups = _validate_data_parallel(collection, model_chunks, distributed_optimizer=use_distributed_optimizer)
     for name in ("mp", "tp_ep_pp"):
-        _require(collection, name, "set it to None if the model does not need it")
+        _require_group(collection, name, "set it to None if the model does not need it")
     return OptimizerProcessGroups(
         **groups,
         mp=collection.get("mp"),
@@ -134,7 +134,7 @@ def optimizer_process_groups(
     )
 
 
-def _validated_data_parallel(
+def _validate_data_parallel(
     pg_collection: ProcessGroupCollection,
     model_chunks: Sequence[nn.Module],
     *,
@@ -156,10 +156,10 @@ def _validated_data_parallel(
                 "dp_cp)"
             )
         dp_cp = dp
-    _require(pg_collection, "expt_dp", "set it to None if the model has no experts")
+    _require_group(pg_collection, "expt_dp", "set it to None if the model has no experts")
     expt_dp = pg_collection.get("expt_dp")
     if distributed_optimizer:
-        _require(
+        _require_group(
             pg_collection,
             "intra_dist_opt",
             "the distributed optimizer shards its state over this group (one optimizer instance); set it (None "
@@ -186,7 +186,7 @@ def _validated_data_parallel(
     }
 
 
-def _require(pg_collection: ProcessGroupCollection, name: GroupName, how: str, *, when: str = "") -> None:
+def _require_group(pg_collection: ProcessGroupCollection, name: GroupName, how: str, *, when: str = "") -> None:
     if not pg_collection.is_set(name):
         condition = f" {when}" if when else ""
         raise ValueError(f"{name} process group is required{condition} but not set in pg_collection: {how}")
@@ -212,10 +212,10 @@ def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
     """
     instance = groups.intra_dist_opt
     assert not isinstance(instance, Unset)  # a sharded build requires it
-    held = set(_ranks(instance))
+    held = set(_ranks_of_group(instance))
     missing = {
         name: ranks for name, group in (("mp", groups.stats.dense_reduce), ("expert", groups.stats.expert_reduce))
-        if not set(ranks := _ranks(group)) <= held
+        if not set(ranks := _ranks_of_group(group)) <= held
     }
     local = bool(missing)
     anywhere = any_rank_has(any_rank_has(local, instance), groups.mp)
@@ -234,5 +234,5 @@ def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
     )
 
 
-def _ranks(group: ProcessGroup | None) -> list[int]:
+def _ranks_of_group(group: ProcessGroup | None) -> list[int]:
     return [dist.get_rank()] if group is None else list(dist.get_process_group_ranks(group))

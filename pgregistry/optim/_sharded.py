@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pgregistry.collection import group_size
-from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn, required_group
+from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn, require_group
 from pgregistry.optim._copies import Copy
 from pgregistry.optim._flat_step import FlatStep
 from pgregistry.optim._grad_buffer import GradBuffer, class_spans, reduce_scatter_grads_
@@ -91,7 +91,7 @@ class ShardedOptimizer(FlatOptimizer):
             )
         self.shard_group = groups.intra_expt_dp if expert else groups.intra_dp_cp
         """Main params, state and grads are sharded over this group (``expt_dp`` / ``dp_cp`` of one instance)."""
-        norm_group = required_group(groups, "intra_dist_opt")
+        norm_group = require_group(groups, "intra_dist_opt")
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -100,7 +100,7 @@ class ShardedOptimizer(FlatOptimizer):
             )
         param_dtype = next(iter(dtypes), main_dtype or torch.float32)
         main_dtype = main_dtype or param_dtype
-        device = self._device()
+        device = self._buffer_device()
         self.buffer = GradBuffer(
             self.params, self.stats_groups, dtype=main_dtype, device=device, shard_multiple=group_size(self.shard_group)
         )
@@ -153,18 +153,18 @@ class ShardedOptimizer(FlatOptimizer):
         if self.inner is not None:
             self.inner.step()
         if isinstance(self.inner, FlatStep):
-            self._gather()
+            self._all_gather_params()
         else:
-            self._publish()
+            self._publish_shard()
 
-    def _publish(self) -> None:
+    def _publish_shard(self) -> None:
         """Write the shard's main copies into the parameter buffer and all-gather it."""
         start, stop = self.shard
         if self._pieces:  # one copy: the shard's padding is zero in both buffers
             self.param_data[start:stop].copy_(self.main_shard.detach())
-        self._gather()
+        self._all_gather_params()
 
-    def _gather(self) -> None:
+    def _all_gather_params(self) -> None:
         start, stop = self.shard
         if group_size(self.shard_group) > 1 and self.buffer.numel:
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -236,7 +236,7 @@ class ShardedOptimizer(FlatOptimizer):
         if self.inner is not None:
             state = {index: shards[name]["state"] for index, name in enumerate(names) if shards[name]["state"]}
             self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
-        self._publish()
+        self._publish_shard()
 
     # ------------------------------------------------------------------------------------------- whole state
 
@@ -252,7 +252,7 @@ class ShardedOptimizer(FlatOptimizer):
         for piece in self._pieces:
             mine = described.setdefault(index[id(piece.param)], {})
             for key, value in inner.get(piece.main, {}).items():
-                mine[key] = value.dtype if _elementwise(value, piece.main) else value
+                mine[key] = value.dtype if _is_elementwise(value, piece.main) else value
         everyone = [described]
         if group_size(self.shard_group) > 1:
             everyone = [{} for _ in range(group_size(self.shard_group))]
@@ -267,10 +267,10 @@ class ShardedOptimizer(FlatOptimizer):
                 if isinstance(value, torch.dtype) and flat_dtypes.setdefault(key, value) != value:
                     raise ValueError(f"optimizer state {key!r} has several dtypes ({value}, {flat_dtypes[key]})")
         flats = {
-            key: self._gathered([inner.get(piece.main, {}).get(key) for piece in self._pieces], dtype)
+            key: self._gather_from_every_rank([inner.get(piece.main, {}).get(key) for piece in self._pieces], dtype)
             for key, dtype in sorted(flat_dtypes.items())
         }
-        mains = self._gathered([piece.main for piece in self._pieces], self.buffer.data.dtype)
+        mains = self._gather_from_every_rank([piece.main for piece in self._pieces], self.buffer.data.dtype)
         out: dict[torch.Tensor, ParamState] = {}
         for i, (param, offset) in enumerate(zip(self.params, self.buffer.offsets, strict=True)):
             whole = slice(offset, offset + param.numel())
@@ -283,7 +283,7 @@ class ShardedOptimizer(FlatOptimizer):
             out[param] = state
         return out
 
-    def _gathered(self, values: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+    def _gather_from_every_rank(self, values: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor laid out like the buffers, holding every rank's ``values`` (one per piece, or None)."""
         flat = torch.zeros(self.buffer.numel, dtype=dtype, device=self.buffer.data.device)
         for piece, value in zip(self._pieces, values, strict=True):
@@ -305,7 +305,7 @@ class ShardedOptimizer(FlatOptimizer):
         ]
         if self.inner is not None:
             mains = [piece.main for piece in self._pieces]
-            inner = inner_state_dict(self.inner, mains, self._cut(state))
+            inner = inner_state_dict(self.inner, mains, self._state_of_pieces(state))
             names = [self.param_name(piece.param) for piece in self._pieces]
             faults.extend(inner_param_state_faults(self.inner, inner, mains, names))
         return faults
@@ -319,10 +319,10 @@ class ShardedOptimizer(FlatOptimizer):
             saved = state.get(piece.param, {}).get(MAIN_PARAM, piece.param)
             piece.main.copy_(saved.reshape(-1)[piece.offset : piece.offset + piece.stop - piece.start])
         if self.inner is not None:
-            load_inner_state(self.inner, [piece.main for piece in self._pieces], self._cut(state))
-        self._publish()
+            load_inner_state(self.inner, [piece.main for piece in self._pieces], self._state_of_pieces(state))
+        self._publish_shard()
 
-    def _cut(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> dict[torch.Tensor, ParamState]:
+    def _state_of_pieces(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> dict[torch.Tensor, ParamState]:
         """The state of each of this rank's pieces (keyed by its main copy): elementwise values of the whole
         parameter cut for the piece, others as they are; ``main_param`` left out."""
         pieces: dict[torch.Tensor, ParamState] = {}
@@ -336,7 +336,7 @@ class ShardedOptimizer(FlatOptimizer):
         return pieces
 
 
-def _elementwise(value: object, main: torch.Tensor) -> bool:
+def _is_elementwise(value: object, main: torch.Tensor) -> bool:
     """Whether a piece's state ``value`` has one element per element of the piece (Adam's moments)."""
     return isinstance(value, torch.Tensor) and value.shape == main.shape
 

@@ -76,11 +76,11 @@ def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) 
     faults = []
     for verb, names in (("lacks", expected - saved), ("holds unexpected", saved - expected)):
         if names:
-            faults.append(f"it {verb} {len(names)} {what}, e.g. {_some(names)}")
+            faults.append(f"it {verb} {len(names)} {what}, e.g. {_first_few_quoted(names)}")
     return faults
 
 
-def _some(names: Iterable[str]) -> str:
+def _first_few_quoted(names: Iterable[str]) -> str:
     """The first few of ``names`` in sorted order, quoted."""
     listed = sorted(names)
     return ", ".join(repr(name) for name in listed[:_SHOWN]) + (", ..." if len(listed) > _SHOWN else "")
@@ -128,10 +128,12 @@ def inner_state_faults(
     ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
     state = state_dict["state"]
     foreign = [str(pid) for pid in state if pid not in ids]
-    faults = [f"it holds state for {len(foreign)} ids no param group lists, e.g. {_some(foreign)}"] if foreign else []
+    faults = []
+    if foreign:
+        faults.append(f"it holds state for {len(foreign)} ids no param group lists, e.g. {_first_few_quoted(foreign)}")
     lacking = [name for pid, name in zip(ids, names, strict=True) if not state.get(pid)]
     if state and lacking:  # saved after a step: every parameter has state (each has a grad in the buffer)
-        faults.append(f"it lacks the state of {len(lacking)} parameters, e.g. {_some(lacking)}")
+        faults.append(f"it lacks the state of {len(lacking)} parameters, e.g. {_first_few_quoted(lacking)}")
     return faults + _elementwise_faults(state, ids, tensors, names, cast=False)
 
 

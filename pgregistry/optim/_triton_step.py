@@ -28,7 +28,7 @@ __all__ = ["adam_kernel", "sgd_kernel"]
 
 
 @triton.jit
-def _chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexpr):  # noqa: N803
+def _program_chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexpr):  # noqa: N803
     """This program's first element and element count (a multiple of ``VEC``, visibly to the compiler)."""
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     count = tl.minimum(n - start, BLOCK * ITERS)
@@ -36,7 +36,7 @@ def _chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexpr):  # n
 
 
 @triton.jit
-def _block(start, count, i, BLOCK: tl.constexpr):  # noqa: N803
+def _block_offsets(start, count, i, BLOCK: tl.constexpr):  # noqa: N803
     """Block ``i`` of the program's ``count`` elements from ``start``: the elements' offsets in the flat tensor,
     their lanes, which lie inside the program, and how many do."""
     lanes = tl.arange(0, BLOCK)
@@ -45,7 +45,7 @@ def _block(start, count, i, BLOCK: tl.constexpr):  # noqa: N803
 
 
 @triton.jit
-def _load(ptr, at, inside):
+def _load_once(ptr, at, inside):
     """The elements ``at`` of ``ptr`` (read once: not kept in L1)."""
     return tl.load(ptr + at, mask=inside, eviction_policy="evict_first")
 
@@ -65,7 +65,7 @@ def _store_copy(out_ptr, table_ptr, block, lanes, inside, size, value, VEC: tl.c
 
 
 @triton.jit
-def _power(base, exponent):
+def _integer_power(base, exponent):
     """``base ** exponent`` in float64 for an integer ``exponent`` in ``[0, 2**31)`` (the step count), by repeated
     squaring: a few float64 roundings, no transcendental function."""
     result = base * 0.0 + 1.0
@@ -77,7 +77,7 @@ def _power(base, exponent):
 
 
 @triton.jit
-def _float64(high, low):
+def _float64_from_halves(high, low):
     """A float64 passed as two float32 (``high`` the float32 rounding, ``low`` the rest): 48 bits of it."""
     return tl.cast(high, tl.float64) + tl.cast(low, tl.float64)
 
@@ -113,21 +113,21 @@ def adam_kernel(
     ``m += (1 - b1) (g - m)``, ``v = b2 v + (1 - b2) g g``, ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) +
     eps)``, ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with ``DECAY`` (or ``p *= 1 - lr *
     weight_decay`` with ``DECOUPLED``), ``v`` replaced by its running maximum in the denominator with ``AMSGRAD``."""
-    start, count = _chunk(n, BLOCK, ITERS, VEC)
+    start, count = _program_chunk(n, BLOCK, ITERS, VEC)
     step = tl.load(step_ptr).to(tl.int32)
-    beta1 = _float64(beta1_high, beta1_low)
-    beta2 = _float64(beta2_high, beta2_low)
-    step_size = tl.div_rn(tl.cast(lr, tl.float32), (1.0 - _power(beta1, step)).to(tl.float32))
-    inverse_root = tl.div_rn(1.0, tl.sqrt_rn((1.0 - _power(beta2, step)).to(tl.float32)))  # 1 / sqrt(1 - b2^t)
+    beta1 = _float64_from_halves(beta1_high, beta1_low)
+    beta2 = _float64_from_halves(beta2_high, beta2_low)
+    step_size = tl.div_rn(tl.cast(lr, tl.float32), (1.0 - _integer_power(beta1, step)).to(tl.float32))
+    inverse_root = tl.div_rn(1.0, tl.sqrt_rn((1.0 - _integer_power(beta2, step)).to(tl.float32)))  # 1 / sqrt(1 - b2^t)
     rest1 = (1.0 - beta1).to(tl.float32)
     rest2 = (1.0 - beta2).to(tl.float32)
     keep = (1.0 - tl.cast(lr, tl.float64) * tl.cast(weight_decay, tl.float64)).to(tl.float32)
     for i in range(0, tl.cdiv(count, BLOCK)):
-        at, lanes, inside, size = _block(start, count, i, BLOCK)
-        param = _load(param_ptr, at, inside)
-        grad = _load(grad_ptr, at, inside)
-        exp_avg = _load(exp_avg_ptr, at, inside)
-        exp_avg_sq = _load(exp_avg_sq_ptr, at, inside)
+        at, lanes, inside, size = _block_offsets(start, count, i, BLOCK)
+        param = _load_once(param_ptr, at, inside)
+        grad = _load_once(grad_ptr, at, inside)
+        exp_avg = _load_once(exp_avg_ptr, at, inside)
+        exp_avg_sq = _load_once(exp_avg_sq_ptr, at, inside)
         if MAXIMIZE:
             grad = -grad
         if DECAY:
@@ -139,7 +139,7 @@ def adam_kernel(
         exp_avg_sq = exp_avg_sq * beta2_high + rest2 * (grad * grad)
         second = exp_avg_sq
         if AMSGRAD:
-            most = _load(max_exp_avg_sq_ptr, at, inside)
+            most = _load_once(max_exp_avg_sq_ptr, at, inside)
             second = tl.maximum(most, exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)
             tl.store(max_exp_avg_sq_ptr + at, second, mask=inside)
         denom = tl.sqrt_rn(second) * inverse_root + eps
@@ -176,11 +176,11 @@ def sgd_kernel(
     """SGD: ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with ``DECAY``; with ``MOMENTUM`` the buffer
     ``b = momentum * b + undamped * g`` (``undamped = 1 - dampening``; ``b = g`` on the ``FIRST`` step) replaces ``g``
     (``g + momentum * b`` with ``NESTEROV``); then ``p -= lr * g``."""
-    start, count = _chunk(n, BLOCK, ITERS, VEC)
+    start, count = _program_chunk(n, BLOCK, ITERS, VEC)
     for i in range(0, tl.cdiv(count, BLOCK)):
-        at, lanes, inside, size = _block(start, count, i, BLOCK)
-        param = _load(param_ptr, at, inside)
-        grad = _load(grad_ptr, at, inside)
+        at, lanes, inside, size = _block_offsets(start, count, i, BLOCK)
+        param = _load_once(param_ptr, at, inside)
+        grad = _load_once(grad_ptr, at, inside)
         if MAXIMIZE:
             grad = -grad
         if DECAY:
@@ -189,7 +189,7 @@ def sgd_kernel(
             if FIRST:
                 buffer = grad
             else:
-                buffer = _load(momentum_buffer_ptr, at, inside)
+                buffer = _load_once(momentum_buffer_ptr, at, inside)
                 buffer = buffer * momentum + undamped * grad
             tl.store(momentum_buffer_ptr + at, buffer, mask=inside)
             if NESTEROV:

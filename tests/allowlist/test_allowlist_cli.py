@@ -16,7 +16,7 @@ from fixtures.scan_projects import Project
 
 from pgregistry._source.options import add_settings_options, settings_arguments
 from pgregistry.allowlist import main as allowlist_main
-from pgregistry.allowlist._cli import configure
+from pgregistry.allowlist._cli import add_actions
 from pgregistry.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -299,7 +299,7 @@ def test_the_allowlist_command_never_imports_torch(tmp_path: Path) -> None:
 
 def _action_parsers() -> dict[str, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser()
-    configure(parser)
+    add_actions(parser)
     (actions,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(actions.choices)
 

@@ -16,7 +16,7 @@ from fixtures.processes import gone_within, killed_parents_child
 from pgregistry._source import engine
 from pgregistry._source.cache import ScanCache, content_key
 from pgregistry._source.config import ScanConfig
-from pgregistry._source.files import PathError, discover
+from pgregistry._source.files import PathError, discover_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def test_discover_sorts_and_excludes(tmp_path: Path) -> None:
         "src/deep/vendored/w.py",
         "build/lib/d.py",
     )
-    files = discover([tmp_path], tmp_path, ("*_pb2.py", "src/vendored", ".*", "__pycache__", "build")).files
+    files = discover_files([tmp_path], tmp_path, ("*_pb2.py", "src/vendored", ".*", "__pycache__", "build")).files
     assert [f.path for f in files] == ["src/a.py", "src/b.py", "src/deep/vendored/w.py"]
     assert files[0].absolute == tmp_path / "src" / "a.py"
 
@@ -65,16 +65,16 @@ def test_discover_sorts_and_excludes(tmp_path: Path) -> None:
 def test_discover_applies_excludes_to_named_files_and_reads_any_named_file(tmp_path: Path) -> None:
     _touch(tmp_path, "src/x_pb2.py", "scripts/run", "src/a.py")
     named = [tmp_path / "src" / "x_pb2.py", tmp_path / "scripts" / "run", tmp_path / "src" / "a.py"]
-    assert [f.path for f in discover(named, tmp_path, ("*_pb2.py",)).files] == ["scripts/run", "src/a.py"]
+    assert [f.path for f in discover_files(named, tmp_path, ("*_pb2.py",)).files] == ["scripts/run", "src/a.py"]
 
 
 def test_discover_rejects_a_missing_path(tmp_path: Path) -> None:
     with pytest.raises(PathError, match="no-such-dir: no such file or directory"):
-        discover([tmp_path / "no-such-dir"], tmp_path, ())
+        discover_files([tmp_path / "no-such-dir"], tmp_path, ())
 
 
 def test_parallel_scan_equals_serial_scan(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    files = discover([tree], tree, ()).files
+    files = discover_files([tree], tree, ()).files
     serial = engine.scan_files(files, ScanConfig(), jobs=1)
     monkeypatch.setattr(engine, "PARALLEL_MIN_BYTES", 0)
     parallel = engine.scan_files(files, ScanConfig(), jobs=3)
@@ -84,7 +84,7 @@ def test_parallel_scan_equals_serial_scan(tree: Path, monkeypatch: pytest.Monkey
 
 
 def test_a_failing_worker_is_rescanned_not_trusted(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    files = discover([tree], tree, ()).files
+    files = discover_files([tree], tree, ()).files
     serial = engine.scan_files(files, ScanConfig(), jobs=1)
     monkeypatch.setattr(engine, "PARALLEL_MIN_BYTES", 0)
 
@@ -97,7 +97,7 @@ def test_a_failing_worker_is_rescanned_not_trusted(tree: Path, monkeypatch: pyte
 
 
 def test_a_worker_that_dies_is_rescanned_not_waited_for(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    files = discover([tree], tree, ()).files
+    files = discover_files([tree], tree, ()).files
     serial = engine.scan_files(files, ScanConfig(), jobs=1)
     monkeypatch.setattr(engine, "PARALLEL_MIN_BYTES", 0)
 
@@ -143,14 +143,14 @@ def test_a_scanning_child_exits_when_the_process_scanning_is_killed(tmp_path: Pa
 
 def test_unreadable_file_is_a_failure(tmp_path: Path) -> None:
     _touch(tmp_path, "a.py")
-    files = discover([tmp_path], tmp_path, ()).files
+    files = discover_files([tmp_path], tmp_path, ()).files
     (tmp_path / "a.py").unlink()
     (report,) = engine.scan_files(files, ScanConfig()).failures
     assert report.failure is not None and "cannot read" in report.failure.message
 
 
 def test_cache_reuses_results_until_the_content_changes(tree: Path, tmp_path: Path) -> None:
-    files = discover([tree], tree, ()).files
+    files = discover_files([tree], tree, ()).files
     config = ScanConfig()
     cold = engine.scan_files(files, config, cache=ScanCache(tmp_path, config))
     assert (cold.parsed, cold.cached) == (len(files), 0)
@@ -169,7 +169,7 @@ def test_cache_reuses_results_until_the_content_changes(tree: Path, tmp_path: Pa
 
 
 def test_cache_is_per_configuration(tree: Path, tmp_path: Path) -> None:
-    files = discover([tree], tree, ()).files
+    files = discover_files([tree], tree, ()).files
     engine.scan_files(files, ScanConfig(), cache=ScanCache(tmp_path, ScanConfig()))
     narrow = ScanConfig(accessors=("get_*_rank",))
     report = engine.scan_files(files, narrow, cache=ScanCache(tmp_path, narrow))
@@ -180,7 +180,7 @@ def test_cache_is_per_configuration(tree: Path, tmp_path: Path) -> None:
 
 
 def test_a_corrupt_cache_is_ignored(tree: Path, tmp_path: Path) -> None:
-    files = discover([tree], tree, ()).files
+    files = discover_files([tree], tree, ()).files
     config = ScanConfig()
     cache = ScanCache(tmp_path, config)
     truth = engine.scan_files(files, config, cache=cache).results
@@ -199,6 +199,6 @@ def test_a_corrupt_cache_is_ignored(tree: Path, tmp_path: Path) -> None:
 def test_an_unwritable_cache_directory_is_not_an_error(tree: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    files = discover([tree], tree, ()).files
+    files = discover_files([tree], tree, ()).files
     report = engine.scan_files(files, ScanConfig(), cache=ScanCache(blocker / "cache", ScanConfig()))
     assert report.parsed == len(files) and not report.failures

@@ -9,7 +9,7 @@ import pytest
 from fixtures.scan_projects import scan
 
 from pgregistry._source.scanner import FileResult
-from pgregistry.allowlist._ratchet import ALLOWLIST_VERSION, Allowlist, AllowlistError, compare
+from pgregistry.allowlist._ratchet import ALLOWLIST_VERSION, Allowlist, AllowlistError, compare_counts
 
 
 def results(**sources: str) -> list[FileResult]:
@@ -90,7 +90,7 @@ def test_missing_allowlist_says_how_to_create_it(tmp_path: Path) -> None:
 
 def _transition(before: str, after: str) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
     allowed = Allowlist.from_results(results(m=before))
-    comparison = compare(results(m=after), allowed, lambda path: True)
+    comparison = compare_counts(results(m=after), allowed, lambda path: True)
     new = [(item.key, item.allowed, item.found) for item in comparison.new]
     stale = [(item.key, item.allowed, item.found) for item in comparison.stale]
     return new, stale
@@ -131,7 +131,7 @@ def test_a_removed_read_leaves_a_stale_entry() -> None:
 def test_a_renamed_class_is_reported_as_moved_not_failed() -> None:
     """Megatron-LM: a class renamed turned 11 sites into 11 "new" + 11 "stale"."""
     renamed = BASE.replace("class Model", "class GPTModel")
-    comparison = compare(results(m=renamed), Allowlist.from_results(results(m=BASE)), lambda path: True)
+    comparison = compare_counts(results(m=renamed), Allowlist.from_results(results(m=BASE)), lambda path: True)
     assert comparison.ok
     assert [(m.old_key, m.new_key, m.count) for m in comparison.moves] == [
         (
@@ -153,7 +153,7 @@ def test_a_read_hoisted_into_a_helper_is_moved() -> None:
 
 def test_a_move_beside_a_real_new_read_still_fails_by_exactly_one() -> None:
     renamed_plus_one = BASE.replace("def helper():\n", "def helper2():\n    ps.get_data_parallel_rank()\n")
-    comparison = compare(results(m=renamed_plus_one), Allowlist.from_results(results(m=BASE)), lambda path: True)
+    comparison = compare_counts(results(m=renamed_plus_one), Allowlist.from_results(results(m=BASE)), lambda path: True)
     assert not comparison.ok and comparison.new_sites == 1
     (item,) = comparison.new
     assert (item.key, item.found, item.allowed, item.moved) == ("helper2|get_data_parallel_rank|call", 3, 0, 2)
@@ -163,12 +163,12 @@ def test_a_moved_file_is_moved() -> None:
     """Megatron-LM: training/utils.py moved to training/utils/common_utils.py (15 "new" + 15 "stale")."""
     allowed = Allowlist.from_results(results(utils=BASE))
     moved = [scan(BASE, "utils/common_utils.py")]
-    comparison = compare(moved, allowed, lambda path: True)
+    comparison = compare_counts(moved, allowed, lambda path: True)
     assert comparison.ok and sum(m.count for m in comparison.moves) == 3
     # With git's rename detection the scope may change too.
     renamed = [scan(BASE.replace("def helper", "def helper_v2"), "utils/common_utils.py")]
-    assert not compare(renamed, allowed, lambda path: True).ok
-    assert compare(renamed, allowed, lambda path: True, {"utils.py": "utils/common_utils.py"}).ok
+    assert not compare_counts(renamed, allowed, lambda path: True).ok
+    assert compare_counts(renamed, allowed, lambda path: True, {"utils.py": "utils/common_utils.py"}).ok
 
 
 def test_reads_do_not_move_between_unrelated_files() -> None:
@@ -176,7 +176,7 @@ def test_reads_do_not_move_between_unrelated_files() -> None:
     stale entry and a new read: the old file still exists with other reads, and git saw no rename."""
     allowed = Allowlist.from_results(results(a=BASE, b="def helper():\n    pass\n"))
     removed = BASE.replace("    ps.get_data_parallel_rank()\n", "", 1)
-    comparison = compare(
+    comparison = compare_counts(
         results(a=removed, b="def helper():\n    ps.get_data_parallel_rank()\n"), allowed, lambda path: True
     )
     assert comparison.moves == () and comparison.new_sites == 1 and len(comparison.stale) == 1
@@ -192,30 +192,30 @@ def test_a_changed_form_is_a_new_read_and_a_stale_entry() -> None:
 def test_a_deleted_file_leaves_stale_entries_only_where_the_scan_covers() -> None:
     allowed = Allowlist.from_results(results(m=BASE, gone=BASE))
     current = results(m=BASE)
-    everywhere = compare(current, allowed, lambda path: True)
+    everywhere = compare_counts(current, allowed, lambda path: True)
     assert {item.path for item in everywhere.stale} == {"gone.py"}
     assert sum(item.allowed - item.found for item in everywhere.stale) == 3
-    assert compare(current, allowed, lambda path: path == "m.py").ok
+    assert compare_counts(current, allowed, lambda path: path == "m.py").ok
 
 
 def test_new_read_lists_every_site_of_its_key() -> None:
     allowed = Allowlist.from_results(results(m=BASE))
     added = BASE.replace("def helper():\n", "def helper():\n    ps.get_data_parallel_rank()\n")
-    (item,) = compare(results(m=added), allowed, lambda path: True).new
+    (item,) = compare_counts(results(m=added), allowed, lambda path: True).new
     assert [site.line for site in item.sites] == [7, 8, 9]
 
 
 def test_merge_replaces_only_covered_paths() -> None:
     allowed = Allowlist({"a/x.py": {"f|g|call": 1}, "b/y.py": {"f|g|call": 2}})
     scanned = Allowlist({"a/z.py": {"h|g|call": 1}})
-    merged = allowed.merged(scanned, lambda path: path.startswith("a/"))
+    merged = allowed.merge_scanned(scanned, lambda path: path.startswith("a/"))
     assert merged.entries == {"b/y.py": {"f|g|call": 2}, "a/z.py": {"h|g|call": 1}}
 
 
 def test_an_extracted_nested_function_is_moved() -> None:
     nested = "def outer():\n    def inner():\n        return ps.get_data_parallel_group()\n    return inner()\n"
     extracted = "def inner():\n    return ps.get_data_parallel_group()\n\ndef outer():\n    return inner()\n"
-    comparison = compare(results(m=extracted), Allowlist.from_results(results(m=nested)), lambda path: True)
+    comparison = compare_counts(results(m=extracted), Allowlist.from_results(results(m=nested)), lambda path: True)
     assert comparison.ok
     assert [(m.old_key, m.new_key) for m in comparison.moves] == [
         ("outer.inner|get_data_parallel_group|call", "inner|get_data_parallel_group|call")

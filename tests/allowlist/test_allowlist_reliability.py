@@ -129,7 +129,7 @@ def test_concurrent_partial_updates_lose_no_entry(
     project.write("src/pkg/a.py", READ_A)
     project.write("src/pkg/b.py", READ_B)
     environment = {**os.environ, "PYTHONPATH": str(REPO)}
-    merged = ratchet.Allowlist.merged
+    merged = ratchet.Allowlist.merge_scanned
     other: list[subprocess.Popen[bytes]] = []
 
     def racing_merge(self: ratchet.Allowlist, *args: object, **kwargs: object) -> ratchet.Allowlist:
@@ -141,7 +141,7 @@ def test_concurrent_partial_updates_lose_no_entry(
         assert _eventually(lambda: other[0].poll() is not None or _holds_open(other[0].pid, project.root))
         return merged(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ratchet.Allowlist, "merged", racing_merge)
+    monkeypatch.setattr(ratchet.Allowlist, "merge_scanned", racing_merge)
     assert run(capsys, "update", "--no-cache", "src/pkg/a.py")[0] == 0
     _, err = other[0].communicate(timeout=60)
     assert other[0].returncode == 0, err

@@ -231,9 +231,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _long(dtype: torch.dtype) -> list[torch.Tensor]:
-    """Tensors over several of the default programs of ``dtype`` (:func:`~pgregistry.grad_stats._fused.iterations`),
+    """Tensors over several of the default programs of ``dtype`` (:func:`~pgregistry.grad_stats._fused.iterations_for`),
     one ending part-way through a program."""
-    return _grads(dtype, [3 * fused_stats.BLOCK * fused_stats.iterations(dtype) + 5, 3])
+    return _grads(dtype, [3 * fused_stats.BLOCK * fused_stats.iterations_for(dtype) + 5, 3])
 
 
 def _span_views(whole: torch.Tensor) -> list[torch.Tensor]:
@@ -413,7 +413,7 @@ def test_a_norm_the_kernel_does_not_compute_is_read_once_by_torch(interpreted: d
 
 
 def test_not_available_off_cuda() -> None:
-    assert not fused_stats.fused_stats_available(torch.device("cpu"))
+    assert not fused_stats.can_run_fused_stats(torch.device("cpu"))
 
 
 def test_a_device_where_the_kernel_cannot_launch_keeps_the_torch_path(caplog: pytest.LogCaptureFixture) -> None:

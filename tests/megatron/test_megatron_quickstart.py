@@ -20,7 +20,7 @@ require_megatron()
 
 from pgregistry import grad_norm, registry  # noqa: E402
 from pgregistry._runtime.resolve import normalise_params  # noqa: E402
-from pgregistry.grad_stats._classification import unclassified_expert_params  # noqa: E402
+from pgregistry.grad_stats._classification import expert_params_without_allreduce  # noqa: E402
 from pgregistry.testing import run_world  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_quickstart.py"
@@ -37,7 +37,7 @@ def _build_on_rank() -> dict[str, Any]:
     out = {
         "numel": sum(p.numel() for p in model.parameters()),
         "norm": float(grad_norm(model, pg)),
-        "unclassified": unclassified_expert_params(normalise_params(model)),
+        "unclassified": expert_params_without_allreduce(normalise_params(model)),
     }
     registry.destroy()
     return out

@@ -104,7 +104,7 @@ def _layout() -> dict[str, Any]:
 
 def _optimizer_steps(sharded: bool, rule: str, dtypes: list[torch.dtype], steps: int) -> dict[str, Any]:
     """``steps`` steps of a mixed-precision (or one-rank sharded) optimizer through its flat step with the kernel
-    forced on (``fused_step_applies`` patched: it is False off CUDA); each step's inputs and outputs."""
+    forced on (``kernel_can_step`` patched: it is False off CUDA); each step's inputs and outputs."""
     factory = inner_factory(rule, **MODEL_RULES[rule])  # type: ignore[arg-type]
     groups = setup_process_groups_for_optimizer(ALL_OFF, use_distributed_optimizer=sharded)
     opt = (ShardedOptimizer if sharded else MixedPrecisionOptimizer)(model_params(dtypes), groups, inner=factory)
@@ -131,7 +131,7 @@ def _mains(opt: MixedPrecisionOptimizer | ShardedOptimizer) -> list[torch.Tensor
 
 def _in_interpreter() -> dict[str, Any]:
     """Every kernel launch of these tests (:func:`fixtures.interpreter.in_interpreter` runs it)."""
-    flat_step_module.fused_step_applies = lambda flat: True  # type: ignore[assignment]
+    flat_step_module.kernel_can_step = lambda flat: True  # type: ignore[assignment]
     mixed = [torch.bfloat16, torch.float32, torch.float16]
     return {
         "rules": {name: rule_steps(name, N, STEPS, _copy_dtype(name), **SMALL) for name in CASES},
@@ -324,7 +324,7 @@ def test_what_the_kernel_does_not_run_is_refused_untouched(name: str) -> None:
 def test_a_rule_given_torchs_implementation_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """``fused``/``foreach`` named in the hyperparameters: torch's optimizer, never the kernel, even where it
     applies (patched on here); the rule ``inner_factory`` builds takes the kernel there."""
-    monkeypatch.setattr(flat_step_module, "fused_step_applies", lambda flat: True)
+    monkeypatch.setattr(flat_step_module, "kernel_can_step", lambda flat: True)
     flat = _flat(N)
     named = FlatStep(ElementwiseRule(torch.optim.Adam, {"lr": 1e-3, "foreach": False}), flat, [flat], [0])
     assert named._fused is None
@@ -336,7 +336,7 @@ def test_the_cpu_path_is_torchs_step() -> None:
     """Off CUDA the kernel never runs (the bit-identity with plain torch.optim is test_optim_flat_step.py's)."""
     opt = MixedPrecisionOptimizer(model_params([torch.bfloat16]), OFF, inner=inner_factory("adamw", lr=1e-3))
     assert isinstance(opt.inner, FlatStep) and opt.inner._fused is None
-    assert not fused_step.fused_step_available(torch.device("cpu"))
+    assert not fused_step.can_run_fused_step(torch.device("cpu"))
 
 
 def test_a_copy_outside_the_flat_tensor_is_refused() -> None:
