@@ -70,7 +70,7 @@ def setup_process_groups_for_optimizer(
     *,
     use_distributed_optimizer: bool = False,
 ) -> OptimizerProcessGroups:
-    """Validate and return the groups an optimizer over ``model_chunks`` needs from ``pg_collection``.
+    """The groups an optimizer over ``model_chunks`` needs from ``pg_collection``, validated.
 
     The checks are Megatron-Core's, in its order (:func:`optimizer_process_groups`).
 
