@@ -70,7 +70,8 @@ def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str)
 
     Example::
 
-        src = pg_read(pg_collection, "tp", "src_rank")  # was parallel_state.get_..._src_rank()
+        # was parallel_state.get_tensor_model_parallel_src_rank()
+        src = pg_read(pg_collection, "tp", "src_rank")
     """
     return _read_field(pg_collection, field, kind)
 
@@ -91,7 +92,8 @@ def pg_group(pg_collection: ProcessGroupCollection | None, field: str) -> Any:
 
     Example::
 
-        group = pg_group(pg_collection, "tp")  # was parallel_state.get_tensor_model_parallel_group()
+        # was parallel_state.get_tensor_model_parallel_group()
+        group = pg_group(pg_collection, "tp")
     """
     return _read_field(pg_collection, field, "group")
 
@@ -112,7 +114,8 @@ def pg_rank(pg_collection: ProcessGroupCollection | None, field: str) -> int:
 
     Example::
 
-        rank = pg_rank(pg_collection, "tp")  # was parallel_state.get_tensor_model_parallel_rank()
+        # was parallel_state.get_tensor_model_parallel_rank()
+        rank = pg_rank(pg_collection, "tp")
     """
     return int(_read_field(pg_collection, field, "rank"))
 
@@ -133,7 +136,8 @@ def pg_size(pg_collection: ProcessGroupCollection | None, field: str) -> int:
 
     Example::
 
-        size = pg_size(pg_collection, "tp")  # was parallel_state.get_tensor_model_parallel_world_size()
+        # was parallel_state.get_tensor_model_parallel_world_size()
+        size = pg_size(pg_collection, "tp")
     """
     return int(_read_field(pg_collection, field, "size"))
 
