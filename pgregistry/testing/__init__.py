@@ -103,7 +103,7 @@ def run_world(
     timeout: float = 60.0,
     **kwargs: Any,
 ) -> list[T]:
-    """Run ``fn(*args, **kwargs)`` on each rank of a fresh ``world_size`` world; results in rank order.
+    """Run ``fn(*args, **kwargs)`` on each rank of a fresh ``world_size`` world.
 
     Each rank is a forked process with the default process group initialised (gloo on CPU by
     default); ``fn`` is inherited, not pickled, and its results come back by pickle.
