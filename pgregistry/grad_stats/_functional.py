@@ -43,10 +43,20 @@ __all__ = [
 def classify_grads(
     params: Iterable[torch.Tensor], groups: StatsGroups
 ) -> dict[ProcessGroup | None, list[torch.Tensor]]:
-    """The counted grads of ``params`` (``.grad``, skipping None) keyed by reduction group.
+    """The counted grads of ``params`` (``.grad``, skipping None), keyed by reduction group.
 
-    Both reduction groups are always keys, empty or not, so every rank issues the same collectives whatever
-    parameters it holds (a pipeline stage without experts still joins the expert reduction).
+    Args:
+        params: the parameters.
+        groups: the statistics groups.
+
+    Returns:
+        Reduction group -> the counted grads. Both reduction groups are always keys, empty or not,
+        so every rank issues the same collectives whatever parameters it holds (a pipeline stage
+        without experts still joins the expert reduction).
+
+    Example::
+
+        norm = norm_of_grads(classify_grads(model.parameters(), groups))
     """
     buckets: dict[ProcessGroup | None, list[torch.Tensor]] = {groups.dense_reduce: [], groups.expert_reduce: []}
     for param in params:
@@ -58,12 +68,25 @@ def classify_grads(
 def check_expert_classification(
     model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None = None
 ) -> None:
-    """Refuse a parameter of a marked expert module that does not say whether it is replicated across EP.
+    """Refuse a parameter of a marked expert module that does not say whether EP replicates it.
 
-    Every statistics entry point and the optimizer builder run this check; call it to check a model on its own.
-    Only when the EP axis is on (more than one rank): with EP off the question does not arise. ``ValueError``
-    naming every such parameter; classify each with :func:`~pgregistry.params.mark_expert` or
-    :func:`~pgregistry.params.mark_expert_replicated`.
+    Every statistics entry point and the optimizer builder run this check; call it to check a model
+    on its own. Only when the EP axis is on (more than one rank): with EP off the question does not
+    arise.
+
+    Args:
+        model_or_params: a model, model chunks, a name -> parameter mapping, or parameters.
+        pg_collection: the collection (default: the one attached to the model, else the global grid
+            with a fallback warning).
+
+    Raises:
+        ValueError: naming every such parameter; classify each with
+            :func:`~pgregistry.params.mark_expert` or
+            :func:`~pgregistry.params.mark_expert_replicated`.
+
+    Example::
+
+        check_expert_classification(model, pg)
     """
     params = normalise_params(model_or_params)
     collection = resolve_pg_collection(
