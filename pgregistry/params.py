@@ -305,13 +305,24 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
     Only when it is a replacement of the same parameter (see the module docstring): those marked
     with a helper and those set as plain attributes (by Megatron-Core, or by hand) before
     ``fully_shard`` or ``to_empty`` replaced the object or its attribute dictionary. An unrelated
-    parameter put in the slot keeps only its own roles, and becomes the slot's.
+    parameter put in the slot keeps only its own roles, and becomes the slot's. A role already on
+    the parameter wins (marking after sharding overrides marking before). The grad-statistics entry
+    points call this whenever they classify a model afresh (a kept plan is remade when a slot's
+    parameter changes), so a user need not.
 
-    A role already on the parameter wins (marking after sharding overrides marking before). The grad-statistics
-    entry points call this whenever they classify a model afresh (a kept plan is remade when a slot's parameter
-    changes), so a user need not. ``RuntimeError`` naming the parameters ``fully_shard`` replaced before pgregistry
-    was imported (no slot record, a sharded parameter of FSDP2's): their roles cannot be known, so nothing is
-    computed from them; the message names the import to move.
+    Args:
+        model: the model, or its chunks.
+
+    Raises:
+        RuntimeError: parameters ``fully_shard`` replaced before pgregistry was imported (no slot
+            record, a sharded parameter of FSDP2's), named: their roles cannot be known, so nothing
+            is computed from them; the message names the import to move.
+
+    Example::
+
+        mark_tensor_parallel(model.proj.weight, partition_dim=0)
+        fully_shard(model)
+        restore_param_roles(model)  # model.proj.weight, now a DTensor, is TP-sharded again
     """
     originals: dict[int, int | None] | None = None
     unseen: list[str] = []
