@@ -24,7 +24,23 @@ _attached: weakref.WeakKeyDictionary[Any, ProcessGroupCollection] = weakref.Weak
 
 
 def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupCollection) -> None:
-    """Record that ``model`` (a model, or each chunk of a list of model chunks) runs on ``collection``."""
+    """Record that ``model`` runs on ``collection``.
+
+    Every entry point given the model and no ``pg_collection`` then runs on it
+    (:func:`collection_of`).
+
+    Args:
+        model: a model, or a list of model chunks (each chunk is attached).
+        collection: the collection it runs on.
+
+    Raises:
+        TypeError: ``collection`` is not a :class:`~pgregistry.collection.ProcessGroupCollection`.
+
+    Example::
+
+        attach(model, build(layout))
+        norm = grad_norm(model)  # on the attached collection, no fallback warning
+    """
     if not isinstance(collection, ProcessGroupCollection):
         raise TypeError(f"attach expects a ProcessGroupCollection, got {type(collection).__name__}")
     for chunk in _as_chunks(model):

@@ -226,11 +226,30 @@ def audit_grad_replication(
 ) -> GradReplicationReport:
     """Measure each gradient's replication against its classification; see the module docstring.
 
-    The collection (``None``: the one attached to the model, else the global grid with a warning) must set
-    ``tp``, ``mp``, ``ep``, ``dp_cp``, ``expt_dp`` and the expert model-parallel group (``None`` when an axis is
-    off); the other groups resolve as for the grad statistics (:class:`~pgregistry.grad_stats.StatsGroups`).
-    Collective over those groups; raises ``ValueError`` on every rank when the ranks of a group hold different
-    parameter structures.
+    Collective over the groups below; the other groups resolve as for the grad statistics
+    (:class:`~pgregistry.grad_stats.StatsGroups`).
+
+    Args:
+        model_or_params: a model, model chunks, a name -> parameter mapping, or parameters, after a
+            backward.
+        pg_collection: the collection (default: the one attached to the model, else the global grid
+            with a warning); it must set ``tp``, ``mp``, ``ep``, ``dp_cp``, ``expt_dp`` and the
+            expert model-parallel group (``None`` when an axis is off).
+
+    Returns:
+        The :class:`GradReplicationReport`: the norm as classified and as measured, the parameters
+        checked, the mismatches between roles and measured replication, the unclassified parameters
+        and the suspected ties across pipeline stages.
+
+    Raises:
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: a needed group unset (named); on every rank, the ranks of a group holding
+            different parameter structures.
+
+    Example::
+
+        report = audit_grad_replication(model, pg)
+        assert report.ok, report
     """
     params = normalise_params(model_or_params)
     collection = resolve_pg_collection(

@@ -441,14 +441,26 @@ def _check_fields(groups: Mapping[str, object]) -> None:
 
 
 def implied_size(collection: ProcessGroupCollection, axis: GroupName) -> tuple[int, GroupName] | None:
-    """The size the collection's own composite groups fix for ``axis``, and the composite that fixes it.
+    """The size the collection's own composite groups fix for ``axis``, and the composite fixing it.
 
-    ``None`` when none does.
+    A composite group that is set (a group, or ``None``: one rank) fixes its axes' sizes together:
+    when its size is the product of its set axes', each unset axis has one rank (``tp_ep_pp=None``
+    leaves ``expt_tp`` and ``ep`` off); when ``axis`` is its only unset axis, ``axis`` has the
+    quotient. Whatever fills an unset field (the global grid) must agree with it: a collection never
+    holds a filled field that contradicts one that was set.
 
-    A composite group that is set (a group, or ``None``: one rank) fixes its axes' sizes together: when its size is
-    the product of its set axes', each unset axis has one rank (``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep``
-    off); when ``axis`` is its only unset axis, ``axis`` has the quotient. Whatever fills an unset field (the
-    global grid) must agree with it: a collection never holds a filled field that contradicts one that was set.
+    Args:
+        collection: the collection.
+        axis: a one-axis field (``"ep"``, ``"tp"``, ...).
+
+    Returns:
+        ``(size, composite field)``, or ``None`` when no composite fixes ``axis``.
+
+    Example:
+        >>> implied_size(ProcessGroupCollection(tp_ep_pp=None), "ep")
+        (1, 'tp_ep_pp')
+        >>> implied_size(ProcessGroupCollection(), "ep") is None
+        True
     """
     for composite, axes in COMPOSITE_AXES.items():
         if axis not in axes or not collection.is_set(composite) or not collection.is_member_of(composite):
@@ -582,8 +594,19 @@ def _this_rank() -> int | str:
 def group_size(group: ProcessGroup | None) -> int:
     """Size of ``group``; ``None`` (axis off) is 1. Never WORLD.
 
-    >>> group_size(None)
-    1
+    Args:
+        group: a process group, or ``None`` for an axis that is off.
+
+    Returns:
+        The number of ranks in ``group``.
+
+    Raises:
+        ValueError: ``UNSET`` (resolve the field first), ``NOT_MEMBER`` or torch's
+            ``NON_GROUP_MEMBER`` (this rank is not in the group).
+
+    Example:
+        >>> group_size(None)
+        1
     """
     if group is None:
         return 1
@@ -594,10 +617,21 @@ def group_size(group: ProcessGroup | None) -> int:
 def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank in ``group``; ``None`` (axis off) is 0.
 
-    Never the WORLD rank, and never "rank 0" for a rank outside the group (``ValueError``).
+    Never the WORLD rank, and never "rank 0" for a rank outside the group.
 
-    >>> group_rank(None)
-    0
+    Args:
+        group: a process group, or ``None`` for an axis that is off.
+
+    Returns:
+        This process's index among the group's ranks.
+
+    Raises:
+        ValueError: ``UNSET`` (resolve the field first), ``NOT_MEMBER``, torch's
+            ``NON_GROUP_MEMBER`` or any group this rank is not in.
+
+    Example:
+        >>> group_rank(None)
+        0
     """
     if group is None:
         return 0

@@ -51,26 +51,94 @@ def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: 
 def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
     """``kind`` of the group ``field``: the collection's, else the global grid's with the warning.
 
-    ``kind`` is ``src_rank``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``,
-    ``global_ranks``, ``first_stage``, ``last_stage``, or ``group`` / ``rank`` / ``size``;
-    ``RuntimeError`` when there is no collection and no global grid. ``None`` (an axis that is off)
-    is this rank alone.
+    The warning (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`) names the function that
+    called. ``None`` (an axis that is off) is this rank alone.
+
+    Args:
+        pg_collection: the collection in scope, or ``None``.
+        field: a collection field (``"tp"``, ``"dp_cp"``, ...).
+        kind: ``src_rank``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``,
+            ``global_ranks``, ``first_stage``, ``last_stage``, or ``group`` / ``rank`` / ``size``.
+
+    Returns:
+        What ``kind`` names, of that group.
+
+    Raises:
+        ValueError: an unknown field (with a close match); the data-parallel group with GTP remat
+            and without CP when GTP remat spans several ranks (no field holds it).
+        RuntimeError: no collection and no global grid.
+
+    Example::
+
+        # was parallel_state.get_tensor_model_parallel_src_rank()
+        src = pg_read(pg_collection, "tp", "src_rank")
     """
     return _read_field(pg_collection, field, kind)
 
 
 def pg_group(pg_collection: ProcessGroupCollection | None, field: str) -> Any:
-    """The group ``field`` (see :func:`pg_read`)."""
+    """The group ``field`` of the collection, else of the global grid with the warning.
+
+    Args:
+        pg_collection: the collection in scope, or ``None``.
+        field: a collection field.
+
+    Returns:
+        The group, as :func:`pg_read` with ``kind="group"`` gives it.
+
+    Raises:
+        ValueError: as :func:`pg_read`.
+        RuntimeError: as :func:`pg_read`.
+
+    Example::
+
+        # was parallel_state.get_tensor_model_parallel_group()
+        group = pg_group(pg_collection, "tp")
+    """
     return _read_field(pg_collection, field, "group")
 
 
 def pg_rank(pg_collection: ProcessGroupCollection | None, field: str) -> int:
-    """This rank in the group ``field`` (see :func:`pg_read`)."""
+    """This rank in the group ``field`` of the collection, else of the global grid with the warning.
+
+    Args:
+        pg_collection: the collection in scope, or ``None``.
+        field: a collection field.
+
+    Returns:
+        The rank, as :func:`pg_read` with ``kind="rank"`` gives it.
+
+    Raises:
+        ValueError: as :func:`pg_read`.
+        RuntimeError: as :func:`pg_read`.
+
+    Example::
+
+        # was parallel_state.get_tensor_model_parallel_rank()
+        rank = pg_rank(pg_collection, "tp")
+    """
     return int(_read_field(pg_collection, field, "rank"))
 
 
 def pg_size(pg_collection: ProcessGroupCollection | None, field: str) -> int:
-    """The size of the group ``field`` (see :func:`pg_read`)."""
+    """The size of the group ``field`` of the collection, else of the global grid with the warning.
+
+    Args:
+        pg_collection: the collection in scope, or ``None``.
+        field: a collection field.
+
+    Returns:
+        The size, as :func:`pg_read` with ``kind="size"`` gives it.
+
+    Raises:
+        ValueError: as :func:`pg_read`.
+        RuntimeError: as :func:`pg_read`.
+
+    Example::
+
+        # was parallel_state.get_tensor_model_parallel_world_size()
+        size = pg_size(pg_collection, "tp")
+    """
     return int(_read_field(pg_collection, field, "size"))
 
 
@@ -78,10 +146,17 @@ def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Seque
     """``pg_collection`` when given; else Megatron-Core's, with the warning naming ``owner``.
 
     Megatron-Core's is ``ProcessGroupCollection.use_mpu_process_groups(fields)``: exactly the groups
-    ``parallel_state`` holds.
+    ``parallel_state`` holds. Kept for code an earlier version of the tool migrated.
 
-    ``fields`` (the ones the function reads) keeps the fallback from reading groups the function never needed
-    (some assert when they were not initialised)."""
+    Args:
+        pg_collection: the collection in scope, or ``None``.
+        owner: the function that reads, named in the warning.
+        fields: the fields the function reads, so the fallback reads no group the function never
+            needed (some assert when they were not initialised).
+
+    Returns:
+        The collection given, or Megatron-Core's.
+    """
     if pg_collection is not None:
         return pg_collection
     warn_fallback(owner, "pg_collection")
@@ -93,6 +168,19 @@ def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Seque
 def resolve_collection(pg_collection: ProcessGroupCollection | None, *, owner: str) -> ProcessGroupCollection:
     """``pg_collection`` when given; else the global grid, with the warning naming ``owner``.
 
-    ``RuntimeError`` when none is initialised; checked usable either way.
+    Kept for code an earlier version of the tool migrated. The collection is checked usable either
+    way.
+
+    Args:
+        pg_collection: the collection in scope, or ``None``.
+        owner: the function that reads, named in the warning.
+
+    Returns:
+        The collection.
+
+    Raises:
+        RuntimeError: no collection given and no global grid.
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: a collection this rank is not a member of, or destroyed.
     """
     return resolve_pg_collection(pg_collection, owner=owner)

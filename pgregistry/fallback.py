@@ -54,8 +54,14 @@ def _forget_fallback_warnings() -> None:
 def warn_fallback(owner: str, argument: str) -> None:
     """Warn that ``owner`` read ``argument`` from the global grid instead of being given it.
 
-    ``argument`` is a group name, or ``"pg_collection"`` for the whole collection. The warning is
-    attributed to the first calling frame outside pgregistry.
+    The warning is attributed to the first calling frame outside pgregistry.
+
+    Args:
+        owner: the function that read, named in the message.
+        argument: a group name, or ``"pg_collection"`` for the whole collection.
+
+    Raises:
+        ProcessGroupFallbackWarning: under ``-W error::pgregistry.ProcessGroupFallbackWarning``.
     """
     if argument == "pg_collection":
         message = (

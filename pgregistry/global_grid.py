@@ -26,9 +26,22 @@ _grid: ProcessGroupCollection | None = None
 
 
 def initialize_global_grid(layout: ParallelLayout, **build_options: Unpack[BuildOptions]) -> ProcessGroupCollection:
-    """Build ``layout`` (:func:`pgregistry.registry.build`, name ``"global"``) as the global grid; collective.
+    """Build ``layout`` as the global grid (:func:`pgregistry.registry.build`, name ``"global"``).
 
-    ``RuntimeError`` when a global grid exists whose groups :func:`pgregistry.registry.destroy` has not destroyed."""
+    For code not migrated yet: the fallback path reads it, with a warning. Collective over the
+    world.
+
+    Args:
+        layout: the job's layout.
+        **build_options: ``backend`` and ``timeout`` (:class:`~pgregistry.registry.BuildOptions`).
+
+    Returns:
+        The global grid's collection.
+
+    Raises:
+        RuntimeError: a global grid exists whose groups :func:`pgregistry.registry.destroy` has not
+            destroyed.
+    """
     from pgregistry import registry
 
     global _grid
@@ -49,7 +62,14 @@ def global_collection(default: D) -> ProcessGroupCollection | D: ...
 def global_collection(default: object = _RAISE) -> object:
     """The global grid.
 
-    ``RuntimeError`` when none is initialised (or it was destroyed), unless ``default`` is given.
+    Args:
+        default: returned when none is initialised (or it was destroyed).
+
+    Returns:
+        The collection :func:`initialize_global_grid` built, else ``default``.
+
+    Raises:
+        RuntimeError: none is initialised (or it was destroyed) and no ``default`` is given.
     """
     if _grid is None or _grid.is_destroyed:
         if default is _RAISE:

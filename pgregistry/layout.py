@@ -492,7 +492,15 @@ _AXIS_SIZES: Final = ("tp", "gtp_remat", "cp", "dp", "pp", "expt_tp", "ep", "exp
 
 @attrs.frozen(slots=True, kw_only=True)
 class Shrunk:
-    """What losing ``lost`` does to a layout: who leaves, the layout the survivors go on with, and their new ranks."""
+    """What losing ``lost`` does to a layout: who leaves, the smaller layout, and the new ranks.
+
+    Example:
+        >>> shrunk = ParallelLayout(num_ranks=8, tp=2).shrink([3])
+        >>> shrunk.leaving  # rank 3 takes its TP peer along: their whole data-parallel replica
+        (2, 3)
+        >>> shrunk.layout.dp, dict(shrunk.rank_map)
+        (3, {0: 0, 1: 1, 4: 2, 5: 3, 6: 4, 7: 5})
+    """
 
     lost: tuple[int, ...]
     """The lost ranks, sorted."""

@@ -52,15 +52,32 @@ def from_device_mesh(
 ) -> ProcessGroupCollection:
     """A collection whose fields are groups of ``mesh``.
 
-    ``dims`` maps collection field -> mesh dim name, or several dim names: ``{"tp": "tp", "dp_cp":
-    ("dp", "cp")}``.
+    A field mapped to one dim name gets ``mesh.get_group(name)``. A field mapped to several dim
+    names gets a group over those dims flattened (the ranks that differ only in them): pgregistry's
+    communicator of that rank set, created with ``backend`` / ``timeout`` when it has none. Fields
+    not named stay UNSET; the collection knows no layout.
 
-    A field mapped to one dim name gets ``mesh.get_group(name)``. A field mapped to a tuple of dim names gets a
-    group over those dims flattened (the ranks that differ only in them), pgregistry's communicator of that rank
-    set (created with ``backend``/``timeout`` when it has none); that needs the mesh to span the whole world, and
-    every rank of the world to call this with the same arguments. Fields not named stay UNSET; the collection
-    knows no layout. Raises ``ValueError`` naming an unknown field, an unknown or repeated dim, or ``hcp`` (a list
-    of groups, not one).
+    Args:
+        mesh: a DeviceMesh with ``mesh_dim_names``.
+        field_dims: collection field -> one mesh dim name, or several to flatten: ``{"tp": "tp",
+            "dp_cp": ("dp", "cp")}``. Flattening needs the mesh to span the whole world, and every
+            rank of the world to call this with the same arguments.
+        backend: the backend of a flattened group pgregistry does not have yet (default: the
+            world's).
+        timeout: its timeout, a ``timedelta`` or seconds (default: the world's).
+
+    Returns:
+        A :class:`ProcessGroupCollection` holding the named fields' groups.
+
+    Raises:
+        ValueError: an unknown field, ``hcp`` (a list of groups, not one), a mesh without dim names,
+            an unknown or repeated dim, a flattening over a mesh smaller than the world, or this
+            rank outside the mesh it flattens.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        pg = from_device_mesh(mesh, {"tp": "tp", "dp_cp": "dp"})
     """
     check_field_names(field_dims)
     if "hcp" in field_dims:
@@ -119,20 +136,36 @@ def to_device_mesh(
     *,
     dim_names: Sequence[str] | None = None,
 ) -> DeviceMesh:
-    """A DeviceMesh whose dims are ``pg_collection``'s groups ``fields`` (collection fields, slowest first).
+    """A DeviceMesh whose dims are ``pg_collection``'s groups ``fields``, slowest first.
 
-    For FSDP2 and DTensor code, so that it runs on the communicators the collection already has: the dense
-    data-parallel mesh ``("dp_cp",)``, the expert one ``("expt_dp",)``, the 2-D meshes torchtitan builds
-    (``("dp_cp", "tp")``, ``("expt_dp", "ep")``, ``("expt_dp", "ep", "expt_tp")``) and HSDP's
-    ``("inter_dist_opt", "intra_dp_cp")`` and expert HSDP's ``("inter_dist_opt", "intra_expt_dp")`` (both after
-    :func:`with_hsdp_groups`). ``fields`` are from :data:`MESH_FIELDS`; a field spanning several axes (``dp_cp``)
-    is one flattened dim; a field that is ``None`` (a size-1 axis) is a dim of the collection's one-rank group.
-    Dims are named ``fields`` unless ``dim_names`` renames them (``("dp_shard", "tp")``). Fields left out are fixed
-    at this rank's coordinates, so the mesh is this rank's slice of the grid. Creates no group.
+    For FSDP2 and DTensor code, so that it runs on the communicators the collection already has: the
+    dense data-parallel mesh ``("dp_cp",)``, the expert one ``("expt_dp",)``, the 2-D meshes
+    torchtitan builds (``("dp_cp", "tp")``, ``("expt_dp", "ep")``, ``("expt_dp", "ep", "expt_tp")``)
+    and HSDP's ``("inter_dist_opt", "intra_dp_cp")`` and expert HSDP's ``("inter_dist_opt",
+    "intra_expt_dp")`` (both after :func:`with_hsdp_groups`). A field spanning several axes
+    (``dp_cp``) is one flattened dim; a field that is ``None`` (a size-1 axis) is a dim of the
+    collection's one-rank group. Fields left out are fixed at this rank's coordinates, so the mesh
+    is this rank's slice of the grid. Creates no group.
 
-    Raises ``ValueError`` when a field is unknown, repeated or UNSET, when two dims share ranks
-    (``("dp_cp", "cp")``: not a grid), or when ``inter_dist_opt`` leaves the data-parallel group its shard dim
-    splits.
+    Args:
+        pg_collection: the collection whose groups become the dims.
+        fields: collection fields from :data:`MESH_FIELDS`, one per dim, slowest first.
+        device_type: the mesh's device type (``"cpu"``, ``"cuda"``).
+        dim_names: the dims' names (default: ``fields``), e.g. torchtitan's ``("dp_shard", "tp")``.
+
+    Returns:
+        A DeviceMesh made with ``DeviceMesh.from_group`` over the collection's own groups.
+
+    Raises:
+        TypeError: ``pg_collection`` is not a collection.
+        ValueError: the collection is destroyed; a field unknown, repeated or UNSET; ``dim_names``
+            not one distinct name per field; two dims sharing ranks (``("dp_cp", "cp")``: not a
+            grid); or ``inter_dist_opt`` leaving the data-parallel group its shard dim splits.
+
+    Example::
+
+        fsdp_tp = to_device_mesh(pg, ("dp_cp", "tp"), "cuda", dim_names=("dp_shard", "tp"))
+        model = fully_shard(model, mesh=fsdp_tp["dp_shard"])
     """
     import torch
     import torch.distributed as dist
@@ -212,25 +245,46 @@ def with_hsdp_groups(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> ProcessGroupCollection:
-    """``pg_collection`` with its dense and expert data-parallel groups split for HSDP into ``replicas`` replicas.
+    """``pg_collection`` with its dense and expert data-parallel groups split for HSDP.
 
-    As in Megatron-Core with several distributed-optimizer instances: ``intra_dp_cp`` becomes the dense shard group
-    (a contiguous block of each ``dp_cp`` group), ``intra_expt_dp`` the expert one (a contiguous block of each
-    ``expt_dp`` group), and ``inter_dist_opt`` the replicate group (the ranks at the same place in each block).
-    One replicate group serves both, as in Megatron-Core (its DDP all-reduces dense and expert buckets over the one
-    ``inter_dist_opt``): in the default order (any order with EP faster than DP) data parallelism is the slowest
-    axis below PP in both grids, so the blocks of either split are the same slices of the world and the ranks at
-    the same place in them coincide. The expert HSDP mesh is then ``("inter_dist_opt", "intra_expt_dp")``; no
-    other field is needed. The groups are pgregistry's communicators of those rank sets (reused when it has
-    them). Needs the collection's layout (a collection built by :func:`pgregistry.registry.build`); collective
-    over the world: every rank calls it with the same arguments, so a module's collection over a span of the world
-    is split by every rank, those outside the span included (they get their collection back, still refusing every
-    use). Arguments that differ across ranks raise ``ValueError`` on every rank, naming them and who asked for what.
+    As in Megatron-Core with several distributed-optimizer instances: ``intra_dp_cp`` becomes the
+    dense shard group (a contiguous block of each ``dp_cp`` group), ``intra_expt_dp`` the expert one
+    (a contiguous block of each ``expt_dp`` group), and ``inter_dist_opt`` the replicate group (the
+    ranks at the same place in each block). One replicate group serves both, as in Megatron-Core
+    (its DDP all-reduces dense and expert buckets over the one ``inter_dist_opt``): in the default
+    order (any order with EP faster than DP) data parallelism is the slowest axis below PP in both
+    grids, so the blocks of either split are the same slices of the world and the ranks at the same
+    place in them coincide. The expert HSDP mesh is then ``("inter_dist_opt", "intra_expt_dp")``. An
+    order that puts EP slower than DP (``"tp-cp-dp-ep-pp"``) breaks that coincidence: the expert
+    shard blocks are still set, but :func:`to_device_mesh` refuses ``("inter_dist_opt",
+    "intra_expt_dp")`` there. The groups are pgregistry's communicators of those rank sets (reused
+    when it has them).
 
-    An order that puts EP slower than DP (``"tp-cp-dp-ep-pp"``) breaks that coincidence: the expert shard blocks
-    are still set, but :func:`to_device_mesh` refuses ``("inter_dist_opt", "intra_expt_dp")`` there. Raises
-    ``ValueError`` when ``replicas`` does not divide the dense or the expert data-parallel size (Megatron-Core
-    requires both).
+    Collective over the world: every rank calls it with the same arguments, so a module's collection
+    over a span of the world is split by every rank, those outside the span included (they get their
+    collection back, still refusing every use).
+
+    Args:
+        pg_collection: a collection built by :func:`pgregistry.registry.build` (it needs the
+            layout).
+        replicas: how many replicas; divides the dense and the expert data-parallel sizes.
+        backend: the backend of the groups pgregistry does not have yet (default: the world's).
+        timeout: their timeout, a ``timedelta`` or seconds (default: the world's).
+
+    Returns:
+        The collection with ``intra_dp_cp``, ``intra_expt_dp`` and ``inter_dist_opt`` set (unchanged
+        on a rank outside its span).
+
+    Raises:
+        TypeError: ``pg_collection`` is not a collection.
+        ValueError: on every rank, arguments that differ across ranks (naming who asked for what); a
+            destroyed collection; one assembled by hand (no layout); ``replicas`` not dividing the
+            dense or the expert data-parallel size (Megatron-Core requires both).
+
+    Example::
+
+        pg = with_hsdp_groups(build(ParallelLayout(num_ranks=8, tp=2)), replicas=2)
+        hsdp = to_device_mesh(pg, ("inter_dist_opt", "intra_dp_cp"), "cuda")
     """
     from pgregistry._runtime.agreement import check_agreement, require_distributed
     from pgregistry._runtime.group_cache import CACHE, GroupOptions

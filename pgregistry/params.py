@@ -126,7 +126,14 @@ _generation = 0
 
 
 def role_generation() -> int:
-    """A counter of the role changes made through this module (marks, copies, registrations, restored roles)."""
+    """A counter of the role changes made through this module.
+
+    Marks, copies, registrations and restored roles each add to it, so a kept classification knows
+    when to look again.
+
+    Returns:
+        The counter's value.
+    """
     return _generation
 
 
@@ -140,7 +147,27 @@ def _bump_generation() -> None:
 
 
 def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
-    """Declare ``param`` sharded over TP (expert TP for an expert) along tensor dim ``partition_dim``."""
+    """Declare ``param`` sharded over TP (expert TP for an expert) along dim ``partition_dim``.
+
+    Sets Megatron-Core's attributes: ``tensor_model_parallel=True``, ``partition_dim``,
+    ``partition_stride``. Each rank then counts its own slice in the grad statistics.
+
+    Args:
+        param: the parameter.
+        partition_dim: the dim it is cut along.
+        stride: Megatron-Core's ``partition_stride`` (1: one contiguous slice per rank).
+
+    Returns:
+        ``param``, marked.
+
+    Raises:
+        TypeError: ``param`` not a tensor; ``partition_dim`` or ``stride`` not an int.
+        ValueError: ``partition_dim`` not a dim of ``param``; ``stride`` below 1.
+
+    Example::
+
+        mark_tensor_parallel(column_parallel.weight, partition_dim=0)
+    """
     _require_tensor(param, "mark_tensor_parallel")
     for option, value in (("partition_dim", partition_dim), ("stride", stride)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -155,31 +182,102 @@ def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
 
 
 def mark_expert(param: T) -> T:
-    """Declare ``param`` a routed-expert parameter: distinct per EP rank, reduced over the expert groups."""
+    """Declare ``param`` a routed-expert parameter: distinct per EP rank.
+
+    Its grads are reduced over the expert groups. Sets Megatron-Core's ``allreduce=False``.
+
+    Args:
+        param: the parameter.
+
+    Returns:
+        ``param``, marked.
+
+    Raises:
+        TypeError: ``param`` not a tensor.
+
+    Example::
+
+        for param in experts.parameters():
+            mark_expert(param)
+    """
     _require_tensor(param, "mark_expert")
     return _set_roles(param, allreduce=False)
 
 
 def mark_expert_replicated(param: T) -> T:
-    """Declare ``param`` (in an expert module) replicated across EP, such as a LoRA factor shared by experts."""
+    """Declare ``param`` of an expert module replicated across EP (a LoRA factor shared by experts).
+
+    Sets ``allreduce=True``, the explicit classification an expert module's parameters need.
+
+    Args:
+        param: the parameter.
+
+    Returns:
+        ``param``, marked.
+
+    Raises:
+        TypeError: ``param`` not a tensor.
+    """
     _require_tensor(param, "mark_expert_replicated")
     return _set_roles(param, allreduce=True)
 
 
 def mark_shared(param: T) -> T:
-    """Declare ``param`` a second copy of a parameter counted elsewhere (tied embeddings on the last stage)."""
+    """Declare ``param`` a second copy of a parameter counted elsewhere.
+
+    Tied embeddings on the last pipeline stage are one. Sets ``shared=True``: the grad statistics do
+    not count it.
+
+    Args:
+        param: the parameter.
+
+    Returns:
+        ``param``, marked.
+
+    Raises:
+        TypeError: ``param`` not a tensor.
+    """
     _require_tensor(param, "mark_shared")
     return _set_roles(param, shared=True)
 
 
 def mark_gtp_sharded(param: T) -> T:
-    """Declare ``param`` sharded over the GTP-remat axis (expert GTP-remat for experts)."""
+    """Declare ``param`` sharded over the GTP-remat axis (expert GTP-remat for experts).
+
+    Sets ``is_gtp_weight_remat=True``.
+
+    Args:
+        param: the parameter.
+
+    Returns:
+        ``param``, marked.
+
+    Raises:
+        TypeError: ``param`` not a tensor.
+    """
     _require_tensor(param, "mark_gtp_sharded")
     return _set_roles(param, is_gtp_weight_remat=True)
 
 
 def copy_param_roles(src: torch.Tensor, dst: T) -> T:
-    """Copy every role attribute present on ``src`` to ``dst`` (mixed-precision main params, optimizer views)."""
+    """Copy every role attribute present on ``src`` to ``dst``.
+
+    For the tensors that stand in for a parameter: mixed-precision main params, optimizer views.
+
+    Args:
+        src: the parameter whose roles to copy.
+        dst: the tensor that receives them.
+
+    Returns:
+        ``dst``, with ``src``'s roles.
+
+    Raises:
+        TypeError: ``src`` or ``dst`` not a tensor.
+
+    Example::
+
+        main = copy_param_roles(param, param.detach().float())
+    """
     _require_tensor(src, "copy_param_roles")
     _require_tensor(dst, "copy_param_roles")
     for name, value in param_roles(src).items():
@@ -189,7 +287,15 @@ def copy_param_roles(src: torch.Tensor, dst: T) -> T:
 
 
 def param_roles(param: torch.Tensor) -> dict[str, Any]:
-    """The role attributes present on ``param``, by name."""
+    """The role attributes present on ``param``, by name.
+
+    Args:
+        param: the parameter.
+
+    Returns:
+        Role attribute -> value, for those ``param`` carries (``tensor_model_parallel``,
+        ``allreduce``, ``shared``, ...).
+    """
     return {name: getattr(param, name) for name in ROLE_ATTRIBUTES if hasattr(param, name)}
 
 
@@ -199,13 +305,24 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
     Only when it is a replacement of the same parameter (see the module docstring): those marked
     with a helper and those set as plain attributes (by Megatron-Core, or by hand) before
     ``fully_shard`` or ``to_empty`` replaced the object or its attribute dictionary. An unrelated
-    parameter put in the slot keeps only its own roles, and becomes the slot's.
+    parameter put in the slot keeps only its own roles, and becomes the slot's. A role already on
+    the parameter wins (marking after sharding overrides marking before). The grad-statistics entry
+    points call this whenever they classify a model afresh (a kept plan is remade when a slot's
+    parameter changes), so a user need not.
 
-    A role already on the parameter wins (marking after sharding overrides marking before). The grad-statistics
-    entry points call this whenever they classify a model afresh (a kept plan is remade when a slot's parameter
-    changes), so a user need not. ``RuntimeError`` naming the parameters ``fully_shard`` replaced before pgregistry
-    was imported (no slot record, a sharded parameter of FSDP2's): their roles cannot be known, so nothing is
-    computed from them; the message names the import to move.
+    Args:
+        model: the model, or its chunks.
+
+    Raises:
+        RuntimeError: parameters ``fully_shard`` replaced before pgregistry was imported (no slot
+            record, a sharded parameter of FSDP2's), named: their roles cannot be known, so nothing
+            is computed from them; the message names the import to move.
+
+    Example::
+
+        mark_tensor_parallel(model.proj.weight, partition_dim=0)
+        fully_shard(model)
+        restore_param_roles(model)  # model.proj.weight, now a DTensor, is TP-sharded again
     """
     originals: dict[int, int | None] | None = None
     unseen: list[str] = []
@@ -396,7 +513,14 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_on_paramete
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a routed-expert parameter (``allreduce is False``)."""
+    """Whether ``param`` is a routed-expert parameter (``allreduce is False``).
+
+    Args:
+        param: the parameter.
+
+    Returns:
+        ``True`` for a routed-expert parameter.
+    """
     return getattr(param, "allreduce", True) is False
 
 
@@ -404,11 +528,27 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
 
 def mark_expert_module(module: nn.Module) -> nn.Module:
-    """Declare ``module`` as holding routed experts: each of its parameters must carry an explicit ``allreduce``.
+    """Declare ``module`` as holding routed experts, each parameter with an explicit ``allreduce``.
 
-    Every parameter under ``module``, now or registered later, is marked ``in_expert_module`` so the check also
-    applies when only the tensors are passed. ``TypeError`` for a tensor (``mark_expert`` marks a parameter) or
-    anything else that is not a module.
+    Every parameter under ``module``, now or registered later, is marked ``in_expert_module``, so
+    the grad statistics refuse one without an explicit ``allreduce`` also when only the tensors are
+    passed.
+
+    Args:
+        module: the experts' module.
+
+    Returns:
+        ``module``, marked.
+
+    Raises:
+        TypeError: a tensor (:func:`mark_expert` marks a parameter) or anything else that is not a
+            module.
+
+    Example::
+
+        mark_expert_module(layer.mlp.experts)
+        for param in layer.mlp.experts.parameters():
+            mark_expert(param)
     """
     if isinstance(module, torch.Tensor):
         raise TypeError(
@@ -442,5 +582,12 @@ torch.nn.modules.module.register_module_module_registration_hook(_on_module_regi
 
 
 def is_expert_module(module: nn.Module) -> bool:
-    """Whether :func:`mark_expert_module` was applied to ``module``."""
+    """Whether :func:`mark_expert_module` was applied to ``module``.
+
+    Args:
+        module: the module.
+
+    Returns:
+        ``True`` when it was marked.
+    """
     return getattr(module, _EXPERT_MODULE_FLAG, False) is True

@@ -35,8 +35,16 @@ DEFAULT_INTRA_NODE_KINDS: Final[tuple[str, ...]] = ("tp", "expt_tp", "cp")
 def node_of(rank: int, gpus_per_node: int) -> int:
     """The node ``rank`` runs on when a launcher fills nodes with consecutive ranks.
 
-    >>> node_of(13, gpus_per_node=8)
-    1
+    Args:
+        rank: a global rank.
+        gpus_per_node: ranks per node.
+
+    Returns:
+        ``rank // gpus_per_node``.
+
+    Example:
+        >>> node_of(13, gpus_per_node=8)
+        1
     """
     return rank // gpus_per_node
 

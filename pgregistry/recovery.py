@@ -122,16 +122,30 @@ class Recovered:
 
 
 def generation() -> int:
-    """This process's world generation (0 until a recovery)."""
+    """This process's world generation: 0 for the world it started in, one more for each recovery.
+
+    Returns:
+        The generation, whose prefix the re-formed world's store keys are under.
+    """
     return _generation
 
 
 def commit(collection: ProcessGroupCollection) -> None:
-    """Mark this rank's step as ready to apply: one all-reduce of one integer over the layout's span.
+    """Mark this rank's step as ready to apply: one all-reduce of one integer over the span.
 
     Call it after the step's last collective (grads synchronised, statistics reduced) and before
-    ``optimizer.step()``. A rank whose step failed never reaches it, so it fails on every rank and no rank applies
-    a step another did not; the survivors call :func:`recover` and redo the step.
+    ``optimizer.step()``. A rank whose step failed never reaches it, so it fails on every rank and
+    no rank applies a step another did not; the survivors call :func:`recover` and redo the step.
+
+    Args:
+        collection: the collection the step ran on.
+
+    Example::
+
+        loss.backward()
+        clip_grad_norm_(model, 1.0, pg)
+        commit(pg)  # raises on every survivor when a rank was lost in the step
+        optimizer.step()
     """
     import torch
     import torch.distributed as dist
@@ -356,14 +370,24 @@ def _count_keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
 def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
     """Move ``old``'s optimizer state into ``new``, so training goes on as if nothing happened.
 
-    ``old`` was built on the collection before the recovery, ``new`` by ``build_optimizer`` over the
-    same model on :attr:`Recovered.collection`.
+    Only a replicated optimizer carries over: every data-parallel replica holds the whole state of
+    its shard of the model, and a survivor keeps its shard.
 
-    Only a replicated optimizer carries over: every data-parallel replica holds the whole state of its shard of
-    the model, and a survivor keeps its shard. A sharded optimizer's state was cut over the replicas, and the
-    lost replica's piece has no copy: ``ValueError``, saying to reload a checkpoint. So is an optimizer whose
-    parameters are of lower precision than their main grads (``build_optimizer`` attaches those through grad hooks
-    that the old optimizer would keep).
+    Args:
+        old: the optimizer built on the collection before the recovery.
+        new: the one ``build_optimizer`` built over the same model on :attr:`Recovered.collection`.
+
+    Raises:
+        ValueError: a sharded optimizer (its state was cut over the replicas, and the lost replica's
+            piece has no copy: reload a checkpoint); an optimizer whose parameters are of lower
+            precision than their main grads (``build_optimizer`` attaches those through grad hooks
+            that the old optimizer would keep).
+
+    Example::
+
+        recovered = recover(pg, store, committed_step=step, lost=lost_ranks)
+        new_optimizer = build_optimizer(model, recovered.collection)
+        carry_optimizer_state(optimizer, new_optimizer)
     """
     from pgregistry.optim import ShardedOptimizer
 

@@ -220,13 +220,24 @@ def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
 def adopt(groups: Iterable[ProcessGroup]) -> None:
     """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``).
 
-    A later :func:`build` whose rank sets they cover reuses them; collective over the world (every
-    rank passes the groups it belongs to). Adopted groups belong to their creator: :func:`destroy`
+    A later :func:`build` whose rank sets they cover reuses them. Collective over the world: every
+    rank passes the groups it belongs to. Adopted groups belong to their creator: :func:`destroy`
     does not destroy them.
 
-    ``TypeError`` on every rank, before anything is adopted, when a rank passes no iterable of process groups
-    (a name such as ``'tp'``, a number, ``None``, which torch.distributed reads as the world), naming the rank and
-    what it passed."""
+    Args:
+        groups: the process groups this rank belongs to.
+
+    Raises:
+        TypeError: on every rank, before anything is adopted, a rank passing no iterable of process
+            groups (a name such as ``'tp'``, a number, ``None``, which torch.distributed reads as
+            the world), naming the rank and what it passed.
+
+    Example::
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        adopt([parallel_state.get_tensor_model_parallel_group()])
+        pg = build(ParallelLayout(num_ranks=8, tp=2))  # reuses Megatron-Core's TP communicator
+    """
     require_distributed("pgregistry.registry.adopt")
     given, fault = _process_groups(groups)
     check_agreement("pgregistry.registry.adopt", {}, fault)
@@ -251,7 +262,8 @@ def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | Non
 def communicators_created() -> int:
     """How many communicators holding this rank pgregistry created here (for benchmarks and tests).
 
-    Those made by ``new_group`` or ``split_group``.
+    Returns:
+        The count of those made by ``new_group`` or ``split_group`` (adopted ones left out).
     """
     return CACHE.created
 
@@ -260,7 +272,8 @@ def destroy() -> None:
     """Destroy every communicator pgregistry created and forget every build.
 
     Collections built so far (and the global grid) are marked destroyed, so using one raises instead
-    of running a collective on a dead group."""
+    of running a collective on a dead group. Adopted communicators stay (their creator owns them).
+    """
     global _lifetime
     CACHE.destroy()
     _builds.clear()

@@ -97,15 +97,25 @@ def _default_generators() -> tuple[torch.Generator, ...]:
 class RNGStatesTracker:
     """Named RNG streams, each a saved state of every generator the tracker drives.
 
-    ``fork(name)`` swaps the stream's state into the generators, runs the block, stores the advanced state back
-    and restores the generators' previous state, also when the block raises. A stream can be forked again later
-    and continues where it stopped. Forks nest as in Megatron-Core: entering a fork first stores the progress of the
-    stream being left, and leaving it resumes that stream where it now is, so forking a stream that is already
-    forked (a -> b -> a, or a -> a) draws the same numbers as the same draws made one after the other.
+    ``fork(name)`` swaps the stream's state into the generators, runs the block, stores the advanced
+    state back and restores the generators' previous state, also when the block raises. A stream can
+    be forked again later and continues where it stopped. Forks nest as in Megatron-Core: entering a
+    fork first stores the progress of the stream being left, and leaving it resumes that stream
+    where it now is, so forking a stream that is already forked (a -> b -> a, or a -> a) draws the
+    same numbers as the same draws made one after the other.
 
-    ``generators`` defaults to the CPU default generator plus every CUDA device's default generator (when CUDA
-    is available), chosen on the first :meth:`add` so that creating a tracker never initialises CUDA. Pass
-    explicit generators to drive others (a tracker over private ``torch.Generator`` objects is what tests use).
+    Args:
+        generators: the generators to drive (default: the CPU default generator plus every CUDA
+            device's default generator when CUDA is available, chosen on the first :meth:`add` so
+            that creating a tracker never initialises CUDA). A tracker over private
+            ``torch.Generator`` objects is what tests use.
+
+    Example::
+
+        tracker = RNGStatesTracker()
+        tracker.add("model-parallel-rng", 3953)
+        with tracker.fork("model-parallel-rng"):
+            dropout(x)  # draws from the TP rank's own stream
     """
 
     def __init__(self, generators: Sequence[torch.Generator] | None = None) -> None:
@@ -219,7 +229,13 @@ _default_tracker = RNGStatesTracker()
 
 
 def get_rng_tracker() -> RNGStatesTracker:
-    """The process-wide tracker (Megatron-Core's ``get_cuda_rng_tracker``), over the default generators."""
+    """The process-wide tracker (Megatron-Core's ``get_cuda_rng_tracker``).
+
+    It drives the default generators.
+
+    Returns:
+        The one :class:`RNGStatesTracker` :func:`model_parallel_manual_seed` seeds by default.
+    """
     return _default_tracker
 
 
@@ -239,9 +255,27 @@ def tracker_seeds(
 ) -> dict[str, int]:
     """Tracker name -> seed for one rank, by Megatron-Core's formulas (see the module docstring).
 
-    ``seed`` is the base seed (the job's seed plus the pipeline and data-parallel offsets). The GTP-remat streams
-    appear only when their axis has more than one rank. Pure arithmetic: :func:`model_parallel_manual_seed` and
-    :func:`seed_plan` both use it.
+    Pure arithmetic: :func:`model_parallel_manual_seed` and :func:`seed_plan` both use it.
+
+    Args:
+        seed: the base seed (the job's seed plus the pipeline and data-parallel offsets).
+        tp_rank: the rank in the TP group.
+        ep_rank: the rank in the EP group.
+        expt_tp_rank: the rank in the expert TP group.
+        gtp_remat_rank: the rank in the GTP-remat group.
+        gtp_remat_size: its size; its stream appears only when it is above 1.
+        expt_gtp_remat_rank: the rank in the expert GTP-remat group.
+        expt_gtp_remat_size: its size; its stream appears only when it is above 1.
+
+    Returns:
+        Tracker name -> seed.
+
+    Raises:
+        ValueError: ``seed`` not an integer in [0, 2**64).
+
+    Example:
+        >>> tracker_seeds(1234, tp_rank=1)
+        {'data-parallel-rng': 1234, 'model-parallel-rng': 3953, 'expert-parallel-rng': 2258}
     """
     _check_seed(seed, "the base seed")
     return _offset_seeds(
@@ -307,17 +341,37 @@ def model_parallel_manual_seed(
 ) -> dict[str, int]:
     """Seed the default stream and register this rank's RNG streams from the job's ``seed``.
 
-    The base seed is ``seed + 100 * pp_rank`` (plus ``10 * dp_rank`` with ``data_parallel_random_init``), as
-    Megatron's training loop computes it before seeding, so pipeline stages draw different streams; the streams
-    are then those of :func:`tracker_seeds`, and the seeds are exactly those :func:`seed_plan` lists for this rank.
-    ``tracker`` (default: :func:`get_rng_tracker`) is reset and its generators are seeded with the data-parallel
-    seed (the stream outside any fork). Ranks are read from the collection's ``pp``, ``tp``, ``ep``, ``expt_tp``,
-    ``gtp_remat``, ``expt_gtp_remat`` (and ``dp``) groups, where ``None`` is an axis that is off (rank 0 of 1).
-    ``pg_collection=None`` is the global grid, with a warning, as is an UNSET field
-    (:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`).
+    The base seed is ``seed + 100 * pp_rank`` (plus ``10 * dp_rank`` with
+    ``data_parallel_random_init``), as Megatron's training loop computes it before seeding, so
+    pipeline stages draw different streams; the streams are then those of :func:`tracker_seeds`, and
+    the seeds are exactly those :func:`seed_plan` lists for this rank. The tracker is reset and its
+    generators are seeded with the data-parallel seed (the stream outside any fork). Ranks are read
+    from the collection's ``pp``, ``tp``, ``ep``, ``expt_tp``, ``gtp_remat``, ``expt_gtp_remat``
+    (and ``dp``) groups, where ``None`` is an axis that is off (rank 0 of 1).
+
+    Args:
+        seed: the job's seed.
+        pg_collection: the collection (default: the global grid, with a
+            :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`, as for an UNSET field).
+        data_parallel_random_init: add the data-parallel offset, so data-parallel ranks draw
+            differently too.
+        tracker: the tracker to seed (default: :func:`get_rng_tracker`).
 
     Returns:
         Tracker name -> seed, for this rank.
+
+    Raises:
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: a seed outside [0, 2**64) (base seed plus offsets; :func:`check_seed_plan` finds
+            them ahead); two streams of one seed on this rank; a collection this rank is not a
+            member of, or destroyed.
+        RuntimeError: the tracker is inside a fork.
+
+    Example::
+
+        seeds = model_parallel_manual_seed(1234, pg)
+        with get_rng_tracker().fork():  # the model-parallel stream
+            init.normal_(weight)
     """
     fields = _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
     collection = resolve_pg_collection(pg_collection, owner="model_parallel_manual_seed", fallback=fields)
@@ -364,9 +418,27 @@ def seed_plan(
     """Rank -> tracker name -> seed, for every rank of ``layout``, without any process group.
 
     The seeds are those each rank's trackers get from ``model_parallel_manual_seed(seed, pg,
-    data_parallel_random_init=...)`` with the collection ``pg`` built from ``layout``: the pipeline (and
-    data-parallel) offsets included. ``progress``, when given, is called with the number of ranks done every
-    16384 ranks (a plan of millions of ranks takes minutes: the command line reports it).
+    data_parallel_random_init=...)`` with the collection ``pg`` built from ``layout``: the pipeline
+    (and data-parallel) offsets included.
+
+    Args:
+        layout: the layout whose ranks to list.
+        seed: the job's seed.
+        data_parallel_random_init: as for :func:`model_parallel_manual_seed`.
+        progress: called with the number of ranks done every 16384 ranks (a plan of millions of
+            ranks takes minutes: the command line reports it).
+
+    Returns:
+        Global rank -> tracker name -> seed.
+
+    Raises:
+        ValueError: ``seed`` not an integer in [0, 2**64).
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> plan = seed_plan(ParallelLayout(num_ranks=8, tp=2, pp=2), 1234)
+        >>> plan[4]  # pipeline stage 1: the base seed is 1234 + 100
+        {'data-parallel-rng': 1334, 'model-parallel-rng': 4052, 'expert-parallel-rng': 2358}
     """
     return {rank: seeds for rank, _, seeds in _rank_seeds(layout, seed, data_parallel_random_init, progress)}
 
@@ -391,15 +463,21 @@ def _rank_seeds(
 
 @attrs.frozen(slots=True, kw_only=True)
 class SeedCollision:
-    """A seed plan that cannot work: two RNG streams that must differ but get one seed, or a seed out of range.
+    """A seed plan's fault: streams that must differ share one seed, or a seed is out of range.
 
-    ``kind`` is ``"across_ranks"``: ranks whose coordinates ``axes`` differ (so their ``tracker`` streams must
-    differ) share ``seed``; ``ranks`` holds one rank per distinct coordinate tuple (``coords``, in ``axes``
-    order). Or ``"within_rank"``: on each of ``ranks`` the ``trackers`` share ``seed``, which
-    :meth:`RNGStatesTracker.add` refuses at start-up; ``axes`` and ``coords`` are then empty. Or
-    ``"out_of_range"``: on each of ``ranks`` the tracker ``trackers[0]`` gets a seed outside ``[0, 2**64)`` (the
-    base seed plus Megatron-Core's offsets), which :func:`model_parallel_manual_seed` refuses; ``seed`` is the one
-    of the first such rank.
+    Attributes:
+        kind: ``"across_ranks"``: ranks whose coordinates ``axes`` differ (so their ``trackers[0]``
+            streams must differ) share ``seed``. ``"within_rank"``: on each of ``ranks`` the
+            ``trackers`` share ``seed``, which :meth:`RNGStatesTracker.add` refuses at start-up.
+            ``"out_of_range"``: on each of ``ranks`` the tracker ``trackers[0]`` gets a seed outside
+            ``[0, 2**64)`` (the base seed plus Megatron-Core's offsets), which
+            :func:`model_parallel_manual_seed` refuses.
+        seed: the shared seed; for ``"out_of_range"``, the one of the first such rank.
+        trackers: the tracker, or the trackers sharing the seed on one rank.
+        ranks: one rank per distinct coordinate tuple (``"across_ranks"``), else every rank it
+            holds.
+        axes: the axes the ranks' coordinates differ in (empty unless ``"across_ranks"``).
+        coords: each rank's coordinates, in ``axes`` order (empty unless ``"across_ranks"``).
     """
 
     kind: Literal["across_ranks", "within_rank", "out_of_range"]
@@ -445,13 +523,34 @@ def check_seed_plan(
     data_parallel_random_init: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> list[SeedCollision]:
-    """Every seed collision of :func:`seed_plan` (empty when there is none), without any process group.
+    """Every seed collision of :func:`seed_plan`, without any process group.
 
-    Three kinds are reported (:class:`SeedCollision`): ranks that must draw differently on a tracker (the
-    coordinates of ``_STREAM_AXES`` differ) but get one seed for it, grouped by tracker and seed; trackers
-    that share a seed on one rank, grouped by the trackers and seed over every rank where it happens; and
-    trackers whose seed leaves ``[0, 2**64)`` on some ranks, grouped by tracker. ``progress`` as for
-    :func:`seed_plan`; :func:`check_seed_plan_size` tells what the check holds before it runs.
+    Three kinds are reported (:class:`SeedCollision`): ranks that must draw differently on a tracker
+    (the coordinates of ``_STREAM_AXES`` differ) but get one seed for it, grouped by tracker and
+    seed; trackers that share a seed on one rank, grouped by the trackers and seed over every rank
+    where it happens; and trackers whose seed leaves ``[0, 2**64)`` on some ranks, grouped by
+    tracker. :func:`check_seed_plan_size` tells what the check holds before it runs.
+
+    Args:
+        layout: the layout whose plan to check.
+        seed: the job's seed.
+        data_parallel_random_init: as for :func:`model_parallel_manual_seed` (data-parallel ranks
+            must then differ too).
+        progress: as for :func:`seed_plan`.
+
+    Returns:
+        The collisions; empty when there is none.
+
+    Raises:
+        ValueError: ``seed`` not an integer in [0, 2**64).
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> check_seed_plan(ParallelLayout(num_ranks=4, tp=2), 1234)
+        []
+        >>> too_large = check_seed_plan(ParallelLayout(num_ranks=4, tp=2), 2**64 - 50)
+        >>> [(collision.kind, collision.trackers) for collision in too_large]
+        [('out_of_range', ('model-parallel-rng',)), ('out_of_range', ('expert-parallel-rng',))]
     """
     axes = _check_axes(data_parallel_random_init)
     # (tracker, seed) -> coordinate tuple -> first rank holding it
@@ -512,13 +611,29 @@ def check_seed_plan_size(
     So the command line estimates its memory before it starts (the check keeps no per-rank record
     otherwise).
 
-    ``streams`` is exact: the distinct (tracker, coordinates) streams the check keys (without
-    ``data_parallel_random_init`` a few per pipeline stage and TP/EP rank, whatever the data-parallel size; with it
-    about one per rank and tracker). ``listed`` estimates the (rank, collision) entries of the within-rank and
-    out-of-range collisions, which list every rank they hold: each tracker whose largest seed could reach 2**64
-    counts every rank; the within-rank collisions count the share of the (tp, ep, expt_tp, gtp_remat,
-    expt_gtp_remat) rank combinations (the first :data:`_SHARED_COMBINATIONS_COUNTED` of them) whose trackers
-    share seeds: what pipeline and data-parallel ranks add is the same for every tracker of a rank.
+    Args:
+        layout: the layout whose plan the check would hold.
+        seed: the job's seed.
+        data_parallel_random_init: as for :func:`check_seed_plan`.
+
+    Returns:
+        ``streams``, exact: the distinct (tracker, coordinates) streams the check keys (without
+        ``data_parallel_random_init`` a few per pipeline stage and TP/EP rank, whatever the
+        data-parallel size; with it about one per rank and tracker). ``listed``, an estimate of the
+        (rank, collision) entries of the within-rank and out-of-range collisions, which list every
+        rank they hold: each tracker whose largest seed could reach 2**64 counts every rank; the
+        within-rank collisions count the share of the (tp, ep, expt_tp, gtp_remat, expt_gtp_remat)
+        rank combinations (the first :data:`_SHARED_COMBINATIONS_COUNTED` of them) whose trackers
+        share seeds: what pipeline and data-parallel ranks add is the same for every tracker of a
+        rank.
+
+    Raises:
+        ValueError: ``seed`` not an integer in [0, 2**64).
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> check_seed_plan_size(ParallelLayout(num_ranks=4, tp=2), 1234)
+        (5, 0)
     """
     sizes = layout.axis_sizes()
     streams = 0

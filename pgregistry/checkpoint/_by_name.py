@@ -289,12 +289,32 @@ def state_by_name(
 ) -> dict[str, dict[str, Any]]:
     """This rank's parameters and optimizer state by global name.
 
-    ``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` (tensors alias the live
-    ones; every parameter the optimizer updates has an entry, empty before its first step).
+    The names are the same on every layout, so what one layout gives another loads. TP-sharded
+    parameters come whole, gathered over their TP group: with tensor parallelism on, every rank of a
+    TP group must call it.
 
-    ``primary_only`` keeps only what this rank writes (one replica of each tensor). ``naming``: ``pg_collection``,
-    ``num_experts``, ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`). TP-sharded parameters
-    come whole, gathered over their TP group: with tensor parallelism on, every rank of a TP group must call it.
+    Args:
+        model_chunks: the model, or its pipeline chunks.
+        optimizer: its optimizer, whose state is given too (default: none, an empty
+            ``"optimizer"``).
+        primary_only: keep only what this rank writes (one replica of each tensor over all ranks).
+        **naming: ``pg_collection``, ``num_experts``, ``layer_offsets``
+            (:class:`~pgregistry.experts._names.NamingOptions`).
+
+    Returns:
+        ``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}``; tensors alias the
+        live ones, and every parameter the optimizer updates has an entry, empty before its first
+        step.
+
+    Raises:
+        TypeError: ``model_chunks`` is not a model or a sequence of model chunks.
+        ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, or two
+            parameters of one global name.
+
+    Example::
+
+        state = state_by_name(model, optimizer, pg_collection=pg)
+        state["model"]["decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"]
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
     return _nest_flat_keys(flat_state(model, optimizer, primary_only=primary_only))

@@ -45,7 +45,24 @@ def save_distributed(
 ) -> None:
     """Save with ``torch.distributed.checkpoint``: each tensor once, TP-sharded ones whole.
 
-    Collective over the ranks of the model's collection: the world, or a module's span."""
+    Collective over the ranks of the model's collection: the world, or a module's span.
+
+    Args:
+        directory: the checkpoint's directory.
+        model_chunks: the model, or its pipeline chunks.
+        optimizer: its optimizer, whose state is saved too (default: parameters only).
+        **naming: ``pg_collection``, ``num_experts``, ``layer_offsets``
+            (:class:`~pgregistry.experts._names.NamingOptions`).
+
+    Raises:
+        ValueError: on every rank, a model :func:`state_by_name` refuses.
+        RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
+            directory and the ranks that did not answer named.
+
+    Example::
+
+        save_distributed("ckpt/dcp-100", model, optimizer)
+    """
     import torch.distributed.checkpoint as dcp
 
     scope = checkpoint_scope(model_chunks, naming)
@@ -68,13 +85,30 @@ def load_distributed(
     """Load a :func:`save_distributed` checkpoint of any layout.
 
     Collective over the ranks of the model's collection; a checkpoint of another module, or of other
-    ranks, is refused on every rank.
+    ranks, is refused on every rank. Strict as :func:`~pgregistry.checkpoint.load_rank_files` is,
+    from DCP's metadata before any tensor is read (:mod:`~pgregistry.checkpoint._strict`).
 
-    Strict as :func:`~pgregistry.checkpoint.load_rank_files` is, from DCP's metadata before any tensor is read:
-    ``ValueError`` on every rank for a parameter the checkpoint lacks or stores in another shape, and (``strict``,
-    the default) in another dtype, for stored keys no rank's model has (a checkpoint of more layers or experts),
-    and, ``optimizer`` given, for optimizer state missing or of parameters it does not update
-    (:mod:`~pgregistry.checkpoint._strict`); also for a directory a rank cannot read."""
+    Args:
+        directory: the directory :func:`save_distributed` wrote.
+        model_chunks: the model, or its pipeline chunks, on any layout.
+        optimizer: its optimizer, whose state is loaded too (default: parameters only).
+        strict: refuse dtypes that differ and stored keys no rank's model has (default); ``False``
+            loads a subset on purpose.
+        **naming: ``pg_collection``, ``num_experts``, ``layer_offsets``
+            (:class:`~pgregistry.experts._names.NamingOptions`).
+
+    Raises:
+        ValueError: on every rank: a parameter the checkpoint lacks or stores in another shape, or
+            (``strict``) in another dtype; stored keys no rank's model has (a checkpoint of more
+            layers or experts); ``optimizer`` given, optimizer state missing or of parameters it
+            does not update; a directory a rank cannot read.
+        RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
+            directory and the ranks that did not answer named.
+
+    Example::
+
+        load_distributed("ckpt/dcp-100", model, optimizer)
+    """
     import torch.distributed.checkpoint as dcp
 
     scope = checkpoint_scope(model_chunks, naming)

@@ -148,13 +148,32 @@ def _checkpoint_scope(children: list[ShardedOptimizer]) -> Scope:
 def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> Path:
     """Write this rank's pieces of a sharded optimizer to ``directory/optimizer-rank-<rank>.pt``.
 
-    The pieces are the ``"shards"`` of every child's state dict, keyed by the names the optimizer was built with:
-    give it :func:`pgregistry.experts.global_param_name_fn` names and :func:`load_optimizer_shards` reloads them
-    under another EP, PP or data-parallel size. Every rank of the optimizer's collection (the world, or a module's
-    span) must call it, with a fresh directory per checkpoint (it may be the one :func:`save_rank_files` writes
-    the parameters to). Hyper-parameters are not stored. The pieces must be whole-tensor pieces held by one rank
-    each, so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards); the loader
-    refuses overlapping pieces. Returns the file written.
+    The pieces are the ``"shards"`` of every child's state dict, keyed by the names the optimizer
+    was built with: give it :func:`pgregistry.experts.global_param_name_fn` names and
+    :func:`load_optimizer_shards` reloads them under another EP, PP or data-parallel size. Every
+    rank of the optimizer's collection (the world, or a module's span) must call it, with a fresh
+    directory per checkpoint (it may be the one :func:`save_rank_files` writes the parameters to).
+    Hyper-parameters are not stored. The pieces must be whole-tensor pieces held by one rank each,
+    so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards); the
+    loader refuses overlapping pieces.
+
+    Args:
+        directory: a fresh directory for this checkpoint.
+        optimizer: a :class:`~pgregistry.optim.ShardedOptimizer`, or a chained optimizer of them.
+
+    Returns:
+        The path of the file this rank wrote.
+
+    Raises:
+        ValueError: two parameters of the optimizer of one name (give it unique names); on every
+            rank, nothing written, an existing checkpoint in ``directory`` or a rank failing to
+            write (its error names the file and the disk).
+        RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
+            directory and the ranks that did not answer named.
+
+    Example::
+
+        save_optimizer_shards("ckpt/step-100", optimizer)
     """
     shards: dict[str, Any] = {}
     children = _require_sharded_children(optimizer, "save_optimizer_shards")
@@ -173,17 +192,33 @@ def load_optimizer_shards(
 ) -> None:
     """Load :func:`save_optimizer_shards` files written under any layout into a sharded optimizer.
 
-    Each child's pieces are joined from every saved rank by name (:func:`merge_optimizer_shards`, which refuses
-    gaps, overlaps and disagreeing per-parameter state) and cut for the shards this rank holds now
-    (:func:`cut_optimizer_shards`); main copies and optimizer state are restored, and the parameters get the
-    main copies. Collective: every rank must call it, on the same directory; a rank that cannot load (a file it
-    cannot read, a piece it reads whose checksum does not match) makes every rank raise, before any loads. Only
-    the saved pieces of parameters this rank holds are read (the files are memory-mapped), but each is joined
-    whole, so a rank holds the whole state of those parameters for a moment. Hyper-parameters stay those of
-    ``optimizer``. ``ValueError`` on every rank when a parameter of the optimizer is not in the checkpoint, (with
-    ``strict``, the default, as :func:`~pgregistry.checkpoint.load_rank_files`) when the checkpoint holds pieces
-    of a parameter no rank's optimizer holds (``strict=False`` loads a subset on purpose), the files mix
-    checkpoints or saves, or a piece read is damaged (the file and the piece are named).
+    Each child's pieces are joined from every saved rank by name (:func:`merge_optimizer_shards`,
+    which refuses gaps, overlaps and disagreeing per-parameter state) and cut for the shards this
+    rank holds now (:func:`cut_optimizer_shards`); main copies and optimizer state are restored, and
+    the parameters get the main copies. Collective: every rank must call it, on the same directory.
+    Only the saved pieces of parameters this rank holds are read (the files are memory-mapped), but
+    each is joined whole, so a rank holds the whole state of those parameters for a moment.
+    Hyper-parameters stay those of ``optimizer``.
+
+    Args:
+        directory: the directory :func:`save_optimizer_shards` wrote.
+        optimizer: a :class:`~pgregistry.optim.ShardedOptimizer`, or a chained optimizer of them, on
+            any layout.
+        strict: refuse pieces of a parameter no rank's optimizer holds, as
+            :func:`~pgregistry.checkpoint.load_rank_files` does (default); ``False`` loads a subset
+            on purpose.
+
+    Raises:
+        ValueError: on every rank, before any loads: a parameter of the optimizer not in the
+            checkpoint; with ``strict``, pieces of a parameter no rank's optimizer holds; files that
+            mix checkpoints or saves; a file a rank cannot read; a piece read that is damaged (the
+            file and the piece named).
+        RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
+            directory and the ranks that did not answer named.
+
+    Example::
+
+        load_optimizer_shards("ckpt/step-100", optimizer_on_another_layout)
     """
     children = _require_sharded_children(optimizer, "load_optimizer_shards")
     scope = _checkpoint_scope(children)

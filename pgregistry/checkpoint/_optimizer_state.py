@@ -36,20 +36,34 @@ def load_optimizer_state_by_name(
 ) -> None:
     """Load optimizer ``state`` keyed by global name into ``optimizer``.
 
-    ``state`` is ``{name: {state key: value}}``, as in the ``"optimizer"`` part of
-    :func:`state_by_name`, saved under any layout.
+    Collective over the ranks of the model's collection (the world, or a module's span), as the
+    checkpoint loaders are; every check runs on every rank before any rank loads anything. The
+    values are copied and go through the inner ``load_state_dict``, which casts floating state to
+    each parameter's dtype and device. Load the model parameters first: a main copy without a saved
+    ``main_param`` is taken from its parameter.
 
-    Collective over the ranks of the model's collection (the world, or a module's span), as the checkpoint loaders
-    are: ``ValueError`` on every rank, before anything loads, when ``state`` is not such a mapping on some rank,
-    or (``strict``, the default) when it has no entry for a parameter the optimizer updates (an entry may be
-    empty: :func:`state_by_name` gives one for every parameter the optimizer updated), holds state of a parameter
-    of this rank's model the optimizer does not update, or names a parameter no rank's model holds (``state`` may
-    hold every rank's: each takes its own). ``strict=False`` gives parameters without an entry an empty state (as
-    before their first step) and ignores the rest. Also ``ValueError`` on every rank, before any rank loads
-    anything, when a rank's state does not fit its optimizer (an ``exp_avg`` of another shape than its parameter,
-    a main copy of another shape), naming that rank. The values are copied and go through the inner
-    ``load_state_dict``, which casts floating state to each parameter's dtype and device. Load the model
-    parameters first: a main copy without a saved ``main_param`` is taken from its parameter.
+    Args:
+        optimizer: the optimizer to load into.
+        model_chunks: its model, or the model's pipeline chunks, on any layout.
+        state: ``{name: {state key: value}}``, as in the ``"optimizer"`` part of
+            :func:`state_by_name`, saved under any layout; it may hold every rank's (each takes its
+            own).
+        strict: refuse a missing entry for a parameter the optimizer updates (an entry may be
+            empty), state of a parameter of this rank's model the optimizer does not update, and a
+            name no rank's model holds (default); ``False`` gives parameters without an entry an
+            empty state (as before their first step) and ignores the rest.
+        **naming: ``pg_collection``, ``num_experts``, ``layer_offsets``
+            (:class:`~pgregistry.experts._names.NamingOptions`).
+
+    Raises:
+        ValueError: on every rank: ``state`` not such a mapping on some rank; with ``strict``, the
+            entries above; a rank's state that does not fit its optimizer (an ``exp_avg`` of another
+            shape than its parameter, a main copy of another shape), naming that rank.
+
+    Example::
+
+        saved = state_by_name(model, optimizer)["optimizer"]  # under the old layout
+        load_optimizer_state_by_name(new_optimizer, new_model, saved)
     """
     owner = "load_optimizer_state_by_name"
     scope = checkpoint_scope(model_chunks, naming)

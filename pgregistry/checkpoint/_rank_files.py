@@ -96,11 +96,34 @@ def save_rank_files(
 ) -> Path:
     """Write this rank's share (each tensor once over all ranks) to ``directory/rank-<rank>.pt``.
 
-    Collective over the ranks of the model's collection (the world, or the span of a module's layout, whose files
-    are numbered from 0 and record the module's name and span): every rank of them must call it, with a fresh
-    directory per checkpoint. A directory that already holds ``rank-<rank>.pt`` files is refused (``ValueError``
-    on every rank, nothing written): remove the old checkpoint first or save elsewhere. TP-sharded parameters are
-    stored whole (gathered over their TP group). Returns the file written.
+    Collective over the ranks of the model's collection (the world, or the span of a module's
+    layout, whose files are numbered from 0 and record the module's name and span): every rank of
+    them must call it, with a fresh directory per checkpoint. TP-sharded parameters are stored whole
+    (gathered over their TP group). Each rank's file is renamed into place only once every rank's is
+    complete on disk.
+
+    Args:
+        directory: a fresh directory for this checkpoint (made if missing).
+        model_chunks: the model, or its pipeline chunks.
+        optimizer: its optimizer, whose state is saved too (default: parameters only).
+        **naming: ``pg_collection``, ``num_experts``, ``layer_offsets``
+            (:class:`~pgregistry.experts._names.NamingOptions`).
+
+    Returns:
+        The path of the file this rank wrote.
+
+    Raises:
+        ValueError: on every rank, nothing written: ``directory`` already holds ``rank-<rank>.pt``
+            files (remove the old checkpoint first or save elsewhere), a model :func:`state_by_name`
+            refuses, or a rank failing to write (its error names the file and the disk; every rank
+            removes its file).
+        RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
+            directory and the ranks that did not answer named.
+
+    Example::
+
+        save_rank_files("ckpt/step-100", model, optimizer)
+        load_rank_files("ckpt/step-100", model_on_another_layout, its_optimizer)
     """
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("save_rank_files", directory, scope):
@@ -278,20 +301,38 @@ def load_rank_files(
     strict: bool = True,
     **naming: Unpack[NamingOptions],
 ) -> None:
-    """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files of any layout.
+    """Load this rank's parameters (and optimizer state) from :func:`save_rank_files` files.
 
-    Collective over the ranks of the model's collection (the world, or a module's span): every rank of them must
-    call it, on the same directory; a checkpoint saved by another module, or over other ranks, is refused.
-    ``ValueError`` on every rank, before anything is copied, when a parameter of a rank's model is missing from the
-    checkpoint or stored in another shape, or (with ``strict``, the default) in another dtype, when the checkpoint
-    holds a parameter no rank's model holds or a key that is no parameter, or, ``optimizer`` given, when it holds
-    no optimizer state for a parameter the optimizer updates (saved without an optimizer) or state for one it does
-    not update (:mod:`~pgregistry.checkpoint._strict`): loading experts 0-7 into a model of 4 experts, or a
-    checkpoint of another model, is never a partial success. ``strict=False`` loads a subset on purpose, ignoring
-    those keys, casting dtypes and keeping the fresh state of an optimizer the checkpoint has none for. Also
-    ``ValueError``
-    when a key is stored twice, the files mix checkpoints or saves, a file cannot be read (the file is named), or a
-    tensor a rank loads does not match its checksum (the file and the tensor are named).
+    Collective over the ranks of the model's collection (the world, or a module's span): every rank
+    of them must call it, on the same directory; a checkpoint saved by another module, or over other
+    ranks, is refused. Every check runs on every rank before anything is copied: loading experts 0-7
+    into a model of 4 experts, or a checkpoint of another model, is never a partial success
+    (:mod:`~pgregistry.checkpoint._strict`).
+
+    Args:
+        directory: the directory :func:`save_rank_files` wrote.
+        model_chunks: the model, or its pipeline chunks, on any layout.
+        optimizer: its optimizer, whose state is loaded too (default: parameters only).
+        strict: refuse dtypes that differ and keys the model or the optimizer has no use for
+            (default); ``False`` loads a subset on purpose, ignoring those keys, casting dtypes and
+            keeping the fresh state of an optimizer the checkpoint has none for.
+        **naming: ``pg_collection``, ``num_experts``, ``layer_offsets``
+            (:class:`~pgregistry.experts._names.NamingOptions`).
+
+    Raises:
+        ValueError: on every rank, before anything is copied: a parameter of a rank's model missing
+            from the checkpoint or stored in another shape, or (``strict``) in another dtype; a
+            parameter no rank's model holds or a key that is no parameter (``strict``);
+            ``optimizer`` given, no optimizer state for a parameter it updates (saved without an
+            optimizer) or state for one it does not update (``strict``); a key stored twice; files
+            that mix checkpoints or saves; a file that cannot be read (named); a tensor that does
+            not match its checksum (the file and the tensor named).
+        RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
+            directory and the ranks that did not answer named.
+
+    Example::
+
+        load_rank_files("ckpt/step-100", model, optimizer)
     """
     prepare_rank_files_load(directory, model_chunks, optimizer, strict=strict, **naming)()
 

@@ -14,11 +14,26 @@ __all__ = ["get_ep_rank_and_size"]
 
 
 def get_ep_rank_and_size(pg_collection: ProcessGroupCollection | None = None) -> tuple[int, int]:
-    """``(ep_rank, ep_size)`` from the collection's ``ep`` group; ``ep`` set to ``None`` (EP off) is ``(0, 1)``.
+    """``(ep_rank, ep_size)`` from the collection's ``ep`` group; ``None`` (EP off) is ``(0, 1)``.
 
-    No collection is the global grid, with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`, and
-    ``RuntimeError`` without one; an UNSET ``ep`` also reads the global grid and warns. For a model's own grid pass
-    ``pgregistry.collection_of(model)``.
+    Args:
+        pg_collection: the collection (default: the global grid, with a
+            :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`; an UNSET ``ep`` also reads
+            the global grid and warns). For a model's own grid pass
+            ``pgregistry.collection_of(model)``.
+
+    Returns:
+        This rank's index in the EP group and the group's size.
+
+    Raises:
+        RuntimeError: no collection given and no global grid.
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: a collection this rank is not a member of, or destroyed.
+
+    Example::
+
+        ep_rank, ep_size = get_ep_rank_and_size(collection_of(model))
+        first_expert = ep_rank * num_experts // ep_size
     """
     collection = resolve_pg_collection(pg_collection, owner="get_ep_rank_and_size", fallback=("ep",))
     return ep_rank_and_size(collection)

@@ -59,11 +59,24 @@ def check_ep(ep_rank: int, ep_size: int) -> None:
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
     """The global index of an EP rank's local expert.
 
-    It is ``ep_rank * (num_experts // ep_size) + local_index``. ``ValueError`` for an index or rank
-    out of range or an ``ep_size`` that does not divide ``num_experts``.
+    It is ``ep_rank * (num_experts // ep_size) + local_index``.
 
-    >>> global_expert_index(1, num_experts=8, ep_rank=2, ep_size=4)
-    5
+    Args:
+        local_index: the expert's index on its EP rank.
+        num_experts: the experts of the whole model.
+        ep_rank: the rank in the EP group.
+        ep_size: the EP group's size.
+
+    Returns:
+        The expert's index in the whole model.
+
+    Raises:
+        ValueError: an index or rank out of range, or an ``ep_size`` that does not divide
+            ``num_experts``.
+
+    Example:
+        >>> global_expert_index(1, num_experts=8, ep_rank=2, ep_size=4)
+        5
     """
     check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
@@ -78,8 +91,23 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
 def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int, int]:
     """``(ep_rank, local_index)`` of the rank holding global expert ``global_index``.
 
-    >>> expert_owner(5, num_experts=8, ep_size=4)
-    (2, 1)
+    The inverse of :func:`global_expert_index`.
+
+    Args:
+        global_index: the expert's index in the whole model.
+        num_experts: the experts of the whole model.
+        ep_size: the EP group's size.
+
+    Returns:
+        The EP rank holding it and its index there.
+
+    Raises:
+        ValueError: ``global_index`` out of range, or an ``ep_size`` that does not divide
+            ``num_experts``.
+
+    Example:
+        >>> expert_owner(5, num_experts=8, ep_size=4)
+        (2, 1)
     """
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= global_index < num_experts:
@@ -121,7 +149,20 @@ def expert_slot(key: str) -> ExpertSlot | None:
 
 
 def is_expert_key(key: str) -> bool:
-    """Whether ``key`` names an expert's tensor in one of the two key styles."""
+    """Whether ``key`` names an expert's tensor in one of the two key styles (module docstring).
+
+    Args:
+        key: a state-dict key.
+
+    Returns:
+        ``True`` for ``...local_experts.<i>...`` and grouped GEMM's ``...experts...weight<i>`` keys.
+
+    Example:
+        >>> is_expert_key("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")
+        True
+        >>> is_expert_key("embedding.word_embeddings.weight")
+        False
+    """
     return expert_slot(key) is not None
 
 
@@ -140,11 +181,21 @@ def globalize_expert_keys(
 
     Key order and values are kept; non-expert keys are unchanged.
 
+    Args:
+        state_dict: this EP rank's state dict.
+        num_experts: the experts of the whole model (``None`` only without expert keys).
+        ep_rank: the rank in the EP group.
+        ep_size: the EP group's size.
+        strict: each family of expert keys must hold every local expert ``0 .. num_experts //
+            ep_size - 1`` (see the module docstring).
+
+    Returns:
+        The renamed dict.
+
     Raises:
         ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not
-            divide ``num_experts``; a key's local index not below ``num_experts // ep_size``; or
-            (``strict``, the default) a family of expert keys that does not hold every local expert
-            ``0 .. num_experts // ep_size - 1`` (see the module docstring).
+            divide ``num_experts``; a key's local index not below ``num_experts // ep_size``; with
+            ``strict``, a family of expert keys missing a local expert.
 
     Example:
         >>> local = {"local_experts.0.w": "a", "local_experts.1.w": "b", "embedding.w": "c"}
@@ -177,11 +228,25 @@ def localize_expert_keys(
 
     The inverse of :func:`globalize_expert_keys`.
 
-    A key of an expert held by another EP rank raises ``ValueError``, or is left out with ``foreign="skip"``
-    (to pick this rank's experts out of a whole-model state dict). The other errors are those of
-    :func:`globalize_expert_keys`, with global indices checked against ``num_experts``; with ``strict`` (the
-    default) each family of expert keys must hold exactly this rank's experts (``foreign="raise"``) or every
-    expert ``0 .. num_experts - 1`` (``foreign="skip"``, a whole-model state dict).
+    Args:
+        state_dict: a state dict keyed by global expert indices.
+        num_experts: the experts of the whole model (``None`` only without expert keys).
+        ep_rank: the rank in the EP group.
+        ep_size: the EP group's size.
+        foreign: what a key of an expert held by another EP rank does: ``"raise"`` (default), or
+            ``"skip"`` to leave it out (to pick this rank's experts out of a whole-model state
+            dict).
+        strict: each family of expert keys must hold exactly this rank's experts
+            (``foreign="raise"``) or every expert ``0 .. num_experts - 1`` (``foreign="skip"``, a
+            whole-model state dict).
+
+    Returns:
+        The renamed dict.
+
+    Raises:
+        ValueError: a key of another rank's expert with ``foreign="raise"``; ``foreign`` neither
+            value; the errors of :func:`globalize_expert_keys`, with global indices checked against
+            ``num_experts``.
 
     Example:
         >>> whole = {f"local_experts.{index}.w": index for index in range(4)}

@@ -198,13 +198,27 @@ def named_global_parameters(
     """``(global name, parameter)`` for every parameter of the chunks, each once, in chunk order.
 
     The name is the chunk's ``named_parameters()`` name with the first ``layers.<n>`` renumbered to
-    ``layer_offset + n`` (not in multi-token-prediction names, those containing ``mtp``, as in Megatron-Core) and
-    expert indices made global. ``layer_offset`` is the chunk's first global layer index:
-    ``layer_offsets[i]``, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it may be left out
-    only with one chunk and pipeline parallelism off. The keywords (``pg_collection``, ``num_experts``,
-    ``layer_offsets``) are those of :class:`NamingOptions`, which says what each defaults to. ``ValueError`` when a
-    chunk's local experts do not number ``num_experts`` over the EP size (global indices with gaps, or past
-    ``num_experts``), naming both numbers.
+    ``layer_offset + n`` (not in multi-token-prediction names, those containing ``mtp``, as in
+    Megatron-Core) and expert indices made global.
+
+    Args:
+        model_chunks: the model, or its pipeline chunks.
+        **options: ``pg_collection``, ``num_experts``, ``layer_offsets`` (:class:`NamingOptions`,
+            which says what each defaults to). ``layer_offsets[i]`` is chunk ``i``'s first global
+            layer index, else a ``layer_offset`` attribute on the chunk (or a module it wraps); it
+            may be left out only with one chunk and pipeline parallelism off.
+
+    Returns:
+        The pairs, the same names on every layout.
+
+    Raises:
+        ValueError: a chunk's local experts not numbering ``num_experts`` over the EP size (global
+            indices with gaps, or past ``num_experts``), naming both numbers.
+
+    Example::
+
+        for name, param in named_global_parameters(chunks, layer_offsets=[0, 12]):
+            ...  # "decoder.layers.12.mlp.experts.local_experts.5.linear_fc1.weight"
     """
     return global_names(GlobalNamer.at_the_door(model_chunks, "named_global_parameters", **options))
 
@@ -228,10 +242,22 @@ def get_global_unique_param_name(
     param: torch.Tensor,
     **options: Unpack[NamingOptions],
 ) -> str:
-    """The global name of ``param`` (found by identity; ``ValueError`` when no chunk holds it).
+    """The global name of ``param``, found by identity.
 
-    Same rules as :func:`named_global_parameters`: names are unique across pipeline stages and virtual chunks,
-    experts are numbered globally, and on the standard grid the name is the ``named_parameters()`` one.
+    Same rules as :func:`named_global_parameters`: names are unique across pipeline stages and
+    virtual chunks, experts are numbered globally, and on the standard grid the name is the
+    ``named_parameters()`` one.
+
+    Args:
+        model_chunks: the model, or its pipeline chunks.
+        param: a parameter one of the chunks holds.
+        **options: ``pg_collection``, ``num_experts``, ``layer_offsets`` (:class:`NamingOptions`).
+
+    Returns:
+        Its global name.
+
+    Raises:
+        ValueError: no chunk holds ``param``; as :func:`named_global_parameters`.
     """
     namer = GlobalNamer.at_the_door(model_chunks, "get_global_unique_param_name", **options)
     for index, chunk in enumerate(namer.chunks):
@@ -265,11 +291,24 @@ def global_param_name_fn(
     model_chunks: nn.Module | Sequence[nn.Module],
     **options: Unpack[NamingOptions],
 ) -> Callable[[torch.Tensor], str]:
-    """A function from parameter to global name (:func:`named_global_parameters`), with every name computed once.
+    """A function from parameter to global name (:func:`named_global_parameters`), cached.
 
-    Meant for optimizers that key their state by a ``param_name_fn`` (the pgregistry optimizers do): keyed by
-    global names, the state reloads under another EP or PP layout. The function raises ``ValueError`` for a
-    parameter the chunks do not hold.
+    Meant for optimizers that key their state by a ``param_name_fn`` (the pgregistry optimizers do):
+    keyed by global names, the state reloads under another EP or PP layout.
+
+    Args:
+        model_chunks: the model, or its pipeline chunks.
+        **options: ``pg_collection``, ``num_experts``, ``layer_offsets`` (:class:`NamingOptions`).
+
+    Returns:
+        The function; it raises ``ValueError`` for a parameter the chunks do not hold.
+
+    Raises:
+        ValueError: as :func:`named_global_parameters`.
+
+    Example::
+
+        optimizer = build_optimizer(model, pg, param_name_fn=global_param_name_fn(model))
     """
     namer = GlobalNamer.at_the_door(model_chunks, "global_param_name_fn", **options)
     # Holding the parameters keeps their ids from being reused by other tensors.

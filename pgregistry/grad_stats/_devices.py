@@ -12,15 +12,30 @@ __all__ = ["backend_device", "reduction_device"]
 
 
 def backend_device(group: ProcessGroup | None) -> torch.device:
-    """The device collectives over ``group`` (the default group for ``None``) need: CUDA for NCCL, else CPU."""
+    """The device collectives over ``group`` need: CUDA for NCCL, else CPU.
+
+    Args:
+        group: a process group, or ``None`` for the default group.
+
+    Returns:
+        The device.
+    """
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def reduction_device(grads: Iterable[torch.Tensor], groups: Iterable[ProcessGroup | None]) -> torch.device:
-    """Where statistics of ``grads`` are computed and reduced: the first grad's device; with no grads on this
-    rank, the device the first NCCL group among ``groups`` needs (``None`` skipped), else CPU."""
+    """Where statistics of ``grads`` are computed and reduced.
+
+    Args:
+        grads: this rank's grads.
+        groups: the groups the statistics are reduced over.
+
+    Returns:
+        The first grad's device; with no grads on this rank, the device the first NCCL group among
+        ``groups`` needs (``None`` skipped), else CPU.
+    """
     for grad in grads:
         return grad.device
     for group in groups:

@@ -47,12 +47,21 @@ _EXPERT_REDUCE: Final = "tp_ep_pp_with_egtp_remat"
 
 @attrs.frozen(slots=True, kw_only=True)
 class StatsGroups:
-    """The groups grad statistics need, each a ProcessGroup or ``None`` (axis off), and the collection they come
-    from (DTensor grads are matched to its fields).
+    """The groups grad statistics need, and the collection they come from.
 
-    ``tp``/``expt_tp`` and ``gtp_remat``/``expt_gtp_remat`` decide which rank counts a replicated gradient;
-    ``dense_reduce`` (the collection's ``mp``) and ``expert_reduce`` (its ``tp_ep_pp_with_egtp_remat``) are what
-    the counted gradients are summed over.
+    Each group is a ProcessGroup or ``None`` (axis off); DTensor grads are matched to the
+    collection's fields.
+
+    Attributes:
+        collection: the resolved collection.
+        tp: with ``expt_tp``, decides which rank counts a gradient replicated over TP.
+        expt_tp: the expert TP group.
+        gtp_remat: with ``expt_gtp_remat``, decides which rank counts a gradient replicated over GTP
+            remat.
+        expt_gtp_remat: the expert GTP-remat group.
+        dense_reduce: the collection's ``mp``: what counted dense gradients are summed over.
+        expert_reduce: the collection's ``tp_ep_pp_with_egtp_remat``: what counted expert gradients
+            are summed over.
     """
 
     collection: ProcessGroupCollection
@@ -107,7 +116,14 @@ def _expert_reduce_group(
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
-    """False for a second copy of a parameter counted elsewhere (``shared=True``)."""
+    """False for a second copy of a parameter counted elsewhere (``shared=True``).
+
+    Args:
+        param: the parameter.
+
+    Returns:
+        Whether its gradient is counted as far as sharing goes.
+    """
     return not getattr(param, "shared", False)
 
 
@@ -116,10 +132,22 @@ def param_is_not_tensor_parallel_duplicate(
 ) -> bool:
     """Whether this rank counts ``param``'s gradient as far as tensor parallelism goes.
 
-    A TP-sharded parameter (``tensor_model_parallel``) is unique on every rank. Any other is replicated across
-    its TP group and counted on rank 0 of it only; that group is ``expt_tp`` for an expert parameter
-    (``allreduce is False``) and ``tp`` otherwise. ``pg_collection=None`` is the global grid, with a fallback
-    warning, as is an UNSET field.
+    A TP-sharded parameter (``tensor_model_parallel``) is unique on every rank. Any other is
+    replicated across its TP group and counted on rank 0 of it only; that group is ``expt_tp`` for
+    an expert parameter (``allreduce is False``) and ``tp`` otherwise.
+
+    Args:
+        param: the parameter.
+        pg_collection: the collection (default: the global grid, with a fallback warning, as for an
+            UNSET field).
+
+    Returns:
+        ``True`` when this rank counts it.
+
+    Raises:
+        RuntimeError: no collection given and no global grid.
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: a collection this rank is not a member of, or destroyed.
     """
     collection = resolve_pg_collection(
         pg_collection, owner="param_is_not_tensor_parallel_duplicate", fallback=("tp", "expt_tp")
@@ -131,9 +159,22 @@ def param_is_not_tensor_parallel_duplicate(
 def param_is_not_gtp_duplicate(param: torch.Tensor, pg_collection: ProcessGroupCollection | None = None) -> bool:
     """Whether this rank counts ``param``'s gradient as far as the GTP-remat axis goes.
 
-    A GTP-sharded parameter (``is_gtp_weight_remat``) is unique per GTP rank. Any other is replicated across the
-    GTP-remat group (``expt_gtp_remat`` for experts) and counted on its rank 0 only. ``pg_collection=None`` is the
-    global grid, with a fallback warning, as is an UNSET field.
+    A GTP-sharded parameter (``is_gtp_weight_remat``) is unique per GTP rank. Any other is
+    replicated across the GTP-remat group (``expt_gtp_remat`` for experts) and counted on its rank 0
+    only.
+
+    Args:
+        param: the parameter.
+        pg_collection: the collection (default: the global grid, with a fallback warning, as for an
+            UNSET field).
+
+    Returns:
+        ``True`` when this rank counts it.
+
+    Raises:
+        RuntimeError: no collection given and no global grid.
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: a collection this rank is not a member of, or destroyed.
     """
     owner = "param_is_not_gtp_duplicate"
     collection = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "expt_gtp_remat"))
@@ -150,7 +191,15 @@ def _not_gtp_duplicate(param: torch.Tensor, gtp_group: ProcessGroup | None) -> b
 
 
 def is_counted(param: torch.Tensor, groups: StatsGroups) -> bool:
-    """Whether this rank counts ``param``'s gradient: not shared, not a TP duplicate, not a GTP duplicate."""
+    """Whether this rank counts ``param``'s gradient: not shared, not a TP or a GTP duplicate.
+
+    Args:
+        param: the parameter.
+        groups: the statistics groups.
+
+    Returns:
+        ``True`` when this rank counts it.
+    """
     return param_is_not_shared(param) and all(role_verdicts(param, groups))
 
 
@@ -164,5 +213,13 @@ def role_verdicts(param: torch.Tensor, groups: StatsGroups) -> tuple[bool, bool]
 
 
 def reduce_group_of(param: torch.Tensor, groups: StatsGroups) -> ProcessGroup | None:
-    """The group ``param``'s counted gradient is summed over: expert or dense model-parallel group."""
+    """The group ``param``'s counted gradient is summed over.
+
+    Args:
+        param: the parameter.
+        groups: the statistics groups.
+
+    Returns:
+        ``groups.expert_reduce`` for a routed-expert parameter, else ``groups.dense_reduce``.
+    """
     return groups.expert_reduce if is_expert_param(param) else groups.dense_reduce

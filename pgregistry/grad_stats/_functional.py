@@ -43,10 +43,20 @@ __all__ = [
 def classify_grads(
     params: Iterable[torch.Tensor], groups: StatsGroups
 ) -> dict[ProcessGroup | None, list[torch.Tensor]]:
-    """The counted grads of ``params`` (``.grad``, skipping None) keyed by reduction group.
+    """The counted grads of ``params`` (``.grad``, skipping None), keyed by reduction group.
 
-    Both reduction groups are always keys, empty or not, so every rank issues the same collectives whatever
-    parameters it holds (a pipeline stage without experts still joins the expert reduction).
+    Args:
+        params: the parameters.
+        groups: the statistics groups.
+
+    Returns:
+        Reduction group -> the counted grads. Both reduction groups are always keys, empty or not,
+        so every rank issues the same collectives whatever parameters it holds (a pipeline stage
+        without experts still joins the expert reduction).
+
+    Example::
+
+        norm = norm_of_grads(classify_grads(model.parameters(), groups))
     """
     buckets: dict[ProcessGroup | None, list[torch.Tensor]] = {groups.dense_reduce: [], groups.expert_reduce: []}
     for param in params:
@@ -58,12 +68,25 @@ def classify_grads(
 def check_expert_classification(
     model_or_params: ParamsLike, pg_collection: ProcessGroupCollection | None = None
 ) -> None:
-    """Refuse a parameter of a marked expert module that does not say whether it is replicated across EP.
+    """Refuse a parameter of a marked expert module that does not say whether EP replicates it.
 
-    Every statistics entry point and the optimizer builder run this check; call it to check a model on its own.
-    Only when the EP axis is on (more than one rank): with EP off the question does not arise. ``ValueError``
-    naming every such parameter; classify each with :func:`~pgregistry.params.mark_expert` or
-    :func:`~pgregistry.params.mark_expert_replicated`.
+    Every statistics entry point and the optimizer builder run this check; call it to check a model
+    on its own. Only when the EP axis is on (more than one rank): with EP off the question does not
+    arise.
+
+    Args:
+        model_or_params: a model, model chunks, a name -> parameter mapping, or parameters.
+        pg_collection: the collection (default: the one attached to the model, else the global grid
+            with a fallback warning).
+
+    Raises:
+        ValueError: naming every such parameter; classify each with
+            :func:`~pgregistry.params.mark_expert` or
+            :func:`~pgregistry.params.mark_expert_replicated`.
+
+    Example::
+
+        check_expert_classification(model, pg)
     """
     params = normalise_params(model_or_params)
     collection = resolve_pg_collection(
@@ -112,24 +135,67 @@ def _read_reduce_and_clip(
 def grad_norm(
     params: ParamsLike, pg_collection: ProcessGroupCollection | None = None, *, norm_type: float = 2.0
 ) -> torch.Tensor:
-    """The global ``norm_type``-norm of the grads of ``params`` (a model, its parameters, ...) on its collection.
+    """The global ``norm_type``-norm of the grads of ``params`` on its collection.
 
-    Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`); a DTensor grad
-    (FSDP2, ``parallelize_module``) by its placements over the mesh dims it spans and by the roles elsewhere
-    (:mod:`pgregistry.grad_stats._dtensors`). Given a model or model chunks, parameters of a marked expert module
-    without an EP classification raise ``ValueError`` first (:func:`check_expert_classification`).
-    ``pg_collection=None`` is the collection attached to the model, else the global grid with a warning.
-    Collective over the collection's ``mp`` and ``tp_ep_pp_with_egtp_remat`` groups (and the data-parallel groups
-    DTensor grads are sharded over). Returns a 0-dim tensor on the grads' device, float64 where a grad is float64
-    (or complex128), else float32 (:attr:`~pgregistry.grad_stats._reductions.Reduced.norm`); NaN or infinite when
-    a grad of any rank of the reduction groups is, counted or not (a duplicate too). The classification is
-    kept between calls (:mod:`pgregistry.grad_stats._plan`).
+    Each grad is classified by its parameter's roles (:func:`is_counted`, :func:`reduce_group_of`);
+    a DTensor grad (FSDP2, ``parallelize_module``) by its placements over the mesh dims it spans and
+    by the roles elsewhere (:mod:`pgregistry.grad_stats._dtensors`). Collective over the
+    collection's ``mp`` and ``tp_ep_pp_with_egtp_remat`` groups (and the data-parallel groups
+    DTensor grads are sharded over). The classification is kept between calls
+    (:mod:`pgregistry.grad_stats._plan`).
+
+    Args:
+        params: a model, model chunks, a name -> parameter mapping, one tensor or an iterable of
+            them.
+        pg_collection: the collection (default: the one attached to the model, else the global grid
+            with a fallback warning).
+        norm_type: a positive number, or ``inf`` for the max-norm.
+
+    Returns:
+        A 0-dim tensor on the grads' device, float64 where a grad is float64 (or complex128), else
+        float32 (:attr:`~pgregistry.grad_stats._reductions.Reduced.norm`); NaN or infinite when a
+        grad of any rank of the reduction groups is, counted or not (a duplicate too).
+
+    Raises:
+        TypeError: ``norm_type`` not a real number; ``pg_collection`` neither a collection nor
+            ``None``.
+        ValueError: ``norm_type`` not positive; given a model or model chunks, parameters of a
+            marked expert module without an EP classification (:func:`check_expert_classification`);
+            a collection that disagrees with the model's attached one, that this rank is not a
+            member of, or that was destroyed.
+
+    Example::
+
+        norm = grad_norm(model, pg)  # the same value on every rank, as on the unsharded model
     """
     return _read_reduce_and_clip(params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)).norm
 
 
 def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None = None) -> int:
-    """The global number of zero grad elements of ``params``, each distinct element counted once."""
+    """The global number of zero grad elements of ``params``, each distinct element counted once.
+
+    Classified and reduced as :func:`grad_norm` is, over the same groups (collective). The count
+    comes back to the host: a host sync (:func:`grad_norm_and_zeros` has it as a tensor, without
+    one).
+
+    Args:
+        params: a model, model chunks, a name -> parameter mapping, one tensor or an iterable of
+            them.
+        pg_collection: the collection (default: the one attached to the model, else the global grid
+            with a fallback warning).
+
+    Returns:
+        The count, the same on every rank.
+
+    Raises:
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: as :func:`grad_norm` (an unclassified expert parameter, a collection that
+            disagrees, is not this rank's or was destroyed).
+
+    Example::
+
+        zeros = count_zeros(model, pg)
+    """
     zeros = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.of(None, zeros=True)).zeros
     assert zeros is not None
     return int(zeros.item())
@@ -143,10 +209,36 @@ def grad_norm_and_zeros(
     max_norm: float | None = None,
     error_if_nonfinite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`grad_norm` and :func:`count_zeros` from one read of the grads, reduced together (one all-reduce per
-    group for the 2-norm); with ``max_norm``, the grads clipped from that norm as :func:`clip_grad_norm_` does
-    (no second read). Returns the norm (0-dim, as :func:`grad_norm`'s, before clipping) and the zero count (0-dim
-    int64), without a host sync."""
+    """:func:`grad_norm` and :func:`count_zeros` from one read of the grads, reduced together.
+
+    One all-reduce per group for the 2-norm; with ``max_norm``, the grads are clipped from that norm
+    as :func:`clip_grad_norm_` does (no second read). No host sync.
+
+    Args:
+        params: a model, model chunks, a name -> parameter mapping, one tensor or an iterable of
+            them.
+        pg_collection: the collection (default: the one attached to the model, else the global grid
+            with a fallback warning).
+        norm_type: a positive number, or ``inf`` for the max-norm.
+        max_norm: clip to this global norm too (default: no clipping).
+        error_if_nonfinite: with ``max_norm``, raise on a NaN or infinite norm instead of skipping
+            the clip, as :func:`clip_grad_norm_` does.
+
+    Returns:
+        The norm (0-dim, as :func:`grad_norm`'s, before clipping) and the zero count (0-dim int64).
+
+    Raises:
+        TypeError: ``norm_type`` or ``max_norm`` not a real number; ``pg_collection`` neither a
+            collection nor ``None``.
+        ValueError: ``norm_type`` not positive; ``max_norm`` not positive and finite; as
+            :func:`grad_norm` otherwise.
+        RuntimeError: with ``max_norm`` and ``error_if_nonfinite``, a non-finite norm, on every
+            rank.
+
+    Example::
+
+        norm, zeros = grad_norm_and_zeros(model, pg, max_norm=1.0)
+    """
     if max_norm is not None:
         check_max_norm(max_norm)  # before any collective
     reduced = _read_reduce_and_clip(
@@ -164,13 +256,38 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Clip the grads of ``params`` in place to a global norm of ``max_norm``; return the norm before clipping.
+    """Clip the grads of ``params`` in place to a global norm of ``max_norm``.
 
-    Every grad is scaled, the duplicates too, so replicas stay identical; a DTensor grad through its local tensor.
-    The decision is job-wide (:func:`verdict_groups`): a NaN or infinite grad on any rank holding grads makes the
-    returned norm non-finite on every rank, and scales nothing anywhere (skip the step) or, with
-    ``error_if_nonfinite``, raises ``RuntimeError`` on every rank. The coefficient is computed from the float64
-    norm (:func:`~pgregistry.grad_stats.clip_grads_`).
+    Every grad is scaled, the duplicates too, so replicas stay identical; a DTensor grad through its
+    local tensor. The decision is job-wide (:func:`verdict_groups`): a NaN or infinite grad on any
+    rank holding grads makes the returned norm non-finite on every rank, and scales nothing anywhere
+    (skip the step). The coefficient is computed from the float64 norm
+    (:func:`~pgregistry.grad_stats.clip_grads_`). Collective as :func:`grad_norm`.
+
+    Args:
+        params: a model, model chunks, a name -> parameter mapping, one tensor or an iterable of
+            them.
+        max_norm: the global norm to clip to: positive and finite.
+        pg_collection: the collection (default: the one attached to the model, else the global grid
+            with a fallback warning).
+        norm_type: a positive number, or ``inf`` for the max-norm.
+        error_if_nonfinite: raise on a non-finite norm instead of skipping the clip.
+
+    Returns:
+        The global norm before clipping, as :func:`grad_norm` returns it.
+
+    Raises:
+        TypeError: ``max_norm`` or ``norm_type`` not a real number (a string such as ``'1.0'``, a
+            bool, ``None``); ``pg_collection`` neither a collection nor ``None``.
+        ValueError: ``max_norm`` not positive and finite (0, negative, NaN, inf); ``norm_type`` not
+            positive; as :func:`grad_norm` otherwise.
+        RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
+
+    Example::
+
+        norm = clip_grad_norm_(model, 1.0, pg)
+        if norm.isfinite():
+            optimizer.step()
     """
     check_max_norm(max_norm)  # None too: here it is no "do not clip"
     return _read_reduce_and_clip(

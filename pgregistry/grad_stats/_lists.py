@@ -37,17 +37,36 @@ def _shares_of_groups(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
 def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type``-norm of already-filtered grads, each group's share summed over its group.
 
-    One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order every rank
-    agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Every rank of a group must
-    pass that group as a key, with an empty list when it holds no grads for it. Returns a 0-dim tensor on the
-    grads' device (float64 when a grad is float64, else float32), without a host sync. An empty mapping or empty
-    lists give 0.
+    One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order
+    every rank agrees on (by the group's ranks); ``None`` and single-rank groups issue none. No host
+    sync.
+
+    Args:
+        grads_by_group: reduction group -> the grads counted on this rank. Every rank of a group
+            must pass that group as a key, with an empty list when it holds no grads for it.
+        norm_type: a positive number, or ``inf`` for the max-norm.
+
+    Returns:
+        A 0-dim tensor on the grads' device (float64 when a grad is float64, else float32); 0 for an
+        empty mapping or empty lists.
+
+    Example::
+
+        grads = classify_grads(model.parameters(), groups)
+        norm = norm_of_grads(grads)
     """
     return reduce_shares(_shares_of_groups(grads_by_group, Wanted.of(norm_type, zeros=False))).norm
 
 
 def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
-    """The number of zero elements in already-filtered grads, summed over each group (a 0-dim int64 tensor)."""
+    """The number of zero elements in already-filtered grads, summed over each group.
+
+    Args:
+        grads_by_group: as for :func:`norm_of_grads`.
+
+    Returns:
+        A 0-dim int64 tensor.
+    """
     zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.of(None, zeros=True))).zeros
     assert zeros is not None
     return zeros
@@ -62,12 +81,31 @@ def clip_grads_(
 ) -> torch.Tensor:
     """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` where that is below 1.
 
-    The coefficient is clamped at 1 as a tensor, so nothing waits on the device; scaling by exactly 1 leaves a
-    grad unchanged (and is skipped). A NaN or infinite ``total_norm`` (an overflow, one NaN grad anywhere in the
-    world) leaves every grad unscaled: its coefficient would be NaN, or 0 for an infinite norm, and would poison or
-    erase the finite grads too; the caller sees the non-finite norm and skips the step. With
-    ``error_if_nonfinite`` (as in ``torch.nn.utils.clip_grad_norm_``) a non-finite norm raises ``RuntimeError``
-    instead, which waits for the norm on the host. Returns the coefficient applied (a 0-dim float32 tensor).
+    The coefficient is clamped at 1 as a tensor, so nothing waits on the device; scaling by exactly
+    1 leaves a grad unchanged (and is skipped). A NaN or infinite ``total_norm`` (an overflow, one
+    NaN grad anywhere in the world) leaves every grad unscaled: its coefficient would be NaN, or 0
+    for an infinite norm, and would poison or erase the finite grads too; the caller sees the
+    non-finite norm and skips the step.
+
+    Args:
+        grads: the grads to scale, every copy of them (duplicates too, so replicas stay identical).
+        max_norm: the norm to clip to: positive and finite.
+        total_norm: the global norm of the grads.
+        error_if_nonfinite: raise on a non-finite norm (as ``torch.nn.utils.clip_grad_norm_``),
+            which waits for the norm on the host.
+
+    Returns:
+        The coefficient applied (a 0-dim float32 tensor).
+
+    Raises:
+        TypeError: ``max_norm`` not a real number.
+        ValueError: ``max_norm`` not positive and finite.
+        RuntimeError: with ``error_if_nonfinite``, a NaN or infinite ``total_norm``.
+
+    Example::
+
+        norm = norm_of_grads(grads_by_group)
+        clip_grads_([p.grad for p in model.parameters()], 1.0, norm)
     """
     check_max_norm(max_norm)
     device = grads[0].device if grads else (total_norm.device if isinstance(total_norm, torch.Tensor) else None)

@@ -362,9 +362,18 @@ def reduce_over_groups(
 ) -> Iterator[torch.Tensor]:
     """Each group's local share ``local(items)``, all-reduced in place with ``op`` over its group.
 
-    One collective per group of more than one rank (none for ``None``), issued in an order every rank agrees on
-    (by the group's ranks, then its name): ranks that share two groups must reduce them in the same order. Every
-    rank of a group must pass that group as a key. :func:`reduce_shares` reduces every statistic through this.
+    One collective per group of more than one rank (none for ``None``), issued in an order every
+    rank agrees on (by the group's ranks, then its name): ranks that share two groups must reduce
+    them in the same order. :func:`reduce_shares` reduces every statistic through this.
+
+    Args:
+        items_by_group: group -> what this rank holds for it. Every rank of a group must pass that
+            group as a key.
+        local: computes a group's local share (a tensor) from its items.
+        op: the ``torch.distributed.ReduceOp``.
+
+    Yields:
+        Each group's reduced share, in the agreed order; its collective is issued as it is drawn.
     """
     for group, items in _in_collective_order(items_by_group):
         share = local(items)

@@ -68,24 +68,43 @@ _SIZE_FIELDS: Final[tuple[str, ...]] = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_
 
 
 def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupCollection:
-    """The collection of a Megatron-Core ``HyperCommGrid``: the communicators its ``create_pg`` made.
+    """The collection of the communicators a Megatron-Core ``HyperCommGrid``'s ``create_pg`` made.
 
-    The layout is the grid's: its span (``rank_offset``, the grid's size), the sizes of its base dims (``tp cp dp
-    pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``; without the view, expert TP and EP are off), in
-    an order that gives every created group its ranks. Each field whose dims the grid has created holds that group
-    (``intra_dist_opt`` is the group over all four base dims). A field the grid did not create is ``None`` where
-    this rank's group has one rank (an axis the grid does not have is off: GTP remat always, a dense grid's expert
-    axes), else the grid's communicator of another field over the same ranks (so a MIMO job builds nothing twice);
-    the others (the embedding groups, a group of several ranks the grid did not create) stay UNSET. A rank outside
-    the grid's span gets the collection that refuses every use. ``name`` names the collection in messages.
+    The layout is the grid's: its span (``rank_offset``, the grid's size), the sizes of its base
+    dims (``tp cp dp pp``) and of its ``"expert"`` view (``expt_tp ep expt_dp pp``; without the
+    view, expert TP and EP are off), in an order that gives every created group its ranks. Each
+    field whose dims the grid has created holds that group (``intra_dist_opt`` is the group over all
+    four base dims). A field the grid did not create is ``None`` where this rank's group has one
+    rank (an axis the grid does not have is off: GTP remat always, a dense grid's expert axes), else
+    the grid's communicator of another field over the same ranks (so a MIMO job builds nothing
+    twice); the others (the embedding groups, a group of several ranks the grid did not create) stay
+    UNSET. A rank outside the grid's span gets the collection that refuses every use.
 
-    Collective over the world (as the grid's ``create_pg``): the communicators are adopted, so a later
-    :func:`pgregistry.build` whose rank sets they cover reuses them. The one-axis groups grad statistics read
-    (``tp``, ``ep``, ``expt_tp``) are created through the grid's ``create_pg`` when the grid lacks them and no group
-    it made holds their ranks (a MIMO job's grids hold what Megatron-Core's MIMO optimizer reads: ``tp_ep_pp``, not
-    ``ep``), and pgregistry's one-rank groups of the span when the grid made none (the collection's stand-in for
-    an off axis, as every build makes it); nothing else is created. ``ValueError`` for a dim pgregistry has no
-    axis for, naming it; ``TypeError`` for something that is not a ``HyperCommGrid``.
+    Collective over the world (as the grid's ``create_pg``): the communicators are adopted, so a
+    later :func:`pgregistry.build` whose rank sets they cover reuses them. The one-axis groups grad
+    statistics read (``tp``, ``ep``, ``expt_tp``) are created through the grid's ``create_pg`` when
+    the grid lacks them and no group it made holds their ranks (a MIMO job's grids hold what
+    Megatron-Core's MIMO optimizer reads: ``tp_ep_pp``, not ``ep``), and pgregistry's one-rank
+    groups of the span when the grid made none (the collection's stand-in for an off axis, as every
+    build makes it); nothing else is created.
+
+    Args:
+        grid: a ``megatron.core.hyper_comm_grid.HyperCommGrid``.
+        name: the collection's name in messages.
+
+    Returns:
+        The :class:`ProcessGroupCollection` of the grid, with its layout.
+
+    Raises:
+        TypeError: ``grid`` is not a ``HyperCommGrid``.
+        ValueError: a dim pgregistry has no axis for (named).
+
+    Example::
+
+        grid = HyperCommGrid([2, 1, 2, 1], ["tp", "cp", "dp", "pp"], rank_offset=0)
+        for dims in (["tp"], ["dp"]):
+            grid.create_pg(dims)
+        pg = from_hyper_comm_grid(grid, name="encoder")
     """
     from megatron.core.hyper_comm_grid import HyperCommGrid
 

@@ -127,19 +127,34 @@ def _megatron_version() -> str:
 
 
 def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -> Any:
-    """Megatron-Core's ``ProcessGroupCollection`` of ``pg_collection``'s communicators (none created).
+    """Megatron-Core's collection of ``pg_collection``'s communicators (none created).
 
-    For a :class:`~pgregistry.modules.MultiModuleCollection`, Megatron-Core's
-    ``MultiModuleProcessGroupCollection`` of the modules this rank runs, the language model named
-    only where this rank runs it (as Megatron-Core's MIMO does; ``ValueError`` on a rank that runs
-    none: Megatron-Core's cannot be empty).
+    An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided").
+    ``None`` (axis off) becomes the collection's one-rank group outside :data:`NONE_MEANS_NOT_USED`;
+    ``NOT_MEMBER`` becomes ``None`` in the embedding fields. A field the installed Megatron-Core
+    does not know (the GTP ones, before 0.17) is left out when it carries nothing: ``None``, one
+    rank, or the same communicator as the field it reduces to when GTP is off.
 
-    An UNSET field is left unset there (absent from ``vars()``, Megatron-Core's "not provided"). ``None`` (axis
-    off) becomes the collection's one-rank group outside :data:`NONE_MEANS_NOT_USED` (``ValueError`` naming the
-    field for a collection without one); ``NOT_MEMBER`` becomes ``None`` in the embedding fields. A field the
-    installed Megatron-Core does not know (the GTP ones, before 0.17) is left out when it carries nothing: ``None``,
-    one rank, or the same communicator as the field it reduces to when GTP is off; otherwise ``ValueError``, since
-    that Megatron-Core cannot run the layout.
+    Args:
+        pg_collection: a pgregistry collection, or a
+            :class:`~pgregistry.modules.MultiModuleCollection`.
+
+    Returns:
+        Megatron-Core's ``ProcessGroupCollection``; for a multi-module collection, its
+        ``MultiModuleProcessGroupCollection`` of the modules this rank runs, the language model
+        named only where this rank runs it (as Megatron-Core's MIMO does).
+
+    Raises:
+        TypeError: ``pg_collection`` is not a collection.
+        ValueError: a destroyed collection; ``None`` in a field outside :data:`NONE_MEANS_NOT_USED`
+            of a collection without a one-rank group (the field named); ``NOT_MEMBER`` outside the
+            embedding fields; a field carrying a group the installed Megatron-Core does not know (it
+            cannot run the layout); a multi-module collection on a rank that runs no module
+            (Megatron-Core's cannot be empty).
+
+    Example::
+
+        model = GPTModel(config, spec, ..., pg_collection=to_megatron(build(layout)))
     """
     from pgregistry.modules import MultiModuleCollection  # imports torch
 
@@ -208,27 +223,41 @@ def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: An
 def from_megatron(mc_collection: Any) -> Any:
     """A pgregistry collection holding Megatron-Core's communicators, which pgregistry adopts.
 
-    For Megatron-Core's ``MultiModuleProcessGroupCollection``, the job-wide
-    :class:`~pgregistry.modules.MultiModuleCollection`.
-
     Collective over the world (every rank calls it): pgregistry learns every rank set, so a later
-    :func:`pgregistry.registry.build` of a layout with the same rank sets reuses Megatron-Core's communicators
-    instead of creating a second set (:func:`pgregistry.registry.adopt`). A field absent from
-    ``vars(mc_collection)`` is UNSET; a field the installed Megatron-Core does not have (older releases lack the GTP
-    ones) is UNSET too. ``None`` in an embedding field is ``NOT_MEMBER`` (Megatron-Core's "not in an embedding
-    group"); in ``expt_dp`` and ``tp_ep_pp`` it is ``None``, the expert axes off (Megatron-Core's optimizer: "set it
-    to None if you don't need it"); elsewhere outside :data:`NONE_MEANS_NOT_USED` it is refused, since
-    Megatron-Core would read it as "use the global group", which a pgregistry collection cannot say (``ValueError``
-    naming the field). The collection knows no layout: Megatron-Core's does not carry one.
+    :func:`pgregistry.registry.build` of a layout with the same rank sets reuses Megatron-Core's
+    communicators instead of creating a second set (:func:`pgregistry.registry.adopt`). A field
+    absent from ``vars(mc_collection)`` is UNSET; a field the installed Megatron-Core does not have
+    (older releases lack the GTP ones) is UNSET too. ``None`` in an embedding field is
+    ``NOT_MEMBER`` (Megatron-Core's "not in an embedding group"); in ``expt_dp`` and ``tp_ep_pp`` it
+    is ``None``, the expert axes off (Megatron-Core's optimizer: "set it to None if you don't need
+    it"). The collection knows no layout: Megatron-Core's does not carry one.
 
-    A multi-module collection holds, on each rank, only the modules that rank runs. The ranks exchange them, so
-    every rank learns every module's layout (recovered from the groups of all its ranks: the sizes and span from the
-    groups, the order as the first order string under which every group holds the layout's ranks) and gets, for a
-    module it does not run, the collection that refuses every use. A module whose ``expt_dp`` / ``tp_ep_pp`` are
-    ``None`` ("not needed") and which gives no expert group has expert TP and EP off in its layout (never contradicting
-    an expert group it gives), and those fields hold what that layout gives them: ``None`` where this rank's group
-    has one rank, else another field's communicator over the same ranks, else UNSET. ``ValueError`` on every rank,
-    naming the module, when no layout gives a module's groups or ranks name different language models.
+    A multi-module collection holds, on each rank, only the modules that rank runs. The ranks
+    exchange them, so every rank learns every module's layout (recovered from the groups of all its
+    ranks: the sizes and span from the groups, the order as the first order string under which every
+    group holds the layout's ranks) and gets, for a module it does not run, the collection that
+    refuses every use. A module whose ``expt_dp`` / ``tp_ep_pp`` are ``None`` ("not needed") and
+    which gives no expert group has expert TP and EP off in its layout (never contradicting an
+    expert group it gives), and those fields hold what that layout gives them: ``None`` where this
+    rank's group has one rank, else another field's communicator over the same ranks, else UNSET.
+
+    Args:
+        mc_collection: Megatron-Core's ``ProcessGroupCollection`` or
+            ``MultiModuleProcessGroupCollection``.
+
+    Returns:
+        A :class:`ProcessGroupCollection`; for a multi-module one, the job-wide
+        :class:`~pgregistry.modules.MultiModuleCollection`.
+
+    Raises:
+        ValueError: ``None`` in a field outside :data:`NONE_MEANS_NOT_USED` (Megatron-Core would
+            read it as "use the global group", which a pgregistry collection cannot say; the field
+            named); on every rank, naming the module, a module's groups no layout gives or ranks
+            naming different language models.
+
+    Example::
+
+        pg = from_megatron(ProcessGroupCollection.use_mpu_process_groups())
     """
     from megatron.core import process_groups_config
 
@@ -304,8 +333,23 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
 def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
     """The parallel sizes of ``layout`` as keywords of Megatron-Core's ``TransformerConfig``.
 
-    The same keywords serve ``ModelParallelConfig``. GTP sizes only where the installed
-    Megatron-Core has them (``ValueError`` for a GTP size above 1 it cannot express)."""
+    The same keywords serve ``ModelParallelConfig``. GTP sizes are given only where the installed
+    Megatron-Core has them.
+
+    Args:
+        layout: the layout whose sizes to give.
+
+    Returns:
+        Keyword -> size: ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, and the
+        others.
+
+    Raises:
+        ValueError: a GTP size above 1 the installed Megatron-Core cannot express.
+
+    Example::
+
+        config = TransformerConfig(num_layers=4, ..., **megatron_config_kwargs(layout))
+    """
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     known = {f.name for f in dataclasses.fields(ModelParallelConfig)}
@@ -316,7 +360,21 @@ def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
     """Keywords of Megatron-Core's ``initialize_model_parallel`` that build ``layout``'s groups.
 
     They are the sizes and the order, for ``parallel_state.initialize_model_parallel``; GTP sizes
-    only where the installed Megatron-Core has them."""
+    only where the installed Megatron-Core has them.
+
+    Args:
+        layout: the layout whose groups Megatron-Core's global grid should hold.
+
+    Returns:
+        Keyword -> value: the sizes and ``order``.
+
+    Raises:
+        ValueError: a GTP size above 1 the installed Megatron-Core cannot express.
+
+    Example::
+
+        parallel_state.initialize_model_parallel(**megatron_initialize_kwargs(layout))
+    """
     from megatron.core import parallel_state
 
     known = set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
@@ -346,12 +404,21 @@ def _sizes_by_name(
 def check_config(config: Any, pg_collection: Any) -> None:
     """Raise ``ValueError`` when ``config`` disagrees with the sizes of ``pg_collection``'s groups.
 
-    ``config`` is a Megatron-Core ``TransformerConfig`` or any object with its size attributes, the
-    collection pgregistry's or Megatron-Core's; the message lists every mismatch.
+    ``expert_tensor_parallel_size=None`` means the tensor-parallel size, as in Megatron-Core. A
+    group the collection does not provide is a mismatch (Megatron-Core would read the global one). A
+    GTP size the config does not have (an older Megatron-Core) must be matched by a one-rank group
+    or an unset field.
 
-    ``expert_tensor_parallel_size=None`` means the tensor-parallel size, as in Megatron-Core. A group the
-    collection does not provide is a mismatch (Megatron-Core would read the global one). A GTP size the config
-    does not have (an older Megatron-Core) must be matched by a one-rank group or an unset field.
+    Args:
+        config: a Megatron-Core ``TransformerConfig``, or any object with its size attributes.
+        pg_collection: the collection, pgregistry's or Megatron-Core's.
+
+    Raises:
+        ValueError: every mismatch, listed in one message.
+
+    Example::
+
+        check_config(model.config, pg)
     """
     problems: list[str] = []
     for attribute, _, _, field in _SIZES:
@@ -384,18 +451,35 @@ def seed_megatron_rng(
     seed: int, pg_collection: ProcessGroupCollection, *, data_parallel_random_init: bool = False,
     **megatron_options: Any,
 ) -> dict[str, int]:
-    """Seed Megatron-Core's CUDA RNG tracker from the collection's ranks; return name -> seed.
+    """Seed Megatron-Core's CUDA RNG tracker from the collection's ranks.
 
     Through ``model_parallel_cuda_manual_seed``; the seeds are as
-    :func:`pgregistry.rng.model_parallel_manual_seed` computes them.
+    :func:`pgregistry.rng.model_parallel_manual_seed` computes them. The pipeline (and
+    data-parallel) offsets are added to ``seed`` as Megatron's training loop adds them before
+    seeding. Megatron-Core reads the GTP-remat ranks from its global ``parallel_state`` only, so the
+    GTP streams are added here from ``gtp_remat`` / ``expt_gtp_remat``. Needs CUDA.
 
-    ``seed`` is the job's seed: the pipeline (and data-parallel) offsets are added as Megatron's training loop adds
-    them before seeding. The ranks come from ``pp``, ``tp``, ``ep``, ``expt_tp`` and the GTP-remat groups, which
-    must be set (``ValueError``: Megatron-Core would read its global ranks). Megatron-Core reads the GTP-remat ranks
-    from its global ``parallel_state`` only, so the GTP streams are added here from ``gtp_remat``/``expt_gtp_remat``;
-    a GTP stream its global grid already added must have the collection's seed (``ValueError`` otherwise).
-    ``megatron_options`` go to ``model_parallel_cuda_manual_seed`` (``te_rng_tracker``, ``use_cudagraphable_rng``,
-    ...). Needs CUDA.
+    Args:
+        seed: the job's seed.
+        pg_collection: the collection; ``pp``, ``tp``, ``ep``, ``expt_tp`` and the GTP-remat groups
+            must be set.
+        data_parallel_random_init: add the data-parallel offset too, as Megatron's
+            ``--data-parallel-random-init`` does (``dp`` must then be set).
+        **megatron_options: passed to ``model_parallel_cuda_manual_seed`` (``te_rng_tracker``,
+            ``use_cudagraphable_rng``, ...).
+
+    Returns:
+        Tracker name -> seed.
+
+    Raises:
+        TypeError: ``pg_collection`` is not a collection.
+        ValueError: a seed not an integer in [0, 2**64); a needed group unset (Megatron-Core would
+            read its global ranks); a GTP stream its global grid already added with another seed
+            than the collection's.
+
+    Example::
+
+        seeds = seed_megatron_rng(1234, pg)
     """
     from megatron.core.tensor_parallel import random as megatron_random
 
@@ -430,12 +514,25 @@ _SEED_GROUPS: Final[tuple[GroupName, ...]] = ("pp", "tp", "ep", "expt_tp", "gtp_
 
 
 def mark_megatron_experts(model: nn.Module) -> int:
-    """Mark the routed experts of every Megatron-Core ``MoELayer`` in ``model``; return how many.
+    """Mark the routed experts of every Megatron-Core ``MoELayer`` in ``model``.
 
-    Each is marked with :func:`pgregistry.params.mark_expert_module`.
+    Each is marked with :func:`pgregistry.params.mark_expert_module`. Grad statistics then refuse an
+    expert parameter that lost its ``allreduce`` role (a copy that dropped it would otherwise count
+    as dense). Shared experts are dense, replicated across EP, and are not marked.
 
-    Grad statistics then refuse an expert parameter that lost its ``allreduce`` role (a copy that dropped it would
-    otherwise count as dense). Shared experts are dense, replicated across EP, and are not marked.
+    Args:
+        model: the model (an ``nn.Module``).
+
+    Returns:
+        How many expert modules were marked.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (mark one parameter with
+            :func:`pgregistry.params.mark_expert`).
+
+    Example::
+
+        assert mark_megatron_experts(model) == config.num_layers  # one MoE layer per layer
     """
     import torch
 

@@ -206,30 +206,48 @@ def to_parallel_dims(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> Any:
-    """A torchtitan ``ParallelDims`` for ``collection``'s layout whose meshes are made of its communicators.
+    """A torchtitan ``ParallelDims`` for ``collection``'s layout whose meshes are its communicators.
 
-    Every mesh torchtitan's code asks for (``get_mesh`` / ``get_optional_mesh`` of one or several dims, the dense
-    and sparse meshes, ``loss``, ``batch``, ``get_all_one_dimensional_meshes``, ``spmd_meshes``, ``world_mesh``)
-    is built with ``DeviceMesh.from_group`` from the collection's groups: ``tp``, ``cp``, ``pp``, ``ep``; ``dp``
-    for ``batch`` / ``dp`` (and ``dp_shard`` without HSDP); ``dp_cp`` for ``loss`` and ``fsdp``; ``expt_dp`` for
-    ``efsdp``; under HSDP (``collection.inter_dist_opt`` set, as :func:`pgregistry.mesh.with_hsdp_groups` sets it)
-    ``inter_dist_opt`` for ``dp_replicate``, ``intra_dp_cp`` / ``intra_expt_dp`` for ``fsdp`` / ``efsdp``. So
-    the meshes hold one communicator per distinct rank set, with one exception: where the expert FSDP ranks are the
-    dense FSDP ranks (EP = TP), ``efsdp`` gets a second communicator over them, created by this call, because
-    FSDP2 cannot shard one block's dense and expert parameters on two meshes over one communicator. The world,
-    the one-rank group of a size-1 dim torchtitan keeps real, and ``dp_shard`` under HSDP with CP (no field holds
-    it) are pgregistry's communicators of those rank sets (created with ``backend`` / ``timeout`` when it has
-    none). Dims torchtitan leaves to the ``fake`` backend get fake groups. ``spmd_backend`` is torchtitan's
-    (``SPMD_BACKENDS``); ``device_type`` defaults to torchtitan's own
-    (``torchtitan.distributed.parallel_dims.device_type``, "cuda" when it finds no accelerator). Collective over
-    the world.
+    Every mesh torchtitan's code asks for (``get_mesh`` / ``get_optional_mesh`` of one or several
+    dims, the dense and sparse meshes, ``loss``, ``batch``, ``get_all_one_dimensional_meshes``,
+    ``spmd_meshes``, ``world_mesh``) is built with ``DeviceMesh.from_group`` from the collection's
+    groups: ``tp``, ``cp``, ``pp``, ``ep``; ``dp`` for ``batch`` / ``dp`` (and ``dp_shard`` without
+    HSDP); ``dp_cp`` for ``loss`` and ``fsdp``; ``expt_dp`` for ``efsdp``; under HSDP
+    (``collection.inter_dist_opt`` set, as :func:`pgregistry.mesh.with_hsdp_groups` sets it)
+    ``inter_dist_opt`` for ``dp_replicate``, ``intra_dp_cp`` / ``intra_expt_dp`` for ``fsdp`` /
+    ``efsdp``. So the meshes hold one communicator per distinct rank set, with one exception: where
+    the expert FSDP ranks are the dense FSDP ranks (EP = TP), ``efsdp`` gets a second communicator
+    over them, created by this call, because FSDP2 cannot shard one block's dense and expert
+    parameters on two meshes over one communicator. The world, the one-rank group of a size-1 dim
+    torchtitan keeps real, and ``dp_shard`` under HSDP with CP (no field holds it) are pgregistry's
+    communicators of those rank sets. Dims torchtitan leaves to the ``fake`` backend get fake
+    groups. Collective over the world.
 
-    Raises ``ValueError`` on every rank, naming the culprit, for options that differ across ranks (``spmd_backend``,
-    ``device_type``, ``backend``, ``timeout``, the layout: naming each and which ranks asked for what, before any
-    group or mesh is made), a layout torchtitan cannot express (expert TP
-    other than 1 under EP, GTP remat, EP not dividing ``dp_shard x cp x tp``, an order giving other rank sets), a
-    layout over part of the world, and a collection field that is missing or holds other ranks than torchtitan's; and
-    a collection without a layout (assembled by hand).
+    Args:
+        collection: a collection built by :func:`pgregistry.registry.build` over the whole world.
+        spmd_backend: torchtitan's SPMD backend (``SPMD_BACKENDS``).
+        device_type: the meshes' device type (default: torchtitan's own,
+            ``torchtitan.distributed.parallel_dims.device_type``, "cuda" when it finds no
+            accelerator).
+        backend: the backend of the groups pgregistry does not have yet (default: the world's).
+        timeout: their timeout, a ``timedelta`` or seconds (default: the world's).
+
+    Returns:
+        torchtitan's ``ParallelDims``, its meshes built.
+
+    Raises:
+        ValueError: on every rank, naming the culprit, before any group or mesh is made: options
+            that differ across ranks (``spmd_backend``, ``device_type``, ``backend``, ``timeout``,
+            the layout: each named, with which ranks asked for what); a layout torchtitan cannot
+            express (expert TP other than 1 under EP, GTP remat, EP not dividing ``dp_shard x cp x
+            tp``, an order giving other rank sets); a layout over part of the world; a collection
+            field missing or holding other ranks than torchtitan's; a collection without a layout
+            (assembled by hand).
+
+    Example::
+
+        parallel_dims = to_parallel_dims(build(ParallelLayout(num_ranks=8, tp=2, ep=4)))
+        model = parallelize_qwen3(model, parallel_dims, job_config)
     """
     from torchtitan.distributed import parallel_dims as titan_parallel_dims
 
@@ -531,21 +549,36 @@ _NOT_BUILT: Final[dict[str, None]] = {"hcp": None, "dp_cp_ag": None, "expt_dp_ag
 
 
 def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
-    """A collection holding torchtitan's communicators, on the layout ``parallel_dims`` describes (its ``layout``).
+    """A collection holding torchtitan's communicators, on the layout ``parallel_dims`` describes.
 
-    ``parallel_dims.build_mesh()`` must have run. Each collection field whose ranks torchtitan holds a real
-    communicator for (its one-dimensional meshes and the world) gets that communicator, the first of torchtitan's
-    redundant ones in a fixed dim order; a field of one rank is ``None`` (axis off); a field no torchtitan mesh
-    holds (``mp`` = TP x PP when both are on, say) stays UNSET. Under HSDP (``dp_replicate`` > 1) ``inter_dist_opt``
-    is ``dp_replicate`` and ``intra_dp_cp`` / ``intra_expt_dp`` are ``fsdp`` / ``efsdp``. pgregistry adopts every
-    torchtitan communicator (:func:`pgregistry.registry.adopt`), so a later ``pgregistry.build(collection.layout)``
-    reuses them and creates only the rank sets torchtitan lacks. Creates no group (so the collection has no
-    one-rank group). Collective over the world.
+    Each collection field whose ranks torchtitan holds a real communicator for (its one-dimensional
+    meshes and the world) gets that communicator, the first of torchtitan's redundant ones in a
+    fixed dim order; a field of one rank is ``None`` (axis off); a field no torchtitan mesh holds
+    (``mp`` = TP x PP when both are on, say) stays UNSET. Under HSDP (``dp_replicate`` > 1)
+    ``inter_dist_opt`` is ``dp_replicate`` and ``intra_dp_cp`` / ``intra_expt_dp`` are ``fsdp`` /
+    ``efsdp``. pgregistry adopts every torchtitan communicator (:func:`pgregistry.registry.adopt`),
+    so a later ``pgregistry.build(collection.layout)`` reuses them and creates only the rank sets
+    torchtitan lacks. Creates no group (so the collection has no one-rank group). Collective over
+    the world.
 
-    Raises ``ValueError`` on every rank when the meshes are not built, the world size disagrees, ranks hold
-    ``ParallelDims`` of different degrees or SPMD backends (naming them and who holds which), or a torchtitan mesh
-    holds other ranks than the layout's group (naming the dim and both rank lists); ``TypeError`` (the other ranks:
-    ``ValueError`` naming it) for something that is not a ``ParallelDims``.
+    Args:
+        parallel_dims: torchtitan's ``ParallelDims``, after ``parallel_dims.build_mesh()``.
+
+    Returns:
+        A :class:`ProcessGroupCollection` whose ``layout`` is the one ``parallel_dims`` describes.
+
+    Raises:
+        TypeError: ``parallel_dims`` is not a ``ParallelDims`` (the other ranks raise ``ValueError``
+            naming it).
+        ValueError: on every rank: the meshes not built; the world size disagreeing; ranks holding
+            ``ParallelDims`` of different degrees or SPMD backends (naming them and who holds
+            which); a torchtitan mesh holding other ranks than the layout's group (naming the dim
+            and both rank lists).
+
+    Example::
+
+        parallel_dims.build_mesh()
+        pg = from_parallel_dims(parallel_dims)
     """
     import torch.distributed as dist
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -645,16 +678,30 @@ def _fields_from(layout: ParallelLayout, sizes: _Sizes, titan: Mapping[str, Proc
 
 
 def mark_torchtitan_experts(model: nn.Module) -> int:
-    """Mark every torchtitan routed-expert module in ``model``; return how many were marked.
+    """Mark every torchtitan routed-expert module in ``model``.
 
-    Each ``GroupedExperts`` (and subclass) module with :func:`pgregistry.params.mark_expert_module`,
-    and each of its parameters with :func:`pgregistry.params.mark_expert`.
-
-    Every parameter of a ``GroupedExperts`` is stacked over its experts (``w1_EFD``, ``w2_EDF``, ``w3_EFD``; GPT-OSS's
-    biases too), so under EP each rank holds different experts. Grad statistics then count each expert once
-    whatever mesh its grad lies on, and refuse a parameter of the module that lost its classification, where
-    torchtitan's ``_clip_grad_norm_with_ep`` classifies by whether the parameter's mesh has a dim named "ep".
+    Each ``GroupedExperts`` (and subclass) module is marked with
+    :func:`pgregistry.params.mark_expert_module`, and each of its parameters with
+    :func:`pgregistry.params.mark_expert`. Every parameter of a ``GroupedExperts`` is stacked over
+    its experts (``w1_EFD``, ``w2_EDF``, ``w3_EFD``; GPT-OSS's biases too), so under EP each rank
+    holds different experts. Grad statistics then count each expert once whatever mesh its grad lies
+    on, and refuse a parameter of the module that lost its classification, where torchtitan's
+    ``_clip_grad_norm_with_ep`` classifies by whether the parameter's mesh has a dim named "ep".
     Shared experts and the router are dense and are not marked.
+
+    Args:
+        model: the model (an ``nn.Module``).
+
+    Returns:
+        How many expert modules were marked.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (mark one parameter with
+            :func:`pgregistry.params.mark_expert`).
+
+    Example::
+
+        assert mark_torchtitan_experts(model) > 0
     """
     import torch
 
@@ -684,9 +731,16 @@ def communicator_ranks() -> list[tuple[int, ...]]:
     """The ranks of every real communicator this process holds, one entry per communicator, sorted.
 
     From torch's process-group registry: the default group included, the ``fake`` backend's groups
-    excluded.
+    excluded. Two entries with the same ranks are two communicators over one rank set: what
+    :func:`to_parallel_dims` avoids.
 
-    Two entries with the same ranks are two communicators over one rank set: what :func:`to_parallel_dims` avoids.
+    Returns:
+        One tuple of global ranks per communicator, sorted.
+
+    Example::
+
+        ranks = communicator_ranks()
+        assert len(ranks) == len(set(ranks)), "two communicators over one rank set"
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world

@@ -35,20 +35,35 @@ def save_checkpoint(
     *,
     naming: Mapping[str, NamingOptions] | None = None,
 ) -> Path:
-    """Save every module of the job, each into ``directory/<module name>``; return ``directory``.
+    """Save every module of the job, each into ``directory/<module name>``.
 
-    See the module docstring.
+    See the module docstring. Collective over the world, and over each module's span. A module's
+    save that fails (its directory holds a checkpoint already, a disk is full) raises on every rank
+    once every module has been tried, naming the module; the other modules' checkpoints are
+    complete.
 
-    ``models`` maps each module this rank runs to its model or model chunks, exactly those; ``optimizer`` is the
-    job's :class:`MultiModuleOptimizer` (its state is saved by global name beside each module's parameters);
-    ``naming`` gives a module's naming keywords (``num_experts``, ``layer_offsets``: those of
-    :func:`pgregistry.checkpoint.save_rank_files` but ``pg_collection``, which is the module's).
+    Args:
+        directory: the job's checkpoint directory.
+        models: each module this rank runs -> its model or model chunks; exactly those.
+        modules: the job's :class:`MultiModuleCollection`.
+        optimizer: the job's :class:`MultiModuleOptimizer`; its state is saved by global name beside
+            each module's parameters.
+        naming: module name -> its naming keywords (``num_experts``, ``layer_offsets``: those of
+            :func:`pgregistry.checkpoint.save_rank_files` but ``pg_collection``, which is the
+            module's).
 
-    Collective over the world, and over each module's span. Bad input (a model for a module this rank does not
-    run or none for one it runs, an optimizer over other modules, a module name that is no directory name,
-    ``naming`` for no module or with other keywords) raises ``ValueError`` on every rank before anything is
-    written. A module's save that fails (its directory holds a checkpoint already, a disk is full) raises on every
-    rank once every module has been tried, naming the module; the other modules' checkpoints are complete.
+    Returns:
+        ``directory``.
+
+    Raises:
+        ValueError: on every rank, before anything is written: a model for a module this rank does
+            not run or none for one it runs, an optimizer over other modules, a module name that is
+            no directory name, ``naming`` for no module or with other keywords; after every module
+            was tried, a module's failed save (named).
+
+    Example::
+
+        save_checkpoint("ckpt/step-100", models_here, modules, optimizer)
     """
     directory = Path(directory)
     owner = "pgregistry.modules.save_checkpoint"
@@ -78,12 +93,26 @@ def load_checkpoint(
 ) -> None:
     """Load every module of the job from :func:`save_checkpoint`'s ``directory/<module name>``.
 
-    Arguments as :func:`save_checkpoint`; ``strict`` as :func:`pgregistry.checkpoint.load_rank_files` (given an
-    optimizer, a checkpoint saved without one is refused). Collective over the world and each module's span. A
-    module's checkpoint of another module (a renamed directory) or of other ranks is refused, as are missing,
-    damaged or misfit tensors: every module is checked first, and a failure raises on every rank once every module
-    has been tried, naming the module, before anything of any module is copied (the job is loaded whole or not at
-    all).
+    Collective over the world and each module's span. Every module is checked first, and nothing of
+    any module is copied before all pass: the job is loaded whole or not at all.
+
+    Args:
+        directory: the directory :func:`save_checkpoint` wrote.
+        models: each module this rank runs -> its model or model chunks; exactly those.
+        modules: the job's :class:`MultiModuleCollection`.
+        optimizer: the job's :class:`MultiModuleOptimizer`, whose state is loaded too.
+        naming: as for :func:`save_checkpoint`.
+        strict: as :func:`pgregistry.checkpoint.load_rank_files` (given an optimizer, a checkpoint
+            saved without one is refused).
+
+    Raises:
+        ValueError: on every rank, bad input as for :func:`save_checkpoint`; once every module has
+            been tried, naming the module: a module's checkpoint of another module (a renamed
+            directory) or of other ranks, missing, damaged or misfit tensors.
+
+    Example::
+
+        load_checkpoint("ckpt/step-100", models_here, modules, optimizer)
     """
     directory = Path(directory)
     owner = "pgregistry.modules.load_checkpoint"

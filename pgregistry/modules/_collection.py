@@ -108,16 +108,42 @@ def build_modules(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
 ) -> MultiModuleCollection:
-    """Build every module's layout (each under its module name) and return their :class:`MultiModuleCollection`.
+    """Build every module's layout under its name into one :class:`MultiModuleCollection`.
 
-    Collective over the world: every rank calls it with the same arguments, a rank outside a module included. The
-    ranks first agree on the whole request (module names, layouts, ``language_model``, ``disjoint``, options), so
-    that a rank that declares another span raises on every rank instead of leaving the others in a collective;
-    modules declared disjoint whose spans overlap raise on every rank before any group is created. ``layouts``
-    must be a mapping (``TypeError`` on every rank otherwise, saying so: a list of ``(name, layout)`` pairs is
-    refused rather than read as one, as ``dict(pairs)`` would silently keep the last of two equal names);
-    ``backend`` and ``timeout`` are :func:`pgregistry.build`'s, checked alike, and ``timeout`` bounds the
-    agreement too (a rank that never calls it is named within that time).
+    Collective over the world: every rank calls it with the same arguments, a rank outside a module
+    included. The ranks first agree on the whole request (module names, layouts, ``language_model``,
+    ``disjoint``, options), so that a rank that declares another span raises on every rank instead
+    of leaving the others in a collective; ``timeout`` bounds that agreement too (a rank that never
+    calls it is named within that time).
+
+    Args:
+        layouts: module name -> its layout (a span of the world each). A mapping: a list of ``(name,
+            layout)`` pairs is refused rather than read as one, as ``dict(pairs)`` would silently
+            keep the last of two equal names.
+        language_model: the module that is the language model (Megatron-Core's MIMO), or ``None``.
+        disjoint: the modules' spans must not overlap.
+        backend: :func:`pgregistry.build`'s, checked alike.
+        timeout: :func:`pgregistry.build`'s, checked alike.
+
+    Returns:
+        The job's :class:`MultiModuleCollection`: every module's collection on every rank (one that
+        refuses every use outside the module's span).
+
+    Raises:
+        TypeError: on every rank, ``layouts`` not a mapping, or a module's layout not a
+            :class:`~pgregistry.layout.ParallelLayout`.
+        ValueError: on every rank: no module; ``language_model`` naming none of them; a bad module
+            name; ranks that asked for different modules, layouts or options (each named); modules
+            declared disjoint whose spans overlap (before any group is created); a bad ``backend``
+            or ``timeout``.
+
+    Example::
+
+        modules = build_modules(
+            {"encoder": ParallelLayout(num_ranks=2, tp=2),
+             "llm": ParallelLayout(num_ranks=6, tp=2, rank_offset=2)},
+            language_model="llm", disjoint=True,
+        )
     """
     from pgregistry import registry
     from pgregistry._runtime.agreement import check_agreement, combine_faults, require_distributed

@@ -259,17 +259,34 @@ def build_optimizer(
     """The :class:`MultiModuleOptimizer` of a job.
 
     That is :func:`pgregistry.optim.build_optimizer` of each module this rank runs, on the module's
-    collection, with ``options`` (its keywords: ``optimizer``, ``lr``, ``sharded``, ...) updated by
-    ``per_module[name]`` for that module (a ``param_name_fn`` of its model, another ``lr``).
+    collection. Collective over the world (every rank calls it, a rank that runs no module included)
+    and over each module's groups; every rank passes the same options (plain values compared, code
+    by its type). Bad input raises on every rank, naming the rank and module, before any module's
+    optimizer is built.
 
-    ``models`` maps each module this rank runs to its model or model chunks, exactly those. Collective over the
-    world (every rank calls it, a rank that runs no module included) and over each module's groups; every rank
-    passes the same options (plain values compared, code by its type). Bad input raises on every rank, naming
-    the rank and module, before any module's optimizer is built: ``ValueError`` for a model for a module this rank
-    does not run, none for one it runs, a model the module's optimizer refuses, ``per_module`` naming no module of
-    the job, an option out of range (``lr=-1``); ``TypeError`` for an option of the wrong type (``lr='x'``) or none
-    of :func:`pgregistry.optim.build_optimizer`'s, naming the module (for ``per_module``) and the option. A module
-    whose optimizer fails to build all the same raises on every rank of the job, after the builds.
+    Args:
+        models: each module this rank runs -> its model or model chunks; exactly those.
+        modules: the job's :class:`MultiModuleCollection`.
+        per_module: module name -> options that update ``options`` for that module (a
+            ``param_name_fn`` of its model, another ``lr``).
+        **options: :func:`pgregistry.optim.build_optimizer`'s keywords (``optimizer``, ``lr``,
+            ``sharded``, ...), for every module.
+
+    Returns:
+        The job's optimizer: each module's stepped as one, with a job-wide clip and skip verdict.
+
+    Raises:
+        TypeError: ``modules`` not a :class:`MultiModuleCollection`; on every rank, an option of the
+            wrong type (``lr='x'``) or none of :func:`pgregistry.optim.build_optimizer`'s, naming
+            the module (for ``per_module``) and the option.
+        ValueError: on every rank: a model for a module this rank does not run, none for one it
+            runs, a model the module's optimizer refuses, ``per_module`` naming no module of the
+            job, an option out of range (``lr=-1``); a module whose optimizer fails to build all the
+            same, after the builds.
+
+    Example::
+
+        optimizer = build_optimizer(models_here, modules, lr=1e-4, per_module={"llm": {"lr": 3e-4}})
     """
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(f"build_optimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")

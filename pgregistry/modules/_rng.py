@@ -40,19 +40,37 @@ def module_seed(seed: int, name: str) -> int:
 def seed_modules(
     seed: int, modules: MultiModuleCollection, *, data_parallel_random_init: bool = False
 ) -> dict[str, RNGStatesTracker]:
-    """Module name -> its RNG tracker, for each module this rank runs, seeded from the job's ``seed``.
+    """Module name -> its RNG tracker, for each module this rank runs, seeded from ``seed``.
 
-    Each module's tracker holds Megatron-Core's streams (``data-parallel-rng``, ``model-parallel-rng``,
-    ``expert-parallel-rng``, ...) for this rank, computed by :func:`pgregistry.rng.model_parallel_manual_seed`
-    on the module's collection from :func:`module_seed` ``(seed, name)``: the seeds are those
-    :func:`pgregistry.rng.seed_plan` lists for the module's layout and that seed. Draw a module's numbers inside its
-    tracker's ``fork(...)``. The default generators (outside any fork) are left seeded with the data-parallel
-    stream of the first module this rank runs, in declaration order, as a single-model job leaves them (they are
-    left as they were on a rank that runs no module).
+    Each module's tracker holds Megatron-Core's streams (``data-parallel-rng``,
+    ``model-parallel-rng``, ``expert-parallel-rng``, ...) for this rank, computed by
+    :func:`pgregistry.rng.model_parallel_manual_seed` on the module's collection from
+    :func:`module_seed` ``(seed, name)``: the seeds are those :func:`pgregistry.rng.seed_plan` lists
+    for the module's layout and that seed. The default generators (outside any fork) are left seeded
+    with the data-parallel stream of the first module this rank runs, in declaration order, as a
+    single-model job leaves them (they are left as they were on a rank that runs no module). Local:
+    no collective.
 
-    Local: no collective, and every rank computes every module's seeds from the same arguments, so the check that
-    no seed of one module (on any rank of its span, in any stream) is a seed of another module raises
-    ``ValueError`` on every rank alike, naming both modules; it would take a collision of 48-bit hashes.
+    Args:
+        seed: the job's seed.
+        modules: the job's :class:`MultiModuleCollection`.
+        data_parallel_random_init: as for :func:`pgregistry.rng.model_parallel_manual_seed`.
+
+    Returns:
+        Module name -> its :class:`~pgregistry.rng.RNGStatesTracker`; draw a module's numbers inside
+        its tracker's ``fork(...)``.
+
+    Raises:
+        TypeError: ``modules`` not a :class:`MultiModuleCollection`.
+        ValueError: on every rank alike (every rank computes every module's seeds), a seed of one
+            module (on any rank of its span, in any stream) that is a seed of another module, naming
+            both (it would take a collision of 48-bit hashes).
+
+    Example::
+
+        trackers = seed_modules(1234, modules)
+        with trackers["encoder"].fork():
+            encoder_dropout(x)
     """
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(f"seed_modules takes the job's MultiModuleCollection, got {type(modules).__name__}")

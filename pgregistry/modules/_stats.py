@@ -62,18 +62,31 @@ def grad_norm(
 ) -> torch.Tensor:
     """The ``norm_type``-norm of every grad of every module of the job, each grad counted once.
 
-    ``models`` maps the name of each module this rank runs (:meth:`MultiModuleCollection.here`) to its model,
-    model chunks or parameters, exactly those; ``modules`` is the job's :class:`MultiModuleCollection`. Each
-    module's norm is :func:`pgregistry.grad_stats.grad_norm` on its collection, over its span; the modules are
-    combined by one all-reduce over the world (see the module docstring). A NaN or infinite grad in any module
-    makes the job-wide norm NaN or infinite on every rank (NaN wins).
+    Each module's norm is :func:`pgregistry.grad_stats.grad_norm` on its collection, over its span;
+    the modules are combined by one all-reduce over the world (see the module docstring). Collective
+    over the world: every rank calls it, with the same ``modules`` and ``norm_type``, a rank that
+    runs no module included.
 
-    Collective over the world: every rank calls it, with the same ``modules`` and ``norm_type``, a rank that runs
-    no module included. ``ValueError`` on every rank, naming each culprit rank and module, when the ranks list
-    other modules or spans, or a rank was given a model for a module it does not run, none for one it runs, or a
-    model the module's statistics refuse (an unclassified expert parameter, another collection attached).
-    Returns a 0-dim tensor on the device the world's backend reduces on: float64 when a module's grads are float64,
-    else float32, on every rank.
+    Args:
+        models: the name of each module this rank runs (:meth:`MultiModuleCollection.here`) -> its
+            model, model chunks or parameters; exactly those.
+        modules: the job's :class:`MultiModuleCollection`.
+        norm_type: a positive number, or ``inf`` for the max-norm.
+
+    Returns:
+        A 0-dim tensor on the device the world's backend reduces on, float64 when a module's grads
+        are float64, else float32, on every rank. A NaN or infinite grad in any module makes it NaN
+        or infinite on every rank (NaN wins).
+
+    Raises:
+        ValueError: on every rank, naming each culprit rank and module: ranks listing other modules
+            or spans; a model for a module this rank does not run, none for one it runs, or a model
+            the module's statistics refuse (an unclassified expert parameter, another collection
+            attached).
+
+    Example::
+
+        norm = grad_norm({name: models[name] for name in modules.here()}, modules)
     """
     owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
     given = _agree_on_models(models, modules, owner, options, extra_error=norm_type_error(norm_type))
@@ -87,8 +100,22 @@ def grad_norm(
 def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection) -> int:
     """The number of zero grad elements over every module of the job, each element counted once.
 
-    Arguments, collectives and errors as :func:`grad_norm`; each module's count is
-    :func:`pgregistry.grad_stats.count_zeros` on its collection.
+    Each module's count is :func:`pgregistry.grad_stats.count_zeros` on its collection; collective
+    as :func:`grad_norm`.
+
+    Args:
+        models: the name of each module this rank runs -> its model, model chunks or parameters.
+        modules: the job's :class:`MultiModuleCollection`.
+
+    Returns:
+        The count, the same on every rank.
+
+    Raises:
+        ValueError: as :func:`grad_norm`.
+
+    Example::
+
+        zeros = count_zeros(models_here, modules)
     """
     owner = "pgregistry.modules.count_zeros"
     given = _agree_on_models(models, modules, owner, {})
@@ -106,13 +133,31 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Clip the grads of every module in place to a job-wide norm of ``max_norm``; return the norm before clipping.
+    """Clip the grads of every module in place to a job-wide norm of ``max_norm``.
 
-    The norm is :func:`grad_norm`'s; each rank scales the grads of the modules it runs by
-    ``max_norm / (norm + 1e-6)`` where that is below 1 (:func:`pgregistry.grad_stats.clip_grads_`), duplicates
-    included, so replicas stay identical. A NaN or infinite norm scales nothing (skip the step), or with
-    ``error_if_nonfinite`` raises ``RuntimeError`` on every rank. Arguments, collectives and errors as
-    :func:`grad_norm`; a ``max_norm`` that is not a positive finite number raises ``ValueError`` on every rank.
+    The norm is :func:`grad_norm`'s; each rank scales the grads of the modules it runs by ``max_norm
+    / (norm + 1e-6)`` where that is below 1 (:func:`pgregistry.grad_stats.clip_grads_`), duplicates
+    included, so replicas stay identical. A NaN or infinite norm scales nothing (skip the step).
+    Collective as :func:`grad_norm`.
+
+    Args:
+        models: the name of each module this rank runs -> its model, model chunks or parameters.
+        max_norm: the job-wide norm to clip to: positive and finite.
+        modules: the job's :class:`MultiModuleCollection`.
+        norm_type: a positive number, or ``inf`` for the max-norm.
+        error_if_nonfinite: raise on a non-finite norm instead of skipping the clip.
+
+    Returns:
+        The job-wide norm before clipping.
+
+    Raises:
+        ValueError: on every rank, as :func:`grad_norm`, or a ``max_norm`` that is not a positive
+            finite number.
+        RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
+
+    Example::
+
+        norm = clip_grad_norm_(models_here, 1.0, modules)
     """
     options = {
         "max_norm": repr(max_norm), "norm_type": repr(norm_type), "error_if_nonfinite": repr(error_if_nonfinite)

@@ -45,9 +45,30 @@ def inner_factory(
     eps: float = 1e-8,
     momentum: float = 0.0,
 ) -> InnerFactory:
-    """The torch.optim update rule named ``optimizer``, as a factory over the tensors to step: an
-    :class:`~pgregistry.optim._flat_step.ElementwiseRule`, so the optimizers step their flat main buffer as one
-    tensor (fused on CUDA)."""
+    """The torch.optim update rule named ``optimizer``, as a factory over the tensors to step.
+
+    The factory is an :class:`~pgregistry.optim._flat_step.ElementwiseRule`, so the optimizers step
+    their flat main buffer as one tensor (fused on CUDA).
+
+    Args:
+        optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
+        lr: the learning rate.
+        weight_decay: the weight decay.
+        betas: Adam's and AdamW's betas.
+        eps: Adam's and AdamW's epsilon.
+        momentum: SGD's momentum.
+
+    Returns:
+        The factory, for the ``inner`` argument of the optimizers.
+
+    Raises:
+        ValueError: an unknown ``optimizer`` name.
+
+    Example::
+
+        inner = inner_factory("adamw", lr=3e-4, weight_decay=0.1)
+        optimizer = MixedPrecisionOptimizer(params, groups, inner=inner)
+    """
     if optimizer == "adam":
         return ElementwiseRule(torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
     if optimizer == "adamw":
@@ -72,24 +93,52 @@ def build_optimizer(
     bucket_numel: int | None = None,
     param_name_fn: ParamNameFn | None = None,
 ) -> ChainedOptimizer:
-    """A :class:`~pgregistry.optim.ChainedOptimizer` over the trainable parameters of ``model`` (or model chunks).
+    """A :class:`~pgregistry.optim.ChainedOptimizer` over the trainable parameters of ``model``.
 
-    ``pg_collection`` defaults to the collection attached to the model (:func:`pgregistry.registry.attach`; looked
-    up through ``.module`` wrappers, the same on every chunk), then to the global grid with a fallback warning
-    (:func:`pgregistry.resolver.resolve_collection`). Dense parameters go to one child (grads reduced over ``dp_cp``,
-    statistics over ``mp``), routed experts (``allreduce=False``) to another (``expt_dp``,
-    ``tp_ep_pp_with_egtp_remat``); a sharded build shards each child over its data-parallel group and reduces
-    statistics over ``intra_dist_opt``. A child exists when any rank of its statistics group has parameters of its
+    Dense parameters go to one child (grads reduced over ``dp_cp``, statistics over ``mp``), routed
+    experts (``allreduce=False``) to another (``expt_dp``, ``tp_ep_pp_with_egtp_remat``); a sharded
+    build shards each child over its data-parallel group and reduces statistics over
+    ``intra_dist_opt``. A child exists when any rank of its statistics group has parameters of its
     kind, so every rank issues the same collectives.
 
-    ``optimizer`` names the inner update rule (``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum`` apply) or
-    is a factory over the tensors to step. ``mixed_precision`` keeps float32 main copies and grads;
-    ``param_name_fn`` names parameters in state dicts (default: the model's parameter names).
+    Args:
+        model: the model, or its chunks.
+        pg_collection: the collection (default: the one attached to the model, looked up through
+            ``.module`` wrappers and the same on every chunk, else the global grid with a fallback
+            warning).
+        optimizer: the inner update rule, ``"adam"``, ``"adamw"`` or ``"sgd"``
+            (:func:`inner_factory`, with ``lr``, ``weight_decay``, ``betas``, ``eps``,
+            ``momentum``), or a factory over the tensors to step.
+        lr: the learning rate of a named rule.
+        weight_decay: its weight decay.
+        betas: Adam's and AdamW's betas.
+        eps: Adam's and AdamW's epsilon.
+        momentum: SGD's momentum.
+        mixed_precision: keep float32 main copies and grads (default); ``False`` steps in the
+            parameters' dtype.
+        sharded: a :class:`~pgregistry.optim.ShardedOptimizer` per child (a distributed optimizer)
+            instead of a :class:`~pgregistry.optim.MixedPrecisionOptimizer`.
+        bucket_numel: grads all-reduced in buckets of at most this many elements (default: one
+            bucket; unsharded children only).
+        param_name_fn: names parameters in state dicts and errors (default: the model's parameter
+            names), e.g. :func:`pgregistry.experts.global_param_name_fn`.
 
-    Raises ``ValueError`` for an unclassified expert parameter (naming it), a collection missing a group the
-    optimizer needs (naming it), or a model without trainable parameters; ``TypeError`` on every rank of the
-    statistics group when a rank holds a parameter that is not floating-point (a complex one: the flat buffers hold
-    real grads), naming it on that rank.
+    Returns:
+        The chained optimizer of the one or two children.
+
+    Raises:
+        TypeError: ``model`` not a model or model chunks; on every rank of the statistics group, a
+            rank holding a parameter that is not floating-point (a complex one: the flat buffers
+            hold real grads), named on that rank.
+        ValueError: an unclassified expert parameter (named); a collection missing a group the
+            optimizer needs (named); a sharded build whose ``intra_dist_opt`` does not hold the
+            statistics groups; a model without trainable parameters; an unknown ``optimizer`` name.
+
+    Example::
+
+        optimizer = build_optimizer(model, pg, optimizer="adamw", lr=3e-4, weight_decay=0.1)
+        clip_grad_norm_(model, 1.0, pg)
+        optimizer.step()
     """
     params = normalise_params(model)
     if not params.chunks:

@@ -26,7 +26,23 @@ __all__ = ["ChainedOptimizer"]
 
 
 class ChainedOptimizer(OptimizerStatistics):
-    """Runs ``children`` (e.g. a dense and an expert optimizer) as one optimizer; see the module docstring."""
+    """Runs ``children`` (e.g. a dense and an expert optimizer) as one optimizer.
+
+    See the module docstring: one step, one set of statistics (the children's shares through one
+    reducer), one state dict.
+
+    Args:
+        children: the child optimizers.
+
+    Raises:
+        ValueError: no child.
+
+    Example::
+
+        dense = MixedPrecisionOptimizer(dense_params, groups, inner=inner)
+        experts = MixedPrecisionOptimizer(expert_params, groups, inner=inner, expert=True)
+        optimizer = ChainedOptimizer([dense, experts])
+    """
 
     def __init__(self, children: Sequence[FlatOptimizer]) -> None:
         if not children:

@@ -133,7 +133,20 @@ def param_state_faults(
 
 
 def as_param_state_optimizer(optimizer: torch.optim.Optimizer | ParamStateOptimizer) -> ParamStateOptimizer:
-    """``optimizer`` as a :class:`ParamStateOptimizer`; ``TypeError`` naming its type when it is neither."""
+    """``optimizer`` as a :class:`ParamStateOptimizer`.
+
+    A torch.optim optimizer is wrapped; one with ``param_state()`` and ``load_param_state()``
+    (pgregistry's) is returned as it is.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` or a :class:`ParamStateOptimizer`.
+
+    Returns:
+        The optimizer, as the one interface the checkpoints read and write.
+
+    Raises:
+        TypeError: ``optimizer`` is neither (its type named).
+    """
     if isinstance(optimizer, ParamStateOptimizer):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):

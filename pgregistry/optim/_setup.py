@@ -70,10 +70,29 @@ def setup_process_groups_for_optimizer(
     *,
     use_distributed_optimizer: bool = False,
 ) -> OptimizerProcessGroups:
-    """Validate and return the groups an optimizer over ``model_chunks`` needs from ``pg_collection``.
+    """The groups an optimizer over ``model_chunks`` needs from ``pg_collection``, validated.
 
-    ``pg_collection`` defaults to the collection attached to ``model_chunks``, else the global grid with a
-    warning; then :func:`optimizer_process_groups`.
+    The checks are Megatron-Core's, in its order (:func:`optimizer_process_groups`).
+
+    Args:
+        pg_collection: the collection (default: the one attached to ``model_chunks``, else the
+            global grid with a fallback warning).
+        model_chunks: the model, or its chunks (their ``config.context_parallel_size`` may tell that
+            context parallelism is off).
+        use_distributed_optimizer: require ``intra_dist_opt`` too.
+
+    Returns:
+        The :class:`OptimizerProcessGroups`.
+
+    Raises:
+        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        ValueError: a group the optimizer needs unset (named); a collection that disagrees with the
+            model's attached one, that this rank is not a member of, or that was destroyed.
+
+    Example::
+
+        groups = setup_process_groups_for_optimizer(pg, model, use_distributed_optimizer=True)
+        optimizer = ShardedOptimizer(params, groups, inner=inner_factory("adam", lr=1e-3))
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     params = normalise_params(chunks) if chunks else None

@@ -66,10 +66,28 @@ class _Piece:
 class ShardedOptimizer(FlatOptimizer):
     """Steps this rank's shard of ``params`` with ``inner``; see the module docstring.
 
-    Args are those of :class:`~pgregistry.optim.MixedPrecisionOptimizer`, less ``bucket_numel``; ``main_dtype``
-    is the dtype of the shard's main copies and of the grads (``None``: the parameters' dtype). Parameters must
-    share one dtype (they are gathered through one buffer). ``param_name_fn`` keys the state dict, so a caller
-    can key it by global, expert-aware names.
+    Parameters must share one dtype (they are gathered through one buffer).
+
+    Args:
+        params: the model parameters, all dense or all routed experts (``expert``).
+        process_groups: the groups it runs on (``intra_dist_opt`` set), as for
+            :class:`~pgregistry.optim.MixedPrecisionOptimizer`.
+        inner: the update rule over the shard's main copies, as for
+            :class:`~pgregistry.optim.MixedPrecisionOptimizer`.
+        expert: whether ``params`` are routed-expert parameters.
+        main_dtype: the dtype of the shard's main copies and of the grads (``None``: the parameters'
+            dtype).
+        param_name_fn: keys the state dict, so a caller can key it by global, expert-aware names.
+
+    Raises:
+        ValueError: ``inter_dist_opt`` spanning several distributed-optimizer instances (one is
+            supported); ``intra_dist_opt`` unset; parameters of several dtypes (give each dtype its
+            own optimizer).
+
+    Example::
+
+        groups = setup_process_groups_for_optimizer(pg, model, use_distributed_optimizer=True)
+        optimizer = ShardedOptimizer(params, groups, inner=inner_factory("adam", lr=1e-3))
     """
 
     def __init__(

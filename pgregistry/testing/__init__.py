@@ -67,8 +67,11 @@ _STACK_DUMP_SIGNAL = signal.SIGUSR1
 class RankFailure(RuntimeError):
     """A rank failed: it raised, or its process died without reporting.
 
-    The original exception is chained as ``__cause__`` when it could be rebuilt here. ``detail``
-    holds the child's formatted traceback or how it died.
+    The original exception is chained as ``__cause__`` when it could be rebuilt here.
+
+    Attributes:
+        rank: the rank that failed.
+        detail: the child's formatted traceback, or how it died.
     """
 
     def __init__(self, rank: int, detail: str) -> None:
@@ -80,8 +83,10 @@ class RankFailure(RuntimeError):
 class WorldTimeout(TimeoutError):
     """The world did not finish before the deadline; every rank was killed.
 
-    ``stuck_ranks`` lists the ranks that had not finished; ``stacks`` maps each of them to its Python stack at the
-    deadline (``faulthandler`` format, every thread), or to why none could be taken.
+    Attributes:
+        stuck_ranks: the ranks that had not finished.
+        stacks: each of them -> its Python stack at the deadline (``faulthandler`` format, every
+            thread), or why none could be taken.
     """
 
     def __init__(self, message: str, stuck_ranks: list[int], stacks: dict[int, str]) -> None:
@@ -98,19 +103,39 @@ def run_world(
     timeout: float = 60.0,
     **kwargs: Any,
 ) -> list[T]:
-    """Run ``fn(*args, **kwargs)`` on each rank of a fresh ``world_size`` world; results in rank order.
+    """Run ``fn(*args, **kwargs)`` on each rank of a fresh ``world_size`` world.
 
-    ``timeout`` (seconds) is the hard deadline for ``fn`` on every rank, counted from when the last
-    rank has joined the process group; start-up (forking and joining) may take up to
-    ``_STARTUP_GRACE_S`` (30 s) more, so the world ends at most ``timeout + 30`` seconds after the
-    call. It also bounds torch's own collective timeout.
+    Each rank is a forked process with the default process group initialised (gloo on CPU by
+    default); ``fn`` is inherited, not pickled, and its results come back by pickle.
+
+    Args:
+        world_size: how many ranks.
+        fn: what each rank runs.
+        *args: ``fn``'s positional arguments.
+        backend: the default process group's backend.
+        timeout: the hard deadline (seconds) for ``fn`` on every rank, counted from when the last
+            rank has joined the process group; start-up (forking and joining) may take up to
+            ``_STARTUP_GRACE_S`` (30 s) more, so the world ends at most ``timeout + 30`` seconds
+            after the call. It also bounds torch's own collective timeout.
+        **kwargs: ``fn``'s keyword arguments.
+
+    Returns:
+        ``fn``'s result on each rank, in rank order.
 
     Raises:
+        ValueError: ``world_size`` not positive.
         Exception: the failing rank's own exception, with a :class:`RankFailure` carrying its rank
             and traceback attached as a note and as the exception's cause.
         RankFailure: a rank whose own exception cannot be rebuilt here, or whose process died
             without reporting.
         WorldTimeout: the world did not finish by the deadline; every rank was killed.
+
+    Example::
+
+        def rank_sizes() -> int:
+            return group_size(build(ParallelLayout(num_ranks=4, tp=2)).tp)
+
+        assert run_world(4, rank_sizes) == [2, 2, 2, 2]
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
