@@ -812,8 +812,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate --write checks only the first file for a change on disk at write time: a file edited while "
         "the others were written is overwritten (issue 41, item 10)",
         file="pgregistry/migrate/_writing.py",
-        find="        problem = _unchanged(change)\n        try:",
-        replace="        problem = _unchanged(change) if not renamed else None\n        try:",
+        find="        problem = _why_changed_on_disk(change)\n        try:",
+        replace="        problem = _why_changed_on_disk(change) if not renamed else None\n        try:",
         tests=("tests/migrate/test_migrate_writing.py::"
                "test_a_file_changed_on_disk_while_the_others_are_written_is_not_overwritten_and_none_is_left_written",),
     ),
