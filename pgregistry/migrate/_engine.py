@@ -39,8 +39,8 @@ from pgregistry._source.files import SourceFile
 from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
-from pgregistry.migrate._idioms import Idiom, idiom
-from pgregistry.migrate._megatron_release import ShimGetters, installed_shim_getters
+from pgregistry.migrate._idioms import Idiom, idiom_of_target
+from pgregistry.migrate._megatron_release import ShimGetters, find_installed_shim_getters
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
     BUILDER,
@@ -161,7 +161,7 @@ def migrate(
         raise ValueError(f"--collection-name {name!r} is not a Python identifier")
     if helper.module is not None and not all(part.isidentifier() for part in helper.module.split(".")):
         raise ValueError(f"--helper-module {helper.module!r} is not a dotted module name")
-    idiom(target)  # an unknown one refused before any work
+    idiom_of_target(target)  # an unknown one refused before any work
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -437,14 +437,14 @@ def _migrate(
     root = _root(files)
     helper_module = helper.module or default_module([r.path for r in planned],
                                                     lambda directory: (root / directory / "__init__.py").is_file())
-    idiom_ = idiom(target, helper_module)
+    idiom_ = idiom_of_target(target, helper_module)
     modules = frozenset(".".join(module_name(source.path)) for source in files)
     scoped = {part for r in planned for s in r.sites if s.scope != MODULE_SCOPE for part in s.scope.split(".")}
     facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
                 queue, may_thread, name, idiom_, helper.width, gtp_remat, progress, facts,
-                installed_shim_getters() if helper.shims == "installed" else helper.shims)
+                find_installed_shim_getters() if helper.shims == "installed" else helper.shims)
         for share in shares
     ]
     threaded: Threaded = {}

@@ -186,10 +186,10 @@ def test_without_torch_distributed_a_dissolved_shims_reads_are_the_shims_fields(
     import libcst as cst
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from pgregistry.migrate._megatron_release import installed_shim_getters
+    from pgregistry.migrate._megatron_release import find_installed_shim_getters
     from pgregistry.migrate._shims import Dissolved, dissolve
 
-    getters = installed_shim_getters()
+    getters = find_installed_shim_getters()
     assert getters is not None
     dissolved: dict[str, dict[str, object]] = {}
     for name in getters:
