@@ -611,7 +611,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="migrate-fallback-silent",
         bug="a read pgregistry migrate rewrote falls back to parallel_state without the warning",
         file="pgregistry/migrate/_fallback_helper.py",
-        find="    _warn(field)\n    accessors = parallel_state",
+        find="    _warn_of_fallback(field)\n    accessors = parallel_state",
         replace="    accessors = parallel_state",
         tests=(
             "tests/migrate/test_migrate_world.py::"
