@@ -58,7 +58,7 @@ from pgregistry.migrate._plan import (
 )
 from pgregistry.migrate._progress import SILENT, Progress
 from pgregistry.migrate._rewrite import rewrite
-from pgregistry.migrate._skeleton import needed_by, skeleton
+from pgregistry.migrate._skeleton import build_skeleton, make_needed_check
 from pgregistry.migrate._style import DEFAULT_WIDTH
 from pgregistry.migrate._tree import TreeFacts, learn_tree
 from pgregistry.migrate._upward import Upward, thread_upward
@@ -102,13 +102,13 @@ def _parse(
     ``needed`` stood in for by a placeholder."""
     import libcst as cst
 
-    frame = skeleton(data, syntax, needed)
+    frame = build_skeleton(data, syntax, needed)
     try:
         tree = cst.parse_module(frame.data if frame is not None else data)
     except cst.ParserSyntaxError as error:
         return FileResult(path, failure=ParseFailure(f"libcst cannot parse it: {error.message}", error.raw_line,
                                                      error.raw_column + 1))
-    return _Parsed(tree, frame.decoded(tree.encoding) if frame is not None else {})
+    return _Parsed(tree, frame.decode_kept(tree.encoding) if frame is not None else {})
 
 
 _INTERNAL = "internal error"
@@ -248,7 +248,7 @@ class _Worker:
         try:
             named = collection_mentions(self.name)
             syntax = ast.parse(data)
-            parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
+            parsed = _parse(path, data, syntax, make_needed_check(data, {s.line for s in sites}, calls, named))
             if isinstance(parsed, FileResult):
                 return parsed
             assert isinstance(parsed.tree, cst.Module)

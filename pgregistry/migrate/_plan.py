@@ -44,7 +44,7 @@ from libcst.metadata import (
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._shims import Dissolved, dissolve
-from pgregistry.migrate._skeleton import covers, line_starts, lines, span
+from pgregistry.migrate._skeleton import definition_span, has_line_within, line_starts, lines_between
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [
@@ -207,7 +207,7 @@ class FilePlan:
     def text(self, start: int, end: int) -> bytes:
         """Lines ``start`` to ``end`` (1-based, inclusive) of the file."""
         assert self.data is not None
-        return lines(self.data, self.line_starts, start, end)
+        return lines_between(self.data, self.line_starts, start, end)
 
 
 def _dotted(node: cst.BaseExpression) -> list[str] | None:
@@ -1007,7 +1007,7 @@ def plan_file(
     data = data if data is not None else source.bytes
     spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
     site_lines = sorted({site.line for site in sites})
-    wanted = {i for i, (start, end) in enumerate(spans) if covers(site_lines, start, end)}
+    wanted = {i for i, (start, end) in enumerate(spans) if has_line_within(site_lines, start, end)}
     call_lines = {site.line for site in sites if site.form == CALL}
     locator = _Locator(sites, name)
     locator.wanted = wanted
@@ -1022,7 +1022,7 @@ def plan_file(
             locator.member_spans[i] = member_spans
             locator.members[i] = {
                 m for m, (start, end) in enumerate(member_spans)
-                if covers(site_lines, start, end) or pattern.search(lines(data, starts, start, end))
+                if has_line_within(site_lines, start, end) or pattern.search(lines_between(data, starts, start, end))
             }
             header = [*tree.decorator_list, *tree.bases, *(k.value for k in tree.keywords)]
             locator.order[(i, -1)] = _call_order(header)
@@ -1178,7 +1178,7 @@ def _spans(
         count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
         nodes = tree[position:position + count]
         position += count
-        spans.append((span(nodes[0])[0], span(nodes[-1])[1]))
+        spans.append((definition_span(nodes[0])[0], definition_span(nodes[-1])[1]))
         groups.append(list(nodes))
     return spans, groups
 
@@ -1209,7 +1209,7 @@ def _positions(
     found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
     ordered = sorted(lines)
     for index, (start, end) in enumerate(spans):
-        if covers(ordered, start, end):
+        if has_line_within(ordered, start, end):
             statement = source.body[index]
             alone = cst.Module(body=[statement], default_indent=source.default_indent,
                                default_newline=source.default_newline)
