@@ -43,7 +43,7 @@ from libcst.metadata import (
 
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
-from pgregistry.migrate._shims import Dissolved, dissolve
+from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import definition_span, has_line_within, line_starts, lines_between
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
@@ -1144,7 +1144,7 @@ def _dissolve_shim(read: Read, function: Function, shims: Mapping[str, tuple[str
     if not isinstance(body, cst.IndentedBlock) or read.statement >= len(body.body):
         read.reason = "shim: not in a function's block"
         return
-    found = dissolve(read.call, list(body.body), read.statement, _parameters(function), shims, gtp_remat=gtp_remat)
+    found = dissolve_shim(read.call, list(body.body), read.statement, _parameters(function), shims, gtp_remat=gtp_remat)
     if isinstance(found, str):
         read.reason = found
         return

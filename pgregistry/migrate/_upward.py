@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
 from pgregistry.migrate._plan import reexported
-from pgregistry.migrate._tree import uses
+from pgregistry.migrate._tree import classify_uses
 
 __all__ = ["Upward", "thread_upward"]
 
@@ -283,7 +283,7 @@ def thread_upward(
             # Only now, for the few names left (a search for thousands would cost more than the rest): a function
             # passed as a value or registered as a hook has no caller that passes it one.
             if kept:
-                _, values, hooks = uses(contents, {definitions[key].name for key in kept})
+                _, values, hooks = classify_uses(contents, {definitions[key].name for key in kept})
                 kept = {key for key in kept if definitions[key].name not in (values | hooks)}
             checked = True
         if kept == chosen:
