@@ -79,7 +79,7 @@ class Migration:
     threaded: list[str] = field(default_factory=list)
 
 
-def _read(source: SourceFile) -> tuple[bytes, int] | FileResult:
+def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
     try:
         with open(source.absolute, "rb") as stream:
             return stream.read(), os.fstat(stream.fileno()).st_mtime_ns
@@ -95,7 +95,7 @@ class _Parsed:
     kept: dict[str, str]
 
 
-def _parse(
+def _parse_skeleton(
     path: str, data: bytes, syntax: ast.Module, needed: Callable[[int, int, bool], bool]
 ) -> _Parsed | FileResult:
     """Parse ``data`` (whose :mod:`ast` tree is ``syntax``) with libcst: its skeleton, each definition that is not
@@ -165,7 +165,7 @@ def migrate(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _migrate(files, config, target, name, jobs, gtp_remat, helper, progress)
+        return _run_migration(files, config, target, name, jobs, gtp_remat, helper, progress)
     finally:
         if enabled:
             gc.enable()
@@ -240,7 +240,7 @@ class _Worker:
     def __post_init__(self) -> None:
         self.may_thread = _calls_of(self.may_thread_names)
 
-    def _plan(
+    def _plan_one_file(
         self, path: str, data: bytes, sites: Sequence[Site], calls: re.Pattern[bytes] | None
     ) -> FileResult | FilePlan:
         import libcst as cst
@@ -248,7 +248,7 @@ class _Worker:
         try:
             named = collection_mentions(self.name)
             syntax = ast.parse(data)
-            parsed = _parse(path, data, syntax, make_needed_check(data, {s.line for s in sites}, calls, named))
+            parsed = _parse_skeleton(path, data, syntax, make_needed_check(data, {s.line for s in sites}, calls, named))
             if isinstance(parsed, FileResult):
                 return parsed
             assert isinstance(parsed.tree, cst.Module)
@@ -262,7 +262,7 @@ class _Worker:
     def first(self) -> _Planned:
         failures = []
         for done, (path, data, sites) in enumerate(self.files, 1):
-            planned = self._plan(path, data, sites, self.may_thread)
+            planned = self._plan_one_file(path, data, sites, self.may_thread)
             self.progress("planning the files with reads", done, len(self.files))
             if isinstance(planned, FileResult):
                 failures.append(planned)
@@ -277,7 +277,7 @@ class _Worker:
         for path, data, sites in self.files:  # a definition threaded upward may be a placeholder: planned again
             plan = self.plans.get(path)
             if plan is not None and plan.kept and plan.module in modules:
-                planned = self._plan(path, data, sites, _calls_of(self.may_thread_names | instruction.names()))
+                planned = self._plan_one_file(path, data, sites, _calls_of(self.may_thread_names | instruction.names()))
                 if isinstance(planned, FileResult):
                     done.failures.append(planned)
                 else:
@@ -300,7 +300,7 @@ class _Worker:
         plans = []
         for path, data in files:
             if mention.search(data):  # a file only read for its calls is passed over if libcst balks
-                planned = self._plan(path, data, (), mention)
+                planned = self._plan_one_file(path, data, (), mention)
                 if isinstance(planned, FilePlan):
                     plans.append(planned)
                 elif planned.failure is not None and planned.failure.message.startswith(_INTERNAL):
@@ -329,13 +329,13 @@ class _Worker:
             self.progress("rewriting", rewritten, len(plans))
             done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
             done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
-            result = self._rewrite(plan)
+            result = self._rewrite_and_compile(plan)
             if isinstance(result, FileResult):
                 done.failures.append(result)
             elif result is not None:
                 done.changes.append((plan.path, result))
 
-    def _rewrite(self, plan: FilePlan) -> bytes | FileResult | None:
+    def _rewrite_and_compile(self, plan: FilePlan) -> bytes | FileResult | None:
         """The file's new bytes (None: unchanged), checked to compile."""
         assert plan.data is not None
         data = plan.data
@@ -374,7 +374,7 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
     return frozenset(names)
 
 
-def _root(files: Sequence[SourceFile]) -> Path:
+def _project_root(files: Sequence[SourceFile]) -> Path:
     """The project root the paths of ``files`` are relative to (the current directory when there are none)."""
     if not files:
         return Path.cwd()
@@ -400,13 +400,13 @@ def _helper_change(root: Path, path: str, module: str, helper: Helper, gtp_remat
     return Change(path, absolute, data, mtime, text) if data != text else None
 
 
-def _migrate(
+def _run_migration(
     files: Sequence[SourceFile], config: ScanConfig, target: str, name: str, jobs: int, gtp_remat: bool,
     helper: Helper, progress: Progress,
 ) -> Migration:
     read = []
     for source in files:
-        read.append((source, _read(source)))
+        read.append((source, _read_source_bytes(source)))
         progress("reading the files", len(read), len(files))
     report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
     outcome = Migration(failures=list(report.failures))
@@ -434,7 +434,7 @@ def _migrate(
     chunks = [others[i:i + chunk] for i in range(0, len(others), chunk)] if others else []
     queue = TaskQueue()
     may_thread = _may_thread(planned, contents)
-    root = _root(files)
+    root = _project_root(files)
     helper_module = helper.module or default_module([r.path for r in planned],
                                                     lambda directory: (root / directory / "__init__.py").is_file())
     idiom_ = idiom_of_target(target, helper_module)
@@ -450,7 +450,7 @@ def _migrate(
     threaded: Threaded = {}
     instruction = _Instruction(threaded)
 
-    def between(firsts: list[_Planned]) -> list[_Instruction] | None:
+    def thread_between_phases(firsts: list[_Planned]) -> list[_Instruction] | None:
         nonlocal instruction
         outcome.failures += sorted((f for first in firsts for f in first.failures), key=lambda f: f.path)
         if outcome.failures:
@@ -466,7 +466,7 @@ def _migrate(
         return [instruction] * len(firsts)
 
     try:
-        _, done = two_phases(makers, between, fork=fork)
+        _, done = two_phases(makers, thread_between_phases, fork=fork)
     finally:
         queue.close()
     if done is None:
