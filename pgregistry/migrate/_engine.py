@@ -47,13 +47,13 @@ from pgregistry.migrate._plan import (
     LEFT,
     FilePlan,
     Read,
+    add_reexported_names,
+    collect_threaded_functions,
+    collect_threaded_methods,
     collection_mentions,
-    left_by_site,
-    passes,
+    decide_passes,
     plan_file,
-    reexported,
-    threaded_functions,
-    threaded_methods,
+    reads_left_by_site,
     visit_mentions,
 )
 from pgregistry.migrate._progress import SILENT, Progress
@@ -122,7 +122,7 @@ def _internal_error(path: str, error: BaseException) -> FileResult:
 
 
 def _calls_of(names: AbstractSet[str]) -> re.Pattern[bytes] | None:
-    """A call of one of ``names`` (by its plain name, as :func:`passes` resolves it). The lookahead on their
+    """A call of one of ``names`` (by its plain name, as :func:`decide_passes` resolves it). The lookahead on their
     first letters spares trying every name at every word (three times faster on megatron/core)."""
     if not names:
         return None
@@ -268,7 +268,8 @@ class _Worker:
                 failures.append(planned)
             else:
                 self.plans[path] = planned
-        return _Planned(failures, threaded_functions(self.plans.values()), threaded_methods(self.plans.values()))
+        plans = self.plans.values()
+        return _Planned(failures, collect_threaded_functions(plans), collect_threaded_methods(plans))
 
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
@@ -321,7 +322,7 @@ class _Worker:
                 for function in plan.functions:
                     if function.parent is None and (plan.module, function.qualname) in upward.functions:
                         function.added, function.upward = self.name, True
-            done.passed += passes(plans, self.name, instruction.threaded, upward.methods)
+            done.passed += decide_passes(plans, self.name, instruction.threaded, upward.methods)
         except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
             done.failures += [_internal_error(plan.path, error) for plan in plans]
             return
@@ -418,7 +419,7 @@ def _run_migration(
     left: dict[str, list[Read]] = {}
     planned = []
     for result in report.results:
-        reads = left_by_site(result.sites) if result.sites else None
+        reads = reads_left_by_site(result.sites) if result.sites else None
         if reads is not None:
             left[result.path] = reads
         elif result.sites:
@@ -461,7 +462,7 @@ def _run_migration(
         methods = {key: value for first in firsts for key, value in first.methods.items()}
         upward = thread_upward(contents, {**threaded, **methods}, packages, name)
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
-        threaded.update(reexported(threaded, packages))
+        threaded.update(add_reexported_names(threaded, packages))
         instruction = _Instruction(threaded, upward)
         return [instruction] * len(firsts)
 

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
-from pgregistry.migrate._plan import reexported
+from pgregistry.migrate._plan import add_reexported_names
 from pgregistry.migrate._tree import classify_uses
 
 __all__ = ["Upward", "thread_upward"]
@@ -182,7 +182,7 @@ def _calls_of(names: Iterable[str]) -> re.Pattern[bytes]:
 def _reexport_aliases(keys: Iterable[Key], packages: Mapping[str, bytes]) -> dict[Key, Key]:
     """Each name a package (``packages``: path -> bytes of its ``__init__.py``) re-exports one of the module-level
     functions ``keys`` under -> that function."""
-    found = reexported({key: "\0".join(key) for key in keys}, packages)
+    found = add_reexported_names({key: "\0".join(key) for key in keys}, packages)
     return {alias: (original.split("\0")[0], original.split("\0")[1]) for alias, original in found.items()}
 
 
