@@ -24,7 +24,7 @@ from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry._source.fields import GTP_REMAT_DP
 from pgregistry.collection import check_field_names, group_size
 from pgregistry.fallback import warn_fallback
-from pgregistry.migrate._fallback_helper import reader, value
+from pgregistry.migrate._fallback_helper import reader_and_frame, value_of_kind
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -35,17 +35,17 @@ __all__ = ["pg_group", "pg_rank", "pg_read", "pg_size", "resolve_collection", "r
 
 
 def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
-    owner, _ = reader(3)  # the function that called pg_*
+    owner, _ = reader_and_frame(3)  # the function that called pg_*
     if field != GTP_REMAT_DP:
         names = cast(Any, check_field_names([field]))  # ValueError naming an unknown field
-        return value(getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field), kind)
+        return value_of_kind(getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field), kind)
     resolved = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
     if group_size(cast("ProcessGroup | None", resolved.gtp_remat)) != 1:  # resolved: set
         raise ValueError(
             f"{owner} reads the data-parallel group with GTP remat and without CP, which no field of pgregistry's "
             "collection holds (its gtp_remat spans several ranks); read dp (with_gtp_remat=False) or dp_cp_gtp_remat"
         )
-    return value(resolved.dp, kind)
+    return value_of_kind(resolved.dp, kind)
 
 
 def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:

@@ -611,7 +611,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="migrate-fallback-silent",
         bug="a read pgregistry migrate rewrote falls back to parallel_state without the warning",
         file="pgregistry/migrate/_fallback_helper.py",
-        find="    _warn(field)\n    accessors = parallel_state",
+        find="    _warn_of_fallback(field)\n    accessors = parallel_state",
         replace="    accessors = parallel_state",
         tests=(
             "tests/migrate/test_migrate_world.py::"
@@ -812,8 +812,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate --write checks only the first file for a change on disk at write time: a file edited while "
         "the others were written is overwritten (issue 41, item 10)",
         file="pgregistry/migrate/_writing.py",
-        find="        problem = _unchanged(change)\n        try:",
-        replace="        problem = _unchanged(change) if not renamed else None\n        try:",
+        find="        problem = _why_changed_on_disk(change)\n        try:",
+        replace="        problem = _why_changed_on_disk(change) if not renamed else None\n        try:",
         tests=("tests/migrate/test_migrate_writing.py::"
                "test_a_file_changed_on_disk_while_the_others_are_written_is_not_overwritten_and_none_is_left_written",),
     ),

@@ -145,7 +145,7 @@ def _run_migrate(args: argparse.Namespace) -> int:
 
 def _migrate_files(args: argparse.Namespace) -> int:
     from pgregistry._source.engine import default_jobs
-    from pgregistry.migrate._diff import unified_diff
+    from pgregistry.migrate._diff import render_unified_diff
     from pgregistry.migrate._engine import Helper, migrate
     from pgregistry.migrate._links import own_files
     from pgregistry.migrate._megatron_release import megatron_source
@@ -201,7 +201,7 @@ def _migrate_files(args: argparse.Namespace) -> int:
             print(report, end="")
         return 1 if changes else 0
     for change in changes:
-        _print_bytes(unified_diff(change.path, change.before, change.after, created=change.created))
+        _print_bytes(render_unified_diff(change.path, change.before, change.after, created=change.created))
     if not args.quiet:
         print(report, end="", file=sys.stderr)
     return 0

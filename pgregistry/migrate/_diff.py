@@ -21,14 +21,16 @@ import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
-__all__ = ["unified_diff"]
+__all__ = ["render_unified_diff"]
 
 _LINE = re.compile(rb"[^\n]*\n|[^\n]+")
 #: Lines of context around each change, as ``diff -u`` gives.
 _CONTEXT = 3
 
 
-def _anchors(a: Sequence[bytes], b: Sequence[bytes], alo: int, ahi: int, blo: int, bhi: int) -> list[tuple[int, int]]:
+def _unique_line_anchors(
+    a: Sequence[bytes], b: Sequence[bytes], alo: int, ahi: int, blo: int, bhi: int
+) -> list[tuple[int, int]]:
     """The pairs (i, j) of lines unique to both ``a[alo:ahi]`` and ``b[blo:bhi]``, equal, in the longest run
     in which both indexes increase (patience sorting)."""
     count_a, count_b = Counter(a[alo:ahi]), Counter(b[blo:bhi])
@@ -66,7 +68,7 @@ def _matching_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> list[tuple[int, 
             ahi, bhi = ahi - 1, bhi - 1
         if alo == ahi or blo == bhi:
             continue
-        anchors = _anchors(a, b, alo, ahi, blo, bhi)
+        anchors = _unique_line_anchors(a, b, alo, ahi, blo, bhi)
         if not anchors:
             matcher = difflib.SequenceMatcher(None, a[alo:ahi], b[blo:bhi], autojunk=False)
             blocks += [(alo + i, blo + j, size) for i, j, size in matcher.get_matching_blocks() if size]
@@ -100,16 +102,16 @@ class _Matcher(difflib.SequenceMatcher[bytes]):
         return self._blocks
 
 
-def _range(start: int, stop: int) -> str:
+def _hunk_range(start: int, stop: int) -> str:
     """A hunk's range as ``diff -u`` writes it (1-based start, and the length unless it is 1)."""
     length = stop - start
     first = start + 1 if length else start
     return str(first) if length == 1 else f"{first},{length}"
 
 
-def _hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
+def _diff_hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
     for group in _Matcher(a, b).get_grouped_opcodes(_CONTEXT):
-        yield f"@@ -{_range(group[0][1], group[-1][2])} +{_range(group[0][3], group[-1][4])} @@\n".encode()
+        yield f"@@ -{_hunk_range(group[0][1], group[-1][2])} +{_hunk_range(group[0][3], group[-1][4])} @@\n".encode()
         for tag, i1, i2, j1, j2 in group:
             if tag == "equal":
                 yield from (b" " + line for line in a[i1:i2])
@@ -118,11 +120,11 @@ def _hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
             yield from (b"+" + line for line in b[j1:j2] if tag != "delete")
 
 
-def unified_diff(path: str, before: bytes, after: bytes, *, created: bool = False) -> bytes:
+def render_unified_diff(path: str, before: bytes, after: bytes, *, created: bool = False) -> bytes:
     """The change of ``path`` from ``before`` to ``after`` as a unified diff (``a/PATH`` to ``b/PATH``, as
     ``git diff`` names them; ``/dev/null`` to ``b/PATH`` for a ``created`` file), in the file's own bytes; empty
     when they are equal."""
-    hunks = list(_hunks(_LINE.findall(before), _LINE.findall(after)))
+    hunks = list(_diff_hunks(_LINE.findall(before), _LINE.findall(after)))
     if not hunks:
         return b""
     source = "/dev/null" if created else f"a/{path}"

@@ -39,26 +39,26 @@ from pgregistry._source.files import SourceFile
 from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
-from pgregistry.migrate._idioms import Idiom, idiom
-from pgregistry.migrate._megatron_release import ShimGetters, installed_shim_getters
+from pgregistry.migrate._idioms import Idiom, idiom_of_target
+from pgregistry.migrate._megatron_release import ShimGetters, find_installed_shim_getters
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
     BUILDER,
     LEFT,
     FilePlan,
     Read,
+    add_reexported_names,
+    collect_threaded_functions,
+    collect_threaded_methods,
     collection_mentions,
-    left_by_site,
-    passes,
+    decide_passes,
     plan_file,
-    reexported,
-    threaded_functions,
-    threaded_methods,
+    reads_left_by_site,
     visit_mentions,
 )
 from pgregistry.migrate._progress import SILENT, Progress
 from pgregistry.migrate._rewrite import rewrite
-from pgregistry.migrate._skeleton import needed_by, skeleton
+from pgregistry.migrate._skeleton import build_skeleton, make_needed_check
 from pgregistry.migrate._style import DEFAULT_WIDTH
 from pgregistry.migrate._tree import TreeFacts, learn_tree
 from pgregistry.migrate._upward import Upward, thread_upward
@@ -79,7 +79,7 @@ class Migration:
     threaded: list[str] = field(default_factory=list)
 
 
-def _read(source: SourceFile) -> tuple[bytes, int] | FileResult:
+def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
     try:
         with open(source.absolute, "rb") as stream:
             return stream.read(), os.fstat(stream.fileno()).st_mtime_ns
@@ -95,20 +95,20 @@ class _Parsed:
     kept: dict[str, str]
 
 
-def _parse(
+def _parse_skeleton(
     path: str, data: bytes, syntax: ast.Module, needed: Callable[[int, int, bool], bool]
 ) -> _Parsed | FileResult:
     """Parse ``data`` (whose :mod:`ast` tree is ``syntax``) with libcst: its skeleton, each definition that is not
     ``needed`` stood in for by a placeholder."""
     import libcst as cst
 
-    frame = skeleton(data, syntax, needed)
+    frame = build_skeleton(data, syntax, needed)
     try:
         tree = cst.parse_module(frame.data if frame is not None else data)
     except cst.ParserSyntaxError as error:
         return FileResult(path, failure=ParseFailure(f"libcst cannot parse it: {error.message}", error.raw_line,
                                                      error.raw_column + 1))
-    return _Parsed(tree, frame.decoded(tree.encoding) if frame is not None else {})
+    return _Parsed(tree, frame.decode_kept(tree.encoding) if frame is not None else {})
 
 
 _INTERNAL = "internal error"
@@ -122,7 +122,7 @@ def _internal_error(path: str, error: BaseException) -> FileResult:
 
 
 def _calls_of(names: AbstractSet[str]) -> re.Pattern[bytes] | None:
-    """A call of one of ``names`` (by its plain name, as :func:`passes` resolves it). The lookahead on their
+    """A call of one of ``names`` (by its plain name, as :func:`decide_passes` resolves it). The lookahead on their
     first letters spares trying every name at every word (three times faster on megatron/core)."""
     if not names:
         return None
@@ -161,11 +161,11 @@ def migrate(
         raise ValueError(f"--collection-name {name!r} is not a Python identifier")
     if helper.module is not None and not all(part.isidentifier() for part in helper.module.split(".")):
         raise ValueError(f"--helper-module {helper.module!r} is not a dotted module name")
-    idiom(target)  # an unknown one refused before any work
+    idiom_of_target(target)  # an unknown one refused before any work
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _migrate(files, config, target, name, jobs, gtp_remat, helper, progress)
+        return _run_migration(files, config, target, name, jobs, gtp_remat, helper, progress)
     finally:
         if enabled:
             gc.enable()
@@ -240,7 +240,7 @@ class _Worker:
     def __post_init__(self) -> None:
         self.may_thread = _calls_of(self.may_thread_names)
 
-    def _plan(
+    def _plan_one_file(
         self, path: str, data: bytes, sites: Sequence[Site], calls: re.Pattern[bytes] | None
     ) -> FileResult | FilePlan:
         import libcst as cst
@@ -248,7 +248,7 @@ class _Worker:
         try:
             named = collection_mentions(self.name)
             syntax = ast.parse(data)
-            parsed = _parse(path, data, syntax, needed_by(data, {s.line for s in sites}, calls, named))
+            parsed = _parse_skeleton(path, data, syntax, make_needed_check(data, {s.line for s in sites}, calls, named))
             if isinstance(parsed, FileResult):
                 return parsed
             assert isinstance(parsed.tree, cst.Module)
@@ -262,13 +262,14 @@ class _Worker:
     def first(self) -> _Planned:
         failures = []
         for done, (path, data, sites) in enumerate(self.files, 1):
-            planned = self._plan(path, data, sites, self.may_thread)
+            planned = self._plan_one_file(path, data, sites, self.may_thread)
             self.progress("planning the files with reads", done, len(self.files))
             if isinstance(planned, FileResult):
                 failures.append(planned)
             else:
                 self.plans[path] = planned
-        return _Planned(failures, threaded_functions(self.plans.values()), threaded_methods(self.plans.values()))
+        plans = self.plans.values()
+        return _Planned(failures, collect_threaded_functions(plans), collect_threaded_methods(plans))
 
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
@@ -277,7 +278,7 @@ class _Worker:
         for path, data, sites in self.files:  # a definition threaded upward may be a placeholder: planned again
             plan = self.plans.get(path)
             if plan is not None and plan.kept and plan.module in modules:
-                planned = self._plan(path, data, sites, _calls_of(self.may_thread_names | instruction.names()))
+                planned = self._plan_one_file(path, data, sites, _calls_of(self.may_thread_names | instruction.names()))
                 if isinstance(planned, FileResult):
                     done.failures.append(planned)
                 else:
@@ -300,7 +301,7 @@ class _Worker:
         plans = []
         for path, data in files:
             if mention.search(data):  # a file only read for its calls is passed over if libcst balks
-                planned = self._plan(path, data, (), mention)
+                planned = self._plan_one_file(path, data, (), mention)
                 if isinstance(planned, FilePlan):
                     plans.append(planned)
                 elif planned.failure is not None and planned.failure.message.startswith(_INTERNAL):
@@ -321,7 +322,7 @@ class _Worker:
                 for function in plan.functions:
                     if function.parent is None and (plan.module, function.qualname) in upward.functions:
                         function.added, function.upward = self.name, True
-            done.passed += passes(plans, self.name, instruction.threaded, upward.methods)
+            done.passed += decide_passes(plans, self.name, instruction.threaded, upward.methods)
         except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
             done.failures += [_internal_error(plan.path, error) for plan in plans]
             return
@@ -329,13 +330,13 @@ class _Worker:
             self.progress("rewriting", rewritten, len(plans))
             done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
             done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
-            result = self._rewrite(plan)
+            result = self._rewrite_and_compile(plan)
             if isinstance(result, FileResult):
                 done.failures.append(result)
             elif result is not None:
                 done.changes.append((plan.path, result))
 
-    def _rewrite(self, plan: FilePlan) -> bytes | FileResult | None:
+    def _rewrite_and_compile(self, plan: FilePlan) -> bytes | FileResult | None:
         """The file's new bytes (None: unchanged), checked to compile."""
         assert plan.data is not None
         data = plan.data
@@ -374,7 +375,7 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
     return frozenset(names)
 
 
-def _root(files: Sequence[SourceFile]) -> Path:
+def _project_root(files: Sequence[SourceFile]) -> Path:
     """The project root the paths of ``files`` are relative to (the current directory when there are none)."""
     if not files:
         return Path.cwd()
@@ -400,13 +401,13 @@ def _helper_change(root: Path, path: str, module: str, helper: Helper, gtp_remat
     return Change(path, absolute, data, mtime, text) if data != text else None
 
 
-def _migrate(
+def _run_migration(
     files: Sequence[SourceFile], config: ScanConfig, target: str, name: str, jobs: int, gtp_remat: bool,
     helper: Helper, progress: Progress,
 ) -> Migration:
     read = []
     for source in files:
-        read.append((source, _read(source)))
+        read.append((source, _read_source_bytes(source)))
         progress("reading the files", len(read), len(files))
     report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
     outcome = Migration(failures=list(report.failures))
@@ -418,7 +419,7 @@ def _migrate(
     left: dict[str, list[Read]] = {}
     planned = []
     for result in report.results:
-        reads = left_by_site(result.sites) if result.sites else None
+        reads = reads_left_by_site(result.sites) if result.sites else None
         if reads is not None:
             left[result.path] = reads
         elif result.sites:
@@ -434,23 +435,23 @@ def _migrate(
     chunks = [others[i:i + chunk] for i in range(0, len(others), chunk)] if others else []
     queue = TaskQueue()
     may_thread = _may_thread(planned, contents)
-    root = _root(files)
+    root = _project_root(files)
     helper_module = helper.module or default_module([r.path for r in planned],
                                                     lambda directory: (root / directory / "__init__.py").is_file())
-    idiom_ = idiom(target, helper_module)
+    idiom_ = idiom_of_target(target, helper_module)
     modules = frozenset(".".join(module_name(source.path)) for source in files)
     scoped = {part for r in planned for s in r.sites if s.scope != MODULE_SCOPE for part in s.scope.split(".")}
     facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
     makers = [
         partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
                 queue, may_thread, name, idiom_, helper.width, gtp_remat, progress, facts,
-                installed_shim_getters() if helper.shims == "installed" else helper.shims)
+                find_installed_shim_getters() if helper.shims == "installed" else helper.shims)
         for share in shares
     ]
     threaded: Threaded = {}
     instruction = _Instruction(threaded)
 
-    def between(firsts: list[_Planned]) -> list[_Instruction] | None:
+    def thread_between_phases(firsts: list[_Planned]) -> list[_Instruction] | None:
         nonlocal instruction
         outcome.failures += sorted((f for first in firsts for f in first.failures), key=lambda f: f.path)
         if outcome.failures:
@@ -461,12 +462,12 @@ def _migrate(
         methods = {key: value for first in firsts for key, value in first.methods.items()}
         upward = thread_upward(contents, {**threaded, **methods}, packages, name)
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
-        threaded.update(reexported(threaded, packages))
+        threaded.update(add_reexported_names(threaded, packages))
         instruction = _Instruction(threaded, upward)
         return [instruction] * len(firsts)
 
     try:
-        _, done = two_phases(makers, between, fork=fork)
+        _, done = two_phases(makers, thread_between_phases, fork=fork)
     finally:
         queue.close()
     if done is None:

@@ -169,7 +169,7 @@ except ImportError:  # pgregistry is not installed: this module's own warning
     _warn_through_pgregistry = None  # type: ignore[assignment]
 
 
-def reader(depth: int = 2) -> tuple[str, Any]:
+def reader_and_frame(depth: int = 2) -> tuple[str, Any]:
     """The function ``depth`` frames up (the one that read: ``module.Class.method``, comprehensions
     and lambdas folded into the function holding them) and its frame."""
     frame = sys._getframe(depth)
@@ -181,9 +181,9 @@ def reader(depth: int = 2) -> tuple[str, Any]:
     return (f"{module}.{qualname}" if module else qualname), frame
 
 
-def _warn(field: str) -> None:
+def _warn_of_fallback(field: str) -> None:
     """Warn that the function that called ``pg_*`` (four frames up) fell back for ``field``."""
-    owner, frame = reader(4)
+    owner, frame = reader_and_frame(4)
     if _warn_through_pgregistry is not None:
         _warn_through_pgregistry(owner, field)
         return
@@ -199,7 +199,7 @@ def _warn(field: str) -> None:
     )
 
 
-def held(collection: Any, field: str) -> tuple[bool, Any]:
+def group_if_held(collection: Any, field: str) -> tuple[bool, Any]:
     """(True, the group) when ``collection`` holds ``field``; else (False, None). A field counts as
     held when it was set: Megatron-Core's ``ProcessGroupCollection`` answers ``None`` for a field it
     was not built with, which is not the same as one set to ``None``."""
@@ -213,14 +213,14 @@ def held(collection: Any, field: str) -> tuple[bool, Any]:
 
 def _from_collection(collection: Any, field: str) -> tuple[bool, Any]:
     if field != _GTP_REMAT_DP:
-        return held(collection, field)
-    has_remat, remat = held(collection, "gtp_remat")
+        return group_if_held(collection, field)
+    has_remat, remat = group_if_held(collection, "gtp_remat")
     if has_remat and (remat is None or remat.size() == 1):  # then dp spans the very same ranks
-        return held(collection, "dp")
+        return group_if_held(collection, "dp")
     return False, None
 
 
-def value(group: Any, kind: str) -> Any:
+def value_of_kind(group: Any, kind: str) -> Any:
     """What ``kind`` of ``group`` is (``None``: an axis that is off, this rank alone)."""
     if kind == "group":
         return group
@@ -253,19 +253,21 @@ def value(group: Any, kind: str) -> Any:
     raise ValueError(f"unknown kind {kind!r} of a process group read")
 
 
-def _read(collection: Any, field: str, kind: str, accessor_keywords: dict[str, Any]) -> Any:
+def _read_or_fall_back(
+    collection: Any, field: str, kind: str, accessor_keywords: dict[str, Any]
+) -> Any:
     found, group = _from_collection(collection, field)
     if found:
-        return value(group, "group" if kind == _IF_NONE else kind)
+        return value_of_kind(group, "group" if kind == _IF_NONE else kind)
     if kind == _IF_NONE and field in IF_NONE:
-        _warn(field)
+        _warn_of_fallback(field)
         module, helper, keywords = IF_NONE[field]
         fallback = getattr(importlib.import_module(module), helper)
         return fallback(None, **keywords, **accessor_keywords)
     kind = "group" if kind == _IF_NONE else kind
     if (field, kind) not in FALLBACKS:
         raise ValueError(f"no accessor of Megatron-Core's parallel_state reads {kind} of {field!r}")
-    _warn(field)
+    _warn_of_fallback(field)
     accessors = parallel_state if parallel_state is not None else importlib.import_module(
         "megatron.core.parallel_state")
     accessor, keywords = FALLBACKS[(field, kind)]
@@ -276,19 +278,19 @@ def pg_read(collection: Any, field: str, kind: str, **accessor_keywords: Any) ->
     """``kind`` of the collection's ``field``; without it (no collection, or one without the field),
     with the warning, what Megatron-Core's accessor for it returns, called with
     ``accessor_keywords`` too (``check_initialized=False`` as the original read passed it)."""
-    return _read(collection, field, kind, accessor_keywords)
+    return _read_or_fall_back(collection, field, kind, accessor_keywords)
 
 
 def pg_group(collection: Any, field: str, **accessor_keywords: Any) -> Any:
     """The collection's group ``field``, else the global one (see :func:`pg_read`)."""
-    return _read(collection, field, "group", accessor_keywords)
+    return _read_or_fall_back(collection, field, "group", accessor_keywords)
 
 
 def pg_rank(collection: Any, field: str, **accessor_keywords: Any) -> Any:
     """This rank in the collection's group ``field``, else the global one's (:func:`pg_read`)."""
-    return _read(collection, field, "rank", accessor_keywords)
+    return _read_or_fall_back(collection, field, "rank", accessor_keywords)
 
 
 def pg_size(collection: Any, field: str, **accessor_keywords: Any) -> Any:
     """The size of the collection's group ``field``, else the global one's (see :func:`pg_read`)."""
-    return _read(collection, field, "size", accessor_keywords)
+    return _read_or_fall_back(collection, field, "size", accessor_keywords)

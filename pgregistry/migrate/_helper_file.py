@@ -42,14 +42,14 @@ class HelperConflict(ValueError):
     """The helper module's path holds a file this tool did not write."""
 
 
-def _literal(value: object) -> str:
+def _python_literal(value: object) -> str:
     """``value`` (a string, bool, tuple or dict of those) as Python, with double quotes, as black writes it."""
     if isinstance(value, str):
         return '"' + value + '"'
     if isinstance(value, tuple):
-        return "(" + ", ".join(map(_literal, value)) + ")"
+        return "(" + ", ".join(map(_python_literal, value)) + ")"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_python_literal(k)}: {_python_literal(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 
@@ -58,15 +58,16 @@ def table_text(table: Mapping[tuple[str, str], tuple[str, dict[str, bool]]]) -> 
     splits it (the value's parts on one indented line, else one a line)."""
     lines = ["FALLBACKS: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {"]
     for key, (accessor, keywords) in table.items():
-        head = f"    {_literal(key)}: "
-        one = f"{head}{_literal((accessor, keywords))},"
-        inner = f"        {_literal(accessor)}, {_literal(keywords)}"
+        head = f"    {_python_literal(key)}: "
+        one = f"{head}{_python_literal((accessor, keywords))},"
+        inner = f"        {_python_literal(accessor)}, {_python_literal(keywords)}"
         if len(one) <= DEFAULT_WIDTH:
             lines.append(one)
         elif len(inner) <= DEFAULT_WIDTH:
             lines += [f"{head}(", inner, "    ),"]
         else:
-            lines += [f"{head}(", f"        {_literal(accessor)},", f"        {_literal(keywords)},", "    ),"]
+            lines += [f"{head}(", f"        {_python_literal(accessor)},"]
+            lines += [f"        {_python_literal(keywords)},", "    ),"]
     return "\n".join([*lines, "}"]) + "\n"
 
 

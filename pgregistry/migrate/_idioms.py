@@ -26,7 +26,7 @@ import libcst as cst
 from pgregistry._source.scanner import HELPER
 from pgregistry.migrate._plan import BUILDER, Read
 
-__all__ = ["HELPERS", "TARGETS", "Idiom", "idiom"]
+__all__ = ["HELPERS", "TARGETS", "Idiom", "idiom_of_target"]
 
 #: The helper's functions: the kinds with one of their own, and ``pg_read`` for the others.
 HELPERS = {"group": "pg_group", "rank": "pg_rank", "size": "pg_size"}
@@ -47,7 +47,7 @@ class Idiom:
         """The ``from module import name`` pairs ``code`` (a replacement) needs."""
         return [(self.module, name) for name in (*HELPERS.values(), _READ) if f"{name}(" in code]
 
-    def _read(self, read: Read, field: str, forwarded: str) -> str:
+    def _read_code(self, read: Read, field: str, forwarded: str) -> str:
         assert read.choice is not None
         if read.way == BUILDER:
             return f"{read.collection}.{field}"
@@ -74,9 +74,9 @@ class Idiom:
                 f", {a.keyword.value}={cst.Module([]).code_for_node(a.value)}"
                 for a in read.call.args if a.keyword is not None and a.keyword.value in _FORWARDED
             )
-        code, operator = self._read(read, choice.field, forwarded), False
+        code, operator = self._read_code(read, choice.field, forwarded), False
         if read.when:
-            other = self._read(read, read.when_field, forwarded)
+            other = self._read_code(read, read.when_field, forwarded)
             code, operator = f"{other} if {read.when} else {code}", True
         if read.given:
             code, operator = f"{read.given} if {read.given} is not None else {code}", True
@@ -87,7 +87,7 @@ class Idiom:
 TARGETS = ("megatron", "pgregistry")
 
 
-def idiom(target: str, helper_module: str = "") -> Idiom:
+def idiom_of_target(target: str, helper_module: str = "") -> Idiom:
     """The :class:`Idiom` of ``target`` (``megatron``: its helper imported from ``helper_module``); ``ValueError``
     naming the known ones for another."""
     if target == "megatron":

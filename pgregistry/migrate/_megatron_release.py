@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MegatronSource", "ShimGetters", "installed_shim_getters", "megatron_source", "shim_getters"]
+__all__ = ["MegatronSource", "ShimGetters", "find_installed_shim_getters", "megatron_source", "shim_getters"]
 
 _PARALLEL_STATE = Path("megatron", "core", "parallel_state.py")
 _PROCESS_GROUPS_CONFIG = Path("megatron", "core", "process_groups_config.py")
@@ -71,7 +71,7 @@ def _shims_beside(base: Path) -> ShimGetters | None:
         return None
 
 
-def installed_shim_getters(search: Sequence[str] | None = None) -> ShimGetters | None:
+def find_installed_shim_getters(search: Sequence[str] | None = None) -> ShimGetters | None:
     """:func:`shim_getters` of the first ``megatron/core/process_groups_config.py`` on ``search`` (default
     ``sys.path``); None when there is none."""
     for entry in sys.path if search is None else search:

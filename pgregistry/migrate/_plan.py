@@ -18,7 +18,7 @@ file's libcst tree (by position), walks the scopes around each, and decides for 
 Each rewritten read becomes, in place, a call of the fallback helper on the collection (:mod:`._idioms`): the
 collection's field when it holds it, else the original accessor's value with the warning, evaluated only where
 and when the read was. Which calls in the scanned tree pass a threaded function its collection is decided across
-files (:func:`passes`). Pure: no I/O.
+files (:func:`decide_passes`). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from libcst.metadata import (
 
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
-from pgregistry.migrate._shims import Dissolved, dissolve
-from pgregistry.migrate._skeleton import covers, line_starts, lines, span
+from pgregistry.migrate._shims import Dissolved, dissolve_shim
+from pgregistry.migrate._skeleton import definition_span, has_line_within, line_starts, lines_between
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [
@@ -58,11 +58,11 @@ __all__ = [
     "Function",
     "Read",
     "collection_mentions",
-    "passes",
+    "decide_passes",
     "plan_file",
-    "reexported",
-    "threaded_functions",
-    "left_by_site",
+    "add_reexported_names",
+    "collect_threaded_functions",
+    "reads_left_by_site",
     "visit_mentions",
 ]
 
@@ -131,7 +131,7 @@ class Function:
     @property
     def self_name(self) -> str | None:
         params = self.node.params.params or self.node.params.posonly_params
-        if self.method_of is None or not params or _decorated(self.node, ("staticmethod", "classmethod")):
+        if self.method_of is None or not params or _matching_decorator(self.node, ("staticmethod", "classmethod")):
             return None
         return params[0].name.value
 
@@ -207,10 +207,10 @@ class FilePlan:
     def text(self, start: int, end: int) -> bytes:
         """Lines ``start`` to ``end`` (1-based, inclusive) of the file."""
         assert self.data is not None
-        return lines(self.data, self.line_starts, start, end)
+        return lines_between(self.data, self.line_starts, start, end)
 
 
-def _dotted(node: cst.BaseExpression) -> list[str] | None:
+def _attribute_parts(node: cst.BaseExpression) -> list[str] | None:
     parts: list[str] = []
     while isinstance(node, cst.Attribute):
         parts.append(node.attr.value)
@@ -227,12 +227,12 @@ def _decorator_names(node: cst.FunctionDef) -> list[str]:
         expression = decorator.decorator
         if isinstance(expression, cst.Call):
             expression = expression.func
-        parts = _dotted(expression)
+        parts = _attribute_parts(expression)
         names.append(".".join(parts) if parts else "")
     return names
 
 
-def _decorated(node: cst.FunctionDef, words: Sequence[str]) -> str | None:
+def _matching_decorator(node: cst.FunctionDef, words: Sequence[str]) -> str | None:
     for name in _decorator_names(node):
         last = name.rpartition(".")[2]
         if any(word == last or (word in last and word in ("jit", "script", "compile", "fuser")) for word in words):
@@ -240,7 +240,7 @@ def _decorated(node: cst.FunctionDef, words: Sequence[str]) -> str | None:
     return None
 
 
-def _literal(node: cst.BaseExpression) -> object:
+def _literal_value(node: cst.BaseExpression) -> object:
     if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
         return {"True": True, "False": False, "None": None}[node.value]
     if isinstance(node, cst.Integer):
@@ -327,7 +327,7 @@ class _Locator(cst.CSTVisitor):
             self.top = index
             statement.visit(self)
 
-    def _scope(self) -> str:
+    def _current_scope_name(self) -> str:
         return ".".join([*(self.class_names if not self.stack else []), *([self.stack[-1].qualname]
                                                                           if self.stack else [])])
 
@@ -419,14 +419,14 @@ class _Locator(cst.CSTVisitor):
         if self.current is not None:
             self.current.names.add(node.value)
 
-    def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
+    def _record_binding(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
         if (isinstance(target, cst.Name) and function is not None and target.value != self.name
                 and _holds_a_collection(target.value, value, self.name)):
             function.held.append((target.value, self.statement[-1] if len(self.statement) == 2 else len(
                 function.node.body.body)))  # bound in a block: not known above a read
         if isinstance(target, cst.Name) and function is not None and target.value == self.name:
-            if isinstance(value, cst.Call) and _called_name(value) == "ProcessGroupCollection":
+            if isinstance(value, cst.Call) and _callee_last_name(value) == "ProcessGroupCollection":
                 function.constructs = True
                 function.builder_class = cst.Module([]).code_for_node(value.func)
             if value is not None and isinstance(value, _LITERALS):
@@ -462,20 +462,20 @@ class _Locator(cst.CSTVisitor):
             self.attributes[id(self.classes[-1])].append((target.value, "", -1))
 
     def visit_Assign(self, node: cst.Assign) -> None:
-        self._alone(node.value)
+        self._mark_alone(node.value)
         for target in node.targets:
-            self._bind(target.target, node.value)
+            self._record_binding(target.target, node.value)
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._alone(node.value)
-        self._bind(node.target, node.value)
+        self._mark_alone(node.value)
+        self._record_binding(node.target, node.value)
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if isinstance(node.names, cst.ImportStar):
             return
-        module = "." * len(node.relative) + (".".join(_dotted(node.module) or []) if node.module else "")
+        module = "." * len(node.relative) + (".".join(_attribute_parts(node.module) or []) if node.module else "")
         for alias in node.names:
-            parts = _dotted(alias.name)
+            parts = _attribute_parts(alias.name)
             if parts is None:
                 continue
             bound = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else parts[0]
@@ -483,30 +483,30 @@ class _Locator(cst.CSTVisitor):
 
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:
-            parts = _dotted(alias.name) or []
+            parts = _attribute_parts(alias.name) or []
             if alias.asname and isinstance(alias.asname.name, cst.Name):
                 self.bindings[alias.asname.name.value] = ".".join(parts)
             elif parts:
                 self.bindings[parts[0]] = parts[0]
 
-    def _alone(self, node: cst.BaseExpression | None) -> None:
+    def _mark_alone(self, node: cst.BaseExpression | None) -> None:
         if isinstance(node, cst.Call):
             self.alone.add(id(node))
 
     def visit_If(self, node: cst.If) -> None:
-        self._alone(node.test)
+        self._mark_alone(node.test)
 
     def visit_While(self, node: cst.While) -> None:
-        self._alone(node.test)
+        self._mark_alone(node.test)
 
     def visit_Return(self, node: cst.Return) -> None:
-        self._alone(node.value)
+        self._mark_alone(node.value)
 
     def visit_Arg(self, node: cst.Arg) -> None:
-        self._alone(node.value)
+        self._mark_alone(node.value)
 
     def visit_Assert(self, node: cst.Assert) -> None:
-        self._alone(node.test)
+        self._mark_alone(node.test)
 
     def visit_Call(self, node: cst.Call) -> None:
         site = None
@@ -523,7 +523,7 @@ class _Locator(cst.CSTVisitor):
         elif order is not None:
             met = self.met.get(unit, 0)
             self.met[unit] = met + 1
-            parts = _dotted(node.func)
+            parts = _attribute_parts(node.func)
             if met >= len(order) or order[met][2] != (".".join(parts) if parts is not None else None):
                 self.mismatch = True
             elif not on_a_call:
@@ -532,9 +532,9 @@ class _Locator(cst.CSTVisitor):
         if site is not None:
             self.reads.append(Read(site, node, self.current, index, top=self.top, member=self.member))
         else:
-            parts = _dotted(node.func)
+            parts = _attribute_parts(node.func)
             if parts is None and isinstance(node.func, cst.Attribute) and not (
-                    isinstance(node.func.value, cst.Call) and _called_name(node.func.value) == "super"):
+                    isinstance(node.func.value, cst.Call) and _callee_last_name(node.func.value) == "super"):
                 parts = ["", node.func.attr.value]  # a method of some object: ``self.items[0].m(...)``
             if parts is not None:
                 self.calls.append(Call(node, parts, self.current, index, top=self.top, member=self.member))
@@ -553,13 +553,13 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
             return FieldChoice(reason=f"fallback helper {accessor}: no rule says which field it falls back to")
         given, *rest = arguments
         axis = accessor.removesuffix("_if_none")
-        keywords = {a.keyword.value: _literal(a.value) for a in rest if a.keyword is not None}
+        keywords = {a.keyword.value: _literal_value(a.value) for a in rest if a.keyword is not None}
         if any(a.keyword is None for a in rest) or any(a.star for a in rest):
             return FieldChoice(reason=f"{accessor} is given positional arguments after the group")
         expert = keywords.pop("is_expert", False)
         if expert is ...:
             flag = next(a.value for a in rest if a.keyword is not None and a.keyword.value == "is_expert")
-            if _dotted(flag) is None or axis != "get_tensor_model_parallel_group":
+            if _attribute_parts(flag) is None or axis != "get_tensor_model_parallel_group":
                 return FieldChoice(reason="is_expert= is neither a literal nor a plain name")
             read.when, read.when_field = cst.Module([]).code_for_node(flag), "expt_tp"
         elif expert:
@@ -569,10 +569,10 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
         return collection_field(axis, keywords, gtp_remat=gtp_remat)
     if any(a.keyword is None for a in arguments):
         return FieldChoice(reason="positional or star arguments: which group they pick is not known")
-    keywords = {a.keyword.value: _literal(a.value) for a in arguments if a.keyword is not None}
+    keywords = {a.keyword.value: _literal_value(a.value) for a in arguments if a.keyword is not None}
     if accessor == "get_amax_reduction_group" and keywords.get("tp_only_amax_red") is ...:
         flag = next(a.value for a in arguments if a.keyword is not None and a.keyword.value == "tp_only_amax_red")
-        if _dotted(flag) is None:
+        if _attribute_parts(flag) is None:
             return FieldChoice(reason="tp_only_amax_red= is neither a literal nor a plain name")
         choice = collection_field(accessor, {**keywords, "tp_only_amax_red": False}, gtp_remat=gtp_remat)
         tp_only = collection_field(accessor, {**keywords, "tp_only_amax_red": True}, gtp_remat=gtp_remat)
@@ -582,10 +582,10 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
     return collection_field(accessor, keywords, gtp_remat=gtp_remat)
 
 
-def _head(read: Read) -> str:
+def _call_head_name(read: Read) -> str:
     """The first name of what ``read`` calls (``self`` in ``self.mpu.get_x()``)."""
     assert read.call is not None
-    parts = _dotted(read.call.func)
+    parts = _attribute_parts(read.call.func)
     return parts[0] if parts else ""
 
 
@@ -625,12 +625,12 @@ def _imports_the_module(head: str, bindings: Mapping[str, str], facts: TreeFacts
     if bound is None:
         return True
     module, _, attribute = bound.partition(":")
-    module = _absolute(module, package)
+    module = _absolute_module(module, package)
     target = f"{module}.{attribute}" if attribute else module
     return facts.is_state_module(target) is not None or bool(attribute) and facts.is_state_module(module) is not None
 
 
-def _scopes(source: cst.Module, reads: Sequence[Read]) -> Mapping[cst.CSTNode, Scope | None]:
+def _statement_scopes(source: cst.Module, reads: Sequence[Read]) -> Mapping[cst.CSTNode, Scope | None]:
     """libcst's scopes of the statements holding ``reads``, resolved on a module of them (of a module-level
     class, only its members that hold reads: a method does not see its class's names) and every module-level
     statement that is no definition (the imports and globals their names may be bound to): the whole file's
@@ -672,17 +672,18 @@ class _WithoutDefinitions(cst.CSTTransformer):
         return cst.RemoveFromParent()
 
 
-def _imported(assignment: ImportAssignment, package: list[str]) -> str:
+def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str:
     """The dotted name the import of ``assignment`` names for the name it binds (``a.b.c`` for ``import a.b.c``
     and ``from a.b import c``)."""
     node = assignment.node
     assert isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar)
     module = ""
     if isinstance(node, cst.ImportFrom):
-        module = _absolute("." * len(node.relative) + ".".join(_dotted(node.module) or []) if node.module else
-                           "." * len(node.relative), package)
+        relative = "." * len(node.relative)
+        from_module = relative + ".".join(_attribute_parts(node.module) or []) if node.module else relative
+        module = _absolute_module(from_module, package)
     for alias in node.names:
-        dotted = ".".join(_dotted(alias.name) or [])
+        dotted = ".".join(_attribute_parts(alias.name) or [])
         bound = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else \
             dotted if isinstance(node, cst.ImportFrom) else dotted.partition(".")[0]
         if bound == assignment.name:
@@ -723,8 +724,8 @@ def _not_parallel_state(read: Read, scopes: Mapping[cst.CSTNode, Scope | None], 
             return f"`{spelled}` is {what}a name {where}, not an import of parallel_state"
     for assignment in scope[head.value]:
         assert isinstance(assignment, ImportAssignment)
-        imported = _imported(assignment, package)
-        qualified = [_absolute(q.name, package) for q in scope.get_qualified_names_for(func)
+        imported = _import_target_name(assignment, package)
+        qualified = [_absolute_module(q.name, package) for q in scope.get_qualified_names_for(func)
                      if q.source == QualifiedNameSource.IMPORT]
         modules = [q.rpartition(".")[0] for q in qualified]
         matched = [(m, facts.is_state_module(m)) for m in modules]
@@ -803,7 +804,7 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
             before = any(not method or method == own and 0 <= index < statement for method, index in assigned)
             if before or own != "__init__" and any(method != own for method, _ in assigned):
                 return f"{self_name}.{attribute}", attribute != name, attribute != name
-    parameters = _parameters(function)
+    parameters = _parameter_names(function)
     for expression in sorted(collections):
         head, *attributes_of = expression.split(".")
         if head in parameters and expression.count(".") >= (2 if head == function.self_name else 1):
@@ -813,21 +814,21 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
     return None
 
 
-def _tied_chains(chains: frozenset[str], function: Function, facts: TreeFacts) -> frozenset[str]:
+def _chains_tied_to_class(chains: frozenset[str], function: Function, facts: TreeFacts) -> frozenset[str]:
     """The ``chains`` in scope in ``function``'s class (of its outermost function when it is nested): a
     ``self.<a>.<b>`` chain only where the tree ties it to that class (:meth:`TreeFacts.ties_class`), not in every
     method that has a ``self`` (an unrelated class's ``self.<a>`` may be anything, most often missing)."""
-    method_of = function.method_of or _outermost(function).method_of
+    method_of = function.method_of or _outermost_function(function).method_of
     cls = method_of.name.value if method_of is not None else ""
     return frozenset(chain for chain in chains if facts.ties_class(chain, cls))
 
 
-def _parameters(function: Function) -> list[str]:
+def _parameter_names(function: Function) -> list[str]:
     params = function.node.params
     return [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
 
 
-def _outermost(function: Function) -> Function:
+def _outermost_function(function: Function) -> Function:
     """The function ``function`` is nested in, at the outermost (itself when it is not nested)."""
     while function.parent is not None:
         function = function.parent
@@ -859,7 +860,7 @@ def _enclosing_collection(function: Function, root: Function, attributes: Mappin
     head = found[0].removeprefix("getattr(").partition(".")[0].partition(",")[0]
     inner = function
     while inner is not root and inner.parent is not None:
-        if head in _parameters(inner):
+        if head in _parameter_names(inner):
             return f"binds {head}, which hides {root.qualname}'s collection"
         inner = inner.parent
     return found[0], True, True
@@ -879,10 +880,10 @@ class _Classes:
             for node in syntax.body if isinstance(node, ast.ClassDef)
         }
 
-    def _resolved(self, base: str) -> str:
-        return _qualified(base.split("."), self.bindings, self.package) or base
+    def _resolve_base(self, base: str) -> str:
+        return _resolve_dotted(base.split("."), self.bindings, self.package) or base
 
-    def _ancestors(self, bases: list[str | None]) -> list[str | None]:
+    def _with_ancestors(self, bases: list[str | None]) -> list[str | None]:
         """``bases`` with the bases of those defined in the file, transitively (a cycle is walked once)."""
         seen: list[str | None] = []
         pending = list(bases)
@@ -897,16 +898,16 @@ class _Classes:
 
     def autograd(self, node: cst.ClassDef) -> bool:
         """Whether ``node`` derives from ``torch.autograd.Function`` (directly or through classes of the file)."""
-        bases = [".".join(_dotted(a.value) or []) or None for a in node.bases if a.keyword is None]
-        return any(b is not None and self._resolved(b) in _AUTOGRAD_FUNCTION for b in self._ancestors(bases))
+        bases = [".".join(_attribute_parts(a.value) or []) or None for a in node.bases if a.keyword is None]
+        return any(b is not None and self._resolve_base(b) in _AUTOGRAD_FUNCTION for b in self._with_ancestors(bases))
 
     def outside(self, node: cst.ClassDef) -> str | None:
         """A base of ``node`` outside the tree that may define methods a framework calls back, or None."""
-        bases = [".".join(_dotted(a.value) or []) or None for a in node.bases if a.keyword is None]
-        for base in self._ancestors(bases):
+        bases = [".".join(_attribute_parts(a.value) or []) or None for a in node.bases if a.keyword is None]
+        for base in self._with_ancestors(bases):
             if base is None or base in self.bases and base not in self.bindings:
                 continue  # a subscripted or called base (``Generic[T]``), or a class of the file
-            qualified = _qualified(base.split("."), self.bindings, self.package)
+            qualified = _resolve_dotted(base.split("."), self.bindings, self.package)
             if qualified is None:  # a builtin (``object``, ``Exception``) or from a star import
                 if hasattr(builtins, base):
                     continue
@@ -922,12 +923,13 @@ class _Classes:
 def _autograd_shaped(function: Function) -> bool:
     """A static ``forward(ctx, ...)`` / ``backward(ctx, ...)``: an autograd Function's, whatever its class."""
     params = function.node.params.params or function.node.params.posonly_params
-    return bool(_decorated(function.node, ("staticmethod",))) and bool(params) and params[0].name.value == "ctx"
+    static = bool(_matching_decorator(function.node, ("staticmethod",)))
+    return static and bool(params) and params[0].name.value == "ctx"
 
 
 def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
     """Why ``function`` may not be given a parameter: no caller could pass it, or a new one would break it."""
-    decorated = _decorated(function.node, _FIXED_SIGNATURE)
+    decorated = _matching_decorator(function.node, _FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
     name = function.node.name.value
@@ -974,7 +976,7 @@ def _site_reason(site: Site) -> str | None:
 _MODULE_LEVEL = "module level: runs at import, before any collection exists"
 
 
-def left_by_site(sites: Sequence[Site]) -> list[Read] | None:
+def reads_left_by_site(sites: Sequence[Site]) -> list[Read] | None:
     """The reads of a file whose every site stays for a reason its site alone gives (a module-level read or
     shim, a reference): the way :func:`plan_file` decides them, without a libcst tree. None for any other file."""
     reasons = [_site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None) for site in sites]
@@ -992,7 +994,7 @@ def plan_file(
     kept_shims: Mapping[tuple[int, int], str] | None = None,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
-    :func:`passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
+    :func:`decide_passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
     and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
     (:mod:`~pgregistry.migrate._skeleton`): a placeholder is never walked, its definition's name is
     taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
@@ -1005,9 +1007,9 @@ def plan_file(
     facts = facts if facts is not None else TreeFacts()
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
-    spans, statements = _spans(source.body, (syntax or ast.parse(data)).body)
+    spans, statements = _statement_spans(source.body, (syntax or ast.parse(data)).body)
     site_lines = sorted({site.line for site in sites})
-    wanted = {i for i, (start, end) in enumerate(spans) if covers(site_lines, start, end)}
+    wanted = {i for i, (start, end) in enumerate(spans) if has_line_within(site_lines, start, end)}
     call_lines = {site.line for site in sites if site.form == CALL}
     locator = _Locator(sites, name)
     locator.wanted = wanted
@@ -1018,11 +1020,11 @@ def plan_file(
         top, tree = source.body[i], statements[i][0]
         if isinstance(top, cst.ClassDef) and isinstance(top.body, cst.IndentedBlock) and isinstance(
                 tree, ast.ClassDef):
-            member_spans, groups = _spans(top.body.body, tree.body)
+            member_spans, groups = _statement_spans(top.body.body, tree.body)
             locator.member_spans[i] = member_spans
             locator.members[i] = {
                 m for m, (start, end) in enumerate(member_spans)
-                if covers(site_lines, start, end) or pattern.search(lines(data, starts, start, end))
+                if has_line_within(site_lines, start, end) or pattern.search(lines_between(data, starts, start, end))
             }
             header = [*tree.decorator_list, *tree.bases, *(k.value for k in tree.keywords)]
             locator.order[(i, -1)] = _call_order(header)
@@ -1034,7 +1036,7 @@ def plan_file(
         locator = _Locator(sites, name)  # the ast's calls are not the tree's: libcst's own positions, slowly
         locator.wanted = wanted
         _skip_placeholders(locator, source.body, statements)
-        locator.positions = _positions(source, spans, call_lines)
+        locator.positions = _node_positions(source, spans, call_lines)
         source.visit(locator)
     reads = list(locator.reads)
     for site in locator.by_position.values():
@@ -1052,10 +1054,10 @@ def plan_file(
     autograd_collections = facts.collections_of(path, own=True)
     legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
     imports = _import_bytes((syntax or ast.parse(data)).body, starts) if legacy else []
-    heads = {head for head in {_head(read) for read in legacy} if _bound_otherwise(head, data, imports)
+    heads = {head for head in {_call_head_name(read) for read in legacy} if _bound_otherwise(head, data, imports)
              or not _imports_the_module(head, locator.bindings, facts, package)}
-    ambiguous = [read for read in legacy if _head(read) in heads]
-    scopes = _scopes(source, ambiguous) if ambiguous else {}
+    ambiguous = [read for read in legacy if _call_head_name(read) in heads]
+    scopes = _statement_scopes(source, ambiguous) if ambiguous else {}
     for read in reads:  # first, as a shim's local named like the collection is no collection then
         if read.call is not None and read.site.family == SHIM and read.function is not None:
             kept = (kept_shims or {}).get((read.site.line, read.site.col))
@@ -1079,7 +1081,7 @@ def plan_file(
             reason = read.choice.reason or None
         if reason is None and read.site.family == HELPER:
             given = read.call.args[0].value
-            if _dotted(given) is None and not (isinstance(given, cst.Name) and given.value == "None"):
+            if _attribute_parts(given) is None and not (isinstance(given, cst.Name) and given.value == "None"):
                 reason = "the fallback helper's argument is not a plain name (it would be evaluated twice)"
             elif not (isinstance(given, cst.Name) and given.value == "None"):
                 read.given = cst.Module([]).code_for_node(given)
@@ -1088,8 +1090,8 @@ def plan_file(
             continue
         function = read.function
         assert function is not None
-        chains = _tied_chains(autograd_collections if _autograd_shaped(_outermost(function)) else collections,
-                              function, facts)
+        in_scope = autograd_collections if _autograd_shaped(_outermost_function(function)) else collections
+        chains = _chains_tied_to_class(in_scope, function, facts)
         found = _collection_in_scope(function, read.statement, locator.attributes, name, chains)
         if isinstance(found, str) and _fills_a_field(function, read, name):
             if not function.shim_name:
@@ -1103,7 +1105,7 @@ def plan_file(
             read.way, read.reason = LEFT, found
             continue
         guarded = read.site.guarded or bool(read.given)
-        root = _outermost(function)
+        root = _outermost_function(function)
         if found is None and root is not function:  # the enclosing function's collection, as a closure
             found = _enclosing_collection(function, root, locator.attributes, name, chains)
             if isinstance(found, str):
@@ -1144,7 +1146,8 @@ def _dissolve_shim(read: Read, function: Function, shims: Mapping[str, tuple[str
     if not isinstance(body, cst.IndentedBlock) or read.statement >= len(body.body):
         read.reason = "shim: not in a function's block"
         return
-    found = dissolve(read.call, list(body.body), read.statement, _parameters(function), shims, gtp_remat=gtp_remat)
+    parameters = _parameter_names(function)
+    found = dissolve_shim(read.call, list(body.body), read.statement, parameters, shims, gtp_remat=gtp_remat)
     if isinstance(found, str):
         read.reason = found
         return
@@ -1166,7 +1169,7 @@ def _skip_placeholders(locator: _Locator, body: Sequence[cst.BaseStatement], sta
             locator.top_level[node.name] = "class" if isinstance(node, ast.ClassDef) else "function"
 
 
-def _spans(
+def _statement_spans(
     body: Sequence[cst.BaseStatement], tree: Sequence[ast.stmt]
 ) -> tuple[list[tuple[int, int]], list[list[ast.stmt]]]:
     """The first and last line of each statement of a libcst ``body``, and its :mod:`ast` statements (of the
@@ -1178,7 +1181,7 @@ def _spans(
         count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
         nodes = tree[position:position + count]
         position += count
-        spans.append((span(nodes[0])[0], span(nodes[-1])[1]))
+        spans.append((definition_span(nodes[0])[0], definition_span(nodes[-1])[1]))
         groups.append(list(nodes))
     return spans, groups
 
@@ -1201,7 +1204,7 @@ def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | Non
     return [(c.func.lineno, c.func.col_offset, _ast_dotted(c.func)) for c in calls]
 
 
-def _positions(
+def _node_positions(
     source: cst.Module, spans: list[tuple[int, int]], lines: set[int]
 ) -> dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]]:
     """For each module-level statement covering one of ``lines``: its nodes' positions (computed on a module of
@@ -1209,7 +1212,7 @@ def _positions(
     found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
     ordered = sorted(lines)
     for index, (start, end) in enumerate(spans):
-        if covers(ordered, start, end):
+        if has_line_within(ordered, start, end):
             statement = source.body[index]
             alone = cst.Module(body=[statement], default_indent=source.default_indent,
                                default_newline=source.default_newline)
@@ -1218,7 +1221,7 @@ def _positions(
     return found
 
 
-def _absolute(module: str, package: list[str]) -> str:
+def _absolute_module(module: str, package: list[str]) -> str:
     level = len(module) - len(module.lstrip("."))
     if level == 0:
         return module
@@ -1227,30 +1230,30 @@ def _absolute(module: str, package: list[str]) -> str:
     return ".".join([*base, rest] if rest else base)
 
 
-def _qualified(dotted: list[str], bindings: Mapping[str, str], package: list[str]) -> str | None:
+def _resolve_dotted(dotted: list[str], bindings: Mapping[str, str], package: list[str]) -> str | None:
     """The dotted name ``dotted`` stands for through the file's imports (``bindings``); None when no import binds
     its first name."""
     bound = bindings.get(dotted[0])
     if bound is None:
         return None
     module, _, attribute = bound.partition(":")
-    module = _absolute(module, package)
+    module = _absolute_module(module, package)
     return ".".join([f"{module}.{attribute}" if attribute else module, *dotted[1:]])
 
 
-def _callee(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
+def _module_function_of_call(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
     """(module, function) a call of ``dotted`` in ``plan`` calls, when it is a module-level function."""
     head = dotted[0]
     if len(dotted) == 1 and plan.top_level.get(head) == "function":
         return plan.module, head
-    qualified = _qualified(dotted, plan.bindings, plan.package)
+    qualified = _resolve_dotted(dotted, plan.bindings, plan.package)
     if qualified is None or "." not in qualified:
         return None
     module, _, function = qualified.rpartition(".")
     return module, function
 
 
-def threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
+def collect_threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
     """The module-level functions a collection was threaded into: (module, name) -> the parameter added. Only
     those are passed one: a method may be overridden where the scan does not look."""
     return {
@@ -1261,7 +1264,7 @@ def threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
     }
 
 
-def threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
+def collect_threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
     """The methods of module-level classes a collection was threaded into: (module, ``Class.method``) -> the
     parameter added (their callers pass it only where every method of that name is threaded alike, see
     :mod:`~pgregistry.migrate._upward`)."""
@@ -1274,7 +1277,9 @@ def threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
     }
 
 
-def reexported(threaded: Mapping[tuple[str, str], str], packages: Mapping[str, bytes]) -> dict[tuple[str, str], str]:
+def add_reexported_names(
+    threaded: Mapping[tuple[str, str], str], packages: Mapping[str, bytes]
+) -> dict[tuple[str, str], str]:
     """``threaded`` with the names packages re-export its functions under: ``from .common_utils import f`` in
     ``pkg/__init__.py`` (``packages``: path -> bytes of such files) makes ``pkg.f`` the same function, so a call
     through the package (``from pkg import f``, ``pkg.f(...)``) is passed the collection too; chains of packages
@@ -1293,7 +1298,7 @@ def reexported(threaded: Mapping[tuple[str, str], str], packages: Mapping[str, b
         while stack:
             node = stack.pop()
             if isinstance(node, ast.ImportFrom):
-                module = _absolute("." * node.level + (node.module or ""), parts)
+                module = _absolute_module("." * node.level + (node.module or ""), parts)
                 imports += [(package, a.asname or a.name, module, a.name) for a in node.names if a.name != "*"]
             elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
@@ -1308,30 +1313,31 @@ def reexported(threaded: Mapping[tuple[str, str], str], packages: Mapping[str, b
     return found
 
 
-def passes(
+def decide_passes(
     plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, str], str] | None = None,
     methods: Mapping[str, str] | None = None,
 ) -> int:
     """Decide which calls pass a threaded function the caller's collection (the caller's own, or the one threaded
     into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``: every file's
-    :func:`threaded_functions` (default: those of ``plans``); ``methods``: method names every ``def`` of which in
-    the tree has the parameter (name -> keyword): a call ``obj.m(...)`` on anything no import binds passes it."""
+    :func:`collect_threaded_functions` (default: those of ``plans``); ``methods``: method names every ``def`` of
+    which in the tree has the parameter (name -> keyword): a call ``obj.m(...)`` on anything no import binds passes
+    it."""
     if threaded is None:
-        threaded = threaded_functions(plans)
+        threaded = collect_threaded_functions(plans)
     count = 0
     for plan in plans:
         for call in plan.calls:
-            target = _callee(plan, call.dotted)
+            target = _module_function_of_call(plan, call.dotted)
             keyword = threaded.get(target) if target is not None else None
             if keyword is None and methods and len(call.dotted) > 1 and (
-                    not call.dotted[0] or _qualified(call.dotted, plan.bindings, plan.package) is None):
+                    not call.dotted[0] or _resolve_dotted(call.dotted, plan.bindings, plan.package) is None):
                 keyword = methods.get(call.dotted[-1])
             caller = call.function
             if keyword is None or caller is None:
                 continue
             if any(a.star == "**" or (a.keyword is not None and a.keyword.value == keyword) for a in call.node.args):
                 continue
-            root = _outermost(caller)
+            root = _outermost_function(caller)
             # A function threaded upward passes a collection it already holds (``self.pg_collection``), as before.
             found = _collection_in_scope(caller, call.statement, plan.attributes, name) if caller.upward else None
             if isinstance(found, tuple):
@@ -1354,7 +1360,7 @@ def passes(
 
 def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
     """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a call of a
-    function a collection was threaded into), so :func:`passes` sees their calls."""
+    function a collection was threaded into), so :func:`decide_passes` sees their calls."""
     locator = plan.locator
     if locator is None or plan.data is None:
         return
@@ -1380,11 +1386,11 @@ def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: 
     """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name (``_pg_collection``, see
     :func:`~pgregistry.migrate._tree.names_a_collection`) or by its value (``ProcessGroupCollection(...)``,
     ``use_mpu_process_groups(...)``)."""
-    return names_a_collection(attribute, name) or isinstance(value, cst.Call) and _called_name(value) in (
+    return names_a_collection(attribute, name) or isinstance(value, cst.Call) and _callee_last_name(value) in (
         "ProcessGroupCollection", "use_mpu_process_groups")
 
 
-def _called_name(call: cst.Call) -> str:
+def _callee_last_name(call: cst.Call) -> str:
     """The last name of what ``call`` calls (``ProcessGroupCollection`` for ``pgc.ProcessGroupCollection()``)."""
     func = call.func
     if isinstance(func, cst.Attribute):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pgregistry._source.scanner import FAMILIES, FileResult, family_of
 from pgregistry.migrate._plan import LEFT, WAYS, Read
 
-__all__ = ["render_failures", "render_report", "tally"]
+__all__ = ["render_failures", "render_report", "tally_reads_by_family"]
 
 
 def render_failures(failures: Sequence[FileResult]) -> str:
@@ -18,7 +18,7 @@ def render_failures(failures: Sequence[FileResult]) -> str:
     )
 
 
-def tally(reads: Sequence[tuple[str, Read]]) -> dict[str, Counter[str]]:
+def tally_reads_by_family(reads: Sequence[tuple[str, Read]]) -> dict[str, Counter[str]]:
     """Per family: ``found`` and the count of each way (``in-scope``, ``threaded``, ``fallback``, ``left``)."""
     table: dict[str, Counter[str]] = {family: Counter() for family in FAMILIES}
     for _, read in reads:
@@ -31,7 +31,7 @@ def tally(reads: Sequence[tuple[str, Read]]) -> dict[str, Counter[str]]:
 def render_report(reads: Sequence[tuple[str, Read]], threaded: int, passed: int, changed: int, verb: str) -> str:
     """The table per family, then every read left in place grouped by reason (``path:line accessor``).
     ``verb``: what happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
-    table = tally(reads)
+    table = tally_reads_by_family(reads)
     columns = ("found", *WAYS, LEFT)
     lines = [f"{'family':<10}" + "".join(f"{c:>10}" for c in columns)]
     for family in FAMILIES:

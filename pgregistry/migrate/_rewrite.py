@@ -21,7 +21,7 @@ from pgregistry.migrate._idioms import Idiom
 from pgregistry.migrate._layout import split_arguments, split_condition, split_header, split_statement
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._shims import Dissolved
-from pgregistry.migrate._skeleton import restore
+from pgregistry.migrate._skeleton import restore_placeholders
 from pgregistry.migrate._style import DEFAULT_WIDTH
 
 __all__ = ["UnrestorableError", "rewrite"]
@@ -552,7 +552,7 @@ def _restored(plan: FilePlan, text: str) -> str:
     """``text`` with the skeleton's placeholders it holds replaced by their original text."""
     if not plan.kept:
         return text
-    restored = restore(text, plan.kept)
+    restored = restore_placeholders(text, plan.kept)
     if restored is None:
         raise UnrestorableError(f"{plan.path}: a placeholder occurs twice in the rewritten text")
     return restored

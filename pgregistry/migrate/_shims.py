@@ -33,7 +33,7 @@ import libcst as cst
 
 from pgregistry._source.fields import collection_field
 
-__all__ = ["DEFAULT_BUILDER", "Dissolved", "dissolve"]
+__all__ = ["DEFAULT_BUILDER", "Dissolved", "dissolve_shim"]
 
 #: The getter keyword that makes a getter return ``None`` rather than raise when parallel_state is not set up.
 CHECK = "check_initialized"
@@ -54,12 +54,12 @@ class Dissolved:
     local: str = ""
 
 
-def dissolve(call: cst.Call, body: list[cst.BaseStatement], statement: int, parameters: list[str],
-             getters: Mapping[str, tuple[str, dict[str, object]]] | None, *, gtp_remat: bool) -> Dissolved | str:
+def dissolve_shim(call: cst.Call, body: list[cst.BaseStatement], statement: int, parameters: list[str],
+                  getters: Mapping[str, tuple[str, dict[str, object]]] | None, *, gtp_remat: bool) -> Dissolved | str:
     """The :class:`Dissolved` of shim ``call`` in top-level statement ``statement`` of a function's ``body``
     (whose ``parameters`` are given); a reason when it stays. ``getters``: the release's
     :func:`~pgregistry.migrate._megatron_release.shim_getters` (None: not known)."""
-    listed = _listed(call)
+    listed = _fields_listed(call)
     if isinstance(listed, str):
         return listed
     if getters is None:
@@ -80,14 +80,14 @@ def dissolve(call: cst.Call, body: list[cst.BaseStatement], statement: int, para
         if inline.attr.value not in listed:
             return f"shim: reads {inline.attr.value!r}, a field it does not list"
         moved = [name for name in listed if name != inline.attr.value]
-        return _unchecked(moved, keywords) or Dissolved(
+        return _why_reads_may_not_move(moved, keywords) or Dissolved(
             listed, [(inline, inline.attr.value, keywords[inline.attr.value])])
-    local = _assigned(call, body[statement])
+    local = _local_holding_call(call, body[statement])
     if local is None:
         return _ESCAPES
     if local in parameters:
         return f"shim: rebinds the parameter {local} (the default of callers that pass none)"
-    if not _alone(call, body[statement]):
+    if not _is_lone_assignment(call, body[statement]):
         return f"shim: assigned to {local} inside a block, not at the function's top level"
     reads: list[tuple[cst.Attribute, str, dict[str, object]]] = []
     for index, other in enumerate(body):
@@ -105,10 +105,10 @@ def dissolve(call: cst.Call, body: list[cst.BaseStatement], statement: int, para
             reads.append((read, read.attr.value, keywords[read.attr.value]))
     assigned = body[statement]
     assert isinstance(assigned, cst.SimpleStatementLine)
-    return _unchecked(listed, keywords) or Dissolved(listed, reads, assigned, local)
+    return _why_reads_may_not_move(listed, keywords) or Dissolved(listed, reads, assigned, local)
 
 
-def _listed(call: cst.Call) -> list[str] | str:
+def _fields_listed(call: cst.Call) -> list[str] | str:
     """The fields ``call`` lists (``required_pgs=[...]``, literal strings), or why they are not known."""
     if not call.args:
         return DEFAULT_BUILDER
@@ -127,7 +127,7 @@ def _listed(call: cst.Call) -> list[str] | str:
     return names
 
 
-def _unchecked(names: list[str], keywords: Mapping[str, dict[str, object]]) -> str | None:
+def _why_reads_may_not_move(names: list[str], keywords: Mapping[str, dict[str, object]]) -> str | None:
     """Why the getters of ``names``, read later than the shim read them, may act otherwise (None: they may not)."""
     checked = [name for name in names if keywords[name].get(CHECK) is not False]
     if checked:
@@ -146,7 +146,7 @@ def _read_inline(call: cst.Call, statement: cst.BaseStatement) -> cst.Attribute 
                 found.append(node)
 
     statement.visit(_Find())
-    if not found or _targets(statement, found[0]):
+    if not found or _is_assigned_in(statement, found[0]):
         return None
     return found[0]
 
@@ -159,40 +159,40 @@ class _Targets(cst.CSTVisitor):
         super().__init__()
         self.targets: set[int] = set()
 
-    def _target(self, node: cst.BaseExpression) -> None:
+    def _add_target(self, node: cst.BaseExpression) -> None:
         self.targets.add(id(node))
         if isinstance(node, (cst.Tuple, cst.List)):
             for element in node.elements:
-                self._target(element.value)
+                self._add_target(element.value)
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._target(node.target)
+        self._add_target(node.target)
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._target(node.target)
+        self._add_target(node.target)
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._target(node.target)
+        self._add_target(node.target)
 
     def visit_Del(self, node: cst.Del) -> None:
-        self._target(node.target)
+        self._add_target(node.target)
 
     def visit_For(self, node: cst.For) -> None:
-        self._target(node.target)
+        self._add_target(node.target)
 
     def visit_WithItem(self, node: cst.WithItem) -> None:
         if node.asname is not None:
-            self._target(node.asname.name)
+            self._add_target(node.asname.name)
 
 
-def _targets(statement: cst.BaseStatement, node: cst.CSTNode) -> bool:
+def _is_assigned_in(statement: cst.BaseStatement, node: cst.CSTNode) -> bool:
     """Whether ``node`` is assigned or deleted in ``statement``."""
     found = _Targets()
     statement.visit(found)
     return id(node) in found.targets
 
 
-def _assigned(call: cst.Call, statement: cst.BaseStatement) -> str | None:
+def _local_holding_call(call: cst.Call, statement: cst.BaseStatement) -> str | None:
     """The local ``<local> = call`` in ``statement`` assigns ``call`` to (at any depth); None when ``call`` is not
     assigned to one name alone."""
     found: list[str] = []
@@ -207,7 +207,7 @@ def _assigned(call: cst.Call, statement: cst.BaseStatement) -> str | None:
     return found[0] if found else None
 
 
-def _alone(call: cst.Call, statement: cst.BaseStatement) -> bool:
+def _is_lone_assignment(call: cst.Call, statement: cst.BaseStatement) -> bool:
     """Whether ``statement`` is ``<local> = call`` and nothing else."""
     if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
         return False
@@ -248,11 +248,11 @@ class _Uses(_Targets):
         if node.value == self.local and id(node) not in self.not_uses:
             self.reason = self.reason or _ESCAPES + f" ({self.local} is passed on, returned, stored or bound again)"
 
-    def _enter(self, node: cst.CSTNode) -> None:
+    def _enter_nested(self, node: cst.CSTNode) -> None:
         self.nested += 1
 
-    def _leave(self, node: cst.CSTNode) -> None:
+    def _leave_nested(self, node: cst.CSTNode) -> None:
         self.nested -= 1
 
-    visit_FunctionDef = visit_Lambda = visit_ClassDef = _enter
-    leave_FunctionDef = leave_Lambda = leave_ClassDef = _leave  # type: ignore[assignment]
+    visit_FunctionDef = visit_Lambda = visit_ClassDef = _enter_nested
+    leave_FunctionDef = leave_Lambda = leave_ClassDef = _leave_nested  # type: ignore[assignment]

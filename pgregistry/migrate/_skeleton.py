@@ -18,7 +18,17 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Kept", "Skeleton", "covers", "line_starts", "lines", "needed_by", "restore", "skeleton", "span"]
+__all__ = [
+    "Kept",
+    "Skeleton",
+    "build_skeleton",
+    "definition_span",
+    "has_line_within",
+    "line_starts",
+    "lines_between",
+    "make_needed_check",
+    "restore_placeholders",
+]
 
 _PREFIX = b"_pgregistry_kept_"
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -31,15 +41,15 @@ class Skeleton:
     data: bytes
     kept: Mapping[bytes, bytes]
 
-    def decoded(self, encoding: str) -> Kept:
+    def decode_kept(self, encoding: str) -> Kept:
         """:attr:`kept` as text, in the file's encoding (the one libcst detected)."""
         return Kept({k.decode(encoding): v.decode(encoding) for k, v in self.kept.items()})
 
 
 class Kept(dict[str, str]):
     """Each placeholder's text -> the original text it stands for, indexed by the placeholder's name once, so
-    that :func:`restore` runs in time linear in the text it is given, however many placeholders the file has
-    (it runs once per rewritten statement)."""
+    that :func:`restore_placeholders` runs in time linear in the text it is given, however many placeholders
+    the file has (it runs once per rewritten statement)."""
 
     def __init__(self, pairs: Mapping[str, str]) -> None:
         super().__init__(pairs)
@@ -50,7 +60,7 @@ class Kept(dict[str, str]):
             self.by_name[found.group()] = (placeholder, found.start())
 
 
-def restore(text: str, kept: Mapping[str, str]) -> str | None:
+def restore_placeholders(text: str, kept: Mapping[str, str]) -> str | None:
     """``text`` with each placeholder it holds replaced by its original lines; None when one occurs twice.
     One pass over ``text``: a placeholder is found by its name, then checked whole."""
     if not kept:
@@ -74,7 +84,7 @@ def restore(text: str, kept: Mapping[str, str]) -> str | None:
     return "".join(pieces)
 
 
-def span(node: ast.stmt) -> tuple[int, int]:
+def definition_span(node: ast.stmt) -> tuple[int, int]:
     """The first and last line of ``node``, a decorated definition from its first decorator."""
     decorators = getattr(node, "decorator_list", ())
     return min([node.lineno, *(d.lineno for d in decorators)]), node.end_lineno or node.lineno
@@ -87,23 +97,23 @@ _PLACEHOLDER = re.compile(re.escape(_PREFIX.decode()) + r"\d+(?:_\d+)?\b")
 
 
 def line_starts(data: bytes) -> list[int]:
-    """The offset of each line of ``data`` (for :func:`lines`), its lines ended as Python ends them."""
+    """The offset of each line of ``data`` (for :func:`lines_between`), its lines ended as Python ends them."""
     return [0, *(m.end() for m in _LINE_END.finditer(data))]
 
 
-def lines(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
+def lines_between(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
     """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``, whose :func:`line_starts` are ``starts``."""
     return data[starts[start - 1]: starts[end] if end < len(starts) else None]
 
 
-def covers(ordered: Sequence[int], start: int, end: int) -> bool:
+def has_line_within(ordered: Sequence[int], start: int, end: int) -> bool:
     """Whether one of the sorted line numbers ``ordered`` lies in ``start .. end`` (a bisection: a file's
     definitions checked against its reads' lines in time linear in the file, not their product)."""
     at = bisect.bisect_left(ordered, start)
     return at < len(ordered) and ordered[at] <= end
 
 
-def _rows(data: bytes) -> list[tuple[bytes, bytes]]:
+def _lines_with_endings(data: bytes) -> list[tuple[bytes, bytes]]:
     """Each line of ``data`` as (its text, its line ending: ``\r\n``, ``\r``, ``\n`` or, last, none)."""
     starts = line_starts(data)
     rows = []
@@ -114,16 +124,16 @@ def _rows(data: bytes) -> list[tuple[bytes, bytes]]:
     return rows
 
 
-def skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]) -> Skeleton | None:
+def build_skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]) -> Skeleton | None:
     """``data`` (parsed as ``tree``) with each definition for which ``needed(first line, last line, member)`` is
     false stood in for by a placeholder; None when nothing is, or the file already holds the prefix."""
     if _PREFIX in data:
         return None
-    rows = _rows(data)
+    rows = _lines_with_endings(data)
     kept: dict[bytes, bytes] = {}
 
     def stand_in(node: ast.stmt, tag: str) -> None:
-        start, end = span(node)
+        start, end = definition_span(node)
         ends = [ending for _, ending in rows[start - 1:end]]
         original = b"".join(text + ending for text, ending in rows[start - 1:end])
         first = rows[start - 1][0]
@@ -141,20 +151,20 @@ def skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], b
     for index, node in enumerate(tree.body):
         if not isinstance(node, _DEFINITIONS):
             continue
-        start, end = span(node)
+        start, end = definition_span(node)
         if not needed(start, end, False):
             stand_in(node, str(index))
         elif isinstance(node, ast.ClassDef):
             for member, inner in enumerate(node.body):
-                if isinstance(inner, _DEFINITIONS) and span(inner)[0] > node.lineno and not needed(
-                        *span(inner), True):
+                if isinstance(inner, _DEFINITIONS) and definition_span(inner)[0] > node.lineno and not needed(
+                        *definition_span(inner), True):
                     stand_in(inner, f"{index}_{member}")
     if not kept:
         return None
     return Skeleton(b"".join(text + ending for text, ending in rows), kept)
 
 
-def needed_by(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None,
+def make_needed_check(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None,
               name: re.Pattern[bytes]) -> Callable[[int, int, bool], bool]:
     """The usual ``needed``: a definition is needed when it holds a read (a line of ``site_lines``), a call
     ``calls`` matches (one that may pass a threaded function its collection), or, as a class member, the
@@ -162,10 +172,10 @@ def needed_by(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None
     starts = line_starts(data)
     ordered = sorted(site_lines)
 
-    def needed(start: int, end: int, member: bool) -> bool:
-        if covers(ordered, start, end):
+    def is_needed(start: int, end: int, member: bool) -> bool:
+        if has_line_within(ordered, start, end):
             return True
-        text = lines(data, starts, start, end)
+        text = lines_between(data, starts, start, end)
         return bool((calls is not None and calls.search(text)) or (member and name.search(text)))
 
-    return needed
+    return is_needed

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["TreeFacts", "learn_tree", "names_a_collection", "uses"]
+__all__ = ["TreeFacts", "learn_tree", "names_a_collection", "classify_uses"]
 
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
 _ATTRIBUTE_TARGET = re.compile(rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)",
@@ -109,7 +109,7 @@ def _lines_with(data: bytes, words: re.Pattern[bytes]) -> list[tuple[int, int]]:
     return spans
 
 
-def _indent(data: bytes, start: int) -> int:
+def _indent_width(data: bytes, start: int) -> int:
     """The indentation of the line starting at ``start``."""
     at = start
     while at < len(data) and data[at:at + 1] in (b" ", b"\t"):
@@ -120,10 +120,10 @@ def _indent(data: bytes, start: int) -> int:
 def _enclosing_class(data: bytes, start: int) -> str | None:
     """The name of the innermost class whose body holds the line starting at ``start`` (read back through the
     lines of smaller indentation; blank and comment lines aside), None when it is in none."""
-    level = _indent(data, start)
+    level = _indent_width(data, start)
     while level and start > 0:
         start = data.rfind(b"\n", 0, start - 1) + 1
-        indent = _indent(data, start)
+        indent = _indent_width(data, start)
         if indent >= level or data[start + indent:start + indent + 1] in (b"\n", b"#", b""):
             continue
         level = indent
@@ -133,7 +133,7 @@ def _enclosing_class(data: bytes, start: int) -> str | None:
     return None
 
 
-def _collections(data: bytes, collection: str) -> tuple[set[str], set[str], set[tuple[str, str]]]:
+def _collection_assignments(data: bytes, collection: str) -> tuple[set[str], set[str], set[tuple[str, str]]]:
     """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name, see
     :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection fields its class bodies
     declare; (class, attribute) of each collection attribute a class declares or its methods assign to ``self``,
@@ -157,10 +157,10 @@ def _collections(data: bytes, collection: str) -> tuple[set[str], set[str], set[
     return assigned, fields, owned
 
 
-def _ties(contents: Mapping[str, bytes], owned: set[tuple[str, str]]) -> set[tuple[str, str]]:
+def _classes_tying_chains(contents: Mapping[str, bytes], owned: set[tuple[str, str]]) -> set[tuple[str, str]]:
     """(``self.<a>.<b>`` chain, class) for each class the tree ties such an assigned chain to: its methods assign
     the chain, or assign ``self.<a> = X(...)`` where class ``X`` declares or assigns ``<b>`` (``owned``: see
-    :func:`_collections`)."""
+    :func:`_collection_assignments`)."""
     chains = {chain for _, chain in owned if chain.count(".") >= 2}
     ties = {(chain, cls) for cls, chain in owned if chain in chains}
     holders = {attribute: {c for c, a in owned if a == attribute} for attribute in
@@ -180,7 +180,7 @@ def _ties(contents: Mapping[str, bytes], owned: set[tuple[str, str]]) -> set[tup
     return ties
 
 
-def _bases(data: bytes) -> set[tuple[str, str]]:
+def _class_bases(data: bytes) -> set[tuple[str, str]]:
     """(class, base) of the classes ``data`` defines, each base by its last name (``a.B`` -> ``B``)."""
     found = set()
     for start, _ in _lines_with(data, re.compile(rb"\bclass\b")):
@@ -192,7 +192,7 @@ def _bases(data: bytes) -> set[tuple[str, str]]:
     return found
 
 
-def _words(names: Iterable[str]) -> re.Pattern[bytes]:
+def _mention_pattern(names: Iterable[str]) -> re.Pattern[bytes]:
     """A mention of one of ``names`` (the lookahead on their first letters spares trying each at every word)."""
     first = b"".join(sorted({re.escape(n[:1].encode()) for n in names}))
     alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names, key=len, reverse=True))
@@ -214,7 +214,7 @@ def _word_end(text: bytes, at: int) -> int:
     return at
 
 
-def _use(data: bytes, start: int, end: int) -> str:
+def _kind_of_use(data: bytes, start: int, end: int) -> str:
     """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other`` (its ``def``, an
     attribute of it, a word in prose, a keyword argument's name)."""
     before = data[max(0, start - 120):start]
@@ -232,7 +232,7 @@ def _use(data: bytes, start: int, end: int) -> str:
     return "other"
 
 
-def _registered(data: bytes, names: re.Pattern[bytes]) -> set[str]:
+def _hook_argument_names(data: bytes, names: re.Pattern[bytes]) -> set[str]:
     """The names among the arguments of torch hook registrations in ``data`` (not called there)."""
     found = set()
     for registration in _REGISTRATION.finditer(data):
@@ -246,20 +246,20 @@ def _registered(data: bytes, names: re.Pattern[bytes]) -> set[str]:
     return found
 
 
-def uses(contents: Mapping[str, bytes], names: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+def classify_uses(contents: Mapping[str, bytes], names: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
     """Of ``names`` (not empty), those called somewhere in the tree ``contents``, those referenced as values and
     never called, and those passed to a torch hook registration."""
     called: set[str] = set()
     values: set[str] = set()
     hooks: set[str] = set()
-    mention = _words(names)
+    mention = _mention_pattern(names)
     for data in contents.values():
         for match in mention.finditer(data):
-            use = _use(data, match.start(), match.end())
+            use = _kind_of_use(data, match.start(), match.end())
             if use != "other":
                 (called if use == "call" else values).add(match.group().decode())
         if b"register_" in data:
-            hooks |= _registered(data, mention)
+            hooks |= _hook_argument_names(data, mention)
     return called, values - called, hooks
 
 
@@ -278,14 +278,14 @@ def learn_tree(
     named = {n for n in functions if not (n.startswith("__") and n.endswith("__"))}  # Python calls those
     for path, data in contents.items():
         if collection.encode() in data or b"ProcessGroupCollection" in data or b"use_mpu_process_groups" in data:
-            assigned, declared, classes = _collections(data, collection)
+            assigned, declared, classes = _collection_assignments(data, collection)
             collections |= {(path, expression) for expression in assigned}
             fields |= declared
             owned |= classes
     if named:
-        called, values, hooks = uses(contents, named)
-    ties = _ties(contents, owned)
-    bases = {pair for data in contents.values() for pair in _bases(data)} if ties else set()
+        called, values, hooks = classify_uses(contents, named)
+    ties = _classes_tying_chains(contents, owned)
+    bases = {pair for data in contents.values() for pair in _class_bases(data)} if ties else set()
     return TreeFacts(state_modules=state_modules, modules=modules, called=frozenset(called),
                      values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections),
                      fields=frozenset(fields), ties=frozenset(ties), bases=frozenset(bases))

@@ -34,8 +34,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
-from pgregistry.migrate._plan import reexported
-from pgregistry.migrate._tree import uses
+from pgregistry.migrate._plan import add_reexported_names
+from pgregistry.migrate._tree import classify_uses
 
 __all__ = ["Upward", "thread_upward"]
 
@@ -76,7 +76,7 @@ class _Definition:
     calls: set[tuple[str, str, str]]
 
 
-def _decorated(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+def _has_fixed_signature_decorator(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     for decorator in node.decorator_list:
         expression = decorator.func if isinstance(decorator, ast.Call) else decorator
         last = expression.attr if isinstance(expression, ast.Attribute) else getattr(expression, "id", "")
@@ -85,14 +85,14 @@ def _decorated(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return False
 
 
-def _absolute(module: str, level: int, package: list[str]) -> str:
+def _absolute_module(module: str, level: int, package: list[str]) -> str:
     if level == 0:
         return module
     base = package[: max(0, len(package) - (level - 1))]
     return ".".join([*base, module] if module else base)
 
 
-def _bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
+def _import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
     """The module-level import bindings of ``tree``: bound name -> the module or ``module:name`` it stands for."""
     bound: dict[str, str] = {}
     stack: list[ast.stmt] = list(tree.body)
@@ -103,14 +103,14 @@ def _bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
                 bound[alias.asname or alias.name.partition(".")[0]] = alias.name if alias.asname else \
                     alias.name.partition(".")[0]
         elif isinstance(node, ast.ImportFrom):
-            module = _absolute(node.module or "", node.level, package)
+            module = _absolute_module(node.module or "", node.level, package)
             bound.update({a.asname or a.name: f"{module}:{a.name}" for a in node.names if a.name != "*"})
         elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
     return bound
 
 
-def _target(
+def _call_target(
     call: ast.Call, module: str, functions: set[str], bound: Mapping[str, str], name: str
 ) -> tuple[str, str, str] | None:
     """What ``call`` calls: a module-level function (resolved through the file's imports), or a method by name
@@ -139,19 +139,19 @@ def _target(
     return None
 
 
-def _definitions(path: str, data: bytes, name: str) -> list[_Definition]:
+def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definition]:
     """The module-level functions and the methods of module-level classes of file ``path``, with their calls."""
     package = path.split("/")[:-1]
     module = ".".join(module_name(path))
     tree = ast.parse(data)
-    bound = _bindings(tree, package)
+    bound = _import_bindings(tree, package)
     functions = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     binds_the_name = name in bound or name in functions or any(
         isinstance(t, ast.Name) and t.id == name for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
         for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
     starts = [0, *(m.end() for m in re.finditer(rb"\r\n|\r|\n", data))]
     found = []
-    def text(node: ast.stmt) -> bytes:
+    def definition_text(node: ast.stmt) -> bytes:
         first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
         last = node.end_lineno or node.lineno
         return data[starts[first - 1]: starts[last] if last < len(starts) else None]
@@ -162,15 +162,15 @@ def _definitions(path: str, data: bytes, name: str) -> list[_Definition]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defs.append((node, node.name, False, False))
         elif isinstance(node, ast.ClassDef):
-            holds = name.encode() in text(node)
+            holds = name.encode() in definition_text(node)
             defs += [(member, f"{node.name}.{member.name}", True, holds) for member in node.body
                      if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef))]
     for node, qualname, method, holds in defs:
         special = node.name.startswith("__") and node.name.endswith("__")
-        eligible = not (special or binds_the_name or _decorated(node) or name.encode() in text(node)
-                        or (method and node.name in _CALLED_BY_TORCH))
+        eligible = not (special or binds_the_name or _has_fixed_signature_decorator(node)
+                        or name.encode() in definition_text(node) or (method and node.name in _CALLED_BY_TORCH))
         calls = {t for c in ast.walk(node) if isinstance(c, ast.Call)
-                 for t in [_target(c, module, functions, bound, name)] if t is not None}
+                 for t in [_call_target(c, module, functions, bound, name)] if t is not None}
         found.append(_Definition((module, qualname), node.name, method, eligible, holds, calls))
     return found
 
@@ -179,10 +179,10 @@ def _calls_of(names: Iterable[str]) -> re.Pattern[bytes]:
     return re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")\s*\(")
 
 
-def _aliases(keys: Iterable[Key], packages: Mapping[str, bytes]) -> dict[Key, Key]:
+def _reexport_aliases(keys: Iterable[Key], packages: Mapping[str, bytes]) -> dict[Key, Key]:
     """Each name a package (``packages``: path -> bytes of its ``__init__.py``) re-exports one of the module-level
     functions ``keys`` under -> that function."""
-    found = reexported({key: "\0".join(key) for key in keys}, packages)
+    found = add_reexported_names({key: "\0".join(key) for key in keys}, packages)
     return {alias: (original.split("\0")[0], original.split("\0")[1]) for alias, original in found.items()}
 
 
@@ -206,7 +206,7 @@ def thread_upward(
                 continue
             parsed.add(path)
             try:
-                read += _definitions(path, data, name)
+                read += _definitions_with_calls(path, data, name)
             except (SyntaxError, ValueError):  # the scan refused the run already; a file read for calls only
                 continue
         for definition in read:
@@ -225,22 +225,22 @@ def thread_upward(
     for data in contents.values():
         for defined in _DEFINED.findall(data):
             counts[defined.decode()] = counts.get(defined.decode(), 0) + 1
-    aliases = _aliases([key for key, d in definitions.items() if not d.method] + [k for k in seeds if "." not in k[1]],
-                       packages)
+    module_functions = [key for key, d in definitions.items() if not d.method] + [k for k in seeds if "." not in k[1]]
+    aliases = _reexport_aliases(module_functions, packages)
     chosen = {key for key, d in definitions.items() if d.eligible and key not in seeds and d.calls}
 
-    def target(kind: str, module: str, callee: str) -> tuple[str, str, str]:
+    def defining_target(kind: str, module: str, callee: str) -> tuple[str, str, str]:
         """A call's target, a function by the module that defines it (not a package re-exporting it)."""
         return ("f", *aliases.get((module, callee), (module, callee))) if kind == "f" else (kind, module, callee)
 
     #: Each call target -> the definitions that call it.
     callers_of: dict[tuple[str, str, str], list[Key]] = {}
     for key, definition in definitions.items():
-        definition.calls = {target(*call) for call in definition.calls}
+        definition.calls = {defining_target(*call) for call in definition.calls}
         for call in definition.calls:
             callers_of.setdefault(call, []).append(key)
 
-    def alike(given: set[Key]) -> dict[str, str]:
+    def methods_threaded_alike(given: set[Key]) -> dict[str, str]:
         """Method names every ``def`` of which (by count, over the whole tree) is in ``given``, with keyword
         ``name``."""
         threaded_defs: dict[str, int] = {}
@@ -258,7 +258,7 @@ def thread_upward(
     checked = False
     while True:
         every = set(seeds) | chosen
-        methods = alike(every)
+        methods = methods_threaded_alike(every)
         calling = {key for key in chosen if any((module, callee) in every if kind == "f" else callee in methods
                                                 for kind, module, callee in definitions[key].calls)}
         # Those whose calls lead to a function that reads: from the seeds down the callers (each once).
@@ -283,9 +283,9 @@ def thread_upward(
             # Only now, for the few names left (a search for thousands would cost more than the rest): a function
             # passed as a value or registered as a hook has no caller that passes it one.
             if kept:
-                _, values, hooks = uses(contents, {definitions[key].name for key in kept})
+                _, values, hooks = classify_uses(contents, {definitions[key].name for key in kept})
                 kept = {key for key in kept if definitions[key].name not in (values | hooks)}
             checked = True
         if kept == chosen:
-            return Upward(frozenset(chosen), alike(set(seeds) | chosen))
+            return Upward(frozenset(chosen), methods_threaded_alike(set(seeds) | chosen))
         chosen = kept

@@ -61,11 +61,11 @@ class Change:
     created: bool = False
 
 
-def _hash(data: bytes) -> str:
+def _sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _unchanged(change: Change) -> str | None:
+def _why_changed_on_disk(change: Change) -> str | None:
     """None when the file still holds what it was planned from (a new one: still does not exist); else why
     not."""
     if change.created:
@@ -80,13 +80,13 @@ def _unchanged(change: Change) -> str | None:
     return None
 
 
-def _check(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
+def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
     """``WriteError`` unless ``change`` may be written (see the module docstring); a new file: unless its
     directory is writable and it still does not exist."""
     if change.created:
         if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
             raise WriteError(f"{change.path}: its directory is not writable (the new file is renamed in)")
-        problem = _unchanged(change)
+        problem = _why_changed_on_disk(change)
         if problem is not None:
             raise WriteError(f"{change.path}: {problem}")
         return
@@ -101,7 +101,7 @@ def _check(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
             f"{change.path}: has {status.st_nlink} hard links (others: {others}); a rewrite would split them into "
             "differing copies: make them one file or symbolic links, or leave it out of the paths"
         )
-    problem = _unchanged(change)
+    problem = _why_changed_on_disk(change)
     if problem is not None:
         raise WriteError(f"{change.path}: {problem}")
 
@@ -117,12 +117,12 @@ def _sync_directories(paths: Sequence[Path]) -> None:
                 os.close(handle)
 
 
-def _record(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -> None:
+def _write_journal(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -> None:
     """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the project's
     path cannot make them name other files), and the hashes of its old and new bytes."""
     rows = [
         {"target": str(change.absolute), "temporary": str(temporary),
-         "old": None if change.created else _hash(change.before), "new": _hash(change.after)}
+         "old": None if change.created else _sha256_hex(change.before), "new": _sha256_hex(change.after)}
         for change, temporary in entries
     ]
     try:
@@ -145,7 +145,7 @@ def _write_temporary(change: Change, temporary: Path) -> None:
         os.chmod(temporary, mode)
 
 
-def _remove(paths: Sequence[Path]) -> None:
+def _remove_files(paths: Sequence[Path]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -168,7 +168,7 @@ def write_changes(
     """Write every change, or (``WriteError`` naming the file) none; ``root``: the project root, where the
     journal goes; ``hard_links``: each path's other paths to the same file among those migrated."""
     for change in changes:
-        _check(change, hard_links or {})
+        _check_writable(change, hard_links or {})
     if not changes:
         return
     with _journal_lock(root) as journal:
@@ -177,17 +177,17 @@ def write_changes(
         token = secrets.token_hex(4)
         entries = [(c, c.absolute.with_name(f".{c.absolute.name}.{token}.pgregistry-migrate.tmp")) for c in changes]
         temporaries = [temporary for _, temporary in entries]
-        _record(journal, _WRITING, entries)
+        _write_journal(journal, _WRITING, entries)
         try:
             for change, temporary in entries:
                 _write_temporary(change, temporary)
             _sync_directories(temporaries)
         except OSError as error:
-            _remove(temporaries)
+            _remove_files(temporaries)
             journal.unlink()
             raise WriteError(f"{change.path}: cannot write it: {error.strerror or error}; nothing was written") \
                 from error
-        _record(journal, _RENAMING, entries)
+        _write_journal(journal, _RENAMING, entries)
         try:
             _rename_all(entries)
         except WriteError:
@@ -203,7 +203,7 @@ def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
     meanwhile (or cannot be renamed), put back those renamed already: none is left written."""
     renamed: list[Change] = []
     for change, temporary in entries:
-        problem = _unchanged(change)
+        problem = _why_changed_on_disk(change)
         try:
             if problem is None:
                 os.replace(temporary, change.absolute)
@@ -216,7 +216,7 @@ def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
                 os.unlink(done.absolute)
             else:
                 atomic_write(done.absolute, done.before)
-        _remove([temporary for _, temporary in entries])
+        _remove_files([temporary for _, temporary in entries])
         raise WriteError(f"{change.path}: {problem}; nothing was written (the {len(renamed)} file(s) already "
                          "rewritten were put back)")
 
@@ -227,7 +227,7 @@ def finish_interrupted(root: Path) -> str | None:
     with _journal_lock(root) as journal:
         # A run killed while writing the journal itself left its temporary file, and nothing else.
         stale = sorted(root.glob(f".{JOURNAL}.*.tmp"))
-        _remove(stale)
+        _remove_files(stale)
         if not journal.exists():
             return "an interrupted `pgregistry migrate --write` had written nothing; its journal's temporary " \
                    "file is removed" if stale else None
@@ -239,16 +239,16 @@ def finish_interrupted(root: Path) -> str | None:
             raise WriteError(f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
                              "files it lists from version control, then delete it") from error
         if state == _WRITING:
-            _remove([temporary for _, temporary, _, _ in files])
+            _remove_files([temporary for _, temporary, _, _ in files])
             journal.unlink()
             return (f"an interrupted `pgregistry migrate --write` was rolled back: none of its {len(files)} "
                     "file(s) had been written; its temporary files are removed")
         conflicts, completed = [], 0
         for target, temporary, old, new in files:
-            current = _hash(target.read_bytes()) if target.exists() else None  # None: a file the run creates
+            current = _sha256_hex(target.read_bytes()) if target.exists() else None  # None: a file the run creates
             if current == new:
-                _remove([temporary])
-            elif current == old and temporary.exists() and _hash(temporary.read_bytes()) == new:
+                _remove_files([temporary])
+            elif current == old and temporary.exists() and _sha256_hex(temporary.read_bytes()) == new:
                 os.replace(temporary, target)
                 completed += 1
             else:

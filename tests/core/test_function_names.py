@@ -1,9 +1,10 @@
 """Every function name in the package says what it does or returns (scripts/names.py's check, issue 39).
 
 A one-word name (``_each``, ``_table``) or a past participle used as a function (``agreed``, ``checked_groups``:
-they read as values) is flagged; names docs/api.md lists are the public API's and kept. Every package of
-``pgregistry/`` and its root modules are checked except ``pgregistry/migrate/``, whose renames are under way: it
-joins this test (drop it from :data:`NOT_YET`) when they land.
+they read as values) is flagged; names docs/api.md lists are the public API's and kept. Every module of
+``pgregistry/`` is checked except the three of :data:`NOT_YET`, the migration's line splitting and the rewrite
+that calls it, whose functions keep their names while that code is being reworked: each joins this test (drop
+it from :data:`NOT_YET`) when its renames land.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_YET = ("pgregistry/migrate/",)
+NOT_YET = ("pgregistry/migrate/_layout.py", "pgregistry/migrate/_rewrite.py", "pgregistry/migrate/_style.py")
 
 
 def _script() -> ModuleType:
@@ -40,7 +41,7 @@ def _unclear(paths: list[Path]) -> list[str]:
     ]
 
 
-def test_every_function_name_outside_migrate_says_what_it_does() -> None:
+def test_every_function_name_says_what_it_does() -> None:
     checked = [
         path
         for path in NAMES.python_files(["pgregistry"])

@@ -186,17 +186,17 @@ def test_without_torch_distributed_a_dissolved_shims_reads_are_the_shims_fields(
     import libcst as cst
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from pgregistry.migrate._megatron_release import installed_shim_getters
-    from pgregistry.migrate._shims import Dissolved, dissolve
+    from pgregistry.migrate._megatron_release import find_installed_shim_getters
+    from pgregistry.migrate._shims import Dissolved, dissolve_shim
 
-    getters = installed_shim_getters()
+    getters = find_installed_shim_getters()
     assert getters is not None
     dissolved: dict[str, dict[str, object]] = {}
     for name in getters:
         statement = cst.parse_statement(f"g = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['{name}'])"
                                         f".{name}\n")
         call = statement.body[0].value.value  # type: ignore[attr-defined]
-        found = dissolve(call, [statement], 0, [], getters, gtp_remat=True)
+        found = dissolve_shim(call, [statement], 0, [], getters, gtp_remat=True)
         if isinstance(found, Dissolved):
             dissolved[name] = found.reads[0][2]
     assert {"gtp_remat", "expt_gtp_remat", "tp", "dp", "dp_cp"} <= set(dissolved)

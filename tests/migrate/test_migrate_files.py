@@ -19,7 +19,7 @@ from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
 from pgregistry.migrate import _engine, _plan, _rewrite, _skeleton  # noqa: E402
-from pgregistry.migrate._diff import unified_diff  # noqa: E402
+from pgregistry.migrate._diff import render_unified_diff  # noqa: E402
 
 ARGS = ["migrate", "--preset", "megatron"]
 READ = "def f(x):\n    return ps.get_tensor_model_parallel_group()\n"
@@ -164,7 +164,7 @@ def _operations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, functions: int)
     outcome = _engine.migrate([SourceFile("pkg/m.py", path)], PRESETS["megatron"], target="megatron",
                               name="pg_collection", jobs=1)
     (change,) = [c for c in outcome.changes if c.path == "pkg/m.py"]  # beside the new helper module
-    diff = unified_diff("pkg/m.py", change.before, change.after)
+    diff = render_unified_diff("pkg/m.py", change.before, change.after)
     profile.disable()
     # every third function reads, and the next, calling it, is threaded upward
     assert not outcome.failures and diff.count(b"+def f") == -(-functions // 3) + (functions + 1) // 3

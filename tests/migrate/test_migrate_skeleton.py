@@ -19,7 +19,7 @@ from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.migrate import _engine as _migrate  # noqa: E402
 from pgregistry.migrate._engine import migrate  # noqa: E402
-from pgregistry.migrate._skeleton import restore, skeleton  # noqa: E402
+from pgregistry.migrate._skeleton import build_skeleton, restore_placeholders  # noqa: E402
 
 #: A module with every kind of definition around the reads: decorated, one-line, async, nested classes,
 #: members with and without reads, a method that binds ``self.pg_collection`` and callers of threaded functions.
@@ -144,17 +144,17 @@ def test_the_skeletons_rewrite_is_the_whole_files(
 ) -> None:
     files = _variants()[variant]
     made: list[object] = []
-    real = _migrate.skeleton
+    real = _migrate.build_skeleton
 
     def counted(*args: object) -> object:
         frame = real(*args)  # type: ignore[arg-type]
         made.append(frame)
         return frame
 
-    monkeypatch.setattr(_migrate, "skeleton", counted)
+    monkeypatch.setattr(_migrate, "build_skeleton", counted)
     with_skeletons = _outcome(_run(tmp_path / "skeleton", files))
     assert any(frame is not None for frame in made)  # the fixture does exercise placeholders
-    monkeypatch.setattr(_migrate, "skeleton", lambda *args: None)
+    monkeypatch.setattr(_migrate, "build_skeleton", lambda *args: None)
     whole = _outcome(_run(tmp_path / "whole", files))
     assert with_skeletons == whole
     changes, _, passed, threaded, failures = whole
@@ -164,9 +164,9 @@ def test_the_skeletons_rewrite_is_the_whole_files(
 
 
 def _placeholders(data: bytes, needed: object) -> tuple[bytes, dict[str, str]]:
-    frame = skeleton(data, ast.parse(data), needed)  # type: ignore[arg-type]
+    frame = build_skeleton(data, ast.parse(data), needed)  # type: ignore[arg-type]
     assert frame is not None
-    return frame.data, frame.decoded("utf-8")
+    return frame.data, frame.decode_kept("utf-8")
 
 
 @pytest.mark.parametrize("members", [False, True])
@@ -177,7 +177,7 @@ def test_a_skeleton_keeps_every_line_number_parses_and_puts_back_the_file(member
     assert text.count(b"\n") == data.count(b"\n")
     assert ast.dump(ast.parse(text).body[2]) == ast.dump(ast.parse(data).body[2])  # not a definition: as it was
     module = cst.parse_module(text)
-    assert restore(module.code, kept) == data.decode()
+    assert restore_placeholders(module.code, kept) == data.decode()
     left = {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.ClassDef,
                                                                         ast.AsyncFunctionDef))}
     assert left == ({"cached", "one_line", "fetch", "reduce", "calls_reduce", "Model", "Unrelated"} if members
@@ -191,13 +191,13 @@ def test_a_file_that_holds_the_placeholders_prefix_is_parsed_whole() -> None:
         def f():
             return 1
     """).encode()
-    assert skeleton(data, ast.parse(data), lambda *_: False) is None
+    assert build_skeleton(data, ast.parse(data), lambda *_: False) is None
 
 
 def test_a_placeholder_found_twice_is_not_put_back() -> None:
     data = b"def f():\n    return 1\n"
     text, kept = _placeholders(data, lambda *_: False)
-    assert restore(text.decode() * 2, kept) is None
+    assert restore_placeholders(text.decode() * 2, kept) is None
 
 
 def _tree(copies: int) -> dict[str, bytes]:

@@ -201,7 +201,7 @@ def test_the_upward_closure_does_not_depend_on_skeletons_or_the_split(
     assert len(upward) == 10, serial.threaded  # Base's two, and each copy's
     monkeypatch.setattr(_migrate, "PARALLEL_MIN_BYTES", 0)
     split = _migrated(tmp_path / "split", files, jobs=3)
-    monkeypatch.setattr(_migrate, "skeleton", lambda *args: None)
+    monkeypatch.setattr(_migrate, "build_skeleton", lambda *args: None)
     whole = _migrated(tmp_path / "whole", files)
     for other in (split, whole):
         assert [(c.path, c.after) for c in other.changes] == [(c.path, c.after) for c in serial.changes]
