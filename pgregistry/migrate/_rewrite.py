@@ -18,7 +18,13 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
-from pgregistry.migrate._layout import split_arguments, split_condition, split_header, split_statement
+from pgregistry.migrate._layout import (
+    split_arguments,
+    split_condition,
+    split_header,
+    split_key,
+    split_statement,
+)
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._shims import Dissolved
 from pgregistry.migrate._skeleton import restore
@@ -389,6 +395,11 @@ class _Rewriter(cst.CSTTransformer):
         if self.changed and updated.args:  # an argument on a line of its own that a rewrite made too long
             return split_arguments(updated, original, self._indent(), self.width, self.unit)
         return updated
+
+    def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp) -> cst.DictComp:
+        if updated.key.deep_equals(original.key):  # the author's key, however long, is left
+            return updated
+        return split_key(updated, self._indent(), self.width, self.unit)  # a key the rewrite made too long
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         function = self.functions.get(id(original))
