@@ -1,7 +1,8 @@
 """Lines the rewrite made longer than the tree's line length, split as black splits them.
 
 Only a statement, ``def``, ``if``, ``elif`` or ``while`` line the rewrite changed, that was one physical line
-and no longer fits, is split; every other byte stays as the author wrote it. The shapes black gives (black 24 to
+and no longer fits (its trailing comment counted, as black counts it, and left after its last line), is split;
+every other byte stays as the author wrote it. The shapes black gives (black 24 to
 26; the tests hold its output):
 
 - an assignment's value, a ``return``'s value, an ``assert``'s test (without a message) or an expression
@@ -217,14 +218,15 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         if parts is None or _fits(deeper, inner, width):
             return line
         lines = [f"{head}{prefix}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
-    elif _fits(indent, text + _code(line.trailing_whitespace).rstrip("\n"), width):
+    elif _fits(indent, text + (comment := _code(line.trailing_whitespace).rstrip("\n")), width):
         return line
     elif isinstance(value, cst.BinaryOperation) and not value.lpar and _last_call(value) is None:
         # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then fits)
         body = _code(value)
         lines = [f"{head}(", unit + body, ")"] if _fits(indent + len(unit.expandtabs(4)), body, width) else [text]
     else:
-        lines = _lines(head, value, "", indent, width, unit, bracketed=False)
+        # a trailing comment counts: black leaves it after the last line
+        lines = _lines(head, value, comment, indent, width, unit, bracketed=False)
     if len(lines) == 1:
         return line
     parsed = _parsed("\n".join(lines) + "\n")

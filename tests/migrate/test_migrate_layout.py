@@ -434,3 +434,27 @@ def test_a_call_followed_by_an_empty_call_made_too_long_gets_its_arguments_split
             )
         )
         """), " " * 4) in _migrated(tmp_path, source)
+
+
+def test_a_statement_made_too_long_with_its_trailing_comment_is_split_as_black_splits_it(tmp_path: Path) -> None:
+    # Megatron-LM d98e8a64dd's GDN context-parallel all-to-all: ``V = _all_to_all_cp2hp(...)  # (l*cp, ...)``
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def _all_to_all_cp2hp(tensor, group):
+            return tensor * ps.get_context_parallel_world_size()
+
+
+        class Layer:
+            def mix(self, V, K):
+                V = _all_to_all_cp2hp(V, self.cp_group)  # (l*cp, b*M, d_inner/cp) the layout after it
+                K = _all_to_all_cp2hp(K, self.cp_group)  # short
+                return V, K * ps.get_context_parallel_rank()
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+        V = _all_to_all_cp2hp(
+            V, self.cp_group, pg_collection=pg_collection
+        )  # (l*cp, b*M, d_inner/cp) the layout after it
+        K = _all_to_all_cp2hp(K, self.cp_group, pg_collection=pg_collection)  # short
+        """), " " * 8) in _migrated(tmp_path, source)
