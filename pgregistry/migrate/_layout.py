@@ -24,6 +24,9 @@ every other byte stays as the author wrote it. The shapes black gives (black 24 
   call's arguments on a line of their own, ...), its comma kept at the end;
 - a value ``not (``, one line, ``)`` (the author's layout) whose line no longer fits: split at its delimiters as
   a value in parentheses is;
+- a call's arguments on one line of their own (``f(``, the arguments, ``)``) after which the rewrite added a
+  keyword on a line of its own, where that line with the comma added no longer fits: one argument a line with a
+  trailing comma;
 - a dict comprehension's key in parentheses on a line of its own: ``(``, the key (split at its delimiters where
   it still does not fit), ``): value``.
 
@@ -34,7 +37,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-__all__ = ["split_arguments", "split_condition", "split_header", "split_key", "split_statement"]
+__all__ = ["split_argument_line", "split_arguments", "split_condition", "split_header", "split_key",
+           "split_statement"]
 
 _CODE = cst.Module([])
 
@@ -364,3 +368,37 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
     except cst.ParserSyntaxError:
         return comprehension
     return comprehension.with_changes(key=parsed.key) if isinstance(parsed, cst.DictComp) else comprehension
+
+
+def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
+    """(its indentation, its text, the closing parenthesis's indentation) of the one line of ``call``'s arguments
+    where they are laid out ``f(``, the arguments on one line, ``)`` (without comments); else None."""
+    lines = _code(call).split("\n")
+    opening = _own_line(call.whitespace_before_args)
+    if opening is None or len(lines) != 3 or "#" in lines[1] or not lines[1].startswith(opening):
+        return None
+    closing = lines[2].removesuffix(")")
+    return (opening, lines[1][len(opening):], closing) if not closing.strip() else None
+
+
+def split_argument_line(call: cst.Call, before: cst.Call, original: cst.Call, indent: int, width: int,
+                        unit: str) -> cst.Call:
+    """``call`` (in a block ``indent`` columns in), ``before`` with a keyword argument added on a line of its own
+    after its one line of arguments (:func:`_argument_line`), with one argument a line and a trailing comma, as
+    black lays them out, where that line, with the comma added, no longer fits and fitted as the author wrote it
+    (``original``); else ``call``."""
+    laid_out, authors = _argument_line(before), _argument_line(original)
+    if laid_out is None or authors is None or not call.args:
+        return call
+    opening, text, closing = laid_out
+    column = indent + len(opening.expandtabs(4))
+    if _fits(column, text + ",", width) or not _fits(column, authors[1], width):
+        return call
+    lines = [line for arg in call.args for line in _lines(_argument_head(arg), arg.value, ",", column, width, unit)]
+    try:
+        parsed = cst.parse_expression("f(\n" + "".join(f"{opening}{line}\n" for line in lines) + f"{closing})")
+    except cst.ParserSyntaxError:
+        return call
+    if not isinstance(parsed, cst.Call) or len(parsed.args) != len(call.args):
+        return call
+    return call.with_changes(args=parsed.args, whitespace_before_args=parsed.whitespace_before_args)

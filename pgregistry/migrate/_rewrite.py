@@ -19,6 +19,7 @@ import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
 from pgregistry.migrate._layout import (
+    split_argument_line,
     split_arguments,
     split_condition,
     split_header,
@@ -391,7 +392,8 @@ class _Rewriter(cst.CSTTransformer):
         if passing is not None:
             self.changed = True
             keyword, value = passing
-            updated = _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
+            added = _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
+            updated = split_argument_line(added, updated, original, self._indent(), self.width, self.unit)
         if self.changed and updated.args:  # an argument on a line of its own that a rewrite made too long
             return split_arguments(updated, original, self._indent(), self.width, self.unit)
         return updated

@@ -458,3 +458,40 @@ def test_a_statement_made_too_long_with_its_trailing_comment_is_split_as_black_s
         )  # (l*cp, b*M, d_inner/cp) the layout after it
         K = _all_to_all_cp2hp(K, self.cp_group, pg_collection=pg_collection)  # short
         """), " " * 8) in _migrated(tmp_path, source)
+
+
+def test_a_line_of_arguments_made_too_long_by_the_added_comma_gets_one_argument_a_line_as_black_splits_it(
+    tmp_path: Path,
+) -> None:
+    # Megatron-LM d98e8a64dd's GDN hidden-parallel to context-parallel all-to-all; a shorter line keeps its layout
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def tensor_a2a_hp2cp(tensor, seq_dim, head_dim, cp_group, redo_attention_load_balancing):
+            return tensor * ps.get_context_parallel_world_size()
+
+
+        def gdn_hp2cp(norm_out, cp_group):
+            if cp_group is not None:
+                norm_out = tensor_a2a_hp2cp(
+                    norm_out, seq_dim=0, head_dim=-1, cp_group=cp_group, redo_attention_load_balancing=False
+                )
+            return tensor_a2a_hp2cp(
+                norm_out, seq_dim=0, head_dim=-1, cp_group=cp_group
+            )
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+            norm_out = tensor_a2a_hp2cp(
+                norm_out,
+                seq_dim=0,
+                head_dim=-1,
+                cp_group=cp_group,
+                redo_attention_load_balancing=False,
+                pg_collection=pg_collection,
+            )
+        return tensor_a2a_hp2cp(
+            norm_out, seq_dim=0, head_dim=-1, cp_group=cp_group,
+            pg_collection=pg_collection
+        )
+        """), " " * 4) in _migrated(tmp_path, source)
