@@ -346,7 +346,7 @@ class _Rewriter(cst.CSTTransformer):
         return True
 
     def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
-        if updated.test is original.test:
+        if updated.test.deep_equals(original.test):  # libcst rebuilds every node: ``is`` never holds
             return updated
         keyword = "elif" if id(original) in self.elifs else "if"
         split = split_condition(updated, keyword, self._indent(), self.width, self.unit)
@@ -354,7 +354,7 @@ class _Rewriter(cst.CSTTransformer):
         return split
 
     def leave_While(self, original: cst.While, updated: cst.While) -> cst.While:
-        if updated.test is original.test:
+        if updated.test.deep_equals(original.test):
             return updated
         split = split_condition(updated, "while", self._indent(), self.width, self.unit)
         assert isinstance(split, cst.While)

@@ -495,3 +495,22 @@ def test_a_line_of_arguments_made_too_long_by_the_added_comma_gets_one_argument_
             pg_collection=pg_collection
         )
         """), " " * 4) in _migrated(tmp_path, source)
+
+
+def test_an_authors_long_condition_the_rewrite_did_not_change_is_left(tmp_path: Path) -> None:
+    # the ``if`` and ``while`` lines of a rewritten function are split only where the rewrite changed them
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def f(x):
+            if some_function_of_the_authors(first_argument_of_it, second_argument_of_it, third_one_of_it_ok):
+                return ps.get_tensor_model_parallel_rank()
+            while some_function_of_the_authors(first_argument_of_it, second_argument_of_it, third_one_of_it):
+                x = ps.get_tensor_model_parallel_world_size()
+            return x
+        """)
+    migrated = _migrated(tmp_path, source)
+    arguments = "(first_argument_of_it, second_argument_of_it, third_one_of_it"
+    assert f"    if some_function_of_the_authors{arguments}_ok):\n" in migrated
+    assert f"    while some_function_of_the_authors{arguments}):\n" in migrated
