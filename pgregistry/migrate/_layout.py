@@ -1,7 +1,8 @@
 """Lines the rewrite made longer than the tree's line length, split as black splits them.
 
 Only a statement, ``def``, ``if``, ``elif`` or ``while`` line the rewrite changed, that was one physical line
-and no longer fits, is split; every other byte stays as the author wrote it. The shapes black gives (black 24 to
+and no longer fits (its trailing comment counted, as black counts it, and left after its last line), is split;
+every other byte stays as the author wrote it. The shapes black gives (black 24 to
 26; the tests hold its output):
 
 - an assignment's value, a ``return``'s value, an ``assert``'s test (without a message) or an expression
@@ -11,13 +12,23 @@ and no longer fits, is split; every other byte stays as the author wrote it. The
   delimiters (one element a line with a trailing comma for a tuple; ``if`` and ``else`` parts a line each; one
   operand a line, its operator first);
 - else (it ends in a call): that last call's arguments on a line of their own, else one a line with a trailing
-  comma;
+  comma (calls without arguments after it, ``f(...).keys()``, are looked through, as black skips empty
+  brackets);
+- inside brackets (an argument, an element, an operand), an arithmetic operation: one operand a line, its
+  operator first, at the same indentation (black's split at the delimiters before its right-hand split);
 - a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma;
 - an ``if`` / ``elif`` / ``while`` line: its condition as a statement's value (in parentheses on a line of its
   own, or its last call's arguments);
 - an argument the rewrite changed on a line of its own in a call that already spans lines (one argument a
   line): as a statement's value, after its ``name=`` (a conditional in parentheses on a line of its own, a
-  call's arguments on a line of their own, ...), its comma kept at the end.
+  call's arguments on a line of their own, ...), its comma kept at the end;
+- a value ``not (``, one line, ``)`` (the author's layout) whose line no longer fits: split at its delimiters as
+  a value in parentheses is;
+- a call's arguments on one line of their own (``f(``, the arguments, ``)``) after which the rewrite added a
+  keyword on a line of its own, where that line with the comma added no longer fits: one argument a line with a
+  trailing comma;
+- a dict comprehension's key in parentheses on a line of its own: ``(``, the key (split at its delimiters where
+  it still does not fit), ``): value``.
 
 Anything else (a long line of another shape) is left as it is.
 """
@@ -26,7 +37,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-__all__ = ["split_arguments", "split_condition", "split_header", "split_statement"]
+__all__ = ["split_argument_line", "split_arguments", "split_condition", "split_header", "split_key",
+           "split_statement"]
 
 _CODE = cst.Module([])
 
@@ -74,6 +86,43 @@ def _starred(value: cst.BaseExpression) -> bool:
     return any(isinstance(element, cst.StarredElement) for element in elements)
 
 
+#: The arithmetic operators of one priority (black splits at each of a chain of them, ``**`` never).
+_PRIORITIES: tuple[tuple[type[cst.BaseBinaryOp], ...], ...] = (
+    (cst.Add, cst.Subtract),
+    (cst.Multiply, cst.Divide, cst.FloorDivide, cst.Modulo, cst.MatrixMultiply),
+    (cst.LeftShift, cst.RightShift),
+    (cst.BitAnd,),
+    (cst.BitXor,),
+    (cst.BitOr,),
+)
+
+
+def _operands(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpression]]:
+    """(operator before, operand) of each operand of ``value``'s chain of operators of its priority at the top
+    (``a + b - c``: ``a``, ``+ b``, ``- c``); empty for ``**``."""
+    group = next((operators for operators in _PRIORITIES if isinstance(value.operator, operators)), None)
+    if group is None:
+        return []
+    left = value.left
+    chained = isinstance(left, cst.BinaryOperation) and not left.lpar and isinstance(left.operator, group)
+    first = _operands(left) if isinstance(left, cst.BinaryOperation) and chained else [("", left)]
+    return [*first, (_code(value.operator).strip() + " ", value.right)]
+
+
+def _split_call(value: cst.BaseExpression) -> tuple[cst.Call, str] | None:
+    """The call whose closing parenthesis ends ``value`` (see :func:`_last_call`), looking through calls without
+    arguments on its result (``f(x).keys()``: ``f(x)``, as black skips empty brackets), and the text after it."""
+    call = _last_call(value)
+    suffix = ""
+    while call is not None and not call.args and isinstance(call.func, cst.Attribute) and not call.func.lpar:
+        inner = call.func.value
+        if not isinstance(inner, cst.Call) or inner.lpar:
+            break
+        suffix = _code(call)[len(_code(inner)):] + suffix
+        call = inner
+    return None if call is None else (call, suffix)
+
+
 def _last_call(value: cst.BaseExpression) -> cst.Call | None:
     """The call whose closing parenthesis ends ``value``, if one does."""
     while not value.rpar:
@@ -97,17 +146,24 @@ def _argument_head(arg: cst.Arg) -> str:
     return arg.star if isinstance(arg.star, str) else ""
 
 
-def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str) -> list[str]:
+def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str,
+           bracketed: bool = True) -> list[str]:
     """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each indented
-    relative to the first."""
+    relative to the first; ``bracketed``: the line is inside brackets (not a statement's or a condition's)."""
     body = _code(value)
     if _fits(indent, head + body + tail, width):
         return [head + body + tail]
+    operands = _operands(value) if bracketed and isinstance(value, cst.BinaryOperation) and not value.lpar else []
+    if operands:  # inside brackets black splits at the operators first, one operand a line, its operator first
+        last = len(operands) - 1
+        return [line for index, (operator, operand) in enumerate(operands) for line in _lines(
+            (head if index == 0 else "") + operator, operand, tail if index == last else "", indent, width, unit)]
     parts = _parts(value)
-    call = _last_call(value)
+    found = _split_call(value)
+    call, suffix = found if found is not None else (None, "")
     deeper = indent + len(unit.expandtabs(4))
     if call is not None and call.args and (parts is None or len(parts) < 3 and not isinstance(value, cst.Tuple)):
-        before = head + body[: len(body) - len(_code(call))] + _code(call.func) + "("
+        before = head + body[: len(body) - len(_code(call)) - len(suffix)] + _code(call.func) + "("
         if _fits(indent, before, width):  # black splits the last call, omitting optional parentheses
             arguments = [_code(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in call.args]
             one = ", ".join(arguments)
@@ -117,7 +173,7 @@ def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: 
                 comma = "," if len(call.args) > 1 else ""
                 inner = [line for arg in call.args
                          for line in _lines(_argument_head(arg), arg.value, comma, deeper, width, unit)]
-            return [before, *(unit + line for line in inner), ")" + tail]
+            return [before, *(unit + line for line in inner), ")" + suffix + tail]
     if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements and not _starred(value):
         opening, closing = ("[", "]") if isinstance(value, cst.List) else ("{", "}")
         inner = [line for element in value.elements for line in _lines(
@@ -152,24 +208,29 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
     head = text[: len(text) - len(_code(value))]
     if not text.endswith(_code(value)) or "\n" in head:
         return line
-    if "\n" in text:  # only the layout ``(``, one line, ``)``, without comments, is laid out again
-        bare = value.with_changes(lpar=[], rpar=[])
+    if "\n" in text:  # only the layout ``(`` (``not (``), one line, ``)``, without comments, is laid out again
+        prefix, enclosed = "", value
+        if isinstance(value, cst.UnaryOperation) and not value.lpar:
+            prefix, enclosed = _code(value.operator), value.expression
+        bare = enclosed.with_changes(lpar=[], rpar=[])
         inner = _code(bare)
-        if len(value.lpar) != 1 or "\n" in inner or "#" in text or _code(value) != f"(\n{unit}{inner}\n)":
+        laid_out = f"{prefix}(\n{unit}{inner}\n)"
+        if len(enclosed.lpar) != 1 or "\n" in inner or "#" in text or _code(value) != laid_out:
             return line
         deeper = indent + len(unit.expandtabs(4))
         parts = _parts(bare)
         if parts is None or _fits(deeper, inner, width):
             return line
-        lines = [f"{head}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
-    elif _fits(indent, text + _code(line.trailing_whitespace).rstrip("\n"), width):
+        lines = [f"{head}{prefix}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
+    elif _fits(indent, text + (comment := _code(line.trailing_whitespace).rstrip("\n")), width):
         return line
     elif isinstance(value, cst.BinaryOperation) and not value.lpar and _last_call(value) is None:
         # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then fits)
         body = _code(value)
         lines = [f"{head}(", unit + body, ")"] if _fits(indent + len(unit.expandtabs(4)), body, width) else [text]
     else:
-        lines = _lines(head, value, "", indent, width, unit)
+        # a trailing comment counts: black leaves it after the last line
+        lines = _lines(head, value, comment, indent, width, unit, bracketed=False)
     if len(lines) == 1:
         return line
     parsed = _parsed("\n".join(lines) + "\n")
@@ -223,7 +284,7 @@ def split_condition(node: cst.If | cst.While, keyword: str, indent: int, width: 
     header = f"{keyword}{_code(getattr(node, before))}{test}{_code(getattr(node, after))}:"
     if "\n" in test or _fits(indent, header, width):
         return node
-    lines = _lines(f"{keyword} ", node.test, ":", indent, width, unit)
+    lines = _lines(f"{keyword} ", node.test, ":", indent, width, unit, bracketed=False)
     if len(lines) == 1:
         return node
     parsed = _parsed("\n".join(["if" + lines[0].removeprefix(keyword), *lines[1:]]) + f"\n{unit}pass\n")
@@ -279,3 +340,65 @@ def split_arguments(call: cst.Call, original: cst.Call, indent: int, width: int,
         if isinstance(parsed, cst.Call) and len(parsed.args) == 1:
             args[index] = arg.with_changes(value=parsed.args[0].value)
     return call.with_changes(args=args)
+
+
+def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -> cst.DictComp:
+    """``comprehension`` (in a block ``indent`` columns in) with its key in parentheses, on a line of its own that
+    the rewrite made longer than ``width``, laid out as black lays it out: ``(``, the key (split at its
+    lowest-priority delimiters where it still does not fit), ``): value``."""
+    key = comprehension.key
+    opening = _own_line(comprehension.lbrace.whitespace_after)
+    if opening is None or _own_line(comprehension.for_in.whitespace_before) is None or len(key.lpar) != 1:
+        return comprehension
+    bare = key.with_changes(lpar=[], rpar=[])
+    after = (f"){_code(comprehension.whitespace_before_colon)}:{_code(comprehension.whitespace_after_colon)}"
+             f"{_code(comprehension.value)}")
+    column = indent + len(opening.expandtabs(4))
+    inner = _code(bare)
+    if "\n" in inner + after or _fits(column, f"({inner}{after}", width) or _code(key) != f"({inner})":
+        return comprehension
+    deeper = column + len(unit.expandtabs(4))
+    parts = _parts(bare)
+    lines = (_exploded(parts, deeper, width, unit) if parts is not None and not _fits(deeper, inner, width)
+             else _lines("", bare, "", deeper, width, unit))
+    text = "\n".join(["{", f"{opening}(", *(f"{opening}{unit}{line}" for line in lines), f"{opening}{after}",
+                      f"{opening}for _ in _", "}"])
+    try:
+        parsed = cst.parse_expression(text)
+    except cst.ParserSyntaxError:
+        return comprehension
+    return comprehension.with_changes(key=parsed.key) if isinstance(parsed, cst.DictComp) else comprehension
+
+
+def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
+    """(its indentation, its text, the closing parenthesis's indentation) of the one line of ``call``'s arguments
+    where they are laid out ``f(``, the arguments on one line, ``)`` (without comments); else None."""
+    lines = _code(call).split("\n")
+    opening = _own_line(call.whitespace_before_args)
+    if opening is None or len(lines) != 3 or "#" in lines[1] or not lines[1].startswith(opening):
+        return None
+    closing = lines[2].removesuffix(")")
+    return (opening, lines[1][len(opening):], closing) if not closing.strip() else None
+
+
+def split_argument_line(call: cst.Call, before: cst.Call, original: cst.Call, indent: int, width: int,
+                        unit: str) -> cst.Call:
+    """``call`` (in a block ``indent`` columns in), ``before`` with a keyword argument added on a line of its own
+    after its one line of arguments (:func:`_argument_line`), with one argument a line and a trailing comma, as
+    black lays them out, where that line, with the comma added, no longer fits and fitted as the author wrote it
+    (``original``); else ``call``."""
+    laid_out, authors = _argument_line(before), _argument_line(original)
+    if laid_out is None or authors is None or not call.args:
+        return call
+    opening, text, closing = laid_out
+    column = indent + len(opening.expandtabs(4))
+    if _fits(column, text + ",", width) or not _fits(column, authors[1], width):
+        return call
+    lines = [line for arg in call.args for line in _lines(_argument_head(arg), arg.value, ",", column, width, unit)]
+    try:
+        parsed = cst.parse_expression("f(\n" + "".join(f"{opening}{line}\n" for line in lines) + f"{closing})")
+    except cst.ParserSyntaxError:
+        return call
+    if not isinstance(parsed, cst.Call) or len(parsed.args) != len(call.args):
+        return call
+    return call.with_changes(args=parsed.args, whitespace_before_args=parsed.whitespace_before_args)

@@ -18,7 +18,14 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom
-from pgregistry.migrate._layout import split_arguments, split_condition, split_header, split_statement
+from pgregistry.migrate._layout import (
+    split_argument_line,
+    split_arguments,
+    split_condition,
+    split_header,
+    split_key,
+    split_statement,
+)
 from pgregistry.migrate._plan import LEFT, FilePlan
 from pgregistry.migrate._shims import Dissolved
 from pgregistry.migrate._skeleton import restore_placeholders
@@ -339,7 +346,7 @@ class _Rewriter(cst.CSTTransformer):
         return True
 
     def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
-        if updated.test is original.test:
+        if updated.test.deep_equals(original.test):  # libcst rebuilds every node: ``is`` never holds
             return updated
         keyword = "elif" if id(original) in self.elifs else "if"
         split = split_condition(updated, keyword, self._indent(), self.width, self.unit)
@@ -347,7 +354,7 @@ class _Rewriter(cst.CSTTransformer):
         return split
 
     def leave_While(self, original: cst.While, updated: cst.While) -> cst.While:
-        if updated.test is original.test:
+        if updated.test.deep_equals(original.test):
             return updated
         split = split_condition(updated, "while", self._indent(), self.width, self.unit)
         assert isinstance(split, cst.While)
@@ -385,10 +392,16 @@ class _Rewriter(cst.CSTTransformer):
         if passing is not None:
             self.changed = True
             keyword, value = passing
-            updated = _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
+            added = _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
+            updated = split_argument_line(added, updated, original, self._indent(), self.width, self.unit)
         if self.changed and updated.args:  # an argument on a line of its own that a rewrite made too long
             return split_arguments(updated, original, self._indent(), self.width, self.unit)
         return updated
+
+    def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp) -> cst.DictComp:
+        if updated.key.deep_equals(original.key):  # the author's key, however long, is left
+            return updated
+        return split_key(updated, self._indent(), self.width, self.unit)  # a key the rewrite made too long
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         function = self.functions.get(id(original))

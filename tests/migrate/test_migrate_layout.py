@@ -309,3 +309,208 @@ def test_a_call_argument_made_too_long_in_a_call_of_one_argument_a_line_gets_its
             ),
         )
         """), " " * 20) in _migrated(tmp_path, source)
+
+
+def test_an_arithmetic_keyword_argument_made_too_long_is_split_at_its_operator_as_black_splits_it(
+    tmp_path: Path,
+) -> None:
+    # megatron-core 0.19.2's DynamicInferenceContext: ``self.round_up_tokens(...) // tp_size`` once it passes the
+    # collection; the argument the author wrote too long stays
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def round_up_tokens(tokens):
+            return tokens * ps.get_tensor_model_parallel_world_size()
+
+
+        class Context:
+            def allocate(self, tp_size):
+                if ps.get_tensor_model_parallel_rank() == 0:
+                    Dispatcher.allocate_buffers(
+                        per_rank_worst_case_token_count=round_up_tokens(self.max_tokens) // tp_size,
+                        the_authors_long_argument=some_function_of_the_authors(first_argument, second_argument) // 2,
+                    )
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+        Dispatcher.allocate_buffers(
+            per_rank_worst_case_token_count=round_up_tokens(
+                self.max_tokens, pg_collection=pg_collection
+            )
+            // tp_size,
+            the_authors_long_argument=some_function_of_the_authors(first_argument, second_argument) // 2,
+        )
+        """), " " * 12) in _migrated(tmp_path, source)
+
+
+def test_a_condition_in_parentheses_after_not_made_too_long_is_split_at_its_and_as_black_splits_it(
+    tmp_path: Path,
+) -> None:
+    # megatron-core 0.19.2's two inference model wrappers: ``not (is_pipeline_first_stage(...) and ...)``
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def is_first_stage_of_the_pipeline(group):
+            return ps.is_pipeline_first_stage(ignore_virtual=True)
+
+
+        def is_last_stage_of_the_pipeline(group):
+            return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+        class Wrapper:
+            def prep_model_for_inference(self):
+                self.model_is_pipeline_parallel = not (
+                    is_first_stage_of_the_pipeline(self.pp_group) and is_last_stage_of_the_pipeline(self.pp_group)
+                )
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+        self.model_is_pipeline_parallel = not (
+            is_first_stage_of_the_pipeline(self.pp_group, pg_collection=pg_collection)
+            and is_last_stage_of_the_pipeline(self.pp_group, pg_collection=pg_collection)
+        )
+        """), " " * 8) in _migrated(tmp_path, source)
+
+
+def test_a_dict_comprehensions_conditional_key_made_too_long_is_split_as_black_splits_it(tmp_path: Path) -> None:
+    # megatron-core 0.19.2's DistributedOptimizer: ``(self._param_name(k) if ... else k): v``
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        class Optimizer:
+            def _param_name(self, param):
+                return f"{param}-{ps.get_tensor_model_parallel_rank()}"
+
+            def state_dict(self):
+                packed_state = {
+                    (self._param_name(k) if isinstance(k, torch.Tensor) else k): v
+                    for k, v in self.state.items()
+                }
+                authors_state = {
+                    (self.the_authors_own_long_name_of_a_key_function(k) if isinstance(k, torch.Tensor) else k): v
+                    for k, v in self.state.items()
+                }
+                return packed_state, authors_state
+        """)
+    migrated = _migrated(tmp_path, source)
+    assert textwrap.indent(textwrap.dedent("""\
+        packed_state = {
+            (
+                self._param_name(k, pg_collection=pg_collection)
+                if isinstance(k, torch.Tensor)
+                else k
+            ): v
+            for k, v in self.state.items()
+        }
+        """), " " * 8) in migrated
+    assert "(self.the_authors_own_long_name_of_a_key_function(k) if isinstance(k, torch.Tensor) else k): v" in migrated
+
+
+def test_a_call_followed_by_an_empty_call_made_too_long_gets_its_arguments_split_as_black_splits_it(
+    tmp_path: Path,
+) -> None:
+    # megatron-core 0.19.2's get_global_unique_param_name: ``handle_experts_in_state_dict(...).keys()``
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def handle_experts_in_state_dict(state_dict, num_experts):
+            return {f"{k}-{ps.get_expert_model_parallel_rank()}": v for k, v in state_dict.items()}
+
+
+        def get_global_unique_param_name(model_chunks, param_name):
+            num_experts = model_chunks[0].config.num_moe_experts if model_chunks else None
+            param_name = next(iter(handle_experts_in_state_dict({param_name: None}, num_experts).keys()))
+            return param_name
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+        param_name = next(
+            iter(
+                handle_experts_in_state_dict(
+                    {param_name: None}, num_experts, pg_collection=pg_collection
+                ).keys()
+            )
+        )
+        """), " " * 4) in _migrated(tmp_path, source)
+
+
+def test_a_statement_made_too_long_with_its_trailing_comment_is_split_as_black_splits_it(tmp_path: Path) -> None:
+    # Megatron-LM d98e8a64dd's GDN context-parallel all-to-all: ``V = _all_to_all_cp2hp(...)  # (l*cp, ...)``
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def _all_to_all_cp2hp(tensor, group):
+            return tensor * ps.get_context_parallel_world_size()
+
+
+        class Layer:
+            def mix(self, V, K):
+                V = _all_to_all_cp2hp(V, self.cp_group)  # (l*cp, b*M, d_inner/cp) the layout after it
+                K = _all_to_all_cp2hp(K, self.cp_group)  # short
+                return V, K * ps.get_context_parallel_rank()
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+        V = _all_to_all_cp2hp(
+            V, self.cp_group, pg_collection=pg_collection
+        )  # (l*cp, b*M, d_inner/cp) the layout after it
+        K = _all_to_all_cp2hp(K, self.cp_group, pg_collection=pg_collection)  # short
+        """), " " * 8) in _migrated(tmp_path, source)
+
+
+def test_a_line_of_arguments_made_too_long_by_the_added_comma_gets_one_argument_a_line_as_black_splits_it(
+    tmp_path: Path,
+) -> None:
+    # Megatron-LM d98e8a64dd's GDN hidden-parallel to context-parallel all-to-all; a shorter line keeps its layout
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def tensor_a2a_hp2cp(tensor, seq_dim, head_dim, cp_group, redo_attention_load_balancing):
+            return tensor * ps.get_context_parallel_world_size()
+
+
+        def gdn_hp2cp(norm_out, cp_group):
+            if cp_group is not None:
+                norm_out = tensor_a2a_hp2cp(
+                    norm_out, seq_dim=0, head_dim=-1, cp_group=cp_group, redo_attention_load_balancing=False
+                )
+            return tensor_a2a_hp2cp(
+                norm_out, seq_dim=0, head_dim=-1, cp_group=cp_group
+            )
+        """)
+    assert textwrap.indent(textwrap.dedent("""\
+            norm_out = tensor_a2a_hp2cp(
+                norm_out,
+                seq_dim=0,
+                head_dim=-1,
+                cp_group=cp_group,
+                redo_attention_load_balancing=False,
+                pg_collection=pg_collection,
+            )
+        return tensor_a2a_hp2cp(
+            norm_out, seq_dim=0, head_dim=-1, cp_group=cp_group,
+            pg_collection=pg_collection
+        )
+        """), " " * 4) in _migrated(tmp_path, source)
+
+
+def test_an_authors_long_condition_the_rewrite_did_not_change_is_left(tmp_path: Path) -> None:
+    # the ``if`` and ``while`` lines of a rewritten function are split only where the rewrite changed them
+    source = textwrap.dedent("""\
+        from megatron.core import parallel_state as ps
+
+
+        def f(x):
+            if some_function_of_the_authors(first_argument_of_it, second_argument_of_it, third_one_of_it_ok):
+                return ps.get_tensor_model_parallel_rank()
+            while some_function_of_the_authors(first_argument_of_it, second_argument_of_it, third_one_of_it):
+                x = ps.get_tensor_model_parallel_world_size()
+            return x
+        """)
+    migrated = _migrated(tmp_path, source)
+    arguments = "(first_argument_of_it, second_argument_of_it, third_one_of_it"
+    assert f"    if some_function_of_the_authors{arguments}_ok):\n" in migrated
+    assert f"    while some_function_of_the_authors{arguments}):\n" in migrated
