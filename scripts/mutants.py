@@ -723,8 +723,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="skeleton-placeholders-counted-as-code",
         bug="migrate counts a touched class's names without its stood-in members, and drops an import they use",
         file="pgregistry/migrate/_rewrite.py",
-        find="new.update(_uses(_restored(plan, render.statement(statement))))",
-        replace="new.update(_uses(render.statement(statement)))",
+        find="new.update(_count_reads_in_code(_restore_skeleton_text(plan, render.statement(statement))))",
+        replace="new.update(_count_reads_in_code(render.statement(statement)))",
         tests=("tests/migrate/test_migrate_skeleton.py::test_the_skeletons_rewrite_is_the_whole_files",),
     ),
     Mutant(

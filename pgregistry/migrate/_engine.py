@@ -57,7 +57,7 @@ from pgregistry.migrate._plan import (
     visit_mentions,
 )
 from pgregistry.migrate._progress import SILENT, Progress
-from pgregistry.migrate._rewrite import rewrite
+from pgregistry.migrate._rewrite import apply_rewrites
 from pgregistry.migrate._skeleton import build_skeleton, make_needed_check
 from pgregistry.migrate._style import DEFAULT_WIDTH
 from pgregistry.migrate._tree import TreeFacts, learn_tree
@@ -341,7 +341,7 @@ class _Worker:
         assert plan.data is not None
         data = plan.data
         try:
-            text = rewrite(plan, self.idiom, self.width)
+            text = apply_rewrites(plan, self.idiom, self.width)
             after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
             return _internal_error(plan.path, error)

@@ -43,11 +43,11 @@ __all__ = ["split_argument_line", "split_arguments", "split_condition", "split_h
 _CODE = cst.Module([])
 
 
-def _code(node: cst.CSTNode) -> str:
+def _source_of(node: cst.CSTNode) -> str:
     return _CODE.code_for_node(node)
 
 
-def _parsed(text: str) -> cst.BaseStatement | None:
+def _parse_or_none(text: str) -> cst.BaseStatement | None:
     """``text`` parsed; None where the new layout does not parse (a shape this module does not know): the line
     is then left as it is, never broken."""
     try:
@@ -56,31 +56,32 @@ def _parsed(text: str) -> cst.BaseStatement | None:
         return None
 
 
-def _fits(indent: int, text: str, width: int) -> bool:
+def _fits_width(indent: int, text: str, width: int) -> bool:
     return indent + len(text) <= width
 
 
-def _parts(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str]] | None:
+def _parts_at_delimiters(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str]] | None:
     """(text before, operand, text after) of each operand of ``value`` split at its lowest-priority delimiters
     at the top; None when it has none."""
-    if value.lpar or _starred(value):
+    if value.lpar or _has_starred_element(value):
         return None
     if isinstance(value, cst.Tuple):
         return [("", element.value, ",") for element in value.elements]
     if isinstance(value, cst.IfExp):
         return [("", value.body, ""), ("if ", value.test, ""), ("else ", value.orelse, "")]
     if isinstance(value, cst.BooleanOperation):
-        operator = _code(value.operator).strip() + " "
+        operator = _source_of(value.operator).strip() + " "
         left = value.left
         same = isinstance(left, cst.BooleanOperation) and not left.lpar and type(left.operator) is type(value.operator)
-        first = (_parts(left) or []) if same else [("", left, "")]
+        first = (_parts_at_delimiters(left) or []) if same else [("", left, "")]
         return [*first, (operator, value.right, "")]
     if isinstance(value, cst.Comparison):
-        return [("", value.left, ""), *((_code(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons)]
+        operands = ((_source_of(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons)
+        return [("", value.left, ""), *operands]
     return None
 
 
-def _starred(value: cst.BaseExpression) -> bool:
+def _has_starred_element(value: cst.BaseExpression) -> bool:
     """Whether ``value`` is a tuple, list or set with a ``*element`` (left as it is)."""
     elements = value.elements if isinstance(value, (cst.Tuple, cst.List, cst.Set)) else ()
     return any(isinstance(element, cst.StarredElement) for element in elements)
@@ -97,7 +98,7 @@ _PRIORITIES: tuple[tuple[type[cst.BaseBinaryOp], ...], ...] = (
 )
 
 
-def _operands(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpression]]:
+def _operator_chain(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpression]]:
     """(operator before, operand) of each operand of ``value``'s chain of operators of its priority at the top
     (``a + b - c``: ``a``, ``+ b``, ``- c``); empty for ``**``."""
     group = next((operators for operators in _PRIORITIES if isinstance(value.operator, operators)), None)
@@ -105,8 +106,8 @@ def _operands(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpression]
         return []
     left = value.left
     chained = isinstance(left, cst.BinaryOperation) and not left.lpar and isinstance(left.operator, group)
-    first = _operands(left) if isinstance(left, cst.BinaryOperation) and chained else [("", left)]
-    return [*first, (_code(value.operator).strip() + " ", value.right)]
+    first = _operator_chain(left) if isinstance(left, cst.BinaryOperation) and chained else [("", left)]
+    return [*first, (_source_of(value.operator).strip() + " ", value.right)]
 
 
 def _split_call(value: cst.BaseExpression) -> tuple[cst.Call, str] | None:
@@ -118,7 +119,7 @@ def _split_call(value: cst.BaseExpression) -> tuple[cst.Call, str] | None:
         inner = call.func.value
         if not isinstance(inner, cst.Call) or inner.lpar:
             break
-        suffix = _code(call)[len(_code(inner)):] + suffix
+        suffix = _source_of(call)[len(_source_of(inner)):] + suffix
         call = inner
     return None if call is None else (call, suffix)
 
@@ -146,48 +147,51 @@ def _argument_head(arg: cst.Arg) -> str:
     return arg.star if isinstance(arg.star, str) else ""
 
 
-def _lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str,
+def _black_lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str,
            bracketed: bool = True) -> list[str]:
     """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each indented
     relative to the first; ``bracketed``: the line is inside brackets (not a statement's or a condition's)."""
-    body = _code(value)
-    if _fits(indent, head + body + tail, width):
+    body = _source_of(value)
+    if _fits_width(indent, head + body + tail, width):
         return [head + body + tail]
-    operands = _operands(value) if bracketed and isinstance(value, cst.BinaryOperation) and not value.lpar else []
+    operands = _operator_chain(value) if bracketed and isinstance(value, cst.BinaryOperation) and not value.lpar else []
     if operands:  # inside brackets black splits at the operators first, one operand a line, its operator first
         last = len(operands) - 1
-        return [line for index, (operator, operand) in enumerate(operands) for line in _lines(
+        return [line for index, (operator, operand) in enumerate(operands) for line in _black_lines(
             (head if index == 0 else "") + operator, operand, tail if index == last else "", indent, width, unit)]
-    parts = _parts(value)
+    parts = _parts_at_delimiters(value)
     found = _split_call(value)
     call, suffix = found if found is not None else (None, "")
     deeper = indent + len(unit.expandtabs(4))
     if call is not None and call.args and (parts is None or len(parts) < 3 and not isinstance(value, cst.Tuple)):
-        before = head + body[: len(body) - len(_code(call)) - len(suffix)] + _code(call.func) + "("
-        if _fits(indent, before, width):  # black splits the last call, omitting optional parentheses
-            arguments = [_code(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in call.args]
+        before = head + body[: len(body) - len(_source_of(call)) - len(suffix)] + _source_of(call.func) + "("
+        if _fits_width(indent, before, width):  # black splits the last call, omitting optional parentheses
+            arguments = [_source_of(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in call.args]
             one = ", ".join(arguments)
-            if _fits(deeper, one, width):
+            if _fits_width(deeper, one, width):
                 inner = [one]
             else:  # one a line (a trailing comma where there are several), each split in turn if still too long
                 comma = "," if len(call.args) > 1 else ""
                 inner = [line for arg in call.args
-                         for line in _lines(_argument_head(arg), arg.value, comma, deeper, width, unit)]
+                         for line in _black_lines(_argument_head(arg), arg.value, comma, deeper, width, unit)]
             return [before, *(unit + line for line in inner), ")" + suffix + tail]
-    if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements and not _starred(value):
+    if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements and not _has_starred_element(value):
         opening, closing = ("[", "]") if isinstance(value, cst.List) else ("{", "}")
-        inner = [line for element in value.elements for line in _lines(
+        inner = [line for element in value.elements for line in _black_lines(
             "", element.value, ",", deeper, width, unit)]
         return [head + opening, *(unit + line for line in inner), closing + tail]
     if parts is None:
         return [head + body + tail]
-    inner = [body] if _fits(deeper, body, width) else _exploded(parts, deeper, width, unit)
+    inner = [body] if _fits_width(deeper, body, width) else _one_part_a_line(parts, deeper, width, unit)
     return [head + "(", *(unit + line for line in inner), ")" + tail]
 
 
-def _exploded(parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int, unit: str) -> list[str]:
-    """The lines of ``parts`` (of :func:`_parts`), one part a line, each split in turn where still too long."""
-    return [line for before, operand, after in parts for line in _lines(before, operand, after, indent, width, unit)]
+def _one_part_a_line(parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int,
+                     unit: str) -> list[str]:
+    """The lines of ``parts`` (of :func:`_parts_at_delimiters`), one part a line, each split in turn where
+    still too long."""
+    return [line for before, operand, after in parts
+            for line in _black_lines(before, operand, after, indent, width, unit)]
 
 
 def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit: str) -> cst.SimpleStatementLine:
@@ -196,7 +200,7 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
     if len(line.body) != 1:
         return line
     small = line.body[0]
-    text = _code(small)
+    text = _source_of(small)
     if isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)) and small.value is not None:
         value = small.value
     elif isinstance(small, (cst.Return, cst.Expr)) and small.value is not None:
@@ -205,71 +209,71 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         value = small.test
     else:
         return line
-    head = text[: len(text) - len(_code(value))]
-    if not text.endswith(_code(value)) or "\n" in head:
+    head = text[: len(text) - len(_source_of(value))]
+    if not text.endswith(_source_of(value)) or "\n" in head:
         return line
     if "\n" in text:  # only the layout ``(`` (``not (``), one line, ``)``, without comments, is laid out again
         prefix, enclosed = "", value
         if isinstance(value, cst.UnaryOperation) and not value.lpar:
-            prefix, enclosed = _code(value.operator), value.expression
+            prefix, enclosed = _source_of(value.operator), value.expression
         bare = enclosed.with_changes(lpar=[], rpar=[])
-        inner = _code(bare)
+        inner = _source_of(bare)
         laid_out = f"{prefix}(\n{unit}{inner}\n)"
-        if len(enclosed.lpar) != 1 or "\n" in inner or "#" in text or _code(value) != laid_out:
+        if len(enclosed.lpar) != 1 or "\n" in inner or "#" in text or _source_of(value) != laid_out:
             return line
         deeper = indent + len(unit.expandtabs(4))
-        parts = _parts(bare)
-        if parts is None or _fits(deeper, inner, width):
+        parts = _parts_at_delimiters(bare)
+        if parts is None or _fits_width(deeper, inner, width):
             return line
-        lines = [f"{head}{prefix}(", *(unit + part for part in _exploded(parts, deeper, width, unit)), ")"]
-    elif _fits(indent, text + (comment := _code(line.trailing_whitespace).rstrip("\n")), width):
+        lines = [f"{head}{prefix}(", *(unit + part for part in _one_part_a_line(parts, deeper, width, unit)), ")"]
+    elif _fits_width(indent, text + (comment := _source_of(line.trailing_whitespace).rstrip("\n")), width):
         return line
     elif isinstance(value, cst.BinaryOperation) and not value.lpar and _last_call(value) is None:
         # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then fits)
-        body = _code(value)
-        lines = [f"{head}(", unit + body, ")"] if _fits(indent + len(unit.expandtabs(4)), body, width) else [text]
+        body = _source_of(value)
+        lines = [f"{head}(", unit + body, ")"] if _fits_width(indent + len(unit.expandtabs(4)), body, width) else [text]
     else:
         # a trailing comment counts: black leaves it after the last line
-        lines = _lines(head, value, comment, indent, width, unit, bracketed=False)
+        lines = _black_lines(head, value, comment, indent, width, unit, bracketed=False)
     if len(lines) == 1:
         return line
-    parsed = _parsed("\n".join(lines) + "\n")
+    parsed = _parse_or_none("\n".join(lines) + "\n")
     return line.with_changes(body=parsed.body) if isinstance(parsed, cst.SimpleStatementLine) else line
 
 
-def _parameters(params: cst.Parameters) -> list[str]:
+def _parameter_texts(params: cst.Parameters) -> list[str]:
     """Each parameter's text, with the ``/`` and bare ``*`` markers, in order."""
-    def text(param: cst.Param, star: str = "") -> str:
+    def param_text(param: cst.Param, star: str = "") -> str:
         alone = param.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_param=cst.SimpleWhitespace(""),
                                    star=param.star if isinstance(param.star, str) else star)
-        return _code(alone).strip()
+        return _source_of(alone).strip()
 
-    items = [text(p) for p in params.posonly_params]
+    items = [param_text(p) for p in params.posonly_params]
     if params.posonly_params:
         items.append("/")
-    items += [text(p) for p in params.params]
+    items += [param_text(p) for p in params.params]
     if isinstance(params.star_arg, cst.Param):
-        items.append(text(params.star_arg, "*"))
+        items.append(param_text(params.star_arg, "*"))
     elif isinstance(params.star_arg, cst.ParamStar):
         items.append("*")
-    items += [text(p) for p in params.kwonly_params]
+    items += [param_text(p) for p in params.kwonly_params]
     if params.star_kwarg is not None:
-        items.append(text(params.star_kwarg, "**"))
+        items.append(param_text(params.star_kwarg, "**"))
     return items
 
 
 def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) -> cst.FunctionDef:
     """``function`` (``indent`` columns in) with its parameters laid out again where a line of its header is
     longer than ``width`` (the ``def`` line, or the line of parameters of a header already split)."""
-    header = _code(function.with_changes(decorators=[], leading_lines=[], lines_after_decorators=[],
+    header = _source_of(function.with_changes(decorators=[], leading_lines=[], lines_after_decorators=[],
                                          body=cst.SimpleStatementSuite([cst.Pass()])))
     header = header.rstrip("\n").removesuffix(" pass").rstrip()
-    if "#" in header or all(_fits(indent, line, width) for line in header.splitlines()):
+    if "#" in header or all(_fits_width(indent, line, width) for line in header.splitlines()):
         return function  # it fits (or holds a comment, which a new layout would have to move)
-    items = _parameters(function.params)
+    items = _parameter_texts(function.params)
     one = ", ".join(items)
-    inner = [f"{unit}{one}"] if _fits(indent + len(unit), one, width) else [f"{unit}{item}," for item in items]
-    parsed = _parsed("\n".join(["def f(", *inner, "): pass"]) + "\n")
+    inner = [f"{unit}{one}"] if _fits_width(indent + len(unit), one, width) else [f"{unit}{item}," for item in items]
+    parsed = _parse_or_none("\n".join(["def f(", *inner, "): pass"]) + "\n")
     if not isinstance(parsed, cst.FunctionDef):
         return function
     return function.with_changes(params=parsed.params, whitespace_before_params=parsed.whitespace_before_params)
@@ -280,14 +284,14 @@ def split_condition(node: cst.If | cst.While, keyword: str, indent: int, width: 
     black lays it out where its header is one physical line longer than ``width``."""
     before, after = (("whitespace_before_test", "whitespace_after_test") if isinstance(node, cst.If)
                      else ("whitespace_after_while", "whitespace_before_colon"))
-    test = _code(node.test)
-    header = f"{keyword}{_code(getattr(node, before))}{test}{_code(getattr(node, after))}:"
-    if "\n" in test or _fits(indent, header, width):
+    test = _source_of(node.test)
+    header = f"{keyword}{_source_of(getattr(node, before))}{test}{_source_of(getattr(node, after))}:"
+    if "\n" in test or _fits_width(indent, header, width):
         return node
-    lines = _lines(f"{keyword} ", node.test, ":", indent, width, unit, bracketed=False)
+    lines = _black_lines(f"{keyword} ", node.test, ":", indent, width, unit, bracketed=False)
     if len(lines) == 1:
         return node
-    parsed = _parsed("\n".join(["if" + lines[0].removeprefix(keyword), *lines[1:]]) + f"\n{unit}pass\n")
+    parsed = _parse_or_none("\n".join(["if" + lines[0].removeprefix(keyword), *lines[1:]]) + f"\n{unit}pass\n")
     if not isinstance(parsed, cst.If):
         return node
     return node.with_changes(**{"test": parsed.test, before: parsed.whitespace_before_test,
@@ -322,15 +326,15 @@ def split_arguments(call: cst.Call, original: cst.Call, indent: int, width: int,
         if opening is None or _own_line(closing) is None or index >= len(original.args):
             continue
         bare = arg.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))
-        text, value = _code(bare), _code(arg.value)
+        text, value = _source_of(bare), _source_of(arg.value)
         tail = "," if isinstance(comma, cst.Comma) else ""
         column = indent + len(opening.expandtabs(4))
-        if "\n" in text or not text.endswith(value) or _fits(column, text + tail, width):
+        if "\n" in text or not text.endswith(value) or _fits_width(column, text + tail, width):
             continue
-        if text == _code(original.args[index].with_changes(
+        if text == _source_of(original.args[index].with_changes(
                 comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))):
             continue  # the author's own long line
-        lines = _lines(text[: len(text) - len(value)], arg.value, tail, column, width, unit)
+        lines = _black_lines(text[: len(text) - len(value)], arg.value, tail, column, width, unit)
         if len(lines) == 1:
             continue
         try:
@@ -351,16 +355,16 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
     if opening is None or _own_line(comprehension.for_in.whitespace_before) is None or len(key.lpar) != 1:
         return comprehension
     bare = key.with_changes(lpar=[], rpar=[])
-    after = (f"){_code(comprehension.whitespace_before_colon)}:{_code(comprehension.whitespace_after_colon)}"
-             f"{_code(comprehension.value)}")
+    after = (f"){_source_of(comprehension.whitespace_before_colon)}:{_source_of(comprehension.whitespace_after_colon)}"
+             f"{_source_of(comprehension.value)}")
     column = indent + len(opening.expandtabs(4))
-    inner = _code(bare)
-    if "\n" in inner + after or _fits(column, f"({inner}{after}", width) or _code(key) != f"({inner})":
+    inner = _source_of(bare)
+    if "\n" in inner + after or _fits_width(column, f"({inner}{after}", width) or _source_of(key) != f"({inner})":
         return comprehension
     deeper = column + len(unit.expandtabs(4))
-    parts = _parts(bare)
-    lines = (_exploded(parts, deeper, width, unit) if parts is not None and not _fits(deeper, inner, width)
-             else _lines("", bare, "", deeper, width, unit))
+    parts = _parts_at_delimiters(bare)
+    lines = (_one_part_a_line(parts, deeper, width, unit) if parts is not None and not _fits_width(deeper, inner, width)
+             else _black_lines("", bare, "", deeper, width, unit))
     text = "\n".join(["{", f"{opening}(", *(f"{opening}{unit}{line}" for line in lines), f"{opening}{after}",
                       f"{opening}for _ in _", "}"])
     try:
@@ -373,7 +377,7 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
 def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
     """(its indentation, its text, the closing parenthesis's indentation) of the one line of ``call``'s arguments
     where they are laid out ``f(``, the arguments on one line, ``)`` (without comments); else None."""
-    lines = _code(call).split("\n")
+    lines = _source_of(call).split("\n")
     opening = _own_line(call.whitespace_before_args)
     if opening is None or len(lines) != 3 or "#" in lines[1] or not lines[1].startswith(opening):
         return None
@@ -392,9 +396,10 @@ def split_argument_line(call: cst.Call, before: cst.Call, original: cst.Call, in
         return call
     opening, text, closing = laid_out
     column = indent + len(opening.expandtabs(4))
-    if _fits(column, text + ",", width) or not _fits(column, authors[1], width):
+    if _fits_width(column, text + ",", width) or not _fits_width(column, authors[1], width):
         return call
-    lines = [line for arg in call.args for line in _lines(_argument_head(arg), arg.value, ",", column, width, unit)]
+    lines = [line for arg in call.args
+             for line in _black_lines(_argument_head(arg), arg.value, ",", column, width, unit)]
     try:
         parsed = cst.parse_expression("f(\n" + "".join(f"{opening}{line}\n" for line in lines) + f"{closing})")
     except cst.ParserSyntaxError:

@@ -31,12 +31,12 @@ from pgregistry.migrate._shims import Dissolved
 from pgregistry.migrate._skeleton import restore_placeholders
 from pgregistry.migrate._style import DEFAULT_WIDTH
 
-__all__ = ["UnrestorableError", "rewrite"]
+__all__ = ["UnrestorableError", "apply_rewrites"]
 
 _NO_SPACE = cst.SimpleWhitespace("")
 
 
-def _names(nodes: Iterable[ast.AST]) -> Counter[str]:
+def _count_name_reads(nodes: Iterable[ast.AST]) -> Counter[str]:
     """How often each name is read in ``nodes`` outside import statements (``x.name`` reads x only)."""
     count: Counter[str] = Counter()
     for root in nodes:
@@ -46,13 +46,13 @@ def _names(nodes: Iterable[ast.AST]) -> Counter[str]:
     return count
 
 
-def _uses(code: str | bytes) -> Counter[str]:
-    """:func:`_names` of ``code``. Through :mod:`ast`, many times faster than a libcst walk, since only names
-    count."""
-    return _names([ast.parse(code)])
+def _count_reads_in_code(code: str | bytes) -> Counter[str]:
+    """:func:`_count_name_reads` of ``code``. Through :mod:`ast`, many times faster than a libcst walk, since
+    only names count."""
+    return _count_name_reads([ast.parse(code)])
 
 
-def _bound(alias: cst.ImportAlias) -> str:
+def _name_bound_by(alias: cst.ImportAlias) -> str:
     if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
         return alias.asname.name.value
     node: cst.BaseExpression = alias.name
@@ -85,14 +85,14 @@ class _Prune(cst.CSTTransformer):
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
         return _comments_kept(original, updated, self.dropped)
 
-    def _kept(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
-        kept = [alias for alias in names if _bound(alias) not in self.unused]
+    def _drop_unused_aliases(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
+        kept = [alias for alias in names if _name_bound_by(alias) not in self.unused]
         if kept and len(kept) < len(names):  # the last one's comma (a trailing one, or none)
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
         return kept
 
     def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
-        kept = self._kept(updated.names)
+        kept = self._drop_unused_aliases(updated.names)
         return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
 
     def leave_ImportFrom(
@@ -100,7 +100,7 @@ class _Prune(cst.CSTTransformer):
     ) -> cst.ImportFrom | cst.RemovalSentinel:
         if isinstance(updated.names, cst.ImportStar):
             return updated
-        kept = self._kept(updated.names)
+        kept = self._drop_unused_aliases(updated.names)
         if not kept:
             return cst.RemoveFromParent()
         return updated if len(kept) == len(updated.names) else updated.with_changes(names=kept)
@@ -120,7 +120,7 @@ def _comments_kept(original: cst.IndentedBlock, updated: cst.IndentedBlock,
             comments += dropped[id(statement)]
             continue
         new = next(kept)
-        body.append(_with_leading(new, _one_blank([*comments, *_leading(new)])) if comments else new)
+        body.append(_with_leading(new, _one_blank([*comments, *_leading_lines(new)])) if comments else new)
         comments = []
     if not body:  # the block held only what was dropped: it still needs a statement
         body = [cst.SimpleStatementLine([cst.Pass()])]
@@ -138,17 +138,7 @@ def _one_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
     return kept
 
 
-def _absolute(node: cst.ImportFrom, package: list[str]) -> str:
-    """The absolute name of the module ``node`` imports from (relative to ``package``)."""
-    parts = _parts(node.module) if node.module is not None else []
-    level = len(node.relative)
-    if level == 0:
-        return ".".join(parts)
-    base = package[: max(0, len(package) - (level - 1))]
-    return ".".join([*base, *parts])
-
-
-def _clean(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
+def _comma_without_comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
     """``comma`` (its line break and indentation, to copy the one-a-line style) without its comment."""
     if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
         after = comma.whitespace_after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
@@ -165,14 +155,14 @@ def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
         if kwonly[-1].comma is not cst.MaybeSentinel.DEFAULT and params.star_kwarg is None:
             new = new.with_changes(comma=kwonly[-1].comma)  # one parameter a line, trailing comma: keep the style
             if len(kwonly) >= 2:
-                kwonly[-1] = kwonly[-1].with_changes(comma=_clean(kwonly[-2].comma))
+                kwonly[-1] = kwonly[-1].with_changes(comma=_comma_without_comment(kwonly[-2].comma))
         return params.with_changes(kwonly_params=[*kwonly, new])
     if isinstance(params.star_arg, (cst.Param, cst.ParamStar)):
         return params.with_changes(kwonly_params=[new])
     positional = list(params.params)
     last = positional[-1].comma if positional else cst.MaybeSentinel.DEFAULT
     if isinstance(last, cst.Comma) and params.star_kwarg is None:
-        inner = _clean((positional[-2] if len(positional) >= 2 else positional[-1]).comma)
+        inner = _comma_without_comment((positional[-2] if len(positional) >= 2 else positional[-1]).comma)
         positional[-1] = positional[-1].with_changes(comma=inner)
         star = cst.ParamStar(comma=inner) if isinstance(inner, cst.Comma) else cst.ParamStar()
         return params.with_changes(params=positional, star_arg=star,
@@ -215,7 +205,7 @@ def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cs
     if args and args[-1].comma is not cst.MaybeSentinel.DEFAULT:  # a trailing comma: one argument per line
         new = new.with_changes(comma=args[-1].comma)
         if len(args) >= 2:
-            args[-1] = args[-1].with_changes(comma=_clean(args[-2].comma))
+            args[-1] = args[-1].with_changes(comma=_comma_without_comment(args[-2].comma))
     elif args and isinstance(args[-1].whitespace_after_arg, cst.ParenthesizedWhitespace) and isinstance(
             call.whitespace_before_args, cst.ParenthesizedWhitespace):  # the last argument on its own line
         line_break = call.whitespace_before_args.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
@@ -234,7 +224,7 @@ class _SingleQuoted(cst.CSTTransformer):
         return updated
 
 
-def _docstring(statement: cst.BaseStatement) -> bool:
+def _is_docstring(statement: cst.BaseStatement) -> bool:
     return (
         isinstance(statement, cst.SimpleStatementLine)
         and len(statement.body) == 1
@@ -259,7 +249,7 @@ class _Rewriter(cst.CSTTransformer):
         #: Module-level statement -> the members of its class body to walk (None: the whole statement).
         self.touched: dict[int, set[int] | None] = {}
         for top, member in plan.passing_tops:
-            self._touch(top, member)
+            self._mark_touched(top, member)
         #: A dissolved shim's field reads (by id of the ``Attribute``), and the statements assigning it (by id).
         self.field_reads: dict[int, cst.BaseExpression] = {}
         self.shims: set[int] = set()
@@ -268,9 +258,9 @@ class _Rewriter(cst.CSTTransformer):
         for read in plan.reads:
             if read.way == LEFT or read.call is None or read.function is None:
                 continue
-            self._touch(read.top, read.member)
+            self._mark_touched(read.top, read.member)
             if read.shim is not None:
-                self._dissolve(read.shim, read.collection)
+                self._dissolve_shim(read.shim, read.collection)
                 continue
             code, operator = target.replacement(read)
             if operator and id(read.call) not in plan.alone:
@@ -279,13 +269,13 @@ class _Rewriter(cst.CSTTransformer):
             self.imports += target.imports(code)
         self.functions = {id(f.node): f for f in plan.functions if f.added or f.shim_name}
         for function in self.functions.values():
-            self._touch(function.top, function.member)
+            self._mark_touched(function.top, function.member)
         #: The ``If`` nodes (by id) that are the ``elif`` of another.
         self.elifs: set[int] = set()
         #: The quotes of the f-strings enclosing the node visited (``f"``, ``rf'''``), innermost last.
         self.f_strings: list[str] = []
 
-    def _dissolve(self, shim: Dissolved, collection: str) -> None:
+    def _dissolve_shim(self, shim: Dissolved, collection: str) -> None:
         """Plan shim ``shim`` (:mod:`._shims`) rewritten: each field read, the reads of ``collection``."""
         for attribute, field, keywords in shim.reads:
             code = self.target.field_read(collection, field, keywords)
@@ -294,7 +284,7 @@ class _Rewriter(cst.CSTTransformer):
         if shim.statement is not None:
             self.shims.add(id(shim.statement))
 
-    def _touch(self, top: int, member: int) -> None:
+    def _mark_touched(self, top: int, member: int) -> None:
         members = self.touched.setdefault(top, set())
         if members is not None and member >= 0:
             members.add(member)
@@ -314,7 +304,7 @@ class _Rewriter(cst.CSTTransformer):
         kept = [s for s in body if isinstance(s, cst.CSTNode)]
         return statement.with_changes(body=statement.body.with_changes(body=kept))
 
-    def _indent(self) -> int:
+    def _indent_columns(self) -> int:
         return self.depth * len(self.unit.expandtabs(4))
 
     def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
@@ -338,7 +328,7 @@ class _Rewriter(cst.CSTTransformer):
         if not self.changed:
             return updated
         self.changed = False
-        return split_statement(updated, self._indent(), self.width, self.unit)
+        return split_statement(updated, self._indent_columns(), self.width, self.unit)
 
     def visit_If(self, node: cst.If) -> bool:
         if isinstance(node.orelse, cst.If):
@@ -349,14 +339,14 @@ class _Rewriter(cst.CSTTransformer):
         if updated.test.deep_equals(original.test):  # libcst rebuilds every node: ``is`` never holds
             return updated
         keyword = "elif" if id(original) in self.elifs else "if"
-        split = split_condition(updated, keyword, self._indent(), self.width, self.unit)
+        split = split_condition(updated, keyword, self._indent_columns(), self.width, self.unit)
         assert isinstance(split, cst.If)
         return split
 
     def leave_While(self, original: cst.While, updated: cst.While) -> cst.While:
         if updated.test.deep_equals(original.test):
             return updated
-        split = split_condition(updated, "while", self._indent(), self.width, self.unit)
+        split = split_condition(updated, "while", self._indent_columns(), self.width, self.unit)
         assert isinstance(split, cst.While)
         return split
 
@@ -370,7 +360,7 @@ class _Rewriter(cst.CSTTransformer):
         self.f_strings.pop()
         return updated
 
-    def _quoted(self, node: cst.BaseExpression) -> cst.BaseExpression:
+    def _with_f_string_quotes(self, node: cst.BaseExpression) -> cst.BaseExpression:
         """``node`` (made by the rewrite) with the quotes the enclosing f-string allows in its expressions."""
         if self.f_strings and '"' in self.f_strings[-1]:
             return node.visit(_SingleQuoted())  # type: ignore[return-value]
@@ -381,27 +371,27 @@ class _Rewriter(cst.CSTTransformer):
         if replacement is None:
             return updated
         self.changed = True
-        return self._quoted(replacement)
+        return self._with_f_string_quotes(replacement)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         replacement = self.replacements.get(id(original))
         if replacement is not None:
             self.changed = True
-            return self._quoted(replacement)
+            return self._with_f_string_quotes(replacement)
         passing = self.plan.passes.get(id(original))
         if passing is not None:
             self.changed = True
             keyword, value = passing
-            added = _with_keyword(updated, keyword, self._quoted(cst.parse_expression(value)))
-            updated = split_argument_line(added, updated, original, self._indent(), self.width, self.unit)
+            added = _with_keyword(updated, keyword, self._with_f_string_quotes(cst.parse_expression(value)))
+            updated = split_argument_line(added, updated, original, self._indent_columns(), self.width, self.unit)
         if self.changed and updated.args:  # an argument on a line of its own that a rewrite made too long
-            return split_arguments(updated, original, self._indent(), self.width, self.unit)
+            return split_arguments(updated, original, self._indent_columns(), self.width, self.unit)
         return updated
 
     def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp) -> cst.DictComp:
         if updated.key.deep_equals(original.key):  # the author's key, however long, is left
             return updated
-        return split_key(updated, self._indent(), self.width, self.unit)  # a key the rewrite made too long
+        return split_key(updated, self._indent_columns(), self.width, self.unit)  # a key the rewrite made too long
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         function = self.functions.get(id(original))
@@ -410,14 +400,14 @@ class _Rewriter(cst.CSTTransformer):
         if function.added:
             params = _with_parameter(updated.params, function.added)
             updated = updated.with_changes(params=_break_kept(updated.params, params))
-            updated = split_header(updated, self._indent(), self.width, self.unit)
+            updated = split_header(updated, self._indent_columns(), self.width, self.unit)
         if not function.shim_name or not isinstance(updated.body, cst.IndentedBlock):
             return updated
         listed = ", ".join(f'"{f}"' for f in function.shim_fields)
         shim = cst.parse_statement(f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups("
                                    f"required_pgs=[{listed}])\n")
         assert isinstance(shim, cst.SimpleStatementLine)
-        shim = split_statement(shim, self._indent() + len(self.unit.expandtabs(4)), self.width, self.unit)
+        shim = split_statement(shim, self._indent_columns() + len(self.unit.expandtabs(4)), self.width, self.unit)
         body = list(updated.body.body)
         body.insert(function.shim_at, shim)
         return updated.with_changes(body=updated.body.with_changes(body=body))
@@ -429,7 +419,7 @@ def _is_import(statement: cst.CSTNode) -> bool:
     )
 
 
-def _leading(statement: cst.CSTNode) -> Sequence[cst.EmptyLine]:
+def _leading_lines(statement: cst.CSTNode) -> Sequence[cst.EmptyLine]:
     return statement.leading_lines if isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement)) \
         else ()
 
@@ -450,15 +440,15 @@ def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseState
     return cst.parse_statement(line + "\n")
 
 
-def _imported_from(statement: cst.BaseStatement) -> tuple[str, list[str]] | None:
+def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | None:
     """(the module, the names bound) of a module-level ``from M import names`` statement standing alone."""
     if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
         return None
     small = statement.body[0]
     if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
         return None
-    module = "." * len(small.relative) + (".".join(_parts(small.module)) if small.module else "")
-    return module, [_bound(alias) for alias in small.names]
+    module = "." * len(small.relative) + (".".join(_attribute_chain_names(small.module)) if small.module else "")
+    return module, [_name_bound_by(alias) for alias in small.names]
 
 
 def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int) -> cst.Module:
@@ -472,14 +462,14 @@ def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int)
         top = name.partition(".")[0]
         at, peers = 0, []
         for index, statement in enumerate(body):
-            found = _imported_from(statement)
+            found = _from_import_names(statement)
             if found is not None and found[0] == name:
                 have = found[1]
                 if not set(names) <= set(have):  # one import of the helper, its blank lines above kept
                     merged = _from_import(name, sorted({*have, *names}), width)
-                    body[index] = _with_leading(merged, _leading(statement))
+                    body[index] = _with_leading(merged, _leading_lines(statement))
                 break
-            if _is_import(statement) or (index == 0 and _docstring(statement)):
+            if _is_import(statement) or (index == 0 and _is_docstring(statement)):
                 at = index + 1
             if found is not None and (found[0].startswith(".") or found[0].partition(".")[0] == top):
                 peers.append((index, found[0]))
@@ -488,16 +478,16 @@ def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int)
             new = _from_import(name, names, width)
             if later:  # first of its peers: it takes the blank lines and comments above the block
                 at = later[0]
-                new, body[at] = _with_leading(new, _leading(body[at])), _with_leading(body[at], ())
+                new, body[at] = _with_leading(new, _leading_lines(body[at])), _with_leading(body[at], ())
             else:
                 at = peers[-1][0] + 1 if peers else at
             body.insert(at, new)
     return module.with_changes(body=body)
 
 
-def _parts(node: cst.BaseExpression) -> list[str]:
+def _attribute_chain_names(node: cst.BaseExpression) -> list[str]:
     if isinstance(node, cst.Attribute):
-        return [*_parts(node.value), node.attr.value]
+        return [*_attribute_chain_names(node.value), node.attr.value]
     assert isinstance(node, cst.Name)
     return [node.value]
 
@@ -528,18 +518,19 @@ class _Renderer:
         return text or module.default_newline
 
 
-def _unused(plan: FilePlan, body: Sequence[object], touched: Sequence[int], render: _Renderer) -> set[str] | None:
+def _names_left_unread(plan: FilePlan, body: Sequence[object], touched: Sequence[int],
+                        render: _Renderer) -> set[str] | None:
     """The names the rewrite leaves unread: read in a statement it changed, not in that statement's new code,
     and nowhere else (the other statements' text is searched first; the rare hit is checked on their ast). None
     when a new statement does not parse alone."""
     assert plan.data is not None
-    old = _names(n for index in touched for n in plan.statements[index])
+    old = _count_name_reads(n for index in touched for n in plan.statements[index])
     new: Counter[str] = Counter()
     try:
         for index in touched:
             statement = body[index]
             if isinstance(statement, cst.CSTNode):
-                new.update(_uses(_restored(plan, render.statement(statement))))
+                new.update(_count_reads_in_code(_restore_skeleton_text(plan, render.statement(statement))))
     except (SyntaxError, ValueError):
         return None
     gone = {name for name, count in old.items() if count and new[name] <= 0}
@@ -552,7 +543,7 @@ def _unused(plan: FilePlan, body: Sequence[object], touched: Sequence[int], rend
         word = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
         # An identifier's text is its name unless it is not ASCII (the parser normalises those): then the ast.
         hits = [i for i, text in texts.items() if word.search(text) or not text.isascii()]
-        if not hits or _names(n for i in hits for n in plan.statements[i])[name] == 0:
+        if not hits or _count_name_reads(n for i in hits for n in plan.statements[i])[name] == 0:
             unused.add(name)
     return unused
 
@@ -561,7 +552,7 @@ class UnrestorableError(RuntimeError):
     """A placeholder of the skeleton occurs twice in the rewritten text: a bug of this tool."""
 
 
-def _restored(plan: FilePlan, text: str) -> str:
+def _restore_skeleton_text(plan: FilePlan, text: str) -> str:
     """``text`` with the skeleton's placeholders it holds replaced by their original text."""
     if not plan.kept:
         return text
@@ -571,7 +562,7 @@ def _restored(plan: FilePlan, text: str) -> str:
     return restored
 
 
-def rewrite(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
+def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
     """The source of ``plan``'s file with its planned rewrites applied; None when none is planned. ``width``:
     the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
@@ -586,12 +577,13 @@ def rewrite(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | 
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)), width)
-    unused = _unused(plan, body, sorted(rewriter.touched), render) if plan.statements else None
+    unused = _names_left_unread(plan, body, sorted(rewriter.touched), render) if plan.statements else None
     if unused is None:  # no spans, or a statement that does not parse alone: the whole texts
-        before, after = _uses(data), _uses(_restored(plan, render.code(changed)))
+        before = _count_reads_in_code(data)
+        after = _count_reads_in_code(_restore_skeleton_text(plan, render.code(changed)))
         unused = {name for name, count in before.items() if count and after[name] <= 0}
     if not unused:
-        return _restored(plan, render.code(changed))
+        return _restore_skeleton_text(plan, render.code(changed))
     # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
     # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
     prune = _Prune(unused)
@@ -612,8 +604,8 @@ def rewrite(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | 
     for statement in changed.body:
         visited = statement.visit(prune) if may_import(statement) else statement
         if isinstance(visited, cst.BaseStatement):
-            pruned.append(_with_leading(visited, [*orphaned, *_leading(visited)]) if orphaned else visited)
+            pruned.append(_with_leading(visited, [*orphaned, *_leading_lines(visited)]) if orphaned else visited)
             orphaned = ()
         elif not orphaned:
-            orphaned = _leading(statement)
-    return _restored(plan, render.code(changed.with_changes(body=pruned)))
+            orphaned = _leading_lines(statement)
+    return _restore_skeleton_text(plan, render.code(changed.with_changes(body=pruned)))

@@ -21,13 +21,13 @@ __all__ = ["DEFAULT_WIDTH", "line_length", "migrate_settings"]
 DEFAULT_WIDTH = 100
 
 
-def _positive(value: object, where: str) -> int:
+def _positive_int(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
         raise ConfigError(f"{where} must be a positive whole number, not {value!r}")
     return int(value)
 
 
-def _tool(data: Mapping[str, Any], *names: str) -> Mapping[str, Any]:
+def _tool_table(data: Mapping[str, Any], *names: str) -> Mapping[str, Any]:
     node: Any = data
     for name in ("tool", *names):
         node = node.get(name, {}) if isinstance(node, Mapping) else {}
@@ -40,13 +40,13 @@ def line_length(root: Path) -> int:
         if (root / name).is_file():
             data = _read_toml(root / name)
             if "line-length" in data:
-                return _positive(data["line-length"], f"{root / name}: line-length")
+                return _positive_int(data["line-length"], f"{root / name}: line-length")
     pyproject = root / "pyproject.toml"
     data = _read_toml(pyproject) if pyproject.is_file() else {}
     for tool in ("ruff", "black"):
-        table = _tool(data, tool)
+        table = _tool_table(data, tool)
         if "line-length" in table:
-            return _positive(table["line-length"], f"{pyproject}: [tool.{tool}] line-length")
+            return _positive_int(table["line-length"], f"{pyproject}: [tool.{tool}] line-length")
     for name in (".flake8", "setup.cfg", "tox.ini"):
         parser = configparser.ConfigParser(interpolation=None)
         try:
@@ -54,7 +54,7 @@ def line_length(root: Path) -> int:
         except (configparser.Error, UnicodeDecodeError) as error:
             raise ConfigError(f"{root / name} cannot be read: {error}") from None
         if parser.has_option("flake8", "max-line-length"):
-            return _positive(parser.get("flake8", "max-line-length"), f"{root / name}: [flake8] max-line-length")
+            return _positive_int(parser.get("flake8", "max-line-length"), f"{root / name}: [flake8] max-line-length")
     return DEFAULT_WIDTH
 
 
@@ -62,7 +62,7 @@ def migrate_settings(root: Path) -> Mapping[str, Any]:
     """``[tool.pgregistry.migrate]`` of the ``pyproject.toml`` at ``root`` (empty when there is none); a key
     other than ``helper-module`` is refused (``ConfigError`` naming it)."""
     pyproject = root / "pyproject.toml"
-    table = _tool(_read_toml(pyproject), "pgregistry", "migrate") if pyproject.is_file() else {}
+    table = _tool_table(_read_toml(pyproject), "pgregistry", "migrate") if pyproject.is_file() else {}
     unknown = sorted(set(table) - {"helper-module"})
     if unknown:
         raise ConfigError(
