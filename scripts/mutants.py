@@ -895,6 +895,17 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
                "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read"),
     ),
+    Mutant(
+        name="migrate-journal-state-guessed",
+        bug="an interrupted --write's journal in a state the tool never writes read as 'renaming': a temporary "
+        "file it lists replaces the user's file (issue 40: nothing the user wrote is lost)",
+        file="pgregistry/migrate/_writing.py",
+        find='state, rows = JournalState(record["state"]), record["files"]',
+        replace='state, rows = (JournalState.WRITING if record["state"] == "writing" else JournalState.RENAMING), '
+        'record["files"]',
+        tests=("tests/migrate/test_migrate_writing.py::"
+               "test_a_journal_in_a_state_this_tool_never_writes_is_refused_and_nothing_is_renamed",),
+    ),
 )
 
 

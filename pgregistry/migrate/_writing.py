@@ -30,6 +30,7 @@ import os
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from pgregistry._source.storage import StorageError, atomic_write, exclusive_lock
@@ -38,7 +39,15 @@ __all__ = ["JOURNAL", "Change", "WriteError", "finish_interrupted", "write_chang
 
 #: The journal of a ``--write`` in progress, at the project root.
 JOURNAL = ".pgregistry-migrate-journal.json"
-_WRITING, _RENAMING = "writing", "renaming"
+
+
+class JournalState(str, Enum):
+    """Where a ``--write`` stood when its journal was last written: ``writing`` (temporary files only, rolled
+    back), ``renaming`` (every new text on disk, finished). Any other value is a journal this tool did not write,
+    refused rather than read as one of these."""
+
+    WRITING = "writing"
+    RENAMING = "renaming"
 
 
 class WriteError(OSError):
@@ -117,7 +126,7 @@ def _sync_directories(paths: Sequence[Path]) -> None:
                 os.close(handle)
 
 
-def _write_journal(journal: Path, state: str, entries: Sequence[tuple[Change, Path]]) -> None:
+def _write_journal(journal: Path, state: JournalState, entries: Sequence[tuple[Change, Path]]) -> None:
     """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the project's
     path cannot make them name other files), and the hashes of its old and new bytes."""
     rows = [
@@ -126,7 +135,7 @@ def _write_journal(journal: Path, state: str, entries: Sequence[tuple[Change, Pa
         for change, temporary in entries
     ]
     try:
-        atomic_write(journal, json.dumps({"state": state, "files": rows}, indent=1).encode() + b"\n")
+        atomic_write(journal, json.dumps({"state": state.value, "files": rows}, indent=1).encode() + b"\n")
     except StorageError as error:
         raise WriteError(f"{error}; nothing was written") from error
 
@@ -177,7 +186,7 @@ def write_changes(
         token = secrets.token_hex(4)
         entries = [(c, c.absolute.with_name(f".{c.absolute.name}.{token}.pgregistry-migrate.tmp")) for c in changes]
         temporaries = [temporary for _, temporary in entries]
-        _write_journal(journal, _WRITING, entries)
+        _write_journal(journal, JournalState.WRITING, entries)
         try:
             for change, temporary in entries:
                 _write_temporary(change, temporary)
@@ -187,7 +196,7 @@ def write_changes(
             journal.unlink()
             raise WriteError(f"{change.path}: cannot write it: {error.strerror or error}; nothing was written") \
                 from error
-        _write_journal(journal, _RENAMING, entries)
+        _write_journal(journal, JournalState.RENAMING, entries)
         try:
             _rename_all(entries)
         except WriteError:
@@ -233,12 +242,12 @@ def finish_interrupted(root: Path) -> str | None:
                    "file is removed" if stale else None
         try:
             record = json.loads(journal.read_bytes())
-            state, rows = record["state"], record["files"]
+            state, rows = JournalState(record["state"]), record["files"]
             files = [(Path(row["target"]), Path(row["temporary"]), row["old"], row["new"]) for row in rows]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise WriteError(f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
                              "files it lists from version control, then delete it") from error
-        if state == _WRITING:
+        if state is JournalState.WRITING:
             _remove_files([temporary for _, temporary, _, _ in files])
             journal.unlink()
             return (f"an interrupted `pgregistry migrate --write` was rolled back: none of its {len(files)} "

@@ -177,3 +177,25 @@ def test_a_file_edited_after_the_kill_stops_the_recovery_naming_it_and_the_journ
     err = capsys.readouterr().err
     assert "cannot be finished" in err and str(edited) in err and JOURNAL in err
     assert (project.root / JOURNAL).exists() and project.read("src/pkg/c.py").endswith("# edited after the kill\n")
+
+
+def test_a_journal_in_a_state_this_tool_never_writes_is_refused_and_nothing_is_renamed(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A journal read as "renaming" whatever its state said would finish a run nobody made: a temporary file
+    whose hash it lists replaces the user's file. Only the two states the tool writes are read."""
+    import hashlib
+    import json
+
+    for path, text in FILES.items():
+        project.write(path, text)
+    target = project.root / "src/pkg/a.py"
+    temporary = project.write("src/pkg/.a.py.new.tmp", "replaced = True\n")
+    digest = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in
+              (("old", target), ("new", temporary))}
+    row = {"target": str(target), "temporary": str(temporary), **digest}
+    project.write(JOURNAL, json.dumps({"state": "finishing", "files": [row]}))
+    assert main([*ARGS, "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read" in err and "finishing" in err
+    assert _tree(project) == FILES and (project.root / JOURNAL).exists() and temporary.exists()
