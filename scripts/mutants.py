@@ -675,6 +675,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-instantiation-passes-nothing",
+        bug="migrate threads a class's __init__ but its instantiations pass no collection (VocabParallelEmbedding, "
+            "issue 40's run of the Megatron-Core tests under -W error)",
+        file="pgregistry/migrate/_engine.py",
+        find="threaded.update({key: value for first in firsts for key, value in first.classes.items()})",
+        replace="threaded.update({})",
+        tests=(
+            "tests/migrate/test_migrate_instantiation.py::"
+            "test_instantiations_of_a_threaded_class_pass_the_collection_in_scope",
+            "tests/migrate/test_migrate_instantiation.py::test_the_collection_given_at_the_top_reaches_the_class_read",
+        ),
+    ),
+    Mutant(
+        name="migrate-instantiation-unguarded",
+        bug="migrate passes the collection to a class whose __new__, decorator or metaclass may not take it",
+        file="pgregistry/migrate/_plan.py",
+        find="if not isinstance(syntax, ast.ClassDef) or syntax.decorator_list or syntax.keywords or any(",
+        replace="if not isinstance(syntax, ast.ClassDef) or False and any(",
+        tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
+    ),
+    Mutant(
         name="builder-reads-what-it-fills",
         bug="migrate rewrites a hand-written builder's reads into the fields of the collection it is filling",
         file="pgregistry/migrate/_plan.py",
