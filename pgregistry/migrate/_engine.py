@@ -40,6 +40,7 @@ from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom_of_target
+from pgregistry.migrate._inherited import add_inheriting_subclasses
 from pgregistry.migrate._megatron_release import ShimGetters, find_installed_shim_getters
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
@@ -468,8 +469,10 @@ def _run_migration(
         methods = {key: value for first in firsts for key, value in first.methods.items()}
         upward = thread_upward(contents, {**threaded, **methods}, packages, name)
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
-        # A class is called as a function is: its instantiations pass the collection to its threaded __init__.
-        threaded.update({key: value for first in firsts for key, value in first.classes.items()})
+        # A class is called as a function is: its instantiations pass the collection to its threaded __init__,
+        # and those of the subclasses that inherit that __init__ unchanged.
+        classes = {key: value for first in firsts for key, value in first.classes.items()}
+        threaded.update(add_inheriting_subclasses(contents, classes, packages))
         threaded.update(add_reexported_names(threaded, packages))
         instruction = _Instruction(threaded, upward)
         return [instruction] * len(firsts)

@@ -1,6 +1,7 @@
-"""Instantiating a class whose ``__init__`` was threaded passes the collection in scope (issue 40): Megatron-Core's
-``LanguageModelEmbedding.__init__`` builds ``tensor_parallel.VocabParallelEmbedding(...)``, whose ``__init__``
-reads the grid, and ``GPTModel.__init__`` (holding ``self.pg_collection``) builds ``LanguageModelEmbedding(...)``.
+"""Instantiating a class whose ``__init__`` was threaded (or a subclass inheriting it unchanged) passes the
+collection in scope (issue 40): Megatron-Core's ``LanguageModelEmbedding.__init__`` builds
+``tensor_parallel.VocabParallelEmbedding(...)``, whose ``__init__`` reads the grid, and ``GPTModel.__init__``
+(holding ``self.pg_collection``) builds ``LanguageModelEmbedding(...)``.
 
 The rewritten package is imported and run: the collection given at the top is seen to reach the read with every
 fallback warning an error; the calls the rule must leave alone are checked in the text.
@@ -43,6 +44,14 @@ class Inherits(Embedding):
     pass
 
 
+class Mixin:
+    pass
+
+
+class Mixed(Mixin, Embedding):
+    pass
+
+
 class Own(Embedding):
     def __init__(self, size):
         super().__init__(size)
@@ -75,7 +84,7 @@ MODELS = '''\
 import pkg
 from megatron.core import parallel_state
 from pkg import layers
-from pkg.layers import Cached, Decorated, Inherits, Own
+from pkg.layers import Cached, Decorated, Inherits, Mixed, Own
 
 
 class Outer:
@@ -84,13 +93,18 @@ class Outer:
         self.embedding = pkg.Embedding(size)
 
 
+class Deeper(layers.Inherits):
+    """Inherits the threaded __init__ through a subclass that does."""
+
+
 class Model:
     def __init__(self, collection):
         self.pg_collection = collection
         self.outer = Outer(3)
+        self.deeper = Deeper(6)
 
     def others(self, options):
-        return (Inherits(1), Own(2), Decorated(), Cached(3), layers.Embedding(4, **options),
+        return (Inherits(1), Own(2), Mixed(2), Decorated(), Cached(3), layers.Embedding(4, **options),
                 layers.Embedding(5, pg_collection=None))
 '''
 
@@ -129,14 +143,18 @@ def test_instantiations_of_a_threaded_class_pass_the_collection_in_scope(rewritt
     models = rewritten["pkg/models.py"].splitlines()
     assert "        self.embedding = pkg.Embedding(size, pg_collection=pg_collection)" in models
     assert "        self.outer = Outer(3, pg_collection=self.pg_collection)" in models
+    # a subclass inheriting the threaded __init__ unchanged, through another module and another subclass
+    assert "        self.deeper = Deeper(6, pg_collection=self.pg_collection)" in models
     # in its own module, by its plain name, from a function threaded because it reads
     assert "    return Embedding(1, pg_collection=pg_collection), pg_rank(" in rewritten["pkg/layers.py"]
 
 
 def test_calls_the_rule_leaves_alone(rewritten: dict[str, str]) -> None:
     models = rewritten["pkg/models.py"]
-    # subclasses not known to take the keyword, a decorated class, one with a __new__, **kwargs, the keyword given
-    assert "Inherits(1), Own(2), Decorated(), Cached(3), layers.Embedding(4, **options)," in models
+    # a subclass with an __init__ of its own, one whose first base is another class (its __init__ runs first), a
+    # decorated class, one with a __new__, **kwargs, the keyword given
+    assert "Inherits(1, pg_collection=self.pg_collection), Own(2), Mixed(2), Decorated(), Cached(3)," in models
+    assert "layers.Embedding(4, **options)," in models
     assert "layers.Embedding(5, pg_collection=None)" in models
     layers = rewritten["pkg/layers.py"]
     assert "        super().__init__(size)" in layers
@@ -164,6 +182,7 @@ def test_the_collection_given_at_the_top_reaches_the_class_read(rewritten: dict[
         warnings.simplefilter("error")  # a fallback anywhere on the way would raise
         model = models.Model(_Collection(3))
     assert (model.outer.tp, model.outer.embedding.rank, model.outer.embedding.size) == (4, 3, 3)
+    assert (model.deeper.rank, model.deeper.size) == (3, 6)
 
 
 def test_without_a_collection_the_class_read_falls_back_as_before(rewritten: dict[str, str]) -> None:
