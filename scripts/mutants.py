@@ -675,6 +675,55 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-instantiation-passes-nothing",
+        bug="migrate threads a class's __init__ but its instantiations pass no collection (VocabParallelEmbedding, "
+            "issue 40's run of the Megatron-Core tests under -W error)",
+        file="pgregistry/migrate/_engine.py",
+        find="classes = {key: value for first in firsts for key, value in first.classes.items()}",
+        replace="classes = {}",
+        tests=(
+            "tests/migrate/test_migrate_instantiation.py::"
+            "test_instantiations_of_a_threaded_class_pass_the_collection_in_scope",
+            "tests/migrate/test_migrate_instantiation.py::test_the_collection_given_at_the_top_reaches_the_class_read",
+        ),
+    ),
+    Mutant(
+        name="migrate-instantiation-unguarded",
+        bug="migrate passes the collection to a class whose __new__, decorator or metaclass may not take it",
+        file="pgregistry/migrate/_plan.py",
+        find="if not isinstance(syntax, ast.ClassDef) or syntax.decorator_list or syntax.keywords or any(",
+        replace="if not isinstance(syntax, ast.ClassDef) or False and any(",
+        tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
+    ),
+    Mutant(
+        name="migrate-subclass-inheriting-init-passes-nothing",
+        bug="migrate passes no collection to a subclass that inherits a threaded __init__ unchanged",
+        file="pgregistry/migrate/_inherited.py",
+        find='return bool(node.bases) and not (node.decorator_list or node.keywords or own & {"__init__", "__new__"})',
+        replace="return False",
+        tests=(
+            "tests/migrate/test_migrate_instantiation.py::"
+            "test_instantiations_of_a_threaded_class_pass_the_collection_in_scope",
+            "tests/migrate/test_migrate_instantiation.py::test_the_collection_given_at_the_top_reaches_the_class_read",
+        ),
+    ),
+    Mutant(
+        name="migrate-subclass-any-base",
+        bug="migrate passes the collection to a subclass whose own __init__, or an earlier base's, may not take it",
+        file="pgregistry/migrate/_inherited.py",
+        find='own & {"__init__", "__new__"})',
+        replace='own & {"__new__"}) or False',
+        tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
+    ),
+    Mutant(
+        name="migrate-subclass-last-base",
+        bug="migrate takes a subclass's last base for the one whose __init__ it runs (the first's runs)",
+        file="pgregistry/migrate/_inherited.py",
+        find="base = node.bases[0]",
+        replace="base = node.bases[-1]",
+        tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
+    ),
+    Mutant(
         name="builder-reads-what-it-fills",
         bug="migrate rewrites a hand-written builder's reads into the fields of the collection it is filling",
         file="pgregistry/migrate/_plan.py",

@@ -40,6 +40,7 @@ from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom_of_target
+from pgregistry.migrate._inherited import add_inheriting_subclasses
 from pgregistry.migrate._megatron_release import ShimGetters, find_installed_shim_getters
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
@@ -48,6 +49,7 @@ from pgregistry.migrate._plan import (
     FilePlan,
     Read,
     add_reexported_names,
+    collect_threaded_classes,
     collect_threaded_functions,
     collect_threaded_methods,
     collection_mentions,
@@ -177,11 +179,13 @@ Threaded = dict[tuple[str, str], str]
 
 @dataclass
 class _Planned:
-    """A worker's first phase: the files it could not parse, and the functions and methods it threaded."""
+    """A worker's first phase: the files it could not parse, the functions and methods it threaded, and the
+    classes whose ``__init__`` it threaded (:func:`~pgregistry.migrate._plan.collect_threaded_classes`)."""
 
     failures: list[FileResult]
     threaded: Threaded
     methods: Threaded
+    classes: Threaded
 
 
 @dataclass(frozen=True)
@@ -269,7 +273,8 @@ class _Worker:
             else:
                 self.plans[path] = planned
         plans = self.plans.values()
-        return _Planned(failures, collect_threaded_functions(plans), collect_threaded_methods(plans))
+        return _Planned(failures, collect_threaded_functions(plans), collect_threaded_methods(plans),
+                        collect_threaded_classes(plans))
 
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
@@ -357,16 +362,18 @@ class _Worker:
         return after
 
 
-#: The name a ``def`` line defines (up to its parameters or type parameters); a line starts after any of
-#: Python's line endings (``re.M``'s ``^`` knows only ``\n``, not a CR-only file's ``\r``).
-_DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:async[ \t]+)?def[ \t]+([^\s(\[]+)")
+#: The name a ``def`` or ``class`` line defines (up to its parameters, bases or type parameters: a class whose
+#: ``__init__`` reads is called by its own name); a line starts after any of Python's line endings (``re.M``'s
+#: ``^`` knows only ``\n``, not a CR-only file's ``\r``).
+_DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:(?:async[ \t]+)?def|class)[ \t]+([^\s(\[:]+)")
 
 
 def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> frozenset[str]:
-    """The names of the functions that may be threaded: a read's enclosing scope whose head some ``def`` names
-    (a superset of the module-level functions with reads; the definitions it matches are parsed, not stood in
-    for, so that once the threaded ones are known their callers can pass the collection). Each file is scanned
-    once for the names it defines (a search per scope would be quadratic in a file's size)."""
+    """The names of the functions and classes that may be threaded: a read's enclosing scope whose head some
+    ``def`` or ``class`` names (a superset of the module-level functions and classes with reads; the definitions
+    it matches are parsed, not stood in for, so that once the threaded ones are known their callers can pass the
+    collection). Each file is scanned once for the names it defines (a search per scope would be quadratic in a
+    file's size)."""
     names = set()
     for result in planned:
         heads = {s.scope.partition(".")[0] for s in result.sites if s.scope != MODULE_SCOPE}
@@ -462,6 +469,10 @@ def _run_migration(
         methods = {key: value for first in firsts for key, value in first.methods.items()}
         upward = thread_upward(contents, {**threaded, **methods}, packages, name)
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
+        # A class is called as a function is: its instantiations pass the collection to its threaded __init__,
+        # and those of the subclasses that inherit that __init__ unchanged.
+        classes = {key: value for first in firsts for key, value in first.classes.items()}
+        threaded.update(add_inheriting_subclasses(contents, classes, packages))
         threaded.update(add_reexported_names(threaded, packages))
         instruction = _Instruction(threaded, upward)
         return [instruction] * len(firsts)

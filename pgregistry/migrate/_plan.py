@@ -1242,9 +1242,9 @@ def _resolve_dotted(dotted: list[str], bindings: Mapping[str, str], package: lis
 
 
 def _module_function_of_call(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
-    """(module, function) a call of ``dotted`` in ``plan`` calls, when it is a module-level function."""
+    """(module, name) a call of ``dotted`` in ``plan`` calls, when it is a module-level function or class."""
     head = dotted[0]
-    if len(dotted) == 1 and plan.top_level.get(head) == "function":
+    if len(dotted) == 1 and plan.top_level.get(head) in ("function", "class"):
         return plan.module, head
     qualified = _resolve_dotted(dotted, plan.bindings, plan.package)
     if qualified is None or "." not in qualified:
@@ -1275,6 +1275,30 @@ def collect_threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
         if function.added and function.parent is None and function.method_of is not None
         and function.qualname.count(".") == 1
     }
+
+
+def collect_threaded_classes(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
+    """The module-level classes whose own ``__init__`` a collection was threaded into: (module, class) -> the
+    parameter added, so that a call of the class itself passes it as a call of a threaded function does. Only a
+    class whose instantiation is sure to reach that ``__init__`` with the keyword: never one with a decorator (it
+    may stand for something else), a metaclass or other class keyword (its ``__call__`` may take other
+    arguments), or a ``__new__`` of its own (called with the same arguments). A subclass is none of these: its
+    own ``__init__``, or one it inherits from a class outside the file, is not known to take the keyword."""
+    found = {}
+    for plan in plans:
+        for function in plan.functions:
+            owner = function.method_of
+            if not (function.added and function.parent is None and owner is not None
+                    and function.qualname == f"{owner.name.value}.__init__"):
+                continue
+            # The class as the file has it (the walked tree may stand in for a member without reads).
+            syntax = plan.statements[function.top][0]
+            if not isinstance(syntax, ast.ClassDef) or syntax.decorator_list or syntax.keywords or any(
+                    isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == "__new__"
+                    for m in syntax.body):
+                continue
+            found[(plan.module, owner.name.value)] = function.added
+    return found
 
 
 def add_reexported_names(

@@ -37,7 +37,7 @@ from pgregistry._source.scanner import module_name
 from pgregistry.migrate._plan import add_reexported_names
 from pgregistry.migrate._tree import classify_uses
 
-__all__ = ["Upward", "thread_upward"]
+__all__ = ["Upward", "import_bindings", "thread_upward"]
 
 #: Decorators that fix a function's signature or key on its arguments (the plan's own list, and its rule for the
 #: compilers' names), and the method names torch or Python call with their own arguments.
@@ -92,7 +92,7 @@ def _absolute_module(module: str, level: int, package: list[str]) -> str:
     return ".".join([*base, module] if module else base)
 
 
-def _import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
+def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
     """The module-level import bindings of ``tree``: bound name -> the module or ``module:name`` it stands for."""
     bound: dict[str, str] = {}
     stack: list[ast.stmt] = list(tree.body)
@@ -144,7 +144,7 @@ def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definiti
     package = path.split("/")[:-1]
     module = ".".join(module_name(path))
     tree = ast.parse(data)
-    bound = _import_bindings(tree, package)
+    bound = import_bindings(tree, package)
     functions = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     binds_the_name = name in bound or name in functions or any(
         isinstance(t, ast.Name) and t.id == name for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))

@@ -1,0 +1,207 @@
+"""Instantiating a class whose ``__init__`` was threaded (or a subclass inheriting it unchanged) passes the
+collection in scope (issue 40): Megatron-Core's ``LanguageModelEmbedding.__init__`` builds
+``tensor_parallel.VocabParallelEmbedding(...)``, whose ``__init__`` reads the grid, and ``GPTModel.__init__``
+(holding ``self.pg_collection``) builds ``LanguageModelEmbedding(...)``.
+
+The rewritten package is imported and run: the collection given at the top is seen to reach the read with every
+fallback warning an error; the calls the rule must leave alone are checked in the text.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pgregistry._source.config import PRESETS
+from pgregistry._source.files import SourceFile
+from pgregistry.migrate._engine import migrate
+
+pytest.importorskip("libcst")
+pytest.importorskip("megatron.core")
+
+#: The class that reads (as ``VocabParallelEmbedding``), subclasses that do not thread their own ``__init__``,
+#: a class whose ``__new__`` takes the same arguments, and a decorated one (the decorator may stand for anything).
+LAYERS = '''\
+from megatron.core import parallel_state
+
+
+def keep(cls):
+    return cls
+
+
+class Embedding:
+    def __init__(self, size):
+        self.rank = parallel_state.get_tensor_model_parallel_rank()
+        self.size = size
+
+
+class Inherits(Embedding):
+    pass
+
+
+class Mixin:
+    pass
+
+
+class Mixed(Mixin, Embedding):
+    pass
+
+
+class Own(Embedding):
+    def __init__(self, size):
+        super().__init__(size)
+
+
+class Cached:
+    def __new__(cls, size):
+        return super().__new__(cls)
+
+    def __init__(self, size):
+        self.rank = parallel_state.get_tensor_model_parallel_rank()
+
+
+@keep
+class Decorated:
+    def __init__(self):
+        self.rank = parallel_state.get_tensor_model_parallel_rank()
+
+
+def local():
+    return Embedding(1), parallel_state.get_data_parallel_rank()
+'''
+
+#: The package re-exports the class, as ``megatron.core.tensor_parallel`` does.
+PACKAGE = "from pkg.layers import Embedding\n"
+
+#: A threaded ``__init__`` building the class through the package (as ``LanguageModelEmbedding``), a model holding
+#: a collection building that (as ``GPTModel``), and the calls that must stay as they are.
+MODELS = '''\
+import pkg
+from megatron.core import parallel_state
+from pkg import layers
+from pkg.layers import Cached, Decorated, Inherits, Mixed, Own
+
+
+class Outer:
+    def __init__(self, size):
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.embedding = pkg.Embedding(size)
+
+
+class Deeper(layers.Inherits):
+    """Inherits the threaded __init__ through a subclass that does."""
+
+
+class Model:
+    def __init__(self, collection):
+        self.pg_collection = collection
+        self.outer = Outer(3)
+        self.deeper = Deeper(6)
+
+    def others(self, options):
+        return (Inherits(1), Own(2), Mixed(2), Decorated(), Cached(3), layers.Embedding(4, **options),
+                layers.Embedding(5, pg_collection=None))
+'''
+
+
+def _write(root: Path, files: dict[str, str]) -> list[SourceFile]:
+    sources = []
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+        sources.append(SourceFile(path, root / path))
+    return sources
+
+
+@pytest.fixture
+def rewritten(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The migrated package's texts, written and importable (``pkg``), removed from ``sys.modules`` after."""
+    files = {"pkg/__init__.py": PACKAGE, "pkg/layers.py": LAYERS, "pkg/models.py": MODELS}
+    migration = migrate(_write(tmp_path, files), PRESETS["megatron"], target="megatron", name="pg_collection")
+    assert not migration.failures
+    texts = {change.path: change.after.decode() for change in migration.changes}
+    for path, text in texts.items():
+        (tmp_path / path).write_text(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's and Megatron-Core's notices at import
+        importlib.import_module("megatron.core.parallel_state")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield texts
+    finally:
+        sys.path.remove(str(tmp_path))
+        for module in [m for m in sys.modules if m == "pkg" or m.startswith("pkg.")]:
+            del sys.modules[module]
+
+
+def test_instantiations_of_a_threaded_class_pass_the_collection_in_scope(rewritten: dict[str, str]) -> None:
+    models = rewritten["pkg/models.py"].splitlines()
+    assert "        self.embedding = pkg.Embedding(size, pg_collection=pg_collection)" in models
+    assert "        self.outer = Outer(3, pg_collection=self.pg_collection)" in models
+    # a subclass inheriting the threaded __init__ unchanged, through another module and another subclass
+    assert "        self.deeper = Deeper(6, pg_collection=self.pg_collection)" in models
+    # in its own module, by its plain name, from a function threaded because it reads
+    assert "    return Embedding(1, pg_collection=pg_collection), pg_rank(" in rewritten["pkg/layers.py"]
+
+
+def test_calls_the_rule_leaves_alone(rewritten: dict[str, str]) -> None:
+    models = rewritten["pkg/models.py"]
+    # a subclass with an __init__ of its own, one whose first base is another class (its __init__ runs first), a
+    # decorated class, one with a __new__, **kwargs, the keyword given
+    assert "Inherits(1, pg_collection=self.pg_collection), Own(2), Mixed(2), Decorated(), Cached(3)," in models
+    assert "layers.Embedding(4, **options)," in models
+    assert "layers.Embedding(5, pg_collection=None)" in models
+    layers = rewritten["pkg/layers.py"]
+    assert "        super().__init__(size)" in layers
+
+
+class _Group:
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return 4
+
+
+class _Collection:
+    def __init__(self, rank: int) -> None:
+        self.tp = _Group(rank)
+
+
+def test_the_collection_given_at_the_top_reaches_the_class_read(rewritten: dict[str, str]) -> None:
+    models = importlib.import_module("pkg.models")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback anywhere on the way would raise
+        model = models.Model(_Collection(3))
+    assert (model.outer.tp, model.outer.embedding.rank, model.outer.embedding.size) == (4, 3, 3)
+    assert (model.deeper.rank, model.deeper.size) == (3, 6)
+
+
+def test_without_a_collection_the_class_read_falls_back_as_before(rewritten: dict[str, str]) -> None:
+    models = importlib.import_module("pkg.models")
+    from megatron.core import parallel_state
+
+    def outcome(build: object) -> object:
+        try:
+            return build()  # type: ignore[operator]
+        except Exception as error:  # what the original raises without torch.distributed, if it raises
+            return type(error)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = outcome(lambda: (lambda outer: (outer.tp, outer.embedding.rank))(models.Outer(2)))
+        alone = outcome(lambda: importlib.import_module("pkg.layers").Embedding(2).rank)
+    size, rank = parallel_state.get_tensor_model_parallel_world_size, parallel_state.get_tensor_model_parallel_rank
+    assert got == outcome(lambda: (size(), rank()))
+    assert alone == outcome(rank)
+    warned = [str(w.message) for w in caught]
+    assert any("pkg.models.Outer.__init__" in message for message in warned), warned
+    assert any("pkg.layers.Embedding.__init__" in message for message in warned), warned
