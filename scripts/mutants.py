@@ -727,8 +727,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="builder-reads-what-it-fills",
         bug="migrate rewrites a hand-written builder's reads into the fields of the collection it is filling",
         file="pgregistry/migrate/_plan.py",
-        find="read.way, read.collection = BUILDER, function.shim_name",
-        replace="read.way, read.collection = BUILDER, name",
+        find="read.way, read.collection = Way.BUILDER, function.shim_name",
+        replace="read.way, read.collection = Way.BUILDER, name",
         tests=(
             "tests/migrate/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",

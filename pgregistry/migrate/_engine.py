@@ -44,10 +44,9 @@ from pgregistry.migrate._inherited import add_inheriting_subclasses
 from pgregistry.migrate._megatron_release import ShimGetters, find_installed_shim_getters
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
-    BUILDER,
-    LEFT,
     FilePlan,
     Read,
+    Way,
     add_reexported_names,
     collect_threaded_classes,
     collect_threaded_functions,
@@ -500,7 +499,7 @@ def _run_migration(
             outcome.changes.append(Change(path, source.absolute, data, mtime, after))
     for path in sorted(every):
         outcome.reads += [(path, r) for r in sorted(every[path], key=lambda r: (r.site.line, r.site.col))]
-    if target == "megatron" and any(read.way not in (LEFT, BUILDER) for _, read in outcome.reads):
+    if target == "megatron" and any(read.way not in (Way.LEFT, Way.BUILDER) for _, read in outcome.reads):
         path = helper_path(helper_module, lambda directory: (root / directory).is_dir())
         made = _helper_change(root, path, helper_module, helper, gtp_remat)
         if isinstance(made, FileResult):

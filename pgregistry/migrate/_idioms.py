@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from pgregistry._source.scanner import HELPER
-from pgregistry.migrate._plan import BUILDER, Read
+from pgregistry.migrate._plan import Read, Way
 
 __all__ = ["HELPERS", "TARGETS", "Idiom", "idiom_of_target"]
 
@@ -49,7 +49,7 @@ class Idiom:
 
     def _read_code(self, read: Read, field: str, forwarded: str) -> str:
         assert read.choice is not None
-        if read.way == BUILDER:
+        if read.way == Way.BUILDER:
             return f"{read.collection}.{field}"
         kind = read.choice.kind
         if read.site.family == HELPER and self.megatron_fallback:  # falls back to the helper, as the read did

@@ -28,6 +28,7 @@ import builtins
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 import libcst as cst
 from libcst.metadata import (
@@ -48,11 +49,8 @@ from pgregistry.migrate._skeleton import definition_span, has_line_within, line_
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [
-    "FALLBACK",
-    "IN_SCOPE",
-    "LEFT",
-    "THREADED",
-    "WAYS",
+    "REWRITTEN_WAYS",
+    "Way",
     "Call",
     "FilePlan",
     "Function",
@@ -66,14 +64,27 @@ __all__ = [
     "visit_mentions",
 ]
 
-IN_SCOPE = "in-scope"
-THREADED = "threaded"
-FALLBACK = "fallback"
-LEFT = "left"
-#: A read assigned into a field of the collection its function builds by hand: read from one
-#: ``use_mpu_process_groups`` of that class instead (the same groups, one shim in place of many reads).
-BUILDER = "builder"
-WAYS = (IN_SCOPE, THREADED, FALLBACK, BUILDER)
+class Way(str, Enum):
+    """What planning decided for a read: the collection's field read through a collection in scope, through the
+    threaded parameter, or through the fallback helper where the read is guarded; ``BUILDER``, a read assigned into
+    a field of the collection its function builds by hand, read from one ``use_mpu_process_groups`` of that class
+    instead (the same groups, one shim in place of many reads); ``LEFT``, left with its reason."""
+
+    IN_SCOPE = "in-scope"
+    THREADED = "threaded"
+    FALLBACK = "fallback"
+    BUILDER = "builder"
+    LEFT = "left"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+#: The ways a read is rewritten, in the report's order.
+REWRITTEN_WAYS = (Way.IN_SCOPE, Way.THREADED, Way.FALLBACK, Way.BUILDER)
 
 #: Decorators that fix a function's signature or key on its arguments: a new parameter would break them.
 _FIXED_SIGNATURE = ("property", "setter", "getter", "deleter", "jit", "script", "compile", "cache", "lru_cache",
@@ -145,7 +156,7 @@ class Read:
     function: Function | None
     statement: int
     choice: FieldChoice | None = None
-    way: str = LEFT
+    way: Way = Way.LEFT
     reason: str = ""
     #: The expression of the collection the replacement reads (its parameter, ``self.pg_collection``, a shim).
     collection: str = ""
@@ -1086,7 +1097,7 @@ def plan_file(
             elif not (isinstance(given, cst.Name) and given.value == "None"):
                 read.given = cst.Module([]).code_for_node(given)
         if reason is not None:
-            read.way, read.reason = LEFT, reason
+            read.way, read.reason = Way.LEFT, reason
             continue
         function = read.function
         assert function is not None
@@ -1099,35 +1110,35 @@ def plan_file(
             assert read.choice is not None
             if read.choice.field not in function.shim_fields:
                 function.shim_fields.append(read.choice.field)
-            read.way, read.collection = BUILDER, function.shim_name
+            read.way, read.collection = Way.BUILDER, function.shim_name
             continue
         if isinstance(found, str):
-            read.way, read.reason = LEFT, found
+            read.way, read.reason = Way.LEFT, found
             continue
         guarded = read.site.guarded or bool(read.given)
         root = _outermost_function(function)
         if found is None and root is not function:  # the enclosing function's collection, as a closure
             found = _enclosing_collection(function, root, locator.attributes, name, chains)
             if isinstance(found, str):
-                read.way, read.reason = LEFT, found
+                read.way, read.reason = Way.LEFT, found
                 continue
         if found is None:
             why = _cannot_thread(root, classes, facts)
             if why is not None:
-                read.way, read.reason = LEFT, why if root is function else f"nested in {root.qualname}: {why}"
+                read.way, read.reason = Way.LEFT, why if root is function else f"nested in {root.qualname}: {why}"
                 continue
             if not root.added:
                 root.added = _free_name(root, name, taken | _names_between(function, root),
                                         ("process_group_collection",))
             elif root.added in _names_between(function, root):
-                read.way, read.reason = LEFT, f"binds {root.added}, which hides {root.qualname}'s collection"
+                read.way, read.reason = Way.LEFT, f"binds {root.added}, which hides {root.qualname}'s collection"
                 continue
-            read.way = FALLBACK if guarded else THREADED
+            read.way = Way.FALLBACK if guarded else Way.THREADED
             read.collection = root.added
         else:
             read.collection, optional, _ = found
-            read.way = FALLBACK if guarded and optional else IN_SCOPE
-    stranded = {(read.site.line, read.site.col): read.reason for read in reads if read.shim and read.way == LEFT}
+            read.way = Way.FALLBACK if guarded and optional else Way.IN_SCOPE
+    stranded = {(read.site.line, read.site.col): read.reason for read in reads if read.shim and read.way == Way.LEFT}
     if stranded:  # a shim that stays after all: its local is what it was to the other reads
         return plan_file(path, module, source, sites, name, data, syntax, gtp_remat=gtp_remat, facts=facts,
                          shims=shims, kept_shims={**(kept_shims or {}), **stranded})

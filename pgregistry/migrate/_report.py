@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from pgregistry._source.scanner import FAMILIES, FileResult, family_of
-from pgregistry.migrate._plan import LEFT, WAYS, Read
+from pgregistry.migrate._plan import REWRITTEN_WAYS, Read, Way
 
 __all__ = ["render_failures", "render_report", "tally_reads_by_family"]
 
@@ -32,7 +32,7 @@ def render_report(reads: Sequence[tuple[str, Read]], threaded: int, passed: int,
     """The table per family, then every read left in place grouped by reason (``path:line accessor``).
     ``verb``: what happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
     table = tally_reads_by_family(reads)
-    columns = ("found", *WAYS, LEFT)
+    columns = ("found", *REWRITTEN_WAYS, Way.LEFT)
     lines = [f"{'family':<10}" + "".join(f"{c:>10}" for c in columns)]
     for family in FAMILIES:
         row = table[family]
@@ -48,7 +48,7 @@ def render_report(reads: Sequence[tuple[str, Read]], threaded: int, passed: int,
     )
     left: defaultdict[str, list[str]] = defaultdict(list)
     for path, read in reads:
-        if read.way == LEFT:
+        if read.way == Way.LEFT:
             left[read.reason].append(f"{path}:{read.site.line} {read.site.expr} ({family_of(read.site)})")
     if left:
         lines.append("left in place:")

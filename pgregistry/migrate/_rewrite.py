@@ -26,7 +26,7 @@ from pgregistry.migrate._layout import (
     split_key,
     split_statement,
 )
-from pgregistry.migrate._plan import LEFT, FilePlan
+from pgregistry.migrate._plan import FilePlan, Way
 from pgregistry.migrate._shims import Dissolved
 from pgregistry.migrate._skeleton import restore_placeholders
 from pgregistry.migrate._style import DEFAULT_WIDTH
@@ -256,7 +256,7 @@ class _Rewriter(cst.CSTTransformer):
         #: The statements removed (by id of the original) -> the comment lines above each.
         self.dropped: dict[int, list[cst.EmptyLine]] = {}
         for read in plan.reads:
-            if read.way == LEFT or read.call is None or read.function is None:
+            if read.way == Way.LEFT or read.call is None or read.function is None:
                 continue
             self._mark_touched(read.top, read.member)
             if read.shim is not None:
