@@ -49,7 +49,7 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         modules = MultiModuleCollection(
             {"vision": vision, "language": language}, language_model="language", disjoint=True
         )
-        modules.here  # ("vision",) on ranks 0-3, ("language",) on ranks 4-7
+        modules.here()  # ("vision",) on ranks 0-3, ("language",) on ranks 4-7
     """
 
     __slots__ = ("_modules", "_language_model", "_disjoint")
