@@ -55,7 +55,7 @@ class OrderToken(str, enum.Enum):
 
     A token names a slot, not one axis: ``tp`` is TP in the dense grid and expert TP in the expert
     grid, ``dp`` data parallelism and expert data parallelism. An *axis* is a dimension of the rank
-    grid; a *dim* is a dimension of a tensor. A token is a ``str``, so it compares equal to its text.
+    grid; a *dim* is a dimension of a tensor. A token is a ``str``: it compares equal to its text.
 
     Raises:
         ValueError: ``OrderToken(text)`` with a text that names no slot.
