@@ -160,10 +160,11 @@ class ProcessGroupCollection:
     What a model and its optimizer are handed instead of reading a global ``parallel_state``: each
     field is one communicator, so a function's groups are visible in its arguments. Field names
     are Megatron-Core's ``ProcessGroupCollection`` names, and a field holds the ranks
-    Megatron-Core gives it (docs/layout.md). ``mp`` is TP x GTP-remat x PP (the dense grad-norm group),
-    ``tp_ep_pp_with_egtp_remat`` is expert TP x EP x expert GTP-remat x PP (the expert one;
+    Megatron-Core gives it (docs/layout.md). ``mp`` is TP x GTP-remat x PP (the dense grad-norm
+    group), ``tp_ep_pp_with_egtp_remat`` is expert TP x EP x expert GTP-remat x PP (the expert one;
     ``tp_ep_pp`` leaves the expert GTP axis out), ``intra_dist_opt`` is the group one
-    distributed-optimizer instance spans. ``hcp`` is a list of hierarchical context-parallel groups.
+    distributed-optimizer instance spans. ``hcp`` is a list of hierarchical context-parallel
+    groups.
     The collection is frozen: :meth:`evolve` gives a changed copy.
 
     Args:
