@@ -101,7 +101,27 @@ _UNMARKED_HINT: Final = (
 
 @attrs.frozen(slots=True, kw_only=True)
 class ReplicationMismatch:
-    """One parameter whose measured replication over ``axis`` disagrees with its classification."""
+    """One parameter whose measured replication over ``axis`` disagrees with its classification.
+
+    An entry of :attr:`GradReplicationReport.mismatches`; its text says what the mismatch does to
+    the norm (:attr:`effect`) and which role helper fixes it (:attr:`hint`).
+
+    Attributes:
+        name: The parameter's name.
+        axis: The group kind the replication was measured over (``tp``, ``ep``, ``dp_cp``, ...).
+        claimed: What its roles say: ``"replicated"`` or ``"distinct"`` across ``axis``.
+        measured: What the gradients showed.
+        unmarked: True when the parameter carries no EP classification at all.
+
+    Example:
+        >>> mismatch = ReplicationMismatch(
+        ...     name="norm.weight", axis="tp", claimed="replicated", measured="distinct"
+        ... )
+        >>> mismatch.effect
+        'undercount'
+        >>> print(mismatch)
+        norm.weight: across tp classified replicated, measured distinct (undercount): differs ...
+    """
 
     name: str
     axis: str
@@ -134,7 +154,15 @@ class ReplicationMismatch:
 class SuspectedTie:
     """A parameter that may be tied to one at the other end of the pipeline: reported, never an error.
 
-    No measurement shows the tie (see the module docstring).
+    No measurement shows the tie (see the module docstring); an entry of
+    :attr:`GradReplicationReport.suspected_ties`, which leaves the report ``ok``.
+
+    Attributes:
+        name: This rank's parameter.
+        other_name: The parameter on the other rank it may be tied to.
+        other_rank: The global rank holding ``other_name`` (of this rank's ``embd`` group).
+        shape: The shape both share.
+        evidence: What else points at a tie (each a short phrase, joined in the text).
     """
 
     name: str
@@ -167,6 +195,24 @@ class GradReplicationReport:
     leave the report ``ok`` (an untied model may have such pairs). A report that lists a mismatch never reads as
     agreeing: it is not ``ok``, and its ratio is either shown to the digits that differ from 1 or said to be
     unknown.
+
+    Attributes:
+        classified_norm: The norm as the roles classify the grads (float64).
+        true_norm: The norm measured replication implies (NaN: grads not synchronised).
+        params_checked: How many gradients were checked on this rank.
+        mismatches: The :class:`ReplicationMismatch` entries.
+        unclassified: Names of expert-module parameters with no EP classification.
+        suspected_ties: The :class:`SuspectedTie` entries.
+
+    Example:
+        >>> report = GradReplicationReport(
+        ...     classified_norm=2.0, true_norm=2.0, params_checked=3, mismatches=()
+        ... )
+        >>> report.ok, report.norm_ratio
+        (True, 1.0)
+        >>> print(report)
+        grad replication audit: 3 gradient(s) checked, ok
+          classified norm 2, measured-truth norm 2, ratio 1.000000 (relative error 0%)
     """
 
     classified_norm: float

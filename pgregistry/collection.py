@@ -157,21 +157,40 @@ class _Field(Generic[V]):
 class ProcessGroupCollection:
     """One process group (or ``None`` = axis off, ``UNSET``, ``NOT_MEMBER``) per group kind, plus the layout.
 
-    Field names are Megatron-Core's ``ProcessGroupCollection`` names, and a field holds the ranks Megatron-Core
-    gives it (docs/layout.md). ``mp`` is TP x GTP-remat x PP (the dense grad-norm group),
-    ``tp_ep_pp_with_egtp_remat`` is expert TP x EP x expert GTP-remat x PP (the expert one; ``tp_ep_pp`` leaves the
-    expert GTP axis out), ``intra_dist_opt`` is the group one distributed-optimizer instance spans. ``hcp`` is a
-    list of hierarchical context-parallel groups.
+    What a model and its optimizer are handed instead of reading a global ``parallel_state``: each
+    field is one communicator, so a function's groups are visible in its arguments. Field names
+    are Megatron-Core's ``ProcessGroupCollection`` names, and a field holds the ranks
+    Megatron-Core gives it (docs/layout.md). ``mp`` is TP x GTP-remat x PP (the dense grad-norm
+    group), ``tp_ep_pp_with_egtp_remat`` is expert TP x EP x expert GTP-remat x PP (the expert one;
+    ``tp_ep_pp`` leaves the expert GTP axis out), ``intra_dist_opt`` is the group one
+    distributed-optimizer instance spans. ``hcp`` is a list of hierarchical context-parallel
+    groups.
+    The collection is frozen: :meth:`evolve` gives a changed copy.
 
-    Keywords besides the fields: ``layout`` (what the groups were built from; each group is then checked to hold
-    the layout's ranks for this rank), ``name`` (the build's name, for messages) and ``one_rank_group`` (a group
-    of this rank alone: adapters to libraries without an "axis off" value, Megatron-Core and DeviceMesh, pass it
-    where a field is ``None``).
+    Args:
+        layout: What the groups were built from; each group is then checked to hold the layout's
+            ranks for this rank. ``None``: no such check.
+        name: The build's name, for messages.
+        one_rank_group: A group of this rank alone: adapters to libraries without an "axis off"
+            value (Megatron-Core, DeviceMesh) pass it where a field is ``None``.
+        **groups: The fields, by name; a field not given is ``UNSET``.
 
-    Checked when built: every field must be a ``ProcessGroup``, ``None``, ``UNSET`` or ``NOT_MEMBER``
-    (``TypeError`` naming the field); a group that spans several axes must be as large as those axes together
-    (``ValueError`` naming it and them; see :data:`COMPOSITE_AXES`); with a layout, a group must hold the
-    layout's ranks (``ValueError`` naming the field, its ranks and the layout's).
+    Raises:
+        TypeError: A field is not a ``ProcessGroup``, ``None``, ``UNSET`` or ``NOT_MEMBER`` (named).
+        ValueError: An unknown field name (the nearest one suggested); a group that spans several
+            axes is not as large as those axes together (named with them; see
+            :data:`COMPOSITE_AXES`); with a layout, a group does not hold the layout's ranks (the
+            field, its ranks and the layout's named).
+
+    Example:
+        >>> collection = ProcessGroupCollection(tp=None, name="toy")
+        >>> collection.tp is None, collection.dp
+        (True, UNSET)
+        >>> collection.evolve(dp=None).dp is None
+        True
+        >>> ProcessGroupCollection(tp=3)
+        Traceback (most recent call last):
+        TypeError: process group field 'tp' must be a torch ProcessGroup, None (axis off), ...
     """
 
     __slots__ = ("_values", "_layout", "_name", "_one_rank_group", "_member", "_lifetime")

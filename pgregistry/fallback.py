@@ -36,6 +36,12 @@ class ProcessGroupFallbackWarning(UserWarning):
     """Code read the global process-group grid because it was not given a group explicitly.
 
     Turn it into an error to find every such read: ``python -W error::pgregistry.ProcessGroupFallbackWarning``.
+    Importing :mod:`pgregistry` does not import torch, so the filter works from the command line.
+
+    Example::
+
+        warnings.simplefilter("error", pgregistry.ProcessGroupFallbackWarning)
+        clip_grad_norm_(model.parameters(), 1.0)  # raises where no collection was given or attached
     """
 
 

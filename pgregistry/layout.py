@@ -53,9 +53,18 @@ RankGroup = tuple[int, ...]
 class OrderToken(str, enum.Enum):
     """The tokens of an order string, one per slot of both grids (Megatron-Core's ``order``).
 
-    A token names a slot, not one axis: ``tp`` is TP in the dense grid and expert TP in the expert grid, ``dp`` data
-    parallelism and expert data parallelism. An *axis* is a dimension of the rank grid; a *dim* is a dimension of a
-    tensor.
+    A token names a slot, not one axis: ``tp`` is TP in the dense grid and expert TP in the expert
+    grid, ``dp`` data parallelism and expert data parallelism. An *axis* is a dimension of the rank
+    grid; a *dim* is a dimension of a tensor. A token is a ``str``: it compares equal to its text.
+
+    Raises:
+        ValueError: ``OrderToken(text)`` with a text that names no slot.
+
+    Example:
+        >>> [token.value for token in OrderToken]
+        ['tp', 'cp', 'ep', 'dp', 'pp']
+        >>> OrderToken("dp") is OrderToken.DP, OrderToken.DP == "dp"
+        (True, True)
     """
 
     TP = "tp"

@@ -51,7 +51,19 @@ def node_of(rank: int, gpus_per_node: int) -> int:
 
 @attrs.frozen(slots=True, kw_only=True)
 class KindPlacement:
-    """How the groups of one kind sit on the nodes."""
+    """How the groups of one kind sit on the nodes.
+
+    One row of a :func:`place` result (its ``kind(name)``): whether the kind's collectives stay on
+    NVLink, and the first group that leaves it, for the warning. The fields not described below
+    are the kind's name, how many groups it has and their size.
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> dp_first = ParallelLayout(num_ranks=16, tp=2, order="dp-tp-cp-ep-pp")
+        >>> tp = place(dp_first, gpus_per_node=8).kind("tp")
+        >>> tp.num_groups, tp.group_size, tp.crossing_groups, tp.first_crossing, tp.violated
+        (8, 2, 8, (0, 8), True)
+    """
 
     kind: str
     num_groups: int

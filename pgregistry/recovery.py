@@ -82,7 +82,24 @@ _generation = 0
 
 
 class LeftWithReplica(RuntimeError):
-    """This rank is alive but must leave: its replica lost a rank (``shrunk`` says which and who goes on)."""
+    """This rank is alive but must leave: its replica lost a rank (``shrunk`` says who goes on).
+
+    Raised by :func:`recover` on the live ranks of a replica that lost a rank: the smaller layout
+    drops that replica whole, so these ranks have no place in the re-formed world: end the
+    process, or keep it as a spare.
+
+    Attributes:
+        shrunk: The :class:`~pgregistry.layout.Shrunk` every rank agreed on: who was lost, who
+            left with them, the smaller layout and the old -> new rank map.
+
+    Example::
+
+        try:
+            recovered = recover(collection, store, committed_step=step)
+        except LeftWithReplica as left:
+            log.info("leaving", lost=left.shrunk.lost)
+            sys.exit(0)
+    """
 
     def __init__(self, message: str, shrunk: Shrunk) -> None:
         super().__init__(message)
@@ -93,12 +110,18 @@ class StoreLost(RuntimeError):
     """The store :func:`recover` was given stopped answering: its host is lost.
 
     With it goes the only place the survivors meet. Not survivable: restart the job from the last
-    checkpoint."""
+    checkpoint. Every survivor raises it, naming the store's address and the phase it was in.
+    """
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class Recovered:
-    """What :func:`recover` returns on a rank that goes on."""
+    """What :func:`recover` returns on a rank that goes on.
+
+    Everything training needs to continue on the smaller world (the new collection, this rank's
+    new number, the step to resume after) and the figures of the recovery itself. Each field is
+    described below.
+    """
 
     collection: ProcessGroupCollection
     """The smaller layout's collection, on the re-formed world."""

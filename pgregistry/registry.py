@@ -46,8 +46,20 @@ _ALIASES: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
 class BuildOptions(TypedDict, total=False):
     """The keywords of :func:`build` besides ``name``: the groups' ``backend`` and ``timeout``.
 
-    ``None``: those ``torch.distributed.new_group`` picks; a timeout is a positive, finite number of
-    seconds up to 1e12 or a ``timedelta``, and bounds the build itself."""
+    For a caller that passes the options on as one mapping (``build(layout, **options)``), typed.
+    A key left out means what ``None`` means.
+
+    Attributes:
+        backend: The groups' backend; ``None``: the one ``torch.distributed.new_group`` picks.
+        timeout: A positive, finite number of seconds up to 1e12 or a ``timedelta``; the groups'
+            timeout and the bound of the build itself (``None``: torch's). :func:`build` raises
+            ``ValueError`` or ``TypeError`` for another value.
+
+    Example::
+
+        options: BuildOptions = {"backend": "gloo", "timeout": 60.0}
+        collection = build(layout, name="train", **options)
+    """
 
     backend: str | None
     timeout: timedelta | float | None
@@ -273,6 +285,16 @@ def destroy() -> None:
 
     Collections built so far (and the global grid) are marked destroyed, so using one raises instead
     of running a collective on a dead group. Adopted communicators stay (their creator owns them).
+    Call it before ``torch.distributed.destroy_process_group()`` at the end of a run, or between
+    tests that build again; a later :func:`build` creates new groups. With ``torch.distributed`` not
+    initialised it only forgets.
+
+    Example::
+
+        collection = build(layout)
+        ...
+        destroy()
+        collection.is_destroyed  # True: an entry point given it raises, naming destroy()
     """
     global _lifetime
     CACHE.destroy()

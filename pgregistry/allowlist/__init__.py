@@ -28,8 +28,25 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``allowlist check|update|stats|import`` on ``argv`` (``sys.argv[1:]`` when None), as
-    ``python -m pgregistry.allowlist`` does; returns the exit code (0 ok, 1 check failed, 2 error)."""
+    """Run the allowlist's ``check``, ``update``, ``stats`` or ``import`` action on ``argv``.
+
+    What ``python -m pgregistry.allowlist`` runs: the ratchet's command line without the rest of
+    the ``pgregistry`` CLI (``pgregistry allowlist ...`` runs the same actions).
+
+    Args:
+        argv: The action and its options (``None``: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 ok, 1 the check failed (a new read of global process-group state, or a
+        stale entry), 2 an error (bad input or an OS error, named on stderr).
+
+    Raises:
+        SystemExit: For a usage error argparse catches (code 2), and after ``--help`` (code 0).
+
+    Example::
+
+        code = main(["check"])  # 1 when the scan finds a read the allowlist does not allow
+    """
     from pgregistry.allowlist._cli import main as run_command
 
     return run_command(argv)

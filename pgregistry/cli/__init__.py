@@ -44,7 +44,26 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen sub-command; returns the process exit code."""
+    """Parse ``argv`` and run the chosen sub-command; returns the process exit code.
+
+    The ``pgregistry`` console script's entry point; callable from Python for scripts and tests.
+
+    Args:
+        argv: The arguments after the program name (``None``: ``sys.argv[1:]``).
+
+    Returns:
+        0 on success, 1 when a check failed, 2 for bad input the command reported itself (its
+        message ``pgregistry COMMAND: error: ...`` on stderr).
+
+    Raises:
+        SystemExit: With code 2 for a usage error argparse catches (an unknown command or option),
+            and with 0 after ``--help``, as argparse does.
+
+    Example::
+
+        main(["layout", "--num-ranks", "4", "--tp", "2"])  # prints the table of groups; 0
+        main(["layout", "--num-ranks", "4", "--tp", "3"])  # "... not divisible ..."; 2
+    """
     args = _build_parser().parse_args(argv)
     code: int = args.handler(args)
     return code

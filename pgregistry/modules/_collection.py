@@ -25,13 +25,31 @@ MODULES_ADVICE = "every rank must pass the same modules, in the same order, and 
 class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
     """Module name -> the collection that module runs on, for every module of the job; a read-only mapping.
 
-    ``language_model`` names the language model among them (Megatron-Core's ``language_model_module_name``), or is
-    ``None``. ``disjoint=True`` declares that no two modules share a rank, and is checked. Every collection must be
-    built (:func:`pgregistry.build`), so that every rank knows every module's span, its own or not.
+    For a job whose modules (a vision encoder and a language model, say) each run on their own
+    ranks with their own layout: every rank holds the whole table, so the job-wide statistics and
+    the optimizer's checks know every module's span, its own or not. Every collection must be
+    built (:func:`pgregistry.build`) for that reason.
 
-    Raises ``ValueError`` naming the culprit for no modules, a name that is not a non-empty string, a collection
-    assembled by hand, a ``language_model`` that names no module, and modules declared disjoint whose spans share
-    ranks; ``TypeError`` for a value that is not a collection.
+    Args:
+        modules: Module name -> its built collection, in the same order on every rank.
+        language_model: The language model's name among them (Megatron-Core's
+            ``language_model_module_name``), or ``None``.
+        disjoint: Declares that no two modules share a rank; checked.
+
+    Raises:
+        ValueError: No modules; a name that is not a non-empty string; a collection assembled by
+            hand; a ``language_model`` that names no module; modules declared disjoint whose
+            spans share ranks (each naming the culprit).
+        TypeError: A value that is not a collection (named).
+
+    Example::
+
+        vision = build(ParallelLayout(num_ranks=4, tp=2), name="vision")
+        language = build(ParallelLayout(num_ranks=4, rank_offset=4, tp=4), name="language")
+        modules = MultiModuleCollection(
+            {"vision": vision, "language": language}, language_model="language", disjoint=True
+        )
+        modules.here()  # ("vision",) on ranks 0-3, ("language",) on ranks 4-7
     """
 
     __slots__ = ("_modules", "_language_model", "_disjoint")

@@ -49,17 +49,34 @@ __all__ = ["MultiModuleOptimizer", "build_optimizer"]
 class MultiModuleOptimizer:
     """The optimizers of the modules this rank runs, stepped as one, with job-wide statistics and verdict.
 
-    ``optimizers`` maps each module this rank runs (:meth:`MultiModuleCollection.here`) to its optimizer, built
-    on that module's collection (:func:`pgregistry.optim.build_optimizer`; :func:`build_optimizer` builds them
-    all). Making one is collective over the world: every rank makes it with the same ``modules``, a rank that runs
-    no module included (with no optimizers), and ``ValueError`` is raised on every rank, naming each culprit rank
-    and module, when the ranks list other modules or a rank holds an optimizer for a module it does not run, none
-    for one it runs, or one built on another collection; ``TypeError`` likewise for one that is no
-    :class:`~pgregistry.optim.ChainedOptimizer`.
+    A job whose modules run on different ranks still clips by one grad norm and skips a step
+    everywhere or nowhere: this sums the statistics over the world and steps each module's own
+    optimizer. Making one is collective over the world: every rank makes it with the same
+    ``modules``, a rank that runs no module included (with no optimizers). The statistics
+    (:meth:`get_grad_norm`, :meth:`count_zeros`, :meth:`clip_grad_norm`, :meth:`step`) are
+    collective over the world; :meth:`sync_grads` over each module's groups;
+    :meth:`load_state_dict` over the world (its checks agreed) and each module's groups.
 
-    The statistics (:meth:`get_grad_norm`, :meth:`count_zeros`, :meth:`clip_grad_norm`, :meth:`step`) are
-    collective over the world; :meth:`sync_grads` over each module's groups; :meth:`load_state_dict` over the world
-    (its checks agreed) and each module's groups.
+    Args:
+        optimizers: Each module this rank runs (:meth:`MultiModuleCollection.here`) -> its
+            optimizer, built on that module's collection
+            (:func:`pgregistry.optim.build_optimizer`; :func:`build_optimizer` builds them all).
+        modules: The job's modules, the same on every rank.
+
+    Raises:
+        ValueError: On every rank, naming each culprit rank and module: the ranks list other
+            modules, or a rank holds an optimizer for a module it does not run, none for one it
+            runs, or one built on another collection.
+        TypeError: Likewise, for an optimizer that is no
+            :class:`~pgregistry.optim.ChainedOptimizer`, or ``modules`` that is no
+            :class:`MultiModuleCollection`.
+
+    Example::
+
+        optimizer = MultiModuleOptimizer(
+            {"vision": pgregistry.optim.build_optimizer(vision_model, modules["vision"])}, modules
+        )  # on ranks 0-3; ranks 4-7 pass their language model's
+        stepped, grad_norm, _ = optimizer.step(max_norm=1.0)  # the same verdict on every rank
     """
 
     __slots__ = ("_optimizers", "_modules")

@@ -127,9 +127,25 @@ class OptimizerStatistics(abc.ABC):
 class FlatOptimizer(OptimizerStatistics):
     """Base of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and :class:`~pgregistry.optim.ShardedOptimizer`.
 
-    Subclasses set :attr:`buffer`, :attr:`inner` (``None`` when this rank steps nothing) and, with
-    :meth:`_set_stats`, the statistics spans and the group they reduce over, and implement :meth:`sync_grads`,
-    :meth:`step`, :meth:`state_dict`, :meth:`state_dict_faults` and :meth:`_load_checked_state_dict`.
+    What the two share: the checked parameter list, their names in messages, the groups, and the
+    grad statistics over the flat buffer. Subclasses set :attr:`buffer`, :attr:`inner` (``None``
+    when this rank steps nothing) and, with :meth:`_set_stats`, the statistics spans and the group
+    they reduce over, and implement :meth:`sync_grads`, :meth:`step`, :meth:`state_dict`,
+    :meth:`state_dict_faults` and :meth:`_load_checked_state_dict`. Not made directly.
+
+    Args:
+        params: The model parameters to update: floating-point tensors, each listed once, all
+            dense or all routed experts.
+        process_groups: What :func:`~pgregistry.optim.setup_process_groups_for_optimizer`
+            returned.
+        expert: Whether ``params`` are routed-expert parameters.
+        param_name_fn: Names a parameter in messages (``None``: ``param[i]``, its position).
+
+    Raises:
+        ValueError: A parameter listed twice; a parameter of the other kind than ``expert`` says
+            (named; give each kind its own optimizer, as ``build_optimizer`` does).
+        TypeError: A parameter that is not a floating-point tensor (named), or groups not made by
+            ``setup_process_groups_for_optimizer``.
     """
 
     def __init__(

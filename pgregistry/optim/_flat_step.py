@@ -62,6 +62,17 @@ class ElementwiseRule:
     :data:`PER_PARAMETER_KEYS`. On CUDA the rule runs fused (one kernel) unless ``hyperparameters`` choose
     ``fused`` or ``foreach`` themselves: torch's fused optimizer, or pgregistry's kernel for a flat float32 step
     (:mod:`~pgregistry.optim._fused_step`).
+
+    Args:
+        optimizer_class: The torch optimizer whose update is the rule (``torch.optim.AdamW``,
+            ``torch.optim.SGD``, ...).
+        hyperparameters: Its keywords besides the parameters (copied into a ``dict``).
+
+    Example::
+
+        rule = ElementwiseRule(torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.1})
+        optimizer = build_optimizer(model, pg_collection, optimizer=rule)  # steps flat
+        rule([torch.zeros(2, requires_grad=True)])  # an AdamW over that tensor
     """
 
     optimizer_class: type[torch.optim.Optimizer]
@@ -104,8 +115,29 @@ class FlatStep:
     reads as if each of ``mains`` (the views ``flat[start : start + numel].view(shape)``, ``start`` from ``starts``)
     were stepped alone.
 
-    The interface is the part of ``torch.optim.Optimizer`` the pgregistry optimizers use: :meth:`step`,
-    :attr:`param_groups`, :attr:`state`, :meth:`state_dict`, :meth:`load_state_dict`.
+    One optimizer call over the whole buffer instead of one per parameter, with a checkpoint that
+    still numbers the state per parameter, as torch would. The interface is the part of
+    ``torch.optim.Optimizer`` the pgregistry optimizers use: :meth:`step`, :attr:`param_groups`,
+    :attr:`state`, :meth:`state_dict`, :meth:`load_state_dict`.
+
+    Args:
+        rule: The elementwise update (see :class:`ElementwiseRule`).
+        flat: The flat main tensor, stepped in place; its ``.grad`` the flat grad.
+        mains: The main params, views of ``flat``, in the order the state dict numbers them.
+        starts: Each main param's first element in ``flat``.
+        copies: What to write after each step (lower-precision model params).
+
+    Raises:
+        ValueError: A main param or a copy outside ``flat`` (its range named), or a copy's target
+            not a contiguous 1-d tensor.
+
+    Example::
+
+        flat = torch.zeros(5)
+        flat.grad = torch.ones(5)
+        mains = [flat[0:2].view(2), flat[2:5].view(3)]
+        FlatStep(ElementwiseRule(torch.optim.SGD, {"lr": 0.5}), flat, mains, starts=[0, 2]).step()
+        mains[1]  # tensor([-0.5000, -0.5000, -0.5000])
     """
 
     def __init__(

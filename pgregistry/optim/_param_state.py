@@ -35,7 +35,18 @@ MAIN_PARAM = "main_param"
 
 @runtime_checkable
 class ParamStateOptimizer(Protocol):
-    """An optimizer whose state the checkpoint functions can read and write, parameter by parameter."""
+    """An optimizer whose state the checkpoint functions can read and write, parameter by parameter.
+
+    The one interface :mod:`pgregistry.checkpoint` saves and loads through, whatever the optimizer
+    shards or flattens: each model parameter's whole state, keyed by the parameter. pgregistry's
+    optimizers implement it; :func:`as_param_state_optimizer` wraps a ``torch.optim.Optimizer``.
+    A runtime-checkable protocol: ``isinstance`` tells whether an object has both methods.
+
+    Example::
+
+        state = as_param_state_optimizer(optimizer).param_state()  # {param: {"exp_avg": ...}}
+        other.load_param_state(state)  # after the model's parameters are loaded
+    """
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
         """Model parameter -> its whole state (empty before the first step), for every parameter it updates.

@@ -47,8 +47,28 @@ Group = ProcessGroup | None
 class OptimizerProcessGroups:
     """The groups an optimizer uses, validated by :func:`setup_process_groups_for_optimizer`.
 
-    ``intra_dist_opt`` is :data:`~pgregistry.collection.UNSET` when no distributed optimizer was asked for and
-    the collection did not set it.
+    Made by that function, not by hand: the optimizers' constructors take it so that a group
+    they run on has passed Megatron-Core's checks once, in Megatron-Core's order. Each field is a
+    ``ProcessGroup`` or ``None`` (the axis is off); ``intra_dist_opt`` is
+    :data:`~pgregistry.collection.UNSET` when no distributed optimizer was asked for and the
+    collection did not set it.
+
+    Attributes:
+        dp: Data parallelism (without CP).
+        dp_cp: Data x context parallelism: where dense grads are reduced.
+        intra_dp_cp: The part of ``dp_cp`` one distributed-optimizer instance shards over.
+        expt_dp: Expert data parallelism: where expert grads are reduced.
+        intra_expt_dp: The part of ``expt_dp`` one distributed-optimizer instance shards over.
+        inter_dist_opt: Across distributed-optimizer instances.
+        intra_dist_opt: The group one distributed-optimizer instance spans.
+        mp: The dense model-parallel group (the dense grad-norm group).
+        tp_ep_pp: The expert model-parallel group (the expert grad-norm group).
+        stats: Which rank counts a grad and where the counted grads are summed.
+
+    Example::
+
+        groups = setup_process_groups_for_optimizer(pg_collection, model)
+        optimizer = MixedPrecisionOptimizer(params, groups, inner=inner_factory("adamw"))
     """
 
     dp: Group
