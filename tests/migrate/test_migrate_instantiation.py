@@ -10,15 +10,14 @@ fallback warning an error; the calls the rule must leave alone are checked in th
 from __future__ import annotations
 
 import importlib
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.migrated_packages import importable_rewrite, write_sources
 
 from pgregistry._source.config import PRESETS
-from pgregistry._source.files import SourceFile
 from pgregistry.migrate._engine import migrate
 
 pytest.importorskip("libcst")
@@ -109,34 +108,13 @@ class Model:
 '''
 
 
-def _write(root: Path, files: dict[str, str]) -> list[SourceFile]:
-    sources = []
-    for path, text in files.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text)
-        sources.append(SourceFile(path, root / path))
-    return sources
-
-
 @pytest.fixture
 def rewritten(tmp_path: Path) -> Iterator[dict[str, str]]:
     """The migrated package's texts, written and importable (``pkg``), removed from ``sys.modules`` after."""
     files = {"pkg/__init__.py": PACKAGE, "pkg/layers.py": LAYERS, "pkg/models.py": MODELS}
-    migration = migrate(_write(tmp_path, files), PRESETS["megatron"], target="megatron", name="pg_collection")
-    assert not migration.failures
-    texts = {change.path: change.after.decode() for change in migration.changes}
-    for path, text in texts.items():
-        (tmp_path / path).write_text(text)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's and Megatron-Core's notices at import
-        importlib.import_module("megatron.core.parallel_state")
-    sys.path.insert(0, str(tmp_path))
-    try:
+    migration = migrate(write_sources(tmp_path, files), PRESETS["megatron"], target="megatron", name="pg_collection")
+    with importable_rewrite(tmp_path, migration) as texts:
         yield texts
-    finally:
-        sys.path.remove(str(tmp_path))
-        for module in [m for m in sys.modules if m == "pkg" or m.startswith("pkg.")]:
-            del sys.modules[module]
 
 
 def test_instantiations_of_a_threaded_class_pass_the_collection_in_scope(rewritten: dict[str, str]) -> None:

@@ -15,17 +15,14 @@ import pytest
 
 pytest.importorskip("libcst")
 
+from fixtures.migrated_packages import write_sources  # noqa: E402
+
 from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
-from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.migrate._engine import Migration, migrate  # noqa: E402
 
 
 def run(tmp_path: Path, files: dict[str, str], config: ScanConfig = PRESETS["megatron"]) -> Migration:
-    sources = []
-    for path, text in files.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(textwrap.dedent(text))
-        sources.append(SourceFile(path, tmp_path / path))
+    sources = write_sources(tmp_path, {path: textwrap.dedent(text) for path, text in files.items()})
     migration = migrate(sources, config, target="megatron", name="pg_collection")
     assert not migration.failures, migration.failures
     return migration

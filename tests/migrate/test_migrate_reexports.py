@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("libcst")
 
+from fixtures.migrated_packages import write_sources  # noqa: E402
+
 from pgregistry._source.config import PRESETS  # noqa: E402
-from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.migrate._engine import migrate  # noqa: E402
 
 COMMON = """\
@@ -39,12 +40,7 @@ def test_a_call_of_a_function_re_exported_under_another_name_passes_the_collecti
         "pkg/utils/common.py": COMMON,
         "pkg/user.py": USER,
     }
-    sources = []
-    for path, text in files.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
-        sources.append(SourceFile(path, tmp_path / path))
-    migration = migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection")
+    migration = migrate(write_sources(tmp_path, files), PRESETS["megatron"], target="megatron", name="pg_collection")
     texts = {change.path: change.after.decode() for change in migration.changes}
     assert "def all_true(flag, *, pg_collection=None):" in texts["pkg/utils/common.py"]
     assert texts["pkg/user.py"] == textwrap.dedent(USER).replace(

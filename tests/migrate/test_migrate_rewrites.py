@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("libcst")
 
+from fixtures.migrated_packages import write_sources  # noqa: E402
+
 from pgregistry._source.config import PRESETS  # noqa: E402
-from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.migrate._engine import Migration, migrate  # noqa: E402
 
 HEAD = "from megatron.core import parallel_state as ps\n"
@@ -26,11 +27,7 @@ def helper(*names: str) -> str:
 
 
 def run(tmp_path: Path, files: dict[str, str], target: str = "megatron", name: str = "pg_collection") -> Migration:
-    sources = []
-    for path, text in files.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(textwrap.dedent(text))
-        sources.append(SourceFile(path, tmp_path / path))
+    sources = write_sources(tmp_path, {path: textwrap.dedent(text) for path, text in files.items()})
     return migrate(sources, PRESETS["megatron"], target=target, name=name)
 
 
@@ -947,11 +944,10 @@ def f(*, pg_collection=None):
 def test_a_shim_stays_where_the_release_does_not_say_what_it_calls(tmp_path: Path) -> None:
     from pgregistry.migrate._engine import Helper
 
-    (tmp_path / "m.py").write_text(SHIM + """
+    files = write_sources(tmp_path, {"m.py": SHIM + """
 def f():
     return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat"]).gtp_remat
-""")
-    files = [SourceFile("m.py", tmp_path / "m.py")]
+"""})
     unknown = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection", helper=Helper(shims=None))
     assert not unknown.changes
     assert [read.reason for _, read in unknown.reads] == [

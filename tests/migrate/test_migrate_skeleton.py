@@ -15,8 +15,9 @@ from fixtures.processes import children_left
 
 cst = pytest.importorskip("libcst")
 
+from fixtures.migrated_packages import write_sources  # noqa: E402
+
 from pgregistry._source.config import PRESETS  # noqa: E402
-from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.migrate import _engine as _migrate  # noqa: E402
 from pgregistry.migrate._engine import migrate  # noqa: E402
 from pgregistry.migrate._skeleton import build_skeleton, restore_placeholders  # noqa: E402
@@ -107,12 +108,7 @@ class Holder:
 
 
 def _run(tmp_path: Path, files: dict[str, bytes]) -> _migrate.Migration:
-    sources = []
-    for path, data in files.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_bytes(data)
-        sources.append(SourceFile(path, tmp_path / path))
-    return migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection")
+    return migrate(write_sources(tmp_path, files), PRESETS["megatron"], target="megatron", name="pg_collection")
 
 
 def _outcome(migration: _migrate.Migration) -> tuple[object, ...]:
@@ -241,11 +237,7 @@ def test_a_run_split_across_processes_is_the_run_in_one(
             return real(self, *args)
 
         monkeypatch.setattr(_migrate._Worker, failing, dies_in_a_child)
-    sources = []
-    for path, data in files.items():
-        (tmp_path / "split" / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "split" / path).write_bytes(data)
-        sources.append(SourceFile(path, tmp_path / "split" / path))
+    sources = write_sources(tmp_path / "split", files)
     split = _outcome(migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection", jobs=3))
     assert forked == [True]
     assert split == serial

@@ -9,16 +9,15 @@ each override.
 from __future__ import annotations
 
 import importlib
-import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.migrated_packages import importable_rewrite, write_sources
 
 from pgregistry._source.config import PRESETS
-from pgregistry._source.files import SourceFile
 from pgregistry.migrate import _engine as _migrate
 from pgregistry.migrate._engine import migrate
 
@@ -89,17 +88,8 @@ class Holder:
 '''
 
 
-def _write(root: Path, files: dict[str, str]) -> list[SourceFile]:
-    sources = []
-    for path, text in files.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text)
-        sources.append(SourceFile(path, root / path))
-    return sources
-
-
 def _migrated(root: Path, files: dict[str, str], jobs: int = 1) -> _migrate.Migration:
-    return migrate(_write(root, files), PRESETS["megatron"], target="megatron", name="pg_collection", jobs=jobs)
+    return migrate(write_sources(root, files), PRESETS["megatron"], target="megatron", name="pg_collection", jobs=jobs)
 
 
 def _files() -> dict[str, str]:
@@ -109,21 +99,8 @@ def _files() -> dict[str, str]:
 @pytest.fixture
 def rewritten(tmp_path: Path) -> Iterator[dict[str, str]]:
     """The migrated package's texts, written and importable (``pkg``), removed from ``sys.modules`` after."""
-    migration = _migrated(tmp_path, _files())
-    assert not migration.failures
-    texts = {change.path: change.after.decode() for change in migration.changes}
-    for path, text in texts.items():
-        (tmp_path / path).write_text(text)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's and Megatron-Core's notices at import
-        importlib.import_module("megatron.core.parallel_state")
-    sys.path.insert(0, str(tmp_path))
-    try:
+    with importable_rewrite(tmp_path, _migrated(tmp_path, _files())) as texts:
         yield texts
-    finally:
-        sys.path.remove(str(tmp_path))
-        for module in [m for m in sys.modules if m == "pkg" or m.startswith("pkg.")]:
-            del sys.modules[module]
 
 
 def test_read_less_callers_are_threaded_up_to_the_top(rewritten: dict[str, str]) -> None:
