@@ -74,6 +74,7 @@ demo: $(STAMP)
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check pgregistry
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pgregistry allowlist check
 	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
@@ -82,6 +83,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check pgregistry
 
 allowlist-check: setup
 	$(VENV)/bin/pgregistry allowlist check

@@ -48,7 +48,16 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import GiB, Target, describe_device, fill_, finish, measure, selected_device, tensor_sizes  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    GiB,
+    Target,
+    describe_device,
+    fill_,
+    finish,
+    measure,
+    selected_device,
+    tensor_sizes,
+)
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
 from pgregistry.optim import (  # noqa: E402
     ElementwiseRule,

@@ -59,7 +59,11 @@ def _measure(degrees: dict[str, int], spmd_backend: str) -> dict[str, Any]:
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
 
     from pgregistry import registry
-    from pgregistry.interop.torchtitan import communicator_ranks, from_parallel_dims, to_parallel_dims
+    from pgregistry.interop.torchtitan import (
+        communicator_ranks,
+        from_parallel_dims,
+        to_parallel_dims,
+    )
     from pgregistry.mesh import with_hsdp_groups
 
     titan_parallel_dims.device_type = "cpu"

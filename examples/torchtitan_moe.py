@@ -24,7 +24,11 @@ import torch.distributed as dist
 import pgregistry
 from pgregistry import registry
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros
-from pgregistry.interop.torchtitan import communicator_ranks, mark_torchtitan_experts, to_parallel_dims
+from pgregistry.interop.torchtitan import (
+    communicator_ranks,
+    mark_torchtitan_experts,
+    to_parallel_dims,
+)
 
 VOCAB, DIM, HEAD_DIM, SEQ = 64, 32, 8, 8
 SPMD_BACKEND = "partial_dtensor"

@@ -52,7 +52,9 @@ def collection_of(model: nn.Module | Sequence[nn.Module]) -> ProcessGroupCollect
 
 
 @overload
-def collection_of(model: nn.Module | Sequence[nn.Module], default: D) -> ProcessGroupCollection | D: ...
+def collection_of(
+    model: nn.Module | Sequence[nn.Module], default: D
+) -> ProcessGroupCollection | D: ...
 
 
 def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAISE) -> object:

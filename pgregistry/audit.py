@@ -73,15 +73,30 @@ _BUCKET_ELEMENTS: Final = 1 << 22
 """Grad elements measured per collective (as float64, doubled for MIN): bounds the audit's extra memory."""
 
 _HINTS: Final[dict[tuple[str, str], str]] = {
-    ("tp", REPLICATED): "differs across TP ranks but is not marked TP-sharded (mark_tensor_parallel)",
+    (
+        "tp",
+        REPLICATED,
+    ): "differs across TP ranks but is not marked TP-sharded (mark_tensor_parallel)",
     ("tp", UNIQUE): "is identical across TP ranks but is marked TP-sharded",
-    ("gtp", REPLICATED): "differs across GTP-remat ranks but is not marked GTP-sharded (mark_gtp_sharded)",
+    (
+        "gtp",
+        REPLICATED,
+    ): "differs across GTP-remat ranks but is not marked GTP-sharded (mark_gtp_sharded)",
     ("gtp", UNIQUE): "is identical across GTP-remat ranks but is marked GTP-sharded",
     ("ep", REPLICATED): "differs across EP ranks but is marked expert-replicated (mark_expert)",
-    ("ep", UNIQUE): "is identical across EP ranks but is marked a routed expert (mark_expert_replicated)",
-    ("dp", REPLICATED): "differs across data-parallel replicas though its roles hold on every model-parallel "
+    (
+        "ep",
+        UNIQUE,
+    ): "is identical across EP ranks but is marked a routed expert (mark_expert_replicated)",
+    (
+        "dp",
+        REPLICATED,
+    ): "differs across data-parallel replicas though its roles hold on every model-parallel "
     "axis: are the grads synchronised yet?",
-    ("embd", UNIQUE): "is identical on the ranks of the embedding group (a copy tied across pipeline stages) but no "
+    (
+        "embd",
+        UNIQUE,
+    ): "is identical on the ranks of the embedding group (a copy tied across pipeline stages) but no "
     "copy is marked shared, so each is counted (mark_shared the second copy; Megatron-Core sets shared=True)",
 }
 _NEAR: Final = 1e-5
@@ -140,7 +155,13 @@ class ReplicationMismatch:
         """What the mismatch means and which role helper fixes it."""
         if self.unmarked:
             return _UNMARKED_HINT
-        family = {"expt_tp": "tp", "expt_gtp_remat": "gtp", "gtp_remat": "gtp", "dp_cp": "dp", "expt_dp": "dp"}
+        family = {
+            "expt_tp": "tp",
+            "expt_gtp_remat": "gtp",
+            "gtp_remat": "gtp",
+            "dp_cp": "dp",
+            "expt_dp": "dp",
+        }
         return _HINTS.get((family.get(self.axis, self.axis), self.claimed), "")
 
     def __str__(self) -> str:
@@ -252,18 +273,26 @@ class GradReplicationReport:
             ratio = f"{self.norm_ratio:.6f}"
             if self.mismatches and ratio == "1.000000":  # never "1.000000" beside a mismatch
                 ratio = (
-                    f"{self.norm_ratio:.17g}" if self.norm_ratio != 1.0
+                    f"{self.norm_ratio:.17g}"
+                    if self.norm_ratio != 1.0
                     else "1 within the statistics' precision, though the mismatches below change what is counted"
                 )
             norms = (
                 f"  classified norm {self.classified_norm:.6g}, measured-truth norm {self.true_norm:.6g}, "
                 f"ratio {ratio} (relative error {100 * self.relative_error:.3g}%)"
             )
-        lines = [f"grad replication audit: {self.params_checked} gradient(s) checked, {verdict}", norms]
+        lines = [
+            f"grad replication audit: {self.params_checked} gradient(s) checked, {verdict}",
+            norms,
+        ]
         lines.extend(f"  - {mismatch}" for mismatch in self.mismatches)
         if self.unclassified:
-            lines.append(f"  unclassified expert-module parameters (no allreduce): {', '.join(self.unclassified)}")
-        lines.extend(f"  suspected tie (not an error): {suspect}" for suspect in self.suspected_ties)
+            lines.append(
+                f"  unclassified expert-module parameters (no allreduce): {', '.join(self.unclassified)}"
+            )
+        lines.extend(
+            f"  suspected tie (not an error): {suspect}" for suspect in self.suspected_ties
+        )
         return "\n".join(lines)
 
 
@@ -303,7 +332,9 @@ def audit_grad_replication(
     )
     missing = [name for name in ("ep", "dp_cp", "expt_dp") if not collection.is_set(name)]
     if missing:
-        raise ValueError(f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)")
+        raise ValueError(
+            f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)"
+        )
     stats = StatsGroups.from_collection(collection)
     axis_groups: dict[str, ProcessGroup | None] = {
         "tp": stats.tp,
@@ -316,12 +347,20 @@ def audit_grad_replication(
     }
     named = list(params.named)
     _check_same_structure(named, axis_groups, stats)
-    audited = [(name, param) for name, param in named if param.grad is not None and param_is_not_shared(param)]
+    audited = [
+        (name, param)
+        for name, param in named
+        if param.grad is not None and param_is_not_shared(param)
+    ]
     rank = dist.get_rank()
     axis_ranks = {axis: frozenset(_group_ranks(group, rank)) for axis, group in axis_groups.items()}
     # Over an axis a DTensor grad's mesh spans, its placements say how it is laid out: nothing to measure there.
     spanned = [
-        {axis for axis, ranks in axis_ranks.items() if len(mesh_ranks(param.grad, rank) & ranks) > 1}  # type: ignore[arg-type]
+        {
+            axis
+            for axis, ranks in axis_ranks.items()
+            if len(mesh_ranks(param.grad, rank) & ranks) > 1  # type: ignore[arg-type]
+        }
         for _, param in audited
     ]
     replicated, zero = _measure_replication(audited, axis_groups, spanned)
@@ -349,12 +388,20 @@ def audit_grad_replication(
         ]
         # A parameter without an EP classification (in no marked expert module) that differs across EP ranks and
         # across its data-parallel replicas is, in truth, a routed expert: say so, rather than "not synchronised".
-        unmarked_expert = not hasattr(param, "allreduce") and "ep" in distinct and "dp_cp" in distinct
+        unmarked_expert = (
+            not hasattr(param, "allreduce") and "ep" in distinct and "dp_cp" in distinct
+        )
         if unmarked_expert:
             found = [m for m in found if m.axis not in _DATA_PARALLEL_AXES]
-            found.append(ReplicationMismatch(name=name, axis="ep", claimed=REPLICATED, measured=UNIQUE, unmarked=True))
+            found.append(
+                ReplicationMismatch(
+                    name=name, axis="ep", claimed=REPLICATED, measured=UNIQUE, unmarked=True
+                )
+            )
         if index in ties:
-            found.append(ReplicationMismatch(name=name, axis="embd", claimed=UNIQUE, measured=REPLICATED))
+            found.append(
+                ReplicationMismatch(name=name, axis="embd", claimed=UNIQUE, measured=REPLICATED)
+            )
         # Data-parallel replicas span the model-parallel axes of the other grid (EP ranks are dense DP ranks), so
         # a mismatch there is only news when no model-parallel axis explains it; then the grads differ across
         # replicas (not synchronised yet) and no norm is the truth.
@@ -363,16 +410,31 @@ def audit_grad_replication(
         unsynchronised = unsynchronised or (bool(found) and not model_parallel)
         # An expert-module parameter claimed replicated across EP but measured distinct there is, in truth, a
         # routed expert: its copies are summed over the expert group like any other expert's.
-        truly_expert = is_expert_param(param) or unmarked_expert or (hasattr(param, "allreduce") and "ep" in distinct)
+        truly_expert = (
+            is_expert_param(param)
+            or unmarked_expert
+            or (hasattr(param, "allreduce") and "ep" in distinct)
+        )
         weight = 1.0 / ties.get(index, 1)
         grad = param.grad
         assert grad is not None  # params without grads were left out above
         if is_dtensor(grad):
             verdict = _measure_dtensor_verdicts(rep, axis_groups, truly_expert)
-            entry = classify_dtensor_grad(name, param, grad, mesh_axes, verdict, expert=truly_expert)  # type: ignore[arg-type]
+            entry = classify_dtensor_grad(
+                name,
+                param,
+                grad,  # type: ignore[arg-type]
+                mesh_axes,
+                verdict,
+                expert=truly_expert,
+            )
             if entry.outer is not None:
                 group = collection.get(entry.outer)
-                parts = _norm_parts_weighted_by(entry.local, weight, device) if entry.counted else [None]
+                parts = (
+                    _norm_parts_weighted_by(entry.local, weight, device)
+                    if entry.counted
+                    else [None]
+                )
                 for part in parts:
                     truth.add_first(entry.outer, group, reduce_groups, int(entry.expert), part)
             elif entry.counted:
@@ -403,11 +465,15 @@ def audit_grad_replication(
     )
 
 
-def _norm_parts_weighted_by(grad: torch.Tensor, weight: float, device: torch.device) -> list[torch.Tensor]:
+def _norm_parts_weighted_by(
+    grad: torch.Tensor, weight: float, device: torch.device
+) -> list[torch.Tensor]:
     """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the weights of replicas
     add up exactly, and a mismatch as small as float64 resolves shows in the ratio)."""
     parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
-    return [part * torch.tensor([weight, 1.0], dtype=torch.float64, device=device) for part in parts]
+    return [
+        part * torch.tensor([weight, 1.0], dtype=torch.float64, device=device) for part in parts
+    ]
 
 
 def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:
@@ -427,7 +493,9 @@ def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:
 
 
 def _across_stages(
-    named: list[tuple[str, torch.Tensor]], audited: list[tuple[str, torch.Tensor]], embd: ProcessGroup | None
+    named: list[tuple[str, torch.Tensor]],
+    audited: list[tuple[str, torch.Tensor]],
+    embd: ProcessGroup | None,
 ) -> tuple[dict[int, int], tuple[SuspectedTie, ...]]:
     """Ties across the pipeline's ends, measured and suspected, in one all-gather over ``embd``.
 
@@ -446,7 +514,9 @@ def _across_stages(
     ]
     shapes = [_shape_entry(name, param) for name, param in named if param.dim() >= 2]
     everyone: list[Any] = [None] * group_size(embd)
-    dist.all_gather_object(everyone, ([(digest, shared) for digest, shared, _ in digests], shapes), group=embd)
+    dist.all_gather_object(
+        everyone, ([(digest, shared) for digest, shared, _ in digests], shapes), group=embd
+    )
     here = dist.get_group_rank(embd, dist.get_rank())
     elsewhere: dict[str, list[bool]] = {}
     for position, (entries, _) in enumerate(everyone):
@@ -491,23 +561,33 @@ def _sum_and_sum_of_squares(tensor: torch.Tensor) -> tuple[float, float] | None:
     if tensor.is_meta:
         return None
     values = tensor.detach()
-    return float(values.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+    return float(values.sum(dtype=torch.float64)), float(
+        torch.linalg.vector_norm(values, dtype=torch.float64)
+    ) ** 2
 
 
-def _sums_agree(mine: tuple[float, float] | None, theirs: tuple[float, float] | None, numel: int) -> bool:
+def _sums_agree(
+    mine: tuple[float, float] | None, theirs: tuple[float, float] | None, numel: int
+) -> bool:
     """Whether two copies' sums and sums of squares agree to :data:`_NEAR` (not both zero)."""
     if mine is None or theirs is None or max(mine[1], theirs[1]) == 0:
         return False
     squares = max(mine[1], theirs[1])
-    return (
-        abs(mine[1] - theirs[1]) <= _NEAR * squares
-        and abs(mine[0] - theirs[0]) <= _NEAR * math.sqrt(squares * numel)
-    )
+    return abs(mine[1] - theirs[1]) <= _NEAR * squares and abs(
+        mine[0] - theirs[0]
+    ) <= _NEAR * math.sqrt(squares * numel)
 
 
-def _suspect_tie(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -> SuspectedTie | None:
+def _suspect_tie(
+    mine: dict[str, Any], other: dict[str, Any], other_rank: int
+) -> SuspectedTie | None:
     """A suspected tie between this rank's ``mine`` and another stage's ``other``, or ``None``."""
-    if mine["shape"] != other["shape"] or mine["dtype"] != other["dtype"] or mine["shared"] or other["shared"]:
+    if (
+        mine["shape"] != other["shape"]
+        or mine["dtype"] != other["dtype"]
+        or mine["shared"]
+        or other["shared"]
+    ):
         return None
     numel = math.prod(mine["shape"])
     evidence = []
@@ -515,7 +595,9 @@ def _suspect_tie(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -
     if any(_INPUT_EMBEDDING.search(a) and _OUTPUT_LAYER.search(b) for a, b in (names, names[::-1])):
         evidence.append("an input embedding's and an output layer's names")
     if mine["shared_embedding"] or other["shared_embedding"]:
-        evidence.append("marked shared_embedding (Megatron-Core's mark of a tied embedding's copies)")
+        evidence.append(
+            "marked shared_embedding (Megatron-Core's mark of a tied embedding's copies)"
+        )
     if _sums_agree(mine["values"], other["values"], numel):
         evidence.append("values that agree to 1e-5")
     if _sums_agree(mine["grad"], other["grad"], numel):
@@ -523,7 +605,10 @@ def _suspect_tie(mine: dict[str, Any], other: dict[str, Any], other_rank: int) -
     if not evidence:
         return None
     return SuspectedTie(
-        name=mine["name"], other_name=other["name"], other_rank=other_rank, shape=mine["shape"],
+        name=mine["name"],
+        other_name=other["name"],
+        other_rank=other_rank,
+        shape=mine["shape"],
         evidence=tuple(evidence),
     )
 
@@ -553,7 +638,10 @@ def _replication_claims(param: torch.Tensor) -> list[tuple[str, bool]]:
     expert = is_expert_param(param)
     claims = [
         ("expt_tp" if expert else "tp", not getattr(param, "tensor_model_parallel", False)),
-        ("expt_gtp_remat" if expert else "gtp_remat", not getattr(param, "is_gtp_weight_remat", False)),
+        (
+            "expt_gtp_remat" if expert else "gtp_remat",
+            not getattr(param, "is_gtp_weight_remat", False),
+        ),
     ]
     if hasattr(param, "allreduce"):
         claims.append(("ep", not expert))
@@ -566,7 +654,9 @@ def _spans_several_ranks(group: ProcessGroup | None) -> bool:
 
 
 def _check_same_structure(
-    named: list[tuple[str, torch.Tensor]], axis_groups: dict[str, ProcessGroup | None], stats: StatsGroups
+    named: list[tuple[str, torch.Tensor]],
+    axis_groups: dict[str, ProcessGroup | None],
+    stats: StatsGroups,
 ) -> None:
     """Raise on every rank when the ranks of a measuring group hold different parameter structures.
 
@@ -575,12 +665,21 @@ def _check_same_structure(
     """
     text = repr(
         [
-            (n, tuple(p.shape), str(p.dtype), p.grad is not None, not param_is_not_shared(p), _dtensor_placements(p))
+            (
+                n,
+                tuple(p.shape),
+                str(p.dtype),
+                p.grad is not None,
+                not param_is_not_shared(p),
+                _dtensor_placements(p),
+            )
             for n, p in named
         ]
     )
     digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-    device = reduction_device((p.grad for _, p in named if p.grad is not None), axis_groups.values())
+    device = reduction_device(
+        (p.grad for _, p in named if p.grad is not None), axis_groups.values()
+    )
     differing: list[str] = []
     for axis in _AXES:
         group = axis_groups[axis]
@@ -595,7 +694,11 @@ def _check_same_structure(
         if _spans_several_ranks(group):
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     if int(verdict.item()):
-        where = f"this rank's {differing} group(s) differ" if differing else "another rank's groups differ"
+        where = (
+            f"this rank's {differing} group(s) differ"
+            if differing
+            else "another rank's groups differ"
+        )
         raise ValueError(
             "audit_grad_replication needs the ranks of each TP/GTP/EP/data-parallel group to hold the same "
             f"parameters (names, shapes, dtypes, grads present) in the same order; {where}"
@@ -617,7 +720,9 @@ def _measure_replication(
         indices = [index for index in range(len(audited)) if axis not in spanned[index]]
         for bucket in _bucket_indices(indices, [locals_[index].numel() for index in indices]):
             # float64 holds every float32/bf16/fp16 value exactly, so equal there means bit-identical values.
-            flat = torch.cat([locals_[index].detach().reshape(-1).to(torch.float64) for index in bucket])
+            flat = torch.cat(
+                [locals_[index].detach().reshape(-1).to(torch.float64) for index in bucket]
+            )
             both = torch.cat([flat, -flat])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=axis_groups[axis])
             maximum, neg_minimum = both[: flat.numel()], both[flat.numel() :]

@@ -103,9 +103,32 @@ NOT_MEMBER: Final = NotMember.NOT_MEMBER
 """A field of a kind this rank belongs to no group of (an embedding group on a middle pipeline stage)."""
 
 GroupName: TypeAlias = Literal[
-    "tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "mp", "tp_dp_cp", "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp",
-    "tp_ep_pp_with_egtp_remat", "gtp_remat", "expt_gtp_remat", "dp_cp_gtp_remat", "expt_dp_gtp_remat", "dp_cp_ag",
-    "expt_dp_ag", "embd", "pos_embd", "intra_dp_cp", "intra_expt_dp", "inter_dist_opt", "intra_dist_opt",
+    "tp",
+    "cp",
+    "dp",
+    "pp",
+    "dp_cp",
+    "tp_cp",
+    "mp",
+    "tp_dp_cp",
+    "ep",
+    "expt_tp",
+    "expt_dp",
+    "tp_ep",
+    "tp_ep_pp",
+    "tp_ep_pp_with_egtp_remat",
+    "gtp_remat",
+    "expt_gtp_remat",
+    "dp_cp_gtp_remat",
+    "expt_dp_gtp_remat",
+    "dp_cp_ag",
+    "expt_dp_ag",
+    "embd",
+    "pos_embd",
+    "intra_dp_cp",
+    "intra_expt_dp",
+    "inter_dist_opt",
+    "intra_dist_opt",
 ]
 """The name of every field that holds one process group (every field but ``hcp``)."""
 
@@ -151,7 +174,9 @@ class _Field(Generic[V]):
         return cast(V, instance._raw_field(self.name))
 
     def __set__(self, instance: ProcessGroupCollection, value: object) -> NoReturn:
-        raise AttributeError(f"ProcessGroupCollection is frozen; use evolve({self.name}=...) for a changed copy")
+        raise AttributeError(
+            f"ProcessGroupCollection is frozen; use evolve({self.name}=...) for a changed copy"
+        )
 
 
 class ProcessGroupCollection:
@@ -389,12 +414,20 @@ class ProcessGroupCollection:
         return hash(self._identity_key())
 
     def _identity_key(self) -> tuple[object, ...]:
-        return (self._layout, self._member, tuple(_field_identity(value) for value in self._values.values()))
+        return (
+            self._layout,
+            self._member,
+            tuple(_field_identity(value) for value in self._values.values()),
+        )
 
     def __repr__(self) -> str:
         if not self._member:
             return f"ProcessGroupCollection(not a member of {self.describe()})"
-        parts = [f"{name}({_describe_field(value)})" for name, value in self._values.items() if value is not UNSET]
+        parts = [
+            f"{name}({_describe_field(value)})"
+            for name, value in self._values.items()
+            if value is not UNSET
+        ]
         return f"ProcessGroupCollection({', '.join(parts)})"
 
 
@@ -418,7 +451,10 @@ assert FIELD_NAMES == tuple(
 def _composite_axes() -> dict[GroupName, tuple[GroupName, ...]]:
     """Composite field -> the one-axis fields it spans, from the layout's group kinds."""
     kinds = {**DENSE_GROUP_KINDS, **EXPERT_GROUP_KINDS}  # every axis is named by its one-axis field
-    return cast("dict[GroupName, tuple[GroupName, ...]]", {f: axes for f, axes in kinds.items() if len(axes) > 1})
+    return cast(
+        "dict[GroupName, tuple[GroupName, ...]]",
+        {f: axes for f, axes in kinds.items() if len(axes) > 1},
+    )
 
 
 COMPOSITE_AXES: Final[Mapping[GroupName, tuple[GroupName, ...]]] = _composite_axes()
@@ -438,18 +474,23 @@ def _check_fields(groups: Mapping[str, object]) -> None:
             for index, item in enumerate(value):
                 _check_group_type(f"hcp[{index}]", item, allow_none=False)
         elif value is not None and not isinstance(value, (Unset, NotMember)):
-            raise TypeError(f"field 'hcp' must be a list of torch ProcessGroups, None or UNSET; got {value!r}")
+            raise TypeError(
+                f"field 'hcp' must be a list of torch ProcessGroups, None or UNSET; got {value!r}"
+            )
     for composite, axes in COMPOSITE_AXES.items():
         group = groups.get(composite, UNSET)
         if isinstance(group, (Unset, NotMember)):
             continue
         size = group_size(cast("ProcessGroup | None", group))
-        given = [axis for axis in axes if not isinstance(groups.get(axis, UNSET), (Unset, NotMember))]
+        given = [
+            axis for axis in axes if not isinstance(groups.get(axis, UNSET), (Unset, NotMember))
+        ]
         product = math.prod(group_size(cast("ProcessGroup | None", groups[axis])) for axis in given)
         complete = len(given) == len(axes)
         if (size != product) if complete else (size % product != 0):
             described = ", ".join(
-                f"{axis} ({_describe_field(cast(FieldValue, groups.get(axis, UNSET)))})" for axis in axes
+                f"{axis} ({_describe_field(cast(FieldValue, groups.get(axis, UNSET)))})"
+                for axis in axes
             )
             relation = "" if complete else "a multiple of "
             raise ValueError(
@@ -459,7 +500,9 @@ def _check_fields(groups: Mapping[str, object]) -> None:
             )
 
 
-def implied_size(collection: ProcessGroupCollection, axis: GroupName) -> tuple[int, GroupName] | None:
+def implied_size(
+    collection: ProcessGroupCollection, axis: GroupName
+) -> tuple[int, GroupName] | None:
     """The size the collection's own composite groups fix for ``axis``, and the composite fixing it.
 
     A composite group that is set (a group, or ``None``: one rank) fixes its axes' sizes together:
@@ -482,11 +525,17 @@ def implied_size(collection: ProcessGroupCollection, axis: GroupName) -> tuple[i
         True
     """
     for composite, axes in COMPOSITE_AXES.items():
-        if axis not in axes or not collection.is_set(composite) or not collection.is_member_of(composite):
+        if (
+            axis not in axes
+            or not collection.is_set(composite)
+            or not collection.is_member_of(composite)
+        ):
             continue
         size = group_size(collection.get(composite))
         unset = [other for other in axes if not collection.is_set(other)]
-        product = math.prod(group_size(collection.get(other)) for other in axes if other not in unset)
+        product = math.prod(
+            group_size(collection.get(other)) for other in axes if other not in unset
+        )
         if size == product:
             return 1, composite
         if unset == [axis] and size % product == 0:
@@ -501,13 +550,17 @@ def _check_group_type(name: str, value: object, *, allow_none: bool) -> None:
     process_group = getattr(distributed, "ProcessGroup", None)
     if process_group is not None and isinstance(value, process_group):
         return
-    expected = "a torch ProcessGroup" + (", None (axis off), UNSET or NOT_MEMBER" if allow_none else "")
+    expected = "a torch ProcessGroup" + (
+        ", None (axis off), UNSET or NOT_MEMBER" if allow_none else ""
+    )
     hint = (
         " (torch's NON_GROUP_MEMBER: this process is not a member of that group; pass NOT_MEMBER)"
         if isinstance(value, int)
         else ""
     )
-    raise TypeError(f"process group field {name!r} must be {expected}; got {type(value).__name__} {value!r}{hint}")
+    raise TypeError(
+        f"process group field {name!r} must be {expected}; got {type(value).__name__} {value!r}{hint}"
+    )
 
 
 _INSIDE: Final[Mapping[str, str]] = {
@@ -529,13 +582,19 @@ def _check_against_layout(
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("a ProcessGroupCollection with a layout needs torch.distributed initialised")
+        raise RuntimeError(
+            "a ProcessGroupCollection with a layout needs torch.distributed initialised"
+        )
     rank = dist.get_rank()
     expected = layout.groups_of(rank)
     first, last = layout.rank_range()
     span = tuple(range(first, last))
-    if one_rank_group is not None and tuple(dist.get_process_group_ranks(one_rank_group)) != (rank,):
-        raise ValueError(f"one_rank_group holds ranks {_ranks_of(one_rank_group)}, not rank {rank} alone")
+    if one_rank_group is not None and tuple(dist.get_process_group_ranks(one_rank_group)) != (
+        rank,
+    ):
+        raise ValueError(
+            f"one_rank_group holds ranks {_ranks_of(one_rank_group)}, not rank {rank} alone"
+        )
     for name, value in values.items():
         if isinstance(value, Unset):
             continue
@@ -554,7 +613,9 @@ def _check_against_layout(
                 _check_inside(f"hcp[{index}]", group, cp, layout, rank, same=False)
 
 
-def _check_kind(name: str, value: FieldValue, want: tuple[int, ...] | None, layout: ParallelLayout, rank: int) -> None:
+def _check_kind(
+    name: str, value: FieldValue, want: tuple[int, ...] | None, layout: ParallelLayout, rank: int
+) -> None:
     if want is None:
         if not isinstance(value, NotMember):
             raise ValueError(
@@ -583,7 +644,13 @@ def _check_kind(name: str, value: FieldValue, want: tuple[int, ...] | None, layo
 
 
 def _check_inside(
-    name: str, value: FieldValue, outer: tuple[int, ...], layout: ParallelLayout, rank: int, *, same: bool
+    name: str,
+    value: FieldValue,
+    outer: tuple[int, ...],
+    layout: ParallelLayout,
+    rank: int,
+    *,
+    same: bool,
 ) -> None:
     if value is None or isinstance(value, NotMember):
         return
@@ -666,7 +733,9 @@ _NOT_A_MEMBER: Final = "this process is not a member of the group it asked about
 
 def _check_group(group: object) -> None:
     if isinstance(group, Unset):
-        raise ValueError("UNSET is not a process group: the field was never given (resolve it first)")
+        raise ValueError(
+            "UNSET is not a process group: the field was never given (resolve it first)"
+        )
     if isinstance(group, NotMember):
         raise ValueError(f"{_NOT_A_MEMBER} (the field is NOT_MEMBER)")
     # A non-member's handle from new_group is torch's NON_GROUP_MEMBER sentinel, an int with no size or rank.

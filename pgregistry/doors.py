@@ -31,14 +31,23 @@ if TYPE_CHECKING:
 
     from pgregistry.collection import ProcessGroupCollection
 
-__all__ = ["pg_group", "pg_rank", "pg_read", "pg_size", "resolve_collection", "resolve_megatron_collection"]
+__all__ = [
+    "pg_group",
+    "pg_rank",
+    "pg_read",
+    "pg_size",
+    "resolve_collection",
+    "resolve_megatron_collection",
+]
 
 
 def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: str) -> Any:
     owner, _ = reader_and_frame(3)  # the function that called pg_*
     if field != GTP_REMAT_DP:
         names = cast(Any, check_field_names([field]))  # ValueError naming an unknown field
-        return value_of_kind(getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field), kind)
+        return value_of_kind(
+            getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field), kind
+        )
     resolved = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
     if group_size(cast("ProcessGroup | None", resolved.gtp_remat)) != 1:  # resolved: set
         raise ValueError(
@@ -142,7 +151,9 @@ def pg_size(pg_collection: ProcessGroupCollection | None, field: str) -> int:
     return int(_read_field(pg_collection, field, "size"))
 
 
-def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Sequence[str] | None = None) -> Any:
+def resolve_megatron_collection(
+    pg_collection: Any, *, owner: str, fields: Sequence[str] | None = None
+) -> Any:
     """``pg_collection`` when given; else Megatron-Core's, with the warning naming ``owner``.
 
     Megatron-Core's is ``ProcessGroupCollection.use_mpu_process_groups(fields)``: exactly the groups
@@ -165,7 +176,9 @@ def resolve_megatron_collection(pg_collection: Any, *, owner: str, fields: Seque
     return MegatronCollection.use_mpu_process_groups(None if fields is None else list(fields))
 
 
-def resolve_collection(pg_collection: ProcessGroupCollection | None, *, owner: str) -> ProcessGroupCollection:
+def resolve_collection(
+    pg_collection: ProcessGroupCollection | None, *, owner: str
+) -> ProcessGroupCollection:
     """``pg_collection`` when given; else the global grid, with the warning naming ``owner``.
 
     Kept for code an earlier version of the tool migrated. The collection is checked usable either

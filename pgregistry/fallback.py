@@ -122,4 +122,3 @@ def _pattern_matches(pattern: re.Pattern[str] | str, text: str) -> bool:
     if isinstance(pattern, str):
         return re.match(pattern, text) is not None
     return pattern.match(text) is not None
-

@@ -25,7 +25,9 @@ _RAISE: Any = object()
 _grid: ProcessGroupCollection | None = None
 
 
-def initialize_global_grid(layout: ParallelLayout, **build_options: Unpack[BuildOptions]) -> ProcessGroupCollection:
+def initialize_global_grid(
+    layout: ParallelLayout, **build_options: Unpack[BuildOptions]
+) -> ProcessGroupCollection:
     """Build ``layout`` as the global grid (:func:`pgregistry.registry.build`, name ``"global"``).
 
     For code not migrated yet: the fallback path reads it, with a warning. Collective over the
@@ -46,7 +48,9 @@ def initialize_global_grid(layout: ParallelLayout, **build_options: Unpack[Build
 
     global _grid
     if _grid is not None and not _grid.is_destroyed:
-        raise RuntimeError("the global grid is already initialised; call pgregistry.registry.destroy() first")
+        raise RuntimeError(
+            "the global grid is already initialised; call pgregistry.registry.destroy() first"
+        )
     _grid = registry.build(layout, name="global", **build_options)
     return _grid
 
@@ -73,6 +77,8 @@ def global_collection(default: object = _RAISE) -> object:
     """
     if _grid is None or _grid.is_destroyed:
         if default is _RAISE:
-            raise RuntimeError("the global grid is not initialised (pgregistry.global_grid.initialize_global_grid)")
+            raise RuntimeError(
+                "the global grid is not initialised (pgregistry.global_grid.initialize_global_grid)"
+            )
         return default
     return _grid

@@ -79,7 +79,13 @@ _TOKENS: Final = tuple(token.value for token in OrderToken)
 
 _DENSE_AXES: Final[Mapping[str, str]] = {"tp": "tp", "cp": "cp", "ep": "ep", "dp": "dp", "pp": "pp"}
 """Order token -> the dense grid's axis in that slot (``ep`` has size 1 there)."""
-_EXPERT_AXES: Final[Mapping[str, str]] = {"tp": "expt_tp", "cp": "cp", "ep": "ep", "dp": "expt_dp", "pp": "pp"}
+_EXPERT_AXES: Final[Mapping[str, str]] = {
+    "tp": "expt_tp",
+    "cp": "cp",
+    "ep": "ep",
+    "dp": "expt_dp",
+    "pp": "pp",
+}
 """Order token -> the expert grid's axis in that slot (``cp`` has size 1 there)."""
 
 DENSE_GROUP_KINDS: Final[Mapping[str, tuple[str, ...]]] = {
@@ -118,7 +124,11 @@ EXPERT_GROUP_KINDS: Final[Mapping[str, tuple[str, ...]]] = {
 
 _PIPELINE_EDGE_KINDS: Final = ("embd", "pos_embd")
 
-GROUP_KINDS: Final[tuple[str, ...]] = (*DENSE_GROUP_KINDS, *EXPERT_GROUP_KINDS, *_PIPELINE_EDGE_KINDS)
+GROUP_KINDS: Final[tuple[str, ...]] = (
+    *DENSE_GROUP_KINDS,
+    *EXPERT_GROUP_KINDS,
+    *_PIPELINE_EDGE_KINDS,
+)
 """Every group kind a layout enumerates, in the deterministic order groups are created."""
 
 
@@ -154,7 +164,9 @@ class _Grid:
     def mask(self, kind_axes: tuple[str, ...]) -> tuple[bool, ...]:
         unknown = [a for a in kind_axes if a not in self.axes]
         if unknown:
-            raise ValueError(f"unknown axes {unknown} in group kind {kind_axes}; grid axes are {self.axes}")
+            raise ValueError(
+                f"unknown axes {unknown} in group kind {kind_axes}; grid axes are {self.axes}"
+            )
         return tuple(axis in kind_axes for axis in self.axes)
 
     def all_groups(self, kind_axes: tuple[str, ...]) -> torch.Tensor:
@@ -164,7 +176,9 @@ class _Grid:
         mask = self.mask(kind_axes)
         count = math.prod(self.sizes)
         # C-order reshape puts the last dim fastest, so reverse the axes (ours are fastest first).
-        grid = torch.arange(self.offset, self.offset + count, dtype=torch.int64).reshape(tuple(reversed(self.sizes)))
+        grid = torch.arange(self.offset, self.offset + count, dtype=torch.int64).reshape(
+            tuple(reversed(self.sizes))
+        )
         n = len(self.axes)
         dim_of = {i: n - 1 - i for i in range(n)}
         outer = [dim_of[i] for i in reversed(range(n)) if not mask[i]]
@@ -182,7 +196,9 @@ class _Grid:
         local = rank - self.offset
         masked_axes = [
             (size, stride)
-            for size, stride, masked in zip(self.sizes, self.strides(), self.mask(kind_axes), strict=True)
+            for size, stride, masked in zip(
+                self.sizes, self.strides(), self.mask(kind_axes), strict=True
+            )
             if masked
         ]
         members = [local - sum((local // stride) % size * stride for size, stride in masked_axes)]
@@ -229,7 +245,9 @@ class ParallelLayout:
     cp: int = attrs.field(default=1, validator=_check_positive)
     pp: int = attrs.field(default=1, validator=_check_positive)
     ep: int = attrs.field(default=1, validator=_check_positive)
-    expt_tp: int = attrs.field(default=attrs.Factory(lambda self: self.tp, takes_self=True), validator=_check_positive)
+    expt_tp: int = attrs.field(
+        default=attrs.Factory(lambda self: self.tp, takes_self=True), validator=_check_positive
+    )
     gtp_remat: int = attrs.field(default=1, validator=_check_positive)
     expt_gtp_remat: int = attrs.field(default=1, validator=_check_positive)
     order: str = attrs.field(default=DEFAULT_ORDER, converter=lambda s: str(s).lower())
@@ -243,7 +261,9 @@ class ParallelLayout:
         if self.rank_offset + self.num_ranks > MAX_WORLD_SIZE:
             span = f"num_ranks {self.num_ranks}"
             if self.rank_offset:
-                span = f"rank_offset {self.rank_offset} + {span} = {self.rank_offset + self.num_ranks}"
+                span = (
+                    f"rank_offset {self.rank_offset} + {span} = {self.rank_offset + self.num_ranks}"
+                )
             raise ValueError(
                 f"{span} is more ranks than torch.distributed can address (at most {MAX_WORLD_SIZE} = 2**31 - 1: "
                 "ranks are C ints)"
@@ -276,15 +296,33 @@ class ParallelLayout:
             )
         object.__setattr__(self, "dp", dp)
         object.__setattr__(self, "expt_dp", expt_dp)
-        dense_sizes = {"tp": self.tp, "gtp_remat": self.gtp_remat, "cp": self.cp, "ep": 1, "dp": dp, "pp": self.pp}
+        dense_sizes = {
+            "tp": self.tp,
+            "gtp_remat": self.gtp_remat,
+            "cp": self.cp,
+            "ep": 1,
+            "dp": dp,
+            "pp": self.pp,
+        }
         expert_sizes = {
-            "expt_tp": self.expt_tp, "expt_gtp_remat": self.expt_gtp_remat, "cp": 1, "ep": self.ep,
-            "expt_dp": expt_dp, "pp": self.pp,
+            "expt_tp": self.expt_tp,
+            "expt_gtp_remat": self.expt_gtp_remat,
+            "cp": 1,
+            "ep": self.ep,
+            "expt_dp": expt_dp,
+            "pp": self.pp,
         }
         declared = tuple(self.order.split("-"))
-        dense = self._build_grid(declared, tokens, _DENSE_AXES, "gtp_remat", dense_sizes, after=OrderToken.TP.value)
+        dense = self._build_grid(
+            declared, tokens, _DENSE_AXES, "gtp_remat", dense_sizes, after=OrderToken.TP.value
+        )
         expert = self._build_grid(
-            declared, tokens, _EXPERT_AXES, "expt_gtp_remat", expert_sizes, after=OrderToken.EP.value
+            declared,
+            tokens,
+            _EXPERT_AXES,
+            "expt_gtp_remat",
+            expert_sizes,
+            after=OrderToken.EP.value,
         )
         object.__setattr__(self, "_dense", dense)
         object.__setattr__(self, "_expert", expert)
@@ -297,7 +335,9 @@ class ParallelLayout:
         tokens = tuple(self.order.split("-"))
         unknown = [t for t in tokens if t not in _TOKENS]
         if unknown:
-            raise ValueError(f"unknown axis {unknown[0]!r} in order {self.order!r}; known axes: {sorted(_TOKENS)}")
+            raise ValueError(
+                f"unknown axis {unknown[0]!r} in order {self.order!r}; known axes: {sorted(_TOKENS)}"
+            )
         repeated = sorted({t for t in tokens if tokens.count(t) > 1})
         if repeated:
             raise ValueError(f"axis {repeated[0]!r} repeated in order {self.order!r}")
@@ -307,9 +347,13 @@ class ParallelLayout:
         missing = [t for t in _TOKENS if t not in tokens]
         for token in missing:
             if sizes[token] != 1:
-                raise ValueError(f"order {self.order!r} lacks axis {token!r} whose size is {sizes[token]}")
+                raise ValueError(
+                    f"order {self.order!r} lacks axis {token!r} whose size is {sizes[token]}"
+                )
             if token == OrderToken.TP.value and self.expt_tp != 1:
-                raise ValueError(f"order {self.order!r} lacks axis 'tp' whose expert size (expt_tp) is {self.expt_tp}")
+                raise ValueError(
+                    f"order {self.order!r} lacks axis 'tp' whose expert size (expt_tp) is {self.expt_tp}"
+                )
         return tokens + tuple(missing)
 
     def _build_grid(
@@ -479,7 +523,9 @@ class ParallelLayout:
         try:
             rank = operator.index(rank)
         except TypeError:
-            raise TypeError(f"{what} must be an integer, got {rank!r} ({type(rank).__name__})") from None
+            raise TypeError(
+                f"{what} must be an integer, got {rank!r} ({type(rank).__name__})"
+            ) from None
         first, stop = self.rank_range()
         if not first <= rank < stop:
             span = f"the {self.num_ranks} ranks" if first == 0 else f"ranks {first}..{stop - 1}"
@@ -495,7 +541,17 @@ class ParallelLayout:
         return f"unknown group kind {kind!r}{hint} Known kinds: {', '.join(GROUP_KINDS)}"
 
 
-_AXIS_SIZES: Final = ("tp", "gtp_remat", "cp", "dp", "pp", "expt_tp", "ep", "expt_gtp_remat", "expt_dp")
+_AXIS_SIZES: Final = (
+    "tp",
+    "gtp_remat",
+    "cp",
+    "dp",
+    "pp",
+    "expt_tp",
+    "ep",
+    "expt_gtp_remat",
+    "expt_dp",
+)
 """Every axis of the two grids, by the name of the collection field that holds its group."""
 
 
@@ -531,7 +587,9 @@ class Shrunk:
         return tuple(self.rank_map)
 
 
-def _shrink_layout(layout: ParallelLayout, lost: Iterable[int], *, sharded_optimizer: bool = False) -> Shrunk:
+def _shrink_layout(
+    layout: ParallelLayout, lost: Iterable[int], *, sharded_optimizer: bool = False
+) -> Shrunk:
     """:meth:`ParallelLayout.shrink`: the ranks that leave with ``lost`` and the smaller layout over the
     survivors (pure rank arithmetic over the layout's coordinates).
 
@@ -557,7 +615,9 @@ def _shrink_layout(layout: ParallelLayout, lost: Iterable[int], *, sharded_optim
     expert_gone = {coords[rank]["expt_dp"] for rank in lost_ranks}
     # Closure: a rank leaves with its dense replica or its expert replica; each leaving rank takes both of its own.
     while True:
-        leaving = [r for r in ranks if coords[r]["dp"] in dense_gone or coords[r]["expt_dp"] in expert_gone]
+        leaving = [
+            r for r in ranks if coords[r]["dp"] in dense_gone or coords[r]["expt_dp"] in expert_gone
+        ]
         dense_now = {coords[r]["dp"] for r in leaving}
         expert_now = {coords[r]["expt_dp"] for r in leaving}
         if dense_now == dense_gone and expert_now == expert_gone:
@@ -598,7 +658,9 @@ def _check_lost_ranks(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int,
     return tuple(sorted(out))
 
 
-def _smaller_layout(layout: ParallelLayout, lost: tuple[int, ...], num_ranks: int) -> ParallelLayout:
+def _smaller_layout(
+    layout: ParallelLayout, lost: tuple[int, ...], num_ranks: int
+) -> ParallelLayout:
     """The layout with every size but the data-parallel ones unchanged, over ``num_ranks`` ranks; a ``ValueError``
     naming the lost ranks when no such layout is valid (an order rule the smaller data-parallel sizes break)."""
     if num_ranks == layout.num_ranks:

@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 
 __all__ = ["MESH_FIELDS", "from_device_mesh", "to_device_mesh", "with_hsdp_groups"]
 
-_HSDP_FIELDS: dict[str, str] = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp", "inter_dist_opt": "dp_cp"}
+_HSDP_FIELDS: dict[str, str] = {
+    "intra_dp_cp": "dp_cp",
+    "intra_expt_dp": "expt_dp",
+    "inter_dist_opt": "dp_cp",
+}
 """HSDP fields (set by :func:`with_hsdp_groups`) -> the layout's group they split."""
 
 MESH_FIELDS: tuple[str, ...] = (
@@ -81,7 +85,9 @@ def from_device_mesh(
     """
     check_field_names(field_dims)
     if "hcp" in field_dims:
-        raise ValueError("'hcp' holds a list of hierarchical context-parallel groups; map it outside from_device_mesh")
+        raise ValueError(
+            "'hcp' holds a list of hierarchical context-parallel groups; map it outside from_device_mesh"
+        )
     dim_names = tuple(mesh.mesh_dim_names or ())
     if not dim_names:
         raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
@@ -177,7 +183,9 @@ def to_device_mesh(
         raise ValueError(f"fields {fields!r} must be distinct names from {MESH_FIELDS}")
     names = tuple(dim_names) if dim_names is not None else fields
     if len(names) != len(fields) or len(set(names)) != len(names):
-        raise ValueError(f"dim_names {names!r} must be {len(fields)} distinct names, one per field {fields!r}")
+        raise ValueError(
+            f"dim_names {names!r} must be {len(fields)} distinct names, one per field {fields!r}"
+        )
     rank = dist.get_rank()
     groups = []
     ranks_of: dict[str, tuple[int, ...]] = {}
@@ -194,7 +202,9 @@ def to_device_mesh(
         mesh = mesh + steps.reshape(shape)
     _check_replicas_inside_shards(pg_collection, ranks_of, rank)
     if mesh.unique().numel() != mesh.numel():
-        raise ValueError(f"the groups of {fields!r} share ranks beyond this one, so they do not form a grid")
+        raise ValueError(
+            f"the groups of {fields!r} share ranks beyond this one, so they do not form a grid"
+        )
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
 
 
@@ -202,7 +212,9 @@ def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> Proc
     """The group of ``field`` for a mesh dim: its group, or the one-rank group where it is ``None``."""
     value = pg_collection.get_or(field, UNSET)
     if value is UNSET:
-        raise ValueError(f"field {field!r} is UNSET in the collection; a DeviceMesh needs a group for every dim")
+        raise ValueError(
+            f"field {field!r} is UNSET in the collection; a DeviceMesh needs a group for every dim"
+        )
     if value is not None:
         return value
     group = pg_collection.one_rank_group
@@ -229,7 +241,9 @@ def _check_replicas_inside_shards(
             continue
         outer_field = cast(GroupName, _HSDP_FIELDS[shard])
         outer_group = pg_collection.get(outer_field)
-        outer = tuple(dist.get_process_group_ranks(outer_group)) if outer_group is not None else (rank,)
+        outer = (
+            tuple(dist.get_process_group_ranks(outer_group)) if outer_group is not None else (rank,)
+        )
         if not set(replicate) <= set(outer):
             raise ValueError(
                 f"the collection's 'inter_dist_opt' group holds ranks {list(replicate)}, outside rank {rank}'s "
@@ -297,13 +311,21 @@ def with_hsdp_groups(
     # the span's layout too, and creates the split's groups with the others.
     check_agreement(
         "with_hsdp_groups",
-        {"layout": repr(layout), "name": repr(pg_collection.name), "destroyed": repr(pg_collection.is_destroyed),
-         "replicas": repr(replicas), "backend": repr(backend), "timeout": repr(timeout)},
+        {
+            "layout": repr(layout),
+            "name": repr(pg_collection.name),
+            "destroyed": repr(pg_collection.is_destroyed),
+            "replicas": repr(replicas),
+            "backend": repr(backend),
+            "timeout": repr(timeout),
+        },
         advice="every rank of the world must call it with the same collection (a module's, on the ranks outside "
         "its span too) and the same arguments",
     )
     if pg_collection.is_destroyed:
-        check_usable(pg_collection, "with_hsdp_groups")  # the ValueError naming the destroyed collection
+        check_usable(
+            pg_collection, "with_hsdp_groups"
+        )  # the ValueError naming the destroyed collection
     if layout is None:
         raise ValueError(
             "with_hsdp_groups needs the collection's layout (every rank creates every group of the split), and this "
@@ -315,16 +337,26 @@ def with_hsdp_groups(
     shard = CACHE.partition_group(dense_shards, options)
     expert_shard = CACHE.partition_group(expert_shards, options)
     replicate = CACHE.partition_group(dense_replicas, options)
-    if not pg_collection.is_member:  # a rank outside the span: it took part in the creation, and holds no group
+    if (
+        not pg_collection.is_member
+    ):  # a rank outside the span: it took part in the creation, and holds no group
         return pg_collection
-    return pg_collection.evolve(intra_dp_cp=shard, intra_expt_dp=expert_shard, inter_dist_opt=replicate)
+    return pg_collection.evolve(
+        intra_dp_cp=shard, intra_expt_dp=expert_shard, inter_dist_opt=replicate
+    )
 
 
-def _hsdp_split(layout: ParallelLayout, kind: str, what: str, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
+def _hsdp_split(
+    layout: ParallelLayout, kind: str, what: str, replicas: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """Each ``kind`` group cut into ``replicas`` contiguous shard blocks, and the replicate sets across them."""
     groups = layout.groups_tensor(kind)
     size = groups.shape[1]
     if not isinstance(replicas, int) or replicas < 1 or size % replicas:
-        raise ValueError(f"replicas {replicas!r} must be a positive divisor of the {what} size {size}")
+        raise ValueError(
+            f"replicas {replicas!r} must be a positive divisor of the {what} size {size}"
+        )
     blocks = groups.reshape(-1, replicas, size // replicas)
-    return blocks.reshape(-1, size // replicas).tolist(), blocks.transpose(1, 2).reshape(-1, replicas).tolist()
+    return blocks.reshape(-1, size // replicas).tolist(), blocks.transpose(1, 2).reshape(
+        -1, replicas
+    ).tolist()

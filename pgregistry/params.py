@@ -142,7 +142,6 @@ def _bump_generation() -> None:
     _generation += 1
 
 
-
 # ----------------------------------------------------------------------------------------------------- roles
 
 
@@ -178,7 +177,9 @@ def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
         )
     if stride < 1:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    return _set_roles(param, tensor_model_parallel=True, partition_dim=partition_dim, partition_stride=stride)
+    return _set_roles(
+        param, tensor_model_parallel=True, partition_dim=partition_dim, partition_stride=stride
+    )
 
 
 def mark_expert(param: T) -> T:
@@ -328,15 +329,21 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
     unseen: list[str] = []
     for chunk in [model] if isinstance(model, nn.Module) else model:
         for prefix, module in chunk.named_modules():
-            slots: dict[str, tuple[int, tuple[Any, ...], dict[str, Any]]] | None = module.__dict__.get(_SLOTS)
+            slots: dict[str, tuple[int, tuple[Any, ...], dict[str, Any]]] | None = (
+                module.__dict__.get(_SLOTS)
+            )
             for name, param in module._parameters.items():
                 if param is None:
                     continue
                 recorded = slots.get(name) if slots is not None else None
-                if recorded is None:  # a slot filled before this module was imported: known from now on
+                if (
+                    recorded is None
+                ):  # a slot filled before this module was imported: known from now on
                     if originals is None:
                         originals = _fsdp_originals(model)
-                    if id(param) in originals:  # its roles went with the object fully_shard dropped: refused below
+                    if (
+                        id(param) in originals
+                    ):  # its roles went with the object fully_shard dropped: refused below
                         unseen.append(f"{prefix}.{name}" if prefix else name)
                     else:
                         _record_param(module, name, param)
@@ -354,7 +361,9 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                         uid = originals[id(param)]
                         same = uid is None or uid == attributes.get(_FSDP_UID, held[0])
                 if same:
-                    _give_roles(param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes})
+                    _give_roles(
+                        param, {key: attributes[key] for key in _SET_DIRECTLY if key in attributes}
+                    )
                 _record_param(module, name, param)
     if unseen:
         raise RuntimeError(
@@ -388,7 +397,9 @@ def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int | N
                     groups = [group] if (group := state._fsdp_param_group) is not None else []
                 for group in groups:
                     for fsdp_param in group.fsdp_params:
-                        out[id(fsdp_param.sharded_param)] = getattr(fsdp_param, "_orig_param_uid", None)
+                        out[id(fsdp_param.sharded_param)] = getattr(
+                            fsdp_param, "_orig_param_uid", None
+                        )
     return out
 
 
@@ -422,7 +433,9 @@ def _is_same_param(new: torch.Tensor, old: torch.Tensor) -> bool:
 
     if new.shape != old.shape:
         return False
-    if old.is_meta or _loading_a_state_dict():  # its materialisation, or its checkpoint's tensor under its name
+    if (
+        old.is_meta or _loading_a_state_dict()
+    ):  # its materialisation, or its checkpoint's tensor under its name
         return True
     if new.dtype != old.dtype:
         return False
@@ -439,7 +452,9 @@ def _is_same_param(new: torch.Tensor, old: torch.Tensor) -> bool:
         return True
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(old.shape, new.device_mesh, new.placements)
+    shape, offset = compute_local_shape_and_global_offset(
+        old.shape, new.device_mesh, new.placements
+    )
     if tuple(local.shape) != tuple(shape):
         return False
     piece = old.detach()
@@ -467,7 +482,10 @@ def _loading_a_state_dict() -> bool:
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` (of one shape) view the same elements of one memory."""
     return (
-        a.device == b.device and a.data_ptr() != 0 and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+        a.device == b.device
+        and a.data_ptr() != 0
+        and a.data_ptr() == b.data_ptr()
+        and a.stride() == b.stride()
     )
 
 
@@ -487,7 +505,9 @@ def _require_tensor(value: object, helper: str) -> None:
             f"(module.weight, ...){'; mark_expert_module marks a module of experts' if 'expert' in helper else ''}"
         )
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{helper} takes a parameter (a torch.Tensor), but was given a {type(value).__name__}")
+        raise TypeError(
+            f"{helper} takes a parameter (a torch.Tensor), but was given a {type(value).__name__}"
+        )
 
 
 def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -501,7 +521,9 @@ def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter
     _bump_generation()
     previous = module._parameters.get(name)
     if previous is not None and previous is not param:
-        missing = {key: value for key, value in param_roles(previous).items() if not hasattr(param, key)}
+        missing = {
+            key: value for key, value in param_roles(previous).items() if not hasattr(param, key)
+        }
         if missing and _is_same_param(param, previous):
             _give_roles(param, missing)
     _record_param(module, name, param)
@@ -556,7 +578,9 @@ def mark_expert_module(module: nn.Module) -> nn.Module:
             f"{tuple(module.shape)}: use mark_expert (or mark_expert_replicated) for a parameter"
         )
     if not isinstance(module, nn.Module):
-        raise TypeError(f"mark_expert_module takes an nn.Module, but was given a {type(module).__name__}")
+        raise TypeError(
+            f"mark_expert_module takes an nn.Module, but was given a {type(module).__name__}"
+        )
     setattr(module, _EXPERT_MODULE_FLAG, True)
     _mark_inside(module)
     return module

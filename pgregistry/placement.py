@@ -175,10 +175,16 @@ class Placement:
         if (first, stop) == (0, self.world_size):
             nodes = "1 node" if self.num_nodes == 1 else f"{self.num_nodes} nodes"
             return f"{nodes} of {gpus}"
-        where = f"node {self.first_node}" if self.num_nodes == 1 else f"nodes {self.first_node}-{self.last_node}"
+        where = (
+            f"node {self.first_node}"
+            if self.num_nodes == 1
+            else f"nodes {self.first_node}-{self.last_node}"
+        )
         text = f"ranks {first}-{stop - 1} on {where} of {gpus}"
-        shared = [f"node {node} with {_outside_ranks(self.layout, node, self.gpus_per_node)}"
-                  for node in self.shared_nodes]
+        shared = [
+            f"node {node} with {_outside_ranks(self.layout, node, self.gpus_per_node)}"
+            for node in self.shared_nodes
+        ]
         return text + (f", sharing {' and '.join(shared)}" if shared else "")
 
     def kind(self, name: str) -> KindPlacement:
@@ -261,8 +267,10 @@ def place(
         if (first, world_size) == (0, None):
             whose = f"num_ranks {layout.num_ranks}"
         elif world_size is None:
-            whose = (f"the world, taken to end where the layout does (rank_offset {first} + num_ranks "
-                     f"{layout.num_ranks} = {world} ranks; give world_size when it is larger),")
+            whose = (
+                f"the world, taken to end where the layout does (rank_offset {first} + num_ranks "
+                f"{layout.num_ranks} = {world} ranks; give world_size when it is larger),"
+            )
         else:
             whose = f"world_size {world_size}"
         raise ValueError(
@@ -272,7 +280,9 @@ def place(
     stay = tuple(intra_node_kinds)
     unknown = [kind for kind in stay if kind not in GROUP_KINDS]
     if unknown:
-        raise ValueError(f"unknown group kind {unknown[0]!r} among intra-node kinds; known: {', '.join(GROUP_KINDS)}")
+        raise ValueError(
+            f"unknown group kind {unknown[0]!r} among intra-node kinds; known: {', '.join(GROUP_KINDS)}"
+        )
     return Placement(
         layout=layout,
         gpus_per_node=gpus_per_node,
@@ -281,7 +291,9 @@ def place(
     )
 
 
-def _place_kind(layout: ParallelLayout, kind: str, gpus_per_node: int, should_stay: bool) -> KindPlacement:
+def _place_kind(
+    layout: ParallelLayout, kind: str, gpus_per_node: int, should_stay: bool
+) -> KindPlacement:
     groups = layout.groups_tensor(kind)  # [num_groups, group_size]: one tensor even at 100k+ ranks
     nodes = (groups // gpus_per_node).sort(dim=1).values
     spans = 1 + (nodes[:, 1:] != nodes[:, :-1]).sum(dim=1)

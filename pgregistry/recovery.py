@@ -72,7 +72,15 @@ if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout, Shrunk
     from pgregistry.optim import ChainedOptimizer
 
-__all__ = ["LeftWithReplica", "Recovered", "StoreLost", "carry_optimizer_state", "commit", "generation", "recover"]
+__all__ = [
+    "LeftWithReplica",
+    "Recovered",
+    "StoreLost",
+    "carry_optimizer_state",
+    "commit",
+    "generation",
+    "recover",
+]
 
 _log = get_logger(__name__)
 
@@ -233,7 +241,9 @@ def recover(
     require_distributed("pgregistry.recovery.recover")
     layout = collection.layout
     if layout is None:
-        raise ValueError("recover needs a collection built by pgregistry.build (it knows its layout)")
+        raise ValueError(
+            "recover needs a collection built by pgregistry.build (it knows its layout)"
+        )
     world_size, old_rank = dist.get_world_size(), dist.get_rank()
     if layout.rank_range() != (0, world_size):
         raise ValueError(
@@ -241,7 +251,9 @@ def recover(
             f"{layout.rank_offset}-{layout.rank_offset + layout.num_ranks - 1} of {world_size}"
         )
     if isinstance(committed_step, bool) or not isinstance(committed_step, int):
-        raise TypeError(f"committed_step must be an integer (the last step applied), got {committed_step!r}")
+        raise TypeError(
+            f"committed_step must be an integer (the last step applied), got {committed_step!r}"
+        )
     if not isinstance(wait, int | float) or isinstance(wait, bool) or not wait > 0:
         raise ValueError(f"wait must be a positive number of seconds, got {wait!r}")
     told = None if lost is None else _as_ranks(lost)
@@ -253,9 +265,13 @@ def recover(
     started = time.perf_counter()
     prefix = f"{_PREFIX}/{_generation}"
     try:
-        records = agree_on_survivors(store, prefix, old_rank, world_size, committed_step, told, wait)
+        records = agree_on_survivors(
+            store, prefix, old_rank, world_size, committed_step, told, wait
+        )
     except dist.DistNetworkError as error:
-        raise StoreLost(_store_lost(store, old_rank, "the survivors agreed on who is alive", error)) from error
+        raise StoreLost(
+            _store_lost(store, old_rank, "the survivors agreed on who is alive", error)
+        ) from error
     _generation += 1
     shrunk, step = _survivors_verdict(layout, records, world_size, old_rank)
     agreed = time.perf_counter()
@@ -264,18 +280,26 @@ def recover(
     registry.destroy()
     dist.destroy_process_group()
     new_rank = shrunk.rank_map[old_rank]
-    wanted = timeout if isinstance(timeout, timedelta) or timeout is None else timedelta(seconds=timeout)
+    wanted = (
+        timeout if isinstance(timeout, timedelta) or timeout is None else timedelta(seconds=timeout)
+    )
     init: dict[str, Any] = {"timeout": wanted} if wanted is not None else {}
     world_store = dist.PrefixStore(f"{_PREFIX}/{_generation}/world", store)
     before = registry.communicators_created()
     phase = f"the default group of generation {_generation} was re-formed over old ranks {list(shrunk.rank_map)}"
     try:
         dist.init_process_group(
-            backend or old_backend, store=world_store, rank=new_rank, world_size=len(shrunk.rank_map), **init
+            backend or old_backend,
+            store=world_store,
+            rank=new_rank,
+            world_size=len(shrunk.rank_map),
+            **init,
         )
         phase = f"the groups of {shrunk.layout!r} were built on the re-formed world of generation {_generation}"
         new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
-    except RuntimeError as error:  # torch's DistError and its store and backend errors are RuntimeErrors
+    except (
+        RuntimeError
+    ) as error:  # torch's DistError and its store and backend errors are RuntimeErrors
         if not _store_answers(store):
             raise StoreLost(_store_lost(store, old_rank, phase, error)) from error
         raise RuntimeError(
@@ -287,13 +311,27 @@ def recover(
     created = registry.communicators_created() - before + 1
     rebuilt = time.perf_counter()
     _log.info(
-        "recovered", generation=_generation, lost=list(shrunk.lost), leaving=list(shrunk.leaving),
-        old_rank=old_rank, rank=new_rank, world_size=len(shrunk.rank_map), created=created, keepable=keepable,
+        "recovered",
+        generation=_generation,
+        lost=list(shrunk.lost),
+        leaving=list(shrunk.leaving),
+        old_rank=old_rank,
+        rank=new_rank,
+        world_size=len(shrunk.rank_map),
+        created=created,
+        keepable=keepable,
     )
     return Recovered(
-        collection=new, generation=_generation, shrunk=shrunk, old_rank=old_rank, rank=new_rank,
-        committed_step=step, communicators_created=created, communicators_keepable=keepable,
-        agree_s=agreed - started, rebuild_s=rebuilt - agreed,
+        collection=new,
+        generation=_generation,
+        shrunk=shrunk,
+        old_rank=old_rank,
+        rank=new_rank,
+        committed_step=step,
+        communicators_created=created,
+        communicators_keepable=keepable,
+        agree_s=agreed - started,
+        rebuild_s=rebuilt - agreed,
     )
 
 
@@ -325,7 +363,9 @@ def _survivors_verdict(
     named = set(given.pop()) if given else set()
     outside = sorted(r for r in named if not 0 <= r < world_size)
     if outside:
-        raise ValueError(f"lost rank(s) {outside} are outside the world of {world_size} ranks (0-{world_size - 1})")
+        raise ValueError(
+            f"lost rank(s) {outside} are outside the world of {world_size} ranks (0-{world_size - 1})"
+        )
     lost = (set(range(world_size)) - set(records)) | named
     shrunk = layout.shrink(sorted(lost))
     staying = {r: rec["step"] for r, rec in records.items() if r in shrunk.rank_map}
@@ -365,7 +405,11 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
     while isinstance(underlying, dist.PrefixStore):
         underlying = underlying.underlying_store
     host, port = getattr(underlying, "host", None), getattr(underlying, "port", None)
-    where = f"the {type(underlying).__name__} at {host}:{port}" if host is not None else type(underlying).__name__
+    where = (
+        f"the {type(underlying).__name__} at {host}:{port}"
+        if host is not None
+        else type(underlying).__name__
+    )
     return (
         f"the store recover was given ({where}) stopped answering rank {rank} while {phase}: its host is lost (when "
         "a training rank hosts it, as rank 0 hosts the store of an env:// or tcp:// rendezvous, that rank died with "

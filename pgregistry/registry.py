@@ -117,21 +117,34 @@ def build(
     require_distributed("pgregistry.build")
     options, described, fault = check_group_options(backend, timeout)
     if isinstance(layout, ParallelLayout):
-        declared = {f.name: repr(getattr(layout, f.name)) for f in attrs.fields(ParallelLayout) if f.init}
+        declared = {
+            f.name: repr(getattr(layout, f.name)) for f in attrs.fields(ParallelLayout) if f.init
+        }
     else:
         declared = {"layout": repr(layout)}
-        fault = combine_faults(fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}"))
+        fault = combine_faults(
+            fault, TypeError(f"build expects a ParallelLayout, got {type(layout).__name__}")
+        )
     if name is not None and (not isinstance(name, str) or not name):
-        fault = combine_faults(fault, TypeError(f"name must be a non-empty string or None, got {name!r}"))
-    with require_attendance(f"pgregistry.build of {_layout_label(name, layout)}", options.timeout, BUILD_ADVICE):
+        fault = combine_faults(
+            fault, TypeError(f"name must be a non-empty string or None, got {name!r}")
+        )
+    with require_attendance(
+        f"pgregistry.build of {_layout_label(name, layout)}", options.timeout, BUILD_ADVICE
+    ):
         check_agreement(
-            "the layout to build", {"name": repr(name), **declared, **described}, fault, advice=BUILD_ADVICE,
+            "the layout to build",
+            {"name": repr(name), **declared, **described},
+            fault,
+            advice=BUILD_ADVICE,
             timeout=options.timeout,
         )
         return _build_agreed(layout, name, options)
 
 
-def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOptions) -> ProcessGroupCollection:
+def _build_agreed(
+    layout: ParallelLayout, name: str | None, options: GroupOptions
+) -> ProcessGroupCollection:
     """:func:`build` once every rank has agreed on the request."""
     key = name if name is not None else f"unnamed {layout!r}"
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -169,7 +182,9 @@ def _build_agreed(layout: ParallelLayout, name: str | None, options: GroupOption
     fields["intra_dist_opt"] = group_for(span)
     # Not built, as Megatron-Core's initialize_model_parallel does not build them either (docs/layout.md).
     fields.update(inter_dist_opt=None, hcp=None, dp_cp_ag=None, expt_dp_ag=None)
-    collection = ProcessGroupCollection(layout=layout, name=name, one_rank_group=CACHE.group((rank,)), **fields)
+    collection = ProcessGroupCollection(
+        layout=layout, name=name, one_rank_group=CACHE.group((rank,)), **fields
+    )
     collection._lifetime = _lifetime
     _builds[key] = _Built(layout, options, collection)
     _log.debug("built layout", name=name, layout=repr(layout), groups_created=CACHE.created)
@@ -180,7 +195,9 @@ def _layout_label(name: object, layout: object) -> str:
     return f"layout {name!r}" if name is not None else repr(layout)
 
 
-def _check_same_build(name: str | None, previous: _Built, layout: ParallelLayout, options: GroupOptions) -> None:
+def _check_same_build(
+    name: str | None, previous: _Built, layout: ParallelLayout, options: GroupOptions
+) -> None:
     """``ValueError`` naming what differs between a build and the earlier one of the same name or layout."""
     differences = []
     if previous.layout != layout:
@@ -214,7 +231,11 @@ def _refuse_other_options(
             )
             break
     check_agreement(
-        "pgregistry.build", {}, conflict, failed="found a communicator with other options", timeout=options.timeout
+        "pgregistry.build",
+        {},
+        conflict,
+        failed="found a communicator with other options",
+        timeout=options.timeout,
     )
 
 

@@ -207,7 +207,9 @@ class RNGStatesTracker:
             yield
         finally:
             self._states[name] = _capture_states(generators)
-            _restore_states(generators, self._states[outer_name] if outer_name is not None else outer)
+            _restore_states(
+                generators, self._states[outer_name] if outer_name is not None else outer
+            )
             self._current = outer_name
 
 
@@ -279,7 +281,14 @@ def tracker_seeds(
     """
     _check_seed(seed, "the base seed")
     return _offset_seeds(
-        seed, tp_rank, ep_rank, expt_tp_rank, gtp_remat_rank, gtp_remat_size, expt_gtp_remat_rank, expt_gtp_remat_size
+        seed,
+        tp_rank,
+        ep_rank,
+        expt_tp_rank,
+        gtp_remat_rank,
+        gtp_remat_size,
+        expt_gtp_remat_rank,
+        expt_gtp_remat_size,
     )
 
 
@@ -296,18 +305,33 @@ def _offset_seeds(
     """:func:`tracker_seeds` without the range check, for :func:`check_seed_plan` to report what is out of range."""
     model_seed = seed + _MODEL_PARALLEL_OFFSET + tp_rank
     expert_seed = seed + _EXPERT_PARALLEL_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + expt_tp_rank
-    seeds = {DATA_PARALLEL_RNG: seed, MODEL_PARALLEL_RNG: model_seed, EXPERT_PARALLEL_RNG: expert_seed}
+    seeds = {
+        DATA_PARALLEL_RNG: seed,
+        MODEL_PARALLEL_RNG: model_seed,
+        EXPERT_PARALLEL_RNG: expert_seed,
+    }
     if gtp_remat_size > 1:
         seeds[GTP_REMAT_RNG] = model_seed + _GTP_REMAT_STRIDE * (1 + gtp_remat_rank)
     if expt_gtp_remat_size > 1:
-        seeds[EGTP_REMAT_RNG] = expert_seed + _EGTP_REMAT_OFFSET + _GTP_REMAT_STRIDE * (1 + expt_gtp_remat_rank)
+        seeds[EGTP_REMAT_RNG] = (
+            expert_seed + _EGTP_REMAT_OFFSET + _GTP_REMAT_STRIDE * (1 + expt_gtp_remat_rank)
+        )
     return seeds
 
 
-_SEED_FIELDS: Final[tuple[GroupName, ...]] = ("pp", "tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+_SEED_FIELDS: Final[tuple[GroupName, ...]] = (
+    "pp",
+    "tp",
+    "ep",
+    "expt_tp",
+    "gtp_remat",
+    "expt_gtp_remat",
+)
 
 
-def rank_seeds(seed: int, collection: ProcessGroupCollection, *, data_parallel_random_init: bool) -> dict[str, int]:
+def rank_seeds(
+    seed: int, collection: ProcessGroupCollection, *, data_parallel_random_init: bool
+) -> dict[str, int]:
     """Tracker name -> seed of this rank, from the job's ``seed`` and a resolved collection (its
     :data:`_SEED_FIELDS` set, and ``dp`` with ``data_parallel_random_init``)."""
     rank = {name: group_rank(collection.get(name)) for name in _SEED_FIELDS}
@@ -374,7 +398,9 @@ def model_parallel_manual_seed(
             init.normal_(weight)
     """
     fields = _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
-    collection = resolve_pg_collection(pg_collection, owner="model_parallel_manual_seed", fallback=fields)
+    collection = resolve_pg_collection(
+        pg_collection, owner="model_parallel_manual_seed", fallback=fields
+    )
     seeds = rank_seeds(seed, collection, data_parallel_random_init=data_parallel_random_init)
     tracker = tracker if tracker is not None else _default_tracker
     tracker.reset()
@@ -440,11 +466,17 @@ def seed_plan(
         >>> plan[4]  # pipeline stage 1: the base seed is 1234 + 100
         {'data-parallel-rng': 1334, 'model-parallel-rng': 4052, 'expert-parallel-rng': 2358}
     """
-    return {rank: seeds for rank, _, seeds in _rank_seeds(layout, seed, data_parallel_random_init, progress)}
+    return {
+        rank: seeds
+        for rank, _, seeds in _rank_seeds(layout, seed, data_parallel_random_init, progress)
+    }
 
 
 def _rank_seeds(
-    layout: ParallelLayout, seed: int, data_parallel_random_init: bool, progress: Callable[[int], None] | None
+    layout: ParallelLayout,
+    seed: int,
+    data_parallel_random_init: bool,
+    progress: Callable[[int], None] | None,
 ) -> Iterator[tuple[int, dict[str, int], dict[str, int]]]:
     """``(rank, coordinates, tracker name -> seed)`` for every rank of ``layout``, in rank order."""
     sizes = layout.axis_sizes()
@@ -455,9 +487,19 @@ def _rank_seeds(
         coords = layout.coords(rank)
         base = _base_seed(seed, coords["pp"], coords["dp"], data_parallel_random_init)
         # Unchecked: a base seed pushed past 2**64 by the pipeline offset is reported by check_seed_plan.
-        yield rank, coords, _offset_seeds(
-            base, coords["tp"], coords["ep"], coords["expt_tp"], coords["gtp_remat"], sizes["gtp_remat"],
-            coords["expt_gtp_remat"], sizes["expt_gtp_remat"],
+        yield (
+            rank,
+            coords,
+            _offset_seeds(
+                base,
+                coords["tp"],
+                coords["ep"],
+                coords["expt_tp"],
+                coords["gtp_remat"],
+                sizes["gtp_remat"],
+                coords["expt_gtp_remat"],
+                sizes["expt_gtp_remat"],
+            ),
         )
 
 
@@ -491,7 +533,11 @@ class SeedCollision:
         """One line for people."""
         if self.kind != "across_ranks":
             shown = ", ".join(map(str, self.ranks[:8])) + (", ..." if len(self.ranks) > 8 else "")
-            where = f"rank {shown}" if len(self.ranks) == 1 else f"each of ranks {shown} ({len(self.ranks)} ranks)"
+            where = (
+                f"rank {shown}"
+                if len(self.ranks) == 1
+                else f"each of ranks {shown} ({len(self.ranks)} ranks)"
+            )
             if self.kind == "out_of_range":
                 return (
                     f"seed {self.seed} of tracker {self.trackers[0]} on {where} is outside [0, 2**64), which "
@@ -641,17 +687,30 @@ def check_seed_plan_size(
     active += [GTP_REMAT_RNG] if sizes["gtp_remat"] > 1 else []
     active += [EGTP_REMAT_RNG] if sizes["expt_gtp_remat"] > 1 else []
     for tracker in active:
-        streams += min(layout.num_ranks, math.prod(sizes[a] for a in _check_axes(data_parallel_random_init)[tracker]))
+        streams += min(
+            layout.num_ranks,
+            math.prod(sizes[a] for a in _check_axes(data_parallel_random_init)[tracker]),
+        )
     top = _base_seed(seed, sizes["pp"] - 1, sizes["dp"] - 1, data_parallel_random_init)
     highest = _offset_seeds(
-        top, sizes["tp"] - 1, sizes["ep"] - 1, sizes["expt_tp"] - 1, sizes["gtp_remat"] - 1, sizes["gtp_remat"],
-        sizes["expt_gtp_remat"] - 1, sizes["expt_gtp_remat"],
+        top,
+        sizes["tp"] - 1,
+        sizes["ep"] - 1,
+        sizes["expt_tp"] - 1,
+        sizes["gtp_remat"] - 1,
+        sizes["gtp_remat"],
+        sizes["expt_gtp_remat"] - 1,
+        sizes["expt_gtp_remat"],
     )
     listed = layout.num_ranks * sum(1 for value in highest.values() if value >= _MAX_SEED)
     ranges = [range(sizes[a]) for a in ("tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")]
     tried = shared = 0
-    for tp, ep, etp, gtp, egtp in itertools.islice(itertools.product(*ranges), _SHARED_COMBINATIONS_COUNTED):
-        seeds = _offset_seeds(0, tp, ep, etp, gtp, sizes["gtp_remat"], egtp, sizes["expt_gtp_remat"])
+    for tp, ep, etp, gtp, egtp in itertools.islice(
+        itertools.product(*ranges), _SHARED_COMBINATIONS_COUNTED
+    ):
+        seeds = _offset_seeds(
+            0, tp, ep, etp, gtp, sizes["gtp_remat"], egtp, sizes["expt_gtp_remat"]
+        )
         tried += 1
         shared += len(seeds) - len(set(seeds.values()))
     return streams, listed + math.ceil(layout.num_ranks * shared / tried)

@@ -59,7 +59,9 @@ def _worker(args: argparse.Namespace) -> int:
     from pgregistry.cli._layout_views import parse_layout_spec
 
     if args.method == "megatron":
-        from megatron.core import parallel_state  # imported before the clock starts, as pgregistry is
+        from megatron.core import (
+            parallel_state,  # imported before the clock starts, as pgregistry is
+        )
 
     calls = {"new_group": 0, "split_group": 0}
     for name in calls:

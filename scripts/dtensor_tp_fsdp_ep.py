@@ -115,7 +115,11 @@ def oracle(layout: Any) -> dict[str, float]:
 
 def on_rank(layout: Any, device: torch.device) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from pgregistry import registry
     from pgregistry.grad_stats import grad_norm

@@ -154,7 +154,11 @@ def _train(mode: str, args: argparse.Namespace, layout: Any) -> dict[str, Any]:
     """One run: this rank's per-step losses (last stage only), Megatron-Core's norms and zero counts, and (for the
     pgregistry run) pgregistry's."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -232,7 +232,11 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
 def _dense_tp_filter_norm(model: Any, pg: Any) -> float:
     """The norm Megatron-LM reported before PR 6470: expert grads deduplicated with the *dense* TP group."""
     from pgregistry import ProcessGroupCollection
-    from pgregistry.grad_stats import norm_of_grads, param_is_not_shared, param_is_not_tensor_parallel_duplicate
+    from pgregistry.grad_stats import (
+        norm_of_grads,
+        param_is_not_shared,
+        param_is_not_tensor_parallel_duplicate,
+    )
     from pgregistry.params import is_expert_param
 
     # The bug: the dense TP group stands in for the expert TP group.

@@ -49,7 +49,11 @@ _SHOWN = 4
 _NOT_GIVEN = "nothing (not given)"
 """How a message shows a field that a rank's call did not give at all."""
 
-_TYPES: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+_TYPES: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "RuntimeError": RuntimeError,
+}
 """The exception types a fault keeps across ranks; any other is raised as a ``ValueError``."""
 
 
@@ -130,7 +134,9 @@ def all_reached(timeout: timedelta | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    all_reduce_within(torch.zeros(1, device=world_device()), dist.ReduceOp.SUM, timeout, "all_reached")
+    all_reduce_within(
+        torch.zeros(1, device=world_device()), dist.ReduceOp.SUM, timeout, "all_reached"
+    )
 
 
 def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str) -> None:
@@ -146,10 +152,14 @@ def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str
     work = dist.all_reduce(tensor, op=op, async_op=True)
     assert work is not None
     give_up = time.monotonic() + timeout.total_seconds()
-    while not work.is_completed():  # polled, not work.wait(timeout): NCCL's wait returns before the device is done
+    while (
+        not work.is_completed()
+    ):  # polled, not work.wait(timeout): NCCL's wait returns before the device is done
         if time.monotonic() > give_up:
             seconds = timeout.total_seconds()
-            raise RuntimeError(f"{what}: an all-reduce over the world did not complete within {seconds:g} s")
+            raise RuntimeError(
+                f"{what}: an all-reduce over the world did not complete within {seconds:g} s"
+            )
         time.sleep(_POLL_S)
     work.wait()
 
@@ -171,7 +181,9 @@ def any_rank_has_each(local: Sequence[bool], group: Any) -> tuple[bool, ...]:
 
     if group_size(group) == 1:
         return tuple(local)
-    flags = torch.tensor([int(flag) for flag in local], dtype=torch.int32, device=world_device(group))
+    flags = torch.tensor(
+        [int(flag) for flag in local], dtype=torch.int32, device=world_device(group)
+    )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return tuple(bool(flag) for flag in flags.tolist())
 
@@ -189,7 +201,11 @@ def faulty_ranks(failed: bool, groups: Sequence[Any]) -> list[int]:
 
     initialised = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialised else 0
-    reducing = [group for group in groups if group is not None and group_size(group) > 1] if initialised else []
+    reducing = (
+        [group for group in groups if group is not None and group_size(group) > 1]
+        if initialised
+        else []
+    )
     if not reducing:
         return [rank] if failed else []
     flags = torch.zeros(dist.get_world_size(), dtype=torch.uint8)
@@ -240,9 +256,13 @@ def _raise_on_every_rank(
     kind = _TYPES[kinds.pop()] if len(kinds) == 1 else ValueError
     then = f"{advice[0].upper()}{advice[1:]}."
     if not by_text:
-        raise ValueError(f"ranks disagree on {subject}: {differences}; this rank is rank {dist.get_rank()}. {then}")
+        raise ValueError(
+            f"ranks disagree on {subject}: {differences}; this rank is rank {dist.get_rank()}. {then}"
+        )
     faulty = sorted(rank for ranks in by_text.values() for rank in ranks)
-    quoted = "; ".join(f"{ranks_label(ranks)}: {text}" for text, ranks in list(by_text.items())[:_SHOWN])
+    quoted = "; ".join(
+        f"{ranks_label(ranks)}: {text}" for text, ranks in list(by_text.items())[:_SHOWN]
+    )
     more = f"; and {len(by_text) - _SHOWN} more distinct error(s)" if len(by_text) > _SHOWN else ""
     message = f"{subject}: ranks {faulty} {failed} ({quoted}{more})"  # the same text on every rank
     if differences:
@@ -261,7 +281,10 @@ def _describe_differences(everyone: list[dict[str, str]]) -> str:
         for rank, asked in enumerate(everyone):
             by_value.setdefault(asked.get(key, _NOT_GIVEN), []).append(rank)
         if len(by_value) > 1:
-            askers = "; ".join(f"ranks {ranks} asked for {_truncate_text(value)}" for value, ranks in by_value.items())
+            askers = "; ".join(
+                f"ranks {ranks} asked for {_truncate_text(value)}"
+                for value, ranks in by_value.items()
+            )
             differences.append(f"{key!r} differs ({askers})")
     return "; ".join(differences)
 

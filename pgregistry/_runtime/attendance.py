@@ -52,7 +52,9 @@ def require_attendance(operation: str, timeout: timedelta | None, advice: str) -
     import torch.distributed as dist
 
     global _operations
-    if dist.get_backend() == "fake":  # torch's test backend: one process stands for a large world, with no peers
+    if (
+        dist.get_backend() == "fake"
+    ):  # torch's test backend: one process stands for a large world, with no peers
         yield
         return
     _operations += 1
@@ -63,8 +65,12 @@ def require_attendance(operation: str, timeout: timedelta | None, advice: str) -
     _check_in(store, prefix, world_size, rank, bound, operation, advice)
     try:
         yield
-    except RuntimeError as exc:  # what torch.distributed raises (gloo's errors are plain RuntimeErrors)
-        silent = _roll_call(store, prefix, world_size, rank, min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S)
+    except (
+        RuntimeError
+    ) as exc:  # what torch.distributed raises (gloo's errors are plain RuntimeErrors)
+        silent = _roll_call(
+            store, prefix, world_size, rank, min(bound.total_seconds(), _ROLL_CALL_S) + _MARGIN_S
+        )
         who = (
             f"ranks {silent} did not answer a roll call after it (killed, or stuck elsewhere)"
             if silent
@@ -95,7 +101,13 @@ def world_timeout() -> timedelta:
 
 
 def _check_in(
-    store: Any, prefix: str, world_size: int, rank: int, bound: timedelta, operation: str, advice: str
+    store: Any,
+    prefix: str,
+    world_size: int,
+    rank: int,
+    bound: timedelta,
+    operation: str,
+    advice: str,
 ) -> None:
     """Count this rank in; return once every rank is, or raise naming the ranks that are not by ``bound``.
 
@@ -121,7 +133,9 @@ def _check_in(
     if after // _GAVE_UP == 1 and after % _GAVE_UP == world_size:
         return  # the last rank came just before this one gave up, and went on: so does this one
     absent = [r for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
-    who = absent or "that came too late"  # none absent: a late rank came between two ranks giving up
+    who = (
+        absent or "that came too late"
+    )  # none absent: a late rank came between two ranks giving up
     raise RuntimeError(  # the same text on every rank that came
         f"{operation}: ranks {who} did not call it within {bound.total_seconds():g} s, so nothing was done. "
         f"{advice[0].upper()}{advice[1:]}: look at what ranks {who} did instead (raised or exited earlier, took "

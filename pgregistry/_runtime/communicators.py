@@ -107,7 +107,11 @@ class LayoutComparison:
         if spans[0] != spans[1]:
             out.append(("ranks", spans[0], spans[1]))
         sizes_a, sizes_b = self.layout_a.axis_sizes(), self.layout_b.axis_sizes()
-        out += [(axis, str(sizes_a[axis]), str(sizes_b[axis])) for axis in sizes_a if sizes_a[axis] != sizes_b[axis]]
+        out += [
+            (axis, str(sizes_a[axis]), str(sizes_b[axis]))
+            for axis in sizes_a
+            if sizes_a[axis] != sizes_b[axis]
+        ]
         if self.layout_a.order != self.layout_b.order:
             out.append(("order", self.layout_a.order, self.layout_b.order))
         return out
@@ -123,7 +127,9 @@ class LayoutComparison:
             SharedCommunicators(kinds_a=a, kinds_b=b, size=size, count=count)
             for (a, b, size), count in classes.items()
         ]
-        return sorted(rows, key=lambda row: (GROUP_KINDS.index(row.kinds_a[0]), row.kinds_b, row.size))
+        return sorted(
+            rows, key=lambda row: (GROUP_KINDS.index(row.kinds_a[0]), row.kinds_b, row.size)
+        )
 
 
 def _span_text(layout: ParallelLayout) -> str:
@@ -131,7 +137,9 @@ def _span_text(layout: ParallelLayout) -> str:
     return f"{first}-{stop - 1}"
 
 
-def compare_layouts(a: ParallelLayout, b: ParallelLayout, *, world_size: int | None = None) -> LayoutComparison:
+def compare_layouts(
+    a: ParallelLayout, b: ParallelLayout, *, world_size: int | None = None
+) -> LayoutComparison:
     """Compare the communicators of two layouts of one world of ``world_size`` ranks (default: where the later span
     ends). The layouts may span different ranks; ``ValueError`` when ``world_size`` is not a positive integer or a
     layout's span ends past it (naming the layout: ``a`` or ``b``)."""
@@ -149,5 +157,9 @@ def compare_layouts(a: ParallelLayout, b: ParallelLayout, *, world_size: int | N
                 f"past the end of the world (world_size {world})"
             )
     return LayoutComparison(
-        layout_a=a, layout_b=b, world_size=world, a=kinds_by_communicator(a), b=kinds_by_communicator(b)
+        layout_a=a,
+        layout_b=b,
+        world_size=world,
+        a=kinds_by_communicator(a),
+        b=kinds_by_communicator(b),
     )

@@ -21,5 +21,7 @@ def empty_option(args: argparse.Namespace, options: Mapping[str, tuple[str, str]
         value = getattr(args, dest, None)
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, str) and not v.strip() for v in values):
-            return f"{option} is empty (an unset variable, as in {option} \"$VAR\"?): set it to {give}"
+            return (
+                f'{option} is empty (an unset variable, as in {option} "$VAR"?): set it to {give}'
+            )
     return None

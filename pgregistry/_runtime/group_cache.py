@@ -73,7 +73,9 @@ class GroupOptions:
         that is no name, or a ``timeout`` that is neither a number of seconds nor a ``timedelta`` (a string, a
         bool); ``ValueError`` for a timeout that is not positive and finite, or beyond 1e12 s."""
         if backend is not None and not isinstance(backend, str):
-            raise TypeError(f"backend must be a backend's name ('gloo', 'nccl') or None, got {backend!r}")
+            raise TypeError(
+                f"backend must be a backend's name ('gloo', 'nccl') or None, got {backend!r}"
+            )
         if timeout is None:
             return cls(backend, None)
         if isinstance(timeout, timedelta):
@@ -87,14 +89,18 @@ class GroupOptions:
             )
         if not 0 < seconds <= _LONGEST_S:  # NaN fails this too
             raise ValueError(f"timeout must be {_TIMEOUT_RANGE}; got {timeout!r}")
-        return cls(backend, timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds))
+        return cls(
+            backend, timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+        )
 
     def describe(self) -> dict[str, str]:
         """Option -> text, for messages and the agreement check."""
         return {"backend": repr(self.backend), "timeout": repr(self.timeout)}
 
 
-def check_group_options(backend: object, timeout: object) -> tuple[GroupOptions, dict[str, str], Fault]:
+def check_group_options(
+    backend: object, timeout: object
+) -> tuple[GroupOptions, dict[str, str], Fault]:
     """The options :meth:`GroupOptions.of` makes of ``backend`` and
     ``timeout``, their text for the agreement, and ``None``; or, when it refuses them, torch's defaults, the text of
     what was given and the refusal, which the caller's agreement raises on every rank (a rank raising alone would
@@ -153,7 +159,9 @@ class GroupCache:
                     f"refusing a second one with {options.describe()} (one communicator per rank set)"
                 )
             return True
-        if len(ranks) == dist.get_world_size() and options == GroupOptions():  # sorted and distinct: the world
+        if (
+            len(ranks) == dist.get_world_size() and options == GroupOptions()
+        ):  # sorted and distinct: the world
             world = dist.group.WORLD
             assert world is not None  # callers checked that torch.distributed is initialised
             self._groups[ranks] = (world, options)
@@ -178,21 +186,27 @@ class GroupCache:
             self.created += 1
         return group
 
-    def _split_world_communicator(self, rank_sets: Iterable[RankGroup], options: GroupOptions) -> None:
+    def _split_world_communicator(
+        self, rank_sets: Iterable[RankGroup], options: GroupOptions
+    ) -> None:
         """Split the world's communicator into ``rank_sets`` (the same on every rank, none existing yet), one
         ``split_group`` per family of :func:`split_plan`. Every rank records every set, those it is not in as
         torch's ``NON_GROUP_MEMBER`` (as :meth:`adopt` does), so later decisions agree across ranks."""
         rank = dist.get_rank()
         non_member: Any = dist.GroupMember.NON_GROUP_MEMBER
         for family in split_plan(rank_sets):
-            group = dist.split_group(split_ranks=[list(ranks) for ranks in family], timeout=options.timeout)
+            group = dist.split_group(
+                split_ranks=[list(ranks) for ranks in family], timeout=options.timeout
+            )
             self.splits += 1
             for ranks in family:
                 if rank not in ranks:
                     self._groups[ranks] = (non_member, options)
                     continue
                 if group is None:
-                    raise RuntimeError(f"split_group gave rank {rank} no communicator for its ranks {list(ranks)}")
+                    raise RuntimeError(
+                        f"split_group gave rank {rank} no communicator for its ranks {list(ranks)}"
+                    )
                 self._groups[ranks] = (group, options)
                 self.created += 1
 
@@ -210,18 +224,26 @@ class GroupCache:
         require_distributed("creating process groups")
         world_size, rank = dist.get_world_size(), dist.get_rank()
         sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
-        check_agreement("the rank sets to create", {"rank sets": repr(sets), **options.describe()}, advice=BUILD_ADVICE)
+        check_agreement(
+            "the rank sets to create",
+            {"rank sets": repr(sets), **options.describe()},
+            advice=BUILD_ADVICE,
+        )
         # Checked on the whole list, not on this rank's sets only, so that every rank raises alike (none hangs).
         seen: set[int] = set()
         for ranks in sets:
             if seen.intersection(ranks):
-                raise ValueError(f"rank sets overlap at ranks {sorted(seen.intersection(ranks))}; pass disjoint sets")
+                raise ValueError(
+                    f"rank sets overlap at ranks {sorted(seen.intersection(ranks))}; pass disjoint sets"
+                )
             seen.update(ranks)
         mine = [ranks for ranks in sets if rank in ranks]
         self.create(sets, options)
         return self.group(mine[0]) if mine else None
 
-    def twin_partition_group(self, rank_sets: Iterable[Iterable[int]], options: GroupOptions) -> ProcessGroup | None:
+    def twin_partition_group(
+        self, rank_sets: Iterable[Iterable[int]], options: GroupOptions
+    ) -> ProcessGroup | None:
         """Like :meth:`partition_group`, but always a new communicator per rank set, beside any the cache holds.
 
         For a library that needs two communicators over the same ranks: FSDP2 (torch 2.13) shards one
@@ -268,9 +290,15 @@ class GroupCache:
 
     def destroy(self) -> None:
         """Destroy every communicator this cache created (not the adopted ones) and forget them all."""
-        owned = [group for ranks, (group, _) in self._groups.items() if ranks not in self._adopted] + self._twins
+        owned = [
+            group for ranks, (group, _) in self._groups.items() if ranks not in self._adopted
+        ] + self._twins
         for group in owned:
-            if group is not dist.group.WORLD and dist.is_initialized() and not isinstance(group, int):
+            if (
+                group is not dist.group.WORLD
+                and dist.is_initialized()
+                and not isinstance(group, int)
+            ):
                 dist.destroy_process_group(group)
         self._groups.clear()
         self._adopted.clear()
@@ -286,10 +314,14 @@ def split_creation(options: GroupOptions) -> bool:
     :func:`split_chosen` of the world's backend, its bound device and the backend asked for."""
     world = dist.distributed_c10d._get_default_group()
     bound = getattr(world, "bound_device_id", None) is not None
-    return split_chosen(str(dist.get_backend()), bound, options.backend, hasattr(dist, "split_group"))
+    return split_chosen(
+        str(dist.get_backend()), bound, options.backend, hasattr(dist, "split_group")
+    )
 
 
-def split_chosen(world_backend: str, bound: bool, requested: str | None, torch_splits: bool = True) -> bool:
+def split_chosen(
+    world_backend: str, bound: bool, requested: str | None, torch_splits: bool = True
+) -> bool:
     """The rule: split when the world's backend is NCCL, bound to a device at init (NCCL splits only a
     communicator that exists: the bound world's is created eagerly), the groups ask for no other backend, and
     torch has ``split_group``; else ``new_group``."""
@@ -323,5 +355,7 @@ def _rank_set(ranks: Iterable[int], world_size: int) -> RankGroup:
     listed = [int(r) for r in ranks]
     out = tuple(sorted(set(listed)))
     if not out or len(out) != len(listed) or out[0] < 0 or out[-1] >= world_size:
-        raise ValueError(f"rank set {listed} must list distinct ranks of the {world_size}-rank world")
+        raise ValueError(
+            f"rank set {listed} must list distinct ranks of the {world_size}-rank world"
+        )
     return out

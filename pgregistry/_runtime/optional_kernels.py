@@ -38,7 +38,9 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def probe_kernel(index: int, probe: Callable[[torch.device], object], want: object, *, event: str, kernel: str) -> bool:
+def probe_kernel(
+    index: int, probe: Callable[[torch.device], object], want: object, *, event: str, kernel: str
+) -> bool:
     """Whether ``probe`` (a launch of ``kernel`` on GPU ``index``) runs there and returns ``want``: ``False`` with a
     warning ``event`` where it raises; a ``RuntimeError`` where it returns anything else. Callers cache the answer
     per device."""

@@ -54,7 +54,8 @@ __all__ = [
 ]
 
 ParamsLike: TypeAlias = (
-    "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[nn.Module]"
+    "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | "
+    "Iterable[torch.Tensor] | Iterable[nn.Module]"
 )
 """What the entry points accept: a model, model chunks (a list, tuple or generator of modules), a name ->
 parameter mapping, one tensor, or an iterable of tensors."""
@@ -248,7 +249,9 @@ def fill_unset_fields(
                 "(pgregistry.global_grid.initialize_global_grid); pass a ProcessGroupCollection that sets it"
             )
         if not grid.is_set(name):
-            raise RuntimeError(f"{owner} needs process group {name!r}, which the global grid does not define")
+            raise RuntimeError(
+                f"{owner} needs process group {name!r}, which the global grid does not define"
+            )
         group = grid.get(name)
         implied = implied_size(collection, name)
         if implied is not None and group_size(group) != implied[0]:
@@ -269,7 +272,9 @@ def fill_unset_fields(
 
 
 def grid_reads(
-    collection: ProcessGroupCollection, names: Iterable[GroupName], unneeded: Iterable[GroupName] = ()
+    collection: ProcessGroupCollection,
+    names: Iterable[GroupName],
+    unneeded: Iterable[GroupName] = (),
 ) -> list[GroupName]:
     """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid: UNSET, not left one rank
     by the

@@ -34,7 +34,9 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
     import the helpers once torch's module has run; it leaves ``sys.meta_path`` then (a spec asked for without an
     import, ``importlib.util.find_spec("torch")``, leaves it in place)."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> Any:
         if fullname != "torch":
             return None
         spec = None
@@ -55,7 +57,9 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
 
         try:
             loader.exec_module = exec_module
-        except AttributeError:  # a loader without an instance dictionary: the helpers install on their import
+        except (
+            AttributeError
+        ):  # a loader without an instance dictionary: the helpers install on their import
             pass
         return spec
 

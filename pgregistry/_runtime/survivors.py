@@ -32,24 +32,37 @@ _POLL_S = 0.01
 
 
 def agree_on_survivors(
-    store: Any, prefix: str, rank: int, world_size: int, step: int, told: list[int] | None, wait: float
+    store: Any,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    step: int,
+    told: list[int] | None,
+    wait: float,
 ) -> dict[int, dict[str, Any]]:
     """Check in, decide and confirm (see the module docstring); the confirmed survivors' records, by rank.
 
     ``RuntimeError`` on a rank a decision left out."""
     _check_in(store, prefix, rank, json.dumps({"step": step, "lost": told}))
     # When told who is lost, everyone else is expected (a told set that differs is the verdict's error).
-    expected = world_size - len(set(told) & set(range(world_size))) if told is not None else world_size
+    expected = (
+        world_size - len(set(told) & set(range(world_size))) if told is not None else world_size
+    )
     survivors = _decide_survivors(store, prefix, range(world_size), expected, wait)
     generation = prefix.rsplit("/", 1)[1]
-    _require_named(survivors, rank, generation, f"called recover after the survivors {survivors} had decided")
+    _require_named(
+        survivors, rank, generation, f"called recover after the survivors {survivors} had decided"
+    )
     round_number = 0
     while True:
         confirmation = f"{prefix}/confirm/{round_number}"
         _check_in(store, confirmation, rank, "")
         confirmed = _decide_survivors(store, confirmation, survivors, len(survivors), wait)
         _require_named(
-            confirmed, rank, generation, f"answered the survivors' confirmation after they had confirmed {confirmed}"
+            confirmed,
+            rank,
+            generation,
+            f"answered the survivors' confirmation after they had confirmed {confirmed}",
         )
         if confirmed == survivors:
             return {r: json.loads(store.get(f"{prefix}/record/{r}")) for r in survivors}
@@ -61,7 +74,9 @@ def _check_in(store: Any, prefix: str, rank: int, record: str) -> None:
     store.add(f"{prefix}/count", 1)
 
 
-def _decide_survivors(store: Any, prefix: str, candidates: Sequence[int], expected: int, wait: float) -> list[int]:
+def _decide_survivors(
+    store: Any, prefix: str, candidates: Sequence[int], expected: int, wait: float
+) -> list[int]:
     """The ranks of ``candidates`` that checked in under ``prefix``, as the first proposal kept: proposed once
     ``expected`` ranks have, or ``wait`` seconds passed (from this rank's own check-in)."""
     deadline = time.monotonic() + wait

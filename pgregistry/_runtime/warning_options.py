@@ -56,7 +56,10 @@ class CommandLineFilter(NamedTuple):
         """Insert this filter at the front of :data:`warnings.filters`, as Python does for ``-W``."""
         warnings.filterwarnings(
             self.action,  # type: ignore[arg-type]  # one of the literals, checked by command_line_filters
-            self.message_pattern, self.category, self.module_pattern, self.lineno
+            self.message_pattern,
+            self.category,
+            self.module_pattern,
+            self.lineno,
         )
 
 
@@ -71,12 +74,21 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
     options = [option.split(":") for option in sys.warnoptions]
     for fields in options:
         _check_spelling(fields[2].strip() if len(fields) > 2 else "", ours, category.__name__)
-    first = next((i for i, fields in enumerate(options) if len(fields) > 2 and fields[2].strip() in ours), None)
+    first = next(
+        (i for i, fields in enumerate(options) if len(fields) > 2 and fields[2].strip() in ours),
+        None,
+    )
     if first is None:
         return []
     parsed = []
     for option, fields in zip(sys.warnoptions[first:], options[first:], strict=True):
-        action, message, category_name, module, lineno = (*(f.strip() for f in fields), "", "", "", "")[:5]
+        action, message, category_name, module, lineno = (
+            *(f.strip() for f in fields),
+            "",
+            "",
+            "",
+            "",
+        )[:5]
         action = "always" if action == "all" else action
         actions = [a for a in _ACTIONS if a.startswith(action)]
         found = category if category_name in ours else _builtin_warning(category_name)
@@ -85,13 +97,21 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
         name = category_name if found is category else found.__name__
         unqualified = option if name == category.__name__ else ""
         name = f"pgregistry.{name}" if unqualified else name
-        parsed.append(CommandLineFilter(actions[0], message, found, name, module, int(lineno or 0), unqualified))
+        parsed.append(
+            CommandLineFilter(
+                actions[0], message, found, name, module, int(lineno or 0), unqualified
+            )
+        )
     return parsed
 
 
 def _category_spellings(category: type[Warning]) -> set[str]:
     """The names an option may give ``category`` by: its module's, the package root's, and the bare class name."""
-    return {f"{category.__module__}.{category.__name__}", f"pgregistry.{category.__name__}", category.__name__}
+    return {
+        f"{category.__module__}.{category.__name__}",
+        f"pgregistry.{category.__name__}",
+        category.__name__,
+    }
 
 
 def _check_spelling(category_name: str, ours: set[str], bare: str) -> None:

@@ -78,11 +78,15 @@ class ScanCache:
         entries = {**self._stored, **self._used}
         if len(entries) > len(self._used) + MAX_ENTRIES:
             entries = self._used
-        payload = json.dumps({"fingerprint": self.fingerprint, "entries": entries}, separators=(",", ":"))
+        payload = json.dumps(
+            {"fingerprint": self.fingerprint, "entries": entries}, separators=(",", ":")
+        )
         with contextlib.suppress(OSError):  # StorageError is an OSError
             self.directory.mkdir(parents=True, exist_ok=True)
             ignore = self.directory / ".gitignore"
             if not ignore.exists():
-                ignore.write_text("# Created by pgregistry allowlist: a cache, never commit it.\n*\n")
+                ignore.write_text(
+                    "# Created by pgregistry allowlist: a cache, never commit it.\n*\n"
+                )
             atomic_write(self.file, payload.encode("utf-8"), durable=False)
         self._stored, self._added = entries, False

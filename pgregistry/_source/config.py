@@ -40,7 +40,14 @@ __all__ = [
 SCANNER_VERSION = 3
 
 DEFAULT_ALLOWLIST = "process_group_usage_allowlist.json"
-DEFAULT_EXCLUDE: tuple[str, ...] = (".*", "__pycache__", "*.egg-info", "build", "dist", "node_modules")
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    ".*",
+    "__pycache__",
+    "*.egg-info",
+    "build",
+    "dist",
+    "node_modules",
+)
 
 _TABLE = ("tool", "pgregistry", "allowlist")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
@@ -94,7 +101,9 @@ class ScanConfig:
     def fingerprint(self) -> str:
         """A digest of the scanner version, the running Python's version (it decides which syntax parses) and
         every setting that changes what the scanner reports."""
-        payload = json.dumps([SCANNER_VERSION, sys.version_info[:2], dataclasses.asdict(self)], sort_keys=True)
+        payload = json.dumps(
+            [SCANNER_VERSION, sys.version_info[:2], dataclasses.asdict(self)], sort_keys=True
+        )
         return hashlib.blake2b(payload.encode(), digest_size=12).hexdigest()
 
 
@@ -199,7 +208,9 @@ def find_config_file(start: Path) -> Path | None:
 def _string_list(table: Mapping[str, Any], key: str, where: Path) -> tuple[str, ...]:
     value = table[key]
     if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
-        raise ConfigError(f"{where}: [tool.pgregistry.allowlist] {key} must be a list of non-empty strings")
+        raise ConfigError(
+            f"{where}: [tool.pgregistry.allowlist] {key} must be a list of non-empty strings"
+        )
     return tuple(value)
 
 
@@ -220,6 +231,7 @@ def preset_config(name: str, where: str) -> ScanConfig:
     if name not in PRESETS:
         raise ConfigError(f"{where}: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
     return PRESETS[name]
+
 
 _PATH_KEYS = {"allowlist", "cache-dir"}
 
@@ -244,18 +256,29 @@ def load_settings(config_file: Path | None, cwd: Path) -> Settings:
         where = f"{config_file}: [tool.pgregistry.allowlist] preset"
         base = preset_config(_nonempty_string(table, "preset", config_file), where)
     scan = dataclasses.replace(
-        base, **{_SCAN_KEYS[key]: _string_list(table, key, config_file) for key in table if key in _SCAN_KEYS}
+        base,
+        **{
+            _SCAN_KEYS[key]: _string_list(table, key, config_file)
+            for key in table
+            if key in _SCAN_KEYS
+        },
     )
     settings = Settings(root=config_file.parent, scan=scan)
     if "roots" in table:
         settings = dataclasses.replace(settings, roots=_string_list(table, "roots", config_file))
     if "exclude" in table:
-        settings = dataclasses.replace(settings, exclude=_string_list(table, "exclude", config_file))
+        settings = dataclasses.replace(
+            settings, exclude=_string_list(table, "exclude", config_file)
+        )
     if "extend-exclude" in table:
         extra = _string_list(table, "extend-exclude", config_file)
         settings = dataclasses.replace(settings, exclude=settings.exclude + extra)
     if "allowlist" in table:
-        settings = dataclasses.replace(settings, allowlist=Path(_nonempty_string(table, "allowlist", config_file)))
+        settings = dataclasses.replace(
+            settings, allowlist=Path(_nonempty_string(table, "allowlist", config_file))
+        )
     if "cache-dir" in table:
-        settings = dataclasses.replace(settings, cache_dir=Path(_nonempty_string(table, "cache-dir", config_file)))
+        settings = dataclasses.replace(
+            settings, cache_dir=Path(_nonempty_string(table, "cache-dir", config_file))
+        )
     return settings

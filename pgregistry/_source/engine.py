@@ -28,9 +28,22 @@ from pgregistry._source.cache import ScanCache, content_key
 from pgregistry._source.config import ScanConfig
 from pgregistry._source.files import SourceFile
 from pgregistry._source.processes import Child, can_fork, start_child
-from pgregistry._source.scanner import FileResult, ParseFailure, decode_result, encode_result, scan_source
+from pgregistry._source.scanner import (
+    FileResult,
+    ParseFailure,
+    decode_result,
+    encode_result,
+    scan_source,
+)
 
-__all__ = ["PARALLEL_MIN_BYTES", "ScanReport", "default_jobs", "scan_files", "scan_sources", "split_into_buckets"]
+__all__ = [
+    "PARALLEL_MIN_BYTES",
+    "ScanReport",
+    "default_jobs",
+    "scan_files",
+    "scan_sources",
+    "split_into_buckets",
+]
 
 #: Below this many bytes to parse, forking costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -75,7 +88,10 @@ def split_into_buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
 
 
 def _send_scan(
-    items: Sequence[tuple[str, bytes]], bucket: Sequence[int], config: ScanConfig, connection: Connection
+    items: Sequence[tuple[str, bytes]],
+    bucket: Sequence[int],
+    config: ScanConfig,
+    connection: Connection,
 ) -> None:
     """In a child: the results of the inherited files at ``bucket``'s indexes, :mod:`marshal`-encoded, sent."""
     scanned = _scan_bucket([items[i] for i in bucket], config)
@@ -102,7 +118,9 @@ def _scan_parallel(
     try:
         for bucket in split[1:]:
             children.append(start_child(partial(_send_scan, items, bucket, config), children))
-        for index, result in zip(split[0], _scan_bucket([items[i] for i in split[0]], config), strict=True):
+        for index, result in zip(
+            split[0], _scan_bucket([items[i] for i in split[0]], config), strict=True
+        ):
             results[index] = result
         for child, bucket in zip(children, split[1:], strict=True):
             decoded = _child_results(child, items, bucket)
@@ -125,7 +143,9 @@ def _read_source_bytes(source: SourceFile) -> bytes | FileResult:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
     try:
         if not stat.S_ISREG(os.fstat(handle).st_mode):
-            return FileResult(source.path, failure=ParseFailure("cannot read: not a regular file", 1, 1))
+            return FileResult(
+                source.path, failure=ParseFailure("cannot read: not a regular file", 1, 1)
+            )
         with os.fdopen(handle, "rb", closefd=False) as stream:
             return stream.read()
     except OSError as error:
@@ -135,7 +155,11 @@ def _read_source_bytes(source: SourceFile) -> bytes | FileResult:
 
 
 def scan_files(
-    files: Sequence[SourceFile], config: ScanConfig, *, cache: ScanCache | None = None, jobs: int = 1
+    files: Sequence[SourceFile],
+    config: ScanConfig,
+    *,
+    cache: ScanCache | None = None,
+    jobs: int = 1,
 ) -> ScanReport:
     """Scan ``files``: cached results where the cache holds them, the rest parsed on up to ``jobs`` cores."""
     read = [(source.path, _read_source_bytes(source)) for source in files]
@@ -183,4 +207,6 @@ def scan_sources(
     if cache is not None:
         cache.save()
     done = [result for result in results if result is not None]
-    return ScanReport(done, parsed=len(pending), cached=len(sources) - len(pending), processes=processes)
+    return ScanReport(
+        done, parsed=len(pending), cached=len(sources) - len(pending), processes=processes
+    )

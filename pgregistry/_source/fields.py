@@ -61,7 +61,10 @@ _PSEUDO_FIELDS: dict[str, str] = {"data_parallel_with_gtp_remat": GTP_REMAT_DP}
 
 _SHAPES = (
     # (accessor pattern, replacement with {f} for the field)
-    (re.compile(r"get_(?P<axis>\w+?)_groups?_gloo"), "a gloo group built once over `pg_collection.{f}`'s ranks"),
+    (
+        re.compile(r"get_(?P<axis>\w+?)_groups?_gloo"),
+        "a gloo group built once over `pg_collection.{f}`'s ranks",
+    ),
     (re.compile(r"get_(?P<axis>\w+?)_groups?"), "`pg_collection.{f}`"),
     (re.compile(r"get_(?P<axis>\w+?)_rank"), "`group_rank(pg_collection.{f})`"),
     (re.compile(r"get_(?P<axis>\w+?)_world_size"), "`group_size(pg_collection.{f})`"),
@@ -69,8 +72,14 @@ _SHAPES = (
         re.compile(r"get_(?P<axis>\w+?)_(src_rank|global_ranks)"),
         "`torch.distributed.get_process_group_ranks(pg_collection.{f})`",
     ),
-    (re.compile(r"_(?P<axis>[A-Z_]+?)_GROUPS?(?P<with>(_WITH_(CP|GTP_REMAT|EGTP))*)(_GLOO)?"), "`pg_collection.{f}`"),
-    (re.compile(r"_(MPU_)?(?P<axis>[A-Z_]+?)_(RANK|WORLD_SIZE|GLOBAL_RANKS|RANKS)"), "a value of `pg_collection.{f}`"),
+    (
+        re.compile(r"_(?P<axis>[A-Z_]+?)_GROUPS?(?P<with>(_WITH_(CP|GTP_REMAT|EGTP))*)(_GLOO)?"),
+        "`pg_collection.{f}`",
+    ),
+    (
+        re.compile(r"_(MPU_)?(?P<axis>[A-Z_]+?)_(RANK|WORLD_SIZE|GLOBAL_RANKS|RANKS)"),
+        "a value of `pg_collection.{f}`",
+    ),
 )
 
 _PIPELINE_STAGE = {
@@ -87,7 +96,11 @@ def _replacement_for(accessor: str) -> str | None:
         if match is not None:
             axis = match.group("axis").lower()
             qualified = axis + (match.groupdict().get("with") or "").lower()
-            for name in (qualified, qualified.replace("_with_gtp_remat", "").replace("_with_egtp", ""), axis):
+            for name in (
+                qualified,
+                qualified.replace("_with_gtp_remat", "").replace("_with_egtp", ""),
+                axis,
+            ):
                 field = _FIELDS.get(name)
                 if field is not None:
                     return template.format(f=field)
@@ -116,7 +129,10 @@ _NEUTRAL_KEYWORDS = frozenset({"check_initialized", "ignore_virtual", "vp_stage"
 _KINDS = (  # the more specific first: ``get_x_src_rank`` also matches ``get_(x_src)_rank``
     (re.compile(r"get_(?P<axis>\w+?)_src_rank"), "src_rank"),
     (re.compile(r"get_(?P<axis>\w+?)_global_ranks"), "global_ranks"),
-    (re.compile(r"get_(?P<axis>pipeline_model_parallel)_(?P<which>first|last|next|prev)_rank"), "_rank"),
+    (
+        re.compile(r"get_(?P<axis>pipeline_model_parallel)_(?P<which>first|last|next|prev)_rank"),
+        "_rank",
+    ),
     (re.compile(r"get_(?P<axis>\w+?)_groups?"), "group"),
     (re.compile(r"get_(?P<axis>\w+?)_rank"), "rank"),
     (re.compile(r"get_(?P<axis>\w+?)_world_size"), "size"),
@@ -137,7 +153,9 @@ class FieldChoice:
     reason: str = ""
 
 
-def collection_field(accessor: str, keywords: Mapping[str, object], *, gtp_remat: bool = True) -> FieldChoice:
+def collection_field(
+    accessor: str, keywords: Mapping[str, object], *, gtp_remat: bool = True
+) -> FieldChoice:
     """The collection field a call ``accessor(**keywords)`` reads. ``keywords`` maps each keyword argument to
     its literal value (``True``, ``False``, ``None``, a number), or to ``...`` when it is not a literal.
     ``gtp_remat``: whether the code's Megatron-Core has GTP remat (0.19 on), where the data-parallel accessors
@@ -146,18 +164,35 @@ def collection_field(accessor: str, keywords: Mapping[str, object], *, gtp_remat
 
     A keyword that may pick another group and is not a literal, or one this table does not know, is a reason:
     guessing would change which group the code reads."""
-    if accessor == "get_amax_reduction_group":  # Megatron-Core's: one of four groups, by its two flags
+    if (
+        accessor == "get_amax_reduction_group"
+    ):  # Megatron-Core's: one of four groups, by its two flags
         keywords = dict(keywords)
         tp_only = keywords.pop("tp_only_amax_red", False)
         if not isinstance(tp_only, bool):
             return FieldChoice(reason="tp_only_amax_red= is not a literal True or False")
         with_cp = keywords.get("with_context_parallel", False)
-        accessor = ("get_tensor_and_context_parallel_group" if with_cp else "get_tensor_model_parallel_group") \
-            if tp_only else "get_tensor_and_data_parallel_group"
+        accessor = (
+            (
+                "get_tensor_and_context_parallel_group"
+                if with_cp
+                else "get_tensor_model_parallel_group"
+            )
+            if tp_only
+            else "get_tensor_and_data_parallel_group"
+        )
         if tp_only:
             keywords.pop("with_context_parallel", None)
-    unknown = sorted(set(keywords) - _NEUTRAL_KEYWORDS - {"with_context_parallel", "partial_data_parallel",
-                                                          "partial_expert_data_parallel", "with_gtp_remat"})
+    unknown = sorted(
+        set(keywords)
+        - _NEUTRAL_KEYWORDS
+        - {
+            "with_context_parallel",
+            "partial_data_parallel",
+            "partial_expert_data_parallel",
+            "with_gtp_remat",
+        }
+    )
     if unknown:
         return FieldChoice(reason=f"keyword argument {unknown[0]}= may pick another group")
     if keywords.get("ignore_virtual") not in (None, True) and accessor in _STAGES:
@@ -178,15 +213,24 @@ def collection_field(accessor: str, keywords: Mapping[str, object], *, gtp_remat
     axis = match.group("axis")
     if kind == "_rank":
         kind = match.group("which") + "_rank"
-    partial = flags.get("partial_data_parallel", False) or flags.get("partial_expert_data_parallel", False)
+    partial = flags.get("partial_data_parallel", False) or flags.get(
+        "partial_expert_data_parallel", False
+    )
     name = ("intra_partial_" if partial else "") + axis
     if flags.get("with_context_parallel", False):
         name += "_with_cp"
     if "with_gtp_remat" in flags and not gtp_remat:
         return FieldChoice(reason="with_gtp_remat= in code whose Megatron-Core has no GTP remat")
-    if gtp_remat and axis in _GTP_REMAT_AXES and kind in _GTP_REMAT_KINDS and flags.get("with_gtp_remat", True):
+    if (
+        gtp_remat
+        and axis in _GTP_REMAT_AXES
+        and kind in _GTP_REMAT_KINDS
+        and flags.get("with_gtp_remat", True)
+    ):
         name += "_with_gtp_remat"
-    elif "with_gtp_remat" in flags and (axis not in _GTP_REMAT_AXES or kind not in _GTP_REMAT_KINDS):
+    elif "with_gtp_remat" in flags and (
+        axis not in _GTP_REMAT_AXES or kind not in _GTP_REMAT_KINDS
+    ):
         return FieldChoice(reason="with_gtp_remat= on an accessor this table does not know it for")
     if name in _PSEUDO_FIELDS and kind in _GTP_REMAT_KINDS:
         return FieldChoice(_PSEUDO_FIELDS[name], kind)
@@ -194,9 +238,14 @@ def collection_field(accessor: str, keywords: Mapping[str, object], *, gtp_remat
         return FieldChoice(reason=f"no collection field holds the {name.replace('_', ' ')} group")
     field = _FIELDS[name]
     if field is None:
-        hint = " (with_gtp_remat defaults to True; pass with_gtp_remat=False for the replicate group)" if (
-            "gtp_remat" in name and "with_gtp_remat" not in flags) else ""
-        return FieldChoice(reason=f"no collection field holds the {name.replace('_', ' ')} group{hint}")
+        hint = (
+            " (with_gtp_remat defaults to True; pass with_gtp_remat=False for the replicate group)"
+            if ("gtp_remat" in name and "with_gtp_remat" not in flags)
+            else ""
+        )
+        return FieldChoice(
+            reason=f"no collection field holds the {name.replace('_', ' ')} group{hint}"
+        )
     return FieldChoice(field, kind)
 
 
@@ -216,7 +265,9 @@ _KEYWORD_SETS: tuple[dict[str, bool], ...] = (
 _COMPOSITE_ACCESSORS = frozenset({"get_amax_reduction_group"})
 
 
-def fallback_table(accessors: Iterable[str], *, gtp_remat: bool) -> dict[tuple[str, str], tuple[str, dict[str, bool]]]:
+def fallback_table(
+    accessors: Iterable[str], *, gtp_remat: bool
+) -> dict[tuple[str, str], tuple[str, dict[str, bool]]]:
     """(field, kind) -> (accessor, keyword arguments): the call of Megatron-Core's ``parallel_state`` that reads
     what :func:`collection_field` calls that field and kind, among ``accessors`` (the names the release defines).
     The inverse of :func:`collection_field`, so the fallback helper reads exactly what a rewritten read read."""

@@ -52,7 +52,10 @@ def project_path(path: Path, root: Path) -> str:
     Tried as spelled first (a symlinked directory inside the project keeps its project path), then with links
     resolved on both sides (the project reached through a linked working directory); only a path outside the
     project in both senses is given as ``../...``."""
-    for candidate, base in ((make_absolute(path), make_absolute(root)), (path.resolve(), root.resolve())):
+    for candidate, base in (
+        (make_absolute(path), make_absolute(root)),
+        (path.resolve(), root.resolve()),
+    ):
         try:
             return candidate.relative_to(base).as_posix() or "."
         except ValueError:
@@ -62,7 +65,9 @@ def project_path(path: Path, root: Path) -> str:
 
 def is_under(path: str, prefixes: Iterable[str]) -> bool:
     """Whether the project path ``path`` is one of ``prefixes`` or lies below one of them."""
-    return any(prefix == "." or path == prefix or path.startswith(prefix + "/") for prefix in prefixes)
+    return any(
+        prefix == "." or path == prefix or path.startswith(prefix + "/") for prefix in prefixes
+    )
 
 
 class _Excluder:
@@ -130,7 +135,9 @@ def discover_files(targets: Sequence[Path], root: Path, exclude: Sequence[str]) 
             for directory, subdirectories, filenames in os.walk(target):
                 base = project_path(Path(directory), root)
                 prefix = "" if base == "." else base + "/"
-                subdirectories[:] = [name for name in subdirectories if not excluder.entry(prefix + name)]
+                subdirectories[:] = [
+                    name for name in subdirectories if not excluder.entry(prefix + name)
+                ]
                 for name in filenames:
                     path = prefix + name
                     if name.endswith(".py") and not excluder.entry(path):

@@ -12,7 +12,13 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from pgregistry._source.config import PRESETS, ConfigError, Settings, find_config_file, load_settings
+from pgregistry._source.config import (
+    PRESETS,
+    ConfigError,
+    Settings,
+    find_config_file,
+    load_settings,
+)
 from pgregistry._source.files import make_absolute
 
 __all__ = ["add_settings_options", "path_argument", "settings_arguments", "settings_from_options"]
@@ -23,7 +29,7 @@ def path_argument(text: str) -> Path:
     current directory, silently."""
     if not text.strip():
         raise argparse.ArgumentTypeError(
-            "is empty (an unset variable, as in \"$VAR\"?): give a path, or leave the option out"
+            'is empty (an unset variable, as in "$VAR"?): give a path, or leave the option out'
         )
     return Path(text)
 
@@ -31,9 +37,14 @@ def path_argument(text: str) -> Path:
 def add_settings_options(parser: argparse.ArgumentParser) -> None:
     """The options that choose the scan settings, for both commands."""
     parser.add_argument(
-        "--config", type=path_argument, metavar="PYPROJECT", help="read settings from this pyproject.toml"
+        "--config",
+        type=path_argument,
+        metavar="PYPROJECT",
+        help="read settings from this pyproject.toml",
     )
-    parser.add_argument("--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd")
+    parser.add_argument(
+        "--isolated", action="store_true", help="ignore pyproject.toml; the root is the cwd"
+    )
     parser.add_argument(
         "--exclude",
         action="append",

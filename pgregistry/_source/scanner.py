@@ -129,7 +129,10 @@ def encode_result(result: FileResult) -> list[Any]:
     """``result`` without its path, as nested lists of str and int (for JSON and :mod:`marshal`)."""
     failure = result.failure
     return [
-        [[s.line, s.col, s.scope, s.accessor, s.form, s.expr, s.family, s.guarded] for s in result.sites],
+        [
+            [s.line, s.col, s.scope, s.accessor, s.form, s.expr, s.family, s.guarded]
+            for s in result.sites
+        ],
         None if failure is None else [failure.message, failure.line, failure.col, failure.needs],
     ]
 
@@ -139,7 +142,9 @@ _FAILURE_TYPES = (str, int, int, str)
 
 
 def _check_row_types(values: Sequence[Any], types: tuple[type, ...]) -> Sequence[Any]:
-    if len(values) != len(types) or not all(type(v) is t for v, t in zip(values, types, strict=True)):
+    if len(values) != len(types) or not all(
+        type(v) is t for v, t in zip(values, types, strict=True)
+    ):
         raise ValueError(f"malformed result row: {values!r}")
     return values
 
@@ -190,7 +195,9 @@ class _Rules:
 
     def __init__(self, config: ScanConfig) -> None:
         self.families = (
-            _Family(LEGACY, config.modules, config.aliases, config.accessors, config.ignore_accessors),
+            _Family(
+                LEGACY, config.modules, config.aliases, config.accessors, config.ignore_accessors
+            ),
             _Family(REGISTRY, config.registry_modules, (), config.registry_accessors, ()),
         )
         self.shims = frozenset(config.shims)
@@ -198,12 +205,19 @@ class _Rules:
         self.exempt = _Family("exempt", config.exempt_modules, (), (), ())
         # Every component of every module name: an import that binds a prefix of a dotted module name
         # (``import pgregistry as pg`` for ``pgregistry.global_grid``) must be seen for ``pg.global_grid.x`` to resolve.
-        words = {part for family in self.families for module in family.modules for part in module.split(".")}
+        words = {
+            part
+            for family in self.families
+            for module in family.modules
+            for part in module.split(".")
+        }
         helper_names = {helper.rpartition(".")[2] for helper in self.helpers}
         self.words = frozenset(words | set(config.aliases) | self.shims | helper_names)
         self.trigger = _word_pattern(self.words)
 
-    def match(self, parts: Sequence[str], bound: bool, stars: Iterable[_Family]) -> tuple[str, str] | None:
+    def match(
+        self, parts: Sequence[str], bound: bool, stars: Iterable[_Family]
+    ) -> tuple[str, str] | None:
         """(family, accessor) when the dotted name ``parts`` reads global state. ``bound``: whether its first
         part was bound by an import (aliases count only when it was not)."""
         name = parts[-1]
@@ -219,7 +233,8 @@ class _Rules:
         module = ".".join(parts[:-1])
         for family in self.families:
             if family.accessor(name) and (
-                family.module(module) or (not bound and len(parts) == 2 and parts[0] in family.aliases)
+                family.module(module)
+                or (not bound and len(parts) == 2 and parts[0] in family.aliases)
             ):
                 return family.label, name
         return None
@@ -287,7 +302,9 @@ def _decode_failure(data: bytes) -> ParseFailure | None:
             return None
         except UnicodeDecodeError as error:
             start, reason = error.start, error.reason
-    return ParseFailure(f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})", *_line_and_column(data, start))
+    return ParseFailure(
+        f"not valid {encoding} ({reason}, byte 0x{data[start]:02x})", *_line_and_column(data, start)
+    )
 
 
 #: Syntax newer than some Python still in use, recognised on the line a SyntaxError points at:
@@ -297,7 +314,11 @@ _NEWER_SYNTAX: tuple[tuple[tuple[int, int], re.Pattern[str], str], ...] = (
     ((3, 11), re.compile(r"\s*except\s*\*"), "except*"),
     ((3, 12), re.compile(r"\s*type\s+[A-Za-z_]\w*\s*(\[.*\])?\s*="), "type alias statement"),
     ((3, 12), re.compile(r"\s*(async\s+)?(def|class)\s+[A-Za-z_]\w*\s*\["), "type parameter list"),
-    ((3, 14), re.compile(r"\s*except\s+[^\s(:][^:(]*,[^:]*:"), "except without parentheses (PEP 758)"),
+    (
+        (3, 14),
+        re.compile(r"\s*except\s+[^\s(:][^:(]*,[^:]*:"),
+        "except without parentheses (PEP 758)",
+    ),
     ((3, 14), re.compile(r".*(?<![\w.])[tT][rR]?['\"]"), "template string (PEP 750)"),
 )
 
@@ -309,7 +330,10 @@ _PEP_701_ERRORS = ("f-string: expecting '}'", "f-string expression part cannot i
 def _newer_syntax(data: bytes, line: int, message: str) -> tuple[str, str] | None:
     """("3.12", what) when ``line`` uses syntax newer than the running Python; None otherwise."""
     if sys.version_info < (3, 12) and message.startswith(_PEP_701_ERRORS):
-        return "3.12", "f-string syntax of PEP 701 (nested quotes, backslashes or comments in an expression)"
+        return (
+            "3.12",
+            "f-string syntax of PEP 701 (nested quotes, backslashes or comments in an expression)",
+        )
     lines = data.decode("utf-8", "replace").splitlines()
     text = lines[line - 1] if 0 < line <= len(lines) else ""
     for version, pattern, what in _NEWER_SYNTAX:
@@ -334,15 +358,19 @@ def _parse_module(data: bytes, path: str) -> ast.Module | ParseFailure:
         newer = _newer_syntax(data, line, str(error.msg))
         if newer is not None:
             running = ".".join(map(str, sys.version_info[:3]))
-            message = f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python >= {newer[0]} " \
-                f"(the scan runs Python {running}); run the scan with Python {newer[0]}+, or pass " \
+            message = (
+                f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python >= {newer[0]} "
+                f"(the scan runs Python {running}); run the scan with Python {newer[0]}+, or pass "
                 "--skip-newer-syntax to skip such files with a warning"
+            )
             return ParseFailure(message, line, col, newer[0])
         return ParseFailure(f"syntax error: {error.msg}", line, col)
     except ValueError as error:  # null bytes, on some Python versions
         return ParseFailure(f"syntax error: {error}", 1, 1)
     except RecursionError:  # Python's own compiler refuses such a file too
-        return ParseFailure("syntax error: nested too deeply for Python's parser (recursion limit)", 1, 1)
+        return ParseFailure(
+            "syntax error: nested too deeply for Python's parser (recursion limit)", 1, 1
+        )
 
 
 def _lines_cover(lines: list[int], first: int, last: int) -> bool:
@@ -430,9 +458,21 @@ def _branch_when_missing(test: ast.expr) -> str | None:
     """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not x`` (a
     name or attribute, not a call) or an ``or`` of such tests, ``"orelse"`` for ``x is not None``; None when
     ``test`` is no such check."""
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and _is_none_constant(test.comparators[0]):
-        return "body" if isinstance(test.ops[0], ast.Is) else "orelse" if isinstance(test.ops[0], ast.IsNot) else None
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):  # ``not group``, not ``not ready()``
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and _is_none_constant(test.comparators[0])
+    ):
+        return (
+            "body"
+            if isinstance(test.ops[0], ast.Is)
+            else "orelse"
+            if isinstance(test.ops[0], ast.IsNot)
+            else None
+        )
+    if isinstance(test, ast.UnaryOp) and isinstance(
+        test.op, ast.Not
+    ):  # ``not group``, not ``not ready()``
         return "body" if isinstance(test.operand, (ast.Name, ast.Attribute)) else None
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
         if any(_branch_when_missing(v) == "body" for v in test.values):
@@ -447,7 +487,9 @@ def _is_none_constant(node: ast.expr) -> bool:
 class _Walker:
     """The pruned walk that records sites; iterative, so deep nesting cannot overflow the stack."""
 
-    def __init__(self, rules: _Rules, imports: _Imports, lines: list[int] | None, module: list[str]) -> None:
+    def __init__(
+        self, rules: _Rules, imports: _Imports, lines: list[int] | None, module: list[str]
+    ) -> None:
         self.rules = rules
         self.bindings = imports.bindings
         self.stars = imports.stars
@@ -464,7 +506,9 @@ class _Walker:
             if lines is not None and isinstance(node, (ast.stmt, ast.expr)):
                 # A decorated definition starts at its first decorator, above ``node.lineno``.
                 first = (
-                    node.decorator_list[0].lineno if isinstance(node, _SCOPES) and node.decorator_list else 0
+                    node.decorator_list[0].lineno
+                    if isinstance(node, _SCOPES) and node.decorator_list
+                    else 0
                 )
                 if not _lines_cover(lines, first or node.lineno, node.end_lineno or node.lineno):
                     continue
@@ -474,10 +518,14 @@ class _Walker:
                     stack.extend((child, scope, guarded) for child in [*node.args, *node.keywords])
                     continue
                 if self._record_getattr(node, scope, guarded):
-                    stack.extend((child, scope, guarded) for child in [*node.args[2:], *node.keywords])
+                    stack.extend(
+                        (child, scope, guarded) for child in [*node.args[2:], *node.keywords]
+                    )
                     continue
             elif isinstance(node, (ast.Attribute, ast.Name)):
-                if isinstance(node.ctx, ast.Load) and self._record_site(node, scope, REFERENCE, guarded):
+                if isinstance(node.ctx, ast.Load) and self._record_site(
+                    node, scope, REFERENCE, guarded
+                ):
                     continue
             elif isinstance(node, (ast.If, ast.IfExp)):
                 branch = _branch_when_missing(node.test)
@@ -485,10 +533,15 @@ class _Walker:
                 for field in ("body", "orelse"):
                     value = getattr(node, field)
                     fallback = guarded or branch == field
-                    stack.extend((child, scope, fallback) for child in (value if isinstance(value, list) else [value]))
+                    stack.extend(
+                        (child, scope, fallback)
+                        for child in (value if isinstance(value, list) else [value])
+                    )
                 continue
             elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
-                first_value, *rest = node.values  # ``x or ps.get_x()``: the rest runs when x is missing
+                first_value, *rest = (
+                    node.values
+                )  # ``x or ps.get_x()``: the rest runs when x is missing
                 stack.append((first_value, scope, guarded))
                 stack.extend((child, scope, True) for child in rest)
                 continue
@@ -496,10 +549,14 @@ class _Walker:
                 inner = node.name if scope == MODULE_SCOPE else f"{scope}.{node.name}"
                 body_guarded = guarded or node.name.endswith("_if_none")
                 for field, value in ast.iter_fields(node):
-                    child_scope, child_guarded = (inner, body_guarded) if field == "body" else (scope, guarded)
+                    child_scope, child_guarded = (
+                        (inner, body_guarded) if field == "body" else (scope, guarded)
+                    )
                     if isinstance(value, list):
                         stack.extend(
-                            (child, child_scope, child_guarded) for child in value if isinstance(child, ast.AST)
+                            (child, child_scope, child_guarded)
+                            for child in value
+                            if isinstance(child, ast.AST)
                         )
                     elif isinstance(value, ast.AST):
                         stack.append((value, child_scope, child_guarded))
@@ -511,7 +568,9 @@ class _Walker:
     def _resolve_accessor(self, parts: list[str]) -> tuple[str, str] | None:
         targets = self.bindings.get(parts[0])
         if targets is None:
-            if len(parts) == 1 and self.rules.helper([*self.module, parts[0]]):  # the helper's own module
+            if len(parts) == 1 and self.rules.helper(
+                [*self.module, parts[0]]
+            ):  # the helper's own module
                 return HELPER, parts[0]
             return self.rules.match(parts, False, self.stars)
         for target in sorted(targets):
@@ -529,7 +588,16 @@ class _Walker:
             return False
         family, accessor = hit
         self.sites.append(
-            Site(node.lineno, node.col_offset + 1, scope, accessor, form, ".".join(parts), family, guarded)
+            Site(
+                node.lineno,
+                node.col_offset + 1,
+                scope,
+                accessor,
+                form,
+                ".".join(parts),
+                family,
+                guarded,
+            )
         )
         return True
 
@@ -552,7 +620,9 @@ class _Walker:
             return False
         family, accessor = hit
         expr = f"getattr({'.'.join(parts)}, {name!r})"
-        self.sites.append(Site(call.lineno, call.col_offset + 1, scope, accessor, GETATTR, expr, family, guarded))
+        self.sites.append(
+            Site(call.lineno, call.col_offset + 1, scope, accessor, GETATTR, expr, family, guarded)
+        )
         return True
 
 

@@ -68,7 +68,9 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         if isinstance(error, OSError):
-            raise StorageError(f"cannot write {path}: {_reason_of(error)}; the previous file is unchanged") from error
+            raise StorageError(
+                f"cannot write {path}: {_reason_of(error)}; the previous file is unchanged"
+            ) from error
         raise
     if durable:  # make the rename itself durable
         with contextlib.suppress(OSError):
@@ -85,7 +87,9 @@ def _new_temporary(path: Path) -> tuple[int, str]:
     for _ in range(tempfile.TMP_MAX):
         name = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
         try:
-            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), name
+            return os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666
+            ), name
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, f"no unused temporary name beside {path}")
@@ -95,7 +99,9 @@ def _new_temporary(path: Path) -> tuple[int, str]:
 def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Hold the advisory lock that serialises rewrites of ``path`` (a lock on its directory, so it survives
     the rename that replaces the file). Waits up to ``timeout`` seconds, then raises :class:`StorageError`."""
-    if fcntl is None:  # pragma: no cover - Windows: the writer's re-read still detects a concurrent change
+    if (
+        fcntl is None
+    ):  # pragma: no cover - Windows: the writer's re-read still detects a concurrent change
         yield
         return
     directory = path.parent

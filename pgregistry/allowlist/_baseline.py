@@ -34,12 +34,16 @@ class GitError(RuntimeError):
 
 def _run_git(root: Path, *args: str, data: bytes | None = None) -> bytes:
     try:
-        done = subprocess.run(["git", "-C", str(root), *args], input=data, capture_output=True, check=False)
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], input=data, capture_output=True, check=False
+        )
     except OSError as error:
         raise GitError(f"cannot run git: {error.strerror or error}") from error
     if done.returncode != 0:
         message = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise GitError(f"git {' '.join(args[:2])} failed: {message[-1] if message else done.returncode}")
+        raise GitError(
+            f"git {' '.join(args[:2])} failed: {message[-1] if message else done.returncode}"
+        )
     return done.stdout
 
 
@@ -59,7 +63,9 @@ def parse_name_status(out: bytes) -> FileChanges:
     index = 0
     while index < len(fields) - 1:
         status = fields[index].decode()
-        paths = [field.decode("utf-8", "surrogateescape") for field in fields[index + 1 : index + 3]]
+        paths = [
+            field.decode("utf-8", "surrogateescape") for field in fields[index + 1 : index + 3]
+        ]
         if status.startswith(("R", "C")):
             if status.startswith("R"):
                 renames[paths[0]] = paths[1]
@@ -80,9 +86,17 @@ class GitTree:
         # Project paths are relative to ``root``; git's are relative to the repository's top level.
         self.prefix = _run_git(root, "rev-parse", "--show-prefix").decode().strip()
         try:
-            self.commit = _run_git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").decode().strip()
-        except GitError:  # --quiet: git says nothing, so the error would name neither the revision nor the cause
-            message = f"unknown revision {rev!r}: no commit of that name in the git repository at {root}"
+            self.commit = (
+                _run_git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+                .decode()
+                .strip()
+            )
+        except (
+            GitError
+        ):  # --quiet: git says nothing, so the error would name neither the revision nor the cause
+            message = (
+                f"unknown revision {rev!r}: no commit of that name in the git repository at {root}"
+            )
             raise GitError(message) from None
 
     def _path_in_project(self, git_path: str) -> str | None:
@@ -108,10 +122,18 @@ class GitTree:
                 continue
             meta, _, name = entry.partition(b"\t")
             mode, kind, sha = meta.decode().split()
-            path = self._path_in_project((self.prefix.encode() + name).decode("utf-8", "surrogateescape"))
+            path = self._path_in_project(
+                (self.prefix.encode() + name).decode("utf-8", "surrogateescape")
+            )
             if kind == "blob" and mode != "120000" and path is not None and path.endswith(".py"):
                 blobs.append((path, sha))
-        return dict(zip([path for path, _ in blobs], self._read_blobs([sha for _, sha in blobs]), strict=True))
+        return dict(
+            zip(
+                [path for path, _ in blobs],
+                self._read_blobs([sha for _, sha in blobs]),
+                strict=True,
+            )
+        )
 
     def source(self, path: str) -> bytes | None:
         """The bytes of the project path ``path`` at ``rev``; None when it did not exist there."""
@@ -123,7 +145,9 @@ class GitTree:
     def _read_blobs(self, shas: list[str]) -> list[bytes]:
         if not shas:
             return []
-        out = _run_git(self.root, "cat-file", "--batch", data="".join(f"{sha}\n" for sha in shas).encode())
+        out = _run_git(
+            self.root, "cat-file", "--batch", data="".join(f"{sha}\n" for sha in shas).encode()
+        )
         contents, position = [], 0
         for _ in shas:
             header_end = out.index(b"\n", position)

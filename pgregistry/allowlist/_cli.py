@@ -25,7 +25,14 @@ from pgregistry._runtime.empty_options import empty_option
 from pgregistry._source.cache import ScanCache
 from pgregistry._source.config import ConfigError, Settings
 from pgregistry._source.engine import ScanReport, default_jobs, scan_files, scan_sources
-from pgregistry._source.files import PathError, discover_files, is_excluded, is_under, make_absolute, project_path
+from pgregistry._source.files import (
+    PathError,
+    discover_files,
+    is_excluded,
+    is_under,
+    make_absolute,
+    project_path,
+)
 from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
 from pgregistry._source.scanner import FileResult
 from pgregistry._source.storage import StorageError, exclusive_lock
@@ -95,13 +102,24 @@ def _add_scan_options(parser: argparse.ArgumentParser) -> None:
         help="files or directories to scan instead of the configured roots; only their entries are judged",
     )
     parser.add_argument(
-        "--allowlist", type=path_argument, metavar="FILE", help="the allowlist file (default: configured)"
+        "--allowlist",
+        type=path_argument,
+        metavar="FILE",
+        help="the allowlist file (default: configured)",
     )
-    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument(
+        "--format", choices=FORMATS, default="text", help="output format (default: text)"
+    )
     add_settings_options(parser)
-    parser.add_argument("--jobs", type=_job_count, metavar="N", help="processes to parse with (default: cores)")
-    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the scan cache")
-    parser.add_argument("--cache-dir", type=path_argument, metavar="DIR", help="the scan cache directory")
+    parser.add_argument(
+        "--jobs", type=_job_count, metavar="N", help="processes to parse with (default: cores)"
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="neither read nor write the scan cache"
+    )
+    parser.add_argument(
+        "--cache-dir", type=path_argument, metavar="DIR", help="the scan cache directory"
+    )
     parser.add_argument(
         "--skip-newer-syntax",
         action="store_true",
@@ -127,14 +145,26 @@ def add_actions(parser: argparse.ArgumentParser) -> None:
                 "(run update to shrink), not failures",
             )
         if name == "import":
-            action.add_argument("--from", dest="source", type=path_argument, required=True, metavar="FILE",
-                                help="Megatron-LM's allowlist")
+            action.add_argument(
+                "--from",
+                dest="source",
+                type=path_argument,
+                required=True,
+                metavar="FILE",
+                help="Megatron-LM's allowlist",
+            )
         if name == "stats":
             action.add_argument(
-                "--since", metavar="REV", help="compare with the tree at this git revision (burn-down table)"
+                "--since",
+                metavar="REV",
+                help="compare with the tree at this git revision (burn-down table)",
             )
             action.add_argument(
-                "--depth", type=_job_count, default=2, metavar="N", help="directory depth of the by-directory table"
+                "--depth",
+                type=_job_count,
+                default=2,
+                metavar="N",
+                help="directory depth of the by-directory table",
             )
         action.set_defaults(handler=run_action)
 
@@ -149,17 +179,23 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pgregistry.allowlist``: the same command without the rest of the CLI."""
-    parser = argparse.ArgumentParser(prog="python -m pgregistry.allowlist", description=_DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="python -m pgregistry.allowlist", description=_DESCRIPTION
+    )
     add_actions(parser)
     args = parser.parse_args(argv)
     code: int = args.handler(args)
     return code
 
 
-def _scan_targets(args: argparse.Namespace, settings: Settings) -> tuple[list[Path], Callable[[str], bool]]:
+def _scan_targets(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[list[Path], Callable[[str], bool]]:
     """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
     if not args.paths:
-        return [make_absolute(settings.resolve(Path(root))) for root in settings.roots], lambda path: True
+        return [
+            make_absolute(settings.resolve(Path(root))) for root in settings.roots
+        ], lambda path: True
     targets = [make_absolute(path) for path in args.paths]
     prefixes = [project_path(target, settings.root) for target in targets]
     return targets, lambda path: is_under(path, prefixes)
@@ -172,10 +208,14 @@ def _print_error(message: str, fmt: str) -> int:
     return 2
 
 
-def _split_off_newer_syntax(report: ScanReport, allowed: bool) -> tuple[list[FileResult], list[FileResult]]:
+def _split_off_newer_syntax(
+    report: ScanReport, allowed: bool
+) -> tuple[list[FileResult], list[FileResult]]:
     """(failures, skipped): files whose only fault is syntax newer than this Python are skipped when
     ``allowed`` (``--skip-newer-syntax``); every other failure stays an error."""
-    failures = [r for r in report.failures if not (allowed and r.failure is not None and r.failure.needs)]
+    failures = [
+        r for r in report.failures if not (allowed and r.failure is not None and r.failure.needs)
+    ]
     skipped = [r for r in report.failures if r not in failures]
     return failures, skipped
 
@@ -198,12 +238,22 @@ def run_action(args: argparse.Namespace) -> int:
     report = scan_files(found.files, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
     failures, newer = _split_off_newer_syntax(report, args.skip_newer_syntax)
     if failures:
-        print(render_failures(failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr)
+        print(
+            render_failures(failures, fmt), end="", file=sys.stdout if fmt != "text" else sys.stderr
+        )
         return 2
     warnings = [(path, "skipped: not a regular file") for path in found.skipped]
-    warnings += [(r.path, f"skipped: needs Python >= {r.failure.needs}") for r in newer if r.failure is not None]
+    warnings += [
+        (r.path, f"skipped: needs Python >= {r.failure.needs}")
+        for r in newer
+        if r.failure is not None
+    ]
     if warnings:
-        print(render_skipped(warnings, fmt), end="", file=sys.stdout if fmt == "github" else sys.stderr)
+        print(
+            render_skipped(warnings, fmt),
+            end="",
+            file=sys.stdout if fmt == "github" else sys.stderr,
+        )
     unjudged = {path for path, _ in warnings}
     results = [result for result in report.results if result.failure is None]
 
@@ -217,7 +267,9 @@ def run_action(args: argparse.Namespace) -> int:
         if code:
             return code
     if args.allowlist_action in ("update", "import"):
-        return _update_allowlist(args, results, is_judged, allowlist_path, name, partial=bool(args.paths or unjudged))
+        return _update_allowlist(
+            args, results, is_judged, allowlist_path, name, partial=bool(args.paths or unjudged)
+        )
     try:
         if args.allowlist_action == "check":
             allowed = Allowlist.load(allowlist_path, name)
@@ -229,7 +281,11 @@ def run_action(args: argparse.Namespace) -> int:
     except (AllowlistError, GitError) as error:
         return _print_error(str(error), fmt)
     # Only the entries of the paths scanned: ``stats PATH`` compares like with like.
-    subset = Allowlist({p: keys for p, keys in previous.entries.items() if is_judged(p)}) if previous else None
+    subset = (
+        Allowlist({p: keys for p, keys in previous.entries.items() if is_judged(p)})
+        if previous
+        else None
+    )
     print(render_stats(results, subset, fmt, since, args.depth), end="")
     return 0
 
@@ -273,10 +329,16 @@ def _base_limits(
     there, scanned with the same settings (a file unchanged since is not rescanned: today's result is its)."""
     name = project_path(settings.resolve(settings.allowlist), settings.root)
     listed = base.source(name)
-    base_allowlist = Allowlist.from_bytes(listed, f"{name} at {base.rev}") if listed is not None else Allowlist({})
+    base_allowlist = (
+        Allowlist.from_bytes(listed, f"{name} at {base.rev}")
+        if listed is not None
+        else Allowlist({})
+    )
     old_of = {new: old for old, new in renames.items()}
     counts = Allowlist.from_results(results).entries
-    today_of = {old_of.get(path, path): path for path in {*allowed.entries, *counts} if judged(path)}
+    today_of = {
+        old_of.get(path, path): path for path in {*allowed.entries, *counts} if judged(path)
+    }
     base_counts: dict[str, Mapping[str, int]] = {}
     changed: list[tuple[str, bytes]] = []
     for old, data in sorted(base.python_files(sorted(today_of)).items() if today_of else ()):
@@ -287,7 +349,9 @@ def _base_limits(
         else:
             changed.append((old, data))
     base_counts.update(Allowlist.from_results(scan(changed)).entries)
-    return base_limits(allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path), counts)
+    return base_limits(
+        allowed, base_allowlist, base_counts, lambda path: old_of.get(path, path), counts
+    )
 
 
 def _scan_at_since(
@@ -305,13 +369,19 @@ def _scan_at_since(
 
 
 def _scan_at(
-    args: argparse.Namespace, settings: Settings, cache: ScanCache | None, rev: str, sources: list[tuple[str, bytes]]
+    args: argparse.Namespace,
+    settings: Settings,
+    cache: ScanCache | None,
+    rev: str,
+    sources: list[tuple[str, bytes]],
 ) -> list[FileResult]:
     """Scan ``sources`` read at git revision ``rev``; a file there that does not parse is a :class:`GitError`."""
     report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
     if report.failures:
         first = report.failures[0]
-        raise GitError(f"{first.path} at {rev} does not parse: {first.failure and first.failure.message}")
+        raise GitError(
+            f"{first.path} at {rev} does not parse: {first.failure and first.failure.message}"
+        )
     return report.results
 
 
@@ -358,7 +428,9 @@ def _update_allowlist(
             try:
                 expected = read_bytes(path)
             except OSError as error:
-                return _print_error(f"{name}: cannot read the allowlist: {error.strerror or error}", fmt)
+                return _print_error(
+                    f"{name}: cannot read the allowlist: {error.strerror or error}", fmt
+                )
             previous = None
             if expected is not None:
                 try:
@@ -373,8 +445,13 @@ def _update_allowlist(
                             fmt,
                         )
                     # A full update regenerates the whole list, so it may replace an unreadable (or old) file.
-                    print(f"pgregistry allowlist: replacing unreadable allowlist: {error}", file=sys.stderr)
-            current = (previous or Allowlist({})).merge_scanned(Allowlist.from_results(results), judged)
+                    print(
+                        f"pgregistry allowlist: replacing unreadable allowlist: {error}",
+                        file=sys.stderr,
+                    )
+            current = (previous or Allowlist({})).merge_scanned(
+                Allowlist.from_results(results), judged
+            )
             changed = current.write(path, expected)
     except StorageError as error:
         return _print_error(str(error), fmt)

@@ -32,10 +32,14 @@ def parse_megatron_list(text: str, name: str) -> dict[str, list[tuple[int, str]]
     try:
         payload: Any = json.loads(text)
     except json.JSONDecodeError as error:
-        raise AllowlistError(f"{name}:{error.lineno}:{error.colno}: malformed JSON: {error.msg}") from None
+        raise AllowlistError(
+            f"{name}:{error.lineno}:{error.colno}: malformed JSON: {error.msg}"
+        ) from None
     allowed = payload.get("allowed") if isinstance(payload, dict) else None
     if not isinstance(allowed, dict) or "version" in payload:
-        raise AllowlistError(f"{name}: not Megatron-LM's allowlist format (an object with 'allowed': path -> list)")
+        raise AllowlistError(
+            f"{name}: not Megatron-LM's allowlist format (an object with 'allowed': path -> list)"
+        )
     entries: dict[str, list[tuple[int, str]]] = {}
     for path, items in allowed.items():
         if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
@@ -58,7 +62,9 @@ class Imported:
     unseen: Counter[str]
 
 
-def match_megatron_list(entries: dict[str, list[tuple[int, str]]], results: Sequence[FileResult]) -> Imported:
+def match_megatron_list(
+    entries: dict[str, list[tuple[int, str]]], results: Sequence[FileResult]
+) -> Imported:
     """Which of Megatron-LM's entries have a read on their line (``unmatched``: ``path:line accessor``), and the
     reads of the scan that its list does not hold, by accessor (``unseen``)."""
     sites: dict[str, list[Site]] = {result.path: list(result.sites) for result in results}

@@ -77,7 +77,9 @@ class Allowlist:
     @classmethod
     def from_results(cls, results: Iterable[FileResult]) -> Allowlist:
         found = _sites_by_key(results)
-        return cls({path: {key: len(sites) for key, sites in keys.items()} for path, keys in found.items()})
+        return cls(
+            {path: {key: len(sites) for key, sites in keys.items()} for path, keys in found.items()}
+        )
 
     def merge_scanned(self, scanned: Allowlist, covers: Callable[[str], bool]) -> Allowlist:
         """``scanned`` for the paths it ``covers``, this allowlist's entries for every other path."""
@@ -88,7 +90,9 @@ class Allowlist:
         payload = {
             "_comment": COMMENT,
             "allowed": {
-                path: dict(sorted(keys.items())) for path, keys in sorted(self.entries.items()) if keys
+                path: dict(sorted(keys.items()))
+                for path, keys in sorted(self.entries.items())
+                if keys
             },
             "total": self.total,
             "version": ALLOWLIST_VERSION,
@@ -125,7 +129,9 @@ class Allowlist:
             hint = "create it with `pgregistry allowlist update`"
             raise AllowlistError(f"{name}: no such allowlist; {hint}") from None
         except OSError as error:
-            raise AllowlistError(f"{name}: cannot read the allowlist: {error.strerror or error}") from None
+            raise AllowlistError(
+                f"{name}: cannot read the allowlist: {error.strerror or error}"
+            ) from None
         return cls.from_bytes(data, name)
 
     @classmethod
@@ -145,7 +151,9 @@ class Allowlist:
                 f"{name}:{error.lineno}:{error.colno}: malformed allowlist JSON: {error.msg}"
             ) from None
         if not isinstance(payload, dict):
-            raise AllowlistError(f"{name}: the allowlist must be a JSON object, not {type(payload).__name__}")
+            raise AllowlistError(
+                f"{name}: the allowlist must be a JSON object, not {type(payload).__name__}"
+            )
         if "version" not in payload:
             hint = (
                 " (it looks like the line-number format of Megatron-LM's tool: regenerate it with "
@@ -155,7 +163,11 @@ class Allowlist:
             )
             raise AllowlistError(f"{name}: the allowlist has no 'version'{hint}")
         version = payload["version"]
-        if isinstance(version, int) and not isinstance(version, bool) and version > ALLOWLIST_VERSION:
+        if (
+            isinstance(version, int)
+            and not isinstance(version, bool)
+            and version > ALLOWLIST_VERSION
+        ):
             raise FutureAllowlistError(
                 f"{name}: allowlist version {version} was written by a newer pgregistry; this one reads version "
                 f"{ALLOWLIST_VERSION} and will not rewrite it (its newer fields would be lost): upgrade pgregistry"
@@ -167,7 +179,9 @@ class Allowlist:
             )
         unknown = sorted(set(payload) - {"_comment", "allowed", "total", "version"})
         if unknown:
-            raise AllowlistError(f"{name}: unknown allowlist field(s): {', '.join(map(repr, unknown))}")
+            raise AllowlistError(
+                f"{name}: unknown allowlist field(s): {', '.join(map(repr, unknown))}"
+            )
         allowed = payload.get("allowed")
         if not isinstance(allowed, dict):
             raise AllowlistError(f"{name}: 'allowed' must be an object mapping paths to entries")
@@ -176,11 +190,15 @@ class Allowlist:
             if not path or path.startswith("/") or "\\" in path:
                 raise AllowlistError(f"{name}: {path!r} is not a project-relative POSIX path")
             if not isinstance(keys, dict):
-                raise AllowlistError(f"{name}: entries of {path!r} must be an object of key -> count")
+                raise AllowlistError(
+                    f"{name}: entries of {path!r} must be an object of key -> count"
+                )
             for key, count in keys.items():
                 parts = key.split("|")
                 if len(parts) != 3 or not all(parts):
-                    raise AllowlistError(f"{name}: {path!r}: key {key!r} is not '<scope>|<accessor>|<form>'")
+                    raise AllowlistError(
+                        f"{name}: {path!r}: key {key!r} is not '<scope>|<accessor>|<form>'"
+                    )
                 if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                     raise AllowlistError(
                         f"{name}: {path!r}: {key!r}: count {count!r} is not a positive integer"
@@ -295,8 +313,16 @@ def compare_counts(
                 counts[path, key] = (limit_keys.get(key, 0), sites)
             if len(sites) != allowed_keys.get(key, 0):
                 listed[path, key] = (allowed_keys.get(key, 0), sites)
-    stale = {where: allowed - len(sites) for where, (allowed, sites) in counts.items() if len(sites) < allowed}
-    new = {where: len(sites) - allowed for where, (allowed, sites) in counts.items() if len(sites) > allowed}
+    stale = {
+        where: allowed - len(sites)
+        for where, (allowed, sites) in counts.items()
+        if len(sites) < allowed
+    }
+    new = {
+        where: len(sites) - allowed
+        for where, (allowed, sites) in counts.items()
+        if len(sites) > allowed
+    }
     emptied = frozenset(path for path in limit.entries if covers(path) and path not in found)
     moves = pair_moves(stale, new, emptied, renames or {}, added)
     moved: dict[tuple[str, str], int] = {}
@@ -309,7 +335,14 @@ def compare_counts(
         return count if count > allowed else None
 
     mismatches = [
-        Mismatch(path, key, allowed, sites, moved.get((path, key), 0), listed=count_over_allowed((path, key), allowed))
+        Mismatch(
+            path,
+            key,
+            allowed,
+            sites,
+            moved.get((path, key), 0),
+            listed=count_over_allowed((path, key), allowed),
+        )
         for (path, key), (allowed, sites) in counts.items()
         if len(sites) > allowed and len(sites) - allowed > moved.get((path, key), 0)
     ]
@@ -317,8 +350,10 @@ def compare_counts(
     mismatches += [
         Mismatch(path, key, allowed, sites, moved.get((path, key), 0))
         for (path, key), (allowed, sites) in listed.items()
-        if len(sites) < allowed and allowed - len(sites) > moved.get((path, key), 0)
-        and len(sites) <= limit.entries.get(path, {}).get(key, 0)  # a key over its limit is reported new
+        if len(sites) < allowed
+        and allowed - len(sites) > moved.get((path, key), 0)
+        and len(sites)
+        <= limit.entries.get(path, {}).get(key, 0)  # a key over its limit is reported new
     ]
     mismatches.sort(key=lambda item: (item.path, item.key))
     return Comparison(tuple(mismatches), tuple(moves), stale_fails=limits is None)

@@ -68,8 +68,13 @@ def render_skipped(skipped: Sequence[tuple[str, str]], fmt: str) -> str:
     """Files left out of the scan, each with why: listed, never silent (their allowlist entries are kept)."""
     if fmt == "github":
         title = "pgregistry allowlist: file not scanned"
-        return "".join(_format_annotation(title, why, path, level="warning") + "\n" for path, why in skipped)
-    return "".join(f"{path}: warning: {why}; its allowlist entries are kept, not checked\n" for path, why in skipped)
+        return "".join(
+            _format_annotation(title, why, path, level="warning") + "\n" for path, why in skipped
+        )
+    return "".join(
+        f"{path}: warning: {why}; its allowlist entries are kept, not checked\n"
+        for path, why in skipped
+    )
 
 
 def _plural_of(count: int, word: str, plural: str | None = None) -> str:
@@ -101,7 +106,9 @@ def render_failures(failures: Sequence[FileResult], fmt: str) -> str:
         assert failure is not None
         if fmt == "github":
             title = "pgregistry allowlist: unparseable source"
-            lines.append(_format_annotation(title, failure.message, result.path, failure.line, failure.col))
+            lines.append(
+                _format_annotation(title, failure.message, result.path, failure.line, failure.col)
+            )
         else:
             lines.append(f"{result.path}:{failure.line}:{failure.col}: error: {failure.message}")
     return "\n".join([*lines, summary]) + "\n"
@@ -115,7 +122,11 @@ def _how_to_fix(item: Mismatch, stale_fails: bool = True) -> str:
     if not item.is_new:
         return _FIX_STALE if stale_fails else _FIX_SHRINK
     if item.listed is not None:
-        return fix_for(item.sites[0]) + "; " + _FIX_SLACK.format(listed=item.listed, allowed=item.allowed)
+        return (
+            fix_for(item.sites[0])
+            + "; "
+            + _FIX_SLACK.format(listed=item.listed, allowed=item.allowed)
+        )
     return fix_for(item.sites[0]) + _FIX_TAIL
 
 
@@ -152,12 +163,17 @@ def _mismatch_json(item: Mismatch, stale_fails: bool) -> dict[str, Any]:
 
 
 def _move_json(move: Move) -> dict[str, Any]:
-    return {"from": {"path": move.old_path, "key": move.old_key}, "to": {"path": move.new_path, "key": move.new_key},
-            "count": move.count}
+    return {
+        "from": {"path": move.old_path, "key": move.old_key},
+        "to": {"path": move.new_path, "key": move.new_key},
+        "count": move.count,
+    }
 
 
 def _move_line(move: Move) -> str:
-    where = move.new_path if move.new_path == move.old_path else f"{move.old_path} -> {move.new_path}"
+    where = (
+        move.new_path if move.new_path == move.old_path else f"{move.old_path} -> {move.new_path}"
+    )
     return f"{where}: moved {_plural_of(move.count, 'read')}: {move.old_key!r} -> {move.new_key!r}"
 
 
@@ -173,15 +189,21 @@ def _text_lines(comparison: Comparison) -> list[str]:
         for item in by_path[path]:
             if item.is_new:
                 for site in _sites_shown(item):
-                    message = f"new read of {state}: {_describe_site(site)}; {_describe_counts(item)}"
-                    located.append((site.line, site.col, f"{path}:{site.line}:{site.col}: {message}"))
+                    message = (
+                        f"new read of {state}: {_describe_site(site)}; {_describe_counts(item)}"
+                    )
+                    located.append(
+                        (site.line, site.col, f"{path}:{site.line}:{site.col}: {message}")
+                    )
             else:
                 first = item.sites[0] if item.sites else None
                 message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}"
                 if not comparison.stale_fails:
                     message = f"notice: allowlist entry {item.key!r} {_FIX_SHRINK}; {_describe_counts(item)}"
                 where = f"{path}:{first.line}:{first.col}" if first else path
-                located.append((first.line if first else 0, first.col if first else 0, f"{where}: {message}"))
+                located.append(
+                    (first.line if first else 0, first.col if first else 0, f"{where}: {message}")
+                )
         lines.extend(text for _, _, text in sorted(located))
         lines.extend(
             f"    fix for {item.key}: {_how_to_fix(item)}"
@@ -196,27 +218,41 @@ def _github_lines(comparison: Comparison) -> list[str]:
     many notices (GitHub caps each level apart), then a summary."""
     annotations: list[str] = []
     notices: list[str] = []
-    for item in sorted(comparison.mismatches, key=lambda m: (m.path, (_sites_shown(m) or m.sites or (None,))[0] or 0)):
+    for item in sorted(
+        comparison.mismatches,
+        key=lambda m: (m.path, (_sites_shown(m) or m.sites or (None,))[0] or 0),
+    ):
         if item.is_new:
             flagged = _sites_shown(item)
             others = ", ".join(str(site.line) for site in flagged[1:])
             also = f" (also line {others})" if others else ""
             message = (
-                f"new read: {_describe_site(flagged[0])}{also}; {_describe_counts(item)}. Fix: {_how_to_fix(item)}."
+                f"new read: {_describe_site(flagged[0])}{also}; {_describe_counts(item)}. "
+                f"Fix: {_how_to_fix(item)}."
             )
             annotations.append(
-                _format_annotation("New global process-group read", message, item.path, flagged[0].line, flagged[0].col)
+                _format_annotation(
+                    "New global process-group read",
+                    message,
+                    item.path,
+                    flagged[0].line,
+                    flagged[0].col,
+                )
             )
         else:
             first = item.sites[0] if item.sites else None
             line, col = (first.line, first.col) if first else (None, None)
             if comparison.stale_fails:
                 message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}. Fix: {_how_to_fix(item)}."
-                annotations.append(_format_annotation("Stale allowlist entry", message, item.path, line, col))
+                annotations.append(
+                    _format_annotation("Stale allowlist entry", message, item.path, line, col)
+                )
             else:
                 message = f"allowlist entry {item.key!r} {_FIX_SHRINK}; {_describe_counts(item)}."
                 notices.append(
-                    _format_annotation("Allowlist entry can shrink", message, item.path, line, col, "notice")
+                    _format_annotation(
+                        "Allowlist entry can shrink", message, item.path, line, col, "notice"
+                    )
                 )
     shown: list[str] = []
     for level, found in (("error", annotations), ("notice", notices)):
@@ -240,7 +276,11 @@ def render_check(
     moved_text = f"; {_plural_of(moved, 'read')} moved ({_FIX_MOVED})" if moved else ""
     if comparison.ok:
         shrink = len(comparison.stale)
-        shrink_text = f"; {_plural_of(shrink, 'entry', 'entries')} can shrink (run {UPDATE})" if shrink else ""
+        shrink_text = (
+            f"; {_plural_of(shrink, 'entry', 'entries')} can shrink (run {UPDATE})"
+            if shrink
+            else ""
+        )
         verdict = (
             f"allowlist check passed: {_plural_of(allowlist.total, 'allowed read')} of {state} in "
             f"{_plural_of(len(allowlist.entries), 'file')}; {_plural_of(files, 'file')} scanned ({allowlist_name})"
@@ -259,7 +299,9 @@ def render_check(
                 "allowlist": allowlist_name,
                 "files_scanned": files,
                 "new": [_mismatch_json(item, comparison.stale_fails) for item in comparison.new],
-                "stale": [_mismatch_json(item, comparison.stale_fails) for item in comparison.stale],
+                "stale": [
+                    _mismatch_json(item, comparison.stale_fails) for item in comparison.stale
+                ],
                 "stale_fails": comparison.stale_fails,
                 "moved": [_move_json(move) for move in comparison.moves],
             }
@@ -269,7 +311,9 @@ def render_check(
     return "\n".join([*lines, verdict]) + "\n"
 
 
-def render_update(previous: Allowlist | None, current: Allowlist, name: str, changed: bool, fmt: str) -> str:
+def render_update(
+    previous: Allowlist | None, current: Allowlist, name: str, changed: bool, fmt: str
+) -> str:
     before = previous.entries if previous is not None else {}
     added = removed = 0
     for path in set(before) | set(current.entries):
@@ -343,7 +387,9 @@ def _format_table(
         bar = _burn_down_bar(now[name], then[name])
         rows.append(f"{name:<{width}}  {then[name]:>{column}}  {now[name]:>7}  {change:>+7}  {bar}")
     total_now, total_then = sum(now.values()), sum(then.values())
-    rows.append(f"{'total':<{width}}  {total_then:>{column}}  {total_now:>7}  {total_now - total_then:>+7}")
+    rows.append(
+        f"{'total':<{width}}  {total_then:>{column}}  {total_now:>7}  {total_now - total_then:>+7}"
+    )
     return rows
 
 
@@ -377,7 +423,9 @@ def render_stats(
             "by_accessor": dict(by_accessor),
             "by_form": dict(by_form),
             "by_file": dict(by_file),
-            "by_scope": [{"path": p, "scope": s, "count": n} for (p, s), n in rank_by_count(by_scope)],
+            "by_scope": [
+                {"path": p, "scope": s, "count": n} for (p, s), n in rank_by_count(by_scope)
+            ],
         }
         if since is not None and then is not None:
             payload["since"] = {
@@ -387,9 +435,13 @@ def render_stats(
                 "by_directory": dict(then[1]),
             }
         return _to_json(payload)
-    allowed_text = f"; the allowlist allows {allowed.total} of them here" if allowed is not None else ""
+    allowed_text = (
+        f"; the allowlist allows {allowed.total} of them here" if allowed is not None else ""
+    )
     rev = since.rev if since is not None else None
-    directories = sorted(set(by_directory) | set(then[1] if then else ()), key=lambda d: (-by_directory[d], d))
+    directories = sorted(
+        set(by_directory) | set(then[1] if then else ()), key=lambda d: (-by_directory[d], d)
+    )
     lines = [
         f"{_plural_of(len(sites), 'read')} of global process-group state in {_plural_of(len(by_file), 'file')}"
         f"{allowed_text}",

@@ -219,7 +219,9 @@ def name_lost_ranks(operation: str, directory: str | Path, scope: Scope) -> Iter
     except RuntimeError as exc:
         if not _is_collective_failure(exc) or scope.size == 1:
             raise
-        missing = _ranks_not_answering(scope, f"pgregistry/checkpoint/{scope.span}/{call}/{operation}")
+        missing = _ranks_not_answering(
+            scope, f"pgregistry/checkpoint/{scope.span}/{call}/{operation}"
+        )
         if missing is None:
             who = "the ranks that did not answer cannot be told (the store is unreachable too)"
         elif missing:

@@ -57,7 +57,15 @@ OPTIMIZED_PREFIX: Final = "optimized/"
 step or for an optimizer without state): a load given an optimizer then tells a checkpoint saved without one."""
 
 _UNSHARDED_AXES: Final[tuple[GroupName, ...]] = ("gtp_remat", "expt_gtp_remat")
-_CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp", "dp_cp", "expt_dp", "tp", "expt_tp", *_UNSHARDED_AXES)
+_CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = (
+    "ep",
+    "pp",
+    "dp_cp",
+    "expt_dp",
+    "tp",
+    "expt_tp",
+    *_UNSHARDED_AXES,
+)
 """The fields a checkpoint reads: from the global grid, with a warning, when the collection leaves them UNSET."""
 
 
@@ -116,7 +124,11 @@ class RankModel:
     def piece(self, name: str, stored: Any) -> Any:
         """This rank's piece of a stored value of ``name`` (a tensor of the stored shape is cut when TP-sharded)."""
         shard = self.sharded.get(name)
-        if shard is None or not isinstance(stored, torch.Tensor) or tuple(stored.shape) != self.whole_shape(name):
+        if (
+            shard is None
+            or not isinstance(stored, torch.Tensor)
+            or tuple(stored.shape) != self.whole_shape(name)
+        ):
             return stored
         return shard.piece(stored)
 
@@ -153,8 +165,12 @@ def rank_model(
     check_naming_options(naming, owner)
     chunks = normalise_params(model_chunks).chunks
     if not chunks:
-        raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
-    collection = resolve_pg_collection(naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK)
+        raise TypeError(
+            f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}"
+        )
+    collection = resolve_pg_collection(
+        naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK
+    )
     resolved_scope = scope_of(collection)
     if scope is not None and scope != resolved_scope:
         raise ValueError(
@@ -169,7 +185,10 @@ def rank_model(
         )
     params: dict[str, nn.Parameter] = {}
     namer = GlobalNamer(
-        chunks, lambda: collection, num_experts=naming.get("num_experts"), layer_offsets=naming.get("layer_offsets")
+        chunks,
+        lambda: collection,
+        num_experts=naming.get("num_experts"),
+        layer_offsets=naming.get("layer_offsets"),
     )
     for name, param in global_names(namer):
         if name in params:
@@ -183,11 +202,15 @@ def rank_model(
             continue
         if getattr(param, "partition_stride", 1) != 1:
             raise ValueError(
-                f"{owner}: parameter {name!r} is TP-sharded with partition_stride {param.partition_stride} "  # type: ignore[attr-defined]
+                f"{owner}: parameter {name!r} is TP-sharded with partition_stride "
+                f"{param.partition_stride} "  # type: ignore[attr-defined]
                 "(interleaved shards), which pgregistry.checkpoint does not join"
             )
         sharded[name] = TensorParallelShard(
-            int(param.partition_dim), group, group_rank(group), group_size(group)  # type: ignore[attr-defined]
+            int(param.partition_dim),  # type: ignore[attr-defined]
+            group,
+            group_rank(group),
+            group_size(group),
         )
     return RankModel(
         params,
@@ -218,13 +241,17 @@ def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[
     out: list[tuple[str, ParamState]] = []
     for param, state in as_param_state_optimizer(optimizer).param_state().items():
         if id(param) not in by_id:
-            raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} not in the model")
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(param.shape)} not in the model"
+            )
         out.append((by_id[id(param)], state))
     order = {name: index for index, name in enumerate(model.params)}
     return sorted(out, key=lambda item: order[item[0]])
 
 
-def flat_state(model: RankModel, optimizer: Optimizer | None, *, primary_only: bool) -> dict[str, Any]:
+def flat_state(
+    model: RankModel, optimizer: Optimizer | None, *, primary_only: bool
+) -> dict[str, Any]:
     """The flat ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>`` entries both storage
     back-ends write (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
     TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group (collective),
@@ -321,7 +348,11 @@ def state_by_name(
 
 
 def prepare_flat_state_load(
-    model: RankModel, optimizer: Optimizer | None, lookup: Mapping[str, Any], scope: Scope, subject: str
+    model: RankModel,
+    optimizer: Optimizer | None,
+    lookup: Mapping[str, Any],
+    scope: Scope,
+    subject: str,
 ) -> Callable[[], None]:
     """The copy of every parameter and (``optimizer`` given) the optimizer state saved for it from flat ``lookup``,
     which :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found to fit on every rank, returned uncalled
@@ -343,7 +374,11 @@ def prepare_flat_state_load(
 
 
 def prepare_optimizer_load(
-    optimizer: Optimizer, model: RankModel, state: Mapping[str, Mapping[str, Any]], scope: Scope, subject: str
+    optimizer: Optimizer,
+    model: RankModel,
+    state: Mapping[str, Mapping[str, Any]],
+    scope: Scope,
+    subject: str,
 ) -> Callable[[], None]:
     """The load of ``state`` (global name -> state key -> value, whole) into ``optimizer`` (this rank's piece of
     each), returned uncalled once every rank of ``scope`` found its state to fit its optimizer
@@ -361,6 +396,8 @@ def prepare_optimizer_load(
         refuse_faults(subject, param_state_faults(target, by_param))
         return by_param
 
-    elsewhere = ValueError(f"{subject}: another rank's optimizer state does not fit its optimizer; nothing was loaded")
+    elsewhere = ValueError(
+        f"{subject}: another rank's optimizer state does not fit its optimizer; nothing was loaded"
+    )
     by_param = run_agreed_step(check_state_pieces, elsewhere, scope)
     return lambda: target.load_param_state(by_param)

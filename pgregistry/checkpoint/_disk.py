@@ -76,8 +76,12 @@ def write_partial(path: Path, payload: Any) -> Path:
     except Exception as exc:
         cause = sink.error or (exc if isinstance(exc, OSError) else None)
         # The disk is described before the partial file is removed: its free space as the write saw it.
-        named = None if cause is None else OSError(
-            cause.errno, f"{cause.strerror or cause}: writing {path} on {_disk_of(path.parent)}"
+        named = (
+            None
+            if cause is None
+            else OSError(
+                cause.errno, f"{cause.strerror or cause}: writing {path} on {_disk_of(path.parent)}"
+            )
         )
         partial.unlink(missing_ok=True)
         if named is None:
@@ -113,7 +117,9 @@ def _device_of(mount: Path) -> str:
             for line in mounts:
                 fields = line.split()
                 # Mount points escape blanks as octal (\040); the last mount on a point is the visible one.
-                if len(fields) > 1 and _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[1]) == str(mount):
+                if len(fields) > 1 and _OCTAL.sub(
+                    lambda m: chr(int(m.group(1), 8)), fields[1]
+                ) == str(mount):
                     device = fields[0]
     except OSError:
         pass

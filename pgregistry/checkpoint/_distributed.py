@@ -36,7 +36,6 @@ IDENTITY_KEY = "pgregistry/module"
 """Where a module's DCP checkpoint records the module's name and span (a checkpoint of the world records none)."""
 
 
-
 def save_distributed(
     directory: str | Path,
     model_chunks: nn.Module | Sequence[nn.Module],
@@ -70,7 +69,9 @@ def save_distributed(
         model = agree_on_rank_model(model_chunks, "save_distributed", naming, scope)
         state = flat_state(model, optimizer, primary_only=True)
         if scope.span is not None:
-            state[IDENTITY_KEY] = json.dumps(scope.identity())  # a string: DCP would flatten a dict into its items
+            state[IDENTITY_KEY] = json.dumps(
+                scope.identity()
+            )  # a string: DCP would flatten a dict into its items
         dcp.save(state, checkpoint_id=str(directory), process_group=_dcp_group(scope))
 
 
@@ -121,7 +122,9 @@ def load_distributed(
         )
         if IDENTITY_KEY in metadata or scope.span is not None:
             _check_identity(directory, scope, metadata)
-        stored = {key: _describe_entry(entry) for key, entry in metadata.items() if key != IDENTITY_KEY}
+        stored = {
+            key: _describe_entry(entry) for key, entry in metadata.items() if key != IDENTITY_KEY
+        }
         refuse_misfits(f"the checkpoint {directory}", stored, model, optimizer, strict, scope)
         # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict check alone.
         read = (MODEL_PREFIX,) if optimizer is None else (MODEL_PREFIX, OPTIMIZER_PREFIX)
@@ -130,9 +133,13 @@ def load_distributed(
             if param_name_of_key(key) not in model.params or not key.startswith(read):
                 continue
             # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has read it.
-            destination[key] = None if entry.shape is None else torch.empty(entry.shape, dtype=entry.dtype)
+            destination[key] = (
+                None if entry.shape is None else torch.empty(entry.shape, dtype=entry.dtype)
+            )
         dcp.load(destination, checkpoint_id=str(directory), process_group=_dcp_group(scope))
-        prepare_flat_state_load(model, optimizer, destination, scope, f"load_distributed of {directory}")()
+        prepare_flat_state_load(
+            model, optimizer, destination, scope, f"load_distributed of {directory}"
+        )()
 
 
 def _describe_entry(entry: Any) -> Stored:
@@ -185,4 +192,6 @@ def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
                 "checkpoint loads into the same module on the same ranks (save each module into its own directory)"
             )
 
-    run_agreed_step(check_saved_identity, ValueError(f"another rank refused the checkpoint {directory}"), scope)
+    run_agreed_step(
+        check_saved_identity, ValueError(f"another rank refused the checkpoint {directory}"), scope
+    )

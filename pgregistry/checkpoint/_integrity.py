@@ -52,13 +52,19 @@ def find_damaged_tensors(value: Any, checksums: Any, label: str) -> list[str]:
     if isinstance(value, Mapping):
         stored = checksums if isinstance(checksums, Mapping) else {}
         return [
-            bad for key, item in value.items() for bad in find_damaged_tensors(item, stored.get(key), f"{label}/{key}")
+            bad
+            for key, item in value.items()
+            for bad in find_damaged_tensors(item, stored.get(key), f"{label}/{key}")
         ]
     if isinstance(value, (list, tuple)):
-        stored_items = list(checksums) if isinstance(checksums, list) and len(checksums) == len(value) else []
+        stored_items = (
+            list(checksums) if isinstance(checksums, list) and len(checksums) == len(value) else []
+        )
         return [
             bad
             for index, item in enumerate(value)
-            for bad in find_damaged_tensors(item, stored_items[index] if stored_items else None, f"{label}[{index}]")
+            for bad in find_damaged_tensors(
+                item, stored_items[index] if stored_items else None, f"{label}[{index}]"
+            )
         ]
     return []

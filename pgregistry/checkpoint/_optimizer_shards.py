@@ -29,12 +29,19 @@ from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
 from pgregistry.optim._state_check import refuse_faults
 
-__all__ = ["cut_optimizer_shards", "load_optimizer_shards", "merge_optimizer_shards", "save_optimizer_shards"]
+__all__ = [
+    "cut_optimizer_shards",
+    "load_optimizer_shards",
+    "merge_optimizer_shards",
+    "save_optimizer_shards",
+]
 
 _OPTIMIZER_FILE: Final = "optimizer-rank-"
 
 
-def merge_optimizer_shards(shards: Iterable[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+def merge_optimizer_shards(
+    shards: Iterable[Mapping[str, Mapping[str, Any]]],
+) -> dict[str, dict[str, Any]]:
     """Whole flat per-parameter state from the pieces a sharded optimizer saved on every rank of one layout.
 
     Each item of ``shards`` is one rank's ``name -> {"offset", "numel", "main", "state"}`` (the ``"shards"`` part
@@ -50,7 +57,10 @@ def merge_optimizer_shards(shards: Iterable[Mapping[str, Mapping[str, Any]]]) ->
     for rank_shards in shards:
         for name, piece in rank_shards.items():
             pieces.setdefault(name, []).append(piece)
-    return {name: _merge_pieces(name, sorted(found, key=lambda p: p["offset"])) for name, found in pieces.items()}
+    return {
+        name: _merge_pieces(name, sorted(found, key=lambda p: p["offset"]))
+        for name, found in pieces.items()
+    }
 
 
 def _is_elementwise(value: Any, numel: int) -> bool:
@@ -62,11 +72,15 @@ def _merge_pieces(name: str, pieces: list[Mapping[str, Any]]) -> dict[str, Any]:
     for piece in pieces:
         if piece["offset"] != end:
             problem = "overlap" if piece["offset"] < end else "leave a gap"
-            raise ValueError(f"the saved pieces of {name!r} {problem} at element {min(end, piece['offset'])}")
+            raise ValueError(
+                f"the saved pieces of {name!r} {problem} at element {min(end, piece['offset'])}"
+            )
         end += piece["numel"]
     keys = {tuple(sorted(piece["state"])) for piece in pieces}
     if len(keys) > 1:
-        raise ValueError(f"the saved pieces of {name!r} hold different optimizer state keys: {sorted(keys)}")
+        raise ValueError(
+            f"the saved pieces of {name!r} hold different optimizer state keys: {sorted(keys)}"
+        )
     state: dict[str, Any] = {}
     for key in next(iter(keys)):
         values = [piece["state"][key] for piece in pieces]
@@ -75,7 +89,9 @@ def _merge_pieces(name: str, pieces: list[Mapping[str, Any]]) -> dict[str, Any]:
             continue
         first = values[0]
         if not all(_same_value(first, v) for v in values[1:]):
-            raise ValueError(f"the saved pieces of {name!r} disagree on the per-parameter state {key!r}")
+            raise ValueError(
+                f"the saved pieces of {name!r} disagree on the per-parameter state {key!r}"
+            )
         state[key] = first
     return {"main": torch.cat([piece["main"].reshape(-1) for piece in pieces]), "state": state}
 
@@ -111,7 +127,9 @@ def cut_optimizer_shards(
             "numel": numel,
             "main": _cut_slice(source["main"], start, numel),
             "state": {
-                key: _cut_slice(value, start, numel) if _is_elementwise(value, total) else _copy_state_value(value)
+                key: _cut_slice(value, start, numel)
+                if _is_elementwise(value, total)
+                else _copy_state_value(value)
                 for key, value in source["state"].items()
             },
         }
@@ -127,8 +145,12 @@ def _copy_state_value(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _require_sharded_children(optimizer: ChainedOptimizer | ShardedOptimizer, owner: str) -> list[ShardedOptimizer]:
-    children = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+def _require_sharded_children(
+    optimizer: ChainedOptimizer | ShardedOptimizer, owner: str
+) -> list[ShardedOptimizer]:
+    children = (
+        optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    )
     sharded: list[ShardedOptimizer] = []
     for index, child in enumerate(children):
         if not isinstance(child, ShardedOptimizer):
@@ -145,7 +167,9 @@ def _checkpoint_scope(children: list[ShardedOptimizer]) -> Scope:
     return scope_of(children[0].stats_groups.collection)
 
 
-def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer) -> Path:
+def save_optimizer_shards(
+    directory: str | Path, optimizer: ChainedOptimizer | ShardedOptimizer
+) -> Path:
     """Write this rank's pieces of a sharded optimizer to ``directory/optimizer-rank-<rank>.pt``.
 
     The pieces are the ``"shards"`` of every child's state dict, keyed by the names the optimizer
@@ -180,7 +204,9 @@ def save_optimizer_shards(directory: str | Path, optimizer: ChainedOptimizer | S
     for child in children:
         for name, piece in child.state_dict()["shards"].items():
             if name in shards:
-                raise ValueError(f"two parameters of the optimizer are named {name!r}; give it unique names")
+                raise ValueError(
+                    f"two parameters of the optimizer are named {name!r}; give it unique names"
+                )
             shards[name] = piece
     scope = _checkpoint_scope(children)
     with name_lost_ranks("save_optimizer_shards", directory, scope):
@@ -236,13 +262,19 @@ def load_optimizer_shards(
                 current = child.state_dict()
                 template = current["shards"]
                 held |= template.keys()
-                for rank_file in files:  # the saved pieces this rank reads, checked against their checksums
+                for (
+                    rank_file
+                ) in files:  # the saved pieces this rank reads, checked against their checksums
                     for name in template.keys() & rank_file.state.keys():
                         rank_file.verify(name)
                 whole = merge_optimizer_shards(
-                    {name: piece for name, piece in rank_file.state.items() if name in template} for rank_file in files
+                    {name: piece for name, piece in rank_file.state.items() if name in template}
+                    for rank_file in files
                 )
-                load = {"param_groups": current["param_groups"], "shards": cut_optimizer_shards(whole, template)}
+                load = {
+                    "param_groups": current["param_groups"],
+                    "shards": cut_optimizer_shards(whole, template),
+                }
                 subject = f"the optimizer shards of {directory} for child {len(loads)}"
                 refuse_faults(subject, child.state_dict_faults(load))
                 loads.append(load)
@@ -250,7 +282,9 @@ def load_optimizer_shards(
         except (ValueError, OSError) as exc:
             error = exc
         raise_on_every_rank(
-            error, ValueError(f"another rank could not load the optimizer shards of {directory}"), scope
+            error,
+            ValueError(f"another rank could not load the optimizer shards of {directory}"),
+            scope,
         )
         if strict:
             _refuse_unheld(directory, saved, held, scope)
@@ -264,7 +298,9 @@ def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scop
     digest = digest_of(saved)
     largest, negated_smallest = max_over_ranks([digest, -digest], scope)
     if largest != -negated_smallest:
-        raise ValueError(f"ranks read different checkpoints: every rank must load the same one ({directory})")
+        raise ValueError(
+            f"ranks read different checkpoints: every rank must load the same one ({directory})"
+        )
     union = max_over_ranks([int(name in held) for name in saved], scope)
     unheld = [name for name, used in zip(saved, union, strict=True) if not used]
     if unheld:

@@ -73,7 +73,9 @@ def load_optimizer_state_by_name(
         ValueError(f"{owner}: another rank's state is not keyed by parameter name"),
         scope,
     )
-    refuse_misfits("the optimizer state given", stored, model, optimizer, strict, scope, parameters=False)
+    refuse_misfits(
+        "the optimizer state given", stored, model, optimizer, strict, scope, parameters=False
+    )
     prepare_optimizer_load(optimizer, model, state, scope, owner)()
 
 

@@ -128,7 +128,9 @@ def save_rank_files(
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("save_rank_files", directory, scope):
         model = agree_on_rank_model(model_chunks, "save_rank_files", naming, scope)
-        return write_rank_file(directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope)
+        return write_rank_file(
+            directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope
+        )
 
 
 def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Scope) -> Path:
@@ -145,14 +147,22 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Sco
     directory = Path(directory)
     _refuse_existing(directory, prefix, scope)
     stamp = {
-        "format": _FORMAT, "save_id": _new_save_id(scope), "rank": rank, "world_size": world_size, **scope.identity()
+        "format": _FORMAT,
+        "save_id": _new_save_id(scope),
+        "rank": rank,
+        "world_size": world_size,
+        **scope.identity(),
     }
     path = directory / f"{prefix}{rank:05d}.pt"
     failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory}")
     try:
         # The checksums inside the agreed step too: a tensor that cannot be read fails every rank, not one.
         partial = run_agreed_step(
-            lambda: write_partial(path, {**stamp, "state": content, "checksums": checksums_of(content)}), failed, scope
+            lambda: write_partial(
+                path, {**stamp, "state": content, "checksums": checksums_of(content)}
+            ),
+            failed,
+            scope,
         )
         # also the barrier: every file is in place on return
         run_agreed_step(lambda: rename_durably(partial, path), failed, scope)
@@ -184,7 +194,9 @@ def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
     except OSError as exc:
         found, error = [], exc
     raise_on_every_rank(
-        error, RuntimeError(f"another rank could not make or list the checkpoint directory {directory}"), scope
+        error,
+        RuntimeError(f"another rank could not make or list the checkpoint directory {directory}"),
+        scope,
     )
     (existing,) = max_over_ranks([len(found)], scope)
     if existing == 0:
@@ -212,14 +224,18 @@ def _load_payload(path: Path) -> dict[str, Any]:
             f"{type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(payload, dict) or not _RECORD <= payload.keys():
-        raise ValueError(f"{path} is not a pgregistry rank file (no format/rank/world_size/state record)")
+        raise ValueError(
+            f"{path} is not a pgregistry rank file (no format/rank/world_size/state record)"
+        )
     if payload["format"] != _FORMAT:
         raise ValueError(
             f"{path} has format {payload['format']!r}; this pgregistry reads format {_FORMAT} (format 1 files, "
             "without checksums or save ids, load with the pgregistry that wrote them: load and save them again)"
         )
     if not _RECORD_SINCE_2 <= payload.keys():
-        raise ValueError(f"{path} is not a pgregistry rank file of format {_FORMAT} (no save_id/checksums record)")
+        raise ValueError(
+            f"{path} is not a pgregistry rank file of format {_FORMAT} (no save_id/checksums record)"
+        )
     return payload
 
 
@@ -247,7 +263,8 @@ def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankF
             f"saves with world sizes {sorted(world_sizes)}"
         )
     return [
-        RankFile(path, payload["state"], payload["checksums"]) for path, payload in zip(paths, payloads, strict=True)
+        RankFile(path, payload["state"], payload["checksums"])
+        for path, payload in zip(paths, payloads, strict=True)
     ]
 
 
@@ -258,7 +275,9 @@ def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, A
     for path, payload in zip(paths, payloads, strict=True):
         by_save.setdefault(payload["save_id"], []).append(path.name)
     if len(by_save) > 1:
-        saves = "; ".join(f"save {save_id:#x}: {', '.join(names)}" for save_id, names in by_save.items())
+        saves = "; ".join(
+            f"save {save_id:#x}: {', '.join(names)}" for save_id, names in by_save.items()
+        )
         raise ValueError(
             f"{directory} mixes the files of {len(by_save)} different saves ({saves}): a rank file copied from "
             "another checkpoint? Every rank file of a checkpoint must come from one save"
@@ -288,7 +307,9 @@ def _read_rank_files(directory: Path, scope: Scope) -> dict[str, RankFile]:
     for rank_file in read_rank_contents(directory, _PARAMS_FILE, scope):
         for key in rank_file.state:
             if key in holder:
-                raise ValueError(f"{key!r} is stored more than once in {directory} (again in {rank_file.path.name})")
+                raise ValueError(
+                    f"{key!r} is stored more than once in {directory} (again in {rank_file.path.name})"
+                )
             holder[key] = rank_file
     return holder
 
@@ -361,10 +382,14 @@ def prepare_rank_files_load(
             ValueError(f"another rank found a damaged tensor in the checkpoint {directory}"),
             scope,
         )
-        apply = prepare_flat_state_load(model, optimizer, stored, scope, f"load_rank_files of {directory}")
+        apply = prepare_flat_state_load(
+            model, optimizer, stored, scope, f"load_rank_files of {directory}"
+        )
 
     def copy_loaded_state() -> None:
-        with name_lost_ranks("load_rank_files", directory, scope):  # a sharded optimizer's load is collective
+        with name_lost_ranks(
+            "load_rank_files", directory, scope
+        ):  # a sharded optimizer's load is collective
             apply()
 
     return copy_loaded_state
@@ -374,7 +399,9 @@ def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimize
     """Check the checksum of every tensor loading into ``model`` reads: its parameters and (``with_optimizer``)
     their optimizer state."""
     for key, rank_file in holders.items():
-        if param_name_of_key(key) in model.params and (with_optimizer or key.startswith(MODEL_PREFIX)):
+        if param_name_of_key(key) in model.params and (
+            with_optimizer or key.startswith(MODEL_PREFIX)
+        ):
             rank_file.verify(key)
 
 

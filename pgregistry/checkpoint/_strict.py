@@ -66,8 +66,14 @@ class Stored:
 
 
 def refuse_misfits(
-    source: str, stored: Mapping[str, Stored], model: RankModel, optimizer: Optimizer | None, strict: bool,
-    scope: Scope, *, parameters: bool = True,
+    source: str,
+    stored: Mapping[str, Stored],
+    model: RankModel,
+    optimizer: Optimizer | None,
+    strict: bool,
+    scope: Scope,
+    *,
+    parameters: bool = True,
 ) -> None:
     """``ValueError`` on every rank of ``scope`` unless ``stored`` (the entries of ``source``, "the checkpoint
     <directory>", by flat key) loads into every rank's ``model`` (and ``optimizer``) as the module docstring says;
@@ -81,13 +87,20 @@ def refuse_misfits(
     held = set(model.params)
     lacking = _describe_missing(model, stored) if parameters else ""
     misfits = _describe_misfits(model, stored, strict) if parameters else ""
-    optimizer_faults = _optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else ""
+    optimizer_faults = (
+        _optimizer_faults(model, stored, optimizer) if strict and optimizer is not None else ""
+    )
     digest = digest_of(keys)
     largest, negated_smallest, any_lacking, any_misfit, any_optimizer_fault = max_over_ranks(
-        [digest, -digest, int(bool(lacking)), int(bool(misfits)), int(bool(optimizer_faults))], scope
+        [digest, -digest, int(bool(lacking)), int(bool(misfits)), int(bool(optimizer_faults))],
+        scope,
     )
-    if largest != -negated_smallest:  # before the flags per key: the ranks' key lists may differ in length
-        raise ValueError(f"ranks read different checkpoints: every rank must load the same one ({source})")
+    if (
+        largest != -negated_smallest
+    ):  # before the flags per key: the ranks' key lists may differ in length
+        raise ValueError(
+            f"ranks read different checkpoints: every rank must load the same one ({source})"
+        )
     for found, own, elsewhere in (
         (any_lacking, lacking, f"{source} lacks parameters of another rank's model"),
         (any_misfit, misfits, f"{source} does not fit another rank's model"),
@@ -117,7 +130,9 @@ def _describe_missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
     missing = [name for name in model.params if MODEL_PREFIX + name not in stored]
     if not missing:
         return ""
-    return f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {_first_few(missing)}"
+    return (
+        f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {_first_few(missing)}"
+    )
 
 
 def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:
@@ -131,7 +146,9 @@ def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bo
         if entry.shape is None:
             problems.append(f"parameter {name!r} is stored as no tensor")
         elif entry.shape != whole:
-            problems.append(f"parameter {name!r} has shape {whole} but the checkpoint holds {entry.shape}")
+            problems.append(
+                f"parameter {name!r} has shape {whole} but the checkpoint holds {entry.shape}"
+            )
         elif strict and entry.dtype != param.dtype:
             problems.append(
                 f"parameter {name!r} is {param.dtype} but the checkpoint holds {entry.dtype} (make the model "
@@ -145,11 +162,19 @@ def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bo
 def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer: Optimizer) -> str:
     """Parameters of this rank that ``optimizer`` updates but whose optimizer state the checkpoint did not save,
     and parameters whose state it saved but that ``optimizer`` does not update."""
-    saved = {param_name_of_key(key) for key in stored if key.startswith((OPTIMIZED_PREFIX, OPTIMIZER_PREFIX))}
+    saved = {
+        param_name_of_key(key)
+        for key in stored
+        if key.startswith((OPTIMIZED_PREFIX, OPTIMIZER_PREFIX))
+    }
     updated_ids = {id(param) for param in params_updated_by(optimizer)}
     updated = [name for name, param in model.params.items() if id(param) in updated_ids]
     unsaved = [name for name in updated if name not in saved]
-    foreign = [name for name, param in model.params.items() if name in saved and id(param) not in updated_ids]
+    foreign = [
+        name
+        for name, param in model.params.items()
+        if name in saved and id(param) not in updated_ids
+    ]
     if unsaved and len(unsaved) == len(updated) and not saved:
         return (
             "the checkpoint holds no optimizer state: it was saved without an optimizer; load it with "
@@ -172,7 +197,9 @@ def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer:
 def params_updated_by(optimizer: Optimizer) -> list[torch.Tensor]:
     """The model parameters ``optimizer`` updates (a pgregistry optimizer's own list: no state is gathered)."""
     if isinstance(optimizer, ChainedOptimizer):
-        return [param for child in optimizer.chained_optimizers for param in params_updated_by(child)]
+        return [
+            param for child in optimizer.chained_optimizers for param in params_updated_by(child)
+        ]
     if isinstance(optimizer, FlatOptimizer):
         return list(optimizer.params)
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -14,7 +14,8 @@ def align_columns(rows: Sequence[Sequence[str]], numeric: tuple[int, ...]) -> li
     out = []
     for row in rows:
         cells = [
-            cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])
+            cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i])
+            for i, cell in enumerate(row[:-1])
         ]
         out.append("  ".join([*cells, row[-1]]).rstrip())
     return out

@@ -45,25 +45,36 @@ def add_command(subparsers: Subparsers) -> None:
     )
     add_layout_arguments(parser)
     parser.add_argument(
-        "--rank", type=int, default=None, help="also show this (global) rank's coordinates and groups",
+        "--rank",
+        type=int,
+        default=None,
+        help="also show this (global) rank's coordinates and groups",
     )
-    parser.add_argument("--show", type=int, default=3, help="how many groups of each kind to list (default 3)")
+    parser.add_argument(
+        "--show", type=int, default=3, help="how many groups of each kind to list (default 3)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_placement_arguments(parser)
     views = parser.add_argument_group("pictures and comparison")
     views.add_argument(
-        "--svg", metavar="FILE",
+        "--svg",
+        metavar="FILE",
         help="draw the layout on its nodes as SVG: placement table, rank map with coordinates, one panel per kind "
         "(needs --gpus-per-node)",
     )
-    views.add_argument("--html", metavar="FILE", help="the same picture as an HTML page (needs --gpus-per-node)")
     views.add_argument(
-        "--highlight", metavar="KINDS",
+        "--html", metavar="FILE", help="the same picture as an HTML page (needs --gpus-per-node)"
+    )
+    views.add_argument(
+        "--highlight",
+        metavar="KINDS",
         help="comma-separated kinds to draw as panels, one per view (default: every kind whose groups have more "
         "than one rank)",
     )
     views.add_argument(
-        "--compare", nargs=2, metavar=("A", "B"),
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
         help="compare two layouts instead of the one of --tp ... --order, e.g. policy:tp=2,ep=4,expt_tp=1 "
         "reference:tp=4 (NAME: optional; keys tp cp pp ep expt_tp gtp_remat expt_gtp_remat order, and num_ranks "
         "rank_offset for a span of its own: default --num-ranks from --rank-offset): what differs, which "
@@ -75,8 +86,14 @@ def add_command(subparsers: Subparsers) -> None:
 _PATH_AND_LIST_OPTIONS = {
     "svg": ("--svg", "a file name, or leave the option out"),
     "html": ("--html", "a file name, or leave the option out"),
-    "highlight": ("--highlight", "comma-separated kinds, or leave the option out to draw every kind"),
-    "compare": ("--compare", "two layout specs such as tp=2,ep=4 and tp=4 (a spec of defaults: tp=1)"),
+    "highlight": (
+        "--highlight",
+        "comma-separated kinds, or leave the option out to draw every kind",
+    ),
+    "compare": (
+        "--compare",
+        "two layout specs such as tp=2,ep=4 and tp=4 (a spec of defaults: tp=1)",
+    ),
 }
 """The options of ``layout`` whose empty value would pass as the option left out (``--svg ''`` drew nothing,
 ``--compare '' ''`` compared two default layouts)."""
@@ -147,7 +164,9 @@ def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
     raise not_enough_memory(doing, bytes_needed(shown + of_rank), available, advice)
 
 
-def _layout_report(layout: ParallelLayout, show: int, rank: int | None, world_size: int | None) -> dict[str, Any]:
+def _layout_report(
+    layout: ParallelLayout, show: int, rank: int | None, world_size: int | None
+) -> dict[str, Any]:
     from pgregistry.layout import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, GROUP_KINDS
 
     kinds: dict[str, Any] = {}
@@ -160,21 +179,28 @@ def _layout_report(layout: ParallelLayout, show: int, rank: int | None, world_si
         else:
             spans = "pp first+last" if kind == "embd" else "pp first"
         kinds[kind] = {
-            "spans": spans, "groups": int(groups.shape[0]), "size": int(groups.shape[1]),
+            "spans": spans,
+            "groups": int(groups.shape[0]),
+            "size": int(groups.shape[1]),
             "first": groups[:show].tolist(),
         }
     first = layout.rank_offset
     report: dict[str, Any] = {
         "layout": {
-            "num_ranks": layout.num_ranks, "rank_offset": first, "world_size": world_size,
-            "order": layout.order, **layout.axis_sizes(), "fingerprint": layout.fingerprint(),
+            "num_ranks": layout.num_ranks,
+            "rank_offset": first,
+            "world_size": world_size,
+            "order": layout.order,
+            **layout.axis_sizes(),
+            "fingerprint": layout.fingerprint(),
         },
         "kinds": kinds,
     }
     if rank is not None:
         groups_of = layout.groups_of(rank)
         report["rank"] = {
-            "rank": rank, "coords": layout.coords(rank),
+            "rank": rank,
+            "coords": layout.coords(rank),
             "groups": {kind: None if g is None else list(g) for kind, g in groups_of.items()},
         }
     return report
@@ -193,15 +219,32 @@ def _format_group(group: list[int]) -> str:
 
 def _format_report(report: dict[str, Any]) -> str:
     sizes = report["layout"]
-    first, stop, world = sizes["rank_offset"], sizes["rank_offset"] + sizes["num_ranks"], sizes["world_size"]
-    span = "" if (first, stop) == (0, world or stop) else f" (ranks {first}-{stop - 1}" + (
-        f" of the {world}-rank world)" if world else ")"
+    first, stop, world = (
+        sizes["rank_offset"],
+        sizes["rank_offset"] + sizes["num_ranks"],
+        sizes["world_size"],
+    )
+    span = (
+        ""
+        if (first, stop) == (0, world or stop)
+        else f" (ranks {first}-{stop - 1}" + (f" of the {world}-rank world)" if world else ")")
     )
     lines = [
         f"layout: {sizes['num_ranks']} ranks{span}, order {sizes['order']}; "
-        + ", ".join(f"{axis} {sizes[axis]}" for axis in (
-            "tp", "gtp_remat", "cp", "dp", "pp", "expt_tp", "ep", "expt_gtp_remat", "expt_dp",
-        ))
+        + ", ".join(
+            f"{axis} {sizes[axis]}"
+            for axis in (
+                "tp",
+                "gtp_remat",
+                "cp",
+                "dp",
+                "pp",
+                "expt_tp",
+                "ep",
+                "expt_gtp_remat",
+                "expt_dp",
+            )
+        )
         + f"; fingerprint {sizes['fingerprint']}",
         "",
     ]
@@ -219,8 +262,8 @@ def _format_report(report: dict[str, Any]) -> str:
         lines += ["", f"rank {mine['rank']}{node}: {coords}", ""]
         group_rows = [("kind", "group")]
         group_rows += [
-            (kind, "-" if group is None else _format_group(group)) for kind, group in mine["groups"].items()
+            (kind, "-" if group is None else _format_group(group))
+            for kind, group in mine["groups"].items()
         ]
         lines += align_columns(group_rows, numeric=())
     return "\n".join(lines)
-

@@ -47,7 +47,12 @@ _FONT: Final = "font-family:DejaVu Sans,Helvetica,Arial,sans-serif"
 
 # Short names for the coordinates in a rank's label; the legend spells them out.
 _DENSE_AXES: Final = (("tp", "tp"), ("gtp_remat", "gtp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"))
-_EXPERT_AXES: Final = (("ep", "ep"), ("expt_tp", "expt_tp"), ("expt_gtp_remat", "egtp"), ("expt_dp", "edp"))
+_EXPERT_AXES: Final = (
+    ("ep", "ep"),
+    ("expt_tp", "expt_tp"),
+    ("expt_gtp_remat", "egtp"),
+    ("expt_dp", "edp"),
+)
 
 
 # --------------------------------------------------------------------------------------------------- geometry
@@ -73,7 +78,11 @@ class _NodeGrid:
 
     @property
     def node_h(self) -> int:
-        return _NODE_LABEL_H + math.ceil(self.gpus_per_node / self.cols_in_node) * self.cell_h + 2 * _PAD
+        return (
+            _NODE_LABEL_H
+            + math.ceil(self.gpus_per_node / self.cols_in_node) * self.cell_h
+            + 2 * _PAD
+        )
 
     @property
     def nodes_per_row(self) -> int:
@@ -123,7 +132,9 @@ def _panel_cell(drawn: int) -> int:
 
 
 def _svg_attributes(**values: object) -> str:
-    return " ".join(f"{name.rstrip('_').replace('_', '-')}={quoteattr(str(v))}" for name, v in values.items())
+    return " ".join(
+        f"{name.rstrip('_').replace('_', '-')}={quoteattr(str(v))}" for name, v in values.items()
+    )
 
 
 class _Svg:
@@ -144,7 +155,9 @@ class _Svg:
         self.parts.append(f"<rect {_svg_attributes(x=x, y=y, width=w, height=h, **values)}/>")
 
     def text(self, x: float, y: float, content: str, size: int = 11, **values: object) -> None:
-        self.parts.append(f"<text {_svg_attributes(x=x, y=y, font_size=size, **values)}>{escape(content)}</text>")
+        self.parts.append(
+            f"<text {_svg_attributes(x=x, y=y, font_size=size, **values)}>{escape(content)}</text>"
+        )
 
     def title(self, content: str) -> None:
         """A tooltip for the enclosing element."""
@@ -157,16 +170,18 @@ class _Svg:
 
     def document(self, title: str) -> str:
         height = self.y + _MARGIN
-        return "\n".join([
-            '<?xml version="1.0" encoding="UTF-8"?>',
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{height}" '
-            f'viewBox="0 0 {self.width} {height}" style="{_FONT}">',
-            f"<title>{escape(title)}</title>",
-            f'<rect x="0" y="0" width="{self.width}" height="{height}" fill="white"/>',
-            *self.parts,
-            "</svg>",
-            "",
-        ])
+        return "\n".join(
+            [
+                '<?xml version="1.0" encoding="UTF-8"?>',
+                f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{height}" '
+                f'viewBox="0 0 {self.width} {height}" style="{_FONT}">',
+                f"<title>{escape(title)}</title>",
+                f'<rect x="0" y="0" width="{self.width}" height="{height}" fill="white"/>',
+                *self.parts,
+                "</svg>",
+                "",
+            ]
+        )
 
 
 def _group_colour(group: int) -> str:
@@ -174,32 +189,59 @@ def _group_colour(group: int) -> str:
     return f"hsl({group * 137.508 % 360:.1f},62%,{(68, 56, 82)[group % 3]}%)"
 
 
-def _draw_nodes(svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[[int, int, int], None]) -> None:
+def _draw_nodes(
+    svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[[int, int, int], None]
+) -> None:
     """Node boxes of ``grid`` at (x, y), each holding its ranks' cells drawn by ``draw_cell(rank, cx, cy)``."""
     g = grid.gpus_per_node
     for node in grid.nodes:
         nx, ny = grid.node_origin(node)
         first, last = node * g, (node + 1) * g - 1
         svg.open("g", class_="node", data_node=node)
-        svg.rect(x + nx, y + ny, grid.node_w, grid.node_h, class_="node-box", fill="#f7f7f7", stroke="#555",
-                 stroke_width=1, rx=3)
+        svg.rect(
+            x + nx,
+            y + ny,
+            grid.node_w,
+            grid.node_h,
+            class_="node-box",
+            fill="#f7f7f7",
+            stroke="#555",
+            stroke_width=1,
+            rx=3,
+        )
         label = f"node {node}: {first}-{last}" if grid.node_w >= 90 else f"n{node}"
-        svg.text(x + nx + _PAD, y + ny + _NODE_LABEL_H - 2, label, size=9, class_="node-label", fill="#333")
+        svg.text(
+            x + nx + _PAD,
+            y + ny + _NODE_LABEL_H - 2,
+            label,
+            size=9,
+            class_="node-label",
+            fill="#333",
+        )
         for rank in range(first, last + 1):
             cx, cy = grid.cell_origin(rank)
             draw_cell(rank, x + cx, y + cy)
         svg.close("g")
 
 
-def _summary_note(svg: _Svg, num_ranks: int, drawn: range, num_nodes: int, gpus_per_node: int) -> None:
+def _summary_note(
+    svg: _Svg, num_ranks: int, drawn: range, num_nodes: int, gpus_per_node: int
+) -> None:
     """A note when the ``drawn`` nodes are fewer than the ``num_nodes`` the ranks run on."""
     if len(drawn) < num_nodes:
         ranks = _ranks_of(drawn, gpus_per_node)
         svg.y += 14
-        svg.text(_MARGIN, svg.y, (
-            f"Drawn: ranks {ranks.start}-{ranks.stop - 1} ({len(drawn)} of {num_nodes} nodes); "
-            f"the table covers all {num_ranks} ranks. Groups continue beyond the drawn nodes."
-        ), size=12, class_="summary-note", fill=_RED)
+        svg.text(
+            _MARGIN,
+            svg.y,
+            (
+                f"Drawn: ranks {ranks.start}-{ranks.stop - 1} ({len(drawn)} of {num_nodes} nodes); "
+                f"the table covers all {num_ranks} ranks. Groups continue beyond the drawn nodes."
+            ),
+            size=12,
+            class_="summary-note",
+            fill=_RED,
+        )
         svg.y += 6
 
 
@@ -231,14 +273,23 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
         title = f"pgregistry layout: {layout.num_ranks} ranks on {placement.describe_nodes()}"
     svg.heading(title, size=18)
     if span:  # where the span lies: its nodes, and the ranks outside it it shares them with
-        svg.text(_MARGIN, svg.y + 6, placement.describe_nodes(), size=12, class_="span-nodes", fill="#333")
+        svg.text(
+            _MARGIN,
+            svg.y + 6,
+            placement.describe_nodes(),
+            size=12,
+            class_="span-nodes",
+            fill="#333",
+        )
         svg.y += 16
     svg.text(_MARGIN, svg.y + 6, _sizes_line(layout), size=12, fill="#333")
     svg.y += 16
     _summary_note(svg, layout.num_ranks, drawn, placement.num_nodes, g)
     _placement_table(svg, placement)
     _rank_map(svg, layout, drawn, g)
-    svg.heading("Groups of each kind: one colour per group; red outline: a group that should stay on one node does not")
+    svg.heading(
+        "Groups of each kind: one colour per group; red outline: a group that should stay on one node does not"
+    )
     _flow_panels(svg, [_kind_panel(layout, placement, kind, drawn) for kind in panels])
     return svg.document(title)
 
@@ -253,22 +304,38 @@ def _panel_kinds(placement: Placement, kinds: Sequence[str] | None) -> list[str]
 
 def _sizes_line(layout: ParallelLayout) -> str:
     sizes = layout.axis_sizes()
-    return " · ".join([*(f"{axis} {size}" for axis, size in sizes.items()), f"order {layout.order}"])
+    return " · ".join(
+        [*(f"{axis} {size}" for axis, size in sizes.items()), f"order {layout.order}"]
+    )
 
 
 def _placement_table(svg: _Svg, placement: Placement) -> None:
     svg.heading(f"Placement: rank r runs on node r // {placement.gpus_per_node}")
     columns = (0, 170, 290, 410)  # the longest kind, tp_ep_pp_with_egtp_remat, is about 150 wide
-    for x, name in zip(columns, ("kind", "groups x ranks", "nodes per group", "placement"), strict=True):
+    for x, name in zip(
+        columns, ("kind", "groups x ranks", "nodes per group", "placement"), strict=True
+    ):
         svg.text(_MARGIN + x, svg.y + 4, name, size=11, font_weight="bold", fill="#333")
     svg.y += 6
     for entry in placement.kinds:
         svg.y += _ROW_H
         verdict, colour = _verdict_mark(entry)
-        nodes = f"{entry.min_nodes}" if entry.min_nodes == entry.max_nodes else f"{entry.min_nodes}-{entry.max_nodes}"
-        svg.open("g", class_="placement-row", data_kind=entry.kind, data_groups=entry.num_groups,
-                 data_size=entry.group_size, data_min_nodes=entry.min_nodes, data_max_nodes=entry.max_nodes,
-                 data_crossing=entry.crossing_groups, data_violated=str(entry.violated).lower())
+        nodes = (
+            f"{entry.min_nodes}"
+            if entry.min_nodes == entry.max_nodes
+            else f"{entry.min_nodes}-{entry.max_nodes}"
+        )
+        svg.open(
+            "g",
+            class_="placement-row",
+            data_kind=entry.kind,
+            data_groups=entry.num_groups,
+            data_size=entry.group_size,
+            data_min_nodes=entry.min_nodes,
+            data_max_nodes=entry.max_nodes,
+            data_crossing=entry.crossing_groups,
+            data_violated=str(entry.violated).lower(),
+        )
         cells = (entry.kind, f"{entry.num_groups} x {entry.group_size}", nodes, verdict)
         for x, cell in zip(columns, cells, strict=True):
             svg.text(_MARGIN + x, svg.y, cell, size=11, fill=colour if x == columns[-1] else "#111")
@@ -311,8 +378,13 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: range, gpus_per_node: in
     cell_w = max(30, 8 + math.ceil(longest * size * 0.62))
     line_h = size + 1
     cell_h = (3 if expert else 2) * line_h + 6
-    grid = _NodeGrid(nodes=drawn, gpus_per_node=gpus_per_node, cell_w=cell_w, cell_h=cell_h,
-                     max_width=_SHEET_WIDTH - 2 * _MARGIN)
+    grid = _NodeGrid(
+        nodes=drawn,
+        gpus_per_node=gpus_per_node,
+        cell_w=cell_w,
+        cell_h=cell_h,
+        max_width=_SHEET_WIDTH - 2 * _MARGIN,
+    )
     first, stop = layout.rank_range()
 
     def draw_rank_cell(rank: int, x: int, y: int) -> None:
@@ -326,9 +398,18 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: range, gpus_per_node: in
         svg.title(f"rank {rank}: " + ", ".join(f"{a} {v}" for a, v in coords.items()))
         svg.rect(x, y, cell_w - 2, cell_h - 2, fill="white", stroke="#999", stroke_width=0.8, rx=2)
         svg.text(x + 3, y + line_h, str(rank), size=size, font_weight="bold", class_="rank-label")
-        svg.text(x + 3, y + 2 * line_h, dense_label, size=size, class_="dense-coords", fill="#1a237e")
+        svg.text(
+            x + 3, y + 2 * line_h, dense_label, size=size, class_="dense-coords", fill="#1a237e"
+        )
         if expert:
-            svg.text(x + 3, y + 3 * line_h, expert_label, size=size, class_="expert-coords", fill="#6a1b9a")
+            svg.text(
+                x + 3,
+                y + 3 * line_h,
+                expert_label,
+                size=size,
+                class_="expert-coords",
+                fill="#6a1b9a",
+            )
         svg.close("g")
 
     svg.y += 4
@@ -339,12 +420,29 @@ def _rank_map(svg: _Svg, layout: ParallelLayout, drawn: range, gpus_per_node: in
 
 
 def _outside_cell(
-    svg: _Svg, rank: int, x: int, y: int, w: int, h: int, gpus_per_node: int, span: tuple[int, int],
+    svg: _Svg,
+    rank: int,
+    x: int,
+    y: int,
+    w: int,
+    h: int,
+    gpus_per_node: int,
+    span: tuple[int, int],
 ) -> None:
     """A rank the drawn nodes hold but the layout does not: an empty, dashed cell (class ``outside``)."""
     svg.open("g", class_="rank outside", data_rank=rank, data_node=node_of(rank, gpus_per_node))
     svg.title(f"rank {rank}: outside the layout (ranks {span[0]}-{span[1] - 1})")
-    svg.rect(x, y, w - 2, h - 2, fill="white", stroke="#bbb", stroke_width=0.8, stroke_dasharray="3,2", rx=2)
+    svg.rect(
+        x,
+        y,
+        w - 2,
+        h - 2,
+        fill="white",
+        stroke="#bbb",
+        stroke_width=0.8,
+        stroke_dasharray="3,2",
+        rx=2,
+    )
     if h >= 20:
         svg.text(x + 3, y + 11, str(rank), size=9, fill="#aaa", class_="rank-label")
     svg.close("g")
@@ -376,15 +474,22 @@ def _flow_panels(svg: _Svg, panels: Sequence[_Panel]) -> None:
 
 
 def _groups_panel(
-    layout: ParallelLayout, kind: str, drawn: range, gpus_per_node: int, heading: Sequence[tuple[str, str]],
-    group_class: Callable[[tuple[int, ...]], str], **panel_data: object,
+    layout: ParallelLayout,
+    kind: str,
+    drawn: range,
+    gpus_per_node: int,
+    heading: Sequence[tuple[str, str]],
+    group_class: Callable[[tuple[int, ...]], str],
+    **panel_data: object,
 ) -> _Panel:
     """A panel colouring the ranks of the ``drawn`` nodes by their group of ``kind`` (ranks outside the layout
     empty); ``group_class(group)`` gives the CSS-like classes of a group's cells (``crossing``, ``shared``, ...),
     ``heading`` the title lines and their colours."""
     cell = _panel_cell(len(drawn) * gpus_per_node)
     half = (_SHEET_WIDTH - 2 * _MARGIN - 2 * _GAP) // 2
-    grid = _NodeGrid(nodes=drawn, gpus_per_node=gpus_per_node, cell_w=cell, cell_h=cell, max_width=half)
+    grid = _NodeGrid(
+        nodes=drawn, gpus_per_node=gpus_per_node, cell_w=cell, cell_h=cell, max_width=half
+    )
     full = attrs.evolve(grid, max_width=_SHEET_WIDTH - 2 * _MARGIN)
     if grid.nodes_per_row < grid.num_nodes <= full.nodes_per_row:
         grid = full  # every node on one row reads better than two panels side by side
@@ -401,10 +506,17 @@ def _groups_panel(
         for rank in group:
             group_index[rank] = index
             classes[rank] = group_classes
-    title_w = min(max(len(text) for text, _ in heading) * 7, half)  # 12 px bold: about 7 px a character
-    if group_size == 1:  # the kind is off: its heading says so, a grid of grey cells would say nothing more
-        return _Panel(width=title_w, height=_PANEL_TITLE_H, draw=lambda svg, x, y: _panel_heading(
-            svg, x, y, heading, kind, panel_data))
+    title_w = min(
+        max(len(text) for text, _ in heading) * 7, half
+    )  # 12 px bold: about 7 px a character
+    if (
+        group_size == 1
+    ):  # the kind is off: its heading says so, a grid of grey cells would say nothing more
+        return _Panel(
+            width=title_w,
+            height=_PANEL_TITLE_H,
+            draw=lambda svg, x, y: _panel_heading(svg, x, y, heading, kind, panel_data),
+        )
     width = max(grid.width, title_w)
 
     def draw_panel(svg: _Svg, x: int, y: int) -> None:
@@ -417,16 +529,34 @@ def _groups_panel(
             index = group_index.get(rank)
             cls = "rank" + (f" {classes[rank]}" if index is not None and classes[rank] else "")
             data = {"data_group": index} if index is not None else {}
-            svg.open("g", class_=cls, data_rank=rank, data_node=node_of(rank, gpus_per_node), **data)
+            svg.open(
+                "g", class_=cls, data_rank=rank, data_node=node_of(rank, gpus_per_node), **data
+            )
             svg.title(f"rank {rank}: " + ("no group" if index is None else f"{kind} group {index}"))
             faded = "faded" in cls
             fill = "#eeeeee" if index is None or group_size == 1 else _group_colour(index)
             alarm = "violated" in cls
-            svg.rect(cx, cy, cell - 2, cell - 2, fill=fill, fill_opacity=0.25 if faded else 1,
-                     stroke=_RED if alarm else "#888", stroke_width=2 if alarm else 0.6, rx=2)
+            svg.rect(
+                cx,
+                cy,
+                cell - 2,
+                cell - 2,
+                fill=fill,
+                fill_opacity=0.25 if faded else 1,
+                stroke=_RED if alarm else "#888",
+                stroke_width=2 if alarm else 0.6,
+                rx=2,
+            )
             if cell >= 20:
-                svg.text(cx + (cell - 2) / 2, cy + cell / 2 + 2, str(rank), size=9, text_anchor="middle",
-                         fill="#222", class_="rank-label")
+                svg.text(
+                    cx + (cell - 2) / 2,
+                    cy + cell / 2 + 2,
+                    str(rank),
+                    size=9,
+                    text_anchor="middle",
+                    fill="#222",
+                    class_="rank-label",
+                )
             svg.close("g")
 
         _draw_nodes(svg, grid, x, y + _PANEL_TITLE_H, rank_cell)
@@ -440,14 +570,26 @@ def _groups_of(count: int, size: int) -> str:
 
 
 def _panel_heading(
-    svg: _Svg, x: int, y: int, heading: Sequence[tuple[str, str]], kind: str, panel_data: dict[str, object],
+    svg: _Svg,
+    x: int,
+    y: int,
+    heading: Sequence[tuple[str, str]],
+    kind: str,
+    panel_data: dict[str, object],
     close: bool = True,
 ) -> None:
     """Open a panel's group and write its title lines (closing the group unless cells follow)."""
     svg.open("g", class_="kind-panel", data_kind=kind, **panel_data)
     for i, (text, colour) in enumerate(heading):
-        svg.text(x, y + 12 + 13 * i, text, size=11 if i else 12, font_weight="normal" if i else "bold",
-                 fill=colour, class_="panel-title")
+        svg.text(
+            x,
+            y + 12 + 13 * i,
+            text,
+            size=11 if i else 12,
+            font_weight="normal" if i else "bold",
+            fill=colour,
+            class_="panel-title",
+        )
     if close:
         svg.close("g")
 
@@ -455,20 +597,27 @@ def _panel_heading(
 def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: range) -> _Panel:
     entry = placement.kind(kind)
     g = placement.gpus_per_node
-    heading = [(f"{kind}: {_groups_of(entry.num_groups, entry.group_size)}", "#111"), _verdict_mark(entry)]
+    heading = [
+        (f"{kind}: {_groups_of(entry.num_groups, entry.group_size)}", "#111"),
+        _verdict_mark(entry),
+    ]
 
     def group_class(group: tuple[int, ...]) -> str:
         if len({node_of(r, g) for r in group}) == 1:
             return ""
         return "crossing violated" if entry.violated else "crossing"
 
-    return _groups_panel(layout, kind, drawn, g, heading, group_class, data_violated=str(entry.violated).lower())
+    return _groups_panel(
+        layout, kind, drawn, g, heading, group_class, data_violated=str(entry.violated).lower()
+    )
 
 
 # --------------------------------------------------------------------------------------------------- compare
 
 
-def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: tuple[str, str] = ("A", "B")) -> str:
+def render_compare_svg(
+    comparison: LayoutComparison, gpus_per_node: int, names: tuple[str, str] = ("A", "B")
+) -> str:
     """Two layouts of one world side by side: for every kind with more than one rank per group in either layout,
     A's panel left and B's right; groups the other layout also creates a communicator for are in full colour
     (class ``shared``), the others faded."""
@@ -480,7 +629,10 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
             "same number of ranks on every node"
         )
     # The nodes of both spans: from the first one's node to the last one's.
-    first, stop = min(a.rank_range()[0], b.rank_range()[0]), max(a.rank_range()[1], b.rank_range()[1])
+    first, stop = (
+        min(a.rank_range()[0], b.rank_range()[0]),
+        max(a.rank_range()[1], b.rank_range()[1]),
+    )
     drawn = _drawn_nodes(first, stop, gpus_per_node)
     shared = comparison.shared
     svg = _Svg()
@@ -491,43 +643,83 @@ def render_compare_svg(comparison: LayoutComparison, gpus_per_node: int, names: 
         svg.text(_MARGIN, svg.y + 6, line, size=12, fill="#333")
         svg.y += 16
     svg.y += 4
-    svg.text(_MARGIN, svg.y + 8, (
-        f"{names[0]}: {len(comparison.a)} communicators, {names[1]}: {len(comparison.b)}, shared: {len(shared)} "
-        f"(created once; {len(comparison.a) + len(comparison.b) - len(shared)} in all)"
-    ), size=13, font_weight="bold", class_="compare-summary", data_a=len(comparison.a), data_b=len(comparison.b),
-        data_shared=len(shared))
+    svg.text(
+        _MARGIN,
+        svg.y + 8,
+        (
+            f"{names[0]}: {len(comparison.a)} communicators, {names[1]}: {len(comparison.b)}, shared: {len(shared)} "
+            f"(created once; {len(comparison.a) + len(comparison.b) - len(shared)} in all)"
+        ),
+        size=13,
+        font_weight="bold",
+        class_="compare-summary",
+        data_a=len(comparison.a),
+        data_b=len(comparison.b),
+        data_shared=len(shared),
+    )
     svg.y += 14
     differences = [f"{what} ({in_a} / {in_b})" for what, in_a, in_b in comparison.differences()]
-    disjoint = "; their spans are disjoint: no communicator can be shared" if not comparison.overlap else ""
-    svg.text(_MARGIN, svg.y + 8, ("differ in: " + ", ".join(differences) if differences else "the same layout twice")
-             + disjoint, size=12, class_="compare-differences", fill="#333")
+    disjoint = (
+        "; their spans are disjoint: no communicator can be shared"
+        if not comparison.overlap
+        else ""
+    )
+    svg.text(
+        _MARGIN,
+        svg.y + 8,
+        ("differ in: " + ", ".join(differences) if differences else "the same layout twice")
+        + disjoint,
+        size=12,
+        class_="compare-differences",
+        fill="#333",
+    )
     svg.y += 14
     num_nodes = node_of(stop - 1, gpus_per_node) - node_of(first, gpus_per_node) + 1
     _summary_note(svg, stop - first, drawn, num_nodes, gpus_per_node)
     _draw_shared_table(svg, comparison, names)
-    svg.heading(f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
-                "faded = only in this layout")
+    svg.heading(
+        f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
+        "faded = only in this layout"
+    )
 
     def build_panel(layout: ParallelLayout, side: str, kind: str) -> _Panel:
         other = comparison.b if side == "a" else comparison.a
         groups = layout.groups(kind)
         shared_here = sum(1 for group in groups if group in other)
-        other_kinds = sorted({k for group in groups if group in other for k in other[group]},
-                             key=GROUP_KINDS.index)
+        other_kinds = sorted(
+            {k for group in groups if group in other for k in other[group]}, key=GROUP_KINDS.index
+        )
         name = names[0] if side == "a" else names[1]
         if len(groups[0]) == 1:
             status, colour = "off (one rank per group)", "#777"
         else:
-            status = f"{shared_here} shared" + (f" (as {', '.join(other_kinds)})" if other_kinds else "")
+            status = f"{shared_here} shared" + (
+                f" (as {', '.join(other_kinds)})" if other_kinds else ""
+            )
             colour = _GREEN if shared_here else "#777"
-        heading = [(f"{name} {kind}: {_groups_of(len(groups), len(groups[0]))}", "#111"), (status, colour)]
-        return _groups_panel(layout, kind, drawn, gpus_per_node, heading,
-                             lambda group: "shared" if group in other else "faded", data_side=side,
-                             data_shared_groups=shared_here)
+        heading = [
+            (f"{name} {kind}: {_groups_of(len(groups), len(groups[0]))}", "#111"),
+            (status, colour),
+        ]
+        return _groups_panel(
+            layout,
+            kind,
+            drawn,
+            gpus_per_node,
+            heading,
+            lambda group: "shared" if group in other else "faded",
+            data_side=side,
+            data_shared_groups=shared_here,
+        )
 
-    rows = [(build_panel(a, "a", kind), build_panel(b, "b", kind)) for kind in GROUP_KINDS
-            if max(len(a.groups(kind)[0]), len(b.groups(kind)[0])) > 1]
-    right = _MARGIN + max((left.width for left, _ in rows), default=0) + 2 * _GAP  # B's column lines up
+    rows = [
+        (build_panel(a, "a", kind), build_panel(b, "b", kind))
+        for kind in GROUP_KINDS
+        if max(len(a.groups(kind)[0]), len(b.groups(kind)[0])) > 1
+    ]
+    right = (
+        _MARGIN + max((left.width for left, _ in rows), default=0) + 2 * _GAP
+    )  # B's column lines up
     for left, right_panel in rows:
         left.draw(svg, _MARGIN, svg.y)
         right_panel.draw(svg, right, svg.y)
@@ -541,13 +733,21 @@ def _draw_shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str
     rows = comparison.group_shared_by_kinds()
     widest = max((len(", ".join(row.kinds_a)) for row in rows), default=0)
     columns = (0, 60, 130, max(480, 130 + 7 * widest))  # 11 px: under 7 px a character
-    for x, name in zip(columns, ("count", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}"), strict=True):
+    for x, name in zip(
+        columns, ("count", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}"), strict=True
+    ):
         svg.text(_MARGIN + x, svg.y + 4, name, size=11, font_weight="bold", fill="#333")
     svg.y += 6
     for row in rows:
         svg.y += _ROW_H
-        svg.open("g", class_="shared-row", data_count=row.count, data_size=row.size,
-                 data_kinds_a=" ".join(row.kinds_a), data_kinds_b=" ".join(row.kinds_b))
+        svg.open(
+            "g",
+            class_="shared-row",
+            data_count=row.count,
+            data_size=row.size,
+            data_kinds_a=" ".join(row.kinds_a),
+            data_kinds_b=" ".join(row.kinds_b),
+        )
         cells = (str(row.count), str(row.size), ", ".join(row.kinds_a), ", ".join(row.kinds_b))
         for x, cell in zip(columns, cells, strict=True):
             svg.text(_MARGIN + x, svg.y, cell, size=11)
@@ -564,16 +764,18 @@ def _draw_shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str
 def svg_to_html(svg: str, title: str) -> str:
     """An HTML page showing ``svg`` inline (so it scales and its tooltips work in any browser)."""
     body = svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
-    return "\n".join([
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        '<head><meta charset="utf-8">',
-        f"<title>{escape(title)}</title>",
-        "<style>body{margin:0;background:#fff} svg{max-width:100%;height:auto}</style>",
-        "</head>",
-        "<body>",
-        body.strip(),
-        "</body>",
-        "</html>",
-        "",
-    ])
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            '<head><meta charset="utf-8">',
+            f"<title>{escape(title)}</title>",
+            "<style>body{margin:0;background:#fff} svg{max-width:100%;height:auto}</style>",
+            "</head>",
+            "<body>",
+            body.strip(),
+            "</body>",
+            "</html>",
+            "",
+        ]
+    )

@@ -38,17 +38,36 @@ __all__ = [
 
 # Spec key -> ParallelLayout argument (dashes accepted as on the command line).
 _SPEC_KEYS = {
-    "tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "expt_tp": "expt_tp", "gtp_remat": "gtp_remat",
-    "expt_gtp_remat": "expt_gtp_remat", "order": "order", "num_ranks": "num_ranks", "rank_offset": "rank_offset",
+    "tp": "tp",
+    "cp": "cp",
+    "pp": "pp",
+    "ep": "ep",
+    "expt_tp": "expt_tp",
+    "gtp_remat": "gtp_remat",
+    "expt_gtp_remat": "expt_gtp_remat",
+    "order": "order",
+    "num_ranks": "num_ranks",
+    "rank_offset": "rank_offset",
 }
 _LAYOUT_FLAGS = {
-    "tp": 1, "cp": 1, "pp": 1, "ep": 1, "expt_tp": None, "gtp_remat": 1, "expt_gtp_remat": 1, "order": None,
+    "tp": 1,
+    "cp": 1,
+    "pp": 1,
+    "ep": 1,
+    "expt_tp": None,
+    "gtp_remat": 1,
+    "expt_gtp_remat": 1,
+    "order": None,
 }
 
 
 def check_view_arguments(args: argparse.Namespace) -> None:
     """``ValueError`` for option combinations that cannot mean what the user wants."""
-    drawing = [flag for flag, value in (("--svg", args.svg), ("--html", args.html), ("--check", args.check)) if value]
+    drawing = [
+        flag
+        for flag, value in (("--svg", args.svg), ("--html", args.html), ("--check", args.check))
+        if value
+    ]
     if drawing and args.gpus_per_node is None:
         raise ValueError(f"{drawing[0]} needs --gpus-per-node")
     if args.highlight and not (args.svg or args.html):
@@ -56,16 +75,23 @@ def check_view_arguments(args: argparse.Namespace) -> None:
     if args.compare:
         if args.rank is not None:
             raise ValueError("--rank shows one layout; it does not combine with --compare")
-        given = [f"--{flag.replace('_', '-')}" for flag, default in _LAYOUT_FLAGS.items()
-                 if getattr(args, flag) != default]
+        given = [
+            f"--{flag.replace('_', '-')}"
+            for flag, default in _LAYOUT_FLAGS.items()
+            if getattr(args, flag) != default
+        ]
         if given:
             raise ValueError(f"--compare takes both layouts as specs; drop {', '.join(given)}")
         if args.highlight:
-            raise ValueError("--highlight does not combine with --compare (every kind is drawn side by side)")
+            raise ValueError(
+                "--highlight does not combine with --compare (every kind is drawn side by side)"
+            )
 
 
 def placement_of(
-    layout: ParallelLayout, args: argparse.Namespace, world_size: int | None = None,
+    layout: ParallelLayout,
+    args: argparse.Namespace,
+    world_size: int | None = None,
 ) -> Placement | None:
     """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without ``--gpus-per-node``), in a
     world of ``world_size`` ranks (default ``--world-size``, else where the layout ends), which must be whole
@@ -95,8 +121,10 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
     elif first == 0:
         whose = f"--num-ranks {layout.num_ranks}"
     else:
-        whose = (f"the world, taken to end where the layout does (--rank-offset {first} + --num-ranks "
-                 f"{layout.num_ranks} = {stop} ranks; give --world-size when larger),")
+        whose = (
+            f"the world, taken to end where the layout does (--rank-offset {first} + --num-ranks "
+            f"{layout.num_ranks} = {stop} ranks; give --world-size when larger),"
+        )
     raise ValueError(
         f"{whose} is not a multiple of --gpus-per-node {g}: launchers start the same number of ranks on every node"
     )
@@ -115,14 +143,23 @@ def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, 
         "first_node": placement.first_node,
         "shared_nodes": list(placement.shared_nodes),
         "nodes": placement.describe_nodes(),
-        "intra_node_kinds": [entry.kind for entry in placement.kinds if entry.should_stay_intra_node],
+        "intra_node_kinds": [
+            entry.kind for entry in placement.kinds if entry.should_stay_intra_node
+        ],
         "communicators_per_rank": {"min": min(per_rank), "max": max(per_rank)},
         "kinds": {
             entry.kind: {
-                "groups": entry.num_groups, "size": entry.group_size, "min_nodes": entry.min_nodes,
-                "max_nodes": entry.max_nodes, "crossing_groups": entry.crossing_groups,
-                "first_crossing": None if entry.first_crossing is None else list(entry.first_crossing),
-                "within_node": entry.within_node, "violated": entry.violated, "verdict": entry.verdict,
+                "groups": entry.num_groups,
+                "size": entry.group_size,
+                "min_nodes": entry.min_nodes,
+                "max_nodes": entry.max_nodes,
+                "crossing_groups": entry.crossing_groups,
+                "first_crossing": None
+                if entry.first_crossing is None
+                else list(entry.first_crossing),
+                "within_node": entry.within_node,
+                "violated": entry.violated,
+                "verdict": entry.verdict,
             }
             for entry in placement.kinds
         },
@@ -135,7 +172,11 @@ def placement_table(report: dict[str, Any]) -> str:
     g = report["gpus_per_node"]
     span = report["nodes"].startswith("ranks ")  # a layout over part of the world
     per_rank = report["communicators_per_rank"]
-    joins = str(per_rank["min"]) if per_rank["min"] == per_rank["max"] else f"{per_rank['min']}-{per_rank['max']}"
+    joins = (
+        str(per_rank["min"])
+        if per_rank["min"] == per_rank["max"]
+        else f"{per_rank['min']}-{per_rank['max']}"
+    )
     lines = [
         f"placement: {report['nodes']} (rank r on node r // {g}); each rank {'of the layout ' * span}joins {joins} "
         f"communicators; should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
@@ -145,18 +186,26 @@ def placement_table(report: dict[str, Any]) -> str:
     for kind, info in report["kinds"].items():
         spans = info["min_nodes"], info["max_nodes"]
         nodes_per_group = str(spans[0]) if spans[0] == spans[1] else f"{spans[0]}-{spans[1]}"
-        rows.append((kind, str(info["groups"]), str(info["size"]), nodes_per_group, info["verdict"]))
+        rows.append(
+            (kind, str(info["groups"]), str(info["size"]), nodes_per_group, info["verdict"])
+        )
     return "\n".join(lines + align_columns(rows, numeric=(1, 2, 3)))
 
 
-def write_pictures(args: argparse.Namespace, layout: ParallelLayout, placement: Placement | None) -> None:
+def write_pictures(
+    args: argparse.Namespace, layout: ParallelLayout, placement: Placement | None
+) -> None:
     """Write ``--svg`` / ``--html`` of one layout."""
     from pgregistry.cli._layout_svg import render_svg
 
     if not (args.svg or args.html):
         return
     assert placement is not None, "check_view_arguments requires --gpus-per-node for pictures"
-    kinds = [kind.strip() for kind in args.highlight.split(",") if kind.strip()] if args.highlight else None
+    kinds = (
+        [kind.strip() for kind in args.highlight.split(",") if kind.strip()]
+        if args.highlight
+        else None
+    )
     first, stop = layout.rank_range()
     title = f"pgregistry layout: {layout.num_ranks} ranks ({first}-{stop - 1})"
     _write_svg_and_html(args, render_svg(placement, kinds), title)
@@ -182,14 +231,18 @@ def _write_atomically(path: Path, text: str) -> None:
             stream.write(text)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # what open() would have given; mkstemp makes it private
+        os.chmod(
+            temporary, 0o666 & ~umask
+        )  # what open() would have given; mkstemp makes it private
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
 
 
-def warn_and_check(args: argparse.Namespace, placements: list[Placement], names: tuple[str, ...] = ()) -> int:
+def warn_and_check(
+    args: argparse.Namespace, placements: list[Placement], names: tuple[str, ...] = ()
+) -> int:
     """Print every placement warning on stderr; 1 under ``--check`` when there was one, else 0."""
     warned = False
     for i, placement in enumerate(placements):
@@ -201,7 +254,11 @@ def warn_and_check(args: argparse.Namespace, placements: list[Placement], names:
 
 
 def parse_layout_spec(
-    spec: str, num_ranks: int, default_name: str, rank_offset: int = 0, world_size: int | None = None,
+    spec: str,
+    num_ranks: int,
+    default_name: str,
+    rank_offset: int = 0,
+    world_size: int | None = None,
 ) -> tuple[str, ParallelLayout]:
     """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks from ``rank_offset``
     unless the spec gives its own ``num_ranks`` / ``rank_offset``); ``ValueError`` naming the bad part, and the
@@ -214,7 +271,9 @@ def parse_layout_spec(
         key, equals, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not equals or key not in _SPEC_KEYS:
-            raise ValueError(f"layout spec {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SPEC_KEYS)}")
+            raise ValueError(
+                f"layout spec {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SPEC_KEYS)}"
+            )
         if key in sizes:
             raise ValueError(f"layout spec {spec!r} gives {key} twice")
         if key == "order":
@@ -223,7 +282,9 @@ def parse_layout_spec(
         try:
             sizes[key] = int(value)
         except ValueError:
-            raise ValueError(f"layout spec {spec!r}: {key} must be an integer, got {value.strip()!r}") from None
+            raise ValueError(
+                f"layout spec {spec!r}: {key} must be an integer, got {value.strip()!r}"
+            ) from None
     sizes.setdefault("num_ranks", num_ranks)
     sizes.setdefault("rank_offset", rank_offset)
     check_span(sizes["num_ranks"], sizes["rank_offset"], world_size, spec)
@@ -239,7 +300,9 @@ def run_compare(args: argparse.Namespace) -> int:
     from pgregistry._runtime.communicators import compare_layouts
     from pgregistry.cli._layout_svg import render_compare_svg
 
-    check_span(args.num_ranks, args.rank_offset, None)  # the default span; each spec's is checked as it is parsed
+    check_span(
+        args.num_ranks, args.rank_offset, None
+    )  # the default span; each spec's is checked as it is parsed
     (name_a, a), (name_b, b) = (
         parse_layout_spec(spec, args.num_ranks, default, args.rank_offset, args.world_size)
         for spec, default in zip(args.compare, ("A", "B"), strict=True)
@@ -249,7 +312,9 @@ def run_compare(args: argparse.Namespace) -> int:
     names = (name_a, name_b)
     comparison = compare_layouts(a, b, world_size=args.world_size)
     world = comparison.world_size
-    placements = [p for p in (placement_of(a, args, world), placement_of(b, args, world)) if p is not None]
+    placements = [
+        p for p in (placement_of(a, args, world), placement_of(b, args, world)) if p is not None
+    ]
     if args.svg or args.html:
         svg = render_compare_svg(comparison, args.gpus_per_node, names)
         _write_svg_and_html(args, svg, f"pgregistry layout --compare {name_a} {name_b}")
@@ -259,16 +324,29 @@ def run_compare(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "world_size": world,
         "layouts": {
-            name: {"num_ranks": layout.num_ranks, "rank_offset": layout.rank_offset, "sizes": layout.axis_sizes(),
-                   "order": layout.order, "communicators": len(comms)}
+            name: {
+                "num_ranks": layout.num_ranks,
+                "rank_offset": layout.rank_offset,
+                "sizes": layout.axis_sizes(),
+                "order": layout.order,
+                "communicators": len(comms),
+            }
             for name, layout, comms in ((name_a, a, comparison.a), (name_b, b, comparison.b))
         },
-        "differences": [{"what": what, name_a: in_a, name_b: in_b} for what, in_a, in_b in comparison.differences()],
+        "differences": [
+            {"what": what, name_a: in_a, name_b: in_b}
+            for what, in_a, in_b in comparison.differences()
+        ],
         "overlap": [overlap.start, overlap.stop] if overlap else None,
         "communicators_per_rank": {"min": min(per_rank), "max": max(per_rank)},
         "shared": len(comparison.shared),
         "shared_by_kinds": [
-            {"count": row.count, "size": row.size, name_a: list(row.kinds_a), name_b: list(row.kinds_b)}
+            {
+                "count": row.count,
+                "size": row.size,
+                name_a: list(row.kinds_a),
+                name_b: list(row.kinds_b),
+            }
             for row in shared
         ],
     }
@@ -292,14 +370,22 @@ def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
         info = report["layouts"][name]
         first, stop = info["rank_offset"], info["rank_offset"] + info["num_ranks"]
         span = "" if (first, stop) == (0, world) else f"ranks {first}-{stop - 1}; "
-        sizes = [f"{axis} {size}" for axis, size in info["sizes"].items() if size > 1] or ["every axis 1"]
+        sizes = [f"{axis} {size}" for axis, size in info["sizes"].items() if size > 1] or [
+            "every axis 1"
+        ]
         lines.append(f"  {name}: {span}{', '.join(sizes)}; order {info['order']}")
-    differences = [f"{row['what']} ({row[names[0]]} / {row[names[1]]})" for row in report["differences"]]
+    differences = [
+        f"{row['what']} ({row[names[0]]} / {row[names[1]]})" for row in report["differences"]
+    ]
     lines.append(f"differ in: {', '.join(differences)}" if differences else "the same layout twice")
     if report["overlap"] is None:
         lines.append("their spans are disjoint: no communicator can be shared")
     per_rank = report["communicators_per_rank"]
-    joins = str(per_rank["min"]) if per_rank["min"] == per_rank["max"] else f"{per_rank['min']}-{per_rank['max']}"
+    joins = (
+        str(per_rank["min"])
+        if per_rank["min"] == per_rank["max"]
+        else f"{per_rank['min']}-{per_rank['max']}"
+    )
     created = f"{a + b - report['shared']}, not {a + b}" if report["shared"] else f"{a + b}"
     lines += [
         f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} (the registry creates "
@@ -307,9 +393,15 @@ def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
         "",
     ]
     rows = [("shared", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}")]
-    rows += [(str(row["count"]), str(row["size"]), ", ".join(row[names[0]]), ", ".join(row[names[1]]))
-             for row in report["shared_by_kinds"]]
-    lines += align_columns(rows, numeric=(0, 1)) if report["shared_by_kinds"] else ["no communicator is shared"]
+    rows += [
+        (str(row["count"]), str(row["size"]), ", ".join(row[names[0]]), ", ".join(row[names[1]]))
+        for row in report["shared_by_kinds"]
+    ]
+    lines += (
+        align_columns(rows, numeric=(0, 1))
+        if report["shared_by_kinds"]
+        else ["no communicator is shared"]
+    )
     for name, placement in report.get("placement", {}).items():
         lines += ["", f"{name} " + placement_table(placement)]
     return "\n".join(lines)

@@ -24,7 +24,11 @@ from pathlib import Path
 
 from pgregistry._source.config import ConfigError, Settings, find_config_file
 from pgregistry._source.files import PathError, discover_files, project_path
-from pgregistry._source.options import add_settings_options, settings_arguments, settings_from_options
+from pgregistry._source.options import (
+    add_settings_options,
+    settings_arguments,
+    settings_from_options,
+)
 
 __all__ = ["add_command"]
 
@@ -43,17 +47,29 @@ def _print_error(message: str) -> int:
 def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``pgregistry migrate`` (the hook :mod:`pgregistry.cli` calls)."""
     parser = subparsers.add_parser(
-        "migrate", help="rewrite reads of global process-group state into a collection", description=_DESCRIPTION
+        "migrate",
+        help="rewrite reads of global process-group state into a collection",
+        description=_DESCRIPTION,
     )
     parser.add_argument(
-        "paths", nargs="*", type=Path, metavar="PATH", help="files or directories to migrate (default: the roots)"
+        "paths",
+        nargs="*",
+        type=Path,
+        metavar="PATH",
+        help="files or directories to migrate (default: the roots)",
     )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--diff", action="store_true", help="print a unified diff, write nothing (the default)")
     mode.add_argument(
-        "--write", action="store_true", help="apply the rewrite atomically per file and regenerate the allowlist"
+        "--diff", action="store_true", help="print a unified diff, write nothing (the default)"
     )
-    mode.add_argument("--check", action="store_true", help="exit 1 when anything would change (write nothing)")
+    mode.add_argument(
+        "--write",
+        action="store_true",
+        help="apply the rewrite atomically per file and regenerate the allowlist",
+    )
+    mode.add_argument(
+        "--check", action="store_true", help="exit 1 when anything would change (write nothing)"
+    )
     parser.add_argument(
         "--target",
         choices=("megatron", "pgregistry"),
@@ -68,9 +84,14 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     add_settings_options(parser)
     parser.add_argument(
-        "--allowlist", type=Path, metavar="FILE", help="the allowlist --write regenerates (default: configured)"
+        "--allowlist",
+        type=Path,
+        metavar="FILE",
+        help="the allowlist --write regenerates (default: configured)",
     )
-    parser.add_argument("--quiet", action="store_true", help="print no report, only the diff or errors")
+    parser.add_argument(
+        "--quiet", action="store_true", help="print no report, only the diff or errors"
+    )
     # What a read becomes: the fallback helper module --target megatron writes into the tree.
     parser.add_argument(
         "--helper-module",
@@ -87,7 +108,9 @@ def _ratchet_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
     if args.isolated and args.config is not None:
         raise ConfigError("--isolated and --config contradict each other: pass one")
     args.cache_dir = None
-    configured = not args.isolated and (args.config is not None or find_config_file(Path.cwd()) is not None)
+    configured = not args.isolated and (
+        args.config is not None or find_config_file(Path.cwd()) is not None
+    )
     return settings_from_options(args), configured
 
 
@@ -95,30 +118,38 @@ def _print_bytes(data: bytes) -> None:
     """``data`` on stdout as they are (a diff in a file's own encoding, as ``git diff`` prints it)."""
     sys.stdout.flush()
     buffer = getattr(sys.stdout, "buffer", None)
-    if buffer is None:  # a text-only stream (an embedding's): the bytes as close as it can take them
+    if (
+        buffer is None
+    ):  # a text-only stream (an embedding's): the bytes as close as it can take them
         sys.stdout.write(data.decode("utf-8", "backslashreplace"))
         return
     buffer.write(data)
     buffer.flush()
 
 
-def _allowlist_to_write(args: argparse.Namespace, settings: Settings, configured: bool) -> Path | None:
+def _allowlist_to_write(
+    args: argparse.Namespace, settings: Settings, configured: bool
+) -> Path | None:
     """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it does not
     exist: nothing is written then), else the configured one where it exists (a line on stderr when it does
     not); None for none."""
     allowlist = settings.resolve(settings.allowlist)
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
-            raise ConfigError(f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry allowlist "
-                              f"update --allowlist {args.allowlist}`), or leave the option out")
+            raise ConfigError(
+                f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry allowlist "
+                f"update --allowlist {args.allowlist}`), or leave the option out"
+            )
         return allowlist
     if not configured:
         return None
     if allowlist.is_file():
         return allowlist
     if args.write and not args.quiet:
-        print(f"pgregistry migrate: no allowlist regenerated: the configured {allowlist} does not exist",
-              file=sys.stderr)
+        print(
+            f"pgregistry migrate: no allowlist regenerated: the configured {allowlist} does not exist",
+            file=sys.stderr,
+        )
     return None
 
 
@@ -127,7 +158,9 @@ def _regenerate_allowlist(args: argparse.Namespace) -> int:
     from pgregistry.allowlist import main as allowlist
 
     chosen = [f"--allowlist={args.allowlist}"] if args.allowlist is not None else []
-    return allowlist(["update", "--no-cache", *settings_arguments(args), *chosen, "--", *map(str, args.paths)])
+    return allowlist(
+        ["update", "--no-cache", *settings_arguments(args), *chosen, "--", *map(str, args.paths)]
+    )
 
 
 def _run_migrate(args: argparse.Namespace) -> int:
@@ -158,35 +191,61 @@ def _migrate_files(args: argparse.Namespace) -> int:
         settings, configured = _ratchet_settings(args)
         allowlist = _allowlist_to_write(args, settings, configured)
         if args.check and (settings.root / JOURNAL).exists():
-            return _print_error(f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
-                          "half-written; run `pgregistry migrate` (any mode but --check) to finish it first")
+            return _print_error(
+                f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
+                "half-written; run `pgregistry migrate` (any mode but --check) to finish it first"
+            )
         finished = finish_interrupted(settings.root)
         if finished is not None:
             print(f"pgregistry migrate: {finished}", file=sys.stderr)
-        targets = [Path(p).absolute() for p in args.paths] or [settings.resolve(Path(r)) for r in settings.roots]
+        targets = [Path(p).absolute() for p in args.paths] or [
+            settings.resolve(Path(r)) for r in settings.roots
+        ]
         for target in targets:
-            if project_path(target, settings.root).startswith("../") or project_path(target, settings.root) == "..":
-                raise PathError(f"{target}: outside the project root {settings.root}; run from the project, or "
-                                "pass --isolated to make the current directory the root")
+            if (
+                project_path(target, settings.root).startswith("../")
+                or project_path(target, settings.root) == ".."
+            ):
+                raise PathError(
+                    f"{target}: outside the project root {settings.root}; run from the project, or "
+                    "pass --isolated to make the current directory the root"
+                )
         discovered = discover_files(targets, settings.root, settings.exclude)
         found = own_files(discovered.files, settings.root, settings.exclude)
         for line in found.left if not args.quiet else ():
             print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
-        configured_helper = None if args.isolated else migrate_settings(settings.root).get("helper-module")
-        helper = Helper(args.helper_module or configured_helper, source.accessors, line_length(settings.root),
-                        source.shims)
-        migration = migrate(found.files, settings.scan, target=args.target, name=args.collection_name,
-                            jobs=default_jobs(), gtp_remat=source.gtp_remat, helper=helper,
-                            progress=Progress(None if args.quiet else sys.stderr))
+        configured_helper = (
+            None if args.isolated else migrate_settings(settings.root).get("helper-module")
+        )
+        helper = Helper(
+            args.helper_module or configured_helper,
+            source.accessors,
+            line_length(settings.root),
+            source.shims,
+        )
+        migration = migrate(
+            found.files,
+            settings.scan,
+            target=args.target,
+            name=args.collection_name,
+            jobs=default_jobs(),
+            gtp_remat=source.gtp_remat,
+            helper=helper,
+            progress=Progress(None if args.quiet else sys.stderr),
+        )
     except (ConfigError, PathError, ValueError, WriteError) as error:
         return _print_error(str(error))
     if migration.failures:
         print(render_failures(migration.failures), end="", file=sys.stderr)
-        return _print_error(f"{len(migration.failures)} file(s) cannot be migrated (above); nothing was written")
+        return _print_error(
+            f"{len(migration.failures)} file(s) cannot be migrated (above); nothing was written"
+        )
     changes = migration.changes
     verb = "changed" if args.write else "would change"
-    report = render_report(migration.reads, len(migration.threaded), migration.passed, len(changes), verb)
+    report = render_report(
+        migration.reads, len(migration.threaded), migration.passed, len(changes), verb
+    )
     report += source.describe() + "\n"
     if args.write:
         try:
@@ -201,7 +260,9 @@ def _migrate_files(args: argparse.Namespace) -> int:
             print(report, end="")
         return 1 if changes else 0
     for change in changes:
-        _print_bytes(render_unified_diff(change.path, change.before, change.after, created=change.created))
+        _print_bytes(
+            render_unified_diff(change.path, change.before, change.after, created=change.created)
+        )
     if not args.quiet:
         print(report, end="", file=sys.stderr)
     return 0

@@ -38,14 +38,21 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = T
     """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--num-ranks``, ``--rank-offset``
     and ``--world-size`` left out when the world comes from elsewhere, e.g. torchrun)."""
     if num_ranks:
-        parser.add_argument("--num-ranks", type=int, required=True, help="number of ranks the layout spans")
         parser.add_argument(
-            "--rank-offset", type=int, default=0,
+            "--num-ranks", type=int, required=True, help="number of ranks the layout spans"
+        )
+        parser.add_argument(
+            "--rank-offset",
+            type=int,
+            default=0,
             help="the layout's first (global) rank, for a layout over part of the world (Megatron-Core's "
             "HyperCommGrid rank_offset; default 0: from the world's first rank)",
         )
         parser.add_argument(
-            "--world-size", type=int, default=None, metavar="N",
+            "--world-size",
+            type=int,
+            default=None,
+            metavar="N",
             help="ranks in the whole job, when the layout spans part of it: the span must end within it "
             "(default: --rank-offset + --num-ranks)",
         )
@@ -56,7 +63,9 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = T
     parser.add_argument("--expt-tp", type=int, default=None, help="expert TP size (default: --tp)")
     parser.add_argument("--gtp-remat", type=int, default=1, help="GTP-remat size")
     parser.add_argument("--expt-gtp-remat", type=int, default=1, help="expert GTP-remat size")
-    parser.add_argument("--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)")
+    parser.add_argument(
+        "--order", default=None, help="axis order, fastest first (default tp-cp-ep-dp-pp)"
+    )
 
 
 _SIZE_OPTIONS = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
@@ -81,16 +90,28 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
         value = getattr(args, dest)
         if value is not None and value < 1:
             raise ValueError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
-    check_not_empty(args, {"order": ("--order", "an axis order such as tp-cp-ep-dp-pp, or leave the option out")})
+    check_not_empty(
+        args,
+        {"order": ("--order", "an axis order such as tp-cp-ep-dp-pp, or leave the option out")},
+    )
     if world_size is None:
         check_span(args.num_ranks, args.rank_offset, args.world_size)
-    span = {"num_ranks": world_size} if world_size is not None else {
-        "num_ranks": args.num_ranks, "rank_offset": args.rank_offset,
-    }
+    span = (
+        {"num_ranks": world_size}
+        if world_size is not None
+        else {
+            "num_ranks": args.num_ranks,
+            "rank_offset": args.rank_offset,
+        }
+    )
     sizes: dict[str, Any] = {
         **span,
-        "tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep,
-        "gtp_remat": args.gtp_remat, "expt_gtp_remat": args.expt_gtp_remat,
+        "tp": args.tp,
+        "cp": args.cp,
+        "pp": args.pp,
+        "ep": args.ep,
+        "gtp_remat": args.gtp_remat,
+        "expt_gtp_remat": args.expt_gtp_remat,
     }
     if args.expt_tp is not None:
         sizes["expt_tp"] = args.expt_tp
@@ -108,7 +129,9 @@ def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: s
     if num_ranks < 1:
         raise ValueError(f"{where}{num} must be a positive integer, got {num_ranks}")
     if rank_offset < 0:
-        raise ValueError(f"{where}{offset} must be a non-negative integer (the layout's first rank), got {rank_offset}")
+        raise ValueError(
+            f"{where}{offset} must be a non-negative integer (the layout's first rank), got {rank_offset}"
+        )
     if world_size is None:
         return
     if world_size < 1:
@@ -122,7 +145,10 @@ def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: s
 
 
 def add_placement_arguments(
-    parser: argparse.ArgumentParser, *, gpus_per_node_help: str | None = None, check: bool = True,
+    parser: argparse.ArgumentParser,
+    *,
+    gpus_per_node_help: str | None = None,
+    check: bool = True,
 ) -> None:
     """The options of the node-placement check: ``--gpus-per-node``, ``--intra-node`` and (with ``check``)
     ``--check``."""
@@ -130,17 +156,24 @@ def add_placement_arguments(
 
     group = parser.add_argument_group("placement on nodes")
     group.add_argument(
-        "--gpus-per-node", type=int, default=None, metavar="N",
-        help=gpus_per_node_help or "ranks per node (rank r runs on node r // N): report how many nodes each kind's "
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help=gpus_per_node_help
+        or "ranks per node (rank r runs on node r // N): report how many nodes each kind's "
         "groups span and warn when a kind of --intra-node crosses nodes",
     )
     group.add_argument(
-        "--intra-node", default=",".join(DEFAULT_INTRA_NODE_KINDS), metavar="KINDS",
+        "--intra-node",
+        default=",".join(DEFAULT_INTRA_NODE_KINDS),
+        metavar="KINDS",
         help="comma-separated kinds whose groups should stay on one node (default: %(default)s; '' for none)",
     )
     if check:
         group.add_argument(
-            "--check", action="store_true",
+            "--check",
+            action="store_true",
             help="exit 1 when a kind of --intra-node crosses nodes (needs --gpus-per-node)",
         )
 

@@ -50,16 +50,24 @@ def add_command(subparsers: Subparsers) -> None:
         help="add 10 * dp_rank to the base seed (data-parallel replicas initialised differently)",
     )
     parser.add_argument(
-        "--check", action="store_true", help="report collisions and out-of-range seeds; exit 1 when any is found"
+        "--check",
+        action="store_true",
+        help="report collisions and out-of-range seeds; exit 1 when any is found",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
-        "--time-limit", type=non_negative, default=30.0, metavar="MINUTES",
+        "--time-limit",
+        type=non_negative,
+        default=30.0,
+        metavar="MINUTES",
         help="refuse (exit 2) a run estimated, from the rate of its first ranks, to take longer (default: "
         "%(default)s; 0 for no limit)",
     )
     parser.add_argument(
-        "--progress", type=non_negative, default=10.0, metavar="SECONDS",
+        "--progress",
+        type=non_negative,
+        default=10.0,
+        metavar="SECONDS",
         help="print progress on stderr every SECONDS of a run estimated to take longer than that (default: "
         "%(default)s; 0 for none)",
     )
@@ -82,9 +90,13 @@ def _run_seed_plan(args: argparse.Namespace) -> int:
             )
         progress = _Progress(doing, layout.num_ranks, args.time_limit, args.progress, advice)
         if args.check:
-            collisions = check_seed_plan(layout, args.seed, data_parallel_random_init=random_init, progress=progress)
+            collisions = check_seed_plan(
+                layout, args.seed, data_parallel_random_init=random_init, progress=progress
+            )
         else:
-            plan = seed_plan(layout, args.seed, data_parallel_random_init=random_init, progress=progress)
+            plan = seed_plan(
+                layout, args.seed, data_parallel_random_init=random_init, progress=progress
+            )
     except ValueError as exc:
         print(f"pgregistry seed-plan: error: {exc}", file=sys.stderr)
         return 2
@@ -115,13 +127,17 @@ _LISTED_BYTES = 48
 _PLAN_BYTES_PER_RANK = 3072
 
 
-def estimate_plan_bytes(layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool) -> int:
+def estimate_plan_bytes(
+    layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool
+) -> int:
     """The memory the plan of ``layout`` (``check``: its check) holds, estimated from the layout's sizes alone."""
     from pgregistry.rng import check_seed_plan_size
 
     if not check:
         return _PLAN_BYTES_PER_RANK * layout.num_ranks
-    streams, listed = check_seed_plan_size(layout, seed, data_parallel_random_init=data_parallel_random_init)
+    streams, listed = check_seed_plan_size(
+        layout, seed, data_parallel_random_init=data_parallel_random_init
+    )
     return _STREAM_BYTES * streams + _LISTED_BYTES * listed
 
 
@@ -142,7 +158,8 @@ def _check_memory(
             )
         else:
             advice = (
-                "it lists every rank of its within-rank and out-of-range collisions: run it where more memory is free"
+                "it lists every rank of its within-rank and out-of-range collisions: "
+                "run it where more memory is free"
             )
         raise not_enough_memory(doing, needed, available, advice)
 
@@ -153,7 +170,9 @@ class _Progress:
     seconds of a run estimated longer than that. Nothing is timed before the first callback, so short runs print
     nothing."""
 
-    def __init__(self, doing: str, total: int, limit_minutes: float, every_s: float, advice: str) -> None:
+    def __init__(
+        self, doing: str, total: int, limit_minutes: float, every_s: float, advice: str
+    ) -> None:
         self.doing, self.total, self.advice = doing, total, advice
         self.limit_minutes, self.every_s = limit_minutes, every_s
         self.start = self.printed = time.monotonic()
@@ -199,7 +218,13 @@ def _print_table(layout: ParallelLayout, plan: dict[int, dict[str, int]]) -> Non
     rows = []
     for rank, seeds in plan.items():
         coords = layout.coords(rank)
-        rows.append([str(rank), *(str(coords[a]) for a in axes), *(str(seeds.get(t, "-")) for t in trackers)])
+        rows.append(
+            [
+                str(rank),
+                *(str(coords[a]) for a in axes),
+                *(str(seeds.get(t, "-")) for t in trackers),
+            ]
+        )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))

@@ -49,14 +49,20 @@ def run_checks(
 
     command = title.split(":")[0]
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(f"{command}: error: run it under torchrun (RANK and WORLD_SIZE are not set)", file=sys.stderr)
+        print(
+            f"{command}: error: run it under torchrun (RANK and WORLD_SIZE are not set)",
+            file=sys.stderr,
+        )
         return 2
     init: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout)}
     if backend == "nccl":
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
-            print(f"{command}: error: --backend nccl needs CUDA, and torch {torch.__version__} here has none "
-                  f"({build}); use --backend gloo", file=sys.stderr)
+            print(
+                f"{command}: error: --backend nccl needs CUDA, and torch {torch.__version__} here has none "
+                f"({build}); use --backend gloo",
+                file=sys.stderr,
+            )
             return 2
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -74,7 +80,10 @@ def run_checks(
 
 
 def report_checks(
-    title: str, checks: Callable[[torch.device], list[Check]], device: torch.device, json_path: str | None = None
+    title: str,
+    checks: Callable[[torch.device], list[Check]],
+    device: torch.device,
+    json_path: str | None = None,
 ) -> int:
     """:func:`run_checks` in a world already initialised: check ``json_path`` (rank 0 writes it, so rank 0's view
     decides, told to every rank), run ``checks(device)``, gather, print (and write) the table on rank 0; the exit
@@ -123,7 +132,9 @@ def _print_report(title: str, everyone: list[list[Check]], json_path: str | None
     for i, (name, _, _) in enumerate(everyone[0]):
         failing = [rank for rank, checks in enumerate(everyone) if not checks[i][1]]
         detail = everyone[failing[0] if failing else 0][i][2]
-        rows.append({"check": name, "passed": not failing, "failing_ranks": failing, "detail": detail})
+        rows.append(
+            {"check": name, "passed": not failing, "failing_ranks": failing, "detail": detail}
+        )
     print(f"{title}; {len(everyone)} ranks")
     for row in rows:
         where = f" on ranks {row['failing_ranks']}" if row["failing_ranks"] else ""

@@ -69,10 +69,14 @@ def _checks_on_this_rank(args: argparse.Namespace, device: torch.device) -> list
                 wrong.append(f"{name}: not a member != {list(want)}")
             continue
         group = pg.get(name)
-        members = [rank] if group is None else _group_members(group, world, device)  # None: the axis is off
+        members = (
+            [rank] if group is None else _group_members(group, world, device)
+        )  # None: the axis is off
         if want is None or members != list(want):
             wrong.append(f"{name}: {members} != {list(want) if want else 'not a member'}")
-    checks.append(("groups: every communicator holds the layout's ranks", not wrong, "; ".join(wrong[:3])))
+    checks.append(
+        ("groups: every communicator holds the layout's ranks", not wrong, "; ".join(wrong[:3]))
+    )
     checks += _placement_checks(layout, args)
 
     checks += _expert_grads_with_expert_tp(world, device)
@@ -88,15 +92,25 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
 
     from pgregistry.placement import place
 
-    local = args.gpus_per_node if args.gpus_per_node is not None else os.environ.get("LOCAL_WORLD_SIZE")
+    local = (
+        args.gpus_per_node if args.gpus_per_node is not None else os.environ.get("LOCAL_WORLD_SIZE")
+    )
     # Every rank decides on the same gathered values, so a bad value raises on every rank alike (none hangs).
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (local, socket.gethostname()))
     values = sorted({str(value) for value, _ in everyone})
     if values == ["None"]:
-        raise ValueError("ranks per node unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it); pass --gpus-per-node")
+        raise ValueError(
+            "ranks per node unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it); pass --gpus-per-node"
+        )
     if len(values) > 1:
-        return [("placement: every rank has the same ranks per node", False, f"LOCAL_WORLD_SIZE values {values}")]
+        return [
+            (
+                "placement: every rank has the same ranks per node",
+                False,
+                f"LOCAL_WORLD_SIZE values {values}",
+            )
+        ]
     try:
         gpus_per_node = int(values[0])
     except ValueError:
@@ -104,8 +118,11 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
     placement = place(layout, gpus_per_node, intra_node_kinds(args))
     kinds = [entry.kind for entry in placement.kinds if entry.should_stay_intra_node]
     return [
-        (f"placement: {', '.join(kinds) or 'no kind'} groups stay on nodes of {gpus_per_node} ranks",
-         not placement.violations(), "; ".join(placement.warnings())),
+        (
+            f"placement: {', '.join(kinds) or 'no kind'} groups stay on nodes of {gpus_per_node} ranks",
+            not placement.violations(),
+            "; ".join(placement.warnings()),
+        ),
         nodes_share_hosts([host for _, host in everyone], gpus_per_node),
     ]
 
@@ -115,10 +132,16 @@ def nodes_share_hosts(hosts: list[str], gpus_per_node: int) -> Check:
     that deals ranks round-robin over hosts (Slurm's cyclic distribution) breaks every placement claim."""
     split = []
     for node in range(len(hosts) // gpus_per_node):
-        on_node = sorted(set(hosts[node * gpus_per_node:(node + 1) * gpus_per_node]))
+        on_node = sorted(set(hosts[node * gpus_per_node : (node + 1) * gpus_per_node]))
         if len(on_node) > 1:
-            split.append(f"node {node} (ranks {node * gpus_per_node}-{(node + 1) * gpus_per_node - 1}) on {on_node}")
-    return (f"placement: each node's {gpus_per_node} consecutive ranks share one host", not split, "; ".join(split[:2]))
+            split.append(
+                f"node {node} (ranks {node * gpus_per_node}-{(node + 1) * gpus_per_node - 1}) on {on_node}"
+            )
+    return (
+        f"placement: each node's {gpus_per_node} consecutive ranks share one host",
+        not split,
+        "; ".join(split[:2]),
+    )
 
 
 def _group_members(group: Any, world: int, device: Any) -> list[int]:
@@ -143,7 +166,9 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
     from pgregistry.optim import build_optimizer
     from pgregistry.testing._toy_models import dense_and_expert
 
-    pg = registry.build(ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1), name="verify-expert-tp")
+    pg = registry.build(
+        ParallelLayout(num_ranks=world, tp=world, ep=world, expt_tp=1), name="verify-expert-tp"
+    )
     want_norm, want_zeros = math.sqrt(1 + world), 1 + world
     scenario = f"fixed grid TP = EP = world ({world}), expert TP 1"
     model = dense_and_expert(device=device)
@@ -153,8 +178,13 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     zeros = count_zeros(model, pg)
-    out = [(f"{scenario}, functional: norm sqrt(1+{world}), zero count {want_zeros}",
-            _is_close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}")]
+    out = [
+        (
+            f"{scenario}, functional: norm sqrt(1+{world}), zero count {want_zeros}",
+            _is_close(norm, want_norm) and zeros == want_zeros,
+            f"norm {norm:.7f}, zeros {zeros}",
+        )
+    ]
     for sharded in (False, True):
         model = dense_and_expert(device=device)
         optimizer = build_optimizer(model, pg, optimizer="sgd", lr=0.0, sharded=sharded)
@@ -165,8 +195,13 @@ def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
         optimizer.zero_grad()
         zeros = int(optimizer.count_zeros())
         kind = "sharded" if sharded else "mixed-precision"
-        out.append((f"{scenario}, {kind} optimizer: norm sqrt(1+{world}), zero count {want_zeros}",
-                    _is_close(norm, want_norm) and zeros == want_zeros, f"norm {norm:.7f}, zeros {zeros}"))
+        out.append(
+            (
+                f"{scenario}, {kind} optimizer: norm sqrt(1+{world}), zero count {want_zeros}",
+                _is_close(norm, want_norm) and zeros == want_zeros,
+                f"norm {norm:.7f}, zeros {zeros}",
+            )
+        )
     return out
 
 
@@ -181,14 +216,25 @@ def _oracle_checks(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
     numel = sum(g.numel() for g in ones.values())
     set_grads(model, shards, full_grads("zeros"), device=device)
     zeros = count_zeros(model, pg)
-    out.append((f"invariance: all-ones norm sqrt({numel}), zero count {numel}",
-                _is_close(norm, math.sqrt(numel)) and zeros == numel, f"norm {norm:.7f}, zeros {zeros}"))
+    out.append(
+        (
+            f"invariance: all-ones norm sqrt({numel}), zero count {numel}",
+            _is_close(norm, math.sqrt(numel)) and zeros == numel,
+            f"norm {norm:.7f}, zeros {zeros}",
+        )
+    )
     grads = full_grads("random")
     set_grads(model, shards, grads, device=device)
     norms, want_zeros = _whole_model_statistics(grads)
     for p, want in norms.items():
         norm = float(grad_norm(model, pg, norm_type=p))
-        out.append((f"float64 oracle: {p}-norm of random grads", _is_close(norm, want), f"{norm:.9g} vs {want:.9g}"))
+        out.append(
+            (
+                f"float64 oracle: {p}-norm of random grads",
+                _is_close(norm, want),
+                f"{norm:.9g} vs {want:.9g}",
+            )
+        )
     zeros = count_zeros(model, pg)
     out.append(("float64 oracle: zero count of random grads", zeros == want_zeros, f"{zeros}"))
     return out
@@ -201,7 +247,9 @@ def _whole_model_statistics(grads: dict[str, torch.Tensor]) -> tuple[dict[float,
     import torch
 
     flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    return {2.0: float(flat.square().sum().sqrt()), math.inf: float(flat.abs().max())}, int((flat == 0).sum())
+    return {2.0: float(flat.square().sum().sqrt()), math.inf: float(flat.abs().max())}, int(
+        (flat == 0).sum()
+    )
 
 
 def _seed_checks(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
@@ -211,10 +259,16 @@ def _seed_checks(layout: Any, pg: Any, rank: int, seed: int) -> list[Check]:
     planned = seed_plan(layout, seed)[rank]
     collisions = check_seed_plan(layout, seed)
     return [
-        ("RNG: this rank's tracker seeds equal the layout's seed plan", registered == planned,
-         "" if registered == planned else f"{registered} != {planned}"),
-        (f"RNG: seed plan collisions (Megatron-Core's offsets): {len(collisions)}", True,
-         collisions[0].describe() if collisions else ""),
+        (
+            "RNG: this rank's tracker seeds equal the layout's seed plan",
+            registered == planned,
+            "" if registered == planned else f"{registered} != {planned}",
+        ),
+        (
+            f"RNG: seed plan collisions (Megatron-Core's offsets): {len(collisions)}",
+            True,
+            collisions[0].describe() if collisions else "",
+        ),
     ]
 
 
@@ -237,7 +291,10 @@ def _run_verify(args: argparse.Namespace) -> int:
         f"expt_tp {expt_tp} gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
     )
     return run_checks(
-        title, args.backend, lambda device: _checks_on_this_rank(args, device), timeout=args.timeout,
+        title,
+        args.backend,
+        lambda device: _checks_on_this_rank(args, device),
+        timeout=args.timeout,
         json_path=args.json,
     )
 
@@ -256,18 +313,29 @@ def add_command(subparsers: Subparsers) -> None:
     )
     add_layout_arguments(parser, num_ranks=False)
     add_placement_arguments(
-        parser, check=False,
+        parser,
+        check=False,
         gpus_per_node_help="ranks per node (default: the launcher's LOCAL_WORLD_SIZE): the placement check fails "
         "when a kind of --intra-node crosses nodes or a node's ranks run on different hosts",
     )
     parser.add_argument(
-        "--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)"
+        "--backend",
+        default="gloo",
+        choices=("gloo", "nccl"),
+        help="process-group backend (default gloo)",
     )
-    parser.add_argument("--seed", type=int, default=1234, help="the job's seed for the RNG checks (default 1234)")
     parser.add_argument(
-        "--timeout", type=positive_seconds, default=120.0, help="collective timeout in seconds (default 120)"
+        "--seed", type=int, default=1234, help="the job's seed for the RNG checks (default 1234)"
     )
     parser.add_argument(
-        "--json", metavar="FILE", help="rank 0 also writes the results as JSON (its path is checked before the run)"
+        "--timeout",
+        type=positive_seconds,
+        default=120.0,
+        help="collective timeout in seconds (default 120)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="rank 0 also writes the results as JSON (its path is checked before the run)",
     )
     parser.set_defaults(handler=_run_verify)

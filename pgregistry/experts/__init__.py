@@ -24,7 +24,11 @@ from pgregistry.experts._keys import (
     is_expert_key,
     localize_expert_keys,
 )
-from pgregistry.experts._names import get_global_unique_param_name, global_param_name_fn, named_global_parameters
+from pgregistry.experts._names import (
+    get_global_unique_param_name,
+    global_param_name_fn,
+    named_global_parameters,
+)
 
 __all__ = [
     "expert_owner",

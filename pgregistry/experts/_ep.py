@@ -35,7 +35,9 @@ def get_ep_rank_and_size(pg_collection: ProcessGroupCollection | None = None) ->
         ep_rank, ep_size = get_ep_rank_and_size(collection_of(model))
         first_expert = ep_rank * num_experts // ep_size
     """
-    collection = resolve_pg_collection(pg_collection, owner="get_ep_rank_and_size", fallback=("ep",))
+    collection = resolve_pg_collection(
+        pg_collection, owner="get_ep_rank_and_size", fallback=("ep",)
+    )
     return ep_rank_and_size(collection)
 
 

@@ -53,7 +53,9 @@ def check_ep(ep_rank: int, ep_size: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
-        raise ValueError(f"ep_rank {ep_rank} is not a rank of an expert-parallel group of size {ep_size}")
+        raise ValueError(
+            f"ep_rank {ep_rank} is not a rank of an expert-parallel group of size {ep_size}"
+        )
 
 
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
@@ -111,7 +113,9 @@ def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int
     """
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= global_index < num_experts:
-        raise ValueError(f"global expert index {global_index} is out of range for {num_experts} experts")
+        raise ValueError(
+            f"global expert index {global_index} is out of range for {num_experts} experts"
+        )
     return divmod(global_index, num_local)
 
 
@@ -140,7 +144,9 @@ def expert_slot(key: str) -> ExpertSlot | None:
         if segment == "local_experts" and _INDEX.fullmatch(segments[j + 1]):
             head = ".".join(segments[: j + 1]) + "."
             rest = segments[j + 2 :]
-            return ExpertSlot(head, _parse_index(segments[j + 1], key), "." + ".".join(rest) if rest else "")
+            return ExpertSlot(
+                head, _parse_index(segments[j + 1], key), "." + ".".join(rest) if rest else ""
+            )
     match = _GROUPED_TAIL.fullmatch(segments[-1])
     if match is None or "experts" not in segments[:-1]:
         return None
@@ -175,7 +181,12 @@ def global_key(key: str, slot: ExpertSlot, num_experts: int, ep_rank: int, ep_si
 
 
 def globalize_expert_keys(
-    state_dict: Mapping[str, V], num_experts: int | None, ep_rank: int, ep_size: int, *, strict: bool = True
+    state_dict: Mapping[str, V],
+    num_experts: int | None,
+    ep_rank: int,
+    ep_size: int,
+    *,
+    strict: bool = True,
 ) -> dict[str, V]:
     """A new dict with the expert keys of this EP rank renamed from local to global expert indices.
 
@@ -209,8 +220,9 @@ def globalize_expert_keys(
     if strict and num_experts is not None:
         num_local = _num_local(num_experts, ep_size)
         _refuse_incomplete(
-            state_dict, range(num_local), f"{num_experts} experts over {ep_size} EP ranks leave {num_local} local "
-            f"ones per rank"
+            state_dict,
+            range(num_local),
+            f"{num_experts} experts over {ep_size} EP ranks leave {num_local} local ones per rank",
         )
     return renamed
 
@@ -265,18 +277,24 @@ def localize_expert_keys(
         if owner != ep_rank:
             if foreign == "skip":
                 return None
-            raise ValueError(f"key {key!r} names expert {slot.index}, held by EP rank {owner}, not {ep_rank}")
+            raise ValueError(
+                f"key {key!r} names expert {slot.index}, held by EP rank {owner}, not {ep_rank}"
+            )
         return slot.with_index(local)
 
     renamed = _rename_expert_keys(state_dict, num_experts, rename_key)
     if strict and num_experts is not None:
         num_local = _num_local(num_experts, ep_size)
         if foreign == "skip":
-            _refuse_incomplete(state_dict, range(num_experts), f"a whole-model state dict of {num_experts} experts")
+            _refuse_incomplete(
+                state_dict, range(num_experts), f"a whole-model state dict of {num_experts} experts"
+            )
         else:
             mine = range(ep_rank * num_local, (ep_rank + 1) * num_local)
             _refuse_incomplete(
-                state_dict, mine, f"EP rank {ep_rank} of {ep_size} holds experts {_format_span(mine)} of {num_experts}"
+                state_dict,
+                mine,
+                f"EP rank {ep_rank} of {ep_size} holds experts {_format_span(mine)} of {num_experts}",
             )
     return renamed
 

@@ -75,7 +75,9 @@ class GlobalNamer:
         layer_offsets: Sequence[int] | None = None,
     ) -> None:
         if layer_offsets is not None and len(layer_offsets) != len(chunks):
-            raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
+            raise ValueError(
+                f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks"
+            )
         self._chunks = chunks
         self._resolve = collection
         self._resolved: ProcessGroupCollection | None = None
@@ -87,7 +89,10 @@ class GlobalNamer:
 
     @classmethod
     def at_the_door(
-        cls, model_chunks: nn.Module | Sequence[nn.Module], owner: str, **options: Unpack[NamingOptions]
+        cls,
+        model_chunks: nn.Module | Sequence[nn.Module],
+        owner: str,
+        **options: Unpack[NamingOptions],
     ) -> GlobalNamer:
         """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection is resolved
         (explicit, else attached, else the global grid with a warning) when first needed."""
@@ -96,7 +101,9 @@ class GlobalNamer:
         pg_collection = options.get("pg_collection")
 
         def resolve_naming_collection() -> ProcessGroupCollection:
-            return resolve_pg_collection(pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK)
+            return resolve_pg_collection(
+                pg_collection, chunks, owner=owner, fallback=_NAMING_FALLBACK
+            )
 
         return cls(
             chunks,
@@ -176,7 +183,9 @@ class GlobalNamer:
         if offset is None:
             offset = self._offset_without_pipeline(chunk_index)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise ValueError(f"layer offset of model chunk {chunk_index} must be a non-negative integer: {offset!r}")
+            raise ValueError(
+                f"layer offset of model chunk {chunk_index} must be a non-negative integer: {offset!r}"
+            )
         self._offsets[chunk_index] = offset
         return offset
 
@@ -267,10 +276,14 @@ def get_global_unique_param_name(
     raise _not_held(param, len(namer.chunks))
 
 
-def _model_chunks(model_chunks: nn.Module | Sequence[nn.Module], owner: str) -> tuple[nn.Module, ...]:
+def _model_chunks(
+    model_chunks: nn.Module | Sequence[nn.Module], owner: str
+) -> tuple[nn.Module, ...]:
     chunks = normalise_params(model_chunks).chunks
     if not chunks:
-        raise TypeError(f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}")
+        raise TypeError(
+            f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}"
+        )
     return chunks
 
 
@@ -284,7 +297,9 @@ def _chain_attribute(module: nn.Module, name: str) -> Any:
 
 
 def _not_held(param: torch.Tensor, count: int) -> ValueError:
-    return ValueError(f"parameter of shape {tuple(param.shape)} is not held by any of the {count} model chunks")
+    return ValueError(
+        f"parameter of shape {tuple(param.shape)} is not held by any of the {count} model chunks"
+    )
 
 
 def global_param_name_fn(

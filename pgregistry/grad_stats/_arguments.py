@@ -15,7 +15,13 @@ import numbers
 
 import torch
 
-__all__ = ["check_max_norm", "norm_type_as_float", "max_norm_error", "norm_type_error", "real_number"]
+__all__ = [
+    "check_max_norm",
+    "norm_type_as_float",
+    "max_norm_error",
+    "norm_type_error",
+    "real_number",
+]
 
 
 def real_number(value: object) -> float | None:
@@ -34,7 +40,9 @@ def norm_type_error(norm_type: object) -> Exception | None:
     ``ValueError`` unless positive (inf is the max-norm; NaN is none)."""
     p = real_number(norm_type)
     if p is None:
-        return TypeError(f"norm_type must be a positive number or inf, got {norm_type!r} ({type(norm_type).__name__})")
+        return TypeError(
+            f"norm_type must be a positive number or inf, got {norm_type!r} ({type(norm_type).__name__})"
+        )
     return None if p > 0 else ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
 
 
@@ -44,7 +52,9 @@ def max_norm_error(max_norm: object) -> Exception | None:
     number = real_number(max_norm)
     if number is None:
         kind = type(max_norm).__name__
-        return TypeError(f"max_norm must be a positive, finite number (a float), got {max_norm!r} ({kind})")
+        return TypeError(
+            f"max_norm must be a positive, finite number (a float), got {max_norm!r} ({kind})"
+        )
     if number > 0 and math.isfinite(number):
         return None
     return ValueError(f"max_norm must be a positive, finite number, got {max_norm!r}")

@@ -39,7 +39,9 @@ def holds_experts(params: Params) -> bool:
     """Whether ``params`` hold an expert parameter, or a parameter of a marked expert module not yet classified
     (it may be one): what makes a collection's expert fields needed. Local: the ranks that must decide alike agree
     the answer (:func:`pgregistry._runtime.agreement.any_rank_has`)."""
-    return any(is_expert_param(param) for _, param in params.named) or bool(expert_params_without_allreduce(params))
+    return any(is_expert_param(param) for _, param in params.named) or bool(
+        expert_params_without_allreduce(params)
+    )
 
 
 def require_classified_experts(params: Params, collection: ProcessGroupCollection) -> None:

@@ -25,7 +25,9 @@ def backend_device(group: ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def reduction_device(grads: Iterable[torch.Tensor], groups: Iterable[ProcessGroup | None]) -> torch.device:
+def reduction_device(
+    grads: Iterable[torch.Tensor], groups: Iterable[ProcessGroup | None]
+) -> torch.device:
     """Where statistics of ``grads`` are computed and reduced.
 
     Args:

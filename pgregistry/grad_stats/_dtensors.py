@@ -75,7 +75,9 @@ class MeshAxes:
     decisions of one statistics call, cached by layout (mesh, placements, roles), so classifying thousands of grads
     costs a dictionary look-up each."""
 
-    def __init__(self, collection: ProcessGroupCollection, reduce_groups: Mapping[bool, ProcessGroup | None]) -> None:
+    def __init__(
+        self, collection: ProcessGroupCollection, reduce_groups: Mapping[bool, ProcessGroup | None]
+    ) -> None:
         self.rank = dist.get_rank()
         self.collection = collection
         self.fields: dict[frozenset[int], list[GroupName]] = {}
@@ -86,7 +88,9 @@ class MeshAxes:
                 self.fields.setdefault(ranks, []).append(name)
                 self._field_ranks[name] = ranks
         self.reduce_groups = reduce_groups
-        self.reduce_ranks = {expert: self.ranks_of(group) for expert, group in reduce_groups.items()}
+        self.reduce_ranks = {
+            expert: self.ranks_of(group) for expert, group in reduce_groups.items()
+        }
         self.decisions: dict[tuple[Any, ...], Decision] = {}
 
     def ranks_of(self, group: ProcessGroup | None) -> frozenset[int]:
@@ -158,7 +162,9 @@ def classify_dtensor_grad(
     local = piece
     for dim in decision.partial:
         local = _copy_with_partial_reduced(local, dim, axes)
-    return DTensorGrad(piece=piece, local=local, counted=decision.counted, outer=decision.outer, expert=expert)
+    return DTensorGrad(
+        piece=piece, local=local, counted=decision.counted, outer=decision.outer, expert=expert
+    )
 
 
 def decision_of(
@@ -186,12 +192,19 @@ def decision_of(
     )
     decision = axes.decisions.get(key)
     if decision is None:
-        decision = axes.decisions[key] = _decide_dtensor_reduction(name, param, grad, axes, verdicts, expert)
+        decision = axes.decisions[key] = _decide_dtensor_reduction(
+            name, param, grad, axes, verdicts, expert
+        )
     return decision
 
 
 def _decide_dtensor_reduction(
-    name: str, param: torch.Tensor, grad: DTensor, axes: MeshAxes, verdicts: tuple[bool, bool], expert: bool
+    name: str,
+    param: torch.Tensor,
+    grad: DTensor,
+    axes: MeshAxes,
+    verdicts: tuple[bool, bool],
+    expert: bool,
 ) -> Decision:
     from torch.distributed.tensor import Partial, Replicate
 
@@ -218,7 +231,9 @@ def _decide_dtensor_reduction(
     for dim in dims:
         sharded = _is_shard(dim.placement)
         if not sharded and not isinstance(dim.placement, Replicate | Partial):
-            raise ValueError(f"{name}: placement {dim.placement!r} on mesh dim {dim.name!r} is not supported")
+            raise ValueError(
+                f"{name}: placement {dim.placement!r} on mesh dim {dim.name!r} is not supported"
+            )
         if dim.ranks <= reduce_ranks:
             counted = counted and (sharded or mesh.get_local_rank(dim.index) == 0)
         elif dim.ranks & reduce_ranks == {axes.rank}:
@@ -249,7 +264,9 @@ def mesh_ranks(tensor: torch.Tensor, rank: int) -> frozenset[int]:
     return frozenset(tensor.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
 
 
-def _check_grid(name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], expert_dp: frozenset[int]) -> None:
+def _check_grid(
+    name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], expert_dp: frozenset[int]
+) -> None:
     """A parameter laid out over an expert-grid group must say how it stands to EP; an expert must not be laid out
     over a dense-grid group, unless the group lies inside its expert data-parallel group: HSDP's replicate group
     ``inter_dist_opt`` serves both grids (as in Megatron-Core), and there it crosses no EP or expert-TP rank."""
@@ -278,7 +295,10 @@ def _axes_spanned_by_mesh(
     reduction group, so ``Replicate`` there would count one copy)."""
     claims: dict[str, tuple[GroupName, bool]] = {
         "tp": ("expt_tp" if expert else "tp", bool(getattr(param, "tensor_model_parallel", False))),
-        "gtp": ("expt_gtp_remat" if expert else "gtp_remat", bool(getattr(param, "is_gtp_weight_remat", False))),
+        "gtp": (
+            "expt_gtp_remat" if expert else "gtp_remat",
+            bool(getattr(param, "is_gtp_weight_remat", False)),
+        ),
         "ep": ("ep", expert),
     }
     spanned: set[str] = set()
@@ -310,5 +330,9 @@ def _copy_with_partial_reduced(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -
     if op not in _PARTIAL_OPS:
         raise ValueError(f"Partial({op!r}) grads are not supported")
     reduced = local.detach().clone()
-    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _PARTIAL_OPS[op]), group=axes.collection.get(dim.fields[0]))
+    dist.all_reduce(
+        reduced,
+        op=getattr(dist.ReduceOp, _PARTIAL_OPS[op]),
+        group=axes.collection.get(dim.fields[0]),
+    )
     return reduced / len(dim.ranks) if op == "avg" else reduced

@@ -156,7 +156,9 @@ def param_is_not_tensor_parallel_duplicate(
     return _not_tp_duplicate(param, groups[is_expert_param(param)])
 
 
-def param_is_not_gtp_duplicate(param: torch.Tensor, pg_collection: ProcessGroupCollection | None = None) -> bool:
+def param_is_not_gtp_duplicate(
+    param: torch.Tensor, pg_collection: ProcessGroupCollection | None = None
+) -> bool:
     """Whether this rank counts ``param``'s gradient as far as the GTP-remat axis goes.
 
     A GTP-sharded parameter (``is_gtp_weight_remat``) is unique per GTP rank. Any other is
@@ -177,7 +179,9 @@ def param_is_not_gtp_duplicate(param: torch.Tensor, pg_collection: ProcessGroupC
         ValueError: a collection this rank is not a member of, or destroyed.
     """
     owner = "param_is_not_gtp_duplicate"
-    collection = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "expt_gtp_remat"))
+    collection = resolve_pg_collection(
+        pg_collection, owner=owner, fallback=("gtp_remat", "expt_gtp_remat")
+    )
     groups = {True: collection.get("expt_gtp_remat"), False: collection.get("gtp_remat")}
     return _not_gtp_duplicate(param, groups[is_expert_param(param)])
 

@@ -21,13 +21,24 @@ from collections.abc import Iterable
 import torch
 from torch.distributed import ProcessGroup
 
-from pgregistry._runtime.resolve import ParamsLike, normalise_params, resolve_pg_collection, source_of
+from pgregistry._runtime.resolve import (
+    ParamsLike,
+    normalise_params,
+    resolve_pg_collection,
+    source_of,
+)
 from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
 from pgregistry.grad_stats._plan import check_or_make_plan
-from pgregistry.grad_stats._reductions import Clipping, Reduced, Wanted, check_max_norm, reduce_shares
+from pgregistry.grad_stats._reductions import (
+    Clipping,
+    Reduced,
+    Wanted,
+    check_max_norm,
+    reduce_shares,
+)
 
 __all__ = [
     "check_expert_classification",
@@ -58,7 +69,10 @@ def classify_grads(
 
         norm = norm_of_grads(classify_grads(model.parameters(), groups))
     """
-    buckets: dict[ProcessGroup | None, list[torch.Tensor]] = {groups.dense_reduce: [], groups.expert_reduce: []}
+    buckets: dict[ProcessGroup | None, list[torch.Tensor]] = {
+        groups.dense_reduce: [],
+        groups.expert_reduce: [],
+    }
     for param in params:
         if param.grad is not None and is_counted(param, groups):
             buckets[reduce_group_of(param, groups)].append(param.grad)
@@ -95,7 +109,9 @@ def check_expert_classification(
     require_classified_experts(params, collection)
 
 
-def verdict_groups(collection: ProcessGroupCollection, owner: str) -> tuple[ProcessGroup | None, ...]:
+def verdict_groups(
+    collection: ProcessGroupCollection, owner: str
+) -> tuple[ProcessGroup | None, ...]:
     """The groups that together span every rank holding grads: ``intra_dist_opt`` (every rank of one optimizer
     instance; the whole layout as the registry builds it), then ``inter_dist_opt`` when it spans several instances.
     ``ValueError`` naming ``intra_dist_opt`` when the collection does not set it (``None`` for a one-rank job)."""
@@ -133,7 +149,10 @@ def _read_reduce_and_clip(
 
 
 def grad_norm(
-    params: ParamsLike, pg_collection: ProcessGroupCollection | None = None, *, norm_type: float = 2.0
+    params: ParamsLike,
+    pg_collection: ProcessGroupCollection | None = None,
+    *,
+    norm_type: float = 2.0,
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of the grads of ``params`` on its collection.
 
@@ -168,7 +187,9 @@ def grad_norm(
 
         norm = grad_norm(model, pg)  # the same value on every rank, as on the unsharded model
     """
-    return _read_reduce_and_clip(params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)).norm
+    return _read_reduce_and_clip(
+        params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)
+    ).norm
 
 
 def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None = None) -> int:
@@ -196,7 +217,9 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
 
         zeros = count_zeros(model, pg)
     """
-    zeros = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.of(None, zeros=True)).zeros
+    zeros = _read_reduce_and_clip(
+        params, pg_collection, "count_zeros", Wanted.of(None, zeros=True)
+    ).zeros
     assert zeros is not None
     return int(zeros.item())
 
@@ -242,7 +265,12 @@ def grad_norm_and_zeros(
     if max_norm is not None:
         check_max_norm(max_norm)  # before any collective
     reduced = _read_reduce_and_clip(
-        params, pg_collection, "grad_norm_and_zeros", Wanted.of(norm_type, zeros=True), max_norm, error_if_nonfinite
+        params,
+        pg_collection,
+        "grad_norm_and_zeros",
+        Wanted.of(norm_type, zeros=True),
+        max_norm,
+        error_if_nonfinite,
     )
     assert reduced.zeros is not None
     return reduced.norm if max_norm is None else reduced.clip_norm, reduced.zeros
@@ -291,5 +319,10 @@ def clip_grad_norm_(
     """
     check_max_norm(max_norm)  # None too: here it is no "do not clip"
     return _read_reduce_and_clip(
-        params, pg_collection, "clip_grad_norm_", Wanted.of(norm_type, zeros=False), max_norm, error_if_nonfinite
+        params,
+        pg_collection,
+        "clip_grad_norm_",
+        Wanted.of(norm_type, zeros=False),
+        max_norm,
+        error_if_nonfinite,
     ).clip_norm

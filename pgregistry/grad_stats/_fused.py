@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from pgregistry._runtime.optional_kernels import cuda_index, launch_on, optional_kernels, probe_kernel
+from pgregistry._runtime.optional_kernels import (
+    cuda_index,
+    launch_on,
+    optional_kernels,
+    probe_kernel,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +94,9 @@ def can_run_fused_stats(device: torch.device) -> bool:
 def _works_on(index: int) -> bool:
     kernel = "the one-read grad statistics kernel"
     want = (25.0, 2, 25.0, 2, [0.0, 1.5, -0.0, 2.0])
-    return probe_kernel(index, _probe_every_launch, want, event="one_read_stats_unavailable", kernel=kernel)
+    return probe_kernel(
+        index, _probe_every_launch, want, event="one_read_stats_unavailable", kernel=kernel
+    )
 
 
 def _probe_every_launch(device: torch.device) -> tuple[float, int, float, int, list[float]]:
@@ -103,7 +110,9 @@ def _probe_every_launch(device: torch.device) -> tuple[float, int, float, int, l
     table_squares, table_zeros = squares_and_zeros(pieces)
     scale_(pieces, torch.tensor(0.5, device=device))
     scale_(pieces, torch.tensor(1.0, device=device))
-    clip_over_(pieces, launch_of(pieces), 1.0, torch.tensor(math.nan, dtype=torch.float64, device=device))  # no scale
+    clip_over_(
+        pieces, launch_of(pieces), 1.0, torch.tensor(math.nan, dtype=torch.float64, device=device)
+    )  # no scale
     return float(squares), int(zeros), float(table_squares), int(table_zeros), probe.tolist()
 
 
@@ -150,8 +159,15 @@ def _launch_squares_and_zeros(
     pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
     with launch_on(x.device):
         _require_kernels().squares_and_zeros_kernel[(programs,)](
-            x, n, x if table is None else table, pairs,
-            TABLE=table is not None, BLOCK=block, ITERS=iters, VEC=_vector_width(x.dtype), num_warps=WARPS,
+            x,
+            n,
+            x if table is None else table,
+            pairs,
+            TABLE=table is not None,
+            BLOCK=block,
+            ITERS=iters,
+            VEC=_vector_width(x.dtype),
+            num_warps=WARPS,
         )
     return pairs.sum(0)
 
@@ -175,7 +191,9 @@ def span_squares_and_zeros(
     """Sum of squares (0-dim float64) and number of zeros (0-dim int64) of a contiguous tensor, in one read
     (``iters``: :func:`iterations_for` of its dtype unless given)."""
     if not is_kernel_readable(view):
-        raise ValueError(f"the one-read kernels read contiguous float32/bf16/fp16 tensors, not {view.dtype}")
+        raise ValueError(
+            f"the one-read kernels read contiguous float32/bf16/fp16 tensors, not {view.dtype}"
+        )
     iters = iterations_for(view.dtype) if iters is None else iters
     programs = -(-view.numel() // (block * iters))
     if not programs:
@@ -184,7 +202,11 @@ def span_squares_and_zeros(
 
 
 def squares_and_zeros(
-    tensors: Sequence[torch.Tensor], *, checked: bool = False, block: int = BLOCK, iters: int | None = None
+    tensors: Sequence[torch.Tensor],
+    *,
+    checked: bool = False,
+    block: int = BLOCK,
+    iters: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of squares (0-dim float64) and number of zeros (0-dim int64) over ``tensors`` (contiguous, one device
     and dtype), in one read and one launch whatever their number.
@@ -237,7 +259,9 @@ def scale_over_(tensors: Sequence[torch.Tensor], launch: Launch, coeff: torch.Te
     _scale_launch(tensors, launch, coeff.to(device=tensors[0].device, dtype=torch.float64), None)
 
 
-def clip_over_(tensors: Sequence[torch.Tensor], launch: Launch, max_norm: float, norm64: torch.Tensor) -> None:
+def clip_over_(
+    tensors: Sequence[torch.Tensor], launch: Launch, max_norm: float, norm64: torch.Tensor
+) -> None:
     """Clip ``tensors`` through ``launch`` (as :func:`read_over`) by the coefficient of ``max_norm`` over the total
     norm ``norm64`` (0-dim float64 on their device), computed by each program on the device with the bits of
     :func:`~pgregistry.grad_stats._reductions.clip_coefficient`: no operation to make it, none to round it."""
@@ -253,9 +277,18 @@ def _scale_launch(
         return
     with launch_on(tensors[0].device):
         _require_kernels().scale_kernel[(launch.table.shape[0],)](
-            tensors[launch.base], 0, launch.table, value, float64_bits(max_norm or 0.0), _epsilon_bits(),
-            FROM_NORM=max_norm is not None, TABLE=True, BLOCK=launch.block, ITERS=launch.iters,
-            VEC=_vector_width(tensors[0].dtype), num_warps=WARPS,
+            tensors[launch.base],
+            0,
+            launch.table,
+            value,
+            float64_bits(max_norm or 0.0),
+            _epsilon_bits(),
+            FROM_NORM=max_norm is not None,
+            TABLE=True,
+            BLOCK=launch.block,
+            ITERS=launch.iters,
+            VEC=_vector_width(tensors[0].dtype),
+            num_warps=WARPS,
         )
 
 
@@ -300,7 +333,9 @@ class Launch:
     iters: int
 
 
-def launch_of(tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int | None = None) -> Launch:
+def launch_of(
+    tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int | None = None
+) -> Launch:
     """The launch over ``tensors`` (one device and dtype). The table is a function of their addresses and sizes
     only: built once per distinct (device, dtype, addresses, sizes), vectorised on the host, pinned and copied
     without a host sync, and kept on the device (:class:`_Tables`), so a step whose grads keep their storage sends
@@ -347,7 +382,9 @@ def _base_and_program_table(
     ends = torch.cumsum(chunks, 0)
     program = torch.arange(total)
     tensor = torch.searchsorted(ends, program, right=True)
-    skipped = (program - (ends - chunks)[tensor]) * chunk  # elements of the tensor before this program's
+    skipped = (
+        program - (ends - chunks)[tensor]
+    ) * chunk  # elements of the tensor before this program's
     first = offsets[tensor] // dtype.itemsize + skipped
     count = torch.clamp(sizes[tensor] - skipped, max=chunk)
     host = torch.stack([first, count], dim=1)

@@ -27,7 +27,9 @@ __all__ = ["clip_grads_", "norm_of_grads", "scale_grads_", "zeros_of_grads"]
 
 
 def _shares_of_groups(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
-    device = reduction_device((grad for grads in grads_by_group.values() for grad in grads), grads_by_group)
+    device = reduction_device(
+        (grad for grads in grads_by_group.values() for grad in grads), grads_by_group
+    )
     shares = Shares(wanted, device, grads_by_group)
     for group, grads in grads_by_group.items():
         add_parts(shares, group, grads)
@@ -108,7 +110,11 @@ def clip_grads_(
         clip_grads_([p.grad for p in model.parameters()], 1.0, norm)
     """
     check_max_norm(max_norm)
-    device = grads[0].device if grads else (total_norm.device if isinstance(total_norm, torch.Tensor) else None)
+    device = (
+        grads[0].device
+        if grads
+        else (total_norm.device if isinstance(total_norm, torch.Tensor) else None)
+    )
     norm = torch.as_tensor(total_norm, dtype=torch.float64, device=device)
     check_finite(norm, error_if_nonfinite)
     coeff = clip_coefficient(max_norm, norm)
@@ -125,7 +131,9 @@ def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
         )
 
 
-def scale_grads_(grads: list[torch.Tensor] | tuple[torch.Tensor, ...], coeff: torch.Tensor | Clipping) -> None:
+def scale_grads_(
+    grads: list[torch.Tensor] | tuple[torch.Tensor, ...], coeff: torch.Tensor | Clipping
+) -> None:
     """Multiply ``grads`` (any devices and dtypes) in place by ``coeff`` (0-dim, at most 1; or clipping's, which the
     one-read kernel makes on the device from the norm), one call per kind."""
     for same_kind in by_kind(grads).values():

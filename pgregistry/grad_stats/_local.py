@@ -37,7 +37,14 @@ import torch
 
 from pgregistry.grad_stats import _fused
 from pgregistry.grad_stats._fused import one_read_applies
-from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, make_part, makes_norm_float64
+from pgregistry.grad_stats._reductions import (
+    Clipping,
+    GroupKey,
+    Shares,
+    Wanted,
+    make_part,
+    makes_norm_float64,
+)
 
 __all__ = [
     "HOST_BLOCK",
@@ -72,7 +79,9 @@ float64: a float32 reduction over a long block is one sequential sum per thread,
 error of 1.7e-4 measured over 8M elements); many short rows are as fast as one flat reduction."""
 
 
-def by_kind(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def by_kind(
+    grads: Sequence[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """``grads`` by (device, dtype): the unit of one read. Grouped by torch's own C++ helper (the one its optimizers
     use): a Python loop over 20,000 grads costs milliseconds per call."""
     grads = list(grads)
@@ -103,7 +112,9 @@ class KindPlan:
     blocks: tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]
 
 
-def plan_kind(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype) -> KindPlan:
+def plan_kind(
+    tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> KindPlan:
     """How to read ``tensors`` (one device and dtype); a few passes at C speed, and Python work per host block."""
     everything = tuple(range(len(tensors)))
     if one_read_applies(device, dtype):
@@ -143,7 +154,9 @@ def _host_blocks(
         first, done = 0, 0
         while first < len(positions):
             end = max(bisect_right(ends, done + HOST_FLAT, lo=first), first + 1)
-            blocks.append(positions[first] if end == first + 1 else operator.itemgetter(*positions[first:end]))
+            blocks.append(
+                positions[first] if end == first + 1 else operator.itemgetter(*positions[first:end])
+            )
             first, done = end, ends[end - 1]
     return tuple(blocks)
 
@@ -152,15 +165,21 @@ def read_kind(
     tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
     """The parts (:func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``) of one kind's ``tensors``."""
-    if plan.dtype.is_complex:  # through the moduli (module docstring): the plan's blocks are by shape, theirs too
+    if (
+        plan.dtype.is_complex
+    ):  # through the moduli (module docstring): the plan's blocks are by shape, theirs too
         tensors = [tensor.abs() for tensor in tensors]
     parts = []
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
-    if plan.kernel and (wanted.p == 2.0 or wanted.zeros):  # it reads squares and zeros: nothing else it could give
+    if plan.kernel and (
+        wanted.p == 2.0 or wanted.zeros
+    ):  # it reads squares and zeros: nothing else it could give
         read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
         assert plan.launch is not None
         pair = _fused.read_over(read, plan.launch)  # [squares, zeros]: a 2-norm's part as it is
-        parts.append(pair if wanted.p == 2.0 else make_part(None, pair[1] if wanted.zeros else None, device))
+        parts.append(
+            pair if wanted.p == 2.0 else make_part(None, pair[1] if wanted.zeros else None, device)
+        )
     if plan.blocks:
         parts.append(_host_part(rest, plan, wanted, device))
         return parts
@@ -174,7 +193,10 @@ def read_kind(
 
 
 def _torch_part(
-    norm_over: Sequence[torch.Tensor], zeros_over: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
+    norm_over: Sequence[torch.Tensor],
+    zeros_over: Sequence[torch.Tensor],
+    wanted: Wanted,
+    device: torch.device,
 ) -> torch.Tensor:
     """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms (float64: exact up to
     2**53 elements; no mask the size of the grads)."""
@@ -182,7 +204,9 @@ def _torch_part(
     norm_over = _non_empty(norm_over)
     if norm_over and wanted.p is not None:
         accumulate_in = _accumulation_dtype(norm_over[0].dtype)
-        norms = torch.stack(torch._foreach_norm(norm_over, wanted.p, dtype=accumulate_in)).to(torch.float64)
+        norms = torch.stack(torch._foreach_norm(norm_over, wanted.p, dtype=accumulate_in)).to(
+            torch.float64
+        )
         share = norms.amax() if math.isinf(wanted.p) else norms.pow(wanted.p).sum()
     zeros_over = _non_empty(zeros_over)
     if zeros_over:
@@ -197,7 +221,9 @@ def _non_empty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.numel()] if 0 in map(torch.Tensor.numel, tensors) else tensors
 
 
-def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device) -> torch.Tensor:
+def _host_part(
+    tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
+) -> torch.Tensor:
     """Both statistics of host ``tensors``, a block at a time (see the module docstring): the tensors of a block
     concatenated into one (one dispatch, a block's memory), a tensor alone in its block read in place."""
     accumulate_in = _accumulation_dtype(plan.dtype)
@@ -209,7 +235,9 @@ def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, 
             block = tensors[take]
         else:  # tensors of one trailing shape, concatenated along dim 0 (0-dim ones stacked)
             pieces = take(tensors)
-            block = (torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)).to(accumulate_in)
+            block = (torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)).to(
+                accumulate_in
+            )
         numel += block.numel()
         if not block.numel():
             continue
@@ -218,7 +246,11 @@ def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, 
                 rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
             else:  # one reduction (a reduction over rows costs a dispatch more than a block's read)
                 cast = None if block.dtype == accumulate_in else accumulate_in
-                rows = torch.linalg.vector_norm(block, wanted.p, dtype=cast).to(torch.float64).reshape(1)
+                rows = (
+                    torch.linalg.vector_norm(block, wanted.p, dtype=cast)
+                    .to(torch.float64)
+                    .reshape(1)
+                )
             norms.append(rows.amax() if math.isinf(wanted.p) else rows.pow(wanted.p).sum())
         if wanted.zeros:
             nonzeros.append(_host_nonzero(block))
@@ -227,7 +259,11 @@ def _host_part(tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, 
         stacked = torch.stack(norms)
         share = stacked.amax() if math.isinf(wanted.p) else stacked.sum()
     if wanted.zeros:
-        counted = torch.stack(nonzeros).sum().to(torch.float64) if nonzeros else torch.zeros((), dtype=torch.float64)
+        counted = (
+            torch.stack(nonzeros).sum().to(torch.float64)
+            if nonzeros
+            else torch.zeros((), dtype=torch.float64)
+        )
         zeros = numel - counted
     return make_part(share, zeros, device)
 
@@ -236,7 +272,9 @@ def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
     """``count_nonzero`` a flat block at a time (see :data:`HOST_FLAT`)."""
     if tensor.numel() <= HOST_FLAT or not tensor.is_contiguous():
         return torch.count_nonzero(tensor)
-    return torch.stack([torch.count_nonzero(piece) for piece in tensor.reshape(-1).split(HOST_FLAT)]).sum()
+    return torch.stack(
+        [torch.count_nonzero(piece) for piece in tensor.reshape(-1).split(HOST_FLAT)]
+    ).sum()
 
 
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
@@ -249,7 +287,11 @@ def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> tor
     rows = flat.numel() // HOST_ROW
     parts = []
     if rows:
-        parts.append(torch.linalg.vector_norm(flat[: rows * HOST_ROW].view(rows, HOST_ROW), p, dim=1, dtype=cast))
+        parts.append(
+            torch.linalg.vector_norm(
+                flat[: rows * HOST_ROW].view(rows, HOST_ROW), p, dim=1, dtype=cast
+            )
+        )
     if rows * HOST_ROW < flat.numel():
         parts.append(torch.linalg.vector_norm(flat[rows * HOST_ROW :], p, dtype=cast).reshape(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -263,7 +305,9 @@ def _kind_parts(
         yield dtype, read_kind(same_kind, plan_kind(same_kind, kind_device, dtype), wanted, device)
 
 
-def parts_of(grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> list[torch.Tensor]:
+def parts_of(
+    grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
+) -> list[torch.Tensor]:
     """The parts of ``grads`` (any devices and dtypes; plain tensors), one read per kind, planned afresh."""
     return [part for _, parts in _kind_parts(grads, wanted, device) for part in parts]
 
@@ -276,7 +320,9 @@ def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) ->
             shares.add(group, part)
 
 
-def scale_kind(tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor | Clipping) -> None:
+def scale_kind(
+    tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor | Clipping
+) -> None:
     """Multiply one kind's ``tensors`` in place by ``coeff`` (0-dim float64, at most 1; or clipping's, made from the
     norm): the kernel over its launch table (nothing where the coefficient is 1, decided on the device), else
     ``torch._foreach_mul_`` (skipped where the coefficient, on the host, is 1: scaling by exactly 1 changes no

@@ -56,7 +56,13 @@ from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.agreement import any_rank_has
-from pgregistry._runtime.resolve import Params, Source, fill_unset_fields, grid_reads, params_of_source
+from pgregistry._runtime.resolve import (
+    Params,
+    Source,
+    fill_unset_fields,
+    grid_reads,
+    params_of_source,
+)
 from pgregistry.collection import GroupName, ProcessGroupCollection
 from pgregistry.grad_stats._classification import holds_experts, require_classified_experts
 from pgregistry.grad_stats._devices import reduction_device
@@ -70,7 +76,14 @@ from pgregistry.grad_stats._filters import (
     role_verdicts,
 )
 from pgregistry.grad_stats._local import KindPlan, parts_of, plan_kind, read_kind, scale_kind
-from pgregistry.grad_stats._reductions import Clipping, GroupKey, Shares, Wanted, makes_norm_float64, nonfinite_part
+from pgregistry.grad_stats._reductions import (
+    Clipping,
+    GroupKey,
+    Shares,
+    Wanted,
+    makes_norm_float64,
+    nonfinite_part,
+)
 from pgregistry.params import role_generation
 
 if TYPE_CHECKING:
@@ -147,7 +160,9 @@ class _Planned:
         references = list(map(weakref.ref, pieces, repeat(deaths.append)))
         return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths)
 
-    def pieces_of(self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]) -> list[Any] | None:
+    def pieces_of(
+        self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]
+    ) -> list[Any] | None:
         """The pieces of ``grads`` when they are the very grad objects planned for (every one alive, each
         parameter's grad, or ``None``, the same object by id), each still at its address; else ``None``. The same
         object has the same type and, at the same address, the same storage (a grad re-pointed at other storage,
@@ -240,8 +255,12 @@ class Plan:
             layout = self._layout = self._make_layout(params, grads, types)
         dtensors = layout.take_dtensor(grads)
         locals_: list[torch.Tensor] = []
-        if dtensors:  # each DTensor's spec and local tensor read together: its object is fetched once
-            both = list(chain.from_iterable(zip(map(_SPEC, dtensors), map(_LOCAL, dtensors), strict=True)))
+        if (
+            dtensors
+        ):  # each DTensor's spec and local tensor read together: its object is fetched once
+            both = list(
+                chain.from_iterable(zip(map(_SPEC, dtensors), map(_LOCAL, dtensors), strict=True))
+            )
             specs, locals_ = both[0::2], both[1::2]
             if not _same_objects(specs, layout.specs):
                 if any(a != b for a, b in zip(specs, layout.specs, strict=True)):
@@ -288,8 +307,14 @@ class Plan:
         for target, kinds in layout.watched_kinds if watch else ():
             for kind in kinds:
                 for part in read_kind(kind.take(pieces), kind.plan, norm_only, device):
-                    _add_part(shares, target, nonfinite_part(part), layout.fields, self.reduce_groups)
-        for index, name, grad in partial:  # the pending reduction, on a copy, every call (collective)
+                    _add_part(
+                        shares, target, nonfinite_part(part), layout.fields, self.reduce_groups
+                    )
+        for (
+            index,
+            name,
+            grad,
+        ) in partial:  # the pending reduction, on a copy, every call (collective)
             entry = self._dtensor_entry(index, name, params[index], grad)
             target = self._target_of(entry.outer, entry.expert)
             if entry.counted:
@@ -297,12 +322,16 @@ class Plan:
                     _add_part(shares, target, part, layout.fields, self.reduce_groups)
             elif watch:
                 for part in parts_of([entry.local], norm_only, device):
-                    _add_part(shares, target, nonfinite_part(part), layout.fields, self.reduce_groups)
+                    _add_part(
+                        shares, target, nonfinite_part(part), layout.fields, self.reduce_groups
+                    )
         return Read(shares, pieces, layout.every)
 
     # ------------------------------------------------------------------------------------------- derived state
 
-    def _make_layout(self, params: Sequence[torch.Tensor], grads: list[Any], types: list[type]) -> _Layout:
+    def _make_layout(
+        self, params: Sequence[torch.Tensor], grads: list[Any], types: list[type]
+    ) -> _Layout:
         """Classify the grads by their layout (Python work per grad: only when the grads' types or specs change)."""
         from torch.distributed.tensor import DTensor
 
@@ -335,7 +364,11 @@ class Plan:
                 fields[entry.outer] = self.groups.collection.get(entry.outer)
             target = self._target_of(entry.outer, entry.expert)
             (targets if entry.counted else watched).setdefault(target, []).append(position)
-        for index, name, grad in partial:  # decided without the pending reduction: read() does it, every call
+        for (
+            index,
+            name,
+            grad,
+        ) in partial:  # decided without the pending reduction: read() does it, every call
             verdicts = role_verdicts(params[index], self.groups)
             decision = decision_of(name, params[index], grad, self.axes, verdicts)  # type: ignore[arg-type]
             if decision.outer is not None:
@@ -352,7 +385,9 @@ class Plan:
         )
 
     def _dtensor_entry(self, index: int, name: str, param: torch.Tensor, grad: DTensor) -> Any:
-        return classify_dtensor_grad(name, param, grad, self.axes, role_verdicts(param, self.groups))
+        return classify_dtensor_grad(
+            name, param, grad, self.axes, role_verdicts(param, self.groups)
+        )
 
     def _target_of(self, outer: GroupName | None, expert: bool) -> Any:
         """Where a DTensor grad's piece is added (its seen part, when not counted here): ``(field, slot)`` when
@@ -362,13 +397,17 @@ class Plan:
     @staticmethod
     def _plan_kinds(layout: _Layout, pieces: list[torch.Tensor]) -> None:
         """Group each target's pieces (and all of them) by kind and plan their reads."""
-        layout.kinds = [(target, _group_into_kinds(pieces, positions)) for target, positions in layout.targets]
-        layout.watched_kinds = [(target, _group_into_kinds(pieces, positions)) for target, positions in layout.watched]
+        layout.kinds = [
+            (target, _group_into_kinds(pieces, positions)) for target, positions in layout.targets
+        ]
+        layout.watched_kinds = [
+            (target, _group_into_kinds(pieces, positions)) for target, positions in layout.watched
+        ]
         layout.every = _group_into_kinds(pieces, range(len(pieces)))
         layout.wide = any(makes_norm_float64(kind.plan.dtype) for kind in layout.every)
-        layout.reads_by_kernel = any(kind.plan.kernel for _, kinds in layout.kinds for kind in kinds) or any(
-            kind.plan.kernel for kind in layout.every
-        )
+        layout.reads_by_kernel = any(
+            kind.plan.kernel for _, kinds in layout.kinds for kind in kinds
+        ) or any(kind.plan.kernel for kind in layout.every)
         layout.facts = _piece_facts(pieces, layout.reads_by_kernel)
 
 
@@ -387,11 +426,17 @@ def _piece_facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
     from memory once, not once per pass (at 20,000 grads, separate passes were bound by those fetches), and the flat
     list allocates nothing the garbage collector tracks (a tuple a piece set off a few dozen collections a call).
     ``RuntimeError`` for a piece without storage (a sparse grad)."""
-    reads = [torch.Tensor.data_ptr, torch.Tensor.numel, *([torch.Tensor.is_contiguous] if contiguity else [])]
+    reads = [
+        torch.Tensor.data_ptr,
+        torch.Tensor.numel,
+        *([torch.Tensor.is_contiguous] if contiguity else []),
+    ]
     return list(chain.from_iterable(zip(*(map(read, pieces) for read in reads), strict=True)))
 
 
-def _add_part(shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupName, Any], groups: Any) -> None:
+def _add_part(
+    shares: Shares, target: Any, part: torch.Tensor, fields: Mapping[GroupName, Any], groups: Any
+) -> None:
     if isinstance(target, tuple):
         field, slot = target
         shares.add_first(field, fields[field], groups, slot, part)
@@ -430,17 +475,28 @@ class Kept:
         self.plan = Plan(params.named, StatsGroups.from_collection(collection))
         self.params = [param for _, param in params.named]
         self._chunk_refs = [weakref.ref(chunk) for chunk in source.chunks[1:]]
-        modules = list(dict.fromkeys(chain.from_iterable(chunk.modules() for chunk in source.chunks)))
+        modules = list(
+            dict.fromkeys(chain.from_iterable(chunk.modules() for chunk in source.chunks))
+        )
         holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
         self._empty_holders = [holder for holder in holders if not holder]
-        self._held_views = [holder.values() for holder in holders if holder]  # live: made once, read each call
+        self._held_views = [
+            holder.values() for holder in holders if holder
+        ]  # live: made once, read each call
         self._held = self._current_holder_contents()
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
-        if source.tensors is not None:  # the plan must not keep a list's tensors alive: weak references
+        if (
+            source.tensors is not None
+        ):  # the plan must not keep a list's tensors alive: weak references
             self._tensor_refs = [weakref.ref(tensor) for tensor in source.tensors]
-            first = {id(tensor): position for position, tensor in reversed(list(enumerate(source.tensors)))}
-            self._take_params = _make_picker([first[id(param)] for param in self.params], len(source.tensors))
+            first = {
+                id(tensor): position
+                for position, tensor in reversed(list(enumerate(source.tensors)))
+            }
+            self._take_params = _make_picker(
+                [first[id(param)] for param in self.params], len(source.tensors)
+            )
             self.params = []
         attributes = list(map(vars, self.plan_params(source) or []))
         self._bare = [held for held in attributes if not held]
@@ -456,10 +512,14 @@ class Kept:
                 return None
             if not _same_objects(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            same = not any(map(len, self._empty_holders)) and _same_objects(self._current_holder_contents(), self._held)
+            same = not any(map(len, self._empty_holders)) and _same_objects(
+                self._current_holder_contents(), self._held
+            )
             return self.params if same else None
         tensors = source.tensors
-        if tensors is None or not _same_objects(tensors, list(map(operator.call, self._tensor_refs))):
+        if tensors is None or not _same_objects(
+            tensors, list(map(operator.call, self._tensor_refs))
+        ):
             return None
         assert self._take_params is not None
         return self._take_params(tensors)
@@ -489,7 +549,9 @@ class Kept:
             and self._role_values() == self._roles
         )
 
-    def current(self, source: Source, given: ProcessGroupCollection, owner: str) -> list[torch.Tensor] | None:
+    def current(
+        self, source: Source, given: ProcessGroupCollection, owner: str
+    ) -> list[torch.Tensor] | None:
         """The parameters to read if nothing the plan depends on changed, else ``None``: the collection given (and
         the fields the plan read from the global grid, read again, each time with its warning), the parameter set,
         the roles."""
@@ -514,7 +576,9 @@ def _fields_left_off(params: Params, given: ProcessGroupCollection) -> tuple[Gro
     expert field to the global grid, :func:`~pgregistry._runtime.resolve.grid_reads`; a collection that sets them, as
     ``pgregistry.build``'s do, needs none). The ranks of ``mp`` make their plans at the same call: what makes a plan
     anew (another collection, parameter set or role) happens to the whole model."""
-    if grid_reads(given, EXPERT_STATS_FIELDS) == grid_reads(given, EXPERT_STATS_FIELDS, EXPERT_STATS_FIELDS):
+    if grid_reads(given, EXPERT_STATS_FIELDS) == grid_reads(
+        given, EXPERT_STATS_FIELDS, EXPERT_STATS_FIELDS
+    ):
         return ()
     experts = any_rank_has(holds_experts(params), given.get("mp") if given.is_set("mp") else None)
     return () if experts else EXPERT_STATS_FIELDS
@@ -534,7 +598,11 @@ def check_or_make_plan(
     (:meth:`Kept.current`), else made anew (normalised once, the grad-statistics fields the model needs filled,
     :func:`_fields_left_off`, unclassified experts refused, classified). Its plan, its parameters in the plan's
     order, and the filled collection."""
-    kept = _KEPT.get(source.chunks[0]) if source.chunks else (_KEPT_TENSORS[0] if _KEPT_TENSORS else None)
+    kept = (
+        _KEPT.get(source.chunks[0])
+        if source.chunks
+        else (_KEPT_TENSORS[0] if _KEPT_TENSORS else None)
+    )
     params = kept.current(source, given, owner) if kept is not None else None
     if kept is None or params is None:
         kept = Kept(source, given, owner)

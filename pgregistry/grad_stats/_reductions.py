@@ -101,7 +101,9 @@ def makes_norm_float64(dtype: torch.dtype) -> bool:
     return dtype in (torch.float64, torch.complex128)
 
 
-def make_part(norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def make_part(
+    norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
     """A part from a norm share (``sum |g|^p``, or ``max |g|``) and a zero count (0-dim tensors, either absent)."""
     if norm_share is None or zeros is None:
         present = norm_share if norm_share is not None else zeros
@@ -129,7 +131,9 @@ class Shares:
     group issues the same collectives (a pipeline stage without experts still joins the expert reduction).
     """
 
-    def __init__(self, wanted: Wanted, device: torch.device, groups: Iterable[GroupKey] = ()) -> None:
+    def __init__(
+        self, wanted: Wanted, device: torch.device, groups: Iterable[GroupKey] = ()
+    ) -> None:
         self.wanted = wanted
         self.device = device
         self.wide = False
@@ -214,7 +218,9 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     if verdict_groups and wanted.p is not None:
         seen = _local_nonfinite_flags(rows, wanted, device)
         carrier = _same_ranks(verdict_groups[0], rows)
-        if carrier is not _NO_GROUP:  # the flags ride in that group's row: every rank of it appends them
+        if (
+            carrier is not _NO_GROUP
+        ):  # the flags ride in that group's row: every rank of it appends them
             rows[carrier] = torch.cat([rows[carrier], seen])
             verdict_groups = verdict_groups[1:]
     reduced = _reduce_rows(rows, wanted)
@@ -224,12 +230,18 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     if wanted.p is None:
         return Reduced(norm64=None, zeros=zeros, wide=shares.wide)
     if wanted.infinite:
-        peaks = torch.stack([row[_NORM] for row in reduced.values()]) if reduced else _float64_zeros(1, device)
+        peaks = (
+            torch.stack([row[_NORM] for row in reduced.values()])
+            if reduced
+            else _float64_zeros(1, device)
+        )
         norm = peaks.amax()
     else:
         norm = _column_total(list(reduced.values()), _NORM, device).pow(1.0 / wanted.p)
     flags = []  # each [NaN, inf] (counts, never negative: set where positive)
-    if wanted.infinite and reduced:  # the rows' NaN flags (a MAX reduction does not carry a NaN itself)
+    if (
+        wanted.infinite and reduced
+    ):  # the rows' NaN flags (a MAX reduction does not carry a NaN itself)
         nan = torch.stack([row[_FLAG] for row in reduced.values()]).amax()
         flags.append(torch.stack([nan, torch.zeros_like(nan)]))
     if seen is not None:
@@ -268,7 +280,9 @@ def _nonfinite_flags(value: torch.Tensor) -> torch.Tensor:
     return torch.stack([value.isnan(), value.isinf()]).to(torch.float64)
 
 
-def _local_nonfinite_flags(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
+def _local_nonfinite_flags(
+    rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted, device: torch.device
+) -> torch.Tensor:
     """Whether this rank's local shares hold a NaN or an inf, as ``[NaN, inf]`` flags."""
     if not rows:
         return _float64_zeros(2, device)
@@ -307,21 +321,29 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
     rows = torch.stack(list(parts))
     share = rows[:, _NORM]
     nan = share.isnan()
-    return torch.stack([torch.where(nan, 0.0, share).amax(), rows[:, _ZEROS].sum(), nan.any().to(torch.float64)])
+    return torch.stack(
+        [torch.where(nan, 0.0, share).amax(), rows[:, _ZEROS].sum(), nan.any().to(torch.float64)]
+    )
 
 
-def _reduce_rows(rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted) -> dict[GroupKey, torch.Tensor]:
+def _reduce_rows(
+    rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted
+) -> dict[GroupKey, torch.Tensor]:
     """Each group's row reduced over its group, in the agreed order: one SUM of the whole row (flags summed: set
     when positive); for the inf-norm one MAX of all but the zero count, then, with the zero count, one SUM of it."""
     if not wanted.infinite:
         return _reduce_each_group(rows, lambda row: row, dist.ReduceOp.SUM)
-    maxima = _reduce_each_group(rows, lambda row: torch.cat([row[:_ZEROS], row[_ZEROS + 1 :]]), dist.ReduceOp.MAX)
+    maxima = _reduce_each_group(
+        rows, lambda row: torch.cat([row[:_ZEROS], row[_ZEROS + 1 :]]), dist.ReduceOp.MAX
+    )
     counts = (
         _reduce_each_group(rows, lambda row: row[_ZEROS : _ZEROS + 1].clone(), dist.ReduceOp.SUM)
         if wanted.zeros
         else {group: row[_ZEROS : _ZEROS + 1] for group, row in rows.items()}
     )
-    return {group: torch.cat([maxima[group][:1], counts[group], maxima[group][1:]]) for group in rows}
+    return {
+        group: torch.cat([maxima[group][:1], counts[group], maxima[group][1:]]) for group in rows
+    }
 
 
 def _reduce_each_group(
@@ -335,7 +357,9 @@ def _reduce_each_group(
         return local(item[1])
 
     reduced = {}
-    for row in reduce_over_groups({group: (group, row) for group, row in rows.items()}, note_group_and_read_local, op):
+    for row in reduce_over_groups(
+        {group: (group, row) for group, row in rows.items()}, note_group_and_read_local, op
+    ):
         reduced[order[-1]] = row  # the group note_group_and_read_local() was given last
     return reduced
 
@@ -412,13 +436,21 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> No
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def _in_collective_order(items_by_group: Mapping[ProcessGroup | None, V]) -> list[tuple[ProcessGroup | None, V]]:
+def _in_collective_order(
+    items_by_group: Mapping[ProcessGroup | None, V],
+) -> list[tuple[ProcessGroup | None, V]]:
     """Items ordered identically on every rank: ranks that share two groups must reduce them in the same order."""
 
-    def collective_order_key(item: tuple[ProcessGroup | None, V]) -> tuple[int, tuple[int, ...], str]:
+    def collective_order_key(
+        item: tuple[ProcessGroup | None, V],
+    ) -> tuple[int, tuple[int, ...], str]:
         group = item[0]
         if group is None:
             return (0, (), "")
-        return (1, tuple(dist.get_process_group_ranks(group)), str(getattr(group, "group_name", "")))
+        return (
+            1,
+            tuple(dist.get_process_group_ranks(group)),
+            str(getattr(group, "group_name", "")),
+        )
 
     return sorted(items_by_group.items(), key=collective_order_key)

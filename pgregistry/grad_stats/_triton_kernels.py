@@ -42,7 +42,9 @@ def squares_and_zeros_kernel(
         first = x_ptr + (start // VEC) * VEC  # a multiple of VEC the compiler can see
         body = (count // VEC) * VEC
         squares, zeros = _sum_squares_and_zeros(first, body, BLOCK, ITERS)
-        tail_squares, tail_zeros = _sum_squares_and_zeros(first + body, count - body, VEC, 1)  # fewer than VEC elements
+        tail_squares, tail_zeros = _sum_squares_and_zeros(
+            first + body, count - body, VEC, 1
+        )  # fewer than VEC elements
         squares += tail_squares
         zeros += tail_zeros
     else:
@@ -52,7 +54,9 @@ def squares_and_zeros_kernel(
 
 
 @triton.jit
-def _program_extent(pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
+def _program_extent(
+    pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr
+):  # noqa: N803
     """Program ``pid``'s first element (after ``x_ptr``) and element count: its row of the table, or its
     ``BLOCK * ITERS`` elements of one contiguous tensor of ``n``."""
     if TABLE:
@@ -74,7 +78,9 @@ def _sum_squares_and_zeros(first, count, BLOCK: tl.constexpr, ITERS: tl.constexp
     for i in tl.static_range(ITERS):
         offsets = i * BLOCK + lanes
         inside = offsets < count
-        x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(
+            tl.float32
+        )
         squares += x * x
         zeros += ((x == 0.0) & inside).to(tl.int32)
     return tl.sum(squares, axis=0), tl.sum(zeros, axis=0)
@@ -122,10 +128,14 @@ def _clip_coefficient(norm, max_norm_bits, epsilon_bits):
     operations of :func:`~pgregistry.grad_stats._reductions.clip_coefficient` (an addition, a reciprocal, a
     product), so the bits are the same. ``max_norm`` and ``epsilon`` come as the bits of their float64 values
     (:func:`~pgregistry.grad_stats._fused.float64_bits`): triton types a Python float argument as float32."""
-    max_norm = max_norm_bits.to(tl.int64).to(tl.float64, bitcast=True)  # bits below 2**31 come as int32
+    max_norm = max_norm_bits.to(tl.int64).to(
+        tl.float64, bitcast=True
+    )  # bits below 2**31 come as int32
     epsilon = epsilon_bits.to(tl.int64).to(tl.float64, bitcast=True)
     coefficient = tl.minimum(max_norm * (1.0 / (norm + epsilon)), 1.0)
-    return tl.where(norm < float("inf"), coefficient, 1.0)  # a norm is never negative: NaN and inf fail here
+    return tl.where(
+        norm < float("inf"), coefficient, 1.0
+    )  # a norm is never negative: NaN and inf fail here
 
 
 @triton.jit

@@ -24,14 +24,25 @@ from typing import Any, Final
 from pgregistry.collection import NOT_MEMBER, GroupName, ProcessGroupCollection, group_size
 from pgregistry.layout import DEFAULT_ORDER, GROUP_KINDS, OrderToken, ParallelLayout, RankGroup
 
-__all__ = ["EXPERT_VIEW", "modules_from_reports", "describe_groups", "expert_fields_off", "from_hyper_comm_grid"]
+__all__ = [
+    "EXPERT_VIEW",
+    "modules_from_reports",
+    "describe_groups",
+    "expert_fields_off",
+    "from_hyper_comm_grid",
+]
 
 EXPERT_VIEW: Final = "expert"
 """The view of a ``HyperCommGrid`` whose dims hold the expert groups, as Megatron-Core's MIMO optimizer names it."""
 
 _BASE_DIMS: Final[Mapping[str, str]] = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp"}
 """Base-view dim -> layout axis."""
-_EXPERT_DIMS: Final[Mapping[str, str]] = {"expt_tp": "expt_tp", "ep": "ep", "expt_dp": "expt_dp", "pp": "pp"}
+_EXPERT_DIMS: Final[Mapping[str, str]] = {
+    "expt_tp": "expt_tp",
+    "ep": "ep",
+    "expt_dp": "expt_dp",
+    "pp": "pp",
+}
 """Expert-view dim -> layout axis."""
 
 _BASE_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
@@ -60,7 +71,15 @@ _ALIASES: Final[Mapping[str, GroupName]] = {"intra_dp_cp": "dp_cp", "intra_expt_
 _EMBEDDING_KINDS: Final = ("embd", "pos_embd")
 """Kinds a grid says nothing about: which ranks hold the embeddings is the model's choice, not the grid's."""
 
-_SIZE_FIELDS: Final[tuple[str, ...]] = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+_SIZE_FIELDS: Final[tuple[str, ...]] = (
+    "tp",
+    "cp",
+    "pp",
+    "ep",
+    "expt_tp",
+    "gtp_remat",
+    "expt_gtp_remat",
+)
 """The layout sizes read off a collection's groups (``dp`` and ``expt_dp`` follow from the span)."""
 
 
@@ -117,7 +136,9 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
     sizes = _grid_sizes(grid)
     fields, enums = _grid_groups(grid)
     first, stop = int(grid.rank_offset), int(grid.rank_offset) + int(grid.size)
-    described = f"HyperCommGrid(shape={grid.shape}, dim_names={grid.dim_names}, rank_offset={first})"
+    described = (
+        f"HyperCommGrid(shape={grid.shape}, dim_names={grid.dim_names}, rank_offset={first})"
+    )
     layout = _layout_fitting(sizes, (first, stop), enums, described)
     _create_per_axis_groups(grid, layout, fields, enums)
     registry.adopt(group for group in fields.values() if group is not NOT_MEMBER)
@@ -131,7 +152,9 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
 
 
 _PER_AXIS: Final[Mapping[GroupName, tuple[tuple[str, ...], str | None]]] = {
-    "tp": (("tp",), None), "ep": (("ep",), EXPERT_VIEW), "expt_tp": (("expt_tp",), EXPERT_VIEW),
+    "tp": (("tp",), None),
+    "ep": (("ep",), EXPERT_VIEW),
+    "expt_tp": (("expt_tp",), EXPERT_VIEW),
 }
 """The one-axis groups grad statistics decide duplicates with (field -> the grid's dims and view). A MIMO job's
 grids hold only what Megatron-Core's MIMO optimizer reads (``tp_ep_pp`` but neither ``ep`` nor ``expt_tp``)."""
@@ -183,7 +206,9 @@ def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str
     ranks_of = {
         field: tuple(sorted(dist.get_process_group_ranks(group)))
         for field, group in created.items()
-        if (field in GROUP_KINDS or field == "intra_dist_opt") and group is not NOT_MEMBER and group is not None
+        if (field in GROUP_KINDS or field == "intra_dist_opt")
+        and group is not NOT_MEMBER
+        and group is not None
     }
     out: dict[str, Any] = {}
     for kind, ranks in layout.groups_of(dist.get_rank()).items():
@@ -192,7 +217,9 @@ def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str
         if len(ranks) == 1:
             out[kind] = None
             continue
-        same = next((field for field, held in ranks_of.items() if held == tuple(sorted(ranks))), None)
+        same = next(
+            (field for field, held in ranks_of.items() if held == tuple(sorted(ranks))), None
+        )
         if same is not None:
             out[kind] = created[same]
     return out
@@ -214,7 +241,9 @@ def _grid_sizes(grid: Any) -> dict[str, int]:
         if enum is not None and axis != "pp":
             sizes[axis] = len(enum[0])
             expert_view = True
-    if not expert_view:  # a dense grid: its expert axes are off (expert TP would otherwise default to TP)
+    if (
+        not expert_view
+    ):  # a dense grid: its expert axes are off (expert TP would otherwise default to TP)
         sizes.update(expt_tp=1, ep=1)
     return sizes
 
@@ -310,16 +339,29 @@ def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout]
         members = sorted(ranks_of[name])
         first, stop = members[0], members[-1] + 1
         if members != list(range(first, stop)):
-            raise ValueError(f"module {name!r} runs on ranks {members}, which are not one span of consecutive ranks")
+            raise ValueError(
+                f"module {name!r} runs on ranks {members}, which are not one span of consecutive ranks"
+            )
         _require_sizing_groups(name, observed[name])
-        sizes = {axis: size for axis in _SIZE_FIELDS if (size := _size_of(observed[name], axis)) is not None}
-        if off.get(name, set()) & _EXPERT_FIELD_NAMES and not set(observed[name]) & _EXPERT_FIELD_NAMES:
-            sizes.update(expt_tp=1, ep=1)  # expert groups "not needed" and none given: the expert axes are off
+        sizes = {
+            axis: size
+            for axis in _SIZE_FIELDS
+            if (size := _size_of(observed[name], axis)) is not None
+        }
+        if (
+            off.get(name, set()) & _EXPERT_FIELD_NAMES
+            and not set(observed[name]) & _EXPERT_FIELD_NAMES
+        ):
+            sizes.update(
+                expt_tp=1, ep=1
+            )  # expert groups "not needed" and none given: the expert axes are off
         layouts[name] = _layout_fitting(sizes, (first, stop), observed[name], f"module {name!r}")
     return layouts, next(iter(language_models), None)
 
 
-def expert_fields_off(layout: ParallelLayout, fields: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+def expert_fields_off(
+    layout: ParallelLayout, fields: Mapping[str, Any], names: Iterable[str]
+) -> dict[str, Any]:
     """``fields`` of this rank's module collection with each of ``names`` that is ``None`` (Megatron-Core's "not
     needed" in ``expt_dp`` and ``tp_ep_pp``: the expert axes are off, as ``layout`` has them) holding what
     ``layout`` gives it: ``None`` where this rank's group has one rank, else the communicator of another field over
@@ -327,7 +369,10 @@ def expert_fields_off(layout: ParallelLayout, fields: Mapping[str, Any], names: 
     a ``None`` that its layout contradicts."""
     dropped = {field for field in names if field in fields and fields[field] is None}
     kept = {field: value for field, value in fields.items() if field not in dropped}
-    return {**kept, **{field: value for field, value in _not_created(layout, kept).items() if field in dropped}}
+    return {
+        **kept,
+        **{field: value for field, value in _not_created(layout, kept).items() if field in dropped},
+    }
 
 
 def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) -> None:
@@ -347,7 +392,16 @@ def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) ->
 
 
 _EXPERT_FIELD_NAMES: Final = frozenset(
-    {"ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp", "tp_ep_pp_with_egtp_remat", "expt_gtp_remat", "expt_dp_gtp_remat"}
+    {
+        "ep",
+        "expt_tp",
+        "expt_dp",
+        "tp_ep",
+        "tp_ep_pp",
+        "tp_ep_pp_with_egtp_remat",
+        "expt_gtp_remat",
+        "expt_dp_gtp_remat",
+    }
 )
 
 
@@ -365,7 +419,10 @@ def _size_of(observed: Mapping[str, set[RankGroup]], axis: str) -> int | None:
 
 
 def _layout_fitting(
-    sizes: Mapping[str, int], span: tuple[int, int], observed: Mapping[str, Iterable[RankGroup]], what: str
+    sizes: Mapping[str, int],
+    span: tuple[int, int],
+    observed: Mapping[str, Iterable[RankGroup]],
+    what: str,
 ) -> ParallelLayout:
     """The layout over ``span`` with ``sizes`` in the first order (the default first) whose groups include every
     rank set of ``observed`` (field -> sorted rank sets); ``ValueError`` naming ``what`` when none does."""
@@ -378,7 +435,9 @@ def _layout_fitting(
     }
     for order in _candidate_orders():
         try:
-            layout = ParallelLayout(num_ranks=stop - first, rank_offset=first, order=order, **keywords)
+            layout = ParallelLayout(
+                num_ranks=stop - first, rank_offset=first, order=order, **keywords
+            )
         except ValueError:
             continue
         if _layout_fits(layout, sizes, wanted):
@@ -398,7 +457,9 @@ def _candidate_orders() -> Iterable[str]:
             yield order
 
 
-def _layout_fits(layout: ParallelLayout, sizes: Mapping[str, int], wanted: Mapping[str, set[RankGroup]]) -> bool:
+def _layout_fits(
+    layout: ParallelLayout, sizes: Mapping[str, int], wanted: Mapping[str, set[RankGroup]]
+) -> bool:
     if any(layout.axis_sizes()[axis] != size for axis, size in sizes.items()):
         return False
     span = tuple(range(*layout.rank_range()))

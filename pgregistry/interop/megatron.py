@@ -120,7 +120,9 @@ def _megatron_version() -> str:
 
     try:
         return version("megatron-core")
-    except PackageNotFoundError:  # unpacked from a wheel rather than installed (make setup does that)
+    except (
+        PackageNotFoundError
+    ):  # unpacked from a wheel rather than installed (make setup does that)
         import megatron.core
 
         return str(getattr(megatron.core, "__version__", "unknown version"))
@@ -171,7 +173,9 @@ def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -
             continue
         if value is NOT_MEMBER:
             if name not in _MEMBERSHIP_FIELDS:
-                raise ValueError(f"field {name!r} is NOT_MEMBER, which Megatron-Core cannot express there")
+                raise ValueError(
+                    f"field {name!r} is NOT_MEMBER, which Megatron-Core cannot express there"
+                )
             value = None
         elif value is None and name not in NONE_MEANS_NOT_USED:
             value = _one_rank_group(pg_collection, name)
@@ -192,7 +196,8 @@ def _to_megatron_modules(modules: MultiModuleCollection) -> Any:
         )
     language_model = modules.language_model if modules.language_model in here else None
     return MultiModuleProcessGroupCollection(
-        module_pgs={name: to_megatron(modules[name]) for name in here}, language_model_module_name=language_model
+        module_pgs={name: to_megatron(modules[name]) for name in here},
+        language_model_module_name=language_model,
     )
 
 
@@ -289,10 +294,14 @@ def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
         if name not in FIELD_NAMES:
             if value is None:
                 continue
-            raise ValueError(f"Megatron-Core field {name!r} holds a group pgregistry has no field for")
+            raise ValueError(
+                f"Megatron-Core field {name!r} holds a group pgregistry has no field for"
+            )
         if value is None and name in _MEMBERSHIP_FIELDS:
             value = NOT_MEMBER
-        elif value is None and name not in NONE_MEANS_NOT_USED and name not in _NONE_MEANS_NO_EXPERTS:
+        elif (
+            value is None and name not in NONE_MEANS_NOT_USED and name not in _NONE_MEANS_NO_EXPERTS
+        ):
             raise ValueError(
                 f"Megatron-Core collection field {name!r} is None, which Megatron-Core reads as 'use the global "
                 "parallel_state group': a pgregistry collection cannot say that; give the field a group"
@@ -303,7 +312,9 @@ def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
 
 def _groups_in(fields: dict[str, Any]) -> list[Any]:
     return [
-        g for value in fields.values() for g in (value if isinstance(value, list) else [value])
+        g
+        for value in fields.values()
+        for g in (value if isinstance(value, list) else [value])
         if g is not None and g is not NOT_MEMBER
     ]
 
@@ -314,7 +325,10 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
     from pgregistry import registry
     from pgregistry.modules import MultiModuleCollection
 
-    local = {name: _fields_from_megatron(collection) for name, collection in mc_modules.module_pgs.items()}
+    local = {
+        name: _fields_from_megatron(collection)
+        for name, collection in mc_modules.module_pgs.items()
+    }
     mine = {name: describe_groups(fields) for name, fields in local.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, mc_modules.language_model_module_name))
@@ -322,9 +336,12 @@ def _from_megatron_modules(mc_modules: Any) -> MultiModuleCollection:
     registry.adopt(g for fields in local.values() for g in _groups_in(fields))
     collections = {
         name: ProcessGroupCollection(
-            layout=layout, name=name, **expert_fields_off(layout, local[name], _NONE_MEANS_NO_EXPERTS)
+            layout=layout,
+            name=name,
+            **expert_fields_off(layout, local[name], _NONE_MEANS_NO_EXPERTS),
         )
-        if name in local else ProcessGroupCollection._for_non_member(layout, name, None)
+        if name in local
+        else ProcessGroupCollection._for_non_member(layout, name, None)
         for name, layout in layouts.items()
     }
     return MultiModuleCollection(collections, language_model=language_model)
@@ -353,7 +370,9 @@ def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     known = {f.name for f in dataclasses.fields(ModelParallelConfig)}
-    return _sizes_by_name(layout, {config: config for config, *_ in _SIZES}, known, "ModelParallelConfig")
+    return _sizes_by_name(
+        layout, {config: config for config, *_ in _SIZES}, known, "ModelParallelConfig"
+    )
 
 
 def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
@@ -432,11 +451,15 @@ def check_config(config: Any, pg_collection: Any) -> None:
         if attribute == "expert_tensor_parallel_size" and want is None:
             want = config.tensor_model_parallel_size
         if not provided:
-            problems.append(f"config.{attribute} = {want} but the collection does not provide {field!r}")
+            problems.append(
+                f"config.{attribute} = {want} but the collection does not provide {field!r}"
+            )
         elif group_size(group) != want:
             problems.append(f"config.{attribute} = {want} but {has}")
     if problems:
-        raise ValueError("the Megatron-Core config disagrees with the process groups: " + "; ".join(problems))
+        raise ValueError(
+            "the Megatron-Core config disagrees with the process groups: " + "; ".join(problems)
+        )
 
 
 def _group_in(collection: Any, name: GroupName) -> tuple[bool, Any]:
@@ -448,7 +471,10 @@ def _group_in(collection: Any, name: GroupName) -> tuple[bool, Any]:
 
 
 def seed_megatron_rng(
-    seed: int, pg_collection: ProcessGroupCollection, *, data_parallel_random_init: bool = False,
+    seed: int,
+    pg_collection: ProcessGroupCollection,
+    *,
+    data_parallel_random_init: bool = False,
     **megatron_options: Any,
 ) -> dict[str, int]:
     """Seed Megatron-Core's CUDA RNG tracker from the collection's ranks.
@@ -489,11 +515,16 @@ def seed_megatron_rng(
     needed = _SEED_GROUPS + (("dp",) if data_parallel_random_init else ())
     missing = [name for name in needed if not pg_collection.is_set(name)]
     if missing:
-        raise ValueError(f"seed_megatron_rng needs the collection's {missing} group(s); set them (None = axis off)")
+        raise ValueError(
+            f"seed_megatron_rng needs the collection's {missing} group(s); set them (None = axis off)"
+        )
     seeds = rank_seeds(seed, pg_collection, data_parallel_random_init=data_parallel_random_init)
     rank = {name: group_rank(pg_collection.get(name)) for name in ("tp", "ep", "expt_tp")}
     megatron_random.model_parallel_cuda_manual_seed(
-        seeds[DATA_PARALLEL_RNG], tp_rank=rank["tp"], ep_rank=rank["ep"], etp_rank=rank["expt_tp"],
+        seeds[DATA_PARALLEL_RNG],
+        tp_rank=rank["tp"],
+        ep_rank=rank["ep"],
+        etp_rank=rank["expt_tp"],
         **megatron_options,
     )
     tracker = megatron_random.get_cuda_rng_tracker()
@@ -510,7 +541,14 @@ def seed_megatron_rng(
     return seeds
 
 
-_SEED_GROUPS: Final[tuple[GroupName, ...]] = ("pp", "tp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
+_SEED_GROUPS: Final[tuple[GroupName, ...]] = (
+    "pp",
+    "tp",
+    "ep",
+    "expt_tp",
+    "gtp_remat",
+    "expt_gtp_remat",
+)
 
 
 def mark_megatron_experts(model: nn.Module) -> int:

@@ -80,12 +80,18 @@ _LOSS: Final = ("batch", "cp")
 _CANNOT: Final = "found what torchtitan cannot run on these groups"
 """What a refusal of the conversion says of the ranks that found a problem."""
 
-_SAME_OPTIONS: Final = "every rank must call it with the same collection layout and options, collectively"
+_SAME_OPTIONS: Final = (
+    "every rank must call it with the same collection layout and options, collectively"
+)
 """What a refusal of options that differ across ranks advises."""
 
 _SINGLE_AXIS_SOURCE: Final[dict[str, str]] = {
-    "pp": "dataloading", "batch": "dataloading", "cp": "dataloading", "tp": "dataloading",
-    "ep": "sparse", "efsdp": "sparse",
+    "pp": "dataloading",
+    "batch": "dataloading",
+    "cp": "dataloading",
+    "tp": "dataloading",
+    "ep": "sparse",
+    "efsdp": "sparse",
 }
 """The view torchtitan slices each one-dimensional mesh from (``dp_replicate`` and the dense data-parallel dims
 come from the dense view, ``dp`` from the forward/backward one, ``loss`` is its own mesh)."""
@@ -116,16 +122,27 @@ class _Sizes:
         """Every dim torchtitan builds -> its size."""
         shard = self.dp_shard * self.cp
         return {
-            "pp": self.pp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard, "batch": self.dp_replicate * self.dp_shard,
-            "dp": self.dp_replicate * self.dp_shard, "fsdp": shard, "efsdp": shard * self.tp // self.ep,
+            "pp": self.pp,
+            "cp": self.cp,
+            "tp": self.tp,
+            "ep": self.ep,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "batch": self.dp_replicate * self.dp_shard,
+            "dp": self.dp_replicate * self.dp_shard,
+            "fsdp": shard,
+            "efsdp": shard * self.tp // self.ep,
             "loss": self.dp_replicate * shard,
         }
 
     def layout(self) -> ParallelLayout:
         """The pgregistry layout with torchtitan's rank sets (see the module docstring)."""
         return ParallelLayout(
-            num_ranks=self.world_size, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep,
+            num_ranks=self.world_size,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            ep=self.ep,
             expt_tp=1 if self.ep > 1 else self.tp,
         )
 
@@ -154,7 +171,13 @@ def _field_of(dim: str, sizes: _Sizes) -> GroupName | None:
     field holds (the replicate split of ``dp``, without CP)."""
     hsdp = sizes.dp_replicate > 1
     fields: dict[str, GroupName | None] = {
-        "pp": "pp", "cp": "cp", "tp": "tp", "ep": "ep", "batch": "dp", "dp": "dp", "loss": "dp_cp",
+        "pp": "pp",
+        "cp": "cp",
+        "tp": "tp",
+        "ep": "ep",
+        "batch": "dp",
+        "dp": "dp",
+        "loss": "dp_cp",
         "fsdp": "intra_dp_cp" if hsdp else "dp_cp",
         "efsdp": "intra_expt_dp" if hsdp else "expt_dp",
         "dp_replicate": "inter_dist_opt",
@@ -164,11 +187,22 @@ def _field_of(dim: str, sizes: _Sizes) -> GroupName | None:
 
 
 _KIND_OF: Final[dict[str, str]] = {
-    "pp": "pp", "cp": "cp", "tp": "tp", "ep": "ep", "batch": "dp", "dp": "dp", "loss": "dp_cp",
+    "pp": "pp",
+    "cp": "cp",
+    "tp": "tp",
+    "ep": "ep",
+    "batch": "dp",
+    "dp": "dp",
+    "loss": "dp_cp",
 }
 """torchtitan dims that are a layout group kind."""
 
-_SPLIT_OF: Final[dict[str, str]] = {"fsdp": "dp_cp", "dp_shard": "dp", "efsdp": "expt_dp", "dp_replicate": "dp_cp"}
+_SPLIT_OF: Final[dict[str, str]] = {
+    "fsdp": "dp_cp",
+    "dp_shard": "dp",
+    "efsdp": "expt_dp",
+    "dp_replicate": "dp_cp",
+}
 """torchtitan dims that split a layout kind for HSDP: its ``dp_replicate`` contiguous blocks (``dp_replicate``: the
 ranks at the same place in each block)."""
 
@@ -263,19 +297,36 @@ def to_parallel_dims(
     # Every fault is found before the agreement and raised through it: a rank raising alone (outside a span, say)
     # would leave the others waiting in a collective.
     options = {
-        "layout": repr(layout), "spmd_backend": repr(spmd_backend), "device_type": repr(device),
-        "backend": repr(backend), "timeout": repr(timeout),
+        "layout": repr(layout),
+        "spmd_backend": repr(spmd_backend),
+        "device_type": repr(device),
+        "backend": repr(backend),
+        "timeout": repr(timeout),
     }
     problems = _usable_problems(collection)
     if not problems:
         assert layout is not None  # a collection without one is a problem above
         sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)
         if not problems:
-            problems = _layout_problems(layout, sizes) + _collection_problems(collection, sizes, spmd_backend)
-    check_agreement("to_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT, advice=_SAME_OPTIONS)
+            problems = _layout_problems(layout, sizes) + _collection_problems(
+                collection, sizes, spmd_backend
+            )
+    check_agreement(
+        "to_parallel_dims",
+        options,
+        "; ".join(problems) or None,
+        failed=_CANNOT,
+        advice=_SAME_OPTIONS,
+    )
     parallel_dims = titan_parallel_dims.ParallelDims(
-        dp_replicate=sizes.dp_replicate, dp_shard=sizes.dp_shard, cp=sizes.cp, tp=sizes.tp, pp=sizes.pp,
-        ep=sizes.ep, world_size=sizes.world_size, spmd_backend=spmd_backend,
+        dp_replicate=sizes.dp_replicate,
+        dp_shard=sizes.dp_shard,
+        cp=sizes.cp,
+        tp=sizes.tp,
+        pp=sizes.pp,
+        ep=sizes.ep,
+        world_size=sizes.world_size,
+        spmd_backend=spmd_backend,
     )
     found = _GroupSource(sizes, collection, spmd_backend, backend, timeout)
     groups = {dim: found.group(dim, _is_real(parallel_dims, dim)) for dim in _dims_of(spmd_backend)}
@@ -356,8 +407,13 @@ def _sizes_of_layout(
         )
         dp_replicate = 1
     sizes = _Sizes(
-        world_size=layout.num_ranks, dp_replicate=dp_replicate, dp_shard=layout.dp // dp_replicate, cp=layout.cp,
-        tp=layout.tp, pp=layout.pp, ep=layout.ep,
+        world_size=layout.num_ranks,
+        dp_replicate=dp_replicate,
+        dp_shard=layout.dp // dp_replicate,
+        cp=layout.cp,
+        tp=layout.tp,
+        pp=layout.pp,
+        ep=layout.ep,
     )
     borrowed = sizes.dp_shard * sizes.cp * sizes.tp
     if borrowed % sizes.ep:
@@ -384,7 +440,9 @@ def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
     return problems
 
 
-def _collection_problems(collection: ProcessGroupCollection, sizes: _Sizes, spmd_backend: str) -> list[str]:
+def _collection_problems(
+    collection: ProcessGroupCollection, sizes: _Sizes, spmd_backend: str
+) -> list[str]:
     """torchtitan's dims of several ranks whose collection field is UNSET or ``None`` on this rank (a collection's
     groups hold its layout's ranks, which the layout problems above compare with torchtitan's)."""
     dim_sizes = sizes.dim_sizes()
@@ -421,7 +479,9 @@ class _GroupSource:
         self.collection = collection
         # The dense dim FSDP2 shards over with one communicator of this collection: under the DTensor backends with
         # CP it flattens dp_shard x cp into a group of its own instead.
-        self.dense_fsdp = "fsdp" if spmd_backend == "partial_dtensor" else ("dp_shard" if sizes.cp == 1 else None)
+        self.dense_fsdp = (
+            "fsdp" if spmd_backend == "partial_dtensor" else ("dp_shard" if sizes.cp == 1 else None)
+        )
         self.options = GroupOptions.of(backend, timeout)
         self.fakes: dict[tuple[int, ...], ProcessGroup] = {}
 
@@ -450,7 +510,9 @@ class _GroupSource:
         return cast("ProcessGroup", self.collection.get(field))
 
     def _same_as_dense_fsdp(self, partition: torch.Tensor) -> bool:
-        return self.dense_fsdp is not None and _same_partition(partition, self.sizes.partition(self.dense_fsdp))
+        return self.dense_fsdp is not None and _same_partition(
+            partition, self.sizes.partition(self.dense_fsdp)
+        )
 
     def _expert_fsdp_twin(self, partition: torch.Tensor) -> ProcessGroup:
         """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks (EP = TP).
@@ -495,7 +557,10 @@ def _install_meshes(
     loss = DeviceMesh.from_group(groups["loss"], device_type, mesh_dim_names=("loss_mesh",))
     dense = views["dense_fsdp" if spmd_backend == "partial_dtensor" else "dense"]
     global_meshes: dict[str, DeviceMesh] = {
-        "dataloading": views["dataloading"], "loss": loss, "dense": dense, "sparse": views["sparse"],
+        "dataloading": views["dataloading"],
+        "loss": loss,
+        "dense": dense,
+        "sparse": views["sparse"],
     }
     if spmd_backend == "spmd_types":
         global_meshes["spmd_dense_for_fwdbwd"] = views["fwdbwd"]["dp", "cp", "tp"]
@@ -512,11 +577,16 @@ def _install_meshes(
     parallel_dims._global_meshes = global_meshes
     parallel_dims._single_axis_meshes = single
     parallel_dims._validate_meshes()
-    activated = (parallel_dims.get_activated_mesh(list(axes)) for axes in (_DENSE_AXES[spmd_backend], _SPARSE_AXES))
+    activated = (
+        parallel_dims.get_activated_mesh(list(axes))
+        for axes in (_DENSE_AXES[spmd_backend], _SPARSE_AXES)
+    )
     parallel_dims._spmd_meshes = [mesh for mesh in activated if mesh is not None]
 
 
-def _view_mesh(view: str, groups: Mapping[str, ProcessGroup], sizes: _Sizes, device_type: str) -> DeviceMesh:
+def _view_mesh(
+    view: str, groups: Mapping[str, ProcessGroup], sizes: _Sizes, device_type: str
+) -> DeviceMesh:
     """One of torchtitan's views as a mesh over the whole world (the same rank map as every other view, so meshes
     sliced from different views concatenate, as FSDP2 does with a TP mesh), its dims made of ``groups``."""
     import torch
@@ -525,14 +595,20 @@ def _view_mesh(view: str, groups: Mapping[str, ProcessGroup], sizes: _Sizes, dev
     names = _VIEWS[view]
     dim_sizes = sizes.dim_sizes()
     grid = torch.arange(sizes.world_size).reshape([dim_sizes[name] for name in names])
-    return DeviceMesh.from_group([groups[name] for name in names], device_type, mesh=grid, mesh_dim_names=names)
+    return DeviceMesh.from_group(
+        [groups[name] for name in names], device_type, mesh=grid, mesh_dim_names=names
+    )
 
 
 def _sizes_of_titan(parallel_dims: Any) -> _Sizes:
     return _Sizes(
-        world_size=int(parallel_dims.world_size), dp_replicate=int(parallel_dims.dp_replicate),
-        dp_shard=int(parallel_dims.dp_shard), cp=int(parallel_dims.cp), tp=int(parallel_dims.tp),
-        pp=int(parallel_dims.pp), ep=int(parallel_dims.ep),
+        world_size=int(parallel_dims.world_size),
+        dp_replicate=int(parallel_dims.dp_replicate),
+        dp_shard=int(parallel_dims.dp_shard),
+        cp=int(parallel_dims.cp),
+        tp=int(parallel_dims.tp),
+        pp=int(parallel_dims.pp),
+        ep=int(parallel_dims.ep),
     )
 
 
@@ -540,7 +616,9 @@ def _sizes_of_titan(parallel_dims: Any) -> _Sizes:
 
 
 _HSDP_FIELDS: Final[dict[GroupName, str]] = {
-    "inter_dist_opt": "dp_replicate", "intra_dp_cp": "fsdp", "intra_expt_dp": "efsdp",
+    "inter_dist_opt": "dp_replicate",
+    "intra_dp_cp": "fsdp",
+    "intra_expt_dp": "efsdp",
 }
 """HSDP fields -> the torchtitan dim with their ranks (set when ``dp_replicate`` > 1)."""
 
@@ -585,10 +663,15 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
 
     from pgregistry import registry
 
-    wrong_type = None if isinstance(parallel_dims, ParallelDims) else (
-        f"from_parallel_dims expects torchtitan's ParallelDims (torchtitan.distributed.parallel_dims.ParallelDims, "
-        f"after parallel_dims.build_mesh()), got {type(parallel_dims).__module__}.{type(parallel_dims).__qualname__}; "
-        "for a collection of a layout of your own, call pgregistry.build(layout)"
+    wrong_type = (
+        None
+        if isinstance(parallel_dims, ParallelDims)
+        else (
+            "from_parallel_dims expects torchtitan's ParallelDims "
+            "(torchtitan.distributed.parallel_dims.ParallelDims, after parallel_dims.build_mesh()), "
+            f"got {type(parallel_dims).__module__}.{type(parallel_dims).__qualname__}; "
+            "for a collection of a layout of your own, call pgregistry.build(layout)"
+        )
     )
     if wrong_type is not None and not (dist.is_available() and dist.is_initialized()):
         raise TypeError(wrong_type)  # no peer to wait: nothing collective has begun
@@ -598,15 +681,23 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
         options, problems = {"degrees": given, "spmd_backend": given}, [wrong_type]
     else:
         sizes = _sizes_of_titan(parallel_dims)
-        options = {"degrees": repr(sizes), "spmd_backend": repr(getattr(parallel_dims, "spmd_backend", None))}
+        options = {
+            "degrees": repr(sizes),
+            "spmd_backend": repr(getattr(parallel_dims, "spmd_backend", None)),
+        }
         problems = _titan_problems(parallel_dims, sizes)
     try:
         check_agreement(
-            "from_parallel_dims", options, "; ".join(problems) or None, failed=_CANNOT,
+            "from_parallel_dims",
+            options,
+            "; ".join(problems) or None,
+            failed=_CANNOT,
             advice="every rank must pass the ParallelDims of one torchtitan job (the same degrees and SPMD backend)",
         )
     except ValueError as exc:
-        if wrong_type is not None:  # this rank's own fault is a wrong type; the others name it in their error
+        if (
+            wrong_type is not None
+        ):  # this rank's own fault is a wrong type; the others name it in their error
             raise TypeError(wrong_type) from exc
         raise
     layout = sizes.layout()
@@ -649,7 +740,9 @@ def _titan_groups(parallel_dims: Any) -> dict[str, ProcessGroup]:
     return groups
 
 
-def _fields_from(layout: ParallelLayout, sizes: _Sizes, titan: Mapping[str, ProcessGroup]) -> dict[str, Any]:
+def _fields_from(
+    layout: ParallelLayout, sizes: _Sizes, titan: Mapping[str, ProcessGroup]
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     by_ranks: dict[tuple[int, ...], ProcessGroup] = {}
@@ -661,7 +754,12 @@ def _fields_from(layout: ParallelLayout, sizes: _Sizes, titan: Mapping[str, Proc
     }
     wanted["intra_dist_opt"] = tuple(range(layout.num_ranks))
     wanted["inter_dist_opt"] = None
-    wanted.update({alias: wanted[kind] for alias, kind in (("intra_dp_cp", "dp_cp"), ("intra_expt_dp", "expt_dp"))})
+    wanted.update(
+        {
+            alias: wanted[kind]
+            for alias, kind in (("intra_dp_cp", "dp_cp"), ("intra_expt_dp", "expt_dp"))
+        }
+    )
     if sizes.dp_replicate > 1:
         for hsdp_field, dim in _HSDP_FIELDS.items():
             wanted[hsdp_field] = _row_of(_layout_partition(layout, sizes.dp_replicate, dim), rank)

@@ -71,7 +71,9 @@ def _matching_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> list[tuple[int, 
         anchors = _unique_line_anchors(a, b, alo, ahi, blo, bhi)
         if not anchors:
             matcher = difflib.SequenceMatcher(None, a[alo:ahi], b[blo:bhi], autojunk=False)
-            blocks += [(alo + i, blo + j, size) for i, j, size in matcher.get_matching_blocks() if size]
+            blocks += [
+                (alo + i, blo + j, size) for i, j, size in matcher.get_matching_blocks() if size
+            ]
             continue
         previous_a, previous_b = alo, blo
         for i, j in anchors:
@@ -129,4 +131,7 @@ def render_unified_diff(path: str, before: bytes, after: bytes, *, created: bool
         return b""
     source = "/dev/null" if created else f"a/{path}"
     lines = [f"--- {source}\n".encode(), f"+++ b/{path}\n".encode(), *hunks]
-    return b"".join(line if line.endswith(b"\n") else line + b"\n\\ No newline at end of file\n" for line in lines)
+    return b"".join(
+        line if line.endswith(b"\n") else line + b"\n\\ No newline at end of file\n"
+        for line in lines
+    )

@@ -85,7 +85,9 @@ def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
         with open(source.absolute, "rb") as stream:
             return stream.read(), os.fstat(stream.fileno()).st_mtime_ns
     except OSError as error:
-        return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror or error}", 1, 1))
+        return FileResult(
+            source.path, failure=ParseFailure(f"cannot read: {error.strerror or error}", 1, 1)
+        )
 
 
 @dataclass
@@ -107,8 +109,12 @@ def _parse_skeleton(
     try:
         tree = cst.parse_module(frame.data if frame is not None else data)
     except cst.ParserSyntaxError as error:
-        return FileResult(path, failure=ParseFailure(f"libcst cannot parse it: {error.message}", error.raw_line,
-                                                     error.raw_column + 1))
+        return FileResult(
+            path,
+            failure=ParseFailure(
+                f"libcst cannot parse it: {error.message}", error.raw_line, error.raw_column + 1
+            ),
+        )
     return _Parsed(tree, frame.decode_kept(tree.encoding) if frame is not None else {})
 
 
@@ -147,8 +153,15 @@ class Helper:
 
 
 def migrate(
-    files: Sequence[SourceFile], config: ScanConfig, *, target: str, name: str, jobs: int = 1, gtp_remat: bool = True,
-    helper: Helper = Helper(), progress: Progress = SILENT,
+    files: Sequence[SourceFile],
+    config: ScanConfig,
+    *,
+    target: str,
+    name: str,
+    jobs: int = 1,
+    gtp_remat: bool = True,
+    helper: Helper = Helper(),
+    progress: Progress = SILENT,
 ) -> Migration:
     """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
     collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has GTP remat
@@ -160,7 +173,9 @@ def migrate(
     must free, so its collections would only rescan them (a tenth of the time on a large tree)."""
     if not name.isidentifier():
         raise ValueError(f"--collection-name {name!r} is not a Python identifier")
-    if helper.module is not None and not all(part.isidentifier() for part in helper.module.split(".")):
+    if helper.module is not None and not all(
+        part.isidentifier() for part in helper.module.split(".")
+    ):
         raise ValueError(f"--helper-module {helper.module!r} is not a dotted module name")
     idiom_of_target(target)  # an unknown one refused before any work
     enabled = gc.isenabled()
@@ -197,8 +212,11 @@ class _Instruction:
 
     def names(self) -> set[str]:
         """The names of the functions and methods a caller may now pass a collection to."""
-        return ({function for _, function in self.threaded} | {q.rpartition(".")[2] for _, q in self.upward.functions}
-                | set(self.upward.methods))
+        return (
+            {function for _, function in self.threaded}
+            | {q.rpartition(".")[2] for _, q in self.upward.functions}
+            | set(self.upward.methods)
+        )
 
     def mention(self) -> re.Pattern[bytes] | None:
         """A call of one of :meth:`names`."""
@@ -251,12 +269,24 @@ class _Worker:
         try:
             named = collection_mentions(self.name)
             syntax = ast.parse(data)
-            parsed = _parse_skeleton(path, data, syntax, make_needed_check(data, {s.line for s in sites}, calls, named))
+            parsed = _parse_skeleton(
+                path, data, syntax, make_needed_check(data, {s.line for s in sites}, calls, named)
+            )
             if isinstance(parsed, FileResult):
                 return parsed
             assert isinstance(parsed.tree, cst.Module)
-            plan = plan_file(path, ".".join(module_name(path)), parsed.tree, sites, self.name, data, syntax,
-                             gtp_remat=self.gtp_remat, facts=self.facts, shims=self.shims)
+            plan = plan_file(
+                path,
+                ".".join(module_name(path)),
+                parsed.tree,
+                sites,
+                self.name,
+                data,
+                syntax,
+                gtp_remat=self.gtp_remat,
+                facts=self.facts,
+                shims=self.shims,
+            )
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
             return _internal_error(path, error)
         plan.kept = parsed.kept
@@ -272,17 +302,27 @@ class _Worker:
             else:
                 self.plans[path] = planned
         plans = self.plans.values()
-        return _Planned(failures, collect_threaded_functions(plans), collect_threaded_methods(plans),
-                        collect_threaded_classes(plans))
+        return _Planned(
+            failures,
+            collect_threaded_functions(plans),
+            collect_threaded_methods(plans),
+            collect_threaded_classes(plans),
+        )
 
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
         mention = instruction.mention()
         modules = {module for module, _ in instruction.upward.functions}
-        for path, data, sites in self.files:  # a definition threaded upward may be a placeholder: planned again
+        for (
+            path,
+            data,
+            sites,
+        ) in self.files:  # a definition threaded upward may be a placeholder: planned again
             plan = self.plans.get(path)
             if plan is not None and plan.kept and plan.module in modules:
-                planned = self._plan_one_file(path, data, sites, _calls_of(self.may_thread_names | instruction.names()))
+                planned = self._plan_one_file(
+                    path, data, sites, _calls_of(self.may_thread_names | instruction.names())
+                )
                 if isinstance(planned, FileResult):
                     done.failures.append(planned)
                 else:
@@ -290,11 +330,18 @@ class _Worker:
         self.finish([self.plans[path] for path in sorted(self.plans)], instruction, mention, done)
         while (task := self.queue.take()) is not None:
             self.look(self.others[task], instruction, mention, done)
-            self.progress("looking through the other files for calls (groups of files)", task + 1, len(self.others))
+            self.progress(
+                "looking through the other files for calls (groups of files)",
+                task + 1,
+                len(self.others),
+            )
         return done
 
     def look(
-        self, files: Sequence[tuple[str, bytes]], instruction: _Instruction, mention: re.Pattern[bytes] | None,
+        self,
+        files: Sequence[tuple[str, bytes]],
+        instruction: _Instruction,
+        mention: re.Pattern[bytes] | None,
         done: _Done,
     ) -> None:
         """Plan and rewrite those of ``files`` (without reads) that call a threaded function (``mention``: a call
@@ -304,7 +351,9 @@ class _Worker:
             return
         plans = []
         for path, data in files:
-            if mention.search(data):  # a file only read for its calls is passed over if libcst balks
+            if mention.search(
+                data
+            ):  # a file only read for its calls is passed over if libcst balks
                 planned = self._plan_one_file(path, data, (), mention)
                 if isinstance(planned, FilePlan):
                     plans.append(planned)
@@ -313,7 +362,11 @@ class _Worker:
         self.finish(plans, instruction, mention, done)
 
     def finish(
-        self, plans: Sequence[FilePlan], instruction: _Instruction, mention: re.Pattern[bytes] | None, done: _Done
+        self,
+        plans: Sequence[FilePlan],
+        instruction: _Instruction,
+        mention: re.Pattern[bytes] | None,
+        done: _Done,
     ) -> None:
         """The functions of ``plans`` threaded upward, the calls that pass a threaded function its collection,
         and their rewrites."""
@@ -324,10 +377,15 @@ class _Worker:
                     visit_mentions(plan, mention)
             for plan in plans:
                 for function in plan.functions:
-                    if function.parent is None and (plan.module, function.qualname) in upward.functions:
+                    if (
+                        function.parent is None
+                        and (plan.module, function.qualname) in upward.functions
+                    ):
                         function.added, function.upward = self.name, True
             done.passed += decide_passes(plans, self.name, instruction.threaded, upward.methods)
-        except Exception as error:  # a bug of this tool: every file whose calls were being decided is named
+        except (
+            Exception
+        ) as error:  # a bug of this tool: every file whose calls were being decided is named
             done.failures += [_internal_error(plan.path, error) for plan in plans]
             return
         for rewritten, plan in enumerate(plans, 1):
@@ -352,10 +410,14 @@ class _Worker:
         if after == data:
             return None
         try:
-            with warnings.catch_warnings():  # the file's own SyntaxWarnings are not this run's to print
+            with (
+                warnings.catch_warnings()
+            ):  # the file's own SyntaxWarnings are not this run's to print
                 warnings.simplefilter("ignore")
                 compile(after, plan.path, "exec", dont_inherit=True)
-        except SyntaxError as error:  # a bug of this tool: refuse the whole run rather than write broken code
+        except (
+            SyntaxError
+        ) as error:  # a bug of this tool: refuse the whole run rather than write broken code
             message = f"{_INTERNAL}: the rewrite would not compile ({error.msg}); please report it"
             return FileResult(plan.path, failure=ParseFailure(message, error.lineno or 1, 1))
         return after
@@ -388,7 +450,9 @@ def _project_root(files: Sequence[SourceFile]) -> Path:
     return files[0].absolute.parents[files[0].path.count("/")]
 
 
-def _helper_change(root: Path, path: str, module: str, helper: Helper, gtp_remat: bool) -> Change | FileResult | None:
+def _helper_change(
+    root: Path, path: str, module: str, helper: Helper, gtp_remat: bool
+) -> Change | FileResult | None:
     """The helper module's file (``path`` in the project at ``root``): new, or rewritten where this tool wrote it
     and it differs; a failure naming it when a file this tool did not write is at its path."""
     absolute = root / path
@@ -399,27 +463,41 @@ def _helper_change(root: Path, path: str, module: str, helper: Helper, gtp_remat
     except FileNotFoundError:
         return Change(path, absolute, b"", 0, text, created=True)
     except OSError as error:
-        return FileResult(path, failure=ParseFailure(f"cannot read the fallback helper module: {error}", 1, 1))
+        return FileResult(
+            path, failure=ParseFailure(f"cannot read the fallback helper module: {error}", 1, 1)
+        )
     if MARKER not in data:
-        message = (f"the fallback helper module {module} is a file pgregistry migrate did not write; name another "
-                   "module with --helper-module (or [tool.pgregistry.migrate] helper-module)")
+        message = (
+            f"the fallback helper module {module} is a file pgregistry migrate did not write; name another "
+            "module with --helper-module (or [tool.pgregistry.migrate] helper-module)"
+        )
         return FileResult(path, failure=ParseFailure(message, 1, 1))
     return Change(path, absolute, data, mtime, text) if data != text else None
 
 
 def _run_migration(
-    files: Sequence[SourceFile], config: ScanConfig, target: str, name: str, jobs: int, gtp_remat: bool,
-    helper: Helper, progress: Progress,
+    files: Sequence[SourceFile],
+    config: ScanConfig,
+    target: str,
+    name: str,
+    jobs: int,
+    gtp_remat: bool,
+    helper: Helper,
+    progress: Progress,
 ) -> Migration:
     read = []
     for source in files:
         read.append((source, _read_source_bytes(source)))
         progress("reading the files", len(read), len(files))
-    report = scan_sources([(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs)
+    report = scan_sources(
+        [(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs
+    )
     outcome = Migration(failures=list(report.failures))
     if outcome.failures:
         return outcome
-    sources = {source.path: (source, data) for source, data in read if not isinstance(data, FileResult)}
+    sources = {
+        source.path: (source, data) for source, data in read if not isinstance(data, FileResult)
+    }
     contents = {path: data for path, (_, (data, _)) in sources.items()}
     #: Files whose reads all stay for reasons their sites give: not parsed with libcst (unless called into).
     left: dict[str, list[Read]] = {}
@@ -434,24 +512,44 @@ def _run_migration(
     count = max(1, min(jobs, len(planned)))
     fork = count > 1 and size >= PARALLEL_MIN_BYTES and can_fork()
     # At least one worker, also with no file to plan: it still looks through the others for calls.
-    shares = split_into_buckets(count if fork else 1, [len(contents[r.path]) for r in planned]) or [[]]
+    shares = split_into_buckets(count if fork else 1, [len(contents[r.path]) for r in planned]) or [
+        []
+    ]
     with_reads = {r.path for r in planned}
     others = [(path, data) for path, data in contents.items() if path not in with_reads]
     chunk = -(-len(others) // TaskQueue.RECORDS)
-    chunks = [others[i:i + chunk] for i in range(0, len(others), chunk)] if others else []
+    chunks = [others[i : i + chunk] for i in range(0, len(others), chunk)] if others else []
     queue = TaskQueue()
     may_thread = _may_thread(planned, contents)
     root = _project_root(files)
-    helper_module = helper.module or default_module([r.path for r in planned],
-                                                    lambda directory: (root / directory / "__init__.py").is_file())
+    helper_module = helper.module or default_module(
+        [r.path for r in planned], lambda directory: (root / directory / "__init__.py").is_file()
+    )
     idiom_ = idiom_of_target(target, helper_module)
     modules = frozenset(".".join(module_name(source.path)) for source in files)
-    scoped = {part for r in planned for s in r.sites if s.scope != MODULE_SCOPE for part in s.scope.split(".")}
+    scoped = {
+        part
+        for r in planned
+        for s in r.sites
+        if s.scope != MODULE_SCOPE
+        for part in s.scope.split(".")
+    }
     facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
     makers = [
-        partial(_Worker, [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share], chunks,
-                queue, may_thread, name, idiom_, helper.width, gtp_remat, progress, facts,
-                find_installed_shim_getters() if helper.shims == "installed" else helper.shims)
+        partial(
+            _Worker,
+            [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share],
+            chunks,
+            queue,
+            may_thread,
+            name,
+            idiom_,
+            helper.width,
+            gtp_remat,
+            progress,
+            facts,
+            find_installed_shim_getters() if helper.shims == "installed" else helper.shims,
+        )
         for share in shares
     ]
     threaded: Threaded = {}
@@ -459,7 +557,9 @@ def _run_migration(
 
     def thread_between_phases(firsts: list[_Planned]) -> list[_Instruction] | None:
         nonlocal instruction
-        outcome.failures += sorted((f for first in firsts for f in first.failures), key=lambda f: f.path)
+        outcome.failures += sorted(
+            (f for first in firsts for f in first.failures), key=lambda f: f.path
+        )
         if outcome.failures:
             return None
         queue.fill(len(chunks))
@@ -498,8 +598,12 @@ def _run_migration(
             source, (data, mtime) = sources[path]
             outcome.changes.append(Change(path, source.absolute, data, mtime, after))
     for path in sorted(every):
-        outcome.reads += [(path, r) for r in sorted(every[path], key=lambda r: (r.site.line, r.site.col))]
-    if target == "megatron" and any(read.way not in (Way.LEFT, Way.BUILDER) for _, read in outcome.reads):
+        outcome.reads += [
+            (path, r) for r in sorted(every[path], key=lambda r: (r.site.line, r.site.col))
+        ]
+    if target == "megatron" and any(
+        read.way not in (Way.LEFT, Way.BUILDER) for _, read in outcome.reads
+    ):
         path = helper_path(helper_module, lambda directory: (root / directory).is_dir())
         made = _helper_change(root, path, helper_module, helper, gtp_remat)
         if isinstance(made, FileResult):

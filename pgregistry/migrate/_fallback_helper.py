@@ -148,7 +148,9 @@ _GTP_REMAT_DP = "dp_gtp_remat"
 IF_NONE: dict[str, tuple[str, str, dict[str, bool]]] = {
     "tp": ("megatron.core.utils", "get_tensor_model_parallel_group_if_none", {}),
     "expt_tp": (
-        "megatron.core.utils", "get_tensor_model_parallel_group_if_none", {"is_expert": True}
+        "megatron.core.utils",
+        "get_tensor_model_parallel_group_if_none",
+        {"is_expert": True},
     ),
 }
 _IF_NONE = "group_if_none"
@@ -194,8 +196,13 @@ def _warn_of_fallback(field: str) -> None:
     # Attributed to the function's definition: once per function and field under default filters.
     registry = frame.f_globals.setdefault("__warningregistry__", {})
     warnings.warn_explicit(
-        message, ProcessGroupFallbackWarning, frame.f_code.co_filename, frame.f_code.co_firstlineno,
-        module=frame.f_globals.get("__name__"), registry=registry, module_globals=frame.f_globals,
+        message,
+        ProcessGroupFallbackWarning,
+        frame.f_code.co_filename,
+        frame.f_code.co_firstlineno,
+        module=frame.f_globals.get("__name__"),
+        registry=registry,
+        module_globals=frame.f_globals,
     )
 
 
@@ -268,8 +275,11 @@ def _read_or_fall_back(
     if (field, kind) not in FALLBACKS:
         raise ValueError(f"no accessor of Megatron-Core's parallel_state reads {kind} of {field!r}")
     _warn_of_fallback(field)
-    accessors = parallel_state if parallel_state is not None else importlib.import_module(
-        "megatron.core.parallel_state")
+    accessors = (
+        parallel_state
+        if parallel_state is not None
+        else importlib.import_module("megatron.core.parallel_state")
+    )
     accessor, keywords = FALLBACKS[(field, kind)]
     return getattr(accessors, accessor)(**keywords, **accessor_keywords)
 

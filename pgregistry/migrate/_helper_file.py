@@ -16,7 +16,15 @@ from pathlib import Path
 from pgregistry._source.fields import fallback_table
 from pgregistry.migrate._style import DEFAULT_WIDTH
 
-__all__ = ["DEFAULT_NAME", "MARKER", "HelperConflict", "default_module", "helper_path", "helper_text", "table_text"]
+__all__ = [
+    "DEFAULT_NAME",
+    "MARKER",
+    "HelperConflict",
+    "default_module",
+    "helper_path",
+    "helper_text",
+    "table_text",
+]
 
 #: The module's name in the top package when the user names none.
 DEFAULT_NAME = "_process_group_fallback"
@@ -49,7 +57,11 @@ def _python_literal(value: object) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(map(_python_literal, value)) + ")"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_python_literal(k)}: {_python_literal(v)}" for k, v in value.items()) + "}"
+        return (
+            "{"
+            + ", ".join(f"{_python_literal(k)}: {_python_literal(v)}" for k, v in value.items())
+            + "}"
+        )
     return repr(value)
 
 

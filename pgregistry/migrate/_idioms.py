@@ -52,7 +52,9 @@ class Idiom:
         if read.way == Way.BUILDER:
             return f"{read.collection}.{field}"
         kind = read.choice.kind
-        if read.site.family == HELPER and self.megatron_fallback:  # falls back to the helper, as the read did
+        if (
+            read.site.family == HELPER and self.megatron_fallback
+        ):  # falls back to the helper, as the read did
             kind = "group_if_none"
         function = HELPERS.get(kind)
         arguments = f'{read.collection}, "{field}"' + ("" if function else f', "{kind}"')
@@ -61,7 +63,9 @@ class Idiom:
     def field_read(self, collection: str, field: str, keywords: dict[str, object]) -> str:
         """A dissolved shim's read of ``field`` (:mod:`._shims`): its group, falling back to the getter the shim
         called, with the shim's ``keywords`` (``check_initialized=False``) for a Megatron-Core fallback."""
-        forwarded = "".join(f", {k}={v!r}" for k, v in keywords.items()) if self.megatron_fallback else ""
+        forwarded = (
+            "".join(f", {k}={v!r}" for k, v in keywords.items()) if self.megatron_fallback else ""
+        )
         return f'{HELPERS["group"]}({collection}, "{field}"{forwarded})'
 
     def replacement(self, read: Read) -> tuple[str, bool]:
@@ -72,7 +76,8 @@ class Idiom:
         if self.megatron_fallback and read.call is not None:
             forwarded = "".join(
                 f", {a.keyword.value}={cst.Module([]).code_for_node(a.value)}"
-                for a in read.call.args if a.keyword is not None and a.keyword.value in _FORWARDED
+                for a in read.call.args
+                if a.keyword is not None and a.keyword.value in _FORWARDED
             )
         code, operator = self._read_code(read, choice.field, forwarded), False
         if read.when:

@@ -31,10 +31,14 @@ def _runs_the_base_init(node: ast.ClassDef) -> bool:
     """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments, as far as the
     class itself says: nothing of its own between the call and that ``__init__``."""
     own = {m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    return bool(node.bases) and not (node.decorator_list or node.keywords or own & {"__init__", "__new__"})
+    return bool(node.bases) and not (
+        node.decorator_list or node.keywords or own & {"__init__", "__new__"}
+    )
 
 
-def _first_base(node: ast.ClassDef, module: str, bound: Mapping[str, str], classes: set[str]) -> Key | None:
+def _first_base(
+    node: ast.ClassDef, module: str, bound: Mapping[str, str], classes: set[str]
+) -> Key | None:
     """(module, name) of ``node``'s first base: a class of the same module or one the file imports."""
     base = node.bases[0]
     parts: list[str] = []
@@ -69,14 +73,19 @@ def add_inheriting_subclasses(
         names = sorted({name for _, name in known})
         if not names:
             return found
-        mention = re.compile(rb"\bclass\b[^\n]*\b(?:" + b"|".join(re.escape(n.encode()) for n in names) + rb")\b")
+        mention = re.compile(
+            rb"\bclass\b[^\n]*\b(?:" + b"|".join(re.escape(n.encode()) for n in names) + rb")\b"
+        )
         for path, data in contents.items():
             if not mention.search(data):
                 continue
             if path not in parsed:
                 try:
                     parsed[path] = ast.parse(data)
-                except (SyntaxError, ValueError):  # the scan refused the run already; read for classes only
+                except (
+                    SyntaxError,
+                    ValueError,
+                ):  # the scan refused the run already; read for classes only
                     parsed[path] = None
             tree = parsed[path]
             if tree is None:
@@ -87,7 +96,9 @@ def add_inheriting_subclasses(
             for node in tree.body:
                 if not isinstance(node, ast.ClassDef) or (module, node.name) in found:
                     continue
-                base = _first_base(node, module, bound, classes) if _runs_the_base_init(node) else None
+                base = (
+                    _first_base(node, module, bound, classes) if _runs_the_base_init(node) else None
+                )
                 keyword = known.get(base) if base is not None else None
                 if keyword is not None:
                     found[(module, node.name)] = keyword

@@ -37,8 +37,14 @@ from __future__ import annotations
 
 import libcst as cst
 
-__all__ = ["split_argument_line", "split_arguments", "split_condition", "split_header", "split_key",
-           "split_statement"]
+__all__ = [
+    "split_argument_line",
+    "split_arguments",
+    "split_condition",
+    "split_header",
+    "split_key",
+    "split_statement",
+]
 
 _CODE = cst.Module([])
 
@@ -60,7 +66,9 @@ def _fits_width(indent: int, text: str, width: int) -> bool:
     return indent + len(text) <= width
 
 
-def _parts_at_delimiters(value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression, str]] | None:
+def _parts_at_delimiters(
+    value: cst.BaseExpression,
+) -> list[tuple[str, cst.BaseExpression, str]] | None:
     """(text before, operand, text after) of each operand of ``value`` split at its lowest-priority delimiters
     at the top; None when it has none."""
     if value.lpar or _has_starred_element(value):
@@ -72,11 +80,17 @@ def _parts_at_delimiters(value: cst.BaseExpression) -> list[tuple[str, cst.BaseE
     if isinstance(value, cst.BooleanOperation):
         operator = _source_of(value.operator).strip() + " "
         left = value.left
-        same = isinstance(left, cst.BooleanOperation) and not left.lpar and type(left.operator) is type(value.operator)
+        same = (
+            isinstance(left, cst.BooleanOperation)
+            and not left.lpar
+            and type(left.operator) is type(value.operator)
+        )
         first = (_parts_at_delimiters(left) or []) if same else [("", left, "")]
         return [*first, (operator, value.right, "")]
     if isinstance(value, cst.Comparison):
-        operands = ((_source_of(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons)
+        operands = (
+            (_source_of(t.operator).strip() + " ", t.comparator, "") for t in value.comparisons
+        )
         return [("", value.left, ""), *operands]
     return None
 
@@ -101,12 +115,18 @@ _PRIORITIES: tuple[tuple[type[cst.BaseBinaryOp], ...], ...] = (
 def _operator_chain(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpression]]:
     """(operator before, operand) of each operand of ``value``'s chain of operators of its priority at the top
     (``a + b - c``: ``a``, ``+ b``, ``- c``); empty for ``**``."""
-    group = next((operators for operators in _PRIORITIES if isinstance(value.operator, operators)), None)
+    group = next(
+        (operators for operators in _PRIORITIES if isinstance(value.operator, operators)), None
+    )
     if group is None:
         return []
     left = value.left
-    chained = isinstance(left, cst.BinaryOperation) and not left.lpar and isinstance(left.operator, group)
-    first = _operator_chain(left) if isinstance(left, cst.BinaryOperation) and chained else [("", left)]
+    chained = (
+        isinstance(left, cst.BinaryOperation) and not left.lpar and isinstance(left.operator, group)
+    )
+    first = (
+        _operator_chain(left) if isinstance(left, cst.BinaryOperation) and chained else [("", left)]
+    )
     return [*first, (_source_of(value.operator).strip() + " ", value.right)]
 
 
@@ -115,11 +135,16 @@ def _split_call(value: cst.BaseExpression) -> tuple[cst.Call, str] | None:
     arguments on its result (``f(x).keys()``: ``f(x)``, as black skips empty brackets), and the text after it."""
     call = _last_call(value)
     suffix = ""
-    while call is not None and not call.args and isinstance(call.func, cst.Attribute) and not call.func.lpar:
+    while (
+        call is not None
+        and not call.args
+        and isinstance(call.func, cst.Attribute)
+        and not call.func.lpar
+    ):
         inner = call.func.value
         if not isinstance(inner, cst.Call) or inner.lpar:
             break
-        suffix = _source_of(call)[len(_source_of(inner)):] + suffix
+        suffix = _source_of(call)[len(_source_of(inner)) :] + suffix
         call = inner
     return None if call is None else (call, suffix)
 
@@ -147,54 +172,110 @@ def _argument_head(arg: cst.Arg) -> str:
     return arg.star if isinstance(arg.star, str) else ""
 
 
-def _black_lines(head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str,
-           bracketed: bool = True) -> list[str]:
+def _black_lines(
+    head: str,
+    value: cst.BaseExpression,
+    tail: str,
+    indent: int,
+    width: int,
+    unit: str,
+    bracketed: bool = True,
+) -> list[str]:
     """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each indented
     relative to the first; ``bracketed``: the line is inside brackets (not a statement's or a condition's)."""
     body = _source_of(value)
     if _fits_width(indent, head + body + tail, width):
         return [head + body + tail]
-    operands = _operator_chain(value) if bracketed and isinstance(value, cst.BinaryOperation) and not value.lpar else []
+    operands = (
+        _operator_chain(value)
+        if bracketed and isinstance(value, cst.BinaryOperation) and not value.lpar
+        else []
+    )
     if operands:  # inside brackets black splits at the operators first, one operand a line, its operator first
         last = len(operands) - 1
-        return [line for index, (operator, operand) in enumerate(operands) for line in _black_lines(
-            (head if index == 0 else "") + operator, operand, tail if index == last else "", indent, width, unit)]
+        return [
+            line
+            for index, (operator, operand) in enumerate(operands)
+            for line in _black_lines(
+                (head if index == 0 else "") + operator,
+                operand,
+                tail if index == last else "",
+                indent,
+                width,
+                unit,
+            )
+        ]
     parts = _parts_at_delimiters(value)
     found = _split_call(value)
     call, suffix = found if found is not None else (None, "")
     deeper = indent + len(unit.expandtabs(4))
-    if call is not None and call.args and (parts is None or len(parts) < 3 and not isinstance(value, cst.Tuple)):
-        before = head + body[: len(body) - len(_source_of(call)) - len(suffix)] + _source_of(call.func) + "("
-        if _fits_width(indent, before, width):  # black splits the last call, omitting optional parentheses
-            arguments = [_source_of(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in call.args]
+    if (
+        call is not None
+        and call.args
+        and (parts is None or len(parts) < 3 and not isinstance(value, cst.Tuple))
+    ):
+        before = (
+            head
+            + body[: len(body) - len(_source_of(call)) - len(suffix)]
+            + _source_of(call.func)
+            + "("
+        )
+        if _fits_width(
+            indent, before, width
+        ):  # black splits the last call, omitting optional parentheses
+            arguments = [
+                _source_of(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip()
+                for arg in call.args
+            ]
             one = ", ".join(arguments)
             if _fits_width(deeper, one, width):
                 inner = [one]
             else:  # one a line (a trailing comma where there are several), each split in turn if still too long
                 comma = "," if len(call.args) > 1 else ""
-                inner = [line for arg in call.args
-                         for line in _black_lines(_argument_head(arg), arg.value, comma, deeper, width, unit)]
+                inner = [
+                    line
+                    for arg in call.args
+                    for line in _black_lines(
+                        _argument_head(arg), arg.value, comma, deeper, width, unit
+                    )
+                ]
             return [before, *(unit + line for line in inner), ")" + suffix + tail]
-    if isinstance(value, (cst.List, cst.Set)) and not value.lpar and value.elements and not _has_starred_element(value):
+    if (
+        isinstance(value, (cst.List, cst.Set))
+        and not value.lpar
+        and value.elements
+        and not _has_starred_element(value)
+    ):
         opening, closing = ("[", "]") if isinstance(value, cst.List) else ("{", "}")
-        inner = [line for element in value.elements for line in _black_lines(
-            "", element.value, ",", deeper, width, unit)]
+        inner = [
+            line
+            for element in value.elements
+            for line in _black_lines("", element.value, ",", deeper, width, unit)
+        ]
         return [head + opening, *(unit + line for line in inner), closing + tail]
     if parts is None:
         return [head + body + tail]
-    inner = [body] if _fits_width(deeper, body, width) else _one_part_a_line(parts, deeper, width, unit)
+    inner = (
+        [body] if _fits_width(deeper, body, width) else _one_part_a_line(parts, deeper, width, unit)
+    )
     return [head + "(", *(unit + line for line in inner), ")" + tail]
 
 
-def _one_part_a_line(parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int,
-                     unit: str) -> list[str]:
+def _one_part_a_line(
+    parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int, unit: str
+) -> list[str]:
     """The lines of ``parts`` (of :func:`_parts_at_delimiters`), one part a line, each split in turn where
     still too long."""
-    return [line for before, operand, after in parts
-            for line in _black_lines(before, operand, after, indent, width, unit)]
+    return [
+        line
+        for before, operand, after in parts
+        for line in _black_lines(before, operand, after, indent, width, unit)
+    ]
 
 
-def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit: str) -> cst.SimpleStatementLine:
+def split_statement(
+    line: cst.SimpleStatementLine, indent: int, width: int, unit: str
+) -> cst.SimpleStatementLine:
     """``line`` (``indent`` columns in), split where it is one physical line longer than ``width``, or where its
     value, in parentheses on a line of its own (``x = (``, the value, ``)``), no longer fits that line."""
     if len(line.body) != 1:
@@ -212,7 +293,9 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
     head = text[: len(text) - len(_source_of(value))]
     if not text.endswith(_source_of(value)) or "\n" in head:
         return line
-    if "\n" in text:  # only the layout ``(`` (``not (``), one line, ``)``, without comments, is laid out again
+    if (
+        "\n" in text
+    ):  # only the layout ``(`` (``not (``), one line, ``)``, without comments, is laid out again
         prefix, enclosed = "", value
         if isinstance(value, cst.UnaryOperation) and not value.lpar:
             prefix, enclosed = _source_of(value.operator), value.expression
@@ -225,27 +308,43 @@ def split_statement(line: cst.SimpleStatementLine, indent: int, width: int, unit
         parts = _parts_at_delimiters(bare)
         if parts is None or _fits_width(deeper, inner, width):
             return line
-        lines = [f"{head}{prefix}(", *(unit + part for part in _one_part_a_line(parts, deeper, width, unit)), ")"]
-    elif _fits_width(indent, text + (comment := _source_of(line.trailing_whitespace).rstrip("\n")), width):
+        lines = [
+            f"{head}{prefix}(",
+            *(unit + part for part in _one_part_a_line(parts, deeper, width, unit)),
+            ")",
+        ]
+    elif _fits_width(
+        indent, text + (comment := _source_of(line.trailing_whitespace).rstrip("\n")), width
+    ):
         return line
     elif isinstance(value, cst.BinaryOperation) and not value.lpar and _last_call(value) is None:
         # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then fits)
         body = _source_of(value)
-        lines = [f"{head}(", unit + body, ")"] if _fits_width(indent + len(unit.expandtabs(4)), body, width) else [text]
+        lines = (
+            [f"{head}(", unit + body, ")"]
+            if _fits_width(indent + len(unit.expandtabs(4)), body, width)
+            else [text]
+        )
     else:
         # a trailing comment counts: black leaves it after the last line
         lines = _black_lines(head, value, comment, indent, width, unit, bracketed=False)
     if len(lines) == 1:
         return line
     parsed = _parse_or_none("\n".join(lines) + "\n")
-    return line.with_changes(body=parsed.body) if isinstance(parsed, cst.SimpleStatementLine) else line
+    return (
+        line.with_changes(body=parsed.body) if isinstance(parsed, cst.SimpleStatementLine) else line
+    )
 
 
 def _parameter_texts(params: cst.Parameters) -> list[str]:
     """Each parameter's text, with the ``/`` and bare ``*`` markers, in order."""
+
     def param_text(param: cst.Param, star: str = "") -> str:
-        alone = param.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_param=cst.SimpleWhitespace(""),
-                                   star=param.star if isinstance(param.star, str) else star)
+        alone = param.with_changes(
+            comma=cst.MaybeSentinel.DEFAULT,
+            whitespace_after_param=cst.SimpleWhitespace(""),
+            star=param.star if isinstance(param.star, str) else star,
+        )
         return _source_of(alone).strip()
 
     items = [param_text(p) for p in params.posonly_params]
@@ -265,37 +364,63 @@ def _parameter_texts(params: cst.Parameters) -> list[str]:
 def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) -> cst.FunctionDef:
     """``function`` (``indent`` columns in) with its parameters laid out again where a line of its header is
     longer than ``width`` (the ``def`` line, or the line of parameters of a header already split)."""
-    header = _source_of(function.with_changes(decorators=[], leading_lines=[], lines_after_decorators=[],
-                                         body=cst.SimpleStatementSuite([cst.Pass()])))
+    header = _source_of(
+        function.with_changes(
+            decorators=[],
+            leading_lines=[],
+            lines_after_decorators=[],
+            body=cst.SimpleStatementSuite([cst.Pass()]),
+        )
+    )
     header = header.rstrip("\n").removesuffix(" pass").rstrip()
     if "#" in header or all(_fits_width(indent, line, width) for line in header.splitlines()):
         return function  # it fits (or holds a comment, which a new layout would have to move)
     items = _parameter_texts(function.params)
     one = ", ".join(items)
-    inner = [f"{unit}{one}"] if _fits_width(indent + len(unit), one, width) else [f"{unit}{item}," for item in items]
+    inner = (
+        [f"{unit}{one}"]
+        if _fits_width(indent + len(unit), one, width)
+        else [f"{unit}{item}," for item in items]
+    )
     parsed = _parse_or_none("\n".join(["def f(", *inner, "): pass"]) + "\n")
     if not isinstance(parsed, cst.FunctionDef):
         return function
-    return function.with_changes(params=parsed.params, whitespace_before_params=parsed.whitespace_before_params)
+    return function.with_changes(
+        params=parsed.params, whitespace_before_params=parsed.whitespace_before_params
+    )
 
 
-def split_condition(node: cst.If | cst.While, keyword: str, indent: int, width: int, unit: str) -> cst.If | cst.While:
+def split_condition(
+    node: cst.If | cst.While, keyword: str, indent: int, width: int, unit: str
+) -> cst.If | cst.While:
     """``node`` (``keyword`` ``if``, ``elif`` or ``while``, ``indent`` columns in) with its condition laid out as
     black lays it out where its header is one physical line longer than ``width``."""
-    before, after = (("whitespace_before_test", "whitespace_after_test") if isinstance(node, cst.If)
-                     else ("whitespace_after_while", "whitespace_before_colon"))
+    before, after = (
+        ("whitespace_before_test", "whitespace_after_test")
+        if isinstance(node, cst.If)
+        else ("whitespace_after_while", "whitespace_before_colon")
+    )
     test = _source_of(node.test)
-    header = f"{keyword}{_source_of(getattr(node, before))}{test}{_source_of(getattr(node, after))}:"
+    header = (
+        f"{keyword}{_source_of(getattr(node, before))}{test}{_source_of(getattr(node, after))}:"
+    )
     if "\n" in test or _fits_width(indent, header, width):
         return node
     lines = _black_lines(f"{keyword} ", node.test, ":", indent, width, unit, bracketed=False)
     if len(lines) == 1:
         return node
-    parsed = _parse_or_none("\n".join(["if" + lines[0].removeprefix(keyword), *lines[1:]]) + f"\n{unit}pass\n")
+    parsed = _parse_or_none(
+        "\n".join(["if" + lines[0].removeprefix(keyword), *lines[1:]]) + f"\n{unit}pass\n"
+    )
     if not isinstance(parsed, cst.If):
         return node
-    return node.with_changes(**{"test": parsed.test, before: parsed.whitespace_before_test,
-                                after: parsed.whitespace_after_test})
+    return node.with_changes(
+        **{
+            "test": parsed.test,
+            before: parsed.whitespace_before_test,
+            after: parsed.whitespace_after_test,
+        }
+    )
 
 
 def _own_line(whitespace: cst.BaseParenthesizableWhitespace) -> str | None:
@@ -314,7 +439,9 @@ def _before_argument(call: cst.Call, index: int) -> cst.BaseParenthesizableWhite
     return comma.whitespace_after if isinstance(comma, cst.Comma) else cst.SimpleWhitespace("")
 
 
-def split_arguments(call: cst.Call, original: cst.Call, indent: int, width: int, unit: str) -> cst.Call:
+def split_arguments(
+    call: cst.Call, original: cst.Call, indent: int, width: int, unit: str
+) -> cst.Call:
     """``call`` (in a block ``indent`` columns in; ``original`` before the rewrite) with each argument that sits on
     a line of its own, that the rewrite changed and that no longer fits that line laid out as black lays it out;
     every other argument as the author wrote it."""
@@ -322,23 +449,32 @@ def split_arguments(call: cst.Call, original: cst.Call, indent: int, width: int,
     for index, arg in enumerate(call.args):
         comma = arg.comma
         opening = _own_line(_before_argument(call, index))
-        closing = comma.whitespace_after if isinstance(comma, cst.Comma) else arg.whitespace_after_arg
+        closing = (
+            comma.whitespace_after if isinstance(comma, cst.Comma) else arg.whitespace_after_arg
+        )
         if opening is None or _own_line(closing) is None or index >= len(original.args):
             continue
-        bare = arg.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))
+        bare = arg.with_changes(
+            comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace("")
+        )
         text, value = _source_of(bare), _source_of(arg.value)
         tail = "," if isinstance(comma, cst.Comma) else ""
         column = indent + len(opening.expandtabs(4))
         if "\n" in text or not text.endswith(value) or _fits_width(column, text + tail, width):
             continue
-        if text == _source_of(original.args[index].with_changes(
-                comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))):
+        if text == _source_of(
+            original.args[index].with_changes(
+                comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace("")
+            )
+        ):
             continue  # the author's own long line
         lines = _black_lines(text[: len(text) - len(value)], arg.value, tail, column, width, unit)
         if len(lines) == 1:
             continue
         try:
-            parsed = cst.parse_expression("f(\n" + "".join(f"{opening}{line}\n" for line in lines) + ")")
+            parsed = cst.parse_expression(
+                "f(\n" + "".join(f"{opening}{line}\n" for line in lines) + ")"
+            )
         except cst.ParserSyntaxError:
             continue
         if isinstance(parsed, cst.Call) and len(parsed.args) == 1:
@@ -352,26 +488,51 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
     lowest-priority delimiters where it still does not fit), ``): value``."""
     key = comprehension.key
     opening = _own_line(comprehension.lbrace.whitespace_after)
-    if opening is None or _own_line(comprehension.for_in.whitespace_before) is None or len(key.lpar) != 1:
+    if (
+        opening is None
+        or _own_line(comprehension.for_in.whitespace_before) is None
+        or len(key.lpar) != 1
+    ):
         return comprehension
     bare = key.with_changes(lpar=[], rpar=[])
-    after = (f"){_source_of(comprehension.whitespace_before_colon)}:{_source_of(comprehension.whitespace_after_colon)}"
-             f"{_source_of(comprehension.value)}")
+    after = (
+        f"){_source_of(comprehension.whitespace_before_colon)}:{_source_of(comprehension.whitespace_after_colon)}"
+        f"{_source_of(comprehension.value)}"
+    )
     column = indent + len(opening.expandtabs(4))
     inner = _source_of(bare)
-    if "\n" in inner + after or _fits_width(column, f"({inner}{after}", width) or _source_of(key) != f"({inner})":
+    if (
+        "\n" in inner + after
+        or _fits_width(column, f"({inner}{after}", width)
+        or _source_of(key) != f"({inner})"
+    ):
         return comprehension
     deeper = column + len(unit.expandtabs(4))
     parts = _parts_at_delimiters(bare)
-    lines = (_one_part_a_line(parts, deeper, width, unit) if parts is not None and not _fits_width(deeper, inner, width)
-             else _black_lines("", bare, "", deeper, width, unit))
-    text = "\n".join(["{", f"{opening}(", *(f"{opening}{unit}{line}" for line in lines), f"{opening}{after}",
-                      f"{opening}for _ in _", "}"])
+    lines = (
+        _one_part_a_line(parts, deeper, width, unit)
+        if parts is not None and not _fits_width(deeper, inner, width)
+        else _black_lines("", bare, "", deeper, width, unit)
+    )
+    text = "\n".join(
+        [
+            "{",
+            f"{opening}(",
+            *(f"{opening}{unit}{line}" for line in lines),
+            f"{opening}{after}",
+            f"{opening}for _ in _",
+            "}",
+        ]
+    )
     try:
         parsed = cst.parse_expression(text)
     except cst.ParserSyntaxError:
         return comprehension
-    return comprehension.with_changes(key=parsed.key) if isinstance(parsed, cst.DictComp) else comprehension
+    return (
+        comprehension.with_changes(key=parsed.key)
+        if isinstance(parsed, cst.DictComp)
+        else comprehension
+    )
 
 
 def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
@@ -382,11 +543,12 @@ def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
     if opening is None or len(lines) != 3 or "#" in lines[1] or not lines[1].startswith(opening):
         return None
     closing = lines[2].removesuffix(")")
-    return (opening, lines[1][len(opening):], closing) if not closing.strip() else None
+    return (opening, lines[1][len(opening) :], closing) if not closing.strip() else None
 
 
-def split_argument_line(call: cst.Call, before: cst.Call, original: cst.Call, indent: int, width: int,
-                        unit: str) -> cst.Call:
+def split_argument_line(
+    call: cst.Call, before: cst.Call, original: cst.Call, indent: int, width: int, unit: str
+) -> cst.Call:
     """``call`` (in a block ``indent`` columns in), ``before`` with a keyword argument added on a line of its own
     after its one line of arguments (:func:`_argument_line`), with one argument a line and a trailing comma, as
     black lays them out, where that line, with the comma added, no longer fits and fitted as the author wrote it
@@ -398,10 +560,15 @@ def split_argument_line(call: cst.Call, before: cst.Call, original: cst.Call, in
     column = indent + len(opening.expandtabs(4))
     if _fits_width(column, text + ",", width) or not _fits_width(column, authors[1], width):
         return call
-    lines = [line for arg in call.args
-             for line in _black_lines(_argument_head(arg), arg.value, ",", column, width, unit)]
+    lines = [
+        line
+        for arg in call.args
+        for line in _black_lines(_argument_head(arg), arg.value, ",", column, width, unit)
+    ]
     try:
-        parsed = cst.parse_expression("f(\n" + "".join(f"{opening}{line}\n" for line in lines) + f"{closing})")
+        parsed = cst.parse_expression(
+            "f(\n" + "".join(f"{opening}{line}\n" for line in lines) + f"{closing})"
+        )
     except cst.ParserSyntaxError:
         return call
     if not isinstance(parsed, cst.Call) or len(parsed.args) != len(call.args):

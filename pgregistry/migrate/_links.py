@@ -35,13 +35,17 @@ def own_files(files: Sequence[SourceFile], root: Path, exclude: Sequence[str] = 
     found = OwnFiles()
     real_root = root.resolve()
     seen: dict[str, SourceFile] = {}  # resolved path -> the file kept for it
-    for source in sorted(files, key=lambda f: f.absolute.is_symlink()):  # a file's own path before links to it
+    for source in sorted(
+        files, key=lambda f: f.absolute.is_symlink()
+    ):  # a file's own path before links to it
         real = Path(os.path.realpath(source.absolute))
         if not source.absolute.is_symlink():
             seen.setdefault(str(real), source)
             continue
         if not real.is_relative_to(real_root):
-            found.left.append(f"{source.path}: a link to {real}, outside the project: left untouched")
+            found.left.append(
+                f"{source.path}: a link to {real}, outside the project: left untouched"
+            )
             continue
         path = project_path(real, real_root)
         if is_excluded(path, exclude):

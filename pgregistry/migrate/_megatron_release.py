@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MegatronSource", "ShimGetters", "find_installed_shim_getters", "megatron_source", "shim_getters"]
+__all__ = [
+    "MegatronSource",
+    "ShimGetters",
+    "find_installed_shim_getters",
+    "megatron_source",
+    "shim_getters",
+]
 
 _PARALLEL_STATE = Path("megatron", "core", "parallel_state.py")
 _PROCESS_GROUPS_CONFIG = Path("megatron", "core", "process_groups_config.py")
@@ -59,9 +65,12 @@ def megatron_source(root: Path, search: Sequence[str] | None = None) -> Megatron
         except OSError:
             continue
         accessors = tuple(name.decode() for name in _ACCESSOR.findall(text))
-        return MegatronSource(bool(_WITH_GTP_REMAT.search(text)), f"{label} {path}", accessors,
-                              _shims_beside(base))
-    return MegatronSource(True, "no megatron/core/parallel_state.py found: Megatron-Core 0.19's assumed")
+        return MegatronSource(
+            bool(_WITH_GTP_REMAT.search(text)), f"{label} {path}", accessors, _shims_beside(base)
+        )
+    return MegatronSource(
+        True, "no megatron/core/parallel_state.py found: Megatron-Core 0.19's assumed"
+    )
 
 
 def _shims_beside(base: Path) -> ShimGetters | None:
@@ -90,20 +99,32 @@ def shim_getters(text: bytes) -> ShimGetters:
         if not (isinstance(node, ast.FunctionDef) and node.name == "use_mpu_process_groups"):
             continue
         for statement in ast.walk(node):
-            if not (isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Dict) and any(
-                    isinstance(t, ast.Name) and t.id == "pg_to_func" for t in statement.targets)):
+            if not (
+                isinstance(statement, ast.Assign)
+                and isinstance(statement.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "pg_to_func" for t in statement.targets)
+            ):
                 continue
             for key, value in zip(statement.value.keys, statement.value.values, strict=True):
                 getter = _partial_getter(value)
-                if isinstance(key, ast.Constant) and isinstance(key.value, str) and getter is not None:
+                if (
+                    isinstance(key, ast.Constant)
+                    and isinstance(key.value, str)
+                    and getter is not None
+                ):
                     found[key.value] = getter
     return found
 
 
 def _partial_getter(node: ast.expr) -> tuple[str, dict[str, object]] | None:
     """(getter, keywords) of ``partial(parallel_state.<getter>, k=<literal>, ...)``; None for another form."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "partial"
-            and len(node.args) == 1 and isinstance(node.args[0], ast.Attribute)):
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "partial"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Attribute)
+    ):
         return None
     keywords: dict[str, object] = {}
     for keyword in node.keywords:

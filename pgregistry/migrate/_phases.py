@@ -34,6 +34,7 @@ First_co = TypeVar("First_co", covariant=True)
 Second_co = TypeVar("Second_co", covariant=True)
 Instruction_contra = TypeVar("Instruction_contra", contravariant=True)
 
+
 class Worker(Protocol[First_co, Instruction_contra, Second_co]):
     """One share of the work: ``first()``, then ``second(instruction)`` in the same process."""
 
@@ -81,7 +82,9 @@ class TaskQueue:
         self._read = self._write = -1
 
 
-def _both_phases(make: Callable[[], Worker[object, object, object]], connection: Connection) -> None:
+def _both_phases(
+    make: Callable[[], Worker[object, object, object]], connection: Connection
+) -> None:
     """In a child: both phases of the worker ``make`` makes, results up the pipe, the instruction down it."""
     worker = make()
     connection.send(worker.first())
@@ -119,7 +122,9 @@ def two_phases(
         for index, child in enumerate(children):
             if child is not None and index not in here:
                 child.send(instructions[index])
-        seconds: dict[int, Second] = {index: worker.second(instructions[index]) for index, worker in here.items()}
+        seconds: dict[int, Second] = {
+            index: worker.second(instructions[index]) for index, worker in here.items()
+        }
         for index, child in enumerate(children):
             if child is None or index in here:
                 continue

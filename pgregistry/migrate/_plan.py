@@ -45,7 +45,12 @@ from libcst.metadata import (
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
-from pgregistry.migrate._skeleton import definition_span, has_line_within, line_starts, lines_between
+from pgregistry.migrate._skeleton import (
+    definition_span,
+    has_line_within,
+    line_starts,
+    lines_between,
+)
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [
@@ -63,6 +68,7 @@ __all__ = [
     "reads_left_by_site",
     "visit_mentions",
 ]
+
 
 class Way(str, Enum):
     """What planning decided for a read: the collection's field read through a collection in scope, through the
@@ -87,17 +93,43 @@ class Way(str, Enum):
 REWRITTEN_WAYS = (Way.IN_SCOPE, Way.THREADED, Way.FALLBACK, Way.BUILDER)
 
 #: Decorators that fix a function's signature or key on its arguments: a new parameter would break them.
-_FIXED_SIGNATURE = ("property", "setter", "getter", "deleter", "jit", "script", "compile", "cache", "lru_cache",
-                    "overload", "fuser")
+_FIXED_SIGNATURE = (
+    "property",
+    "setter",
+    "getter",
+    "deleter",
+    "jit",
+    "script",
+    "compile",
+    "cache",
+    "lru_cache",
+    "overload",
+    "fuser",
+)
 #: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional arguments only).
 _CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
 _AUTOGRAD_FUNCTION = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
 #: Modules whose classes call back no method of a subclass (abstract bases, typing, enums, dataclasses).
-_PLAIN_MODULES = frozenset({"abc", "typing", "typing_extensions", "enum", "dataclasses", "collections", "builtins"})
+_PLAIN_MODULES = frozenset(
+    {"abc", "typing", "typing_extensions", "enum", "dataclasses", "collections", "builtins"}
+)
 #: Special methods Python calls with its own arguments (``__init__`` and ``__call__`` are called by the code).
 _CALLED_BY_CODE = frozenset({"__init__", "__call__", "__new__"})
-_LITERALS = (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString, cst.Integer, cst.Float,
-             cst.Imaginary, cst.List, cst.Dict, cst.Set, cst.Tuple, cst.ListComp, cst.DictComp, cst.SetComp)
+_LITERALS = (
+    cst.SimpleString,
+    cst.ConcatenatedString,
+    cst.FormattedString,
+    cst.Integer,
+    cst.Float,
+    cst.Imaginary,
+    cst.List,
+    cst.Dict,
+    cst.Set,
+    cst.Tuple,
+    cst.ListComp,
+    cst.DictComp,
+    cst.SetComp,
+)
 
 
 @dataclass(eq=False)
@@ -142,7 +174,11 @@ class Function:
     @property
     def self_name(self) -> str | None:
         params = self.node.params.params or self.node.params.posonly_params
-        if self.method_of is None or not params or _matching_decorator(self.node, ("staticmethod", "classmethod")):
+        if (
+            self.method_of is None
+            or not params
+            or _matching_decorator(self.node, ("staticmethod", "classmethod"))
+        ):
             return None
         return params[0].name.value
 
@@ -214,7 +250,6 @@ class FilePlan:
     #: When the tree is a skeleton: each placeholder's text and the original text it stands for.
     kept: dict[str, str] = field(default_factory=dict)
 
-
     def text(self, start: int, end: int) -> bytes:
         """Lines ``start`` to ``end`` (1-based, inclusive) of the file."""
         assert self.data is not None
@@ -246,7 +281,10 @@ def _decorator_names(node: cst.FunctionDef) -> list[str]:
 def _matching_decorator(node: cst.FunctionDef, words: Sequence[str]) -> str | None:
     for name in _decorator_names(node):
         last = name.rpartition(".")[2]
-        if any(word == last or (word in last and word in ("jit", "script", "compile", "fuser")) for word in words):
+        if any(
+            word == last or (word in last and word in ("jit", "script", "compile", "fuser"))
+            for word in words
+        ):
             return name
     return None
 
@@ -269,7 +307,9 @@ def _another_class(annotation: cst.Annotation | None) -> bool:
     """Whether a parameter named like a collection is annotated as something else, a
     ``MultiModuleProcessGroupCollection`` (a collection of collections) included."""
     code = cst.Module([]).code_for_node(annotation.annotation) if annotation is not None else ""
-    return annotation is not None and re.search(r"(?<!\w)(?:ProcessGroup)?Collection\b", code) is None
+    return (
+        annotation is not None and re.search(r"(?<!\w)(?:ProcessGroup)?Collection\b", code) is None
+    )
 
 
 class _Locator(cst.CSTVisitor):
@@ -328,7 +368,9 @@ class _Locator(cst.CSTVisitor):
             if index in self.wanted or not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
                 self.visit_top(index, statement)
             else:  # walked later only if it mentions a function a collection was threaded into
-                self.top_level[statement.name.value] = "class" if isinstance(statement, cst.ClassDef) else "function"
+                self.top_level[statement.name.value] = (
+                    "class" if isinstance(statement, cst.ClassDef) else "function"
+                )
         return False
 
     def visit_top(self, index: int, statement: cst.CSTNode) -> None:
@@ -339,8 +381,12 @@ class _Locator(cst.CSTVisitor):
             statement.visit(self)
 
     def _current_scope_name(self) -> str:
-        return ".".join([*(self.class_names if not self.stack else []), *([self.stack[-1].qualname]
-                                                                          if self.stack else [])])
+        return ".".join(
+            [
+                *(self.class_names if not self.stack else []),
+                *([self.stack[-1].qualname] if self.stack else []),
+            ]
+        )
 
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
         for decorator in node.decorators:
@@ -392,11 +438,18 @@ class _Locator(cst.CSTVisitor):
             node.returns.visit(self)
         outer = self.current
         method_of = self.classes[-1] if self.in_class_body[-1] and self.classes else None
-        prefix = outer.qualname + "." if outer is not None else ".".join(self.class_names) + "." if \
-            self.class_names else ""
+        prefix = (
+            outer.qualname + "."
+            if outer is not None
+            else ".".join(self.class_names) + "."
+            if self.class_names
+            else ""
+        )
         if outer is not None and self.class_names and method_of is not None:
             prefix = outer.qualname + "." + ".".join(self.class_names[-1:]) + "."
-        function = Function(node, prefix + node.name.value, outer, method_of, top=self.top, member=self.member)
+        function = Function(
+            node, prefix + node.name.value, outer, method_of, top=self.top, member=self.member
+        )
         if outer is None and not self.classes:
             self.top_level[node.name.value] = "function"
         elif outer is not None:
@@ -409,7 +462,9 @@ class _Locator(cst.CSTVisitor):
                     function.param_other = True
                 else:
                     function.param_optional = param.default is not None
-            elif names_a_collection(param.name.value, self.name) and not _another_class(param.annotation):
+            elif names_a_collection(param.name.value, self.name) and not _another_class(
+                param.annotation
+            ):
                 function.held.append((param.name.value, -1))
         for star in (params.star_arg, params.star_kwarg):
             if isinstance(star, cst.Param):
@@ -432,10 +487,20 @@ class _Locator(cst.CSTVisitor):
 
     def _record_binding(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
-        if (isinstance(target, cst.Name) and function is not None and target.value != self.name
-                and _holds_a_collection(target.value, value, self.name)):
-            function.held.append((target.value, self.statement[-1] if len(self.statement) == 2 else len(
-                function.node.body.body)))  # bound in a block: not known above a read
+        if (
+            isinstance(target, cst.Name)
+            and function is not None
+            and target.value != self.name
+            and _holds_a_collection(target.value, value, self.name)
+        ):
+            function.held.append(
+                (
+                    target.value,
+                    self.statement[-1]
+                    if len(self.statement) == 2
+                    else len(function.node.body.body),
+                )
+            )  # bound in a block: not known above a read
         if isinstance(target, cst.Name) and function is not None and target.value == self.name:
             if isinstance(value, cst.Call) and _callee_last_name(value) == "ProcessGroupCollection":
                 function.constructs = True
@@ -445,7 +510,9 @@ class _Locator(cst.CSTVisitor):
             elif len(self.statement) == 2 and value is not None:
                 function.local_at.append(self.statement[-1])
             else:
-                function.local_other = True  # bound elsewhere (a branch, a loop): not known above every read
+                function.local_other = (
+                    True  # bound elsewhere (a branch, a loop): not known above every read
+                )
         if (
             isinstance(target, cst.Attribute)
             and isinstance(target.value, cst.Name)
@@ -462,7 +529,9 @@ class _Locator(cst.CSTVisitor):
             and target.value.value == function.self_name
         ):
             index = self.statement[-1] if len(self.statement) == 2 else -1
-            self.attributes[id(function.method_of)].append((target.attr.value, function.node.name.value, index))
+            self.attributes[id(function.method_of)].append(
+                (target.attr.value, function.node.name.value, index)
+            )
         if (  # a field declared in the class body (a dataclass's ``_pg_collection: ... = None``)
             isinstance(target, cst.Name)
             and function is None
@@ -484,12 +553,18 @@ class _Locator(cst.CSTVisitor):
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if isinstance(node.names, cst.ImportStar):
             return
-        module = "." * len(node.relative) + (".".join(_attribute_parts(node.module) or []) if node.module else "")
+        module = "." * len(node.relative) + (
+            ".".join(_attribute_parts(node.module) or []) if node.module else ""
+        )
         for alias in node.names:
             parts = _attribute_parts(alias.name)
             if parts is None:
                 continue
-            bound = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else parts[0]
+            bound = (
+                alias.asname.name.value
+                if alias.asname and isinstance(alias.asname.name, cst.Name)
+                else parts[0]
+            )
             self.bindings[bound] = f"{module}:{'.'.join(parts)}"
 
     def visit_Import(self, node: cst.Import) -> None:
@@ -527,7 +602,9 @@ class _Locator(cst.CSTVisitor):
         # A call on a read's result (``ps.get_model_parallel_group().rank()``) starts where the read does: the
         # site is the inner call, visited next, else the rewrite would drop the ``.rank()``.
         on_a_call = isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call)
-        if located is not None and not on_a_call:  # only the statements with sites have positions (costly)
+        if (
+            located is not None and not on_a_call
+        ):  # only the statements with sites have positions (costly)
             ranges, offset = located
             start = ranges[node.func].start
             site = self.by_position.pop((start.line + offset, start.column), None)
@@ -535,20 +612,35 @@ class _Locator(cst.CSTVisitor):
             met = self.met.get(unit, 0)
             self.met[unit] = met + 1
             parts = _attribute_parts(node.func)
-            if met >= len(order) or order[met][2] != (".".join(parts) if parts is not None else None):
+            if met >= len(order) or order[met][2] != (
+                ".".join(parts) if parts is not None else None
+            ):
                 self.mismatch = True
             elif not on_a_call:
                 site = self.by_position.pop(order[met][:2], None)
         index = self.statement[-1]
         if site is not None:
-            self.reads.append(Read(site, node, self.current, index, top=self.top, member=self.member))
+            self.reads.append(
+                Read(site, node, self.current, index, top=self.top, member=self.member)
+            )
         else:
             parts = _attribute_parts(node.func)
-            if parts is None and isinstance(node.func, cst.Attribute) and not (
-                    isinstance(node.func.value, cst.Call) and _callee_last_name(node.func.value) == "super"):
-                parts = ["", node.func.attr.value]  # a method of some object: ``self.items[0].m(...)``
+            if (
+                parts is None
+                and isinstance(node.func, cst.Attribute)
+                and not (
+                    isinstance(node.func.value, cst.Call)
+                    and _callee_last_name(node.func.value) == "super"
+                )
+            ):
+                parts = [
+                    "",
+                    node.func.attr.value,
+                ]  # a method of some object: ``self.items[0].m(...)``
             if parts is not None:
-                self.calls.append(Call(node, parts, self.current, index, top=self.top, member=self.member))
+                self.calls.append(
+                    Call(node, parts, self.current, index, top=self.top, member=self.member)
+                )
 
 
 def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
@@ -560,8 +652,14 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
     accessor = site.accessor
     arguments = list(call.args)
     if site.family == HELPER:
-        if not accessor.endswith("_group_if_none") or not arguments or arguments[0].keyword is not None:
-            return FieldChoice(reason=f"fallback helper {accessor}: no rule says which field it falls back to")
+        if (
+            not accessor.endswith("_group_if_none")
+            or not arguments
+            or arguments[0].keyword is not None
+        ):
+            return FieldChoice(
+                reason=f"fallback helper {accessor}: no rule says which field it falls back to"
+            )
         given, *rest = arguments
         axis = accessor.removesuffix("_if_none")
         keywords = {a.keyword.value: _literal_value(a.value) for a in rest if a.keyword is not None}
@@ -569,24 +667,40 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
             return FieldChoice(reason=f"{accessor} is given positional arguments after the group")
         expert = keywords.pop("is_expert", False)
         if expert is ...:
-            flag = next(a.value for a in rest if a.keyword is not None and a.keyword.value == "is_expert")
+            flag = next(
+                a.value for a in rest if a.keyword is not None and a.keyword.value == "is_expert"
+            )
             if _attribute_parts(flag) is None or axis != "get_tensor_model_parallel_group":
                 return FieldChoice(reason="is_expert= is neither a literal nor a plain name")
             read.when, read.when_field = cst.Module([]).code_for_node(flag), "expt_tp"
         elif expert:
             if axis != "get_tensor_model_parallel_group":
-                return FieldChoice(reason=f"{accessor}(is_expert=True): no rule says which field it falls back to")
+                return FieldChoice(
+                    reason=f"{accessor}(is_expert=True): no rule says which field it falls back to"
+                )
             axis = "get_expert_tensor_parallel_group"
         return collection_field(axis, keywords, gtp_remat=gtp_remat)
     if any(a.keyword is None for a in arguments):
-        return FieldChoice(reason="positional or star arguments: which group they pick is not known")
-    keywords = {a.keyword.value: _literal_value(a.value) for a in arguments if a.keyword is not None}
+        return FieldChoice(
+            reason="positional or star arguments: which group they pick is not known"
+        )
+    keywords = {
+        a.keyword.value: _literal_value(a.value) for a in arguments if a.keyword is not None
+    }
     if accessor == "get_amax_reduction_group" and keywords.get("tp_only_amax_red") is ...:
-        flag = next(a.value for a in arguments if a.keyword is not None and a.keyword.value == "tp_only_amax_red")
+        flag = next(
+            a.value
+            for a in arguments
+            if a.keyword is not None and a.keyword.value == "tp_only_amax_red"
+        )
         if _attribute_parts(flag) is None:
             return FieldChoice(reason="tp_only_amax_red= is neither a literal nor a plain name")
-        choice = collection_field(accessor, {**keywords, "tp_only_amax_red": False}, gtp_remat=gtp_remat)
-        tp_only = collection_field(accessor, {**keywords, "tp_only_amax_red": True}, gtp_remat=gtp_remat)
+        choice = collection_field(
+            accessor, {**keywords, "tp_only_amax_red": False}, gtp_remat=gtp_remat
+        )
+        tp_only = collection_field(
+            accessor, {**keywords, "tp_only_amax_red": True}, gtp_remat=gtp_remat
+        )
         if not choice.reason and not tp_only.reason:
             read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field
         return choice if not tp_only.reason else tp_only
@@ -611,7 +725,11 @@ def _import_bytes(tree: Sequence[ast.stmt], starts: Sequence[int]) -> list[tuple
             last = node.end_lineno or node.lineno
             spans.append((starts[node.lineno - 1], starts[last] if last < len(starts) else 1 << 62))
         elif isinstance(node, (ast.If, ast.Try)):
-            stack += [*node.body, *node.orelse, *(s for h in getattr(node, "handlers", ()) for s in h.body)]
+            stack += [
+                *node.body,
+                *node.orelse,
+                *(s for h in getattr(node, "handlers", ()) for s in h.body),
+            ]
     return spans
 
 
@@ -623,13 +741,19 @@ def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]])
     name = re.escape(head.encode())
     pattern = re.compile(
         rb"\b" + name + rb"[ \t]*(?::[^=\n]*)?(?:[-+*/%&|^@]|//|\*\*|>>|<<)?=(?!=)"
-        rb"|(?:[(\[,*]|\b(?:for|as|global|nonlocal|del|lambda|def|class))[ \t\n\\]*" + name
+        rb"|(?:[(\[,*]|\b(?:for|as|global|nonlocal|del|lambda|def|class))[ \t\n\\]*"
+        + name
         + rb"\b(?![ \t]*[.(])"
     )
-    return any(not any(start <= match.start() < end for start, end in imports) for match in pattern.finditer(data))
+    return any(
+        not any(start <= match.start() < end for start, end in imports)
+        for match in pattern.finditer(data)
+    )
 
 
-def _imports_the_module(head: str, bindings: Mapping[str, str], facts: TreeFacts, package: list[str]) -> bool:
+def _imports_the_module(
+    head: str, bindings: Mapping[str, str], facts: TreeFacts, package: list[str]
+) -> bool:
     """Whether an import binds ``head`` to a configured ``parallel_state`` module or to a name in one (or
     nothing does): then libcst's scopes need not be resolved for it, unless :func:`_bound_otherwise`."""
     bound = bindings.get(head)
@@ -638,10 +762,16 @@ def _imports_the_module(head: str, bindings: Mapping[str, str], facts: TreeFacts
     module, _, attribute = bound.partition(":")
     module = _absolute_module(module, package)
     target = f"{module}.{attribute}" if attribute else module
-    return facts.is_state_module(target) is not None or bool(attribute) and facts.is_state_module(module) is not None
+    return (
+        facts.is_state_module(target) is not None
+        or bool(attribute)
+        and facts.is_state_module(module) is not None
+    )
 
 
-def _statement_scopes(source: cst.Module, reads: Sequence[Read]) -> Mapping[cst.CSTNode, Scope | None]:
+def _statement_scopes(
+    source: cst.Module, reads: Sequence[Read]
+) -> Mapping[cst.CSTNode, Scope | None]:
     """libcst's scopes of the statements holding ``reads``, resolved on a module of them (of a module-level
     class, only its members that hold reads: a method does not see its class's names) and every module-level
     statement that is no definition (the imports and globals their names may be bound to): the whole file's
@@ -652,17 +782,25 @@ def _statement_scopes(source: cst.Module, reads: Sequence[Read]) -> Mapping[cst.
     body: list[cst.BaseStatement] = []
     for index, statement in enumerate(source.body):
         held = members.get(index)
-        if isinstance(statement, cst.ClassDef) and held is not None and -1 not in held and isinstance(
-                statement.body, cst.IndentedBlock):
+        if (
+            isinstance(statement, cst.ClassDef)
+            and held is not None
+            and -1 not in held
+            and isinstance(statement.body, cst.IndentedBlock)
+        ):
             inner = [member for i, member in enumerate(statement.body.body) if i in held]
             body.append(statement.with_changes(body=statement.body.with_changes(body=inner)))
         elif held is not None or isinstance(statement, cst.SimpleStatementLine):
             body.append(statement)
-        elif not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):  # ``if HAVE_TE:`` and its classes
+        elif not isinstance(
+            statement, (cst.FunctionDef, cst.ClassDef)
+        ):  # ``if HAVE_TE:`` and its classes
             stripped = statement.visit(_WithoutDefinitions())
             if isinstance(stripped, cst.BaseStatement):
                 body.append(stripped)
-    return MetadataWrapper(source.with_changes(body=body), unsafe_skip_copy=True).resolve(ScopeProvider)
+    return MetadataWrapper(source.with_changes(body=body), unsafe_skip_copy=True).resolve(
+        ScopeProvider
+    )
 
 
 class _WithoutDefinitions(cst.CSTTransformer):
@@ -679,7 +817,9 @@ class _WithoutDefinitions(cst.CSTTransformer):
     ) -> cst.RemovalSentinel:
         return cst.RemoveFromParent()
 
-    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.RemovalSentinel:
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.RemovalSentinel:
         return cst.RemoveFromParent()
 
 
@@ -687,16 +827,25 @@ def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str
     """The dotted name the import of ``assignment`` names for the name it binds (``a.b.c`` for ``import a.b.c``
     and ``from a.b import c``)."""
     node = assignment.node
-    assert isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar)
+    assert isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(
+        node.names, cst.ImportStar
+    )
     module = ""
     if isinstance(node, cst.ImportFrom):
         relative = "." * len(node.relative)
-        from_module = relative + ".".join(_attribute_parts(node.module) or []) if node.module else relative
+        from_module = (
+            relative + ".".join(_attribute_parts(node.module) or []) if node.module else relative
+        )
         module = _absolute_module(from_module, package)
     for alias in node.names:
         dotted = ".".join(_attribute_parts(alias.name) or [])
-        bound = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else \
-            dotted if isinstance(node, cst.ImportFrom) else dotted.partition(".")[0]
+        bound = (
+            alias.asname.name.value
+            if alias.asname and isinstance(alias.asname.name, cst.Name)
+            else dotted
+            if isinstance(node, cst.ImportFrom)
+            else dotted.partition(".")[0]
+        )
         if bound == assignment.name:
             return f"{module}.{dotted}" if module else dotted
     return module
@@ -709,8 +858,9 @@ def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None
     return function.qualname if function is not None else None
 
 
-def _not_parallel_state(read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts,
-                        package: list[str]) -> str | None:
+def _not_parallel_state(
+    read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts, package: list[str]
+) -> str | None:
     """Why the object a ``parallel_state`` read is called on (or the bare accessor) is not the module itself:
     it is bound to a parameter, a local, a global assigned in the file, an attribute of one of them, or an
     import of another module; None when it is bound to an import of a configured ``parallel_state`` module only,
@@ -736,8 +886,11 @@ def _not_parallel_state(read: Read, scopes: Mapping[cst.CSTNode, Scope | None], 
     for assignment in scope[head.value]:
         assert isinstance(assignment, ImportAssignment)
         imported = _import_target_name(assignment, package)
-        qualified = [_absolute_module(q.name, package) for q in scope.get_qualified_names_for(func)
-                     if q.source == QualifiedNameSource.IMPORT]
+        qualified = [
+            _absolute_module(q.name, package)
+            for q in scope.get_qualified_names_for(func)
+            if q.source == QualifiedNameSource.IMPORT
+        ]
         modules = [q.rpartition(".")[0] for q in qualified]
         matched = [(m, facts.is_state_module(m)) for m in modules]
         # The configured name must be named by the import, not only by attributes after it: ``groups.mpu``
@@ -751,7 +904,13 @@ def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds ``<name>`` with
     ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's ``use_mpu_process_groups``
     reads the very same group for that field (a pseudo field, which no collection has, is none)."""
-    if not function.constructs or read.choice is None or read.choice.kind != "group" or read.when or read.given:
+    if (
+        not function.constructs
+        or read.choice is None
+        or read.choice.kind != "group"
+        or read.when
+        or read.given
+    ):
         return False
     if read.choice.field == GTP_REMAT_DP:
         return False
@@ -772,8 +931,13 @@ def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     )
 
 
-def _collection_in_scope(function: Function, statement: int, attributes: Mapping[int, list[tuple[str, str, int]]],
-                         name: str, collections: frozenset[str] = frozenset()) -> tuple[str, bool, bool] | str | None:
+def _collection_in_scope(
+    function: Function,
+    statement: int,
+    attributes: Mapping[int, list[tuple[str, str, int]]],
+    name: str,
+    collections: frozenset[str] = frozenset(),
+) -> tuple[str, bool, bool] | str | None:
     """(expression, may be None, read inline) of the collection in scope at top-level statement ``statement`` of
     ``function``; a reason string when a name is bound in a way that hides it; None when there is none.
 
@@ -793,7 +957,9 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
             return None  # another meaning (or unknown): thread under another name
         return f"read above the assignment of the local {name}"
     for local, index in function.held:  # the last binding above the read, and none between
-        if index < statement and not any(other == local and index < at < statement for other, at in function.held):
+        if index < statement and not any(
+            other == local and index < at < statement for other, at in function.held
+        ):
             return local, True, True
     outer = function.parent
     while outer is not None:
@@ -812,20 +978,26 @@ def _collection_in_scope(function: Function, statement: int, attributes: Mapping
             held.setdefault(attribute, []).append((method, index))
         for attribute in sorted(held, key=lambda a: (a != name, a)):
             assigned = held[attribute]
-            before = any(not method or method == own and 0 <= index < statement for method, index in assigned)
+            before = any(
+                not method or method == own and 0 <= index < statement for method, index in assigned
+            )
             if before or own != "__init__" and any(method != own for method, _ in assigned):
                 return f"{self_name}.{attribute}", attribute != name, attribute != name
     parameters = _parameter_names(function)
     for expression in sorted(collections):
         head, *attributes_of = expression.split(".")
         if head in parameters and expression.count(".") >= (2 if head == function.self_name else 1):
-            for attribute in attributes_of:  # every step may be missing on another object: None, then the fallback
+            for attribute in (
+                attributes_of
+            ):  # every step may be missing on another object: None, then the fallback
                 head = f'getattr({head}, "{attribute}", None)'
             return head, True, True
     return None
 
 
-def _chains_tied_to_class(chains: frozenset[str], function: Function, facts: TreeFacts) -> frozenset[str]:
+def _chains_tied_to_class(
+    chains: frozenset[str], function: Function, facts: TreeFacts
+) -> frozenset[str]:
     """The ``chains`` in scope in ``function``'s class (of its outermost function when it is nested): a
     ``self.<a>.<b>`` chain only where the tree ties it to that class (:meth:`TreeFacts.ties_class`), not in every
     method that has a ``self`` (an unrelated class's ``self.<a>`` may be anything, most often missing)."""
@@ -855,8 +1027,13 @@ def _names_between(function: Function, root: Function) -> set[str]:
     return names
 
 
-def _enclosing_collection(function: Function, root: Function, attributes: Mapping[int, list[tuple[str, str, int]]],
-                          name: str, collections: frozenset[str]) -> tuple[str, bool, bool] | str | None:
+def _enclosing_collection(
+    function: Function,
+    root: Function,
+    attributes: Mapping[int, list[tuple[str, str, int]]],
+    name: str,
+    collections: frozenset[str],
+) -> tuple[str, bool, bool] | str | None:
     """The collection in scope in ``root`` (``self.<attribute>``, ``<parameter>.<attribute>``) where the
     statement of ``root`` that defines ``function`` runs, read by ``function`` inline as a closure; a reason
     when ``function`` binds a name that hides it."""
@@ -881,14 +1058,17 @@ class _Classes:
     """The bases of a file's classes, resolved through its imports: which are autograd Functions, and which
     derive from a class outside the tree (whose methods a framework may call back)."""
 
-    def __init__(self, syntax: ast.Module, bindings: Mapping[str, str], package: list[str], facts: TreeFacts):
+    def __init__(
+        self, syntax: ast.Module, bindings: Mapping[str, str], package: list[str], facts: TreeFacts
+    ):
         self.bindings = bindings
         self.package = package
         self.facts = facts
         #: The module-level classes of the file (all of them: the libcst tree may hold placeholders).
         self.bases: dict[str, list[str | None]] = {
             node.name: [_ast_dotted(base) for base in node.bases]
-            for node in syntax.body if isinstance(node, ast.ClassDef)
+            for node in syntax.body
+            if isinstance(node, ast.ClassDef)
         }
 
     def _resolve_base(self, base: str) -> str:
@@ -909,12 +1089,23 @@ class _Classes:
 
     def autograd(self, node: cst.ClassDef) -> bool:
         """Whether ``node`` derives from ``torch.autograd.Function`` (directly or through classes of the file)."""
-        bases = [".".join(_attribute_parts(a.value) or []) or None for a in node.bases if a.keyword is None]
-        return any(b is not None and self._resolve_base(b) in _AUTOGRAD_FUNCTION for b in self._with_ancestors(bases))
+        bases = [
+            ".".join(_attribute_parts(a.value) or []) or None
+            for a in node.bases
+            if a.keyword is None
+        ]
+        return any(
+            b is not None and self._resolve_base(b) in _AUTOGRAD_FUNCTION
+            for b in self._with_ancestors(bases)
+        )
 
     def outside(self, node: cst.ClassDef) -> str | None:
         """A base of ``node`` outside the tree that may define methods a framework calls back, or None."""
-        bases = [".".join(_attribute_parts(a.value) or []) or None for a in node.bases if a.keyword is None]
+        bases = [
+            ".".join(_attribute_parts(a.value) or []) or None
+            for a in node.bases
+            if a.keyword is None
+        ]
         for base in self._with_ancestors(bases):
             if base is None or base in self.bases and base not in self.bindings:
                 continue  # a subscripted or called base (``Generic[T]``), or a class of the file
@@ -924,8 +1115,11 @@ class _Classes:
                     continue
                 return base
             module = qualified.rpartition(".")[0]
-            if module.split(".")[0] in _PLAIN_MODULES or module in self.facts.modules or any(
-                    module.startswith(m + ".") for m in self.facts.modules):
+            if (
+                module.split(".")[0] in _PLAIN_MODULES
+                or module in self.facts.modules
+                or any(module.startswith(m + ".") for m in self.facts.modules)
+            ):
                 continue
             return qualified
         return None
@@ -947,8 +1141,11 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
     if name.startswith("__") and name.endswith("__") and name not in _CALLED_BY_CODE:
         return f"special method {name}: Python calls it with its own arguments"
     method_of = function.method_of
-    if method_of is not None and name in _CALLED_BY_AUTOGRAD and (
-            classes.autograd(method_of) or _autograd_shaped(function)):
+    if (
+        method_of is not None
+        and name in _CALLED_BY_AUTOGRAD
+        and (classes.autograd(method_of) or _autograd_shaped(function))
+    ):
         return f"{name} of an autograd Function: torch calls it through .apply(...), which takes no keyword"
     if name in facts.hooks:
         return f"a hook (passed to a register_*hook): torch calls {name} with its own arguments"
@@ -957,8 +1154,10 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
     if method_of is not None and name not in _CALLED_BY_CODE and name not in facts.called:
         base = classes.outside(method_of)
         if base is not None:
-            return (f"a callback: {method_of.name.value} derives from {base}, outside the tree, and the tree never "
-                    f"calls {name} by name")
+            return (
+                f"a callback: {method_of.name.value} derives from {base}, outside the tree, and the tree never "
+                f"calls {name} by name"
+            )
     return None
 
 
@@ -990,17 +1189,33 @@ _MODULE_LEVEL = "module level: runs at import, before any collection exists"
 def reads_left_by_site(sites: Sequence[Site]) -> list[Read] | None:
     """The reads of a file whose every site stays for a reason its site alone gives (a module-level read or
     shim, a reference): the way :func:`plan_file` decides them, without a libcst tree. None for any other file."""
-    reasons = [_site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None) for site in sites]
-    if any(site.family == SHIM and site.form == CALL and site.scope != MODULE_SCOPE for site in sites):
+    reasons = [
+        _site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None)
+        for site in sites
+    ]
+    if any(
+        site.family == SHIM and site.form == CALL and site.scope != MODULE_SCOPE for site in sites
+    ):
         return None  # a shim in a function may be dissolved (:mod:`._shims`): that takes its tree
     if any(reason is None for reason in reasons):
         return None
-    return [Read(site, None, None, 0, reason=reason or "") for site, reason in zip(sites, reasons, strict=True)]
+    return [
+        Read(site, None, None, 0, reason=reason or "")
+        for site, reason in zip(sites, reasons, strict=True)
+    ]
 
 
 def plan_file(
-    path: str, module: str, source: cst.Module, sites: Sequence[Site], name: str, data: bytes | None = None,
-    syntax: ast.Module | None = None, *, gtp_remat: bool = True, facts: TreeFacts | None = None,
+    path: str,
+    module: str,
+    source: cst.Module,
+    sites: Sequence[Site],
+    name: str,
+    data: bytes | None = None,
+    syntax: ast.Module | None = None,
+    *,
+    gtp_remat: bool = True,
+    facts: TreeFacts | None = None,
     shims: Mapping[str, tuple[str, dict[str, object]]] | None = None,
     kept_shims: Mapping[tuple[int, int], str] | None = None,
 ) -> FilePlan:
@@ -1029,13 +1244,18 @@ def plan_file(
     starts = line_starts(data)
     for i in wanted:
         top, tree = source.body[i], statements[i][0]
-        if isinstance(top, cst.ClassDef) and isinstance(top.body, cst.IndentedBlock) and isinstance(
-                tree, ast.ClassDef):
+        if (
+            isinstance(top, cst.ClassDef)
+            and isinstance(top.body, cst.IndentedBlock)
+            and isinstance(tree, ast.ClassDef)
+        ):
             member_spans, groups = _statement_spans(top.body.body, tree.body)
             locator.member_spans[i] = member_spans
             locator.members[i] = {
-                m for m, (start, end) in enumerate(member_spans)
-                if has_line_within(site_lines, start, end) or pattern.search(lines_between(data, starts, start, end))
+                m
+                for m, (start, end) in enumerate(member_spans)
+                if has_line_within(site_lines, start, end)
+                or pattern.search(lines_between(data, starts, start, end))
             }
             header = [*tree.decorator_list, *tree.bases, *(k.value for k in tree.keywords)]
             locator.order[(i, -1)] = _call_order(header)
@@ -1043,15 +1263,27 @@ def plan_file(
         else:
             locator.order[(i, -1)] = _call_order(statements[i])
     source.visit(locator)
-    if locator.mismatch or any(locator.met.get(unit, 0) != len(o) for unit, o in locator.order.items()):
-        locator = _Locator(sites, name)  # the ast's calls are not the tree's: libcst's own positions, slowly
+    if locator.mismatch or any(
+        locator.met.get(unit, 0) != len(o) for unit, o in locator.order.items()
+    ):
+        locator = _Locator(
+            sites, name
+        )  # the ast's calls are not the tree's: libcst's own positions, slowly
         locator.wanted = wanted
         _skip_placeholders(locator, source.body, statements)
         locator.positions = _node_positions(source, spans, call_lines)
         source.visit(locator)
     reads = list(locator.reads)
     for site in locator.by_position.values():
-        reads.append(Read(site, None, None, 0, reason="could not be located in the tree (non-ASCII text before it?)"))
+        reads.append(
+            Read(
+                site,
+                None,
+                None,
+                0,
+                reason="could not be located in the tree (non-ASCII text before it?)",
+            )
+        )
     located = {id(read.site) for read in reads}
     for site in sites:
         if id(site) not in located:
@@ -1065,8 +1297,12 @@ def plan_file(
     autograd_collections = facts.collections_of(path, own=True)
     legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
     imports = _import_bytes((syntax or ast.parse(data)).body, starts) if legacy else []
-    heads = {head for head in {_call_head_name(read) for read in legacy} if _bound_otherwise(head, data, imports)
-             or not _imports_the_module(head, locator.bindings, facts, package)}
+    heads = {
+        head
+        for head in {_call_head_name(read) for read in legacy}
+        if _bound_otherwise(head, data, imports)
+        or not _imports_the_module(head, locator.bindings, facts, package)
+    }
     ambiguous = [read for read in legacy if _call_head_name(read) in heads]
     scopes = _statement_scopes(source, ambiguous) if ambiguous else {}
     for read in reads:  # first, as a shim's local named like the collection is no collection then
@@ -1085,14 +1321,19 @@ def plan_file(
         if reason is None and read.site.family == LEGACY:
             reason = _not_parallel_state(read, scopes, facts, package)
         if reason is None and read.function is None:
-            reason = _MODULE_LEVEL if read.site.scope == MODULE_SCOPE else \
-                "class body: runs when the class is defined, before any collection exists"
+            reason = (
+                _MODULE_LEVEL
+                if read.site.scope == MODULE_SCOPE
+                else "class body: runs when the class is defined, before any collection exists"
+            )
         if reason is None and read.shim is None:
             read.choice = _function_choice(read, gtp_remat)
             reason = read.choice.reason or None
         if reason is None and read.site.family == HELPER:
             given = read.call.args[0].value
-            if _attribute_parts(given) is None and not (isinstance(given, cst.Name) and given.value == "None"):
+            if _attribute_parts(given) is None and not (
+                isinstance(given, cst.Name) and given.value == "None"
+            ):
                 reason = "the fallback helper's argument is not a plain name (it would be evaluated twice)"
             elif not (isinstance(given, cst.Name) and given.value == "None"):
                 read.given = cst.Module([]).code_for_node(given)
@@ -1101,12 +1342,17 @@ def plan_file(
             continue
         function = read.function
         assert function is not None
-        in_scope = autograd_collections if _autograd_shaped(_outermost_function(function)) else collections
+        in_scope = (
+            autograd_collections if _autograd_shaped(_outermost_function(function)) else collections
+        )
         chains = _chains_tied_to_class(in_scope, function, facts)
         found = _collection_in_scope(function, read.statement, locator.attributes, name, chains)
         if isinstance(found, str) and _fills_a_field(function, read, name):
             if not function.shim_name:
-                function.shim_name, function.shim_at = _free_name(function, "mpu_groups", taken), read.statement
+                function.shim_name, function.shim_at = (
+                    _free_name(function, "mpu_groups", taken),
+                    read.statement,
+                )
             assert read.choice is not None
             if read.choice.field not in function.shim_fields:
                 function.shim_fields.append(read.choice.field)
@@ -1117,7 +1363,9 @@ def plan_file(
             continue
         guarded = read.site.guarded or bool(read.given)
         root = _outermost_function(function)
-        if found is None and root is not function:  # the enclosing function's collection, as a closure
+        if (
+            found is None and root is not function
+        ):  # the enclosing function's collection, as a closure
             found = _enclosing_collection(function, root, locator.attributes, name, chains)
             if isinstance(found, str):
                 read.way, read.reason = Way.LEFT, found
@@ -1125,31 +1373,75 @@ def plan_file(
         if found is None:
             why = _cannot_thread(root, classes, facts)
             if why is not None:
-                read.way, read.reason = Way.LEFT, why if root is function else f"nested in {root.qualname}: {why}"
+                read.way, read.reason = (
+                    Way.LEFT,
+                    why if root is function else f"nested in {root.qualname}: {why}",
+                )
                 continue
             if not root.added:
-                root.added = _free_name(root, name, taken | _names_between(function, root),
-                                        ("process_group_collection",))
+                root.added = _free_name(
+                    root,
+                    name,
+                    taken | _names_between(function, root),
+                    ("process_group_collection",),
+                )
             elif root.added in _names_between(function, root):
-                read.way, read.reason = Way.LEFT, f"binds {root.added}, which hides {root.qualname}'s collection"
+                read.way, read.reason = (
+                    Way.LEFT,
+                    f"binds {root.added}, which hides {root.qualname}'s collection",
+                )
                 continue
             read.way = Way.FALLBACK if guarded else Way.THREADED
             read.collection = root.added
         else:
             read.collection, optional, _ = found
             read.way = Way.FALLBACK if guarded and optional else Way.IN_SCOPE
-    stranded = {(read.site.line, read.site.col): read.reason for read in reads if read.shim and read.way == Way.LEFT}
+    stranded = {
+        (read.site.line, read.site.col): read.reason
+        for read in reads
+        if read.shim and read.way == Way.LEFT
+    }
     if stranded:  # a shim that stays after all: its local is what it was to the other reads
-        return plan_file(path, module, source, sites, name, data, syntax, gtp_remat=gtp_remat, facts=facts,
-                         shims=shims, kept_shims={**(kept_shims or {}), **stranded})
+        return plan_file(
+            path,
+            module,
+            source,
+            sites,
+            name,
+            data,
+            syntax,
+            gtp_remat=gtp_remat,
+            facts=facts,
+            shims=shims,
+            kept_shims={**(kept_shims or {}), **stranded},
+        )
     package = path.split("/")[:-1]
-    return FilePlan(path, module, package, wrapper, locator.functions, reads, locator.calls, locator.bindings,
-                    locator.top_level, locator.attributes, locator.alone, data=data, spans=spans, locator=locator,
-                    statements=statements, line_starts=starts)
+    return FilePlan(
+        path,
+        module,
+        package,
+        wrapper,
+        locator.functions,
+        reads,
+        locator.calls,
+        locator.bindings,
+        locator.top_level,
+        locator.attributes,
+        locator.alone,
+        data=data,
+        spans=spans,
+        locator=locator,
+        statements=statements,
+        line_starts=starts,
+    )
 
 
-def _dissolve_shim(read: Read, function: Function, shims: Mapping[str, tuple[str, dict[str, object]]] | None,
-                   gtp_remat: bool) -> None:
+def _dissolve_shim(
+    read: Read,
+    function: Function,
+    shims: Mapping[str, tuple[str, dict[str, object]]] | None,
+    gtp_remat: bool,
+) -> None:
     """Decide whether shim ``read`` is dissolved into its field reads (:mod:`._shims`): set its ``shim``, or its
     reason. A dissolved shim's local is no collection in scope, and its name is free."""
     assert read.call is not None
@@ -1158,24 +1450,33 @@ def _dissolve_shim(read: Read, function: Function, shims: Mapping[str, tuple[str
         read.reason = "shim: not in a function's block"
         return
     parameters = _parameter_names(function)
-    found = dissolve_shim(read.call, list(body.body), read.statement, parameters, shims, gtp_remat=gtp_remat)
+    found = dissolve_shim(
+        read.call, list(body.body), read.statement, parameters, shims, gtp_remat=gtp_remat
+    )
     if isinstance(found, str):
         read.reason = found
         return
     read.shim = found
-    read.choice = FieldChoice(field=found.fields[0], kind="group")  # a read to plan; its fields are found's
+    read.choice = FieldChoice(
+        field=found.fields[0], kind="group"
+    )  # a read to plan; its fields are found's
     if found.local:
         function.local_at = [at for at in function.local_at if at != read.statement]
-        function.held = [(name, at) for name, at in function.held if (name, at) != (found.local, read.statement)]
+        function.held = [
+            (name, at) for name, at in function.held if (name, at) != (found.local, read.statement)
+        ]
         function.names.discard(found.local)
 
 
-def _skip_placeholders(locator: _Locator, body: Sequence[cst.BaseStatement], statements: list[list[ast.stmt]]) -> None:
+def _skip_placeholders(
+    locator: _Locator, body: Sequence[cst.BaseStatement], statements: list[list[ast.stmt]]
+) -> None:
     """Mark the placeholders of a skeleton walked (there is nothing in them), naming their definitions."""
     for index, (statement, group) in enumerate(zip(body, statements, strict=True)):
         node = group[0]
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not isinstance(
-                statement, (cst.FunctionDef, cst.ClassDef)):
+        if isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ) and not isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
             locator.visited.add(index)
             locator.top_level[node.name] = "class" if isinstance(node, ast.ClassDef) else "function"
 
@@ -1190,7 +1491,7 @@ def _statement_spans(
     position = 0
     for statement in body:
         count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
-        nodes = tree[position:position + count]
+        nodes = tree[position : position + count]
         position += count
         spans.append((definition_span(nodes[0])[0], definition_span(nodes[-1])[1]))
         groups.append(list(nodes))
@@ -1210,8 +1511,15 @@ def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | Non
     start, the outer of two calls that start together first. A walk of the libcst tree meets its calls in that
     order, so the n-th call it meets is the n-th here (checked by the callee's name): the scanner's positions
     (ast's) locate its sites without libcst's PositionProvider, many times slower."""
-    calls = [node for statement in statements for node in ast.walk(statement) if isinstance(node, ast.Call)]
-    calls.sort(key=lambda c: (c.lineno, c.col_offset, -(c.end_lineno or 0), -(c.end_col_offset or 0)))
+    calls = [
+        node
+        for statement in statements
+        for node in ast.walk(statement)
+        if isinstance(node, ast.Call)
+    ]
+    calls.sort(
+        key=lambda c: (c.lineno, c.col_offset, -(c.end_lineno or 0), -(c.end_col_offset or 0))
+    )
     return [(c.func.lineno, c.func.col_offset, _ast_dotted(c.func)) for c in calls]
 
 
@@ -1225,8 +1533,11 @@ def _node_positions(
     for index, (start, end) in enumerate(spans):
         if has_line_within(ordered, start, end):
             statement = source.body[index]
-            alone = cst.Module(body=[statement], default_indent=source.default_indent,
-                               default_newline=source.default_newline)
+            alone = cst.Module(
+                body=[statement],
+                default_indent=source.default_indent,
+                default_newline=source.default_newline,
+            )
             ranges = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
             found[index] = (ranges, start - 1 - len(statement.leading_lines))
     return found
@@ -1241,7 +1552,9 @@ def _absolute_module(module: str, package: list[str]) -> str:
     return ".".join([*base, rest] if rest else base)
 
 
-def _resolve_dotted(dotted: list[str], bindings: Mapping[str, str], package: list[str]) -> str | None:
+def _resolve_dotted(
+    dotted: list[str], bindings: Mapping[str, str], package: list[str]
+) -> str | None:
     """The dotted name ``dotted`` stands for through the file's imports (``bindings``); None when no import binds
     its first name."""
     bound = bindings.get(dotted[0])
@@ -1283,7 +1596,9 @@ def collect_threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
         (plan.module, function.qualname): function.added
         for plan in plans
         for function in plan.functions
-        if function.added and function.parent is None and function.method_of is not None
+        if function.added
+        and function.parent is None
+        and function.method_of is not None
         and function.qualname.count(".") == 1
     }
 
@@ -1299,14 +1614,24 @@ def collect_threaded_classes(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
     for plan in plans:
         for function in plan.functions:
             owner = function.method_of
-            if not (function.added and function.parent is None and owner is not None
-                    and function.qualname == f"{owner.name.value}.__init__"):
+            if not (
+                function.added
+                and function.parent is None
+                and owner is not None
+                and function.qualname == f"{owner.name.value}.__init__"
+            ):
                 continue
             # The class as the file has it (the walked tree may stand in for a member without reads).
             syntax = plan.statements[function.top][0]
-            if not isinstance(syntax, ast.ClassDef) or syntax.decorator_list or syntax.keywords or any(
+            if (
+                not isinstance(syntax, ast.ClassDef)
+                or syntax.decorator_list
+                or syntax.keywords
+                or any(
                     isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == "__new__"
-                    for m in syntax.body):
+                    for m in syntax.body
+                )
+            ):
                 continue
             found[(plan.module, owner.name.value)] = function.added
     return found
@@ -1322,7 +1647,11 @@ def add_reexported_names(
     found = dict(threaded)
     if not found:
         return found
-    named = re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted({f for _, f in found})) + rb")\b")
+    named = re.compile(
+        rb"\b(?:"
+        + b"|".join(re.escape(n.encode()) for n in sorted({f for _, f in found}))
+        + rb")\b"
+    )
     imports: list[tuple[str, str, str, str]] = []  # (package, bound name, module, name)
     for path, data in packages.items():
         if not named.search(data):
@@ -1334,9 +1663,15 @@ def add_reexported_names(
             node = stack.pop()
             if isinstance(node, ast.ImportFrom):
                 module = _absolute_module("." * node.level + (node.module or ""), parts)
-                imports += [(package, a.asname or a.name, module, a.name) for a in node.names if a.name != "*"]
+                imports += [
+                    (package, a.asname or a.name, module, a.name)
+                    for a in node.names
+                    if a.name != "*"
+                ]
             elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+                stack += [
+                    child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)
+                ]
     changed = True
     while changed:  # a package re-exporting another package's re-export
         changed = False
@@ -1349,7 +1684,9 @@ def add_reexported_names(
 
 
 def decide_passes(
-    plans: Sequence[FilePlan], name: str, threaded: Mapping[tuple[str, str], str] | None = None,
+    plans: Sequence[FilePlan],
+    name: str,
+    threaded: Mapping[tuple[str, str], str] | None = None,
     methods: Mapping[str, str] | None = None,
 ) -> int:
     """Decide which calls pass a threaded function the caller's collection (the caller's own, or the one threaded
@@ -1364,17 +1701,31 @@ def decide_passes(
         for call in plan.calls:
             target = _module_function_of_call(plan, call.dotted)
             keyword = threaded.get(target) if target is not None else None
-            if keyword is None and methods and len(call.dotted) > 1 and (
-                    not call.dotted[0] or _resolve_dotted(call.dotted, plan.bindings, plan.package) is None):
+            if (
+                keyword is None
+                and methods
+                and len(call.dotted) > 1
+                and (
+                    not call.dotted[0]
+                    or _resolve_dotted(call.dotted, plan.bindings, plan.package) is None
+                )
+            ):
                 keyword = methods.get(call.dotted[-1])
             caller = call.function
             if keyword is None or caller is None:
                 continue
-            if any(a.star == "**" or (a.keyword is not None and a.keyword.value == keyword) for a in call.node.args):
+            if any(
+                a.star == "**" or (a.keyword is not None and a.keyword.value == keyword)
+                for a in call.node.args
+            ):
                 continue
             root = _outermost_function(caller)
             # A function threaded upward passes a collection it already holds (``self.pg_collection``), as before.
-            found = _collection_in_scope(caller, call.statement, plan.attributes, name) if caller.upward else None
+            found = (
+                _collection_in_scope(caller, call.statement, plan.attributes, name)
+                if caller.upward
+                else None
+            )
             if isinstance(found, tuple):
                 value = found[0]
             elif caller.added:
@@ -1383,8 +1734,12 @@ def decide_passes(
                 found = _collection_in_scope(caller, call.statement, plan.attributes, name)
                 if isinstance(found, tuple):
                     value = found[0]
-                elif found is None and root.added and root.added not in _names_between(caller, root):
-                    value = root.added  # a nested function passes the collection threaded into its enclosing one
+                elif (
+                    found is None and root.added and root.added not in _names_between(caller, root)
+                ):
+                    value = (
+                        root.added
+                    )  # a nested function passes the collection threaded into its enclosing one
                 else:
                     continue
             plan.passes[id(call.node)] = (keyword, value)
@@ -1402,9 +1757,13 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
     body = plan.wrapper.module.body
     for index, (start, end) in enumerate(plan.spans):
         statement = body[index]
-        if index in locator.members and isinstance(statement, cst.ClassDef):  # walked in part: the rest
+        if index in locator.members and isinstance(
+            statement, cst.ClassDef
+        ):  # walked in part: the rest
             for member, (first, last) in enumerate(locator.member_spans[index]):
-                if (index, member) not in locator.visited_members and pattern.search(plan.text(first, last)):
+                if (index, member) not in locator.visited_members and pattern.search(
+                    plan.text(first, last)
+                ):
                     locator.visit_member(index, statement, member)
         elif index not in locator.visited and pattern.search(plan.text(start, end)):
             locator.visit_top(index, statement)
@@ -1413,16 +1772,22 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
 def collection_mentions(name: str) -> re.Pattern[bytes]:
     """Where a collection may be named or bound: a word containing ``name`` (``pg_collection``,
     ``self._pg_collection``) or a construction assigned (the class members to walk for ``self.<attribute> = ...``)."""
-    return re.compile(rb"\w*" + re.escape(name.encode())
-                      + rb"|=[ \t]*[\w.]*\b(?:ProcessGroupCollection|use_mpu_process_groups)[ \t]*\(")
+    return re.compile(
+        rb"\w*"
+        + re.escape(name.encode())
+        + rb"|=[ \t]*[\w.]*\b(?:ProcessGroupCollection|use_mpu_process_groups)[ \t]*\("
+    )
 
 
 def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: str) -> bool:
     """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name (``_pg_collection``, see
     :func:`~pgregistry.migrate._tree.names_a_collection`) or by its value (``ProcessGroupCollection(...)``,
     ``use_mpu_process_groups(...)``)."""
-    return names_a_collection(attribute, name) or isinstance(value, cst.Call) and _callee_last_name(value) in (
-        "ProcessGroupCollection", "use_mpu_process_groups")
+    return (
+        names_a_collection(attribute, name)
+        or isinstance(value, cst.Call)
+        and _callee_last_name(value) in ("ProcessGroupCollection", "use_mpu_process_groups")
+    )
 
 
 def _callee_last_name(call: cst.Call) -> str:

@@ -33,8 +33,11 @@ class Progress:
         if now - self.said < EVERY_S:
             return
         self.said = now
-        print(f"pgregistry migrate: {step}: {done} of {total} ({now - self.started:.0f} s)", file=self.stream,
-              flush=True)
+        print(
+            f"pgregistry migrate: {step}: {done} of {total} ({now - self.started:.0f} s)",
+            file=self.stream,
+            flush=True,
+        )
 
 
 #: Progress said nowhere (the default of the engine, and of ``--quiet``).

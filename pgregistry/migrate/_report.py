@@ -14,7 +14,9 @@ __all__ = ["render_failures", "render_report", "tally_reads_by_family"]
 def render_failures(failures: Sequence[FileResult]) -> str:
     """One ``path:line:col: message`` line per file that cannot be migrated."""
     return "".join(
-        f"{r.path}:{r.failure.line}:{r.failure.col}: {r.failure.message}\n" for r in failures if r.failure is not None
+        f"{r.path}:{r.failure.line}:{r.failure.col}: {r.failure.message}\n"
+        for r in failures
+        if r.failure is not None
     )
 
 
@@ -28,7 +30,9 @@ def tally_reads_by_family(reads: Sequence[tuple[str, Read]]) -> dict[str, Counte
     return table
 
 
-def render_report(reads: Sequence[tuple[str, Read]], threaded: int, passed: int, changed: int, verb: str) -> str:
+def render_report(
+    reads: Sequence[tuple[str, Read]], threaded: int, passed: int, changed: int, verb: str
+) -> str:
     """The table per family, then every read left in place grouped by reason (``path:line accessor``).
     ``verb``: what happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
     table = tally_reads_by_family(reads)
@@ -49,7 +53,9 @@ def render_report(reads: Sequence[tuple[str, Read]], threaded: int, passed: int,
     left: defaultdict[str, list[str]] = defaultdict(list)
     for path, read in reads:
         if read.way == Way.LEFT:
-            left[read.reason].append(f"{path}:{read.site.line} {read.site.expr} ({family_of(read.site)})")
+            left[read.reason].append(
+                f"{path}:{read.site.line} {read.site.expr} ({family_of(read.site)})"
+            )
     if left:
         lines.append("left in place:")
         for reason, where in sorted(left.items(), key=lambda item: (-len(item[1]), item[0])):

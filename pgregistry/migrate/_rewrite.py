@@ -79,10 +79,14 @@ class _Prune(cst.CSTTransformer):
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
         if updated.body:
             return updated
-        self.dropped[id(original)] = [line for line in original.leading_lines if line.comment is not None]
+        self.dropped[id(original)] = [
+            line for line in original.leading_lines if line.comment is not None
+        ]
         return cst.RemoveFromParent()  # not a ``pass`` left in its place
 
-    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
         return _comments_kept(original, updated, self.dropped)
 
     def _drop_unused_aliases(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
@@ -91,7 +95,9 @@ class _Prune(cst.CSTTransformer):
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
         return kept
 
-    def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import | cst.RemovalSentinel:
+    def leave_Import(
+        self, original: cst.Import, updated: cst.Import
+    ) -> cst.Import | cst.RemovalSentinel:
         kept = self._drop_unused_aliases(updated.names)
         return updated.with_changes(names=kept) if kept else cst.RemoveFromParent()
 
@@ -106,8 +112,9 @@ class _Prune(cst.CSTTransformer):
         return updated if len(kept) == len(updated.names) else updated.with_changes(names=kept)
 
 
-def _comments_kept(original: cst.IndentedBlock, updated: cst.IndentedBlock,
-                   dropped: dict[int, list[cst.EmptyLine]]) -> cst.IndentedBlock:
+def _comments_kept(
+    original: cst.IndentedBlock, updated: cst.IndentedBlock, dropped: dict[int, list[cst.EmptyLine]]
+) -> cst.IndentedBlock:
     """``updated`` (``original`` without the statements ``dropped`` names: id -> the comment lines above it) with
     those comments moved onto the statement after each (or below the block's last one)."""
     if not any(id(statement) in dropped for statement in original.body):
@@ -120,7 +127,9 @@ def _comments_kept(original: cst.IndentedBlock, updated: cst.IndentedBlock,
             comments += dropped[id(statement)]
             continue
         new = next(kept)
-        body.append(_with_leading(new, _one_blank([*comments, *_leading_lines(new)])) if comments else new)
+        body.append(
+            _with_leading(new, _one_blank([*comments, *_leading_lines(new)])) if comments else new
+        )
         comments = []
     if not body:  # the block held only what was dropped: it still needs a statement
         body = [cst.SimpleStatementLine([cst.Pass()])]
@@ -140,20 +149,29 @@ def _one_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
 
 def _comma_without_comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
     """``comma`` (its line break and indentation, to copy the one-a-line style) without its comment."""
-    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
-        after = comma.whitespace_after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+    if isinstance(comma, cst.Comma) and isinstance(
+        comma.whitespace_after, cst.ParenthesizedWhitespace
+    ):
+        after = comma.whitespace_after.with_changes(
+            first_line=cst.TrailingWhitespace(), empty_lines=[]
+        )
         return comma.with_changes(whitespace_after=after)
     return comma
 
 
 def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
     """``params`` with ``name=None`` added keyword-only (after ``*args`` or a new bare ``*``, before ``**kw``)."""
-    new = cst.Param(cst.Name(name), default=cst.Name("None"),
-                    equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
+    new = cst.Param(
+        cst.Name(name),
+        default=cst.Name("None"),
+        equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE),
+    )
     if params.kwonly_params:
         kwonly = list(params.kwonly_params)
         if kwonly[-1].comma is not cst.MaybeSentinel.DEFAULT and params.star_kwarg is None:
-            new = new.with_changes(comma=kwonly[-1].comma)  # one parameter a line, trailing comma: keep the style
+            new = new.with_changes(
+                comma=kwonly[-1].comma
+            )  # one parameter a line, trailing comma: keep the style
             if len(kwonly) >= 2:
                 kwonly[-1] = kwonly[-1].with_changes(comma=_comma_without_comment(kwonly[-2].comma))
         return params.with_changes(kwonly_params=[*kwonly, new])
@@ -162,11 +180,14 @@ def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
     positional = list(params.params)
     last = positional[-1].comma if positional else cst.MaybeSentinel.DEFAULT
     if isinstance(last, cst.Comma) and params.star_kwarg is None:
-        inner = _comma_without_comment((positional[-2] if len(positional) >= 2 else positional[-1]).comma)
+        inner = _comma_without_comment(
+            (positional[-2] if len(positional) >= 2 else positional[-1]).comma
+        )
         positional[-1] = positional[-1].with_changes(comma=inner)
         star = cst.ParamStar(comma=inner) if isinstance(inner, cst.Comma) else cst.ParamStar()
-        return params.with_changes(params=positional, star_arg=star,
-                                   kwonly_params=[new.with_changes(comma=last)])
+        return params.with_changes(
+            params=positional, star_arg=star, kwonly_params=[new.with_changes(comma=last)]
+        )
     return params.with_changes(star_arg=cst.ParamStar(), kwonly_params=[new])
 
 
@@ -199,18 +220,30 @@ def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters
 def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst.Call:
     """``call`` with ``keyword=value`` after its arguments, in their layout: one a line when they are (the
     closing parenthesis kept on its own line), else after a comma and a space."""
-    new = cst.Arg(value, keyword=cst.Name(keyword),
-                  equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE))
+    new = cst.Arg(
+        value,
+        keyword=cst.Name(keyword),
+        equal=cst.AssignEqual(whitespace_before=_NO_SPACE, whitespace_after=_NO_SPACE),
+    )
     args = list(call.args)
-    if args and args[-1].comma is not cst.MaybeSentinel.DEFAULT:  # a trailing comma: one argument per line
+    if (
+        args and args[-1].comma is not cst.MaybeSentinel.DEFAULT
+    ):  # a trailing comma: one argument per line
         new = new.with_changes(comma=args[-1].comma)
         if len(args) >= 2:
             args[-1] = args[-1].with_changes(comma=_comma_without_comment(args[-2].comma))
-    elif args and isinstance(args[-1].whitespace_after_arg, cst.ParenthesizedWhitespace) and isinstance(
-            call.whitespace_before_args, cst.ParenthesizedWhitespace):  # the last argument on its own line
-        line_break = call.whitespace_before_args.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+    elif (
+        args
+        and isinstance(args[-1].whitespace_after_arg, cst.ParenthesizedWhitespace)
+        and isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace)
+    ):  # the last argument on its own line
+        line_break = call.whitespace_before_args.with_changes(
+            first_line=cst.TrailingWhitespace(), empty_lines=[]
+        )
         new = new.with_changes(whitespace_after_arg=args[-1].whitespace_after_arg)
-        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=line_break), whitespace_after_arg=_NO_SPACE)
+        args[-1] = args[-1].with_changes(
+            comma=cst.Comma(whitespace_after=line_break), whitespace_after_arg=_NO_SPACE
+        )
     return call.with_changes(args=[*args, new])
 
 
@@ -218,7 +251,9 @@ class _SingleQuoted(cst.CSTTransformer):
     """Each plain string literal of a node the rewrite made (``"tp"``, ``"next_rank"``) in single quotes: before
     Python 3.12 an expression inside a double-quoted f-string may not hold a double quote."""
 
-    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.SimpleString:
+    def leave_SimpleString(
+        self, original: cst.SimpleString, updated: cst.SimpleString
+    ) -> cst.SimpleString:
         if updated.value.startswith('"') and "'" not in updated.value and "\\" not in updated.value:
             return updated.with_changes(value=f"'{updated.value[1:-1]}'")
         return updated
@@ -311,7 +346,9 @@ class _Rewriter(cst.CSTTransformer):
         self.depth += 1
         return True
 
-    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
         self.depth -= 1
         return _comments_kept(original, updated, self.dropped)
 
@@ -322,8 +359,12 @@ class _Rewriter(cst.CSTTransformer):
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        if id(original) in self.shims:  # a dissolved shim's assignment: its reads are the fields' now
-            self.dropped[id(original)] = list(original.leading_lines)  # its blank lines and comments go on
+        if (
+            id(original) in self.shims
+        ):  # a dissolved shim's assignment: its reads are the fields' now
+            self.dropped[id(original)] = list(
+                original.leading_lines
+            )  # its blank lines and comments go on
             return cst.RemoveFromParent()
         if not self.changed:
             return updated
@@ -336,7 +377,9 @@ class _Rewriter(cst.CSTTransformer):
         return True
 
     def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
-        if updated.test.deep_equals(original.test):  # libcst rebuilds every node: ``is`` never holds
+        if updated.test.deep_equals(
+            original.test
+        ):  # libcst rebuilds every node: ``is`` never holds
             return updated
         keyword = "elif" if id(original) in self.elifs else "if"
         split = split_condition(updated, keyword, self._indent_columns(), self.width, self.unit)
@@ -366,7 +409,9 @@ class _Rewriter(cst.CSTTransformer):
             return node.visit(_SingleQuoted())  # type: ignore[return-value]
         return node
 
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
+    def leave_Attribute(
+        self, original: cst.Attribute, updated: cst.Attribute
+    ) -> cst.BaseExpression:
         replacement = self.field_reads.get(id(original))
         if replacement is None:
             return updated
@@ -382,18 +427,28 @@ class _Rewriter(cst.CSTTransformer):
         if passing is not None:
             self.changed = True
             keyword, value = passing
-            added = _with_keyword(updated, keyword, self._with_f_string_quotes(cst.parse_expression(value)))
-            updated = split_argument_line(added, updated, original, self._indent_columns(), self.width, self.unit)
-        if self.changed and updated.args:  # an argument on a line of its own that a rewrite made too long
+            added = _with_keyword(
+                updated, keyword, self._with_f_string_quotes(cst.parse_expression(value))
+            )
+            updated = split_argument_line(
+                added, updated, original, self._indent_columns(), self.width, self.unit
+            )
+        if (
+            self.changed and updated.args
+        ):  # an argument on a line of its own that a rewrite made too long
             return split_arguments(updated, original, self._indent_columns(), self.width, self.unit)
         return updated
 
     def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp) -> cst.DictComp:
         if updated.key.deep_equals(original.key):  # the author's key, however long, is left
             return updated
-        return split_key(updated, self._indent_columns(), self.width, self.unit)  # a key the rewrite made too long
+        return split_key(
+            updated, self._indent_columns(), self.width, self.unit
+        )  # a key the rewrite made too long
 
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+    def leave_FunctionDef(
+        self, original: cst.FunctionDef, updated: cst.FunctionDef
+    ) -> cst.FunctionDef:
         function = self.functions.get(id(original))
         if function is None:
             return updated
@@ -404,10 +459,14 @@ class _Rewriter(cst.CSTTransformer):
         if not function.shim_name or not isinstance(updated.body, cst.IndentedBlock):
             return updated
         listed = ", ".join(f'"{f}"' for f in function.shim_fields)
-        shim = cst.parse_statement(f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups("
-                                   f"required_pgs=[{listed}])\n")
+        shim = cst.parse_statement(
+            f"{function.shim_name} = {function.builder_class}.use_mpu_process_groups("
+            f"required_pgs=[{listed}])\n"
+        )
         assert isinstance(shim, cst.SimpleStatementLine)
-        shim = split_statement(shim, self._indent_columns() + len(self.unit.expandtabs(4)), self.width, self.unit)
+        shim = split_statement(
+            shim, self._indent_columns() + len(self.unit.expandtabs(4)), self.width, self.unit
+        )
         body = list(updated.body.body)
         body.insert(function.shim_at, shim)
         return updated.with_changes(body=updated.body.with_changes(body=body))
@@ -420,11 +479,16 @@ def _is_import(statement: cst.CSTNode) -> bool:
 
 
 def _leading_lines(statement: cst.CSTNode) -> Sequence[cst.EmptyLine]:
-    return statement.leading_lines if isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement)) \
+    return (
+        statement.leading_lines
+        if isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
         else ()
+    )
 
 
-def _with_leading(statement: cst.BaseStatement, lines: Sequence[cst.EmptyLine]) -> cst.BaseStatement:
+def _with_leading(
+    statement: cst.BaseStatement, lines: Sequence[cst.EmptyLine]
+) -> cst.BaseStatement:
     """``statement`` with ``lines`` (blank lines, comments) above it."""
     if isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
         return statement.with_changes(leading_lines=lines)
@@ -447,7 +511,9 @@ def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | 
     small = statement.body[0]
     if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
         return None
-    module = "." * len(small.relative) + (".".join(_attribute_chain_names(small.module)) if small.module else "")
+    module = "." * len(small.relative) + (
+        ".".join(_attribute_chain_names(small.module)) if small.module else ""
+    )
     return module, [_name_bound_by(alias) for alias in small.names]
 
 
@@ -465,20 +531,27 @@ def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int)
             found = _from_import_names(statement)
             if found is not None and found[0] == name:
                 have = found[1]
-                if not set(names) <= set(have):  # one import of the helper, its blank lines above kept
+                if not set(names) <= set(
+                    have
+                ):  # one import of the helper, its blank lines above kept
                     merged = _from_import(name, sorted({*have, *names}), width)
                     body[index] = _with_leading(merged, _leading_lines(statement))
                 break
             if _is_import(statement) or (index == 0 and _is_docstring(statement)):
                 at = index + 1
-            if found is not None and (found[0].startswith(".") or found[0].partition(".")[0] == top):
+            if found is not None and (
+                found[0].startswith(".") or found[0].partition(".")[0] == top
+            ):
                 peers.append((index, found[0]))
         else:
             later = [index for index, peer in peers if peer.startswith(".") or peer > name]
             new = _from_import(name, names, width)
             if later:  # first of its peers: it takes the blank lines and comments above the block
                 at = later[0]
-                new, body[at] = _with_leading(new, _leading_lines(body[at])), _with_leading(body[at], ())
+                new, body[at] = (
+                    _with_leading(new, _leading_lines(body[at])),
+                    _with_leading(body[at], ()),
+                )
             else:
                 at = peers[-1][0] + 1 if peers else at
             body.insert(at, new)
@@ -513,13 +586,19 @@ class _Renderer:
         which pops it)."""
         if not module.has_trailing_newline:
             return module.code
-        text = "".join([*(module.code_for_node(h) for h in module.header), *map(self.statement, module.body),
-                        *(module.code_for_node(f) for f in module.footer)])
+        text = "".join(
+            [
+                *(module.code_for_node(h) for h in module.header),
+                *map(self.statement, module.body),
+                *(module.code_for_node(f) for f in module.footer),
+            ]
+        )
         return text or module.default_newline
 
 
-def _names_left_unread(plan: FilePlan, body: Sequence[object], touched: Sequence[int],
-                        render: _Renderer) -> set[str] | None:
+def _names_left_unread(
+    plan: FilePlan, body: Sequence[object], touched: Sequence[int], render: _Renderer
+) -> set[str] | None:
     """The names the rewrite leaves unread: read in a statement it changed, not in that statement's new code,
     and nowhere else (the other statements' text is searched first; the rare hit is checked on their ast). None
     when a new statement does not parse alone."""
@@ -530,7 +609,9 @@ def _names_left_unread(plan: FilePlan, body: Sequence[object], touched: Sequence
         for index in touched:
             statement = body[index]
             if isinstance(statement, cst.CSTNode):
-                new.update(_count_reads_in_code(_restore_skeleton_text(plan, render.statement(statement))))
+                new.update(
+                    _count_reads_in_code(_restore_skeleton_text(plan, render.statement(statement)))
+                )
     except (SyntaxError, ValueError):
         return None
     gone = {name for name, count in old.items() if count and new[name] <= 0}
@@ -567,8 +648,13 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
     the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
     rewriter = _Rewriter(plan, target, width)
-    if not rewriter.replacements and not rewriter.field_reads and not rewriter.shims and not plan.passes and \
-            not rewriter.functions:
+    if (
+        not rewriter.replacements
+        and not rewriter.field_reads
+        and not rewriter.shims
+        and not plan.passes
+        and not rewriter.functions
+    ):
         return None
     data = plan.data if plan.data is not None else module.bytes
     render = _Renderer(module)
@@ -577,7 +663,11 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
         changed = _with_imports(changed, list(dict.fromkeys(rewriter.imports)), width)
-    unused = _names_left_unread(plan, body, sorted(rewriter.touched), render) if plan.statements else None
+    unused = (
+        _names_left_unread(plan, body, sorted(rewriter.touched), render)
+        if plan.statements
+        else None
+    )
     if unused is None:  # no spans, or a statement that does not parse alone: the whole texts
         before = _count_reads_in_code(data)
         after = _count_reads_in_code(_restore_skeleton_text(plan, render.code(changed)))
@@ -600,11 +690,17 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
         return b"import" in plan.text(*plan.spans[at])
 
     pruned: list[cst.BaseStatement] = []
-    orphaned: Sequence[cst.EmptyLine] = ()  # the blank lines and comments above a statement that went
+    orphaned: Sequence[
+        cst.EmptyLine
+    ] = ()  # the blank lines and comments above a statement that went
     for statement in changed.body:
         visited = statement.visit(prune) if may_import(statement) else statement
         if isinstance(visited, cst.BaseStatement):
-            pruned.append(_with_leading(visited, [*orphaned, *_leading_lines(visited)]) if orphaned else visited)
+            pruned.append(
+                _with_leading(visited, [*orphaned, *_leading_lines(visited)])
+                if orphaned
+                else visited
+            )
             orphaned = ()
         elif not orphaned:
             orphaned = _leading_lines(statement)

@@ -38,7 +38,9 @@ __all__ = ["DEFAULT_BUILDER", "Dissolved", "dissolve_shim"]
 #: The getter keyword that makes a getter return ``None`` rather than raise when parallel_state is not set up.
 CHECK = "check_initialized"
 #: Why ``use_mpu_process_groups()`` stays: a collection of every field, the default of a function's callers.
-DEFAULT_BUILDER = "shim: builds every field from the globals (remove it once every caller passes a collection)"
+DEFAULT_BUILDER = (
+    "shim: builds every field from the globals (remove it once every caller passes a collection)"
+)
 _ESCAPES = "shim: its collection is used otherwise than read for the fields it lists"
 
 
@@ -54,8 +56,15 @@ class Dissolved:
     local: str = ""
 
 
-def dissolve_shim(call: cst.Call, body: list[cst.BaseStatement], statement: int, parameters: list[str],
-                  getters: Mapping[str, tuple[str, dict[str, object]]] | None, *, gtp_remat: bool) -> Dissolved | str:
+def dissolve_shim(
+    call: cst.Call,
+    body: list[cst.BaseStatement],
+    statement: int,
+    parameters: list[str],
+    getters: Mapping[str, tuple[str, dict[str, object]]] | None,
+    *,
+    gtp_remat: bool,
+) -> Dissolved | str:
     """The :class:`Dissolved` of shim ``call`` in top-level statement ``statement`` of a function's ``body``
     (whose ``parameters`` are given); a reason when it stays. ``getters``: the release's
     :func:`~pgregistry.migrate._megatron_release.shim_getters` (None: not known)."""
@@ -63,15 +72,19 @@ def dissolve_shim(call: cst.Call, body: list[cst.BaseStatement], statement: int,
     if isinstance(listed, str):
         return listed
     if getters is None:
-        return "shim: which getter use_mpu_process_groups calls for each field is not known (no " \
-               "megatron/core/process_groups_config.py found)"
+        return (
+            "shim: which getter use_mpu_process_groups calls for each field is not known (no "
+            "megatron/core/process_groups_config.py found)"
+        )
     keywords: dict[str, dict[str, object]] = {}
     for name in listed:
         getter = getters.get(name)
         if getter is None:
             return f"shim: this Megatron-Core's use_mpu_process_groups builds no field {name!r}"
         accessor, passed = getter
-        choice = collection_field(accessor, {k: v for k, v in passed.items() if k != CHECK}, gtp_remat=gtp_remat)
+        choice = collection_field(
+            accessor, {k: v for k, v in passed.items() if k != CHECK}, gtp_remat=gtp_remat
+        )
         if (choice.field, choice.kind) != (name, "group"):
             return f"shim: use_mpu_process_groups reads {name!r} with {accessor}, not the field's own getter"
         keywords[name] = {CHECK: passed[CHECK]} if CHECK in passed else {}
@@ -81,7 +94,8 @@ def dissolve_shim(call: cst.Call, body: list[cst.BaseStatement], statement: int,
             return f"shim: reads {inline.attr.value!r}, a field it does not list"
         moved = [name for name in listed if name != inline.attr.value]
         return _why_reads_may_not_move(moved, keywords) or Dissolved(
-            listed, [(inline, inline.attr.value, keywords[inline.attr.value])])
+            listed, [(inline, inline.attr.value, keywords[inline.attr.value])]
+        )
     local = _local_holding_call(call, body[statement])
     if local is None:
         return _ESCAPES
@@ -112,27 +126,36 @@ def _fields_listed(call: cst.Call) -> list[str] | str:
     """The fields ``call`` lists (``required_pgs=[...]``, literal strings), or why they are not known."""
     if not call.args:
         return DEFAULT_BUILDER
-    if len(call.args) != 1 or call.args[0].star or (
-            call.args[0].keyword is not None and call.args[0].keyword.value != "required_pgs"):
+    if (
+        len(call.args) != 1
+        or call.args[0].star
+        or (call.args[0].keyword is not None and call.args[0].keyword.value != "required_pgs")
+    ):
         return "shim: the fields it lists are not a literal list"
     value = call.args[0].value
     if not isinstance(value, (cst.List, cst.Tuple)):
         return "shim: the fields it lists are not a literal list"
     names: list[str] = []
     for element in value.elements:
-        text = element.value.evaluated_value if isinstance(element.value, cst.SimpleString) else None
+        text = (
+            element.value.evaluated_value if isinstance(element.value, cst.SimpleString) else None
+        )
         if not isinstance(text, str) or isinstance(element, cst.StarredElement):
             return "shim: the fields it lists are not a literal list"
         names.append(text)
     return names
 
 
-def _why_reads_may_not_move(names: list[str], keywords: Mapping[str, dict[str, object]]) -> str | None:
+def _why_reads_may_not_move(
+    names: list[str], keywords: Mapping[str, dict[str, object]]
+) -> str | None:
     """Why the getters of ``names``, read later than the shim read them, may act otherwise (None: they may not)."""
     checked = [name for name in names if keywords[name].get(CHECK) is not False]
     if checked:
-        return (f"shim: use_mpu_process_groups reads {', '.join(map(repr, checked))} checked where it is built (it "
-                "raises there when parallel_state is not initialised): its reads may not move")
+        return (
+            f"shim: use_mpu_process_groups reads {', '.join(map(repr, checked))} checked where it is built (it "
+            "raises there when parallel_state is not initialised): its reads may not move"
+        )
     return None
 
 
@@ -234,7 +257,10 @@ class _Uses(_Targets):
         if isinstance(node.value, cst.Name) and node.value.value == self.local:
             self.not_uses.add(id(node.value))
             if self.nested:
-                self.reason = self.reason or f"shim: {self.local} is read in a nested function, lambda or class"
+                self.reason = (
+                    self.reason
+                    or f"shim: {self.local} is read in a nested function, lambda or class"
+                )
             elif id(node) in self.targets:
                 self.reason = self.reason or f"shim: a field of {self.local} is assigned or deleted"
             else:
@@ -246,7 +272,10 @@ class _Uses(_Targets):
 
     def visit_Name(self, node: cst.Name) -> None:
         if node.value == self.local and id(node) not in self.not_uses:
-            self.reason = self.reason or _ESCAPES + f" ({self.local} is passed on, returned, stored or bound again)"
+            self.reason = (
+                self.reason
+                or _ESCAPES + f" ({self.local} is passed on, returned, stored or bound again)"
+            )
 
     def _enter_nested(self, node: cst.CSTNode) -> None:
         self.nested += 1

@@ -53,7 +53,9 @@ class Kept(dict[str, str]):
 
     def __init__(self, pairs: Mapping[str, str]) -> None:
         super().__init__(pairs)
-        self.by_name: dict[str, tuple[str, int]] = {}  # name -> (placeholder, where the name starts in it)
+        self.by_name: dict[
+            str, tuple[str, int]
+        ] = {}  # name -> (placeholder, where the name starts in it)
         for placeholder in self:
             found = _PLACEHOLDER.search(placeholder)
             assert found is not None, placeholder
@@ -103,7 +105,7 @@ def line_starts(data: bytes) -> list[int]:
 
 def lines_between(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
     """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``, whose :func:`line_starts` are ``starts``."""
-    return data[starts[start - 1]: starts[end] if end < len(starts) else None]
+    return data[starts[start - 1] : starts[end] if end < len(starts) else None]
 
 
 def has_line_within(ordered: Sequence[int], start: int, end: int) -> bool:
@@ -120,11 +122,13 @@ def _lines_with_endings(data: bytes) -> list[tuple[bytes, bytes]]:
     for begin, end in zip(starts, [*starts[1:], len(data)], strict=True):
         row = data[begin:end]
         content = row.rstrip(b"\r\n")
-        rows.append((content, row[len(content):]))
+        rows.append((content, row[len(content) :]))
     return rows
 
 
-def build_skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]) -> Skeleton | None:
+def build_skeleton(
+    data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]
+) -> Skeleton | None:
     """``data`` (parsed as ``tree``) with each definition for which ``needed(first line, last line, member)`` is
     false stood in for by a placeholder; None when nothing is, or the file already holds the prefix."""
     if _PREFIX in data:
@@ -134,16 +138,20 @@ def build_skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bo
 
     def stand_in(node: ast.stmt, tag: str) -> None:
         start, end = definition_span(node)
-        ends = [ending for _, ending in rows[start - 1:end]]
-        original = b"".join(text + ending for text, ending in rows[start - 1:end])
+        ends = [ending for _, ending in rows[start - 1 : end]]
+        original = b"".join(text + ending for text, ending in rows[start - 1 : end])
         first = rows[start - 1][0]
         indent = first[: len(first) - len(first.lstrip(b" \t\f"))]
         name = indent + _PREFIX + tag.encode()
         if start == end:
             placeholder = [(name + b" = 0", ends[0])]
         else:
-            placeholder = [(name + b' = """', ends[0]), *((b"", e) for e in ends[1:-1]), (b'"""', ends[-1])]
-        rows[start - 1:end] = placeholder
+            placeholder = [
+                (name + b' = """', ends[0]),
+                *((b"", e) for e in ends[1:-1]),
+                (b'"""', ends[-1]),
+            ]
+        rows[start - 1 : end] = placeholder
         text = b"".join(text + ending for text, ending in placeholder)
         # Both without the last line's ending, which stays in the text around them.
         kept[text[: len(text) - len(ends[-1])]] = original[: len(original) - len(ends[-1])]
@@ -156,16 +164,20 @@ def build_skeleton(data: bytes, tree: ast.Module, needed: Callable[[int, int, bo
             stand_in(node, str(index))
         elif isinstance(node, ast.ClassDef):
             for member, inner in enumerate(node.body):
-                if isinstance(inner, _DEFINITIONS) and definition_span(inner)[0] > node.lineno and not needed(
-                        *definition_span(inner), True):
+                if (
+                    isinstance(inner, _DEFINITIONS)
+                    and definition_span(inner)[0] > node.lineno
+                    and not needed(*definition_span(inner), True)
+                ):
                     stand_in(inner, f"{index}_{member}")
     if not kept:
         return None
     return Skeleton(b"".join(text + ending for text, ending in rows), kept)
 
 
-def make_needed_check(data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None,
-              name: re.Pattern[bytes]) -> Callable[[int, int, bool], bool]:
+def make_needed_check(
+    data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None, name: re.Pattern[bytes]
+) -> Callable[[int, int, bool], bool]:
     """The usual ``needed``: a definition is needed when it holds a read (a line of ``site_lines``), a call
     ``calls`` matches (one that may pass a threaded function its collection), or, as a class member, the
     collection's ``name`` (where a method binds ``self.<name>``)."""

@@ -22,7 +22,11 @@ DEFAULT_WIDTH = 100
 
 
 def _positive_int(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, str))
+        or not str(value).strip().isdigit()
+    ):
         raise ConfigError(f"{where} must be a positive whole number, not {value!r}")
     return int(value)
 
@@ -54,7 +58,9 @@ def line_length(root: Path) -> int:
         except (configparser.Error, UnicodeDecodeError) as error:
             raise ConfigError(f"{root / name} cannot be read: {error}") from None
         if parser.has_option("flake8", "max-line-length"):
-            return _positive_int(parser.get("flake8", "max-line-length"), f"{root / name}: [flake8] max-line-length")
+            return _positive_int(
+                parser.get("flake8", "max-line-length"), f"{root / name}: [flake8] max-line-length"
+            )
     return DEFAULT_WIDTH
 
 
@@ -62,7 +68,9 @@ def migrate_settings(root: Path) -> Mapping[str, Any]:
     """``[tool.pgregistry.migrate]`` of the ``pyproject.toml`` at ``root`` (empty when there is none); a key
     other than ``helper-module`` is refused (``ConfigError`` naming it)."""
     pyproject = root / "pyproject.toml"
-    table = _tool_table(_read_toml(pyproject), "pgregistry", "migrate") if pyproject.is_file() else {}
+    table = (
+        _tool_table(_read_toml(pyproject), "pgregistry", "migrate") if pyproject.is_file() else {}
+    )
     unknown = sorted(set(table) - {"helper-module"})
     if unknown:
         raise ConfigError(
@@ -70,5 +78,7 @@ def migrate_settings(root: Path) -> Mapping[str, Any]:
         )
     module = table.get("helper-module")
     if module is not None and not isinstance(module, str):
-        raise ConfigError(f"{pyproject}: [tool.pgregistry.migrate] helper-module must be a dotted module name")
+        raise ConfigError(
+            f"{pyproject}: [tool.pgregistry.migrate] helper-module must be a dotted module name"
+        )
     return table

@@ -25,14 +25,21 @@ from dataclasses import dataclass
 __all__ = ["TreeFacts", "learn_tree", "names_a_collection", "classify_uses"]
 
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
-_ATTRIBUTE_TARGET = re.compile(rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)",
-                               re.M)
+_ATTRIBUTE_TARGET = re.compile(
+    rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)", re.M
+)
 #: A type: ``X``, ``a.X``, ``Optional[X]``, ``X | None``, or a string (a docstring's ``name: what it is`` is none).
-_TYPE = rb"(?:[\w.]+(?:\[[^\]\n]*\])?(?:[ \t]*\|[ \t]*[\w.]+(?:\[[^\]\n]*\])?)*|'[^'\n]*'|\"[^\"\n]*\")"
+_TYPE = (
+    rb"(?:[\w.]+(?:\[[^\]\n]*\])?(?:[ \t]*\|[ \t]*[\w.]+(?:\[[^\]\n]*\])?)*|'[^'\n]*'|\"[^\"\n]*\")"
+)
 #: A field declared in a class body: an annotated name alone on an indented line, with no trailing comma and no
 #: closing parenthesis on the next line (a function's last parameter).
-_FIELD = re.compile(rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[ \t]*" + _TYPE + rb"[ \t]*(?:=[^\n]*[^,\s])?[ \t]*$(?!\n[ \t]*\))",
-                    re.M)
+_FIELD = re.compile(
+    rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[ \t]*"
+    + _TYPE
+    + rb"[ \t]*(?:=[^\n]*[^,\s])?[ \t]*$(?!\n[ \t]*\))",
+    re.M,
+)
 #: A class statement: its name and the text of its bases.
 _CLASS = re.compile(rb"^[ \t]*class[ \t]+([A-Za-z_]\w*)[ \t]*(?:\(([^)]*)\))?", re.M)
 #: A value that is a collection whatever its name.
@@ -81,13 +88,18 @@ class TreeFacts:
     def collections_of(self, path: str, *, own: bool = False) -> frozenset[str]:
         """The expressions that hold a collection in file ``path``: those it assigns one to, and (unless ``own``)
         those of other files whose attribute a class declares as a field (an instance of that class has it)."""
-        return frozenset(e for p, e in self.collections
-                         if p == path or not own and e.rpartition(".")[2] in self.fields)
+        return frozenset(
+            e
+            for p, e in self.collections
+            if p == path or not own and e.rpartition(".")[2] in self.fields
+        )
 
     def is_state_module(self, dotted: str) -> str | None:
         """The configured ``parallel_state`` module ``dotted`` is (the ratchet's rule: the name itself or a
         ``.``-suffix of it), None when it is none."""
-        return next((m for m in self.state_modules if dotted == m or dotted.endswith("." + m)), None)
+        return next(
+            (m for m in self.state_modules if dotted == m or dotted.endswith("." + m)), None
+        )
 
 
 def names_a_collection(identifier: str, collection: str) -> bool:
@@ -112,7 +124,7 @@ def _lines_with(data: bytes, words: re.Pattern[bytes]) -> list[tuple[int, int]]:
 def _indent_width(data: bytes, start: int) -> int:
     """The indentation of the line starting at ``start``."""
     at = start
-    while at < len(data) and data[at:at + 1] in (b" ", b"\t"):
+    while at < len(data) and data[at : at + 1] in (b" ", b"\t"):
         at += 1
     return at - start
 
@@ -124,7 +136,7 @@ def _enclosing_class(data: bytes, start: int) -> str | None:
     while level and start > 0:
         start = data.rfind(b"\n", 0, start - 1) + 1
         indent = _indent_width(data, start)
-        if indent >= level or data[start + indent:start + indent + 1] in (b"\n", b"#", b""):
+        if indent >= level or data[start + indent : start + indent + 1] in (b"\n", b"#", b""):
             continue
         level = indent
         found = _CLASS.match(data, start)
@@ -133,16 +145,22 @@ def _enclosing_class(data: bytes, start: int) -> str | None:
     return None
 
 
-def _collection_assignments(data: bytes, collection: str) -> tuple[set[str], set[str], set[tuple[str, str]]]:
+def _collection_assignments(
+    data: bytes, collection: str
+) -> tuple[set[str], set[str], set[tuple[str, str]]]:
     """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name, see
     :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection fields its class bodies
     declare; (class, attribute) of each collection attribute a class declares or its methods assign to ``self``,
     and (class, ``self.<a>.<b>``) of each deeper chain its methods assign)."""
     assigned, fields, owned = set(), set(), set()
-    for start, end in _lines_with(data, re.compile(re.escape(collection.encode()) + rb"|" + _BUILDS.pattern)):
+    for start, end in _lines_with(
+        data, re.compile(re.escape(collection.encode()) + rb"|" + _BUILDS.pattern)
+    ):
         target = _ATTRIBUTE_TARGET.match(data, start, end)
-        if target is not None and (names_a_collection(target.group(1).decode().rpartition(".")[2], collection)
-                                   or _BUILDS.search(target.group(2))):
+        if target is not None and (
+            names_a_collection(target.group(1).decode().rpartition(".")[2], collection)
+            or _BUILDS.search(target.group(2))
+        ):
             dotted = target.group(1).decode()
             assigned.add(dotted)
             cls = _enclosing_class(data, start) if dotted.startswith("self.") else None
@@ -157,25 +175,36 @@ def _collection_assignments(data: bytes, collection: str) -> tuple[set[str], set
     return assigned, fields, owned
 
 
-def _classes_tying_chains(contents: Mapping[str, bytes], owned: set[tuple[str, str]]) -> set[tuple[str, str]]:
+def _classes_tying_chains(
+    contents: Mapping[str, bytes], owned: set[tuple[str, str]]
+) -> set[tuple[str, str]]:
     """(``self.<a>.<b>`` chain, class) for each class the tree ties such an assigned chain to: its methods assign
     the chain, or assign ``self.<a> = X(...)`` where class ``X`` declares or assigns ``<b>`` (``owned``: see
     :func:`_collection_assignments`)."""
     chains = {chain for _, chain in owned if chain.count(".") >= 2}
     ties = {(chain, cls) for cls, chain in owned if chain in chains}
-    holders = {attribute: {c for c, a in owned if a == attribute} for attribute in
-               {chain.rpartition(".")[2] for chain in chains if chain.count(".") == 2}}
+    holders = {
+        attribute: {c for c, a in owned if a == attribute}
+        for attribute in {chain.rpartition(".")[2] for chain in chains if chain.count(".") == 2}
+    }
     steps = {chain.split(".")[1] for chain in chains if chain.count(".") == 2}
     if not steps:
         return ties
-    built = re.compile(rb"\bself\.(" + b"|".join(re.escape(s.encode()) for s in sorted(steps))
-                       + rb")[ \t]*(?::[^=\n]*)?=[ \t]*(?:[\w.]+\.)?([A-Za-z_]\w*)[ \t]*\(")
+    built = re.compile(
+        rb"\bself\.("
+        + b"|".join(re.escape(s.encode()) for s in sorted(steps))
+        + rb")[ \t]*(?::[^=\n]*)?=[ \t]*(?:[\w.]+\.)?([A-Za-z_]\w*)[ \t]*\("
+    )
     for data in contents.values():
         for match in built.finditer(data):
             cls = _enclosing_class(data, data.rfind(b"\n", 0, match.start()) + 1)
             step, made = match.group(1).decode(), match.group(2).decode()
             for chain in chains:
-                if cls is not None and chain.split(".")[1] == step and made in holders[chain.rpartition(".")[2]]:
+                if (
+                    cls is not None
+                    and chain.split(".")[1] == step
+                    and made in holders[chain.rpartition(".")[2]]
+                ):
                     ties.add((chain, cls))
     return ties
 
@@ -209,7 +238,7 @@ _VALUE_BEFORE = (b"(", b"[", b",", b"=", b":", b"@", b"return", b"yield")
 
 def _word_end(text: bytes, at: int) -> int:
     """Where the identifier ending at ``at`` in ``text`` starts."""
-    while at > 0 and (text[at - 1:at].isalnum() or text[at - 1:at] == b"_"):
+    while at > 0 and (text[at - 1 : at].isalnum() or text[at - 1 : at] == b"_"):
         at -= 1
     return at
 
@@ -217,15 +246,17 @@ def _word_end(text: bytes, at: int) -> int:
 def _kind_of_use(data: bytes, start: int, end: int) -> str:
     """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other`` (its ``def``, an
     attribute of it, a word in prose, a keyword argument's name)."""
-    before = data[max(0, start - 120):start]
+    before = data[max(0, start - 120) : start]
     stripped = before.rstrip(b" \t")
-    word = stripped[_word_end(stripped, len(stripped)):]
+    word = stripped[_word_end(stripped, len(stripped)) :]
     if word in (b"def", b"class") and len(stripped) < len(before):
         return "other"
     if _CALL_AFTER.match(data, end):
         return "call"
     at = len(before)
-    while at > 0 and before[at - 1:at] == b".":  # the chain the name ends: ``self.f``, ``module.f``
+    while (
+        at > 0 and before[at - 1 : at] == b"."
+    ):  # the chain the name ends: ``self.f``, ``module.f``
         at = _word_end(before, at - 1)
     if before[:at].rstrip(b" \t").endswith(_VALUE_BEFORE) and not _NOT_VALUE_AFTER.match(data, end):
         return "value"
@@ -246,7 +277,9 @@ def _hook_argument_names(data: bytes, names: re.Pattern[bytes]) -> set[str]:
     return found
 
 
-def classify_uses(contents: Mapping[str, bytes], names: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+def classify_uses(
+    contents: Mapping[str, bytes], names: Iterable[str]
+) -> tuple[set[str], set[str], set[str]]:
     """Of ``names`` (not empty), those called somewhere in the tree ``contents``, those referenced as values and
     never called, and those passed to a torch hook registration."""
     called: set[str] = set()
@@ -264,8 +297,12 @@ def classify_uses(contents: Mapping[str, bytes], names: Iterable[str]) -> tuple[
 
 
 def learn_tree(
-    contents: Mapping[str, bytes], functions: Iterable[str], collection: str, *, state_modules: tuple[str, ...] = (
-        "parallel_state", "mpu"), modules: frozenset[str] = frozenset(),
+    contents: Mapping[str, bytes],
+    functions: Iterable[str],
+    collection: str,
+    *,
+    state_modules: tuple[str, ...] = ("parallel_state", "mpu"),
+    modules: frozenset[str] = frozenset(),
 ) -> TreeFacts:
     """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes), about the functions named
     ``functions`` (those reads are in); ``collection``: the collection's configured name."""
@@ -275,9 +312,15 @@ def learn_tree(
     collections: set[tuple[str, str]] = set()
     fields: set[str] = set()
     owned: set[tuple[str, str]] = set()
-    named = {n for n in functions if not (n.startswith("__") and n.endswith("__"))}  # Python calls those
+    named = {
+        n for n in functions if not (n.startswith("__") and n.endswith("__"))
+    }  # Python calls those
     for path, data in contents.items():
-        if collection.encode() in data or b"ProcessGroupCollection" in data or b"use_mpu_process_groups" in data:
+        if (
+            collection.encode() in data
+            or b"ProcessGroupCollection" in data
+            or b"use_mpu_process_groups" in data
+        ):
             assigned, declared, classes = _collection_assignments(data, collection)
             collections |= {(path, expression) for expression in assigned}
             fields |= declared
@@ -286,6 +329,14 @@ def learn_tree(
         called, values, hooks = classify_uses(contents, named)
     ties = _classes_tying_chains(contents, owned)
     bases = {pair for data in contents.values() for pair in _class_bases(data)} if ties else set()
-    return TreeFacts(state_modules=state_modules, modules=modules, called=frozenset(called),
-                     values=frozenset(values - called), hooks=frozenset(hooks), collections=frozenset(collections),
-                     fields=frozenset(fields), ties=frozenset(ties), bases=frozenset(bases))
+    return TreeFacts(
+        state_modules=state_modules,
+        modules=modules,
+        called=frozenset(called),
+        values=frozenset(values - called),
+        hooks=frozenset(hooks),
+        collections=frozenset(collections),
+        fields=frozenset(fields),
+        ties=frozenset(ties),
+        bases=frozenset(bases),
+    )

@@ -41,8 +41,19 @@ __all__ = ["Upward", "import_bindings", "thread_upward"]
 
 #: Decorators that fix a function's signature or key on its arguments (the plan's own list, and its rule for the
 #: compilers' names), and the method names torch or Python call with their own arguments.
-_FIXED_SIGNATURE = ("property", "setter", "getter", "deleter", "jit", "script", "compile", "cache", "lru_cache",
-                    "overload", "fuser")
+_FIXED_SIGNATURE = (
+    "property",
+    "setter",
+    "getter",
+    "deleter",
+    "jit",
+    "script",
+    "compile",
+    "cache",
+    "lru_cache",
+    "overload",
+    "fuser",
+)
 _COMPILERS = ("jit", "script", "compile", "fuser")
 _CALLED_BY_TORCH = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
 #: A ``def`` line's name (any indentation): every definition of a name in the tree, counted.
@@ -79,7 +90,11 @@ class _Definition:
 def _has_fixed_signature_decorator(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     for decorator in node.decorator_list:
         expression = decorator.func if isinstance(decorator, ast.Call) else decorator
-        last = expression.attr if isinstance(expression, ast.Attribute) else getattr(expression, "id", "")
+        last = (
+            expression.attr
+            if isinstance(expression, ast.Attribute)
+            else getattr(expression, "id", "")
+        )
         if any(word == last or (word in last and word in _COMPILERS) for word in _FIXED_SIGNATURE):
             return True
     return False
@@ -100,11 +115,14 @@ def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
         node = stack.pop()
         if isinstance(node, ast.Import):
             for alias in node.names:
-                bound[alias.asname or alias.name.partition(".")[0]] = alias.name if alias.asname else \
-                    alias.name.partition(".")[0]
+                bound[alias.asname or alias.name.partition(".")[0]] = (
+                    alias.name if alias.asname else alias.name.partition(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom):
             module = _absolute_module(node.module or "", node.level, package)
-            bound.update({a.asname or a.name: f"{module}:{a.name}" for a in node.names if a.name != "*"})
+            bound.update(
+                {a.asname or a.name: f"{module}:{a.name}" for a in node.names if a.name != "*"}
+            )
         elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
     return bound
@@ -145,16 +163,26 @@ def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definiti
     module = ".".join(module_name(path))
     tree = ast.parse(data)
     bound = import_bindings(tree, package)
-    functions = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    binds_the_name = name in bound or name in functions or any(
-        isinstance(t, ast.Name) and t.id == name for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+    functions = {
+        n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    binds_the_name = (
+        name in bound
+        or name in functions
+        or any(
+            isinstance(t, ast.Name) and t.id == name
+            for n in tree.body
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        )
+    )
     starts = [0, *(m.end() for m in re.finditer(rb"\r\n|\r|\n", data))]
     found = []
+
     def definition_text(node: ast.stmt) -> bytes:
         first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
         last = node.end_lineno or node.lineno
-        return data[starts[first - 1]: starts[last] if last < len(starts) else None]
+        return data[starts[first - 1] : starts[last] if last < len(starts) else None]
 
     #: (definition, qualified name, whether a method, whether its class names the collection: holds one)
     defs: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str, bool, bool]] = []
@@ -163,31 +191,52 @@ def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definiti
             defs.append((node, node.name, False, False))
         elif isinstance(node, ast.ClassDef):
             holds = name.encode() in definition_text(node)
-            defs += [(member, f"{node.name}.{member.name}", True, holds) for member in node.body
-                     if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            defs += [
+                (member, f"{node.name}.{member.name}", True, holds)
+                for member in node.body
+                if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
     for node, qualname, method, holds in defs:
         special = node.name.startswith("__") and node.name.endswith("__")
-        eligible = not (special or binds_the_name or _has_fixed_signature_decorator(node)
-                        or name.encode() in definition_text(node) or (method and node.name in _CALLED_BY_TORCH))
-        calls = {t for c in ast.walk(node) if isinstance(c, ast.Call)
-                 for t in [_call_target(c, module, functions, bound, name)] if t is not None}
+        eligible = not (
+            special
+            or binds_the_name
+            or _has_fixed_signature_decorator(node)
+            or name.encode() in definition_text(node)
+            or (method and node.name in _CALLED_BY_TORCH)
+        )
+        calls = {
+            t
+            for c in ast.walk(node)
+            if isinstance(c, ast.Call)
+            for t in [_call_target(c, module, functions, bound, name)]
+            if t is not None
+        }
         found.append(_Definition((module, qualname), node.name, method, eligible, holds, calls))
     return found
 
 
 def _calls_of(names: Iterable[str]) -> re.Pattern[bytes]:
-    return re.compile(rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")\s*\(")
+    return re.compile(
+        rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")\s*\("
+    )
 
 
 def _reexport_aliases(keys: Iterable[Key], packages: Mapping[str, bytes]) -> dict[Key, Key]:
     """Each name a package (``packages``: path -> bytes of its ``__init__.py``) re-exports one of the module-level
     functions ``keys`` under -> that function."""
     found = add_reexported_names({key: "\0".join(key) for key in keys}, packages)
-    return {alias: (original.split("\0")[0], original.split("\0")[1]) for alias, original in found.items()}
+    return {
+        alias: (original.split("\0")[0], original.split("\0")[1])
+        for alias, original in found.items()
+    }
 
 
 def thread_upward(
-    contents: Mapping[str, bytes], threaded: Mapping[Key, str], packages: Mapping[str, bytes], name: str,
+    contents: Mapping[str, bytes],
+    threaded: Mapping[Key, str],
+    packages: Mapping[str, bytes],
+    name: str,
 ) -> Upward:
     """Which read-less functions of the tree ``contents`` (path -> bytes) get the parameter ``name``.
     ``threaded``: the functions and methods threaded because they read ((module, qualified name) -> keyword);
@@ -207,15 +256,22 @@ def thread_upward(
             parsed.add(path)
             try:
                 read += _definitions_with_calls(path, data, name)
-            except (SyntaxError, ValueError):  # the scan refused the run already; a file read for calls only
+            except (
+                SyntaxError,
+                ValueError,
+            ):  # the scan refused the run already; a file read for calls only
                 continue
         for definition in read:
             definitions[definition.key] = definition
             for callee in {callee for _, _, callee in definition.calls}:
                 by_callee.setdefault(callee, []).append(definition)
-        learned = [d.name for d in read if d.eligible and any(callee in known for _, _, callee in d.calls)]
+        learned = [
+            d.name for d in read if d.eligible and any(callee in known for _, _, callee in d.calls)
+        ]
         frontier = set()
-        while learned:  # each name learned, then the callers of it among the definitions read so far
+        while (
+            learned
+        ):  # each name learned, then the callers of it among the definitions read so far
             short = learned.pop()
             if short not in known:
                 known.add(short)
@@ -225,13 +281,19 @@ def thread_upward(
     for data in contents.values():
         for defined in _DEFINED.findall(data):
             counts[defined.decode()] = counts.get(defined.decode(), 0) + 1
-    module_functions = [key for key, d in definitions.items() if not d.method] + [k for k in seeds if "." not in k[1]]
+    module_functions = [key for key, d in definitions.items() if not d.method] + [
+        k for k in seeds if "." not in k[1]
+    ]
     aliases = _reexport_aliases(module_functions, packages)
     chosen = {key for key, d in definitions.items() if d.eligible and key not in seeds and d.calls}
 
     def defining_target(kind: str, module: str, callee: str) -> tuple[str, str, str]:
         """A call's target, a function by the module that defines it (not a package re-exporting it)."""
-        return ("f", *aliases.get((module, callee), (module, callee))) if kind == "f" else (kind, module, callee)
+        return (
+            ("f", *aliases.get((module, callee), (module, callee)))
+            if kind == "f"
+            else (kind, module, callee)
+        )
 
     #: Each call target -> the definitions that call it.
     callers_of: dict[tuple[str, str, str], list[Key]] = {}
@@ -252,15 +314,24 @@ def thread_upward(
                 other_keyword.add(short)
             if "." in qualname:
                 of_methods.add(short)
-        return {short: name for short, count in threaded_defs.items()
-                if short in of_methods and short not in other_keyword and count == counts.get(short)}
+        return {
+            short: name
+            for short, count in threaded_defs.items()
+            if short in of_methods and short not in other_keyword and count == counts.get(short)
+        }
 
     checked = False
     while True:
         every = set(seeds) | chosen
         methods = methods_threaded_alike(every)
-        calling = {key for key in chosen if any((module, callee) in every if kind == "f" else callee in methods
-                                                for kind, module, callee in definitions[key].calls)}
+        calling = {
+            key
+            for key in chosen
+            if any(
+                (module, callee) in every if kind == "f" else callee in methods
+                for kind, module, callee in definitions[key].calls
+            )
+        }
         # Those whose calls lead to a function that reads: from the seeds down the callers (each once).
         reaching, todo = set(seeds), list(seeds)
         while todo:
@@ -276,9 +347,15 @@ def thread_upward(
         # A method no caller may pass the collection to (another ``def`` of its name is not threaded) gets none,
         # nor one that holds a collection unless another method of its name needs the parameter.
         needed = {k[1].rpartition(".")[2] for k in seeds} | {
-            definitions[k].name for k in calling & reaching if not definitions[k].holds}
-        kept = {key for key in calling & reaching if not definitions[key].method
-                or definitions[key].name in methods and definitions[key].name in needed}
+            definitions[k].name for k in calling & reaching if not definitions[k].holds
+        }
+        kept = {
+            key
+            for key in calling & reaching
+            if not definitions[key].method
+            or definitions[key].name in methods
+            and definitions[key].name in needed
+        }
         if kept == chosen and not checked:
             # Only now, for the few names left (a search for thousands would cost more than the rest): a function
             # passed as a value or registered as a hook has no caller that passes it one.

@@ -78,7 +78,11 @@ def _why_changed_on_disk(change: Change) -> str | None:
     """None when the file still holds what it was planned from (a new one: still does not exist); else why
     not."""
     if change.created:
-        return "created since the run began; run the migration again" if os.path.lexists(change.absolute) else None
+        return (
+            "created since the run began; run the migration again"
+            if os.path.lexists(change.absolute)
+            else None
+        )
     try:
         now = os.stat(change.absolute)
         data = change.absolute.read_bytes()
@@ -94,18 +98,28 @@ def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> 
     directory is writable and it still does not exist."""
     if change.created:
         if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
-            raise WriteError(f"{change.path}: its directory is not writable (the new file is renamed in)")
+            raise WriteError(
+                f"{change.path}: its directory is not writable (the new file is renamed in)"
+            )
         problem = _why_changed_on_disk(change)
         if problem is not None:
             raise WriteError(f"{change.path}: {problem}")
         return
     status = os.stat(change.absolute)
-    if not os.access(change.absolute, os.W_OK) or not status.st_mode & 0o222:  # read-only to its owner, even root
-        raise WriteError(f"{change.path}: read-only; make it writable, or leave it out of the paths")
+    if (
+        not os.access(change.absolute, os.W_OK) or not status.st_mode & 0o222
+    ):  # read-only to its owner, even root
+        raise WriteError(
+            f"{change.path}: read-only; make it writable, or leave it out of the paths"
+        )
     if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
-        raise WriteError(f"{change.path}: its directory is not writable (the rewrite renames a new file in)")
+        raise WriteError(
+            f"{change.path}: its directory is not writable (the rewrite renames a new file in)"
+        )
     if status.st_nlink > 1:
-        others = ", ".join(hard_links.get(change.path, ())) or "none of them among the migrated files"
+        others = (
+            ", ".join(hard_links.get(change.path, ())) or "none of them among the migrated files"
+        )
         raise WriteError(
             f"{change.path}: has {status.st_nlink} hard links (others: {others}); a rewrite would split them into "
             "differing copies: make them one file or symbolic links, or leave it out of the paths"
@@ -126,16 +140,24 @@ def _sync_directories(paths: Sequence[Path]) -> None:
                 os.close(handle)
 
 
-def _write_journal(journal: Path, state: JournalState, entries: Sequence[tuple[Change, Path]]) -> None:
+def _write_journal(
+    journal: Path, state: JournalState, entries: Sequence[tuple[Change, Path]]
+) -> None:
     """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the project's
     path cannot make them name other files), and the hashes of its old and new bytes."""
     rows = [
-        {"target": str(change.absolute), "temporary": str(temporary),
-         "old": None if change.created else _sha256_hex(change.before), "new": _sha256_hex(change.after)}
+        {
+            "target": str(change.absolute),
+            "temporary": str(temporary),
+            "old": None if change.created else _sha256_hex(change.before),
+            "new": _sha256_hex(change.after),
+        }
         for change, temporary in entries
     ]
     try:
-        atomic_write(journal, json.dumps({"state": state.value, "files": rows}, indent=1).encode() + b"\n")
+        atomic_write(
+            journal, json.dumps({"state": state.value, "files": rows}, indent=1).encode() + b"\n"
+        )
     except StorageError as error:
         raise WriteError(f"{error}; nothing was written") from error
 
@@ -145,7 +167,9 @@ def _write_temporary(change: Change, temporary: Path) -> None:
     the umask applies as to any new file (not ``0600``, which would hide the helper module from the tree's other
     users), as :func:`~pgregistry._source.storage.atomic_write` makes one."""
     mode = None if change.created else os.stat(change.absolute).st_mode & 0o7777
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)
+    handle = os.open(
+        temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600
+    )
     with os.fdopen(handle, "wb") as stream:
         stream.write(change.after)
         stream.flush()
@@ -182,9 +206,14 @@ def write_changes(
         return
     with _journal_lock(root) as journal:
         if journal.exists():
-            raise WriteError(f"{journal}: another run's journal appeared meanwhile; run the migration again")
+            raise WriteError(
+                f"{journal}: another run's journal appeared meanwhile; run the migration again"
+            )
         token = secrets.token_hex(4)
-        entries = [(c, c.absolute.with_name(f".{c.absolute.name}.{token}.pgregistry-migrate.tmp")) for c in changes]
+        entries = [
+            (c, c.absolute.with_name(f".{c.absolute.name}.{token}.pgregistry-migrate.tmp"))
+            for c in changes
+        ]
         temporaries = [temporary for _, temporary in entries]
         _write_journal(journal, JournalState.WRITING, entries)
         try:
@@ -194,8 +223,9 @@ def write_changes(
         except OSError as error:
             _remove_files(temporaries)
             journal.unlink()
-            raise WriteError(f"{change.path}: cannot write it: {error.strerror or error}; nothing was written") \
-                from error
+            raise WriteError(
+                f"{change.path}: cannot write it: {error.strerror or error}; nothing was written"
+            ) from error
         _write_journal(journal, JournalState.RENAMING, entries)
         try:
             _rename_all(entries)
@@ -226,8 +256,10 @@ def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
             else:
                 atomic_write(done.absolute, done.before)
         _remove_files([temporary for _, temporary in entries])
-        raise WriteError(f"{change.path}: {problem}; nothing was written (the {len(renamed)} file(s) already "
-                         "rewritten were put back)")
+        raise WriteError(
+            f"{change.path}: {problem}; nothing was written (the {len(renamed)} file(s) already "
+            "rewritten were put back)"
+        )
 
 
 def finish_interrupted(root: Path) -> str | None:
@@ -238,26 +270,41 @@ def finish_interrupted(root: Path) -> str | None:
         stale = sorted(root.glob(f".{JOURNAL}.*.tmp"))
         _remove_files(stale)
         if not journal.exists():
-            return "an interrupted `pgregistry migrate --write` had written nothing; its journal's temporary " \
-                   "file is removed" if stale else None
+            return (
+                "an interrupted `pgregistry migrate --write` had written nothing; its journal's temporary "
+                "file is removed"
+                if stale
+                else None
+            )
         try:
             record = json.loads(journal.read_bytes())
             state, rows = JournalState(record["state"]), record["files"]
-            files = [(Path(row["target"]), Path(row["temporary"]), row["old"], row["new"]) for row in rows]
+            files = [
+                (Path(row["target"]), Path(row["temporary"]), row["old"], row["new"])
+                for row in rows
+            ]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise WriteError(f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
-                             "files it lists from version control, then delete it") from error
+            raise WriteError(
+                f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
+                "files it lists from version control, then delete it"
+            ) from error
         if state is JournalState.WRITING:
             _remove_files([temporary for _, temporary, _, _ in files])
             journal.unlink()
-            return (f"an interrupted `pgregistry migrate --write` was rolled back: none of its {len(files)} "
-                    "file(s) had been written; its temporary files are removed")
+            return (
+                f"an interrupted `pgregistry migrate --write` was rolled back: none of its {len(files)} "
+                "file(s) had been written; its temporary files are removed"
+            )
         conflicts, completed = [], 0
         for target, temporary, old, new in files:
-            current = _sha256_hex(target.read_bytes()) if target.exists() else None  # None: a file the run creates
+            current = (
+                _sha256_hex(target.read_bytes()) if target.exists() else None
+            )  # None: a file the run creates
             if current == new:
                 _remove_files([temporary])
-            elif current == old and temporary.exists() and _sha256_hex(temporary.read_bytes()) == new:
+            elif (
+                current == old and temporary.exists() and _sha256_hex(temporary.read_bytes()) == new
+            ):
                 os.replace(temporary, target)
                 completed += 1
             else:
@@ -270,5 +317,7 @@ def finish_interrupted(root: Path) -> str | None:
             )
         _sync_directories([target for target, _, _, _ in files])
         journal.unlink()
-        return (f"an interrupted `pgregistry migrate --write` was finished: {completed} of its {len(files)} "
-                "file(s) were renamed into place now")
+        return (
+            f"an interrupted `pgregistry migrate --write` was finished: {completed} of its {len(files)} "
+            "file(s) were renamed into place now"
+        )

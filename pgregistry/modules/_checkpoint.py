@@ -67,7 +67,9 @@ def save_checkpoint(
     """
     directory = Path(directory)
     owner = "pgregistry.modules.save_checkpoint"
-    with name_lost_ranks(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+    with name_lost_ranks(
+        owner, directory, world_scope()
+    ):  # a rank lost in a world-wide agreement, named
         given, naming = _agree_on_models(models, modules, optimizer, naming, owner)
         errors: list[str] = []
         for name, model in given.items():
@@ -77,7 +79,11 @@ def save_checkpoint(
             except (ValueError, OSError, RuntimeError) as exc:
                 errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
         check_agreement(
-            owner, describe_modules(modules), "; ".join(errors) or None, failed="failed to save", advice=MODULES_ADVICE
+            owner,
+            describe_modules(modules),
+            "; ".join(errors) or None,
+            failed="failed to save",
+            advice=MODULES_ADVICE,
         )
     return directory
 
@@ -116,7 +122,9 @@ def load_checkpoint(
     """
     directory = Path(directory)
     owner = "pgregistry.modules.load_checkpoint"
-    with name_lost_ranks(owner, directory, world_scope()):  # a rank lost in a world-wide agreement, named
+    with name_lost_ranks(
+        owner, directory, world_scope()
+    ):  # a rank lost in a world-wide agreement, named
         given, naming = _agree_on_models(models, modules, optimizer, naming, owner)
         errors: list[str] = []
         copies = []
@@ -125,13 +133,21 @@ def load_checkpoint(
                 options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
                 copies.append(
                     prepare_rank_files_load(
-                        directory / name, model, _optimizer_of(optimizer, name), strict=strict, **options
+                        directory / name,
+                        model,
+                        _optimizer_of(optimizer, name),
+                        strict=strict,
+                        **options,
                     )
                 )
             except (ValueError, OSError, RuntimeError) as exc:
                 errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
         check_agreement(
-            owner, describe_modules(modules), "; ".join(errors) or None, failed="failed to load", advice=MODULES_ADVICE
+            owner,
+            describe_modules(modules),
+            "; ".join(errors) or None,
+            failed="failed to load",
+            advice=MODULES_ADVICE,
         )
     for copy in copies:
         copy()
@@ -151,7 +167,9 @@ def _agree_on_models(
     """The models of the modules this rank runs and each module's naming keywords, once every rank agreed that no
     rank was given bad input."""
     if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
+        raise TypeError(
+            f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
+        )
     given, error = check_models(models, modules, owner)
     problems = [error] if error else []
     for name in modules:
@@ -171,6 +189,10 @@ def _agree_on_models(
         except TypeError as exc:
             problems.append(f"naming for {name!r}: {exc}")
         if "pg_collection" in options:
-            problems.append(f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection")
-    check_agreement(owner, describe_modules(modules), "; ".join(problems) or None, advice=MODULES_ADVICE)
+            problems.append(
+                f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection"
+            )
+    check_agreement(
+        owner, describe_modules(modules), "; ".join(problems) or None, advice=MODULES_ADVICE
+    )
     return given, naming

@@ -88,7 +88,9 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
     def language_model_collection(self) -> ProcessGroupCollection:
         """The language model's collection; ``ValueError`` when no module is named the language model."""
         if self._language_model is None:
-            raise ValueError(f"no module of {list(self._modules)} is named the language model (language_model=None)")
+            raise ValueError(
+                f"no module of {list(self._modules)} is named the language model (language_model=None)"
+            )
         return self._modules[self._language_model]
 
     def here(self) -> tuple[str, ...]:
@@ -112,8 +114,12 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         return len(self._modules)
 
     def __repr__(self) -> str:
-        spans = ", ".join(f"{name}: ranks {_span_text(_layout_of(c))}" for name, c in self._modules.items())
-        extras = f", language_model={self._language_model!r}" if self._language_model is not None else ""
+        spans = ", ".join(
+            f"{name}: ranks {_span_text(_layout_of(c))}" for name, c in self._modules.items()
+        )
+        extras = (
+            f", language_model={self._language_model!r}" if self._language_model is not None else ""
+        )
         extras += ", disjoint=True" if self._disjoint else ""
         return f"MultiModuleCollection({{{spans}}}{extras})"
 
@@ -174,21 +180,31 @@ def build_modules(
         request = {f"module {name!r}": repr(layout) for name, layout in layouts.items()}
     else:
         request = {"modules": repr(layouts)}
-        fault = combine_faults(fault, TypeError(
-            f"build_modules takes a mapping from module name to its ParallelLayout ({{'encoder': ParallelLayout(...), "
-            f"'language': ParallelLayout(...)}}, in the modules' order), got a {type(layouts).__name__}; for "
-            "(name, layout) pairs pass dict(pairs)"
-        ))
-    request.update(language_model=repr(language_model), disjoint=repr(disjoint), **described_options)
+        fault = combine_faults(
+            fault,
+            TypeError(
+                "build_modules takes a mapping from module name to its ParallelLayout "
+                "({'encoder': ParallelLayout(...), 'language': ParallelLayout(...)}, in the modules' order), "
+                f"got a {type(layouts).__name__}; for "
+                "(name, layout) pairs pass dict(pairs)"
+            ),
+        )
+    request.update(
+        language_model=repr(language_model), disjoint=repr(disjoint), **described_options
+    )
     with require_attendance("pgregistry.modules.build_modules", options.timeout, MODULES_ADVICE):
-        check_agreement("the modules to build", request, fault, advice=MODULES_ADVICE, timeout=options.timeout)
+        check_agreement(
+            "the modules to build", request, fault, advice=MODULES_ADVICE, timeout=options.timeout
+        )
     assert isinstance(layouts, Mapping)  # agreed: every rank raised above otherwise
     if not layouts:
         raise ValueError("build_modules needs at least one module")
     for name, layout in layouts.items():
         _check_name(name)
         if not isinstance(layout, ParallelLayout):
-            raise TypeError(f"module {name!r}: build_modules expects a ParallelLayout, got {type(layout).__name__}")
+            raise TypeError(
+                f"module {name!r}: build_modules expects a ParallelLayout, got {type(layout).__name__}"
+            )
     if disjoint:
         _check_disjoint(layouts)
     if language_model is not None and language_model not in layouts:
@@ -196,7 +212,8 @@ def build_modules(
             f"language_model {language_model!r} is none of the modules {list(layouts)}; name one of them or None"
         )
     collections = {
-        name: registry.build(layout, name=name, backend=backend, timeout=timeout) for name, layout in layouts.items()
+        name: registry.build(layout, name=name, backend=backend, timeout=timeout)
+        for name, layout in layouts.items()
     }
     return MultiModuleCollection(collections, language_model=language_model, disjoint=disjoint)
 
@@ -210,7 +227,9 @@ def _check_module(name: str, collection: object) -> None:
     _check_name(name)
     if not isinstance(collection, ProcessGroupCollection):
         kind = type(collection).__name__
-        raise TypeError(f"module {name!r}: expected a pgregistry ProcessGroupCollection, got {kind}")
+        raise TypeError(
+            f"module {name!r}: expected a pgregistry ProcessGroupCollection, got {kind}"
+        )
     if collection.layout is None:
         raise ValueError(
             f"module {name!r} has a collection assembled by hand: a rank outside the module could not know its "

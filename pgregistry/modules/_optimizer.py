@@ -38,7 +38,12 @@ from pgregistry.grad_stats import check_expert_classification, clip_grads_
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._options import describe_options, options_error
-from pgregistry.modules._stats import check_models, describe_modules, module_values, reduce_over_modules
+from pgregistry.modules._stats import (
+    check_models,
+    describe_modules,
+    module_values,
+    reduce_over_modules,
+)
 from pgregistry.optim import ChainedOptimizer
 from pgregistry.optim import build_optimizer as build_module_optimizer
 from pgregistry.optim._state_check import refuse_faults
@@ -81,13 +86,19 @@ class MultiModuleOptimizer:
 
     __slots__ = ("_optimizers", "_modules")
 
-    def __init__(self, optimizers: Mapping[str, ChainedOptimizer], modules: MultiModuleCollection) -> None:
+    def __init__(
+        self, optimizers: Mapping[str, ChainedOptimizer], modules: MultiModuleCollection
+    ) -> None:
         if not isinstance(modules, MultiModuleCollection):
-            raise TypeError(f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
+            raise TypeError(
+                f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}"
+            )
         given, error = check_models(
             optimizers, modules, "MultiModuleOptimizer", _check_built_on_module, noun="optimizer"
         )
-        check_agreement("MultiModuleOptimizer", describe_modules(modules), error, advice=MODULES_ADVICE)
+        check_agreement(
+            "MultiModuleOptimizer", describe_modules(modules), error, advice=MODULES_ADVICE
+        )
         self._optimizers: Mapping[str, ChainedOptimizer] = MappingProxyType(given)
         self._modules = modules
 
@@ -106,7 +117,9 @@ class MultiModuleOptimizer:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """Every module optimizer's param groups (change ``lr`` there), in module order."""
-        return [group for optimizer in self._optimizers.values() for group in optimizer.param_groups]
+        return [
+            group for optimizer in self._optimizers.values() for group in optimizer.param_groups
+        ]
 
     def __iter__(self) -> Iterator[ChainedOptimizer]:
         return iter(self._optimizers.values())
@@ -118,13 +131,17 @@ class MultiModuleOptimizer:
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The job-wide grad norm over every module (0-dim float32; NaN or infinite when any module's is)."""
-        return self._norm_statistics(norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm")[0]
+        return self._norm_statistics(
+            norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm"
+        )[0]
 
     def count_zeros(self) -> int:
         """The job-wide number of zero grad elements, each counted once."""
         counts, fault = module_values(self._optimizers, lambda _, opt: opt.count_zeros())
         subject = "MultiModuleOptimizer.count_zeros"
-        _, zeros = reduce_over_modules(list(self._modules), zeros=counts, check=(subject, {}, fault))
+        _, zeros = reduce_over_modules(
+            list(self._modules), zeros=counts, check=(subject, {}, fault)
+        )
         assert zeros is not None
         return zeros
 
@@ -221,16 +238,29 @@ class MultiModuleOptimizer:
         on its module's ranks travels there too (:func:`~pgregistry.modules._stats.module_values`)."""
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
-        fields = {"norm_type": repr(norm_type), "max_norm": repr(max_norm)}  # None too: step's "do not clip"
+        fields = {
+            "norm_type": repr(norm_type),
+            "max_norm": repr(max_norm),
+        }  # None too: step's "do not clip"
         error = combine_faults(bad_p, max_norm_error(max_norm) if max_norm is not None else None)
         if zeros:
-            both, fault = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm_and_zeros(p))
+            both, fault = module_values(
+                self._optimizers, lambda _, opt: opt.get_grad_norm_and_zeros(p)
+            )
             norms: dict[str, torch.Tensor] = {name: pair[0] for name, pair in both.items()}
-            counts: dict[str, torch.Tensor | int] | None = {name: pair[1] for name, pair in both.items()}
+            counts: dict[str, torch.Tensor | int] | None = {
+                name: pair[1] for name, pair in both.items()
+            }
         else:
-            (norms, fault), counts = module_values(self._optimizers, lambda _, opt: opt.get_grad_norm(p)), None
+            (norms, fault), counts = (
+                module_values(self._optimizers, lambda _, opt: opt.get_grad_norm(p)),
+                None,
+            )
         norm, count = reduce_over_modules(
-            list(self._modules), norms=norms, norm_type=p, zeros=counts,
+            list(self._modules),
+            norms=norms,
+            norm_type=p,
+            zeros=counts,
             check=(subject, fields, combine_faults(error, fault)),
         )
         assert norm is not None
@@ -306,12 +336,16 @@ def build_optimizer(
         optimizer = build_optimizer(models_here, modules, lr=1e-4, per_module={"llm": {"lr": 3e-4}})
     """
     if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(f"build_optimizer takes the job's MultiModuleCollection, got {type(modules).__name__}")
+        raise TypeError(
+            f"build_optimizer takes the job's MultiModuleCollection, got {type(modules).__name__}"
+        )
     per_module = dict(per_module or {})
 
     def check_model(name: str, model: Any, collection: ProcessGroupCollection) -> None:
         if not isinstance(model, torch.nn.Module) and not (
-            isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model)
+            isinstance(model, (list, tuple))
+            and model
+            and all(isinstance(m, torch.nn.Module) for m in model)
         ):
             raise TypeError(f"expected a model or model chunks, got {type(model).__name__}")
         check_expert_classification(model, collection)
@@ -319,12 +353,17 @@ def build_optimizer(
     given, error = check_models(models, modules, "pgregistry.modules.build_optimizer", check_model)
     stray = sorted(set(per_module) - set(modules))
     if stray:
-        error = (error + "; " if error else "") + f"per_module names {stray}, which are not modules of the job"
+        error = (
+            error + "; " if error else ""
+        ) + f"per_module names {stray}, which are not modules of the job"
     request = {
         **describe_modules(modules),
         "options": describe_options(options),
-        **{f"per_module[{name!r}]": describe_options(dict(per_module[name])) for name in sorted(per_module)
-           if isinstance(per_module[name], Mapping)},
+        **{
+            f"per_module[{name!r}]": describe_options(dict(per_module[name]))
+            for name in sorted(per_module)
+            if isinstance(per_module[name], Mapping)
+        },
     }
     owner = "pgregistry.modules.build_optimizer"
     fault = combine_faults(options_error(options, per_module, list(modules)), error)
@@ -332,8 +371,14 @@ def build_optimizer(
     optimizers, failures = {}, []
     for name, model in given.items():
         try:
-            optimizers[name] = build_module_optimizer(model, modules[name], **{**options, **per_module.get(name, {})})
-        except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed below
+            optimizers[name] = build_module_optimizer(
+                model, modules[name], **{**options, **per_module.get(name, {})}
+            )
+        except (
+            ValueError,
+            TypeError,
+            RuntimeError,
+        ) as exc:  # on this module's ranks only: agreed below
             failures.append(type(exc)(f"module {name!r}: {exc}"))
     # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on any rank.
     check_agreement(

@@ -28,14 +28,20 @@ _NON_NEGATIVE = ("lr", "weight_decay", "eps", "momentum")
 _FLAGS = ("mixed_precision", "sharded")
 
 
-def options_error(options: Mapping[str, Any], per_module: Mapping[str, Any], modules: list[str]) -> Fault:
+def options_error(
+    options: Mapping[str, Any], per_module: Mapping[str, Any], modules: list[str]
+) -> Fault:
     """Why the job's ``options`` or a module's ``per_module`` entry is refused, or ``None``; every module's entry
     is checked, so that every rank finds the same faults."""
     faults = [_option_error(option, value) for option, value in options.items()]
     for name in modules:
         own = per_module.get(name, {})
         if not isinstance(own, Mapping):
-            faults.append(TypeError(f"module {name!r}: per_module[{name!r}] must be a mapping of options, got {own!r}"))
+            faults.append(
+                TypeError(
+                    f"module {name!r}: per_module[{name!r}] must be a mapping of options, got {own!r}"
+                )
+            )
             continue
         for option, value in own.items():
             fault = _option_error(option, value)
@@ -47,7 +53,13 @@ def options_error(options: Mapping[str, Any], per_module: Mapping[str, Any], mod
 def describe_options(options: Mapping[str, Any]) -> str:
     """``options`` as a text every rank given the same ones writes alike: values that are plain data by their repr,
     code (a factory, a ``param_name_fn``) by its type, whose repr would carry an address that differs by process."""
-    return "{" + ", ".join(f"{option}={_describe_value(value)}" for option, value in sorted(options.items())) + "}"
+    return (
+        "{"
+        + ", ".join(
+            f"{option}={_describe_value(value)}" for option, value in sorted(options.items())
+        )
+        + "}"
+    )
 
 
 def _describe_value(value: Any) -> str:
@@ -68,27 +80,35 @@ def _option_error(option: str, value: Any) -> Exception | None:
     """Why ``value`` is refused for ``option`` of :func:`pgregistry.optim.build_optimizer` (torch's ranges for the
     update rules' numbers), or ``None``."""
     if option not in _option_keywords():
-        return TypeError(f"{option!r} is no option of pgregistry.optim.build_optimizer ({sorted(_option_keywords())})")
+        return TypeError(
+            f"{option!r} is no option of pgregistry.optim.build_optimizer ({sorted(_option_keywords())})"
+        )
     shown = f"{value!r} ({type(value).__name__})"
     if option in _NON_NEGATIVE:
         number = real_number(value)
         if number is None:
             return TypeError(f"{option} must be a number, got {shown}")
-        return None if number >= 0 and math.isfinite(number) else ValueError(
-            f"{option} must be a non-negative, finite number, got {value!r}"
+        return (
+            None
+            if number >= 0 and math.isfinite(number)
+            else ValueError(f"{option} must be a non-negative, finite number, got {value!r}")
         )
     if option == "betas":
         pair = list(value) if isinstance(value, (tuple, list)) else None
         if pair is None or len(pair) != 2 or any(real_number(b) is None for b in pair):
             return TypeError(f"betas must be a pair of numbers, got {shown}")
-        return None if all(0 <= real_number(b) < 1 for b in pair) else ValueError(  # type: ignore[operator]
-            f"betas must each be in [0, 1), got {value!r}"
+        return (
+            None
+            if all(0 <= real_number(b) < 1 for b in pair)  # type: ignore[operator]
+            else ValueError(f"betas must each be in [0, 1), got {value!r}")
         )
     if option in _FLAGS and not isinstance(value, bool):
         return TypeError(f"{option} must be True or False, got {shown}")
     if option == "bucket_numel" and value is not None:
         if not isinstance(value, int) or isinstance(value, bool):
-            return TypeError(f"bucket_numel must be a whole number of elements or None, got {shown}")
+            return TypeError(
+                f"bucket_numel must be a whole number of elements or None, got {shown}"
+            )
         return None if value > 0 else ValueError(f"bucket_numel must be positive, got {value!r}")
     if option == "optimizer" and not callable(value) and value not in _NAMES:
         return ValueError(f"optimizer must be one of {list(_NAMES)} or a factory, got {value!r}")

@@ -73,14 +73,21 @@ def seed_modules(
             encoder_dropout(x)
     """
     if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(f"seed_modules takes the job's MultiModuleCollection, got {type(modules).__name__}")
+        raise TypeError(
+            f"seed_modules takes the job's MultiModuleCollection, got {type(modules).__name__}"
+        )
     seeds = {name: module_seed(seed, name) for name in modules}
     _check_disjoint_streams(modules, seeds, data_parallel_random_init)
     trackers: dict[str, RNGStatesTracker] = {}
-    for name in reversed(modules.here()):  # the first module's seeding is the last: its stream is the default one
+    for name in reversed(
+        modules.here()
+    ):  # the first module's seeding is the last: its stream is the default one
         tracker = RNGStatesTracker()
         model_parallel_manual_seed(
-            seeds[name], modules[name], data_parallel_random_init=data_parallel_random_init, tracker=tracker
+            seeds[name],
+            modules[name],
+            data_parallel_random_init=data_parallel_random_init,
+            tracker=tracker,
         )
         trackers[name] = tracker
     return {name: trackers[name] for name in modules.here()}
@@ -101,4 +108,3 @@ def _check_disjoint_streams(
                         f"{seeds[other]} and {seeds[name]} from the job's seed are too close for their layouts): "
                         f"rename a module or use another seed"
                     )
-

@@ -89,10 +89,16 @@ def grad_norm(
         norm = grad_norm({name: models[name] for name in modules.here()}, modules)
     """
     owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
-    given = _agree_on_models(models, modules, owner, options, extra_error=norm_type_error(norm_type))
+    given = _agree_on_models(
+        models, modules, owner, options, extra_error=norm_type_error(norm_type)
+    )
     p = float(norm_type)
-    norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
-    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
+    norms, fault = module_values(
+        given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p)
+    )
+    total, _ = reduce_over_modules(
+        list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
+    )
     assert total is not None
     return total
 
@@ -119,7 +125,9 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
     """
     owner = "pgregistry.modules.count_zeros"
     given = _agree_on_models(models, modules, owner, {})
-    zeros, fault = module_values(given, lambda name, model: module_count_zeros(model, modules[name]))
+    zeros, fault = module_values(
+        given, lambda name, model: module_count_zeros(model, modules[name])
+    )
     _, total = reduce_over_modules(list(modules), zeros=zeros, check=(owner, {}, fault))
     assert total is not None
     return total
@@ -160,19 +168,29 @@ def clip_grad_norm_(
         norm = clip_grad_norm_(models_here, 1.0, modules)
     """
     options = {
-        "max_norm": repr(max_norm), "norm_type": repr(norm_type), "error_if_nonfinite": repr(error_if_nonfinite)
+        "max_norm": repr(max_norm),
+        "norm_type": repr(norm_type),
+        "error_if_nonfinite": repr(error_if_nonfinite),
     }
     not_a_flag = None
     if not isinstance(error_if_nonfinite, bool):
-        not_a_flag = TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+        not_a_flag = TypeError(
+            f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}"
+        )
     bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
     given = _agree_on_models(models, modules, owner, options, extra_error=bad)
     p = float(norm_type)
-    norms, fault = module_values(given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p))
-    total, _ = reduce_over_modules(list(modules), norms=norms, norm_type=p, check=(owner, options, fault))
+    norms, fault = module_values(
+        given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p)
+    )
+    total, _ = reduce_over_modules(
+        list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
+    )
     assert total is not None
-    if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same on every rank, modules or none
+    if error_if_nonfinite and not bool(
+        torch.isfinite(total)
+    ):  # the same on every rank, modules or none
         raise RuntimeError(
             f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are left "
             "as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
@@ -216,16 +234,24 @@ def reduce_over_modules(
     packed = torch.zeros(2 * count + 1 + len(verdict), dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
-            packed[index[name]] = _encode_norm(norm.detach().reshape(()).to(device=device, dtype=torch.float64))
+            packed[index[name]] = _encode_norm(
+                norm.detach().reshape(()).to(device=device, dtype=torch.float64)
+            )
         packed[2 * count] = float(any(norm.dtype == torch.float64 for norm in norms.values()))
     if zeros is not None:
         for name, zero_count in zeros.items():
-            packed[count + index[name]] = torch.as_tensor(zero_count).to(device=device, dtype=torch.float64)
+            packed[count + index[name]] = torch.as_tensor(zero_count).to(
+                device=device, dtype=torch.float64
+            )
     if verdict:
-        packed[2 * count + 1 :] = torch.tensor(verdict, dtype=torch.float64)  # exact: 52-bit digests
+        packed[2 * count + 1 :] = torch.tensor(
+            verdict, dtype=torch.float64
+        )  # exact: 52-bit digests
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     if check is not None:
-        check_verdict(check[0], check[1], check[2], packed[2 * count + 1 :].tolist(), advice=_STEP_ADVICE)
+        check_verdict(
+            check[0], check[1], check[2], packed[2 * count + 1 :].tolist(), advice=_STEP_ADVICE
+        )
     p = float(norm_type)
     total = None
     if norms is not None:
@@ -270,7 +296,9 @@ def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
     return scale * (norms / scale).pow(p).sum().pow(1.0 / p)
 
 
-def module_values(given: Mapping[str, Any], compute: Callable[[str, Any], Any]) -> tuple[dict[str, Any], Fault]:
+def module_values(
+    given: Mapping[str, Any], compute: Callable[[str, Any], Any]
+) -> tuple[dict[str, Any], Fault]:
     """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault: every module's
     ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the module, joined (``None`` when none raised).
 
@@ -287,7 +315,11 @@ def module_values(given: Mapping[str, Any], compute: Callable[[str, Any], Any]) 
     for name, item in given.items():
         try:
             values[name] = compute(name, item)
-        except (ValueError, TypeError, RuntimeError) as exc:  # on this module's ranks only: agreed in the reduce
+        except (
+            ValueError,
+            TypeError,
+            RuntimeError,
+        ) as exc:  # on this module's ranks only: agreed in the reduce
             faults.append(type(exc)(f"module {name!r}: {exc}"))
     return values, combine_faults(*faults)
 
@@ -323,7 +355,9 @@ def check_models(
     article = "an" if noun[0] in "aeiou" else "a"
     unknown = [name for name in models if name not in modules]
     if unknown:
-        problems.append(f"{noun}s for {unknown}, which are not modules of the job ({list(modules)})")
+        problems.append(
+            f"{noun}s for {unknown}, which are not modules of the job ({list(modules)})"
+        )
     here = modules.here()
     for name, collection in modules.items():
         layout = collection.layout
@@ -335,9 +369,13 @@ def check_models(
                 f"rank outside a module passes no {noun} for it"
             )
         elif name in here and name not in models:
-            problems.append(f"no {noun} for module {name!r} (ranks {first}-{stop - 1}), which this rank runs")
+            problems.append(
+                f"no {noun} for module {name!r} (ranks {first}-{stop - 1}), which this rank runs"
+            )
         elif name in here and collection.is_destroyed:
-            problems.append(f"module {name!r}, whose groups pgregistry.registry.destroy() destroyed")
+            problems.append(
+                f"module {name!r}, whose groups pgregistry.registry.destroy() destroyed"
+            )
     given = {name: models[name] for name in here if name in models}
     if check is not None and not problems:
         for name, model in given.items():
@@ -359,7 +397,9 @@ def _agree_on_models(
     """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
     a fault (``pgregistry._runtime.agreement.check_agreement``)."""
     if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}")
+        raise TypeError(
+            f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
+        )
 
     def statistics_accept(name: str, model: Any, collection: ProcessGroupCollection) -> None:
         # The door of the module's statistics, run here so that a refusal raises on every rank, not on one rank
@@ -379,6 +419,8 @@ def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
         grad = param.grad
         if grad is None:
             continue
-        local = getattr(grad, "_local_tensor", None)  # a DTensor: its local piece, as the single-model clip scales
+        local = getattr(
+            grad, "_local_tensor", None
+        )  # a DTensor: its local piece, as the single-model clip scales
         grads.append(local if isinstance(local, torch.Tensor) else grad)
     return grads

@@ -332,7 +332,11 @@ class FlatOptimizer(OptimizerStatistics):
         :meth:`state_dict_faults` is refused (``ValueError``, the count and a few of them) before anything changes.
         The check is local; the ranks of :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`),
         so every rank of the instance refuses alike or none does."""
-        refuse_agreed(f"{type(self).__name__}.load_state_dict", self.state_dict_faults(state_dict), self.load_groups())
+        refuse_agreed(
+            f"{type(self).__name__}.load_state_dict",
+            self.state_dict_faults(state_dict),
+            self.load_groups(),
+        )
         self._load_checked_state_dict(state_dict)
 
     @abc.abstractmethod
@@ -358,7 +362,11 @@ class FlatOptimizer(OptimizerStatistics):
         """Restore :meth:`param_state` output of any layout (:class:`~pgregistry.optim.ParamStateOptimizer`).
         Strict as :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused (``ValueError``)
         on every rank of :meth:`load_groups` before any rank changes anything."""
-        refuse_agreed(f"{type(self).__name__}.load_param_state", self.param_state_faults(state), self.load_groups())
+        refuse_agreed(
+            f"{type(self).__name__}.load_param_state",
+            self.param_state_faults(state),
+            self.load_groups(),
+        )
         self._load_checked_param_state(state)
 
     @abc.abstractmethod
@@ -381,7 +389,10 @@ def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
 
 
 def statistics_of(
-    optimizers: Sequence[FlatOptimizer], wanted: Wanted, *, verdict: Sequence[ProcessGroup | None] = ()
+    optimizers: Sequence[FlatOptimizer],
+    wanted: Wanted,
+    *,
+    verdict: Sequence[ProcessGroup | None] = (),
 ) -> Reduced:
     """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once (``verdict``: see
     :func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
@@ -411,5 +422,7 @@ def require_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | N
     """``groups.<name>`` (a group, or ``None`` when the axis is off), refusing an unset one with a ``ValueError``."""
     value = getattr(groups, name)
     if value is UNSET:
-        raise ValueError(f"the optimizer needs process group {name!r}, which is not set in the collection")
+        raise ValueError(
+            f"the optimizer needs process group {name!r}, which is not set in the collection"
+        )
     return value

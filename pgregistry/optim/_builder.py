@@ -70,12 +70,20 @@ def inner_factory(
         optimizer = MixedPrecisionOptimizer(params, groups, inner=inner)
     """
     if optimizer == "adam":
-        return ElementwiseRule(torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        return ElementwiseRule(
+            torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
     if optimizer == "adamw":
-        return ElementwiseRule(torch.optim.AdamW, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        return ElementwiseRule(
+            torch.optim.AdamW, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
     if optimizer == "sgd":
-        return ElementwiseRule(torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
-    raise ValueError(f"unknown optimizer {optimizer!r}; use 'adam', 'adamw', 'sgd' or pass a factory")
+        return ElementwiseRule(
+            torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        )
+    raise ValueError(
+        f"unknown optimizer {optimizer!r}; use 'adam', 'adamw', 'sgd' or pass a factory"
+    )
 
 
 def build_optimizer(
@@ -142,10 +150,14 @@ def build_optimizer(
     """
     params = normalise_params(model)
     if not params.chunks:
-        raise TypeError(f"build_optimizer expects a model or model chunks, got {type(model).__name__}")
+        raise TypeError(
+            f"build_optimizer expects a model or model chunks, got {type(model).__name__}"
+        )
     collection = optimizer_collection(pg_collection, params, owner="build_optimizer")
     require_classified_experts(params, collection)
-    process_groups = optimizer_process_groups(collection, params.chunks, use_distributed_optimizer=sharded)
+    process_groups = optimizer_process_groups(
+        collection, params.chunks, use_distributed_optimizer=sharded
+    )
     if sharded:
         check_instance_holds_stats_groups(process_groups)
     stats_groups = process_groups.stats
@@ -153,7 +165,9 @@ def build_optimizer(
     names = {id(p): name for name, p in named}
     name_fn = param_name_fn or (lambda p: names[id(p)])
     if isinstance(optimizer, str):
-        inner = inner_factory(optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum)
+        inner = inner_factory(
+            optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
+        )
     else:
         inner = optimizer
     main_dtype = torch.float32 if mixed_precision else None
@@ -167,7 +181,9 @@ def build_optimizer(
             stats_group = process_groups.intra_dist_opt
         else:
             stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
-        has, anyone_refused = any_rank_has_each((bool(kind), bool(refused) and not expert), stats_group)
+        has, anyone_refused = any_rank_has_each(
+            (bool(kind), bool(refused) and not expert), stats_group
+        )
         if anyone_refused:
             here = f"here: {refused}" if refused else "none here"
             raise TypeError(
@@ -178,14 +194,28 @@ def build_optimizer(
         if not has:
             continue
         if sharded:
-            children.append(ShardedOptimizer(
-                kind, process_groups, inner=inner, expert=expert, main_dtype=main_dtype, param_name_fn=name_fn,
-            ))
+            children.append(
+                ShardedOptimizer(
+                    kind,
+                    process_groups,
+                    inner=inner,
+                    expert=expert,
+                    main_dtype=main_dtype,
+                    param_name_fn=name_fn,
+                )
+            )
         else:
-            children.append(MixedPrecisionOptimizer(
-                kind, process_groups, inner=inner, expert=expert, main_dtype=main_dtype,
-                bucket_numel=bucket_numel, param_name_fn=name_fn,
-            ))
+            children.append(
+                MixedPrecisionOptimizer(
+                    kind,
+                    process_groups,
+                    inner=inner,
+                    expert=expert,
+                    main_dtype=main_dtype,
+                    bucket_numel=bucket_numel,
+                    param_name_fn=name_fn,
+                )
+            )
     if not children:
         raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
     return ChainedOptimizer(children)

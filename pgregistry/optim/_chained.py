@@ -54,7 +54,9 @@ class ChainedOptimizer(OptimizerStatistics):
         """The distinct groups the children's statistics reduce over."""
         groups: list[ProcessGroup | None] = []
         for child in self.chained_optimizers:
-            groups.extend(g for g in child.stats_reduce_groups() if not any(g is seen for seen in groups))
+            groups.extend(
+                g for g in child.stats_reduce_groups() if not any(g is seen for seen in groups)
+            )
         return tuple(groups)
 
     def shares_stats_group(self) -> bool:
@@ -93,10 +95,14 @@ class ChainedOptimizer(OptimizerStatistics):
         if not isinstance(children, Sequence):
             return ["it is no {'children': [...]} dict (ChainedOptimizer.state_dict output)"]
         if len(children) != len(self.chained_optimizers):
-            return [f"it holds {len(children)} child optimizers, this one has {len(self.chained_optimizers)}"]
+            return [
+                f"it holds {len(children)} child optimizers, this one has {len(self.chained_optimizers)}"
+            ]
         return [
             f"child {index}: {fault}"
-            for index, (child, child_state) in enumerate(zip(self.chained_optimizers, children, strict=True))
+            for index, (child, child_state) in enumerate(
+                zip(self.chained_optimizers, children, strict=True)
+            )
             for fault in child.state_dict_faults(child_state)
         ]
 
@@ -106,7 +112,11 @@ class ChainedOptimizer(OptimizerStatistics):
         was (a later child's refusal used to leave the first ones loaded). The check is local; where a child's
         load is collective (a sharded child's all-gather) the ranks agree on it first over the children's
         :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, so every rank refuses alike."""
-        refuse_agreed("ChainedOptimizer.load_state_dict", self.state_dict_faults(state_dict), self.load_groups())
+        refuse_agreed(
+            "ChainedOptimizer.load_state_dict",
+            self.state_dict_faults(state_dict),
+            self.load_groups(),
+        )
         for child, child_state in zip(self.chained_optimizers, state_dict["children"], strict=True):
             child._load_checked_state_dict(child_state)
 
@@ -135,6 +145,8 @@ class ChainedOptimizer(OptimizerStatistics):
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Each child restores the state of its own parameters from ``state``; strict as :meth:`load_state_dict`:
         every child is checked, and the ranks of :meth:`load_groups` agree, before any child loads."""
-        refuse_agreed("ChainedOptimizer.load_param_state", self.param_state_faults(state), self.load_groups())
+        refuse_agreed(
+            "ChainedOptimizer.load_param_state", self.param_state_faults(state), self.load_groups()
+        )
         for child in self.chained_optimizers:
             child._load_checked_param_state(state)

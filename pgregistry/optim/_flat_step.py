@@ -153,16 +153,22 @@ class FlatStep:
         """The main params, in the order the state dict numbers them."""
         self.optimizer: torch.optim.Optimizer = rule([flat])
         """The torch optimizer over the one flat tensor (it holds the state, on either path)."""
-        self._slots = tuple(_Slot(start, tuple(main.shape)) for main, start in zip(mains, starts, strict=True))
+        self._slots = tuple(
+            _Slot(start, tuple(main.shape)) for main, start in zip(mains, starts, strict=True)
+        )
         for slot in self._slots:
             if slot.start < 0 or slot.stop > flat.numel():
-                raise ValueError(f"a main param [{slot.start}, {slot.stop}) lies outside the flat tensor")
+                raise ValueError(
+                    f"a main param [{slot.start}, {slot.stop}) lies outside the flat tensor"
+                )
         self.copies: tuple[Copy, ...] = tuple(copies)
         """What :meth:`step` writes after stepping."""
         for copy in self.copies:
             stop = copy.start + copy.out.numel()
             if copy.out.dim() != 1 or not copy.out.is_contiguous():
-                raise ValueError(f"a copy's target must be a contiguous 1-d tensor, not {tuple(copy.out.shape)}")
+                raise ValueError(
+                    f"a copy's target must be a contiguous 1-d tensor, not {tuple(copy.out.shape)}"
+                )
             if copy.start < 0 or stop > flat.numel():
                 raise ValueError(f"a copy [{copy.start}, {stop}) lies outside the flat tensor")
         fused = rule.chooses_implementation and kernel_can_step(flat)
@@ -176,7 +182,10 @@ class FlatStep:
         flat_state = self.optimizer.state.get(self.flat)
         if not flat_state:
             return {}
-        return {main: self._slice_state(flat_state, slot) for main, slot in zip(self.mains, self._slots, strict=True)}
+        return {
+            main: self._slice_state(flat_state, slot)
+            for main, slot in zip(self.mains, self._slots, strict=True)
+        }
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -198,13 +207,19 @@ class FlatStep:
         flat_state = inner["state"].get(0)
         state = {}
         if flat_state is not None:
-            state = {index: self._slice_state(flat_state, slot) for index, slot in enumerate(self._slots)}
-        groups = [{**group, "params": list(range(len(self._slots)))} for group in inner["param_groups"]]
+            state = {
+                index: self._slice_state(flat_state, slot) for index, slot in enumerate(self._slots)
+            }
+        groups = [
+            {**group, "params": list(range(len(self._slots)))} for group in inner["param_groups"]
+        ]
         return {"state": state, "param_groups": groups}
 
     def _slice_state(self, flat_state: Mapping[str, Any], slot: _Slot) -> dict[str, Any]:
         return {
-            key: value[slot.start : slot.stop].view(slot.shape) if self._is_elementwise(value) else value
+            key: value[slot.start : slot.stop].view(slot.shape)
+            if self._is_elementwise(value)
+            else value
             for key, value in flat_state.items()
         }
 
@@ -243,7 +258,9 @@ class FlatStep:
                 )
                 continue
             if not isinstance(values[0], torch.Tensor):
-                faults.append(f"optimizer state {key!r} of parameter 0 is a {type(values[0]).__name__}, not a tensor")
+                faults.append(
+                    f"optimizer state {key!r} of parameter 0 is a {type(values[0]).__name__}, not a tensor"
+                )
                 continue
             faults.extend(
                 f"optimizer state {key!r} of parameter {index} does not have the parameter's "
@@ -261,7 +278,9 @@ class FlatStep:
         groups = state_dict["param_groups"]
         per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]
         state = {0: self._join_states(per_param)} if any(per_param) else {}
-        self.optimizer.load_state_dict({"state": state, "param_groups": [{**groups[0], "params": [0]}]})
+        self.optimizer.load_state_dict(
+            {"state": state, "param_groups": [{**groups[0], "params": [0]}]}
+        )
 
     def _join_states(self, per_param: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """The flat state of ``per_param`` (checked by :meth:`state_dict_faults`)."""
@@ -269,7 +288,9 @@ class FlatStep:
         for key in sorted(per_param[0]):
             values = [entry[key] for entry in per_param]
             if key in PER_PARAMETER_KEYS:
-                joined[key] = values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
+                joined[key] = (
+                    values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
+                )
                 continue
             flat = torch.zeros(self.flat.shape, dtype=values[0].dtype, device=self.flat.device)
             for value, slot in zip(values, self._slots, strict=True):

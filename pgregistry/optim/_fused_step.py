@@ -43,10 +43,24 @@ from typing import Any
 import attrs
 import torch
 
-from pgregistry._runtime.optional_kernels import cuda_index, launch_on, optional_kernels, probe_kernel
+from pgregistry._runtime.optional_kernels import (
+    cuda_index,
+    launch_on,
+    optional_kernels,
+    probe_kernel,
+)
 from pgregistry.optim._copies import Copy
 
-__all__ = ["BLOCK", "COPY_DTYPES", "ITERS", "VEC", "WARPS", "FusedStep", "kernel_can_step", "can_run_fused_step"]
+__all__ = [
+    "BLOCK",
+    "COPY_DTYPES",
+    "ITERS",
+    "VEC",
+    "WARPS",
+    "FusedStep",
+    "kernel_can_step",
+    "can_run_fused_step",
+]
 
 BLOCK = 1024
 """Elements a program steps per iteration: a block, with one copy row."""
@@ -81,7 +95,11 @@ def can_run_fused_step(device: torch.device) -> bool:
     return _works_on(cuda_index(device))
 
 
-_PROBE_WANT = ((0.5, 1.5, 0.5, 1.5, 0.5, 1.5, 0.5, 1.5), (0.5, 1.5, 0.5, 1.5, 0.5, 1.5, 0.5, 1.5), 1.0)
+_PROBE_WANT = (
+    (0.5, 1.5, 0.5, 1.5, 0.5, 1.5, 0.5, 1.5),
+    (0.5, 1.5, 0.5, 1.5, 0.5, 1.5, 0.5, 1.5),
+    1.0,
+)
 
 
 @functools.cache
@@ -134,7 +152,9 @@ def _plan_copies(flat: torch.Tensor, copies: Sequence[Copy], block: int) -> _Cop
     """Which of ``copies`` the kernel writes (see the module docstring) and its table, one row per ``block``
     elements, built once: the copies' places never change (the optimizers refuse a parameter whose data moved)."""
     candidates = [
-        c for c in copies if c.out.numel() and c.out.device == flat.device and c.out.dtype in COPY_DTYPES
+        c
+        for c in copies
+        if c.out.numel() and c.out.device == flat.device and c.out.dtype in COPY_DTYPES
     ]
     if not candidates:
         return _CopyPlan(None, None, (), tuple(copies))
@@ -242,8 +262,12 @@ class FusedStep:
             and tensor.is_contiguous()
         )
 
-    def _step_adam(self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor) -> bool:
-        if not _are_plain_numbers(group["lr"], *group["betas"], group["eps"], group["weight_decay"]):
+    def _step_adam(
+        self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor
+    ) -> bool:
+        if not _are_plain_numbers(
+            group["lr"], *group["betas"], group["eps"], group["weight_decay"]
+        ):
             return False
         amsgrad = bool(group["amsgrad"])
         state = optimizer.state[self.flat]
@@ -252,14 +276,22 @@ class FusedStep:
             state["exp_avg"] = torch.zeros_like(self.flat, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(self.flat, memory_format=torch.preserve_format)
             if amsgrad:
-                state["max_exp_avg_sq"] = torch.zeros_like(self.flat, memory_format=torch.preserve_format)
-        moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+                state["max_exp_avg_sq"] = torch.zeros_like(
+                    self.flat, memory_format=torch.preserve_format
+                )
+        moments = (
+            ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+        )
         step = state.get("step")
-        if not all(self._fits_flat(state.get(key)) for key in moments) or not _device_count(step, self.flat.device):
+        if not all(self._fits_flat(state.get(key)) for key in moments) or not _device_count(
+            step, self.flat.device
+        ):
             return False
         step.add_(1)
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-        decoupled = bool(group.get("decoupled_weight_decay", False)) or type(optimizer) is torch.optim.AdamW
+        decoupled = (
+            bool(group.get("decoupled_weight_decay", False)) or type(optimizer) is torch.optim.AdamW
+        )
         tensors = [state[key] for key in moments]
         self._launch_kernel(
             "adam_kernel",
@@ -281,8 +313,12 @@ class FusedStep:
         )
         return True
 
-    def _step_sgd(self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor) -> bool:
-        if not _are_plain_numbers(group["lr"], group["weight_decay"], group["momentum"], group["dampening"]):
+    def _step_sgd(
+        self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], grad: torch.Tensor
+    ) -> bool:
+        if not _are_plain_numbers(
+            group["lr"], group["weight_decay"], group["momentum"], group["dampening"]
+        ):
             return False
         momentum, weight_decay = float(group["momentum"]), float(group["weight_decay"])
         buffer: Any = None
@@ -324,15 +360,27 @@ class FusedStep:
         would."""
         kernels = _import_kernels()
         if kernels is None:
-            raise RuntimeError("the fused optimizer step needs triton, which is not importable here")
+            raise RuntimeError(
+                "the fused optimizer step needs triton, which is not importable here"
+            )
         plan = self._plan
         copy = plan.out is not None
         args = [t.detach() for t in tensors]
-        args += [plan.out if plan.out is not None else args[0], plan.table if plan.table is not None else args[0]]
+        args += [
+            plan.out if plan.out is not None else args[0],
+            plan.table if plan.table is not None else args[0],
+        ]
         with launch_on(self.flat.device):
             getattr(kernels, kernel)[(self._programs,)](
-                *args, self.flat.numel(), *scalars, **flags, COPY=copy,
-                BLOCK=self._block, ITERS=self._iters, VEC=VEC, num_warps=self._warps,
+                *args,
+                self.flat.numel(),
+                *scalars,
+                **flags,
+                COPY=copy,
+                BLOCK=self._block,
+                ITERS=self._iters,
+                VEC=VEC,
+                num_warps=self._warps,
             )
         for tensor in [*written, *(c.out for c in plan.written)]:
             torch.autograd.graph.increment_version(tensor)
@@ -342,5 +390,8 @@ def _device_count(step: object, device: torch.device) -> bool:
     """Whether ``step`` is a step count the kernel reads: a one-element float32 tensor on ``device`` (torch's fused
     optimizers keep it so)."""
     return (
-        isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.numel() == 1 and step.device == device
+        isinstance(step, torch.Tensor)
+        and step.dtype == torch.float32
+        and step.numel() == 1
+        and step.device == device
     )

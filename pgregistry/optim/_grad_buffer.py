@@ -49,9 +49,20 @@ import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
 from pgregistry.grad_stats import is_counted, reduce_group_of
-from pgregistry.grad_stats._fused import can_run_fused_stats, is_kernel_readable, span_squares_and_zeros
+from pgregistry.grad_stats._fused import (
+    can_run_fused_stats,
+    is_kernel_readable,
+    span_squares_and_zeros,
+)
 from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
-from pgregistry.grad_stats._reductions import Reduced, Shares, Wanted, make_part, nonfinite_part, reduce_shares
+from pgregistry.grad_stats._reductions import (
+    Reduced,
+    Shares,
+    Wanted,
+    make_part,
+    nonfinite_part,
+    reduce_shares,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -77,6 +88,7 @@ SPAN_ALIGNMENT = 64
 
 ZERO_COUNT_ROW = 1 << 24
 """Longest row reduced in float32 by the CUDA zero count: below 2**24 every partial count is exact."""
+
 
 @attrs.frozen(slots=True, eq=False)
 class Span:
@@ -115,7 +127,12 @@ def class_spans(
         if reduce_over is not UNSET:
             group = reduce_over
         last = spans[-1] if spans else None
-        if last is not None and last.stop == start and last.counted == counted and last.group is group:
+        if (
+            last is not None
+            and last.stop == start
+            and last.counted == counted
+            and last.group is group
+        ):
             spans[-1] = Span(group, counted, last.start, stop)
         elif stop > start:
             spans.append(Span(group, counted, start, stop))
@@ -190,7 +207,9 @@ class GradBuffer:
         """``[start, stop)`` of this rank's equal shard of :attr:`data` over ``group`` (all of it when off)."""
         size = group_size(group)
         if self.numel % size:
-            raise ValueError(f"a buffer of {self.numel} elements has no equal shards over {size} ranks")
+            raise ValueError(
+                f"a buffer of {self.numel} elements has no equal shards over {size} ranks"
+            )
         shard = self.numel // size
         start = group_rank(group) * shard
         return start, start + shard
@@ -223,7 +242,9 @@ class GradBuffer:
         return reduced.norm, reduced.zeros
 
 
-def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, one_read: bool | None = None) -> None:
+def span_shares(
+    data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, one_read: bool | None = None
+) -> None:
     """Add one part per counted span of ``data`` to ``shares``, under the span's group, and, when a norm is wanted,
     one seen part per uncounted span (its NaN or inf only: the verdict covers every grad this rank holds).
 
@@ -233,7 +254,11 @@ def span_shares(data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, on
     """
     wanted = shares.wanted
     if one_read is None:
-        one_read = wanted.p in (2.0, None) and is_kernel_readable(data) and can_run_fused_stats(data.device)
+        one_read = (
+            wanted.p in (2.0, None)
+            and is_kernel_readable(data)
+            and can_run_fused_stats(data.device)
+        )
     if one_read and wanted.p not in (2.0, None):
         raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm")
     shares.widen(data.dtype)
@@ -304,13 +329,19 @@ def count_nonzero_by_rows(view: torch.Tensor, row: int) -> torch.Tensor:
 
 
 def all_reduce_grads_(
-    buffer: GradBuffer, group: ProcessGroup | None, *, divide_by: int = 1, bucket_numel: int | None = None
+    buffer: GradBuffer,
+    group: ProcessGroup | None,
+    *,
+    divide_by: int = 1,
+    bucket_numel: int | None = None,
 ) -> None:
     """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``: one collective per
     bucket of at most ``bucket_numel`` elements (default: one bucket), never one per tensor; none when the group is
     off. Dividing first (as Megatron-Core does) keeps the sum in range; ``divide_by=size(group)`` averages."""
     _divide_buffer(buffer, divide_by)
-    if group_size(group) == 1 or buffer.numel == 0:  # data-parallel replicas hold the same parameters: all skip
+    if (
+        group_size(group) == 1 or buffer.numel == 0
+    ):  # data-parallel replicas hold the same parameters: all skip
         return
     step = bucket_numel if bucket_numel else buffer.numel
     if step < 1:
@@ -319,7 +350,9 @@ def all_reduce_grads_(
         dist.all_reduce(buffer.data[start : start + step], op=dist.ReduceOp.SUM, group=group)
 
 
-def reduce_scatter_grads_(buffer: GradBuffer, group: ProcessGroup | None, *, divide_by: int = 1) -> tuple[int, int]:
+def reduce_scatter_grads_(
+    buffer: GradBuffer, group: ProcessGroup | None, *, divide_by: int = 1
+) -> tuple[int, int]:
     """Divide :attr:`GradBuffer.data` by ``divide_by``, then reduce-scatter it over ``group`` in place (SUM, one
     collective): afterwards this rank's shard, returned as ``[start, stop)``, holds its reduced grads and the rest
     of the buffer is stale."""

@@ -88,16 +88,22 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         # Main copies exist before their storage: the buffer classifies them (their roles are what the optimizer
         # counts) and lays them out; each then becomes its view of the flat main buffer.
         self.main_params: list[torch.Tensor] = [
-            p if p.dtype == buffer_dtype else copy_param_roles(p, torch.nn.Parameter(_stand_in_for(p, buffer_dtype)))
+            p
+            if p.dtype == buffer_dtype
+            else copy_param_roles(p, torch.nn.Parameter(_stand_in_for(p, buffer_dtype)))
             for p in self.params
         ]
         """What ``inner`` steps: the float32 copy of each lower-precision parameter, else the parameter; each a
         view of :attr:`main_data`."""
-        self.buffer = GradBuffer(self.main_params, self.stats_groups, dtype=buffer_dtype, device=device)
+        self.buffer = GradBuffer(
+            self.main_params, self.stats_groups, dtype=buffer_dtype, device=device
+        )
         self.main_data = torch.nn.Parameter(torch.zeros_like(self.buffer.data))
         """Every main param, laid out like the grad buffer (whose data is its ``.grad``)."""
         self.main_data.grad = self.buffer.data
-        for param, main, offset in zip(self.params, self.main_params, self.buffer.offsets, strict=True):
+        for param, main, offset in zip(
+            self.params, self.main_params, self.buffer.offsets, strict=True
+        ):
             view = self.main_data.detach()[offset : offset + param.numel()].view(param.shape)
             if main is param:
                 self._move_data(param, view)
@@ -105,7 +111,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 with torch.no_grad():
                     view.copy_(param)
                 main.data = view
-        self._copies = _pack_low_precision(self.params, self.main_params, self.buffer.offsets, self._move_data)
+        self._copies = _pack_low_precision(
+            self.params, self.main_params, self.buffer.offsets, self._move_data
+        )
         for param, main, view in zip(self.params, self.main_params, self.buffer.views, strict=True):
             if main is not param:
                 main.grad = view
@@ -119,7 +127,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         collective per bucket."""
         self._check_attached()
         all_reduce_grads_(
-            self.buffer, self.grad_sync_group, divide_by=self.grad_divisor, bucket_numel=self.bucket_numel
+            self.buffer,
+            self.grad_sync_group,
+            divide_by=self.grad_divisor,
+            bucket_numel=self.bucket_numel,
         )
 
     @torch.no_grad()
@@ -142,14 +153,18 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         """``{"inner": inner state dict (or None), "main_params": {name: main copy}}`` (references, not copies)."""
         return {
             "inner": self.inner.state_dict() if self.inner is not None else None,
-            "main_params": {self.param_name(p): m.detach() for p, m in self._params_and_main_copies()},
+            "main_params": {
+                self.param_name(p): m.detach() for p, m in self._params_and_main_copies()
+            },
         }
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
         """Main copies missing, extra or of another shape or dtype, and the inner state's faults
         (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local."""
         if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
-            return ["it is no {'inner': ..., 'main_params': ...} dict (MixedPrecisionOptimizer.state_dict output)"]
+            return [
+                "it is no {'inner': ..., 'main_params': ...} dict (MixedPrecisionOptimizer.state_dict output)"
+            ]
         saved = state_dict["main_params"]
         names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
         faults = missing_and_extra("main copies", saved, names)
@@ -157,12 +172,19 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             if name in saved:
                 faults.extend(tensor_faults(f"main copy {name!r}", saved[name], main))
         if (state_dict["inner"] is None) != (self.inner is None):
-            faults.append("it was saved by an optimizer with a different set of parameters (inner state on one side)")
+            faults.append(
+                "it was saved by an optimizer with a different set of parameters (inner state on one side)"
+            )
         elif self.inner is not None:
-            model_name = {id(main): self.param_name(p) for p, main in zip(self.params, self.main_params, strict=True)}
+            model_name = {
+                id(main): self.param_name(p)
+                for p, main in zip(self.params, self.main_params, strict=True)
+            }
             tensors = self._inner_tensors()
             faults.extend(
-                inner_state_faults(self.inner, state_dict["inner"], tensors, [model_name[id(t)] for t in tensors])
+                inner_state_faults(
+                    self.inner, state_dict["inner"], tensors, [model_name[id(t)] for t in tensors]
+                )
             )
         return faults
 
@@ -203,7 +225,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             fault
             for param, main in self._params_and_main_copies()
             if (saved := state.get(param, {}).get(MAIN_PARAM)) is not None
-            for fault in tensor_faults(f"main copy {self.param_name(param)!r}", saved, main, cast=True)
+            for fault in tensor_faults(
+                f"main copy {self.param_name(param)!r}", saved, main, cast=True
+            )
         ]
         if self.inner is not None:
             tensors = self._inner_tensors()
@@ -239,9 +263,13 @@ def _pack_low_precision(
     device), in the order of the main buffer, so that the copy back is one copy per run of consecutive parameters
     of one kind (one per dtype for a model of bf16 parameters) instead of one per parameter: each run's packed data
     receives its main copies' span of the flat main buffer, padding between them included."""
-    runs: list[tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]] = []
+    runs: list[
+        tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]
+    ] = []
     open_run = False
-    for offset, param, main in sorted(zip(offsets, params, mains, strict=True), key=lambda entry: entry[0]):
+    for offset, param, main in sorted(
+        zip(offsets, params, mains, strict=True), key=lambda entry: entry[0]
+    ):
         if main is param:
             open_run = False
             continue
@@ -255,13 +283,17 @@ def _pack_low_precision(
     lengths: dict[tuple[torch.dtype, torch.device], int] = {}
     for key, start, stop, _ in runs:
         lengths[key] = lengths.get(key, 0) + stop - start
-    packed = {key: torch.zeros(length, dtype=key[0], device=key[1]) for key, length in lengths.items()}
+    packed = {
+        key: torch.zeros(length, dtype=key[0], device=key[1]) for key, length in lengths.items()
+    }
     cursor = dict.fromkeys(lengths, 0)
     out = []
     for key, start, stop, members in runs:
         model = packed[key][cursor[key] : cursor[key] + stop - start]
         cursor[key] += stop - start
         for param, offset in members:
-            move_data(param, model[offset - start : offset - start + param.numel()].view(param.shape))
+            move_data(
+                param, model[offset - start : offset - start + param.numel()].view(param.shape)
+            )
         out.append(Copy(start=start, out=model))
     return out

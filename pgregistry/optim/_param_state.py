@@ -121,7 +121,9 @@ def inner_state_dict(
     for pid, tensor in zip(ids, keys, strict=True):
         entry = state.get((rename or {}).get(tensor, tensor), {})
         values = {
-            key: _clone_if_tensor(value) if copied else value for key, value in entry.items() if key != MAIN_PARAM
+            key: _clone_if_tensor(value) if copied else value
+            for key, value in entry.items()
+            if key != MAIN_PARAM
         }
         if values:
             current["state"][pid] = values
@@ -143,7 +145,9 @@ def param_state_faults(
     return list(check(state)) if check is not None else []
 
 
-def as_param_state_optimizer(optimizer: torch.optim.Optimizer | ParamStateOptimizer) -> ParamStateOptimizer:
+def as_param_state_optimizer(
+    optimizer: torch.optim.Optimizer | ParamStateOptimizer,
+) -> ParamStateOptimizer:
     """``optimizer`` as a :class:`ParamStateOptimizer`.
 
     A torch.optim optimizer is wrapped; one with ``param_state()`` and ``load_param_state()``

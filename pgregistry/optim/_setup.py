@@ -25,7 +25,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from pgregistry._runtime.agreement import any_rank_has
-from pgregistry._runtime.resolve import Params, fill_unset_fields, normalise_params, resolve_pg_collection
+from pgregistry._runtime.resolve import (
+    Params,
+    fill_unset_fields,
+    normalise_params,
+    resolve_pg_collection,
+)
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, Unset, group_size
 from pgregistry.grad_stats._classification import holds_experts
 from pgregistry.grad_stats._filters import EXPERT_STATS_FIELDS, STATS_FALLBACK, StatsGroups
@@ -40,7 +45,6 @@ __all__ = [
 
 Group = ProcessGroup | None
 """A validated group: a ProcessGroup or ``None`` (the axis is off)."""
-
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -119,11 +123,17 @@ def setup_process_groups_for_optimizer(
     collection = optimizer_collection(
         pg_collection, params, owner="setup_process_groups_for_optimizer", collective=False
     )
-    return optimizer_process_groups(collection, chunks, use_distributed_optimizer=use_distributed_optimizer)
+    return optimizer_process_groups(
+        collection, chunks, use_distributed_optimizer=use_distributed_optimizer
+    )
 
 
 def optimizer_collection(
-    pg_collection: ProcessGroupCollection | None, params: Params | None, *, owner: str, collective: bool = True
+    pg_collection: ProcessGroupCollection | None,
+    params: Params | None,
+    *,
+    owner: str,
+    collective: bool = True,
 ) -> ProcessGroupCollection:
     """The collection an optimizer over ``params`` runs on, resolved at the door, with the grad-statistics fields
     the model needs filled (:func:`pgregistry._runtime.resolve.fill_unset_fields`).
@@ -141,7 +151,9 @@ def optimizer_collection(
     else:
         experts = holds_experts(params)
         if collective:
-            experts = any_rank_has(experts, collection.get("mp") if collection.is_set("mp") else None)
+            experts = any_rank_has(
+                experts, collection.get("mp") if collection.is_set("mp") else None
+            )
     unneeded = () if experts else EXPERT_STATS_FIELDS
     return fill_unset_fields(collection, STATS_FALLBACK, owner, unneeded=unneeded)
 
@@ -162,7 +174,9 @@ def optimizer_process_groups(
     grad-statistics groups (:class:`~pgregistry.grad_stats.StatsGroups`). Each failure raises ``ValueError``
     naming the group.
     """
-    groups = _validate_data_parallel(collection, model_chunks, distributed_optimizer=use_distributed_optimizer)
+    groups = _validate_data_parallel(
+        collection, model_chunks, distributed_optimizer=use_distributed_optimizer
+    )
     for name in ("mp", "tp_ep_pp"):
         _require_group(collection, name, "set it to None if the model does not need it")
     return OptimizerProcessGroups(
@@ -181,7 +195,9 @@ def _validate_data_parallel(
 ) -> dict[str, Any]:
     """The data-parallel groups of ``pg_collection``, checked in Megatron-Core's order."""
     if not pg_collection.is_set("dp"):
-        raise ValueError("dp process group is required but not set in pg_collection (None when DP is off)")
+        raise ValueError(
+            "dp process group is required but not set in pg_collection (None when DP is off)"
+        )
     dp = pg_collection.get("dp")
     if pg_collection.is_set("dp_cp"):
         dp_cp = pg_collection.get("dp_cp")
@@ -205,10 +221,16 @@ def _validate_data_parallel(
             "for a single-rank instance)",
             when="when use_distributed_optimizer=True",
         )
-    intra_dist_opt = pg_collection.get("intra_dist_opt") if pg_collection.is_set("intra_dist_opt") else UNSET
-    inter_dist_opt = pg_collection.get("inter_dist_opt") if pg_collection.is_set("inter_dist_opt") else None
+    intra_dist_opt = (
+        pg_collection.get("intra_dist_opt") if pg_collection.is_set("intra_dist_opt") else UNSET
+    )
+    inter_dist_opt = (
+        pg_collection.get("inter_dist_opt") if pg_collection.is_set("inter_dist_opt") else None
+    )
     if group_size(inter_dist_opt) > 1:
-        missing = [name for name in ("intra_dp_cp", "intra_expt_dp") if not pg_collection.is_set(name)]
+        missing = [
+            name for name in ("intra_dp_cp", "intra_expt_dp") if not pg_collection.is_set(name)
+        ]
         if missing:
             raise ValueError(
                 f"{' and '.join(missing)} process group(s) are required when inter_dist_opt spans "
@@ -217,25 +239,39 @@ def _validate_data_parallel(
     return {
         "dp": dp,
         "dp_cp": dp_cp,
-        "intra_dp_cp": pg_collection.get("intra_dp_cp") if pg_collection.is_set("intra_dp_cp") else dp_cp,
+        "intra_dp_cp": pg_collection.get("intra_dp_cp")
+        if pg_collection.is_set("intra_dp_cp")
+        else dp_cp,
         "expt_dp": expt_dp,
-        "intra_expt_dp": pg_collection.get("intra_expt_dp") if pg_collection.is_set("intra_expt_dp") else expt_dp,
+        "intra_expt_dp": pg_collection.get("intra_expt_dp")
+        if pg_collection.is_set("intra_expt_dp")
+        else expt_dp,
         "inter_dist_opt": inter_dist_opt,
         "intra_dist_opt": intra_dist_opt,
     }
 
 
-def _require_group(pg_collection: ProcessGroupCollection, name: GroupName, how: str, *, when: str = "") -> None:
+def _require_group(
+    pg_collection: ProcessGroupCollection, name: GroupName, how: str, *, when: str = ""
+) -> None:
     if not pg_collection.is_set(name):
         condition = f" {when}" if when else ""
-        raise ValueError(f"{name} process group is required{condition} but not set in pg_collection: {how}")
+        raise ValueError(
+            f"{name} process group is required{condition} but not set in pg_collection: {how}"
+        )
 
 
-def _context_parallel_size(pg_collection: ProcessGroupCollection, model_chunks: Sequence[nn.Module]) -> int | None:
+def _context_parallel_size(
+    pg_collection: ProcessGroupCollection, model_chunks: Sequence[nn.Module]
+) -> int | None:
     """The CP size from the collection's ``cp``, else the first chunk's config; ``None`` when unknown."""
     if pg_collection.is_set("cp"):
         return group_size(pg_collection.get("cp"))
-    size = getattr(getattr(model_chunks[0], "config", None), "context_parallel_size", None) if model_chunks else None
+    size = (
+        getattr(getattr(model_chunks[0], "config", None), "context_parallel_size", None)
+        if model_chunks
+        else None
+    )
     return int(size) if size is not None else None
 
 
@@ -253,7 +289,11 @@ def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
     assert not isinstance(instance, Unset)  # a sharded build requires it
     held = set(_ranks_of_group(instance))
     missing = {
-        name: ranks for name, group in (("mp", groups.stats.dense_reduce), ("expert", groups.stats.expert_reduce))
+        name: ranks
+        for name, group in (
+            ("mp", groups.stats.dense_reduce),
+            ("expert", groups.stats.expert_reduce),
+        )
         if not set(ranks := _ranks_of_group(group)) <= held
     }
     local = bool(missing)
@@ -261,7 +301,9 @@ def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
     if not anywhere:
         return
     if missing:
-        lacking = ", ".join(f"this rank's {name} group {list(ranks)}" for name, ranks in missing.items())
+        lacking = ", ".join(
+            f"this rank's {name} group {list(ranks)}" for name, ranks in missing.items()
+        )
         where = f"on rank {dist.get_rank()} it holds {sorted(held)}, not {lacking}"
     else:
         where = "on another rank of this optimizer instance it does not"

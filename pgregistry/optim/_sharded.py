@@ -120,13 +120,19 @@ class ShardedOptimizer(FlatOptimizer):
         main_dtype = main_dtype or param_dtype
         device = self._buffer_device()
         self.buffer = GradBuffer(
-            self.params, self.stats_groups, dtype=main_dtype, device=device, shard_multiple=group_size(self.shard_group)
+            self.params,
+            self.stats_groups,
+            dtype=main_dtype,
+            device=device,
+            shard_multiple=group_size(self.shard_group),
         )
         self._attach_grads(self.params, self.buffer.views)
         self.param_data = torch.zeros(self.buffer.numel, dtype=param_dtype, device=device)
         """Every parameter's data (each ``param.data`` is a view), laid out like the grad buffer."""
         for param, offset in zip(self.params, self.buffer.offsets, strict=True):
-            self._move_data(param, self.param_data[offset : offset + param.numel()].view(param.shape))
+            self._move_data(
+                param, self.param_data[offset : offset + param.numel()].view(param.shape)
+            )
         self.shard = self.buffer.shard_range(self.shard_group)
         """``[start, stop)`` of this rank's shard in both buffers."""
         start, stop = self.shard
@@ -137,8 +143,16 @@ class ShardedOptimizer(FlatOptimizer):
         entries = [(piece.main, piece.start, piece.stop) for piece in self._pieces]
         self._set_stats(class_spans(entries, self.stats_groups, reduce_over=norm_group), norm_group)
         mains = [piece.main for piece in self._pieces]
-        shard_copy = Copy(start=0, out=self.param_data[start:stop])  # the shard's padding is zero in both buffers
-        self._make_inner(inner, self.main_shard, mains, [piece.start - start for piece in self._pieces], [shard_copy])
+        shard_copy = Copy(
+            start=0, out=self.param_data[start:stop]
+        )  # the shard's padding is zero in both buffers
+        self._make_inner(
+            inner,
+            self.main_shard,
+            mains,
+            [piece.start - start for piece in self._pieces],
+            [shard_copy],
+        )
 
     def _make_pieces(self) -> list[_Piece]:
         """Each parameter's part of the shard, with its main copy: a view of :attr:`main_shard` carrying the
@@ -149,7 +163,9 @@ class ShardedOptimizer(FlatOptimizer):
             lo, hi = max(offset, start), min(offset + param.numel(), stop)
             if lo >= hi:
                 continue
-            main = copy_param_roles(param, torch.nn.Parameter(self.main_shard.detach()[lo - start : hi - start]))
+            main = copy_param_roles(
+                param, torch.nn.Parameter(self.main_shard.detach()[lo - start : hi - start])
+            )
             main.grad = self.buffer.data[lo:hi]
             pieces.append(_Piece(param=param, main=main, start=lo, stop=hi, offset=lo - offset))
         return sorted(pieces, key=lambda piece: piece.start)
@@ -194,7 +210,9 @@ class ShardedOptimizer(FlatOptimizer):
         ``name`` is ``param_name_fn(param)``; ``offset`` and ``numel`` locate the piece in the flattened
         parameter. Tensors are references, not copies.
         """
-        inner = self.inner.state_dict() if self.inner is not None else {"state": {}, "param_groups": []}
+        inner = (
+            self.inner.state_dict() if self.inner is not None else {"state": {}, "param_groups": []}
+        )
         shards = {
             self.param_name(piece.param): {
                 "offset": piece.offset,
@@ -216,7 +234,9 @@ class ShardedOptimizer(FlatOptimizer):
         faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local: :meth:`load_state_dict` agrees
         on them over :meth:`load_groups`."""
         if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
-            return ["it is no {'shards': ..., 'param_groups': ...} dict (ShardedOptimizer.state_dict output)"]
+            return [
+                "it is no {'shards': ..., 'param_groups': ...} dict (ShardedOptimizer.state_dict output)"
+            ]
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
         faults = missing_and_extra("pieces", shards, names)  # another layout
@@ -225,20 +245,33 @@ class ShardedOptimizer(FlatOptimizer):
             entry = shards.get(name)
             if entry is None:
                 continue
-            if (entry.get("offset"), entry.get("numel")) != (piece.offset, piece.stop - piece.start):
+            if (entry.get("offset"), entry.get("numel")) != (
+                piece.offset,
+                piece.stop - piece.start,
+            ):
                 faults.append(
                     f"{name}: saved piece [{entry.get('offset')}, +{entry.get('numel')}) differs from this rank's "
                     f"[{piece.offset}, +{piece.stop - piece.start})"
                 )
             else:
-                misfits.extend(tensor_faults(f"the main copy in the piece of {name!r}", entry.get("main"), piece.main))
+                misfits.extend(
+                    tensor_faults(
+                        f"the main copy in the piece of {name!r}", entry.get("main"), piece.main
+                    )
+                )
         if faults:  # the advice in the first fault, which a refusal always quotes
             return [f"shards do not match: {faults[0]} ({_OTHER_LAYOUT})", *faults[1:], *misfits]
         faults = misfits
         if self.inner is not None:
-            state = {index: shards[name].get("state") for index, name in enumerate(names) if shards[name].get("state")}
+            state = {
+                index: shards[name].get("state")
+                for index, name in enumerate(names)
+                if shards[name].get("state")
+            }
             inner = {"state": state, "param_groups": state_dict["param_groups"]}
-            faults.extend(inner_state_faults(self.inner, inner, [piece.main for piece in self._pieces], names))
+            faults.extend(
+                inner_state_faults(self.inner, inner, [piece.main for piece in self._pieces], names)
+            )
         return faults
 
     @torch.no_grad()
@@ -252,7 +285,11 @@ class ShardedOptimizer(FlatOptimizer):
         for name, piece in zip(names, self._pieces, strict=True):
             piece.main.copy_(shards[name]["main"])
         if self.inner is not None:
-            state = {index: shards[name]["state"] for index, name in enumerate(names) if shards[name]["state"]}
+            state = {
+                index: shards[name]["state"]
+                for index, name in enumerate(names)
+                if shards[name]["state"]
+            }
             self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
         self._publish_shard()
 
@@ -266,7 +303,9 @@ class ShardedOptimizer(FlatOptimizer):
         differs from the parameters'."""
         inner = self.inner.state if self.inner is not None else {}
         index = {id(param): i for i, param in enumerate(self.params)}
-        described: dict[int, dict[str, Any]] = {}  # parameter index -> key -> dtype (elementwise) or value
+        described: dict[
+            int, dict[str, Any]
+        ] = {}  # parameter index -> key -> dtype (elementwise) or value
         for piece in self._pieces:
             mine = described.setdefault(index[id(piece.param)], {})
             for key, value in inner.get(piece.main, {}).items():
@@ -283,17 +322,25 @@ class ShardedOptimizer(FlatOptimizer):
         for keys in merged.values():
             for key, value in keys.items():
                 if isinstance(value, torch.dtype) and flat_dtypes.setdefault(key, value) != value:
-                    raise ValueError(f"optimizer state {key!r} has several dtypes ({value}, {flat_dtypes[key]})")
+                    raise ValueError(
+                        f"optimizer state {key!r} has several dtypes ({value}, {flat_dtypes[key]})"
+                    )
         flats = {
-            key: self._gather_from_every_rank([inner.get(piece.main, {}).get(key) for piece in self._pieces], dtype)
+            key: self._gather_from_every_rank(
+                [inner.get(piece.main, {}).get(key) for piece in self._pieces], dtype
+            )
             for key, dtype in sorted(flat_dtypes.items())
         }
-        mains = self._gather_from_every_rank([piece.main for piece in self._pieces], self.buffer.data.dtype)
+        mains = self._gather_from_every_rank(
+            [piece.main for piece in self._pieces], self.buffer.data.dtype
+        )
         out: dict[torch.Tensor, ParamState] = {}
         for i, (param, offset) in enumerate(zip(self.params, self.buffer.offsets, strict=True)):
             whole = slice(offset, offset + param.numel())
             state: ParamState = {
-                key: flats[key][whole].view(param.shape) if isinstance(value, torch.dtype) else value
+                key: flats[key][whole].view(param.shape)
+                if isinstance(value, torch.dtype)
+                else value
                 for key, value in merged.get(i, {}).items()
             }
             if mains.dtype != param.dtype:
@@ -301,14 +348,18 @@ class ShardedOptimizer(FlatOptimizer):
             out[param] = state
         return out
 
-    def _gather_from_every_rank(self, values: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+    def _gather_from_every_rank(
+        self, values: Sequence[torch.Tensor | None], dtype: torch.dtype
+    ) -> torch.Tensor:
         """A flat tensor laid out like the buffers, holding every rank's ``values`` (one per piece, or None)."""
         flat = torch.zeros(self.buffer.numel, dtype=dtype, device=self.buffer.data.device)
         for piece, value in zip(self._pieces, values, strict=True):
             if value is not None:
                 flat[piece.start : piece.stop] = value.detach().reshape(-1)
         if group_size(self.shard_group) > 1:
-            dist.all_reduce(flat, group=self.shard_group)  # pieces are disjoint: the sum is each rank's piece
+            dist.all_reduce(
+                flat, group=self.shard_group
+            )  # pieces are disjoint: the sum is each rank's piece
         return flat
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
@@ -319,7 +370,9 @@ class ShardedOptimizer(FlatOptimizer):
             fault
             for piece in self._pieces
             if (saved := state.get(piece.param, {}).get(MAIN_PARAM)) is not None
-            for fault in tensor_faults(f"main copy {self.param_name(piece.param)!r}", saved, piece.param, cast=True)
+            for fault in tensor_faults(
+                f"main copy {self.param_name(piece.param)!r}", saved, piece.param, cast=True
+            )
         ]
         if self.inner is not None:
             mains = [piece.main for piece in self._pieces]
@@ -335,12 +388,18 @@ class ShardedOptimizer(FlatOptimizer):
         from its parameter, so load the parameters first."""
         for piece in self._pieces:
             saved = state.get(piece.param, {}).get(MAIN_PARAM, piece.param)
-            piece.main.copy_(saved.reshape(-1)[piece.offset : piece.offset + piece.stop - piece.start])
+            piece.main.copy_(
+                saved.reshape(-1)[piece.offset : piece.offset + piece.stop - piece.start]
+            )
         if self.inner is not None:
-            load_inner_state(self.inner, [piece.main for piece in self._pieces], self._state_of_pieces(state))
+            load_inner_state(
+                self.inner, [piece.main for piece in self._pieces], self._state_of_pieces(state)
+            )
         self._publish_shard()
 
-    def _state_of_pieces(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> dict[torch.Tensor, ParamState]:
+    def _state_of_pieces(
+        self, state: Mapping[torch.Tensor, Mapping[str, Any]]
+    ) -> dict[torch.Tensor, ParamState]:
         """The state of each of this rank's pieces (keyed by its main copy): elementwise values of the whole
         parameter cut for the piece, others as they are; ``main_param`` left out."""
         pieces: dict[torch.Tensor, ParamState] = {}

@@ -55,7 +55,9 @@ def refuse_faults(subject: str, faults: Sequence[str]) -> None:
     )
 
 
-def refuse_agreed(subject: str, faults: Sequence[str], groups: Sequence[ProcessGroup | None]) -> None:
+def refuse_agreed(
+    subject: str, faults: Sequence[str], groups: Sequence[ProcessGroup | None]
+) -> None:
     """:func:`refuse_faults` on every rank of ``groups`` alike: one MAX all-reduce of a flag per rank over each group
     of more than one rank (``None``: an axis that is off; :func:`~pgregistry._runtime.agreement.faulty_ranks`), then the
     ranks with ``faults`` raise them, naming themselves, and the others raise naming those ranks; nothing when no
@@ -83,7 +85,9 @@ def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) 
 def _first_few_quoted(names: Iterable[str]) -> str:
     """The first few of ``names`` in sorted order, quoted."""
     listed = sorted(names)
-    return ", ".join(repr(name) for name in listed[:_SHOWN]) + (", ..." if len(listed) > _SHOWN else "")
+    return ", ".join(repr(name) for name in listed[:_SHOWN]) + (
+        ", ..." if len(listed) > _SHOWN else ""
+    )
 
 
 def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = False) -> list[str]:
@@ -119,7 +123,9 @@ def inner_state_faults(
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         return ["its inner state is no {'state': ..., 'param_groups': ...} dict"]
     sizes = [len(group["params"]) for group in state_dict["param_groups"]]
-    if not isinstance(inner, torch.optim.Optimizer):  # a flat step, whose rules (one group of them) are its own
+    if not isinstance(
+        inner, torch.optim.Optimizer
+    ):  # a flat step, whose rules (one group of them) are its own
         faults = inner.state_dict_faults(state_dict)
         if faults:
             return faults
@@ -130,10 +136,16 @@ def inner_state_faults(
     foreign = [str(pid) for pid in state if pid not in ids]
     faults = []
     if foreign:
-        faults.append(f"it holds state for {len(foreign)} ids no param group lists, e.g. {_first_few_quoted(foreign)}")
+        faults.append(
+            f"it holds state for {len(foreign)} ids no param group lists, e.g. {_first_few_quoted(foreign)}"
+        )
     lacking = [name for pid, name in zip(ids, names, strict=True) if not state.get(pid)]
-    if state and lacking:  # saved after a step: every parameter has state (each has a grad in the buffer)
-        faults.append(f"it lacks the state of {len(lacking)} parameters, e.g. {_first_few_quoted(lacking)}")
+    if (
+        state and lacking
+    ):  # saved after a step: every parameter has state (each has a grad in the buffer)
+        faults.append(
+            f"it lacks the state of {len(lacking)} parameters, e.g. {_first_few_quoted(lacking)}"
+        )
     return faults + _elementwise_faults(state, ids, tensors, names, cast=False)
 
 
@@ -157,7 +169,12 @@ def inner_param_state_faults(
 
 
 def _elementwise_faults(
-    state: Mapping[Any, Any], ids: Sequence[Any], tensors: Sequence[torch.Tensor], names: Sequence[str], *, cast: bool
+    state: Mapping[Any, Any],
+    ids: Sequence[Any],
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    *,
+    cast: bool,
 ) -> list[str]:
     """The faults of each parameter's elementwise state (a tensor of one dimension or more) against its tensor:
     another shape, and another dtype unless ``cast`` (a load that casts)."""

@@ -117,8 +117,12 @@ def adam_kernel(
     step = tl.load(step_ptr).to(tl.int32)
     beta1 = _float64_from_halves(beta1_high, beta1_low)
     beta2 = _float64_from_halves(beta2_high, beta2_low)
-    step_size = tl.div_rn(tl.cast(lr, tl.float32), (1.0 - _integer_power(beta1, step)).to(tl.float32))
-    inverse_root = tl.div_rn(1.0, tl.sqrt_rn((1.0 - _integer_power(beta2, step)).to(tl.float32)))  # 1 / sqrt(1 - b2^t)
+    step_size = tl.div_rn(
+        tl.cast(lr, tl.float32), (1.0 - _integer_power(beta1, step)).to(tl.float32)
+    )
+    inverse_root = tl.div_rn(
+        1.0, tl.sqrt_rn((1.0 - _integer_power(beta2, step)).to(tl.float32))
+    )  # 1 / sqrt(1 - b2^t)
     rest1 = (1.0 - beta1).to(tl.float32)
     rest2 = (1.0 - beta2).to(tl.float32)
     keep = (1.0 - tl.cast(lr, tl.float64) * tl.cast(weight_decay, tl.float64)).to(tl.float32)

@@ -167,7 +167,16 @@ def run_world(
                     os.close(release_write)
                     watcher.close_in_child()
                     _child_main(
-                        rank, world_size, store_dir, backend, timeout, write_fd, release_read, fn, args, kwargs
+                        rank,
+                        world_size,
+                        store_dir,
+                        backend,
+                        timeout,
+                        write_fd,
+                        release_read,
+                        fn,
+                        args,
+                        kwargs,
                     )
                 os.close(write_fd)
                 children[rank] = (pid, read_fd)
@@ -208,7 +217,11 @@ def _child_main(
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(store_dir, "store"), -1)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
         )
         os.write(write_fd, _JOINED)
         result = fn(*args, **kwargs)
@@ -249,7 +262,9 @@ def _write_all(fd: int, data: bytes) -> None:  # pragma: no cover - runs in the 
     os.close(fd)
 
 
-def _collect_results(children: dict[int, tuple[int, int]], timeout: float, store_dir: str) -> list[Any]:
+def _collect_results(
+    children: dict[int, tuple[int, int]], timeout: float, store_dir: str
+) -> list[Any]:
     start = time.monotonic()
     latest = start + timeout + _STARTUP_GRACE_S  # whatever start-up took
     deadline = latest  # until the last rank joins; then timeout after that
@@ -347,7 +362,11 @@ def _raise_rank_error(rank: int, pickled: bytes | None, text: str) -> None:
 
 
 def _raise_timeout(
-    children: dict[int, tuple[int, int]], stuck: list[int], timeout: float, store_dir: str, unjoined: list[int]
+    children: dict[int, tuple[int, int]],
+    stuck: list[int],
+    timeout: float,
+    store_dir: str,
+    unjoined: list[int],
 ) -> None:
     stacks = _dump_stacks({rank: children[rank][0] for rank in stuck}, store_dir)
     where = "\n".join(f"  rank {rank}: {_where_stuck(stacks[rank])}" for rank in stuck)
@@ -385,7 +404,10 @@ def _dump_stacks(pids: dict[int, int], store_dir: str) -> dict[int, str]:
             if text and text == seen.get(rank):  # written and no longer growing
                 stacks[rank] = text
             seen[rank] = text
-    return {rank: stacks.get(rank, "(no stack: the rank had not started its stack dump handler)") for rank in pids}
+    return {
+        rank: stacks.get(rank, "(no stack: the rank had not started its stack dump handler)")
+        for rank in pids
+    }
 
 
 def _read_text(path: str) -> str:
@@ -404,7 +426,7 @@ def _where_stuck(stack: str) -> str:
     lines = stack.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
     frames = []  # (path, lineno, function), most recent first
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         path, found, rest = line.strip().removeprefix('File "').partition('", line ')
         if not found:
             break
@@ -414,7 +436,9 @@ def _where_stuck(stack: str) -> str:
     inside_torch: list[str] = []
     for path, lineno, function in frames:
         if not path.startswith(torch_dir):
-            calls = [f for f in reversed(inside_torch) if f != "wrapper"]  # decorators add "wrapper" frames
+            calls = [
+                f for f in reversed(inside_torch) if f != "wrapper"
+            ]  # decorators add "wrapper" frames
             return " -> ".join([f"{function} ({os.path.basename(path)}:{lineno})", *calls])
         inside_torch.append(function)
     return stack.strip().splitlines()[0] if stack.strip() else "(no stack)"

@@ -84,7 +84,9 @@ def dense_and_expert(*, device: torch.device | str = "cpu") -> nn.Module:
     model = nn.Module()
     model.dense = nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device))
     model.experts = mark_expert_module(nn.Module())
-    model.experts.weight = mark_expert(nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device)))
+    model.experts.weight = mark_expert(
+        nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device))
+    )
     return model
 
 
@@ -133,7 +135,10 @@ def full_grads(kind: str = "random") -> dict[str, torch.Tensor]:
     them are exact)."""
     shapes = {spec.name: spec.shape for spec in model_specs()}
     if kind in ("ones", "zeros"):
-        return {name: torch.full(shape, float(kind == "ones"), dtype=torch.float64) for name, shape in shapes.items()}
+        return {
+            name: torch.full(shape, float(kind == "ones"), dtype=torch.float64)
+            for name, shape in shapes.items()
+        }
     if kind != "random":
         raise ValueError(f"unknown gradient kind {kind!r}")
     generator = torch.Generator().manual_seed(GRADS_SEED)
@@ -184,7 +189,9 @@ def shards_of(layout: ParallelLayout, rank: int) -> list[Shard]:
             assert spec.expert is not None
             if spec.expert // local_experts != c["ep"]:
                 continue
-            local_name = spec.name.replace(f"experts.{spec.expert}.", f"experts.{spec.expert % local_experts}.")
+            local_name = spec.name.replace(
+                f"experts.{spec.expert}.", f"experts.{spec.expert % local_experts}."
+            )
             tp, gtp = ("expt_tp", sizes["expt_tp"]), ("expt_gtp_remat", sizes["expt_gtp_remat"])
         else:
             tp, gtp = ("tp", sizes["tp"]), ("gtp_remat", sizes["gtp_remat"])
@@ -196,7 +203,13 @@ def shards_of(layout: ParallelLayout, rank: int) -> list[Shard]:
     if sizes["pp"] > 1 and last:
         embedding = next(s for s in model_specs() if s.name == "embedding.word")
         out.append(
-            Shard("output.weight", "embedding.word", ((0, sizes["tp"], c["tp"]),), embedding, shared_copy=True)
+            Shard(
+                "output.weight",
+                "embedding.word",
+                ((0, sizes["tp"], c["tp"]),),
+                embedding,
+                shared_copy=True,
+            )
         )
     return out
 
@@ -216,7 +229,11 @@ def _mark_roles(param: nn.Parameter, shard: Shard) -> None:
 
 
 def local_model(
-    layout: ParallelLayout, rank: int, grads: dict[str, torch.Tensor], *, device: torch.device | str = "cpu"
+    layout: ParallelLayout,
+    rank: int,
+    grads: dict[str, torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
 ) -> tuple[nn.Module, list[Shard]]:
     """This rank's model on ``device``: nested modules named like the unsharded model, roles marked, float32 grads
     set."""
@@ -241,7 +258,11 @@ def local_model(
 
 
 def set_grads(
-    model: nn.Module, shards: list[Shard], grads: dict[str, torch.Tensor], *, device: torch.device | str = "cpu"
+    model: nn.Module,
+    shards: list[Shard],
+    grads: dict[str, torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
 ) -> None:
     """Overwrite the local grads of ``model`` with shards of ``grads``."""
     params = dict(model.named_parameters())

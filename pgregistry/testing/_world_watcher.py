@@ -27,7 +27,9 @@ class WorldWatcher:
     def __init__(self, store_dir: str) -> None:
         read_fd, self._write_fd = os.pipe()
         self._process = multiprocessing.get_context("fork").Process(
-            target=_watch_parent, args=(read_fd, self._write_fd, store_dir), name="pgregistry-world-watcher"
+            target=_watch_parent,
+            args=(read_fd, self._write_fd, store_dir),
+            name="pgregistry-world-watcher",
         )
         self._process.start()
         os.close(read_fd)
@@ -65,12 +67,18 @@ def end_process_group(pid: int) -> None:
         pass
 
 
-def _watch_parent(read_fd: int, parent_write_fd: int, store_dir: str) -> None:  # pragma: no cover - runs in the watcher
+def _watch_parent(
+    read_fd: int, parent_write_fd: int, store_dir: str
+) -> None:  # pragma: no cover - runs in the watcher
     try:
         os.close(parent_write_fd)  # only the parent holds it: its death is our end-of-file
         os.setsid()  # out of the parent's process group: a Ctrl-C or a group kill of the parent leaves it running
         devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # hold none of the parent's streams open (a pipeline reading them waits for EOF)
+        for fd in (
+            0,
+            1,
+            2,
+        ):  # hold none of the parent's streams open (a pipeline reading them waits for EOF)
             os.dup2(devnull, fd)
         received = bytearray()
         while chunk := os.read(read_fd, 4096):

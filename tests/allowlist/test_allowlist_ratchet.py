@@ -9,7 +9,12 @@ import pytest
 from fixtures.scan_projects import scan
 
 from pgregistry._source.scanner import FileResult
-from pgregistry.allowlist._ratchet import ALLOWLIST_VERSION, Allowlist, AllowlistError, compare_counts
+from pgregistry.allowlist._ratchet import (
+    ALLOWLIST_VERSION,
+    Allowlist,
+    AllowlistError,
+    compare_counts,
+)
 
 
 def results(**sources: str) -> list[FileResult]:

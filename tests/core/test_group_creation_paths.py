@@ -15,7 +15,13 @@ import pytest
 import torch.distributed as dist
 
 from pgregistry import registry
-from pgregistry._runtime.group_cache import CACHE, GroupOptions, split_chosen, split_creation, split_plan
+from pgregistry._runtime.group_cache import (
+    CACHE,
+    GroupOptions,
+    split_chosen,
+    split_creation,
+    split_plan,
+)
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 from pgregistry.testing import run_world
 

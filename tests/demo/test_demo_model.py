@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from examples.moe_demo.model import ReferenceMoE, ShardedMoE, ToyMoEConfig, full_weights, make_batch, shard_of
+from examples.moe_demo.model import (
+    ReferenceMoE,
+    ShardedMoE,
+    ToyMoEConfig,
+    full_weights,
+    make_batch,
+    shard_of,
+)
 from pgregistry import registry
 from pgregistry.layout import ParallelLayout
 from pgregistry.testing import run_world

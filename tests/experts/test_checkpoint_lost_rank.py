@@ -20,7 +20,12 @@ import torch.distributed as dist
 from checkpoint_support import MoE, filled
 
 from pgregistry import ParallelLayout, attach, build
-from pgregistry.checkpoint import load_distributed, load_rank_files, save_distributed, save_rank_files
+from pgregistry.checkpoint import (
+    load_distributed,
+    load_rank_files,
+    save_distributed,
+    save_rank_files,
+)
 from pgregistry.testing import RankFailure, run_world
 
 _KILLED = 1

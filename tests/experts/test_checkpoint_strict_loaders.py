@@ -20,7 +20,12 @@ from torch import nn
 
 from pgregistry import ParallelLayout, attach, build
 from pgregistry import modules as mm
-from pgregistry.checkpoint import load_distributed, load_rank_files, save_distributed, save_rank_files
+from pgregistry.checkpoint import (
+    load_distributed,
+    load_rank_files,
+    save_distributed,
+    save_rank_files,
+)
 from pgregistry.testing import run_world
 
 SAVE = {"dcp": save_distributed, "files": save_rank_files}

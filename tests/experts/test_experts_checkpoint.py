@@ -27,7 +27,11 @@ from pgregistry.checkpoint import (
     state_by_name,
 )
 from pgregistry.checkpoint._optimizer_shards import cut_optimizer_shards, merge_optimizer_shards
-from pgregistry.experts import get_global_unique_param_name, global_param_name_fn, named_global_parameters
+from pgregistry.experts import (
+    get_global_unique_param_name,
+    global_param_name_fn,
+    named_global_parameters,
+)
 from pgregistry.params import mark_tensor_parallel
 
 _OFF: dict[str, Any] = dict(

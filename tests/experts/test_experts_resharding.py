@@ -19,7 +19,12 @@ import torch.distributed as dist
 from toy_moe import Key, adam, build_stage, initialise, names_by_key
 
 from pgregistry import ProcessGroupFallbackWarning, attach
-from pgregistry.checkpoint import load_distributed, load_rank_files, save_distributed, save_rank_files
+from pgregistry.checkpoint import (
+    load_distributed,
+    load_rank_files,
+    save_distributed,
+    save_rank_files,
+)
 from pgregistry.layout import ParallelLayout
 from pgregistry.registry import build
 from pgregistry.testing import run_world

@@ -35,7 +35,12 @@ from checkpoint_support import flip_a_byte_of
 from toy_moe import Key, ToyMoE, build_stage, set_values
 
 from pgregistry import ProcessGroupFallbackWarning, attach
-from pgregistry.checkpoint import load_optimizer_shards, load_rank_files, save_optimizer_shards, save_rank_files
+from pgregistry.checkpoint import (
+    load_optimizer_shards,
+    load_rank_files,
+    save_optimizer_shards,
+    save_rank_files,
+)
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.experts import global_param_name_fn, is_expert_key, named_global_parameters
 from pgregistry.layout import ParallelLayout

@@ -19,7 +19,11 @@ from pgregistry import registry
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import clip_grad_norm_, clip_grads_, grad_norm, grad_norm_and_zeros
 from pgregistry.layout import ParallelLayout
-from pgregistry.optim import MixedPrecisionOptimizer, inner_factory, setup_process_groups_for_optimizer
+from pgregistry.optim import (
+    MixedPrecisionOptimizer,
+    inner_factory,
+    setup_process_groups_for_optimizer,
+)
 from pgregistry.testing import run_world
 
 BAD_MAX_NORMS = ["1", None, True]

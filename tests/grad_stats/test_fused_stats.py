@@ -20,7 +20,13 @@ from torch import nn
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import _fused as fused_stats
 from pgregistry.grad_stats import _local as local
-from pgregistry.grad_stats import clip_grad_norm_, grad_norm, grad_norm_and_zeros, norm_of_grads, zeros_of_grads
+from pgregistry.grad_stats import (
+    clip_grad_norm_,
+    grad_norm,
+    grad_norm_and_zeros,
+    norm_of_grads,
+    zeros_of_grads,
+)
 from pgregistry.grad_stats._reductions import Shares, Wanted
 from pgregistry.optim._grad_buffer import Span, span_shares
 from pgregistry.params import mark_shared

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from megatron_support import error_of, megatron_fields, megatron_initialize, megatron_kwargs, require_megatron
+from megatron_support import (
+    error_of,
+    megatron_fields,
+    megatron_initialize,
+    megatron_kwargs,
+    require_megatron,
+)
 
 require_megatron()
 

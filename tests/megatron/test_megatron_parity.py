@@ -22,7 +22,13 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from megatron_support import describe_groups, fake_world, megatron_fields, megatron_initialize, require_megatron
+from megatron_support import (
+    describe_groups,
+    fake_world,
+    megatron_fields,
+    megatron_initialize,
+    require_megatron,
+)
 
 require_megatron()
 

@@ -22,7 +22,13 @@ from pgregistry import registry
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import build_optimizer
 from pgregistry.testing import run_world
-from pgregistry.testing._toy_models import EXPERT, full_grads, local_model, set_main_grads, shards_of
+from pgregistry.testing._toy_models import (
+    EXPERT,
+    full_grads,
+    local_model,
+    set_main_grads,
+    shards_of,
+)
 
 WORLD = 4
 LAYOUTS: dict[str, dict[str, Any]] = {

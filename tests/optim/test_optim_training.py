@@ -16,7 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from examples.moe_demo.model import ReferenceMoE, ShardedMoE, ToyMoEConfig, full_weights, make_batch, shard_of
+from examples.moe_demo.model import (
+    ReferenceMoE,
+    ShardedMoE,
+    ToyMoEConfig,
+    full_weights,
+    make_batch,
+    shard_of,
+)
 from pgregistry import registry
 from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys
 from pgregistry.layout import ParallelLayout

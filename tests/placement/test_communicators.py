@@ -7,7 +7,11 @@ from collections import defaultdict
 
 import pytest
 
-from pgregistry._runtime.communicators import communicators_per_rank, compare_layouts, kinds_by_communicator
+from pgregistry._runtime.communicators import (
+    communicators_per_rank,
+    compare_layouts,
+    kinds_by_communicator,
+)
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 
 LAYOUTS = [

@@ -8,7 +8,13 @@ Megatron-Core's formulas written out independently of :mod:`pgregistry.rng` (fro
 from __future__ import annotations
 
 from pgregistry.layout import ParallelLayout
-from pgregistry.rng import DATA_PARALLEL_RNG, EGTP_REMAT_RNG, EXPERT_PARALLEL_RNG, GTP_REMAT_RNG, MODEL_PARALLEL_RNG
+from pgregistry.rng import (
+    DATA_PARALLEL_RNG,
+    EGTP_REMAT_RNG,
+    EXPERT_PARALLEL_RNG,
+    GTP_REMAT_RNG,
+    MODEL_PARALLEL_RNG,
+)
 
 __all__ = ["oracle_seeds"]
 
