@@ -329,11 +329,17 @@ _SEED_FIELDS: Final[tuple[GroupName, ...]] = (
 )
 
 
+def seed_fields(data_parallel_random_init: bool) -> tuple[GroupName, ...]:
+    """The collection fields :func:`rank_seeds` reads: :data:`_SEED_FIELDS`, and ``dp`` with
+    ``data_parallel_random_init``."""
+    return _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
+
+
 def rank_seeds(
     seed: int, collection: ProcessGroupCollection, *, data_parallel_random_init: bool
 ) -> dict[str, int]:
     """Tracker name -> seed of this rank, from the job's ``seed`` and a resolved collection (its
-    :data:`_SEED_FIELDS` set, and ``dp`` with ``data_parallel_random_init``)."""
+    :func:`seed_fields` set)."""
     rank = {name: group_rank(collection.get(name)) for name in _SEED_FIELDS}
     dp_rank = group_rank(collection.get("dp")) if data_parallel_random_init else 0
     return tracker_seeds(
@@ -397,7 +403,7 @@ def model_parallel_manual_seed(
         with get_rng_tracker().fork():  # the model-parallel stream
             init.normal_(weight)
     """
-    fields = _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
+    fields = seed_fields(data_parallel_random_init)
     collection = resolve_pg_collection(
         pg_collection, owner="model_parallel_manual_seed", fallback=fields
     )

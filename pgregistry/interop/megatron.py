@@ -509,10 +509,16 @@ def seed_megatron_rng(
     """
     from megatron.core.tensor_parallel import random as megatron_random
 
-    from pgregistry.rng import DATA_PARALLEL_RNG, EGTP_REMAT_RNG, GTP_REMAT_RNG, rank_seeds
+    from pgregistry.rng import (
+        DATA_PARALLEL_RNG,
+        EGTP_REMAT_RNG,
+        GTP_REMAT_RNG,
+        rank_seeds,
+        seed_fields,
+    )
 
     pg_collection = check_usable(pg_collection, "seed_megatron_rng")
-    needed = _SEED_GROUPS + (("dp",) if data_parallel_random_init else ())
+    needed = seed_fields(data_parallel_random_init)
     missing = [name for name in needed if not pg_collection.is_set(name)]
     if missing:
         raise ValueError(
@@ -539,16 +545,6 @@ def seed_megatron_rng(
                 f"{seeds[name]}: its parallel_state has a different GTP layout"
             )
     return seeds
-
-
-_SEED_GROUPS: Final[tuple[GroupName, ...]] = (
-    "pp",
-    "tp",
-    "ep",
-    "expt_tp",
-    "gtp_remat",
-    "expt_gtp_remat",
-)
 
 
 def mark_megatron_experts(model: nn.Module) -> int:
