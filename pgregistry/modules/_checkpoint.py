@@ -11,7 +11,8 @@ layout of the same span (another TP, EP or PP size).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,25 +67,7 @@ def save_checkpoint(
         save_checkpoint("ckpt/step-100", models_here, modules, optimizer)
     """
     directory = Path(directory)
-    owner = "pgregistry.modules.save_checkpoint"
-    with name_lost_ranks(
-        owner, directory, world_scope()
-    ):  # a rank lost in a world-wide agreement, named
-        given, naming = _agree_on_models(models, modules, optimizer, naming, owner)
-        errors: list[str] = []
-        for name, model in given.items():
-            try:
-                options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
-                save_rank_files(directory / name, model, _optimizer_of(optimizer, name), **options)
-            except (ValueError, OSError, RuntimeError) as exc:
-                errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
-        check_agreement(
-            owner,
-            describe_modules(modules),
-            "; ".join(errors) or None,
-            failed="failed to save",
-            advice=MODULES_ADVICE,
-        )
+    _run_per_module("save", directory, models, modules, optimizer, naming, save_rank_files)
     return directory
 
 
@@ -120,41 +103,46 @@ def load_checkpoint(
 
         load_checkpoint("ckpt/step-100", models_here, modules, optimizer)
     """
-    directory = Path(directory)
-    owner = "pgregistry.modules.load_checkpoint"
-    with name_lost_ranks(
-        owner, directory, world_scope()
-    ):  # a rank lost in a world-wide agreement, named
+    prepare = functools.partial(prepare_rank_files_load, strict=strict)
+    copies = _run_per_module("load", Path(directory), models, modules, optimizer, naming, prepare)
+    for copy in copies:
+        copy()
+
+
+def _run_per_module(
+    verb: str,
+    directory: Path,
+    models: Mapping[str, Any],
+    modules: MultiModuleCollection,
+    optimizer: MultiModuleOptimizer | None,
+    naming: Mapping[str, NamingOptions] | None,
+    step: Callable[..., Any],
+) -> list[Any]:
+    """What ``step(directory / module name, model, optimizer, **naming keywords and collection)`` returns for
+    each module this rank runs, once every rank agreed on the input (``verb``: ``save`` or ``load``, the
+    function's name). A module's failed step is raised on every rank, naming the module, only once every
+    module was tried: the others' are complete."""
+    owner = f"pgregistry.modules.{verb}_checkpoint"
+    # A rank lost in a world-wide agreement, named.
+    with name_lost_ranks(owner, directory, world_scope()):
         given, naming = _agree_on_models(models, modules, optimizer, naming, owner)
         errors: list[str] = []
-        copies = []
+        results: list[Any] = []
         for name, model in given.items():
             try:
                 options: dict[str, Any] = {**naming.get(name, {}), "pg_collection": modules[name]}
-                copies.append(
-                    prepare_rank_files_load(
-                        directory / name,
-                        model,
-                        _optimizer_of(optimizer, name),
-                        strict=strict,
-                        **options,
-                    )
-                )
+                module_optimizer = None if optimizer is None else optimizer.optimizers[name]
+                results.append(step(directory / name, model, module_optimizer, **options))
             except (ValueError, OSError, RuntimeError) as exc:
                 errors.append(f"module {name!r}: {type(exc).__name__}: {exc}")
         check_agreement(
             owner,
             describe_modules(modules),
             "; ".join(errors) or None,
-            failed="failed to load",
+            failed=f"failed to {verb}",
             advice=MODULES_ADVICE,
         )
-    for copy in copies:
-        copy()
-
-
-def _optimizer_of(optimizer: MultiModuleOptimizer | None, name: str) -> Any:
-    return optimizer.optimizers[name] if optimizer is not None else None
+    return results
 
 
 def _agree_on_models(
