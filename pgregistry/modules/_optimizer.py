@@ -34,12 +34,13 @@ import torch
 
 from pgregistry._runtime.agreement import check_agreement, combine_faults
 from pgregistry.collection import ProcessGroupCollection
-from pgregistry.grad_stats import check_expert_classification, clip_grads_
+from pgregistry.grad_stats import check_expert_classification
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._options import describe_options, options_error
 from pgregistry.modules._stats import (
     check_models,
+    clip_to_job_norm,
     describe_modules,
     module_values,
     reduce_over_modules,
@@ -273,13 +274,7 @@ class MultiModuleOptimizer:
             for child in optimizer.chained_optimizers
             for grad in child.grads_to_clip()
         ]
-        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same on every rank
-            raise RuntimeError(
-                f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are "
-                "left as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
-            )
-        if grads:
-            clip_grads_(grads, max_norm, total)
+        clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
 
 
 def _check_built_on_module(name: str, optimizer: Any, collection: ProcessGroupCollection) -> None:

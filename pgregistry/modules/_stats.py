@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_models",
     "clip_grad_norm_",
+    "clip_to_job_norm",
     "count_zeros",
     "describe_modules",
     "grad_norm",
@@ -188,17 +189,23 @@ def clip_grad_norm_(
         list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
     )
     assert total is not None
-    if error_if_nonfinite and not bool(
-        torch.isfinite(total)
-    ):  # the same on every rank, modules or none
+    grads = [grad for model in given.values() for grad in _local_grads(model)]
+    clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
+    return total
+
+
+def clip_to_job_norm(
+    grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, error_if_nonfinite: bool
+) -> None:
+    """Scale ``grads`` in place to a job-wide norm ``total`` of ``max_norm``; with ``error_if_nonfinite``,
+    ``RuntimeError`` for a NaN or infinite ``total``, on every rank (``total`` is the same on all)."""
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are left "
             "as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
         )
-    grads = [grad for model in given.values() for grad in _local_grads(model)]
     if grads:
         clip_grads_(grads, max_norm, total)
-    return total
 
 
 # --------------------------------------------------------------------------------------------------- combining
