@@ -166,27 +166,7 @@ def _view_with(dim: str) -> tuple[str, tuple[str, ...]]:
     raise AssertionError(f"no view has dim {dim!r}")
 
 
-def _field_of(dim: str, sizes: _Sizes) -> GroupName | None:
-    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP, which no
-    field holds (the replicate split of ``dp``, without CP)."""
-    hsdp = sizes.dp_replicate > 1
-    fields: dict[str, GroupName | None] = {
-        "pp": "pp",
-        "cp": "cp",
-        "tp": "tp",
-        "ep": "ep",
-        "batch": "dp",
-        "dp": "dp",
-        "loss": "dp_cp",
-        "fsdp": "intra_dp_cp" if hsdp else "dp_cp",
-        "efsdp": "intra_expt_dp" if hsdp else "expt_dp",
-        "dp_replicate": "inter_dist_opt",
-        "dp_shard": ("intra_dp_cp" if sizes.cp == 1 else None) if hsdp else "dp",
-    }
-    return fields[dim]
-
-
-_KIND_OF: Final[dict[str, str]] = {
+_KIND_OF: Final[dict[str, GroupName]] = {
     "pp": "pp",
     "cp": "cp",
     "tp": "tp",
@@ -195,7 +175,22 @@ _KIND_OF: Final[dict[str, str]] = {
     "dp": "dp",
     "loss": "dp_cp",
 }
-"""torchtitan dims that are a layout group kind."""
+"""torchtitan dims that are a layout group kind, which the collection field of the same name holds."""
+
+
+def _field_of(dim: str, sizes: _Sizes) -> GroupName | None:
+    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP, which no
+    field holds (the replicate split of ``dp``, without CP)."""
+    hsdp = sizes.dp_replicate > 1
+    fields: dict[str, GroupName | None] = {
+        **_KIND_OF,
+        "fsdp": "intra_dp_cp" if hsdp else "dp_cp",
+        "efsdp": "intra_expt_dp" if hsdp else "expt_dp",
+        "dp_replicate": "inter_dist_opt",
+        "dp_shard": ("intra_dp_cp" if sizes.cp == 1 else None) if hsdp else "dp",
+    }
+    return fields[dim]
+
 
 _SPLIT_OF: Final[dict[str, str]] = {
     "fsdp": "dp_cp",
