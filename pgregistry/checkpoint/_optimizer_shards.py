@@ -27,7 +27,7 @@ from pgregistry.checkpoint._agreement import (
 from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
-from pgregistry.optim._state_check import refuse_faults
+from pgregistry.optim._state_check import first_few_quoted, refuse_faults
 
 __all__ = [
     "cut_optimizer_shards",
@@ -304,8 +304,8 @@ def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scop
     union = max_over_ranks([int(name in held) for name in saved], scope)
     unheld = [name for name, used in zip(saved, union, strict=True) if not used]
     if unheld:
-        shown = ", ".join(repr(name) for name in unheld[:5])
         raise ValueError(
             f"the optimizer shards of {directory} hold {len(unheld)} parameters no rank's optimizer holds, e.g. "
-            f"{shown} (another model, more layers or more experts?); pass strict=False to load a subset on purpose"
+            f"{first_few_quoted(unheld, 5)} (another model, more layers or more experts?); pass strict=False to "
+            "load a subset on purpose"
         )

@@ -24,7 +24,7 @@ optimizer itself (a misshaped ``exp_avg``) once they are read, still before anyt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
@@ -42,6 +42,7 @@ from pgregistry.checkpoint._by_name import (
 from pgregistry.optim._base import FlatOptimizer
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._param_state import as_param_state_optimizer
+from pgregistry.optim._state_check import first_few_quoted
 
 __all__ = ["Stored", "refuse_misfits"]
 
@@ -114,25 +115,18 @@ def refuse_misfits(
     unexpected = [key for key, used in zip(keys, union, strict=True) if not used]
     if unexpected:
         raise ValueError(
-            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. {_first_few(unexpected)} "
-            f"(another model, more layers or more experts than this model's?); {_NON_STRICT}"
+            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. "
+            f"{first_few_quoted(unexpected, _SHOWN)} (another model, more layers or more experts than this "
+            f"model's?); {_NON_STRICT}"
         )
-
-
-def _first_few(names: Iterable[str]) -> str:
-    """The first few of ``names`` in sorted order, quoted."""
-    listed = sorted(names)
-    shown = ", ".join(repr(name) for name in listed[:_SHOWN])
-    return shown + (", ..." if len(listed) > _SHOWN else "")
 
 
 def _describe_missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
     missing = [name for name in model.params if MODEL_PREFIX + name not in stored]
     if not missing:
         return ""
-    return (
-        f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {_first_few(missing)}"
-    )
+    shown = first_few_quoted(missing, _SHOWN)
+    return f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}"
 
 
 def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:
@@ -183,13 +177,13 @@ def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer:
     if unsaved:
         return (
             f"the checkpoint holds no optimizer state for {len(unsaved)} of the parameters this rank's optimizer "
-            f"updates, e.g. {_first_few(unsaved)} (saved with an optimizer over other parameters?); pass strict=False "
-            "to keep their fresh state"
+            f"updates, e.g. {first_few_quoted(unsaved, _SHOWN)} (saved with an optimizer over other "
+            "parameters?); pass strict=False to keep their fresh state"
         )
     if foreign:
         return (
             f"the checkpoint holds optimizer state for {len(foreign)} parameters this rank's optimizer does not "
-            f"update, e.g. {_first_few(foreign)}; {_NON_STRICT}"
+            f"update, e.g. {first_few_quoted(foreign, _SHOWN)}; {_NON_STRICT}"
         )
     return ""
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChecksItsStateDict",
+    "first_few_quoted",
     "inner_param_state_faults",
     "inner_state_faults",
     "missing_and_extra",
@@ -78,16 +79,14 @@ def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) 
     faults = []
     for verb, names in (("lacks", expected - saved), ("holds unexpected", saved - expected)):
         if names:
-            faults.append(f"it {verb} {len(names)} {what}, e.g. {_first_few_quoted(names)}")
+            faults.append(f"it {verb} {len(names)} {what}, e.g. {first_few_quoted(names)}")
     return faults
 
 
-def _first_few_quoted(names: Iterable[str]) -> str:
-    """The first few of ``names`` in sorted order, quoted."""
+def first_few_quoted(names: Iterable[str], shown: int = _SHOWN) -> str:
+    """The first ``shown`` of ``names`` in sorted order, quoted (``, ...`` after them when there are more)."""
     listed = sorted(names)
-    return ", ".join(repr(name) for name in listed[:_SHOWN]) + (
-        ", ..." if len(listed) > _SHOWN else ""
-    )
+    return ", ".join(map(repr, listed[:shown])) + (", ..." if len(listed) > shown else "")
 
 
 def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = False) -> list[str]:
@@ -137,14 +136,14 @@ def inner_state_faults(
     faults = []
     if foreign:
         faults.append(
-            f"it holds state for {len(foreign)} ids no param group lists, e.g. {_first_few_quoted(foreign)}"
+            f"it holds state for {len(foreign)} ids no param group lists, e.g. {first_few_quoted(foreign)}"
         )
     lacking = [name for pid, name in zip(ids, names, strict=True) if not state.get(pid)]
     if (
         state and lacking
     ):  # saved after a step: every parameter has state (each has a grad in the buffer)
         faults.append(
-            f"it lacks the state of {len(lacking)} parameters, e.g. {_first_few_quoted(lacking)}"
+            f"it lacks the state of {len(lacking)} parameters, e.g. {first_few_quoted(lacking)}"
         )
     return faults + _elementwise_faults(state, ids, tensors, names, cast=False)
 
