@@ -119,7 +119,7 @@ def _run_layout(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pgregistry layout: error: {exc}", file=sys.stderr)
         return 2
-    text = _format_report(report)
+    text = _format_report(report, layout)
     if placement is not None:
         text += "\n\n" + layout_views.placement_table(report["placement"])
     print(json.dumps(report) if args.json else text)
@@ -217,7 +217,7 @@ def _format_group(group: list[int]) -> str:
     return f"[{head}, ..., {group[-1]}]({len(group)})"
 
 
-def _format_report(report: dict[str, Any]) -> str:
+def _format_report(report: dict[str, Any], layout: ParallelLayout) -> str:
     sizes = report["layout"]
     first, stop, world = (
         sizes["rank_offset"],
@@ -231,20 +231,7 @@ def _format_report(report: dict[str, Any]) -> str:
     )
     lines = [
         f"layout: {sizes['num_ranks']} ranks{span}, order {sizes['order']}; "
-        + ", ".join(
-            f"{axis} {sizes[axis]}"
-            for axis in (
-                "tp",
-                "gtp_remat",
-                "cp",
-                "dp",
-                "pp",
-                "expt_tp",
-                "ep",
-                "expt_gtp_remat",
-                "expt_dp",
-            )
-        )
+        + ", ".join(f"{axis} {size}" for axis, size in layout.axis_sizes().items())
         + f"; fingerprint {sizes['fingerprint']}",
         "",
     ]
