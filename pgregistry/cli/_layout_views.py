@@ -167,16 +167,17 @@ def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, 
     }
 
 
+def _range_text(low: int, high: int) -> str:
+    """``low``, or ``low-high`` when they differ."""
+    return str(low) if low == high else f"{low}-{high}"
+
+
 def placement_table(report: dict[str, Any]) -> str:
     """The placement report as text."""
     g = report["gpus_per_node"]
     span = report["nodes"].startswith("ranks ")  # a layout over part of the world
     per_rank = report["communicators_per_rank"]
-    joins = (
-        str(per_rank["min"])
-        if per_rank["min"] == per_rank["max"]
-        else f"{per_rank['min']}-{per_rank['max']}"
-    )
+    joins = _range_text(per_rank["min"], per_rank["max"])
     lines = [
         f"placement: {report['nodes']} (rank r on node r // {g}); each rank {'of the layout ' * span}joins {joins} "
         f"communicators; should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
@@ -184,8 +185,7 @@ def placement_table(report: dict[str, Any]) -> str:
     ]
     rows = [("kind", "groups", "size", "nodes/group", "placement")]
     for kind, info in report["kinds"].items():
-        spans = info["min_nodes"], info["max_nodes"]
-        nodes_per_group = str(spans[0]) if spans[0] == spans[1] else f"{spans[0]}-{spans[1]}"
+        nodes_per_group = _range_text(info["min_nodes"], info["max_nodes"])
         rows.append(
             (kind, str(info["groups"]), str(info["size"]), nodes_per_group, info["verdict"])
         )
@@ -381,11 +381,7 @@ def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
     if report["overlap"] is None:
         lines.append("their spans are disjoint: no communicator can be shared")
     per_rank = report["communicators_per_rank"]
-    joins = (
-        str(per_rank["min"])
-        if per_rank["min"] == per_rank["max"]
-        else f"{per_rank['min']}-{per_rank['max']}"
-    )
+    joins = _range_text(per_rank["min"], per_rank["max"])
     created = f"{a + b - report['shared']}, not {a + b}" if report["shared"] else f"{a + b}"
     lines += [
         f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} (the registry creates "
