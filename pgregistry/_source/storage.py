@@ -45,13 +45,16 @@ def _reason_of(error: OSError) -> str:
     return error.strerror or str(error) or type(error).__name__
 
 
-def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` all at once: temporary file in the same directory, ``fsync`` (when
-    ``durable``), rename. Raises :class:`StorageError` on any OS error; ``path`` is then untouched and no
-    temporary file is left behind. The file keeps its mode; a new one gets the mode any new file gets (``0666``
-    less the umask, as ``open`` makes it), not ``mkstemp``'s ``0600``."""
+def atomic_write(
+    path: Path, data: bytes, *, durable: bool = True, make_parents: bool = True
+) -> None:
+    """Replace ``path`` with ``data`` all at once: temporary file in the same directory (created first with
+    ``make_parents``), ``fsync`` (when ``durable``), rename. Raises :class:`StorageError` on any OS error;
+    ``path`` is then untouched and no temporary file is left behind. The file keeps its mode; a new one gets the
+    mode any new file gets (``0666`` less the umask, as ``open`` makes it), not ``mkstemp``'s ``0600``."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if make_parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = _new_temporary(path)
     except OSError as error:
         raise StorageError(f"cannot write {path}: {_reason_of(error)}") from error

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pgregistry._source.storage import atomic_write
 from pgregistry.cli._columns import align_columns
 from pgregistry.cli._options import check_span, intra_node_kinds
 
@@ -214,30 +213,12 @@ def write_pictures(
 def _write_svg_and_html(args: argparse.Namespace, svg: str, title: str) -> None:
     from pgregistry.cli._layout_svg import svg_to_html
 
+    # Through a temporary file and a rename: never a half-written picture.
     if args.svg:
-        _write_atomically(Path(args.svg), svg)
+        atomic_write(Path(args.svg), svg.encode("utf-8"), durable=False, make_parents=False)
     if args.html:
-        _write_atomically(Path(args.html), svg_to_html(svg, title))
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written picture."""
-    try:
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    except OSError as exc:
-        raise OSError(f"cannot write {path}: {exc.strerror}") from None
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(
-            temporary, 0o666 & ~umask
-        )  # what open() would have given; mkstemp makes it private
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        html = svg_to_html(svg, title).encode("utf-8")
+        atomic_write(Path(args.html), html, durable=False, make_parents=False)
 
 
 def warn_and_check(
