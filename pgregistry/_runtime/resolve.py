@@ -47,6 +47,7 @@ __all__ = [
     "check_usable",
     "fill_unset_fields",
     "grid_reads",
+    "normalise_model",
     "normalise_params",
     "params_of_source",
     "resolve_pg_collection",
@@ -103,6 +104,17 @@ def normalise_params(model_or_params: ParamsLike) -> Params:
     """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
     iterables of tensors: :func:`params_of_source` of its :func:`source_of`."""
     return params_of_source(source_of(model_or_params))
+
+
+def normalise_model(model_chunks: ParamsLike, owner: str) -> Params:
+    """:func:`normalise_params` of a model or model chunks; ``TypeError`` naming ``owner`` for anything else
+    (tensors, a mapping), for the entry points that need the modules."""
+    params = normalise_params(model_chunks)
+    if not params.chunks:
+        raise TypeError(
+            f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}"
+        )
+    return params
 
 
 def params_of_source(source: Source) -> Params:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry._runtime.resolve import normalise_params, resolve_pg_collection
+from pgregistry._runtime.resolve import normalise_model, normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import Scope, run_agreed_step, scope_of
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
@@ -163,11 +163,7 @@ def rank_model(
     fallback warnings). ``scope`` is the ranks the call runs over (:func:`checkpoint_scope`); it must be the
     resolved collection's (``ValueError`` otherwise)."""
     check_naming_options(naming, owner)
-    chunks = normalise_params(model_chunks).chunks
-    if not chunks:
-        raise TypeError(
-            f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}"
-        )
+    chunks = normalise_model(model_chunks, owner).chunks
     collection = resolve_pg_collection(
         naming.get("pg_collection"), chunks, owner=owner, fallback=_CHECKPOINT_FALLBACK
     )

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypedDict
 
-from pgregistry._runtime.resolve import normalise_params, resolve_pg_collection
+from pgregistry._runtime.resolve import normalise_model, resolve_pg_collection
 from pgregistry.attachments import wrapper_chain
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
 from pgregistry.experts._ep import ep_rank_and_size
@@ -97,7 +97,7 @@ class GlobalNamer:
         """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection is resolved
         (explicit, else attached, else the global grid with a warning) when first needed."""
         check_naming_options(options, owner)
-        chunks = _model_chunks(model_chunks, owner)
+        chunks = normalise_model(model_chunks, owner).chunks
         pg_collection = options.get("pg_collection")
 
         def resolve_naming_collection() -> ProcessGroupCollection:
@@ -274,17 +274,6 @@ def get_global_unique_param_name(
             if candidate is param:
                 return namer.name(index, local_name)
     raise _not_held(param, len(namer.chunks))
-
-
-def _model_chunks(
-    model_chunks: nn.Module | Sequence[nn.Module], owner: str
-) -> tuple[nn.Module, ...]:
-    chunks = normalise_params(model_chunks).chunks
-    if not chunks:
-        raise TypeError(
-            f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}"
-        )
-    return chunks
 
 
 def _chain_attribute(module: nn.Module, name: str) -> Any:

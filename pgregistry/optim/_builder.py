@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pgregistry._runtime.agreement import any_rank_has_each
-from pgregistry._runtime.resolve import normalise_params
+from pgregistry._runtime.resolve import normalise_model
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
@@ -148,11 +148,7 @@ def build_optimizer(
         clip_grad_norm_(model, 1.0, pg)
         optimizer.step()
     """
-    params = normalise_params(model)
-    if not params.chunks:
-        raise TypeError(
-            f"build_optimizer expects a model or model chunks, got {type(model).__name__}"
-        )
+    params = normalise_model(model, "build_optimizer")
     collection = optimizer_collection(pg_collection, params, owner="build_optimizer")
     require_classified_experts(params, collection)
     process_groups = optimizer_process_groups(

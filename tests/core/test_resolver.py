@@ -190,3 +190,17 @@ def test_an_explicit_collection_that_disagrees_with_the_attached_one_and_a_destr
         assert out["destroyed"].startswith("ValueError: grad_norm was given layout 'own' ")
         assert "whose groups pgregistry.registry.destroy() destroyed" in out["destroyed"]
         assert "get_ep_rank_and_size was given layout 'own'" in out["destroyed_explicit"]
+
+
+@pytest.mark.parametrize(
+    ("owner", "call"),
+    [
+        ("build_optimizer", lambda given: build_optimizer(given, None)),
+        ("named_global_parameters", lambda given: list(pgregistry.experts.named_global_parameters(given))),
+        ("global_param_name_fn", pgregistry.experts.global_param_name_fn),
+    ],
+)
+def test_entry_points_that_need_modules_refuse_tensors_naming_them(owner: str, call: Callable[[Any], Any]) -> None:
+    """Parameters where a model belongs: a ``TypeError`` naming the entry point, before any collection is read."""
+    with pytest.raises(TypeError, match=rf"^{owner} expects a model or model chunks, got list$"):
+        call([nn.Parameter(torch.zeros(2))])
