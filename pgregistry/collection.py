@@ -44,7 +44,7 @@ from typing import (
     overload,
 )
 
-from pgregistry.layout import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS
+from pgregistry.layout import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, GROUP_KINDS
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -147,8 +147,7 @@ FieldValue: TypeAlias = Union["ProcessGroup", "list[ProcessGroup]", None, Unset,
 FIELD_NAMES: Final[tuple[FieldName, ...]] = (*get_args(GroupName), "hcp")
 """Every field of :class:`ProcessGroupCollection`, in declaration order."""
 
-_LAYOUT_KINDS: Final = frozenset({*DENSE_GROUP_KINDS, *EXPERT_GROUP_KINDS, "embd", "pos_embd"})
-_EMBEDDING_KINDS: Final = ("embd", "pos_embd")
+_LAYOUT_KINDS: Final = frozenset(GROUP_KINDS)
 
 D = TypeVar("D")
 V = TypeVar("V")
