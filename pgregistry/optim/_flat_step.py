@@ -28,6 +28,7 @@ per-parameter names are unchanged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,14 +101,7 @@ class _Slot:
 
     @property
     def stop(self) -> int:
-        return self.start + _count_elements(self.shape)
-
-
-def _count_elements(shape: Sequence[int]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
+        return self.start + math.prod(self.shape)
 
 
 class FlatStep:
