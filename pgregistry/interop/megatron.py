@@ -465,7 +465,7 @@ def check_config(config: Any, pg_collection: Any) -> None:
 def _group_in(collection: Any, name: GroupName) -> tuple[bool, Any]:
     """(provided, group) for either package's collection."""
     if isinstance(collection, ProcessGroupCollection):
-        return (collection.is_set(name), collection.get(name) if collection.is_set(name) else None)
+        return (collection.is_set(name), collection.get_or(name, None))
     present = vars(collection)
     return (name in present, present.get(name))
 

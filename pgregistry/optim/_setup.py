@@ -151,9 +151,7 @@ def optimizer_collection(
     else:
         experts = holds_experts(params)
         if collective:
-            experts = any_rank_has(
-                experts, collection.get("mp") if collection.is_set("mp") else None
-            )
+            experts = any_rank_has(experts, collection.get_or("mp", None))
     unneeded = () if experts else EXPERT_STATS_FIELDS
     return fill_unset_fields(collection, STATS_FALLBACK, owner, unneeded=unneeded)
 
@@ -221,12 +219,8 @@ def _validate_data_parallel(
             "for a single-rank instance)",
             when="when use_distributed_optimizer=True",
         )
-    intra_dist_opt = (
-        pg_collection.get("intra_dist_opt") if pg_collection.is_set("intra_dist_opt") else UNSET
-    )
-    inter_dist_opt = (
-        pg_collection.get("inter_dist_opt") if pg_collection.is_set("inter_dist_opt") else None
-    )
+    intra_dist_opt = pg_collection.get_or("intra_dist_opt", UNSET)
+    inter_dist_opt = pg_collection.get_or("inter_dist_opt", None)
     if group_size(inter_dist_opt) > 1:
         missing = [
             name for name in ("intra_dp_cp", "intra_expt_dp") if not pg_collection.is_set(name)
@@ -239,13 +233,9 @@ def _validate_data_parallel(
     return {
         "dp": dp,
         "dp_cp": dp_cp,
-        "intra_dp_cp": pg_collection.get("intra_dp_cp")
-        if pg_collection.is_set("intra_dp_cp")
-        else dp_cp,
+        "intra_dp_cp": pg_collection.get_or("intra_dp_cp", dp_cp),
         "expt_dp": expt_dp,
-        "intra_expt_dp": pg_collection.get("intra_expt_dp")
-        if pg_collection.is_set("intra_expt_dp")
-        else expt_dp,
+        "intra_expt_dp": pg_collection.get_or("intra_expt_dp", expt_dp),
         "inter_dist_opt": inter_dist_opt,
         "intra_dist_opt": intra_dist_opt,
     }
