@@ -155,11 +155,7 @@ class _Grid:
     offset: int
 
     def strides(self) -> tuple[int, ...]:
-        out, acc = [], 1
-        for size in self.sizes:
-            out.append(acc)
-            acc *= size
-        return tuple(out)
+        return tuple(math.prod(self.sizes[:axis]) for axis in range(len(self.sizes)))
 
     def mask(self, kind_axes: tuple[str, ...]) -> tuple[bool, ...]:
         unknown = [a for a in kind_axes if a not in self.axes]
