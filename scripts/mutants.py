@@ -108,7 +108,7 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/grad_stats/_plan.py",
         find=(
 
-            'same = not any(map(len, self._empty_holders)) and _same_objects(\n'
+            'same = _all_empty(self._empty_holders) and _same_objects(\n'
             '                self._current_holder_contents(), self._held\n'
             '            )'
 
@@ -122,6 +122,17 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/grad_stats/_plan.py",
         find="and all(map(_NO_ROLE, self._roleless))",
         replace="and True",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before",
+        ),
+    ),
+    Mutant(
+        name="kept-plan-misses-a-role-on-a-bare-parameter",
+        bug="a kept classification misses a role set as the first attribute of a parameter that had none",
+        file="pgregistry/grad_stats/_plan.py",
+        find="_all_empty(self._bare)",
+        replace="True",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before",

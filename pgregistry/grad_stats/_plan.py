@@ -130,6 +130,13 @@ def _same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
+def _all_empty(dicts: list[dict[Any, Any]]) -> bool:
+    """Whether every dictionary of ``dicts`` is empty: ``any`` tests each one's truth through its type's length
+    slot in C (no ``len`` call, no int made per dictionary), a quarter of the time of ``any(map(len, dicts))`` on
+    the 2-core machine, at 2,000 and 20,000 dictionaries alike."""
+    return not any(dicts)
+
+
 @attrs.frozen(slots=True)
 class _Kind:
     """One (device, dtype) list of pieces: where they are among the pieces, how to read them."""
@@ -512,7 +519,7 @@ class Kept:
                 return None
             if not _same_objects(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            same = not any(map(len, self._empty_holders)) and _same_objects(
+            same = _all_empty(self._empty_holders) and _same_objects(
                 self._current_holder_contents(), self._held
             )
             return self.params if same else None
@@ -527,11 +534,11 @@ class Kept:
     def _current_holder_contents(self) -> list[Any]:
         """What the modules' child and parameter dictionaries that were not empty when the plan was made hold now,
         in order. With the empty ones still empty (most: a leaf module has no children, a container no parameters;
-        one ``len`` each), equal flattened contents mean the same modules and parameters in the same order: a
-        parameter could only have moved between two dictionaries next to each other in that order, which leaves
-        every statistic as it was (its roles are its own, not its module's), so the non-empty dictionaries' lengths
-        are not read. Read through the dictionaries' values views, made with the plan (a view is live): a call makes
-        no view per dictionary (17-33% of this check on the 2-core machine)."""
+        one truth test each, :func:`_all_empty`), equal flattened contents mean the same modules and parameters in
+        the same order: a parameter could only have moved between two dictionaries next to each other in that
+        order, which leaves every statistic as it was (its roles are its own, not its module's), so the non-empty
+        dictionaries' lengths are not read. Read through the dictionaries' values views, made with the plan (a
+        view is live): a call makes no view per dictionary (17-33% of this check on the 2-core machine)."""
         return list(chain.from_iterable(self._held_views))
 
     def _role_values(self) -> list[Any]:
@@ -541,10 +548,10 @@ class Kept:
 
     def _same_roles(self) -> bool:
         """Whether every parameter's roles are those the plan was made with: parameters without attributes then
-        still have none (one ``len`` each), those whose attributes held no role still hold none (FSDP2 marks its
+        still have none (:func:`_all_empty`), those whose attributes held no role still hold none (FSDP2 marks its
         parameters with ``_is_param``), and the roles of the others are equal."""
         return (
-            not any(map(len, self._bare))
+            _all_empty(self._bare)
             and all(map(_NO_ROLE, self._roleless))
             and self._role_values() == self._roles
         )
