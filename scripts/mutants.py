@@ -108,13 +108,25 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/grad_stats/_plan.py",
         find=(
 
-            'same = not any(map(len, self._empty_holders)) and _same_objects(\n'
+            'same = _all_empty(self._empty_holders) and _same_stream(\n'
             '                self._current_holder_contents(), self._held\n'
             '            )'
 
         ),
-        replace='same = _same_objects(self._current_holder_contents(), self._held)',
+        replace='same = _same_stream(self._current_holder_contents(), self._held)',
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_a_changed_parameter_set_is_seen",),
+    ),
+    Mutant(
+        name="kept-plan-misses-the-last-parameter-removed",
+        bug="a kept classification compares the parameter set's objects but not where the stream ends: the last "
+        "module's last parameter removed goes unseen",
+        file="pgregistry/grad_stats/_plan.py",
+        find="return all(map(operator.is_, chain(current, (_END,)), held))",
+        replace="return all(map(operator.is_, current, held))",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_parameter_removed_or_added_at_the_end_of_the_parameter_set_is_seen",
+        ),
     ),
     Mutant(
         name="kept-plan-misses-a-role",
@@ -122,6 +134,17 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/grad_stats/_plan.py",
         find="and all(map(_NO_ROLE, self._roleless))",
         replace="and True",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before",
+        ),
+    ),
+    Mutant(
+        name="kept-plan-misses-a-role-on-a-bare-parameter",
+        bug="a kept classification misses a role set as the first attribute of a parameter that had none",
+        file="pgregistry/grad_stats/_plan.py",
+        find="_all_empty(self._bare)",
+        replace="True",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before",

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -125,9 +125,29 @@ def _as_list(items: Sequence[Any]) -> list[Any]:
     return items if type(items) is list else list(items)
 
 
+_END: Final = object()
+"""Ends a stream of objects compared by :func:`_same_stream` (private: no module, parameter or tensor is it)."""
+
+
+def _same_stream(current: Iterable[object], held: list[object]) -> bool:
+    """Whether ``current`` yields the objects of ``held`` (which ends with :data:`_END`) in order, by identity, at C
+    speed and without making a list of them (at 20,000 parameters, the 30,000 items' list took half this check on
+    the 2-core machine). ``map`` stops at the shorter of the two: ``current`` followed by :data:`_END` meets ``held``'s
+    end marker with an object where it is longer, and its own end marker meets a held object where it is shorter,
+    so only the same objects in the same number compare equal."""
+    return all(map(operator.is_, chain(current, (_END,)), held))
+
+
 def _same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
     """Whether two sequences hold the same objects (identity), at C speed."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _all_empty(dicts: list[dict[Any, Any]]) -> bool:
+    """Whether every dictionary of ``dicts`` is empty: ``any`` tests each one's truth through its type's length
+    slot in C (no ``len`` call, no int made per dictionary), a quarter of the time of ``any(map(len, dicts))`` on
+    the 2-core machine, at 2,000 and 20,000 dictionaries alike."""
+    return not any(dicts)
 
 
 @attrs.frozen(slots=True)
@@ -483,7 +503,7 @@ class Kept:
         self._held_views = [
             holder.values() for holder in holders if holder
         ]  # live: made once, read each call
-        self._held = self._current_holder_contents()
+        self._held = [*self._current_holder_contents(), _END]
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
         if (
@@ -512,7 +532,7 @@ class Kept:
                 return None
             if not _same_objects(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            same = not any(map(len, self._empty_holders)) and _same_objects(
+            same = _all_empty(self._empty_holders) and _same_stream(
                 self._current_holder_contents(), self._held
             )
             return self.params if same else None
@@ -524,15 +544,16 @@ class Kept:
         assert self._take_params is not None
         return self._take_params(tensors)
 
-    def _current_holder_contents(self) -> list[Any]:
+    def _current_holder_contents(self) -> Iterator[Any]:
         """What the modules' child and parameter dictionaries that were not empty when the plan was made hold now,
         in order. With the empty ones still empty (most: a leaf module has no children, a container no parameters;
-        one ``len`` each), equal flattened contents mean the same modules and parameters in the same order: a
-        parameter could only have moved between two dictionaries next to each other in that order, which leaves
-        every statistic as it was (its roles are its own, not its module's), so the non-empty dictionaries' lengths
-        are not read. Read through the dictionaries' values views, made with the plan (a view is live): a call makes
-        no view per dictionary (17-33% of this check on the 2-core machine)."""
-        return list(chain.from_iterable(self._held_views))
+        one truth test each, :func:`_all_empty`), equal flattened contents mean the same modules and parameters in
+        the same order: a parameter could only have moved between two dictionaries next to each other in that
+        order, which leaves every statistic as it was (its roles are its own, not its module's), so the non-empty
+        dictionaries' lengths are not read. Read through the dictionaries' values views, made with the plan (a
+        view is live): a call makes no view per dictionary (17-33% of this check on the 2-core machine). An
+        iterator: :func:`_same_stream` compares it with what they held, one object after another."""
+        return chain.from_iterable(self._held_views)
 
     def _role_values(self) -> list[Any]:
         """The roles of the parameters that had one, a parameter's four after another (as :func:`_piece_facts`)."""
@@ -541,10 +562,10 @@ class Kept:
 
     def _same_roles(self) -> bool:
         """Whether every parameter's roles are those the plan was made with: parameters without attributes then
-        still have none (one ``len`` each), those whose attributes held no role still hold none (FSDP2 marks its
+        still have none (:func:`_all_empty`), those whose attributes held no role still hold none (FSDP2 marks its
         parameters with ``_is_param``), and the roles of the others are equal."""
         return (
-            not any(map(len, self._bare))
+            _all_empty(self._bare)
             and all(map(_NO_ROLE, self._roleless))
             and self._role_values() == self._roles
         )

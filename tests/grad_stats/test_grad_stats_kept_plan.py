@@ -94,6 +94,20 @@ def test_a_changed_parameter_set_is_seen() -> None:
     _check(model, _grads(model), "a submodule registered in the module's dictionary")
 
 
+def test_a_parameter_removed_or_added_at_the_end_of_the_parameter_set_is_seen() -> None:
+    """The kept plan compares what the modules' dictionaries hold with what they held as one stream of objects,
+    the parameter dictionaries after the child dictionaries, module after module, and compares the streams' ends
+    too: the last module's last parameter removed, or a parameter added after it, changes no object before it."""
+    model = _model()
+    _check(model, _grads(model), "first call")
+    assert list(model.modules())[-1] is model.b and list(model.b._parameters)[-1] == "bias", "the stream's end"
+    del model.b.bias
+    _check(model, [model.a.weight.grad, model.a.bias.grad, model.b.weight.grad], "the last parameter removed")
+    model.b.extra = nn.Parameter(torch.zeros(3))
+    model.b.extra.grad = _fill(model.b.extra, 16)
+    _check(model, _grads(model), "a parameter added after the last")
+
+
 def test_containers_that_renumber_into_a_new_dictionary_are_seen() -> None:
     """Deleting from a ``ModuleList`` or ``Sequential`` renumbers the rest into a new dictionary; the kept plan holds
     the old one, which torch changed first: the next call sees the new parameter set, and so does every call after."""
