@@ -221,7 +221,7 @@ class _Instruction:
             {function for _, function in self.threaded}
             | {q.rpartition(".")[2] for _, q in self.upward.functions}
             | set(self.upward.methods)
-            | set(self.spec_fields.passed)
+            | {spec_field for _, _, spec_field in self.spec_fields.passed}
             | ({"build_module"} if self.spec_fields.passed else set())
         )
 

@@ -1688,14 +1688,14 @@ def decide_passes(
     name: str,
     threaded: Mapping[tuple[str, str], str] | None = None,
     methods: Mapping[str, str] | None = None,
-    spec_fields: Mapping[str, str] | None = None,
+    spec_fields: Mapping[tuple[str, str, str], str] | None = None,
 ) -> int:
     """Decide which calls pass a threaded function the caller's collection (the caller's own, or the one threaded
     into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``: every file's
     :func:`collect_threaded_functions` (default: those of ``plans``); ``methods``: method names every ``def`` of
     which in the tree has the parameter (name -> keyword): a call ``obj.m(...)`` on anything no import binds passes
-    it; ``spec_fields``: the spec fields whose every class takes it (field -> keyword,
-    :mod:`~pgregistry.migrate._spec_fields`): ``submodules.X(...)`` and ``build_module(submodules.X, ...)``."""
+    it; ``spec_fields``: the calls of a spec's field whose every class takes it ((module, function, field) ->
+    keyword, :mod:`~pgregistry.migrate._spec_fields`): ``submodules.X(...)``, ``build_module(submodules.X, ...)``."""
     if threaded is None:
         threaded = collect_threaded_functions(plans)
     count = 0
@@ -1714,7 +1714,7 @@ def decide_passes(
             ):
                 keyword = methods.get(call.dotted[-1])
             if keyword is None and spec_fields:
-                keyword = _spec_keyword(call, spec_fields)
+                keyword = _spec_keyword(plan.module, call, spec_fields)
             caller = call.function
             if keyword is None or caller is None:
                 continue
@@ -1752,8 +1752,11 @@ def decide_passes(
     return count
 
 
-def _spec_keyword(call: Call, spec_fields: Mapping[str, str]) -> str | None:
-    """The keyword a call of a spec's field passes (``spec_fields``: field -> keyword), None when it is none."""
+def _spec_keyword(
+    module: str, call: Call, spec_fields: Mapping[tuple[str, str, str], str]
+) -> str | None:
+    """The keyword a call of a spec's field in ``module`` passes (``spec_fields``: (module, function, field) ->
+    keyword), None when it is none."""
     # Imported here: that module reads import bindings through _upward, which imports this one.
     from pgregistry.migrate._spec_fields import spec_field_of_call
 
@@ -1764,7 +1767,9 @@ def _spec_keyword(call: Call, spec_fields: Mapping[str, str]) -> str | None:
         else None
     )
     spec_field = spec_field_of_call(call.dotted, first)
-    return spec_fields.get(spec_field) if spec_field is not None else None
+    if spec_field is None or call.function is None:
+        return None
+    return spec_fields.get((module, call.function.qualname, spec_field))
 
 
 def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:

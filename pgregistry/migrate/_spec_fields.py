@@ -58,10 +58,10 @@ class SpecCallLeft:
 
 @dataclass(frozen=True)
 class SpecFields:
-    """What the rule decided: the fields whose calls pass the collection (field -> keyword), and the calls left
-    (a field that holds a threaded class but not only classes shown to take the keyword)."""
+    """What the rule decided: the calls that pass the collection ((module, function, field) -> keyword), and the
+    calls left (a field that may hold a threaded class but not only classes shown to take the keyword)."""
 
-    passed: Mapping[str, str] = field(default_factory=dict)
+    passed: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
     left: tuple[SpecCallLeft, ...] = ()
 
 
@@ -172,7 +172,7 @@ class _Tree:
                 f"{label} takes {self.keyword} already, with a meaning of its own (given a collection"
                 " without the fields it reads, it may fail where it built its own)"
             )
-        return f"{label} does not take {self.keyword}"
+        return f"{label} has no parameter {self.keyword}"
 
     def _declares_keyword(self, key: Key, threaded: Mapping[Key, str], depth: int = 0) -> bool:
         """Whether ``key``'s ``__init__`` (its own or the one it inherits in the tree) or ``def`` has the
@@ -212,21 +212,66 @@ class _Values:
     unknown: str = ""
 
 
+#: Each name a scope assigns -> the values assigned to it.
+Locals = Mapping[str, list[ast.expr]]
+
+
+def _assigned_names(scope: ast.AST) -> dict[str, list[ast.expr]]:
+    """The plain names ``scope`` (a function, or a module's top level) assigns, with their values (a function's
+    nested functions' too: more values only make the rule more careful)."""
+    found: dict[str, list[ast.expr]] = {}
+    stack = list(ast.iter_child_nodes(scope))
+    while stack:
+        node = stack.pop()
+        if isinstance(scope, ast.Module) and isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ):
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found.setdefault(target.id, []).append(node.value)
+        stack += ast.iter_child_nodes(node)
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        arguments = scope.args
+        for parameter in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs):
+            found.pop(parameter.arg, None)  # its callers' values are not known here
+    return found
+
+
+def _walk_with_locals(module: ast.Module) -> Iterator[tuple[ast.AST, Locals]]:
+    """Every node of ``module`` with the names its innermost function (or the module) assigns."""
+    stack: list[tuple[ast.AST, Locals]] = [(module, _assigned_names(module))]
+    while stack:
+        node, names = stack.pop()
+        yield node, names
+        for child in ast.iter_child_nodes(node):
+            inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            stack.append((child, _assigned_names(child) if inner else names))
+
+
 def _field_values(
-    tree: _Tree, value: ast.expr, where: _Module, found: _Values, depth: int = 0
+    tree: _Tree,
+    value: ast.expr,
+    where: _Module,
+    found: _Values,
+    depth: int = 0,
+    names: Locals | None = None,
 ) -> None:
-    """Add the classes ``value`` (in ``where``) may be to ``found``."""
+    """Add the classes ``value`` (in ``where``; ``names``: what its scope assigns) may be to ``found``."""
     spot = f"{where.path}:{value.lineno}"
+    names = names or {}
     if isinstance(value, ast.Constant) and value.value is None:
         return
     if isinstance(value, ast.IfExp):
-        _field_values(tree, value.body, where, found, depth)
-        _field_values(tree, value.orelse, where, found, depth)
+        _field_values(tree, value.body, where, found, depth, names)
+        _field_values(tree, value.orelse, where, found, depth, names)
         return
     if isinstance(value, ast.Call):
         callee = _dotted(value.func) or []
         if callee[-1:] == ["not_none"] and len(value.args) == 1 and not value.keywords:
-            _field_values(tree, value.args[0], where, found, depth)
+            _field_values(tree, value.args[0], where, found, depth, names)
             return
         if callee[-1:] == ["ModuleSpec"]:
             _module_spec_values(tree, value, where, found, depth)
@@ -241,6 +286,10 @@ def _field_values(
             return
     dotted = _dotted(value)
     key = tree.resolve(dotted, where) if dotted is not None else None
+    if key is None and isinstance(value, ast.Name) and value.id in names and depth < 4:
+        for assigned in names[value.id]:  # a local the scope assigns a class to
+            _field_values(tree, assigned, where, found, depth + 1, names)
+        return
     if key is None:
         found.unknown = found.unknown or f"a value that names no class of the tree ({spot})"
     else:
@@ -288,7 +337,7 @@ def _method_returns(tree: _Tree, method: str, spot: str, found: _Values, depth: 
                 if value is None:
                     found.unknown = found.unknown or f"{method}() returns nothing ({spot})"
                 else:
-                    _field_values(tree, value, module, found, depth + 1)
+                    _field_values(tree, value, module, found, depth + 1, _assigned_names(node))
     if not returned:
         found.unknown = found.unknown or f"no def {method} of the tree returns a class ({spot})"
 
@@ -301,37 +350,157 @@ def _abstract(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
-def _spec_calls(tree: _Tree) -> dict[str, list[tuple[str, int]]]:
-    """Each field some function of the tree builds from a spec -> where ((path, line) of each call that passes
-    neither the keyword nor ``**``)."""
-    calls: dict[str, list[tuple[str, int]]] = {}
+@dataclass(frozen=True)
+class _SpecCall:
+    """A call of a spec's field: where, in which function (module, qualified name), the field, and the classes
+    its ``submodules`` is annotated with (empty: not known, any class declaring the field)."""
+
+    path: str
+    line: int
+    module: str
+    function: str
+    field: str
+    annotated: frozenset[str]
+
+
+def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
+    """The last names in ``annotation`` (``MLPSubmodules``, ``Optional[a.MLPSubmodules]``, a string)."""
+    if annotation is None:
+        return frozenset()
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return frozenset(re.findall(r"[A-Za-z_]\w*", annotation.value))
+    return frozenset(
+        n.attr if isinstance(n, ast.Attribute) else n.id
+        for n in ast.walk(annotation)
+        if isinstance(n, (ast.Name, ast.Attribute))
+    )
+
+
+def _spec_calls(tree: _Tree) -> list[_SpecCall]:
+    """The calls of a spec's field in the module-level functions and methods of the tree that pass neither the
+    keyword nor ``**`` (only those the plan can name its function for)."""
+    calls: list[_SpecCall] = []
     for module in tree.mentioning(_SPEC_CALL):
-        for node in ast.walk(module.tree):
-            if not isinstance(node, ast.Call):
-                continue
-            first = _dotted(node.args[0]) if node.args else None
-            name = spec_field_of_call(_dotted(node.func) or [""], first)
-            if name is not None and not any(k.arg in (None, tree.keyword) for k in node.keywords):
-                calls.setdefault(name, []).append((module.path, node.lineno))
+        functions: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+        for top in module.tree.body:
+            if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.append((top.name, top))
+            elif isinstance(top, ast.ClassDef):
+                functions += [
+                    (f"{top.name}.{m.name}", m)
+                    for m in top.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                ]
+        for qualname, function in functions:
+            arguments = function.args
+            parameters = {
+                a.arg: a.annotation
+                for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)
+            }
+            for node in ast.walk(function):
+                if not isinstance(node, ast.Call) or any(
+                    k.arg in (None, tree.keyword) for k in node.keywords
+                ):
+                    continue
+                first = _dotted(node.args[0]) if node.args else None
+                callee = _dotted(node.func) or [""]
+                name = spec_field_of_call(callee, first)
+                if name is None:
+                    continue
+                receiver = callee[:-1] if callee[-2:-1] == ["submodules"] else (first or [])[:-1]
+                annotated = (
+                    _annotation_names(parameters.get("submodules"))
+                    if receiver == ["submodules"]
+                    else frozenset()
+                )
+                calls.append(
+                    _SpecCall(module.path, node.lineno, module.name, qualname, name, annotated)
+                )
     return calls
 
 
-def _values_of_fields(tree: _Tree, names: set[str]) -> dict[str, _Values]:
-    """What the tree puts in each field of ``names``: keywords ``X=``, assignments ``<...>.X =`` (not
-    ``self.X =``: the part a module built from the field), dataclass
-    defaults ``X: T = v``; a submodules class (one declaring a field of ``names``) built positionally or from
-    ``**`` makes its fields unknown."""
-    values = {name: _Values() for name in names}
+#: A field's values by the class that holds it: (submodules class name, field); None: a value put in the field
+#: of an object whose class is not known (``dataclasses.replace(s, X=...)``, ``s.X = ...``).
+Slot = tuple[str | None, str]
+
+
+@dataclass
+class _FieldsOfTree:
+    """What the tree puts in the fields asked about: by slot, and the submodules classes holding each field
+    (those declaring it and their subclasses, by name)."""
+
+    values: dict[Slot, _Values] = field(default_factory=dict)
+    holders: dict[str, set[str]] = field(default_factory=dict)
+
+    def of_call(self, call: _SpecCall) -> _Values:
+        """Every value the field of ``call`` may hold: of the classes its ``submodules`` is annotated with (and
+        their subclasses) when one holds the field, else of every class holding it, and the unknown ones'."""
+        holders = self.holders.get(call.field, set())
+        owners = holders & call.annotated or holders
+        merged = _Values()
+        for owner in [None, *sorted(owners)]:
+            part = self.values.get((owner, call.field), _Values())
+            merged.unknown = merged.unknown or part.unknown
+            for key, spot in part.classes.items():
+                merged.classes.setdefault(key, spot)
+        return merged
+
+
+def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
+    """What the tree puts in each field of ``names``: keywords ``X=`` (of a call of a class holding the field:
+    its slot; of any other call: the unknown owner's), assignments ``<...>.X =`` (not ``self.X =``: the part a
+    module built from the field), dataclass defaults ``X: T = v``; a class holding a field of ``names`` built
+    positionally or from ``**`` makes its fields unknown."""
+    found = _FieldsOfTree()
     if not names:
-        return values
+        return found
     alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names))
-    mention = re.compile(rb"\b(?:" + alternatives + rb")\b")
-    declaring: dict[str, set[str]] = {}  # class name -> the fields of ``names`` it declares
-    modules = list(tree.mentioning(mention))
+    modules = list(tree.mentioning(re.compile(rb"\b(?:" + alternatives + rb")\b")))
+    declared: dict[str, set[str]] = {}  # class name -> the fields of ``names`` it declares
+    bases: dict[str, set[str]] = {}  # class name -> its bases' last names
     for module in modules:
         for node in ast.walk(module.tree):
-            if isinstance(node, ast.keyword) and node.arg in names:
-                _field_values(tree, node.value, module, values[node.arg])
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(
+                    (_dotted(b) or [""])[-1] for b in node.bases
+                )
+                for member in node.body:
+                    if (
+                        isinstance(member, ast.AnnAssign)
+                        and isinstance(member.target, ast.Name)
+                        and member.target.id in names
+                    ):
+                        declared.setdefault(node.name, set()).add(member.target.id)
+                        if member.value is not None:
+                            slot = (node.name, member.target.id)
+                            values = found.values.setdefault(slot, _Values())
+                            _field_values(tree, member.value, module, values)
+    holding = {cls: set(fields) for cls, fields in declared.items()}
+    changed = True
+    while changed:  # a subclass holds its bases' fields
+        changed = False
+        for cls, parents in bases.items():
+            inherited = set().union(*(holding.get(p, set()) for p in parents)) - holding.get(
+                cls, set()
+            )
+            if inherited:
+                holding.setdefault(cls, set()).update(inherited)
+                changed = True
+    for cls, fields in holding.items():
+        for name in fields:
+            found.holders.setdefault(name, set()).add(cls)
+
+    def slot_values(owner: str | None, name: str) -> _Values:
+        return found.values.setdefault((owner if owner in holding else None, name), _Values())
+
+    for module in modules:
+        for node, assigned in _walk_with_locals(module.tree):
+            if isinstance(node, ast.Call):
+                callee = (_dotted(node.func) or [""])[-1]
+                for keyword in node.keywords:
+                    if keyword.arg in names:
+                        values = slot_values(callee, keyword.arg)
+                        _field_values(tree, keyword.value, module, values, names=assigned)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
@@ -341,46 +510,38 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> dict[str, _Values]:
                         and node.value
                         and _dotted(target.value) != ["self"]  # a module's own part, built here
                     ):
-                        _field_values(tree, node.value, module, values[target.attr])
-            elif isinstance(node, ast.ClassDef):
-                for member in node.body:
-                    if (
-                        isinstance(member, ast.AnnAssign)
-                        and isinstance(member.target, ast.Name)
-                        and member.target.id in names
-                    ):
-                        declaring.setdefault(node.name, set()).add(member.target.id)
-                        if member.value is not None:
-                            _field_values(tree, member.value, module, values[member.target.id])
-    if declaring:
-        builds = re.compile(
-            rb"\b(?:" + b"|".join(re.escape(c.encode()) for c in declaring) + rb")\("
-        )
+                        values = slot_values(None, target.attr)
+                        _field_values(tree, node.value, module, values, names=assigned)
+    if holding:
+        builds = re.compile(rb"\b(?:" + b"|".join(re.escape(c.encode()) for c in holding) + rb")\(")
         for module in tree.mentioning(builds):
-            for node in ast.walk(module.tree):
-                callee = _dotted(node.func) if isinstance(node, ast.Call) else None
-                if not callee or callee[-1] not in declaring:
+            for built in ast.walk(module.tree):
+                made = _dotted(built.func) if isinstance(built, ast.Call) else None
+                if not made or made[-1] not in holding:
                     continue
-                assert isinstance(node, ast.Call)
-                if node.args or any(k.arg is None for k in node.keywords):
-                    for name in declaring[callee[-1]]:
-                        values[name].unknown = values[name].unknown or (
-                            f"{callee[-1]} built positionally or from ** ({module.path}:{node.lineno})"
+                assert isinstance(built, ast.Call)
+                if built.args or any(k.arg is None for k in built.keywords):
+                    for name in holding[made[-1]]:
+                        values = slot_values(made[-1], name)
+                        values.unknown = values.unknown or (
+                            f"{made[-1]} built positionally or from ** ({module.path}:{built.lineno})"
                         )
-    return values
+    return found
 
 
 def decide_spec_fields(
     contents: Mapping[str, bytes], threaded_classes: Mapping[Key, str], keyword: str
 ) -> SpecFields:
-    """Which spec fields of the tree ``contents`` (path -> bytes) pass ``keyword``. ``threaded_classes``: the
-    classes whose ``__init__`` takes it after the rewrite ((module, class) -> keyword, subclasses inheriting it
-    and names packages re-export included)."""
+    """Which calls of a spec's field in the tree ``contents`` (path -> bytes) pass ``keyword``.
+    ``threaded_classes``: the classes whose ``__init__`` takes it after the rewrite ((module, class) -> keyword,
+    subclasses inheriting it and names packages re-export included)."""
     tree = _Tree(contents, keyword)
     calls = _spec_calls(tree)
-    passed: dict[str, str] = {}
+    fields = _values_of_fields(tree, {call.field for call in calls})
+    passed: dict[tuple[str, str, str], str] = {}
     left: list[SpecCallLeft] = []
-    for name, values in sorted(_values_of_fields(tree, set(calls)).items()):
+    for call in calls:
+        values = fields.of_call(call)
         if not any(threaded_classes.get(key) == keyword for key in values.classes):
             continue  # no class of the field reads through the keyword: nothing to pass
         reason = values.unknown
@@ -393,11 +554,11 @@ def decide_spec_fields(
             ]
             reason = refusals[0] if refusals else ""
         if not reason:
-            passed[name] = keyword
+            passed[(call.module, call.function, call.field)] = keyword
             continue
         message = (
-            f"a module built from a spec's field {name}: not every class there is shown to take "
+            f"a module built from a spec's field {call.field}: not every class there is shown to take "
             f"{keyword}: {reason}"
         )
-        left += [SpecCallLeft(path, line, name, message) for path, line in calls[name]]
+        left.append(SpecCallLeft(call.path, call.line, call.field, message))
     return SpecFields(passed, tuple(sorted(left, key=lambda c: (c.path, c.line))))
