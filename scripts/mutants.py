@@ -750,7 +750,7 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_field_holding_only_threaded_classes_is_passed_the_collection",
             "tests/migrate/test_migrate_spec_fields.py::test_the_collection_given_reaches_the_class_a_spec_names",
             "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
-            "spec-built:spec_built.layers.projection_groups[class in the field]-b]",
+            "spec-built:spec_built.layers.projection_groups[class-in-the-field]-b]",
             "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
             "spec-built:spec_built.layers.projection_groups[ModuleSpec]-d]",
         ),

@@ -319,12 +319,15 @@ class _Worker:
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
         mention = instruction.mention()
-        modules = {module for module, _ in instruction.upward.functions}
+        modules = {module for module, _ in instruction.upward.functions} | {
+            module for module, _, _ in instruction.spec_fields.passed
+        }
+        # A definition threaded upward, or calling a spec's field, may be a placeholder: planned again.
         for (
             path,
             data,
             sites,
-        ) in self.files:  # a definition threaded upward may be a placeholder: planned again
+        ) in self.files:
             plan = self.plans.get(path)
             if plan is not None and plan.kept and plan.module in modules:
                 planned = self._plan_one_file(
