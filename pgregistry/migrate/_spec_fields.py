@@ -10,20 +10,24 @@ read) falls back whenever it is built that way, even under a caller holding a co
 made the same change by hand later (``pg_collection=self.pg_collection`` in ``Attention.__init__``, every class
 of the field taking the keyword).
 
-The rule, decided once over the whole tree: a field ``X`` of a call ``<...>submodules.X(...)`` or
-``build_module(<...>submodules.X, ...)`` is passed the keyword when the tree puts at least one class the tool
-threads in it (else there is nothing to gain) and every value the tree puts in it is shown to take the keyword
-after the rewrite: one the tool threads (its own ``__init__``, or one it inherits unchanged), whose reads then
-fall back field by field when the collection lacks one. A class that takes the keyword already is not enough: it
-gives the keyword a meaning of its own (Megatron-Core's ``Attention`` asserts the fields it needs), so the
-collection in the caller's scope, often one its shim built for other fields, may fail there where ``None`` built
-its own. The values are found by the field's name anywhere in the tree (a keyword
-``X=``, an assignment ``<...>.X =``, a dataclass field's default), through ``not_none(C)``, ``a if c else b``,
-``ModuleSpec(module=C, params={...})`` (params that cannot set the keyword) and a backend's method
-``obj.m()`` (every ``def m`` of the tree returning a class). Anything else (a parameter, a ``partial``, a
-class outside the tree, a submodules dataclass built positionally or from ``**``) leaves the field's calls as they
-are, with the reason in the report. A class a user's own spec names from outside the tree is not seen: see
-docs/migrating.md, "Modules built from a spec".
+The rule, decided once over the whole tree: a call ``<...>submodules.X(...)`` or
+``build_module(<...>submodules.X, ...)`` in a module-level function or method is passed the keyword when the
+tree may put a class the tool threads in that field (else there is nothing to gain) and every value it may put
+there is shown to take the keyword after the rewrite: one the tool threads (its own ``__init__``, or one it
+inherits unchanged), whose reads then fall back field by field when the collection lacks one. A class that takes
+the keyword already is not enough: it gives the keyword a meaning of its own (Megatron-Core's ``Attention``
+asserts the fields it needs), so the collection in the caller's scope, often one its shim built for other
+fields, may fail there where ``None`` built its own.
+
+The values are found by the field's name: keywords ``X=`` (of a call of a class holding the field: that class's;
+of any other call: every class's), assignments ``<...>.X =``, a dataclass field's default; followed through
+``not_none(C)``, ``a if c else b``, a local the function assigns, ``ModuleSpec(module=C, params={...})``
+(params that cannot set the keyword) and a backend's method ``obj.m()`` (every ``def m`` of the tree returning a
+class). The classes holding the field are those the call's ``submodules`` parameter is annotated with, and their
+subclasses (``MLP``'s ``MLPSubmodules``, not ``GroupedMLPSubmodules``); every class declaring it when there is
+no such annotation. Anything else (a parameter, a ``partial``, a class outside the tree, a submodules class built
+positionally or from ``**``) leaves the call as it is, with the reason in the report. A class a user's own spec
+names from outside the tree is not seen: see docs/migrating.md, "Modules built from a spec".
 
 Read with :mod:`ast` from the files that mention a field's name. Pure: no I/O.
 """
@@ -43,7 +47,7 @@ __all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields", "spec_field_of_ca
 #: (module, name) of a class or function.
 Key = tuple[str, str]
 #: A call of a spec's field: ``submodules.X(`` or ``build_module(<...>submodules.X``.
-_SPEC_CALL = re.compile(rb"\bsubmodules\.([A-Za-z_]\w*)\s*[(,)]")
+_SPEC_CALL = re.compile(rb"submodules\.([A-Za-z_]\w*)\s*[(,)]")  # a literal first: searched fast
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class _Tree:
         self.keyword = keyword
         self.paths = {".".join(module_name(path)): path for path in contents}
         self.parsed: dict[str, _Module | None] = {}
+        #: What each method name's ``def``s return (:func:`_method_returns`).
+        self.returns: dict[str, _Values] = {}
 
     def module(self, path: str) -> _Module | None:
         if path not in self.parsed:
@@ -212,8 +218,18 @@ class _Values:
     unknown: str = ""
 
 
-#: Each name a scope assigns -> the values assigned to it.
-Locals = Mapping[str, list[ast.expr]]
+class _Locals:
+    """The names a scope (a function, or a module's top level) assigns, with their values, read when first
+    asked (most scopes never are)."""
+
+    def __init__(self, scope: ast.AST) -> None:
+        self.scope = scope
+        self.assigned: dict[str, list[ast.expr]] | None = None
+
+    def get(self, name: str) -> list[ast.expr]:
+        if self.assigned is None:
+            self.assigned = _assigned_names(self.scope)
+        return self.assigned.get(name, [])
 
 
 def _assigned_names(scope: ast.AST) -> dict[str, list[ast.expr]]:
@@ -240,15 +256,15 @@ def _assigned_names(scope: ast.AST) -> dict[str, list[ast.expr]]:
     return found
 
 
-def _walk_with_locals(module: ast.Module) -> Iterator[tuple[ast.AST, Locals]]:
+def _walk_with_locals(module: ast.Module) -> Iterator[tuple[ast.AST, _Locals]]:
     """Every node of ``module`` with the names its innermost function (or the module) assigns."""
-    stack: list[tuple[ast.AST, Locals]] = [(module, _assigned_names(module))]
+    stack: list[tuple[ast.AST, _Locals]] = [(module, _Locals(module))]
     while stack:
         node, names = stack.pop()
         yield node, names
         for child in ast.iter_child_nodes(node):
             inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            stack.append((child, _assigned_names(child) if inner else names))
+            stack.append((child, _Locals(child) if inner else names))
 
 
 def _field_values(
@@ -257,11 +273,10 @@ def _field_values(
     where: _Module,
     found: _Values,
     depth: int = 0,
-    names: Locals | None = None,
+    names: _Locals | None = None,
 ) -> None:
     """Add the classes ``value`` (in ``where``; ``names``: what its scope assigns) may be to ``found``."""
     spot = f"{where.path}:{value.lineno}"
-    names = names or {}
     if isinstance(value, ast.Constant) and value.value is None:
         return
     if isinstance(value, ast.IfExp):
@@ -286,9 +301,10 @@ def _field_values(
             return
     dotted = _dotted(value)
     key = tree.resolve(dotted, where) if dotted is not None else None
-    if key is None and isinstance(value, ast.Name) and value.id in names and depth < 4:
-        for assigned in names[value.id]:  # a local the scope assigns a class to
-            _field_values(tree, assigned, where, found, depth + 1, names)
+    assigned = names.get(value.id) if names is not None and isinstance(value, ast.Name) else []
+    if key is None and assigned and depth < 4:
+        for local in assigned:  # a local the scope assigns a class to
+            _field_values(tree, local, where, found, depth + 1, names)
         return
     if key is None:
         found.unknown = found.unknown or f"a value that names no class of the tree ({spot})"
@@ -320,8 +336,19 @@ def _module_spec_values(
 
 
 def _method_returns(tree: _Tree, method: str, spot: str, found: _Values, depth: int) -> None:
-    """The classes every ``def method`` of the tree returns (a backend's ``row_parallel_linear()``)."""
-    defining = re.compile(rb"\bdef[ \t]+" + re.escape(method.encode()) + rb"\b")
+    """Add the classes every ``def method`` of the tree returns (a backend's ``row_parallel_linear()``) to
+    ``found`` (read once per method name)."""
+    returns = tree.returns.get(method)
+    if returns is None:
+        returns = tree.returns[method] = _Values()
+        _read_method_returns(tree, method, returns, depth)
+    found.unknown = found.unknown or (f"{returns.unknown} ({spot})" if returns.unknown else "")
+    for key, where in returns.classes.items():
+        found.classes.setdefault(key, where)
+
+
+def _read_method_returns(tree: _Tree, method: str, found: _Values, depth: int) -> None:
+    defining = re.compile(rb"def[ \t]+" + re.escape(method.encode()) + rb"\b")
     returned = False
     for module in tree.mentioning(defining):
         for node in ast.walk(module.tree):
@@ -335,11 +362,11 @@ def _method_returns(tree: _Tree, method: str, spot: str, found: _Values, depth: 
             for value in values:
                 returned = True
                 if value is None:
-                    found.unknown = found.unknown or f"{method}() returns nothing ({spot})"
+                    found.unknown = found.unknown or f"{method}() returns nothing"
                 else:
-                    _field_values(tree, value, module, found, depth + 1, _assigned_names(node))
+                    _field_values(tree, value, module, found, depth + 1, _Locals(node))
     if not returned:
-        found.unknown = found.unknown or f"no def {method} of the tree returns a class ({spot})"
+        found.unknown = found.unknown or f"no def {method} of the tree returns a class"
 
 
 def _abstract(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -449,18 +476,24 @@ class _FieldsOfTree:
 def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
     """What the tree puts in each field of ``names``: keywords ``X=`` (of a call of a class holding the field:
     its slot; of any other call: the unknown owner's), assignments ``<...>.X =`` (not ``self.X =``: the part a
-    module built from the field), dataclass defaults ``X: T = v``; a class holding a field of ``names`` built
-    positionally or from ``**`` makes its fields unknown."""
+    module built from the field), dataclass defaults ``X: T = v``."""
     found = _FieldsOfTree()
     if not names:
         return found
     alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names))
-    modules = list(tree.mentioning(re.compile(rb"\b(?:" + alternatives + rb")\b")))
+    # Where a field is declared (``X: T``), given (``X=``) or assigned (``<...>.X =``, a local ``X =``).
+    modules = list(tree.mentioning(re.compile(rb"\b(?:" + alternatives + rb")[ \t]*(?::|=(?!=))")))
     declared: dict[str, set[str]] = {}  # class name -> the fields of ``names`` it declares
     bases: dict[str, set[str]] = {}  # class name -> its bases' last names
+    #: The calls and assignments that may put a value in a field, with their module and scope (one walk).
+    puts: list[tuple[ast.Call | ast.Assign | ast.AnnAssign, _Module, _Locals]] = []
     for module in modules:
-        for node in ast.walk(module.tree):
-            if isinstance(node, ast.ClassDef):
+        for node, assigned in _walk_with_locals(module.tree):
+            if isinstance(node, ast.Call) and any(k.arg in names for k in node.keywords):
+                puts.append((node, module, assigned))
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                puts.append((node, module, assigned))
+            elif isinstance(node, ast.ClassDef):
                 bases.setdefault(node.name, set()).update(
                     (_dotted(b) or [""])[-1] for b in node.bases
                 )
@@ -493,40 +526,51 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
     def slot_values(owner: str | None, name: str) -> _Values:
         return found.values.setdefault((owner if owner in holding else None, name), _Values())
 
-    for module in modules:
-        for node, assigned in _walk_with_locals(module.tree):
-            if isinstance(node, ast.Call):
-                callee = (_dotted(node.func) or [""])[-1]
-                for keyword in node.keywords:
-                    if keyword.arg in names:
-                        values = slot_values(callee, keyword.arg)
-                        _field_values(tree, keyword.value, module, values, names=assigned)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    if (
-                        isinstance(target, ast.Attribute)
-                        and target.attr in names
-                        and node.value
-                        and _dotted(target.value) != ["self"]  # a module's own part, built here
-                    ):
-                        values = slot_values(None, target.attr)
-                        _field_values(tree, node.value, module, values, names=assigned)
-    if holding:
-        builds = re.compile(rb"\b(?:" + b"|".join(re.escape(c.encode()) for c in holding) + rb")\(")
-        for module in tree.mentioning(builds):
-            for built in ast.walk(module.tree):
-                made = _dotted(built.func) if isinstance(built, ast.Call) else None
-                if not made or made[-1] not in holding:
-                    continue
-                assert isinstance(built, ast.Call)
-                if built.args or any(k.arg is None for k in built.keywords):
-                    for name in holding[made[-1]]:
-                        values = slot_values(made[-1], name)
-                        values.unknown = values.unknown or (
-                            f"{made[-1]} built positionally or from ** ({module.path}:{built.lineno})"
-                        )
+    for node, module, assigned in puts:
+        if isinstance(node, ast.Call):
+            callee = (_dotted(node.func) or [""])[-1]
+            for keyword in node.keywords:
+                if keyword.arg in names:
+                    values = slot_values(callee, keyword.arg)
+                    _field_values(tree, keyword.value, module, values, names=assigned)
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr in names
+                and node.value
+                and _dotted(target.value) != ["self"]  # a module's own part, built here
+            ):
+                values = slot_values(None, target.attr)
+                _field_values(tree, node.value, module, values, names=assigned)
     return found
+
+
+def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str]) -> None:
+    """Make unknown the fields of ``names`` of each class holding one that the tree builds positionally or from
+    ``**`` (which value lands in which field is not read)."""
+    holding: dict[str, set[str]] = {}
+    for name in names:
+        for cls in found.holders.get(name, ()):
+            holding.setdefault(cls, set()).add(name)
+    if not holding:
+        return
+    builds = re.compile(
+        rb"\b(?:" + b"|".join(re.escape(c.encode()) for c in sorted(holding)) + rb")\("
+    )
+    for module in tree.mentioning(builds):
+        for built in ast.walk(module.tree):
+            made = _dotted(built.func) if isinstance(built, ast.Call) else None
+            if not made or made[-1] not in holding:
+                continue
+            assert isinstance(built, ast.Call)
+            if built.args or any(k.arg is None for k in built.keywords):
+                for name in holding[made[-1]]:
+                    values = found.values.setdefault((made[-1], name), _Values())
+                    values.unknown = values.unknown or (
+                        f"{made[-1]} built positionally or from ** ({module.path}:{built.lineno})"
+                    )
 
 
 def decide_spec_fields(
@@ -537,7 +581,22 @@ def decide_spec_fields(
     subclasses inheriting it and names packages re-export included)."""
     tree = _Tree(contents, keyword)
     calls = _spec_calls(tree)
+    names = {call.field for call in calls}
+    if names:  # a field some class declares (``linear_proj: LinearProjBuilder``), not ``submodules.append``
+        declared = re.compile(
+            rb"^[ \t]+(" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")[ \t]*:",
+            re.M,
+        )
+        found = {m.decode() for data in contents.values() for m in declared.findall(data)}
+        calls = [call for call in calls if call.field in found]
     fields = _values_of_fields(tree, {call.field for call in calls})
+    # Only the fields that may hold a threaded class matter: the others are passed nothing either way.
+    relevant = {
+        name
+        for (_, name), values in fields.values.items()
+        if any(threaded_classes.get(key) == keyword for key in values.classes)
+    }
+    _mark_built_positionally(tree, fields, relevant)
     passed: dict[tuple[str, str, str], str] = {}
     left: list[SpecCallLeft] = []
     for call in calls:
