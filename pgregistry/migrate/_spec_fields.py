@@ -458,12 +458,25 @@ class _FieldsOfTree:
 
     values: dict[Slot, _Values] = field(default_factory=dict)
     holders: dict[str, set[str]] = field(default_factory=dict)
+    #: Class name -> its bases' last names.
+    bases: dict[str, set[str]] = field(default_factory=dict)
 
     def of_call(self, call: _SpecCall) -> _Values:
-        """Every value the field of ``call`` may hold: of the classes its ``submodules`` is annotated with (and
-        their subclasses) when one holds the field, else of every class holding it, and the unknown ones'."""
+        """Every value the field of ``call`` may hold: of the classes its ``submodules`` is annotated with, their
+        subclasses (an instance of one may be given) and bases (whose defaults they inherit), when one holds the
+        field, else of every class holding it; and the unknown owners'."""
         holders = self.holders.get(call.field, set())
-        owners = holders & call.annotated or holders
+        owners = holders & call.annotated
+        related: set[str] = {""}
+        while related:
+            related = {
+                cls
+                for cls in holders - owners
+                if self.bases.get(cls, set()) & owners
+                or any(cls in self.bases.get(owner, set()) for owner in owners)
+            }
+            owners |= related
+        owners = owners or holders
         merged = _Values()
         for owner in [None, *sorted(owners)]:
             part = self.values.get((owner, call.field), _Values())
@@ -484,7 +497,7 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
     # Where a field is declared (``X: T``), given (``X=``) or assigned (``<...>.X =``, a local ``X =``).
     modules = list(tree.mentioning(re.compile(rb"\b(?:" + alternatives + rb")[ \t]*(?::|=(?!=))")))
     declared: dict[str, set[str]] = {}  # class name -> the fields of ``names`` it declares
-    bases: dict[str, set[str]] = {}  # class name -> its bases' last names
+    bases = found.bases
     #: The calls and assignments that may put a value in a field, with their module and scope (one walk).
     puts: list[tuple[ast.Call | ast.Assign | ast.AnnAssign, _Module, _Locals]] = []
     for module in modules:

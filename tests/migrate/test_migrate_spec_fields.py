@@ -84,6 +84,15 @@ class MixedSubmodules:
     norm: type = None
 
 
+@dataclass
+class BaseSubmodules:
+    proj: type
+
+
+class WiderSubmodules(BaseSubmodules):
+    """An instance may be given where BaseSubmodules is annotated: its field's values count too."""
+
+
 class Attention:
     def __init__(self, submodules: ProjSubmodules, pg_collection=None):
         self.pg_collection = pg_collection
@@ -99,6 +108,12 @@ class Owning:
 
 class Mixing:
     def __init__(self, submodules: MixedSubmodules, pg_collection=None):
+        self.pg_collection = pg_collection
+        self.proj = submodules.proj(4)
+
+
+class Based:
+    def __init__(self, submodules: BaseSubmodules, pg_collection=None):
         self.pg_collection = pg_collection
         self.proj = submodules.proj(4)
 
@@ -119,6 +134,8 @@ def specs(flag):
         OwnedSubmodules(proj=Row),
         MixedSubmodules(proj=Row),
         MixedSubmodules(proj=Plain),
+        BaseSubmodules(proj=Row),
+        WiderSubmodules(proj=Plain),
     ]
 '''
 
@@ -146,11 +163,12 @@ def test_a_field_that_may_hold_another_class_is_left_and_reported(
 ) -> None:
     migration, texts = migrated
     models = texts["pkg/models.py"]
-    # Owned takes the keyword already, with a meaning of its own; Plain does not take it
-    assert models.count("        self.proj = submodules.proj(4)\n") == 2
+    # Owned takes the keyword already, with a meaning of its own; Plain does not take it (in a subclass of the
+    # annotated submodules class, for Based)
+    assert models.count("        self.proj = submodules.proj(4)\n") == 3
     left = {(call.line, call.reason) for call in migration.spec_calls_left}
-    assert {line for line, _ in left} == {models.splitlines().index("class Owning:") + 4,
-                                           models.splitlines().index("class Mixing:") + 4}
+    assert {line for line, _ in left} == {models.splitlines().index(f"class {name}:") + 4
+                                           for name in ("Owning", "Mixing", "Based")}
     reasons = " | ".join(reason for _, reason in left)
     assert "pkg.layers.Owned takes pg_collection already" in reasons
     assert "pkg.layers.Plain has no parameter pg_collection" in reasons
