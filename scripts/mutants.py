@@ -761,6 +761,35 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
     ),
     Mutant(
+        name="migrate-spec-field-passes-nothing",
+        bug="migrate passes no collection to a module built from a spec's field (Attention.__init__'s "
+            "submodules.linear_proj(...): RowParallelLinear's gtp_remat read falls back under a caller holding one, "
+            "issue 40's run of the Megatron-Core tests under -W error)",
+        file="pgregistry/migrate/_engine.py",
+        find="spec_fields = decide_spec_fields(contents, threaded, name)",
+        replace="spec_fields = SpecFields()",
+        tests=(
+            "tests/migrate/test_migrate_spec_fields.py::"
+            "test_a_field_holding_only_threaded_classes_is_passed_the_collection",
+            "tests/migrate/test_migrate_spec_fields.py::test_the_collection_given_reaches_the_class_a_spec_names",
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "spec-built:spec_built.layers.projection_groups[class-in-the-field]-b]",
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "spec-built:spec_built.layers.projection_groups[ModuleSpec]-d]",
+        ),
+    ),
+    Mutant(
+        name="migrate-spec-field-unchecked",
+        bug="migrate passes the collection to a spec's field that may hold a class without the parameter, or one "
+            "giving it a meaning of its own (TypeError, or a partial collection where it built its own)",
+        file="pgregistry/migrate/_spec_fields.py",
+        find="        if threaded.get(key) == self.keyword:\n            return None\n        label",
+        replace="        if True:\n            return None\n        label",
+        tests=(
+            "tests/migrate/test_migrate_spec_fields.py::test_a_field_that_may_hold_another_class_is_left_and_reported",
+        ),
+    ),
+    Mutant(
         name="migrate-subclass-inheriting-init-passes-nothing",
         bug="migrate passes no collection to a subclass that inherits a threaded __init__ unchanged",
         file="pgregistry/migrate/_inherited.py",

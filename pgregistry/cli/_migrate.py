@@ -244,7 +244,12 @@ def _migrate_files(args: argparse.Namespace) -> int:
     changes = migration.changes
     verb = "changed" if args.write else "would change"
     report = render_report(
-        migration.reads, len(migration.threaded), migration.passed, len(changes), verb
+        migration.reads,
+        len(migration.threaded),
+        migration.passed,
+        len(changes),
+        verb,
+        migration.spec_calls_left,
     )
     report += source.describe() + "\n"
     if args.write:

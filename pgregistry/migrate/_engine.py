@@ -60,6 +60,7 @@ from pgregistry.migrate._plan import (
 from pgregistry.migrate._progress import SILENT, Progress
 from pgregistry.migrate._rewrite import apply_rewrites
 from pgregistry.migrate._skeleton import build_skeleton, make_needed_check
+from pgregistry.migrate._spec_fields import SpecCallLeft, SpecFields, decide_spec_fields
 from pgregistry.migrate._style import DEFAULT_WIDTH
 from pgregistry.migrate._tree import TreeFacts, learn_tree
 from pgregistry.migrate._upward import Upward, thread_upward
@@ -78,6 +79,8 @@ class Migration:
     failures: list[FileResult] = field(default_factory=list)
     passed: int = 0
     threaded: list[str] = field(default_factory=list)
+    #: Calls of a spec's field left without the collection, with why (:mod:`._spec_fields`).
+    spec_calls_left: list[SpecCallLeft] = field(default_factory=list)
 
 
 def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
@@ -209,13 +212,17 @@ class _Instruction:
 
     threaded: Threaded
     upward: Upward = Upward()
+    spec_fields: SpecFields = SpecFields()
 
     def names(self) -> set[str]:
-        """The names of the functions and methods a caller may now pass a collection to."""
+        """The names of the functions and methods a caller may now pass a collection to (and
+        ``build_module``, which builds a spec's field)."""
         return (
             {function for _, function in self.threaded}
             | {q.rpartition(".")[2] for _, q in self.upward.functions}
             | set(self.upward.methods)
+            | {spec_field for _, _, spec_field in self.spec_fields.passed}
+            | ({"build_module"} if self.spec_fields.passed else set())
         )
 
     def mention(self) -> re.Pattern[bytes] | None:
@@ -312,12 +319,15 @@ class _Worker:
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
         mention = instruction.mention()
-        modules = {module for module, _ in instruction.upward.functions}
+        modules = {module for module, _ in instruction.upward.functions} | {
+            module for module, _, _ in instruction.spec_fields.passed
+        }
+        # A definition threaded upward, or calling a spec's field, may be a placeholder: planned again.
         for (
             path,
             data,
             sites,
-        ) in self.files:  # a definition threaded upward may be a placeholder: planned again
+        ) in self.files:
             plan = self.plans.get(path)
             if plan is not None and plan.kept and plan.module in modules:
                 planned = self._plan_one_file(
@@ -382,7 +392,13 @@ class _Worker:
                         and (plan.module, function.qualname) in upward.functions
                     ):
                         function.added, function.upward = self.name, True
-            done.passed += decide_passes(plans, self.name, instruction.threaded, upward.methods)
+            done.passed += decide_passes(
+                plans,
+                self.name,
+                instruction.threaded,
+                upward.methods,
+                instruction.spec_fields.passed,
+            )
         except (
             Exception
         ) as error:  # a bug of this tool: every file whose calls were being decided is named
@@ -573,7 +589,10 @@ def _run_migration(
         classes = {key: value for first in firsts for key, value in first.classes.items()}
         threaded.update(add_inheriting_subclasses(contents, classes, packages))
         threaded.update(add_reexported_names(threaded, packages))
-        instruction = _Instruction(threaded, upward)
+        # A class a spec names is built as ``submodules.X(...)``: passed where every class of X takes it.
+        spec_fields = decide_spec_fields(contents, threaded, name)
+        outcome.spec_calls_left += spec_fields.left
+        instruction = _Instruction(threaded, upward, spec_fields)
         return [instruction] * len(firsts)
 
     try:

@@ -1688,12 +1688,14 @@ def decide_passes(
     name: str,
     threaded: Mapping[tuple[str, str], str] | None = None,
     methods: Mapping[str, str] | None = None,
+    spec_fields: Mapping[tuple[str, str, str], str] | None = None,
 ) -> int:
     """Decide which calls pass a threaded function the caller's collection (the caller's own, or the one threaded
     into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``: every file's
     :func:`collect_threaded_functions` (default: those of ``plans``); ``methods``: method names every ``def`` of
     which in the tree has the parameter (name -> keyword): a call ``obj.m(...)`` on anything no import binds passes
-    it."""
+    it; ``spec_fields``: the calls of a spec's field whose every class takes it ((module, function, field) ->
+    keyword, :mod:`~pgregistry.migrate._spec_fields`): ``submodules.X(...)``, ``build_module(submodules.X, ...)``."""
     if threaded is None:
         threaded = collect_threaded_functions(plans)
     count = 0
@@ -1711,6 +1713,8 @@ def decide_passes(
                 )
             ):
                 keyword = methods.get(call.dotted[-1])
+            if keyword is None and spec_fields:
+                keyword = _spec_keyword(plan.module, call, spec_fields)
             caller = call.function
             if keyword is None or caller is None:
                 continue
@@ -1746,6 +1750,26 @@ def decide_passes(
             plan.passing_tops.add((call.top, call.member))
             count += 1
     return count
+
+
+def _spec_keyword(
+    module: str, call: Call, spec_fields: Mapping[tuple[str, str, str], str]
+) -> str | None:
+    """The keyword a call of a spec's field in ``module`` passes (``spec_fields``: (module, function, field) ->
+    keyword), None when it is none."""
+    # Imported here: that module reads import bindings through _upward, which imports this one.
+    from pgregistry.migrate._spec_fields import spec_field_of_call
+
+    arguments = call.node.args
+    first = (
+        _attribute_parts(arguments[0].value)
+        if arguments and arguments[0].keyword is None and not arguments[0].star
+        else None
+    )
+    spec_field = spec_field_of_call(call.dotted, first)
+    if spec_field is None or call.function is None:
+        return None
+    return spec_fields.get((module, call.function.qualname, spec_field))
 
 
 def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from pgregistry._source.scanner import FAMILIES, FileResult, family_of
 from pgregistry.migrate._plan import REWRITTEN_WAYS, Read, Way
+from pgregistry.migrate._spec_fields import SpecCallLeft
 
 __all__ = ["render_failures", "render_report", "tally_reads_by_family"]
 
@@ -31,10 +32,16 @@ def tally_reads_by_family(reads: Sequence[tuple[str, Read]]) -> dict[str, Counte
 
 
 def render_report(
-    reads: Sequence[tuple[str, Read]], threaded: int, passed: int, changed: int, verb: str
+    reads: Sequence[tuple[str, Read]],
+    threaded: int,
+    passed: int,
+    changed: int,
+    verb: str,
+    spec_calls_left: Sequence[SpecCallLeft] = (),
 ) -> str:
-    """The table per family, then every read left in place grouped by reason (``path:line accessor``).
-    ``verb``: what happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
+    """The table per family, then every read left in place grouped by reason (``path:line accessor``), and every
+    call of a spec's field left without the collection (``spec_calls_left``) with its reason. ``verb``: what
+    happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
     table = tally_reads_by_family(reads)
     columns = ("found", *REWRITTEN_WAYS, Way.LEFT)
     lines = [f"{'family':<10}" + "".join(f"{c:>10}" for c in columns)]
@@ -56,6 +63,8 @@ def render_report(
             left[read.reason].append(
                 f"{path}:{read.site.line} {read.site.expr} ({family_of(read.site)})"
             )
+    for call in spec_calls_left:
+        left[call.reason].append(f"{call.path}:{call.line} submodules.{call.field} (spec field)")
     if left:
         lines.append("left in place:")
         for reason, where in sorted(left.items(), key=lambda item: (-len(item[1]), item[0])):

@@ -1,0 +1,636 @@
+"""Modules built from a spec: ``submodules.linear_proj(...)`` passes the collection when every class the tree may
+put in that field takes it.
+
+Megatron-Core builds a layer's parts from a ``ModuleSpec``: ``Attention.__init__`` calls
+``submodules.linear_proj(..., tp_group=self.pg_collection.tp)``, where ``submodules`` is a
+``SelfAttentionSubmodules`` the layer specs filled (``linear_proj=RowParallelLinear``,
+``linear_proj=backend.row_parallel_linear()``, ``ModuleSpec(module=TERowParallelLinear, ...)``). No by-name rule
+resolves such a call, so a class whose ``__init__`` the tool threaded (``RowParallelLinear``: its ``gtp_remat``
+read) falls back whenever it is built that way, even under a caller holding a collection. Megatron-LM's authors
+made the same change by hand later (``pg_collection=self.pg_collection`` in ``Attention.__init__``, every class
+of the field taking the keyword).
+
+The rule, decided once over the whole tree: a call ``<...>submodules.X(...)`` or
+``build_module(<...>submodules.X, ...)`` in a module-level function or method is passed the keyword when the
+tree may put a class the tool threads in that field (else there is nothing to gain) and every value it may put
+there is shown to take the keyword after the rewrite: one the tool threads (its own ``__init__``, or one it
+inherits unchanged), whose reads then fall back field by field when the collection lacks one. A class that takes
+the keyword already is not enough: it gives the keyword a meaning of its own (Megatron-Core's ``Attention``
+asserts the fields it needs), so the collection in the caller's scope, often one its shim built for other
+fields, may fail there where ``None`` built its own.
+
+The values are found by the field's name: keywords ``X=`` (of a call of a class holding the field: that class's;
+of any other call: every class's), assignments ``<...>.X =``, a dataclass field's default; followed through
+``not_none(C)``, ``a if c else b``, a local the function assigns, ``ModuleSpec(module=C, params={...})``
+(params that cannot set the keyword) and a backend's method ``obj.m()`` (every ``def m`` of the tree returning a
+class). The classes holding the field are those the call's ``submodules`` parameter is annotated with, and their
+subclasses (``MLP``'s ``MLPSubmodules``, not ``GroupedMLPSubmodules``); every class declaring it when there is
+no such annotation. Anything else (a parameter, a ``partial``, a class outside the tree, a submodules class built
+positionally or from ``**``) leaves the call as it is, with the reason in the report. A class a user's own spec
+names from outside the tree is not seen: see docs/migrating.md, "Modules built from a spec".
+
+Read with :mod:`ast` from the files that mention a field's name. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from pgregistry._source.scanner import module_name
+from pgregistry.migrate._upward import import_bindings
+
+__all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields", "spec_field_of_call"]
+
+#: (module, name) of a class or function.
+Key = tuple[str, str]
+#: A call of a spec's field: ``submodules.X(`` or ``build_module(<...>submodules.X``.
+_SPEC_CALL = re.compile(rb"submodules\.([A-Za-z_]\w*)\s*[(,)]")  # a literal first: searched fast
+
+
+@dataclass(frozen=True)
+class SpecCallLeft:
+    """A call of a spec's field left without the collection: where it is, the field, and why."""
+
+    path: str
+    line: int
+    field: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SpecFields:
+    """What the rule decided: the calls that pass the collection ((module, function, field) -> keyword), and the
+    calls left (a field that may hold a threaded class but not only classes shown to take the keyword)."""
+
+    passed: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
+    left: tuple[SpecCallLeft, ...] = ()
+
+
+def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str | None:
+    """The spec field a call builds: ``X`` of ``<...>.submodules.X(...)`` (``func``: the callee's dotted parts)
+    or of ``build_module(<...>.submodules.X, ...)`` (``first_argument``: its first argument's parts); None when
+    it is neither."""
+    if len(func) >= 2 and func[-2] == "submodules":
+        return func[-1]
+    if func[-1:] == ["build_module"] and first_argument and first_argument[-2:-1] == ["submodules"]:
+        return first_argument[-1]
+    return None
+
+
+def _dotted(node: ast.expr) -> list[str] | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *parts[::-1]] if isinstance(node, ast.Name) else None
+
+
+@dataclass
+class _Module:
+    """One parsed file of the tree: its module name, syntax, import bindings and module-level definitions."""
+
+    path: str
+    name: str
+    tree: ast.Module
+    bound: dict[str, str]
+    defined: Mapping[str, ast.stmt]
+
+
+class _Tree:
+    """The tree's files, parsed on demand, and the facts the rule reads from them."""
+
+    def __init__(self, contents: Mapping[str, bytes], keyword: str) -> None:
+        self.contents = contents
+        self.keyword = keyword
+        self.paths = {".".join(module_name(path)): path for path in contents}
+        self.parsed: dict[str, _Module | None] = {}
+        #: What each method name's ``def``s return (:func:`_method_returns`).
+        self.returns: dict[str, _Values] = {}
+
+    def module(self, path: str) -> _Module | None:
+        if path not in self.parsed:
+            try:
+                tree = ast.parse(self.contents[path])
+            except (SyntaxError, ValueError):  # the scan refused the run already
+                self.parsed[path] = None
+                return None
+            defined = {
+                n.name: n
+                for n in tree.body
+                if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            }
+            self.parsed[path] = _Module(
+                path,
+                ".".join(module_name(path)),
+                tree,
+                import_bindings(tree, path.split("/")[:-1]),
+                defined,
+            )
+        return self.parsed[path]
+
+    def mentioning(self, pattern: re.Pattern[bytes]) -> Iterator[_Module]:
+        for path, data in self.contents.items():
+            if pattern.search(data):
+                found = self.module(path)
+                if found is not None:
+                    yield found
+
+    def resolve(self, dotted: list[str], where: _Module) -> Key | None:
+        """(module, name) ``dotted`` names in ``where``: a module-level definition or an import."""
+        if len(dotted) == 1 and dotted[0] in where.defined:
+            return where.name, dotted[0]
+        head = where.bound.get(dotted[0])
+        if head is None:
+            return None
+        qualified = ".".join([head.replace(":", "."), *dotted[1:]])
+        owner, _, name = qualified.rpartition(".")
+        return (owner, name) if owner else None
+
+    def definition(self, key: Key, depth: int = 0) -> tuple[ast.stmt, _Module] | None:
+        """The ``class`` or ``def`` ``key`` is, followed through the imports of packages that re-export it; None
+        when the tree does not hold it."""
+        path = self.paths.get(key[0])
+        found = self.module(path) if path is not None else None
+        if found is None or depth > 8:
+            return None
+        node = found.defined.get(key[1])
+        if node is not None:
+            return node, found
+        imported = found.bound.get(key[1], "")
+        if ":" not in imported:
+            return None
+        module, _, name = imported.partition(":")
+        return self.definition((module, name), depth + 1)
+
+    def takes_keyword(self, key: Key, threaded: Mapping[Key, str]) -> str | None:
+        """None when calling ``key`` with the keyword is shown to keep behaviour after the rewrite (the tool
+        threads it: its reads fall back field by field), else why not."""
+        if threaded.get(key) == self.keyword:
+            return None
+        label = ".".join(key)
+        if self.definition(key) is None:
+            return f"{label} is not in the tree"
+        if self._declares_keyword(key, threaded):
+            return (
+                f"{label} takes {self.keyword} already, with a meaning of its own (given a collection"
+                " without the fields it reads, it may fail where it built its own)"
+            )
+        return f"{label} has no parameter {self.keyword}"
+
+    def _declares_keyword(self, key: Key, threaded: Mapping[Key, str], depth: int = 0) -> bool:
+        """Whether ``key``'s ``__init__`` (its own or the one it inherits in the tree) or ``def`` has the
+        keyword as a parameter a call can name."""
+        found = self.definition(key)
+        if found is None or depth > 8:
+            return False
+        node, where = found
+        if isinstance(node, ast.ClassDef):
+            init = next(
+                (
+                    m
+                    for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and m.name == "__init__"
+                ),
+                None,
+            )
+            if init is None:
+                base = _dotted(node.bases[0]) if node.bases else None
+                inherited = self.resolve(base, where) if base is not None else None
+                return inherited is not None and self._declares_keyword(
+                    inherited, threaded, depth + 1
+                )
+            node = init
+        return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+            a.arg == self.keyword for a in (*node.args.args, *node.args.kwonlyargs)
+        )
+
+
+@dataclass
+class _Values:
+    """What the tree puts in one field: the classes (with where each is put) and the first reason a value is not
+    a class the rule can name."""
+
+    classes: dict[Key, str] = field(default_factory=dict)
+    unknown: str = ""
+
+
+class _Locals:
+    """The names a scope (a function, or a module's top level) assigns, with their values, read when first
+    asked (most scopes never are)."""
+
+    def __init__(self, scope: ast.AST) -> None:
+        self.scope = scope
+        self.assigned: dict[str, list[ast.expr]] | None = None
+
+    def get(self, name: str) -> list[ast.expr]:
+        if self.assigned is None:
+            self.assigned = _assigned_names(self.scope)
+        return self.assigned.get(name, [])
+
+
+def _assigned_names(scope: ast.AST) -> dict[str, list[ast.expr]]:
+    """The plain names ``scope`` (a function, or a module's top level) assigns, with their values (a function's
+    nested functions' too: more values only make the rule more careful)."""
+    found: dict[str, list[ast.expr]] = {}
+    stack = list(ast.iter_child_nodes(scope))
+    while stack:
+        node = stack.pop()
+        if isinstance(scope, ast.Module) and isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ):
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found.setdefault(target.id, []).append(node.value)
+        stack += ast.iter_child_nodes(node)
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        arguments = scope.args
+        for parameter in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs):
+            found.pop(parameter.arg, None)  # its callers' values are not known here
+    return found
+
+
+def _walk_with_locals(module: ast.Module) -> Iterator[tuple[ast.AST, _Locals]]:
+    """Every node of ``module`` with the names its innermost function (or the module) assigns."""
+    stack: list[tuple[ast.AST, _Locals]] = [(module, _Locals(module))]
+    while stack:
+        node, names = stack.pop()
+        yield node, names
+        for child in ast.iter_child_nodes(node):
+            inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            stack.append((child, _Locals(child) if inner else names))
+
+
+def _field_values(
+    tree: _Tree,
+    value: ast.expr,
+    where: _Module,
+    found: _Values,
+    depth: int = 0,
+    names: _Locals | None = None,
+) -> None:
+    """Add the classes ``value`` (in ``where``; ``names``: what its scope assigns) may be to ``found``."""
+    spot = f"{where.path}:{value.lineno}"
+    if isinstance(value, ast.Constant) and value.value is None:
+        return
+    if isinstance(value, ast.IfExp):
+        _field_values(tree, value.body, where, found, depth, names)
+        _field_values(tree, value.orelse, where, found, depth, names)
+        return
+    if isinstance(value, ast.Call):
+        callee = _dotted(value.func) or []
+        if callee[-1:] == ["not_none"] and len(value.args) == 1 and not value.keywords:
+            _field_values(tree, value.args[0], where, found, depth, names)
+            return
+        if callee[-1:] == ["ModuleSpec"]:
+            _module_spec_values(tree, value, where, found, depth)
+            return
+        if (
+            isinstance(value.func, ast.Attribute)
+            and not value.args
+            and not value.keywords
+            and depth < 4
+        ):
+            _method_returns(tree, value.func.attr, spot, found, depth)
+            return
+    dotted = _dotted(value)
+    key = tree.resolve(dotted, where) if dotted is not None else None
+    assigned = names.get(value.id) if names is not None and isinstance(value, ast.Name) else []
+    if key is None and assigned and depth < 4:
+        for local in assigned:  # a local the scope assigns a class to
+            _field_values(tree, local, where, found, depth + 1, names)
+        return
+    if key is None:
+        found.unknown = found.unknown or f"a value that names no class of the tree ({spot})"
+    else:
+        found.classes.setdefault(key, spot)
+
+
+def _module_spec_values(
+    tree: _Tree, spec: ast.Call, where: _Module, found: _Values, depth: int
+) -> None:
+    """The class of ``ModuleSpec(module=C, params={...}, ...)``: its params must be a literal dict without the
+    keyword (``build_module`` passes both: a duplicate keyword is a TypeError)."""
+    spot = f"{where.path}:{spec.lineno}"
+    arguments = {k.arg: k.value for k in spec.keywords}
+    module = spec.args[0] if spec.args else arguments.get("module")
+    params = spec.args[1] if len(spec.args) > 1 else arguments.get("params")
+    if module is None or None in arguments:
+        found.unknown = found.unknown or f"a ModuleSpec whose module is not named ({spot})"
+        return
+    if params is not None and not (
+        isinstance(params, ast.Dict)
+        and all(isinstance(k, ast.Constant) and k.value != tree.keyword for k in params.keys)
+    ):
+        found.unknown = (
+            found.unknown or f"a ModuleSpec whose params may set {tree.keyword} ({spot})"
+        )
+        return
+    _field_values(tree, module, where, found, depth)
+
+
+def _method_returns(tree: _Tree, method: str, spot: str, found: _Values, depth: int) -> None:
+    """Add the classes every ``def method`` of the tree returns (a backend's ``row_parallel_linear()``) to
+    ``found`` (read once per method name)."""
+    returns = tree.returns.get(method)
+    if returns is None:
+        returns = tree.returns[method] = _Values()
+        _read_method_returns(tree, method, returns, depth)
+    found.unknown = found.unknown or (f"{returns.unknown} ({spot})" if returns.unknown else "")
+    for key, where in returns.classes.items():
+        found.classes.setdefault(key, where)
+
+
+def _read_method_returns(tree: _Tree, method: str, found: _Values, depth: int) -> None:
+    defining = re.compile(rb"def[ \t]+" + re.escape(method.encode()) + rb"\b")
+    returned = False
+    for module in tree.mentioning(defining):
+        for node in ast.walk(module.tree):
+            if not (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == method
+            ):
+                continue
+            values = [r.value for r in ast.walk(node) if isinstance(r, ast.Return)]
+            if not values and _abstract(node):
+                continue  # an abstract method: its overrides are the tree's other defs
+            for value in values:
+                returned = True
+                if value is None:
+                    found.unknown = found.unknown or f"{method}() returns nothing"
+                else:
+                    _field_values(tree, value, module, found, depth + 1, _Locals(node))
+    if not returned:
+        found.unknown = found.unknown or f"no def {method} of the tree returns a class"
+
+
+def _abstract(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``node``'s body is only a docstring, ``...`` or ``pass`` (an abstract method's)."""
+    return all(
+        isinstance(s, ast.Pass) or isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+        for s in node.body
+    )
+
+
+@dataclass(frozen=True)
+class _SpecCall:
+    """A call of a spec's field: where, in which function (module, qualified name), the field, and the classes
+    its ``submodules`` is annotated with (empty: not known, any class declaring the field)."""
+
+    path: str
+    line: int
+    module: str
+    function: str
+    field: str
+    annotated: frozenset[str]
+
+
+def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
+    """The last names in ``annotation`` (``MLPSubmodules``, ``Optional[a.MLPSubmodules]``, a string)."""
+    if annotation is None:
+        return frozenset()
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return frozenset(re.findall(r"[A-Za-z_]\w*", annotation.value))
+    return frozenset(
+        n.attr if isinstance(n, ast.Attribute) else n.id
+        for n in ast.walk(annotation)
+        if isinstance(n, (ast.Name, ast.Attribute))
+    )
+
+
+def _spec_calls(tree: _Tree) -> list[_SpecCall]:
+    """The calls of a spec's field in the module-level functions and methods of the tree that pass neither the
+    keyword nor ``**`` (only those the plan can name its function for)."""
+    calls: list[_SpecCall] = []
+    for module in tree.mentioning(_SPEC_CALL):
+        functions: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+        for top in module.tree.body:
+            if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.append((top.name, top))
+            elif isinstance(top, ast.ClassDef):
+                functions += [
+                    (f"{top.name}.{m.name}", m)
+                    for m in top.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                ]
+        for qualname, function in functions:
+            arguments = function.args
+            parameters = {
+                a.arg: a.annotation
+                for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)
+            }
+            for node in ast.walk(function):
+                if not isinstance(node, ast.Call) or any(
+                    k.arg in (None, tree.keyword) for k in node.keywords
+                ):
+                    continue
+                first = _dotted(node.args[0]) if node.args else None
+                callee = _dotted(node.func) or [""]
+                name = spec_field_of_call(callee, first)
+                if name is None:
+                    continue
+                receiver = callee[:-1] if callee[-2:-1] == ["submodules"] else (first or [])[:-1]
+                annotated = (
+                    _annotation_names(parameters.get("submodules"))
+                    if receiver == ["submodules"]
+                    else frozenset()
+                )
+                calls.append(
+                    _SpecCall(module.path, node.lineno, module.name, qualname, name, annotated)
+                )
+    return calls
+
+
+#: A field's values by the class that holds it: (submodules class name, field); None: a value put in the field
+#: of an object whose class is not known (``dataclasses.replace(s, X=...)``, ``s.X = ...``).
+Slot = tuple[str | None, str]
+
+
+@dataclass
+class _FieldsOfTree:
+    """What the tree puts in the fields asked about: by slot, and the submodules classes holding each field
+    (those declaring it and their subclasses, by name)."""
+
+    values: dict[Slot, _Values] = field(default_factory=dict)
+    holders: dict[str, set[str]] = field(default_factory=dict)
+    #: Class name -> its bases' last names.
+    bases: dict[str, set[str]] = field(default_factory=dict)
+
+    def of_call(self, call: _SpecCall) -> _Values:
+        """Every value the field of ``call`` may hold: of the classes its ``submodules`` is annotated with, their
+        subclasses (an instance of one may be given) and bases (whose defaults they inherit), when one holds the
+        field, else of every class holding it; and the unknown owners'."""
+        holders = self.holders.get(call.field, set())
+        owners = holders & call.annotated
+        related: set[str] = {""}
+        while related:
+            related = {
+                cls
+                for cls in holders - owners
+                if self.bases.get(cls, set()) & owners
+                or any(cls in self.bases.get(owner, set()) for owner in owners)
+            }
+            owners |= related
+        owners = owners or holders
+        merged = _Values()
+        for owner in [None, *sorted(owners)]:
+            part = self.values.get((owner, call.field), _Values())
+            merged.unknown = merged.unknown or part.unknown
+            for key, spot in part.classes.items():
+                merged.classes.setdefault(key, spot)
+        return merged
+
+
+def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
+    """What the tree puts in each field of ``names``: keywords ``X=`` (of a call of a class holding the field:
+    its slot; of any other call: the unknown owner's), assignments ``<...>.X =`` (not ``self.X =``: the part a
+    module built from the field), dataclass defaults ``X: T = v``."""
+    found = _FieldsOfTree()
+    if not names:
+        return found
+    alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names))
+    # Where a field is declared (``X: T``), given (``X=``) or assigned (``<...>.X =``, a local ``X =``).
+    modules = list(tree.mentioning(re.compile(rb"\b(?:" + alternatives + rb")[ \t]*(?::|=(?!=))")))
+    declared: dict[str, set[str]] = {}  # class name -> the fields of ``names`` it declares
+    bases = found.bases
+    #: The calls and assignments that may put a value in a field, with their module and scope (one walk).
+    puts: list[tuple[ast.Call | ast.Assign | ast.AnnAssign, _Module, _Locals]] = []
+    for module in modules:
+        for node, assigned in _walk_with_locals(module.tree):
+            if isinstance(node, ast.Call) and any(k.arg in names for k in node.keywords):
+                puts.append((node, module, assigned))
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                puts.append((node, module, assigned))
+            elif isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(
+                    (_dotted(b) or [""])[-1] for b in node.bases
+                )
+                for member in node.body:
+                    if (
+                        isinstance(member, ast.AnnAssign)
+                        and isinstance(member.target, ast.Name)
+                        and member.target.id in names
+                    ):
+                        declared.setdefault(node.name, set()).add(member.target.id)
+                        if member.value is not None:
+                            slot = (node.name, member.target.id)
+                            values = found.values.setdefault(slot, _Values())
+                            _field_values(tree, member.value, module, values)
+    holding = {cls: set(fields) for cls, fields in declared.items()}
+    changed = True
+    while changed:  # a subclass holds its bases' fields
+        changed = False
+        for cls, parents in bases.items():
+            inherited = set().union(*(holding.get(p, set()) for p in parents)) - holding.get(
+                cls, set()
+            )
+            if inherited:
+                holding.setdefault(cls, set()).update(inherited)
+                changed = True
+    for cls, fields in holding.items():
+        for name in fields:
+            found.holders.setdefault(name, set()).add(cls)
+
+    def slot_values(owner: str | None, name: str) -> _Values:
+        return found.values.setdefault((owner if owner in holding else None, name), _Values())
+
+    for node, module, assigned in puts:
+        if isinstance(node, ast.Call):
+            callee = (_dotted(node.func) or [""])[-1]
+            for keyword in node.keywords:
+                if keyword.arg in names:
+                    values = slot_values(callee, keyword.arg)
+                    _field_values(tree, keyword.value, module, values, names=assigned)
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr in names
+                and node.value
+                and _dotted(target.value) != ["self"]  # a module's own part, built here
+            ):
+                values = slot_values(None, target.attr)
+                _field_values(tree, node.value, module, values, names=assigned)
+    return found
+
+
+def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str]) -> None:
+    """Make unknown the fields of ``names`` of each class holding one that the tree builds positionally or from
+    ``**`` (which value lands in which field is not read)."""
+    holding: dict[str, set[str]] = {}
+    for name in names:
+        for cls in found.holders.get(name, ()):
+            holding.setdefault(cls, set()).add(name)
+    if not holding:
+        return
+    builds = re.compile(
+        rb"\b(?:" + b"|".join(re.escape(c.encode()) for c in sorted(holding)) + rb")\("
+    )
+    for module in tree.mentioning(builds):
+        for built in ast.walk(module.tree):
+            made = _dotted(built.func) if isinstance(built, ast.Call) else None
+            if not made or made[-1] not in holding:
+                continue
+            assert isinstance(built, ast.Call)
+            if built.args or any(k.arg is None for k in built.keywords):
+                for name in holding[made[-1]]:
+                    values = found.values.setdefault((made[-1], name), _Values())
+                    values.unknown = values.unknown or (
+                        f"{made[-1]} built positionally or from ** ({module.path}:{built.lineno})"
+                    )
+
+
+def decide_spec_fields(
+    contents: Mapping[str, bytes], threaded_classes: Mapping[Key, str], keyword: str
+) -> SpecFields:
+    """Which calls of a spec's field in the tree ``contents`` (path -> bytes) pass ``keyword``.
+    ``threaded_classes``: the classes whose ``__init__`` takes it after the rewrite ((module, class) -> keyword,
+    subclasses inheriting it and names packages re-export included)."""
+    tree = _Tree(contents, keyword)
+    calls = _spec_calls(tree)
+    names = {call.field for call in calls}
+    if names:  # a field some class declares (``linear_proj: LinearProjBuilder``), not ``submodules.append``
+        declared = re.compile(
+            rb"^[ \t]+(" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")[ \t]*:",
+            re.M,
+        )
+        found = {m.decode() for data in contents.values() for m in declared.findall(data)}
+        calls = [call for call in calls if call.field in found]
+    fields = _values_of_fields(tree, {call.field for call in calls})
+    # Only the fields that may hold a threaded class matter: the others are passed nothing either way.
+    relevant = {
+        name
+        for (_, name), values in fields.values.items()
+        if any(threaded_classes.get(key) == keyword for key in values.classes)
+    }
+    _mark_built_positionally(tree, fields, relevant)
+    passed: dict[tuple[str, str, str], str] = {}
+    left: list[SpecCallLeft] = []
+    for call in calls:
+        values = fields.of_call(call)
+        if not any(threaded_classes.get(key) == keyword for key in values.classes):
+            continue  # no class of the field reads through the keyword: nothing to pass
+        reason = values.unknown
+        if not reason:
+            refusals = [
+                f"{why} ({spot})"
+                for key, spot in sorted(values.classes.items())
+                for why in [tree.takes_keyword(key, threaded_classes)]
+                if why is not None
+            ]
+            reason = refusals[0] if refusals else ""
+        if not reason:
+            passed[(call.module, call.function, call.field)] = keyword
+            continue
+        message = (
+            f"a module built from a spec's field {call.field}: not every class there is shown to take "
+            f"{keyword}: {reason}"
+        )
+        left.append(SpecCallLeft(call.path, call.line, call.field, message))
+    return SpecFields(passed, tuple(sorted(left, key=lambda c: (c.path, c.line))))
