@@ -40,7 +40,7 @@ from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom_of_target
-from pgregistry.migrate._inherited import add_inheriting_subclasses
+from pgregistry.migrate._inherited import thread_subclasses
 from pgregistry.migrate._megatron_release import ShimGetters, find_installed_shim_getters
 from pgregistry.migrate._phases import TaskQueue, two_phases
 from pgregistry.migrate._plan import (
@@ -213,6 +213,8 @@ class _Instruction:
     threaded: Threaded
     upward: Upward = Upward()
     spec_fields: SpecFields = SpecFields()
+    #: The ``__init__``s given the parameter to pass it on through ``super().__init__`` (:mod:`._inherited`).
+    forwarding: frozenset[tuple[str, str]] = frozenset()
 
     def names(self) -> set[str]:
         """The names of the functions and methods a caller may now pass a collection to (and
@@ -222,8 +224,17 @@ class _Instruction:
             | {q.rpartition(".")[2] for _, q in self.upward.functions}
             | set(self.upward.methods)
             | {spec_field for _, _, spec_field in self.spec_fields.passed}
+            | {local for _, _, local in self.spec_fields.local_classes}
             | ({"build_module"} if self.spec_fields.passed else set())
         )
+
+    def forwarding_modules(self) -> set[str]:
+        """The modules holding an ``__init__`` that forwards the collection through ``super().__init__``."""
+        return {module for module, _ in self.forwarding}
+
+    def forwarding_names(self, module: str) -> set[str]:
+        """``__init__`` where ``module`` holds a forwarding one (its ``def`` is walked then), else nothing."""
+        return {"__init__"} if module in self.forwarding_modules() else set()
 
     def mention(self) -> re.Pattern[bytes] | None:
         """A call of one of :meth:`names`."""
@@ -319,10 +330,14 @@ class _Worker:
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
         mention = instruction.mention()
-        modules = {module for module, _ in instruction.upward.functions} | {
-            module for module, _, _ in instruction.spec_fields.passed
-        }
-        # A definition threaded upward, or calling a spec's field, may be a placeholder: planned again.
+        modules = (
+            {module for module, _ in instruction.upward.functions}
+            | {module for module, _, _ in instruction.spec_fields.passed}
+            | {module for module, _, _ in instruction.spec_fields.local_classes}
+            | instruction.forwarding_modules()
+        )
+        # A definition threaded upward, or calling a spec's field or a local assigned classes, or an __init__
+        # forwarding the collection, may be a placeholder: planned again.
         for (
             path,
             data,
@@ -331,7 +346,14 @@ class _Worker:
             plan = self.plans.get(path)
             if plan is not None and plan.kept and plan.module in modules:
                 planned = self._plan_one_file(
-                    path, data, sites, _calls_of(self.may_thread_names | instruction.names())
+                    path,
+                    data,
+                    sites,
+                    _calls_of(
+                        self.may_thread_names
+                        | instruction.names()
+                        | instruction.forwarding_names(plan.module)
+                    ),
                 )
                 if isinstance(planned, FileResult):
                     done.failures.append(planned)
@@ -360,11 +382,18 @@ class _Worker:
         if mention is None:
             return
         plans = []
+        forwarding = instruction.forwarding_modules()
         for path, data in files:
-            if mention.search(
+            module = ".".join(module_name(path))
+            if module in forwarding or mention.search(
                 data
             ):  # a file only read for its calls is passed over if libcst balks
-                planned = self._plan_one_file(path, data, (), mention)
+                pattern = (
+                    _calls_of(instruction.names() | {"__init__"})
+                    if module in forwarding
+                    else mention
+                )
+                planned = self._plan_one_file(path, data, (), pattern)
                 if isinstance(planned, FilePlan):
                     plans.append(planned)
                 elif planned.failure is not None and planned.failure.message.startswith(_INTERNAL):
@@ -387,17 +416,19 @@ class _Worker:
                     visit_mentions(plan, mention)
             for plan in plans:
                 for function in plan.functions:
-                    if (
-                        function.parent is None
-                        and (plan.module, function.qualname) in upward.functions
-                    ):
+                    key = (plan.module, function.qualname)
+                    if function.parent is None and key in upward.functions:
                         function.added, function.upward = self.name, True
+                    elif function.parent is None and key in instruction.forwarding:
+                        function.added = self.name
             done.passed += decide_passes(
                 plans,
                 self.name,
                 instruction.threaded,
                 upward.methods,
                 instruction.spec_fields.passed,
+                instruction.forwarding,
+                instruction.spec_fields.local_classes,
             )
         except (
             Exception
@@ -587,12 +618,17 @@ def _run_migration(
         # A class is called as a function is: its instantiations pass the collection to its threaded __init__,
         # and those of the subclasses that inherit that __init__ unchanged.
         classes = {key: value for first in firsts for key, value in first.classes.items()}
-        threaded.update(add_inheriting_subclasses(contents, classes, packages))
+        # and those of the subclasses that forward to it through ``super().__init__`` (given the parameter).
+        subclasses = thread_subclasses(contents, classes, packages, name)
+        threaded.update(subclasses.classes)
         threaded.update(add_reexported_names(threaded, packages))
-        # A class a spec names is built as ``submodules.X(...)``: passed where every class of X takes it.
-        spec_fields = decide_spec_fields(contents, threaded, name)
+        # A class a spec names is built as ``submodules.X(...)``: passed where every class of X takes it; the
+        # same for a local assigned classes (``output_layer_cls(...)``).
+        spec_fields = decide_spec_fields(
+            contents, threaded, name, add_reexported_names(subclasses.classes, packages)
+        )
         outcome.spec_calls_left += spec_fields.left
-        instruction = _Instruction(threaded, upward, spec_fields)
+        instruction = _Instruction(threaded, upward, spec_fields, subclasses.forwarding)
         return [instruction] * len(firsts)
 
     try:

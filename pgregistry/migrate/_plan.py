@@ -26,7 +26,7 @@ from __future__ import annotations
 import ast
 import builtins
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -89,6 +89,8 @@ class Way(str, Enum):
         return format(self.value, spec)
 
 
+#: The parts a ``super().__init__(...)`` call is recorded with (only a forwarding ``__init__`` passes one).
+SUPER_INIT = ["super()", "__init__"]
 #: The ways a read is rewritten, in the report's order.
 REWRITTEN_WAYS = (Way.IN_SCOPE, Way.THREADED, Way.FALLBACK, Way.BUILDER)
 
@@ -625,18 +627,18 @@ class _Locator(cst.CSTVisitor):
             )
         else:
             parts = _attribute_parts(node.func)
-            if (
-                parts is None
-                and isinstance(node.func, cst.Attribute)
-                and not (
-                    isinstance(node.func.value, cst.Call)
-                    and _callee_last_name(node.func.value) == "super"
-                )
-            ):
+            on_super = (
+                isinstance(node.func, cst.Attribute)
+                and isinstance(node.func.value, cst.Call)
+                and _callee_last_name(node.func.value) == "super"
+            )
+            if parts is None and isinstance(node.func, cst.Attribute) and not on_super:
                 parts = [
                     "",
                     node.func.attr.value,
                 ]  # a method of some object: ``self.items[0].m(...)``
+            elif on_super and isinstance(node.func, cst.Attribute):
+                parts = [*SUPER_INIT] if node.func.attr.value == "__init__" else None
             if parts is not None:
                 self.calls.append(
                     Call(node, parts, self.current, index, top=self.top, member=self.member)
@@ -1689,13 +1691,18 @@ def decide_passes(
     threaded: Mapping[tuple[str, str], str] | None = None,
     methods: Mapping[str, str] | None = None,
     spec_fields: Mapping[tuple[str, str, str], str] | None = None,
+    forwarding: Collection[tuple[str, str]] = (),
+    local_classes: Mapping[tuple[str, str, str], str] | None = None,
 ) -> int:
     """Decide which calls pass a threaded function the caller's collection (the caller's own, or the one threaded
     into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``: every file's
     :func:`collect_threaded_functions` (default: those of ``plans``); ``methods``: method names every ``def`` of
     which in the tree has the parameter (name -> keyword): a call ``obj.m(...)`` on anything no import binds passes
     it; ``spec_fields``: the calls of a spec's field whose every class takes it ((module, function, field) ->
-    keyword, :mod:`~pgregistry.migrate._spec_fields`): ``submodules.X(...)``, ``build_module(submodules.X, ...)``."""
+    keyword, :mod:`~pgregistry.migrate._spec_fields`): ``submodules.X(...)``, ``build_module(submodules.X, ...)``;
+    ``forwarding``: the ``__init__``s ((module, ``Class.__init__``)) that pass their parameter on in their
+    ``super().__init__(...)`` calls (:mod:`~pgregistry.migrate._inherited`); ``local_classes``: the calls of a local
+    assigned classes that every one of them takes ((module, function, local) -> keyword)."""
     if threaded is None:
         threaded = collect_threaded_functions(plans)
     count = 0
@@ -1716,6 +1723,10 @@ def decide_passes(
             if keyword is None and spec_fields:
                 keyword = _spec_keyword(plan.module, call, spec_fields)
             caller = call.function
+            if keyword is None and caller is not None:
+                keyword = _forwarded_or_local_keyword(
+                    plan.module, call, caller.qualname, name, forwarding, local_classes or {}
+                )
             if keyword is None or caller is None:
                 continue
             if any(
@@ -1750,6 +1761,23 @@ def decide_passes(
             plan.passing_tops.add((call.top, call.member))
             count += 1
     return count
+
+
+def _forwarded_or_local_keyword(
+    module: str,
+    call: Call,
+    qualname: str,
+    name: str,
+    forwarding: Collection[tuple[str, str]],
+    local_classes: Mapping[tuple[str, str, str], str],
+) -> str | None:
+    """The keyword a ``super().__init__(...)`` of a forwarding ``__init__`` passes, or a call of a local assigned
+    classes; None when it is neither."""
+    if call.dotted == SUPER_INIT:
+        return name if (module, qualname) in forwarding else None
+    if len(call.dotted) == 1:
+        return local_classes.get((module, qualname, call.dotted[0]))
+    return None
 
 
 def _spec_keyword(

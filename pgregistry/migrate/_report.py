@@ -64,7 +64,8 @@ def render_report(
                 f"{path}:{read.site.line} {read.site.expr} ({family_of(read.site)})"
             )
     for call in spec_calls_left:
-        left[call.reason].append(f"{call.path}:{call.line} submodules.{call.field} (spec field)")
+        built = f"{call.field} (local)" if call.local else f"submodules.{call.field} (spec field)"
+        left[call.reason].append(f"{call.path}:{call.line} {built}")
     if left:
         lines.append("left in place:")
         for reason, where in sorted(left.items(), key=lambda item: (-len(item[1]), item[0])):

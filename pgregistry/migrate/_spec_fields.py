@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
@@ -52,12 +52,14 @@ _SPEC_CALL = re.compile(rb"submodules\.([A-Za-z_]\w*)\s*[(,)]")  # a literal fir
 
 @dataclass(frozen=True)
 class SpecCallLeft:
-    """A call of a spec's field left without the collection: where it is, the field, and why."""
+    """A call of a spec's field (or of a local assigned classes: ``local``) left without the collection: where it
+    is, the field (the local's name), and why."""
 
     path: str
     line: int
     field: str
     reason: str
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class SpecFields:
 
     passed: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
     left: tuple[SpecCallLeft, ...] = ()
+    #: The calls of a local assigned classes that pass the collection ((module, function, local) -> keyword).
+    local_classes: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
 
 
 def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str | None:
@@ -403,22 +407,26 @@ def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
     )
 
 
+def _functions(
+    module: ast.Module,
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """The module-level functions and the methods of module-level classes of ``module``, with their qualified
+    names (those the plan can name)."""
+    for top in module.body:
+        if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield top.name, top
+        elif isinstance(top, ast.ClassDef):
+            for member in top.body:
+                if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield f"{top.name}.{member.name}", member
+
+
 def _spec_calls(tree: _Tree) -> list[_SpecCall]:
     """The calls of a spec's field in the module-level functions and methods of the tree that pass neither the
     keyword nor ``**`` (only those the plan can name its function for)."""
     calls: list[_SpecCall] = []
     for module in tree.mentioning(_SPEC_CALL):
-        functions: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
-        for top in module.tree.body:
-            if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                functions.append((top.name, top))
-            elif isinstance(top, ast.ClassDef):
-                functions += [
-                    (f"{top.name}.{m.name}", m)
-                    for m in top.body
-                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
-                ]
-        for qualname, function in functions:
+        for qualname, function in _functions(module.tree):
             arguments = function.args
             parameters = {
                 a.arg: a.annotation
@@ -587,11 +595,15 @@ def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str])
 
 
 def decide_spec_fields(
-    contents: Mapping[str, bytes], threaded_classes: Mapping[Key, str], keyword: str
+    contents: Mapping[str, bytes],
+    threaded_classes: Mapping[Key, str],
+    keyword: str,
+    classes: Collection[Key] = (),
 ) -> SpecFields:
-    """Which calls of a spec's field in the tree ``contents`` (path -> bytes) pass ``keyword``.
-    ``threaded_classes``: the classes whose ``__init__`` takes it after the rewrite ((module, class) -> keyword,
-    subclasses inheriting it and names packages re-export included)."""
+    """Which calls of a spec's field, and of a local assigned classes, in the tree ``contents`` (path -> bytes)
+    pass ``keyword``. ``threaded_classes``: the functions and classes that take it after the rewrite ((module,
+    name) -> keyword, subclasses inheriting it and names packages re-export included); ``classes``: those of
+    them that are classes (a local assigned one of them is looked for)."""
     tree = _Tree(contents, keyword)
     calls = _spec_calls(tree)
     names = {call.field for call in calls}
@@ -616,15 +628,7 @@ def decide_spec_fields(
         values = fields.of_call(call)
         if not any(threaded_classes.get(key) == keyword for key in values.classes):
             continue  # no class of the field reads through the keyword: nothing to pass
-        reason = values.unknown
-        if not reason:
-            refusals = [
-                f"{why} ({spot})"
-                for key, spot in sorted(values.classes.items())
-                for why in [tree.takes_keyword(key, threaded_classes)]
-                if why is not None
-            ]
-            reason = refusals[0] if refusals else ""
+        reason = _refusal(tree, values, threaded_classes)
         if not reason:
             passed[(call.module, call.function, call.field)] = keyword
             continue
@@ -633,4 +637,104 @@ def decide_spec_fields(
             f"{keyword}: {reason}"
         )
         left.append(SpecCallLeft(call.path, call.line, call.field, message))
-    return SpecFields(passed, tuple(sorted(left, key=lambda c: (c.path, c.line))))
+    local_classes: dict[tuple[str, str, str], str] = {}
+    for call, values in _local_class_calls(tree, classes, threaded_classes):
+        reason = _refusal(tree, values, threaded_classes)
+        if not reason:
+            local_classes[(call.module, call.function, call.field)] = keyword
+            continue
+        message = (
+            f"a call of a local assigned classes, {call.field}: not every class it may hold is shown to"
+            f" take {keyword}: {reason}"
+        )
+        left.append(SpecCallLeft(call.path, call.line, call.field, message, local=True))
+    return SpecFields(passed, tuple(sorted(left, key=lambda c: (c.path, c.line))), local_classes)
+
+
+def _refusal(tree: _Tree, values: _Values, threaded: Mapping[Key, str]) -> str:
+    """Why a call of ``values`` may not pass the keyword: a value that names no class of the tree, or the first
+    class not shown to take it; empty when it may."""
+    if values.unknown:
+        return values.unknown
+    refusals = [
+        f"{why} ({spot})"
+        for key, spot in sorted(values.classes.items())
+        for why in [tree.takes_keyword(key, threaded)]
+        if why is not None
+    ]
+    return refusals[0] if refusals else ""
+
+
+def _only_assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names ``function`` binds only by plain assignments (``x = ...``, ``x: T = ...``): no loop, ``with``,
+    unpacking, walrus, ``del``, ``except ... as``, import, nested definition, ``global`` or ``nonlocal``, so the
+    assignments' values are every value the name may hold."""
+    plain: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    other: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    plain[target.id] = plain.get(target.id, 0) + 1
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            stored[node.id] = stored.get(node.id, 0) + 1
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            other.update(node.names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            other.update((a.asname or a.name).partition(".")[0] for a in node.names)
+        elif node is not function and isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ):
+            other.add(node.name)
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            other.add(node.name)
+    return {name for name, count in plain.items() if stored.get(name) == count} - other
+
+
+def _local_class_calls(
+    tree: _Tree, classes: Collection[Key], threaded: Mapping[Key, str]
+) -> Iterator[tuple[_SpecCall, _Values]]:
+    """The calls ``name(...)`` (passing neither the keyword nor ``**``) of a local ``name`` that a module-level
+    function or method assigns only plainly (:func:`_only_assigned`), some value of which is one of ``classes``
+    that takes the keyword (``threaded``), with every value it may hold (:func:`_field_values`). Read in the
+    files that assign one of those classes' names (``x = C``, ``x = (C if ... else ...)``)."""
+    names = sorted({key[1] for key in classes if threaded.get(key) == tree.keyword})
+    if not names:
+        return
+    assigning = re.compile(
+        rb"=\s*\(?\s*(?:not_none\(\s*)?[\w.]*\b(?:"
+        + b"|".join(re.escape(n.encode()) for n in names)
+        + rb")\b"
+    )
+    for module in tree.mentioning(assigning):
+        for qualname, function in _functions(module.tree):
+            assigned = _Locals(function)
+            plain: set[str] | None = None
+            stack: list[ast.AST] = list(function.body)
+            while stack:  # the function's own calls, not its nested functions' or lambdas'
+                node = stack.pop()
+                if isinstance(
+                    node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+                ):
+                    continue
+                stack += ast.iter_child_nodes(node)
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and assigned.get(node.func.id)
+                    and all(k.arg not in (None, tree.keyword) for k in node.keywords)
+                ):
+                    continue
+                plain = _only_assigned(function) if plain is None else plain
+                if node.func.id not in plain:
+                    continue
+                values = _Values()
+                for value in assigned.get(node.func.id):
+                    _field_values(tree, value, module, values, names=assigned)
+                if any(threaded.get(key) == tree.keyword for key in values.classes):
+                    call = _SpecCall(
+                        module.path, node.lineno, module.name, qualname, node.func.id, frozenset()
+                    )
+                    yield call, values
