@@ -766,7 +766,11 @@ MUTANTS: tuple[Mutant, ...] = (
             "submodules.linear_proj(...): RowParallelLinear's gtp_remat read falls back under a caller holding one, "
             "issue 40's run of the Megatron-Core tests under -W error)",
         file="pgregistry/migrate/_engine.py",
-        find="spec_fields = decide_spec_fields(contents, threaded, name)",
+        find=(
+            "spec_fields = decide_spec_fields(\n"
+            "            contents, threaded, name, add_reexported_names(subclasses.classes, packages)\n"
+            "        )"
+        ),
         replace="spec_fields = SpecFields()",
         tests=(
             "tests/migrate/test_migrate_spec_fields.py::"
@@ -819,7 +823,11 @@ MUTANTS: tuple[Mutant, ...] = (
             '        and not (node.decorator_list or node.keywords or own & {"__new__"})\n'
             '        or False'
         ),
-        tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
+        tests=(
+            "tests/migrate/test_migrate_forwarding.py::"
+            "test_an_init_forwarding_to_a_threaded_base_takes_the_collection_and_passes_it_on",
+            "tests/migrate/test_migrate_forwarding.py::test_inits_the_forwarding_rule_leaves_alone",
+        ),
     ),
     Mutant(
         name="migrate-subclass-last-base",
@@ -828,6 +836,73 @@ MUTANTS: tuple[Mutant, ...] = (
         find="base = node.bases[0]",
         replace="base = node.bases[-1]",
         tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
+    ),
+    Mutant(
+        name="migrate-forwarding-init-passes-nothing",
+        bug="migrate gives a subclass's __init__ that forwards to a threaded base's through super().__init__ the "
+            "parameter but passes it nothing (TELMHeadColumnParallelLinear: TEColumnParallelLinear's gtp_remat read "
+            "falls back under GPTModel holding a collection, issue 40's run of the Megatron-Core tests under -W error)",
+        file="pgregistry/migrate/_plan.py",
+        find="        return name if (module, qualname) in forwarding else None",
+        replace="        return None",
+        tests=(
+            "tests/migrate/test_migrate_forwarding.py::"
+            "test_an_init_forwarding_to_a_threaded_base_takes_the_collection_and_passes_it_on",
+            "tests/migrate/test_migrate_forwarding.py::test_the_collection_given_reaches_the_base_read",
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "local-class:local_class.layers.output_layer_group[forwarding-head]-b]",
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "local-class:local_class.layers.output_layer_group[forwarding-head]-d]",
+        ),
+    ),
+    Mutant(
+        name="migrate-forwarding-init-through-kwargs",
+        bug="migrate threads an __init__ whose super().__init__ passes **kwargs (the call is left, so the "
+            "collection given stops there)",
+        file="pgregistry/migrate/_inherited.py",
+        find="        and all(k.arg is not None for c in calls if isinstance(c, ast.Call) for k in c.keywords)\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_forwarding.py::test_inits_the_forwarding_rule_leaves_alone",),
+    ),
+    Mutant(
+        name="migrate-local-classes-passes-nothing",
+        bug="migrate passes no collection to a call of a local assigned classes (GPTModel.__init__'s "
+            "output_layer_cls(...): ColumnParallelLinear's gtp_remat read falls back under a caller holding one, "
+            "issue 40's run of the Megatron-Core tests under -W error)",
+        file="pgregistry/migrate/_engine.py",
+        find="                instruction.spec_fields.local_classes,\n",
+        replace="                {},\n",
+        tests=(
+            "tests/migrate/test_migrate_forwarding.py::"
+            "test_a_local_holding_only_classes_taking_the_keyword_is_passed_the_collection",
+            "tests/migrate/test_migrate_forwarding.py::test_the_collection_given_reaches_the_base_read",
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "local-class:local_class.layers.output_layer_group[column]-b]",
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "local-class:local_class.layers.output_layer_group[forwarding-head]-d]",
+        ),
+    ),
+    Mutant(
+        name="migrate-local-classes-unchecked",
+        bug="migrate passes the collection to a call of a local that may hold a class without the parameter "
+            "(TypeError)",
+        file="pgregistry/migrate/_spec_fields.py",
+        find=(
+            "        reason = _refusal(tree, values, threaded_classes)\n"
+            "        if not reason:\n"
+            "            local_classes"
+        ),
+        replace="        reason = \"\"\n        if not reason:\n            local_classes",
+        tests=("tests/migrate/test_migrate_forwarding.py::test_a_local_that_may_hold_another_class_is_left_and_reported",),
+    ),
+    Mutant(
+        name="migrate-local-rebound-otherwise",
+        bug="migrate reads a local's plain assignments as all its values though a loop (or with, unpacking, ...) "
+            "binds it too",
+        file="pgregistry/migrate/_spec_fields.py",
+        find="    return {name for name, count in plain.items() if stored.get(name) == count} - other",
+        replace="    return set(plain)",
+        tests=("tests/migrate/test_migrate_forwarding.py::test_a_local_that_may_hold_another_class_is_left_and_reported",),
     ),
     Mutant(
         name="builder-reads-what-it-fills",
