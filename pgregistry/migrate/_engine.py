@@ -389,7 +389,7 @@ class _Worker:
                 data
             ):  # a file only read for its calls is passed over if libcst balks
                 pattern = (
-                    _calls_of(instruction.names() | {"__init__"})
+                    _calls_of(instruction.names() | instruction.forwarding_names(module))
                     if module in forwarding
                     else mention
                 )
@@ -616,9 +616,9 @@ def _run_migration(
         upward = thread_upward(contents, {**threaded, **methods}, packages, name)
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
         # A class is called as a function is: its instantiations pass the collection to its threaded __init__,
-        # and those of the subclasses that inherit that __init__ unchanged.
+        # and those of the subclasses that inherit that __init__ unchanged or forward to it through
+        # ``super().__init__`` (given the parameter).
         classes = {key: value for first in firsts for key, value in first.classes.items()}
-        # and those of the subclasses that forward to it through ``super().__init__`` (given the parameter).
         subclasses = thread_subclasses(contents, classes, packages, name)
         threaded.update(subclasses.classes)
         threaded.update(add_reexported_names(threaded, packages))

@@ -90,7 +90,8 @@ class Way(str, Enum):
 
 
 #: The parts a ``super().__init__(...)`` call is recorded with (only a forwarding ``__init__`` passes one).
-SUPER_INIT = ["super()", "__init__"]
+SUPER_INIT = ("super()", "__init__")
+
 #: The ways a read is rewritten, in the report's order.
 REWRITTEN_WAYS = (Way.IN_SCOPE, Way.THREADED, Way.FALLBACK, Way.BUILDER)
 
@@ -638,7 +639,7 @@ class _Locator(cst.CSTVisitor):
                     node.func.attr.value,
                 ]  # a method of some object: ``self.items[0].m(...)``
             elif on_super and isinstance(node.func, cst.Attribute):
-                parts = [*SUPER_INIT] if node.func.attr.value == "__init__" else None
+                parts = list(SUPER_INIT) if node.func.attr.value == "__init__" else None
             if parts is not None:
                 self.calls.append(
                     Call(node, parts, self.current, index, top=self.top, member=self.member)
@@ -1773,7 +1774,7 @@ def _forwarded_or_local_keyword(
 ) -> str | None:
     """The keyword a ``super().__init__(...)`` of a forwarding ``__init__`` passes, or a call of a local assigned
     classes; None when it is neither."""
-    if call.dotted == SUPER_INIT:
+    if tuple(call.dotted) == SUPER_INIT:
         return name if (module, qualname) in forwarding else None
     if len(call.dotted) == 1:
         return local_classes.get((module, qualname, call.dotted[0]))

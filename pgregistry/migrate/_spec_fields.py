@@ -29,7 +29,12 @@ no such annotation. Anything else (a parameter, a ``partial``, a class outside t
 positionally or from ``**``) leaves the call as it is, with the reason in the report. A class a user's own spec
 names from outside the tree is not seen: see docs/migrating.md, "Modules built from a spec".
 
-Read with :mod:`ast` from the files that mention a field's name. Pure: no I/O.
+A call of a local assigned classes (``GPTModel.__init__``'s ``output_layer_cls(...)``, the local holding
+``TELMHeadColumnParallelLinear`` or ``ColumnParallelLinear``) is decided the same way, its values read as a
+field's are: the local must be bound in its function by plain assignments only (no loop, ``with``, unpacking,
+walrus, import, ``global``: :func:`_only_assigned`), so those assignments are every value it may hold.
+
+Read with :mod:`ast` from the files that mention a field's name (or assign a threaded class's). Pure: no I/O.
 """
 
 from __future__ import annotations
