@@ -1,26 +1,30 @@
-"""``ProcessGroupCollection``: the typed, frozen set of process groups one model runs on, and the layout it came from.
+"""``ProcessGroupCollection``: the typed, frozen set of process groups one model runs on, and the
+layout it came from.
 
 Each field holds exactly one of four things, and each means one thing only:
 
 * a ``ProcessGroup``: use it;
-* ``None``: the axis is off (size 1) for this model. Code treats it as rank 0 of 1, never as WORLD (which is what
-  ``None`` means to a ``torch.distributed`` call), so library code reads sizes and ranks through
-  :func:`group_size` and :func:`group_rank`. In ``dp_cp_ag`` / ``expt_dp_ag`` "off" means "no second communicator
-  for parameter all-gathers": Megatron-Core's rule is that the all-gathers then run on ``dp_cp`` / ``expt_dp``;
-* :data:`UNSET`: nobody said. :meth:`ProcessGroupCollection.get` raises; only an entry point's resolution
-  (:mod:`pgregistry._runtime.resolve`) may read the global grid for it, with a warning. Mixing "unset" and "off" is what
-  made Megatron-Core's filters read the global rank for a model whose own grid turned an axis off (Megatron-LM
-  pull request 8042; ``docs/known_bugs.md``);
-* :data:`NOT_MEMBER`: this rank belongs to no group of that kind: the embedding groups of a middle pipeline stage,
-  or every field of a collection given to a rank outside its layout's span. Never "rank 0 of 1".
+* ``None``: the axis is off (size 1) for this model. Code treats it as rank 0 of 1, never as WORLD
+  (which is what ``None`` means to a ``torch.distributed`` call), so library code reads sizes and
+  ranks through :func:`group_size` and :func:`group_rank`. In ``dp_cp_ag`` / ``expt_dp_ag`` "off"
+  means "no second communicator for parameter all-gathers": Megatron-Core's rule is that the
+  all-gathers then run on ``dp_cp`` / ``expt_dp``;
+* :data:`UNSET`: nobody said. :meth:`ProcessGroupCollection.get` raises; only an entry point's
+  resolution (:mod:`pgregistry._runtime.resolve`) may read the global grid for it, with a warning.
+  Mixing "unset" and "off" is what made Megatron-Core's filters read the global rank for a model
+  whose own grid turned an axis off (Megatron-LM pull request 8042; ``docs/known_bugs.md``);
+* :data:`NOT_MEMBER`: this rank belongs to no group of that kind: the embedding groups of a middle
+  pipeline stage, or every field of a collection given to a rank outside its layout's span. Never
+  "rank 0 of 1".
 
-``UNSET`` and ``NOT_MEMBER`` have no truth value: ``if pg.tp:`` raises for them instead of reading "nobody said" as
-"off".
+``UNSET`` and ``NOT_MEMBER`` have no truth value: ``if pg.tp:`` raises for them instead of reading
+"nobody said" as "off".
 
-A collection built by :func:`pgregistry.registry.build` knows its :attr:`~ProcessGroupCollection.layout`, its
-:attr:`~ProcessGroupCollection.name` and whether this rank is a member, and its groups are checked against the
-layout when it is made, so consumers take the collection alone: no second argument can disagree with it. Every
-field of a collection held by a rank outside the layout's ranks raises when read, naming the layout and the rank.
+A collection built by :func:`pgregistry.registry.build` knows its
+:attr:`~ProcessGroupCollection.layout`, its :attr:`~ProcessGroupCollection.name` and whether this
+rank is a member, and its groups are checked against the layout when it is made, so consumers take
+the collection alone: no second argument can disagree with it. Every field of a collection held by a
+rank outside the layout's ranks raises when read, naming the layout and the rank.
 """
 
 from __future__ import annotations
@@ -100,7 +104,8 @@ class NotMember(enum.Enum):
 
 
 NOT_MEMBER: Final = NotMember.NOT_MEMBER
-"""A field of a kind this rank belongs to no group of (an embedding group on a middle pipeline stage)."""
+"""A field of a kind this rank belongs to no group of (an embedding group on a middle pipeline
+stage)."""
 
 GroupName: TypeAlias = Literal[
     "tp",
@@ -155,7 +160,8 @@ V = TypeVar("V")
 
 
 class _Field(Generic[V]):
-    """One field: reads the stored value, refusing every read on a rank outside the collection's layout."""
+    """One field: reads the stored value, refusing every read on a rank outside the collection's
+    layout."""
 
     __slots__ = ("name",)
 
@@ -180,7 +186,8 @@ class _Field(Generic[V]):
 
 
 class ProcessGroupCollection:
-    """One process group (or ``None`` = axis off, ``UNSET``, ``NOT_MEMBER``) per group kind, plus the layout.
+    """One process group (or ``None`` = axis off, ``UNSET``, ``NOT_MEMBER``) per group kind, plus
+    the layout.
 
     What a model and its optimizer are handed instead of reading a global ``parallel_state``: each
     field is one communicator, so a function's groups are visible in its arguments. Field names
@@ -274,7 +281,8 @@ class ProcessGroupCollection:
     def _for_non_member(
         cls, layout: ParallelLayout, name: str | None, lifetime: _Lifetime | None
     ) -> ProcessGroupCollection:
-        """The collection a rank outside ``layout``'s ranks holds: it knows it is no member, and every read raises."""
+        """The collection a rank outside ``layout``'s ranks holds: it knows it is no member, and
+        every read raises."""
         collection = cls.__new__(cls)
         collection._values = dict.fromkeys(FIELD_NAMES, NOT_MEMBER)
         collection._layout = layout
@@ -284,11 +292,12 @@ class ProcessGroupCollection:
         collection._lifetime = lifetime
         return collection
 
-    # ------------------------------------------------------------------------------------------- identity
+    # ------------------------------------------------------------------------------------- identity
 
     @property
     def layout(self) -> ParallelLayout | None:
-        """The layout this collection was built from (``None`` for a collection assembled by hand)."""
+        """The layout this collection was built from (``None`` for a collection assembled by
+        hand)."""
         return self._layout
 
     @property
@@ -303,30 +312,35 @@ class ProcessGroupCollection:
 
     @property
     def one_rank_group(self) -> ProcessGroup | None:
-        """A group of this rank alone, for adapters where a field is ``None``; ``None`` when not given."""
+        """A group of this rank alone, for adapters where a field is ``None``; ``None`` when not
+        given."""
         self._check_member()
         return self._one_rank_group
 
     @property
     def is_destroyed(self) -> bool:
-        """Whether :func:`pgregistry.registry.destroy` destroyed the groups of this (built) collection."""
+        """Whether :func:`pgregistry.registry.destroy` destroyed the groups of this (built)
+        collection."""
         return self._lifetime is not None and not self._lifetime.alive
 
     def describe(self) -> str:
-        """How messages name this collection: its build name and layout, or "a collection assembled by hand"."""
+        """How messages name this collection: its build name and layout, or "a collection assembled
+        by hand"."""
         if self._layout is None:
             return f"collection {self._name!r}" if self._name else "a collection assembled by hand"
         label = f"{self._name!r} " if self._name else ""
         return f"layout {label}{self._layout!r}"
 
-    # ------------------------------------------------------------------------------------------- access
+    # --------------------------------------------------------------------------------------- access
 
     def is_set(self, name: FieldName) -> bool:
-        """True when ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; False when it is ``UNSET``."""
+        """True when ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; False when it is
+        ``UNSET``."""
         return self._raw_field(name) is not UNSET
 
     def is_member_of(self, name: FieldName) -> bool:
-        """Whether this rank belongs to a group of kind ``name`` (``None``, axis off, counts: rank 0 of 1).
+        """Whether this rank belongs to a group of kind ``name`` (``None``, axis off, counts: rank 0
+        of 1).
 
         ``AttributeError`` when ``name`` is UNSET, as :meth:`get`."""
         value = self._raw_field(name)
@@ -402,10 +416,11 @@ class ProcessGroupCollection:
             f"collection (None means the axis is off)"
         )
 
-    # ------------------------------------------------------------------------------------------- dunder
+    # --------------------------------------------------------------------------------------- dunder
 
     def __eq__(self, other: object) -> bool:
-        # Groups compare by identity: two collections are equal when they hold the same communicators.
+        # Groups compare by identity: two collections are equal when they hold the same
+        # communicators.
         if not isinstance(other, ProcessGroupCollection):
             return NotImplemented
         return self._identity_key() == other._identity_key()
@@ -458,15 +473,17 @@ def _composite_axes() -> dict[GroupName, tuple[GroupName, ...]]:
 
 
 COMPOSITE_AXES: Final[Mapping[GroupName, tuple[GroupName, ...]]] = _composite_axes()
-"""Each field whose group spans several axes -> the fields of those axes, as the layout defines the kinds
-(``mp`` spans ``tp``, ``gtp_remat``, ``pp``; ``tp_ep_pp_with_egtp_remat`` spans ``expt_tp``, ``expt_gtp_remat``,
-``ep``, ``pp``; ...). A collection is refused when such a group's size is not the product of its axes' sizes
-(``None`` counts 1): a group set to ``None`` on an axis the composite spans is how a norm reads ranks twice."""
+"""Each field whose group spans several axes -> the fields of those axes, as the layout defines the
+kinds (``mp`` spans ``tp``, ``gtp_remat``, ``pp``; ``tp_ep_pp_with_egtp_remat`` spans ``expt_tp``,
+``expt_gtp_remat``, ``ep``, ``pp``; ...). A collection is refused when such a group's size is not
+the product of its axes' sizes (``None`` counts 1): a group set to ``None`` on an axis the composite
+spans is how a norm reads ranks twice."""
 
 
 def _check_fields(groups: Mapping[str, object]) -> None:
-    """``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError`` for a composite
-    group whose size disagrees with its axes. Imports nothing: a group exists only when torch is already loaded."""
+    """``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError``
+    for a composite group whose size disagrees with its axes. Imports nothing: a group exists only
+    when torch is already loaded."""
     for name, value in groups.items():
         if name != "hcp":
             _check_group_type(name, value, allow_none=True)
@@ -568,7 +585,8 @@ _INSIDE: Final[Mapping[str, str]] = {
     "intra_expt_dp": "expt_dp",
     "inter_dist_opt": "dp_cp",
 }
-"""Fields a layout does not enumerate, and the layout kind whose group holds them (the HSDP split)."""
+"""Fields a layout does not enumerate, and the layout kind whose group holds them (the HSDP
+split)."""
 
 _SAME_AS: Final[Mapping[str, str]] = {"dp_cp_ag": "dp_cp", "expt_dp_ag": "expt_dp"}
 """Second communicators over the same ranks as a layout kind."""
@@ -577,8 +595,9 @@ _SAME_AS: Final[Mapping[str, str]] = {"dp_cp_ag": "dp_cp", "expt_dp_ag": "expt_d
 def _check_against_layout(
     values: Mapping[str, FieldValue], layout: ParallelLayout, one_rank_group: ProcessGroup | None
 ) -> None:
-    """Every given group holds the ranks ``layout`` gives this rank (or lies inside them, for the HSDP fields);
-    ``None`` only where the layout's group has one rank; ``NOT_MEMBER`` only where this rank is in none."""
+    """Every given group holds the ranks ``layout`` gives this rank (or lies inside them, for the
+    HSDP fields); ``None`` only where the layout's group has one rank; ``NOT_MEMBER`` only where
+    this rank is in none."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -738,13 +757,15 @@ def _check_group(group: object) -> None:
         )
     if isinstance(group, NotMember):
         raise ValueError(f"{_NOT_A_MEMBER} (the field is NOT_MEMBER)")
-    # A non-member's handle from new_group is torch's NON_GROUP_MEMBER sentinel, an int with no size or rank.
+    # A non-member's handle from new_group is torch's NON_GROUP_MEMBER sentinel, an int with no size
+    # or rank.
     if isinstance(group, int):
         raise ValueError(f"{_NOT_A_MEMBER} (its handle is torch's NON_GROUP_MEMBER, {group!r})")
 
 
 def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
-    """``names`` as a tuple; ``ValueError`` with a close-match suggestion for the first unknown one."""
+    """``names`` as a tuple; ``ValueError`` with a close-match suggestion for the first unknown
+    one."""
     names = tuple(names)
     for name in names:
         if name not in FIELD_NAMES:

@@ -1,17 +1,19 @@
-"""Adapters between :class:`~torch.distributed.device_mesh.DeviceMesh` and :class:`ProcessGroupCollection`.
+"""Adapters between :class:`~torch.distributed.device_mesh.DeviceMesh` and
+:class:`ProcessGroupCollection`.
 
-Code built on a DeviceMesh (DTensor, FSDP2, torchtitan-style parallel dims) and code built on collections can
-then share communicators instead of creating a second set:
+Code built on a DeviceMesh (DTensor, FSDP2, torchtitan-style parallel dims) and code built on
+collections can then share communicators instead of creating a second set:
 
-* :func:`from_device_mesh` reads a collection off a mesh: a field mapped to one mesh dim gets that dim's group;
-  a field mapped to several dims gets one group over the flattened dims, from pgregistry's one communicator per
-  rank set, so a rank set it already has (a layout built with :func:`~pgregistry.registry.build`, or the same
-  flattening asked for twice) is reused.
-* :func:`to_device_mesh` hands back a DeviceMesh for FSDP2 / TP / EP whose dims are the collection's own groups
-  (``DeviceMesh.from_group``): dense or expert data parallelism, TP, EP, the 2-D meshes torchtitan uses, and HSDP
-  once :func:`with_hsdp_groups` has split the dense and expert data-parallel groups. No second grid of
-  communicators exists. A DeviceMesh has no "axis off" value, so a field that is ``None`` (a size-1 axis) becomes a
-  dim of the collection's one-rank group.
+* :func:`from_device_mesh` reads a collection off a mesh: a field mapped to one mesh dim gets that
+  dim's group; a field mapped to several dims gets one group over the flattened dims, from
+  pgregistry's one communicator per rank set, so a rank set it already has (a layout built with
+  :func:`~pgregistry.registry.build`, or the same flattening asked for twice) is reused.
+* :func:`to_device_mesh` hands back a DeviceMesh for FSDP2 / TP / EP whose dims are the collection's
+  own groups (``DeviceMesh.from_group``): dense or expert data parallelism, TP, EP, the 2-D meshes
+  torchtitan uses, and HSDP once :func:`with_hsdp_groups` has split the dense and expert
+  data-parallel groups. No second grid of communicators exists. A DeviceMesh has no "axis off"
+  value, so a field that is ``None`` (a size-1 axis) becomes a dim of the collection's one-rank
+  group.
 
 Only public DeviceMesh APIs are used (``mesh``, ``mesh_dim_names``, ``get_group``, ``from_group``).
 """
@@ -43,8 +45,9 @@ MESH_FIELDS: tuple[str, ...] = (
     *(kind for kind in GROUP_KINDS if kind not in ("embd", "pos_embd")),
     *_HSDP_FIELDS,
 )
-"""Collection fields :func:`to_device_mesh` can make mesh dims of: every layout group kind that holds every rank
-(dense and expert), and the HSDP split of the dense and expert data-parallel groups."""
+"""Collection fields :func:`to_device_mesh` can make mesh dims of: every layout group kind that
+holds every rank (dense and expert), and the HSDP split of the dense and expert data-parallel
+groups."""
 
 
 def from_device_mesh(
@@ -126,8 +129,8 @@ def _flat_group(
     flattened = [names.index(d) for d in dims]
     others = [i for i in range(ranks.ndim) if i not in flattened]
     size = math.prod(ranks.shape[i] for i in flattened)
-    # Every group of the flattening, one per coordinate of the other dims: the registry creates them in one
-    # global order, each rank walking the same list.
+    # Every group of the flattening, one per coordinate of the other dims: the registry creates them
+    # in one global order, each rank walking the same list.
     rank_sets = ranks.permute(*others, *flattened).reshape(-1, size).tolist()
     group = CACHE.partition_group(rank_sets, GroupOptions.of(backend, timeout))
     if group is None:
@@ -195,7 +198,8 @@ def to_device_mesh(
         actual = tuple(dist.get_process_group_ranks(group))
         ranks_of[field] = actual
         groups.append(group)
-        # Along this dim the grid steps through the group's ranks; broadcast it over the dims so far.
+        # Along this dim the grid steps through the group's ranks; broadcast it over the dims so
+        # far.
         steps = torch.tensor(actual, dtype=torch.int64) - rank
         shape = [1] * len(fields)
         shape[position] = len(actual)
@@ -209,7 +213,8 @@ def to_device_mesh(
 
 
 def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> ProcessGroup:
-    """The group of ``field`` for a mesh dim: its group, or the one-rank group where it is ``None``."""
+    """The group of ``field`` for a mesh dim: its group, or the one-rank group where it is
+    ``None``."""
     value = pg_collection.get_or(field, UNSET)
     if value is UNSET:
         raise ValueError(
@@ -230,9 +235,10 @@ def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> Proc
 def _check_replicas_inside_shards(
     pg_collection: ProcessGroupCollection, ranks_of: Mapping[str, tuple[int, ...]], rank: int
 ) -> None:
-    """HSDP's replicate dim must stay inside the group its shard dim splits: with an order that puts EP slower than
-    DP, ``inter_dist_opt`` crosses EP ranks, and ``("inter_dist_opt", "intra_expt_dp")`` would be a grid over
-    other experts' ranks, not over expert data parallelism."""
+    """HSDP's replicate dim must stay inside the group its shard dim splits: with an order that puts
+    EP slower than DP, ``inter_dist_opt`` crosses EP ranks, and ``("inter_dist_opt",
+    "intra_expt_dp")`` would be a grid over other experts' ranks, not over expert data
+    parallelism."""
     import torch.distributed as dist
 
     replicate = ranks_of.get("inter_dist_opt")
@@ -307,8 +313,8 @@ def with_hsdp_groups(
         check_usable(pg_collection, "with_hsdp_groups")  # the TypeError naming what it got
     require_distributed("with_hsdp_groups")
     layout = pg_collection.layout
-    # Agreed first, so that every check below raises on every rank alike or on none: a rank outside a span holds
-    # the span's layout too, and creates the split's groups with the others.
+    # Agreed first, so that every check below raises on every rank alike or on none: a rank outside
+    # a span holds the span's layout too, and creates the split's groups with the others.
     check_agreement(
         "with_hsdp_groups",
         {
@@ -349,7 +355,8 @@ def with_hsdp_groups(
 def _hsdp_split(
     layout: ParallelLayout, kind: str, what: str, replicas: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Each ``kind`` group cut into ``replicas`` contiguous shard blocks, and the replicate sets across them."""
+    """Each ``kind`` group cut into ``replicas`` contiguous shard blocks, and the replicate sets
+    across them."""
     groups = layout.groups_tensor(kind)
     size = groups.shape[1]
     if not isinstance(replicas, int) or replicas < 1 or size % replicas:

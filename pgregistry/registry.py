@@ -1,19 +1,22 @@
-"""Build a layout into a collection: the process groups of every group kind, one communicator per rank set.
+"""Build a layout into a collection: the process groups of every group kind, one communicator per
+rank set.
 
 :func:`build` turns a :class:`~pgregistry.layout.ParallelLayout` into a
-:class:`~pgregistry.collection.ProcessGroupCollection` that knows its layout. Its communicators come from one
-process-wide cache (one per distinct rank set, created in one deadlock-free global order, after the ranks agree
-on the request: :mod:`pgregistry._runtime.group_cache`), so two layouts that share rank sets share communicators.
+:class:`~pgregistry.collection.ProcessGroupCollection` that knows its layout. Its communicators come
+from one process-wide cache (one per distinct rank set, created in one deadlock-free global order,
+after the ranks agree on the request: :mod:`pgregistry._runtime.group_cache`), so two layouts that
+share rank sets share communicators.
 
-A layout may cover part of the world (``rank_offset`` and ``num_ranks``: one module of a job on ranks of its own).
-The build stays collective over the world, so every rank agrees on every module's layout; a rank outside the span
-gets a collection that knows it is no member and refuses to be used.
+A layout may cover part of the world (``rank_offset`` and ``num_ranks``: one module of a job on
+ranks of its own). The build stays collective over the world, so every rank agrees on every module's
+layout; a rank outside the span gets a collection that knows it is no member and refuses to be used.
 
-An axis of size 1 is ``None`` (off) in the collection. Each build also makes a group of this rank alone, which the
-collection carries (:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`) for the adapters to
-libraries that have no "axis off" value (Megatron-Core, DeviceMesh): one extra communicator per rank, never used
-for a collective by pgregistry itself, so with NCCL (which sets a communicator up at its first collective) it
-costs memory only where an adapter hands it to a library that uses it.
+An axis of size 1 is ``None`` (off) in the collection. Each build also makes a group of this rank
+alone, which the collection carries
+(:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`) for the adapters to libraries
+that have no "axis off" value (Megatron-Core, DeviceMesh): one extra communicator per rank, never
+used for a collective by pgregistry itself, so with NCCL (which sets a communicator up at its first
+collective) it costs memory only where an adapter hands it to a library that uses it.
 """
 
 from __future__ import annotations
@@ -180,7 +183,8 @@ def _build_agreed(
     fields: dict[str, Any] = {kind: group_for(wanted[kind]) for kind in GROUP_KINDS}
     fields.update({alias: fields[kind] for alias, kind in _ALIASES.items()})
     fields["intra_dist_opt"] = group_for(span)
-    # Not built, as Megatron-Core's initialize_model_parallel does not build them either (docs/layout.md).
+    # Not built, as Megatron-Core's initialize_model_parallel does not build them either
+    # (docs/layout.md).
     fields.update(inter_dist_opt=None, hcp=None, dp_cp_ag=None, expt_dp_ag=None)
     collection = ProcessGroupCollection(
         layout=layout, name=name, one_rank_group=CACHE.group((rank,)), **fields
@@ -198,7 +202,8 @@ def _layout_label(name: object, layout: object) -> str:
 def _check_same_build(
     name: str | None, previous: _Built, layout: ParallelLayout, options: GroupOptions
 ) -> None:
-    """``ValueError`` naming what differs between a build and the earlier one of the same name or layout."""
+    """``ValueError`` naming what differs between a build and the earlier one of the same name or
+    layout."""
     differences = []
     if previous.layout != layout:
         differences.append(f"layout {previous.layout!r} then {layout!r}")
@@ -217,8 +222,9 @@ def _check_same_build(
 def _refuse_other_options(
     rank_sets: Iterable[RankGroup], options: GroupOptions, name: str | None, layout: ParallelLayout
 ) -> None:
-    """``ValueError`` on every rank when a rank set this build needs already has a communicator with other options
-    (one communicator per rank set). Agreed over the world, so that no rank goes on into the creation alone."""
+    """``ValueError`` on every rank when a rank set this build needs already has a communicator with
+    other options (one communicator per rank set). Agreed over the world, so that no rank goes on
+    into the creation alone."""
     conflict = None
     for ranks in sorted(rank_sets):
         existing = CACHE.options_of(ranks)
@@ -278,7 +284,8 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
 
 
 def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | None]:
-    """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects instead."""
+    """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects
+    instead."""
     expects = (
         "adopt expects an iterable of the torch.distributed ProcessGroup objects this rank belongs to (e.g. "
         "Megatron-Core's parallel_state.get_tensor_model_parallel_group()), not their names"

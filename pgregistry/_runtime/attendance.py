@@ -1,17 +1,19 @@
-"""Which ranks came: a world-collective operation bounded by its own timeout, naming the ranks that did not come.
+"""Which ranks came: a world-collective operation bounded by its own timeout, naming the ranks that
+did not come.
 
-A rank that never calls a world-collective operation (it raised earlier, took another branch, or died) leaves the
-others in the operation's first collective until the process group's timeout (30 minutes by default), and then
-they fail with the backend's text, which names neither the operation nor the missing ranks.
-:func:`require_attendance` runs
-an operation after a check-in through the world's store, bounded by the operation's own timeout: each rank marks
-itself present and counts itself in; when the count falls short at the deadline, every rank that came raises
-``RuntimeError`` naming the operation, the ranks that did not come and what to do. A collective that fails inside
-the operation (a rank killed in it) is followed by a roll call through the store: the message names the ranks that
-did not answer it.
+A rank that never calls a world-collective operation (it raised earlier, took another branch, or
+died) leaves the others in the operation's first collective until the process group's timeout (30
+minutes by default), and then they fail with the backend's text, which names neither the operation
+nor the missing ranks. :func:`require_attendance` runs an operation after a check-in through the
+world's store, bounded by the operation's own timeout: each rank marks itself present and counts
+itself in; when the count falls short at the deadline, every rank that came raises ``RuntimeError``
+naming the operation, the ranks that did not come and what to do. A collective that fails inside the
+operation (a rank killed in it) is followed by a roll call through the store: the message names the
+ranks that did not answer it.
 
-The check-in costs two store writes and one wait per rank, as a ``new_group`` of torch's own does; it is for
-operations that are rare and must fail clearly (a build), never for a training step's collectives.
+The check-in costs two store writes and one wait per rank, as a ``new_group`` of torch's own does;
+it is for operations that are rare and must fail clearly (a build), never for a training step's
+collectives.
 """
 
 from __future__ import annotations
@@ -25,30 +27,34 @@ from typing import Any
 __all__ = ["require_attendance", "world_timeout"]
 
 _GAVE_UP = 1 << 32
-"""What a rank that stopped waiting adds to the count: a rank arriving after it sees it, and knows to raise."""
+"""What a rank that stopped waiting adds to the count: a rank arriving after it sees it, and knows
+to raise."""
 
 _ROLL_CALL_S = 10.0
-"""The longest a roll call after a failure waits for the ranks that answer, beyond :data:`_MARGIN_S`. Every
-collective of an attended operation is bounded by its timeout, so a rank that lives fails within that timeout of
-a peer's death and answers then; the wait is the timeout when shorter than this."""
+"""The longest a roll call after a failure waits for the ranks that answer, beyond
+:data:`_MARGIN_S`. Every collective of an attended operation is bounded by its timeout, so a rank
+that lives fails within that timeout of a peer's death and answers then; the wait is the timeout
+when shorter than this."""
 
 _MARGIN_S = 1.0
 
 _POLL_S = 0.05
 
 _operations = 0
-"""How many attended operations this process has run: every rank runs them in one order, so the n-th is the same
-operation on every rank (a rank that skips one is caught by the next check-in, or by its agreement)."""
+"""How many attended operations this process has run: every rank runs them in one order, so the n-th
+is the same operation on every rank (a rank that skips one is caught by the next check-in, or by its
+agreement)."""
 
 
 @contextmanager
 def require_attendance(operation: str, timeout: timedelta | None, advice: str) -> Iterator[None]:
-    """Run the body once every rank of the world has checked in, within ``timeout`` (``None``: the world's own,
-    :func:`world_timeout`); ``RuntimeError`` on every rank that came when some did not, naming them and the
-    operation, then ``advice``. A ``RuntimeError`` inside the body, which is what torch.distributed raises when a
-    collective fails (the body's own collectives must be bounded by ``timeout``, and raise no ``RuntimeError`` of
-    their own), is re-raised as ``RuntimeError`` naming the operation and the ranks that did not answer a roll call,
-    ``from`` the backend's error."""
+    """Run the body once every rank of the world has checked in, within ``timeout`` (``None``: the
+    world's own, :func:`world_timeout`); ``RuntimeError`` on every rank that came when some did not,
+    naming them and the operation, then ``advice``. A ``RuntimeError`` inside the body, which is
+    what torch.distributed raises when a collective fails (the body's own collectives must be
+    bounded by ``timeout``, and raise no ``RuntimeError`` of their own), is re-raised as
+    ``RuntimeError`` naming the operation and the ranks that did not answer a roll call, ``from``
+    the backend's error."""
     import torch.distributed as dist
 
     global _operations
@@ -109,11 +115,13 @@ def _check_in(
     operation: str,
     advice: str,
 ) -> None:
-    """Count this rank in; return once every rank is, or raise naming the ranks that are not by ``bound``.
+    """Count this rank in; return once every rank is, or raise naming the ranks that are not by
+    ``bound``.
 
-    The count is one atomic counter. The rank that brings it to ``world_size`` opens the way for all; one that
-    stops waiting adds :data:`_GAVE_UP`, so a rank arriving later sees that the others left and raises too
-    instead of going on alone, and the one giving up sees whether the last rank came just before it did."""
+    The count is one atomic counter. The rank that brings it to ``world_size`` opens the way for
+    all; one that stops waiting adds :data:`_GAVE_UP`, so a rank arriving later sees that the others
+    left and raises too instead of going on alone, and the one giving up sees whether the last rank
+    came just before it did."""
     store.set(f"{prefix}/rank/{rank}", "")
     count = store.add(f"{prefix}/count", 1)
     if count >= _GAVE_UP:
@@ -144,7 +152,8 @@ def _check_in(
 
 
 def _roll_call(store: Any, prefix: str, world_size: int, rank: int, wait_s: float) -> list[int]:
-    """The ranks that did not answer, within ``wait_s``, a roll call every rank that failed takes part in."""
+    """The ranks that did not answer, within ``wait_s``, a roll call every rank that failed takes
+    part in."""
     store.set(f"{prefix}/answered/{rank}", "")
     give_up = time.monotonic() + wait_s
     answers = store.add(f"{prefix}/answers", 1)

@@ -1,26 +1,27 @@
-"""The door of every entry point: what it was given (one normaliser) and which collection it runs on (one
-resolution).
+"""The door of every entry point: what it was given (one normaliser) and which collection it runs on
+(one resolution).
 
-An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the optimizer
-builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params` and
-:func:`resolve_pg_collection` once and passes what they return down; nothing below the door resolves again.
-The collection is, in this order:
+An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the
+optimizer builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params`
+and :func:`resolve_pg_collection` once and passes what they return down; nothing below the door
+resolves again. The collection is, in this order:
 
-1. the collection passed explicitly (refused when the model carries another one: which would win is a guess);
-2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module`` wrappers and
-   the same on every chunk;
+1. the collection passed explicitly (refused when the model carries another one: which would win is
+   a guess);
+2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module``
+   wrappers and the same on every chunk;
 3. else the global grid (:mod:`pgregistry.global_grid`), with a
    :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the entry point;
 4. else ``RuntimeError`` naming the entry point.
 
-No entry point reads "no collection" as a default layout (such as "expert parallelism off"): on an EP 4 grid that
-gave every rank EP rank 0 of 1, so every rank's experts got the same global names and overwrote each other in a
-checkpoint. The resolved collection must be usable: this rank must be a member of its layout, and its groups must
-not have been destroyed. The fields an entry point may read from the global grid when they are
-:data:`~pgregistry.collection.UNSET` (``fallback``) are filled here too, each with a warning, unless the
-collection's own composite groups leave them one rank (then they are ``None``, nothing read); a field filled from
-the global grid never contradicts one the collection sets (``ValueError`` naming both). Every other field it needs
-must be set.
+No entry point reads "no collection" as a default layout (such as "expert parallelism off"): on an
+EP 4 grid that gave every rank EP rank 0 of 1, so every rank's experts got the same global names and
+overwrote each other in a checkpoint. The resolved collection must be usable: this rank must be a
+member of its layout, and its groups must not have been destroyed. The fields an entry point may
+read from the global grid when they are :data:`~pgregistry.collection.UNSET` (``fallback``) are
+filled here too, each with a warning, unless the collection's own composite groups leave them one
+rank (then they are ``None``, nothing read); a field filled from the global grid never contradicts
+one the collection sets (``ValueError`` naming both). Every other field it needs must be set.
 """
 
 from __future__ import annotations
@@ -57,14 +58,14 @@ ParamsLike: TypeAlias = (
     "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | "
     "Iterable[torch.Tensor] | Iterable[nn.Module]"
 )
-"""What the entry points accept: a model, model chunks (a list, tuple or generator of modules), a name ->
-parameter mapping, one tensor, or an iterable of tensors."""
+"""What the entry points accept: a model, model chunks (a list, tuple or generator of modules), a
+name -> parameter mapping, one tensor, or an iterable of tensors."""
 
 
 @attrs.frozen(slots=True)
 class Params:
-    """What an entry point was given, normalised once: the model chunks (empty when given tensors) and every
-    parameter once (by identity), named, in a deterministic order."""
+    """What an entry point was given, normalised once: the model chunks (empty when given tensors)
+    and every parameter once (by identity), named, in a deterministic order."""
 
     chunks: tuple[nn.Module, ...]
     named: tuple[tuple[str, torch.Tensor], ...]
@@ -72,8 +73,9 @@ class Params:
 
 @attrs.frozen(slots=True)
 class Source:
-    """What an entry point was given, taken apart without walking it: the model chunks, or the tensors (``None``
-    for chunks), and the items as given (a one-shot iterable read into a list once), for :func:`params_of_source`."""
+    """What an entry point was given, taken apart without walking it: the model chunks, or the
+    tensors (``None`` for chunks), and the items as given (a one-shot iterable read into a list
+    once), for :func:`params_of_source`."""
 
     chunks: tuple[nn.Module, ...]
     tensors: list[Any] | None
@@ -81,9 +83,9 @@ class Source:
 
 
 def source_of(model_or_params: ParamsLike) -> Source:
-    """:class:`Source` of a model, model chunks (any iterable of modules, generators included), a mapping, one
-    tensor or an iterable of tensors: a few ``isinstance`` checks, no walk (a kept classification checks what it
-    was made from against this, each call)."""
+    """:class:`Source` of a model, model chunks (any iterable of modules, generators included), a
+    mapping, one tensor or an iterable of tensors: a few ``isinstance`` checks, no walk (a kept
+    classification checks what it was made from against this, each call)."""
     import torch
     from torch import nn
 
@@ -100,16 +102,18 @@ def source_of(model_or_params: ParamsLike) -> Source:
 
 
 def normalise_params(model_or_params: ParamsLike) -> Params:
-    """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
-    iterables of tensors: :func:`params_of_source` of its :func:`source_of`."""
+    """The one normaliser of models, chunks (any iterable of modules, generators included),
+    mappings, tensors and iterables of tensors: :func:`params_of_source` of its
+    :func:`source_of`."""
     return params_of_source(source_of(model_or_params))
 
 
 def params_of_source(source: Source) -> Params:
-    """The parameters of ``source``: a model's named as ``named_parameters`` names them (prefixed ``chunk<i>.``
-    when there are several chunks), each with the roles of the parameter it replaced when it is the same
-    parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
-    ``param[<i>]``. ``TypeError`` naming an item that is not a tensor."""
+    """The parameters of ``source``: a model's named as ``named_parameters`` names them (prefixed
+    ``chunk<i>.`` when there are several chunks), each with the roles of the parameter it replaced
+    when it is the same parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives
+    its items; tensors are named ``param[<i>]``. ``TypeError`` naming an item that is not a
+    tensor."""
     import torch
 
     from pgregistry.params import restore_param_roles
@@ -146,13 +150,13 @@ def resolve_pg_collection(
     owner: str,
     fallback: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
-    """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET fields of
-    ``fallback`` filled by :func:`fill_unset_fields` (from the global grid, each with a warning, where the collection
-    does not
-    fix them; ``RuntimeError`` when there is none to read).
+    """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET
+    fields of ``fallback`` filled by :func:`fill_unset_fields` (from the global grid, each with a
+    warning, where the collection does not fix them; ``RuntimeError`` when there is none to read).
 
-    ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when it disagrees with
-    the collection attached to ``chunks``, when this rank is not a member of it, or when it was destroyed.
+    ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when
+    it disagrees with the collection attached to ``chunks``, when this rank is not a member of it,
+    or when it was destroyed.
     """
     attached = collection_of(chunks, None) if chunks else None
     if pg_collection is not None:
@@ -176,9 +180,9 @@ def resolve_pg_collection(
 
 
 def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
-    """``collection``, refused (``ValueError``) when this rank is not a member of its layout or its groups were
-    destroyed (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a collection. For entry points
-    that take a collection only, never ``None``."""
+    """``collection``, refused (``ValueError``) when this rank is not a member of its layout or its
+    groups were destroyed (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a
+    collection. For entry points that take a collection only, never ``None``."""
     if not isinstance(collection, ProcessGroupCollection):
         kind = type(collection)
         got = f"{kind.__module__}.{kind.__qualname__}"
@@ -203,7 +207,8 @@ def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroup
 
 
 def _global_grid() -> ProcessGroupCollection | None:
-    """The global grid, or ``None``: the one read of it in pgregistry (the allowlist holds it to that)."""
+    """The global grid, or ``None``: the one read of it in pgregistry (the allowlist holds it to
+    that)."""
     return global_collection(None)
 
 
@@ -226,14 +231,17 @@ def fill_unset_fields(
     *,
     unneeded: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
-    """``collection`` with its UNSET fields among ``names`` filled; for an entry point that decides what its model
-    needs after :func:`resolve_pg_collection` (``fallback=()``), as ``build_optimizer`` does.
+    """``collection`` with its UNSET fields among ``names`` filled; for an entry point that decides
+    what its model needs after :func:`resolve_pg_collection` (``fallback=()``), as
+    ``build_optimizer`` does.
 
-    A field the collection's own composite groups leave one rank (:func:`~pgregistry.collection.implied_size`:
-    ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep`` off) is ``None``, nothing read. A field among ``unneeded`` (the
-    expert axes of a model without experts) is ``None`` too, unless the composites say it spans several ranks. Any
-    other is read from the global grid, with a warning (``RuntimeError`` when there is none), and must agree with
-    the collection: ``ValueError`` naming the field and the composite it contradicts, or the check that failed.
+    A field the collection's own composite groups leave one rank
+    (:func:`~pgregistry.collection.implied_size`: ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep``
+    off) is ``None``, nothing read. A field among ``unneeded`` (the expert axes of a model without
+    experts) is ``None`` too, unless the composites say it spans several ranks. Any other is read
+    from the global grid, with a warning (``RuntimeError`` when there is none), and must agree with
+    the collection: ``ValueError`` naming the field and the composite it contradicts, or the check
+    that failed.
     """
     missing = [name for name in dict.fromkeys((*names, *unneeded)) if not collection.is_set(name)]
     if not missing:
@@ -276,9 +284,9 @@ def grid_reads(
     names: Iterable[GroupName],
     unneeded: Iterable[GroupName] = (),
 ) -> list[GroupName]:
-    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid: UNSET, not left one rank
-    by the
-    collection's composite groups, and not ``unneeded`` unless the composites say they span several ranks."""
+    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid: UNSET,
+    not left one rank by the collection's composite groups, and not ``unneeded`` unless the
+    composites say they span several ranks."""
     skipped = set(unneeded)
     reads = []
     for name in dict.fromkeys(names):

@@ -10,10 +10,11 @@ The file (version 1) maps each project-relative path to its sites, counted per k
       "version": 1
     }
 
-It is written deterministically (sorted keys, two-space indent, ASCII, trailing newline), so rewriting an
-unchanged list is byte-identical and diffs show exactly which reads were added or removed. Reading is strict:
-anything malformed, a wrong version, or a ``total`` that does not add up raises :class:`AllowlistError`
-naming the problem, because a silently misread allowlist would let new reads through.
+It is written deterministically (sorted keys, two-space indent, ASCII, trailing newline), so
+rewriting an unchanged list is byte-identical and diffs show exactly which reads were added or
+removed. Reading is strict: anything malformed, a wrong version, or a ``total`` that does not add up
+raises :class:`AllowlistError` naming the problem, because a silently misread allowlist would let
+new reads through.
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ COMMENT = (
 
 
 class AllowlistError(ValueError):
-    """The allowlist file is missing, malformed or of an unsupported version; the message says which."""
+    """The allowlist file is missing, malformed or of an unsupported version; the message says
+    which."""
 
 
 class FutureAllowlistError(AllowlistError):
-    """The allowlist was written by a newer pgregistry: never rewrite it (its new fields would be lost)."""
+    """The allowlist was written by a newer pgregistry: never rewrite it (its new fields would be
+    lost)."""
 
 
 def read_bytes(path: Path) -> bytes | None:
@@ -82,7 +85,8 @@ class Allowlist:
         )
 
     def merge_scanned(self, scanned: Allowlist, covers: Callable[[str], bool]) -> Allowlist:
-        """``scanned`` for the paths it ``covers``, this allowlist's entries for every other path."""
+        """``scanned`` for the paths it ``covers``, this allowlist's entries for every other
+        path."""
         kept = {path: keys for path, keys in self.entries.items() if not covers(path)}
         return Allowlist({**kept, **scanned.entries})
 
@@ -100,11 +104,12 @@ class Allowlist:
         return json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=True) + "\n"
 
     def write(self, path: Path, expected: bytes | None) -> bool:
-        """Atomically replace the file unless it already holds exactly this content; returns whether it changed.
+        """Atomically replace the file unless it already holds exactly this content; returns whether
+        it changed.
 
-        ``expected`` is what the file held when it was read (None: it did not exist). If it holds anything
-        else now, another process wrote it meanwhile and writing would drop that process's entries: raises
-        :class:`~pgregistry._source.storage.StorageError` and writes nothing."""
+        ``expected`` is what the file held when it was read (None: it did not exist). If it holds
+        anything else now, another process wrote it meanwhile and writing would drop that process's
+        entries: raises :class:`~pgregistry._source.storage.StorageError` and writes nothing."""
         data = self.dumps().encode("ascii")
         try:
             current = read_bytes(path)
@@ -121,7 +126,8 @@ class Allowlist:
 
     @classmethod
     def load(cls, path: Path, name: str | None = None) -> Allowlist:
-        """Read and validate the allowlist at ``path`` (``name``: how messages call it; default the path)."""
+        """Read and validate the allowlist at ``path`` (``name``: how messages call it; default the
+        path)."""
         name = name or str(path)
         try:
             data = path.read_bytes()
@@ -227,12 +233,13 @@ def _sites_by_key(results: Iterable[FileResult]) -> dict[str, dict[str, list[Sit
 class Mismatch:
     """One key whose site count differs from the allowed count by more than the reads that moved.
 
-    More sites than allowed are new reads (``sites`` holds all of them, in line order; ``added``, when a base
-    revision tells, the ones that are new); fewer is a stale entry (``sites`` holds those that remain).
-    ``moved``: reads of this key explained by a :class:`~pgregistry.allowlist._moves.Move` (moved here, for a
-    new key; moved away, for a stale one), so ``unexplained`` is what really changed. ``listed``: for a new
-    read judged against a base revision, the allowlist's own count when the base's allowance is lower (the
-    read fills slack that a stale entry left)."""
+    More sites than allowed are new reads (``sites`` holds all of them, in line order; ``added``,
+    when a base revision tells, the ones that are new); fewer is a stale entry (``sites`` holds
+    those that remain). ``moved``: reads of this key explained by a
+    :class:`~pgregistry.allowlist._moves.Move` (moved here, for a new key; moved away, for a stale
+    one), so ``unexplained`` is what really changed. ``listed``: for a new read judged against a
+    base revision, the allowlist's own count when the base's allowance is lower (the read fills
+    slack that a stale entry left)."""
 
     path: str
     key: str
@@ -257,8 +264,9 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class Comparison:
-    """The ratchet's verdict. ``stale_fails``: whether stale entries fail the check (without a base revision)
-    or are notices that the list can shrink (with one: the base's counts keep the allowance tight)."""
+    """The ratchet's verdict. ``stale_fails``: whether stale entries fail the check (without a base
+    revision) or are notices that the list can shrink (with one: the base's counts keep the
+    allowance tight)."""
 
     mismatches: tuple[Mismatch, ...]
     moves: tuple[Move, ...] = ()
@@ -289,16 +297,19 @@ def compare_counts(
     added: frozenset[str] = frozenset(),
     limits: Allowlist | None = None,
 ) -> Comparison:
-    """The ratchet: every key's count must equal the allowed count, for the paths the scan ``covers``.
+    """The ratchet: every key's count must equal the allowed count, for the paths the scan
+    ``covers``.
 
-    More is a new read; fewer is a stale entry (the list must shrink with the code), except where a stale
-    entry and a new one are the same reads moved by a refactor (:func:`~pgregistry.allowlist._moves.pair_moves`;
-    ``renames``: old path -> new path, ``added``: files added, both from git). Paths the scan did not cover (a run on a
-    sub-directory) are not judged.
+    More is a new read; fewer is a stale entry (the list must shrink with the code), except where a
+    stale entry and a new one are the same reads moved by a refactor
+    (:func:`~pgregistry.allowlist._moves.pair_moves`; ``renames``: old path -> new path, ``added``:
+    files added, both from git). Paths the scan did not cover (a run on a sub-directory) are not
+    judged.
 
-    ``limits`` (from a base revision, :func:`~pgregistry.allowlist._baseline.base_limits`): the allowance of
-    each key, at most the allowlist's. New reads and moves are judged against it, and stale entries (the
-    allowlist above what the code reads) no longer fail: the limits already deny their slack."""
+    ``limits`` (from a base revision, :func:`~pgregistry.allowlist._baseline.base_limits`): the
+    allowance of each key, at most the allowlist's. New reads and moves are judged against it, and
+    stale entries (the allowlist above what the code reads) no longer fail: the limits already deny
+    their slack."""
     found = _sites_by_key(results)
     limit = limits if limits is not None else allowlist
     counts: dict[tuple[str, str], tuple[int, tuple[Site, ...]]] = {}
@@ -346,7 +357,8 @@ def compare_counts(
         for (path, key), (allowed, sites) in counts.items()
         if len(sites) > allowed and len(sites) - allowed > moved.get((path, key), 0)
     ]
-    # Stale against the allowlist itself: with limits, also entries whose slack the base already had.
+    # Stale against the allowlist itself: with limits, also entries whose slack the base already
+    # had.
     mismatches += [
         Mismatch(path, key, allowed, sites, moved.get((path, key), 0))
         for (path, key), (allowed, sites) in listed.items()

@@ -1,5 +1,6 @@
-"""What the allowlist commands print: ``text`` for people, ``json`` for tools, ``github`` for workflow
-annotations (``::error file=...,line=...::message``, shown inline on the pull request's diff)."""
+"""What the allowlist commands print: ``text`` for people, ``json`` for tools, ``github`` for
+workflow annotations (``::error file=...,line=...::message``, shown inline on the pull request's
+diff)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ _FIX_SLACK = (
     f"allow a new one. If the read must stay, run {UPDATE} on the base branch first, then here"
 )
 
-#: GitHub shows about 10 error annotations per step; past this many keys, the rest go to the log only.
+#: GitHub shows about 10 error annotations per step; past this many keys, the rest go to the log
+#: only.
 GITHUB_ANNOTATION_CAP = 10
 
 
@@ -65,7 +67,8 @@ def _format_annotation(
 
 
 def render_skipped(skipped: Sequence[tuple[str, str]], fmt: str) -> str:
-    """Files left out of the scan, each with why: listed, never silent (their allowlist entries are kept)."""
+    """Files left out of the scan, each with why: listed, never silent (their allowlist entries are
+    kept)."""
     if fmt == "github":
         title = "pgregistry allowlist: file not scanned"
         return "".join(
@@ -131,7 +134,8 @@ def _how_to_fix(item: Mismatch, stale_fails: bool = True) -> str:
 
 
 def _sites_shown(item: Mismatch) -> tuple[Site, ...]:
-    """The sites to point at for a new read: the added ones when a base revision told them apart, else all."""
+    """The sites to point at for a new read: the added ones when a base revision told them apart,
+    else all."""
     return item.added or item.sites
 
 
@@ -214,8 +218,8 @@ def _text_lines(comparison: Comparison) -> list[str]:
 
 
 def _github_lines(comparison: Comparison) -> list[str]:
-    """One annotation per key (at its first added site), at most :data:`GITHUB_ANNOTATION_CAP` errors and as
-    many notices (GitHub caps each level apart), then a summary."""
+    """One annotation per key (at its first added site), at most :data:`GITHUB_ANNOTATION_CAP`
+    errors and as many notices (GitHub caps each level apart), then a summary."""
     annotations: list[str] = []
     notices: list[str] = []
     for item in sorted(
@@ -270,7 +274,8 @@ def _github_lines(comparison: Comparison) -> list[str]:
 def render_check(
     comparison: Comparison, allowlist: Allowlist, files: int, allowlist_name: str, fmt: str
 ) -> str:
-    """Each new read and each stale entry with its file:line and the fix, the moved reads; then a verdict."""
+    """Each new read and each stale entry with its file:line and the fix, the moved reads; then a
+    verdict."""
     state = "global process-group state"
     moved = sum(move.count for move in comparison.moves)
     moved_text = f"; {_plural_of(moved, 'read')} moved ({_FIX_MOVED})" if moved else ""
@@ -364,7 +369,8 @@ def _tally_sites(results: Sequence[FileResult], depth: int) -> tuple[Counter[str
 
 
 def _burn_down_bar(now: int, then: int, width: int = 20) -> str:
-    """``now`` as a share of ``then`` (or of itself): filled cells remain, empty ones were burnt down."""
+    """``now`` as a share of ``then`` (or of itself): filled cells remain, empty ones were burnt
+    down."""
     scale = max(then, now, 1)
     filled = round(width * now / scale)
     return "#" * filled + "." * (round(width * then / scale) - filled if then > now else 0)
@@ -400,8 +406,9 @@ def render_stats(
     since: Baseline | None = None,
     depth: int = 2,
 ) -> str:
-    """Counts of the sites found by family and directory (against ``since`` when given), then by accessor,
-    file and scope (largest first). ``allowed``: the allowlist's entries for the paths scanned only."""
+    """Counts of the sites found by family and directory (against ``since`` when given), then by
+    accessor, file and scope (largest first). ``allowed``: the allowlist's entries for the paths
+    scanned only."""
     sites = [(result.path, site) for result in results for site in result.sites]
     by_accessor = Counter(site.accessor for _, site in sites)
     by_file = Counter(path for path, _ in sites)

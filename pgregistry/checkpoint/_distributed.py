@@ -1,6 +1,7 @@
-"""Checkpoints by global name through ``torch.distributed.checkpoint`` (DCP), collective over the ranks of the model's
-collection: the default group, or the span of a module's layout (whose checkpoint then records the module's name
-and span under :data:`IDENTITY_KEY`, and loads into that module on those ranks only)."""
+"""Checkpoints by global name through ``torch.distributed.checkpoint`` (DCP), collective over the
+ranks of the model's collection: the default group, or the span of a module's layout (whose
+checkpoint then records the module's name and span under :data:`IDENTITY_KEY`, and loads into that
+module on those ranks only)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["IDENTITY_KEY", "load_distributed", "save_distributed"]
 
 IDENTITY_KEY = "pgregistry/module"
-"""Where a module's DCP checkpoint records the module's name and span (a checkpoint of the world records none)."""
+"""Where a module's DCP checkpoint records the module's name and span (a checkpoint of the world
+records none)."""
 
 
 def save_distributed(
@@ -126,13 +128,15 @@ def load_distributed(
             key: _describe_entry(entry) for key, entry in metadata.items() if key != IDENTITY_KEY
         }
         refuse_misfits(f"the checkpoint {directory}", stored, model, optimizer, strict, scope)
-        # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict check alone.
+        # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict
+        # check alone.
         read = (MODEL_PREFIX,) if optimizer is None else (MODEL_PREFIX, OPTIMIZER_PREFIX)
         destination: dict[str, Any] = {}
         for key, entry in stored.items():
             if param_name_of_key(key) not in model.params or not key.startswith(read):
                 continue
-            # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has read it.
+            # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has
+            # read it.
             destination[key] = (
                 None if entry.shape is None else torch.empty(entry.shape, dtype=entry.dtype)
             )
@@ -152,7 +156,8 @@ def _describe_entry(entry: Any) -> Stored:
 
 
 def _read_metadata(directory: str | Path) -> Any:
-    """The entries of the DCP checkpoint in ``directory`` by key; ``ValueError`` naming it when it is none."""
+    """The entries of the DCP checkpoint in ``directory`` by key; ``ValueError`` naming it when it
+    is none."""
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -170,7 +175,8 @@ def _dcp_group(scope: Scope) -> Any:
 
 
 def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
-    """``ValueError`` on every rank of ``scope`` unless the checkpoint records the module and span loading it."""
+    """``ValueError`` on every rank of ``scope`` unless the checkpoint records the module and span
+    loading it."""
     import torch.distributed.checkpoint as dcp
 
     def check_saved_identity() -> None:

@@ -1,11 +1,12 @@
 """``pgregistry layout``: the groups a layout creates, without creating any.
 
-Prints every group kind (which grid and axes it spans, how many groups, their size, the first few) and, with
-``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. A layout over part of the world
-(``--rank-offset``, ``--world-size``) is shown with its global ranks throughout. Invalid sizes exit 2 with
-the layout's own message, and so does a layout whose listing would not fit in the memory available (estimated
-from the layout's arithmetic before anything is enumerated, instead of dying in the allocator). Torch is imported
-only inside the handler (the layout arithmetic needs it), as the CLI table requires.
+Prints every group kind (which grid and axes it spans, how many groups, their size, the first few)
+and, with ``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. A
+layout over part of the world (``--rank-offset``, ``--world-size``) is shown with its global ranks
+throughout. Invalid sizes exit 2 with the layout's own message, and so does a layout whose listing
+would not fit in the memory available (estimated from the layout's arithmetic before anything is
+enumerated, instead of dying in the allocator). Torch is imported only inside the handler (the
+layout arithmetic needs it), as the CLI table requires.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ _PATH_AND_LIST_OPTIONS = {
         "two layout specs such as tp=2,ep=4 and tp=4 (a spec of defaults: tp=1)",
     ),
 }
-"""The options of ``layout`` whose empty value would pass as the option left out (``--svg ''`` drew nothing,
-``--compare '' ''`` compared two default layouts)."""
+"""The options of ``layout`` whose empty value would pass as the option left out (``--svg ''`` drew
+nothing, ``--compare '' ''`` compared two default layouts)."""
 
 
 def _run_layout(args: argparse.Namespace) -> int:
@@ -126,16 +127,17 @@ def _run_layout(args: argparse.Namespace) -> int:
     return layout_views.warn_and_check(args, [placement] if placement else [])
 
 
-# Measured with ru_maxrss at 2**24 and 2**25 ranks on four layouts: enumerating every kind peaked at 8.1 to 24.3
-# bytes per rank (up to three int64 copies of the world), and each listed rank cost 40 to 51 bytes (a Python int
-# in a list, then its JSON text). About 1.3 times the largest of each, to stay on the safe side.
+# Measured with ru_maxrss at 2**24 and 2**25 ranks on four layouts: enumerating every kind peaked at
+# 8.1 to 24.3 bytes per rank (up to three int64 copies of the world), and each listed rank cost 40
+# to 51 bytes (a Python int in a list, then its JSON text). About 1.3 times the largest of each, to
+# stay on the safe side.
 _ENUMERATION_BYTES_PER_RANK = 32
 _LISTED_BYTES_PER_RANK = 64
 
 
 def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
-    """``ValueError`` when the report would need more memory than is available, from the layout's shapes alone;
-    its advice names the option that would help, if any does."""
+    """``ValueError`` when the report would need more memory than is available, from the layout's
+    shapes alone; its advice names the option that would help, if any does."""
     from pgregistry.layout import GROUP_KINDS
 
     shapes = [layout.group_shape(kind) for kind in GROUP_KINDS]
@@ -210,7 +212,8 @@ _SHOWN_RANKS = 8
 
 
 def _format_group(group: list[int]) -> str:
-    """A group for the table: in full up to 8 ranks, else its first ranks, the last one and its size."""
+    """A group for the table: in full up to 8 ranks, else its first ranks, the last one and its
+    size."""
     if len(group) <= _SHOWN_RANKS:
         return "[" + ", ".join(map(str, group)) + "]"
     head = ", ".join(map(str, group[: _SHOWN_RANKS - 2]))

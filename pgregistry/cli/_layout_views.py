@@ -1,11 +1,14 @@
 """The node-placement, picture and comparison options of ``pgregistry layout``.
 
-``--gpus-per-node N`` adds a placement table (how many nodes each kind's groups span, how many communicators a rank
-joins) and warns on stderr when a kind of ``--intra-node`` crosses nodes; ``--check`` turns that warning into exit
-1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry.cli._layout_svg`. ``--compare A B`` compares two layouts
-given as ``NAME:key=value,...`` specs, each over ``--num-ranks`` ranks from ``--rank-offset`` unless its spec gives
-its own ``num_ranks`` / ``rank_offset``, in one world (``--world-size``, default: where the later span ends). Usage
-errors raise ``ValueError`` naming the option or spec at fault (the command exits 2).
+``--gpus-per-node N`` adds a placement table (how many nodes each kind's groups span, how many
+communicators a rank joins) and warns on stderr when a kind of ``--intra-node`` crosses nodes;
+``--check`` turns that warning into exit
+1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry.cli._layout_svg`. ``--compare A B``
+   compares two layouts
+given as ``NAME:key=value,...`` specs, each over ``--num-ranks`` ranks from ``--rank-offset`` unless
+its spec gives its own ``num_ranks`` / ``rank_offset``, in one world (``--world-size``, default:
+where the later span ends). Usage errors raise ``ValueError`` naming the option or spec at fault
+(the command exits 2).
 """
 
 from __future__ import annotations
@@ -93,9 +96,9 @@ def placement_of(
     args: argparse.Namespace,
     world_size: int | None = None,
 ) -> Placement | None:
-    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without ``--gpus-per-node``), in a
-    world of ``world_size`` ranks (default ``--world-size``, else where the layout ends), which must be whole
-    nodes."""
+    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without
+    ``--gpus-per-node``), in a world of ``world_size`` ranks (default ``--world-size``, else where
+    the layout ends), which must be whole nodes."""
     from pgregistry.placement import place
 
     if args.gpus_per_node is None:
@@ -106,8 +109,8 @@ def placement_of(
 
 
 def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: int | None) -> None:
-    """``ValueError`` naming the options when the world is not whole nodes of ``--gpus-per-node`` (a launcher starts
-    the same number of ranks on every node; a span may start and end mid-node)."""
+    """``ValueError`` naming the options when the world is not whole nodes of ``--gpus-per-node`` (a
+    launcher starts the same number of ranks on every node; a span may start and end mid-node)."""
     g = args.gpus_per_node
     if g < 1:
         raise ValueError(f"--gpus-per-node must be a positive integer, got {g}")
@@ -131,8 +134,8 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
 
 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
-    """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank are counted over
-    the layout's ranks."""
+    """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank
+    are counted over the layout's ranks."""
     from pgregistry._runtime.communicators import communicators_per_rank, kinds_by_communicator
 
     per_rank = communicators_per_rank(kinds_by_communicator(layout), range(*layout.rank_range()))
@@ -221,7 +224,8 @@ def _write_svg_and_html(args: argparse.Namespace, svg: str, title: str) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written picture."""
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written
+    picture."""
     try:
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except OSError as exc:
@@ -260,9 +264,9 @@ def parse_layout_spec(
     rank_offset: int = 0,
     world_size: int | None = None,
 ) -> tuple[str, ParallelLayout]:
-    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks from ``rank_offset``
-    unless the spec gives its own ``num_ranks`` / ``rank_offset``); ``ValueError`` naming the bad part, and the
-    spec whose span ends past ``world_size``."""
+    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks from
+    ``rank_offset`` unless the spec gives its own ``num_ranks`` / ``rank_offset``); ``ValueError``
+    naming the bad part, and the spec whose span ends past ``world_size``."""
     from pgregistry.layout import ParallelLayout
 
     name, _, body = spec.rpartition(":") if ":" in spec else (default_name, "", spec)
@@ -295,8 +299,9 @@ def parse_layout_spec(
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they share (and
-    pictures, placement), in one world of ``--world-size`` ranks (default: where the later span ends)."""
+    """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they
+    share (and pictures, placement), in one world of ``--world-size`` ranks (default: where the
+    later span ends)."""
     from pgregistry._runtime.communicators import compare_layouts
     from pgregistry.cli._layout_svg import render_compare_svg
 

@@ -1,17 +1,18 @@
-"""``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state into reads of a collection.
+"""``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state into reads of a
+collection.
 
-``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every file checked
-first, all written or none under a journal that the next run finishes if this one is killed, none overwritten
-that changed on disk since it was read) and then regenerates the allowlist ``--allowlist`` names, else the
-configured one, so the ratchet shrinks in the same commit; ``--check`` exits 1 when anything would change (for
-CI). The report per family goes to stderr with ``--diff``, to stdout otherwise; progress of a long run to stderr.
-Settings are the ratchet's (pyproject table, ``--preset``, ``--isolated``, excludes, ``--module``); see
-docs/migrating.md.
+``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every
+file checked first, all written or none under a journal that the next run finishes if this one is
+killed, none overwritten that changed on disk since it was read) and then regenerates the allowlist
+``--allowlist`` names, else the configured one, so the ratchet shrinks in the same commit;
+``--check`` exits 1 when anything would change (for CI). The report per family goes to stderr with
+``--diff``, to stdout otherwise; progress of a long run to stderr. Settings are the ratchet's
+(pyproject table, ``--preset``, ``--isolated``, excludes, ``--module``); see docs/migrating.md.
 
-Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a file that
-does not parse or needs a newer Python, a read-only or hard-linked file, a path outside the project, conflicting
-settings, an unknown target, libcst missing, ``--check`` on a tree an interrupted ``--write`` left half-written)
-or an error of this tool; nothing is written then.
+Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a
+file that does not parse or needs a newer Python, a read-only or hard-linked file, a path outside
+the project, conflicting settings, an unknown target, libcst missing, ``--check`` on a tree an
+interrupted ``--write`` left half-written) or an error of this tool; nothing is written then.
 
 libcst is an optional extra (``pip install 'pgregistry[migrate]'``), imported by the handler only.
 """
@@ -115,7 +116,8 @@ def _ratchet_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
 
 
 def _print_bytes(data: bytes) -> None:
-    """``data`` on stdout as they are (a diff in a file's own encoding, as ``git diff`` prints it)."""
+    """``data`` on stdout as they are (a diff in a file's own encoding, as ``git diff`` prints
+    it)."""
     sys.stdout.flush()
     buffer = getattr(sys.stdout, "buffer", None)
     if (
@@ -130,9 +132,9 @@ def _print_bytes(data: bytes) -> None:
 def _allowlist_to_write(
     args: argparse.Namespace, settings: Settings, configured: bool
 ) -> Path | None:
-    """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it does not
-    exist: nothing is written then), else the configured one where it exists (a line on stderr when it does
-    not); None for none."""
+    """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it
+    does not exist: nothing is written then), else the configured one where it exists (a line on
+    stderr when it does not); None for none."""
     allowlist = settings.resolve(settings.allowlist)
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
@@ -154,7 +156,8 @@ def _allowlist_to_write(
 
 
 def _regenerate_allowlist(args: argparse.Namespace) -> int:
-    """``pgregistry allowlist update`` with the same settings, allowlist and paths (its exit code)."""
+    """``pgregistry allowlist update`` with the same settings, allowlist and paths (its exit
+    code)."""
     from pgregistry.allowlist import main as allowlist
 
     chosen = [f"--allowlist={args.allowlist}"] if args.allowlist is not None else []
@@ -164,8 +167,9 @@ def _regenerate_allowlist(args: argparse.Namespace) -> int:
 
 
 def _run_migrate(args: argparse.Namespace) -> int:
-    """The handler; returns the exit code (see the module docstring). An exception of this tool (a bug) is
-    exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would change"."""
+    """The handler; returns the exit code (see the module docstring). An exception of this tool (a
+    bug) is exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would
+    change"."""
     try:
         import libcst  # noqa: F401
     except ImportError:

@@ -1,15 +1,18 @@
-"""``pgregistry seed-plan``: every rank's RNG tracker seeds for a layout, and a check for seed collisions.
+"""``pgregistry seed-plan``: every rank's RNG tracker seeds for a layout, and a check for seed
+collisions.
 
-A layout over part of the world (``--rank-offset``) is planned for its own ranks, listed by their global rank: the
-seeds follow each rank's coordinates in the layout, as the collection built from it gives them.
+A layout over part of the world (``--rank-offset``) is planned for its own ranks, listed by their
+global rank: the seeds follow each rank's coordinates in the layout, as the collection built from it
+gives them.
 
-Before enumerating anything the command estimates the memory the plan or its check holds (from the layout's sizes,
-:func:`pgregistry.rng.check_seed_plan_size`) and refuses what would not fit; once the first ranks are done it
-estimates the time from their measured rate, refuses a run longer than ``--time-limit``, and reports progress on
-stderr for a run longer than ``--progress`` seconds: at about 10 microseconds a rank, 38 million ranks take six
-minutes, which used to pass in silence.
+Before enumerating anything the command estimates the memory the plan or its check holds (from the
+layout's sizes, :func:`pgregistry.rng.check_seed_plan_size`) and refuses what would not fit; once
+the first ranks are done it estimates the time from their measured rate, refuses a run longer than
+``--time-limit``, and reports progress on stderr for a run longer than ``--progress`` seconds: at
+about 10 microseconds a rank, 38 million ranks take six minutes, which used to pass in silence.
 
-Torch is imported only inside the handler (through :mod:`pgregistry.rng`), as the CLI table requires.
+Torch is imported only inside the handler (through :mod:`pgregistry.rng`), as the CLI table
+requires.
 """
 
 from __future__ import annotations
@@ -118,10 +121,11 @@ def _run_seed_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# Measured with tracemalloc at 2**18 ranks on layouts with and without expert and GTP-remat axes: checking held 256
-# to 450 bytes per stream (check_seed_plan_size's count) and 34 per listed (rank, collision) entry, nothing else per
-# rank; the plan (table or JSON) peaked at 1,174 to 1,670 bytes per rank (1,800 to 2,275 by ru_maxrss). Rounded up,
-# for what the allocator adds. tests/core/test_layout_cli_limits.py holds them within a small factor of tracemalloc.
+# Measured with tracemalloc at 2**18 ranks on layouts with and without expert and GTP-remat axes:
+# checking held 256 to 450 bytes per stream (check_seed_plan_size's count) and 34 per listed (rank,
+# collision) entry, nothing else per rank; the plan (table or JSON) peaked at 1,174 to 1,670 bytes
+# per rank (1,800 to 2,275 by ru_maxrss). Rounded up, for what the allocator adds.
+# tests/core/test_layout_cli_limits.py holds them within a small factor of tracemalloc.
 _STREAM_BYTES = 512
 _LISTED_BYTES = 48
 _PLAN_BYTES_PER_RANK = 3072
@@ -130,7 +134,8 @@ _PLAN_BYTES_PER_RANK = 3072
 def estimate_plan_bytes(
     layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool
 ) -> int:
-    """The memory the plan of ``layout`` (``check``: its check) holds, estimated from the layout's sizes alone."""
+    """The memory the plan of ``layout`` (``check``: its check) holds, estimated from the layout's
+    sizes alone."""
     from pgregistry.rng import check_seed_plan_size
 
     if not check:
@@ -144,8 +149,8 @@ def estimate_plan_bytes(
 def _check_memory(
     layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool, doing: str
 ) -> None:
-    """``ValueError`` when the plan (or its check) would need more memory than is available, estimated before any
-    seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
+    """``ValueError`` when the plan (or its check) would need more memory than is available,
+    estimated before any seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
     needed = estimate_plan_bytes(layout, seed, check, data_parallel_random_init)
     available = memory_shortfall(needed)
     if available is not None:
@@ -165,10 +170,10 @@ def _check_memory(
 
 
 class _Progress:
-    """The ``progress`` callback of the plan: from the rate of the first ranks, the time the whole run takes;
-    ``ValueError`` (with ``advice``) when that is past ``--time-limit``, and lines on stderr every ``--progress``
-    seconds of a run estimated longer than that. Nothing is timed before the first callback, so short runs print
-    nothing."""
+    """The ``progress`` callback of the plan: from the rate of the first ranks, the time the whole
+    run takes; ``ValueError`` (with ``advice``) when that is past ``--time-limit``, and lines on
+    stderr every ``--progress`` seconds of a run estimated longer than that. Nothing is timed before
+    the first callback, so short runs print nothing."""
 
     def __init__(
         self, doing: str, total: int, limit_minutes: float, every_s: float, advice: str

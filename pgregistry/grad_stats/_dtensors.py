@@ -1,25 +1,30 @@
-"""DTensor grads in grad statistics: each local piece counted as its placements and its parameter's roles say.
+"""DTensor grads in grad statistics: each local piece counted as its placements and its parameter's
+roles say.
 
-FSDP2 (``fully_shard``), ``parallelize_module`` and ``distribute_tensor`` leave DTensor grads. A DTensor's local
-piece (``to_local()``) is classified per mesh dim it spans, the dim's group matched to a group of the collection:
+FSDP2 (``fully_shard``), ``parallelize_module`` and ``distribute_tensor`` leave DTensor grads. A
+DTensor's local piece (``to_local()``) is classified per mesh dim it spans, the dim's group matched
+to a group of the collection:
 
-* a dim inside the parameter's reduction group (``mp`` for dense, ``tp_ep_pp_with_egtp_remat`` for experts: TP, EP,
-  PP):
-  ``Shard`` pieces are distinct and summed there; ``Replicate`` copies are counted on the dim's rank 0 only;
-* a dim outside it (a data-parallel group: ``dp_cp``, ``expt_dp``, HSDP's ``intra_dp_cp`` / ``inter_dist_opt``):
-  ``Shard`` pieces are summed over that group first (one all-reduce per such collection field, in field order, by
-  the one reducer, :func:`~pgregistry.grad_stats._reductions.reduce_shares`);
-  ``Replicate`` copies are each counted by their own replica, as plain grads are;
-* ``Partial``: the pending reduction is done first, on a copy of the local tensor, then it counts as ``Replicate``.
+* a dim inside the parameter's reduction group (``mp`` for dense, ``tp_ep_pp_with_egtp_remat`` for
+  experts: TP, EP, PP): ``Shard`` pieces are distinct and summed there; ``Replicate`` copies are
+  counted on the dim's rank 0 only;
+* a dim outside it (a data-parallel group: ``dp_cp``, ``expt_dp``, HSDP's ``intra_dp_cp`` /
+  ``inter_dist_opt``): ``Shard`` pieces are summed over that group first (one all-reduce per such
+  collection field, in field order, by the one reducer,
+  :func:`~pgregistry.grad_stats._reductions.reduce_shares`); ``Replicate`` copies are each counted
+  by their own replica, as plain grads are;
+* ``Partial``: the pending reduction is done first, on a copy of the local tensor, then it counts as
+  ``Replicate``.
 
-Axes the DTensor does not span are decided by the roles, as for plain grads: not TP-sharded (GTP-sharded) is
-counted on TP (GTP) rank 0; a routed expert (``allreduce=False``) is distinct per EP rank and summed over the
-expert group. A placement that contradicts a role is an error naming the parameter, never a silent default: a
-routed expert whose grad is ``Replicate`` over a dim spanning EP is exactly the xorl report (per-expert LoRA
-factors treated as EP-replicated, norm low by 1/sqrt(ep)). So is a mesh dim that is no group of the collection,
-one that straddles the reduction group, a parameter laid out over an expert group without an EP classification,
-or a routed expert laid out over a dense group. No collective is ever issued on a DTensor: only on local tensors
-and shares, over the collection's groups.
+Axes the DTensor does not span are decided by the roles, as for plain grads: not TP-sharded
+(GTP-sharded) is counted on TP (GTP) rank 0; a routed expert (``allreduce=False``) is distinct per
+EP rank and summed over the expert group. A placement that contradicts a role is an error naming the
+parameter, never a silent default: a routed expert whose grad is ``Replicate`` over a dim spanning
+EP is exactly the xorl report (per-expert LoRA factors treated as EP-replicated, norm low by
+1/sqrt(ep)). So is a mesh dim that is no group of the collection, one that straddles the reduction
+group, a parameter laid out over an expert group without an EP classification, or a routed expert
+laid out over a dense group. No collective is ever issued on a DTensor: only on local tensors and
+shares, over the collection's groups.
 """
 
 from __future__ import annotations
@@ -51,29 +56,32 @@ __all__ = [
 ]
 
 _EXPERT_FIELDS: Final = frozenset({*EXPERT_GROUP_KINDS, "intra_expt_dp"})
-"""Fields of the expert grid: a dense parameter's mesh dim must not be one of these only (and vice versa)."""
+"""Fields of the expert grid: a dense parameter's mesh dim must not be one of these only (and vice
+versa)."""
 
 _PARTIAL_OPS: Final = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a DTensor (torch.distributed.tensor imported only when torch has it)."""
+    """Whether ``tensor`` is a DTensor (torch.distributed.tensor imported only when torch has
+    it)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
 
 
 def is_partial(grad: DTensor) -> bool:
-    """Whether ``grad`` has a pending reduction (a ``Partial`` placement): reading it is collective."""
+    """Whether ``grad`` has a pending reduction (a ``Partial`` placement): reading it is
+    collective."""
     from torch.distributed.tensor import Partial
 
     return any(isinstance(placement, Partial) for placement in grad.placements)
 
 
 class MeshAxes:
-    """The collection's groups by rank set, so a mesh dim can be named by the collection fields it equals; and the
-    decisions of one statistics call, cached by layout (mesh, placements, roles), so classifying thousands of grads
-    costs a dictionary look-up each."""
+    """The collection's groups by rank set, so a mesh dim can be named by the collection fields it
+    equals; and the decisions of one statistics call, cached by layout (mesh, placements, roles), so
+    classifying thousands of grads costs a dictionary look-up each."""
 
     def __init__(
         self, collection: ProcessGroupCollection, reduce_groups: Mapping[bool, ProcessGroup | None]
@@ -106,10 +114,10 @@ class MeshAxes:
 class DTensorGrad:
     """How one DTensor grad enters the statistics on this rank.
 
-    ``piece`` is the grad's local tensor (what clipping scales); ``local`` is what is counted (``piece``, or a
-    reduced copy for a ``Partial`` grad), counted on this rank when ``counted``; ``outer`` is the collection field
-    it is summed over before the reduction group (``None``: none); ``expert`` picks the reduction group
-    (``tp_ep_pp``, else ``mp``).
+    ``piece`` is the grad's local tensor (what clipping scales); ``local`` is what is counted
+    (``piece``, or a reduced copy for a ``Partial`` grad), counted on this rank when ``counted``;
+    ``outer`` is the collection field it is summed over before the reduction group (``None``: none);
+    ``expert`` picks the reduction group (``tp_ep_pp``, else ``mp``).
     """
 
     piece: torch.Tensor
@@ -130,8 +138,8 @@ class _Dim:
 
 @attrs.frozen(slots=True)
 class Decision:
-    """How a DTensor grad is counted on this rank: ``counted``, summed over the ``outer`` field first (``None``:
-    no field), after the pending reductions over the ``partial`` dims."""
+    """How a DTensor grad is counted on this rank: ``counted``, summed over the ``outer`` field
+    first (``None``: no field), after the pending reductions over the ``partial`` dims."""
 
     counted: bool
     outer: GroupName | None
@@ -149,15 +157,17 @@ def classify_dtensor_grad(
 ) -> DTensorGrad:
     """Classify ``grad`` (a DTensor) of ``param`` named ``name``; see the module docstring.
 
-    ``verdicts`` say whether this rank counts the grad as far as TP and GTP go when no mesh dim spans that axis
-    (the roles' verdict, or the replication audit's measurement); ``expert`` overrides the role's routed-expert
-    verdict (the audit's measured truth). Collective only for a ``Partial`` grad (one all-reduce of a copy of its
-    local tensor per partial dim, over the matching collection group). Raises ``ValueError`` naming ``name`` on a
-    mesh/collection/role mismatch.
+    ``verdicts`` say whether this rank counts the grad as far as TP and GTP go when no mesh dim
+    spans that axis (the roles' verdict, or the replication audit's measurement); ``expert``
+    overrides the role's routed-expert verdict (the audit's measured truth). Collective only for a
+    ``Partial`` grad (one all-reduce of a copy of its local tensor per partial dim, over the
+    matching collection group). Raises ``ValueError`` naming ``name`` on a mesh/collection/role
+    mismatch.
     """
     expert = is_expert_param(param) if expert is None else expert
     decision = decision_of(name, param, grad, axes, verdicts, expert=expert)
-    # What to_local() returns a view of, without the autograd Function call to_local() costs per grad.
+    # What to_local() returns a view of, without the autograd Function call to_local() costs per
+    # grad.
     piece = grad._local_tensor
     local = piece
     for dim in decision.partial:
@@ -176,8 +186,8 @@ def decision_of(
     *,
     expert: bool | None = None,
 ) -> Decision:
-    """How ``grad`` is counted (:func:`classify_dtensor_grad` without the pending reduction: never collective),
-    decided once per (mesh, placements, roles) and kept in ``axes``."""
+    """How ``grad`` is counted (:func:`classify_dtensor_grad` without the pending reduction: never
+    collective), decided once per (mesh, placements, roles) and kept in ``axes``."""
     expert = is_expert_param(param) if expert is None else expert
     # Everything a decision depends on, as one flat tuple (built per grad: no intermediate objects).
     key = (
@@ -267,9 +277,10 @@ def mesh_ranks(tensor: torch.Tensor, rank: int) -> frozenset[int]:
 def _check_grid(
     name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], expert_dp: frozenset[int]
 ) -> None:
-    """A parameter laid out over an expert-grid group must say how it stands to EP; an expert must not be laid out
-    over a dense-grid group, unless the group lies inside its expert data-parallel group: HSDP's replicate group
-    ``inter_dist_opt`` serves both grids (as in Megatron-Core), and there it crosses no EP or expert-TP rank."""
+    """A parameter laid out over an expert-grid group must say how it stands to EP; an expert must
+    not be laid out over a dense-grid group, unless the group lies inside its expert data-parallel
+    group: HSDP's replicate group ``inter_dist_opt`` serves both grids (as in Megatron-Core), and
+    there it crosses no EP or expert-TP rank."""
     for dim in dims:
         only_expert = all(field in _EXPERT_FIELDS for field in dim.fields)
         only_dense = not any(field in _EXPERT_FIELDS for field in dim.fields)
@@ -290,9 +301,10 @@ def _check_grid(
 def _axes_spanned_by_mesh(
     name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], axes: MeshAxes
 ) -> set[str]:
-    """The axes among tp, gtp and ep that some mesh dim spans; refuse a ``Replicate`` placement over one of them for
-    a parameter whose role says it is distinct there (for EP: a routed expert, whose dims spanning EP all lie in its
-    reduction group, so ``Replicate`` there would count one copy)."""
+    """The axes among tp, gtp and ep that some mesh dim spans; refuse a ``Replicate`` placement over
+    one of them for a parameter whose role says it is distinct there (for EP: a routed expert, whose
+    dims spanning EP all lie in its reduction group, so ``Replicate`` there would count one
+    copy)."""
     claims: dict[str, tuple[GroupName, bool]] = {
         "tp": ("expt_tp" if expert else "tp", bool(getattr(param, "tensor_model_parallel", False))),
         "gtp": (
@@ -325,7 +337,8 @@ def _is_shard(placement: Any) -> bool:
 
 
 def _copy_with_partial_reduced(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -> torch.Tensor:
-    """``local`` with the pending ``Partial`` reduction over ``dim`` done, on a copy (the grad is untouched)."""
+    """``local`` with the pending ``Partial`` reduction over ``dim`` done, on a copy (the grad is
+    untouched)."""
     op = dim.placement.reduce_op
     if op not in _PARTIAL_OPS:
         raise ValueError(f"Partial({op!r}) grads are not supported")

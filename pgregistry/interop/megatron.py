@@ -1,29 +1,34 @@
 """Megatron-Core interop: one set of communicators shared by pgregistry and a Megatron-Core model.
 
-* :func:`to_megatron` hands a pgregistry collection to Megatron-Core as its own ``ProcessGroupCollection``, holding
-  the same communicators (no group is created);
+* :func:`to_megatron` hands a pgregistry collection to Megatron-Core as its own
+  ``ProcessGroupCollection``, holding the same communicators (no group is created);
 * :func:`from_megatron` turns Megatron-Core's collection (``use_mpu_process_groups()`` after
-  ``initialize_model_parallel``) into a pgregistry one and teaches the registry its communicators, so a later
-  ``pgregistry.build`` of the same layout reuses them;
-* :func:`from_hyper_comm_grid` reads the collection of a module off Megatron-Core's ``HyperCommGrid`` (the grid of a
-  span of ranks its multi-module models use), and both conversions above take a multi-module collection too
-  (Megatron-Core's ``MultiModuleProcessGroupCollection``, :class:`~pgregistry.modules.MultiModuleCollection`);
-* :func:`megatron_config_kwargs` and :func:`megatron_initialize_kwargs` give the sizes of a layout under Megatron-Core's
-  names, and :func:`check_config` refuses a config whose sizes disagree with the groups (Megatron-Core itself accepts
-  ``expert_tensor_parallel_size=1`` next to a 2-rank expert-TP group);
-* :func:`seed_megatron_rng` seeds Megatron-Core's own CUDA RNG tracker with the collection's ranks, so a Megatron-Core
-  model draws what :mod:`pgregistry.rng` computes; :func:`mark_megatron_experts` marks Megatron-Core's routed-expert
-  modules, so the unclassified-expert check of grad statistics covers a Megatron-Core MoE model.
+  ``initialize_model_parallel``) into a pgregistry one and teaches the registry its communicators,
+  so a later ``pgregistry.build`` of the same layout reuses them;
+* :func:`from_hyper_comm_grid` reads the collection of a module off Megatron-Core's
+  ``HyperCommGrid`` (the grid of a span of ranks its multi-module models use), and both conversions
+  above take a multi-module collection too (Megatron-Core's ``MultiModuleProcessGroupCollection``,
+  :class:`~pgregistry.modules.MultiModuleCollection`);
+* :func:`megatron_config_kwargs` and :func:`megatron_initialize_kwargs` give the sizes of a layout
+  under Megatron-Core's names, and :func:`check_config` refuses a config whose sizes disagree with
+  the groups (Megatron-Core itself accepts ``expert_tensor_parallel_size=1`` next to a 2-rank
+  expert-TP group);
+* :func:`seed_megatron_rng` seeds Megatron-Core's own CUDA RNG tracker with the collection's ranks,
+  so a Megatron-Core model draws what :mod:`pgregistry.rng` computes; :func:`mark_megatron_experts`
+  marks Megatron-Core's routed-expert modules, so the unclassified-expert check of grad statistics
+  covers a Megatron-Core MoE model.
 
-Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global ``parallel_state`` group"
-(or the default group, in a collective): a TP-off model whose collection said ``tp=None`` under another model's
-global TP 2 gets its weights sharded over that TP group, without an error. So :func:`to_megatron` hands Megatron-Core
-the collection's one-rank group (:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`, which every
-build makes) where an axis is off, and refuses a collection assembled by hand without one. ``None`` passes only in
-the fields where Megatron-Core reads it as "not used" (:data:`NONE_MEANS_NOT_USED`), and is what a rank outside the
-embedding groups (``NOT_MEMBER``) gets there, as Megatron-Core gives it.
+Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global
+``parallel_state`` group" (or the default group, in a collective): a TP-off model whose collection
+said ``tp=None`` under another model's global TP 2 gets its weights sharded over that TP group,
+without an error. So :func:`to_megatron` hands Megatron-Core the collection's one-rank group
+(:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`, which every build makes)
+where an axis is off, and refuses a collection assembled by hand without one. ``None`` passes only
+in the fields where Megatron-Core reads it as "not used" (:data:`NONE_MEANS_NOT_USED`), and is what
+a rank outside the embedding groups (``NOT_MEMBER``) gets there, as Megatron-Core gives it.
 
-Megatron-Core is imported inside the functions: ``import pgregistry.interop.megatron`` works without it.
+Megatron-Core is imported inside the functions: ``import pgregistry.interop.megatron`` works without
+it.
 """
 
 from __future__ import annotations
@@ -71,20 +76,23 @@ __all__ = [
 _log = get_logger(__name__)
 
 NONE_MEANS_NOT_USED: Final = frozenset({"hcp", "inter_dist_opt", "dp_cp_ag", "expt_dp_ag"})
-"""Fields where Megatron-Core reads ``None`` as "the feature is not used" (one optimizer instance, no hierarchical
-CP, no separate all-gather communicator), as a pgregistry collection reads it. Everywhere else ``None`` makes
-Megatron-Core fall back to its global groups."""
+"""Fields where Megatron-Core reads ``None`` as "the feature is not used" (one optimizer instance,
+no hierarchical CP, no separate all-gather communicator), as a pgregistry collection reads it.
+Everywhere else ``None`` makes Megatron-Core fall back to its global groups."""
 
 _NONE_MEANS_NO_EXPERTS: Final = frozenset({"expt_dp", "tp_ep_pp"})
-"""Fields Megatron-Core's optimizer asks for even without experts, "set it to None if you don't need it" (its
-``setup_process_groups_for_optimizer``; Megatron-LM's ``test_get_megatron_optimizer_with_custom_process_groups``
-does so): :func:`from_megatron` reads that ``None`` as pgregistry's, the expert axes off, which a collection then
-holds to (a 2-rank ``ep`` next to ``tp_ep_pp=None`` is refused)."""
+"""Fields Megatron-Core's optimizer asks for even without experts, "set it to None if you don't need
+it" (its ``setup_process_groups_for_optimizer``; Megatron-LM's
+``test_get_megatron_optimizer_with_custom_process_groups`` does so): :func:`from_megatron` reads
+that ``None`` as pgregistry's, the expert axes off, which a collection then holds to (a 2-rank
+``ep`` next to ``tp_ep_pp=None`` is refused)."""
 
 _MEMBERSHIP_FIELDS: Final = frozenset({"embd", "pos_embd"})
-"""Fields where Megatron-Core reads ``None`` as "this rank is in no such group" (pgregistry's ``NOT_MEMBER``)."""
+"""Fields where Megatron-Core reads ``None`` as "this rank is in no such group" (pgregistry's
+``NOT_MEMBER``)."""
 
-# Fields only recent Megatron-Core releases have, and the field holding the same ranks when their axis is off.
+# Fields only recent Megatron-Core releases have, and the field holding the same ranks when their
+# axis is off.
 _GTP_FIELDS: Final[dict[str, GroupName | None]] = {
     "gtp_remat": None,
     "expt_gtp_remat": None,
@@ -93,7 +101,8 @@ _GTP_FIELDS: Final[dict[str, GroupName | None]] = {
     "expt_dp_gtp_remat": "expt_dp",
 }
 
-# (Megatron-Core config attribute, initialize_model_parallel keyword, layout attribute, collection field)
+# (Megatron-Core config attribute, initialize_model_parallel keyword, layout attribute, collection
+# field)
 _SIZES: Final[tuple[tuple[str, str, str, GroupName], ...]] = (
     ("tensor_model_parallel_size", "tensor_model_parallel_size", "tp", "tp"),
     ("pipeline_model_parallel_size", "pipeline_model_parallel_size", "pp", "pp"),
@@ -278,7 +287,8 @@ def from_megatron(mc_collection: Any) -> Any:
 
 
 def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
-    """pgregistry field -> value of Megatron-Core's collection (see :func:`from_megatron`), nothing adopted."""
+    """pgregistry field -> value of Megatron-Core's collection (see :func:`from_megatron`), nothing
+    adopted."""
     megatron_type = _megatron_collection_type()
     if not isinstance(mc_collection, megatron_type):
         raise TypeError(

@@ -1,33 +1,38 @@
-"""torchtitan interop: torchtitan's ``ParallelDims`` and a pgregistry collection on one set of communicators.
+"""torchtitan interop: torchtitan's ``ParallelDims`` and a pgregistry collection on one set of
+communicators.
 
-torchtitan 0.3 builds its meshes by unflattening one world mesh into several views (data loading, dense, sparse,
-loss), and every view gets process groups of its own: with ``ParallelDims(dp_shard=4, tp=2, ep=4)`` on 8 ranks a
-rank holds 9 communicators for 4 distinct rank sets (``batch``, ``loss``, ``dp`` and ``dp_shard`` are four
-communicators over the same ranks). This module moves between the two without a second set:
+torchtitan 0.3 builds its meshes by unflattening one world mesh into several views (data loading,
+dense, sparse, loss), and every view gets process groups of its own: with ``ParallelDims(dp_shard=4,
+tp=2, ep=4)`` on 8 ranks a rank holds 9 communicators for 4 distinct rank sets (``batch``, ``loss``,
+``dp`` and ``dp_shard`` are four communicators over the same ranks). This module moves between the
+two without a second set:
 
-* :func:`from_parallel_dims` returns a collection holding torchtitan's own communicators (one per rank set, the
-  others it holds are left alone) on the :class:`~pgregistry.layout.ParallelLayout` torchtitan's sizes describe
-  (its ``layout``), and teaches pgregistry those communicators; it creates no group;
-* :func:`to_parallel_dims` hands torchtitan a ``ParallelDims`` whose every mesh and submesh is made of the
-  collection's communicators (``DeviceMesh.from_group``), one per distinct rank set (expert FSDP gets a second
-  one where its ranks are the dense FSDP ranks, which FSDP2 needs);
-* :func:`mark_torchtitan_experts` marks torchtitan's routed-expert modules, so grad statistics refuse an expert
-  parameter that lost its classification instead of counting it as dense;
+* :func:`from_parallel_dims` returns a collection holding torchtitan's own communicators (one per
+  rank set, the others it holds are left alone) on the :class:`~pgregistry.layout.ParallelLayout`
+  torchtitan's sizes describe (its ``layout``), and teaches pgregistry those communicators; it
+  creates no group;
+* :func:`to_parallel_dims` hands torchtitan a ``ParallelDims`` whose every mesh and submesh is made
+  of the collection's communicators (``DeviceMesh.from_group``), one per distinct rank set (expert
+  FSDP gets a second one where its ranks are the dense FSDP ranks, which FSDP2 needs);
+* :func:`mark_torchtitan_experts` marks torchtitan's routed-expert modules, so grad statistics
+  refuse an expert parameter that lost its classification instead of counting it as dense;
 * :func:`communicator_ranks` lists the real communicators this process holds, for proving the above.
 
-torchtitan's rank sets are a pgregistry layout in the default order ``tp-cp-ep-dp-pp``: its dense meshes put TP
-fastest, then CP, then ``dp_shard``, then ``dp_replicate``, then PP; its expert parallelism borrows consecutive
-ranks of ``dp_shard x cp x tp`` (EP fastest in the expert grid) with expert TP 1, its ``efsdp`` is the rest of
-the expert data-parallel ranks. With EP off torchtitan shards the experts over the dense TP axis instead, so the
-layout's expert TP is then the TP size. ``dp_replicate`` is HSDP's replicate axis: the collection carries it as
-``inter_dist_opt``, with ``intra_dp_cp`` / ``intra_expt_dp`` the shard groups
-(:func:`pgregistry.mesh.with_hsdp_groups`).
+torchtitan's rank sets are a pgregistry layout in the default order ``tp-cp-ep-dp-pp``: its dense
+meshes put TP fastest, then CP, then ``dp_shard``, then ``dp_replicate``, then PP; its expert
+parallelism borrows consecutive ranks of ``dp_shard x cp x tp`` (EP fastest in the expert grid) with
+expert TP 1, its ``efsdp`` is the rest of the expert data-parallel ranks. With EP off torchtitan
+shards the experts over the dense TP axis instead, so the layout's expert TP is then the TP size.
+``dp_replicate`` is HSDP's replicate axis: the collection carries it as ``inter_dist_opt``, with
+``intra_dp_cp`` / ``intra_expt_dp`` the shard groups (:func:`pgregistry.mesh.with_hsdp_groups`).
 
-Like torchtitan, dims it leaves without communication (size 1, or ``efsdp`` with EP off) get groups of torch's
-``fake`` backend, which are no communicators; ``fsdp``, ``dp_shard`` (``efsdp`` under EP) and ``loss`` keep a real
-group even at size 1, as torchtitan keeps them, and that one-rank group is pgregistry's.
+Like torchtitan, dims it leaves without communication (size 1, or ``efsdp`` with EP off) get groups
+of torch's ``fake`` backend, which are no communicators; ``fsdp``, ``dp_shard`` (``efsdp`` under EP)
+and ``loss`` keep a real group even at size 1, as torchtitan keeps them, and that one-rank group is
+pgregistry's.
 
-torchtitan is imported inside the functions: ``import pgregistry.interop.torchtitan`` works without it.
+torchtitan is imported inside the functions: ``import pgregistry.interop.torchtitan`` works without
+it.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ __all__ = [
 _log = get_logger(__name__)
 
 SPMD_BACKENDS: Final = ("spmd_types", "full_dtensor", "partial_dtensor")
-"""torchtitan 0.3's ``ParallelismConfig.spmd_backend`` values; each builds a different dense mesh."""
+"""torchtitan 0.3's ``ParallelismConfig.spmd_backend`` values; each builds a different dense
+mesh."""
 
 _VIEWS: Final[dict[str, tuple[str, ...]]] = {
     "dataloading": ("pp", "batch", "cp", "tp"),
@@ -72,7 +78,8 @@ _VIEWS: Final[dict[str, tuple[str, ...]]] = {
     "fwdbwd": ("pp", "dp", "cp", "tp"),  # spmd_types only
     "sparse": ("pp", "dp_replicate", "efsdp", "ep"),
 }
-"""torchtitan's views of the world, slowest dim first: each is the world's ranks reshaped to the dims' sizes."""
+"""torchtitan's views of the world, slowest dim first: each is the world's ranks reshaped to the
+dims' sizes."""
 
 _LOSS: Final = ("batch", "cp")
 """The dataloading dims torchtitan flattens into its ``loss`` mesh."""
@@ -93,8 +100,9 @@ _SINGLE_AXIS_SOURCE: Final[dict[str, str]] = {
     "ep": "sparse",
     "efsdp": "sparse",
 }
-"""The view torchtitan slices each one-dimensional mesh from (``dp_replicate`` and the dense data-parallel dims
-come from the dense view, ``dp`` from the forward/backward one, ``loss`` is its own mesh)."""
+"""The view torchtitan slices each one-dimensional mesh from (``dp_replicate`` and the dense
+data-parallel dims come from the dense view, ``dp`` from the forward/backward one, ``loss`` is its
+own mesh)."""
 
 _DENSE_AXES: Final[dict[str, tuple[str, ...]]] = {
     "spmd_types": ("dp", "cp", "tp"),
@@ -108,7 +116,8 @@ _SPARSE_AXES: Final = ("dp_replicate", "efsdp", "ep")
 
 @attrs.frozen(slots=True)
 class _Sizes:
-    """torchtitan's parallel degrees (``ParallelDims``'s fields) and the sizes of the dims they make."""
+    """torchtitan's parallel degrees (``ParallelDims``'s fields) and the sizes of the dims they
+    make."""
 
     world_size: int
     dp_replicate: int
@@ -147,7 +156,8 @@ class _Sizes:
         )
 
     def partition(self, dim: str) -> torch.Tensor:
-        """Every group of ``dim`` as torchtitan builds it, ``[groups, ranks]`` (``loss``: batch x cp flattened)."""
+        """Every group of ``dim`` as torchtitan builds it, ``[groups, ranks]`` (``loss``: batch x cp
+        flattened)."""
         import torch
 
         sizes = self.dim_sizes()
@@ -167,8 +177,8 @@ def _view_with(dim: str) -> tuple[str, tuple[str, ...]]:
 
 
 def _field_of(dim: str, sizes: _Sizes) -> GroupName | None:
-    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP, which no
-    field holds (the replicate split of ``dp``, without CP)."""
+    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP,
+    which no field holds (the replicate split of ``dp``, without CP)."""
     hsdp = sizes.dp_replicate > 1
     fields: dict[str, GroupName | None] = {
         "pp": "pp",
@@ -203,8 +213,8 @@ _SPLIT_OF: Final[dict[str, str]] = {
     "efsdp": "expt_dp",
     "dp_replicate": "dp_cp",
 }
-"""torchtitan dims that split a layout kind for HSDP: its ``dp_replicate`` contiguous blocks (``dp_replicate``: the
-ranks at the same place in each block)."""
+"""torchtitan dims that split a layout kind for HSDP: its ``dp_replicate`` contiguous blocks
+(``dp_replicate``: the ranks at the same place in each block)."""
 
 
 def _layout_partition(layout: ParallelLayout, dp_replicate: int, dim: str) -> torch.Tensor:
@@ -226,10 +236,10 @@ def _row_of(partition: torch.Tensor, rank: int) -> tuple[int, ...]:
     return tuple(sorted(partition[(partition == rank).any(dim=1)][0].tolist()))
 
 
-# --------------------------------------------------------------------------------------------- problems
+# ----------------------------------------------------------------------------------------- problems
 
 
-# ----------------------------------------------------------------------------------------- to_parallel_dims
+# --------------------------------------------------------------------------------- to_parallel_dims
 
 
 def to_parallel_dims(
@@ -292,10 +302,11 @@ def to_parallel_dims(
 
     layout = collection.layout
     device = device_type if device_type is not None else titan_parallel_dims.device_type
-    # Every option that shapes the meshes or their communicators must be the same on every rank: ranks asking for
-    # different SPMD backends build different meshes (different groups, in a different order) and wait on each other.
-    # Every fault is found before the agreement and raised through it: a rank raising alone (outside a span, say)
-    # would leave the others waiting in a collective.
+    # Every option that shapes the meshes or their communicators must be the same on every rank:
+    # ranks asking for different SPMD backends build different meshes (different groups, in a
+    # different order) and wait on each other. Every fault is found before the agreement and raised
+    # through it: a rank raising alone (outside a span, say) would leave the others waiting in a
+    # collective.
     options = {
         "layout": repr(layout),
         "spmd_backend": repr(spmd_backend),
@@ -336,7 +347,8 @@ def to_parallel_dims(
 
 
 def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
-    """What makes ``collection`` unusable here: a layout over part of the world, destroyed groups, no layout."""
+    """What makes ``collection`` unusable here: a layout over part of the world, destroyed groups,
+    no layout."""
     import torch.distributed as dist
 
     layout = collection.layout
@@ -365,13 +377,15 @@ def _views_of(spmd_backend: str) -> tuple[str, ...]:
 
 
 def _dims_of(spmd_backend: str) -> tuple[str, ...]:
-    """The dims torchtitan builds under ``spmd_backend``, in a fixed order (every rank walks it alike)."""
+    """The dims torchtitan builds under ``spmd_backend``, in a fixed order (every rank walks it
+    alike)."""
     dims = dict.fromkeys(dim for view in _views_of(spmd_backend) for dim in _VIEWS[view])
     return (*dims, "loss")
 
 
 def _is_real(parallel_dims: Any, dim: str) -> bool:
-    """Whether torchtitan gives ``dim`` a real backend (its own rule; ``loss`` is flattened, always real)."""
+    """Whether torchtitan gives ``dim`` a real backend (its own rule; ``loss`` is flattened, always
+    real)."""
     size = _sizes_of_titan(parallel_dims).dim_sizes()[dim]
     return dim == "loss" or bool(parallel_dims._mesh_exist(dim, size))
 
@@ -379,8 +393,9 @@ def _is_real(parallel_dims: Any, dim: str) -> bool:
 def _sizes_of_layout(
     layout: ParallelLayout, collection: ProcessGroupCollection, spmd_backend: str
 ) -> tuple[_Sizes, list[str]]:
-    """torchtitan's degrees for ``layout`` (``dp_replicate``: the size of ``collection.inter_dist_opt``, 1 when
-    unset or off) and what makes the layout one torchtitan cannot run."""
+    """torchtitan's degrees for ``layout`` (``dp_replicate``: the size of
+    ``collection.inter_dist_opt``, 1 when unset or off) and what makes the layout one torchtitan
+    cannot run."""
     replicate = collection.get_or("inter_dist_opt", None)
     dp_replicate = group_size(replicate) if replicate is not None else 1
     problems: list[str] = []
@@ -425,8 +440,8 @@ def _sizes_of_layout(
 
 
 def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
-    """Dims whose groups in ``layout`` are not torchtitan's (an order other than the default, say): the same on
-    every rank, as whole partitions are compared."""
+    """Dims whose groups in ``layout`` are not torchtitan's (an order other than the default, say):
+    the same on every rank, as whole partitions are compared."""
     problems = []
     for dim in sizes.dim_sizes():
         if dim == "efsdp" and sizes.ep == 1:
@@ -443,8 +458,9 @@ def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
 def _collection_problems(
     collection: ProcessGroupCollection, sizes: _Sizes, spmd_backend: str
 ) -> list[str]:
-    """torchtitan's dims of several ranks whose collection field is UNSET or ``None`` on this rank (a collection's
-    groups hold its layout's ranks, which the layout problems above compare with torchtitan's)."""
+    """torchtitan's dims of several ranks whose collection field is UNSET or ``None`` on this rank
+    (a collection's groups hold its layout's ranks, which the layout problems above compare with
+    torchtitan's)."""
     dim_sizes = sizes.dim_sizes()
     problems = []
     for dim in _dims_of(spmd_backend):
@@ -461,9 +477,9 @@ def _collection_problems(
 
 
 class _GroupSource:
-    """Where each dim's group comes from: the collection's field, pgregistry's communicators (world, one-rank groups,
-    a rank set no field holds) or a fake group. Every rank asks for the same dims in the same order, so the
-    collective creations line up."""
+    """Where each dim's group comes from: the collection's field, pgregistry's communicators (world,
+    one-rank groups, a rank set no field holds) or a fake group. Every rank asks for the same dims
+    in the same order, so the collective creations line up."""
 
     def __init__(
         self,
@@ -477,8 +493,8 @@ class _GroupSource:
 
         self.sizes = sizes
         self.collection = collection
-        # The dense dim FSDP2 shards over with one communicator of this collection: under the DTensor backends with
-        # CP it flattens dp_shard x cp into a group of its own instead.
+        # The dense dim FSDP2 shards over with one communicator of this collection: under the
+        # DTensor backends with CP it flattens dp_shard x cp into a group of its own instead.
         self.dense_fsdp = (
             "fsdp" if spmd_backend == "partial_dtensor" else ("dp_shard" if sizes.cp == 1 else None)
         )
@@ -515,12 +531,14 @@ class _GroupSource:
         )
 
     def _expert_fsdp_twin(self, partition: torch.Tensor) -> ProcessGroup:
-        """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks (EP = TP).
+        """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks (EP
+        = TP).
 
-        FSDP2 (torch 2.13) groups the parameters of one ``fully_shard`` call by their shard communicator and
-        requires one mesh of theirs per communicator; torchtitan shards a block's dense and expert parameters in
-        one call on two meshes (``fsdp`` / ``dp_shard`` and ``efsdp``), so the two must be different communicators
-        even over the same ranks. Each call creates them afresh, as pgregistry creates its own communicators.
+        FSDP2 (torch 2.13) groups the parameters of one ``fully_shard`` call by their shard
+        communicator and requires one mesh of theirs per communicator; torchtitan shards a block's
+        dense and expert parameters in one call on two meshes (``fsdp`` / ``dp_shard`` and
+        ``efsdp``), so the two must be different communicators even over the same ranks. Each call
+        creates them afresh, as pgregistry creates its own communicators.
         """
         from pgregistry._runtime.group_cache import CACHE
 
@@ -529,8 +547,9 @@ class _GroupSource:
         return group
 
     def _fake_group(self, ranks: tuple[int, ...]) -> ProcessGroup:
-        """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan gives the dims
-        it never communicates over. Created by its members only, in the same dim order on every rank."""
+        """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan
+        gives the dims it never communicates over. Created by its members only, in the same dim
+        order on every rank."""
         import torch.distributed as dist
 
         if ranks not in self.fakes:
@@ -548,8 +567,9 @@ def _install_meshes(
     device_type: str,
 ) -> None:
     """Fill the caches torchtitan's ``build_mesh`` fills (``_world_mesh``, ``_global_meshes``,
-    ``_single_axis_meshes``, ``_spmd_meshes``) with meshes made of ``groups``, then run torchtitan's own size
-    check and SPMD-mesh selection on them. Slicing a mesh reuses its groups, so no group is created here."""
+    ``_single_axis_meshes``, ``_spmd_meshes``) with meshes made of ``groups``, then run torchtitan's
+    own size check and SPMD-mesh selection on them. Slicing a mesh reuses its groups, so no group is
+    created here."""
     from torch.distributed.device_mesh import DeviceMesh
 
     sizes = _sizes_of_titan(parallel_dims)
@@ -587,8 +607,9 @@ def _install_meshes(
 def _view_mesh(
     view: str, groups: Mapping[str, ProcessGroup], sizes: _Sizes, device_type: str
 ) -> DeviceMesh:
-    """One of torchtitan's views as a mesh over the whole world (the same rank map as every other view, so meshes
-    sliced from different views concatenate, as FSDP2 does with a TP mesh), its dims made of ``groups``."""
+    """One of torchtitan's views as a mesh over the whole world (the same rank map as every other
+    view, so meshes sliced from different views concatenate, as FSDP2 does with a TP mesh), its dims
+    made of ``groups``."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -612,7 +633,7 @@ def _sizes_of_titan(parallel_dims: Any) -> _Sizes:
     )
 
 
-# --------------------------------------------------------------------------------------- from_parallel_dims
+# ------------------------------------------------------------------------------- from_parallel_dims
 
 
 _HSDP_FIELDS: Final[dict[GroupName, str]] = {
@@ -623,7 +644,8 @@ _HSDP_FIELDS: Final[dict[GroupName, str]] = {
 """HSDP fields -> the torchtitan dim with their ranks (set when ``dp_replicate`` > 1)."""
 
 _NOT_BUILT: Final[dict[str, None]] = {"hcp": None, "dp_cp_ag": None, "expt_dp_ag": None}
-"""Fields ``registry.build`` leaves ``None`` as well: no hierarchical CP, no second all-gather communicator."""
+"""Fields ``registry.build`` leaves ``None`` as well: no hierarchical CP, no second all-gather
+communicator."""
 
 
 def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
@@ -772,7 +794,7 @@ def _fields_from(
     return fields
 
 
-# ------------------------------------------------------------------------------------------------- experts
+# ------------------------------------------------------------------------------------------ experts
 
 
 def mark_torchtitan_experts(model: nn.Module) -> int:
@@ -822,7 +844,7 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
     return marked
 
 
-# --------------------------------------------------------------------------------------------- communicators
+# ------------------------------------------------------------------------------------ communicators
 
 
 def communicator_ranks() -> list[tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""What ``pgregistry migrate`` did, per family: reads found, rewritten by each way, left in place and why."""
+"""What ``pgregistry migrate`` did, per family: reads found, rewritten by each way, left in place
+and why."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def render_failures(failures: Sequence[FileResult]) -> str:
 
 
 def tally_reads_by_family(reads: Sequence[tuple[str, Read]]) -> dict[str, Counter[str]]:
-    """Per family: ``found`` and the count of each way (``in-scope``, ``threaded``, ``fallback``, ``left``)."""
+    """Per family: ``found`` and the count of each way (``in-scope``, ``threaded``, ``fallback``,
+    ``left``)."""
     table: dict[str, Counter[str]] = {family: Counter() for family in FAMILIES}
     for _, read in reads:
         row = table[family_of(read.site)]
@@ -33,8 +35,9 @@ def tally_reads_by_family(reads: Sequence[tuple[str, Read]]) -> dict[str, Counte
 def render_report(
     reads: Sequence[tuple[str, Read]], threaded: int, passed: int, changed: int, verb: str
 ) -> str:
-    """The table per family, then every read left in place grouped by reason (``path:line accessor``).
-    ``verb``: what happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
+    """The table per family, then every read left in place grouped by reason (``path:line
+    accessor``). ``verb``: what happened to the ``changed`` files (``"would change"``,
+    ``"changed"``)."""
     table = tally_reads_by_family(reads)
     columns = ("found", *REWRITTEN_WAYS, Way.LEFT)
     lines = [f"{'family':<10}" + "".join(f"{c:>10}" for c in columns)]

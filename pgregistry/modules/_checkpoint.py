@@ -1,12 +1,14 @@
-"""A job's checkpoint: each module's parameters and optimizer state in a directory of its own, over its own span.
+"""A job's checkpoint: each module's parameters and optimizer state in a directory of its own, over
+its own span.
 
 Each module is saved with :func:`pgregistry.checkpoint.save_rank_files` on its collection, into
-``<directory>/<module name>``: every collective of a module's save runs over the module's span (its files are
-numbered over the span and record the module's name and span), so no rank of another module takes part or waits,
-and a directory never mixes two modules. Loading runs :func:`pgregistry.checkpoint.load_rank_files`'s checks the
-same way for every module (they refuse a checkpoint saved by another module or over other ranks) and copies once
-every module's have passed; within a module, parameters are keyed by global name, so a module reloads under another
-layout of the same span (another TP, EP or PP size).
+``<directory>/<module name>``: every collective of a module's save runs over the module's span (its
+files are numbered over the span and record the module's name and span), so no rank of another
+module takes part or waits, and a directory never mixes two modules. Loading runs
+:func:`pgregistry.checkpoint.load_rank_files`'s checks the same way for every module (they refuse a
+checkpoint saved by another module or over other ranks) and copies once every module's have passed;
+within a module, parameters are keyed by global name, so a module reloads under another layout of
+the same span (another TP, EP or PP size).
 """
 
 from __future__ import annotations
@@ -164,8 +166,8 @@ def _agree_on_models(
     naming: Mapping[str, NamingOptions] | None,
     owner: str,
 ) -> tuple[dict[str, Any], dict[str, NamingOptions]]:
-    """The models of the modules this rank runs and each module's naming keywords, once every rank agreed that no
-    rank was given bad input."""
+    """The models of the modules this rank runs and each module's naming keywords, once every rank
+    agreed that no rank was given bad input."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"

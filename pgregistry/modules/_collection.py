@@ -1,10 +1,12 @@
-"""The collections of every module of a job: :class:`MultiModuleCollection` and :func:`build_modules`.
+"""The collections of every module of a job: :class:`MultiModuleCollection` and
+:func:`build_modules`.
 
-A job that runs several modules (a vision encoder and a language model, an RL actor and its critic) gives each its
-own layout, on ranks of its own or colocated with others. Megatron-Core's ``MultiModuleProcessGroupCollection``
-holds, on each rank, the collections of the modules that rank runs. This one is job-wide: every rank holds every
-module's collection, a rank outside a module holding one that refuses to be used. That is what a job-wide statistic
-needs: a rank must know every module to take part in the reduction over modules, even for the modules it lacks.
+A job that runs several modules (a vision encoder and a language model, an RL actor and its critic)
+gives each its own layout, on ranks of its own or colocated with others. Megatron-Core's
+``MultiModuleProcessGroupCollection`` holds, on each rank, the collections of the modules that rank
+runs. This one is job-wide: every rank holds every module's collection, a rank outside a module
+holding one that refuses to be used. That is what a job-wide statistic needs: a rank must know every
+module to take part in the reduction over modules, even for the modules it lacks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ MODULES_ADVICE = "every rank must pass the same modules, in the same order, and 
 
 
 class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
-    """Module name -> the collection that module runs on, for every module of the job; a read-only mapping.
+    """Module name -> the collection that module runs on, for every module of the job; a read-only
+    mapping.
 
     For a job whose modules (a vision encoder and a language model, say) each run on their own
     ranks with their own layout: every rank holds the whole table, so the job-wide statistics and
@@ -86,7 +89,8 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         return self._disjoint
 
     def language_model_collection(self) -> ProcessGroupCollection:
-        """The language model's collection; ``ValueError`` when no module is named the language model."""
+        """The language model's collection; ``ValueError`` when no module is named the language
+        model."""
         if self._language_model is None:
             raise ValueError(
                 f"no module of {list(self._modules)} is named the language model (language_model=None)"

@@ -1,17 +1,21 @@
 """The process groups an optimizer runs on, validated before anything is built on them.
 
-:func:`setup_process_groups_for_optimizer` takes the model's :class:`~pgregistry.collection.ProcessGroupCollection`
-and checks, in Megatron-Core's order, that every group it needs was provided: ``dp`` always; ``dp_cp``, which may
-default to ``dp`` only when context parallelism is off; ``expt_dp`` (``None`` when the model has no experts);
-``intra_dist_opt`` for a distributed optimizer; ``mp`` and ``tp_ep_pp``; and the grad-statistics groups. A missing
-group raises ``ValueError`` naming it and saying how to provide it, so a model on its own grid never silently
-optimises on another grid's groups. The optimizers take the result alone: one source of truth for their groups.
+:func:`setup_process_groups_for_optimizer` takes the model's
+:class:`~pgregistry.collection.ProcessGroupCollection` and checks, in Megatron-Core's order, that
+every group it needs was provided: ``dp`` always; ``dp_cp``, which may default to ``dp`` only when
+context parallelism is off; ``expt_dp`` (``None`` when the model has no experts); ``intra_dist_opt``
+for a distributed optimizer; ``mp`` and ``tp_ep_pp``; and the grad-statistics groups. A missing
+group raises ``ValueError`` naming it and saying how to provide it, so a model on its own grid never
+silently optimises on another grid's groups. The optimizers take the result alone: one source of
+truth for their groups.
 
 Without a collection it uses the one attached to the model, else the global grid with a
-:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (the deprecated path). It reads only what the model needs
-(:func:`optimizer_collection`): the expert fields of a model without experts are never read from the global grid,
-as Megatron-LM's own ``test_get_megatron_optimizer_with_custom_process_groups`` sets ``expt_dp`` and ``tp_ep_pp``
-to ``None`` and gives no ``expt_tp``; a field filled from the global grid never contradicts one the collection sets.
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (the deprecated path). It reads only what
+the model needs (:func:`optimizer_collection`): the expert fields of a model without experts are
+never read from the global grid, as Megatron-LM's own
+``test_get_megatron_optimizer_with_custom_process_groups`` sets ``expt_dp`` and ``tp_ep_pp`` to
+``None`` and gives no ``expt_tp``; a field filled from the global grid never contradicts one the
+collection sets.
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ class OptimizerProcessGroups:
     mp: Group
     tp_ep_pp: Group
     stats: StatsGroups
-    """Which rank counts a grad and where the counted grads are summed (the grad statistics' groups)."""
+    """Which rank counts a grad and where the counted grads are summed (the grad statistics'
+    groups)."""
 
 
 def setup_process_groups_for_optimizer(
@@ -135,14 +140,16 @@ def optimizer_collection(
     owner: str,
     collective: bool = True,
 ) -> ProcessGroupCollection:
-    """The collection an optimizer over ``params`` runs on, resolved at the door, with the grad-statistics fields
-    the model needs filled (:func:`pgregistry._runtime.resolve.fill_unset_fields`).
+    """The collection an optimizer over ``params`` runs on, resolved at the door, with the
+    grad-statistics fields the model needs filled
+    (:func:`pgregistry._runtime.resolve.fill_unset_fields`).
 
-    The expert fields are needed when the model holds an expert parameter or an unclassified parameter of a marked
-    expert module, or when no model is given; otherwise an UNSET one is ``None`` (off), never read from the global
-    grid. ``collective`` (an optimizer build) asks every rank of the model's ``mp`` group (each TP and pipeline
-    rank of a replica: one MAX all-reduce), so that a stage without experts decides as the others do; otherwise
-    (a validation on one rank) this rank's chunks decide.
+    The expert fields are needed when the model holds an expert parameter or an unclassified
+    parameter of a marked expert module, or when no model is given; otherwise an UNSET one is
+    ``None`` (off), never read from the global grid. ``collective`` (an optimizer build) asks every
+    rank of the model's ``mp`` group (each TP and pipeline rank of a replica: one MAX all-reduce),
+    so that a stage without experts decides as the others do; otherwise (a validation on one rank)
+    this rank's chunks decide.
     """
     chunks = params.chunks if params is not None else ()
     collection = resolve_pg_collection(pg_collection, chunks, owner=owner)
@@ -166,13 +173,14 @@ def optimizer_process_groups(
 ) -> OptimizerProcessGroups:
     """The groups of a resolved ``collection`` an optimizer needs, checked in Megatron-Core's order.
 
-    Checks: ``dp`` set; ``dp_cp`` set, or context parallelism known to be off (the collection's ``cp`` is ``None``
-    or one rank, or the first chunk's ``config.context_parallel_size`` is 1), in which case it is ``dp``;
-    ``expt_dp`` set (``None`` allowed); ``intra_dist_opt`` set when ``use_distributed_optimizer``; ``intra_dp_cp``
-    and ``intra_expt_dp`` set when ``inter_dist_opt`` spans several optimizer instances (they default to
-    ``dp_cp`` and ``expt_dp`` for one instance); ``mp`` and ``tp_ep_pp`` set (``None`` allowed); and the
-    grad-statistics groups (:class:`~pgregistry.grad_stats.StatsGroups`). Each failure raises ``ValueError``
-    naming the group.
+    Checks: ``dp`` set; ``dp_cp`` set, or context parallelism known to be off (the collection's
+    ``cp`` is ``None`` or one rank, or the first chunk's ``config.context_parallel_size`` is 1), in
+    which case it is ``dp``; ``expt_dp`` set (``None`` allowed); ``intra_dist_opt`` set when
+    ``use_distributed_optimizer``; ``intra_dp_cp`` and ``intra_expt_dp`` set when ``inter_dist_opt``
+    spans several optimizer instances (they default to ``dp_cp`` and ``expt_dp`` for one instance);
+    ``mp`` and ``tp_ep_pp`` set (``None`` allowed); and the grad-statistics groups
+    (:class:`~pgregistry.grad_stats.StatsGroups`). Each failure raises ``ValueError`` naming the
+    group.
     """
     groups = _validate_data_parallel(
         collection, model_chunks, distributed_optimizer=use_distributed_optimizer
@@ -264,7 +272,8 @@ def _require_group(
 def _context_parallel_size(
     pg_collection: ProcessGroupCollection, model_chunks: Sequence[nn.Module]
 ) -> int | None:
-    """The CP size from the collection's ``cp``, else the first chunk's config; ``None`` when unknown."""
+    """The CP size from the collection's ``cp``, else the first chunk's config; ``None`` when
+    unknown."""
     if pg_collection.is_set("cp"):
         return group_size(pg_collection.get("cp"))
     size = (
@@ -276,14 +285,17 @@ def _context_parallel_size(
 
 
 def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
-    """``ValueError`` on every rank of ``intra_dist_opt`` and of ``mp`` when, on any of them, ``intra_dist_opt``
-    lacks a rank of this rank's statistics groups (``mp``, the expert model-parallel group).
+    """``ValueError`` on every rank of ``intra_dist_opt`` and of ``mp`` when, on any of them,
+    ``intra_dist_opt`` lacks a rank of this rank's statistics groups (``mp``, the expert
+    model-parallel group).
 
-    A sharded optimizer reduces its statistics over ``intra_dist_opt``, the ranks of one optimizer instance
-    (Megatron-Core's is every rank of the instance, TP x PP x DP x CP). One that holds only the data-parallel ranks
-    (Megatron-LM's ``test_get_megatron_optimizer_with_custom_process_groups`` gives it ``dp_cp``'s ranks) leaves
-    out the TP peers: a TP-replicated grad, counted on TP rank 0 only, is missing from TP rank 1's norm, and the
-    ranks clip by different norms. Two MAX all-reduces (over ``intra_dist_opt``, then ``mp``) carry the verdict.
+    A sharded optimizer reduces its statistics over ``intra_dist_opt``, the ranks of one optimizer
+    instance (Megatron-Core's is every rank of the instance, TP x PP x DP x CP). One that holds only
+    the data-parallel ranks (Megatron-LM's
+    ``test_get_megatron_optimizer_with_custom_process_groups`` gives it ``dp_cp``'s ranks) leaves
+    out the TP peers: a TP-replicated grad, counted on TP rank 0 only, is missing from TP rank 1's
+    norm, and the ranks clip by different norms. Two MAX all-reduces (over ``intra_dist_opt``, then
+    ``mp``) carry the verdict.
     """
     instance = groups.intra_dist_opt
     assert not isinstance(instance, Unset)  # a sharded build requires it

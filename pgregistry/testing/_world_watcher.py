@@ -1,11 +1,13 @@
-"""Clean-up of a :func:`pgregistry.testing.run_world` world that survives the death of the process running it.
+"""Clean-up of a :func:`pgregistry.testing.run_world` world that survives the death of the process
+running it.
 
-The parent of a world kills its ranks' process groups and removes the store directory in a ``finally``; a parent
-killed outright (``kill -9``, an out-of-memory kill, a CI job cancelled) runs none of it. Ranks die with it
-(``PR_SET_PDEATHSIG``), but processes they spawned would not, and the store directory would stay in ``/tmp``.
-:class:`WorldWatcher` starts a small process before the ranks (a :mod:`multiprocessing` process, ``fork``-started:
-it needs nothing but a pipe and a path, and starts in milliseconds) that waits on a pipe only the parent writes: the
-parent sends each rank's pid, then "done" once it has cleaned up; end-of-file without "done" means the parent died,
+The parent of a world kills its ranks' process groups and removes the store directory in a
+``finally``; a parent killed outright (``kill -9``, an out-of-memory kill, a CI job cancelled) runs
+none of it. Ranks die with it (``PR_SET_PDEATHSIG``), but processes they spawned would not, and the
+store directory would stay in ``/tmp``. :class:`WorldWatcher` starts a small process before the
+ranks (a :mod:`multiprocessing` process, ``fork``-started: it needs nothing but a pipe and a path,
+and starts in milliseconds) that waits on a pipe only the parent writes: the parent sends each
+rank's pid, then "done" once it has cleaned up; end-of-file without "done" means the parent died,
 and the watcher ends every rank's process group and removes the store directory itself.
 """
 
@@ -22,7 +24,8 @@ _DONE = b"done\n"
 
 
 class WorldWatcher:
-    """The watcher process of one world; the parent calls :meth:`watch` per rank and :meth:`dismiss` at the end."""
+    """The watcher process of one world; the parent calls :meth:`watch` per rank and :meth:`dismiss`
+    at the end."""
 
     def __init__(self, store_dir: str) -> None:
         read_fd, self._write_fd = os.pipe()
@@ -39,7 +42,8 @@ class WorldWatcher:
         os.write(self._write_fd, f"{rank_pid}\n".encode())
 
     def close_in_child(self) -> None:  # pragma: no cover - runs in a rank
-        """Close the parent's end of the pipe in a forked rank, so the watcher sees end-of-file when the parent dies."""
+        """Close the parent's end of the pipe in a forked rank, so the watcher sees end-of-file when
+        the parent dies."""
         os.close(self._write_fd)
 
     def dismiss(self) -> None:
@@ -52,7 +56,8 @@ class WorldWatcher:
 
 
 def end_process_group(pid: int) -> None:
-    """Kill the process group led by ``pid`` (a rank and everything it spawned), then reap ``pid`` if ours.
+    """Kill the process group led by ``pid`` (a rank and everything it spawned), then reap ``pid``
+    if ours.
 
     A rank that has not yet made its own group (killed right after the fork) is killed alone.
     """
