@@ -80,8 +80,8 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
         if collection != first:
             raise ValueError(
                 f"model chunks 0 and {index} carry different process-group collections "
-                f"({_describe_attached(first)} and "
-                f"{_describe_attached(collection)}); attach one collection to every chunk (pgregistry.attach)"
+                f"({_describe_attached(first)} and {_describe_attached(collection)}); "
+                "attach one collection to every chunk (pgregistry.attach)"
             )
     if first is None:
         if default is _RAISE:

@@ -104,8 +104,11 @@ _HINTS: Final[dict[tuple[str, str], str]] = {
     (
         "embd",
         UNIQUE,
-    ): "is identical on the ranks of the embedding group (a copy tied across pipeline stages) but no "
-    "copy is marked shared, so each is counted (mark_shared the second copy; Megatron-Core sets shared=True)",
+    ): (
+        "is identical on the ranks of the embedding group (a copy tied across "
+        "pipeline stages) but no copy is marked shared, so each is counted "
+        "(mark_shared the second copy; Megatron-Core sets shared=True)"
+    ),
 }
 _NEAR: Final = 1e-5
 """Relative agreement of two copies' sums and sums of squares (values or grads) that makes a tie
@@ -119,8 +122,9 @@ _OUTPUT_LAYER: Final = re.compile(r"(^|\.)(output_layer|lm_head|output|embed_out
 torchtitan, GPT-2)."""
 
 _UNMARKED_HINT: Final = (
-    "differs across EP ranks but carries no EP classification, so it is counted as a dense parameter (mark it with "
-    "mark_expert, or its module with mark_expert_module and it with mark_expert)"
+    "differs across EP ranks but carries no EP classification, so "
+    "it is counted as a dense parameter (mark it with mark_expert, "
+    "or its module with mark_expert_module and it with mark_expert)"
 )
 
 
@@ -207,11 +211,12 @@ class SuspectedTie:
 
     def __str__(self) -> str:
         return (
-            f"{self.name} and {self.other_name} on rank {self.other_rank}: same shape {self.shape}, "
-            f"{', '.join(self.evidence)}, neither copy marked shared, so each is counted. If they are one weight "
-            "tied across pipeline stages, mark the last stage's copy with mark_shared (Megatron-Core sets "
-            "shared=True and shared_embedding=True on it) and synchronise the tie's grads over the 'embd' group; "
-            "if they are distinct weights, nothing is wrong"
+            f"{self.name} and {self.other_name} on rank {self.other_rank}: same shape "
+            f"{self.shape}, {', '.join(self.evidence)}, neither copy marked shared, so "
+            "each is counted. If they are one weight tied across pipeline stages, mark "
+            "the last stage's copy with mark_shared (Megatron-Core sets shared=True "
+            "and shared_embedding=True on it) and synchronise the tie's grads over the "
+            "'embd' group; if they are distinct weights, nothing is wrong"
         )
 
 
@@ -280,8 +285,8 @@ class GradReplicationReport:
         verdict = "ok" if self.ok else f"{len(self.mismatches)} mismatch(es)"
         if math.isnan(self.true_norm):
             norms = (
-                f"  classified norm {self.classified_norm:.6g}, measured-truth norm unknown: grads differ across "
-                "data-parallel replicas (synchronise them before auditing)"
+                f"  classified norm {self.classified_norm:.6g}, measured-truth norm unknown: "
+                "grads differ across data-parallel replicas (synchronise them before auditing)"
             )
         else:
             ratio = f"{self.norm_ratio:.6f}"
@@ -289,11 +294,15 @@ class GradReplicationReport:
                 ratio = (
                     f"{self.norm_ratio:.17g}"
                     if self.norm_ratio != 1.0
-                    else "1 within the statistics' precision, though the mismatches below change what is counted"
+                    else (
+                        "1 within the statistics' precision, though "
+                        "the mismatches below change what is counted"
+                    )
                 )
             norms = (
-                f"  classified norm {self.classified_norm:.6g}, measured-truth norm {self.true_norm:.6g}, "
-                f"ratio {ratio} (relative error {100 * self.relative_error:.3g}%)"
+                f"  classified norm {self.classified_norm:.6g}, "
+                f"measured-truth norm {self.true_norm:.6g}, ratio {ratio} "
+                f"(relative error {100 * self.relative_error:.3g}%)"
             )
         lines = [
             f"grad replication audit: {self.params_checked} gradient(s) checked, {verdict}",
@@ -302,7 +311,8 @@ class GradReplicationReport:
         lines.extend(f"  - {mismatch}" for mismatch in self.mismatches)
         if self.unclassified:
             lines.append(
-                f"  unclassified expert-module parameters (no allreduce): {', '.join(self.unclassified)}"
+                "  unclassified expert-module parameters (no "
+                f"allreduce): {', '.join(self.unclassified)}"
             )
         lines.extend(
             f"  suspected tie (not an error): {suspect}" for suspect in self.suspected_ties
@@ -347,7 +357,8 @@ def audit_grad_replication(
     missing = [name for name in ("ep", "dp_cp", "expt_dp") if not collection.is_set(name)]
     if missing:
         raise ValueError(
-            f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)"
+            "audit_grad_replication needs the collection's "
+            f"{missing} group(s); set them (None = off)"
         )
     stats = StatsGroups.from_collection(collection)
     axis_groups: dict[str, ProcessGroup | None] = {
@@ -501,8 +512,8 @@ def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:
     if not collection.is_set("embd"):
         if collection.is_set("pp") and group_size(collection.get("pp")) > 1:
             raise ValueError(
-                "audit_grad_replication checks parameters tied across pipeline stages over the collection's 'embd' "
-                "group, which is not set; set it (pgregistry.build does)"
+                "audit_grad_replication checks parameters tied across pipeline stages over the "
+                "collection's 'embd' group, which is not set; set it (pgregistry.build does)"
             )
         return None
     if not collection.is_member_of("embd"):
@@ -724,8 +735,8 @@ def _check_same_structure(
             else "another rank's groups differ"
         )
         raise ValueError(
-            "audit_grad_replication needs the ranks of each TP/GTP/EP/data-parallel group to hold the same "
-            f"parameters (names, shapes, dtypes, grads present) in the same order; {where}"
+            "audit_grad_replication needs the ranks of each TP/GTP/EP/data-parallel group to hold "
+            f"the same parameters (names, shapes, dtypes, grads present) in the same order; {where}"
         )
 
 

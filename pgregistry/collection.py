@@ -80,8 +80,8 @@ class Unset(enum.Enum):
 
     def __bool__(self) -> NoReturn:
         raise TypeError(
-            "UNSET (nobody gave this field) has no truth value: `if pg.tp:` would read it as 'off'. Ask "
-            "pg.is_set(name), or pg.get(name), which raises for an unset field"
+            "UNSET (nobody gave this field) has no truth value: `if pg.tp:` would read it "
+            "as 'off'. Ask pg.is_set(name), or pg.get(name), which raises for an unset field"
         )
 
 
@@ -99,7 +99,8 @@ class NotMember(enum.Enum):
 
     def __bool__(self) -> NoReturn:
         raise TypeError(
-            "NOT_MEMBER (this rank belongs to no group of that kind) has no truth value; ask pg.is_member_of(name)"
+            "NOT_MEMBER (this rank belongs to no group of that "
+            "kind) has no truth value; ask pg.is_member_of(name)"
         )
 
 
@@ -364,8 +365,9 @@ class ProcessGroupCollection:
             raise self._unset_error(name)
         if isinstance(value, NotMember):
             raise ValueError(
-                f"rank {_this_rank()} belongs to no {name!r} group of {self.describe()} (embedding groups hold the "
-                f"first and last pipeline stages only); ask pg.is_member_of({name!r}) first"
+                f"rank {_this_rank()} belongs to no {name!r} group of "
+                f"{self.describe()} (embedding groups hold the first and last "
+                f"pipeline stages only); ask pg.is_member_of({name!r}) first"
             )
         return value
 
@@ -406,14 +408,15 @@ class ProcessGroupCollection:
             layout = cast("ParallelLayout", self._layout)
             first, last = layout.rank_range()
             raise ValueError(
-                f"rank {_this_rank()} is not a member of {self.describe()}, which spans ranks {first}-{last - 1}: "
-                "this rank holds no group of it and must not compute with it (check pg.is_member first)"
+                f"rank {_this_rank()} is not a member of {self.describe()}, "
+                f"which spans ranks {first}-{last - 1}: this rank holds no group "
+                "of it and must not compute with it (check pg.is_member first)"
             )
 
     def _unset_error(self, name: str) -> AttributeError:
         return AttributeError(
-            f"process group {name!r} is not set in this ProcessGroupCollection; pass it when building the "
-            f"collection (None means the axis is off)"
+            f"process group {name!r} is not set in this ProcessGroupCollection; "
+            "pass it when building the collection (None means the axis is off)"
         )
 
     # --------------------------------------------------------------------------------------- dunder
@@ -511,9 +514,10 @@ def _check_fields(groups: Mapping[str, object]) -> None:
             )
             relation = "" if complete else "a multiple of "
             raise ValueError(
-                f"process group {composite!r} spans {size} rank(s), but it spans the axes {described}, so its size "
-                f"must be {relation}{product}: a group set to None (off) on an axis {composite!r} spans, or a group "
-                f"of another layout, would make a reduction over {composite!r} count ranks twice or miss them"
+                f"process group {composite!r} spans {size} rank(s), but it spans the axes "
+                f"{described}, so its size must be {relation}{product}: a group set to "
+                f"None (off) on an axis {composite!r} spans, or a group of another layout, "
+                f"would make a reduction over {composite!r} count ranks twice or miss them"
             )
 
 
@@ -576,7 +580,8 @@ def _check_group_type(name: str, value: object, *, allow_none: bool) -> None:
         else ""
     )
     raise TypeError(
-        f"process group field {name!r} must be {expected}; got {type(value).__name__} {value!r}{hint}"
+        f"process group field {name!r} must be {expected}; "
+        f"got {type(value).__name__} {value!r}{hint}"
     )
 
 
@@ -645,20 +650,21 @@ def _check_kind(
         return
     if isinstance(value, NotMember):
         raise ValueError(
-            f"field {name!r} is NOT_MEMBER, but rank {rank}'s {name!r} group in {layout!r} is {list(want)}"
+            f"field {name!r} is NOT_MEMBER, but rank {rank}'s "
+            f"{name!r} group in {layout!r} is {list(want)}"
         )
     if value is None:
         if len(want) != 1:
             raise ValueError(
-                f"field {name!r} is None (axis off), but rank {rank}'s {name!r} group in {layout!r} spans "
-                f"{list(want)}: a reduction over it would miss ranks"
+                f"field {name!r} is None (axis off), but rank {rank}'s {name!r} group "
+                f"in {layout!r} spans {list(want)}: a reduction over it would miss ranks"
             )
         return
     actual = _ranks_of(cast("ProcessGroup", value))
     if actual != want:
         raise ValueError(
-            f"field {name!r} holds ranks {list(actual)}, but rank {rank}'s {name!r} group in {layout!r} is "
-            f"{list(want)}: the group belongs to another layout"
+            f"field {name!r} holds ranks {list(actual)}, but rank {rank}'s {name!r} "
+            f"group in {layout!r} is {list(want)}: the group belongs to another layout"
         )
 
 
@@ -678,8 +684,8 @@ def _check_inside(
     if not inside:
         relation = "the same ranks as" if same else "a group inside"
         raise ValueError(
-            f"field {name!r} holds ranks {list(actual)}, but in {layout!r} it must be {relation} rank {rank}'s "
-            f"ranks {list(outer)}"
+            f"field {name!r} holds ranks {list(actual)}, but in {layout!r} "
+            f"it must be {relation} rank {rank}'s ranks {list(outer)}"
         )
 
 

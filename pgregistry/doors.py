@@ -52,8 +52,9 @@ def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: 
     resolved = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
     if group_size(cast("ProcessGroup | None", resolved.gtp_remat)) != 1:  # resolved: set
         raise ValueError(
-            f"{owner} reads the data-parallel group with GTP remat and without CP, which no field of pgregistry's "
-            "collection holds (its gtp_remat spans several ranks); read dp (with_gtp_remat=False) or dp_cp_gtp_remat"
+            f"{owner} reads the data-parallel group with GTP remat and without CP, "
+            "which no field of pgregistry's collection holds (its gtp_remat spans "
+            "several ranks); read dp (with_gtp_remat=False) or dp_cp_gtp_remat"
         )
     return value_of_kind(resolved.dp, kind)
 

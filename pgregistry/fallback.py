@@ -76,13 +76,14 @@ def warn_fallback(owner: str, argument: str) -> None:
     """
     if argument == "pg_collection":
         message = (
-            f"{owner} was not given a ProcessGroupCollection (nor a model with one attached) and falls back to the "
-            "global grid; pass pg_collection explicitly or attach it to the model (pgregistry.attach)"
+            f"{owner} was not given a ProcessGroupCollection (nor a model with "
+            "one attached) and falls back to the global grid; pass pg_collection "
+            "explicitly or attach it to the model (pgregistry.attach)"
         )
     else:
         message = (
-            f"{owner} was not given process group {argument!r} and falls back to the global grid; pass a "
-            f"ProcessGroupCollection that sets it (None when the axis is off)"
+            f"{owner} was not given process group {argument!r} and falls back to the global "
+            "grid; pass a ProcessGroupCollection that sets it (None when the axis is off)"
         )
     stacklevel, module, lineno = _first_frame_outside_pgregistry()
     action = _filter_action(message, ProcessGroupFallbackWarning, module, lineno)

@@ -273,8 +273,8 @@ class ParallelLayout:
                     f"rank_offset {self.rank_offset} + {span} = {self.rank_offset + self.num_ranks}"
                 )
             raise ValueError(
-                f"{span} is more ranks than torch.distributed can address (at most {MAX_WORLD_SIZE} = 2**31 - 1: "
-                "ranks are C ints)"
+                f"{span} is more ranks than torch.distributed can address "
+                f"(at most {MAX_WORLD_SIZE} = 2**31 - 1: ranks are C ints)"
             )
         tokens = self._validate_order_tokens()
         dense_product = self.tp * self.gtp_remat * self.cp * self.pp
@@ -286,22 +286,24 @@ class ParallelLayout:
         expert_product = self.expt_tp * self.ep * self.expt_gtp_remat * self.pp
         if self.num_ranks % expert_product:
             raise ValueError(
-                f"expt_tp*ep*expt_gtp_remat*pp = {self.expt_tp}*{self.ep}*{self.expt_gtp_remat}*{self.pp} = "
+                "expt_tp*ep*expt_gtp_remat*pp = "
+                f"{self.expt_tp}*{self.ep}*{self.expt_gtp_remat}*{self.pp} = "
                 f"{expert_product} does not divide num_ranks {self.num_ranks}"
             )
         dp = self.num_ranks // dense_product
         expt_dp = self.num_ranks // expert_product
         if "dp" not in self.order.split("-") and (dp, expt_dp) != (1, 1):
             raise ValueError(
-                f"order {self.order!r} lacks axis 'dp' whose size is {dp} (expert data-parallel size {expt_dp})"
+                f"order {self.order!r} lacks axis 'dp' whose size "
+                f"is {dp} (expert data-parallel size {expt_dp})"
             )
         # Megatron-Core tests the order string as declared: axes appended because they are missing
         # have size 1.
         if not self.order.endswith(OrderToken.PP.value) and self.pp > 1 and expt_dp != dp:
             raise ValueError(
-                f"pp must be last in order {self.order!r} when pp={self.pp} > 1 and the expert data-parallel "
-                f"size ({expt_dp}) differs from the dense one ({dp}): dense and expert grids would not share "
-                "pipeline stages"
+                f"pp must be last in order {self.order!r} when pp={self.pp} > 1 and "
+                f"the expert data-parallel size ({expt_dp}) differs from the dense "
+                f"one ({dp}): dense and expert grids would not share pipeline stages"
             )
         object.__setattr__(self, "dp", dp)
         object.__setattr__(self, "expt_dp", expt_dp)
@@ -337,7 +339,8 @@ class ParallelLayout:
         object.__setattr__(self, "_expert", expert)
         if self.pp > 1 and not dense.all_groups(("pp",)).equal(expert.all_groups(("pp",))):
             raise ValueError(
-                f"order {self.order!r} gives the dense and expert grids different pipeline stages; put pp last"
+                f"order {self.order!r} gives the dense and expert "
+                "grids different pipeline stages; put pp last"
             )
 
     def _validate_order_tokens(self) -> tuple[str, ...]:
@@ -345,7 +348,8 @@ class ParallelLayout:
         unknown = [t for t in tokens if t not in _TOKENS]
         if unknown:
             raise ValueError(
-                f"unknown axis {unknown[0]!r} in order {self.order!r}; known axes: {sorted(_TOKENS)}"
+                f"unknown axis {unknown[0]!r} in order "
+                f"{self.order!r}; known axes: {sorted(_TOKENS)}"
             )
         repeated = sorted({t for t in tokens if tokens.count(t) > 1})
         if repeated:
@@ -361,7 +365,8 @@ class ParallelLayout:
                 )
             if token == OrderToken.TP.value and self.expt_tp != 1:
                 raise ValueError(
-                    f"order {self.order!r} lacks axis 'tp' whose expert size (expt_tp) is {self.expt_tp}"
+                    f"order {self.order!r} lacks axis 'tp' whose "
+                    f"expert size (expt_tp) is {self.expt_tp}"
                 )
         return tokens + tuple(missing)
 
@@ -491,8 +496,9 @@ class ParallelLayout:
         """A stable digest of the declared layout; equal on every rank that declared the same
         layout."""
         text = (
-            f"v2|ranks={self.num_ranks}|offset={self.rank_offset}|tp={self.tp}|cp={self.cp}|pp={self.pp}|"
-            f"ep={self.ep}|expt_tp={self.expt_tp}|gtp={self.gtp_remat}|egtp={self.expt_gtp_remat}|order={self.order}"
+            f"v2|ranks={self.num_ranks}|offset={self.rank_offset}|"
+            f"tp={self.tp}|cp={self.cp}|pp={self.pp}|ep={self.ep}|expt_tp={self.expt_tp}|"
+            f"gtp={self.gtp_remat}|egtp={self.expt_gtp_remat}|order={self.order}"
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -645,9 +651,10 @@ def _shrink_layout(
     survivors = [r for r in ranks if coords[r]["dp"] not in dense_gone]
     if lost_ranks and sharded_optimizer:
         raise ValueError(
-            f"losing rank(s) {_ranks_text(lost_ranks)} loses the sharded optimizer's shards on rank(s) "
-            f"{_ranks_text(leaving)}: each data-parallel replica holds its own shard, kept nowhere else. Reload a "
-            "checkpoint (or train with a replicated optimizer to survive the loss of a replica)"
+            f"losing rank(s) {_ranks_text(lost_ranks)} loses the sharded optimizer's "
+            f"shards on rank(s) {_ranks_text(leaving)}: each data-parallel replica "
+            "holds its own shard, kept nowhere else. Reload a checkpoint (or train "
+            "with a replicated optimizer to survive the loss of a replica)"
         )
     if not survivors:
         raise ValueError(
@@ -689,8 +696,9 @@ def _smaller_layout(
         return attrs.evolve(layout, num_ranks=num_ranks)
     except ValueError as error:
         raise ValueError(
-            f"losing rank(s) {_ranks_text(lost)} leaves {num_ranks} ranks, on which no layout with the same sizes "
-            f"and order fits: {error}. Reload a checkpoint on a layout that fits the survivors"
+            f"losing rank(s) {_ranks_text(lost)} leaves {num_ranks} ranks, on "
+            f"which no layout with the same sizes and order fits: {error}. "
+            "Reload a checkpoint on a layout that fits the survivors"
         ) from error
 
 
@@ -715,8 +723,9 @@ def _check_groups_kept(
         got = new.coords(new_rank)
         if got != want:
             raise ValueError(
-                f"no layout over the survivors keeps rank {rank}'s groups: renumbered {new_rank} on {new!r} it "
-                f"would sit at {got}, not {want}. Reload a checkpoint on a layout that fits the survivors"
+                f"no layout over the survivors keeps rank {rank}'s groups: "
+                f"renumbered {new_rank} on {new!r} it would sit at {got}, not "
+                f"{want}. Reload a checkpoint on a layout that fits the survivors"
             )
 
 

@@ -89,7 +89,8 @@ def from_device_mesh(
     check_field_names(field_dims)
     if "hcp" in field_dims:
         raise ValueError(
-            "'hcp' holds a list of hierarchical context-parallel groups; map it outside from_device_mesh"
+            "'hcp' holds a list of hierarchical context-parallel "
+            "groups; map it outside from_device_mesh"
         )
     dim_names = tuple(mesh.mesh_dim_names or ())
     if not dim_names:
@@ -100,7 +101,9 @@ def from_device_mesh(
         unknown = [d for d in dims if d not in dim_names]
         if not dims or unknown or len(set(dims)) != len(dims):
             raise ValueError(
-                f"field {field!r} maps to mesh dims {dims!r}: give one or more distinct names of the mesh's dims "
+                f"field {field!r} maps to mesh dims {dims!r}: give one "
+                "or more distinct names of "
+                "the mesh's dims "
                 f"{dim_names}" + (f" ({unknown[0]!r} is not one)" if unknown else "")
             )
         if len(dims) == 1:
@@ -122,8 +125,8 @@ def _flat_group(
     ranks = mesh.mesh
     if ranks.numel() != dist.get_world_size():
         raise ValueError(
-            f"flattening mesh dims {dims} needs a mesh over the whole world ({dist.get_world_size()} ranks); this "
-            f"one has {ranks.numel()}"
+            f"flattening mesh dims {dims} needs a mesh over the whole world "
+            f"({dist.get_world_size()} ranks); this one has {ranks.numel()}"
         )
     names = tuple(mesh.mesh_dim_names or ())
     flattened = [names.index(d) for d in dims]
@@ -225,9 +228,9 @@ def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> Proc
     group = pg_collection.one_rank_group
     if group is None:
         raise ValueError(
-            f"field {field!r} is None (axis off) and a DeviceMesh has no 'axis off' value; this collection has no "
-            "one-rank group to stand for it: build it with pgregistry.build(layout), or pass one_rank_group= when "
-            "assembling it"
+            f"field {field!r} is None (axis off) and a DeviceMesh has no 'axis off' "
+            "value; this collection has no one-rank group to stand for it: build it "
+            "with pgregistry.build(layout), or pass one_rank_group= when assembling it"
         )
     return group
 
@@ -252,9 +255,10 @@ def _check_replicas_inside_shards(
         )
         if not set(replicate) <= set(outer):
             raise ValueError(
-                f"the collection's 'inter_dist_opt' group holds ranks {list(replicate)}, outside rank {rank}'s "
-                f"{outer_field!r} group {list(outer)} that {shard!r} splits: in this layout's order the "
-                f"{outer_field!r} replicas are not inter_dist_opt's, so the two dims form no HSDP mesh"
+                f"the collection's 'inter_dist_opt' group holds ranks {list(replicate)}, "
+                f"outside rank {rank}'s {outer_field!r} group {list(outer)} that "
+                f"{shard!r} splits: in this layout's order the {outer_field!r} replicas "
+                "are not inter_dist_opt's, so the two dims form no HSDP mesh"
             )
 
 
@@ -325,8 +329,10 @@ def with_hsdp_groups(
             "backend": repr(backend),
             "timeout": repr(timeout),
         },
-        advice="every rank of the world must call it with the same collection (a module's, on the ranks outside "
-        "its span too) and the same arguments",
+        advice=(
+            "every rank of the world must call it with the same collection (a "
+            "module's, on the ranks outside its span too) and the same arguments"
+        ),
     )
     if pg_collection.is_destroyed:
         check_usable(
@@ -334,8 +340,9 @@ def with_hsdp_groups(
         )  # the ValueError naming the destroyed collection
     if layout is None:
         raise ValueError(
-            "with_hsdp_groups needs the collection's layout (every rank creates every group of the split), and this "
-            "collection was assembled by hand; build it with pgregistry.build(layout)"
+            "with_hsdp_groups needs the collection's layout (every rank "
+            "creates every group of the split), and this collection was "
+            "assembled by hand; build it with pgregistry.build(layout)"
         )
     dense_shards, dense_replicas = _hsdp_split(layout, "dp_cp", "data-parallel", replicas)
     expert_shards, _ = _hsdp_split(layout, "expt_dp", "expert data-parallel", replicas)

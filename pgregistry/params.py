@@ -186,7 +186,8 @@ def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
             raise TypeError(f"mark_tensor_parallel: {option} must be an int, got {value!r}")
     if not 0 <= partition_dim < max(param.dim(), 1):
         raise ValueError(
-            f"partition_dim {partition_dim!r} is not a dim of a parameter of shape {tuple(param.shape)}"
+            f"partition_dim {partition_dim!r} is not a dim "
+            f"of a parameter of shape {tuple(param.shape)}"
         )
     if stride < 1:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
@@ -380,11 +381,12 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                 _record_param(module, name, param)
     if unseen:
         raise RuntimeError(
-            f"the roles of {len(unseen)} parameter(s) cannot be known: {unseen} were replaced by fully_shard "
-            "before pgregistry was imported, and roles set on them as plain attributes before that (Megatron-Core's "
-            "shared, allreduce, tensor_model_parallel) went with the objects fully_shard replaced, so a statistic "
-            "read without them could count a tied embedding twice. Move `import pgregistry` above the code that "
-            "builds the model (the top of the training script)"
+            f"the roles of {len(unseen)} parameter(s) cannot be known: {unseen} were replaced "
+            "by fully_shard before pgregistry was imported, and roles set on them as plain "
+            "attributes before that (Megatron-Core's shared, allreduce, "
+            "tensor_model_parallel) went with the objects fully_shard replaced, so a "
+            "statistic read without them could count a tied embedding twice. Move `import "
+            "pgregistry` above the code that builds the model (the top of the training script)"
         )
 
 
@@ -518,8 +520,9 @@ def _require_tensor(value: object, helper: str) -> None:
     """``TypeError`` naming what ``helper`` (a parameter helper) was given instead of a tensor."""
     if isinstance(value, nn.Module):
         raise TypeError(
-            f"{helper} takes a parameter, but was given a {type(value).__name__} module: mark each of its parameters "
-            f"(module.weight, ...){'; mark_expert_module marks a module of experts' if 'expert' in helper else ''}"
+            f"{helper} takes a parameter, but was given a {type(value).__name__} module: mark "
+            "each of its parameters (module.weight, "
+            f"...){'; mark_expert_module marks a module of experts' if 'expert' in helper else ''}"
         )
     if not isinstance(value, torch.Tensor):
         raise TypeError(

@@ -109,9 +109,9 @@ class KindPlacement:
         assert group is not None, "warning() is for kinds whose groups cross nodes"
         nodes = sorted({node_of(r, gpus_per_node) for r in group})
         return (
-            f"{self.kind} groups cross nodes: {self.crossing_groups} of {self.num_groups} groups of "
-            f"{self.group_size} ranks span up to {self.max_nodes} nodes of {gpus_per_node} GPUs (first: ranks "
-            f"{list(group)} on nodes {nodes}); their collectives leave NVLink"
+            f"{self.kind} groups cross nodes: {self.crossing_groups} of {self.num_groups} groups "
+            f"of {self.group_size} ranks span up to {self.max_nodes} nodes of {gpus_per_node} "
+            f"GPUs (first: ranks {list(group)} on nodes {nodes}); their collectives leave NVLink"
         )
 
 
@@ -264,8 +264,8 @@ def place(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     elif stop > world_size:
         raise ValueError(
-            f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks {layout.num_ranks}), past "
-            f"the end of the world (world_size {world_size})"
+            f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
+            f"{layout.num_ranks}), past the end of the world (world_size {world_size})"
         )
     else:
         world = world_size
@@ -280,14 +280,15 @@ def place(
         else:
             whose = f"world_size {world_size}"
         raise ValueError(
-            f"{whose} is not a multiple of gpus_per_node {gpus_per_node}: launchers start the same number of ranks "
-            "on every node"
+            f"{whose} is not a multiple of gpus_per_node {gpus_per_node}: "
+            "launchers start the same number of ranks on every node"
         )
     stay = tuple(intra_node_kinds)
     unknown = [kind for kind in stay if kind not in GROUP_KINDS]
     if unknown:
         raise ValueError(
-            f"unknown group kind {unknown[0]!r} among intra-node kinds; known: {', '.join(GROUP_KINDS)}"
+            f"unknown group kind {unknown[0]!r} among "
+            f"intra-node kinds; known: {', '.join(GROUP_KINDS)}"
         )
     return Placement(
         layout=layout,

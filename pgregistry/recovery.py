@@ -271,8 +271,8 @@ def recover(
     told = None if lost is None else _as_ranks(lost)
     if told is not None and old_rank in told:
         raise RuntimeError(
-            f"rank {old_rank} called recover but is among the lost ranks {sorted(told)} it was given: a lost rank "
-            "takes no part in the recovery; end this process"
+            f"rank {old_rank} called recover but is among the lost ranks {sorted(told)} "
+            "it was given: a lost rank takes no part in the recovery; end this process"
         )
     started = time.perf_counter()
     prefix = f"{_PREFIX}/{_generation}"
@@ -298,7 +298,10 @@ def recover(
     init: dict[str, Any] = {"timeout": wanted} if wanted is not None else {}
     world_store = dist.PrefixStore(f"{_PREFIX}/{_generation}/world", store)
     before = registry.communicators_created()
-    phase = f"the default group of generation {_generation} was re-formed over old ranks {list(shrunk.rank_map)}"
+    phase = (
+        f"the default group of generation {_generation} was "
+        f"re-formed over old ranks {list(shrunk.rank_map)}"
+    )
     try:
         dist.init_process_group(
             backend or old_backend,
@@ -307,7 +310,10 @@ def recover(
             world_size=len(shrunk.rank_map),
             **init,
         )
-        phase = f"the groups of {shrunk.layout!r} were built on the re-formed world of generation {_generation}"
+        phase = (
+            f"the groups of {shrunk.layout!r} were built on "
+            f"the re-formed world of generation {_generation}"
+        )
         new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
     except (
         RuntimeError
@@ -315,10 +321,10 @@ def recover(
         if not _store_answers(store):
             raise StoreLost(_store_lost(store, old_rank, phase, error)) from error
         raise RuntimeError(
-            f"a second failure during recovery, after the survivors had confirmed who goes on: rank {old_rank} "
-            f"(-> {new_rank}) failed while {phase}, so a rank that was to go on was lost (or stopped) after the "
-            f"decision. Recovery cannot go on from here: end every process and restart the job from the last "
-            f"checkpoint. The backend said: {error}"
+            "a second failure during recovery, after the survivors had confirmed who goes on: "
+            f"rank {old_rank} (-> {new_rank}) failed while {phase}, so a rank that was to go on "
+            "was lost (or stopped) after the decision. Recovery cannot go on from here: end every "
+            f"process and restart the job from the last checkpoint. The backend said: {error}"
         ) from error
     created = registry.communicators_created() - before + 1
     rebuilt = time.perf_counter()
@@ -370,14 +376,16 @@ def _survivors_verdict(
     if len(given) > 1 or (told and len(told) != len(records)):
         said = "; ".join(f"rank {r}: {v}" for r, v in sorted(told.items()))
         raise ValueError(
-            f"the survivors were told different lost ranks ({said}; ranks {sorted(set(records) - set(told))} were "
-            "told none): give every survivor the same lost ranks"
+            f"the survivors were told different lost ranks ({said}; "
+            f"ranks {sorted(set(records) - set(told))} were told "
+            "none): give every survivor the same lost ranks"
         )
     named = set(given.pop()) if given else set()
     outside = sorted(r for r in named if not 0 <= r < world_size)
     if outside:
         raise ValueError(
-            f"lost rank(s) {outside} are outside the world of {world_size} ranks (0-{world_size - 1})"
+            f"lost rank(s) {outside} are outside the world "
+            f"of {world_size} ranks (0-{world_size - 1})"
         )
     lost = (set(range(world_size)) - set(records)) | named
     shrunk = layout.shrink(sorted(lost))
@@ -385,14 +393,14 @@ def _survivors_verdict(
     if len(set(staying.values())) > 1:
         steps = "; ".join(f"rank {r}: {s}" for r, s in sorted(staying.items()))
         raise RuntimeError(
-            f"the survivors committed different steps ({steps}): the fault hit inside the commit, so some applied "
-            "a step others did not. Reload a checkpoint"
+            f"the survivors committed different steps ({steps}): the fault hit inside "
+            "the commit, so some applied a step others did not. Reload a checkpoint"
         )
     if rank not in shrunk.rank_map:
         raise LeftWithReplica(
             f"rank {rank} is alive but leaves: losing rank(s) {list(shrunk.lost)} takes ranks "
-            f"{list(shrunk.leaving)} (their whole replicas); ranks {list(shrunk.rank_map)} go on as "
-            f"{shrunk.layout!r}. End this process (or keep it as a spare)",
+            f"{list(shrunk.leaving)} (their whole replicas); ranks {list(shrunk.rank_map)} go "
+            f"on as {shrunk.layout!r}. End this process (or keep it as a spare)",
             shrunk,
         )
     return shrunk, next(iter(staying.values()))
@@ -424,11 +432,12 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
         else type(underlying).__name__
     )
     return (
-        f"the store recover was given ({where}) stopped answering rank {rank} while {phase}: its host is lost (when "
-        "a training rank hosts it, as rank 0 hosts the store of an env:// or tcp:// rendezvous, that rank died with "
-        "it). Every survivor meets the others through that store only, so this loss is not survivable: end every "
-        "process and restart the job from the last checkpoint, and give recover a store no training rank hosts "
-        f"(torchrun's agent store, or a TCPStore of a process outside the training ranks). The store said: {error}"
+        f"the store recover was given ({where}) stopped answering rank {rank} while {phase}: its "
+        "host is lost (when a training rank hosts it, as rank 0 hosts the store of an env:// or "
+        "tcp:// rendezvous, that rank died with it). Every survivor meets the others through that "
+        "store only, so this loss is not survivable: end every process and restart the job from "
+        "the last checkpoint, and give recover a store no training rank hosts (torchrun's agent "
+        f"store, or a TCPStore of a process outside the training ranks). The store said: {error}"
     )
 
 
@@ -474,13 +483,15 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
     for child in old.chained_optimizers:
         if isinstance(child, ShardedOptimizer):
             raise ValueError(
-                "a sharded optimizer's state is cut over the data-parallel replicas and the lost replica's piece has "
-                "no copy: reload a checkpoint (load_optimizer_shards) instead of carrying the state over"
+                "a sharded optimizer's state is cut over the data-parallel replicas "
+                "and the lost replica's piece has no copy: reload a checkpoint "
+                "(load_optimizer_shards) instead of carrying the state over"
             )
         hooked = [p for p in child.params if getattr(p, "main_grad", p).dtype != p.dtype]
         if hooked:
             raise ValueError(
-                f"{child.param_name(hooked[0])} ({hooked[0].dtype}) has main grads of another dtype, attached "
-                "through grad hooks the old optimizer keeps: carrying its state is not supported; reload a checkpoint"
+                f"{child.param_name(hooked[0])} ({hooked[0].dtype}) has main grads "
+                "of another dtype, attached through grad hooks the old optimizer "
+                "keeps: carrying its state is not supported; reload a checkpoint"
             )
     new.load_state_dict(old.state_dict())

@@ -155,8 +155,9 @@ def _build_agreed(
     if stop > world_size:
         # Every rank agreed on the layout above, so every rank raises here alike.
         raise ValueError(
-            f"{_layout_label(name, layout)} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
-            f"{layout.num_ranks}), past the end of the {world_size}-rank world; shrink num_ranks or rank_offset"
+            f"{_layout_label(name, layout)} spans ranks {first}-{stop - 1} "
+            f"(rank_offset {first} + num_ranks {layout.num_ranks}), past the end "
+            f"of the {world_size}-rank world; shrink num_ranks or rank_offset"
         )
     previous = _builds.get(key)
     if previous is not None:
@@ -214,8 +215,9 @@ def _check_same_build(
     if differences:
         subject = f"name {name!r}" if name is not None else repr(layout)
         raise ValueError(
-            f"{subject} is already built with other settings: {'; '.join(differences)}. Build it again with the "
-            "same ones (it is returned as built), give the new build its own name, or destroy() first"
+            f"{subject} is already built with other settings: "
+            f"{'; '.join(differences)}. Build it again with the same ones (it is "
+            "returned as built), give the new build its own name, or destroy() first"
         )
 
 
@@ -230,10 +232,10 @@ def _refuse_other_options(
         existing = CACHE.options_of(ranks)
         if existing is not None and existing != options:
             conflict = (
-                f"{_layout_label(name, layout)} needs a communicator "
-                f"over ranks {list(ranks)}, which already exists with "
-                f"{existing.describe()}, and this build asks {options.describe()}: one communicator per rank set, "
-                "so build with the same backend and timeout, or destroy() first"
+                f"{_layout_label(name, layout)} needs a communicator over ranks "
+                f"{list(ranks)}, which already exists with {existing.describe()}, and "
+                f"this build asks {options.describe()}: one communicator per rank "
+                "set, so build with the same backend and timeout, or destroy() first"
             )
             break
     check_agreement(
@@ -287,8 +289,9 @@ def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | Non
     """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects
     instead."""
     expects = (
-        "adopt expects an iterable of the torch.distributed ProcessGroup objects this rank belongs to (e.g. "
-        "Megatron-Core's parallel_state.get_tensor_model_parallel_group()), not their names"
+        "adopt expects an iterable of the torch.distributed ProcessGroup "
+        "objects this rank belongs to (e.g. Megatron-Core's "
+        "parallel_state.get_tensor_model_parallel_group()), not their names"
     )
     if isinstance(groups, (str, bytes, dist.ProcessGroup)) or not isinstance(groups, Iterable):
         return [], TypeError(f"{expects}; got {groups!r} ({type(groups).__name__})")

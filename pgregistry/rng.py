@@ -158,7 +158,8 @@ class RNGStatesTracker:
             raise ValueError(f"RNG tracker {name!r} already exists")
         if seed in self._seeds:
             raise ValueError(
-                f"seed {seed} for RNG tracker {name!r} is already used by RNG tracker {self._seeds[seed]!r}"
+                f"seed {seed} for RNG tracker {name!r} is already "
+                f"used by RNG tracker {self._seeds[seed]!r}"
             )
         generators = self.generators
         saved = _capture_states(generators)
@@ -194,8 +195,8 @@ class RNGStatesTracker:
             state = tuple(state)
             if len(state) != count or not all(isinstance(t, torch.Tensor) for t in state):
                 raise ValueError(
-                    f"state of RNG tracker {name!r} must be {count} tensors (one per generator), got "
-                    f"{len(state)} items"
+                    f"state of RNG tracker {name!r} must be {count} "
+                    f"tensors (one per generator), got {len(state)} items"
                 )
             checked[name] = tuple(t.clone() for t in state)
         self._states = checked
@@ -555,15 +556,18 @@ class SeedCollision:
             )
             if self.kind == "out_of_range":
                 return (
-                    f"seed {self.seed} of tracker {self.trackers[0]} on {where} is outside [0, 2**64), which "
-                    "model_parallel_manual_seed refuses: use a smaller seed"
+                    f"seed {self.seed} of tracker {self.trackers[0]} on {where} is outside "
+                    "[0, 2**64), which model_parallel_manual_seed refuses: use a smaller seed"
                 )
             return f"seed {self.seed} is used by trackers {', '.join(self.trackers)} on {where}"
         pairs = "; ".join(
             f"rank {rank} ({', '.join(f'{a}={c}' for a, c in zip(self.axes, coords, strict=True))})"
             for rank, coords in zip(self.ranks, self.coords, strict=True)
         )
-        return f"seed {self.seed} of tracker {self.trackers[0]} is shared by ranks that must differ: {pairs}"
+        return (
+            f"seed {self.seed} of tracker {self.trackers[0]} "
+            f"is shared by ranks that must differ: {pairs}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record."""

@@ -264,7 +264,8 @@ def _raise_on_every_rank(
     then = f"{advice[0].upper()}{advice[1:]}."
     if not by_text:
         raise ValueError(
-            f"ranks disagree on {subject}: {differences}; this rank is rank {dist.get_rank()}. {then}"
+            f"ranks disagree on {subject}: {differences}; "
+            f"this rank is rank {dist.get_rank()}. {then}"
         )
     faulty = sorted(rank for ranks in by_text.values() for rank in ranks)
     quoted = "; ".join(

@@ -83,9 +83,9 @@ def require_attendance(operation: str, timeout: timedelta | None, advice: str) -
             else "every rank answered a roll call after it"
         )
         raise RuntimeError(
-            f"{operation} failed on rank {rank} in a collective over the world: {who}. The process group cannot be "
-            f"trusted after this: restart the job (every rank) once ranks {silent or 'that failed'} are healthy. "
-            f"The backend said: {exc}"
+            f"{operation} failed on rank {rank} in a collective over the world: {who}. The "
+            "process group cannot be trusted after this: restart the job (every rank) "
+            f"once ranks {silent or 'that failed'} are healthy. The backend said: {exc}"
         ) from exc
 
 
@@ -126,8 +126,9 @@ def _check_in(
     count = store.add(f"{prefix}/count", 1)
     if count >= _GAVE_UP:
         raise RuntimeError(
-            f"{operation}: rank {rank} came after the other ranks had stopped waiting for it (they raised after "
-            f"{bound.total_seconds():g} s): nothing was done. {advice[0].upper()}{advice[1:]}"
+            f"{operation}: rank {rank} came after the other ranks had stopped "
+            f"waiting for it (they raised after {bound.total_seconds():g} s): "
+            f"nothing was done. {advice[0].upper()}{advice[1:]}"
         )
     if count == world_size:
         store.set(f"{prefix}/all", "")
@@ -145,9 +146,10 @@ def _check_in(
         absent or "that came too late"
     )  # none absent: a late rank came between two ranks giving up
     raise RuntimeError(  # the same text on every rank that came
-        f"{operation}: ranks {who} did not call it within {bound.total_seconds():g} s, so nothing was done. "
-        f"{advice[0].upper()}{advice[1:]}: look at what ranks {who} did instead (raised or exited earlier, took "
-        "another branch, or are still busy), or give the call a longer timeout"
+        f"{operation}: ranks {who} did not call it within {bound.total_seconds():g} "
+        f"s, so nothing was done. {advice[0].upper()}{advice[1:]}: look at what "
+        f"ranks {who} did instead (raised or exited earlier, took another branch, "
+        "or are still busy), or give the call a longer timeout"
     )
 
 

@@ -162,8 +162,8 @@ def compare_layouts(
         first, stop = layout.rank_range()
         if stop > world:
             raise ValueError(
-                f"layout {name} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks {layout.num_ranks}), "
-                f"past the end of the world (world_size {world})"
+                f"layout {name} spans ranks {first}-{stop - 1} (rank_offset {first} + "
+                f"num_ranks {layout.num_ranks}), past the end of the world (world_size {world})"
             )
     return LayoutComparison(
         layout_a=a,

@@ -58,7 +58,10 @@ _LONGEST_S = 10.0**12
 torch's milliseconds overflow)."""
 _TIMEOUT_RANGE = "positive, finite and at most 1e12 seconds (or None for torch's default)"
 
-BUILD_ADVICE = "every rank must build the same layouts and groups, with the same names and options, in the same order"
+BUILD_ADVICE = (
+    "every rank must build the same layouts and groups, "
+    "with the same names and options, in the same order"
+)
 """What a disagreement about groups to create asks of the ranks."""
 
 
@@ -88,8 +91,8 @@ class GroupOptions:
             seconds = float(timeout)
         else:
             raise TypeError(
-                "timeout must be a number of seconds (an int or a float) or a datetime.timedelta, or None for torch's "
-                f"default; got {timeout!r} ({type(timeout).__name__})"
+                "timeout must be a number of seconds (an int or a float) or a datetime.timedelta, "
+                f"or None for torch's default; got {timeout!r} ({type(timeout).__name__})"
             )
         if not 0 < seconds <= _LONGEST_S:  # NaN fails this too
             raise ValueError(f"timeout must be {_TIMEOUT_RANGE}; got {timeout!r}")
@@ -162,8 +165,9 @@ class GroupCache:
         if existing is not None:
             if existing[1] != options:
                 raise ValueError(
-                    f"ranks {list(ranks)} already have a communicator created with {existing[1].describe()}; "
-                    f"refusing a second one with {options.describe()} (one communicator per rank set)"
+                    f"ranks {list(ranks)} already have a communicator created "
+                    f"with {existing[1].describe()}; refusing a second one "
+                    f"with {options.describe()} (one communicator per rank set)"
                 )
             return True
         if (
@@ -247,7 +251,8 @@ class GroupCache:
         for ranks in sets:
             if seen.intersection(ranks):
                 raise ValueError(
-                    f"rank sets overlap at ranks {sorted(seen.intersection(ranks))}; pass disjoint sets"
+                    "rank sets overlap at ranks "
+                    f"{sorted(seen.intersection(ranks))}; pass disjoint sets"
                 )
             seen.update(ranks)
         mine = [ranks for ranks in sets if rank in ranks]

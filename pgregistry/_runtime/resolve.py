@@ -167,8 +167,9 @@ def resolve_pg_collection(
             )
         if attached is not None and attached != pg_collection:
             raise ValueError(
-                f"{owner} was given {pg_collection.describe()} but the model carries {attached.describe()}, "
-                "attached with pgregistry.attach: pass the attached one (or none), or attach the one you mean"
+                f"{owner} was given {pg_collection.describe()} but the model "
+                f"carries {attached.describe()}, attached with pgregistry.attach: "
+                "pass the attached one (or none), or attach the one you mean"
             )
         collection = pg_collection
     elif attached is not None:
@@ -189,8 +190,8 @@ def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroup
         raise TypeError(f"{owner} expects a pgregistry ProcessGroupCollection, got {got}")
     if collection.is_destroyed:
         raise ValueError(
-            f"{owner} was given {collection.describe()}, whose groups pgregistry.registry.destroy() destroyed; "
-            "build the layout again"
+            f"{owner} was given {collection.describe()}, whose groups "
+            "pgregistry.registry.destroy() destroyed; build the layout again"
         )
     if not collection.is_member:
         import torch.distributed as dist
@@ -199,9 +200,9 @@ def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroup
         assert layout is not None  # only a built collection can be outside its layout
         first, stop = layout.rank_range()
         raise ValueError(
-            f"{owner} was given {collection.describe()}, which spans ranks {first}-{stop - 1}; this rank "
-            f"({dist.get_rank()}) is not one of them and must not compute with it: give the collection of a module "
-            "this rank runs, or skip the module here (pg.is_member)"
+            f"{owner} was given {collection.describe()}, which spans ranks {first}-{stop - 1}; "
+            f"this rank ({dist.get_rank()}) is not one of them and must not compute with it: give "
+            "the collection of a module this rank runs, or skip the module here (pg.is_member)"
         )
     return collection
 
@@ -217,8 +218,9 @@ def _global_grid_for(owner: str, *, model_given: bool) -> ProcessGroupCollection
     if grid is None:
         source = "and the model has no collection attached " if model_given else ""
         raise RuntimeError(
-            f"{owner} was not given a ProcessGroupCollection {source}and no global grid is initialised; pass "
-            "pg_collection, attach one to the model (pgregistry.attach) or initialise the global grid"
+            f"{owner} was not given a ProcessGroupCollection {source}and no "
+            "global grid is initialised; pass pg_collection, attach one to "
+            "the model (pgregistry.attach) or initialise the global grid"
         )
     warn_fallback(owner, "pg_collection")
     return grid
@@ -253,8 +255,9 @@ def fill_unset_fields(
         warn_fallback(owner, name)
         if grid is None:
             raise RuntimeError(
-                f"{owner} needs process group {name!r}: it was not given one and no global grid is initialised "
-                "(pgregistry.global_grid.initialize_global_grid); pass a ProcessGroupCollection that sets it"
+                f"{owner} needs process group {name!r}: it was not given one and no global "
+                "grid is initialised (pgregistry.global_grid.initialize_global_grid); "
+                "pass a ProcessGroupCollection that sets it"
             )
         if not grid.is_set(name):
             raise RuntimeError(
@@ -265,17 +268,18 @@ def fill_unset_fields(
         if implied is not None and group_size(group) != implied[0]:
             size, composite = implied
             raise ValueError(
-                f"{owner} needs process group {name!r}, which the collection leaves unset; the global grid's "
-                f"{name!r} spans {group_size(group)} rank(s), but the collection's {composite!r} leaves it {size}: the "
-                f"global grid is another layout than the collection's, so pass {name} in the collection"
+                f"{owner} needs process group {name!r}, which the collection leaves "
+                f"unset; the global grid's {name!r} spans {group_size(group)} rank(s), "
+                f"but the collection's {composite!r} leaves it {size}: the global grid is "
+                f"another layout than the collection's, so pass {name} in the collection"
             )
         filled[name] = group
     try:
         return collection.evolve(**filled)
     except ValueError as exc:
         raise ValueError(
-            f"{owner} filled the unset process group(s) {read} from the global grid, which contradicts the "
-            f"collection ({exc}); pass them in the collection"
+            f"{owner} filled the unset process group(s) {read} from the global grid, "
+            f"which contradicts the collection ({exc}); pass them in the collection"
         ) from exc
 
 

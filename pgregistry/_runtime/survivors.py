@@ -103,6 +103,6 @@ def _require_named(survivors: list[int], rank: int, generation: str, when: str) 
     if rank not in survivors:
         raise RuntimeError(
             f"rank {rank} {when} without it (generation {generation}): it is lost to "
-            "them; end this process. A survivor that arrives late was stuck longer than the recovery's wait: make "
-            "wait longer than the collective timeout"
+            "them; end this process. A survivor that arrives late was stuck longer "
+            "than the recovery's wait: make wait longer than the collective timeout"
         )

@@ -137,8 +137,9 @@ def _check_spelling(category_name: str, ours: set[str], bare: str) -> None:
             return
     close = difflib.get_close_matches(category_name, sorted(ours - {bare}), n=1, cutoff=0.0)
     raise ValueError(
-        f"the -W / PYTHONWARNINGS option naming {category_name!r} names no pgregistry warning category; did you "
-        f"mean {close[0]!r}? (Python ignores such an option with a generic notice, so the filter would not apply)"
+        f"the -W / PYTHONWARNINGS option naming {category_name!r} names no "
+        f"pgregistry warning category; did you mean {close[0]!r}? (Python ignores "
+        "such an option with a generic notice, so the filter would not apply)"
     )
 
 
@@ -158,8 +159,8 @@ def apply_command_line_filters(category: type[Warning]) -> None:
             fields = option.unqualified.split(":")
             fields[2] = option.category_name
             print(
-                f"pgregistry: the -W / PYTHONWARNINGS option {option.unqualified!r} names the category without its "
-                f"module (Python's notice above: it ignored it); pgregistry applies it as {':'.join(fields)!r}: "
-                "spell it so",
+                f"pgregistry: the -W / PYTHONWARNINGS option {option.unqualified!r} "
+                "names the category without its module (Python's notice above: it "
+                f"ignored it); pgregistry applies it as {':'.join(fields)!r}: spell it so",
                 file=sys.stderr,
             )

@@ -178,8 +178,8 @@ def read_toml(path: Path) -> dict[str, Any]:
             import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
         except ModuleNotFoundError:
             raise ConfigError(
-                f"reading {path} needs tomllib (Python 3.11+) or the tomli package: `pip install tomli`, "
-                "or pass --isolated and give the settings on the command line"
+                f"reading {path} needs tomllib (Python 3.11+) or the tomli package: `pip "
+                "install tomli`, or pass --isolated and give the settings on the command line"
             ) from None
     try:
         with path.open("rb") as handle:

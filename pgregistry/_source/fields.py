@@ -116,15 +116,27 @@ def fix_for(site: Site) -> str:
     """The fix for a new read like ``site``, naming the replacement for its accessor when one is
     known."""
     if site.family == SHIM:
-        return "build the collection once at start-up and pass it down instead of copying the globals with a shim"
+        return (
+            "build the collection once at start-up and pass it "
+            "down instead of copying the globals with a shim"
+        )
     if site.family == REGISTRY:
         return "pass a ProcessGroupCollection down instead of reading pgregistry's global grid"
     if site.family == HELPER:
-        return f"pass the group explicitly (never None) instead of calling {site.accessor}, which reads the global one"
+        return (
+            "pass the group explicitly (never None) instead of "
+            f"calling {site.accessor}, which reads the global one"
+        )
     replacement = _replacement_for(site.accessor)
     if replacement is None:
-        return "take the value from the ProcessGroupCollection the caller passes in instead of reading parallel_state"
-    return f"use {replacement} from the ProcessGroupCollection the caller passes in instead of `{site.expr}`"
+        return (
+            "take the value from the ProcessGroupCollection the "
+            "caller passes in instead of reading parallel_state"
+        )
+    return (
+        f"use {replacement} from the ProcessGroupCollection "
+        f"the caller passes in instead of `{site.expr}`"
+    )
 
 
 #: Accessors whose group also depends on ``with_gtp_remat``, which defaults to True in Megatron-Core

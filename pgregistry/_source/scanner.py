@@ -370,9 +370,9 @@ def _parse_module(data: bytes, path: str) -> ast.Module | ParseFailure:
         if newer is not None:
             running = ".".join(map(str, sys.version_info[:3]))
             message = (
-                f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python >= {newer[0]} "
-                f"(the scan runs Python {running}); run the scan with Python {newer[0]}+, or pass "
-                "--skip-newer-syntax to skip such files with a warning"
+                f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python "
+                f">= {newer[0]} (the scan runs Python {running}); run the scan with Python "
+                f"{newer[0]}+, or pass --skip-newer-syntax to skip such files with a warning"
             )
             return ParseFailure(message, line, col, newer[0])
         return ParseFailure(f"syntax error: {error.msg}", line, col)

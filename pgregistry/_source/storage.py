@@ -127,7 +127,8 @@ def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None
                     raise StorageError(f"cannot lock {path}: {_reason_of(error)}") from error
                 if time.monotonic() >= deadline:
                     raise StorageError(
-                        f"cannot lock {path}: another process has been updating it for {timeout:.0f} s"
+                        f"cannot lock {path}: another process has "
+                        f"been updating it for {timeout:.0f} s"
                     ) from None
                 time.sleep(0.05)
         yield

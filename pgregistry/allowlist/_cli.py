@@ -65,13 +65,16 @@ _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
     "update": "rewrite the allowlist from the current code (deterministic, sorted)",
     "stats": "print counts of reads by family, directory, accessor, file and scope",
-    "import": "write the allowlist from Megatron-LM's line-keyed list (tools/process_group_usage_allowlist.json)",
+    "import": (
+        "write the allowlist from Megatron-LM's line-keyed "
+        "list (tools/process_group_usage_allowlist.json)"
+    ),
 }
 
 _DESCRIPTION = (
-    "Find every read of global process-group state (parallel_state accessors however imported, "
-    "use_mpu_process_groups, pgregistry's global grid) and ratchet it against a committed allowlist keyed by "
-    "file, scope and accessor, so the list can only shrink."
+    "Find every read of global process-group state (parallel_state accessors however "
+    "imported, use_mpu_process_groups, pgregistry's global grid) and ratchet it against a "
+    "committed allowlist keyed by file, scope and accessor, so the list can only shrink."
 )
 
 
@@ -102,7 +105,10 @@ def _add_scan_options(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         type=path_argument,
         metavar="PATH",
-        help="files or directories to scan instead of the configured roots; only their entries are judged",
+        help=(
+            "files or directories to scan instead of the "
+            "configured roots; only their entries are judged"
+        ),
     )
     parser.add_argument(
         "--allowlist",
@@ -126,8 +132,10 @@ def _add_scan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-newer-syntax",
         action="store_true",
-        help="skip, with a listed warning, files using syntax newer than this Python (their entries are kept "
-        "and not judged) instead of failing",
+        help=(
+            "skip, with a listed warning, files using syntax newer than this "
+            "Python (their entries are kept and not judged) instead of failing"
+        ),
     )
 
 
@@ -143,10 +151,13 @@ def add_actions(parser: argparse.ArgumentParser) -> None:
             action.add_argument(
                 "--base",
                 metavar="REV",
-                help="git revision the change is against (in CI: the target branch): reads in files git saw "
-                "renamed since count as moved, only the added sites of a key are flagged, and each key may read "
-                "no more than at REV plus what this change adds to the allowlist, so stale entries are notices "
-                "(run update to shrink), not failures",
+                help=(
+                    "git revision the change is against (in CI: the target branch): "
+                    "reads in files git saw renamed since count as moved, only the "
+                    "added sites of a key are flagged, and each key may read no more "
+                    "than at REV plus what this change adds to the allowlist, so "
+                    "stale entries are notices (run update to shrink), not failures"
+                ),
             )
         if name == "import":
             action.add_argument(
@@ -407,14 +418,16 @@ def _check_import(args: argparse.Namespace, results: list[FileResult]) -> int:
     if imported.unmatched:
         shown = "; ".join(imported.unmatched[:5]) + ("; ..." if len(imported.unmatched) > 5 else "")
         return _print_error(
-            f"{len(imported.unmatched)} entries of {args.source} have no such read on their line in the scanned "
-            f"tree ({shown}): regenerate it with Megatron-LM's checker (--update) on this tree, then import",
+            f"{len(imported.unmatched)} entries of {args.source} have no such "
+            f"read on their line in the scanned tree ({shown}): regenerate it "
+            "with Megatron-LM's checker (--update) on this tree, then import",
             fmt,
         )
     unseen = ", ".join(f"{accessor} {count}" for accessor, count in imported.unseen.most_common())
     print(
-        f"imported {imported.matched} entries of {args.source}; grandfathered too, {sum(imported.unseen.values())} "
-        f"reads its rule does not list{': ' + unseen if unseen else ''}",
+        f"imported {imported.matched} entries of {args.source}; "
+        f"grandfathered too, {sum(imported.unseen.values())} reads "
+        f"its rule does not list{': ' + unseen if unseen else ''}",
         file=sys.stderr,
     )
     return 0
@@ -449,8 +462,9 @@ def _update_allowlist(
                 except AllowlistError as error:
                     if partial:
                         return _print_error(
-                            f"{error}. A partial update (PATH given, or files skipped) only edits a readable "
-                            "allowlist: run `pgregistry allowlist update` with no PATH to regenerate it whole",
+                            f"{error}. A partial update (PATH given, or files skipped) "
+                            "only edits a readable allowlist: run `pgregistry "
+                            "allowlist update` with no PATH to regenerate it whole",
                             fmt,
                         )
                     # A full update regenerates the whole list, so it may replace an unreadable (or

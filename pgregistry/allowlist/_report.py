@@ -32,10 +32,14 @@ UPDATE = "`pgregistry allowlist update`"
 _FIX_TAIL = f"; if the read must stay for now, run {UPDATE} and commit the allowlist"
 _FIX_STALE = f"run {UPDATE} to shrink the allowlist (it may only shrink) and commit it"
 _FIX_MOVED = f"not a failure; run {UPDATE} to rewrite their keys"
-_FIX_SHRINK = f"can shrink: run {UPDATE} and commit the smaller allowlist (not a failure against the base revision)"
+_FIX_SHRINK = (
+    f"can shrink: run {UPDATE} and commit the smaller "
+    "allowlist (not a failure against the base revision)"
+)
 _FIX_SLACK = (
-    "the allowlist lists {listed}, but the base revision reads {allowed}: a removed read's leftover entry does not "
-    f"allow a new one. If the read must stay, run {UPDATE} on the base branch first, then here"
+    "the allowlist lists {listed}, but the base revision reads "
+    "{allowed}: a removed read's leftover entry does not allow a new one. "
+    f"If the read must stay, run {UPDATE} on the base branch first, then here"
 )
 
 #: GitHub shows about 10 error annotations per step; past this many keys, the rest go to the log
@@ -63,7 +67,10 @@ def _format_annotation(
     where = f"file={_escape_for_workflow(path, True)}"
     if line is not None:
         where += f",line={line}" + (f",col={col}" if col is not None else "")
-    return f"::{level} {where},title={_escape_for_workflow(title, True)}::{_escape_for_workflow(message)}"
+    return (
+        f"::{level} {where},title={_escape_for_workflow(title, True)}"
+        f"::{_escape_for_workflow(message)}"
+    )
 
 
 def render_skipped(skipped: Sequence[tuple[str, str]], fmt: str) -> str:
@@ -87,8 +94,8 @@ def _plural_of(count: int, word: str, plural: str | None = None) -> str:
 def render_failures(failures: Sequence[FileResult], fmt: str) -> str:
     """Files that could not be parsed: always an error (exit 2), never a skip."""
     summary = (
-        f"pgregistry allowlist: {_plural_of(len(failures), 'file')} could not be parsed; fix them and re-run "
-        "(a file the scanner cannot read could hide any number of reads)"
+        f"pgregistry allowlist: {_plural_of(len(failures), 'file')} could not be parsed; fix "
+        "them and re-run (a file the scanner cannot read could hide any number of reads)"
     )
     if fmt == "json":
         errors = [
@@ -203,7 +210,10 @@ def _text_lines(comparison: Comparison) -> list[str]:
                 first = item.sites[0] if item.sites else None
                 message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}"
                 if not comparison.stale_fails:
-                    message = f"notice: allowlist entry {item.key!r} {_FIX_SHRINK}; {_describe_counts(item)}"
+                    message = (
+                        f"notice: allowlist entry {item.key!r} "
+                        f"{_FIX_SHRINK}; {_describe_counts(item)}"
+                    )
                 where = f"{path}:{first.line}:{first.col}" if first else path
                 located.append(
                     (first.line if first else 0, first.col if first else 0, f"{where}: {message}")
@@ -247,7 +257,10 @@ def _github_lines(comparison: Comparison) -> list[str]:
             first = item.sites[0] if item.sites else None
             line, col = (first.line, first.col) if first else (None, None)
             if comparison.stale_fails:
-                message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}. Fix: {_how_to_fix(item)}."
+                message = (
+                    f"stale allowlist entry {item.key!r}: "
+                    f"{_describe_counts(item)}. Fix: {_how_to_fix(item)}."
+                )
                 annotations.append(
                     _format_annotation("Stale allowlist entry", message, item.path, line, col)
                 )
@@ -263,9 +276,9 @@ def _github_lines(comparison: Comparison) -> list[str]:
         shown += found[:GITHUB_ANNOTATION_CAP]
         if len(found) > GITHUB_ANNOTATION_CAP:
             shown.append(
-                f"::{level} title=pgregistry allowlist::{len(found) - GITHUB_ANNOTATION_CAP} more allowlist "
-                f"finding(s) not annotated (GitHub shows about {GITHUB_ANNOTATION_CAP} per step); every finding "
-                "is listed in the log below"
+                f"::{level} title=pgregistry allowlist::{len(found) - GITHUB_ANNOTATION_CAP} "
+                "more allowlist finding(s) not annotated (GitHub shows about "
+                f"{GITHUB_ANNOTATION_CAP} per step); every finding is listed in the log below"
             )
     overflow = max(len(annotations), len(notices)) > GITHUB_ANNOTATION_CAP
     return shown + _text_lines(comparison) if overflow else shown
@@ -287,15 +300,16 @@ def render_check(
             else ""
         )
         verdict = (
-            f"allowlist check passed: {_plural_of(allowlist.total, 'allowed read')} of {state} in "
-            f"{_plural_of(len(allowlist.entries), 'file')}; {_plural_of(files, 'file')} scanned ({allowlist_name})"
-            f"{moved_text}{shrink_text}"
+            f"allowlist check passed: {_plural_of(allowlist.total, 'allowed read')} of "
+            f"{state} in {_plural_of(len(allowlist.entries), 'file')}; "
+            f"{_plural_of(files, 'file')} scanned ({allowlist_name}){moved_text}{shrink_text}"
         )
     else:
         verdict = (
             f"allowlist check failed: {_plural_of(comparison.new_sites, 'new read')} of {state}, "
             f"{_plural_of(len(comparison.stale), 'stale entry', 'stale entries')}"
-            f"{'' if comparison.stale_fails else ' (not failures: they can shrink)'} ({allowlist_name}){moved_text}"
+            f"{'' if comparison.stale_fails else ' (not failures: they can shrink)'} "
+            f"({allowlist_name}){moved_text}"
         )
     if fmt == "json":
         return _to_json(
@@ -450,8 +464,8 @@ def render_stats(
         set(by_directory) | set(then[1] if then else ()), key=lambda d: (-by_directory[d], d)
     )
     lines = [
-        f"{_plural_of(len(sites), 'read')} of global process-group state in {_plural_of(len(by_file), 'file')}"
-        f"{allowed_text}",
+        f"{_plural_of(len(sites), 'read')} of global process-group "
+        f"state in {_plural_of(len(by_file), 'file')}{allowed_text}",
         "by form: " + ", ".join(f"{form} {count}" for form, count in rank_by_count(by_form)),
         "",
         *_format_table("family", by_family, then[0] if then else None, rev, FAMILIES),

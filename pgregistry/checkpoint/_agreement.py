@@ -132,8 +132,9 @@ def scope_of(collection: ProcessGroupCollection | None) -> Scope:
         return world
     if not collection.is_member:
         raise ValueError(
-            f"a checkpoint of {collection.describe()} runs on its ranks {first}-{stop - 1}; this rank ({world.rank}) "
-            "is not one of them: save or load a module on the ranks that run it"
+            f"a checkpoint of {collection.describe()} runs on its ranks "
+            f"{first}-{stop - 1}; this rank ({world.rank}) is not one "
+            "of them: save or load a module on the ranks that run it"
         )
     group = _span_group(collection, (first, stop))
     return Scope(world.rank - first, stop - first, group, (first, stop - first), collection.name)
@@ -155,8 +156,8 @@ def _span_group(collection: ProcessGroupCollection, span: tuple[int, int]) -> Pr
 
     if CACHE.options_of(ranks) is None:
         raise ValueError(
-            f"{collection.describe()} spans ranks {first}-{stop - 1}, but no communicator over them exists: build the "
-            "layout with pgregistry.build, which makes one"
+            f"{collection.describe()} spans ranks {first}-{stop - 1}, but no communicator "
+            "over them exists: build the layout with pgregistry.build, which makes one"
         )
     return CACHE.group(ranks)
 
@@ -236,18 +237,24 @@ def name_lost_ranks(operation: str, directory: str | Path, scope: Scope) -> Iter
         if missing is None:
             who = "the ranks that did not answer cannot be told (the store is unreachable too)"
         elif missing:
-            who = f"rank(s) {missing} did not answer within {ANSWER_WAIT_S:g} s (killed, lost or stuck: see their logs)"
+            who = (
+                f"rank(s) {missing} did not answer within {ANSWER_WAIT_S:g} "
+                "s (killed, lost or stuck: see their logs)"
+            )
         else:
-            who = "every rank answered afterwards (a rank was slower than the process group's timeout allows)"
+            who = (
+                "every rank answered afterwards (a rank was "
+                "slower than the process group's timeout allows)"
+            )
         kept = (
-            "no file of this save is under a checkpoint's name and earlier checkpoints are untouched: restart from "
-            "the last complete one"
+            "no file of this save is under a checkpoint's name and earlier "
+            "checkpoints are untouched: restart from the last complete one"
             if operation.startswith("save")
             else "the checkpoint on disk is unchanged: load it again"
         )
         raise RuntimeError(
-            f"{operation} of the checkpoint {directory} over {scope.label} failed: {who}; {kept} once every rank is "
-            f"up (this rank's collective failed with: {exc})"
+            f"{operation} of the checkpoint {directory} over {scope.label} failed: {who}; "
+            f"{kept} once every rank is up (this rank's collective failed with: {exc})"
         ) from exc
 
 

@@ -184,14 +184,14 @@ def rank_model(
     resolved_scope = scope_of(collection)
     if scope is not None and scope != resolved_scope:
         raise ValueError(
-            f"{owner} runs over {scope.label}, but the model's collection is {collection.describe()}, on "
-            f"{resolved_scope.label}"
+            f"{owner} runs over {scope.label}, but the model's collection "
+            f"is {collection.describe()}, on {resolved_scope.label}"
         )
     unsharded = [name for name in _UNSHARDED_AXES if group_size(collection.get(name)) > 1]
     if unsharded:
         raise ValueError(
-            f"{owner} stores whole tensors, but the model's {', '.join(unsharded)} axis has more than one rank; "
-            "GTP-remat shards are not resharded by pgregistry.checkpoint"
+            f"{owner} stores whole tensors, but the model's {', '.join(unsharded)} axis has "
+            "more than one rank; GTP-remat shards are not resharded by pgregistry.checkpoint"
         )
     params: dict[str, nn.Parameter] = {}
     namer = GlobalNamer(

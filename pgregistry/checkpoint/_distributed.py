@@ -164,8 +164,8 @@ def _read_metadata(directory: str | Path) -> Any:
         return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - a missing directory, a missing or damaged .metadata: all name it now
         raise ValueError(
-            f"cannot read the checkpoint {directory} (no such directory, or no torch.distributed.checkpoint "
-            f"metadata in it): {type(exc).__name__}: {exc}"
+            f"cannot read the checkpoint {directory} (no such directory, or no "
+            f"torch.distributed.checkpoint metadata in it): {type(exc).__name__}: {exc}"
         ) from exc
 
 
@@ -194,8 +194,9 @@ def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
             else:
                 what = "the whole world"
             raise ValueError(
-                f"{directory} holds a checkpoint of {what}, and this load is of {scope.label}: a module's "
-                "checkpoint loads into the same module on the same ranks (save each module into its own directory)"
+                f"{directory} holds a checkpoint of {what}, and this load is of "
+                f"{scope.label}: a module's checkpoint loads into the same module "
+                "on the same ranks (save each module into its own directory)"
             )
 
     run_agreed_step(

@@ -125,7 +125,8 @@ def cut_optimizer_shards(
         total = source["main"].numel()
         if start + numel > total:
             raise ValueError(
-                f"{name!r}: this rank's piece [{start}, {start + numel}) exceeds the saved {total} elements"
+                f"{name!r}: this rank's piece [{start}, "
+                f"{start + numel}) exceeds the saved {total} elements"
             )
         out[name] = {
             "offset": start,
@@ -161,8 +162,9 @@ def _require_sharded_children(
     for index, child in enumerate(children):
         if not isinstance(child, ShardedOptimizer):
             raise ValueError(
-                f"{owner} handles sharded optimizers (build_optimizer(..., sharded=True)); child {index} is a "
-                f"{type(child).__name__}, whose state_dict() is keyed by parameter name already"
+                f"{owner} handles sharded optimizers (build_optimizer(..., "
+                f"sharded=True)); child {index} is a {type(child).__name__}, "
+                "whose state_dict() is keyed by parameter name already"
             )
         sharded.append(child)
     return sharded
@@ -313,6 +315,7 @@ def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scop
     if unheld:
         shown = ", ".join(repr(name) for name in unheld[:5])
         raise ValueError(
-            f"the optimizer shards of {directory} hold {len(unheld)} parameters no rank's optimizer holds, e.g. "
-            f"{shown} (another model, more layers or more experts?); pass strict=False to load a subset on purpose"
+            f"the optimizer shards of {directory} hold {len(unheld)} parameters "
+            f"no rank's optimizer holds, e.g. {shown} (another model, more layers "
+            "or more experts?); pass strict=False to load a subset on purpose"
         )

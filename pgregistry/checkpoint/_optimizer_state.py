@@ -85,14 +85,15 @@ def _describe_state(state: Mapping[str, Mapping[str, Any]]) -> dict[str, Stored]
     them."""
     if not isinstance(state, Mapping):
         raise TypeError(
-            f"load_optimizer_state_by_name takes {{name: {{state key: value}}}}, got {type(state).__name__}"
+            "load_optimizer_state_by_name takes {name: "
+            f"{{state key: value}}}}, got {type(state).__name__}"
         )
     flat: dict[str, Stored] = {}
     for name, entries in state.items():
         if not isinstance(name, str) or not isinstance(entries, Mapping):
             raise TypeError(
-                f"load_optimizer_state_by_name: the entry {name!r} is a {type(entries).__name__}; each parameter's "
-                "state is a mapping of state key -> value"
+                f"load_optimizer_state_by_name: the entry {name!r} is a {type(entries).__name__}; "
+                "each parameter's state is a mapping of state key -> value"
             )
         flat[OPTIMIZED_PREFIX + name] = Stored()
         for key, value in entries.items():

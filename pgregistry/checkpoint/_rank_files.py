@@ -91,8 +91,8 @@ class RankFile:
         if damaged:
             more = f" (and {len(damaged) - 1} more under {key!r})" if len(damaged) > 1 else ""
             raise ValueError(
-                f"{self.path} is damaged: the bytes of tensor {damaged[0]!r}{more} do not match the checksum "
-                "stored when it was saved; restore the file from a copy"
+                f"{self.path} is damaged: the bytes of tensor {damaged[0]!r}{more} do not "
+                "match the checksum stored when it was saved; restore the file from a copy"
             )
 
 
@@ -216,8 +216,8 @@ def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
         return
     seen = f"e.g. {', '.join(p.name for p in found[:3])}" if found else "seen by another rank"
     raise ValueError(
-        f"{directory} already holds a checkpoint ({prefix}<rank>.pt files, {seen}); pgregistry does not "
-        "overwrite one: save to a new directory, or remove the old checkpoint first"
+        f"{directory} already holds a checkpoint ({prefix}<rank>.pt files, {seen}); pgregistry "
+        "does not overwrite one: save to a new directory, or remove the old checkpoint first"
     )
 
 
@@ -233,8 +233,8 @@ def _load_payload(path: Path) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file; all name it now
         raise ValueError(
-            f"cannot read checkpoint file {path} (truncated, corrupt or not a pgregistry rank file): "
-            f"{type(exc).__name__}: {exc}"
+            f"cannot read checkpoint file {path} (truncated, corrupt or "
+            f"not a pgregistry rank file): {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(payload, dict) or not _RECORD <= payload.keys():
         raise ValueError(
@@ -242,12 +242,14 @@ def _load_payload(path: Path) -> dict[str, Any]:
         )
     if payload["format"] != _FORMAT:
         raise ValueError(
-            f"{path} has format {payload['format']!r}; this pgregistry reads format {_FORMAT} (format 1 files, "
-            "without checksums or save ids, load with the pgregistry that wrote them: load and save them again)"
+            f"{path} has format {payload['format']!r}; this pgregistry reads "
+            f"format {_FORMAT} (format 1 files, without checksums or save ids, "
+            "load with the pgregistry that wrote them: load and save them again)"
         )
     if not _RECORD_SINCE_2 <= payload.keys():
         raise ValueError(
-            f"{path} is not a pgregistry rank file of format {_FORMAT} (no save_id/checksums record)"
+            f"{path} is not a pgregistry rank file of "
+            f"format {_FORMAT} (no save_id/checksums record)"
         )
     return payload
 
@@ -273,8 +275,8 @@ def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankF
     ranks = sorted(payload["rank"] for payload in payloads)
     if len(world_sizes) != 1 or ranks != list(range(next(iter(world_sizes)))):
         raise ValueError(
-            f"{directory} does not hold exactly one checkpoint: {prefix}<rank>.pt files of ranks {ranks} from "
-            f"saves with world sizes {sorted(world_sizes)}"
+            f"{directory} does not hold exactly one checkpoint: {prefix}<rank>.pt "
+            f"files of ranks {ranks} from saves with world sizes {sorted(world_sizes)}"
         )
     return [
         RankFile(path, payload["state"], payload["checksums"])
@@ -293,8 +295,9 @@ def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, A
             f"save {save_id:#x}: {', '.join(names)}" for save_id, names in by_save.items()
         )
         raise ValueError(
-            f"{directory} mixes the files of {len(by_save)} different saves ({saves}): a rank file copied from "
-            "another checkpoint? Every rank file of a checkpoint must come from one save"
+            f"{directory} mixes the files of {len(by_save)} different "
+            f"saves ({saves}): a rank file copied from another checkpoint? "
+            "Every rank file of a checkpoint must come from one save"
         )
 
 
@@ -310,8 +313,9 @@ def _refuse_another_scope(directory: Path, payload: dict[str, Any], scope: Scope
     else:
         what = f"the whole world ({payload['world_size']} ranks)"
     raise ValueError(
-        f"{directory} holds a checkpoint of {what}, and this load is of {scope.label}: a module's checkpoint loads "
-        "into the same module on the same ranks (save each module into its own directory)"
+        f"{directory} holds a checkpoint of {what}, and this load is of "
+        f"{scope.label}: a module's checkpoint loads into the same module "
+        "on the same ranks (save each module into its own directory)"
     )
 
 
@@ -322,7 +326,8 @@ def _read_rank_files(directory: Path, scope: Scope) -> dict[str, RankFile]:
         for key in rank_file.state:
             if key in holder:
                 raise ValueError(
-                    f"{key!r} is stored more than once in {directory} (again in {rank_file.path.name})"
+                    f"{key!r} is stored more than once in "
+                    f"{directory} (again in {rank_file.path.name})"
                 )
             holder[key] = rank_file
     return holder

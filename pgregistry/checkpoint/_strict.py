@@ -118,8 +118,9 @@ def refuse_misfits(
     unexpected = [key for key, used in zip(keys, union, strict=True) if not used]
     if unexpected:
         raise ValueError(
-            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. {_first_few(unexpected)} "
-            f"(another model, more layers or more experts than this model's?); {_NON_STRICT}"
+            f"{source} holds {len(unexpected)} keys no rank's model "
+            f"has, e.g. {_first_few(unexpected)} (another model, more "
+            f"layers or more experts than this model's?); {_NON_STRICT}"
         )
 
 
@@ -156,12 +157,15 @@ def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bo
             )
         elif strict and entry.dtype != param.dtype:
             problems.append(
-                f"parameter {name!r} is {param.dtype} but the checkpoint holds {entry.dtype} (make the model "
-                f"{entry.dtype} before loading, or pass strict=False to cast on copy)"
+                f"parameter {name!r} is {param.dtype} but the checkpoint holds {entry.dtype} (make "
+                f"the model {entry.dtype} before loading, or pass strict=False to cast on copy)"
             )
     if len(problems) <= 1:
         return "".join(problems)
-    return f"{problems[0]} (and {len(problems) - 1} more parameters of this rank do not fit, e.g. {problems[1]})"
+    return (
+        f"{problems[0]} (and {len(problems) - 1} more parameters "
+        f"of this rank do not fit, e.g. {problems[1]})"
+    )
 
 
 def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer: Optimizer) -> str:
@@ -182,19 +186,19 @@ def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer:
     ]
     if unsaved and len(unsaved) == len(updated) and not saved:
         return (
-            "the checkpoint holds no optimizer state: it was saved without an optimizer; load it with "
-            "optimizer=None, or pass strict=False to keep the optimizer's fresh state"
+            "the checkpoint holds no optimizer state: it was saved without an optimizer; load "
+            "it with optimizer=None, or pass strict=False to keep the optimizer's fresh state"
         )
     if unsaved:
         return (
-            f"the checkpoint holds no optimizer state for {len(unsaved)} of the parameters this rank's optimizer "
-            f"updates, e.g. {_first_few(unsaved)} (saved with an optimizer over other parameters?); pass strict=False "
-            "to keep their fresh state"
+            f"the checkpoint holds no optimizer state for {len(unsaved)} of the parameters "
+            f"this rank's optimizer updates, e.g. {_first_few(unsaved)} (saved with an "
+            "optimizer over other parameters?); pass strict=False to keep their fresh state"
         )
     if foreign:
         return (
-            f"the checkpoint holds optimizer state for {len(foreign)} parameters this rank's optimizer does not "
-            f"update, e.g. {_first_few(foreign)}; {_NON_STRICT}"
+            f"the checkpoint holds optimizer state for {len(foreign)} parameters this "
+            f"rank's optimizer does not update, e.g. {_first_few(foreign)}; {_NON_STRICT}"
         )
     return ""
 

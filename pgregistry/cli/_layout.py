@@ -39,9 +39,9 @@ def add_command(subparsers: Subparsers) -> None:
         "layout",
         help="print the process groups a parallel layout creates",
         description=(
-            "Enumerate every group kind of a layout (Megatron-Core's rank arithmetic) without creating process "
-            "groups: number of groups, group size and the first groups; with --rank, one rank's coordinates "
-            "and groups."
+            "Enumerate every group kind of a layout (Megatron-Core's rank arithmetic) "
+            "without creating process groups: number of groups, group size and the "
+            "first groups; with --rank, one rank's coordinates and groups."
         ),
     )
     add_layout_arguments(parser)
@@ -60,8 +60,10 @@ def add_command(subparsers: Subparsers) -> None:
     views.add_argument(
         "--svg",
         metavar="FILE",
-        help="draw the layout on its nodes as SVG: placement table, rank map with coordinates, one panel per kind "
-        "(needs --gpus-per-node)",
+        help=(
+            "draw the layout on its nodes as SVG: placement table, rank map "
+            "with coordinates, one panel per kind (needs --gpus-per-node)"
+        ),
     )
     views.add_argument(
         "--html", metavar="FILE", help="the same picture as an HTML page (needs --gpus-per-node)"
@@ -69,17 +71,22 @@ def add_command(subparsers: Subparsers) -> None:
     views.add_argument(
         "--highlight",
         metavar="KINDS",
-        help="comma-separated kinds to draw as panels, one per view (default: every kind whose groups have more "
-        "than one rank)",
+        help=(
+            "comma-separated kinds to draw as panels, one per view "
+            "(default: every kind whose groups have more than one rank)"
+        ),
     )
     views.add_argument(
         "--compare",
         nargs=2,
         metavar=("A", "B"),
-        help="compare two layouts instead of the one of --tp ... --order, e.g. policy:tp=2,ep=4,expt_tp=1 "
-        "reference:tp=4 (NAME: optional; keys tp cp pp ep expt_tp gtp_remat expt_gtp_remat order, and num_ranks "
-        "rank_offset for a span of its own: default --num-ranks from --rank-offset): what differs, which "
-        "communicators they share; --svg/--html draw them side by side",
+        help=(
+            "compare two layouts instead of the one of --tp ... --order, e.g. "
+            "policy:tp=2,ep=4,expt_tp=1 reference:tp=4 (NAME: optional; keys tp cp pp "
+            "ep expt_tp gtp_remat expt_gtp_remat order, and num_ranks rank_offset for "
+            "a span of its own: default --num-ranks from --rank-offset): what differs, "
+            "which communicators they share; --svg/--html draw them side by side"
+        ),
     )
     parser.set_defaults(handler=_run_layout)
 
@@ -153,8 +160,8 @@ def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
         return
     if enumeration > available:
         advice = (
-            f"enumerating the groups alone needs about {enumeration / 2**30:.1f} GiB, whatever --show and --rank "
-            "say: run it where more memory is free"
+            f"enumerating the groups alone needs about {enumeration / 2**30:.1f} "
+            "GiB, whatever --show and --rank say: run it where more memory is free"
         )
     elif shown and bytes_needed(of_rank) <= available:
         advice = "lower --show (--show 0 prints only the group counts and sizes)"

@@ -274,7 +274,10 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     span = _span_label(layout, placement.world_size)
     if span:
         first, stop = layout.rank_range()
-        title = f"pgregistry layout: ranks {first}-{stop - 1} of a world of {placement.world_size} ranks"
+        title = (
+            f"pgregistry layout: ranks {first}-{stop - 1} "
+            f"of a world of {placement.world_size} ranks"
+        )
     else:
         title = f"pgregistry layout: {layout.num_ranks} ranks on {placement.describe_nodes()}"
     svg.heading(title, size=18)
@@ -294,7 +297,8 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     _placement_table(svg, placement)
     _rank_map(svg, layout, drawn, g)
     svg.heading(
-        "Groups of each kind: one colour per group; red outline: a group that should stay on one node does not"
+        "Groups of each kind: one colour per group; red "
+        "outline: a group that should stay on one node does not"
     )
     _flow_panels(svg, [_kind_panel(layout, placement, kind, drawn) for kind in panels])
     return svg.document(title)
@@ -633,8 +637,8 @@ def render_compare_svg(
     world = comparison.world_size
     if world % gpus_per_node:
         raise ValueError(
-            f"the world of {world} ranks is not a multiple of gpus_per_node {gpus_per_node}: launchers start the "
-            "same number of ranks on every node"
+            f"the world of {world} ranks is not a multiple of gpus_per_node "
+            f"{gpus_per_node}: launchers start the same number of ranks on every node"
         )
     # The nodes of both spans: from the first one's node to the last one's.
     first, stop = (
@@ -655,8 +659,9 @@ def render_compare_svg(
         _MARGIN,
         svg.y + 8,
         (
-            f"{names[0]}: {len(comparison.a)} communicators, {names[1]}: {len(comparison.b)}, shared: {len(shared)} "
-            f"(created once; {len(comparison.a) + len(comparison.b) - len(shared)} in all)"
+            f"{names[0]}: {len(comparison.a)} communicators, {names[1]}: "
+            f"{len(comparison.b)}, shared: {len(shared)} (created once; "
+            f"{len(comparison.a) + len(comparison.b) - len(shared)} in all)"
         ),
         size=13,
         font_weight="bold",
@@ -686,8 +691,8 @@ def render_compare_svg(
     _summary_note(svg, stop - first, drawn, num_nodes, gpus_per_node)
     _draw_shared_table(svg, comparison, names)
     svg.heading(
-        f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
-        "faded = only in this layout"
+        f"Groups of each kind, {names[0]} left and {names[1]} right: "
+        "full colour = shared communicator, faded = only in this layout"
     )
 
     def build_panel(layout: ParallelLayout, side: str, kind: str) -> _Panel:

@@ -120,7 +120,10 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
     if args.world_size is not None:
         whose = f"--world-size {args.world_size}"
     elif world is not None:  # --compare: where the later span ends
-        whose = f"the world, taken to end where the later layout does ({world} ranks; give --world-size when larger),"
+        whose = (
+            "the world, taken to end where the later layout does "
+            f"({world} ranks; give --world-size when larger),"
+        )
     elif first == 0:
         whose = f"--num-ranks {layout.num_ranks}"
     else:
@@ -129,7 +132,8 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
             f"{layout.num_ranks} = {stop} ranks; give --world-size when larger),"
         )
     raise ValueError(
-        f"{whose} is not a multiple of --gpus-per-node {g}: launchers start the same number of ranks on every node"
+        f"{whose} is not a multiple of --gpus-per-node {g}: "
+        "launchers start the same number of ranks on every node"
     )
 
 
@@ -181,8 +185,9 @@ def placement_table(report: dict[str, Any]) -> str:
         else f"{per_rank['min']}-{per_rank['max']}"
     )
     lines = [
-        f"placement: {report['nodes']} (rank r on node r // {g}); each rank {'of the layout ' * span}joins {joins} "
-        f"communicators; should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
+        f"placement: {report['nodes']} (rank r on node r // {g}); each rank "
+        f"{'of the layout ' * span}joins {joins} communicators; should stay "
+        f"on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
         "",
     ]
     rows = [("kind", "groups", "size", "nodes/group", "placement")]
@@ -276,7 +281,8 @@ def parse_layout_spec(
         key = key.strip().replace("-", "_")
         if not equals or key not in _SPEC_KEYS:
             raise ValueError(
-                f"layout spec {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SPEC_KEYS)}"
+                f"layout spec {spec!r}: {item!r} is not KEY=VALUE "
+                f"with KEY one of {', '.join(_SPEC_KEYS)}"
             )
         if key in sizes:
             raise ValueError(f"layout spec {spec!r} gives {key} twice")
@@ -393,8 +399,8 @@ def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
     )
     created = f"{a + b - report['shared']}, not {a + b}" if report["shared"] else f"{a + b}"
     lines += [
-        f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} (the registry creates "
-        f"{created}); each rank of the world joins {joins} of them",
+        f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} "
+        f"(the registry creates {created}); each rank of the world joins {joins} of them",
         "",
     ]
     rows = [("shared", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}")]

@@ -41,6 +41,6 @@ def not_enough_memory(doing: str, needed: int, available: int, advice: str) -> V
     """The error for a command that would need ``needed`` bytes ``doing`` what it was asked, with
     ``advice``."""
     return ValueError(
-        f"{doing} needs about {needed / 2**30:.1f} GiB of memory, more than the {available / 2**30:.1f} GiB "
-        f"available; {advice}"
+        f"{doing} needs about {needed / 2**30:.1f} GiB of memory, more "
+        f"than the {available / 2**30:.1f} GiB available; {advice}"
     )

@@ -34,9 +34,10 @@ from pgregistry._source.options import (
 __all__ = ["add_command"]
 
 _DESCRIPTION = (
-    "Rewrite reads of global process-group state (parallel_state accessors, fallback helpers) into reads of "
-    "a process-group collection: the collection in scope, else one threaded into the enclosing function as "
-    "an optional keyword-only parameter that falls back to the global grid with ProcessGroupFallbackWarning."
+    "Rewrite reads of global process-group state (parallel_state accessors, fallback "
+    "helpers) into reads of a process-group collection: the collection in scope, "
+    "else one threaded into the enclosing function as an optional keyword-only "
+    "parameter that falls back to the global grid with ProcessGroupFallbackWarning."
 )
 
 
@@ -75,7 +76,10 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--target",
         choices=("megatron", "pgregistry"),
         default="megatron",
-        help="whose collection the code reads: Megatron-Core's ProcessGroupCollection (default) or pgregistry's",
+        help=(
+            "whose collection the code reads: Megatron-Core's "
+            "ProcessGroupCollection (default) or pgregistry's"
+        ),
     )
     parser.add_argument(
         "--collection-name",
@@ -97,9 +101,11 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument(
         "--helper-module",
         metavar="MODULE",
-        help="the dotted module the rewritten reads import pg_group/pg_rank/pg_size/pg_read from, written into "
-        "the tree by --write (default: [tool.pgregistry.migrate] helper-module, else "
-        "<top package>._process_group_fallback)",
+        help=(
+            "the dotted module the rewritten reads import pg_group/pg_rank/pg_size/pg_read "
+            "from, written into the tree by --write (default: [tool.pgregistry.migrate] "
+            "helper-module, else <top package>._process_group_fallback)"
+        ),
     )
     parser.set_defaults(handler=_run_migrate)
 
@@ -139,8 +145,8 @@ def _allowlist_to_write(
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
             raise ConfigError(
-                f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry allowlist "
-                f"update --allowlist {args.allowlist}`), or leave the option out"
+                f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry "
+                f"allowlist update --allowlist {args.allowlist}`), or leave the option out"
             )
         return allowlist
     if not configured:
@@ -149,7 +155,8 @@ def _allowlist_to_write(
         return allowlist
     if args.write and not args.quiet:
         print(
-            f"pgregistry migrate: no allowlist regenerated: the configured {allowlist} does not exist",
+            "pgregistry migrate: no allowlist regenerated: "
+            f"the configured {allowlist} does not exist",
             file=sys.stderr,
         )
     return None
@@ -196,8 +203,9 @@ def _migrate_files(args: argparse.Namespace) -> int:
         allowlist = _allowlist_to_write(args, settings, configured)
         if args.check and (settings.root / JOURNAL).exists():
             return _print_error(
-                f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
-                "half-written; run `pgregistry migrate` (any mode but --check) to finish it first"
+                f"{settings.root / JOURNAL}: an interrupted `pgregistry "
+                "migrate --write` left the tree half-written; run `pgregistry "
+                "migrate` (any mode but --check) to finish it first"
             )
         finished = finish_interrupted(settings.root)
         if finished is not None:

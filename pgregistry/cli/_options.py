@@ -47,16 +47,21 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = T
             "--rank-offset",
             type=int,
             default=0,
-            help="the layout's first (global) rank, for a layout over part of the world (Megatron-Core's "
-            "HyperCommGrid rank_offset; default 0: from the world's first rank)",
+            help=(
+                "the layout's first (global) rank, for a layout over "
+                "part of the world (Megatron-Core's HyperCommGrid "
+                "rank_offset; default 0: from the world's first rank)"
+            ),
         )
         parser.add_argument(
             "--world-size",
             type=int,
             default=None,
             metavar="N",
-            help="ranks in the whole job, when the layout spans part of it: the span must end within it "
-            "(default: --rank-offset + --num-ranks)",
+            help=(
+                "ranks in the whole job, when the layout spans part of it: the "
+                "span must end within it (default: --rank-offset + --num-ranks)"
+            ),
         )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
@@ -132,7 +137,8 @@ def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: s
         raise ValueError(f"{where}{num} must be a positive integer, got {num_ranks}")
     if rank_offset < 0:
         raise ValueError(
-            f"{where}{offset} must be a non-negative integer (the layout's first rank), got {rank_offset}"
+            f"{where}{offset} must be a non-negative integer "
+            f"(the layout's first rank), got {rank_offset}"
         )
     if world_size is None:
         return
@@ -141,8 +147,8 @@ def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: s
     stop = rank_offset + num_ranks
     if stop > world_size:
         raise ValueError(
-            f"{where}the layout spans ranks {rank_offset}-{stop - 1} ({offset} {rank_offset} + {num} {num_ranks}), "
-            f"past the end of --world-size {world_size}"
+            f"{where}the layout spans ranks {rank_offset}-{stop - 1} ({offset} "
+            f"{rank_offset} + {num} {num_ranks}), past the end of --world-size {world_size}"
         )
 
 
@@ -170,7 +176,10 @@ def add_placement_arguments(
         "--intra-node",
         default=",".join(DEFAULT_INTRA_NODE_KINDS),
         metavar="KINDS",
-        help="comma-separated kinds whose groups should stay on one node (default: %(default)s; '' for none)",
+        help=(
+            "comma-separated kinds whose groups should stay "
+            "on one node (default: %(default)s; '' for none)"
+        ),
     )
     if check:
         group.add_argument(

@@ -39,9 +39,10 @@ def add_command(subparsers: Subparsers) -> None:
         "seed-plan",
         help="print every rank's RNG tracker seeds for a layout, or check them for collisions",
         description=(
-            "Compute the seeds every rank's RNG trackers get (Megatron-Core's formulas, pipeline and optional "
-            "data-parallel offsets included) from the layout alone, without process groups. With --check, "
-            "report seeds shared by streams that must differ, and seeds outside [0, 2**64) that "
+            "Compute the seeds every rank's RNG trackers get (Megatron-Core's "
+            "formulas, pipeline and optional data-parallel offsets included) from "
+            "the layout alone, without process groups. With --check, report seeds "
+            "shared by streams that must differ, and seeds outside [0, 2**64) that "
             "model_parallel_manual_seed refuses, and exit 1 when there are any."
         ),
     )
@@ -63,16 +64,20 @@ def add_command(subparsers: Subparsers) -> None:
         type=non_negative,
         default=30.0,
         metavar="MINUTES",
-        help="refuse (exit 2) a run estimated, from the rate of its first ranks, to take longer (default: "
-        "%(default)s; 0 for no limit)",
+        help=(
+            "refuse (exit 2) a run estimated, from the rate of its first "
+            "ranks, to take longer (default: %(default)s; 0 for no limit)"
+        ),
     )
     parser.add_argument(
         "--progress",
         type=non_negative,
         default=10.0,
         metavar="SECONDS",
-        help="print progress on stderr every SECONDS of a run estimated to take longer than that (default: "
-        "%(default)s; 0 for none)",
+        help=(
+            "print progress on stderr every SECONDS of a run estimated "
+            "to take longer than that (default: %(default)s; 0 for none)"
+        ),
     )
     parser.set_defaults(handler=_run_seed_plan)
 
@@ -88,8 +93,9 @@ def _run_seed_plan(args: argparse.Namespace) -> int:
         advice = "raise --time-limit (0 for no limit)"
         if args.check and not random_init:
             advice += (
-                ", or check the layout with fewer data-parallel replicas: without --data-parallel-random-init the "
-                "seeds do not depend on the data-parallel size, so it has the same collisions"
+                ", or check the layout with fewer data-parallel replicas: "
+                "without --data-parallel-random-init the seeds do not depend "
+                "on the data-parallel size, so it has the same collisions"
             )
         progress = _Progress(doing, layout.num_ranks, args.time_limit, args.progress, advice)
         if args.check:
@@ -155,11 +161,14 @@ def _check_memory(
     available = memory_shortfall(needed)
     if available is not None:
         if not check:
-            advice = "it holds every rank's seeds: run it where more memory is free, or check it (--check)"
+            advice = (
+                "it holds every rank's seeds: run it where "
+                "more memory is free, or check it (--check)"
+            )
         elif data_parallel_random_init:
             advice = (
-                "with --data-parallel-random-init every data-parallel rank has streams of its own, which the check "
-                "holds: run it where more memory is free"
+                "with --data-parallel-random-init every data-parallel rank has streams "
+                "of its own, which the check holds: run it where more memory is free"
             )
         else:
             advice = (
@@ -192,8 +201,8 @@ class _Progress:
             rate = f"{elapsed / done * 1e6:.1f} microseconds a rank over the first {done}"
             if self.limit_minutes and whole > self.limit_minutes * 60:
                 raise ValueError(
-                    f"{self.doing} would take about {_format_duration(whole)} here ({rate}), more than --time-limit "
-                    f"{self.limit_minutes:g} (minutes); {self.advice}"
+                    f"{self.doing} would take about {_format_duration(whole)} here ({rate}), "
+                    f"more than --time-limit {self.limit_minutes:g} (minutes); {self.advice}"
                 )
             if self.every_s and whole > self.every_s:
                 estimate = f"about {_format_duration(whole)} here ({rate})"
@@ -202,8 +211,8 @@ class _Progress:
         if self.every_s and whole > self.every_s and now - self.printed >= self.every_s:
             self.printed = now
             print(
-                f"pgregistry seed-plan: {done} of {self.total} ranks ({100 * done // self.total}%), about "
-                f"{_format_duration(whole - elapsed)} left",
+                f"pgregistry seed-plan: {done} of {self.total} ranks "
+                f"({100 * done // self.total}%), about {_format_duration(whole - elapsed)} left",
                 file=sys.stderr,
             )
 

@@ -62,8 +62,8 @@ def run_checks(
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
             print(
-                f"{command}: error: --backend nccl needs CUDA, and torch {torch.__version__} here has none "
-                f"({build}); use --backend gloo",
+                f"{command}: error: --backend nccl needs CUDA, and torch "
+                f"{torch.__version__} here has none ({build}); use --backend gloo",
                 file=sys.stderr,
             )
             return 2

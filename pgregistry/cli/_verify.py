@@ -105,7 +105,8 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
     values = sorted({str(value) for value, _ in everyone})
     if values == ["None"]:
         raise ValueError(
-            "ranks per node unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it); pass --gpus-per-node"
+            "ranks per node unknown: LOCAL_WORLD_SIZE is not "
+            "set (torchrun sets it); pass --gpus-per-node"
         )
     if len(values) > 1:
         return [
@@ -123,7 +124,8 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
     kinds = [entry.kind for entry in placement.kinds if entry.should_stay_intra_node]
     return [
         (
-            f"placement: {', '.join(kinds) or 'no kind'} groups stay on nodes of {gpus_per_node} ranks",
+            f"placement: {', '.join(kinds) or 'no kind'} "
+            f"groups stay on nodes of {gpus_per_node} ranks",
             not placement.violations(),
             "; ".join(placement.warnings()),
         ),
@@ -140,7 +142,8 @@ def nodes_share_hosts(hosts: list[str], gpus_per_node: int) -> Check:
         on_node = sorted(set(hosts[node * gpus_per_node : (node + 1) * gpus_per_node]))
         if len(on_node) > 1:
             split.append(
-                f"node {node} (ranks {node * gpus_per_node}-{(node + 1) * gpus_per_node - 1}) on {on_node}"
+                f"node {node} (ranks "
+                f"{node * gpus_per_node}-{(node + 1) * gpus_per_node - 1}) on {on_node}"
             )
     return (
         f"placement: each node's {gpus_per_node} consecutive ranks share one host",
@@ -293,8 +296,9 @@ def _run_verify(args: argparse.Namespace) -> int:
         return 2
     expt_tp = args.expt_tp if args.expt_tp is not None else args.tp
     title = (
-        f"pgregistry verify: backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} ep {args.ep} "
-        f"expt_tp {expt_tp} gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
+        f"pgregistry verify: backend {args.backend}, tp {args.tp} cp "
+        f"{args.cp} pp {args.pp} ep {args.ep} expt_tp {expt_tp} "
+        f"gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
     )
     return run_checks(
         title,
@@ -311,18 +315,21 @@ def add_command(subparsers: Subparsers) -> None:
         "verify",
         help="check groups, node placement, grad statistics and seeds under torchrun",
         description=(
-            "Run under torchrun (torchrun --nproc-per-node N -m pgregistry verify ...): build the layout's "
-            "collection on the job's backend and check group membership, node placement (ranks per node from "
-            "LOCAL_WORLD_SIZE), grad norms and zero counts against float64 oracles, and RNG seeds against the seed "
-            "plan. Rank 0 prints a pass/fail table; exit 1 when a check failed on any rank."
+            "Run under torchrun (torchrun --nproc-per-node N -m pgregistry verify ...): "
+            "build the layout's collection on the job's backend and check group "
+            "membership, node placement (ranks per node from LOCAL_WORLD_SIZE), grad norms "
+            "and zero counts against float64 oracles, and RNG seeds against the seed plan. "
+            "Rank 0 prints a pass/fail table; exit 1 when a check failed on any rank."
         ),
     )
     add_layout_arguments(parser, num_ranks=False)
     add_placement_arguments(
         parser,
         check=False,
-        gpus_per_node_help="ranks per node (default: the launcher's LOCAL_WORLD_SIZE): the placement check fails "
-        "when a kind of --intra-node crosses nodes or a node's ranks run on different hosts",
+        gpus_per_node_help=(
+            "ranks per node (default: the launcher's LOCAL_WORLD_SIZE): the placement check fails "
+            "when a kind of --intra-node crosses nodes or a node's ranks run on different hosts"
+        ),
     )
     parser.add_argument(
         "--backend",

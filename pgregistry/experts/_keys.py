@@ -86,8 +86,8 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= local_index < num_local:
         raise ValueError(
-            f"local expert index {local_index} is out of range: {num_experts} experts over {ep_size} EP ranks "
-            f"leave {num_local} per rank"
+            f"local expert index {local_index} is out of range: {num_experts} "
+            f"experts over {ep_size} EP ranks leave {num_local} per rank"
         )
     return ep_rank * num_local + local_index
 
@@ -297,7 +297,8 @@ def localize_expert_keys(
             _refuse_incomplete(
                 state_dict,
                 mine,
-                f"EP rank {ep_rank} of {ep_size} holds experts {_format_span(mine)} of {num_experts}",
+                f"EP rank {ep_rank} of {ep_size} holds experts "
+                f"{_format_span(mine)} of {num_experts}",
             )
     return renamed
 
@@ -314,8 +315,8 @@ def _refuse_incomplete(state_dict: Mapping[str, object], expected: range, why: s
         if indices != set(expected):
             raise ValueError(
                 f"expert keys {family!r} hold experts {_format_span(sorted(indices))}, "
-                f"but {why} ({_format_span(expected)}): is "
-                "num_experts the model's? Pass strict=False to rename a partial state dict on purpose"
+                f"but {why} ({_format_span(expected)}): is num_experts the model's? "
+                "Pass strict=False to rename a partial state dict on purpose"
             )
 
 

@@ -58,8 +58,9 @@ def check_naming_options(options: Mapping[str, object], owner: str) -> None:
     unknown = sorted(set(options) - set(NamingOptions.__annotations__))
     if unknown:
         raise TypeError(
-            f"{owner} got unexpected keyword argument(s) {unknown}; the naming keywords are "
-            f"{sorted(NamingOptions.__annotations__)} (EP ranks come from pg_collection's 'ep' group)"
+            f"{owner} got unexpected keyword argument(s) {unknown}; the "
+            f"naming keywords are {sorted(NamingOptions.__annotations__)} "
+            "(EP ranks come from pg_collection's 'ep' group)"
         )
 
 
@@ -151,10 +152,11 @@ class GlobalNamer:
             if len(indices) * ep_size != num_experts:
                 held = len(indices)
                 raise ValueError(
-                    f"num_experts is {num_experts}, but model chunk {chunk_index} holds {held} local experts "
-                    f"({key!r}) with EP size {ep_size}, {held * ep_size} experts in all: the global expert indices "
-                    f"would leave gaps; pass num_experts={held * ep_size}, or build {num_experts // ep_size} local "
-                    "experts per rank"
+                    f"num_experts is {num_experts}, but model chunk {chunk_index} "
+                    f"holds {held} local experts ({key!r}) with EP size {ep_size}, "
+                    f"{held * ep_size} experts in all: the global expert indices "
+                    f"would leave gaps; pass num_experts={held * ep_size}, or "
+                    f"build {num_experts // ep_size} local experts per rank"
                 )
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
@@ -174,8 +176,9 @@ class GlobalNamer:
             value = getattr(_chain_attribute(chunk, "config"), "num_moe_experts", None)
         if value is None:
             raise ValueError(
-                f"parameter {local_name!r} belongs to an expert but the number of experts is unknown: pass "
-                "num_experts, or set num_experts (or config.num_moe_experts) on the model chunk"
+                f"parameter {local_name!r} belongs to an expert but the "
+                "number of experts is unknown: pass num_experts, or set "
+                "num_experts (or config.num_moe_experts) on the model chunk"
             )
         return int(value)
 
@@ -190,7 +193,8 @@ class GlobalNamer:
             offset = self._offset_without_pipeline(chunk_index)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(
-                f"layer offset of model chunk {chunk_index} must be a non-negative integer: {offset!r}"
+                f"layer offset of model chunk {chunk_index} "
+                f"must be a non-negative integer: {offset!r}"
             )
         self._offsets[chunk_index] = offset
         return offset
@@ -202,8 +206,9 @@ class GlobalNamer:
             if group_size(self._get_collection().get("pp")) == 1:
                 return 0
         raise ValueError(
-            f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
-            "pipeline stages set chunk.layer_offset on each chunk, or pass layer_offsets"
+            f"model chunk {chunk_index} has layers but no first global "
+            "layer index: with pipeline or virtual pipeline stages set "
+            "chunk.layer_offset on each chunk, or pass layer_offsets"
         )
 
 

@@ -42,7 +42,8 @@ def norm_type_error(norm_type: object) -> Exception | None:
     p = real_number(norm_type)
     if p is None:
         return TypeError(
-            f"norm_type must be a positive number or inf, got {norm_type!r} ({type(norm_type).__name__})"
+            "norm_type must be a positive number or inf, "
+            f"got {norm_type!r} ({type(norm_type).__name__})"
         )
     return None if p > 0 else ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
 

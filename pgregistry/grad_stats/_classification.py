@@ -55,7 +55,8 @@ def require_classified_experts(params: Params, collection: ProcessGroupCollectio
     missing = expert_params_without_allreduce(params)
     if missing:
         raise ValueError(
-            f"{len(missing)} parameter(s) of a marked expert module carry no EP classification: "
-            f"{', '.join(missing)}. Mark each with mark_expert (distinct per EP rank) or mark_expert_replicated "
-            "(replicated across EP); a default would silently miscount the grad norm (docs/known_bugs.md)."
+            f"{len(missing)} parameter(s) of a marked expert module carry no EP "
+            f"classification: {', '.join(missing)}. Mark each with mark_expert "
+            "(distinct per EP rank) or mark_expert_replicated (replicated across EP); "
+            "a default would silently miscount the grad norm (docs/known_bugs.md)."
         )

@@ -228,9 +228,10 @@ def _decide_dtensor_reduction(
         fields = axes.fields.get(ranks)
         if not fields:
             raise ValueError(
-                f"{name}: its grad's mesh dim {dim_name!r} spans ranks {sorted(ranks)}, which are no group of the "
-                "collection the statistics run on; build the mesh from the collection (pgregistry.mesh."
-                "to_device_mesh) so that every mesh dim is one of its groups"
+                f"{name}: its grad's mesh dim {dim_name!r} spans ranks {sorted(ranks)}, "
+                "which are no group of the collection the statistics run on; build the "
+                "mesh from the collection (pgregistry.mesh.to_device_mesh) so that "
+                "every mesh dim is one of its groups"
             )
         dims.append(_Dim(index, dim_name, ranks, fields, placement))
     _check_grid(name, param, expert, dims, axes.field_ranks("expt_dp"))
@@ -251,13 +252,14 @@ def _decide_dtensor_reduction(
                 outer.append(dim)
         else:
             raise ValueError(
-                f"{name}: mesh dim {dim.name!r} (the collection's {dim.fields[0]!r}) straddles the parameter's "
-                f"{'expert' if expert else 'dense'} reduction group: part of it is model-parallel, part not"
+                f"{name}: mesh dim {dim.name!r} (the collection's {dim.fields[0]!r}) "
+                f"straddles the parameter's {'expert' if expert else 'dense'} "
+                "reduction group: part of it is model-parallel, part not"
             )
     if len(outer) > 1:
         raise ValueError(
-            f"{name}: sharded over {len(outer)} data-parallel mesh dims {[d.name for d in outer]}; flatten them "
-            "into one dim that is a group of the collection (dp_cp, expt_dp)"
+            f"{name}: sharded over {len(outer)} data-parallel mesh dims {[d.name for d in outer]}; "
+            "flatten them into one dim that is a group of the collection (dp_cp, expt_dp)"
         )
     spanned = _axes_spanned_by_mesh(name, param, expert, dims, axes)
     for axis, verdict in zip(("tp", "gtp"), verdicts, strict=True):
@@ -286,15 +288,17 @@ def _check_grid(
         only_dense = not any(field in _EXPERT_FIELDS for field in dim.fields)
         if only_expert and not hasattr(param, "allreduce"):
             raise ValueError(
-                f"{name}: its grad is laid out over mesh dim {dim.name!r}, the collection's expert group "
-                f"{dim.fields[0]!r}, but the parameter carries no EP classification; mark it with mark_expert "
-                "(distinct per EP rank) or mark_expert_replicated (replicated across EP): counting it as replicated "
-                "would make the norm low by 1/sqrt(ep) when it is not"
+                f"{name}: its grad is laid out over mesh dim {dim.name!r}, the "
+                f"collection's expert group {dim.fields[0]!r}, but the parameter "
+                "carries no EP classification; mark it with mark_expert (distinct per "
+                "EP rank) or mark_expert_replicated (replicated across EP): counting "
+                "it as replicated would make the norm low by 1/sqrt(ep) when it is not"
             )
         if only_dense and expert and not dim.ranks <= expert_dp:
             raise ValueError(
-                f"{name}: a routed expert (allreduce=False) laid out over mesh dim {dim.name!r}, the collection's "
-                f"dense group {dim.fields[0]!r}; lay experts out over the expert groups (expt_dp, ep, expt_tp)"
+                f"{name}: a routed expert (allreduce=False) laid out over mesh dim "
+                f"{dim.name!r}, the collection's dense group {dim.fields[0]!r}; "
+                "lay experts out over the expert groups (expt_dp, ep, expt_tp)"
             )
 
 
@@ -322,10 +326,11 @@ def _axes_spanned_by_mesh(
         spanned.add(axis)
         if distinct and not any(_is_shard(dim.placement) for dim in over):
             raise ValueError(
-                f"{name}: marked distinct per {axis.upper()} rank, but its grad is {over[0].placement!r} over mesh "
-                f"dim {over[0].name!r}, which spans {axis.upper()}; the placement would count one copy where each "
-                f"rank holds a different piece (norm low by 1/sqrt({len(over[0].ranks & ranks)})). Give the "
-                "DTensor a Shard placement there, or fix the role"
+                f"{name}: marked distinct per {axis.upper()} rank, but its grad is "
+                f"{over[0].placement!r} over mesh dim {over[0].name!r}, which spans "
+                f"{axis.upper()}; the placement would count one copy where each rank holds "
+                f"a different piece (norm low by 1/sqrt({len(over[0].ranks & ranks)})). "
+                "Give the DTensor a Shard placement there, or fix the role"
             )
     return spanned
 

@@ -103,8 +103,8 @@ class StatsGroups:
 def _require_stats_group(collection: ProcessGroupCollection, name: GroupName) -> None:
     if not collection.is_set(name):
         raise ValueError(
-            f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
-            "the axis is off) so a duplicate filter never reads the global grid for it"
+            f"grad statistics need the collection's {name!r} group, which is not set; set it "
+            "(None when the axis is off) so a duplicate filter never reads the global grid for it"
         )
 
 

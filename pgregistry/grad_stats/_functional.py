@@ -121,9 +121,9 @@ def verdict_groups(
     set it (``None`` for a one-rank job)."""
     if not collection.is_set("intra_dist_opt"):
         raise ValueError(
-            f"{owner} decides whether to clip on every rank that holds grads alike, over the collection's "
-            "'intra_dist_opt' group (every rank of the job, as pgregistry.build sets it; None for one rank), which "
-            "is not set; set it"
+            f"{owner} decides whether to clip on every rank that holds grads alike, "
+            "over the collection's 'intra_dist_opt' group (every rank of the job, as "
+            "pgregistry.build sets it; None for one rank), which is not set; set it"
         )
     inter = collection.get("inter_dist_opt") if collection.is_set("inter_dist_opt") else None
     return (collection.get("intra_dist_opt"), *((inter,) if group_size(inter) > 1 else ()))

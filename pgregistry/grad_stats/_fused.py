@@ -328,8 +328,9 @@ def _check_readable(tensors: Sequence[torch.Tensor], checked: bool) -> None:
     for index, tensor in enumerate(() if checked else tensors):
         if not tensor.is_contiguous() or tensor.device != device or tensor.dtype != dtype:
             raise ValueError(
-                f"tensor {index} ({tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()}) differs "
-                f"from tensor 0 ({dtype} on {device}) or is not contiguous: pass contiguous tensors of one kind"
+                f"tensor {index} ({tensor.dtype} on {tensor.device}, "
+                f"contiguous={tensor.is_contiguous()}) differs from tensor 0 ({dtype} "
+                f"on {device}) or is not contiguous: pass contiguous tensors of one kind"
             )
 
 
@@ -385,8 +386,9 @@ def _base_and_program_table(
     if misaligned.numel():
         index = int(misaligned[0])
         raise ValueError(
-            f"tensor {index} starts {int(offsets[index])} bytes after tensor {base}, not a whole number of "
-            f"{dtype} elements: the one-read kernel addresses every tensor from the lowest one"
+            f"tensor {index} starts {int(offsets[index])} bytes after "
+            f"tensor {base}, not a whole number of {dtype} elements: the "
+            "one-read kernel addresses every tensor from the lowest one"
         )
     chunks = (sizes + chunk - 1) // chunk
     total = int(chunks.sum())

@@ -128,8 +128,9 @@ def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
     sync)."""
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
-            f"the total grad norm is {float(norm)}, not finite, so the grads cannot be clipped (they are left as "
-            "they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+            f"the total grad norm is {float(norm)}, not finite, so the grads "
+            "cannot be clipped (they are left as they are); pass "
+            "error_if_nonfinite=False to leave them unscaled without raising"
         )
 
 

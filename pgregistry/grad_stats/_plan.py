@@ -359,8 +359,8 @@ class Plan:
                 continue
             if grad.layout != torch.strided:
                 raise TypeError(
-                    f"the grad of {self.names[index]!r} is {grad.layout} (e.g. from nn.Embedding(sparse=True)); grad "
-                    "statistics need dense (torch.strided) grads"
+                    f"the grad of {self.names[index]!r} is {grad.layout} (e.g. from "
+                    "nn.Embedding(sparse=True)); grad statistics need dense (torch.strided) grads"
                 )
             if not isinstance(grad, DTensor):
                 plain.append(index)

@@ -137,7 +137,8 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
 
     if not isinstance(grid, HyperCommGrid):
         raise TypeError(
-            f"from_hyper_comm_grid expects megatron.core.hyper_comm_grid.HyperCommGrid, got {type(grid).__name__}"
+            "from_hyper_comm_grid expects "
+            f"megatron.core.hyper_comm_grid.HyperCommGrid, got {type(grid).__name__}"
         )
     sizes = _grid_sizes(grid)
     fields, enums = _grid_groups(grid)
@@ -242,8 +243,9 @@ def _grid_sizes(grid: Any) -> dict[str, int]:
     for dim, size in zip(grid.dim_names, grid.shape, strict=True):
         if dim not in _BASE_DIMS:
             raise ValueError(
-                f"HyperCommGrid dim {dim!r} is none of the base dims pgregistry reads ({', '.join(_BASE_DIMS)}); "
-                "expert dims belong in a view named 'expert' (expt_tp, ep, expt_dp, pp)"
+                f"HyperCommGrid dim {dim!r} is none of the base dims "
+                f"pgregistry reads ({', '.join(_BASE_DIMS)}); expert dims "
+                "belong in a view named 'expert' (expt_tp, ep, expt_dp, pp)"
             )
         sizes[_BASE_DIMS[dim]] = int(size)
     expert_view = False
@@ -356,7 +358,8 @@ def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout]
         first, stop = members[0], members[-1] + 1
         if members != list(range(first, stop)):
             raise ValueError(
-                f"module {name!r} runs on ranks {members}, which are not one span of consecutive ranks"
+                f"module {name!r} runs on ranks {members}, "
+                "which are not one span of consecutive ranks"
             )
         _require_sizing_groups(name, observed[name])
         sizes = {
@@ -403,9 +406,10 @@ def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) ->
     missing = [field for field in needed if field not in observed]
     if missing:
         raise ValueError(
-            f"module {name!r} lacks the groups {missing}, so its layout is not determined by its groups (several "
-            "layouts would fit); give every module's collection its tp, cp, pp and dp groups (and ep, expt_tp and "
-            "expt_dp with experts), a size-1 axis as a one-rank group"
+            f"module {name!r} lacks the groups {missing}, so its layout is not "
+            "determined by its groups (several layouts would fit); give every "
+            "module's collection its tp, cp, pp and dp groups (and ep, expt_tp "
+            "and expt_dp with experts), a size-1 axis as a one-rank group"
         )
 
 
@@ -462,8 +466,9 @@ def _layout_fitting(
         if _layout_fits(layout, sizes, wanted):
             return layout
     raise ValueError(
-        f"no ParallelLayout over ranks {first}-{stop - 1} with sizes {dict(sizes)} gives the groups of {what}: "
-        "its groups are not those of one grid (Megatron-Core's rank order); build the module with pgregistry.build"
+        f"no ParallelLayout over ranks {first}-{stop - 1} with sizes {dict(sizes)} "
+        f"gives the groups of {what}: its groups are not those of one grid "
+        "(Megatron-Core's rank order); build the module with pgregistry.build"
     )
 
 

@@ -200,8 +200,9 @@ def _to_megatron_modules(modules: MultiModuleCollection) -> Any:
         import torch.distributed as dist
 
         raise ValueError(
-            f"rank {dist.get_rank()} runs none of the modules of {modules!r}; Megatron-Core's "
-            "MultiModuleProcessGroupCollection cannot be empty: give it only to ranks that run a module"
+            f"rank {dist.get_rank()} runs none of the modules of "
+            f"{modules!r}; Megatron-Core's MultiModuleProcessGroupCollection "
+            "cannot be empty: give it only to ranks that run a module"
         )
     language_model = modules.language_model if modules.language_model in here else None
     return MultiModuleProcessGroupCollection(
@@ -214,10 +215,11 @@ def _one_rank_group(pg_collection: ProcessGroupCollection, name: str) -> Any:
     group = pg_collection.one_rank_group
     if group is None:
         raise ValueError(
-            f"pg_collection field {name!r} is None (axis off), and Megatron-Core has no 'axis off' value: it reads "
-            "None there as 'use the global parallel_state group', so a model on this collection would run on another "
-            "grid's groups. This collection has no one-rank group to stand for the axis: build it with "
-            "pgregistry.build(layout), or pass one_rank_group= when assembling it"
+            f"pg_collection field {name!r} is None (axis off), and Megatron-Core has no "
+            "'axis off' value: it reads None there as 'use the global parallel_state "
+            "group', so a model on this collection would run on another grid's groups. "
+            "This collection has no one-rank group to stand for the axis: build it "
+            "with pgregistry.build(layout), or pass one_rank_group= when assembling it"
         )
     return group
 
@@ -229,8 +231,9 @@ def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: An
     if twin is not None and pg_collection.is_set(twin) and pg_collection.get(twin) is value:
         return
     raise ValueError(
-        f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} field, so it cannot carry this "
-        f"collection's {group_size(value)}-rank {name!r} group: that Megatron-Core cannot run the layout's GTP axis"
+        f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} "
+        f"field, so it cannot carry this collection's {group_size(value)}-rank "
+        f"{name!r} group: that Megatron-Core cannot run the layout's GTP axis"
     )
 
 
@@ -313,8 +316,9 @@ def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
             value is None and name not in NONE_MEANS_NOT_USED and name not in _NONE_MEANS_NO_EXPERTS
         ):
             raise ValueError(
-                f"Megatron-Core collection field {name!r} is None, which Megatron-Core reads as 'use the global "
-                "parallel_state group': a pgregistry collection cannot say that; give the field a group"
+                f"Megatron-Core collection field {name!r} is None, which "
+                "Megatron-Core reads as 'use the global parallel_state group': "
+                "a pgregistry collection cannot say that; give the field a group"
             )
         fields[name] = value
     return fields
@@ -424,8 +428,8 @@ def _sizes_by_name(
             out[name] = size
         elif size != 1:
             raise ValueError(
-                f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} in {where}, so it cannot "
-                f"express {attribute}={size}"
+                f"the installed Megatron-Core ({_megatron_version()}) has no "
+                f"{name!r} in {where}, so it cannot express {attribute}={size}"
             )
     return out
 
@@ -526,7 +530,8 @@ def seed_megatron_rng(
     missing = [name for name in needed if not pg_collection.is_set(name)]
     if missing:
         raise ValueError(
-            f"seed_megatron_rng needs the collection's {missing} group(s); set them (None = axis off)"
+            "seed_megatron_rng needs the collection's "
+            f"{missing} group(s); set them (None = axis off)"
         )
     seeds = rank_seeds(seed, pg_collection, data_parallel_random_init=data_parallel_random_init)
     rank = {name: group_rank(pg_collection.get(name)) for name in ("tp", "ep", "expt_tp")}
@@ -545,8 +550,8 @@ def seed_megatron_rng(
             tracker.add(name, seeds[name])
         elif seeds[name] not in tracker.seeds_:
             raise ValueError(
-                f"Megatron-Core's global grid already seeded {name!r} with another seed than the collection's "
-                f"{seeds[name]}: its parallel_state has a different GTP layout"
+                f"Megatron-Core's global grid already seeded {name!r} with another seed than "
+                f"the collection's {seeds[name]}: its parallel_state has a different GTP layout"
             )
     return seeds
 
@@ -586,8 +591,8 @@ def mark_megatron_experts(model: nn.Module) -> int:
 
     if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
         raise TypeError(
-            f"mark_megatron_experts takes the model (an nn.Module), but was given a {type(model).__name__}; "
-            "mark one parameter with pgregistry.params.mark_expert"
+            "mark_megatron_experts takes the model (an nn.Module), but was given a "
+            f"{type(model).__name__}; mark one parameter with pgregistry.params.mark_expert"
         )
     from megatron.core.transformer.moe.moe_layer import MoELayer
 

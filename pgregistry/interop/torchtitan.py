@@ -355,8 +355,9 @@ def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
     if layout is not None and layout.rank_range() != (0, dist.get_world_size()):
         first, stop = layout.rank_range()
         return [
-            f"to_parallel_dims needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and "
-            f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
+            "to_parallel_dims needs a layout over the whole world (torchtitan's "
+            f"ParallelDims spans every rank), and {collection.describe()} spans "
+            f"ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
         ]
     try:
         check_usable(collection, "to_parallel_dims")
@@ -364,8 +365,8 @@ def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
         return [str(exc)]
     if layout is None:
         return [
-            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and this collection was assembled "
-            "by hand; build it with pgregistry.build(layout)"
+            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and "
+            "this collection was assembled by hand; build it with pgregistry.build(layout)"
         ]
     return []
 
@@ -408,17 +409,18 @@ def _sizes_of_layout(
         )
     if layout.ep > 1 and layout.expt_tp != 1:
         problems.append(
-            f"layout expt_tp={layout.expt_tp} with ep={layout.ep}: torchtitan shards experts over EP only "
-            "(expert TP 1)"
+            f"layout expt_tp={layout.expt_tp} with ep={layout.ep}: "
+            "torchtitan shards experts over EP only (expert TP 1)"
         )
     if layout.ep == 1 and layout.expt_tp != layout.tp:
         problems.append(
-            f"layout expt_tp={layout.expt_tp} with ep=1: torchtitan shards experts over the dense TP axis "
-            f"(expt_tp = tp = {layout.tp})"
+            f"layout expt_tp={layout.expt_tp} with ep=1: torchtitan shards "
+            f"experts over the dense TP axis (expt_tp = tp = {layout.tp})"
         )
     if layout.dp % dp_replicate:
         problems.append(
-            f"dp_replicate {dp_replicate} (inter_dist_opt's size) does not divide the layout's dp {layout.dp}"
+            f"dp_replicate {dp_replicate} (inter_dist_opt's "
+            f"size) does not divide the layout's dp {layout.dp}"
         )
         dp_replicate = 1
     sizes = _Sizes(
@@ -433,8 +435,8 @@ def _sizes_of_layout(
     borrowed = sizes.dp_shard * sizes.cp * sizes.tp
     if borrowed % sizes.ep:
         problems.append(
-            f"layout ep={layout.ep} does not divide dp_shard x cp x tp = {sizes.dp_shard} x {sizes.cp} x "
-            f"{sizes.tp} = {borrowed}, the ranks torchtitan's EP borrows from"
+            f"layout ep={layout.ep} does not divide dp_shard x cp x tp = {sizes.dp_shard} x "
+            f"{sizes.cp} x {sizes.tp} = {borrowed}, the ranks torchtitan's EP borrows from"
         )
     return sizes, problems
 
@@ -449,8 +451,9 @@ def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
         ours = _layout_partition(layout, sizes.dp_replicate, dim)
         if not _same_partition(ours, sizes.partition(dim)):
             problems.append(
-                f"layout order {layout.order!r} gives torchtitan's {dim!r} dim the groups {ours.tolist()[:4]}..., "
-                f"torchtitan builds {sizes.partition(dim).tolist()[:4]}...; use the order 'tp-cp-ep-dp-pp'"
+                f"layout order {layout.order!r} gives torchtitan's {dim!r} dim the "
+                f"groups {ours.tolist()[:4]}..., torchtitan builds "
+                f"{sizes.partition(dim).tolist()[:4]}...; use the order 'tp-cp-ep-dp-pp'"
             )
     return problems
 
@@ -471,7 +474,8 @@ def _collection_problems(
         if value is UNSET or value is None:
             state = "UNSET" if value is UNSET else "None (axis off)"
             problems.append(
-                f"torchtitan's {dim!r} dim has {dim_sizes[dim]} ranks but the collection's {field!r} is {state}"
+                f"torchtitan's {dim!r} dim has {dim_sizes[dim]} "
+                f"ranks but the collection's {field!r} is {state}"
             )
     return problems
 
@@ -690,8 +694,9 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
         if isinstance(parallel_dims, ParallelDims)
         else (
             "from_parallel_dims expects torchtitan's ParallelDims "
-            "(torchtitan.distributed.parallel_dims.ParallelDims, after parallel_dims.build_mesh()), "
-            f"got {type(parallel_dims).__module__}.{type(parallel_dims).__qualname__}; "
+            "(torchtitan.distributed.parallel_dims.ParallelDims, after "
+            "parallel_dims.build_mesh()), got "
+            f"{type(parallel_dims).__module__}.{type(parallel_dims).__qualname__}; "
             "for a collection of a layout of your own, call pgregistry.build(layout)"
         )
     )
@@ -699,7 +704,10 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
         raise TypeError(wrong_type)  # no peer to wait: nothing collective has begun
     require_distributed("from_parallel_dims")
     if wrong_type is not None:
-        given = f"not a ParallelDims ({type(parallel_dims).__module__}.{type(parallel_dims).__qualname__})"
+        given = (
+            "not a ParallelDims "
+            f"({type(parallel_dims).__module__}.{type(parallel_dims).__qualname__})"
+        )
         options, problems = {"degrees": given, "spmd_backend": given}, [wrong_type]
     else:
         sizes = _sizes_of_titan(parallel_dims)
@@ -714,7 +722,10 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
             options,
             "; ".join(problems) or None,
             failed=_CANNOT,
-            advice="every rank must pass the ParallelDims of one torchtitan job (the same degrees and SPMD backend)",
+            advice=(
+                "every rank must pass the ParallelDims of one "
+                "torchtitan job (the same degrees and SPMD backend)"
+            ),
         )
     except ValueError as exc:
         if (
@@ -827,8 +838,8 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
 
     if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
         raise TypeError(
-            f"mark_torchtitan_experts takes the model (an nn.Module), but was given a {type(model).__name__}; "
-            "mark one parameter with pgregistry.params.mark_expert"
+            "mark_torchtitan_experts takes the model (an nn.Module), but was given a "
+            f"{type(model).__name__}; mark one parameter with pgregistry.params.mark_expert"
         )
     from torchtitan.models.common.moe import GroupedExperts
 

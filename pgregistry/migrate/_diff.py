@@ -116,7 +116,10 @@ def _hunk_range(start: int, stop: int) -> str:
 
 def _diff_hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
     for group in _Matcher(a, b).get_grouped_opcodes(_CONTEXT):
-        yield f"@@ -{_hunk_range(group[0][1], group[-1][2])} +{_hunk_range(group[0][3], group[-1][4])} @@\n".encode()
+        yield (
+            f"@@ -{_hunk_range(group[0][1], group[-1][2])} "
+            f"+{_hunk_range(group[0][3], group[-1][4])} @@\n"
+        ).encode()
         for tag, i1, i2, j1, j2 in group:
             if tag == "equal":
                 yield from (b" " + line for line in a[i1:i2])

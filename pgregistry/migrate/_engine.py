@@ -479,8 +479,8 @@ def _helper_change(
         )
     if MARKER not in data:
         message = (
-            f"the fallback helper module {module} is a file pgregistry migrate did not write; name another "
-            "module with --helper-module (or [tool.pgregistry.migrate] helper-module)"
+            f"the fallback helper module {module} is a file pgregistry migrate did not write; name "
+            "another module with --helper-module (or [tool.pgregistry.migrate] helper-module)"
         )
         return FileResult(path, failure=ParseFailure(message, 1, 1))
     return Change(path, absolute, data, mtime, text) if data != text else None

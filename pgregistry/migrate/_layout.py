@@ -504,7 +504,8 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
         return comprehension
     bare = key.with_changes(lpar=[], rpar=[])
     after = (
-        f"){_source_of(comprehension.whitespace_before_colon)}:{_source_of(comprehension.whitespace_after_colon)}"
+        f"){_source_of(comprehension.whitespace_before_colon)}:"
+        f"{_source_of(comprehension.whitespace_after_colon)}"
         f"{_source_of(comprehension.value)}"
     )
     column = indent + len(opening.expandtabs(4))

@@ -1195,17 +1195,23 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
         and name in _CALLED_BY_AUTOGRAD
         and (classes.autograd(method_of) or _autograd_shaped(function))
     ):
-        return f"{name} of an autograd Function: torch calls it through .apply(...), which takes no keyword"
+        return (
+            f"{name} of an autograd Function: torch calls "
+            "it through .apply(...), which takes no keyword"
+        )
     if name in facts.hooks:
         return f"a hook (passed to a register_*hook): torch calls {name} with its own arguments"
     if name in facts.values:
-        return f"passed as a value ({name} is referenced, never called, in the tree): no caller can pass it one"
+        return (
+            f"passed as a value ({name} is referenced, never "
+            "called, in the tree): no caller can pass it one"
+        )
     if method_of is not None and name not in _CALLED_BY_CODE and name not in facts.called:
         base = classes.outside(method_of)
         if base is not None:
             return (
-                f"a callback: {method_of.name.value} derives from {base}, outside the tree, and the tree never "
-                f"calls {name} by name"
+                f"a callback: {method_of.name.value} derives from {base}, "
+                f"outside the tree, and the tree never calls {name} by name"
             )
     return None
 
@@ -1388,7 +1394,10 @@ def plan_file(
             if _attribute_parts(given) is None and not (
                 isinstance(given, cst.Name) and given.value == "None"
             ):
-                reason = "the fallback helper's argument is not a plain name (it would be evaluated twice)"
+                reason = (
+                    "the fallback helper's argument is not a "
+                    "plain name (it would be evaluated twice)"
+                )
             elif not (isinstance(given, cst.Name) and given.value == "None"):
                 read.given = cst.Module([]).code_for_node(given)
         if reason is not None:

@@ -50,8 +50,9 @@ def render_report(
         total.update(row)
     lines.append(f"{'total':<10}" + "".join(f"{total[c]:>10}" for c in columns))
     lines.append(
-        f"{changed} file{'s' if changed != 1 else ''} {verb}; a collection threaded into {threaded} "
-        f"function{'s' if threaded != 1 else ''}; {passed} call{'s' if passed != 1 else ''} now pass one"
+        f"{changed} file{'s' if changed != 1 else ''} {verb}; a collection "
+        f"threaded into {threaded} function{'s' if threaded != 1 else ''}; "
+        f"{passed} call{'s' if passed != 1 else ''} now pass one"
     )
     left: defaultdict[str, list[str]] = defaultdict(list)
     for path, read in reads:

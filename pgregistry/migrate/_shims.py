@@ -90,7 +90,10 @@ def dissolve_shim(
             accessor, {k: v for k, v in passed.items() if k != CHECK}, gtp_remat=gtp_remat
         )
         if (choice.field, choice.kind) != (name, "group"):
-            return f"shim: use_mpu_process_groups reads {name!r} with {accessor}, not the field's own getter"
+            return (
+                f"shim: use_mpu_process_groups reads {name!r} "
+                f"with {accessor}, not the field's own getter"
+            )
         keywords[name] = {CHECK: passed[CHECK]} if CHECK in passed else {}
     inline = _read_inline(call, body[statement])
     if inline is not None:
@@ -159,8 +162,9 @@ def _why_reads_may_not_move(
     checked = [name for name in names if keywords[name].get(CHECK) is not False]
     if checked:
         return (
-            f"shim: use_mpu_process_groups reads {', '.join(map(repr, checked))} checked where it is built (it "
-            "raises there when parallel_state is not initialised): its reads may not move"
+            f"shim: use_mpu_process_groups reads {', '.join(map(repr, checked))} "
+            "checked where it is built (it raises there when parallel_state is "
+            "not initialised): its reads may not move"
         )
     return None
 

@@ -74,7 +74,8 @@ def migrate_settings(root: Path) -> Mapping[str, Any]:
     unknown = sorted(set(table) - {"helper-module"})
     if unknown:
         raise ConfigError(
-            f"{pyproject}: [tool.pgregistry.migrate] has no setting {unknown[0]!r} (known: helper-module)"
+            f"{pyproject}: [tool.pgregistry.migrate] has no "
+            f"setting {unknown[0]!r} (known: helper-module)"
         )
     module = table.get("helper-module")
     if module is not None and not isinstance(module, str):

@@ -126,8 +126,9 @@ def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> 
             ", ".join(hard_links.get(change.path, ())) or "none of them among the migrated files"
         )
         raise WriteError(
-            f"{change.path}: has {status.st_nlink} hard links (others: {others}); a rewrite would split them into "
-            "differing copies: make them one file or symbolic links, or leave it out of the paths"
+            f"{change.path}: has {status.st_nlink} hard links (others: "
+            f"{others}); a rewrite would split them into differing copies: make "
+            "them one file or symbolic links, or leave it out of the paths"
         )
     problem = _why_changed_on_disk(change)
     if problem is not None:
@@ -281,8 +282,8 @@ def finish_interrupted(root: Path) -> str | None:
         _remove_files(stale)
         if not journal.exists():
             return (
-                "an interrupted `pgregistry migrate --write` had written nothing; its journal's temporary "
-                "file is removed"
+                "an interrupted `pgregistry migrate --write` had written "
+                "nothing; its journal's temporary file is removed"
                 if stale
                 else None
             )
@@ -295,15 +296,15 @@ def finish_interrupted(root: Path) -> str | None:
             ]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise WriteError(
-                f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
-                "files it lists from version control, then delete it"
+                f"{journal}: an interrupted run's journal that cannot be read ({error}); "
+                "restore the files it lists from version control, then delete it"
             ) from error
         if state is JournalState.WRITING:
             _remove_files([temporary for _, temporary, _, _ in files])
             journal.unlink()
             return (
-                f"an interrupted `pgregistry migrate --write` was rolled back: none of its {len(files)} "
-                "file(s) had been written; its temporary files are removed"
+                "an interrupted `pgregistry migrate --write` was rolled back: none of its "
+                f"{len(files)} file(s) had been written; its temporary files are removed"
             )
         conflicts, completed = [], 0
         for target, temporary, old, new in files:
@@ -322,12 +323,12 @@ def finish_interrupted(root: Path) -> str | None:
         if conflicts:
             raise WriteError(
                 f"{journal}: an interrupted `pgregistry migrate --write` cannot be finished: "
-                f"{', '.join(conflicts)} changed since; restore them (from version control), run again, or "
-                "delete the journal and its temporary files to keep the tree as it is"
+                f"{', '.join(conflicts)} changed since; restore them (from version control), run "
+                "again, or delete the journal and its temporary files to keep the tree as it is"
             )
         _sync_directories([target for target, _, _, _ in files])
         journal.unlink()
         return (
-            f"an interrupted `pgregistry migrate --write` was finished: {completed} of its {len(files)} "
-            "file(s) were renamed into place now"
+            "an interrupted `pgregistry migrate --write` was finished: "
+            f"{completed} of its {len(files)} file(s) were renamed into place now"
         )

@@ -192,7 +192,8 @@ def _agree_on_models(
             problems.append(f"naming for {name!r}: {exc}")
         if "pg_collection" in options:
             problems.append(
-                f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection"
+                f"naming for {name!r} gives a pg_collection: "
+                "a module's checkpoint runs on its collection"
             )
     check_agreement(
         owner, describe_modules(modules), "; ".join(problems) or None, advice=MODULES_ADVICE

@@ -70,7 +70,8 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
             _check_module(name, collection)
         if language_model is not None and language_model not in modules:
             raise ValueError(
-                f"language_model {language_model!r} is none of the modules {list(modules)}; name one of them or None"
+                f"language_model {language_model!r} is none of the "
+                f"modules {list(modules)}; name one of them or None"
             )
         if disjoint:
             _check_disjoint({name: c.layout for name, c in modules.items() if c.layout is not None})
@@ -93,7 +94,8 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         model."""
         if self._language_model is None:
             raise ValueError(
-                f"no module of {list(self._modules)} is named the language model (language_model=None)"
+                f"no module of {list(self._modules)} is named "
+                "the language model (language_model=None)"
             )
         return self._modules[self._language_model]
 
@@ -187,10 +189,10 @@ def build_modules(
         fault = combine_faults(
             fault,
             TypeError(
-                "build_modules takes a mapping from module name to its ParallelLayout "
-                "({'encoder': ParallelLayout(...), 'language': ParallelLayout(...)}, in the modules' order), "
-                f"got a {type(layouts).__name__}; for "
-                "(name, layout) pairs pass dict(pairs)"
+                "build_modules takes a mapping from module name to its "
+                "ParallelLayout ({'encoder': ParallelLayout(...), 'language': "
+                "ParallelLayout(...)}, in the modules' order), got a "
+                f"{type(layouts).__name__}; for (name, layout) pairs pass dict(pairs)"
             ),
         )
     request.update(
@@ -207,13 +209,15 @@ def build_modules(
         _check_name(name)
         if not isinstance(layout, ParallelLayout):
             raise TypeError(
-                f"module {name!r}: build_modules expects a ParallelLayout, got {type(layout).__name__}"
+                f"module {name!r}: build_modules expects a "
+                f"ParallelLayout, got {type(layout).__name__}"
             )
     if disjoint:
         _check_disjoint(layouts)
     if language_model is not None and language_model not in layouts:
         raise ValueError(
-            f"language_model {language_model!r} is none of the modules {list(layouts)}; name one of them or None"
+            f"language_model {language_model!r} is none of the "
+            f"modules {list(layouts)}; name one of them or None"
         )
     collections = {
         name: registry.build(layout, name=name, backend=backend, timeout=timeout)
@@ -236,8 +240,9 @@ def _check_module(name: str, collection: object) -> None:
         )
     if collection.layout is None:
         raise ValueError(
-            f"module {name!r} has a collection assembled by hand: a rank outside the module could not know its "
-            "span. Build it with pgregistry.build(layout, name=...) (or build_modules)"
+            f"module {name!r} has a collection assembled by hand: a "
+            "rank outside the module could not know its span. Build it "
+            "with pgregistry.build(layout, name=...) (or build_modules)"
         )
 
 
@@ -262,7 +267,8 @@ def _check_disjoint(layouts: Mapping[str, ParallelLayout]) -> None:
             low, high = max(a_first, b_first), min(a_stop, b_stop)
             if low < high:
                 raise ValueError(
-                    f"modules {first!r} (ranks {a_first}-{a_stop - 1}) and {second!r} (ranks {b_first}-{b_stop - 1}) "
-                    f"are declared disjoint but share ranks {low}-{high - 1}; move one (rank_offset) or drop "
+                    f"modules {first!r} (ranks {a_first}-{a_stop - 1}) and {second!r} "
+                    f"(ranks {b_first}-{b_stop - 1}) are declared disjoint but share "
+                    f"ranks {low}-{high - 1}; move one (rank_offset) or drop "
                     "disjoint=True if they are meant to share ranks"
                 )

@@ -95,7 +95,8 @@ class MultiModuleOptimizer:
     ) -> None:
         if not isinstance(modules, MultiModuleCollection):
             raise TypeError(
-                f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}"
+                "MultiModuleOptimizer takes the job's "
+                f"MultiModuleCollection, got {type(modules).__name__}"
             )
         given, error = check_models(
             optimizers, modules, "MultiModuleOptimizer", _check_built_on_module, noun="optimizer"
@@ -286,8 +287,9 @@ class MultiModuleOptimizer:
         ]
         if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same on every rank
             raise RuntimeError(
-                f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are "
-                "left as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+                f"the job-wide grad norm is {float(total)}, not finite, so the "
+                "grads cannot be clipped (they are left as they are); pass "
+                "error_if_nonfinite=False to leave them unscaled without raising"
             )
         if grads:
             clip_grads_(grads, max_norm, total)
@@ -298,13 +300,15 @@ def _check_built_on_module(name: str, optimizer: Any, collection: ProcessGroupCo
     ``collection``."""
     if not isinstance(optimizer, ChainedOptimizer):
         raise TypeError(
-            f"expected a pgregistry ChainedOptimizer (pgregistry.optim.build_optimizer), got {type(optimizer).__name__}"
+            "expected a pgregistry ChainedOptimizer "
+            f"(pgregistry.optim.build_optimizer), got {type(optimizer).__name__}"
         )
     for child in optimizer.chained_optimizers:
         built_on = child.stats_groups.collection
         if built_on != collection:
             raise ValueError(
-                f"its optimizer was built on {built_on.describe()}, not on the module's {collection.describe()}"
+                f"its optimizer was built on {built_on.describe()}, "
+                f"not on the module's {collection.describe()}"
             )
 
 

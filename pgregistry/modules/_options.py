@@ -41,7 +41,8 @@ def options_error(
         if not isinstance(own, Mapping):
             faults.append(
                 TypeError(
-                    f"module {name!r}: per_module[{name!r}] must be a mapping of options, got {own!r}"
+                    f"module {name!r}: per_module[{name!r}] "
+                    f"must be a mapping of options, got {own!r}"
                 )
             )
             continue
@@ -84,7 +85,8 @@ def _option_error(option: str, value: Any) -> Exception | None:
     ranges for the update rules' numbers), or ``None``."""
     if option not in _option_keywords():
         return TypeError(
-            f"{option!r} is no option of pgregistry.optim.build_optimizer ({sorted(_option_keywords())})"
+            f"{option!r} is no option of pgregistry.optim.build_optimizer "
+            f"({sorted(_option_keywords())})"
         )
     shown = f"{value!r} ({type(value).__name__})"
     if option in _NON_NEGATIVE:

@@ -107,7 +107,7 @@ def _check_disjoint_streams(
                 other = owner.setdefault(tracker_seed, name)
                 if other != name:
                     raise ValueError(
-                        f"modules {other!r} and {name!r} would share RNG seed {tracker_seed} (their seeds "
-                        f"{seeds[other]} and {seeds[name]} from the job's seed are too close for their layouts): "
-                        f"rename a module or use another seed"
+                        f"modules {other!r} and {name!r} would share RNG seed {tracker_seed} "
+                        f"(their seeds {seeds[other]} and {seeds[name]} from the job's seed "
+                        "are too close for their layouts): rename a module or use another seed"
                     )

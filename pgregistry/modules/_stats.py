@@ -196,8 +196,9 @@ def clip_grad_norm_(
         torch.isfinite(total)
     ):  # the same on every rank, modules or none
         raise RuntimeError(
-            f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are left "
-            "as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+            f"the job-wide grad norm is {float(total)}, not finite, so the "
+            "grads cannot be clipped (they are left as they are); pass "
+            "error_if_nonfinite=False to leave them unscaled without raising"
         )
     grads = [grad for model in given.values() for grad in _local_grads(model)]
     if grads:
@@ -376,8 +377,8 @@ def check_models(
         first, stop = layout.rank_range()
         if name in models and name not in here:
             problems.append(
-                f"{article} {noun} for module {name!r}, which runs on ranks {first}-{stop - 1}, not on this rank: a "
-                f"rank outside a module passes no {noun} for it"
+                f"{article} {noun} for module {name!r}, which runs on ranks {first}-{stop - 1}, "
+                f"not on this rank: a rank outside a module passes no {noun} for it"
             )
         elif name in here and name not in models:
             problems.append(

@@ -180,13 +180,15 @@ class FlatOptimizer(OptimizerStatistics):
             if is_expert_param(param) != expert:
                 kind = "a routed-expert" if is_expert_param(param) else "a dense"
                 raise ValueError(
-                    f"{self.param_name(param)} is {kind} parameter but this optimizer was built with expert={expert}; "
-                    "give dense and expert parameters to separate optimizers (build_optimizer does)"
+                    f"{self.param_name(param)} is {kind} parameter but this "
+                    f"optimizer was built with expert={expert}; give dense and "
+                    "expert parameters to separate optimizers (build_optimizer does)"
                 )
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(
-                f"{type(self).__name__} takes the groups setup_process_groups_for_optimizer(pg_collection) returns, "
-                f"got {type(process_groups).__name__}"
+                f"{type(self).__name__} takes the groups "
+                "setup_process_groups_for_optimizer(pg_collection) "
+                f"returns, got {type(process_groups).__name__}"
             )
         self.process_groups = process_groups
         """The validated groups this optimizer runs on."""
@@ -245,15 +247,17 @@ class FlatOptimizer(OptimizerStatistics):
         for param, view in self._direct:
             if param.grad is not view:
                 raise RuntimeError(
-                    f"{self.param_name(param)}.grad is no longer a view of the optimizer's grad buffer (set to None "
-                    "by model.zero_grad() or assigned?); zero grads with optimizer.zero_grad()"
+                    f"{self.param_name(param)}.grad is no longer a view of the "
+                    "optimizer's grad buffer (set to None by model.zero_grad() "
+                    "or assigned?); zero grads with optimizer.zero_grad()"
                 )
         for param, address in self._moved:
             if param.data_ptr() != address:
                 raise RuntimeError(
-                    f"{self.param_name(param)}.data is no longer the optimizer's view of it (replaced after the "
-                    "optimizer was built, e.g. by module.to() or param.data = ...); the optimizer would update its "
-                    "buffer, not the parameter: build the optimizer after moving the model"
+                    f"{self.param_name(param)}.data is no longer the optimizer's view of "
+                    "it (replaced after the optimizer was built, e.g. by module.to() or "
+                    "param.data = ...); the optimizer would update its buffer, not the "
+                    "parameter: build the optimizer after moving the model"
                 )
 
     def _buffer_device(self) -> torch.device:

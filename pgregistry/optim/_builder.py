@@ -190,9 +190,9 @@ def build_optimizer(
         if anyone_refused:
             here = f"here: {refused}" if refused else "none here"
             raise TypeError(
-                "build_optimizer steps floating-point parameters only (its flat buffers hold real grads), and a rank "
-                f"of the optimizer holds others ({here}, e.g. complex ones); keep them out of the optimizer or step "
-                "them as real views (torch.view_as_real)"
+                "build_optimizer steps floating-point parameters only (its flat buffers hold real "
+                f"grads), and a rank of the optimizer holds others ({here}, e.g. complex ones); "
+                "keep them out of the optimizer or step them as real views (torch.view_as_real)"
             )
         if not has:
             continue

@@ -97,7 +97,8 @@ class ChainedOptimizer(OptimizerStatistics):
             return ["it is no {'children': [...]} dict (ChainedOptimizer.state_dict output)"]
         if len(children) != len(self.chained_optimizers):
             return [
-                f"it holds {len(children)} child optimizers, this one has {len(self.chained_optimizers)}"
+                f"it holds {len(children)} child optimizers, "
+                f"this one has {len(self.chained_optimizers)}"
             ]
         return [
             f"child {index}: {fault}"

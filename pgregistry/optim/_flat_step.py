@@ -241,16 +241,16 @@ class FlatStep:
         if len(groups) != 1 or len(groups[0]["params"]) != len(self._slots):
             sizes = [len(group["params"]) for group in groups]
             return [
-                f"the state dict holds param groups of {sizes} parameters; this optimizer steps one group of "
-                f"{len(self._slots)} parameters"
+                f"the state dict holds param groups of {sizes} parameters; this "
+                f"optimizer steps one group of {len(self._slots)} parameters"
             ]
         per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]
         if not any(per_param):
             return []
         keys = set(per_param[0])
         faults = [
-            f"parameter {index} has optimizer state {sorted(entry)}, parameter 0 has {sorted(keys)}: a flat step "
-            "needs the same state for every parameter"
+            f"parameter {index} has optimizer state {sorted(entry)}, parameter 0 has "
+            f"{sorted(keys)}: a flat step needs the same state for every parameter"
             for index, entry in enumerate(per_param)
             if set(entry) != keys
         ]
@@ -258,15 +258,16 @@ class FlatStep:
             values = [entry[key] for entry in per_param]
             if key in PER_PARAMETER_KEYS:
                 faults.extend(
-                    f"optimizer state {key!r} differs between parameter 0 and parameter {index}: a flat step keeps "
-                    "one value for every parameter"
+                    f"optimizer state {key!r} differs between parameter 0 and parameter "
+                    f"{index}: a flat step keeps one value for every parameter"
                     for index, value in enumerate(values[1:], start=1)
                     if not _same_value(values[0], value)
                 )
                 continue
             if not isinstance(values[0], torch.Tensor):
                 faults.append(
-                    f"optimizer state {key!r} of parameter 0 is a {type(values[0]).__name__}, not a tensor"
+                    f"optimizer state {key!r} of parameter 0 is "
+                    f"a {type(values[0]).__name__}, not a tensor"
                 )
                 continue
             faults.extend(

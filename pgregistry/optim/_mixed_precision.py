@@ -85,8 +85,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         dtypes = {p.dtype for p in self.params}
         if main_dtype is None and len(dtypes) > 1:
             raise ValueError(
-                f"main_dtype=None steps the parameters in their own dtype, but they mix {sorted(map(str, dtypes))}; "
-                "give each dtype its own optimizer or set main_dtype"
+                "main_dtype=None steps the parameters in their own dtype, but they mix "
+                f"{sorted(map(str, dtypes))}; give each dtype its own optimizer or set main_dtype"
             )
         buffer_dtype = main_dtype or next(iter(dtypes), torch.float32)
         device = self._buffer_device()
@@ -171,7 +171,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local."""
         if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
             return [
-                "it is no {'inner': ..., 'main_params': ...} dict (MixedPrecisionOptimizer.state_dict output)"
+                "it is no {'inner': ..., 'main_params': ...} "
+                "dict (MixedPrecisionOptimizer.state_dict output)"
             ]
         saved = state_dict["main_params"]
         names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
@@ -181,7 +182,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 faults.extend(tensor_faults(f"main copy {name!r}", saved[name], main))
         if (state_dict["inner"] is None) != (self.inner is None):
             faults.append(
-                "it was saved by an optimizer with a different set of parameters (inner state on one side)"
+                "it was saved by an optimizer with a different "
+                "set of parameters (inner state on one side)"
             )
         elif self.inner is not None:
             model_name = {

@@ -175,6 +175,7 @@ def as_param_state_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         return TorchOptimizerState(optimizer)
     raise TypeError(
-        f"the checkpoint functions take a torch.optim.Optimizer or an optimizer with param_state() and "
-        f"load_param_state() (pgregistry.optim.ParamStateOptimizer), got {type(optimizer).__name__}"
+        "the checkpoint functions take a torch.optim.Optimizer or an optimizer "
+        "with param_state() and load_param_state() "
+        f"(pgregistry.optim.ParamStateOptimizer), got {type(optimizer).__name__}"
     )

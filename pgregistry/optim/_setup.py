@@ -214,9 +214,9 @@ def _validate_data_parallel(
         if cp_size != 1:
             known = "unknown" if cp_size is None else str(cp_size)
             raise ValueError(
-                f"dp_cp process group is required: it is not set in pg_collection and the context-parallel size "
-                f"is {known}; dp_cp defaults to dp only when context parallelism is known to be off (set cp, or "
-                "dp_cp)"
+                "dp_cp process group is required: it is not set in pg_collection "
+                f"and the context-parallel size is {known}; dp_cp defaults to dp "
+                "only when context parallelism is known to be off (set cp, or dp_cp)"
             )
         dp_cp = dp
     _require_group(pg_collection, "expt_dp", "set it to None if the model has no experts")
@@ -225,8 +225,8 @@ def _validate_data_parallel(
         _require_group(
             pg_collection,
             "intra_dist_opt",
-            "the distributed optimizer shards its state over this group (one optimizer instance); set it (None "
-            "for a single-rank instance)",
+            "the distributed optimizer shards its state over this group (one "
+            "optimizer instance); set it (None for a single-rank instance)",
             when="when use_distributed_optimizer=True",
         )
     intra_dist_opt = (
@@ -241,8 +241,9 @@ def _validate_data_parallel(
         ]
         if missing:
             raise ValueError(
-                f"{' and '.join(missing)} process group(s) are required when inter_dist_opt spans "
-                f"{group_size(inter_dist_opt)} distributed-optimizer instances, but not set in pg_collection"
+                f"{' and '.join(missing)} process group(s) are required when "
+                f"inter_dist_opt spans {group_size(inter_dist_opt)} "
+                "distributed-optimizer instances, but not set in pg_collection"
             )
     return {
         "dp": dp,
@@ -320,10 +321,10 @@ def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
     else:
         where = "on another rank of this optimizer instance it does not"
     raise ValueError(
-        f"intra_dist_opt must hold every rank of the statistics groups a sharded optimizer reduces over it, but "
-        f"{where}: give intra_dist_opt every rank of one optimizer instance (TP x PP x DP x CP, as Megatron-Core's; "
-        "Megatron-LM's custom-process-group test gives it dp_cp's ranks, right only at TP 1 and PP 1), or build "
-        "the collection with pgregistry.build"
+        "intra_dist_opt must hold every rank of the statistics groups a sharded optimizer reduces "
+        f"over it, but {where}: give intra_dist_opt every rank of one optimizer instance (TP x PP "
+        "x DP x CP, as Megatron-Core's; Megatron-LM's custom-process-group test gives it dp_cp's "
+        "ranks, right only at TP 1 and PP 1), or build the collection with pgregistry.build"
     )
 
 

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["ShardedOptimizer"]
 
 _OTHER_LAYOUT = (
-    "to load state saved under another layout, save and load it with pgregistry.checkpoint.save_optimizer_shards "
-    "and load_optimizer_shards"
+    "to load state saved under another layout, save and load it with "
+    "pgregistry.checkpoint.save_optimizer_shards and load_optimizer_shards"
 )
 
 
@@ -107,8 +107,8 @@ class ShardedOptimizer(FlatOptimizer):
         groups = self.process_groups
         if group_size(groups.inter_dist_opt) > 1:
             raise ValueError(
-                "inter_dist_opt spans several distributed-optimizer instances; ShardedOptimizer supports one "
-                "instance (set inter_dist_opt to None)"
+                "inter_dist_opt spans several distributed-optimizer instances; "
+                "ShardedOptimizer supports one instance (set inter_dist_opt to None)"
             )
         self.shard_group = groups.intra_expt_dp if expert else groups.intra_dp_cp
         """Main params, state and grads are sharded over this group (``expt_dp`` / ``dp_cp`` of one
@@ -242,7 +242,8 @@ class ShardedOptimizer(FlatOptimizer):
         :meth:`load_state_dict` agrees on them over :meth:`load_groups`."""
         if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
             return [
-                "it is no {'shards': ..., 'param_groups': ...} dict (ShardedOptimizer.state_dict output)"
+                "it is no {'shards': ..., 'param_groups': ...} "
+                "dict (ShardedOptimizer.state_dict output)"
             ]
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
@@ -257,8 +258,8 @@ class ShardedOptimizer(FlatOptimizer):
                 piece.stop - piece.start,
             ):
                 faults.append(
-                    f"{name}: saved piece [{entry.get('offset')}, +{entry.get('numel')}) differs from this rank's "
-                    f"[{piece.offset}, +{piece.stop - piece.start})"
+                    f"{name}: saved piece [{entry.get('offset')}, +{entry.get('numel')}) "
+                    f"differs from this rank's [{piece.offset}, +{piece.stop - piece.start})"
                 )
             else:
                 misfits.extend(

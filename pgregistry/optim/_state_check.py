@@ -53,8 +53,9 @@ def refuse_faults(subject: str, faults: Sequence[str]) -> None:
     shown = "; ".join(faults[:_SHOWN]) + ("; ..." if len(faults) > _SHOWN else "")
     where = f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
     raise ValueError(
-        f"{subject}{where}: the state given does not fit this optimizer ({len(faults)} fault(s): {shown}); nothing "
-        "was loaded (load state saved by an optimizer over the same parameters, dtypes and layout)"
+        f"{subject}{where}: the state given does not fit this optimizer "
+        f"({len(faults)} fault(s): {shown}); nothing was loaded (load state "
+        "saved by an optimizer over the same parameters, dtypes and layout)"
     )
 
 
@@ -71,8 +72,8 @@ def refuse_agreed(
     if faulty:
         its = "its error" if len(faulty) == 1 else "their errors"
         raise ValueError(
-            f"{subject}: the state given to {ranks_label(faulty)} does not fit its optimizer (see {its}); nothing was "
-            "loaded on any rank"
+            f"{subject}: the state given to {ranks_label(faulty)} does not "
+            f"fit its optimizer (see {its}); nothing was loaded on any rank"
         )
 
 
@@ -143,7 +144,8 @@ def inner_state_faults(
     faults = []
     if foreign:
         faults.append(
-            f"it holds state for {len(foreign)} ids no param group lists, e.g. {_first_few_quoted(foreign)}"
+            f"it holds state for {len(foreign)} ids no param "
+            f"group lists, e.g. {_first_few_quoted(foreign)}"
         )
     lacking = [name for pid, name in zip(ids, names, strict=True) if not state.get(pid)]
     if (

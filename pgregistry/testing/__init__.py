@@ -384,15 +384,15 @@ def _raise_timeout(
     dumps = "\n".join(f"--- rank {rank} ---\n{stacks[rank].rstrip()}" for rank in stuck)
     if unjoined:
         when = (
-            f"did not start within {timeout + _STARTUP_GRACE_S:.1f} s: ranks {unjoined} never joined the process "
-            "group"
+            f"did not start within {timeout + _STARTUP_GRACE_S:.1f} "
+            f"s: ranks {unjoined} never joined the process group"
         )
     else:
         when = f"did not finish within {timeout:.1f} s of joining the process group"
     raise WorldTimeout(
-        f"world of {len(children)} ranks {when}; ranks still running: {stuck} (a rank skipped or mismatched a "
-        f"collective or group creation?); all ranks were killed. Where each stuck rank was:\n{where}\nTheir "
-        f"stacks (most recent call first):\n{dumps}",
+        f"world of {len(children)} ranks {when}; ranks still running: {stuck} (a rank skipped "
+        "or mismatched a collective or group creation?); all ranks were killed. Where each "
+        f"stuck rank was:\n{where}\nTheir stacks (most recent call first):\n{dumps}",
         stuck,
         stacks,
     )

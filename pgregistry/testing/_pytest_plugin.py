@@ -42,4 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def _as_ini_line(option: CommandLineFilter) -> str:
     """``option`` in the ini syntax, where message and module are regular expressions (Python's are
     literal)."""
-    return f"{option.action}:{option.message_pattern}:{option.category_name}:{option.module_pattern}:{option.lineno}"
+    return (
+        f"{option.action}:{option.message_pattern}:{option.category_name}:"
+        f"{option.module_pattern}:{option.lineno}"
+    )
