@@ -295,6 +295,11 @@ def fmt_off_lines(tokens: list[tokenize.TokenInfo]) -> set[int]:
     return lines
 
 
+def char_column(line: str, byte_offset: int) -> int:
+    """The column, in characters, of ``ast``'s ``byte_offset`` (UTF-8 bytes) into ``line``."""
+    return len(line.encode()[:byte_offset].decode())
+
+
 def docstring_edit(lines: list[str], token: tokenize.TokenInfo, width: int) -> Edit | None:
     """The edit that rewraps the docstring ``token``, or None when nothing needs it or may."""
     (first, column), (last, end) = token.start, token.end
@@ -385,8 +390,12 @@ def wrap_source(source: str, width: int = WIDTH) -> Result:
     edits: list[Edit] = []
     strings = {token.start: token for token in tokens if token.type == tokenize.STRING}
     for node in docstring_nodes(tree):
-        token = strings.get((node.value.lineno, node.value.col_offset))
-        if token is None or token.end != (node.value.end_lineno, node.value.end_col_offset):
+        value = node.value
+        assert value.end_lineno is not None and value.end_col_offset is not None
+        start = (value.lineno, char_column(lines[value.lineno - 1], value.col_offset))
+        end = (value.end_lineno, char_column(lines[value.end_lineno - 1], value.end_col_offset))
+        token = strings.get(start)
+        if token is None or token.end != end:
             continue  # implicitly concatenated parts, or an f-string: not a plain docstring
         if node.lineno in skip:
             continue

@@ -122,8 +122,8 @@ def _works_on(index: int) -> bool:
 
 
 def _probe_every_launch(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
-    """One Adam step (betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact) of ones with grads ±4 and
-    ±2, copied to bf16: every param moves by 0.5 against its grad."""
+    """One Adam step (betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact) of ones
+    with grads ±4 and ±2, copied to bf16: every param moves by 0.5 against its grad."""
     flat = torch.nn.Parameter(torch.ones(8, device=device))
     flat.grad = torch.tensor([4.0, -4.0, 2.0, -2.0] * 2, device=device)
     out = torch.zeros(8, dtype=torch.bfloat16, device=device)

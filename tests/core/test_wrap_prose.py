@@ -110,3 +110,11 @@ def test_check_sees_a_changed_string_but_not_rewrapped_docstrings() -> None:
     )
     assert WRAP.normalized_dump('x = "a" "b"') == WRAP.normalized_dump('x = "ab"')
     assert WRAP.normalized_dump('x = "a b"') != WRAP.normalized_dump('x = "a  b"')
+
+
+def test_finds_a_docstring_whose_last_line_holds_non_ascii() -> None:
+    # ``ast`` counts columns in UTF-8 bytes, tokenize in characters: ``±`` makes them differ.
+    source = f'def g():\n    """{WORDS} {WORDS}\n    ±2."""\n'
+    wrapped = WRAP.wrap_source(source).text
+    assert max(len(line) for line in wrapped.split("\n")) <= 100
+    assert WRAP.normalized_dump(wrapped) == WRAP.normalized_dump(source)
