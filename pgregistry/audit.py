@@ -776,7 +776,9 @@ def _measure_replication(
 def _dtensor_placements(param: torch.Tensor) -> str:
     """A DTensor grad's placements (the measured axes depend on them), else ``""``."""
     grad = param.grad
-    return str(grad.placements) if grad is not None and is_dtensor(grad) else ""  # type: ignore[attr-defined]
+    if grad is None or not is_dtensor(grad):
+        return ""
+    return str(grad.placements)  # type: ignore[attr-defined]
 
 
 def _local_grad(grad: torch.Tensor) -> torch.Tensor:

@@ -458,7 +458,8 @@ def _is_same_param(new: torch.Tensor, old: torch.Tensor) -> bool:
     if new.dtype != old.dtype:
         return False
     if isinstance(new, DTensor) and _FSDP_UID in vars(old):
-        return True  # fully_shard, through a module's own __setattr__: it stamped the original just before
+        # fully_shard, through a module's own __setattr__: it stamped the original just before.
+        return True
     if not isinstance(new, DTensor):
         return not isinstance(old, DTensor) and _same_memory(new, old)
     if isinstance(old, DTensor):

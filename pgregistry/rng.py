@@ -6,15 +6,15 @@ Megatron-Core solves this with named RNG streams ("trackers") that a region of c
 ``fork(name)``; this module keeps its tracker names and seed formulas, so a user migrating gets
 bit-identical streams:
 
-==========================  =====================================================================================
-tracker                     seed
-==========================  =====================================================================================
-``data-parallel-rng``       ``seed``
-``model-parallel-rng``      ``seed + 2718 + tp_rank``
-``expert-parallel-rng``     ``seed + 1024 + 100 * ep_rank + expt_tp_rank``
-``gtp-remat-rng``           model-parallel seed ``+ 65536 * (1 + gtp_remat_rank)``, only when that axis has > 1 rank
-``egtp-remat-rng``          expert seed ``+ 32768 + 65536 * (1 + expt_gtp_remat_rank)``, likewise
-==========================  =====================================================================================
+=======================  ========================================================================
+tracker                  seed
+=======================  ========================================================================
+``data-parallel-rng``    ``seed``
+``model-parallel-rng``   ``seed + 2718 + tp_rank``
+``expert-parallel-rng``  ``seed + 1024 + 100 * ep_rank + expt_tp_rank``
+``gtp-remat-rng``        model-parallel seed ``+ 65536 * (1 + gtp_remat_rank)``, if gtp_remat > 1
+``egtp-remat-rng``       expert seed ``+ 32768 + 65536 * (1 + expt_gtp_remat_rank)``, likewise
+=======================  ========================================================================
 
 The ``seed`` above is the base seed: the job's seed plus the pipeline offset ``100 * pp_rank`` (and
 ``10 * dp_rank`` when data-parallel replicas are initialised differently), which

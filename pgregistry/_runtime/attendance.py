@@ -102,7 +102,8 @@ def world_timeout() -> timedelta:
         found = None
     if isinstance(found, timedelta) and found.total_seconds() > 0:
         return found
-    timeout: timedelta = dist.distributed_c10d._get_default_store().timeout  # type: ignore[attr-defined]
+    store = dist.distributed_c10d._get_default_store()
+    timeout: timedelta = store.timeout  # type: ignore[attr-defined]
     return timeout
 
 

@@ -64,7 +64,8 @@ class CommandLineFilter(NamedTuple):
         """Insert this filter at the front of :data:`warnings.filters`, as Python does for
         ``-W``."""
         warnings.filterwarnings(
-            self.action,  # type: ignore[arg-type]  # one of the literals, checked by command_line_filters
+            # One of the literals, checked by command_line_filters.
+            self.action,  # type: ignore[arg-type]
             self.message_pattern,
             self.category,
             self.module_pattern,

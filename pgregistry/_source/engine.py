@@ -109,7 +109,8 @@ def _child_results(
     try:
         rows: Any = marshal.loads(child.connection.recv_bytes())
         return [decode_result(items[i][0], row) for i, row in zip(bucket, rows, strict=True)]
-    except Exception:  # noqa: BLE001 - whatever went wrong in the child, its bucket is rescanned here
+    except Exception:  # noqa: BLE001
+        # Whatever went wrong in the child, its bucket is rescanned here.
         return None
 
 

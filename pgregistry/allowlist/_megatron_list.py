@@ -3,7 +3,8 @@ pgregistry's keys.
 
 Megatron-LM's pull request 6258 keeps ``tools/process_group_usage_allowlist.json``::
 
-    {"_comment": "...", "allowed": {"megatron/core/x.py": ["120:accessor:parallel_state.get_x_group"]},
+    {"_comment": "...",
+     "allowed": {"megatron/core/x.py": ["120:accessor:parallel_state.get_x_group"]},
      "total": 1}
 
 Line numbers break on any edit above a read, so the list cannot be carried over as it is.

@@ -282,5 +282,6 @@ def _ranks_not_answering(scope: Scope, prefix: str) -> list[int] | None:
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - a store that fails too: the message says the ranks cannot be told
+    except Exception:  # noqa: BLE001
+        # A store that fails too: the message says the ranks cannot be told.
         return None

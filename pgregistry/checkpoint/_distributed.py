@@ -162,7 +162,8 @@ def _read_metadata(directory: str | Path) -> Any:
 
     try:
         return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - a missing directory, a missing or damaged .metadata: all name it now
+    except Exception as exc:  # noqa: BLE001
+        # A missing directory, a missing or damaged .metadata: all name it now.
         raise ValueError(
             f"cannot read the checkpoint {directory} (no such directory, or no "
             f"torch.distributed.checkpoint metadata in it): {type(exc).__name__}: {exc}"

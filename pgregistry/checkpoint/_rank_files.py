@@ -231,7 +231,8 @@ def _load_payload(path: Path) -> dict[str, Any]:
     be read or is not a rank file of this format."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file; all name it now
+    except Exception as exc:  # noqa: BLE001
+        # Torch raises many types for a damaged file; all name it now.
         raise ValueError(
             f"cannot read checkpoint file {path} (truncated, corrupt or "
             f"not a pgregistry rank file): {type(exc).__name__}: {exc}"

@@ -77,7 +77,8 @@ def run_checks(
     try:
         return report_checks(title, checks, device, json_path)
     finally:
-        gc.collect()  # drop what still holds groups (optimizers in reference cycles) before destroying them
+        # Drop what still holds groups (optimizers in reference cycles) before destroying them.
+        gc.collect()
         registry.destroy()
         dist.destroy_process_group()
 

@@ -251,7 +251,8 @@ class Plan:
     @property
     def axes(self) -> MeshAxes:
         if self._axes is None:
-            self._axes = MeshAxes(self.groups.collection, dict(enumerate(self.reduce_groups)))  # type: ignore[arg-type]
+            reduce_groups = dict(enumerate(self.reduce_groups))
+            self._axes = MeshAxes(self.groups.collection, reduce_groups)  # type: ignore[arg-type]
         return self._axes
 
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
@@ -380,13 +381,11 @@ class Plan:
                 fields[entry.outer] = self.groups.collection.get(entry.outer)
             target = self._target_of(entry.outer, entry.expert)
             (targets if entry.counted else watched).setdefault(target, []).append(position)
-        for (
-            index,
-            name,
-            grad,
-        ) in partial:  # decided without the pending reduction: read() does it, every call
-            verdicts = role_verdicts(params[index], self.groups)
-            decision = decision_of(name, params[index], grad, self.axes, verdicts)  # type: ignore[arg-type]
+        # Decided without the pending reduction: read() does it, every call.
+        for index, name, grad in partial:
+            param = params[index]
+            verdicts = role_verdicts(param, self.groups)
+            decision = decision_of(name, param, grad, self.axes, verdicts)  # type: ignore[arg-type]
             if decision.outer is not None:
                 fields[decision.outer] = self.groups.collection.get(decision.outer)
         return _Layout(

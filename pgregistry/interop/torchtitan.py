@@ -298,7 +298,8 @@ def to_parallel_dims(
     require_distributed("to_parallel_dims")
     if not isinstance(collection, ProcessGroupCollection):
         check_usable(collection, "to_parallel_dims")  # the TypeError naming what it got
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers torch's "fake" backend
+    # Registers torch's "fake" backend.
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
     layout = collection.layout
     device = device_type if device_type is not None else titan_parallel_dims.device_type

@@ -194,7 +194,8 @@ def _black_lines(
         if bracketed and isinstance(value, cst.BinaryOperation) and not value.lpar
         else []
     )
-    if operands:  # inside brackets black splits at the operators first, one operand a line, its operator first
+    # Inside brackets black splits at the operators first, one operand a line, its operator first.
+    if operands:
         last = len(operands) - 1
         return [
             line
@@ -233,7 +234,9 @@ def _black_lines(
             one = ", ".join(arguments)
             if _fits_width(deeper, one, width):
                 inner = [one]
-            else:  # one a line (a trailing comma where there are several), each split in turn if still too long
+            else:
+                # One a line (a trailing comma where there are several), each split in turn if
+                # still too long.
                 comma = "," if len(call.args) > 1 else ""
                 inner = [
                     line

@@ -7,9 +7,15 @@ read for those fields, each read is the field read itself, and the shim goes:
     group = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat"]).gtp_remat
     ->  group = pg_group(pg_collection, "gtp_remat", check_initialized=False)
 
-    _pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat", "expt_gtp_remat"])
+    _pg = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["gtp_remat", "expt_gtp_remat"]
+    )
     group = _pg.expt_gtp_remat if self.is_expert else _pg.gtp_remat
-    ->  group = pg_group(..., "expt_gtp_remat", ...) if self.is_expert else pg_group(..., "gtp_remat", ...)
+    ->  group = (
+            pg_group(..., "expt_gtp_remat", ...)
+            if self.is_expert
+            else pg_group(..., "gtp_remat", ...)
+        )
 
 Without a collection, each read falls back to the very getter the release's
 ``use_mpu_process_groups`` calls for that field, with its keywords (``check_initialized=False``:

@@ -152,7 +152,9 @@ def _call_target(
             if dotted[0] in functions:
                 return "f", module, dotted[0]
             imported = bound.get(dotted[0], "")
-            return ("f", *imported.split(":")) if ":" in imported else None  # type: ignore[return-value]
+            if ":" not in imported:
+                return None
+            return ("f", *imported.split(":"))  # type: ignore[return-value]
         head = bound.get(dotted[0])
         if head is not None:
             qualified = ".".join([head.replace(":", "."), *dotted[1:]])

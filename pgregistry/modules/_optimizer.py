@@ -22,7 +22,8 @@ A training step::
 
     loss.backward()                   # each rank through the modules it runs
     optimizer.sync_grads()            # each module's grads over its own data-parallel group
-    stepped, norm, _ = optimizer.step(max_norm=1.0)   # job-wide clip; every rank skips when norm is not finite
+    # a job-wide clip; every rank skips the step when the norm is not finite
+    stepped, norm, _ = optimizer.step(max_norm=1.0)
     optimizer.zero_grad()
 """
 

@@ -55,7 +55,16 @@ def _load_once(ptr, at, inside):
 
 
 @triton.jit
-def _store_copy(out_ptr, table_ptr, block, lanes, inside, size, value, VEC: tl.constexpr):  # noqa: N803
+def _store_copy(
+    out_ptr,
+    table_ptr,
+    block,
+    lanes,
+    inside,
+    size,
+    value,
+    VEC: tl.constexpr,  # noqa: N803
+):
     """Write ``value`` (the ``lanes`` of block number ``block``, ``size`` of them inside) rounded to
     ``out_ptr``'s dtype where the block's row says: one vector store when the whole block goes to a
     16-byte aligned place, else masked stores of ``[lo, hi)``."""

@@ -215,9 +215,11 @@ def _child_main(
 ) -> None:  # pragma: no cover - runs in the child
     exit_code = 0
     try:
-        os.setsid()  # its own session and process group: the parent ends the whole tree with one killpg
+        # Its own session and process group: the parent ends the whole tree with one killpg.
+        os.setsid()
         _die_with_parent()
-        stack_file = open(_stack_path(store_dir, rank), "w")  # noqa: SIM115 - held open until os._exit
+        # Held open until os._exit.
+        stack_file = open(_stack_path(store_dir, rank), "w")  # noqa: SIM115
         faulthandler.register(_STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
         import torch
         import torch.distributed as dist
@@ -361,7 +363,8 @@ def _raise_rank_error(rank: int, pickled: bytes | None, text: str) -> None:
     if pickled is not None:
         try:
             exc = pickle.loads(pickled)
-        except Exception as rebuild_error:  # noqa: BLE001 - e.g. a class whose __init__ is keyword-only
+        except Exception as rebuild_error:  # noqa: BLE001
+            # E.g. a class whose __init__ is keyword-only.
             text += f"(the exception could not be rebuilt in the parent: {rebuild_error!r})\n"
     failure = RankFailure(rank, text)
     if not isinstance(exc, Exception):

@@ -77,7 +77,9 @@ def _watch_parent(
 ) -> None:  # pragma: no cover - runs in the watcher
     try:
         os.close(parent_write_fd)  # only the parent holds it: its death is our end-of-file
-        os.setsid()  # out of the parent's process group: a Ctrl-C or a group kill of the parent leaves it running
+        # Out of the parent's process group: a Ctrl-C or a group kill of the parent leaves it
+        # running.
+        os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (
             0,
