@@ -101,10 +101,9 @@ def from_device_mesh(
         unknown = [d for d in dims if d not in dim_names]
         if not dims or unknown or len(set(dims)) != len(dims):
             raise ValueError(
-                f"field {field!r} maps to mesh dims {dims!r}: give one "
-                "or more distinct names of "
-                "the mesh's dims "
-                f"{dim_names}" + (f" ({unknown[0]!r} is not one)" if unknown else "")
+                f"field {field!r} maps to mesh dims {dims!r}: give one or more distinct names of "
+                f"the mesh's dims {dim_names}"
+                + (f" ({unknown[0]!r} is not one)" if unknown else "")
             )
         if len(dims) == 1:
             groups[field] = mesh.get_group(dims[0])
