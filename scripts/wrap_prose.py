@@ -4,6 +4,7 @@
     python scripts/wrap_prose.py pgregistry/rng.py # some files or folders
     python scripts/wrap_prose.py --dry-run         # say which files would change (exit 1 if any)
     python scripts/wrap_prose.py --check HEAD~1    # the code means what it meant at HEAD~1
+    python scripts/wrap_prose.py --split-strings   # long string literals too; then ruff format
 
 ``ruff format`` wraps code but not prose: a docstring or a comment keeps the width it was written
 at. This rewraps only the paragraphs that have a line over the width, so a second run changes
@@ -24,6 +25,11 @@ lead (indentation, the opening quotes, ``# ``) and its continuation indent. Stru
 
 A rule comment (``# ------ steps``) over the width gets a shorter run of dashes; a word hyphenated
 at a line's end (``Megatron-`` then ``Core``) is joined whole.
+
+With ``--split-strings``, a string literal (or an implicit concatenation of them) on a line over
+the width is cut after spaces into implicitly concatenated parts of even lengths, never inside a
+replacement field; a part without one is a plain string. Those the cut cannot serve (no space to
+cut at, a string that is not what makes its line long, a triple-quoted one) are left and listed.
 
 What is still too long afterwards is listed (``path:line: width: what``) for a hand fix.
 ``--check REV`` compares every file with its version at ``REV``: the ``ast`` with each docstring's
@@ -380,8 +386,9 @@ def comment_blocks(
         yield block_start, block, Lead(" " * block_column + block_marker)
 
 
-def wrap_source(source: str, width: int = WIDTH) -> Result:
-    """``source`` with its long docstring paragraphs and comment blocks rewrapped."""
+def wrap_source(source: str, width: int = WIDTH, split_strings: bool = False) -> Result:
+    """``source`` with its long docstring paragraphs and comment blocks rewrapped, and its long
+    string literals split with ``split_strings``."""
     tree = ast.parse(source)
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     lines = source.split("\n")
@@ -406,10 +413,177 @@ def wrap_source(source: str, width: int = WIDTH) -> Result:
         new = rewrap(rows, 1, lead, width)
         if new is not None:
             edits.append(Edit(start, start + len(rows) - 1, new))
+    if split_strings:
+        docstrings = {node.lineno for node in docstring_nodes(tree)}
+        for group, depth in string_groups(tokens):
+            if group[0].start[0] not in docstrings and group[0].start[0] not in skip:
+                edit = string_edit(lines, group, depth, width)
+                if edit is not None:
+                    edits.append(edit)
     for edit in sorted(edits, key=lambda edit: edit.first, reverse=True):
         lines[edit.first - 1 : edit.last] = edit.lines
     text = "\n".join(lines)
     return Result(text, describe_long_lines(text, width))
+
+
+# --- long string literals (--split-strings) ---------------------------------------------------
+
+STRING_START = re.compile(r"([A-Za-z]*)('|\")")
+CLOSING = re.compile(r"[\s,)\]}]*(#.*)?")
+
+
+@dataclass
+class Part:
+    """One string literal of an implicit concatenation, read from its token."""
+
+    token: tokenize.TokenInfo
+    formatted: bool  # an f-string
+    raw: bool
+    quote: str
+    body: str  # between the quotes
+
+    @classmethod
+    def of(cls, token: tokenize.TokenInfo) -> Part | None:
+        """The part, or None for one not split here (bytes, ``u``, triple-quoted, multi-line)."""
+        match = STRING_START.match(token.string)
+        assert match is not None
+        prefix, quote = match.group(1).lower(), match.group(2)
+        triple = token.string[len(prefix) :].startswith(quote * 3)
+        if set(prefix) - {"f", "r"} or triple or token.start[0] != token.end[0]:
+            return None
+        return cls(token, "f" in prefix, "r" in prefix, quote, token.string[len(prefix) + 1 : -1])
+
+
+def string_groups(
+    tokens: list[tokenize.TokenInfo],
+) -> Iterator[tuple[list[tokenize.TokenInfo], int]]:
+    """Each implicit concatenation (one literal or more) with its bracket depth."""
+    depth = 0
+    group: list[tokenize.TokenInfo] = []
+    for token in tokens:
+        if token.type == tokenize.STRING:
+            group.append(token)
+            continue
+        if token.type == tokenize.NL and group:
+            continue
+        if group:
+            yield group, depth
+            group = []
+        if token.type == tokenize.OP and token.string in "([{":
+            depth += 1
+        elif token.type == tokenize.OP and token.string in ")]}":
+            depth -= 1
+
+
+def replacement_fields(body: str) -> list[bool]:
+    """For each character of an f-string's ``body``, whether it is inside ``{...}``."""
+    inside = [False] * len(body)
+    depth = index = 0
+    while index < len(body):
+        if depth == 0 and body[index : index + 2] in ("{{", "}}"):
+            index += 2
+            continue
+        if body[index] == "{":
+            depth += 1
+        inside[index] = depth > 0
+        if body[index] == "}" and depth:
+            depth -= 1
+        index += 1
+    return inside
+
+
+def split_body(body: str, room: int, formatted: bool, raw: bool) -> list[str] | None:
+    """``body`` cut after spaces (never in a replacement field or after a backslash) into pieces of
+    at most ``room`` characters where it can be; None when there is no space to cut at."""
+    inside = replacement_fields(body) if formatted else [False] * len(body)
+    pieces: list[str] = []
+    start = 0
+    while len(body) - start > room:
+        cut = next(
+            (
+                index + 1
+                for index in range(min(start + room, len(body)) - 1, start, -1)
+                if body[index] == " " and not inside[index] and (raw or body[index - 1] != "\\")
+            ),
+            None,
+        )
+        if cut is None:
+            return None
+        pieces.append(body[start:cut])
+        start = cut
+    return [*pieces, body[start:]]
+
+
+def balanced_pieces(body: str, room: int, formatted: bool, raw: bool) -> list[str] | None:
+    """The split of ``body`` into the fewest pieces, of lengths as even as the spaces allow."""
+    pieces = split_body(body, room, formatted, raw)
+    if pieces is None or len(pieces) == 1:
+        return pieces
+    for narrower in range(len(body) // len(pieces), room):
+        even = split_body(body, narrower, formatted, raw)
+        if even is not None and len(even) == len(pieces):
+            return even
+    return pieces
+
+
+def literal(piece: str, formatted: bool, raw: bool, quote: str) -> str:
+    """``piece`` as a literal: an f-string only if it holds a replacement field."""
+    if formatted and "{" not in piece.replace("{{", "").replace("}}", ""):
+        formatted, piece = False, piece.replace("{{", "{").replace("}}", "}")
+    return ("f" if formatted else "") + ("r" if raw else "") + quote + piece + quote
+
+
+def string_edit(
+    lines: list[str], group: list[tokenize.TokenInfo], depth: int, width: int
+) -> Edit | None:
+    """The edit that splits the concatenation ``group`` at ``width``, or None when it needs none
+    or this cannot do it. Its parts are joined and cut again after spaces, one to a line: where
+    they stood alone on their lines inside brackets (followed by closing brackets and commas at
+    most) they stay there, else they go in parentheses (a call's own when they are its one
+    argument), one indent deeper than their line (``ruff format`` keeps these layouts)."""
+    first, last = group[0], group[-1]
+    if all(len(lines[token.start[0] - 1]) <= width for token in group):
+        return None
+    parts = [Part.of(token) for token in group]
+    if any(part is None for part in parts) or len({token.start[0] for token in group}) < len(group):
+        return None
+    known = [part for part in parts if part is not None]
+    if len({part.raw for part in known}) > 1 or len({part.quote for part in known}) > 1:
+        return None
+    for index, token in enumerate(group):  # nothing but the parts between the first and the last
+        line = lines[token.start[0] - 1]
+        if (index > 0 and line[: token.start[1]].strip()) or (
+            index < len(group) - 1 and line[token.end[1] :].strip()
+        ):
+            return None
+    formatted = any(part.formatted for part in known)
+    body = "".join(
+        part.body
+        if part.formatted or not formatted
+        else part.body.replace("{", "{{").replace("}", "}}")
+        for part in known
+    )
+    before = lines[first.start[0] - 1][: first.start[1]]
+    after = lines[last.end[0] - 1][last.end[1] :]
+    # Alone on their lines inside brackets, with at most closing brackets and commas after them.
+    stacked = not before.strip() and depth > 0 and CLOSING.fullmatch(after) is not None
+    indent = first.start[1] if stacked else len(before) - len(before.lstrip()) + 4
+    room = width - indent - len("f" if formatted else "") - len("r" if known[0].raw else "") - 2
+    pieces = balanced_pieces(
+        body, room - (len(after.rstrip()) if stacked else 0), formatted, known[0].raw
+    )
+    if pieces is None or (len(pieces) == 1 and len(group) == 1):
+        return None  # no space to cut at, or the string is not what makes its line long
+    new = [
+        " " * indent + literal(piece, formatted, known[0].raw, known[0].quote) for piece in pieces
+    ]
+    if stacked:
+        new[-1] += after
+    elif before.rstrip().endswith("(") and after.lstrip().startswith(")"):
+        new = [before.rstrip(), *new, " " * (indent - 4) + after.lstrip()]  # a call's one argument
+    else:
+        new = [before + "(", *new, " " * (indent - 4) + ")" + after]
+    return Edit(first.start[0], last.end[0], new)
 
 
 def describe_long_lines(source: str, width: int) -> list[Leftover]:
@@ -498,6 +672,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--dry-run", action="store_true", help="change nothing; exit 1 if needed")
     parser.add_argument("--check", metavar="REV", help="compare the code's meaning with REV's")
+    parser.add_argument(
+        "--split-strings",
+        action="store_true",
+        help="also split long string literals into implicitly concatenated parts (then run ruff "
+        "format)",
+    )
     args = parser.parse_args(argv)
     files = python_files(args.paths)
     if args.check:
@@ -507,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     changed = 0
     for path in files:
         source = path.read_text()
-        result = wrap_source(source, args.width)
+        result = wrap_source(source, args.width, args.split_strings)
         if result.text != source:
             changed += 1
             if args.dry_run:

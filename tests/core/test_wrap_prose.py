@@ -118,3 +118,34 @@ def test_finds_a_docstring_whose_last_line_holds_non_ascii() -> None:
     wrapped = WRAP.wrap_source(source).text
     assert max(len(line) for line in wrapped.split("\n")) <= 100
     assert WRAP.normalized_dump(wrapped) == WRAP.normalized_dump(source)
+
+
+STRINGS = f"""
+ADVICE = "every rank must build {WORDS}"
+
+
+def f(name, parser):
+    parser.add_argument(
+        "--x",
+        help="first part {WORDS} "
+        "second part",
+    )
+    raise ValueError(
+        f"{{name!r}} is {{ {{'a': 1, 'b': 2}}['a'] + 1 }} {WORDS} and {{{{braces}}}}"
+    )
+    raise TypeError(f"{"x" * 50} {{name if name else 'y' + ' ' + 'z'}}{"w" * 30}")
+"""
+
+
+def test_splits_long_strings_into_parts_of_the_same_value() -> None:
+    split = WRAP.wrap_source(STRINGS, split_strings=True).text
+    assert max(len(line) for line in split.split("\n")) <= 100
+    assert WRAP.normalized_dump(split) == WRAP.normalized_dump(STRINGS)
+    assert "ADVICE = (\n" in split and "help=(\n" in split  # a lone or mixed part: parenthesized
+    assert "raise TypeError(\n" in split  # a call's one argument: in the call's parentheses
+    assert "{ {'a': 1, 'b': 2}['a'] + 1 }" in split  # a replacement field is never cut
+    # Parts without a replacement field are plain strings, their braces unescaped.
+    assert all("{" in line for line in split.split("\n") if line.strip().startswith('f"'))
+    assert ' and {braces}"' in split
+    assert WRAP.wrap_source(split, split_strings=True).text == split
+    assert WRAP.wrap_source(STRINGS).text == STRINGS  # only asked for
