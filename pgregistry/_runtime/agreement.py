@@ -1,5 +1,4 @@
-"""Decisions every rank of the world takes alike: one request, one verdict, raised on every rank or
-on none.
+"""Decisions every rank of the world takes alike: one request, one verdict, raised on all or none.
 
 A call that is collective over the world must never raise on some ranks only: the others would go on
 into the next collective and wait there until the timeout. So a world-collective entry point first
@@ -246,8 +245,7 @@ def _fault_type_name(error: str | Exception) -> str:
 def _raise_on_every_rank(
     subject: str, fields: Mapping[str, str], error: Fault, differ: bool, failed: str, advice: str
 ) -> None:
-    """Gather every rank's fields and fault (one ``all_gather_object``) and raise the same text on
-    every rank."""
+    """Gather each rank's fields and fault (one ``all_gather_object``); raise alike on all ranks."""
     import torch.distributed as dist
 
     mine = None if error is None else (_fault_type_name(error), str(error))

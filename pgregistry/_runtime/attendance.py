@@ -1,5 +1,4 @@
-"""Which ranks came: a world-collective operation bounded by its own timeout, naming the ranks that
-did not come.
+"""Which ranks came: a world-collective operation under its own timeout, naming ranks that did not.
 
 A rank that never calls a world-collective operation (it raised earlier, took another branch, or
 died) leaves the others in the operation's first collective until the process group's timeout (30
@@ -116,8 +115,7 @@ def _check_in(
     operation: str,
     advice: str,
 ) -> None:
-    """Count this rank in; return once every rank is, or raise naming the ranks that are not by
-    ``bound``.
+    """Count this rank in; return once every rank is, or raise naming those not in by ``bound``.
 
     The count is one atomic counter. The rank that brings it to ``world_size`` opens the way for
     all; one that stops waiting adds :data:`_GAVE_UP`, so a rank arriving later sees that the others
@@ -155,8 +153,7 @@ def _check_in(
 
 
 def _roll_call(store: Any, prefix: str, world_size: int, rank: int, wait_s: float) -> list[int]:
-    """The ranks that did not answer, within ``wait_s``, a roll call every rank that failed takes
-    part in."""
+    """The ranks not answering within ``wait_s`` a roll call that every failed rank joins."""
     store.set(f"{prefix}/answered/{rank}", "")
     give_up = time.monotonic() + wait_s
     answers = store.add(f"{prefix}/answers", 1)

@@ -34,8 +34,7 @@ __all__ = [
 
 
 def kinds_by_communicator(layout: ParallelLayout) -> dict[RankGroup, tuple[str, ...]]:
-    """Every rank set of more than one rank that some kind of ``layout`` names -> the kinds naming
-    it.
+    """Every rank set of over one rank that some kind of ``layout`` names -> the kinds naming it.
 
     Rank sets are sorted tuples (the registry's keys). Size-1 groups are left out: the registry
     creates no communicator for them (the axis is off).
@@ -78,8 +77,7 @@ class SharedCommunicators:
 
 @attrs.frozen(slots=True, kw_only=True)
 class LayoutComparison:
-    """Two layouts of one world of ``world_size`` ranks: their communicators and the ones they
-    share."""
+    """Two layouts of one world of ``world_size`` ranks: their communicators and those shared."""
 
     layout_a: ParallelLayout
     layout_b: ParallelLayout
@@ -92,8 +90,7 @@ class LayoutComparison:
 
     @property
     def overlap(self) -> range:
-        """The ranks both layouts span (empty when their spans are disjoint: then they share
-        nothing)."""
+        """The ranks both layouts span (empty when their spans are disjoint: they share nothing)."""
         first_a, stop_a = self.layout_a.rank_range()
         first_b, stop_b = self.layout_b.rank_range()
         first = max(first_a, first_b)
@@ -123,13 +120,11 @@ class LayoutComparison:
         return out
 
     def communicators_per_rank(self) -> list[int]:
-        """How many communicators each rank of the world joins for the two layouts together (a
-        shared one once)."""
+        """How many communicators each rank joins for both layouts together (a shared one once)."""
         return communicators_per_rank({**self.a, **self.b}, range(self.world_size))
 
     def group_shared_by_kinds(self) -> list[SharedCommunicators]:
-        """The shared communicators grouped by (kinds of A, kinds of B, size), largest classes
-        first."""
+        """The shared communicators by (kinds of A, kinds of B, size), largest classes first."""
         classes = Counter((self.a[ranks], self.b[ranks], len(ranks)) for ranks in self.shared)
         rows = [
             SharedCommunicators(kinds_a=a, kinds_b=b, size=size, count=count)

@@ -1,5 +1,4 @@
-"""Command-line options given an empty value, refused: ``--base "$BASE"`` with the CI variable
-unset.
+"""Command-line options given an empty value, refused: ``--base "$BASE"`` with the CI var unset.
 
 An empty string is falsy, so an option read as ``if args.base:`` passes as if it were left out
 (``allowlist check --base ''`` checked without a base, ``layout --svg ''`` drew nothing), and an

@@ -1,5 +1,4 @@
-"""One communicator per distinct rank set: the process-wide cache of process groups, and how they
-are created.
+"""One communicator per distinct rank set: the process-wide group cache and how groups are made.
 
 * The same ranks named by two kinds (``dp`` and ``dp_cp`` when cp is 1), by two layouts (two models
   on two grids) or by a DeviceMesh flattening share one ProcessGroup.
@@ -67,8 +66,7 @@ BUILD_ADVICE = (
 
 @attrs.frozen(slots=True)
 class GroupOptions:
-    """What a communicator is created with besides its ranks (``None``: what ``new_group``
-    picks)."""
+    """What a communicator is created with besides its ranks (``None``: ``new_group``'s pick)."""
 
     backend: str | None = None
     timeout: timedelta | None = None
@@ -180,8 +178,9 @@ class GroupCache:
         return False
 
     def _new_group(self, ranks: RankGroup, options: GroupOptions) -> ProcessGroup:
-        """``new_group`` of ``ranks``, called by every rank of the world (torch's own names, which
-        agree only so).
+        """``new_group`` of ``ranks``, called by every rank of the world.
+
+        Only then do torch's own names for it agree across ranks.
 
         Callers wait for every rank after their last creation
         (:func:`~pgregistry._runtime.agreement.all_reached`): gloo finishes connecting a pair on one
@@ -262,8 +261,7 @@ class GroupCache:
     def twin_partition_group(
         self, rank_sets: Iterable[Iterable[int]], options: GroupOptions
     ) -> ProcessGroup | None:
-        """Like :meth:`partition_group`, but always a new communicator per rank set, beside any the
-        cache holds.
+        """Like :meth:`partition_group`, but a new communicator per rank set, beside any cached.
 
         For a library that needs two communicators over the same ranks: FSDP2 (torch 2.13) shards
         one ``fully_shard`` call's parameters by communicator and needs one mesh per communicator,
@@ -310,8 +308,7 @@ class GroupCache:
                 self._adopted.add(ranks)
 
     def destroy(self) -> None:
-        """Destroy every communicator this cache created (not the adopted ones) and forget them
-        all."""
+        """Destroy every communicator this cache created (not adopted ones) and forget them all."""
         owned = [
             group for ranks, (group, _) in self._groups.items() if ranks not in self._adopted
         ] + self._twins

@@ -26,8 +26,7 @@ __all__ = ["cuda_index", "launch_on", "optional_kernels", "probe_kernel"]
 
 
 def optional_kernels(module: str) -> ModuleType | None:
-    """The kernel module ``module`` (which imports triton), or ``None`` where triton is not
-    importable."""
+    """The kernel module ``module`` (it imports triton), or ``None`` without triton."""
     try:
         return importlib.import_module(module)
     except ImportError:  # no triton: the callers' torch path
@@ -63,8 +62,7 @@ def probe_kernel(
 
 
 def launch_on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """Launch on ``device``'s GPU (triton launches on the current one); off CUDA (the interpreter)
-    nothing."""
+    """Launch on ``device``'s GPU (triton uses the current one); off CUDA (interpreter) nothing."""
     import torch
 
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -208,8 +208,7 @@ def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroup
 
 
 def _global_grid() -> ProcessGroupCollection | None:
-    """The global grid, or ``None``: the one read of it in pgregistry (the allowlist holds it to
-    that)."""
+    """The global grid, or ``None``: pgregistry's one read of it (the allowlist keeps it so)."""
     return global_collection(None)
 
 

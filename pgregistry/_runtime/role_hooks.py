@@ -1,5 +1,4 @@
-"""Install :mod:`pgregistry.params`'s registration hooks as soon as both pgregistry and torch are
-imported.
+"""Install :mod:`pgregistry.params`'s registration hooks once pgregistry and torch are imported.
 
 Roles set as plain attributes (Megatron-Core's ``shared``, ``allreduce``, ``tensor_model_parallel``)
 survive ``fully_shard`` only if torch's parameter-registration hook saw the parameter when the model

@@ -1,5 +1,4 @@
-"""Which ranks are still alive after a fault: the survivors' check-in, decision and confirmation
-through a store.
+"""Which ranks survive a fault: the survivors' check-in, decision and confirmation through a store.
 
 :func:`pgregistry.recovery.recover` needs every survivor to name the same survivors, without a
 collective over the broken world. Through the store it was given (see there), under the generation's
@@ -43,8 +42,7 @@ def agree_on_survivors(
     told: list[int] | None,
     wait: float,
 ) -> dict[int, dict[str, Any]]:
-    """Check in, decide and confirm (see the module docstring); the confirmed survivors' records, by
-    rank.
+    """Check in, decide and confirm (module docstring); the confirmed survivors' records by rank.
 
     ``RuntimeError`` on a rank a decision left out."""
     _check_in(store, prefix, rank, json.dumps({"step": step, "lost": told}))
@@ -98,8 +96,7 @@ def _decide_survivors(
 
 
 def _require_named(survivors: list[int], rank: int, generation: str, when: str) -> None:
-    """``RuntimeError`` on ``rank`` when ``survivors`` (decided ``when``) leave it out: it is lost
-    to them."""
+    """``RuntimeError`` on ``rank`` if ``survivors`` (decided ``when``) leave it out: it is lost."""
     if rank not in survivors:
         raise RuntimeError(
             f"rank {rank} {when} without it (generation {generation}): it is lost to "

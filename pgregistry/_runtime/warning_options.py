@@ -1,5 +1,6 @@
-"""``-W`` / ``PYTHONWARNINGS`` options naming
-:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`, honoured.
+"""``-W`` / ``PYTHONWARNINGS`` options naming ``ProcessGroupFallbackWarning``, honoured.
+
+The warning is :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
 
 Python processes those options before ``site`` puts site-packages on ``sys.path``, so for an
 installed pgregistry it prints "Invalid -W option ignored: invalid module name: 'pgregistry'" and
@@ -35,8 +36,10 @@ _ACTIONS: Final = ("default", "always", "ignore", "module", "once", "error")
 
 
 class CommandLineFilter(NamedTuple):
-    """One ``-W``/``PYTHONWARNINGS`` option, parsed as Python parses it (``message`` and ``module``
-    literal)."""
+    """One ``-W``/``PYTHONWARNINGS`` option, parsed as Python parses it.
+
+    ``message`` and ``module`` are literal.
+    """
 
     action: str
     message: str
@@ -50,19 +53,16 @@ class CommandLineFilter(NamedTuple):
 
     @property
     def message_pattern(self) -> str:
-        """``message`` as the regular expression :func:`warnings.filterwarnings` takes (a literal
-        prefix)."""
+        """``message`` as the regex :func:`warnings.filterwarnings` takes (a literal prefix)."""
         return re.escape(self.message)
 
     @property
     def module_pattern(self) -> str:
-        """``module`` as the regular expression :func:`warnings.filterwarnings` takes (the whole
-        name)."""
+        """``module`` as the regex :func:`warnings.filterwarnings` takes (the whole name)."""
         return re.escape(self.module) + r"\Z" if self.module else ""
 
     def apply(self) -> None:
-        """Insert this filter at the front of :data:`warnings.filters`, as Python does for
-        ``-W``."""
+        """Insert this filter first in :data:`warnings.filters`, as Python does for ``-W``."""
         warnings.filterwarnings(
             # One of the literals, checked by command_line_filters.
             self.action,  # type: ignore[arg-type]
@@ -74,8 +74,7 @@ class CommandLineFilter(NamedTuple):
 
 
 def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
-    """The options from the first one naming ``category`` (a pgregistry category) on; empty when
-    none does.
+    """The options from the first naming ``category`` (a pgregistry category) on; empty if none.
 
     Those naming a category of another module, not a builtin, and those Python rejects as malformed
     are left out. ``ValueError`` naming the closest existing spelling for an option that names a
@@ -117,8 +116,10 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
 
 
 def _category_spellings(category: type[Warning]) -> set[str]:
-    """The names an option may give ``category`` by: its module's, the package root's, and the bare
-    class name."""
+    """The names an option may give ``category`` by.
+
+    Its module's, the package root's, and the bare class name.
+    """
     return {
         f"{category.__module__}.{category.__name__}",
         f"pgregistry.{category.__name__}",
