@@ -1,5 +1,4 @@
-"""Reading a source tree: what both the ``allowlist`` ratchet and ``pgregistry migrate`` read the
-same way.
+"""Reading a source tree: what the ``allowlist`` ratchet and ``pgregistry migrate`` read alike.
 
 The reads the ratchet counts are the reads the migration rewrites, so both take them from here,
 never from each other. The modules:

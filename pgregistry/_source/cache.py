@@ -74,8 +74,7 @@ class ScanCache:
         self._added = True
 
     def save(self) -> None:
-        """Write the cache if this run added to it; an unwritable cache directory is not an
-        error."""
+        """Write the cache if this run added to it; an unwritable cache directory is no error."""
         if not self._added:
             return
         entries = {**self._stored, **self._used}

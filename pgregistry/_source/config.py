@@ -1,5 +1,6 @@
-"""What counts as a read of global process-group state, and the ``[tool.pgregistry.allowlist]``
-settings.
+"""What counts as a read of global process-group state, and the allowlist's settings.
+
+The settings are those of ``[tool.pgregistry.allowlist]``.
 
 Two families of accessors are recognised. The *legacy* family is Megatron-style ``parallel_state``:
 a module matches when its dotted path equals a configured name or ends with ``.<name>`` (so
@@ -65,8 +66,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """Which names the scanner reports. Patterns are :mod:`fnmatch` patterns, matched
-    case-sensitively."""
+    """Which names the scanner reports.
+
+    Patterns are :mod:`fnmatch` patterns, matched case-sensitively.
+    """
 
     modules: tuple[str, ...] = ("parallel_state", "mpu")
     aliases: tuple[str, ...] = ("ps",)
@@ -203,8 +206,10 @@ def _allowlist_table(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def find_config_file(start: Path) -> Path | None:
-    """The nearest ``pyproject.toml`` at or above ``start`` with a ``[tool.pgregistry.allowlist]``
-    table."""
+    """The nearest ``pyproject.toml`` at or above ``start`` with a pgregistry allowlist table.
+
+    That is, a ``[tool.pgregistry.allowlist]`` table.
+    """
     for directory in (start, *start.parents):
         candidate = directory / "pyproject.toml"
         if candidate.is_file() and _allowlist_table(read_toml(candidate)) is not None:

@@ -79,8 +79,7 @@ def _scan_bucket(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> list
 
 
 def split_into_buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
-    """Indexes split into ``count`` lists of near-equal total size (largest first, into the
-    lightest)."""
+    """Indexes split into ``count`` lists of near-equal size (largest first, into the lightest)."""
     filled: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
     for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
@@ -96,8 +95,10 @@ def _send_scan(
     config: ScanConfig,
     connection: Connection,
 ) -> None:
-    """In a child: the results of the inherited files at ``bucket``'s indexes,
-    :mod:`marshal`-encoded, sent."""
+    """In a child: send the results of the inherited files at ``bucket``'s indexes.
+
+    They are sent :mod:`marshal`-encoded.
+    """
     scanned = _scan_bucket([items[i] for i in bucket], config)
     connection.send_bytes(marshal.dumps([encode_result(result) for result in scanned]))
 
@@ -167,8 +168,7 @@ def scan_files(
     cache: ScanCache | None = None,
     jobs: int = 1,
 ) -> ScanReport:
-    """Scan ``files``: cached results where the cache holds them, the rest parsed on up to ``jobs``
-    cores."""
+    """Scan ``files``: cached results where cached, the rest parsed on up to ``jobs`` cores."""
     read = [(source.path, _read_source_bytes(source)) for source in files]
     return scan_sources(read, config, cache=cache, jobs=jobs)
 

@@ -1,5 +1,4 @@
-"""What to write instead of a read: the accessor's own replacement from the
-``ProcessGroupCollection``.
+"""What to write instead of a read: the accessor's replacement from the ``ProcessGroupCollection``.
 
 ``get_data_parallel_group()`` becomes ``pg_collection.dp``, not the ``pg_collection.tp`` a generic
 hint would suggest; a rank or size becomes ``group_rank`` / ``group_size`` of the same field
@@ -113,8 +112,7 @@ def _replacement_for(accessor: str) -> str | None:
 
 
 def fix_for(site: Site) -> str:
-    """The fix for a new read like ``site``, naming the replacement for its accessor when one is
-    known."""
+    """The fix for a new read like ``site``, naming its accessor's replacement when one is known."""
     if site.family == SHIM:
         return (
             "build the collection once at start-up and pass it "

@@ -84,8 +84,10 @@ class _Excluder:
         return any(fnmatchcase(path, pattern) for pattern in self.paths)
 
     def entry(self, path: str) -> bool:
-        """Whether the file or directory at ``path`` is excluded by its own name or path (not by
-        those above)."""
+        """Whether the file or directory at ``path`` is excluded by its own name or path.
+
+        Not by those of the directories above it.
+        """
         return self.name(path.rpartition("/")[2]) or self.path(path)
 
     def any_level(self, path: str) -> bool:
@@ -95,8 +97,7 @@ class _Excluder:
 
 
 def is_excluded(path: str, exclude: Sequence[str]) -> bool:
-    """Whether the project path ``path`` (a file that may not exist on disk, e.g. read from git) is
-    excluded."""
+    """Whether the project path ``path`` (maybe not on disk, e.g. read from git) is excluded."""
     return _Excluder(exclude).any_level(path)
 
 

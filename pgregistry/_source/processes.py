@@ -30,15 +30,13 @@ __all__ = ["Child", "can_fork", "start_child"]
 
 
 def can_fork() -> bool:
-    """Whether work may be split into forked children: ``fork`` exists and no other thread could
-    hold a lock."""
+    """Whether work may go to forked children: ``fork`` exists and no other thread holds a lock."""
     return hasattr(os, "fork") and threading.active_count() == 1
 
 
 @dataclass
 class Child:
-    """A child process as its parent sees it: its end of the pipe, and whether it failed or was
-    reaped."""
+    """A child process as its parent sees it: its pipe end, and whether it failed or was reaped."""
 
     process: BaseProcess
     connection: Connection
@@ -46,8 +44,7 @@ class Child:
     reaped: bool = False
 
     def receive(self) -> object:
-        """The next object the child sends; ``failed`` (and None) when it sends none that
-        unpickles."""
+        """The next object the child sends; ``failed`` (and None) when none it sends unpickles."""
         if self.failed:
             return None
         try:

@@ -1,5 +1,4 @@
-"""One Python source file to the reads of global process-group state in it: bytes in, sites out, no
-I/O.
+"""One Python source file to its reads of global process-group state: bytes in, sites out, no I/O.
 
 A *site* is one read, keyed by what survives edits: the enclosing qualified scope (``Class.method``,
 ``outer.inner``, ``<module>``), the accessor read (its real name, however it was imported or
@@ -110,8 +109,9 @@ def family_of(site: Site) -> str:
 
 @dataclass(frozen=True)
 class ParseFailure:
-    """Why a file could not be scanned: a syntax error or undecodable bytes, at ``line``/``col``
-    (1-based).
+    """Why a file could not be scanned: syntax error or undecodable bytes, at ``line``/``col``.
+
+    Both are 1-based.
 
     ``needs`` is the Python version (``"3.12"``) whose syntax the failing line uses, when it is
     newer than the running interpreter's: such a file is not broken, only ahead of this Python
@@ -253,8 +253,7 @@ class _Rules:
         return any(dotted == helper or dotted.endswith("." + helper) for helper in self.helpers)
 
     def relevant(self, target: str) -> bool:
-        """Whether an import of ``target`` can lead to a site (so the name it binds is a trigger
-        word)."""
+        """Whether importing ``target`` can lead to a site (so the name bound is a trigger word)."""
         parts = target.split(".")
         return self.match(parts, True, ()) is not None or any(
             family.module(target) for family in self.families
@@ -293,8 +292,7 @@ def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
 
 
 def _decode_failure(data: bytes) -> ParseFailure | None:
-    """A failure naming the first undecodable line, in the file's declared encoding (UTF-8 by
-    default).
+    """A failure naming the first undecodable line, in the file's declared encoding (default UTF-8).
 
     Checked before parsing because :func:`ast.parse` accepts invalid bytes inside comments."""
     try:
@@ -400,8 +398,7 @@ class _Imports:
         self.stars: list[_Family] = []
 
     def collect(self, body: list[ast.stmt], lines: list[int]) -> None:
-        """Walk the statements (not expressions: imports are statements) whose span covers
-        ``lines``."""
+        """Walk the statements (not expressions: imports are statements) spanning ``lines``."""
         pending: list[list[ast.stmt]] = [body]
         while pending:
             for stmt in pending.pop():
@@ -641,8 +638,7 @@ class _Walker:
 
 
 def module_name(path: str) -> list[str]:
-    """The dotted module name of the project path ``path`` (``a/b/__init__.py`` is ``a.b``), as
-    parts."""
+    """The dotted module name of project path ``path`` as parts (``a/b/__init__.py``: ``a.b``)."""
     parts = path.split("/")
     last = parts[-1].removesuffix(".py")
     return parts[:-1] if last == "__init__" else [*parts[:-1], last]

@@ -1,5 +1,4 @@
-"""Writing a file so that it is never lost or half-written, and serialising the processes that
-rewrite it.
+"""Writing a file so it is never lost or half-written, and serialising the processes rewriting it.
 
 The allowlist is the one file the ratchet writes that a person cares about, so a rewrite goes to a
 temporary file in the same directory, is flushed to disk (``fsync``) and only then renamed over the
@@ -38,8 +37,7 @@ except ImportError:  # pragma: no cover - Windows
 
 
 class StorageError(OSError):
-    """A file could not be written or locked; ``str()`` is a one-line message naming the file and
-    the cause."""
+    """A file could not be written or locked; ``str()`` is one line naming the file and cause."""
 
     def __str__(self) -> str:
         return str(self.args[0])
