@@ -1,5 +1,6 @@
-"""The allowlist ratchet: find every read of global process-group state, fail CI on new ones, shrink
-only.
+"""The allowlist ratchet: find every read of global process-group state, fail CI on new ones.
+
+The allowlist only shrinks.
 
 ``pgregistry allowlist check|update|stats`` scans Python sources with :mod:`ast` (never importing
 them, never importing torch) and compares what it finds with a committed allowlist keyed by file,

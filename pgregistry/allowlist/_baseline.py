@@ -30,8 +30,7 @@ __all__ = ["FileChanges", "GitError", "GitTree", "base_limits", "mark_added", "p
 
 
 class GitError(RuntimeError):
-    """A git command failed (not a repository, an unknown revision); the message says which and
-    why."""
+    """A git command failed (not a repository, unknown revision); the message says which and why."""
 
 
 def _run_git(root: Path, *args: str, data: bytes | None = None) -> bytes:
@@ -105,8 +104,7 @@ class GitTree:
         return git_path[len(self.prefix) :] if git_path.startswith(self.prefix) else None
 
     def changes(self) -> FileChanges:
-        """The files git detects as renamed, and those added, since ``rev`` (working tree
-        included)."""
+        """The files git detects as renamed, and those added, since ``rev`` (work tree included)."""
         out = _run_git(self.root, "diff", "--name-status", "-M", "-z", self.commit, "--", ".")
         changes = parse_name_status(out)
         project = self._path_in_project
@@ -117,8 +115,7 @@ class GitTree:
         )
 
     def python_files(self, under: Iterable[str]) -> dict[str, bytes]:
-        """Project path -> bytes of every ``*.py`` file at ``rev`` below the project paths
-        ``under``."""
+        """Project path -> bytes of each ``*.py`` file at ``rev`` in the project paths ``under``."""
         listing = _run_git(self.root, "ls-tree", "-r", "-z", self.commit, "--", *(under or ["."]))
         blobs: list[tuple[str, str]] = []
         for entry in listing.split(b"\0"):
@@ -164,8 +161,7 @@ class GitTree:
 def _sites_on_added_lines(
     item: Mismatch, before: bytes, after: bytes, config: ScanConfig, old_path: str
 ) -> tuple[Site, ...]:
-    """The sites of ``item`` on lines that did not exist in ``before`` (lines matched with
-    difflib)."""
+    """The sites of ``item`` on lines not in ``before`` (lines matched with difflib)."""
     old_sites = scan_source(before, old_path, config).sites
     accessor, form = item.key.split("|")[1:]
     old_lines = {s.line for s in old_sites if (s.accessor, s.form) == (accessor, form)}

@@ -206,8 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _scan_targets(
     args: argparse.Namespace, settings: Settings
 ) -> tuple[list[Path], Callable[[str], bool]]:
-    """What to scan, and which allowlist paths the scan judges (all of them unless paths were
-    given)."""
+    """What to scan, and which allowlist paths the scan judges (all unless paths were given)."""
     if not args.paths:
         return [
             make_absolute(settings.resolve(Path(root))) for root in settings.roots
@@ -393,8 +392,10 @@ def _scan_at(
     rev: str,
     sources: list[tuple[str, bytes]],
 ) -> list[FileResult]:
-    """Scan ``sources`` read at git revision ``rev``; a file there that does not parse is a
-    :class:`GitError`."""
+    """Scan ``sources`` read at git revision ``rev``.
+
+    A file there that does not parse is a :class:`GitError`.
+    """
     report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
     if report.failures:
         first = report.failures[0]

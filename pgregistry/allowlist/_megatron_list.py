@@ -1,5 +1,4 @@
-"""Adopting pgregistry where Megatron-LM's own ratchet runs: its line-keyed allowlist to
-pgregistry's keys.
+"""Adopting pgregistry under Megatron-LM's ratchet: its line-keyed allowlist to pgregistry's keys.
 
 Megatron-LM's pull request 6258 keeps ``tools/process_group_usage_allowlist.json``::
 
@@ -31,8 +30,10 @@ __all__ = ["Imported", "match_megatron_list", "parse_megatron_list"]
 
 
 def parse_megatron_list(text: str, name: str) -> dict[str, list[tuple[int, str]]]:
-    """Path -> [(line, accessor)] from the JSON of Megatron-LM's list; :class:`AllowlistError` if
-    malformed."""
+    """Path -> [(line, accessor)] from Megatron-LM's list (JSON).
+
+    Raises :class:`AllowlistError` if it is malformed.
+    """
     try:
         payload: Any = json.loads(text)
     except json.JSONDecodeError as error:

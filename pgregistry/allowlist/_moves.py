@@ -28,8 +28,7 @@ __all__ = ["Move", "pair_moves"]
 
 @dataclass(frozen=True)
 class Move:
-    """``count`` reads whose key changed from ``old_key`` in ``old_path`` to ``new_key`` in
-    ``new_path``."""
+    """``count`` reads moved from ``old_key`` in ``old_path`` to ``new_key`` in ``new_path``."""
 
     old_path: str
     old_key: str
@@ -64,8 +63,9 @@ def pair_moves(
     renames: Mapping[str, str],
     added: frozenset[str] = frozenset(),
 ) -> list[Move]:
-    """The moves among ``stale`` ((path, key) -> reads missing) and ``new`` ((path, key) -> reads
-    too many).
+    """The moves among ``stale`` and ``new`` reads.
+
+    ``stale`` maps (path, key) -> reads missing, ``new`` (path, key) -> reads too many.
 
     ``emptied``: paths with allowlist entries and no read left in the scan. ``renames``: old path ->
     new path. ``added``: paths of files added since the base."""

@@ -51,13 +51,11 @@ COMMENT = (
 
 
 class AllowlistError(ValueError):
-    """The allowlist file is missing, malformed or of an unsupported version; the message says
-    which."""
+    """The allowlist file is missing, malformed or of an unsupported version; the message says."""
 
 
 class FutureAllowlistError(AllowlistError):
-    """The allowlist was written by a newer pgregistry: never rewrite it (its new fields would be
-    lost)."""
+    """The allowlist was written by a newer pgregistry: never rewrite it (losing its new fields)."""
 
 
 def read_bytes(path: Path) -> bytes | None:
@@ -86,8 +84,7 @@ class Allowlist:
         )
 
     def merge_scanned(self, scanned: Allowlist, covers: Callable[[str], bool]) -> Allowlist:
-        """``scanned`` for the paths it ``covers``, this allowlist's entries for every other
-        path."""
+        """``scanned`` for the paths it ``covers``, this allowlist's entries for all other paths."""
         kept = {path: keys for path, keys in self.entries.items() if not covers(path)}
         return Allowlist({**kept, **scanned.entries})
 
@@ -105,8 +102,7 @@ class Allowlist:
         return json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=True) + "\n"
 
     def write(self, path: Path, expected: bytes | None) -> bool:
-        """Atomically replace the file unless it already holds exactly this content; returns whether
-        it changed.
+        """Atomically replace the file unless it holds exactly this content; return if it changed.
 
         ``expected`` is what the file held when it was read (None: it did not exist). If it holds
         anything else now, another process wrote it meanwhile and writing would drop that process's
@@ -128,8 +124,10 @@ class Allowlist:
 
     @classmethod
     def load(cls, path: Path, name: str | None = None) -> Allowlist:
-        """Read and validate the allowlist at ``path`` (``name``: how messages call it; default the
-        path)."""
+        """Read and validate the allowlist at ``path``.
+
+        ``name`` is how messages call it (default: the path).
+        """
         name = name or str(path)
         try:
             data = path.read_bytes()
@@ -300,8 +298,7 @@ def compare_counts(
     added: frozenset[str] = frozenset(),
     limits: Allowlist | None = None,
 ) -> Comparison:
-    """The ratchet: every key's count must equal the allowed count, for the paths the scan
-    ``covers``.
+    """The ratchet: every key's count must equal the allowed one, for the paths the scan ``covers``.
 
     More is a new read; fewer is a stale entry (the list must shrink with the code), except where a
     stale entry and a new one are the same reads moved by a refactor

@@ -74,8 +74,7 @@ def _format_annotation(
 
 
 def render_skipped(skipped: Sequence[tuple[str, str]], fmt: str) -> str:
-    """Files left out of the scan, each with why: listed, never silent (their allowlist entries are
-    kept)."""
+    """Files left out of the scan, each with why: listed, never silent (allowlist entries kept)."""
     if fmt == "github":
         title = "pgregistry allowlist: file not scanned"
         return "".join(
@@ -141,8 +140,10 @@ def _how_to_fix(item: Mismatch, stale_fails: bool = True) -> str:
 
 
 def _sites_shown(item: Mismatch) -> tuple[Site, ...]:
-    """The sites to point at for a new read: the added ones when a base revision told them apart,
-    else all."""
+    """The sites to point at for a new read: the added ones if a base revision told them apart.
+
+    Else all of them.
+    """
     return item.added or item.sites
 
 
@@ -287,8 +288,7 @@ def _github_lines(comparison: Comparison) -> list[str]:
 def render_check(
     comparison: Comparison, allowlist: Allowlist, files: int, allowlist_name: str, fmt: str
 ) -> str:
-    """Each new read and each stale entry with its file:line and the fix, the moved reads; then a
-    verdict."""
+    """Each new read and stale entry with file:line and the fix, the moved reads; then a verdict."""
     state = "global process-group state"
     moved = sum(move.count for move in comparison.moves)
     moved_text = f"; {_plural_of(moved, 'read')} moved ({_FIX_MOVED})" if moved else ""
@@ -383,8 +383,7 @@ def _tally_sites(results: Sequence[FileResult], depth: int) -> tuple[Counter[str
 
 
 def _burn_down_bar(now: int, then: int, width: int = 20) -> str:
-    """``now`` as a share of ``then`` (or of itself): filled cells remain, empty ones were burnt
-    down."""
+    """``now`` as a share of ``then`` (or itself): filled cells remain, empty ones were burnt."""
     scale = max(then, now, 1)
     filled = round(width * now / scale)
     return "#" * filled + "." * (round(width * then / scale) - filled if then > now else 0)
