@@ -1,5 +1,6 @@
-"""Checkpoints keyed by global parameter names, so they reload under another expert- or
-pipeline-parallel layout.
+"""Checkpoints keyed by global parameter names, so they reload under another layout.
+
+The other layout may differ in expert or pipeline parallelism.
 
 Every parameter and its optimizer state are stored under the parameter's global name
 (:func:`pgregistry.experts.named_global_parameters`): experts numbered over the whole model, layers

@@ -1,5 +1,6 @@
-"""The ranks a checkpoint call runs over, and the decisions they take alike, so a fault on one
-raises on all.
+"""The ranks a checkpoint call runs over, and the decisions they take alike.
+
+So a fault on one raises on all.
 
 A checkpoint call runs over the ranks of its model's collection: the world for a model whose layout
 spans it, the module's span for one module of a job whose layout covers part of the world
@@ -102,8 +103,7 @@ class Scope:
         return f"module {self.name!r} (ranks {first}-{first + size - 1})"
 
     def identity(self) -> dict[str, Any]:
-        """What a rank file records of the scope that saved it (nothing for the world, as before
-        spans)."""
+        """What a rank file records of the scope saving it (none for the world, as before spans)."""
         if self.span is None:
             return {}
         return {"module": self.name, "span": list(self.span)}
@@ -163,8 +163,7 @@ def _span_group(collection: ProcessGroupCollection, span: tuple[int, int]) -> Pr
 
 
 def max_over_ranks(values: list[int], scope: Scope) -> list[int]:
-    """The element-wise maximum of ``values`` over the ranks of ``scope`` (``values`` itself for one
-    rank).
+    """The element-wise maximum of ``values`` over ``scope``'s ranks (``values`` for one rank).
 
     Every rank of the scope must call it with as many values; the checks built on it therefore raise
     on every rank alike.

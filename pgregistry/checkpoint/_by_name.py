@@ -85,8 +85,7 @@ class TensorParallelShard:
     size: int
 
     def whole(self, piece: torch.Tensor) -> torch.Tensor:
-        """The whole tensor from every rank's ``piece`` (collective over the group: an
-        all-gather)."""
+        """The whole tensor from every rank's ``piece`` (collective over the group: all-gather)."""
         piece = piece.detach().contiguous()
         pieces = [torch.empty_like(piece) for _ in range(self.size)]
         dist.all_gather(pieces, piece, group=self.group)
@@ -102,8 +101,7 @@ class TensorParallelShard:
 
 @attrs.frozen(slots=True)
 class RankModel:
-    """One rank's view: its parameters by global name, which of them it writes, and the TP-sharded
-    ones' cuts."""
+    """One rank's view: its parameters by global name, which it writes, TP-sharded ones' cuts."""
 
     params: dict[str, nn.Parameter]
     writes_dense: bool
@@ -129,8 +127,10 @@ class RankModel:
         return shard.whole_shape(shape) if shard is not None else shape
 
     def piece(self, name: str, stored: Any) -> Any:
-        """This rank's piece of a stored value of ``name`` (a tensor of the stored shape is cut when
-        TP-sharded)."""
+        """This rank's piece of a stored value of ``name``.
+
+        A tensor of the stored shape is cut when TP-sharded.
+        """
         shard = self.sharded.get(name)
         if (
             shard is None

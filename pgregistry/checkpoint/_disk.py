@@ -1,5 +1,4 @@
-"""Writing one checkpoint file: complete under its name or not there at all, and a failed write
-named.
+"""Writing one checkpoint file: complete under its name or not there at all; a failed write named.
 
 A file is written under a temporary name beside its final one (``.<name>.partial``), flushed to
 disk, and only renamed once the caller says so (:mod:`~pgregistry.checkpoint._rank_files` renames
@@ -52,8 +51,7 @@ class _Sink:
         return size
 
     def flush(self) -> None:
-        """Nothing to flush: every write went to the descriptor (``torch.save`` calls it at the
-        end)."""
+        """Nothing to flush: every write went to the descriptor (``torch.save`` calls it last)."""
 
 
 def partial_path(path: Path) -> Path:
@@ -62,8 +60,7 @@ def partial_path(path: Path) -> Path:
 
 
 def write_partial(path: Path, payload: Any) -> Path:
-    """``torch.save(payload)`` into :func:`partial_path` of ``path``, flushed to disk; returns that
-    path.
+    """``torch.save(payload)`` to :func:`partial_path` of ``path``, flushed to disk; return it.
 
     A stale partial file (of a save that was killed) is replaced. On any failure the partial file is
     removed; a failed write, flush or close raises ``OSError`` with its errno, naming ``path`` and

@@ -156,8 +156,10 @@ def _describe_entry(entry: Any) -> Stored:
 
 
 def _read_metadata(directory: str | Path) -> Any:
-    """The entries of the DCP checkpoint in ``directory`` by key; ``ValueError`` naming it when it
-    is none."""
+    """The entries of the DCP checkpoint in ``directory`` by key.
+
+    ``ValueError`` naming the directory when it holds none.
+    """
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -176,8 +178,10 @@ def _dcp_group(scope: Scope) -> Any:
 
 
 def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
-    """``ValueError`` on every rank of ``scope`` unless the checkpoint records the module and span
-    loading it."""
+    """``ValueError`` on every rank of ``scope`` unless the checkpoint records the loader.
+
+    That is, the module and span loading it.
+    """
     import torch.distributed.checkpoint as dcp
 
     def check_saved_identity() -> None:

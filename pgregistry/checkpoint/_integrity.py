@@ -1,5 +1,4 @@
-"""Per-tensor checksums: a rank file stores the CRC-32 of every tensor it holds, and a load checks
-the ones it reads.
+"""Per-tensor checksums: a rank file stores each tensor's CRC-32; a load checks those it reads.
 
 ``torch.load`` checks neither the zip records' CRCs nor anything else about tensor bytes: one
 flipped byte in a stored tensor (a bad disk, a truncated copy patched up, a bit flip in transit)
@@ -25,8 +24,10 @@ __all__ = ["checksums_of", "find_damaged_tensors", "tensor_crc32"]
 
 
 def tensor_crc32(tensor: torch.Tensor) -> int:
-    """CRC-32 of ``tensor``'s elements as bytes in row-major order (a device tensor is copied to the
-    host first)."""
+    """CRC-32 of ``tensor``'s elements as bytes in row-major order.
+
+    A device tensor is copied to the host first.
+    """
     flat = tensor.detach().to("cpu").contiguous()
     size = flat.numel() * flat.element_size()
     if size == 0:

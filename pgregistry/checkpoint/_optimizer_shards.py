@@ -1,5 +1,6 @@
-"""The sharded optimizer-state format: pieces of flattened parameters keyed by global name, read and
-written here.
+"""The sharded optimizer-state format: pieces of flattened parameters keyed by global name.
+
+This module reads and writes it.
 
 A sharded (distributed) optimizer stores pieces of flattened parameters; keyed by global names (give
 it :func:`pgregistry.experts.global_param_name_fn`), its pieces from every rank of one layout are
@@ -43,8 +44,9 @@ _OPTIMIZER_FILE: Final = "optimizer-rank-"
 def merge_optimizer_shards(
     shards: Iterable[Mapping[str, Mapping[str, Any]]],
 ) -> dict[str, dict[str, Any]]:
-    """Whole flat per-parameter state from the pieces a sharded optimizer saved on every rank of one
-    layout.
+    """Whole flat per-parameter state from the pieces a sharded optimizer saved on every rank.
+
+    The pieces are those of one layout.
 
     Each item of ``shards`` is one rank's ``name -> {"offset", "numel", "main", "state"}`` (the
     ``"shards"`` part of a sharded optimizer's state dict, as pgregistry's ``ShardedOptimizer``
@@ -109,8 +111,7 @@ def _same_value(a: Any, b: Any) -> bool:
 def cut_optimizer_shards(
     whole: Mapping[str, Mapping[str, Any]], template: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """This rank's pieces, cut from :func:`merge_optimizer_shards` output, for the layout of
-    ``template``.
+    """This rank's pieces of :func:`merge_optimizer_shards` output, for ``template``'s layout.
 
     ``template`` is the ``"shards"`` part of the state dict of the optimizer to load into (it says
     which pieces this rank holds now); the result replaces it before ``optimizer.load_state_dict``.
@@ -147,8 +148,7 @@ def _cut_slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
 
 
 def _copy_state_value(value: Any) -> Any:
-    """A copy of a per-parameter state value, so the cut state shares no tensor with the merged
-    one."""
+    """A per-parameter state value copied, so the cut state shares no tensor with the merged one."""
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 

@@ -81,8 +81,7 @@ def load_optimizer_state_by_name(
 
 
 def _describe_state(state: Mapping[str, Mapping[str, Any]]) -> dict[str, Stored]:
-    """The flat keys of ``state`` (a parameter's entry and its state keys), as a checkpoint stores
-    them."""
+    """The flat keys of ``state`` (a parameter's entry, state keys), as checkpoints store them."""
     if not isinstance(state, Mapping):
         raise TypeError(
             "load_optimizer_state_by_name takes {name: "

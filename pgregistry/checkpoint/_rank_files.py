@@ -1,5 +1,6 @@
-"""One ``torch.save`` file per rank in a directory; the loader memory-maps every file and takes what
-it needs.
+"""One ``torch.save`` file per rank in a directory.
+
+The loader memory-maps every file and takes what it needs.
 
 Files are ``<prefix><rank>.pt`` (``rank-`` for parameters, ``optimizer-rank-`` for sharded optimizer
 state), each stamped with the format, the world of its save and the save's id (drawn by rank 0, the
@@ -76,8 +77,7 @@ _RECORD_SINCE_2: Final = frozenset({"save_id", "checksums"})
 
 @attrs.frozen(slots=True)
 class RankFile:
-    """One rank file as read: its path, the state it holds, and the checksums stored with that
-    state."""
+    """One rank file as read: its path, the state it holds, and the checksums stored with it."""
 
     path: Path
     state: Any
@@ -193,8 +193,9 @@ def _new_save_id(scope: Scope) -> int:
 
 
 def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
-    """Make ``directory``; ``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt``
-    files in it.
+    """Make ``directory``.
+
+    ``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in it.
 
     Every rank looks before any rank writes (the look is followed by one all-reduce), so ranks of
     the save itself are never mistaken for an old checkpoint. A rank that cannot make or list the

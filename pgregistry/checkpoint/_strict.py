@@ -55,8 +55,7 @@ _NON_STRICT = "pass strict=False to load a subset on purpose"
 
 @attrs.frozen(slots=True)
 class Stored:
-    """What a load knows of one stored entry before reading it: its shape and dtype (both ``None``:
-    not a tensor)."""
+    """What a load knows of a stored entry before reading it: shape, dtype (``None``: no tensor)."""
 
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
@@ -141,8 +140,10 @@ def _describe_missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
 
 
 def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:
-    """This rank's parameters stored in another shape (or not as a tensor), and (``strict``) in
-    another dtype."""
+    """This rank's parameters stored in another shape or not as a tensor.
+
+    With ``strict``, also those stored in another dtype.
+    """
     problems = []
     for name, param in model.params.items():
         entry = stored.get(MODEL_PREFIX + name)
@@ -204,8 +205,10 @@ def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer:
 
 
 def params_updated_by(optimizer: Optimizer) -> list[torch.Tensor]:
-    """The model parameters ``optimizer`` updates (a pgregistry optimizer's own list: no state is
-    gathered)."""
+    """The model parameters ``optimizer`` updates.
+
+    A pgregistry optimizer's own list: no state is gathered.
+    """
     if isinstance(optimizer, ChainedOptimizer):
         return [
             param for child in optimizer.chained_optimizers for param in params_updated_by(child)
