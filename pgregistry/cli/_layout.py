@@ -219,8 +219,7 @@ _SHOWN_RANKS = 8
 
 
 def _format_group(group: list[int]) -> str:
-    """A group for the table: in full up to 8 ranks, else its first ranks, the last one and its
-    size."""
+    """A group for the table: in full up to 8 ranks, else its first ranks, last one and size."""
     if len(group) <= _SHOWN_RANKS:
         return "[" + ", ".join(map(str, group)) + "]"
     head = ", ".join(map(str, group[: _SHOWN_RANKS - 2]))

@@ -1,5 +1,6 @@
-"""A picture of a layout on its nodes: SVG (or an HTML page holding it), written with the standard
-library only.
+"""A picture of a layout on its nodes: SVG (or an HTML page holding it).
+
+Written with the standard library only.
 
 The sheet shows, top to bottom: the placement table (every kind, its groups, how many nodes a group
 spans, a red mark on kinds that should stay on one node and do not), a rank map (nodes as boxes,
@@ -189,16 +190,20 @@ class _Svg:
 
 
 def _group_colour(group: int) -> str:
-    """Distinct neighbouring colours: hues a golden angle apart, lightness cycling so close hues
-    still differ."""
+    """Distinct neighbouring colours: hues a golden angle apart.
+
+    The lightness cycles so close hues still differ.
+    """
     return f"hsl({group * 137.508 % 360:.1f},62%,{(68, 56, 82)[group % 3]}%)"
 
 
 def _draw_nodes(
     svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[[int, int, int], None]
 ) -> None:
-    """Node boxes of ``grid`` at (x, y), each holding its ranks' cells drawn by ``draw_cell(rank,
-    cx, cy)``."""
+    """Node boxes of ``grid`` at (x, y), each holding its ranks' cells.
+
+    Cells are drawn by ``draw_cell(rank, cx, cy)``.
+    """
     g = grid.gpus_per_node
     for node in grid.nodes:
         nx, ny = grid.node_origin(node)
@@ -439,8 +444,7 @@ def _outside_cell(
     gpus_per_node: int,
     span: tuple[int, int],
 ) -> None:
-    """A rank the drawn nodes hold but the layout does not: an empty, dashed cell (class
-    ``outside``)."""
+    """A rank the drawn nodes hold but the layout does not: an empty dashed cell (``outside``)."""
     svg.open("g", class_="rank outside", data_rank=rank, data_node=node_of(rank, gpus_per_node))
     svg.title(f"rank {rank}: outside the layout (ranks {span[0]}-{span[1] - 1})")
     svg.rect(
@@ -461,8 +465,10 @@ def _outside_cell(
 
 @attrs.frozen(slots=True, kw_only=True)
 class _Panel:
-    """A titled drawing of width ``width`` and height ``height``; ``draw_panel(svg, x, y)`` puts it
-    at (x, y)."""
+    """A titled drawing of width ``width`` and height ``height``.
+
+    ``draw_panel(svg, x, y)`` puts it at (x, y).
+    """
 
     width: int
     height: int

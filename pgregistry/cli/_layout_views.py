@@ -229,8 +229,7 @@ def _write_svg_and_html(args: argparse.Namespace, svg: str, title: str) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written
-    picture."""
+    """Write ``text`` to ``path`` via a temporary file and rename: never a half-written picture."""
     try:
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except OSError as exc:

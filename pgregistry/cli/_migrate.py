@@ -1,5 +1,4 @@
-"""``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state into reads of a
-collection.
+"""``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state to a collection's.
 
 ``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every
 file checked first, all written or none under a journal that the next run finishes if this one is
@@ -122,8 +121,7 @@ def _ratchet_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
 
 
 def _print_bytes(data: bytes) -> None:
-    """``data`` on stdout as they are (a diff in a file's own encoding, as ``git diff`` prints
-    it)."""
+    """``data`` on stdout as is (a diff in a file's own encoding, as ``git diff`` prints it)."""
     sys.stdout.flush()
     buffer = getattr(sys.stdout, "buffer", None)
     if (
@@ -163,8 +161,7 @@ def _allowlist_to_write(
 
 
 def _regenerate_allowlist(args: argparse.Namespace) -> int:
-    """``pgregistry allowlist update`` with the same settings, allowlist and paths (its exit
-    code)."""
+    """``pgregistry allowlist update`` with the same settings, allowlist, paths (its exit code)."""
     from pgregistry.allowlist import main as allowlist
 
     chosen = [f"--allowlist={args.allowlist}"] if args.allowlist is not None else []

@@ -1,5 +1,4 @@
-"""Options shared by several commands: the sizes that declare a parallel layout, and the
-node-placement check.
+"""Options shared by commands: the sizes declaring a parallel layout, and the node-placement check.
 
 Torch-free at import (the layout arithmetic is imported inside :func:`layout_from_args`).
 """
@@ -190,14 +189,15 @@ def add_placement_arguments(
 
 
 def intra_node_kinds(args: argparse.Namespace) -> tuple[str, ...]:
-    """The kinds of ``--intra-node`` (unknown names are refused by
-    :func:`pgregistry.placement.place`)."""
+    """The kinds of ``--intra-node`` (:func:`pgregistry.placement.place` refuses unknown names)."""
     return tuple(kind.strip() for kind in args.intra_node.split(",") if kind.strip())
 
 
 def positive_seconds(text: str) -> float:
-    """An argparse ``type``: a positive, finite number of seconds (a collective timeout of 0 fails
-    at once)."""
+    """An argparse ``type``: a positive, finite number of seconds.
+
+    A collective timeout of 0 would fail at once.
+    """
     try:
         value = float(text)
     except ValueError:

@@ -1,5 +1,4 @@
-"""``pgregistry seed-plan``: every rank's RNG tracker seeds for a layout, and a check for seed
-collisions.
+"""``pgregistry seed-plan``: each rank's RNG tracker seeds for a layout, and a check for collisions.
 
 A layout over part of the world (``--rank-offset``) is planned for its own ranks, listed by their
 global rank: the seeds follow each rank's coordinates in the layout, as the collection built from it
@@ -140,8 +139,7 @@ _PLAN_BYTES_PER_RANK = 3072
 def estimate_plan_bytes(
     layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool
 ) -> int:
-    """The memory the plan of ``layout`` (``check``: its check) holds, estimated from the layout's
-    sizes alone."""
+    """Memory of ``layout``'s plan (``check``: its check), estimated from the layout's sizes."""
     from pgregistry.rng import check_seed_plan_size
 
     if not check:

@@ -1,5 +1,4 @@
-"""Pass/fail checks across a torchrun world: initialise, run, gather, print one table on rank 0,
-tear down.
+"""Pass/fail checks across a torchrun world: init, run, gather, one table on rank 0, tear down.
 
 ``pgregistry verify`` and ``scripts/gpu_check.py`` both run a list of checks on every rank of a real
 backend and report them the same way: one line per check, failing ranks named, and a closing ``N
