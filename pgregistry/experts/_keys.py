@@ -49,8 +49,7 @@ def _num_local(num_experts: int, ep_size: int) -> int:
 
 
 def check_ep(ep_rank: int, ep_size: int) -> None:
-    """``ValueError`` unless ``ep_rank`` and ``ep_size`` are integers with ``0 <= ep_rank <
-    ep_size``."""
+    """``ValueError`` unless ``ep_rank``, ``ep_size`` are ints with ``0 <= ep_rank < ep_size``."""
     for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -175,8 +174,7 @@ def is_expert_key(key: str) -> bool:
 
 
 def global_key(key: str, slot: ExpertSlot, num_experts: int, ep_rank: int, ep_size: int) -> str:
-    """``key`` (whose expert index is at ``slot``) with that index made global; errors name
-    ``key``."""
+    """``key`` (expert index at ``slot``) with that index made global; errors name ``key``."""
     try:
         return slot.with_index(global_expert_index(slot.index, num_experts, ep_rank, ep_size))
     except ValueError as exc:
@@ -304,8 +302,10 @@ def localize_expert_keys(
 
 
 def _refuse_incomplete(state_dict: Mapping[str, object], expected: range, why: str) -> None:
-    """``ValueError`` naming the first family of expert keys of ``state_dict`` whose indices are not
-    ``expected``."""
+    """``ValueError`` naming the first family of expert keys with wrong indices.
+
+    The keys are those of ``state_dict``; the right indices are ``expected``.
+    """
     families: dict[str, set[int]] = {}
     for key in state_dict:
         slot = expert_slot(key)

@@ -1,5 +1,4 @@
-"""Global parameter names: the same on every parallel layout, so checkpoints and optimizer state
-reload anywhere.
+"""Global parameter names: alike on any layout, so checkpoints and optimizer state reload anywhere.
 
 A global name numbers experts over the whole model (``ep_rank * (num_experts // ep_size) +
 local_index``) and layers over the whole pipeline. On the standard grid (EP 1, PP 1) global names
@@ -65,8 +64,7 @@ def check_naming_options(options: Mapping[str, object], owner: str) -> None:
 
 
 class GlobalNamer:
-    """Renames the parameter names of model chunks to global names; see
-    :func:`named_global_parameters`.
+    """Renames model chunks' parameter names to global names; see :func:`named_global_parameters`.
 
     ``collection`` gives the chunks' resolved collection; it is called at most once, and only when a
     name needs EP or PP, so a model that needs neither is never asked for one."""
@@ -200,8 +198,7 @@ class GlobalNamer:
         return offset
 
     def _offset_without_pipeline(self, chunk_index: int) -> int:
-        """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this
-        raises."""
+        """0 when one chunk holds every layer (PP off); else the offset is unknown: this raises."""
         if len(self._chunks) == 1:
             if group_size(self._get_collection().get("pp")) == 1:
                 return 0
@@ -245,8 +242,7 @@ def named_global_parameters(
 
 
 def global_names(namer: GlobalNamer) -> list[tuple[str, nn.Parameter]]:
-    """``(global name, parameter)`` for every parameter of ``namer``'s chunks, each once, in chunk
-    order."""
+    """``(global name, parameter)`` per parameter of ``namer``'s chunks, once, in chunk order."""
     seen: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
     for index, chunk in enumerate(namer.chunks):
@@ -301,8 +297,10 @@ def _model_chunks(
 
 
 def _chain_attribute(module: nn.Module, name: str) -> Any:
-    """The first non-None ``name`` attribute of ``module`` or a module it wraps (DDP, FSDP, ...);
-    else None."""
+    """The first non-None ``name`` attribute of ``module`` or a module it wraps, else None.
+
+    Wrappers such as DDP and FSDP are followed.
+    """
     for inner in wrapper_chain(module):
         value = getattr(inner, name, None)
         if value is not None:
