@@ -1,5 +1,4 @@
-"""Grad statistics over a process-group collection: duplicate filters, norms, zero counts and
-clipping.
+"""Grad statistics over a process-group collection: duplicate filters, norms, zero counts, clipping.
 
 A global grad statistic must count each distinct piece of the model exactly once:
 

@@ -1,5 +1,6 @@
-"""The unclassified-expert check: a parameter of a marked expert module must say whether it is
-replicated across EP.
+"""The unclassified-expert check.
+
+A parameter of a marked expert module must say whether it is replicated across EP.
 
 A missing classification is an error, never a default (xorl: per-expert LoRA factors defaulted to
 EP-replicated, the norm low by 1/sqrt(ep); ``docs/known_bugs.md``). The check must not depend on how

@@ -1,5 +1,4 @@
-"""DTensor grads in grad statistics: each local piece counted as its placements and its parameter's
-roles say.
+"""DTensor grads in grad statistics: each local piece counted as its placements and roles say.
 
 FSDP2 (``fully_shard``), ``parallelize_module`` and ``distribute_tensor`` leave DTensor grads. A
 DTensor's local piece (``to_local()``) is classified per mesh dim it spans, the dim's group matched
@@ -63,16 +62,14 @@ _PARTIAL_OPS: Final = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a DTensor (torch.distributed.tensor imported only when torch has
-    it)."""
+    """Whether ``tensor`` is a DTensor (torch.distributed.tensor imported only if torch has it)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
 
 
 def is_partial(grad: DTensor) -> bool:
-    """Whether ``grad`` has a pending reduction (a ``Partial`` placement): reading it is
-    collective."""
+    """Whether ``grad`` has a pending reduction (``Partial``): reading it is collective."""
     from torch.distributed.tensor import Partial
 
     return any(isinstance(placement, Partial) for placement in grad.placements)
@@ -342,8 +339,10 @@ def _is_shard(placement: Any) -> bool:
 
 
 def _copy_with_partial_reduced(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -> torch.Tensor:
-    """``local`` with the pending ``Partial`` reduction over ``dim`` done, on a copy (the grad is
-    untouched)."""
+    """``local`` with the pending ``Partial`` reduction over ``dim`` done.
+
+    Done on a copy: the grad is untouched.
+    """
     op = dim.placement.reduce_op
     if op not in _PARTIAL_OPS:
         raise ValueError(f"Partial({op!r}) grads are not supported")

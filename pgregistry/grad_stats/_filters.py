@@ -1,5 +1,4 @@
-"""Duplicate filters: which rank counts a gradient, and which group the counted gradient is summed
-over.
+"""Duplicate filters: which rank counts a gradient, and which group the counted one is summed over.
 
 Every rank classifies each of its local gradients by the parameter's roles
 (:mod:`pgregistry.params`). A parameter that is not TP-sharded is replicated across its TP group
@@ -78,8 +77,7 @@ class StatsGroups:
 
     @classmethod
     def from_collection(cls, collection: ProcessGroupCollection) -> StatsGroups:
-        """The groups of a resolved ``collection`` (its :data:`STATS_FALLBACK` fields set at the
-        door).
+        """The groups of a resolved ``collection`` (:data:`STATS_FALLBACK` fields set at the door).
 
         ``tp`` and ``mp`` must be set (``None`` when the axis is off), and
         ``tp_ep_pp_with_egtp_remat``, or ``tp_ep_pp`` where expert GTP is off (the two then hold the

@@ -157,8 +157,10 @@ def _vector_width(dtype: torch.dtype) -> int:
 def _launch_squares_and_zeros(
     x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int
 ) -> torch.Tensor:
-    """One launch of ``programs`` programs (at least one): its pairs summed, ``[sum of squares,
-    zeros]`` (float64)."""
+    """One launch of ``programs`` programs (at least one): its pairs summed.
+
+    The pairs are ``[sum of squares, zeros]`` (float64).
+    """
     import torch
 
     pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
@@ -303,23 +305,26 @@ def _scale_launch(
 
 @functools.cache
 def _epsilon_bits() -> int:
-    """The bits of clipping's epsilon, made once (the constant lives with the reductions, which
-    import torch)."""
+    """The bits of clipping's epsilon, made once.
+
+    The constant lives with the reductions, which import torch.
+    """
     from pgregistry.grad_stats._reductions import CLIP_EPSILON
 
     return float64_bits(CLIP_EPSILON)
 
 
 def float64_bits(value: float) -> int:
-    """The bits of ``value`` as a float64, as a signed integer: how a float64 reaches a triton
-    kernel exactly."""
+    """Float64 ``value``'s bits as a signed int: how a float64 reaches a triton kernel exactly."""
     bits: int = struct.unpack("<q", struct.pack("<d", value))[0]
     return bits
 
 
 def _check_readable(tensors: Sequence[torch.Tensor], checked: bool) -> None:
-    """``ValueError`` unless ``tensors`` are one readable kind, each contiguous (``checked``: the
-    caller knows)."""
+    """``ValueError`` unless ``tensors`` are one readable kind, each contiguous.
+
+    ``checked``: the caller knows they are.
+    """
     if not tensors:
         raise ValueError("the one-read kernels need at least one tensor")
     device, dtype = tensors[0].device, tensors[0].dtype

@@ -124,8 +124,7 @@ def clip_grads_(
 
 
 def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
-    """With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``norm`` (a host
-    sync)."""
+    """With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``norm`` (host sync)."""
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
             f"the total grad norm is {float(norm)}, not finite, so the grads "

@@ -1,5 +1,6 @@
-"""Local shares of lists of grads (plain tensors, DTensor local pieces), and scaling them: one read
-per (device, dtype).
+"""Local shares of lists of grads (plain tensors, DTensor local pieces), and scaling them.
+
+One read per (device, dtype).
 
 Each (device, dtype) *kind* of a list is read by one route:
 
@@ -98,8 +99,7 @@ def by_kind(
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a kind's norms are taken in: float64 for float64 (and complex128) grads, float32
-    otherwise."""
+    """The dtype of a kind's norms: float64 for float64 (and complex128) grads, else float32."""
     return torch.float64 if makes_norm_float64(dtype) else torch.float32
 
 
@@ -122,8 +122,10 @@ class KindPlan:
 def plan_kind(
     tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype
 ) -> KindPlan:
-    """How to read ``tensors`` (one device and dtype); a few passes at C speed, and Python work per
-    host block."""
+    """How to read ``tensors`` (one device and dtype).
+
+    A few passes at C speed, and Python work per host block.
+    """
     everything = tuple(range(len(tensors)))
     if one_read_applies(device, dtype):
         contiguous = list(map(torch.Tensor.is_contiguous, tensors))
@@ -173,8 +175,10 @@ def _host_blocks(
 def read_kind(
     tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
-    """The parts (:func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``) of one kind's
-    ``tensors``."""
+    """The parts of one kind's ``tensors``.
+
+    Made by :func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``.
+    """
     if (
         plan.dtype.is_complex
     ):  # through the moduli (module docstring): the plan's blocks are by shape, theirs too
@@ -319,14 +323,12 @@ def _kind_parts(
 def parts_of(
     grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
-    """The parts of ``grads`` (any devices and dtypes; plain tensors), one read per kind, planned
-    afresh."""
+    """The parts of ``grads`` (any device, dtype; plain tensors), a read per kind, planned anew."""
     return [part for _, parts in _kind_parts(grads, wanted, device) for part in parts]
 
 
 def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) -> None:
-    """Add the parts of ``grads`` (as :func:`parts_of`) to ``shares`` under ``group``, noting their
-    dtypes."""
+    """Add ``grads``' parts (:func:`parts_of`) to ``shares`` under ``group``, noting dtypes."""
     for dtype, parts in _kind_parts(grads, shares.wanted, shares.device):
         shares.widen(dtype)
         for part in parts:

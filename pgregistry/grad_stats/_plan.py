@@ -186,8 +186,7 @@ class _Planned:
 
 @attrs.define(slots=True)
 class _Layout:
-    """What the grads of one call look like, and what is derived from it (see the module
-    docstring)."""
+    """What one call's grads look like, and what is derived from it (see the module docstring)."""
 
     types: list[type]
     specs: list[object]
@@ -307,8 +306,7 @@ class Plan:
         params: Sequence[torch.Tensor],
         wanted: Wanted,
     ) -> Read:
-        """Read ``pieces`` (checked against ``layout``) and the ``partial`` DTensor grads into
-        shares."""
+        """Read ``pieces`` (checked against ``layout``) and ``partial`` DTensor grads to shares."""
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
         shares.wide = layout.wide
@@ -348,8 +346,10 @@ class Plan:
     def _make_layout(
         self, params: Sequence[torch.Tensor], grads: list[Any], types: list[type]
     ) -> _Layout:
-        """Classify the grads by their layout (Python work per grad: only when the grads' types or
-        specs change)."""
+        """Classify the grads by their layout.
+
+        Python work per grad: only when the grads' types or specs change.
+        """
         from torch.distributed.tensor import DTensor
 
         plain: list[int] = []
@@ -480,8 +480,7 @@ def _group_into_kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) 
 
 
 class Kept:
-    """A plan and what it was made from: the collection, the parameter set, the roles (module
-    docstring)."""
+    """A plan and what made it: the collection, the parameter set, the roles (module docstring)."""
 
     def __init__(self, source: Source, given: ProcessGroupCollection, owner: str) -> None:
         params = params_of_source(source)
@@ -525,8 +524,7 @@ class Kept:
         self.generation = role_generation()
 
     def plan_params(self, source: Source) -> list[torch.Tensor] | None:
-        """The parameters of ``source`` in the plan's order if the parameter set is the plan's, else
-        ``None``."""
+        """The parameters of ``source`` in plan order if their set is the plan's, else ``None``."""
         if self._tensor_refs is None:
             if source.tensors is not None or len(source.chunks) != len(self._chunk_refs) + 1:
                 return None
@@ -556,8 +554,10 @@ class Kept:
         return list(chain.from_iterable(self._held_views))
 
     def _role_values(self) -> list[Any]:
-        """The roles of the parameters that had one, a parameter's four after another (as
-        :func:`_piece_facts`)."""
+        """The roles of the parameters that had one, four per parameter in turn.
+
+        As :func:`_piece_facts` lays them out.
+        """
         gets = (map(dict.get, self._roled, repeat(key)) for key in ROLE_KEYS)
         return list(chain.from_iterable(zip(*gets, strict=True)))
 

@@ -1,5 +1,4 @@
-"""The one reduction path of grad norms and zero counts: local shares per reduction group, then one
-reducer.
+"""The one path reducing grad norms and zero counts: local shares per reduction group, one reducer.
 
 Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`; DTensor local
 pieces, :mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry.optim._grad_buffer`)
@@ -104,16 +103,17 @@ def nonfinite_part(part: torch.Tensor) -> torch.Tensor:
 
 
 def makes_norm_float64(dtype: torch.dtype) -> bool:
-    """Whether grads of ``dtype`` make the norm float64 (:attr:`Reduced.norm`): float64 and
-    complex128."""
+    """Whether ``dtype`` grads make the norm float64 (:attr:`Reduced.norm`): float64, complex128."""
     return dtype in (torch.float64, torch.complex128)
 
 
 def make_part(
     norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
-    """A part from a norm share (``sum |g|^p``, or ``max |g|``) and a zero count (0-dim tensors,
-    either absent)."""
+    """A part from a norm share and a zero count (0-dim tensors, either absent).
+
+    The norm share is ``sum |g|^p``, or ``max |g|``.
+    """
     if norm_share is None or zeros is None:
         present = norm_share if norm_share is not None else zeros
         if present is None:
@@ -134,8 +134,7 @@ class _First:
 
 
 class Shares:
-    """This rank's local shares of one statistics call, by reduction group; see the module
-    docstring.
+    """This rank's local shares of one statistics call by reduction group; see the module docstring.
 
     Every group a rank must reduce over is a key, with no part when it counts nothing there, so
     every rank of a group issues the same collectives (a pipeline stage without experts still joins
@@ -317,8 +316,10 @@ def _same_ranks(group: ProcessGroup, rows: Mapping[GroupKey, torch.Tensor]) -> A
 
 
 def _as_part(row: torch.Tensor, wanted: Wanted) -> torch.Tensor:
-    """A row reduced over a field first, as a part of its reduction group (an inf-norm row's NaN
-    flag as a NaN)."""
+    """A row reduced over a field first, as a part of its reduction group.
+
+    An inf-norm row's NaN flag becomes a NaN.
+    """
     if not wanted.infinite:
         return row
     return torch.stack([torch.where(row[_FLAG] > 0, math.nan, row[_NORM]), row[_ZEROS]])
@@ -382,8 +383,7 @@ def _reduce_each_group(
 
 
 def _reduce_block(block: torch.Tensor, group: ProcessGroup | None, wanted: Wanted) -> None:
-    """All-reduce the rows of ``block`` in place over ``group`` (step 1 of
-    :func:`reduce_shares`)."""
+    """All-reduce ``block``'s rows in place over ``group`` (step 1 of :func:`reduce_shares`)."""
     if group is None or group_size(group) <= 1:
         return
     if not wanted.infinite:
@@ -458,8 +458,10 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> No
 def _in_collective_order(
     items_by_group: Mapping[ProcessGroup | None, V],
 ) -> list[tuple[ProcessGroup | None, V]]:
-    """Items ordered identically on every rank: ranks that share two groups must reduce them in the
-    same order."""
+    """Items ordered alike on every rank.
+
+    Ranks that share two groups must reduce them in the same order.
+    """
 
     def collective_order_key(
         item: tuple[ProcessGroup | None, V],
