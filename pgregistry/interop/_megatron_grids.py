@@ -1,5 +1,6 @@
-"""Megatron-Core's multi-module objects: ``HyperCommGrid`` in, ``MultiModuleProcessGroupCollection``
-both ways.
+"""Megatron-Core's multi-module objects.
+
+``HyperCommGrid`` in, ``MultiModuleProcessGroupCollection`` both ways.
 
 Megatron-Core's MIMO models give each module a ``HyperCommGrid`` (a grid over a span of ranks:
 ``shape`` and ``dim_names`` fastest first, ``rank_offset``), whose dense groups are created over the
@@ -192,8 +193,9 @@ def _create_per_axis_groups(
 
 
 def _one_rank_group(enums: Mapping[str, set[RankGroup]], span: tuple[int, int]) -> Any:
-    """This rank's one-rank group when the grid made none (``None`` when it did, and on ranks
-    outside ``span``).
+    """This rank's one-rank group when the grid made none.
+
+    ``None`` when it did, and on ranks outside ``span``.
 
     A collection's off axes go to Megatron-Core and DeviceMesh as that group (they have no "axis
     off"), so a grid whose groups all have several ranks gets pgregistry's, as every build makes it:
@@ -237,8 +239,7 @@ def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str
 
 
 def _grid_sizes(grid: Any) -> dict[str, int]:
-    """Layout axis -> size, from the base dims and the expert view; ``ValueError`` for an unknown
-    dim."""
+    """Layout axis -> size, from base dims and expert view; ``ValueError`` for an unknown dim."""
     sizes: dict[str, int] = {}
     for dim, size in zip(grid.dim_names, grid.shape, strict=True):
         if dim not in _BASE_DIMS:
@@ -262,8 +263,10 @@ def _grid_sizes(grid: Any) -> dict[str, int]:
 
 
 def _grid_groups(grid: Any) -> tuple[dict[str, Any], dict[str, set[RankGroup]]]:
-    """(field -> this rank's group of every field whose dims the grid created, field -> all its rank
-    sets)."""
+    """The pair (field -> this rank's group, field -> all its rank sets).
+
+    For every field whose dims the grid created.
+    """
     fields: dict[str, Any] = {}
     enums: dict[str, set[RankGroup]] = {}
     for table, view in ((_BASE_FIELDS, None), (_EXPERT_FIELDS, EXPERT_VIEW)):
@@ -282,8 +285,10 @@ _NOT_CREATED: Final = object()
 
 
 def _grid_group(grid: Any, dims: tuple[str, ...], view: str | None) -> Any:
-    """The grid's group over ``dims`` (``_NOT_CREATED`` when the grid lacks the dims, the view, or
-    the group)."""
+    """The grid's group over ``dims``.
+
+    ``_NOT_CREATED`` when the grid lacks the dims, the view, or the group.
+    """
     try:
         return grid.get_pg(list(dims), view=view)
     except (KeyError, ValueError):
@@ -329,8 +334,7 @@ def describe_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
 
 
 def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str | None]:
-    """Every module's layout, from the groups every rank running it reported, and the language
-    model's name.
+    """Every module's layout, from the groups its ranks reported, and the language model's name.
 
     ``everyone[rank]`` is ``(module name -> described_groups(...), language model name or None)`` of
     that rank; ``ValueError`` naming the module when its ranks are not one span or no layout gives

@@ -290,8 +290,10 @@ def from_megatron(mc_collection: Any) -> Any:
 
 
 def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
-    """pgregistry field -> value of Megatron-Core's collection (see :func:`from_megatron`), nothing
-    adopted."""
+    """pgregistry field -> value of Megatron-Core's collection, nothing adopted.
+
+    See :func:`from_megatron`.
+    """
     megatron_type = _megatron_collection_type()
     if not isinstance(mc_collection, megatron_type):
         raise TypeError(

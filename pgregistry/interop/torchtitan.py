@@ -1,5 +1,4 @@
-"""torchtitan interop: torchtitan's ``ParallelDims`` and a pgregistry collection on one set of
-communicators.
+"""torchtitan interop: its ``ParallelDims`` and a pgregistry collection on one set of communicators.
 
 torchtitan 0.3 builds its meshes by unflattening one world mesh into several views (data loading,
 dense, sparse, loss), and every view gets process groups of its own: with ``ParallelDims(dp_shard=4,
@@ -116,8 +115,7 @@ _SPARSE_AXES: Final = ("dp_replicate", "efsdp", "ep")
 
 @attrs.frozen(slots=True)
 class _Sizes:
-    """torchtitan's parallel degrees (``ParallelDims``'s fields) and the sizes of the dims they
-    make."""
+    """torchtitan's parallel degrees (``ParallelDims``'s fields) and their dims' sizes."""
 
     world_size: int
     dp_replicate: int
@@ -156,8 +154,10 @@ class _Sizes:
         )
 
     def partition(self, dim: str) -> torch.Tensor:
-        """Every group of ``dim`` as torchtitan builds it, ``[groups, ranks]`` (``loss``: batch x cp
-        flattened)."""
+        """Every group of ``dim`` as torchtitan builds it, ``[groups, ranks]``.
+
+        ``loss`` is batch x cp flattened.
+        """
         import torch
 
         sizes = self.dim_sizes()
@@ -348,8 +348,10 @@ def to_parallel_dims(
 
 
 def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
-    """What makes ``collection`` unusable here: a layout over part of the world, destroyed groups,
-    no layout."""
+    """What makes ``collection`` unusable here.
+
+    A layout over part of the world, destroyed groups, or no layout.
+    """
     import torch.distributed as dist
 
     layout = collection.layout
@@ -379,15 +381,16 @@ def _views_of(spmd_backend: str) -> tuple[str, ...]:
 
 
 def _dims_of(spmd_backend: str) -> tuple[str, ...]:
-    """The dims torchtitan builds under ``spmd_backend``, in a fixed order (every rank walks it
-    alike)."""
+    """The dims torchtitan builds under ``spmd_backend``, in one order (all ranks walk it alike)."""
     dims = dict.fromkeys(dim for view in _views_of(spmd_backend) for dim in _VIEWS[view])
     return (*dims, "loss")
 
 
 def _is_real(parallel_dims: Any, dim: str) -> bool:
-    """Whether torchtitan gives ``dim`` a real backend (its own rule; ``loss`` is flattened, always
-    real)."""
+    """Whether torchtitan gives ``dim`` a real backend.
+
+    Its own rule; ``loss`` is flattened, always real.
+    """
     size = _sizes_of_titan(parallel_dims).dim_sizes()[dim]
     return dim == "loss" or bool(parallel_dims._mesh_exist(dim, size))
 
@@ -536,8 +539,9 @@ class _GroupSource:
         )
 
     def _expert_fsdp_twin(self, partition: torch.Tensor) -> ProcessGroup:
-        """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks (EP
-        = TP).
+        """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks.
+
+        That is when EP = TP.
 
         FSDP2 (torch 2.13) groups the parameters of one ``fully_shard`` call by their shard
         communicator and requires one mesh of theirs per communicator; torchtitan shards a block's
