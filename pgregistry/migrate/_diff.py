@@ -1,5 +1,4 @@
-"""A change as a unified diff, in time linear in the file (for the files a rewrite touches
-throughout).
+"""A change as a unified diff, in time linear in the file (for files a rewrite touches throughout).
 
 :func:`difflib.unified_diff` alone is quadratic on a long file whose changes are spread over it:
 each matching block its matcher finds costs a scan of the rest (a generated 1 MB file: minutes). The
@@ -57,8 +56,7 @@ def _unique_line_anchors(
 
 
 def _matching_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> list[tuple[int, int, int]]:
-    """What :meth:`difflib.SequenceMatcher.get_matching_blocks` gives, anchored on unique lines
-    first."""
+    """What :meth:`difflib.SequenceMatcher.get_matching_blocks` gives, anchored on unique lines."""
     blocks: list[tuple[int, int, int]] = []
     stretches = [(0, len(a), 0, len(b))]
     while stretches:

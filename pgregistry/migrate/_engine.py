@@ -1,5 +1,4 @@
-"""``pgregistry migrate``'s engine: the files of a run to their planned rewrites, across the whole
-tree.
+"""``pgregistry migrate``'s engine: a run's files to their planned rewrites, across the whole tree.
 
 1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist``
    counts); learn what the whole tree says about the functions with reads
@@ -453,8 +452,7 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
 
 
 def _project_root(files: Sequence[SourceFile]) -> Path:
-    """The project root the paths of ``files`` are relative to (the current directory when there are
-    none)."""
+    """The project root the paths of ``files`` are relative to (the current directory if none)."""
     if not files:
         return Path.cwd()
     return files[0].absolute.parents[files[0].path.count("/")]

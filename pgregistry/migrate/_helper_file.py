@@ -1,5 +1,4 @@
-"""The fallback helper module ``pgregistry migrate --target megatron`` writes into the migrated
-tree.
+"""The fallback helper module ``pgregistry migrate --target megatron`` writes in the migrated tree.
 
 Its text is :mod:`~pgregistry.migrate._fallback_helper`'s (a real module of this package, tested as
 such) with the table of accessors written for the code's Megatron-Core release
@@ -52,8 +51,7 @@ class HelperConflict(ValueError):
 
 
 def _python_literal(value: object) -> str:
-    """``value`` (a string, bool, tuple or dict of those) as Python, with double quotes, as black
-    writes it."""
+    """``value`` (a string, bool, tuple or dict of those) as Python, double-quoted like black."""
     if isinstance(value, str):
         return '"' + value + '"'
     if isinstance(value, tuple):

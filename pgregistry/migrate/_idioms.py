@@ -1,5 +1,4 @@
-"""What a read becomes in each target's code: a call of the fallback helper, in place, and the
-imports it needs.
+"""What a read becomes in each target's code: a fallback helper call, in place, and its imports.
 
 Every rewritten read becomes ``pg_group`` / ``pg_rank`` / ``pg_size`` / ``pg_read`` of the
 collection in scope and the field (``parallel_state.get_tensor_model_parallel_rank()`` ->

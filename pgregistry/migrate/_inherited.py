@@ -41,8 +41,7 @@ def _runs_the_base_init(node: ast.ClassDef) -> bool:
 def _first_base(
     node: ast.ClassDef, module: str, bound: Mapping[str, str], classes: set[str]
 ) -> Key | None:
-    """(module, name) of ``node``'s first base: a class of the same module or one the file
-    imports."""
+    """(module, name) of ``node``'s first base: a class of this module or one the file imports."""
     base = node.bases[0]
     parts: list[str] = []
     while isinstance(base, ast.Attribute):

@@ -1,5 +1,6 @@
-"""Which files a ``migrate`` run reads and may rewrite, once each: symbolic links followed to the
-file they name.
+"""Which files a ``migrate`` run reads and may rewrite, once each.
+
+Symbolic links are followed to the file they name.
 
 A link is the user's: a rewrite replaces the file a link names, never the link itself (a rename over
 the link's path would turn it into a regular file holding a copy). The file it names is rewritten

@@ -1,5 +1,4 @@
-"""Which Megatron-Core the migrated code reads its groups from, as far as the field table depends on
-it.
+"""Which Megatron-Core migrated code reads its groups from, as far as the field table depends on it.
 
 Megatron-Core 0.19 added GTP remat: ``get_data_parallel_group(with_context_parallel=True)`` returns
 the group spanning the GTP-remat peers (``dp_cp_gtp_remat``) unless ``with_gtp_remat=False``;
@@ -123,8 +122,10 @@ def shim_getters(text: bytes) -> ShimGetters:
 
 
 def _partial_getter(node: ast.expr) -> tuple[str, dict[str, object]] | None:
-    """(getter, keywords) of ``partial(parallel_state.<getter>, k=<literal>, ...)``; None for
-    another form."""
+    """(getter, keywords) of ``partial(parallel_state.<getter>, k=<literal>, ...)``.
+
+    None for another form.
+    """
     if not (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)

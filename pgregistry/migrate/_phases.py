@@ -87,8 +87,7 @@ class TaskQueue:
 def _both_phases(
     make: Callable[[], Worker[object, object, object]], connection: Connection
 ) -> None:
-    """In a child: both phases of the worker ``make`` makes, results up the pipe, the instruction
-    down it."""
+    """In a child: both phases of the worker ``make`` makes; results up the pipe, orders down."""
     worker = make()
     connection.send(worker.first())
     connection.send(worker.second(connection.recv()))

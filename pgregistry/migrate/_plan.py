@@ -1,5 +1,6 @@
-"""Which reads ``pgregistry migrate`` rewrites, and how: one file's functions, their collections,
-each read's way.
+"""Which reads ``pgregistry migrate`` rewrites, and how.
+
+One file's functions, their collections, each read's way.
 
 The scanner (:mod:`~pgregistry._source.scanner`) says where the reads are; this module finds them in
 the file's libcst tree (by position), walks the scopes around each, and decides for every read,
@@ -143,8 +144,7 @@ _LITERALS = (
 
 @dataclass(eq=False)
 class Function:
-    """A ``def`` (or ``async def``) with the names bound in it and the collection it may already
-    hold."""
+    """A ``def`` (or ``async def``) with the names bound in it and the collection it may hold."""
 
     node: cst.FunctionDef
     qualname: str
@@ -231,8 +231,7 @@ class Read:
 
 @dataclass(eq=False)
 class Call:
-    """A call of a plain or dotted name (a candidate for passing a threaded function its
-    collection)."""
+    """A plain or dotted name's call (a candidate to pass a threaded function its collection)."""
 
     node: cst.Call
     dotted: list[str]
@@ -244,8 +243,7 @@ class Call:
 
 @dataclass(eq=False)
 class FilePlan:
-    """One file: its tree, functions, reads and calls, and the import bindings calls resolve
-    through."""
+    """One file: its tree, functions, reads, calls, and the import bindings calls resolve via."""
 
     path: str
     module: str
@@ -447,8 +445,10 @@ class _Locator(cst.CSTVisitor):
         self.member = -1
 
     def visit_member(self, top: int, node: cst.ClassDef, index: int) -> None:
-        """Walk member ``index`` of module-level class ``node`` (statement ``top``) not walked with
-        it."""
+        """Walk member ``index`` of module-level class ``node`` (statement ``top``).
+
+        A member not walked with its class; once only.
+        """
         if (top, index) in self.visited_members:
             return
         self.top = top
@@ -838,8 +838,7 @@ def _statement_scopes(
 
 
 class _WithoutDefinitions(cst.CSTTransformer):
-    """A compound statement without the definitions in it (they bind no name a read's object can
-    be)."""
+    """A compound statement minus its definitions (they bind no name a read's object can be)."""
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         return False
@@ -887,8 +886,7 @@ def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str
 
 
 def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None:
-    """The qualified name of ``node`` when it is ``function`` or one enclosing it (None for the
-    module)."""
+    """The qualified name of ``node`` if it is ``function`` or encloses it (None for the module)."""
     while function is not None and function.node is not node:
         function = function.parent
     return function.qualname if function is not None else None
@@ -1061,8 +1059,10 @@ def _outermost_function(function: Function) -> Function:
 
 
 def _names_between(function: Function, root: Function) -> set[str]:
-    """The names of ``function`` and the functions between it and ``root`` (which encloses it),
-    ``root``'s not."""
+    """The names of ``function`` and the functions between it and ``root``.
+
+    ``root`` encloses it; its name is not included.
+    """
     names: set[str] = set()
     while function is not root and function.parent is not None:
         names |= function.names
@@ -1119,8 +1119,7 @@ class _Classes:
         return _resolve_dotted(base.split("."), self.bindings, self.package) or base
 
     def _with_ancestors(self, bases: list[str | None]) -> list[str | None]:
-        """``bases`` with the bases of those defined in the file, transitively (a cycle is walked
-        once)."""
+        """``bases`` with the bases of those defined in the file, transitively (cycles once)."""
         seen: list[str | None] = []
         pending = list(bases)
         while pending:
@@ -1133,8 +1132,10 @@ class _Classes:
         return seen
 
     def autograd(self, node: cst.ClassDef) -> bool:
-        """Whether ``node`` derives from ``torch.autograd.Function`` (directly or through classes of
-        the file)."""
+        """Whether ``node`` derives from ``torch.autograd.Function``.
+
+        Directly or through classes of the file.
+        """
         bases = [
             ".".join(_attribute_parts(a.value) or []) or None
             for a in node.bases
@@ -1146,8 +1147,7 @@ class _Classes:
         )
 
     def outside(self, node: cst.ClassDef) -> str | None:
-        """A base of ``node`` outside the tree that may define methods a framework calls back, or
-        None."""
+        """A base of ``node`` outside the tree that may define framework callbacks, or None."""
         bases = [
             ".".join(_attribute_parts(a.value) or []) or None
             for a in node.bases
@@ -1173,16 +1173,17 @@ class _Classes:
 
 
 def _autograd_shaped(function: Function) -> bool:
-    """A static ``forward(ctx, ...)`` / ``backward(ctx, ...)``: an autograd Function's, whatever its
-    class."""
+    """A static ``forward(ctx, ...)`` / ``backward(ctx, ...)``.
+
+    An autograd Function's, whatever its class.
+    """
     params = function.node.params.params or function.node.params.posonly_params
     static = bool(_matching_decorator(function.node, ("staticmethod",)))
     return static and bool(params) and params[0].name.value == "ctx"
 
 
 def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
-    """Why ``function`` may not be given a parameter: no caller could pass it, or a new one would
-    break it."""
+    """Why ``function`` may not get a parameter: no caller could pass it, or one would break it."""
     decorated = _matching_decorator(function.node, _FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
@@ -1217,8 +1218,10 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
 
 
 def _free_name(function: Function, name: str, taken: set[str], spare: tuple[str, ...] = ()) -> str:
-    """``name`` unless ``function`` or the module binds it; else the first free of ``spare``,
-    ``name_2``, ..."""
+    """``name`` unless ``function`` or the module binds it.
+
+    Else the first free of ``spare``, ``name_2``, ...
+    """
     if name not in function.names and name not in taken:
         return name
     for candidate in (*spare, *(f"{name}_{i}" for i in range(2, 100))):
@@ -1535,8 +1538,7 @@ def _dissolve_shim(
 def _skip_placeholders(
     locator: _Locator, body: Sequence[cst.BaseStatement], statements: list[list[ast.stmt]]
 ) -> None:
-    """Mark the placeholders of a skeleton walked (there is nothing in them), naming their
-    definitions."""
+    """Mark a skeleton's placeholders walked (nothing is in them), naming their definitions."""
     for index, (statement, group) in enumerate(zip(body, statements, strict=True)):
         node = group[0]
         if isinstance(
@@ -1633,8 +1635,7 @@ def _resolve_dotted(
 
 
 def _module_function_of_call(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
-    """(module, name) a call of ``dotted`` in ``plan`` calls, when it is a module-level function or
-    class."""
+    """(module, name) a call of ``dotted`` in ``plan`` calls, if module-level function or class."""
     head = dotted[0]
     if len(dotted) == 1 and plan.top_level.get(head) in ("function", "class"):
         return plan.module, head
@@ -1865,8 +1866,10 @@ def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: 
 
 
 def _callee_last_name(call: cst.Call) -> str:
-    """The last name of what ``call`` calls (``ProcessGroupCollection`` for
-    ``pgc.ProcessGroupCollection()``)."""
+    """The last name of what ``call`` calls.
+
+    ``ProcessGroupCollection`` for ``pgc.ProcessGroupCollection()``.
+    """
     func = call.func
     if isinstance(func, cst.Attribute):
         return func.attr.value

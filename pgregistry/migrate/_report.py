@@ -1,5 +1,4 @@
-"""What ``pgregistry migrate`` did, per family: reads found, rewritten by each way, left in place
-and why."""
+"""What ``pgregistry migrate`` did, per family: reads found, rewritten each way, left and why."""
 
 from __future__ import annotations
 
@@ -22,8 +21,10 @@ def render_failures(failures: Sequence[FileResult]) -> str:
 
 
 def tally_reads_by_family(reads: Sequence[tuple[str, Read]]) -> dict[str, Counter[str]]:
-    """Per family: ``found`` and the count of each way (``in-scope``, ``threaded``, ``fallback``,
-    ``left``)."""
+    """Per family: ``found`` and each way's count (``in-scope``, ``threaded``, ``fallback``, ...).
+
+    The ways are ``in-scope``, ``threaded``, ``fallback`` and ``left``.
+    """
     table: dict[str, Counter[str]] = {family: Counter() for family in FAMILIES}
     for _, read in reads:
         row = table[family_of(read.site)]

@@ -37,8 +37,7 @@ _NO_SPACE = cst.SimpleWhitespace("")
 
 
 def _count_name_reads(nodes: Iterable[ast.AST]) -> Counter[str]:
-    """How often each name is read in ``nodes`` outside import statements (``x.name`` reads x
-    only)."""
+    """How often each name is read in ``nodes`` outside imports (``x.name`` reads x only)."""
     count: Counter[str] = Counter()
     for root in nodes:
         for node in ast.walk(root):
@@ -151,8 +150,7 @@ def _one_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
 
 
 def _comma_without_comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
-    """``comma`` (its line break and indentation, to copy the one-a-line style) without its
-    comment."""
+    """``comma`` (its line break and indent, to copy the one-a-line style) without its comment."""
     if isinstance(comma, cst.Comma) and isinstance(
         comma.whitespace_after, cst.ParenthesizedWhitespace
     ):
@@ -164,8 +162,10 @@ def _comma_without_comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | 
 
 
 def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
-    """``params`` with ``name=None`` added keyword-only (after ``*args`` or a new bare ``*``, before
-    ``**kw``)."""
+    """``params`` with ``name=None`` added keyword-only.
+
+    It goes after ``*args`` or a new bare ``*``, before ``**kw``.
+    """
     new = cst.Param(
         cst.Name(name),
         default=cst.Name("None"),
@@ -322,8 +322,10 @@ class _Rewriter(cst.CSTTransformer):
         self.f_strings: list[str] = []
 
     def _dissolve_shim(self, shim: Dissolved, collection: str) -> None:
-        """Plan shim ``shim`` (:mod:`._shims`) rewritten: each field read, the reads of
-        ``collection``."""
+        """Plan shim ``shim`` (:mod:`._shims`) rewritten.
+
+        Each field read becomes a read of ``collection``.
+        """
         for attribute, field, keywords in shim.reads:
             code = self.target.field_read(collection, field, keywords)
             self.field_reads[id(attribute)] = cst.parse_expression(code)
@@ -339,8 +341,7 @@ class _Rewriter(cst.CSTTransformer):
             self.touched[top] = None
 
     def walk(self, index: int, statement: cst.BaseStatement) -> object:
-        """``statement`` rewritten, walking only what changes (a class's touched members, not all of
-        it)."""
+        """``statement`` rewritten, walking only what changes (a class's touched members)."""
         members = self.touched.get(index, set())
         if index not in self.touched:
             return statement
@@ -417,8 +418,7 @@ class _Rewriter(cst.CSTTransformer):
         return updated
 
     def _with_f_string_quotes(self, node: cst.BaseExpression) -> cst.BaseExpression:
-        """``node`` (made by the rewrite) with the quotes the enclosing f-string allows in its
-        expressions."""
+        """``node`` (made by the rewrite) with quotes the enclosing f-string allows inside."""
         if self.f_strings and '"' in self.f_strings[-1]:
             return node.visit(_SingleQuoted())  # type: ignore[return-value]
         return node
@@ -519,8 +519,7 @@ def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseState
 
 
 def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | None:
-    """(the module, the names bound) of a module-level ``from M import names`` statement standing
-    alone."""
+    """(module, names bound) of a module-level ``from M import names`` statement standing alone."""
     if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
         return None
     small = statement.body[0]

@@ -1,5 +1,4 @@
-"""Which ``use_mpu_process_groups`` shims ``pgregistry migrate`` dissolves into the reads of their
-fields.
+"""Which ``use_mpu_process_groups`` shims ``pgregistry migrate`` dissolves into their fields' reads.
 
 A shim builds a collection from the globals for the few fields it lists; where its result is only
 read for those fields, each read is the field read itself, and the shim goes:
@@ -136,8 +135,7 @@ def dissolve_shim(
 
 
 def _fields_listed(call: cst.Call) -> list[str] | str:
-    """The fields ``call`` lists (``required_pgs=[...]``, literal strings), or why they are not
-    known."""
+    """The fields ``call`` lists (``required_pgs=[...]``, literal strings), or why unknown."""
     if not call.args:
         return DEFAULT_BUILDER
     if (
@@ -163,8 +161,10 @@ def _fields_listed(call: cst.Call) -> list[str] | str:
 def _why_reads_may_not_move(
     names: list[str], keywords: Mapping[str, dict[str, object]]
 ) -> str | None:
-    """Why the getters of ``names``, read later than the shim read them, may act otherwise (None:
-    they may not)."""
+    """Why the getters of ``names``, read after the shim read them, may act otherwise.
+
+    None: they may not.
+    """
     checked = [name for name in names if keywords[name].get(CHECK) is not False]
     if checked:
         return (
@@ -176,8 +176,7 @@ def _why_reads_may_not_move(
 
 
 def _read_inline(call: cst.Call, statement: cst.BaseStatement) -> cst.Attribute | None:
-    """The ``<call>.<field>`` that holds ``call`` in ``statement`` (not as an assignment target), if
-    any."""
+    """The ``<call>.<field>`` holding ``call`` in ``statement`` (not assigned to), if any."""
     found: list[cst.Attribute] = []
 
     class _Find(cst.CSTVisitor):

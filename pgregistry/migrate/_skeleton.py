@@ -1,5 +1,4 @@
-"""The part of a file libcst needs to see: definitions no rewrite can touch stood in for by
-placeholders.
+"""The part of a file libcst must see: definitions no rewrite can touch replaced by placeholders.
 
 libcst's parse builds a Python object per token and its render visits every node, so on a large tree
 they are most of ``migrate``'s time, while the rewrites touch a few functions per file. Before
@@ -39,8 +38,7 @@ _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 @dataclass(frozen=True)
 class Skeleton:
-    """The text to parse, and each placeholder's text with the original lines it stands for
-    (bytes)."""
+    """The text to parse, and each placeholder's text with the original lines (bytes) it holds."""
 
     data: bytes
     kept: Mapping[bytes, bytes]
@@ -103,14 +101,15 @@ _PLACEHOLDER = re.compile(re.escape(_PREFIX.decode()) + r"\d+(?:_\d+)?\b")
 
 
 def line_starts(data: bytes) -> list[int]:
-    """The offset of each line of ``data`` (for :func:`lines_between`), its lines ended as Python
-    ends them."""
+    """Each line's offset in ``data`` (for :func:`lines_between`), lines ended as Python does."""
     return [0, *(m.end() for m in _LINE_END.finditer(data))]
 
 
 def lines_between(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
-    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``, whose :func:`line_starts` are
-    ``starts``."""
+    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``, with ``starts`` its line starts.
+
+    ``starts`` is what :func:`line_starts` returns for ``data``.
+    """
     return data[starts[start - 1] : starts[end] if end < len(starts) else None]
 
 

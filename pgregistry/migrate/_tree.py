@@ -1,5 +1,4 @@
-"""What the whole tree says about its functions and collections, learned once before any file is
-planned.
+"""What the whole tree says of its functions and collections, learned before any file is planned.
 
 Whether a function may be given a new parameter depends on code in other files: a function whose
 only uses are as a value (``partial(f)``, ``callback=f``, ``@f``) or as a hook
@@ -221,8 +220,7 @@ def _classes_tying_chains(
 
 
 def _class_bases(data: bytes) -> set[tuple[str, str]]:
-    """(class, base) of the classes ``data`` defines, each base by its last name (``a.B`` ->
-    ``B``)."""
+    """(class, base) of the classes ``data`` defines, bases by last name (``a.B`` -> ``B``)."""
     found = set()
     for start, _ in _lines_with(data, re.compile(rb"\bclass\b")):
         statement = _CLASS.match(data, start)
@@ -234,8 +232,10 @@ def _class_bases(data: bytes) -> set[tuple[str, str]]:
 
 
 def _mention_pattern(names: Iterable[str]) -> re.Pattern[bytes]:
-    """A mention of one of ``names`` (the lookahead on their first letters spares trying each at
-    every word)."""
+    """A mention of one of ``names``.
+
+    The lookahead on their first letters spares trying each at every word.
+    """
     first = b"".join(sorted({re.escape(n[:1].encode()) for n in names}))
     alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names, key=len, reverse=True))
     return re.compile(rb"\b(?=[" + first + rb"])(?:" + alternatives + rb")\b")

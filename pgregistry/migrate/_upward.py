@@ -113,8 +113,10 @@ def _absolute_module(module: str, level: int, package: list[str]) -> str:
 
 
 def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
-    """The module-level import bindings of ``tree``: bound name -> the module or ``module:name`` it
-    stands for."""
+    """The module-level import bindings of ``tree``.
+
+    Bound name -> the module or ``module:name`` it stands for.
+    """
     bound: dict[str, str] = {}
     stack: list[ast.stmt] = list(tree.body)
     while stack:
@@ -166,8 +168,7 @@ def _call_target(
 
 
 def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definition]:
-    """The module-level functions and the methods of module-level classes of file ``path``, with
-    their calls."""
+    """File ``path``'s module-level functions and top-level classes' methods, with their calls."""
     package = path.split("/")[:-1]
     module = ".".join(module_name(path))
     tree = ast.parse(data)
@@ -299,8 +300,7 @@ def thread_upward(
     chosen = {key for key, d in definitions.items() if d.eligible and key not in seeds and d.calls}
 
     def defining_target(kind: str, module: str, callee: str) -> tuple[str, str, str]:
-        """A call's target, a function by the module that defines it (not a package re-exporting
-        it)."""
+        """A call's target, a function by the module defining it (not a package re-exporting it)."""
         return (
             ("f", *aliases.get((module, callee), (module, callee)))
             if kind == "f"

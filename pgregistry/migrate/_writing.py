@@ -1,5 +1,4 @@
-"""Writing the files ``pgregistry migrate`` changes: all of them or none, even when the run is
-killed.
+"""Writing the files ``pgregistry migrate`` changes: all of them or none, even if the run is killed.
 
 A rewrite changes callers together with the functions they call (a call passing ``pg_collection=``
 to a function not yet given the parameter is a ``TypeError``), so the files of one run are one
@@ -193,8 +192,7 @@ def _remove_files(paths: Sequence[Path]) -> None:
 
 @contextlib.contextmanager
 def _journal_lock(root: Path) -> Iterator[Path]:
-    """The journal's path, with the lock that keeps two runs from writing or finishing one at
-    once."""
+    """The journal's path, with the lock keeping two runs from writing or finishing one at once."""
     journal = root / JOURNAL
     try:
         with exclusive_lock(journal):
