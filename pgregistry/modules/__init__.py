@@ -1,5 +1,4 @@
-"""Several modules in one job, each on its own layout: the job-wide collection of modules and what
-uses it.
+"""Several modules in one job, each on its own layout: the job-wide collection and what uses it.
 
 A module (a vision encoder, a language model, an RL actor or critic) runs on a layout over a span of
 the world, its own or shared with others. :class:`MultiModuleCollection` holds every module's

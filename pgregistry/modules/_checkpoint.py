@@ -1,5 +1,4 @@
-"""A job's checkpoint: each module's parameters and optimizer state in a directory of its own, over
-its own span.
+"""A job's checkpoint: each module's parameters and optimizer state in its own directory and span.
 
 Each module is saved with :func:`pgregistry.checkpoint.save_rank_files` on its collection, into
 ``<directory>/<module name>``: every collective of a module's save runs over the module's span (its

@@ -1,5 +1,4 @@
-"""The collections of every module of a job: :class:`MultiModuleCollection` and
-:func:`build_modules`.
+"""The collections of a job's modules: :class:`MultiModuleCollection` and :func:`build_modules`.
 
 A job that runs several modules (a vision encoder and a language model, an RL actor and its critic)
 gives each its own layout, on ranks of its own or colocated with others. Megatron-Core's
@@ -25,8 +24,7 @@ MODULES_ADVICE = "every rank must pass the same modules, in the same order, and 
 
 
 class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
-    """Module name -> the collection that module runs on, for every module of the job; a read-only
-    mapping.
+    """Module name -> the collection it runs on, for every module of the job; a read-only mapping.
 
     For a job whose modules (a vision encoder and a language model, say) each run on their own
     ranks with their own layout: every rank holds the whole table, so the job-wide statistics and
@@ -90,8 +88,7 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         return self._disjoint
 
     def language_model_collection(self) -> ProcessGroupCollection:
-        """The language model's collection; ``ValueError`` when no module is named the language
-        model."""
+        """The language model's collection; ``ValueError`` if no module is the language model."""
         if self._language_model is None:
             raise ValueError(
                 f"no module of {list(self._modules)} is named "

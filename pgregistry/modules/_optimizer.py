@@ -1,5 +1,4 @@
-"""One optimizer over the modules of a job: :class:`MultiModuleOptimizer` and
-:func:`build_optimizer`.
+"""One optimizer over a job's modules: :class:`MultiModuleOptimizer` and :func:`build_optimizer`.
 
 Megatron-Core's ``MimoOptimizer`` is the reference: one optimizer per module (here pgregistry's
 :class:`~pgregistry.optim.ChainedOptimizer` of the module's model, on the module's collection),
@@ -56,8 +55,7 @@ __all__ = ["MultiModuleOptimizer", "build_optimizer"]
 
 
 class MultiModuleOptimizer:
-    """The optimizers of the modules this rank runs, stepped as one, with job-wide statistics and
-    verdict.
+    """The optimizers of this rank's modules, stepped as one, with job-wide stats and verdict.
 
     A job whose modules run on different ranks still clips by one grad norm and skips a step
     everywhere or nowhere: this sums the statistics over the world and steps each module's own
@@ -136,8 +134,7 @@ class MultiModuleOptimizer:
     # ----------------------------------------------------------------------------------- statistics
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The job-wide grad norm over every module (0-dim float32; NaN or infinite when any
-        module's is)."""
+        """The job-wide grad norm of all modules (0-dim float32; NaN or inf if any module's is)."""
         return self._norm_statistics(
             norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm"
         )[0]
@@ -183,8 +180,7 @@ class MultiModuleOptimizer:
     def step(
         self, max_norm: float | None = None, *, norm_type: float = 2.0, count_zeros: bool = False
     ) -> tuple[bool, float, int | None]:
-        """Clip with the job-wide norm (when ``max_norm`` is given) and step every module, or skip
-        on every rank.
+        """Clip by the job-wide norm (given ``max_norm``), step every module, or skip on all ranks.
 
         Returns ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does:
         ``stepped`` is false on every rank when the job-wide norm is NaN or infinite (nothing is
@@ -234,8 +230,7 @@ class MultiModuleOptimizer:
             optimizer.load_state_dict(state_dict[name])
 
     def _check_state(self, name: str, state: Any, _collection: ProcessGroupCollection) -> None:
-        """``ValueError`` when ``state`` does not fit module ``name``'s optimizer (local, loads
-        nothing)."""
+        """``ValueError`` if ``state`` misfits module ``name``'s optimizer (local, loads none)."""
         refuse_faults("its optimizer", self._optimizers[name].state_dict_faults(state))
 
     # ------------------------------------------------------------------------------------ internals
@@ -297,8 +292,10 @@ class MultiModuleOptimizer:
 
 
 def _check_built_on_module(name: str, optimizer: Any, collection: ProcessGroupCollection) -> None:
-    """``TypeError`` unless ``optimizer`` is a chained optimizer; ``ValueError`` unless it runs on
-    ``collection``."""
+    """``TypeError`` unless ``optimizer`` is a chained optimizer.
+
+    ``ValueError`` unless it runs on ``collection``.
+    """
     if not isinstance(optimizer, ChainedOptimizer):
         raise TypeError(
             "expected a pgregistry ChainedOptimizer "

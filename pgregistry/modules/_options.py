@@ -1,5 +1,6 @@
-"""The options of :func:`pgregistry.modules.build_optimizer`, checked on every rank before any
-optimizer is built.
+"""The options of :func:`pgregistry.modules.build_optimizer`.
+
+Checked on every rank before any optimizer is built.
 
 Each module's optimizer is :func:`pgregistry.optim.build_optimizer` with the job's options updated
 by the module's own (``per_module``). An option that fails there fails on that module's ranks only,

@@ -1,5 +1,6 @@
-"""Per-module RNG streams: :func:`seed_modules` seeds each module's trackers from the job's seed and
-the module.
+"""Per-module RNG streams.
+
+:func:`seed_modules` seeds each module's trackers from the job's seed and the module.
 
 Megatron-Core's multimodal (MIMO) jobs seed each module's RNG in its builder, from the job's seed
 and that module's own groups (its pipeline, tensor- and expert-parallel ranks), so each module's
@@ -29,8 +30,7 @@ any layout pgregistry can build) far below torch's limit of 2**64."""
 
 
 def module_seed(seed: int, name: str) -> int:
-    """The seed module ``name`` derives from the job's ``seed``: 48 bits of
-    ``sha256("<seed>/<name>")``.
+    """Module ``name``'s seed from the job's ``seed``: 48 bits of ``sha256("<seed>/<name>")``.
 
     The same on every rank and every run; a module's seed does not change when modules are added or
     reordered. ``ValueError`` unless ``seed`` is an integer in ``[0, 2**64)``."""

@@ -1,5 +1,6 @@
-"""Job-wide grad statistics over the modules of a job: :func:`grad_norm`, :func:`count_zeros`,
-:func:`clip_grad_norm_`.
+"""Job-wide grad statistics over the modules of a job.
+
+They are :func:`grad_norm`, :func:`count_zeros` and :func:`clip_grad_norm_`.
 
 Each module's statistic comes from pgregistry's single-model path on that module's collection
 (:func:`pgregistry.grad_stats.grad_norm`, :func:`~pgregistry.grad_stats.count_zeros`): it counts
@@ -217,8 +218,7 @@ def reduce_over_modules(
     zeros: Mapping[str, torch.Tensor | int] | None = None,
     check: tuple[str, Mapping[str, str], Fault] | None = None,
 ) -> tuple[torch.Tensor | None, int | None]:
-    """The job-wide norm and zero count from the modules' own, in one all-reduce (MAX) over the
-    world.
+    """The job-wide norm and zero count from the modules' own: one all-reduce (MAX) over the world.
 
     ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold
     the values of the modules this rank runs (the same on every rank of a module). Each module's
@@ -338,8 +338,7 @@ def module_values(
 
 
 def describe_modules(modules: MultiModuleCollection) -> dict[str, str]:
-    """What every rank must agree on about the job's modules: their names in order, spans and
-    layouts."""
+    """What all ranks must agree on of the job's modules: names in order, spans and layouts."""
     return {
         "modules": "; ".join(f"{name}={layout!r}" for name, layout in modules.layouts().items()),
         "language_model": repr(modules.language_model),
@@ -425,8 +424,10 @@ def _agree_on_models(
 
 
 def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
-    """The grads of ``model`` as tensors to scale in place: each parameter's ``.grad`` (a DTensor's
-    local piece)."""
+    """The grads of ``model`` as tensors to scale in place.
+
+    Each parameter's ``.grad`` (a DTensor's local piece).
+    """
     grads = []
     for _, param in normalise_params(model).named:
         grad = param.grad
