@@ -1,5 +1,4 @@
-"""Optimizers that take a process-group collection: mixed-precision, sharded and chained, over flat
-grad buffers.
+"""Optimizers taking a process-group collection: mixed-precision, sharded, chained; on flat buffers.
 
 :func:`build_optimizer` is the entry point: it splits a model's dense and routed-expert parameters,
 validates the collection and returns a :class:`ChainedOptimizer` of a

@@ -109,8 +109,7 @@ class OptimizerStatistics(abc.ABC):
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
-        """The global number of zero grad elements, each distinct element counted once (0-dim
-        int64)."""
+        """The global number of zero grad elements, each distinct one counted once (0-dim int64)."""
         zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
         assert zeros is not None
         return zeros
@@ -125,8 +124,7 @@ class OptimizerStatistics(abc.ABC):
     def clip_grad_norm(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before
-        clipping.
+        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the unclipped norm.
 
         Decided job-wide (:func:`clip_grads_of`): a NaN or infinite norm anywhere scales nothing on
         any rank, or raises on every rank with ``error_if_nonfinite``."""
@@ -134,7 +132,9 @@ class OptimizerStatistics(abc.ABC):
 
 
 class FlatOptimizer(OptimizerStatistics):
-    """Base of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and
+    """Base of the optimizers over a flat grad buffer, mixed-precision and sharded.
+
+    That is, of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and
     :class:`~pgregistry.optim.ShardedOptimizer`.
 
     What the two share: the checked parameter list, their names in messages, the groups, and the
@@ -209,15 +209,16 @@ class FlatOptimizer(OptimizerStatistics):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's param groups (change ``lr`` there); empty when this rank steps
-        nothing."""
+        """The inner optimizer's param groups (set ``lr`` there); empty if this rank steps none."""
         return self.inner.param_groups if self.inner is not None else []
 
     # --------------------------------------------------------------------------------------- wiring
 
     def _attach_grads(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
-        """Make each view the only home of its parameter's grad (``.grad`` in place, or
-        ``.main_grad`` + hook)."""
+        """Make each view the only home of its parameter's grad.
+
+        ``.grad`` in place, or ``.main_grad`` and a hook.
+        """
         for param, view in zip(params, views, strict=True):
             param.main_grad = view  # type: ignore[attr-defined]
             if param.dtype == view.dtype:
@@ -242,8 +243,10 @@ class FlatOptimizer(OptimizerStatistics):
         self._moved.append((param, view.data_ptr()))
 
     def _check_attached(self) -> None:
-        """Refuse grads detached from the grad buffer and parameters whose data left this
-        optimizer's buffers."""
+        """Refuse grads detached from the grad buffer.
+
+        Also parameters whose data left this optimizer's buffers.
+        """
         for param, view in self._direct:
             if param.grad is not view:
                 raise RuntimeError(
@@ -261,8 +264,10 @@ class FlatOptimizer(OptimizerStatistics):
                 )
 
     def _buffer_device(self) -> torch.device:
-        """Where the buffer lives: the parameters' device; with no parameters, the one the backend
-        reduces on."""
+        """Where the buffer lives: the parameters' device.
+
+        With no parameters, the one the backend reduces on.
+        """
         return self.params[0].device if self.params else backend_device(None)
 
     def _make_inner(
@@ -317,8 +322,7 @@ class FlatOptimizer(OptimizerStatistics):
         span_shares(self.buffer.data, self._stat_spans, shares)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
-        """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates
-        included."""
+        """The grads :meth:`step` reads (whole buffer or this rank's shard), duplicates included."""
         return [self.buffer.data]
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
@@ -381,8 +385,10 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its whole optimizer state
-        (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
+        """Model parameter -> its whole optimizer state.
+
+        See :class:`~pgregistry.optim.ParamStateOptimizer`.
+        """
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Restore :meth:`param_state` output of any layout
@@ -447,8 +453,10 @@ def clip_grads_of(
 
 
 def require_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:
-    """``groups.<name>`` (a group, or ``None`` when the axis is off), refusing an unset one with a
-    ``ValueError``."""
+    """``groups.<name>``: a group, or ``None`` when the axis is off.
+
+    An unset one is refused with a ``ValueError``.
+    """
     value = getattr(groups, name)
     if value is UNSET:
         raise ValueError(

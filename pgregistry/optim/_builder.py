@@ -1,5 +1,4 @@
-"""``build_optimizer``: the chained dense + expert optimizer of a model, wired to the model's
-collection.
+"""``build_optimizer``: a model's chained dense + expert optimizer, wired to the model's collection.
 
 The builder is where expert grads filtered with the dense TP group (Megatron-LM PR 6470) could come
 back, so it does every step from the collection: refuse unclassified expert parameters (the xorl

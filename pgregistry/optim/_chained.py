@@ -1,5 +1,4 @@
-"""A chained optimizer: one child per parameter kind (dense, routed experts), one set of grad
-statistics.
+"""A chained optimizer: a child per parameter kind (dense, routed experts), one set of grad stats.
 
 The global norm must count every child's grads, each with its own groups. Every child adds its parts
 to one :class:`~pgregistry.grad_stats._reductions.Shares` and the one reducer reduces them: one
@@ -131,16 +130,20 @@ class ChainedOptimizer(OptimizerStatistics):
         return tuple(groups)
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state` (collective where a
-        child's is)."""
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state`.
+
+        Collective where a child's is.
+        """
         merged: dict[torch.Tensor, ParamState] = {}
         for child in self.chained_optimizers:
             merged.update(child.param_state())
         return merged
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state_faults`, prefixed with
-        its index."""
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state_faults`.
+
+        Each fault is prefixed with its child's index.
+        """
         return [
             f"child {index}: {fault}"
             for index, child in enumerate(self.chained_optimizers)

@@ -1,5 +1,6 @@
-"""The optimizer step of a flat float32 main buffer as one kernel on CUDA, the rounded copy into the
-model included.
+"""The optimizer step of a flat float32 main buffer as one CUDA kernel.
+
+The rounded copy into the model is part of it.
 
 A mixed-precision AdamW step must read the main params, grads and both moments (16 bytes a
 parameter) and write the params, the moments and the bf16 copy (14 bytes): 30 bytes. torch's fused
@@ -195,8 +196,7 @@ def _plan_copies(flat: torch.Tensor, copies: Sequence[Copy], block: int) -> _Cop
 
 
 def _as_float32_pair(value: float) -> tuple[float, float]:
-    """``value`` as two float32 (its float32 rounding and the rest), which the kernel adds in
-    float64."""
+    """``value`` as two float32 (its float32 rounding, the rest) the kernel adds in float64."""
     high: float = struct.unpack("f", struct.pack("f", value))[0]
     return high, value - high
 
@@ -264,8 +264,10 @@ class FusedStep:
         )
 
     def _fits_flat(self, tensor: object) -> bool:
-        """Whether ``tensor`` is laid out like the flat tensor (state and grads the kernel reads by
-        its offsets)."""
+        """Whether ``tensor`` is laid out like the flat tensor.
+
+        State and grads the kernel reads by its offsets must be.
+        """
         flat = self.flat
         return (
             isinstance(tensor, torch.Tensor)

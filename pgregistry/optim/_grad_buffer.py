@@ -1,5 +1,4 @@
-"""A flat gradient buffer: every grad of one optimizer in one allocation, laid out by statistics
-class.
+"""A flat gradient buffer: every grad of one optimizer in one allocation, laid out by stats class.
 
 Torch's multi-tensor norm over many tensors is bound by kernel launches and host work, where one
 norm over a contiguous tensor of the same bytes is bound by memory bandwidth
@@ -213,8 +212,10 @@ class GradBuffer:
         return int(self.data.numel())
 
     def shard_range(self, group: ProcessGroup | None) -> tuple[int, int]:
-        """``[start, stop)`` of this rank's equal shard of :attr:`data` over ``group`` (all of it
-        when off)."""
+        """``[start, stop)`` of this rank's equal shard of :attr:`data` over ``group``.
+
+        All of it when ``group`` is off.
+        """
         size = group_size(group)
         if self.numel % size:
             raise ValueError(
@@ -229,8 +230,7 @@ class GradBuffer:
         span_shares(self.data, self.spans, shares)
 
     def statistics(self, wanted: Wanted) -> Reduced:
-        """The statistics of the counted grads, each span's part reduced over its group (no host
-        sync)."""
+        """The counted grads' statistics, each span's part reduced over its group (no sync)."""
         shares = Shares(wanted, self.data.device, (span.group for span in self.spans))
         self.local_shares(shares)
         return reduce_shares(shares)
@@ -242,15 +242,16 @@ class GradBuffer:
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
-        """The number of zero elements among the counted grads, reduced over each span's group
-        (0-dim int64)."""
+        """How many zeros the counted grads hold, reduced over each span's group (0-dim int64)."""
         zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
         assert zeros is not None
         return zeros
 
     def norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`grad_norm` and :meth:`count_zeros` together, reading the buffer once where the
-        kernel runs."""
+        """:meth:`grad_norm` and :meth:`count_zeros` together.
+
+        The buffer is read once where the kernel runs.
+        """
         reduced = self.statistics(Wanted.of(norm_type, zeros=True))
         assert reduced.zeros is not None
         return reduced.norm, reduced.zeros
@@ -316,8 +317,7 @@ def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _count_nonzero(view: torch.Tensor) -> torch.Tensor:
-    """Non-zero elements of a 1-D contiguous ``view`` as a 0-dim int64 tensor, without a mask of its
-    size."""
+    """Non-zero elements of 1-D contiguous ``view`` as a 0-dim int64, without a mask of its size."""
     if view.device.type == "cuda":
         return count_nonzero_by_rows(view, ZERO_COUNT_ROW)
     mask = torch.empty(min(view.numel(), HOST_BLOCK), dtype=torch.bool, device=view.device)

@@ -1,5 +1,4 @@
-"""A mixed-precision optimizer: low-precision model parameters, float32 main copies, float32 grads
-in one buffer.
+"""A mixed-precision optimizer: low-precision params, fp32 main copies, fp32 grads in one buffer.
 
 Each bf16/fp16 parameter gets a float32 main copy made with
 :func:`pgregistry.params.copy_param_roles`, so its roles (``allreduce=False`` above all) survive:
@@ -157,8 +156,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return [(p, m) for p, m in zip(self.params, self.main_params, strict=True) if m is not p]
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"inner": inner state dict (or None), "main_params": {name: main copy}}`` (references,
-        not copies)."""
+        """``{"inner": inner state dict or None, "main_params": {name: main copy}}``.
+
+        References, not copies.
+        """
         return {
             "inner": self.inner.state_dict() if self.inner is not None else None,
             "main_params": {
@@ -200,8 +201,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the checked :meth:`state_dict` output and copy the restored main params into the
-        model."""
+        """Restore checked :meth:`state_dict` output; copy the restored main params to the model."""
         saved = state_dict["main_params"]
         names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
         for name, main in names.items():
@@ -211,8 +211,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._copy_main_to_model()
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its inner state, plus its main copy (``main_param``) when it has
-        one."""
+        """Model parameter -> its inner state, plus its main copy (``main_param``) if it has one."""
         inner = self.inner.state if self.inner is not None else {}
         out: dict[torch.Tensor, ParamState] = {}
         for param, main in zip(self.params, self.main_params, strict=True):
@@ -223,8 +222,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return out
 
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The replicas (:attr:`grad_sync_group`) and the statistics groups: every rank of the
-        instance."""
+        """The replicas (:attr:`grad_sync_group`) and stats groups: every rank of the instance."""
         groups: list[ProcessGroup | None] = []
         for group in (self.grad_sync_group, *self.stats_reduce_groups()):
             if not any(group is seen for seen in groups):
@@ -252,8 +250,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore :meth:`param_state` output; a main copy without a saved ``main_param`` is its
-        parameter's value."""
+        """Restore :meth:`param_state` output.
+
+        A main copy without a saved ``main_param`` is its parameter's value.
+        """
         for param, main in self._params_and_main_copies():
             main.copy_(state.get(param, {}).get(MAIN_PARAM, param))
         if self.inner is not None:

@@ -1,5 +1,4 @@
-"""One optimizer interface for checkpoints: the state of each model parameter, whole, keyed by the
-parameter.
+"""One optimizer interface for checkpoints: each model parameter's whole state, keyed by parameter.
 
 :class:`ParamStateOptimizer` is what :mod:`pgregistry.checkpoint` reads and writes, so every
 optimizer saves and loads through the same functions: a ``torch.optim.Optimizer`` (through
@@ -53,8 +52,7 @@ class ParamStateOptimizer(Protocol):
     """
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its whole state (empty before the first step), for every parameter it
-        updates.
+        """Model parameter -> its whole state (empty before the first step), for each it updates.
 
         Collective for a sharded optimizer: every rank of its groups must call it."""
         ...
@@ -68,8 +66,10 @@ class ParamStateOptimizer(Protocol):
 
 
 class TorchOptimizerState:
-    """:class:`ParamStateOptimizer` over a ``torch.optim.Optimizer`` (its ``state`` is keyed by
-    parameter)."""
+    """:class:`ParamStateOptimizer` over a ``torch.optim.Optimizer``.
+
+    Its ``state`` is keyed by parameter.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer

@@ -273,8 +273,7 @@ def _require_group(
 def _context_parallel_size(
     pg_collection: ProcessGroupCollection, model_chunks: Sequence[nn.Module]
 ) -> int | None:
-    """The CP size from the collection's ``cp``, else the first chunk's config; ``None`` when
-    unknown."""
+    """The CP size from the collection's ``cp``, else the first chunk's config; or ``None``."""
     if pg_collection.is_set("cp"):
         return group_size(pg_collection.get("cp"))
     size = (

@@ -1,5 +1,6 @@
-"""A sharded (distributed) optimizer: main params and optimizer state partitioned over the
-data-parallel group.
+"""A sharded (distributed) optimizer.
+
+Main params and optimizer state are partitioned over the data-parallel group.
 
 Like Megatron-Core's distributed optimizer. The model parameters and their grads each live in one
 flat buffer with the same layout, padded to equal shards over the sharding group (``dp_cp`` for
@@ -55,8 +56,7 @@ _OTHER_LAYOUT = (
 
 @attrs.frozen(slots=True, eq=False)
 class _Piece:
-    """The part ``[start, stop)`` of the buffers that lies in this rank's shard and belongs to
-    ``param``."""
+    """The part ``[start, stop)`` of the buffers in this rank's shard belonging to ``param``."""
 
     param: torch.Tensor
     main: torch.Tensor
@@ -210,8 +210,9 @@ class ShardedOptimizer(FlatOptimizer):
             all_gather(self.param_data, self.param_data[start:stop], group=self.shard_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"param_groups": ..., "shards": {name: {"offset", "numel", "main", "state"}}}`` for
-        this rank's shard.
+        """This rank's shard as a state dict.
+
+        ``{"param_groups": ..., "shards": {name: {"offset", "numel", "main", "state"}}}``.
 
         ``name`` is ``param_name_fn(param)``; ``offset`` and ``numel`` locate the piece in the
         flattened parameter. Tensors are references, not copies.
@@ -359,8 +360,10 @@ class ShardedOptimizer(FlatOptimizer):
     def _gather_from_every_rank(
         self, values: Sequence[torch.Tensor | None], dtype: torch.dtype
     ) -> torch.Tensor:
-        """A flat tensor laid out like the buffers, holding every rank's ``values`` (one per piece,
-        or None)."""
+        """A flat tensor laid out like the buffers, holding every rank's ``values``.
+
+        One per piece, or None.
+        """
         flat = torch.zeros(self.buffer.numel, dtype=dtype, device=self.buffer.data.device)
         for piece, value in zip(self._pieces, values, strict=True):
             if value is not None:
@@ -424,8 +427,7 @@ class ShardedOptimizer(FlatOptimizer):
 
 
 def _is_elementwise(value: object, main: torch.Tensor) -> bool:
-    """Whether a piece's state ``value`` has one element per element of the piece (Adam's
-    moments)."""
+    """Whether a piece's state ``value`` has one element per piece element (Adam's moments)."""
     return isinstance(value, torch.Tensor) and value.shape == main.shape
 
 

@@ -78,8 +78,7 @@ def refuse_agreed(
 
 
 def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) -> list[str]:
-    """The names of ``expected`` that ``saved`` lacks and those it holds besides, counted and a few
-    quoted."""
+    """The names of ``expected`` that ``saved`` lacks and those it adds, counted, a few quoted."""
     saved, expected = set(saved), set(expected)
     faults = []
     for verb, names in (("lacks", expected - saved), ("holds unexpected", saved - expected)):

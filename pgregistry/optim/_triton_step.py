@@ -32,8 +32,7 @@ __all__ = ["adam_kernel", "sgd_kernel"]
 
 @triton.jit
 def _program_chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexpr):  # noqa: N803
-    """This program's first element and element count (a multiple of ``VEC``, visibly to the
-    compiler)."""
+    """This program's first element and count (a multiple of ``VEC``, visibly to the compiler)."""
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     count = tl.minimum(n - start, BLOCK * ITERS)
     return start, (count // VEC) * VEC
@@ -91,8 +90,7 @@ def _integer_power(base, exponent):
 
 @triton.jit
 def _float64_from_halves(high, low):
-    """A float64 passed as two float32 (``high`` the float32 rounding, ``low`` the rest): 48 bits of
-    it."""
+    """A float64 passed as two float32 (``high`` its rounding, ``low`` the rest): 48 bits of it."""
     return tl.cast(high, tl.float64) + tl.cast(low, tl.float64)
 
 
