@@ -340,8 +340,9 @@ def _decode_report(data: bytes, pid: int) -> tuple[_Outcome, Any, str]:
 
 
 def _describe_exit(pid: int) -> str:
-    """How child ``pid`` ended, in words (``exit code 7``, ``killed by signal 9 (SIGKILL)``); waits
-    for it to end.
+    """How child ``pid`` ended, in words; waits for it to end.
+
+    For example ``exit code 7`` or ``killed by signal 9 (SIGKILL)``.
 
     The child is left unreaped (``WNOWAIT``), so its pid, and the process group it leads, cannot be
     reused before :func:`~pgregistry.testing._world_watcher.end_process_group` kills the group and
@@ -402,8 +403,10 @@ def _raise_timeout(
 
 
 def _dump_stacks(pids: dict[int, int], store_dir: str) -> dict[int, str]:
-    """rank -> the rank's faulthandler dump of every thread, asked for with a signal and read back
-    from its file."""
+    """rank -> its faulthandler dump of every thread.
+
+    Asked for with a signal and read back from its file.
+    """
     for pid in pids.values():
         try:
             os.kill(pid, _STACK_DUMP_SIGNAL)
@@ -434,8 +437,9 @@ def _read_text(path: str) -> str:
 
 
 def _where_stuck(stack: str) -> str:
-    """The main thread's innermost call outside torch and the torch calls below it, from a
-    faulthandler dump.
+    """The main thread's innermost call outside torch and the torch calls below it.
+
+    Read from a faulthandler dump.
 
     E.g. ``_skip_a_collective (test_x.py:99) -> new_group -> _new_group_with_tag ->
     _new_process_group_helper``.

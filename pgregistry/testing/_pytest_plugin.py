@@ -1,5 +1,6 @@
-"""pytest plugin: ``python -W error::pgregistry.ProcessGroupFallbackWarning -m pytest`` fails a test
-that falls back.
+"""pytest plugin: a test that falls back fails.
+
+As under ``python -W error::pgregistry.ProcessGroupFallbackWarning -m pytest``.
 
 Python drops a ``-W``/``PYTHONWARNINGS`` option naming this category at start-up (site-packages is
 not importable yet); :mod:`pgregistry.fallback` re-applies it when imported (and a misspelled
@@ -30,8 +31,7 @@ __all__ = ["pytest_configure"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Prepend the interpreter's options naming ProcessGroupFallbackWarning to pytest's
-    ``filterwarnings``."""
+    """Prepend the interpreter's ProcessGroupFallbackWarning options to ``filterwarnings``."""
     lines = [_as_ini_line(option) for option in command_line_filters(ProcessGroupFallbackWarning)]
     if lines:
         # getini returns the cached list that every later warnings context is built from (pytest's
@@ -40,8 +40,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _as_ini_line(option: CommandLineFilter) -> str:
-    """``option`` in the ini syntax, where message and module are regular expressions (Python's are
-    literal)."""
+    """``option`` in the ini syntax.
+
+    There message and module are regular expressions (Python's are literal).
+    """
     return (
         f"{option.action}:{option.message_pattern}:{option.category_name}:"
         f"{option.module_pattern}:{option.lineno}"

@@ -1,5 +1,6 @@
-"""Toy models for checking grad statistics on a real backend: ``pgregistry verify`` and
-``scripts/gpu_check.py``.
+"""Toy models for checking grad statistics on a real backend.
+
+Used by ``pgregistry verify`` and ``scripts/gpu_check.py``.
 
 Two models: :func:`dense_and_expert`, one replicated dense scalar and one expert scalar (on a TP =
 EP = world, expert TP 1 grid it exposes expert grads filtered with the dense TP group, Megatron-LM
@@ -94,8 +95,7 @@ def dense_and_expert(*, device: torch.device | str = "cpu") -> nn.Module:
 
 
 def model_specs() -> list[Spec]:
-    """The unsharded model: embedding, a dense layer, a MoE layer, final norm (output tied to the
-    embedding)."""
+    """The unsharded model: embedding, dense, MoE layer, final norm (output tied to embedding)."""
     h, f = HIDDEN, FFN
     specs = [Spec("embedding.word", (VOCAB, h), "first", tp_dim=0)]
     for layer in range(LAYERS):

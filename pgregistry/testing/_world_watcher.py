@@ -1,5 +1,4 @@
-"""Clean-up of a :func:`pgregistry.testing.run_world` world that survives the death of the process
-running it.
+"""Clean-up of a :func:`pgregistry.testing.run_world` world, surviving the death of its process.
 
 The parent of a world kills its ranks' process groups and removes the store directory in a
 ``finally``; a parent killed outright (``kill -9``, an out-of-memory kill, a CI job cancelled) runs
@@ -24,8 +23,10 @@ _DONE = b"done\n"
 
 
 class WorldWatcher:
-    """The watcher process of one world; the parent calls :meth:`watch` per rank and :meth:`dismiss`
-    at the end."""
+    """The watcher process of one world.
+
+    The parent calls :meth:`watch` per rank and :meth:`dismiss` at the end.
+    """
 
     def __init__(self, store_dir: str) -> None:
         read_fd, self._write_fd = os.pipe()
@@ -42,8 +43,7 @@ class WorldWatcher:
         os.write(self._write_fd, f"{rank_pid}\n".encode())
 
     def close_in_child(self) -> None:  # pragma: no cover - runs in a rank
-        """Close the parent's end of the pipe in a forked rank, so the watcher sees end-of-file when
-        the parent dies."""
+        """Close the parent's pipe end in a forked rank: the watcher sees EOF if the parent dies."""
         os.close(self._write_fd)
 
     def dismiss(self) -> None:
@@ -56,8 +56,7 @@ class WorldWatcher:
 
 
 def end_process_group(pid: int) -> None:
-    """Kill the process group led by ``pid`` (a rank and everything it spawned), then reap ``pid``
-    if ours.
+    """Kill the process group led by ``pid`` (a rank and all it spawned), then reap ``pid`` if ours.
 
     A rank that has not yet made its own group (killed right after the fork) is killed alone.
     """
