@@ -94,8 +94,7 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
 
 
 def wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
-    """``module``, then what it wraps through ``.module`` attributes (DDP and mixed-precision
-    wrappers)."""
+    """``module``, then what it wraps via ``.module`` attributes (DDP, mixed-precision wrappers)."""
     seen: set[int] = set()
     current: object = module
     while current is not None and id(current) not in seen:

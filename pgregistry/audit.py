@@ -1,5 +1,6 @@
-"""Measure whether each gradient is replicated the way its parameter's roles claim, and what a wrong
-claim costs.
+"""Measure whether each gradient is replicated as its parameter's roles claim.
+
+And what a wrong claim costs.
 
 Grad statistics trust the roles (:mod:`pgregistry.params`): a parameter that is not TP-sharded is
 taken to be replicated across TP and counted once; a routed expert is taken to be distinct per EP
@@ -161,8 +162,7 @@ class ReplicationMismatch:
 
     @property
     def effect(self) -> str:
-        """``undercount`` (distinct copies counted once) or ``overcount`` (one copy counted several
-        times)."""
+        """``undercount`` (distinct copies counted once) or ``overcount`` (one copy, many times)."""
         return "undercount" if self.claimed == REPLICATED else "overcount"
 
     @property
@@ -188,8 +188,7 @@ class ReplicationMismatch:
 
 @attrs.frozen(slots=True, kw_only=True)
 class SuspectedTie:
-    """A parameter that may be tied to one at the other end of the pipeline: reported, never an
-    error.
+    """A parameter that may be tied to one at the pipeline's other end: reported, never an error.
 
     No measurement shows the tie (see the module docstring); an entry of
     :attr:`GradReplicationReport.suspected_ties`, which leaves the report ``ok``.
@@ -263,8 +262,7 @@ class GradReplicationReport:
 
     @property
     def ok(self) -> bool:
-        """True when every measured replication agrees with its classification (suspected ties
-        aside)."""
+        """True if every measured replication matches its classification (suspected ties aside)."""
         return not self.mismatches and not self.unclassified
 
     @property
@@ -588,8 +586,7 @@ def _shape_entry(name: str, param: torch.Tensor) -> dict[str, Any]:
 
 
 def _sum_and_sum_of_squares(tensor: torch.Tensor) -> tuple[float, float] | None:
-    """The float64 sum and sum of squares of ``tensor`` (accumulated in float64, no float64 copy of
-    it)."""
+    """The float64 sum and sum of squares of ``tensor`` (accumulated in float64, no copy of it)."""
     if tensor.is_meta:
         return None
     values = tensor.detach()
@@ -667,8 +664,7 @@ def _measure_dtensor_verdicts(
 
 
 def _replication_claims(param: torch.Tensor) -> list[tuple[str, bool]]:
-    """``(axis, claimed replicated)`` for each axis the classification of ``param`` makes a claim
-    about."""
+    """``(axis, claimed replicated)`` for each axis ``param``'s classification claims about."""
     expert = is_expert_param(param)
     claims = [
         ("expt_tp" if expert else "tp", not getattr(param, "tensor_model_parallel", False)),
@@ -786,8 +782,7 @@ def _local_grad(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _bucket_indices(indices: list[int], sizes: list[int]) -> list[list[int]]:
-    """Consecutive runs of ``indices`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad
-    alone)."""
+    """Runs of ``indices`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad alone)."""
     buckets: list[list[int]] = []
     total = 0
     for index, size in zip(indices, sizes, strict=True):

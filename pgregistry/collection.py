@@ -1,5 +1,4 @@
-"""``ProcessGroupCollection``: the typed, frozen set of process groups one model runs on, and the
-layout it came from.
+"""``ProcessGroupCollection``: the typed, frozen process groups one model runs on, and their layout.
 
 Each field holds exactly one of four things, and each means one thing only:
 
@@ -161,8 +160,7 @@ V = TypeVar("V")
 
 
 class _Field(Generic[V]):
-    """One field: reads the stored value, refusing every read on a rank outside the collection's
-    layout."""
+    """One field: reads the stored value, refusing each read on a rank outside the layout."""
 
     __slots__ = ("name",)
 
@@ -187,8 +185,9 @@ class _Field(Generic[V]):
 
 
 class ProcessGroupCollection:
-    """One process group (or ``None`` = axis off, ``UNSET``, ``NOT_MEMBER``) per group kind, plus
-    the layout.
+    """One process group per group kind, plus the layout.
+
+    A field may instead be ``None`` (axis off), ``UNSET`` or ``NOT_MEMBER``.
 
     What a model and its optimizer are handed instead of reading a global ``parallel_state``: each
     field is one communicator, so a function's groups are visible in its arguments. Field names
@@ -282,8 +281,10 @@ class ProcessGroupCollection:
     def _for_non_member(
         cls, layout: ParallelLayout, name: str | None, lifetime: _Lifetime | None
     ) -> ProcessGroupCollection:
-        """The collection a rank outside ``layout``'s ranks holds: it knows it is no member, and
-        every read raises."""
+        """The collection of a rank outside ``layout``'s ranks.
+
+        It knows it is no member, and every read raises.
+        """
         collection = cls.__new__(cls)
         collection._values = dict.fromkeys(FIELD_NAMES, NOT_MEMBER)
         collection._layout = layout
@@ -297,8 +298,7 @@ class ProcessGroupCollection:
 
     @property
     def layout(self) -> ParallelLayout | None:
-        """The layout this collection was built from (``None`` for a collection assembled by
-        hand)."""
+        """The layout this collection was built from (``None`` for one assembled by hand)."""
         return self._layout
 
     @property
@@ -313,20 +313,17 @@ class ProcessGroupCollection:
 
     @property
     def one_rank_group(self) -> ProcessGroup | None:
-        """A group of this rank alone, for adapters where a field is ``None``; ``None`` when not
-        given."""
+        """This rank's own group, for adapters where a field is ``None``; ``None`` if not given."""
         self._check_member()
         return self._one_rank_group
 
     @property
     def is_destroyed(self) -> bool:
-        """Whether :func:`pgregistry.registry.destroy` destroyed the groups of this (built)
-        collection."""
+        """Whether :func:`pgregistry.registry.destroy` destroyed this built collection's groups."""
         return self._lifetime is not None and not self._lifetime.alive
 
     def describe(self) -> str:
-        """How messages name this collection: its build name and layout, or "a collection assembled
-        by hand"."""
+        """How messages name it: build name and layout, or "a collection assembled by hand"."""
         if self._layout is None:
             return f"collection {self._name!r}" if self._name else "a collection assembled by hand"
         label = f"{self._name!r} " if self._name else ""
@@ -335,13 +332,11 @@ class ProcessGroupCollection:
     # --------------------------------------------------------------------------------------- access
 
     def is_set(self, name: FieldName) -> bool:
-        """True when ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; False when it is
-        ``UNSET``."""
+        """Whether ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; not ``UNSET``."""
         return self._raw_field(name) is not UNSET
 
     def is_member_of(self, name: FieldName) -> bool:
-        """Whether this rank belongs to a group of kind ``name`` (``None``, axis off, counts: rank 0
-        of 1).
+        """Whether this rank belongs to a group of kind ``name`` (``None``, axis off: rank 0 of 1).
 
         ``AttributeError`` when ``name`` is UNSET, as :meth:`get`."""
         value = self._raw_field(name)
@@ -770,8 +765,7 @@ def _check_group(group: object) -> None:
 
 
 def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
-    """``names`` as a tuple; ``ValueError`` with a close-match suggestion for the first unknown
-    one."""
+    """``names`` as a tuple; ``ValueError`` suggesting a close match for the first unknown one."""
     names = tuple(names)
     for name in names:
         if name not in FIELD_NAMES:

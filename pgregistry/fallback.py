@@ -56,8 +56,10 @@ _warned_lock = threading.Lock()
 
 
 def _forget_fallback_warnings() -> None:
-    """Forget which ``(owner, argument)`` pairs have warned, so each warns again once (the test
-    suite's fixture)."""
+    """Forget which ``(owner, argument)`` pairs have warned, so each warns again once.
+
+    The test suite's fixture calls it.
+    """
     with _warned_lock:
         _warned.clear()
 
@@ -99,8 +101,7 @@ def warn_fallback(owner: str, argument: str) -> None:
 
 
 def _first_frame_outside_pgregistry() -> tuple[int, str, int]:
-    """``(stacklevel for warnings.warn called from warn_fallback, that frame's module, its
-    line)``."""
+    """``(stacklevel for warnings.warn called from warn_fallback, its frame's module, line)``."""
     frame = sys._getframe(2)  # the caller of warn_fallback
     level = 2
     while frame is not None:
@@ -113,8 +114,7 @@ def _first_frame_outside_pgregistry() -> tuple[int, str, int]:
 
 
 def _filter_action(message: str, category: type[Warning], module: str, lineno: int) -> str:
-    """The action the active warning filters would take, matched as :func:`warnings.warn_explicit`
-    does."""
+    """The action the active warning filters take, matched as in :func:`warnings.warn_explicit`."""
     for action, msg, cat, mod, line in warnings.filters:
         if (
             (msg is None or _pattern_matches(msg, message))

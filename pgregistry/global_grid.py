@@ -1,5 +1,4 @@
-"""The global grid: one collection a process may declare for code that is given none (the deprecated
-path).
+"""The global grid: one collection a process may declare for code given none (the deprecated path).
 
 Migrating code bases start here: :func:`initialize_global_grid` builds a layout as the process-wide
 default, and every entry point that is given no collection (nor a model with one attached) runs on

@@ -153,8 +153,10 @@ MAX_WORLD_SIZE: Final = 2**31 - 1
 
 @attrs.frozen(slots=True, kw_only=True)
 class _Grid:
-    """One grid (dense or expert): axis names and sizes in order, fastest first, over ``offset +
-    arange(size)``."""
+    """One grid (dense or expert): axis names and sizes in order, fastest first.
+
+    It spans ``offset + arange(size)``.
+    """
 
     axes: tuple[str, ...]
     sizes: tuple[int, ...]
@@ -176,8 +178,10 @@ class _Grid:
         return tuple(axis in kind_axes for axis in self.axes)
 
     def all_groups(self, kind_axes: tuple[str, ...]) -> torch.Tensor:
-        """Every group of ``kind_axes`` as a ``[num_groups, group_size]`` int64 tensor of (global)
-        ranks."""
+        """Each group of ``kind_axes``, as a ``[num_groups, group_size]`` int64 tensor of ranks.
+
+        The ranks are global.
+        """
         import torch
 
         mask = self.mask(kind_axes)
@@ -393,8 +397,7 @@ class ParallelLayout:
     # -------------------------------------------------------------------------------------- queries
 
     def groups_tensor(self, kind: str) -> torch.Tensor:
-        """Every group of ``kind`` as a ``[num_groups, group_size]`` int64 tensor (the fast
-        path)."""
+        """Every group of ``kind`` as a ``[num_groups, group_size]`` int64 tensor (fast path)."""
         if kind in DENSE_GROUP_KINDS:
             return self._dense.all_groups(DENSE_GROUP_KINDS[kind])
         if kind in EXPERT_GROUP_KINDS:
@@ -424,8 +427,7 @@ class ParallelLayout:
         return self.num_ranks // size, size
 
     def groups(self, kind: str) -> tuple[RankGroup, ...]:
-        """Every group of ``kind`` (a :data:`GROUP_KINDS` name), each a tuple of ranks in grid
-        order.
+        """Every group of ``kind`` (a :data:`GROUP_KINDS` name) as a tuple of ranks in grid order.
 
         ``embd`` and ``pos_embd`` hold the first and last pipeline stage (``[first]`` when pp is 1)
         and the first stage of each pipeline group, as Megatron-Core builds them; ranks outside them
@@ -440,8 +442,7 @@ class ParallelLayout:
         return tuple(zip(*self.groups_tensor(kind).T.tolist(), strict=True))
 
     def groups_of(self, rank: int) -> dict[str, RankGroup | None]:
-        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not part
-        of).
+        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not in).
 
         Computed for ``rank`` alone (no kind is enumerated). ``ValueError`` for a rank outside the
         layout.
@@ -493,8 +494,7 @@ class ParallelLayout:
         return self.rank_offset, self.rank_offset + self.num_ranks
 
     def fingerprint(self) -> str:
-        """A stable digest of the declared layout; equal on every rank that declared the same
-        layout."""
+        """A stable digest of the declared layout, equal on all ranks declaring the same one."""
         text = (
             f"v2|ranks={self.num_ranks}|offset={self.rank_offset}|"
             f"tp={self.tp}|cp={self.cp}|pp={self.pp}|ep={self.ep}|expt_tp={self.expt_tp}|"

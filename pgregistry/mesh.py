@@ -1,5 +1,6 @@
-"""Adapters between :class:`~torch.distributed.device_mesh.DeviceMesh` and
-:class:`ProcessGroupCollection`.
+"""Adapters between a :class:`~torch.distributed.device_mesh.DeviceMesh` and a collection.
+
+The collection is a :class:`ProcessGroupCollection`.
 
 Code built on a DeviceMesh (DTensor, FSDP2, torchtitan-style parallel dims) and code built on
 collections can then share communicators instead of creating a second set:
@@ -215,8 +216,7 @@ def to_device_mesh(
 
 
 def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> ProcessGroup:
-    """The group of ``field`` for a mesh dim: its group, or the one-rank group where it is
-    ``None``."""
+    """The group of ``field`` for a mesh dim: its group, or the one-rank group if it is ``None``."""
     value = pg_collection.get_or(field, UNSET)
     if value is UNSET:
         raise ValueError(
@@ -361,8 +361,10 @@ def with_hsdp_groups(
 def _hsdp_split(
     layout: ParallelLayout, kind: str, what: str, replicas: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Each ``kind`` group cut into ``replicas`` contiguous shard blocks, and the replicate sets
-    across them."""
+    """Each ``kind`` group cut into ``replicas`` contiguous shard blocks.
+
+    And the replicate sets across them.
+    """
     groups = layout.groups_tensor(kind)
     size = groups.shape[1]
     if not isinstance(replicas, int) or replicas < 1 or size % replicas:

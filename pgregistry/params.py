@@ -441,8 +441,7 @@ def _param_identity(param: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _is_same_param(new: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether ``new``, registered where ``old`` was, is the same parameter (see the module
-    docstring).
+    """Whether ``new``, registered where ``old`` was, is the same parameter (module docstring).
 
     Called by the registration hook only when ``old`` has roles ``new`` lacks, so the comparison of
     values (a distribution's piece, once) never runs for FSDP2's per-step re-registration of its own

@@ -94,8 +94,7 @@ class KindPlacement:
 
     @property
     def verdict(self) -> str:
-        """One line for tables: off, within a node, or how many groups cross nodes (and that they
-        should not)."""
+        """One line for tables: off, in a node, or how many groups cross nodes (they should not)."""
         if self.group_size == 1:
             return "off (one rank per group)"
         if self.within_node:
@@ -117,8 +116,7 @@ class KindPlacement:
 
 @attrs.frozen(slots=True, kw_only=True)
 class Placement:
-    """Every group kind of a layout placed on nodes of consecutive ranks: what :func:`place`
-    returns.
+    """Every group kind of a layout placed on nodes of consecutive ranks: what :func:`place` gives.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -154,8 +152,7 @@ class Placement:
 
     @property
     def num_nodes(self) -> int:
-        """Nodes holding some rank of the layout (those it shares with ranks outside it
-        included)."""
+        """Nodes holding some rank of the layout (those shared with ranks outside it included)."""
         return self.last_node - self.first_node + 1
 
     @property

@@ -1,5 +1,4 @@
-"""Survive a lost replica in-process: the survivors agree on who is lost, rebuild their groups and
-go on.
+"""Survive a lost replica in-process: survivors agree on who is lost, rebuild their groups, go on.
 
 After a collective failed (a peer died, or timed out), every process that is still alive calls
 :func:`recover`. The survivors agree on the lost ranks through a *store no lost rank was needed
@@ -369,8 +368,10 @@ def _as_ranks(lost: Iterable[int]) -> list[int]:
 def _survivors_verdict(
     layout: ParallelLayout, records: dict[int, dict[str, Any]], world_size: int, rank: int
 ) -> tuple[Shrunk, int]:
-    """The same verdict on every survivor, from the same records: the shrink and the committed step,
-    or the error."""
+    """The same verdict on every survivor, from the same records.
+
+    The shrink and the committed step, or the error.
+    """
     told = {r: rec["lost"] for r, rec in records.items() if rec["lost"] is not None}
     given = {tuple(sorted(set(v))) for v in told.values()}
     if len(given) > 1 or (told and len(told) != len(records)):

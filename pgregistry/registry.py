@@ -1,5 +1,4 @@
-"""Build a layout into a collection: the process groups of every group kind, one communicator per
-rank set.
+"""Build a layout into a collection: each group kind's groups, one communicator per rank set.
 
 :func:`build` turns a :class:`~pgregistry.layout.ParallelLayout` into a
 :class:`~pgregistry.collection.ProcessGroupCollection` that knows its layout. Its communicators come
@@ -203,8 +202,7 @@ def _layout_label(name: object, layout: object) -> str:
 def _check_same_build(
     name: str | None, previous: _Built, layout: ParallelLayout, options: GroupOptions
 ) -> None:
-    """``ValueError`` naming what differs between a build and the earlier one of the same name or
-    layout."""
+    """``ValueError`` naming what differs from an earlier build of the same name or layout."""
     differences = []
     if previous.layout != layout:
         differences.append(f"layout {previous.layout!r} then {layout!r}")
@@ -286,8 +284,7 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
 
 
 def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | None]:
-    """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects
-    instead."""
+    """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects."""
     expects = (
         "adopt expects an iterable of the torch.distributed ProcessGroup "
         "objects this rank belongs to (e.g. Megatron-Core's "

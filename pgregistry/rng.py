@@ -91,8 +91,7 @@ CUDA)."""
 
 
 def _default_generators() -> tuple[torch.Generator, ...]:
-    """The CPU default generator, then each CUDA device's default generator when CUDA is
-    available."""
+    """The CPU default generator, then each CUDA device's default generator if CUDA is available."""
     generators: list[torch.Generator] = [torch.default_generator]
     if torch.cuda.is_available():
         torch.cuda.init()
@@ -176,8 +175,7 @@ class RNGStatesTracker:
         return tuple(self._states)
 
     def seeds(self) -> dict[str, int]:
-        """Stream name -> the seed it was added with (streams set by :meth:`set_states` alone have
-        none)."""
+        """Stream name -> the seed it was added with (none if set by :meth:`set_states` alone)."""
         return {name: seed for seed, name in self._seeds.items()}
 
     def get_states(self) -> dict[str, RNGState]:
@@ -185,8 +183,7 @@ class RNGStatesTracker:
         return {name: tuple(t.clone() for t in state) for name, state in self._states.items()}
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
-        """Replace every stream's state (from :meth:`get_states` of a tracker over as many
-        generators)."""
+        """Set all streams' states (from :meth:`get_states` of a tracker of as many generators)."""
         if self._current is not None:
             raise RuntimeError(f"cannot set RNG states inside fork({self._current!r})")
         count = len(self.generators)
@@ -203,8 +200,7 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the block on stream ``name``; the outer state is restored on exit, even on an
-        exception."""
+        """Run the block on stream ``name``; the outer state is restored on exit, even on error."""
         if name not in self._states:
             known = ", ".join(repr(n) for n in self._states) or "none"
             raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
@@ -313,8 +309,10 @@ def _offset_seeds(
     expt_gtp_remat_rank: int,
     expt_gtp_remat_size: int,
 ) -> dict[str, int]:
-    """:func:`tracker_seeds` without the range check, for :func:`check_seed_plan` to report what is
-    out of range."""
+    """:func:`tracker_seeds` without the range check.
+
+    For :func:`check_seed_plan` to report what is out of range.
+    """
     model_seed = seed + _MODEL_PARALLEL_OFFSET + tp_rank
     expert_seed = seed + _EXPERT_PARALLEL_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + expt_tp_rank
     seeds = {
