@@ -26,8 +26,10 @@ from typing import Any
 __all__ = ["require_attendance", "world_timeout"]
 
 _GAVE_UP = 1 << 32
-"""What a rank that stopped waiting adds to the count: a rank arriving after it sees it, and knows
-to raise."""
+"""What a rank that stopped waiting adds to the count.
+
+A rank arriving after it sees it, and knows to raise.
+"""
 
 _ROLL_CALL_S = 10.0
 """The longest a roll call after a failure waits for the ranks that answer, beyond

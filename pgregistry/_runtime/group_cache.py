@@ -129,8 +129,7 @@ class GroupCache:
         ``split_group`` (a non-member's ``new_group`` call creates none; for benchmarks and
         tests)."""
         self.splits = 0
-        """How many ``split_group`` calls this process took part in (each one collective over the
-        world)."""
+        """How many ``split_group`` calls this process joined (each collective over the world)."""
 
     def group(self, ranks: RankGroup) -> ProcessGroup:
         """The communicator of ``ranks`` (sorted), which must exist."""

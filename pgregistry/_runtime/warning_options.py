@@ -48,8 +48,10 @@ class CommandLineFilter(NamedTuple):
     module: str
     lineno: int
     unqualified: str = ""
-    """The option as given when it named the category without its module (and ``category_name`` is
-    qualified)."""
+    """The option as given when it named the category without its module.
+
+    ``category_name`` is then qualified.
+    """
 
     @property
     def message_pattern(self) -> str:
