@@ -52,8 +52,7 @@ _FIELDS: dict[str, str | None] = {
     "intra_partial_expert_data_parallel_with_gtp_remat": None,
     "data_parallel_with_gtp_remat": None,
 }
-"""``None``: the group exists in Megatron-Core's ``parallel_state`` but no collection field holds
-it."""
+"""``None``: the group is in Megatron-Core's ``parallel_state`` but no collection field holds it."""
 
 #: The pseudo field of the data-parallel group with GTP remat and without CP
 #: (``get_data_parallel_rank()`` on a Megatron-Core with GTP remat): no collection field holds it,
