@@ -70,8 +70,10 @@ _CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = (
     "expt_tp",
     *_UNSHARDED_AXES,
 )
-"""The fields a checkpoint reads: from the global grid, with a warning, when the collection leaves
-them UNSET."""
+"""The fields a checkpoint reads.
+
+Read from the global grid, with a warning, when the collection leaves them UNSET.
+"""
 
 
 @attrs.frozen(slots=True)

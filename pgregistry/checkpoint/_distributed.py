@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["IDENTITY_KEY", "load_distributed", "save_distributed"]
 
 IDENTITY_KEY = "pgregistry/module"
-"""Where a module's DCP checkpoint records the module's name and span (a checkpoint of the world
-records none)."""
+"""Where a module's DCP checkpoint records the module's name and span.
+
+A checkpoint of the world records none.
+"""
 
 
 def save_distributed(
