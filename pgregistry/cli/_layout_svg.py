@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_DRAWN_RANKS", "render_compare_svg", "render_svg", "svg_to_html"]
 
 MAX_DRAWN_RANKS: Final = 256
-"""Worlds larger than this are summarised: the table covers every rank, the drawing the first
-nodes."""
+"""Worlds larger than this are summarised: the table has every rank, the drawing the first nodes."""
 
 _SHEET_WIDTH: Final = 1360
 _MARGIN: Final = 20
