@@ -55,8 +55,10 @@ __all__ = [
 ]
 
 _EXPERT_FIELDS: Final = frozenset({*EXPERT_GROUP_KINDS, "intra_expt_dp"})
-"""Fields of the expert grid: a dense parameter's mesh dim must not be one of these only (and vice
-versa)."""
+"""Fields of the expert grid.
+
+A dense parameter's mesh dim must not be one of these only (and vice versa).
+"""
 
 _PARTIAL_OPS: Final = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 

@@ -42,8 +42,10 @@ STATS_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "expt_tp", "gtp_remat", "e
 them UNSET; ``tp`` and ``mp`` must be set."""
 
 EXPERT_STATS_FIELDS: Final[tuple[GroupName, ...]] = ("ep", "expt_tp", "expt_gtp_remat")
-"""The fields of :data:`STATS_FALLBACK` only expert parameters read: a model without experts needs
-none of them."""
+"""The fields of :data:`STATS_FALLBACK` only expert parameters read.
+
+A model without experts needs none of them.
+"""
 
 _EXPERT_REDUCE: Final = "tp_ep_pp_with_egtp_remat"
 

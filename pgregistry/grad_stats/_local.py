@@ -76,8 +76,10 @@ on a loaded 2-core machine waited on its thread pool for milliseconds: 8 ms for 
 us on one thread)."""
 
 HOST_SMALL: Final = 1 << 14
-"""On the host, a tensor of more elements than this is read in place; smaller ones are flattened
-together."""
+"""On the host, a tensor of more elements than this is read in place.
+
+Smaller ones are flattened together.
+"""
 
 HOST_ROW: Final = 1 << 12
 """On the host, norms are taken over rows of this many elements in the grads' precision and the rows

@@ -194,16 +194,19 @@ class _Layout:
     take_dtensor: Callable[[Sequence[Any]], list[Any]]
     partial: list[tuple[int, str, torch.Tensor]]
     targets: list[tuple[Any, list[int]]]
-    """(target, positions among the pieces): a reduction group, or ``(field, slot)`` summed over a
-    field first."""
+    """(target, positions among the pieces).
+
+    A target is a reduction group, or ``(field, slot)`` summed over a field first.
+    """
     watched: list[tuple[Any, list[int]]]
-    """The pieces this rank does not count, by the target their counted copy has: read for their NaN
-    or inf only."""
+    """The pieces this rank does not count, by their counted copy's target.
+
+    They are read for their NaN or inf only.
+    """
     fields: dict[GroupName, ProcessGroup | None]
     reads_by_kernel: bool = False
     facts: list[int] | None = None
-    """Each piece's address, size and (where the kernel reads) contiguity: what the reads depend
-    on."""
+    """Each piece's address, size and (where the kernel reads) contiguity: what reads depend on."""
     planned_for: _Planned | None = None
     """The grad objects the reads were planned for (plain grads only), by which a call whose grads
     are those same objects at the same addresses skips reading their types, sizes and contiguity

@@ -63,8 +63,10 @@ __all__ = [
 ]
 
 CLIP_EPSILON = 1e-6
-"""Added to the total norm before dividing, as Megatron-Core does: ``coeff = max_norm / (norm +
-1e-6)``."""
+"""Added to the total norm before dividing, as Megatron-Core does.
+
+``coeff = max_norm / (norm + 1e-6)``.
+"""
 
 GradsByGroup = Mapping[ProcessGroup | None, Sequence[torch.Tensor]]
 """Reduction group (``None``: no reduction) -> already-filtered grads."""
