@@ -37,8 +37,10 @@ __all__ = [
 ]
 
 EXPERT_VIEW: Final = "expert"
-"""The view of a ``HyperCommGrid`` whose dims hold the expert groups, as Megatron-Core's MIMO
-optimizer names it."""
+"""The view of a ``HyperCommGrid`` whose dims hold the expert groups.
+
+As Megatron-Core's MIMO optimizer names it.
+"""
 
 _BASE_DIMS: Final[Mapping[str, str]] = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp"}
 """Base-view dim -> layout axis."""
@@ -61,8 +63,10 @@ _BASE_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
     "tp_dp_cp": ("tp", "cp", "dp"),
     "intra_dist_opt": ("tp", "cp", "dp", "pp"),
 }
-"""Collection field -> the base-view dims of the grid group that holds it (Megatron-Core's MIMO
-choice)."""
+"""Collection field -> the base-view dims of the grid group holding it.
+
+Megatron-Core's MIMO choice.
+"""
 _EXPERT_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
     "ep": ("ep",),
     "expt_tp": ("expt_tp",),
@@ -75,8 +79,10 @@ _ALIASES: Final[Mapping[str, GroupName]] = {"intra_dp_cp": "dp_cp", "intra_expt_
 """Fields that hold the same group as another when there is one distributed-optimizer instance."""
 
 _EMBEDDING_KINDS: Final = ("embd", "pos_embd")
-"""Kinds a grid says nothing about: which ranks hold the embeddings is the model's choice, not the
-grid's."""
+"""Kinds a grid says nothing about.
+
+Which ranks hold the embeddings is the model's choice, not the grid's.
+"""
 
 _SIZE_FIELDS: Final[tuple[str, ...]] = (
     "tp",
@@ -312,8 +318,7 @@ def _is_member_group(group: Any) -> bool:
 
 
 _OFF: Final[RankGroup] = ()
-"""How :func:`describe_groups` reports a field that is ``None`` (off, or Megatron-Core's "not
-needed")."""
+"""How :func:`describe_groups` reports a ``None`` field (off, or Megatron-Core's "not needed")."""
 
 
 def describe_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:

@@ -88,8 +88,10 @@ that ``None`` as pgregistry's, the expert axes off, which a collection then hold
 ``ep`` next to ``tp_ep_pp=None`` is refused)."""
 
 _MEMBERSHIP_FIELDS: Final = frozenset({"embd", "pos_embd"})
-"""Fields where Megatron-Core reads ``None`` as "this rank is in no such group" (pgregistry's
-``NOT_MEMBER``)."""
+"""Fields where Megatron-Core reads ``None`` as "this rank is in no such group".
+
+That is, pgregistry's ``NOT_MEMBER``.
+"""
 
 # Fields only recent Megatron-Core releases have, and the field holding the same ranks when their
 # axis is off.

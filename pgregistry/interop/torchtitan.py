@@ -67,8 +67,7 @@ __all__ = [
 _log = get_logger(__name__)
 
 SPMD_BACKENDS: Final = ("spmd_types", "full_dtensor", "partial_dtensor")
-"""torchtitan 0.3's ``ParallelismConfig.spmd_backend`` values; each builds a different dense
-mesh."""
+"""torchtitan 0.3's ``ParallelismConfig.spmd_backend`` values; each builds another dense mesh."""
 
 _VIEWS: Final[dict[str, tuple[str, ...]]] = {
     "dataloading": ("pp", "batch", "cp", "tp"),
@@ -77,8 +76,10 @@ _VIEWS: Final[dict[str, tuple[str, ...]]] = {
     "fwdbwd": ("pp", "dp", "cp", "tp"),  # spmd_types only
     "sparse": ("pp", "dp_replicate", "efsdp", "ep"),
 }
-"""torchtitan's views of the world, slowest dim first: each is the world's ranks reshaped to the
-dims' sizes."""
+"""torchtitan's views of the world, slowest dim first.
+
+Each is the world's ranks reshaped to the dims' sizes.
+"""
 
 _LOSS: Final = ("batch", "cp")
 """The dataloading dims torchtitan flattens into its ``loss`` mesh."""
@@ -653,8 +654,10 @@ _HSDP_FIELDS: Final[dict[GroupName, str]] = {
 """HSDP fields -> the torchtitan dim with their ranks (set when ``dp_replicate`` > 1)."""
 
 _NOT_BUILT: Final[dict[str, None]] = {"hcp": None, "dp_cp_ag": None, "expt_dp_ag": None}
-"""Fields ``registry.build`` leaves ``None`` as well: no hierarchical CP, no second all-gather
-communicator."""
+"""Fields ``registry.build`` leaves ``None`` too.
+
+No hierarchical CP, no second all-gather communicator.
+"""
 
 
 def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
