@@ -281,8 +281,7 @@ _INF = torch.finfo(torch.float64).max
 the largest float64 itself, reads as infinite)."""
 
 _NAN = math.inf
-"""How a NaN module norm travels: above everything else, so a MAX keeps it (a NaN itself it might
-drop)."""
+"""How a NaN module norm travels: above all else, so a MAX keeps it (a bare NaN it might drop)."""
 
 
 def _encode_norm(norm: torch.Tensor) -> torch.Tensor:
