@@ -167,8 +167,7 @@ class FlatOptimizer(OptimizerStatistics):
         param_name_fn: ParamNameFn | None,
     ) -> None:
         self.params: list[torch.Tensor] = list(params)
-        """The model parameters this optimizer updates (one kind: all dense or all routed
-        experts)."""
+        """The parameters this optimizer updates (one kind: all dense or all routed experts)."""
         self.expert = expert
         positions = {id(p): i for i, p in enumerate(self.params)}
         self._name_fn: ParamNameFn = param_name_fn or (lambda p: f"param[{positions[id(p)]}]")

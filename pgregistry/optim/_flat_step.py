@@ -177,8 +177,10 @@ class FlatStep:
                 raise ValueError(f"a copy [{copy.start}, {stop}) lies outside the flat tensor")
         fused = rule.chooses_implementation and kernel_can_step(flat)
         self._fused = FusedStep(flat, self.copies) if fused else None
-        """The one-kernel step and copies on CUDA (:mod:`~pgregistry.optim._fused_step`), where it
-        applies."""
+        """The one-kernel step and copies on CUDA, where it applies.
+
+        See :mod:`~pgregistry.optim._fused_step`.
+        """
 
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:

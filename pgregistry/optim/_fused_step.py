@@ -77,12 +77,16 @@ ITERS = 16
 float64 work, the bias corrections, spread over them)."""
 
 WARPS = 4
-"""Warps per program (``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte
-vectors of float32)."""
+"""Warps per program.
+
+``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte vectors of float32.
+"""
 
 VEC = 4
-"""float32 elements in 16 bytes: the flat length must be a multiple of it (every load and store is a
-vector)."""
+"""float32 elements in 16 bytes: the flat length must be a multiple of it.
+
+Every load and store is a vector.
+"""
 
 COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Dtypes the kernel writes copies in."""

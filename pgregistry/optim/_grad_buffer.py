@@ -88,12 +88,13 @@ __all__ = [
 ]
 
 SPAN_ALIGNMENT = 64
-"""Every span starts at a multiple of this many elements (256 bytes in float32), so span kernels
-load aligned."""
+"""Every span starts at a multiple of this many elements (256 bytes in float32).
+
+So span kernels load aligned.
+"""
 
 ZERO_COUNT_ROW = 1 << 24
-"""Longest row reduced in float32 by the CUDA zero count: below 2**24 every partial count is
-exact."""
+"""Longest row the CUDA zero count reduces in float32: below 2**24 partial counts are exact."""
 
 
 @attrs.frozen(slots=True, eq=False)

@@ -29,8 +29,10 @@ __all__ = [
 ]
 
 ParamState: TypeAlias = dict[str, Any]
-"""One parameter's optimizer state: state key -> tensor or value (Adam: ``step``, ``exp_avg``,
-``exp_avg_sq``)."""
+"""One parameter's optimizer state: state key -> tensor or value.
+
+Adam's are ``step``, ``exp_avg`` and ``exp_avg_sq``.
+"""
 
 MAIN_PARAM = "main_param"
 """The state key of a mixed-precision optimizer's main copy of a lower-precision parameter."""

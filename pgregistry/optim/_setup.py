@@ -89,8 +89,7 @@ class OptimizerProcessGroups:
     mp: Group
     tp_ep_pp: Group
     stats: StatsGroups
-    """Which rank counts a grad and where the counted grads are summed (the grad statistics'
-    groups)."""
+    """Which rank counts a grad and where counted grads are summed (grad statistics' groups)."""
 
 
 def setup_process_groups_for_optimizer(

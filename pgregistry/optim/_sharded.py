@@ -111,8 +111,10 @@ class ShardedOptimizer(FlatOptimizer):
                 "ShardedOptimizer supports one instance (set inter_dist_opt to None)"
             )
         self.shard_group = groups.intra_expt_dp if expert else groups.intra_dp_cp
-        """Main params, state and grads are sharded over this group (``expt_dp`` / ``dp_cp`` of one
-        instance)."""
+        """Main params, state and grads are sharded over this group.
+
+        ``expt_dp`` or ``dp_cp`` of one instance.
+        """
         norm_group = require_group(groups, "intra_dist_opt")
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
@@ -141,8 +143,10 @@ class ShardedOptimizer(FlatOptimizer):
         """``[start, stop)`` of this rank's shard in both buffers."""
         start, stop = self.shard
         self.main_shard = torch.nn.Parameter(self.param_data[start:stop].to(main_dtype, copy=True))
-        """The main copy of this rank's shard of :attr:`param_data` (its ``.grad``: the shard of the
-        grads)."""
+        """The main copy of this rank's shard of :attr:`param_data`.
+
+        Its ``.grad`` is the shard of the grads.
+        """
         self.main_shard.grad = self.buffer.data[start:stop]
         self._pieces = self._make_pieces()
         entries = [(piece.main, piece.start, piece.stop) for piece in self._pieces]
