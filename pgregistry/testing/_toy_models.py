@@ -127,8 +127,10 @@ def model_specs() -> list[Spec]:
 
 
 ZEROED = "layers.0.proj.bias"
-"""A parameter whose whole gradient is zero in the ``random`` gradients (a tensor with no non-zero
-element)."""
+"""A parameter whose whole gradient is zero in the ``random`` gradients.
+
+A tensor with no non-zero element.
+"""
 
 GRADS_SEED = 20_261_130
 """The one seed of the ``random`` gradients."""
