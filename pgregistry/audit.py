@@ -78,8 +78,7 @@ _AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat", "ep", "dp_cp", "
 _DATA_PARALLEL_AXES: Final = ("dp_cp", "expt_dp")
 
 _BUCKET_ELEMENTS: Final = 1 << 22
-"""Grad elements measured per collective (as float64, doubled for MIN): bounds the audit's extra
-memory."""
+"""Grad elements measured per collective (float64, doubled for MIN): bounds the extra memory."""
 
 _HINTS: Final[dict[tuple[str, str], str]] = {
     (
@@ -112,8 +111,10 @@ _HINTS: Final[dict[tuple[str, str], str]] = {
     ),
 }
 _NEAR: Final = 1e-5
-"""Relative agreement of two copies' sums and sums of squares (values or grads) that makes a tie
-likely."""
+"""Relative agreement of two copies' sums and sums of squares that makes a tie likely.
+
+The copies are values or grads.
+"""
 _INPUT_EMBEDDING: Final = re.compile(
     r"(^|\.)(word_embeddings|embedding|embeddings|embed_tokens|tok_embeddings|wte)\.weight$"
 )

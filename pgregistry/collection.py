@@ -104,8 +104,7 @@ class NotMember(enum.Enum):
 
 
 NOT_MEMBER: Final = NotMember.NOT_MEMBER
-"""A field of a kind this rank belongs to no group of (an embedding group on a middle pipeline
-stage)."""
+"""A field of a kind this rank is in no group of (an embedding group on a middle pipeline stage)."""
 
 GroupName: TypeAlias = Literal[
     "tp",
@@ -585,8 +584,7 @@ _INSIDE: Final[Mapping[str, str]] = {
     "intra_expt_dp": "expt_dp",
     "inter_dist_opt": "dp_cp",
 }
-"""Fields a layout does not enumerate, and the layout kind whose group holds them (the HSDP
-split)."""
+"""Fields a layout does not enumerate, and the layout kind whose group holds them (HSDP split)."""
 
 _SAME_AS: Final[Mapping[str, str]] = {"dp_cp_ag": "dp_cp", "expt_dp_ag": "expt_dp"}
 """Second communicators over the same ranks as a layout kind."""

@@ -597,8 +597,10 @@ class Shrunk:
     """The layout over the survivors: ``dp`` and ``expt_dp`` smaller, every other size, the order
     and the ``rank_offset`` the same."""
     rank_map: Mapping[int, int]
-    """Old rank -> new rank, for every survivor (in old order: the survivors renumbered from
-    ``rank_offset``)."""
+    """Old rank -> new rank, for every survivor.
+
+    In old order: the survivors renumbered from ``rank_offset``.
+    """
     dense_replicas_left: tuple[int, ...]
     """The data-parallel coordinates (``dp``) of the dense replicas that leave."""
     expert_replicas_left: tuple[int, ...]

@@ -119,8 +119,7 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
 
 _EXPERT_MODULE_FLAG: Final = "_pgregistry_expert_module"
 _INSIDE_EXPERT_MODULE: Final = "_pgregistry_inside_expert_module"
-"""Set on a marked expert module and every module under it: parameters registered on them get the
-mark."""
+"""Set on a marked expert module and all modules under it: their parameters get the mark."""
 _IN_EXPERT_MODULE: Final = "in_expert_module"
 _SLOTS: Final = "_pgregistry_slots"
 """Module attribute: parameter name -> ``(id of the module, identity, attribute dictionary)`` of the
@@ -129,8 +128,10 @@ marks a record copied with its module. The identity is the object's id, type, sh
 weak reference: ``swap_tensors`` (``to_empty`` of DTensor parameters) refuses a tensor with weak
 references."""
 _FSDP_UID: Final = "_fsdp_orig_uid"
-"""The attribute ``fully_shard`` stamps on each parameter it shards (torch's
-``_get_orig_param_uid``)."""
+"""The attribute ``fully_shard`` stamps on each parameter it shards.
+
+It is torch's ``_get_orig_param_uid``.
+"""
 _SET_DIRECTLY: Final = tuple(name for name in ROLE_ATTRIBUTES if name != _IN_EXPERT_MODULE)
 """The roles read from a slot's recorded dictionary: all but pgregistry's own ``in_expert_module``
 mark, which a model walk derives from the module (and which marks bare tensors only)."""

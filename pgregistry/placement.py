@@ -76,11 +76,9 @@ class KindPlacement:
     crossing_groups: int
     """How many groups span more than one node."""
     first_crossing: RankGroup | None
-    """The first group (in enumeration order) that spans more than one node; ``None`` when none
-    does."""
+    """The first group (in enumeration order) spanning more than one node; ``None`` if none."""
     should_stay_intra_node: bool
-    """Whether this kind was asked to stay on one node (:data:`DEFAULT_INTRA_NODE_KINDS` by
-    default)."""
+    """Whether this kind should stay on one node (default: :data:`DEFAULT_INTRA_NODE_KINDS`)."""
 
     @property
     def within_node(self) -> bool:

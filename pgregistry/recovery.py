@@ -94,8 +94,10 @@ _log = get_logger(__name__)
 
 _PREFIX = "pgregistry/recovery"
 _generation = 0
-"""This process's world generation: 0 for the world it started in, one more for each recovery it
-decided."""
+"""This process's world generation.
+
+0 for the world it started in, one more for each recovery it decided.
+"""
 
 
 class LeftWithReplica(RuntimeError):
@@ -152,15 +154,16 @@ class Recovered:
     committed_step: int
     """The last step every survivor committed; training goes on from the next one."""
     communicators_created: int
-    """Communicators holding this rank created on the re-formed world (its default group
-    included)."""
+    """Communicators holding this rank made on the re-formed world (its default group included)."""
     communicators_keepable: int
     """Communicators holding this rank whose members all survived: those a backend able to keep them
     would keep (this path creates them anew: see the module docstring)."""
     agree_s: float
     rebuild_s: float
-    """Seconds spent agreeing on the lost set (check-in to verdict), and re-forming the world and
-    its groups."""
+    """Seconds spent agreeing on the lost set, and re-forming the world and its groups.
+
+    Agreeing runs from check-in to verdict.
+    """
 
 
 def generation() -> int:

@@ -83,8 +83,10 @@ _DATA_PARALLEL_STRIDE: Final = 10
 _MAX_SEED: Final = 2**64
 
 RNGState = tuple[torch.Tensor, ...]
-"""The state of one RNG stream: one ``ByteTensor`` per generator the tracker drives (CPU first, then
-CUDA)."""
+"""The state of one RNG stream: a ``ByteTensor`` per generator the tracker drives.
+
+CPU first, then CUDA.
+"""
 
 
 # ------------------------------------------------------------------------------------------ tracker
@@ -431,8 +433,9 @@ _STREAM_AXES: Final[Mapping[str, tuple[str, ...]]] = {
     GTP_REMAT_RNG: ("pp", "tp", "gtp_remat"),
     EGTP_REMAT_RNG: ("pp", "ep", "expt_tp", "expt_gtp_remat"),
 }
-"""Tracker -> the coordinates that tell its streams apart: ranks differing in any of them must draw
-differently.
+"""Tracker -> the coordinates that tell its streams apart.
+
+Ranks differing in any of them must draw differently.
 
 Pipeline stages hold different layers, so they must not share a stream (Megatron adds ``100 *
 pp_rank`` for that); tensor-parallel shards of one weight must differ (model-parallel); distinct
@@ -443,8 +446,7 @@ streams by design."""
 
 
 _PROGRESS_EVERY: Final = 16384
-"""Ranks between two calls of the ``progress`` callback of :func:`seed_plan` and
-:func:`check_seed_plan`."""
+"""Ranks between two ``progress`` callbacks of :func:`seed_plan` and :func:`check_seed_plan`."""
 
 
 def seed_plan(
@@ -663,8 +665,10 @@ def _check_axes(data_parallel_random_init: bool) -> dict[str, tuple[str, ...]]:
 
 
 _SHARED_COMBINATIONS_COUNTED: Final = 2**16
-"""The most (tp, ep, expt_tp, gtp_remat, expt_gtp_remat) rank combinations
-:func:`check_seed_plan_size` tries."""
+"""The most rank combinations :func:`check_seed_plan_size` tries.
+
+Combinations of (tp, ep, expt_tp, gtp_remat, expt_gtp_remat).
+"""
 
 
 def check_seed_plan_size(
