@@ -98,8 +98,8 @@ class NotMember(enum.Enum):
 
     def __bool__(self) -> NoReturn:
         raise TypeError(
-            "NOT_MEMBER (this rank belongs to no group of that "
-            "kind) has no truth value; ask pg.is_member_of(name)"
+            "NOT_MEMBER (this rank belongs to no group of that kind) has no truth value; "
+            "ask pg.is_member_of(name)"
         )
 
 

@@ -259,8 +259,8 @@ def place(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     elif stop > world_size:
         raise ValueError(
-            f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
-            f"{layout.num_ranks}), past the end of the world (world_size {world_size})"
+            f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + "
+            f"num_ranks {layout.num_ranks}), past the end of the world (world_size {world_size})"
         )
     else:
         world = world_size
