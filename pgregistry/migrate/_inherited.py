@@ -1,14 +1,16 @@
 """Subclasses that inherit a threaded ``__init__``: their instantiations pass the collection too.
 
 A class whose own ``__init__`` the tool threaded is instantiated with the collection in scope
-(:func:`~pgregistry.migrate._plan.collect_threaded_classes`). A subclass that defines no ``__init__`` of its own
-runs that same ``__init__``, so a call of it may pass the keyword as well, but only where that is sure: the
-subclass's first base is the threaded class (Python then finds its ``__init__`` right after the subclass's own
-namespace, whatever the other bases), and the subclass has no ``__init__``, no ``__new__``, no decorator and no
-class keyword (a metaclass) of its own. A subclass with an ``__init__`` of its own is never given it (that one may
-not take the keyword). Followed down the tree until nothing changes (a subclass of such a subclass).
+(:func:`~pgregistry.migrate._plan.collect_threaded_classes`). A subclass that defines no
+``__init__`` of its own runs that same ``__init__``, so a call of it may pass the keyword as well,
+but only where that is sure: the subclass's first base is the threaded class (Python then finds its
+``__init__`` right after the subclass's own namespace, whatever the other bases), and the subclass
+has no ``__init__``, no ``__new__``, no decorator and no class keyword (a metaclass) of its own. A
+subclass with an ``__init__`` of its own is never given it (that one may not take the keyword).
+Followed down the tree until nothing changes (a subclass of such a subclass).
 
-Read with :mod:`ast` from the files whose text names a known class in a ``class`` line. Pure: no I/O.
+Read with :mod:`ast` from the files whose text names a known class in a ``class`` line. Pure: no
+I/O.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ Key = tuple[str, str]
 
 
 def _runs_the_base_init(node: ast.ClassDef) -> bool:
-    """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments, as far as the
-    class itself says: nothing of its own between the call and that ``__init__``."""
+    """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments,
+    as far as the class itself says: nothing of its own between the call and that ``__init__``."""
     own = {m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return bool(node.bases) and not (
         node.decorator_list or node.keywords or own & {"__init__", "__new__"}
@@ -39,7 +41,7 @@ def _runs_the_base_init(node: ast.ClassDef) -> bool:
 def _first_base(
     node: ast.ClassDef, module: str, bound: Mapping[str, str], classes: set[str]
 ) -> Key | None:
-    """(module, name) of ``node``'s first base: a class of the same module or one the file imports."""
+    """(module, name) of ``node``'s first base: a class of this module or one the file imports."""
     base = node.bases[0]
     parts: list[str] = []
     while isinstance(base, ast.Attribute):
@@ -61,9 +63,10 @@ def _first_base(
 def add_inheriting_subclasses(
     contents: Mapping[str, bytes], threaded: Mapping[Key, str], packages: Mapping[str, bytes]
 ) -> dict[Key, str]:
-    """``threaded`` (classes whose own ``__init__`` takes the keyword: (module, class) -> keyword) with the
-    module-level classes of the tree ``contents`` (path -> bytes) that inherit one of those ``__init__``s
-    unchanged; ``packages``: the ``__init__.py`` files, through which a base may be named."""
+    """``threaded`` (classes whose own ``__init__`` takes the keyword: (module, class) -> keyword)
+    with the module-level classes of the tree ``contents`` (path -> bytes) that inherit one of those
+    ``__init__``s unchanged; ``packages``: the ``__init__.py`` files, through which a base may be
+    named."""
     found = dict(threaded)
     parsed: dict[str, ast.Module | None] = {}
     changed = True
