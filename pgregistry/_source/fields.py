@@ -17,7 +17,15 @@ from dataclasses import dataclass
 
 from pgregistry._source.scanner import HELPER, REGISTRY, SHIM, Site
 
-__all__ = ["GTP_REMAT_DP", "FieldChoice", "collection_field", "fallback_table", "fix_for"]
+__all__ = [
+    "GTP_REMAT_DP",
+    "VIRTUAL_STAGE_REASON",
+    "FieldChoice",
+    "collection_field",
+    "fallback_table",
+    "fix_for",
+    "virtual_stage_choice",
+]
 
 #: The axis word of an accessor (``get_<axis>_group``, ``_<AXIS>_GROUP``) -> the collection field.
 _FIELDS: dict[str, str | None] = {
@@ -144,23 +152,61 @@ _STAGES = {"is_pipeline_first_stage": "first_stage", "is_pipeline_last_stage": "
 
 @dataclass(frozen=True)
 class FieldChoice:
-    """What a read is, for a rewrite: ``kind`` (``group``, ``rank``, ``size``, ``src_rank``, ``global_ranks``,
-    ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``first_stage``, ``last_stage``) of collection
-    field ``field``; or ``reason`` why no field says it."""
+    """What a read is, for a rewrite: ``kind`` (``group``, ``rank``, ``size``, ``src_rank``,
+    ``global_ranks``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``first_stage``,
+    ``last_stage``) of collection field ``field``; or ``reason`` why no field says it.
+    ``forwarded``: the read's keyword arguments the fallback helper must be given too, as they
+    change what it answers (``ignore_virtual``, ``vp_stage``)."""
 
     field: str = ""
     kind: str = ""
     reason: str = ""
+    forwarded: tuple[str, ...] = ()
+
+
+#: Why an ``is_pipeline_first/last_stage(ignore_virtual=False)`` read stays where no rule rewrites
+#: it.
+VIRTUAL_STAGE_REASON = (
+    "ignore_virtual=False also reads the virtual pipeline stage: rewritten only with --target "
+    "megatron, on a Megatron-Core whose is_pipeline_first/last_stage take it from vp_stage= "
+    "(0.13 on)"
+)
+
+
+def virtual_stage_choice(
+    accessor: str, keywords: Mapping[str, object], *, virtual_stages: bool
+) -> FieldChoice:
+    """``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` with ``ignore_virtual`` not True:
+    the stage of the collection's ``pp`` with the keywords forwarded, where ``virtual_stages`` says
+    the fallback helper reproduces the release's virtual part
+    (:mod:`pgregistry.migrate._virtual_stages`: it returns False unless ``vp_stage`` is the first /
+    last virtual stage of the virtual pipeline size, a schedule setting it reads from
+    ``parallel_state`` as the accessor does, and only then asks the collection's ``pp``)."""
+    ignore_virtual = keywords.get("ignore_virtual", True)
+    if ignore_virtual is ...:
+        return FieldChoice(reason="ignore_virtual= is not a literal True or False")
+    if ignore_virtual:  # a true literal: the pipeline stage alone
+        return FieldChoice("pp", _STAGES[accessor])
+    if not virtual_stages:
+        return FieldChoice(reason=VIRTUAL_STAGE_REASON)
+    forwarded = ("ignore_virtual", "vp_stage") if "vp_stage" in keywords else ("ignore_virtual",)
+    return FieldChoice("pp", _STAGES[accessor], forwarded=forwarded)
 
 
 def collection_field(
-    accessor: str, keywords: Mapping[str, object], *, gtp_remat: bool = True
+    accessor: str,
+    keywords: Mapping[str, object],
+    *,
+    gtp_remat: bool = True,
+    virtual_stages: bool = False,
 ) -> FieldChoice:
     """The collection field a call ``accessor(**keywords)`` reads. ``keywords`` maps each keyword argument to
     its literal value (``True``, ``False``, ``None``, a number), or to ``...`` when it is not a literal.
     ``gtp_remat``: whether the code's Megatron-Core has GTP remat (0.19 on), where the data-parallel accessors
     read the group spanning the GTP-remat peers unless ``with_gtp_remat=False``; before it they read the plain
     group (``dp_cp``, not ``dp_cp_gtp_remat``: the fields Megatron-LM's own hand migrations wrote then).
+    ``virtual_stages``: whether a pipeline-stage read with ``ignore_virtual=False`` may be
+    rewritten (:func:`virtual_stage_choice`).
 
     A keyword that may pick another group and is not a literal, or one this table does not know, is a reason:
     guessing would change which group the code reads."""
@@ -195,8 +241,8 @@ def collection_field(
     )
     if unknown:
         return FieldChoice(reason=f"keyword argument {unknown[0]}= may pick another group")
-    if keywords.get("ignore_virtual") not in (None, True) and accessor in _STAGES:
-        return FieldChoice(reason="ignore_virtual=False also reads the virtual pipeline stage")
+    if accessor in _STAGES and keywords.get("ignore_virtual", True) is not True:
+        return virtual_stage_choice(accessor, keywords, virtual_stages=virtual_stages)
     flags: dict[str, bool] = {}
     for name, value in keywords.items():
         if name in _NEUTRAL_KEYWORDS:
