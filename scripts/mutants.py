@@ -1075,6 +1075,15 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_the_stage_of_the_collections_pp_with_the_virtual_keywords_passed_on"),
     ),
     Mutant(
+        name="migrate-gloo-reason-vague",
+        bug="migrate leaves a gloo group's read saying only that no field says what the accessor reads, not that "
+        "no collection holds gloo groups (Megatron-LM #3349, #3962: get_megatron_optimizer)",
+        file="pgregistry/_source/fields.py",
+        find="if match is None and _GLOO.fullmatch(accessor):",
+        replace="if False:",
+        tests=("tests/migrate/test_migrate_gloo_groups.py::test_a_gloo_groups_read_stays_with_the_reason",),
+    ),
+    Mutant(
         name="migrate-virtual-stage-any-release",
         bug="migrate rewrites ignore_virtual=False stage reads on a Megatron-LM of 2025-04-29 to 2025-05-20, whose "
         "accessors take the virtual stage from the global virtual pipeline rank, not vp_stage=",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pgregistry._source.scanner import HELPER, REGISTRY, SHIM, Site
 
 __all__ = [
+    "GLOO_REASON",
     "GTP_REMAT_DP",
     "VIRTUAL_STAGE_REASON",
     "FieldChoice",
@@ -164,6 +165,13 @@ class FieldChoice:
     forwarded: tuple[str, ...] = ()
 
 
+#: A gloo group's accessor (``get_data_parallel_group_gloo``, ``get_expert_data_parallel_group_gloo``).
+_GLOO = re.compile(r"get_\w+_groups?_gloo")
+#: Why a gloo group's read stays: no collection (Megatron-Core's or pgregistry's) holds gloo groups.
+GLOO_REASON = (
+    "a gloo group: no collection field holds one (Megatron-Core's setup_process_groups_for_optimizer "
+    "reads them from parallel_state, and refuses use_gloo_process_groups with a collection)"
+)
 #: Why an ``is_pipeline_first/last_stage(ignore_virtual=False)`` read stays where no rule rewrites
 #: it.
 VIRTUAL_STAGE_REASON = (
@@ -254,6 +262,8 @@ def collection_field(
         return FieldChoice("pp", _STAGES[accessor])
     matches = ((pattern.fullmatch(accessor), kind) for pattern, kind in _KINDS)
     match, kind = next(((m, k) for m, k in matches if m is not None), (None, ""))
+    if match is None and _GLOO.fullmatch(accessor):
+        return FieldChoice(reason=GLOO_REASON)
     if match is None:
         return FieldChoice(reason="no collection field says what this accessor reads")
     axis = match.group("axis")
