@@ -115,9 +115,9 @@ class _FieldReads(ast.NodeVisitor):
         self.passes: dict[str, set[str]] = {}
         #: Per scope, the names it calls (``x.get_data_parallel_group_gloo(...)``: the last name), how often.
         self.calls: Counter[tuple[str, str]] = Counter()
-        #: Per scope, its fallback helper calls that also read the virtual pipeline size from parallel_state
-        #: (``pg_read(c, "pp", "first_stage", ignore_virtual=False, ...)``).
-        self.virtual_size_reads: Counter[str] = Counter()
+        #: Per (scope, stage accessor), its fallback helper calls that also read the virtual pipeline size from
+        #: parallel_state (``pg_read(c, "pp", "first_stage", ignore_virtual=False, ...)``).
+        self.virtual_size_reads: Counter[tuple[str, str]] = Counter()
 
     def _scoped(self, node: ast.AST, name: str) -> None:
         self.scopes.append(name)
@@ -151,8 +151,10 @@ class _FieldReads(ast.NodeVisitor):
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str):
                 self._read(name.value)
-            if any(k.arg == "ignore_virtual" for k in node.keywords):
-                self.virtual_size_reads[".".join(self.scopes) or "<module>"] += 1
+            kind = node.args[2] if len(node.args) >= 3 else None
+            if any(k.arg == "ignore_virtual" for k in node.keywords) and isinstance(kind, ast.Constant):
+                accessor = f"is_pipeline_{str(kind.value).removesuffix('_stage')}_stage"
+                self.virtual_size_reads[(".".join(self.scopes) or "<module>", accessor)] += 1
         self.generic_visit(node)
 
 
@@ -186,8 +188,9 @@ class Comparison:
     tool_output: str = ""
     #: (file, scope) -> the functions the tool's version passes its collection to, with the fields they read.
     through: dict[tuple[str, str], dict[str, set[str]]] = field(default_factory=dict)
-    #: "file:scope" -> the tool's fallback helper calls there that read the virtual pipeline size globally.
-    virtual_size_reads: Counter[str] = field(default_factory=Counter)
+    #: (file:scope, stage accessor) -> the tool's fallback helper calls there that read the virtual pipeline size
+    #: from parallel_state.
+    virtual_size_reads: Counter[Key] = field(default_factory=Counter)
     #: The calls of each name in the authors' version of the touched files, the modules the scanner exempts
     #: (``process_groups_config.py``) too: (file:scope, name) -> count.
     calls_by_authors: Counter[Key] = field(default_factory=Counter)
@@ -245,7 +248,7 @@ def compare(repository: Path, commit: str, title: str) -> Comparison:
             tool_reads = field_reads(after_tool)
             fields_tool = tool_reads.fields
             comparison.virtual_size_reads += Counter(
-                {f"{name}:{scope}": n for scope, n in tool_reads.virtual_size_reads.items()}
+                {(f"{name}:{scope}", a): n for (scope, a), n in tool_reads.virtual_size_reads.items()}
             )
             for scope in sorted({scope for scope, _ in removed_by_authors}):
                 new_authors = fields_authors.get(scope, set()) - fields_before.get(scope, set())
@@ -272,7 +275,7 @@ def report(comparisons: list[Comparison]) -> None:
               f"{len(c.files)} file(s) compared")
         for (scope, accessor), count in sorted(c.by_authors.items()):
             mark = "both" if c.by_tool[(scope, accessor)] >= count else "AUTHORS ONLY"
-            print(f"  removed {count}x {accessor} in {scope}: {mark}{_how_counted(c, scope, accessor, mark)}")
+            print(f"  removed {count}x {accessor} in {scope}: {mark}{_how_counted(c, scope, accessor, count, mark)}")
         for (scope, accessor), count in sorted((c.by_tool - c.by_authors).items()):
             print(f"  removed {count}x {accessor} in {scope}: tool only (the authors left it)")
         for name, scope, authors, tool in c.functions:
@@ -286,18 +289,16 @@ def report(comparisons: list[Comparison]) -> None:
             print(f"    {line}")
 
 
-_STAGES = ("is_pipeline_first_stage", "is_pipeline_last_stage")
-
-
-def _how_counted(c: Comparison, scope: str, accessor: str, mark: str) -> str:
+def _how_counted(c: Comparison, scope: str, accessor: str, count: int, mark: str) -> str:
     """What a removed read's line must say besides its mark: a pipeline-stage read the tool removed whose
     replacement still reads the virtual pipeline size from parallel_state; a read the authors moved elsewhere."""
     notes = []
-    if mark == "both" and accessor in _STAGES and c.virtual_size_reads[scope]:
+    virtual = min(count, c.virtual_size_reads[(scope, accessor)])
+    if mark == "both" and virtual:
         notes.append(
-            f"counted as removed: the tool's {c.virtual_size_reads[scope]} pg_read(..., ignore_virtual=False) "
-            "call(s) here read the pipeline group from the collection and the virtual pipeline size, a schedule "
-            "setting, from parallel_state (in the fallback helper, as the original did)"
+            f"{virtual} of them counted as removed though the tool's pg_read(..., ignore_virtual=False) for it "
+            "still reads the virtual pipeline size, a schedule setting, from parallel_state (in the fallback "
+            "helper, as the original did); the pipeline group is the collection's"
         )
     still = sorted(f"{where} ({n}x)" for (where, read), n in c.calls_by_authors.items() if read == accessor)
     if mark != "both" and still:
@@ -309,12 +310,7 @@ def summary(comparisons: list[Comparison]) -> str:
     """The totals line: reads removed by both, of those the authors removed, and how the special cases count."""
     authors = sum(sum(c.by_authors.values()) for c in comparisons)
     both = sum(sum(c.in_both.values()) for c in comparisons)
-    virtual = sum(
-        n
-        for c in comparisons
-        for (scope, accessor), n in c.in_both.items()
-        if accessor in _STAGES and c.virtual_size_reads[scope]
-    )
+    virtual = sum(min(n, c.virtual_size_reads[key]) for c in comparisons for key, n in c.in_both.items())
     moved = sum(
         n
         for c in comparisons
@@ -324,7 +320,8 @@ def summary(comparisons: list[Comparison]) -> str:
     return (
         f"{both} of the {authors} reads the authors removed are removed by the tool too ({100 * both / authors:.0f}%); "
         f"{virtual} of those {both} are pipeline-stage reads whose rewrite still reads the virtual pipeline size "
-        f"from parallel_state (no process group); of the {authors - both} the tool leaves, {moved} the authors' "
+        f"from parallel_state (a schedule setting, no process group); of the {authors - both} the tool leaves, "
+        f"{moved} the authors' "
         "version still reads from parallel_state in the files they touched"
     )
 
