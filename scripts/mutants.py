@@ -1071,6 +1071,8 @@ MUTANTS: tuple[Mutant, ...] = (
                "virtual-stages:virtual_stages.layers.layers_to_build[interleaved]-a]",
                "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
                "virtual-stages:virtual_stages.layers.layers_to_build[without-vp-stage]-a]",
+               "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "virtual-stages:virtual_stages.layers.mtp_on_this_rank-a]",
                "tests/migrate/test_migrate_virtual_stages.py::"
                "test_the_stage_of_the_collections_pp_with_the_virtual_keywords_passed_on"),
     ),

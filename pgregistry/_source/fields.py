@@ -184,19 +184,20 @@ VIRTUAL_STAGE_REASON = (
 def virtual_stage_choice(
     accessor: str, keywords: Mapping[str, object], *, virtual_stages: bool
 ) -> FieldChoice:
-    """``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` with ``ignore_virtual`` not True:
+    """``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` with ``ignore_virtual`` not True
+    (False, or not a literal):
     the stage of the collection's ``pp`` with the keywords forwarded, where ``virtual_stages`` says
     the fallback helper reproduces the release's virtual part
     (:mod:`pgregistry.migrate._virtual_stages`: it returns False unless ``vp_stage`` is the first /
     last virtual stage of the virtual pipeline size, a schedule setting it reads from
     ``parallel_state`` as the accessor does, and only then asks the collection's ``pp``)."""
     ignore_virtual = keywords.get("ignore_virtual", True)
-    if ignore_virtual is ...:
-        return FieldChoice(reason="ignore_virtual= is not a literal True or False")
-    if ignore_virtual:  # a true literal: the pipeline stage alone
+    if ignore_virtual is not ... and ignore_virtual:  # a true literal: the pipeline stage alone
         return FieldChoice("pp", _STAGES[accessor])
     if not virtual_stages:
-        return FieldChoice(reason=VIRTUAL_STAGE_REASON)
+        not_literal = "ignore_virtual= is not a literal True or False"
+        return FieldChoice(reason=not_literal if ignore_virtual is ... else VIRTUAL_STAGE_REASON)
+    # False, or an expression the helper is given as the accessor would be, and tests as it does
     forwarded = ("ignore_virtual", "vp_stage") if "vp_stage" in keywords else ("ignore_virtual",)
     return FieldChoice("pp", _STAGES[accessor], forwarded=forwarded)
 
