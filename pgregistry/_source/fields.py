@@ -19,7 +19,16 @@ from dataclasses import dataclass
 
 from pgregistry._source.scanner import HELPER, REGISTRY, SHIM, Site
 
-__all__ = ["GTP_REMAT_DP", "FieldChoice", "collection_field", "fallback_table", "fix_for"]
+__all__ = [
+    "GLOO_REASON",
+    "GTP_REMAT_DP",
+    "VIRTUAL_STAGE_REASON",
+    "FieldChoice",
+    "collection_field",
+    "fallback_table",
+    "fix_for",
+    "virtual_stage_choice",
+]
 
 #: The axis word of an accessor (``get_<axis>_group``, ``_<AXIS>_GROUP``) -> the collection field.
 _FIELDS: dict[str, str | None] = {
@@ -164,15 +173,61 @@ _STAGES = {"is_pipeline_first_stage": "first_stage", "is_pipeline_last_stage": "
 class FieldChoice:
     """What a read is, for a rewrite: ``kind`` (``group``, ``rank``, ``size``, ``src_rank``,
     ``global_ranks``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``first_stage``,
-    ``last_stage``) of collection field ``field``; or ``reason`` why no field says it."""
+    ``last_stage``) of collection field ``field``; or ``reason`` why no field says it.
+    ``forwarded``: the read's keyword arguments the fallback helper must be given too, as they
+    change what it answers (``ignore_virtual``, ``vp_stage``)."""
 
     field: str = ""
     kind: str = ""
     reason: str = ""
+    forwarded: tuple[str, ...] = ()
+
+
+#: A gloo group's accessor (``get_data_parallel_group_gloo``,
+#: ``get_expert_data_parallel_group_gloo``).
+_GLOO = re.compile(r"get_\w+_groups?_gloo")
+#: Why a gloo group's read stays: no collection (Megatron-Core's or pgregistry's) holds gloo groups.
+GLOO_REASON = (
+    "a gloo group: no collection field holds one (Megatron-Core's "
+    "setup_process_groups_for_optimizer reads them from parallel_state, "
+    "and refuses use_gloo_process_groups with a collection)"
+)
+#: Why an ``is_pipeline_first/last_stage(ignore_virtual=False)`` read stays where no rule rewrites
+#: it.
+VIRTUAL_STAGE_REASON = (
+    "ignore_virtual=False also reads the virtual pipeline stage: rewritten only with --target "
+    "megatron, on a Megatron-Core whose is_pipeline_first/last_stage take it from vp_stage= "
+    "(0.13 on)"
+)
+
+
+def virtual_stage_choice(
+    accessor: str, keywords: Mapping[str, object], *, virtual_stages: bool
+) -> FieldChoice:
+    """``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` with ``ignore_virtual`` not True
+    (False, or not a literal):
+    the stage of the collection's ``pp`` with the keywords forwarded, where ``virtual_stages`` says
+    the fallback helper reproduces the release's virtual part
+    (:mod:`pgregistry.migrate._virtual_stages`: it returns False unless ``vp_stage`` is the first /
+    last virtual stage of the virtual pipeline size, a schedule setting it reads from
+    ``parallel_state`` as the accessor does, and only then asks the collection's ``pp``)."""
+    ignore_virtual = keywords.get("ignore_virtual", True)
+    if ignore_virtual is not ... and ignore_virtual:  # a true literal: the pipeline stage alone
+        return FieldChoice("pp", _STAGES[accessor])
+    if not virtual_stages:
+        not_literal = "ignore_virtual= is not a literal True or False"
+        return FieldChoice(reason=not_literal if ignore_virtual is ... else VIRTUAL_STAGE_REASON)
+    # False, or an expression the helper is given as the accessor would be, and tests as it does
+    forwarded = ("ignore_virtual", "vp_stage") if "vp_stage" in keywords else ("ignore_virtual",)
+    return FieldChoice("pp", _STAGES[accessor], forwarded=forwarded)
 
 
 def collection_field(
-    accessor: str, keywords: Mapping[str, object], *, gtp_remat: bool = True
+    accessor: str,
+    keywords: Mapping[str, object],
+    *,
+    gtp_remat: bool = True,
+    virtual_stages: bool = False,
 ) -> FieldChoice:
     """The collection field a call ``accessor(**keywords)`` reads. ``keywords`` maps each keyword
     argument to its literal value (``True``, ``False``, ``None``, a number), or to ``...`` when it
@@ -180,6 +235,8 @@ def collection_field(
     the data-parallel accessors read the group spanning the GTP-remat peers unless
     ``with_gtp_remat=False``; before it they read the plain group (``dp_cp``, not
     ``dp_cp_gtp_remat``: the fields Megatron-LM's own hand migrations wrote then).
+    ``virtual_stages``: whether a pipeline-stage read with ``ignore_virtual=False`` may be rewritten
+    (:func:`virtual_stage_choice`).
 
     A keyword that may pick another group and is not a literal, or one this table does not know, is
     a reason: guessing would change which group the code reads."""
@@ -214,8 +271,8 @@ def collection_field(
     )
     if unknown:
         return FieldChoice(reason=f"keyword argument {unknown[0]}= may pick another group")
-    if keywords.get("ignore_virtual") not in (None, True) and accessor in _STAGES:
-        return FieldChoice(reason="ignore_virtual=False also reads the virtual pipeline stage")
+    if accessor in _STAGES and keywords.get("ignore_virtual", True) is not True:
+        return virtual_stage_choice(accessor, keywords, virtual_stages=virtual_stages)
     flags: dict[str, bool] = {}
     for name, value in keywords.items():
         if name in _NEUTRAL_KEYWORDS:
@@ -227,6 +284,8 @@ def collection_field(
         return FieldChoice("pp", _STAGES[accessor])
     matches = ((pattern.fullmatch(accessor), kind) for pattern, kind in _KINDS)
     match, kind = next(((m, k) for m, k in matches if m is not None), (None, ""))
+    if match is None and _GLOO.fullmatch(accessor):
+        return FieldChoice(reason=GLOO_REASON)
     if match is None:
         return FieldChoice(reason="no collection field says what this accessor reads")
     axis = match.group("axis")

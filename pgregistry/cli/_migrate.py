@@ -232,6 +232,7 @@ def _migrate_files(args: argparse.Namespace) -> int:
             source.accessors,
             line_length(settings.root),
             source.shims,
+            source.virtual_stages,
         )
         migration = migrate(
             found.files,

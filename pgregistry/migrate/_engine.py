@@ -157,6 +157,9 @@ class Helper:
     #: (:mod:`._megatron_release`): the installed Megatron-Core's (where this Python imports it
     #: from) unless given; None: not known, every shim stays.
     shims: ShimGetters | Literal["installed"] | None = "installed"
+    #: Whether the release's pipeline-stage accessors are the form the helper reproduces for
+    #: ``ignore_virtual=False`` (:mod:`._virtual_stages`; default: 0.19's, which are).
+    virtual_stages: bool = True
 
 
 def migrate(
@@ -269,6 +272,9 @@ class _Worker:
     progress: Progress
     facts: TreeFacts
     shims: ShimGetters | None
+    #: Whether ``ignore_virtual=False`` stage reads are rewritten (``--target megatron`` and a
+    #: release of the form its helper reproduces, :mod:`._virtual_stages`).
+    virtual_stages: bool = False
     plans: dict[str, FilePlan] = field(default_factory=dict)
     #: A call of one of ``may_thread_names``.
     may_thread: re.Pattern[bytes] | None = field(init=False)
@@ -301,6 +307,7 @@ class _Worker:
                 gtp_remat=self.gtp_remat,
                 facts=self.facts,
                 shims=self.shims,
+                virtual_stages=self.virtual_stages,
             )
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
             return _internal_error(path, error)
@@ -576,6 +583,7 @@ def _run_migration(
             progress,
             facts,
             find_installed_shim_getters() if helper.shims == "installed" else helper.shims,
+            helper.virtual_stages and idiom_.megatron_fallback,
         )
         for share in shares
     ]

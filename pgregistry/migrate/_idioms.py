@@ -77,12 +77,17 @@ class Idiom:
         """(code, whether it is a conditional that needs parentheses where it is an operand)."""
         choice = read.choice
         assert choice is not None
+        if choice.forwarded and not self.megatron_fallback:
+            raise ValueError(
+                f"{read.site.accessor} needs {', '.join(choice.forwarded)}= passed on, which "
+                "only --target megatron's fallback helper takes"
+            )
         forwarded = ""
         if self.megatron_fallback and read.call is not None:
             forwarded = "".join(
                 f", {a.keyword.value}={cst.Module([]).code_for_node(a.value)}"
                 for a in read.call.args
-                if a.keyword is not None and a.keyword.value in _FORWARDED
+                if a.keyword is not None and a.keyword.value in (*_FORWARDED, *choice.forwarded)
             )
         code, operator = self._read_code(read, choice.field, forwarded), False
         if read.when:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pgregistry.migrate._virtual_stages import has_virtual_stage_form
+
 __all__ = [
     "MegatronSource",
     "ShimGetters",
@@ -52,6 +54,9 @@ class MegatronSource:
     accessors: tuple[str, ...] = ()
     #: :func:`shim_getters` of the release's ``process_groups_config.py`` (None: not found).
     shims: ShimGetters | None = None
+    #: Whether its pipeline-stage accessors are the form the fallback helper reproduces for
+    #: ``ignore_virtual=False`` (:mod:`._virtual_stages`; nothing found: 0.19's, which is).
+    virtual_stages: bool = True
 
     def describe(self) -> str:
         grid = "with GTP remat (0.19 on)" if self.gtp_remat else "without GTP remat (before 0.19)"
@@ -70,7 +75,11 @@ def megatron_source(root: Path, search: Sequence[str] | None = None) -> Megatron
             continue
         accessors = tuple(name.decode() for name in _ACCESSOR.findall(text))
         return MegatronSource(
-            bool(_WITH_GTP_REMAT.search(text)), f"{label} {path}", accessors, _shims_beside(base)
+            bool(_WITH_GTP_REMAT.search(text)),
+            f"{label} {path}",
+            accessors,
+            _shims_beside(base),
+            has_virtual_stage_form(text),
         )
     return MegatronSource(
         True, "no megatron/core/parallel_state.py found: Megatron-Core 0.19's assumed"

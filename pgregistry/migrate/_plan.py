@@ -674,9 +674,10 @@ class _Locator(cst.CSTVisitor):
                 )
 
 
-def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
+def _function_choice(read: Read, gtp_remat: bool, virtual_stages: bool = False) -> FieldChoice:
     """The field of a call site (an accessor or a fallback helper), or the reason none says what it
-    reads (``gtp_remat``: see :func:`~pgregistry._source.fields.collection_field`)."""
+    reads (``gtp_remat``, ``virtual_stages``: see
+    :func:`~pgregistry._source.fields.collection_field`)."""
     call = read.call
     assert call is not None
     site = read.site
@@ -735,7 +736,7 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
         if not choice.reason and not tp_only.reason:
             read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field
         return choice if not tp_only.reason else tp_only
-    return collection_field(accessor, keywords, gtp_remat=gtp_remat)
+    return collection_field(accessor, keywords, gtp_remat=gtp_remat, virtual_stages=virtual_stages)
 
 
 def _call_head_name(read: Read) -> str:
@@ -1278,6 +1279,7 @@ def plan_file(
     facts: TreeFacts | None = None,
     shims: Mapping[str, tuple[str, dict[str, object]]] | None = None,
     kept_shims: Mapping[tuple[int, int], str] | None = None,
+    virtual_stages: bool = False,
 ) -> FilePlan:
     """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing
     by :func:`decide_passes` once every file is planned. ``data``: the file's bytes, when at hand
@@ -1291,7 +1293,8 @@ def plan_file(
     (:func:`~pgregistry.migrate._megatron_release.shim_getters`; None: not known, every shim stays);
     ``kept_shims``: the shims (line, column) a first planning dissolved but could give no
     collection, and why: planned again with them kept, as their locals are collections to the file's
-    other reads then."""
+    other reads then. ``virtual_stages``: whether pipeline-stage reads with ``ignore_virtual=False``
+    are rewritten (:func:`~pgregistry._source.fields.virtual_stage_choice`)."""
     facts = facts if facts is not None else TreeFacts()
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
@@ -1390,7 +1393,7 @@ def plan_file(
                 else "class body: runs when the class is defined, before any collection exists"
             )
         if reason is None and read.shim is None:
-            read.choice = _function_choice(read, gtp_remat)
+            read.choice = _function_choice(read, gtp_remat, virtual_stages)
             reason = read.choice.reason or None
         if reason is None and read.site.family == HELPER:
             given = read.call.args[0].value
@@ -1480,6 +1483,7 @@ def plan_file(
             facts=facts,
             shims=shims,
             kept_shims={**(kept_shims or {}), **stranded},
+            virtual_stages=virtual_stages,
         )
     package = path.split("/")[:-1]
     return FilePlan(
