@@ -314,8 +314,9 @@ class FlatOptimizer(OptimizerStatistics):
         return self._reduce_keys
 
     def local_shares(self, shares: Shares) -> None:
-        """Add this optimizer's groups (every one, even with nothing counted here) and its spans'
-        parts to ``shares``."""
+        """Add this optimizer's groups and its spans' parts to ``shares``.
+
+        Every group is added, even one with nothing counted here."""
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
@@ -325,6 +326,7 @@ class FlatOptimizer(OptimizerStatistics):
         return [self.buffer.data]
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        """This optimizer alone."""
         return [self]
 
     # ---------------------------------------------------------------------------------------- steps
@@ -335,14 +337,17 @@ class FlatOptimizer(OptimizerStatistics):
 
     @property
     def grad_divisor(self) -> int:
-        """Grads are divided by this (the ``dp_cp`` size of one instance) before they are summed
-        over the data-parallel group, dense and expert alike: see the module docstring."""
+        """What grads are divided by before they are summed over the data-parallel group.
+
+        The ``dp_cp`` size of one instance, for dense and expert grads alike: see the module
+        docstring."""
         return group_size(self.process_groups.intra_dp_cp)
 
     @abc.abstractmethod
     def sync_grads(self) -> None:
-        """Reduce the grads over the data-parallel group (``expt_dp`` for experts, ``dp_cp``
-        otherwise), divided by :attr:`grad_divisor`."""
+        """Reduce the grads over the data-parallel group, divided by :attr:`grad_divisor`.
+
+        The group is ``expt_dp`` for experts, ``dp_cp`` otherwise."""
 
     @abc.abstractmethod
     def step(self) -> None:
@@ -353,11 +358,12 @@ class FlatOptimizer(OptimizerStatistics):
         """The optimizer state (inner state and main copies), keyed by parameter name."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (same layout, same names). Strict: a state dict with
-        any :meth:`state_dict_faults` is refused (``ValueError``, the count and a few of them)
-        before anything changes. The check is local; the ranks of :meth:`load_groups` agree on it
-        first (:mod:`pgregistry.optim._state_check`), so every rank of the instance refuses alike or
-        none does."""
+        """Restore :meth:`state_dict` output (same layout, same names).
+
+        Strict: a state dict with any :meth:`state_dict_faults` is refused (``ValueError``, the
+        count and a few of them) before anything changes. The check is local; the ranks of
+        :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`), so every rank
+        of the instance refuses alike or none does."""
         refuse_agreed(
             f"{type(self).__name__}.load_state_dict",
             self.state_dict_faults(state_dict),
@@ -367,15 +373,17 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The groups whose ranks agree on the faults of a load before any of them loads (one small
-        all-reduce over each): together they hold every rank of this optimizer's instance, replicas
-        included, so a state refused on one rank is refused on all of them, never loaded by its
-        replicas alone."""
+        """The groups whose ranks agree on the faults of a load before any of them loads.
+
+        One small all-reduce over each: together they hold every rank of this optimizer's instance,
+        replicas included, so a state refused on one rank is refused on all of them, never loaded by
+        its replicas alone."""
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Every reason :meth:`load_state_dict` would refuse ``state_dict``: missing or extra
-        entries, saved tensors of another shape or dtype (empty: it loads). Local; changes
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict`` (empty: it loads).
+
+        Missing or extra entries, saved tensors of another shape or dtype. Local; changes
         nothing."""
 
     @abc.abstractmethod
@@ -390,10 +398,11 @@ class FlatOptimizer(OptimizerStatistics):
         """
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore :meth:`param_state` output of any layout
-        (:class:`~pgregistry.optim.ParamStateOptimizer`). Strict as :meth:`load_state_dict`: state
-        with any :meth:`param_state_faults` is refused (``ValueError``) on every rank of
-        :meth:`load_groups` before any rank changes anything."""
+        """Restore :meth:`param_state` output of any layout.
+
+        Saved under any layout: see :class:`~pgregistry.optim.ParamStateOptimizer`. Strict as
+        :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused
+        (``ValueError``) on every rank of :meth:`load_groups` before any rank changes anything."""
         refuse_agreed(
             f"{type(self).__name__}.load_param_state",
             self.param_state_faults(state),
@@ -403,9 +412,10 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong: a main
-        copy or elementwise state of another shape than its tensor's, state a flat step cannot hold.
-        Local; changes nothing."""
+        """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong.
+
+        A main copy or elementwise state of another shape than its tensor's, state a flat step
+        cannot hold. Local; changes nothing."""
 
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:

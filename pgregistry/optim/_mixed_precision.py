@@ -128,8 +128,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._make_inner(inner, self.main_data, self.main_params, self.buffer.offsets, self._copies)
 
     def sync_grads(self) -> None:
-        """Divide the grads by :attr:`grad_divisor` and all-reduce them over
-        :attr:`grad_sync_group`, one collective per bucket."""
+        """All-reduce the grads, divided by :attr:`grad_divisor`, over :attr:`grad_sync_group`.
+
+        One collective per bucket."""
         self._check_attached()
         all_reduce_grads_(
             self.buffer,
@@ -140,9 +141,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the main params and copy them (rounded) into the model parameters: a flat step
-        writes the copies itself (on CUDA in its kernel); after any other inner optimizer, one copy
-        per run."""
+        """Step the main params and copy them (rounded) into the model parameters.
+
+        A flat step writes the copies itself (on CUDA in its kernel); after any other inner
+        optimizer, one copy per run."""
         if self.inner is not None:
             self.inner.step()
         if not isinstance(self.inner, FlatStep):
@@ -168,7 +170,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         }
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Main copies missing, extra or of another shape or dtype, and the inner state's faults
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict``.
+
+        Main copies missing, extra or of another shape or dtype, and the inner state's faults
         (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local."""
         if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
             return [
@@ -230,7 +234,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return tuple(groups)
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Saved main copies of another shape than their parameter's (or no tensor), and the inner
+        """Every reason :meth:`load_param_state` would refuse ``state``.
+
+        Saved main copies of another shape than their parameter's (or no tensor), and the inner
         state's faults (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local."""
         faults = [
             fault

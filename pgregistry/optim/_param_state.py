@@ -60,10 +60,11 @@ class ParamStateOptimizer(Protocol):
         ...
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore the state of each parameter from ``state`` (whole values, as :meth:`param_state`
-        returns them; a parameter without an entry gets an empty state). Call it after the model
-        parameters are loaded: a main copy without a saved ``main_param`` is taken from its
-        parameter. Collective for a sharded optimizer."""
+        """Restore each parameter's whole state from ``state``, as :meth:`param_state` returns it.
+
+        A parameter without an entry gets an empty state. Call it after the model parameters are
+        loaded: a main copy without a saved ``main_param`` is taken from its parameter. Collective
+        for a sharded optimizer."""
         ...
 
 

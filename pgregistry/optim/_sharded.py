@@ -180,19 +180,22 @@ class ShardedOptimizer(FlatOptimizer):
         return sorted(pieces, key=lambda piece: piece.start)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
+        """This rank's shard of the grad buffer, the grads :meth:`step` reads."""
         start, stop = self.shard
         return [self.buffer.data[start:stop]]
 
     def sync_grads(self) -> None:
-        """Divide the grads by :attr:`grad_divisor` and reduce-scatter them over
-        :attr:`shard_group`: one collective, this rank keeps its shard."""
+        """Reduce-scatter the grads, divided by :attr:`grad_divisor`, over :attr:`shard_group`.
+
+        One collective; this rank keeps its shard."""
         self._check_attached()
         reduce_scatter_grads_(self.buffer, self.shard_group, divide_by=self.grad_divisor)
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the shard's main copies, write them into the parameter buffer (a flat step writes
-        them itself, on CUDA in its kernel) and all-gather it."""
+        """Step the shard's main copies, write them into the parameter buffer and all-gather it.
+
+        A flat step writes them into the buffer itself, on CUDA in its kernel."""
         if self.inner is not None:
             self.inner.step()
         if isinstance(self.inner, FlatStep):
@@ -236,14 +239,17 @@ class ShardedOptimizer(FlatOptimizer):
         return {"param_groups": inner["param_groups"], "shards": shards}
 
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The whole instance (``intra_dist_opt``, the group of the statistics): every rank of it
-        refuses a load when one does (one small all-reduce), instead of leaving the others waiting
-        in the load's all-gather."""
+        """The whole instance (``intra_dist_opt``, the group of the statistics).
+
+        Every rank of it refuses a load when one does (one small all-reduce), instead of leaving the
+        others waiting in the load's all-gather."""
         return self.stats_reduce_groups()[:1]
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the
-        inner state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local:
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict`` on this rank.
+
+        This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the inner
+        state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local:
         :meth:`load_state_dict` agrees on them over :meth:`load_groups`."""
         if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
             return [
@@ -309,11 +315,13 @@ class ShardedOptimizer(FlatOptimizer):
     # ---------------------------------------------------------------------------------- whole state
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its whole state, gathered from the pieces of every rank of
-        :attr:`shard_group` (collective: one all-gather of the state's description, one all-reduce
-        per elementwise state key and one for the main copies). Elementwise state (Adam's moments)
-        comes back shaped like the parameter; other values (Adam's ``step``) are those of any piece.
-        ``main_param`` is present when the main copies' dtype differs from the parameters'."""
+        """Model parameter -> its whole state, gathered from every rank of :attr:`shard_group`.
+
+        Collective, from the pieces on every rank: one all-gather of the state's description, one
+        all-reduce per elementwise state key and one for the main copies. Elementwise state (Adam's
+        moments) comes back shaped like the parameter; other values (Adam's ``step``) are those of
+        any piece. ``main_param`` is present when the main copies' dtype differs from the
+        parameters'."""
         inner = self.inner.state if self.inner is not None else {}
         index = {id(param): i for i, param in enumerate(self.params)}
         described: dict[
@@ -379,8 +387,10 @@ class ShardedOptimizer(FlatOptimizer):
         return flat
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Saved main copies of another shape than their parameter's (or no tensor), and the faults
-        of the inner state cut for this rank's pieces
+        """Every reason :meth:`load_param_state` would refuse ``state`` on this rank.
+
+        Saved main copies of another shape than their parameter's (or no tensor), and the faults of
+        the inner state cut for this rank's pieces
         (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local:
         :meth:`load_param_state` agrees on them over :meth:`load_groups`."""
         faults = [
