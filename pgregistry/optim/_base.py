@@ -90,9 +90,10 @@ ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
 
 
 class OptimizerStatistics(abc.ABC):
-    """The grad statistics and clipping of an optimizer, under Megatron-Core's method names: the
-    local shares of the flat optimizers it steps (itself, or a chained optimizer's children) in one
-    set of shares, reduced once."""
+    """The grad statistics and clipping of an optimizer, under Megatron-Core's method names.
+
+    The local shares of the flat optimizers it steps (itself, or a chained optimizer's children) go
+    in one set of shares, reduced once."""
 
     @abc.abstractmethod
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
@@ -103,9 +104,10 @@ class OptimizerStatistics(abc.ABC):
         return statistics_of(self.stats_optimizers(), wanted)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model the optimizer covers (0-dim, no host sync; float64 for
-        a float64 grad buffer, else float32; NaN or infinite when any grad is, duplicates
-        included)."""
+        """The global grad norm of the model the optimizer covers (0-dim, no host sync).
+
+        Float64 for a float64 grad buffer, else float32; NaN or infinite when any grad is,
+        duplicates included."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -115,8 +117,9 @@ class OptimizerStatistics(abc.ABC):
         return zeros
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA,
-        2-norm; one all-reduce per group)."""
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together, the 2-norm.
+
+        One read of the grads on CUDA; one all-reduce per group."""
         reduced = self.statistics(Wanted.of(norm_type, zeros=True))
         assert reduced.zeros is not None
         return reduced.norm, reduced.zeros
@@ -232,10 +235,11 @@ class FlatOptimizer(OptimizerStatistics):
             param.register_post_accumulate_grad_hook(_accumulate_into(view))
 
     def _move_data(self, param: torch.Tensor, view: torch.Tensor) -> None:
-        """Copy ``param`` into ``view`` (part of one of this optimizer's flat buffers) and make
-        ``view`` its data, so one kernel steps or writes every parameter; :meth:`_check_attached`
-        refuses a parameter whose data was replaced since (the optimizer would go on updating the
-        buffer, not the parameter)."""
+        """Copy ``param`` into ``view`` and make ``view`` its data.
+
+        ``view`` is part of one of this optimizer's flat buffers, so one kernel steps or writes
+        every parameter; :meth:`_check_attached` refuses a parameter whose data was replaced since
+        (the optimizer would go on updating the buffer, not the parameter)."""
         with torch.no_grad():
             view.copy_(param)
         param.data = view
@@ -277,10 +281,11 @@ class FlatOptimizer(OptimizerStatistics):
         starts: Sequence[int],
         copies: Sequence[Copy],
     ) -> None:
-        """``mains`` (views of ``flat`` at ``starts``; ``flat.grad`` is their grads' flat span) are
-        stepped as one tensor with an elementwise rule over float32/float64, which also writes
-        ``copies`` (in its kernel on CUDA), one by one otherwise (the caller writes the copies);
-        ``None`` when there are none."""
+        """The inner optimizer stepping ``mains`` (views of ``flat`` at ``starts``), or ``None``.
+
+        ``flat.grad`` is their grads' flat span. They are stepped as one tensor with an elementwise
+        rule over float32/float64, which also writes ``copies`` (in its kernel on CUDA), one by one
+        otherwise (the caller writes the copies); ``None`` when there are none."""
         if not mains:
             self.inner = None
         elif isinstance(factory, ElementwiseRule) and flat.dtype in FLAT_DTYPES:
@@ -289,8 +294,9 @@ class FlatOptimizer(OptimizerStatistics):
             self.inner = factory(list(mains))
 
     def _inner_tensors(self) -> list[torch.Tensor]:
-        """The tensors :attr:`inner`'s state dict numbers, in its order: a flat step's main params,
-        else the tensors of the inner optimizer's param groups."""
+        """The tensors :attr:`inner`'s state dict numbers, in its order.
+
+        A flat step's main params, else the tensors of the inner optimizer's param groups."""
         if self.inner is None:
             return []
         if isinstance(self.inner, FlatStep):
@@ -300,8 +306,10 @@ class FlatOptimizer(OptimizerStatistics):
     # ----------------------------------------------------------------------------------- statistics
 
     def _set_stats(self, spans: tuple[Span, ...], group: ProcessGroup | None) -> None:
-        """Statistics run over ``spans`` of the buffer; ``group`` is always reduced, even with
-        nothing counted here, so every rank of it issues the same collectives."""
+        """Statistics run over ``spans`` of the buffer, reduced over ``group``.
+
+        ``group`` is always reduced, even with nothing counted here, so every rank of it issues the
+        same collectives."""
         self._stat_spans = spans
         keys: list[GroupKey] = [group]
         for span in spans:
@@ -436,8 +444,9 @@ def statistics_of(
     *,
     verdict: Sequence[ProcessGroup | None] = (),
 ) -> Reduced:
-    """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once
-    (``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+    """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once.
+
+    ``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`."""
     shares = Shares(wanted, optimizers[0].buffer.data.device)
     for optimizer in optimizers:
         optimizer.local_shares(shares)
@@ -447,10 +456,12 @@ def statistics_of(
 def clip_grads_of(
     optimizers: Sequence[FlatOptimizer], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
-    """Clip the grads of ``optimizers`` (one, or a chained optimizer's children) from their one
-    norm: their shares reduced together with the job-wide verdict over ``intra_dist_opt``
-    (:func:`~pgregistry.grad_stats._functional. verdict_groups`), then every grad scaled by the one
-    coefficient. Returns the norm before clipping."""
+    """Clip the grads of ``optimizers`` from their one norm; return the norm before clipping.
+
+    ``optimizers`` is one optimizer, or a chained optimizer's children. Their shares are reduced
+    together with the job-wide verdict over ``intra_dist_opt``
+    (:func:`~pgregistry.grad_stats._functional.verdict_groups`), then every grad is scaled by the
+    one coefficient."""
     check_max_norm(max_norm)  # before any collective
     verdict = verdict_groups(optimizers[0].stats_groups.collection, "clip_grad_norm")
     reduced = statistics_of(optimizers, Wanted.of(norm_type, zeros=False), verdict=verdict)

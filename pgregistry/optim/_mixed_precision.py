@@ -279,10 +279,11 @@ def _pack_low_precision(
     offsets: Sequence[int],
     move_data: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> list[Copy]:
-    """Move (``move_data``) the data of every parameter that has a main copy into one flat tensor
-    per (dtype, device), in the order of the main buffer, so that the copy back is one copy per run
-    of consecutive parameters of one kind (one per dtype for a model of bf16 parameters) instead of
-    one per parameter: each run's packed data receives its main copies' span of the flat main
+    """Move the data of every parameter with a main copy into one flat tensor per (dtype, device).
+
+    Moved with ``move_data``, in the order of the main buffer, so that the copy back is one copy per
+    run of consecutive parameters of one kind (one per dtype for a model of bf16 parameters) instead
+    of one per parameter: each run's packed data receives its main copies' span of the flat main
     buffer, padding between them included."""
     runs: list[
         tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]

@@ -164,8 +164,9 @@ class ShardedOptimizer(FlatOptimizer):
         )
 
     def _make_pieces(self) -> list[_Piece]:
-        """Each parameter's part of the shard, with its main copy: a view of :attr:`main_shard`
-        carrying the parameter's roles."""
+        """Each parameter's part of the shard, with its main copy.
+
+        The main copy is a view of :attr:`main_shard` carrying the parameter's roles."""
         start, stop = self.shard
         pieces = []
         for param, offset in zip(self.params, self.buffer.offsets, strict=True):
@@ -295,9 +296,10 @@ class ShardedOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore checked :meth:`state_dict` output saved with the same sharding. Collective over
-        :attr:`shard_group` (the restored shards are all-gathered into the model). State saved under
-        another layout (EP, PP or data-parallel size) is cut for this one by
+        """Restore checked :meth:`state_dict` output saved with the same sharding.
+
+        Collective over :attr:`shard_group` (the restored shards are all-gathered into the model).
+        State saved under another layout (EP, PP or data-parallel size) is cut for this one by
         :func:`pgregistry.checkpoint.load_optimizer_shards`."""
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
@@ -410,9 +412,11 @@ class ShardedOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Cut this rank's pieces from whole :meth:`param_state` output of any layout, restore them
-        and gather the parameters (collective over :attr:`shard_group`). A main copy without a saved
-        ``main_param`` is taken from its parameter, so load the parameters first."""
+        """Restore this rank's pieces of whole :meth:`param_state` output of any layout.
+
+        The pieces are cut from it, restored, and the parameters gathered (collective over
+        :attr:`shard_group`). A main copy without a saved ``main_param`` is taken from its
+        parameter, so load the parameters first."""
         for piece in self._pieces:
             saved = state.get(piece.param, {}).get(MAIN_PARAM, piece.param)
             piece.main.copy_(
@@ -427,8 +431,10 @@ class ShardedOptimizer(FlatOptimizer):
     def _state_of_pieces(
         self, state: Mapping[torch.Tensor, Mapping[str, Any]]
     ) -> dict[torch.Tensor, ParamState]:
-        """The state of each of this rank's pieces (keyed by its main copy): elementwise values of
-        the whole parameter cut for the piece, others as they are; ``main_param`` left out."""
+        """The state of each of this rank's pieces, keyed by its main copy.
+
+        Elementwise values of the whole parameter cut for the piece, others as they are;
+        ``main_param`` left out."""
         pieces: dict[torch.Tensor, ParamState] = {}
         for piece in self._pieces:
             cut = slice(piece.offset, piece.offset + piece.stop - piece.start)
