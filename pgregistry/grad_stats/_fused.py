@@ -85,11 +85,12 @@ def _import_kernels() -> ModuleType | None:
 
 
 def can_run_fused_stats(device: torch.device) -> bool:
-    """Whether the one-read kernel runs on ``device``: CUDA, triton importable, and a first launch.
+    """Whether the one-read kernel runs on ``device``: CUDA, triton, and a first launch that passed.
 
-    The first launch there (once per device and process) must have compiled and given the exact
-    statistics of a small tensor. Triton compiles with the machine's C compiler and CUDA toolchain;
-    where that fails, a warning names the error and the torch path runs."""
+    Triton must be importable, and the first launch there (once per device and process) must have
+    compiled and given the exact statistics of a small tensor. Triton compiles with the machine's C
+    compiler and CUDA toolchain; where that fails, a warning names the error and the torch path
+    runs."""
     if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))

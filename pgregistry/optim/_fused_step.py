@@ -100,7 +100,7 @@ def _import_kernels() -> ModuleType | None:
 
 
 def can_run_fused_step(device: torch.device) -> bool:
-    """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch there.
+    """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch passed.
 
     The first launch (once per device and process) must have compiled and given the exact result of
     a small Adam step (see :mod:`pgregistry._runtime.optional_kernels`)."""
