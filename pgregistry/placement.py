@@ -155,8 +155,10 @@ class Placement:
 
     @property
     def shared_nodes(self) -> tuple[int, ...]:
-        """The nodes the layout shares with ranks outside it: the one a span starts in mid-node and
-        the one it ends in mid-node (none for a layout over whole nodes)."""
+        """The nodes the layout shares with ranks outside it.
+
+        The one a span starts in mid-node and the one it ends in mid-node (none for a layout over
+        whole nodes)."""
         first, stop = self.layout.rank_range()
         g = self.gpus_per_node
         shared = {self.first_node} if first % g else set()

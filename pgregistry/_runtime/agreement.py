@@ -94,10 +94,11 @@ def check_agreement(
 
 
 def verdict_of(fields: Mapping[str, str], error: Fault) -> list[int]:
-    """This rank's three numbers of a verdict: a digest of ``fields``, its negation and a fault
-    flag. A MAX over the world of them says whether every rank's fields are the same (the largest
-    digest is minus the largest negation) and whether any rank found a fault. The digest has 52
-    bits, so the numbers are exact in a float64 all-reduce."""
+    """This rank's three numbers of a verdict: a digest of ``fields``, its negation, a fault flag.
+
+    A MAX over the world of them says whether every rank's fields are the same (the largest digest
+    is minus the largest negation) and whether any rank found a fault. The digest has 52 bits, so
+    the numbers are exact in a float64 all-reduce."""
     request = "|".join(f"{key}={value}" for key, value in fields.items())
     digest = int(hashlib.sha256(request.encode()).hexdigest()[:13], 16)
     return [digest, -digest, int(error is not None)]
@@ -112,9 +113,10 @@ def check_verdict(
     failed: str = "were given bad input",
     advice: str = "every rank must make the same call with the same arguments",
 ) -> None:
-    """Read back the MAX over the world of every rank's :func:`verdict_of` (``reduced``); when the
-    ranks differ or any found a fault, gather what each asked for and found and raise the same text
-    on every rank."""
+    """Read back the MAX over the world of every rank's :func:`verdict_of` (``reduced``).
+
+    When the ranks differ or any found a fault, gather what each asked for and found and raise the
+    same text on every rank."""
     largest, negated_smallest, faulty = (int(value) for value in reduced)
     differ = largest != -negated_smallest
     if differ or faulty:  # every rank takes this branch alike
@@ -122,8 +124,10 @@ def check_verdict(
 
 
 def combine_faults(*errors: Fault) -> Fault:
-    """The faults of several checks as one: ``None`` when none; the one when one; else their texts
-    joined, as their common type (``ValueError`` when they differ)."""
+    """The faults of several checks as one.
+
+    ``None`` when none; the one when one; else their texts joined, as their common type
+    (``ValueError`` when they differ)."""
     found = [error for error in errors if error is not None]
     if len(found) <= 1:
         return found[0] if found else None
@@ -133,8 +137,9 @@ def combine_faults(*errors: Fault) -> Fault:
 
 
 def all_reached(timeout: timedelta | None = None) -> None:
-    """Return once every rank of the world has called this (one small all-reduce; bounded by
-    ``timeout`` as :func:`all_reduce_within`)."""
+    """Return once every rank of the world has called this.
+
+    One small all-reduce, bounded by ``timeout`` as :func:`all_reduce_within`."""
     import torch
     import torch.distributed as dist
 
@@ -144,10 +149,12 @@ def all_reached(timeout: timedelta | None = None) -> None:
 
 
 def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str) -> None:
-    """All-reduce ``tensor`` over the world in place; with ``timeout``, ``RuntimeError`` naming
-    ``what`` when it has not completed by then, whatever the world's own timeout (a rank that never
-    comes would otherwise hold the others for that long). The collective stays in flight after such
-    an error: the world cannot be trusted any more, as after any timeout of torch's."""
+    """All-reduce ``tensor`` over the world in place, within ``timeout`` when given.
+
+    With ``timeout``, ``RuntimeError`` naming ``what`` when it has not completed by then, whatever
+    the world's own timeout (a rank that never comes would otherwise hold the others for that long).
+    The collective stays in flight after such an error: the world cannot be trusted any more, as
+    after any timeout of torch's."""
     import torch.distributed as dist
 
     if timeout is None:
@@ -169,16 +176,19 @@ def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str
 
 
 def any_rank_has(local: bool, group: Any) -> bool:
-    """Whether any rank of ``group`` (a ProcessGroup, or ``None``: the axis is off) has ``local``
-    true: one MAX all-reduce over it, none when it has one rank. For a verdict the ranks of one
-    group must take alike."""
+    """Whether any rank of ``group`` has ``local`` true.
+
+    ``group`` is a ProcessGroup, or ``None``: the axis is off. One MAX all-reduce over it, none when
+    it has one rank. For a verdict the ranks of one group must take alike."""
     (anywhere,) = any_rank_has_each((local,), group)
     return anywhere
 
 
 def any_rank_has_each(local: Sequence[bool], group: Any) -> tuple[bool, ...]:
-    """For each flag of ``local``, whether any rank of ``group`` has it true: one MAX all-reduce for
-    all of them (none when the group has one rank), so several verdicts cost one collective."""
+    """For each flag of ``local``, whether any rank of ``group`` has it true.
+
+    One MAX all-reduce for all of them (none when the group has one rank), so several verdicts cost
+    one collective."""
     import torch
     import torch.distributed as dist
 
@@ -194,11 +204,12 @@ def any_rank_has_each(local: Sequence[bool], group: Any) -> tuple[bool, ...]:
 
 
 def faulty_ranks(failed: bool, groups: Sequence[Any]) -> list[int]:
-    """The world ranks that found a fault (``failed`` on them), among the ranks of ``groups``
-    (ProcessGroups; ``None`` and one-rank groups skipped): a flag per world rank (one byte each),
-    MAX all-reduced over each group in turn, so every rank of the groups learns the same list, and a
-    refusal on the ranks without a fault can name the ranks that have it. Outside a distributed
-    world, or with no group of several ranks: this rank when it failed."""
+    """The world ranks that found a fault (``failed`` on them), among the ranks of ``groups``.
+
+    ``groups`` are ProcessGroups; ``None`` and one-rank groups are skipped. A flag per world rank
+    (one byte each), MAX all-reduced over each group in turn, so every rank of the groups learns the
+    same list, and a refusal on the ranks without a fault can name the ranks that have it. Outside a
+    distributed world, or with no group of several ranks: this rank when it failed."""
     import torch
     import torch.distributed as dist
 
@@ -227,8 +238,9 @@ def ranks_label(ranks: Sequence[int]) -> str:
 
 
 def world_device(group: Any = None) -> Any:
-    """Where the collectives over ``group`` (the world's for ``None``) run: this rank's GPU for
-    NCCL, else the CPU."""
+    """Where the collectives over ``group`` run: this rank's GPU for NCCL, else the CPU.
+
+    ``None`` is the world's group."""
     import torch
     import torch.distributed as dist
 
@@ -277,9 +289,10 @@ def _raise_on_every_rank(
 
 
 def _describe_differences(everyone: list[dict[str, str]]) -> str:
-    """Each field whose value differs across ranks, with which ranks asked for which value. Every
-    rank's fields are read, not only this rank's: a field that some ranks did not give at all (an
-    argument given on some ranks only) is named on every rank alike, with the ranks that did not
+    """Each field whose value differs across ranks, with which ranks asked for which value.
+
+    Every rank's fields are read, not only this rank's: a field that some ranks did not give at all
+    (an argument given on some ranks only) is named on every rank alike, with the ranks that did not
     give it (in one order on every rank: rank 0's fields, then those only later ranks gave)."""
     differences = []
     for key in dict.fromkeys(key for asked in everyone for key in asked):

@@ -49,13 +49,14 @@ agreement)."""
 
 @contextmanager
 def require_attendance(operation: str, timeout: timedelta | None, advice: str) -> Iterator[None]:
-    """Run the body once every rank of the world has checked in, within ``timeout`` (``None``: the
-    world's own, :func:`world_timeout`); ``RuntimeError`` on every rank that came when some did not,
-    naming them and the operation, then ``advice``. A ``RuntimeError`` inside the body, which is
-    what torch.distributed raises when a collective fails (the body's own collectives must be
-    bounded by ``timeout``, and raise no ``RuntimeError`` of their own), is re-raised as
-    ``RuntimeError`` naming the operation and the ranks that did not answer a roll call, ``from``
-    the backend's error."""
+    """Run the body once every rank of the world has checked in, within ``timeout``.
+
+    ``timeout`` ``None`` is the world's own (:func:`world_timeout`). ``RuntimeError`` on every rank
+    that came when some did not, naming them and the operation, then ``advice``. A ``RuntimeError``
+    inside the body, which is what torch.distributed raises when a collective fails (the body's own
+    collectives must be bounded by ``timeout``, and raise no ``RuntimeError`` of their own), is
+    re-raised as ``RuntimeError`` naming the operation and the ranks that did not answer a roll
+    call, ``from`` the backend's error."""
     import torch.distributed as dist
 
     global _operations

@@ -48,8 +48,9 @@ def kinds_by_communicator(layout: ParallelLayout) -> dict[RankGroup, tuple[str, 
 
 
 def communicators_per_rank(comms: Mapping[RankGroup, object], ranks: range) -> list[int]:
-    """How many of the communicators ``comms`` each rank of ``ranks`` joins, in the order of
-    ``ranks`` (a range of global ranks: a layout's span, or the whole world); ``ValueError`` for a
+    """How many of the communicators ``comms`` each rank of ``ranks`` joins, in ``ranks``' order.
+
+    ``ranks`` is a range of global ranks: a layout's span, or the whole world; ``ValueError`` for a
     communicator reaching outside it."""
     counts = [0] * len(ranks)
     for group in comms:
@@ -102,9 +103,10 @@ class LayoutComparison:
         return frozenset(self.a.keys() & self.b.keys())
 
     def differences(self) -> list[tuple[str, str, str]]:
-        """What the two layouts declare differently, as ``(what, in A, in B)``: ``"ranks"`` (their
-        spans), then each axis size (``dp`` and ``expt_dp`` included), then ``"order"``; empty for
-        one layout given twice."""
+        """What the two layouts declare differently, as ``(what, in A, in B)``.
+
+        ``"ranks"`` (their spans), then each axis size (``dp`` and ``expt_dp`` included), then
+        ``"order"``; empty for one layout given twice."""
         out = []
         spans = [_span_text(layout) for layout in (self.layout_a, self.layout_b)]
         if spans[0] != spans[1]:
@@ -143,10 +145,11 @@ def _span_text(layout: ParallelLayout) -> str:
 def compare_layouts(
     a: ParallelLayout, b: ParallelLayout, *, world_size: int | None = None
 ) -> LayoutComparison:
-    """Compare the communicators of two layouts of one world of ``world_size`` ranks (default: where
-    the later span ends). The layouts may span different ranks; ``ValueError`` when ``world_size``
-    is not a positive integer or a layout's span ends past it (naming the layout: ``a`` or
-    ``b``)."""
+    """Compare the communicators of two layouts of one world of ``world_size`` ranks.
+
+    ``world_size`` defaults to where the later span ends. The layouts may span different ranks;
+    ``ValueError`` when ``world_size`` is not a positive integer or a layout's span ends past it
+    (naming the layout: ``a`` or ``b``)."""
     if world_size is None:
         world = max(a.rank_range()[1], b.rank_range()[1])
     elif not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:

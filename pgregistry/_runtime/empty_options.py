@@ -16,9 +16,10 @@ __all__ = ["empty_option"]
 
 
 def empty_option(args: argparse.Namespace, options: Mapping[str, tuple[str, str]]) -> str | None:
-    """The message for the first of ``options`` (dest -> (option, what to set it to)) whose value in
-    ``args`` is empty or blank (for a repeatable or multi-value option: any of its values); None
-    when none is."""
+    """The message for the first of ``options`` whose value in ``args`` is empty or blank.
+
+    ``options`` maps dest -> (option, what to set it to); for a repeatable or multi-value option,
+    any of its values counts. None when none is."""
     for dest, (option, give) in options.items():
         value = getattr(args, dest, None)
         values = value if isinstance(value, list) else [value]

@@ -73,10 +73,11 @@ class GroupOptions:
 
     @classmethod
     def of(cls, backend: str | None, timeout: timedelta | float | None) -> GroupOptions:
-        """Checked options (gloo would fail later, obscurely, or wait for ever): ``TypeError`` for a
-        ``backend`` that is no name, or a ``timeout`` that is neither a number of seconds nor a
-        ``timedelta`` (a string, a bool); ``ValueError`` for a timeout that is not positive and
-        finite, or beyond 1e12 s."""
+        """Checked options, refused now where gloo would fail later, obscurely, or wait for ever.
+
+        ``TypeError`` for a ``backend`` that is no name, or a ``timeout`` that is neither a number
+        of seconds nor a ``timedelta`` (a string, a bool); ``ValueError`` for a timeout that is not
+        positive and finite, or beyond 1e12 s."""
         if backend is not None and not isinstance(backend, str):
             raise TypeError(
                 f"backend must be a backend's name ('gloo', 'nccl') or None, got {backend!r}"
@@ -106,10 +107,11 @@ class GroupOptions:
 def check_group_options(
     backend: object, timeout: object
 ) -> tuple[GroupOptions, dict[str, str], Fault]:
-    """The options :meth:`GroupOptions.of` makes of ``backend`` and ``timeout``, their text for the
-    agreement, and ``None``; or, when it refuses them, torch's defaults, the text of what was given
-    and the refusal, which the caller's agreement raises on every rank (a rank raising alone would
-    leave the others waiting in it)."""
+    """The options of ``backend`` and ``timeout``, their text for the agreement, and a refusal.
+
+    The options :meth:`GroupOptions.of` makes, their text, and ``None``; or, when it refuses them,
+    torch's defaults, the text of what was given and the refusal, which the caller's agreement
+    raises on every rank (a rank raising alone would leave the others waiting in it)."""
     try:
         options = GroupOptions.of(backend, timeout)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
@@ -141,9 +143,10 @@ class GroupCache:
         return existing[1] if existing is not None else None
 
     def create(self, rank_sets: Iterable[RankGroup], options: GroupOptions) -> None:
-        """Create the communicators of ``rank_sets`` (the same on every rank) that do not exist yet,
-        in the one global order. Collective over the world: split where :func:`split_creation`
-        holds, else one ``new_group`` per missing set on every rank."""
+        """Create the communicators of ``rank_sets`` that do not exist yet, in the one global order.
+
+        ``rank_sets`` are the same on every rank. Collective over the world: split where
+        :func:`split_creation` holds, else one ``new_group`` per missing set on every rank."""
         ordered = sorted(set(rank_sets), key=lambda r: (len(r), r))
         missing = [ranks for ranks in ordered if not self._has_communicator(ranks, options)]
         if split_creation(options):
@@ -155,8 +158,9 @@ class GroupCache:
             all_reached(options.timeout)  # see _new_group
 
     def _has_communicator(self, ranks: RankGroup, options: GroupOptions) -> bool:
-        """Whether ``ranks`` has its communicator (``ValueError`` when it was created with other
-        options); the world's own ranks with default options are the world's group, which needs no
+        """Whether ``ranks`` has its communicator (``ValueError`` when created with other options).
+
+        The world's own ranks with default options are the world's group, which needs no
         creating."""
         existing = self._groups.get(ranks)
         if existing is not None:
@@ -201,10 +205,11 @@ class GroupCache:
     def _split_world_communicator(
         self, rank_sets: Iterable[RankGroup], options: GroupOptions
     ) -> None:
-        """Split the world's communicator into ``rank_sets`` (the same on every rank, none existing
-        yet), one ``split_group`` per family of :func:`split_plan`. Every rank records every set,
-        those it is not in as torch's ``NON_GROUP_MEMBER`` (as :meth:`adopt` does), so later
-        decisions agree across ranks."""
+        """Split the world's communicator into ``rank_sets``, one ``split_group`` per family.
+
+        ``rank_sets`` are the same on every rank, none existing yet; the families are
+        :func:`split_plan`'s. Every rank records every set, those it is not in as torch's
+        ``NON_GROUP_MEMBER`` (as :meth:`adopt` does), so later decisions agree across ranks."""
         rank = dist.get_rank()
         non_member: Any = dist.GroupMember.NON_GROUP_MEMBER
         for family in split_plan(rank_sets):
@@ -226,8 +231,9 @@ class GroupCache:
     def partition_group(
         self, rank_sets: Iterable[Iterable[int]], options: GroupOptions
     ) -> ProcessGroup | None:
-        """Get or create a communicator for each of ``rank_sets``; return the one holding this rank
-        (``None`` if none does).
+        """Get or create a communicator for each of ``rank_sets``; return the one holding this rank.
+
+        ``None`` if none does.
 
         For groups no layout kind describes (a DeviceMesh dimension, a flattened set of dimensions,
         HSDP's split). Collective over the world: every rank passes the same disjoint rank sets,
@@ -283,8 +289,9 @@ class GroupCache:
         return mine
 
     def adopt(self, groups: Iterable[ProcessGroup]) -> None:
-        """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``), so
-        that a later build whose rank sets they cover reuses them instead of creating a second set.
+        """Learn communicators created elsewhere (Megatron-Core's ``initialize_model_parallel``).
+
+        A later build whose rank sets they cover then reuses them instead of creating a second set.
 
         Collective over the world: every rank passes the groups it is a member of. The rank sets are
         gathered so every rank records every adopted set (non-members as torch's
@@ -328,9 +335,10 @@ CACHE = GroupCache()
 
 
 def split_creation(options: GroupOptions) -> bool:
-    """Whether this world creates groups of ``options`` by splitting its communicator (see the
-    module docstring): :func:`split_chosen` of the world's backend, its bound device and the backend
-    asked for."""
+    """Whether this world creates groups of ``options`` by splitting its communicator.
+
+    See the module docstring: :func:`split_chosen` of the world's backend, its bound device and the
+    backend asked for."""
     world = dist.distributed_c10d._get_default_group()
     bound = getattr(world, "bound_device_id", None) is not None
     return split_chosen(
@@ -341,8 +349,10 @@ def split_creation(options: GroupOptions) -> bool:
 def split_chosen(
     world_backend: str, bound: bool, requested: str | None, torch_splits: bool = True
 ) -> bool:
-    """The rule: split when the world's backend is NCCL, bound to a device at init (NCCL splits only
-    a communicator that exists: the bound world's is created eagerly), the groups ask for no other
+    """The rule choosing between ``split_group`` and ``new_group``.
+
+    Split when the world's backend is NCCL, bound to a device at init (NCCL splits only a
+    communicator that exists: the bound world's is created eagerly), the groups ask for no other
     backend, and torch has ``split_group``; else ``new_group``."""
     nccl = world_backend.lower() == "nccl"
     same_backend = requested is None or requested.lower() == "nccl"
@@ -350,11 +360,12 @@ def split_chosen(
 
 
 def split_plan(rank_sets: Iterable[RankGroup]) -> list[list[RankGroup]]:
-    """``rank_sets`` dealt into families of disjoint sets, one ``split_group`` each: in the global
-    order (by size, then ranks), each set joins the first family it does not overlap. The groups of
-    one kind are disjoint and of one size, so a kind takes one family (kinds over the same rank sets
-    share it; the embedding groups, which cover the pipeline's edge stages only, may join another
-    kind's). Deterministic: every rank deals alike."""
+    """``rank_sets`` dealt into families of disjoint sets, one ``split_group`` each.
+
+    In the global order (by size, then ranks), each set joins the first family it does not overlap.
+    The groups of one kind are disjoint and of one size, so a kind takes one family (kinds over the
+    same rank sets share it; the embedding groups, which cover the pipeline's edge stages only, may
+    join another kind's). Deterministic: every rank deals alike."""
     families: list[list[RankGroup]] = []
     covered: list[set[int]] = []
     for ranks in sorted(set(rank_sets), key=lambda r: (len(r), r)):
@@ -370,7 +381,8 @@ def split_plan(rank_sets: Iterable[RankGroup]) -> list[list[RankGroup]]:
 
 
 def _rank_set(ranks: Iterable[int], world_size: int) -> RankGroup:
-    """``ranks`` as a sorted tuple (a group's ranks are in ascending order in torch too);
+    """``ranks`` as a sorted tuple (a group's ranks are in ascending order in torch too).
+
     ``ValueError`` when empty, repeated or outside the world."""
     listed = [int(r) for r in ranks]
     out = tuple(sorted(set(listed)))

@@ -43,7 +43,8 @@ def cuda_index(device: torch.device) -> int:
 def probe_kernel(
     index: int, probe: Callable[[torch.device], object], want: object, *, event: str, kernel: str
 ) -> bool:
-    """Whether ``probe`` (a launch of ``kernel`` on GPU ``index``) runs there and returns ``want``:
+    """Whether ``probe`` (a launch of ``kernel`` on GPU ``index``) runs and returns ``want``.
+
     ``False`` with a warning ``event`` where it raises; a ``RuntimeError`` where it returns anything
     else. Callers cache the answer per device."""
     import torch

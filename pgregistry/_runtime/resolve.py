@@ -65,8 +65,10 @@ name -> parameter mapping, one tensor, or an iterable of tensors."""
 
 @attrs.frozen(slots=True)
 class Params:
-    """What an entry point was given, normalised once: the model chunks (empty when given tensors)
-    and every parameter once (by identity), named, in a deterministic order."""
+    """What an entry point was given, normalised once.
+
+    The model chunks (empty when given tensors) and every parameter once (by identity), named, in a
+    deterministic order."""
 
     chunks: tuple[nn.Module, ...]
     named: tuple[tuple[str, torch.Tensor], ...]
@@ -74,9 +76,10 @@ class Params:
 
 @attrs.frozen(slots=True)
 class Source:
-    """What an entry point was given, taken apart without walking it: the model chunks, or the
-    tensors (``None`` for chunks), and the items as given (a one-shot iterable read into a list
-    once), for :func:`params_of_source`."""
+    """What an entry point was given, taken apart without walking it, for :func:`params_of_source`.
+
+    The model chunks, or the tensors (``None`` for chunks), and the items as given (a one-shot
+    iterable read into a list once)."""
 
     chunks: tuple[nn.Module, ...]
     tensors: list[Any] | None
@@ -84,9 +87,10 @@ class Source:
 
 
 def source_of(model_or_params: ParamsLike) -> Source:
-    """:class:`Source` of a model, model chunks (any iterable of modules, generators included), a
-    mapping, one tensor or an iterable of tensors: a few ``isinstance`` checks, no walk (a kept
-    classification checks what it was made from against this, each call)."""
+    """:class:`Source` of a model, model chunks, a mapping, one tensor or an iterable of tensors.
+
+    Model chunks are any iterable of modules, generators included. A few ``isinstance`` checks, no
+    walk (a kept classification checks what it was made from against this, each call)."""
     import torch
     from torch import nn
 
@@ -103,15 +107,17 @@ def source_of(model_or_params: ParamsLike) -> Source:
 
 
 def normalise_params(model_or_params: ParamsLike) -> Params:
-    """The one normaliser of models, chunks (any iterable of modules, generators included),
-    mappings, tensors and iterables of tensors: :func:`params_of_source` of its
+    """The one normaliser of models, chunks, mappings, tensors and iterables of tensors.
+
+    Chunks are any iterable of modules, generators included. :func:`params_of_source` of its
     :func:`source_of`."""
     return params_of_source(source_of(model_or_params))
 
 
 def normalise_model(model_chunks: ParamsLike, owner: str) -> Params:
-    """:func:`normalise_params` of a model or model chunks; ``TypeError`` naming ``owner`` for
-    anything else (tensors, a mapping), for the entry points that need the modules."""
+    """:func:`normalise_params` of a model or model chunks, for the entry points needing modules.
+
+    ``TypeError`` naming ``owner`` for anything else (tensors, a mapping)."""
     params = normalise_params(model_chunks)
     if not params.chunks:
         raise TypeError(
@@ -121,11 +127,12 @@ def normalise_model(model_chunks: ParamsLike, owner: str) -> Params:
 
 
 def params_of_source(source: Source) -> Params:
-    """The parameters of ``source``: a model's named as ``named_parameters`` names them (prefixed
-    ``chunk<i>.`` when there are several chunks), each with the roles of the parameter it replaced
-    when it is the same parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives
-    its items; tensors are named ``param[<i>]``. ``TypeError`` naming an item that is not a
-    tensor."""
+    """The parameters of ``source``, named.
+
+    A model's named as ``named_parameters`` names them (prefixed ``chunk<i>.`` when there are
+    several chunks), each with the roles of the parameter it replaced when it is the same parameter
+    (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
+    ``param[<i>]``. ``TypeError`` naming an item that is not a tensor."""
     import torch
 
     from pgregistry.params import restore_param_roles
@@ -162,9 +169,11 @@ def resolve_pg_collection(
     owner: str,
     fallback: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
-    """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET
-    fields of ``fallback`` filled by :func:`fill_unset_fields` (from the global grid, each with a
-    warning, where the collection does not fix them; ``RuntimeError`` when there is none to read).
+    """The collection ``owner`` runs on (see the module docstring), checked usable, filled.
+
+    The UNSET fields of ``fallback`` are filled by :func:`fill_unset_fields` (from the global grid,
+    each with a warning, where the collection does not fix them; ``RuntimeError`` when there is none
+    to read).
 
     ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when
     it disagrees with the collection attached to ``chunks``, when this rank is not a member of it,
@@ -193,9 +202,11 @@ def resolve_pg_collection(
 
 
 def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
-    """``collection``, refused (``ValueError``) when this rank is not a member of its layout or its
-    groups were destroyed (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a
-    collection. For entry points that take a collection only, never ``None``."""
+    """``collection``, refused when this rank cannot use it.
+
+    ``ValueError`` when this rank is not a member of its layout or its groups were destroyed
+    (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a collection. For entry
+    points that take a collection only, never ``None``."""
     if not isinstance(collection, ProcessGroupCollection):
         kind = type(collection)
         got = f"{kind.__module__}.{kind.__qualname__}"
@@ -244,9 +255,10 @@ def fill_unset_fields(
     *,
     unneeded: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
-    """``collection`` with its UNSET fields among ``names`` filled; for an entry point that decides
-    what its model needs after :func:`resolve_pg_collection` (``fallback=()``), as
-    ``build_optimizer`` does.
+    """``collection`` with its UNSET fields among ``names`` filled.
+
+    For an entry point that decides what its model needs after :func:`resolve_pg_collection`
+    (``fallback=()``), as ``build_optimizer`` does.
 
     A field the collection's own composite groups leave one rank
     (:func:`~pgregistry.collection.implied_size`: ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep``
@@ -299,8 +311,9 @@ def grid_reads(
     names: Iterable[GroupName],
     unneeded: Iterable[GroupName] = (),
 ) -> list[GroupName]:
-    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid: UNSET,
-    not left one rank by the collection's composite groups, and not ``unneeded`` unless the
+    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid.
+
+    UNSET, not left one rank by the collection's composite groups, and not ``unneeded`` unless the
     composites say they span several ranks."""
     skipped = set(unneeded)
     reads = []

@@ -31,9 +31,11 @@ def install() -> None:
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: asked for torch, it asks the finders after it for torch's spec and has
-    its loader import the helpers once torch's module has run; it leaves ``sys.meta_path`` then (a
-    spec asked for without an import, ``importlib.util.find_spec("torch")``, leaves it in place)."""
+    """Finds nothing itself: has the helpers imported once torch's module has run.
+
+    Asked for torch, it asks the finders after it for torch's spec and has its loader import the
+    helpers once torch's module has run; it leaves ``sys.meta_path`` then (a spec asked for without
+    an import, ``importlib.util.find_spec("torch")``, leaves it in place)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None

@@ -80,8 +80,9 @@ def _check_in(store: Any, prefix: str, rank: int, record: str) -> None:
 def _decide_survivors(
     store: Any, prefix: str, candidates: Sequence[int], expected: int, wait: float
 ) -> list[int]:
-    """The ranks of ``candidates`` that checked in under ``prefix``, as the first proposal kept:
-    proposed once ``expected`` ranks have, or ``wait`` seconds passed (from this rank's own
+    """The ranks of ``candidates`` that checked in under ``prefix``, as the first proposal kept.
+
+    Proposed once ``expected`` ranks have, or ``wait`` seconds passed (from this rank's own
     check-in)."""
     deadline = time.monotonic() + wait
     decision_key = f"{prefix}/decision"

@@ -155,8 +155,10 @@ def _builtin_warning(name: str) -> type[Warning] | None:
 
 
 def apply_command_line_filters(category: type[Warning]) -> None:
-    """Re-apply the options naming ``category`` (see the module docstring); one line on stderr for
-    each option that names it without its module, giving the spelling to use."""
+    """Re-apply the options naming ``category`` (see the module docstring).
+
+    One line on stderr for each option that names it without its module, giving the spelling to
+    use."""
     for option in command_line_filters(category):
         option.apply()
         if option.unqualified:

@@ -118,8 +118,10 @@ def world_scope() -> Scope:
 
 
 def scope_of(collection: ProcessGroupCollection | None) -> Scope:
-    """The ranks a checkpoint of a model on ``collection`` runs over: its layout's span when that is
-    part of the world, else the world (a collection assembled by hand, or none: the global grid).
+    """The ranks a checkpoint of a model on ``collection`` runs over.
+
+    Its layout's span when that is part of the world, else the world (a collection assembled by
+    hand, or none: the global grid).
 
     ``ValueError`` when this rank is outside the span: it takes no part in the module's checkpoint
     (no rank of the span waits for it, so it raises alone)."""
@@ -141,9 +143,10 @@ def scope_of(collection: ProcessGroupCollection | None) -> Scope:
 
 
 def _span_group(collection: ProcessGroupCollection, span: tuple[int, int]) -> ProcessGroup | None:
-    """The communicator of the span's ranks: the collection's ``intra_dist_opt`` group (a build
-    makes it hold the span), else the one the group cache holds for them; ``None`` for a span of one
-    rank."""
+    """The communicator of the span's ranks; ``None`` for a span of one rank.
+
+    The collection's ``intra_dist_opt`` group (a build makes it hold the span), else the one the
+    group cache holds for them."""
     first, stop = span
     if stop - first == 1:
         return None
@@ -176,15 +179,18 @@ def max_over_ranks(values: list[int], scope: Scope) -> list[int]:
 
 
 def digest_of(keys: list[str]) -> int:
-    """A 60-bit digest of ``keys`` (in their order): ranks all-reduce its maximum and its negation's
-    to learn whether they all hold the same keys, in one collective of two integers."""
+    """A 60-bit digest of ``keys`` (in their order).
+
+    Ranks all-reduce its maximum and its negation's to learn whether they all hold the same keys, in
+    one collective of two integers."""
     return int(hashlib.sha256("\n".join(keys).encode()).hexdigest()[:15], 16)
 
 
 def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:
-    """Return when no rank of ``scope`` has an error; otherwise raise ``error`` on the ranks that
-    have one and ``elsewhere`` on the others, naming the ranks that have one
-    (:func:`elsewhere_named`). Collective: one all-reduce of a flag per rank, so every rank must
+    """Return when no rank of ``scope`` has an error, else raise on every rank.
+
+    ``error`` on the ranks that have one and ``elsewhere`` on the others, naming the ranks that have
+    one (:func:`elsewhere_named`). Collective: one all-reduce of a flag per rank, so every rank must
     call it, failed or not."""
     faulty = faulty_ranks(error is not None, scope_groups(scope))
     if error is not None:
@@ -194,9 +200,10 @@ def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope
 
 
 def run_agreed_step(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
-    """``step()`` on this rank, raising on every rank of ``scope`` when it raised on any: its own
-    error where it raised, ``elsewhere`` naming the ranks where it did on the others (the same one
-    all-reduce as :func:`raise_on_every_rank`)."""
+    """``step()`` on this rank, raising on every rank of ``scope`` when it raised on any.
+
+    Its own error where it raised, ``elsewhere`` naming the ranks where it did on the others (the
+    same one all-reduce as :func:`raise_on_every_rank`)."""
     try:
         result = step()
     except Exception:
@@ -207,8 +214,10 @@ def run_agreed_step(step: Callable[[], T], elsewhere: Exception, scope: Scope) -
 
 
 def elsewhere_named(elsewhere: Exception, faulty: list[int]) -> Exception:
-    """``elsewhere`` (what a rank without a fault raises: "another rank could not ...") naming the
-    world ranks ``faulty`` that have one, so its reader knows whose log holds the cause."""
+    """``elsewhere`` naming the world ranks ``faulty`` that have a fault.
+
+    ``elsewhere`` is what a rank without a fault raises ("another rank could not ..."); the names
+    tell its reader whose log holds the cause."""
     its = "its error" if len(faulty) == 1 else "their errors"
     return type(elsewhere)(f"{elsewhere} ({ranks_label(faulty)}: see {its})")
 
@@ -220,10 +229,12 @@ def scope_groups(scope: Scope) -> list[Any]:
 
 @contextmanager
 def name_lost_ranks(operation: str, directory: str | Path, scope: Scope) -> Iterator[None]:
-    """Run the block (one checkpoint call of ``operation`` on ``directory``); when a collective in
-    it fails (a rank of ``scope`` lost, stuck or killed), raise ``RuntimeError`` naming the call,
-    the directory, the ranks that did not answer and what to do, chained to the backend's error.
-    Every other error passes as it is."""
+    """Run the block, naming the ranks that did not answer when a collective in it fails.
+
+    The block is one checkpoint call of ``operation`` on ``directory``. When a collective in it
+    fails (a rank of ``scope`` lost, stuck or killed), raise ``RuntimeError`` naming the call, the
+    directory, the ranks that did not answer and what to do, chained to the backend's error. Every
+    other error passes as it is."""
     call = next(_calls.setdefault(scope.span, itertools.count()))
     try:
         yield
@@ -258,8 +269,10 @@ def name_lost_ranks(operation: str, directory: str | Path, scope: Scope) -> Iter
 
 
 def _is_collective_failure(exc: RuntimeError) -> bool:
-    """Whether ``exc`` is a failed collective (the backend's error raised from a torch.distributed
-    collective) rather than an error of the checkpoint's own (which names its cause already)."""
+    """Whether ``exc`` is a failed collective rather than an error of the checkpoint's own.
+
+    A failed collective is the backend's error raised from a torch.distributed collective; the
+    checkpoint's own errors name their cause already."""
     if isinstance(exc, dist.DistError):
         return True
     frames = traceback.extract_tb(exc.__traceback__)
@@ -267,9 +280,10 @@ def _is_collective_failure(exc: RuntimeError) -> bool:
 
 
 def _ranks_not_answering(scope: Scope, prefix: str) -> list[int] | None:
-    """The world ranks of ``scope`` that have not recorded ``<prefix>/<rank>`` in the default store
-    within :data:`ANSWER_WAIT_S` of this rank recording its own; ``None`` when the store cannot be
-    used (it may have been hosted by the lost rank)."""
+    """The world ranks of ``scope`` that have not recorded ``<prefix>/<rank>`` in time.
+
+    In the default store, within :data:`ANSWER_WAIT_S` of this rank recording its own; ``None`` when
+    the store cannot be used (it may have been hosted by the lost rank)."""
     first = scope.span[0] if scope.span is not None else 0
     ranks = range(first, first + scope.size)
     try:

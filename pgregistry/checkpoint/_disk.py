@@ -31,9 +31,10 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 
 
 
 class _Sink:
-    """The file object ``torch.save`` writes to: each write goes whole to the descriptor, and the
-    first ``OSError`` is kept (torch replaces it by an error that names neither the cause nor the
-    file)."""
+    """The file object ``torch.save`` writes to, keeping the first ``OSError``.
+
+    Each write goes whole to the descriptor, and the first ``OSError`` is kept (torch replaces it by
+    an error that names neither the cause nor the file)."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -113,8 +114,9 @@ def _disk_of(directory: Path) -> str:
 
 
 def _device_of(mount: Path) -> str:
-    """The device (or file system source) mounted at ``mount``, from ``/proc/self/mounts``; ``the
-    device`` where that is not available."""
+    """The device (or file system source) mounted at ``mount``, from ``/proc/self/mounts``.
+
+    ``the device`` where that is not available."""
     device = "the device"
     try:
         with open("/proc/self/mounts") as mounts:

@@ -38,8 +38,9 @@ def tensor_crc32(tensor: torch.Tensor) -> int:
 
 
 def checksums_of(value: Any) -> Any:
-    """``value``'s structure with each tensor replaced by its :func:`tensor_crc32` (mappings, lists
-    and tuples are walked; any other value becomes ``None``)."""
+    """``value``'s structure with each tensor replaced by its :func:`tensor_crc32`.
+
+    Mappings, lists and tuples are walked; any other value becomes ``None``."""
     if isinstance(value, torch.Tensor):
         return tensor_crc32(value)
     if isinstance(value, Mapping):
@@ -50,9 +51,10 @@ def checksums_of(value: Any) -> Any:
 
 
 def find_damaged_tensors(value: Any, checksums: Any, label: str) -> list[str]:
-    """The labels (``label``, then ``/key`` or ``[index]`` per level) of the tensors under ``value``
-    whose bytes do not match ``checksums`` (as :func:`checksums_of` gave at save), a tensor without
-    a stored checksum included."""
+    """The labels of the tensors under ``value`` whose bytes do not match ``checksums``.
+
+    A label is ``label``, then ``/key`` or ``[index]`` per level; ``checksums`` are what
+    :func:`checksums_of` gave at save. A tensor without a stored checksum is included."""
     if isinstance(value, torch.Tensor):
         return [] if checksums == tensor_crc32(value) else [label]
     if isinstance(value, Mapping):

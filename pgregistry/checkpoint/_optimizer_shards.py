@@ -302,8 +302,9 @@ def load_optimizer_shards(
 
 
 def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scope: Scope) -> None:
-    """``ValueError`` on every rank when a saved parameter is held by no rank's optimizer (after one
-    all-reduce that the ranks read the same names, and one of a flag per name)."""
+    """``ValueError`` on every rank when a saved parameter is held by no rank's optimizer.
+
+    After one all-reduce that the ranks read the same names, and one of a flag per name."""
     digest = digest_of(saved)
     largest, negated_smallest = max_over_ranks([digest, -digest], scope)
     if largest != -negated_smallest:

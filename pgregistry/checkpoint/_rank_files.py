@@ -84,9 +84,9 @@ class RankFile:
     checksums: Any
 
     def verify(self, key: str) -> None:
-        """``ValueError`` naming this file and the tensor when a tensor of ``state[key]`` does not
-        match its checksum (only the tensors read are checked, so a memory-mapped file is never read
-        whole)."""
+        """``ValueError`` naming this file and a tensor of ``state[key]`` that fails its checksum.
+
+        Only the tensors read are checked, so a memory-mapped file is never read whole."""
         damaged = find_damaged_tensors(self.state[key], self.checksums.get(key), key)
         if damaged:
             more = f" (and {len(damaged) - 1} more under {key!r})" if len(damaged) > 1 else ""
@@ -142,9 +142,10 @@ def save_rank_files(
 
 
 def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Scope) -> Path:
-    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the
-    save's world (the ranks of ``scope``, and the module's name and span for a module's) and id, and
-    holding the checksum of each of its tensors.
+    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped.
+
+    Stamped with the save's world (the ranks of ``scope``, and the module's name and span for a
+    module's) and id, and holding the checksum of each of its tensors.
 
     Collective over ``scope``: refuses an existing checkpoint first (:func:`_refuse_existing`); each
     rank's file is renamed into place only once every rank's is complete on disk, and the call
@@ -185,8 +186,9 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Sco
 
 
 def _new_save_id(scope: Scope) -> int:
-    """A random id of this save, drawn by rank 0 and the same on every rank (one all-reduce), which
-    every rank file of the save carries: a directory mixing files of two saves is then refused
+    """A random id of this save, drawn by rank 0 and the same on every rank (one all-reduce).
+
+    Every rank file of the save carries it: a directory mixing files of two saves is then refused
     instead of loaded."""
     drawn = secrets.randbits(62) + 1 if scope.rank == 0 else 0
     return max_over_ranks([drawn], scope)[0]
@@ -228,8 +230,9 @@ def _rank_file_paths(directory: Path, prefix: str) -> list[Path]:
 
 
 def _load_payload(path: Path) -> dict[str, Any]:
-    """The payload of one rank file (memory-mapped); ``ValueError`` naming the file when it cannot
-    be read or is not a rank file of this format."""
+    """The payload of one rank file (memory-mapped).
+
+    ``ValueError`` naming the file when it cannot be read or is not a rank file of this format."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001
@@ -257,8 +260,9 @@ def _load_payload(path: Path) -> dict[str, Any]:
 
 
 def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankFile]:
-    """Every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped; checksums
-    not yet checked: :meth:`RankFile.verify` checks what is read).
+    """Every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped).
+
+    Checksums not yet checked: :meth:`RankFile.verify` checks what is read.
 
     ``ValueError`` unless ``directory`` exists and its files are those of every rank of one save, in
     this format, and saved by the ranks this load runs over (``scope``): a module's checkpoint loads
@@ -287,8 +291,10 @@ def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankF
 
 
 def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, Any]]) -> None:
-    """``ValueError`` naming the files of each save when the files come from more than one save (a
-    rank file copied from another checkpoint, two saves of one world into one directory)."""
+    """``ValueError`` naming the files of each save when the files come from more than one save.
+
+    Such as a rank file copied from another checkpoint, or two saves of one world into one
+    directory."""
     by_save: dict[int, list[str]] = {}
     for path, payload in zip(paths, payloads, strict=True):
         by_save.setdefault(payload["save_id"], []).append(path.name)
@@ -304,8 +310,10 @@ def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, A
 
 
 def _refuse_another_scope(directory: Path, payload: dict[str, Any], scope: Scope) -> None:
-    """``ValueError`` naming both when the checkpoint was saved by another module, or over another
-    span, than the one loading it (all the files of one save record the same)."""
+    """``ValueError`` naming both when the checkpoint was saved by another module or span.
+
+    Another module, or over another span, than the one loading it (all the files of one save record
+    the same)."""
     saved = {key: payload[key] for key in ("module", "span") if key in payload}
     if saved == scope.identity():
         return
@@ -387,8 +395,9 @@ def prepare_rank_files_load(
     strict: bool,
     **naming: Unpack[NamingOptions],
 ) -> Callable[[], None]:
-    """Every check of :func:`load_rank_files` (collective, raising on every rank alike), and the
-    copy that is left once they all passed, returned uncalled: a job loading several modules checks
+    """Every check of :func:`load_rank_files`, and the copy left once they all passed, uncalled.
+
+    The checks are collective, raising on every rank alike. A job loading several modules checks
     them all before it copies into any (:func:`pgregistry.modules.load_checkpoint`)."""
     directory = Path(directory)
     scope = checkpoint_scope(model_chunks, naming)
@@ -417,8 +426,9 @@ def prepare_rank_files_load(
 
 
 def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimizer: bool) -> None:
-    """Check the checksum of every tensor loading into ``model`` reads: its parameters and
-    (``with_optimizer``) their optimizer state."""
+    """Check the checksum of every tensor loading into ``model`` reads.
+
+    Its parameters and (``with_optimizer``) their optimizer state."""
     for key, rank_file in holders.items():
         if param_name_of_key(key) in model.params and (
             with_optimizer or key.startswith(MODEL_PREFIX)
@@ -427,9 +437,10 @@ def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimize
 
 
 def _read_on_every_rank(directory: Path, scope: Scope) -> dict[str, RankFile]:
-    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint (one
-    all-reduce of a failure flag), so that no rank waits in a later collective for a rank that has
-    already raised."""
+    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint.
+
+    One all-reduce of a failure flag, so that no rank waits in a later collective for a rank that
+    has already raised."""
     try:
         holders, error = _read_rank_files(directory, scope), None
     except (ValueError, OSError) as exc:  # OSError: a directory this rank may not list

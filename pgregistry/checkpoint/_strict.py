@@ -78,10 +78,11 @@ def refuse_misfits(
     *,
     parameters: bool = True,
 ) -> None:
-    """``ValueError`` on every rank of ``scope`` unless ``stored`` (the entries of ``source``, "the
-    checkpoint <directory>", by flat key) loads into every rank's ``model`` (and ``optimizer``) as
-    the module docstring says; otherwise nothing. ``parameters=False``: ``stored`` holds optimizer
-    state only (no parameter is loaded).
+    """``ValueError`` on every rank of ``scope`` unless ``stored`` loads into every rank's model.
+
+    ``stored`` is the entries of ``source`` ("the checkpoint <directory>"), by flat key; they must
+    load into every rank's ``model`` (and ``optimizer``) as the module docstring says.
+    ``parameters=False``: ``stored`` holds optimizer state only (no parameter is loaded).
 
     Collective: one all-reduce of a digest of the stored keys (ranks that read different checkpoints
     are refused) and of this rank's faults, then (``strict``) one of a flag per stored key: whether
@@ -163,8 +164,10 @@ def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bo
 
 
 def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer: Optimizer) -> str:
-    """Parameters of this rank that ``optimizer`` updates but whose optimizer state the checkpoint
-    did not save, and parameters whose state it saved but that ``optimizer`` does not update."""
+    """The mismatches between the parameters ``optimizer`` updates and those with saved state.
+
+    Parameters of this rank that ``optimizer`` updates but whose optimizer state the checkpoint did
+    not save, and parameters whose state it saved but that ``optimizer`` does not update."""
     saved = {
         param_name_of_key(key)
         for key in stored

@@ -26,8 +26,9 @@ __all__ = [
 
 
 def real_number(value: object) -> float | None:
-    """``value`` as a float when it is a real number (a Python or NumPy number, a one-element real
-    tensor), not a bool; else ``None``."""
+    """``value`` as a float when it is a real number, not a bool; else ``None``.
+
+    A real number is a Python or NumPy number, or a one-element real tensor."""
     if isinstance(value, torch.Tensor):
         real = value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
         return float(value.item()) if real else None
@@ -37,8 +38,10 @@ def real_number(value: object) -> float | None:
 
 
 def norm_type_error(norm_type: object) -> Exception | None:
-    """Why ``norm_type`` is no norm type, or ``None``: ``TypeError`` for no real number (a string, a
-    bool), ``ValueError`` unless positive (inf is the max-norm; NaN is none)."""
+    """Why ``norm_type`` is no norm type, or ``None``.
+
+    ``TypeError`` for no real number (a string, a bool), ``ValueError`` unless positive (inf is the
+    max-norm; NaN is none)."""
     p = real_number(norm_type)
     if p is None:
         return TypeError(
@@ -49,9 +52,10 @@ def norm_type_error(norm_type: object) -> Exception | None:
 
 
 def max_norm_error(max_norm: object) -> Exception | None:
-    """Why ``max_norm`` cannot be clipped to, or ``None``: ``TypeError`` for no real number (a
-    string such as ``'1.0'``, a bool, ``None``), ``ValueError`` unless positive and finite (0,
-    negative, NaN, inf)."""
+    """Why ``max_norm`` cannot be clipped to, or ``None``.
+
+    ``TypeError`` for no real number (a string such as ``'1.0'``, a bool, ``None``), ``ValueError``
+    unless positive and finite (0, negative, NaN, inf)."""
     number = real_number(max_norm)
     if number is None:
         kind = type(max_norm).__name__

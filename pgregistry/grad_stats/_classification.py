@@ -39,18 +39,21 @@ def expert_params_without_allreduce(params: Params) -> list[str]:
 
 
 def holds_experts(params: Params) -> bool:
-    """Whether ``params`` hold an expert parameter, or a parameter of a marked expert module not yet
-    classified (it may be one): what makes a collection's expert fields needed. Local: the ranks
-    that must decide alike agree the answer (:func:`pgregistry._runtime.agreement.any_rank_has`)."""
+    """Whether ``params`` hold an expert parameter, or a marked expert module's unclassified one.
+
+    The latter may be an expert: this is what makes a collection's expert fields needed. Local: the
+    ranks that must decide alike agree the answer
+    (:func:`pgregistry._runtime.agreement.any_rank_has`)."""
     return any(is_expert_param(param) for _, param in params.named) or bool(
         expert_params_without_allreduce(params)
     )
 
 
 def require_classified_experts(params: Params, collection: ProcessGroupCollection) -> None:
-    """``ValueError`` naming every unclassified expert parameter of ``params``, when the
-    collection's EP axis is on (with EP off the question does not arise). ``collection`` is
-    resolved, with ``ep`` set."""
+    """``ValueError`` naming every unclassified expert parameter of ``params``, when EP is on.
+
+    With the collection's EP axis off the question does not arise. ``collection`` is resolved, with
+    ``ep`` set."""
     if group_size(collection.get("ep")) <= 1:
         return
     missing = expert_params_without_allreduce(params)

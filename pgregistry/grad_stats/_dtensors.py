@@ -78,9 +78,11 @@ def is_partial(grad: DTensor) -> bool:
 
 
 class MeshAxes:
-    """The collection's groups by rank set, so a mesh dim can be named by the collection fields it
-    equals; and the decisions of one statistics call, cached by layout (mesh, placements, roles), so
-    classifying thousands of grads costs a dictionary look-up each."""
+    """The collection's groups by rank set, and the decisions of one statistics call by layout.
+
+    By rank set, so a mesh dim can be named by the collection fields it equals; the decisions are
+    cached by layout (mesh, placements, roles), so classifying thousands of grads costs a dictionary
+    look-up each."""
 
     def __init__(
         self, collection: ProcessGroupCollection, reduce_groups: Mapping[bool, ProcessGroup | None]
@@ -137,8 +139,10 @@ class _Dim:
 
 @attrs.frozen(slots=True)
 class Decision:
-    """How a DTensor grad is counted on this rank: ``counted``, summed over the ``outer`` field
-    first (``None``: no field), after the pending reductions over the ``partial`` dims."""
+    """How a DTensor grad is counted on this rank, and what it is summed over first.
+
+    ``counted``, summed over the ``outer`` field first (``None``: no field), after the pending
+    reductions over the ``partial`` dims."""
 
     counted: bool
     outer: GroupName | None
@@ -185,8 +189,9 @@ def decision_of(
     *,
     expert: bool | None = None,
 ) -> Decision:
-    """How ``grad`` is counted (:func:`classify_dtensor_grad` without the pending reduction: never
-    collective), decided once per (mesh, placements, roles) and kept in ``axes``."""
+    """How ``grad`` is counted, decided once per (mesh, placements, roles) and kept in ``axes``.
+
+    That is :func:`classify_dtensor_grad` without the pending reduction: never collective."""
     expert = is_expert_param(param) if expert is None else expert
     # Everything a decision depends on, as one flat tuple (built per grad: no intermediate objects).
     key = (
@@ -278,8 +283,10 @@ def mesh_ranks(tensor: torch.Tensor, rank: int) -> frozenset[int]:
 def _check_grid(
     name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], expert_dp: frozenset[int]
 ) -> None:
-    """A parameter laid out over an expert-grid group must say how it stands to EP; an expert must
-    not be laid out over a dense-grid group, unless the group lies inside its expert data-parallel
+    """Refuse a parameter laid out over a group of the wrong grid.
+
+    A parameter laid out over an expert-grid group must say how it stands to EP; an expert must not
+    be laid out over a dense-grid group, unless the group lies inside its expert data-parallel
     group: HSDP's replicate group ``inter_dist_opt`` serves both grids (as in Megatron-Core), and
     there it crosses no EP or expert-TP rank."""
     for dim in dims:
@@ -304,10 +311,11 @@ def _check_grid(
 def _axes_spanned_by_mesh(
     name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], axes: MeshAxes
 ) -> set[str]:
-    """The axes among tp, gtp and ep that some mesh dim spans; refuse a ``Replicate`` placement over
-    one of them for a parameter whose role says it is distinct there (for EP: a routed expert, whose
-    dims spanning EP all lie in its reduction group, so ``Replicate`` there would count one
-    copy)."""
+    """The axes among tp, gtp and ep that some mesh dim spans.
+
+    Refuse a ``Replicate`` placement over one of them for a parameter whose role says it is distinct
+    there (for EP: a routed expert, whose dims spanning EP all lie in its reduction group, so
+    ``Replicate`` there would count one copy)."""
     claims: dict[str, tuple[GroupName, bool]] = {
         "tp": ("expt_tp" if expert else "tp", bool(getattr(param, "tensor_model_parallel", False))),
         "gtp": (

@@ -111,8 +111,10 @@ def _require_stats_group(collection: ProcessGroupCollection, name: GroupName) ->
 def _expert_reduce_group(
     collection: ProcessGroupCollection, expt_gtp_remat: ProcessGroup | None
 ) -> ProcessGroup | None:
-    """The expert model-parallel group: ``tp_ep_pp_with_egtp_remat``; ``tp_ep_pp`` is the same ranks
-    only when expert GTP is off, so it stands in for an unset one only then."""
+    """The expert model-parallel group: ``tp_ep_pp_with_egtp_remat``.
+
+    ``tp_ep_pp`` is the same ranks only when expert GTP is off, so it stands in for an unset one
+    only then."""
     if collection.is_set(_EXPERT_REDUCE) or group_size(expt_gtp_remat) > 1:
         _require_stats_group(collection, _EXPERT_REDUCE)
         return collection.get(_EXPERT_REDUCE)

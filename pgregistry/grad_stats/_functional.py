@@ -115,10 +115,11 @@ def check_expert_classification(
 def verdict_groups(
     collection: ProcessGroupCollection, owner: str
 ) -> tuple[ProcessGroup | None, ...]:
-    """The groups that together span every rank holding grads: ``intra_dist_opt`` (every rank of one
-    optimizer instance; the whole layout as the registry builds it), then ``inter_dist_opt`` when it
-    spans several instances. ``ValueError`` naming ``intra_dist_opt`` when the collection does not
-    set it (``None`` for a one-rank job)."""
+    """The groups that together span every rank holding grads.
+
+    ``intra_dist_opt`` (every rank of one optimizer instance; the whole layout as the registry
+    builds it), then ``inter_dist_opt`` when it spans several instances. ``ValueError`` naming
+    ``intra_dist_opt`` when the collection does not set it (``None`` for a one-rank job)."""
     if not collection.is_set("intra_dist_opt"):
         raise ValueError(
             f"{owner} decides whether to clip on every rank that holds grads alike, "
@@ -137,8 +138,9 @@ def _read_reduce_and_clip(
     max_norm: float | None = None,
     error_if_nonfinite: bool = False,
 ) -> Reduced:
-    """Read, reduce and (with ``max_norm``, checked by the caller before any collective) clip: the
-    one way down of every entry point (module docstring)."""
+    """Read, reduce and (with ``max_norm``) clip: the one way down of every entry point.
+
+    See the module docstring. ``max_norm`` is checked by the caller before any collective."""
     source = source_of(params)
     given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
     plan, ordered, collection = check_or_make_plan(source, given, owner)

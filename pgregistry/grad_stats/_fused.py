@@ -85,10 +85,12 @@ def _import_kernels() -> ModuleType | None:
 
 
 def can_run_fused_stats(device: torch.device) -> bool:
-    """Whether the one-read kernel runs on ``device``: CUDA, triton importable, and a first launch
-    there (once per device and process) that compiled and gave the exact statistics of a small
-    tensor. Triton compiles with the machine's C compiler and CUDA toolchain; where that fails, a
-    warning names the error and the torch path runs."""
+    """Whether the one-read kernel runs on ``device``: CUDA, triton, and a first launch that passed.
+
+    Triton must be importable, and the first launch there (once per device and process) must have
+    compiled and given the exact statistics of a small tensor. Triton compiles with the machine's C
+    compiler and CUDA toolchain; where that fails, a warning names the error and the torch path
+    runs."""
     if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))
@@ -104,8 +106,9 @@ def _works_on(index: int) -> bool:
 
 
 def _probe_every_launch(device: torch.device) -> tuple[float, int, float, int, list[float]]:
-    """Every launch (a span, a table, scaling, clipping from a norm) over ``[0, 3, -0, 4]``: squares
-    25, zeros 2, halved values (a NaN norm scales nothing)."""
+    """Every launch (a span, a table, scaling, clipping from a norm) over ``[0, 3, -0, 4]``.
+
+    Expected: squares 25, zeros 2, halved values (a NaN norm scales nothing)."""
     import torch
 
     probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
@@ -132,8 +135,9 @@ def is_kernel_readable(tensor: torch.Tensor) -> bool:
 
 
 def one_read_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether contiguous grads of ``dtype`` on ``device`` are read by the kernels (CUDA, triton, a
-    dtype they read)."""
+    """Whether contiguous grads of ``dtype`` on ``device`` are read by the kernels.
+
+    That takes CUDA, triton, and a dtype they read."""
     return _readable_dtype(dtype) and can_run_fused_stats(device)
 
 
@@ -195,8 +199,10 @@ def _split_pair(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def span_squares_and_zeros(
     view: torch.Tensor, *, block: int = BLOCK, iters: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of squares (0-dim float64) and number of zeros (0-dim int64) of a contiguous tensor, in
-    one read (``iters``: :func:`iterations_for` of its dtype unless given)."""
+    """Sum of squares and number of zeros of a contiguous tensor, in one read.
+
+    The sum is 0-dim float64, the count 0-dim int64; ``iters`` is :func:`iterations_for` of its
+    dtype unless given."""
     if not is_kernel_readable(view):
         raise ValueError(
             f"the one-read kernels read contiguous float32/bf16/fp16 tensors, not {view.dtype}"
@@ -215,8 +221,10 @@ def squares_and_zeros(
     block: int = BLOCK,
     iters: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of squares (0-dim float64) and number of zeros (0-dim int64) over ``tensors``
-    (contiguous, one device and dtype), in one read and one launch whatever their number.
+    """Sum of squares and number of zeros over ``tensors``, in one read and one launch.
+
+    ``tensors`` are contiguous, of one device and dtype, any number of them; the sum is 0-dim
+    float64, the count 0-dim int64.
 
     The kernel reads ``numel`` elements of the given dtype from each tensor's address, so every
     tensor is checked for that first, unless ``checked=True``: the caller has grouped ``tensors`` by
@@ -229,9 +237,10 @@ def squares_and_zeros(
 
 
 def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> torch.Tensor:
-    """The sum of squares and the zero count of ``tensors`` through ``launch``, made for their
-    addresses and sizes (a caller that keeps it checks them; nothing is checked here), as one
-    float64 pair ``[squares, zeros]``: a part of the reductions as it is
+    """The sum of squares and the zero count of ``tensors`` through ``launch``, one float64 pair.
+
+    ``launch`` is made for their addresses and sizes (a caller that keeps it checks them; nothing is
+    checked here). The pair ``[squares, zeros]`` is a part of the reductions as it is
     (:func:`~pgregistry.grad_stats._reductions.make_part`), no operation to make it."""
     if launch.table is None:
         return _zero_pair(tensors[0].device)
@@ -248,10 +257,11 @@ def scale_(
     block: int = BLOCK,
     iters: int | None = None,
 ) -> None:
-    """Multiply ``tensors`` (as for :func:`squares_and_zeros`) in place by ``coeff`` (a 0-dim
-    tensor) where it is below 1, in one launch over the statistics' launch table; where it is 1
-    every program returns at once, so clipping that does not scale reads and writes nothing, and
-    nothing waits on the host.
+    """Multiply ``tensors`` in place by ``coeff`` where it is below 1, in one launch.
+
+    ``tensors`` as for :func:`squares_and_zeros`, ``coeff`` a 0-dim tensor; the launch is over the
+    statistics' launch table. Where ``coeff`` is 1 every program returns at once, so clipping that
+    does not scale reads and writes nothing, and nothing waits on the host.
 
     The coefficient is first rounded to the tensors' dtype (on the device, through float32, as
     torch's ``.to`` of a float64 tensor), then each product is computed in float32 and rounded:
@@ -272,18 +282,22 @@ def scale_over_(tensors: Sequence[torch.Tensor], launch: Launch, coeff: torch.Te
 def clip_over_(
     tensors: Sequence[torch.Tensor], launch: Launch, max_norm: float, norm64: torch.Tensor
 ) -> None:
-    """Clip ``tensors`` through ``launch`` (as :func:`read_over`) by the coefficient of ``max_norm``
-    over the total norm ``norm64`` (0-dim float64 on their device), computed by each program on the
-    device with the bits of :func:`~pgregistry.grad_stats._reductions.clip_coefficient`: no
-    operation to make it, none to round it."""
+    """Clip ``tensors`` through ``launch`` by the coefficient of ``max_norm`` over ``norm64``.
+
+    ``launch`` as for :func:`read_over`; ``norm64`` is the total norm (0-dim float64 on their
+    device). Each program computes the coefficient on the device with the bits of
+    :func:`~pgregistry.grad_stats._reductions.clip_coefficient`: no operation to make it, none to
+    round it."""
     _scale_launch(tensors, launch, norm64, max_norm)
 
 
 def _scale_launch(
     tensors: Sequence[torch.Tensor], launch: Launch, value: torch.Tensor, max_norm: float | None
 ) -> None:
-    """The scale kernel over ``launch``: by the coefficient ``value`` (``max_norm`` ``None``), else
-    by clipping's coefficient of ``max_norm`` over the norm ``value``."""
+    """The scale kernel over ``launch``, by a coefficient or by clipping's coefficient.
+
+    By the coefficient ``value`` (``max_norm`` ``None``), else by clipping's coefficient of
+    ``max_norm`` over the norm ``value``."""
     if launch.table is None:
         return
     with launch_on(tensors[0].device):
@@ -341,9 +355,11 @@ def _check_readable(tensors: Sequence[torch.Tensor], checked: bool) -> None:
 
 @attrs.frozen(slots=True)
 class Launch:
-    """The programs of one launch over a list of tensors: the index of the tensor at the lowest
-    address (the kernel's base), the table of each program's first element after it and element
-    count (``None``: no elements), and the ``block`` and ``iters`` the table was cut for."""
+    """The programs of one launch over a list of tensors.
+
+    The index of the tensor at the lowest address (the kernel's base), the table of each program's
+    first element after it and element count (``None``: no elements), and the ``block`` and
+    ``iters`` the table was cut for."""
 
     base: int
     table: torch.Tensor | None
@@ -354,11 +370,13 @@ class Launch:
 def launch_of(
     tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int | None = None
 ) -> Launch:
-    """The launch over ``tensors`` (one device and dtype). The table is a function of their
-    addresses and sizes only: built once per distinct (device, dtype, addresses, sizes), vectorised
-    on the host, pinned and copied without a host sync, and kept on the device (:class:`_Tables`),
-    so a step whose grads keep their storage sends nothing to the device; a caller that keeps the
-    launch itself (:mod:`pgregistry.grad_stats._local`'s kept plans) skips even the lookup."""
+    """The launch over ``tensors`` (one device and dtype), its table kept on the device.
+
+    The table is a function of their addresses and sizes only: built once per distinct (device,
+    dtype, addresses, sizes), vectorised on the host, pinned and copied without a host sync, and
+    kept on the device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to
+    the device; a caller that keeps the launch itself (:mod:`pgregistry.grad_stats._local`'s kept
+    plans) skips even the lookup."""
     import torch
 
     addresses = array("q", list(map(torch.Tensor.data_ptr, tensors)))
@@ -376,10 +394,11 @@ def launch_of(
 def _base_and_program_table(
     addresses: array[int], numels: array[int], dtype: torch.dtype, device: torch.device, chunk: int
 ) -> tuple[int, torch.Tensor | None]:
-    """The index of the tensor at the lowest address (the kernel's base) and the table of the
-    programs reading tensors at ``addresses`` of ``numels`` elements: ``[first element after the
-    base, elements]`` per program, at most ``chunk`` elements each (``None``: no elements).
-    Vectorised: no Python work per tensor or program."""
+    """The kernel's base tensor and the table of the programs reading tensors at ``addresses``.
+
+    The base is the index of the tensor at the lowest address; the tensors hold ``numels`` elements.
+    The table has ``[first element after the base, elements]`` per program, at most ``chunk``
+    elements each (``None``: no elements). Vectorised: no Python work per tensor or program."""
     import torch
 
     start = torch.frombuffer(addresses, dtype=torch.int64)

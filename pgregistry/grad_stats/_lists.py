@@ -136,7 +136,9 @@ def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
 def scale_grads_(
     grads: list[torch.Tensor] | tuple[torch.Tensor, ...], coeff: torch.Tensor | Clipping
 ) -> None:
-    """Multiply ``grads`` (any devices and dtypes) in place by ``coeff`` (0-dim, at most 1; or
-    clipping's, which the one-read kernel makes on the device from the norm), one call per kind."""
+    """Multiply ``grads`` (any devices and dtypes) in place by ``coeff``, one call per kind.
+
+    ``coeff`` is 0-dim, at most 1; or clipping's, which the one-read kernel makes on the device from
+    the norm."""
     for same_kind in by_kind(grads).values():
         scale_kind(same_kind, None, coeff)

@@ -91,8 +91,10 @@ as one flat reduction."""
 def by_kind(
     grads: Sequence[torch.Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """``grads`` by (device, dtype): the unit of one read. Grouped by torch's own C++ helper (the
-    one its optimizers use): a Python loop over 20,000 grads costs milliseconds per call."""
+    """``grads`` by (device, dtype): the unit of one read.
+
+    Grouped by torch's own C++ helper (the one its optimizers use): a Python loop over 20,000 grads
+    costs milliseconds per call."""
     grads = list(grads)
     if not grads:
         return {}
@@ -107,11 +109,13 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @attrs.frozen(slots=True)
 class KindPlan:
-    """How one kind's tensors are read, by position in the list: those the kernel reads (``kernel``,
-    and the ``launch`` over them, :func:`~pgregistry.grad_stats._fused.launch_of`), and the rest,
-    read by torch on the device or, on the host, in blocks (``blocks``: the tensors to concatenate,
-    each block at most :data:`HOST_FLAT` elements of tensors of one trailing shape, so ``torch.cat``
-    takes them without a view each; or one large tensor, read in place)."""
+    """How one kind's tensors are read, by position in the list: by the kernel, else by torch.
+
+    Those the kernel reads (``kernel``, and the ``launch`` over them,
+    :func:`~pgregistry.grad_stats._fused.launch_of`), and the rest, read by torch on the device or,
+    on the host, in blocks (``blocks``: the tensors to concatenate, each block at most
+    :data:`HOST_FLAT` elements of tensors of one trailing shape, so ``torch.cat`` takes them without
+    a view each; or one large tensor, read in place)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -149,11 +153,12 @@ def plan_kind(
 def _host_blocks(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]:
-    """The host's blocks (see :class:`KindPlan`): tensors of more than :data:`HOST_SMALL` elements
-    alone; the others by trailing shape (a concatenation along dim 0 needs no view of each tensor,
-    as flattening them would: a microsecond and more a tensor), runs of at most :data:`HOST_FLAT`
-    elements. Python work per tensor: made when the tensors' layout changes, kept while it does
-    not."""
+    """The host's blocks (see :class:`KindPlan`).
+
+    Tensors of more than :data:`HOST_SMALL` elements alone; the others by trailing shape (a
+    concatenation along dim 0 needs no view of each tensor, as flattening them would: a microsecond
+    and more a tensor), runs of at most :data:`HOST_FLAT` elements. Python work per tensor: made
+    when the tensors' layout changes, kept while it does not."""
     classes: dict[tuple[int, ...], list[int]] = {}
     blocks: list[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]] = []
     for index, tensor in enumerate(tensors):
@@ -214,8 +219,9 @@ def _torch_part(
     wanted: Wanted,
     device: torch.device,
 ) -> torch.Tensor:
-    """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms
-    (float64: exact up to 2**53 elements; no mask the size of the grads)."""
+    """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms.
+
+    Float64: exact up to 2**53 elements; no mask the size of the grads."""
     share = zeros = None
     norm_over = _non_empty(norm_over)
     if norm_over and wanted.p is not None:
@@ -240,9 +246,10 @@ def _non_empty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _host_part(
     tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
 ) -> torch.Tensor:
-    """Both statistics of host ``tensors``, a block at a time (see the module docstring): the
-    tensors of a block concatenated into one (one dispatch, a block's memory), a tensor alone in its
-    block read in place."""
+    """Both statistics of host ``tensors``, a block at a time (see the module docstring).
+
+    The tensors of a block are concatenated into one (one dispatch, a block's memory); a tensor
+    alone in its block is read in place."""
     accumulate_in = _accumulation_dtype(plan.dtype)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
@@ -295,8 +302,9 @@ def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
-    """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements of
-    ``tensor`` (the last one shorter); a non-contiguous tensor's norm as one row."""
+    """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements.
+
+    Rows of ``tensor``, the last one shorter; a non-contiguous tensor's norm as one row."""
     cast = None if tensor.dtype == accumulate_in else accumulate_in
     if not tensor.is_contiguous():
         return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)
@@ -340,10 +348,12 @@ def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) ->
 def scale_kind(
     tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor | Clipping
 ) -> None:
-    """Multiply one kind's ``tensors`` in place by ``coeff`` (0-dim float64, at most 1; or
-    clipping's, made from the norm): the kernel over its launch table (nothing where the coefficient
-    is 1, decided on the device), else ``torch._foreach_mul_`` (skipped where the coefficient, on
-    the host, is 1: scaling by exactly 1 changes no bit)."""
+    """Multiply one kind's ``tensors`` in place by ``coeff``.
+
+    ``coeff`` is 0-dim float64, at most 1; or clipping's, made from the norm. The kernel over its
+    launch table (nothing where the coefficient is 1, decided on the device), else
+    ``torch._foreach_mul_`` (skipped where the coefficient, on the host, is 1: scaling by exactly 1
+    changes no bit)."""
     if not tensors:
         return
     device = tensors[0].device

@@ -114,8 +114,9 @@ _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
 
 
 def _make_picker(indices: Sequence[int], size: int) -> Callable[[Sequence[Any]], list[Any]]:
-    """A function taking the items at ``indices`` from a sequence of ``size`` items, at C speed;
-    where ``indices`` are all of them in order, the list itself (no copy: callers never change what
+    """A function taking the items at ``indices`` from a sequence of ``size`` items, at C speed.
+
+    Where ``indices`` are all of them in order, the list itself (no copy: callers never change what
     it gives)."""
     if not indices:
         return lambda items: []
@@ -138,8 +139,9 @@ tensor is it)."""
 
 
 def _same_stream(current: Iterable[object], held: list[object]) -> bool:
-    """Whether ``current`` yields the objects of ``held`` (which ends with :data:`_END`) in order,
-    by identity, at C speed and without making a list of them (at 20,000 parameters, the 30,000
+    """Whether ``current`` yields the objects of ``held`` in order, by identity, at C speed.
+
+    ``held`` ends with :data:`_END`. No list of them is made (at 20,000 parameters, the 30,000
     items' list took half this check on the 2-core machine). ``map`` stops at the shorter of the
     two: ``current`` followed by :data:`_END` meets ``held``'s end marker with an object where it is
     longer, and its own end marker meets a held object where it is shorter, so only the same objects
@@ -153,9 +155,11 @@ def _same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
 
 
 def _all_empty(dicts: list[dict[Any, Any]]) -> bool:
-    """Whether every dictionary of ``dicts`` is empty: ``any`` tests each one's truth through its
-    type's length slot in C (no ``len`` call, no int made per dictionary), a quarter of the time of
-    ``any(map(len, dicts))`` on the 2-core machine, at 2,000 and 20,000 dictionaries alike."""
+    """Whether every dictionary of ``dicts`` is empty.
+
+    ``any`` tests each one's truth through its type's length slot in C (no ``len`` call, no int made
+    per dictionary), a quarter of the time of ``any(map(len, dicts))`` on the 2-core machine, at
+    2,000 and 20,000 dictionaries alike."""
     return not any(dicts)
 
 
@@ -169,8 +173,9 @@ class _Kind:
 
 @attrs.define(slots=True)
 class _Planned:
-    """The plain grads a layout's reads were planned for, known by their ids while every one of them
-    lives: a live object's id is its own, so equal ids are the same objects. Each is held by a weak
+    """The plain grads a layout's reads were planned for, known by their ids while they all live.
+
+    A live object's id is its own, so equal ids are the same objects. Each is held by a weak
     reference (a plan must not keep grads alive: a training loop that sets them to ``None`` frees
     them) whose callback notes its death (``deaths``: a C-speed ``list.append``, nothing run per
     grad on a call), and by its address."""
@@ -193,9 +198,10 @@ class _Planned:
     def pieces_of(
         self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]
     ) -> list[Any] | None:
-        """The pieces of ``grads`` when they are the very grad objects planned for (every one alive,
-        each parameter's grad, or ``None``, the same object by id), each still at its address; else
-        ``None``. The same object has the same type and, at the same address, the same storage (a
+        """The pieces of ``grads`` when they are the very grads planned for, else ``None``.
+
+        Every one alive, each parameter's grad, or ``None``, the same object by id, each still at
+        its address. The same object has the same type and, at the same address, the same storage (a
         grad re-pointed at other storage, ``grad.data = ...`` or ``set_``, moves); only an in-place
         change of a grad's sizes or strides at its address (``resize_``, ``as_strided_``) would pass
         unseen. Reads no type, size or contiguity: the ids are read from the list (no object
@@ -247,8 +253,9 @@ class _Layout:
 
 @attrs.frozen(slots=True)
 class Read:
-    """One call's grads read into shares, and its local pieces (every grad's local tensor,
-    duplicates included), which clipping scales."""
+    """One call's grads read into shares, and its local pieces, which clipping scales.
+
+    The pieces are every grad's local tensor, duplicates included."""
 
     shares: Shares
     pieces: list[torch.Tensor]
@@ -430,8 +437,9 @@ class Plan:
         )
 
     def _target_of(self, outer: GroupName | None, expert: bool) -> Any:
-        """Where a DTensor grad's piece is added (its seen part, when not counted here): ``(field,
-        slot)`` when summed over a field first, else its reduction group (``None``: no
+        """Where a DTensor grad's piece is added (its seen part, when not counted here).
+
+        ``(field, slot)`` when summed over a field first, else its reduction group (``None``: no
         reduction)."""
         return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
@@ -453,18 +461,20 @@ class Plan:
 
 
 def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
-    """Each parameter's ``.grad``, at C speed. torch's getter first asks a tensor subclass's
-    ``__torch_function__`` (a lookup through the class, a third of the getter's cost for FSDP2's
-    DTensor parameters, whose ``__torch_function__`` is torch's disabled one); that question is
-    skipped here: the grad is what autograd or the caller stored, whatever a subclass would say
-    about reading it."""
+    """Each parameter's ``.grad``, at C speed, without asking a subclass's ``__torch_function__``.
+
+    torch's getter first asks a tensor subclass's ``__torch_function__`` (a lookup through the
+    class, a third of the getter's cost for FSDP2's DTensor parameters, whose ``__torch_function__``
+    is torch's disabled one); that question is skipped here: the grad is what autograd or the caller
+    stored, whatever a subclass would say about reading it."""
     with torch._C.DisableTorchFunctionSubclass():
         return list(map(_GRAD, params))
 
 
 def _piece_facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
-    """Each piece's address, element count and (with ``contiguity``) contiguity, one piece after
-    another in one flat list: the reads go piece by piece (a ``zip`` of ``map`` calls, C speed), so
+    """Each piece's address, element count and (with ``contiguity``) contiguity, in one flat list.
+
+    One piece after another: the reads go piece by piece (a ``zip`` of ``map`` calls, C speed), so
     each tensor's metadata comes from memory once, not once per pass (at 20,000 grads, separate
     passes were bound by those fetches), and the flat list allocates nothing the garbage collector
     tracks (a tuple a piece set off a few dozen collections a call). ``RuntimeError`` for a piece
@@ -568,9 +578,10 @@ class Kept:
         return self._take_params(tensors)
 
     def _current_holder_contents(self) -> Iterator[Any]:
-        """What the modules' child and parameter dictionaries that were not empty when the plan was
-        made hold now, in order. With the empty ones still empty (most: a leaf module has no
-        children, a container no parameters; one truth test each, :func:`_all_empty`), equal
+        """What the modules' child and parameter dictionaries not empty at first hold now, in order.
+
+        Those not empty when the plan was made. With the empty ones still empty (most: a leaf module
+        has no children, a container no parameters; one truth test each, :func:`_all_empty`), equal
         flattened contents mean the same modules and parameters in the same order: a parameter could
         only have moved between two dictionaries next to each other in that order, which leaves
         every statistic as it was (its roles are its own, not its module's), so the non-empty
@@ -589,10 +600,11 @@ class Kept:
         return list(chain.from_iterable(zip(*gets, strict=True)))
 
     def _same_roles(self) -> bool:
-        """Whether every parameter's roles are those the plan was made with: parameters without
-        attributes then still have none (:func:`_all_empty`), those whose attributes held no role
-        still hold none (FSDP2 marks its parameters with ``_is_param``), and the roles of the others
-        are equal."""
+        """Whether every parameter's roles are those the plan was made with.
+
+        Parameters without attributes then still have none (:func:`_all_empty`), those whose
+        attributes held no role still hold none (FSDP2 marks its parameters with ``_is_param``), and
+        the roles of the others are equal."""
         return (
             _all_empty(self._bare)
             and all(map(_NO_ROLE, self._roleless))
@@ -602,9 +614,10 @@ class Kept:
     def current(
         self, source: Source, given: ProcessGroupCollection, owner: str
     ) -> list[torch.Tensor] | None:
-        """The parameters to read if nothing the plan depends on changed, else ``None``: the
-        collection given (and the fields the plan read from the global grid, read again, each time
-        with its warning), the parameter set, the roles."""
+        """The parameters to read if nothing the plan depends on changed, else ``None``.
+
+        What it depends on: the collection given (and the fields the plan read from the global grid,
+        read again, each time with its warning), the parameter set, the roles."""
         if self.generation != role_generation() or not (given is self.given or given == self.given):
             return None
         params = self.plan_params(source)
@@ -617,9 +630,10 @@ class Kept:
 
 
 def _fields_left_off(params: Params, given: ProcessGroupCollection) -> tuple[GroupName, ...]:
-    """The expert fields the statistics of ``params`` leave off (:data:`EXPERT_STATS_FIELDS`, when
-    no rank of the model's ``mp`` group holds an expert parameter), so a model without experts reads
-    none from the global grid.
+    """The expert fields the statistics of ``params`` leave off.
+
+    Those of :data:`EXPERT_STATS_FIELDS`, when no rank of the model's ``mp`` group holds an expert
+    parameter, so a model without experts reads none from the global grid.
 
     Decided once per plan, and alike on every rank of ``mp`` (each TP and pipeline rank of a
     replica, as ``build_optimizer`` decides), so a stage without experts takes the groups its peers
@@ -646,11 +660,14 @@ _KEPT_TENSORS: list[Kept] = []
 def check_or_make_plan(
     source: Source, given: ProcessGroupCollection, owner: str
 ) -> tuple[Plan, list[torch.Tensor], ProcessGroupCollection]:
-    """The kept plan of what an entry point was given (``source``, taken apart by the door,
-    :func:`~pgregistry._runtime.resolve.source_of`) on the collection the door resolved (``given``):
-    checked (:meth:`Kept.current`), else made anew (normalised once, the grad-statistics fields the
-    model needs filled, :func:`_fields_left_off`, unclassified experts refused, classified). Its
-    plan, its parameters in the plan's order, and the filled collection."""
+    """The kept plan of what an entry point was given, checked or made anew.
+
+    ``source`` is what it was given, taken apart by the door
+    (:func:`~pgregistry._runtime.resolve.source_of`), on the collection the door resolved
+    (``given``): checked (:meth:`Kept.current`), else made anew (normalised once, the
+    grad-statistics fields the model needs filled, :func:`_fields_left_off`, unclassified experts
+    refused, classified). Returns its plan, its parameters in the plan's order, and the filled
+    collection."""
     kept = (
         _KEPT.get(source.chunks[0])
         if source.chunks

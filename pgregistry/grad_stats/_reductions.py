@@ -97,10 +97,11 @@ class Wanted:
 
 
 def nonfinite_part(part: torch.Tensor) -> torch.Tensor:
-    """The part a read of grads this rank does not count adds: their NaN or inf (a share of ``sum
-    |g|^p`` or ``max |g|`` is NaN or infinite exactly when one of the grads is), every finite entry
-    and the zero count 0. So the verdict on the norm covers every grad a rank holds while nothing is
-    counted twice."""
+    """The part a read of grads this rank does not count adds: their NaN or inf.
+
+    A share of ``sum |g|^p`` or ``max |g|`` is NaN or infinite exactly when one of the grads is;
+    every finite entry and the zero count are 0. So the verdict on the norm covers every grad a rank
+    holds while nothing is counted twice."""
     return torch.where(part.isfinite(), 0.0, part)
 
 
@@ -127,8 +128,9 @@ def make_part(
 
 @attrs.define(slots=True)
 class _First:
-    """The parts of DTensor pieces summed over one data-parallel collection field first, by slot (0:
-    dense, 1: expert), and the reduction groups each slot's total joins afterwards."""
+    """The parts of DTensor pieces summed over one data-parallel collection field first, by slot.
+
+    Slot 0 is dense, 1 expert; also the reduction groups each slot's total joins afterwards."""
 
     group: ProcessGroup | None
     targets: tuple[GroupKey, GroupKey]
@@ -161,8 +163,9 @@ class Shares:
             parts.append(part.to(self.device))
 
     def widen(self, dtype: torch.dtype) -> None:
-        """Note that grads of ``dtype`` were read (the norm is float64 once one of them is,
-        :func:`makes_norm_float64`)."""
+        """Note that grads of ``dtype`` were read.
+
+        The norm is float64 once one of them is (:func:`makes_norm_float64`)."""
         self.wide = self.wide or makes_norm_float64(dtype)
 
     def add_first(
@@ -173,9 +176,10 @@ class Shares:
         slot: int,
         part: torch.Tensor | None,
     ) -> None:
-        """Register ``field`` (its ``group`` summed over before ``targets``, the dense and the
-        expert reduction group) and, unless ``None``, add ``part`` to its ``slot`` (0 dense, 1
-        expert)."""
+        """Register ``field`` and, unless ``None``, add ``part`` to ``slot`` (0 dense, 1 expert).
+
+        The field's ``group`` is summed over before ``targets``, the dense and the expert reduction
+        group."""
         first = self.first.setdefault(field, _First(group, targets))
         if part is not None:
             first.slots[slot].append(part.to(self.device))
@@ -183,9 +187,11 @@ class Shares:
 
 @attrs.frozen(slots=True)
 class Reduced:
-    """The reduced statistics: ``norm64`` (float64, NaN / inf where one was seen; see
-    :func:`reduce_shares`) and ``zeros`` (int64), 0-dim tensors on the reduction device, ``None``
-    when not wanted; ``wide``: whether a grad read was float64 (:func:`makes_norm_float64`)."""
+    """The reduced statistics: ``norm64`` and ``zeros``, and whether a grad read was float64.
+
+    ``norm64`` is float64, NaN / inf where one was seen (see :func:`reduce_shares`), ``zeros``
+    int64, both 0-dim tensors on the reduction device, ``None`` when not wanted; ``wide``: whether a
+    grad read was float64 (:func:`makes_norm_float64`)."""
 
     norm64: torch.Tensor | None
     zeros: torch.Tensor | None
@@ -193,20 +199,23 @@ class Reduced:
 
     @property
     def norm(self) -> torch.Tensor:
-        """The norm as the statistics' API returns it: 0-dim, in the grads' precision (as torch's
-        ``clip_grad_norm_``): float64 where a grad read was float64 (a norm of float64 grads beyond
-        float32's range stays finite), float32 otherwise (bf16 and fp16 grads too: their norm is no
-        narrower than float32)."""
+        """The norm as the statistics' API returns it: 0-dim, in the grads' precision.
+
+        As torch's ``clip_grad_norm_``: float64 where a grad read was float64 (a norm of float64
+        grads beyond float32's range stays finite), float32 otherwise (bf16 and fp16 grads too:
+        their norm is no narrower than float32)."""
         if self.norm64 is None:
             raise ValueError("no norm was computed")
         return self.norm64 if self.wide else self.norm64.to(torch.float32)
 
     @property
     def clip_norm(self) -> torch.Tensor:
-        """:attr:`norm` as a clip returns it: where it is float32 (no float64 grad on this rank) and
-        the norm finite but beyond float32's range (float64 grads on another rank), the largest
-        float32, not inf: a clip made with a finite norm never reports a non-finite one (a training
-        loop would skip the step on this rank alone)."""
+        """:attr:`norm` as a clip returns it: finite wherever the norm is.
+
+        Where it is float32 (no float64 grad on this rank) and the norm finite but beyond float32's
+        range (float64 grads on another rank), the largest float32, not inf: a clip made with a
+        finite norm never reports a non-finite one (a training loop would skip the step on this rank
+        alone)."""
         if self.norm64 is None or self.wide:
             return self.norm
         finite = self.norm64.clamp(max=torch.finfo(torch.float32).max)
@@ -283,8 +292,10 @@ def _float64_zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
 
 
 def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.device) -> torch.Tensor:
-    """The sum of one column over ``rows`` (0-dim float64): with one row (one reduction group, the
-    common case) its entry, with no operation to add it up."""
+    """The sum of one column over ``rows`` (0-dim float64).
+
+    With one row (one reduction group, the common case) its entry, with no operation to add it
+    up."""
     if len(rows) == 1:
         return rows[0][column]
     return torch.stack([row[column] for row in rows]).sum() if rows else _float64_zeros((), device)
@@ -328,9 +339,10 @@ def _as_part(row: torch.Tensor, wanted: Wanted) -> torch.Tensor:
 
 
 def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
-    """One group's row from its parts: ``[share, zeros]`` summed; for the inf-norm ``[max, zeros,
-    NaN seen]``, the NaN carried by the flag (a MAX reduction may drop it) and counting as 0 in the
-    maximum."""
+    """One group's row from its parts: ``[share, zeros]`` summed.
+
+    For the inf-norm ``[max, zeros, NaN seen]``, the NaN carried by the flag (a MAX reduction may
+    drop it) and counting as 0 in the maximum."""
     if not wanted.infinite:
         if not parts:
             return _float64_zeros(2, device)
@@ -348,9 +360,10 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
 def _reduce_rows(
     rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted
 ) -> dict[GroupKey, torch.Tensor]:
-    """Each group's row reduced over its group, in the agreed order: one SUM of the whole row (flags
-    summed: set when positive); for the inf-norm one MAX of all but the zero count, then, with the
-    zero count, one SUM of it."""
+    """Each group's row reduced over its group, in the agreed order.
+
+    One SUM of the whole row (flags summed: set when positive); for the inf-norm one MAX of all but
+    the zero count, then, with the zero count, one SUM of it."""
     if not wanted.infinite:
         return _reduce_each_group(rows, lambda row: row, dist.ReduceOp.SUM)
     maxima = _reduce_each_group(
@@ -427,10 +440,12 @@ def reduce_over_groups(
 
 @attrs.define(slots=True)
 class Clipping:
-    """Clipping to ``max_norm`` of grads whose total norm is ``norm64`` (0-dim float64), its
-    coefficient not made yet: the one-read scale kernel makes it on the device, from these two, with
-    the bits of :func:`clip_coefficient` (:func:`~pgregistry.grad_stats._fused.clip_over_`: no
-    operations on the host); torch's route takes :meth:`coefficient`, made once."""
+    """Clipping to ``max_norm`` of grads of total norm ``norm64``, its coefficient not made yet.
+
+    ``norm64`` is 0-dim float64. The one-read scale kernel makes the coefficient on the device, from
+    these two, with the bits of :func:`clip_coefficient`
+    (:func:`~pgregistry.grad_stats._fused.clip_over_`: no operations on the host); torch's route
+    takes :meth:`coefficient`, made once."""
 
     max_norm: float
     norm64: torch.Tensor
@@ -443,8 +458,10 @@ class Clipping:
 
 
 def clip_coefficient(max_norm: float, norm64: torch.Tensor) -> torch.Tensor:
-    """``max_norm / (norm + 1e-6)`` clamped at 1 (float64, no host sync); 1 for a NaN or infinite
-    norm, whose coefficient would be NaN or 0 and would poison or erase the finite grads too."""
+    """``max_norm / (norm + 1e-6)`` clamped at 1 (float64, no host sync); 1 for a non-finite norm.
+
+    A NaN or infinite norm's coefficient would be NaN or 0 and would poison or erase the finite
+    grads too."""
     check_max_norm(max_norm)
     clipped = torch.clamp(max_norm / (norm64 + CLIP_EPSILON), max=1.0)
     return torch.where(torch.isfinite(norm64), clipped, torch.ones_like(clipped))

@@ -206,6 +206,7 @@ class MultiModuleOptimizer:
         return True, norm, zeros
 
     def zero_grad(self) -> None:
+        """Zero the grads of every module optimizer."""
         for optimizer in self._optimizers.values():
             optimizer.zero_grad()
 

@@ -90,9 +90,10 @@ ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
 
 
 class OptimizerStatistics(abc.ABC):
-    """The grad statistics and clipping of an optimizer, under Megatron-Core's method names: the
-    local shares of the flat optimizers it steps (itself, or a chained optimizer's children) in one
-    set of shares, reduced once."""
+    """The grad statistics and clipping of an optimizer, under Megatron-Core's method names.
+
+    The local shares of the flat optimizers it steps (itself, or a chained optimizer's children) go
+    in one set of shares, reduced once."""
 
     @abc.abstractmethod
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
@@ -103,9 +104,10 @@ class OptimizerStatistics(abc.ABC):
         return statistics_of(self.stats_optimizers(), wanted)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model the optimizer covers (0-dim, no host sync; float64 for
-        a float64 grad buffer, else float32; NaN or infinite when any grad is, duplicates
-        included)."""
+        """The global grad norm of the model the optimizer covers (0-dim, no host sync).
+
+        Float64 for a float64 grad buffer, else float32; NaN or infinite when any grad is,
+        duplicates included."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -115,8 +117,9 @@ class OptimizerStatistics(abc.ABC):
         return zeros
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA,
-        2-norm; one all-reduce per group)."""
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together, the 2-norm.
+
+        One read of the grads on CUDA; one all-reduce per group."""
         reduced = self.statistics(Wanted.of(norm_type, zeros=True))
         assert reduced.zeros is not None
         return reduced.norm, reduced.zeros
@@ -232,10 +235,11 @@ class FlatOptimizer(OptimizerStatistics):
             param.register_post_accumulate_grad_hook(_accumulate_into(view))
 
     def _move_data(self, param: torch.Tensor, view: torch.Tensor) -> None:
-        """Copy ``param`` into ``view`` (part of one of this optimizer's flat buffers) and make
-        ``view`` its data, so one kernel steps or writes every parameter; :meth:`_check_attached`
-        refuses a parameter whose data was replaced since (the optimizer would go on updating the
-        buffer, not the parameter)."""
+        """Copy ``param`` into ``view`` and make ``view`` its data.
+
+        ``view`` is part of one of this optimizer's flat buffers, so one kernel steps or writes
+        every parameter; :meth:`_check_attached` refuses a parameter whose data was replaced since
+        (the optimizer would go on updating the buffer, not the parameter)."""
         with torch.no_grad():
             view.copy_(param)
         param.data = view
@@ -277,10 +281,11 @@ class FlatOptimizer(OptimizerStatistics):
         starts: Sequence[int],
         copies: Sequence[Copy],
     ) -> None:
-        """``mains`` (views of ``flat`` at ``starts``; ``flat.grad`` is their grads' flat span) are
-        stepped as one tensor with an elementwise rule over float32/float64, which also writes
-        ``copies`` (in its kernel on CUDA), one by one otherwise (the caller writes the copies);
-        ``None`` when there are none."""
+        """The inner optimizer stepping ``mains`` (views of ``flat`` at ``starts``), or ``None``.
+
+        ``flat.grad`` is their grads' flat span. They are stepped as one tensor with an elementwise
+        rule over float32/float64, which also writes ``copies`` (in its kernel on CUDA), one by one
+        otherwise (the caller writes the copies); ``None`` when there are none."""
         if not mains:
             self.inner = None
         elif isinstance(factory, ElementwiseRule) and flat.dtype in FLAT_DTYPES:
@@ -289,8 +294,9 @@ class FlatOptimizer(OptimizerStatistics):
             self.inner = factory(list(mains))
 
     def _inner_tensors(self) -> list[torch.Tensor]:
-        """The tensors :attr:`inner`'s state dict numbers, in its order: a flat step's main params,
-        else the tensors of the inner optimizer's param groups."""
+        """The tensors :attr:`inner`'s state dict numbers, in its order.
+
+        A flat step's main params, else the tensors of the inner optimizer's param groups."""
         if self.inner is None:
             return []
         if isinstance(self.inner, FlatStep):
@@ -300,8 +306,10 @@ class FlatOptimizer(OptimizerStatistics):
     # ----------------------------------------------------------------------------------- statistics
 
     def _set_stats(self, spans: tuple[Span, ...], group: ProcessGroup | None) -> None:
-        """Statistics run over ``spans`` of the buffer; ``group`` is always reduced, even with
-        nothing counted here, so every rank of it issues the same collectives."""
+        """Statistics run over ``spans`` of the buffer, reduced over ``group``.
+
+        ``group`` is always reduced, even with nothing counted here, so every rank of it issues the
+        same collectives."""
         self._stat_spans = spans
         keys: list[GroupKey] = [group]
         for span in spans:
@@ -314,8 +322,9 @@ class FlatOptimizer(OptimizerStatistics):
         return self._reduce_keys
 
     def local_shares(self, shares: Shares) -> None:
-        """Add this optimizer's groups (every one, even with nothing counted here) and its spans'
-        parts to ``shares``."""
+        """Add this optimizer's groups and its spans' parts to ``shares``.
+
+        Every group is added, even one with nothing counted here."""
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
@@ -325,6 +334,7 @@ class FlatOptimizer(OptimizerStatistics):
         return [self.buffer.data]
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        """This optimizer alone."""
         return [self]
 
     # ---------------------------------------------------------------------------------------- steps
@@ -335,14 +345,17 @@ class FlatOptimizer(OptimizerStatistics):
 
     @property
     def grad_divisor(self) -> int:
-        """Grads are divided by this (the ``dp_cp`` size of one instance) before they are summed
-        over the data-parallel group, dense and expert alike: see the module docstring."""
+        """What grads are divided by before they are summed over the data-parallel group.
+
+        The ``dp_cp`` size of one instance, for dense and expert grads alike: see the module
+        docstring."""
         return group_size(self.process_groups.intra_dp_cp)
 
     @abc.abstractmethod
     def sync_grads(self) -> None:
-        """Reduce the grads over the data-parallel group (``expt_dp`` for experts, ``dp_cp``
-        otherwise), divided by :attr:`grad_divisor`."""
+        """Reduce the grads over the data-parallel group, divided by :attr:`grad_divisor`.
+
+        The group is ``expt_dp`` for experts, ``dp_cp`` otherwise."""
 
     @abc.abstractmethod
     def step(self) -> None:
@@ -353,11 +366,12 @@ class FlatOptimizer(OptimizerStatistics):
         """The optimizer state (inner state and main copies), keyed by parameter name."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (same layout, same names). Strict: a state dict with
-        any :meth:`state_dict_faults` is refused (``ValueError``, the count and a few of them)
-        before anything changes. The check is local; the ranks of :meth:`load_groups` agree on it
-        first (:mod:`pgregistry.optim._state_check`), so every rank of the instance refuses alike or
-        none does."""
+        """Restore :meth:`state_dict` output (same layout, same names).
+
+        Strict: a state dict with any :meth:`state_dict_faults` is refused (``ValueError``, the
+        count and a few of them) before anything changes. The check is local; the ranks of
+        :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`), so every rank
+        of the instance refuses alike or none does."""
         refuse_agreed(
             f"{type(self).__name__}.load_state_dict",
             self.state_dict_faults(state_dict),
@@ -367,15 +381,17 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The groups whose ranks agree on the faults of a load before any of them loads (one small
-        all-reduce over each): together they hold every rank of this optimizer's instance, replicas
-        included, so a state refused on one rank is refused on all of them, never loaded by its
-        replicas alone."""
+        """The groups whose ranks agree on the faults of a load before any of them loads.
+
+        One small all-reduce over each: together they hold every rank of this optimizer's instance,
+        replicas included, so a state refused on one rank is refused on all of them, never loaded by
+        its replicas alone."""
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Every reason :meth:`load_state_dict` would refuse ``state_dict``: missing or extra
-        entries, saved tensors of another shape or dtype (empty: it loads). Local; changes
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict`` (empty: it loads).
+
+        Missing or extra entries, saved tensors of another shape or dtype. Local; changes
         nothing."""
 
     @abc.abstractmethod
@@ -390,10 +406,11 @@ class FlatOptimizer(OptimizerStatistics):
         """
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore :meth:`param_state` output of any layout
-        (:class:`~pgregistry.optim.ParamStateOptimizer`). Strict as :meth:`load_state_dict`: state
-        with any :meth:`param_state_faults` is refused (``ValueError``) on every rank of
-        :meth:`load_groups` before any rank changes anything."""
+        """Restore :meth:`param_state` output of any layout.
+
+        Saved under any layout: see :class:`~pgregistry.optim.ParamStateOptimizer`. Strict as
+        :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused
+        (``ValueError``) on every rank of :meth:`load_groups` before any rank changes anything."""
         refuse_agreed(
             f"{type(self).__name__}.load_param_state",
             self.param_state_faults(state),
@@ -403,9 +420,10 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong: a main
-        copy or elementwise state of another shape than its tensor's, state a flat step cannot hold.
-        Local; changes nothing."""
+        """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong.
+
+        A main copy or elementwise state of another shape than its tensor's, state a flat step
+        cannot hold. Local; changes nothing."""
 
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
@@ -426,8 +444,9 @@ def statistics_of(
     *,
     verdict: Sequence[ProcessGroup | None] = (),
 ) -> Reduced:
-    """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once
-    (``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+    """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once.
+
+    ``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`."""
     shares = Shares(wanted, optimizers[0].buffer.data.device)
     for optimizer in optimizers:
         optimizer.local_shares(shares)
@@ -437,10 +456,12 @@ def statistics_of(
 def clip_grads_of(
     optimizers: Sequence[FlatOptimizer], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
-    """Clip the grads of ``optimizers`` (one, or a chained optimizer's children) from their one
-    norm: their shares reduced together with the job-wide verdict over ``intra_dist_opt``
-    (:func:`~pgregistry.grad_stats._functional. verdict_groups`), then every grad scaled by the one
-    coefficient. Returns the norm before clipping."""
+    """Clip the grads of ``optimizers`` from their one norm; return the norm before clipping.
+
+    ``optimizers`` is one optimizer, or a chained optimizer's children. Their shares are reduced
+    together with the job-wide verdict over ``intra_dist_opt``
+    (:func:`~pgregistry.grad_stats._functional.verdict_groups`), then every grad is scaled by the
+    one coefficient."""
     check_max_norm(max_norm)  # before any collective
     verdict = verdict_groups(optimizers[0].stats_groups.collection, "clip_grad_norm")
     reduced = statistics_of(optimizers, Wanted.of(norm_type, zeros=False), verdict=verdict)

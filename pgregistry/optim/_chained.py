@@ -64,6 +64,7 @@ class ChainedOptimizer(OptimizerStatistics):
         return len(self.stats_reduce_groups()) == 1
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        """The children: the statistics read, and clipping scales, the grads of every one."""
         return self.chained_optimizers
 
     @property
@@ -77,10 +78,12 @@ class ChainedOptimizer(OptimizerStatistics):
             child.sync_grads()
 
     def step(self) -> None:
+        """Step every child, in order."""
         for child in self.chained_optimizers:
             child.step()
 
     def zero_grad(self) -> None:
+        """Zero the grads of every child."""
         for child in self.chained_optimizers:
             child.zero_grad()
 
@@ -89,8 +92,10 @@ class ChainedOptimizer(OptimizerStatistics):
         return {"children": [child.state_dict() for child in self.chained_optimizers]}
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict_faults`, each prefixed
-        with the child's index, or a count of children that differs. Local; changes nothing."""
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict``, by child.
+
+        Every child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict_faults`, each prefixed with
+        the child's index, or a count of children that differs. Local; changes nothing."""
         children = state_dict.get("children") if isinstance(state_dict, Mapping) else None
         if not isinstance(children, Sequence):
             return ["it is no {'children': [...]} dict (ChainedOptimizer.state_dict output)"]
@@ -108,8 +113,9 @@ class ChainedOptimizer(OptimizerStatistics):
         ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output into every child. Strict, every child checked before
-        any loads: a fault in any child's state (:meth:`state_dict_faults`) is a ``ValueError`` and
+        """Restore :meth:`state_dict` output into every child, every child checked before any loads.
+
+        Strict: a fault in any child's state (:meth:`state_dict_faults`) is a ``ValueError`` and
         leaves every child as it was (a later child's refusal used to leave the first ones loaded).
         The check is local; where a child's load is collective (a sharded child's all-gather) the
         ranks agree on it first over the children's
@@ -151,9 +157,10 @@ class ChainedOptimizer(OptimizerStatistics):
         ]
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Each child restores the state of its own parameters from ``state``; strict as
-        :meth:`load_state_dict`: every child is checked, and the ranks of :meth:`load_groups` agree,
-        before any child loads."""
+        """Each child restores the state of its own parameters from ``state``.
+
+        Strict as :meth:`load_state_dict`: every child is checked, and the ranks of
+        :meth:`load_groups` agree, before any child loads."""
         refuse_agreed(
             "ChainedOptimizer.load_param_state", self.param_state_faults(state), self.load_groups()
         )

@@ -19,8 +19,9 @@ __all__ = ["Copy", "write_copies"]
 
 @attrs.frozen(slots=True, eq=False)
 class Copy:
-    """After every step, ``out`` (a contiguous 1-d tensor, of any floating dtype) holds ``flat[start
-    : start + out.numel()]`` rounded to its dtype."""
+    """After every step, ``out`` holds ``flat[start : start + out.numel()]`` rounded to its dtype.
+
+    ``out`` is a contiguous 1-d tensor, of any floating dtype."""
 
     start: int
     out: torch.Tensor

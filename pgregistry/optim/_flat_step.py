@@ -57,8 +57,10 @@ def _as_dict(value: Mapping[str, Any]) -> dict[str, Any]:
 
 @attrs.frozen(slots=True)
 class ElementwiseRule:
-    """An elementwise torch update rule and its hyperparameters; called over the tensors to step,
-    like any :data:`~pgregistry.optim.InnerFactory`.
+    """An elementwise torch update rule and its hyperparameters.
+
+    Called over the tensors to step, like any :data:`~pgregistry.optim.InnerFactory`, it returns a
+    torch optimizer over them.
 
     Passing one (``inner_factory`` returns one) lets the optimizers step their flat main buffer as
     one tensor (:class:`FlatStep`) when it is float32 or float64; any other factory steps one tensor
@@ -85,8 +87,10 @@ class ElementwiseRule:
 
     @property
     def chooses_implementation(self) -> bool:
-        """Whether the rule, not its hyperparameters, picks the implementation (no ``fused`` or
-        ``foreach`` given): a caller who names torch's implementation gets it."""
+        """Whether the rule, not its hyperparameters, picks the implementation.
+
+        It does when no ``fused`` or ``foreach`` is given: a caller who names torch's implementation
+        gets it."""
         return "fused" not in self.hyperparameters and "foreach" not in self.hyperparameters
 
     def __call__(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -109,9 +113,10 @@ class _Slot:
 
 
 class FlatStep:
-    """Steps ``flat`` (whose ``.grad`` is the flat grad buffer) with ``rule`` and writes its
-    ``copies``; the state reads as if each of ``mains`` (the views ``flat[start : start +
-    numel].view(shape)``, ``start`` from ``starts``) were stepped alone.
+    """Steps ``flat`` by ``rule``, writes ``copies``; the state reads as if each main stepped alone.
+
+    ``flat.grad`` is the flat grad buffer; each of ``mains`` is the view ``flat[start : start +
+    numel].view(shape)``, ``start`` from ``starts``.
 
     One optimizer call over the whole buffer instead of one per parameter, with a checkpoint that
     still numbers the state per parameter, as torch would. The interface is the part of
@@ -178,8 +183,9 @@ class FlatStep:
 
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Main param -> its state, like ``torch.optim.Optimizer.state`` (elementwise values are
-        views of the flat state); empty before the first step."""
+        """Main param -> its state, like torch's ``Optimizer.state``; empty before the first step.
+
+        Elementwise values are views of the flat state."""
         flat_state = self.optimizer.state.get(self.flat)
         if not flat_state:
             return {}
@@ -190,11 +196,14 @@ class FlatStep:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups of the torch optimizer stepping ``flat`` (set ``lr`` there)."""
         return self.optimizer.param_groups
 
     def step(self) -> None:
-        """Step, then write the copies: one kernel where the fused step takes this rule and state
-        (the copies it leaves after it), else torch's step and every copy."""
+        """Step, then write the copies.
+
+        One kernel where the fused step takes this rule and state (the copies it leaves after it),
+        else torch's step and every copy."""
         if self._fused is not None and self._fused.step(self.optimizer):
             write_copies(self.flat, self._fused.unfused)
             return
@@ -202,9 +211,10 @@ class FlatStep:
         write_copies(self.flat, self.copies)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {index: {key: value}}, "param_groups": [...]}`` numbered like a step over the
-        main params: elementwise state is a view shaped like its parameter, per-parameter state
-        (``step``) shared."""
+        """The state dict, numbered like a torch step over the main params.
+
+        ``{"state": {index: {key: value}}, "param_groups": [...]}``: elementwise state is a view
+        shaped like its parameter, per-parameter state (``step``) shared."""
         inner = self.optimizer.state_dict()
         flat_state = inner["state"].get(0)
         state = {}
@@ -229,10 +239,11 @@ class FlatStep:
         return isinstance(value, torch.Tensor) and value.shape == self.flat.shape
 
     def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]:
-        """What keeps :meth:`load_state_dict` from holding ``state_dict`` (empty: it loads), found
-        without copying anything: one param group of the main params; the same state keys for every
-        parameter (or none for all); one value of each per-parameter key; elementwise state with
-        each parameter's number of elements."""
+        """What keeps :meth:`load_state_dict` from holding ``state_dict`` (empty: it loads).
+
+        Found without copying anything: one param group of the main params; the same state keys for
+        every parameter (or none for all); one value of each per-parameter key; elementwise state
+        with each parameter's number of elements."""
         groups = state_dict["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self._slots):
             sizes = [len(group["params"]) for group in groups]
@@ -275,9 +286,10 @@ class FlatStep:
         return faults
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (or a per-tensor optimizer's over the same main
-        params): the elementwise state of each parameter is copied into one flat tensor per key, the
-        padding zero. A state dict with :meth:`state_dict_faults` is refused (``ValueError``) before
+        """Restore :meth:`state_dict` output, or a per-tensor optimizer's of the same main params.
+
+        The elementwise state of each parameter is copied into one flat tensor per key, the padding
+        zero. A state dict with :meth:`state_dict_faults` is refused (``ValueError``) before
         anything changes. Local: no collective."""
         refuse_faults("FlatStep.load_state_dict", self.state_dict_faults(state_dict))
         groups = state_dict["param_groups"]

@@ -100,9 +100,10 @@ def _import_kernels() -> ModuleType | None:
 
 
 def can_run_fused_step(device: torch.device) -> bool:
-    """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch there
-    (once per device and process) that compiled and gave the exact result of a small Adam step (see
-    :mod:`pgregistry._runtime.optional_kernels`)."""
+    """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch passed.
+
+    The first launch (once per device and process) must have compiled and given the exact result of
+    a small Adam step (see :mod:`pgregistry._runtime.optional_kernels`)."""
     if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))
@@ -127,8 +128,10 @@ def _works_on(index: int) -> bool:
 
 
 def _probe_every_launch(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
-    """One Adam step (betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact) of ones
-    with grads ±4 and ±2, copied to bf16: every param moves by 0.5 against its grad."""
+    """One exactly known Adam step of ones with grads ±4 and ±2, copied to bf16.
+
+    Betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact; every param moves by 0.5
+    against its grad."""
     flat = torch.nn.Parameter(torch.ones(8, device=device))
     flat.grad = torch.tensor([4.0, -4.0, 2.0, -2.0] * 2, device=device)
     out = torch.zeros(8, dtype=torch.bfloat16, device=device)
@@ -139,8 +142,10 @@ def _probe_every_launch(device: torch.device) -> tuple[tuple[float, ...], tuple[
 
 
 def kernel_can_step(flat: torch.Tensor) -> bool:
-    """Whether ``flat`` can be stepped by the kernel: contiguous float32 of a positive multiple of
-    :data:`VEC` elements, on a device where :func:`can_run_fused_step`."""
+    """Whether the kernel can step ``flat``.
+
+    It must be contiguous float32 of a positive multiple of :data:`VEC` elements, on a device where
+    :func:`can_run_fused_step`."""
     return (
         flat.dtype == torch.float32
         and flat.is_contiguous()
@@ -152,9 +157,10 @@ def kernel_can_step(flat: torch.Tensor) -> bool:
 
 @attrs.frozen(slots=True, eq=False)
 class _CopyPlan:
-    """The copies the kernel writes (``written``), addressed from ``out`` through ``table`` (one
-    ``[out_first, lo, hi]`` row per block, on the device; ``None`` for both when it writes none),
-    and those it leaves."""
+    """The copies the kernel writes (``written``), addressed through ``table``, and those it leaves.
+
+    ``written`` is addressed from ``out`` through ``table`` (one ``[out_first, lo, hi]`` row per
+    block, on the device; ``None`` for both when it writes none)."""
 
     out: torch.Tensor | None
     table: torch.Tensor | None
@@ -163,8 +169,9 @@ class _CopyPlan:
 
 
 def _plan_copies(flat: torch.Tensor, copies: Sequence[Copy], block: int) -> _CopyPlan:
-    """Which of ``copies`` the kernel writes (see the module docstring) and its table, one row per
-    ``block`` elements, built once: the copies' places never change (the optimizers refuse a
+    """Which of ``copies`` the kernel writes and its table, one row per ``block`` elements.
+
+    See the module docstring. Built once: the copies' places never change (the optimizers refuse a
     parameter whose data moved)."""
     candidates = [
         c
@@ -206,15 +213,17 @@ def _as_float32_pair(value: float) -> tuple[float, float]:
 
 
 def _are_plain_numbers(*values: object) -> bool:
-    """Whether ``values`` are plain numbers (the kernel takes them as arguments; a tensor ``lr`` or
-    betas keep torch's step)."""
+    """Whether ``values`` are plain numbers, which the kernel takes as arguments.
+
+    A tensor ``lr`` or betas keep torch's step."""
     return all(isinstance(value, (int, float)) for value in values)
 
 
 class FusedStep:
-    """Steps ``flat`` (a contiguous float32 tensor whose ``.grad`` is its float32 grad) with the
-    rule of a torch optimizer over it, in one kernel, and writes the ``copies`` it can
-    (:attr:`unfused`: the others).
+    """Steps ``flat`` with the rule of a torch optimizer over it, in one kernel, and writes copies.
+
+    ``flat`` is a contiguous float32 tensor whose ``.grad`` is its float32 grad. It writes the
+    ``copies`` it can (:attr:`unfused`: the others).
 
     ``block``, ``iters`` and ``warps`` shape the programs (tests use small ones to get many programs
     and blocks over few elements; ``benchmarks/optimizer_step.py --configs`` times others).
@@ -240,9 +249,10 @@ class FusedStep:
         return self._plan.unfused
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """One step of ``optimizer``'s rule (its param group and state) in one kernel, copies
-        written; ``False``, with nothing touched, where the rule or its state is not one the kernel
-        runs (the caller steps with torch)."""
+        """One step of ``optimizer``'s rule in one kernel, copies written; ``False`` if it can't.
+
+        The rule is the optimizer's param group and state. ``False``, with nothing touched, where
+        the rule or its state is not one the kernel runs (the caller steps with torch)."""
         grad = self.flat.grad
         if grad is None or not self._can_run_kernel(optimizer, grad):
             return False
@@ -252,8 +262,10 @@ class FusedStep:
         return self._step_adam(optimizer, group, grad)
 
     def _can_run_kernel(self, optimizer: torch.optim.Optimizer, grad: torch.Tensor) -> bool:
-        """Whether ``optimizer`` is one rule over this flat tensor alone, with a grad the kernel
-        reads, no grad scaler and none of the options the kernel does not have."""
+        """Whether ``optimizer`` is one rule over this flat tensor alone that the kernel runs.
+
+        With a grad the kernel reads, no grad scaler and none of the options the kernel does not
+        have."""
         groups = optimizer.param_groups
         return (
             type(optimizer) in _RULES
@@ -374,9 +386,10 @@ class FusedStep:
         *,
         written: list[torch.Tensor],
     ) -> None:
-        """Launch ``kernel`` over ``tensors`` (then the copy target, the table, the length),
-        ``scalars`` and ``flags``, and tell autograd that ``written`` and the copies' target changed
-        in place, as a torch step would."""
+        """Launch ``kernel`` and tell autograd what it changed in place, as a torch step would.
+
+        Over ``tensors`` (then the copy target, the table, the length), ``scalars`` and ``flags``;
+        ``written`` and the copies' target are marked changed in place."""
         kernels = _import_kernels()
         if kernels is None:
             raise RuntimeError(
@@ -406,8 +419,9 @@ class FusedStep:
 
 
 def _device_count(step: object, device: torch.device) -> bool:
-    """Whether ``step`` is a step count the kernel reads: a one-element float32 tensor on ``device``
-    (torch's fused optimizers keep it so)."""
+    """Whether ``step`` is a step count the kernel reads.
+
+    A one-element float32 tensor on ``device`` (torch's fused optimizers keep it so)."""
     return (
         isinstance(step, torch.Tensor)
         and step.dtype == torch.float32

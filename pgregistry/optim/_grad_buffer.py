@@ -99,9 +99,10 @@ ZERO_COUNT_ROW = 1 << 24
 
 @attrs.frozen(slots=True, eq=False)
 class Span:
-    """``data[start:stop]`` holds grads of one class: counted or not counted here, and the group
-    their counted copies are reduced over (``group``; an uncounted span's NaN or inf is reduced over
-    it too)."""
+    """``data[start:stop]`` holds grads of one class: counted here or not, and their ``group``.
+
+    The group is the one their counted copies are reduced over; an uncounted span's NaN or inf is
+    reduced over it too."""
 
     group: ProcessGroup | None
     counted: bool
@@ -123,8 +124,10 @@ def class_spans(
     *,
     reduce_over: ProcessGroup | None | Unset = UNSET,
 ) -> tuple[Span, ...]:
-    """Spans of ``entries`` (``(role tensor, start, stop)`` in increasing, non-overlapping order),
-    classified by the role tensor's attributes; adjacent entries of one class merge into one span.
+    """Spans of ``entries``, classified by the role tensor's attributes.
+
+    ``entries`` are ``(role tensor, start, stop)`` in increasing, non-overlapping order; adjacent
+    entries of one class merge into one span.
 
     ``reduce_over`` replaces the reduction group of every span (a sharded optimizer reduces over its
     whole instance). Classification happens here, once; callers keep the spans.
@@ -237,9 +240,10 @@ class GradBuffer:
         return reduce_shares(shares)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of the counted grads, reduced over each span's group (0-dim, float64 for a
-        float64 buffer, else float32; no host sync); NaN or infinite when any grad is, uncounted
-        ones too."""
+        """The norm of the counted grads, reduced over each span's group.
+
+        0-dim, float64 for a float64 buffer, else float32; no host sync. NaN or infinite when any
+        grad is, uncounted ones too."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -261,9 +265,10 @@ class GradBuffer:
 def span_shares(
     data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, one_read: bool | None = None
 ) -> None:
-    """Add one part per counted span of ``data`` to ``shares``, under the span's group, and, when a
-    norm is wanted, one seen part per uncounted span (its NaN or inf only: the verdict covers every
-    grad this rank holds).
+    """Add one part per counted span of ``data`` to ``shares``, under the span's group.
+
+    When a norm is wanted, also one seen part per uncounted span (its NaN or inf only: the verdict
+    covers every grad this rank holds).
 
     ``one_read`` (default: where it applies, i.e. the 2-norm or the zero count alone of
     float32/bf16/fp16 ``data`` on CUDA with triton importable) reads each span once for both
@@ -303,8 +308,9 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
-    """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64; see
-    the module docstring."""
+    """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64.
+
+    See the module docstring."""
     infinite = math.isinf(p)
     if view.device.type == "cuda":
         norm = torch.linalg.vector_norm(view, p, dtype=_float_dtype(view.dtype)).to(torch.float64)
@@ -331,10 +337,11 @@ def _count_nonzero(view: torch.Tensor) -> torch.Tensor:
 
 
 def count_nonzero_by_rows(view: torch.Tensor, row: int) -> torch.Tensor:
-    """Non-zero elements of a 1-D contiguous ``view``: ``vector_norm(ord=0)`` over rows of at most
-    ``row`` elements (exact in float32 for rows up to 2**24), row counts summed in float64. Two
-    reductions whatever the length, and only the per-row outputs are allocated (on CUDA, bf16/fp16
-    are cast inside the kernel)."""
+    """Non-zero elements of a 1-D contiguous ``view``, counted over rows of at most ``row``.
+
+    ``vector_norm(ord=0)`` over rows of at most ``row`` elements (exact in float32 for rows up to
+    2**24), row counts summed in float64. Two reductions whatever the length, and only the per-row
+    outputs are allocated (on CUDA, bf16/fp16 are cast inside the kernel)."""
     acc = _float_dtype(view.dtype)
     rows = view.numel() // row
     bulk = rows * row
@@ -354,9 +361,10 @@ def all_reduce_grads_(
     divide_by: int = 1,
     bucket_numel: int | None = None,
 ) -> None:
-    """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``: one
-    collective per bucket of at most ``bucket_numel`` elements (default: one bucket), never one per
-    tensor; none when the group is off. Dividing first (as Megatron-Core does) keeps the sum in
+    """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``.
+
+    One collective per bucket of at most ``bucket_numel`` elements (default: one bucket), never one
+    per tensor; none when the group is off. Dividing first (as Megatron-Core does) keeps the sum in
     range; ``divide_by=size(group)`` averages."""
     _divide_buffer(buffer, divide_by)
     if (
@@ -373,9 +381,10 @@ def all_reduce_grads_(
 def reduce_scatter_grads_(
     buffer: GradBuffer, group: ProcessGroup | None, *, divide_by: int = 1
 ) -> tuple[int, int]:
-    """Divide :attr:`GradBuffer.data` by ``divide_by``, then reduce-scatter it over ``group`` in
-    place (SUM, one collective): afterwards this rank's shard, returned as ``[start, stop)``, holds
-    its reduced grads and the rest of the buffer is stale."""
+    """Divide :attr:`GradBuffer.data` by ``divide_by``, then reduce-scatter it over ``group``.
+
+    In place (SUM, one collective): afterwards this rank's shard, returned as ``[start, stop)``,
+    holds its reduced grads and the rest of the buffer is stale."""
     start, stop = buffer.shard_range(group)
     _divide_buffer(buffer, divide_by)
     if group_size(group) == 1 or buffer.numel == 0:

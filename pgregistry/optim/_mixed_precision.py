@@ -128,8 +128,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._make_inner(inner, self.main_data, self.main_params, self.buffer.offsets, self._copies)
 
     def sync_grads(self) -> None:
-        """Divide the grads by :attr:`grad_divisor` and all-reduce them over
-        :attr:`grad_sync_group`, one collective per bucket."""
+        """All-reduce the grads, divided by :attr:`grad_divisor`, over :attr:`grad_sync_group`.
+
+        One collective per bucket."""
         self._check_attached()
         all_reduce_grads_(
             self.buffer,
@@ -140,9 +141,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the main params and copy them (rounded) into the model parameters: a flat step
-        writes the copies itself (on CUDA in its kernel); after any other inner optimizer, one copy
-        per run."""
+        """Step the main params and copy them (rounded) into the model parameters.
+
+        A flat step writes the copies itself (on CUDA in its kernel); after any other inner
+        optimizer, one copy per run."""
         if self.inner is not None:
             self.inner.step()
         if not isinstance(self.inner, FlatStep):
@@ -168,7 +170,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         }
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Main copies missing, extra or of another shape or dtype, and the inner state's faults
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict``.
+
+        Main copies missing, extra or of another shape or dtype, and the inner state's faults
         (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local."""
         if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
             return [
@@ -230,7 +234,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return tuple(groups)
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Saved main copies of another shape than their parameter's (or no tensor), and the inner
+        """Every reason :meth:`load_param_state` would refuse ``state``.
+
+        Saved main copies of another shape than their parameter's (or no tensor), and the inner
         state's faults (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local."""
         faults = [
             fault
@@ -273,10 +279,11 @@ def _pack_low_precision(
     offsets: Sequence[int],
     move_data: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> list[Copy]:
-    """Move (``move_data``) the data of every parameter that has a main copy into one flat tensor
-    per (dtype, device), in the order of the main buffer, so that the copy back is one copy per run
-    of consecutive parameters of one kind (one per dtype for a model of bf16 parameters) instead of
-    one per parameter: each run's packed data receives its main copies' span of the flat main
+    """Move the data of every parameter with a main copy into one flat tensor per (dtype, device).
+
+    Moved with ``move_data``, in the order of the main buffer, so that the copy back is one copy per
+    run of consecutive parameters of one kind (one per dtype for a model of bf16 parameters) instead
+    of one per parameter: each run's packed data receives its main copies' span of the flat main
     buffer, padding between them included."""
     runs: list[
         tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]

@@ -60,10 +60,11 @@ class ParamStateOptimizer(Protocol):
         ...
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore the state of each parameter from ``state`` (whole values, as :meth:`param_state`
-        returns them; a parameter without an entry gets an empty state). Call it after the model
-        parameters are loaded: a main copy without a saved ``main_param`` is taken from its
-        parameter. Collective for a sharded optimizer."""
+        """Restore each parameter's whole state from ``state``, as :meth:`param_state` returns it.
+
+        A parameter without an entry gets an empty state. Call it after the model parameters are
+        loaded: a main copy without a saved ``main_param`` is taken from its parameter. Collective
+        for a sharded optimizer."""
         ...
 
 
@@ -86,13 +87,16 @@ class TorchOptimizerState:
         load_inner_state(self.optimizer, self._inner_params(), state)
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """None: torch's ``load_state_dict`` refuses nothing of a state dict numbered like its own
-        (it casts, and an optimizer of another rule may keep state of any shape)."""
+        """None: torch's ``load_state_dict`` refuses nothing of a state dict numbered like its own.
+
+        It casts, and an optimizer of another rule may keep state of any shape."""
         return []
 
 
 class StateDictOptimizer(Protocol):
-    """What :func:`load_inner_state` needs: a ``torch.optim.Optimizer``, or a pgregistry flat step
+    """What :func:`load_inner_state` needs: an optimizer whose state dict numbers the main params.
+
+    A ``torch.optim.Optimizer``, or a pgregistry flat step
     (:class:`~pgregistry.optim._flat_step.FlatStep`), whose state dict numbers the main params
     alike."""
 
@@ -108,8 +112,10 @@ def load_inner_state(
     *,
     rename: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Load ``state`` into ``optimizer`` through ``load_state_dict`` (which casts floating state to
-    each tensor's dtype and device): :func:`inner_state_dict`'s state dict, its values copied."""
+    """Load ``state`` into ``optimizer`` through ``load_state_dict``.
+
+    ``load_state_dict`` casts floating state to each tensor's dtype and device; it gets
+    :func:`inner_state_dict`'s state dict, its values copied."""
     optimizer.load_state_dict(inner_state_dict(optimizer, keys, state, rename=rename, copied=True))
 
 
@@ -121,8 +127,9 @@ def inner_state_dict(
     rename: Mapping[torch.Tensor, torch.Tensor] | None = None,
     copied: bool = False,
 ) -> dict[str, Any]:
-    """The state dict of ``optimizer`` holding ``state``, as :func:`load_inner_state` loads it (and
-    a check reads it first, ``copied=False``: the values themselves). ``keys`` are the tensors
+    """The state dict of ``optimizer`` holding ``state``, as :func:`load_inner_state` loads it.
+
+    A check reads it first (``copied=False``: the values themselves). ``keys`` are the tensors
     ``optimizer`` steps, in ``param_groups`` order; ``rename`` maps one to the key of its entry in
     ``state`` (a main copy to its model parameter). ``main_param`` is left out."""
     current = optimizer.state_dict()
@@ -147,10 +154,11 @@ def _clone_if_tensor(value: Any) -> Any:
 def param_state_faults(
     optimizer: ParamStateOptimizer, state: Mapping[torch.Tensor, Mapping[str, Any]]
 ) -> list[str]:
-    """Every reason ``optimizer``'s ``load_param_state`` would refuse ``state``, found without
-    changing anything: its ``param_state_faults`` (every pgregistry optimizer has one), else none
-    (an optimizer of another library, whose load is its own). A collective load agrees on them
-    before any rank loads (:mod:`pgregistry.checkpoint`)."""
+    """Every reason ``optimizer``'s ``load_param_state`` would refuse ``state``.
+
+    Found without changing anything: its ``param_state_faults`` (every pgregistry optimizer has
+    one), else none (an optimizer of another library, whose load is its own). A collective load
+    agrees on them before any rank loads (:mod:`pgregistry.checkpoint`)."""
     check = getattr(optimizer, "param_state_faults", None)
     return list(check(state)) if check is not None else []
 

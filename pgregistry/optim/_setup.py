@@ -139,8 +139,9 @@ def optimizer_collection(
     owner: str,
     collective: bool = True,
 ) -> ProcessGroupCollection:
-    """The collection an optimizer over ``params`` runs on, resolved at the door, with the
-    grad-statistics fields the model needs filled
+    """The collection an optimizer over ``params`` runs on, resolved at the door.
+
+    The grad-statistics fields the model needs are filled
     (:func:`pgregistry._runtime.resolve.fill_unset_fields`).
 
     The expert fields are needed when the model holds an expert parameter or an unclassified
@@ -274,7 +275,9 @@ def _context_parallel_size(
 
 
 def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
-    """``ValueError`` on every rank of ``intra_dist_opt`` and of ``mp`` when, on any of them,
+    """Refuse an ``intra_dist_opt`` that lacks a rank of this rank's statistics groups.
+
+    ``ValueError`` on every rank of ``intra_dist_opt`` and of ``mp`` when, on any of them,
     ``intra_dist_opt`` lacks a rank of this rank's statistics groups (``mp``, the expert
     model-parallel group).
 

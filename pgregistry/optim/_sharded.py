@@ -164,8 +164,9 @@ class ShardedOptimizer(FlatOptimizer):
         )
 
     def _make_pieces(self) -> list[_Piece]:
-        """Each parameter's part of the shard, with its main copy: a view of :attr:`main_shard`
-        carrying the parameter's roles."""
+        """Each parameter's part of the shard, with its main copy.
+
+        The main copy is a view of :attr:`main_shard` carrying the parameter's roles."""
         start, stop = self.shard
         pieces = []
         for param, offset in zip(self.params, self.buffer.offsets, strict=True):
@@ -180,19 +181,22 @@ class ShardedOptimizer(FlatOptimizer):
         return sorted(pieces, key=lambda piece: piece.start)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
+        """This rank's shard of the grad buffer, the grads :meth:`step` reads."""
         start, stop = self.shard
         return [self.buffer.data[start:stop]]
 
     def sync_grads(self) -> None:
-        """Divide the grads by :attr:`grad_divisor` and reduce-scatter them over
-        :attr:`shard_group`: one collective, this rank keeps its shard."""
+        """Reduce-scatter the grads, divided by :attr:`grad_divisor`, over :attr:`shard_group`.
+
+        One collective; this rank keeps its shard."""
         self._check_attached()
         reduce_scatter_grads_(self.buffer, self.shard_group, divide_by=self.grad_divisor)
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the shard's main copies, write them into the parameter buffer (a flat step writes
-        them itself, on CUDA in its kernel) and all-gather it."""
+        """Step the shard's main copies, write them into the parameter buffer and all-gather it.
+
+        A flat step writes them into the buffer itself, on CUDA in its kernel."""
         if self.inner is not None:
             self.inner.step()
         if isinstance(self.inner, FlatStep):
@@ -236,14 +240,17 @@ class ShardedOptimizer(FlatOptimizer):
         return {"param_groups": inner["param_groups"], "shards": shards}
 
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The whole instance (``intra_dist_opt``, the group of the statistics): every rank of it
-        refuses a load when one does (one small all-reduce), instead of leaving the others waiting
-        in the load's all-gather."""
+        """The whole instance (``intra_dist_opt``, the group of the statistics).
+
+        Every rank of it refuses a load when one does (one small all-reduce), instead of leaving the
+        others waiting in the load's all-gather."""
         return self.stats_reduce_groups()[:1]
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the
-        inner state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local:
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict`` on this rank.
+
+        This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the inner
+        state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local:
         :meth:`load_state_dict` agrees on them over :meth:`load_groups`."""
         if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
             return [
@@ -289,9 +296,10 @@ class ShardedOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore checked :meth:`state_dict` output saved with the same sharding. Collective over
-        :attr:`shard_group` (the restored shards are all-gathered into the model). State saved under
-        another layout (EP, PP or data-parallel size) is cut for this one by
+        """Restore checked :meth:`state_dict` output saved with the same sharding.
+
+        Collective over :attr:`shard_group` (the restored shards are all-gathered into the model).
+        State saved under another layout (EP, PP or data-parallel size) is cut for this one by
         :func:`pgregistry.checkpoint.load_optimizer_shards`."""
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
@@ -309,11 +317,13 @@ class ShardedOptimizer(FlatOptimizer):
     # ---------------------------------------------------------------------------------- whole state
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its whole state, gathered from the pieces of every rank of
-        :attr:`shard_group` (collective: one all-gather of the state's description, one all-reduce
-        per elementwise state key and one for the main copies). Elementwise state (Adam's moments)
-        comes back shaped like the parameter; other values (Adam's ``step``) are those of any piece.
-        ``main_param`` is present when the main copies' dtype differs from the parameters'."""
+        """Model parameter -> its whole state, gathered from every rank of :attr:`shard_group`.
+
+        Collective, from the pieces on every rank: one all-gather of the state's description, one
+        all-reduce per elementwise state key and one for the main copies. Elementwise state (Adam's
+        moments) comes back shaped like the parameter; other values (Adam's ``step``) are those of
+        any piece. ``main_param`` is present when the main copies' dtype differs from the
+        parameters'."""
         inner = self.inner.state if self.inner is not None else {}
         index = {id(param): i for i, param in enumerate(self.params)}
         described: dict[
@@ -379,8 +389,10 @@ class ShardedOptimizer(FlatOptimizer):
         return flat
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Saved main copies of another shape than their parameter's (or no tensor), and the faults
-        of the inner state cut for this rank's pieces
+        """Every reason :meth:`load_param_state` would refuse ``state`` on this rank.
+
+        Saved main copies of another shape than their parameter's (or no tensor), and the faults of
+        the inner state cut for this rank's pieces
         (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local:
         :meth:`load_param_state` agrees on them over :meth:`load_groups`."""
         faults = [
@@ -400,9 +412,11 @@ class ShardedOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Cut this rank's pieces from whole :meth:`param_state` output of any layout, restore them
-        and gather the parameters (collective over :attr:`shard_group`). A main copy without a saved
-        ``main_param`` is taken from its parameter, so load the parameters first."""
+        """Restore this rank's pieces of whole :meth:`param_state` output of any layout.
+
+        The pieces are cut from it, restored, and the parameters gathered (collective over
+        :attr:`shard_group`). A main copy without a saved ``main_param`` is taken from its
+        parameter, so load the parameters first."""
         for piece in self._pieces:
             saved = state.get(piece.param, {}).get(MAIN_PARAM, piece.param)
             piece.main.copy_(
@@ -417,8 +431,10 @@ class ShardedOptimizer(FlatOptimizer):
     def _state_of_pieces(
         self, state: Mapping[torch.Tensor, Mapping[str, Any]]
     ) -> dict[torch.Tensor, ParamState]:
-        """The state of each of this rank's pieces (keyed by its main copy): elementwise values of
-        the whole parameter cut for the piece, others as they are; ``main_param`` left out."""
+        """The state of each of this rank's pieces, keyed by its main copy.
+
+        Elementwise values of the whole parameter cut for the piece, others as they are;
+        ``main_param`` left out."""
         pieces: dict[torch.Tensor, ParamState] = {}
         for piece in self._pieces:
             cut = slice(piece.offset, piece.offset + piece.stop - piece.start)

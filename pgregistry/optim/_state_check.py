@@ -46,9 +46,10 @@ _SHOWN: Final = 3
 
 
 def refuse_faults(subject: str, faults: Sequence[str]) -> None:
-    """``ValueError`` from ``subject`` (the method refusing) giving the count and the first few
-    ``faults``, and (in a distributed world) this rank, which the other ranks' refusals name too
-    (:func:`refuse_agreed`); nothing when there are none."""
+    """``ValueError`` from ``subject`` giving the count and the first few ``faults``, if any.
+
+    ``subject`` is the method refusing. In a distributed world the message names this rank, which
+    the other ranks' refusals name too (:func:`refuse_agreed`); nothing when there are no faults."""
     if not faults:
         return
     shown = "; ".join(faults[:_SHOWN]) + ("; ..." if len(faults) > _SHOWN else "")
@@ -63,11 +64,12 @@ def refuse_faults(subject: str, faults: Sequence[str]) -> None:
 def refuse_agreed(
     subject: str, faults: Sequence[str], groups: Sequence[ProcessGroup | None]
 ) -> None:
-    """:func:`refuse_faults` on every rank of ``groups`` alike: one MAX all-reduce of a flag per
-    rank over each group of more than one rank (``None``: an axis that is off;
-    :func:`~pgregistry._runtime.agreement.faulty_ranks`), then the ranks with ``faults`` raise them,
-    naming themselves, and the others raise naming those ranks; nothing when no rank has any.
-    Collective: every rank of ``groups`` calls it, before any of them loads."""
+    """:func:`refuse_faults` on every rank of ``groups`` alike, before any of them loads.
+
+    One MAX all-reduce of a flag per rank over each group of more than one rank (``None``: an axis
+    that is off; :func:`~pgregistry._runtime.agreement.faulty_ranks`), then the ranks with
+    ``faults`` raise them, naming themselves, and the others raise naming those ranks; nothing when
+    no rank has any. Collective: every rank of ``groups`` calls it, before any of them loads."""
     faulty = faulty_ranks(bool(faults), groups)
     refuse_faults(subject, faults)
     if faulty:
@@ -89,15 +91,17 @@ def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) 
 
 
 def first_few_quoted(names: Iterable[str], shown: int = _SHOWN) -> str:
-    """The first ``shown`` of ``names`` in sorted order, quoted (``, ...`` after them when there are
-    more)."""
+    """The first ``shown`` of ``names`` in sorted order, quoted.
+
+    ``, ...`` follows them when there are more."""
     listed = sorted(names)
     return ", ".join(map(repr, listed[:shown])) + (", ..." if len(listed) > shown else "")
 
 
 def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = False) -> list[str]:
-    """Why ``value`` (saved as ``what``) cannot be copied into ``like`` unchanged: no tensor,
-    another shape or (unless ``cast``: the load casts) another dtype."""
+    """Why ``value`` (saved as ``what``) cannot be copied into ``like`` unchanged.
+
+    No tensor, another shape or (unless ``cast``: the load casts) another dtype."""
     if not isinstance(value, torch.Tensor):
         return [f"{what} is a {type(value).__name__}, not a tensor"]
     if value.shape != like.shape:
@@ -108,9 +112,10 @@ def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = Fal
 
 
 class ChecksItsStateDict(Protocol):
-    """What the check needs of an inner optimizer that is no ``torch.optim.Optimizer`` (a
-    :class:`~pgregistry.optim.FlatStep`): the faults of a state dict by its own rules. A protocol,
-    so this module needs nothing of the flat step, which itself refuses a load through
+    """What the check needs of an inner optimizer that is no ``torch.optim.Optimizer``.
+
+    That is a :class:`~pgregistry.optim.FlatStep`: the faults of a state dict by its own rules. A
+    protocol, so this module needs nothing of the flat step, which itself refuses a load through
     :func:`refuse_faults`."""
 
     def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]: ...
@@ -122,10 +127,12 @@ def inner_state_faults(
     tensors: Sequence[torch.Tensor],
     names: Sequence[str],
 ) -> list[str]:
-    """The faults of ``state_dict`` for ``inner`` (a flat step, or a torch optimizer), which steps
-    ``tensors`` (named ``names``) in its state dict's order: param groups of another size, state of
-    no listed parameter, state for some parameters only, and elementwise state (a tensor of one
-    dimension or more) of another shape or dtype than its tensor's."""
+    """The faults of ``state_dict`` for ``inner`` (a flat step, or a torch optimizer).
+
+    ``inner`` steps ``tensors`` (named ``names``) in its state dict's order. The faults: param
+    groups of another size, state of no listed parameter, state for some parameters only, and
+    elementwise state (a tensor of one dimension or more) of another shape or dtype than its
+    tensor's."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         return ["its inner state is no {'state': ..., 'param_groups': ...} dict"]
     sizes = [len(group["params"]) for group in state_dict["param_groups"]]
@@ -162,9 +169,10 @@ def inner_param_state_faults(
     tensors: Sequence[torch.Tensor],
     names: Sequence[str],
 ) -> list[str]:
-    """The faults of ``state_dict`` (:func:`~pgregistry.optim._param_state.inner_state_dict` of
-    whole parameter state, as ``load_param_state`` loads it) for ``inner``, which steps ``tensors``
-    (named ``names``): a flat step's own rules
+    """The faults of whole parameter state ``state_dict`` for ``inner``, as a load of it sees them.
+
+    ``state_dict`` is :func:`~pgregistry.optim._param_state.inner_state_dict` of whole parameter
+    state; ``inner`` steps ``tensors`` (named ``names``). The faults: a flat step's own rules
     (:meth:`~pgregistry.optim.FlatStep.state_dict_faults`), and elementwise state (a tensor of one
     dimension or more) of another shape than its tensor's. Not its dtype (the load casts), nor state
     saved for some parameters only (``strict=False`` of a checkpoint gives the others none)."""
@@ -184,8 +192,10 @@ def _elementwise_faults(
     *,
     cast: bool,
 ) -> list[str]:
-    """The faults of each parameter's elementwise state (a tensor of one dimension or more) against
-    its tensor: another shape, and another dtype unless ``cast`` (a load that casts)."""
+    """The faults of each parameter's elementwise state against its tensor.
+
+    Elementwise state is a tensor of one dimension or more; its faults are another shape, and
+    another dtype unless ``cast`` (a load that casts)."""
     return [
         fault
         for pid, tensor, name in zip(ids, tensors, names, strict=True)

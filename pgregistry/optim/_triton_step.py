@@ -40,8 +40,10 @@ def _program_chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexp
 
 @triton.jit
 def _block_offsets(start, count, i, BLOCK: tl.constexpr):  # noqa: N803
-    """Block ``i`` of the program's ``count`` elements from ``start``: the elements' offsets in the
-    flat tensor, their lanes, which lie inside the program, and how many do."""
+    """Block ``i`` of the program's ``count`` elements from ``start``.
+
+    Returns the elements' offsets in the flat tensor, their lanes, which lie inside the program, and
+    how many do."""
     lanes = tl.arange(0, BLOCK)
     size = tl.minimum(count - i * BLOCK, BLOCK)
     return start + i * BLOCK + lanes, lanes, lanes < size, size
@@ -64,9 +66,10 @@ def _store_copy(
     value,
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """Write ``value`` (the ``lanes`` of block number ``block``, ``size`` of them inside) rounded to
-    ``out_ptr``'s dtype where the block's row says: one vector store when the whole block goes to a
-    16-byte aligned place, else masked stores of ``[lo, hi)``."""
+    """Write ``value`` rounded to ``out_ptr``'s dtype where the block's row says.
+
+    ``value`` is the ``lanes`` of block number ``block``, ``size`` of them inside. One vector store
+    when the whole block goes to a 16-byte aligned place, else masked stores of ``[lo, hi)``."""
     row = table_ptr + 3 * block
     out_first, lo, hi = tl.load(row), tl.load(row + 1), tl.load(row + 2)
     value = value.to(out_ptr.dtype.element_ty)
@@ -78,8 +81,10 @@ def _store_copy(
 
 @triton.jit
 def _integer_power(base, exponent):
-    """``base ** exponent`` in float64 for an integer ``exponent`` in ``[0, 2**31)`` (the step
-    count), by repeated squaring: a few float64 roundings, no transcendental function."""
+    """``base ** exponent`` in float64 for an integer ``exponent`` in ``[0, 2**31)``.
+
+    The exponent is the step count. By repeated squaring: a few float64 roundings, no transcendental
+    function."""
     result = base * 0.0 + 1.0
     for _ in tl.static_range(31):
         result = tl.where((exponent & 1) == 1, result * base, result)
@@ -121,8 +126,9 @@ def adam_kernel(
     ITERS: tl.constexpr,  # noqa: N803
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """Adam (``DECOUPLED``: AdamW) with the step count already incremented at ``step_ptr``: ``m +=
-    (1 - b1) (g - m)``, ``v = b2 v + (1 - b2) g g``, ``p -= lr / (1 - b1^t) * m / (sqrt(v) /
+    """Adam (``DECOUPLED``: AdamW) with the step count already incremented at ``step_ptr``.
+
+    ``m += (1 - b1) (g - m)``, ``v = b2 v + (1 - b2) g g``, ``p -= lr / (1 - b1^t) * m / (sqrt(v) /
     sqrt(1 - b2^t) + eps)``, ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with
     ``DECAY`` (or ``p *= 1 - lr * weight_decay`` with ``DECOUPLED``), ``v`` replaced by its running
     maximum in the denominator with ``AMSGRAD``."""
@@ -190,10 +196,12 @@ def sgd_kernel(
     ITERS: tl.constexpr,  # noqa: N803
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """SGD: ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with ``DECAY``; with
-    ``MOMENTUM`` the buffer ``b = momentum * b + undamped * g`` (``undamped = 1 - dampening``; ``b =
-    g`` on the ``FIRST`` step) replaces ``g`` (``g + momentum * b`` with ``NESTEROV``); then ``p -=
-    lr * g``."""
+    """SGD, with weight decay, momentum and Nesterov as the flags choose.
+
+    ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with ``DECAY``; with ``MOMENTUM`` the
+    buffer ``b = momentum * b + undamped * g`` (``undamped = 1 - dampening``; ``b = g`` on the
+    ``FIRST`` step) replaces ``g`` (``g + momentum * b`` with ``NESTEROV``); then ``p -= lr *
+    g``."""
     start, count = _program_chunk(n, BLOCK, ITERS, VEC)
     for i in range(0, tl.cdiv(count, BLOCK)):
         at, lanes, inside, size = _block_offsets(start, count, i, BLOCK)
