@@ -169,7 +169,7 @@ def test_the_tool_reads_the_form_of_the_trees_own_release(tmp_path: Path) -> Non
     (core / "user.py").write_text(SOURCE)
     done = subprocess.run(
         [sys.executable, "-m", "pgregistry", "migrate", "--isolated", "--preset", "megatron", "megatron/core/user.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert done.returncode in (0, 1), done.stderr
