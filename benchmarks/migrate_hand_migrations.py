@@ -16,6 +16,18 @@ and compares the tool's result on the Python files the commit touched with the a
   helper a field, the tool hands it the collection); a function agrees when the tool reads every field the
   authors do.
 
+How two kinds of read are counted, and said so in the output:
+
+- ``is_pipeline_first/last_stage(ignore_virtual=False, vp_stage=...)``: the tool's version calls
+  ``pg_read(c, "pp", "first_stage", ignore_virtual=False, vp_stage=...)``, which reads the pipeline group from the
+  collection and the virtual pipeline size from ``parallel_state`` (a schedule setting no collection holds, read
+  as the original read it; the scanner ignores ``get_virtual_pipeline_*`` too). It counts as removed by the tool,
+  as no process group is read from the global state for it; each such function is listed with how many of these
+  calls it holds (the authors took the size from the model config instead).
+- a read the authors removed from a function but still make, from ``parallel_state``, in the files they touched (the
+  same function, where they removed one of two; a helper they moved it into) is listed with where: removed from
+  the function, not from the globals.
+
 The comparison rests on the scanner's sites and on the fields read, not on text, so the tool's formatting (and
 the authors' unrelated edits in the same commits) do not enter it.
 
@@ -101,6 +113,11 @@ class _FieldReads(ast.NodeVisitor):
         self.fields: dict[str, set[str]] = {}
         #: Per scope, the functions (by plain name) its calls pass a ``pg_collection=`` keyword.
         self.passes: dict[str, set[str]] = {}
+        #: Per scope, the names it calls (``x.get_data_parallel_group_gloo(...)``: the last name), how often.
+        self.calls: Counter[tuple[str, str]] = Counter()
+        #: Per (scope, stage accessor), its fallback helper calls that also read the virtual pipeline size from
+        #: parallel_state (``pg_read(c, "pp", "first_stage", ignore_virtual=False, ...)``).
+        self.virtual_size_reads: Counter[tuple[str, str]] = Counter()
 
     def _scoped(self, node: ast.AST, name: str) -> None:
         self.scopes.append(name)
@@ -126,12 +143,18 @@ class _FieldReads(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if callee:
+            self.calls[(".".join(self.scopes) or "<module>", callee)] += 1
         if callee and any(k.arg == "pg_collection" for k in node.keywords):
             self.passes.setdefault(".".join(self.scopes) or "<module>", set()).add(callee)
         if isinstance(node.func, ast.Name) and node.func.id in _FIELD_ARGUMENT and len(node.args) >= 2:
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str):
                 self._read(name.value)
+            kind = node.args[2] if len(node.args) >= 3 else None
+            if any(k.arg == "ignore_virtual" for k in node.keywords) and isinstance(kind, ast.Constant):
+                accessor = f"is_pipeline_{str(kind.value).removesuffix('_stage')}_stage"
+                self.virtual_size_reads[(".".join(self.scopes) or "<module>", accessor)] += 1
         self.generic_visit(node)
 
 
@@ -165,6 +188,12 @@ class Comparison:
     tool_output: str = ""
     #: (file, scope) -> the functions the tool's version passes its collection to, with the fields they read.
     through: dict[tuple[str, str], dict[str, set[str]]] = field(default_factory=dict)
+    #: (file:scope, stage accessor) -> the tool's fallback helper calls there that read the virtual pipeline size
+    #: from parallel_state.
+    virtual_size_reads: Counter[Key] = field(default_factory=Counter)
+    #: The calls of each name in the authors' version of the touched files, the modules the scanner exempts
+    #: (``process_groups_config.py``) too: (file:scope, name) -> count.
+    calls_by_authors: Counter[Key] = field(default_factory=Counter)
 
     @property
     def in_both(self) -> Counter[Key]:
@@ -206,7 +235,11 @@ def compare(repository: Path, commit: str, title: str) -> Comparison:
             after_tool = tree[root / name]
             after_authors = git(repository, "show", f"{commit}:{name}")
             keys_before = read_keys(before[name], name)
-            removed_by_authors = keys_before - read_keys(after_authors, name)
+            keys_authors = read_keys(after_authors, name)
+            removed_by_authors = keys_before - keys_authors
+            comparison.calls_by_authors += Counter(
+                {(f"{name}:{s}", a): n for (s, a), n in field_reads(after_authors).calls.items()}
+            )
             comparison.by_authors += Counter({(f"{name}:{s}", a): n for (s, a), n in removed_by_authors.items()})
             removed_by_tool = keys_before - read_keys(after_tool, name)
             comparison.by_tool += Counter({(f"{name}:{s}", a): n for (s, a), n in removed_by_tool.items()})
@@ -214,6 +247,9 @@ def compare(repository: Path, commit: str, title: str) -> Comparison:
             fields_authors = field_reads(after_authors).fields
             tool_reads = field_reads(after_tool)
             fields_tool = tool_reads.fields
+            comparison.virtual_size_reads += Counter(
+                {(f"{name}:{scope}", a): n for (scope, a), n in tool_reads.virtual_size_reads.items()}
+            )
             for scope in sorted({scope for scope, _ in removed_by_authors}):
                 new_authors = fields_authors.get(scope, set()) - fields_before.get(scope, set())
                 through = passed_reads(tree, tool_reads.passes.get(scope, set()))
@@ -239,7 +275,7 @@ def report(comparisons: list[Comparison]) -> None:
               f"{len(c.files)} file(s) compared")
         for (scope, accessor), count in sorted(c.by_authors.items()):
             mark = "both" if c.by_tool[(scope, accessor)] >= count else "AUTHORS ONLY"
-            print(f"  removed {count}x {accessor} in {scope}: {mark}")
+            print(f"  removed {count}x {accessor} in {scope}: {mark}{_how_counted(c, scope, accessor, count, mark)}")
         for (scope, accessor), count in sorted((c.by_tool - c.by_authors).items()):
             print(f"  removed {count}x {accessor} in {scope}: tool only (the authors left it)")
         for name, scope, authors, tool in c.functions:
@@ -253,13 +289,52 @@ def report(comparisons: list[Comparison]) -> None:
             print(f"    {line}")
 
 
+def _how_counted(c: Comparison, scope: str, accessor: str, count: int, mark: str) -> str:
+    """What a removed read's line must say besides its mark: a pipeline-stage read the tool removed whose
+    replacement still reads the virtual pipeline size from parallel_state; a read the authors moved elsewhere."""
+    notes = []
+    virtual = min(count, c.virtual_size_reads[(scope, accessor)])
+    if mark == "both" and virtual:
+        notes.append(
+            f"{virtual} of them counted as removed though the tool's pg_read(..., ignore_virtual=False) for it "
+            "still reads the virtual pipeline size, a schedule setting, from parallel_state (in the fallback "
+            "helper, as the original did); the pipeline group is the collection's"
+        )
+    still = sorted(f"{where} ({n}x)" for (where, read), n in c.calls_by_authors.items() if read == accessor)
+    if mark != "both" and still:
+        notes.append(f"the authors' version still reads it from parallel_state, in {', '.join(still)}")
+    return "".join(f"\n    ({note})" for note in notes)
+
+
+def summary(comparisons: list[Comparison]) -> str:
+    """The totals line: reads removed by both, of those the authors removed, and how the special cases count."""
+    authors = sum(sum(c.by_authors.values()) for c in comparisons)
+    both = sum(sum(c.in_both.values()) for c in comparisons)
+    virtual = sum(min(n, c.virtual_size_reads[key]) for c in comparisons for key, n in c.in_both.items())
+    moved = sum(
+        n
+        for c in comparisons
+        for (scope, accessor), n in (c.by_authors - c.by_tool).items()
+        if any(read == accessor for _, read in c.calls_by_authors)
+    )
+    return (
+        f"{both} of the {authors} reads the authors removed are removed by the tool too ({100 * both / authors:.0f}%); "
+        f"{virtual} of those {both} are pipeline-stage reads whose rewrite still reads the virtual pipeline size "
+        f"from parallel_state (a schedule setting, no process group); of the {authors - both} the tool leaves, "
+        f"{moved} the authors' "
+        "version still reads from parallel_state in the files they touched"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("repository", type=Path, help="Megatron-LM's git directory (a bare mirror is enough)")
     parser.add_argument("--commit", action="append", help="a hand migration's commit (default: the built-in list)")
     args = parser.parse_args(argv)
     commits = [(sha, sha) for sha in args.commit] if args.commit else list(HAND_MIGRATIONS)
-    report([compare(args.repository, sha, title) for sha, title in commits])
+    comparisons = [compare(args.repository, sha, title) for sha, title in commits]
+    report(comparisons)
+    print(f"\n{summary(comparisons)}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """pgregistry: explicit, typed process-group collections for distributed PyTorch training.
 
-Importing the package does not import torch, so ``python -W error::pgregistry.ProcessGroupFallbackWarning``
-(which imports it at interpreter start) stays cheap. Names that need torch are loaded on first access. Once torch
-is imported too (before or after this package), :mod:`pgregistry.params` installs its parameter-registration hooks
+Importing the package does not import torch, so ``python -W
+error::pgregistry.ProcessGroupFallbackWarning`` (which imports it at interpreter start) stays cheap.
+Names that need torch are loaded on first access. Once torch is imported too (before or after this
+package), :mod:`pgregistry.params` installs its parameter-registration hooks
 (:mod:`pgregistry._runtime.role_hooks`), so parameter roles never depend on import order.
 """
 

@@ -1,8 +1,8 @@
 """Which collection a model runs on: :func:`attach` records it, :func:`collection_of` finds it.
 
-A model knows its own grid, so entry points given the model need no ``pg_collection`` argument (and one given
-anyway must agree with it). The collection is found through ``.module`` wrappers (DDP, mixed-precision wrappers)
-and must be the same on every chunk of a pipelined model.
+A model knows its own grid, so entry points given the model need no ``pg_collection`` argument (and
+one given anyway must agree with it). The collection is found through ``.module`` wrappers (DDP,
+mixed-precision wrappers) and must be the same on every chunk of a pipelined model.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
         if collection != first:
             raise ValueError(
                 f"model chunks 0 and {index} carry different process-group collections "
-                f"({_describe_attached(first)} and "
-                f"{_describe_attached(collection)}); attach one collection to every chunk (pgregistry.attach)"
+                f"({_describe_attached(first)} and {_describe_attached(collection)}); "
+                "attach one collection to every chunk (pgregistry.attach)"
             )
     if first is None:
         if default is _RAISE:
@@ -94,7 +94,7 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
 
 
 def wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
-    """``module``, then what it wraps through ``.module`` attributes (DDP and mixed-precision wrappers)."""
+    """``module``, then what it wraps via ``.module`` attributes (DDP, mixed-precision wrappers)."""
     seen: set[int] = set()
     current: object = module
     while current is not None and id(current) not in seen:

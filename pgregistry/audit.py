@@ -1,39 +1,47 @@
-"""Measure whether each gradient is replicated the way its parameter's roles claim, and what a wrong claim costs.
+"""Measure whether each gradient is replicated as its parameter's roles claim.
 
-Grad statistics trust the roles (:mod:`pgregistry.params`): a parameter that is not TP-sharded is taken to be
-replicated across TP and counted once; a routed expert is taken to be distinct per EP rank and counted on each.
-A wrong role is silent: xorl counted per-expert LoRA factors once where each EP rank held a different one, and
-the norm came out 1/sqrt(ep) too small. Replication can be measured: a gradient is replicated across a group iff
-MAX - MIN over the group is 0 in every element. :func:`audit_grad_replication` measures it for every gradient
-over every axis its classification makes a claim about, and reports:
+And what a wrong claim costs.
 
-* each (parameter, axis) whose measured replication disagrees with the claim. The claims: across TP (expert TP
-  for experts), replicated unless TP-sharded; across GTP-remat (expert GTP-remat for experts), replicated unless
-  GTP-sharded; across EP, for parameters with an explicit ``allreduce``, replicated iff ``allreduce`` is True;
-  across data-parallel replicas (``dp_cp``, ``expt_dp`` for experts), always replicated (reported only when no
-  model-parallel axis explains the mismatch: EP ranks are dense data-parallel ranks);
-* suspected ties: a parameter with a same-shape (2-D or more) counterpart on the other end of the pipeline (the
-  collection's ``embd`` group) where neither copy is marked ``shared`` and their grads are not identical, so no
-  measurement proves a tie, yet a tie is likely: they are named as an input embedding and an output layer
-  (Megatron-Core's ``embedding.word_embeddings.weight`` and ``output_layer.weight``), either carries Megatron-Core's
-  ``shared_embedding``, or their values or grads agree to 1e-5 (copies 1e-7 apart, or not all-reduced yet). A
-  suspect is reported, never an error (an untied model has such pairs legitimately): ``ok`` ignores it;
-* the norm the classification gives (exactly what :func:`~pgregistry.grad_stats.grad_norm` computes) beside the
-  measured-truth norm, in which every gradient counts once per distinct copy: weighted by 1/size of each axis it
-  was measured replicated over, and reduced over the expert group when it was measured distinct across EP.
+Grad statistics trust the roles (:mod:`pgregistry.params`): a parameter that is not TP-sharded is
+taken to be replicated across TP and counted once; a routed expert is taken to be distinct per EP
+rank and counted on each. A wrong role is silent: xorl counted per-expert LoRA factors once where
+each EP rank held a different one, and the norm came out 1/sqrt(ep) too small. Replication can be
+measured: a gradient is replicated across a group iff MAX - MIN over the group is 0 in every
+element. :func:`audit_grad_replication` measures it for every gradient over every axis its
+classification makes a claim about, and reports:
+
+* each (parameter, axis) whose measured replication disagrees with the claim. The claims: across TP
+  (expert TP for experts), replicated unless TP-sharded; across GTP-remat (expert GTP-remat for
+  experts), replicated unless GTP-sharded; across EP, for parameters with an explicit ``allreduce``,
+  replicated iff ``allreduce`` is True; across data-parallel replicas (``dp_cp``, ``expt_dp`` for
+  experts), always replicated (reported only when no model-parallel axis explains the mismatch: EP
+  ranks are dense data-parallel ranks);
+* suspected ties: a parameter with a same-shape (2-D or more) counterpart on the other end of the
+  pipeline (the collection's ``embd`` group) where neither copy is marked ``shared`` and their grads
+  are not identical, so no measurement proves a tie, yet a tie is likely: they are named as an input
+  embedding and an output layer (Megatron-Core's ``embedding.word_embeddings.weight`` and
+  ``output_layer.weight``), either carries Megatron-Core's ``shared_embedding``, or their values or
+  grads agree to 1e-5 (copies 1e-7 apart, or not all-reduced yet). A suspect is reported, never an
+  error (an untied model has such pairs legitimately): ``ok`` ignores it;
+* the norm the classification gives (exactly what :func:`~pgregistry.grad_stats.grad_norm` computes)
+  beside the measured-truth norm, in which every gradient counts once per distinct copy: weighted by
+  1/size of each axis it was measured replicated over, and reduced over the expert group when it was
+  measured distinct across EP.
 
 Requirements, because the measurement is collective:
 
-* Every rank of the collection calls it, with grads already synchronised across data-parallel replicas.
-* The ranks of each TP, GTP-remat, EP and data-parallel group (all within one pipeline stage) hold the same
-  parameters: same names, shapes and dtypes, in the same order, with grads on the same ones. Every such rank then
-  issues the same collectives in the same order, whatever the roles say (every axis is measured for every
-  gradient, so even roles that differ between ranks cannot desynchronise the collectives). Pipeline stages may
-  hold different parameters: no measuring group spans two stages. Ranks first compare a digest of their
-  parameter structure over each group and raise ``ValueError`` together, on every rank, when they differ.
-* A gradient that is zero over a whole group is consistent with any claim and is not reported. Constant grads (all
-  ones) look replicated everywhere, so audit real gradients, not the invariance oracle's; non-finite gradients
-  make the measurement meaningless.
+* Every rank of the collection calls it, with grads already synchronised across data-parallel
+  replicas.
+* The ranks of each TP, GTP-remat, EP and data-parallel group (all within one pipeline stage) hold
+  the same parameters: same names, shapes and dtypes, in the same order, with grads on the same
+  ones. Every such rank then issues the same collectives in the same order, whatever the roles say
+  (every axis is measured for every gradient, so even roles that differ between ranks cannot
+  desynchronise the collectives). Pipeline stages may hold different parameters: no measuring group
+  spans two stages. Ranks first compare a digest of their parameter structure over each group and
+  raise ``ValueError`` together, on every rank, when they differ.
+* A gradient that is zero over a whole group is consistent with any claim and is not reported.
+  Constant grads (all ones) look replicated everywhere, so audit real gradients, not the invariance
+  oracle's; non-finite gradients make the measurement meaningless.
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ _AXES: Final = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat", "ep", "dp_cp", "
 _DATA_PARALLEL_AXES: Final = ("dp_cp", "expt_dp")
 
 _BUCKET_ELEMENTS: Final = 1 << 22
-"""Grad elements measured per collective (as float64, doubled for MIN): bounds the audit's extra memory."""
+"""Grad elements measured per collective (float64, doubled for MIN): bounds the extra memory."""
 
 _HINTS: Final[dict[tuple[str, str], str]] = {
     (
@@ -96,21 +104,29 @@ _HINTS: Final[dict[tuple[str, str], str]] = {
     (
         "embd",
         UNIQUE,
-    ): "is identical on the ranks of the embedding group (a copy tied across pipeline stages) but no "
-    "copy is marked shared, so each is counted (mark_shared the second copy; Megatron-Core sets shared=True)",
+    ): (
+        "is identical on the ranks of the embedding group (a copy tied across "
+        "pipeline stages) but no copy is marked shared, so each is counted "
+        "(mark_shared the second copy; Megatron-Core sets shared=True)"
+    ),
 }
 _NEAR: Final = 1e-5
-"""Relative agreement of two copies' sums and sums of squares (values or grads) that makes a tie likely."""
+"""Relative agreement of two copies' sums and sums of squares that makes a tie likely.
+
+The copies are values or grads.
+"""
 _INPUT_EMBEDDING: Final = re.compile(
     r"(^|\.)(word_embeddings|embedding|embeddings|embed_tokens|tok_embeddings|wte)\.weight$"
 )
 _OUTPUT_LAYER: Final = re.compile(r"(^|\.)(output_layer|lm_head|output|embed_out)\.weight$")
-"""The names of an input embedding and of an output layer: Megatron-Core's (``embedding.word_embeddings.weight``,
-``output_layer.weight``) and the usual others (Hugging Face, torchtitan, GPT-2)."""
+"""The names of an input embedding and of an output layer: Megatron-Core's
+(``embedding.word_embeddings.weight``, ``output_layer.weight``) and the usual others (Hugging Face,
+torchtitan, GPT-2)."""
 
 _UNMARKED_HINT: Final = (
-    "differs across EP ranks but carries no EP classification, so it is counted as a dense parameter (mark it with "
-    "mark_expert, or its module with mark_expert_module and it with mark_expert)"
+    "differs across EP ranks but carries no EP classification, so "
+    "it is counted as a dense parameter (mark it with mark_expert, "
+    "or its module with mark_expert_module and it with mark_expert)"
 )
 
 
@@ -147,7 +163,7 @@ class ReplicationMismatch:
 
     @property
     def effect(self) -> str:
-        """``undercount`` (distinct copies counted once) or ``overcount`` (one copy counted several times)."""
+        """``undercount`` (distinct copies counted once) or ``overcount`` (one copy, many times)."""
         return "undercount" if self.claimed == REPLICATED else "overcount"
 
     @property
@@ -173,7 +189,7 @@ class ReplicationMismatch:
 
 @attrs.frozen(slots=True, kw_only=True)
 class SuspectedTie:
-    """A parameter that may be tied to one at the other end of the pipeline: reported, never an error.
+    """A parameter that may be tied to one at the pipeline's other end: reported, never an error.
 
     No measurement shows the tie (see the module docstring); an entry of
     :attr:`GradReplicationReport.suspected_ties`, which leaves the report ``ok``.
@@ -195,11 +211,12 @@ class SuspectedTie:
 
     def __str__(self) -> str:
         return (
-            f"{self.name} and {self.other_name} on rank {self.other_rank}: same shape {self.shape}, "
-            f"{', '.join(self.evidence)}, neither copy marked shared, so each is counted. If they are one weight "
-            "tied across pipeline stages, mark the last stage's copy with mark_shared (Megatron-Core sets "
-            "shared=True and shared_embedding=True on it) and synchronise the tie's grads over the 'embd' group; "
-            "if they are distinct weights, nothing is wrong"
+            f"{self.name} and {self.other_name} on rank {self.other_rank}: same shape "
+            f"{self.shape}, {', '.join(self.evidence)}, neither copy marked shared, so "
+            "each is counted. If they are one weight tied across pipeline stages, mark "
+            "the last stage's copy with mark_shared (Megatron-Core sets shared=True "
+            "and shared_embedding=True on it) and synchronise the tie's grads over the "
+            "'embd' group; if they are distinct weights, nothing is wrong"
         )
 
 
@@ -207,14 +224,15 @@ class SuspectedTie:
 class GradReplicationReport:
     """What :func:`audit_grad_replication` found on this rank.
 
-    ``classified_norm`` is the 2-norm grad statistics compute from the roles (in float64, before the statistics'
-    float32 result, so that a mismatch's effect shows); ``true_norm`` the one measured
-    replication implies (NaN when some grads differ across data-parallel replicas with no model-parallel reason:
-    they are not synchronised, and no norm is the truth). ``mismatches`` lists this rank's parameters whose
-    replication disagrees with their roles; ``unclassified`` the parameters of marked expert modules that carry no
-    EP classification (reported when EP is on); ``suspected_ties`` the likely ties no measurement proves, which
-    leave the report ``ok`` (an untied model may have such pairs). A report that lists a mismatch never reads as
-    agreeing: it is not ``ok``, and its ratio is either shown to the digits that differ from 1 or said to be
+    ``classified_norm`` is the 2-norm grad statistics compute from the roles (in float64, before the
+    statistics' float32 result, so that a mismatch's effect shows); ``true_norm`` the one measured
+    replication implies (NaN when some grads differ across data-parallel replicas with no
+    model-parallel reason: they are not synchronised, and no norm is the truth). ``mismatches``
+    lists this rank's parameters whose replication disagrees with their roles; ``unclassified`` the
+    parameters of marked expert modules that carry no EP classification (reported when EP is on);
+    ``suspected_ties`` the likely ties no measurement proves, which leave the report ``ok`` (an
+    untied model may have such pairs). A report that lists a mismatch never reads as agreeing: it is
+    not ``ok``, and its ratio is either shown to the digits that differ from 1 or said to be
     unknown.
 
     Attributes:
@@ -245,7 +263,7 @@ class GradReplicationReport:
 
     @property
     def ok(self) -> bool:
-        """True when every measured replication agrees with its classification (suspected ties aside)."""
+        """True if every measured replication matches its classification (suspected ties aside)."""
         return not self.mismatches and not self.unclassified
 
     @property
@@ -266,8 +284,8 @@ class GradReplicationReport:
         verdict = "ok" if self.ok else f"{len(self.mismatches)} mismatch(es)"
         if math.isnan(self.true_norm):
             norms = (
-                f"  classified norm {self.classified_norm:.6g}, measured-truth norm unknown: grads differ across "
-                "data-parallel replicas (synchronise them before auditing)"
+                f"  classified norm {self.classified_norm:.6g}, measured-truth norm unknown: "
+                "grads differ across data-parallel replicas (synchronise them before auditing)"
             )
         else:
             ratio = f"{self.norm_ratio:.6f}"
@@ -275,11 +293,15 @@ class GradReplicationReport:
                 ratio = (
                     f"{self.norm_ratio:.17g}"
                     if self.norm_ratio != 1.0
-                    else "1 within the statistics' precision, though the mismatches below change what is counted"
+                    else (
+                        "1 within the statistics' precision, though "
+                        "the mismatches below change what is counted"
+                    )
                 )
             norms = (
-                f"  classified norm {self.classified_norm:.6g}, measured-truth norm {self.true_norm:.6g}, "
-                f"ratio {ratio} (relative error {100 * self.relative_error:.3g}%)"
+                f"  classified norm {self.classified_norm:.6g}, "
+                f"measured-truth norm {self.true_norm:.6g}, ratio {ratio} "
+                f"(relative error {100 * self.relative_error:.3g}%)"
             )
         lines = [
             f"grad replication audit: {self.params_checked} gradient(s) checked, {verdict}",
@@ -288,7 +310,8 @@ class GradReplicationReport:
         lines.extend(f"  - {mismatch}" for mismatch in self.mismatches)
         if self.unclassified:
             lines.append(
-                f"  unclassified expert-module parameters (no allreduce): {', '.join(self.unclassified)}"
+                "  unclassified expert-module parameters (no "
+                f"allreduce): {', '.join(self.unclassified)}"
             )
         lines.extend(
             f"  suspected tie (not an error): {suspect}" for suspect in self.suspected_ties
@@ -333,7 +356,8 @@ def audit_grad_replication(
     missing = [name for name in ("ep", "dp_cp", "expt_dp") if not collection.is_set(name)]
     if missing:
         raise ValueError(
-            f"audit_grad_replication needs the collection's {missing} group(s); set them (None = off)"
+            "audit_grad_replication needs the collection's "
+            f"{missing} group(s); set them (None = off)"
         )
     stats = StatsGroups.from_collection(collection)
     axis_groups: dict[str, ProcessGroup | None] = {
@@ -354,7 +378,8 @@ def audit_grad_replication(
     ]
     rank = dist.get_rank()
     axis_ranks = {axis: frozenset(_group_ranks(group, rank)) for axis, group in axis_groups.items()}
-    # Over an axis a DTensor grad's mesh spans, its placements say how it is laid out: nothing to measure there.
+    # Over an axis a DTensor grad's mesh spans, its placements say how it is laid out: nothing to
+    # measure there.
     spanned = [
         {
             axis
@@ -386,8 +411,9 @@ def audit_grad_replication(
             for axis, claimed in _replication_claims(param)
             if axis in rep and not is_zero[axis] and claimed != rep[axis]
         ]
-        # A parameter without an EP classification (in no marked expert module) that differs across EP ranks and
-        # across its data-parallel replicas is, in truth, a routed expert: say so, rather than "not synchronised".
+        # A parameter without an EP classification (in no marked expert module) that differs across
+        # EP ranks and across its data-parallel replicas is, in truth, a routed expert: say so,
+        # rather than "not synchronised".
         unmarked_expert = (
             not hasattr(param, "allreduce") and "ep" in distinct and "dp_cp" in distinct
         )
@@ -402,14 +428,15 @@ def audit_grad_replication(
             found.append(
                 ReplicationMismatch(name=name, axis="embd", claimed=UNIQUE, measured=REPLICATED)
             )
-        # Data-parallel replicas span the model-parallel axes of the other grid (EP ranks are dense DP ranks), so
-        # a mismatch there is only news when no model-parallel axis explains it; then the grads differ across
-        # replicas (not synchronised yet) and no norm is the truth.
+        # Data-parallel replicas span the model-parallel axes of the other grid (EP ranks are dense
+        # DP ranks), so a mismatch there is only news when no model-parallel axis explains it; then
+        # the grads differ across replicas (not synchronised yet) and no norm is the truth.
         model_parallel = [m for m in found if m.axis not in _DATA_PARALLEL_AXES]
         mismatches.extend(model_parallel or found)
         unsynchronised = unsynchronised or (bool(found) and not model_parallel)
-        # An expert-module parameter claimed replicated across EP but measured distinct there is, in truth, a
-        # routed expert: its copies are summed over the expert group like any other expert's.
+        # An expert-module parameter claimed replicated across EP but measured distinct there is, in
+        # truth, a routed expert: its copies are summed over the expert group like any other
+        # expert's.
         truly_expert = (
             is_expert_param(param)
             or unmarked_expert
@@ -468,8 +495,9 @@ def audit_grad_replication(
 def _norm_parts_weighted_by(
     grad: torch.Tensor, weight: float, device: torch.device
 ) -> list[torch.Tensor]:
-    """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the weights of replicas
-    add up exactly, and a mismatch as small as float64 resolves shows in the ratio)."""
+    """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the
+    weights of replicas add up exactly, and a mismatch as small as float64 resolves shows in the
+    ratio)."""
     parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
     return [
         part * torch.tensor([weight, 1.0], dtype=torch.float64, device=device) for part in parts
@@ -477,13 +505,14 @@ def _norm_parts_weighted_by(
 
 
 def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:
-    """The collection's ``embd`` group when this rank is in one of more than one rank; ``ValueError`` when it is
-    not set on a collection whose pipeline is on (ties across stages could not be checked)."""
+    """The collection's ``embd`` group when this rank is in one of more than one rank;
+    ``ValueError`` when it is not set on a collection whose pipeline is on (ties across stages could
+    not be checked)."""
     if not collection.is_set("embd"):
         if collection.is_set("pp") and group_size(collection.get("pp")) > 1:
             raise ValueError(
-                "audit_grad_replication checks parameters tied across pipeline stages over the collection's 'embd' "
-                "group, which is not set; set it (pgregistry.build does)"
+                "audit_grad_replication checks parameters tied across pipeline stages over the "
+                "collection's 'embd' group, which is not set; set it (pgregistry.build does)"
             )
         return None
     if not collection.is_member_of("embd"):
@@ -499,10 +528,11 @@ def _across_stages(
 ) -> tuple[dict[int, int], tuple[SuspectedTie, ...]]:
     """Ties across the pipeline's ends, measured and suspected, in one all-gather over ``embd``.
 
-    Measured: audited grads (by index) identical, and not zero, on other ranks of the embedding group (the first and
-    last pipeline stages: a tied embedding) where no copy is marked ``shared``: index -> the number of copies (each
-    grad's digest is its values' SHA-256, shape and dtype, and whether its parameter is marked shared). A tie whose
-    other copy is marked is counted once and is no mismatch. Suspected: see :class:`SuspectedTie`.
+    Measured: audited grads (by index) identical, and not zero, on other ranks of the embedding
+    group (the first and last pipeline stages: a tied embedding) where no copy is marked ``shared``:
+    index -> the number of copies (each grad's digest is its values' SHA-256, shape and dtype, and
+    whether its parameter is marked shared). A tie whose other copy is marked is counted once and is
+    no mismatch. Suspected: see :class:`SuspectedTie`.
     """
     if embd is None:
         return {}, ()
@@ -542,8 +572,8 @@ def _across_stages(
 
 
 def _shape_entry(name: str, param: torch.Tensor) -> dict[str, Any]:
-    """What another stage needs to suspect a tie with ``param``: name, shape, dtype, marks, and the float64 sum and
-    sum of squares of its (local) values and grad."""
+    """What another stage needs to suspect a tie with ``param``: name, shape, dtype, marks, and the
+    float64 sum and sum of squares of its (local) values and grad."""
     grad = param.grad
     return {
         "name": name,
@@ -557,7 +587,7 @@ def _shape_entry(name: str, param: torch.Tensor) -> dict[str, Any]:
 
 
 def _sum_and_sum_of_squares(tensor: torch.Tensor) -> tuple[float, float] | None:
-    """The float64 sum and sum of squares of ``tensor`` (accumulated in float64, no float64 copy of it)."""
+    """The float64 sum and sum of squares of ``tensor`` (accumulated in float64, no copy of it)."""
     if tensor.is_meta:
         return None
     values = tensor.detach()
@@ -626,15 +656,16 @@ def _group_ranks(group: ProcessGroup | None, rank: int) -> list[int]:
 def _measure_dtensor_verdicts(
     rep: dict[str, bool], axis_groups: dict[str, ProcessGroup | None], expert: bool
 ) -> tuple[bool, bool]:
-    """Whether this rank counts a DTensor grad's piece over TP and GTP (when its mesh does not span them), by
-    measurement: a piece measured replicated there is counted on the axis's rank 0 only."""
+    """Whether this rank counts a DTensor grad's piece over TP and GTP (when its mesh does not span
+    them), by measurement: a piece measured replicated there is counted on the axis's rank 0
+    only."""
     fields = ("expt_tp", "expt_gtp_remat") if expert else ("tp", "gtp_remat")
     tp, gtp = (not rep.get(field, False) or group_rank(axis_groups[field]) == 0 for field in fields)
     return tp, gtp
 
 
 def _replication_claims(param: torch.Tensor) -> list[tuple[str, bool]]:
-    """``(axis, claimed replicated)`` for each axis the classification of ``param`` makes a claim about."""
+    """``(axis, claimed replicated)`` for each axis ``param``'s classification claims about."""
     expert = is_expert_param(param)
     claims = [
         ("expt_tp" if expert else "tp", not getattr(param, "tensor_model_parallel", False)),
@@ -660,8 +691,9 @@ def _check_same_structure(
 ) -> None:
     """Raise on every rank when the ranks of a measuring group hold different parameter structures.
 
-    Each measuring group compares a digest of (name, shape, dtype, has grad, shared) for every parameter; the
-    verdict is then spread over ``dp_cp`` and ``mp``, which together span every rank, so all raise together.
+    Each measuring group compares a digest of (name, shape, dtype, has grad, shared) for every
+    parameter; the verdict is then spread over ``dp_cp`` and ``mp``, which together span every rank,
+    so all raise together.
     """
     text = repr(
         [
@@ -700,8 +732,8 @@ def _check_same_structure(
             else "another rank's groups differ"
         )
         raise ValueError(
-            "audit_grad_replication needs the ranks of each TP/GTP/EP/data-parallel group to hold the same "
-            f"parameters (names, shapes, dtypes, grads present) in the same order; {where}"
+            "audit_grad_replication needs the ranks of each TP/GTP/EP/data-parallel group to hold "
+            f"the same parameters (names, shapes, dtypes, grads present) in the same order; {where}"
         )
 
 
@@ -710,8 +742,9 @@ def _measure_replication(
     axis_groups: dict[str, ProcessGroup | None],
     spanned: list[set[str]],
 ) -> tuple[dict[str, dict[int, bool]], dict[str, dict[int, bool]]]:
-    """Per axis that is on and per audited gradient (by index) not spanned there by its DTensor mesh: replicated
-    over the group, and zero over the whole group. A DTensor grad is measured through its local piece."""
+    """Per axis that is on and per audited gradient (by index) not spanned there by its DTensor
+    mesh: replicated over the group, and zero over the whole group. A DTensor grad is measured
+    through its local piece."""
     on = [axis for axis in _AXES if _spans_several_ranks(axis_groups[axis])]
     replicated: dict[str, dict[int, bool]] = {axis: {} for axis in on}
     zero: dict[str, dict[int, bool]] = {axis: {} for axis in on}
@@ -719,7 +752,8 @@ def _measure_replication(
     for axis in on:
         indices = [index for index in range(len(audited)) if axis not in spanned[index]]
         for bucket in _bucket_indices(indices, [locals_[index].numel() for index in indices]):
-            # float64 holds every float32/bf16/fp16 value exactly, so equal there means bit-identical values.
+            # float64 holds every float32/bf16/fp16 value exactly, so equal there means
+            # bit-identical values.
             flat = torch.cat(
                 [locals_[index].detach().reshape(-1).to(torch.float64) for index in bucket]
             )
@@ -739,7 +773,9 @@ def _measure_replication(
 def _dtensor_placements(param: torch.Tensor) -> str:
     """A DTensor grad's placements (the measured axes depend on them), else ``""``."""
     grad = param.grad
-    return str(grad.placements) if grad is not None and is_dtensor(grad) else ""  # type: ignore[attr-defined]
+    if grad is None or not is_dtensor(grad):
+        return ""
+    return str(grad.placements)  # type: ignore[attr-defined]
 
 
 def _local_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -747,7 +783,7 @@ def _local_grad(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _bucket_indices(indices: list[int], sizes: list[int]) -> list[list[int]]:
-    """Consecutive runs of ``indices`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad alone)."""
+    """Runs of ``indices`` of at most :data:`_BUCKET_ELEMENTS` elements (a larger grad alone)."""
     buckets: list[list[int]] = []
     total = 0
     for index, size in zip(indices, sizes, strict=True):

@@ -1,26 +1,29 @@
-"""``ProcessGroupCollection``: the typed, frozen set of process groups one model runs on, and the layout it came from.
+"""``ProcessGroupCollection``: the typed, frozen process groups one model runs on, and their layout.
 
 Each field holds exactly one of four things, and each means one thing only:
 
 * a ``ProcessGroup``: use it;
-* ``None``: the axis is off (size 1) for this model. Code treats it as rank 0 of 1, never as WORLD (which is what
-  ``None`` means to a ``torch.distributed`` call), so library code reads sizes and ranks through
-  :func:`group_size` and :func:`group_rank`. In ``dp_cp_ag`` / ``expt_dp_ag`` "off" means "no second communicator
-  for parameter all-gathers": Megatron-Core's rule is that the all-gathers then run on ``dp_cp`` / ``expt_dp``;
-* :data:`UNSET`: nobody said. :meth:`ProcessGroupCollection.get` raises; only an entry point's resolution
-  (:mod:`pgregistry._runtime.resolve`) may read the global grid for it, with a warning. Mixing "unset" and "off" is what
-  made Megatron-Core's filters read the global rank for a model whose own grid turned an axis off (Megatron-LM
-  pull request 8042; ``docs/known_bugs.md``);
-* :data:`NOT_MEMBER`: this rank belongs to no group of that kind: the embedding groups of a middle pipeline stage,
-  or every field of a collection given to a rank outside its layout's span. Never "rank 0 of 1".
+* ``None``: the axis is off (size 1) for this model. Code treats it as rank 0 of 1, never as WORLD
+  (which is what ``None`` means to a ``torch.distributed`` call), so library code reads sizes and
+  ranks through :func:`group_size` and :func:`group_rank`. In ``dp_cp_ag`` / ``expt_dp_ag`` "off"
+  means "no second communicator for parameter all-gathers": Megatron-Core's rule is that the
+  all-gathers then run on ``dp_cp`` / ``expt_dp``;
+* :data:`UNSET`: nobody said. :meth:`ProcessGroupCollection.get` raises; only an entry point's
+  resolution (:mod:`pgregistry._runtime.resolve`) may read the global grid for it, with a warning.
+  Mixing "unset" and "off" is what made Megatron-Core's filters read the global rank for a model
+  whose own grid turned an axis off (Megatron-LM pull request 8042; ``docs/known_bugs.md``);
+* :data:`NOT_MEMBER`: this rank belongs to no group of that kind: the embedding groups of a middle
+  pipeline stage, or every field of a collection given to a rank outside its layout's span. Never
+  "rank 0 of 1".
 
-``UNSET`` and ``NOT_MEMBER`` have no truth value: ``if pg.tp:`` raises for them instead of reading "nobody said" as
-"off".
+``UNSET`` and ``NOT_MEMBER`` have no truth value: ``if pg.tp:`` raises for them instead of reading
+"nobody said" as "off".
 
-A collection built by :func:`pgregistry.registry.build` knows its :attr:`~ProcessGroupCollection.layout`, its
-:attr:`~ProcessGroupCollection.name` and whether this rank is a member, and its groups are checked against the
-layout when it is made, so consumers take the collection alone: no second argument can disagree with it. Every
-field of a collection held by a rank outside the layout's ranks raises when read, naming the layout and the rank.
+A collection built by :func:`pgregistry.registry.build` knows its
+:attr:`~ProcessGroupCollection.layout`, its :attr:`~ProcessGroupCollection.name` and whether this
+rank is a member, and its groups are checked against the layout when it is made, so consumers take
+the collection alone: no second argument can disagree with it. Every field of a collection held by a
+rank outside the layout's ranks raises when read, naming the layout and the rank.
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ class Unset(enum.Enum):
 
     def __bool__(self) -> NoReturn:
         raise TypeError(
-            "UNSET (nobody gave this field) has no truth value: `if pg.tp:` would read it as 'off'. Ask "
-            "pg.is_set(name), or pg.get(name), which raises for an unset field"
+            "UNSET (nobody gave this field) has no truth value: `if pg.tp:` would read it "
+            "as 'off'. Ask pg.is_set(name), or pg.get(name), which raises for an unset field"
         )
 
 
@@ -95,12 +98,13 @@ class NotMember(enum.Enum):
 
     def __bool__(self) -> NoReturn:
         raise TypeError(
-            "NOT_MEMBER (this rank belongs to no group of that kind) has no truth value; ask pg.is_member_of(name)"
+            "NOT_MEMBER (this rank belongs to no group of that kind) has no truth value; "
+            "ask pg.is_member_of(name)"
         )
 
 
 NOT_MEMBER: Final = NotMember.NOT_MEMBER
-"""A field of a kind this rank belongs to no group of (an embedding group on a middle pipeline stage)."""
+"""A field of a kind this rank is in no group of (an embedding group on a middle pipeline stage)."""
 
 GroupName: TypeAlias = Literal[
     "tp",
@@ -154,7 +158,7 @@ V = TypeVar("V")
 
 
 class _Field(Generic[V]):
-    """One field: reads the stored value, refusing every read on a rank outside the collection's layout."""
+    """One field: reads the stored value, refusing each read on a rank outside the layout."""
 
     __slots__ = ("name",)
 
@@ -179,7 +183,9 @@ class _Field(Generic[V]):
 
 
 class ProcessGroupCollection:
-    """One process group (or ``None`` = axis off, ``UNSET``, ``NOT_MEMBER``) per group kind, plus the layout.
+    """One process group per group kind, plus the layout.
+
+    A field may instead be ``None`` (axis off), ``UNSET`` or ``NOT_MEMBER``.
 
     What a model and its optimizer are handed instead of reading a global ``parallel_state``: each
     field is one communicator, so a function's groups are visible in its arguments. Field names
@@ -273,7 +279,10 @@ class ProcessGroupCollection:
     def _for_non_member(
         cls, layout: ParallelLayout, name: str | None, lifetime: _Lifetime | None
     ) -> ProcessGroupCollection:
-        """The collection a rank outside ``layout``'s ranks holds: it knows it is no member, and every read raises."""
+        """The collection of a rank outside ``layout``'s ranks.
+
+        It knows it is no member, and every read raises.
+        """
         collection = cls.__new__(cls)
         collection._values = dict.fromkeys(FIELD_NAMES, NOT_MEMBER)
         collection._layout = layout
@@ -283,11 +292,11 @@ class ProcessGroupCollection:
         collection._lifetime = lifetime
         return collection
 
-    # ------------------------------------------------------------------------------------------- identity
+    # ------------------------------------------------------------------------------------- identity
 
     @property
     def layout(self) -> ParallelLayout | None:
-        """The layout this collection was built from (``None`` for a collection assembled by hand)."""
+        """The layout this collection was built from (``None`` for one assembled by hand)."""
         return self._layout
 
     @property
@@ -302,30 +311,30 @@ class ProcessGroupCollection:
 
     @property
     def one_rank_group(self) -> ProcessGroup | None:
-        """A group of this rank alone, for adapters where a field is ``None``; ``None`` when not given."""
+        """This rank's own group, for adapters where a field is ``None``; ``None`` if not given."""
         self._check_member()
         return self._one_rank_group
 
     @property
     def is_destroyed(self) -> bool:
-        """Whether :func:`pgregistry.registry.destroy` destroyed the groups of this (built) collection."""
+        """Whether :func:`pgregistry.registry.destroy` destroyed this built collection's groups."""
         return self._lifetime is not None and not self._lifetime.alive
 
     def describe(self) -> str:
-        """How messages name this collection: its build name and layout, or "a collection assembled by hand"."""
+        """How messages name it: build name and layout, or "a collection assembled by hand"."""
         if self._layout is None:
             return f"collection {self._name!r}" if self._name else "a collection assembled by hand"
         label = f"{self._name!r} " if self._name else ""
         return f"layout {label}{self._layout!r}"
 
-    # ------------------------------------------------------------------------------------------- access
+    # --------------------------------------------------------------------------------------- access
 
     def is_set(self, name: FieldName) -> bool:
-        """True when ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; False when it is ``UNSET``."""
+        """Whether ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; not ``UNSET``."""
         return self._raw_field(name) is not UNSET
 
     def is_member_of(self, name: FieldName) -> bool:
-        """Whether this rank belongs to a group of kind ``name`` (``None``, axis off, counts: rank 0 of 1).
+        """Whether this rank belongs to a group of kind ``name`` (``None``, axis off: rank 0 of 1).
 
         ``AttributeError`` when ``name`` is UNSET, as :meth:`get`."""
         value = self._raw_field(name)
@@ -349,8 +358,9 @@ class ProcessGroupCollection:
             raise self._unset_error(name)
         if isinstance(value, NotMember):
             raise ValueError(
-                f"rank {_this_rank()} belongs to no {name!r} group of {self.describe()} (embedding groups hold the "
-                f"first and last pipeline stages only); ask pg.is_member_of({name!r}) first"
+                f"rank {_this_rank()} belongs to no {name!r} group of "
+                f"{self.describe()} (embedding groups hold the first and last "
+                f"pipeline stages only); ask pg.is_member_of({name!r}) first"
             )
         return value
 
@@ -391,20 +401,22 @@ class ProcessGroupCollection:
             layout = cast("ParallelLayout", self._layout)
             first, last = layout.rank_range()
             raise ValueError(
-                f"rank {_this_rank()} is not a member of {self.describe()}, which spans ranks {first}-{last - 1}: "
-                "this rank holds no group of it and must not compute with it (check pg.is_member first)"
+                f"rank {_this_rank()} is not a member of {self.describe()}, "
+                f"which spans ranks {first}-{last - 1}: this rank holds no group "
+                "of it and must not compute with it (check pg.is_member first)"
             )
 
     def _unset_error(self, name: str) -> AttributeError:
         return AttributeError(
-            f"process group {name!r} is not set in this ProcessGroupCollection; pass it when building the "
-            f"collection (None means the axis is off)"
+            f"process group {name!r} is not set in this ProcessGroupCollection; "
+            "pass it when building the collection (None means the axis is off)"
         )
 
-    # ------------------------------------------------------------------------------------------- dunder
+    # --------------------------------------------------------------------------------------- dunder
 
     def __eq__(self, other: object) -> bool:
-        # Groups compare by identity: two collections are equal when they hold the same communicators.
+        # Groups compare by identity: two collections are equal when they hold the same
+        # communicators.
         if not isinstance(other, ProcessGroupCollection):
             return NotImplemented
         return self._identity_key() == other._identity_key()
@@ -457,15 +469,17 @@ def _composite_axes() -> dict[GroupName, tuple[GroupName, ...]]:
 
 
 COMPOSITE_AXES: Final[Mapping[GroupName, tuple[GroupName, ...]]] = _composite_axes()
-"""Each field whose group spans several axes -> the fields of those axes, as the layout defines the kinds
-(``mp`` spans ``tp``, ``gtp_remat``, ``pp``; ``tp_ep_pp_with_egtp_remat`` spans ``expt_tp``, ``expt_gtp_remat``,
-``ep``, ``pp``; ...). A collection is refused when such a group's size is not the product of its axes' sizes
-(``None`` counts 1): a group set to ``None`` on an axis the composite spans is how a norm reads ranks twice."""
+"""Each field whose group spans several axes -> the fields of those axes, as the layout defines the
+kinds (``mp`` spans ``tp``, ``gtp_remat``, ``pp``; ``tp_ep_pp_with_egtp_remat`` spans ``expt_tp``,
+``expt_gtp_remat``, ``ep``, ``pp``; ...). A collection is refused when such a group's size is not
+the product of its axes' sizes (``None`` counts 1): a group set to ``None`` on an axis the composite
+spans is how a norm reads ranks twice."""
 
 
 def _check_fields(groups: Mapping[str, object]) -> None:
-    """``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError`` for a composite
-    group whose size disagrees with its axes. Imports nothing: a group exists only when torch is already loaded."""
+    """``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError``
+    for a composite group whose size disagrees with its axes. Imports nothing: a group exists only
+    when torch is already loaded."""
     for name, value in groups.items():
         if name != "hcp":
             _check_group_type(name, value, allow_none=True)
@@ -493,9 +507,10 @@ def _check_fields(groups: Mapping[str, object]) -> None:
             )
             relation = "" if complete else "a multiple of "
             raise ValueError(
-                f"process group {composite!r} spans {size} rank(s), but it spans the axes {described}, so its size "
-                f"must be {relation}{product}: a group set to None (off) on an axis {composite!r} spans, or a group "
-                f"of another layout, would make a reduction over {composite!r} count ranks twice or miss them"
+                f"process group {composite!r} spans {size} rank(s), but it spans the axes "
+                f"{described}, so its size must be {relation}{product}: a group set to "
+                f"None (off) on an axis {composite!r} spans, or a group of another layout, "
+                f"would make a reduction over {composite!r} count ranks twice or miss them"
             )
 
 
@@ -558,7 +573,8 @@ def _check_group_type(name: str, value: object, *, allow_none: bool) -> None:
         else ""
     )
     raise TypeError(
-        f"process group field {name!r} must be {expected}; got {type(value).__name__} {value!r}{hint}"
+        f"process group field {name!r} must be {expected}; "
+        f"got {type(value).__name__} {value!r}{hint}"
     )
 
 
@@ -567,7 +583,7 @@ _INSIDE: Final[Mapping[str, str]] = {
     "intra_expt_dp": "expt_dp",
     "inter_dist_opt": "dp_cp",
 }
-"""Fields a layout does not enumerate, and the layout kind whose group holds them (the HSDP split)."""
+"""Fields a layout does not enumerate, and the layout kind whose group holds them (HSDP split)."""
 
 _SAME_AS: Final[Mapping[str, str]] = {"dp_cp_ag": "dp_cp", "expt_dp_ag": "expt_dp"}
 """Second communicators over the same ranks as a layout kind."""
@@ -576,8 +592,9 @@ _SAME_AS: Final[Mapping[str, str]] = {"dp_cp_ag": "dp_cp", "expt_dp_ag": "expt_d
 def _check_against_layout(
     values: Mapping[str, FieldValue], layout: ParallelLayout, one_rank_group: ProcessGroup | None
 ) -> None:
-    """Every given group holds the ranks ``layout`` gives this rank (or lies inside them, for the HSDP fields);
-    ``None`` only where the layout's group has one rank; ``NOT_MEMBER`` only where this rank is in none."""
+    """Every given group holds the ranks ``layout`` gives this rank (or lies inside them, for the
+    HSDP fields); ``None`` only where the layout's group has one rank; ``NOT_MEMBER`` only where
+    this rank is in none."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -625,20 +642,21 @@ def _check_kind(
         return
     if isinstance(value, NotMember):
         raise ValueError(
-            f"field {name!r} is NOT_MEMBER, but rank {rank}'s {name!r} group in {layout!r} is {list(want)}"
+            f"field {name!r} is NOT_MEMBER, but rank {rank}'s "
+            f"{name!r} group in {layout!r} is {list(want)}"
         )
     if value is None:
         if len(want) != 1:
             raise ValueError(
-                f"field {name!r} is None (axis off), but rank {rank}'s {name!r} group in {layout!r} spans "
-                f"{list(want)}: a reduction over it would miss ranks"
+                f"field {name!r} is None (axis off), but rank {rank}'s {name!r} group "
+                f"in {layout!r} spans {list(want)}: a reduction over it would miss ranks"
             )
         return
     actual = _ranks_of(cast("ProcessGroup", value))
     if actual != want:
         raise ValueError(
-            f"field {name!r} holds ranks {list(actual)}, but rank {rank}'s {name!r} group in {layout!r} is "
-            f"{list(want)}: the group belongs to another layout"
+            f"field {name!r} holds ranks {list(actual)}, but rank {rank}'s {name!r} "
+            f"group in {layout!r} is {list(want)}: the group belongs to another layout"
         )
 
 
@@ -658,8 +676,8 @@ def _check_inside(
     if not inside:
         relation = "the same ranks as" if same else "a group inside"
         raise ValueError(
-            f"field {name!r} holds ranks {list(actual)}, but in {layout!r} it must be {relation} rank {rank}'s "
-            f"ranks {list(outer)}"
+            f"field {name!r} holds ranks {list(actual)}, but in {layout!r} "
+            f"it must be {relation} rank {rank}'s ranks {list(outer)}"
         )
 
 
@@ -737,13 +755,14 @@ def _check_group(group: object) -> None:
         )
     if isinstance(group, NotMember):
         raise ValueError(f"{_NOT_A_MEMBER} (the field is NOT_MEMBER)")
-    # A non-member's handle from new_group is torch's NON_GROUP_MEMBER sentinel, an int with no size or rank.
+    # A non-member's handle from new_group is torch's NON_GROUP_MEMBER sentinel, an int with no size
+    # or rank.
     if isinstance(group, int):
         raise ValueError(f"{_NOT_A_MEMBER} (its handle is torch's NON_GROUP_MEMBER, {group!r})")
 
 
 def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
-    """``names`` as a tuple; ``ValueError`` with a close-match suggestion for the first unknown one."""
+    """``names`` as a tuple; ``ValueError`` suggesting a close match for the first unknown one."""
     names = tuple(names)
     for name in names:
         if name not in FIELD_NAMES:

@@ -1,18 +1,19 @@
-"""What code that ``pgregistry migrate --target pgregistry`` rewrote calls: each read of the global state became,
-in place, ``pg_group`` / ``pg_rank`` / ``pg_size`` / ``pg_read`` of the collection in scope and a field: the
-collection's field when it sets it, else pgregistry's global grid, with a
-:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the function that read (taken from its frame).
+"""What code that ``pgregistry migrate --target pgregistry`` rewrote calls: each read of the global
+state became, in place, ``pg_group`` / ``pg_rank`` / ``pg_size`` / ``pg_read`` of the collection in
+scope and a field: the collection's field when it sets it, else pgregistry's global grid, with a
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the function that read (taken from
+its frame).
 
-Under ``-W error::pgregistry.ProcessGroupFallbackWarning`` each read that still relies on the global grid
-raises, naming the function whose callers pass nothing yet. The same four functions, falling back to
-Megatron-Core's ``parallel_state``, are what ``--target megatron`` writes into the migrated tree
-(:mod:`pgregistry.migrate._fallback_helper`).
+Under ``-W error::pgregistry.ProcessGroupFallbackWarning`` each read that still relies on the global
+grid raises, naming the function whose callers pass nothing yet. The same four functions, falling
+back to Megatron-Core's ``parallel_state``, are what ``--target megatron`` writes into the migrated
+tree (:mod:`pgregistry.migrate._fallback_helper`).
 
-``resolve_megatron_collection`` and ``resolve_collection`` resolve a whole collection at once (what earlier
-versions of the tool wrote at the top of a function); kept for code migrated then.
+``resolve_megatron_collection`` and ``resolve_collection`` resolve a whole collection at once (what
+earlier versions of the tool wrote at the top of a function); kept for code migrated then.
 
-Imports no torch and no Megatron-Core at module load: the generated code imports this module in files that
-may load before either is configured.
+Imports no torch and no Megatron-Core at module load: the generated code imports this module in
+files that may load before either is configured.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: 
     resolved = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
     if group_size(cast("ProcessGroup | None", resolved.gtp_remat)) != 1:  # resolved: set
         raise ValueError(
-            f"{owner} reads the data-parallel group with GTP remat and without CP, which no field of pgregistry's "
-            "collection holds (its gtp_remat spans several ranks); read dp (with_gtp_remat=False) or dp_cp_gtp_remat"
+            f"{owner} reads the data-parallel group with GTP remat and without CP, "
+            "which no field of pgregistry's collection holds (its gtp_remat spans "
+            "several ranks); read dp (with_gtp_remat=False) or dp_cp_gtp_remat"
         )
     return value_of_kind(resolved.dp, kind)
 

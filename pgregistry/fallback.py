@@ -1,23 +1,26 @@
 """The warning every read of the global grid emits: :class:`ProcessGroupFallbackWarning`.
 
-Code that is handed a :class:`~pgregistry.collection.ProcessGroupCollection` uses it. Code that is not (or is
-handed one with a field :data:`~pgregistry.collection.UNSET`) falls back to the global grid
-(:mod:`pgregistry.global_grid`), and every such fallback warns, so it can be found and removed:
+Code that is handed a :class:`~pgregistry.collection.ProcessGroupCollection` uses it. Code that is
+not (or is handed one with a field :data:`~pgregistry.collection.UNSET`) falls back to the global
+grid (:mod:`pgregistry.global_grid`), and every such fallback warns, so it can be found and removed:
 
 * under default filters, once per ``(owner, argument)`` per process, wherever it is called from;
 * under an ``error`` filter (``python -W error::pgregistry.ProcessGroupFallbackWarning``, pytest's
-  ``filterwarnings``, ``warnings.simplefilter("error", ...)``) it raises *every* time, which is the migration mode;
+  ``filterwarnings``, ``warnings.simplefilter("error", ...)``) it raises *every* time, which is the
+  migration mode;
 * ``always`` shows it every time and ``ignore`` never.
 
-A plain "already warned" set would make an ``error`` filter raise only the first time; so the filters are asked
-what they would do first, and only a non-``error``/``always`` action is deduplicated. The warning is attributed to
-the first frame outside pgregistry: the user's code that called an entry point without a collection, so a module
-filter of a migration config (``error::pgregistry.ProcessGroupFallbackWarning:mypackage.trainer``) matches it.
+A plain "already warned" set would make an ``error`` filter raise only the first time; so the
+filters are asked what they would do first, and only a non-``error``/``always`` action is
+deduplicated. The warning is attributed to the first frame outside pgregistry: the user's code that
+called an entry point without a collection, so a module filter of a migration config
+(``error::pgregistry.ProcessGroupFallbackWarning:mypackage.trainer``) matches it.
 
-Code that ``pgregistry migrate`` rewrote warns through its fallback helper (:mod:`pgregistry.doors`, or the module
-the tool wrote into the tree, which uses this warning when pgregistry is importable).
+Code that ``pgregistry migrate`` rewrote warns through its fallback helper (:mod:`pgregistry.doors`,
+or the module the tool wrote into the tree, which uses this warning when pgregistry is importable).
 
-Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at interpreter start.
+Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at
+interpreter start.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ __all__ = ["ProcessGroupFallbackWarning", "warn_fallback"]
 class ProcessGroupFallbackWarning(UserWarning):
     """Code read the global process-group grid because it was not given a group explicitly.
 
-    Turn it into an error to find every such read: ``python -W error::pgregistry.ProcessGroupFallbackWarning``.
-    Importing :mod:`pgregistry` does not import torch, so the filter works from the command line.
+    Turn it into an error to find every such read: ``python -W
+    error::pgregistry.ProcessGroupFallbackWarning``. Importing :mod:`pgregistry` does not import
+    torch, so the filter works from the command line.
 
     Example::
 
@@ -52,7 +56,10 @@ _warned_lock = threading.Lock()
 
 
 def _forget_fallback_warnings() -> None:
-    """Forget which ``(owner, argument)`` pairs have warned, so each warns again once (the test suite's fixture)."""
+    """Forget which ``(owner, argument)`` pairs have warned, so each warns again once.
+
+    The test suite's fixture calls it.
+    """
     with _warned_lock:
         _warned.clear()
 
@@ -71,13 +78,14 @@ def warn_fallback(owner: str, argument: str) -> None:
     """
     if argument == "pg_collection":
         message = (
-            f"{owner} was not given a ProcessGroupCollection (nor a model with one attached) and falls back to the "
-            "global grid; pass pg_collection explicitly or attach it to the model (pgregistry.attach)"
+            f"{owner} was not given a ProcessGroupCollection (nor a model with "
+            "one attached) and falls back to the global grid; pass pg_collection "
+            "explicitly or attach it to the model (pgregistry.attach)"
         )
     else:
         message = (
-            f"{owner} was not given process group {argument!r} and falls back to the global grid; pass a "
-            f"ProcessGroupCollection that sets it (None when the axis is off)"
+            f"{owner} was not given process group {argument!r} and falls back to the global "
+            "grid; pass a ProcessGroupCollection that sets it (None when the axis is off)"
         )
     stacklevel, module, lineno = _first_frame_outside_pgregistry()
     action = _filter_action(message, ProcessGroupFallbackWarning, module, lineno)
@@ -93,7 +101,7 @@ def warn_fallback(owner: str, argument: str) -> None:
 
 
 def _first_frame_outside_pgregistry() -> tuple[int, str, int]:
-    """``(stacklevel for warnings.warn called from warn_fallback, that frame's module, its line)``."""
+    """``(stacklevel for warnings.warn called from warn_fallback, its frame's module, line)``."""
     frame = sys._getframe(2)  # the caller of warn_fallback
     level = 2
     while frame is not None:
@@ -106,7 +114,7 @@ def _first_frame_outside_pgregistry() -> tuple[int, str, int]:
 
 
 def _filter_action(message: str, category: type[Warning], module: str, lineno: int) -> str:
-    """The action the active warning filters would take, matched as :func:`warnings.warn_explicit` does."""
+    """The action the active warning filters take, matched as in :func:`warnings.warn_explicit`."""
     for action, msg, cat, mod, line in warnings.filters:
         if (
             (msg is None or _pattern_matches(msg, message))

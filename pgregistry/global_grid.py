@@ -1,9 +1,10 @@
-"""The global grid: one collection a process may declare for code that is given none (the deprecated path).
+"""The global grid: one collection a process may declare for code given none (the deprecated path).
 
-Migrating code bases start here: :func:`initialize_global_grid` builds a layout as the process-wide default, and
-every entry point that is given no collection (nor a model with one attached) runs on it, with a
-:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the entry point, until the call sites pass
-collections. Nothing else reads it: the entry points resolve their collection once, at the door, and only there.
+Migrating code bases start here: :func:`initialize_global_grid` builds a layout as the process-wide
+default, and every entry point that is given no collection (nor a model with one attached) runs on
+it, with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the entry point, until
+the call sites pass collections. Nothing else reads it: the entry points resolve their collection
+once, at the door, and only there.
 """
 
 from __future__ import annotations

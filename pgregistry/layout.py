@@ -1,24 +1,26 @@
 """Rank layout: pure arithmetic that maps ranks to parallelism coordinates and groups.
 
-No process group is created here. A :class:`ParallelLayout` declares the sizes of the parallelism axes, the order in
-which they vary over ranks and the span of ranks it covers (``num_ranks`` ranks from ``rank_offset``: the whole world,
-or the part of it one module runs on), and answers which ranks form each group kind. The rules are exactly those of
-Megatron-Core's ``RankGenerator`` (and of its ``HyperCommGrid`` for a span), so that users migrating get the same
-communicators:
+No process group is created here. A :class:`ParallelLayout` declares the sizes of the parallelism
+axes, the order in which they vary over ranks and the span of ranks it covers (``num_ranks`` ranks
+from ``rank_offset``: the whole world, or the part of it one module runs on), and answers which
+ranks form each group kind. The rules are exactly those of Megatron-Core's ``RankGenerator`` (and of
+its ``HyperCommGrid`` for a span), so that users migrating get the same communicators:
 
-* The order string lists axes fastest-varying first: with the default ``"tp-cp-ep-dp-pp"`` the dense grid puts
-  ``rank = rank_offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``.
-* There are two grids over the same ranks. The dense grid has the axes ``tp, gtp_remat, cp, dp, pp`` (``ep`` is 1
-  there); the expert grid has ``expt_tp, ep, expt_gtp_remat, expt_dp, pp`` (``cp`` is 1 there). Both follow the same
-  order string, whose tokens name the slot of each: ``tp`` is TP in the dense grid and expert TP in the expert grid,
-  ``dp`` data and expert data parallelism. Every other name is the collection field of that axis's group.
-* The GTP-remat axis is placed right after ``tp`` in the dense grid and right after ``ep`` in the expert grid
-  (after ``tp``, or first, when the order does not name that axis).
-* A group kind such as ``("dp", "cp")`` is the set of ranks that differ only in those coordinates; its ranks are
-  listed in grid order (the order string's axis order, fastest first), whatever order the kind names them in.
+* The order string lists axes fastest-varying first: with the default ``"tp-cp-ep-dp-pp"`` the dense
+  grid puts ``rank = rank_offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``.
+* There are two grids over the same ranks. The dense grid has the axes ``tp, gtp_remat, cp, dp, pp``
+  (``ep`` is 1 there); the expert grid has ``expt_tp, ep, expt_gtp_remat, expt_dp, pp`` (``cp`` is 1
+  there). Both follow the same order string, whose tokens name the slot of each: ``tp`` is TP in the
+  dense grid and expert TP in the expert grid, ``dp`` data and expert data parallelism. Every other
+  name is the collection field of that axis's group.
+* The GTP-remat axis is placed right after ``tp`` in the dense grid and right after ``ep`` in the
+  expert grid (after ``tp``, or first, when the order does not name that axis).
+* A group kind such as ``("dp", "cp")`` is the set of ranks that differ only in those coordinates;
+  its ranks are listed in grid order (the order string's axis order, fastest first), whatever order
+  the kind names them in.
 
-Every query is vectorised: a whole kind is one reshape/permute of ``arange(num_ranks)``, so enumerating every
-group of a 131,072-rank layout takes a fraction of a second.
+Every query is vectorised: a whole kind is one reshape/permute of ``arange(num_ranks)``, so
+enumerating every group of a 131,072-rank layout takes a fraction of a second.
 """
 
 from __future__ import annotations
@@ -96,13 +98,15 @@ DENSE_GROUP_KINDS: Final[Mapping[str, tuple[str, ...]]] = {
     "pp": ("pp",),
     "dp_cp": ("dp", "cp"),
     "tp_cp": ("tp", "cp"),
-    # The model-parallel group spans every axis that shards the dense model (GTP remat included), which is the
-    # group dense grad norms reduce over. With gtp_remat == 1 it is Megatron-Core's "tp-pp".
+    # The model-parallel group spans every axis that shards the dense model (GTP remat included),
+    # which is the group dense grad norms reduce over. With gtp_remat == 1 it is Megatron-Core's
+    # "tp-pp".
     "mp": ("tp", "gtp_remat", "pp"),
-    # Spans the GTP axis like Megatron-Core's: GTP peers hold distinct data, and the router's expert-bias and the
-    # FP8 amax reductions run over every rank of one TP x data domain.
+    # Spans the GTP axis like Megatron-Core's: GTP peers hold distinct data, and the router's
+    # expert-bias and the FP8 amax reductions run over every rank of one TP x data domain.
     "tp_dp_cp": ("tp", "gtp_remat", "dp", "cp"),
-    # The full data-distribution group (every rank holding a distinct micro-batch); ``dp_cp`` when GTP is off.
+    # The full data-distribution group (every rank holding a distinct micro-batch); ``dp_cp`` when
+    # GTP is off.
     "dp_cp_gtp_remat": ("gtp_remat", "dp", "cp"),
 }
 """Dense-grid group kinds: collection field -> the dense-grid axes its groups span."""
@@ -114,8 +118,9 @@ EXPERT_GROUP_KINDS: Final[Mapping[str, tuple[str, ...]]] = {
     "expt_dp": ("expt_dp",),
     "tp_ep": ("expt_tp", "ep"),
     "tp_ep_pp": ("expt_tp", "ep", "pp"),
-    # The expert model-parallel group: every axis that shards expert weights (expert TP x EP x expert GTP-remat x
-    # PP), which is the group expert grad norms reduce over. ``tp_ep_pp`` when expert GTP is off.
+    # The expert model-parallel group: every axis that shards expert weights (expert TP x EP x
+    # expert GTP-remat x PP), which is the group expert grad norms reduce over. ``tp_ep_pp`` when
+    # expert GTP is off.
     "tp_ep_pp_with_egtp_remat": ("expt_tp", "expt_gtp_remat", "ep", "pp"),
     # The full expert data-distribution group; ``expt_dp`` when expert GTP is off.
     "expt_dp_gtp_remat": ("expt_gtp_remat", "expt_dp"),
@@ -148,7 +153,10 @@ MAX_WORLD_SIZE: Final = 2**31 - 1
 
 @attrs.frozen(slots=True, kw_only=True)
 class _Grid:
-    """One grid (dense or expert): axis names and sizes in order, fastest first, over ``offset + arange(size)``."""
+    """One grid (dense or expert): axis names and sizes in order, fastest first.
+
+    It spans ``offset + arange(size)``.
+    """
 
     axes: tuple[str, ...]
     sizes: tuple[int, ...]
@@ -166,7 +174,10 @@ class _Grid:
         return tuple(axis in kind_axes for axis in self.axes)
 
     def all_groups(self, kind_axes: tuple[str, ...]) -> torch.Tensor:
-        """Every group of ``kind_axes`` as a ``[num_groups, group_size]`` int64 tensor of (global) ranks."""
+        """Each group of ``kind_axes``, as a ``[num_groups, group_size]`` int64 tensor of ranks.
+
+        The ranks are global.
+        """
         import torch
 
         mask = self.mask(kind_axes)
@@ -198,7 +209,8 @@ class _Grid:
             if masked
         ]
         members = [local - sum((local // stride) % size * stride for size, stride in masked_axes)]
-        # Adding each slower axis as the outer loop keeps the faster ones varying fastest: grid order.
+        # Adding each slower axis as the outer loop keeps the faster ones varying fastest: grid
+        # order.
         for size, stride in masked_axes:
             members = [m + i * stride for i in range(size) for m in members]
         return tuple(self.offset + m for m in members)
@@ -261,8 +273,8 @@ class ParallelLayout:
                     f"rank_offset {self.rank_offset} + {span} = {self.rank_offset + self.num_ranks}"
                 )
             raise ValueError(
-                f"{span} is more ranks than torch.distributed can address (at most {MAX_WORLD_SIZE} = 2**31 - 1: "
-                "ranks are C ints)"
+                f"{span} is more ranks than torch.distributed can address "
+                f"(at most {MAX_WORLD_SIZE} = 2**31 - 1: ranks are C ints)"
             )
         tokens = self._validate_order_tokens()
         dense_product = self.tp * self.gtp_remat * self.cp * self.pp
@@ -274,21 +286,24 @@ class ParallelLayout:
         expert_product = self.expt_tp * self.ep * self.expt_gtp_remat * self.pp
         if self.num_ranks % expert_product:
             raise ValueError(
-                f"expt_tp*ep*expt_gtp_remat*pp = {self.expt_tp}*{self.ep}*{self.expt_gtp_remat}*{self.pp} = "
+                "expt_tp*ep*expt_gtp_remat*pp = "
+                f"{self.expt_tp}*{self.ep}*{self.expt_gtp_remat}*{self.pp} = "
                 f"{expert_product} does not divide num_ranks {self.num_ranks}"
             )
         dp = self.num_ranks // dense_product
         expt_dp = self.num_ranks // expert_product
         if "dp" not in self.order.split("-") and (dp, expt_dp) != (1, 1):
             raise ValueError(
-                f"order {self.order!r} lacks axis 'dp' whose size is {dp} (expert data-parallel size {expt_dp})"
+                f"order {self.order!r} lacks axis 'dp' whose size "
+                f"is {dp} (expert data-parallel size {expt_dp})"
             )
-        # Megatron-Core tests the order string as declared: axes appended because they are missing have size 1.
+        # Megatron-Core tests the order string as declared: axes appended because they are missing
+        # have size 1.
         if not self.order.endswith(OrderToken.PP.value) and self.pp > 1 and expt_dp != dp:
             raise ValueError(
-                f"pp must be last in order {self.order!r} when pp={self.pp} > 1 and the expert data-parallel "
-                f"size ({expt_dp}) differs from the dense one ({dp}): dense and expert grids would not share "
-                "pipeline stages"
+                f"pp must be last in order {self.order!r} when pp={self.pp} > 1 and "
+                f"the expert data-parallel size ({expt_dp}) differs from the dense "
+                f"one ({dp}): dense and expert grids would not share pipeline stages"
             )
         object.__setattr__(self, "dp", dp)
         object.__setattr__(self, "expt_dp", expt_dp)
@@ -324,7 +339,8 @@ class ParallelLayout:
         object.__setattr__(self, "_expert", expert)
         if self.pp > 1 and not dense.all_groups(("pp",)).equal(expert.all_groups(("pp",))):
             raise ValueError(
-                f"order {self.order!r} gives the dense and expert grids different pipeline stages; put pp last"
+                f"order {self.order!r} gives the dense and expert "
+                "grids different pipeline stages; put pp last"
             )
 
     def _validate_order_tokens(self) -> tuple[str, ...]:
@@ -332,13 +348,14 @@ class ParallelLayout:
         unknown = [t for t in tokens if t not in _TOKENS]
         if unknown:
             raise ValueError(
-                f"unknown axis {unknown[0]!r} in order {self.order!r}; known axes: {sorted(_TOKENS)}"
+                f"unknown axis {unknown[0]!r} in order "
+                f"{self.order!r}; known axes: {sorted(_TOKENS)}"
             )
         repeated = sorted({t for t in tokens if tokens.count(t) > 1})
         if repeated:
             raise ValueError(f"axis {repeated[0]!r} repeated in order {self.order!r}")
-        # Like Megatron-Core, an axis missing from the order is appended (outermost) when its size is 1. The data
-        # parallel sizes are derived later, and checked in __attrs_post_init__.
+        # Like Megatron-Core, an axis missing from the order is appended (outermost) when its size
+        # is 1. The data parallel sizes are derived later, and checked in __attrs_post_init__.
         sizes = {"tp": self.tp, "cp": self.cp, "ep": self.ep, "pp": self.pp, "dp": 1}
         missing = [t for t in _TOKENS if t not in tokens]
         for token in missing:
@@ -348,7 +365,8 @@ class ParallelLayout:
                 )
             if token == OrderToken.TP.value and self.expt_tp != 1:
                 raise ValueError(
-                    f"order {self.order!r} lacks axis 'tp' whose expert size (expt_tp) is {self.expt_tp}"
+                    f"order {self.order!r} lacks axis 'tp' whose "
+                    f"expert size (expt_tp) is {self.expt_tp}"
                 )
         return tokens + tuple(missing)
 
@@ -362,20 +380,20 @@ class ParallelLayout:
         *,
         after: str,
     ) -> _Grid:
-        """The grid of ``tokens`` (the declared order, then the appended size-1 axes; ``axis_of`` names each slot's
-        axis in this grid) with the GTP axis placed as Megatron-Core places it: right after ``after`` when the
-        declared order names it, else right after ``tp`` when named, else first. The appended axes have size 1, so
-        only the declared ones decide the ranks."""
+        """The grid of ``tokens`` (the declared order, then the appended size-1 axes; ``axis_of``
+        names each slot's axis in this grid) with the GTP axis placed as Megatron-Core places it:
+        right after ``after`` when the declared order names it, else right after ``tp`` when named,
+        else first. The appended axes have size 1, so only the declared ones decide the ranks."""
         preceding = after if after in declared else OrderToken.TP.value
         position = declared.index(preceding) + 1 if preceding in declared else 0
         slots = [axis_of[token] for token in tokens]
         axes = (*slots[:position], gtp_axis, *slots[position:])
         return _Grid(axes=axes, sizes=tuple(sizes[a] for a in axes), offset=self.rank_offset)
 
-    # ----------------------------------------------------------------------------------------------- queries
+    # -------------------------------------------------------------------------------------- queries
 
     def groups_tensor(self, kind: str) -> torch.Tensor:
-        """Every group of ``kind`` as a ``[num_groups, group_size]`` int64 tensor (the fast path)."""
+        """Every group of ``kind`` as a ``[num_groups, group_size]`` int64 tensor (fast path)."""
         if kind in DENSE_GROUP_KINDS:
             return self._dense.all_groups(DENSE_GROUP_KINDS[kind])
         if kind in EXPERT_GROUP_KINDS:
@@ -405,23 +423,25 @@ class ParallelLayout:
         return self.num_ranks // size, size
 
     def groups(self, kind: str) -> tuple[RankGroup, ...]:
-        """Every group of ``kind`` (a :data:`GROUP_KINDS` name), each a tuple of ranks in grid order.
+        """Every group of ``kind`` (a :data:`GROUP_KINDS` name) as a tuple of ranks in grid order.
 
-        ``embd`` and ``pos_embd`` hold the first and last pipeline stage (``[first]`` when pp is 1) and the first
-        stage of each pipeline group, as Megatron-Core builds them; ranks outside them belong to no such group.
-        ``ValueError`` for an unknown kind, listing the known ones.
+        ``embd`` and ``pos_embd`` hold the first and last pipeline stage (``[first]`` when pp is 1)
+        and the first stage of each pipeline group, as Megatron-Core builds them; ranks outside them
+        belong to no such group. ``ValueError`` for an unknown kind, listing the known ones.
 
         Example:
             >>> ParallelLayout(num_ranks=8, tp=2, pp=2).groups("dp")
             ((0, 2), (1, 3), (4, 6), (5, 7))
         """
-        # Zipping the columns builds the row tuples in C: about 3x faster than a tuple() per row at 131k ranks.
+        # Zipping the columns builds the row tuples in C: about 3x faster than a tuple() per row at
+        # 131k ranks.
         return tuple(zip(*self.groups_tensor(kind).T.tolist(), strict=True))
 
     def groups_of(self, rank: int) -> dict[str, RankGroup | None]:
-        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not part of).
+        """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not in).
 
-        Computed for ``rank`` alone (no kind is enumerated). ``ValueError`` for a rank outside the layout.
+        Computed for ``rank`` alone (no kind is enumerated). ``ValueError`` for a rank outside the
+        layout.
 
         >>> groups = ParallelLayout(num_ranks=8, tp=2, pp=2).groups_of(5)
         >>> groups["tp"], groups["dp"], groups["embd"]
@@ -470,10 +490,11 @@ class ParallelLayout:
         return self.rank_offset, self.rank_offset + self.num_ranks
 
     def fingerprint(self) -> str:
-        """A stable digest of the declared layout; equal on every rank that declared the same layout."""
+        """A stable digest of the declared layout, equal on all ranks declaring the same one."""
         text = (
-            f"v2|ranks={self.num_ranks}|offset={self.rank_offset}|tp={self.tp}|cp={self.cp}|pp={self.pp}|"
-            f"ep={self.ep}|expt_tp={self.expt_tp}|gtp={self.gtp_remat}|egtp={self.expt_gtp_remat}|order={self.order}"
+            f"v2|ranks={self.num_ranks}|offset={self.rank_offset}|"
+            f"tp={self.tp}|cp={self.cp}|pp={self.pp}|ep={self.ep}|expt_tp={self.expt_tp}|"
+            f"gtp={self.gtp_remat}|egtp={self.expt_gtp_remat}|order={self.order}"
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -512,8 +533,9 @@ class ParallelLayout:
         return (0, self.pp - 1)
 
     def _check_rank(self, rank: int, what: str = "rank") -> int:
-        """``rank`` as an int; ``TypeError`` for a bool (``True`` is not rank 1) or a non-integer, ``ValueError``
-        outside the layout's ranks. ``what`` names it in the message (``lost rank`` for :meth:`shrink`)."""
+        """``rank`` as an int; ``TypeError`` for a bool (``True`` is not rank 1) or a non-integer,
+        ``ValueError`` outside the layout's ranks. ``what`` names it in the message (``lost rank``
+        for :meth:`shrink`)."""
         if isinstance(rank, bool):
             raise TypeError(f"{what} must be an integer, got the bool {rank!r}")
         try:
@@ -568,10 +590,13 @@ class Shrunk:
     leaving: tuple[int, ...]
     """The lost ranks and every rank that must leave with them (their whole replicas), sorted."""
     layout: ParallelLayout
-    """The layout over the survivors: ``dp`` and ``expt_dp`` smaller, every other size, the order and the
-    ``rank_offset`` the same."""
+    """The layout over the survivors: ``dp`` and ``expt_dp`` smaller, every other size, the order
+    and the ``rank_offset`` the same."""
     rank_map: Mapping[int, int]
-    """Old rank -> new rank, for every survivor (in old order: the survivors renumbered from ``rank_offset``)."""
+    """Old rank -> new rank, for every survivor.
+
+    In old order: the survivors renumbered from ``rank_offset``.
+    """
     dense_replicas_left: tuple[int, ...]
     """The data-parallel coordinates (``dp``) of the dense replicas that leave."""
     expert_replicas_left: tuple[int, ...]
@@ -586,22 +611,23 @@ class Shrunk:
 def _shrink_layout(
     layout: ParallelLayout, lost: Iterable[int], *, sharded_optimizer: bool = False
 ) -> Shrunk:
-    """:meth:`ParallelLayout.shrink`: the ranks that leave with ``lost`` and the smaller layout over the
-    survivors (pure rank arithmetic over the layout's coordinates).
+    """:meth:`ParallelLayout.shrink`: the ranks that leave with ``lost`` and the smaller layout over
+    the survivors (pure rank arithmetic over the layout's coordinates).
 
-    A rank holds state that differs from its peers along every axis but data parallelism: its TP, CP,
-    GTP-remat and pipeline peers hold other shards of the dense model or other parts of the sequence,
-    its expert TP, EP and expert GTP-remat peers other experts or other shards of them. A lost rank
-    therefore takes with it every rank of its *dense replica* (the ranks of its data-parallel coordinate
-    ``dp``: TP x GTP-remat x CP x PP) and of its *expert replica* (its ``expt_dp`` coordinate: expert TP
-    x EP x expert GTP-remat x PP). An expert replica usually spans several dense replicas (EP runs
-    across data-parallel ranks), and a dense replica may reach into several expert replicas, so the
-    ranks that leave are the closure of both relations. What is left is whole dense and whole expert
-    replicas: the same layout with fewer data-parallel replicas (``dp`` and ``expt_dp`` smaller, every
-    other size the same), over the survivors renumbered in their old order. A mixed-radix rank keeps its
-    order when whole values of one digit are removed, so renumbering in order maps each surviving group
-    onto a group of the smaller layout, with the same members: their communicators can be kept. Only
-    groups that reach across replicas (the data-parallel kinds) lose members.
+    A rank holds state that differs from its peers along every axis but data parallelism: its TP,
+    CP, GTP-remat and pipeline peers hold other shards of the dense model or other parts of the
+    sequence, its expert TP, EP and expert GTP-remat peers other experts or other shards of them. A
+    lost rank therefore takes with it every rank of its *dense replica* (the ranks of its
+    data-parallel coordinate ``dp``: TP x GTP-remat x CP x PP) and of its *expert replica* (its
+    ``expt_dp`` coordinate: expert TP x EP x expert GTP-remat x PP). An expert replica usually spans
+    several dense replicas (EP runs across data-parallel ranks), and a dense replica may reach into
+    several expert replicas, so the ranks that leave are the closure of both relations. What is left
+    is whole dense and whole expert replicas: the same layout with fewer data-parallel replicas
+    (``dp`` and ``expt_dp`` smaller, every other size the same), over the survivors renumbered in
+    their old order. A mixed-radix rank keeps its order when whole values of one digit are removed,
+    so renumbering in order maps each surviving group onto a group of the smaller layout, with the
+    same members: their communicators can be kept. Only groups that reach across replicas (the
+    data-parallel kinds) lose members.
     """
     lost_ranks = _check_lost_ranks(layout, lost)
     first, stop = layout.rank_range()
@@ -609,7 +635,8 @@ def _shrink_layout(
     coords = {rank: layout.coords(rank) for rank in ranks}
     dense_gone = {coords[rank]["dp"] for rank in lost_ranks}
     expert_gone = {coords[rank]["expt_dp"] for rank in lost_ranks}
-    # Closure: a rank leaves with its dense replica or its expert replica; each leaving rank takes both of its own.
+    # Closure: a rank leaves with its dense replica or its expert replica; each leaving rank takes
+    # both of its own.
     while True:
         leaving = [
             r for r in ranks if coords[r]["dp"] in dense_gone or coords[r]["expt_dp"] in expert_gone
@@ -622,9 +649,10 @@ def _shrink_layout(
     survivors = [r for r in ranks if coords[r]["dp"] not in dense_gone]
     if lost_ranks and sharded_optimizer:
         raise ValueError(
-            f"losing rank(s) {_ranks_text(lost_ranks)} loses the sharded optimizer's shards on rank(s) "
-            f"{_ranks_text(leaving)}: each data-parallel replica holds its own shard, kept nowhere else. Reload a "
-            "checkpoint (or train with a replicated optimizer to survive the loss of a replica)"
+            f"losing rank(s) {_ranks_text(lost_ranks)} loses the sharded optimizer's "
+            f"shards on rank(s) {_ranks_text(leaving)}: each data-parallel replica "
+            "holds its own shard, kept nowhere else. Reload a checkpoint (or train "
+            "with a replicated optimizer to survive the loss of a replica)"
         )
     if not survivors:
         raise ValueError(
@@ -646,8 +674,8 @@ def _shrink_layout(
 
 
 def _check_lost_ranks(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int, ...]:
-    """The lost ranks, sorted and deduplicated: ``TypeError`` for a non-integer (a bool too), ``ValueError`` for a
-    rank outside the layout's span."""
+    """The lost ranks, sorted and deduplicated: ``TypeError`` for a non-integer (a bool too),
+    ``ValueError`` for a rank outside the layout's span."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks, got {type(lost).__name__}")
     out = {layout._check_rank(rank, "lost rank") for rank in lost}
@@ -657,16 +685,18 @@ def _check_lost_ranks(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int,
 def _smaller_layout(
     layout: ParallelLayout, lost: tuple[int, ...], num_ranks: int
 ) -> ParallelLayout:
-    """The layout with every size but the data-parallel ones unchanged, over ``num_ranks`` ranks; a ``ValueError``
-    naming the lost ranks when no such layout is valid (an order rule the smaller data-parallel sizes break)."""
+    """The layout with every size but the data-parallel ones unchanged, over ``num_ranks`` ranks; a
+    ``ValueError`` naming the lost ranks when no such layout is valid (an order rule the smaller
+    data-parallel sizes break)."""
     if num_ranks == layout.num_ranks:
         return layout
     try:
         return attrs.evolve(layout, num_ranks=num_ranks)
     except ValueError as error:
         raise ValueError(
-            f"losing rank(s) {_ranks_text(lost)} leaves {num_ranks} ranks, on which no layout with the same sizes "
-            f"and order fits: {error}. Reload a checkpoint on a layout that fits the survivors"
+            f"losing rank(s) {_ranks_text(lost)} leaves {num_ranks} ranks, on "
+            f"which no layout with the same sizes and order fits: {error}. "
+            "Reload a checkpoint on a layout that fits the survivors"
         ) from error
 
 
@@ -678,9 +708,10 @@ def _check_groups_kept(
     dense_gone: list[int],
     expert_gone: list[int],
 ) -> None:
-    """Every survivor keeps its coordinates on the smaller layout, data-parallel ones renumbered in order: then
-    every group keeps its members. Holds whenever whole replicas leave (see the module docstring); checked rather
-    than assumed, because the dense and expert grids interleave their axes in ways the order string chooses."""
+    """Every survivor keeps its coordinates on the smaller layout, data-parallel ones renumbered in
+    order: then every group keeps its members. Holds whenever whole replicas leave (see the module
+    docstring); checked rather than assumed, because the dense and expert grids interleave their
+    axes in ways the order string chooses."""
     dense_kept = [d for d in range(old.dp) if d not in dense_gone]
     expert_kept = [e for e in range(old.expt_dp) if e not in expert_gone]
     for rank, new_rank in rank_map.items():
@@ -690,8 +721,9 @@ def _check_groups_kept(
         got = new.coords(new_rank)
         if got != want:
             raise ValueError(
-                f"no layout over the survivors keeps rank {rank}'s groups: renumbered {new_rank} on {new!r} it "
-                f"would sit at {got}, not {want}. Reload a checkpoint on a layout that fits the survivors"
+                f"no layout over the survivors keeps rank {rank}'s groups: "
+                f"renumbered {new_rank} on {new!r} it would sit at {got}, not "
+                f"{want}. Reload a checkpoint on a layout that fits the survivors"
             )
 
 

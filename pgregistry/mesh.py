@@ -1,17 +1,20 @@
-"""Adapters between :class:`~torch.distributed.device_mesh.DeviceMesh` and :class:`ProcessGroupCollection`.
+"""Adapters between a :class:`~torch.distributed.device_mesh.DeviceMesh` and a collection.
 
-Code built on a DeviceMesh (DTensor, FSDP2, torchtitan-style parallel dims) and code built on collections can
-then share communicators instead of creating a second set:
+The collection is a :class:`ProcessGroupCollection`.
 
-* :func:`from_device_mesh` reads a collection off a mesh: a field mapped to one mesh dim gets that dim's group;
-  a field mapped to several dims gets one group over the flattened dims, from pgregistry's one communicator per
-  rank set, so a rank set it already has (a layout built with :func:`~pgregistry.registry.build`, or the same
-  flattening asked for twice) is reused.
-* :func:`to_device_mesh` hands back a DeviceMesh for FSDP2 / TP / EP whose dims are the collection's own groups
-  (``DeviceMesh.from_group``): dense or expert data parallelism, TP, EP, the 2-D meshes torchtitan uses, and HSDP
-  once :func:`with_hsdp_groups` has split the dense and expert data-parallel groups. No second grid of
-  communicators exists. A DeviceMesh has no "axis off" value, so a field that is ``None`` (a size-1 axis) becomes a
-  dim of the collection's one-rank group.
+Code built on a DeviceMesh (DTensor, FSDP2, torchtitan-style parallel dims) and code built on
+collections can then share communicators instead of creating a second set:
+
+* :func:`from_device_mesh` reads a collection off a mesh: a field mapped to one mesh dim gets that
+  dim's group; a field mapped to several dims gets one group over the flattened dims, from
+  pgregistry's one communicator per rank set, so a rank set it already has (a layout built with
+  :func:`~pgregistry.registry.build`, or the same flattening asked for twice) is reused.
+* :func:`to_device_mesh` hands back a DeviceMesh for FSDP2 / TP / EP whose dims are the collection's
+  own groups (``DeviceMesh.from_group``): dense or expert data parallelism, TP, EP, the 2-D meshes
+  torchtitan uses, and HSDP once :func:`with_hsdp_groups` has split the dense and expert
+  data-parallel groups. No second grid of communicators exists. A DeviceMesh has no "axis off"
+  value, so a field that is ``None`` (a size-1 axis) becomes a dim of the collection's one-rank
+  group.
 
 Only public DeviceMesh APIs are used (``mesh``, ``mesh_dim_names``, ``get_group``, ``from_group``).
 """
@@ -43,8 +46,9 @@ MESH_FIELDS: tuple[str, ...] = (
     *(kind for kind in GROUP_KINDS if kind not in ("embd", "pos_embd")),
     *_HSDP_FIELDS,
 )
-"""Collection fields :func:`to_device_mesh` can make mesh dims of: every layout group kind that holds every rank
-(dense and expert), and the HSDP split of the dense and expert data-parallel groups."""
+"""Collection fields :func:`to_device_mesh` can make mesh dims of: every layout group kind that
+holds every rank (dense and expert), and the HSDP split of the dense and expert data-parallel
+groups."""
 
 
 def from_device_mesh(
@@ -86,7 +90,8 @@ def from_device_mesh(
     check_field_names(field_dims)
     if "hcp" in field_dims:
         raise ValueError(
-            "'hcp' holds a list of hierarchical context-parallel groups; map it outside from_device_mesh"
+            "'hcp' holds a list of hierarchical context-parallel "
+            "groups; map it outside from_device_mesh"
         )
     dim_names = tuple(mesh.mesh_dim_names or ())
     if not dim_names:
@@ -97,8 +102,9 @@ def from_device_mesh(
         unknown = [d for d in dims if d not in dim_names]
         if not dims or unknown or len(set(dims)) != len(dims):
             raise ValueError(
-                f"field {field!r} maps to mesh dims {dims!r}: give one or more distinct names of the mesh's dims "
-                f"{dim_names}" + (f" ({unknown[0]!r} is not one)" if unknown else "")
+                f"field {field!r} maps to mesh dims {dims!r}: give one or more distinct names of "
+                f"the mesh's dims {dim_names}"
+                + (f" ({unknown[0]!r} is not one)" if unknown else "")
             )
         if len(dims) == 1:
             groups[field] = mesh.get_group(dims[0])
@@ -119,15 +125,15 @@ def _flat_group(
     ranks = mesh.mesh
     if ranks.numel() != dist.get_world_size():
         raise ValueError(
-            f"flattening mesh dims {dims} needs a mesh over the whole world ({dist.get_world_size()} ranks); this "
-            f"one has {ranks.numel()}"
+            f"flattening mesh dims {dims} needs a mesh over the whole world "
+            f"({dist.get_world_size()} ranks); this one has {ranks.numel()}"
         )
     names = tuple(mesh.mesh_dim_names or ())
     flattened = [names.index(d) for d in dims]
     others = [i for i in range(ranks.ndim) if i not in flattened]
     size = math.prod(ranks.shape[i] for i in flattened)
-    # Every group of the flattening, one per coordinate of the other dims: the registry creates them in one
-    # global order, each rank walking the same list.
+    # Every group of the flattening, one per coordinate of the other dims: the registry creates them
+    # in one global order, each rank walking the same list.
     rank_sets = ranks.permute(*others, *flattened).reshape(-1, size).tolist()
     group = CACHE.partition_group(rank_sets, GroupOptions.of(backend, timeout))
     if group is None:
@@ -195,7 +201,8 @@ def to_device_mesh(
         actual = tuple(dist.get_process_group_ranks(group))
         ranks_of[field] = actual
         groups.append(group)
-        # Along this dim the grid steps through the group's ranks; broadcast it over the dims so far.
+        # Along this dim the grid steps through the group's ranks; broadcast it over the dims so
+        # far.
         steps = torch.tensor(actual, dtype=torch.int64) - rank
         shape = [1] * len(fields)
         shape[position] = len(actual)
@@ -209,7 +216,7 @@ def to_device_mesh(
 
 
 def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> ProcessGroup:
-    """The group of ``field`` for a mesh dim: its group, or the one-rank group where it is ``None``."""
+    """The group of ``field`` for a mesh dim: its group, or the one-rank group if it is ``None``."""
     value = pg_collection.get_or(field, UNSET)
     if value is UNSET:
         raise ValueError(
@@ -220,9 +227,9 @@ def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> Proc
     group = pg_collection.one_rank_group
     if group is None:
         raise ValueError(
-            f"field {field!r} is None (axis off) and a DeviceMesh has no 'axis off' value; this collection has no "
-            "one-rank group to stand for it: build it with pgregistry.build(layout), or pass one_rank_group= when "
-            "assembling it"
+            f"field {field!r} is None (axis off) and a DeviceMesh has no 'axis off' "
+            "value; this collection has no one-rank group to stand for it: build it "
+            "with pgregistry.build(layout), or pass one_rank_group= when assembling it"
         )
     return group
 
@@ -230,9 +237,10 @@ def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> Proc
 def _check_replicas_inside_shards(
     pg_collection: ProcessGroupCollection, ranks_of: Mapping[str, tuple[int, ...]], rank: int
 ) -> None:
-    """HSDP's replicate dim must stay inside the group its shard dim splits: with an order that puts EP slower than
-    DP, ``inter_dist_opt`` crosses EP ranks, and ``("inter_dist_opt", "intra_expt_dp")`` would be a grid over
-    other experts' ranks, not over expert data parallelism."""
+    """HSDP's replicate dim must stay inside the group its shard dim splits: with an order that puts
+    EP slower than DP, ``inter_dist_opt`` crosses EP ranks, and ``("inter_dist_opt",
+    "intra_expt_dp")`` would be a grid over other experts' ranks, not over expert data
+    parallelism."""
     import torch.distributed as dist
 
     replicate = ranks_of.get("inter_dist_opt")
@@ -246,9 +254,10 @@ def _check_replicas_inside_shards(
         )
         if not set(replicate) <= set(outer):
             raise ValueError(
-                f"the collection's 'inter_dist_opt' group holds ranks {list(replicate)}, outside rank {rank}'s "
-                f"{outer_field!r} group {list(outer)} that {shard!r} splits: in this layout's order the "
-                f"{outer_field!r} replicas are not inter_dist_opt's, so the two dims form no HSDP mesh"
+                f"the collection's 'inter_dist_opt' group holds ranks {list(replicate)}, "
+                f"outside rank {rank}'s {outer_field!r} group {list(outer)} that "
+                f"{shard!r} splits: in this layout's order the {outer_field!r} replicas "
+                "are not inter_dist_opt's, so the two dims form no HSDP mesh"
             )
 
 
@@ -307,8 +316,8 @@ def with_hsdp_groups(
         check_usable(pg_collection, "with_hsdp_groups")  # the TypeError naming what it got
     require_distributed("with_hsdp_groups")
     layout = pg_collection.layout
-    # Agreed first, so that every check below raises on every rank alike or on none: a rank outside a span holds
-    # the span's layout too, and creates the split's groups with the others.
+    # Agreed first, so that every check below raises on every rank alike or on none: a rank outside
+    # a span holds the span's layout too, and creates the split's groups with the others.
     check_agreement(
         "with_hsdp_groups",
         {
@@ -319,8 +328,10 @@ def with_hsdp_groups(
             "backend": repr(backend),
             "timeout": repr(timeout),
         },
-        advice="every rank of the world must call it with the same collection (a module's, on the ranks outside "
-        "its span too) and the same arguments",
+        advice=(
+            "every rank of the world must call it with the same collection (a "
+            "module's, on the ranks outside its span too) and the same arguments"
+        ),
     )
     if pg_collection.is_destroyed:
         check_usable(
@@ -328,8 +339,9 @@ def with_hsdp_groups(
         )  # the ValueError naming the destroyed collection
     if layout is None:
         raise ValueError(
-            "with_hsdp_groups needs the collection's layout (every rank creates every group of the split), and this "
-            "collection was assembled by hand; build it with pgregistry.build(layout)"
+            "with_hsdp_groups needs the collection's layout (every rank "
+            "creates every group of the split), and this collection was "
+            "assembled by hand; build it with pgregistry.build(layout)"
         )
     dense_shards, dense_replicas = _hsdp_split(layout, "dp_cp", "data-parallel", replicas)
     expert_shards, _ = _hsdp_split(layout, "expt_dp", "expert data-parallel", replicas)
@@ -349,7 +361,10 @@ def with_hsdp_groups(
 def _hsdp_split(
     layout: ParallelLayout, kind: str, what: str, replicas: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Each ``kind`` group cut into ``replicas`` contiguous shard blocks, and the replicate sets across them."""
+    """Each ``kind`` group cut into ``replicas`` contiguous shard blocks.
+
+    And the replicate sets across them.
+    """
     groups = layout.groups_tensor(kind)
     size = groups.shape[1]
     if not isinstance(replicas, int) or replicas < 1 or size % replicas:

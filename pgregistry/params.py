@@ -1,65 +1,74 @@
 """Parameter roles: how a parameter is laid out over the rank grid, as attributes set by helpers.
 
-Grad statistics (:mod:`pgregistry.grad_stats`) and the replication audit (:mod:`pgregistry.audit`) decide whether a
-local gradient is a distinct piece of the model or a copy of one from these roles alone:
+Grad statistics (:mod:`pgregistry.grad_stats`) and the replication audit (:mod:`pgregistry.audit`)
+decide whether a local gradient is a distinct piece of the model or a copy of one from these roles
+alone:
 
-* ``tensor_model_parallel`` (with ``partition_dim``, ``partition_stride``): sharded over TP (expert TP for
-  experts), so every TP rank holds a different piece;
-* ``allreduce=False``: a routed-expert parameter, distinct per EP rank and reduced over the expert groups;
-  ``allreduce=True`` set explicitly: it lives in an expert module but is replicated across EP;
-* ``shared``: a second copy of another parameter (tied embeddings on the last pipeline stage), never counted.
-  Megatron-Core sets it itself, directly on the parameter (with ``shared_embedding``, which it also sets on the
-  first stage's copy, the one that counts), as it does ``allreduce`` and ``tensor_model_parallel``;
+* ``tensor_model_parallel`` (with ``partition_dim``, ``partition_stride``): sharded over TP (expert
+  TP for experts), so every TP rank holds a different piece;
+* ``allreduce=False``: a routed-expert parameter, distinct per EP rank and reduced over the expert
+  groups; ``allreduce=True`` set explicitly: it lives in an expert module but is replicated across
+  EP;
+* ``shared``: a second copy of another parameter (tied embeddings on the last pipeline stage), never
+  counted. Megatron-Core sets it itself, directly on the parameter (with ``shared_embedding``, which
+  it also sets on the first stage's copy, the one that counts), as it does ``allreduce`` and
+  ``tensor_model_parallel``;
 * ``is_gtp_weight_remat``: sharded over the GTP-remat axis (expert GTP-remat for experts).
 
-Roles are set by the ``mark_*`` helpers, never by hand. A copy made outside a module carries them only through
-:func:`copy_param_roles` (Megatron-LM PR 6470: a mixed-precision copy that dropped ``allreduce=False`` turned every
-expert into a dense parameter). A missing classification is an error, never a default (xorl: per-expert LoRA
-factors defaulted to EP-replicated, the norm low by 1/sqrt(ep); see ``docs/known_bugs.md``):
-:func:`pgregistry.grad_stats.check_expert_classification` refuses parameters of a marked expert module that say neither
-``allreduce=False`` nor ``allreduce=True``.
+Roles are set by the ``mark_*`` helpers, never by hand. A copy made outside a module carries them
+only through :func:`copy_param_roles` (Megatron-LM PR 6470: a mixed-precision copy that dropped
+``allreduce=False`` turned every expert into a dense parameter). A missing classification is an
+error, never a default (xorl: per-expert LoRA factors defaulted to EP-replicated, the norm low by
+1/sqrt(ep); see ``docs/known_bugs.md``): :func:`pgregistry.grad_stats.check_expert_classification`
+refuses parameters of a marked expert module that say neither ``allreduce=False`` nor
+``allreduce=True``.
 
-Roles belong to the parameter, and follow it into its replacements: torch-native sharding replaces the object.
-``fully_shard`` (FSDP2) puts a new ``nn.Parameter`` holding a DTensor in the slot, bypassing torch's registration
-hooks (through ``module._parameters``); ``parallelize_module`` and ``nn.Parameter(distribute_tensor(...))`` register
-one. So torch's global parameter-registration hook, installed when this module is imported, records per module slot
-the parameter that filled it (its id, type, shape and dtype) and its attribute dictionary (the object's own
-``__dict__``, which later plain assignments, Megatron-Core's included, write into). The roles go into a
-replacement of the same parameter only (:func:`restore_param_roles` and the hook), never into an unrelated
-parameter assigned into the slot, which starts with the roles it carries itself (a fresh ``nn.Parameter`` put
-where Megatron-Core marked ``shared`` is counted).
-A replacement is the same parameter when
+Roles belong to the parameter, and follow it into its replacements: torch-native sharding replaces
+the object. ``fully_shard`` (FSDP2) puts a new ``nn.Parameter`` holding a DTensor in the slot,
+bypassing torch's registration hooks (through ``module._parameters``); ``parallelize_module`` and
+``nn.Parameter(distribute_tensor(...))`` register one. So torch's global parameter-registration
+hook, installed when this module is imported, records per module slot the parameter that filled it
+(its id, type, shape and dtype) and its attribute dictionary (the object's own ``__dict__``, which
+later plain assignments, Megatron-Core's included, write into). The roles go into a replacement of
+the same parameter only (:func:`restore_param_roles` and the hook), never into an unrelated
+parameter assigned into the slot, which starts with the roles it carries itself (a fresh
+``nn.Parameter`` put where Megatron-Core marked ``shared`` is counted). A replacement is the same
+parameter when
 
-* it is the same object whose attribute dictionary torch swapped (``module._apply`` through ``swap_tensors``, as
-  ``to_empty`` does for DTensor parameters), or its copy made with a copy of its module (``copy.deepcopy``, which
-  drops a parameter's attributes);
-* ``fully_shard`` made it: torch stamps the original with ``_fsdp_orig_uid`` and its ``FSDPParam`` of this slot
-  holds the same uid beside the sharded parameter now in the slot (FSDP2's own bookkeeping; releases that take the
-  original's id as its uid are compared by id, and one that keeps no uid trusts the slot's record);
-* it holds the original's memory (``nn.Parameter(p.data)``, a Replicate distribution that kept the storage);
-* it is a DTensor of the original's global shape and dtype whose local piece equals, bit for bit, the piece of the
-  original its placements select (a Shard distribution: ``parallelize_module``);
-* it has the original's shape and either the original is on the meta device (it holds no values: this is its
-  materialisation) or torch's ``load_state_dict(assign=True)`` puts it there (the checkpoint's tensor under the
-  parameter's own name).
+* it is the same object whose attribute dictionary torch swapped (``module._apply`` through
+  ``swap_tensors``, as ``to_empty`` does for DTensor parameters), or its copy made with a copy of
+  its module (``copy.deepcopy``, which drops a parameter's attributes);
+* ``fully_shard`` made it: torch stamps the original with ``_fsdp_orig_uid`` and its ``FSDPParam``
+  of this slot holds the same uid beside the sharded parameter now in the slot (FSDP2's own
+  bookkeeping; releases that take the original's id as its uid are compared by id, and one that
+  keeps no uid trusts the slot's record);
+* it holds the original's memory (``nn.Parameter(p.data)``, a Replicate distribution that kept the
+  storage);
+* it is a DTensor of the original's global shape and dtype whose local piece equals, bit for bit,
+  the piece of the original its placements select (a Shard distribution: ``parallelize_module``);
+* it has the original's shape and either the original is on the meta device (it holds no values:
+  this is its materialisation) or torch's ``load_state_dict(assign=True)`` puts it there (the
+  checkpoint's tensor under the parameter's own name).
 
 The hook is installed as soon as both ``pgregistry`` and torch are imported, whichever comes first
-(:mod:`pgregistry._runtime.role_hooks`), so a model built after ``import pgregistry`` keeps Megatron-Core's plain
-attributes through ``fully_shard`` whatever else was imported when: no result depends on import order. A model
-built before ``pgregistry`` is imported at all is known from its first model walk on; roles set on it as plain
-attributes before a ``fully_shard`` that came before that walk went with the objects ``fully_shard`` dropped, and
-nothing can bring them back: :func:`restore_param_roles` refuses such a model (``RuntimeError`` naming those
-parameters and the import to move), on every rank that holds one, rather than give a number computed without them.
+(:mod:`pgregistry._runtime.role_hooks`), so a model built after ``import pgregistry`` keeps
+Megatron-Core's plain attributes through ``fully_shard`` whatever else was imported when: no result
+depends on import order. A model built before ``pgregistry`` is imported at all is known from its
+first model walk on; roles set on it as plain attributes before a ``fully_shard`` that came before
+that walk went with the objects ``fully_shard`` dropped, and nothing can bring them back:
+:func:`restore_param_roles` refuses such a model (``RuntimeError`` naming those parameters and the
+import to move), on every rank that holds one, rather than give a number computed without them.
 
-:func:`role_generation` counts every change made through this module (a helper's mark, a registration, a
-restored role): a cached classification (:mod:`pgregistry.grad_stats._plan`) made at one generation is stale at
-the next; plain attribute assignments it checks itself.
+:func:`role_generation` counts every change made through this module (a helper's mark, a
+registration, a restored role): a cached classification (:mod:`pgregistry.grad_stats._plan`) made at
+one generation is stale at the next; plain attribute assignments it checks itself.
 
-That check must not depend on how the parameters are passed: a model, its chunks, ``list(model.parameters())``,
-a generator or a name -> parameter mapping. A model is walked module by module; bare tensors are recognised by
-their own mark, ``in_expert_module``, which :func:`mark_expert_module` puts on every parameter under the module,
-including parameters and submodules registered after the mark (through torch's module registration hooks, since
-modules are usually marked at the top of their ``__init__``).
+That check must not depend on how the parameters are passed: a model, its chunks,
+``list(model.parameters())``, a generator or a name -> parameter mapping. A model is walked module
+by module; bare tensors are recognised by their own mark, ``in_expert_module``, which
+:func:`mark_expert_module` puts on every parameter under the module, including parameters and
+submodules registered after the mark (through torch's module registration hooks, since modules are
+usually marked at the top of their ``__init__``).
 """
 
 from __future__ import annotations
@@ -98,8 +107,9 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
     "shared_embedding",
     "is_gtp_weight_remat",
     "in_expert_module",
-    # Set by Megatron-Core and read by its optimizers and checkpoints: expert TP and QKV-split layout (Muon), the
-    # padding of a GTP shard. Its copy helpers carry them over to main-parameter copies, so this does too.
+    # Set by Megatron-Core and read by its optimizers and checkpoints: expert TP and QKV-split
+    # layout (Muon), the padding of a GTP shard. Its copy helpers carry them over to main-parameter
+    # copies, so this does too.
     "expert_tp",
     "is_qkv",
     "qkv_split_shapes",
@@ -109,18 +119,22 @@ ROLE_ATTRIBUTES: Final[tuple[str, ...]] = (
 
 _EXPERT_MODULE_FLAG: Final = "_pgregistry_expert_module"
 _INSIDE_EXPERT_MODULE: Final = "_pgregistry_inside_expert_module"
-"""Set on a marked expert module and every module under it: parameters registered on them get the mark."""
+"""Set on a marked expert module and all modules under it: their parameters get the mark."""
 _IN_EXPERT_MODULE: Final = "in_expert_module"
 _SLOTS: Final = "_pgregistry_slots"
-"""Module attribute: parameter name -> ``(id of the module, identity, attribute dictionary)`` of the parameter last
-known to fill that slot (see the module docstring); a module id not the holder's own marks a record copied with its
-module. The identity is the object's id, type, shape and dtype, not a weak reference:
-``swap_tensors`` (``to_empty`` of DTensor parameters) refuses a tensor with weak references."""
+"""Module attribute: parameter name -> ``(id of the module, identity, attribute dictionary)`` of the
+parameter last known to fill that slot (see the module docstring); a module id not the holder's own
+marks a record copied with its module. The identity is the object's id, type, shape and dtype, not a
+weak reference: ``swap_tensors`` (``to_empty`` of DTensor parameters) refuses a tensor with weak
+references."""
 _FSDP_UID: Final = "_fsdp_orig_uid"
-"""The attribute ``fully_shard`` stamps on each parameter it shards (torch's ``_get_orig_param_uid``)."""
+"""The attribute ``fully_shard`` stamps on each parameter it shards.
+
+It is torch's ``_get_orig_param_uid``.
+"""
 _SET_DIRECTLY: Final = tuple(name for name in ROLE_ATTRIBUTES if name != _IN_EXPERT_MODULE)
-"""The roles read from a slot's recorded dictionary: all but pgregistry's own ``in_expert_module`` mark, which a
-model walk derives from the module (and which marks bare tensors only)."""
+"""The roles read from a slot's recorded dictionary: all but pgregistry's own ``in_expert_module``
+mark, which a model walk derives from the module (and which marks bare tensors only)."""
 
 _generation = 0
 
@@ -142,7 +156,7 @@ def _bump_generation() -> None:
     _generation += 1
 
 
-# ----------------------------------------------------------------------------------------------------- roles
+# -------------------------------------------------------------------------------------------- roles
 
 
 def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
@@ -173,7 +187,8 @@ def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
             raise TypeError(f"mark_tensor_parallel: {option} must be an int, got {value!r}")
     if not 0 <= partition_dim < max(param.dim(), 1):
         raise ValueError(
-            f"partition_dim {partition_dim!r} is not a dim of a parameter of shape {tuple(param.shape)}"
+            f"partition_dim {partition_dim!r} is not a dim "
+            f"of a parameter of shape {tuple(param.shape)}"
         )
     if stride < 1:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
@@ -351,8 +366,8 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                 owner, held, attributes = recorded
                 if attributes is vars(param):
                     continue
-                # A record copied with its module (copy.deepcopy, which drops a parameter's attributes) belongs to
-                # the copy of the parameter it recorded.
+                # A record copied with its module (copy.deepcopy, which drops a parameter's
+                # attributes) belongs to the copy of the parameter it recorded.
                 same = owner != id(module) or held == _param_identity(param)
                 if not same:
                     if originals is None:
@@ -367,19 +382,21 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
                 _record_param(module, name, param)
     if unseen:
         raise RuntimeError(
-            f"the roles of {len(unseen)} parameter(s) cannot be known: {unseen} were replaced by fully_shard "
-            "before pgregistry was imported, and roles set on them as plain attributes before that (Megatron-Core's "
-            "shared, allreduce, tensor_model_parallel) went with the objects fully_shard replaced, so a statistic "
-            "read without them could count a tied embedding twice. Move `import pgregistry` above the code that "
-            "builds the model (the top of the training script)"
+            f"the roles of {len(unseen)} parameter(s) cannot be known: {unseen} were replaced "
+            "by fully_shard before pgregistry was imported, and roles set on them as plain "
+            "attributes before that (Megatron-Core's shared, allreduce, "
+            "tensor_model_parallel) went with the objects fully_shard replaced, so a "
+            "statistic read without them could count a tied embedding twice. Move `import "
+            "pgregistry` above the code that builds the model (the top of the training script)"
         )
 
 
 def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int | None]:
-    """``id(sharded parameter) -> the uid of the parameter it replaced``, over the FSDP2 states of ``model``'s
-    modules: FSDP2's own record of which parameter each sharded one stands for. torch 2.13 stamps the uid on the
-    original (``_fsdp_orig_uid``); some releases take the original's id instead; ``None`` where the release keeps
-    none (the sharded parameter then stands for the slot's recorded one)."""
+    """``id(sharded parameter) -> the uid of the parameter it replaced``, over the FSDP2 states of
+    ``model``'s modules: FSDP2's own record of which parameter each sharded one stands for. torch
+    2.13 stamps the uid on the original (``_fsdp_orig_uid``); some releases take the original's id
+    instead; ``None`` where the release keeps none (the sharded parameter then stands for the slot's
+    recorded one)."""
     if not torch.distributed.is_available():
         return {}
     try:
@@ -417,18 +434,19 @@ def _record_param(module: nn.Module, name: str, param: torch.Tensor) -> None:
 
 
 def _param_identity(param: torch.Tensor) -> tuple[Any, ...]:
-    """What stays of a parameter object when torch swaps its contents in place: its id, type, shape and dtype. An
-    id is reused only by an object made after the recorded one is gone, which takes two replacements behind torch's
-    back (``module._parameters[name] = ...``) with no restore between them: the first records nothing, the second
-    could pass for the first's predecessor."""
+    """What stays of a parameter object when torch swaps its contents in place: its id, type, shape
+    and dtype. An id is reused only by an object made after the recorded one is gone, which takes
+    two replacements behind torch's back (``module._parameters[name] = ...``) with no restore
+    between them: the first records nothing, the second could pass for the first's predecessor."""
     return (id(param), type(param), param.shape, param.dtype)
 
 
 def _is_same_param(new: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether ``new``, registered where ``old`` was, is the same parameter (see the module docstring).
+    """Whether ``new``, registered where ``old`` was, is the same parameter (module docstring).
 
-    Called by the registration hook only when ``old`` has roles ``new`` lacks, so the comparison of values (a
-    distribution's piece, once) never runs for FSDP2's per-step re-registration of its own parameters."""
+    Called by the registration hook only when ``old`` has roles ``new`` lacks, so the comparison of
+    values (a distribution's piece, once) never runs for FSDP2's per-step re-registration of its own
+    parameters."""
     from torch.distributed.tensor import DTensor
 
     if new.shape != old.shape:
@@ -440,7 +458,8 @@ def _is_same_param(new: torch.Tensor, old: torch.Tensor) -> bool:
     if new.dtype != old.dtype:
         return False
     if isinstance(new, DTensor) and _FSDP_UID in vars(old):
-        return True  # fully_shard, through a module's own __setattr__: it stamped the original just before
+        # fully_shard, through a module's own __setattr__: it stamped the original just before.
+        return True
     if not isinstance(new, DTensor):
         return not isinstance(old, DTensor) and _same_memory(new, old)
     if isinstance(old, DTensor):
@@ -467,8 +486,9 @@ _LOAD_FROM_STATE_DICT: Final = nn.Module._load_from_state_dict.__code__
 
 
 def _loading_a_state_dict() -> bool:
-    """Whether torch's ``load_state_dict(assign=True)`` registers the parameter (its ``_load_from_state_dict`` is
-    among the few callers above the hook: ``register_parameter`` and ``__setattr__`` in between)."""
+    """Whether torch's ``load_state_dict(assign=True)`` registers the parameter (its
+    ``_load_from_state_dict`` is among the few callers above the hook: ``register_parameter`` and
+    ``__setattr__`` in between)."""
     frame = sys._getframe(1)
     for _ in range(6):
         if frame.f_code is _LOAD_FROM_STATE_DICT:
@@ -501,8 +521,9 @@ def _require_tensor(value: object, helper: str) -> None:
     """``TypeError`` naming what ``helper`` (a parameter helper) was given instead of a tensor."""
     if isinstance(value, nn.Module):
         raise TypeError(
-            f"{helper} takes a parameter, but was given a {type(value).__name__} module: mark each of its parameters "
-            f"(module.weight, ...){'; mark_expert_module marks a module of experts' if 'expert' in helper else ''}"
+            f"{helper} takes a parameter, but was given a {type(value).__name__} module: mark "
+            "each of its parameters (module.weight, "
+            f"...){'; mark_expert_module marks a module of experts' if 'expert' in helper else ''}"
         )
     if not isinstance(value, torch.Tensor):
         raise TypeError(
@@ -511,12 +532,13 @@ def _require_tensor(value: object, helper: str) -> None:
 
 
 def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """torch's global parameter-registration hook: carry roles into a replacement of the same parameter, and
-    record the slot's parameter (see the module docstring).
+    """torch's global parameter-registration hook: carry roles into a replacement of the same
+    parameter, and record the slot's parameter (see the module docstring).
 
-    ``parallelize_module``, ``distribute_module``, a user's ``nn.Parameter(distribute_tensor(p...))`` and
-    ``fully_shard`` on a module with its own ``__setattr__`` register the replacement here, with the parameter it
-    replaces still in the slot; an unrelated parameter assigned into the slot receives nothing.
+    ``parallelize_module``, ``distribute_module``, a user's
+    ``nn.Parameter(distribute_tensor(p...))`` and ``fully_shard`` on a module with its own
+    ``__setattr__`` register the replacement here, with the parameter it replaces still in the slot;
+    an unrelated parameter assigned into the slot receives nothing.
     """
     _bump_generation()
     previous = module._parameters.get(name)
@@ -546,7 +568,7 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-# --------------------------------------------------------------------------------------------- expert modules
+# ----------------------------------------------------------------------------------- expert modules
 
 
 def mark_expert_module(module: nn.Module) -> nn.Module:
@@ -600,8 +622,9 @@ def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | N
         _mark_inside(submodule)
 
 
-# Submodules registered under a marked expert module after the mark (modules are usually marked at the top of
-# their __init__) are marked too; the hook only reads one attribute of the module being built.
+# Submodules registered under a marked expert module after the mark (modules are usually marked at
+# the top of their __init__) are marked too; the hook only reads one attribute of the module being
+# built.
 torch.nn.modules.module.register_module_module_registration_hook(_on_module_registered)
 
 

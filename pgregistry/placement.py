@@ -1,17 +1,18 @@
 """Node placement: which nodes each group of a layout lands on, and which groups leave a node.
 
-Launchers fill nodes with consecutive ranks (torchrun, and Slurm's default block distribution): with ``N`` GPUs per
-node, rank ``r`` runs on node ``r // N``. A group whose ranks share a node talks over NVLink; a group that spans
-nodes sends its collectives over the network. Tensor, expert-tensor and context parallelism exchange activations
-inside every layer, so a layout whose TP, expert-TP or CP groups cross a node boundary is usually a mistake made
-while choosing sizes or the order string, and it shows up only as a slow job. :func:`place` finds it before launch.
+Launchers fill nodes with consecutive ranks (torchrun, and Slurm's default block distribution): with
+``N`` GPUs per node, rank ``r`` runs on node ``r // N``. A group whose ranks share a node talks over
+NVLink; a group that spans nodes sends its collectives over the network. Tensor, expert-tensor and
+context parallelism exchange activations inside every layer, so a layout whose TP, expert-TP or CP
+groups cross a node boundary is usually a mistake made while choosing sizes or the order string, and
+it shows up only as a slow job. :func:`place` finds it before launch.
 
-A layout over a span of the world (``rank_offset``) is placed by its global ranks: the launcher knows nothing of
-spans, so a span that starts or ends mid-node shares those nodes with ranks outside it, and a group across the
-boundary is counted as crossing, like any other.
+A layout over a span of the world (``rank_offset``) is placed by its global ranks: the launcher
+knows nothing of spans, so a span that starts or ends mid-node shares those nodes with ranks outside
+it, and a group across the boundary is counted as crossing, like any other.
 
-This module does arithmetic only: it imports no torch itself (the layout's group enumeration does, lazily) and
-creates no process group.
+This module does arithmetic only: it imports no torch itself (the layout's group enumeration does,
+lazily) and creates no process group.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ class KindPlacement:
     crossing_groups: int
     """How many groups span more than one node."""
     first_crossing: RankGroup | None
-    """The first group (in enumeration order) that spans more than one node; ``None`` when none does."""
+    """The first group (in enumeration order) spanning more than one node; ``None`` if none."""
     should_stay_intra_node: bool
-    """Whether this kind was asked to stay on one node (:data:`DEFAULT_INTRA_NODE_KINDS` by default)."""
+    """Whether this kind should stay on one node (default: :data:`DEFAULT_INTRA_NODE_KINDS`)."""
 
     @property
     def within_node(self) -> bool:
@@ -91,7 +92,7 @@ class KindPlacement:
 
     @property
     def verdict(self) -> str:
-        """One line for tables: off, within a node, or how many groups cross nodes (and that they should not)."""
+        """One line for tables: off, in a node, or how many groups cross nodes (they should not)."""
         if self.group_size == 1:
             return "off (one rank per group)"
         if self.within_node:
@@ -105,15 +106,15 @@ class KindPlacement:
         assert group is not None, "warning() is for kinds whose groups cross nodes"
         nodes = sorted({node_of(r, gpus_per_node) for r in group})
         return (
-            f"{self.kind} groups cross nodes: {self.crossing_groups} of {self.num_groups} groups of "
-            f"{self.group_size} ranks span up to {self.max_nodes} nodes of {gpus_per_node} GPUs (first: ranks "
-            f"{list(group)} on nodes {nodes}); their collectives leave NVLink"
+            f"{self.kind} groups cross nodes: {self.crossing_groups} of {self.num_groups} groups "
+            f"of {self.group_size} ranks span up to {self.max_nodes} nodes of {gpus_per_node} "
+            f"GPUs (first: ranks {list(group)} on nodes {nodes}); their collectives leave NVLink"
         )
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class Placement:
-    """Every group kind of a layout placed on nodes of consecutive ranks: what :func:`place` returns.
+    """Every group kind of a layout placed on nodes of consecutive ranks: what :func:`place` gives.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -149,13 +150,15 @@ class Placement:
 
     @property
     def num_nodes(self) -> int:
-        """Nodes holding some rank of the layout (those it shares with ranks outside it included)."""
+        """Nodes holding some rank of the layout (those shared with ranks outside it included)."""
         return self.last_node - self.first_node + 1
 
     @property
     def shared_nodes(self) -> tuple[int, ...]:
-        """The nodes the layout shares with ranks outside it: the one a span starts in mid-node and the one it ends
-        in mid-node (none for a layout over whole nodes)."""
+        """The nodes the layout shares with ranks outside it.
+
+        The one a span starts in mid-node and the one it ends in mid-node (none for a layout over
+        whole nodes)."""
         first, stop = self.layout.rank_range()
         g = self.gpus_per_node
         shared = {self.first_node} if first % g else set()
@@ -204,8 +207,8 @@ class Placement:
 
 
 def _outside_ranks(layout: ParallelLayout, node: int, gpus_per_node: int) -> str:
-    """The ranks of ``node`` outside ``layout``'s span, as ``"ranks 0-1"`` / ``"rank 0"`` (``" and "`` between the
-    ranks before and after a span that lies inside one node)."""
+    """The ranks of ``node`` outside ``layout``'s span, as ``"ranks 0-1"`` / ``"rank 0"`` (``" and
+    "`` between the ranks before and after a span that lies inside one node)."""
     first, stop = layout.rank_range()
     start, end = node * gpus_per_node, (node + 1) * gpus_per_node
     parts = []
@@ -258,8 +261,8 @@ def place(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     elif stop > world_size:
         raise ValueError(
-            f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks {layout.num_ranks}), past "
-            f"the end of the world (world_size {world_size})"
+            f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + "
+            f"num_ranks {layout.num_ranks}), past the end of the world (world_size {world_size})"
         )
     else:
         world = world_size
@@ -274,14 +277,15 @@ def place(
         else:
             whose = f"world_size {world_size}"
         raise ValueError(
-            f"{whose} is not a multiple of gpus_per_node {gpus_per_node}: launchers start the same number of ranks "
-            "on every node"
+            f"{whose} is not a multiple of gpus_per_node {gpus_per_node}: "
+            "launchers start the same number of ranks on every node"
         )
     stay = tuple(intra_node_kinds)
     unknown = [kind for kind in stay if kind not in GROUP_KINDS]
     if unknown:
         raise ValueError(
-            f"unknown group kind {unknown[0]!r} among intra-node kinds; known: {', '.join(GROUP_KINDS)}"
+            f"unknown group kind {unknown[0]!r} among "
+            f"intra-node kinds; known: {', '.join(GROUP_KINDS)}"
         )
     return Placement(
         layout=layout,

@@ -1,54 +1,62 @@
-"""Survive a lost replica in-process: the survivors agree on who is lost, rebuild their groups and go on.
+"""Survive a lost replica in-process: survivors agree on who is lost, rebuild their groups, go on.
 
-After a collective failed (a peer died, or timed out), every process that is still alive calls :func:`recover`.
-The survivors agree on the lost ranks through a *store no lost rank was needed for*: a ``TCPStore`` (or any
-``torch.distributed.Store``) hosted by the launcher (torchrun's agent store) or by a process that outlives every
-rank it may lose. The default store of a job whose rank 0 hosts it dies with rank 0; such a job survives no loss of
-rank 0. The layout decides the rest (:meth:`~pgregistry.layout.ParallelLayout.shrink`): the ranks tied to a lost
-one (its whole dense and expert replicas) leave too, the others are renumbered so every group keeps its members,
-and the world is re-formed over them under a fresh store prefix (a *generation*), where the registry builds the
-smaller layout's collection.
+After a collective failed (a peer died, or timed out), every process that is still alive calls
+:func:`recover`. The survivors agree on the lost ranks through a *store no lost rank was needed
+for*: a ``TCPStore`` (or any ``torch.distributed.Store``) hosted by the launcher (torchrun's agent
+store) or by a process that outlives every rank it may lose. The default store of a job whose rank 0
+hosts it dies with rank 0; such a job survives no loss of rank 0. The layout decides the rest
+(:meth:`~pgregistry.layout.ParallelLayout.shrink`): the ranks tied to a lost one (its whole dense
+and expert replicas) leave too, the others are renumbered so every group keeps its members, and the
+world is re-formed over them under a fresh store prefix (a *generation*), where the registry builds
+the smaller layout's collection.
 
 The protocol, all through the store, so it needs no collective over the broken world:
 
-1. *check in*: each survivor writes its record (the last step it committed, the lost ranks it was told of) under
-   this generation's prefix, then counts itself;
-2. *decide*: once every rank that may be alive has checked in (or ``wait`` seconds passed), a survivor proposes
-   the ranks whose records exist; the store's ``compare_set`` keeps the first proposal, so every survivor reads one
-   decision. A rank that checks in after it is lost: it learns so and raises;
-3. *confirm*: every rank the decision names answers a confirmation round, decided the same way; a rank that checked
-   in and then died (a second failure) does not answer, and is lost like the first: the ranks that answered
-   confirm again among themselves (:mod:`pgregistry._runtime.survivors`);
-4. *judge*: every survivor reads every record the confirmation names and derives, from the same data, the same
-   verdict:
-   the lost set, :meth:`~ParallelLayout.shrink`'s result or its error, whether the survivors committed the same
-   step. Bad input (ranks out of range, survivors told different lost sets, a loss that leaves no copy) is
-   therefore the same error on every survivor, and no survivor goes on alone;
-5. *rebuild*: pgregistry's communicators (of every build: other collections are rebuilt by their owners on the
-   new world) and the default group are destroyed, the default group is re-formed over the survivors under the
-   next generation's prefix, and the layout's collection built there. A survivor lost after the confirmation
-   makes the re-formation fail on the others (at the timeout at most): a ``RuntimeError`` naming the second
-   failure and the phase it hit, saying to restart the job from the last checkpoint.
+1. *check in*: each survivor writes its record (the last step it committed, the lost ranks it was
+   told of) under this generation's prefix, then counts itself;
+2. *decide*: once every rank that may be alive has checked in (or ``wait`` seconds passed), a
+   survivor proposes the ranks whose records exist; the store's ``compare_set`` keeps the first
+   proposal, so every survivor reads one decision. A rank that checks in after it is lost: it learns
+   so and raises;
+3. *confirm*: every rank the decision names answers a confirmation round, decided the same way; a
+   rank that checked in and then died (a second failure) does not answer, and is lost like the
+   first: the ranks that answered confirm again among themselves
+   (:mod:`pgregistry._runtime.survivors`);
+4. *judge*: every survivor reads every record the confirmation names and derives, from the same
+   data, the same verdict: the lost set, :meth:`~ParallelLayout.shrink`'s result or its error,
+   whether the survivors committed the same step. Bad input (ranks out of range, survivors told
+   different lost sets, a loss that leaves no copy) is therefore the same error on every survivor,
+   and no survivor goes on alone;
+5. *rebuild*: pgregistry's communicators (of every build: other collections are rebuilt by their
+   owners on the new world) and the default group are destroyed, the default group is re-formed over
+   the survivors under the next generation's prefix, and the layout's collection built there. A
+   survivor lost after the confirmation makes the re-formation fail on the others (at the timeout at
+   most): a ``RuntimeError`` naming the second failure and the phase it hit, saying to restart the
+   job from the last checkpoint.
 
-The store is the one thing every survivor must reach: when it stops answering (its host died: a training rank that
-hosted it, as rank 0 hosts the store of an ``env://`` rendezvous), no survivor can learn what the others know, and
-the loss is not survivable. Every survivor then raises :class:`StoreLost`, naming the store's address and the phase,
-and saying to restart from the last checkpoint with a store no training rank hosts.
+The store is the one thing every survivor must reach: when it stops answering (its host died: a
+training rank that hosted it, as rank 0 hosts the store of an ``env://`` rendezvous), no survivor
+can learn what the others know, and the loss is not survivable. Every survivor then raises
+:class:`StoreLost`, naming the store's address and the phase, and saying to restart from the last
+checkpoint with a store no training rank hosts.
 
-A step in which the fault happened must not be half-applied: :func:`commit` is one all-reduce over the layout's
-span that every rank runs after its grads are synchronised and before ``optimizer.step()``; a rank whose step
-failed never reaches it, so no rank can pass it and step without the others (the survivors then redo that step on
-the smaller grid). Should a rank die inside the commit itself, some survivors may have stepped and others not: the
-verdict compares the steps they committed and raises on every survivor, saying to reload a checkpoint.
+A step in which the fault happened must not be half-applied: :func:`commit` is one all-reduce over
+the layout's span that every rank runs after its grads are synchronised and before
+``optimizer.step()``; a rank whose step failed never reaches it, so no rank can pass it and step
+without the others (the survivors then redo that step on the smaller grid). Should a rank die inside
+the commit itself, some survivors may have stepped and others not: the verdict compares the steps
+they committed and raises on every survivor, saying to reload a checkpoint.
 
-Communicators: on this path every communicator of the smaller layout is created anew (``new_group`` under the new
-default group). torch binds a group to the default group it was created under (its global ranks), and a gloo group
-one of whose collectives was interrupted by the fault has its members' sequence numbers out of step, so keeping
-even a group whose members all survive would not be safe here. :attr:`Recovered.communicators_keepable` counts
-those a backend that can keep them (NCCL's ``shrink_group``, torch >= 2.10 with NCCL >= 2.27) would keep.
+Communicators: on this path every communicator of the smaller layout is created anew (``new_group``
+under the new default group). torch binds a group to the default group it was created under (its
+global ranks), and a gloo group one of whose collectives was interrupted by the fault has its
+members' sequence numbers out of step, so keeping even a group whose members all survive would not
+be safe here. :attr:`Recovered.communicators_keepable` counts those a backend that can keep them
+(NCCL's ``shrink_group``, torch >= 2.10 with NCCL >= 2.27) would keep.
 
-Consumers re-derive from the new collection: the data-parallel rank and size data is sharded by, the RNG streams,
-grad statistics; :func:`carry_optimizer_state` moves a replicated optimizer's state into one built on it.
+Consumers re-derive from the new collection: the data-parallel rank and size data is sharded by, the
+RNG streams, grad statistics; :func:`carry_optimizer_state` moves a replicated optimizer's state
+into one built on it.
 
 Torch is imported inside functions only.
 """
@@ -86,7 +94,10 @@ _log = get_logger(__name__)
 
 _PREFIX = "pgregistry/recovery"
 _generation = 0
-"""This process's world generation: 0 for the world it started in, one more for each recovery it decided."""
+"""This process's world generation.
+
+0 for the world it started in, one more for each recovery it decided.
+"""
 
 
 class LeftWithReplica(RuntimeError):
@@ -143,13 +154,16 @@ class Recovered:
     committed_step: int
     """The last step every survivor committed; training goes on from the next one."""
     communicators_created: int
-    """Communicators holding this rank created on the re-formed world (its default group included)."""
+    """Communicators holding this rank made on the re-formed world (its default group included)."""
     communicators_keepable: int
-    """Communicators holding this rank whose members all survived: those a backend able to keep them would keep
-    (this path creates them anew: see the module docstring)."""
+    """Communicators holding this rank whose members all survived: those a backend able to keep them
+    would keep (this path creates them anew: see the module docstring)."""
     agree_s: float
     rebuild_s: float
-    """Seconds spent agreeing on the lost set (check-in to verdict), and re-forming the world and its groups."""
+    """Seconds spent agreeing on the lost set, and re-forming the world and its groups.
+
+    Agreeing runs from check-in to verdict.
+    """
 
 
 def generation() -> int:
@@ -259,8 +273,8 @@ def recover(
     told = None if lost is None else _as_ranks(lost)
     if told is not None and old_rank in told:
         raise RuntimeError(
-            f"rank {old_rank} called recover but is among the lost ranks {sorted(told)} it was given: a lost rank "
-            "takes no part in the recovery; end this process"
+            f"rank {old_rank} called recover but is among the lost ranks {sorted(told)} "
+            "it was given: a lost rank takes no part in the recovery; end this process"
         )
     started = time.perf_counter()
     prefix = f"{_PREFIX}/{_generation}"
@@ -286,7 +300,10 @@ def recover(
     init: dict[str, Any] = {"timeout": wanted} if wanted is not None else {}
     world_store = dist.PrefixStore(f"{_PREFIX}/{_generation}/world", store)
     before = registry.communicators_created()
-    phase = f"the default group of generation {_generation} was re-formed over old ranks {list(shrunk.rank_map)}"
+    phase = (
+        f"the default group of generation {_generation} was "
+        f"re-formed over old ranks {list(shrunk.rank_map)}"
+    )
     try:
         dist.init_process_group(
             backend or old_backend,
@@ -295,7 +312,10 @@ def recover(
             world_size=len(shrunk.rank_map),
             **init,
         )
-        phase = f"the groups of {shrunk.layout!r} were built on the re-formed world of generation {_generation}"
+        phase = (
+            f"the groups of {shrunk.layout!r} were built on "
+            f"the re-formed world of generation {_generation}"
+        )
         new = registry.build(shrunk.layout, name=collection.name, backend=backend, timeout=timeout)
     except (
         RuntimeError
@@ -303,10 +323,10 @@ def recover(
         if not _store_answers(store):
             raise StoreLost(_store_lost(store, old_rank, phase, error)) from error
         raise RuntimeError(
-            f"a second failure during recovery, after the survivors had confirmed who goes on: rank {old_rank} "
-            f"(-> {new_rank}) failed while {phase}, so a rank that was to go on was lost (or stopped) after the "
-            f"decision. Recovery cannot go on from here: end every process and restart the job from the last "
-            f"checkpoint. The backend said: {error}"
+            "a second failure during recovery, after the survivors had confirmed who goes on: "
+            f"rank {old_rank} (-> {new_rank}) failed while {phase}, so a rank that was to go on "
+            "was lost (or stopped) after the decision. Recovery cannot go on from here: end every "
+            f"process and restart the job from the last checkpoint. The backend said: {error}"
         ) from error
     created = registry.communicators_created() - before + 1
     rebuilt = time.perf_counter()
@@ -336,8 +356,8 @@ def recover(
 
 
 def _as_ranks(lost: Iterable[int]) -> list[int]:
-    """The ranks of ``lost`` as a list of ints; ``TypeError`` for anything else (range is the verdict's to check,
-    so that every survivor raises it alike)."""
+    """The ranks of ``lost`` as a list of ints; ``TypeError`` for anything else (range is the
+    verdict's to check, so that every survivor raises it alike)."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks or None, got {type(lost).__name__}")
     out = []
@@ -351,20 +371,25 @@ def _as_ranks(lost: Iterable[int]) -> list[int]:
 def _survivors_verdict(
     layout: ParallelLayout, records: dict[int, dict[str, Any]], world_size: int, rank: int
 ) -> tuple[Shrunk, int]:
-    """The same verdict on every survivor, from the same records: the shrink and the committed step, or the error."""
+    """The same verdict on every survivor, from the same records.
+
+    The shrink and the committed step, or the error.
+    """
     told = {r: rec["lost"] for r, rec in records.items() if rec["lost"] is not None}
     given = {tuple(sorted(set(v))) for v in told.values()}
     if len(given) > 1 or (told and len(told) != len(records)):
         said = "; ".join(f"rank {r}: {v}" for r, v in sorted(told.items()))
         raise ValueError(
-            f"the survivors were told different lost ranks ({said}; ranks {sorted(set(records) - set(told))} were "
-            "told none): give every survivor the same lost ranks"
+            f"the survivors were told different lost ranks ({said}; "
+            f"ranks {sorted(set(records) - set(told))} were told "
+            "none): give every survivor the same lost ranks"
         )
     named = set(given.pop()) if given else set()
     outside = sorted(r for r in named if not 0 <= r < world_size)
     if outside:
         raise ValueError(
-            f"lost rank(s) {outside} are outside the world of {world_size} ranks (0-{world_size - 1})"
+            f"lost rank(s) {outside} are outside the world "
+            f"of {world_size} ranks (0-{world_size - 1})"
         )
     lost = (set(range(world_size)) - set(records)) | named
     shrunk = layout.shrink(sorted(lost))
@@ -372,14 +397,14 @@ def _survivors_verdict(
     if len(set(staying.values())) > 1:
         steps = "; ".join(f"rank {r}: {s}" for r, s in sorted(staying.items()))
         raise RuntimeError(
-            f"the survivors committed different steps ({steps}): the fault hit inside the commit, so some applied "
-            "a step others did not. Reload a checkpoint"
+            f"the survivors committed different steps ({steps}): the fault hit inside "
+            "the commit, so some applied a step others did not. Reload a checkpoint"
         )
     if rank not in shrunk.rank_map:
         raise LeftWithReplica(
             f"rank {rank} is alive but leaves: losing rank(s) {list(shrunk.lost)} takes ranks "
-            f"{list(shrunk.leaving)} (their whole replicas); ranks {list(shrunk.rank_map)} go on as "
-            f"{shrunk.layout!r}. End this process (or keep it as a spare)",
+            f"{list(shrunk.leaving)} (their whole replicas); ranks {list(shrunk.rank_map)} go "
+            f"on as {shrunk.layout!r}. End this process (or keep it as a spare)",
             shrunk,
         )
     return shrunk, next(iter(staying.values()))
@@ -397,8 +422,8 @@ def _store_answers(store: Store) -> bool:
 
 
 def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
-    """What :class:`StoreLost` says on ``rank``: the store's address, the phase, why it is not survivable, and what
-    to do."""
+    """What :class:`StoreLost` says on ``rank``: the store's address, the phase, why it is not
+    survivable, and what to do."""
     import torch.distributed as dist
 
     underlying = store
@@ -411,17 +436,18 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
         else type(underlying).__name__
     )
     return (
-        f"the store recover was given ({where}) stopped answering rank {rank} while {phase}: its host is lost (when "
-        "a training rank hosts it, as rank 0 hosts the store of an env:// or tcp:// rendezvous, that rank died with "
-        "it). Every survivor meets the others through that store only, so this loss is not survivable: end every "
-        "process and restart the job from the last checkpoint, and give recover a store no training rank hosts "
-        f"(torchrun's agent store, or a TCPStore of a process outside the training ranks). The store said: {error}"
+        f"the store recover was given ({where}) stopped answering rank {rank} while {phase}: its "
+        "host is lost (when a training rank hosts it, as rank 0 hosts the store of an env:// or "
+        "tcp:// rendezvous, that rank died with it). Every survivor meets the others through that "
+        "store only, so this loss is not survivable: end every process and restart the job from "
+        "the last checkpoint, and give recover a store no training rank hosts (torchrun's agent "
+        f"store, or a TCPStore of a process outside the training ranks). The store said: {error}"
     )
 
 
 def _count_keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
-    """How many of this rank's communicators have members that all survive and form a communicator of the smaller
-    layout under the rank map."""
+    """How many of this rank's communicators have members that all survive and form a communicator
+    of the smaller layout under the rank map."""
     from pgregistry._runtime.communicators import kinds_by_communicator
 
     if rank not in shrunk.rank_map:
@@ -461,13 +487,15 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
     for child in old.chained_optimizers:
         if isinstance(child, ShardedOptimizer):
             raise ValueError(
-                "a sharded optimizer's state is cut over the data-parallel replicas and the lost replica's piece has "
-                "no copy: reload a checkpoint (load_optimizer_shards) instead of carrying the state over"
+                "a sharded optimizer's state is cut over the data-parallel replicas "
+                "and the lost replica's piece has no copy: reload a checkpoint "
+                "(load_optimizer_shards) instead of carrying the state over"
             )
         hooked = [p for p in child.params if getattr(p, "main_grad", p).dtype != p.dtype]
         if hooked:
             raise ValueError(
-                f"{child.param_name(hooked[0])} ({hooked[0].dtype}) has main grads of another dtype, attached "
-                "through grad hooks the old optimizer keeps: carrying its state is not supported; reload a checkpoint"
+                f"{child.param_name(hooked[0])} ({hooked[0].dtype}) has main grads "
+                "of another dtype, attached through grad hooks the old optimizer "
+                "keeps: carrying its state is not supported; reload a checkpoint"
             )
     new.load_state_dict(old.state_dict())

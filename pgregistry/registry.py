@@ -1,19 +1,21 @@
-"""Build a layout into a collection: the process groups of every group kind, one communicator per rank set.
+"""Build a layout into a collection: each group kind's groups, one communicator per rank set.
 
 :func:`build` turns a :class:`~pgregistry.layout.ParallelLayout` into a
-:class:`~pgregistry.collection.ProcessGroupCollection` that knows its layout. Its communicators come from one
-process-wide cache (one per distinct rank set, created in one deadlock-free global order, after the ranks agree
-on the request: :mod:`pgregistry._runtime.group_cache`), so two layouts that share rank sets share communicators.
+:class:`~pgregistry.collection.ProcessGroupCollection` that knows its layout. Its communicators come
+from one process-wide cache (one per distinct rank set, created in one deadlock-free global order,
+after the ranks agree on the request: :mod:`pgregistry._runtime.group_cache`), so two layouts that
+share rank sets share communicators.
 
-A layout may cover part of the world (``rank_offset`` and ``num_ranks``: one module of a job on ranks of its own).
-The build stays collective over the world, so every rank agrees on every module's layout; a rank outside the span
-gets a collection that knows it is no member and refuses to be used.
+A layout may cover part of the world (``rank_offset`` and ``num_ranks``: one module of a job on
+ranks of its own). The build stays collective over the world, so every rank agrees on every module's
+layout; a rank outside the span gets a collection that knows it is no member and refuses to be used.
 
-An axis of size 1 is ``None`` (off) in the collection. Each build also makes a group of this rank alone, which the
-collection carries (:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`) for the adapters to
-libraries that have no "axis off" value (Megatron-Core, DeviceMesh): one extra communicator per rank, never used
-for a collective by pgregistry itself, so with NCCL (which sets a communicator up at its first collective) it
-costs memory only where an adapter hands it to a library that uses it.
+An axis of size 1 is ``None`` (off) in the collection. Each build also makes a group of this rank
+alone, which the collection carries
+(:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`) for the adapters to libraries
+that have no "axis off" value (Megatron-Core, DeviceMesh): one extra communicator per rank, never
+used for a collective by pgregistry itself, so with NCCL (which sets a communicator up at its first
+collective) it costs memory only where an adapter hands it to a library that uses it.
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ def _build_agreed(
     if stop > world_size:
         # Every rank agreed on the layout above, so every rank raises here alike.
         raise ValueError(
-            f"{_layout_label(name, layout)} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks "
-            f"{layout.num_ranks}), past the end of the {world_size}-rank world; shrink num_ranks or rank_offset"
+            f"{_layout_label(name, layout)} spans ranks {first}-{stop - 1} "
+            f"(rank_offset {first} + num_ranks {layout.num_ranks}), past the end "
+            f"of the {world_size}-rank world; shrink num_ranks or rank_offset"
         )
     previous = _builds.get(key)
     if previous is not None:
@@ -180,7 +183,8 @@ def _build_agreed(
     fields: dict[str, Any] = {kind: group_for(wanted[kind]) for kind in GROUP_KINDS}
     fields.update({alias: fields[kind] for alias, kind in _ALIASES.items()})
     fields["intra_dist_opt"] = group_for(span)
-    # Not built, as Megatron-Core's initialize_model_parallel does not build them either (docs/layout.md).
+    # Not built, as Megatron-Core's initialize_model_parallel does not build them either
+    # (docs/layout.md).
     fields.update(inter_dist_opt=None, hcp=None, dp_cp_ag=None, expt_dp_ag=None)
     collection = ProcessGroupCollection(
         layout=layout, name=name, one_rank_group=CACHE.group((rank,)), **fields
@@ -198,7 +202,7 @@ def _layout_label(name: object, layout: object) -> str:
 def _check_same_build(
     name: str | None, previous: _Built, layout: ParallelLayout, options: GroupOptions
 ) -> None:
-    """``ValueError`` naming what differs between a build and the earlier one of the same name or layout."""
+    """``ValueError`` naming what differs from an earlier build of the same name or layout."""
     differences = []
     if previous.layout != layout:
         differences.append(f"layout {previous.layout!r} then {layout!r}")
@@ -209,25 +213,27 @@ def _check_same_build(
     if differences:
         subject = f"name {name!r}" if name is not None else repr(layout)
         raise ValueError(
-            f"{subject} is already built with other settings: {'; '.join(differences)}. Build it again with the "
-            "same ones (it is returned as built), give the new build its own name, or destroy() first"
+            f"{subject} is already built with other settings: "
+            f"{'; '.join(differences)}. Build it again with the same ones (it is "
+            "returned as built), give the new build its own name, or destroy() first"
         )
 
 
 def _refuse_other_options(
     rank_sets: Iterable[RankGroup], options: GroupOptions, name: str | None, layout: ParallelLayout
 ) -> None:
-    """``ValueError`` on every rank when a rank set this build needs already has a communicator with other options
-    (one communicator per rank set). Agreed over the world, so that no rank goes on into the creation alone."""
+    """``ValueError`` on every rank when a rank set this build needs already has a communicator with
+    other options (one communicator per rank set). Agreed over the world, so that no rank goes on
+    into the creation alone."""
     conflict = None
     for ranks in sorted(rank_sets):
         existing = CACHE.options_of(ranks)
         if existing is not None and existing != options:
             conflict = (
-                f"{_layout_label(name, layout)} needs a communicator "
-                f"over ranks {list(ranks)}, which already exists with "
-                f"{existing.describe()}, and this build asks {options.describe()}: one communicator per rank set, "
-                "so build with the same backend and timeout, or destroy() first"
+                f"{_layout_label(name, layout)} needs a communicator over ranks "
+                f"{list(ranks)}, which already exists with {existing.describe()}, and "
+                f"this build asks {options.describe()}: one communicator per rank "
+                "set, so build with the same backend and timeout, or destroy() first"
             )
             break
     check_agreement(
@@ -278,10 +284,11 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
 
 
 def _process_groups(groups: object) -> tuple[list[ProcessGroup], TypeError | None]:
-    """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects instead."""
+    """``groups`` as a list, and ``None``; or the ``TypeError`` saying what adopt expects."""
     expects = (
-        "adopt expects an iterable of the torch.distributed ProcessGroup objects this rank belongs to (e.g. "
-        "Megatron-Core's parallel_state.get_tensor_model_parallel_group()), not their names"
+        "adopt expects an iterable of the torch.distributed ProcessGroup "
+        "objects this rank belongs to (e.g. Megatron-Core's "
+        "parallel_state.get_tensor_model_parallel_group()), not their names"
     )
     if isinstance(groups, (str, bytes, dist.ProcessGroup)) or not isinstance(groups, Iterable):
         return [], TypeError(f"{expects}; got {groups!r} ({type(groups).__name__})")

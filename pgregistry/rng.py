@@ -1,34 +1,38 @@
 """RNG streams for model-parallel training, seeded from the model's own process groups.
 
-Tensor-parallel shards of one weight must draw different random numbers (else every shard of a weight is the
-same), while data-parallel replicas must draw the same ones (else replicas diverge). Megatron-Core solves this with
-named RNG streams ("trackers") that a region of code enters with ``fork(name)``; this module keeps its tracker
-names and seed formulas, so a user migrating gets bit-identical streams:
+Tensor-parallel shards of one weight must draw different random numbers (else every shard of a
+weight is the same), while data-parallel replicas must draw the same ones (else replicas diverge).
+Megatron-Core solves this with named RNG streams ("trackers") that a region of code enters with
+``fork(name)``; this module keeps its tracker names and seed formulas, so a user migrating gets
+bit-identical streams:
 
-==========================  =====================================================================================
-tracker                     seed
-==========================  =====================================================================================
-``data-parallel-rng``       ``seed``
-``model-parallel-rng``      ``seed + 2718 + tp_rank``
-``expert-parallel-rng``     ``seed + 1024 + 100 * ep_rank + expt_tp_rank``
-``gtp-remat-rng``           model-parallel seed ``+ 65536 * (1 + gtp_remat_rank)``, only when that axis has > 1 rank
-``egtp-remat-rng``          expert seed ``+ 32768 + 65536 * (1 + expt_gtp_remat_rank)``, likewise
-==========================  =====================================================================================
+=======================  ========================================================================
+tracker                  seed
+=======================  ========================================================================
+``data-parallel-rng``    ``seed``
+``model-parallel-rng``   ``seed + 2718 + tp_rank``
+``expert-parallel-rng``  ``seed + 1024 + 100 * ep_rank + expt_tp_rank``
+``gtp-remat-rng``        model-parallel seed ``+ 65536 * (1 + gtp_remat_rank)``, if gtp_remat > 1
+``egtp-remat-rng``       expert seed ``+ 32768 + 65536 * (1 + expt_gtp_remat_rank)``, likewise
+=======================  ========================================================================
 
-The ``seed`` above is the base seed: the job's seed plus the pipeline offset ``100 * pp_rank`` (and ``10 * dp_rank``
-when data-parallel replicas are initialised differently), which :func:`model_parallel_manual_seed` adds as
-Megatron's training loop does, so pipeline stages never share a stream.
+The ``seed`` above is the base seed: the job's seed plus the pipeline offset ``100 * pp_rank`` (and
+``10 * dp_rank`` when data-parallel replicas are initialised differently), which
+:func:`model_parallel_manual_seed` adds as Megatron's training loop does, so pipeline stages never
+share a stream.
 
 What differs from Megatron-Core:
 
-* ranks are read from a :class:`~pgregistry.collection.ProcessGroupCollection` (``None`` = axis off = rank 0),
-  never from integers cached elsewhere; without a collection the global grid is read and
+* ranks are read from a :class:`~pgregistry.collection.ProcessGroupCollection` (``None`` = axis off
+  = rank 0), never from integers cached elsewhere; without a collection the global grid is read and
   :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` is emitted;
-* the tracker handles a list of ``torch.Generator`` objects: the CPU default generator and, when CUDA is
-  available, every CUDA device's default generator, so the same code seeds CPU-only and GPU runs;
-* :func:`check_seed_plan` computes every rank's seeds from a :class:`~pgregistry.layout.ParallelLayout` and
-  reports collisions, which the formulas above do produce (for instance ``100 * ep + expt_tp == 1694 + tp``
-  at ``tp=6, ep=17, expt_tp=0`` gives one rank equal model- and expert-parallel seeds, which the tracker refuses).
+* the tracker handles a list of ``torch.Generator`` objects: the CPU default generator and, when
+  CUDA is available, every CUDA device's default generator, so the same code seeds CPU-only and GPU
+  runs;
+* :func:`check_seed_plan` computes every rank's seeds from a
+  :class:`~pgregistry.layout.ParallelLayout` and reports collisions, which the formulas above do
+  produce (for instance ``100 * ep + expt_tp == 1694 + tp`` at ``tp=6, ep=17, expt_tp=0`` gives one
+  rank equal model- and expert-parallel seeds, which the tracker refuses).
 """
 
 from __future__ import annotations
@@ -79,14 +83,17 @@ _DATA_PARALLEL_STRIDE: Final = 10
 _MAX_SEED: Final = 2**64
 
 RNGState = tuple[torch.Tensor, ...]
-"""The state of one RNG stream: one ``ByteTensor`` per generator the tracker drives (CPU first, then CUDA)."""
+"""The state of one RNG stream: a ``ByteTensor`` per generator the tracker drives.
+
+CPU first, then CUDA.
+"""
 
 
-# --------------------------------------------------------------------------------------------------- tracker
+# ------------------------------------------------------------------------------------------ tracker
 
 
 def _default_generators() -> tuple[torch.Generator, ...]:
-    """The CPU default generator, then each CUDA device's default generator when CUDA is available."""
+    """The CPU default generator, then each CUDA device's default generator if CUDA is available."""
     generators: list[torch.Generator] = [torch.default_generator]
     if torch.cuda.is_available():
         torch.cuda.init()
@@ -143,15 +150,17 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` seeded with ``seed``; the generators' current states are kept.
 
-        Raises ``ValueError`` when ``name`` is already registered or ``seed`` is already used by another stream:
-        two streams with one seed would draw the same numbers, which is never intended.
+        Raises ``ValueError`` when ``name`` is already registered or ``seed`` is already used by
+        another stream: two streams with one seed would draw the same numbers, which is never
+        intended.
         """
         _check_seed(seed, name)
         if name in self._states:
             raise ValueError(f"RNG tracker {name!r} already exists")
         if seed in self._seeds:
             raise ValueError(
-                f"seed {seed} for RNG tracker {name!r} is already used by RNG tracker {self._seeds[seed]!r}"
+                f"seed {seed} for RNG tracker {name!r} is already "
+                f"used by RNG tracker {self._seeds[seed]!r}"
             )
         generators = self.generators
         saved = _capture_states(generators)
@@ -168,7 +177,7 @@ class RNGStatesTracker:
         return tuple(self._states)
 
     def seeds(self) -> dict[str, int]:
-        """Stream name -> the seed it was added with (streams set by :meth:`set_states` alone have none)."""
+        """Stream name -> the seed it was added with (none if set by :meth:`set_states` alone)."""
         return {name: seed for seed, name in self._seeds.items()}
 
     def get_states(self) -> dict[str, RNGState]:
@@ -176,7 +185,7 @@ class RNGStatesTracker:
         return {name: tuple(t.clone() for t in state) for name, state in self._states.items()}
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
-        """Replace every stream's state (from :meth:`get_states` of a tracker over as many generators)."""
+        """Set all streams' states (from :meth:`get_states` of a tracker of as many generators)."""
         if self._current is not None:
             raise RuntimeError(f"cannot set RNG states inside fork({self._current!r})")
         count = len(self.generators)
@@ -185,15 +194,15 @@ class RNGStatesTracker:
             state = tuple(state)
             if len(state) != count or not all(isinstance(t, torch.Tensor) for t in state):
                 raise ValueError(
-                    f"state of RNG tracker {name!r} must be {count} tensors (one per generator), got "
-                    f"{len(state)} items"
+                    f"state of RNG tracker {name!r} must be {count} "
+                    f"tensors (one per generator), got {len(state)} items"
                 )
             checked[name] = tuple(t.clone() for t in state)
         self._states = checked
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the block on stream ``name``; the outer state is restored on exit, even on an exception."""
+        """Run the block on stream ``name``; the outer state is restored on exit, even on error."""
         if name not in self._states:
             known = ", ".join(repr(n) for n in self._states) or "none"
             raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
@@ -241,7 +250,7 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _default_tracker
 
 
-# --------------------------------------------------------------------------------------------------- seeds
+# -------------------------------------------------------------------------------------------- seeds
 
 
 def tracker_seeds(
@@ -302,7 +311,10 @@ def _offset_seeds(
     expt_gtp_remat_rank: int,
     expt_gtp_remat_size: int,
 ) -> dict[str, int]:
-    """:func:`tracker_seeds` without the range check, for :func:`check_seed_plan` to report what is out of range."""
+    """:func:`tracker_seeds` without the range check.
+
+    For :func:`check_seed_plan` to report what is out of range.
+    """
     model_seed = seed + _MODEL_PARALLEL_OFFSET + tp_rank
     expert_seed = seed + _EXPERT_PARALLEL_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + expt_tp_rank
     seeds = {
@@ -417,7 +429,7 @@ def model_parallel_manual_seed(
     return seeds
 
 
-# --------------------------------------------------------------------------------------------------- plans
+# -------------------------------------------------------------------------------------------- plans
 
 
 _STREAM_AXES: Final[Mapping[str, tuple[str, ...]]] = {
@@ -427,17 +439,20 @@ _STREAM_AXES: Final[Mapping[str, tuple[str, ...]]] = {
     GTP_REMAT_RNG: ("pp", "tp", "gtp_remat"),
     EGTP_REMAT_RNG: ("pp", "ep", "expt_tp", "expt_gtp_remat"),
 }
-"""Tracker -> the coordinates that tell its streams apart: ranks differing in any of them must draw differently.
+"""Tracker -> the coordinates that tell its streams apart.
 
-Pipeline stages hold different layers, so they must not share a stream (Megatron adds ``100 * pp_rank`` for
-that); tensor-parallel shards of one weight must differ (model-parallel); distinct experts and expert TP shards
-must differ (expert-parallel); GTP-remat shards must differ (GTP). With ``data_parallel_random_init`` the dense
-data-parallel coordinate is added to every tracker's list. Context-parallel ranks and the remaining data-parallel
-replicas hold the same weights and share streams by design."""
+Ranks differing in any of them must draw differently.
+
+Pipeline stages hold different layers, so they must not share a stream (Megatron adds ``100 *
+pp_rank`` for that); tensor-parallel shards of one weight must differ (model-parallel); distinct
+experts and expert TP shards must differ (expert-parallel); GTP-remat shards must differ (GTP). With
+``data_parallel_random_init`` the dense data-parallel coordinate is added to every tracker's list.
+Context-parallel ranks and the remaining data-parallel replicas hold the same weights and share
+streams by design."""
 
 
 _PROGRESS_EVERY: Final = 16384
-"""Ranks between two calls of the ``progress`` callback of :func:`seed_plan` and :func:`check_seed_plan`."""
+"""Ranks between two ``progress`` callbacks of :func:`seed_plan` and :func:`check_seed_plan`."""
 
 
 def seed_plan(
@@ -492,7 +507,8 @@ def _rank_seeds(
             progress(rank - first)
         coords = layout.coords(rank)
         base = _base_seed(seed, coords["pp"], coords["dp"], data_parallel_random_init)
-        # Unchecked: a base seed pushed past 2**64 by the pipeline offset is reported by check_seed_plan.
+        # Unchecked: a base seed pushed past 2**64 by the pipeline offset is reported by
+        # check_seed_plan.
         yield (
             rank,
             coords,
@@ -546,15 +562,18 @@ class SeedCollision:
             )
             if self.kind == "out_of_range":
                 return (
-                    f"seed {self.seed} of tracker {self.trackers[0]} on {where} is outside [0, 2**64), which "
-                    "model_parallel_manual_seed refuses: use a smaller seed"
+                    f"seed {self.seed} of tracker {self.trackers[0]} on {where} is outside "
+                    "[0, 2**64), which model_parallel_manual_seed refuses: use a smaller seed"
                 )
             return f"seed {self.seed} is used by trackers {', '.join(self.trackers)} on {where}"
         pairs = "; ".join(
             f"rank {rank} ({', '.join(f'{a}={c}' for a, c in zip(self.axes, coords, strict=True))})"
             for rank, coords in zip(self.ranks, self.coords, strict=True)
         )
-        return f"seed {self.seed} of tracker {self.trackers[0]} is shared by ranks that must differ: {pairs}"
+        return (
+            f"seed {self.seed} of tracker {self.trackers[0]} "
+            f"is shared by ranks that must differ: {pairs}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record."""
@@ -652,7 +671,10 @@ def _check_axes(data_parallel_random_init: bool) -> dict[str, tuple[str, ...]]:
 
 
 _SHARED_COMBINATIONS_COUNTED: Final = 2**16
-"""The most (tp, ep, expt_tp, gtp_remat, expt_gtp_remat) rank combinations :func:`check_seed_plan_size` tries."""
+"""The most rank combinations :func:`check_seed_plan_size` tries.
+
+Combinations of (tp, ep, expt_tp, gtp_remat, expt_gtp_remat).
+"""
 
 
 def check_seed_plan_size(

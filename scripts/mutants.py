@@ -665,8 +665,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="migrate-fallback-silent",
         bug="a read pgregistry migrate rewrote falls back to parallel_state without the warning",
         file="pgregistry/migrate/_fallback_helper.py",
-        find='_warn_of_fallback(field)\n    accessors = (',
-        replace='accessors = (',
+        find='_warn_of_fallback(field)\n    accessor, keywords = FALLBACKS[(field, kind)]',
+        replace='accessor, keywords = FALLBACKS[(field, kind)]',
         tests=(
             "tests/migrate/test_migrate_world.py::"
             "test_a_rewritten_function_reads_the_groups_it_read_before_with_the_warning",
@@ -1169,6 +1169,58 @@ MUTANTS: tuple[Mutant, ...] = (
         'record["files"]',
         tests=("tests/migrate/test_migrate_writing.py::"
                "test_a_journal_in_a_state_this_tool_never_writes_is_refused_and_nothing_is_renamed",),
+    ),
+    Mutant(
+        name="migrate-virtual-stage-ignored-with-a-collection",
+        bug="the fallback helper, given a collection, answers is_pipeline_first/last_stage(ignore_virtual=False, "
+        "vp_stage=...) from the collection's pp alone: every virtual stage of the first pipeline stage builds one "
+        "layer less (Megatron-LM #3962's get_num_layers_to_build)",
+        file="pgregistry/migrate/_fallback_helper.py",
+        find='        if not virtual_stage_allows(kind, accessor_keywords.get("vp_stage")):',
+        replace="        if False:",
+        tests=("tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "virtual-stages:virtual_stages.layers.layers_to_build[interleaved]-b]",
+               "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "virtual-stages:virtual_stages.layers.layers_to_build[interleaved]-d]",
+               "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "virtual-stages:virtual_stages.layers.mtp_num_layers_to_build-b]",
+               "tests/migrate/test_migrate_virtual_stages.py::"
+               "test_given_a_collection_the_virtual_part_is_the_accessors"),
+    ),
+    Mutant(
+        name="migrate-virtual-keywords-not-passed-on",
+        bug="migrate rewrites is_pipeline_first/last_stage(ignore_virtual=False, vp_stage=...) without passing "
+        "the two keywords to the fallback helper: with no collection it asks the pipeline stage alone",
+        file="pgregistry/migrate/_idioms.py",
+        find="if a.keyword is not None and a.keyword.value in (*_FORWARDED, *choice.forwarded)",
+        replace="if a.keyword is not None and a.keyword.value in _FORWARDED",
+        tests=("tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "virtual-stages:virtual_stages.layers.layers_to_build[interleaved]-a]",
+               "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "virtual-stages:virtual_stages.layers.layers_to_build[without-vp-stage]-a]",
+               "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+               "virtual-stages:virtual_stages.layers.mtp_on_this_rank-a]",
+               "tests/migrate/test_migrate_virtual_stages.py::"
+               "test_the_stage_of_the_collections_pp_with_the_virtual_keywords_passed_on"),
+    ),
+    Mutant(
+        name="migrate-gloo-reason-vague",
+        bug="migrate leaves a gloo group's read saying only that no field says what the accessor reads, not that "
+        "no collection holds gloo groups (Megatron-LM #3349, #3962: get_megatron_optimizer)",
+        file="pgregistry/_source/fields.py",
+        find="if match is None and _GLOO.fullmatch(accessor):",
+        replace="if False:",
+        tests=("tests/migrate/test_migrate_gloo_groups.py::test_a_gloo_groups_read_stays_with_the_reason",),
+    ),
+    Mutant(
+        name="migrate-virtual-stage-any-release",
+        bug="migrate rewrites ignore_virtual=False stage reads on a Megatron-LM of 2025-04-29 to 2025-05-20, whose "
+        "accessors take the virtual stage from the global virtual pipeline rank, not vp_stage=",
+        file="pgregistry/migrate/_virtual_stages.py",
+        find="return all(defined.get(name) == dump for name, dump in _WANTED.items())",
+        replace="return True",
+        tests=("tests/migrate/test_migrate_virtual_stages.py::test_the_release_form_is_checked_on_the_trees_parallel_state",
+               "tests/migrate/test_migrate_virtual_stages.py::test_the_tool_reads_the_form_of_the_trees_own_release"),
     ),
 )
 

@@ -1,15 +1,17 @@
-"""Decisions every rank of the world takes alike: one request, one verdict, raised on every rank or on none.
+"""Decisions every rank of the world takes alike: one request, one verdict, raised on all or none.
 
-A call that is collective over the world must never raise on some ranks only: the others would go on into the
-next collective and wait there until the timeout. So a world-collective entry point first checks what this rank
-was given, and then :func:`check_agreement` settles, in one all-reduce, whether every rank asked for the same thing and
-whether any rank found a fault; every rank then raises the same exception (quoting each faulty rank's error with
-the ranks that found it, then naming the fields that differ and who asked for what), or none does. The exception
-is the faults' own type when every faulty rank found the same kind (``TypeError`` for a value of the wrong type,
+A call that is collective over the world must never raise on some ranks only: the others would go on
+into the next collective and wait there until the timeout. So a world-collective entry point first
+checks what this rank was given, and then :func:`check_agreement` settles, in one all-reduce,
+whether every rank asked for the same thing and whether any rank found a fault; every rank then
+raises the same exception (quoting each faulty rank's error with the ranks that found it, then
+naming the fields that differ and who asked for what), or none does. The exception is the faults'
+own type when every faulty rank found the same kind (``TypeError`` for a value of the wrong type,
 ``RuntimeError`` for missing distributed state), else ``ValueError``.
 
-A call that already has an all-reduce of its own carries the verdict in it instead (:func:`verdict_of` gives its
-three numbers, :func:`check_verdict` reads them back), so agreeing costs that call nothing on its happy path.
+A call that already has an all-reduce of its own carries the verdict in it instead
+(:func:`verdict_of` gives its three numbers, :func:`check_verdict` reads them back), so agreeing
+costs that call nothing on its happy path.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ __all__ = [
 ]
 
 Fault = str | Exception | None
-"""What a rank found wrong with its input: ``None`` for nothing, an exception (its type and text travel), or a
-text (a ``ValueError``'s)."""
+"""What a rank found wrong with its input: ``None`` for nothing, an exception (its type and text
+travel), or a text (a ``ValueError``'s)."""
 
 _POLL_S = 0.001
 """How often a bounded all-reduce looks whether it has completed."""
@@ -76,11 +78,11 @@ def check_agreement(
 ) -> None:
     """Raise on every rank when the ranks' ``fields`` differ or any rank's ``error`` is set.
 
-    One all-reduce (MAX of :func:`verdict_of`) decides, so agreeing costs one small collective; only when it says
-    no is more exchanged (:func:`check_verdict`). ``subject`` names the call in messages, ``failed`` says what
-    happened to
-    the faulty ranks, ``advice`` what differing ranks must do. With ``timeout``, ``RuntimeError`` when the
-    all-reduce has not completed by then (:func:`all_reduce_within`).
+    One all-reduce (MAX of :func:`verdict_of`) decides, so agreeing costs one small collective; only
+    when it says no is more exchanged (:func:`check_verdict`). ``subject`` names the call in
+    messages, ``failed`` says what happened to the faulty ranks, ``advice`` what differing ranks
+    must do. With ``timeout``, ``RuntimeError`` when the all-reduce has not completed by then
+    (:func:`all_reduce_within`).
     """
     import torch
     import torch.distributed as dist
@@ -92,9 +94,11 @@ def check_agreement(
 
 
 def verdict_of(fields: Mapping[str, str], error: Fault) -> list[int]:
-    """This rank's three numbers of a verdict: a digest of ``fields``, its negation and a fault flag. A MAX over the
-    world of them says whether every rank's fields are the same (the largest digest is minus the largest negation)
-    and whether any rank found a fault. The digest has 52 bits, so the numbers are exact in a float64 all-reduce."""
+    """This rank's three numbers of a verdict: a digest of ``fields``, its negation, a fault flag.
+
+    A MAX over the world of them says whether every rank's fields are the same (the largest digest
+    is minus the largest negation) and whether any rank found a fault. The digest has 52 bits, so
+    the numbers are exact in a float64 all-reduce."""
     request = "|".join(f"{key}={value}" for key, value in fields.items())
     digest = int(hashlib.sha256(request.encode()).hexdigest()[:13], 16)
     return [digest, -digest, int(error is not None)]
@@ -109,8 +113,10 @@ def check_verdict(
     failed: str = "were given bad input",
     advice: str = "every rank must make the same call with the same arguments",
 ) -> None:
-    """Read back the MAX over the world of every rank's :func:`verdict_of` (``reduced``); when the ranks differ or
-    any found a fault, gather what each asked for and found and raise the same text on every rank."""
+    """Read back the MAX over the world of every rank's :func:`verdict_of` (``reduced``).
+
+    When the ranks differ or any found a fault, gather what each asked for and found and raise the
+    same text on every rank."""
     largest, negated_smallest, faulty = (int(value) for value in reduced)
     differ = largest != -negated_smallest
     if differ or faulty:  # every rank takes this branch alike
@@ -118,8 +124,10 @@ def check_verdict(
 
 
 def combine_faults(*errors: Fault) -> Fault:
-    """The faults of several checks as one: ``None`` when none; the one when one; else their texts joined, as
-    their common type (``ValueError`` when they differ)."""
+    """The faults of several checks as one.
+
+    ``None`` when none; the one when one; else their texts joined, as their common type
+    (``ValueError`` when they differ)."""
     found = [error for error in errors if error is not None]
     if len(found) <= 1:
         return found[0] if found else None
@@ -129,8 +137,9 @@ def combine_faults(*errors: Fault) -> Fault:
 
 
 def all_reached(timeout: timedelta | None = None) -> None:
-    """Return once every rank of the world has called this (one small all-reduce; bounded by ``timeout`` as
-    :func:`all_reduce_within`)."""
+    """Return once every rank of the world has called this.
+
+    One small all-reduce, bounded by ``timeout`` as :func:`all_reduce_within`."""
     import torch
     import torch.distributed as dist
 
@@ -140,10 +149,12 @@ def all_reached(timeout: timedelta | None = None) -> None:
 
 
 def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str) -> None:
-    """All-reduce ``tensor`` over the world in place; with ``timeout``, ``RuntimeError`` naming ``what`` when it
-    has not completed by then, whatever the world's own timeout (a rank that never comes would otherwise hold the
-    others for that long). The collective stays in flight after such an error: the world cannot be trusted any
-    more, as after any timeout of torch's."""
+    """All-reduce ``tensor`` over the world in place, within ``timeout`` when given.
+
+    With ``timeout``, ``RuntimeError`` naming ``what`` when it has not completed by then, whatever
+    the world's own timeout (a rank that never comes would otherwise hold the others for that long).
+    The collective stays in flight after such an error: the world cannot be trusted any more, as
+    after any timeout of torch's."""
     import torch.distributed as dist
 
     if timeout is None:
@@ -165,15 +176,19 @@ def all_reduce_within(tensor: Any, op: Any, timeout: timedelta | None, what: str
 
 
 def any_rank_has(local: bool, group: Any) -> bool:
-    """Whether any rank of ``group`` (a ProcessGroup, or ``None``: the axis is off) has ``local`` true: one MAX
-    all-reduce over it, none when it has one rank. For a verdict the ranks of one group must take alike."""
+    """Whether any rank of ``group`` has ``local`` true.
+
+    ``group`` is a ProcessGroup, or ``None``: the axis is off. One MAX all-reduce over it, none when
+    it has one rank. For a verdict the ranks of one group must take alike."""
     (anywhere,) = any_rank_has_each((local,), group)
     return anywhere
 
 
 def any_rank_has_each(local: Sequence[bool], group: Any) -> tuple[bool, ...]:
-    """For each flag of ``local``, whether any rank of ``group`` has it true: one MAX all-reduce for all of them
-    (none when the group has one rank), so several verdicts cost one collective."""
+    """For each flag of ``local``, whether any rank of ``group`` has it true.
+
+    One MAX all-reduce for all of them (none when the group has one rank), so several verdicts cost
+    one collective."""
     import torch
     import torch.distributed as dist
 
@@ -189,11 +204,12 @@ def any_rank_has_each(local: Sequence[bool], group: Any) -> tuple[bool, ...]:
 
 
 def faulty_ranks(failed: bool, groups: Sequence[Any]) -> list[int]:
-    """The world ranks that found a fault (``failed`` on them), among the ranks of ``groups`` (ProcessGroups;
-    ``None`` and one-rank groups skipped): a flag per world rank (one byte each), MAX all-reduced over each group
-    in turn, so every rank of the groups learns the same list, and a refusal on the ranks without a fault can name
-    the ranks that have it. Outside a distributed world, or with no group of several ranks: this rank when it
-    failed."""
+    """The world ranks that found a fault (``failed`` on them), among the ranks of ``groups``.
+
+    ``groups`` are ProcessGroups; ``None`` and one-rank groups are skipped. A flag per world rank
+    (one byte each), MAX all-reduced over each group in turn, so every rank of the groups learns the
+    same list, and a refusal on the ranks without a fault can name the ranks that have it. Outside a
+    distributed world, or with no group of several ranks: this rank when it failed."""
     import torch
     import torch.distributed as dist
 
@@ -222,8 +238,9 @@ def ranks_label(ranks: Sequence[int]) -> str:
 
 
 def world_device(group: Any = None) -> Any:
-    """Where the collectives over ``group`` (the world's for ``None``) run: this rank's GPU for NCCL, else the
-    CPU."""
+    """Where the collectives over ``group`` run: this rank's GPU for NCCL, else the CPU.
+
+    ``None`` is the world's group."""
     import torch
     import torch.distributed as dist
 
@@ -240,7 +257,7 @@ def _fault_type_name(error: str | Exception) -> str:
 def _raise_on_every_rank(
     subject: str, fields: Mapping[str, str], error: Fault, differ: bool, failed: str, advice: str
 ) -> None:
-    """Gather every rank's fields and fault (one ``all_gather_object``) and raise the same text on every rank."""
+    """Gather each rank's fields and fault (one ``all_gather_object``); raise alike on all ranks."""
     import torch.distributed as dist
 
     mine = None if error is None else (_fault_type_name(error), str(error))
@@ -257,7 +274,8 @@ def _raise_on_every_rank(
     then = f"{advice[0].upper()}{advice[1:]}."
     if not by_text:
         raise ValueError(
-            f"ranks disagree on {subject}: {differences}; this rank is rank {dist.get_rank()}. {then}"
+            f"ranks disagree on {subject}: {differences}; "
+            f"this rank is rank {dist.get_rank()}. {then}"
         )
     faulty = sorted(rank for ranks in by_text.values() for rank in ranks)
     quoted = "; ".join(
@@ -271,10 +289,11 @@ def _raise_on_every_rank(
 
 
 def _describe_differences(everyone: list[dict[str, str]]) -> str:
-    """Each field whose value differs across ranks, with which ranks asked for which value. Every rank's fields are
-    read, not only this rank's: a field that some ranks did not give at all (an argument given on some ranks only)
-    is named on every rank alike, with the ranks that did not give it (in one order on every rank: rank 0's fields,
-    then those only later ranks gave)."""
+    """Each field whose value differs across ranks, with which ranks asked for which value.
+
+    Every rank's fields are read, not only this rank's: a field that some ranks did not give at all
+    (an argument given on some ranks only) is named on every rank alike, with the ranks that did not
+    give it (in one order on every rank: rank 0's fields, then those only later ranks gave)."""
     differences = []
     for key in dict.fromkeys(key for asked in everyone for key in asked):
         by_value: dict[str, list[int]] = {}

@@ -1,13 +1,14 @@
 """Which communicators a layout needs, and which ones two layouts share.
 
-The registry creates one communicator per distinct rank set of more than one rank: two kinds naming the same ranks
-(``dp`` and ``dp_cp`` when cp is 1) or two layouts on the same world (the policy and the reference model of an RL
-job) share one ProcessGroup. :func:`kinds_by_communicator` lists those rank sets with the kinds naming them, and
-:func:`compare_layouts` tells which of them two layouts share, so a user choosing the second model's sizes sees how
-many communicators (and how much communicator memory) the second model adds. The layouts may span different parts of
-the world (``rank_offset``, ``num_ranks``: two modules of one job): rank sets are global ranks, so only where the spans
-overlap can a communicator be shared. Arithmetic only; no process group is created and torch is imported only by the
-layout's own enumeration.
+The registry creates one communicator per distinct rank set of more than one rank: two kinds naming
+the same ranks (``dp`` and ``dp_cp`` when cp is 1) or two layouts on the same world (the policy and
+the reference model of an RL job) share one ProcessGroup. :func:`kinds_by_communicator` lists those
+rank sets with the kinds naming them, and :func:`compare_layouts` tells which of them two layouts
+share, so a user choosing the second model's sizes sees how many communicators (and how much
+communicator memory) the second model adds. The layouts may span different parts of the world
+(``rank_offset``, ``num_ranks``: two modules of one job): rank sets are global ranks, so only where
+the spans overlap can a communicator be shared. Arithmetic only; no process group is created and
+torch is imported only by the layout's own enumeration.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ __all__ = [
 
 
 def kinds_by_communicator(layout: ParallelLayout) -> dict[RankGroup, tuple[str, ...]]:
-    """Every rank set of more than one rank that some kind of ``layout`` names -> the kinds naming it.
+    """Every rank set of over one rank that some kind of ``layout`` names -> the kinds naming it.
 
-    Rank sets are sorted tuples (the registry's keys). Size-1 groups are left out: the registry creates no
-    communicator for them (the axis is off).
+    Rank sets are sorted tuples (the registry's keys). Size-1 groups are left out: the registry
+    creates no communicator for them (the axis is off).
     """
     out: dict[RankGroup, list[str]] = {}
     for kind in GROUP_KINDS:
@@ -47,8 +48,10 @@ def kinds_by_communicator(layout: ParallelLayout) -> dict[RankGroup, tuple[str, 
 
 
 def communicators_per_rank(comms: Mapping[RankGroup, object], ranks: range) -> list[int]:
-    """How many of the communicators ``comms`` each rank of ``ranks`` joins, in the order of ``ranks`` (a range of
-    global ranks: a layout's span, or the whole world); ``ValueError`` for a communicator reaching outside it."""
+    """How many of the communicators ``comms`` each rank of ``ranks`` joins, in ``ranks``' order.
+
+    ``ranks`` is a range of global ranks: a layout's span, or the whole world; ``ValueError`` for a
+    communicator reaching outside it."""
     counts = [0] * len(ranks)
     for group in comms:
         for rank in group:
@@ -75,7 +78,7 @@ class SharedCommunicators:
 
 @attrs.frozen(slots=True, kw_only=True)
 class LayoutComparison:
-    """Two layouts of one world of ``world_size`` ranks: their communicators and the ones they share."""
+    """Two layouts of one world of ``world_size`` ranks: their communicators and those shared."""
 
     layout_a: ParallelLayout
     layout_b: ParallelLayout
@@ -88,7 +91,7 @@ class LayoutComparison:
 
     @property
     def overlap(self) -> range:
-        """The ranks both layouts span (empty when their spans are disjoint: then they share nothing)."""
+        """The ranks both layouts span (empty when their spans are disjoint: they share nothing)."""
         first_a, stop_a = self.layout_a.rank_range()
         first_b, stop_b = self.layout_b.rank_range()
         first = max(first_a, first_b)
@@ -100,8 +103,10 @@ class LayoutComparison:
         return frozenset(self.a.keys() & self.b.keys())
 
     def differences(self) -> list[tuple[str, str, str]]:
-        """What the two layouts declare differently, as ``(what, in A, in B)``: ``"ranks"`` (their spans), then each
-        axis size (``dp`` and ``expt_dp`` included), then ``"order"``; empty for one layout given twice."""
+        """What the two layouts declare differently, as ``(what, in A, in B)``.
+
+        ``"ranks"`` (their spans), then each axis size (``dp`` and ``expt_dp`` included), then
+        ``"order"``; empty for one layout given twice."""
         out = []
         spans = [_span_text(layout) for layout in (self.layout_a, self.layout_b)]
         if spans[0] != spans[1]:
@@ -117,11 +122,11 @@ class LayoutComparison:
         return out
 
     def communicators_per_rank(self) -> list[int]:
-        """How many communicators each rank of the world joins for the two layouts together (a shared one once)."""
+        """How many communicators each rank joins for both layouts together (a shared one once)."""
         return communicators_per_rank({**self.a, **self.b}, range(self.world_size))
 
     def group_shared_by_kinds(self) -> list[SharedCommunicators]:
-        """The shared communicators grouped by (kinds of A, kinds of B, size), largest classes first."""
+        """The shared communicators by (kinds of A, kinds of B, size), largest classes first."""
         classes = Counter((self.a[ranks], self.b[ranks], len(ranks)) for ranks in self.shared)
         rows = [
             SharedCommunicators(kinds_a=a, kinds_b=b, size=size, count=count)
@@ -140,9 +145,11 @@ def _span_text(layout: ParallelLayout) -> str:
 def compare_layouts(
     a: ParallelLayout, b: ParallelLayout, *, world_size: int | None = None
 ) -> LayoutComparison:
-    """Compare the communicators of two layouts of one world of ``world_size`` ranks (default: where the later span
-    ends). The layouts may span different ranks; ``ValueError`` when ``world_size`` is not a positive integer or a
-    layout's span ends past it (naming the layout: ``a`` or ``b``)."""
+    """Compare the communicators of two layouts of one world of ``world_size`` ranks.
+
+    ``world_size`` defaults to where the later span ends. The layouts may span different ranks;
+    ``ValueError`` when ``world_size`` is not a positive integer or a layout's span ends past it
+    (naming the layout: ``a`` or ``b``)."""
     if world_size is None:
         world = max(a.rank_range()[1], b.rank_range()[1])
     elif not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -153,8 +160,8 @@ def compare_layouts(
         first, stop = layout.rank_range()
         if stop > world:
             raise ValueError(
-                f"layout {name} spans ranks {first}-{stop - 1} (rank_offset {first} + num_ranks {layout.num_ranks}), "
-                f"past the end of the world (world_size {world})"
+                f"layout {name} spans ranks {first}-{stop - 1} (rank_offset {first} + "
+                f"num_ranks {layout.num_ranks}), past the end of the world (world_size {world})"
             )
     return LayoutComparison(
         layout_a=a,

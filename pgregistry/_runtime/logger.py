@@ -1,5 +1,6 @@
-"""Library logging: structlog bound to a stdlib logger, so the host application's logging config decides
-where records go. pgregistry never calls ``structlog.configure()`` or ``logging.basicConfig()``."""
+"""Library logging: structlog bound to a stdlib logger, so the host application's logging config
+decides where records go. pgregistry never calls ``structlog.configure()`` or
+``logging.basicConfig()``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""What pgregistry's optional Triton kernels share: importing a kernel module only where triton is, proving a kernel
-on a device once before trusting it there, and launching on a tensor's own GPU.
+"""What pgregistry's optional Triton kernels share: importing a kernel module only where triton is,
+proving a kernel on a device once before trusting it there, and launching on a tensor's own GPU.
 
-Triton ships with torch's CUDA wheels but compiles each kernel with the machine's C compiler and CUDA toolchain the
-first time it runs, so being importable does not mean working. Each kernel's callers ask once per device and process:
-a probe launches the kernel on a few values whose result is known exactly; a launch that raises (no compiler, a driver
-too old) logs a warning and keeps the callers on their torch path, and a launch that gives the wrong result raises,
-since a kernel that computes wrongly must not run quietly. Off CUDA the kernels run only under triton's interpreter
-(``TRITON_INTERPRET=1``, in tests). torch is imported inside the functions: ``import pgregistry`` loads no torch.
+Triton ships with torch's CUDA wheels but compiles each kernel with the machine's C compiler and
+CUDA toolchain the first time it runs, so being importable does not mean working. Each kernel's
+callers ask once per device and process: a probe launches the kernel on a few values whose result is
+known exactly; a launch that raises (no compiler, a driver too old) logs a warning and keeps the
+callers on their torch path, and a launch that gives the wrong result raises, since a kernel that
+computes wrongly must not run quietly. Off CUDA the kernels run only under triton's interpreter
+(``TRITON_INTERPRET=1``, in tests). torch is imported inside the functions: ``import pgregistry``
+loads no torch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ __all__ = ["cuda_index", "launch_on", "optional_kernels", "probe_kernel"]
 
 
 def optional_kernels(module: str) -> ModuleType | None:
-    """The kernel module ``module`` (which imports triton), or ``None`` where triton is not importable."""
+    """The kernel module ``module`` (it imports triton), or ``None`` without triton."""
     try:
         return importlib.import_module(module)
     except ImportError:  # no triton: the callers' torch path
@@ -41,9 +43,10 @@ def cuda_index(device: torch.device) -> int:
 def probe_kernel(
     index: int, probe: Callable[[torch.device], object], want: object, *, event: str, kernel: str
 ) -> bool:
-    """Whether ``probe`` (a launch of ``kernel`` on GPU ``index``) runs there and returns ``want``: ``False`` with a
-    warning ``event`` where it raises; a ``RuntimeError`` where it returns anything else. Callers cache the answer
-    per device."""
+    """Whether ``probe`` (a launch of ``kernel`` on GPU ``index``) runs and returns ``want``.
+
+    ``False`` with a warning ``event`` where it raises; a ``RuntimeError`` where it returns anything
+    else. Callers cache the answer per device."""
     import torch
 
     from pgregistry._runtime.logger import get_logger
@@ -60,7 +63,7 @@ def probe_kernel(
 
 
 def launch_on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """Launch on ``device``'s GPU (triton launches on the current one); off CUDA (the interpreter) nothing."""
+    """Launch on ``device``'s GPU (triton uses the current one); off CUDA (interpreter) nothing."""
     import torch
 
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -1,26 +1,27 @@
-"""The door of every entry point: what it was given (one normaliser) and which collection it runs on (one
-resolution).
+"""The door of every entry point: what it was given (one normaliser) and which collection it runs on
+(one resolution).
 
-An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the optimizer
-builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params` and
-:func:`resolve_pg_collection` once and passes what they return down; nothing below the door resolves again.
-The collection is, in this order:
+An entry point that takes a model or parameters and ``pg_collection=None`` (grad statistics, the
+optimizer builder, expert ranks and names, checkpoints, RNG seeding) calls :func:`normalise_params`
+and :func:`resolve_pg_collection` once and passes what they return down; nothing below the door
+resolves again. The collection is, in this order:
 
-1. the collection passed explicitly (refused when the model carries another one: which would win is a guess);
-2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module`` wrappers and
-   the same on every chunk;
+1. the collection passed explicitly (refused when the model carries another one: which would win is
+   a guess);
+2. else the collection attached to the model (:func:`pgregistry.attach`), found through ``.module``
+   wrappers and the same on every chunk;
 3. else the global grid (:mod:`pgregistry.global_grid`), with a
    :class:`~pgregistry.fallback.ProcessGroupFallbackWarning` naming the entry point;
 4. else ``RuntimeError`` naming the entry point.
 
-No entry point reads "no collection" as a default layout (such as "expert parallelism off"): on an EP 4 grid that
-gave every rank EP rank 0 of 1, so every rank's experts got the same global names and overwrote each other in a
-checkpoint. The resolved collection must be usable: this rank must be a member of its layout, and its groups must
-not have been destroyed. The fields an entry point may read from the global grid when they are
-:data:`~pgregistry.collection.UNSET` (``fallback``) are filled here too, each with a warning, unless the
-collection's own composite groups leave them one rank (then they are ``None``, nothing read); a field filled from
-the global grid never contradicts one the collection sets (``ValueError`` naming both). Every other field it needs
-must be set.
+No entry point reads "no collection" as a default layout (such as "expert parallelism off"): on an
+EP 4 grid that gave every rank EP rank 0 of 1, so every rank's experts got the same global names and
+overwrote each other in a checkpoint. The resolved collection must be usable: this rank must be a
+member of its layout, and its groups must not have been destroyed. The fields an entry point may
+read from the global grid when they are :data:`~pgregistry.collection.UNSET` (``fallback``) are
+filled here too, each with a warning, unless the collection's own composite groups leave them one
+rank (then they are ``None``, nothing read); a field filled from the global grid never contradicts
+one the collection sets (``ValueError`` naming both). Every other field it needs must be set.
 """
 
 from __future__ import annotations
@@ -58,14 +59,16 @@ ParamsLike: TypeAlias = (
     "nn.Module | torch.Tensor | Mapping[str, torch.Tensor] | "
     "Iterable[torch.Tensor] | Iterable[nn.Module]"
 )
-"""What the entry points accept: a model, model chunks (a list, tuple or generator of modules), a name ->
-parameter mapping, one tensor, or an iterable of tensors."""
+"""What the entry points accept: a model, model chunks (a list, tuple or generator of modules), a
+name -> parameter mapping, one tensor, or an iterable of tensors."""
 
 
 @attrs.frozen(slots=True)
 class Params:
-    """What an entry point was given, normalised once: the model chunks (empty when given tensors) and every
-    parameter once (by identity), named, in a deterministic order."""
+    """What an entry point was given, normalised once.
+
+    The model chunks (empty when given tensors) and every parameter once (by identity), named, in a
+    deterministic order."""
 
     chunks: tuple[nn.Module, ...]
     named: tuple[tuple[str, torch.Tensor], ...]
@@ -73,8 +76,10 @@ class Params:
 
 @attrs.frozen(slots=True)
 class Source:
-    """What an entry point was given, taken apart without walking it: the model chunks, or the tensors (``None``
-    for chunks), and the items as given (a one-shot iterable read into a list once), for :func:`params_of_source`."""
+    """What an entry point was given, taken apart without walking it, for :func:`params_of_source`.
+
+    The model chunks, or the tensors (``None`` for chunks), and the items as given (a one-shot
+    iterable read into a list once)."""
 
     chunks: tuple[nn.Module, ...]
     tensors: list[Any] | None
@@ -82,9 +87,10 @@ class Source:
 
 
 def source_of(model_or_params: ParamsLike) -> Source:
-    """:class:`Source` of a model, model chunks (any iterable of modules, generators included), a mapping, one
-    tensor or an iterable of tensors: a few ``isinstance`` checks, no walk (a kept classification checks what it
-    was made from against this, each call)."""
+    """:class:`Source` of a model, model chunks, a mapping, one tensor or an iterable of tensors.
+
+    Model chunks are any iterable of modules, generators included. A few ``isinstance`` checks, no
+    walk (a kept classification checks what it was made from against this, each call)."""
     import torch
     from torch import nn
 
@@ -101,14 +107,17 @@ def source_of(model_or_params: ParamsLike) -> Source:
 
 
 def normalise_params(model_or_params: ParamsLike) -> Params:
-    """The one normaliser of models, chunks (any iterable of modules, generators included), mappings, tensors and
-    iterables of tensors: :func:`params_of_source` of its :func:`source_of`."""
+    """The one normaliser of models, chunks, mappings, tensors and iterables of tensors.
+
+    Chunks are any iterable of modules, generators included. :func:`params_of_source` of its
+    :func:`source_of`."""
     return params_of_source(source_of(model_or_params))
 
 
 def normalise_model(model_chunks: ParamsLike, owner: str) -> Params:
-    """:func:`normalise_params` of a model or model chunks; ``TypeError`` naming ``owner`` for anything else
-    (tensors, a mapping), for the entry points that need the modules."""
+    """:func:`normalise_params` of a model or model chunks, for the entry points needing modules.
+
+    ``TypeError`` naming ``owner`` for anything else (tensors, a mapping)."""
     params = normalise_params(model_chunks)
     if not params.chunks:
         raise TypeError(
@@ -118,9 +127,11 @@ def normalise_model(model_chunks: ParamsLike, owner: str) -> Params:
 
 
 def params_of_source(source: Source) -> Params:
-    """The parameters of ``source``: a model's named as ``named_parameters`` names them (prefixed ``chunk<i>.``
-    when there are several chunks), each with the roles of the parameter it replaced when it is the same
-    parameter (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
+    """The parameters of ``source``, named.
+
+    A model's named as ``named_parameters`` names them (prefixed ``chunk<i>.`` when there are
+    several chunks), each with the roles of the parameter it replaced when it is the same parameter
+    (:func:`~pgregistry.params.restore_param_roles`); a mapping gives its items; tensors are named
     ``param[<i>]``. ``TypeError`` naming an item that is not a tensor."""
     import torch
 
@@ -158,13 +169,15 @@ def resolve_pg_collection(
     owner: str,
     fallback: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
-    """The collection ``owner`` runs on (see the module docstring), checked usable, with the UNSET fields of
-    ``fallback`` filled by :func:`fill_unset_fields` (from the global grid, each with a warning, where the collection
-    does not
-    fix them; ``RuntimeError`` when there is none to read).
+    """The collection ``owner`` runs on (see the module docstring), checked usable, filled.
 
-    ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when it disagrees with
-    the collection attached to ``chunks``, when this rank is not a member of it, or when it was destroyed.
+    The UNSET fields of ``fallback`` are filled by :func:`fill_unset_fields` (from the global grid,
+    each with a warning, where the collection does not fix them; ``RuntimeError`` when there is none
+    to read).
+
+    ``TypeError`` when ``pg_collection`` is neither a collection nor ``None``; ``ValueError`` when
+    it disagrees with the collection attached to ``chunks``, when this rank is not a member of it,
+    or when it was destroyed.
     """
     attached = collection_of(chunks, None) if chunks else None
     if pg_collection is not None:
@@ -175,8 +188,9 @@ def resolve_pg_collection(
             )
         if attached is not None and attached != pg_collection:
             raise ValueError(
-                f"{owner} was given {pg_collection.describe()} but the model carries {attached.describe()}, "
-                "attached with pgregistry.attach: pass the attached one (or none), or attach the one you mean"
+                f"{owner} was given {pg_collection.describe()} but the model "
+                f"carries {attached.describe()}, attached with pgregistry.attach: "
+                "pass the attached one (or none), or attach the one you mean"
             )
         collection = pg_collection
     elif attached is not None:
@@ -188,17 +202,19 @@ def resolve_pg_collection(
 
 
 def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroupCollection:
-    """``collection``, refused (``ValueError``) when this rank is not a member of its layout or its groups were
-    destroyed (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a collection. For entry points
-    that take a collection only, never ``None``."""
+    """``collection``, refused when this rank cannot use it.
+
+    ``ValueError`` when this rank is not a member of its layout or its groups were destroyed
+    (:func:`pgregistry.registry.destroy`); ``TypeError`` when it is not a collection. For entry
+    points that take a collection only, never ``None``."""
     if not isinstance(collection, ProcessGroupCollection):
         kind = type(collection)
         got = f"{kind.__module__}.{kind.__qualname__}"
         raise TypeError(f"{owner} expects a pgregistry ProcessGroupCollection, got {got}")
     if collection.is_destroyed:
         raise ValueError(
-            f"{owner} was given {collection.describe()}, whose groups pgregistry.registry.destroy() destroyed; "
-            "build the layout again"
+            f"{owner} was given {collection.describe()}, whose groups "
+            "pgregistry.registry.destroy() destroyed; build the layout again"
         )
     if not collection.is_member:
         import torch.distributed as dist
@@ -207,15 +223,15 @@ def check_usable(collection: ProcessGroupCollection, owner: str) -> ProcessGroup
         assert layout is not None  # only a built collection can be outside its layout
         first, stop = layout.rank_range()
         raise ValueError(
-            f"{owner} was given {collection.describe()}, which spans ranks {first}-{stop - 1}; this rank "
-            f"({dist.get_rank()}) is not one of them and must not compute with it: give the collection of a module "
-            "this rank runs, or skip the module here (pg.is_member)"
+            f"{owner} was given {collection.describe()}, which spans ranks {first}-{stop - 1}; "
+            f"this rank ({dist.get_rank()}) is not one of them and must not compute with it: give "
+            "the collection of a module this rank runs, or skip the module here (pg.is_member)"
         )
     return collection
 
 
 def _global_grid() -> ProcessGroupCollection | None:
-    """The global grid, or ``None``: the one read of it in pgregistry (the allowlist holds it to that)."""
+    """The global grid, or ``None``: pgregistry's one read of it (the allowlist keeps it so)."""
     return global_collection(None)
 
 
@@ -224,8 +240,9 @@ def _global_grid_for(owner: str, *, model_given: bool) -> ProcessGroupCollection
     if grid is None:
         source = "and the model has no collection attached " if model_given else ""
         raise RuntimeError(
-            f"{owner} was not given a ProcessGroupCollection {source}and no global grid is initialised; pass "
-            "pg_collection, attach one to the model (pgregistry.attach) or initialise the global grid"
+            f"{owner} was not given a ProcessGroupCollection {source}and no "
+            "global grid is initialised; pass pg_collection, attach one to "
+            "the model (pgregistry.attach) or initialise the global grid"
         )
     warn_fallback(owner, "pg_collection")
     return grid
@@ -238,14 +255,18 @@ def fill_unset_fields(
     *,
     unneeded: Iterable[GroupName] = (),
 ) -> ProcessGroupCollection:
-    """``collection`` with its UNSET fields among ``names`` filled; for an entry point that decides what its model
-    needs after :func:`resolve_pg_collection` (``fallback=()``), as ``build_optimizer`` does.
+    """``collection`` with its UNSET fields among ``names`` filled.
 
-    A field the collection's own composite groups leave one rank (:func:`~pgregistry.collection.implied_size`:
-    ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep`` off) is ``None``, nothing read. A field among ``unneeded`` (the
-    expert axes of a model without experts) is ``None`` too, unless the composites say it spans several ranks. Any
-    other is read from the global grid, with a warning (``RuntimeError`` when there is none), and must agree with
-    the collection: ``ValueError`` naming the field and the composite it contradicts, or the check that failed.
+    For an entry point that decides what its model needs after :func:`resolve_pg_collection`
+    (``fallback=()``), as ``build_optimizer`` does.
+
+    A field the collection's own composite groups leave one rank
+    (:func:`~pgregistry.collection.implied_size`: ``tp_ep_pp=None`` leaves ``expt_tp`` and ``ep``
+    off) is ``None``, nothing read. A field among ``unneeded`` (the expert axes of a model without
+    experts) is ``None`` too, unless the composites say it spans several ranks. Any other is read
+    from the global grid, with a warning (``RuntimeError`` when there is none), and must agree with
+    the collection: ``ValueError`` naming the field and the composite it contradicts, or the check
+    that failed.
     """
     missing = [name for name in dict.fromkeys((*names, *unneeded)) if not collection.is_set(name)]
     if not missing:
@@ -257,8 +278,9 @@ def fill_unset_fields(
         warn_fallback(owner, name)
         if grid is None:
             raise RuntimeError(
-                f"{owner} needs process group {name!r}: it was not given one and no global grid is initialised "
-                "(pgregistry.global_grid.initialize_global_grid); pass a ProcessGroupCollection that sets it"
+                f"{owner} needs process group {name!r}: it was not given one and no global "
+                "grid is initialised (pgregistry.global_grid.initialize_global_grid); "
+                "pass a ProcessGroupCollection that sets it"
             )
         if not grid.is_set(name):
             raise RuntimeError(
@@ -269,17 +291,18 @@ def fill_unset_fields(
         if implied is not None and group_size(group) != implied[0]:
             size, composite = implied
             raise ValueError(
-                f"{owner} needs process group {name!r}, which the collection leaves unset; the global grid's "
-                f"{name!r} spans {group_size(group)} rank(s), but the collection's {composite!r} leaves it {size}: the "
-                f"global grid is another layout than the collection's, so pass {name} in the collection"
+                f"{owner} needs process group {name!r}, which the collection leaves "
+                f"unset; the global grid's {name!r} spans {group_size(group)} rank(s), "
+                f"but the collection's {composite!r} leaves it {size}: the global grid is "
+                f"another layout than the collection's, so pass {name} in the collection"
             )
         filled[name] = group
     try:
         return collection.evolve(**filled)
     except ValueError as exc:
         raise ValueError(
-            f"{owner} filled the unset process group(s) {read} from the global grid, which contradicts the "
-            f"collection ({exc}); pass them in the collection"
+            f"{owner} filled the unset process group(s) {read} from the global grid, "
+            f"which contradicts the collection ({exc}); pass them in the collection"
         ) from exc
 
 
@@ -288,9 +311,10 @@ def grid_reads(
     names: Iterable[GroupName],
     unneeded: Iterable[GroupName] = (),
 ) -> list[GroupName]:
-    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid: UNSET, not left one rank
-    by the
-    collection's composite groups, and not ``unneeded`` unless the composites say they span several ranks."""
+    """The fields among ``names`` that :func:`fill_unset_fields` reads from the global grid.
+
+    UNSET, not left one rank by the collection's composite groups, and not ``unneeded`` unless the
+    composites say they span several ranks."""
     skipped = set(unneeded)
     reads = []
     for name in dict.fromkeys(names):

@@ -1,13 +1,14 @@
-"""Install :mod:`pgregistry.params`'s registration hooks as soon as both pgregistry and torch are imported.
+"""Install :mod:`pgregistry.params`'s registration hooks once pgregistry and torch are imported.
 
-Roles set as plain attributes (Megatron-Core's ``shared``, ``allreduce``, ``tensor_model_parallel``) survive
-``fully_shard`` only if torch's parameter-registration hook saw the parameter when the model was built
-(:mod:`pgregistry.params`). Installing it only when :mod:`pgregistry.params` happened to be imported made the grad
-norm depend on import order: Megatron-Core's tie was counted twice (8.3079 for 6.5945) unless the helpers were
-imported before the model was built. ``import pgregistry`` must not import torch, so the package root calls
-:func:`install`: with torch already imported it imports :mod:`pgregistry.params` now; otherwise it waits for
-torch's import (a finder on ``sys.meta_path`` that lets the usual finders find torch, imports the helpers right
-after torch's module has run, and leaves). Nothing is imported that the program would not import anyway.
+Roles set as plain attributes (Megatron-Core's ``shared``, ``allreduce``, ``tensor_model_parallel``)
+survive ``fully_shard`` only if torch's parameter-registration hook saw the parameter when the model
+was built (:mod:`pgregistry.params`). Installing it only when :mod:`pgregistry.params` happened to
+be imported made the grad norm depend on import order: Megatron-Core's tie was counted twice (8.3079
+for 6.5945) unless the helpers were imported before the model was built. ``import pgregistry`` must
+not import torch, so the package root calls :func:`install`: with torch already imported it imports
+:mod:`pgregistry.params` now; otherwise it waits for torch's import (a finder on ``sys.meta_path``
+that lets the usual finders find torch, imports the helpers right after torch's module has run, and
+leaves). Nothing is imported that the program would not import anyway.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def install() -> None:
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: asked for torch, it asks the finders after it for torch's spec and has its loader
-    import the helpers once torch's module has run; it leaves ``sys.meta_path`` then (a spec asked for without an
-    import, ``importlib.util.find_spec("torch")``, leaves it in place)."""
+    """Finds nothing itself: has the helpers imported once torch's module has run.
+
+    Asked for torch, it asks the finders after it for torch's spec and has its loader import the
+    helpers once torch's module has run; it leaves ``sys.meta_path`` then (a spec asked for without
+    an import, ``importlib.util.find_spec("torch")``, leaves it in place)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None

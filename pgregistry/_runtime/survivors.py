@@ -1,22 +1,24 @@
-"""Which ranks are still alive after a fault: the survivors' check-in, decision and confirmation through a store.
+"""Which ranks survive a fault: the survivors' check-in, decision and confirmation through a store.
 
-:func:`pgregistry.recovery.recover` needs every survivor to name the same survivors, without a collective over the
-broken world. Through the store it was given (see there), under the generation's prefix:
+:func:`pgregistry.recovery.recover` needs every survivor to name the same survivors, without a
+collective over the broken world. Through the store it was given (see there), under the generation's
+prefix:
 
-1. *check in*: each survivor writes its record (the step it committed, the lost ranks it was told of) and counts
-   itself;
-2. *decide*: once every rank that may be alive has checked in, or ``wait`` seconds passed, a survivor proposes the
-   ranks whose records exist; the store's ``compare_set`` keeps the first proposal, so every survivor reads one
-   decision;
-3. *confirm*: a rank may die after its check-in (a second failure) and still be named by the decision. Each rank the
-   decision names checks in again, to a confirmation round, and that round is decided as the first was: over the
-   ranks the decision named, once all of them answered or ``wait`` passed. A round that names every rank of the
-   decision before it confirms it; otherwise the ranks that answered go to the next round, and a rank left out is
-   lost like the first. Each round without a loss ends as soon as the last survivor answers; each loss costs at
-   most ``wait`` seconds more, and there are at most as many rounds as ranks.
+1. *check in*: each survivor writes its record (the step it committed, the lost ranks it was told
+   of) and counts itself;
+2. *decide*: once every rank that may be alive has checked in, or ``wait`` seconds passed, a
+   survivor proposes the ranks whose records exist; the store's ``compare_set`` keeps the first
+   proposal, so every survivor reads one decision;
+3. *confirm*: a rank may die after its check-in (a second failure) and still be named by the
+   decision. Each rank the decision names checks in again, to a confirmation round, and that round
+   is decided as the first was: over the ranks the decision named, once all of them answered or
+   ``wait`` passed. A round that names every rank of the decision before it confirms it; otherwise
+   the ranks that answered go to the next round, and a rank left out is lost like the first. Each
+   round without a loss ends as soon as the last survivor answers; each loss costs at most ``wait``
+   seconds more, and there are at most as many rounds as ranks.
 
-A rank that checks in after a decision left it out (it was stuck longer than ``wait``, or answered a confirmation
-too late) learns so and raises. Torch-free: it uses the store's methods only.
+A rank that checks in after a decision left it out (it was stuck longer than ``wait``, or answered a
+confirmation too late) learns so and raises. Torch-free: it uses the store's methods only.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ def agree_on_survivors(
     told: list[int] | None,
     wait: float,
 ) -> dict[int, dict[str, Any]]:
-    """Check in, decide and confirm (see the module docstring); the confirmed survivors' records, by rank.
+    """Check in, decide and confirm (module docstring); the confirmed survivors' records by rank.
 
     ``RuntimeError`` on a rank a decision left out."""
     _check_in(store, prefix, rank, json.dumps({"step": step, "lost": told}))
-    # When told who is lost, everyone else is expected (a told set that differs is the verdict's error).
+    # When told who is lost, everyone else is expected (a told set that differs is the verdict's
+    # error).
     expected = (
         world_size - len(set(told) & set(range(world_size))) if told is not None else world_size
     )
@@ -77,8 +80,10 @@ def _check_in(store: Any, prefix: str, rank: int, record: str) -> None:
 def _decide_survivors(
     store: Any, prefix: str, candidates: Sequence[int], expected: int, wait: float
 ) -> list[int]:
-    """The ranks of ``candidates`` that checked in under ``prefix``, as the first proposal kept: proposed once
-    ``expected`` ranks have, or ``wait`` seconds passed (from this rank's own check-in)."""
+    """The ranks of ``candidates`` that checked in under ``prefix``, as the first proposal kept.
+
+    Proposed once ``expected`` ranks have, or ``wait`` seconds passed (from this rank's own
+    check-in)."""
     deadline = time.monotonic() + wait
     decision_key = f"{prefix}/decision"
     while not store.check([decision_key]):
@@ -92,10 +97,10 @@ def _decide_survivors(
 
 
 def _require_named(survivors: list[int], rank: int, generation: str, when: str) -> None:
-    """``RuntimeError`` on ``rank`` when ``survivors`` (decided ``when``) leave it out: it is lost to them."""
+    """``RuntimeError`` on ``rank`` if ``survivors`` (decided ``when``) leave it out: it is lost."""
     if rank not in survivors:
         raise RuntimeError(
             f"rank {rank} {when} without it (generation {generation}): it is lost to "
-            "them; end this process. A survivor that arrives late was stuck longer than the recovery's wait: make "
-            "wait longer than the collective timeout"
+            "them; end this process. A survivor that arrives late was stuck longer "
+            "than the recovery's wait: make wait longer than the collective timeout"
         )

@@ -1,20 +1,25 @@
-"""``-W`` / ``PYTHONWARNINGS`` options naming :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`, honoured.
+"""``-W`` / ``PYTHONWARNINGS`` options naming ``ProcessGroupFallbackWarning``, honoured.
 
-Python processes those options before ``site`` puts site-packages on ``sys.path``, so for an installed pgregistry
-it prints "Invalid -W option ignored: invalid module name: 'pgregistry'" and drops the filter:
-``python -W error::pgregistry.ProcessGroupFallbackWarning`` would silently not raise. The options from the first one
-naming this category onward are parsed here as Python parses them and re-applied (at import of
-:mod:`pgregistry.fallback`, and by the pytest plugin inside pytest), so later options keep their precedence. An
-option naming a ``pgregistry`` category that does not exist is an error naming the closest one: Python's own notice
-is the same for a misspelling as for a correct name, so a migration run with a typo would pass.
+The warning is :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
 
-The category without its module (``-W error::ProcessGroupFallbackWarning``) is looked up among the builtins only,
-so Python prints "unknown warning category" and a fallback is not an error. What was meant is plain: the option is
-applied as if spelled ``pgregistry.ProcessGroupFallbackWarning``, and one line on stderr (next to Python's notice,
-which says the option was ignored) gives the spelling that works without pgregistry's help. A bare name close to
-the category's but not it (``ProcessGroupFalbackWarning``) is the misspelling error above.
+Python processes those options before ``site`` puts site-packages on ``sys.path``, so for an
+installed pgregistry it prints "Invalid -W option ignored: invalid module name: 'pgregistry'" and
+drops the filter: ``python -W error::pgregistry.ProcessGroupFallbackWarning`` would silently not
+raise. The options from the first one naming this category onward are parsed here as Python parses
+them and re-applied (at import of :mod:`pgregistry.fallback`, and by the pytest plugin inside
+pytest), so later options keep their precedence. An option naming a ``pgregistry`` category that
+does not exist is an error naming the closest one: Python's own notice is the same for a misspelling
+as for a correct name, so a migration run with a typo would pass.
 
-Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at interpreter start.
+The category without its module (``-W error::ProcessGroupFallbackWarning``) is looked up among the
+builtins only, so Python prints "unknown warning category" and a fallback is not an error. What was
+meant is plain: the option is applied as if spelled ``pgregistry.ProcessGroupFallbackWarning``, and
+one line on stderr (next to Python's notice, which says the option was ignored) gives the spelling
+that works without pgregistry's help. A bare name close to the category's but not it
+(``ProcessGroupFalbackWarning``) is the misspelling error above.
+
+Imports no torch: ``-W error::pgregistry.ProcessGroupFallbackWarning`` imports the package at
+interpreter start.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ _ACTIONS: Final = ("default", "always", "ignore", "module", "once", "error")
 
 
 class CommandLineFilter(NamedTuple):
-    """One ``-W``/``PYTHONWARNINGS`` option, parsed as Python parses it (``message`` and ``module`` literal)."""
+    """One ``-W``/``PYTHONWARNINGS`` option, parsed as Python parses it.
+
+    ``message`` and ``module`` are literal.
+    """
 
     action: str
     message: str
@@ -40,22 +48,26 @@ class CommandLineFilter(NamedTuple):
     module: str
     lineno: int
     unqualified: str = ""
-    """The option as given when it named the category without its module (and ``category_name`` is qualified)."""
+    """The option as given when it named the category without its module.
+
+    ``category_name`` is then qualified.
+    """
 
     @property
     def message_pattern(self) -> str:
-        """``message`` as the regular expression :func:`warnings.filterwarnings` takes (a literal prefix)."""
+        """``message`` as the regex :func:`warnings.filterwarnings` takes (a literal prefix)."""
         return re.escape(self.message)
 
     @property
     def module_pattern(self) -> str:
-        """``module`` as the regular expression :func:`warnings.filterwarnings` takes (the whole name)."""
+        """``module`` as the regex :func:`warnings.filterwarnings` takes (the whole name)."""
         return re.escape(self.module) + r"\Z" if self.module else ""
 
     def apply(self) -> None:
-        """Insert this filter at the front of :data:`warnings.filters`, as Python does for ``-W``."""
+        """Insert this filter first in :data:`warnings.filters`, as Python does for ``-W``."""
         warnings.filterwarnings(
-            self.action,  # type: ignore[arg-type]  # one of the literals, checked by command_line_filters
+            # One of the literals, checked by command_line_filters.
+            self.action,  # type: ignore[arg-type]
             self.message_pattern,
             self.category,
             self.module_pattern,
@@ -64,11 +76,11 @@ class CommandLineFilter(NamedTuple):
 
 
 def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
-    """The options from the first one naming ``category`` (a pgregistry category) on; empty when none does.
+    """The options from the first naming ``category`` (a pgregistry category) on; empty if none.
 
-    Those naming a category of another module, not a builtin, and those Python rejects as malformed are left out.
-    ``ValueError`` naming the closest existing spelling for an option that names a pgregistry category which does
-    not exist.
+    Those naming a category of another module, not a builtin, and those Python rejects as malformed
+    are left out. ``ValueError`` naming the closest existing spelling for an option that names a
+    pgregistry category which does not exist.
     """
     ours = _category_spellings(category)
     options = [option.split(":") for option in sys.warnoptions]
@@ -106,7 +118,10 @@ def command_line_filters(category: type[Warning]) -> list[CommandLineFilter]:
 
 
 def _category_spellings(category: type[Warning]) -> set[str]:
-    """The names an option may give ``category`` by: its module's, the package root's, and the bare class name."""
+    """The names an option may give ``category`` by.
+
+    Its module's, the package root's, and the bare class name.
+    """
     return {
         f"{category.__module__}.{category.__name__}",
         f"pgregistry.{category.__name__}",
@@ -118,15 +133,17 @@ def _check_spelling(category_name: str, ours: set[str], bare: str) -> None:
     if category_name in ours:
         return
     if not category_name.startswith("pgregistry."):
-        # A bare name Python does not know either (a builtin is never this close to ours): a typo of the bare form.
+        # A bare name Python does not know either (a builtin is never this close to ours): a typo of
+        # the bare form.
         if "." in category_name or _builtin_warning(category_name) is not None:
             return
         if not difflib.get_close_matches(category_name, [bare], n=1, cutoff=0.8):
             return
     close = difflib.get_close_matches(category_name, sorted(ours - {bare}), n=1, cutoff=0.0)
     raise ValueError(
-        f"the -W / PYTHONWARNINGS option naming {category_name!r} names no pgregistry warning category; did you "
-        f"mean {close[0]!r}? (Python ignores such an option with a generic notice, so the filter would not apply)"
+        f"the -W / PYTHONWARNINGS option naming {category_name!r} names no "
+        f"pgregistry warning category; did you mean {close[0]!r}? (Python ignores "
+        "such an option with a generic notice, so the filter would not apply)"
     )
 
 
@@ -138,16 +155,18 @@ def _builtin_warning(name: str) -> type[Warning] | None:
 
 
 def apply_command_line_filters(category: type[Warning]) -> None:
-    """Re-apply the options naming ``category`` (see the module docstring); one line on stderr for each option that
-    names it without its module, giving the spelling to use."""
+    """Re-apply the options naming ``category`` (see the module docstring).
+
+    One line on stderr for each option that names it without its module, giving the spelling to
+    use."""
     for option in command_line_filters(category):
         option.apply()
         if option.unqualified:
             fields = option.unqualified.split(":")
             fields[2] = option.category_name
             print(
-                f"pgregistry: the -W / PYTHONWARNINGS option {option.unqualified!r} names the category without its "
-                f"module (Python's notice above: it ignored it); pgregistry applies it as {':'.join(fields)!r}: "
-                "spell it so",
+                f"pgregistry: the -W / PYTHONWARNINGS option {option.unqualified!r} "
+                "names the category without its module (Python's notice above: it "
+                f"ignored it); pgregistry applies it as {':'.join(fields)!r}: spell it so",
                 file=sys.stderr,
             )

@@ -1,10 +1,11 @@
 """Scan results keyed by content hash, so a re-run only parses what changed.
 
-A result is stored under a digest of the file's project path and bytes (the path matters: relative imports
-resolve against it), in a file named after the :class:`~pgregistry._source.config.ScanConfig` fingerprint,
-which covers the scanner version and every setting that changes what it reports. So a cached result is reused
-exactly when a fresh scan would produce the same result; anything unreadable, truncated or of the wrong shape
-is ignored and rescanned, never trusted. Writes are atomic (temporary file, then rename).
+A result is stored under a digest of the file's project path and bytes (the path matters: relative
+imports resolve against it), in a file named after the
+:class:`~pgregistry._source.config.ScanConfig` fingerprint, which covers the scanner version and
+every setting that changes what it reports. So a cached result is reused exactly when a fresh scan
+would produce the same result; anything unreadable, truncated or of the wrong shape is ignored and
+rescanned, never trusted. Writes are atomic (temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pgregistry._source.storage import atomic_write
 
 __all__ = ["ScanCache", "content_key"]
 
-#: Entries kept from earlier runs beyond the ones this run used; past it, only this run's entries are kept.
+#: Entries kept from earlier runs beyond the ones this run used; past it, only this run's entries
+#: are kept.
 MAX_ENTRIES = 20_000
 
 
@@ -72,7 +74,7 @@ class ScanCache:
         self._added = True
 
     def save(self) -> None:
-        """Write the cache if this run added to it; an unwritable cache directory is not an error."""
+        """Write the cache if this run added to it; an unwritable cache directory is no error."""
         if not self._added:
             return
         entries = {**self._stored, **self._used}

@@ -1,14 +1,18 @@
-"""What counts as a read of global process-group state, and the ``[tool.pgregistry.allowlist]`` settings.
+"""What counts as a read of global process-group state, and the allowlist's settings.
 
-Two families of accessors are recognised. The *legacy* family is Megatron-style ``parallel_state``: a module matches
-when its dotted path equals a configured name or ends with ``.<name>`` (so ``parallel_state`` covers
-``megatron.core.parallel_state`` however it is imported or aliased), and ``aliases`` are bare names taken for the
-module when no import in the file binds them (``ps`` in Megatron-LM's own checker). The *registry* family is
-pgregistry's own global grid. Shims (``use_mpu_process_groups``) count wherever they are called or referenced. The
-defaults reproduce the accessor rule of Megatron-LM's checker (Megatron-LM pull request 6258) and add the
-module-level globals (``parallel_state._TENSOR_MODEL_PARALLEL_GROUP``) and the gloo getters that rule misses.
+The settings are those of ``[tool.pgregistry.allowlist]``.
 
-Everything here is plain data: the scanner needs it picklable and hashable, and the cache keys on it.
+Two families of accessors are recognised. The *legacy* family is Megatron-style ``parallel_state``:
+a module matches when its dotted path equals a configured name or ends with ``.<name>`` (so
+``parallel_state`` covers ``megatron.core.parallel_state`` however it is imported or aliased), and
+``aliases`` are bare names taken for the module when no import in the file binds them (``ps`` in
+Megatron-LM's own checker). The *registry* family is pgregistry's own global grid. Shims
+(``use_mpu_process_groups``) count wherever they are called or referenced. The defaults reproduce
+the accessor rule of Megatron-LM's checker (Megatron-LM pull request 6258) and add the module-level
+globals (``parallel_state._TENSOR_MODEL_PARALLEL_GROUP``) and the gloo getters that rule misses.
+
+Everything here is plain data: the scanner needs it picklable and hashable, and the cache keys on
+it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ __all__ = [
     "read_toml",
 ]
 
-#: Bump whenever the scanner's output for the same input could change: it is part of every cache key.
+#: Bump whenever the scanner's output for the same input could change: it is part of every cache
+#: key.
 SCANNER_VERSION = 3
 
 DEFAULT_ALLOWLIST = "process_group_usage_allowlist.json"
@@ -61,7 +66,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """Which names the scanner reports. Patterns are :mod:`fnmatch` patterns, matched case-sensitively."""
+    """Which names the scanner reports.
+
+    Patterns are :mod:`fnmatch` patterns, matched case-sensitively.
+    """
 
     modules: tuple[str, ...] = ("parallel_state", "mpu")
     aliases: tuple[str, ...] = ("ps",)
@@ -87,8 +95,9 @@ class ScanConfig:
     #: Qualified functions that read the global grid when an argument is None
     #: (``megatron.core.utils.get_tensor_model_parallel_group_if_none``): each call is a site.
     fallback_helpers: tuple[str, ...] = ()
-    #: Modules that implement the global state (``megatron.core.parallel_state``): their reads are the
-    #: implementation, not uses, and are not reported. Matched like ``modules``, against the file's module name.
+    #: Modules that implement the global state (``megatron.core.parallel_state``): their reads are
+    #: the implementation, not uses, and are not reported. Matched like ``modules``, against the
+    #: file's module name.
     exempt_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -99,8 +108,8 @@ class ScanConfig:
                     raise ConfigError(f"{_toml_key(field.name)}: {value!r} is not {kind[1]}")
 
     def fingerprint(self) -> str:
-        """A digest of the scanner version, the running Python's version (it decides which syntax parses) and
-        every setting that changes what the scanner reports."""
+        """A digest of the scanner version, the running Python's version (it decides which syntax
+        parses) and every setting that changes what the scanner reports."""
         payload = json.dumps(
             [SCANNER_VERSION, sys.version_info[:2], dataclasses.asdict(self)], sort_keys=True
         )
@@ -119,11 +128,11 @@ _FIELD_KINDS: dict[str, tuple[re.Pattern[str], str]] = {
     "exempt_modules": (_DOTTED, "a dotted module name"),
 }
 
-#: Built-in settings for a known code base, chosen with ``--preset`` or ``preset = "..."``; keys given in the
-#: table override the preset's.
+#: Built-in settings for a known code base, chosen with ``--preset`` or ``preset = "..."``; keys
+#: given in the table override the preset's.
 PRESETS: dict[str, ScanConfig] = {
-    # Megatron-LM and its users (Megatron-Bridge, NeMo RL). Module names are qualified, so another project's
-    # ``parallel_state`` (``vllm.distributed.parallel_state``) is not reported.
+    # Megatron-LM and its users (Megatron-Bridge, NeMo RL). Module names are qualified, so another
+    # project's ``parallel_state`` (``vllm.distributed.parallel_state``) is not reported.
     "megatron": ScanConfig(
         modules=("megatron.core.parallel_state", "megatron.core.mpu"),
         aliases=("ps",),
@@ -163,8 +172,8 @@ def _toml_key(name: str) -> str:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
-    """The TOML file at ``path`` (a ``pyproject.toml``, a ``ruff.toml``); ``ConfigError`` naming it when it cannot
-    be read or parsed, or when this Python has no TOML reader."""
+    """The TOML file at ``path`` (a ``pyproject.toml``, a ``ruff.toml``); ``ConfigError`` naming it
+    when it cannot be read or parsed, or when this Python has no TOML reader."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -172,8 +181,8 @@ def read_toml(path: Path) -> dict[str, Any]:
             import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
         except ModuleNotFoundError:
             raise ConfigError(
-                f"reading {path} needs tomllib (Python 3.11+) or the tomli package: `pip install tomli`, "
-                "or pass --isolated and give the settings on the command line"
+                f"reading {path} needs tomllib (Python 3.11+) or the tomli package: `pip "
+                "install tomli`, or pass --isolated and give the settings on the command line"
             ) from None
     try:
         with path.open("rb") as handle:
@@ -197,7 +206,10 @@ def _allowlist_table(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def find_config_file(start: Path) -> Path | None:
-    """The nearest ``pyproject.toml`` at or above ``start`` with a ``[tool.pgregistry.allowlist]`` table."""
+    """The nearest ``pyproject.toml`` at or above ``start`` with a pgregistry allowlist table.
+
+    That is, a ``[tool.pgregistry.allowlist]`` table.
+    """
     for directory in (start, *start.parents):
         candidate = directory / "pyproject.toml"
         if candidate.is_file() and _allowlist_table(read_toml(candidate)) is not None:
@@ -237,9 +249,9 @@ _PATH_KEYS = {"allowlist", "cache-dir"}
 
 
 def load_settings(config_file: Path | None, cwd: Path) -> Settings:
-    """Settings from ``config_file``'s ``[tool.pgregistry.allowlist]`` table (its directory is the project
-    root), or the defaults rooted at ``cwd`` when ``config_file`` is None. Unknown keys are errors, so a typo
-    never silently widens or narrows the scan."""
+    """Settings from ``config_file``'s ``[tool.pgregistry.allowlist]`` table (its directory is the
+    project root), or the defaults rooted at ``cwd`` when ``config_file`` is None. Unknown keys are
+    errors, so a typo never silently widens or narrows the scan."""
     if config_file is None:
         return Settings(root=cwd)
     config_file = config_file.resolve()

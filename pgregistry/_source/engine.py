@@ -1,15 +1,17 @@
 """Scanning many files: read, look up the cache, parse the rest in parallel, store.
 
-Parsing dominates (``ast.parse`` of Megatron-LM's 250k-line ``megatron/`` tree takes 1.2-1.3 s on one
-core), so files the cache does not hold are split into size-balanced buckets, one per core; a forked child
-(:mod:`pgregistry._source.processes`) scans every extra bucket while this process scans the first. The children
-inherit the file contents (nothing is pickled to them) and send back compact :mod:`marshal`-encoded rows. The
-garbage collector is off while parsing: each tree is dropped as soon as it is walked and holds no reference
-cycles, so collections would only rescan the objects that stay alive.
+Parsing dominates (``ast.parse`` of Megatron-LM's 250k-line ``megatron/`` tree takes 1.2-1.3 s on
+one core), so files the cache does not hold are split into size-balanced buckets, one per core; a
+forked child (:mod:`pgregistry._source.processes`) scans every extra bucket while this process scans
+the first. The children inherit the file contents (nothing is pickled to them) and send back compact
+:mod:`marshal`-encoded rows. The garbage collector is off while parsing: each tree is dropped as
+soon as it is walked and holds no reference cycles, so collections would only rescan the objects
+that stay alive.
 
-Forking needs the ``fork`` start method and a single-threaded process; otherwise, or when there is too little
-work to repay a fork, everything runs in this process. A child that fails (raises, dies, sends what does not
-decode) is not trusted: its bucket is rescanned here, so a result never depends on how the work was split.
+Forking needs the ``fork`` start method and a single-threaded process; otherwise, or when there is
+too little work to repay a fork, everything runs in this process. A child that fails (raises, dies,
+sends what does not decode) is not trusted: its bucket is rescanned here, so a result never depends
+on how the work was split.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _scan_bucket(items: Sequence[tuple[str, bytes]], config: ScanConfig) -> list
 
 
 def split_into_buckets(count: int, sizes: Sequence[int]) -> list[list[int]]:
-    """Indexes split into ``count`` lists of near-equal total size (largest first, into the lightest)."""
+    """Indexes split into ``count`` lists of near-equal size (largest first, into the lightest)."""
     filled: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
     for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
@@ -93,7 +95,10 @@ def _send_scan(
     config: ScanConfig,
     connection: Connection,
 ) -> None:
-    """In a child: the results of the inherited files at ``bucket``'s indexes, :mod:`marshal`-encoded, sent."""
+    """In a child: send the results of the inherited files at ``bucket``'s indexes.
+
+    They are sent :mod:`marshal`-encoded.
+    """
     scanned = _scan_bucket([items[i] for i in bucket], config)
     connection.send_bytes(marshal.dumps([encode_result(result) for result in scanned]))
 
@@ -105,7 +110,8 @@ def _child_results(
     try:
         rows: Any = marshal.loads(child.connection.recv_bytes())
         return [decode_result(items[i][0], row) for i, row in zip(bucket, rows, strict=True)]
-    except Exception:  # noqa: BLE001 - whatever went wrong in the child, its bucket is rescanned here
+    except Exception:  # noqa: BLE001
+        # Whatever went wrong in the child, its bucket is rescanned here.
         return None
 
 
@@ -135,8 +141,9 @@ def _scan_parallel(
 
 
 def _read_source_bytes(source: SourceFile) -> bytes | FileResult:
-    """The file's bytes; a failure for anything but a regular file. Opened non-blocking and checked with
-    ``fstat`` before reading, so a FIFO (or a file swapped for one after discovery) never blocks the scan."""
+    """The file's bytes; a failure for anything but a regular file. Opened non-blocking and checked
+    with ``fstat`` before reading, so a FIFO (or a file swapped for one after discovery) never
+    blocks the scan."""
     try:
         handle = os.open(source.absolute, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
@@ -161,7 +168,7 @@ def scan_files(
     cache: ScanCache | None = None,
     jobs: int = 1,
 ) -> ScanReport:
-    """Scan ``files``: cached results where the cache holds them, the rest parsed on up to ``jobs`` cores."""
+    """Scan ``files``: cached results where cached, the rest parsed on up to ``jobs`` cores."""
     read = [(source.path, _read_source_bytes(source)) for source in files]
     return scan_sources(read, config, cache=cache, jobs=jobs)
 
@@ -173,8 +180,8 @@ def scan_sources(
     cache: ScanCache | None = None,
     jobs: int = 1,
 ) -> ScanReport:
-    """Scan (project path, bytes) pairs, e.g. read from git; a :class:`FileResult` in place of the bytes is a
-    file that could not be read, passed through."""
+    """Scan (project path, bytes) pairs, e.g. read from git; a :class:`FileResult` in place of the
+    bytes is a file that could not be read, passed through."""
     results: list[FileResult | None] = [None] * len(sources)
     pending: list[tuple[int, str, str, bytes]] = []
     for index, (path, data) in enumerate(sources):

@@ -1,9 +1,9 @@
 """Which files a run covers: the ``*.py`` files under the given paths, minus the excluded ones.
 
-Exclude patterns follow ``.gitignore`` habits: a pattern without ``/`` (``build``, ``.*``, ``*_pb2.py``)
-matches any single path component; a pattern with ``/`` (``pkg/vendored/*``) matches the project-relative path
-of a file or of any directory above it. Excludes apply to explicitly named files too, so a run that passes
-file names cannot bring an excluded file back.
+Exclude patterns follow ``.gitignore`` habits: a pattern without ``/`` (``build``, ``.*``,
+``*_pb2.py``) matches any single path component; a pattern with ``/`` (``pkg/vendored/*``) matches
+the project-relative path of a file or of any directory above it. Excludes apply to explicitly named
+files too, so a run that passes file names cannot bring an excluded file back.
 """
 
 from __future__ import annotations
@@ -33,25 +33,26 @@ class PathError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class SourceFile:
-    """A file to scan: ``path`` is project-relative and POSIX-style (the allowlist's key), ``absolute`` is for
-    reading it."""
+    """A file to scan: ``path`` is project-relative and POSIX-style (the allowlist's key),
+    ``absolute`` is for reading it."""
 
     path: str
     absolute: Path
 
 
 def make_absolute(path: Path) -> Path:
-    """``path`` made absolute and normalised without resolving symbolic links (``Path.resolve`` would turn a
-    root that is a link, ``src -> /elsewhere/src``, into a path outside the project)."""
+    """``path`` made absolute and normalised without resolving symbolic links (``Path.resolve``
+    would turn a root that is a link, ``src -> /elsewhere/src``, into a path outside the
+    project)."""
     return Path(os.path.abspath(path))
 
 
 def project_path(path: Path, root: Path) -> str:
     """``path`` relative to ``root``, with ``/`` separators ("." for the root itself).
 
-    Tried as spelled first (a symlinked directory inside the project keeps its project path), then with links
-    resolved on both sides (the project reached through a linked working directory); only a path outside the
-    project in both senses is given as ``../...``."""
+    Tried as spelled first (a symlinked directory inside the project keeps its project path), then
+    with links resolved on both sides (the project reached through a linked working directory); only
+    a path outside the project in both senses is given as ``../...``."""
     for candidate, base in (
         (make_absolute(path), make_absolute(root)),
         (path.resolve(), root.resolve()),
@@ -83,7 +84,10 @@ class _Excluder:
         return any(fnmatchcase(path, pattern) for pattern in self.paths)
 
     def entry(self, path: str) -> bool:
-        """Whether the file or directory at ``path`` is excluded by its own name or path (not by those above)."""
+        """Whether the file or directory at ``path`` is excluded by its own name or path.
+
+        Not by those of the directories above it.
+        """
         return self.name(path.rpartition("/")[2]) or self.path(path)
 
     def any_level(self, path: str) -> bool:
@@ -93,14 +97,15 @@ class _Excluder:
 
 
 def is_excluded(path: str, exclude: Sequence[str]) -> bool:
-    """Whether the project path ``path`` (a file that may not exist on disk, e.g. read from git) is excluded."""
+    """Whether the project path ``path`` (maybe not on disk, e.g. read from git) is excluded."""
     return _Excluder(exclude).any_level(path)
 
 
 @dataclass(frozen=True)
 class Discovery:
-    """The files to scan (sorted by project path), and the ``*.py`` entries skipped because they are not
-    regular files (a FIFO, a socket, a device, a dangling link): reading one could block the scan forever."""
+    """The files to scan (sorted by project path), and the ``*.py`` entries skipped because they are
+    not regular files (a FIFO, a socket, a device, a dangling link): reading one could block the
+    scan forever."""
 
     files: list[SourceFile]
     skipped: list[str]
@@ -116,9 +121,9 @@ def _is_regular_file(path: Path) -> bool:
 def discover_files(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Discovery:
     """The files to scan under ``targets`` (absolute files or directories).
 
-    Directories contribute their ``*.py`` files that are regular files (the others are listed as skipped); a
-    file named directly is scanned whatever its suffix. Raises :class:`PathError` for a target that does not
-    exist or is neither a regular file nor a directory."""
+    Directories contribute their ``*.py`` files that are regular files (the others are listed as
+    skipped); a file named directly is scanned whatever its suffix. Raises :class:`PathError` for a
+    target that does not exist or is neither a regular file nor a directory."""
     excluder = _Excluder(exclude)
     found: dict[str, SourceFile] = {}
     skipped: list[str] = []

@@ -1,16 +1,18 @@
 """Work in forked child processes, none of which outlives the process that started it for long.
 
-Both parallel runs over a source tree (the scan's buckets, ``migrate``'s two phases) start their children the
-same way: a :class:`multiprocessing.Process` of the ``fork`` start method, named explicitly (a child inherits the
-files, so nothing is sent to it, and runs closures over this run's objects, which a spawned one could not
-receive), talking to its parent through one :func:`multiprocessing.Pipe`. Not a
-:class:`concurrent.futures.ProcessPoolExecutor`: each of its forked workers holds the write end of the queue it
-waits on, so a worker left waiting when its parent is killed (SIGKILL: no cleanup runs) waits forever. A child
-started here closes every parent's end it inherited, its own pipe's too, so its next read or write of the pipe
-after the parent died fails, and it exits.
+Both parallel runs over a source tree (the scan's buckets, ``migrate``'s two phases) start their
+children the same way: a :class:`multiprocessing.Process` of the ``fork`` start method, named
+explicitly (a child inherits the files, so nothing is sent to it, and runs closures over this run's
+objects, which a spawned one could not receive), talking to its parent through one
+:func:`multiprocessing.Pipe`. Not a :class:`concurrent.futures.ProcessPoolExecutor`: each of its
+forked workers holds the write end of the queue it waits on, so a worker left waiting when its
+parent is killed (SIGKILL: no cleanup runs) waits forever. A child started here closes every
+parent's end it inherited, its own pipe's too, so its next read or write of the pipe after the
+parent died fails, and it exits.
 
-A child that fails (an exception, a signal, a payload that does not unpickle) prints nothing and exits 1: its
-caller does the child's share again, so a result never depends on how the work was split.
+A child that fails (an exception, a signal, a payload that does not unpickle) prints nothing and
+exits 1: its caller does the child's share again, so a result never depends on how the work was
+split.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ __all__ = ["Child", "can_fork", "start_child"]
 
 
 def can_fork() -> bool:
-    """Whether work may be split into forked children: ``fork`` exists and no other thread could hold a lock."""
+    """Whether work may go to forked children: ``fork`` exists and no other thread holds a lock."""
     return hasattr(os, "fork") and threading.active_count() == 1
 
 
 @dataclass
 class Child:
-    """A child process as its parent sees it: its end of the pipe, and whether it failed or was reaped."""
+    """A child process as its parent sees it: its pipe end, and whether it failed or was reaped."""
 
     process: BaseProcess
     connection: Connection
@@ -42,7 +44,7 @@ class Child:
     reaped: bool = False
 
     def receive(self) -> object:
-        """The next object the child sends; ``failed`` (and None) when it sends none that unpickles."""
+        """The next object the child sends; ``failed`` (and None) when none it sends unpickles."""
         if self.failed:
             return None
         try:
@@ -79,8 +81,9 @@ class Child:
 
 
 def start_child(work: Callable[[Connection], object], started: Sequence[Child]) -> Child:
-    """Fork a child that runs ``work`` on its end of a new pipe; ``started``: the children this process started
-    before it and has not reaped (their pipes' parent ends are closed in the new child)."""
+    """Fork a child that runs ``work`` on its end of a new pipe; ``started``: the children this
+    process started before it and has not reaped (their pipes' parent ends are closed in the new
+    child)."""
     context = multiprocessing.get_context("fork")
     here_end, child_end = context.Pipe()
     parent_ends = [here_end, *(child.connection for child in started if not child.reaped)]
@@ -93,8 +96,9 @@ def start_child(work: Callable[[Connection], object], started: Sequence[Child]) 
 def _run_child(
     work: Callable[[Connection], object], connection: Connection, parent_ends: Sequence[Connection]
 ) -> None:
-    """In the child: ``work``, with no parent's end of any pipe held. A failure exits 1 and prints nothing (the
-    parent does the share again), Ctrl-C included (the parent, interrupted too, stops every child)."""
+    """In the child: ``work``, with no parent's end of any pipe held. A failure exits 1 and prints
+    nothing (the parent does the share again), Ctrl-C included (the parent, interrupted too, stops
+    every child)."""
     for end in parent_ends:  # a child holding one would not see EOF when the parent dies
         end.close()
     try:

@@ -1,20 +1,22 @@
-"""One Python source file to the reads of global process-group state in it: bytes in, sites out, no I/O.
+"""One Python source file to its reads of global process-group state: bytes in, sites out, no I/O.
 
 A *site* is one read, keyed by what survives edits: the enclosing qualified scope (``Class.method``,
-``outer.inner``, ``<module>``), the accessor read (its real name, however it was imported or aliased) and the
-form of the read (``call``, ``reference`` or ``getattr``). Line and column ride along for the report only.
+``outer.inner``, ``<module>``), the accessor read (its real name, however it was imported or
+aliased) and the form of the read (``call``, ``reference`` or ``getattr``). Line and column ride
+along for the report only.
 
-Names are resolved through the file's imports, wherever they appear (flow-insensitive):
-``import a.parallel_state as ps``, ``from a import parallel_state as mpu``,
-``from a.parallel_state import get_x as y``, relative imports (resolved against the file's package, taken from
-its path) and ``from a.parallel_state import *``. A name no import binds stands for itself, so a fully dotted
-``a.b.parallel_state.get_x()`` resolves without any import, and the configured aliases (``ps``) count as the
-legacy module, as Megatron-LM's checker (pull request 6258) counts them.
+Names are resolved through the file's imports, wherever they appear (flow-insensitive): ``import
+a.parallel_state as ps``, ``from a import parallel_state as mpu``, ``from a.parallel_state import
+get_x as y``, relative imports (resolved against the file's package, taken from its path) and ``from
+a.parallel_state import *``. A name no import binds stands for itself, so a fully dotted
+``a.b.parallel_state.get_x()`` resolves without any import, and the configured aliases (``ps``)
+count as the legacy module, as Megatron-LM's checker (pull request 6258) counts them.
 
-Speed: parsing dominates, so the walk is pruned. A file that mentions none of the trigger words (module names,
-aliases, shims) cannot hold a site and is only parsed (a syntax error is still an error). Otherwise only the
-statements and expressions whose line span covers a line with a trigger word (or a name imported from a
-matching module) are visited; a node's span covers its children's, so the pruning never hides a site.
+Speed: parsing dominates, so the walk is pruned. A file that mentions none of the trigger words
+(module names, aliases, shims) cannot hold a site and is only parsed (a syntax error is still an
+error). Otherwise only the statements and expressions whose line span covers a line with a trigger
+word (or a name imported from a matching module) are visited; a node's span covers its children's,
+so the pruning never hides a site.
 """
 
 from __future__ import annotations
@@ -65,11 +67,12 @@ HELPER = "fallback-helper"
 class Site:
     """One read of global process-group state.
 
-    ``key`` (scope, accessor, form) identifies it in the allowlist; ``line``/``col`` (1-based) locate it for
-    the report; ``expr`` is the read as spelled in the source; ``family`` is ``parallel_state``, ``registry``,
-    ``shim`` or ``fallback-helper`` (a configured helper that reads the global grid when given None).
-    ``guarded``: the read only runs as a fallback, inside an ``if x is None`` branch (or its ``else`` for
-    ``is not None``), after ``x or``, or in a function named ``*_if_none``.
+    ``key`` (scope, accessor, form) identifies it in the allowlist; ``line``/``col`` (1-based)
+    locate it for the report; ``expr`` is the read as spelled in the source; ``family`` is
+    ``parallel_state``, ``registry``, ``shim`` or ``fallback-helper`` (a configured helper that
+    reads the global grid when given None). ``guarded``: the read only runs as a fallback, inside an
+    ``if x is None`` branch (or its ``else`` for ``is not None``), after ``x or``, or in a function
+    named ``*_if_none``.
     """
 
     line: int
@@ -91,9 +94,10 @@ FAMILIES = ("direct", "global", "fallback", "shim", "registry")
 
 
 def family_of(site: Site) -> str:
-    """The burn-down family of a read: ``fallback`` (a fallback helper, or a read that only runs when a value
-    is missing), ``shim``, ``registry`` (pgregistry's own grid), ``global`` (a module global such as
-    ``_TENSOR_MODEL_PARALLEL_GROUP``) or ``direct`` (an accessor call or reference)."""
+    """The burn-down family of a read: ``fallback`` (a fallback helper, or a read that only runs
+    when a value is missing), ``shim``, ``registry`` (pgregistry's own grid), ``global`` (a module
+    global such as ``_TENSOR_MODEL_PARALLEL_GROUP``) or ``direct`` (an accessor call or
+    reference)."""
     if site.family == SHIM:
         return "shim"
     if site.family == HELPER or site.guarded:
@@ -105,10 +109,13 @@ def family_of(site: Site) -> str:
 
 @dataclass(frozen=True)
 class ParseFailure:
-    """Why a file could not be scanned: a syntax error or undecodable bytes, at ``line``/``col`` (1-based).
+    """Why a file could not be scanned: syntax error or undecodable bytes, at ``line``/``col``.
 
-    ``needs`` is the Python version (``"3.12"``) whose syntax the failing line uses, when it is newer than
-    the running interpreter's: such a file is not broken, only ahead of this Python (empty otherwise)."""
+    Both are 1-based.
+
+    ``needs`` is the Python version (``"3.12"``) whose syntax the failing line uses, when it is
+    newer than the running interpreter's: such a file is not broken, only ahead of this Python
+    (empty otherwise)."""
 
     message: str
     line: int
@@ -203,8 +210,9 @@ class _Rules:
         self.shims = frozenset(config.shims)
         self.helpers = tuple(config.fallback_helpers)
         self.exempt = _Family("exempt", config.exempt_modules, (), (), ())
-        # Every component of every module name: an import that binds a prefix of a dotted module name
-        # (``import pgregistry as pg`` for ``pgregistry.global_grid``) must be seen for ``pg.global_grid.x`` to resolve.
+        # Every component of every module name: an import that binds a prefix of a dotted module
+        # name (``import pgregistry as pg`` for ``pgregistry.global_grid``) must be seen for
+        # ``pg.global_grid.x`` to resolve.
         words = {
             part
             for family in self.families
@@ -218,8 +226,8 @@ class _Rules:
     def match(
         self, parts: Sequence[str], bound: bool, stars: Iterable[_Family]
     ) -> tuple[str, str] | None:
-        """(family, accessor) when the dotted name ``parts`` reads global state. ``bound``: whether its first
-        part was bound by an import (aliases count only when it was not)."""
+        """(family, accessor) when the dotted name ``parts`` reads global state. ``bound``: whether
+        its first part was bound by an import (aliases count only when it was not)."""
         name = parts[-1]
         if name in self.shims:
             return SHIM, name
@@ -245,7 +253,7 @@ class _Rules:
         return any(dotted == helper or dotted.endswith("." + helper) for helper in self.helpers)
 
     def relevant(self, target: str) -> bool:
-        """Whether an import of ``target`` can lead to a site (so the name it binds is a trigger word)."""
+        """Whether importing ``target`` can lead to a site (so the name bound is a trigger word)."""
         parts = target.split(".")
         return self.match(parts, True, ()) is not None or any(
             family.module(target) for family in self.families
@@ -284,7 +292,7 @@ def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
 
 
 def _decode_failure(data: bytes) -> ParseFailure | None:
-    """A failure naming the first undecodable line, in the file's declared encoding (UTF-8 by default).
+    """A failure naming the first undecodable line, in the file's declared encoding (default UTF-8).
 
     Checked before parsing because :func:`ast.parse` accepts invalid bytes inside comments."""
     try:
@@ -323,7 +331,8 @@ _NEWER_SYNTAX: tuple[tuple[tuple[int, int], re.Pattern[str], str], ...] = (
 )
 
 
-#: What Python < 3.12 says about f-strings that PEP 701 made valid (a reused quote, a backslash, a comment).
+#: What Python < 3.12 says about f-strings that PEP 701 made valid (a reused quote, a backslash, a
+#: comment).
 _PEP_701_ERRORS = ("f-string: expecting '}'", "f-string expression part cannot include")
 
 
@@ -359,9 +368,9 @@ def _parse_module(data: bytes, path: str) -> ast.Module | ParseFailure:
         if newer is not None:
             running = ".".join(map(str, sys.version_info[:3]))
             message = (
-                f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python >= {newer[0]} "
-                f"(the scan runs Python {running}); run the scan with Python {newer[0]}+, or pass "
-                "--skip-newer-syntax to skip such files with a warning"
+                f"syntax error: {error.msg}: this looks like {newer[1]}, which needs Python "
+                f">= {newer[0]} (the scan runs Python {running}); run the scan with Python "
+                f"{newer[0]}+, or pass --skip-newer-syntax to skip such files with a warning"
             )
             return ParseFailure(message, line, col, newer[0])
         return ParseFailure(f"syntax error: {error.msg}", line, col)
@@ -379,8 +388,8 @@ def _lines_cover(lines: list[int], first: int, last: int) -> bool:
 
 
 class _Imports:
-    """What each imported name is bound to (dotted targets; a name may be bound in several places), and the
-    families star-imported."""
+    """What each imported name is bound to (dotted targets; a name may be bound in several places),
+    and the families star-imported."""
 
     def __init__(self, rules: _Rules, package: list[str]) -> None:
         self.rules = rules
@@ -389,7 +398,7 @@ class _Imports:
         self.stars: list[_Family] = []
 
     def collect(self, body: list[ast.stmt], lines: list[int]) -> None:
-        """Walk the statements (not expressions: imports are statements) whose span covers ``lines``."""
+        """Walk the statements (not expressions: imports are statements) spanning ``lines``."""
         pending: list[list[ast.stmt]] = [body]
         while pending:
             for stmt in pending.pop():
@@ -455,9 +464,9 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def _branch_when_missing(test: ast.expr) -> str | None:
-    """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not x`` (a
-    name or attribute, not a call) or an ``or`` of such tests, ``"orelse"`` for ``x is not None``; None when
-    ``test`` is no such check."""
+    """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not
+    x`` (a name or attribute, not a call) or an ``or`` of such tests, ``"orelse"`` for ``x is not
+    None``; None when ``test`` is no such check."""
     if (
         isinstance(test, ast.Compare)
         and len(test.ops) == 1
@@ -498,7 +507,8 @@ class _Walker:
         self.sites: list[Site] = []
 
     def walk(self, tree: ast.Module) -> list[Site]:
-        # (node, scope, guarded): ``guarded`` when the node only runs as a fallback for a missing value.
+        # (node, scope, guarded): ``guarded`` when the node only runs as a fallback for a missing
+        # value.
         stack: list[tuple[ast.AST, str, bool]] = [(tree, MODULE_SCOPE, False)]
         lines = self.lines
         while stack:
@@ -513,7 +523,8 @@ class _Walker:
                 if not _lines_cover(lines, first or node.lineno, node.end_lineno or node.lineno):
                     continue
             if isinstance(node, ast.Call):
-                # getattr(ps, "get_x")(...) is one site: the outer call falls through to the inner one.
+                # getattr(ps, "get_x")(...) is one site: the outer call falls through to the inner
+                # one.
                 if self._record_site(node.func, scope, CALL, guarded):
                     stack.extend((child, scope, guarded) for child in [*node.args, *node.keywords])
                     continue
@@ -627,15 +638,15 @@ class _Walker:
 
 
 def module_name(path: str) -> list[str]:
-    """The dotted module name of the project path ``path`` (``a/b/__init__.py`` is ``a.b``), as parts."""
+    """The dotted module name of project path ``path`` as parts (``a/b/__init__.py``: ``a.b``)."""
     parts = path.split("/")
     last = parts[-1].removesuffix(".py")
     return parts[:-1] if last == "__init__" else [*parts[:-1], last]
 
 
 def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
-    """The sites in one file's bytes. ``path`` is the project-relative POSIX path: it names the file in
-    failures and gives the package that relative imports resolve against."""
+    """The sites in one file's bytes. ``path`` is the project-relative POSIX path: it names the file
+    in failures and gives the package that relative imports resolve against."""
     tree = _parse_module(data, path)
     if isinstance(tree, ParseFailure):
         return FileResult(path, failure=tree)

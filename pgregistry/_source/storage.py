@@ -1,15 +1,17 @@
-"""Writing a file so that it is never lost or half-written, and serialising the processes that rewrite it.
+"""Writing a file so it is never lost or half-written, and serialising the processes rewriting it.
 
-The allowlist is the one file the ratchet writes that a person cares about, so a rewrite goes to a temporary
-file in the same directory, is flushed to disk (``fsync``) and only then renamed over the old file: a crash,
-a ``kill -9`` or a full disk at any point leaves either the old file or the new one, never a truncated mix.
+The allowlist is the one file the ratchet writes that a person cares about, so a rewrite goes to a
+temporary file in the same directory, is flushed to disk (``fsync``) and only then renamed over the
+old file: a crash, a ``kill -9`` or a full disk at any point leaves either the old file or the new
+one, never a truncated mix.
 
-Two updates running at once (two partial ``update PATH`` runs, or a pre-commit hook beside a manual run)
-would each read the old list and the last rename would drop the other's entries. :func:`exclusive_lock` holds an
-advisory lock on the file's directory for the whole read-merge-write, so the second waits for the first and
-merges into its result. As a second line of defence (for writers that take no lock, and for Windows, which
-has no ``flock``), the allowlist's writer re-reads the file before the rename and refuses when it changed since
-it was read (see :meth:`pgregistry.allowlist._ratchet.Allowlist.write`).
+Two updates running at once (two partial ``update PATH`` runs, or a pre-commit hook beside a manual
+run) would each read the old list and the last rename would drop the other's entries.
+:func:`exclusive_lock` holds an advisory lock on the file's directory for the whole
+read-merge-write, so the second waits for the first and merges into its result. As a second line of
+defence (for writers that take no lock, and for Windows, which has no ``flock``), the allowlist's
+writer re-reads the file before the rename and refuses when it changed since it was read (see
+:meth:`pgregistry.allowlist._ratchet.Allowlist.write`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ except ImportError:  # pragma: no cover - Windows
 
 
 class StorageError(OSError):
-    """A file could not be written or locked; ``str()`` is a one-line message naming the file and the cause."""
+    """A file could not be written or locked; ``str()`` is one line naming the file and cause."""
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -48,10 +50,11 @@ def _reason_of(error: OSError) -> str:
 def atomic_write(
     path: Path, data: bytes, *, durable: bool = True, make_parents: bool = True
 ) -> None:
-    """Replace ``path`` with ``data`` all at once: temporary file in the same directory (created first with
-    ``make_parents``), ``fsync`` (when ``durable``), rename. Raises :class:`StorageError` on any OS error;
-    ``path`` is then untouched and no temporary file is left behind. The file keeps its mode; a new one gets the
-    mode any new file gets (``0666`` less the umask, as ``open`` makes it), not ``mkstemp``'s ``0600``."""
+    """Replace ``path`` with ``data`` all at once: temporary file in the same directory (created
+    first with ``make_parents``), ``fsync`` (when ``durable``), rename. Raises :class:`StorageError`
+    on any OS error; ``path`` is then untouched and no temporary file is left behind. The file keeps
+    its mode; a new one gets the mode any new file gets (``0666`` less the umask, as ``open`` makes
+    it), not ``mkstemp``'s ``0600``."""
     try:
         if make_parents:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,8 +88,8 @@ def atomic_write(
 
 
 def _new_temporary(path: Path) -> tuple[int, str]:
-    """A new file beside ``path`` opened for writing, and its name: made by ``open`` with mode ``0666``, so the
-    umask (and a directory's default ACL) applies as to any new file."""
+    """A new file beside ``path`` opened for writing, and its name: made by ``open`` with mode
+    ``0666``, so the umask (and a directory's default ACL) applies as to any new file."""
     for _ in range(tempfile.TMP_MAX):
         name = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
         try:
@@ -100,8 +103,9 @@ def _new_temporary(path: Path) -> tuple[int, str]:
 
 @contextlib.contextmanager
 def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold the advisory lock that serialises rewrites of ``path`` (a lock on its directory, so it survives
-    the rename that replaces the file). Waits up to ``timeout`` seconds, then raises :class:`StorageError`."""
+    """Hold the advisory lock that serialises rewrites of ``path`` (a lock on its directory, so it
+    survives the rename that replaces the file). Waits up to ``timeout`` seconds, then raises
+    :class:`StorageError`."""
     if (
         fcntl is None
     ):  # pragma: no cover - Windows: the writer's re-read still detects a concurrent change
@@ -124,7 +128,8 @@ def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None
                     raise StorageError(f"cannot lock {path}: {_reason_of(error)}") from error
                 if time.monotonic() >= deadline:
                     raise StorageError(
-                        f"cannot lock {path}: another process has been updating it for {timeout:.0f} s"
+                        f"cannot lock {path}: another process has "
+                        f"been updating it for {timeout:.0f} s"
                     ) from None
                 time.sleep(0.05)
         yield

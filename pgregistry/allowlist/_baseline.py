@@ -1,14 +1,15 @@
-"""What a base revision tells the ratchet: files git saw renamed, the sources as they were, and which of a
-key's sites are the added ones.
+"""What a base revision tells the ratchet: files git saw renamed, the sources as they were, and
+which of a key's sites are the added ones.
 
-``check --base REV`` (in CI: the pull request's target branch) pairs stale and new entries across files git
-reports renamed, and, when a scope's count rises from 3 to 4, points at the one added site instead of all
-four: the file at REV is scanned with the same settings, its lines are matched to today's with
-:mod:`difflib`, and the sites on lines that did not exist at REV are the added ones. It also keeps the
-allowance tight (:func:`base_limits`): a key may not read more than it did at REV, plus what this change adds
-to the allowlist, so a read removed without shrinking the list cannot come back in a later change. ``stats
---since REV`` scans the whole tree as it was at REV. Everything is read with ``git`` plumbing (``ls-tree``, ``cat-file
---batch``, ``diff -M``), never by checking anything out; a failing git command raises :class:`GitError`.
+``check --base REV`` (in CI: the pull request's target branch) pairs stale and new entries across
+files git reports renamed, and, when a scope's count rises from 3 to 4, points at the one added site
+instead of all four: the file at REV is scanned with the same settings, its lines are matched to
+today's with :mod:`difflib`, and the sites on lines that did not exist at REV are the added ones. It
+also keeps the allowance tight (:func:`base_limits`): a key may not read more than it did at REV,
+plus what this change adds to the allowlist, so a read removed without shrinking the list cannot
+come back in a later change. ``stats --since REV`` scans the whole tree as it was at REV. Everything
+is read with ``git`` plumbing (``ls-tree``, ``cat-file --batch``, ``diff -M``), never by checking
+anything out; a failing git command raises :class:`GitError`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = ["FileChanges", "GitError", "GitTree", "base_limits", "mark_added", "p
 
 
 class GitError(RuntimeError):
-    """A git command failed (not a repository, an unknown revision); the message says which and why."""
+    """A git command failed (not a repository, unknown revision); the message says which and why."""
 
 
 def _run_git(root: Path, *args: str, data: bytes | None = None) -> bytes:
@@ -103,7 +104,7 @@ class GitTree:
         return git_path[len(self.prefix) :] if git_path.startswith(self.prefix) else None
 
     def changes(self) -> FileChanges:
-        """The files git detects as renamed, and those added, since ``rev`` (working tree included)."""
+        """The files git detects as renamed, and those added, since ``rev`` (work tree included)."""
         out = _run_git(self.root, "diff", "--name-status", "-M", "-z", self.commit, "--", ".")
         changes = parse_name_status(out)
         project = self._path_in_project
@@ -114,7 +115,7 @@ class GitTree:
         )
 
     def python_files(self, under: Iterable[str]) -> dict[str, bytes]:
-        """Project path -> bytes of every ``*.py`` file at ``rev`` below the project paths ``under``."""
+        """Project path -> bytes of each ``*.py`` file at ``rev`` in the project paths ``under``."""
         listing = _run_git(self.root, "ls-tree", "-r", "-z", self.commit, "--", *(under or ["."]))
         blobs: list[tuple[str, str]] = []
         for entry in listing.split(b"\0"):
@@ -160,7 +161,7 @@ class GitTree:
 def _sites_on_added_lines(
     item: Mismatch, before: bytes, after: bytes, config: ScanConfig, old_path: str
 ) -> tuple[Site, ...]:
-    """The sites of ``item`` on lines that did not exist in ``before`` (lines matched with difflib)."""
+    """The sites of ``item`` on lines not in ``before`` (lines matched with difflib)."""
     old_sites = scan_source(before, old_path, config).sites
     accessor, form = item.key.split("|")[1:]
     old_lines = {s.line for s in old_sites if (s.accessor, s.form) == (accessor, form)}
@@ -178,8 +179,9 @@ def mark_added(
     base: GitTree,
     renames: dict[str, str],
 ) -> Comparison:
-    """``comparison`` with each new mismatch's ``added`` sites set, where the base revision tells them apart
-    (at least as many sites on new lines as the reads that are new); otherwise all its sites stay flagged."""
+    """``comparison`` with each new mismatch's ``added`` sites set, where the base revision tells
+    them apart (at least as many sites on new lines as the reads that are new); otherwise all its
+    sites stay flagged."""
     old_of = {new: old for old, new in renames.items()}
     marked = []
     for item in comparison.mismatches:
@@ -203,16 +205,17 @@ def base_limits(
 ) -> Allowlist:
     """Each key's allowance against a base revision: ``min(listed, read at base + granted here)``.
 
-    ``listed`` is the allowlist's count; ``read at base`` the key's site count in the code at the base
-    (``base_counts``, by base path); ``granted here`` how much this change raised the key over the base's
-    allowlist (``base_allowlist``): an ``update`` a reviewer saw in the diff. So a commit that only removes
-    reads passes with its entries left stale, and a later commit cannot re-add a read into that slack: the
-    base's code already read less. ``base_path``: today's path -> the path at the base (git renames).
+    ``listed`` is the allowlist's count; ``read at base`` the key's site count in the code at the
+    base (``base_counts``, by base path); ``granted here`` how much this change raised the key over
+    the base's allowlist (``base_allowlist``): an ``update`` a reviewer saw in the diff. So a commit
+    that only removes reads passes with its entries left stale, and a later commit cannot re-add a
+    read into that slack: the base's code already read less. ``base_path``: today's path -> the path
+    at the base (git renames).
 
     Reads the base holds under keys the list lacks were moved there by a change that passed without
     rewriting the list; those keys (in today's ``paths``) share what the list's own keys of the same
-    accessor and form lost to the rule above, never more, so the total allowance of a read never exceeds
-    the list's."""
+    accessor and form lost to the rule above, never more, so the total allowance of a read never
+    exceeds the list's."""
     limits: dict[str, dict[str, int]] = {}
     lost: Counter[str] = Counter()  # accessor|form -> allowance the listed keys lost
     for path, keys in allowlist.entries.items():
@@ -224,7 +227,8 @@ def base_limits(
             lost[key.split("|", 1)[1]] += listed - limit
             if limit:
                 limits.setdefault(path, {})[key] = limit
-    # Base reads a listed key already accounts for (under today's path or the one it was renamed from).
+    # Base reads a listed key already accounts for (under today's path or the one it was renamed
+    # from).
     accounted = {(base_path(path), key) for path, keys in allowlist.entries.items() for key in keys}
     for path in sorted(set(paths)):
         old = base_path(path)

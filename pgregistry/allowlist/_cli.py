@@ -1,17 +1,20 @@
 """``pgregistry allowlist check|update|stats``: the ratchet on reads of global process-group state.
 
-- ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no longer
-  needs (the list may only shrink); it prints each with its file:line and the fix. With ``--base REV`` each
-  key is also held to what REV read, so a stale entry is a "can shrink" notice, not a failure.
+- ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no
+  longer needs (the list may only shrink); it prints each with its file:line and the fix. With
+  ``--base REV`` each key is also held to what REV read, so a stale entry is a "can shrink" notice,
+  not a failure.
 - ``update`` rewrites the allowlist from the scan (sorted, byte-identical when nothing changed).
 - ``stats`` prints counts by accessor, file and scope.
 
-Exit 2 for usage errors, bad settings, a malformed or wrongly-versioned allowlist, and source files that do
-not parse. Settings come from ``[tool.pgregistry.allowlist]`` in the nearest ``pyproject.toml`` that has that
-table (its directory is the project root all paths are relative to); command-line options override them.
+Exit 2 for usage errors, bad settings, a malformed or wrongly-versioned allowlist, and source files
+that do not parse. Settings come from ``[tool.pgregistry.allowlist]`` in the nearest
+``pyproject.toml`` that has that table (its directory is the project root all paths are relative
+to); command-line options override them.
 
-This module and everything it imports are torch-free: the check runs in lint jobs where torch is absent or
-slow to import. It also runs without the rest of the CLI as ``python -m pgregistry.allowlist``.
+This module and everything it imports are torch-free: the check runs in lint jobs where torch is
+absent or slow to import. It also runs without the rest of the CLI as ``python -m
+pgregistry.allowlist``.
 """
 
 from __future__ import annotations
@@ -62,13 +65,16 @@ _ACTIONS = {
     "check": "fail (exit 1) on a new read of global process-group state or a stale allowlist entry",
     "update": "rewrite the allowlist from the current code (deterministic, sorted)",
     "stats": "print counts of reads by family, directory, accessor, file and scope",
-    "import": "write the allowlist from Megatron-LM's line-keyed list (tools/process_group_usage_allowlist.json)",
+    "import": (
+        "write the allowlist from Megatron-LM's line-keyed "
+        "list (tools/process_group_usage_allowlist.json)"
+    ),
 }
 
 _DESCRIPTION = (
-    "Find every read of global process-group state (parallel_state accessors however imported, "
-    "use_mpu_process_groups, pgregistry's global grid) and ratchet it against a committed allowlist keyed by "
-    "file, scope and accessor, so the list can only shrink."
+    "Find every read of global process-group state (parallel_state accessors however "
+    "imported, use_mpu_process_groups, pgregistry's global grid) and ratchet it against a "
+    "committed allowlist keyed by file, scope and accessor, so the list can only shrink."
 )
 
 
@@ -89,8 +95,8 @@ _TEXT_OPTIONS = {
     "extend_exclude": ("--extend-exclude", "a pattern, or leave the option out"),
     "module": ("--module", "a module name, or leave the option out"),
 }
-"""Options whose empty value would pass as the option left out (or match nothing): dest -> (option, what to give).
-``--base ''`` (an unset CI variable) checked without a base."""
+"""Options whose empty value would pass as the option left out (or match nothing): dest -> (option,
+what to give). ``--base ''`` (an unset CI variable) checked without a base."""
 
 
 def _add_scan_options(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +105,10 @@ def _add_scan_options(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         type=path_argument,
         metavar="PATH",
-        help="files or directories to scan instead of the configured roots; only their entries are judged",
+        help=(
+            "files or directories to scan instead of the "
+            "configured roots; only their entries are judged"
+        ),
     )
     parser.add_argument(
         "--allowlist",
@@ -123,8 +132,10 @@ def _add_scan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-newer-syntax",
         action="store_true",
-        help="skip, with a listed warning, files using syntax newer than this Python (their entries are kept "
-        "and not judged) instead of failing",
+        help=(
+            "skip, with a listed warning, files using syntax newer than this "
+            "Python (their entries are kept and not judged) instead of failing"
+        ),
     )
 
 
@@ -132,17 +143,21 @@ def add_actions(parser: argparse.ArgumentParser) -> None:
     """Add the check/update/stats actions to ``parser``."""
     actions = parser.add_subparsers(dest="allowlist_action", metavar="ACTION", required=True)
     for name, text in _ACTIONS.items():
-        # The action's own sentence only: the command's paragraph is in `pgregistry allowlist --help`.
+        # The action's own sentence only: the command's paragraph is in `pgregistry allowlist
+        # --help`.
         action = actions.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.")
         _add_scan_options(action)
         if name == "check":
             action.add_argument(
                 "--base",
                 metavar="REV",
-                help="git revision the change is against (in CI: the target branch): reads in files git saw "
-                "renamed since count as moved, only the added sites of a key are flagged, and each key may read "
-                "no more than at REV plus what this change adds to the allowlist, so stale entries are notices "
-                "(run update to shrink), not failures",
+                help=(
+                    "git revision the change is against (in CI: the target branch): "
+                    "reads in files git saw renamed since count as moved, only the "
+                    "added sites of a key are flagged, and each key may read no more "
+                    "than at REV plus what this change adds to the allowlist, so "
+                    "stale entries are notices (run update to shrink), not failures"
+                ),
             )
         if name == "import":
             action.add_argument(
@@ -191,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _scan_targets(
     args: argparse.Namespace, settings: Settings
 ) -> tuple[list[Path], Callable[[str], bool]]:
-    """What to scan, and which allowlist paths the scan judges (all of them unless paths were given)."""
+    """What to scan, and which allowlist paths the scan judges (all unless paths were given)."""
     if not args.paths:
         return [
             make_absolute(settings.resolve(Path(root))) for root in settings.roots
@@ -298,8 +313,9 @@ def _compare_with_base(
     judged: Callable[[str], bool],
     cache: ScanCache | None,
 ) -> Comparison:
-    """The ratchet's comparison; with ``--base``, git's renames pair moved reads, added sites are marked, and
-    each key's allowance is held to what the base read (:func:`~pgregistry.allowlist._baseline.base_limits`)."""
+    """The ratchet's comparison; with ``--base``, git's renames pair moved reads, added sites are
+    marked, and each key's allowance is held to what the base read
+    (:func:`~pgregistry.allowlist._baseline.base_limits`)."""
     if not args.base:
         return compare_counts(results, allowed, judged)
     base = GitTree(settings.root, args.base)
@@ -325,8 +341,9 @@ def _base_limits(
     results: list[FileResult],
     scan: Callable[[list[tuple[str, bytes]]], list[FileResult]],
 ) -> Allowlist:
-    """The allowances at ``--base``: the allowlist and the judged files (listed or reading today) as they were
-    there, scanned with the same settings (a file unchanged since is not rescanned: today's result is its)."""
+    """The allowances at ``--base``: the allowlist and the judged files (listed or reading today) as
+    they were there, scanned with the same settings (a file unchanged since is not rescanned:
+    today's result is its)."""
     name = project_path(settings.resolve(settings.allowlist), settings.root)
     listed = base.source(name)
     base_allowlist = (
@@ -375,7 +392,10 @@ def _scan_at(
     rev: str,
     sources: list[tuple[str, bytes]],
 ) -> list[FileResult]:
-    """Scan ``sources`` read at git revision ``rev``; a file there that does not parse is a :class:`GitError`."""
+    """Scan ``sources`` read at git revision ``rev``.
+
+    A file there that does not parse is a :class:`GitError`.
+    """
     report = scan_sources(sources, settings.scan, cache=cache, jobs=args.jobs or default_jobs())
     if report.failures:
         first = report.failures[0]
@@ -386,8 +406,8 @@ def _scan_at(
 
 
 def _check_import(args: argparse.Namespace, results: list[FileResult]) -> int:
-    """Check that every entry of Megatron-LM's list is a read of today's tree (exit 2 naming those that are
-    not) and say what the import grandfathers beyond it; 0 when the update may go ahead."""
+    """Check that every entry of Megatron-LM's list is a read of today's tree (exit 2 naming those
+    that are not) and say what the import grandfathers beyond it; 0 when the update may go ahead."""
     fmt: str = args.format
     try:
         entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
@@ -399,14 +419,16 @@ def _check_import(args: argparse.Namespace, results: list[FileResult]) -> int:
     if imported.unmatched:
         shown = "; ".join(imported.unmatched[:5]) + ("; ..." if len(imported.unmatched) > 5 else "")
         return _print_error(
-            f"{len(imported.unmatched)} entries of {args.source} have no such read on their line in the scanned "
-            f"tree ({shown}): regenerate it with Megatron-LM's checker (--update) on this tree, then import",
+            f"{len(imported.unmatched)} entries of {args.source} have no such "
+            f"read on their line in the scanned tree ({shown}): regenerate it "
+            "with Megatron-LM's checker (--update) on this tree, then import",
             fmt,
         )
     unseen = ", ".join(f"{accessor} {count}" for accessor, count in imported.unseen.most_common())
     print(
-        f"imported {imported.matched} entries of {args.source}; grandfathered too, {sum(imported.unseen.values())} "
-        f"reads its rule does not list{': ' + unseen if unseen else ''}",
+        f"imported {imported.matched} entries of {args.source}; "
+        f"grandfathered too, {sum(imported.unseen.values())} reads "
+        f"its rule does not list{': ' + unseen if unseen else ''}",
         file=sys.stderr,
     )
     return 0
@@ -420,8 +442,9 @@ def _update_allowlist(
     name: str,
     partial: bool,
 ) -> int:
-    """Rewrite the allowlist under the update lock: read, merge, write atomically (exit 2 on any OS error,
-    the old file intact). ``partial``: some paths are not rescanned, so their old entries must be kept."""
+    """Rewrite the allowlist under the update lock: read, merge, write atomically (exit 2 on any OS
+    error, the old file intact). ``partial``: some paths are not rescanned, so their old entries
+    must be kept."""
     fmt: str = args.format
     try:
         with exclusive_lock(path):
@@ -440,11 +463,13 @@ def _update_allowlist(
                 except AllowlistError as error:
                     if partial:
                         return _print_error(
-                            f"{error}. A partial update (PATH given, or files skipped) only edits a readable "
-                            "allowlist: run `pgregistry allowlist update` with no PATH to regenerate it whole",
+                            f"{error}. A partial update (PATH given, or files skipped) "
+                            "only edits a readable allowlist: run `pgregistry "
+                            "allowlist update` with no PATH to regenerate it whole",
                             fmt,
                         )
-                    # A full update regenerates the whole list, so it may replace an unreadable (or old) file.
+                    # A full update regenerates the whole list, so it may replace an unreadable (or
+                    # old) file.
                     print(
                         f"pgregistry allowlist: replacing unreadable allowlist: {error}",
                         file=sys.stderr,

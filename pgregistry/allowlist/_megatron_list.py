@@ -1,16 +1,18 @@
-"""Adopting pgregistry where Megatron-LM's own ratchet runs: its line-keyed allowlist to pgregistry's keys.
+"""Adopting pgregistry under Megatron-LM's ratchet: its line-keyed allowlist to pgregistry's keys.
 
 Megatron-LM's pull request 6258 keeps ``tools/process_group_usage_allowlist.json``::
 
-    {"_comment": "...", "allowed": {"megatron/core/x.py": ["120:accessor:parallel_state.get_x_group"]},
+    {"_comment": "...",
+     "allowed": {"megatron/core/x.py": ["120:accessor:parallel_state.get_x_group"]},
      "total": 1}
 
-Line numbers break on any edit above a read, so the list cannot be carried over as it is. ``allowlist import
---from FILE`` matches each of its entries to the read pgregistry finds on that line of today's tree (same
-accessor), then writes pgregistry's allowlist of the whole scan. Every entry must match: one that does not
-means the list and the tree disagree (Megatron's own check would fail too), and nothing is written. The reads
-its rule does not see (fallback helpers, references, gloo getters, the preset's accessors) are grandfathered as
-well and counted, so switching tools changes what is allowed by exactly those, in the open.
+Line numbers break on any edit above a read, so the list cannot be carried over as it is.
+``allowlist import --from FILE`` matches each of its entries to the read pgregistry finds on that
+line of today's tree (same accessor), then writes pgregistry's allowlist of the whole scan. Every
+entry must match: one that does not means the list and the tree disagree (Megatron's own check would
+fail too), and nothing is written. The reads its rule does not see (fallback helpers, references,
+gloo getters, the preset's accessors) are grandfathered as well and counted, so switching tools
+changes what is allowed by exactly those, in the open.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ __all__ = ["Imported", "match_megatron_list", "parse_megatron_list"]
 
 
 def parse_megatron_list(text: str, name: str) -> dict[str, list[tuple[int, str]]]:
-    """Path -> [(line, accessor)] from the JSON of Megatron-LM's list; :class:`AllowlistError` if malformed."""
+    """Path -> [(line, accessor)] from Megatron-LM's list (JSON).
+
+    Raises :class:`AllowlistError` if it is malformed.
+    """
     try:
         payload: Any = json.loads(text)
     except json.JSONDecodeError as error:
@@ -65,8 +70,8 @@ class Imported:
 def match_megatron_list(
     entries: dict[str, list[tuple[int, str]]], results: Sequence[FileResult]
 ) -> Imported:
-    """Which of Megatron-LM's entries have a read on their line (``unmatched``: ``path:line accessor``), and the
-    reads of the scan that its list does not hold, by accessor (``unseen``)."""
+    """Which of Megatron-LM's entries have a read on their line (``unmatched``: ``path:line
+    accessor``), and the reads of the scan that its list does not hold, by accessor (``unseen``)."""
     sites: dict[str, list[Site]] = {result.path: list(result.sites) for result in results}
     covered: set[tuple[str, int, str]] = set()
     unmatched: list[str] = []

@@ -1,20 +1,21 @@
 """Telling a refactor from a new read: stale and new entries of the same read, paired up as *moved*.
 
-A class renamed, a read hoisted into a helper, a nested function extracted or a file moved changes the keys
-of reads that were already allowed: the old key goes stale and the new key looks new, in equal numbers.
-Replaying two months of Megatron-LM's ``megatron/core`` as CI runs, that noise was a fifth of the failures.
-A stale entry and a new one are the same read moved when they read the same accessor in the same form and
+A class renamed, a read hoisted into a helper, a nested function extracted or a file moved changes
+the keys of reads that were already allowed: the old key goes stale and the new key looks new, in
+equal numbers. Replaying two months of Megatron-LM's ``megatron/core`` as CI runs, that noise was a
+fifth of the failures. A stale entry and a new one are the same read moved when they read the same
+accessor in the same form and
 
 - they are in the same file (a scope renamed, a read hoisted or extracted), or
-- they keep their scope and the old file was renamed to the new one (``renames``, from git), or has no read
-  left at all (a file moved without git's help), or
-- the new file was added since the base (``added``, from git): code split out of a module into a new one
-  (Megatron-LM: MoE logging moved out of ``moe_utils.py`` into a new ``moe_logging.py``).
+- they keep their scope and the old file was renamed to the new one (``renames``, from git), or has
+  no read left at all (a file moved without git's help), or
+- the new file was added since the base (``added``, from git): code split out of a module into a new
+  one (Megatron-LM: MoE logging moved out of ``moe_utils.py`` into a new ``moe_logging.py``).
 
-Pairing only ever matches a deficit with an excess, so the number of reads of an accessor can never rise
-unnoticed: a commit that adds a read still fails, however its other reads moved. Within those rules, pairs
-whose scopes end the same way (``Old.forward`` -> ``New.forward``) are taken first, then the rest in sorted
-order, so the result never depends on dictionary order.
+Pairing only ever matches a deficit with an excess, so the number of reads of an accessor can never
+rise unnoticed: a commit that adds a read still fails, however its other reads moved. Within those
+rules, pairs whose scopes end the same way (``Old.forward`` -> ``New.forward``) are taken first,
+then the rest in sorted order, so the result never depends on dictionary order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["Move", "pair_moves"]
 
 @dataclass(frozen=True)
 class Move:
-    """``count`` reads whose key changed from ``old_key`` in ``old_path`` to ``new_key`` in ``new_path``."""
+    """``count`` reads moved from ``old_key`` in ``old_path`` to ``new_key`` in ``new_path``."""
 
     old_path: str
     old_key: str
@@ -62,10 +63,12 @@ def pair_moves(
     renames: Mapping[str, str],
     added: frozenset[str] = frozenset(),
 ) -> list[Move]:
-    """The moves among ``stale`` ((path, key) -> reads missing) and ``new`` ((path, key) -> reads too many).
+    """The moves among ``stale`` and ``new`` reads.
 
-    ``emptied``: paths with allowlist entries and no read left in the scan. ``renames``: old path -> new path.
-    ``added``: paths of files added since the base."""
+    ``stale`` maps (path, key) -> reads missing, ``new`` (path, key) -> reads too many.
+
+    ``emptied``: paths with allowlist entries and no read left in the scan. ``renames``: old path ->
+    new path. ``added``: paths of files added since the base."""
     olds = [_Side(path, key, amount) for (path, key), amount in sorted(stale.items())]
     news = [_Side(path, key, amount) for (path, key), amount in sorted(new.items())]
 
@@ -79,7 +82,8 @@ def pair_moves(
         return old.path in emptied and old.scope == fresh.scope
 
     candidates = [(old, fresh) for old in olds for fresh in news if are_related(old, fresh)]
-    # Same file first, then same scope ending, then a file rename; sorted for a deterministic result.
+    # Same file first, then same scope ending, then a file rename; sorted for a deterministic
+    # result.
     candidates.sort(
         key=lambda pair: (
             pair[0].path != pair[1].path,

@@ -1,5 +1,6 @@
-"""What the allowlist commands print: ``text`` for people, ``json`` for tools, ``github`` for workflow
-annotations (``::error file=...,line=...::message``, shown inline on the pull request's diff)."""
+"""What the allowlist commands print: ``text`` for people, ``json`` for tools, ``github`` for
+workflow annotations (``::error file=...,line=...::message``, shown inline on the pull request's
+diff)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,18 @@ UPDATE = "`pgregistry allowlist update`"
 _FIX_TAIL = f"; if the read must stay for now, run {UPDATE} and commit the allowlist"
 _FIX_STALE = f"run {UPDATE} to shrink the allowlist (it may only shrink) and commit it"
 _FIX_MOVED = f"not a failure; run {UPDATE} to rewrite their keys"
-_FIX_SHRINK = f"can shrink: run {UPDATE} and commit the smaller allowlist (not a failure against the base revision)"
+_FIX_SHRINK = (
+    f"can shrink: run {UPDATE} and commit the smaller "
+    "allowlist (not a failure against the base revision)"
+)
 _FIX_SLACK = (
-    "the allowlist lists {listed}, but the base revision reads {allowed}: a removed read's leftover entry does not "
-    f"allow a new one. If the read must stay, run {UPDATE} on the base branch first, then here"
+    "the allowlist lists {listed}, but the base revision reads "
+    "{allowed}: a removed read's leftover entry does not allow a new one. "
+    f"If the read must stay, run {UPDATE} on the base branch first, then here"
 )
 
-#: GitHub shows about 10 error annotations per step; past this many keys, the rest go to the log only.
+#: GitHub shows about 10 error annotations per step; past this many keys, the rest go to the log
+#: only.
 GITHUB_ANNOTATION_CAP = 10
 
 
@@ -61,11 +67,14 @@ def _format_annotation(
     where = f"file={_escape_for_workflow(path, True)}"
     if line is not None:
         where += f",line={line}" + (f",col={col}" if col is not None else "")
-    return f"::{level} {where},title={_escape_for_workflow(title, True)}::{_escape_for_workflow(message)}"
+    return (
+        f"::{level} {where},title={_escape_for_workflow(title, True)}"
+        f"::{_escape_for_workflow(message)}"
+    )
 
 
 def render_skipped(skipped: Sequence[tuple[str, str]], fmt: str) -> str:
-    """Files left out of the scan, each with why: listed, never silent (their allowlist entries are kept)."""
+    """Files left out of the scan, each with why: listed, never silent (allowlist entries kept)."""
     if fmt == "github":
         title = "pgregistry allowlist: file not scanned"
         return "".join(
@@ -84,8 +93,8 @@ def _plural_of(count: int, word: str, plural: str | None = None) -> str:
 def render_failures(failures: Sequence[FileResult], fmt: str) -> str:
     """Files that could not be parsed: always an error (exit 2), never a skip."""
     summary = (
-        f"pgregistry allowlist: {_plural_of(len(failures), 'file')} could not be parsed; fix them and re-run "
-        "(a file the scanner cannot read could hide any number of reads)"
+        f"pgregistry allowlist: {_plural_of(len(failures), 'file')} could not be parsed; fix "
+        "them and re-run (a file the scanner cannot read could hide any number of reads)"
     )
     if fmt == "json":
         errors = [
@@ -131,7 +140,10 @@ def _how_to_fix(item: Mismatch, stale_fails: bool = True) -> str:
 
 
 def _sites_shown(item: Mismatch) -> tuple[Site, ...]:
-    """The sites to point at for a new read: the added ones when a base revision told them apart, else all."""
+    """The sites to point at for a new read: the added ones if a base revision told them apart.
+
+    Else all of them.
+    """
     return item.added or item.sites
 
 
@@ -199,7 +211,10 @@ def _text_lines(comparison: Comparison) -> list[str]:
                 first = item.sites[0] if item.sites else None
                 message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}"
                 if not comparison.stale_fails:
-                    message = f"notice: allowlist entry {item.key!r} {_FIX_SHRINK}; {_describe_counts(item)}"
+                    message = (
+                        f"notice: allowlist entry {item.key!r} "
+                        f"{_FIX_SHRINK}; {_describe_counts(item)}"
+                    )
                 where = f"{path}:{first.line}:{first.col}" if first else path
                 located.append(
                     (first.line if first else 0, first.col if first else 0, f"{where}: {message}")
@@ -214,8 +229,8 @@ def _text_lines(comparison: Comparison) -> list[str]:
 
 
 def _github_lines(comparison: Comparison) -> list[str]:
-    """One annotation per key (at its first added site), at most :data:`GITHUB_ANNOTATION_CAP` errors and as
-    many notices (GitHub caps each level apart), then a summary."""
+    """One annotation per key (at its first added site), at most :data:`GITHUB_ANNOTATION_CAP`
+    errors and as many notices (GitHub caps each level apart), then a summary."""
     annotations: list[str] = []
     notices: list[str] = []
     for item in sorted(
@@ -243,7 +258,10 @@ def _github_lines(comparison: Comparison) -> list[str]:
             first = item.sites[0] if item.sites else None
             line, col = (first.line, first.col) if first else (None, None)
             if comparison.stale_fails:
-                message = f"stale allowlist entry {item.key!r}: {_describe_counts(item)}. Fix: {_how_to_fix(item)}."
+                message = (
+                    f"stale allowlist entry {item.key!r}: "
+                    f"{_describe_counts(item)}. Fix: {_how_to_fix(item)}."
+                )
                 annotations.append(
                     _format_annotation("Stale allowlist entry", message, item.path, line, col)
                 )
@@ -259,9 +277,9 @@ def _github_lines(comparison: Comparison) -> list[str]:
         shown += found[:GITHUB_ANNOTATION_CAP]
         if len(found) > GITHUB_ANNOTATION_CAP:
             shown.append(
-                f"::{level} title=pgregistry allowlist::{len(found) - GITHUB_ANNOTATION_CAP} more allowlist "
-                f"finding(s) not annotated (GitHub shows about {GITHUB_ANNOTATION_CAP} per step); every finding "
-                "is listed in the log below"
+                f"::{level} title=pgregistry allowlist::{len(found) - GITHUB_ANNOTATION_CAP} "
+                "more allowlist finding(s) not annotated (GitHub shows about "
+                f"{GITHUB_ANNOTATION_CAP} per step); every finding is listed in the log below"
             )
     overflow = max(len(annotations), len(notices)) > GITHUB_ANNOTATION_CAP
     return shown + _text_lines(comparison) if overflow else shown
@@ -270,7 +288,7 @@ def _github_lines(comparison: Comparison) -> list[str]:
 def render_check(
     comparison: Comparison, allowlist: Allowlist, files: int, allowlist_name: str, fmt: str
 ) -> str:
-    """Each new read and each stale entry with its file:line and the fix, the moved reads; then a verdict."""
+    """Each new read and stale entry with file:line and the fix, the moved reads; then a verdict."""
     state = "global process-group state"
     moved = sum(move.count for move in comparison.moves)
     moved_text = f"; {_plural_of(moved, 'read')} moved ({_FIX_MOVED})" if moved else ""
@@ -282,15 +300,16 @@ def render_check(
             else ""
         )
         verdict = (
-            f"allowlist check passed: {_plural_of(allowlist.total, 'allowed read')} of {state} in "
-            f"{_plural_of(len(allowlist.entries), 'file')}; {_plural_of(files, 'file')} scanned ({allowlist_name})"
-            f"{moved_text}{shrink_text}"
+            f"allowlist check passed: {_plural_of(allowlist.total, 'allowed read')} of "
+            f"{state} in {_plural_of(len(allowlist.entries), 'file')}; "
+            f"{_plural_of(files, 'file')} scanned ({allowlist_name}){moved_text}{shrink_text}"
         )
     else:
         verdict = (
             f"allowlist check failed: {_plural_of(comparison.new_sites, 'new read')} of {state}, "
             f"{_plural_of(len(comparison.stale), 'stale entry', 'stale entries')}"
-            f"{'' if comparison.stale_fails else ' (not failures: they can shrink)'} ({allowlist_name}){moved_text}"
+            f"{'' if comparison.stale_fails else ' (not failures: they can shrink)'} "
+            f"({allowlist_name}){moved_text}"
         )
     if fmt == "json":
         return _to_json(
@@ -364,7 +383,7 @@ def _tally_sites(results: Sequence[FileResult], depth: int) -> tuple[Counter[str
 
 
 def _burn_down_bar(now: int, then: int, width: int = 20) -> str:
-    """``now`` as a share of ``then`` (or of itself): filled cells remain, empty ones were burnt down."""
+    """``now`` as a share of ``then`` (or itself): filled cells remain, empty ones were burnt."""
     scale = max(then, now, 1)
     filled = round(width * now / scale)
     return "#" * filled + "." * (round(width * then / scale) - filled if then > now else 0)
@@ -400,8 +419,9 @@ def render_stats(
     since: Baseline | None = None,
     depth: int = 2,
 ) -> str:
-    """Counts of the sites found by family and directory (against ``since`` when given), then by accessor,
-    file and scope (largest first). ``allowed``: the allowlist's entries for the paths scanned only."""
+    """Counts of the sites found by family and directory (against ``since`` when given), then by
+    accessor, file and scope (largest first). ``allowed``: the allowlist's entries for the paths
+    scanned only."""
     sites = [(result.path, site) for result in results for site in result.sites]
     by_accessor = Counter(site.accessor for _, site in sites)
     by_file = Counter(path for path, _ in sites)
@@ -443,8 +463,8 @@ def render_stats(
         set(by_directory) | set(then[1] if then else ()), key=lambda d: (-by_directory[d], d)
     )
     lines = [
-        f"{_plural_of(len(sites), 'read')} of global process-group state in {_plural_of(len(by_file), 'file')}"
-        f"{allowed_text}",
+        f"{_plural_of(len(sites), 'read')} of global process-group "
+        f"state in {_plural_of(len(by_file), 'file')}{allowed_text}",
         "by form: " + ", ".join(f"{form} {count}" for form, count in rank_by_count(by_form)),
         "",
         *_format_table("family", by_family, then[0] if then else None, rev, FAMILIES),

@@ -1,22 +1,27 @@
-"""The ranks a checkpoint call runs over, and the decisions they take alike, so a fault on one raises on all.
+"""The ranks a checkpoint call runs over, and the decisions they take alike.
 
-A checkpoint call runs over the ranks of its model's collection: the world for a model whose layout spans it, the
-module's span for one module of a job whose layout covers part of the world (:class:`Scope`). Every collective of
-the call runs over those ranks only: over the world, a module's save would wait for ranks of other modules that do
-not call it, or mix their files with its own.
+So a fault on one raises on all.
 
-Saving and loading are collective: a rank that raised alone would leave its peers waiting for ever in the next
-collective (the next all-reduce of a check, the all-gather of restored shards, DCP's own exchanges). So each step
-that can fail on one rank (reading its files, naming its parameters, writing its file) runs on every rank of the
-scope, and one all-reduce of a failure flag per rank then tells every rank which failed: the rank that failed
-raises its own error, the others an error saying another rank failed and naming it ("(rank 3: see its error)").
-Nothing is copied before that verdict. Outside a distributed world these are plain calls.
+A checkpoint call runs over the ranks of its model's collection: the world for a model whose layout
+spans it, the module's span for one module of a job whose layout covers part of the world
+(:class:`Scope`). Every collective of the call runs over those ranks only: over the world, a
+module's save would wait for ranks of other modules that do not call it, or mix their files with its
+own.
 
-A rank that never answers (killed, its node lost, stuck) fails its peers' next collective with the backend's words
-only (gloo's "Connection closed by peer", a timeout). :func:`name_lost_ranks` turns that into a ``RuntimeError``
-naming the call, its checkpoint directory, the ranks that did not answer and what to do: each rank whose collective
-failed records in the world's store that it is still there, waits up to :data:`ANSWER_WAIT_S` for the others'
-records, and names the ranks of the scope whose record never came.
+Saving and loading are collective: a rank that raised alone would leave its peers waiting for ever
+in the next collective (the next all-reduce of a check, the all-gather of restored shards, DCP's own
+exchanges). So each step that can fail on one rank (reading its files, naming its parameters,
+writing its file) runs on every rank of the scope, and one all-reduce of a failure flag per rank
+then tells every rank which failed: the rank that failed raises its own error, the others an error
+saying another rank failed and naming it ("(rank 3: see its error)"). Nothing is copied before that
+verdict. Outside a distributed world these are plain calls.
+
+A rank that never answers (killed, its node lost, stuck) fails its peers' next collective with the
+backend's words only (gloo's "Connection closed by peer", a timeout). :func:`name_lost_ranks` turns
+that into a ``RuntimeError`` naming the call, its checkpoint directory, the ranks that did not
+answer and what to do: each rank whose collective failed records in the world's store that it is
+still there, waits up to :data:`ANSWER_WAIT_S` for the others' records, and names the ranks of the
+scope whose record never came.
 """
 
 from __future__ import annotations
@@ -60,25 +65,27 @@ __all__ = [
 T = TypeVar("T")
 
 ANSWER_WAIT_S: Final = 1.0
-"""How long a rank whose collective failed waits for its peers to record in the store that they are still there:
-the ranks that detect the failure (a peer's closed connection, a timeout) do so within milliseconds of each other."""
+"""How long a rank whose collective failed waits for its peers to record in the store that they are
+still there: the ranks that detect the failure (a peer's closed connection, a timeout) do so within
+milliseconds of each other."""
 
 _COLLECTIVES_MODULE: Final = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 _calls: dict[tuple[int, int] | None, Iterator[int]] = {}
-"""Numbers the calls :func:`name_lost_ranks` watches, per scope (its span; ``None`` for the world), so each
-failure's records have keys of their own: every rank of a scope makes the same calls over it in the same order (each
-is collective), so the numbers agree among them, whatever calls over other scopes some of them made in between."""
+"""Numbers the calls :func:`name_lost_ranks` watches, per scope (its span; ``None`` for the world),
+so each failure's records have keys of their own: every rank of a scope makes the same calls over it
+in the same order (each is collective), so the numbers agree among them, whatever calls over other
+scopes some of them made in between."""
 
 
 @attrs.frozen(slots=True)
 class Scope:
     """The ranks one checkpoint call runs over: the world, or one module's span of it.
 
-    ``rank`` and ``size`` are this rank's index among them and their number (rank files are numbered by it);
-    ``group`` is their communicator (``None`` when they are one rank, or outside a distributed world: nothing to
-    reduce); ``span`` is ``(first world rank, number of ranks)`` and ``name`` the module's build name, both
-    ``None`` for the world.
+    ``rank`` and ``size`` are this rank's index among them and their number (rank files are numbered
+    by it); ``group`` is their communicator (``None`` when they are one rank, or outside a
+    distributed world: nothing to reduce); ``span`` is ``(first world rank, number of ranks)`` and
+    ``name`` the module's build name, both ``None`` for the world.
     """
 
     rank: int
@@ -96,7 +103,7 @@ class Scope:
         return f"module {self.name!r} (ranks {first}-{first + size - 1})"
 
     def identity(self) -> dict[str, Any]:
-        """What a rank file records of the scope that saved it (nothing for the world, as before spans)."""
+        """What a rank file records of the scope saving it (none for the world, as before spans)."""
         if self.span is None:
             return {}
         return {"module": self.name, "span": list(self.span)}
@@ -111,11 +118,13 @@ def world_scope() -> Scope:
 
 
 def scope_of(collection: ProcessGroupCollection | None) -> Scope:
-    """The ranks a checkpoint of a model on ``collection`` runs over: its layout's span when that is part of the
-    world, else the world (a collection assembled by hand, or none: the global grid).
+    """The ranks a checkpoint of a model on ``collection`` runs over.
 
-    ``ValueError`` when this rank is outside the span: it takes no part in the module's checkpoint (no rank of
-    the span waits for it, so it raises alone)."""
+    Its layout's span when that is part of the world, else the world (a collection assembled by
+    hand, or none: the global grid).
+
+    ``ValueError`` when this rank is outside the span: it takes no part in the module's checkpoint
+    (no rank of the span waits for it, so it raises alone)."""
     world = world_scope()
     layout = collection.layout if collection is not None else None
     if collection is None or layout is None:
@@ -125,16 +134,19 @@ def scope_of(collection: ProcessGroupCollection | None) -> Scope:
         return world
     if not collection.is_member:
         raise ValueError(
-            f"a checkpoint of {collection.describe()} runs on its ranks {first}-{stop - 1}; this rank ({world.rank}) "
-            "is not one of them: save or load a module on the ranks that run it"
+            f"a checkpoint of {collection.describe()} runs on its ranks "
+            f"{first}-{stop - 1}; this rank ({world.rank}) is not one "
+            "of them: save or load a module on the ranks that run it"
         )
     group = _span_group(collection, (first, stop))
     return Scope(world.rank - first, stop - first, group, (first, stop - first), collection.name)
 
 
 def _span_group(collection: ProcessGroupCollection, span: tuple[int, int]) -> ProcessGroup | None:
-    """The communicator of the span's ranks: the collection's ``intra_dist_opt`` group (a build makes it hold the
-    span), else the one the group cache holds for them; ``None`` for a span of one rank."""
+    """The communicator of the span's ranks; ``None`` for a span of one rank.
+
+    The collection's ``intra_dist_opt`` group (a build makes it hold the span), else the one the
+    group cache holds for them."""
     first, stop = span
     if stop - first == 1:
         return None
@@ -147,17 +159,17 @@ def _span_group(collection: ProcessGroupCollection, span: tuple[int, int]) -> Pr
 
     if CACHE.options_of(ranks) is None:
         raise ValueError(
-            f"{collection.describe()} spans ranks {first}-{stop - 1}, but no communicator over them exists: build the "
-            "layout with pgregistry.build, which makes one"
+            f"{collection.describe()} spans ranks {first}-{stop - 1}, but no communicator "
+            "over them exists: build the layout with pgregistry.build, which makes one"
         )
     return CACHE.group(ranks)
 
 
 def max_over_ranks(values: list[int], scope: Scope) -> list[int]:
-    """The element-wise maximum of ``values`` over the ranks of ``scope`` (``values`` itself for one rank).
+    """The element-wise maximum of ``values`` over ``scope``'s ranks (``values`` for one rank).
 
-    Every rank of the scope must call it with as many values; the checks built on it therefore raise on every rank
-    alike.
+    Every rank of the scope must call it with as many values; the checks built on it therefore raise
+    on every rank alike.
     """
     if scope.size == 1 or scope.group is None:
         return values
@@ -167,15 +179,19 @@ def max_over_ranks(values: list[int], scope: Scope) -> list[int]:
 
 
 def digest_of(keys: list[str]) -> int:
-    """A 60-bit digest of ``keys`` (in their order): ranks all-reduce its maximum and its negation's to learn
-    whether they all hold the same keys, in one collective of two integers."""
+    """A 60-bit digest of ``keys`` (in their order).
+
+    Ranks all-reduce its maximum and its negation's to learn whether they all hold the same keys, in
+    one collective of two integers."""
     return int(hashlib.sha256("\n".join(keys).encode()).hexdigest()[:15], 16)
 
 
 def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:
-    """Return when no rank of ``scope`` has an error; otherwise raise ``error`` on the ranks that have one and
-    ``elsewhere`` on the others, naming the ranks that have one (:func:`elsewhere_named`). Collective: one
-    all-reduce of a flag per rank, so every rank must call it, failed or not."""
+    """Return when no rank of ``scope`` has an error, else raise on every rank.
+
+    ``error`` on the ranks that have one and ``elsewhere`` on the others, naming the ranks that have
+    one (:func:`elsewhere_named`). Collective: one all-reduce of a flag per rank, so every rank must
+    call it, failed or not."""
     faulty = faulty_ranks(error is not None, scope_groups(scope))
     if error is not None:
         raise error
@@ -184,9 +200,10 @@ def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope
 
 
 def run_agreed_step(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
-    """``step()`` on this rank, raising on every rank of ``scope`` when it raised on any: its own error where it
-    raised, ``elsewhere`` naming the ranks where it did on the others (the same one all-reduce as
-    :func:`raise_on_every_rank`)."""
+    """``step()`` on this rank, raising on every rank of ``scope`` when it raised on any.
+
+    Its own error where it raised, ``elsewhere`` naming the ranks where it did on the others (the
+    same one all-reduce as :func:`raise_on_every_rank`)."""
     try:
         result = step()
     except Exception:
@@ -197,8 +214,10 @@ def run_agreed_step(step: Callable[[], T], elsewhere: Exception, scope: Scope) -
 
 
 def elsewhere_named(elsewhere: Exception, faulty: list[int]) -> Exception:
-    """``elsewhere`` (what a rank without a fault raises: "another rank could not ...") naming the world ranks
-    ``faulty`` that have one, so its reader knows whose log holds the cause."""
+    """``elsewhere`` naming the world ranks ``faulty`` that have a fault.
+
+    ``elsewhere`` is what a rank without a fault raises ("another rank could not ..."); the names
+    tell its reader whose log holds the cause."""
     its = "its error" if len(faulty) == 1 else "their errors"
     return type(elsewhere)(f"{elsewhere} ({ranks_label(faulty)}: see {its})")
 
@@ -210,9 +229,12 @@ def scope_groups(scope: Scope) -> list[Any]:
 
 @contextmanager
 def name_lost_ranks(operation: str, directory: str | Path, scope: Scope) -> Iterator[None]:
-    """Run the block (one checkpoint call of ``operation`` on ``directory``); when a collective in it fails (a rank of
-    ``scope`` lost, stuck or killed), raise ``RuntimeError`` naming the call, the directory, the ranks that did not
-    answer and what to do, chained to the backend's error. Every other error passes as it is."""
+    """Run the block, naming the ranks that did not answer when a collective in it fails.
+
+    The block is one checkpoint call of ``operation`` on ``directory``. When a collective in it
+    fails (a rank of ``scope`` lost, stuck or killed), raise ``RuntimeError`` naming the call, the
+    directory, the ranks that did not answer and what to do, chained to the backend's error. Every
+    other error passes as it is."""
     call = next(_calls.setdefault(scope.span, itertools.count()))
     try:
         yield
@@ -225,24 +247,32 @@ def name_lost_ranks(operation: str, directory: str | Path, scope: Scope) -> Iter
         if missing is None:
             who = "the ranks that did not answer cannot be told (the store is unreachable too)"
         elif missing:
-            who = f"rank(s) {missing} did not answer within {ANSWER_WAIT_S:g} s (killed, lost or stuck: see their logs)"
+            who = (
+                f"rank(s) {missing} did not answer within {ANSWER_WAIT_S:g} "
+                "s (killed, lost or stuck: see their logs)"
+            )
         else:
-            who = "every rank answered afterwards (a rank was slower than the process group's timeout allows)"
+            who = (
+                "every rank answered afterwards (a rank was "
+                "slower than the process group's timeout allows)"
+            )
         kept = (
-            "no file of this save is under a checkpoint's name and earlier checkpoints are untouched: restart from "
-            "the last complete one"
+            "no file of this save is under a checkpoint's name and earlier "
+            "checkpoints are untouched: restart from the last complete one"
             if operation.startswith("save")
             else "the checkpoint on disk is unchanged: load it again"
         )
         raise RuntimeError(
-            f"{operation} of the checkpoint {directory} over {scope.label} failed: {who}; {kept} once every rank is "
-            f"up (this rank's collective failed with: {exc})"
+            f"{operation} of the checkpoint {directory} over {scope.label} failed: {who}; "
+            f"{kept} once every rank is up (this rank's collective failed with: {exc})"
         ) from exc
 
 
 def _is_collective_failure(exc: RuntimeError) -> bool:
-    """Whether ``exc`` is a failed collective (the backend's error raised from a torch.distributed collective)
-    rather than an error of the checkpoint's own (which names its cause already)."""
+    """Whether ``exc`` is a failed collective rather than an error of the checkpoint's own.
+
+    A failed collective is the backend's error raised from a torch.distributed collective; the
+    checkpoint's own errors name their cause already."""
     if isinstance(exc, dist.DistError):
         return True
     frames = traceback.extract_tb(exc.__traceback__)
@@ -250,9 +280,10 @@ def _is_collective_failure(exc: RuntimeError) -> bool:
 
 
 def _ranks_not_answering(scope: Scope, prefix: str) -> list[int] | None:
-    """The world ranks of ``scope`` that have not recorded ``<prefix>/<rank>`` in the default store within
-    :data:`ANSWER_WAIT_S` of this rank recording its own; ``None`` when the store cannot be used (it may have been
-    hosted by the lost rank)."""
+    """The world ranks of ``scope`` that have not recorded ``<prefix>/<rank>`` in time.
+
+    In the default store, within :data:`ANSWER_WAIT_S` of this rank recording its own; ``None`` when
+    the store cannot be used (it may have been hosted by the lost rank)."""
     first = scope.span[0] if scope.span is not None else 0
     ranks = range(first, first + scope.size)
     try:
@@ -264,5 +295,6 @@ def _ranks_not_answering(scope: Scope, prefix: str) -> list[int] | None:
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - a store that fails too: the message says the ranks cannot be told
+    except Exception:  # noqa: BLE001
+        # A store that fails too: the message says the ranks cannot be told.
         return None

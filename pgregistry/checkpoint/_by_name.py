@@ -2,16 +2,18 @@
 
 Every parameter and its optimizer state are keyed by the parameter's global name
 (:func:`pgregistry.experts.named_global_parameters`): flat keys ``model/<name>`` and
-``optimizer/<name>/<state key>``, which both storage back-ends (:mod:`~pgregistry.checkpoint._rank_files`,
-:mod:`~pgregistry.checkpoint._distributed`) write. Each tensor has one writer: for a dense parameter, data-parallel
-(``dp_cp``) rank 0 of its replicas and tensor-parallel (``tp``) rank 0; for an expert parameter,
-expert-data-parallel (``expt_dp``) rank 0 and expert-TP (``expt_tp``) rank 0.
+``optimizer/<name>/<state key>``, which both storage back-ends
+(:mod:`~pgregistry.checkpoint._rank_files`, :mod:`~pgregistry.checkpoint._distributed`) write. Each
+tensor has one writer: for a dense parameter, data-parallel (``dp_cp``) rank 0 of its replicas and
+tensor-parallel (``tp``) rank 0; for an expert parameter, expert-data-parallel (``expt_dp``) rank 0
+and expert-TP (``expt_tp``) rank 0.
 
-Tensors are stored whole. A parameter sharded over tensor parallelism (``mark_tensor_parallel``: expert TP for
-an expert) is all-gathered over its TP group along its ``partition_dim`` before it is stored, with each of its
-optimizer state tensors of its shape; loading takes this rank's piece of the whole tensor, so a checkpoint
-reloads at another TP size too. Interleaved shards (``partition_stride`` above 1) and GTP-remat shards are not
-resharded here: a model with either is refused.
+Tensors are stored whole. A parameter sharded over tensor parallelism (``mark_tensor_parallel``:
+expert TP for an expert) is all-gathered over its TP group along its ``partition_dim`` before it is
+stored, with each of its optimizer state tensors of its shape; loading takes this rank's piece of
+the whole tensor, so a checkpoint reloads at another TP size too. Interleaved shards
+(``partition_stride`` above 1) and GTP-remat shards are not resharded here: a model with either is
+refused.
 """
 
 from __future__ import annotations
@@ -45,16 +47,18 @@ if TYPE_CHECKING:
 __all__ = ["state_by_name"]
 
 Optimizer: TypeAlias = torch.optim.Optimizer | ParamStateOptimizer
-"""What the checkpoint functions accept: a ``torch.optim.Optimizer``, or any optimizer pgregistry builds (each is a
-:class:`~pgregistry.optim.ParamStateOptimizer`: mixed-precision, sharded or chained)."""
+"""What the checkpoint functions accept: a ``torch.optim.Optimizer``, or any optimizer pgregistry
+builds (each is a :class:`~pgregistry.optim.ParamStateOptimizer`: mixed-precision, sharded or
+chained)."""
 
 MODEL_PREFIX: Final = "model/"
 
 OPTIMIZER_PREFIX: Final = "optimizer/"
 
 OPTIMIZED_PREFIX: Final = "optimized/"
-"""``optimized/<name>`` marks a parameter the saving optimizer updated (its state may be empty, before the first
-step or for an optimizer without state): a load given an optimizer then tells a checkpoint saved without one."""
+"""``optimized/<name>`` marks a parameter the saving optimizer updated (its state may be empty,
+before the first step or for an optimizer without state): a load given an optimizer then tells a
+checkpoint saved without one."""
 
 _UNSHARDED_AXES: Final[tuple[GroupName, ...]] = ("gtp_remat", "expt_gtp_remat")
 _CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = (
@@ -66,13 +70,17 @@ _CHECKPOINT_FALLBACK: Final[tuple[GroupName, ...]] = (
     "expt_tp",
     *_UNSHARDED_AXES,
 )
-"""The fields a checkpoint reads: from the global grid, with a warning, when the collection leaves them UNSET."""
+"""The fields a checkpoint reads.
+
+Read from the global grid, with a warning, when the collection leaves them UNSET.
+"""
 
 
 @attrs.frozen(slots=True)
 class TensorParallelShard:
-    """How a parameter is cut over tensor parallelism: along ``dim``, over ``group`` (of ``size`` ranks, this
-    one ``rank``)."""
+    """How a parameter is cut over tensor parallelism: along ``dim``, over ``group``.
+
+    ``group`` has ``size`` ranks, this one ``rank``."""
 
     dim: int
     group: Any
@@ -80,7 +88,7 @@ class TensorParallelShard:
     size: int
 
     def whole(self, piece: torch.Tensor) -> torch.Tensor:
-        """The whole tensor from every rank's ``piece`` (collective over the group: an all-gather)."""
+        """The whole tensor from every rank's ``piece`` (collective over the group: all-gather)."""
         piece = piece.detach().contiguous()
         pieces = [torch.empty_like(piece) for _ in range(self.size)]
         dist.all_gather(pieces, piece, group=self.group)
@@ -96,7 +104,7 @@ class TensorParallelShard:
 
 @attrs.frozen(slots=True)
 class RankModel:
-    """One rank's view: its parameters by global name, which of them it writes, and the TP-sharded ones' cuts."""
+    """One rank's view: its parameters by global name, which it writes, TP-sharded ones' cuts."""
 
     params: dict[str, nn.Parameter]
     writes_dense: bool
@@ -108,8 +116,10 @@ class RankModel:
         return self.writes_experts if is_expert_key(name) else self.writes_dense
 
     def whole(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` (the parameter ``name``, or a state tensor of its shape) whole: gathered when TP-sharded
-        (collective over its TP group), else as it is."""
+        """``value`` whole: gathered when TP-sharded, else as it is.
+
+        ``value`` is the parameter ``name``, or a state tensor of its shape; the gather is
+        collective over its TP group."""
         shard = self.sharded.get(name)
         if shard is None or tuple(value.shape) != tuple(self.params[name].shape):
             return value.detach()
@@ -122,7 +132,10 @@ class RankModel:
         return shard.whole_shape(shape) if shard is not None else shape
 
     def piece(self, name: str, stored: Any) -> Any:
-        """This rank's piece of a stored value of ``name`` (a tensor of the stored shape is cut when TP-sharded)."""
+        """This rank's piece of a stored value of ``name``.
+
+        A tensor of the stored shape is cut when TP-sharded.
+        """
         shard = self.sharded.get(name)
         if (
             shard is None
@@ -134,12 +147,14 @@ class RankModel:
 
 
 def checkpoint_scope(model_chunks: Any, naming: NamingOptions) -> Scope:
-    """The ranks a checkpoint of ``model_chunks`` runs over (:func:`~pgregistry.checkpoint._agreement.scope_of`):
-    those of the collection its door will resolve, the explicit ``pg_collection`` else the one attached to the
-    model, found before the door so that its refusals are agreed over those ranks. No collection found (the door
-    then reads the global grid, or refuses): the world. The ranks of a module must agree on which collection they
-    name (an explicit one on some ranks of a module and another one attached on others leaves them in different
-    collectives)."""
+    """The ranks a checkpoint of ``model_chunks`` runs over, found before the door.
+
+    See :func:`~pgregistry.checkpoint._agreement.scope_of`: those of the collection its door will
+    resolve, the explicit ``pg_collection`` else the one attached to the model, found before the
+    door so that its refusals are agreed over those ranks. No collection found (the door then reads
+    the global grid, or refuses): the world. The ranks of a module must agree on which collection
+    they name (an explicit one on some ranks of a module and another one attached on others leaves
+    them in different collectives)."""
     explicit = naming.get("pg_collection")
     if isinstance(explicit, ProcessGroupCollection):
         return scope_of(explicit)
@@ -157,11 +172,13 @@ def rank_model(
     scope: Scope | None = None,
     **naming: Unpack[NamingOptions],
 ) -> RankModel:
-    """The door of the checkpoint entry points: this rank's parameters by global name, what it writes and how its
-    TP-sharded parameters are cut, with the collection resolved once; ``ValueError`` for a sharded GTP-remat axis,
-    an interleaved TP shard, or two parameters of one global name (``owner`` names the caller in errors and
-    fallback warnings). ``scope`` is the ranks the call runs over (:func:`checkpoint_scope`); it must be the
-    resolved collection's (``ValueError`` otherwise)."""
+    """The door of the checkpoint entry points: this rank's parameters by global name.
+
+    Also what it writes and how its TP-sharded parameters are cut, with the collection resolved
+    once; ``ValueError`` for a sharded GTP-remat axis, an interleaved TP shard, or two parameters of
+    one global name (``owner`` names the caller in errors and fallback warnings). ``scope`` is the
+    ranks the call runs over (:func:`checkpoint_scope`); it must be the resolved collection's
+    (``ValueError`` otherwise)."""
     check_naming_options(naming, owner)
     chunks = normalise_model(model_chunks, owner).chunks
     collection = resolve_pg_collection(
@@ -170,14 +187,14 @@ def rank_model(
     resolved_scope = scope_of(collection)
     if scope is not None and scope != resolved_scope:
         raise ValueError(
-            f"{owner} runs over {scope.label}, but the model's collection is {collection.describe()}, on "
-            f"{resolved_scope.label}"
+            f"{owner} runs over {scope.label}, but the model's collection "
+            f"is {collection.describe()}, on {resolved_scope.label}"
         )
     unsharded = [name for name in _UNSHARDED_AXES if group_size(collection.get(name)) > 1]
     if unsharded:
         raise ValueError(
-            f"{owner} stores whole tensors, but the model's {', '.join(unsharded)} axis has more than one rank; "
-            "GTP-remat shards are not resharded by pgregistry.checkpoint"
+            f"{owner} stores whole tensors, but the model's {', '.join(unsharded)} axis has "
+            "more than one rank; GTP-remat shards are not resharded by pgregistry.checkpoint"
         )
     params: dict[str, nn.Parameter] = {}
     namer = GlobalNamer(
@@ -220,8 +237,9 @@ def rank_model(
 def agree_on_rank_model(
     model_chunks: nn.Module | Sequence[nn.Module], owner: str, naming: NamingOptions, scope: Scope
 ) -> RankModel:
-    """:func:`rank_model` in a collective save or load over ``scope``: raising on every rank of it when it raises on
-    any, since a rank whose model cannot be named must not leave the others waiting in the save's or load's
+    """:func:`rank_model` in a collective save or load over ``scope``, raising on all if on any.
+
+    A rank whose model cannot be named must not leave the others waiting in the save's or load's
     collectives."""
     return run_agreed_step(
         lambda: rank_model(model_chunks, owner, scope, **naming),
@@ -231,8 +249,10 @@ def agree_on_rank_model(
 
 
 def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
-    """``(global name, whole state)`` of every parameter ``optimizer`` updates, in the model's order (the same on
-    every rank of a TP group, whose gathers must come in one order; collective for a sharded optimizer)."""
+    """``(global name, whole state)`` of every parameter ``optimizer`` updates, in model order.
+
+    The same order on every rank of a TP group, whose gathers must come in one order; collective for
+    a sharded optimizer."""
     by_id = {id(param): name for name, param in model.params.items()}
     out: list[tuple[str, ParamState]] = []
     for param, state in as_param_state_optimizer(optimizer).param_state().items():
@@ -248,10 +268,12 @@ def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[
 def flat_state(
     model: RankModel, optimizer: Optimizer | None, *, primary_only: bool
 ) -> dict[str, Any]:
-    """The flat ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>`` entries both storage
-    back-ends write (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
-    TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group (collective),
-    in one order on every rank: the model's parameter order, then by state key."""
+    """The flat entries both storage back-ends write, TP-sharded ones gathered whole.
+
+    The entries are ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>``
+    (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
+    TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group
+    (collective), in one order on every rank: the model's parameter order, then by state key."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
@@ -278,8 +300,9 @@ def split_optimizer_key(key: str) -> tuple[str, str]:
 
 
 def param_name_of_key(key: str) -> str | None:
-    """The parameter a flat key stores (``model/<name>``, ``optimized/<name>``, ``optimizer/<name>/<state key>``);
-    None for another key."""
+    """The parameter a flat key stores; None for another key.
+
+    The keys are ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>``."""
     for prefix in (MODEL_PREFIX, OPTIMIZED_PREFIX):
         if key.startswith(prefix):
             return key[len(prefix) :]
@@ -289,8 +312,9 @@ def param_name_of_key(key: str) -> str | None:
 
 
 def _nest_flat_keys(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat checkpoint keys (a parameter
-    the optimizer updates has an entry, empty before its first step)."""
+    """``{"model": {name: tensor}, "optimizer": {name: {state key: value}}}`` from flat keys.
+
+    A parameter the optimizer updates has an entry, empty before its first step."""
     out: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
     for key, value in flat.items():
         if key.startswith(MODEL_PREFIX):
@@ -350,10 +374,12 @@ def prepare_flat_state_load(
     scope: Scope,
     subject: str,
 ) -> Callable[[], None]:
-    """The copy of every parameter and (``optimizer`` given) the optimizer state saved for it from flat ``lookup``,
-    which :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found to fit on every rank, returned uncalled
-    once the optimizer state's values are found to fit too (:func:`prepare_optimizer_load`: collective over
-    ``scope``, refused on every rank alike)."""
+    """The copy of every parameter and its optimizer state from flat ``lookup``, returned uncalled.
+
+    ``optimizer`` given, the optimizer state saved for each parameter too.
+    :func:`~pgregistry.checkpoint._strict.refuse_misfits` has found ``lookup`` to fit on every rank;
+    the copy is returned once the optimizer state's values are found to fit too
+    (:func:`prepare_optimizer_load`: collective over ``scope``, refused on every rank alike)."""
     nested = _nest_flat_keys(lookup)
     load_state = None
     if optimizer is not None:
@@ -376,11 +402,13 @@ def prepare_optimizer_load(
     scope: Scope,
     subject: str,
 ) -> Callable[[], None]:
-    """The load of ``state`` (global name -> state key -> value, whole) into ``optimizer`` (this rank's piece of
-    each), returned uncalled once every rank of ``scope`` found its state to fit its optimizer
-    (:func:`~pgregistry.optim._param_state.param_state_faults`: a misshaped ``exp_avg``, a main copy of another
-    shape). A rank whose state does not fit raises its faults, naming itself; every other rank raises naming it;
-    no rank has changed anything. ``subject`` names the call in messages."""
+    """The load of ``state`` into ``optimizer``, returned uncalled once every rank found it fits.
+
+    ``state`` is global name -> state key -> value, whole; the load puts this rank's piece of each
+    into ``optimizer``. Every rank of ``scope`` checks its state fits its optimizer
+    (:func:`~pgregistry.optim._param_state.param_state_faults`: a misshaped ``exp_avg``, a main copy
+    of another shape). A rank whose state does not fit raises its faults, naming itself; every other
+    rank raises naming it; no rank has changed anything. ``subject`` names the call in messages."""
     target = as_param_state_optimizer(optimizer)
 
     def check_state_pieces() -> dict[torch.Tensor, Mapping[str, Any]]:

@@ -1,15 +1,16 @@
-"""Writing one checkpoint file: complete under its name or not there at all, and a failed write named.
+"""Writing one checkpoint file: complete under its name or not there at all; a failed write named.
 
-A file is written under a temporary name beside its final one (``.<name>.partial``), flushed to disk, and only
-renamed once the caller says so (:mod:`~pgregistry.checkpoint._rank_files` renames once every rank's file is
-complete). The temporary name is fixed per file, so a save killed half-way (``kill -9``, a node lost) leaves at
-most one stale ``.partial`` per rank file, which the next save of that file replaces: nothing accumulates on the
-disk, and loaders never look at those names.
+A file is written under a temporary name beside its final one (``.<name>.partial``), flushed to
+disk, and only renamed once the caller says so (:mod:`~pgregistry.checkpoint._rank_files` renames
+once every rank's file is complete). The temporary name is fixed per file, so a save killed half-way
+(``kill -9``, a node lost) leaves at most one stale ``.partial`` per rank file, which the next save
+of that file replaces: nothing accumulates on the disk, and loaders never look at those names.
 
-``torch.save`` reports a failed write as its own ``enforce fail at inline_container.cc`` error and drops the
-``OSError`` under it: here every byte goes through :func:`os.write`, the first ``OSError`` is kept, and the error
-raised names the file and the disk (device, mount point and free space), e.g. ``[Errno 28] No space left on
-device: writing /ckpt/step-100/rank-00003.pt on /dev/nvme1n1 mounted at /ckpt (0 bytes free)``.
+``torch.save`` reports a failed write as its own ``enforce fail at inline_container.cc`` error and
+drops the ``OSError`` under it: here every byte goes through :func:`os.write`, the first ``OSError``
+is kept, and the error raised names the file and the disk (device, mount point and free space), e.g.
+``[Errno 28] No space left on device: writing /ckpt/step-100/rank-00003.pt on /dev/nvme1n1 mounted
+at /ckpt (0 bytes free)``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 
 
 
 class _Sink:
-    """The file object ``torch.save`` writes to: each write goes whole to the descriptor, and the first
-    ``OSError`` is kept (torch replaces it by an error that names neither the cause nor the file)."""
+    """The file object ``torch.save`` writes to, keeping the first ``OSError``.
+
+    Each write goes whole to the descriptor, and the first ``OSError`` is kept (torch replaces it by
+    an error that names neither the cause nor the file)."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -49,7 +52,7 @@ class _Sink:
         return size
 
     def flush(self) -> None:
-        """Nothing to flush: every write went to the descriptor (``torch.save`` calls it at the end)."""
+        """Nothing to flush: every write went to the descriptor (``torch.save`` calls it last)."""
 
 
 def partial_path(path: Path) -> Path:
@@ -58,10 +61,11 @@ def partial_path(path: Path) -> Path:
 
 
 def write_partial(path: Path, payload: Any) -> Path:
-    """``torch.save(payload)`` into :func:`partial_path` of ``path``, flushed to disk; returns that path.
+    """``torch.save(payload)`` to :func:`partial_path` of ``path``, flushed to disk; return it.
 
-    A stale partial file (of a save that was killed) is replaced. On any failure the partial file is removed; a
-    failed write, flush or close raises ``OSError`` with its errno, naming ``path`` and its disk.
+    A stale partial file (of a save that was killed) is replaced. On any failure the partial file is
+    removed; a failed write, flush or close raises ``OSError`` with its errno, naming ``path`` and
+    its disk.
     """
     partial = partial_path(path)
     partial.unlink(missing_ok=True)
@@ -75,7 +79,8 @@ def write_partial(path: Path, payload: Any) -> Path:
             os.close(fd)
     except Exception as exc:
         cause = sink.error or (exc if isinstance(exc, OSError) else None)
-        # The disk is described before the partial file is removed: its free space as the write saw it.
+        # The disk is described before the partial file is removed: its free space as the write saw
+        # it.
         named = (
             None
             if cause is None
@@ -109,14 +114,16 @@ def _disk_of(directory: Path) -> str:
 
 
 def _device_of(mount: Path) -> str:
-    """The device (or file system source) mounted at ``mount``, from ``/proc/self/mounts``; ``the device`` where
-    that is not available."""
+    """The device (or file system source) mounted at ``mount``, from ``/proc/self/mounts``.
+
+    ``the device`` where that is not available."""
     device = "the device"
     try:
         with open("/proc/self/mounts") as mounts:
             for line in mounts:
                 fields = line.split()
-                # Mount points escape blanks as octal (\040); the last mount on a point is the visible one.
+                # Mount points escape blanks as octal (\040); the last mount on a point is the
+                # visible one.
                 if len(fields) > 1 and _OCTAL.sub(
                     lambda m: chr(int(m.group(1), 8)), fields[1]
                 ) == str(mount):

@@ -1,6 +1,7 @@
-"""Checkpoints by global name through ``torch.distributed.checkpoint`` (DCP), collective over the ranks of the model's
-collection: the default group, or the span of a module's layout (whose checkpoint then records the module's name
-and span under :data:`IDENTITY_KEY`, and loads into that module on those ranks only)."""
+"""Checkpoints by global name through ``torch.distributed.checkpoint`` (DCP), collective over the
+ranks of the model's collection: the default group, or the span of a module's layout (whose
+checkpoint then records the module's name and span under :data:`IDENTITY_KEY`, and loads into that
+module on those ranks only)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["IDENTITY_KEY", "load_distributed", "save_distributed"]
 
 IDENTITY_KEY = "pgregistry/module"
-"""Where a module's DCP checkpoint records the module's name and span (a checkpoint of the world records none)."""
+"""Where a module's DCP checkpoint records the module's name and span.
+
+A checkpoint of the world records none.
+"""
 
 
 def save_distributed(
@@ -126,13 +130,15 @@ def load_distributed(
             key: _describe_entry(entry) for key, entry in metadata.items() if key != IDENTITY_KEY
         }
         refuse_misfits(f"the checkpoint {directory}", stored, model, optimizer, strict, scope)
-        # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict check alone.
+        # The optimizer's state only with an optimizer; ``optimized/`` markers serve the strict
+        # check alone.
         read = (MODEL_PREFIX,) if optimizer is None else (MODEL_PREFIX, OPTIMIZER_PREFIX)
         destination: dict[str, Any] = {}
         for key, entry in stored.items():
             if param_name_of_key(key) not in model.params or not key.startswith(read):
                 continue
-            # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has read it.
+            # In the stored dtype: the copy into the parameter casts (strict=False) after DCP has
+            # read it.
             destination[key] = (
                 None if entry.shape is None else torch.empty(entry.shape, dtype=entry.dtype)
             )
@@ -152,15 +158,19 @@ def _describe_entry(entry: Any) -> Stored:
 
 
 def _read_metadata(directory: str | Path) -> Any:
-    """The entries of the DCP checkpoint in ``directory`` by key; ``ValueError`` naming it when it is none."""
+    """The entries of the DCP checkpoint in ``directory`` by key.
+
+    ``ValueError`` naming the directory when it holds none.
+    """
     import torch.distributed.checkpoint as dcp
 
     try:
         return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - a missing directory, a missing or damaged .metadata: all name it now
+    except Exception as exc:  # noqa: BLE001
+        # A missing directory, a missing or damaged .metadata: all name it now.
         raise ValueError(
-            f"cannot read the checkpoint {directory} (no such directory, or no torch.distributed.checkpoint "
-            f"metadata in it): {type(exc).__name__}: {exc}"
+            f"cannot read the checkpoint {directory} (no such directory, or no "
+            f"torch.distributed.checkpoint metadata in it): {type(exc).__name__}: {exc}"
         ) from exc
 
 
@@ -170,7 +180,10 @@ def _dcp_group(scope: Scope) -> Any:
 
 
 def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
-    """``ValueError`` on every rank of ``scope`` unless the checkpoint records the module and span loading it."""
+    """``ValueError`` on every rank of ``scope`` unless the checkpoint records the loader.
+
+    That is, the module and span loading it.
+    """
     import torch.distributed.checkpoint as dcp
 
     def check_saved_identity() -> None:
@@ -188,8 +201,9 @@ def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
             else:
                 what = "the whole world"
             raise ValueError(
-                f"{directory} holds a checkpoint of {what}, and this load is of {scope.label}: a module's "
-                "checkpoint loads into the same module on the same ranks (save each module into its own directory)"
+                f"{directory} holds a checkpoint of {what}, and this load is of "
+                f"{scope.label}: a module's checkpoint loads into the same module "
+                "on the same ranks (save each module into its own directory)"
             )
 
     run_agreed_step(

@@ -1,11 +1,13 @@
-"""The sharded optimizer-state format: pieces of flattened parameters keyed by global name, read and written here.
+"""The sharded optimizer-state format: pieces of flattened parameters keyed by global name.
 
-A sharded (distributed) optimizer stores pieces of flattened parameters; keyed by global names (give it
-:func:`pgregistry.experts.global_param_name_fn`), its pieces from every rank of one layout are joined by
-:func:`merge_optimizer_shards` and cut for another layout by :func:`cut_optimizer_shards`.
+This module reads and writes it.
+
+A sharded (distributed) optimizer stores pieces of flattened parameters; keyed by global names (give
+it :func:`pgregistry.experts.global_param_name_fn`), its pieces from every rank of one layout are
+joined by :func:`merge_optimizer_shards` and cut for another layout by :func:`cut_optimizer_shards`.
 :func:`save_optimizer_shards` / :func:`load_optimizer_shards` do both through per-rank files
-(``optimizer-rank-<rank>.pt``, beside the parameters' ``rank-<rank>.pt``), so its state reloads under another EP
-or data-parallel size.
+(``optimizer-rank-<rank>.pt``, beside the parameters' ``rank-<rank>.pt``), so its state reloads
+under another EP or data-parallel size.
 """
 
 from __future__ import annotations
@@ -42,16 +44,20 @@ _OPTIMIZER_FILE: Final = "optimizer-rank-"
 def merge_optimizer_shards(
     shards: Iterable[Mapping[str, Mapping[str, Any]]],
 ) -> dict[str, dict[str, Any]]:
-    """Whole flat per-parameter state from the pieces a sharded optimizer saved on every rank of one layout.
+    """Whole flat per-parameter state from the pieces a sharded optimizer saved on every rank.
 
-    Each item of ``shards`` is one rank's ``name -> {"offset", "numel", "main", "state"}`` (the ``"shards"`` part
-    of a sharded optimizer's state dict, as pgregistry's ``ShardedOptimizer`` writes it): the piece
-    ``[offset, offset + numel)`` of the flattened parameter ``name``, its main copy and its optimizer state. A
-    state tensor of shape ``(numel,)`` is a piece of an elementwise state (Adam's moments); any other value (Adam's
-    0-d ``step``) belongs to the whole parameter and must be equal in every piece.
+    The pieces are those of one layout.
 
-    Returns ``name -> {"main": flat tensor, "state": {key: flat tensor or value}}``. ``ValueError`` when the
-    pieces of a parameter overlap, leave a gap, or disagree on their state keys or per-parameter values.
+    Each item of ``shards`` is one rank's ``name -> {"offset", "numel", "main", "state"}`` (the
+    ``"shards"`` part of a sharded optimizer's state dict, as pgregistry's ``ShardedOptimizer``
+    writes it): the piece ``[offset, offset + numel)`` of the flattened parameter ``name``, its main
+    copy and its optimizer state. A state tensor of shape ``(numel,)`` is a piece of an elementwise
+    state (Adam's moments); any other value (Adam's 0-d ``step``) belongs to the whole parameter and
+    must be equal in every piece.
+
+    Returns ``name -> {"main": flat tensor, "state": {key: flat tensor or value}}``. ``ValueError``
+    when the pieces of a parameter overlap, leave a gap, or disagree on their state keys or
+    per-parameter values.
     """
     pieces: dict[str, list[Mapping[str, Any]]] = {}
     for rank_shards in shards:
@@ -105,11 +111,11 @@ def _same_value(a: Any, b: Any) -> bool:
 def cut_optimizer_shards(
     whole: Mapping[str, Mapping[str, Any]], template: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """This rank's pieces, cut from :func:`merge_optimizer_shards` output, for the layout of ``template``.
+    """This rank's pieces of :func:`merge_optimizer_shards` output, for ``template``'s layout.
 
-    ``template`` is the ``"shards"`` part of the state dict of the optimizer to load into (it says which pieces
-    this rank holds now); the result replaces it before ``optimizer.load_state_dict``. Tensors are copies.
-    ``ValueError`` when a piece's parameter is missing or too short.
+    ``template`` is the ``"shards"`` part of the state dict of the optimizer to load into (it says
+    which pieces this rank holds now); the result replaces it before ``optimizer.load_state_dict``.
+    Tensors are copies. ``ValueError`` when a piece's parameter is missing or too short.
     """
     out: dict[str, dict[str, Any]] = {}
     for name, piece in template.items():
@@ -120,7 +126,8 @@ def cut_optimizer_shards(
         total = source["main"].numel()
         if start + numel > total:
             raise ValueError(
-                f"{name!r}: this rank's piece [{start}, {start + numel}) exceeds the saved {total} elements"
+                f"{name!r}: this rank's piece [{start}, "
+                f"{start + numel}) exceeds the saved {total} elements"
             )
         out[name] = {
             "offset": start,
@@ -141,7 +148,7 @@ def _cut_slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
 
 
 def _copy_state_value(value: Any) -> Any:
-    """A copy of a per-parameter state value, so the cut state shares no tensor with the merged one."""
+    """A per-parameter state value copied, so the cut state shares no tensor with the merged one."""
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -155,8 +162,9 @@ def _require_sharded_children(
     for index, child in enumerate(children):
         if not isinstance(child, ShardedOptimizer):
             raise ValueError(
-                f"{owner} handles sharded optimizers (build_optimizer(..., sharded=True)); child {index} is a "
-                f"{type(child).__name__}, whose state_dict() is keyed by parameter name already"
+                f"{owner} handles sharded optimizers (build_optimizer(..., "
+                f"sharded=True)); child {index} is a {type(child).__name__}, "
+                "whose state_dict() is keyed by parameter name already"
             )
         sharded.append(child)
     return sharded
@@ -249,9 +257,10 @@ def load_optimizer_shards(
     children = _require_sharded_children(optimizer, "load_optimizer_shards")
     scope = _checkpoint_scope(children)
     with name_lost_ranks("load_optimizer_shards", directory, scope):
-        # Every child's pieces are cut and checked against it before any is loaded, and the ranks agree that all of
-        # them fit: a child refusing after another loaded would leave a half-loaded optimizer, and loading gathers
-        # the restored shards, so a rank raising alone would leave its peers waiting in that collective.
+        # Every child's pieces are cut and checked against it before any is loaded, and the ranks
+        # agree that all of them fit: a child refusing after another loaded would leave a
+        # half-loaded optimizer, and loading gathers the restored shards, so a rank raising alone
+        # would leave its peers waiting in that collective.
         saved: list[str] = []
         held: set[str] = set()
         try:
@@ -293,8 +302,9 @@ def load_optimizer_shards(
 
 
 def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scope: Scope) -> None:
-    """``ValueError`` on every rank when a saved parameter is held by no rank's optimizer (after one all-reduce
-    that the ranks read the same names, and one of a flag per name)."""
+    """``ValueError`` on every rank when a saved parameter is held by no rank's optimizer.
+
+    After one all-reduce that the ranks read the same names, and one of a flag per name."""
     digest = digest_of(saved)
     largest, negated_smallest = max_over_ranks([digest, -digest], scope)
     if largest != -negated_smallest:
@@ -305,7 +315,7 @@ def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scop
     unheld = [name for name, used in zip(saved, union, strict=True) if not used]
     if unheld:
         raise ValueError(
-            f"the optimizer shards of {directory} hold {len(unheld)} parameters no rank's optimizer holds, e.g. "
-            f"{first_few_quoted(unheld, 5)} (another model, more layers or more experts?); pass strict=False to "
-            "load a subset on purpose"
+            f"the optimizer shards of {directory} hold {len(unheld)} parameters no rank's "
+            f"optimizer holds, e.g. {first_few_quoted(unheld, 5)} (another model, more "
+            "layers or more experts?); pass strict=False to load a subset on purpose"
         )

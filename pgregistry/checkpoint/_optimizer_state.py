@@ -1,5 +1,6 @@
-"""Optimizer state given by global name (the ``"optimizer"`` part of :func:`~pgregistry.checkpoint.state_by_name`)
-loaded into an optimizer, strict as every checkpoint loader (:mod:`~pgregistry.checkpoint._strict`)."""
+"""Optimizer state given by global name (the ``"optimizer"`` part of
+:func:`~pgregistry.checkpoint.state_by_name`) loaded into an optimizer, strict as every checkpoint
+loader (:mod:`~pgregistry.checkpoint._strict`)."""
 
 from __future__ import annotations
 
@@ -80,17 +81,18 @@ def load_optimizer_state_by_name(
 
 
 def _describe_state(state: Mapping[str, Mapping[str, Any]]) -> dict[str, Stored]:
-    """The flat keys of ``state`` (a parameter's entry and its state keys), as a checkpoint stores them."""
+    """The flat keys of ``state`` (a parameter's entry, state keys), as checkpoints store them."""
     if not isinstance(state, Mapping):
         raise TypeError(
-            f"load_optimizer_state_by_name takes {{name: {{state key: value}}}}, got {type(state).__name__}"
+            "load_optimizer_state_by_name takes {name: "
+            f"{{state key: value}}}}, got {type(state).__name__}"
         )
     flat: dict[str, Stored] = {}
     for name, entries in state.items():
         if not isinstance(name, str) or not isinstance(entries, Mapping):
             raise TypeError(
-                f"load_optimizer_state_by_name: the entry {name!r} is a {type(entries).__name__}; each parameter's "
-                "state is a mapping of state key -> value"
+                f"load_optimizer_state_by_name: the entry {name!r} is a {type(entries).__name__}; "
+                "each parameter's state is a mapping of state key -> value"
             )
         flat[OPTIMIZED_PREFIX + name] = Stored()
         for key, value in entries.items():

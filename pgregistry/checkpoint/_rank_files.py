@@ -1,22 +1,29 @@
-"""One ``torch.save`` file per rank in a directory; the loader memory-maps every file and takes what it needs.
+"""One ``torch.save`` file per rank in a directory.
 
-Files are ``<prefix><rank>.pt`` (``rank-`` for parameters, ``optimizer-rank-`` for sharded optimizer state),
-each stamped with the format, the world of its save and the save's id (drawn by rank 0, the same in every file of
-one save), and holding the CRC-32 of each of its tensors. What a user saved is never lost, half-written or mixed:
+The loader memory-maps every file and takes what it needs.
 
-* a save into a directory already holding ``<prefix><rank>.pt`` files is refused on every rank before any rank
-  writes, so an earlier checkpoint is never overwritten file by file;
-* each file is written under a temporary name and flushed to disk, and the files are renamed into place only
-  once every rank's is complete (:mod:`~pgregistry.checkpoint._disk`): a save that fails or is killed half-way
-  leaves no file under a checkpoint's name, and a failed write names the file and its disk;
-* a file that cannot be read (truncated, corrupt, not a checkpoint), files of two different saves, and a tensor
-  whose bytes no longer match their checksum are errors naming the files (and the tensor);
-* loading is strict: a parameter of the checkpoint that no rank's model holds (an 8-expert checkpoint loaded
-  into a 4-expert model, an unrelated extra key) is an error naming it, as is one the model lacks.
+Files are ``<prefix><rank>.pt`` (``rank-`` for parameters, ``optimizer-rank-`` for sharded optimizer
+state), each stamped with the format, the world of its save and the save's id (drawn by rank 0, the
+same in every file of one save), and holding the CRC-32 of each of its tensors. What a user saved is
+never lost, half-written or mixed:
 
-Every check raises on every rank alike (:mod:`~pgregistry.checkpoint._agreement`): no rank is left waiting. The
-ranks are those of the model's collection: the world, or the span of one module of a job (its files are numbered
-from 0 over the span and record the module's name and span; loading refuses another module's or span's).
+* a save into a directory already holding ``<prefix><rank>.pt`` files is refused on every rank
+  before any rank writes, so an earlier checkpoint is never overwritten file by file;
+* each file is written under a temporary name and flushed to disk, and the files are renamed into
+  place only once every rank's is complete (:mod:`~pgregistry.checkpoint._disk`): a save that fails
+  or is killed half-way leaves no file under a checkpoint's name, and a failed write names the file
+  and its disk;
+* a file that cannot be read (truncated, corrupt, not a checkpoint), files of two different saves,
+  and a tensor whose bytes no longer match their checksum are errors naming the files (and the
+  tensor);
+* loading is strict: a parameter of the checkpoint that no rank's model holds (an 8-expert
+  checkpoint loaded into a 4-expert model, an unrelated extra key) is an error naming it, as is one
+  the model lacks.
+
+Every check raises on every rank alike (:mod:`~pgregistry.checkpoint._agreement`): no rank is left
+waiting. The ranks are those of the model's collection: the world, or the span of one module of a
+job (its files are numbered from 0 over the span and record the module's name and span; loading
+refuses another module's or span's).
 """
 
 from __future__ import annotations
@@ -70,21 +77,22 @@ _RECORD_SINCE_2: Final = frozenset({"save_id", "checksums"})
 
 @attrs.frozen(slots=True)
 class RankFile:
-    """One rank file as read: its path, the state it holds, and the checksums stored with that state."""
+    """One rank file as read: its path, the state it holds, and the checksums stored with it."""
 
     path: Path
     state: Any
     checksums: Any
 
     def verify(self, key: str) -> None:
-        """``ValueError`` naming this file and the tensor when a tensor of ``state[key]`` does not match its
-        checksum (only the tensors read are checked, so a memory-mapped file is never read whole)."""
+        """``ValueError`` naming this file and a tensor of ``state[key]`` that fails its checksum.
+
+        Only the tensors read are checked, so a memory-mapped file is never read whole."""
         damaged = find_damaged_tensors(self.state[key], self.checksums.get(key), key)
         if damaged:
             more = f" (and {len(damaged) - 1} more under {key!r})" if len(damaged) > 1 else ""
             raise ValueError(
-                f"{self.path} is damaged: the bytes of tensor {damaged[0]!r}{more} do not match the checksum "
-                "stored when it was saved; restore the file from a copy"
+                f"{self.path} is damaged: the bytes of tensor {damaged[0]!r}{more} do not "
+                "match the checksum stored when it was saved; restore the file from a copy"
             )
 
 
@@ -134,14 +142,15 @@ def save_rank_files(
 
 
 def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Scope) -> Path:
-    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped with the save's world (the
-    ranks of ``scope``, and the module's name and span for a module's) and id, and holding the checksum of each of
-    its tensors.
+    """``torch.save`` this rank's ``content`` to ``directory/<prefix><rank>.pt``, stamped.
 
-    Collective over ``scope``: refuses an existing checkpoint first (:func:`_refuse_existing`); each rank's file is
-    renamed into place only once every rank's is complete on disk, and the call returns once every rank's file is
-    in place. When any rank fails to write (its error names the file and the disk), every rank removes its file
-    and raises.
+    Stamped with the save's world (the ranks of ``scope``, and the module's name and span for a
+    module's) and id, and holding the checksum of each of its tensors.
+
+    Collective over ``scope``: refuses an existing checkpoint first (:func:`_refuse_existing`); each
+    rank's file is renamed into place only once every rank's is complete on disk, and the call
+    returns once every rank's file is in place. When any rank fails to write (its error names the
+    file and the disk), every rank removes its file and raises.
     """
     rank, world_size = scope.rank, scope.size
     directory = Path(directory)
@@ -156,7 +165,8 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Sco
     path = directory / f"{prefix}{rank:05d}.pt"
     failed = RuntimeError(f"another rank failed to write its file of the checkpoint in {directory}")
     try:
-        # The checksums inside the agreed step too: a tensor that cannot be read fails every rank, not one.
+        # The checksums inside the agreed step too: a tensor that cannot be read fails every rank,
+        # not one.
         partial = run_agreed_step(
             lambda: write_partial(
                 path, {**stamp, "state": content, "checksums": checksums_of(content)}
@@ -167,7 +177,8 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Sco
         # also the barrier: every file is in place on return
         run_agreed_step(lambda: rename_durably(partial, path), failed, scope)
     except BaseException:
-        # Whatever stopped the save here (another rank's failure, a lost peer), it leaves none of its files.
+        # Whatever stopped the save here (another rank's failure, a lost peer), it leaves none of
+        # its files.
         partial_path(path).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         raise
@@ -175,18 +186,23 @@ def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Sco
 
 
 def _new_save_id(scope: Scope) -> int:
-    """A random id of this save, drawn by rank 0 and the same on every rank (one all-reduce), which every rank file
-    of the save carries: a directory mixing files of two saves is then refused instead of loaded."""
+    """A random id of this save, drawn by rank 0 and the same on every rank (one all-reduce).
+
+    Every rank file of the save carries it: a directory mixing files of two saves is then refused
+    instead of loaded."""
     drawn = secrets.randbits(62) + 1 if scope.rank == 0 else 0
     return max_over_ranks([drawn], scope)[0]
 
 
 def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
-    """Make ``directory``; ``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in it.
+    """Make ``directory``.
 
-    Every rank looks before any rank writes (the look is followed by one all-reduce), so ranks of the save
-    itself are never mistaken for an old checkpoint. A rank that cannot make or list the directory raises its
-    ``OSError``, and every other rank ``RuntimeError``, after that all-reduce (none waits in it for ever).
+    ``ValueError`` on every rank when any rank sees ``<prefix><rank>.pt`` files in it.
+
+    Every rank looks before any rank writes (the look is followed by one all-reduce), so ranks of
+    the save itself are never mistaken for an old checkpoint. A rank that cannot make or list the
+    directory raises its ``OSError``, and every other rank ``RuntimeError``, after that all-reduce
+    (none waits in it for ever).
     """
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -203,8 +219,8 @@ def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
         return
     seen = f"e.g. {', '.join(p.name for p in found[:3])}" if found else "seen by another rank"
     raise ValueError(
-        f"{directory} already holds a checkpoint ({prefix}<rank>.pt files, {seen}); pgregistry does not "
-        "overwrite one: save to a new directory, or remove the old checkpoint first"
+        f"{directory} already holds a checkpoint ({prefix}<rank>.pt files, {seen}); pgregistry "
+        "does not overwrite one: save to a new directory, or remove the old checkpoint first"
     )
 
 
@@ -214,14 +230,16 @@ def _rank_file_paths(directory: Path, prefix: str) -> list[Path]:
 
 
 def _load_payload(path: Path) -> dict[str, Any]:
-    """The payload of one rank file (memory-mapped); ``ValueError`` naming the file when it cannot be read or is
-    not a rank file of this format."""
+    """The payload of one rank file (memory-mapped).
+
+    ``ValueError`` naming the file when it cannot be read or is not a rank file of this format."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file; all name it now
+    except Exception as exc:  # noqa: BLE001
+        # Torch raises many types for a damaged file; all name it now.
         raise ValueError(
-            f"cannot read checkpoint file {path} (truncated, corrupt or not a pgregistry rank file): "
-            f"{type(exc).__name__}: {exc}"
+            f"cannot read checkpoint file {path} (truncated, corrupt or "
+            f"not a pgregistry rank file): {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(payload, dict) or not _RECORD <= payload.keys():
         raise ValueError(
@@ -229,23 +247,27 @@ def _load_payload(path: Path) -> dict[str, Any]:
         )
     if payload["format"] != _FORMAT:
         raise ValueError(
-            f"{path} has format {payload['format']!r}; this pgregistry reads format {_FORMAT} (format 1 files, "
-            "without checksums or save ids, load with the pgregistry that wrote them: load and save them again)"
+            f"{path} has format {payload['format']!r}; this pgregistry reads "
+            f"format {_FORMAT} (format 1 files, without checksums or save ids, "
+            "load with the pgregistry that wrote them: load and save them again)"
         )
     if not _RECORD_SINCE_2 <= payload.keys():
         raise ValueError(
-            f"{path} is not a pgregistry rank file of format {_FORMAT} (no save_id/checksums record)"
+            f"{path} is not a pgregistry rank file of "
+            f"format {_FORMAT} (no save_id/checksums record)"
         )
     return payload
 
 
 def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankFile]:
-    """Every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped; checksums not yet checked:
-    :meth:`RankFile.verify` checks what is read).
+    """Every ``<prefix><rank>.pt`` file in ``directory``, in rank order (memory-mapped).
 
-    ``ValueError`` unless ``directory`` exists and its files are those of every rank of one save, in this format,
-    and saved by the ranks this load runs over (``scope``): a module's checkpoint loads into that module on that
-    span only, and a checkpoint of the whole world only over the whole world.
+    Checksums not yet checked: :meth:`RankFile.verify` checks what is read.
+
+    ``ValueError`` unless ``directory`` exists and its files are those of every rank of one save, in
+    this format, and saved by the ranks this load runs over (``scope``): a module's checkpoint loads
+    into that module on that span only, and a checkpoint of the whole world only over the whole
+    world.
     """
     if not directory.is_dir():
         raise ValueError(f"no checkpoint directory {directory}")
@@ -259,8 +281,8 @@ def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankF
     ranks = sorted(payload["rank"] for payload in payloads)
     if len(world_sizes) != 1 or ranks != list(range(next(iter(world_sizes)))):
         raise ValueError(
-            f"{directory} does not hold exactly one checkpoint: {prefix}<rank>.pt files of ranks {ranks} from "
-            f"saves with world sizes {sorted(world_sizes)}"
+            f"{directory} does not hold exactly one checkpoint: {prefix}<rank>.pt "
+            f"files of ranks {ranks} from saves with world sizes {sorted(world_sizes)}"
         )
     return [
         RankFile(path, payload["state"], payload["checksums"])
@@ -269,8 +291,10 @@ def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankF
 
 
 def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, Any]]) -> None:
-    """``ValueError`` naming the files of each save when the files come from more than one save (a rank file
-    copied from another checkpoint, two saves of one world into one directory)."""
+    """``ValueError`` naming the files of each save when the files come from more than one save.
+
+    Such as a rank file copied from another checkpoint, or two saves of one world into one
+    directory."""
     by_save: dict[int, list[str]] = {}
     for path, payload in zip(paths, payloads, strict=True):
         by_save.setdefault(payload["save_id"], []).append(path.name)
@@ -279,14 +303,17 @@ def _refuse_a_mix(directory: Path, paths: list[Path], payloads: list[dict[str, A
             f"save {save_id:#x}: {', '.join(names)}" for save_id, names in by_save.items()
         )
         raise ValueError(
-            f"{directory} mixes the files of {len(by_save)} different saves ({saves}): a rank file copied from "
-            "another checkpoint? Every rank file of a checkpoint must come from one save"
+            f"{directory} mixes the files of {len(by_save)} different "
+            f"saves ({saves}): a rank file copied from another checkpoint? "
+            "Every rank file of a checkpoint must come from one save"
         )
 
 
 def _refuse_another_scope(directory: Path, payload: dict[str, Any], scope: Scope) -> None:
-    """``ValueError`` naming both when the checkpoint was saved by another module, or over another span, than the
-    one loading it (all the files of one save record the same)."""
+    """``ValueError`` naming both when the checkpoint was saved by another module or span.
+
+    Another module, or over another span, than the one loading it (all the files of one save record
+    the same)."""
     saved = {key: payload[key] for key in ("module", "span") if key in payload}
     if saved == scope.identity():
         return
@@ -296,8 +323,9 @@ def _refuse_another_scope(directory: Path, payload: dict[str, Any], scope: Scope
     else:
         what = f"the whole world ({payload['world_size']} ranks)"
     raise ValueError(
-        f"{directory} holds a checkpoint of {what}, and this load is of {scope.label}: a module's checkpoint loads "
-        "into the same module on the same ranks (save each module into its own directory)"
+        f"{directory} holds a checkpoint of {what}, and this load is of "
+        f"{scope.label}: a module's checkpoint loads into the same module "
+        "on the same ranks (save each module into its own directory)"
     )
 
 
@@ -308,7 +336,8 @@ def _read_rank_files(directory: Path, scope: Scope) -> dict[str, RankFile]:
         for key in rank_file.state:
             if key in holder:
                 raise ValueError(
-                    f"{key!r} is stored more than once in {directory} (again in {rank_file.path.name})"
+                    f"{key!r} is stored more than once in "
+                    f"{directory} (again in {rank_file.path.name})"
                 )
             holder[key] = rank_file
     return holder
@@ -366,9 +395,10 @@ def prepare_rank_files_load(
     strict: bool,
     **naming: Unpack[NamingOptions],
 ) -> Callable[[], None]:
-    """Every check of :func:`load_rank_files` (collective, raising on every rank alike), and the copy that is left
-    once they all passed, returned uncalled: a job loading several modules checks them all before it copies into
-    any (:func:`pgregistry.modules.load_checkpoint`)."""
+    """Every check of :func:`load_rank_files`, and the copy left once they all passed, uncalled.
+
+    The checks are collective, raising on every rank alike. A job loading several modules checks
+    them all before it copies into any (:func:`pgregistry.modules.load_checkpoint`)."""
     directory = Path(directory)
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("load_rank_files", directory, scope):
@@ -396,8 +426,9 @@ def prepare_rank_files_load(
 
 
 def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimizer: bool) -> None:
-    """Check the checksum of every tensor loading into ``model`` reads: its parameters and (``with_optimizer``)
-    their optimizer state."""
+    """Check the checksum of every tensor loading into ``model`` reads.
+
+    Its parameters and (``with_optimizer``) their optimizer state."""
     for key, rank_file in holders.items():
         if param_name_of_key(key) in model.params and (
             with_optimizer or key.startswith(MODEL_PREFIX)
@@ -406,8 +437,10 @@ def _verify_loaded(holders: dict[str, RankFile], model: RankModel, with_optimize
 
 
 def _read_on_every_rank(directory: Path, scope: Scope) -> dict[str, RankFile]:
-    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint (one all-reduce of
-    a failure flag), so that no rank waits in a later collective for a rank that has already raised."""
+    """:func:`_read_rank_files`, raising on every rank when any rank cannot read the checkpoint.
+
+    One all-reduce of a failure flag, so that no rank waits in a later collective for a rank that
+    has already raised."""
     try:
         holders, error = _read_rank_files(directory, scope), None
     except (ValueError, OSError) as exc:  # OSError: a directory this rank may not list

@@ -1,24 +1,26 @@
-"""The strict verdict of a load: what a checkpoint stores against what the loading ranks hold, decided on every rank
-before anything is copied.
+"""The strict verdict of a load: what a checkpoint stores against what the loading ranks hold,
+decided on every rank before anything is copied.
 
-Both storage back-ends (:mod:`~pgregistry.checkpoint._rank_files`, :mod:`~pgregistry.checkpoint._distributed`)
-describe each stored entry by its shape and dtype (:class:`Stored`, read from a memory-mapped file or from DCP's
-metadata, no tensor read) and hand the description to :func:`refuse_misfits`, so every loader refuses the same
-things alike, naming them (the count and a few names):
+Both storage back-ends (:mod:`~pgregistry.checkpoint._rank_files`,
+:mod:`~pgregistry.checkpoint._distributed`) describe each stored entry by its shape and dtype
+(:class:`Stored`, read from a memory-mapped file or from DCP's metadata, no tensor read) and hand
+the description to :func:`refuse_misfits`, so every loader refuses the same things alike, naming
+them (the count and a few names):
 
-* a parameter of a rank's model that the checkpoint lacks, or stores in another shape (in both modes); in another
-  dtype (strict: ``strict=False`` casts on copy);
-* with an optimizer given (strict): a parameter the optimizer updates whose optimizer state was not saved (a
-  checkpoint saved without an optimizer would otherwise load and leave the optimizer's fresh state), and saved
-  optimizer state of a parameter the optimizer does not update;
-* (strict) a stored key of a parameter no rank's model holds, or a key that is no parameter: a 2-layer checkpoint
-  loaded into a 1-layer model, 8 experts into a model of 4.
+* a parameter of a rank's model that the checkpoint lacks, or stores in another shape (in both
+  modes); in another dtype (strict: ``strict=False`` casts on copy);
+* with an optimizer given (strict): a parameter the optimizer updates whose optimizer state was not
+  saved (a checkpoint saved without an optimizer would otherwise load and leave the optimizer's
+  fresh state), and saved optimizer state of a parameter the optimizer does not update;
+* (strict) a stored key of a parameter no rank's model holds, or a key that is no parameter: a
+  2-layer checkpoint loaded into a 1-layer model, 8 experts into a model of 4.
 
-The verdict is two all-reduces over the ranks of the load: every rank raises (its own error, or one saying which
-check another rank failed and naming that rank: one more all-reduce, on a refusal only) or none does, and none has
-copied anything yet. Optimizer state saved for a parameter is loaded only when an optimizer is given: loading the
-parameters alone out of a full checkpoint is no error. The values of the optimizer state are checked against the
-optimizer itself (a misshaped ``exp_avg``) once they are read, still before anything is copied
+The verdict is two all-reduces over the ranks of the load: every rank raises (its own error, or one
+saying which check another rank failed and naming that rank: one more all-reduce, on a refusal only)
+or none does, and none has copied anything yet. Optimizer state saved for a parameter is loaded only
+when an optimizer is given: loading the parameters alone out of a full checkpoint is no error. The
+values of the optimizer state are checked against the optimizer itself (a misshaped ``exp_avg``)
+once they are read, still before anything is copied
 (:func:`~pgregistry.checkpoint._by_name.prepare_flat_state_load`).
 """
 
@@ -54,7 +56,7 @@ _NON_STRICT = "pass strict=False to load a subset on purpose"
 
 @attrs.frozen(slots=True)
 class Stored:
-    """What a load knows of one stored entry before reading it: its shape and dtype (both ``None``: not a tensor)."""
+    """What a load knows of a stored entry before reading it: shape, dtype (``None``: no tensor)."""
 
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
@@ -76,13 +78,15 @@ def refuse_misfits(
     *,
     parameters: bool = True,
 ) -> None:
-    """``ValueError`` on every rank of ``scope`` unless ``stored`` (the entries of ``source``, "the checkpoint
-    <directory>", by flat key) loads into every rank's ``model`` (and ``optimizer``) as the module docstring says;
-    otherwise nothing. ``parameters=False``: ``stored`` holds optimizer state only (no parameter is loaded).
+    """``ValueError`` on every rank of ``scope`` unless ``stored`` loads into every rank's model.
 
-    Collective: one all-reduce of a digest of the stored keys (ranks that read different checkpoints are refused)
-    and of this rank's faults, then (``strict``) one of a flag per stored key: whether this rank holds its
-    parameter."""
+    ``stored`` is the entries of ``source`` ("the checkpoint <directory>"), by flat key; they must
+    load into every rank's ``model`` (and ``optimizer``) as the module docstring says.
+    ``parameters=False``: ``stored`` holds optimizer state only (no parameter is loaded).
+
+    Collective: one all-reduce of a digest of the stored keys (ranks that read different checkpoints
+    are refused) and of this rank's faults, then (``strict``) one of a flag per stored key: whether
+    this rank holds its parameter."""
     keys = sorted(stored)
     names = [param_name_of_key(key) for key in keys]
     held = set(model.params)
@@ -115,9 +119,9 @@ def refuse_misfits(
     unexpected = [key for key, used in zip(keys, union, strict=True) if not used]
     if unexpected:
         raise ValueError(
-            f"{source} holds {len(unexpected)} keys no rank's model has, e.g. "
-            f"{first_few_quoted(unexpected, _SHOWN)} (another model, more layers or more experts than this "
-            f"model's?); {_NON_STRICT}"
+            f"{source} holds {len(unexpected)} keys no rank's model has, "
+            f"e.g. {first_few_quoted(unexpected, _SHOWN)} (another model, "
+            f"more layers or more experts than this model's?); {_NON_STRICT}"
         )
 
 
@@ -130,7 +134,10 @@ def _describe_missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
 
 
 def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:
-    """This rank's parameters stored in another shape (or not as a tensor), and (``strict``) in another dtype."""
+    """This rank's parameters stored in another shape or not as a tensor.
+
+    With ``strict``, also those stored in another dtype.
+    """
     problems = []
     for name, param in model.params.items():
         entry = stored.get(MODEL_PREFIX + name)
@@ -145,17 +152,22 @@ def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bo
             )
         elif strict and entry.dtype != param.dtype:
             problems.append(
-                f"parameter {name!r} is {param.dtype} but the checkpoint holds {entry.dtype} (make the model "
-                f"{entry.dtype} before loading, or pass strict=False to cast on copy)"
+                f"parameter {name!r} is {param.dtype} but the checkpoint holds {entry.dtype} (make "
+                f"the model {entry.dtype} before loading, or pass strict=False to cast on copy)"
             )
     if len(problems) <= 1:
         return "".join(problems)
-    return f"{problems[0]} (and {len(problems) - 1} more parameters of this rank do not fit, e.g. {problems[1]})"
+    return (
+        f"{problems[0]} (and {len(problems) - 1} more parameters "
+        f"of this rank do not fit, e.g. {problems[1]})"
+    )
 
 
 def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer: Optimizer) -> str:
-    """Parameters of this rank that ``optimizer`` updates but whose optimizer state the checkpoint did not save,
-    and parameters whose state it saved but that ``optimizer`` does not update."""
+    """The mismatches between the parameters ``optimizer`` updates and those with saved state.
+
+    Parameters of this rank that ``optimizer`` updates but whose optimizer state the checkpoint did
+    not save, and parameters whose state it saved but that ``optimizer`` does not update."""
     saved = {
         param_name_of_key(key)
         for key in stored
@@ -171,25 +183,28 @@ def _optimizer_faults(model: RankModel, stored: Mapping[str, Stored], optimizer:
     ]
     if unsaved and len(unsaved) == len(updated) and not saved:
         return (
-            "the checkpoint holds no optimizer state: it was saved without an optimizer; load it with "
-            "optimizer=None, or pass strict=False to keep the optimizer's fresh state"
+            "the checkpoint holds no optimizer state: it was saved without an optimizer; load "
+            "it with optimizer=None, or pass strict=False to keep the optimizer's fresh state"
         )
     if unsaved:
         return (
-            f"the checkpoint holds no optimizer state for {len(unsaved)} of the parameters this rank's optimizer "
-            f"updates, e.g. {first_few_quoted(unsaved, _SHOWN)} (saved with an optimizer over other "
-            "parameters?); pass strict=False to keep their fresh state"
+            f"the checkpoint holds no optimizer state for {len(unsaved)} of the parameters this "
+            f"rank's optimizer updates, e.g. {first_few_quoted(unsaved, _SHOWN)} (saved with an "
+            "optimizer over other parameters?); pass strict=False to keep their fresh state"
         )
     if foreign:
         return (
-            f"the checkpoint holds optimizer state for {len(foreign)} parameters this rank's optimizer does not "
-            f"update, e.g. {first_few_quoted(foreign, _SHOWN)}; {_NON_STRICT}"
+            f"the checkpoint holds optimizer state for {len(foreign)} parameters this rank's "
+            f"optimizer does not update, e.g. {first_few_quoted(foreign, _SHOWN)}; {_NON_STRICT}"
         )
     return ""
 
 
 def params_updated_by(optimizer: Optimizer) -> list[torch.Tensor]:
-    """The model parameters ``optimizer`` updates (a pgregistry optimizer's own list: no state is gathered)."""
+    """The model parameters ``optimizer`` updates.
+
+    A pgregistry optimizer's own list: no state is gathered.
+    """
     if isinstance(optimizer, ChainedOptimizer):
         return [
             param for child in optimizer.chained_optimizers for param in params_updated_by(child)

@@ -1,16 +1,16 @@
 """The ``pgregistry`` command line: the command table and :func:`main`.
 
 One convention for every command: a module of this package (:mod:`~pgregistry.cli._layout`,
-:mod:`~pgregistry.cli._seed_plan`, :mod:`~pgregistry.cli._verify`, :mod:`~pgregistry.cli._allowlist`,
-:mod:`~pgregistry.cli._migrate`) exposes
-``add_command(subparsers)``, which adds the command's parser (with ``help`` text on every option) and sets
-``handler``, a callable taking the parsed namespace and returning the exit code. Bad input is reported as
-``pgregistry COMMAND: error: ...`` on stderr.
+:mod:`~pgregistry.cli._seed_plan`, :mod:`~pgregistry.cli._verify`,
+:mod:`~pgregistry.cli._allowlist`, :mod:`~pgregistry.cli._migrate`) exposes
+``add_command(subparsers)``, which adds the command's parser (with ``help`` text on every option)
+and sets ``handler``, a callable taking the parsed namespace and returning the exit code. Bad input
+is reported as ``pgregistry COMMAND: error: ...`` on stderr.
 
 Exit codes: 0 success, 1 a check failed, 2 a usage error or bad input (argparse's own convention).
 
-The command modules must not import torch at module load: ``pgregistry allowlist`` runs in lint jobs where torch
-is absent or slow to import, so torch is imported inside handlers only.
+The command modules must not import torch at module load: ``pgregistry allowlist`` runs in lint jobs
+where torch is absent or slow to import, so torch is imported inside handlers only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""``pgregistry allowlist check|update|stats``: the ratchet's own command line (:mod:`pgregistry.allowlist._cli`).
+"""``pgregistry allowlist check|update|stats``: the ratchet's own command line.
 
-The allowlist sub-package owns its parser so that it also runs alone, as ``python -m pgregistry.allowlist``
-(torch-free); this module only puts it in the command table.
+See :mod:`pgregistry.allowlist._cli`.
+
+The allowlist sub-package owns its parser so that it also runs alone, as ``python -m
+pgregistry.allowlist`` (torch-free); this module only puts it in the command table.
 """
 
 from __future__ import annotations

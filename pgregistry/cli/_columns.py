@@ -1,5 +1,6 @@
-"""Rows of text as aligned columns: the tables ``pgregistry layout`` prints (its group listing, its placement table
-and its comparison), kept apart from both command modules so neither imports the other."""
+"""Rows of text as aligned columns: the tables ``pgregistry layout`` prints (its group listing, its
+placement table and its comparison), kept apart from both command modules so neither imports the
+other."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """``pgregistry layout``: the groups a layout creates, without creating any.
 
-Prints every group kind (which grid and axes it spans, how many groups, their size, the first few) and, with
-``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. A layout over part of the world
-(``--rank-offset``, ``--world-size``) is shown with its global ranks throughout. Invalid sizes exit 2 with
-the layout's own message, and so does a layout whose listing would not fit in the memory available (estimated
-from the layout's arithmetic before anything is enumerated, instead of dying in the allocator). Torch is imported
-only inside the handler (the layout arithmetic needs it), as the CLI table requires.
+Prints every group kind (which grid and axes it spans, how many groups, their size, the first few)
+and, with ``--rank``, that rank's coordinates and groups; ``--json`` gives the same for tools. A
+layout over part of the world (``--rank-offset``, ``--world-size``) is shown with its global ranks
+throughout. Invalid sizes exit 2 with the layout's own message, and so does a layout whose listing
+would not fit in the memory available (estimated from the layout's arithmetic before anything is
+enumerated, instead of dying in the allocator). Torch is imported only inside the handler (the
+layout arithmetic needs it), as the CLI table requires.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def add_command(subparsers: Subparsers) -> None:
         "layout",
         help="print the process groups a parallel layout creates",
         description=(
-            "Enumerate every group kind of a layout (Megatron-Core's rank arithmetic) without creating process "
-            "groups: number of groups, group size and the first groups; with --rank, one rank's coordinates "
-            "and groups."
+            "Enumerate every group kind of a layout (Megatron-Core's rank arithmetic) "
+            "without creating process groups: number of groups, group size and the "
+            "first groups; with --rank, one rank's coordinates and groups."
         ),
     )
     add_layout_arguments(parser)
@@ -59,8 +60,10 @@ def add_command(subparsers: Subparsers) -> None:
     views.add_argument(
         "--svg",
         metavar="FILE",
-        help="draw the layout on its nodes as SVG: placement table, rank map with coordinates, one panel per kind "
-        "(needs --gpus-per-node)",
+        help=(
+            "draw the layout on its nodes as SVG: placement table, rank map "
+            "with coordinates, one panel per kind (needs --gpus-per-node)"
+        ),
     )
     views.add_argument(
         "--html", metavar="FILE", help="the same picture as an HTML page (needs --gpus-per-node)"
@@ -68,17 +71,22 @@ def add_command(subparsers: Subparsers) -> None:
     views.add_argument(
         "--highlight",
         metavar="KINDS",
-        help="comma-separated kinds to draw as panels, one per view (default: every kind whose groups have more "
-        "than one rank)",
+        help=(
+            "comma-separated kinds to draw as panels, one per view "
+            "(default: every kind whose groups have more than one rank)"
+        ),
     )
     views.add_argument(
         "--compare",
         nargs=2,
         metavar=("A", "B"),
-        help="compare two layouts instead of the one of --tp ... --order, e.g. policy:tp=2,ep=4,expt_tp=1 "
-        "reference:tp=4 (NAME: optional; keys tp cp pp ep expt_tp gtp_remat expt_gtp_remat order, and num_ranks "
-        "rank_offset for a span of its own: default --num-ranks from --rank-offset): what differs, which "
-        "communicators they share; --svg/--html draw them side by side",
+        help=(
+            "compare two layouts instead of the one of --tp ... --order, e.g. "
+            "policy:tp=2,ep=4,expt_tp=1 reference:tp=4 (NAME: optional; keys tp cp pp "
+            "ep expt_tp gtp_remat expt_gtp_remat order, and num_ranks rank_offset for "
+            "a span of its own: default --num-ranks from --rank-offset): what differs, "
+            "which communicators they share; --svg/--html draw them side by side"
+        ),
     )
     parser.set_defaults(handler=_run_layout)
 
@@ -95,8 +103,8 @@ _PATH_AND_LIST_OPTIONS = {
         "two layout specs such as tp=2,ep=4 and tp=4 (a spec of defaults: tp=1)",
     ),
 }
-"""The options of ``layout`` whose empty value would pass as the option left out (``--svg ''`` drew nothing,
-``--compare '' ''`` compared two default layouts)."""
+"""The options of ``layout`` whose empty value would pass as the option left out (``--svg ''`` drew
+nothing, ``--compare '' ''`` compared two default layouts)."""
 
 
 def _run_layout(args: argparse.Namespace) -> int:
@@ -126,16 +134,17 @@ def _run_layout(args: argparse.Namespace) -> int:
     return layout_views.warn_and_check(args, [placement] if placement else [])
 
 
-# Measured with ru_maxrss at 2**24 and 2**25 ranks on four layouts: enumerating every kind peaked at 8.1 to 24.3
-# bytes per rank (up to three int64 copies of the world), and each listed rank cost 40 to 51 bytes (a Python int
-# in a list, then its JSON text). About 1.3 times the largest of each, to stay on the safe side.
+# Measured with ru_maxrss at 2**24 and 2**25 ranks on four layouts: enumerating every kind peaked at
+# 8.1 to 24.3 bytes per rank (up to three int64 copies of the world), and each listed rank cost 40
+# to 51 bytes (a Python int in a list, then its JSON text). About 1.3 times the largest of each, to
+# stay on the safe side.
 _ENUMERATION_BYTES_PER_RANK = 32
 _LISTED_BYTES_PER_RANK = 64
 
 
 def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
-    """``ValueError`` when the report would need more memory than is available, from the layout's shapes alone;
-    its advice names the option that would help, if any does."""
+    """``ValueError`` when the report would need more memory than is available, from the layout's
+    shapes alone; its advice names the option that would help, if any does."""
     from pgregistry.layout import GROUP_KINDS
 
     shapes = [layout.group_shape(kind) for kind in GROUP_KINDS]
@@ -151,8 +160,8 @@ def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
         return
     if enumeration > available:
         advice = (
-            f"enumerating the groups alone needs about {enumeration / 2**30:.1f} GiB, whatever --show and --rank "
-            "say: run it where more memory is free"
+            f"enumerating the groups alone needs about {enumeration / 2**30:.1f} "
+            "GiB, whatever --show and --rank say: run it where more memory is free"
         )
     elif shown and bytes_needed(of_rank) <= available:
         advice = "lower --show (--show 0 prints only the group counts and sizes)"
@@ -210,7 +219,7 @@ _SHOWN_RANKS = 8
 
 
 def _format_group(group: list[int]) -> str:
-    """A group for the table: in full up to 8 ranks, else its first ranks, the last one and its size."""
+    """A group for the table: in full up to 8 ranks, else its first ranks, last one and size."""
     if len(group) <= _SHOWN_RANKS:
         return "[" + ", ".join(map(str, group)) + "]"
     head = ", ".join(map(str, group[: _SHOWN_RANKS - 2]))

@@ -1,16 +1,20 @@
-"""A picture of a layout on its nodes: SVG (or an HTML page holding it), written with the standard library only.
+"""A picture of a layout on its nodes: SVG (or an HTML page holding it).
 
-The sheet shows, top to bottom: the placement table (every kind, its groups, how many nodes a group spans, a red
-mark on kinds that should stay on one node and do not), a rank map (nodes as boxes, each rank labelled with its
-coordinates) and one small panel per group kind in which every group has its own colour, and the groups of a kind
-that should stay on one node but cross a node boundary are outlined in red. :func:`render_compare_svg` draws two
-layouts of one world side by side, the communicators they share in full colour and the others faded.
+Written with the standard library only.
 
-A layout over a span of the world (``rank_offset``) is drawn on the nodes its global ranks run on: whole nodes, the
-ranks of a node outside the span drawn as empty cells (class ``outside``), so a span that starts or ends mid-node
-shows which ranks it shares the node with. At most :data:`MAX_DRAWN_RANKS` ranks are drawn (whole nodes, from the
-first node of the layout): a larger layout is summarised by its table, which covers every rank, and its first nodes,
-with a note saying so. Every drawn element carries ``data-*`` attributes (rank, node, group, kind) so tools and tests
+The sheet shows, top to bottom: the placement table (every kind, its groups, how many nodes a group
+spans, a red mark on kinds that should stay on one node and do not), a rank map (nodes as boxes,
+each rank labelled with its coordinates) and one small panel per group kind in which every group has
+its own colour, and the groups of a kind that should stay on one node but cross a node boundary are
+outlined in red. :func:`render_compare_svg` draws two layouts of one world side by side, the
+communicators they share in full colour and the others faded.
+
+A layout over a span of the world (``rank_offset``) is drawn on the nodes its global ranks run on:
+whole nodes, the ranks of a node outside the span drawn as empty cells (class ``outside``), so a
+span that starts or ends mid-node shows which ranks it shares the node with. At most
+:data:`MAX_DRAWN_RANKS` ranks are drawn (whole nodes, from the first node of the layout): a larger
+layout is summarised by its table, which covers every rank, and its first nodes, with a note saying
+so. Every drawn element carries ``data-*`` attributes (rank, node, group, kind) so tools and tests
 can read the picture back.
 """
 
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_DRAWN_RANKS", "render_compare_svg", "render_svg", "svg_to_html"]
 
 MAX_DRAWN_RANKS: Final = 256
-"""Worlds larger than this are summarised: the table covers every rank, the drawing the first nodes."""
+"""Worlds larger than this are summarised: the table has every rank, the drawing the first nodes."""
 
 _SHEET_WIDTH: Final = 1360
 _MARGIN: Final = 20
@@ -55,7 +59,7 @@ _EXPERT_AXES: Final = (
 )
 
 
-# --------------------------------------------------------------------------------------------------- geometry
+# ----------------------------------------------------------------------------------------- geometry
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -113,8 +117,8 @@ class _NodeGrid:
 
 
 def _drawn_nodes(first: int, stop: int, gpus_per_node: int) -> range:
-    """The whole nodes holding ranks ``first`` to ``stop - 1``, from the first one, at most :data:`MAX_DRAWN_RANKS`
-    ranks (one node at least)."""
+    """The whole nodes holding ranks ``first`` to ``stop - 1``, from the first one, at most
+    :data:`MAX_DRAWN_RANKS` ranks (one node at least)."""
     first_node, last_node = node_of(first, gpus_per_node), node_of(stop - 1, gpus_per_node)
     most = max(1, MAX_DRAWN_RANKS // gpus_per_node)
     return range(first_node, min(last_node + 1, first_node + most))
@@ -128,7 +132,7 @@ def _panel_cell(drawn: int) -> int:
     return 30 if drawn <= 16 else 22 if drawn <= 64 else 14
 
 
-# --------------------------------------------------------------------------------------------------- drawing
+# ------------------------------------------------------------------------------------------ drawing
 
 
 def _svg_attributes(**values: object) -> str:
@@ -185,14 +189,20 @@ class _Svg:
 
 
 def _group_colour(group: int) -> str:
-    """Distinct neighbouring colours: hues a golden angle apart, lightness cycling so close hues still differ."""
+    """Distinct neighbouring colours: hues a golden angle apart.
+
+    The lightness cycles so close hues still differ.
+    """
     return f"hsl({group * 137.508 % 360:.1f},62%,{(68, 56, 82)[group % 3]}%)"
 
 
 def _draw_nodes(
     svg: _Svg, grid: _NodeGrid, x: int, y: int, draw_cell: Callable[[int, int, int], None]
 ) -> None:
-    """Node boxes of ``grid`` at (x, y), each holding its ranks' cells drawn by ``draw_cell(rank, cx, cy)``."""
+    """Node boxes of ``grid`` at (x, y), each holding its ranks' cells.
+
+    Cells are drawn by ``draw_cell(rank, cx, cy)``.
+    """
     g = grid.gpus_per_node
     for node in grid.nodes:
         nx, ny = grid.node_origin(node)
@@ -251,14 +261,14 @@ def _span_label(layout: ParallelLayout, world_size: int) -> str:
     return "" if (first, stop) == (0, world_size) else f"ranks {first}-{stop - 1} · "
 
 
-# --------------------------------------------------------------------------------------------------- the sheet
+# ---------------------------------------------------------------------------------------- the sheet
 
 
 def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     """The sheet of a placed layout as an SVG document.
 
-    ``kinds`` chooses the group kinds drawn as panels (default: every kind whose groups have more than one rank);
-    ``ValueError`` for an unknown kind.
+    ``kinds`` chooses the group kinds drawn as panels (default: every kind whose groups have more
+    than one rank); ``ValueError`` for an unknown kind.
     """
     layout = placement.layout
     panels = _panel_kinds(placement, kinds)
@@ -268,7 +278,10 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     span = _span_label(layout, placement.world_size)
     if span:
         first, stop = layout.rank_range()
-        title = f"pgregistry layout: ranks {first}-{stop - 1} of a world of {placement.world_size} ranks"
+        title = (
+            f"pgregistry layout: ranks {first}-{stop - 1} "
+            f"of a world of {placement.world_size} ranks"
+        )
     else:
         title = f"pgregistry layout: {layout.num_ranks} ranks on {placement.describe_nodes()}"
     svg.heading(title, size=18)
@@ -288,7 +301,8 @@ def render_svg(placement: Placement, kinds: Sequence[str] | None = None) -> str:
     _placement_table(svg, placement)
     _rank_map(svg, layout, drawn, g)
     svg.heading(
-        "Groups of each kind: one colour per group; red outline: a group that should stay on one node does not"
+        "Groups of each kind: one colour per group; red "
+        "outline: a group that should stay on one node does not"
     )
     _flow_panels(svg, [_kind_panel(layout, placement, kind, drawn) for kind in panels])
     return svg.document(title)
@@ -353,8 +367,8 @@ def _verdict_mark(entry: KindPlacement) -> tuple[str, str]:
 
 
 def _label_axes(layout: ParallelLayout) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """The coordinates a rank's label shows: dense axes of size > 1, and expert ones when experts are sharded
-    differently from the dense grid."""
+    """The coordinates a rank's label shows: dense axes of size > 1, and expert ones when experts
+    are sharded differently from the dense grid."""
     sizes = layout.axis_sizes()
     dense = [(axis, short) for axis, short in _DENSE_AXES if sizes[axis] > 1]
     expert = [(axis, short) for axis, short in _EXPERT_AXES if sizes[axis] > 1]
@@ -429,7 +443,7 @@ def _outside_cell(
     gpus_per_node: int,
     span: tuple[int, int],
 ) -> None:
-    """A rank the drawn nodes hold but the layout does not: an empty, dashed cell (class ``outside``)."""
+    """A rank the drawn nodes hold but the layout does not: an empty dashed cell (``outside``)."""
     svg.open("g", class_="rank outside", data_rank=rank, data_node=node_of(rank, gpus_per_node))
     svg.title(f"rank {rank}: outside the layout (ranks {span[0]}-{span[1] - 1})")
     svg.rect(
@@ -450,7 +464,10 @@ def _outside_cell(
 
 @attrs.frozen(slots=True, kw_only=True)
 class _Panel:
-    """A titled drawing of width ``width`` and height ``height``; ``draw_panel(svg, x, y)`` puts it at (x, y)."""
+    """A titled drawing of width ``width`` and height ``height``.
+
+    ``draw_panel(svg, x, y)`` puts it at (x, y).
+    """
 
     width: int
     height: int
@@ -482,9 +499,9 @@ def _groups_panel(
     group_class: Callable[[tuple[int, ...]], str],
     **panel_data: object,
 ) -> _Panel:
-    """A panel colouring the ranks of the ``drawn`` nodes by their group of ``kind`` (ranks outside the layout
-    empty); ``group_class(group)`` gives the CSS-like classes of a group's cells (``crossing``, ``shared``, ...),
-    ``heading`` the title lines and their colours."""
+    """A panel colouring the ranks of the ``drawn`` nodes by their group of ``kind`` (ranks outside
+    the layout empty); ``group_class(group)`` gives the CSS-like classes of a group's cells
+    (``crossing``, ``shared``, ...), ``heading`` the title lines and their colours."""
     cell = _panel_cell(len(drawn) * gpus_per_node)
     half = (_SHEET_WIDTH - 2 * _MARGIN - 2 * _GAP) // 2
     grid = _NodeGrid(
@@ -612,21 +629,21 @@ def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: 
     )
 
 
-# --------------------------------------------------------------------------------------------------- compare
+# ------------------------------------------------------------------------------------------ compare
 
 
 def render_compare_svg(
     comparison: LayoutComparison, gpus_per_node: int, names: tuple[str, str] = ("A", "B")
 ) -> str:
-    """Two layouts of one world side by side: for every kind with more than one rank per group in either layout,
-    A's panel left and B's right; groups the other layout also creates a communicator for are in full colour
-    (class ``shared``), the others faded."""
+    """Two layouts of one world side by side: for every kind with more than one rank per group in
+    either layout, A's panel left and B's right; groups the other layout also creates a communicator
+    for are in full colour (class ``shared``), the others faded."""
     a, b = comparison.layout_a, comparison.layout_b
     world = comparison.world_size
     if world % gpus_per_node:
         raise ValueError(
-            f"the world of {world} ranks is not a multiple of gpus_per_node {gpus_per_node}: launchers start the "
-            "same number of ranks on every node"
+            f"the world of {world} ranks is not a multiple of gpus_per_node "
+            f"{gpus_per_node}: launchers start the same number of ranks on every node"
         )
     # The nodes of both spans: from the first one's node to the last one's.
     first, stop = (
@@ -647,8 +664,9 @@ def render_compare_svg(
         _MARGIN,
         svg.y + 8,
         (
-            f"{names[0]}: {len(comparison.a)} communicators, {names[1]}: {len(comparison.b)}, shared: {len(shared)} "
-            f"(created once; {len(comparison.a) + len(comparison.b) - len(shared)} in all)"
+            f"{names[0]}: {len(comparison.a)} communicators, {names[1]}: "
+            f"{len(comparison.b)}, shared: {len(shared)} (created once; "
+            f"{len(comparison.a) + len(comparison.b) - len(shared)} in all)"
         ),
         size=13,
         font_weight="bold",
@@ -678,8 +696,8 @@ def render_compare_svg(
     _summary_note(svg, stop - first, drawn, num_nodes, gpus_per_node)
     _draw_shared_table(svg, comparison, names)
     svg.heading(
-        f"Groups of each kind, {names[0]} left and {names[1]} right: full colour = shared communicator, "
-        "faded = only in this layout"
+        f"Groups of each kind, {names[0]} left and {names[1]} right: "
+        "full colour = shared communicator, faded = only in this layout"
     )
 
     def build_panel(layout: ParallelLayout, side: str, kind: str) -> _Panel:
@@ -758,7 +776,7 @@ def _draw_shared_table(svg: _Svg, comparison: LayoutComparison, names: tuple[str
     svg.y += 8
 
 
-# --------------------------------------------------------------------------------------------------- HTML
+# --------------------------------------------------------------------------------------------- HTML
 
 
 def svg_to_html(svg: str, title: str) -> str:

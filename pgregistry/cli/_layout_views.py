@@ -1,11 +1,14 @@
 """The node-placement, picture and comparison options of ``pgregistry layout``.
 
-``--gpus-per-node N`` adds a placement table (how many nodes each kind's groups span, how many communicators a rank
-joins) and warns on stderr when a kind of ``--intra-node`` crosses nodes; ``--check`` turns that warning into exit
-1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry.cli._layout_svg`. ``--compare A B`` compares two layouts
-given as ``NAME:key=value,...`` specs, each over ``--num-ranks`` ranks from ``--rank-offset`` unless its spec gives
-its own ``num_ranks`` / ``rank_offset``, in one world (``--world-size``, default: where the later span ends). Usage
-errors raise ``ValueError`` naming the option or spec at fault (the command exits 2).
+``--gpus-per-node N`` adds a placement table (how many nodes each kind's groups span, how many
+communicators a rank joins) and warns on stderr when a kind of ``--intra-node`` crosses nodes;
+``--check`` turns that warning into exit
+1. ``--svg`` / ``--html`` write the picture of :mod:`pgregistry.cli._layout_svg`. ``--compare A B``
+   compares two layouts
+given as ``NAME:key=value,...`` specs, each over ``--num-ranks`` ranks from ``--rank-offset`` unless
+its spec gives its own ``num_ranks`` / ``rank_offset``, in one world (``--world-size``, default:
+where the later span ends). Usage errors raise ``ValueError`` naming the option or spec at fault
+(the command exits 2).
 """
 
 from __future__ import annotations
@@ -92,9 +95,9 @@ def placement_of(
     args: argparse.Namespace,
     world_size: int | None = None,
 ) -> Placement | None:
-    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without ``--gpus-per-node``), in a
-    world of ``world_size`` ranks (default ``--world-size``, else where the layout ends), which must be whole
-    nodes."""
+    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without
+    ``--gpus-per-node``), in a world of ``world_size`` ranks (default ``--world-size``, else where
+    the layout ends), which must be whole nodes."""
     from pgregistry.placement import place
 
     if args.gpus_per_node is None:
@@ -105,8 +108,8 @@ def placement_of(
 
 
 def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: int | None) -> None:
-    """``ValueError`` naming the options when the world is not whole nodes of ``--gpus-per-node`` (a launcher starts
-    the same number of ranks on every node; a span may start and end mid-node)."""
+    """``ValueError`` naming the options when the world is not whole nodes of ``--gpus-per-node`` (a
+    launcher starts the same number of ranks on every node; a span may start and end mid-node)."""
     g = args.gpus_per_node
     if g < 1:
         raise ValueError(f"--gpus-per-node must be a positive integer, got {g}")
@@ -116,7 +119,10 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
     if args.world_size is not None:
         whose = f"--world-size {args.world_size}"
     elif world is not None:  # --compare: where the later span ends
-        whose = f"the world, taken to end where the later layout does ({world} ranks; give --world-size when larger),"
+        whose = (
+            "the world, taken to end where the later layout does "
+            f"({world} ranks; give --world-size when larger),"
+        )
     elif first == 0:
         whose = f"--num-ranks {layout.num_ranks}"
     else:
@@ -125,13 +131,14 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
             f"{layout.num_ranks} = {stop} ranks; give --world-size when larger),"
         )
     raise ValueError(
-        f"{whose} is not a multiple of --gpus-per-node {g}: launchers start the same number of ranks on every node"
+        f"{whose} is not a multiple of --gpus-per-node {g}: "
+        "launchers start the same number of ranks on every node"
     )
 
 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
-    """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank are counted over
-    the layout's ranks."""
+    """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank
+    are counted over the layout's ranks."""
     from pgregistry._runtime.communicators import communicators_per_rank, kinds_by_communicator
 
     per_rank = communicators_per_rank(kinds_by_communicator(layout), range(*layout.rank_range()))
@@ -178,8 +185,9 @@ def placement_table(report: dict[str, Any]) -> str:
     per_rank = report["communicators_per_rank"]
     joins = _range_text(per_rank["min"], per_rank["max"])
     lines = [
-        f"placement: {report['nodes']} (rank r on node r // {g}); each rank {'of the layout ' * span}joins {joins} "
-        f"communicators; should stay on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
+        f"placement: {report['nodes']} (rank r on node r // {g}); each rank "
+        f"{'of the layout ' * span}joins {joins} communicators; should stay "
+        f"on one node: {', '.join(report['intra_node_kinds']) or 'none'}",
         "",
     ]
     rows = [("kind", "groups", "size", "nodes/group", "placement")]
@@ -241,9 +249,9 @@ def parse_layout_spec(
     rank_offset: int = 0,
     world_size: int | None = None,
 ) -> tuple[str, ParallelLayout]:
-    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks from ``rank_offset``
-    unless the spec gives its own ``num_ranks`` / ``rank_offset``); ``ValueError`` naming the bad part, and the
-    spec whose span ends past ``world_size``."""
+    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks from
+    ``rank_offset`` unless the spec gives its own ``num_ranks`` / ``rank_offset``); ``ValueError``
+    naming the bad part, and the spec whose span ends past ``world_size``."""
     from pgregistry.layout import ParallelLayout
 
     name, _, body = spec.rpartition(":") if ":" in spec else (default_name, "", spec)
@@ -253,7 +261,8 @@ def parse_layout_spec(
         key = key.strip().replace("-", "_")
         if not equals or key not in _SPEC_KEYS:
             raise ValueError(
-                f"layout spec {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SPEC_KEYS)}"
+                f"layout spec {spec!r}: {item!r} is not KEY=VALUE "
+                f"with KEY one of {', '.join(_SPEC_KEYS)}"
             )
         if key in sizes:
             raise ValueError(f"layout spec {spec!r} gives {key} twice")
@@ -276,8 +285,9 @@ def parse_layout_spec(
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they share (and
-    pictures, placement), in one world of ``--world-size`` ranks (default: where the later span ends)."""
+    """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they
+    share (and pictures, placement), in one world of ``--world-size`` ranks (default: where the
+    later span ends)."""
     from pgregistry._runtime.communicators import compare_layouts
     from pgregistry.cli._layout_svg import render_compare_svg
 
@@ -365,8 +375,8 @@ def _compare_table(report: dict[str, Any], names: tuple[str, str]) -> str:
     joins = _range_text(per_rank["min"], per_rank["max"])
     created = f"{a + b - report['shared']}, not {a + b}" if report["shared"] else f"{a + b}"
     lines += [
-        f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} (the registry creates "
-        f"{created}); each rank of the world joins {joins} of them",
+        f"{names[0]}: {a} communicators, {names[1]}: {b}, shared: {report['shared']} "
+        f"(the registry creates {created}); each rank of the world joins {joins} of them",
         "",
     ]
     rows = [("shared", "ranks", f"kinds in {names[0]}", f"kinds in {names[1]}")]

@@ -1,9 +1,9 @@
-"""The memory guard of the commands that enumerate every rank of a layout (``layout``, ``seed-plan``).
+"""The memory guard of commands enumerating every rank of a layout (``layout``, ``seed-plan``).
 
-At 2**31 - 1 ranks a listing needs far more memory than a machine has free: instead of dying in the allocator, or
-running for hours before it does, a command estimates what it needs from the layout's arithmetic before
-enumerating anything, and exits 2 with the estimate and what would help. The estimates are bytes per rank measured
-with ``ru_maxrss`` (in each command's module), with a margin.
+At 2**31 - 1 ranks a listing needs far more memory than a machine has free: instead of dying in the
+allocator, or running for hours before it does, a command estimates what it needs from the layout's
+arithmetic before enumerating anything, and exits 2 with the estimate and what would help. The
+estimates are bytes per rank measured with ``ru_maxrss`` (in each command's module), with a margin.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ __all__ = ["available_memory", "memory_shortfall", "not_enough_memory"]
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux ``MemAvailable``), or None where unknown."""
+    """Bytes of memory available to a new allocation (Linux ``MemAvailable``); None if unknown."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -29,14 +29,14 @@ def available_memory() -> int | None:
 
 
 def memory_shortfall(needed: int) -> int | None:
-    """The bytes available when ``needed`` is more than that; None when it fits (or the platform does not tell)."""
+    """The bytes available if ``needed`` is more; None if it fits (or the platform won't tell)."""
     available = available_memory()
     return available if available is not None and needed > available else None
 
 
 def not_enough_memory(doing: str, needed: int, available: int, advice: str) -> ValueError:
-    """The error for a command that would need ``needed`` bytes ``doing`` what it was asked, with ``advice``."""
+    """The error for a command needing ``needed`` bytes ``doing`` its work, with ``advice``."""
     return ValueError(
-        f"{doing} needs about {needed / 2**30:.1f} GiB of memory, more than the {available / 2**30:.1f} GiB "
-        f"available; {advice}"
+        f"{doing} needs about {needed / 2**30:.1f} GiB of memory, more "
+        f"than the {available / 2**30:.1f} GiB available; {advice}"
     )

@@ -1,17 +1,17 @@
-"""``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state into reads of a collection.
+"""``pgregistry migrate [PATH ...]``: rewrite reads of global process-group state to a collection's.
 
-``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every file checked
-first, all written or none under a journal that the next run finishes if this one is killed, none overwritten
-that changed on disk since it was read) and then regenerates the allowlist ``--allowlist`` names, else the
-configured one, so the ratchet shrinks in the same commit; ``--check`` exits 1 when anything would change (for
-CI). The report per family goes to stderr with ``--diff``, to stdout otherwise; progress of a long run to stderr.
-Settings are the ratchet's (pyproject table, ``--preset``, ``--isolated``, excludes, ``--module``); see
-docs/migrating.md.
+``--diff`` (the default) prints a unified diff and writes nothing; ``--write`` applies it (every
+file checked first, all written or none under a journal that the next run finishes if this one is
+killed, none overwritten that changed on disk since it was read) and then regenerates the allowlist
+``--allowlist`` names, else the configured one, so the ratchet shrinks in the same commit;
+``--check`` exits 1 when anything would change (for CI). The report per family goes to stderr with
+``--diff``, to stdout otherwise; progress of a long run to stderr. Settings are the ratchet's
+(pyproject table, ``--preset``, ``--isolated``, excludes, ``--module``); see docs/migrating.md.
 
-Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a file that
-does not parse or needs a newer Python, a read-only or hard-linked file, a path outside the project, conflicting
-settings, an unknown target, libcst missing, ``--check`` on a tree an interrupted ``--write`` left half-written)
-or an error of this tool; nothing is written then.
+Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a
+file that does not parse or needs a newer Python, a read-only or hard-linked file, a path outside
+the project, conflicting settings, an unknown target, libcst missing, ``--check`` on a tree an
+interrupted ``--write`` left half-written) or an error of this tool; nothing is written then.
 
 libcst is an optional extra (``pip install 'pgregistry[migrate]'``), imported by the handler only.
 """
@@ -33,9 +33,10 @@ from pgregistry._source.options import (
 __all__ = ["add_command"]
 
 _DESCRIPTION = (
-    "Rewrite reads of global process-group state (parallel_state accessors, fallback helpers) into reads of "
-    "a process-group collection: the collection in scope, else one threaded into the enclosing function as "
-    "an optional keyword-only parameter that falls back to the global grid with ProcessGroupFallbackWarning."
+    "Rewrite reads of global process-group state (parallel_state accessors, fallback "
+    "helpers) into reads of a process-group collection: the collection in scope, "
+    "else one threaded into the enclosing function as an optional keyword-only "
+    "parameter that falls back to the global grid with ProcessGroupFallbackWarning."
 )
 
 
@@ -74,7 +75,10 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--target",
         choices=("megatron", "pgregistry"),
         default="megatron",
-        help="whose collection the code reads: Megatron-Core's ProcessGroupCollection (default) or pgregistry's",
+        help=(
+            "whose collection the code reads: Megatron-Core's "
+            "ProcessGroupCollection (default) or pgregistry's"
+        ),
     )
     parser.add_argument(
         "--collection-name",
@@ -96,9 +100,11 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument(
         "--helper-module",
         metavar="MODULE",
-        help="the dotted module the rewritten reads import pg_group/pg_rank/pg_size/pg_read from, written into "
-        "the tree by --write (default: [tool.pgregistry.migrate] helper-module, else "
-        "<top package>._process_group_fallback)",
+        help=(
+            "the dotted module the rewritten reads import pg_group/pg_rank/pg_size/pg_read "
+            "from, written into the tree by --write (default: [tool.pgregistry.migrate] "
+            "helper-module, else <top package>._process_group_fallback)"
+        ),
     )
     parser.set_defaults(handler=_run_migrate)
 
@@ -115,7 +121,7 @@ def _ratchet_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
 
 
 def _print_bytes(data: bytes) -> None:
-    """``data`` on stdout as they are (a diff in a file's own encoding, as ``git diff`` prints it)."""
+    """``data`` on stdout as is (a diff in a file's own encoding, as ``git diff`` prints it)."""
     sys.stdout.flush()
     buffer = getattr(sys.stdout, "buffer", None)
     if (
@@ -130,15 +136,15 @@ def _print_bytes(data: bytes) -> None:
 def _allowlist_to_write(
     args: argparse.Namespace, settings: Settings, configured: bool
 ) -> Path | None:
-    """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it does not
-    exist: nothing is written then), else the configured one where it exists (a line on stderr when it does
-    not); None for none."""
+    """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it
+    does not exist: nothing is written then), else the configured one where it exists (a line on
+    stderr when it does not); None for none."""
     allowlist = settings.resolve(settings.allowlist)
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
             raise ConfigError(
-                f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry allowlist "
-                f"update --allowlist {args.allowlist}`), or leave the option out"
+                f"--allowlist {args.allowlist}: no such file; create it first (`pgregistry "
+                f"allowlist update --allowlist {args.allowlist}`), or leave the option out"
             )
         return allowlist
     if not configured:
@@ -147,14 +153,15 @@ def _allowlist_to_write(
         return allowlist
     if args.write and not args.quiet:
         print(
-            f"pgregistry migrate: no allowlist regenerated: the configured {allowlist} does not exist",
+            "pgregistry migrate: no allowlist regenerated: "
+            f"the configured {allowlist} does not exist",
             file=sys.stderr,
         )
     return None
 
 
 def _regenerate_allowlist(args: argparse.Namespace) -> int:
-    """``pgregistry allowlist update`` with the same settings, allowlist and paths (its exit code)."""
+    """``pgregistry allowlist update`` with the same settings, allowlist, paths (its exit code)."""
     from pgregistry.allowlist import main as allowlist
 
     chosen = [f"--allowlist={args.allowlist}"] if args.allowlist is not None else []
@@ -164,8 +171,9 @@ def _regenerate_allowlist(args: argparse.Namespace) -> int:
 
 
 def _run_migrate(args: argparse.Namespace) -> int:
-    """The handler; returns the exit code (see the module docstring). An exception of this tool (a bug) is
-    exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would change"."""
+    """The handler; returns the exit code (see the module docstring). An exception of this tool (a
+    bug) is exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would
+    change"."""
     try:
         import libcst  # noqa: F401
     except ImportError:
@@ -192,8 +200,9 @@ def _migrate_files(args: argparse.Namespace) -> int:
         allowlist = _allowlist_to_write(args, settings, configured)
         if args.check and (settings.root / JOURNAL).exists():
             return _print_error(
-                f"{settings.root / JOURNAL}: an interrupted `pgregistry migrate --write` left the tree "
-                "half-written; run `pgregistry migrate` (any mode but --check) to finish it first"
+                f"{settings.root / JOURNAL}: an interrupted `pgregistry "
+                "migrate --write` left the tree half-written; run `pgregistry "
+                "migrate` (any mode but --check) to finish it first"
             )
         finished = finish_interrupted(settings.root)
         if finished is not None:
@@ -223,6 +232,7 @@ def _migrate_files(args: argparse.Namespace) -> int:
             source.accessors,
             line_length(settings.root),
             source.shims,
+            source.virtual_stages,
         )
         migration = migrate(
             found.files,

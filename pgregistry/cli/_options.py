@@ -1,4 +1,4 @@
-"""Options shared by several commands: the sizes that declare a parallel layout, and the node-placement check.
+"""Options shared by commands: the sizes declaring a parallel layout, and the node-placement check.
 
 Torch-free at import (the layout arithmetic is imported inside :func:`layout_from_args`).
 """
@@ -35,8 +35,9 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = True) -> None:
-    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--num-ranks``, ``--rank-offset``
-    and ``--world-size`` left out when the world comes from elsewhere, e.g. torchrun)."""
+    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--num-ranks``,
+    ``--rank-offset`` and ``--world-size`` left out when the world comes from elsewhere, e.g.
+    torchrun)."""
     if num_ranks:
         parser.add_argument(
             "--num-ranks", type=int, required=True, help="number of ranks the layout spans"
@@ -45,16 +46,21 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = T
             "--rank-offset",
             type=int,
             default=0,
-            help="the layout's first (global) rank, for a layout over part of the world (Megatron-Core's "
-            "HyperCommGrid rank_offset; default 0: from the world's first rank)",
+            help=(
+                "the layout's first (global) rank, for a layout over "
+                "part of the world (Megatron-Core's HyperCommGrid "
+                "rank_offset; default 0: from the world's first rank)"
+            ),
         )
         parser.add_argument(
             "--world-size",
             type=int,
             default=None,
             metavar="N",
-            help="ranks in the whole job, when the layout spans part of it: the span must end within it "
-            "(default: --rank-offset + --num-ranks)",
+            help=(
+                "ranks in the whole job, when the layout spans part of it: the "
+                "span must end within it (default: --rank-offset + --num-ranks)"
+            ),
         )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
@@ -72,18 +78,18 @@ _SIZE_OPTIONS = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat
 
 
 def check_not_empty(args: argparse.Namespace, options: Mapping[str, tuple[str, str]]) -> None:
-    """``ValueError`` naming the first of ``options`` (dest -> (option, what to set it to)) given an empty value:
-    ``--svg "$OUT"`` with the variable unset would otherwise pass as the option left out
-    (:mod:`pgregistry._runtime.empty_options`)."""
+    """``ValueError`` naming the first of ``options`` (dest -> (option, what to set it to)) given an
+    empty value: ``--svg "$OUT"`` with the variable unset would otherwise pass as the option left
+    out (:mod:`pgregistry._runtime.empty_options`)."""
     problem = empty_option(args, options)
     if problem is not None:
         raise ValueError(problem)
 
 
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
-    """The layout :func:`add_layout_arguments` declared (over the whole ``world_size`` when given, else
-    ``--num-ranks`` from ``--rank-offset``, checked by :func:`check_span`); ``ValueError`` (the layout's message)
-    when invalid."""
+    """The layout :func:`add_layout_arguments` declared (over the whole ``world_size`` when given,
+    else ``--num-ranks`` from ``--rank-offset``, checked by :func:`check_span`); ``ValueError`` (the
+    layout's message) when invalid."""
     from pgregistry.layout import ParallelLayout
 
     for dest in _SIZE_OPTIONS:  # named as the option, not as the layout's argument
@@ -121,16 +127,17 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 
 def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: str = "") -> None:
-    """``ValueError`` naming the option at fault for a span that cannot be: ``--num-ranks`` not positive,
-    ``--rank-offset`` negative, ``--world-size`` not positive or ending before the span does (``spec``: the
-    ``--compare`` spec the span comes from, named in the message)."""
+    """``ValueError`` naming the option at fault for a span that cannot be: ``--num-ranks`` not
+    positive, ``--rank-offset`` negative, ``--world-size`` not positive or ending before the span
+    does (``spec``: the ``--compare`` spec the span comes from, named in the message)."""
     where = f"layout spec {spec!r}: " if spec else ""
     num, offset = ("num_ranks", "rank_offset") if spec else ("--num-ranks", "--rank-offset")
     if num_ranks < 1:
         raise ValueError(f"{where}{num} must be a positive integer, got {num_ranks}")
     if rank_offset < 0:
         raise ValueError(
-            f"{where}{offset} must be a non-negative integer (the layout's first rank), got {rank_offset}"
+            f"{where}{offset} must be a non-negative integer "
+            f"(the layout's first rank), got {rank_offset}"
         )
     if world_size is None:
         return
@@ -139,8 +146,8 @@ def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: s
     stop = rank_offset + num_ranks
     if stop > world_size:
         raise ValueError(
-            f"{where}the layout spans ranks {rank_offset}-{stop - 1} ({offset} {rank_offset} + {num} {num_ranks}), "
-            f"past the end of --world-size {world_size}"
+            f"{where}the layout spans ranks {rank_offset}-{stop - 1} ({offset} "
+            f"{rank_offset} + {num} {num_ranks}), past the end of --world-size {world_size}"
         )
 
 
@@ -150,8 +157,8 @@ def add_placement_arguments(
     gpus_per_node_help: str | None = None,
     check: bool = True,
 ) -> None:
-    """The options of the node-placement check: ``--gpus-per-node``, ``--intra-node`` and (with ``check``)
-    ``--check``."""
+    """The options of the node-placement check: ``--gpus-per-node``, ``--intra-node`` and (with
+    ``check``) ``--check``."""
     from pgregistry.placement import DEFAULT_INTRA_NODE_KINDS
 
     group = parser.add_argument_group("placement on nodes")
@@ -168,7 +175,10 @@ def add_placement_arguments(
         "--intra-node",
         default=",".join(DEFAULT_INTRA_NODE_KINDS),
         metavar="KINDS",
-        help="comma-separated kinds whose groups should stay on one node (default: %(default)s; '' for none)",
+        help=(
+            "comma-separated kinds whose groups should stay "
+            "on one node (default: %(default)s; '' for none)"
+        ),
     )
     if check:
         group.add_argument(
@@ -179,12 +189,15 @@ def add_placement_arguments(
 
 
 def intra_node_kinds(args: argparse.Namespace) -> tuple[str, ...]:
-    """The kinds of ``--intra-node`` (unknown names are refused by :func:`pgregistry.placement.place`)."""
+    """The kinds of ``--intra-node`` (:func:`pgregistry.placement.place` refuses unknown names)."""
     return tuple(kind.strip() for kind in args.intra_node.split(",") if kind.strip())
 
 
 def positive_seconds(text: str) -> float:
-    """An argparse ``type``: a positive, finite number of seconds (a collective timeout of 0 fails at once)."""
+    """An argparse ``type``: a positive, finite number of seconds.
+
+    A collective timeout of 0 would fail at once.
+    """
     try:
         value = float(text)
     except ValueError:
@@ -195,8 +208,8 @@ def positive_seconds(text: str) -> float:
 
 
 def non_negative(text: str) -> float:
-    """An argparse ``type``: a finite number, 0 or more (a NaN compares false with every limit, so it would be no
-    limit, silently)."""
+    """An argparse ``type``: a finite number, 0 or more (a NaN compares false with every limit, so
+    it would be no limit, silently)."""
     try:
         value = float(text)
     except ValueError:
@@ -207,8 +220,8 @@ def non_negative(text: str) -> float:
 
 
 def check_output_file(path: str | Path, option: str = "--json") -> None:
-    """``ValueError`` (naming ``option``) unless ``path`` can be written as a new or existing file: checked before a
-    run, not after minutes of it."""
+    """``ValueError`` (naming ``option``) unless ``path`` can be written as a new or existing file:
+    checked before a run, not after minutes of it."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{option} {path} is a directory; give a file name")

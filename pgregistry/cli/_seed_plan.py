@@ -1,15 +1,17 @@
-"""``pgregistry seed-plan``: every rank's RNG tracker seeds for a layout, and a check for seed collisions.
+"""``pgregistry seed-plan``: each rank's RNG tracker seeds for a layout, and a check for collisions.
 
-A layout over part of the world (``--rank-offset``) is planned for its own ranks, listed by their global rank: the
-seeds follow each rank's coordinates in the layout, as the collection built from it gives them.
+A layout over part of the world (``--rank-offset``) is planned for its own ranks, listed by their
+global rank: the seeds follow each rank's coordinates in the layout, as the collection built from it
+gives them.
 
-Before enumerating anything the command estimates the memory the plan or its check holds (from the layout's sizes,
-:func:`pgregistry.rng.check_seed_plan_size`) and refuses what would not fit; once the first ranks are done it
-estimates the time from their measured rate, refuses a run longer than ``--time-limit``, and reports progress on
-stderr for a run longer than ``--progress`` seconds: at about 10 microseconds a rank, 38 million ranks take six
-minutes, which used to pass in silence.
+Before enumerating anything the command estimates the memory the plan or its check holds (from the
+layout's sizes, :func:`pgregistry.rng.check_seed_plan_size`) and refuses what would not fit; once
+the first ranks are done it estimates the time from their measured rate, refuses a run longer than
+``--time-limit``, and reports progress on stderr for a run longer than ``--progress`` seconds: at
+about 10 microseconds a rank, 38 million ranks take six minutes, which used to pass in silence.
 
-Torch is imported only inside the handler (through :mod:`pgregistry.rng`), as the CLI table requires.
+Torch is imported only inside the handler (through :mod:`pgregistry.rng`), as the CLI table
+requires.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def add_command(subparsers: Subparsers) -> None:
         "seed-plan",
         help="print every rank's RNG tracker seeds for a layout, or check them for collisions",
         description=(
-            "Compute the seeds every rank's RNG trackers get (Megatron-Core's formulas, pipeline and optional "
-            "data-parallel offsets included) from the layout alone, without process groups. With --check, "
-            "report seeds shared by streams that must differ, and seeds outside [0, 2**64) that "
+            "Compute the seeds every rank's RNG trackers get (Megatron-Core's "
+            "formulas, pipeline and optional data-parallel offsets included) from "
+            "the layout alone, without process groups. With --check, report seeds "
+            "shared by streams that must differ, and seeds outside [0, 2**64) that "
             "model_parallel_manual_seed refuses, and exit 1 when there are any."
         ),
     )
@@ -60,16 +63,20 @@ def add_command(subparsers: Subparsers) -> None:
         type=non_negative,
         default=30.0,
         metavar="MINUTES",
-        help="refuse (exit 2) a run estimated, from the rate of its first ranks, to take longer (default: "
-        "%(default)s; 0 for no limit)",
+        help=(
+            "refuse (exit 2) a run estimated, from the rate of its first "
+            "ranks, to take longer (default: %(default)s; 0 for no limit)"
+        ),
     )
     parser.add_argument(
         "--progress",
         type=non_negative,
         default=10.0,
         metavar="SECONDS",
-        help="print progress on stderr every SECONDS of a run estimated to take longer than that (default: "
-        "%(default)s; 0 for none)",
+        help=(
+            "print progress on stderr every SECONDS of a run estimated "
+            "to take longer than that (default: %(default)s; 0 for none)"
+        ),
     )
     parser.set_defaults(handler=_run_seed_plan)
 
@@ -85,8 +92,9 @@ def _run_seed_plan(args: argparse.Namespace) -> int:
         advice = "raise --time-limit (0 for no limit)"
         if args.check and not random_init:
             advice += (
-                ", or check the layout with fewer data-parallel replicas: without --data-parallel-random-init the "
-                "seeds do not depend on the data-parallel size, so it has the same collisions"
+                ", or check the layout with fewer data-parallel replicas: "
+                "without --data-parallel-random-init the seeds do not depend "
+                "on the data-parallel size, so it has the same collisions"
             )
         progress = _Progress(doing, layout.num_ranks, args.time_limit, args.progress, advice)
         if args.check:
@@ -118,10 +126,11 @@ def _run_seed_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# Measured with tracemalloc at 2**18 ranks on layouts with and without expert and GTP-remat axes: checking held 256
-# to 450 bytes per stream (check_seed_plan_size's count) and 34 per listed (rank, collision) entry, nothing else per
-# rank; the plan (table or JSON) peaked at 1,174 to 1,670 bytes per rank (1,800 to 2,275 by ru_maxrss). Rounded up,
-# for what the allocator adds. tests/core/test_layout_cli_limits.py holds them within a small factor of tracemalloc.
+# Measured with tracemalloc at 2**18 ranks on layouts with and without expert and GTP-remat axes:
+# checking held 256 to 450 bytes per stream (check_seed_plan_size's count) and 34 per listed (rank,
+# collision) entry, nothing else per rank; the plan (table or JSON) peaked at 1,174 to 1,670 bytes
+# per rank (1,800 to 2,275 by ru_maxrss). Rounded up, for what the allocator adds.
+# tests/core/test_layout_cli_limits.py holds them within a small factor of tracemalloc.
 _STREAM_BYTES = 512
 _LISTED_BYTES = 48
 _PLAN_BYTES_PER_RANK = 3072
@@ -130,7 +139,7 @@ _PLAN_BYTES_PER_RANK = 3072
 def estimate_plan_bytes(
     layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool
 ) -> int:
-    """The memory the plan of ``layout`` (``check``: its check) holds, estimated from the layout's sizes alone."""
+    """Memory of ``layout``'s plan (``check``: its check), estimated from the layout's sizes."""
     from pgregistry.rng import check_seed_plan_size
 
     if not check:
@@ -144,17 +153,20 @@ def estimate_plan_bytes(
 def _check_memory(
     layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool, doing: str
 ) -> None:
-    """``ValueError`` when the plan (or its check) would need more memory than is available, estimated before any
-    seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
+    """``ValueError`` when the plan (or its check) would need more memory than is available,
+    estimated before any seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
     needed = estimate_plan_bytes(layout, seed, check, data_parallel_random_init)
     available = memory_shortfall(needed)
     if available is not None:
         if not check:
-            advice = "it holds every rank's seeds: run it where more memory is free, or check it (--check)"
+            advice = (
+                "it holds every rank's seeds: run it where "
+                "more memory is free, or check it (--check)"
+            )
         elif data_parallel_random_init:
             advice = (
-                "with --data-parallel-random-init every data-parallel rank has streams of its own, which the check "
-                "holds: run it where more memory is free"
+                "with --data-parallel-random-init every data-parallel rank has streams "
+                "of its own, which the check holds: run it where more memory is free"
             )
         else:
             advice = (
@@ -165,10 +177,10 @@ def _check_memory(
 
 
 class _Progress:
-    """The ``progress`` callback of the plan: from the rate of the first ranks, the time the whole run takes;
-    ``ValueError`` (with ``advice``) when that is past ``--time-limit``, and lines on stderr every ``--progress``
-    seconds of a run estimated longer than that. Nothing is timed before the first callback, so short runs print
-    nothing."""
+    """The ``progress`` callback of the plan: from the rate of the first ranks, the time the whole
+    run takes; ``ValueError`` (with ``advice``) when that is past ``--time-limit``, and lines on
+    stderr every ``--progress`` seconds of a run estimated longer than that. Nothing is timed before
+    the first callback, so short runs print nothing."""
 
     def __init__(
         self, doing: str, total: int, limit_minutes: float, every_s: float, advice: str
@@ -187,8 +199,8 @@ class _Progress:
             rate = f"{elapsed / done * 1e6:.1f} microseconds a rank over the first {done}"
             if self.limit_minutes and whole > self.limit_minutes * 60:
                 raise ValueError(
-                    f"{self.doing} would take about {_format_duration(whole)} here ({rate}), more than --time-limit "
-                    f"{self.limit_minutes:g} (minutes); {self.advice}"
+                    f"{self.doing} would take about {_format_duration(whole)} here ({rate}), "
+                    f"more than --time-limit {self.limit_minutes:g} (minutes); {self.advice}"
                 )
             if self.every_s and whole > self.every_s:
                 estimate = f"about {_format_duration(whole)} here ({rate})"
@@ -197,8 +209,8 @@ class _Progress:
         if self.every_s and whole > self.every_s and now - self.printed >= self.every_s:
             self.printed = now
             print(
-                f"pgregistry seed-plan: {done} of {self.total} ranks ({100 * done // self.total}%), about "
-                f"{_format_duration(whole - elapsed)} left",
+                f"pgregistry seed-plan: {done} of {self.total} ranks "
+                f"({100 * done // self.total}%), about {_format_duration(whole - elapsed)} left",
                 file=sys.stderr,
             )
 

@@ -1,10 +1,11 @@
-"""Pass/fail checks across a torchrun world: initialise, run, gather, print one table on rank 0, tear down.
+"""Pass/fail checks across a torchrun world: init, run, gather, one table on rank 0, tear down.
 
-``pgregistry verify`` and ``scripts/gpu_check.py`` both run a list of checks on every rank of a real backend and
-report them the same way: one line per check, failing ranks named, and a closing ``N passed, M failed`` line; every
-rank returns the same exit code. Tear-down destroys the registry's subgroups before the default group (a gloo
-group left alive at interpreter exit can abort the process) and waits at a barrier first, so no rank leaves while a
-peer may still be exchanging with it.
+``pgregistry verify`` and ``scripts/gpu_check.py`` both run a list of checks on every rank of a real
+backend and report them the same way: one line per check, failing ranks named, and a closing ``N
+passed, M failed`` line; every rank returns the same exit code. Tear-down destroys the registry's
+subgroups before the default group (a gloo group left alive at interpreter exit can abort the
+process) and waits at a barrier first, so no rank leaves while a peer may still be exchanging with
+it.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def run_checks(
     timeout: float = 120.0,
     json_path: str | None = None,
 ) -> int:
-    """Run ``checks(device)`` on every rank of the torchrun world; 0 when every check passed on every rank, 1 when
-    any failed, 2 outside torchrun, for ``nccl`` where torch sees no GPU, for a ``json_path`` rank 0 cannot write
-    (checked before the checks run), or when the checks raise ``ValueError`` (bad input: every rank raises alike).
+    """Run ``checks(device)`` on every rank of the torchrun world; 0 when every check passed on
+    every rank, 1 when any failed, 2 outside torchrun, for ``nccl`` where torch sees no GPU, for a
+    ``json_path`` rank 0 cannot write (checked before the checks run), or when the checks raise
+    ``ValueError`` (bad input: every rank raises alike).
 
-    Rank 0 prints ``title`` and the table (and writes it as JSON to ``json_path``). NCCL ranks use the GPU of
-    their ``LOCAL_RANK``.
+    Rank 0 prints ``title`` and the table (and writes it as JSON to ``json_path``). NCCL ranks use
+    the GPU of their ``LOCAL_RANK``.
     """
     import torch
     import torch.distributed as dist
@@ -59,8 +61,8 @@ def run_checks(
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
             print(
-                f"{command}: error: --backend nccl needs CUDA, and torch {torch.__version__} here has none "
-                f"({build}); use --backend gloo",
+                f"{command}: error: --backend nccl needs CUDA, and torch "
+                f"{torch.__version__} here has none ({build}); use --backend gloo",
                 file=sys.stderr,
             )
             return 2
@@ -74,7 +76,8 @@ def run_checks(
     try:
         return report_checks(title, checks, device, json_path)
     finally:
-        gc.collect()  # drop what still holds groups (optimizers in reference cycles) before destroying them
+        # Drop what still holds groups (optimizers in reference cycles) before destroying them.
+        gc.collect()
         registry.destroy()
         dist.destroy_process_group()
 
@@ -85,9 +88,9 @@ def report_checks(
     device: torch.device,
     json_path: str | None = None,
 ) -> int:
-    """:func:`run_checks` in a world already initialised: check ``json_path`` (rank 0 writes it, so rank 0's view
-    decides, told to every rank), run ``checks(device)``, gather, print (and write) the table on rank 0; the exit
-    code, the same on every rank."""
+    """:func:`run_checks` in a world already initialised: check ``json_path`` (rank 0 writes it, so
+    rank 0's view decides, told to every rank), run ``checks(device)``, gather, print (and write)
+    the table on rank 0; the exit code, the same on every rank."""
     import torch.distributed as dist
 
     command = title.split(":")[0]
@@ -109,8 +112,8 @@ def report_checks(
 
 
 def _unwritable_on_rank_zero(json_path: str | None) -> str | None:
-    """Why rank 0 cannot write ``json_path`` (None when it can, or when there is none), on every rank: one
-    broadcast, since the file is rank 0's, on rank 0's node."""
+    """Why rank 0 cannot write ``json_path`` (None when it can, or when there is none), on every
+    rank: one broadcast, since the file is rank 0's, on rank 0's node."""
     import torch.distributed as dist
 
     from pgregistry.cli._options import check_output_file

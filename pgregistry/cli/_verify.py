@@ -4,17 +4,20 @@
 
 On every rank it builds the collection of the given layout on the job's backend, then checks:
 
-* membership: every group of the collection, by an all-reduce of one-hot rank vectors, against the layout's
-  arithmetic (so a wrong or crossed communicator cannot pass);
-* placement: with ranks per node from ``--gpus-per-node`` or the launcher's ``LOCAL_WORLD_SIZE``, no kind of
-  ``--intra-node`` (tp, expt_tp, cp by default) has a group crossing nodes, and the ranks the arithmetic puts on
-  one node (``r // N``) really share a host;
-* expert grads filtered with the expert TP group (Megatron-LM PR 6470) on a TP = EP = world, expert TP 1 grid:
-  grad norm ``sqrt(1 + W)`` and zero count ``1 + W``, through the functional API and both optimizers;
-* the invariance oracle on the given layout (every grad element 1: norm ``sqrt(numel)``, zero count of zeroed
-  grads ``numel``) and the float64 oracle of the unsharded toy model with random grads (p = 2 and inf);
-* the RNG seeds this rank registers from its collection against the layout's seed plan, and the plan's
-  collisions (reported; Megatron-Core's seed offsets collide for some layouts, see ``pgregistry seed-plan --check``).
+* membership: every group of the collection, by an all-reduce of one-hot rank vectors, against the
+  layout's arithmetic (so a wrong or crossed communicator cannot pass);
+* placement: with ranks per node from ``--gpus-per-node`` or the launcher's ``LOCAL_WORLD_SIZE``, no
+  kind of ``--intra-node`` (tp, expt_tp, cp by default) has a group crossing nodes, and the ranks
+  the arithmetic puts on one node (``r // N``) really share a host;
+* expert grads filtered with the expert TP group (Megatron-LM PR 6470) on a TP = EP = world, expert
+  TP 1 grid: grad norm ``sqrt(1 + W)`` and zero count ``1 + W``, through the functional API and both
+  optimizers;
+* the invariance oracle on the given layout (every grad element 1: norm ``sqrt(numel)``, zero count
+  of zeroed grads ``numel``) and the float64 oracle of the unsharded toy model with random grads (p
+  = 2 and inf);
+* the RNG seeds this rank registers from its collection against the layout's seed plan, and the
+  plan's collisions (reported; Megatron-Core's seed offsets collide for some layouts, see
+  ``pgregistry seed-plan --check``).
 
 Rank 0 prints a pass/fail table; every rank exits non-zero when any check failed on any rank.
 """
@@ -95,13 +98,15 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
     local = (
         args.gpus_per_node if args.gpus_per_node is not None else os.environ.get("LOCAL_WORLD_SIZE")
     )
-    # Every rank decides on the same gathered values, so a bad value raises on every rank alike (none hangs).
+    # Every rank decides on the same gathered values, so a bad value raises on every rank alike
+    # (none hangs).
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (local, socket.gethostname()))
     values = sorted({str(value) for value, _ in everyone})
     if values == ["None"]:
         raise ValueError(
-            "ranks per node unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it); pass --gpus-per-node"
+            "ranks per node unknown: LOCAL_WORLD_SIZE is not "
+            "set (torchrun sets it); pass --gpus-per-node"
         )
     if len(values) > 1:
         return [
@@ -119,7 +124,8 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
     kinds = [entry.kind for entry in placement.kinds if entry.should_stay_intra_node]
     return [
         (
-            f"placement: {', '.join(kinds) or 'no kind'} groups stay on nodes of {gpus_per_node} ranks",
+            f"placement: {', '.join(kinds) or 'no kind'} "
+            f"groups stay on nodes of {gpus_per_node} ranks",
             not placement.violations(),
             "; ".join(placement.warnings()),
         ),
@@ -128,14 +134,16 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
 
 
 def nodes_share_hosts(hosts: list[str], gpus_per_node: int) -> Check:
-    """Check that the ranks the arithmetic puts on one node (``r // gpus_per_node``) run on one host: a launcher
-    that deals ranks round-robin over hosts (Slurm's cyclic distribution) breaks every placement claim."""
+    """Check that the ranks the arithmetic puts on one node (``r // gpus_per_node``) run on one
+    host: a launcher that deals ranks round-robin over hosts (Slurm's cyclic distribution) breaks
+    every placement claim."""
     split = []
     for node in range(len(hosts) // gpus_per_node):
         on_node = sorted(set(hosts[node * gpus_per_node : (node + 1) * gpus_per_node]))
         if len(on_node) > 1:
             split.append(
-                f"node {node} (ranks {node * gpus_per_node}-{(node + 1) * gpus_per_node - 1}) on {on_node}"
+                f"node {node} (ranks "
+                f"{node * gpus_per_node}-{(node + 1) * gpus_per_node - 1}) on {on_node}"
             )
     return (
         f"placement: each node's {gpus_per_node} consecutive ranks share one host",
@@ -155,9 +163,9 @@ def _group_members(group: Any, world: int, device: Any) -> list[int]:
 
 
 def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
-    """Expert grads filtered with the expert TP group, not the dense one (Megatron-LM PR 6470): on a TP = EP =
-    world, expert TP 1 grid, norm ``sqrt(1 + W)`` and zero count ``1 + W``, where the dense TP group gives
-    ``sqrt(2)`` and 2."""
+    """Expert grads filtered with the expert TP group, not the dense one (Megatron-LM PR 6470): on a
+    TP = EP = world, expert TP 1 grid, norm ``sqrt(1 + W)`` and zero count ``1 + W``, where the
+    dense TP group gives ``sqrt(2)`` and 2."""
     import torch
 
     from pgregistry import registry
@@ -241,9 +249,10 @@ def _oracle_checks(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
 
 
 def _whole_model_statistics(grads: dict[str, torch.Tensor]) -> tuple[dict[float, float], int]:
-    """The float64 2-norm and inf-norm (keyed by p) and the zero count of the whole unsharded model's grads: what
-    its shards must give on any layout. The test suite has its own oracle (``tests/fixtures/unsharded_oracle.py``),
-    which this command may not import and which never reads this."""
+    """The float64 2-norm and inf-norm (keyed by p) and the zero count of the whole unsharded
+    model's grads: what its shards must give on any layout. The test suite has its own oracle
+    (``tests/fixtures/unsharded_oracle.py``), which this command may not import and which never
+    reads this."""
     import torch
 
     flat = torch.cat([g.reshape(-1) for g in grads.values()])
@@ -287,8 +296,9 @@ def _run_verify(args: argparse.Namespace) -> int:
         return 2
     expt_tp = args.expt_tp if args.expt_tp is not None else args.tp
     title = (
-        f"pgregistry verify: backend {args.backend}, tp {args.tp} cp {args.cp} pp {args.pp} ep {args.ep} "
-        f"expt_tp {expt_tp} gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
+        f"pgregistry verify: backend {args.backend}, tp {args.tp} cp "
+        f"{args.cp} pp {args.pp} ep {args.ep} expt_tp {expt_tp} "
+        f"gtp_remat {args.gtp_remat} expt_gtp_remat {args.expt_gtp_remat}"
     )
     return run_checks(
         title,
@@ -305,18 +315,21 @@ def add_command(subparsers: Subparsers) -> None:
         "verify",
         help="check groups, node placement, grad statistics and seeds under torchrun",
         description=(
-            "Run under torchrun (torchrun --nproc-per-node N -m pgregistry verify ...): build the layout's "
-            "collection on the job's backend and check group membership, node placement (ranks per node from "
-            "LOCAL_WORLD_SIZE), grad norms and zero counts against float64 oracles, and RNG seeds against the seed "
-            "plan. Rank 0 prints a pass/fail table; exit 1 when a check failed on any rank."
+            "Run under torchrun (torchrun --nproc-per-node N -m pgregistry verify ...): "
+            "build the layout's collection on the job's backend and check group "
+            "membership, node placement (ranks per node from LOCAL_WORLD_SIZE), grad norms "
+            "and zero counts against float64 oracles, and RNG seeds against the seed plan. "
+            "Rank 0 prints a pass/fail table; exit 1 when a check failed on any rank."
         ),
     )
     add_layout_arguments(parser, num_ranks=False)
     add_placement_arguments(
         parser,
         check=False,
-        gpus_per_node_help="ranks per node (default: the launcher's LOCAL_WORLD_SIZE): the placement check fails "
-        "when a kind of --intra-node crosses nodes or a node's ranks run on different hosts",
+        gpus_per_node_help=(
+            "ranks per node (default: the launcher's LOCAL_WORLD_SIZE): the placement check fails "
+            "when a kind of --intra-node crosses nodes or a node's ranks run on different hosts"
+        ),
     )
     parser.add_argument(
         "--backend",

@@ -1,11 +1,12 @@
 """Expert-parallel ranks, and parameter names that do not depend on the parallel layout.
 
-With expert parallelism (EP) each rank holds ``num_experts // ep_size`` experts and numbers them from 0, so a
-rank-local name such as ``layers.3.mlp.experts.local_experts.0.linear_fc1.weight`` means a different expert on
-every EP rank; saved under local names, the experts of all ranks overwrite each other (KempnerForge#202) and
-cannot be reloaded at another EP size. A *global* name numbers experts over the whole model
-(``ep_rank * (num_experts // ep_size) + local_index``) and layers over the whole pipeline, so it is the same on
-every layout. On the standard grid (EP 1, PP 1) global names equal local ones: existing checkpoints keep loading.
+With expert parallelism (EP) each rank holds ``num_experts // ep_size`` experts and numbers them
+from 0, so a rank-local name such as ``layers.3.mlp.experts.local_experts.0.linear_fc1.weight``
+means a different expert on every EP rank; saved under local names, the experts of all ranks
+overwrite each other (KempnerForge#202) and cannot be reloaded at another EP size. A *global* name
+numbers experts over the whole model (``ep_rank * (num_experts // ep_size) + local_index``) and
+layers over the whole pipeline, so it is the same on every layout. On the standard grid (EP 1, PP 1)
+global names equal local ones: existing checkpoints keep loading.
 
 * :mod:`~pgregistry.experts._ep`: the EP rank and size, from a collection;
 * :mod:`~pgregistry.experts._keys`: state-dict expert keys renamed between local and global indices;

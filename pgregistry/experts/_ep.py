@@ -1,8 +1,8 @@
 """The expert-parallel rank and size of this process, from a collection.
 
-Each model reads its own collection, so models on different grids in one process get their own EP layout. An
-omitted collection is the global grid, with a warning, never "EP off": on an EP 4 grid that gave every rank's
-experts the same global names.
+Each model reads its own collection, so models on different grids in one process get their own EP
+layout. An omitted collection is the global grid, with a warning, never "EP off": on an EP 4 grid
+that gave every rank's experts the same global names.
 """
 
 from __future__ import annotations

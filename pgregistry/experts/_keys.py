@@ -3,16 +3,17 @@
 Two key styles are renamed, the same way in both directions:
 
 * sequential: ``...local_experts.<i>.<rest>``;
-* grouped GEMM: ``...experts.<...>.weight<i>`` and ``bias<i>``, optionally with a ``_w``/``_v`` suffix (the two
-  halves of SwiGLU), where a segment ``experts`` precedes the last one.
+* grouped GEMM: ``...experts.<...>.weight<i>`` and ``bias<i>``, optionally with a ``_w``/``_v``
+  suffix (the two halves of SwiGLU), where a segment ``experts`` precedes the last one.
 
-Every other key is left as it is. Unlike Megatron-Core's ``handle_experts_in_state_dict``: a missing or
-inconsistent ``num_experts`` raises instead of dropping keys, grouped ``bias<i>`` keys are renamed too, and the
-order of the keys is kept. Renaming is strict by default, as the checkpoint loaders are: each family of expert keys
-(one key with its expert index left out) must hold exactly the experts ``num_experts`` gives (a rank's local ones,
-or every expert of a whole-model state dict), so a ``num_experts`` too large for the state dict (16 given for a
-model of 8: rank 1's experts 4-7 named 8-11) raises instead of renaming into the wrong slots; ``strict=False``
-renames a partial state dict (a few keys) on purpose. This module imports no torch, so it can be used on
+Every other key is left as it is. Unlike Megatron-Core's ``handle_experts_in_state_dict``: a missing
+or inconsistent ``num_experts`` raises instead of dropping keys, grouped ``bias<i>`` keys are
+renamed too, and the order of the keys is kept. Renaming is strict by default, as the checkpoint
+loaders are: each family of expert keys (one key with its expert index left out) must hold exactly
+the experts ``num_experts`` gives (a rank's local ones, or every expert of a whole-model state
+dict), so a ``num_experts`` too large for the state dict (16 given for a model of 8: rank 1's
+experts 4-7 named 8-11) raises instead of renaming into the wrong slots; ``strict=False`` renames a
+partial state dict (a few keys) on purpose. This module imports no torch, so it can be used on
 checkpoints without it.
 """
 
@@ -48,7 +49,7 @@ def _num_local(num_experts: int, ep_size: int) -> int:
 
 
 def check_ep(ep_rank: int, ep_size: int) -> None:
-    """``ValueError`` unless ``ep_rank`` and ``ep_size`` are integers with ``0 <= ep_rank < ep_size``."""
+    """``ValueError`` unless ``ep_rank``, ``ep_size`` are ints with ``0 <= ep_rank < ep_size``."""
     for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -84,8 +85,8 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
     num_local = _num_local(num_experts, ep_size)
     if not 0 <= local_index < num_local:
         raise ValueError(
-            f"local expert index {local_index} is out of range: {num_experts} experts over {ep_size} EP ranks "
-            f"leave {num_local} per rank"
+            f"local expert index {local_index} is out of range: {num_experts} "
+            f"experts over {ep_size} EP ranks leave {num_local} per rank"
         )
     return ep_rank * num_local + local_index
 
@@ -173,7 +174,7 @@ def is_expert_key(key: str) -> bool:
 
 
 def global_key(key: str, slot: ExpertSlot, num_experts: int, ep_rank: int, ep_size: int) -> str:
-    """``key`` (whose expert index is at ``slot``) with that index made global; errors name ``key``."""
+    """``key`` (expert index at ``slot``) with that index made global; errors name ``key``."""
     try:
         return slot.with_index(global_expert_index(slot.index, num_experts, ep_rank, ep_size))
     except ValueError as exc:
@@ -294,13 +295,17 @@ def localize_expert_keys(
             _refuse_incomplete(
                 state_dict,
                 mine,
-                f"EP rank {ep_rank} of {ep_size} holds experts {_format_span(mine)} of {num_experts}",
+                f"EP rank {ep_rank} of {ep_size} holds experts "
+                f"{_format_span(mine)} of {num_experts}",
             )
     return renamed
 
 
 def _refuse_incomplete(state_dict: Mapping[str, object], expected: range, why: str) -> None:
-    """``ValueError`` naming the first family of expert keys of ``state_dict`` whose indices are not ``expected``."""
+    """``ValueError`` naming the first family of expert keys with wrong indices.
+
+    The keys are those of ``state_dict``; the right indices are ``expected``.
+    """
     families: dict[str, set[int]] = {}
     for key in state_dict:
         slot = expert_slot(key)
@@ -310,8 +315,8 @@ def _refuse_incomplete(state_dict: Mapping[str, object], expected: range, why: s
         if indices != set(expected):
             raise ValueError(
                 f"expert keys {family!r} hold experts {_format_span(sorted(indices))}, "
-                f"but {why} ({_format_span(expected)}): is "
-                "num_experts the model's? Pass strict=False to rename a partial state dict on purpose"
+                f"but {why} ({_format_span(expected)}): is num_experts the model's? "
+                "Pass strict=False to rename a partial state dict on purpose"
             )
 
 
@@ -328,8 +333,9 @@ def _rename_expert_keys(
     num_experts: int | None,
     rename_expert: Callable[[str, ExpertSlot, int], str | None],
 ) -> dict[str, V]:
-    """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)`` (``None`` leaves
-    the entry out) and the other keys kept, in order; ``ValueError`` when two keys get one name."""
+    """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)``
+    (``None`` leaves the entry out) and the other keys kept, in order; ``ValueError`` when two keys
+    get one name."""
     out: dict[str, V] = {}
     for key, value in state_dict.items():
         slot = expert_slot(key)

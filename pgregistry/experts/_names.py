@@ -1,8 +1,8 @@
-"""Global parameter names: the same on every parallel layout, so checkpoints and optimizer state reload anywhere.
+"""Global parameter names: alike on any layout, so checkpoints and optimizer state reload anywhere.
 
-A global name numbers experts over the whole model (``ep_rank * (num_experts // ep_size) + local_index``) and
-layers over the whole pipeline. On the standard grid (EP 1, PP 1) global names equal ``named_parameters()``
-names: existing checkpoints keep loading.
+A global name numbers experts over the whole model (``ep_rank * (num_experts // ep_size) +
+local_index``) and layers over the whole pipeline. On the standard grid (EP 1, PP 1) global names
+equal ``named_parameters()`` names: existing checkpoints keep loading.
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ _MTP: Final = "mtp"
 
 
 class NamingOptions(TypedDict, total=False):
-    """Keywords that say where a model's parameters sit globally: those of every function that names them (here
-    and in :mod:`pgregistry.checkpoint`), each optional.
+    """Keywords that say where a model's parameters sit globally: those of every function that names
+    them (here and in :mod:`pgregistry.checkpoint`), each optional.
 
-    ``pg_collection`` is the model's collection: its ``ep`` group gives the EP rank and size (read only when a
-    name belongs to an expert) and its ``pp`` group tells that pipeline parallelism is off (read only when a chunk
-    has no layer offset). It defaults to the collection attached to the model; without either the global grid is
-    read, with a fallback warning. ``num_experts`` defaults to the chunk's ``num_experts`` or
-    ``config.num_moe_experts``. ``layer_offsets`` holds each chunk's first global layer index; it defaults to a
-    ``layer_offset`` attribute on each chunk (or a module it wraps), and may be left out altogether only with one
-    chunk and pipeline parallelism off.
+    ``pg_collection`` is the model's collection: its ``ep`` group gives the EP rank and size (read
+    only when a name belongs to an expert) and its ``pp`` group tells that pipeline parallelism is
+    off (read only when a chunk has no layer offset). It defaults to the collection attached to the
+    model; without either the global grid is read, with a fallback warning. ``num_experts`` defaults
+    to the chunk's ``num_experts`` or ``config.num_moe_experts``. ``layer_offsets`` holds each
+    chunk's first global layer index; it defaults to a ``layer_offset`` attribute on each chunk (or
+    a module it wraps), and may be left out altogether only with one chunk and pipeline parallelism
+    off.
     """
 
     pg_collection: ProcessGroupCollection | None
@@ -50,21 +51,23 @@ _NAMING_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp")
 
 
 def check_naming_options(options: Mapping[str, object], owner: str) -> None:
-    """``TypeError`` naming a keyword that is not a :class:`NamingOptions` one (``**options`` would otherwise
-    swallow a misspelled or removed keyword, and name the parameters on the wrong layout)."""
+    """``TypeError`` naming a keyword that is not a :class:`NamingOptions` one (``**options`` would
+    otherwise swallow a misspelled or removed keyword, and name the parameters on the wrong
+    layout)."""
     unknown = sorted(set(options) - set(NamingOptions.__annotations__))
     if unknown:
         raise TypeError(
-            f"{owner} got unexpected keyword argument(s) {unknown}; the naming keywords are "
-            f"{sorted(NamingOptions.__annotations__)} (EP ranks come from pg_collection's 'ep' group)"
+            f"{owner} got unexpected keyword argument(s) {unknown}; the "
+            f"naming keywords are {sorted(NamingOptions.__annotations__)} "
+            "(EP ranks come from pg_collection's 'ep' group)"
         )
 
 
 class GlobalNamer:
-    """Renames the parameter names of model chunks to global names; see :func:`named_global_parameters`.
+    """Renames model chunks' parameter names to global names; see :func:`named_global_parameters`.
 
-    ``collection`` gives the chunks' resolved collection; it is called at most once, and only when a name needs EP
-    or PP, so a model that needs neither is never asked for one."""
+    ``collection`` gives the chunks' resolved collection; it is called at most once, and only when a
+    name needs EP or PP, so a model that needs neither is never asked for one."""
 
     def __init__(
         self,
@@ -94,8 +97,9 @@ class GlobalNamer:
         owner: str,
         **options: Unpack[NamingOptions],
     ) -> GlobalNamer:
-        """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection is resolved
-        (explicit, else attached, else the global grid with a warning) when first needed."""
+        """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection
+        is resolved (explicit, else attached, else the global grid with a warning) when first
+        needed."""
         check_naming_options(options, owner)
         chunks = normalise_model(model_chunks, owner).chunks
         pg_collection = options.get("pg_collection")
@@ -119,9 +123,9 @@ class GlobalNamer:
 
     def name(self, chunk_index: int, local_name: str) -> str:
         name = local_name
-        # Multi-token-prediction layers keep their own numbering, as in Megatron-Core (which renumbers no name that
-        # contains "mtp"): the MTP block sits on the last stage whatever the pipeline, so offsetting it would give
-        # one parameter a different name at PP 2 than at PP 1.
+        # Multi-token-prediction layers keep their own numbering, as in Megatron-Core (which
+        # renumbers no name that contains "mtp"): the MTP block sits on the last stage whatever the
+        # pipeline, so offsetting it would give one parameter a different name at PP 2 than at PP 1.
         match = None if _MTP in name else _LAYER.search(name)
         if match is not None:
             layer = self._layer_offset(chunk_index) + int(match.group(1))
@@ -136,19 +140,21 @@ class GlobalNamer:
         return global_key(name, slot, num_experts, ep_rank, ep_size)
 
     def check_expert_counts(self) -> None:
-        """``ValueError`` when a chunk holds fewer local experts than ``num_experts`` over the EP size: its global
-        indices would leave gaps (16 experts over EP 2 with 4 local ones per rank: experts 0-3 and 8-11, while
-        4-7 and 12-15 exist nowhere), and a checkpoint would be stored with them. More local experts than that
-        are refused as each is named (:func:`~pgregistry.experts._keys.global_expert_index`)."""
+        """``ValueError`` when a chunk holds fewer local experts than ``num_experts`` over the EP
+        size: its global indices would leave gaps (16 experts over EP 2 with 4 local ones per rank:
+        experts 0-3 and 8-11, while 4-7 and 12-15 exist nowhere), and a checkpoint would be stored
+        with them. More local experts than that are refused as each is named
+        (:func:`~pgregistry.experts._keys.global_expert_index`)."""
         for (chunk_index, key, num_experts), indices in self._local_experts.items():
             ep_size = self._ep_rank_and_size()[1]
             if len(indices) * ep_size != num_experts:
                 held = len(indices)
                 raise ValueError(
-                    f"num_experts is {num_experts}, but model chunk {chunk_index} holds {held} local experts "
-                    f"({key!r}) with EP size {ep_size}, {held * ep_size} experts in all: the global expert indices "
-                    f"would leave gaps; pass num_experts={held * ep_size}, or build {num_experts // ep_size} local "
-                    "experts per rank"
+                    f"num_experts is {num_experts}, but model chunk {chunk_index} "
+                    f"holds {held} local experts ({key!r}) with EP size {ep_size}, "
+                    f"{held * ep_size} experts in all: the global expert indices "
+                    f"would leave gaps; pass num_experts={held * ep_size}, or "
+                    f"build {num_experts // ep_size} local experts per rank"
                 )
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
@@ -168,8 +174,9 @@ class GlobalNamer:
             value = getattr(_chain_attribute(chunk, "config"), "num_moe_experts", None)
         if value is None:
             raise ValueError(
-                f"parameter {local_name!r} belongs to an expert but the number of experts is unknown: pass "
-                "num_experts, or set num_experts (or config.num_moe_experts) on the model chunk"
+                f"parameter {local_name!r} belongs to an expert but the "
+                "number of experts is unknown: pass num_experts, or set "
+                "num_experts (or config.num_moe_experts) on the model chunk"
             )
         return int(value)
 
@@ -184,19 +191,21 @@ class GlobalNamer:
             offset = self._offset_without_pipeline(chunk_index)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(
-                f"layer offset of model chunk {chunk_index} must be a non-negative integer: {offset!r}"
+                f"layer offset of model chunk {chunk_index} "
+                f"must be a non-negative integer: {offset!r}"
             )
         self._offsets[chunk_index] = offset
         return offset
 
     def _offset_without_pipeline(self, chunk_index: int) -> int:
-        """0 when one chunk holds every layer (PP off); otherwise the offset is unknown and this raises."""
+        """0 when one chunk holds every layer (PP off); else the offset is unknown: this raises."""
         if len(self._chunks) == 1:
             if group_size(self._get_collection().get("pp")) == 1:
                 return 0
         raise ValueError(
-            f"model chunk {chunk_index} has layers but no first global layer index: with pipeline or virtual "
-            "pipeline stages set chunk.layer_offset on each chunk, or pass layer_offsets"
+            f"model chunk {chunk_index} has layers but no first global "
+            "layer index: with pipeline or virtual pipeline stages set "
+            "chunk.layer_offset on each chunk, or pass layer_offsets"
         )
 
 
@@ -233,7 +242,7 @@ def named_global_parameters(
 
 
 def global_names(namer: GlobalNamer) -> list[tuple[str, nn.Parameter]]:
-    """``(global name, parameter)`` for every parameter of ``namer``'s chunks, each once, in chunk order."""
+    """``(global name, parameter)`` per parameter of ``namer``'s chunks, once, in chunk order."""
     seen: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
     for index, chunk in enumerate(namer.chunks):
@@ -277,7 +286,10 @@ def get_global_unique_param_name(
 
 
 def _chain_attribute(module: nn.Module, name: str) -> Any:
-    """The first non-None ``name`` attribute of ``module`` or a module it wraps (DDP, FSDP, ...); else None."""
+    """The first non-None ``name`` attribute of ``module`` or a module it wraps, else None.
+
+    Wrappers such as DDP and FSDP are followed.
+    """
     for inner in wrapper_chain(module):
         value = getattr(inner, name, None)
         if value is not None:

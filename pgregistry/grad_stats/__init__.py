@@ -1,17 +1,21 @@
-"""Grad statistics over a process-group collection: duplicate filters, norms, zero counts and clipping.
+"""Grad statistics over a process-group collection: duplicate filters, norms, zero counts, clipping.
 
 A global grad statistic must count each distinct piece of the model exactly once:
 
-* :mod:`~pgregistry.grad_stats._filters`: which rank counts each gradient (TP, expert TP and GTP duplicates,
-  shared copies) and which group sums it (:class:`StatsGroups`);
-* :mod:`~pgregistry.grad_stats._reductions`: the one reduction path: local shares by group, one reducer issuing
-  every collective in an order every rank agrees on;
-* :mod:`~pgregistry.grad_stats._local`: local shares of lists of grads (the one-read kernel, host blocks, torch);
-* :mod:`~pgregistry.grad_stats._lists`: norms, zero counts and clipping of grads already filtered by group;
-* :mod:`~pgregistry.grad_stats._plan`: a model's classification, kept between calls while it cannot be stale;
+* :mod:`~pgregistry.grad_stats._filters`: which rank counts each gradient (TP, expert TP and GTP
+  duplicates, shared copies) and which group sums it (:class:`StatsGroups`);
+* :mod:`~pgregistry.grad_stats._reductions`: the one reduction path: local shares by group, one
+  reducer issuing every collective in an order every rank agrees on;
+* :mod:`~pgregistry.grad_stats._local`: local shares of lists of grads (the one-read kernel, host
+  blocks, torch);
+* :mod:`~pgregistry.grad_stats._lists`: norms, zero counts and clipping of grads already filtered by
+  group;
+* :mod:`~pgregistry.grad_stats._plan`: a model's classification, kept between calls while it cannot
+  be stale;
 * :mod:`~pgregistry.grad_stats._devices`: the device a statistic is computed and reduced on;
-* :mod:`~pgregistry.grad_stats._functional`: :func:`grad_norm`, :func:`count_zeros`, :func:`grad_norm_and_zeros`,
-  :func:`clip_grad_norm_` and :func:`classify_grads` on a model and its collection.
+* :mod:`~pgregistry.grad_stats._functional`: :func:`grad_norm`, :func:`count_zeros`,
+  :func:`grad_norm_and_zeros`, :func:`clip_grad_norm_` and :func:`classify_grads` on a model and its
+  collection.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The device a grad statistic is computed and reduced on: where the grads are, or what the group's backend needs."""
+"""The device a grad statistic is computed and reduced on.
+
+Where the grads are, or what the group's backend needs.
+"""
 
 from __future__ import annotations
 

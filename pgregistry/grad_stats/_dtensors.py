@@ -1,25 +1,29 @@
-"""DTensor grads in grad statistics: each local piece counted as its placements and its parameter's roles say.
+"""DTensor grads in grad statistics: each local piece counted as its placements and roles say.
 
-FSDP2 (``fully_shard``), ``parallelize_module`` and ``distribute_tensor`` leave DTensor grads. A DTensor's local
-piece (``to_local()``) is classified per mesh dim it spans, the dim's group matched to a group of the collection:
+FSDP2 (``fully_shard``), ``parallelize_module`` and ``distribute_tensor`` leave DTensor grads. A
+DTensor's local piece (``to_local()``) is classified per mesh dim it spans, the dim's group matched
+to a group of the collection:
 
-* a dim inside the parameter's reduction group (``mp`` for dense, ``tp_ep_pp_with_egtp_remat`` for experts: TP, EP,
-  PP):
-  ``Shard`` pieces are distinct and summed there; ``Replicate`` copies are counted on the dim's rank 0 only;
-* a dim outside it (a data-parallel group: ``dp_cp``, ``expt_dp``, HSDP's ``intra_dp_cp`` / ``inter_dist_opt``):
-  ``Shard`` pieces are summed over that group first (one all-reduce per such collection field, in field order, by
-  the one reducer, :func:`~pgregistry.grad_stats._reductions.reduce_shares`);
-  ``Replicate`` copies are each counted by their own replica, as plain grads are;
-* ``Partial``: the pending reduction is done first, on a copy of the local tensor, then it counts as ``Replicate``.
+* a dim inside the parameter's reduction group (``mp`` for dense, ``tp_ep_pp_with_egtp_remat`` for
+  experts: TP, EP, PP): ``Shard`` pieces are distinct and summed there; ``Replicate`` copies are
+  counted on the dim's rank 0 only;
+* a dim outside it (a data-parallel group: ``dp_cp``, ``expt_dp``, HSDP's ``intra_dp_cp`` /
+  ``inter_dist_opt``): ``Shard`` pieces are summed over that group first (one all-reduce per such
+  collection field, in field order, by the one reducer,
+  :func:`~pgregistry.grad_stats._reductions.reduce_shares`); ``Replicate`` copies are each counted
+  by their own replica, as plain grads are;
+* ``Partial``: the pending reduction is done first, on a copy of the local tensor, then it counts as
+  ``Replicate``.
 
-Axes the DTensor does not span are decided by the roles, as for plain grads: not TP-sharded (GTP-sharded) is
-counted on TP (GTP) rank 0; a routed expert (``allreduce=False``) is distinct per EP rank and summed over the
-expert group. A placement that contradicts a role is an error naming the parameter, never a silent default: a
-routed expert whose grad is ``Replicate`` over a dim spanning EP is exactly the xorl report (per-expert LoRA
-factors treated as EP-replicated, norm low by 1/sqrt(ep)). So is a mesh dim that is no group of the collection,
-one that straddles the reduction group, a parameter laid out over an expert group without an EP classification,
-or a routed expert laid out over a dense group. No collective is ever issued on a DTensor: only on local tensors
-and shares, over the collection's groups.
+Axes the DTensor does not span are decided by the roles, as for plain grads: not TP-sharded
+(GTP-sharded) is counted on TP (GTP) rank 0; a routed expert (``allreduce=False``) is distinct per
+EP rank and summed over the expert group. A placement that contradicts a role is an error naming the
+parameter, never a silent default: a routed expert whose grad is ``Replicate`` over a dim spanning
+EP is exactly the xorl report (per-expert LoRA factors treated as EP-replicated, norm low by
+1/sqrt(ep)). So is a mesh dim that is no group of the collection, one that straddles the reduction
+group, a parameter laid out over an expert group without an EP classification, or a routed expert
+laid out over a dense group. No collective is ever issued on a DTensor: only on local tensors and
+shares, over the collection's groups.
 """
 
 from __future__ import annotations
@@ -51,29 +55,34 @@ __all__ = [
 ]
 
 _EXPERT_FIELDS: Final = frozenset({*EXPERT_GROUP_KINDS, "intra_expt_dp"})
-"""Fields of the expert grid: a dense parameter's mesh dim must not be one of these only (and vice versa)."""
+"""Fields of the expert grid.
+
+A dense parameter's mesh dim must not be one of these only (and vice versa).
+"""
 
 _PARTIAL_OPS: Final = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a DTensor (torch.distributed.tensor imported only when torch has it)."""
+    """Whether ``tensor`` is a DTensor (torch.distributed.tensor imported only if torch has it)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
 
 
 def is_partial(grad: DTensor) -> bool:
-    """Whether ``grad`` has a pending reduction (a ``Partial`` placement): reading it is collective."""
+    """Whether ``grad`` has a pending reduction (``Partial``): reading it is collective."""
     from torch.distributed.tensor import Partial
 
     return any(isinstance(placement, Partial) for placement in grad.placements)
 
 
 class MeshAxes:
-    """The collection's groups by rank set, so a mesh dim can be named by the collection fields it equals; and the
-    decisions of one statistics call, cached by layout (mesh, placements, roles), so classifying thousands of grads
-    costs a dictionary look-up each."""
+    """The collection's groups by rank set, and the decisions of one statistics call by layout.
+
+    By rank set, so a mesh dim can be named by the collection fields it equals; the decisions are
+    cached by layout (mesh, placements, roles), so classifying thousands of grads costs a dictionary
+    look-up each."""
 
     def __init__(
         self, collection: ProcessGroupCollection, reduce_groups: Mapping[bool, ProcessGroup | None]
@@ -106,10 +115,10 @@ class MeshAxes:
 class DTensorGrad:
     """How one DTensor grad enters the statistics on this rank.
 
-    ``piece`` is the grad's local tensor (what clipping scales); ``local`` is what is counted (``piece``, or a
-    reduced copy for a ``Partial`` grad), counted on this rank when ``counted``; ``outer`` is the collection field
-    it is summed over before the reduction group (``None``: none); ``expert`` picks the reduction group
-    (``tp_ep_pp``, else ``mp``).
+    ``piece`` is the grad's local tensor (what clipping scales); ``local`` is what is counted
+    (``piece``, or a reduced copy for a ``Partial`` grad), counted on this rank when ``counted``;
+    ``outer`` is the collection field it is summed over before the reduction group (``None``: none);
+    ``expert`` picks the reduction group (``tp_ep_pp``, else ``mp``).
     """
 
     piece: torch.Tensor
@@ -130,8 +139,10 @@ class _Dim:
 
 @attrs.frozen(slots=True)
 class Decision:
-    """How a DTensor grad is counted on this rank: ``counted``, summed over the ``outer`` field first (``None``:
-    no field), after the pending reductions over the ``partial`` dims."""
+    """How a DTensor grad is counted on this rank, and what it is summed over first.
+
+    ``counted``, summed over the ``outer`` field first (``None``: no field), after the pending
+    reductions over the ``partial`` dims."""
 
     counted: bool
     outer: GroupName | None
@@ -149,15 +160,17 @@ def classify_dtensor_grad(
 ) -> DTensorGrad:
     """Classify ``grad`` (a DTensor) of ``param`` named ``name``; see the module docstring.
 
-    ``verdicts`` say whether this rank counts the grad as far as TP and GTP go when no mesh dim spans that axis
-    (the roles' verdict, or the replication audit's measurement); ``expert`` overrides the role's routed-expert
-    verdict (the audit's measured truth). Collective only for a ``Partial`` grad (one all-reduce of a copy of its
-    local tensor per partial dim, over the matching collection group). Raises ``ValueError`` naming ``name`` on a
-    mesh/collection/role mismatch.
+    ``verdicts`` say whether this rank counts the grad as far as TP and GTP go when no mesh dim
+    spans that axis (the roles' verdict, or the replication audit's measurement); ``expert``
+    overrides the role's routed-expert verdict (the audit's measured truth). Collective only for a
+    ``Partial`` grad (one all-reduce of a copy of its local tensor per partial dim, over the
+    matching collection group). Raises ``ValueError`` naming ``name`` on a mesh/collection/role
+    mismatch.
     """
     expert = is_expert_param(param) if expert is None else expert
     decision = decision_of(name, param, grad, axes, verdicts, expert=expert)
-    # What to_local() returns a view of, without the autograd Function call to_local() costs per grad.
+    # What to_local() returns a view of, without the autograd Function call to_local() costs per
+    # grad.
     piece = grad._local_tensor
     local = piece
     for dim in decision.partial:
@@ -176,8 +189,9 @@ def decision_of(
     *,
     expert: bool | None = None,
 ) -> Decision:
-    """How ``grad`` is counted (:func:`classify_dtensor_grad` without the pending reduction: never collective),
-    decided once per (mesh, placements, roles) and kept in ``axes``."""
+    """How ``grad`` is counted, decided once per (mesh, placements, roles) and kept in ``axes``.
+
+    That is :func:`classify_dtensor_grad` without the pending reduction: never collective."""
     expert = is_expert_param(param) if expert is None else expert
     # Everything a decision depends on, as one flat tuple (built per grad: no intermediate objects).
     key = (
@@ -218,9 +232,10 @@ def _decide_dtensor_reduction(
         fields = axes.fields.get(ranks)
         if not fields:
             raise ValueError(
-                f"{name}: its grad's mesh dim {dim_name!r} spans ranks {sorted(ranks)}, which are no group of the "
-                "collection the statistics run on; build the mesh from the collection (pgregistry.mesh."
-                "to_device_mesh) so that every mesh dim is one of its groups"
+                f"{name}: its grad's mesh dim {dim_name!r} spans ranks {sorted(ranks)}, "
+                "which are no group of the collection the statistics run on; build the "
+                "mesh from the collection (pgregistry.mesh.to_device_mesh) so that "
+                "every mesh dim is one of its groups"
             )
         dims.append(_Dim(index, dim_name, ranks, fields, placement))
     _check_grid(name, param, expert, dims, axes.field_ranks("expt_dp"))
@@ -241,13 +256,14 @@ def _decide_dtensor_reduction(
                 outer.append(dim)
         else:
             raise ValueError(
-                f"{name}: mesh dim {dim.name!r} (the collection's {dim.fields[0]!r}) straddles the parameter's "
-                f"{'expert' if expert else 'dense'} reduction group: part of it is model-parallel, part not"
+                f"{name}: mesh dim {dim.name!r} (the collection's {dim.fields[0]!r}) "
+                f"straddles the parameter's {'expert' if expert else 'dense'} "
+                "reduction group: part of it is model-parallel, part not"
             )
     if len(outer) > 1:
         raise ValueError(
-            f"{name}: sharded over {len(outer)} data-parallel mesh dims {[d.name for d in outer]}; flatten them "
-            "into one dim that is a group of the collection (dp_cp, expt_dp)"
+            f"{name}: sharded over {len(outer)} data-parallel mesh dims {[d.name for d in outer]}; "
+            "flatten them into one dim that is a group of the collection (dp_cp, expt_dp)"
         )
     spanned = _axes_spanned_by_mesh(name, param, expert, dims, axes)
     for axis, verdict in zip(("tp", "gtp"), verdicts, strict=True):
@@ -267,32 +283,39 @@ def mesh_ranks(tensor: torch.Tensor, rank: int) -> frozenset[int]:
 def _check_grid(
     name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], expert_dp: frozenset[int]
 ) -> None:
-    """A parameter laid out over an expert-grid group must say how it stands to EP; an expert must not be laid out
-    over a dense-grid group, unless the group lies inside its expert data-parallel group: HSDP's replicate group
-    ``inter_dist_opt`` serves both grids (as in Megatron-Core), and there it crosses no EP or expert-TP rank."""
+    """Refuse a parameter laid out over a group of the wrong grid.
+
+    A parameter laid out over an expert-grid group must say how it stands to EP; an expert must not
+    be laid out over a dense-grid group, unless the group lies inside its expert data-parallel
+    group: HSDP's replicate group ``inter_dist_opt`` serves both grids (as in Megatron-Core), and
+    there it crosses no EP or expert-TP rank."""
     for dim in dims:
         only_expert = all(field in _EXPERT_FIELDS for field in dim.fields)
         only_dense = not any(field in _EXPERT_FIELDS for field in dim.fields)
         if only_expert and not hasattr(param, "allreduce"):
             raise ValueError(
-                f"{name}: its grad is laid out over mesh dim {dim.name!r}, the collection's expert group "
-                f"{dim.fields[0]!r}, but the parameter carries no EP classification; mark it with mark_expert "
-                "(distinct per EP rank) or mark_expert_replicated (replicated across EP): counting it as replicated "
-                "would make the norm low by 1/sqrt(ep) when it is not"
+                f"{name}: its grad is laid out over mesh dim {dim.name!r}, the "
+                f"collection's expert group {dim.fields[0]!r}, but the parameter "
+                "carries no EP classification; mark it with mark_expert (distinct per "
+                "EP rank) or mark_expert_replicated (replicated across EP): counting "
+                "it as replicated would make the norm low by 1/sqrt(ep) when it is not"
             )
         if only_dense and expert and not dim.ranks <= expert_dp:
             raise ValueError(
-                f"{name}: a routed expert (allreduce=False) laid out over mesh dim {dim.name!r}, the collection's "
-                f"dense group {dim.fields[0]!r}; lay experts out over the expert groups (expt_dp, ep, expt_tp)"
+                f"{name}: a routed expert (allreduce=False) laid out over mesh dim "
+                f"{dim.name!r}, the collection's dense group {dim.fields[0]!r}; "
+                "lay experts out over the expert groups (expt_dp, ep, expt_tp)"
             )
 
 
 def _axes_spanned_by_mesh(
     name: str, param: torch.Tensor, expert: bool, dims: Sequence[_Dim], axes: MeshAxes
 ) -> set[str]:
-    """The axes among tp, gtp and ep that some mesh dim spans; refuse a ``Replicate`` placement over one of them for
-    a parameter whose role says it is distinct there (for EP: a routed expert, whose dims spanning EP all lie in its
-    reduction group, so ``Replicate`` there would count one copy)."""
+    """The axes among tp, gtp and ep that some mesh dim spans.
+
+    Refuse a ``Replicate`` placement over one of them for a parameter whose role says it is distinct
+    there (for EP: a routed expert, whose dims spanning EP all lie in its reduction group, so
+    ``Replicate`` there would count one copy)."""
     claims: dict[str, tuple[GroupName, bool]] = {
         "tp": ("expt_tp" if expert else "tp", bool(getattr(param, "tensor_model_parallel", False))),
         "gtp": (
@@ -310,10 +333,11 @@ def _axes_spanned_by_mesh(
         spanned.add(axis)
         if distinct and not any(_is_shard(dim.placement) for dim in over):
             raise ValueError(
-                f"{name}: marked distinct per {axis.upper()} rank, but its grad is {over[0].placement!r} over mesh "
-                f"dim {over[0].name!r}, which spans {axis.upper()}; the placement would count one copy where each "
-                f"rank holds a different piece (norm low by 1/sqrt({len(over[0].ranks & ranks)})). Give the "
-                "DTensor a Shard placement there, or fix the role"
+                f"{name}: marked distinct per {axis.upper()} rank, but its grad is "
+                f"{over[0].placement!r} over mesh dim {over[0].name!r}, which spans "
+                f"{axis.upper()}; the placement would count one copy where each rank holds "
+                f"a different piece (norm low by 1/sqrt({len(over[0].ranks & ranks)})). "
+                "Give the DTensor a Shard placement there, or fix the role"
             )
     return spanned
 
@@ -325,7 +349,10 @@ def _is_shard(placement: Any) -> bool:
 
 
 def _copy_with_partial_reduced(local: torch.Tensor, dim: _Dim, axes: MeshAxes) -> torch.Tensor:
-    """``local`` with the pending ``Partial`` reduction over ``dim`` done, on a copy (the grad is untouched)."""
+    """``local`` with the pending ``Partial`` reduction over ``dim`` done.
+
+    Done on a copy: the grad is untouched.
+    """
     op = dim.placement.reduce_op
     if op not in _PARTIAL_OPS:
         raise ValueError(f"Partial({op!r}) grads are not supported")

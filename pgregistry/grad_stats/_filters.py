@@ -1,15 +1,17 @@
-"""Duplicate filters: which rank counts a gradient, and which group the counted gradient is summed over.
+"""Duplicate filters: which rank counts a gradient, and which group the counted one is summed over.
 
-Every rank classifies each of its local gradients by the parameter's roles (:mod:`pgregistry.params`). A parameter
-that is not TP-sharded is replicated across its TP group (the expert TP group for experts, ``allreduce is False``)
-and only TP rank 0 counts it; one that is not GTP-sharded is likewise counted on GTP-remat rank 0 only; ``shared``
-copies are never counted. Dense grads are summed over ``mp`` (TP x GTP x PP), expert grads over
-``tp_ep_pp_with_egtp_remat`` (expert TP x EP x expert GTP-remat x PP).
+Every rank classifies each of its local gradients by the parameter's roles
+(:mod:`pgregistry.params`). A parameter that is not TP-sharded is replicated across its TP group
+(the expert TP group for experts, ``allreduce is False``) and only TP rank 0 counts it; one that is
+not GTP-sharded is likewise counted on GTP-remat rank 0 only; ``shared`` copies are never counted.
+Dense grads are summed over ``mp`` (TP x GTP x PP), expert grads over ``tp_ep_pp_with_egtp_remat``
+(expert TP x EP x expert GTP-remat x PP).
 
-``None`` in the collection is an axis that is off (rank 0 of 1), never "ask the global grid": reading the global
-rank for a model whose own grid turned TP or GTP off undercounts the norm (see ``docs/known_bugs.md``). Only an
-omitted group (:data:`~pgregistry.collection.UNSET`) reaches the global grid, at the entry point's door
-(:mod:`pgregistry._runtime.resolve`), with a :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
+``None`` in the collection is an axis that is off (rank 0 of 1), never "ask the global grid":
+reading the global rank for a model whose own grid turned TP or GTP off undercounts the norm (see
+``docs/known_bugs.md``). Only an omitted group (:data:`~pgregistry.collection.UNSET`) reaches the
+global grid, at the entry point's door (:mod:`pgregistry._runtime.resolve`), with a
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning`.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ __all__ = [
 ]
 
 STATS_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "expt_tp", "gtp_remat", "expt_gtp_remat")
-"""The fields grad statistics read from the global grid (with a warning) when the collection leaves them UNSET;
-``tp`` and ``mp`` must be set."""
+"""The fields grad statistics read from the global grid (with a warning) when the collection leaves
+them UNSET; ``tp`` and ``mp`` must be set."""
 
 EXPERT_STATS_FIELDS: Final[tuple[GroupName, ...]] = ("ep", "expt_tp", "expt_gtp_remat")
-"""The fields of :data:`STATS_FALLBACK` only expert parameters read: a model without experts needs none of them."""
+"""The fields of :data:`STATS_FALLBACK` only expert parameters read.
+
+A model without experts needs none of them.
+"""
 
 _EXPERT_REDUCE: Final = "tp_ep_pp_with_egtp_remat"
 
@@ -74,12 +79,12 @@ class StatsGroups:
 
     @classmethod
     def from_collection(cls, collection: ProcessGroupCollection) -> StatsGroups:
-        """The groups of a resolved ``collection`` (its :data:`STATS_FALLBACK` fields set at the door).
+        """The groups of a resolved ``collection`` (:data:`STATS_FALLBACK` fields set at the door).
 
-        ``tp`` and ``mp`` must be set (``None`` when the axis is off), and ``tp_ep_pp_with_egtp_remat``, or
-        ``tp_ep_pp`` where expert GTP is off (the two then hold the same ranks, as Megatron-Core's optimizer
-        assumes; a collection from a Megatron-Core release without the GTP fields has only ``tp_ep_pp``):
-        ``ValueError`` naming the field otherwise.
+        ``tp`` and ``mp`` must be set (``None`` when the axis is off), and
+        ``tp_ep_pp_with_egtp_remat``, or ``tp_ep_pp`` where expert GTP is off (the two then hold the
+        same ranks, as Megatron-Core's optimizer assumes; a collection from a Megatron-Core release
+        without the GTP fields has only ``tp_ep_pp``): ``ValueError`` naming the field otherwise.
         """
         for name in ("tp", "mp"):
             _require_stats_group(collection, name)
@@ -98,16 +103,18 @@ class StatsGroups:
 def _require_stats_group(collection: ProcessGroupCollection, name: GroupName) -> None:
     if not collection.is_set(name):
         raise ValueError(
-            f"grad statistics need the collection's {name!r} group, which is not set; set it (None when "
-            "the axis is off) so a duplicate filter never reads the global grid for it"
+            f"grad statistics need the collection's {name!r} group, which is not set; set it "
+            "(None when the axis is off) so a duplicate filter never reads the global grid for it"
         )
 
 
 def _expert_reduce_group(
     collection: ProcessGroupCollection, expt_gtp_remat: ProcessGroup | None
 ) -> ProcessGroup | None:
-    """The expert model-parallel group: ``tp_ep_pp_with_egtp_remat``; ``tp_ep_pp`` is the same ranks only when
-    expert GTP is off, so it stands in for an unset one only then."""
+    """The expert model-parallel group: ``tp_ep_pp_with_egtp_remat``.
+
+    ``tp_ep_pp`` is the same ranks only when expert GTP is off, so it stands in for an unset one
+    only then."""
     if collection.is_set(_EXPERT_REDUCE) or group_size(expt_gtp_remat) > 1:
         _require_stats_group(collection, _EXPERT_REDUCE)
         return collection.get(_EXPERT_REDUCE)

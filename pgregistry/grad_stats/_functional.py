@@ -1,17 +1,20 @@
 """The functional API: global norm, zero count and clipping of a model's grads on its collection.
 
-Every entry point takes one way down (:func:`_read_reduce_and_clip`), entering each module on it once and never a
-module above it again: the door (:mod:`pgregistry._runtime.resolve`) takes apart what was given and resolves its
-collection, once; the kept plan (:func:`~pgregistry.grad_stats._plan.check_or_make_plan`) is checked, or made afresh
-whenever it could be stale; the plan reads the grads once into local shares, plain grads and DTensor local pieces
-alike; the one reducer (:mod:`pgregistry.grad_stats._reductions`) reduces them, first the DTensor pieces sharded
-over a data-parallel group, over that group, then everything over its reduction group. Both statistics come from one
-read when both are wanted (:func:`grad_norm_and_zeros`), and clipping scales from that norm: one pass over the
-grads, none when the coefficient is 1 (decided on the device where the kernel runs).
+Every entry point takes one way down (:func:`_read_reduce_and_clip`), entering each module on it
+once and never a module above it again: the door (:mod:`pgregistry._runtime.resolve`) takes apart
+what was given and resolves its collection, once; the kept plan
+(:func:`~pgregistry.grad_stats._plan.check_or_make_plan`) is checked, or made afresh whenever it
+could be stale; the plan reads the grads once into local shares, plain grads and DTensor local
+pieces alike; the one reducer (:mod:`pgregistry.grad_stats._reductions`) reduces them, first the
+DTensor pieces sharded over a data-parallel group, over that group, then everything over its
+reduction group. Both statistics come from one read when both are wanted
+(:func:`grad_norm_and_zeros`), and clipping scales from that norm: one pass over the grads, none
+when the coefficient is 1 (decided on the device where the kernel runs).
 
-Clipping decides job-wide: a NaN or inf seen on any rank that holds grads (the collection's ``intra_dist_opt``,
-and ``inter_dist_opt`` across optimizer instances) makes the norm non-finite on every rank, so a data-parallel
-replica whose grads are finite skips, clips or raises exactly as the replica whose grads are not.
+Clipping decides job-wide: a NaN or inf seen on any rank that holds grads (the collection's
+``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances) makes the norm non-finite on
+every rank, so a data-parallel replica whose grads are finite skips, clips or raises exactly as the
+replica whose grads are not.
 """
 
 from __future__ import annotations
@@ -112,14 +115,16 @@ def check_expert_classification(
 def verdict_groups(
     collection: ProcessGroupCollection, owner: str
 ) -> tuple[ProcessGroup | None, ...]:
-    """The groups that together span every rank holding grads: ``intra_dist_opt`` (every rank of one optimizer
-    instance; the whole layout as the registry builds it), then ``inter_dist_opt`` when it spans several instances.
-    ``ValueError`` naming ``intra_dist_opt`` when the collection does not set it (``None`` for a one-rank job)."""
+    """The groups that together span every rank holding grads.
+
+    ``intra_dist_opt`` (every rank of one optimizer instance; the whole layout as the registry
+    builds it), then ``inter_dist_opt`` when it spans several instances. ``ValueError`` naming
+    ``intra_dist_opt`` when the collection does not set it (``None`` for a one-rank job)."""
     if not collection.is_set("intra_dist_opt"):
         raise ValueError(
-            f"{owner} decides whether to clip on every rank that holds grads alike, over the collection's "
-            "'intra_dist_opt' group (every rank of the job, as pgregistry.build sets it; None for one rank), which "
-            "is not set; set it"
+            f"{owner} decides whether to clip on every rank that holds grads alike, "
+            "over the collection's 'intra_dist_opt' group (every rank of the job, as "
+            "pgregistry.build sets it; None for one rank), which is not set; set it"
         )
     inter = collection.get("inter_dist_opt") if collection.is_set("inter_dist_opt") else None
     return (collection.get("intra_dist_opt"), *((inter,) if group_size(inter) > 1 else ()))
@@ -133,8 +138,9 @@ def _read_reduce_and_clip(
     max_norm: float | None = None,
     error_if_nonfinite: bool = False,
 ) -> Reduced:
-    """Read, reduce and (with ``max_norm``, checked by the caller before any collective) clip: the one way down of
-    every entry point (module docstring)."""
+    """Read, reduce and (with ``max_norm``) clip: the one way down of every entry point.
+
+    See the module docstring. ``max_norm`` is checked by the caller before any collective."""
     source = source_of(params)
     given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
     plan, ordered, collection = check_or_make_plan(source, given, owner)

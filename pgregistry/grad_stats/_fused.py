@@ -1,22 +1,24 @@
-"""One-read grad statistics on CUDA: the sum of squares (2-norm) and the zero count of contiguous grads in one
-pass, over one flat span or over any number of separate tensors in one launch; and clipping's scaling over the same
-launch table, skipped on the device when the coefficient is 1.
+"""One-read grad statistics on CUDA: the sum of squares (2-norm) and the zero count of contiguous
+grads in one pass, over one flat span or over any number of separate tensors in one launch; and
+clipping's scaling over the same launch table, skipped on the device when the coefficient is 1.
 
-torch reads a tensor once per statistic, and its multi-tensor ops are bound by per-tensor host work: on an H200
-(docs/measurements/grad_stats_h200.txt) ``get_total_norm`` over 20,000 float32 tensors holding 2 GiB took 105 ms and
-a ``count_nonzero`` loop 500 ms (``_foreach_norm(ord=0)`` has no multi-tensor kernel either: one launch per tensor).
-The Triton kernel of :mod:`pgregistry.grad_stats._triton_kernels` reads every element once, in 16-byte vector loads
-wherever the data is 16-byte aligned, and writes per-block partials (float32 sums of ``BLOCK * ITERS`` squares at
-most and zero counts, as float64 pairs), summed here in float64 in one reduction: the count is exact. Separate
-tensors are read through a table of each program's first element and length, one launch per (device, dtype); the
-table depends only on the tensors' addresses and sizes, so it is built once (vectorised on the host, pinned, copied
-without a host sync) and kept on the device for as long as the grads keep their storage. The host work per call is
-then a few passes over the tensors at C speed (addresses, sizes), not Python work per tensor.
+torch reads a tensor once per statistic, and its multi-tensor ops are bound by per-tensor host work:
+on an H200 (docs/measurements/grad_stats_h200.txt) ``get_total_norm`` over 20,000 float32 tensors
+holding 2 GiB took 105 ms and a ``count_nonzero`` loop 500 ms (``_foreach_norm(ord=0)`` has no
+multi-tensor kernel either: one launch per tensor). The Triton kernel of
+:mod:`pgregistry.grad_stats._triton_kernels` reads every element once, in 16-byte vector loads
+wherever the data is 16-byte aligned, and writes per-block partials (float32 sums of ``BLOCK *
+ITERS`` squares at most and zero counts, as float64 pairs), summed here in float64 in one reduction:
+the count is exact. Separate tensors are read through a table of each program's first element and
+length, one launch per (device, dtype); the table depends only on the tensors' addresses and sizes,
+so it is built once (vectorised on the host, pinned, copied without a host sync) and kept on the
+device for as long as the grads keep their storage. The host work per call is then a few passes over
+the tensors at C speed (addresses, sizes), not Python work per tensor.
 
 Optional by design: triton (shipped with torch's CUDA wheels) is imported inside a function, and
-:func:`can_run_fused_stats` is False off CUDA or without it; callers then keep their torch path (the CPU path is
-the torch one). Only float32, bfloat16 and float16 contiguous tensors are read here; float64 grads, which
-accumulate in float64, and other norms keep the torch path.
+:func:`can_run_fused_stats` is False off CUDA or without it; callers then keep their torch path (the
+CPU path is the torch one). Only float32, bfloat16 and float16 contiguous tensors are read here;
+float64 grads, which accumulate in float64, and other norms keep the torch path.
 """
 
 from __future__ import annotations
@@ -65,15 +67,16 @@ BLOCK = 1024
 """Elements one program loads per iteration (a vector of loads per thread)."""
 
 ITERS: Final = {4: 8, 2: 32}
-"""Iterations per program by element size: a program reads ``BLOCK * ITERS`` consecutive elements, 32 KiB of float32
-(8 iterations of two 16-byte vectors a thread) or 64 KiB of bf16 / fp16 (32 of one). Measured on an H200 over 2 GiB
-in 2,000 and 20,000 tensors (``benchmarks/grad_stats.py --configs``, docs/performance.md): the table read 10-13%
-faster for float32 and 10-17% for bf16 than 16 iterations for both; the scale kernel, over the same table, within 3%.
+"""Iterations per program by element size: a program reads ``BLOCK * ITERS`` consecutive elements,
+32 KiB of float32 (8 iterations of two 16-byte vectors a thread) or 64 KiB of bf16 / fp16 (32 of
+one). Measured on an H200 over 2 GiB in 2,000 and 20,000 tensors (``benchmarks/grad_stats.py
+--configs``, docs/performance.md): the table read 10-13% faster for float32 and 10-17% for bf16 than
+16 iterations for both; the scale kernel, over the same table, within 3%.
 """
 
 WARPS = 4
-"""Warps per program (``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte vectors of float32, one
-of bf16)."""
+"""Warps per program (``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte
+vectors of float32, one of bf16)."""
 
 
 @functools.cache
@@ -82,9 +85,12 @@ def _import_kernels() -> ModuleType | None:
 
 
 def can_run_fused_stats(device: torch.device) -> bool:
-    """Whether the one-read kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per
-    device and process) that compiled and gave the exact statistics of a small tensor. Triton compiles with the
-    machine's C compiler and CUDA toolchain; where that fails, a warning names the error and the torch path runs."""
+    """Whether the one-read kernel runs on ``device``: CUDA, triton, and a first launch that passed.
+
+    Triton must be importable, and the first launch there (once per device and process) must have
+    compiled and given the exact statistics of a small tensor. Triton compiles with the machine's C
+    compiler and CUDA toolchain; where that fails, a warning names the error and the torch path
+    runs."""
     if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))
@@ -100,8 +106,9 @@ def _works_on(index: int) -> bool:
 
 
 def _probe_every_launch(device: torch.device) -> tuple[float, int, float, int, list[float]]:
-    """Every launch (a span, a table, scaling, clipping from a norm) over ``[0, 3, -0, 4]``: squares 25, zeros 2,
-    halved values (a NaN norm scales nothing)."""
+    """Every launch (a span, a table, scaling, clipping from a norm) over ``[0, 3, -0, 4]``.
+
+    Expected: squares 25, zeros 2, halved values (a NaN norm scales nothing)."""
     import torch
 
     probe = torch.tensor([0.0, 3.0, -0.0, 4.0], device=device)
@@ -128,8 +135,9 @@ def is_kernel_readable(tensor: torch.Tensor) -> bool:
 
 
 def one_read_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether contiguous grads of ``dtype`` on ``device`` are read by the kernels (CUDA, triton, a dtype they
-    read)."""
+    """Whether contiguous grads of ``dtype`` on ``device`` are read by the kernels.
+
+    That takes CUDA, triton, and a dtype they read."""
     return _readable_dtype(dtype) and can_run_fused_stats(device)
 
 
@@ -153,7 +161,10 @@ def _vector_width(dtype: torch.dtype) -> int:
 def _launch_squares_and_zeros(
     x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int
 ) -> torch.Tensor:
-    """One launch of ``programs`` programs (at least one): its pairs summed, ``[sum of squares, zeros]`` (float64)."""
+    """One launch of ``programs`` programs (at least one): its pairs summed.
+
+    The pairs are ``[sum of squares, zeros]`` (float64).
+    """
     import torch
 
     pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
@@ -188,8 +199,10 @@ def _split_pair(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def span_squares_and_zeros(
     view: torch.Tensor, *, block: int = BLOCK, iters: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of squares (0-dim float64) and number of zeros (0-dim int64) of a contiguous tensor, in one read
-    (``iters``: :func:`iterations_for` of its dtype unless given)."""
+    """Sum of squares and number of zeros of a contiguous tensor, in one read.
+
+    The sum is 0-dim float64, the count 0-dim int64; ``iters`` is :func:`iterations_for` of its
+    dtype unless given."""
     if not is_kernel_readable(view):
         raise ValueError(
             f"the one-read kernels read contiguous float32/bf16/fp16 tensors, not {view.dtype}"
@@ -208,12 +221,14 @@ def squares_and_zeros(
     block: int = BLOCK,
     iters: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of squares (0-dim float64) and number of zeros (0-dim int64) over ``tensors`` (contiguous, one device
-    and dtype), in one read and one launch whatever their number.
+    """Sum of squares and number of zeros over ``tensors``, in one read and one launch.
 
-    The kernel reads ``numel`` elements of the given dtype from each tensor's address, so every tensor is checked
-    for that first, unless ``checked=True``: the caller has grouped ``tensors`` by (device, dtype) and kept only
-    contiguous ones. The launch table comes from :func:`launch_of`.
+    ``tensors`` are contiguous, of one device and dtype, any number of them; the sum is 0-dim
+    float64, the count 0-dim int64.
+
+    The kernel reads ``numel`` elements of the given dtype from each tensor's address, so every
+    tensor is checked for that first, unless ``checked=True``: the caller has grouped ``tensors`` by
+    (device, dtype) and kept only contiguous ones. The launch table comes from :func:`launch_of`.
     """
     _check_readable(tensors, checked)
     if len(tensors) == 1:
@@ -222,9 +237,11 @@ def squares_and_zeros(
 
 
 def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> torch.Tensor:
-    """The sum of squares and the zero count of ``tensors`` through ``launch``, made for their addresses and sizes
-    (a caller that keeps it checks them; nothing is checked here), as one float64 pair ``[squares, zeros]``: a part
-    of the reductions as it is (:func:`~pgregistry.grad_stats._reductions.make_part`), no operation to make it."""
+    """The sum of squares and the zero count of ``tensors`` through ``launch``, one float64 pair.
+
+    ``launch`` is made for their addresses and sizes (a caller that keeps it checks them; nothing is
+    checked here). The pair ``[squares, zeros]`` is a part of the reductions as it is
+    (:func:`~pgregistry.grad_stats._reductions.make_part`), no operation to make it."""
     if launch.table is None:
         return _zero_pair(tensors[0].device)
     return _launch_squares_and_zeros(
@@ -240,14 +257,17 @@ def scale_(
     block: int = BLOCK,
     iters: int | None = None,
 ) -> None:
-    """Multiply ``tensors`` (as for :func:`squares_and_zeros`) in place by ``coeff`` (a 0-dim tensor) where it is
-    below 1, in one launch over the statistics' launch table; where it is 1 every program returns at once, so
-    clipping that does not scale reads and writes nothing, and nothing waits on the host.
+    """Multiply ``tensors`` in place by ``coeff`` where it is below 1, in one launch.
 
-    The coefficient is first rounded to the tensors' dtype (on the device, through float32, as torch's ``.to`` of a
-    float64 tensor), then each product is computed in float32 and rounded: torch's ``_foreach_mul_`` / ``mul_`` with
-    a 0-dim CUDA coefficient casts it to the tensors' dtype (the common dtype) before multiplying, and the unfused
-    path passes it so, so every path gives torch's bits."""
+    ``tensors`` as for :func:`squares_and_zeros`, ``coeff`` a 0-dim tensor; the launch is over the
+    statistics' launch table. Where ``coeff`` is 1 every program returns at once, so clipping that
+    does not scale reads and writes nothing, and nothing waits on the host.
+
+    The coefficient is first rounded to the tensors' dtype (on the device, through float32, as
+    torch's ``.to`` of a float64 tensor), then each product is computed in float32 and rounded:
+    torch's ``_foreach_mul_`` / ``mul_`` with a 0-dim CUDA coefficient casts it to the tensors'
+    dtype (the common dtype) before multiplying, and the unfused path passes it so, so every path
+    gives torch's bits."""
     _check_readable(tensors, checked)
     scale_over_(tensors, launch_of(tensors, block=block, iters=iters), coeff)
 
@@ -262,17 +282,22 @@ def scale_over_(tensors: Sequence[torch.Tensor], launch: Launch, coeff: torch.Te
 def clip_over_(
     tensors: Sequence[torch.Tensor], launch: Launch, max_norm: float, norm64: torch.Tensor
 ) -> None:
-    """Clip ``tensors`` through ``launch`` (as :func:`read_over`) by the coefficient of ``max_norm`` over the total
-    norm ``norm64`` (0-dim float64 on their device), computed by each program on the device with the bits of
-    :func:`~pgregistry.grad_stats._reductions.clip_coefficient`: no operation to make it, none to round it."""
+    """Clip ``tensors`` through ``launch`` by the coefficient of ``max_norm`` over ``norm64``.
+
+    ``launch`` as for :func:`read_over`; ``norm64`` is the total norm (0-dim float64 on their
+    device). Each program computes the coefficient on the device with the bits of
+    :func:`~pgregistry.grad_stats._reductions.clip_coefficient`: no operation to make it, none to
+    round it."""
     _scale_launch(tensors, launch, norm64, max_norm)
 
 
 def _scale_launch(
     tensors: Sequence[torch.Tensor], launch: Launch, value: torch.Tensor, max_norm: float | None
 ) -> None:
-    """The scale kernel over ``launch``: by the coefficient ``value`` (``max_norm`` ``None``), else by clipping's
-    coefficient of ``max_norm`` over the norm ``value``."""
+    """The scale kernel over ``launch``, by a coefficient or by clipping's coefficient.
+
+    By the coefficient ``value`` (``max_norm`` ``None``), else by clipping's coefficient of
+    ``max_norm`` over the norm ``value``."""
     if launch.table is None:
         return
     with launch_on(tensors[0].device):
@@ -294,20 +319,26 @@ def _scale_launch(
 
 @functools.cache
 def _epsilon_bits() -> int:
-    """The bits of clipping's epsilon, made once (the constant lives with the reductions, which import torch)."""
+    """The bits of clipping's epsilon, made once.
+
+    The constant lives with the reductions, which import torch.
+    """
     from pgregistry.grad_stats._reductions import CLIP_EPSILON
 
     return float64_bits(CLIP_EPSILON)
 
 
 def float64_bits(value: float) -> int:
-    """The bits of ``value`` as a float64, as a signed integer: how a float64 reaches a triton kernel exactly."""
+    """Float64 ``value``'s bits as a signed int: how a float64 reaches a triton kernel exactly."""
     bits: int = struct.unpack("<q", struct.pack("<d", value))[0]
     return bits
 
 
 def _check_readable(tensors: Sequence[torch.Tensor], checked: bool) -> None:
-    """``ValueError`` unless ``tensors`` are one readable kind, each contiguous (``checked``: the caller knows)."""
+    """``ValueError`` unless ``tensors`` are one readable kind, each contiguous.
+
+    ``checked``: the caller knows they are.
+    """
     if not tensors:
         raise ValueError("the one-read kernels need at least one tensor")
     device, dtype = tensors[0].device, tensors[0].dtype
@@ -316,16 +347,19 @@ def _check_readable(tensors: Sequence[torch.Tensor], checked: bool) -> None:
     for index, tensor in enumerate(() if checked else tensors):
         if not tensor.is_contiguous() or tensor.device != device or tensor.dtype != dtype:
             raise ValueError(
-                f"tensor {index} ({tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()}) differs "
-                f"from tensor 0 ({dtype} on {device}) or is not contiguous: pass contiguous tensors of one kind"
+                f"tensor {index} ({tensor.dtype} on {tensor.device}, "
+                f"contiguous={tensor.is_contiguous()}) differs from tensor 0 ({dtype} "
+                f"on {device}) or is not contiguous: pass contiguous tensors of one kind"
             )
 
 
 @attrs.frozen(slots=True)
 class Launch:
-    """The programs of one launch over a list of tensors: the index of the tensor at the lowest address (the
-    kernel's base), the table of each program's first element after it and element count (``None``: no
-    elements), and the ``block`` and ``iters`` the table was cut for."""
+    """The programs of one launch over a list of tensors.
+
+    The index of the tensor at the lowest address (the kernel's base), the table of each program's
+    first element after it and element count (``None``: no elements), and the ``block`` and
+    ``iters`` the table was cut for."""
 
     base: int
     table: torch.Tensor | None
@@ -336,11 +370,13 @@ class Launch:
 def launch_of(
     tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int | None = None
 ) -> Launch:
-    """The launch over ``tensors`` (one device and dtype). The table is a function of their addresses and sizes
-    only: built once per distinct (device, dtype, addresses, sizes), vectorised on the host, pinned and copied
-    without a host sync, and kept on the device (:class:`_Tables`), so a step whose grads keep their storage sends
-    nothing to the device; a caller that keeps the launch itself (:mod:`pgregistry.grad_stats._local`'s kept plans)
-    skips even the lookup."""
+    """The launch over ``tensors`` (one device and dtype), its table kept on the device.
+
+    The table is a function of their addresses and sizes only: built once per distinct (device,
+    dtype, addresses, sizes), vectorised on the host, pinned and copied without a host sync, and
+    kept on the device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to
+    the device; a caller that keeps the launch itself (:mod:`pgregistry.grad_stats._local`'s kept
+    plans) skips even the lookup."""
     import torch
 
     addresses = array("q", list(map(torch.Tensor.data_ptr, tensors)))
@@ -358,9 +394,11 @@ def launch_of(
 def _base_and_program_table(
     addresses: array[int], numels: array[int], dtype: torch.dtype, device: torch.device, chunk: int
 ) -> tuple[int, torch.Tensor | None]:
-    """The index of the tensor at the lowest address (the kernel's base) and the table of the programs reading
-    tensors at ``addresses`` of ``numels`` elements: ``[first element after the base, elements]`` per program, at
-    most ``chunk`` elements each (``None``: no elements). Vectorised: no Python work per tensor or program."""
+    """The kernel's base tensor and the table of the programs reading tensors at ``addresses``.
+
+    The base is the index of the tensor at the lowest address; the tensors hold ``numels`` elements.
+    The table has ``[first element after the base, elements]`` per program, at most ``chunk``
+    elements each (``None``: no elements). Vectorised: no Python work per tensor or program."""
     import torch
 
     start = torch.frombuffer(addresses, dtype=torch.int64)
@@ -372,8 +410,9 @@ def _base_and_program_table(
     if misaligned.numel():
         index = int(misaligned[0])
         raise ValueError(
-            f"tensor {index} starts {int(offsets[index])} bytes after tensor {base}, not a whole number of "
-            f"{dtype} elements: the one-read kernel addresses every tensor from the lowest one"
+            f"tensor {index} starts {int(offsets[index])} bytes after "
+            f"tensor {base}, not a whole number of {dtype} elements: the "
+            "one-read kernel addresses every tensor from the lowest one"
         )
     chunks = (sizes + chunk - 1) // chunk
     total = int(chunks.sum())
@@ -396,8 +435,8 @@ def _base_and_program_table(
 class _Tables:
     """The last few launch tables by (device, dtype, chunk, addresses and sizes), most recent last.
 
-    A hit needs the same addresses and sizes, from which the table is computed, so it is never stale; a few entries
-    cover the lists of one step (dense and expert grads, float32 and bf16)."""
+    A hit needs the same addresses and sizes, from which the table is computed, so it is never
+    stale; a few entries cover the lists of one step (dense and expert grads, float32 and bf16)."""
 
     def __init__(self, size: int) -> None:
         self._size = size

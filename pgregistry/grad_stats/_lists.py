@@ -1,10 +1,11 @@
-"""Norms, zero counts and clipping of grads already filtered and keyed by reduction group (Megatron-Core's
-``get_grad_norm_fp32`` / ``count_zeros_fp32`` / ``clip_grads`` shape): the one reduction path
-(:mod:`pgregistry.grad_stats._reductions`) over lists of tensors read by :mod:`pgregistry.grad_stats._local`.
+"""Norms, zero counts and clipping of grads already filtered and keyed by reduction group
+(Megatron-Core's ``get_grad_norm_fp32`` / ``count_zeros_fp32`` / ``clip_grads`` shape): the one
+reduction path (:mod:`pgregistry.grad_stats._reductions`) over lists of tensors read by
+:mod:`pgregistry.grad_stats._local`.
 
-The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave the result on
-the grads' device (no host sync), so optimizers and training loops can call them every step; see
-``docs/design/grad_stats_api.md``.
+The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave
+the result on the grads' device (no host sync), so optimizers and training loops can call them every
+step; see ``docs/design/grad_stats_api.md``.
 """
 
 from __future__ import annotations
@@ -123,18 +124,21 @@ def clip_grads_(
 
 
 def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
-    """With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``norm`` (a host sync)."""
+    """With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``norm`` (host sync)."""
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
-            f"the total grad norm is {float(norm)}, not finite, so the grads cannot be clipped (they are left as "
-            "they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+            f"the total grad norm is {float(norm)}, not finite, so the grads "
+            "cannot be clipped (they are left as they are); pass "
+            "error_if_nonfinite=False to leave them unscaled without raising"
         )
 
 
 def scale_grads_(
     grads: list[torch.Tensor] | tuple[torch.Tensor, ...], coeff: torch.Tensor | Clipping
 ) -> None:
-    """Multiply ``grads`` (any devices and dtypes) in place by ``coeff`` (0-dim, at most 1; or clipping's, which the
-    one-read kernel makes on the device from the norm), one call per kind."""
+    """Multiply ``grads`` (any devices and dtypes) in place by ``coeff``, one call per kind.
+
+    ``coeff`` is 0-dim, at most 1; or clipping's, which the one-read kernel makes on the device from
+    the norm."""
     for same_kind in by_kind(grads).values():
         scale_kind(same_kind, None, coeff)

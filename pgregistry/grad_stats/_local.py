@@ -1,26 +1,30 @@
-"""Local shares of lists of grads (plain tensors, DTensor local pieces), and scaling them: one read per (device, dtype).
+"""Local shares of lists of grads (plain tensors, DTensor local pieces), and scaling them.
+
+One read per (device, dtype).
 
 Each (device, dtype) *kind* of a list is read by one route:
 
-* CUDA with triton, float32/bf16/fp16, 2-norm or zero count: the one-read kernel (:mod:`pgregistry.grad_stats._fused`)
-  over a table of the contiguous grads' addresses, one launch for the whole kind, both statistics in one read (the
-  non-contiguous few go to torch's route);
-* the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds each, which
-  dominates for small grads), so small grads are concatenated (one dispatch; by trailing shape, so that no view
-  of each is made) into blocks of at most :data:`HOST_FLAT` elements in the accumulation dtype (float32; float64
-  for float64 grads), each reduced for both statistics while it is in the cache; a grad of more than
-  :data:`HOST_SMALL` elements is read in place, over rows of :data:`HOST_ROW` elements combined in float64 when it
-  is longer than :data:`HOST_BLOCK` (one float32 reduction that long loses precision). The extra memory is one
-  block, whatever the grads' size;
+* CUDA with triton, float32/bf16/fp16, 2-norm or zero count: the one-read kernel
+  (:mod:`pgregistry.grad_stats._fused`) over a table of the contiguous grads' addresses, one launch
+  for the whole kind, both statistics in one read (the non-contiguous few go to torch's route);
+* the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds
+  each, which dominates for small grads), so small grads are concatenated (one dispatch; by trailing
+  shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements in the
+  accumulation dtype (float32; float64 for float64 grads), each reduced for both statistics while it
+  is in the cache; a grad of more than :data:`HOST_SMALL` elements is read in place, over rows of
+  :data:`HOST_ROW` elements combined in float64 when it is longer than :data:`HOST_BLOCK` (one
+  float32 reduction that long loses precision). The extra memory is one block, whatever the grads'
+  size;
 * otherwise (CUDA float64, norms other than 2 without the kernel): ``torch._foreach_norm``.
 
-Complex grads are read through their moduli (``|z|``, a real copy of each): their norm is ``(sum |z|^p)^(1/p)``
-and an element is a zero when ``z == 0``, as torch's ``clip_grad_norm_`` has it; they are scaled in place by the
-real coefficient.
+Complex grads are read through their moduli (``|z|``, a real copy of each): their norm is ``(sum
+|z|^p)^(1/p)`` and an element is a zero when ``z == 0``, as torch's ``clip_grad_norm_`` has it; they
+are scaled in place by the real coefficient.
 
-How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their values:
-:func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls for as long as that
-layout stays the same. Shares accumulate in float64 (:mod:`pgregistry.grad_stats._reductions`).
+How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their
+values: :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls
+for as long as that layout stays the same. Shares accumulate in float64
+(:mod:`pgregistry.grad_stats._reductions`).
 """
 
 from __future__ import annotations
@@ -62,28 +66,35 @@ __all__ = [
 ]
 
 HOST_BLOCK: Final = 1 << 18
-"""The most elements the host reduces in one float32 reduction (1 MiB of float32), and the bound on the statistics'
-temporary memory there."""
+"""The most elements the host reduces in one float32 reduction (1 MiB of float32), and the bound on
+the statistics' temporary memory there."""
 
 HOST_FLAT: Final = 1 << 15
-"""Elements of one block of small grads flattened together on the host, and of one zero count there: torch's
-grain size, below which a reduction runs on the calling thread (above it, ``count_nonzero`` on a loaded 2-core
-machine waited on its thread pool for milliseconds: 8 ms for 2**16 elements, 27 us on one thread)."""
+"""Elements of one block of small grads flattened together on the host, and of one zero count there:
+torch's grain size, below which a reduction runs on the calling thread (above it, ``count_nonzero``
+on a loaded 2-core machine waited on its thread pool for milliseconds: 8 ms for 2**16 elements, 27
+us on one thread)."""
 
 HOST_SMALL: Final = 1 << 14
-"""On the host, a tensor of more elements than this is read in place; smaller ones are flattened together."""
+"""On the host, a tensor of more elements than this is read in place.
+
+Smaller ones are flattened together.
+"""
 
 HOST_ROW: Final = 1 << 12
-"""On the host, norms are taken over rows of this many elements in the grads' precision and the rows combined in
-float64: a float32 reduction over a long block is one sequential sum per thread, which loses precision (a relative
-error of 1.7e-4 measured over 8M elements); many short rows are as fast as one flat reduction."""
+"""On the host, norms are taken over rows of this many elements in the grads' precision and the rows
+combined in float64: a float32 reduction over a long block is one sequential sum per thread, which
+loses precision (a relative error of 1.7e-4 measured over 8M elements); many short rows are as fast
+as one flat reduction."""
 
 
 def by_kind(
     grads: Sequence[torch.Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """``grads`` by (device, dtype): the unit of one read. Grouped by torch's own C++ helper (the one its optimizers
-    use): a Python loop over 20,000 grads costs milliseconds per call."""
+    """``grads`` by (device, dtype): the unit of one read.
+
+    Grouped by torch's own C++ helper (the one its optimizers use): a Python loop over 20,000 grads
+    costs milliseconds per call."""
     grads = list(grads)
     if not grads:
         return {}
@@ -92,17 +103,19 @@ def by_kind(
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a kind's norms are taken in: float64 for float64 (and complex128) grads, float32 otherwise."""
+    """The dtype of a kind's norms: float64 for float64 (and complex128) grads, else float32."""
     return torch.float64 if makes_norm_float64(dtype) else torch.float32
 
 
 @attrs.frozen(slots=True)
 class KindPlan:
-    """How one kind's tensors are read, by position in the list: those the kernel reads (``kernel``, and the
-    ``launch`` over them, :func:`~pgregistry.grad_stats._fused.launch_of`), and the rest, read by torch on the
-    device or, on the host, in blocks (``blocks``: the tensors to concatenate, each block at most
-    :data:`HOST_FLAT` elements of tensors of one trailing shape, so ``torch.cat`` takes them without a view each;
-    or one large tensor, read in place)."""
+    """How one kind's tensors are read, by position in the list: by the kernel, else by torch.
+
+    Those the kernel reads (``kernel``, and the ``launch`` over them,
+    :func:`~pgregistry.grad_stats._fused.launch_of`), and the rest, read by torch on the device or,
+    on the host, in blocks (``blocks``: the tensors to concatenate, each block at most
+    :data:`HOST_FLAT` elements of tensors of one trailing shape, so ``torch.cat`` takes them without
+    a view each; or one large tensor, read in place)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -115,7 +128,10 @@ class KindPlan:
 def plan_kind(
     tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype
 ) -> KindPlan:
-    """How to read ``tensors`` (one device and dtype); a few passes at C speed, and Python work per host block."""
+    """How to read ``tensors`` (one device and dtype).
+
+    A few passes at C speed, and Python work per host block.
+    """
     everything = tuple(range(len(tensors)))
     if one_read_applies(device, dtype):
         contiguous = list(map(torch.Tensor.is_contiguous, tensors))
@@ -137,10 +153,12 @@ def plan_kind(
 def _host_blocks(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]], ...]:
-    """The host's blocks (see :class:`KindPlan`): tensors of more than :data:`HOST_SMALL` elements alone; the others
-    by trailing shape (a concatenation along dim 0 needs no view of each tensor, as flattening them would: a
-    microsecond and more a tensor), runs of at most :data:`HOST_FLAT` elements. Python work per tensor: made when the
-    tensors' layout changes, kept while it does not."""
+    """The host's blocks (see :class:`KindPlan`).
+
+    Tensors of more than :data:`HOST_SMALL` elements alone; the others by trailing shape (a
+    concatenation along dim 0 needs no view of each tensor, as flattening them would: a microsecond
+    and more a tensor), runs of at most :data:`HOST_FLAT` elements. Python work per tensor: made
+    when the tensors' layout changes, kept while it does not."""
     classes: dict[tuple[int, ...], list[int]] = {}
     blocks: list[int | Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]] = []
     for index, tensor in enumerate(tensors):
@@ -164,7 +182,10 @@ def _host_blocks(
 def read_kind(
     tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
-    """The parts (:func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``) of one kind's ``tensors``."""
+    """The parts of one kind's ``tensors``.
+
+    Made by :func:`~pgregistry.grad_stats._reductions.make_part`, on ``device``.
+    """
     if (
         plan.dtype.is_complex
     ):  # through the moduli (module docstring): the plan's blocks are by shape, theirs too
@@ -183,8 +204,8 @@ def read_kind(
     if plan.blocks:
         parts.append(_host_part(rest, plan, wanted, device))
         return parts
-    # torch reads the norm of what the kernel did not (all of them for a norm it does not compute), and the zeros of
-    # the rest.
+    # torch reads the norm of what the kernel did not (all of them for a norm it does not compute),
+    # and the zeros of the rest.
     norm_over = [] if wanted.p is None else (rest if wanted.p == 2.0 else tensors)
     zeros_over = rest if wanted.zeros else []
     if norm_over or zeros_over:
@@ -198,8 +219,9 @@ def _torch_part(
     wanted: Wanted,
     device: torch.device,
 ) -> torch.Tensor:
-    """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms (float64: exact up to
-    2**53 elements; no mask the size of the grads)."""
+    """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms.
+
+    Float64: exact up to 2**53 elements; no mask the size of the grads."""
     share = zeros = None
     norm_over = _non_empty(norm_over)
     if norm_over and wanted.p is not None:
@@ -224,8 +246,10 @@ def _non_empty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _host_part(
     tensors: Sequence[torch.Tensor], plan: KindPlan, wanted: Wanted, device: torch.device
 ) -> torch.Tensor:
-    """Both statistics of host ``tensors``, a block at a time (see the module docstring): the tensors of a block
-    concatenated into one (one dispatch, a block's memory), a tensor alone in its block read in place."""
+    """Both statistics of host ``tensors``, a block at a time (see the module docstring).
+
+    The tensors of a block are concatenated into one (one dispatch, a block's memory); a tensor
+    alone in its block is read in place."""
     accumulate_in = _accumulation_dtype(plan.dtype)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
@@ -278,8 +302,9 @@ def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
-    """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements of ``tensor`` (the
-    last one shorter); a non-contiguous tensor's norm as one row."""
+    """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements.
+
+    Rows of ``tensor``, the last one shorter; a non-contiguous tensor's norm as one row."""
     cast = None if tensor.dtype == accumulate_in else accumulate_in
     if not tensor.is_contiguous():
         return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)
@@ -308,12 +333,12 @@ def _kind_parts(
 def parts_of(
     grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
-    """The parts of ``grads`` (any devices and dtypes; plain tensors), one read per kind, planned afresh."""
+    """The parts of ``grads`` (any device, dtype; plain tensors), a read per kind, planned anew."""
     return [part for _, parts in _kind_parts(grads, wanted, device) for part in parts]
 
 
 def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) -> None:
-    """Add the parts of ``grads`` (as :func:`parts_of`) to ``shares`` under ``group``, noting their dtypes."""
+    """Add ``grads``' parts (:func:`parts_of`) to ``shares`` under ``group``, noting dtypes."""
     for dtype, parts in _kind_parts(grads, shares.wanted, shares.device):
         shares.widen(dtype)
         for part in parts:
@@ -323,10 +348,12 @@ def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) ->
 def scale_kind(
     tensors: Sequence[torch.Tensor], plan: KindPlan | None, coeff: torch.Tensor | Clipping
 ) -> None:
-    """Multiply one kind's ``tensors`` in place by ``coeff`` (0-dim float64, at most 1; or clipping's, made from the
-    norm): the kernel over its launch table (nothing where the coefficient is 1, decided on the device), else
-    ``torch._foreach_mul_`` (skipped where the coefficient, on the host, is 1: scaling by exactly 1 changes no
-    bit)."""
+    """Multiply one kind's ``tensors`` in place by ``coeff``.
+
+    ``coeff`` is 0-dim float64, at most 1; or clipping's, made from the norm. The kernel over its
+    launch table (nothing where the coefficient is 1, decided on the device), else
+    ``torch._foreach_mul_`` (skipped where the coefficient, on the host, is 1: scaling by exactly 1
+    changes no bit)."""
     if not tensors:
         return
     device = tensors[0].device

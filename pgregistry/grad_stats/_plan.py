@@ -1,45 +1,51 @@
 """A model's grad-statistics classification, made once and kept for as long as it cannot be stale.
 
-Classifying a grad takes Python work per parameter (its roles, its placements), a few microseconds each: at 20,000
-parameters that was most of a call. :class:`Plan` does it once for named parameters on one collection's groups:
+Classifying a grad takes Python work per parameter (its roles, its placements), a few microseconds
+each: at 20,000 parameters that was most of a call. :class:`Plan` does it once for named parameters
+on one collection's groups:
 
 * by roles (:func:`~pgregistry.grad_stats._filters.is_counted`,
   :func:`~pgregistry.grad_stats._filters.reduce_group_of`),
   once per plan;
-* by the grads' layout (none, plain, DTensor and its placements; each DTensor grad read through its local piece, so
-  plain grads and DTensor pieces go through the same one-read kernel, the placement reductions after), again only
-  when the grads' types or DTensor specs change;
-* by the pieces' (device, dtype), sizes, addresses and contiguity (:func:`~pgregistry.grad_stats._local.plan_kind`),
-  again only when those change.
+* by the grads' layout (none, plain, DTensor and its placements; each DTensor grad read through its
+  local piece, so plain grads and DTensor pieces go through the same one-read kernel, the placement
+  reductions after), again only when the grads' types or DTensor specs change;
+* by the pieces' (device, dtype), sizes, addresses and contiguity
+  (:func:`~pgregistry.grad_stats._local.plan_kind`), again only when those change.
 
-The grads a rank holds but does not count (duplicates, ``shared`` copies) are read too, into seen parts
-(:func:`~pgregistry.grad_stats._reductions.nonfinite_part`) under the group their counted copy is summed over, whenever
-a norm is wanted: a NaN or an inf in any of them makes the norm NaN or infinite wherever the counted copy's would.
+The grads a rank holds but does not count (duplicates, ``shared`` copies) are read too, into seen
+parts (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`) under the group their counted copy
+is summed over, whenever a norm is wanted: a NaN or an inf in any of them makes the norm NaN or
+infinite wherever the counted copy's would.
 
-A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the grads' types,
-DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those the plan was made for, and reads.
-Where the grads are plain tensors and the very objects the reads were planned for (a flat buffer's views, as
-pgregistry's optimizers set them, or grads zeroed in place), it checks their identity and addresses only
-(:class:`_Planned`): their ids, which are theirs while none of them died (each held by a weak reference whose
-callback notes its death: the plan keeps no grad alive), read from the list of grads without fetching a grad, and
-each grad's address. The same object has the same type, and at the same address the same storage; a grad resized
-or restrided in place at its address (``resize_``, ``as_strided_``) is the one change this does not see.
+A call then checks, at C speed (``map`` over the tensors, no Python work per parameter), that the
+grads' types, DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those
+the plan was made for, and reads. Where the grads are plain tensors and the very objects the reads
+were planned for (a flat buffer's views, as pgregistry's optimizers set them, or grads zeroed in
+place), it checks their identity and addresses only (:class:`_Planned`): their ids, which are theirs
+while none of them died (each held by a weak reference whose callback notes its death: the plan
+keeps no grad alive), read from the list of grads without fetching a grad, and each grad's address.
+The same object has the same type, and at the same address the same storage; a grad resized or
+restrided in place at its address (``resize_``, ``as_strided_``) is the one change this does not
+see.
 
-:class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification itself depends
-on: the collection, the parameter set (the modules' child and parameter dictionaries that were empty by length, the
-contents of those that held something by identity, :meth:`Kept._current_holder_contents`), the roles (the
-classification's role attributes of the parameters that had one; the others held to no attributes, or to no role
-among them; :func:`~pgregistry.params.role_generation` for marks made with the helpers). Anything that differs makes
-a new plan.
-The dictionaries checked are those the modules held when the plan was made: torch changes them in place (a deletion
-from a ``ModuleList`` or ``Sequential`` too, before it renumbers into a new one), so a change through torch is seen;
-code that assigns a module a new dictionary behind torch's back, without changing the old one, is not (seeing it
-would read every module's attributes each call: twice the parameter-set check's time at 20,000 parameters).
+:class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification
+itself depends on: the collection, the parameter set (the modules' child and parameter dictionaries
+that were empty by length, the contents of those that held something by identity,
+:meth:`Kept._current_holder_contents`), the roles (the classification's role attributes of the
+parameters that had one; the others held to no attributes, or to no role among them;
+:func:`~pgregistry.params.role_generation` for marks made with the helpers). Anything that differs
+makes a new plan. The dictionaries checked are those the modules held when the plan was made: torch
+changes them in place (a deletion from a ``ModuleList`` or ``Sequential`` too, before it renumbers
+into a new one), so a change through torch is seen; code that assigns a module a new dictionary
+behind torch's back, without changing the old one, is not (seeing it would read every module's
+attributes each call: twice the parameter-set check's time at 20,000 parameters).
 
-At 20,000 parameters a call is bound by fetching each object's memory, not by the Python around it, so every check
-reads each object once (several facts of one tensor read together, into flat lists the garbage collector does not
-track). Memory: a plan keeps references, a few per parameter, and the launch tables of the one-read kernel
-(``docs/performance.md`` states the measured size and the floor of what a call must read).
+At 20,000 parameters a call is bound by fetching each object's memory, not by the Python around it,
+so every check reads each object once (several facts of one tensor read together, into flat lists
+the garbage collector does not track). Memory: a plan keeps references, a few per parameter, and the
+launch tables of the one-read kernel (``docs/performance.md`` states the measured size and the floor
+of what a call must read).
 """
 
 from __future__ import annotations
@@ -108,8 +114,10 @@ _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
 
 
 def _make_picker(indices: Sequence[int], size: int) -> Callable[[Sequence[Any]], list[Any]]:
-    """A function taking the items at ``indices`` from a sequence of ``size`` items, at C speed;
-    where ``indices`` are all of them in order, the list itself (no copy: callers never change what it gives)."""
+    """A function taking the items at ``indices`` from a sequence of ``size`` items, at C speed.
+
+    Where ``indices`` are all of them in order, the list itself (no copy: callers never change what
+    it gives)."""
     if not indices:
         return lambda items: []
     if size == len(indices) and all(map(operator.eq, indices, range(size))):
@@ -126,15 +134,18 @@ def _as_list(items: Sequence[Any]) -> list[Any]:
 
 
 _END: Final = object()
-"""Ends a stream of objects compared by :func:`_same_stream` (private: no module, parameter or tensor is it)."""
+"""Ends a stream of objects compared by :func:`_same_stream` (private: no module, parameter or
+tensor is it)."""
 
 
 def _same_stream(current: Iterable[object], held: list[object]) -> bool:
-    """Whether ``current`` yields the objects of ``held`` (which ends with :data:`_END`) in order, by identity, at C
-    speed and without making a list of them (at 20,000 parameters, the 30,000 items' list took half this check on
-    the 2-core machine). ``map`` stops at the shorter of the two: ``current`` followed by :data:`_END` meets ``held``'s
-    end marker with an object where it is longer, and its own end marker meets a held object where it is shorter,
-    so only the same objects in the same number compare equal."""
+    """Whether ``current`` yields the objects of ``held`` in order, by identity, at C speed.
+
+    ``held`` ends with :data:`_END`. No list of them is made (at 20,000 parameters, the 30,000
+    items' list took half this check on the 2-core machine). ``map`` stops at the shorter of the
+    two: ``current`` followed by :data:`_END` meets ``held``'s end marker with an object where it is
+    longer, and its own end marker meets a held object where it is shorter, so only the same objects
+    in the same number compare equal."""
     return all(map(operator.is_, chain(current, (_END,)), held))
 
 
@@ -144,9 +155,11 @@ def _same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
 
 
 def _all_empty(dicts: list[dict[Any, Any]]) -> bool:
-    """Whether every dictionary of ``dicts`` is empty: ``any`` tests each one's truth through its type's length
-    slot in C (no ``len`` call, no int made per dictionary), a quarter of the time of ``any(map(len, dicts))`` on
-    the 2-core machine, at 2,000 and 20,000 dictionaries alike."""
+    """Whether every dictionary of ``dicts`` is empty.
+
+    ``any`` tests each one's truth through its type's length slot in C (no ``len`` call, no int made
+    per dictionary), a quarter of the time of ``any(map(len, dicts))`` on the 2-core machine, at
+    2,000 and 20,000 dictionaries alike."""
     return not any(dicts)
 
 
@@ -160,10 +173,12 @@ class _Kind:
 
 @attrs.define(slots=True)
 class _Planned:
-    """The plain grads a layout's reads were planned for, known by their ids while every one of them lives: a live
-    object's id is its own, so equal ids are the same objects. Each is held by a weak reference (a plan must not
-    keep grads alive: a training loop that sets them to ``None`` frees them) whose callback notes its death
-    (``deaths``: a C-speed ``list.append``, nothing run per grad on a call), and by its address."""
+    """The plain grads a layout's reads were planned for, known by their ids while they all live.
+
+    A live object's id is its own, so equal ids are the same objects. Each is held by a weak
+    reference (a plan must not keep grads alive: a training loop that sets them to ``None`` frees
+    them) whose callback notes its death (``deaths``: a C-speed ``list.append``, nothing run per
+    grad on a call), and by its address."""
 
     ids: list[int]
     """``id`` of every parameter's grad, ``None`` too, in the plan's order."""
@@ -183,12 +198,14 @@ class _Planned:
     def pieces_of(
         self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]
     ) -> list[Any] | None:
-        """The pieces of ``grads`` when they are the very grad objects planned for (every one alive, each
-        parameter's grad, or ``None``, the same object by id), each still at its address; else ``None``. The same
-        object has the same type and, at the same address, the same storage (a grad re-pointed at other storage,
-        ``grad.data = ...`` or ``set_``, moves); only an in-place change of a grad's sizes or strides at its address
-        (``resize_``, ``as_strided_``) would pass unseen. Reads no type, size or contiguity: the ids are read from
-        the list (no object fetched), the addresses from the grads' storages."""
+        """The pieces of ``grads`` when they are the very grads planned for, else ``None``.
+
+        Every one alive, each parameter's grad, or ``None``, the same object by id, each still at
+        its address. The same object has the same type and, at the same address, the same storage (a
+        grad re-pointed at other storage, ``grad.data = ...`` or ``set_``, moves); only an in-place
+        change of a grad's sizes or strides at its address (``resize_``, ``as_strided_``) would pass
+        unseen. Reads no type, size or contiguity: the ids are read from the list (no object
+        fetched), the addresses from the grads' storages."""
         if self.deaths or list(map(id, grads)) != self.ids:
             return None
         pieces = take_plain(grads)
@@ -197,7 +214,7 @@ class _Planned:
 
 @attrs.define(slots=True)
 class _Layout:
-    """What the grads of one call look like, and what is derived from it (see the module docstring)."""
+    """What one call's grads look like, and what is derived from it (see the module docstring)."""
 
     types: list[type]
     specs: list[object]
@@ -205,21 +222,28 @@ class _Layout:
     take_dtensor: Callable[[Sequence[Any]], list[Any]]
     partial: list[tuple[int, str, torch.Tensor]]
     targets: list[tuple[Any, list[int]]]
-    """(target, positions among the pieces): a reduction group, or ``(field, slot)`` summed over a field first."""
+    """(target, positions among the pieces).
+
+    A target is a reduction group, or ``(field, slot)`` summed over a field first.
+    """
     watched: list[tuple[Any, list[int]]]
-    """The pieces this rank does not count, by the target their counted copy has: read for their NaN or inf only."""
+    """The pieces this rank does not count, by their counted copy's target.
+
+    They are read for their NaN or inf only.
+    """
     fields: dict[GroupName, ProcessGroup | None]
     reads_by_kernel: bool = False
     facts: list[int] | None = None
-    """Each piece's address, size and (where the kernel reads) contiguity: what the reads depend on."""
+    """Each piece's address, size and (where the kernel reads) contiguity: what reads depend on."""
     planned_for: _Planned | None = None
-    """The grad objects the reads were planned for (plain grads only), by which a call whose grads are those same
-    objects at the same addresses skips reading their types, sizes and contiguity (:meth:`_Planned.pieces_of`)."""
+    """The grad objects the reads were planned for (plain grads only), by which a call whose grads
+    are those same objects at the same addresses skips reading their types, sizes and contiguity
+    (:meth:`_Planned.pieces_of`)."""
     misses: int = 0
     """Calls in a row whose grads were not the objects planned for. Grads a loop replaces every step
-    (``zero_grad(set_to_none=True)``) are planned for again after 1, 2, 4, 8, ... such calls only (a pass that
-    makes a weak reference per grad, for grads that die before the next call); grads replaced once are planned
-    for again at once."""
+    (``zero_grad(set_to_none=True)``) are planned for again after 1, 2, 4, 8, ... such calls only (a
+    pass that makes a weak reference per grad, for grads that die before the next call); grads
+    replaced once are planned for again at once."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -229,8 +253,9 @@ class _Layout:
 
 @attrs.frozen(slots=True)
 class Read:
-    """One call's grads read into shares, and its local pieces (every grad's local tensor, duplicates included),
-    which clipping scales."""
+    """One call's grads read into shares, and its local pieces, which clipping scales.
+
+    The pieces are every grad's local tensor, duplicates included."""
 
     shares: Shares
     pieces: list[torch.Tensor]
@@ -257,7 +282,8 @@ class Plan:
     @property
     def axes(self) -> MeshAxes:
         if self._axes is None:
-            self._axes = MeshAxes(self.groups.collection, dict(enumerate(self.reduce_groups)))  # type: ignore[arg-type]
+            reduce_groups = dict(enumerate(self.reduce_groups))
+            self._axes = MeshAxes(self.groups.collection, reduce_groups)  # type: ignore[arg-type]
         return self._axes
 
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
@@ -312,7 +338,7 @@ class Plan:
         params: Sequence[torch.Tensor],
         wanted: Wanted,
     ) -> Read:
-        """Read ``pieces`` (checked against ``layout``) and the ``partial`` DTensor grads into shares."""
+        """Read ``pieces`` (checked against ``layout``) and ``partial`` DTensor grads to shares."""
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
         shares.wide = layout.wide
@@ -347,12 +373,15 @@ class Plan:
                     )
         return Read(shares, pieces, layout.every)
 
-    # ------------------------------------------------------------------------------------------- derived state
+    # -------------------------------------------------------------------------------- derived state
 
     def _make_layout(
         self, params: Sequence[torch.Tensor], grads: list[Any], types: list[type]
     ) -> _Layout:
-        """Classify the grads by their layout (Python work per grad: only when the grads' types or specs change)."""
+        """Classify the grads by their layout.
+
+        Python work per grad: only when the grads' types or specs change.
+        """
         from torch.distributed.tensor import DTensor
 
         plain: list[int] = []
@@ -363,8 +392,8 @@ class Plan:
                 continue
             if grad.layout != torch.strided:
                 raise TypeError(
-                    f"the grad of {self.names[index]!r} is {grad.layout} (e.g. from nn.Embedding(sparse=True)); grad "
-                    "statistics need dense (torch.strided) grads"
+                    f"the grad of {self.names[index]!r} is {grad.layout} (e.g. from "
+                    "nn.Embedding(sparse=True)); grad statistics need dense (torch.strided) grads"
                 )
             if not isinstance(grad, DTensor):
                 plain.append(index)
@@ -384,13 +413,11 @@ class Plan:
                 fields[entry.outer] = self.groups.collection.get(entry.outer)
             target = self._target_of(entry.outer, entry.expert)
             (targets if entry.counted else watched).setdefault(target, []).append(position)
-        for (
-            index,
-            name,
-            grad,
-        ) in partial:  # decided without the pending reduction: read() does it, every call
-            verdicts = role_verdicts(params[index], self.groups)
-            decision = decision_of(name, params[index], grad, self.axes, verdicts)  # type: ignore[arg-type]
+        # Decided without the pending reduction: read() does it, every call.
+        for index, name, grad in partial:
+            param = params[index]
+            verdicts = role_verdicts(param, self.groups)
+            decision = decision_of(name, param, grad, self.axes, verdicts)  # type: ignore[arg-type]
             if decision.outer is not None:
                 fields[decision.outer] = self.groups.collection.get(decision.outer)
         return _Layout(
@@ -410,8 +437,10 @@ class Plan:
         )
 
     def _target_of(self, outer: GroupName | None, expert: bool) -> Any:
-        """Where a DTensor grad's piece is added (its seen part, when not counted here): ``(field, slot)`` when
-        summed over a field first, else its reduction group (``None``: no reduction)."""
+        """Where a DTensor grad's piece is added (its seen part, when not counted here).
+
+        ``(field, slot)`` when summed over a field first, else its reduction group (``None``: no
+        reduction)."""
         return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
     @staticmethod
@@ -432,20 +461,24 @@ class Plan:
 
 
 def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
-    """Each parameter's ``.grad``, at C speed. torch's getter first asks a tensor subclass's ``__torch_function__``
-    (a lookup through the class, a third of the getter's cost for FSDP2's DTensor parameters, whose
-    ``__torch_function__`` is torch's disabled one); that question is skipped here: the grad is what autograd or
-    the caller stored, whatever a subclass would say about reading it."""
+    """Each parameter's ``.grad``, at C speed, without asking a subclass's ``__torch_function__``.
+
+    torch's getter first asks a tensor subclass's ``__torch_function__`` (a lookup through the
+    class, a third of the getter's cost for FSDP2's DTensor parameters, whose ``__torch_function__``
+    is torch's disabled one); that question is skipped here: the grad is what autograd or the caller
+    stored, whatever a subclass would say about reading it."""
     with torch._C.DisableTorchFunctionSubclass():
         return list(map(_GRAD, params))
 
 
 def _piece_facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
-    """Each piece's address, element count and (with ``contiguity``) contiguity, one piece after another in one
-    flat list: the reads go piece by piece (a ``zip`` of ``map`` calls, C speed), so each tensor's metadata comes
-    from memory once, not once per pass (at 20,000 grads, separate passes were bound by those fetches), and the flat
-    list allocates nothing the garbage collector tracks (a tuple a piece set off a few dozen collections a call).
-    ``RuntimeError`` for a piece without storage (a sparse grad)."""
+    """Each piece's address, element count and (with ``contiguity``) contiguity, in one flat list.
+
+    One piece after another: the reads go piece by piece (a ``zip`` of ``map`` calls, C speed), so
+    each tensor's metadata comes from memory once, not once per pass (at 20,000 grads, separate
+    passes were bound by those fetches), and the flat list allocates nothing the garbage collector
+    tracks (a tuple a piece set off a few dozen collections a call). ``RuntimeError`` for a piece
+    without storage (a sparse grad)."""
     reads = [
         torch.Tensor.data_ptr,
         torch.Tensor.numel,
@@ -478,11 +511,11 @@ def _group_into_kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) 
     return kinds
 
 
-# ----------------------------------------------------------------------------------------------- kept plans
+# --------------------------------------------------------------------------------------- kept plans
 
 
 class Kept:
-    """A plan and what it was made from: the collection, the parameter set, the roles (module docstring)."""
+    """A plan and what made it: the collection, the parameter set, the roles (module docstring)."""
 
     def __init__(self, source: Source, given: ProcessGroupCollection, owner: str) -> None:
         params = params_of_source(source)
@@ -526,7 +559,7 @@ class Kept:
         self.generation = role_generation()
 
     def plan_params(self, source: Source) -> list[torch.Tensor] | None:
-        """The parameters of ``source`` in the plan's order if the parameter set is the plan's, else ``None``."""
+        """The parameters of ``source`` in plan order if their set is the plan's, else ``None``."""
         if self._tensor_refs is None:
             if source.tensors is not None or len(source.chunks) != len(self._chunk_refs) + 1:
                 return None
@@ -545,25 +578,33 @@ class Kept:
         return self._take_params(tensors)
 
     def _current_holder_contents(self) -> Iterator[Any]:
-        """What the modules' child and parameter dictionaries that were not empty when the plan was made hold now,
-        in order. With the empty ones still empty (most: a leaf module has no children, a container no parameters;
-        one truth test each, :func:`_all_empty`), equal flattened contents mean the same modules and parameters in
-        the same order: a parameter could only have moved between two dictionaries next to each other in that
-        order, which leaves every statistic as it was (its roles are its own, not its module's), so the non-empty
-        dictionaries' lengths are not read. Read through the dictionaries' values views, made with the plan (a
-        view is live): a call makes no view per dictionary (17-33% of this check on the 2-core machine). An
-        iterator: :func:`_same_stream` compares it with what they held, one object after another."""
+        """What the modules' child and parameter dictionaries not empty at first hold now, in order.
+
+        Those not empty when the plan was made. With the empty ones still empty (most: a leaf module
+        has no children, a container no parameters; one truth test each, :func:`_all_empty`), equal
+        flattened contents mean the same modules and parameters in the same order: a parameter could
+        only have moved between two dictionaries next to each other in that order, which leaves
+        every statistic as it was (its roles are its own, not its module's), so the non-empty
+        dictionaries' lengths are not read. Read through the dictionaries' values views, made with
+        the plan (a view is live): a call makes no view per dictionary (17-33% of this check on the
+        2-core machine). An iterator: :func:`_same_stream` compares it with what they held, one
+        object after another."""
         return chain.from_iterable(self._held_views)
 
     def _role_values(self) -> list[Any]:
-        """The roles of the parameters that had one, a parameter's four after another (as :func:`_piece_facts`)."""
+        """The roles of the parameters that had one, four per parameter in turn.
+
+        As :func:`_piece_facts` lays them out.
+        """
         gets = (map(dict.get, self._roled, repeat(key)) for key in ROLE_KEYS)
         return list(chain.from_iterable(zip(*gets, strict=True)))
 
     def _same_roles(self) -> bool:
-        """Whether every parameter's roles are those the plan was made with: parameters without attributes then
-        still have none (:func:`_all_empty`), those whose attributes held no role still hold none (FSDP2 marks its
-        parameters with ``_is_param``), and the roles of the others are equal."""
+        """Whether every parameter's roles are those the plan was made with.
+
+        Parameters without attributes then still have none (:func:`_all_empty`), those whose
+        attributes held no role still hold none (FSDP2 marks its parameters with ``_is_param``), and
+        the roles of the others are equal."""
         return (
             _all_empty(self._bare)
             and all(map(_NO_ROLE, self._roleless))
@@ -573,9 +614,10 @@ class Kept:
     def current(
         self, source: Source, given: ProcessGroupCollection, owner: str
     ) -> list[torch.Tensor] | None:
-        """The parameters to read if nothing the plan depends on changed, else ``None``: the collection given (and
-        the fields the plan read from the global grid, read again, each time with its warning), the parameter set,
-        the roles."""
+        """The parameters to read if nothing the plan depends on changed, else ``None``.
+
+        What it depends on: the collection given (and the fields the plan read from the global grid,
+        read again, each time with its warning), the parameter set, the roles."""
         if self.generation != role_generation() or not (given is self.given or given == self.given):
             return None
         params = self.plan_params(source)
@@ -588,15 +630,19 @@ class Kept:
 
 
 def _fields_left_off(params: Params, given: ProcessGroupCollection) -> tuple[GroupName, ...]:
-    """The expert fields the statistics of ``params`` leave off (:data:`EXPERT_STATS_FIELDS`, when no rank of the
-    model's ``mp`` group holds an expert parameter), so a model without experts reads none from the global grid.
+    """The expert fields the statistics of ``params`` leave off.
 
-    Decided once per plan, and alike on every rank of ``mp`` (each TP and pipeline rank of a replica, as
-    ``build_optimizer`` decides), so a stage without experts takes the groups its peers with experts take (or
-    raises as they do): one MAX all-reduce, only when the answer changes what is read (the collection leaves an
-    expert field to the global grid, :func:`~pgregistry._runtime.resolve.grid_reads`; a collection that sets them, as
-    ``pgregistry.build``'s do, needs none). The ranks of ``mp`` make their plans at the same call: what makes a plan
-    anew (another collection, parameter set or role) happens to the whole model."""
+    Those of :data:`EXPERT_STATS_FIELDS`, when no rank of the model's ``mp`` group holds an expert
+    parameter, so a model without experts reads none from the global grid.
+
+    Decided once per plan, and alike on every rank of ``mp`` (each TP and pipeline rank of a
+    replica, as ``build_optimizer`` decides), so a stage without experts takes the groups its peers
+    with experts take (or raises as they do): one MAX all-reduce, only when the answer changes what
+    is read (the collection leaves an expert field to the global grid,
+    :func:`~pgregistry._runtime.resolve.grid_reads`; a collection that sets them, as
+    ``pgregistry.build``'s do, needs none). The ranks of ``mp`` make their plans at the same call:
+    what makes a plan anew (another collection, parameter set or role) happens to the whole
+    model."""
     if grid_reads(given, EXPERT_STATS_FIELDS) == grid_reads(
         given, EXPERT_STATS_FIELDS, EXPERT_STATS_FIELDS
     ):
@@ -614,11 +660,14 @@ _KEPT_TENSORS: list[Kept] = []
 def check_or_make_plan(
     source: Source, given: ProcessGroupCollection, owner: str
 ) -> tuple[Plan, list[torch.Tensor], ProcessGroupCollection]:
-    """The kept plan of what an entry point was given (``source``, taken apart by the door,
-    :func:`~pgregistry._runtime.resolve.source_of`) on the collection the door resolved (``given``): checked
-    (:meth:`Kept.current`), else made anew (normalised once, the grad-statistics fields the model needs filled,
-    :func:`_fields_left_off`, unclassified experts refused, classified). Its plan, its parameters in the plan's
-    order, and the filled collection."""
+    """The kept plan of what an entry point was given, checked or made anew.
+
+    ``source`` is what it was given, taken apart by the door
+    (:func:`~pgregistry._runtime.resolve.source_of`), on the collection the door resolved
+    (``given``): checked (:meth:`Kept.current`), else made anew (normalised once, the
+    grad-statistics fields the model needs filled, :func:`_fields_left_off`, unclassified experts
+    refused, classified). Returns its plan, its parameters in the plan's order, and the filled
+    collection."""
     kept = (
         _KEPT.get(source.chunks[0])
         if source.chunks

@@ -1,30 +1,34 @@
-"""The one reduction path of grad norms and zero counts: local shares per reduction group, then one reducer.
+"""The one path reducing grad norms and zero counts: local shares per reduction group, one reducer.
 
-Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`; DTensor local pieces,
-:mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry.optim._grad_buffer`) turns them into *parts*:
-float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]`` (the count read only by a call that wants
-it: the one-read kernel's pair is a part as it comes), added to a :class:`Shares` under the group they are summed
-over. A chained optimizer's children add their parts to one ``Shares``; nothing combines finished norms.
-:func:`reduce_shares` then issues every collective of a call in the one agreed order and combines:
+Whatever reads the grads (lists of tensors, :mod:`pgregistry.grad_stats._local`; DTensor local
+pieces, :mod:`pgregistry.grad_stats._plan`; flat-buffer spans, :mod:`pgregistry.optim._grad_buffer`)
+turns them into *parts*: float64 pairs ``[sum of |g|^p (max |g| for the inf-norm), zero count]``
+(the count read only by a call that wants it: the one-read kernel's pair is a part as it comes),
+added to a :class:`Shares` under the group they are summed over. A chained optimizer's children add
+their parts to one ``Shares``; nothing combines finished norms. :func:`reduce_shares` then issues
+every collective of a call in the one agreed order and combines:
 
-1. DTensor pieces sharded over a data-parallel group (FSDP2): one all-reduce per collection field, in field order,
-   of a two-row block (the dense and the expert share), added to the parts of the two reduction groups;
-2. one all-reduce per reduction group, in an order every rank agrees on (by the group's ranks, then its name;
-   :func:`reduce_over_groups`), of the group's row: both statistics in one collective (SUM), or, for the inf-norm
-   (MAX) with the zero count, two;
-3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the collection's
-   ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every rank clips, skips or raises
-   alike. One 2-element all-reduce, none when a reduction group of step 2 already spans those ranks (the flags
-   then ride in its row).
+1. DTensor pieces sharded over a data-parallel group (FSDP2): one all-reduce per collection field,
+   in field order, of a two-row block (the dense and the expert share), added to the parts of the
+   two reduction groups;
+2. one all-reduce per reduction group, in an order every rank agrees on (by the group's ranks, then
+   its name; :func:`reduce_over_groups`), of the group's row: both statistics in one collective
+   (SUM), or, for the inf-norm (MAX) with the zero count, two;
+3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the
+   collection's ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every
+   rank clips, skips or raises alike. One 2-element all-reduce, none when a reduction group of step
+   2 already spans those ranks (the flags then ride in its row).
 
-A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes first), so the
-inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP, expert TP and GTP duplicates,
-``shared`` copies) are read too, into *seen* parts (:func:`nonfinite_part`: their NaN or inf, nothing else) under the
-group their counted copy is summed over: whether the norm is finite is decided over every grad of every rank, in
-the rows that already travel, while each element is still counted once. Shares accumulate in float64 whatever the
-grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device: results are 0-dim tensors
-on the reduction device, the norm returned in float64 where this rank holds a float64 (or complex128) grad, float32
-otherwise (:attr:`Reduced.norm`). A call issues a few small operations whatever the number of grads.
+A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes
+first), so the inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP,
+expert TP and GTP duplicates, ``shared`` copies) are read too, into *seen* parts
+(:func:`nonfinite_part`: their NaN or inf, nothing else) under the group their counted copy is
+summed over: whether the norm is finite is decided over every grad of every rank, in the rows that
+already travel, while each element is still counted once. Shares accumulate in float64 whatever the
+grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device: results
+are 0-dim tensors on the reduction device, the norm returned in float64 where this rank holds a
+float64 (or complex128) grad, float32 otherwise (:attr:`Reduced.norm`). A call issues a few small
+operations whatever the number of grads.
 """
 
 from __future__ import annotations
@@ -59,7 +63,10 @@ __all__ = [
 ]
 
 CLIP_EPSILON = 1e-6
-"""Added to the total norm before dividing, as Megatron-Core does: ``coeff = max_norm / (norm + 1e-6)``."""
+"""Added to the total norm before dividing, as Megatron-Core does.
+
+``coeff = max_norm / (norm + 1e-6)``.
+"""
 
 GradsByGroup = Mapping[ProcessGroup | None, Sequence[torch.Tensor]]
 """Reduction group (``None``: no reduction) -> already-filtered grads."""
@@ -90,21 +97,26 @@ class Wanted:
 
 
 def nonfinite_part(part: torch.Tensor) -> torch.Tensor:
-    """The part a read of grads this rank does not count adds: their NaN or inf (a share of ``sum |g|^p`` or
-    ``max |g|`` is NaN or infinite exactly when one of the grads is), every finite entry and the zero count 0. So
-    the verdict on the norm covers every grad a rank holds while nothing is counted twice."""
+    """The part a read of grads this rank does not count adds: their NaN or inf.
+
+    A share of ``sum |g|^p`` or ``max |g|`` is NaN or infinite exactly when one of the grads is;
+    every finite entry and the zero count are 0. So the verdict on the norm covers every grad a rank
+    holds while nothing is counted twice."""
     return torch.where(part.isfinite(), 0.0, part)
 
 
 def makes_norm_float64(dtype: torch.dtype) -> bool:
-    """Whether grads of ``dtype`` make the norm float64 (:attr:`Reduced.norm`): float64 and complex128."""
+    """Whether ``dtype`` grads make the norm float64 (:attr:`Reduced.norm`): float64, complex128."""
     return dtype in (torch.float64, torch.complex128)
 
 
 def make_part(
     norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
-    """A part from a norm share (``sum |g|^p``, or ``max |g|``) and a zero count (0-dim tensors, either absent)."""
+    """A part from a norm share and a zero count (0-dim tensors, either absent).
+
+    The norm share is ``sum |g|^p``, or ``max |g|``.
+    """
     if norm_share is None or zeros is None:
         present = norm_share if norm_share is not None else zeros
         if present is None:
@@ -116,8 +128,9 @@ def make_part(
 
 @attrs.define(slots=True)
 class _First:
-    """The parts of DTensor pieces summed over one data-parallel collection field first, by slot (0: dense, 1:
-    expert), and the reduction groups each slot's total joins afterwards."""
+    """The parts of DTensor pieces summed over one data-parallel collection field first, by slot.
+
+    Slot 0 is dense, 1 expert; also the reduction groups each slot's total joins afterwards."""
 
     group: ProcessGroup | None
     targets: tuple[GroupKey, GroupKey]
@@ -125,10 +138,11 @@ class _First:
 
 
 class Shares:
-    """This rank's local shares of one statistics call, by reduction group; see the module docstring.
+    """This rank's local shares of one statistics call by reduction group; see the module docstring.
 
-    Every group a rank must reduce over is a key, with no part when it counts nothing there, so every rank of a
-    group issues the same collectives (a pipeline stage without experts still joins the expert reduction).
+    Every group a rank must reduce over is a key, with no part when it counts nothing there, so
+    every rank of a group issues the same collectives (a pipeline stage without experts still joins
+    the expert reduction).
     """
 
     def __init__(
@@ -137,8 +151,8 @@ class Shares:
         self.wanted = wanted
         self.device = device
         self.wide = False
-        """Whether a grad read into these shares is float64 (:func:`makes_norm_float64`): the norm is returned in
-        float64."""
+        """Whether a grad read into these shares is float64 (:func:`makes_norm_float64`): the norm
+        is returned in float64."""
         self.by_group: dict[GroupKey, list[torch.Tensor]] = {group: [] for group in groups}
         self.first: dict[GroupName, _First] = {}
 
@@ -149,8 +163,9 @@ class Shares:
             parts.append(part.to(self.device))
 
     def widen(self, dtype: torch.dtype) -> None:
-        """Note that grads of ``dtype`` were read (the norm is float64 once one of them is,
-        :func:`makes_norm_float64`)."""
+        """Note that grads of ``dtype`` were read.
+
+        The norm is float64 once one of them is (:func:`makes_norm_float64`)."""
         self.wide = self.wide or makes_norm_float64(dtype)
 
     def add_first(
@@ -161,8 +176,10 @@ class Shares:
         slot: int,
         part: torch.Tensor | None,
     ) -> None:
-        """Register ``field`` (its ``group`` summed over before ``targets``, the dense and the expert reduction
-        group) and, unless ``None``, add ``part`` to its ``slot`` (0 dense, 1 expert)."""
+        """Register ``field`` and, unless ``None``, add ``part`` to ``slot`` (0 dense, 1 expert).
+
+        The field's ``group`` is summed over before ``targets``, the dense and the expert reduction
+        group."""
         first = self.first.setdefault(field, _First(group, targets))
         if part is not None:
             first.slots[slot].append(part.to(self.device))
@@ -170,9 +187,11 @@ class Shares:
 
 @attrs.frozen(slots=True)
 class Reduced:
-    """The reduced statistics: ``norm64`` (float64, NaN / inf where one was seen; see :func:`reduce_shares`) and
-    ``zeros`` (int64), 0-dim tensors on the reduction device, ``None`` when not wanted; ``wide``: whether a grad
-    read was float64 (:func:`makes_norm_float64`)."""
+    """The reduced statistics: ``norm64`` and ``zeros``, and whether a grad read was float64.
+
+    ``norm64`` is float64, NaN / inf where one was seen (see :func:`reduce_shares`), ``zeros``
+    int64, both 0-dim tensors on the reduction device, ``None`` when not wanted; ``wide``: whether a
+    grad read was float64 (:func:`makes_norm_float64`)."""
 
     norm64: torch.Tensor | None
     zeros: torch.Tensor | None
@@ -180,18 +199,23 @@ class Reduced:
 
     @property
     def norm(self) -> torch.Tensor:
-        """The norm as the statistics' API returns it: 0-dim, in the grads' precision (as torch's
-        ``clip_grad_norm_``): float64 where a grad read was float64 (a norm of float64 grads beyond float32's range
-        stays finite), float32 otherwise (bf16 and fp16 grads too: their norm is no narrower than float32)."""
+        """The norm as the statistics' API returns it: 0-dim, in the grads' precision.
+
+        As torch's ``clip_grad_norm_``: float64 where a grad read was float64 (a norm of float64
+        grads beyond float32's range stays finite), float32 otherwise (bf16 and fp16 grads too:
+        their norm is no narrower than float32)."""
         if self.norm64 is None:
             raise ValueError("no norm was computed")
         return self.norm64 if self.wide else self.norm64.to(torch.float32)
 
     @property
     def clip_norm(self) -> torch.Tensor:
-        """:attr:`norm` as a clip returns it: where it is float32 (no float64 grad on this rank) and the norm finite
-        but beyond float32's range (float64 grads on another rank), the largest float32, not inf: a clip made with a
-        finite norm never reports a non-finite one (a training loop would skip the step on this rank alone)."""
+        """:attr:`norm` as a clip returns it: finite wherever the norm is.
+
+        Where it is float32 (no float64 grad on this rank) and the norm finite but beyond float32's
+        range (float64 grads on another rank), the largest float32, not inf: a clip made with a
+        finite norm never reports a non-finite one (a training loop would skip the step on this rank
+        alone)."""
         if self.norm64 is None or self.wide:
             return self.norm
         finite = self.norm64.clamp(max=torch.finfo(torch.float32).max)
@@ -202,8 +226,8 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
     """Reduce ``shares`` (see the module docstring; they are consumed) into the global statistics.
 
     ``verdict``: the groups that together span every rank holding grads (``intra_dist_opt``, then
-    ``inter_dist_opt``); when given, a NaN or inf seen on any of those ranks makes the norm NaN or inf on all of
-    them. Without it, only the ranks of a rank's own reduction groups contribute.
+    ``inter_dist_opt``); when given, a NaN or inf seen on any of those ranks makes the norm NaN or
+    inf on all of them. Without it, only the ranks of a rank's own reduction groups contribute.
     """
     wanted, device = shares.wanted, shares.device
     for field in sorted(shares.first, key=FIELD_NAMES.index):
@@ -268,8 +292,10 @@ def _float64_zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
 
 
 def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.device) -> torch.Tensor:
-    """The sum of one column over ``rows`` (0-dim float64): with one row (one reduction group, the common case) its
-    entry, with no operation to add it up."""
+    """The sum of one column over ``rows`` (0-dim float64).
+
+    With one row (one reduction group, the common case) its entry, with no operation to add it
+    up."""
     if len(rows) == 1:
         return rows[0][column]
     return torch.stack([row[column] for row in rows]).sum() if rows else _float64_zeros((), device)
@@ -303,15 +329,20 @@ def _same_ranks(group: ProcessGroup, rows: Mapping[GroupKey, torch.Tensor]) -> A
 
 
 def _as_part(row: torch.Tensor, wanted: Wanted) -> torch.Tensor:
-    """A row reduced over a field first, as a part of its reduction group (an inf-norm row's NaN flag as a NaN)."""
+    """A row reduced over a field first, as a part of its reduction group.
+
+    An inf-norm row's NaN flag becomes a NaN.
+    """
     if not wanted.infinite:
         return row
     return torch.stack([torch.where(row[_FLAG] > 0, math.nan, row[_NORM]), row[_ZEROS]])
 
 
 def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
-    """One group's row from its parts: ``[share, zeros]`` summed; for the inf-norm ``[max, zeros, NaN seen]``, the
-    NaN carried by the flag (a MAX reduction may drop it) and counting as 0 in the maximum."""
+    """One group's row from its parts: ``[share, zeros]`` summed.
+
+    For the inf-norm ``[max, zeros, NaN seen]``, the NaN carried by the flag (a MAX reduction may
+    drop it) and counting as 0 in the maximum."""
     if not wanted.infinite:
         if not parts:
             return _float64_zeros(2, device)
@@ -329,8 +360,10 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
 def _reduce_rows(
     rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted
 ) -> dict[GroupKey, torch.Tensor]:
-    """Each group's row reduced over its group, in the agreed order: one SUM of the whole row (flags summed: set
-    when positive); for the inf-norm one MAX of all but the zero count, then, with the zero count, one SUM of it."""
+    """Each group's row reduced over its group, in the agreed order.
+
+    One SUM of the whole row (flags summed: set when positive); for the inf-norm one MAX of all but
+    the zero count, then, with the zero count, one SUM of it."""
     if not wanted.infinite:
         return _reduce_each_group(rows, lambda row: row, dist.ReduceOp.SUM)
     maxima = _reduce_each_group(
@@ -365,7 +398,7 @@ def _reduce_each_group(
 
 
 def _reduce_block(block: torch.Tensor, group: ProcessGroup | None, wanted: Wanted) -> None:
-    """All-reduce the rows of ``block`` in place over ``group`` (step 1 of :func:`reduce_shares`)."""
+    """All-reduce ``block``'s rows in place over ``group`` (step 1 of :func:`reduce_shares`)."""
     if group is None or group_size(group) <= 1:
         return
     if not wanted.infinite:
@@ -407,10 +440,12 @@ def reduce_over_groups(
 
 @attrs.define(slots=True)
 class Clipping:
-    """Clipping to ``max_norm`` of grads whose total norm is ``norm64`` (0-dim float64), its coefficient not made
-    yet: the one-read scale kernel makes it on the device, from these two, with the bits of
-    :func:`clip_coefficient` (:func:`~pgregistry.grad_stats._fused.clip_over_`: no operations on the host); torch's
-    route takes :meth:`coefficient`, made once."""
+    """Clipping to ``max_norm`` of grads of total norm ``norm64``, its coefficient not made yet.
+
+    ``norm64`` is 0-dim float64. The one-read scale kernel makes the coefficient on the device, from
+    these two, with the bits of :func:`clip_coefficient`
+    (:func:`~pgregistry.grad_stats._fused.clip_over_`: no operations on the host); torch's route
+    takes :meth:`coefficient`, made once."""
 
     max_norm: float
     norm64: torch.Tensor
@@ -423,15 +458,18 @@ class Clipping:
 
 
 def clip_coefficient(max_norm: float, norm64: torch.Tensor) -> torch.Tensor:
-    """``max_norm / (norm + 1e-6)`` clamped at 1 (float64, no host sync); 1 for a NaN or infinite norm, whose
-    coefficient would be NaN or 0 and would poison or erase the finite grads too."""
+    """``max_norm / (norm + 1e-6)`` clamped at 1 (float64, no host sync); 1 for a non-finite norm.
+
+    A NaN or infinite norm's coefficient would be NaN or 0 and would poison or erase the finite
+    grads too."""
     check_max_norm(max_norm)
     clipped = torch.clamp(max_norm / (norm64 + CLIP_EPSILON), max=1.0)
     return torch.where(torch.isfinite(norm64), clipped, torch.ones_like(clipped))
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> None:
-    # None is an axis that is off: nothing to reduce (and None would mean WORLD to torch.distributed).
+    # None is an axis that is off: nothing to reduce (and None would mean WORLD to
+    # torch.distributed).
     if group is not None and group_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
 
@@ -439,7 +477,10 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> No
 def _in_collective_order(
     items_by_group: Mapping[ProcessGroup | None, V],
 ) -> list[tuple[ProcessGroup | None, V]]:
-    """Items ordered identically on every rank: ranks that share two groups must reduce them in the same order."""
+    """Items ordered alike on every rank.
+
+    Ranks that share two groups must reduce them in the same order.
+    """
 
     def collective_order_key(
         item: tuple[ProcessGroup | None, V],

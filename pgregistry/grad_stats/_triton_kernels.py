@@ -1,15 +1,17 @@
-"""The Triton kernels of the one-read grad statistics and of clipping, :mod:`pgregistry.grad_stats._fused` (imports
-triton: import this module only inside a function, after checking that triton is importable).
+"""The Triton kernels of the one-read grad statistics and of clipping,
+:mod:`pgregistry.grad_stats._fused` (imports triton: import this module only inside a function,
+after checking that triton is importable).
 
-Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes one float64 pair: the sum of their
-squares (float32: at most ``ITERS`` additions per lane, then a tree over the block) and the number of exact zeros
-(``x == 0``: ``-0.0`` counts, NaN does not, as ``count_nonzero``; exact in float64). The caller sums the pairs in
-float64, one reduction for both statistics.
+Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes one float64 pair: the
+sum of their squares (float32: at most ``ITERS`` additions per lane, then a tree over the block) and
+the number of exact zeros (``x == 0``: ``-0.0`` counts, NaN does not, as ``count_nonzero``; exact in
+float64). The caller sums the pairs in float64, one reduction for both statistics.
 
-Loads are 16-byte vectors wherever the compiler can prove it: a program whose first element is a multiple of ``VEC``
-elements (16 bytes) from a 16-byte aligned ``x_ptr`` reads its elements up to the last multiple of ``VEC`` with
-vector loads (the bound ``(count // VEC) * VEC`` is provably a multiple of ``VEC``, so the mask is uniform over each
-vector) and the few elements after it with one short masked load; any other program reads element by element.
+Loads are 16-byte vectors wherever the compiler can prove it: a program whose first element is a
+multiple of ``VEC`` elements (16 bytes) from a 16-byte aligned ``x_ptr`` reads its elements up to
+the last multiple of ``VEC`` with vector loads (the bound ``(count // VEC) * VEC`` is provably a
+multiple of ``VEC``, so the mask is uniform over each vector) and the few elements after it with one
+short masked load; any other program reads element by element.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ def squares_and_zeros_kernel(
     ITERS: tl.constexpr,  # noqa: N803
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """Without ``TABLE``, program ``p`` reads elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)`` of the
-    contiguous tensor ``x_ptr`` of ``n`` elements. With ``TABLE``, it reads ``table[p, 1]`` elements (at most
-    ``BLOCK * ITERS``) from element ``table[p, 0]`` after ``x_ptr`` (``table``: int64, shape ``[programs, 2]``): any
-    number of tensors of one dtype in one launch, each addressed from ``x_ptr``. Program ``p`` writes
-    ``pairs[p] = (sum of squares, zeros)`` (float64, shape ``[programs, 2]``)."""
+    """Program ``p`` writes the sum of squares and the zero count of the elements it reads.
+
+    Without ``TABLE``, program ``p`` reads elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)``
+    of the contiguous tensor ``x_ptr`` of ``n`` elements. With ``TABLE``, it reads ``table[p, 1]``
+    elements (at most ``BLOCK * ITERS``) from element ``table[p, 0]`` after ``x_ptr`` (``table``:
+    int64, shape ``[programs, 2]``): any number of tensors of one dtype in one launch, each
+    addressed from ``x_ptr``. Program ``p`` writes ``pairs[p] = (sum of squares, zeros)`` (float64,
+    shape ``[programs, 2]``)."""
     pid = tl.program_id(0)
     start, count = _program_extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
     if start % VEC == 0:
@@ -57,8 +62,9 @@ def squares_and_zeros_kernel(
 def _program_extent(
     pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr
 ):  # noqa: N803
-    """Program ``pid``'s first element (after ``x_ptr``) and element count: its row of the table, or its
-    ``BLOCK * ITERS`` elements of one contiguous tensor of ``n``."""
+    """Program ``pid``'s first element (after ``x_ptr``) and element count.
+
+    Its row of the table, or its ``BLOCK * ITERS`` elements of one contiguous tensor of ``n``."""
     if TABLE:
         start = tl.load(table_ptr + 2 * pid)
         count = tl.load(table_ptr + 2 * pid + 1)
@@ -70,8 +76,10 @@ def _program_extent(
 
 @triton.jit
 def _sum_squares_and_zeros(first, count, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
-    """The float32 sum of squares and the int32 zero count of the ``count`` (at most ``BLOCK * ITERS``) elements
-    from ``first``: ``ITERS`` loads of ``BLOCK`` lanes, then a tree over the lanes."""
+    """The float32 sum of squares and the int32 zero count of ``count`` elements from ``first``.
+
+    ``count`` is at most ``BLOCK * ITERS``: ``ITERS`` loads of ``BLOCK`` lanes, then a tree over the
+    lanes."""
     lanes = tl.arange(0, BLOCK)
     squares = tl.zeros([BLOCK], dtype=tl.float32)
     zeros = tl.zeros([BLOCK], dtype=tl.int32)
@@ -100,12 +108,14 @@ def scale_kernel(
     ITERS: tl.constexpr,  # noqa: N803
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """Multiply in place the elements program ``p`` reads in :func:`squares_and_zeros_kernel` (the same grid and
-    table) by a coefficient: the float64 ``value_ptr[0]``, or with ``FROM_NORM`` clipping's coefficient of the
-    float64 total norm ``value_ptr[0]`` (:func:`_clip_coefficient`). The coefficient is rounded to the tensor's
-    dtype through float32 (as torch's ``.to(dtype)`` of a float64 tensor), each product computed in float32 and
-    rounded to the dtype (as torch's ``mul_``); nothing at all where the rounded coefficient is not below 1
-    (clipping that does not scale, decided on the device: no host sync, no pass over the grads)."""
+    """Multiply in place the elements program ``p`` reads in :func:`squares_and_zeros_kernel`.
+
+    The same grid and table, by a coefficient: the float64 ``value_ptr[0]``, or with ``FROM_NORM``
+    clipping's coefficient of the float64 total norm ``value_ptr[0]`` (:func:`_clip_coefficient`).
+    The coefficient is rounded to the tensor's dtype through float32 (as torch's ``.to(dtype)`` of a
+    float64 tensor), each product computed in float32 and rounded to the dtype (as torch's
+    ``mul_``); nothing at all where the rounded coefficient is not below 1 (clipping that does not
+    scale, decided on the device: no host sync, no pass over the grads)."""
     pid = tl.program_id(0)
     value = tl.load(value_ptr)
     if FROM_NORM:
@@ -124,10 +134,12 @@ def scale_kernel(
 
 @triton.jit
 def _clip_coefficient(norm, max_norm_bits, epsilon_bits):
-    """``max_norm / (norm + epsilon)`` clamped at 1, and 1 for a NaN or infinite norm, in float64 with torch's
-    operations of :func:`~pgregistry.grad_stats._reductions.clip_coefficient` (an addition, a reciprocal, a
-    product), so the bits are the same. ``max_norm`` and ``epsilon`` come as the bits of their float64 values
-    (:func:`~pgregistry.grad_stats._fused.float64_bits`): triton types a Python float argument as float32."""
+    """``max_norm / (norm + epsilon)`` clamped at 1, and 1 for a NaN or infinite norm, in float64.
+
+    With torch's operations of :func:`~pgregistry.grad_stats._reductions.clip_coefficient` (an
+    addition, a reciprocal, a product), so the bits are the same. ``max_norm`` and ``epsilon`` come
+    as the bits of their float64 values (:func:`~pgregistry.grad_stats._fused.float64_bits`): triton
+    types a Python float argument as float32."""
     max_norm = max_norm_bits.to(tl.int64).to(
         tl.float64, bitcast=True
     )  # bits below 2**31 come as int32

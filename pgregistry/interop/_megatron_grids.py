@@ -1,18 +1,22 @@
-"""Megatron-Core's multi-module objects: ``HyperCommGrid`` in, ``MultiModuleProcessGroupCollection`` both ways.
+"""Megatron-Core's multi-module objects.
 
-Megatron-Core's MIMO models give each module a ``HyperCommGrid`` (a grid over a span of ranks: ``shape`` and
-``dim_names`` fastest first, ``rank_offset``), whose dense groups are created over the base dims ``tp cp dp pp``
-and whose expert groups over a registered view named ``"expert"`` with dims ``expt_tp ep expt_dp pp`` (what its
-MIMO optimizer reads, ``megatron/core/models/mimo/optimizer.py``). Its per-rank ``MultiModuleProcessGroupCollection``
+``HyperCommGrid`` in, ``MultiModuleProcessGroupCollection`` both ways.
+
+Megatron-Core's MIMO models give each module a ``HyperCommGrid`` (a grid over a span of ranks:
+``shape`` and ``dim_names`` fastest first, ``rank_offset``), whose dense groups are created over the
+base dims ``tp cp dp pp`` and whose expert groups over a registered view named ``"expert"`` with
+dims ``expt_tp ep expt_dp pp`` (what its MIMO optimizer reads,
+``megatron/core/models/mimo/optimizer.py``). Its per-rank ``MultiModuleProcessGroupCollection``
 holds the collections of the modules that rank runs.
 
-Reading them in, pgregistry recovers each module's :class:`~pgregistry.layout.ParallelLayout` from the groups
-themselves: the axis sizes and the span come from the groups, and the order is the first order string (the default
-one first) under which every given group holds the layout's ranks; none fitting raises, naming the module. The
-collection then holds the very communicators Megatron-Core created (a grid lacking a one-axis group statistics read
-gets it through its own ``create_pg``; nothing else is created) and is checked against that layout like any other.
-Both readers are collective over the world: they adopt the communicators (so a later :func:`pgregistry.build` of
-the same rank sets reuses them) and learn the modules this rank does not run.
+Reading them in, pgregistry recovers each module's :class:`~pgregistry.layout.ParallelLayout` from
+the groups themselves: the axis sizes and the span come from the groups, and the order is the first
+order string (the default one first) under which every given group holds the layout's ranks; none
+fitting raises, naming the module. The collection then holds the very communicators Megatron-Core
+created (a grid lacking a one-axis group statistics read gets it through its own ``create_pg``;
+nothing else is created) and is checked against that layout like any other. Both readers are
+collective over the world: they adopt the communicators (so a later :func:`pgregistry.build` of the
+same rank sets reuses them) and learn the modules this rank does not run.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ __all__ = [
 ]
 
 EXPERT_VIEW: Final = "expert"
-"""The view of a ``HyperCommGrid`` whose dims hold the expert groups, as Megatron-Core's MIMO optimizer names it."""
+"""The view of a ``HyperCommGrid`` whose dims hold the expert groups.
+
+As Megatron-Core's MIMO optimizer names it.
+"""
 
 _BASE_DIMS: Final[Mapping[str, str]] = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp"}
 """Base-view dim -> layout axis."""
@@ -56,7 +63,10 @@ _BASE_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
     "tp_dp_cp": ("tp", "cp", "dp"),
     "intra_dist_opt": ("tp", "cp", "dp", "pp"),
 }
-"""Collection field -> the base-view dims of the grid group that holds it (Megatron-Core's MIMO choice)."""
+"""Collection field -> the base-view dims of the grid group holding it.
+
+Megatron-Core's MIMO choice.
+"""
 _EXPERT_FIELDS: Final[Mapping[GroupName, tuple[str, ...]]] = {
     "ep": ("ep",),
     "expt_tp": ("expt_tp",),
@@ -69,7 +79,10 @@ _ALIASES: Final[Mapping[str, GroupName]] = {"intra_dp_cp": "dp_cp", "intra_expt_
 """Fields that hold the same group as another when there is one distributed-optimizer instance."""
 
 _EMBEDDING_KINDS: Final = ("embd", "pos_embd")
-"""Kinds a grid says nothing about: which ranks hold the embeddings is the model's choice, not the grid's."""
+"""Kinds a grid says nothing about.
+
+Which ranks hold the embeddings is the model's choice, not the grid's.
+"""
 
 _SIZE_FIELDS: Final[tuple[str, ...]] = (
     "tp",
@@ -83,7 +96,7 @@ _SIZE_FIELDS: Final[tuple[str, ...]] = (
 """The layout sizes read off a collection's groups (``dp`` and ``expt_dp`` follow from the span)."""
 
 
-# ---------------------------------------------------------------------------------------------- HyperCommGrid
+# ------------------------------------------------------------------------------------ HyperCommGrid
 
 
 def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupCollection:
@@ -131,7 +144,8 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
 
     if not isinstance(grid, HyperCommGrid):
         raise TypeError(
-            f"from_hyper_comm_grid expects megatron.core.hyper_comm_grid.HyperCommGrid, got {type(grid).__name__}"
+            "from_hyper_comm_grid expects "
+            f"megatron.core.hyper_comm_grid.HyperCommGrid, got {type(grid).__name__}"
         )
     sizes = _grid_sizes(grid)
     fields, enums = _grid_groups(grid)
@@ -156,19 +170,21 @@ _PER_AXIS: Final[Mapping[GroupName, tuple[tuple[str, ...], str | None]]] = {
     "ep": (("ep",), EXPERT_VIEW),
     "expt_tp": (("expt_tp",), EXPERT_VIEW),
 }
-"""The one-axis groups grad statistics decide duplicates with (field -> the grid's dims and view). A MIMO job's
-grids hold only what Megatron-Core's MIMO optimizer reads (``tp_ep_pp`` but neither ``ep`` nor ``expt_tp``)."""
+"""The one-axis groups grad statistics decide duplicates with (field -> the grid's dims and view). A
+MIMO job's grids hold only what Megatron-Core's MIMO optimizer reads (``tp_ep_pp`` but neither
+``ep`` nor ``expt_tp``)."""
 
 
 def _create_per_axis_groups(
     grid: Any, layout: ParallelLayout, fields: dict[str, Any], enums: dict[str, set[RankGroup]]
 ) -> None:
-    """Create, through the grid's own ``create_pg`` (so Megatron-Core finds them there too), each group of
-    :data:`_PER_AXIS` that the grid lacks, has several ranks, and no group the grid made holds the ranks of.
+    """Create, through the grid's own ``create_pg`` (so Megatron-Core finds them there too), each
+    group of :data:`_PER_AXIS` that the grid lacks, has several ranks, and no group the grid made
+    holds the ranks of.
 
-    Without one, statistics would read that axis off the global grid: another grid's group, or none. Every rank
-    decides alike (the grid's state and its rank enumerations are the same on every rank) and creates them in one
-    order, as ``create_pg`` requires of a collective."""
+    Without one, statistics would read that axis off the global grid: another grid's group, or none.
+    Every rank decides alike (the grid's state and its rank enumerations are the same on every rank)
+    and creates them in one order, as ``create_pg`` requires of a collective."""
     for field, (dims, view) in _PER_AXIS.items():
         if field in fields or _rank_enum(grid, dims, view) is None:
             continue
@@ -183,11 +199,14 @@ def _create_per_axis_groups(
 
 
 def _one_rank_group(enums: Mapping[str, set[RankGroup]], span: tuple[int, int]) -> Any:
-    """This rank's one-rank group when the grid made none (``None`` when it did, and on ranks outside ``span``).
+    """This rank's one-rank group when the grid made none.
 
-    A collection's off axes go to Megatron-Core and DeviceMesh as that group (they have no "axis off"), so a grid
-    whose groups all have several ranks gets pgregistry's, as every build makes it: one communicator per rank of
-    the span, created once (a later build reuses them). Every rank decides alike, from the grid's enumerations."""
+    ``None`` when it did, and on ranks outside ``span``.
+
+    A collection's off axes go to Megatron-Core and DeviceMesh as that group (they have no "axis
+    off"), so a grid whose groups all have several ranks gets pgregistry's, as every build makes it:
+    one communicator per rank of the span, created once (a later build reuses them). Every rank
+    decides alike, from the grid's enumerations."""
     if any(all(len(ranks) == 1 for ranks in sets) for sets in enums.values()):
         return None
     from pgregistry._runtime.group_cache import CACHE, GroupOptions
@@ -196,11 +215,11 @@ def _one_rank_group(enums: Mapping[str, set[RankGroup]], span: tuple[int, int]) 
 
 
 def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str, Any]:
-    """The layout kinds the grid did not create that need no new communicator: ``None`` where this rank's group
-    has one rank (an axis the grid does not have, GTP remat and a dense grid's expert axes, is off), else the
-    grid's communicator of another field over the same ranks (``tp_ep_pp`` is ``pp`` when expert TP and EP are
-    off; ``intra_dist_opt``, the whole span, is among them). Every member of a group finds the same field first,
-    so they all hold the same communicator."""
+    """The layout kinds the grid did not create that need no new communicator: ``None`` where this
+    rank's group has one rank (an axis the grid does not have, GTP remat and a dense grid's expert
+    axes, is off), else the grid's communicator of another field over the same ranks (``tp_ep_pp``
+    is ``pp`` when expert TP and EP are off; ``intra_dist_opt``, the whole span, is among them).
+    Every member of a group finds the same field first, so they all hold the same communicator."""
     import torch.distributed as dist
 
     ranks_of = {
@@ -226,13 +245,14 @@ def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str
 
 
 def _grid_sizes(grid: Any) -> dict[str, int]:
-    """Layout axis -> size, from the base dims and the expert view; ``ValueError`` for an unknown dim."""
+    """Layout axis -> size, from base dims and expert view; ``ValueError`` for an unknown dim."""
     sizes: dict[str, int] = {}
     for dim, size in zip(grid.dim_names, grid.shape, strict=True):
         if dim not in _BASE_DIMS:
             raise ValueError(
-                f"HyperCommGrid dim {dim!r} is none of the base dims pgregistry reads ({', '.join(_BASE_DIMS)}); "
-                "expert dims belong in a view named 'expert' (expt_tp, ep, expt_dp, pp)"
+                f"HyperCommGrid dim {dim!r} is none of the base dims "
+                f"pgregistry reads ({', '.join(_BASE_DIMS)}); expert dims "
+                "belong in a view named 'expert' (expt_tp, ep, expt_dp, pp)"
             )
         sizes[_BASE_DIMS[dim]] = int(size)
     expert_view = False
@@ -249,7 +269,10 @@ def _grid_sizes(grid: Any) -> dict[str, int]:
 
 
 def _grid_groups(grid: Any) -> tuple[dict[str, Any], dict[str, set[RankGroup]]]:
-    """(field -> this rank's group of every field whose dims the grid created, field -> all its rank sets)."""
+    """The pair (field -> this rank's group, field -> all its rank sets).
+
+    For every field whose dims the grid created.
+    """
     fields: dict[str, Any] = {}
     enums: dict[str, set[RankGroup]] = {}
     for table, view in ((_BASE_FIELDS, None), (_EXPERT_FIELDS, EXPERT_VIEW)):
@@ -268,7 +291,10 @@ _NOT_CREATED: Final = object()
 
 
 def _grid_group(grid: Any, dims: tuple[str, ...], view: str | None) -> Any:
-    """The grid's group over ``dims`` (``_NOT_CREATED`` when the grid lacks the dims, the view, or the group)."""
+    """The grid's group over ``dims``.
+
+    ``_NOT_CREATED`` when the grid lacks the dims, the view, or the group.
+    """
     try:
         return grid.get_pg(list(dims), view=view)
     except (KeyError, ValueError):
@@ -288,16 +314,17 @@ def _is_member_group(group: Any) -> bool:
     return group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER
 
 
-# ------------------------------------------------------------------------------- MultiModuleProcessGroupCollection
+# ---------------------------------------------------------------- MultiModuleProcessGroupCollection
 
 
 _OFF: Final[RankGroup] = ()
-"""How :func:`describe_groups` reports a field that is ``None`` (off, or Megatron-Core's "not needed")."""
+"""How :func:`describe_groups` reports a ``None`` field (off, or Megatron-Core's "not needed")."""
 
 
 def describe_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
-    """Field -> the sorted ranks of this rank's group (``()`` for ``None``, ``None`` for NOT_MEMBER or a list), for
-    the other ranks to recover a module's layout with :func:`modules_from_reports`."""
+    """Field -> the sorted ranks of this rank's group (``()`` for ``None``, ``None`` for NOT_MEMBER
+    or a list), for the other ranks to recover a module's layout with
+    :func:`modules_from_reports`."""
     import torch.distributed as dist
 
     out: dict[str, RankGroup | None] = {}
@@ -312,11 +339,11 @@ def describe_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
 
 
 def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout], str | None]:
-    """Every module's layout, from the groups every rank running it reported, and the language model's name.
+    """Every module's layout, from the groups its ranks reported, and the language model's name.
 
-    ``everyone[rank]`` is ``(module name -> described_groups(...), language model name or None)`` of that rank;
-    ``ValueError`` naming the module when its ranks are not one span or no layout gives its groups, and when ranks
-    name different language models."""
+    ``everyone[rank]`` is ``(module name -> described_groups(...), language model name or None)`` of
+    that rank; ``ValueError`` naming the module when its ranks are not one span or no layout gives
+    its groups, and when ranks name different language models."""
     observed: dict[str, dict[str, set[RankGroup]]] = {}
     off: dict[str, set[str]] = {}
     ranks_of: dict[str, set[int]] = {}
@@ -340,7 +367,8 @@ def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout]
         first, stop = members[0], members[-1] + 1
         if members != list(range(first, stop)):
             raise ValueError(
-                f"module {name!r} runs on ranks {members}, which are not one span of consecutive ranks"
+                f"module {name!r} runs on ranks {members}, "
+                "which are not one span of consecutive ranks"
             )
         _require_sizing_groups(name, observed[name])
         sizes = {
@@ -362,11 +390,12 @@ def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout]
 def expert_fields_off(
     layout: ParallelLayout, fields: Mapping[str, Any], names: Iterable[str]
 ) -> dict[str, Any]:
-    """``fields`` of this rank's module collection with each of ``names`` that is ``None`` (Megatron-Core's "not
-    needed" in ``expt_dp`` and ``tp_ep_pp``: the expert axes are off, as ``layout`` has them) holding what
-    ``layout`` gives it: ``None`` where this rank's group has one rank, else the communicator of another field over
-    the same ranks (``expt_dp`` is ``intra_dist_opt`` at PP 1), else left out (UNSET), so the collection never holds
-    a ``None`` that its layout contradicts."""
+    """``fields`` of this rank's module collection with each of ``names`` that is ``None``
+    (Megatron-Core's "not needed" in ``expt_dp`` and ``tp_ep_pp``: the expert axes are off, as
+    ``layout`` has them) holding what ``layout`` gives it: ``None`` where this rank's group has one
+    rank, else the communicator of another field over the same ranks (``expt_dp`` is
+    ``intra_dist_opt`` at PP 1), else left out (UNSET), so the collection never holds a ``None``
+    that its layout contradicts."""
     dropped = {field for field in names if field in fields and fields[field] is None}
     kept = {field: value for field, value in fields.items() if field not in dropped}
     return {
@@ -376,18 +405,20 @@ def expert_fields_off(
 
 
 def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) -> None:
-    """``ValueError`` naming the groups a module lacks to fix its layout: ``tp cp pp dp`` always, and ``ep expt_tp
-    expt_dp`` when it has any expert group (the data-parallel sizes fix the GTP-remat ones, which are 1 when their
-    groups are absent). Without them several layouts fit, and a guess would be a silent wrong answer."""
+    """``ValueError`` naming the groups a module lacks to fix its layout: ``tp cp pp dp`` always,
+    and ``ep expt_tp expt_dp`` when it has any expert group (the data-parallel sizes fix the
+    GTP-remat ones, which are 1 when their groups are absent). Without them several layouts fit, and
+    a guess would be a silent wrong answer."""
     needed = ["tp", "cp", "pp", "dp"]
     if any(field in _EXPERT_FIELD_NAMES for field in observed):
         needed += ["ep", "expt_tp", "expt_dp"]
     missing = [field for field in needed if field not in observed]
     if missing:
         raise ValueError(
-            f"module {name!r} lacks the groups {missing}, so its layout is not determined by its groups (several "
-            "layouts would fit); give every module's collection its tp, cp, pp and dp groups (and ep, expt_tp and "
-            "expt_dp with experts), a size-1 axis as a one-rank group"
+            f"module {name!r} lacks the groups {missing}, so its layout is not "
+            "determined by its groups (several layouts would fit); give every "
+            "module's collection its tp, cp, pp and dp groups (and ep, expt_tp "
+            "and expt_dp with experts), a size-1 axis as a one-rank group"
         )
 
 
@@ -415,7 +446,7 @@ def _size_of(observed: Mapping[str, set[RankGroup]], axis: str) -> int | None:
     return sizes.pop()
 
 
-# ------------------------------------------------------------------------------------------------- the layout
+# --------------------------------------------------------------------------------------- the layout
 
 
 def _layout_fitting(
@@ -424,8 +455,9 @@ def _layout_fitting(
     observed: Mapping[str, Iterable[RankGroup]],
     what: str,
 ) -> ParallelLayout:
-    """The layout over ``span`` with ``sizes`` in the first order (the default first) whose groups include every
-    rank set of ``observed`` (field -> sorted rank sets); ``ValueError`` naming ``what`` when none does."""
+    """The layout over ``span`` with ``sizes`` in the first order (the default first) whose groups
+    include every rank set of ``observed`` (field -> sorted rank sets); ``ValueError`` naming
+    ``what`` when none does."""
     first, stop = span
     keywords = {axis: size for axis, size in sizes.items() if axis not in ("dp", "expt_dp")}
     wanted = {
@@ -443,8 +475,9 @@ def _layout_fitting(
         if _layout_fits(layout, sizes, wanted):
             return layout
     raise ValueError(
-        f"no ParallelLayout over ranks {first}-{stop - 1} with sizes {dict(sizes)} gives the groups of {what}: "
-        "its groups are not those of one grid (Megatron-Core's rank order); build the module with pgregistry.build"
+        f"no ParallelLayout over ranks {first}-{stop - 1} with sizes {dict(sizes)} "
+        f"gives the groups of {what}: its groups are not those of one grid "
+        "(Megatron-Core's rank order); build the module with pgregistry.build"
     )
 
 

@@ -1,29 +1,34 @@
 """Megatron-Core interop: one set of communicators shared by pgregistry and a Megatron-Core model.
 
-* :func:`to_megatron` hands a pgregistry collection to Megatron-Core as its own ``ProcessGroupCollection``, holding
-  the same communicators (no group is created);
+* :func:`to_megatron` hands a pgregistry collection to Megatron-Core as its own
+  ``ProcessGroupCollection``, holding the same communicators (no group is created);
 * :func:`from_megatron` turns Megatron-Core's collection (``use_mpu_process_groups()`` after
-  ``initialize_model_parallel``) into a pgregistry one and teaches the registry its communicators, so a later
-  ``pgregistry.build`` of the same layout reuses them;
-* :func:`from_hyper_comm_grid` reads the collection of a module off Megatron-Core's ``HyperCommGrid`` (the grid of a
-  span of ranks its multi-module models use), and both conversions above take a multi-module collection too
-  (Megatron-Core's ``MultiModuleProcessGroupCollection``, :class:`~pgregistry.modules.MultiModuleCollection`);
-* :func:`megatron_config_kwargs` and :func:`megatron_initialize_kwargs` give the sizes of a layout under Megatron-Core's
-  names, and :func:`check_config` refuses a config whose sizes disagree with the groups (Megatron-Core itself accepts
-  ``expert_tensor_parallel_size=1`` next to a 2-rank expert-TP group);
-* :func:`seed_megatron_rng` seeds Megatron-Core's own CUDA RNG tracker with the collection's ranks, so a Megatron-Core
-  model draws what :mod:`pgregistry.rng` computes; :func:`mark_megatron_experts` marks Megatron-Core's routed-expert
-  modules, so the unclassified-expert check of grad statistics covers a Megatron-Core MoE model.
+  ``initialize_model_parallel``) into a pgregistry one and teaches the registry its communicators,
+  so a later ``pgregistry.build`` of the same layout reuses them;
+* :func:`from_hyper_comm_grid` reads the collection of a module off Megatron-Core's
+  ``HyperCommGrid`` (the grid of a span of ranks its multi-module models use), and both conversions
+  above take a multi-module collection too (Megatron-Core's ``MultiModuleProcessGroupCollection``,
+  :class:`~pgregistry.modules.MultiModuleCollection`);
+* :func:`megatron_config_kwargs` and :func:`megatron_initialize_kwargs` give the sizes of a layout
+  under Megatron-Core's names, and :func:`check_config` refuses a config whose sizes disagree with
+  the groups (Megatron-Core itself accepts ``expert_tensor_parallel_size=1`` next to a 2-rank
+  expert-TP group);
+* :func:`seed_megatron_rng` seeds Megatron-Core's own CUDA RNG tracker with the collection's ranks,
+  so a Megatron-Core model draws what :mod:`pgregistry.rng` computes; :func:`mark_megatron_experts`
+  marks Megatron-Core's routed-expert modules, so the unclassified-expert check of grad statistics
+  covers a Megatron-Core MoE model.
 
-Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global ``parallel_state`` group"
-(or the default group, in a collective): a TP-off model whose collection said ``tp=None`` under another model's
-global TP 2 gets its weights sharded over that TP group, without an error. So :func:`to_megatron` hands Megatron-Core
-the collection's one-rank group (:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`, which every
-build makes) where an axis is off, and refuses a collection assembled by hand without one. ``None`` passes only in
-the fields where Megatron-Core reads it as "not used" (:data:`NONE_MEANS_NOT_USED`), and is what a rank outside the
-embedding groups (``NOT_MEMBER``) gets there, as Megatron-Core gives it.
+Megatron-Core has no "axis off" value. In most fields it reads ``None`` as "use the global
+``parallel_state`` group" (or the default group, in a collective): a TP-off model whose collection
+said ``tp=None`` under another model's global TP 2 gets its weights sharded over that TP group,
+without an error. So :func:`to_megatron` hands Megatron-Core the collection's one-rank group
+(:attr:`~pgregistry.collection.ProcessGroupCollection.one_rank_group`, which every build makes)
+where an axis is off, and refuses a collection assembled by hand without one. ``None`` passes only
+in the fields where Megatron-Core reads it as "not used" (:data:`NONE_MEANS_NOT_USED`), and is what
+a rank outside the embedding groups (``NOT_MEMBER``) gets there, as Megatron-Core gives it.
 
-Megatron-Core is imported inside the functions: ``import pgregistry.interop.megatron`` works without it.
+Megatron-Core is imported inside the functions: ``import pgregistry.interop.megatron`` works without
+it.
 """
 
 from __future__ import annotations
@@ -71,20 +76,25 @@ __all__ = [
 _log = get_logger(__name__)
 
 NONE_MEANS_NOT_USED: Final = frozenset({"hcp", "inter_dist_opt", "dp_cp_ag", "expt_dp_ag"})
-"""Fields where Megatron-Core reads ``None`` as "the feature is not used" (one optimizer instance, no hierarchical
-CP, no separate all-gather communicator), as a pgregistry collection reads it. Everywhere else ``None`` makes
-Megatron-Core fall back to its global groups."""
+"""Fields where Megatron-Core reads ``None`` as "the feature is not used" (one optimizer instance,
+no hierarchical CP, no separate all-gather communicator), as a pgregistry collection reads it.
+Everywhere else ``None`` makes Megatron-Core fall back to its global groups."""
 
 _NONE_MEANS_NO_EXPERTS: Final = frozenset({"expt_dp", "tp_ep_pp"})
-"""Fields Megatron-Core's optimizer asks for even without experts, "set it to None if you don't need it" (its
-``setup_process_groups_for_optimizer``; Megatron-LM's ``test_get_megatron_optimizer_with_custom_process_groups``
-does so): :func:`from_megatron` reads that ``None`` as pgregistry's, the expert axes off, which a collection then
-holds to (a 2-rank ``ep`` next to ``tp_ep_pp=None`` is refused)."""
+"""Fields Megatron-Core's optimizer asks for even without experts, "set it to None if you don't need
+it" (its ``setup_process_groups_for_optimizer``; Megatron-LM's
+``test_get_megatron_optimizer_with_custom_process_groups`` does so): :func:`from_megatron` reads
+that ``None`` as pgregistry's, the expert axes off, which a collection then holds to (a 2-rank
+``ep`` next to ``tp_ep_pp=None`` is refused)."""
 
 _MEMBERSHIP_FIELDS: Final = frozenset({"embd", "pos_embd"})
-"""Fields where Megatron-Core reads ``None`` as "this rank is in no such group" (pgregistry's ``NOT_MEMBER``)."""
+"""Fields where Megatron-Core reads ``None`` as "this rank is in no such group".
 
-# Fields only recent Megatron-Core releases have, and the field holding the same ranks when their axis is off.
+That is, pgregistry's ``NOT_MEMBER``.
+"""
+
+# Fields only recent Megatron-Core releases have, and the field holding the same ranks when their
+# axis is off.
 _GTP_FIELDS: Final[dict[str, GroupName | None]] = {
     "gtp_remat": None,
     "expt_gtp_remat": None,
@@ -93,7 +103,8 @@ _GTP_FIELDS: Final[dict[str, GroupName | None]] = {
     "expt_dp_gtp_remat": "expt_dp",
 }
 
-# (Megatron-Core config attribute, initialize_model_parallel keyword, layout attribute, collection field)
+# (Megatron-Core config attribute, initialize_model_parallel keyword, layout attribute, collection
+# field)
 _SIZES: Final[tuple[tuple[str, str, str, GroupName], ...]] = (
     ("tensor_model_parallel_size", "tensor_model_parallel_size", "tp", "tp"),
     ("pipeline_model_parallel_size", "pipeline_model_parallel_size", "pp", "pp"),
@@ -191,8 +202,9 @@ def _to_megatron_modules(modules: MultiModuleCollection) -> Any:
         import torch.distributed as dist
 
         raise ValueError(
-            f"rank {dist.get_rank()} runs none of the modules of {modules!r}; Megatron-Core's "
-            "MultiModuleProcessGroupCollection cannot be empty: give it only to ranks that run a module"
+            f"rank {dist.get_rank()} runs none of the modules of "
+            f"{modules!r}; Megatron-Core's MultiModuleProcessGroupCollection "
+            "cannot be empty: give it only to ranks that run a module"
         )
     language_model = modules.language_model if modules.language_model in here else None
     return MultiModuleProcessGroupCollection(
@@ -205,10 +217,11 @@ def _one_rank_group(pg_collection: ProcessGroupCollection, name: str) -> Any:
     group = pg_collection.one_rank_group
     if group is None:
         raise ValueError(
-            f"pg_collection field {name!r} is None (axis off), and Megatron-Core has no 'axis off' value: it reads "
-            "None there as 'use the global parallel_state group', so a model on this collection would run on another "
-            "grid's groups. This collection has no one-rank group to stand for the axis: build it with "
-            "pgregistry.build(layout), or pass one_rank_group= when assembling it"
+            f"pg_collection field {name!r} is None (axis off), and Megatron-Core has no "
+            "'axis off' value: it reads None there as 'use the global parallel_state "
+            "group', so a model on this collection would run on another grid's groups. "
+            "This collection has no one-rank group to stand for the axis: build it "
+            "with pgregistry.build(layout), or pass one_rank_group= when assembling it"
         )
     return group
 
@@ -220,8 +233,9 @@ def _check_droppable(pg_collection: ProcessGroupCollection, name: str, value: An
     if twin is not None and pg_collection.is_set(twin) and pg_collection.get(twin) is value:
         return
     raise ValueError(
-        f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} field, so it cannot carry this "
-        f"collection's {group_size(value)}-rank {name!r} group: that Megatron-Core cannot run the layout's GTP axis"
+        f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} "
+        f"field, so it cannot carry this collection's {group_size(value)}-rank "
+        f"{name!r} group: that Megatron-Core cannot run the layout's GTP axis"
     )
 
 
@@ -278,7 +292,10 @@ def from_megatron(mc_collection: Any) -> Any:
 
 
 def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
-    """pgregistry field -> value of Megatron-Core's collection (see :func:`from_megatron`), nothing adopted."""
+    """pgregistry field -> value of Megatron-Core's collection, nothing adopted.
+
+    See :func:`from_megatron`.
+    """
     megatron_type = _megatron_collection_type()
     if not isinstance(mc_collection, megatron_type):
         raise TypeError(
@@ -303,8 +320,9 @@ def _fields_from_megatron(mc_collection: Any) -> dict[str, Any]:
             value is None and name not in NONE_MEANS_NOT_USED and name not in _NONE_MEANS_NO_EXPERTS
         ):
             raise ValueError(
-                f"Megatron-Core collection field {name!r} is None, which Megatron-Core reads as 'use the global "
-                "parallel_state group': a pgregistry collection cannot say that; give the field a group"
+                f"Megatron-Core collection field {name!r} is None, which "
+                "Megatron-Core reads as 'use the global parallel_state group': "
+                "a pgregistry collection cannot say that; give the field a group"
             )
         fields[name] = value
     return fields
@@ -414,8 +432,8 @@ def _sizes_by_name(
             out[name] = size
         elif size != 1:
             raise ValueError(
-                f"the installed Megatron-Core ({_megatron_version()}) has no {name!r} in {where}, so it cannot "
-                f"express {attribute}={size}"
+                f"the installed Megatron-Core ({_megatron_version()}) has no "
+                f"{name!r} in {where}, so it cannot express {attribute}={size}"
             )
     return out
 
@@ -522,7 +540,8 @@ def seed_megatron_rng(
     missing = [name for name in needed if not pg_collection.is_set(name)]
     if missing:
         raise ValueError(
-            f"seed_megatron_rng needs the collection's {missing} group(s); set them (None = axis off)"
+            "seed_megatron_rng needs the collection's "
+            f"{missing} group(s); set them (None = axis off)"
         )
     seeds = rank_seeds(seed, pg_collection, data_parallel_random_init=data_parallel_random_init)
     rank = {name: group_rank(pg_collection.get(name)) for name in ("tp", "ep", "expt_tp")}
@@ -541,8 +560,8 @@ def seed_megatron_rng(
             tracker.add(name, seeds[name])
         elif seeds[name] not in tracker.seeds_:
             raise ValueError(
-                f"Megatron-Core's global grid already seeded {name!r} with another seed than the collection's "
-                f"{seeds[name]}: its parallel_state has a different GTP layout"
+                f"Megatron-Core's global grid already seeded {name!r} with another seed than "
+                f"the collection's {seeds[name]}: its parallel_state has a different GTP layout"
             )
     return seeds
 
@@ -572,8 +591,8 @@ def mark_megatron_experts(model: nn.Module) -> int:
 
     if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
         raise TypeError(
-            f"mark_megatron_experts takes the model (an nn.Module), but was given a {type(model).__name__}; "
-            "mark one parameter with pgregistry.params.mark_expert"
+            "mark_megatron_experts takes the model (an nn.Module), but was given a "
+            f"{type(model).__name__}; mark one parameter with pgregistry.params.mark_expert"
         )
     from megatron.core.transformer.moe.moe_layer import MoELayer
 

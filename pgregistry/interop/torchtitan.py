@@ -1,33 +1,37 @@
-"""torchtitan interop: torchtitan's ``ParallelDims`` and a pgregistry collection on one set of communicators.
+"""torchtitan interop: its ``ParallelDims`` and a pgregistry collection on one set of communicators.
 
-torchtitan 0.3 builds its meshes by unflattening one world mesh into several views (data loading, dense, sparse,
-loss), and every view gets process groups of its own: with ``ParallelDims(dp_shard=4, tp=2, ep=4)`` on 8 ranks a
-rank holds 9 communicators for 4 distinct rank sets (``batch``, ``loss``, ``dp`` and ``dp_shard`` are four
-communicators over the same ranks). This module moves between the two without a second set:
+torchtitan 0.3 builds its meshes by unflattening one world mesh into several views (data loading,
+dense, sparse, loss), and every view gets process groups of its own: with ``ParallelDims(dp_shard=4,
+tp=2, ep=4)`` on 8 ranks a rank holds 9 communicators for 4 distinct rank sets (``batch``, ``loss``,
+``dp`` and ``dp_shard`` are four communicators over the same ranks). This module moves between the
+two without a second set:
 
-* :func:`from_parallel_dims` returns a collection holding torchtitan's own communicators (one per rank set, the
-  others it holds are left alone) on the :class:`~pgregistry.layout.ParallelLayout` torchtitan's sizes describe
-  (its ``layout``), and teaches pgregistry those communicators; it creates no group;
-* :func:`to_parallel_dims` hands torchtitan a ``ParallelDims`` whose every mesh and submesh is made of the
-  collection's communicators (``DeviceMesh.from_group``), one per distinct rank set (expert FSDP gets a second
-  one where its ranks are the dense FSDP ranks, which FSDP2 needs);
-* :func:`mark_torchtitan_experts` marks torchtitan's routed-expert modules, so grad statistics refuse an expert
-  parameter that lost its classification instead of counting it as dense;
+* :func:`from_parallel_dims` returns a collection holding torchtitan's own communicators (one per
+  rank set, the others it holds are left alone) on the :class:`~pgregistry.layout.ParallelLayout`
+  torchtitan's sizes describe (its ``layout``), and teaches pgregistry those communicators; it
+  creates no group;
+* :func:`to_parallel_dims` hands torchtitan a ``ParallelDims`` whose every mesh and submesh is made
+  of the collection's communicators (``DeviceMesh.from_group``), one per distinct rank set (expert
+  FSDP gets a second one where its ranks are the dense FSDP ranks, which FSDP2 needs);
+* :func:`mark_torchtitan_experts` marks torchtitan's routed-expert modules, so grad statistics
+  refuse an expert parameter that lost its classification instead of counting it as dense;
 * :func:`communicator_ranks` lists the real communicators this process holds, for proving the above.
 
-torchtitan's rank sets are a pgregistry layout in the default order ``tp-cp-ep-dp-pp``: its dense meshes put TP
-fastest, then CP, then ``dp_shard``, then ``dp_replicate``, then PP; its expert parallelism borrows consecutive
-ranks of ``dp_shard x cp x tp`` (EP fastest in the expert grid) with expert TP 1, its ``efsdp`` is the rest of
-the expert data-parallel ranks. With EP off torchtitan shards the experts over the dense TP axis instead, so the
-layout's expert TP is then the TP size. ``dp_replicate`` is HSDP's replicate axis: the collection carries it as
-``inter_dist_opt``, with ``intra_dp_cp`` / ``intra_expt_dp`` the shard groups
-(:func:`pgregistry.mesh.with_hsdp_groups`).
+torchtitan's rank sets are a pgregistry layout in the default order ``tp-cp-ep-dp-pp``: its dense
+meshes put TP fastest, then CP, then ``dp_shard``, then ``dp_replicate``, then PP; its expert
+parallelism borrows consecutive ranks of ``dp_shard x cp x tp`` (EP fastest in the expert grid) with
+expert TP 1, its ``efsdp`` is the rest of the expert data-parallel ranks. With EP off torchtitan
+shards the experts over the dense TP axis instead, so the layout's expert TP is then the TP size.
+``dp_replicate`` is HSDP's replicate axis: the collection carries it as ``inter_dist_opt``, with
+``intra_dp_cp`` / ``intra_expt_dp`` the shard groups (:func:`pgregistry.mesh.with_hsdp_groups`).
 
-Like torchtitan, dims it leaves without communication (size 1, or ``efsdp`` with EP off) get groups of torch's
-``fake`` backend, which are no communicators; ``fsdp``, ``dp_shard`` (``efsdp`` under EP) and ``loss`` keep a real
-group even at size 1, as torchtitan keeps them, and that one-rank group is pgregistry's.
+Like torchtitan, dims it leaves without communication (size 1, or ``efsdp`` with EP off) get groups
+of torch's ``fake`` backend, which are no communicators; ``fsdp``, ``dp_shard`` (``efsdp`` under EP)
+and ``loss`` keep a real group even at size 1, as torchtitan keeps them, and that one-rank group is
+pgregistry's.
 
-torchtitan is imported inside the functions: ``import pgregistry.interop.torchtitan`` works without it.
+torchtitan is imported inside the functions: ``import pgregistry.interop.torchtitan`` works without
+it.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ __all__ = [
 _log = get_logger(__name__)
 
 SPMD_BACKENDS: Final = ("spmd_types", "full_dtensor", "partial_dtensor")
-"""torchtitan 0.3's ``ParallelismConfig.spmd_backend`` values; each builds a different dense mesh."""
+"""torchtitan 0.3's ``ParallelismConfig.spmd_backend`` values; each builds another dense mesh."""
 
 _VIEWS: Final[dict[str, tuple[str, ...]]] = {
     "dataloading": ("pp", "batch", "cp", "tp"),
@@ -72,7 +76,10 @@ _VIEWS: Final[dict[str, tuple[str, ...]]] = {
     "fwdbwd": ("pp", "dp", "cp", "tp"),  # spmd_types only
     "sparse": ("pp", "dp_replicate", "efsdp", "ep"),
 }
-"""torchtitan's views of the world, slowest dim first: each is the world's ranks reshaped to the dims' sizes."""
+"""torchtitan's views of the world, slowest dim first.
+
+Each is the world's ranks reshaped to the dims' sizes.
+"""
 
 _LOSS: Final = ("batch", "cp")
 """The dataloading dims torchtitan flattens into its ``loss`` mesh."""
@@ -93,8 +100,9 @@ _SINGLE_AXIS_SOURCE: Final[dict[str, str]] = {
     "ep": "sparse",
     "efsdp": "sparse",
 }
-"""The view torchtitan slices each one-dimensional mesh from (``dp_replicate`` and the dense data-parallel dims
-come from the dense view, ``dp`` from the forward/backward one, ``loss`` is its own mesh)."""
+"""The view torchtitan slices each one-dimensional mesh from (``dp_replicate`` and the dense
+data-parallel dims come from the dense view, ``dp`` from the forward/backward one, ``loss`` is its
+own mesh)."""
 
 _DENSE_AXES: Final[dict[str, tuple[str, ...]]] = {
     "spmd_types": ("dp", "cp", "tp"),
@@ -108,7 +116,7 @@ _SPARSE_AXES: Final = ("dp_replicate", "efsdp", "ep")
 
 @attrs.frozen(slots=True)
 class _Sizes:
-    """torchtitan's parallel degrees (``ParallelDims``'s fields) and the sizes of the dims they make."""
+    """torchtitan's parallel degrees (``ParallelDims``'s fields) and their dims' sizes."""
 
     world_size: int
     dp_replicate: int
@@ -147,7 +155,10 @@ class _Sizes:
         )
 
     def partition(self, dim: str) -> torch.Tensor:
-        """Every group of ``dim`` as torchtitan builds it, ``[groups, ranks]`` (``loss``: batch x cp flattened)."""
+        """Every group of ``dim`` as torchtitan builds it, ``[groups, ranks]``.
+
+        ``loss`` is batch x cp flattened.
+        """
         import torch
 
         sizes = self.dim_sizes()
@@ -175,12 +186,13 @@ _KIND_OF: Final[dict[str, GroupName]] = {
     "dp": "dp",
     "loss": "dp_cp",
 }
-"""torchtitan dims that are a layout group kind, which the collection field of the same name holds."""
+"""torchtitan dims that are a layout group kind, which the collection field of the same name
+holds."""
 
 
 def _field_of(dim: str, sizes: _Sizes) -> GroupName | None:
-    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP, which no
-    field holds (the replicate split of ``dp``, without CP)."""
+    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP,
+    which no field holds (the replicate split of ``dp``, without CP)."""
     hsdp = sizes.dp_replicate > 1
     fields: dict[str, GroupName | None] = {
         **_KIND_OF,
@@ -198,8 +210,8 @@ _SPLIT_OF: Final[dict[str, str]] = {
     "efsdp": "expt_dp",
     "dp_replicate": "dp_cp",
 }
-"""torchtitan dims that split a layout kind for HSDP: its ``dp_replicate`` contiguous blocks (``dp_replicate``: the
-ranks at the same place in each block)."""
+"""torchtitan dims that split a layout kind for HSDP: its ``dp_replicate`` contiguous blocks
+(``dp_replicate``: the ranks at the same place in each block)."""
 
 
 def _layout_partition(layout: ParallelLayout, dp_replicate: int, dim: str) -> torch.Tensor:
@@ -221,10 +233,10 @@ def _row_of(partition: torch.Tensor, rank: int) -> tuple[int, ...]:
     return tuple(sorted(partition[(partition == rank).any(dim=1)][0].tolist()))
 
 
-# --------------------------------------------------------------------------------------------- problems
+# ----------------------------------------------------------------------------------------- problems
 
 
-# ----------------------------------------------------------------------------------------- to_parallel_dims
+# --------------------------------------------------------------------------------- to_parallel_dims
 
 
 def to_parallel_dims(
@@ -283,14 +295,16 @@ def to_parallel_dims(
     require_distributed("to_parallel_dims")
     if not isinstance(collection, ProcessGroupCollection):
         check_usable(collection, "to_parallel_dims")  # the TypeError naming what it got
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers torch's "fake" backend
+    # Registers torch's "fake" backend.
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
     layout = collection.layout
     device = device_type if device_type is not None else titan_parallel_dims.device_type
-    # Every option that shapes the meshes or their communicators must be the same on every rank: ranks asking for
-    # different SPMD backends build different meshes (different groups, in a different order) and wait on each other.
-    # Every fault is found before the agreement and raised through it: a rank raising alone (outside a span, say)
-    # would leave the others waiting in a collective.
+    # Every option that shapes the meshes or their communicators must be the same on every rank:
+    # ranks asking for different SPMD backends build different meshes (different groups, in a
+    # different order) and wait on each other. Every fault is found before the agreement and raised
+    # through it: a rank raising alone (outside a span, say) would leave the others waiting in a
+    # collective.
     options = {
         "layout": repr(layout),
         "spmd_backend": repr(spmd_backend),
@@ -331,15 +345,19 @@ def to_parallel_dims(
 
 
 def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
-    """What makes ``collection`` unusable here: a layout over part of the world, destroyed groups, no layout."""
+    """What makes ``collection`` unusable here.
+
+    A layout over part of the world, destroyed groups, or no layout.
+    """
     import torch.distributed as dist
 
     layout = collection.layout
     if layout is not None and layout.rank_range() != (0, dist.get_world_size()):
         first, stop = layout.rank_range()
         return [
-            f"to_parallel_dims needs a layout over the whole world (torchtitan's ParallelDims spans every rank), and "
-            f"{collection.describe()} spans ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
+            "to_parallel_dims needs a layout over the whole world (torchtitan's "
+            f"ParallelDims spans every rank), and {collection.describe()} spans "
+            f"ranks {first}-{stop - 1} of the {dist.get_world_size()}-rank world"
         ]
     try:
         check_usable(collection, "to_parallel_dims")
@@ -347,8 +365,8 @@ def _usable_problems(collection: ProcessGroupCollection) -> list[str]:
         return [str(exc)]
     if layout is None:
         return [
-            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and this collection was assembled "
-            "by hand; build it with pgregistry.build(layout)"
+            "to_parallel_dims needs the collection's layout (torchtitan's sizes), and "
+            "this collection was assembled by hand; build it with pgregistry.build(layout)"
         ]
     return []
 
@@ -360,13 +378,16 @@ def _views_of(spmd_backend: str) -> tuple[str, ...]:
 
 
 def _dims_of(spmd_backend: str) -> tuple[str, ...]:
-    """The dims torchtitan builds under ``spmd_backend``, in a fixed order (every rank walks it alike)."""
+    """The dims torchtitan builds under ``spmd_backend``, in one order (all ranks walk it alike)."""
     dims = dict.fromkeys(dim for view in _views_of(spmd_backend) for dim in _VIEWS[view])
     return (*dims, "loss")
 
 
 def _is_real(parallel_dims: Any, dim: str) -> bool:
-    """Whether torchtitan gives ``dim`` a real backend (its own rule; ``loss`` is flattened, always real)."""
+    """Whether torchtitan gives ``dim`` a real backend.
+
+    Its own rule; ``loss`` is flattened, always real.
+    """
     size = _sizes_of_titan(parallel_dims).dim_sizes()[dim]
     return dim == "loss" or bool(parallel_dims._mesh_exist(dim, size))
 
@@ -374,8 +395,9 @@ def _is_real(parallel_dims: Any, dim: str) -> bool:
 def _sizes_of_layout(
     layout: ParallelLayout, collection: ProcessGroupCollection, spmd_backend: str
 ) -> tuple[_Sizes, list[str]]:
-    """torchtitan's degrees for ``layout`` (``dp_replicate``: the size of ``collection.inter_dist_opt``, 1 when
-    unset or off) and what makes the layout one torchtitan cannot run."""
+    """torchtitan's degrees for ``layout`` (``dp_replicate``: the size of
+    ``collection.inter_dist_opt``, 1 when unset or off) and what makes the layout one torchtitan
+    cannot run."""
     replicate = collection.get_or("inter_dist_opt", None)
     dp_replicate = group_size(replicate) if replicate is not None else 1
     problems: list[str] = []
@@ -388,17 +410,18 @@ def _sizes_of_layout(
         )
     if layout.ep > 1 and layout.expt_tp != 1:
         problems.append(
-            f"layout expt_tp={layout.expt_tp} with ep={layout.ep}: torchtitan shards experts over EP only "
-            "(expert TP 1)"
+            f"layout expt_tp={layout.expt_tp} with ep={layout.ep}: "
+            "torchtitan shards experts over EP only (expert TP 1)"
         )
     if layout.ep == 1 and layout.expt_tp != layout.tp:
         problems.append(
-            f"layout expt_tp={layout.expt_tp} with ep=1: torchtitan shards experts over the dense TP axis "
-            f"(expt_tp = tp = {layout.tp})"
+            f"layout expt_tp={layout.expt_tp} with ep=1: torchtitan shards "
+            f"experts over the dense TP axis (expt_tp = tp = {layout.tp})"
         )
     if layout.dp % dp_replicate:
         problems.append(
-            f"dp_replicate {dp_replicate} (inter_dist_opt's size) does not divide the layout's dp {layout.dp}"
+            f"dp_replicate {dp_replicate} (inter_dist_opt's "
+            f"size) does not divide the layout's dp {layout.dp}"
         )
         dp_replicate = 1
     sizes = _Sizes(
@@ -413,15 +436,15 @@ def _sizes_of_layout(
     borrowed = sizes.dp_shard * sizes.cp * sizes.tp
     if borrowed % sizes.ep:
         problems.append(
-            f"layout ep={layout.ep} does not divide dp_shard x cp x tp = {sizes.dp_shard} x {sizes.cp} x "
-            f"{sizes.tp} = {borrowed}, the ranks torchtitan's EP borrows from"
+            f"layout ep={layout.ep} does not divide dp_shard x cp x tp = {sizes.dp_shard} x "
+            f"{sizes.cp} x {sizes.tp} = {borrowed}, the ranks torchtitan's EP borrows from"
         )
     return sizes, problems
 
 
 def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
-    """Dims whose groups in ``layout`` are not torchtitan's (an order other than the default, say): the same on
-    every rank, as whole partitions are compared."""
+    """Dims whose groups in ``layout`` are not torchtitan's (an order other than the default, say):
+    the same on every rank, as whole partitions are compared."""
     problems = []
     for dim in sizes.dim_sizes():
         if dim == "efsdp" and sizes.ep == 1:
@@ -429,8 +452,9 @@ def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
         ours = _layout_partition(layout, sizes.dp_replicate, dim)
         if not _same_partition(ours, sizes.partition(dim)):
             problems.append(
-                f"layout order {layout.order!r} gives torchtitan's {dim!r} dim the groups {ours.tolist()[:4]}..., "
-                f"torchtitan builds {sizes.partition(dim).tolist()[:4]}...; use the order 'tp-cp-ep-dp-pp'"
+                f"layout order {layout.order!r} gives torchtitan's {dim!r} dim the "
+                f"groups {ours.tolist()[:4]}..., torchtitan builds "
+                f"{sizes.partition(dim).tolist()[:4]}...; use the order 'tp-cp-ep-dp-pp'"
             )
     return problems
 
@@ -438,8 +462,9 @@ def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
 def _collection_problems(
     collection: ProcessGroupCollection, sizes: _Sizes, spmd_backend: str
 ) -> list[str]:
-    """torchtitan's dims of several ranks whose collection field is UNSET or ``None`` on this rank (a collection's
-    groups hold its layout's ranks, which the layout problems above compare with torchtitan's)."""
+    """torchtitan's dims of several ranks whose collection field is UNSET or ``None`` on this rank
+    (a collection's groups hold its layout's ranks, which the layout problems above compare with
+    torchtitan's)."""
     dim_sizes = sizes.dim_sizes()
     problems = []
     for dim in _dims_of(spmd_backend):
@@ -450,15 +475,16 @@ def _collection_problems(
         if value is UNSET or value is None:
             state = "UNSET" if value is UNSET else "None (axis off)"
             problems.append(
-                f"torchtitan's {dim!r} dim has {dim_sizes[dim]} ranks but the collection's {field!r} is {state}"
+                f"torchtitan's {dim!r} dim has {dim_sizes[dim]} "
+                f"ranks but the collection's {field!r} is {state}"
             )
     return problems
 
 
 class _GroupSource:
-    """Where each dim's group comes from: the collection's field, pgregistry's communicators (world, one-rank groups,
-    a rank set no field holds) or a fake group. Every rank asks for the same dims in the same order, so the
-    collective creations line up."""
+    """Where each dim's group comes from: the collection's field, pgregistry's communicators (world,
+    one-rank groups, a rank set no field holds) or a fake group. Every rank asks for the same dims
+    in the same order, so the collective creations line up."""
 
     def __init__(
         self,
@@ -472,8 +498,8 @@ class _GroupSource:
 
         self.sizes = sizes
         self.collection = collection
-        # The dense dim FSDP2 shards over with one communicator of this collection: under the DTensor backends with
-        # CP it flattens dp_shard x cp into a group of its own instead.
+        # The dense dim FSDP2 shards over with one communicator of this collection: under the
+        # DTensor backends with CP it flattens dp_shard x cp into a group of its own instead.
         self.dense_fsdp = (
             "fsdp" if spmd_backend == "partial_dtensor" else ("dp_shard" if sizes.cp == 1 else None)
         )
@@ -510,12 +536,15 @@ class _GroupSource:
         )
 
     def _expert_fsdp_twin(self, partition: torch.Tensor) -> ProcessGroup:
-        """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks (EP = TP).
+        """A second communicator over the expert FSDP ranks, when they are the dense FSDP ranks.
 
-        FSDP2 (torch 2.13) groups the parameters of one ``fully_shard`` call by their shard communicator and
-        requires one mesh of theirs per communicator; torchtitan shards a block's dense and expert parameters in
-        one call on two meshes (``fsdp`` / ``dp_shard`` and ``efsdp``), so the two must be different communicators
-        even over the same ranks. Each call creates them afresh, as pgregistry creates its own communicators.
+        That is when EP = TP.
+
+        FSDP2 (torch 2.13) groups the parameters of one ``fully_shard`` call by their shard
+        communicator and requires one mesh of theirs per communicator; torchtitan shards a block's
+        dense and expert parameters in one call on two meshes (``fsdp`` / ``dp_shard`` and
+        ``efsdp``), so the two must be different communicators even over the same ranks. Each call
+        creates them afresh, as pgregistry creates its own communicators.
         """
         from pgregistry._runtime.group_cache import CACHE
 
@@ -524,8 +553,9 @@ class _GroupSource:
         return group
 
     def _fake_group(self, ranks: tuple[int, ...]) -> ProcessGroup:
-        """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan gives the dims
-        it never communicates over. Created by its members only, in the same dim order on every rank."""
+        """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan
+        gives the dims it never communicates over. Created by its members only, in the same dim
+        order on every rank."""
         import torch.distributed as dist
 
         if ranks not in self.fakes:
@@ -543,8 +573,9 @@ def _install_meshes(
     device_type: str,
 ) -> None:
     """Fill the caches torchtitan's ``build_mesh`` fills (``_world_mesh``, ``_global_meshes``,
-    ``_single_axis_meshes``, ``_spmd_meshes``) with meshes made of ``groups``, then run torchtitan's own size
-    check and SPMD-mesh selection on them. Slicing a mesh reuses its groups, so no group is created here."""
+    ``_single_axis_meshes``, ``_spmd_meshes``) with meshes made of ``groups``, then run torchtitan's
+    own size check and SPMD-mesh selection on them. Slicing a mesh reuses its groups, so no group is
+    created here."""
     from torch.distributed.device_mesh import DeviceMesh
 
     sizes = _sizes_of_titan(parallel_dims)
@@ -582,8 +613,9 @@ def _install_meshes(
 def _view_mesh(
     view: str, groups: Mapping[str, ProcessGroup], sizes: _Sizes, device_type: str
 ) -> DeviceMesh:
-    """One of torchtitan's views as a mesh over the whole world (the same rank map as every other view, so meshes
-    sliced from different views concatenate, as FSDP2 does with a TP mesh), its dims made of ``groups``."""
+    """One of torchtitan's views as a mesh over the whole world (the same rank map as every other
+    view, so meshes sliced from different views concatenate, as FSDP2 does with a TP mesh), its dims
+    made of ``groups``."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -607,7 +639,7 @@ def _sizes_of_titan(parallel_dims: Any) -> _Sizes:
     )
 
 
-# --------------------------------------------------------------------------------------- from_parallel_dims
+# ------------------------------------------------------------------------------- from_parallel_dims
 
 
 _HSDP_FIELDS: Final[dict[GroupName, str]] = {
@@ -618,7 +650,10 @@ _HSDP_FIELDS: Final[dict[GroupName, str]] = {
 """HSDP fields -> the torchtitan dim with their ranks (set when ``dp_replicate`` > 1)."""
 
 _NOT_BUILT: Final[dict[str, None]] = {"hcp": None, "dp_cp_ag": None, "expt_dp_ag": None}
-"""Fields ``registry.build`` leaves ``None`` as well: no hierarchical CP, no second all-gather communicator."""
+"""Fields ``registry.build`` leaves ``None`` too.
+
+No hierarchical CP, no second all-gather communicator.
+"""
 
 
 def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
@@ -663,8 +698,9 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
         if isinstance(parallel_dims, ParallelDims)
         else (
             "from_parallel_dims expects torchtitan's ParallelDims "
-            "(torchtitan.distributed.parallel_dims.ParallelDims, after parallel_dims.build_mesh()), "
-            f"got {type(parallel_dims).__module__}.{type(parallel_dims).__qualname__}; "
+            "(torchtitan.distributed.parallel_dims.ParallelDims, after "
+            "parallel_dims.build_mesh()), got "
+            f"{type(parallel_dims).__module__}.{type(parallel_dims).__qualname__}; "
             "for a collection of a layout of your own, call pgregistry.build(layout)"
         )
     )
@@ -672,7 +708,10 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
         raise TypeError(wrong_type)  # no peer to wait: nothing collective has begun
     require_distributed("from_parallel_dims")
     if wrong_type is not None:
-        given = f"not a ParallelDims ({type(parallel_dims).__module__}.{type(parallel_dims).__qualname__})"
+        given = (
+            "not a ParallelDims "
+            f"({type(parallel_dims).__module__}.{type(parallel_dims).__qualname__})"
+        )
         options, problems = {"degrees": given, "spmd_backend": given}, [wrong_type]
     else:
         sizes = _sizes_of_titan(parallel_dims)
@@ -687,7 +726,10 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
             options,
             "; ".join(problems) or None,
             failed=_CANNOT,
-            advice="every rank must pass the ParallelDims of one torchtitan job (the same degrees and SPMD backend)",
+            advice=(
+                "every rank must pass the ParallelDims of one "
+                "torchtitan job (the same degrees and SPMD backend)"
+            ),
         )
     except ValueError as exc:
         if (
@@ -767,7 +809,7 @@ def _fields_from(
     return fields
 
 
-# ------------------------------------------------------------------------------------------------- experts
+# ------------------------------------------------------------------------------------------ experts
 
 
 def mark_torchtitan_experts(model: nn.Module) -> int:
@@ -800,8 +842,8 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
 
     if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
         raise TypeError(
-            f"mark_torchtitan_experts takes the model (an nn.Module), but was given a {type(model).__name__}; "
-            "mark one parameter with pgregistry.params.mark_expert"
+            "mark_torchtitan_experts takes the model (an nn.Module), but was given a "
+            f"{type(model).__name__}; mark one parameter with pgregistry.params.mark_expert"
         )
     from torchtitan.models.common.moe import GroupedExperts
 
@@ -817,7 +859,7 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
     return marked
 
 
-# --------------------------------------------------------------------------------------------- communicators
+# ------------------------------------------------------------------------------------ communicators
 
 
 def communicator_ranks() -> list[tuple[int, ...]]:

@@ -1,24 +1,32 @@
 """``pgregistry migrate``: rewrite reads of global process-group state into reads of a collection.
 
-Built on the scanner and field table it shares with the allowlist ratchet (:mod:`pgregistry._source`): the reads
-the ratchet counts are the reads this package rewrites. libcst (the ``migrate`` extra) is imported by the modules
-below only, so ``import pgregistry.migrate`` stays as cheap as ``import pgregistry``. The modules, in the order a
-run uses them:
+Built on the scanner and field table it shares with the allowlist ratchet
+(:mod:`pgregistry._source`): the reads the ratchet counts are the reads this package rewrites.
+libcst (the ``migrate`` extra) is imported by the modules below only, so ``import
+pgregistry.migrate`` stays as cheap as ``import pgregistry``. The modules, in the order a run uses
+them:
 
-- :mod:`~pgregistry.migrate._engine`: the run over a tree (scan, plan, rewrite, compile-check), split across cores;
-- :mod:`~pgregistry.migrate._phases`: work in two phases across processes, with one exchange between them;
-- :mod:`~pgregistry.migrate._skeleton`: the part of a file libcst parses, and a statement's lines and span;
-- :mod:`~pgregistry.migrate._tree`: what the whole tree says about its functions and collections, learned first;
-- :mod:`~pgregistry.migrate._megatron_release`: which Megatron-Core the migrated code runs against (its field
-  table, the getters its shims call);
-- :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left) and which
-  calls pass a collection;
-- :mod:`~pgregistry.migrate._shims`: which ``use_mpu_process_groups`` shims become the reads of their fields;
-- :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code (a call of the fallback helper);
+- :mod:`~pgregistry.migrate._engine`: the run over a tree (scan, plan, rewrite, compile-check),
+  split across cores;
+- :mod:`~pgregistry.migrate._phases`: work in two phases across processes, with one exchange between
+  them;
+- :mod:`~pgregistry.migrate._skeleton`: the part of a file libcst parses, and a statement's lines
+  and span;
+- :mod:`~pgregistry.migrate._tree`: what the whole tree says about its functions and collections,
+  learned first;
+- :mod:`~pgregistry.migrate._megatron_release`: which Megatron-Core the migrated code runs against
+  (its field table, the getters its shims call);
+- :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left)
+  and which calls pass a collection;
+- :mod:`~pgregistry.migrate._shims`: which ``use_mpu_process_groups`` shims become the reads of
+  their fields;
+- :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code (a call of the
+  fallback helper);
 - :mod:`~pgregistry.migrate._fallback_helper`: that helper, as written into a migrated tree;
 - :mod:`~pgregistry.migrate._helper_file`: its text for the code's release, and where it goes;
 - :mod:`~pgregistry.migrate._rewrite`: the libcst transformer, imports added and pruned;
-- :mod:`~pgregistry.migrate._layout` and :mod:`~pgregistry.migrate._style`: lines kept to the tree's length;
+- :mod:`~pgregistry.migrate._layout` and :mod:`~pgregistry.migrate._style`: lines kept to the tree's
+  length;
 - :mod:`~pgregistry.migrate._writing`: diffs, and checked, atomic writes;
 - :mod:`~pgregistry.migrate._report`: what a run did, per family of reads.
 

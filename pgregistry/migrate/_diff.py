@@ -1,16 +1,17 @@
-"""A change as a unified diff, in time linear in the file (for the files a rewrite touches throughout).
+"""A change as a unified diff, in time linear in the file (for files a rewrite touches throughout).
 
-:func:`difflib.unified_diff` alone is quadratic on a long file whose changes are spread over it: each
-matching block its matcher finds costs a scan of the rest (a generated 1 MB file: minutes). The lines that
-occur once in the old text and once in the new one, in the same order in both (their longest increasing run,
-found in ``n log n``), are matched first, as ``git diff --patience`` does; :class:`difflib.SequenceMatcher`
-only matches the short stretches between two of them. The diff is ``patch``'s format either way.
+:func:`difflib.unified_diff` alone is quadratic on a long file whose changes are spread over it:
+each matching block its matcher finds costs a scan of the rest (a generated 1 MB file: minutes). The
+lines that occur once in the old text and once in the new one, in the same order in both (their
+longest increasing run, found in ``n log n``), are matched first, as ``git diff --patience`` does;
+:class:`difflib.SequenceMatcher` only matches the short stretches between two of them. The diff is
+``patch``'s format either way.
 
-The diff is of the files' bytes, as ``git diff`` gives it: a file in latin-1 (its ``# -*- coding: ... -*-``
-line) or with a BOM is shown in its own encoding, so the diff applies to it byte for byte, whatever encoding the
-terminal has (a diff decoded as UTF-8 crashed on such a file). Every encoding Python accepts for a source file
-keeps ``\\n`` a line's end, which is where ``patch`` and ``git`` split lines (a file ending its lines with a
-lone ``\\r`` is one line to them).
+The diff is of the files' bytes, as ``git diff`` gives it: a file in latin-1 (its ``# -*-
+coding: ... -*-`` line) or with a BOM is shown in its own encoding, so the diff applies to it byte
+for byte, whatever encoding the terminal has (a diff decoded as UTF-8 crashed on such a file). Every
+encoding Python accepts for a source file keeps ``\\n`` a line's end, which is where ``patch`` and
+``git`` split lines (a file ending its lines with a lone ``\\r`` is one line to them).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ _CONTEXT = 3
 def _unique_line_anchors(
     a: Sequence[bytes], b: Sequence[bytes], alo: int, ahi: int, blo: int, bhi: int
 ) -> list[tuple[int, int]]:
-    """The pairs (i, j) of lines unique to both ``a[alo:ahi]`` and ``b[blo:bhi]``, equal, in the longest run
-    in which both indexes increase (patience sorting)."""
+    """The pairs (i, j) of lines unique to both ``a[alo:ahi]`` and ``b[blo:bhi]``, equal, in the
+    longest run in which both indexes increase (patience sorting)."""
     count_a, count_b = Counter(a[alo:ahi]), Counter(b[blo:bhi])
     where_b = {b[j]: j for j in range(blo, bhi) if count_b[b[j]] == 1}
     pairs = [(i, where_b[a[i]]) for i in range(alo, ahi) if count_a[a[i]] == 1 and a[i] in where_b]
@@ -55,7 +56,7 @@ def _unique_line_anchors(
 
 
 def _matching_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> list[tuple[int, int, int]]:
-    """What :meth:`difflib.SequenceMatcher.get_matching_blocks` gives, anchored on unique lines first."""
+    """What :meth:`difflib.SequenceMatcher.get_matching_blocks` gives, anchored on unique lines."""
     blocks: list[tuple[int, int, int]] = []
     stretches = [(0, len(a), 0, len(b))]
     while stretches:
@@ -113,7 +114,10 @@ def _hunk_range(start: int, stop: int) -> str:
 
 def _diff_hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
     for group in _Matcher(a, b).get_grouped_opcodes(_CONTEXT):
-        yield f"@@ -{_hunk_range(group[0][1], group[-1][2])} +{_hunk_range(group[0][3], group[-1][4])} @@\n".encode()
+        yield (
+            f"@@ -{_hunk_range(group[0][1], group[-1][2])} "
+            f"+{_hunk_range(group[0][3], group[-1][4])} @@\n"
+        ).encode()
         for tag, i1, i2, j1, j2 in group:
             if tag == "equal":
                 yield from (b" " + line for line in a[i1:i2])
@@ -123,9 +127,9 @@ def _diff_hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
 
 
 def render_unified_diff(path: str, before: bytes, after: bytes, *, created: bool = False) -> bytes:
-    """The change of ``path`` from ``before`` to ``after`` as a unified diff (``a/PATH`` to ``b/PATH``, as
-    ``git diff`` names them; ``/dev/null`` to ``b/PATH`` for a ``created`` file), in the file's own bytes; empty
-    when they are equal."""
+    """The change of ``path`` from ``before`` to ``after`` as a unified diff (``a/PATH`` to
+    ``b/PATH``, as ``git diff`` names them; ``/dev/null`` to ``b/PATH`` for a ``created`` file), in
+    the file's own bytes; empty when they are equal."""
     hunks = list(_diff_hunks(_LINE.findall(before), _LINE.findall(after)))
     if not hunks:
         return b""

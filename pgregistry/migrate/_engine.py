@@ -1,19 +1,21 @@
-"""``pgregistry migrate``'s engine: the files of a run to their planned rewrites, across the whole tree.
+"""``pgregistry migrate``'s engine: a run's files to their planned rewrites, across the whole tree.
 
-1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist`` counts);
-   learn what the whole tree says about the functions with reads (:mod:`~pgregistry.migrate._tree`).
+1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist``
+   counts); learn what the whole tree says about the functions with reads
+   (:mod:`~pgregistry.migrate._tree`).
 2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.migrate._plan`).
-3. Parse the other files that mention a function a collection was threaded into, so their calls can pass one.
+3. Parse the other files that mention a function a collection was threaded into, so their calls can
+   pass one.
 4. Rewrite (:mod:`~pgregistry.migrate._rewrite`) and check that each new text still compiles: a
    rewrite that would not is refused, never written.
 5. With ``--target megatron``, add the fallback helper module the rewritten reads call
-   (:mod:`~pgregistry.migrate._helper_file`): a new file, or one this tool wrote before; any other file at its
-   path is refused.
+   (:mod:`~pgregistry.migrate._helper_file`): a new file, or one this tool wrote before; any other
+   file at its path is refused.
 
-Steps 2 to 4 are split by file across the cores (:mod:`~pgregistry.migrate._phases`), with one exchange
-after step 2: which functions were threaded. The files of step 3 are not split in advance but taken from a
-queue by whichever worker is free (what the rest of the work costs is only known once it is done). The result
-does not depend on the split.
+Steps 2 to 4 are split by file across the cores (:mod:`~pgregistry.migrate._phases`), with one
+exchange after step 2: which functions were threaded. The files of step 3 are not split in advance
+but taken from a queue by whichever worker is free (what the rest of the work costs is only known
+once it is done). The result does not depend on the split.
 
 Nothing here writes: :mod:`~pgregistry.migrate._writing` does, once every file has been planned.
 libcst is imported here and below only, so ``pgregistry`` and the ratchet run without it.
@@ -71,8 +73,8 @@ __all__ = ["Migration", "migrate"]
 
 @dataclass
 class Migration:
-    """A run's outcome: the changes to write, every read with its way, the files that could not be read or
-    parsed (nothing may be written then), and how many calls now pass a collection."""
+    """A run's outcome: the changes to write, every read with its way, the files that could not be
+    read or parsed (nothing may be written then), and how many calls now pass a collection."""
 
     changes: list[Change] = field(default_factory=list)
     reads: list[tuple[str, Read]] = field(default_factory=list)
@@ -104,8 +106,8 @@ class _Parsed:
 def _parse_skeleton(
     path: str, data: bytes, syntax: ast.Module, needed: Callable[[int, int, bool], bool]
 ) -> _Parsed | FileResult:
-    """Parse ``data`` (whose :mod:`ast` tree is ``syntax``) with libcst: its skeleton, each definition that is not
-    ``needed`` stood in for by a placeholder."""
+    """Parse ``data`` (whose :mod:`ast` tree is ``syntax``) with libcst: its skeleton, each
+    definition that is not ``needed`` stood in for by a placeholder."""
     import libcst as cst
 
     frame = build_skeleton(data, syntax, needed)
@@ -125,15 +127,16 @@ _INTERNAL = "internal error"
 
 
 def _internal_error(path: str, error: BaseException) -> FileResult:
-    """``error``, raised by this tool on ``path`` (a bug), as the file's failure: the run writes nothing and
-    exits 2, never 1, which ``--check`` keeps for "would change"."""
+    """``error``, raised by this tool on ``path`` (a bug), as the file's failure: the run writes
+    nothing and exits 2, never 1, which ``--check`` keeps for "would change"."""
     detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     return FileResult(path, failure=ParseFailure(f"{_INTERNAL} ({detail}); please report it", 1, 1))
 
 
 def _calls_of(names: AbstractSet[str]) -> re.Pattern[bytes] | None:
-    """A call of one of ``names`` (by its plain name, as :func:`decide_passes` resolves it). The lookahead on their
-    first letters spares trying every name at every word (three times faster on megatron/core)."""
+    """A call of one of ``names`` (by its plain name, as :func:`decide_passes` resolves it). The
+    lookahead on their first letters spares trying every name at every word (three times faster on
+    megatron/core)."""
     if not names:
         return None
     first = b"".join(sorted({re.escape(n[:1].encode()) for n in names}))
@@ -143,16 +146,20 @@ def _calls_of(names: AbstractSet[str]) -> re.Pattern[bytes] | None:
 
 @dataclass(frozen=True)
 class Helper:
-    """Where ``--target megatron``'s fallback helper goes (``module``: None, the default of the rewritten files'
-    top package), the accessors of the code's Megatron-Core release (none known: 0.19's), the tree's line
-    length, and the getters the release's shims call."""
+    """Where ``--target megatron``'s fallback helper goes (``module``: None, the default of the
+    rewritten files' top package), the accessors of the code's Megatron-Core release (none known:
+    0.19's), the tree's line length, and the getters the release's shims call."""
 
     module: str | None = None
     accessors: Sequence[str] = ()
     width: int = DEFAULT_WIDTH
-    #: What the release's ``use_mpu_process_groups`` calls for each field (:mod:`._megatron_release`): the installed
-    #: Megatron-Core's (where this Python imports it from) unless given; None: not known, every shim stays.
+    #: What the release's ``use_mpu_process_groups`` calls for each field
+    #: (:mod:`._megatron_release`): the installed Megatron-Core's (where this Python imports it
+    #: from) unless given; None: not known, every shim stays.
     shims: ShimGetters | Literal["installed"] | None = "installed"
+    #: Whether the release's pipeline-stage accessors are the form the helper reproduces for
+    #: ``ignore_virtual=False`` (:mod:`._virtual_stages`; default: 0.19's, which are).
+    virtual_stages: bool = True
 
 
 def migrate(
@@ -166,14 +173,15 @@ def migrate(
     helper: Helper = Helper(),
     progress: Progress = SILENT,
 ) -> Migration:
-    """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``; ``name``: the
-    collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has GTP remat
-    (:mod:`~pgregistry.migrate._megatron_release`); ``helper``: where the fallback helper goes; ``progress``: where
-    a long run says how far it is. ``ValueError`` for an unknown target, a name that is no identifier or a helper
-    module that is no dotted name.
+    """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``;
+    ``name``: the collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has
+    GTP remat (:mod:`~pgregistry.migrate._megatron_release`); ``helper``: where the fallback helper
+    goes; ``progress``: where a long run says how far it is. ``ValueError`` for an unknown target, a
+    name that is no identifier or a helper module that is no dotted name.
 
-    The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles the run
-    must free, so its collections would only rescan them (a tenth of the time on a large tree)."""
+    The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles
+    the run must free, so its collections would only rescan them (a tenth of the time on a large
+    tree)."""
     if not name.isidentifier():
         raise ValueError(f"--collection-name {name!r} is not a Python identifier")
     if helper.module is not None and not all(
@@ -196,8 +204,9 @@ Threaded = dict[tuple[str, str], str]
 
 @dataclass
 class _Planned:
-    """A worker's first phase: the files it could not parse, the functions and methods it threaded, and the
-    classes whose ``__init__`` it threaded (:func:`~pgregistry.migrate._plan.collect_threaded_classes`)."""
+    """A worker's first phase: the files it could not parse, the functions and methods it threaded,
+    and the classes whose ``__init__`` it threaded
+    (:func:`~pgregistry.migrate._plan.collect_threaded_classes`)."""
 
     failures: list[FileResult]
     threaded: Threaded
@@ -207,13 +216,15 @@ class _Planned:
 
 @dataclass(frozen=True)
 class _Instruction:
-    """What every worker's second phase needs of the others' first: the module-level functions given the
-    parameter (with the names packages re-export them under) and what threading upward decided."""
+    """What every worker's second phase needs of the others' first: the module-level functions given
+    the parameter (with the names packages re-export them under) and what threading upward
+    decided."""
 
     threaded: Threaded
     upward: Upward = Upward()
     spec_fields: SpecFields = SpecFields()
-    #: The ``__init__``s given the parameter to pass it on through ``super().__init__`` (:mod:`._inherited`).
+    #: The ``__init__``s given the parameter to pass it on through ``super().__init__``
+    #: (:mod:`._inherited`).
     forwarding: frozenset[tuple[str, str]] = frozenset()
 
     def names(self) -> set[str]:
@@ -229,11 +240,13 @@ class _Instruction:
         )
 
     def forwarding_modules(self) -> set[str]:
-        """The modules holding an ``__init__`` that forwards the collection through ``super().__init__``."""
+        """The modules holding an ``__init__`` that forwards the collection through
+        ``super().__init__``."""
         return {module for module, _ in self.forwarding}
 
     def forwarding_names(self, module: str) -> set[str]:
-        """``__init__`` where ``module`` holds a forwarding one (its ``def`` is walked then), else nothing."""
+        """``__init__`` where ``module`` holds a forwarding one (its ``def`` is walked then), else
+        nothing."""
         return {"__init__"} if module in self.forwarding_modules() else set()
 
     def mention(self) -> re.Pattern[bytes] | None:
@@ -243,9 +256,9 @@ class _Instruction:
 
 @dataclass
 class _Done:
-    """A worker's second phase done: its files' rewritten bytes, reads (without their tree nodes), the functions
-    threaded, the calls that now pass a collection, the files whose rewrite failed (this tool's bugs), and the
-    files without reads it looked through for calls."""
+    """A worker's second phase done: its files' rewritten bytes, reads (without their tree nodes),
+    the functions threaded, the calls that now pass a collection, the files whose rewrite failed
+    (this tool's bugs), and the files without reads it looked through for calls."""
 
     changes: list[tuple[str, bytes]] = field(default_factory=list)
     reads: list[tuple[str, Read]] = field(default_factory=list)
@@ -257,9 +270,10 @@ class _Done:
 
 @dataclass
 class _Worker:
-    """Plans, then rewrites, one share of the files with reads (see :mod:`~pgregistry.migrate._phases`); then,
-    with the others, looks through the files without reads for calls of the threaded functions, taking them from
-    ``queue`` in chunks (how long the rest takes is not known in advance, so they are not split in advance)."""
+    """Plans, then rewrites, one share of the files with reads (see
+    :mod:`~pgregistry.migrate._phases`); then, with the others, looks through the files without
+    reads for calls of the threaded functions, taking them from ``queue`` in chunks (how long the
+    rest takes is not known in advance, so they are not split in advance)."""
 
     files: list[tuple[str, bytes, tuple[Site, ...]]]
     others: list[list[tuple[str, bytes]]]
@@ -272,6 +286,9 @@ class _Worker:
     progress: Progress
     facts: TreeFacts
     shims: ShimGetters | None
+    #: Whether ``ignore_virtual=False`` stage reads are rewritten (``--target megatron`` and a
+    #: release of the form its helper reproduces, :mod:`._virtual_stages`).
+    virtual_stages: bool = False
     plans: dict[str, FilePlan] = field(default_factory=dict)
     #: A call of one of ``may_thread_names``.
     may_thread: re.Pattern[bytes] | None = field(init=False)
@@ -304,6 +321,7 @@ class _Worker:
                 gtp_remat=self.gtp_remat,
                 facts=self.facts,
                 shims=self.shims,
+                virtual_stages=self.virtual_stages,
             )
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
             return _internal_error(path, error)
@@ -336,8 +354,8 @@ class _Worker:
             | {module for module, _, _ in instruction.spec_fields.local_classes}
             | instruction.forwarding_modules()
         )
-        # A definition threaded upward, or calling a spec's field or a local assigned classes, or an __init__
-        # forwarding the collection, may be a placeholder: planned again.
+        # A definition threaded upward, or calling a spec's field or a local assigned classes, or an
+        # __init__ forwarding the collection, may be a placeholder: planned again.
         for (
             path,
             data,
@@ -376,8 +394,8 @@ class _Worker:
         mention: re.Pattern[bytes] | None,
         done: _Done,
     ) -> None:
-        """Plan and rewrite those of ``files`` (without reads) that call a threaded function (``mention``: a call
-        of one, None when there is none)."""
+        """Plan and rewrite those of ``files`` (without reads) that call a threaded function
+        (``mention``: a call of one, None when there is none)."""
         done.looked += [path for path, _ in files]
         if mention is None:
             return
@@ -407,8 +425,8 @@ class _Worker:
         mention: re.Pattern[bytes] | None,
         done: _Done,
     ) -> None:
-        """The functions of ``plans`` threaded upward, the calls that pass a threaded function its collection,
-        and their rewrites."""
+        """The functions of ``plans`` threaded upward, the calls that pass a threaded function its
+        collection, and their rewrites."""
         upward = instruction.upward
         try:
             if mention is not None:
@@ -470,18 +488,18 @@ class _Worker:
         return after
 
 
-#: The name a ``def`` or ``class`` line defines (up to its parameters, bases or type parameters: a class whose
-#: ``__init__`` reads is called by its own name); a line starts after any of Python's line endings (``re.M``'s
-#: ``^`` knows only ``\n``, not a CR-only file's ``\r``).
+#: The name a ``def`` or ``class`` line defines (up to its parameters, bases or type parameters: a
+#: class whose ``__init__`` reads is called by its own name); a line starts after any of Python's
+#: line endings (``re.M``'s ``^`` knows only ``\n``, not a CR-only file's ``\r``).
 _DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:(?:async[ \t]+)?def|class)[ \t]+([^\s(\[:]+)")
 
 
 def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> frozenset[str]:
-    """The names of the functions and classes that may be threaded: a read's enclosing scope whose head some
-    ``def`` or ``class`` names (a superset of the module-level functions and classes with reads; the definitions
-    it matches are parsed, not stood in for, so that once the threaded ones are known their callers can pass the
-    collection). Each file is scanned once for the names it defines (a search per scope would be quadratic in a
-    file's size)."""
+    """The names of the functions and classes that may be threaded: a read's enclosing scope whose
+    head some ``def`` or ``class`` names (a superset of the module-level functions and classes with
+    reads; the definitions it matches are parsed, not stood in for, so that once the threaded ones
+    are known their callers can pass the collection). Each file is scanned once for the names it
+    defines (a search per scope would be quadratic in a file's size)."""
     names = set()
     for result in planned:
         heads = {s.scope.partition(".")[0] for s in result.sites if s.scope != MODULE_SCOPE}
@@ -491,7 +509,7 @@ def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) ->
 
 
 def _project_root(files: Sequence[SourceFile]) -> Path:
-    """The project root the paths of ``files`` are relative to (the current directory when there are none)."""
+    """The project root the paths of ``files`` are relative to (the current directory if none)."""
     if not files:
         return Path.cwd()
     return files[0].absolute.parents[files[0].path.count("/")]
@@ -500,8 +518,9 @@ def _project_root(files: Sequence[SourceFile]) -> Path:
 def _helper_change(
     root: Path, path: str, module: str, helper: Helper, gtp_remat: bool
 ) -> Change | FileResult | None:
-    """The helper module's file (``path`` in the project at ``root``): new, or rewritten where this tool wrote it
-    and it differs; a failure naming it when a file this tool did not write is at its path."""
+    """The helper module's file (``path`` in the project at ``root``): new, or rewritten where this
+    tool wrote it and it differs; a failure naming it when a file this tool did not write is at its
+    path."""
     absolute = root / path
     text = helper_text(helper.accessors, gtp_remat=gtp_remat)
     try:
@@ -515,8 +534,8 @@ def _helper_change(
         )
     if MARKER not in data:
         message = (
-            f"the fallback helper module {module} is a file pgregistry migrate did not write; name another "
-            "module with --helper-module (or [tool.pgregistry.migrate] helper-module)"
+            f"the fallback helper module {module} is a file pgregistry migrate did not write; name "
+            "another module with --helper-module (or [tool.pgregistry.migrate] helper-module)"
         )
         return FileResult(path, failure=ParseFailure(message, 1, 1))
     return Change(path, absolute, data, mtime, text) if data != text else None
@@ -546,7 +565,8 @@ def _run_migration(
         source.path: (source, data) for source, data in read if not isinstance(data, FileResult)
     }
     contents = {path: data for path, (_, (data, _)) in sources.items()}
-    #: Files whose reads all stay for reasons their sites give: not parsed with libcst (unless called into).
+    #: Files whose reads all stay for reasons their sites give: not parsed with libcst (unless
+    #: called into).
     left: dict[str, list[Read]] = {}
     planned = []
     for result in report.results:
@@ -596,6 +616,7 @@ def _run_migration(
             progress,
             facts,
             find_installed_shim_getters() if helper.shims == "installed" else helper.shims,
+            helper.virtual_stages and idiom_.megatron_fallback,
         )
         for share in shares
     ]
@@ -615,15 +636,15 @@ def _run_migration(
         methods = {key: value for first in firsts for key, value in first.methods.items()}
         upward = thread_upward(contents, {**threaded, **methods}, packages, name)
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
-        # A class is called as a function is: its instantiations pass the collection to its threaded __init__,
-        # and those of the subclasses that inherit that __init__ unchanged or forward to it through
-        # ``super().__init__`` (given the parameter).
+        # A class is called as a function is: its instantiations pass the collection to its threaded
+        # __init__, and those of the subclasses that inherit that __init__ unchanged or forward to
+        # it through ``super().__init__`` (given the parameter).
         classes = {key: value for first in firsts for key, value in first.classes.items()}
         subclasses = thread_subclasses(contents, classes, packages, name)
         threaded.update(subclasses.classes)
         threaded.update(add_reexported_names(threaded, packages))
-        # A class a spec names is built as ``submodules.X(...)``: passed where every class of X takes it; the
-        # same for a local assigned classes (``output_layer_cls(...)``).
+        # A class a spec names is built as ``submodules.X(...)``: passed where every class of X
+        # takes it; the same for a local assigned classes (``output_layer_cls(...)``).
         spec_fields = decide_spec_fields(
             contents, threaded, name, add_reexported_names(subclasses.classes, packages)
         )

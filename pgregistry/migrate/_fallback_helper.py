@@ -154,6 +154,9 @@ IF_NONE: dict[str, tuple[str, str, dict[str, bool]]] = {
     ),
 }
 _IF_NONE = "group_if_none"
+#: The kinds of ``is_pipeline_first_stage`` / ``is_pipeline_last_stage``, whose
+#: ``ignore_virtual=False`` also asks the virtual stage (:func:`virtual_stage_allows`).
+_STAGE_KINDS = ("first_stage", "last_stage")
 #: Megatron-Core's parallel_state (None: imported when a read first falls back). The copy written
 #: into a tree imports it at its end (:mod:`pgregistry.migrate._helper_file`).
 parallel_state: Any = None
@@ -260,10 +263,36 @@ def value_of_kind(group: Any, kind: str) -> Any:
     raise ValueError(f"unknown kind {kind!r} of a process group read")
 
 
+def _parallel_state() -> Any:
+    """Megatron-Core's ``parallel_state`` (imported here on first use where this module was not
+    written into a tree)."""
+    if parallel_state is not None:
+        return parallel_state
+    return importlib.import_module("megatron.core.parallel_state")
+
+
+def virtual_stage_allows(kind: str, vp_stage: Any) -> bool:
+    """Whether ``is_pipeline_first_stage`` / ``_last_stage(ignore_virtual=False, vp_stage=...)``
+    (``kind``: ``first_stage`` / ``last_stage``) may be True: what Megatron-Core 0.13 on checks
+    before it asks the pipeline group, the same assertion included. The virtual pipeline size is a
+    schedule setting, no process group: read from ``parallel_state`` given a collection too, as the
+    accessor reads it, without a warning."""
+    virtual_size = _parallel_state().get_virtual_pipeline_model_parallel_world_size()
+    if virtual_size is None:
+        return True
+    assert vp_stage is not None, "vp_stage must be passed if virtual pipeline is enabled"
+    if vp_stage != (0 if kind == "first_stage" else virtual_size - 1):  # compared as it compares
+        return False
+    return True
+
+
 def _read_or_fall_back(
     collection: Any, field: str, kind: str, accessor_keywords: dict[str, Any]
 ) -> Any:
     found, group = _from_collection(collection, field)
+    if found and kind in _STAGE_KINDS and not accessor_keywords.get("ignore_virtual", True):
+        if not virtual_stage_allows(kind, accessor_keywords.get("vp_stage")):
+            return False
     if found:
         return value_of_kind(group, "group" if kind == _IF_NONE else kind)
     if kind == _IF_NONE and field in IF_NONE:
@@ -275,13 +304,8 @@ def _read_or_fall_back(
     if (field, kind) not in FALLBACKS:
         raise ValueError(f"no accessor of Megatron-Core's parallel_state reads {kind} of {field!r}")
     _warn_of_fallback(field)
-    accessors = (
-        parallel_state
-        if parallel_state is not None
-        else importlib.import_module("megatron.core.parallel_state")
-    )
     accessor, keywords = FALLBACKS[(field, kind)]
-    return getattr(accessors, accessor)(**keywords, **accessor_keywords)
+    return getattr(_parallel_state(), accessor)(**keywords, **accessor_keywords)
 
 
 def pg_read(collection: Any, field: str, kind: str, **accessor_keywords: Any) -> Any:

@@ -1,10 +1,10 @@
-"""The fallback helper module ``pgregistry migrate --target megatron`` writes into the migrated tree.
+"""The fallback helper module ``pgregistry migrate --target megatron`` writes in the migrated tree.
 
-Its text is :mod:`~pgregistry.migrate._fallback_helper`'s (a real module of this package, tested as such) with
-the table of accessors written for the code's Megatron-Core release (:func:`helper_text`). Where it goes: the
-module the user names, else ``_process_group_fallback`` in the top package of the rewritten files
-(:func:`default_module`). A file already there is rewritten only when this tool wrote it (:data:`MARKER`); any
-other is refused (:class:`HelperConflict`).
+Its text is :mod:`~pgregistry.migrate._fallback_helper`'s (a real module of this package, tested as
+such) with the table of accessors written for the code's Megatron-Core release
+(:func:`helper_text`). Where it goes: the module the user names, else ``_process_group_fallback`` in
+the top package of the rewritten files (:func:`default_module`). A file already there is rewritten
+only when this tool wrote it (:data:`MARKER`); any other is refused (:class:`HelperConflict`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ DEFAULT_NAME = "_process_group_fallback"
 MARKER = b"Written by `pgregistry migrate` (do not edit"
 _TEMPLATE = Path(__file__).with_name("_fallback_helper.py")
 _TABLE = re.compile(r"(?<=# fmt: off\n).*?(?=# fmt: on\n)", re.S)
-#: What the copy in a tree ends with: Megatron-Core's parallel_state imported where the rewritten files imported it
-#: before, so the order modules load in is kept; last, so a module that parallel_state imports, and that imports
-#: this one in turn, finds every function defined.
+#: What the copy in a tree ends with: Megatron-Core's parallel_state imported where the rewritten
+#: files imported it before, so the order modules load in is kept; last, so a module that
+#: parallel_state imports, and that imports this one in turn, finds every function defined.
 _AT_IMPORT = """
 
 # Imported where the rewritten files imported it before (the order modules load in is kept);
@@ -51,7 +51,7 @@ class HelperConflict(ValueError):
 
 
 def _python_literal(value: object) -> str:
-    """``value`` (a string, bool, tuple or dict of those) as Python, with double quotes, as black writes it."""
+    """``value`` (a string, bool, tuple or dict of those) as Python, double-quoted like black."""
     if isinstance(value, str):
         return '"' + value + '"'
     if isinstance(value, tuple):
@@ -66,8 +66,8 @@ def _python_literal(value: object) -> str:
 
 
 def table_text(table: Mapping[tuple[str, str], tuple[str, dict[str, bool]]]) -> str:
-    """The helper's ``FALLBACKS`` assignment for ``table``, an entry a line where it fits, else split as black
-    splits it (the value's parts on one indented line, else one a line)."""
+    """The helper's ``FALLBACKS`` assignment for ``table``, an entry a line where it fits, else
+    split as black splits it (the value's parts on one indented line, else one a line)."""
     lines = ["FALLBACKS: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {"]
     for key, (accessor, keywords) in table.items():
         head = f"    {_python_literal(key)}: "
@@ -84,8 +84,9 @@ def table_text(table: Mapping[tuple[str, str], tuple[str, dict[str, bool]]]) -> 
 
 
 def helper_text(accessors: Iterable[str] = (), *, gtp_remat: bool = True) -> bytes:
-    """The helper module's text: the template's, importing ``parallel_state`` when it is imported, its table for
-    the release that defines ``accessors`` (none known: the template's own, Megatron-Core 0.19's)."""
+    """The helper module's text: the template's, importing ``parallel_state`` when it is imported,
+    its table for the release that defines ``accessors`` (none known: the template's own,
+    Megatron-Core 0.19's)."""
     text = _TEMPLATE.read_text(encoding="utf-8") + _AT_IMPORT
     names = list(accessors)
     if names:
@@ -99,8 +100,8 @@ _SOURCE_ROOT = "src"
 
 
 def helper_path(module: str, is_directory: Callable[[str], bool]) -> str:
-    """The project path of ``module`` (``a.b.c`` -> ``a/b/c.py``, or ``src/a/b/c.py`` in a ``src`` layout: where
-    only ``src/a/b`` ``is_directory``)."""
+    """The project path of ``module`` (``a.b.c`` -> ``a/b/c.py``, or ``src/a/b/c.py`` in a ``src``
+    layout: where only ``src/a/b`` ``is_directory``)."""
     path = module.replace(".", "/") + ".py"
     parent = path.rpartition("/")[0]
     if parent and not is_directory(parent) and is_directory(f"{_SOURCE_ROOT}/{parent}"):
@@ -109,10 +110,10 @@ def helper_path(module: str, is_directory: Callable[[str], bool]) -> str:
 
 
 def default_module(paths: Iterable[str], is_package: Callable[[str], bool]) -> str:
-    """``<top package>._process_group_fallback``: in the outermost directory holding every one of ``paths`` that
-    ``is_package`` (it has an ``__init__.py``; ``megatron/core`` for files of ``megatron/core/`` in a tree where
-    ``megatron`` is a namespace package), named from the project root (from ``src/`` in a ``src`` layout); at
-    the project root when there is none."""
+    """``<top package>._process_group_fallback``: in the outermost directory holding every one of
+    ``paths`` that ``is_package`` (it has an ``__init__.py``; ``megatron/core`` for files of
+    ``megatron/core/`` in a tree where ``megatron`` is a namespace package), named from the project
+    root (from ``src/`` in a ``src`` layout); at the project root when there is none."""
     common: list[str] | None = None
     for path in paths:
         parts = path.split("/")[:-1]

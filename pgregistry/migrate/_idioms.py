@@ -1,20 +1,22 @@
-"""What a read becomes in each target's code: a call of the fallback helper, in place, and the imports it needs.
+"""What a read becomes in each target's code: a fallback helper call, in place, and its imports.
 
-Every rewritten read becomes ``pg_group`` / ``pg_rank`` / ``pg_size`` / ``pg_read`` of the collection in scope
-and the field (``parallel_state.get_tensor_model_parallel_rank()`` -> ``pg_rank(pg_collection, "tp")``),
-evaluated where, and only when, the read ran: the collection's field when it holds it, else the global value
-with the warning naming the function.
+Every rewritten read becomes ``pg_group`` / ``pg_rank`` / ``pg_size`` / ``pg_read`` of the
+collection in scope and the field (``parallel_state.get_tensor_model_parallel_rank()`` ->
+``pg_rank(pg_collection, "tp")``), evaluated where, and only when, the read ran: the collection's
+field when it holds it, else the global value with the warning naming the function.
 
-``megatron``: the helper is a module written into the migrated tree (:mod:`~pgregistry.migrate._fallback_helper`,
-its name chosen by the run), so the tree needs no pgregistry; it falls back to Megatron-Core's ``parallel_state``
-accessor the read called, with the read's ``check_initialized=``.
+``megatron``: the helper is a module written into the migrated tree
+(:mod:`~pgregistry.migrate._fallback_helper`, its name chosen by the run), so the tree needs no
+pgregistry; it falls back to Megatron-Core's ``parallel_state`` accessor the read called, with the
+read's ``check_initialized=``.
 
-``pgregistry``: the same four functions from :mod:`pgregistry.doors`, on pgregistry's collection, falling back to
-pgregistry's global grid.
+``pgregistry``: the same four functions from :mod:`pgregistry.doors`, on pgregistry's collection,
+falling back to pgregistry's global grid.
 
-A read assigned into a field of a collection its function builds by hand reads the shim's field directly
-(``mpu_groups.tp``): the shim holds every field it was built with. A ``use_mpu_process_groups`` shim read only
-for its fields becomes those reads (:mod:`._shims`), each falling back as the shim read it.
+A read assigned into a field of a collection its function builds by hand reads the shim's field
+directly (``mpu_groups.tp``): the shim holds every field it was built with. A
+``use_mpu_process_groups`` shim read only for its fields becomes those reads (:mod:`._shims`), each
+falling back as the shim read it.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ __all__ = ["HELPERS", "TARGETS", "Idiom", "idiom_of_target"]
 #: The helper's functions: the kinds with one of their own, and ``pg_read`` for the others.
 HELPERS = {"group": "pg_group", "rank": "pg_rank", "size": "pg_size"}
 _READ = "pg_read"
-#: Keyword arguments of a read that the fallback passes on to the accessor (they change what it raises).
+#: Keyword arguments of a read that the fallback passes on to the accessor (they change what it
+#: raises).
 _FORWARDED = ("check_initialized",)
 
 
 @dataclass(frozen=True)
 class Idiom:
-    """One target: where its helper functions come from, and whether they fall back to Megatron-Core (then the
-    read's own keywords go to them, and a read of a fallback helper falls back to that helper)."""
+    """One target: where its helper functions come from, and whether they fall back to Megatron-Core
+    (then the read's own keywords go to them, and a read of a fallback helper falls back to that
+    helper)."""
 
     module: str
     megatron_fallback: bool
@@ -61,8 +65,9 @@ class Idiom:
         return f"{function or _READ}({arguments}{forwarded})"
 
     def field_read(self, collection: str, field: str, keywords: dict[str, object]) -> str:
-        """A dissolved shim's read of ``field`` (:mod:`._shims`): its group, falling back to the getter the shim
-        called, with the shim's ``keywords`` (``check_initialized=False``) for a Megatron-Core fallback."""
+        """A dissolved shim's read of ``field`` (:mod:`._shims`): its group, falling back to the
+        getter the shim called, with the shim's ``keywords`` (``check_initialized=False``) for a
+        Megatron-Core fallback."""
         forwarded = (
             "".join(f", {k}={v!r}" for k, v in keywords.items()) if self.megatron_fallback else ""
         )
@@ -72,12 +77,17 @@ class Idiom:
         """(code, whether it is a conditional that needs parentheses where it is an operand)."""
         choice = read.choice
         assert choice is not None
+        if choice.forwarded and not self.megatron_fallback:
+            raise ValueError(
+                f"{read.site.accessor} needs {', '.join(choice.forwarded)}= passed on, which "
+                "only --target megatron's fallback helper takes"
+            )
         forwarded = ""
         if self.megatron_fallback and read.call is not None:
             forwarded = "".join(
                 f", {a.keyword.value}={cst.Module([]).code_for_node(a.value)}"
                 for a in read.call.args
-                if a.keyword is not None and a.keyword.value in _FORWARDED
+                if a.keyword is not None and a.keyword.value in (*_FORWARDED, *choice.forwarded)
             )
         code, operator = self._read_code(read, choice.field, forwarded), False
         if read.when:
@@ -93,8 +103,8 @@ TARGETS = ("megatron", "pgregistry")
 
 
 def idiom_of_target(target: str, helper_module: str = "") -> Idiom:
-    """The :class:`Idiom` of ``target`` (``megatron``: its helper imported from ``helper_module``); ``ValueError``
-    naming the known ones for another."""
+    """The :class:`Idiom` of ``target`` (``megatron``: its helper imported from ``helper_module``);
+    ``ValueError`` naming the known ones for another."""
     if target == "megatron":
         return Idiom(helper_module, megatron_fallback=True)
     if target == "pgregistry":

@@ -1,23 +1,27 @@
-"""Subclasses that inherit a threaded ``__init__``, or forward to it: their instantiations pass the collection too.
+"""Subclasses that inherit a threaded ``__init__``, or forward to it: their instantiations pass the
+collection too.
 
 A class whose own ``__init__`` the tool threaded is instantiated with the collection in scope
-(:func:`~pgregistry.migrate._plan.collect_threaded_classes`). A subclass that defines no ``__init__`` of its own
-runs that same ``__init__``, so a call of it may pass the keyword as well, but only where that is sure: the
-subclass's first base is the threaded class (Python then finds its ``__init__`` right after the subclass's own
-namespace, whatever the other bases), and the subclass has no ``__init__``, no ``__new__``, no decorator and no
-class keyword (a metaclass) of its own. A subclass with an ``__init__`` of its own is never given it (that one may
-not take the keyword). Followed down the tree until nothing changes (a subclass of such a subclass).
+(:func:`~pgregistry.migrate._plan.collect_threaded_classes`). A subclass that defines no
+``__init__`` of its own runs that same ``__init__``, so a call of it may pass the keyword as well,
+but only where that is sure: the subclass's first base is the threaded class (Python then finds its
+``__init__`` right after the subclass's own namespace, whatever the other bases), and the subclass
+has no ``__init__``, no ``__new__``, no decorator and no class keyword (a metaclass) of its own. A
+subclass with an ``__init__`` of its own is never given it (that one may not take the keyword).
+Followed down the tree until nothing changes (a subclass of such a subclass).
 
-A subclass whose own ``__init__`` reads nothing and reaches the threaded one only through ``super().__init__(...)``
-(Megatron-Core's ``TELMHeadColumnParallelLinear`` over ``TEColumnParallelLinear``) is threaded upward, as a
-read-less function calling a threaded one is (:mod:`~pgregistry.migrate._upward`): its ``__init__`` gets the
-keyword-only parameter (default None) and passes it in its ``super().__init__`` calls, so no collection passed
-is exactly the old behaviour. Only where that is sure: the same conditions on the class as above, the first base
-a threaded class (own, inherited or forwarded), an ``__init__`` without a decorator that names the collection
-nowhere (it has one of its own, or binds the name), whose every ``super().__init__`` call (one at least, none in a
-nested function) passes neither ``**`` nor the keyword.
+A subclass whose own ``__init__`` reads nothing and reaches the threaded one only through
+``super().__init__(...)`` (Megatron-Core's ``TELMHeadColumnParallelLinear`` over
+``TEColumnParallelLinear``) is threaded upward, as a read-less function calling a threaded one is
+(:mod:`~pgregistry.migrate._upward`): its ``__init__`` gets the keyword-only parameter (default
+None) and passes it in its ``super().__init__`` calls, so no collection passed is exactly the old
+behaviour. Only where that is sure: the same conditions on the class as above, the first base a
+threaded class (own, inherited or forwarded), an ``__init__`` without a decorator that names the
+collection nowhere (it has one of its own, or binds the name), whose every ``super().__init__`` call
+(one at least, none in a nested function) passes neither ``**`` nor the keyword.
 
-Read with :mod:`ast` from the files whose text names a known class in a ``class`` line. Pure: no I/O.
+Read with :mod:`ast` from the files whose text names a known class in a ``class`` line. Pure: no
+I/O.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ Key = tuple[str, str]
 
 
 def _runs_the_base_init(node: ast.ClassDef) -> bool:
-    """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments, as far as the
-    class itself says: nothing of its own between the call and that ``__init__``."""
+    """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments,
+    as far as the class itself says: nothing of its own between the call and that ``__init__``."""
     own = {m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return bool(node.bases) and not (
         node.decorator_list or node.keywords or own & {"__init__", "__new__"}
@@ -47,8 +51,8 @@ def _runs_the_base_init(node: ast.ClassDef) -> bool:
 
 
 def _forwards_to_the_base_init(node: ast.ClassDef, keyword: str) -> bool:
-    """Whether ``node``'s own ``__init__`` can take ``keyword`` and pass it on through ``super().__init__(...)``,
-    its only way to its base's: see the module's docstring."""
+    """Whether ``node``'s own ``__init__`` can take ``keyword`` and pass it on through
+    ``super().__init__(...)``, its only way to its base's: see the module's docstring."""
     own = {m.name: m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
     init = own.get("__init__")
     if (
@@ -99,7 +103,7 @@ def _calls_super_init(node: ast.AST, cls: str) -> bool:
 def _first_base(
     node: ast.ClassDef, module: str, bound: Mapping[str, str], classes: set[str]
 ) -> Key | None:
-    """(module, name) of ``node``'s first base: a class of the same module or one the file imports."""
+    """(module, name) of ``node``'s first base: a class of this module or one the file imports."""
     base = node.bases[0]
     parts: list[str] = []
     while isinstance(base, ast.Attribute):
@@ -120,9 +124,9 @@ def _first_base(
 
 @dataclass(frozen=True)
 class Subclasses:
-    """What :func:`thread_subclasses` found: every class whose instantiation takes the keyword ((module, class)
-    -> keyword), and the ``__init__``s given the parameter to pass it on through ``super().__init__``
-    ((module, ``Class.__init__``))."""
+    """What :func:`thread_subclasses` found: every class whose instantiation takes the keyword
+    ((module, class) -> keyword), and the ``__init__``s given the parameter to pass it on through
+    ``super().__init__`` ((module, ``Class.__init__``))."""
 
     classes: Mapping[Key, str] = field(default_factory=dict)
     forwarding: frozenset[Key] = frozenset()
@@ -134,10 +138,10 @@ def thread_subclasses(
     packages: Mapping[str, bytes],
     keyword: str,
 ) -> Subclasses:
-    """``threaded`` (classes whose own ``__init__`` takes ``keyword``: (module, class) -> keyword) with the
-    module-level classes of the tree ``contents`` (path -> bytes) that inherit one of those ``__init__``s
-    unchanged or forward to it (given the parameter); ``packages``: the ``__init__.py`` files, through which a
-    base may be named."""
+    """``threaded`` (classes whose own ``__init__`` takes ``keyword``: (module, class) -> keyword)
+    with the module-level classes of the tree ``contents`` (path -> bytes) that inherit one of those
+    ``__init__``s unchanged or forward to it (given the parameter); ``packages``: the
+    ``__init__.py`` files, through which a base may be named."""
     found = dict(threaded)
     forwarding: set[Key] = set()
     parsed: dict[str, ast.Module | None] = {}

@@ -1,34 +1,35 @@
 """Lines the rewrite made longer than the tree's line length, split as black splits them.
 
-Only a statement, ``def``, ``if``, ``elif`` or ``while`` line the rewrite changed, that was one physical line
-and no longer fits (its trailing comment counted, as black counts it, and left after its last line), is split;
-every other byte stays as the author wrote it. The shapes black gives (black 24 to
-26; the tests hold its output):
+Only a statement, ``def``, ``if``, ``elif`` or ``while`` line the rewrite changed, that was one
+physical line and no longer fits (its trailing comment counted, as black counts it, and left after
+its last line), is split; every other byte stays as the author wrote it. The shapes black gives
+(black 24 to 26; the tests hold its output):
 
-- an assignment's value, a ``return``'s value, an ``assert``'s test (without a message) or an expression
-  statement with two or more delimiters of its
-  lowest priority at the top (a tuple, a conditional, an ``and`` / ``or`` chain of three, ...), or one that does
-  not end in a call: in parentheses, on a line of its own; where that line is still too long, split at those
-  delimiters (one element a line with a trailing comma for a tuple; ``if`` and ``else`` parts a line each; one
+- an assignment's value, a ``return``'s value, an ``assert``'s test (without a message) or an
+  expression statement with two or more delimiters of its lowest priority at the top (a tuple, a
+  conditional, an ``and`` / ``or`` chain of three, ...), or one that does not end in a call: in
+  parentheses, on a line of its own; where that line is still too long, split at those delimiters
+  (one element a line with a trailing comma for a tuple; ``if`` and ``else`` parts a line each; one
   operand a line, its operator first);
-- else (it ends in a call): that last call's arguments on a line of their own, else one a line with a trailing
-  comma (calls without arguments after it, ``f(...).keys()``, are looked through, as black skips empty
-  brackets);
-- inside brackets (an argument, an element, an operand), an arithmetic operation: one operand a line, its
-  operator first, at the same indentation (black's split at the delimiters before its right-hand split);
+- else (it ends in a call): that last call's arguments on a line of their own, else one a line with
+  a trailing comma (calls without arguments after it, ``f(...).keys()``, are looked through, as
+  black skips empty brackets);
+- inside brackets (an argument, an element, an operand), an arithmetic operation: one operand a
+  line, its operator first, at the same indentation (black's split at the delimiters before its
+  right-hand split);
 - a ``def`` line: its parameters on a line of their own, else one a line with a trailing comma;
-- an ``if`` / ``elif`` / ``while`` line: its condition as a statement's value (in parentheses on a line of its
-  own, or its last call's arguments);
-- an argument the rewrite changed on a line of its own in a call that already spans lines (one argument a
-  line): as a statement's value, after its ``name=`` (a conditional in parentheses on a line of its own, a
-  call's arguments on a line of their own, ...), its comma kept at the end;
-- a value ``not (``, one line, ``)`` (the author's layout) whose line no longer fits: split at its delimiters as
-  a value in parentheses is;
-- a call's arguments on one line of their own (``f(``, the arguments, ``)``) after which the rewrite added a
-  keyword on a line of its own, where that line with the comma added no longer fits: one argument a line with a
-  trailing comma;
-- a dict comprehension's key in parentheses on a line of its own: ``(``, the key (split at its delimiters where
-  it still does not fit), ``): value``.
+- an ``if`` / ``elif`` / ``while`` line: its condition as a statement's value (in parentheses on a
+  line of its own, or its last call's arguments);
+- an argument the rewrite changed on a line of its own in a call that already spans lines (one
+  argument a line): as a statement's value, after its ``name=`` (a conditional in parentheses on a
+  line of its own, a call's arguments on a line of their own, ...), its comma kept at the end;
+- a value ``not (``, one line, ``)`` (the author's layout) whose line no longer fits: split at its
+  delimiters as a value in parentheses is;
+- a call's arguments on one line of their own (``f(``, the arguments, ``)``) after which the rewrite
+  added a keyword on a line of its own, where that line with the comma added no longer fits: one
+  argument a line with a trailing comma;
+- a dict comprehension's key in parentheses on a line of its own: ``(``, the key (split at its
+  delimiters where it still does not fit), ``): value``.
 
 Anything else (a long line of another shape) is left as it is.
 """
@@ -54,8 +55,8 @@ def _source_of(node: cst.CSTNode) -> str:
 
 
 def _parse_or_none(text: str) -> cst.BaseStatement | None:
-    """``text`` parsed; None where the new layout does not parse (a shape this module does not know): the line
-    is then left as it is, never broken."""
+    """``text`` parsed; None where the new layout does not parse (a shape this module does not
+    know): the line is then left as it is, never broken."""
     try:
         return cst.parse_statement(text)
     except cst.ParserSyntaxError:
@@ -69,8 +70,8 @@ def _fits_width(indent: int, text: str, width: int) -> bool:
 def _parts_at_delimiters(
     value: cst.BaseExpression,
 ) -> list[tuple[str, cst.BaseExpression, str]] | None:
-    """(text before, operand, text after) of each operand of ``value`` split at its lowest-priority delimiters
-    at the top; None when it has none."""
+    """(text before, operand, text after) of each operand of ``value`` split at its lowest-priority
+    delimiters at the top; None when it has none."""
     if value.lpar or _has_starred_element(value):
         return None
     if isinstance(value, cst.Tuple):
@@ -113,8 +114,8 @@ _PRIORITIES: tuple[tuple[type[cst.BaseBinaryOp], ...], ...] = (
 
 
 def _operator_chain(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpression]]:
-    """(operator before, operand) of each operand of ``value``'s chain of operators of its priority at the top
-    (``a + b - c``: ``a``, ``+ b``, ``- c``); empty for ``**``."""
+    """(operator before, operand) of each operand of ``value``'s chain of operators of its priority
+    at the top (``a + b - c``: ``a``, ``+ b``, ``- c``); empty for ``**``."""
     group = next(
         (operators for operators in _PRIORITIES if isinstance(value.operator, operators)), None
     )
@@ -131,8 +132,9 @@ def _operator_chain(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpre
 
 
 def _split_call(value: cst.BaseExpression) -> tuple[cst.Call, str] | None:
-    """The call whose closing parenthesis ends ``value`` (see :func:`_last_call`), looking through calls without
-    arguments on its result (``f(x).keys()``: ``f(x)``, as black skips empty brackets), and the text after it."""
+    """The call whose closing parenthesis ends ``value`` (see :func:`_last_call`), looking through
+    calls without arguments on its result (``f(x).keys()``: ``f(x)``, as black skips empty
+    brackets), and the text after it."""
     call = _last_call(value)
     suffix = ""
     while (
@@ -181,8 +183,9 @@ def _black_lines(
     unit: str,
     bracketed: bool = True,
 ) -> list[str]:
-    """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each indented
-    relative to the first; ``bracketed``: the line is inside brackets (not a statement's or a condition's)."""
+    """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each
+    indented relative to the first; ``bracketed``: the line is inside brackets (not a statement's or
+    a condition's)."""
     body = _source_of(value)
     if _fits_width(indent, head + body + tail, width):
         return [head + body + tail]
@@ -191,7 +194,8 @@ def _black_lines(
         if bracketed and isinstance(value, cst.BinaryOperation) and not value.lpar
         else []
     )
-    if operands:  # inside brackets black splits at the operators first, one operand a line, its operator first
+    # Inside brackets black splits at the operators first, one operand a line, its operator first.
+    if operands:
         last = len(operands) - 1
         return [
             line
@@ -230,7 +234,9 @@ def _black_lines(
             one = ", ".join(arguments)
             if _fits_width(deeper, one, width):
                 inner = [one]
-            else:  # one a line (a trailing comma where there are several), each split in turn if still too long
+            else:
+                # One a line (a trailing comma where there are several), each split in turn if
+                # still too long.
                 comma = "," if len(call.args) > 1 else ""
                 inner = [
                     line
@@ -264,8 +270,8 @@ def _black_lines(
 def _one_part_a_line(
     parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int, unit: str
 ) -> list[str]:
-    """The lines of ``parts`` (of :func:`_parts_at_delimiters`), one part a line, each split in turn where
-    still too long."""
+    """The lines of ``parts`` (of :func:`_parts_at_delimiters`), one part a line, each split in turn
+    where still too long."""
     return [
         line
         for before, operand, after in parts
@@ -276,8 +282,9 @@ def _one_part_a_line(
 def split_statement(
     line: cst.SimpleStatementLine, indent: int, width: int, unit: str
 ) -> cst.SimpleStatementLine:
-    """``line`` (``indent`` columns in), split where it is one physical line longer than ``width``, or where its
-    value, in parentheses on a line of its own (``x = (``, the value, ``)``), no longer fits that line."""
+    """``line`` (``indent`` columns in), split where it is one physical line longer than ``width``,
+    or where its value, in parentheses on a line of its own (``x = (``, the value, ``)``), no longer
+    fits that line."""
     if len(line.body) != 1:
         return line
     small = line.body[0]
@@ -318,7 +325,8 @@ def split_statement(
     ):
         return line
     elif isinstance(value, cst.BinaryOperation) and not value.lpar and _last_call(value) is None:
-        # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then fits)
+        # ``x = a * 2``: black puts the value in parentheses on a line of its own (where it then
+        # fits)
         body = _source_of(value)
         lines = (
             [f"{head}(", unit + body, ")"]
@@ -362,8 +370,9 @@ def _parameter_texts(params: cst.Parameters) -> list[str]:
 
 
 def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) -> cst.FunctionDef:
-    """``function`` (``indent`` columns in) with its parameters laid out again where a line of its header is
-    longer than ``width`` (the ``def`` line, or the line of parameters of a header already split)."""
+    """``function`` (``indent`` columns in) with its parameters laid out again where a line of its
+    header is longer than ``width`` (the ``def`` line, or the line of parameters of a header already
+    split)."""
     header = _source_of(
         function.with_changes(
             decorators=[],
@@ -393,8 +402,9 @@ def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) 
 def split_condition(
     node: cst.If | cst.While, keyword: str, indent: int, width: int, unit: str
 ) -> cst.If | cst.While:
-    """``node`` (``keyword`` ``if``, ``elif`` or ``while``, ``indent`` columns in) with its condition laid out as
-    black lays it out where its header is one physical line longer than ``width``."""
+    """``node`` (``keyword`` ``if``, ``elif`` or ``while``, ``indent`` columns in) with its
+    condition laid out as black lays it out where its header is one physical line longer than
+    ``width``."""
     before, after = (
         ("whitespace_before_test", "whitespace_after_test")
         if isinstance(node, cst.If)
@@ -424,8 +434,9 @@ def split_condition(
 
 
 def _own_line(whitespace: cst.BaseParenthesizableWhitespace) -> str | None:
-    """The indentation (relative to the block's) of the line that ``whitespace`` starts, where it ends one without
-    a comment and starts the next at the block's indentation or deeper; else None."""
+    """The indentation (relative to the block's) of the line that ``whitespace`` starts, where it
+    ends one without a comment and starts the next at the block's indentation or deeper; else
+    None."""
     if not isinstance(whitespace, cst.ParenthesizedWhitespace) or not whitespace.indent:
         return None
     return None if whitespace.first_line.comment else whitespace.last_line.value
@@ -442,9 +453,9 @@ def _before_argument(call: cst.Call, index: int) -> cst.BaseParenthesizableWhite
 def split_arguments(
     call: cst.Call, original: cst.Call, indent: int, width: int, unit: str
 ) -> cst.Call:
-    """``call`` (in a block ``indent`` columns in; ``original`` before the rewrite) with each argument that sits on
-    a line of its own, that the rewrite changed and that no longer fits that line laid out as black lays it out;
-    every other argument as the author wrote it."""
+    """``call`` (in a block ``indent`` columns in; ``original`` before the rewrite) with each
+    argument that sits on a line of its own, that the rewrite changed and that no longer fits that
+    line laid out as black lays it out; every other argument as the author wrote it."""
     args = list(call.args)
     for index, arg in enumerate(call.args):
         comma = arg.comma
@@ -483,9 +494,9 @@ def split_arguments(
 
 
 def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -> cst.DictComp:
-    """``comprehension`` (in a block ``indent`` columns in) with its key in parentheses, on a line of its own that
-    the rewrite made longer than ``width``, laid out as black lays it out: ``(``, the key (split at its
-    lowest-priority delimiters where it still does not fit), ``): value``."""
+    """``comprehension`` (in a block ``indent`` columns in) with its key in parentheses, on a line
+    of its own that the rewrite made longer than ``width``, laid out as black lays it out: ``(``,
+    the key (split at its lowest-priority delimiters where it still does not fit), ``): value``."""
     key = comprehension.key
     opening = _own_line(comprehension.lbrace.whitespace_after)
     if (
@@ -496,7 +507,8 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
         return comprehension
     bare = key.with_changes(lpar=[], rpar=[])
     after = (
-        f"){_source_of(comprehension.whitespace_before_colon)}:{_source_of(comprehension.whitespace_after_colon)}"
+        f"){_source_of(comprehension.whitespace_before_colon)}:"
+        f"{_source_of(comprehension.whitespace_after_colon)}"
         f"{_source_of(comprehension.value)}"
     )
     column = indent + len(opening.expandtabs(4))
@@ -536,8 +548,9 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
 
 
 def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
-    """(its indentation, its text, the closing parenthesis's indentation) of the one line of ``call``'s arguments
-    where they are laid out ``f(``, the arguments on one line, ``)`` (without comments); else None."""
+    """(its indentation, its text, the closing parenthesis's indentation) of the one line of
+    ``call``'s arguments where they are laid out ``f(``, the arguments on one line, ``)`` (without
+    comments); else None."""
     lines = _source_of(call).split("\n")
     opening = _own_line(call.whitespace_before_args)
     if opening is None or len(lines) != 3 or "#" in lines[1] or not lines[1].startswith(opening):
@@ -549,10 +562,10 @@ def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
 def split_argument_line(
     call: cst.Call, before: cst.Call, original: cst.Call, indent: int, width: int, unit: str
 ) -> cst.Call:
-    """``call`` (in a block ``indent`` columns in), ``before`` with a keyword argument added on a line of its own
-    after its one line of arguments (:func:`_argument_line`), with one argument a line and a trailing comma, as
-    black lays them out, where that line, with the comma added, no longer fits and fitted as the author wrote it
-    (``original``); else ``call``."""
+    """``call`` (in a block ``indent`` columns in), ``before`` with a keyword argument added on a
+    line of its own after its one line of arguments (:func:`_argument_line`), with one argument a
+    line and a trailing comma, as black lays them out, where that line, with the comma added, no
+    longer fits and fitted as the author wrote it (``original``); else ``call``."""
     laid_out, authors = _argument_line(before), _argument_line(original)
     if laid_out is None or authors is None or not call.args:
         return call

@@ -1,10 +1,13 @@
-"""Which files a ``migrate`` run reads and may rewrite, once each: symbolic links followed to the file they name.
+"""Which files a ``migrate`` run reads and may rewrite, once each.
 
-A link is the user's: a rewrite replaces the file a link names, never the link itself (a rename over the link's
-path would turn it into a regular file holding a copy). The file it names is rewritten once, however many links
-(and the file's own path) the run was given, under its own project path; a link to a file outside the project is
-left as it is, and said so. Hard links cannot be kept apart from this: see
-:func:`~pgregistry.migrate._writing.write_changes`, which refuses a file with several.
+Symbolic links are followed to the file they name.
+
+A link is the user's: a rewrite replaces the file a link names, never the link itself (a rename over
+the link's path would turn it into a regular file holding a copy). The file it names is rewritten
+once, however many links (and the file's own path) the run was given, under its own project path; a
+link to a file outside the project is left as it is, and said so. Hard links cannot be kept apart
+from this: see :func:`~pgregistry.migrate._writing.write_changes`, which refuses a file with
+several.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ __all__ = ["OwnFiles", "own_files"]
 
 @dataclass
 class OwnFiles:
-    """The files to migrate (each real file once), what was left (one line each), and for each file with
-    several hard links in the run, the run's other paths to the same file."""
+    """The files to migrate (each real file once), what was left (one line each), and for each file
+    with several hard links in the run, the run's other paths to the same file."""
 
     files: list[SourceFile] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
@@ -30,8 +33,9 @@ class OwnFiles:
 
 
 def own_files(files: Sequence[SourceFile], root: Path, exclude: Sequence[str] = ()) -> OwnFiles:
-    """``files`` (as discovered under ``root``) with each link replaced by the project file it names, once;
-    a link to a file the ``exclude`` patterns exclude is left like one out of the project."""
+    """``files`` (as discovered under ``root``) with each link replaced by the project file it
+    names, once; a link to a file the ``exclude`` patterns exclude is left like one out of the
+    project."""
     found = OwnFiles()
     real_root = root.resolve()
     seen: dict[str, SourceFile] = {}  # resolved path -> the file kept for it

@@ -1,17 +1,19 @@
 """Work in two phases split across processes, with one exchange between the phases.
 
-``migrate`` plans each file alone, then needs what every file's plan says (which functions were threaded) before
-it can finish any file (which calls pass a collection). Each worker keeps its state (libcst trees, far too large
-to send) across the exchange, so each one stays in one process: worker 0 runs here, every other in a forked child
-of its own (:mod:`pgregistry._source.processes`; a pool's task could not keep its state across the exchange),
-which inherits the inputs (nothing is sent to it), sends back only its phases' results through its pipe and
-receives its second phase's instruction down the same pipe.
+``migrate`` plans each file alone, then needs what every file's plan says (which functions were
+threaded) before it can finish any file (which calls pass a collection). Each worker keeps its state
+(libcst trees, far too large to send) across the exchange, so each one stays in one process: worker
+0 runs here, every other in a forked child of its own (:mod:`pgregistry._source.processes`; a pool's
+task could not keep its state across the exchange), which inherits the inputs (nothing is sent to
+it), sends back only its phases' results through its pipe and receives its second phase's
+instruction down the same pipe.
 
-A child that fails (an exception, a signal, a result that does not unpickle) is not trusted: its worker is run
-again here, both phases, so a result never depends on how the work was split. Children are reaped before this
-returns, also when it raises.
+A child that fails (an exception, a signal, a result that does not unpickle) is not trusted: its
+worker is run again here, both phases, so a result never depends on how the work was split. Children
+are reaped before this returns, also when it raises.
 
-What cannot be split well before the work starts is shared out as it goes, through a :class:`TaskQueue`.
+What cannot be split well before the work starts is shared out as it goes, through a
+:class:`TaskQueue`.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ class Worker(Protocol[First_co, Instruction_contra, Second_co]):
 
 
 class TaskQueue:
-    """Tasks taken one at a time by whichever process asks first, across forks: a pipe made before forking and
-    filled once, before anyone takes, by the process that made it. Each task is a 4-byte record (pipe writes and
-    reads this small are whole, so no lock is shared: a child killed while taking leaves none held), at most
-    :attr:`RECORDS` of them so the filling never waits for a reader; a reader finds the pipe empty (not blocking)
-    when every task is taken."""
+    """Tasks taken one at a time by whichever process asks first, across forks: a pipe made before
+    forking and filled once, before anyone takes, by the process that made it. Each task is a 4-byte
+    record (pipe writes and reads this small are whole, so no lock is shared: a child killed while
+    taking leaves none held), at most :attr:`RECORDS` of them so the filling never waits for a
+    reader; a reader finds the pipe empty (not blocking) when every task is taken."""
 
     RECORDS = 4096
 
@@ -85,7 +87,7 @@ class TaskQueue:
 def _both_phases(
     make: Callable[[], Worker[object, object, object]], connection: Connection
 ) -> None:
-    """In a child: both phases of the worker ``make`` makes, results up the pipe, the instruction down it."""
+    """In a child: both phases of the worker ``make`` makes; results up the pipe, orders down."""
     worker = make()
     connection.send(worker.first())
     connection.send(worker.second(connection.recv()))
@@ -97,8 +99,9 @@ def two_phases(
     *,
     fork: bool,
 ) -> tuple[list[First], list[Second] | None]:
-    """Each worker's first phase, then ``between`` on their results in order (the instruction for each worker,
-    or None to stop there), then each worker's second phase. Every worker runs here unless ``fork``."""
+    """Each worker's first phase, then ``between`` on their results in order (the instruction for
+    each worker, or None to stop there), then each worker's second phase. Every worker runs here
+    unless ``fork``."""
     children: list[Child | None] = [None]
     try:
         for make in makers[1:] if fork else ():

@@ -1,24 +1,29 @@
-"""Which reads ``pgregistry migrate`` rewrites, and how: one file's functions, their collections, each read's way.
+"""Which reads ``pgregistry migrate`` rewrites, and how.
 
-The scanner (:mod:`~pgregistry._source.scanner`) says where the reads are; this module finds them in the
-file's libcst tree (by position), walks the scopes around each, and decides for every read, first that applies:
+One file's functions, their collections, each read's way.
 
-0. ``left`` when what it is called on is not ``parallel_state`` itself (a parameter, ``self.mpu``, another
-   module's global: libcst's scopes say what the name is bound to, see :func:`_not_parallel_state`);
-1. ``in-scope``: a collection is in scope (a parameter or a local of the configured name assigned above the
-   read, the same in an enclosing function, ``self.<attribute>`` the class assigns a collection, or
-   ``<parameter>.<attribute>`` the tree assigns one, :mod:`~pgregistry.migrate._tree`): the read becomes its field;
-2. ``threaded``: none is: the outermost enclosing function gets an optional keyword-only parameter (a name that
-   collides with nothing), unless no caller could pass it
-   (:func:`_cannot_thread`: an autograd Function's ``forward``, a hook, a callback, a function passed as a value);
-3. ``fallback``: a read that only runs when a value is missing (``if group is None: group = ...``, a fallback
-   helper) of a collection that may be ``None``;
+The scanner (:mod:`~pgregistry._source.scanner`) says where the reads are; this module finds them in
+the file's libcst tree (by position), walks the scopes around each, and decides for every read,
+first that applies:
+
+0. ``left`` when what it is called on is not ``parallel_state`` itself (a parameter, ``self.mpu``,
+   another module's global: libcst's scopes say what the name is bound to, see
+   :func:`_not_parallel_state`);
+1. ``in-scope``: a collection is in scope (a parameter or a local of the configured name assigned
+   above the read, the same in an enclosing function, ``self.<attribute>`` the class assigns a
+   collection, or ``<parameter>.<attribute>`` the tree assigns one,
+   :mod:`~pgregistry.migrate._tree`): the read becomes its field;
+2. ``threaded``: none is: the outermost enclosing function gets an optional keyword-only parameter
+   (a name that collides with nothing), unless no caller could pass it (:func:`_cannot_thread`: an
+   autograd Function's ``forward``, a hook, a callback, a function passed as a value);
+3. ``fallback``: a read that only runs when a value is missing (``if group is None: group = ...``, a
+   fallback helper) of a collection that may be ``None``;
 4. ``left``: anything else, with the reason.
 
-Each rewritten read becomes, in place, a call of the fallback helper on the collection (:mod:`._idioms`): the
-collection's field when it holds it, else the original accessor's value with the warning, evaluated only where
-and when the read was. Which calls in the scanned tree pass a threaded function its collection is decided across
-files (:func:`decide_passes`). Pure: no I/O.
+Each rewritten read becomes, in place, a call of the fallback helper on the collection
+(:mod:`._idioms`): the collection's field when it holds it, else the original accessor's value with
+the warning, evaluated only where and when the read was. Which calls in the scanned tree pass a
+threaded function its collection is decided across files (:func:`decide_passes`). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -71,10 +76,11 @@ __all__ = [
 
 
 class Way(str, Enum):
-    """What planning decided for a read: the collection's field read through a collection in scope, through the
-    threaded parameter, or through the fallback helper where the read is guarded; ``BUILDER``, a read assigned into
-    a field of the collection its function builds by hand, read from one ``use_mpu_process_groups`` of that class
-    instead (the same groups, one shim in place of many reads); ``LEFT``, left with its reason."""
+    """What planning decided for a read: the collection's field read through a collection in scope,
+    through the threaded parameter, or through the fallback helper where the read is guarded;
+    ``BUILDER``, a read assigned into a field of the collection its function builds by hand, read
+    from one ``use_mpu_process_groups`` of that class instead (the same groups, one shim in place of
+    many reads); ``LEFT``, left with its reason."""
 
     IN_SCOPE = "in-scope"
     THREADED = "threaded"
@@ -89,13 +95,15 @@ class Way(str, Enum):
         return format(self.value, spec)
 
 
-#: The parts a ``super().__init__(...)`` call is recorded with (only a forwarding ``__init__`` passes one).
+#: The parts a ``super().__init__(...)`` call is recorded with (only a forwarding ``__init__``
+#: passes one).
 SUPER_INIT = ("super()", "__init__")
 
 #: The ways a read is rewritten, in the report's order.
 REWRITTEN_WAYS = (Way.IN_SCOPE, Way.THREADED, Way.FALLBACK, Way.BUILDER)
 
-#: Decorators that fix a function's signature or key on its arguments: a new parameter would break them.
+#: Decorators that fix a function's signature or key on its arguments: a new parameter would break
+#: them.
 _FIXED_SIGNATURE = (
     "property",
     "setter",
@@ -109,14 +117,17 @@ _FIXED_SIGNATURE = (
     "overload",
     "fuser",
 )
-#: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional arguments only).
+#: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional
+#: arguments only).
 _CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
 _AUTOGRAD_FUNCTION = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
-#: Modules whose classes call back no method of a subclass (abstract bases, typing, enums, dataclasses).
+#: Modules whose classes call back no method of a subclass (abstract bases, typing, enums,
+#: dataclasses).
 _PLAIN_MODULES = frozenset(
     {"abc", "typing", "typing_extensions", "enum", "dataclasses", "collections", "builtins"}
 )
-#: Special methods Python calls with its own arguments (``__init__`` and ``__call__`` are called by the code).
+#: Special methods Python calls with its own arguments (``__init__`` and ``__call__`` are called by
+#: the code).
 _CALLED_BY_CODE = frozenset({"__init__", "__call__", "__new__"})
 _LITERALS = (
     cst.SimpleString,
@@ -137,39 +148,47 @@ _LITERALS = (
 
 @dataclass(eq=False)
 class Function:
-    """A ``def`` (or ``async def``) with the names bound in it and the collection it may already hold."""
+    """A ``def`` (or ``async def``) with the names bound in it and the collection it may hold."""
 
     node: cst.FunctionDef
     qualname: str
     parent: Function | None
     method_of: cst.ClassDef | None
     names: set[str] = field(default_factory=set)
-    #: The configured name as a parameter: None (not one), or whether it may be None (it has a default).
+    #: The configured name as a parameter: None (not one), or whether it may be None (it has a
+    #: default).
     param_optional: bool | None = None
     param_other: bool = False
     #: Top-level statement indexes of ``<name> = value`` with a value that may be a collection.
     local_at: list[int] = field(default_factory=list)
     local_other: bool = False
-    #: Other names holding a collection: parameters (statement -1) and locals (the top-level statement that
-    #: assigns them) named like one (``model_pg_collection``) or assigned one (``ProcessGroupCollection(...)``).
+    #: Other names holding a collection: parameters (statement -1) and locals (the top-level
+    #: statement that assigns them) named like one (``model_pg_collection``) or assigned one
+    #: (``ProcessGroupCollection(...)``).
     held: list[tuple[str, int]] = field(default_factory=list)
-    #: Top-level statement indexes holding ``<name>.field = ...``: there the function fills the collection, so a
-    #: read being assigned into it stays (rewritten, it would read the field it is filling).
+    #: Top-level statement indexes holding ``<name>.field = ...``: there the function fills the
+    #: collection, so a read being assigned into it stays (rewritten, it would read the field it is
+    #: filling).
     fills_at: list[int] = field(default_factory=list)
-    #: ``<name> = ProcessGroupCollection(...)`` in it: with fields filled, the function builds the collection (from
-    #: the globals, a shim written by hand), so none of its reads may go through it.
+    #: ``<name> = ProcessGroupCollection(...)`` in it: with fields filled, the function builds the
+    #: collection (from the globals, a shim written by hand), so none of its reads may go through
+    #: it.
     constructs: bool = False
-    #: The expression of the class it constructs (``ProcessGroupCollection``), for its builder's shim.
+    #: The expression of the class it constructs (``ProcessGroupCollection``), for its builder's
+    #: shim.
     builder_class: str = ""
-    #: Set by planning, for a builder: the shim local its fills read, before which statement, and its fields.
+    #: Set by planning, for a builder: the shim local its fills read, before which statement, and
+    #: its fields.
     shim_name: str = ""
     shim_at: int = 0
     shim_fields: list[str] = field(default_factory=list)
-    #: Set by planning: the parameter this tool adds (its name), and whether it is there only to be passed on
-    #: (threaded upward, :mod:`~pgregistry.migrate._upward`: the function reads nothing itself).
+    #: Set by planning: the parameter this tool adds (its name), and whether it is there only to be
+    #: passed on (threaded upward, :mod:`~pgregistry.migrate._upward`: the function reads nothing
+    #: itself).
     added: str = ""
     upward: bool = False
-    #: Index of the module-level statement holding it (the rewrite visits only the statements it changes).
+    #: Index of the module-level statement holding it (the rewrite visits only the statements it
+    #: changes).
     top: int = 0
     #: Index in the body of the module-level class holding it (-1: not in one).
     member: int = -1
@@ -197,15 +216,18 @@ class Read:
     choice: FieldChoice | None = None
     way: Way = Way.LEFT
     reason: str = ""
-    #: The expression of the collection the replacement reads (its parameter, ``self.pg_collection``, a shim).
+    #: The expression of the collection the replacement reads (its parameter,
+    #: ``self.pg_collection``, a shim).
     collection: str = ""
     #: A fallback helper's argument (``tp_group``), tested for None before the collection is read.
     given: str = ""
-    #: An argument that picks the group when it is an expression (a fallback helper's ``is_expert=``,
-    #: ``get_amax_reduction_group``'s ``tp_only_amax_red=``): field ``when_field`` is read when it is true.
+    #: An argument that picks the group when it is an expression (a fallback helper's
+    #: ``is_expert=``, ``get_amax_reduction_group``'s ``tp_only_amax_red=``): field ``when_field``
+    #: is read when it is true.
     when: str = ""
     when_field: str = ""
-    #: A ``use_mpu_process_groups`` shim read only for the fields it lists: its reads, rewritten in its place.
+    #: A ``use_mpu_process_groups`` shim read only for the fields it lists: its reads, rewritten in
+    #: its place.
     shim: Dissolved | None = None
     top: int = 0
     member: int = -1
@@ -213,7 +235,7 @@ class Read:
 
 @dataclass(eq=False)
 class Call:
-    """A call of a plain or dotted name (a candidate for passing a threaded function its collection)."""
+    """A plain or dotted name's call (a candidate to pass a threaded function its collection)."""
 
     node: cst.Call
     dotted: list[str]
@@ -225,7 +247,7 @@ class Call:
 
 @dataclass(eq=False)
 class FilePlan:
-    """One file: its tree, functions, reads and calls, and the import bindings calls resolve through."""
+    """One file: its tree, functions, reads, calls, and the import bindings calls resolve via."""
 
     path: str
     module: str
@@ -240,13 +262,15 @@ class FilePlan:
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
-    #: The file's bytes, the module-level statements' line spans, and the walk that can visit more of them.
+    #: The file's bytes, the module-level statements' line spans, and the walk that can visit more
+    #: of them.
     data: bytes | None = None
     spans: list[tuple[int, int]] = field(default_factory=list)
     locator: _Locator | None = None
     #: Where such calls are: (module-level statement, member of its class body or -1).
     passing_tops: set[tuple[int, int]] = field(default_factory=set)
-    #: The :mod:`ast` statements of each module-level statement (where the names it reads are counted).
+    #: The :mod:`ast` statements of each module-level statement (where the names it reads are
+    #: counted).
     statements: list[list[ast.stmt]] = field(default_factory=list)
     #: The offset of each line of ``data``.
     line_starts: list[int] = field(default_factory=list)
@@ -316,8 +340,8 @@ def _another_class(annotation: cst.Annotation | None) -> bool:
 
 
 class _Locator(cst.CSTVisitor):
-    """One walk of the tree: functions with their bindings, the scanner's call sites, every dotted call, and
-    ``self.<name> = ...`` assignments per class."""
+    """One walk of the tree: functions with their bindings, the scanner's call sites, every dotted
+    call, and ``self.<name> = ...`` assignments per class."""
 
     def __init__(self, sites: Iterable[Site], name: str) -> None:
         super().__init__()
@@ -333,30 +357,34 @@ class _Locator(cst.CSTVisitor):
         self.class_names: list[str] = []
         self.statement: list[int] = [0]
         self.in_class_body: list[bool] = [False]
-        #: class node -> (attribute, method name, statement index) of each ``self.<attribute> = ...`` that holds a
-        #: collection (:func:`_holds_a_collection`); a declaration in the class body has no method (index -1).
+        #: class node -> (attribute, method name, statement index) of each ``self.<attribute> =
+        #: ...`` that holds a collection (:func:`_holds_a_collection`); a declaration in the class
+        #: body has no method (index -1).
         self.attributes: dict[int, list[tuple[str, str, int]]] = {}
         self.bindings: dict[str, str] = {}
         self.top_level: dict[str, str] = {}
-        #: The calls that stand alone (a statement's value, a test, an argument): a comparison put there needs
-        #: no parentheses.
+        #: The calls that stand alone (a statement's value, a test, an argument): a comparison put
+        #: there needs no parentheses.
         self.alone: set[int] = set()
         self.top = 0
         self.member = -1
-        #: The module-level statements to walk at once (those with sites, and every one but a def or class).
+        #: The module-level statements to walk at once (those with sites, and every one but a def or
+        #: class).
         self.wanted: set[int] = set()
         self.visited: set[int] = set()
-        #: Positions of the nodes of the module-level statements with sites, and each one's line offset (the
-        #: slow way, when ``order`` does not match the tree).
+        #: Positions of the nodes of the module-level statements with sites, and each one's line
+        #: offset (the slow way, when ``order`` does not match the tree).
         self.positions: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
-        #: The fast way: the calls of each module-level statement with sites, from :mod:`ast`, in the order a
-        #: walk of the libcst tree meets them (see :func:`_call_order`); how many of each were met; whether a
-        #: call met did not match its :mod:`ast` twin (then the file is located again, the slow way).
-        #: Keyed by unit: (module-level statement, -1), or (class, member) for a class walked member by member.
+        #: The fast way: the calls of each module-level statement with sites, from :mod:`ast`, in
+        #: the order a walk of the libcst tree meets them (see :func:`_call_order`); how many of
+        #: each were met; whether a call met did not match its :mod:`ast` twin (then the file is
+        #: located again, the slow way). Keyed by unit: (module-level statement, -1), or (class,
+        #: member) for a class walked member by member.
         self.order: dict[tuple[int, int], list[tuple[int, int, str | None]]] = {}
         self.met: dict[tuple[int, int], int] = {}
-        #: Module-level classes walked member by member: the members to walk at once (those with sites or
-        #: that mention the collection's name); the others are walked later only if they call a threaded one.
+        #: Module-level classes walked member by member: the members to walk at once (those with
+        #: sites or that mention the collection's name); the others are walked later only if they
+        #: call a threaded one.
         self.members: dict[int, set[int]] = {}
         self.visited_members: set[tuple[int, int]] = set()
         self.member_spans: dict[int, list[tuple[int, int]]] = {}
@@ -421,7 +449,10 @@ class _Locator(cst.CSTVisitor):
         self.member = -1
 
     def visit_member(self, top: int, node: cst.ClassDef, index: int) -> None:
-        """Walk member ``index`` of module-level class ``node`` (statement ``top``) not walked with it."""
+        """Walk member ``index`` of module-level class ``node`` (statement ``top``).
+
+        A member not walked with its class; once only.
+        """
         if (top, index) in self.visited_members:
             return
         self.top = top
@@ -602,8 +633,9 @@ class _Locator(cst.CSTVisitor):
         located = self.positions.get(self.top)
         unit = (self.top, self.member if self.top in self.members else -1)
         order = self.order.get(unit)
-        # A call on a read's result (``ps.get_model_parallel_group().rank()``) starts where the read does: the
-        # site is the inner call, visited next, else the rewrite would drop the ``.rank()``.
+        # A call on a read's result (``ps.get_model_parallel_group().rank()``) starts where the read
+        # does: the site is the inner call, visited next, else the rewrite would drop the
+        # ``.rank()``.
         on_a_call = isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call)
         if (
             located is not None and not on_a_call
@@ -646,9 +678,10 @@ class _Locator(cst.CSTVisitor):
                 )
 
 
-def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
-    """The field of a call site (an accessor or a fallback helper), or the reason none says what it reads
-    (``gtp_remat``: see :func:`~pgregistry._source.fields.collection_field`)."""
+def _function_choice(read: Read, gtp_remat: bool, virtual_stages: bool = False) -> FieldChoice:
+    """The field of a call site (an accessor or a fallback helper), or the reason none says what it
+    reads (``gtp_remat``, ``virtual_stages``: see
+    :func:`~pgregistry._source.fields.collection_field`)."""
     call = read.call
     assert call is not None
     site = read.site
@@ -707,7 +740,7 @@ def _function_choice(read: Read, gtp_remat: bool) -> FieldChoice:
         if not choice.reason and not tp_only.reason:
             read.when, read.when_field = cst.Module([]).code_for_node(flag), tp_only.field
         return choice if not tp_only.reason else tp_only
-    return collection_field(accessor, keywords, gtp_remat=gtp_remat)
+    return collection_field(accessor, keywords, gtp_remat=gtp_remat, virtual_stages=virtual_stages)
 
 
 def _call_head_name(read: Read) -> str:
@@ -718,8 +751,9 @@ def _call_head_name(read: Read) -> str:
 
 
 def _import_bytes(tree: Sequence[ast.stmt], starts: Sequence[int]) -> list[tuple[int, int]]:
-    """The byte ranges of the imports among module-level statements ``tree`` (in ``if`` / ``try`` blocks too), in
-    the file whose :func:`~pgregistry.migrate._skeleton.line_starts` are ``starts``."""
+    """The byte ranges of the imports among module-level statements ``tree`` (in ``if`` / ``try``
+    blocks too), in the file whose :func:`~pgregistry.migrate._skeleton.line_starts` are
+    ``starts``."""
     spans: list[tuple[int, int]] = []
     stack = list(tree)
     while stack:
@@ -737,10 +771,11 @@ def _import_bytes(tree: Sequence[ast.stmt], starts: Sequence[int]) -> list[tuple
 
 
 def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]]) -> bool:
-    """Whether ``data`` may bind ``head`` other than by a module-level import (byte ranges ``imports``): an
-    assignment, a parameter, a loop or ``with`` target, ``global``. A superset, by the text, of where libcst's
-    scopes could find such a binding, so that they are resolved only for the reads whose object may be
-    something else than an import (a function's scopes cost as much as parsing it)."""
+    """Whether ``data`` may bind ``head`` other than by a module-level import (byte ranges
+    ``imports``): an assignment, a parameter, a loop or ``with`` target, ``global``. A superset, by
+    the text, of where libcst's scopes could find such a binding, so that they are resolved only for
+    the reads whose object may be something else than an import (a function's scopes cost as much as
+    parsing it)."""
     name = re.escape(head.encode())
     pattern = re.compile(
         rb"\b" + name + rb"[ \t]*(?::[^=\n]*)?(?:[-+*/%&|^@]|//|\*\*|>>|<<)?=(?!=)"
@@ -757,8 +792,9 @@ def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]])
 def _imports_the_module(
     head: str, bindings: Mapping[str, str], facts: TreeFacts, package: list[str]
 ) -> bool:
-    """Whether an import binds ``head`` to a configured ``parallel_state`` module or to a name in one (or
-    nothing does): then libcst's scopes need not be resolved for it, unless :func:`_bound_otherwise`."""
+    """Whether an import binds ``head`` to a configured ``parallel_state`` module or to a name in
+    one (or nothing does): then libcst's scopes need not be resolved for it, unless
+    :func:`_bound_otherwise`."""
     bound = bindings.get(head)
     if bound is None:
         return True
@@ -775,10 +811,10 @@ def _imports_the_module(
 def _statement_scopes(
     source: cst.Module, reads: Sequence[Read]
 ) -> Mapping[cst.CSTNode, Scope | None]:
-    """libcst's scopes of the statements holding ``reads``, resolved on a module of them (of a module-level
-    class, only its members that hold reads: a method does not see its class's names) and every module-level
-    statement that is no definition (the imports and globals their names may be bound to): the whole file's
-    would cost three times its parse."""
+    """libcst's scopes of the statements holding ``reads``, resolved on a module of them (of a
+    module-level class, only its members that hold reads: a method does not see its class's names)
+    and every module-level statement that is no definition (the imports and globals their names may
+    be bound to): the whole file's would cost three times its parse."""
     members: dict[int, set[int]] = {}
     for read in reads:
         members.setdefault(read.top, set()).add(read.member)
@@ -807,7 +843,7 @@ def _statement_scopes(
 
 
 class _WithoutDefinitions(cst.CSTTransformer):
-    """A compound statement without the definitions in it (they bind no name a read's object can be)."""
+    """A compound statement minus its definitions (they bind no name a read's object can be)."""
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         return False
@@ -827,8 +863,8 @@ class _WithoutDefinitions(cst.CSTTransformer):
 
 
 def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str:
-    """The dotted name the import of ``assignment`` names for the name it binds (``a.b.c`` for ``import a.b.c``
-    and ``from a.b import c``)."""
+    """The dotted name the import of ``assignment`` names for the name it binds (``a.b.c`` for
+    ``import a.b.c`` and ``from a.b import c``)."""
     node = assignment.node
     assert isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(
         node.names, cst.ImportStar
@@ -855,7 +891,7 @@ def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str
 
 
 def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None:
-    """The qualified name of ``node`` when it is ``function`` or one enclosing it (None for the module)."""
+    """The qualified name of ``node`` if it is ``function`` or encloses it (None for the module)."""
     while function is not None and function.node is not node:
         function = function.parent
     return function.qualname if function is not None else None
@@ -864,10 +900,11 @@ def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None
 def _not_parallel_state(
     read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts, package: list[str]
 ) -> str | None:
-    """Why the object a ``parallel_state`` read is called on (or the bare accessor) is not the module itself:
-    it is bound to a parameter, a local, a global assigned in the file, an attribute of one of them, or an
-    import of another module; None when it is bound to an import of a configured ``parallel_state`` module only,
-    or to nothing in the file (the scanner's own resolution: a configured alias, a star import)."""
+    """Why the object a ``parallel_state`` read is called on (or the bare accessor) is not the
+    module itself: it is bound to a parameter, a local, a global assigned in the file, an attribute
+    of one of them, or an import of another module; None when it is bound to an import of a
+    configured ``parallel_state`` module only, or to nothing in the file (the scanner's own
+    resolution: a configured alias, a star import)."""
     assert read.call is not None
     func = read.call.func
     target = func.value if isinstance(func, cst.Attribute) else func
@@ -896,17 +933,19 @@ def _not_parallel_state(
         ]
         modules = [q.rpartition(".")[0] for q in qualified]
         matched = [(m, facts.is_state_module(m)) for m in modules]
-        # The configured name must be named by the import, not only by attributes after it: ``groups.mpu``
-        # with ``from deepspeed.utils import groups`` is a global of that module, not a module ``mpu``.
+        # The configured name must be named by the import, not only by attributes after it:
+        # ``groups.mpu`` with ``from deepspeed.utils import groups`` is a global of that module, not
+        # a module ``mpu``.
         if not any(name is not None and len(imported) > len(m) - len(name) for m, name in matched):
             return f"`{spelled}` is {what}imported from {imported}, not parallel_state"
     return None
 
 
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
-    """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds ``<name>`` with
-    ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's ``use_mpu_process_groups``
-    reads the very same group for that field (a pseudo field, which no collection has, is none)."""
+    """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds
+    ``<name>`` with ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's
+    ``use_mpu_process_groups`` reads the very same group for that field (a pseudo field, which no
+    collection has, is none)."""
     if (
         not function.constructs
         or read.choice is None
@@ -941,14 +980,16 @@ def _collection_in_scope(
     name: str,
     collections: frozenset[str] = frozenset(),
 ) -> tuple[str, bool, bool] | str | None:
-    """(expression, may be None, read inline) of the collection in scope at top-level statement ``statement`` of
-    ``function``; a reason string when a name is bound in a way that hides it; None when there is none.
+    """(expression, may be None, read inline) of the collection in scope at top-level statement
+    ``statement`` of ``function``; a reason string when a name is bound in a way that hides it; None
+    when there is none.
 
-    In order: the function's own ``name`` (a parameter, a local assigned above), an enclosing function's (a
-    closure), ``self.<attribute>`` that its class assigns or declares a collection (any method but a later
-    statement of ``__init__``), and ``<parameter>.<attribute>`` where the tree assigns that very expression
-    (``collections``, see :meth:`~pgregistry.migrate._tree.TreeFacts.collections_of`: ``config._pg_collection``),
-    read with ``getattr`` (another object may lack it)."""
+    In order: the function's own ``name`` (a parameter, a local assigned above), an enclosing
+    function's (a closure), ``self.<attribute>`` that its class assigns or declares a collection
+    (any method but a later statement of ``__init__``), and ``<parameter>.<attribute>`` where the
+    tree assigns that very expression (``collections``, see
+    :meth:`~pgregistry.migrate._tree.TreeFacts.collections_of`: ``config._pg_collection``), read
+    with ``getattr`` (another object may lack it)."""
     if function.fills_at and (function.constructs or statement in function.fills_at):
         return f"builds the collection: assigns fields of {name} (a shim written by hand)"
     if function.param_optional is not None:
@@ -1001,9 +1042,10 @@ def _collection_in_scope(
 def _chains_tied_to_class(
     chains: frozenset[str], function: Function, facts: TreeFacts
 ) -> frozenset[str]:
-    """The ``chains`` in scope in ``function``'s class (of its outermost function when it is nested): a
-    ``self.<a>.<b>`` chain only where the tree ties it to that class (:meth:`TreeFacts.ties_class`), not in every
-    method that has a ``self`` (an unrelated class's ``self.<a>`` may be anything, most often missing)."""
+    """The ``chains`` in scope in ``function``'s class (of its outermost function when it is
+    nested): a ``self.<a>.<b>`` chain only where the tree ties it to that class
+    (:meth:`TreeFacts.ties_class`), not in every method that has a ``self`` (an unrelated class's
+    ``self.<a>`` may be anything, most often missing)."""
     method_of = function.method_of or _outermost_function(function).method_of
     cls = method_of.name.value if method_of is not None else ""
     return frozenset(chain for chain in chains if facts.ties_class(chain, cls))
@@ -1022,7 +1064,10 @@ def _outermost_function(function: Function) -> Function:
 
 
 def _names_between(function: Function, root: Function) -> set[str]:
-    """The names of ``function`` and the functions between it and ``root`` (which encloses it), ``root``'s not."""
+    """The names of ``function`` and the functions between it and ``root``.
+
+    ``root`` encloses it; its name is not included.
+    """
     names: set[str] = set()
     while function is not root and function.parent is not None:
         names |= function.names
@@ -1037,9 +1082,9 @@ def _enclosing_collection(
     name: str,
     collections: frozenset[str],
 ) -> tuple[str, bool, bool] | str | None:
-    """The collection in scope in ``root`` (``self.<attribute>``, ``<parameter>.<attribute>``) where the
-    statement of ``root`` that defines ``function`` runs, read by ``function`` inline as a closure; a reason
-    when ``function`` binds a name that hides it."""
+    """The collection in scope in ``root`` (``self.<attribute>``, ``<parameter>.<attribute>``) where
+    the statement of ``root`` that defines ``function`` runs, read by ``function`` inline as a
+    closure; a reason when ``function`` binds a name that hides it."""
     child = function
     while child.parent is not root and child.parent is not None:
         child = child.parent
@@ -1058,8 +1103,8 @@ def _enclosing_collection(
 
 
 class _Classes:
-    """The bases of a file's classes, resolved through its imports: which are autograd Functions, and which
-    derive from a class outside the tree (whose methods a framework may call back)."""
+    """The bases of a file's classes, resolved through its imports: which are autograd Functions,
+    and which derive from a class outside the tree (whose methods a framework may call back)."""
 
     def __init__(
         self, syntax: ast.Module, bindings: Mapping[str, str], package: list[str], facts: TreeFacts
@@ -1067,7 +1112,8 @@ class _Classes:
         self.bindings = bindings
         self.package = package
         self.facts = facts
-        #: The module-level classes of the file (all of them: the libcst tree may hold placeholders).
+        #: The module-level classes of the file (all of them: the libcst tree may hold
+        #: placeholders).
         self.bases: dict[str, list[str | None]] = {
             node.name: [_ast_dotted(base) for base in node.bases]
             for node in syntax.body
@@ -1078,7 +1124,7 @@ class _Classes:
         return _resolve_dotted(base.split("."), self.bindings, self.package) or base
 
     def _with_ancestors(self, bases: list[str | None]) -> list[str | None]:
-        """``bases`` with the bases of those defined in the file, transitively (a cycle is walked once)."""
+        """``bases`` with the bases of those defined in the file, transitively (cycles once)."""
         seen: list[str | None] = []
         pending = list(bases)
         while pending:
@@ -1091,7 +1137,10 @@ class _Classes:
         return seen
 
     def autograd(self, node: cst.ClassDef) -> bool:
-        """Whether ``node`` derives from ``torch.autograd.Function`` (directly or through classes of the file)."""
+        """Whether ``node`` derives from ``torch.autograd.Function``.
+
+        Directly or through classes of the file.
+        """
         bases = [
             ".".join(_attribute_parts(a.value) or []) or None
             for a in node.bases
@@ -1103,7 +1152,7 @@ class _Classes:
         )
 
     def outside(self, node: cst.ClassDef) -> str | None:
-        """A base of ``node`` outside the tree that may define methods a framework calls back, or None."""
+        """A base of ``node`` outside the tree that may define framework callbacks, or None."""
         bases = [
             ".".join(_attribute_parts(a.value) or []) or None
             for a in node.bases
@@ -1129,14 +1178,17 @@ class _Classes:
 
 
 def _autograd_shaped(function: Function) -> bool:
-    """A static ``forward(ctx, ...)`` / ``backward(ctx, ...)``: an autograd Function's, whatever its class."""
+    """A static ``forward(ctx, ...)`` / ``backward(ctx, ...)``.
+
+    An autograd Function's, whatever its class.
+    """
     params = function.node.params.params or function.node.params.posonly_params
     static = bool(_matching_decorator(function.node, ("staticmethod",)))
     return static and bool(params) and params[0].name.value == "ctx"
 
 
 def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
-    """Why ``function`` may not be given a parameter: no caller could pass it, or a new one would break it."""
+    """Why ``function`` may not get a parameter: no caller could pass it, or one would break it."""
     decorated = _matching_decorator(function.node, _FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
@@ -1149,23 +1201,32 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
         and name in _CALLED_BY_AUTOGRAD
         and (classes.autograd(method_of) or _autograd_shaped(function))
     ):
-        return f"{name} of an autograd Function: torch calls it through .apply(...), which takes no keyword"
+        return (
+            f"{name} of an autograd Function: torch calls "
+            "it through .apply(...), which takes no keyword"
+        )
     if name in facts.hooks:
         return f"a hook (passed to a register_*hook): torch calls {name} with its own arguments"
     if name in facts.values:
-        return f"passed as a value ({name} is referenced, never called, in the tree): no caller can pass it one"
+        return (
+            f"passed as a value ({name} is referenced, never "
+            "called, in the tree): no caller can pass it one"
+        )
     if method_of is not None and name not in _CALLED_BY_CODE and name not in facts.called:
         base = classes.outside(method_of)
         if base is not None:
             return (
-                f"a callback: {method_of.name.value} derives from {base}, outside the tree, and the tree never "
-                f"calls {name} by name"
+                f"a callback: {method_of.name.value} derives from {base}, "
+                f"outside the tree, and the tree never calls {name} by name"
             )
     return None
 
 
 def _free_name(function: Function, name: str, taken: set[str], spare: tuple[str, ...] = ()) -> str:
-    """``name`` unless ``function`` or the module binds it; else the first free of ``spare``, ``name_2``, ..."""
+    """``name`` unless ``function`` or the module binds it.
+
+    Else the first free of ``spare``, ``name_2``, ...
+    """
     if name not in function.names and name not in taken:
         return name
     for candidate in (*spare, *(f"{name}_{i}" for i in range(2, 100))):
@@ -1190,8 +1251,9 @@ _MODULE_LEVEL = "module level: runs at import, before any collection exists"
 
 
 def reads_left_by_site(sites: Sequence[Site]) -> list[Read] | None:
-    """The reads of a file whose every site stays for a reason its site alone gives (a module-level read or
-    shim, a reference): the way :func:`plan_file` decides them, without a libcst tree. None for any other file."""
+    """The reads of a file whose every site stays for a reason its site alone gives (a module-level
+    read or shim, a reference): the way :func:`plan_file` decides them, without a libcst tree. None
+    for any other file."""
     reasons = [
         _site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None)
         for site in sites
@@ -1221,18 +1283,22 @@ def plan_file(
     facts: TreeFacts | None = None,
     shims: Mapping[str, tuple[str, dict[str, object]]] | None = None,
     kept_shims: Mapping[tuple[int, int], str] | None = None,
+    virtual_stages: bool = False,
 ) -> FilePlan:
-    """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing by
-    :func:`decide_passes` once every file is planned. ``data``: the file's bytes, when at hand (else ``source``'s code),
-    and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
+    """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing
+    by :func:`decide_passes` once every file is planned. ``data``: the file's bytes, when at hand
+    (else ``source``'s code), and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
     (:mod:`~pgregistry.migrate._skeleton`): a placeholder is never walked, its definition's name is
-    taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which fields its
-    data-parallel reads are, see :func:`~pgregistry._source.fields.collection_field`). ``facts``: what the
-    whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the ratchet's default modules, no
-    other file). ``shims``: what the release's ``use_mpu_process_groups`` calls for each field
+    taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which
+    fields its data-parallel reads are, see :func:`~pgregistry._source.fields.collection_field`).
+    ``facts``: what the whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the
+    ratchet's default modules, no other file). ``shims``: what the release's
+    ``use_mpu_process_groups`` calls for each field
     (:func:`~pgregistry.migrate._megatron_release.shim_getters`; None: not known, every shim stays);
-    ``kept_shims``: the shims (line, column) a first planning dissolved but could give no collection, and why:
-    planned again with them kept, as their locals are collections to the file's other reads then."""
+    ``kept_shims``: the shims (line, column) a first planning dissolved but could give no
+    collection, and why: planned again with them kept, as their locals are collections to the file's
+    other reads then. ``virtual_stages``: whether pipeline-stage reads with ``ignore_virtual=False``
+    are rewritten (:func:`~pgregistry._source.fields.virtual_stage_choice`)."""
     facts = facts if facts is not None else TreeFacts()
     wrapper = MetadataWrapper(source, unsafe_skip_copy=True)
     data = data if data is not None else source.bytes
@@ -1295,8 +1361,9 @@ def plan_file(
     package = path.split("/")[:-1]
     classes = _Classes(syntax or ast.parse(data), locator.bindings, package, facts)
     collections = facts.collections_of(path)
-    #: An autograd Function's ctx is made by torch for each call: it holds only what this file stores on it
-    #: (another file's ``ctx.pg_collection``, even of a declared field name, says nothing of it).
+    #: An autograd Function's ctx is made by torch for each call: it holds only what this file
+    #: stores on it (another file's ``ctx.pg_collection``, even of a declared field name, says
+    #: nothing of it).
     autograd_collections = facts.collections_of(path, own=True)
     legacy = [read for read in reads if read.call is not None and read.site.family == LEGACY]
     imports = _import_bytes((syntax or ast.parse(data)).body, starts) if legacy else []
@@ -1330,14 +1397,17 @@ def plan_file(
                 else "class body: runs when the class is defined, before any collection exists"
             )
         if reason is None and read.shim is None:
-            read.choice = _function_choice(read, gtp_remat)
+            read.choice = _function_choice(read, gtp_remat, virtual_stages)
             reason = read.choice.reason or None
         if reason is None and read.site.family == HELPER:
             given = read.call.args[0].value
             if _attribute_parts(given) is None and not (
                 isinstance(given, cst.Name) and given.value == "None"
             ):
-                reason = "the fallback helper's argument is not a plain name (it would be evaluated twice)"
+                reason = (
+                    "the fallback helper's argument is not a "
+                    "plain name (it would be evaluated twice)"
+                )
             elif not (isinstance(given, cst.Name) and given.value == "None"):
                 read.given = cst.Module([]).code_for_node(given)
         if reason is not None:
@@ -1417,6 +1487,7 @@ def plan_file(
             facts=facts,
             shims=shims,
             kept_shims={**(kept_shims or {}), **stranded},
+            virtual_stages=virtual_stages,
         )
     package = path.split("/")[:-1]
     return FilePlan(
@@ -1445,8 +1516,9 @@ def _dissolve_shim(
     shims: Mapping[str, tuple[str, dict[str, object]]] | None,
     gtp_remat: bool,
 ) -> None:
-    """Decide whether shim ``read`` is dissolved into its field reads (:mod:`._shims`): set its ``shim``, or its
-    reason. A dissolved shim's local is no collection in scope, and its name is free."""
+    """Decide whether shim ``read`` is dissolved into its field reads (:mod:`._shims`): set its
+    ``shim``, or its reason. A dissolved shim's local is no collection in scope, and its name is
+    free."""
     assert read.call is not None
     body = function.node.body
     if not isinstance(body, cst.IndentedBlock) or read.statement >= len(body.body):
@@ -1474,7 +1546,7 @@ def _dissolve_shim(
 def _skip_placeholders(
     locator: _Locator, body: Sequence[cst.BaseStatement], statements: list[list[ast.stmt]]
 ) -> None:
-    """Mark the placeholders of a skeleton walked (there is nothing in them), naming their definitions."""
+    """Mark a skeleton's placeholders walked (nothing is in them), naming their definitions."""
     for index, (statement, group) in enumerate(zip(body, statements, strict=True)):
         node = group[0]
         if isinstance(
@@ -1487,8 +1559,8 @@ def _skip_placeholders(
 def _statement_spans(
     body: Sequence[cst.BaseStatement], tree: Sequence[ast.stmt]
 ) -> tuple[list[tuple[int, int]], list[list[ast.stmt]]]:
-    """The first and last line of each statement of a libcst ``body``, and its :mod:`ast` statements (of the
-    same body's ``tree``: a libcst statement line holds one or more, ``a; b``)."""
+    """The first and last line of each statement of a libcst ``body``, and its :mod:`ast` statements
+    (of the same body's ``tree``: a libcst statement line holds one or more, ``a; b``)."""
     spans: list[tuple[int, int]] = []
     groups: list[list[ast.stmt]] = []
     position = 0
@@ -1510,10 +1582,11 @@ def _ast_dotted(node: ast.expr) -> str | None:
 
 
 def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | None]]:
-    """The calls in ``statements`` as (line, column of the callee, dotted callee) in source pre-order: by
-    start, the outer of two calls that start together first. A walk of the libcst tree meets its calls in that
-    order, so the n-th call it meets is the n-th here (checked by the callee's name): the scanner's positions
-    (ast's) locate its sites without libcst's PositionProvider, many times slower."""
+    """The calls in ``statements`` as (line, column of the callee, dotted callee) in source
+    pre-order: by start, the outer of two calls that start together first. A walk of the libcst tree
+    meets its calls in that order, so the n-th call it meets is the n-th here (checked by the
+    callee's name): the scanner's positions (ast's) locate its sites without libcst's
+    PositionProvider, many times slower."""
     calls = [
         node
         for statement in statements
@@ -1529,8 +1602,9 @@ def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | Non
 def _node_positions(
     source: cst.Module, spans: list[tuple[int, int]], lines: set[int]
 ) -> dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]]:
-    """For each module-level statement covering one of ``lines``: its nodes' positions (computed on a module of
-    that statement alone, far cheaper than the whole file's) and the line offset that makes them the file's."""
+    """For each module-level statement covering one of ``lines``: its nodes' positions (computed on
+    a module of that statement alone, far cheaper than the whole file's) and the line offset that
+    makes them the file's."""
     found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
     ordered = sorted(lines)
     for index, (start, end) in enumerate(spans):
@@ -1558,8 +1632,8 @@ def _absolute_module(module: str, package: list[str]) -> str:
 def _resolve_dotted(
     dotted: list[str], bindings: Mapping[str, str], package: list[str]
 ) -> str | None:
-    """The dotted name ``dotted`` stands for through the file's imports (``bindings``); None when no import binds
-    its first name."""
+    """The dotted name ``dotted`` stands for through the file's imports (``bindings``); None when no
+    import binds its first name."""
     bound = bindings.get(dotted[0])
     if bound is None:
         return None
@@ -1569,7 +1643,7 @@ def _resolve_dotted(
 
 
 def _module_function_of_call(plan: FilePlan, dotted: list[str]) -> tuple[str, str] | None:
-    """(module, name) a call of ``dotted`` in ``plan`` calls, when it is a module-level function or class."""
+    """(module, name) a call of ``dotted`` in ``plan`` calls, if module-level function or class."""
     head = dotted[0]
     if len(dotted) == 1 and plan.top_level.get(head) in ("function", "class"):
         return plan.module, head
@@ -1581,8 +1655,8 @@ def _module_function_of_call(plan: FilePlan, dotted: list[str]) -> tuple[str, st
 
 
 def collect_threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
-    """The module-level functions a collection was threaded into: (module, name) -> the parameter added. Only
-    those are passed one: a method may be overridden where the scan does not look."""
+    """The module-level functions a collection was threaded into: (module, name) -> the parameter
+    added. Only those are passed one: a method may be overridden where the scan does not look."""
     return {
         (plan.module, function.node.name.value): function.added
         for plan in plans
@@ -1592,9 +1666,9 @@ def collect_threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str
 
 
 def collect_threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
-    """The methods of module-level classes a collection was threaded into: (module, ``Class.method``) -> the
-    parameter added (their callers pass it only where every method of that name is threaded alike, see
-    :mod:`~pgregistry.migrate._upward`)."""
+    """The methods of module-level classes a collection was threaded into: (module,
+    ``Class.method``) -> the parameter added (their callers pass it only where every method of that
+    name is threaded alike, see :mod:`~pgregistry.migrate._upward`)."""
     return {
         (plan.module, function.qualname): function.added
         for plan in plans
@@ -1607,12 +1681,13 @@ def collect_threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
 
 
 def collect_threaded_classes(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
-    """The module-level classes whose own ``__init__`` a collection was threaded into: (module, class) -> the
-    parameter added, so that a call of the class itself passes it as a call of a threaded function does. Only a
-    class whose instantiation is sure to reach that ``__init__`` with the keyword: never one with a decorator (it
-    may stand for something else), a metaclass or other class keyword (its ``__call__`` may take other
-    arguments), or a ``__new__`` of its own (called with the same arguments). A subclass is none of these: its
-    own ``__init__``, or one it inherits from a class outside the file, is not known to take the keyword."""
+    """The module-level classes whose own ``__init__`` a collection was threaded into: (module,
+    class) -> the parameter added, so that a call of the class itself passes it as a call of a
+    threaded function does. Only a class whose instantiation is sure to reach that ``__init__`` with
+    the keyword: never one with a decorator (it may stand for something else), a metaclass or other
+    class keyword (its ``__call__`` may take other arguments), or a ``__new__`` of its own (called
+    with the same arguments). A subclass is none of these: its own ``__init__``, or one it inherits
+    from a class outside the file, is not known to take the keyword."""
     found = {}
     for plan in plans:
         for function in plan.functions:
@@ -1624,7 +1699,8 @@ def collect_threaded_classes(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
                 and function.qualname == f"{owner.name.value}.__init__"
             ):
                 continue
-            # The class as the file has it (the walked tree may stand in for a member without reads).
+            # The class as the file has it (the walked tree may stand in for a member without
+            # reads).
             syntax = plan.statements[function.top][0]
             if (
                 not isinstance(syntax, ast.ClassDef)
@@ -1643,10 +1719,11 @@ def collect_threaded_classes(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
 def add_reexported_names(
     threaded: Mapping[tuple[str, str], str], packages: Mapping[str, bytes]
 ) -> dict[tuple[str, str], str]:
-    """``threaded`` with the names packages re-export its functions under: ``from .common_utils import f`` in
-    ``pkg/__init__.py`` (``packages``: path -> bytes of such files) makes ``pkg.f`` the same function, so a call
-    through the package (``from pkg import f``, ``pkg.f(...)``) is passed the collection too; chains of packages
-    are followed. Module-level imports only (in ``if`` / ``try`` blocks too), read with :mod:`ast`."""
+    """``threaded`` with the names packages re-export its functions under: ``from .common_utils
+    import f`` in ``pkg/__init__.py`` (``packages``: path -> bytes of such files) makes ``pkg.f``
+    the same function, so a call through the package (``from pkg import f``, ``pkg.f(...)``) is
+    passed the collection too; chains of packages are followed. Module-level imports only (in ``if``
+    / ``try`` blocks too), read with :mod:`ast`."""
     found = dict(threaded)
     if not found:
         return found
@@ -1695,15 +1772,17 @@ def decide_passes(
     forwarding: Collection[tuple[str, str]] = (),
     local_classes: Mapping[tuple[str, str, str], str] | None = None,
 ) -> int:
-    """Decide which calls pass a threaded function the caller's collection (the caller's own, or the one threaded
-    into it): fills each plan's ``passes``; returns how many calls pass one. ``threaded``: every file's
-    :func:`collect_threaded_functions` (default: those of ``plans``); ``methods``: method names every ``def`` of
-    which in the tree has the parameter (name -> keyword): a call ``obj.m(...)`` on anything no import binds passes
-    it; ``spec_fields``: the calls of a spec's field whose every class takes it ((module, function, field) ->
-    keyword, :mod:`~pgregistry.migrate._spec_fields`): ``submodules.X(...)``, ``build_module(submodules.X, ...)``;
-    ``forwarding``: the ``__init__``s ((module, ``Class.__init__``)) that pass their parameter on in their
-    ``super().__init__(...)`` calls (:mod:`~pgregistry.migrate._inherited`); ``local_classes``: the calls of a local
-    assigned classes that every one of them takes ((module, function, local) -> keyword)."""
+    """Decide which calls pass a threaded function the caller's collection (the caller's own, or the
+    one threaded into it): fills each plan's ``passes``; returns how many calls pass one.
+    ``threaded``: every file's :func:`collect_threaded_functions` (default: those of ``plans``);
+    ``methods``: method names every ``def`` of which in the tree has the parameter (name ->
+    keyword): a call ``obj.m(...)`` on anything no import binds passes it; ``spec_fields``: the
+    calls of a spec's field whose every class takes it ((module, function, field) -> keyword,
+    :mod:`~pgregistry.migrate._spec_fields`): ``submodules.X(...)``, ``build_module(submodules.X,
+    ...)``; ``forwarding``: the ``__init__``s ((module, ``Class.__init__``)) that pass their
+    parameter on in their ``super().__init__(...)`` calls (:mod:`~pgregistry.migrate._inherited`);
+    ``local_classes``: the calls of a local assigned classes that every one of them takes ((module,
+    function, local) -> keyword)."""
     if threaded is None:
         threaded = collect_threaded_functions(plans)
     count = 0
@@ -1736,7 +1815,8 @@ def decide_passes(
             ):
                 continue
             root = _outermost_function(caller)
-            # A function threaded upward passes a collection it already holds (``self.pg_collection``), as before.
+            # A function threaded upward passes a collection it already holds
+            # (``self.pg_collection``), as before.
             found = (
                 _collection_in_scope(caller, call.statement, plan.attributes, name)
                 if caller.upward
@@ -1772,8 +1852,8 @@ def _forwarded_or_local_keyword(
     forwarding: Collection[tuple[str, str]],
     local_classes: Mapping[tuple[str, str, str], str],
 ) -> str | None:
-    """The keyword a ``super().__init__(...)`` of a forwarding ``__init__`` passes, or a call of a local assigned
-    classes; None when it is neither."""
+    """The keyword a ``super().__init__(...)`` of a forwarding ``__init__`` passes, or a call of a
+    local assigned classes; None when it is neither."""
     if tuple(call.dotted) == SUPER_INIT:
         return name if (module, qualname) in forwarding else None
     if len(call.dotted) == 1:
@@ -1784,8 +1864,8 @@ def _forwarded_or_local_keyword(
 def _spec_keyword(
     module: str, call: Call, spec_fields: Mapping[tuple[str, str, str], str]
 ) -> str | None:
-    """The keyword a call of a spec's field in ``module`` passes (``spec_fields``: (module, function, field) ->
-    keyword), None when it is none."""
+    """The keyword a call of a spec's field in ``module`` passes (``spec_fields``: (module,
+    function, field) -> keyword), None when it is none."""
     # Imported here: that module reads import bindings through _upward, which imports this one.
     from pgregistry.migrate._spec_fields import spec_field_of_call
 
@@ -1802,8 +1882,9 @@ def _spec_keyword(
 
 
 def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
-    """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a call of a
-    function a collection was threaded into), so :func:`decide_passes` sees their calls."""
+    """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a
+    call of a function a collection was threaded into), so :func:`decide_passes` sees their
+    calls."""
     locator = plan.locator
     if locator is None or plan.data is None:
         return
@@ -1824,7 +1905,8 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
 
 def collection_mentions(name: str) -> re.Pattern[bytes]:
     """Where a collection may be named or bound: a word containing ``name`` (``pg_collection``,
-    ``self._pg_collection``) or a construction assigned (the class members to walk for ``self.<attribute> = ...``)."""
+    ``self._pg_collection``) or a construction assigned (the class members to walk for
+    ``self.<attribute> = ...``)."""
     return re.compile(
         rb"\w*"
         + re.escape(name.encode())
@@ -1833,9 +1915,9 @@ def collection_mentions(name: str) -> re.Pattern[bytes]:
 
 
 def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: str) -> bool:
-    """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name (``_pg_collection``, see
-    :func:`~pgregistry.migrate._tree.names_a_collection`) or by its value (``ProcessGroupCollection(...)``,
-    ``use_mpu_process_groups(...)``)."""
+    """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name
+    (``_pg_collection``, see :func:`~pgregistry.migrate._tree.names_a_collection`) or by its value
+    (``ProcessGroupCollection(...)``, ``use_mpu_process_groups(...)``)."""
     return (
         names_a_collection(attribute, name)
         or isinstance(value, cst.Call)
@@ -1844,7 +1926,10 @@ def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: 
 
 
 def _callee_last_name(call: cst.Call) -> str:
-    """The last name of what ``call`` calls (``ProcessGroupCollection`` for ``pgc.ProcessGroupCollection()``)."""
+    """The last name of what ``call`` calls.
+
+    ``ProcessGroupCollection`` for ``pgc.ProcessGroupCollection()``.
+    """
     func = call.func
     if isinstance(func, cst.Attribute):
         return func.attr.value

@@ -1,8 +1,11 @@
-"""Progress of a long ``migrate`` run, on stderr (never stdout, where the diff goes): quiet while a run is short.
+"""Progress of a long ``migrate`` run, on stderr (never stdout, where the diff goes).
 
-Nothing is printed in a run's first :data:`QUIET_S` seconds; after that, a line at most every :data:`EVERY_S`
-seconds, saying which step the run is in and how far it is (a generated 5 MB file, or a large tree, takes long
-enough to look hung otherwise). Worker processes report their own share the same way.
+Quiet while a run is short.
+
+Nothing is printed in a run's first :data:`QUIET_S` seconds; after that, a line at most every
+:data:`EVERY_S` seconds, saying which step the run is in and how far it is (a generated 5 MB file,
+or a large tree, takes long enough to look hung otherwise). Worker processes report their own share
+the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ EVERY_S = 5.0
 
 
 class Progress:
-    """Where a run is, said now and then (see the module docstring); ``stream`` None: said nowhere."""
+    """Where a run is, said now and then (module docstring); ``stream`` None: said nowhere."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream

@@ -1,4 +1,4 @@
-"""What ``pgregistry migrate`` did, per family: reads found, rewritten by each way, left in place and why."""
+"""What ``pgregistry migrate`` did, per family: reads found, rewritten each way, left and why."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ def render_failures(failures: Sequence[FileResult]) -> str:
 
 
 def tally_reads_by_family(reads: Sequence[tuple[str, Read]]) -> dict[str, Counter[str]]:
-    """Per family: ``found`` and the count of each way (``in-scope``, ``threaded``, ``fallback``, ``left``)."""
+    """Per family: ``found`` and each way's count (``in-scope``, ``threaded``, ``fallback``, ...).
+
+    The ways are ``in-scope``, ``threaded``, ``fallback`` and ``left``.
+    """
     table: dict[str, Counter[str]] = {family: Counter() for family in FAMILIES}
     for _, read in reads:
         row = table[family_of(read.site)]
@@ -39,9 +42,10 @@ def render_report(
     verb: str,
     spec_calls_left: Sequence[SpecCallLeft] = (),
 ) -> str:
-    """The table per family, then every read left in place grouped by reason (``path:line accessor``), and every
-    call of a spec's field left without the collection (``spec_calls_left``) with its reason. ``verb``: what
-    happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
+    """The table per family, then every read left in place grouped by reason (``path:line
+    accessor``), and every call of a spec's field left without the collection (``spec_calls_left``)
+    with its reason. ``verb``: what happened to the ``changed`` files (``"would change"``,
+    ``"changed"``)."""
     table = tally_reads_by_family(reads)
     columns = ("found", *REWRITTEN_WAYS, Way.LEFT)
     lines = [f"{'family':<10}" + "".join(f"{c:>10}" for c in columns)]
@@ -54,8 +58,9 @@ def render_report(
         total.update(row)
     lines.append(f"{'total':<10}" + "".join(f"{total[c]:>10}" for c in columns))
     lines.append(
-        f"{changed} file{'s' if changed != 1 else ''} {verb}; a collection threaded into {threaded} "
-        f"function{'s' if threaded != 1 else ''}; {passed} call{'s' if passed != 1 else ''} now pass one"
+        f"{changed} file{'s' if changed != 1 else ''} {verb}; a collection "
+        f"threaded into {threaded} function{'s' if threaded != 1 else ''}; "
+        f"{passed} call{'s' if passed != 1 else ''} now pass one"
     )
     left: defaultdict[str, list[str]] = defaultdict(list)
     for path, read in reads:

@@ -1,11 +1,11 @@
 """Apply a :class:`~pgregistry.migrate._plan.FilePlan` to its libcst tree: the new source text.
 
 Only the nodes planning named change; libcst keeps every other byte (comments, blank lines, quotes,
-parentheses). In order: each planned read becomes, in place, its call of the fallback helper (parenthesised
-where it is a conditional and an operand), each call that passes a collection gets the keyword, each threaded
-function gets its keyword-only parameter; then the helper's import is added among the file's imports of the
-same top package, and the imports the rewrite left unused are removed (a name the old code used and the new
-code does not; a name only re-exported is kept).
+parentheses). In order: each planned read becomes, in place, its call of the fallback helper
+(parenthesised where it is a conditional and an operand), each call that passes a collection gets
+the keyword, each threaded function gets its keyword-only parameter; then the helper's import is
+added among the file's imports of the same top package, and the imports the rewrite left unused are
+removed (a name the old code used and the new code does not; a name only re-exported is kept).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _NO_SPACE = cst.SimpleWhitespace("")
 
 
 def _count_name_reads(nodes: Iterable[ast.AST]) -> Counter[str]:
-    """How often each name is read in ``nodes`` outside import statements (``x.name`` reads x only)."""
+    """How often each name is read in ``nodes`` outside imports (``x.name`` reads x only)."""
     count: Counter[str] = Counter()
     for root in nodes:
         for node in ast.walk(root):
@@ -47,8 +47,8 @@ def _count_name_reads(nodes: Iterable[ast.AST]) -> Counter[str]:
 
 
 def _count_reads_in_code(code: str | bytes) -> Counter[str]:
-    """:func:`_count_name_reads` of ``code``. Through :mod:`ast`, many times faster than a libcst walk, since
-    only names count."""
+    """:func:`_count_name_reads` of ``code``. Through :mod:`ast`, many times faster than a libcst
+    walk, since only names count."""
     return _count_name_reads([ast.parse(code)])
 
 
@@ -63,10 +63,11 @@ def _name_bound_by(alias: cst.ImportAlias) -> str:
 
 
 class _Prune(cst.CSTTransformer):
-    """Drop the import aliases whose names the rewrite left unused, and a statement left importing nothing (the
-    modules they import are imported where the code that reads them runs: the fallback helper's import of
-    ``parallel_state`` when it falls back). Such a statement is dropped by its block, not a ``pass`` left in its
-    place, and the comments above it go onto the statement after it: they say what that code does."""
+    """Drop the import aliases whose names the rewrite left unused, and a statement left importing
+    nothing (the modules they import are imported where the code that reads them runs: the fallback
+    helper's import of ``parallel_state`` when it falls back). Such a statement is dropped by its
+    block, not a ``pass`` left in its place, and the comments above it go onto the statement after
+    it: they say what that code does."""
 
     def __init__(self, unused: set[str]) -> None:
         super().__init__()
@@ -115,8 +116,9 @@ class _Prune(cst.CSTTransformer):
 def _comments_kept(
     original: cst.IndentedBlock, updated: cst.IndentedBlock, dropped: dict[int, list[cst.EmptyLine]]
 ) -> cst.IndentedBlock:
-    """``updated`` (``original`` without the statements ``dropped`` names: id -> the comment lines above it) with
-    those comments moved onto the statement after each (or below the block's last one)."""
+    """``updated`` (``original`` without the statements ``dropped`` names: id -> the comment lines
+    above it) with those comments moved onto the statement after each (or below the block's last
+    one)."""
     if not any(id(statement) in dropped for statement in original.body):
         return updated
     kept = iter(updated.body)
@@ -137,8 +139,8 @@ def _comments_kept(
 
 
 def _one_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
-    """``lines`` with each run of blank lines (no comment) one blank line: the blank lines above a dropped
-    statement and those above the next one, joined."""
+    """``lines`` with each run of blank lines (no comment) one blank line: the blank lines above a
+    dropped statement and those above the next one, joined."""
     kept: list[cst.EmptyLine] = []
     for line in lines:
         if line.comment is None and kept and kept[-1].comment is None:
@@ -148,7 +150,7 @@ def _one_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
 
 
 def _comma_without_comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
-    """``comma`` (its line break and indentation, to copy the one-a-line style) without its comment."""
+    """``comma`` (its line break and indent, to copy the one-a-line style) without its comment."""
     if isinstance(comma, cst.Comma) and isinstance(
         comma.whitespace_after, cst.ParenthesizedWhitespace
     ):
@@ -160,7 +162,10 @@ def _comma_without_comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | 
 
 
 def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
-    """``params`` with ``name=None`` added keyword-only (after ``*args`` or a new bare ``*``, before ``**kw``)."""
+    """``params`` with ``name=None`` added keyword-only.
+
+    It goes after ``*args`` or a new bare ``*``, before ``**kw``.
+    """
     new = cst.Param(
         cst.Name(name),
         default=cst.Name("None"),
@@ -192,9 +197,10 @@ def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
 
 
 def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters:
-    """``after`` (``before`` with the new keyword-only parameter last) with the line break that preceded the
-    closing parenthesis moved from the old last parameter to the new one: ``(\\n    a, b\\n)`` becomes
-    ``(\\n    a, b, *, pg_collection=None\\n)``, not a break before the ``*`` at column 0."""
+    """``after`` (``before`` with the new keyword-only parameter last) with the line break that
+    preceded the closing parenthesis moved from the old last parameter to the new one: ``(\\n a,
+    b\\n)`` becomes ``(\\n a, b, *, pg_collection=None\\n)``, not a break before the ``*`` at
+    column 0."""
     if after.star_kwarg is not None or not after.kwonly_params:
         return after
     if before.kwonly_params:
@@ -218,8 +224,8 @@ def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters
 
 
 def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst.Call:
-    """``call`` with ``keyword=value`` after its arguments, in their layout: one a line when they are (the
-    closing parenthesis kept on its own line), else after a comma and a space."""
+    """``call`` with ``keyword=value`` after its arguments, in their layout: one a line when they
+    are (the closing parenthesis kept on its own line), else after a comma and a space."""
     new = cst.Arg(
         value,
         keyword=cst.Name(keyword),
@@ -248,8 +254,9 @@ def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cs
 
 
 class _SingleQuoted(cst.CSTTransformer):
-    """Each plain string literal of a node the rewrite made (``"tp"``, ``"next_rank"``) in single quotes: before
-    Python 3.12 an expression inside a double-quoted f-string may not hold a double quote."""
+    """Each plain string literal of a node the rewrite made (``"tp"``, ``"next_rank"``) in single
+    quotes: before Python 3.12 an expression inside a double-quoted f-string may not hold a double
+    quote."""
 
     def leave_SimpleString(
         self, original: cst.SimpleString, updated: cst.SimpleString
@@ -273,19 +280,22 @@ class _Rewriter(cst.CSTTransformer):
         super().__init__()
         self.target = target
         self.plan = plan
-        #: The tree's line length and indentation unit; how many blocks enclose the node visited; whether the
-        #: statement being visited has a call the rewrite changed (then a line it made too long is split).
+        #: The tree's line length and indentation unit; how many blocks enclose the node visited;
+        #: whether the statement being visited has a call the rewrite changed (then a line it made
+        #: too long is split).
         self.width = width
         self.unit = plan.wrapper.module.default_indent
         self.depth = 0
         self.changed = False
         self.replacements: dict[int, cst.BaseExpression] = {}
         self.imports: list[tuple[str, str]] = []
-        #: Module-level statement -> the members of its class body to walk (None: the whole statement).
+        #: Module-level statement -> the members of its class body to walk (None: the whole
+        #: statement).
         self.touched: dict[int, set[int] | None] = {}
         for top, member in plan.passing_tops:
             self._mark_touched(top, member)
-        #: A dissolved shim's field reads (by id of the ``Attribute``), and the statements assigning it (by id).
+        #: A dissolved shim's field reads (by id of the ``Attribute``), and the statements assigning
+        #: it (by id).
         self.field_reads: dict[int, cst.BaseExpression] = {}
         self.shims: set[int] = set()
         #: The statements removed (by id of the original) -> the comment lines above each.
@@ -307,11 +317,15 @@ class _Rewriter(cst.CSTTransformer):
             self._mark_touched(function.top, function.member)
         #: The ``If`` nodes (by id) that are the ``elif`` of another.
         self.elifs: set[int] = set()
-        #: The quotes of the f-strings enclosing the node visited (``f"``, ``rf'''``), innermost last.
+        #: The quotes of the f-strings enclosing the node visited (``f"``, ``rf'''``), innermost
+        #: last.
         self.f_strings: list[str] = []
 
     def _dissolve_shim(self, shim: Dissolved, collection: str) -> None:
-        """Plan shim ``shim`` (:mod:`._shims`) rewritten: each field read, the reads of ``collection``."""
+        """Plan shim ``shim`` (:mod:`._shims`) rewritten.
+
+        Each field read becomes a read of ``collection``.
+        """
         for attribute, field, keywords in shim.reads:
             code = self.target.field_read(collection, field, keywords)
             self.field_reads[id(attribute)] = cst.parse_expression(code)
@@ -327,7 +341,7 @@ class _Rewriter(cst.CSTTransformer):
             self.touched[top] = None
 
     def walk(self, index: int, statement: cst.BaseStatement) -> object:
-        """``statement`` rewritten, walking only what changes (a class's touched members, not all of it)."""
+        """``statement`` rewritten, walking only what changes (a class's touched members)."""
         members = self.touched.get(index, set())
         if index not in self.touched:
             return statement
@@ -404,7 +418,7 @@ class _Rewriter(cst.CSTTransformer):
         return updated
 
     def _with_f_string_quotes(self, node: cst.BaseExpression) -> cst.BaseExpression:
-        """``node`` (made by the rewrite) with the quotes the enclosing f-string allows in its expressions."""
+        """``node`` (made by the rewrite) with quotes the enclosing f-string allows inside."""
         if self.f_strings and '"' in self.f_strings[-1]:
             return node.visit(_SingleQuoted())  # type: ignore[return-value]
         return node
@@ -496,8 +510,8 @@ def _with_leading(
 
 
 def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseStatement:
-    """``from module import names`` on one line, or one name a line in parentheses where that would pass
-    ``width``, as black writes it."""
+    """``from module import names`` on one line, or one name a line in parentheses where that would
+    pass ``width``, as black writes it."""
     line = f"from {module} import {', '.join(names)}"
     if len(line) > width:
         line = f"from {module} import (\n" + "".join(f"    {name},\n" for name in names) + ")"
@@ -505,7 +519,7 @@ def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseState
 
 
 def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | None:
-    """(the module, the names bound) of a module-level ``from M import names`` statement standing alone."""
+    """(module, names bound) of a module-level ``from M import names`` statement standing alone."""
     if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
         return None
     small = statement.body[0]
@@ -518,10 +532,11 @@ def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | 
 
 
 def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int) -> cst.Module:
-    """``module`` importing each needed ``(module, name)``: added to its ``from M import`` of that module if it
-    has one, else as a new statement among its peers (the module-level imports of the same top package, in
-    order of module name, relative ones last), after its last module-level import when it has none (after the
-    docstring when it has no import). Top-level statements only, no walk of the tree."""
+    """``module`` importing each needed ``(module, name)``: added to its ``from M import`` of that
+    module if it has one, else as a new statement among its peers (the module-level imports of the
+    same top package, in order of module name, relative ones last), after its last module-level
+    import when it has none (after the docstring when it has no import). Top-level statements only,
+    no walk of the tree."""
     body: list[cst.BaseStatement] = list(module.body)
     for name in dict.fromkeys(m for m, _ in needed):
         names = sorted({n for m, n in needed if m == name})
@@ -566,8 +581,9 @@ def _attribute_chain_names(node: cst.BaseExpression) -> list[str]:
 
 
 class _Renderer:
-    """Renders module-level statements once: each one's text is kept (with the node, as ids are reused) and the
-    module's text is theirs joined, so a statement rendered to count its names is not rendered again."""
+    """Renders module-level statements once: each one's text is kept (with the node, as ids are
+    reused) and the module's text is theirs joined, so a statement rendered to count its names is
+    not rendered again."""
 
     def __init__(self, module: cst.Module) -> None:
         self.module = module
@@ -582,8 +598,8 @@ class _Renderer:
         return text
 
     def code(self, module: cst.Module) -> str:
-        """``module.code``, from the statements' texts (libcst's own render where the file has no final newline,
-        which pops it)."""
+        """``module.code``, from the statements' texts (libcst's own render where the file has no
+        final newline, which pops it)."""
         if not module.has_trailing_newline:
             return module.code
         text = "".join(
@@ -599,9 +615,9 @@ class _Renderer:
 def _names_left_unread(
     plan: FilePlan, body: Sequence[object], touched: Sequence[int], render: _Renderer
 ) -> set[str] | None:
-    """The names the rewrite leaves unread: read in a statement it changed, not in that statement's new code,
-    and nowhere else (the other statements' text is searched first; the rare hit is checked on their ast). None
-    when a new statement does not parse alone."""
+    """The names the rewrite leaves unread: read in a statement it changed, not in that statement's
+    new code, and nowhere else (the other statements' text is searched first; the rare hit is
+    checked on their ast). None when a new statement does not parse alone."""
     assert plan.data is not None
     old = _count_name_reads(n for index in touched for n in plan.statements[index])
     new: Counter[str] = Counter()
@@ -622,7 +638,8 @@ def _names_left_unread(
     unused = set()
     for name in gone:
         word = re.compile(rb"\b" + re.escape(name.encode()) + rb"\b")
-        # An identifier's text is its name unless it is not ASCII (the parser normalises those): then the ast.
+        # An identifier's text is its name unless it is not ASCII (the parser normalises those):
+        # then the ast.
         hits = [i for i, text in texts.items() if word.search(text) or not text.isascii()]
         if not hits or _count_name_reads(n for i in hits for n in plan.statements[i])[name] == 0:
             unused.add(name)
@@ -644,8 +661,8 @@ def _restore_skeleton_text(plan: FilePlan, text: str) -> str:
 
 
 def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
-    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned. ``width``:
-    the tree's line length (:mod:`~pgregistry.migrate._style`)."""
+    """The source of ``plan``'s file with its planned rewrites applied; None when none is planned.
+    ``width``: the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
     rewriter = _Rewriter(plan, target, width)
     if (
@@ -658,7 +675,8 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
         return None
     data = plan.data if plan.data is not None else module.bytes
     render = _Renderer(module)
-    # Only the module-level statements with a change are walked: a libcst walk rebuilds every node it visits.
+    # Only the module-level statements with a change are walked: a libcst walk rebuilds every node
+    # it visits.
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]
     changed = module.with_changes(body=[s for s in body if isinstance(s, cst.CSTNode)])
     if rewriter.imports:
@@ -674,8 +692,9 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
         unused = {name for name, count in before.items() if count and after[name] <= 0}
     if not unused:
         return _restore_skeleton_text(plan, render.code(changed))
-    # An import the rewrite left unused is at module level, in a module-level block (``if TYPE_CHECKING:``,
-    # ``try:``) or in a statement the rewrite changed, and its old text says ``import``: only those are walked.
+    # An import the rewrite left unused is at module level, in a module-level block (``if
+    # TYPE_CHECKING:``, ``try:``) or in a statement the rewrite changed, and its old text says
+    # ``import``: only those are walked.
     prune = _Prune(unused)
     index = {id(s): i for i, s in enumerate(body)}
 

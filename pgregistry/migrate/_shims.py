@@ -1,27 +1,34 @@
-"""Which ``use_mpu_process_groups`` shims ``pgregistry migrate`` dissolves into the reads of their fields.
+"""Which ``use_mpu_process_groups`` shims ``pgregistry migrate`` dissolves into their fields' reads.
 
-A shim builds a collection from the globals for the few fields it lists; where its result is only read for
-those fields, each read is the field read itself, and the shim goes:
+A shim builds a collection from the globals for the few fields it lists; where its result is only
+read for those fields, each read is the field read itself, and the shim goes:
 
     group = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat"]).gtp_remat
     ->  group = pg_group(pg_collection, "gtp_remat", check_initialized=False)
 
-    _pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["gtp_remat", "expt_gtp_remat"])
+    _pg = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["gtp_remat", "expt_gtp_remat"]
+    )
     group = _pg.expt_gtp_remat if self.is_expert else _pg.gtp_remat
-    ->  group = pg_group(..., "expt_gtp_remat", ...) if self.is_expert else pg_group(..., "gtp_remat", ...)
+    ->  group = (
+            pg_group(..., "expt_gtp_remat", ...)
+            if self.is_expert
+            else pg_group(..., "gtp_remat", ...)
+        )
 
-Without a collection, each read falls back to the very getter the release's ``use_mpu_process_groups`` calls
-for that field, with its keywords (``check_initialized=False``: ``None`` where parallel_state is not
-initialised, where the plain getter raises): :func:`~pgregistry.migrate._megatron_release.shim_getters`. A
-field is dissolved only when that getter, less ``check_initialized``, is the one the fallback helper's table
-holds for the field. The shim called the getters of every field it lists where it stood; the reads call them
-later, each where it is read, so every listed field whose read moves must be read unchecked (such a getter
-only returns a global: nothing it does can be seen earlier or later).
+Without a collection, each read falls back to the very getter the release's
+``use_mpu_process_groups`` calls for that field, with its keywords (``check_initialized=False``:
+``None`` where parallel_state is not initialised, where the plain getter raises):
+:func:`~pgregistry.migrate._megatron_release.shim_getters`. A field is dissolved only when that
+getter, less ``check_initialized``, is the one the fallback helper's table holds for the field. The
+shim called the getters of every field it lists where it stood; the reads call them later, each
+where it is read, so every listed field whose read moves must be read unchecked (such a getter only
+returns a global: nothing it does can be seen earlier or later).
 
-Left, with the reason: a shim whose result escapes (passed on, returned, stored, a field it does not list
-read, a field assigned, bound again, read in a nested function or above it), one of every field
-(``use_mpu_process_groups()``: the default-builder ``if pg_collection is None: pg_collection = ...``), one
-not at a function's top level. Pure: no I/O.
+Left, with the reason: a shim whose result escapes (passed on, returned, stored, a field it does not
+list read, a field assigned, bound again, read in a nested function or above it), one of every field
+(``use_mpu_process_groups()``: the default-builder ``if pg_collection is None: pg_collection =
+...``), one not at a function's top level. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from pgregistry._source.fields import collection_field
 
 __all__ = ["DEFAULT_BUILDER", "Dissolved", "dissolve_shim"]
 
-#: The getter keyword that makes a getter return ``None`` rather than raise when parallel_state is not set up.
+#: The getter keyword that makes a getter return ``None`` rather than raise when parallel_state is
+#: not set up.
 CHECK = "check_initialized"
-#: Why ``use_mpu_process_groups()`` stays: a collection of every field, the default of a function's callers.
+#: Why ``use_mpu_process_groups()`` stays: a collection of every field, the default of a function's
+#: callers.
 DEFAULT_BUILDER = (
     "shim: builds every field from the globals (remove it once every caller passes a collection)"
 )
@@ -46,9 +55,9 @@ _ESCAPES = "shim: its collection is used otherwise than read for the fields it l
 
 @dataclass(eq=False)
 class Dissolved:
-    """A shim to dissolve: the fields it lists, each field read (the ``Attribute`` node) with its field and the
-    keywords its fallback passes the getter, and the statement assigning the shim to a local (None for a shim read
-    inline)."""
+    """A shim to dissolve: the fields it lists, each field read (the ``Attribute`` node) with its
+    field and the keywords its fallback passes the getter, and the statement assigning the shim to a
+    local (None for a shim read inline)."""
 
     fields: list[str]
     reads: list[tuple[cst.Attribute, str, dict[str, object]]] = field(default_factory=list)
@@ -65,8 +74,8 @@ def dissolve_shim(
     *,
     gtp_remat: bool,
 ) -> Dissolved | str:
-    """The :class:`Dissolved` of shim ``call`` in top-level statement ``statement`` of a function's ``body``
-    (whose ``parameters`` are given); a reason when it stays. ``getters``: the release's
+    """The :class:`Dissolved` of shim ``call`` in top-level statement ``statement`` of a function's
+    ``body`` (whose ``parameters`` are given); a reason when it stays. ``getters``: the release's
     :func:`~pgregistry.migrate._megatron_release.shim_getters` (None: not known)."""
     listed = _fields_listed(call)
     if isinstance(listed, str):
@@ -86,7 +95,10 @@ def dissolve_shim(
             accessor, {k: v for k, v in passed.items() if k != CHECK}, gtp_remat=gtp_remat
         )
         if (choice.field, choice.kind) != (name, "group"):
-            return f"shim: use_mpu_process_groups reads {name!r} with {accessor}, not the field's own getter"
+            return (
+                f"shim: use_mpu_process_groups reads {name!r} "
+                f"with {accessor}, not the field's own getter"
+            )
         keywords[name] = {CHECK: passed[CHECK]} if CHECK in passed else {}
     inline = _read_inline(call, body[statement])
     if inline is not None:
@@ -123,7 +135,7 @@ def dissolve_shim(
 
 
 def _fields_listed(call: cst.Call) -> list[str] | str:
-    """The fields ``call`` lists (``required_pgs=[...]``, literal strings), or why they are not known."""
+    """The fields ``call`` lists (``required_pgs=[...]``, literal strings), or why unknown."""
     if not call.args:
         return DEFAULT_BUILDER
     if (
@@ -149,18 +161,22 @@ def _fields_listed(call: cst.Call) -> list[str] | str:
 def _why_reads_may_not_move(
     names: list[str], keywords: Mapping[str, dict[str, object]]
 ) -> str | None:
-    """Why the getters of ``names``, read later than the shim read them, may act otherwise (None: they may not)."""
+    """Why the getters of ``names``, read after the shim read them, may act otherwise.
+
+    None: they may not.
+    """
     checked = [name for name in names if keywords[name].get(CHECK) is not False]
     if checked:
         return (
-            f"shim: use_mpu_process_groups reads {', '.join(map(repr, checked))} checked where it is built (it "
-            "raises there when parallel_state is not initialised): its reads may not move"
+            f"shim: use_mpu_process_groups reads {', '.join(map(repr, checked))} "
+            "checked where it is built (it raises there when parallel_state is "
+            "not initialised): its reads may not move"
         )
     return None
 
 
 def _read_inline(call: cst.Call, statement: cst.BaseStatement) -> cst.Attribute | None:
-    """The ``<call>.<field>`` that holds ``call`` in ``statement`` (not as an assignment target), if any."""
+    """The ``<call>.<field>`` holding ``call`` in ``statement`` (not assigned to), if any."""
     found: list[cst.Attribute] = []
 
     class _Find(cst.CSTVisitor):
@@ -175,8 +191,8 @@ def _read_inline(call: cst.Call, statement: cst.BaseStatement) -> cst.Attribute 
 
 
 class _Targets(cst.CSTVisitor):
-    """The nodes a statement assigns, deletes or binds (by id): assignment, ``for`` and ``with`` targets, each
-    element of a tuple or list of them too."""
+    """The nodes a statement assigns, deletes or binds (by id): assignment, ``for`` and ``with``
+    targets, each element of a tuple or list of them too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -216,8 +232,8 @@ def _is_assigned_in(statement: cst.BaseStatement, node: cst.CSTNode) -> bool:
 
 
 def _local_holding_call(call: cst.Call, statement: cst.BaseStatement) -> str | None:
-    """The local ``<local> = call`` in ``statement`` assigns ``call`` to (at any depth); None when ``call`` is not
-    assigned to one name alone."""
+    """The local ``<local> = call`` in ``statement`` assigns ``call`` to (at any depth); None when
+    ``call`` is not assigned to one name alone."""
     found: list[str] = []
 
     class _Find(cst.CSTVisitor):
@@ -239,9 +255,9 @@ def _is_lone_assignment(call: cst.Call, statement: cst.BaseStatement) -> bool:
 
 
 class _Uses(_Targets):
-    """The reads ``<local>.<field>`` in a statement, or why ``local`` is used otherwise (any other use of the
-    name, a field assigned or deleted, a use in a nested function, lambda or class). A target is visited before
-    the nodes in it, so it is known as one when they are."""
+    """The reads ``<local>.<field>`` in a statement, or why ``local`` is used otherwise (any other
+    use of the name, a field assigned or deleted, a use in a nested function, lambda or class). A
+    target is visited before the nodes in it, so it is known as one when they are."""
 
     def __init__(self, local: str) -> None:
         super().__init__()
@@ -249,7 +265,8 @@ class _Uses(_Targets):
         self.reads: list[cst.Attribute] = []
         self.reason = ""
         self.nested = 0
-        #: Names that are not uses: attributes after a dot, keyword names, and the heads of the reads.
+        #: Names that are not uses: attributes after a dot, keyword names, and the heads of the
+        #: reads.
         self.not_uses: set[int] = set()
 
     def visit_Attribute(self, node: cst.Attribute) -> None:

@@ -1,13 +1,15 @@
-"""The part of a file libcst needs to see: definitions no rewrite can touch stood in for by placeholders.
+"""The part of a file libcst must see: definitions no rewrite can touch replaced by placeholders.
 
-libcst's parse builds a Python object per token and its render visits every node, so on a large tree they are
-most of ``migrate``'s time, while the rewrites touch a few functions per file. Before parsing, each module-level
-``def`` / ``class`` (and each ``def`` / ``class`` member of a module-level class) that holds no read and that
-nothing else needs walked is replaced by a placeholder assignment of the same lines: a one-line
-``_pgregistry_kept_<n> = 0`` or, for a definition of several lines, a string literal spanning them, so every line
-keeps its number (the scanner's positions and the :mod:`ast` spans stay those of the file). After the rewrite each
-placeholder, untouched, is replaced by the text it stands for. A file that already holds the prefix is parsed
-whole; a placeholder found twice in the rewritten text (which no rewrite causes) is the caller's internal error.
+libcst's parse builds a Python object per token and its render visits every node, so on a large tree
+they are most of ``migrate``'s time, while the rewrites touch a few functions per file. Before
+parsing, each module-level ``def`` / ``class`` (and each ``def`` / ``class`` member of a
+module-level class) that holds no read and that nothing else needs walked is replaced by a
+placeholder assignment of the same lines: a one-line ``_pgregistry_kept_<n> = 0`` or, for a
+definition of several lines, a string literal spanning them, so every line keeps its number (the
+scanner's positions and the :mod:`ast` spans stay those of the file). After the rewrite each
+placeholder, untouched, is replaced by the text it stands for. A file that already holds the prefix
+is parsed whole; a placeholder found twice in the rewritten text (which no rewrite causes) is the
+caller's internal error.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 @dataclass(frozen=True)
 class Skeleton:
-    """The text to parse, and each placeholder's text with the original lines it stands for (bytes)."""
+    """The text to parse, and each placeholder's text with the original lines (bytes) it holds."""
 
     data: bytes
     kept: Mapping[bytes, bytes]
@@ -47,9 +49,9 @@ class Skeleton:
 
 
 class Kept(dict[str, str]):
-    """Each placeholder's text -> the original text it stands for, indexed by the placeholder's name once, so
-    that :func:`restore_placeholders` runs in time linear in the text it is given, however many placeholders
-    the file has (it runs once per rewritten statement)."""
+    """Each placeholder's text -> the original text it stands for, indexed by the placeholder's name
+    once, so that :func:`restore_placeholders` runs in time linear in the text it is given, however
+    many placeholders the file has (it runs once per rewritten statement)."""
 
     def __init__(self, pairs: Mapping[str, str]) -> None:
         super().__init__(pairs)
@@ -63,8 +65,8 @@ class Kept(dict[str, str]):
 
 
 def restore_placeholders(text: str, kept: Mapping[str, str]) -> str | None:
-    """``text`` with each placeholder it holds replaced by its original lines; None when one occurs twice.
-    One pass over ``text``: a placeholder is found by its name, then checked whole."""
+    """``text`` with each placeholder it holds replaced by its original lines; None when one occurs
+    twice. One pass over ``text``: a placeholder is found by its name, then checked whole."""
     if not kept:
         return text
     index = kept if isinstance(kept, Kept) else Kept(kept)
@@ -99,24 +101,29 @@ _PLACEHOLDER = re.compile(re.escape(_PREFIX.decode()) + r"\d+(?:_\d+)?\b")
 
 
 def line_starts(data: bytes) -> list[int]:
-    """The offset of each line of ``data`` (for :func:`lines_between`), its lines ended as Python ends them."""
+    """Each line's offset in ``data`` (for :func:`lines_between`), lines ended as Python does."""
     return [0, *(m.end() for m in _LINE_END.finditer(data))]
 
 
 def lines_between(data: bytes, starts: Sequence[int], start: int, end: int) -> bytes:
-    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``, whose :func:`line_starts` are ``starts``."""
+    """Lines ``start`` to ``end`` (1-based, inclusive) of ``data``, with ``starts`` its line starts.
+
+    ``starts`` is what :func:`line_starts` returns for ``data``.
+    """
     return data[starts[start - 1] : starts[end] if end < len(starts) else None]
 
 
 def has_line_within(ordered: Sequence[int], start: int, end: int) -> bool:
-    """Whether one of the sorted line numbers ``ordered`` lies in ``start .. end`` (a bisection: a file's
-    definitions checked against its reads' lines in time linear in the file, not their product)."""
+    """Whether one of the sorted line numbers ``ordered`` lies in ``start .. end`` (a bisection: a
+    file's definitions checked against its reads' lines in time linear in the file, not their
+    product)."""
     at = bisect.bisect_left(ordered, start)
     return at < len(ordered) and ordered[at] <= end
 
 
 def _lines_with_endings(data: bytes) -> list[tuple[bytes, bytes]]:
-    """Each line of ``data`` as (its text, its line ending: ``\r\n``, ``\r``, ``\n`` or, last, none)."""
+    """Each line of ``data`` as (its text, its line ending: ``\r\n``, ``\r``, ``\n`` or, last,
+    none)."""
     starts = line_starts(data)
     rows = []
     for begin, end in zip(starts, [*starts[1:], len(data)], strict=True):
@@ -129,8 +136,9 @@ def _lines_with_endings(data: bytes) -> list[tuple[bytes, bytes]]:
 def build_skeleton(
     data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]
 ) -> Skeleton | None:
-    """``data`` (parsed as ``tree``) with each definition for which ``needed(first line, last line, member)`` is
-    false stood in for by a placeholder; None when nothing is, or the file already holds the prefix."""
+    """``data`` (parsed as ``tree``) with each definition for which ``needed(first line, last line,
+    member)`` is false stood in for by a placeholder; None when nothing is, or the file already
+    holds the prefix."""
     if _PREFIX in data:
         return None
     rows = _lines_with_endings(data)
@@ -178,9 +186,9 @@ def build_skeleton(
 def make_needed_check(
     data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None, name: re.Pattern[bytes]
 ) -> Callable[[int, int, bool], bool]:
-    """The usual ``needed``: a definition is needed when it holds a read (a line of ``site_lines``), a call
-    ``calls`` matches (one that may pass a threaded function its collection), or, as a class member, the
-    collection's ``name`` (where a method binds ``self.<name>``)."""
+    """The usual ``needed``: a definition is needed when it holds a read (a line of ``site_lines``),
+    a call ``calls`` matches (one that may pass a threaded function its collection), or, as a class
+    member, the collection's ``name`` (where a method binds ``self.<name>``)."""
     starts = line_starts(data)
     ordered = sorted(site_lines)
 

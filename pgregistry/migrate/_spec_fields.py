@@ -1,40 +1,46 @@
-"""Modules built from a spec: ``submodules.linear_proj(...)`` passes the collection when every class the tree may
-put in that field takes it.
+"""Modules built from a spec: ``submodules.linear_proj(...)`` passes the collection when every class
+the tree may put in that field takes it.
 
 Megatron-Core builds a layer's parts from a ``ModuleSpec``: ``Attention.__init__`` calls
 ``submodules.linear_proj(..., tp_group=self.pg_collection.tp)``, where ``submodules`` is a
 ``SelfAttentionSubmodules`` the layer specs filled (``linear_proj=RowParallelLinear``,
-``linear_proj=backend.row_parallel_linear()``, ``ModuleSpec(module=TERowParallelLinear, ...)``). No by-name rule
-resolves such a call, so a class whose ``__init__`` the tool threaded (``RowParallelLinear``: its ``gtp_remat``
-read) falls back whenever it is built that way, even under a caller holding a collection. Megatron-LM's authors
-made the same change by hand later (``pg_collection=self.pg_collection`` in ``Attention.__init__``, every class
-of the field taking the keyword).
+``linear_proj=backend.row_parallel_linear()``, ``ModuleSpec(module=TERowParallelLinear, ...)``). No
+by-name rule resolves such a call, so a class whose ``__init__`` the tool threaded
+(``RowParallelLinear``: its ``gtp_remat`` read) falls back whenever it is built that way, even under
+a caller holding a collection. Megatron-LM's authors made the same change by hand later
+(``pg_collection=self.pg_collection`` in ``Attention.__init__``, every class of the field taking the
+keyword).
 
 The rule, decided once over the whole tree: a call ``<...>submodules.X(...)`` or
-``build_module(<...>submodules.X, ...)`` in a module-level function or method is passed the keyword when the
-tree may put a class the tool threads in that field (else there is nothing to gain) and every value it may put
-there is shown to take the keyword after the rewrite: one the tool threads (its own ``__init__``, or one it
-inherits unchanged), whose reads then fall back field by field when the collection lacks one. A class that takes
-the keyword already is not enough: it gives the keyword a meaning of its own (Megatron-Core's ``Attention``
-asserts the fields it needs), so the collection in the caller's scope, often one its shim built for other
-fields, may fail there where ``None`` built its own.
+``build_module(<...>submodules.X, ...)`` in a module-level function or method is passed the keyword
+when the tree may put a class the tool threads in that field (else there is nothing to gain) and
+every value it may put there is shown to take the keyword after the rewrite: one the tool threads
+(its own ``__init__``, or one it inherits unchanged), whose reads then fall back field by field when
+the collection lacks one. A class that takes the keyword already is not enough: it gives the keyword
+a meaning of its own (Megatron-Core's ``Attention`` asserts the fields it needs), so the collection
+in the caller's scope, often one its shim built for other fields, may fail there where ``None``
+built its own.
 
-The values are found by the field's name: keywords ``X=`` (of a call of a class holding the field: that class's;
-of any other call: every class's), assignments ``<...>.X =``, a dataclass field's default; followed through
-``not_none(C)``, ``a if c else b``, a local the function assigns, ``ModuleSpec(module=C, params={...})``
-(params that cannot set the keyword) and a backend's method ``obj.m()`` (every ``def m`` of the tree returning a
-class). The classes holding the field are those the call's ``submodules`` parameter is annotated with, and their
-subclasses (``MLP``'s ``MLPSubmodules``, not ``GroupedMLPSubmodules``); every class declaring it when there is
-no such annotation. Anything else (a parameter, a ``partial``, a class outside the tree, a submodules class built
-positionally or from ``**``) leaves the call as it is, with the reason in the report. A class a user's own spec
-names from outside the tree is not seen: see docs/migrating.md, "Modules built from a spec".
+The values are found by the field's name: keywords ``X=`` (of a call of a class holding the field:
+that class's; of any other call: every class's), assignments ``<...>.X =``, a dataclass field's
+default; followed through ``not_none(C)``, ``a if c else b``, a local the function assigns,
+``ModuleSpec(module=C, params={...})`` (params that cannot set the keyword) and a backend's method
+``obj.m()`` (every ``def m`` of the tree returning a class). The classes holding the field are those
+the call's ``submodules`` parameter is annotated with, and their subclasses (``MLP``'s
+``MLPSubmodules``, not ``GroupedMLPSubmodules``); every class declaring it when there is no such
+annotation. Anything else (a parameter, a ``partial``, a class outside the tree, a submodules class
+built positionally or from ``**``) leaves the call as it is, with the reason in the report. A class
+a user's own spec names from outside the tree is not seen: see docs/migrating.md, "Modules built
+from a spec".
 
-A call of a local assigned classes (``GPTModel.__init__``'s ``output_layer_cls(...)``, the local holding
-``TELMHeadColumnParallelLinear`` or ``ColumnParallelLinear``) is decided the same way, its values read as a
-field's are: the local must be bound in its function by plain assignments only (no loop, ``with``, unpacking,
-walrus, import, ``global``: :func:`_only_assigned`), so those assignments are every value it may hold.
+A call of a local assigned classes (``GPTModel.__init__``'s ``output_layer_cls(...)``, the local
+holding ``TELMHeadColumnParallelLinear`` or ``ColumnParallelLinear``) is decided the same way, its
+values read as a field's are: the local must be bound in its function by plain assignments only (no
+loop, ``with``, unpacking, walrus, import, ``global``: :func:`_only_assigned`), so those assignments
+are every value it may hold.
 
-Read with :mod:`ast` from the files that mention a field's name (or assign a threaded class's). Pure: no I/O.
+Read with :mod:`ast` from the files that mention a field's name (or assign a threaded class's).
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -57,8 +63,8 @@ _SPEC_CALL = re.compile(rb"submodules\.([A-Za-z_]\w*)\s*[(,)]")  # a literal fir
 
 @dataclass(frozen=True)
 class SpecCallLeft:
-    """A call of a spec's field (or of a local assigned classes: ``local``) left without the collection: where it
-    is, the field (the local's name), and why."""
+    """A call of a spec's field (or of a local assigned classes: ``local``) left without the
+    collection: where it is, the field (the local's name), and why."""
 
     path: str
     line: int
@@ -69,19 +75,21 @@ class SpecCallLeft:
 
 @dataclass(frozen=True)
 class SpecFields:
-    """What the rule decided: the calls that pass the collection ((module, function, field) -> keyword), and the
-    calls left (a field that may hold a threaded class but not only classes shown to take the keyword)."""
+    """What the rule decided: the calls that pass the collection ((module, function, field) ->
+    keyword), and the calls left (a field that may hold a threaded class but not only classes shown
+    to take the keyword)."""
 
     passed: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
     left: tuple[SpecCallLeft, ...] = ()
-    #: The calls of a local assigned classes that pass the collection ((module, function, local) -> keyword).
+    #: The calls of a local assigned classes that pass the collection ((module, function, local) ->
+    #: keyword).
     local_classes: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
 
 
 def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str | None:
-    """The spec field a call builds: ``X`` of ``<...>.submodules.X(...)`` (``func``: the callee's dotted parts)
-    or of ``build_module(<...>.submodules.X, ...)`` (``first_argument``: its first argument's parts); None when
-    it is neither."""
+    """The spec field a call builds: ``X`` of ``<...>.submodules.X(...)`` (``func``: the callee's
+    dotted parts) or of ``build_module(<...>.submodules.X, ...)`` (``first_argument``: its first
+    argument's parts); None when it is neither."""
     if len(func) >= 2 and func[-2] == "submodules":
         return func[-1]
     if func[-1:] == ["build_module"] and first_argument and first_argument[-2:-1] == ["submodules"]:
@@ -99,7 +107,8 @@ def _dotted(node: ast.expr) -> list[str] | None:
 
 @dataclass
 class _Module:
-    """One parsed file of the tree: its module name, syntax, import bindings and module-level definitions."""
+    """One parsed file of the tree: its module name, syntax, import bindings and module-level
+    definitions."""
 
     path: str
     name: str
@@ -159,8 +168,8 @@ class _Tree:
         return (owner, name) if owner else None
 
     def definition(self, key: Key, depth: int = 0) -> tuple[ast.stmt, _Module] | None:
-        """The ``class`` or ``def`` ``key`` is, followed through the imports of packages that re-export it; None
-        when the tree does not hold it."""
+        """The ``class`` or ``def`` ``key`` is, followed through the imports of packages that
+        re-export it; None when the tree does not hold it."""
         path = self.paths.get(key[0])
         found = self.module(path) if path is not None else None
         if found is None or depth > 8:
@@ -175,8 +184,8 @@ class _Tree:
         return self.definition((module, name), depth + 1)
 
     def takes_keyword(self, key: Key, threaded: Mapping[Key, str]) -> str | None:
-        """None when calling ``key`` with the keyword is shown to keep behaviour after the rewrite (the tool
-        threads it: its reads fall back field by field), else why not."""
+        """None when calling ``key`` with the keyword is shown to keep behaviour after the rewrite
+        (the tool threads it: its reads fall back field by field), else why not."""
         if threaded.get(key) == self.keyword:
             return None
         label = ".".join(key)
@@ -184,14 +193,14 @@ class _Tree:
             return f"{label} is not in the tree"
         if self._declares_keyword(key, threaded):
             return (
-                f"{label} takes {self.keyword} already, with a meaning of its own (given a collection"
-                " without the fields it reads, it may fail where it built its own)"
+                f"{label} takes {self.keyword} already, with a meaning of its own (given a "
+                "collection without the fields it reads, it may fail where it built its own)"
             )
         return f"{label} has no parameter {self.keyword}"
 
     def _declares_keyword(self, key: Key, threaded: Mapping[Key, str], depth: int = 0) -> bool:
-        """Whether ``key``'s ``__init__`` (its own or the one it inherits in the tree) or ``def`` has the
-        keyword as a parameter a call can name."""
+        """Whether ``key``'s ``__init__`` (its own or the one it inherits in the tree) or ``def``
+        has the keyword as a parameter a call can name."""
         found = self.definition(key)
         if found is None or depth > 8:
             return False
@@ -220,16 +229,16 @@ class _Tree:
 
 @dataclass
 class _Values:
-    """What the tree puts in one field: the classes (with where each is put) and the first reason a value is not
-    a class the rule can name."""
+    """What the tree puts in one field: the classes (with where each is put) and the first reason a
+    value is not a class the rule can name."""
 
     classes: dict[Key, str] = field(default_factory=dict)
     unknown: str = ""
 
 
 class _Locals:
-    """The names a scope (a function, or a module's top level) assigns, with their values, read when first
-    asked (most scopes never are)."""
+    """The names a scope (a function, or a module's top level) assigns, with their values, read when
+    first asked (most scopes never are)."""
 
     def __init__(self, scope: ast.AST) -> None:
         self.scope = scope
@@ -242,8 +251,8 @@ class _Locals:
 
 
 def _assigned_names(scope: ast.AST) -> dict[str, list[ast.expr]]:
-    """The plain names ``scope`` (a function, or a module's top level) assigns, with their values (a function's
-    nested functions' too: more values only make the rule more careful)."""
+    """The plain names ``scope`` (a function, or a module's top level) assigns, with their values (a
+    function's nested functions' too: more values only make the rule more careful)."""
     found: dict[str, list[ast.expr]] = {}
     stack = list(ast.iter_child_nodes(scope))
     while stack:
@@ -284,7 +293,8 @@ def _field_values(
     depth: int = 0,
     names: _Locals | None = None,
 ) -> None:
-    """Add the classes ``value`` (in ``where``; ``names``: what its scope assigns) may be to ``found``."""
+    """Add the classes ``value`` (in ``where``; ``names``: what its scope assigns) may be to
+    ``found``."""
     spot = f"{where.path}:{value.lineno}"
     if isinstance(value, ast.Constant) and value.value is None:
         return
@@ -324,8 +334,8 @@ def _field_values(
 def _module_spec_values(
     tree: _Tree, spec: ast.Call, where: _Module, found: _Values, depth: int
 ) -> None:
-    """The class of ``ModuleSpec(module=C, params={...}, ...)``: its params must be a literal dict without the
-    keyword (``build_module`` passes both: a duplicate keyword is a TypeError)."""
+    """The class of ``ModuleSpec(module=C, params={...}, ...)``: its params must be a literal dict
+    without the keyword (``build_module`` passes both: a duplicate keyword is a TypeError)."""
     spot = f"{where.path}:{spec.lineno}"
     arguments = {k.arg: k.value for k in spec.keywords}
     module = spec.args[0] if spec.args else arguments.get("module")
@@ -345,8 +355,8 @@ def _module_spec_values(
 
 
 def _method_returns(tree: _Tree, method: str, spot: str, found: _Values, depth: int) -> None:
-    """Add the classes every ``def method`` of the tree returns (a backend's ``row_parallel_linear()``) to
-    ``found`` (read once per method name)."""
+    """Add the classes every ``def method`` of the tree returns (a backend's
+    ``row_parallel_linear()``) to ``found`` (read once per method name)."""
     returns = tree.returns.get(method)
     if returns is None:
         returns = tree.returns[method] = _Values()
@@ -388,8 +398,9 @@ def _abstract(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 
 @dataclass(frozen=True)
 class _SpecCall:
-    """A call of a spec's field: where, in which function (module, qualified name), the field, and the classes
-    its ``submodules`` is annotated with (empty: not known, any class declaring the field)."""
+    """A call of a spec's field: where, in which function (module, qualified name), the field, and
+    the classes its ``submodules`` is annotated with (empty: not known, any class declaring the
+    field)."""
 
     path: str
     line: int
@@ -400,7 +411,8 @@ class _SpecCall:
 
 
 def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
-    """The last names in ``annotation`` (``MLPSubmodules``, ``Optional[a.MLPSubmodules]``, a string)."""
+    """The last names in ``annotation`` (``MLPSubmodules``, ``Optional[a.MLPSubmodules]``, a
+    string)."""
     if annotation is None:
         return frozenset()
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
@@ -415,8 +427,8 @@ def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
 def _functions(
     module: ast.Module,
 ) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """The module-level functions and the methods of module-level classes of ``module``, with their qualified
-    names (those the plan can name)."""
+    """The module-level functions and the methods of module-level classes of ``module``, with their
+    qualified names (those the plan can name)."""
     for top in module.body:
         if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield top.name, top
@@ -427,8 +439,8 @@ def _functions(
 
 
 def _spec_calls(tree: _Tree) -> list[_SpecCall]:
-    """The calls of a spec's field in the module-level functions and methods of the tree that pass neither the
-    keyword nor ``**`` (only those the plan can name its function for)."""
+    """The calls of a spec's field in the module-level functions and methods of the tree that pass
+    neither the keyword nor ``**`` (only those the plan can name its function for)."""
     calls: list[_SpecCall] = []
     for module in tree.mentioning(_SPEC_CALL):
         for qualname, function in _functions(module.tree):
@@ -459,15 +471,16 @@ def _spec_calls(tree: _Tree) -> list[_SpecCall]:
     return calls
 
 
-#: A field's values by the class that holds it: (submodules class name, field); None: a value put in the field
-#: of an object whose class is not known (``dataclasses.replace(s, X=...)``, ``s.X = ...``).
+#: A field's values by the class that holds it: (submodules class name, field); None: a value put in
+#: the field of an object whose class is not known (``dataclasses.replace(s, X=...)``, ``s.X =
+#: ...``).
 Slot = tuple[str | None, str]
 
 
 @dataclass
 class _FieldsOfTree:
-    """What the tree puts in the fields asked about: by slot, and the submodules classes holding each field
-    (those declaring it and their subclasses, by name)."""
+    """What the tree puts in the fields asked about: by slot, and the submodules classes holding
+    each field (those declaring it and their subclasses, by name)."""
 
     values: dict[Slot, _Values] = field(default_factory=dict)
     holders: dict[str, set[str]] = field(default_factory=dict)
@@ -475,9 +488,10 @@ class _FieldsOfTree:
     bases: dict[str, set[str]] = field(default_factory=dict)
 
     def of_call(self, call: _SpecCall) -> _Values:
-        """Every value the field of ``call`` may hold: of the classes its ``submodules`` is annotated with, their
-        subclasses (an instance of one may be given) and bases (whose defaults they inherit), when one holds the
-        field, else of every class holding it; and the unknown owners'."""
+        """Every value the field of ``call`` may hold: of the classes its ``submodules`` is
+        annotated with, their subclasses (an instance of one may be given) and bases (whose defaults
+        they inherit), when one holds the field, else of every class holding it; and the unknown
+        owners'."""
         holders = self.holders.get(call.field, set())
         owners = holders & call.annotated
         related: set[str] = {""}
@@ -500,18 +514,20 @@ class _FieldsOfTree:
 
 
 def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
-    """What the tree puts in each field of ``names``: keywords ``X=`` (of a call of a class holding the field:
-    its slot; of any other call: the unknown owner's), assignments ``<...>.X =`` (not ``self.X =``: the part a
-    module built from the field), dataclass defaults ``X: T = v``."""
+    """What the tree puts in each field of ``names``: keywords ``X=`` (of a call of a class holding
+    the field: its slot; of any other call: the unknown owner's), assignments ``<...>.X =`` (not
+    ``self.X =``: the part a module built from the field), dataclass defaults ``X: T = v``."""
     found = _FieldsOfTree()
     if not names:
         return found
     alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names))
-    # Where a field is declared (``X: T``), given (``X=``) or assigned (``<...>.X =``, a local ``X =``).
+    # Where a field is declared (``X: T``), given (``X=``) or assigned (``<...>.X =``, a local ``X
+    # =``).
     modules = list(tree.mentioning(re.compile(rb"\b(?:" + alternatives + rb")[ \t]*(?::|=(?!=))")))
     declared: dict[str, set[str]] = {}  # class name -> the fields of ``names`` it declares
     bases = found.bases
-    #: The calls and assignments that may put a value in a field, with their module and scope (one walk).
+    #: The calls and assignments that may put a value in a field, with their module and scope (one
+    #: walk).
     puts: list[tuple[ast.Call | ast.Assign | ast.AnnAssign, _Module, _Locals]] = []
     for module in modules:
         for node, assigned in _walk_with_locals(module.tree):
@@ -574,8 +590,8 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
 
 
 def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str]) -> None:
-    """Make unknown the fields of ``names`` of each class holding one that the tree builds positionally or from
-    ``**`` (which value lands in which field is not read)."""
+    """Make unknown the fields of ``names`` of each class holding one that the tree builds
+    positionally or from ``**`` (which value lands in which field is not read)."""
     holding: dict[str, set[str]] = {}
     for name in names:
         for cls in found.holders.get(name, ()):
@@ -605,14 +621,16 @@ def decide_spec_fields(
     keyword: str,
     classes: Collection[Key] = (),
 ) -> SpecFields:
-    """Which calls of a spec's field, and of a local assigned classes, in the tree ``contents`` (path -> bytes)
-    pass ``keyword``. ``threaded_classes``: the functions and classes that take it after the rewrite ((module,
-    name) -> keyword, subclasses inheriting it and names packages re-export included); ``classes``: those of
-    them that are classes (a local assigned one of them is looked for)."""
+    """Which calls of a spec's field, and of a local assigned classes, in the tree ``contents``
+    (path -> bytes) pass ``keyword``. ``threaded_classes``: the functions and classes that take it
+    after the rewrite ((module, name) -> keyword, subclasses inheriting it and names packages
+    re-export included); ``classes``: those of them that are classes (a local assigned one of them
+    is looked for)."""
     tree = _Tree(contents, keyword)
     calls = _spec_calls(tree)
     names = {call.field for call in calls}
-    if names:  # a field some class declares (``linear_proj: LinearProjBuilder``), not ``submodules.append``
+    # A field some class declares (``linear_proj: LinearProjBuilder``), not ``submodules.append``.
+    if names:
         declared = re.compile(
             rb"^[ \t]+(" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")[ \t]*:",
             re.M,
@@ -620,7 +638,8 @@ def decide_spec_fields(
         found = {m.decode() for data in contents.values() for m in declared.findall(data)}
         calls = [call for call in calls if call.field in found]
     fields = _values_of_fields(tree, {call.field for call in calls})
-    # Only the fields that may hold a threaded class matter: the others are passed nothing either way.
+    # Only the fields that may hold a threaded class matter: the others are passed nothing either
+    # way.
     relevant = {
         name
         for (_, name), values in fields.values.items()
@@ -638,8 +657,8 @@ def decide_spec_fields(
             passed[(call.module, call.function, call.field)] = keyword
             continue
         message = (
-            f"a module built from a spec's field {call.field}: not every class there is shown to take "
-            f"{keyword}: {reason}"
+            f"a module built from a spec's field {call.field}: not "
+            f"every class there is shown to take {keyword}: {reason}"
         )
         left.append(SpecCallLeft(call.path, call.line, call.field, message))
     local_classes: dict[tuple[str, str, str], str] = {}
@@ -649,16 +668,16 @@ def decide_spec_fields(
             local_classes[(call.module, call.function, call.field)] = keyword
             continue
         message = (
-            f"a call of a local assigned classes, {call.field}: not every class it may hold is shown to"
-            f" take {keyword}: {reason}"
+            f"a call of a local assigned classes, {call.field}: not every "
+            f"class it may hold is shown to take {keyword}: {reason}"
         )
         left.append(SpecCallLeft(call.path, call.line, call.field, message, local=True))
     return SpecFields(passed, tuple(sorted(left, key=lambda c: (c.path, c.line))), local_classes)
 
 
 def _refusal(tree: _Tree, values: _Values, threaded: Mapping[Key, str]) -> str:
-    """Why a call of ``values`` may not pass the keyword: a value that names no class of the tree, or the first
-    class not shown to take it; empty when it may."""
+    """Why a call of ``values`` may not pass the keyword: a value that names no class of the tree,
+    or the first class not shown to take it; empty when it may."""
     if values.unknown:
         return values.unknown
     refusals = [
@@ -671,9 +690,9 @@ def _refusal(tree: _Tree, values: _Values, threaded: Mapping[Key, str]) -> str:
 
 
 def _only_assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    """The names ``function`` binds only by plain assignments (``x = ...``, ``x: T = ...``): no loop, ``with``,
-    unpacking, walrus, ``del``, ``except ... as``, import, nested definition, ``global`` or ``nonlocal``, so the
-    assignments' values are every value the name may hold."""
+    """The names ``function`` binds only by plain assignments (``x = ...``, ``x: T = ...``): no
+    loop, ``with``, unpacking, walrus, ``del``, ``except ... as``, import, nested definition,
+    ``global`` or ``nonlocal``, so the assignments' values are every value the name may hold."""
     plain: dict[str, int] = {}
     stored: dict[str, int] = {}
     other: set[str] = set()
@@ -701,10 +720,11 @@ def _only_assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]
 def _local_class_calls(
     tree: _Tree, classes: Collection[Key], threaded: Mapping[Key, str]
 ) -> Iterator[tuple[_SpecCall, _Values]]:
-    """The calls ``name(...)`` (passing neither the keyword nor ``**``) of a local ``name`` that a module-level
-    function or method assigns only plainly (:func:`_only_assigned`), some value of which is one of ``classes``
-    that takes the keyword (``threaded``), with every value it may hold (:func:`_field_values`). Read in the
-    files that assign one of those classes' names (``x = C``, ``x = (C if ... else ...)``)."""
+    """The calls ``name(...)`` (passing neither the keyword nor ``**``) of a local ``name`` that a
+    module-level function or method assigns only plainly (:func:`_only_assigned`), some value of
+    which is one of ``classes`` that takes the keyword (``threaded``), with every value it may hold
+    (:func:`_field_values`). Read in the files that assign one of those classes' names (``x = C``,
+    ``x = (C if ... else ...)``)."""
     names = sorted({key[1] for key in classes if threaded.get(key) == tree.keyword})
     if not names:
         return

@@ -1,9 +1,9 @@
-"""The migrated tree's own settings: its line length (from its formatter's and linters' configuration) and
-``[tool.pgregistry.migrate]`` in its ``pyproject.toml``.
+"""The migrated tree's own settings: its line length (from its formatter's and linters'
+configuration) and ``[tool.pgregistry.migrate]`` in its ``pyproject.toml``.
 
-The line length is the first of: ruff's ``line-length`` (``ruff.toml``, ``.ruff.toml``, ``[tool.ruff]``),
-black's (``[tool.black]``), flake8's ``max-line-length`` (``.flake8``, ``setup.cfg``, ``tox.ini``); else 100
-(Megatron-Core's).
+The line length is the first of: ruff's ``line-length`` (``ruff.toml``, ``.ruff.toml``,
+``[tool.ruff]``), black's (``[tool.black]``), flake8's ``max-line-length`` (``.flake8``,
+``setup.cfg``, ``tox.ini``); else 100 (Megatron-Core's).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def line_length(root: Path) -> int:
 
 
 def migrate_settings(root: Path) -> Mapping[str, Any]:
-    """``[tool.pgregistry.migrate]`` of the ``pyproject.toml`` at ``root`` (empty when there is none); a key
-    other than ``helper-module`` is refused (``ConfigError`` naming it)."""
+    """``[tool.pgregistry.migrate]`` of the ``pyproject.toml`` at ``root`` (empty when there is
+    none); a key other than ``helper-module`` is refused (``ConfigError`` naming it)."""
     pyproject = root / "pyproject.toml"
     table = (
         _tool_table(_read_toml(pyproject), "pgregistry", "migrate") if pyproject.is_file() else {}
@@ -74,7 +74,8 @@ def migrate_settings(root: Path) -> Mapping[str, Any]:
     unknown = sorted(set(table) - {"helper-module"})
     if unknown:
         raise ConfigError(
-            f"{pyproject}: [tool.pgregistry.migrate] has no setting {unknown[0]!r} (known: helper-module)"
+            f"{pyproject}: [tool.pgregistry.migrate] has no "
+            f"setting {unknown[0]!r} (known: helper-module)"
         )
     module = table.get("helper-module")
     if module is not None and not isinstance(module, str):

@@ -1,19 +1,20 @@
-"""What the whole tree says about its functions and collections, learned once before any file is planned.
+"""What the whole tree says of its functions and collections, learned before any file is planned.
 
-Whether a function may be given a new parameter depends on code in other files: a function whose only uses are
-as a value (``partial(f)``, ``callback=f``, ``@f``) or as a hook (``register_forward_hook(f)``) has no caller that
-could pass one, and a method of a class with a base outside the tree is a framework callback unless the tree
-calls it by name. Which collections are in scope depends on the tree's own names (``config._pg_collection`` is
-one where the file assigns it, or where a class of the tree declares the field; a chain of ``self`` such as
-``self.dataset.pg_collection`` only in the classes the tree ties it to). This module finds those facts,
-for the names that matter (those of the functions reads are in), with regular expressions over every file's
-bytes: one pass per file, no parse, so a run stays linear in the tree's size. Name-based on purpose: the type of
-``obj`` in ``obj.f`` is not known statically, so a method ``f`` of any class counts as called (or passed) when
-``obj.f(...)`` (or ``obj.f``) is.
+Whether a function may be given a new parameter depends on code in other files: a function whose
+only uses are as a value (``partial(f)``, ``callback=f``, ``@f``) or as a hook
+(``register_forward_hook(f)``) has no caller that could pass one, and a method of a class with a
+base outside the tree is a framework callback unless the tree calls it by name. Which collections
+are in scope depends on the tree's own names (``config._pg_collection`` is one where the file
+assigns it, or where a class of the tree declares the field; a chain of ``self`` such as
+``self.dataset.pg_collection`` only in the classes the tree ties it to). This module finds those
+facts, for the names that matter (those of the functions reads are in), with regular expressions
+over every file's bytes: one pass per file, no parse, so a run stays linear in the tree's size.
+Name-based on purpose: the type of ``obj`` in ``obj.f`` is not known statically, so a method ``f``
+of any class counts as called (or passed) when ``obj.f(...)`` (or ``obj.f``) is.
 
-The patterns err on the safe side: a mention in a comment may make a function count as called (then it is
-threaded, and only its direct callers pass it a collection) or as passed as a value (then its reads stay, with
-the reason). Pure: no I/O.
+The patterns err on the safe side: a mention in a comment may make a function count as called (then
+it is threaded, and only its direct callers pass it a collection) or as passed as a value (then its
+reads stay, with the reason). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ from dataclasses import dataclass
 
 __all__ = ["TreeFacts", "learn_tree", "names_a_collection", "classify_uses"]
 
-#: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's first line.
+#: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's
+#: first line.
 _ATTRIBUTE_TARGET = re.compile(
     rb"^[ \t]*((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)[ \t]*([^\n]*)", re.M
 )
-#: A type: ``X``, ``a.X``, ``Optional[X]``, ``X | None``, or a string (a docstring's ``name: what it is`` is none).
+#: A type: ``X``, ``a.X``, ``Optional[X]``, ``X | None``, or a string (a docstring's ``name: what it
+#: is`` is none).
 _TYPE = (
     rb"(?:[\w.]+(?:\[[^\]\n]*\])?(?:[ \t]*\|[ \t]*[\w.]+(?:\[[^\]\n]*\])?)*|'[^'\n]*'|\"[^\"\n]*\")"
 )
-#: A field declared in a class body: an annotated name alone on an indented line, with no trailing comma and no
-#: closing parenthesis on the next line (a function's last parameter).
+#: A field declared in a class body: an annotated name alone on an indented line, with no trailing
+#: comma and no closing parenthesis on the next line (a function's last parameter).
 _FIELD = re.compile(
     rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[ \t]*"
     + _TYPE
@@ -50,13 +53,14 @@ _BUILDS = re.compile(rb"\b(?:ProcessGroupCollection|use_mpu_process_groups)\s*\(
 class TreeFacts:
     """Facts about the tree a file's plan needs.
 
-    ``state_modules``: the ratchet's configured ``parallel_state`` modules (a read on a bare name no import
-    binds, a configured alias such as ``ps``, is taken as the scanner resolved it); ``modules``: the tree's own
-    module names; ``called``: names called somewhere (``f(`` or ``.f(``);
-    ``values``: names referenced as values and never called; ``hooks``: names passed to a torch hook
-    registration (``register_*hook``); ``collections``: (path, dotted expression) of each assignment of a
-    collection to an attribute (``config._pg_collection = ...``); ``fields``: the collection attributes a class
-    body declares (``_pg_collection: Optional[ProcessGroupCollection] = None``)."""
+    ``state_modules``: the ratchet's configured ``parallel_state`` modules (a read on a bare name no
+    import binds, a configured alias such as ``ps``, is taken as the scanner resolved it);
+    ``modules``: the tree's own module names; ``called``: names called somewhere (``f(`` or
+    ``.f(``); ``values``: names referenced as values and never called; ``hooks``: names passed to a
+    torch hook registration (``register_*hook``); ``collections``: (path, dotted expression) of each
+    assignment of a collection to an attribute (``config._pg_collection = ...``); ``fields``: the
+    collection attributes a class body declares (``_pg_collection: Optional[ProcessGroupCollection]
+    = None``)."""
 
     state_modules: tuple[str, ...] = ("parallel_state", "mpu")
     modules: frozenset[str] = frozenset()
@@ -69,10 +73,11 @@ class TreeFacts:
     bases: frozenset[tuple[str, str]] = frozenset()
 
     def ties_class(self, chain: str, cls: str) -> bool:
-        """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``: the tree ties it to
-        ``cls`` or to a class ``cls`` derives from (``ties``: (chain, class) where the class's own methods assign
-        the chain, or assign ``self.<a>`` an instance of a class of the tree that declares or assigns ``<b>``;
-        ``bases``: (class, base) by name). A chain with another head, or of one attribute, is not tied: True."""
+        """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``: the
+        tree ties it to ``cls`` or to a class ``cls`` derives from (``ties``: (chain, class) where
+        the class's own methods assign the chain, or assign ``self.<a>`` an instance of a class of
+        the tree that declares or assigns ``<b>``; ``bases``: (class, base) by name). A chain with
+        another head, or of one attribute, is not tied: True."""
         if not chain.startswith("self.") or chain.count(".") < 2:
             return True
         tied = {c for t, c in self.ties if t == chain}
@@ -86,8 +91,9 @@ class TreeFacts:
         return False
 
     def collections_of(self, path: str, *, own: bool = False) -> frozenset[str]:
-        """The expressions that hold a collection in file ``path``: those it assigns one to, and (unless ``own``)
-        those of other files whose attribute a class declares as a field (an instance of that class has it)."""
+        """The expressions that hold a collection in file ``path``: those it assigns one to, and
+        (unless ``own``) those of other files whose attribute a class declares as a field (an
+        instance of that class has it)."""
         return frozenset(
             e
             for p, e in self.collections
@@ -95,22 +101,24 @@ class TreeFacts:
         )
 
     def is_state_module(self, dotted: str) -> str | None:
-        """The configured ``parallel_state`` module ``dotted`` is (the ratchet's rule: the name itself or a
-        ``.``-suffix of it), None when it is none."""
+        """The configured ``parallel_state`` module ``dotted`` is (the ratchet's rule: the name
+        itself or a ``.``-suffix of it), None when it is none."""
         return next(
             (m for m in self.state_modules if dotted == m or dotted.endswith("." + m)), None
         )
 
 
 def names_a_collection(identifier: str, collection: str) -> bool:
-    """Whether ``identifier`` names a collection by the configured name ``collection``: it is that name or holds
-    it as a ``_``-separated part (``_pg_collection``, ``model_pg_collection``; not ``pg_collections``)."""
+    """Whether ``identifier`` names a collection by the configured name ``collection``: it is that
+    name or holds it as a ``_``-separated part (``_pg_collection``, ``model_pg_collection``; not
+    ``pg_collections``)."""
     return re.search(rf"(?:^|_){re.escape(collection)}(?:_|$)", identifier) is not None
 
 
 def _lines_with(data: bytes, words: re.Pattern[bytes]) -> list[tuple[int, int]]:
-    """The (start, end) offsets of the distinct lines of ``data`` where ``words`` matches: the anchored patterns
-    below are tried on those only (a pattern anchored at every line start would try each line of every file)."""
+    """The (start, end) offsets of the distinct lines of ``data`` where ``words`` matches: the
+    anchored patterns below are tried on those only (a pattern anchored at every line start would
+    try each line of every file)."""
     spans: list[tuple[int, int]] = []
     for match in words.finditer(data):
         if spans and match.start() < spans[-1][1]:
@@ -130,8 +138,9 @@ def _indent_width(data: bytes, start: int) -> int:
 
 
 def _enclosing_class(data: bytes, start: int) -> str | None:
-    """The name of the innermost class whose body holds the line starting at ``start`` (read back through the
-    lines of smaller indentation; blank and comment lines aside), None when it is in none."""
+    """The name of the innermost class whose body holds the line starting at ``start`` (read back
+    through the lines of smaller indentation; blank and comment lines aside), None when it is in
+    none."""
     level = _indent_width(data, start)
     while level and start > 0:
         start = data.rfind(b"\n", 0, start - 1) + 1
@@ -148,10 +157,11 @@ def _enclosing_class(data: bytes, start: int) -> str | None:
 def _collection_assignments(
     data: bytes, collection: str
 ) -> tuple[set[str], set[str], set[tuple[str, str]]]:
-    """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name, see
-    :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection fields its class bodies
-    declare; (class, attribute) of each collection attribute a class declares or its methods assign to ``self``,
-    and (class, ``self.<a>.<b>``) of each deeper chain its methods assign)."""
+    """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name,
+    see :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection
+    fields its class bodies declare; (class, attribute) of each collection attribute a class
+    declares or its methods assign to ``self``, and (class, ``self.<a>.<b>``) of each deeper chain
+    its methods assign)."""
     assigned, fields, owned = set(), set(), set()
     for start, end in _lines_with(
         data, re.compile(re.escape(collection.encode()) + rb"|" + _BUILDS.pattern)
@@ -178,9 +188,9 @@ def _collection_assignments(
 def _classes_tying_chains(
     contents: Mapping[str, bytes], owned: set[tuple[str, str]]
 ) -> set[tuple[str, str]]:
-    """(``self.<a>.<b>`` chain, class) for each class the tree ties such an assigned chain to: its methods assign
-    the chain, or assign ``self.<a> = X(...)`` where class ``X`` declares or assigns ``<b>`` (``owned``: see
-    :func:`_collection_assignments`)."""
+    """(``self.<a>.<b>`` chain, class) for each class the tree ties such an assigned chain to: its
+    methods assign the chain, or assign ``self.<a> = X(...)`` where class ``X`` declares or assigns
+    ``<b>`` (``owned``: see :func:`_collection_assignments`)."""
     chains = {chain for _, chain in owned if chain.count(".") >= 2}
     ties = {(chain, cls) for cls, chain in owned if chain in chains}
     holders = {
@@ -210,7 +220,7 @@ def _classes_tying_chains(
 
 
 def _class_bases(data: bytes) -> set[tuple[str, str]]:
-    """(class, base) of the classes ``data`` defines, each base by its last name (``a.B`` -> ``B``)."""
+    """(class, base) of the classes ``data`` defines, bases by last name (``a.B`` -> ``B``)."""
     found = set()
     for start, _ in _lines_with(data, re.compile(rb"\bclass\b")):
         statement = _CLASS.match(data, start)
@@ -222,7 +232,10 @@ def _class_bases(data: bytes) -> set[tuple[str, str]]:
 
 
 def _mention_pattern(names: Iterable[str]) -> re.Pattern[bytes]:
-    """A mention of one of ``names`` (the lookahead on their first letters spares trying each at every word)."""
+    """A mention of one of ``names``.
+
+    The lookahead on their first letters spares trying each at every word.
+    """
     first = b"".join(sorted({re.escape(n[:1].encode()) for n in names}))
     alternatives = b"|".join(re.escape(n.encode()) for n in sorted(names, key=len, reverse=True))
     return re.compile(rb"\b(?=[" + first + rb"])(?:" + alternatives + rb")\b")
@@ -231,8 +244,8 @@ def _mention_pattern(names: Iterable[str]) -> re.Pattern[bytes]:
 _CALL_AFTER = re.compile(rb"[ \t]*\(")
 _NOT_VALUE_AFTER = re.compile(rb"[ \t]*[\w(.\[=]")
 _REGISTRATION = re.compile(rb"\bregister_(?:\w+_)?hook[ \t]*\(")
-#: What precedes a value (before the dotted chain it ends): an argument, an element, an assigned, default or
-#: returned value, a decorator.
+#: What precedes a value (before the dotted chain it ends): an argument, an element, an assigned,
+#: default or returned value, a decorator.
 _VALUE_BEFORE = (b"(", b"[", b",", b"=", b":", b"@", b"return", b"yield")
 
 
@@ -244,8 +257,8 @@ def _word_end(text: bytes, at: int) -> int:
 
 
 def _kind_of_use(data: bytes, start: int, end: int) -> str:
-    """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other`` (its ``def``, an
-    attribute of it, a word in prose, a keyword argument's name)."""
+    """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other`` (its
+    ``def``, an attribute of it, a word in prose, a keyword argument's name)."""
     before = data[max(0, start - 120) : start]
     stripped = before.rstrip(b" \t")
     word = stripped[_word_end(stripped, len(stripped)) :]
@@ -280,8 +293,8 @@ def _hook_argument_names(data: bytes, names: re.Pattern[bytes]) -> set[str]:
 def classify_uses(
     contents: Mapping[str, bytes], names: Iterable[str]
 ) -> tuple[set[str], set[str], set[str]]:
-    """Of ``names`` (not empty), those called somewhere in the tree ``contents``, those referenced as values and
-    never called, and those passed to a torch hook registration."""
+    """Of ``names`` (not empty), those called somewhere in the tree ``contents``, those referenced
+    as values and never called, and those passed to a torch hook registration."""
     called: set[str] = set()
     values: set[str] = set()
     hooks: set[str] = set()
@@ -304,8 +317,9 @@ def learn_tree(
     state_modules: tuple[str, ...] = ("parallel_state", "mpu"),
     modules: frozenset[str] = frozenset(),
 ) -> TreeFacts:
-    """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes), about the functions named
-    ``functions`` (those reads are in); ``collection``: the collection's configured name."""
+    """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes), about the
+    functions named ``functions`` (those reads are in); ``collection``: the collection's configured
+    name."""
     called: set[str] = set()
     values: set[str] = set()
     hooks: set[str] = set()

@@ -1,29 +1,33 @@
-"""Threading upward: the read-less functions that call a threaded one get the collection too, so their callers
-can pass one.
+"""Threading upward: the read-less functions that call a threaded one get the collection too, so
+their callers can pass one.
 
-A function threaded because it reads the grid (``param_is_not_gtp_duplicate``) falls back whenever its caller has
-no collection to pass: a caller that reads nothing (``MegatronOptimizer._filter_grads_for_norm``) gets no
-parameter of its own, so nobody above it can hand one down, and ``-W error`` can never be met there. This module
-decides, once over the whole tree and before any file is finished, which such callers get the same keyword-only
-parameter (the configured name, default None) and pass it on, repeated up the calls until nothing changes. With no
-collection passed the default ``None`` flows down to the same fallbacks, so behaviour is the old one.
+A function threaded because it reads the grid (``param_is_not_gtp_duplicate``) falls back whenever
+its caller has no collection to pass: a caller that reads nothing
+(``MegatronOptimizer._filter_grads_for_norm``) gets no parameter of its own, so nobody above it can
+hand one down, and ``-W error`` can never be met there. This module decides, once over the whole
+tree and before any file is finished, which such callers get the same keyword-only parameter (the
+configured name, default None) and pass it on, repeated up the calls until nothing changes. With no
+collection passed the default ``None`` flows down to the same fallbacks, so behaviour is the old
+one.
 
 Bounded on purpose, so the diff stays one a maintainer merges:
 
-* only a module-level function or a method of a module-level class, called by name somewhere, under the tool's
-  threading rules: never a special method, an autograd-style ``forward`` / ``backward``, one decorated so that a
-  new parameter breaks it (``@property``, ``@lru_cache``, ...), a hook, a function only passed as a value; never
-  one that already names the collection (it has one, or binds the name); a nested function's calls count for
-  its outermost function, whose parameter it reads as a closure;
-* a method is reached through ``self.m(...)`` or ``obj.m(...)`` by its name alone (which class ``obj`` is, is
-  not known), so a method name is threaded only when **every** ``def`` of that name in the tree is, with the same
-  keyword: a polymorphic call then never meets an override without the parameter. One ``def`` that cannot be
-  threaded (``step`` of a learning-rate scheduler next to an optimizer's) keeps the whole name out, which is
-  what stops the climb;
+* only a module-level function or a method of a module-level class, called by name somewhere, under
+  the tool's threading rules: never a special method, an autograd-style ``forward`` / ``backward``,
+  one decorated so that a new parameter breaks it (``@property``, ``@lru_cache``, ...), a hook, a
+  function only passed as a value; never one that already names the collection (it has one, or binds
+  the name); a nested function's calls count for its outermost function, whose parameter it reads as
+  a closure;
+* a method is reached through ``self.m(...)`` or ``obj.m(...)`` by its name alone (which class
+  ``obj`` is, is not known), so a method name is threaded only when **every** ``def`` of that name
+  in the tree is, with the same keyword: a polymorphic call then never meets an override without the
+  parameter. One ``def`` that cannot be threaded (``step`` of a learning-rate scheduler next to an
+  optimizer's) keeps the whole name out, which is what stops the climb;
 * every function threaded reaches a function that reads, through calls that pass the collection.
 
-Read with :mod:`ast`, from the files that call a candidate's name (found with regular expressions), round by
-round. Pure: no I/O; the result depends on the tree alone, not on how a run splits its files.
+Read with :mod:`ast`, from the files that call a candidate's name (found with regular expressions),
+round by round. Pure: no I/O; the result depends on the tree alone, not on how a run splits its
+files.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from pgregistry.migrate._tree import classify_uses
 
 __all__ = ["Upward", "import_bindings", "thread_upward"]
 
-#: Decorators that fix a function's signature or key on its arguments (the plan's own list, and its rule for the
-#: compilers' names), and the method names torch or Python call with their own arguments.
+#: Decorators that fix a function's signature or key on its arguments (the plan's own list, and its
+#: rule for the compilers' names), and the method names torch or Python call with their own
+#: arguments.
 _FIXED_SIGNATURE = (
     "property",
     "setter",
@@ -65,9 +70,9 @@ Key = tuple[str, str]
 
 @dataclass(frozen=True)
 class Upward:
-    """What threading upward decided: the functions given the parameter (``functions``: (module, qualified name)),
-    and the method names every ``def`` of which has the parameter (``methods``: name -> keyword), so that a call
-    ``obj.m(...)`` may pass it."""
+    """What threading upward decided: the functions given the parameter (``functions``: (module,
+    qualified name)), and the method names every ``def`` of which has the parameter (``methods``:
+    name -> keyword), so that a call ``obj.m(...)`` may pass it."""
 
     functions: frozenset[Key] = frozenset()
     methods: Mapping[str, str] = field(default_factory=dict)
@@ -79,11 +84,11 @@ class _Definition:
     name: str
     method: bool
     eligible: bool
-    #: A method of a class that names the collection (``self.pg_collection``): it passes the one it holds, and
-    #: gets the parameter only so that every method of its name has it.
+    #: A method of a class that names the collection (``self.pg_collection``): it passes the one it
+    #: holds, and gets the parameter only so that every method of its name has it.
     holds: bool
-    #: ("f", module, name) for a call of a module-level function as its imports resolve it, ("m", "", name) for a
-    #: call of a method of some object.
+    #: ("f", module, name) for a call of a module-level function as its imports resolve it, ("m",
+    #: "", name) for a call of a method of some object.
     calls: set[tuple[str, str, str]]
 
 
@@ -108,7 +113,10 @@ def _absolute_module(module: str, level: int, package: list[str]) -> str:
 
 
 def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
-    """The module-level import bindings of ``tree``: bound name -> the module or ``module:name`` it stands for."""
+    """The module-level import bindings of ``tree``.
+
+    Bound name -> the module or ``module:name`` it stands for.
+    """
     bound: dict[str, str] = {}
     stack: list[ast.stmt] = list(tree.body)
     while stack:
@@ -131,8 +139,8 @@ def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
 def _call_target(
     call: ast.Call, module: str, functions: set[str], bound: Mapping[str, str], name: str
 ) -> tuple[str, str, str] | None:
-    """What ``call`` calls: a module-level function (resolved through the file's imports), or a method by name
-    (never ``super().m(...)``: the base may be a class outside the tree)."""
+    """What ``call`` calls: a module-level function (resolved through the file's imports), or a
+    method by name (never ``super().m(...)``: the base may be a class outside the tree)."""
     if any(k.arg is None or k.arg == name for k in call.keywords):
         return None  # ``**kwargs`` or the keyword given: the caller passes nothing of its own
     func = call.func
@@ -146,7 +154,9 @@ def _call_target(
             if dotted[0] in functions:
                 return "f", module, dotted[0]
             imported = bound.get(dotted[0], "")
-            return ("f", *imported.split(":")) if ":" in imported else None  # type: ignore[return-value]
+            if ":" not in imported:
+                return None
+            return ("f", *imported.split(":"))  # type: ignore[return-value]
         head = bound.get(dotted[0])
         if head is not None:
             qualified = ".".join([head.replace(":", "."), *dotted[1:]])
@@ -158,7 +168,7 @@ def _call_target(
 
 
 def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definition]:
-    """The module-level functions and the methods of module-level classes of file ``path``, with their calls."""
+    """File ``path``'s module-level functions and top-level classes' methods, with their calls."""
     package = path.split("/")[:-1]
     module = ".".join(module_name(path))
     tree = ast.parse(data)
@@ -184,7 +194,8 @@ def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definiti
         last = node.end_lineno or node.lineno
         return data[starts[first - 1] : starts[last] if last < len(starts) else None]
 
-    #: (definition, qualified name, whether a method, whether its class names the collection: holds one)
+    #: (definition, qualified name, whether a method, whether its class names the collection: holds
+    #: one)
     defs: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str, bool, bool]] = []
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -223,8 +234,8 @@ def _calls_of(names: Iterable[str]) -> re.Pattern[bytes]:
 
 
 def _reexport_aliases(keys: Iterable[Key], packages: Mapping[str, bytes]) -> dict[Key, Key]:
-    """Each name a package (``packages``: path -> bytes of its ``__init__.py``) re-exports one of the module-level
-    functions ``keys`` under -> that function."""
+    """Each name a package (``packages``: path -> bytes of its ``__init__.py``) re-exports one of
+    the module-level functions ``keys`` under -> that function."""
     found = add_reexported_names({key: "\0".join(key) for key in keys}, packages)
     return {
         alias: (original.split("\0")[0], original.split("\0")[1])
@@ -238,9 +249,10 @@ def thread_upward(
     packages: Mapping[str, bytes],
     name: str,
 ) -> Upward:
-    """Which read-less functions of the tree ``contents`` (path -> bytes) get the parameter ``name``.
-    ``threaded``: the functions and methods threaded because they read ((module, qualified name) -> keyword);
-    ``packages``: the ``__init__.py`` files, through which packages re-export functions."""
+    """Which read-less functions of the tree ``contents`` (path -> bytes) get the parameter
+    ``name``. ``threaded``: the functions and methods threaded because they read ((module, qualified
+    name) -> keyword); ``packages``: the ``__init__.py`` files, through which packages re-export
+    functions."""
     seeds = dict(threaded)
     known = {qualname.rpartition(".")[2] for _, qualname in seeds}
     definitions: dict[Key, _Definition] = {}
@@ -288,7 +300,7 @@ def thread_upward(
     chosen = {key for key, d in definitions.items() if d.eligible and key not in seeds and d.calls}
 
     def defining_target(kind: str, module: str, callee: str) -> tuple[str, str, str]:
-        """A call's target, a function by the module that defines it (not a package re-exporting it)."""
+        """A call's target, a function by the module defining it (not a package re-exporting it)."""
         return (
             ("f", *aliases.get((module, callee), (module, callee)))
             if kind == "f"
@@ -303,8 +315,8 @@ def thread_upward(
             callers_of.setdefault(call, []).append(key)
 
     def methods_threaded_alike(given: set[Key]) -> dict[str, str]:
-        """Method names every ``def`` of which (by count, over the whole tree) is in ``given``, with keyword
-        ``name``."""
+        """Method names every ``def`` of which (by count, over the whole tree) is in ``given``, with
+        keyword ``name``."""
         threaded_defs: dict[str, int] = {}
         other_keyword, of_methods = set(), set()
         for module, qualname in given:
@@ -332,7 +344,8 @@ def thread_upward(
                 for kind, module, callee in definitions[key].calls
             )
         }
-        # Those whose calls lead to a function that reads: from the seeds down the callers (each once).
+        # Those whose calls lead to a function that reads: from the seeds down the callers (each
+        # once).
         reaching, todo = set(seeds), list(seeds)
         while todo:
             module, qualname = todo.pop()
@@ -344,8 +357,9 @@ def thread_upward(
                     if caller in calling and caller not in reaching:
                         reaching.add(caller)
                         todo.append(caller)
-        # A method no caller may pass the collection to (another ``def`` of its name is not threaded) gets none,
-        # nor one that holds a collection unless another method of its name needs the parameter.
+        # A method no caller may pass the collection to (another ``def`` of its name is not
+        # threaded) gets none, nor one that holds a collection unless another method of its name
+        # needs the parameter.
         needed = {k[1].rpartition(".")[2] for k in seeds} | {
             definitions[k].name for k in calling & reaching if not definitions[k].holds
         }
@@ -357,8 +371,9 @@ def thread_upward(
             and definitions[key].name in needed
         }
         if kept == chosen and not checked:
-            # Only now, for the few names left (a search for thousands would cost more than the rest): a function
-            # passed as a value or registered as a hook has no caller that passes it one.
+            # Only now, for the few names left (a search for thousands would cost more than the
+            # rest): a function passed as a value or registered as a hook has no caller that passes
+            # it one.
             if kept:
                 _, values, hooks = classify_uses(contents, {definitions[key].name for key in kept})
                 kept = {key for key in kept if definitions[key].name not in (values | hooks)}

@@ -1,24 +1,27 @@
-"""Writing the files ``pgregistry migrate`` changes: all of them or none, even when the run is killed.
+"""Writing the files ``pgregistry migrate`` changes: all of them or none, even if the run is killed.
 
-A rewrite changes callers together with the functions they call (a call passing ``pg_collection=`` to a function
-not yet given the parameter is a ``TypeError``), so the files of one run are one change. Every file is checked
-before any is written: it must be writable (a read-only file is refused even though a rename into its directory
-would replace it), have one hard link (a rename would split it from the others, and writing through the link is
-not atomic: refused, naming the other paths), and still hold the bytes it was planned from, with the same
-modification time. Then:
+A rewrite changes callers together with the functions they call (a call passing ``pg_collection=``
+to a function not yet given the parameter is a ``TypeError``), so the files of one run are one
+change. Every file is checked before any is written: it must be writable (a read-only file is
+refused even though a rename into its directory would replace it), have one hard link (a rename
+would split it from the others, and writing through the link is not atomic: refused, naming the
+other paths), and still hold the bytes it was planned from, with the same modification time. Then:
 
-1. a journal at the project root (:data:`JOURNAL`) lists, for each file, its temporary file beside it and the
-   hashes of its old and new bytes, in the state ``writing``; every temporary file is written and ``fsync``-ed;
-2. the journal is rewritten in the state ``renaming`` (atomically: it is itself replaced by a rename);
-3. each file is checked once more (a file edited meanwhile is never overwritten: the files already renamed are
-   put back and nothing is left written) and its temporary file renamed over it;
+1. a journal at the project root (:data:`JOURNAL`) lists, for each file, its temporary file beside
+   it and the hashes of its old and new bytes, in the state ``writing``; every temporary file is
+   written and ``fsync``-ed;
+2. the journal is rewritten in the state ``renaming`` (atomically: it is itself replaced by a
+   rename);
+3. each file is checked once more (a file edited meanwhile is never overwritten: the files already
+   renamed are put back and nothing is left written) and its temporary file renamed over it;
 4. the journal is removed.
 
-A run killed at any moment leaves every file old or new, and the journal. The next ``migrate`` (any mode but
-``--check``, which exits 2 naming it) finishes it first (:func:`finish_interrupted`): in the state ``writing``
-nothing was renamed yet, so the temporary files are removed (rolled back); in ``renaming`` every new text is on
-disk, so the renames are completed (rolled forward). No temporary file remains either way. A file that holds
-neither its old nor its new bytes by then (edited after the kill) stops the recovery, naming it, the journal kept.
+A run killed at any moment leaves every file old or new, and the journal. The next ``migrate`` (any
+mode but ``--check``, which exits 2 naming it) finishes it first (:func:`finish_interrupted`): in
+the state ``writing`` nothing was renamed yet, so the temporary files are removed (rolled back); in
+``renaming`` every new text is on disk, so the renames are completed (rolled forward). No temporary
+file remains either way. A file that holds neither its old nor its new bytes by then (edited after
+the kill) stops the recovery, naming it, the journal kept.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ JOURNAL = ".pgregistry-migrate-journal.json"
 
 
 class JournalState(str, Enum):
-    """Where a ``--write`` stood when its journal was last written: ``writing`` (temporary files only, rolled
-    back), ``renaming`` (every new text on disk, finished). Any other value is a journal this tool did not write,
-    refused rather than read as one of these."""
+    """Where a ``--write`` stood when its journal was last written: ``writing`` (temporary files
+    only, rolled back), ``renaming`` (every new text on disk, finished). Any other value is a
+    journal this tool did not write, refused rather than read as one of these."""
 
     WRITING = "writing"
     RENAMING = "renaming"
@@ -59,8 +62,9 @@ class WriteError(OSError):
 
 @dataclass(frozen=True)
 class Change:
-    """One file's planned rewrite: its project path, where it is, the bytes read (and their mtime), the new text;
-    ``created``: a new file (the fallback helper module), which must still not exist when it is written."""
+    """One file's planned rewrite: its project path, where it is, the bytes read (and their mtime),
+    the new text; ``created``: a new file (the fallback helper module), which must still not exist
+    when it is written."""
 
     path: str
     absolute: Path
@@ -75,8 +79,8 @@ def _sha256_hex(data: bytes) -> str:
 
 
 def _why_changed_on_disk(change: Change) -> str | None:
-    """None when the file still holds what it was planned from (a new one: still does not exist); else why
-    not."""
+    """None when the file still holds what it was planned from (a new one: still does not exist);
+    else why not."""
     if change.created:
         return (
             "created since the run began; run the migration again"
@@ -94,8 +98,8 @@ def _why_changed_on_disk(change: Change) -> str | None:
 
 
 def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
-    """``WriteError`` unless ``change`` may be written (see the module docstring); a new file: unless its
-    directory is writable and it still does not exist."""
+    """``WriteError`` unless ``change`` may be written (see the module docstring); a new file:
+    unless its directory is writable and it still does not exist."""
     if change.created:
         if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
             raise WriteError(
@@ -121,8 +125,9 @@ def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> 
             ", ".join(hard_links.get(change.path, ())) or "none of them among the migrated files"
         )
         raise WriteError(
-            f"{change.path}: has {status.st_nlink} hard links (others: {others}); a rewrite would split them into "
-            "differing copies: make them one file or symbolic links, or leave it out of the paths"
+            f"{change.path}: has {status.st_nlink} hard links (others: "
+            f"{others}); a rewrite would split them into differing copies: make "
+            "them one file or symbolic links, or leave it out of the paths"
         )
     problem = _why_changed_on_disk(change)
     if problem is not None:
@@ -143,8 +148,8 @@ def _sync_directories(paths: Sequence[Path]) -> None:
 def _write_journal(
     journal: Path, state: JournalState, entries: Sequence[tuple[Change, Path]]
 ) -> None:
-    """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the project's
-    path cannot make them name other files), and the hashes of its old and new bytes."""
+    """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the
+    project's path cannot make them name other files), and the hashes of its old and new bytes."""
     rows = [
         {
             "target": str(change.absolute),
@@ -163,9 +168,10 @@ def _write_journal(
 
 
 def _write_temporary(change: Change, temporary: Path) -> None:
-    """The new bytes beside the file, with its permissions, flushed to disk. A new file is opened with ``0666``, so
-    the umask applies as to any new file (not ``0600``, which would hide the helper module from the tree's other
-    users), as :func:`~pgregistry._source.storage.atomic_write` makes one."""
+    """The new bytes beside the file, with its permissions, flushed to disk. A new file is opened
+    with ``0666``, so the umask applies as to any new file (not ``0600``, which would hide the
+    helper module from the tree's other users), as :func:`~pgregistry._source.storage.atomic_write`
+    makes one."""
     mode = None if change.created else os.stat(change.absolute).st_mode & 0o7777
     handle = os.open(
         temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600
@@ -186,7 +192,7 @@ def _remove_files(paths: Sequence[Path]) -> None:
 
 @contextlib.contextmanager
 def _journal_lock(root: Path) -> Iterator[Path]:
-    """The journal's path, with the lock that keeps two runs from writing or finishing one at once."""
+    """The journal's path, with the lock keeping two runs from writing or finishing one at once."""
     journal = root / JOURNAL
     try:
         with exclusive_lock(journal):
@@ -198,8 +204,9 @@ def _journal_lock(root: Path) -> Iterator[Path]:
 def write_changes(
     changes: Sequence[Change], root: Path, hard_links: Mapping[str, Sequence[str]] | None = None
 ) -> None:
-    """Write every change, or (``WriteError`` naming the file) none; ``root``: the project root, where the
-    journal goes; ``hard_links``: each path's other paths to the same file among those migrated."""
+    """Write every change, or (``WriteError`` naming the file) none; ``root``: the project root,
+    where the journal goes; ``hard_links``: each path's other paths to the same file among those
+    migrated."""
     for change in changes:
         _check_writable(change, hard_links or {})
     if not changes:
@@ -238,8 +245,9 @@ def write_changes(
 
 
 def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
-    """Rename each temporary file over its file, each checked once more just before; when one changed on disk
-    meanwhile (or cannot be renamed), put back those renamed already: none is left written."""
+    """Rename each temporary file over its file, each checked once more just before; when one
+    changed on disk meanwhile (or cannot be renamed), put back those renamed already: none is left
+    written."""
     renamed: list[Change] = []
     for change, temporary in entries:
         problem = _why_changed_on_disk(change)
@@ -263,16 +271,17 @@ def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
 
 
 def finish_interrupted(root: Path) -> str | None:
-    """Finish the ``--write`` that left a journal at ``root`` (see the module docstring): what was done, or None
-    when there is no journal. ``WriteError`` naming the files when it cannot (the journal kept)."""
+    """Finish the ``--write`` that left a journal at ``root`` (see the module docstring): what was
+    done, or None when there is no journal. ``WriteError`` naming the files when it cannot (the
+    journal kept)."""
     with _journal_lock(root) as journal:
         # A run killed while writing the journal itself left its temporary file, and nothing else.
         stale = sorted(root.glob(f".{JOURNAL}.*.tmp"))
         _remove_files(stale)
         if not journal.exists():
             return (
-                "an interrupted `pgregistry migrate --write` had written nothing; its journal's temporary "
-                "file is removed"
+                "an interrupted `pgregistry migrate --write` had written "
+                "nothing; its journal's temporary file is removed"
                 if stale
                 else None
             )
@@ -285,15 +294,15 @@ def finish_interrupted(root: Path) -> str | None:
             ]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise WriteError(
-                f"{journal}: an interrupted run's journal that cannot be read ({error}); restore the "
-                "files it lists from version control, then delete it"
+                f"{journal}: an interrupted run's journal that cannot be read ({error}); "
+                "restore the files it lists from version control, then delete it"
             ) from error
         if state is JournalState.WRITING:
             _remove_files([temporary for _, temporary, _, _ in files])
             journal.unlink()
             return (
-                f"an interrupted `pgregistry migrate --write` was rolled back: none of its {len(files)} "
-                "file(s) had been written; its temporary files are removed"
+                "an interrupted `pgregistry migrate --write` was rolled back: none of its "
+                f"{len(files)} file(s) had been written; its temporary files are removed"
             )
         conflicts, completed = [], 0
         for target, temporary, old, new in files:
@@ -312,12 +321,12 @@ def finish_interrupted(root: Path) -> str | None:
         if conflicts:
             raise WriteError(
                 f"{journal}: an interrupted `pgregistry migrate --write` cannot be finished: "
-                f"{', '.join(conflicts)} changed since; restore them (from version control), run again, or "
-                "delete the journal and its temporary files to keep the tree as it is"
+                f"{', '.join(conflicts)} changed since; restore them (from version control), run "
+                "again, or delete the journal and its temporary files to keep the tree as it is"
             )
         _sync_directories([target for target, _, _, _ in files])
         journal.unlink()
         return (
-            f"an interrupted `pgregistry migrate --write` was finished: {completed} of its {len(files)} "
-            "file(s) were renamed into place now"
+            "an interrupted `pgregistry migrate --write` was finished: "
+            f"{completed} of its {len(files)} file(s) were renamed into place now"
         )

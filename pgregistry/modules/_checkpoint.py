@@ -1,12 +1,13 @@
-"""A job's checkpoint: each module's parameters and optimizer state in a directory of its own, over its own span.
+"""A job's checkpoint: each module's parameters and optimizer state in its own directory and span.
 
 Each module is saved with :func:`pgregistry.checkpoint.save_rank_files` on its collection, into
-``<directory>/<module name>``: every collective of a module's save runs over the module's span (its files are
-numbered over the span and record the module's name and span), so no rank of another module takes part or waits,
-and a directory never mixes two modules. Loading runs :func:`pgregistry.checkpoint.load_rank_files`'s checks the
-same way for every module (they refuse a checkpoint saved by another module or over other ranks) and copies once
-every module's have passed; within a module, parameters are keyed by global name, so a module reloads under another
-layout of the same span (another TP, EP or PP size).
+``<directory>/<module name>``: every collective of a module's save runs over the module's span (its
+files are numbered over the span and record the module's name and span), so no rank of another
+module takes part or waits, and a directory never mixes two modules. Loading runs
+:func:`pgregistry.checkpoint.load_rank_files`'s checks the same way for every module (they refuse a
+checkpoint saved by another module or over other ranks) and copies once every module's have passed;
+within a module, parameters are keyed by global name, so a module reloads under another layout of
+the same span (another TP, EP or PP size).
 """
 
 from __future__ import annotations
@@ -118,10 +119,10 @@ def _run_per_module(
     naming: Mapping[str, NamingOptions] | None,
     step: Callable[..., Any],
 ) -> list[Any]:
-    """What ``step(directory / module name, model, optimizer, **naming keywords and collection)`` returns for
-    each module this rank runs, once every rank agreed on the input (``verb``: ``save`` or ``load``, the
-    function's name). A module's failed step is raised on every rank, naming the module, only once every
-    module was tried: the others' are complete."""
+    """What ``step(directory / module name, model, optimizer, **naming keywords and collection)``
+    returns for each module this rank runs, once every rank agreed on the input (``verb``: ``save``
+    or ``load``, the function's name). A module's failed step is raised on every rank, naming the
+    module, only once every module was tried: the others' are complete."""
     owner = f"pgregistry.modules.{verb}_checkpoint"
     # A rank lost in a world-wide agreement, named.
     with name_lost_ranks(owner, directory, world_scope()):
@@ -152,8 +153,8 @@ def _agree_on_models(
     naming: Mapping[str, NamingOptions] | None,
     owner: str,
 ) -> tuple[dict[str, Any], dict[str, NamingOptions]]:
-    """The models of the modules this rank runs and each module's naming keywords, once every rank agreed that no
-    rank was given bad input."""
+    """The models of the modules this rank runs and each module's naming keywords, once every rank
+    agreed that no rank was given bad input."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
@@ -178,7 +179,8 @@ def _agree_on_models(
             problems.append(f"naming for {name!r}: {exc}")
         if "pg_collection" in options:
             problems.append(
-                f"naming for {name!r} gives a pg_collection: a module's checkpoint runs on its collection"
+                f"naming for {name!r} gives a pg_collection: "
+                "a module's checkpoint runs on its collection"
             )
     check_agreement(
         owner, describe_modules(modules), "; ".join(problems) or None, advice=MODULES_ADVICE

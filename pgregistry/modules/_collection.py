@@ -1,10 +1,11 @@
-"""The collections of every module of a job: :class:`MultiModuleCollection` and :func:`build_modules`.
+"""The collections of a job's modules: :class:`MultiModuleCollection` and :func:`build_modules`.
 
-A job that runs several modules (a vision encoder and a language model, an RL actor and its critic) gives each its
-own layout, on ranks of its own or colocated with others. Megatron-Core's ``MultiModuleProcessGroupCollection``
-holds, on each rank, the collections of the modules that rank runs. This one is job-wide: every rank holds every
-module's collection, a rank outside a module holding one that refuses to be used. That is what a job-wide statistic
-needs: a rank must know every module to take part in the reduction over modules, even for the modules it lacks.
+A job that runs several modules (a vision encoder and a language model, an RL actor and its critic)
+gives each its own layout, on ranks of its own or colocated with others. Megatron-Core's
+``MultiModuleProcessGroupCollection`` holds, on each rank, the collections of the modules that rank
+runs. This one is job-wide: every rank holds every module's collection, a rank outside a module
+holding one that refuses to be used. That is what a job-wide statistic needs: a rank must know every
+module to take part in the reduction over modules, even for the modules it lacks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MODULES_ADVICE = "every rank must pass the same modules, in the same order, and 
 
 
 class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
-    """Module name -> the collection that module runs on, for every module of the job; a read-only mapping.
+    """Module name -> the collection it runs on, for every module of the job; a read-only mapping.
 
     For a job whose modules (a vision encoder and a language model, say) each run on their own
     ranks with their own layout: every rank holds the whole table, so the job-wide statistics and
@@ -67,7 +68,8 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
             _check_module(name, collection)
         if language_model is not None and language_model not in modules:
             raise ValueError(
-                f"language_model {language_model!r} is none of the modules {list(modules)}; name one of them or None"
+                f"language_model {language_model!r} is none of the "
+                f"modules {list(modules)}; name one of them or None"
             )
         if disjoint:
             _check_disjoint({name: c.layout for name, c in modules.items() if c.layout is not None})
@@ -86,10 +88,11 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         return self._disjoint
 
     def language_model_collection(self) -> ProcessGroupCollection:
-        """The language model's collection; ``ValueError`` when no module is named the language model."""
+        """The language model's collection; ``ValueError`` if no module is the language model."""
         if self._language_model is None:
             raise ValueError(
-                f"no module of {list(self._modules)} is named the language model (language_model=None)"
+                f"no module of {list(self._modules)} is named "
+                "the language model (language_model=None)"
             )
         return self._modules[self._language_model]
 
@@ -183,10 +186,10 @@ def build_modules(
         fault = combine_faults(
             fault,
             TypeError(
-                "build_modules takes a mapping from module name to its ParallelLayout "
-                "({'encoder': ParallelLayout(...), 'language': ParallelLayout(...)}, in the modules' order), "
-                f"got a {type(layouts).__name__}; for "
-                "(name, layout) pairs pass dict(pairs)"
+                "build_modules takes a mapping from module name to its "
+                "ParallelLayout ({'encoder': ParallelLayout(...), 'language': "
+                "ParallelLayout(...)}, in the modules' order), got a "
+                f"{type(layouts).__name__}; for (name, layout) pairs pass dict(pairs)"
             ),
         )
     request.update(
@@ -203,13 +206,15 @@ def build_modules(
         _check_name(name)
         if not isinstance(layout, ParallelLayout):
             raise TypeError(
-                f"module {name!r}: build_modules expects a ParallelLayout, got {type(layout).__name__}"
+                f"module {name!r}: build_modules expects a "
+                f"ParallelLayout, got {type(layout).__name__}"
             )
     if disjoint:
         _check_disjoint(layouts)
     if language_model is not None and language_model not in layouts:
         raise ValueError(
-            f"language_model {language_model!r} is none of the modules {list(layouts)}; name one of them or None"
+            f"language_model {language_model!r} is none of the "
+            f"modules {list(layouts)}; name one of them or None"
         )
     collections = {
         name: registry.build(layout, name=name, backend=backend, timeout=timeout)
@@ -232,8 +237,9 @@ def _check_module(name: str, collection: object) -> None:
         )
     if collection.layout is None:
         raise ValueError(
-            f"module {name!r} has a collection assembled by hand: a rank outside the module could not know its "
-            "span. Build it with pgregistry.build(layout, name=...) (or build_modules)"
+            f"module {name!r} has a collection assembled by hand: a "
+            "rank outside the module could not know its span. Build it "
+            "with pgregistry.build(layout, name=...) (or build_modules)"
         )
 
 
@@ -258,7 +264,8 @@ def _check_disjoint(layouts: Mapping[str, ParallelLayout]) -> None:
             low, high = max(a_first, b_first), min(a_stop, b_stop)
             if low < high:
                 raise ValueError(
-                    f"modules {first!r} (ranks {a_first}-{a_stop - 1}) and {second!r} (ranks {b_first}-{b_stop - 1}) "
-                    f"are declared disjoint but share ranks {low}-{high - 1}; move one (rank_offset) or drop "
+                    f"modules {first!r} (ranks {a_first}-{a_stop - 1}) and {second!r} "
+                    f"(ranks {b_first}-{b_stop - 1}) are declared disjoint but share "
+                    f"ranks {low}-{high - 1}; move one (rank_offset) or drop "
                     "disjoint=True if they are meant to share ranks"
                 )

@@ -1,25 +1,28 @@
-"""One optimizer over the modules of a job: :class:`MultiModuleOptimizer` and :func:`build_optimizer`.
+"""One optimizer over a job's modules: :class:`MultiModuleOptimizer` and :func:`build_optimizer`.
 
 Megatron-Core's ``MimoOptimizer`` is the reference: one optimizer per module (here pgregistry's
-:class:`~pgregistry.optim.ChainedOptimizer` of the module's model, on the module's collection), chained, with
-job-wide statistics and a job-wide verdict on whether to step. What differs:
+:class:`~pgregistry.optim.ChainedOptimizer` of the module's model, on the module's collection),
+chained, with job-wide statistics and a job-wide verdict on whether to step. What differs:
 
-* the job-wide norm and zero count are :mod:`pgregistry.modules._stats`'s: one all-reduce over the world after each
-  module's own reductions over its span, non-finite norms sent as flags (a NaN inside a MAX all-reduce may be
-  dropped), modules combined in float64, both statistics in the same all-reduce when both are asked for;
-* the verdict: a step is skipped on every rank when the job-wide norm is not finite (a NaN or infinite grad in
-  any module). It needs no all-reduce of its own: the norm it is read from is the same on every rank. (Megatron-
-  Core agrees on ``found_inf`` with a MAX first, then on the step's success with a MIN; pgregistry's optimizers
-  keep no loss scale, so the norm is the whole verdict, and a step cannot fail on one rank alone);
-* the modules, their spans and what each rank was given are agreed on by every rank when the optimizer is made
-  (:mod:`pgregistry.modules._agreement`): a rank that lists other modules, or holds an optimizer for a module it
-  does not run (or none for one it runs), raises on every rank.
+* the job-wide norm and zero count are :mod:`pgregistry.modules._stats`'s: one all-reduce over the
+  world after each module's own reductions over its span, non-finite norms sent as flags (a NaN
+  inside a MAX all-reduce may be dropped), modules combined in float64, both statistics in the same
+  all-reduce when both are asked for;
+* the verdict: a step is skipped on every rank when the job-wide norm is not finite (a NaN or
+  infinite grad in any module). It needs no all-reduce of its own: the norm it is read from is the
+  same on every rank. (Megatron-Core agrees on ``found_inf`` with a MAX first, then on the step's
+  success with a MIN; pgregistry's optimizers keep no loss scale, so the norm is the whole verdict,
+  and a step cannot fail on one rank alone);
+* the modules, their spans and what each rank was given are agreed on by every rank when the
+  optimizer is made (:mod:`pgregistry.modules._agreement`): a rank that lists other modules, or
+  holds an optimizer for a module it does not run (or none for one it runs), raises on every rank.
 
 A training step::
 
     loss.backward()                   # each rank through the modules it runs
     optimizer.sync_grads()            # each module's grads over its own data-parallel group
-    stepped, norm, _ = optimizer.step(max_norm=1.0)   # job-wide clip; every rank skips when norm is not finite
+    # a job-wide clip; every rank skips the step when the norm is not finite
+    stepped, norm, _ = optimizer.step(max_norm=1.0)
     optimizer.zero_grad()
 """
 
@@ -53,7 +56,7 @@ __all__ = ["MultiModuleOptimizer", "build_optimizer"]
 
 
 class MultiModuleOptimizer:
-    """The optimizers of the modules this rank runs, stepped as one, with job-wide statistics and verdict.
+    """The optimizers of this rank's modules, stepped as one, with job-wide stats and verdict.
 
     A job whose modules run on different ranks still clips by one grad norm and skips a step
     everywhere or nowhere: this sums the statistics over the world and steps each module's own
@@ -92,7 +95,8 @@ class MultiModuleOptimizer:
     ) -> None:
         if not isinstance(modules, MultiModuleCollection):
             raise TypeError(
-                f"MultiModuleOptimizer takes the job's MultiModuleCollection, got {type(modules).__name__}"
+                "MultiModuleOptimizer takes the job's "
+                f"MultiModuleCollection, got {type(modules).__name__}"
             )
         given, error = check_models(
             optimizers, modules, "MultiModuleOptimizer", _check_built_on_module, noun="optimizer"
@@ -103,7 +107,7 @@ class MultiModuleOptimizer:
         self._optimizers: Mapping[str, ChainedOptimizer] = MappingProxyType(given)
         self._modules = modules
 
-    # ------------------------------------------------------------------------------------------- identity
+    # ------------------------------------------------------------------------------------- identity
 
     @property
     def optimizers(self) -> Mapping[str, ChainedOptimizer]:
@@ -128,10 +132,10 @@ class MultiModuleOptimizer:
     def __repr__(self) -> str:
         return f"MultiModuleOptimizer(here={list(self._optimizers)}, modules={list(self._modules)})"
 
-    # ------------------------------------------------------------------------------------------- statistics
+    # ----------------------------------------------------------------------------------- statistics
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The job-wide grad norm over every module (0-dim float32; NaN or infinite when any module's is)."""
+        """The job-wide grad norm of all modules (0-dim float32; NaN or inf if any module's is)."""
         return self._norm_statistics(
             norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm"
         )[0]
@@ -167,7 +171,7 @@ class MultiModuleOptimizer:
         self._clip_grads(max_norm, total, error_if_nonfinite)
         return total
 
-    # ------------------------------------------------------------------------------------------- steps
+    # ---------------------------------------------------------------------------------------- steps
 
     def sync_grads(self) -> None:
         """Each module's grads averaged over its own data-parallel groups."""
@@ -177,16 +181,17 @@ class MultiModuleOptimizer:
     def step(
         self, max_norm: float | None = None, *, norm_type: float = 2.0, count_zeros: bool = False
     ) -> tuple[bool, float, int | None]:
-        """Clip with the job-wide norm (when ``max_norm`` is given) and step every module, or skip on every rank.
+        """Clip by the job-wide norm (given ``max_norm``), step every module, or skip on all ranks.
 
-        Returns ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does: ``stepped`` is
-        false on every rank when the job-wide norm is NaN or infinite (nothing is scaled or stepped, grads are left
-        as they are); ``num_zeros`` is the job-wide zero count with ``count_zeros``, else ``None``. One all-reduce
-        over the world after the modules' own reductions; it also carries the agreement on ``max_norm`` and
-        ``norm_type``: when a rank was given other values than its peers, or bad ones (``TypeError`` for no number,
-        such as ``'1.0'``; ``ValueError`` for a ``max_norm`` not positive and finite, a ``norm_type`` not
-        positive), every rank raises, after the reductions every rank joins, quoting the values and the ranks
-        given them; nothing is scaled or stepped.
+        Returns ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does:
+        ``stepped`` is false on every rank when the job-wide norm is NaN or infinite (nothing is
+        scaled or stepped, grads are left as they are); ``num_zeros`` is the job-wide zero count
+        with ``count_zeros``, else ``None``. One all-reduce over the world after the modules' own
+        reductions; it also carries the agreement on ``max_norm`` and ``norm_type``: when a rank was
+        given other values than its peers, or bad ones (``TypeError`` for no number, such as
+        ``'1.0'``; ``ValueError`` for a ``max_norm`` not positive and finite, a ``norm_type`` not
+        positive), every rank raises, after the reductions every rank joins, quoting the values and
+        the ranks given them; nothing is scaled or stepped.
         """
         total, zeros = self._norm_statistics(
             norm_type, zeros=count_zeros, max_norm=max_norm, subject="MultiModuleOptimizer.step"
@@ -201,10 +206,11 @@ class MultiModuleOptimizer:
         return True, norm, zeros
 
     def zero_grad(self) -> None:
+        """Zero the grads of every module optimizer."""
         for optimizer in self._optimizers.values():
             optimizer.zero_grad()
 
-    # ------------------------------------------------------------------------------------------- state
+    # ---------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
         """Module name -> its optimizer's state dict, for the modules this rank runs."""
@@ -213,10 +219,12 @@ class MultiModuleOptimizer:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output: each module's optimizer from the entry under its name.
 
-        Collective over the world: ``ValueError`` on every rank, before anything loads, when a rank's state lacks a
-        module it runs or holds one it does not run (another rank's state), or a module's state does not fit its
-        optimizer (:meth:`~pgregistry.optim.ChainedOptimizer.state_dict_faults`: missing, extra, another shape or
-        dtype), naming the rank and the module; a refused load leaves every optimizer as it was."""
+        Collective over the world: ``ValueError`` on every rank, before anything loads, when a
+        rank's state lacks a module it runs or holds one it does not run (another rank's state), or
+        a module's state does not fit its optimizer
+        (:meth:`~pgregistry.optim.ChainedOptimizer.state_dict_faults`: missing, extra, another shape
+        or dtype), naming the rank and the module; a refused load leaves every optimizer as it
+        was."""
         subject = "MultiModuleOptimizer.load_state_dict"
         _, error = check_models(state_dict, self._modules, subject, self._check_state, noun="state")
         check_agreement(subject, describe_modules(self._modules), error, advice=MODULES_ADVICE)
@@ -224,19 +232,20 @@ class MultiModuleOptimizer:
             optimizer.load_state_dict(state_dict[name])
 
     def _check_state(self, name: str, state: Any, _collection: ProcessGroupCollection) -> None:
-        """``ValueError`` when ``state`` does not fit module ``name``'s optimizer (local, loads nothing)."""
+        """``ValueError`` if ``state`` misfits module ``name``'s optimizer (local, loads none)."""
         refuse_faults("its optimizer", self._optimizers[name].state_dict_faults(state))
 
-    # ------------------------------------------------------------------------------------------- internals
+    # ------------------------------------------------------------------------------------ internals
 
     def _norm_statistics(
         self, norm_type: float, *, zeros: bool, max_norm: float | None = None, subject: str
     ) -> tuple[torch.Tensor, int | None]:
-        """The job-wide norm (and zero count). A ``norm_type`` or ``max_norm`` that is bad on some rank only must
-        not raise there before the modules' reductions (its module's other ranks would wait in them), so each is
-        checked here, and the check travels in the world all-reduce as an agreement's verdict: after it, every rank
-        raises alike, naming the value and the ranks given it, or none does. A module optimizer's statistic that raises
-        on its module's ranks travels there too (:func:`~pgregistry.modules._stats.module_values`)."""
+        """The job-wide norm (and zero count). A ``norm_type`` or ``max_norm`` that is bad on some
+        rank only must not raise there before the modules' reductions (its module's other ranks
+        would wait in them), so each is checked here, and the check travels in the world all-reduce
+        as an agreement's verdict: after it, every rank raises alike, naming the value and the ranks
+        given it, or none does. A module optimizer's statistic that raises on its module's ranks
+        travels there too (:func:`~pgregistry.modules._stats.module_values`)."""
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
         fields = {
@@ -278,16 +287,21 @@ class MultiModuleOptimizer:
 
 
 def _check_built_on_module(name: str, optimizer: Any, collection: ProcessGroupCollection) -> None:
-    """``TypeError`` unless ``optimizer`` is a chained optimizer; ``ValueError`` unless it runs on ``collection``."""
+    """``TypeError`` unless ``optimizer`` is a chained optimizer.
+
+    ``ValueError`` unless it runs on ``collection``.
+    """
     if not isinstance(optimizer, ChainedOptimizer):
         raise TypeError(
-            f"expected a pgregistry ChainedOptimizer (pgregistry.optim.build_optimizer), got {type(optimizer).__name__}"
+            "expected a pgregistry ChainedOptimizer "
+            f"(pgregistry.optim.build_optimizer), got {type(optimizer).__name__}"
         )
     for child in optimizer.chained_optimizers:
         built_on = child.stats_groups.collection
         if built_on != collection:
             raise ValueError(
-                f"its optimizer was built on {built_on.describe()}, not on the module's {collection.describe()}"
+                f"its optimizer was built on {built_on.describe()}, "
+                f"not on the module's {collection.describe()}"
             )
 
 
@@ -375,7 +389,8 @@ def build_optimizer(
             RuntimeError,
         ) as exc:  # on this module's ranks only: agreed below
             failures.append(type(exc)(f"module {name!r}: {exc}"))
-    # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on any rank.
+    # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on
+    # any rank.
     check_agreement(
         owner,
         describe_modules(modules),

@@ -1,11 +1,14 @@
-"""The options of :func:`pgregistry.modules.build_optimizer`, checked on every rank before any optimizer is built.
+"""The options of :func:`pgregistry.modules.build_optimizer`.
 
-Each module's optimizer is :func:`pgregistry.optim.build_optimizer` with the job's options updated by the module's
-own (``per_module``). An option that fails there fails on that module's ranks only, while every other rank has
-gone on into the job's agreement and waits in it; and torch's own refusal of a bad value (``lr='x'``) names no
-option. So every rank checks every module's options here, whether it runs the module or not, and the job's
-agreement raises the same error on every rank, naming the module and the option. :func:`describe_options` gives what
-every rank must agree on: the options' values where they are plain data, their types where they are code.
+Checked on every rank before any optimizer is built.
+
+Each module's optimizer is :func:`pgregistry.optim.build_optimizer` with the job's options updated
+by the module's own (``per_module``). An option that fails there fails on that module's ranks only,
+while every other rank has gone on into the job's agreement and waits in it; and torch's own refusal
+of a bad value (``lr='x'``) names no option. So every rank checks every module's options here,
+whether it runs the module or not, and the job's agreement raises the same error on every rank,
+naming the module and the option. :func:`describe_options` gives what every rank must agree on: the
+options' values where they are plain data, their types where they are code.
 """
 
 from __future__ import annotations
@@ -31,15 +34,16 @@ _FLAGS = ("mixed_precision", "sharded")
 def options_error(
     options: Mapping[str, Any], per_module: Mapping[str, Any], modules: list[str]
 ) -> Fault:
-    """Why the job's ``options`` or a module's ``per_module`` entry is refused, or ``None``; every module's entry
-    is checked, so that every rank finds the same faults."""
+    """Why the job's ``options`` or a module's ``per_module`` entry is refused, or ``None``; every
+    module's entry is checked, so that every rank finds the same faults."""
     faults = [_option_error(option, value) for option, value in options.items()]
     for name in modules:
         own = per_module.get(name, {})
         if not isinstance(own, Mapping):
             faults.append(
                 TypeError(
-                    f"module {name!r}: per_module[{name!r}] must be a mapping of options, got {own!r}"
+                    f"module {name!r}: per_module[{name!r}] "
+                    f"must be a mapping of options, got {own!r}"
                 )
             )
             continue
@@ -51,8 +55,9 @@ def options_error(
 
 
 def describe_options(options: Mapping[str, Any]) -> str:
-    """``options`` as a text every rank given the same ones writes alike: values that are plain data by their repr,
-    code (a factory, a ``param_name_fn``) by its type, whose repr would carry an address that differs by process."""
+    """``options`` as a text every rank given the same ones writes alike: values that are plain data
+    by their repr, code (a factory, a ``param_name_fn``) by its type, whose repr would carry an
+    address that differs by process."""
     return (
         "{"
         + ", ".join(
@@ -77,11 +82,12 @@ def _option_keywords() -> set[str]:
 
 
 def _option_error(option: str, value: Any) -> Exception | None:
-    """Why ``value`` is refused for ``option`` of :func:`pgregistry.optim.build_optimizer` (torch's ranges for the
-    update rules' numbers), or ``None``."""
+    """Why ``value`` is refused for ``option`` of :func:`pgregistry.optim.build_optimizer` (torch's
+    ranges for the update rules' numbers), or ``None``."""
     if option not in _option_keywords():
         return TypeError(
-            f"{option!r} is no option of pgregistry.optim.build_optimizer ({sorted(_option_keywords())})"
+            f"{option!r} is no option of pgregistry.optim.build_optimizer "
+            f"({sorted(_option_keywords())})"
         )
     shown = f"{value!r} ({type(value).__name__})"
     if option in _NON_NEGATIVE:

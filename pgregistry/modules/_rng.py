@@ -1,13 +1,16 @@
-"""Per-module RNG streams: :func:`seed_modules` seeds each module's trackers from the job's seed and the module.
+"""Per-module RNG streams.
 
-Megatron-Core's multimodal (MIMO) jobs seed each module's RNG in its builder, from the job's seed and that module's
-own groups (its pipeline, tensor- and expert-parallel ranks), so each module's streams follow Megatron's rules
-inside the module. With the job's seed alone, two modules whose ranks sit at the same coordinates (the first
-pipeline stage of an encoder and of the language model, or two colocated modules) would draw the same numbers: an
-encoder initialised with the language model's dropout masks. Here each module gets a seed of its own, derived from
-the job's seed and its name (:func:`module_seed`), and its own :class:`~pgregistry.rng.RNGStatesTracker`, seeded
-by :func:`pgregistry.rng.model_parallel_manual_seed` on the module's collection; the seeds of every module, over
-every rank of its span, are checked to be disjoint from every other module's.
+:func:`seed_modules` seeds each module's trackers from the job's seed and the module.
+
+Megatron-Core's multimodal (MIMO) jobs seed each module's RNG in its builder, from the job's seed
+and that module's own groups (its pipeline, tensor- and expert-parallel ranks), so each module's
+streams follow Megatron's rules inside the module. With the job's seed alone, two modules whose
+ranks sit at the same coordinates (the first pipeline stage of an encoder and of the language model,
+or two colocated modules) would draw the same numbers: an encoder initialised with the language
+model's dropout masks. Here each module gets a seed of its own, derived from the job's seed and its
+name (:func:`module_seed`), and its own :class:`~pgregistry.rng.RNGStatesTracker`, seeded by
+:func:`pgregistry.rng.model_parallel_manual_seed` on the module's collection; the seeds of every
+module, over every rank of its span, are checked to be disjoint from every other module's.
 """
 
 from __future__ import annotations
@@ -22,15 +25,15 @@ from pgregistry.rng import RNGStatesTracker, model_parallel_manual_seed, seed_pl
 __all__ = ["module_seed", "seed_modules"]
 
 _MODULE_SEED_BITS: Final = 48
-"""A module's seed is below 2**48, which leaves Megatron-Core's offsets (at most a few million for any layout
-pgregistry can build) far below torch's limit of 2**64."""
+"""A module's seed is below 2**48, which leaves Megatron-Core's offsets (at most a few million for
+any layout pgregistry can build) far below torch's limit of 2**64."""
 
 
 def module_seed(seed: int, name: str) -> int:
-    """The seed module ``name`` derives from the job's ``seed``: 48 bits of ``sha256("<seed>/<name>")``.
+    """Module ``name``'s seed from the job's ``seed``: 48 bits of ``sha256("<seed>/<name>")``.
 
-    The same on every rank and every run; a module's seed does not change when modules are added or reordered.
-    ``ValueError`` unless ``seed`` is an integer in ``[0, 2**64)``."""
+    The same on every rank and every run; a module's seed does not change when modules are added or
+    reordered. ``ValueError`` unless ``seed`` is an integer in ``[0, 2**64)``."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
         raise ValueError(f"the job's seed must be an integer in [0, 2**64), got {seed!r}")
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
@@ -104,7 +107,7 @@ def _check_disjoint_streams(
                 other = owner.setdefault(tracker_seed, name)
                 if other != name:
                     raise ValueError(
-                        f"modules {other!r} and {name!r} would share RNG seed {tracker_seed} (their seeds "
-                        f"{seeds[other]} and {seeds[name]} from the job's seed are too close for their layouts): "
-                        f"rename a module or use another seed"
+                        f"modules {other!r} and {name!r} would share RNG seed {tracker_seed} "
+                        f"(their seeds {seeds[other]} and {seeds[name]} from the job's seed "
+                        "are too close for their layouts): rename a module or use another seed"
                     )

@@ -1,23 +1,28 @@
-"""Job-wide grad statistics over the modules of a job: :func:`grad_norm`, :func:`count_zeros`, :func:`clip_grad_norm_`.
+"""Job-wide grad statistics over the modules of a job.
+
+They are :func:`grad_norm`, :func:`count_zeros` and :func:`clip_grad_norm_`.
 
 Each module's statistic comes from pgregistry's single-model path on that module's collection
-(:func:`pgregistry.grad_stats.grad_norm`, :func:`~pgregistry.grad_stats.count_zeros`): it counts each of the
-module's grads once over the module's span and leaves the same value on every rank of the span. One all-reduce over
-the world then combines the modules. A module's value lives on its ranks only: each rank puts, for each module it
-runs, that module's value in the module's slot of a vector indexed by module, and 0 elsewhere; a MAX over the world
-fills every slot with its module's value (every rank of a module holds the same), so a rank outside a module
-contributes nothing for it, and a module is counted once however many ranks run it. The job-wide norm is then
-``(sum_m n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m z_m``, both in float64.
+(:func:`pgregistry.grad_stats.grad_norm`, :func:`~pgregistry.grad_stats.count_zeros`): it counts
+each of the module's grads once over the module's span and leaves the same value on every rank of
+the span. One all-reduce over the world then combines the modules. A module's value lives on its
+ranks only: each rank puts, for each module it runs, that module's value in the module's slot of a
+vector indexed by module, and 0 elsewhere; a MAX over the world fills every slot with its module's
+value (every rank of a module holds the same), so a rank outside a module contributes nothing for
+it, and a module is counted once however many ranks run it. The job-wide norm is then ``(sum_m
+n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m z_m``, both in
+float64.
 
-Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent encoded as a number
-above every finite norm (a NaN inside a MAX all-reduce is backend-dependent: gloo keeps or drops it depending on
-which rank holds it, and a job-wide norm of a NaN gradient would then look finite); module norms are combined in
-float64, scaled by the largest, so no square overflows (each module's own norm is :mod:`pgregistry.grad_stats`'s, in
-its grads' precision), and the job-wide norm is float64 on every rank when any module's is (float64 grads: a norm
-beyond float32's range stays finite where it was clipped by), float32 otherwise; and every rank agrees on the
-modules, their spans and the call's options first (:mod:`~pgregistry.modules._agreement`), so a rank that lists
-other modules, or was given a model for a module it does not run (or none for one it runs), raises on every rank
-instead of leaving a module's ranks waiting.
+Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent
+encoded as a number above every finite norm (a NaN inside a MAX all-reduce is backend-dependent:
+gloo keeps or drops it depending on which rank holds it, and a job-wide norm of a NaN gradient would
+then look finite); module norms are combined in float64, scaled by the largest, so no square
+overflows (each module's own norm is :mod:`pgregistry.grad_stats`'s, in its grads' precision), and
+the job-wide norm is float64 on every rank when any module's is (float64 grads: a norm beyond
+float32's range stays finite where it was clipped by), float32 otherwise; and every rank agrees on
+the modules, their spans and the call's options first (:mod:`~pgregistry.modules._agreement`), so a
+rank that lists other modules, or was given a model for a module it does not run (or none for one it
+runs), raises on every rank instead of leaving a module's ranks waiting.
 """
 
 from __future__ import annotations
@@ -197,18 +202,20 @@ def clip_grad_norm_(
 def clip_to_job_norm(
     grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, error_if_nonfinite: bool
 ) -> None:
-    """Scale ``grads`` in place to a job-wide norm ``total`` of ``max_norm``; with ``error_if_nonfinite``,
-    ``RuntimeError`` for a NaN or infinite ``total``, on every rank (``total`` is the same on all)."""
+    """Scale ``grads`` in place to a job-wide norm ``total`` of ``max_norm``; with
+    ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``total``, on every rank
+    (``total`` is the same on all)."""
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
-            f"the job-wide grad norm is {float(total)}, not finite, so the grads cannot be clipped (they are left "
-            "as they are); pass error_if_nonfinite=False to leave them unscaled without raising"
+            f"the job-wide grad norm is {float(total)}, not finite, so the "
+            "grads cannot be clipped (they are left as they are); pass "
+            "error_if_nonfinite=False to leave them unscaled without raising"
         )
     if grads:
         clip_grads_(grads, max_norm, total)
 
 
-# --------------------------------------------------------------------------------------------------- combining
+# ---------------------------------------------------------------------------------------- combining
 
 
 def reduce_over_modules(
@@ -219,25 +226,26 @@ def reduce_over_modules(
     zeros: Mapping[str, torch.Tensor | int] | None = None,
     check: tuple[str, Mapping[str, str], Fault] | None = None,
 ) -> tuple[torch.Tensor | None, int | None]:
-    """The job-wide norm and zero count from the modules' own, in one all-reduce (MAX) over the world.
+    """The job-wide norm and zero count from the modules' own: one all-reduce (MAX) over the world.
 
-    ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold the values
-    of the modules this rank runs (the same on every rank of a module). Each module's norm travels as a number,
-    never as a NaN (:func:`_encode_norm`); the zero counts as float64 (exact below 2**53); whether a module's norm is
-    float64 as one more slot. ``check`` (the call's name, the settings every rank must have alike as texts, and
-    this rank's fault) travels in the same all-reduce as an agreement's verdict
-    (:func:`pgregistry._runtime.agreement.verdict_of`): ranks that differ or any rank's fault raise on every rank,
-    naming the setting or fault and the ranks (:func:`~pgregistry._runtime.agreement.check_verdict`). Returns
-    ``(norm, zeros)``, each ``None`` when not asked for: the norm a 0-dim tensor, float64 when any module's norm is,
-    else float32 (NaN when any module's is NaN, else infinite when any is), the count an int.
+    ``names`` lists every module of the job in one order on every rank; ``norms`` and ``zeros`` hold
+    the values of the modules this rank runs (the same on every rank of a module). Each module's
+    norm travels as a number, never as a NaN (:func:`_encode_norm`); the zero counts as float64
+    (exact below 2**53); whether a module's norm is float64 as one more slot. ``check`` (the call's
+    name, the settings every rank must have alike as texts, and this rank's fault) travels in the
+    same all-reduce as an agreement's verdict (:func:`pgregistry._runtime.agreement.verdict_of`):
+    ranks that differ or any rank's fault raise on every rank, naming the setting or fault and the
+    ranks (:func:`~pgregistry._runtime.agreement.check_verdict`). Returns ``(norm, zeros)``, each
+    ``None`` when not asked for: the norm a 0-dim tensor, float64 when any module's norm is, else
+    float32 (NaN when any module's is NaN, else infinite when any is), the count an int.
     """
     count = len(names)
     index = {name: i for i, name in enumerate(names)}
     device = backend_device(None)
     verdict = verdict_of(check[1], check[2]) if check is not None else []
-    # Kept short: gloo's all-reduce of a vector longer than the world takes a ring of 2 x world steps, several
-    # times the latency of a shorter one. One slot per module norm, one per module zero count, one for whether a
-    # module's norm is float64, then the check's.
+    # Kept short: gloo's all-reduce of a vector longer than the world takes a ring of 2 x world
+    # steps, several times the latency of a shorter one. One slot per module norm, one per module
+    # zero count, one for whether a module's norm is float64, then the check's.
     packed = torch.zeros(2 * count + 1 + len(verdict), dtype=torch.float64, device=device)
     if norms is not None:
         for name, norm in norms.items():
@@ -277,23 +285,23 @@ def reduce_over_modules(
 _STEP_ADVICE = "every rank must ask for the same job-wide statistic, with the same settings"
 
 _INF = torch.finfo(torch.float64).max
-"""How an infinite module norm travels: above every finite norm (a finite float64 norm this large, the largest float64
-itself, reads as infinite)."""
+"""How an infinite module norm travels: above every finite norm (a finite float64 norm this large,
+the largest float64 itself, reads as infinite)."""
 
 _NAN = math.inf
-"""How a NaN module norm travels: above everything else, so a MAX keeps it (a NaN itself it might drop)."""
+"""How a NaN module norm travels: above all else, so a MAX keeps it (a bare NaN it might drop)."""
 
 
 def _encode_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when infinite,
-    :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
+    """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when
+    infinite, :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
     norm = torch.where(torch.isinf(norm), torch.full_like(norm, _INF), norm)
     return torch.where(torch.isnan(norm), torch.full_like(norm, _NAN), norm)
 
 
 def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
-    """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm), scaled by the largest
-    so that no power overflows; 0 for no norms or all zero."""
+    """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm), scaled
+    by the largest so that no power overflows; 0 for no norms or all zero."""
     if norms.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=norms.device)
     largest = norms.max()
@@ -306,17 +314,19 @@ def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
 def module_values(
     given: Mapping[str, Any], compute: Callable[[str, Any], Any]
 ) -> tuple[dict[str, Any], Fault]:
-    """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault: every module's
-    ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the module, joined (``None`` when none raised).
+    """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault:
+    every module's ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the module, joined
+    (``None`` when none raised).
 
-    A module's statistic can refuse what its ranks hold (a sparse grad, a plan its grads do not fit); raised
-    here, its ranks would leave the ranks of every other module waiting in the world all-reduce. Caught, the fault
-    travels in that all-reduce instead (:func:`reduce_over_modules`' ``check``), so every rank raises it, at no cost
-    on the happy path. The other modules this rank runs are still computed, so their ranks issue the same
-    collectives. Sound when the module's ranks fail alike (the module's statistic refuses its input before or after
-    its collectives on all of them, as it does for the layout and roles its ranks share); a fault on some ranks of
-    a module only, midway through its collectives, leaves its peers waiting there until the process group's
-    timeout: the single-model statistics would hang the same way.
+    A module's statistic can refuse what its ranks hold (a sparse grad, a plan its grads do not
+    fit); raised here, its ranks would leave the ranks of every other module waiting in the world
+    all-reduce. Caught, the fault travels in that all-reduce instead (:func:`reduce_over_modules`'
+    ``check``), so every rank raises it, at no cost on the happy path. The other modules this rank
+    runs are still computed, so their ranks issue the same collectives. Sound when the module's
+    ranks fail alike (the module's statistic refuses its input before or after its collectives on
+    all of them, as it does for the layout and roles its ranks share); a fault on some ranks of a
+    module only, midway through its collectives, leaves its peers waiting there until the process
+    group's timeout: the single-model statistics would hang the same way.
     """
     values, faults = {}, []
     for name, item in given.items():
@@ -331,11 +341,11 @@ def module_values(
     return values, combine_faults(*faults)
 
 
-# ------------------------------------------------------------------------------------------------------ inputs
+# ------------------------------------------------------------------------------------------- inputs
 
 
 def describe_modules(modules: MultiModuleCollection) -> dict[str, str]:
-    """What every rank must agree on about the job's modules: their names in order, spans and layouts."""
+    """What all ranks must agree on of the job's modules: names in order, spans and layouts."""
     return {
         "modules": "; ".join(f"{name}={layout!r}" for name, layout in modules.layouts().items()),
         "language_model": repr(modules.language_model),
@@ -350,11 +360,12 @@ def check_models(
     *,
     noun: str = "model",
 ) -> tuple[dict[str, Any], str | None]:
-    """``models`` restricted to the modules this rank runs, in the modules' order, and this rank's error (``None``
-    when it has none): ``models`` is not a mapping, names a module that does not exist or one this rank does not
-    run, lacks one it runs, or a module's collection was destroyed; ``check(name, model, collection)`` raising
-    ``ValueError``, ``TypeError`` or ``RuntimeError`` is an error too. ``noun`` names what the mapping holds in
-    messages (a model, an optimizer, a state). Local: the caller agrees on the error."""
+    """``models`` restricted to the modules this rank runs, in the modules' order, and this rank's
+    error (``None`` when it has none): ``models`` is not a mapping, names a module that does not
+    exist or one this rank does not run, lacks one it runs, or a module's collection was destroyed;
+    ``check(name, model, collection)`` raising ``ValueError``, ``TypeError`` or ``RuntimeError`` is
+    an error too. ``noun`` names what the mapping holds in messages (a model, an optimizer, a
+    state). Local: the caller agrees on the error."""
     if not isinstance(models, Mapping) or isinstance(models, MultiModuleCollection):
         got = type(models).__name__
         return {}, f"{owner} takes a mapping from module name to that module's {noun}, got a {got}"
@@ -372,8 +383,8 @@ def check_models(
         first, stop = layout.rank_range()
         if name in models and name not in here:
             problems.append(
-                f"{article} {noun} for module {name!r}, which runs on ranks {first}-{stop - 1}, not on this rank: a "
-                f"rank outside a module passes no {noun} for it"
+                f"{article} {noun} for module {name!r}, which runs on ranks {first}-{stop - 1}, "
+                f"not on this rank: a rank outside a module passes no {noun} for it"
             )
         elif name in here and name not in models:
             problems.append(
@@ -401,16 +412,16 @@ def _agree_on_models(
     *,
     extra_error: Fault = None,
 ) -> dict[str, ParamsLike]:
-    """The models of the modules this rank runs, after every rank agreed on the modules and options and none found
-    a fault (``pgregistry._runtime.agreement.check_agreement``)."""
+    """The models of the modules this rank runs, after every rank agreed on the modules and options
+    and none found a fault (``pgregistry._runtime.agreement.check_agreement``)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
         )
 
     def statistics_accept(name: str, model: Any, collection: ProcessGroupCollection) -> None:
-        # The door of the module's statistics, run here so that a refusal raises on every rank, not on one rank
-        # while the module's other ranks wait for it in the module's reductions.
+        # The door of the module's statistics, run here so that a refusal raises on every rank, not
+        # on one rank while the module's other ranks wait for it in the module's reductions.
         check_expert_classification(model, collection)
 
     given, error = check_models(models, modules, owner, statistics_accept)
@@ -420,7 +431,10 @@ def _agree_on_models(
 
 
 def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
-    """The grads of ``model`` as tensors to scale in place: each parameter's ``.grad`` (a DTensor's local piece)."""
+    """The grads of ``model`` as tensors to scale in place.
+
+    Each parameter's ``.grad`` (a DTensor's local piece).
+    """
     grads = []
     for _, param in normalise_params(model).named:
         grad = param.grad

@@ -1,11 +1,11 @@
-"""Optimizers that take a process-group collection: mixed-precision, sharded and chained, over flat grad buffers.
+"""Optimizers taking a process-group collection: mixed-precision, sharded, chained; on flat buffers.
 
-:func:`build_optimizer` is the entry point: it splits a model's dense and routed-expert parameters, validates the
-collection and returns a :class:`ChainedOptimizer` of a :class:`MixedPrecisionOptimizer` or
-:class:`ShardedOptimizer` per kind. A training step::
+:func:`build_optimizer` is the entry point: it splits a model's dense and routed-expert parameters,
+validates the collection and returns a :class:`ChainedOptimizer` of a
+:class:`MixedPrecisionOptimizer` or :class:`ShardedOptimizer` per kind. A training step::
 
     loss.backward()
-    optimizer.sync_grads()           # grads / dp_cp size, summed over dp_cp (dense) / expt_dp (experts)
+    optimizer.sync_grads()           # grads / dp_cp size, summed over dp_cp (expt_dp for experts)
     optimizer.clip_grad_norm(1.0)    # global norm with each child's own groups
     optimizer.step()
     optimizer.zero_grad()

@@ -1,31 +1,35 @@
-"""What every pgregistry optimizer shares: grads in a :class:`~pgregistry.optim._grad_buffer.GradBuffer`, statistics
-over its spans, clipping, and the wiring of model parameters to the buffer.
+"""What every pgregistry optimizer shares: grads in a
+:class:`~pgregistry.optim._grad_buffer.GradBuffer`, statistics over its spans, clipping, and the
+wiring of model parameters to the buffer.
 
-An optimizer here holds the parameters of one kind, dense or routed-expert (the builder splits them and chains
-the two), because the two kinds differ in every group they use: grads are synchronised over ``dp_cp`` or
-``expt_dp``, counted with the dense or the expert TP group, and their statistics summed over ``mp`` or
-``tp_ep_pp_with_egtp_remat`` (the whole instance, ``intra_dist_opt``, for a sharded optimizer).
+An optimizer here holds the parameters of one kind, dense or routed-expert (the builder splits them
+and chains the two), because the two kinds differ in every group they use: grads are synchronised
+over ``dp_cp`` or ``expt_dp``, counted with the dense or the expert TP group, and their statistics
+summed over ``mp`` or ``tp_ep_pp_with_egtp_remat`` (the whole instance, ``intra_dist_opt``, for a
+sharded optimizer).
 
-Grad synchronisation follows Megatron-Core (``average_in_collective=False``): each data-parallel rank's loss is the
-mean over its own tokens, and the global loss the mean over the ``dp_cp`` ranks. Dense grads are therefore divided
-by the ``dp_cp`` size and summed over ``dp_cp`` (an average). Expert grads are divided by the ``dp_cp`` size too,
-and summed over ``expt_dp``: an expert already holds the grads of every token its EP group routed to it, which
-come from ``dp_cp / expt_dp`` data-parallel ranks, so averaging over ``expt_dp`` instead would scale them by
-``dp_cp / expt_dp``.
+Grad synchronisation follows Megatron-Core (``average_in_collective=False``): each data-parallel
+rank's loss is the mean over its own tokens, and the global loss the mean over the ``dp_cp`` ranks.
+Dense grads are therefore divided by the ``dp_cp`` size and summed over ``dp_cp`` (an average).
+Expert grads are divided by the ``dp_cp`` size too, and summed over ``expt_dp``: an expert already
+holds the grads of every token its EP group routed to it, which come from ``dp_cp / expt_dp``
+data-parallel ranks, so averaging over ``expt_dp`` instead would scale them by ``dp_cp / expt_dp``.
 
-Statistics are computed from the *role tensors* the optimizer steps (mixed-precision main copies, shard pieces),
-classified once at construction, and go through the grad statistics' one reduction path: an optimizer adds its
-spans' parts to a :class:`~pgregistry.grad_stats._reductions.Shares` (a chained optimizer's children add to the
-same one) and the one reducer reduces them; clipping decides job-wide, as the functional API does. Those copies
-carry their roles only through :func:`pgregistry.params.copy_param_roles`; Megatron-LM PR 6470's bug was a copy
-that lost ``allreduce=False``.
+Statistics are computed from the *role tensors* the optimizer steps (mixed-precision main copies,
+shard pieces), classified once at construction, and go through the grad statistics' one reduction
+path: an optimizer adds its spans' parts to a :class:`~pgregistry.grad_stats._reductions.Shares` (a
+chained optimizer's children add to the same one) and the one reducer reduces them; clipping decides
+job-wide, as the functional API does. Those copies carry their roles only through
+:func:`pgregistry.params.copy_param_roles`; Megatron-LM PR 6470's bug was a copy that lost
+``allreduce=False``.
 
-Grads reach the buffer without a second copy. A parameter whose dtype is the buffer's gets ``param.grad`` set to
-its buffer view, and autograd accumulates into it in place; a low-precision parameter of a mixed-precision
-optimizer gets ``param.main_grad`` (its float32 view) and a post-accumulate hook that adds each new ``.grad``
-into it and frees it. ``param.main_grad`` is set in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`:
-``model.zero_grad()`` sets ``.grad`` to ``None`` and detaches it from the buffer, which
-:meth:`FlatOptimizer.sync_grads` detects and refuses.
+Grads reach the buffer without a second copy. A parameter whose dtype is the buffer's gets
+``param.grad`` set to its buffer view, and autograd accumulates into it in place; a low-precision
+parameter of a mixed-precision optimizer gets ``param.main_grad`` (its float32 view) and a
+post-accumulate hook that adds each new ``.grad`` into it and frees it. ``param.main_grad`` is set
+in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`: ``model.zero_grad()`` sets ``.grad``
+to ``None`` and detaches it from the buffer, which :meth:`FlatOptimizer.sync_grads` detects and
+refuses.
 """
 
 from __future__ import annotations
@@ -72,21 +76,24 @@ __all__ = [
 ]
 
 InnerFactory: TypeAlias = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-"""Builds the inner update rule over the tensors to step, e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
-An :class:`~pgregistry.optim._flat_step.ElementwiseRule` (what ``inner_factory`` returns) steps the flat main
-buffer as one tensor; any other factory gets one tensor per main param."""
+"""Builds the inner update rule over the tensors to step, e.g. ``functools.partial(torch.optim.Adam,
+lr=1e-3)``. An :class:`~pgregistry.optim._flat_step.ElementwiseRule` (what ``inner_factory``
+returns) steps the flat main buffer as one tensor; any other factory gets one tensor per main
+param."""
 
 Inner: TypeAlias = "torch.optim.Optimizer | FlatStep"
-"""What steps the main params: a :class:`~pgregistry.optim._flat_step.FlatStep` over the flat main buffer, or the
-factory's optimizer over the per-parameter main params."""
+"""What steps the main params: a :class:`~pgregistry.optim._flat_step.FlatStep` over the flat main
+buffer, or the factory's optimizer over the per-parameter main params."""
 
 ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
 """Names a model parameter (state-dict keys, error messages), e.g. a global, expert-aware name."""
 
 
 class OptimizerStatistics(abc.ABC):
-    """The grad statistics and clipping of an optimizer, under Megatron-Core's method names: the local shares of
-    the flat optimizers it steps (itself, or a chained optimizer's children) in one set of shares, reduced once."""
+    """The grad statistics and clipping of an optimizer, under Megatron-Core's method names.
+
+    The local shares of the flat optimizers it steps (itself, or a chained optimizer's children) go
+    in one set of shares, reduced once."""
 
     @abc.abstractmethod
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
@@ -97,19 +104,22 @@ class OptimizerStatistics(abc.ABC):
         return statistics_of(self.stats_optimizers(), wanted)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model the optimizer covers (0-dim, no host sync; float64 for a float64 grad
-        buffer, else float32; NaN or infinite when any grad is, duplicates included)."""
+        """The global grad norm of the model the optimizer covers (0-dim, no host sync).
+
+        Float64 for a float64 grad buffer, else float32; NaN or infinite when any grad is,
+        duplicates included."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
-        """The global number of zero grad elements, each distinct element counted once (0-dim int64)."""
+        """The global number of zero grad elements, each distinct one counted once (0-dim int64)."""
         zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
         assert zeros is not None
         return zeros
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together (one read of the grads on CUDA, 2-norm; one
-        all-reduce per group)."""
+        """:meth:`get_grad_norm` and :meth:`count_zeros` together, the 2-norm.
+
+        One read of the grads on CUDA; one all-reduce per group."""
         reduced = self.statistics(Wanted.of(norm_type, zeros=True))
         assert reduced.zeros is not None
         return reduced.norm, reduced.zeros
@@ -117,15 +127,18 @@ class OptimizerStatistics(abc.ABC):
     def clip_grad_norm(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the norm before clipping.
+        """Scale the grads by ``max_norm / (norm + 1e-6)`` when below 1; return the unclipped norm.
 
-        Decided job-wide (:func:`clip_grads_of`): a NaN or infinite norm anywhere scales nothing on any rank, or
-        raises on every rank with ``error_if_nonfinite``."""
+        Decided job-wide (:func:`clip_grads_of`): a NaN or infinite norm anywhere scales nothing on
+        any rank, or raises on every rank with ``error_if_nonfinite``."""
         return clip_grads_of(self.stats_optimizers(), max_norm, norm_type, error_if_nonfinite)
 
 
 class FlatOptimizer(OptimizerStatistics):
-    """Base of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and :class:`~pgregistry.optim.ShardedOptimizer`.
+    """Base of the optimizers over a flat grad buffer, mixed-precision and sharded.
+
+    That is, of :class:`~pgregistry.optim.MixedPrecisionOptimizer` and
+    :class:`~pgregistry.optim.ShardedOptimizer`.
 
     What the two share: the checked parameter list, their names in messages, the groups, and the
     grad statistics over the flat buffer. Subclasses set :attr:`buffer`, :attr:`inner` (``None``
@@ -157,7 +170,7 @@ class FlatOptimizer(OptimizerStatistics):
         param_name_fn: ParamNameFn | None,
     ) -> None:
         self.params: list[torch.Tensor] = list(params)
-        """The model parameters this optimizer updates (one kind: all dense or all routed experts)."""
+        """The parameters this optimizer updates (one kind: all dense or all routed experts)."""
         self.expert = expert
         positions = {id(p): i for i, p in enumerate(self.params)}
         self._name_fn: ParamNameFn = param_name_fn or (lambda p: f"param[{positions[id(p)]}]")
@@ -169,13 +182,15 @@ class FlatOptimizer(OptimizerStatistics):
             if is_expert_param(param) != expert:
                 kind = "a routed-expert" if is_expert_param(param) else "a dense"
                 raise ValueError(
-                    f"{self.param_name(param)} is {kind} parameter but this optimizer was built with expert={expert}; "
-                    "give dense and expert parameters to separate optimizers (build_optimizer does)"
+                    f"{self.param_name(param)} is {kind} parameter but this "
+                    f"optimizer was built with expert={expert}; give dense and "
+                    "expert parameters to separate optimizers (build_optimizer does)"
                 )
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(
-                f"{type(self).__name__} takes the groups setup_process_groups_for_optimizer(pg_collection) returns, "
-                f"got {type(process_groups).__name__}"
+                f"{type(self).__name__} takes the groups "
+                "setup_process_groups_for_optimizer(pg_collection) "
+                f"returns, got {type(process_groups).__name__}"
             )
         self.process_groups = process_groups
         """The validated groups this optimizer runs on."""
@@ -188,7 +203,7 @@ class FlatOptimizer(OptimizerStatistics):
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._moved: list[tuple[torch.Tensor, int]] = []
 
-    # ------------------------------------------------------------------------------------------- naming
+    # --------------------------------------------------------------------------------------- naming
 
     def param_name(self, param: torch.Tensor) -> str:
         """The caller's name for ``param`` (``param_name_fn``), else its position."""
@@ -196,13 +211,16 @@ class FlatOptimizer(OptimizerStatistics):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's param groups (change ``lr`` there); empty when this rank steps nothing."""
+        """The inner optimizer's param groups (set ``lr`` there); empty if this rank steps none."""
         return self.inner.param_groups if self.inner is not None else []
 
-    # ------------------------------------------------------------------------------------------- wiring
+    # --------------------------------------------------------------------------------------- wiring
 
     def _attach_grads(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
-        """Make each view the only home of its parameter's grad (``.grad`` in place, or ``.main_grad`` + hook)."""
+        """Make each view the only home of its parameter's grad.
+
+        ``.grad`` in place, or ``.main_grad`` and a hook.
+        """
         for param, view in zip(params, views, strict=True):
             param.main_grad = view  # type: ignore[attr-defined]
             if param.dtype == view.dtype:
@@ -217,32 +235,42 @@ class FlatOptimizer(OptimizerStatistics):
             param.register_post_accumulate_grad_hook(_accumulate_into(view))
 
     def _move_data(self, param: torch.Tensor, view: torch.Tensor) -> None:
-        """Copy ``param`` into ``view`` (part of one of this optimizer's flat buffers) and make ``view`` its data,
-        so one kernel steps or writes every parameter; :meth:`_check_attached` refuses a parameter whose data was
-        replaced since (the optimizer would go on updating the buffer, not the parameter)."""
+        """Copy ``param`` into ``view`` and make ``view`` its data.
+
+        ``view`` is part of one of this optimizer's flat buffers, so one kernel steps or writes
+        every parameter; :meth:`_check_attached` refuses a parameter whose data was replaced since
+        (the optimizer would go on updating the buffer, not the parameter)."""
         with torch.no_grad():
             view.copy_(param)
         param.data = view
         self._moved.append((param, view.data_ptr()))
 
     def _check_attached(self) -> None:
-        """Refuse grads detached from the grad buffer and parameters whose data left this optimizer's buffers."""
+        """Refuse grads detached from the grad buffer.
+
+        Also parameters whose data left this optimizer's buffers.
+        """
         for param, view in self._direct:
             if param.grad is not view:
                 raise RuntimeError(
-                    f"{self.param_name(param)}.grad is no longer a view of the optimizer's grad buffer (set to None "
-                    "by model.zero_grad() or assigned?); zero grads with optimizer.zero_grad()"
+                    f"{self.param_name(param)}.grad is no longer a view of the "
+                    "optimizer's grad buffer (set to None by model.zero_grad() "
+                    "or assigned?); zero grads with optimizer.zero_grad()"
                 )
         for param, address in self._moved:
             if param.data_ptr() != address:
                 raise RuntimeError(
-                    f"{self.param_name(param)}.data is no longer the optimizer's view of it (replaced after the "
-                    "optimizer was built, e.g. by module.to() or param.data = ...); the optimizer would update its "
-                    "buffer, not the parameter: build the optimizer after moving the model"
+                    f"{self.param_name(param)}.data is no longer the optimizer's view of "
+                    "it (replaced after the optimizer was built, e.g. by module.to() or "
+                    "param.data = ...); the optimizer would update its buffer, not the "
+                    "parameter: build the optimizer after moving the model"
                 )
 
     def _buffer_device(self) -> torch.device:
-        """Where the buffer lives: the parameters' device; with no parameters, the one the backend reduces on."""
+        """Where the buffer lives: the parameters' device.
+
+        With no parameters, the one the backend reduces on.
+        """
         return self.params[0].device if self.params else backend_device(None)
 
     def _make_inner(
@@ -253,9 +281,11 @@ class FlatOptimizer(OptimizerStatistics):
         starts: Sequence[int],
         copies: Sequence[Copy],
     ) -> None:
-        """``mains`` (views of ``flat`` at ``starts``; ``flat.grad`` is their grads' flat span) are stepped as one
-        tensor with an elementwise rule over float32/float64, which also writes ``copies`` (in its kernel on CUDA),
-        one by one otherwise (the caller writes the copies); ``None`` when there are none."""
+        """The inner optimizer stepping ``mains`` (views of ``flat`` at ``starts``), or ``None``.
+
+        ``flat.grad`` is their grads' flat span. They are stepped as one tensor with an elementwise
+        rule over float32/float64, which also writes ``copies`` (in its kernel on CUDA), one by one
+        otherwise (the caller writes the copies); ``None`` when there are none."""
         if not mains:
             self.inner = None
         elif isinstance(factory, ElementwiseRule) and flat.dtype in FLAT_DTYPES:
@@ -264,19 +294,22 @@ class FlatOptimizer(OptimizerStatistics):
             self.inner = factory(list(mains))
 
     def _inner_tensors(self) -> list[torch.Tensor]:
-        """The tensors :attr:`inner`'s state dict numbers, in its order: a flat step's main params, else the
-        tensors of the inner optimizer's param groups."""
+        """The tensors :attr:`inner`'s state dict numbers, in its order.
+
+        A flat step's main params, else the tensors of the inner optimizer's param groups."""
         if self.inner is None:
             return []
         if isinstance(self.inner, FlatStep):
             return list(self.inner.mains)
         return [tensor for group in self.inner.param_groups for tensor in group["params"]]
 
-    # ------------------------------------------------------------------------------------------- statistics
+    # ----------------------------------------------------------------------------------- statistics
 
     def _set_stats(self, spans: tuple[Span, ...], group: ProcessGroup | None) -> None:
-        """Statistics run over ``spans`` of the buffer; ``group`` is always reduced, even with nothing counted
-        here, so every rank of it issues the same collectives."""
+        """Statistics run over ``spans`` of the buffer, reduced over ``group``.
+
+        ``group`` is always reduced, even with nothing counted here, so every rank of it issues the
+        same collectives."""
         self._stat_spans = spans
         keys: list[GroupKey] = [group]
         for span in spans:
@@ -289,20 +322,22 @@ class FlatOptimizer(OptimizerStatistics):
         return self._reduce_keys
 
     def local_shares(self, shares: Shares) -> None:
-        """Add this optimizer's groups (every one, even with nothing counted here) and its spans' parts to
-        ``shares``."""
+        """Add this optimizer's groups and its spans' parts to ``shares``.
+
+        Every group is added, even one with nothing counted here."""
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
-        """The grads :meth:`step` reads (the whole buffer, or this rank's shard), duplicates included."""
+        """The grads :meth:`step` reads (whole buffer or this rank's shard), duplicates included."""
         return [self.buffer.data]
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        """This optimizer alone."""
         return [self]
 
-    # ------------------------------------------------------------------------------------------- steps
+    # ---------------------------------------------------------------------------------------- steps
 
     def zero_grad(self) -> None:
         """Zero every grad at once (the buffer); grads stay views of it."""
@@ -310,14 +345,17 @@ class FlatOptimizer(OptimizerStatistics):
 
     @property
     def grad_divisor(self) -> int:
-        """Grads are divided by this (the ``dp_cp`` size of one instance) before they are summed over the
-        data-parallel group, dense and expert alike: see the module docstring."""
+        """What grads are divided by before they are summed over the data-parallel group.
+
+        The ``dp_cp`` size of one instance, for dense and expert grads alike: see the module
+        docstring."""
         return group_size(self.process_groups.intra_dp_cp)
 
     @abc.abstractmethod
     def sync_grads(self) -> None:
-        """Reduce the grads over the data-parallel group (``expt_dp`` for experts, ``dp_cp`` otherwise), divided
-        by :attr:`grad_divisor`."""
+        """Reduce the grads over the data-parallel group, divided by :attr:`grad_divisor`.
+
+        The group is ``expt_dp`` for experts, ``dp_cp`` otherwise."""
 
     @abc.abstractmethod
     def step(self) -> None:
@@ -328,10 +366,12 @@ class FlatOptimizer(OptimizerStatistics):
         """The optimizer state (inner state and main copies), keyed by parameter name."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (same layout, same names). Strict: a state dict with any
-        :meth:`state_dict_faults` is refused (``ValueError``, the count and a few of them) before anything changes.
-        The check is local; the ranks of :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`),
-        so every rank of the instance refuses alike or none does."""
+        """Restore :meth:`state_dict` output (same layout, same names).
+
+        Strict: a state dict with any :meth:`state_dict_faults` is refused (``ValueError``, the
+        count and a few of them) before anything changes. The check is local; the ranks of
+        :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`), so every rank
+        of the instance refuses alike or none does."""
         refuse_agreed(
             f"{type(self).__name__}.load_state_dict",
             self.state_dict_faults(state_dict),
@@ -341,14 +381,18 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The groups whose ranks agree on the faults of a load before any of them loads (one small all-reduce over
-        each): together they hold every rank of this optimizer's instance, replicas included, so a state refused
-        on one rank is refused on all of them, never loaded by its replicas alone."""
+        """The groups whose ranks agree on the faults of a load before any of them loads.
+
+        One small all-reduce over each: together they hold every rank of this optimizer's instance,
+        replicas included, so a state refused on one rank is refused on all of them, never loaded by
+        its replicas alone."""
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Every reason :meth:`load_state_dict` would refuse ``state_dict``: missing or extra entries, saved tensors
-        of another shape or dtype (empty: it loads). Local; changes nothing."""
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict`` (empty: it loads).
+
+        Missing or extra entries, saved tensors of another shape or dtype. Local; changes
+        nothing."""
 
     @abc.abstractmethod
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -356,12 +400,17 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its whole optimizer state (:class:`~pgregistry.optim.ParamStateOptimizer`)."""
+        """Model parameter -> its whole optimizer state.
+
+        See :class:`~pgregistry.optim.ParamStateOptimizer`.
+        """
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore :meth:`param_state` output of any layout (:class:`~pgregistry.optim.ParamStateOptimizer`).
-        Strict as :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused (``ValueError``)
-        on every rank of :meth:`load_groups` before any rank changes anything."""
+        """Restore :meth:`param_state` output of any layout.
+
+        Saved under any layout: see :class:`~pgregistry.optim.ParamStateOptimizer`. Strict as
+        :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused
+        (``ValueError``) on every rank of :meth:`load_groups` before any rank changes anything."""
         refuse_agreed(
             f"{type(self).__name__}.load_param_state",
             self.param_state_faults(state),
@@ -371,9 +420,10 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong: a main copy or
-        elementwise state of another shape than its tensor's, state a flat step cannot hold. Local; changes
-        nothing."""
+        """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong.
+
+        A main copy or elementwise state of another shape than its tensor's, state a flat step
+        cannot hold. Local; changes nothing."""
 
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
@@ -394,8 +444,9 @@ def statistics_of(
     *,
     verdict: Sequence[ProcessGroup | None] = (),
 ) -> Reduced:
-    """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once (``verdict``: see
-    :func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+    """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once.
+
+    ``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`."""
     shares = Shares(wanted, optimizers[0].buffer.data.device)
     for optimizer in optimizers:
         optimizer.local_shares(shares)
@@ -405,9 +456,12 @@ def statistics_of(
 def clip_grads_of(
     optimizers: Sequence[FlatOptimizer], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
-    """Clip the grads of ``optimizers`` (one, or a chained optimizer's children) from their one norm: their shares
-    reduced together with the job-wide verdict over ``intra_dist_opt`` (:func:`~pgregistry.grad_stats._functional.
-    verdict_groups`), then every grad scaled by the one coefficient. Returns the norm before clipping."""
+    """Clip the grads of ``optimizers`` from their one norm; return the norm before clipping.
+
+    ``optimizers`` is one optimizer, or a chained optimizer's children. Their shares are reduced
+    together with the job-wide verdict over ``intra_dist_opt``
+    (:func:`~pgregistry.grad_stats._functional.verdict_groups`), then every grad is scaled by the
+    one coefficient."""
     check_max_norm(max_norm)  # before any collective
     verdict = verdict_groups(optimizers[0].stats_groups.collection, "clip_grad_norm")
     reduced = statistics_of(optimizers, Wanted.of(norm_type, zeros=False), verdict=verdict)
@@ -419,7 +473,10 @@ def clip_grads_of(
 
 
 def require_group(groups: OptimizerProcessGroups, name: str) -> ProcessGroup | None:
-    """``groups.<name>`` (a group, or ``None`` when the axis is off), refusing an unset one with a ``ValueError``."""
+    """``groups.<name>``: a group, or ``None`` when the axis is off.
+
+    An unset one is refused with a ``ValueError``.
+    """
     value = getattr(groups, name)
     if value is UNSET:
         raise ValueError(

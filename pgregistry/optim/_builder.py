@@ -1,10 +1,12 @@
-"""``build_optimizer``: the chained dense + expert optimizer of a model, wired to the model's collection.
+"""``build_optimizer``: a model's chained dense + expert optimizer, wired to the model's collection.
 
-The builder is where expert grads filtered with the dense TP group (Megatron-LM PR 6470) could come back, so it does
-every step from the collection: refuse unclassified expert parameters (the xorl 1/sqrt(ep) undercount), validate the
-groups the optimizer needs once (:func:`~pgregistry.optim._setup.optimizer_process_groups`, Megatron-Core's order,
-each missing group named), split dense from routed-expert parameters, and give both children those groups, dense
-and expert TP groups included (:class:`~pgregistry.grad_stats.StatsGroups`). The collection is resolved once.
+The builder is where expert grads filtered with the dense TP group (Megatron-LM PR 6470) could come
+back, so it does every step from the collection: refuse unclassified expert parameters (the xorl
+1/sqrt(ep) undercount), validate the groups the optimizer needs once
+(:func:`~pgregistry.optim._setup.optimizer_process_groups`, Megatron-Core's order, each missing
+group named), split dense from routed-expert parameters, and give both children those groups, dense
+and expert TP groups included (:class:`~pgregistry.grad_stats.StatsGroups`). The collection is
+resolved once.
 """
 
 from __future__ import annotations
@@ -168,8 +170,8 @@ def build_optimizer(
         inner = optimizer
     main_dtype = torch.float32 if mixed_precision else None
     children: list[FlatOptimizer] = []
-    # Refused on every rank of the first child's group, in the all-reduce that decides whether it exists: a rank
-    # raising alone would leave the others waiting in the second child's.
+    # Refused on every rank of the first child's group, in the all-reduce that decides whether it
+    # exists: a rank raising alone would leave the others waiting in the second child's.
     refused = [name for name, p in named if not p.is_floating_point()]
     for expert in (False, True):
         kind = [p for _, p in named if is_expert_param(p) == expert]
@@ -183,9 +185,9 @@ def build_optimizer(
         if anyone_refused:
             here = f"here: {refused}" if refused else "none here"
             raise TypeError(
-                "build_optimizer steps floating-point parameters only (its flat buffers hold real grads), and a rank "
-                f"of the optimizer holds others ({here}, e.g. complex ones); keep them out of the optimizer or step "
-                "them as real views (torch.view_as_real)"
+                "build_optimizer steps floating-point parameters only (its flat buffers hold real "
+                f"grads), and a rank of the optimizer holds others ({here}, e.g. complex ones); "
+                "keep them out of the optimizer or step them as real views (torch.view_as_real)"
             )
         if not has:
             continue

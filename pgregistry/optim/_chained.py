@@ -1,11 +1,11 @@
-"""A chained optimizer: one child per parameter kind (dense, routed experts), one set of grad statistics.
+"""A chained optimizer: a child per parameter kind (dense, routed experts), one set of grad stats.
 
-The global norm must count every child's grads, each with its own groups. Every child adds its parts to one
-:class:`~pgregistry.grad_stats._reductions.Shares` and the one reducer reduces them: one all-reduce per distinct
-group (one in all when every child reduces over the same group: a sharded optimizer's instance, or ``mp`` and
-``tp_ep_pp_with_egtp_remat`` holding the same ranks), both statistics in it when both are wanted. Nothing combines
-the children's finished norms. Clipping scales every child's grads by the one coefficient of the total norm, decided
-job-wide.
+The global norm must count every child's grads, each with its own groups. Every child adds its parts
+to one :class:`~pgregistry.grad_stats._reductions.Shares` and the one reducer reduces them: one
+all-reduce per distinct group (one in all when every child reduces over the same group: a sharded
+optimizer's instance, or ``mp`` and ``tp_ep_pp_with_egtp_remat`` holding the same ranks), both
+statistics in it when both are wanted. Nothing combines the children's finished norms. Clipping
+scales every child's grads by the one coefficient of the total norm, decided job-wide.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class ChainedOptimizer(OptimizerStatistics):
         return len(self.stats_reduce_groups()) == 1
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
+        """The children: the statistics read, and clipping scales, the grads of every one."""
         return self.chained_optimizers
 
     @property
@@ -77,10 +78,12 @@ class ChainedOptimizer(OptimizerStatistics):
             child.sync_grads()
 
     def step(self) -> None:
+        """Step every child, in order."""
         for child in self.chained_optimizers:
             child.step()
 
     def zero_grad(self) -> None:
+        """Zero the grads of every child."""
         for child in self.chained_optimizers:
             child.zero_grad()
 
@@ -89,14 +92,17 @@ class ChainedOptimizer(OptimizerStatistics):
         return {"children": [child.state_dict() for child in self.chained_optimizers]}
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict_faults`, each prefixed with the child's
-        index, or a count of children that differs. Local; changes nothing."""
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict``, by child.
+
+        Every child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict_faults`, each prefixed with
+        the child's index, or a count of children that differs. Local; changes nothing."""
         children = state_dict.get("children") if isinstance(state_dict, Mapping) else None
         if not isinstance(children, Sequence):
             return ["it is no {'children': [...]} dict (ChainedOptimizer.state_dict output)"]
         if len(children) != len(self.chained_optimizers):
             return [
-                f"it holds {len(children)} child optimizers, this one has {len(self.chained_optimizers)}"
+                f"it holds {len(children)} child optimizers, "
+                f"this one has {len(self.chained_optimizers)}"
             ]
         return [
             f"child {index}: {fault}"
@@ -107,10 +113,12 @@ class ChainedOptimizer(OptimizerStatistics):
         ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output into every child. Strict, every child checked before any loads: a
-        fault in any child's state (:meth:`state_dict_faults`) is a ``ValueError`` and leaves every child as it
-        was (a later child's refusal used to leave the first ones loaded). The check is local; where a child's
-        load is collective (a sharded child's all-gather) the ranks agree on it first over the children's
+        """Restore :meth:`state_dict` output into every child, every child checked before any loads.
+
+        Strict: a fault in any child's state (:meth:`state_dict_faults`) is a ``ValueError`` and
+        leaves every child as it was (a later child's refusal used to leave the first ones loaded).
+        The check is local; where a child's load is collective (a sharded child's all-gather) the
+        ranks agree on it first over the children's
         :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, so every rank refuses alike."""
         refuse_agreed(
             "ChainedOptimizer.load_state_dict",
@@ -128,14 +136,20 @@ class ChainedOptimizer(OptimizerStatistics):
         return tuple(groups)
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state` (collective where a child's is)."""
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state`.
+
+        Collective where a child's is.
+        """
         merged: dict[torch.Tensor, ParamState] = {}
         for child in self.chained_optimizers:
             merged.update(child.param_state())
         return merged
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state_faults`, prefixed with its index."""
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state_faults`.
+
+        Each fault is prefixed with its child's index.
+        """
         return [
             f"child {index}: {fault}"
             for index, child in enumerate(self.chained_optimizers)
@@ -143,8 +157,10 @@ class ChainedOptimizer(OptimizerStatistics):
         ]
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Each child restores the state of its own parameters from ``state``; strict as :meth:`load_state_dict`:
-        every child is checked, and the ranks of :meth:`load_groups` agree, before any child loads."""
+        """Each child restores the state of its own parameters from ``state``.
+
+        Strict as :meth:`load_state_dict`: every child is checked, and the ranks of
+        :meth:`load_groups` agree, before any child loads."""
         refuse_agreed(
             "ChainedOptimizer.load_param_state", self.param_state_faults(state), self.load_groups()
         )

@@ -1,29 +1,32 @@
 """Stepping a flat main buffer as one tensor, with the optimizer state presented per parameter.
 
-A step over thousands of separate tensors is bound by host work and kernel launches: torch's Adam over 20,000
-float32 masters spends most of its time in Python and in per-tensor bookkeeping, whatever the bytes. The
-optimizers here keep every main param as a view of one flat buffer laid out like the grad buffer, so an
-*elementwise* update rule (every element updated from that element's own parameter, grad and state: Adam, AdamW,
-SGD) can step the whole buffer as one tensor: a handful of kernels (one with ``fused=True`` on CUDA) whatever the
-parameter count, and on CPU the same bits as a step per parameter (the ops are elementwise).
+A step over thousands of separate tensors is bound by host work and kernel launches: torch's Adam
+over 20,000 float32 masters spends most of its time in Python and in per-tensor bookkeeping,
+whatever the bytes. The optimizers here keep every main param as a view of one flat buffer laid out
+like the grad buffer, so an *elementwise* update rule (every element updated from that element's own
+parameter, grad and state: Adam, AdamW, SGD) can step the whole buffer as one tensor: a handful of
+kernels (one with ``fused=True`` on CUDA) whatever the parameter count, and on CPU the same bits as
+a step per parameter (the ops are elementwise).
 
-Only float32 and float64 main params are stepped flat: torch's CPU kernels round bf16 and fp16 differently in the
-last elements of a tensor (a scalar loop) than inside it (a vector loop), so a flat step over bf16 main params
-(``main_dtype=None`` over a bf16 model) would not give the bits of a step per parameter; those stay per tensor.
+Only float32 and float64 main params are stepped flat: torch's CPU kernels round bf16 and fp16
+differently in the last elements of a tensor (a scalar loop) than inside it (a vector loop), so a
+flat step over bf16 main params (``main_dtype=None`` over a bf16 model) would not give the bits of a
+step per parameter; those stay per tensor.
 
-Padding between and after the parameters (grad-buffer alignment) is stepped too: its param, grad and state are
-zero, and an elementwise rule keeps them zero.
+Padding between and after the parameters (grad-buffer alignment) is stepped too: its param, grad and
+state are zero, and an elementwise rule keeps them zero.
 
-A flat step also writes the flat tensor's *copies* (:class:`~pgregistry.optim._copies.Copy`: the low-precision model
-parameters of a mixed-precision optimizer, packed per dtype run; a sharded optimizer's parameter shard). On CUDA,
-over float32, with a rule whose implementation ``ElementwiseRule`` chooses, the step and the copies are one kernel
-(:mod:`pgregistry.optim._fused_step`: 30 bytes a parameter for AdamW into bf16, where torch's fused AdamW and a copy
-move 34); elsewhere, and for whatever that kernel does not take, torch's step then one ``_foreach_copy_`` (on CPU the
-bits of a step per parameter and its copies, as before).
+A flat step also writes the flat tensor's *copies* (:class:`~pgregistry.optim._copies.Copy`: the
+low-precision model parameters of a mixed-precision optimizer, packed per dtype run; a sharded
+optimizer's parameter shard). On CUDA, over float32, with a rule whose implementation
+``ElementwiseRule`` chooses, the step and the copies are one kernel
+(:mod:`pgregistry.optim._fused_step`: 30 bytes a parameter for AdamW into bf16, where torch's fused
+AdamW and a copy move 34); elsewhere, and for whatever that kernel does not take, torch's step then
+one ``_foreach_copy_`` (on CPU the bits of a step per parameter and its copies, as before).
 
-:class:`FlatStep` keeps the state dict in the per-parameter form a step over separate tensors has (parameter index
--> state, moments shaped like the parameter), so checkpoints, :mod:`pgregistry.checkpoint`'s resharding and the
-per-parameter names are unchanged.
+:class:`FlatStep` keeps the state dict in the per-parameter form a step over separate tensors has
+(parameter index -> state, moments shaped like the parameter), so checkpoints,
+:mod:`pgregistry.checkpoint`'s resharding and the per-parameter names are unchanged.
 """
 
 from __future__ import annotations
@@ -54,14 +57,17 @@ def _as_dict(value: Mapping[str, Any]) -> dict[str, Any]:
 
 @attrs.frozen(slots=True)
 class ElementwiseRule:
-    """An elementwise torch update rule and its hyperparameters; called over the tensors to step, like any
-    :data:`~pgregistry.optim.InnerFactory`.
+    """An elementwise torch update rule and its hyperparameters.
 
-    Passing one (``inner_factory`` returns one) lets the optimizers step their flat main buffer as one tensor
-    (:class:`FlatStep`) when it is float32 or float64; any other factory steps one tensor per parameter. The rule
-    must update each element from that element alone and keep no per-parameter state other than
-    :data:`PER_PARAMETER_KEYS`. On CUDA the rule runs fused (one kernel) unless ``hyperparameters`` choose
-    ``fused`` or ``foreach`` themselves: torch's fused optimizer, or pgregistry's kernel for a flat float32 step
+    Called over the tensors to step, like any :data:`~pgregistry.optim.InnerFactory`, it returns a
+    torch optimizer over them.
+
+    Passing one (``inner_factory`` returns one) lets the optimizers step their flat main buffer as
+    one tensor (:class:`FlatStep`) when it is float32 or float64; any other factory steps one tensor
+    per parameter. The rule must update each element from that element alone and keep no
+    per-parameter state other than :data:`PER_PARAMETER_KEYS`. On CUDA the rule runs fused (one
+    kernel) unless ``hyperparameters`` choose ``fused`` or ``foreach`` themselves: torch's fused
+    optimizer, or pgregistry's kernel for a flat float32 step
     (:mod:`~pgregistry.optim._fused_step`).
 
     Args:
@@ -81,8 +87,10 @@ class ElementwiseRule:
 
     @property
     def chooses_implementation(self) -> bool:
-        """Whether the rule, not its hyperparameters, picks the implementation (no ``fused`` or ``foreach``
-        given): a caller who names torch's implementation gets it."""
+        """Whether the rule, not its hyperparameters, picks the implementation.
+
+        It does when no ``fused`` or ``foreach`` is given: a caller who names torch's implementation
+        gets it."""
         return "fused" not in self.hyperparameters and "foreach" not in self.hyperparameters
 
     def __call__(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -105,9 +113,10 @@ class _Slot:
 
 
 class FlatStep:
-    """Steps ``flat`` (whose ``.grad`` is the flat grad buffer) with ``rule`` and writes its ``copies``; the state
-    reads as if each of ``mains`` (the views ``flat[start : start + numel].view(shape)``, ``start`` from ``starts``)
-    were stepped alone.
+    """Steps ``flat`` by ``rule``, writes ``copies``; the state reads as if each main stepped alone.
+
+    ``flat.grad`` is the flat grad buffer; each of ``mains`` is the view ``flat[start : start +
+    numel].view(shape)``, ``start`` from ``starts``.
 
     One optimizer call over the whole buffer instead of one per parameter, with a checkpoint that
     still numbers the state per parameter, as torch would. The interface is the part of
@@ -167,12 +176,16 @@ class FlatStep:
                 raise ValueError(f"a copy [{copy.start}, {stop}) lies outside the flat tensor")
         fused = rule.chooses_implementation and kernel_can_step(flat)
         self._fused = FusedStep(flat, self.copies) if fused else None
-        """The one-kernel step and copies on CUDA (:mod:`~pgregistry.optim._fused_step`), where it applies."""
+        """The one-kernel step and copies on CUDA, where it applies.
+
+        See :mod:`~pgregistry.optim._fused_step`.
+        """
 
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Main param -> its state, like ``torch.optim.Optimizer.state`` (elementwise values are views of the flat
-        state); empty before the first step."""
+        """Main param -> its state, like torch's ``Optimizer.state``; empty before the first step.
+
+        Elementwise values are views of the flat state."""
         flat_state = self.optimizer.state.get(self.flat)
         if not flat_state:
             return {}
@@ -183,11 +196,14 @@ class FlatStep:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups of the torch optimizer stepping ``flat`` (set ``lr`` there)."""
         return self.optimizer.param_groups
 
     def step(self) -> None:
-        """Step, then write the copies: one kernel where the fused step takes this rule and state (the copies it
-        leaves after it), else torch's step and every copy."""
+        """Step, then write the copies.
+
+        One kernel where the fused step takes this rule and state (the copies it leaves after it),
+        else torch's step and every copy."""
         if self._fused is not None and self._fused.step(self.optimizer):
             write_copies(self.flat, self._fused.unfused)
             return
@@ -195,8 +211,10 @@ class FlatStep:
         write_copies(self.flat, self.copies)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {index: {key: value}}, "param_groups": [...]}`` numbered like a step over the main params:
-        elementwise state is a view shaped like its parameter, per-parameter state (``step``) shared."""
+        """The state dict, numbered like a torch step over the main params.
+
+        ``{"state": {index: {key: value}}, "param_groups": [...]}``: elementwise state is a view
+        shaped like its parameter, per-parameter state (``step``) shared."""
         inner = self.optimizer.state_dict()
         flat_state = inner["state"].get(0)
         state = {}
@@ -221,23 +239,25 @@ class FlatStep:
         return isinstance(value, torch.Tensor) and value.shape == self.flat.shape
 
     def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]:
-        """What keeps :meth:`load_state_dict` from holding ``state_dict`` (empty: it loads), found without copying
-        anything: one param group of the main params; the same state keys for every parameter (or none for all);
-        one value of each per-parameter key; elementwise state with each parameter's number of elements."""
+        """What keeps :meth:`load_state_dict` from holding ``state_dict`` (empty: it loads).
+
+        Found without copying anything: one param group of the main params; the same state keys for
+        every parameter (or none for all); one value of each per-parameter key; elementwise state
+        with each parameter's number of elements."""
         groups = state_dict["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self._slots):
             sizes = [len(group["params"]) for group in groups]
             return [
-                f"the state dict holds param groups of {sizes} parameters; this optimizer steps one group of "
-                f"{len(self._slots)} parameters"
+                f"the state dict holds param groups of {sizes} parameters; this "
+                f"optimizer steps one group of {len(self._slots)} parameters"
             ]
         per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]
         if not any(per_param):
             return []
         keys = set(per_param[0])
         faults = [
-            f"parameter {index} has optimizer state {sorted(entry)}, parameter 0 has {sorted(keys)}: a flat step "
-            "needs the same state for every parameter"
+            f"parameter {index} has optimizer state {sorted(entry)}, parameter 0 has "
+            f"{sorted(keys)}: a flat step needs the same state for every parameter"
             for index, entry in enumerate(per_param)
             if set(entry) != keys
         ]
@@ -245,15 +265,16 @@ class FlatStep:
             values = [entry[key] for entry in per_param]
             if key in PER_PARAMETER_KEYS:
                 faults.extend(
-                    f"optimizer state {key!r} differs between parameter 0 and parameter {index}: a flat step keeps "
-                    "one value for every parameter"
+                    f"optimizer state {key!r} differs between parameter 0 and parameter "
+                    f"{index}: a flat step keeps one value for every parameter"
                     for index, value in enumerate(values[1:], start=1)
                     if not _same_value(values[0], value)
                 )
                 continue
             if not isinstance(values[0], torch.Tensor):
                 faults.append(
-                    f"optimizer state {key!r} of parameter 0 is a {type(values[0]).__name__}, not a tensor"
+                    f"optimizer state {key!r} of parameter 0 is "
+                    f"a {type(values[0]).__name__}, not a tensor"
                 )
                 continue
             faults.extend(
@@ -265,9 +286,11 @@ class FlatStep:
         return faults
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (or a per-tensor optimizer's over the same main params): the
-        elementwise state of each parameter is copied into one flat tensor per key, the padding zero. A state dict
-        with :meth:`state_dict_faults` is refused (``ValueError``) before anything changes. Local: no collective."""
+        """Restore :meth:`state_dict` output, or a per-tensor optimizer's of the same main params.
+
+        The elementwise state of each parameter is copied into one flat tensor per key, the padding
+        zero. A state dict with :meth:`state_dict_faults` is refused (``ValueError``) before
+        anything changes. Local: no collective."""
         refuse_faults("FlatStep.load_state_dict", self.state_dict_faults(state_dict))
         groups = state_dict["param_groups"]
         per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]

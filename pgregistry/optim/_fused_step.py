@@ -1,35 +1,42 @@
-"""The optimizer step of a flat float32 main buffer as one kernel on CUDA, the rounded copy into the model included.
+"""The optimizer step of a flat float32 main buffer as one CUDA kernel.
 
-A mixed-precision AdamW step must read the main params, grads and both moments (16 bytes a parameter) and write the
-params, the moments and the bf16 copy (14 bytes): 30 bytes. torch's fused AdamW over the flat buffer moves the first
-28, then the copy reads the main params a second time: 34 bytes and two kernels over the whole buffer. One Triton
-kernel (:mod:`pgregistry.optim._triton_step`) does both, each byte read once and written once.
+The rounded copy into the model is part of it.
 
-What it runs: the rule of a ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (exactly these classes, not subclasses) over
-one param group holding the flat tensor, with float hyperparameters: weight decay (coupled for Adam and SGD,
-decoupled for AdamW), ``amsgrad``, ``maximize``, momentum, dampening and Nesterov. Anything else (``capturable``,
-``differentiable``, a tensor ``lr``, a grad scaler's ``grad_scale`` or ``found_inf``, state of another dtype or
-shape) makes :meth:`FusedStep.step` return ``False`` before touching anything, and the caller runs torch's step:
-never a silently different rule. The arithmetic is torch's single-tensor rule in float32 (see the kernel module);
-results agree with a float64 evaluation of the rule to rounding, not bit for bit with torch's kernels.
+A mixed-precision AdamW step must read the main params, grads and both moments (16 bytes a
+parameter) and write the params, the moments and the bf16 copy (14 bytes): 30 bytes. torch's fused
+AdamW over the flat buffer moves the first 28, then the copy reads the main params a second time: 34
+bytes and two kernels over the whole buffer. One Triton kernel
+(:mod:`pgregistry.optim._triton_step`) does both, each byte read once and written once.
 
-The state is the one torch's fused optimizer keeps, created as it creates it (``step`` a 0-dim float32 tensor on the
-device, incremented there before the kernel reads it, so there is no host sync; moments shaped like the flat tensor),
-in the torch optimizer's own ``state``: state dicts, checkpoints and a torch step in between are unchanged.
+What it runs: the rule of a ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (exactly these classes, not
+subclasses) over one param group holding the flat tensor, with float hyperparameters: weight decay
+(coupled for Adam and SGD, decoupled for AdamW), ``amsgrad``, ``maximize``, momentum, dampening and
+Nesterov. Anything else (``capturable``, ``differentiable``, a tensor ``lr``, a grad scaler's
+``grad_scale`` or ``found_inf``, state of another dtype or shape) makes :meth:`FusedStep.step`
+return ``False`` before touching anything, and the caller runs torch's step: never a silently
+different rule. The arithmetic is torch's single-tensor rule in float32 (see the kernel module);
+results agree with a float64 evaluation of the rule to rounding, not bit for bit with torch's
+kernels.
 
-Copies: a flat tensor's copies (:class:`~pgregistry.optim._copies.Copy`) are written by the kernel when their dtype
-is the one most of them share, they lie on the flat tensor's device, and no block of ``BLOCK`` elements would write
-two of them (the kernel reads one copy row per block). A mixed-precision optimizer over a bf16 model (one copy) and a
-sharded optimizer (one copy: its shard) qualify whole. In a model mixing dtypes, copies of a minority dtype, and a
-copy starting in the block where the previous one ends (an fp32 parameter of fewer than ``BLOCK`` elements between
-two bf16 runs), are left in :attr:`FusedStep.unfused` for the caller's copy after the kernel. The kernel writes
-through each copy's own offsets (a row per block: where the block's elements go in the copy's target), so the
-target's packing and padding need not match the main buffer's; blocks going whole to a 16-byte aligned place are
-written in vectors, a copy's edges element by element.
+The state is the one torch's fused optimizer keeps, created as it creates it (``step`` a 0-dim
+float32 tensor on the device, incremented there before the kernel reads it, so there is no host
+sync; moments shaped like the flat tensor), in the torch optimizer's own ``state``: state dicts,
+checkpoints and a torch step in between are unchanged.
+
+Copies: a flat tensor's copies (:class:`~pgregistry.optim._copies.Copy`) are written by the kernel
+when their dtype is the one most of them share, they lie on the flat tensor's device, and no block
+of ``BLOCK`` elements would write two of them (the kernel reads one copy row per block). A
+mixed-precision optimizer over a bf16 model (one copy) and a sharded optimizer (one copy: its shard)
+qualify whole. In a model mixing dtypes, copies of a minority dtype, and a copy starting in the
+block where the previous one ends (an fp32 parameter of fewer than ``BLOCK`` elements between two
+bf16 runs), are left in :attr:`FusedStep.unfused` for the caller's copy after the kernel. The kernel
+writes through each copy's own offsets (a row per block: where the block's elements go in the copy's
+target), so the target's packing and padding need not match the main buffer's; blocks going whole to
+a 16-byte aligned place are written in vectors, a copy's edges element by element.
 
 Optional like :mod:`pgregistry.grad_stats._fused`: triton is imported inside a function, and
-:func:`can_run_fused_step` is False off CUDA, without triton, or where the kernel's first launch on a device (once
-per device and process) fails; then the caller keeps torch's step.
+:func:`can_run_fused_step` is False off CUDA, without triton, or where the kernel's first launch on
+a device (once per device and process) fails; then the caller keeps torch's step.
 """
 
 from __future__ import annotations
@@ -66,14 +73,20 @@ BLOCK = 1024
 """Elements a program steps per iteration: a block, with one copy row."""
 
 ITERS = 16
-"""Iterations per program: a program steps ``BLOCK * ITERS`` consecutive elements (its per-program float64 work,
-the bias corrections, spread over them)."""
+"""Iterations per program: a program steps ``BLOCK * ITERS`` consecutive elements (its per-program
+float64 work, the bias corrections, spread over them)."""
 
 WARPS = 4
-"""Warps per program (``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte vectors of float32)."""
+"""Warps per program.
+
+``BLOCK / (32 * WARPS)`` elements per thread and iteration: two 16-byte vectors of float32.
+"""
 
 VEC = 4
-"""float32 elements in 16 bytes: the flat length must be a multiple of it (every load and store is a vector)."""
+"""float32 elements in 16 bytes: the flat length must be a multiple of it.
+
+Every load and store is a vector.
+"""
 
 COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Dtypes the kernel writes copies in."""
@@ -87,9 +100,10 @@ def _import_kernels() -> ModuleType | None:
 
 
 def can_run_fused_step(device: torch.device) -> bool:
-    """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch there (once per device and
-    process) that compiled and gave the exact result of a small Adam step (see
-    :mod:`pgregistry._runtime.optional_kernels`)."""
+    """Whether the kernel runs on ``device``: CUDA, triton importable, and a first launch passed.
+
+    The first launch (once per device and process) must have compiled and given the exact result of
+    a small Adam step (see :mod:`pgregistry._runtime.optional_kernels`)."""
     if device.type != "cuda" or _import_kernels() is None:
         return False
     return _works_on(cuda_index(device))
@@ -114,8 +128,10 @@ def _works_on(index: int) -> bool:
 
 
 def _probe_every_launch(device: torch.device) -> tuple[tuple[float, ...], tuple[float, ...], float]:
-    """One Adam step (betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact) of ones with grads ±4 and
-    ±2, copied to bf16: every param moves by 0.5 against its grad."""
+    """One exactly known Adam step of ones with grads ±4 and ±2, copied to bf16.
+
+    Betas 0.5 and 0.75, eps 0, lr 0.5: step size 1, every value exact; every param moves by 0.5
+    against its grad."""
     flat = torch.nn.Parameter(torch.ones(8, device=device))
     flat.grad = torch.tensor([4.0, -4.0, 2.0, -2.0] * 2, device=device)
     out = torch.zeros(8, dtype=torch.bfloat16, device=device)
@@ -126,8 +142,10 @@ def _probe_every_launch(device: torch.device) -> tuple[tuple[float, ...], tuple[
 
 
 def kernel_can_step(flat: torch.Tensor) -> bool:
-    """Whether ``flat`` can be stepped by the kernel: contiguous float32 of a positive multiple of :data:`VEC`
-    elements, on a device where :func:`can_run_fused_step`."""
+    """Whether the kernel can step ``flat``.
+
+    It must be contiguous float32 of a positive multiple of :data:`VEC` elements, on a device where
+    :func:`can_run_fused_step`."""
     return (
         flat.dtype == torch.float32
         and flat.is_contiguous()
@@ -139,8 +157,10 @@ def kernel_can_step(flat: torch.Tensor) -> bool:
 
 @attrs.frozen(slots=True, eq=False)
 class _CopyPlan:
-    """The copies the kernel writes (``written``), addressed from ``out`` through ``table`` (one ``[out_first, lo,
-    hi]`` row per block, on the device; ``None`` for both when it writes none), and those it leaves."""
+    """The copies the kernel writes (``written``), addressed through ``table``, and those it leaves.
+
+    ``written`` is addressed from ``out`` through ``table`` (one ``[out_first, lo, hi]`` row per
+    block, on the device; ``None`` for both when it writes none)."""
 
     out: torch.Tensor | None
     table: torch.Tensor | None
@@ -149,8 +169,10 @@ class _CopyPlan:
 
 
 def _plan_copies(flat: torch.Tensor, copies: Sequence[Copy], block: int) -> _CopyPlan:
-    """Which of ``copies`` the kernel writes (see the module docstring) and its table, one row per ``block``
-    elements, built once: the copies' places never change (the optimizers refuse a parameter whose data moved)."""
+    """Which of ``copies`` the kernel writes and its table, one row per ``block`` elements.
+
+    See the module docstring. Built once: the copies' places never change (the optimizers refuse a
+    parameter whose data moved)."""
     candidates = [
         c
         for c in copies
@@ -185,23 +207,26 @@ def _plan_copies(flat: torch.Tensor, copies: Sequence[Copy], block: int) -> _Cop
 
 
 def _as_float32_pair(value: float) -> tuple[float, float]:
-    """``value`` as two float32 (its float32 rounding and the rest), which the kernel adds in float64."""
+    """``value`` as two float32 (its float32 rounding, the rest) the kernel adds in float64."""
     high: float = struct.unpack("f", struct.pack("f", value))[0]
     return high, value - high
 
 
 def _are_plain_numbers(*values: object) -> bool:
-    """Whether ``values`` are plain numbers (the kernel takes them as arguments; a tensor ``lr`` or betas keep
-    torch's step)."""
+    """Whether ``values`` are plain numbers, which the kernel takes as arguments.
+
+    A tensor ``lr`` or betas keep torch's step."""
     return all(isinstance(value, (int, float)) for value in values)
 
 
 class FusedStep:
-    """Steps ``flat`` (a contiguous float32 tensor whose ``.grad`` is its float32 grad) with the rule of a torch
-    optimizer over it, in one kernel, and writes the ``copies`` it can (:attr:`unfused`: the others).
+    """Steps ``flat`` with the rule of a torch optimizer over it, in one kernel, and writes copies.
 
-    ``block``, ``iters`` and ``warps`` shape the programs (tests use small ones to get many programs and blocks over
-    few elements; ``benchmarks/optimizer_step.py --configs`` times others).
+    ``flat`` is a contiguous float32 tensor whose ``.grad`` is its float32 grad. It writes the
+    ``copies`` it can (:attr:`unfused`: the others).
+
+    ``block``, ``iters`` and ``warps`` shape the programs (tests use small ones to get many programs
+    and blocks over few elements; ``benchmarks/optimizer_step.py --configs`` times others).
     """
 
     def __init__(
@@ -224,9 +249,10 @@ class FusedStep:
         return self._plan.unfused
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """One step of ``optimizer``'s rule (its param group and state) in one kernel, copies written; ``False``,
-        with nothing touched, where the rule or its state is not one the kernel runs (the caller steps with
-        torch)."""
+        """One step of ``optimizer``'s rule in one kernel, copies written; ``False`` if it can't.
+
+        The rule is the optimizer's param group and state. ``False``, with nothing touched, where
+        the rule or its state is not one the kernel runs (the caller steps with torch)."""
         grad = self.flat.grad
         if grad is None or not self._can_run_kernel(optimizer, grad):
             return False
@@ -236,8 +262,10 @@ class FusedStep:
         return self._step_adam(optimizer, group, grad)
 
     def _can_run_kernel(self, optimizer: torch.optim.Optimizer, grad: torch.Tensor) -> bool:
-        """Whether ``optimizer`` is one rule over this flat tensor alone, with a grad the kernel reads, no grad
-        scaler and none of the options the kernel does not have."""
+        """Whether ``optimizer`` is one rule over this flat tensor alone that the kernel runs.
+
+        With a grad the kernel reads, no grad scaler and none of the options the kernel does not
+        have."""
         groups = optimizer.param_groups
         return (
             type(optimizer) in _RULES
@@ -252,7 +280,10 @@ class FusedStep:
         )
 
     def _fits_flat(self, tensor: object) -> bool:
-        """Whether ``tensor`` is laid out like the flat tensor (state and grads the kernel reads by its offsets)."""
+        """Whether ``tensor`` is laid out like the flat tensor.
+
+        State and grads the kernel reads by its offsets must be.
+        """
         flat = self.flat
         return (
             isinstance(tensor, torch.Tensor)
@@ -355,9 +386,10 @@ class FusedStep:
         *,
         written: list[torch.Tensor],
     ) -> None:
-        """Launch ``kernel`` over ``tensors`` (then the copy target, the table, the length), ``scalars`` and
-        ``flags``, and tell autograd that ``written`` and the copies' target changed in place, as a torch step
-        would."""
+        """Launch ``kernel`` and tell autograd what it changed in place, as a torch step would.
+
+        Over ``tensors`` (then the copy target, the table, the length), ``scalars`` and ``flags``;
+        ``written`` and the copies' target are marked changed in place."""
         kernels = _import_kernels()
         if kernels is None:
             raise RuntimeError(
@@ -387,8 +419,9 @@ class FusedStep:
 
 
 def _device_count(step: object, device: torch.device) -> bool:
-    """Whether ``step`` is a step count the kernel reads: a one-element float32 tensor on ``device`` (torch's fused
-    optimizers keep it so)."""
+    """Whether ``step`` is a step count the kernel reads.
+
+    A one-element float32 tensor on ``device`` (torch's fused optimizers keep it so)."""
     return (
         isinstance(step, torch.Tensor)
         and step.dtype == torch.float32

@@ -1,40 +1,44 @@
-"""A flat gradient buffer: every grad of one optimizer in one allocation, laid out by statistics class.
+"""A flat gradient buffer: every grad of one optimizer in one allocation, laid out by stats class.
 
-Torch's multi-tensor norm over many tensors is bound by kernel launches and host work, where one norm over a
-contiguous tensor of the same bytes is bound by memory bandwidth (``benchmarks/grad_stats.py`` measures both;
-``docs/performance.md``). A :class:`GradBuffer` keeps the grads of one optimizer in one contiguous tensor and orders the
-parameters so that the grads counted in the statistics of each reduction group form one contiguous span; the
-grads not counted (tensor- or GTP-parallel duplicates, shared copies) form one more span per group (one in all for
-an optimizer, whose grads have one group). Statistics then run over a handful of span views, whatever the parameter
-count:
+Torch's multi-tensor norm over many tensors is bound by kernel launches and host work, where one
+norm over a contiguous tensor of the same bytes is bound by memory bandwidth
+(``benchmarks/grad_stats.py`` measures both; ``docs/performance.md``). A :class:`GradBuffer` keeps
+the grads of one optimizer in one contiguous tensor and orders the parameters so that the grads
+counted in the statistics of each reduction group form one contiguous span; the grads not counted
+(tensor- or GTP-parallel duplicates, shared copies) form one more span per group (one in all for an
+optimizer, whose grads have one group). Statistics then run over a handful of span views, whatever
+the parameter count:
 
 * parameters are classified once, here, with :func:`pgregistry.grad_stats.is_counted` and
   :func:`~pgregistry.grad_stats.reduce_group_of`, never again per step;
-* grads live only in the buffer: each ``param.grad`` (same dtype) or ``param.main_grad`` (mixed precision) is a
-  view into :attr:`GradBuffer.data`;
-* a span is read into a *part* of its group's local share (:mod:`pgregistry.grad_stats._reductions`: ``sum |g|^p``
-  or ``max |g|`` in float64, and the zero count), and the shares are reduced by the grad statistics' one reducer,
-  which an optimizer's chained children share: one all-reduce per group, in the one agreed order; an uncounted span
-  is read into a seen part (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`: its NaN or inf only) under its
-  group, so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
-* on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output (a
-  bf16/fp16 span is cast inside the kernel when the output is float32);
-* on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0`` (a byte per
-  element), so a span is viewed as rows of at most 2**24 elements and reduced with ``vector_norm(ord=0)``, whose
-  float32 count is exact per row (every partial sum is an integer below 2**24), and the row counts are summed in
-  float64: two reductions per span;
-* elsewhere (CPU) a float32 reduction is one sequential sum per thread, which loses precision (a relative error
-  of 1.7e-4 measured over 8M elements), casts of bf16 are copies, and ``count_nonzero`` branches per element (3x
-  slower than a mask on random zeros). There both statistics walk blocks of :data:`HOST_BLOCK` elements: the
-  norm reduces rows of :data:`HOST_ROW` elements in float32 and accumulates them in float64, the zero count
-  compares into one reused mask. The extra memory stays bounded by a block, whatever the buffer's size.
+* grads live only in the buffer: each ``param.grad`` (same dtype) or ``param.main_grad`` (mixed
+  precision) is a view into :attr:`GradBuffer.data`;
+* a span is read into a *part* of its group's local share (:mod:`pgregistry.grad_stats._reductions`:
+  ``sum |g|^p`` or ``max |g|`` in float64, and the zero count), and the shares are reduced by the
+  grad statistics' one reducer, which an optimizer's chained children share: one all-reduce per
+  group, in the one agreed order; an uncounted span is read into a seen part
+  (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`: its NaN or inf only) under its group,
+  so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
+* on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output
+  (a bf16/fp16 span is cast inside the kernel when the output is float32);
+* on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0``
+  (a byte per element), so a span is viewed as rows of at most 2**24 elements and reduced with
+  ``vector_norm(ord=0)``, whose float32 count is exact per row (every partial sum is an integer
+  below 2**24), and the row counts are summed in float64: two reductions per span;
+* elsewhere (CPU) a float32 reduction is one sequential sum per thread, which loses precision (a
+  relative error of 1.7e-4 measured over 8M elements), casts of bf16 are copies, and
+  ``count_nonzero`` branches per element (3x slower than a mask on random zeros). There both
+  statistics walk blocks of :data:`HOST_BLOCK` elements: the norm reduces rows of :data:`HOST_ROW`
+  elements in float32 and accumulates them in float64, the zero count compares into one reused mask.
+  The extra memory stays bounded by a block, whatever the buffer's size.
 
-:func:`span_shares` accepts arbitrary spans over :attr:`GradBuffer.data`, which is how a sharded optimizer reduces
-only its shard (see :func:`class_spans`).
+:func:`span_shares` accepts arbitrary spans over :attr:`GradBuffer.data`, which is how a sharded
+optimizer reduces only its shard (see :func:`class_spans`).
 
-On CUDA, for the 2-norm (or the zero count alone) of float32/bf16/fp16 grads, each span is read once for both
-statistics: one Triton kernel computes the sum of squares and the zero count (:mod:`pgregistry.grad_stats._fused`),
-half the bytes of the two reductions. Elsewhere, and without triton, they are the two reductions above.
+On CUDA, for the 2-norm (or the zero count alone) of float32/bf16/fp16 grads, each span is read once
+for both statistics: one Triton kernel computes the sum of squares and the zero count
+(:mod:`pgregistry.grad_stats._fused`), half the bytes of the two reductions. Elsewhere, and without
+triton, they are the two reductions above.
 """
 
 from __future__ import annotations
@@ -84,16 +88,21 @@ __all__ = [
 ]
 
 SPAN_ALIGNMENT = 64
-"""Every span starts at a multiple of this many elements (256 bytes in float32), so span kernels load aligned."""
+"""Every span starts at a multiple of this many elements (256 bytes in float32).
+
+So span kernels load aligned.
+"""
 
 ZERO_COUNT_ROW = 1 << 24
-"""Longest row reduced in float32 by the CUDA zero count: below 2**24 every partial count is exact."""
+"""Longest row the CUDA zero count reduces in float32: below 2**24 partial counts are exact."""
 
 
 @attrs.frozen(slots=True, eq=False)
 class Span:
-    """``data[start:stop]`` holds grads of one class: counted or not counted here, and the group their counted
-    copies are reduced over (``group``; an uncounted span's NaN or inf is reduced over it too)."""
+    """``data[start:stop]`` holds grads of one class: counted here or not, and their ``group``.
+
+    The group is the one their counted copies are reduced over; an uncounted span's NaN or inf is
+    reduced over it too."""
 
     group: ProcessGroup | None
     counted: bool
@@ -115,11 +124,13 @@ def class_spans(
     *,
     reduce_over: ProcessGroup | None | Unset = UNSET,
 ) -> tuple[Span, ...]:
-    """Spans of ``entries`` (``(role tensor, start, stop)`` in increasing, non-overlapping order), classified by
-    the role tensor's attributes; adjacent entries of one class merge into one span.
+    """Spans of ``entries``, classified by the role tensor's attributes.
 
-    ``reduce_over`` replaces the reduction group of every span (a sharded optimizer reduces over its whole
-    instance). Classification happens here, once; callers keep the spans.
+    ``entries`` are ``(role tensor, start, stop)`` in increasing, non-overlapping order; adjacent
+    entries of one class merge into one span.
+
+    ``reduce_over`` replaces the reduction group of every span (a sharded optimizer reduces over its
+    whole instance). Classification happens here, once; callers keep the spans.
     """
     spans: list[Span] = []
     for tensor, start, stop in entries:
@@ -146,12 +157,13 @@ def _round_up_to_multiple(value: int, multiple: int) -> int:
 class GradBuffer:
     """One contiguous grad tensor for ``params``, with one span per statistics class.
 
-    ``params`` are the tensors whose role attributes classify them (for a mixed-precision optimizer, the float32
-    main copies made with :func:`pgregistry.params.copy_param_roles`). The layout puts the counted grads of each
-    reduction group together (groups in order of first appearance), then the uncounted grads, likewise; spans start at
-    multiples of :data:`SPAN_ALIGNMENT`. The total length is padded to a multiple of
-    ``SPAN_ALIGNMENT * shard_multiple`` so that ``shard_multiple`` equal shards exist (a sharded optimizer passes
-    its data-parallel size). Padding is never part of a span and stays zero.
+    ``params`` are the tensors whose role attributes classify them (for a mixed-precision optimizer,
+    the float32 main copies made with :func:`pgregistry.params.copy_param_roles`). The layout puts
+    the counted grads of each reduction group together (groups in order of first appearance), then
+    the uncounted grads, likewise; spans start at multiples of :data:`SPAN_ALIGNMENT`. The total
+    length is padded to a multiple of ``SPAN_ALIGNMENT * shard_multiple`` so that ``shard_multiple``
+    equal shards exist (a sharded optimizer passes its data-parallel size). Padding is never part of
+    a span and stays zero.
     """
 
     def __init__(
@@ -204,7 +216,10 @@ class GradBuffer:
         return int(self.data.numel())
 
     def shard_range(self, group: ProcessGroup | None) -> tuple[int, int]:
-        """``[start, stop)`` of this rank's equal shard of :attr:`data` over ``group`` (all of it when off)."""
+        """``[start, stop)`` of this rank's equal shard of :attr:`data` over ``group``.
+
+        All of it when ``group`` is off.
+        """
         size = group_size(group)
         if self.numel % size:
             raise ValueError(
@@ -219,24 +234,29 @@ class GradBuffer:
         span_shares(self.data, self.spans, shares)
 
     def statistics(self, wanted: Wanted) -> Reduced:
-        """The statistics of the counted grads, each span's part reduced over its group (no host sync)."""
+        """The counted grads' statistics, each span's part reduced over its group (no sync)."""
         shares = Shares(wanted, self.data.device, (span.group for span in self.spans))
         self.local_shares(shares)
         return reduce_shares(shares)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of the counted grads, reduced over each span's group (0-dim, float64 for a float64 buffer, else
-        float32; no host sync); NaN or infinite when any grad is, uncounted ones too."""
+        """The norm of the counted grads, reduced over each span's group.
+
+        0-dim, float64 for a float64 buffer, else float32; no host sync. NaN or infinite when any
+        grad is, uncounted ones too."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
-        """The number of zero elements among the counted grads, reduced over each span's group (0-dim int64)."""
+        """How many zeros the counted grads hold, reduced over each span's group (0-dim int64)."""
         zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
         assert zeros is not None
         return zeros
 
     def norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`grad_norm` and :meth:`count_zeros` together, reading the buffer once where the kernel runs."""
+        """:meth:`grad_norm` and :meth:`count_zeros` together.
+
+        The buffer is read once where the kernel runs.
+        """
         reduced = self.statistics(Wanted.of(norm_type, zeros=True))
         assert reduced.zeros is not None
         return reduced.norm, reduced.zeros
@@ -245,12 +265,15 @@ class GradBuffer:
 def span_shares(
     data: torch.Tensor, spans: Iterable[Span], shares: Shares, *, one_read: bool | None = None
 ) -> None:
-    """Add one part per counted span of ``data`` to ``shares``, under the span's group, and, when a norm is wanted,
-    one seen part per uncounted span (its NaN or inf only: the verdict covers every grad this rank holds).
+    """Add one part per counted span of ``data`` to ``shares``, under the span's group.
 
-    ``one_read`` (default: where it applies, i.e. the 2-norm or the zero count alone of float32/bf16/fp16 ``data``
-    on CUDA with triton importable) reads each span once for both statistics with
-    :func:`pgregistry.grad_stats._fused.span_squares_and_zeros`; otherwise a norm and a zero count reduction.
+    When a norm is wanted, also one seen part per uncounted span (its NaN or inf only: the verdict
+    covers every grad this rank holds).
+
+    ``one_read`` (default: where it applies, i.e. the 2-norm or the zero count alone of
+    float32/bf16/fp16 ``data`` on CUDA with triton importable) reads each span once for both
+    statistics with :func:`pgregistry.grad_stats._fused.span_squares_and_zeros`; otherwise a norm
+    and a zero count reduction.
     """
     wanted = shares.wanted
     if one_read is None:
@@ -285,8 +308,9 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
-    """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64; see the module
-    docstring."""
+    """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64.
+
+    See the module docstring."""
     infinite = math.isinf(p)
     if view.device.type == "cuda":
         norm = torch.linalg.vector_norm(view, p, dtype=_float_dtype(view.dtype)).to(torch.float64)
@@ -300,7 +324,7 @@ def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _count_nonzero(view: torch.Tensor) -> torch.Tensor:
-    """Non-zero elements of a 1-D contiguous ``view`` as a 0-dim int64 tensor, without a mask of its size."""
+    """Non-zero elements of 1-D contiguous ``view`` as a 0-dim int64, without a mask of its size."""
     if view.device.type == "cuda":
         return count_nonzero_by_rows(view, ZERO_COUNT_ROW)
     mask = torch.empty(min(view.numel(), HOST_BLOCK), dtype=torch.bool, device=view.device)
@@ -313,9 +337,11 @@ def _count_nonzero(view: torch.Tensor) -> torch.Tensor:
 
 
 def count_nonzero_by_rows(view: torch.Tensor, row: int) -> torch.Tensor:
-    """Non-zero elements of a 1-D contiguous ``view``: ``vector_norm(ord=0)`` over rows of at most ``row``
-    elements (exact in float32 for rows up to 2**24), row counts summed in float64. Two reductions whatever the
-    length, and only the per-row outputs are allocated (on CUDA, bf16/fp16 are cast inside the kernel)."""
+    """Non-zero elements of a 1-D contiguous ``view``, counted over rows of at most ``row``.
+
+    ``vector_norm(ord=0)`` over rows of at most ``row`` elements (exact in float32 for rows up to
+    2**24), row counts summed in float64. Two reductions whatever the length, and only the per-row
+    outputs are allocated (on CUDA, bf16/fp16 are cast inside the kernel)."""
     acc = _float_dtype(view.dtype)
     rows = view.numel() // row
     bulk = rows * row
@@ -335,9 +361,11 @@ def all_reduce_grads_(
     divide_by: int = 1,
     bucket_numel: int | None = None,
 ) -> None:
-    """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``: one collective per
-    bucket of at most ``bucket_numel`` elements (default: one bucket), never one per tensor; none when the group is
-    off. Dividing first (as Megatron-Core does) keeps the sum in range; ``divide_by=size(group)`` averages."""
+    """Divide :attr:`GradBuffer.data` by ``divide_by``, then SUM all-reduce it over ``group``.
+
+    One collective per bucket of at most ``bucket_numel`` elements (default: one bucket), never one
+    per tensor; none when the group is off. Dividing first (as Megatron-Core does) keeps the sum in
+    range; ``divide_by=size(group)`` averages."""
     _divide_buffer(buffer, divide_by)
     if (
         group_size(group) == 1 or buffer.numel == 0
@@ -353,9 +381,10 @@ def all_reduce_grads_(
 def reduce_scatter_grads_(
     buffer: GradBuffer, group: ProcessGroup | None, *, divide_by: int = 1
 ) -> tuple[int, int]:
-    """Divide :attr:`GradBuffer.data` by ``divide_by``, then reduce-scatter it over ``group`` in place (SUM, one
-    collective): afterwards this rank's shard, returned as ``[start, stop)``, holds its reduced grads and the rest
-    of the buffer is stale."""
+    """Divide :attr:`GradBuffer.data` by ``divide_by``, then reduce-scatter it over ``group``.
+
+    In place (SUM, one collective): afterwards this rank's shard, returned as ``[start, stop)``,
+    holds its reduced grads and the rest of the buffer is stale."""
     start, stop = buffer.shard_range(group)
     _divide_buffer(buffer, divide_by)
     if group_size(group) == 1 or buffer.numel == 0:

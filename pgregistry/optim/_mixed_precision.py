@@ -1,17 +1,19 @@
-"""A mixed-precision optimizer: low-precision model parameters, float32 main copies, float32 grads in one buffer.
+"""A mixed-precision optimizer: low-precision params, fp32 main copies, fp32 grads in one buffer.
 
-Each bf16/fp16 parameter gets a float32 main copy made with :func:`pgregistry.params.copy_param_roles`, so its roles
-(``allreduce=False`` above all) survive: the statistics classify the main copies, and Megatron-LM PR 6470's bug was a
-main copy without ``allreduce=False``, which turned every expert into a dense parameter counted on dense-TP rank 0
-only. Parameters already in the main dtype are their own main copy. With ``main_dtype=None`` there are no copies:
-the optimizer steps the model parameters in their own dtype (plain full- or low-precision training).
+Each bf16/fp16 parameter gets a float32 main copy made with
+:func:`pgregistry.params.copy_param_roles`, so its roles (``allreduce=False`` above all) survive:
+the statistics classify the main copies, and Megatron-LM PR 6470's bug was a main copy without
+``allreduce=False``, which turned every expert into a dense parameter counted on dense-TP rank 0
+only. Parameters already in the main dtype are their own main copy. With ``main_dtype=None`` there
+are no copies: the optimizer steps the model parameters in their own dtype (plain full- or
+low-precision training).
 
 Every main param is a view of one flat tensor laid out like the grad buffer
-(:attr:`MixedPrecisionOptimizer.main_data`; parameters in the main dtype get their data moved there), so an
-elementwise rule steps it as one tensor (:mod:`pgregistry.optim._flat_step`), and the lower-precision parameters'
-data is packed per dtype in the same order, so the rounded copy back is one copy per run of consecutive parameters
-of one dtype, not one per parameter; with a flat step on CUDA, it is written by the step's own kernel
-(:mod:`pgregistry.optim._fused_step`).
+(:attr:`MixedPrecisionOptimizer.main_data`; parameters in the main dtype get their data moved
+there), so an elementwise rule steps it as one tensor (:mod:`pgregistry.optim._flat_step`), and the
+lower-precision parameters' data is packed per dtype in the same order, so the rounded copy back is
+one copy per run of consecutive parameters of one dtype, not one per parameter; with a flat step on
+CUDA, it is written by the step's own kernel (:mod:`pgregistry.optim._fused_step`).
 """
 
 from __future__ import annotations
@@ -47,17 +49,19 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     Args:
         params: the model parameters, all dense or all routed experts (``expert``).
         process_groups: the groups it runs on, from
-            :func:`~pgregistry.optim._setup.setup_process_groups_for_optimizer` (``build_optimizer`` makes them once
-            for all its children).
-        inner: the update rule over the main params: an :class:`~pgregistry.optim._flat_step.ElementwiseRule`
-            (``inner_factory("adam", lr=1e-3)``) steps them as one flat tensor; any other factory, e.g.
+            :func:`~pgregistry.optim._setup.setup_process_groups_for_optimizer` (``build_optimizer``
+            makes them once for all its children).
+        inner: the update rule over the main params: an
+            :class:`~pgregistry.optim._flat_step.ElementwiseRule` (``inner_factory("adam",
+            lr=1e-3)``) steps them as one flat tensor; any other factory, e.g.
             ``functools.partial(torch.optim.Adam, lr=1e-3)``, gets the per-parameter main params.
-        expert: whether ``params`` are routed-expert parameters (grads summed over ``expt_dp``, counted with the
-            expert TP group, statistics over ``tp_ep_pp_with_egtp_remat``) or dense ones (``dp_cp``, TP group,
-            ``mp``); both
-            are divided by the ``dp_cp`` size (see :mod:`pgregistry.optim._base`).
+        expert: whether ``params`` are routed-expert parameters (grads summed over ``expt_dp``,
+            counted with the expert TP group, statistics over ``tp_ep_pp_with_egtp_remat``) or dense
+            ones (``dp_cp``, TP group, ``mp``); both are divided by the ``dp_cp`` size (see
+            :mod:`pgregistry.optim._base`).
         main_dtype: dtype of the main copies and grads; ``None`` steps the parameters themselves.
-        bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one bucket).
+        bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one
+            bucket).
         param_name_fn: names parameters in state dicts and errors.
     """
 
@@ -74,27 +78,28 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     ) -> None:
         super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
         self.grad_sync_group = self.process_groups.expt_dp if expert else self.process_groups.dp_cp
-        """Grads are summed over this group (after division by :attr:`grad_divisor`): ``expt_dp`` for experts,
-        ``dp_cp`` for dense parameters."""
+        """Grads are summed over this group (after division by :attr:`grad_divisor`): ``expt_dp``
+        for experts, ``dp_cp`` for dense parameters."""
         self.bucket_numel = bucket_numel
         dtypes = {p.dtype for p in self.params}
         if main_dtype is None and len(dtypes) > 1:
             raise ValueError(
-                f"main_dtype=None steps the parameters in their own dtype, but they mix {sorted(map(str, dtypes))}; "
-                "give each dtype its own optimizer or set main_dtype"
+                "main_dtype=None steps the parameters in their own dtype, but they mix "
+                f"{sorted(map(str, dtypes))}; give each dtype its own optimizer or set main_dtype"
             )
         buffer_dtype = main_dtype or next(iter(dtypes), torch.float32)
         device = self._buffer_device()
-        # Main copies exist before their storage: the buffer classifies them (their roles are what the optimizer
-        # counts) and lays them out; each then becomes its view of the flat main buffer.
+        # Main copies exist before their storage: the buffer classifies them (their roles are what
+        # the optimizer counts) and lays them out; each then becomes its view of the flat main
+        # buffer.
         self.main_params: list[torch.Tensor] = [
             p
             if p.dtype == buffer_dtype
             else copy_param_roles(p, torch.nn.Parameter(_stand_in_for(p, buffer_dtype)))
             for p in self.params
         ]
-        """What ``inner`` steps: the float32 copy of each lower-precision parameter, else the parameter; each a
-        view of :attr:`main_data`."""
+        """What ``inner`` steps: the float32 copy of each lower-precision parameter, else the
+        parameter; each a view of :attr:`main_data`."""
         self.buffer = GradBuffer(
             self.main_params, self.stats_groups, dtype=buffer_dtype, device=device
         )
@@ -123,8 +128,9 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._make_inner(inner, self.main_data, self.main_params, self.buffer.offsets, self._copies)
 
     def sync_grads(self) -> None:
-        """Divide the grads by :attr:`grad_divisor` and all-reduce them over :attr:`grad_sync_group`, one
-        collective per bucket."""
+        """All-reduce the grads, divided by :attr:`grad_divisor`, over :attr:`grad_sync_group`.
+
+        One collective per bucket."""
         self._check_attached()
         all_reduce_grads_(
             self.buffer,
@@ -135,8 +141,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the main params and copy them (rounded) into the model parameters: a flat step writes the copies
-        itself (on CUDA in its kernel); after any other inner optimizer, one copy per run."""
+        """Step the main params and copy them (rounded) into the model parameters.
+
+        A flat step writes the copies itself (on CUDA in its kernel); after any other inner
+        optimizer, one copy per run."""
         if self.inner is not None:
             self.inner.step()
         if not isinstance(self.inner, FlatStep):
@@ -150,7 +158,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return [(p, m) for p, m in zip(self.params, self.main_params, strict=True) if m is not p]
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"inner": inner state dict (or None), "main_params": {name: main copy}}`` (references, not copies)."""
+        """``{"inner": inner state dict or None, "main_params": {name: main copy}}``.
+
+        References, not copies.
+        """
         return {
             "inner": self.inner.state_dict() if self.inner is not None else None,
             "main_params": {
@@ -159,11 +170,14 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         }
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """Main copies missing, extra or of another shape or dtype, and the inner state's faults
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict``.
+
+        Main copies missing, extra or of another shape or dtype, and the inner state's faults
         (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local."""
         if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
             return [
-                "it is no {'inner': ..., 'main_params': ...} dict (MixedPrecisionOptimizer.state_dict output)"
+                "it is no {'inner': ..., 'main_params': ...} "
+                "dict (MixedPrecisionOptimizer.state_dict output)"
             ]
         saved = state_dict["main_params"]
         names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
@@ -173,7 +187,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 faults.extend(tensor_faults(f"main copy {name!r}", saved[name], main))
         if (state_dict["inner"] is None) != (self.inner is None):
             faults.append(
-                "it was saved by an optimizer with a different set of parameters (inner state on one side)"
+                "it was saved by an optimizer with a different "
+                "set of parameters (inner state on one side)"
             )
         elif self.inner is not None:
             model_name = {
@@ -190,7 +205,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the checked :meth:`state_dict` output and copy the restored main params into the model."""
+        """Restore checked :meth:`state_dict` output; copy the restored main params to the model."""
         saved = state_dict["main_params"]
         names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
         for name, main in names.items():
@@ -200,7 +215,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._copy_main_to_model()
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its inner state, plus its main copy (``main_param``) when it has one."""
+        """Model parameter -> its inner state, plus its main copy (``main_param``) if it has one."""
         inner = self.inner.state if self.inner is not None else {}
         out: dict[torch.Tensor, ParamState] = {}
         for param, main in zip(self.params, self.main_params, strict=True):
@@ -211,7 +226,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return out
 
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The replicas (:attr:`grad_sync_group`) and the statistics groups: every rank of the instance."""
+        """The replicas (:attr:`grad_sync_group`) and stats groups: every rank of the instance."""
         groups: list[ProcessGroup | None] = []
         for group in (self.grad_sync_group, *self.stats_reduce_groups()):
             if not any(group is seen for seen in groups):
@@ -219,8 +234,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return tuple(groups)
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Saved main copies of another shape than their parameter's (or no tensor), and the inner state's faults
-        (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local."""
+        """Every reason :meth:`load_param_state` would refuse ``state``.
+
+        Saved main copies of another shape than their parameter's (or no tensor), and the inner
+        state's faults (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local."""
         faults = [
             fault
             for param, main in self._params_and_main_copies()
@@ -239,7 +256,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore :meth:`param_state` output; a main copy without a saved ``main_param`` is its parameter's value."""
+        """Restore :meth:`param_state` output.
+
+        A main copy without a saved ``main_param`` is its parameter's value.
+        """
         for param, main in self._params_and_main_copies():
             main.copy_(state.get(param, {}).get(MAIN_PARAM, param))
         if self.inner is not None:
@@ -259,10 +279,12 @@ def _pack_low_precision(
     offsets: Sequence[int],
     move_data: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> list[Copy]:
-    """Move (``move_data``) the data of every parameter that has a main copy into one flat tensor per (dtype,
-    device), in the order of the main buffer, so that the copy back is one copy per run of consecutive parameters
-    of one kind (one per dtype for a model of bf16 parameters) instead of one per parameter: each run's packed data
-    receives its main copies' span of the flat main buffer, padding between them included."""
+    """Move the data of every parameter with a main copy into one flat tensor per (dtype, device).
+
+    Moved with ``move_data``, in the order of the main buffer, so that the copy back is one copy per
+    run of consecutive parameters of one kind (one per dtype for a model of bf16 parameters) instead
+    of one per parameter: each run's packed data receives its main copies' span of the flat main
+    buffer, padding between them included."""
     runs: list[
         tuple[tuple[torch.dtype, torch.device], int, int, list[tuple[torch.Tensor, int]]]
     ] = []

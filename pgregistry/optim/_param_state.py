@@ -1,11 +1,13 @@
-"""One optimizer interface for checkpoints: the state of each model parameter, whole, keyed by the parameter.
+"""One optimizer interface for checkpoints: each model parameter's whole state, keyed by parameter.
 
-:class:`ParamStateOptimizer` is what :mod:`pgregistry.checkpoint` reads and writes, so every optimizer saves and
-loads through the same functions: a ``torch.optim.Optimizer`` (through :class:`TorchOptimizerState`), and the
-pgregistry optimizers :func:`~pgregistry.optim.build_optimizer` returns (mixed-precision, sharded, chained), which
-implement it themselves. The state of a parameter is whole whatever the optimizer's layout: a mixed-precision
-optimizer adds its float32 main copy (``main_param``), a sharded one gathers its pieces from the ranks of its
-shard group (collective). A checkpoint therefore holds no layout, and loads under another one.
+:class:`ParamStateOptimizer` is what :mod:`pgregistry.checkpoint` reads and writes, so every
+optimizer saves and loads through the same functions: a ``torch.optim.Optimizer`` (through
+:class:`TorchOptimizerState`), and the pgregistry optimizers
+:func:`~pgregistry.optim.build_optimizer` returns (mixed-precision, sharded, chained), which
+implement it themselves. The state of a parameter is whole whatever the optimizer's layout: a
+mixed-precision optimizer adds its float32 main copy (``main_param``), a sharded one gathers its
+pieces from the ranks of its shard group (collective). A checkpoint therefore holds no layout, and
+loads under another one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ __all__ = [
 ]
 
 ParamState: TypeAlias = dict[str, Any]
-"""One parameter's optimizer state: state key -> tensor or value (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``)."""
+"""One parameter's optimizer state: state key -> tensor or value.
+
+Adam's are ``step``, ``exp_avg`` and ``exp_avg_sq``.
+"""
 
 MAIN_PARAM = "main_param"
 """The state key of a mixed-precision optimizer's main copy of a lower-precision parameter."""
@@ -49,20 +54,25 @@ class ParamStateOptimizer(Protocol):
     """
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its whole state (empty before the first step), for every parameter it updates.
+        """Model parameter -> its whole state (empty before the first step), for each it updates.
 
         Collective for a sharded optimizer: every rank of its groups must call it."""
         ...
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Restore the state of each parameter from ``state`` (whole values, as :meth:`param_state` returns them;
-        a parameter without an entry gets an empty state). Call it after the model parameters are loaded: a main
-        copy without a saved ``main_param`` is taken from its parameter. Collective for a sharded optimizer."""
+        """Restore each parameter's whole state from ``state``, as :meth:`param_state` returns it.
+
+        A parameter without an entry gets an empty state. Call it after the model parameters are
+        loaded: a main copy without a saved ``main_param`` is taken from its parameter. Collective
+        for a sharded optimizer."""
         ...
 
 
 class TorchOptimizerState:
-    """:class:`ParamStateOptimizer` over a ``torch.optim.Optimizer`` (its ``state`` is keyed by parameter)."""
+    """:class:`ParamStateOptimizer` over a ``torch.optim.Optimizer``.
+
+    Its ``state`` is keyed by parameter.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -77,14 +87,18 @@ class TorchOptimizerState:
         load_inner_state(self.optimizer, self._inner_params(), state)
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """None: torch's ``load_state_dict`` refuses nothing of a state dict numbered like its own (it casts, and
-        an optimizer of another rule may keep state of any shape)."""
+        """None: torch's ``load_state_dict`` refuses nothing of a state dict numbered like its own.
+
+        It casts, and an optimizer of another rule may keep state of any shape."""
         return []
 
 
 class StateDictOptimizer(Protocol):
-    """What :func:`load_inner_state` needs: a ``torch.optim.Optimizer``, or a pgregistry flat step
-    (:class:`~pgregistry.optim._flat_step.FlatStep`), whose state dict numbers the main params alike."""
+    """What :func:`load_inner_state` needs: an optimizer whose state dict numbers the main params.
+
+    A ``torch.optim.Optimizer``, or a pgregistry flat step
+    (:class:`~pgregistry.optim._flat_step.FlatStep`), whose state dict numbers the main params
+    alike."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -98,8 +112,10 @@ def load_inner_state(
     *,
     rename: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Load ``state`` into ``optimizer`` through ``load_state_dict`` (which casts floating state to each tensor's
-    dtype and device): :func:`inner_state_dict`'s state dict, its values copied."""
+    """Load ``state`` into ``optimizer`` through ``load_state_dict``.
+
+    ``load_state_dict`` casts floating state to each tensor's dtype and device; it gets
+    :func:`inner_state_dict`'s state dict, its values copied."""
     optimizer.load_state_dict(inner_state_dict(optimizer, keys, state, rename=rename, copied=True))
 
 
@@ -111,10 +127,11 @@ def inner_state_dict(
     rename: Mapping[torch.Tensor, torch.Tensor] | None = None,
     copied: bool = False,
 ) -> dict[str, Any]:
-    """The state dict of ``optimizer`` holding ``state``, as :func:`load_inner_state` loads it (and a check reads
-    it first, ``copied=False``: the values themselves). ``keys`` are the tensors ``optimizer`` steps, in
-    ``param_groups`` order; ``rename`` maps one to the key of its entry in ``state`` (a main copy to its model
-    parameter). ``main_param`` is left out."""
+    """The state dict of ``optimizer`` holding ``state``, as :func:`load_inner_state` loads it.
+
+    A check reads it first (``copied=False``: the values themselves). ``keys`` are the tensors
+    ``optimizer`` steps, in ``param_groups`` order; ``rename`` maps one to the key of its entry in
+    ``state`` (a main copy to its model parameter). ``main_param`` is left out."""
     current = optimizer.state_dict()
     ids = [pid for group in current["param_groups"] for pid in group["params"]]
     current["state"] = {}
@@ -137,10 +154,11 @@ def _clone_if_tensor(value: Any) -> Any:
 def param_state_faults(
     optimizer: ParamStateOptimizer, state: Mapping[torch.Tensor, Mapping[str, Any]]
 ) -> list[str]:
-    """Every reason ``optimizer``'s ``load_param_state`` would refuse ``state``, found without changing anything:
-    its ``param_state_faults`` (every pgregistry optimizer has one), else none (an optimizer of another library,
-    whose load is its own). A collective load agrees on them before any rank loads
-    (:mod:`pgregistry.checkpoint`)."""
+    """Every reason ``optimizer``'s ``load_param_state`` would refuse ``state``.
+
+    Found without changing anything: its ``param_state_faults`` (every pgregistry optimizer has
+    one), else none (an optimizer of another library, whose load is its own). A collective load
+    agrees on them before any rank loads (:mod:`pgregistry.checkpoint`)."""
     check = getattr(optimizer, "param_state_faults", None)
     return list(check(state)) if check is not None else []
 
@@ -167,6 +185,7 @@ def as_param_state_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         return TorchOptimizerState(optimizer)
     raise TypeError(
-        f"the checkpoint functions take a torch.optim.Optimizer or an optimizer with param_state() and "
-        f"load_param_state() (pgregistry.optim.ParamStateOptimizer), got {type(optimizer).__name__}"
+        "the checkpoint functions take a torch.optim.Optimizer or an optimizer "
+        "with param_state() and load_param_state() "
+        f"(pgregistry.optim.ParamStateOptimizer), got {type(optimizer).__name__}"
     )

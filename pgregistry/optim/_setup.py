@@ -1,17 +1,21 @@
 """The process groups an optimizer runs on, validated before anything is built on them.
 
-:func:`setup_process_groups_for_optimizer` takes the model's :class:`~pgregistry.collection.ProcessGroupCollection`
-and checks, in Megatron-Core's order, that every group it needs was provided: ``dp`` always; ``dp_cp``, which may
-default to ``dp`` only when context parallelism is off; ``expt_dp`` (``None`` when the model has no experts);
-``intra_dist_opt`` for a distributed optimizer; ``mp`` and ``tp_ep_pp``; and the grad-statistics groups. A missing
-group raises ``ValueError`` naming it and saying how to provide it, so a model on its own grid never silently
-optimises on another grid's groups. The optimizers take the result alone: one source of truth for their groups.
+:func:`setup_process_groups_for_optimizer` takes the model's
+:class:`~pgregistry.collection.ProcessGroupCollection` and checks, in Megatron-Core's order, that
+every group it needs was provided: ``dp`` always; ``dp_cp``, which may default to ``dp`` only when
+context parallelism is off; ``expt_dp`` (``None`` when the model has no experts); ``intra_dist_opt``
+for a distributed optimizer; ``mp`` and ``tp_ep_pp``; and the grad-statistics groups. A missing
+group raises ``ValueError`` naming it and saying how to provide it, so a model on its own grid never
+silently optimises on another grid's groups. The optimizers take the result alone: one source of
+truth for their groups.
 
 Without a collection it uses the one attached to the model, else the global grid with a
-:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (the deprecated path). It reads only what the model needs
-(:func:`optimizer_collection`): the expert fields of a model without experts are never read from the global grid,
-as Megatron-LM's own ``test_get_megatron_optimizer_with_custom_process_groups`` sets ``expt_dp`` and ``tp_ep_pp``
-to ``None`` and gives no ``expt_tp``; a field filled from the global grid never contradicts one the collection sets.
+:class:`~pgregistry.fallback.ProcessGroupFallbackWarning` (the deprecated path). It reads only what
+the model needs (:func:`optimizer_collection`): the expert fields of a model without experts are
+never read from the global grid, as Megatron-LM's own
+``test_get_megatron_optimizer_with_custom_process_groups`` sets ``expt_dp`` and ``tp_ep_pp`` to
+``None`` and gives no ``expt_tp``; a field filled from the global grid never contradicts one the
+collection sets.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class OptimizerProcessGroups:
     mp: Group
     tp_ep_pp: Group
     stats: StatsGroups
-    """Which rank counts a grad and where the counted grads are summed (the grad statistics' groups)."""
+    """Which rank counts a grad and where counted grads are summed (grad statistics' groups)."""
 
 
 def setup_process_groups_for_optimizer(
@@ -135,14 +139,17 @@ def optimizer_collection(
     owner: str,
     collective: bool = True,
 ) -> ProcessGroupCollection:
-    """The collection an optimizer over ``params`` runs on, resolved at the door, with the grad-statistics fields
-    the model needs filled (:func:`pgregistry._runtime.resolve.fill_unset_fields`).
+    """The collection an optimizer over ``params`` runs on, resolved at the door.
 
-    The expert fields are needed when the model holds an expert parameter or an unclassified parameter of a marked
-    expert module, or when no model is given; otherwise an UNSET one is ``None`` (off), never read from the global
-    grid. ``collective`` (an optimizer build) asks every rank of the model's ``mp`` group (each TP and pipeline
-    rank of a replica: one MAX all-reduce), so that a stage without experts decides as the others do; otherwise
-    (a validation on one rank) this rank's chunks decide.
+    The grad-statistics fields the model needs are filled
+    (:func:`pgregistry._runtime.resolve.fill_unset_fields`).
+
+    The expert fields are needed when the model holds an expert parameter or an unclassified
+    parameter of a marked expert module, or when no model is given; otherwise an UNSET one is
+    ``None`` (off), never read from the global grid. ``collective`` (an optimizer build) asks every
+    rank of the model's ``mp`` group (each TP and pipeline rank of a replica: one MAX all-reduce),
+    so that a stage without experts decides as the others do; otherwise (a validation on one rank)
+    this rank's chunks decide.
     """
     chunks = params.chunks if params is not None else ()
     collection = resolve_pg_collection(pg_collection, chunks, owner=owner)
@@ -164,13 +171,14 @@ def optimizer_process_groups(
 ) -> OptimizerProcessGroups:
     """The groups of a resolved ``collection`` an optimizer needs, checked in Megatron-Core's order.
 
-    Checks: ``dp`` set; ``dp_cp`` set, or context parallelism known to be off (the collection's ``cp`` is ``None``
-    or one rank, or the first chunk's ``config.context_parallel_size`` is 1), in which case it is ``dp``;
-    ``expt_dp`` set (``None`` allowed); ``intra_dist_opt`` set when ``use_distributed_optimizer``; ``intra_dp_cp``
-    and ``intra_expt_dp`` set when ``inter_dist_opt`` spans several optimizer instances (they default to
-    ``dp_cp`` and ``expt_dp`` for one instance); ``mp`` and ``tp_ep_pp`` set (``None`` allowed); and the
-    grad-statistics groups (:class:`~pgregistry.grad_stats.StatsGroups`). Each failure raises ``ValueError``
-    naming the group.
+    Checks: ``dp`` set; ``dp_cp`` set, or context parallelism known to be off (the collection's
+    ``cp`` is ``None`` or one rank, or the first chunk's ``config.context_parallel_size`` is 1), in
+    which case it is ``dp``; ``expt_dp`` set (``None`` allowed); ``intra_dist_opt`` set when
+    ``use_distributed_optimizer``; ``intra_dp_cp`` and ``intra_expt_dp`` set when ``inter_dist_opt``
+    spans several optimizer instances (they default to ``dp_cp`` and ``expt_dp`` for one instance);
+    ``mp`` and ``tp_ep_pp`` set (``None`` allowed); and the grad-statistics groups
+    (:class:`~pgregistry.grad_stats.StatsGroups`). Each failure raises ``ValueError`` naming the
+    group.
     """
     groups = _validate_data_parallel(
         collection, model_chunks, distributed_optimizer=use_distributed_optimizer
@@ -204,9 +212,9 @@ def _validate_data_parallel(
         if cp_size != 1:
             known = "unknown" if cp_size is None else str(cp_size)
             raise ValueError(
-                f"dp_cp process group is required: it is not set in pg_collection and the context-parallel size "
-                f"is {known}; dp_cp defaults to dp only when context parallelism is known to be off (set cp, or "
-                "dp_cp)"
+                "dp_cp process group is required: it is not set in pg_collection "
+                f"and the context-parallel size is {known}; dp_cp defaults to dp "
+                "only when context parallelism is known to be off (set cp, or dp_cp)"
             )
         dp_cp = dp
     _require_group(pg_collection, "expt_dp", "set it to None if the model has no experts")
@@ -215,8 +223,8 @@ def _validate_data_parallel(
         _require_group(
             pg_collection,
             "intra_dist_opt",
-            "the distributed optimizer shards its state over this group (one optimizer instance); set it (None "
-            "for a single-rank instance)",
+            "the distributed optimizer shards its state over this group (one "
+            "optimizer instance); set it (None for a single-rank instance)",
             when="when use_distributed_optimizer=True",
         )
     intra_dist_opt = pg_collection.get_or("intra_dist_opt", UNSET)
@@ -227,8 +235,9 @@ def _validate_data_parallel(
         ]
         if missing:
             raise ValueError(
-                f"{' and '.join(missing)} process group(s) are required when inter_dist_opt spans "
-                f"{group_size(inter_dist_opt)} distributed-optimizer instances, but not set in pg_collection"
+                f"{' and '.join(missing)} process group(s) are required when "
+                f"inter_dist_opt spans {group_size(inter_dist_opt)} "
+                "distributed-optimizer instances, but not set in pg_collection"
             )
     return {
         "dp": dp,
@@ -254,7 +263,7 @@ def _require_group(
 def _context_parallel_size(
     pg_collection: ProcessGroupCollection, model_chunks: Sequence[nn.Module]
 ) -> int | None:
-    """The CP size from the collection's ``cp``, else the first chunk's config; ``None`` when unknown."""
+    """The CP size from the collection's ``cp``, else the first chunk's config; or ``None``."""
     if pg_collection.is_set("cp"):
         return group_size(pg_collection.get("cp"))
     size = (
@@ -266,14 +275,19 @@ def _context_parallel_size(
 
 
 def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
-    """``ValueError`` on every rank of ``intra_dist_opt`` and of ``mp`` when, on any of them, ``intra_dist_opt``
-    lacks a rank of this rank's statistics groups (``mp``, the expert model-parallel group).
+    """Refuse an ``intra_dist_opt`` that lacks a rank of this rank's statistics groups.
 
-    A sharded optimizer reduces its statistics over ``intra_dist_opt``, the ranks of one optimizer instance
-    (Megatron-Core's is every rank of the instance, TP x PP x DP x CP). One that holds only the data-parallel ranks
-    (Megatron-LM's ``test_get_megatron_optimizer_with_custom_process_groups`` gives it ``dp_cp``'s ranks) leaves
-    out the TP peers: a TP-replicated grad, counted on TP rank 0 only, is missing from TP rank 1's norm, and the
-    ranks clip by different norms. Two MAX all-reduces (over ``intra_dist_opt``, then ``mp``) carry the verdict.
+    ``ValueError`` on every rank of ``intra_dist_opt`` and of ``mp`` when, on any of them,
+    ``intra_dist_opt`` lacks a rank of this rank's statistics groups (``mp``, the expert
+    model-parallel group).
+
+    A sharded optimizer reduces its statistics over ``intra_dist_opt``, the ranks of one optimizer
+    instance (Megatron-Core's is every rank of the instance, TP x PP x DP x CP). One that holds only
+    the data-parallel ranks (Megatron-LM's
+    ``test_get_megatron_optimizer_with_custom_process_groups`` gives it ``dp_cp``'s ranks) leaves
+    out the TP peers: a TP-replicated grad, counted on TP rank 0 only, is missing from TP rank 1's
+    norm, and the ranks clip by different norms. Two MAX all-reduces (over ``intra_dist_opt``, then
+    ``mp``) carry the verdict.
     """
     instance = groups.intra_dist_opt
     assert not isinstance(instance, Unset)  # a sharded build requires it
@@ -298,10 +312,10 @@ def check_instance_holds_stats_groups(groups: OptimizerProcessGroups) -> None:
     else:
         where = "on another rank of this optimizer instance it does not"
     raise ValueError(
-        f"intra_dist_opt must hold every rank of the statistics groups a sharded optimizer reduces over it, but "
-        f"{where}: give intra_dist_opt every rank of one optimizer instance (TP x PP x DP x CP, as Megatron-Core's; "
-        "Megatron-LM's custom-process-group test gives it dp_cp's ranks, right only at TP 1 and PP 1), or build "
-        "the collection with pgregistry.build"
+        "intra_dist_opt must hold every rank of the statistics groups a sharded optimizer reduces "
+        f"over it, but {where}: give intra_dist_opt every rank of one optimizer instance (TP x PP "
+        "x DP x CP, as Megatron-Core's; Megatron-LM's custom-process-group test gives it dp_cp's "
+        "ranks, right only at TP 1 and PP 1), or build the collection with pgregistry.build"
     )
 
 

@@ -1,17 +1,20 @@
-"""A sharded (distributed) optimizer: main params and optimizer state partitioned over the data-parallel group.
+"""A sharded (distributed) optimizer.
 
-Like Megatron-Core's distributed optimizer. The model parameters and their grads each live in one flat buffer with
-the same layout, padded to equal shards over the sharding group (``dp_cp`` for dense parameters, ``expt_dp`` for
-experts; one optimizer instance). A step is: reduce-scatter the grads (one collective, divided by the ``dp_cp`` size
-as in :mod:`pgregistry.optim._base`; each rank keeps its shard), step float32 main copies of the shard's pieces,
-write them into the parameter buffer, all-gather it (one collective). The main copies are views of one flat
-float32 tensor, the shard's (:attr:`ShardedOptimizer.main_shard`): with an elementwise rule the step is one
-update over it (:mod:`pgregistry.optim._flat_step`) and the write-back one copy, on CUDA both in one kernel
+Main params and optimizer state are partitioned over the data-parallel group.
+
+Like Megatron-Core's distributed optimizer. The model parameters and their grads each live in one
+flat buffer with the same layout, padded to equal shards over the sharding group (``dp_cp`` for
+dense parameters, ``expt_dp`` for experts; one optimizer instance). A step is: reduce-scatter the
+grads (one collective, divided by the ``dp_cp`` size as in :mod:`pgregistry.optim._base`; each rank
+keeps its shard), step float32 main copies of the shard's pieces, write them into the parameter
+buffer, all-gather it (one collective). The main copies are views of one flat float32 tensor, the
+shard's (:attr:`ShardedOptimizer.main_shard`): with an elementwise rule the step is one update over
+it (:mod:`pgregistry.optim._flat_step`) and the write-back one copy, on CUDA both in one kernel
 (:mod:`pgregistry.optim._fused_step`).
 
-Statistics: shards are disjoint across the sharding group and the duplicate filters drop TP/GTP duplicates, so the
-norm and zero count are summed over the whole instance (``intra_dist_opt``). The pieces are classified by their
-own roles, copied with :func:`pgregistry.params.copy_param_roles`.
+Statistics: shards are disjoint across the sharding group and the duplicate filters drop TP/GTP
+duplicates, so the norm and zero count are summed over the whole instance (``intra_dist_opt``). The
+pieces are classified by their own roles, copied with :func:`pgregistry.params.copy_param_roles`.
 
 The inner update rule must be elementwise (Adam, AdamW, SGD): it sees only pieces of parameters.
 """
@@ -46,14 +49,14 @@ if TYPE_CHECKING:
 __all__ = ["ShardedOptimizer"]
 
 _OTHER_LAYOUT = (
-    "to load state saved under another layout, save and load it with pgregistry.checkpoint.save_optimizer_shards "
-    "and load_optimizer_shards"
+    "to load state saved under another layout, save and load it with "
+    "pgregistry.checkpoint.save_optimizer_shards and load_optimizer_shards"
 )
 
 
 @attrs.frozen(slots=True, eq=False)
 class _Piece:
-    """The part ``[start, stop)`` of the buffers that lies in this rank's shard and belongs to ``param``."""
+    """The part ``[start, stop)`` of the buffers in this rank's shard belonging to ``param``."""
 
     param: torch.Tensor
     main: torch.Tensor
@@ -104,11 +107,14 @@ class ShardedOptimizer(FlatOptimizer):
         groups = self.process_groups
         if group_size(groups.inter_dist_opt) > 1:
             raise ValueError(
-                "inter_dist_opt spans several distributed-optimizer instances; ShardedOptimizer supports one "
-                "instance (set inter_dist_opt to None)"
+                "inter_dist_opt spans several distributed-optimizer instances; "
+                "ShardedOptimizer supports one instance (set inter_dist_opt to None)"
             )
         self.shard_group = groups.intra_expt_dp if expert else groups.intra_dp_cp
-        """Main params, state and grads are sharded over this group (``expt_dp`` / ``dp_cp`` of one instance)."""
+        """Main params, state and grads are sharded over this group.
+
+        ``expt_dp`` or ``dp_cp`` of one instance.
+        """
         norm_group = require_group(groups, "intra_dist_opt")
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
@@ -137,7 +143,10 @@ class ShardedOptimizer(FlatOptimizer):
         """``[start, stop)`` of this rank's shard in both buffers."""
         start, stop = self.shard
         self.main_shard = torch.nn.Parameter(self.param_data[start:stop].to(main_dtype, copy=True))
-        """The main copy of this rank's shard of :attr:`param_data` (its ``.grad``: the shard of the grads)."""
+        """The main copy of this rank's shard of :attr:`param_data`.
+
+        Its ``.grad`` is the shard of the grads.
+        """
         self.main_shard.grad = self.buffer.data[start:stop]
         self._pieces = self._make_pieces()
         entries = [(piece.main, piece.start, piece.stop) for piece in self._pieces]
@@ -155,8 +164,9 @@ class ShardedOptimizer(FlatOptimizer):
         )
 
     def _make_pieces(self) -> list[_Piece]:
-        """Each parameter's part of the shard, with its main copy: a view of :attr:`main_shard` carrying the
-        parameter's roles."""
+        """Each parameter's part of the shard, with its main copy.
+
+        The main copy is a view of :attr:`main_shard` carrying the parameter's roles."""
         start, stop = self.shard
         pieces = []
         for param, offset in zip(self.params, self.buffer.offsets, strict=True):
@@ -171,19 +181,22 @@ class ShardedOptimizer(FlatOptimizer):
         return sorted(pieces, key=lambda piece: piece.start)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
+        """This rank's shard of the grad buffer, the grads :meth:`step` reads."""
         start, stop = self.shard
         return [self.buffer.data[start:stop]]
 
     def sync_grads(self) -> None:
-        """Divide the grads by :attr:`grad_divisor` and reduce-scatter them over :attr:`shard_group`: one
-        collective, this rank keeps its shard."""
+        """Reduce-scatter the grads, divided by :attr:`grad_divisor`, over :attr:`shard_group`.
+
+        One collective; this rank keeps its shard."""
         self._check_attached()
         reduce_scatter_grads_(self.buffer, self.shard_group, divide_by=self.grad_divisor)
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the shard's main copies, write them into the parameter buffer (a flat step writes them itself, on
-        CUDA in its kernel) and all-gather it."""
+        """Step the shard's main copies, write them into the parameter buffer and all-gather it.
+
+        A flat step writes them into the buffer itself, on CUDA in its kernel."""
         if self.inner is not None:
             self.inner.step()
         if isinstance(self.inner, FlatStep):
@@ -205,10 +218,12 @@ class ShardedOptimizer(FlatOptimizer):
             all_gather(self.param_data, self.param_data[start:stop], group=self.shard_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"param_groups": ..., "shards": {name: {"offset", "numel", "main", "state"}}}`` for this rank's shard.
+        """This rank's shard as a state dict.
 
-        ``name`` is ``param_name_fn(param)``; ``offset`` and ``numel`` locate the piece in the flattened
-        parameter. Tensors are references, not copies.
+        ``{"param_groups": ..., "shards": {name: {"offset", "numel", "main", "state"}}}``.
+
+        ``name`` is ``param_name_fn(param)``; ``offset`` and ``numel`` locate the piece in the
+        flattened parameter. Tensors are references, not copies.
         """
         inner = (
             self.inner.state_dict() if self.inner is not None else {"state": {}, "param_groups": []}
@@ -225,17 +240,22 @@ class ShardedOptimizer(FlatOptimizer):
         return {"param_groups": inner["param_groups"], "shards": shards}
 
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The whole instance (``intra_dist_opt``, the group of the statistics): every rank of it refuses a load
-        when one does (one small all-reduce), instead of leaving the others waiting in the load's all-gather."""
+        """The whole instance (``intra_dist_opt``, the group of the statistics).
+
+        Every rank of it refuses a load when one does (one small all-reduce), instead of leaving the
+        others waiting in the load's all-gather."""
         return self.stats_reduce_groups()[:1]
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
-        """This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the inner state's
-        faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local: :meth:`load_state_dict` agrees
-        on them over :meth:`load_groups`."""
+        """Every reason :meth:`load_state_dict` would refuse ``state_dict`` on this rank.
+
+        This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the inner
+        state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local:
+        :meth:`load_state_dict` agrees on them over :meth:`load_groups`."""
         if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
             return [
-                "it is no {'shards': ..., 'param_groups': ...} dict (ShardedOptimizer.state_dict output)"
+                "it is no {'shards': ..., 'param_groups': ...} "
+                "dict (ShardedOptimizer.state_dict output)"
             ]
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
@@ -250,8 +270,8 @@ class ShardedOptimizer(FlatOptimizer):
                 piece.stop - piece.start,
             ):
                 faults.append(
-                    f"{name}: saved piece [{entry.get('offset')}, +{entry.get('numel')}) differs from this rank's "
-                    f"[{piece.offset}, +{piece.stop - piece.start})"
+                    f"{name}: saved piece [{entry.get('offset')}, +{entry.get('numel')}) "
+                    f"differs from this rank's [{piece.offset}, +{piece.stop - piece.start})"
                 )
             else:
                 misfits.extend(
@@ -276,9 +296,10 @@ class ShardedOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore checked :meth:`state_dict` output saved with the same sharding. Collective over
-        :attr:`shard_group` (the restored shards are all-gathered into the model). State saved under another
-        layout (EP, PP or data-parallel size) is cut for this one by
+        """Restore checked :meth:`state_dict` output saved with the same sharding.
+
+        Collective over :attr:`shard_group` (the restored shards are all-gathered into the model).
+        State saved under another layout (EP, PP or data-parallel size) is cut for this one by
         :func:`pgregistry.checkpoint.load_optimizer_shards`."""
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
@@ -293,14 +314,16 @@ class ShardedOptimizer(FlatOptimizer):
             self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
         self._publish_shard()
 
-    # ------------------------------------------------------------------------------------------- whole state
+    # ---------------------------------------------------------------------------------- whole state
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its whole state, gathered from the pieces of every rank of :attr:`shard_group`
-        (collective: one all-gather of the state's description, one all-reduce per elementwise state key and one
-        for the main copies). Elementwise state (Adam's moments) comes back shaped like the parameter; other
-        values (Adam's ``step``) are those of any piece. ``main_param`` is present when the main copies' dtype
-        differs from the parameters'."""
+        """Model parameter -> its whole state, gathered from every rank of :attr:`shard_group`.
+
+        Collective, from the pieces on every rank: one all-gather of the state's description, one
+        all-reduce per elementwise state key and one for the main copies. Elementwise state (Adam's
+        moments) comes back shaped like the parameter; other values (Adam's ``step``) are those of
+        any piece. ``main_param`` is present when the main copies' dtype differs from the
+        parameters'."""
         inner = self.inner.state if self.inner is not None else {}
         index = {id(param): i for i, param in enumerate(self.params)}
         described: dict[
@@ -351,7 +374,10 @@ class ShardedOptimizer(FlatOptimizer):
     def _gather_from_every_rank(
         self, values: Sequence[torch.Tensor | None], dtype: torch.dtype
     ) -> torch.Tensor:
-        """A flat tensor laid out like the buffers, holding every rank's ``values`` (one per piece, or None)."""
+        """A flat tensor laid out like the buffers, holding every rank's ``values``.
+
+        One per piece, or None.
+        """
         flat = torch.zeros(self.buffer.numel, dtype=dtype, device=self.buffer.data.device)
         for piece, value in zip(self._pieces, values, strict=True):
             if value is not None:
@@ -363,8 +389,11 @@ class ShardedOptimizer(FlatOptimizer):
         return flat
 
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
-        """Saved main copies of another shape than their parameter's (or no tensor), and the faults of the inner
-        state cut for this rank's pieces (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local:
+        """Every reason :meth:`load_param_state` would refuse ``state`` on this rank.
+
+        Saved main copies of another shape than their parameter's (or no tensor), and the faults of
+        the inner state cut for this rank's pieces
+        (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local:
         :meth:`load_param_state` agrees on them over :meth:`load_groups`."""
         faults = [
             fault
@@ -383,9 +412,11 @@ class ShardedOptimizer(FlatOptimizer):
 
     @torch.no_grad()
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        """Cut this rank's pieces from whole :meth:`param_state` output of any layout, restore them and gather
-        the parameters (collective over :attr:`shard_group`). A main copy without a saved ``main_param`` is taken
-        from its parameter, so load the parameters first."""
+        """Restore this rank's pieces of whole :meth:`param_state` output of any layout.
+
+        The pieces are cut from it, restored, and the parameters gathered (collective over
+        :attr:`shard_group`). A main copy without a saved ``main_param`` is taken from its
+        parameter, so load the parameters first."""
         for piece in self._pieces:
             saved = state.get(piece.param, {}).get(MAIN_PARAM, piece.param)
             piece.main.copy_(
@@ -400,8 +431,10 @@ class ShardedOptimizer(FlatOptimizer):
     def _state_of_pieces(
         self, state: Mapping[torch.Tensor, Mapping[str, Any]]
     ) -> dict[torch.Tensor, ParamState]:
-        """The state of each of this rank's pieces (keyed by its main copy): elementwise values of the whole
-        parameter cut for the piece, others as they are; ``main_param`` left out."""
+        """The state of each of this rank's pieces, keyed by its main copy.
+
+        Elementwise values of the whole parameter cut for the piece, others as they are;
+        ``main_param`` left out."""
         pieces: dict[torch.Tensor, ParamState] = {}
         for piece in self._pieces:
             cut = slice(piece.offset, piece.offset + piece.stop - piece.start)
@@ -414,7 +447,7 @@ class ShardedOptimizer(FlatOptimizer):
 
 
 def _is_elementwise(value: object, main: torch.Tensor) -> bool:
-    """Whether a piece's state ``value`` has one element per element of the piece (Adam's moments)."""
+    """Whether a piece's state ``value`` has one element per piece element (Adam's moments)."""
     return isinstance(value, torch.Tensor) and value.shape == main.shape
 
 

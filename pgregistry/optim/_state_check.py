@@ -1,17 +1,20 @@
-"""The strict check of an optimizer's ``load_state_dict``: the whole given state against what the optimizer holds,
-decided before anything is copied, so that a refused load leaves the optimizer exactly as it was.
+"""The strict check of an optimizer's ``load_state_dict``: the whole given state against what the
+optimizer holds, decided before anything is copied, so that a refused load leaves the optimizer
+exactly as it was.
 
-Every pgregistry optimizer (:class:`~pgregistry.optim.FlatStep`, mixed-precision, sharded, chained; the
-optimizers of :class:`~pgregistry.modules.MultiModuleOptimizer`) lists the faults of a state dict first, all of
-them (a chained optimizer every child's), and loads only when there are none, as the checkpoint loaders do
-(:mod:`pgregistry.checkpoint._strict`): entries missing or extra (main copies, shard pieces, the state of a
-parameter), and saved tensors of another shape or dtype than the ones they would be copied into. A refusal is one
-``ValueError`` giving the count and the first few faults. The check is local: it reads no tensor's values beyond
-a per-parameter value (``step``) and runs no collective; the ranks of the optimizer's instance (its replicas and
-its statistics groups: :meth:`~pgregistry.optim.FlatOptimizer.load_groups`) then agree on it (:func:`refuse_agreed`,
-one small all-reduce), so that every rank refuses or none does: a replica never loads what another refused (their
-states would differ from then on), and a sharded load's all-gather never waits for a rank that refused. The same
-holds for a load of whole parameter state (``load_param_state``, :func:`inner_param_state_faults`).
+Every pgregistry optimizer (:class:`~pgregistry.optim.FlatStep`, mixed-precision, sharded, chained;
+the optimizers of :class:`~pgregistry.modules.MultiModuleOptimizer`) lists the faults of a state
+dict first, all of them (a chained optimizer every child's), and loads only when there are none, as
+the checkpoint loaders do (:mod:`pgregistry.checkpoint._strict`): entries missing or extra (main
+copies, shard pieces, the state of a parameter), and saved tensors of another shape or dtype than
+the ones they would be copied into. A refusal is one ``ValueError`` giving the count and the first
+few faults. The check is local: it reads no tensor's values beyond a per-parameter value (``step``)
+and runs no collective; the ranks of the optimizer's instance (its replicas and its statistics
+groups: :meth:`~pgregistry.optim.FlatOptimizer.load_groups`) then agree on it
+(:func:`refuse_agreed`, one small all-reduce), so that every rank refuses or none does: a replica
+never loads what another refused (their states would differ from then on), and a sharded load's
+all-gather never waits for a rank that refused. The same holds for a load of whole parameter state
+(``load_param_state``, :func:`inner_param_state_faults`).
 """
 
 from __future__ import annotations
@@ -43,38 +46,42 @@ _SHOWN: Final = 3
 
 
 def refuse_faults(subject: str, faults: Sequence[str]) -> None:
-    """``ValueError`` from ``subject`` (the method refusing) giving the count and the first few ``faults``, and (in
-    a distributed world) this rank, which the other ranks' refusals name too (:func:`refuse_agreed`); nothing when
-    there are none."""
+    """``ValueError`` from ``subject`` giving the count and the first few ``faults``, if any.
+
+    ``subject`` is the method refusing. In a distributed world the message names this rank, which
+    the other ranks' refusals name too (:func:`refuse_agreed`); nothing when there are no faults."""
     if not faults:
         return
     shown = "; ".join(faults[:_SHOWN]) + ("; ..." if len(faults) > _SHOWN else "")
     where = f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
     raise ValueError(
-        f"{subject}{where}: the state given does not fit this optimizer ({len(faults)} fault(s): {shown}); nothing "
-        "was loaded (load state saved by an optimizer over the same parameters, dtypes and layout)"
+        f"{subject}{where}: the state given does not fit this optimizer "
+        f"({len(faults)} fault(s): {shown}); nothing was loaded (load state "
+        "saved by an optimizer over the same parameters, dtypes and layout)"
     )
 
 
 def refuse_agreed(
     subject: str, faults: Sequence[str], groups: Sequence[ProcessGroup | None]
 ) -> None:
-    """:func:`refuse_faults` on every rank of ``groups`` alike: one MAX all-reduce of a flag per rank over each group
-    of more than one rank (``None``: an axis that is off; :func:`~pgregistry._runtime.agreement.faulty_ranks`), then the
-    ranks with ``faults`` raise them, naming themselves, and the others raise naming those ranks; nothing when no
-    rank has any. Collective: every rank of ``groups`` calls it, before any of them loads."""
+    """:func:`refuse_faults` on every rank of ``groups`` alike, before any of them loads.
+
+    One MAX all-reduce of a flag per rank over each group of more than one rank (``None``: an axis
+    that is off; :func:`~pgregistry._runtime.agreement.faulty_ranks`), then the ranks with
+    ``faults`` raise them, naming themselves, and the others raise naming those ranks; nothing when
+    no rank has any. Collective: every rank of ``groups`` calls it, before any of them loads."""
     faulty = faulty_ranks(bool(faults), groups)
     refuse_faults(subject, faults)
     if faulty:
         its = "its error" if len(faulty) == 1 else "their errors"
         raise ValueError(
-            f"{subject}: the state given to {ranks_label(faulty)} does not fit its optimizer (see {its}); nothing was "
-            "loaded on any rank"
+            f"{subject}: the state given to {ranks_label(faulty)} does not "
+            f"fit its optimizer (see {its}); nothing was loaded on any rank"
         )
 
 
 def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) -> list[str]:
-    """The names of ``expected`` that ``saved`` lacks and those it holds besides, counted and a few quoted."""
+    """The names of ``expected`` that ``saved`` lacks and those it adds, counted, a few quoted."""
     saved, expected = set(saved), set(expected)
     faults = []
     for verb, names in (("lacks", expected - saved), ("holds unexpected", saved - expected)):
@@ -84,14 +91,17 @@ def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) 
 
 
 def first_few_quoted(names: Iterable[str], shown: int = _SHOWN) -> str:
-    """The first ``shown`` of ``names`` in sorted order, quoted (``, ...`` after them when there are more)."""
+    """The first ``shown`` of ``names`` in sorted order, quoted.
+
+    ``, ...`` follows them when there are more."""
     listed = sorted(names)
     return ", ".join(map(repr, listed[:shown])) + (", ..." if len(listed) > shown else "")
 
 
 def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = False) -> list[str]:
-    """Why ``value`` (saved as ``what``) cannot be copied into ``like`` unchanged: no tensor, another shape or
-    (unless ``cast``: the load casts) another dtype."""
+    """Why ``value`` (saved as ``what``) cannot be copied into ``like`` unchanged.
+
+    No tensor, another shape or (unless ``cast``: the load casts) another dtype."""
     if not isinstance(value, torch.Tensor):
         return [f"{what} is a {type(value).__name__}, not a tensor"]
     if value.shape != like.shape:
@@ -102,9 +112,11 @@ def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = Fal
 
 
 class ChecksItsStateDict(Protocol):
-    """What the check needs of an inner optimizer that is no ``torch.optim.Optimizer`` (a
-    :class:`~pgregistry.optim.FlatStep`): the faults of a state dict by its own rules. A protocol, so
-    this module needs nothing of the flat step, which itself refuses a load through :func:`refuse_faults`."""
+    """What the check needs of an inner optimizer that is no ``torch.optim.Optimizer``.
+
+    That is a :class:`~pgregistry.optim.FlatStep`: the faults of a state dict by its own rules. A
+    protocol, so this module needs nothing of the flat step, which itself refuses a load through
+    :func:`refuse_faults`."""
 
     def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]: ...
 
@@ -115,10 +127,12 @@ def inner_state_faults(
     tensors: Sequence[torch.Tensor],
     names: Sequence[str],
 ) -> list[str]:
-    """The faults of ``state_dict`` for ``inner`` (a flat step, or a torch optimizer), which steps ``tensors``
-    (named ``names``) in its state dict's order: param groups of another size, state of no listed parameter, state
-    for some parameters only, and elementwise state (a tensor of one dimension or more) of another shape or dtype
-    than its tensor's."""
+    """The faults of ``state_dict`` for ``inner`` (a flat step, or a torch optimizer).
+
+    ``inner`` steps ``tensors`` (named ``names``) in its state dict's order. The faults: param
+    groups of another size, state of no listed parameter, state for some parameters only, and
+    elementwise state (a tensor of one dimension or more) of another shape or dtype than its
+    tensor's."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         return ["its inner state is no {'state': ..., 'param_groups': ...} dict"]
     sizes = [len(group["params"]) for group in state_dict["param_groups"]]
@@ -136,7 +150,8 @@ def inner_state_faults(
     faults = []
     if foreign:
         faults.append(
-            f"it holds state for {len(foreign)} ids no param group lists, e.g. {first_few_quoted(foreign)}"
+            f"it holds state for {len(foreign)} ids no param "
+            f"group lists, e.g. {first_few_quoted(foreign)}"
         )
     lacking = [name for pid, name in zip(ids, names, strict=True) if not state.get(pid)]
     if (
@@ -154,11 +169,13 @@ def inner_param_state_faults(
     tensors: Sequence[torch.Tensor],
     names: Sequence[str],
 ) -> list[str]:
-    """The faults of ``state_dict`` (:func:`~pgregistry.optim._param_state.inner_state_dict` of whole parameter
-    state, as ``load_param_state`` loads it) for ``inner``, which steps ``tensors`` (named ``names``): a flat
-    step's own rules (:meth:`~pgregistry.optim.FlatStep.state_dict_faults`), and elementwise state (a tensor of
-    one dimension or more) of another shape than its tensor's. Not its dtype (the load casts), nor state saved for
-    some parameters only (``strict=False`` of a checkpoint gives the others none)."""
+    """The faults of whole parameter state ``state_dict`` for ``inner``, as a load of it sees them.
+
+    ``state_dict`` is :func:`~pgregistry.optim._param_state.inner_state_dict` of whole parameter
+    state; ``inner`` steps ``tensors`` (named ``names``). The faults: a flat step's own rules
+    (:meth:`~pgregistry.optim.FlatStep.state_dict_faults`), and elementwise state (a tensor of one
+    dimension or more) of another shape than its tensor's. Not its dtype (the load casts), nor state
+    saved for some parameters only (``strict=False`` of a checkpoint gives the others none)."""
     if not isinstance(inner, torch.optim.Optimizer):
         faults = inner.state_dict_faults(state_dict)
         if faults:
@@ -175,8 +192,10 @@ def _elementwise_faults(
     *,
     cast: bool,
 ) -> list[str]:
-    """The faults of each parameter's elementwise state (a tensor of one dimension or more) against its tensor:
-    another shape, and another dtype unless ``cast`` (a load that casts)."""
+    """The faults of each parameter's elementwise state against its tensor.
+
+    Elementwise state is a tensor of one dimension or more; its faults are another shape, and
+    another dtype unless ``cast`` (a load that casts)."""
     return [
         fault
         for pid, tensor, name in zip(ids, tensors, names, strict=True)

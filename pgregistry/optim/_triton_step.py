@@ -1,22 +1,25 @@
-"""The Triton kernels of the one-kernel optimizer step of :mod:`pgregistry.optim._fused_step` (imports triton: import
-this module only inside a function, after checking that triton is importable).
+"""The Triton kernels of the one-kernel optimizer step of :mod:`pgregistry.optim._fused_step`
+(imports triton: import this module only inside a function, after checking that triton is
+importable).
 
-Program ``p`` steps elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)`` of a flat float32 tensor of ``n``
-elements (the last program fewer; ``n`` is a multiple of ``VEC``), its grads and its state, ``BLOCK`` elements an
-iteration: each element read once and written once, in 16-byte vectors (every bound is a multiple of ``VEC`` the
-compiler can see). The per-program work that does not depend on the element (the bias corrections, in float64) is
-spread over ``BLOCK * ITERS`` elements. With ``COPY`` it also writes the stepped values, rounded to nearest-even in
-``out_ptr``'s dtype, through row ``b`` of ``table_ptr`` for the ``b``-th block of ``BLOCK`` elements (int64
-``[out_first, lo, hi]``: the block's elements ``[lo, hi)`` go to ``out_ptr[out_first + i]``): in vectors where the
+Program ``p`` steps elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)`` of a flat float32
+tensor of ``n`` elements (the last program fewer; ``n`` is a multiple of ``VEC``), its grads and its
+state, ``BLOCK`` elements an iteration: each element read once and written once, in 16-byte vectors
+(every bound is a multiple of ``VEC`` the compiler can see). The per-program work that does not
+depend on the element (the bias corrections, in float64) is spread over ``BLOCK * ITERS`` elements.
+With ``COPY`` it also writes the stepped values, rounded to nearest-even in ``out_ptr``'s dtype,
+through row ``b`` of ``table_ptr`` for the ``b``-th block of ``BLOCK`` elements (int64 ``[out_first,
+lo, hi]``: the block's elements ``[lo, hi)`` go to ``out_ptr[out_first + i]``): in vectors where the
 block's elements all go to a 16-byte aligned place, element by element at the edges of a copy.
 
-The arithmetic is torch's single-tensor rule (``torch/optim/adam.py``, ``sgd.py``) in float32, with IEEE-rounded
-division and square root (``div_rn``, ``sqrt_rn``; triton's ``/`` and ``sqrt`` on float32 are approximations), except
-that Adam multiplies by ``1 / sqrt(1 - beta2 ** step)`` where torch divides by its inverse (one rounding more, one
-division a parameter less). The
-step count is read from the device (torch's fused optimizers keep it there, so there is no host sync) and the bias
-corrections ``1 - beta ** step`` are computed in float64 from betas passed in two float32 halves (a float32 beta2 of
-0.999 would be 1.3e-5 off in ``1 - beta2``); the powers are repeated squarings, multiplications only.
+The arithmetic is torch's single-tensor rule (``torch/optim/adam.py``, ``sgd.py``) in float32, with
+IEEE-rounded division and square root (``div_rn``, ``sqrt_rn``; triton's ``/`` and ``sqrt`` on
+float32 are approximations), except that Adam multiplies by ``1 / sqrt(1 - beta2 ** step)`` where
+torch divides by its inverse (one rounding more, one division a parameter less). The step count is
+read from the device (torch's fused optimizers keep it there, so there is no host sync) and the bias
+corrections ``1 - beta ** step`` are computed in float64 from betas passed in two float32 halves (a
+float32 beta2 of 0.999 would be 1.3e-5 off in ``1 - beta2``); the powers are repeated squarings,
+multiplications only.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ __all__ = ["adam_kernel", "sgd_kernel"]
 
 @triton.jit
 def _program_chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexpr):  # noqa: N803
-    """This program's first element and element count (a multiple of ``VEC``, visibly to the compiler)."""
+    """This program's first element and count (a multiple of ``VEC``, visibly to the compiler)."""
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     count = tl.minimum(n - start, BLOCK * ITERS)
     return start, (count // VEC) * VEC
@@ -37,8 +40,10 @@ def _program_chunk(n, BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexp
 
 @triton.jit
 def _block_offsets(start, count, i, BLOCK: tl.constexpr):  # noqa: N803
-    """Block ``i`` of the program's ``count`` elements from ``start``: the elements' offsets in the flat tensor,
-    their lanes, which lie inside the program, and how many do."""
+    """Block ``i`` of the program's ``count`` elements from ``start``.
+
+    Returns the elements' offsets in the flat tensor, their lanes, which lie inside the program, and
+    how many do."""
     lanes = tl.arange(0, BLOCK)
     size = tl.minimum(count - i * BLOCK, BLOCK)
     return start + i * BLOCK + lanes, lanes, lanes < size, size
@@ -51,10 +56,20 @@ def _load_once(ptr, at, inside):
 
 
 @triton.jit
-def _store_copy(out_ptr, table_ptr, block, lanes, inside, size, value, VEC: tl.constexpr):  # noqa: N803
-    """Write ``value`` (the ``lanes`` of block number ``block``, ``size`` of them inside) rounded to ``out_ptr``'s
-    dtype where the block's row says: one vector store when the whole block goes to a 16-byte aligned place, else
-    masked stores of ``[lo, hi)``."""
+def _store_copy(
+    out_ptr,
+    table_ptr,
+    block,
+    lanes,
+    inside,
+    size,
+    value,
+    VEC: tl.constexpr,  # noqa: N803
+):
+    """Write ``value`` rounded to ``out_ptr``'s dtype where the block's row says.
+
+    ``value`` is the ``lanes`` of block number ``block``, ``size`` of them inside. One vector store
+    when the whole block goes to a 16-byte aligned place, else masked stores of ``[lo, hi)``."""
     row = table_ptr + 3 * block
     out_first, lo, hi = tl.load(row), tl.load(row + 1), tl.load(row + 2)
     value = value.to(out_ptr.dtype.element_ty)
@@ -66,8 +81,10 @@ def _store_copy(out_ptr, table_ptr, block, lanes, inside, size, value, VEC: tl.c
 
 @triton.jit
 def _integer_power(base, exponent):
-    """``base ** exponent`` in float64 for an integer ``exponent`` in ``[0, 2**31)`` (the step count), by repeated
-    squaring: a few float64 roundings, no transcendental function."""
+    """``base ** exponent`` in float64 for an integer ``exponent`` in ``[0, 2**31)``.
+
+    The exponent is the step count. By repeated squaring: a few float64 roundings, no transcendental
+    function."""
     result = base * 0.0 + 1.0
     for _ in tl.static_range(31):
         result = tl.where((exponent & 1) == 1, result * base, result)
@@ -78,7 +95,7 @@ def _integer_power(base, exponent):
 
 @triton.jit
 def _float64_from_halves(high, low):
-    """A float64 passed as two float32 (``high`` the float32 rounding, ``low`` the rest): 48 bits of it."""
+    """A float64 passed as two float32 (``high`` its rounding, ``low`` the rest): 48 bits of it."""
     return tl.cast(high, tl.float64) + tl.cast(low, tl.float64)
 
 
@@ -109,10 +126,12 @@ def adam_kernel(
     ITERS: tl.constexpr,  # noqa: N803
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """Adam (``DECOUPLED``: AdamW) with the step count already incremented at ``step_ptr``:
-    ``m += (1 - b1) (g - m)``, ``v = b2 v + (1 - b2) g g``, ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) +
-    eps)``, ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with ``DECAY`` (or ``p *= 1 - lr *
-    weight_decay`` with ``DECOUPLED``), ``v`` replaced by its running maximum in the denominator with ``AMSGRAD``."""
+    """Adam (``DECOUPLED``: AdamW) with the step count already incremented at ``step_ptr``.
+
+    ``m += (1 - b1) (g - m)``, ``v = b2 v + (1 - b2) g g``, ``p -= lr / (1 - b1^t) * m / (sqrt(v) /
+    sqrt(1 - b2^t) + eps)``, ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with
+    ``DECAY`` (or ``p *= 1 - lr * weight_decay`` with ``DECOUPLED``), ``v`` replaced by its running
+    maximum in the denominator with ``AMSGRAD``."""
     start, count = _program_chunk(n, BLOCK, ITERS, VEC)
     step = tl.load(step_ptr).to(tl.int32)
     beta1 = _float64_from_halves(beta1_high, beta1_low)
@@ -177,9 +196,12 @@ def sgd_kernel(
     ITERS: tl.constexpr,  # noqa: N803
     VEC: tl.constexpr,  # noqa: N803
 ):
-    """SGD: ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with ``DECAY``; with ``MOMENTUM`` the buffer
-    ``b = momentum * b + undamped * g`` (``undamped = 1 - dampening``; ``b = g`` on the ``FIRST`` step) replaces ``g``
-    (``g + momentum * b`` with ``NESTEROV``); then ``p -= lr * g``."""
+    """SGD, with weight decay, momentum and Nesterov as the flags choose.
+
+    ``g`` negated with ``MAXIMIZE``, plus ``weight_decay * p`` with ``DECAY``; with ``MOMENTUM`` the
+    buffer ``b = momentum * b + undamped * g`` (``undamped = 1 - dampening``; ``b = g`` on the
+    ``FIRST`` step) replaces ``g`` (``g + momentum * b`` with ``NESTEROV``); then ``p -= lr *
+    g``."""
     start, count = _program_chunk(n, BLOCK, ITERS, VEC)
     for i in range(0, tl.cdiv(count, BLOCK)):
         at, lanes, inside, size = _block_offsets(start, count, i, BLOCK)

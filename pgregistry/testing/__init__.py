@@ -1,35 +1,40 @@
 """A multi-rank harness: run a function on every rank of a real local world and collect the results.
 
-``run_world(4, fn, x)`` forks 4 processes, initialises the default process group on each (gloo on CPU by
-default), calls ``fn(x)`` and returns the four results in rank order. It exists because the traps of local
-multi-process tests are many and silent:
+``run_world(4, fn, x)`` forks 4 processes, initialises the default process group on each (gloo on
+CPU by default), calls ``fn(x)`` and returns the four results in rank order. It exists because the
+traps of local multi-process tests are many and silent:
 
-* ranks are *forked*, not spawned: spawning re-imports torch in every rank, seconds each (the figures are at
-  the ``os.fork`` call);
-* each child calls ``torch.set_num_threads(1)`` first, since a forked child can deadlock in a threaded matmul;
-* each call gets its own ``FileStore`` in a fresh directory, so concurrent tests never share a port or a key;
-* a rank that skips a collective hangs the others past every torch timeout, so the parent holds a hard deadline
-  and kills every rank when it passes, naming the ranks that had not finished and where each one was (a
-  ``faulthandler`` stack dump taken just before the kill);
-* the deadline counts from when the last rank has joined the process group (each rank says so on its pipe): on a
-  loaded machine forking and joining can take seconds, which a short deadline must not spend; start-up itself may
-  take up to ``_STARTUP_GRACE_S`` beyond the deadline;
-* each rank runs in its own session (process group), and the whole group is killed at the end, so processes a rank
-  spawned do not outlive it holding the test's stdout open (which hangs a pipeline reading it);
+* ranks are *forked*, not spawned: spawning re-imports torch in every rank, seconds each (the
+  figures are at the ``os.fork`` call);
+* each child calls ``torch.set_num_threads(1)`` first, since a forked child can deadlock in a
+  threaded matmul;
+* each call gets its own ``FileStore`` in a fresh directory, so concurrent tests never share a port
+  or a key;
+* a rank that skips a collective hangs the others past every torch timeout, so the parent holds a
+  hard deadline and kills every rank when it passes, naming the ranks that had not finished and
+  where each one was (a ``faulthandler`` stack dump taken just before the kill);
+* the deadline counts from when the last rank has joined the process group (each rank says so on its
+  pipe): on a loaded machine forking and joining can take seconds, which a short deadline must not
+  spend; start-up itself may take up to ``_STARTUP_GRACE_S`` beyond the deadline;
+* each rank runs in its own session (process group), and the whole group is killed at the end, so
+  processes a rank spawned do not outlive it holding the test's stdout open (which hangs a pipeline
+  reading it);
 * ranks die with the parent (``PR_SET_PDEATHSIG``), and a small watcher process
-  (:mod:`pgregistry.testing._world_watcher`) ends their process groups and removes the store directory when the
-  parent dies without cleaning up;
-* an exception on any rank is re-raised in the parent with its rank and the child's formatted traceback; one that
-  cannot be rebuilt in the parent, or that is no ``Exception`` (a rank's ``KeyboardInterrupt``, which re-raised
-  would stop a whole pytest session), is reported as :class:`RankFailure` with the same text. The other ranks,
-  which may be blocked in a collective with it, are killed after a short grace period;
+  (:mod:`pgregistry.testing._world_watcher`) ends their process groups and removes the store
+  directory when the parent dies without cleaning up;
+* an exception on any rank is re-raised in the parent with its rank and the child's formatted
+  traceback; one that cannot be rebuilt in the parent, or that is no ``Exception`` (a rank's
+  ``KeyboardInterrupt``, which re-raised would stop a whole pytest session), is reported as
+  :class:`RankFailure` with the same text. The other ranks, which may be blocked in a collective
+  with it, are killed after a short grace period;
 * a rank that dies without reporting is named with its exit code or the signal that killed it.
 
-Functions and results cross the fork/pipe boundary by pickle (results) and by inheritance (the function), so a
-closure or lambda works as ``fn``; results must be picklable.
+Functions and results cross the fork/pipe boundary by pickle (results) and by inheritance (the
+function), so a closure or lambda works as ``fn``; results must be picklable.
 
-The package also holds what the harness and the checks on a real world use: the watcher (``_world_watcher``),
-the ``pytest11`` plugin (``_pytest_plugin``) and the toy models ``pgregistry verify`` runs (``_toy_models``).
+The package also holds what the harness and the checks on a real world use: the watcher
+(``_world_watcher``), the ``pytest11`` plugin (``_pytest_plugin``) and the toy models ``pgregistry
+verify`` runs (``_toy_models``).
 """
 
 from __future__ import annotations
@@ -139,7 +144,8 @@ def run_world(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    # Import torch once here, so every forked rank inherits it instead of importing it again (seconds each).
+    # Import torch once here, so every forked rank inherits it instead of importing it again
+    # (seconds each).
     import torch.distributed  # noqa: F401
 
     store_dir = tempfile.mkdtemp(prefix="pgregistry-world-")
@@ -148,19 +154,21 @@ def run_world(
     watcher = WorldWatcher(store_dir)
     children: dict[int, tuple[int, int]] = {}  # rank -> (pid, read fd)
     try:
-        # Ranks that reported wait on this pipe until every rank has, so none leaves while a peer may still be
-        # exchanging with it; closing the write end releases them all.
+        # Ranks that reported wait on this pipe until every rank has, so none leaves while a peer
+        # may still be exchanging with it; closing the write end releases them all.
         release_read, release_write = os.pipe()
         try:
             for rank in range(world_size):
                 read_fd, write_fd = os.pipe()
-                # By hand, not multiprocessing. Measured on this project's 2-core machine, loaded: an 8-rank gloo
-                # world starts, joins and ends in 0.20 s forked here, 0.45 s from a forkserver with torch
-                # preloaded (3.2 s for the first world), 25 s spawned (torch imported by every rank). Nor does
-                # get_context("fork").Process serve: multiprocessing reaps a finished child when the next one
-                # starts, so a rank that died early could no longer be described (_describe_exit's waitid with
-                # WNOWAIT) nor its pid, and the process group it leads, be kept from reuse until
-                # end_process_group kills and reaps it. A fork also lets fn be a closure or a lambda.
+                # By hand, not multiprocessing. Measured on this project's 2-core machine, loaded:
+                # an 8-rank gloo world starts, joins and ends in 0.20 s forked here, 0.45 s from a
+                # forkserver with torch preloaded (3.2 s for the first world), 25 s spawned (torch
+                # imported by every rank). Nor does get_context("fork").Process serve:
+                # multiprocessing reaps a finished child when the next one starts, so a rank that
+                # died early could no longer be described (_describe_exit's waitid with WNOWAIT) nor
+                # its pid, and the process group it leads, be kept from reuse until
+                # end_process_group kills and reaps it. A fork also lets fn be a closure or a
+                # lambda.
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover - runs in the child, reported through the pipe
                     os.close(read_fd)
@@ -207,9 +215,11 @@ def _child_main(
 ) -> None:  # pragma: no cover - runs in the child
     exit_code = 0
     try:
-        os.setsid()  # its own session and process group: the parent ends the whole tree with one killpg
+        # Its own session and process group: the parent ends the whole tree with one killpg.
+        os.setsid()
         _die_with_parent()
-        stack_file = open(_stack_path(store_dir, rank), "w")  # noqa: SIM115 - held open until os._exit
+        # Held open until os._exit.
+        stack_file = open(_stack_path(store_dir, rank), "w")  # noqa: SIM115
         faulthandler.register(_STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
         import torch
         import torch.distributed as dist
@@ -297,7 +307,8 @@ def _collect_results(
             if outcome[0] is _Outcome.OK:
                 results[rank] = outcome[1]
             elif first_error is None:
-                # The first report is the root cause; later ones are usually peers losing their connection.
+                # The first report is the root cause; later ones are usually peers losing their
+                # connection.
                 first_error = (rank, outcome[1], outcome[2])
     if first_error is not None:
         _raise_rank_error(*first_error)
@@ -329,10 +340,13 @@ def _decode_report(data: bytes, pid: int) -> tuple[_Outcome, Any, str]:
 
 
 def _describe_exit(pid: int) -> str:
-    """How child ``pid`` ended, in words (``exit code 7``, ``killed by signal 9 (SIGKILL)``); waits for it to end.
+    """How child ``pid`` ended, in words; waits for it to end.
 
-    The child is left unreaped (``WNOWAIT``), so its pid, and the process group it leads, cannot be reused before
-    :func:`~pgregistry.testing._world_watcher.end_process_group` kills the group and reaps it.
+    For example ``exit code 7`` or ``killed by signal 9 (SIGKILL)``.
+
+    The child is left unreaped (``WNOWAIT``), so its pid, and the process group it leads, cannot be
+    reused before :func:`~pgregistry.testing._world_watcher.end_process_group` kills the group and
+    reaps it.
     """
     info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
     assert info is not None  # only WNOHANG makes waitid return None
@@ -350,12 +364,13 @@ def _raise_rank_error(rank: int, pickled: bytes | None, text: str) -> None:
     if pickled is not None:
         try:
             exc = pickle.loads(pickled)
-        except Exception as rebuild_error:  # noqa: BLE001 - e.g. a class whose __init__ is keyword-only
+        except Exception as rebuild_error:  # noqa: BLE001
+            # E.g. a class whose __init__ is keyword-only.
             text += f"(the exception could not be rebuilt in the parent: {rebuild_error!r})\n"
     failure = RankFailure(rank, text)
     if not isinstance(exc, Exception):
-        # Not rebuilt, or a KeyboardInterrupt / SystemExit of the rank: raised as such here it would stop the
-        # caller (a whole pytest session) instead of failing it.
+        # Not rebuilt, or a KeyboardInterrupt / SystemExit of the rank: raised as such here it would
+        # stop the caller (a whole pytest session) instead of failing it.
         raise failure
     exc.add_note(f"raised on rank {rank}; its traceback:\n{text}")
     raise exc from failure
@@ -373,22 +388,25 @@ def _raise_timeout(
     dumps = "\n".join(f"--- rank {rank} ---\n{stacks[rank].rstrip()}" for rank in stuck)
     if unjoined:
         when = (
-            f"did not start within {timeout + _STARTUP_GRACE_S:.1f} s: ranks {unjoined} never joined the process "
-            "group"
+            f"did not start within {timeout + _STARTUP_GRACE_S:.1f} "
+            f"s: ranks {unjoined} never joined the process group"
         )
     else:
         when = f"did not finish within {timeout:.1f} s of joining the process group"
     raise WorldTimeout(
-        f"world of {len(children)} ranks {when}; ranks still running: {stuck} (a rank skipped or mismatched a "
-        f"collective or group creation?); all ranks were killed. Where each stuck rank was:\n{where}\nTheir "
-        f"stacks (most recent call first):\n{dumps}",
+        f"world of {len(children)} ranks {when}; ranks still running: {stuck} (a rank skipped "
+        "or mismatched a collective or group creation?); all ranks were killed. Where each "
+        f"stuck rank was:\n{where}\nTheir stacks (most recent call first):\n{dumps}",
         stuck,
         stacks,
     )
 
 
 def _dump_stacks(pids: dict[int, int], store_dir: str) -> dict[int, str]:
-    """rank -> the rank's faulthandler dump of every thread, asked for with a signal and read back from its file."""
+    """rank -> its faulthandler dump of every thread.
+
+    Asked for with a signal and read back from its file.
+    """
     for pid in pids.values():
         try:
             os.kill(pid, _STACK_DUMP_SIGNAL)
@@ -419,9 +437,12 @@ def _read_text(path: str) -> str:
 
 
 def _where_stuck(stack: str) -> str:
-    """The main thread's innermost call outside torch and the torch calls below it, from a faulthandler dump.
+    """The main thread's innermost call outside torch and the torch calls below it.
 
-    E.g. ``_skip_a_collective (test_x.py:99) -> new_group -> _new_group_with_tag -> _new_process_group_helper``.
+    Read from a faulthandler dump.
+
+    E.g. ``_skip_a_collective (test_x.py:99) -> new_group -> _new_group_with_tag ->
+    _new_process_group_helper``.
     """
     lines = stack.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)

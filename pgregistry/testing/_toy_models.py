@@ -1,24 +1,28 @@
-"""Toy models for checking grad statistics on a real backend: ``pgregistry verify`` and ``scripts/gpu_check.py``.
+"""Toy models for checking grad statistics on a real backend.
 
-Two models: :func:`dense_and_expert`, one replicated dense scalar and one expert scalar (on a TP = EP = world,
-expert TP 1 grid it exposes expert grads filtered with the dense TP group, Megatron-LM PR 6470), and a model with
-every kind of parameter, one unsharded float64 "truth" and its shards on any layout. The test suite builds its
-models and draws its gradients here too, but computes its oracles itself (``tests/fixtures/unsharded_oracle.py``),
-never from this module: what lives here is the model's definition and its data, not what the right answer is.
+Used by ``pgregistry verify`` and ``scripts/gpu_check.py``.
 
-The unsharded model is a list of :class:`Spec` (name, shape, how real layers shard it). Its gradients
-(:func:`full_grads`) are drawn from one ``torch.Generator`` with one seed, :data:`GRADS_SEED`, so every rank (and
-the parent test) reproduces them independently. :func:`local_model` builds one rank's parameters the way real
-layers shard them:
+Two models: :func:`dense_and_expert`, one replicated dense scalar and one expert scalar (on a TP =
+EP = world, expert TP 1 grid it exposes expert grads filtered with the dense TP group, Megatron-LM
+PR 6470), and a model with every kind of parameter, one unsharded float64 "truth" and its shards on
+any layout. The test suite builds its models and draws its gradients here too, but computes its
+oracles itself (``tests/fixtures/unsharded_oracle.py``), never from this module: what lives here is
+the model's definition and its data, not what the right answer is.
 
-* column-parallel weights and biases split dim 0 over TP, row-parallel weights split dim 1; GTP-remat weights are
-  split again, dim 0 of the TP shard, over the GTP-remat axis;
-* routed experts are split over EP (each rank holds ``E / ep`` whole experts, renumbered locally), then over
-  expert TP like dense layers, then over expert GTP-remat;
-* per-expert LoRA factors are distinct per expert but not sharded over expert TP; a LoRA factor shared by all experts
-  is replicated across EP;
-* pipeline stages hold different layers: the embedding on the first stage, the final norm and (tied) output on the
-  last; with pp > 1 the last stage holds a ``shared`` copy of the embedding shard, as tied embeddings do;
+The unsharded model is a list of :class:`Spec` (name, shape, how real layers shard it). Its
+gradients (:func:`full_grads`) are drawn from one ``torch.Generator`` with one seed,
+:data:`GRADS_SEED`, so every rank (and the parent test) reproduces them independently.
+:func:`local_model` builds one rank's parameters the way real layers shard them:
+
+* column-parallel weights and biases split dim 0 over TP, row-parallel weights split dim 1;
+  GTP-remat weights are split again, dim 0 of the TP shard, over the GTP-remat axis;
+* routed experts are split over EP (each rank holds ``E / ep`` whole experts, renumbered locally),
+  then over expert TP like dense layers, then over expert GTP-remat;
+* per-expert LoRA factors are distinct per expert but not sharded over expert TP; a LoRA factor
+  shared by all experts is replicated across EP;
+* pipeline stages hold different layers: the embedding on the first stage, the final norm and (tied)
+  output on the last; with pp > 1 the last stage holds a ``shared`` copy of the embedding shard, as
+  tied embeddings do;
 * everything else is replicated across TP, GTP, CP and DP.
 """
 
@@ -77,10 +81,10 @@ class Spec:
 
 
 def dense_and_expert(*, device: torch.device | str = "cpu") -> nn.Module:
-    """``model.dense``, a replicated bf16 scalar, and ``model.experts.weight``, a bf16 scalar of a marked expert
-    module, both 1. With TP = EP = W and expert TP 1 the unsharded model has 1 + W elements: all grads 1 give
-    norm sqrt(1 + W), all grads 0 a zero count of 1 + W; filtering the expert grad with the dense TP group gives
-    sqrt(2) and 2."""
+    """``model.dense``, a replicated bf16 scalar, and ``model.experts.weight``, a bf16 scalar of a
+    marked expert module, both 1. With TP = EP = W and expert TP 1 the unsharded model has 1 + W
+    elements: all grads 1 give norm sqrt(1 + W), all grads 0 a zero count of 1 + W; filtering the
+    expert grad with the dense TP group gives sqrt(2) and 2."""
     model = nn.Module()
     model.dense = nn.Parameter(torch.ones(1, dtype=torch.bfloat16, device=device))
     model.experts = mark_expert_module(nn.Module())
@@ -91,7 +95,7 @@ def dense_and_expert(*, device: torch.device | str = "cpu") -> nn.Module:
 
 
 def model_specs() -> list[Spec]:
-    """The unsharded model: embedding, a dense layer, a MoE layer, final norm (output tied to the embedding)."""
+    """The unsharded model: embedding, dense, MoE layer, final norm (output tied to embedding)."""
     h, f = HIDDEN, FFN
     specs = [Spec("embedding.word", (VOCAB, h), "first", tp_dim=0)]
     for layer in range(LAYERS):
@@ -123,16 +127,19 @@ def model_specs() -> list[Spec]:
 
 
 ZEROED = "layers.0.proj.bias"
-"""A parameter whose whole gradient is zero in the ``random`` gradients (a tensor with no non-zero element)."""
+"""A parameter whose whole gradient is zero in the ``random`` gradients.
+
+A tensor with no non-zero element.
+"""
 
 GRADS_SEED = 20_261_130
 """The one seed of the ``random`` gradients."""
 
 
 def full_grads(kind: str = "random") -> dict[str, torch.Tensor]:
-    """Every parameter's unsharded gradient in float64: ``ones``, ``zeros``, or ``random`` (about 30% of the
-    elements zero, the whole of :data:`ZEROED` zero; values are float32-representable, so float32 shards of
-    them are exact)."""
+    """Every parameter's unsharded gradient in float64: ``ones``, ``zeros``, or ``random`` (about
+    30% of the elements zero, the whole of :data:`ZEROED` zero; values are float32-representable, so
+    float32 shards of them are exact)."""
     shapes = {spec.name: spec.shape for spec in model_specs()}
     if kind in ("ones", "zeros"):
         return {
@@ -151,7 +158,7 @@ def full_grads(kind: str = "random") -> dict[str, torch.Tensor]:
     return grads
 
 
-# ------------------------------------------------------------------------------------------------- sharding
+# ----------------------------------------------------------------------------------------- sharding
 
 
 @dataclass(frozen=True)
@@ -235,8 +242,8 @@ def local_model(
     *,
     device: torch.device | str = "cpu",
 ) -> tuple[nn.Module, list[Shard]]:
-    """This rank's model on ``device``: nested modules named like the unsharded model, roles marked, float32 grads
-    set."""
+    """This rank's model on ``device``: nested modules named like the unsharded model, roles marked,
+    float32 grads set."""
     root = nn.Module()
     shards = shards_of(layout, rank)
     for shard in shards:
@@ -274,10 +281,11 @@ def set_grads(
 def set_main_grads(
     model: nn.Module, shards: list[Shard], grads: dict[str, torch.Tensor], layout: ParallelLayout
 ) -> None:
-    """Write into each parameter's ``main_grad`` (its view of an optimizer's grad buffer) the raw per-rank grads
-    that the optimizer's ``sync_grads`` turns into this rank's shards of ``grads`` when every data-parallel replica
-    holds the same: expert grads are divided by the ``dp_cp`` size and summed over ``expt_dp``, so they are written
-    times ``dp_cp / expt_dp`` (a power of two in every layout used, so exact)."""
+    """Write into each parameter's ``main_grad`` (its view of an optimizer's grad buffer) the raw
+    per-rank grads that the optimizer's ``sync_grads`` turns into this rank's shards of ``grads``
+    when every data-parallel replica holds the same: expert grads are divided by the ``dp_cp`` size
+    and summed over ``expt_dp``, so they are written times ``dp_cp / expt_dp`` (a power of two in
+    every layout used, so exact)."""
     expert_scale = layout.dp * layout.cp / layout.expt_dp
     params = dict(model.named_parameters())
     for shard in shards:

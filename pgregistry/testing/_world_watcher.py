@@ -1,11 +1,12 @@
-"""Clean-up of a :func:`pgregistry.testing.run_world` world that survives the death of the process running it.
+"""Clean-up of a :func:`pgregistry.testing.run_world` world, surviving the death of its process.
 
-The parent of a world kills its ranks' process groups and removes the store directory in a ``finally``; a parent
-killed outright (``kill -9``, an out-of-memory kill, a CI job cancelled) runs none of it. Ranks die with it
-(``PR_SET_PDEATHSIG``), but processes they spawned would not, and the store directory would stay in ``/tmp``.
-:class:`WorldWatcher` starts a small process before the ranks (a :mod:`multiprocessing` process, ``fork``-started:
-it needs nothing but a pipe and a path, and starts in milliseconds) that waits on a pipe only the parent writes: the
-parent sends each rank's pid, then "done" once it has cleaned up; end-of-file without "done" means the parent died,
+The parent of a world kills its ranks' process groups and removes the store directory in a
+``finally``; a parent killed outright (``kill -9``, an out-of-memory kill, a CI job cancelled) runs
+none of it. Ranks die with it (``PR_SET_PDEATHSIG``), but processes they spawned would not, and the
+store directory would stay in ``/tmp``. :class:`WorldWatcher` starts a small process before the
+ranks (a :mod:`multiprocessing` process, ``fork``-started: it needs nothing but a pipe and a path,
+and starts in milliseconds) that waits on a pipe only the parent writes: the parent sends each
+rank's pid, then "done" once it has cleaned up; end-of-file without "done" means the parent died,
 and the watcher ends every rank's process group and removes the store directory itself.
 """
 
@@ -22,7 +23,10 @@ _DONE = b"done\n"
 
 
 class WorldWatcher:
-    """The watcher process of one world; the parent calls :meth:`watch` per rank and :meth:`dismiss` at the end."""
+    """The watcher process of one world.
+
+    The parent calls :meth:`watch` per rank and :meth:`dismiss` at the end.
+    """
 
     def __init__(self, store_dir: str) -> None:
         read_fd, self._write_fd = os.pipe()
@@ -39,7 +43,7 @@ class WorldWatcher:
         os.write(self._write_fd, f"{rank_pid}\n".encode())
 
     def close_in_child(self) -> None:  # pragma: no cover - runs in a rank
-        """Close the parent's end of the pipe in a forked rank, so the watcher sees end-of-file when the parent dies."""
+        """Close the parent's pipe end in a forked rank: the watcher sees EOF if the parent dies."""
         os.close(self._write_fd)
 
     def dismiss(self) -> None:
@@ -52,7 +56,7 @@ class WorldWatcher:
 
 
 def end_process_group(pid: int) -> None:
-    """Kill the process group led by ``pid`` (a rank and everything it spawned), then reap ``pid`` if ours.
+    """Kill the process group led by ``pid`` (a rank and all it spawned), then reap ``pid`` if ours.
 
     A rank that has not yet made its own group (killed right after the fork) is killed alone.
     """
@@ -72,7 +76,9 @@ def _watch_parent(
 ) -> None:  # pragma: no cover - runs in the watcher
     try:
         os.close(parent_write_fd)  # only the parent holds it: its death is our end-of-file
-        os.setsid()  # out of the parent's process group: a Ctrl-C or a group kill of the parent leaves it running
+        # Out of the parent's process group: a Ctrl-C or a group kill of the parent leaves it
+        # running.
+        os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (
             0,

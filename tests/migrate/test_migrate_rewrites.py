@@ -470,7 +470,7 @@ class C:
 
 def f(name, vp_stage):
     a = getattr(ps, "get_data_parallel_rank")()
-    b = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    b = ps.is_pipeline_last_stage(False, vp_stage)
     c = ps.get_data_parallel_group()
     d = ps.get_data_parallel_group(flag)
     e = ps._TENSOR_MODEL_PARALLEL_GROUP
@@ -481,7 +481,7 @@ def f(name, vp_stage):
         "module level: runs at import, before any collection exists",
         "class body: runs when the class is defined, before any collection exists",
         "dynamic getattr: the accessor is looked up by name at run time",
-        "ignore_virtual=False also reads the virtual pipeline stage",
+        "positional or star arguments: which group they pick is not known",
         "positional or star arguments: which group they pick is not known",
         "a module global or a reference to the accessor, not a call of it",
         "shim: builds every field from the globals (remove it once every caller passes a collection)",
