@@ -888,7 +888,7 @@ MUTANTS: tuple[Mutant, ...] = (
             "(TypeError)",
         file="pgregistry/migrate/_spec_fields.py",
         find=(
-            "        reason = _refusal(tree, values, threaded_classes)\n"
+            "        reason = _refusal_reason(tree, values, threaded_classes)\n"
             "        if not reason:\n"
             "            local_classes"
         ),

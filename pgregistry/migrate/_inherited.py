@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
+from pgregistry.migrate._imports import import_bindings
 from pgregistry.migrate._plan import add_reexported_names
-from pgregistry.migrate._upward import import_bindings
 
 __all__ = ["Subclasses", "thread_subclasses"]
 

@@ -56,6 +56,7 @@ from pgregistry.migrate._skeleton import (
     line_starts,
     lines_between,
 )
+from pgregistry.migrate._spec_fields import spec_field_of_call
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [
@@ -1804,7 +1805,7 @@ def decide_passes(
                 keyword = _spec_keyword(plan.module, call, spec_fields)
             caller = call.function
             if keyword is None and caller is not None:
-                keyword = _forwarded_or_local_keyword(
+                keyword = _keyword_of_forwarding_or_local_call(
                     plan.module, call, caller.qualname, name, forwarding, local_classes or {}
                 )
             if keyword is None or caller is None:
@@ -1844,7 +1845,7 @@ def decide_passes(
     return count
 
 
-def _forwarded_or_local_keyword(
+def _keyword_of_forwarding_or_local_call(
     module: str,
     call: Call,
     qualname: str,
@@ -1866,8 +1867,6 @@ def _spec_keyword(
 ) -> str | None:
     """The keyword a call of a spec's field in ``module`` passes (``spec_fields``: (module,
     function, field) -> keyword), None when it is none."""
-    # Imported here: that module reads import bindings through _upward, which imports this one.
-    from pgregistry.migrate._spec_fields import spec_field_of_call
 
     arguments = call.node.args
     first = (

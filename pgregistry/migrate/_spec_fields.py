@@ -51,7 +51,7 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
-from pgregistry.migrate._upward import import_bindings
+from pgregistry.migrate._imports import import_bindings
 
 __all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields", "spec_field_of_call"]
 
@@ -97,7 +97,7 @@ def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str
     return None
 
 
-def _dotted(node: ast.expr) -> list[str] | None:
+def _attribute_chain(node: ast.expr) -> list[str] | None:
     parts: list[str] = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -216,7 +216,7 @@ class _Tree:
                 None,
             )
             if init is None:
-                base = _dotted(node.bases[0]) if node.bases else None
+                base = _attribute_chain(node.bases[0]) if node.bases else None
                 inherited = self.resolve(base, where) if base is not None else None
                 return inherited is not None and self._declares_keyword(
                     inherited, threaded, depth + 1
@@ -246,11 +246,11 @@ class _Locals:
 
     def get(self, name: str) -> list[ast.expr]:
         if self.assigned is None:
-            self.assigned = _assigned_names(self.scope)
+            self.assigned = _name_assignments(self.scope)
         return self.assigned.get(name, [])
 
 
-def _assigned_names(scope: ast.AST) -> dict[str, list[ast.expr]]:
+def _name_assignments(scope: ast.AST) -> dict[str, list[ast.expr]]:
     """The plain names ``scope`` (a function, or a module's top level) assigns, with their values (a
     function's nested functions' too: more values only make the rule more careful)."""
     found: dict[str, list[ast.expr]] = {}
@@ -303,7 +303,7 @@ def _field_values(
         _field_values(tree, value.orelse, where, found, depth, names)
         return
     if isinstance(value, ast.Call):
-        callee = _dotted(value.func) or []
+        callee = _attribute_chain(value.func) or []
         if callee[-1:] == ["not_none"] and len(value.args) == 1 and not value.keywords:
             _field_values(tree, value.args[0], where, found, depth, names)
             return
@@ -318,7 +318,7 @@ def _field_values(
         ):
             _method_returns(tree, value.func.attr, spot, found, depth)
             return
-    dotted = _dotted(value)
+    dotted = _attribute_chain(value)
     key = tree.resolve(dotted, where) if dotted is not None else None
     assigned = names.get(value.id) if names is not None and isinstance(value, ast.Name) else []
     if key is None and assigned and depth < 4:
@@ -376,7 +376,7 @@ def _read_method_returns(tree: _Tree, method: str, found: _Values, depth: int) -
             ):
                 continue
             values = [r.value for r in ast.walk(node) if isinstance(r, ast.Return)]
-            if not values and _abstract(node):
+            if not values and _is_abstract_body(node):
                 continue  # an abstract method: its overrides are the tree's other defs
             for value in values:
                 returned = True
@@ -388,7 +388,7 @@ def _read_method_returns(tree: _Tree, method: str, found: _Values, depth: int) -
         found.unknown = found.unknown or f"no def {method} of the tree returns a class"
 
 
-def _abstract(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+def _is_abstract_body(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """Whether ``node``'s body is only a docstring, ``...`` or ``pass`` (an abstract method's)."""
     return all(
         isinstance(s, ast.Pass) or isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
@@ -424,7 +424,7 @@ def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
     )
 
 
-def _functions(
+def _functions_by_qualname(
     module: ast.Module,
 ) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """The module-level functions and the methods of module-level classes of ``module``, with their
@@ -443,7 +443,7 @@ def _spec_calls(tree: _Tree) -> list[_SpecCall]:
     neither the keyword nor ``**`` (only those the plan can name its function for)."""
     calls: list[_SpecCall] = []
     for module in tree.mentioning(_SPEC_CALL):
-        for qualname, function in _functions(module.tree):
+        for qualname, function in _functions_by_qualname(module.tree):
             arguments = function.args
             parameters = {
                 a.arg: a.annotation
@@ -454,8 +454,8 @@ def _spec_calls(tree: _Tree) -> list[_SpecCall]:
                     k.arg in (None, tree.keyword) for k in node.keywords
                 ):
                     continue
-                first = _dotted(node.args[0]) if node.args else None
-                callee = _dotted(node.func) or [""]
+                first = _attribute_chain(node.args[0]) if node.args else None
+                callee = _attribute_chain(node.func) or [""]
                 name = spec_field_of_call(callee, first)
                 if name is None:
                     continue
@@ -537,7 +537,7 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
                 puts.append((node, module, assigned))
             elif isinstance(node, ast.ClassDef):
                 bases.setdefault(node.name, set()).update(
-                    (_dotted(b) or [""])[-1] for b in node.bases
+                    (_attribute_chain(b) or [""])[-1] for b in node.bases
                 )
                 for member in node.body:
                     if (
@@ -570,7 +570,7 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
 
     for node, module, assigned in puts:
         if isinstance(node, ast.Call):
-            callee = (_dotted(node.func) or [""])[-1]
+            callee = (_attribute_chain(node.func) or [""])[-1]
             for keyword in node.keywords:
                 if keyword.arg in names:
                     values = slot_values(callee, keyword.arg)
@@ -582,7 +582,7 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
                 isinstance(target, ast.Attribute)
                 and target.attr in names
                 and node.value
-                and _dotted(target.value) != ["self"]  # a module's own part, built here
+                and _attribute_chain(target.value) != ["self"]  # a module's own part, built here
             ):
                 values = slot_values(None, target.attr)
                 _field_values(tree, node.value, module, values, names=assigned)
@@ -603,7 +603,7 @@ def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str])
     )
     for module in tree.mentioning(builds):
         for built in ast.walk(module.tree):
-            made = _dotted(built.func) if isinstance(built, ast.Call) else None
+            made = _attribute_chain(built.func) if isinstance(built, ast.Call) else None
             if not made or made[-1] not in holding:
                 continue
             assert isinstance(built, ast.Call)
@@ -652,7 +652,7 @@ def decide_spec_fields(
         values = fields.of_call(call)
         if not any(threaded_classes.get(key) == keyword for key in values.classes):
             continue  # no class of the field reads through the keyword: nothing to pass
-        reason = _refusal(tree, values, threaded_classes)
+        reason = _refusal_reason(tree, values, threaded_classes)
         if not reason:
             passed[(call.module, call.function, call.field)] = keyword
             continue
@@ -663,7 +663,7 @@ def decide_spec_fields(
         left.append(SpecCallLeft(call.path, call.line, call.field, message))
     local_classes: dict[tuple[str, str, str], str] = {}
     for call, values in _local_class_calls(tree, classes, threaded_classes):
-        reason = _refusal(tree, values, threaded_classes)
+        reason = _refusal_reason(tree, values, threaded_classes)
         if not reason:
             local_classes[(call.module, call.function, call.field)] = keyword
             continue
@@ -675,7 +675,7 @@ def decide_spec_fields(
     return SpecFields(passed, tuple(sorted(left, key=lambda c: (c.path, c.line))), local_classes)
 
 
-def _refusal(tree: _Tree, values: _Values, threaded: Mapping[Key, str]) -> str:
+def _refusal_reason(tree: _Tree, values: _Values, threaded: Mapping[Key, str]) -> str:
     """Why a call of ``values`` may not pass the keyword: a value that names no class of the tree,
     or the first class not shown to take it; empty when it may."""
     if values.unknown:
@@ -734,7 +734,7 @@ def _local_class_calls(
         + rb")\b"
     )
     for module in tree.mentioning(assigning):
-        for qualname, function in _functions(module.tree):
+        for qualname, function in _functions_by_qualname(module.tree):
             assigned = _Locals(function)
             plain: set[str] | None = None
             stack: list[ast.AST] = list(function.body)

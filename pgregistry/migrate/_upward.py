@@ -38,10 +38,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
+from pgregistry.migrate._imports import import_bindings
 from pgregistry.migrate._plan import add_reexported_names
 from pgregistry.migrate._tree import classify_uses
 
-__all__ = ["Upward", "import_bindings", "thread_upward"]
+__all__ = ["Upward", "thread_upward"]
 
 #: Decorators that fix a function's signature or key on its arguments (the plan's own list, and its
 #: rule for the compilers' names), and the method names torch or Python call with their own
@@ -103,37 +104,6 @@ def _has_fixed_signature_decorator(node: ast.FunctionDef | ast.AsyncFunctionDef)
         if any(word == last or (word in last and word in _COMPILERS) for word in _FIXED_SIGNATURE):
             return True
     return False
-
-
-def _absolute_module(module: str, level: int, package: list[str]) -> str:
-    if level == 0:
-        return module
-    base = package[: max(0, len(package) - (level - 1))]
-    return ".".join([*base, module] if module else base)
-
-
-def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
-    """The module-level import bindings of ``tree``.
-
-    Bound name -> the module or ``module:name`` it stands for.
-    """
-    bound: dict[str, str] = {}
-    stack: list[ast.stmt] = list(tree.body)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                bound[alias.asname or alias.name.partition(".")[0]] = (
-                    alias.name if alias.asname else alias.name.partition(".")[0]
-                )
-        elif isinstance(node, ast.ImportFrom):
-            module = _absolute_module(node.module or "", node.level, package)
-            bound.update(
-                {a.asname or a.name: f"{module}:{a.name}" for a in node.names if a.name != "*"}
-            )
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
-    return bound
 
 
 def _call_target(

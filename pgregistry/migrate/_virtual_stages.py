@@ -43,7 +43,7 @@ def is_pipeline_last_stage(ignore_virtual=True, vp_stage=None):
 """
 
 
-def _definitions(tree: ast.Module) -> dict[str, str]:
+def _function_definitions(tree: ast.Module) -> dict[str, str]:
     """The module-level functions of ``tree`` by name, dumped without their docstrings."""
     found: dict[str, str] = {}
     for node in tree.body:
@@ -70,7 +70,7 @@ def _definitions(tree: ast.Module) -> dict[str, str]:
     return found
 
 
-_WANTED = _definitions(ast.parse(FORM))
+_WANTED = _function_definitions(ast.parse(FORM))
 
 
 def has_virtual_stage_form(parallel_state_text: bytes) -> bool:
@@ -78,7 +78,7 @@ def has_virtual_stage_form(parallel_state_text: bytes) -> bool:
     ``is_pipeline_first_stage`` and ``is_pipeline_last_stage`` exactly as :data:`FORM` does; False
     for text Python does not parse."""
     try:
-        defined = _definitions(ast.parse(parallel_state_text))
+        defined = _function_definitions(ast.parse(parallel_state_text))
     except (SyntaxError, ValueError):
         return False
     return all(defined.get(name) == dump for name, dump in _WANTED.items())

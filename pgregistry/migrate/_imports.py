@@ -1,0 +1,45 @@
+"""What a module's imports bind: the names its module-level imports make, read with :mod:`ast`.
+
+Shared by the rules that resolve a call or a base class through the file's imports
+(:mod:`~pgregistry.migrate._upward`, :mod:`~pgregistry.migrate._inherited`,
+:mod:`~pgregistry.migrate._spec_fields`); a module of its own so that none of them imports another
+only for it. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import ast
+
+__all__ = ["import_bindings"]
+
+
+def _absolute_module(module: str, level: int, package: list[str]) -> str:
+    """The absolute name of ``module`` imported ``level`` packages up from ``package``."""
+    if level == 0:
+        return module
+    base = package[: max(0, len(package) - (level - 1))]
+    return ".".join([*base, module] if module else base)
+
+
+def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
+    """The module-level import bindings of ``tree``.
+
+    Bound name -> the module or ``module:name`` it stands for.
+    """
+    bound: dict[str, str] = {}
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.partition(".")[0]] = (
+                    alias.name if alias.asname else alias.name.partition(".")[0]
+                )
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute_module(node.module or "", node.level, package)
+            bound.update(
+                {a.asname or a.name: f"{module}:{a.name}" for a in node.names if a.name != "*"}
+            )
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+    return bound
