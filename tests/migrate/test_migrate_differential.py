@@ -56,7 +56,7 @@ def _named(outcome: dict[str, Any], case: Case, function: str | None = None) -> 
     return [message for message in outcome["warned"] if message.startswith((owner + " ", owner + "."))]
 
 
-@pytest.mark.timeout(480)  # the first test also migrates the trees and runs every case (the session fixture)
+@pytest.mark.timeout(480)  # the first test also migrates the trees and runs every case, one world a tree
 @pytest.mark.parametrize(("case", "mode"), _params())
 def test_the_migrated_function_behaves_as_the_original(outcomes: dict[str, Any], case: Case, mode: str) -> None:
     if case.tree in outcomes["missing"]:
