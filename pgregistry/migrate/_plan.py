@@ -69,8 +69,11 @@ __all__ = [
     "collection_mentions",
     "decide_passes",
     "plan_file",
+    "CALLED_BY_AUTOGRAD",
+    "FIXED_SIGNATURE",
     "add_reexported_names",
     "collect_threaded_functions",
+    "decorator_matches",
     "reads_left_by_site",
     "visit_mentions",
 ]
@@ -104,8 +107,8 @@ SUPER_INIT = ("super()", "__init__")
 REWRITTEN_WAYS = (Way.IN_SCOPE, Way.THREADED, Way.FALLBACK, Way.BUILDER)
 
 #: Decorators that fix a function's signature or key on its arguments: a new parameter would break
-#: them.
-_FIXED_SIGNATURE = (
+#: them. A decorator matches by its last dotted name, or, for the compilers, by containing one.
+FIXED_SIGNATURE = (
     "property",
     "setter",
     "getter",
@@ -118,9 +121,10 @@ _FIXED_SIGNATURE = (
     "overload",
     "fuser",
 )
+COMPILERS = ("jit", "script", "compile", "fuser")
 #: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional
 #: arguments only).
-_CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
+CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
 _AUTOGRAD_FUNCTION = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
 #: Modules whose classes call back no method of a subclass (abstract bases, typing, enums,
 #: dataclasses).
@@ -306,13 +310,15 @@ def _decorator_names(node: cst.FunctionDef) -> list[str]:
     return names
 
 
+def decorator_matches(last: str, words: Sequence[str]) -> bool:
+    """Whether a decorator whose last dotted name is ``last`` is one of ``words`` (a compiler's
+    name also where ``last`` only contains it: ``torch.jit.script_if_tracing``)."""
+    return any(word == last or (word in last and word in COMPILERS) for word in words)
+
+
 def _matching_decorator(node: cst.FunctionDef, words: Sequence[str]) -> str | None:
     for name in _decorator_names(node):
-        last = name.rpartition(".")[2]
-        if any(
-            word == last or (word in last and word in ("jit", "script", "compile", "fuser"))
-            for word in words
-        ):
+        if decorator_matches(name.rpartition(".")[2], words):
             return name
     return None
 
@@ -1190,7 +1196,7 @@ def _autograd_shaped(function: Function) -> bool:
 
 def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
     """Why ``function`` may not get a parameter: no caller could pass it, or one would break it."""
-    decorated = _matching_decorator(function.node, _FIXED_SIGNATURE)
+    decorated = _matching_decorator(function.node, FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
     name = function.node.name.value
@@ -1199,7 +1205,7 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
     method_of = function.method_of
     if (
         method_of is not None
-        and name in _CALLED_BY_AUTOGRAD
+        and name in CALLED_BY_AUTOGRAD
         and (classes.autograd(method_of) or _autograd_shaped(function))
     ):
         return (

@@ -39,29 +39,16 @@ from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
 from pgregistry.migrate._imports import import_bindings
-from pgregistry.migrate._plan import add_reexported_names
+from pgregistry.migrate._plan import (
+    CALLED_BY_AUTOGRAD,
+    FIXED_SIGNATURE,
+    add_reexported_names,
+    decorator_matches,
+)
 from pgregistry.migrate._tree import classify_uses
 
 __all__ = ["Upward", "thread_upward"]
 
-#: Decorators that fix a function's signature or key on its arguments (the plan's own list, and its
-#: rule for the compilers' names), and the method names torch or Python call with their own
-#: arguments.
-_FIXED_SIGNATURE = (
-    "property",
-    "setter",
-    "getter",
-    "deleter",
-    "jit",
-    "script",
-    "compile",
-    "cache",
-    "lru_cache",
-    "overload",
-    "fuser",
-)
-_COMPILERS = ("jit", "script", "compile", "fuser")
-_CALLED_BY_TORCH = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
 #: A ``def`` line's name (any indentation): every definition of a name in the tree, counted.
 _DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)")
 
@@ -101,7 +88,7 @@ def _has_fixed_signature_decorator(node: ast.FunctionDef | ast.AsyncFunctionDef)
             if isinstance(expression, ast.Attribute)
             else getattr(expression, "id", "")
         )
-        if any(word == last or (word in last and word in _COMPILERS) for word in _FIXED_SIGNATURE):
+        if decorator_matches(last, FIXED_SIGNATURE):
             return True
     return False
 
@@ -184,7 +171,7 @@ def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definiti
             or binds_the_name
             or _has_fixed_signature_decorator(node)
             or name.encode() in definition_text(node)
-            or (method and node.name in _CALLED_BY_TORCH)
+            or (method and node.name in CALLED_BY_AUTOGRAD)
         )
         calls = {
             t
