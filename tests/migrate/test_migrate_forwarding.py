@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.migrated_packages import importable_rewrite, write_sources
+from fixtures.migrated_packages import TensorParallelOnly, importable_rewrite, write_sources
 
 from pgregistry._source.config import PRESETS
 from pgregistry.migrate._engine import Migration, migrate
@@ -166,28 +166,12 @@ def test_a_local_that_may_hold_another_class_is_left_and_reported(
     assert "pkg.layers.Plain has no parameter pg_collection" in left[0].reason
 
 
-class _Group:
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return 4
-
-
-class _Collection:
-    def __init__(self, rank: int) -> None:
-        self.tp = _Group(rank)
-
-
 def test_the_collection_given_reaches_the_base_read(migrated: tuple[Migration, dict[str, str]]) -> None:
     models = importlib.import_module("pkg.models")
     for flag in (True, False):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fallback anywhere on the way would raise
-            model = models.Model(flag, pg_collection=_Collection(3))
+            model = models.Model(flag, pg_collection=TensorParallelOnly(3))
         assert (model.output.rank, model.output.size, getattr(model.output, "head", False)) == (3, 3, flag)
         assert (model.wide.rank, model.wide.head) == (3, True)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.migrated_packages import importable_rewrite, write_sources
+from fixtures.migrated_packages import TensorParallelOnly, importable_rewrite, write_sources
 
 from pgregistry._source.config import PRESETS
 from pgregistry.migrate._engine import migrate
@@ -137,27 +137,11 @@ def test_calls_the_rule_leaves_alone(rewritten: dict[str, str]) -> None:
     assert "layers.Embedding(5, pg_collection=None)" in models
 
 
-class _Group:
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return 4
-
-
-class _Collection:
-    def __init__(self, rank: int) -> None:
-        self.tp = _Group(rank)
-
-
 def test_the_collection_given_at_the_top_reaches_the_class_read(rewritten: dict[str, str]) -> None:
     models = importlib.import_module("pkg.models")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback anywhere on the way would raise
-        model = models.Model(_Collection(3))
+        model = models.Model(TensorParallelOnly(3))
     assert (model.outer.tp, model.outer.embedding.rank, model.outer.embedding.size) == (4, 3, 3)
     assert (model.deeper.rank, model.deeper.size) == (3, 6)
 

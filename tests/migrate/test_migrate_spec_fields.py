@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.migrated_packages import importable_rewrite, write_sources
+from fixtures.migrated_packages import TensorParallelOnly, importable_rewrite, write_sources
 
 from pgregistry._source.config import PRESETS
 from pgregistry.migrate._engine import Migration, migrate
@@ -177,28 +177,12 @@ def test_a_field_that_may_hold_another_class_is_left_and_reported(
     assert "pkg/models.py:" in report and "submodules.proj (spec field)" in report
 
 
-class _Group:
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return 4
-
-
-class _Collection:
-    def __init__(self, rank: int) -> None:
-        self.tp = _Group(rank)
-
-
 def test_the_collection_given_reaches_the_class_a_spec_names(migrated: tuple[Migration, dict[str, str]]) -> None:
     models = importlib.import_module("pkg.models")
     for spec in models.specs(True)[:4] + models.specs(False)[:4]:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fallback anywhere would raise
-            attention = models.Attention(spec, pg_collection=_Collection(3))
+            attention = models.Attention(spec, pg_collection=TensorParallelOnly(3))
         assert (attention.proj.rank, attention.built.rank, attention.built.size) == (3, 3, 5)
 
 
