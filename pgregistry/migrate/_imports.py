@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["import_bindings"]
+__all__ = ["absolute_module", "import_bindings"]
 
 
-def _absolute_module(module: str, level: int, package: list[str]) -> str:
+def absolute_module(module: str, level: int, package: list[str]) -> str:
     """The absolute name of ``module`` imported ``level`` packages up from ``package``."""
     if level == 0:
         return module
@@ -36,7 +36,7 @@ def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
                     alias.name if alias.asname else alias.name.partition(".")[0]
                 )
         elif isinstance(node, ast.ImportFrom):
-            module = _absolute_module(node.module or "", node.level, package)
+            module = absolute_module(node.module or "", node.level, package)
             bound.update(
                 {a.asname or a.name: f"{module}:{a.name}" for a in node.names if a.name != "*"}
             )

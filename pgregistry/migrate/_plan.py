@@ -49,6 +49,7 @@ from libcst.metadata import (
 
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+from pgregistry.migrate._imports import absolute_module
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
     definition_span,
@@ -1628,12 +1629,9 @@ def _node_positions(
 
 
 def _absolute_module(module: str, package: list[str]) -> str:
-    level = len(module) - len(module.lstrip("."))
-    if level == 0:
-        return module
-    base = package[: max(0, len(package) - (level - 1))]
-    rest = module[level:]
-    return ".".join([*base, rest] if rest else base)
+    """The absolute name of ``module``, written with its leading dots (``..x``), in ``package``."""
+    relative = module.lstrip(".")
+    return absolute_module(relative, len(module) - len(relative), package)
 
 
 def _resolve_dotted(
@@ -1749,7 +1747,7 @@ def add_reexported_names(
         while stack:
             node = stack.pop()
             if isinstance(node, ast.ImportFrom):
-                module = _absolute_module("." * node.level + (node.module or ""), parts)
+                module = absolute_module(node.module or "", node.level, parts)
                 imports += [
                     (package, a.asname or a.name, module, a.name)
                     for a in node.names
