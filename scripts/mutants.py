@@ -833,8 +833,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="migrate-subclass-last-base",
         bug="migrate takes a subclass's last base for the one whose __init__ it runs (the first's runs)",
         file="pgregistry/migrate/_inherited.py",
-        find="base = node.bases[0]",
-        replace="base = node.bases[-1]",
+        find="dotted = attribute_chain(node.bases[0])",
+        replace="dotted = attribute_chain(node.bases[-1])",
         tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
     ),
     Mutant(

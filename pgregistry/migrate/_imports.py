@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["absolute_module", "import_bindings"]
+__all__ = ["absolute_module", "attribute_chain", "import_bindings"]
 
 
 def absolute_module(module: str, level: int, package: list[str]) -> str:
@@ -43,3 +43,13 @@ def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
         elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
     return bound
+
+
+def attribute_chain(node: ast.expr) -> list[str] | None:
+    """The names of a dotted expression (``a.b.c`` -> ``["a", "b", "c"]``); None when its root is
+    not a plain name (a call, a subscript, ...)."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *parts[::-1]] if isinstance(node, ast.Name) else None

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
-from pgregistry.migrate._imports import import_bindings
+from pgregistry.migrate._imports import attribute_chain, import_bindings
 from pgregistry.migrate._plan import add_reexported_names
 
 __all__ = ["Subclasses", "thread_subclasses"]
@@ -104,14 +104,9 @@ def _first_base(
     node: ast.ClassDef, module: str, bound: Mapping[str, str], classes: set[str]
 ) -> Key | None:
     """(module, name) of ``node``'s first base: a class of this module or one the file imports."""
-    base = node.bases[0]
-    parts: list[str] = []
-    while isinstance(base, ast.Attribute):
-        parts.append(base.attr)
-        base = base.value
-    if not isinstance(base, ast.Name):
+    dotted = attribute_chain(node.bases[0])
+    if dotted is None:
         return None
-    dotted = [base.id, *parts[::-1]]
     if len(dotted) == 1 and dotted[0] in classes:
         return module, dotted[0]
     head = bound.get(dotted[0])

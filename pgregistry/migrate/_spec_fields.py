@@ -51,7 +51,7 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pgregistry._source.scanner import module_name
-from pgregistry.migrate._imports import import_bindings
+from pgregistry.migrate._imports import attribute_chain, import_bindings
 
 __all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields", "spec_field_of_call"]
 
@@ -95,14 +95,6 @@ def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str
     if func[-1:] == ["build_module"] and first_argument and first_argument[-2:-1] == ["submodules"]:
         return first_argument[-1]
     return None
-
-
-def _attribute_chain(node: ast.expr) -> list[str] | None:
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    return [node.id, *parts[::-1]] if isinstance(node, ast.Name) else None
 
 
 @dataclass
@@ -216,7 +208,7 @@ class _Tree:
                 None,
             )
             if init is None:
-                base = _attribute_chain(node.bases[0]) if node.bases else None
+                base = attribute_chain(node.bases[0]) if node.bases else None
                 inherited = self.resolve(base, where) if base is not None else None
                 return inherited is not None and self._declares_keyword(
                     inherited, threaded, depth + 1
@@ -303,7 +295,7 @@ def _field_values(
         _field_values(tree, value.orelse, where, found, depth, names)
         return
     if isinstance(value, ast.Call):
-        callee = _attribute_chain(value.func) or []
+        callee = attribute_chain(value.func) or []
         if callee[-1:] == ["not_none"] and len(value.args) == 1 and not value.keywords:
             _field_values(tree, value.args[0], where, found, depth, names)
             return
@@ -318,7 +310,7 @@ def _field_values(
         ):
             _method_returns(tree, value.func.attr, spot, found, depth)
             return
-    dotted = _attribute_chain(value)
+    dotted = attribute_chain(value)
     key = tree.resolve(dotted, where) if dotted is not None else None
     assigned = names.get(value.id) if names is not None and isinstance(value, ast.Name) else []
     if key is None and assigned and depth < 4:
@@ -454,8 +446,8 @@ def _spec_calls(tree: _Tree) -> list[_SpecCall]:
                     k.arg in (None, tree.keyword) for k in node.keywords
                 ):
                     continue
-                first = _attribute_chain(node.args[0]) if node.args else None
-                callee = _attribute_chain(node.func) or [""]
+                first = attribute_chain(node.args[0]) if node.args else None
+                callee = attribute_chain(node.func) or [""]
                 name = spec_field_of_call(callee, first)
                 if name is None:
                     continue
@@ -537,7 +529,7 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
                 puts.append((node, module, assigned))
             elif isinstance(node, ast.ClassDef):
                 bases.setdefault(node.name, set()).update(
-                    (_attribute_chain(b) or [""])[-1] for b in node.bases
+                    (attribute_chain(b) or [""])[-1] for b in node.bases
                 )
                 for member in node.body:
                     if (
@@ -570,7 +562,7 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
 
     for node, module, assigned in puts:
         if isinstance(node, ast.Call):
-            callee = (_attribute_chain(node.func) or [""])[-1]
+            callee = (attribute_chain(node.func) or [""])[-1]
             for keyword in node.keywords:
                 if keyword.arg in names:
                     values = slot_values(callee, keyword.arg)
@@ -582,7 +574,7 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
                 isinstance(target, ast.Attribute)
                 and target.attr in names
                 and node.value
-                and _attribute_chain(target.value) != ["self"]  # a module's own part, built here
+                and attribute_chain(target.value) != ["self"]  # a module's own part, built here
             ):
                 values = slot_values(None, target.attr)
                 _field_values(tree, node.value, module, values, names=assigned)
@@ -603,7 +595,7 @@ def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str])
     )
     for module in tree.mentioning(builds):
         for built in ast.walk(module.tree):
-            made = _attribute_chain(built.func) if isinstance(built, ast.Call) else None
+            made = attribute_chain(built.func) if isinstance(built, ast.Call) else None
             if not made or made[-1] not in holding:
                 continue
             assert isinstance(built, ast.Call)
