@@ -70,8 +70,10 @@ class Imported:
 def match_megatron_list(
     entries: dict[str, list[tuple[int, str]]], results: Sequence[FileResult]
 ) -> Imported:
-    """Which of Megatron-LM's entries have a read on their line (``unmatched``: ``path:line
-    accessor``), and the reads of the scan that its list does not hold, by accessor (``unseen``)."""
+    """Megatron-LM's entries with no read on their line, and the reads its list does not hold.
+
+    ``unmatched``: the entries with no read on their line, as ``path:line accessor``; ``unseen``:
+    the reads of the scan that its list does not hold, by accessor."""
     sites: dict[str, list[Site]] = {result.path: list(result.sites) for result in results}
     covered: set[tuple[str, int, str]] = set()
     unmatched: list[str] = []

@@ -265,9 +265,10 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class Comparison:
-    """The ratchet's verdict. ``stale_fails``: whether stale entries fail the check (without a base
-    revision) or are notices that the list can shrink (with one: the base's counts keep the
-    allowance tight)."""
+    """The ratchet's verdict.
+
+    ``stale_fails``: whether stale entries fail the check (without a base revision) or are notices
+    that the list can shrink (with one: the base's counts keep the allowance tight)."""
 
     mismatches: tuple[Mismatch, ...]
     moves: tuple[Move, ...] = ()
