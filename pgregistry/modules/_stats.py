@@ -202,8 +202,9 @@ def clip_grad_norm_(
 def clip_to_job_norm(
     grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, error_if_nonfinite: bool
 ) -> None:
-    """Scale ``grads`` in place to a job-wide norm ``total`` of ``max_norm``; with
-    ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``total``, on every rank
+    """Scale ``grads`` in place to a job-wide norm ``total`` of ``max_norm``.
+
+    With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``total``, on every rank
     (``total`` is the same on all)."""
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
@@ -293,15 +294,18 @@ _NAN = math.inf
 
 
 def _encode_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when
-    infinite, :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
+    """A module norm as it travels in the MAX all-reduce: NaN and infinite above any finite one.
+
+    Itself when finite, :data:`_INF` when infinite, :data:`_NAN` when NaN; the job-wide norm's
+    order is NaN > infinite > finite."""
     norm = torch.where(torch.isinf(norm), torch.full_like(norm, _INF), norm)
     return torch.where(torch.isnan(norm), torch.full_like(norm, _NAN), norm)
 
 
 def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
-    """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm), scaled
-    by the largest so that no power overflows; 0 for no norms or all zero."""
+    """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm).
+
+    Scaled by the largest so that no power overflows; 0 for no norms or all zero."""
     if norms.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=norms.device)
     largest = norms.max()
@@ -314,9 +318,10 @@ def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
 def module_values(
     given: Mapping[str, Any], compute: Callable[[str, Any], Any]
 ) -> tuple[dict[str, Any], Fault]:
-    """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault:
-    every module's ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the module, joined
-    (``None`` when none raised).
+    """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault.
+
+    The fault is every module's ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the
+    module, joined (``None`` when none raised).
 
     A module's statistic can refuse what its ranks hold (a sparse grad, a plan its grads do not
     fit); raised here, its ranks would leave the ranks of every other module waiting in the world
@@ -360,12 +365,13 @@ def check_models(
     *,
     noun: str = "model",
 ) -> tuple[dict[str, Any], str | None]:
-    """``models`` restricted to the modules this rank runs, in the modules' order, and this rank's
-    error (``None`` when it has none): ``models`` is not a mapping, names a module that does not
-    exist or one this rank does not run, lacks one it runs, or a module's collection was destroyed;
-    ``check(name, model, collection)`` raising ``ValueError``, ``TypeError`` or ``RuntimeError`` is
-    an error too. ``noun`` names what the mapping holds in messages (a model, an optimizer, a
-    state). Local: the caller agrees on the error."""
+    """``models`` restricted to the modules this rank runs, in their order, and this rank's error.
+
+    The error is ``None`` when it has none; it is one when ``models`` is not a mapping, names a
+    module that does not exist or one this rank does not run, lacks one it runs, or a module's
+    collection was destroyed; ``check(name, model, collection)`` raising ``ValueError``,
+    ``TypeError`` or ``RuntimeError`` is an error too. ``noun`` names what the mapping holds in
+    messages (a model, an optimizer, a state). Local: the caller agrees on the error."""
     if not isinstance(models, Mapping) or isinstance(models, MultiModuleCollection):
         got = type(models).__name__
         return {}, f"{owner} takes a mapping from module name to that module's {noun}, got a {got}"
@@ -412,8 +418,10 @@ def _agree_on_models(
     *,
     extra_error: Fault = None,
 ) -> dict[str, ParamsLike]:
-    """The models of the modules this rank runs, after every rank agreed on the modules and options
-    and none found a fault (``pgregistry._runtime.agreement.check_agreement``)."""
+    """The models of the modules this rank runs, once every rank agreed and none found a fault.
+
+    Every rank agrees on the modules and options
+    (``pgregistry._runtime.agreement.check_agreement``)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
