@@ -26,7 +26,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from pgregistry.collection import NOT_MEMBER, GroupName, ProcessGroupCollection, group_size
-from pgregistry.layout import DEFAULT_ORDER, GROUP_KINDS, OrderToken, ParallelLayout, RankGroup
+from pgregistry.layout import (
+    DEFAULT_ORDER,
+    EXPERT_GROUP_KINDS,
+    GROUP_KINDS,
+    OrderToken,
+    ParallelLayout,
+    RankGroup,
+)
 
 __all__ = [
     "EXPERT_VIEW",
@@ -381,8 +388,8 @@ def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout]
             if (size := _size_of(observed[name], axis)) is not None
         }
         if (
-            off.get(name, set()) & _EXPERT_FIELD_NAMES
-            and not set(observed[name]) & _EXPERT_FIELD_NAMES
+            off.get(name, set()) & EXPERT_GROUP_KINDS.keys()
+            and not set(observed[name]) & EXPERT_GROUP_KINDS.keys()
         ):
             sizes.update(
                 expt_tp=1, ep=1
@@ -416,7 +423,7 @@ def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) ->
     data-parallel sizes fix the GTP-remat ones, which are 1 when their groups are absent). Without
     them several layouts fit, and a guess would be a silent wrong answer."""
     needed = ["tp", "cp", "pp", "dp"]
-    if any(field in _EXPERT_FIELD_NAMES for field in observed):
+    if any(field in EXPERT_GROUP_KINDS for field in observed):
         needed += ["ep", "expt_tp", "expt_dp"]
     missing = [field for field in needed if field not in observed]
     if missing:
@@ -426,20 +433,6 @@ def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) ->
             "module's collection its tp, cp, pp and dp groups (and ep, expt_tp "
             "and expt_dp with experts), a size-1 axis as a one-rank group"
         )
-
-
-_EXPERT_FIELD_NAMES: Final = frozenset(
-    {
-        "ep",
-        "expt_tp",
-        "expt_dp",
-        "tp_ep",
-        "tp_ep_pp",
-        "tp_ep_pp_with_egtp_remat",
-        "expt_gtp_remat",
-        "expt_dp_gtp_remat",
-    }
-)
 
 
 def _size_of(observed: Mapping[str, set[RankGroup]], axis: str) -> int | None:
