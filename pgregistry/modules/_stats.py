@@ -98,15 +98,7 @@ def grad_norm(
     given = _agree_on_models(
         models, modules, owner, options, extra_error=norm_type_error(norm_type)
     )
-    p = float(norm_type)
-    norms, fault = module_values(
-        given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p)
-    )
-    total, _ = reduce_over_modules(
-        list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
-    )
-    assert total is not None
-    return total
+    return _job_grad_norm(given, modules, norm_type, owner, options)
 
 
 def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection) -> int:
@@ -186,6 +178,23 @@ def clip_grad_norm_(
     bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
     given = _agree_on_models(models, modules, owner, options, extra_error=bad)
+    total = _job_grad_norm(given, modules, norm_type, owner, options)
+    grads = [grad for model in given.values() for grad in _local_grads(model)]
+    clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
+    return total
+
+
+def _job_grad_norm(
+    given: Mapping[str, ParamsLike],
+    modules: MultiModuleCollection,
+    norm_type: float,
+    owner: str,
+    options: Mapping[str, str],
+) -> torch.Tensor:
+    """The job-wide ``norm_type``-norm of the grads of ``given``, the models this rank runs.
+
+    A module's statistic that refuses its model is raised on every rank, as ``owner``'s called with
+    ``options`` (:func:`module_values`)."""
     p = float(norm_type)
     norms, fault = module_values(
         given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p)
@@ -194,8 +203,6 @@ def clip_grad_norm_(
         list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
     )
     assert total is not None
-    grads = [grad for model in given.values() for grad in _local_grads(model)]
-    clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
     return total
 
 
