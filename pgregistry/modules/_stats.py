@@ -46,6 +46,7 @@ from pgregistry.grad_stats import backend_device, check_expert_classification, c
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
+from pgregistry.grad_stats._lists import check_finite
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
@@ -213,12 +214,7 @@ def clip_to_job_norm(
 
     With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``total``, on every rank
     (``total`` is the same on all)."""
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"the job-wide grad norm is {float(total)}, not finite, so the "
-            "grads cannot be clipped (they are left as they are); pass "
-            "error_if_nonfinite=False to leave them unscaled without raising"
-        )
+    check_finite(total, error_if_nonfinite, which="job-wide")
     if grads:
         clip_grads_(grads, max_norm, total)
 
