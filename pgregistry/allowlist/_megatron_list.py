@@ -17,14 +17,12 @@ changes what is allowed by exactly those, in the open.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pgregistry._source.scanner import FileResult, Site
-from pgregistry.allowlist._ratchet import AllowlistError
+from pgregistry.allowlist._ratchet import AllowlistError, parse_json
 
 __all__ = ["Imported", "match_megatron_list", "parse_megatron_list"]
 
@@ -34,12 +32,7 @@ def parse_megatron_list(text: str, name: str) -> dict[str, list[tuple[int, str]]
 
     Raises :class:`AllowlistError` if it is malformed.
     """
-    try:
-        payload: Any = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise AllowlistError(
-            f"{name}:{error.lineno}:{error.colno}: malformed JSON: {error.msg}"
-        ) from None
+    payload = parse_json(text, name, "JSON")
     allowed = payload.get("allowed") if isinstance(payload, dict) else None
     if not isinstance(allowed, dict) or "version" in payload:
         raise AllowlistError(
