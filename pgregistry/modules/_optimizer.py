@@ -379,24 +379,18 @@ def build_optimizer(
     owner = "pgregistry.modules.build_optimizer"
     fault = combine_faults(options_error(options, per_module, list(modules)), error)
     check_agreement(owner, request, fault, advice=MODULES_ADVICE)
-    optimizers, failures = {}, []
-    for name, model in given.items():
-        try:
-            optimizers[name] = build_module_optimizer(
-                model, modules[name], **{**options, **per_module.get(name, {})}
-            )
-        except (
-            ValueError,
-            TypeError,
-            RuntimeError,
-        ) as exc:  # on this module's ranks only: agreed below
-            failures.append(type(exc)(f"module {name!r}: {exc}"))
+    optimizers, failure = module_values(  # a failure on this module's ranks only: agreed below
+        given,
+        lambda name, model: build_module_optimizer(
+            model, modules[name], **{**options, **per_module.get(name, {})}
+        ),
+    )
     # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on
     # any rank.
     check_agreement(
         owner,
         describe_modules(modules),
-        combine_faults(*failures),
+        failure,
         failed="could not build a module's optimizer",
         advice=MODULES_ADVICE,
     )

@@ -335,6 +335,9 @@ def module_values(
     all of them, as it does for the layout and roles its ranks share); a fault on some ranks of a
     module only, midway through its collectives, leaves its peers waiting there until the process
     group's timeout: the single-model statistics would hang the same way.
+
+    :func:`pgregistry.modules.build_optimizer` collects each module's build the same way, its fault
+    agreed on after the builds.
     """
     values, faults = {}, []
     for name, item in given.items():
