@@ -89,7 +89,7 @@ def check_not_empty(args: argparse.Namespace, options: Mapping[str, tuple[str, s
 
 
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
-    """The layout :func:`add_layout_arguments` declared; ``ValueError`` (its message) when invalid.
+    """The layout :func:`add_layout_arguments` declared; ``ValueError`` when it is invalid.
 
     Over the whole ``world_size`` when given, else ``--num-ranks`` from ``--rank-offset``, checked
     by :func:`check_span`; the ``ValueError`` carries the layout's message."""

@@ -253,9 +253,9 @@ def _oracle_checks(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
 def _whole_model_statistics(grads: dict[str, torch.Tensor]) -> tuple[dict[float, float], int]:
     """The float64 2-norm, inf-norm and zero count of the whole unsharded model's grads.
 
-    Norms are keyed by p: what its shards must give on any layout. The test suite has its own oracle
-    (``tests/fixtures/unsharded_oracle.py``), which this command may not import and which never
-    reads this."""
+    The norms are keyed by p; all three are what its shards must give on any layout. The test suite
+    has its own oracle (``tests/fixtures/unsharded_oracle.py``), which this command may not import
+    and which never reads this."""
     import torch
 
     flat = torch.cat([g.reshape(-1) for g in grads.values()])
