@@ -495,9 +495,10 @@ def audit_grad_replication(
 def _norm_parts_weighted_by(
     grad: torch.Tensor, weight: float, device: torch.device
 ) -> list[torch.Tensor]:
-    """The 2-norm parts of ``grad`` with its squares weighted by ``weight`` (in float64, so the
-    weights of replicas add up exactly, and a mismatch as small as float64 resolves shows in the
-    ratio)."""
+    """The 2-norm parts of ``grad`` with its squares weighted by ``weight``, in float64.
+
+    In float64 so the weights of replicas add up exactly, and a mismatch as small as float64
+    resolves shows in the ratio."""
     parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
     return [
         part * torch.tensor([weight, 1.0], dtype=torch.float64, device=device) for part in parts
@@ -505,7 +506,8 @@ def _norm_parts_weighted_by(
 
 
 def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:
-    """The collection's ``embd`` group when this rank is in one of more than one rank;
+    """The collection's ``embd`` group when this rank is in one of more than one rank.
+
     ``ValueError`` when it is not set on a collection whose pipeline is on (ties across stages could
     not be checked)."""
     if not collection.is_set("embd"):
@@ -572,8 +574,10 @@ def _across_stages(
 
 
 def _shape_entry(name: str, param: torch.Tensor) -> dict[str, Any]:
-    """What another stage needs to suspect a tie with ``param``: name, shape, dtype, marks, and the
-    float64 sum and sum of squares of its (local) values and grad."""
+    """What another stage needs to suspect a tie with ``param``.
+
+    Its name, shape, dtype, marks, and the float64 sum and sum of squares of its (local) values and
+    grad."""
     grad = param.grad
     return {
         "name": name,
@@ -656,9 +660,10 @@ def _group_ranks(group: ProcessGroup | None, rank: int) -> list[int]:
 def _measure_dtensor_verdicts(
     rep: dict[str, bool], axis_groups: dict[str, ProcessGroup | None], expert: bool
 ) -> tuple[bool, bool]:
-    """Whether this rank counts a DTensor grad's piece over TP and GTP (when its mesh does not span
-    them), by measurement: a piece measured replicated there is counted on the axis's rank 0
-    only."""
+    """Whether this rank counts a DTensor grad's piece over TP and GTP, by measurement.
+
+    For the axes its mesh does not span: a piece measured replicated there is counted on the axis's
+    rank 0 only."""
     fields = ("expt_tp", "expt_gtp_remat") if expert else ("tp", "gtp_remat")
     tp, gtp = (not rep.get(field, False) or group_rank(axis_groups[field]) == 0 for field in fields)
     return tp, gtp
@@ -742,9 +747,11 @@ def _measure_replication(
     axis_groups: dict[str, ProcessGroup | None],
     spanned: list[set[str]],
 ) -> tuple[dict[str, dict[int, bool]], dict[str, dict[int, bool]]]:
-    """Per axis that is on and per audited gradient (by index) not spanned there by its DTensor
-    mesh: replicated over the group, and zero over the whole group. A DTensor grad is measured
-    through its local piece."""
+    """Whether each audited gradient is replicated, and zero, over each group its mesh misses.
+
+    Per axis that is on and per audited gradient (by index) not spanned there by its DTensor mesh:
+    replicated over the group, and zero over the whole group. A DTensor grad is measured through its
+    local piece."""
     on = [axis for axis in _AXES if _spans_several_ranks(axis_groups[axis])]
     replicated: dict[str, dict[int, bool]] = {axis: {} for axis in on}
     zero: dict[str, dict[int, bool]] = {axis: {} for axis in on}

@@ -477,9 +477,11 @@ spans is how a norm reads ranks twice."""
 
 
 def _check_fields(groups: Mapping[str, object]) -> None:
-    """``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError``
-    for a composite group whose size disagrees with its axes. Imports nothing: a group exists only
-    when torch is already loaded."""
+    """Refuse a field that is not a group, or a composite group whose size disagrees with its axes.
+
+    ``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError`` for
+    a composite group whose size disagrees with its axes. Imports nothing: a group exists only when
+    torch is already loaded."""
     for name, value in groups.items():
         if name != "hcp":
             _check_group_type(name, value, allow_none=True)
@@ -592,9 +594,10 @@ _SAME_AS: Final[Mapping[str, str]] = {"dp_cp_ag": "dp_cp", "expt_dp_ag": "expt_d
 def _check_against_layout(
     values: Mapping[str, FieldValue], layout: ParallelLayout, one_rank_group: ProcessGroup | None
 ) -> None:
-    """Every given group holds the ranks ``layout`` gives this rank (or lies inside them, for the
-    HSDP fields); ``None`` only where the layout's group has one rank; ``NOT_MEMBER`` only where
-    this rank is in none."""
+    """Check every given group holds the ranks ``layout`` gives this rank.
+
+    Or lies inside them, for the HSDP fields; ``None`` only where the layout's group has one rank;
+    ``NOT_MEMBER`` only where this rank is in none."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():

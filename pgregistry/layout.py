@@ -380,10 +380,12 @@ class ParallelLayout:
         *,
         after: str,
     ) -> _Grid:
-        """The grid of ``tokens`` (the declared order, then the appended size-1 axes; ``axis_of``
-        names each slot's axis in this grid) with the GTP axis placed as Megatron-Core places it:
-        right after ``after`` when the declared order names it, else right after ``tp`` when named,
-        else first. The appended axes have size 1, so only the declared ones decide the ranks."""
+        """The grid of ``tokens`` with the GTP axis placed as Megatron-Core places it.
+
+        ``tokens`` is the declared order, then the appended size-1 axes; ``axis_of`` names each
+        slot's axis in this grid. The GTP axis goes right after ``after`` when the declared order
+        names it, else right after ``tp`` when named, else first. The appended axes have size 1, so
+        only the declared ones decide the ranks."""
         preceding = after if after in declared else OrderToken.TP.value
         position = declared.index(preceding) + 1 if preceding in declared else 0
         slots = [axis_of[token] for token in tokens]
@@ -533,9 +535,10 @@ class ParallelLayout:
         return (0, self.pp - 1)
 
     def _check_rank(self, rank: int, what: str = "rank") -> int:
-        """``rank`` as an int; ``TypeError`` for a bool (``True`` is not rank 1) or a non-integer,
-        ``ValueError`` outside the layout's ranks. ``what`` names it in the message (``lost rank``
-        for :meth:`shrink`)."""
+        """``rank`` as an int, refused when it is not a rank of the layout.
+
+        ``TypeError`` for a bool (``True`` is not rank 1) or a non-integer, ``ValueError`` outside
+        the layout's ranks. ``what`` names it in the message (``lost rank`` for :meth:`shrink`)."""
         if isinstance(rank, bool):
             raise TypeError(f"{what} must be an integer, got the bool {rank!r}")
         try:
@@ -611,8 +614,9 @@ class Shrunk:
 def _shrink_layout(
     layout: ParallelLayout, lost: Iterable[int], *, sharded_optimizer: bool = False
 ) -> Shrunk:
-    """:meth:`ParallelLayout.shrink`: the ranks that leave with ``lost`` and the smaller layout over
-    the survivors (pure rank arithmetic over the layout's coordinates).
+    """:meth:`ParallelLayout.shrink`: the ranks that leave with ``lost`` and the smaller layout.
+
+    The smaller layout is over the survivors (pure rank arithmetic over the layout's coordinates).
 
     A rank holds state that differs from its peers along every axis but data parallelism: its TP,
     CP, GTP-remat and pipeline peers hold other shards of the dense model or other parts of the
@@ -674,8 +678,10 @@ def _shrink_layout(
 
 
 def _check_lost_ranks(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int, ...]:
-    """The lost ranks, sorted and deduplicated: ``TypeError`` for a non-integer (a bool too),
-    ``ValueError`` for a rank outside the layout's span."""
+    """The lost ranks, sorted and deduplicated, refused when not ranks of the layout's span.
+
+    ``TypeError`` for a non-integer (a bool too), ``ValueError`` for a rank outside the layout's
+    span."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks, got {type(lost).__name__}")
     out = {layout._check_rank(rank, "lost rank") for rank in lost}
@@ -685,8 +691,9 @@ def _check_lost_ranks(layout: ParallelLayout, lost: Iterable[int]) -> tuple[int,
 def _smaller_layout(
     layout: ParallelLayout, lost: tuple[int, ...], num_ranks: int
 ) -> ParallelLayout:
-    """The layout with every size but the data-parallel ones unchanged, over ``num_ranks`` ranks; a
-    ``ValueError`` naming the lost ranks when no such layout is valid (an order rule the smaller
+    """The layout over ``num_ranks`` ranks with every size but the data-parallel ones unchanged.
+
+    A ``ValueError`` naming the lost ranks when no such layout is valid (an order rule the smaller
     data-parallel sizes break)."""
     if num_ranks == layout.num_ranks:
         return layout
@@ -708,10 +715,11 @@ def _check_groups_kept(
     dense_gone: list[int],
     expert_gone: list[int],
 ) -> None:
-    """Every survivor keeps its coordinates on the smaller layout, data-parallel ones renumbered in
-    order: then every group keeps its members. Holds whenever whole replicas leave (see the module
-    docstring); checked rather than assumed, because the dense and expert grids interleave their
-    axes in ways the order string chooses."""
+    """Check each survivor keeps its coordinates on the smaller layout, so groups keep members.
+
+    The data-parallel coordinates are renumbered in order; then every group keeps its members. Holds
+    whenever whole replicas leave (see the module docstring); checked rather than assumed, because
+    the dense and expert grids interleave their axes in ways the order string chooses."""
     dense_kept = [d for d in range(old.dp) if d not in dense_gone]
     expert_kept = [e for e in range(old.expt_dp) if e not in expert_gone]
     for rank, new_rank in rank_map.items():

@@ -237,10 +237,11 @@ def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> Proc
 def _check_replicas_inside_shards(
     pg_collection: ProcessGroupCollection, ranks_of: Mapping[str, tuple[int, ...]], rank: int
 ) -> None:
-    """HSDP's replicate dim must stay inside the group its shard dim splits: with an order that puts
-    EP slower than DP, ``inter_dist_opt`` crosses EP ranks, and ``("inter_dist_opt",
-    "intra_expt_dp")`` would be a grid over other experts' ranks, not over expert data
-    parallelism."""
+    """Check HSDP's replicate dim stays inside the group its shard dim splits.
+
+    With an order that puts EP slower than DP, ``inter_dist_opt`` crosses EP ranks, and
+    ``("inter_dist_opt", "intra_expt_dp")`` would be a grid over other experts' ranks, not over
+    expert data parallelism."""
     import torch.distributed as dist
 
     replicate = ranks_of.get("inter_dist_opt")

@@ -392,11 +392,12 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
 
 
 def _fsdp_originals(model: nn.Module | Sequence[nn.Module]) -> dict[int, int | None]:
-    """``id(sharded parameter) -> the uid of the parameter it replaced``, over the FSDP2 states of
-    ``model``'s modules: FSDP2's own record of which parameter each sharded one stands for. torch
-    2.13 stamps the uid on the original (``_fsdp_orig_uid``); some releases take the original's id
-    instead; ``None`` where the release keeps none (the sharded parameter then stands for the slot's
-    recorded one)."""
+    """``id(sharded parameter) -> uid of the parameter it replaced``, from ``model``'s FSDP2 states.
+
+    Over the FSDP2 states of ``model``'s modules: FSDP2's own record of which parameter each sharded
+    one stands for. torch 2.13 stamps the uid on the original (``_fsdp_orig_uid``); some releases
+    take the original's id instead; ``None`` where the release keeps none (the sharded parameter
+    then stands for the slot's recorded one)."""
     if not torch.distributed.is_available():
         return {}
     try:
@@ -434,10 +435,12 @@ def _record_param(module: nn.Module, name: str, param: torch.Tensor) -> None:
 
 
 def _param_identity(param: torch.Tensor) -> tuple[Any, ...]:
-    """What stays of a parameter object when torch swaps its contents in place: its id, type, shape
-    and dtype. An id is reused only by an object made after the recorded one is gone, which takes
-    two replacements behind torch's back (``module._parameters[name] = ...``) with no restore
-    between them: the first records nothing, the second could pass for the first's predecessor."""
+    """What stays of a parameter object when torch swaps its contents in place.
+
+    Its id, type, shape and dtype. An id is reused only by an object made after the recorded one is
+    gone, which takes two replacements behind torch's back (``module._parameters[name] = ...``) with
+    no restore between them: the first records nothing, the second could pass for the first's
+    predecessor."""
     return (id(param), type(param), param.shape, param.dtype)
 
 
@@ -486,9 +489,10 @@ _LOAD_FROM_STATE_DICT: Final = nn.Module._load_from_state_dict.__code__
 
 
 def _loading_a_state_dict() -> bool:
-    """Whether torch's ``load_state_dict(assign=True)`` registers the parameter (its
-    ``_load_from_state_dict`` is among the few callers above the hook: ``register_parameter`` and
-    ``__setattr__`` in between)."""
+    """Whether torch's ``load_state_dict(assign=True)`` registers the parameter.
+
+    Its ``_load_from_state_dict`` is among the few callers above the hook: ``register_parameter``
+    and ``__setattr__`` in between."""
     frame = sys._getframe(1)
     for _ in range(6):
         if frame.f_code is _LOAD_FROM_STATE_DICT:
@@ -532,8 +536,10 @@ def _require_tensor(value: object, helper: str) -> None:
 
 
 def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """torch's global parameter-registration hook: carry roles into a replacement of the same
-    parameter, and record the slot's parameter (see the module docstring).
+    """torch's global parameter-registration hook, run as a module registers a parameter.
+
+    It carries roles into a replacement of the same parameter, and records the slot's parameter (see
+    the module docstring).
 
     ``parallelize_module``, ``distribute_module``, a user's
     ``nn.Parameter(distribute_tensor(p...))`` and ``fully_shard`` on a module with its own

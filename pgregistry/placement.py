@@ -207,8 +207,9 @@ class Placement:
 
 
 def _outside_ranks(layout: ParallelLayout, node: int, gpus_per_node: int) -> str:
-    """The ranks of ``node`` outside ``layout``'s span, as ``"ranks 0-1"`` / ``"rank 0"`` (``" and
-    "`` between the ranks before and after a span that lies inside one node)."""
+    """The ranks of ``node`` outside ``layout``'s span, as ``"ranks 0-1"`` / ``"rank 0"``.
+
+    ``" and "`` between the ranks before and after a span that lies inside one node."""
     first, stop = layout.rank_range()
     start, end = node * gpus_per_node, (node + 1) * gpus_per_node
     parts = []

@@ -356,8 +356,9 @@ def recover(
 
 
 def _as_ranks(lost: Iterable[int]) -> list[int]:
-    """The ranks of ``lost`` as a list of ints; ``TypeError`` for anything else (range is the
-    verdict's to check, so that every survivor raises it alike)."""
+    """The ranks of ``lost`` as a list of ints; ``TypeError`` for anything else.
+
+    Their range is the verdict's to check, so that every survivor raises it alike."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks or None, got {type(lost).__name__}")
     out = []
@@ -422,8 +423,9 @@ def _store_answers(store: Store) -> bool:
 
 
 def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
-    """What :class:`StoreLost` says on ``rank``: the store's address, the phase, why it is not
-    survivable, and what to do."""
+    """What :class:`StoreLost` says on ``rank``.
+
+    The store's address, the phase, why it is not survivable, and what to do."""
     import torch.distributed as dist
 
     underlying = store
@@ -446,8 +448,10 @@ def _store_lost(store: Store, rank: int, phase: str, error: Exception) -> str:
 
 
 def _count_keepable(layout: ParallelLayout, shrunk: Shrunk, rank: int) -> int:
-    """How many of this rank's communicators have members that all survive and form a communicator
-    of the smaller layout under the rank map."""
+    """How many of this rank's communicators the smaller layout can keep.
+
+    Those whose members all survive and form a communicator of the smaller layout under the rank
+    map."""
     from pgregistry._runtime.communicators import kinds_by_communicator
 
     if rank not in shrunk.rank_map:

@@ -222,9 +222,10 @@ def _check_same_build(
 def _refuse_other_options(
     rank_sets: Iterable[RankGroup], options: GroupOptions, name: str | None, layout: ParallelLayout
 ) -> None:
-    """``ValueError`` on every rank when a rank set this build needs already has a communicator with
-    other options (one communicator per rank set). Agreed over the world, so that no rank goes on
-    into the creation alone."""
+    """``ValueError`` on every rank when a needed rank set has a communicator with other options.
+
+    A rank set this build needs may already have a communicator with other options (one communicator
+    per rank set). Agreed over the world, so that no rank goes on into the creation alone."""
     conflict = None
     for ranks in sorted(rank_sets):
         existing = CACHE.options_of(ranks)
@@ -246,8 +247,9 @@ def _refuse_other_options(
 
 
 def _all_rank_sets(layout: ParallelLayout) -> set[RankGroup]:
-    """Every rank set of ``layout``: what every rank walks when creating its groups
-    (``pgregistry._runtime.group_cache``)."""
+    """Every rank set of ``layout``: what every rank walks when creating its groups.
+
+    See ``pgregistry._runtime.group_cache``."""
     first, stop = layout.rank_range()
     sets: set[RankGroup] = {tuple(range(first, stop))}
     sets.update((rank,) for rank in range(first, stop))

@@ -342,16 +342,18 @@ _SEED_FIELDS: Final[tuple[GroupName, ...]] = (
 
 
 def seed_fields(data_parallel_random_init: bool) -> tuple[GroupName, ...]:
-    """The collection fields :func:`rank_seeds` reads: :data:`_SEED_FIELDS`, and ``dp`` with
-    ``data_parallel_random_init``."""
+    """The collection fields :func:`rank_seeds` reads.
+
+    :data:`_SEED_FIELDS`, and ``dp`` with ``data_parallel_random_init``."""
     return _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
 
 
 def rank_seeds(
     seed: int, collection: ProcessGroupCollection, *, data_parallel_random_init: bool
 ) -> dict[str, int]:
-    """Tracker name -> seed of this rank, from the job's ``seed`` and a resolved collection (its
-    :func:`seed_fields` set)."""
+    """Tracker name -> seed of this rank, from the job's ``seed`` and a resolved collection.
+
+    The collection has its :func:`seed_fields` set."""
     rank = {name: group_rank(collection.get(name)) for name in _SEED_FIELDS}
     dp_rank = group_rank(collection.get("dp")) if data_parallel_random_init else 0
     return tracker_seeds(

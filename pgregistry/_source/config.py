@@ -108,8 +108,10 @@ class ScanConfig:
                     raise ConfigError(f"{_toml_key(field.name)}: {value!r} is not {kind[1]}")
 
     def fingerprint(self) -> str:
-        """A digest of the scanner version, the running Python's version (it decides which syntax
-        parses) and every setting that changes what the scanner reports."""
+        """A digest of every setting that changes what the scanner reports.
+
+        The scanner version, the running Python's version (it decides which syntax parses) and every
+        such setting go into it."""
         payload = json.dumps(
             [SCANNER_VERSION, sys.version_info[:2], dataclasses.asdict(self)], sort_keys=True
         )
@@ -172,8 +174,10 @@ def _toml_key(name: str) -> str:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
-    """The TOML file at ``path`` (a ``pyproject.toml``, a ``ruff.toml``); ``ConfigError`` naming it
-    when it cannot be read or parsed, or when this Python has no TOML reader."""
+    """The TOML file at ``path`` (a ``pyproject.toml``, a ``ruff.toml``), read.
+
+    ``ConfigError`` naming it when it cannot be read or parsed, or when this Python has no TOML
+    reader."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -249,9 +253,10 @@ _PATH_KEYS = {"allowlist", "cache-dir"}
 
 
 def load_settings(config_file: Path | None, cwd: Path) -> Settings:
-    """Settings from ``config_file``'s ``[tool.pgregistry.allowlist]`` table (its directory is the
-    project root), or the defaults rooted at ``cwd`` when ``config_file`` is None. Unknown keys are
-    errors, so a typo never silently widens or narrows the scan."""
+    """Settings from ``config_file``'s ``[tool.pgregistry.allowlist]`` table.
+
+    Its directory is the project root; when ``config_file`` is None, the defaults rooted at ``cwd``.
+    Unknown keys are errors, so a typo never silently widens or narrows the scan."""
     if config_file is None:
         return Settings(root=cwd)
     config_file = config_file.resolve()

@@ -141,9 +141,10 @@ def _scan_parallel(
 
 
 def _read_source_bytes(source: SourceFile) -> bytes | FileResult:
-    """The file's bytes; a failure for anything but a regular file. Opened non-blocking and checked
-    with ``fstat`` before reading, so a FIFO (or a file swapped for one after discovery) never
-    blocks the scan."""
+    """The file's bytes; a failure for anything but a regular file.
+
+    Opened non-blocking and checked with ``fstat`` before reading, so a FIFO (or a file swapped for
+    one after discovery) never blocks the scan."""
     try:
         handle = os.open(source.absolute, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
@@ -180,8 +181,9 @@ def scan_sources(
     cache: ScanCache | None = None,
     jobs: int = 1,
 ) -> ScanReport:
-    """Scan (project path, bytes) pairs, e.g. read from git; a :class:`FileResult` in place of the
-    bytes is a file that could not be read, passed through."""
+    """Scan (project path, bytes) pairs, e.g. read from git.
+
+    A :class:`FileResult` in place of the bytes is a file that could not be read, passed through."""
     results: list[FileResult | None] = [None] * len(sources)
     pending: list[tuple[int, str, str, bytes]] = []
     for index, (path, data) in enumerate(sources):

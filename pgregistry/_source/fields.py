@@ -171,11 +171,13 @@ _STAGES = {"is_pipeline_first_stage": "first_stage", "is_pipeline_last_stage": "
 
 @dataclass(frozen=True)
 class FieldChoice:
-    """What a read is, for a rewrite: ``kind`` (``group``, ``rank``, ``size``, ``src_rank``,
-    ``global_ranks``, ``first_rank``, ``last_rank``, ``next_rank``, ``prev_rank``, ``first_stage``,
-    ``last_stage``) of collection field ``field``; or ``reason`` why no field says it.
-    ``forwarded``: the read's keyword arguments the fallback helper must be given too, as they
-    change what it answers (``ignore_virtual``, ``vp_stage``)."""
+    """What a read is, for a rewrite: a kind of collection field, or why no field says it.
+
+    ``kind`` (``group``, ``rank``, ``size``, ``src_rank``, ``global_ranks``, ``first_rank``,
+    ``last_rank``, ``next_rank``, ``prev_rank``, ``first_stage``, ``last_stage``) of collection
+    field ``field``; or ``reason`` why no field says it. ``forwarded``: the read's keyword arguments
+    the fallback helper must be given too, as they change what it answers (``ignore_virtual``,
+    ``vp_stage``)."""
 
     field: str = ""
     kind: str = ""
@@ -204,12 +206,13 @@ VIRTUAL_STAGE_REASON = (
 def virtual_stage_choice(
     accessor: str, keywords: Mapping[str, object], *, virtual_stages: bool
 ) -> FieldChoice:
-    """``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` with ``ignore_virtual`` not True
-    (False, or not a literal):
-    the stage of the collection's ``pp`` with the keywords forwarded, where ``virtual_stages`` says
-    the fallback helper reproduces the release's virtual part
-    (:mod:`pgregistry.migrate._virtual_stages`: it returns False unless ``vp_stage`` is the first /
-    last virtual stage of the virtual pipeline size, a schedule setting it reads from
+    """The choice for a first / last pipeline-stage read that does not ignore the virtual stage.
+
+    That is ``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` with ``ignore_virtual`` not
+    True (False, or not a literal): the stage of the collection's ``pp`` with the keywords
+    forwarded, where ``virtual_stages`` says the fallback helper reproduces the release's virtual
+    part (:mod:`pgregistry.migrate._virtual_stages`: it returns False unless ``vp_stage`` is the
+    first / last virtual stage of the virtual pipeline size, a schedule setting it reads from
     ``parallel_state`` as the accessor does, and only then asks the collection's ``pp``)."""
     ignore_virtual = keywords.get("ignore_virtual", True)
     if ignore_virtual is not ... and ignore_virtual:  # a true literal: the pipeline stage alone
@@ -229,11 +232,12 @@ def collection_field(
     gtp_remat: bool = True,
     virtual_stages: bool = False,
 ) -> FieldChoice:
-    """The collection field a call ``accessor(**keywords)`` reads. ``keywords`` maps each keyword
-    argument to its literal value (``True``, ``False``, ``None``, a number), or to ``...`` when it
-    is not a literal. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (0.19 on), where
-    the data-parallel accessors read the group spanning the GTP-remat peers unless
-    ``with_gtp_remat=False``; before it they read the plain group (``dp_cp``, not
+    """The collection field a call ``accessor(**keywords)`` reads.
+
+    ``keywords`` maps each keyword argument to its literal value (``True``, ``False``, ``None``, a
+    number), or to ``...`` when it is not a literal. ``gtp_remat``: whether the code's Megatron-Core
+    has GTP remat (0.19 on), where the data-parallel accessors read the group spanning the GTP-remat
+    peers unless ``with_gtp_remat=False``; before it they read the plain group (``dp_cp``, not
     ``dp_cp_gtp_remat``: the fields Megatron-LM's own hand migrations wrote then).
     ``virtual_stages``: whether a pipeline-stage read with ``ignore_virtual=False`` may be rewritten
     (:func:`virtual_stage_choice`).
@@ -347,10 +351,11 @@ _COMPOSITE_ACCESSORS = frozenset({"get_amax_reduction_group"})
 def fallback_table(
     accessors: Iterable[str], *, gtp_remat: bool
 ) -> dict[tuple[str, str], tuple[str, dict[str, bool]]]:
-    """(field, kind) -> (accessor, keyword arguments): the call of Megatron-Core's
-    ``parallel_state`` that reads what :func:`collection_field` calls that field and kind, among
-    ``accessors`` (the names the release defines). The inverse of :func:`collection_field`, so the
-    fallback helper reads exactly what a rewritten read read."""
+    """(field, kind) -> (accessor, keyword arguments): the inverse of :func:`collection_field`.
+
+    Each is the call of Megatron-Core's ``parallel_state`` that reads what :func:`collection_field`
+    calls that field and kind, among ``accessors`` (the names the release defines), so the fallback
+    helper reads exactly what a rewritten read read."""
     table: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {}
     for accessor in sorted(set(accessors) - _COMPOSITE_ACCESSORS):
         for keywords in _KEYWORD_SETS:

@@ -33,17 +33,20 @@ class PathError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class SourceFile:
-    """A file to scan: ``path`` is project-relative and POSIX-style (the allowlist's key),
-    ``absolute`` is for reading it."""
+    """A file to scan, by its project path and its absolute path.
+
+    ``path`` is project-relative and POSIX-style (the allowlist's key), ``absolute`` is for reading
+    it."""
 
     path: str
     absolute: Path
 
 
 def make_absolute(path: Path) -> Path:
-    """``path`` made absolute and normalised without resolving symbolic links (``Path.resolve``
-    would turn a root that is a link, ``src -> /elsewhere/src``, into a path outside the
-    project)."""
+    """``path`` made absolute and normalised without resolving symbolic links.
+
+    ``Path.resolve`` would turn a root that is a link, ``src -> /elsewhere/src``, into a path
+    outside the project."""
     return Path(os.path.abspath(path))
 
 
@@ -103,9 +106,10 @@ def is_excluded(path: str, exclude: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class Discovery:
-    """The files to scan (sorted by project path), and the ``*.py`` entries skipped because they are
-    not regular files (a FIFO, a socket, a device, a dangling link): reading one could block the
-    scan forever."""
+    """The files to scan (sorted by project path), and the ``*.py`` entries skipped.
+
+    An entry is skipped because it is not a regular file (a FIFO, a socket, a device, a dangling
+    link): reading one could block the scan forever."""
 
     files: list[SourceFile]
     skipped: list[str]

@@ -25,8 +25,10 @@ __all__ = ["add_settings_options", "path_argument", "settings_arguments", "setti
 
 
 def path_argument(text: str) -> Path:
-    """An argparse ``type`` for a path option: an empty one (``--allowlist "$UNSET"``) would be
-    ``Path('.')``, the current directory, silently."""
+    """An argparse ``type`` for a path option that refuses an empty one.
+
+    An empty one (``--allowlist "$UNSET"``) would be ``Path('.')``, the current directory,
+    silently."""
     if not text.strip():
         raise argparse.ArgumentTypeError(
             'is empty (an unset variable, as in "$VAR"?): give a path, or leave the option out'
@@ -68,8 +70,9 @@ def add_settings_options(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_arguments(args: argparse.Namespace) -> list[str]:
-    """The options of :func:`add_settings_options` that ``args`` was given, as arguments of another
-    command (``--name=value``, so a value starting with a dash stays a value)."""
+    """The :func:`add_settings_options` options ``args`` was given, as arguments of another command.
+
+    They are written as ``--name=value``, so a value starting with a dash stays a value."""
     given = [f"--config={args.config}"] if args.config is not None else []
     given += ["--isolated"] if args.isolated else []
     given += [f"--exclude={pattern}" for pattern in args.exclude or ()]
@@ -79,9 +82,10 @@ def settings_arguments(args: argparse.Namespace) -> list[str]:
 
 
 def settings_from_options(args: argparse.Namespace) -> Settings:
-    """The scan settings a command's options give: the config file (or none with ``--isolated``),
-    overridden by the options (``--allowlist`` and ``--cache-dir`` too, where the command has
-    them)."""
+    """The scan settings a command's options give.
+
+    The config file (or none with ``--isolated``), overridden by the options (``--allowlist`` and
+    ``--cache-dir`` too, where the command has them)."""
     cwd = Path.cwd()
     if args.isolated:
         config_file = None

@@ -81,9 +81,10 @@ class Child:
 
 
 def start_child(work: Callable[[Connection], object], started: Sequence[Child]) -> Child:
-    """Fork a child that runs ``work`` on its end of a new pipe; ``started``: the children this
-    process started before it and has not reaped (their pipes' parent ends are closed in the new
-    child)."""
+    """Fork a child that runs ``work`` on its end of a new pipe.
+
+    ``started``: the children this process started before it and has not reaped (their pipes' parent
+    ends are closed in the new child)."""
     context = multiprocessing.get_context("fork")
     here_end, child_end = context.Pipe()
     parent_ends = [here_end, *(child.connection for child in started if not child.reaped)]
@@ -96,9 +97,10 @@ def start_child(work: Callable[[Connection], object], started: Sequence[Child]) 
 def _run_child(
     work: Callable[[Connection], object], connection: Connection, parent_ends: Sequence[Connection]
 ) -> None:
-    """In the child: ``work``, with no parent's end of any pipe held. A failure exits 1 and prints
-    nothing (the parent does the share again), Ctrl-C included (the parent, interrupted too, stops
-    every child)."""
+    """In the child: ``work``, with no parent's end of any pipe held.
+
+    A failure exits 1 and prints nothing (the parent does the share again), Ctrl-C included (the
+    parent, interrupted too, stops every child)."""
     for end in parent_ends:  # a child holding one would not see EOF when the parent dies
         end.close()
     try:

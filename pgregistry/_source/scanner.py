@@ -94,10 +94,11 @@ FAMILIES = ("direct", "global", "fallback", "shim", "registry")
 
 
 def family_of(site: Site) -> str:
-    """The burn-down family of a read: ``fallback`` (a fallback helper, or a read that only runs
-    when a value is missing), ``shim``, ``registry`` (pgregistry's own grid), ``global`` (a module
-    global such as ``_TENSOR_MODEL_PARALLEL_GROUP``) or ``direct`` (an accessor call or
-    reference)."""
+    """The burn-down family of a read.
+
+    ``fallback`` (a fallback helper, or a read that only runs when a value is missing), ``shim``,
+    ``registry`` (pgregistry's own grid), ``global`` (a module global such as
+    ``_TENSOR_MODEL_PARALLEL_GROUP``) or ``direct`` (an accessor call or reference)."""
     if site.family == SHIM:
         return "shim"
     if site.family == HELPER or site.guarded:
@@ -226,8 +227,10 @@ class _Rules:
     def match(
         self, parts: Sequence[str], bound: bool, stars: Iterable[_Family]
     ) -> tuple[str, str] | None:
-        """(family, accessor) when the dotted name ``parts`` reads global state. ``bound``: whether
-        its first part was bound by an import (aliases count only when it was not)."""
+        """(family, accessor) when the dotted name ``parts`` reads global state.
+
+        ``bound``: whether its first part was bound by an import (aliases count only when it was
+        not)."""
         name = parts[-1]
         if name in self.shims:
             return SHIM, name
@@ -388,8 +391,9 @@ def _lines_cover(lines: list[int], first: int, last: int) -> bool:
 
 
 class _Imports:
-    """What each imported name is bound to (dotted targets; a name may be bound in several places),
-    and the families star-imported."""
+    """What each imported name is bound to, and the families star-imported.
+
+    Targets are dotted; a name may be bound in several places."""
 
     def __init__(self, rules: _Rules, package: list[str]) -> None:
         self.rules = rules
@@ -464,9 +468,10 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def _branch_when_missing(test: ast.expr) -> str | None:
-    """Which branch of ``if test`` runs when a value is missing: ``"body"`` for ``x is None``, ``not
-    x`` (a name or attribute, not a call) or an ``or`` of such tests, ``"orelse"`` for ``x is not
-    None``; None when ``test`` is no such check."""
+    """Which branch of ``if test`` runs when a value is missing, if ``test`` checks for one.
+
+    ``"body"`` for ``x is None``, ``not x`` (a name or attribute, not a call) or an ``or`` of such
+    tests, ``"orelse"`` for ``x is not None``; None when ``test`` is no such check."""
     if (
         isinstance(test, ast.Compare)
         and len(test.ops) == 1
@@ -645,8 +650,10 @@ def module_name(path: str) -> list[str]:
 
 
 def scan_source(data: bytes, path: str, config: ScanConfig) -> FileResult:
-    """The sites in one file's bytes. ``path`` is the project-relative POSIX path: it names the file
-    in failures and gives the package that relative imports resolve against."""
+    """The sites in one file's bytes.
+
+    ``path`` is the project-relative POSIX path: it names the file in failures and gives the package
+    that relative imports resolve against."""
     tree = _parse_module(data, path)
     if isinstance(tree, ParseFailure):
         return FileResult(path, failure=tree)

@@ -50,11 +50,12 @@ def _reason_of(error: OSError) -> str:
 def atomic_write(
     path: Path, data: bytes, *, durable: bool = True, make_parents: bool = True
 ) -> None:
-    """Replace ``path`` with ``data`` all at once: temporary file in the same directory (created
-    first with ``make_parents``), ``fsync`` (when ``durable``), rename. Raises :class:`StorageError`
-    on any OS error; ``path`` is then untouched and no temporary file is left behind. The file keeps
-    its mode; a new one gets the mode any new file gets (``0666`` less the umask, as ``open`` makes
-    it), not ``mkstemp``'s ``0600``."""
+    """Replace ``path`` with ``data`` all at once, leaving it untouched on failure.
+
+    Temporary file in the same directory (created first with ``make_parents``), ``fsync`` (when
+    ``durable``), rename. Raises :class:`StorageError` on any OS error; ``path`` is then untouched
+    and no temporary file is left behind. The file keeps its mode; a new one gets the mode any new
+    file gets (``0666`` less the umask, as ``open`` makes it), not ``mkstemp``'s ``0600``."""
     try:
         if make_parents:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,8 +89,10 @@ def atomic_write(
 
 
 def _new_temporary(path: Path) -> tuple[int, str]:
-    """A new file beside ``path`` opened for writing, and its name: made by ``open`` with mode
-    ``0666``, so the umask (and a directory's default ACL) applies as to any new file."""
+    """A new file beside ``path`` opened for writing, and its name.
+
+    Made by ``open`` with mode ``0666``, so the umask (and a directory's default ACL) applies as to
+    any new file."""
     for _ in range(tempfile.TMP_MAX):
         name = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
         try:
@@ -103,9 +106,10 @@ def _new_temporary(path: Path) -> tuple[int, str]:
 
 @contextlib.contextmanager
 def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold the advisory lock that serialises rewrites of ``path`` (a lock on its directory, so it
-    survives the rename that replaces the file). Waits up to ``timeout`` seconds, then raises
-    :class:`StorageError`."""
+    """Hold the advisory lock that serialises rewrites of ``path``.
+
+    It is a lock on its directory, so it survives the rename that replaces the file. Waits up to
+    ``timeout`` seconds, then raises :class:`StorageError`."""
     if (
         fcntl is None
     ):  # pragma: no cover - Windows: the writer's re-read still detects a concurrent change

@@ -179,9 +179,10 @@ def mark_added(
     base: GitTree,
     renames: dict[str, str],
 ) -> Comparison:
-    """``comparison`` with each new mismatch's ``added`` sites set, where the base revision tells
-    them apart (at least as many sites on new lines as the reads that are new); otherwise all its
-    sites stay flagged."""
+    """``comparison`` with each new mismatch's ``added`` sites set, where the base tells them apart.
+
+    The base revision tells them apart when there are at least as many sites on new lines as the
+    reads that are new; otherwise all its sites stay flagged."""
     old_of = {new: old for old, new in renames.items()}
     marked = []
     for item in comparison.mismatches:

@@ -226,8 +226,10 @@ def _print_error(message: str, fmt: str) -> int:
 def _split_off_newer_syntax(
     report: ScanReport, allowed: bool
 ) -> tuple[list[FileResult], list[FileResult]]:
-    """(failures, skipped): files whose only fault is syntax newer than this Python are skipped when
-    ``allowed`` (``--skip-newer-syntax``); every other failure stays an error."""
+    """(failures, skipped): failures on syntax newer than this Python split off when ``allowed``.
+
+    Files whose only fault is syntax newer than this Python are skipped when ``allowed``
+    (``--skip-newer-syntax``); every other failure stays an error."""
     failures = [
         r for r in report.failures if not (allowed and r.failure is not None and r.failure.needs)
     ]
@@ -313,8 +315,10 @@ def _compare_with_base(
     judged: Callable[[str], bool],
     cache: ScanCache | None,
 ) -> Comparison:
-    """The ratchet's comparison; with ``--base``, git's renames pair moved reads, added sites are
-    marked, and each key's allowance is held to what the base read
+    """The ratchet's comparison, held to the base revision with ``--base``.
+
+    With ``--base``, git's renames pair moved reads, added sites are marked, and each key's
+    allowance is held to what the base read
     (:func:`~pgregistry.allowlist._baseline.base_limits`)."""
     if not args.base:
         return compare_counts(results, allowed, judged)
@@ -341,9 +345,10 @@ def _base_limits(
     results: list[FileResult],
     scan: Callable[[list[tuple[str, bytes]]], list[FileResult]],
 ) -> Allowlist:
-    """The allowances at ``--base``: the allowlist and the judged files (listed or reading today) as
-    they were there, scanned with the same settings (a file unchanged since is not rescanned:
-    today's result is its)."""
+    """The allowances at ``--base``, from the allowlist and the judged files as they were there.
+
+    The judged files are those listed or reading today, scanned with the same settings (a file
+    unchanged since is not rescanned: today's result is its)."""
     name = project_path(settings.resolve(settings.allowlist), settings.root)
     listed = base.source(name)
     base_allowlist = (
@@ -406,8 +411,10 @@ def _scan_at(
 
 
 def _check_import(args: argparse.Namespace, results: list[FileResult]) -> int:
-    """Check that every entry of Megatron-LM's list is a read of today's tree (exit 2 naming those
-    that are not) and say what the import grandfathers beyond it; 0 when the update may go ahead."""
+    """Check every entry of Megatron-LM's list reads today's tree; 0 when the update may go ahead.
+
+    Every entry must be a read of today's tree (exit 2 naming the entries that are not); say what
+    the import grandfathers beyond it."""
     fmt: str = args.format
     try:
         entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
@@ -442,9 +449,10 @@ def _update_allowlist(
     name: str,
     partial: bool,
 ) -> int:
-    """Rewrite the allowlist under the update lock: read, merge, write atomically (exit 2 on any OS
-    error, the old file intact). ``partial``: some paths are not rescanned, so their old entries
-    must be kept."""
+    """Rewrite the allowlist under the update lock: read, merge, write atomically.
+
+    Exit 2 on any OS error, the old file intact. ``partial``: some paths are not rescanned, so their
+    old entries must be kept."""
     fmt: str = args.format
     try:
         with exclusive_lock(path):

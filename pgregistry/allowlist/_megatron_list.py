@@ -17,14 +17,12 @@ changes what is allowed by exactly those, in the open.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pgregistry._source.scanner import FileResult, Site
-from pgregistry.allowlist._ratchet import AllowlistError
+from pgregistry.allowlist._ratchet import AllowlistError, parse_json
 
 __all__ = ["Imported", "match_megatron_list", "parse_megatron_list"]
 
@@ -34,12 +32,7 @@ def parse_megatron_list(text: str, name: str) -> dict[str, list[tuple[int, str]]
 
     Raises :class:`AllowlistError` if it is malformed.
     """
-    try:
-        payload: Any = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise AllowlistError(
-            f"{name}:{error.lineno}:{error.colno}: malformed JSON: {error.msg}"
-        ) from None
+    payload = parse_json(text, name, "JSON")
     allowed = payload.get("allowed") if isinstance(payload, dict) else None
     if not isinstance(allowed, dict) or "version" in payload:
         raise AllowlistError(
@@ -70,8 +63,10 @@ class Imported:
 def match_megatron_list(
     entries: dict[str, list[tuple[int, str]]], results: Sequence[FileResult]
 ) -> Imported:
-    """Which of Megatron-LM's entries have a read on their line (``unmatched``: ``path:line
-    accessor``), and the reads of the scan that its list does not hold, by accessor (``unseen``)."""
+    """Megatron-LM's entries with no read on their line, and the reads its list does not hold.
+
+    ``unmatched``: the entries with no read on their line, as ``path:line accessor``; ``unseen``:
+    the reads of the scan that its list does not hold, by accessor."""
     sites: dict[str, list[Site]] = {result.path: list(result.sites) for result in results}
     covered: set[tuple[str, int, str]] = set()
     unmatched: list[str] = []

@@ -37,6 +37,7 @@ __all__ = [
     "FutureAllowlistError",
     "Mismatch",
     "compare_counts",
+    "parse_json",
     "read_bytes",
 ]
 
@@ -64,6 +65,18 @@ def read_bytes(path: Path) -> bytes | None:
         return path.read_bytes()
     except FileNotFoundError:
         return None
+
+
+def parse_json(text: str, name: str, what: str) -> Any:
+    """``text`` as JSON; :class:`AllowlistError` naming the file, line and column when malformed.
+
+    ``what`` names the format (``allowlist JSON``; ``JSON`` for Megatron-LM's list)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise AllowlistError(
+            f"{name}:{error.lineno}:{error.colno}: malformed {what}: {error.msg}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -150,12 +163,7 @@ class Allowlist:
 
     @classmethod
     def loads(cls, text: str, name: str = "<allowlist>") -> Allowlist:
-        try:
-            payload: Any = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise AllowlistError(
-                f"{name}:{error.lineno}:{error.colno}: malformed allowlist JSON: {error.msg}"
-            ) from None
+        payload = parse_json(text, name, "allowlist JSON")
         if not isinstance(payload, dict):
             raise AllowlistError(
                 f"{name}: the allowlist must be a JSON object, not {type(payload).__name__}"
@@ -265,9 +273,10 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class Comparison:
-    """The ratchet's verdict. ``stale_fails``: whether stale entries fail the check (without a base
-    revision) or are notices that the list can shrink (with one: the base's counts keep the
-    allowance tight)."""
+    """The ratchet's verdict.
+
+    ``stale_fails``: whether stale entries fail the check (without a base revision) or are notices
+    that the list can shrink (with one: the base's counts keep the allowance tight)."""
 
     mismatches: tuple[Mismatch, ...]
     moves: tuple[Move, ...] = ()

@@ -229,8 +229,10 @@ def _text_lines(comparison: Comparison) -> list[str]:
 
 
 def _github_lines(comparison: Comparison) -> list[str]:
-    """One annotation per key (at its first added site), at most :data:`GITHUB_ANNOTATION_CAP`
-    errors and as many notices (GitHub caps each level apart), then a summary."""
+    """One GitHub annotation per key (at its first added site), capped, then a summary.
+
+    At most :data:`GITHUB_ANNOTATION_CAP` errors and as many notices (GitHub caps each level
+    apart)."""
     annotations: list[str] = []
     notices: list[str] = []
     for item in sorted(
@@ -419,9 +421,10 @@ def render_stats(
     since: Baseline | None = None,
     depth: int = 2,
 ) -> str:
-    """Counts of the sites found by family and directory (against ``since`` when given), then by
-    accessor, file and scope (largest first). ``allowed``: the allowlist's entries for the paths
-    scanned only."""
+    """Counts of the sites found by family and directory, then by accessor, file and scope.
+
+    By family and directory against ``since`` when given; by accessor, file and scope largest first.
+    ``allowed``: the allowlist's entries for the paths scanned only."""
     sites = [(result.path, site) for result in results for site in result.sites]
     by_accessor = Counter(site.accessor for _, site in sites)
     by_file = Counter(path for path, _ in sites)

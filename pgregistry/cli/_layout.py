@@ -143,8 +143,10 @@ _LISTED_BYTES_PER_RANK = 64
 
 
 def _check_memory(layout: ParallelLayout, show: int, rank: int | None) -> None:
-    """``ValueError`` when the report would need more memory than is available, from the layout's
-    shapes alone; its advice names the option that would help, if any does."""
+    """``ValueError`` when the report would need more memory than is available.
+
+    Estimated from the layout's shapes alone; its advice names the option that would help, if any
+    does."""
     from pgregistry.layout import GROUP_KINDS
 
     shapes = [layout.group_shape(kind) for kind in GROUP_KINDS]

@@ -117,8 +117,9 @@ class _NodeGrid:
 
 
 def _drawn_nodes(first: int, stop: int, gpus_per_node: int) -> range:
-    """The whole nodes holding ranks ``first`` to ``stop - 1``, from the first one, at most
-    :data:`MAX_DRAWN_RANKS` ranks (one node at least)."""
+    """The whole nodes holding ranks ``first`` to ``stop - 1`` that fit in one picture.
+
+    From the first one, at most :data:`MAX_DRAWN_RANKS` ranks (one node at least)."""
     first_node, last_node = node_of(first, gpus_per_node), node_of(stop - 1, gpus_per_node)
     most = max(1, MAX_DRAWN_RANKS // gpus_per_node)
     return range(first_node, min(last_node + 1, first_node + most))
@@ -367,8 +368,10 @@ def _verdict_mark(entry: KindPlacement) -> tuple[str, str]:
 
 
 def _label_axes(layout: ParallelLayout) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """The coordinates a rank's label shows: dense axes of size > 1, and expert ones when experts
-    are sharded differently from the dense grid."""
+    """The coordinates a rank's label shows.
+
+    Dense axes of size > 1, and expert ones when experts are sharded differently from the dense
+    grid."""
     sizes = layout.axis_sizes()
     dense = [(axis, short) for axis, short in _DENSE_AXES if sizes[axis] > 1]
     expert = [(axis, short) for axis, short in _EXPERT_AXES if sizes[axis] > 1]
@@ -499,9 +502,10 @@ def _groups_panel(
     group_class: Callable[[tuple[int, ...]], str],
     **panel_data: object,
 ) -> _Panel:
-    """A panel colouring the ranks of the ``drawn`` nodes by their group of ``kind`` (ranks outside
-    the layout empty); ``group_class(group)`` gives the CSS-like classes of a group's cells
-    (``crossing``, ``shared``, ...), ``heading`` the title lines and their colours."""
+    """A panel colouring the ranks of the ``drawn`` nodes by their group of ``kind``.
+
+    Ranks outside the layout are empty; ``group_class(group)`` gives the CSS-like classes of a
+    group's cells (``crossing``, ``shared``, ...), ``heading`` the title lines and their colours."""
     cell = _panel_cell(len(drawn) * gpus_per_node)
     half = (_SHEET_WIDTH - 2 * _MARGIN - 2 * _GAP) // 2
     grid = _NodeGrid(
@@ -635,9 +639,11 @@ def _kind_panel(layout: ParallelLayout, placement: Placement, kind: str, drawn: 
 def render_compare_svg(
     comparison: LayoutComparison, gpus_per_node: int, names: tuple[str, str] = ("A", "B")
 ) -> str:
-    """Two layouts of one world side by side: for every kind with more than one rank per group in
-    either layout, A's panel left and B's right; groups the other layout also creates a communicator
-    for are in full colour (class ``shared``), the others faded."""
+    """Two layouts of one world side by side, the communicators they share in full colour.
+
+    For every kind with more than one rank per group in either layout, A's panel left and B's right;
+    groups the other layout also creates a communicator for are in full colour (class ``shared``),
+    the others faded."""
     a, b = comparison.layout_a, comparison.layout_b
     world = comparison.world_size
     if world % gpus_per_node:

@@ -95,9 +95,10 @@ def placement_of(
     args: argparse.Namespace,
     world_size: int | None = None,
 ) -> Placement | None:
-    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for (``None`` without
-    ``--gpus-per-node``), in a world of ``world_size`` ranks (default ``--world-size``, else where
-    the layout ends), which must be whole nodes."""
+    """The placement ``--gpus-per-node`` and ``--intra-node`` ask for.
+
+    ``None`` without ``--gpus-per-node``; in a world of ``world_size`` ranks (default
+    ``--world-size``, else where the layout ends), which must be whole nodes."""
     from pgregistry.placement import place
 
     if args.gpus_per_node is None:
@@ -108,8 +109,9 @@ def placement_of(
 
 
 def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: int | None) -> None:
-    """``ValueError`` naming the options when the world is not whole nodes of ``--gpus-per-node`` (a
-    launcher starts the same number of ranks on every node; a span may start and end mid-node)."""
+    """``ValueError`` naming the options when the world is not whole nodes of ``--gpus-per-node``.
+
+    A launcher starts the same number of ranks on every node; a span may start and end mid-node."""
     g = args.gpus_per_node
     if g < 1:
         raise ValueError(f"--gpus-per-node must be a positive integer, got {g}")
@@ -137,8 +139,9 @@ def _check_whole_nodes(layout: ParallelLayout, args: argparse.Namespace, world: 
 
 
 def placement_report(layout: ParallelLayout, placement: Placement) -> dict[str, Any]:
-    """The placement as plain data (the ``placement`` entry of ``--json``); communicators per rank
-    are counted over the layout's ranks."""
+    """The placement as plain data (the ``placement`` entry of ``--json``).
+
+    Communicators per rank are counted over the layout's ranks."""
     from pgregistry._runtime.communicators import communicators_per_rank, kinds_by_communicator
 
     per_rank = communicators_per_rank(kinds_by_communicator(layout), range(*layout.rank_range()))
@@ -249,9 +252,11 @@ def parse_layout_spec(
     rank_offset: int = 0,
     world_size: int | None = None,
 ) -> tuple[str, ParallelLayout]:
-    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout over ``num_ranks`` ranks from
-    ``rank_offset`` unless the spec gives its own ``num_ranks`` / ``rank_offset``); ``ValueError``
-    naming the bad part, and the spec whose span ends past ``world_size``."""
+    """``NAME:key=value,...`` (``NAME:`` optional) -> (name, layout); ``ValueError`` when bad.
+
+    The layout is over ``num_ranks`` ranks from ``rank_offset`` unless the spec gives its own
+    ``num_ranks`` / ``rank_offset``; the ``ValueError`` names the bad part, and the spec whose span
+    ends past ``world_size``."""
     from pgregistry.layout import ParallelLayout
 
     name, _, body = spec.rpartition(":") if ":" in spec else (default_name, "", spec)
@@ -285,9 +290,10 @@ def parse_layout_spec(
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """``pgregistry layout --compare A B``: what differs between two layouts, the communicators they
-    share (and pictures, placement), in one world of ``--world-size`` ranks (default: where the
-    later span ends)."""
+    """``pgregistry layout --compare A B``: what differs between two layouts.
+
+    Also the communicators they share (and pictures, placement), in one world of ``--world-size``
+    ranks (default: where the later span ends)."""
     from pgregistry._runtime.communicators import compare_layouts
     from pgregistry.cli._layout_svg import render_compare_svg
 

@@ -136,9 +136,10 @@ def _print_bytes(data: bytes) -> None:
 def _allowlist_to_write(
     args: argparse.Namespace, settings: Settings, configured: bool
 ) -> Path | None:
-    """The allowlist ``--write`` regenerates: the one ``--allowlist`` names (``ConfigError`` when it
-    does not exist: nothing is written then), else the configured one where it exists (a line on
-    stderr when it does not); None for none."""
+    """The allowlist ``--write`` regenerates; None for none.
+
+    The one ``--allowlist`` names (``ConfigError`` when it does not exist: nothing is written then),
+    else the configured one where it exists (a line on stderr when it does not)."""
     allowlist = settings.resolve(settings.allowlist)
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
@@ -171,9 +172,10 @@ def _regenerate_allowlist(args: argparse.Namespace) -> int:
 
 
 def _run_migrate(args: argparse.Namespace) -> int:
-    """The handler; returns the exit code (see the module docstring). An exception of this tool (a
-    bug) is exit 2 with one line, never a traceback that exits 1, which ``--check`` keeps for "would
-    change"."""
+    """The handler; returns the exit code (see the module docstring).
+
+    An exception of this tool (a bug) is exit 2 with one line, never a traceback that exits 1, which
+    ``--check`` keeps for "would change"."""
     try:
         import libcst  # noqa: F401
     except ImportError:

@@ -35,9 +35,10 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser, *, num_ranks: bool = True) -> None:
-    """The options that declare a :class:`~pgregistry.layout.ParallelLayout` (``--num-ranks``,
-    ``--rank-offset`` and ``--world-size`` left out when the world comes from elsewhere, e.g.
-    torchrun)."""
+    """The options that declare a :class:`~pgregistry.layout.ParallelLayout`.
+
+    ``--num-ranks``, ``--rank-offset`` and ``--world-size`` are left out when the world comes from
+    elsewhere, e.g. torchrun."""
     if num_ranks:
         parser.add_argument(
             "--num-ranks", type=int, required=True, help="number of ranks the layout spans"
@@ -78,18 +79,20 @@ _SIZE_OPTIONS = ("tp", "cp", "pp", "ep", "expt_tp", "gtp_remat", "expt_gtp_remat
 
 
 def check_not_empty(args: argparse.Namespace, options: Mapping[str, tuple[str, str]]) -> None:
-    """``ValueError`` naming the first of ``options`` (dest -> (option, what to set it to)) given an
-    empty value: ``--svg "$OUT"`` with the variable unset would otherwise pass as the option left
-    out (:mod:`pgregistry._runtime.empty_options`)."""
+    """``ValueError`` naming the first of ``options`` given an empty value.
+
+    ``options``: dest -> (option, what to set it to). ``--svg "$OUT"`` with the variable unset would
+    otherwise pass as the option left out (:mod:`pgregistry._runtime.empty_options`)."""
     problem = empty_option(args, options)
     if problem is not None:
         raise ValueError(problem)
 
 
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
-    """The layout :func:`add_layout_arguments` declared (over the whole ``world_size`` when given,
-    else ``--num-ranks`` from ``--rank-offset``, checked by :func:`check_span`); ``ValueError`` (the
-    layout's message) when invalid."""
+    """The layout :func:`add_layout_arguments` declared; ``ValueError`` when it is invalid.
+
+    Over the whole ``world_size`` when given, else ``--num-ranks`` from ``--rank-offset``, checked
+    by :func:`check_span`; the ``ValueError`` carries the layout's message."""
     from pgregistry.layout import ParallelLayout
 
     for dest in _SIZE_OPTIONS:  # named as the option, not as the layout's argument
@@ -127,9 +130,11 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 
 def check_span(num_ranks: int, rank_offset: int, world_size: int | None, spec: str = "") -> None:
-    """``ValueError`` naming the option at fault for a span that cannot be: ``--num-ranks`` not
-    positive, ``--rank-offset`` negative, ``--world-size`` not positive or ending before the span
-    does (``spec``: the ``--compare`` spec the span comes from, named in the message)."""
+    """``ValueError`` naming the option at fault for a span that cannot be.
+
+    ``--num-ranks`` not positive, ``--rank-offset`` negative, ``--world-size`` not positive or
+    ending before the span does (``spec``: the ``--compare`` spec the span comes from, named in the
+    message)."""
     where = f"layout spec {spec!r}: " if spec else ""
     num, offset = ("num_ranks", "rank_offset") if spec else ("--num-ranks", "--rank-offset")
     if num_ranks < 1:
@@ -157,8 +162,9 @@ def add_placement_arguments(
     gpus_per_node_help: str | None = None,
     check: bool = True,
 ) -> None:
-    """The options of the node-placement check: ``--gpus-per-node``, ``--intra-node`` and (with
-    ``check``) ``--check``."""
+    """The options of the node-placement check.
+
+    ``--gpus-per-node``, ``--intra-node`` and (with ``check``) ``--check``."""
     from pgregistry.placement import DEFAULT_INTRA_NODE_KINDS
 
     group = parser.add_argument_group("placement on nodes")
@@ -208,8 +214,9 @@ def positive_seconds(text: str) -> float:
 
 
 def non_negative(text: str) -> float:
-    """An argparse ``type``: a finite number, 0 or more (a NaN compares false with every limit, so
-    it would be no limit, silently)."""
+    """An argparse ``type``: a finite number, 0 or more.
+
+    A NaN compares false with every limit, so it would be no limit, silently."""
     try:
         value = float(text)
     except ValueError:
@@ -220,8 +227,9 @@ def non_negative(text: str) -> float:
 
 
 def check_output_file(path: str | Path, option: str = "--json") -> None:
-    """``ValueError`` (naming ``option``) unless ``path`` can be written as a new or existing file:
-    checked before a run, not after minutes of it."""
+    """``ValueError`` (naming ``option``) unless ``path`` can be written as a new or existing file.
+
+    Checked before a run, not after minutes of it."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{option} {path} is a directory; give a file name")

@@ -153,8 +153,9 @@ def estimate_plan_bytes(
 def _check_memory(
     layout: ParallelLayout, seed: int, check: bool, data_parallel_random_init: bool, doing: str
 ) -> None:
-    """``ValueError`` when the plan (or its check) would need more memory than is available,
-    estimated before any seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
+    """``ValueError`` when the plan (or its check) would need more memory than is available.
+
+    Estimated before any seed is computed: at 2**31 - 1 ranks it ran for hours, silent."""
     needed = estimate_plan_bytes(layout, seed, check, data_parallel_random_init)
     available = memory_shortfall(needed)
     if available is not None:
@@ -177,10 +178,12 @@ def _check_memory(
 
 
 class _Progress:
-    """The ``progress`` callback of the plan: from the rate of the first ranks, the time the whole
-    run takes; ``ValueError`` (with ``advice``) when that is past ``--time-limit``, and lines on
-    stderr every ``--progress`` seconds of a run estimated longer than that. Nothing is timed before
-    the first callback, so short runs print nothing."""
+    """The plan's ``progress`` callback: refuses a run past ``--time-limit``, reports a long one.
+
+    From the rate of the first ranks, the time the whole run takes; ``ValueError`` (with ``advice``)
+    when that is past ``--time-limit``, and lines on stderr every ``--progress`` seconds of a run
+    estimated longer than that. Nothing is timed before the first callback, so short runs print
+    nothing."""
 
     def __init__(
         self, doing: str, total: int, limit_minutes: float, every_s: float, advice: str

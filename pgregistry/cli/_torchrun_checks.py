@@ -36,10 +36,11 @@ def run_checks(
     timeout: float = 120.0,
     json_path: str | None = None,
 ) -> int:
-    """Run ``checks(device)`` on every rank of the torchrun world; 0 when every check passed on
-    every rank, 1 when any failed, 2 outside torchrun, for ``nccl`` where torch sees no GPU, for a
-    ``json_path`` rank 0 cannot write (checked before the checks run), or when the checks raise
-    ``ValueError`` (bad input: every rank raises alike).
+    """Run ``checks(device)`` on every rank of the torchrun world; returns the exit code.
+
+    0 when every check passed on every rank, 1 when any failed, 2 outside torchrun, for ``nccl``
+    where torch sees no GPU, for a ``json_path`` rank 0 cannot write (checked before the checks
+    run), or when the checks raise ``ValueError`` (bad input: every rank raises alike).
 
     Rank 0 prints ``title`` and the table (and writes it as JSON to ``json_path``). NCCL ranks use
     the GPU of their ``LOCAL_RANK``.
@@ -88,9 +89,10 @@ def report_checks(
     device: torch.device,
     json_path: str | None = None,
 ) -> int:
-    """:func:`run_checks` in a world already initialised: check ``json_path`` (rank 0 writes it, so
-    rank 0's view decides, told to every rank), run ``checks(device)``, gather, print (and write)
-    the table on rank 0; the exit code, the same on every rank."""
+    """:func:`run_checks` in a world already initialised; the exit code, the same on every rank.
+
+    Check ``json_path`` (rank 0 writes it, so rank 0's view decides, told to every rank), run
+    ``checks(device)``, gather, print (and write) the table on rank 0."""
     import torch.distributed as dist
 
     command = title.split(":")[0]
@@ -112,8 +114,9 @@ def report_checks(
 
 
 def _unwritable_on_rank_zero(json_path: str | None) -> str | None:
-    """Why rank 0 cannot write ``json_path`` (None when it can, or when there is none), on every
-    rank: one broadcast, since the file is rank 0's, on rank 0's node."""
+    """Why rank 0 cannot write ``json_path``, told to every rank; None when it can or there is none.
+
+    One broadcast, since the file is rank 0's, on rank 0's node."""
     import torch.distributed as dist
 
     from pgregistry.cli._options import check_output_file

@@ -134,9 +134,10 @@ def _placement_checks(layout: Any, args: argparse.Namespace) -> list[Check]:
 
 
 def nodes_share_hosts(hosts: list[str], gpus_per_node: int) -> Check:
-    """Check that the ranks the arithmetic puts on one node (``r // gpus_per_node``) run on one
-    host: a launcher that deals ranks round-robin over hosts (Slurm's cyclic distribution) breaks
-    every placement claim."""
+    """Check that the ranks the arithmetic puts on one node (``r // gpus_per_node``) share a host.
+
+    A launcher that deals ranks round-robin over hosts (Slurm's cyclic distribution) breaks every
+    placement claim."""
     split = []
     for node in range(len(hosts) // gpus_per_node):
         on_node = sorted(set(hosts[node * gpus_per_node : (node + 1) * gpus_per_node]))
@@ -163,8 +164,9 @@ def _group_members(group: Any, world: int, device: Any) -> list[int]:
 
 
 def _expert_grads_with_expert_tp(world: int, device: Any) -> list[Check]:
-    """Expert grads filtered with the expert TP group, not the dense one (Megatron-LM PR 6470): on a
-    TP = EP = world, expert TP 1 grid, norm ``sqrt(1 + W)`` and zero count ``1 + W``, where the
+    """Expert grads filtered with the expert TP group, not the dense one (Megatron-LM PR 6470).
+
+    On a TP = EP = world, expert TP 1 grid, norm ``sqrt(1 + W)`` and zero count ``1 + W``, where the
     dense TP group gives ``sqrt(2)`` and 2."""
     import torch
 
@@ -249,10 +251,11 @@ def _oracle_checks(layout: Any, pg: Any, rank: int, device: Any) -> list[Check]:
 
 
 def _whole_model_statistics(grads: dict[str, torch.Tensor]) -> tuple[dict[float, float], int]:
-    """The float64 2-norm and inf-norm (keyed by p) and the zero count of the whole unsharded
-    model's grads: what its shards must give on any layout. The test suite has its own oracle
-    (``tests/fixtures/unsharded_oracle.py``), which this command may not import and which never
-    reads this."""
+    """The float64 2-norm, inf-norm and zero count of the whole unsharded model's grads.
+
+    The norms are keyed by p; all three are what its shards must give on any layout. The test suite
+    has its own oracle (``tests/fixtures/unsharded_oracle.py``), which this command may not import
+    and which never reads this."""
     import torch
 
     flat = torch.cat([g.reshape(-1) for g in grads.values()])

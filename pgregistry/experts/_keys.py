@@ -333,8 +333,9 @@ def _rename_expert_keys(
     num_experts: int | None,
     rename_expert: Callable[[str, ExpertSlot, int], str | None],
 ) -> dict[str, V]:
-    """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)``
-    (``None`` leaves the entry out) and the other keys kept, in order; ``ValueError`` when two keys
+    """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)``.
+
+    ``None`` leaves the entry out; the other keys are kept, in order; ``ValueError`` when two keys
     get one name."""
     out: dict[str, V] = {}
     for key, value in state_dict.items():

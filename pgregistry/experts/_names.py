@@ -29,8 +29,9 @@ _MTP: Final = "mtp"
 
 
 class NamingOptions(TypedDict, total=False):
-    """Keywords that say where a model's parameters sit globally: those of every function that names
-    them (here and in :mod:`pgregistry.checkpoint`), each optional.
+    """Keywords that say where a model's parameters sit globally, each optional.
+
+    They are those of every function that names them (here and in :mod:`pgregistry.checkpoint`).
 
     ``pg_collection`` is the model's collection: its ``ep`` group gives the EP rank and size (read
     only when a name belongs to an expert) and its ``pp`` group tells that pipeline parallelism is
@@ -51,9 +52,10 @@ _NAMING_FALLBACK: Final[tuple[GroupName, ...]] = ("ep", "pp")
 
 
 def check_naming_options(options: Mapping[str, object], owner: str) -> None:
-    """``TypeError`` naming a keyword that is not a :class:`NamingOptions` one (``**options`` would
-    otherwise swallow a misspelled or removed keyword, and name the parameters on the wrong
-    layout)."""
+    """``TypeError`` naming a keyword that is not a :class:`NamingOptions` one.
+
+    ``**options`` would otherwise swallow a misspelled or removed keyword, and name the parameters
+    on the wrong layout."""
     unknown = sorted(set(options) - set(NamingOptions.__annotations__))
     if unknown:
         raise TypeError(
@@ -97,9 +99,10 @@ class GlobalNamer:
         owner: str,
         **options: Unpack[NamingOptions],
     ) -> GlobalNamer:
-        """A namer for an entry point given ``model_chunks`` and the naming keywords: the collection
-        is resolved (explicit, else attached, else the global grid with a warning) when first
-        needed."""
+        """A namer for an entry point given ``model_chunks`` and the naming keywords.
+
+        The collection is resolved (explicit, else attached, else the global grid with a warning)
+        when first needed."""
         check_naming_options(options, owner)
         chunks = normalise_model(model_chunks, owner).chunks
         pg_collection = options.get("pg_collection")
@@ -140,10 +143,11 @@ class GlobalNamer:
         return global_key(name, slot, num_experts, ep_rank, ep_size)
 
     def check_expert_counts(self) -> None:
-        """``ValueError`` when a chunk holds fewer local experts than ``num_experts`` over the EP
-        size: its global indices would leave gaps (16 experts over EP 2 with 4 local ones per rank:
-        experts 0-3 and 8-11, while 4-7 and 12-15 exist nowhere), and a checkpoint would be stored
-        with them. More local experts than that are refused as each is named
+        """``ValueError`` when a chunk holds fewer local experts than ``num_experts`` over EP.
+
+        Over the EP size, its global indices would leave gaps (16 experts over EP 2 with 4 local
+        ones per rank: experts 0-3 and 8-11, while 4-7 and 12-15 exist nowhere), and a checkpoint
+        would be stored with them. More local experts than that are refused as each is named
         (:func:`~pgregistry.experts._keys.global_expert_index`)."""
         for (chunk_index, key, num_experts), indices in self._local_experts.items():
             ep_size = self._ep_rank_and_size()[1]

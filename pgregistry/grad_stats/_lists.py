@@ -123,11 +123,13 @@ def clip_grads_(
     return coeff.to(torch.float32)
 
 
-def check_finite(norm: torch.Tensor, error_if_nonfinite: bool) -> None:
-    """With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``norm`` (host sync)."""
+def check_finite(norm: torch.Tensor, error_if_nonfinite: bool, *, which: str = "total") -> None:
+    """With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``norm`` (host sync).
+
+    ``which`` names the norm in the message: ``total``, or ``job-wide`` over a job's modules."""
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
-            f"the total grad norm is {float(norm)}, not finite, so the grads "
+            f"the {which} grad norm is {float(norm)}, not finite, so the grads "
             "cannot be clipped (they are left as they are); pass "
             "error_if_nonfinite=False to leave them unscaled without raising"
         )

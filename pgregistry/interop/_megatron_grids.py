@@ -26,7 +26,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from pgregistry.collection import NOT_MEMBER, GroupName, ProcessGroupCollection, group_size
-from pgregistry.layout import DEFAULT_ORDER, GROUP_KINDS, OrderToken, ParallelLayout, RankGroup
+from pgregistry.layout import (
+    DEFAULT_ORDER,
+    EXPERT_GROUP_KINDS,
+    GROUP_KINDS,
+    OrderToken,
+    ParallelLayout,
+    RankGroup,
+)
 
 __all__ = [
     "EXPERT_VIEW",
@@ -178,9 +185,10 @@ MIMO job's grids hold only what Megatron-Core's MIMO optimizer reads (``tp_ep_pp
 def _create_per_axis_groups(
     grid: Any, layout: ParallelLayout, fields: dict[str, Any], enums: dict[str, set[RankGroup]]
 ) -> None:
-    """Create, through the grid's own ``create_pg`` (so Megatron-Core finds them there too), each
-    group of :data:`_PER_AXIS` that the grid lacks, has several ranks, and no group the grid made
-    holds the ranks of.
+    """Create the per-axis groups the grid lacks, through the grid's own ``create_pg``.
+
+    Megatron-Core then finds them there too. Created: each group of :data:`_PER_AXIS` that the grid
+    lacks, has several ranks, and no group the grid made holds the ranks of.
 
     Without one, statistics would read that axis off the global grid: another grid's group, or none.
     Every rank decides alike (the grid's state and its rank enumerations are the same on every rank)
@@ -215,11 +223,13 @@ def _one_rank_group(enums: Mapping[str, set[RankGroup]], span: tuple[int, int]) 
 
 
 def _not_created(layout: ParallelLayout, created: Mapping[str, Any]) -> dict[str, Any]:
-    """The layout kinds the grid did not create that need no new communicator: ``None`` where this
-    rank's group has one rank (an axis the grid does not have, GTP remat and a dense grid's expert
-    axes, is off), else the grid's communicator of another field over the same ranks (``tp_ep_pp``
-    is ``pp`` when expert TP and EP are off; ``intra_dist_opt``, the whole span, is among them).
-    Every member of a group finds the same field first, so they all hold the same communicator."""
+    """The layout kinds the grid did not create that need no new communicator.
+
+    ``None`` where this rank's group has one rank (an axis the grid does not have, GTP remat and a
+    dense grid's expert axes, is off), else the grid's communicator of another field over the same
+    ranks (``tp_ep_pp`` is ``pp`` when expert TP and EP are off; ``intra_dist_opt``, the whole span,
+    is among them). Every member of a group finds the same field first, so they all hold the same
+    communicator."""
     import torch.distributed as dist
 
     ranks_of = {
@@ -322,9 +332,10 @@ _OFF: Final[RankGroup] = ()
 
 
 def describe_groups(fields: Mapping[str, Any]) -> dict[str, RankGroup | None]:
-    """Field -> the sorted ranks of this rank's group (``()`` for ``None``, ``None`` for NOT_MEMBER
-    or a list), for the other ranks to recover a module's layout with
-    :func:`modules_from_reports`."""
+    """Field -> the sorted ranks of this rank's group, for the others to recover a module's layout.
+
+    ``()`` for ``None``, ``None`` for NOT_MEMBER or a list; the other ranks recover a module's
+    layout with :func:`modules_from_reports`."""
     import torch.distributed as dist
 
     out: dict[str, RankGroup | None] = {}
@@ -377,8 +388,8 @@ def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout]
             if (size := _size_of(observed[name], axis)) is not None
         }
         if (
-            off.get(name, set()) & _EXPERT_FIELD_NAMES
-            and not set(observed[name]) & _EXPERT_FIELD_NAMES
+            off.get(name, set()) & EXPERT_GROUP_KINDS.keys()
+            and not set(observed[name]) & EXPERT_GROUP_KINDS.keys()
         ):
             sizes.update(
                 expt_tp=1, ep=1
@@ -390,12 +401,13 @@ def modules_from_reports(everyone: list[Any]) -> tuple[dict[str, ParallelLayout]
 def expert_fields_off(
     layout: ParallelLayout, fields: Mapping[str, Any], names: Iterable[str]
 ) -> dict[str, Any]:
-    """``fields`` of this rank's module collection with each of ``names`` that is ``None``
-    (Megatron-Core's "not needed" in ``expt_dp`` and ``tp_ep_pp``: the expert axes are off, as
-    ``layout`` has them) holding what ``layout`` gives it: ``None`` where this rank's group has one
-    rank, else the communicator of another field over the same ranks (``expt_dp`` is
-    ``intra_dist_opt`` at PP 1), else left out (UNSET), so the collection never holds a ``None``
-    that its layout contradicts."""
+    """``fields`` with each ``None`` of ``names`` holding what ``layout`` gives that field.
+
+    ``fields`` are those of this rank's module collection; ``None`` is Megatron-Core's "not needed"
+    in ``expt_dp`` and ``tp_ep_pp``: the expert axes are off, as ``layout`` has them. Each such
+    field holds ``None`` where this rank's group has one rank, else the communicator of another
+    field over the same ranks (``expt_dp`` is ``intra_dist_opt`` at PP 1), else is left out (UNSET),
+    so the collection never holds a ``None`` that its layout contradicts."""
     dropped = {field for field in names if field in fields and fields[field] is None}
     kept = {field: value for field, value in fields.items() if field not in dropped}
     return {
@@ -405,12 +417,13 @@ def expert_fields_off(
 
 
 def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) -> None:
-    """``ValueError`` naming the groups a module lacks to fix its layout: ``tp cp pp dp`` always,
-    and ``ep expt_tp expt_dp`` when it has any expert group (the data-parallel sizes fix the
-    GTP-remat ones, which are 1 when their groups are absent). Without them several layouts fit, and
-    a guess would be a silent wrong answer."""
+    """``ValueError`` naming the groups a module lacks to fix its layout.
+
+    ``tp cp pp dp`` always, and ``ep expt_tp expt_dp`` when it has any expert group (the
+    data-parallel sizes fix the GTP-remat ones, which are 1 when their groups are absent). Without
+    them several layouts fit, and a guess would be a silent wrong answer."""
     needed = ["tp", "cp", "pp", "dp"]
-    if any(field in _EXPERT_FIELD_NAMES for field in observed):
+    if any(field in EXPERT_GROUP_KINDS for field in observed):
         needed += ["ep", "expt_tp", "expt_dp"]
     missing = [field for field in needed if field not in observed]
     if missing:
@@ -420,20 +433,6 @@ def _require_sizing_groups(name: str, observed: Mapping[str, set[RankGroup]]) ->
             "module's collection its tp, cp, pp and dp groups (and ep, expt_tp "
             "and expt_dp with experts), a size-1 axis as a one-rank group"
         )
-
-
-_EXPERT_FIELD_NAMES: Final = frozenset(
-    {
-        "ep",
-        "expt_tp",
-        "expt_dp",
-        "tp_ep",
-        "tp_ep_pp",
-        "tp_ep_pp_with_egtp_remat",
-        "expt_gtp_remat",
-        "expt_dp_gtp_remat",
-    }
-)
 
 
 def _size_of(observed: Mapping[str, set[RankGroup]], axis: str) -> int | None:
@@ -455,9 +454,10 @@ def _layout_fitting(
     observed: Mapping[str, Iterable[RankGroup]],
     what: str,
 ) -> ParallelLayout:
-    """The layout over ``span`` with ``sizes`` in the first order (the default first) whose groups
-    include every rank set of ``observed`` (field -> sorted rank sets); ``ValueError`` naming
-    ``what`` when none does."""
+    """The layout over ``span`` with ``sizes`` whose groups include every observed rank set.
+
+    The first in order (the default first) whose groups include every rank set of ``observed``
+    (field -> sorted rank sets); ``ValueError`` naming ``what`` when none does."""
     first, stop = span
     keywords = {axis: size for axis, size in sizes.items() if axis not in ("dp", "expt_dp")}
     wanted = {

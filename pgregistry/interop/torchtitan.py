@@ -191,8 +191,9 @@ holds."""
 
 
 def _field_of(dim: str, sizes: _Sizes) -> GroupName | None:
-    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP,
-    which no field holds (the replicate split of ``dp``, without CP)."""
+    """The collection field holding ``dim``'s ranks; ``None`` for ``dp_shard`` under HSDP with CP.
+
+    No field holds that one (the replicate split of ``dp``, without CP)."""
     hsdp = sizes.dp_replicate > 1
     fields: dict[str, GroupName | None] = {
         **_KIND_OF,
@@ -395,9 +396,9 @@ def _is_real(parallel_dims: Any, dim: str) -> bool:
 def _sizes_of_layout(
     layout: ParallelLayout, collection: ProcessGroupCollection, spmd_backend: str
 ) -> tuple[_Sizes, list[str]]:
-    """torchtitan's degrees for ``layout`` (``dp_replicate``: the size of
-    ``collection.inter_dist_opt``, 1 when unset or off) and what makes the layout one torchtitan
-    cannot run."""
+    """torchtitan's degrees for ``layout``, and what makes the layout one torchtitan cannot run.
+
+    ``dp_replicate`` is the size of ``collection.inter_dist_opt``, 1 when unset or off."""
     replicate = collection.get_or("inter_dist_opt", None)
     dp_replicate = group_size(replicate) if replicate is not None else 1
     problems: list[str] = []
@@ -443,8 +444,9 @@ def _sizes_of_layout(
 
 
 def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
-    """Dims whose groups in ``layout`` are not torchtitan's (an order other than the default, say):
-    the same on every rank, as whole partitions are compared."""
+    """Dims whose groups in ``layout`` are not torchtitan's (an order other than the default, say).
+
+    The same on every rank, as whole partitions are compared."""
     problems = []
     for dim in sizes.dim_sizes():
         if dim == "efsdp" and sizes.ep == 1:
@@ -462,9 +464,10 @@ def _layout_problems(layout: ParallelLayout, sizes: _Sizes) -> list[str]:
 def _collection_problems(
     collection: ProcessGroupCollection, sizes: _Sizes, spmd_backend: str
 ) -> list[str]:
-    """torchtitan's dims of several ranks whose collection field is UNSET or ``None`` on this rank
-    (a collection's groups hold its layout's ranks, which the layout problems above compare with
-    torchtitan's)."""
+    """torchtitan's dims of several ranks whose collection field is UNSET or ``None`` on this rank.
+
+    A collection's groups hold its layout's ranks, which the layout problems above compare with
+    torchtitan's."""
     dim_sizes = sizes.dim_sizes()
     problems = []
     for dim in _dims_of(spmd_backend):
@@ -482,9 +485,11 @@ def _collection_problems(
 
 
 class _GroupSource:
-    """Where each dim's group comes from: the collection's field, pgregistry's communicators (world,
-    one-rank groups, a rank set no field holds) or a fake group. Every rank asks for the same dims
-    in the same order, so the collective creations line up."""
+    """Where each dim's group comes from: a field, pgregistry's communicators or a fake group.
+
+    The collection's field, pgregistry's communicators (world, one-rank groups, a rank set no field
+    holds) or a fake group. Every rank asks for the same dims in the same order, so the collective
+    creations line up."""
 
     def __init__(
         self,
@@ -553,9 +558,10 @@ class _GroupSource:
         return group
 
     def _fake_group(self, ranks: tuple[int, ...]) -> ProcessGroup:
-        """A group of torch's ``fake`` backend (no communicator), one per rank set, as torchtitan
-        gives the dims it never communicates over. Created by its members only, in the same dim
-        order on every rank."""
+        """A group of torch's ``fake`` backend (no communicator), one per rank set.
+
+        torchtitan gives such groups to the dims it never communicates over. Created by its members
+        only, in the same dim order on every rank."""
         import torch.distributed as dist
 
         if ranks not in self.fakes:
@@ -572,10 +578,11 @@ def _install_meshes(
     spmd_backend: str,
     device_type: str,
 ) -> None:
-    """Fill the caches torchtitan's ``build_mesh`` fills (``_world_mesh``, ``_global_meshes``,
-    ``_single_axis_meshes``, ``_spmd_meshes``) with meshes made of ``groups``, then run torchtitan's
-    own size check and SPMD-mesh selection on them. Slicing a mesh reuses its groups, so no group is
-    created here."""
+    """Fill the caches torchtitan's ``build_mesh`` fills with meshes made of ``groups``.
+
+    The caches are ``_world_mesh``, ``_global_meshes``, ``_single_axis_meshes`` and
+    ``_spmd_meshes``; torchtitan's own size check and SPMD-mesh selection then run on them. Slicing
+    a mesh reuses its groups, so no group is created here."""
     from torch.distributed.device_mesh import DeviceMesh
 
     sizes = _sizes_of_titan(parallel_dims)
@@ -613,9 +620,10 @@ def _install_meshes(
 def _view_mesh(
     view: str, groups: Mapping[str, ProcessGroup], sizes: _Sizes, device_type: str
 ) -> DeviceMesh:
-    """One of torchtitan's views as a mesh over the whole world (the same rank map as every other
-    view, so meshes sliced from different views concatenate, as FSDP2 does with a TP mesh), its dims
-    made of ``groups``."""
+    """One of torchtitan's views as a mesh over the whole world, its dims made of ``groups``.
+
+    The same rank map as every other view, so meshes sliced from different views concatenate, as
+    FSDP2 does with a TP mesh."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 

@@ -119,10 +119,11 @@ def _run_per_module(
     naming: Mapping[str, NamingOptions] | None,
     step: Callable[..., Any],
 ) -> list[Any]:
-    """What ``step(directory / module name, model, optimizer, **naming keywords and collection)``
-    returns for each module this rank runs, once every rank agreed on the input (``verb``: ``save``
-    or ``load``, the function's name). A module's failed step is raised on every rank, naming the
-    module, only once every module was tried: the others' are complete."""
+    """What ``step`` returns for each module this rank runs, once every rank agreed on the input.
+
+    ``step(directory / module name, model, optimizer, **naming keywords and collection)``; ``verb``:
+    ``save`` or ``load``, the function's name. A module's failed step is raised on every rank,
+    naming the module, only once every module was tried: the others' are complete."""
     owner = f"pgregistry.modules.{verb}_checkpoint"
     # A rank lost in a world-wide agreement, named.
     with name_lost_ranks(owner, directory, world_scope()):
@@ -153,8 +154,10 @@ def _agree_on_models(
     naming: Mapping[str, NamingOptions] | None,
     owner: str,
 ) -> tuple[dict[str, Any], dict[str, NamingOptions]]:
-    """The models of the modules this rank runs and each module's naming keywords, once every rank
-    agreed that no rank was given bad input."""
+    """The models and naming keywords of the modules this rank runs, once no rank has bad input.
+
+    The naming keywords are each module's; every rank first agrees that no rank was given bad
+    input."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"

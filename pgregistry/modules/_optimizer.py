@@ -240,12 +240,14 @@ class MultiModuleOptimizer:
     def _norm_statistics(
         self, norm_type: float, *, zeros: bool, max_norm: float | None = None, subject: str
     ) -> tuple[torch.Tensor, int | None]:
-        """The job-wide norm (and zero count). A ``norm_type`` or ``max_norm`` that is bad on some
-        rank only must not raise there before the modules' reductions (its module's other ranks
-        would wait in them), so each is checked here, and the check travels in the world all-reduce
-        as an agreement's verdict: after it, every rank raises alike, naming the value and the ranks
-        given it, or none does. A module optimizer's statistic that raises on its module's ranks
-        travels there too (:func:`~pgregistry.modules._stats.module_values`)."""
+        """The job-wide norm (and zero count), with bad arguments refused alike on every rank.
+
+        A ``norm_type`` or ``max_norm`` that is bad on some rank only must not raise there before
+        the modules' reductions (its module's other ranks would wait in them), so each is checked
+        here, and the check travels in the world all-reduce as an agreement's verdict: after it,
+        every rank raises alike, naming the value and the ranks given it, or none does. A module
+        optimizer's statistic that raises on its module's ranks travels there too
+        (:func:`~pgregistry.modules._stats.module_values`)."""
         bad_p = norm_type_error(norm_type)
         p = 2.0 if bad_p is not None else float(norm_type)
         fields = {
@@ -377,24 +379,18 @@ def build_optimizer(
     owner = "pgregistry.modules.build_optimizer"
     fault = combine_faults(options_error(options, per_module, list(modules)), error)
     check_agreement(owner, request, fault, advice=MODULES_ADVICE)
-    optimizers, failures = {}, []
-    for name, model in given.items():
-        try:
-            optimizers[name] = build_module_optimizer(
-                model, modules[name], **{**options, **per_module.get(name, {})}
-            )
-        except (
-            ValueError,
-            TypeError,
-            RuntimeError,
-        ) as exc:  # on this module's ranks only: agreed below
-            failures.append(type(exc)(f"module {name!r}: {exc}"))
+    optimizers, failure = module_values(  # a failure on this module's ranks only: agreed below
+        given,
+        lambda name, model: build_module_optimizer(
+            model, modules[name], **{**options, **per_module.get(name, {})}
+        ),
+    )
     # Every rank, the ranks of modules whose optimizer was built included, learns of a failure on
     # any rank.
     check_agreement(
         owner,
         describe_modules(modules),
-        combine_faults(*failures),
+        failure,
         failed="could not build a module's optimizer",
         advice=MODULES_ADVICE,
     )

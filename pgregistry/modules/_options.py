@@ -34,8 +34,9 @@ _FLAGS = ("mixed_precision", "sharded")
 def options_error(
     options: Mapping[str, Any], per_module: Mapping[str, Any], modules: list[str]
 ) -> Fault:
-    """Why the job's ``options`` or a module's ``per_module`` entry is refused, or ``None``; every
-    module's entry is checked, so that every rank finds the same faults."""
+    """Why the job's ``options`` or a module's ``per_module`` entry is refused, or ``None``.
+
+    Every module's entry is checked, so that every rank finds the same faults."""
     faults = [_option_error(option, value) for option, value in options.items()]
     for name in modules:
         own = per_module.get(name, {})
@@ -55,9 +56,10 @@ def options_error(
 
 
 def describe_options(options: Mapping[str, Any]) -> str:
-    """``options`` as a text every rank given the same ones writes alike: values that are plain data
-    by their repr, code (a factory, a ``param_name_fn``) by its type, whose repr would carry an
-    address that differs by process."""
+    """``options`` as a text every rank given the same ones writes alike.
+
+    Values that are plain data by their repr, code (a factory, a ``param_name_fn``) by its type,
+    whose repr would carry an address that differs by process."""
     return (
         "{"
         + ", ".join(
@@ -82,8 +84,9 @@ def _option_keywords() -> set[str]:
 
 
 def _option_error(option: str, value: Any) -> Exception | None:
-    """Why ``value`` is refused for ``option`` of :func:`pgregistry.optim.build_optimizer` (torch's
-    ranges for the update rules' numbers), or ``None``."""
+    """Why :func:`pgregistry.optim.build_optimizer` refuses ``value`` for ``option``, or ``None``.
+
+    Checked against torch's ranges for the update rules' numbers."""
     if option not in _option_keywords():
         return TypeError(
             f"{option!r} is no option of pgregistry.optim.build_optimizer "

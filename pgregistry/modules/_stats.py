@@ -46,6 +46,7 @@ from pgregistry.grad_stats import backend_device, check_expert_classification, c
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
+from pgregistry.grad_stats._lists import check_finite
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
@@ -98,15 +99,7 @@ def grad_norm(
     given = _agree_on_models(
         models, modules, owner, options, extra_error=norm_type_error(norm_type)
     )
-    p = float(norm_type)
-    norms, fault = module_values(
-        given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p)
-    )
-    total, _ = reduce_over_modules(
-        list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
-    )
-    assert total is not None
-    return total
+    return _job_grad_norm(given, modules, norm_type, owner, options)
 
 
 def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection) -> int:
@@ -186,6 +179,23 @@ def clip_grad_norm_(
     bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
     given = _agree_on_models(models, modules, owner, options, extra_error=bad)
+    total = _job_grad_norm(given, modules, norm_type, owner, options)
+    grads = [grad for model in given.values() for grad in _local_grads(model)]
+    clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
+    return total
+
+
+def _job_grad_norm(
+    given: Mapping[str, ParamsLike],
+    modules: MultiModuleCollection,
+    norm_type: float,
+    owner: str,
+    options: Mapping[str, str],
+) -> torch.Tensor:
+    """The job-wide ``norm_type``-norm of the grads of ``given``, the models this rank runs.
+
+    A module's statistic that refuses its model is raised on every rank, as ``owner``'s called with
+    ``options`` (:func:`module_values`)."""
     p = float(norm_type)
     norms, fault = module_values(
         given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p)
@@ -194,23 +204,17 @@ def clip_grad_norm_(
         list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
     )
     assert total is not None
-    grads = [grad for model in given.values() for grad in _local_grads(model)]
-    clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
     return total
 
 
 def clip_to_job_norm(
     grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, error_if_nonfinite: bool
 ) -> None:
-    """Scale ``grads`` in place to a job-wide norm ``total`` of ``max_norm``; with
-    ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``total``, on every rank
+    """Scale ``grads`` in place to a job-wide norm ``total`` of ``max_norm``.
+
+    With ``error_if_nonfinite``, ``RuntimeError`` for a NaN or infinite ``total``, on every rank
     (``total`` is the same on all)."""
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"the job-wide grad norm is {float(total)}, not finite, so the "
-            "grads cannot be clipped (they are left as they are); pass "
-            "error_if_nonfinite=False to leave them unscaled without raising"
-        )
+    check_finite(total, error_if_nonfinite, which="job-wide")
     if grads:
         clip_grads_(grads, max_norm, total)
 
@@ -293,15 +297,18 @@ _NAN = math.inf
 
 
 def _encode_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A module norm as it travels in the MAX all-reduce: itself when finite, :data:`_INF` when
-    infinite, :data:`_NAN` when NaN; the order NaN > infinite > finite is the job-wide norm's."""
+    """A module norm as it travels in the MAX all-reduce: NaN and infinite above any finite one.
+
+    Itself when finite, :data:`_INF` when infinite, :data:`_NAN` when NaN; the job-wide norm's
+    order is NaN > infinite > finite."""
     norm = torch.where(torch.isinf(norm), torch.full_like(norm, _INF), norm)
     return torch.where(torch.isnan(norm), torch.full_like(norm, _NAN), norm)
 
 
 def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
-    """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm), scaled
-    by the largest so that no power overflows; 0 for no norms or all zero."""
+    """``(sum n^p)^(1/p)`` of non-negative float64 ``norms`` (the largest for the inf-norm).
+
+    Scaled by the largest so that no power overflows; 0 for no norms or all zero."""
     if norms.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=norms.device)
     largest = norms.max()
@@ -314,9 +321,10 @@ def _combine_norms(norms: torch.Tensor, p: float) -> torch.Tensor:
 def module_values(
     given: Mapping[str, Any], compute: Callable[[str, Any], Any]
 ) -> tuple[dict[str, Any], Fault]:
-    """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault:
-    every module's ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the module, joined
-    (``None`` when none raised).
+    """``compute(name, item)`` of each module this rank runs (``given``), and this rank's fault.
+
+    The fault is every module's ``ValueError``, ``TypeError`` or ``RuntimeError``, naming the
+    module, joined (``None`` when none raised).
 
     A module's statistic can refuse what its ranks hold (a sparse grad, a plan its grads do not
     fit); raised here, its ranks would leave the ranks of every other module waiting in the world
@@ -327,6 +335,9 @@ def module_values(
     all of them, as it does for the layout and roles its ranks share); a fault on some ranks of a
     module only, midway through its collectives, leaves its peers waiting there until the process
     group's timeout: the single-model statistics would hang the same way.
+
+    :func:`pgregistry.modules.build_optimizer` collects each module's build the same way, its fault
+    agreed on after the builds.
     """
     values, faults = {}, []
     for name, item in given.items():
@@ -360,12 +371,13 @@ def check_models(
     *,
     noun: str = "model",
 ) -> tuple[dict[str, Any], str | None]:
-    """``models`` restricted to the modules this rank runs, in the modules' order, and this rank's
-    error (``None`` when it has none): ``models`` is not a mapping, names a module that does not
-    exist or one this rank does not run, lacks one it runs, or a module's collection was destroyed;
-    ``check(name, model, collection)`` raising ``ValueError``, ``TypeError`` or ``RuntimeError`` is
-    an error too. ``noun`` names what the mapping holds in messages (a model, an optimizer, a
-    state). Local: the caller agrees on the error."""
+    """``models`` restricted to the modules this rank runs, in their order, and this rank's error.
+
+    The error is ``None`` when it has none; it is one when ``models`` is not a mapping, names a
+    module that does not exist or one this rank does not run, lacks one it runs, or a module's
+    collection was destroyed; ``check(name, model, collection)`` raising ``ValueError``,
+    ``TypeError`` or ``RuntimeError`` is an error too. ``noun`` names what the mapping holds in
+    messages (a model, an optimizer, a state). Local: the caller agrees on the error."""
     if not isinstance(models, Mapping) or isinstance(models, MultiModuleCollection):
         got = type(models).__name__
         return {}, f"{owner} takes a mapping from module name to that module's {noun}, got a {got}"
@@ -412,8 +424,10 @@ def _agree_on_models(
     *,
     extra_error: Fault = None,
 ) -> dict[str, ParamsLike]:
-    """The models of the modules this rank runs, after every rank agreed on the modules and options
-    and none found a fault (``pgregistry._runtime.agreement.check_agreement``)."""
+    """The models of the modules this rank runs, once every rank agreed and none found a fault.
+
+    Every rank agrees on the modules and options
+    (``pgregistry._runtime.agreement.check_agreement``)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"

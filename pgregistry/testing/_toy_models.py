@@ -81,7 +81,9 @@ class Spec:
 
 
 def dense_and_expert(*, device: torch.device | str = "cpu") -> nn.Module:
-    """``model.dense``, a replicated bf16 scalar, and ``model.experts.weight``, a bf16 scalar of a
+    """A dense and an expert scalar, whose grads' norm tells the TP groups apart.
+
+    ``model.dense``, a replicated bf16 scalar, and ``model.experts.weight``, a bf16 scalar of a
     marked expert module, both 1. With TP = EP = W and expert TP 1 the unsharded model has 1 + W
     elements: all grads 1 give norm sqrt(1 + W), all grads 0 a zero count of 1 + W; filtering the
     expert grad with the dense TP group gives sqrt(2) and 2."""
@@ -137,9 +139,10 @@ GRADS_SEED = 20_261_130
 
 
 def full_grads(kind: str = "random") -> dict[str, torch.Tensor]:
-    """Every parameter's unsharded gradient in float64: ``ones``, ``zeros``, or ``random`` (about
-    30% of the elements zero, the whole of :data:`ZEROED` zero; values are float32-representable, so
-    float32 shards of them are exact)."""
+    """Every parameter's unsharded gradient in float64: ``ones``, ``zeros``, or ``random``.
+
+    ``random`` has about 30% of the elements zero, the whole of :data:`ZEROED` zero; values are
+    float32-representable, so float32 shards of them are exact."""
     shapes = {spec.name: spec.shape for spec in model_specs()}
     if kind in ("ones", "zeros"):
         return {
@@ -242,8 +245,9 @@ def local_model(
     *,
     device: torch.device | str = "cpu",
 ) -> tuple[nn.Module, list[Shard]]:
-    """This rank's model on ``device``: nested modules named like the unsharded model, roles marked,
-    float32 grads set."""
+    """This rank's model on ``device``, roles marked and float32 grads set.
+
+    Its nested modules are named like the unsharded model's."""
     root = nn.Module()
     shards = shards_of(layout, rank)
     for shard in shards:
@@ -281,11 +285,13 @@ def set_grads(
 def set_main_grads(
     model: nn.Module, shards: list[Shard], grads: dict[str, torch.Tensor], layout: ParallelLayout
 ) -> None:
-    """Write into each parameter's ``main_grad`` (its view of an optimizer's grad buffer) the raw
-    per-rank grads that the optimizer's ``sync_grads`` turns into this rank's shards of ``grads``
-    when every data-parallel replica holds the same: expert grads are divided by the ``dp_cp`` size
-    and summed over ``expt_dp``, so they are written times ``dp_cp / expt_dp`` (a power of two in
-    every layout used, so exact)."""
+    """Write into each parameter's ``main_grad`` the raw per-rank grads that sync to ``grads``.
+
+    ``main_grad`` is its view of an optimizer's grad buffer; the raw per-rank grads are those that
+    the optimizer's ``sync_grads`` turns into this rank's shards of ``grads`` when every
+    data-parallel replica holds the same: expert grads are divided by the ``dp_cp`` size and summed
+    over ``expt_dp``, so they are written times ``dp_cp / expt_dp`` (a power of two in every layout
+    used, so exact)."""
     expert_scale = layout.dp * layout.cp / layout.expt_dp
     params = dict(model.named_parameters())
     for shard in shards:

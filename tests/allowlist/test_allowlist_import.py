@@ -77,3 +77,6 @@ def test_an_out_of_date_list_is_refused_and_nothing_written(
     megatron.write("list.json", '{"version": 1, "allowed": {}, "total": 0}')
     assert allowlist_main(["import", "--no-cache", "--from", "list.json"]) == 2
     assert "not Megatron-LM's allowlist format" in capsys.readouterr().err
+    megatron.write("list.json", '{"allowed": {')  # cut short: the file, line and column named
+    assert allowlist_main(["import", "--no-cache", "--from", "list.json"]) == 2
+    assert "list.json:1:14: malformed JSON: Expecting property name" in capsys.readouterr().err

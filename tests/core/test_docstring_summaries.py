@@ -1,19 +1,27 @@
-"""Every public function, class, and public method or property of a public class has a one-line summary.
+"""Every function, class and method of the package has a one-line summary, public or private.
 
 Issue 39: a docstring opens with a one-line summary, then a blank line, then arguments, returns, raises
 and an example where it helps. ``help()``, an IDE's hover and docs/api.md's entries read the first line
 alone, so a summary wrapped onto a second line is cut mid-sentence there. The public API is what
 tests/core/test_public_api.py enumerates (public modules' ``__all__``); a public class adds its own
 public methods, class and static methods, and properties (inherited ones are checked on their class).
+The private code (underscore names and modules, nested functions too) is read from the source, every
+module of ``pgregistry/`` but those under ``NOT_YET_CHECKED``.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 from collections.abc import Iterator
+from pathlib import Path
 
-from test_public_api import _identity, _in_code
+from test_public_api import PACKAGE, ROOT, _identity, _in_code
+
+# Folders of pgregistry/ whose private docstrings are not checked yet: migrate is being reworked while
+# this check lands. Empty the tuple once its private docstrings open with a one-line summary too.
+NOT_YET_CHECKED: tuple[Path, ...] = (PACKAGE / "migrate",)
 
 
 def _documented(owner: str, value: object) -> Iterator[tuple[str, object]]:
@@ -63,3 +71,48 @@ def test_every_public_docstring_opens_with_a_one_line_summary() -> None:
         f"{len(faults)} public docstrings lack a one-line summary; say it in one line of at most 100 "
         "columns, then a blank line and the rest:\n" + "\n".join(faults)
     )
+
+
+def _multi_line_summaries(paths: list[Path]) -> list[str]:
+    """``path:line name: first line`` for each documented function or class of ``paths`` whose summary spans lines."""
+    faults = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            text = ast.get_docstring(node) or ""  # cleaned as inspect.cleandoc cleans __doc__
+            if "\n" in text.split("\n\n", 1)[0]:
+                shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                faults.append(f"{shown}:{node.lineno} {node.name}: {text.splitlines()[0]!r}")
+    return faults
+
+
+def _checked_modules() -> list[Path]:
+    return [
+        path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not any(path.is_relative_to(folder) for folder in NOT_YET_CHECKED)
+    ]
+
+
+def test_every_private_docstring_opens_with_a_one_line_summary() -> None:
+    checked = _checked_modules()
+    assert len(checked) > 100  # the whole package, not an empty glob
+    faults = _multi_line_summaries(checked)
+    assert not faults, (
+        f"{len(faults)} docstrings lack a one-line summary; say what the function or class does or returns "
+        "in one line of at most 100 columns, then a blank line and the rest:\n" + "\n".join(faults)
+    )
+
+
+def test_the_private_check_flags_a_wrapped_summary(tmp_path: Path) -> None:
+    module = tmp_path / "planted.py"
+    module.write_text(
+        'def _wrapped():\n    """Say what this does\n    over two lines."""\n\n\n'
+        'class _Fine:\n    """One line.\n\n    Then the rest,\n    over two lines."""\n\n'
+        '    def _nested(self):\n        """Also\n        wrapped."""\n'
+    )
+    assert _multi_line_summaries([module]) == [
+        f"{module}:1 _wrapped: 'Say what this does'",
+        f"{module}:12 _nested: 'Also'",
+    ]

@@ -55,9 +55,18 @@ def _optimizer_cases() -> dict[str, Any]:
     modules = mm.build_modules(JOB)
     grads = {name: module_grads(name) for name in JOB}
     models = {name: local_model(JOB[name], rank, grads[name])[0] for name in modules.here()}
+    out: dict[str, Any] = {}
+    # Module b's model is frozen on b's ranks: its build fails there, after the call's agreement.
+    frozen = [p for p in models["b"].parameters() if p.requires_grad] if "b" in models else []
+    for param in frozen:
+        param.requires_grad_(False)
+    out["build"] = error_of(
+        lambda: mm.build_optimizer(models, modules, optimizer="sgd", lr=0.1, mixed_precision=False)
+    )
+    for param in frozen:
+        param.requires_grad_(True)
     optimizer = mm.build_optimizer(models, modules, optimizer="sgd", lr=0.1, mixed_precision=False)
     weights = [p.detach().clone() for model in models.values() for p in model.parameters()]
-    out: dict[str, Any] = {}
     # Module b's optimizer refuses its grads on b's ranks (injected: a module optimizer's statistic raising there).
     if "b" in models:
         chained = optimizer.optimizers["b"]
@@ -98,6 +107,7 @@ def test_a_fault_in_one_modules_statistic_raises_on_every_rank_then_good_calls_m
 
 def test_a_fault_in_one_modules_optimizer_statistic_raises_on_every_rank_and_nothing_steps() -> None:
     results = run_world(4, _optimizer_cases, timeout=30)
+    _raised_naming_b(results, "build", "ValueError", "could not build", "no trainable parameters")
     for case in ("step", "get_grad_norm"):
         _raised_naming_b(results, case, "ValueError", "the module optimizer refused its grads")
     expected = oracle_norm({name: module_grads(name) for name in JOB}, 2.0)
