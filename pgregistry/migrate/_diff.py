@@ -32,8 +32,10 @@ _CONTEXT = 3
 def _unique_line_anchors(
     a: Sequence[bytes], b: Sequence[bytes], alo: int, ahi: int, blo: int, bhi: int
 ) -> list[tuple[int, int]]:
-    """The pairs (i, j) of lines unique to both ``a[alo:ahi]`` and ``b[blo:bhi]``, equal, in the
-    longest run in which both indexes increase (patience sorting)."""
+    """The pairs (i, j) of equal lines unique to both ranges, in their longest increasing run.
+
+    The ranges are ``a[alo:ahi]`` and ``b[blo:bhi]``; the run is the longest in which both indexes
+    increase (patience sorting)."""
     count_a, count_b = Counter(a[alo:ahi]), Counter(b[blo:bhi])
     where_b = {b[j]: j for j in range(blo, bhi) if count_b[b[j]] == 1}
     pairs = [(i, where_b[a[i]]) for i in range(alo, ahi) if count_a[a[i]] == 1 and a[i] in where_b]
@@ -127,9 +129,10 @@ def _diff_hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
 
 
 def render_unified_diff(path: str, before: bytes, after: bytes, *, created: bool = False) -> bytes:
-    """The change of ``path`` from ``before`` to ``after`` as a unified diff (``a/PATH`` to
-    ``b/PATH``, as ``git diff`` names them; ``/dev/null`` to ``b/PATH`` for a ``created`` file), in
-    the file's own bytes; empty when they are equal."""
+    """The change of ``path`` from ``before`` to ``after`` as a unified diff; empty when equal.
+
+    In the file's own bytes; its files are ``a/PATH`` and ``b/PATH``, as ``git diff`` names them
+    (``/dev/null`` and ``b/PATH`` for a ``created`` file)."""
     hunks = list(_diff_hunks(_LINE.findall(before), _LINE.findall(after)))
     if not hunks:
         return b""

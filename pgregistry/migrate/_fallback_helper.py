@@ -175,8 +175,10 @@ except ImportError:  # pgregistry is not installed: this module's own warning
 
 
 def reader_and_frame(depth: int = 2) -> tuple[str, Any]:
-    """The function ``depth`` frames up (the one that read: ``module.Class.method``, comprehensions
-    and lambdas folded into the function holding them) and its frame."""
+    """The function ``depth`` frames up (the one that read) and its frame.
+
+    The function is named ``module.Class.method``, comprehensions and lambdas folded into the
+    function holding them."""
     frame = sys._getframe(depth)
     while frame.f_back is not None and frame.f_code.co_name in _INNER:
         frame = frame.f_back
@@ -210,9 +212,10 @@ def _warn_of_fallback(field: str) -> None:
 
 
 def group_if_held(collection: Any, field: str) -> tuple[bool, Any]:
-    """(True, the group) when ``collection`` holds ``field``; else (False, None). A field counts as
-    held when it was set: Megatron-Core's ``ProcessGroupCollection`` answers ``None`` for a field it
-    was not built with, which is not the same as one set to ``None``."""
+    """(True, the group) when ``collection`` holds ``field``; else (False, None).
+
+    A field counts as held when it was set: Megatron-Core's ``ProcessGroupCollection`` answers
+    ``None`` for a field it was not built with, which is not the same as one set to ``None``."""
     if collection is None:
         return False, None
     try:
@@ -264,19 +267,21 @@ def value_of_kind(group: Any, kind: str) -> Any:
 
 
 def _parallel_state() -> Any:
-    """Megatron-Core's ``parallel_state`` (imported here on first use where this module was not
-    written into a tree)."""
+    """Megatron-Core's ``parallel_state``.
+
+    Imported here on first use where this module was not written into a tree."""
     if parallel_state is not None:
         return parallel_state
     return importlib.import_module("megatron.core.parallel_state")
 
 
 def virtual_stage_allows(kind: str, vp_stage: Any) -> bool:
-    """Whether ``is_pipeline_first_stage`` / ``_last_stage(ignore_virtual=False, vp_stage=...)``
-    (``kind``: ``first_stage`` / ``last_stage``) may be True: what Megatron-Core 0.13 on checks
-    before it asks the pipeline group, the same assertion included. The virtual pipeline size is a
-    schedule setting, no process group: read from ``parallel_state`` given a collection too, as the
-    accessor reads it, without a warning."""
+    """Whether ``is_pipeline_first_stage`` / ``_last_stage`` may be True for a virtual stage.
+
+    Called with ``ignore_virtual=False, vp_stage=...`` (``kind``: ``first_stage`` / ``last_stage``):
+    what Megatron-Core 0.13 on checks before it asks the pipeline group, the same assertion
+    included. The virtual pipeline size is a schedule setting, no process group: read from
+    ``parallel_state`` given a collection too, as the accessor reads it, without a warning."""
     virtual_size = _parallel_state().get_virtual_pipeline_model_parallel_world_size()
     if virtual_size is None:
         return True
@@ -309,9 +314,10 @@ def _read_or_fall_back(
 
 
 def pg_read(collection: Any, field: str, kind: str, **accessor_keywords: Any) -> Any:
-    """``kind`` of the collection's ``field``; without it (no collection, or one without the field),
-    with the warning, what Megatron-Core's accessor for it returns, called with
-    ``accessor_keywords`` too (``check_initialized=False`` as the original read passed it)."""
+    """``kind`` of the collection's ``field``, else what Megatron-Core's accessor for it returns.
+
+    Without the field (no collection, or one without it), with the warning, the accessor is called
+    with ``accessor_keywords`` too (``check_initialized=False`` as the original read passed it)."""
     return _read_or_fall_back(collection, field, kind, accessor_keywords)
 
 

@@ -66,8 +66,10 @@ def _python_literal(value: object) -> str:
 
 
 def table_text(table: Mapping[tuple[str, str], tuple[str, dict[str, bool]]]) -> str:
-    """The helper's ``FALLBACKS`` assignment for ``table``, an entry a line where it fits, else
-    split as black splits it (the value's parts on one indented line, else one a line)."""
+    """The helper's ``FALLBACKS`` assignment for ``table``, an entry a line where it fits.
+
+    An entry that does not fit is split as black splits it (the value's parts on one indented line,
+    else one a line)."""
     lines = ["FALLBACKS: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {"]
     for key, (accessor, keywords) in table.items():
         head = f"    {_python_literal(key)}: "
@@ -84,9 +86,10 @@ def table_text(table: Mapping[tuple[str, str], tuple[str, dict[str, bool]]]) -> 
 
 
 def helper_text(accessors: Iterable[str] = (), *, gtp_remat: bool = True) -> bytes:
-    """The helper module's text: the template's, importing ``parallel_state`` when it is imported,
-    its table for the release that defines ``accessors`` (none known: the template's own,
-    Megatron-Core 0.19's)."""
+    """The helper module's text, with the table of the release that defines ``accessors``.
+
+    The template's text, importing ``parallel_state`` when it is imported; with none known, the
+    template's own table (Megatron-Core 0.19's)."""
     text = _TEMPLATE.read_text(encoding="utf-8") + _AT_IMPORT
     names = list(accessors)
     if names:
@@ -100,8 +103,9 @@ _SOURCE_ROOT = "src"
 
 
 def helper_path(module: str, is_directory: Callable[[str], bool]) -> str:
-    """The project path of ``module`` (``a.b.c`` -> ``a/b/c.py``, or ``src/a/b/c.py`` in a ``src``
-    layout: where only ``src/a/b`` ``is_directory``)."""
+    """The project path of ``module``: ``a.b.c`` -> ``a/b/c.py``, or ``src/a/b/c.py``.
+
+    The ``src`` one in a ``src`` layout: where only ``src/a/b`` ``is_directory``."""
     path = module.replace(".", "/") + ".py"
     parent = path.rpartition("/")[0]
     if parent and not is_directory(parent) and is_directory(f"{_SOURCE_ROOT}/{parent}"):
@@ -110,10 +114,12 @@ def helper_path(module: str, is_directory: Callable[[str], bool]) -> str:
 
 
 def default_module(paths: Iterable[str], is_package: Callable[[str], bool]) -> str:
-    """``<top package>._process_group_fallback``: in the outermost directory holding every one of
-    ``paths`` that ``is_package`` (it has an ``__init__.py``; ``megatron/core`` for files of
-    ``megatron/core/`` in a tree where ``megatron`` is a namespace package), named from the project
-    root (from ``src/`` in a ``src`` layout); at the project root when there is none."""
+    """``<top package>._process_group_fallback``, the top package holding all of ``paths``.
+
+    The top package is the outermost directory holding every one of ``paths`` that ``is_package``
+    (it has an ``__init__.py``; ``megatron/core`` for files of ``megatron/core/`` in a tree where
+    ``megatron`` is a namespace package), named from the project root (from ``src/`` in a ``src``
+    layout); the module is at the project root when there is none."""
     common: list[str] | None = None
     for path in paths:
         parts = path.split("/")[:-1]

@@ -40,9 +40,10 @@ _FORWARDED = ("check_initialized",)
 
 @dataclass(frozen=True)
 class Idiom:
-    """One target: where its helper functions come from, and whether they fall back to Megatron-Core
-    (then the read's own keywords go to them, and a read of a fallback helper falls back to that
-    helper)."""
+    """One target: where its helpers come from, and whether they fall back to Megatron-Core.
+
+    When they fall back, the read's own keywords go to them, and a read of a fallback helper falls
+    back to that helper."""
 
     module: str
     megatron_fallback: bool
@@ -65,9 +66,10 @@ class Idiom:
         return f"{function or _READ}({arguments}{forwarded})"
 
     def field_read(self, collection: str, field: str, keywords: dict[str, object]) -> str:
-        """A dissolved shim's read of ``field`` (:mod:`._shims`): its group, falling back to the
-        getter the shim called, with the shim's ``keywords`` (``check_initialized=False``) for a
-        Megatron-Core fallback."""
+        """A dissolved shim's read of ``field`` (:mod:`._shims`): its group, else the shim's getter.
+
+        Falling back to the getter the shim called, with the shim's ``keywords``
+        (``check_initialized=False``) for a Megatron-Core fallback."""
         forwarded = (
             "".join(f", {k}={v!r}" for k, v in keywords.items()) if self.megatron_fallback else ""
         )
@@ -103,8 +105,9 @@ TARGETS = ("megatron", "pgregistry")
 
 
 def idiom_of_target(target: str, helper_module: str = "") -> Idiom:
-    """The :class:`Idiom` of ``target`` (``megatron``: its helper imported from ``helper_module``);
-    ``ValueError`` naming the known ones for another."""
+    """The :class:`Idiom` of ``target``; ``ValueError`` naming the known ones for another.
+
+    For ``megatron``, its helper is imported from ``helper_module``."""
     if target == "megatron":
         return Idiom(helper_module, megatron_fallback=True)
     if target == "pgregistry":

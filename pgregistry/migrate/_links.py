@@ -24,8 +24,10 @@ __all__ = ["OwnFiles", "own_files"]
 
 @dataclass
 class OwnFiles:
-    """The files to migrate (each real file once), what was left (one line each), and for each file
-    with several hard links in the run, the run's other paths to the same file."""
+    """The files to migrate (each real file once), what was left, and each file's other links.
+
+    What was left is one line each; for each file with several hard links in the run, the run's
+    other paths to the same file."""
 
     files: list[SourceFile] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
@@ -33,8 +35,9 @@ class OwnFiles:
 
 
 def own_files(files: Sequence[SourceFile], root: Path, exclude: Sequence[str] = ()) -> OwnFiles:
-    """``files`` (as discovered under ``root``) with each link replaced by the project file it
-    names, once; a link to a file the ``exclude`` patterns exclude is left like one out of the
+    """``files`` (as discovered under ``root``), each link replaced by the project file it names.
+
+    Each file once; a link to a file the ``exclude`` patterns exclude is left like one out of the
     project."""
     found = OwnFiles()
     real_root = root.resolve()

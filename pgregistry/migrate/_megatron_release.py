@@ -46,8 +46,10 @@ _ACCESSOR = re.compile(rb"^def ((?:get|is)_\w+)\(", re.M)
 
 @dataclass(frozen=True)
 class MegatronSource:
-    """Whether the code's Megatron-Core has GTP remat, what says so (a path, or that nothing did),
-    and the accessors its ``parallel_state`` defines (none when it was not found)."""
+    """Whether the code's Megatron-Core has GTP remat, what says so, and its accessors.
+
+    What says so is a path, or that nothing did; the accessors are those its ``parallel_state``
+    defines (none when it was not found)."""
 
     gtp_remat: bool
     where: str
@@ -64,8 +66,10 @@ class MegatronSource:
 
 
 def megatron_source(root: Path, search: Sequence[str] | None = None) -> MegatronSource:
-    """The project's ``megatron/core/parallel_state.py`` under ``root``, else the first on
-    ``search`` (default ``sys.path``), read as text (never imported)."""
+    """The project's ``megatron/core/parallel_state.py``, else the first one on ``search``.
+
+    The project's is under ``root``; ``search`` defaults to ``sys.path``. Read as text, never
+    imported."""
     entries = [Path(entry or ".") for entry in (sys.path if search is None else search)]
     for base, label in [(root, "the project's"), *((entry, "the installed") for entry in entries)]:
         path = base / _PARALLEL_STATE
@@ -94,8 +98,9 @@ def _shims_beside(base: Path) -> ShimGetters | None:
 
 
 def find_installed_shim_getters(search: Sequence[str] | None = None) -> ShimGetters | None:
-    """:func:`shim_getters` of the first ``megatron/core/process_groups_config.py`` on ``search``
-    (default ``sys.path``); None when there is none."""
+    """:func:`shim_getters` of the first ``megatron/core/process_groups_config.py`` on ``search``.
+
+    ``search`` defaults to ``sys.path``; None when there is none."""
     for entry in sys.path if search is None else search:
         found = _shims_beside(Path(entry or "."))
         if found is not None:
@@ -104,8 +109,9 @@ def find_installed_shim_getters(search: Sequence[str] | None = None) -> ShimGett
 
 
 def shim_getters(text: bytes) -> ShimGetters:
-    """What ``use_mpu_process_groups`` in ``text`` (a ``process_groups_config.py``) calls for each
-    field: the entries of its ``pg_to_func`` table of the form ``partial(parallel_state.<getter>,
+    """What ``use_mpu_process_groups`` in ``text`` (a ``process_groups_config.py``) calls per field.
+
+    The entries of its ``pg_to_func`` table of the form ``partial(parallel_state.<getter>,
     <keyword>=<literal>...)`` (one that is anything else, ``lambda: None``, is not listed). Read as
     text, never imported."""
     found: ShimGetters = {}

@@ -42,10 +42,11 @@ def render_report(
     verb: str,
     spec_calls_left: Sequence[SpecCallLeft] = (),
 ) -> str:
-    """The table per family, then every read left in place grouped by reason (``path:line
-    accessor``), and every call of a spec's field left without the collection (``spec_calls_left``)
-    with its reason. ``verb``: what happened to the ``changed`` files (``"would change"``,
-    ``"changed"``)."""
+    """The table per family, then every read left in place and every spec call left, with reasons.
+
+    The reads left in place are grouped by reason (``path:line accessor``); every call of a spec's
+    field left without the collection (``spec_calls_left``) comes with its reason. ``verb``: what
+    happened to the ``changed`` files (``"would change"``, ``"changed"``)."""
     table = tally_reads_by_family(reads)
     columns = ("found", *REWRITTEN_WAYS, Way.LEFT)
     lines = [f"{'family':<10}" + "".join(f"{c:>10}" for c in columns)]

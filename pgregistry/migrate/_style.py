@@ -65,8 +65,9 @@ def line_length(root: Path) -> int:
 
 
 def migrate_settings(root: Path) -> Mapping[str, Any]:
-    """``[tool.pgregistry.migrate]`` of the ``pyproject.toml`` at ``root`` (empty when there is
-    none); a key other than ``helper-module`` is refused (``ConfigError`` naming it)."""
+    """``[tool.pgregistry.migrate]`` of ``root``'s ``pyproject.toml`` (empty when there is none).
+
+    A key other than ``helper-module`` is refused (``ConfigError`` naming it)."""
     pyproject = root / "pyproject.toml"
     table = (
         _tool_table(_read_toml(pyproject), "pgregistry", "migrate") if pyproject.is_file() else {}

@@ -74,9 +74,11 @@ _WANTED = _function_definitions(ast.parse(FORM))
 
 
 def has_virtual_stage_form(parallel_state_text: bytes) -> bool:
-    """Whether ``parallel_state_text`` (a release's ``parallel_state.py``) defines
-    ``is_pipeline_first_stage`` and ``is_pipeline_last_stage`` exactly as :data:`FORM` does; False
-    for text Python does not parse."""
+    """Whether ``parallel_state_text`` defines both stage accessors exactly as :data:`FORM` does.
+
+    ``parallel_state_text`` is a release's ``parallel_state.py``; the accessors are
+    ``is_pipeline_first_stage`` and ``is_pipeline_last_stage``. False for text Python does not
+    parse."""
     try:
         defined = _function_definitions(ast.parse(parallel_state_text))
     except (SyntaxError, ValueError):
