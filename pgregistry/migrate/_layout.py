@@ -55,8 +55,10 @@ def _source_of(node: cst.CSTNode) -> str:
 
 
 def _parse_or_none(text: str) -> cst.BaseStatement | None:
-    """``text`` parsed; None where the new layout does not parse (a shape this module does not
-    know): the line is then left as it is, never broken."""
+    """``text`` parsed; None where the new layout does not parse.
+
+    Such a layout is a shape this module does not know: the line is then left as it is, never
+    broken."""
     try:
         return cst.parse_statement(text)
     except cst.ParserSyntaxError:
@@ -70,8 +72,9 @@ def _fits_width(indent: int, text: str, width: int) -> bool:
 def _parts_at_delimiters(
     value: cst.BaseExpression,
 ) -> list[tuple[str, cst.BaseExpression, str]] | None:
-    """(text before, operand, text after) of each operand of ``value`` split at its lowest-priority
-    delimiters at the top; None when it has none."""
+    """Each operand of ``value`` split at its lowest-priority delimiters at the top, with its text.
+
+    As (text before, operand, text after); None when it has none."""
     if value.lpar or _has_starred_element(value):
         return None
     if isinstance(value, cst.Tuple):
@@ -114,8 +117,10 @@ _PRIORITIES: tuple[tuple[type[cst.BaseBinaryOp], ...], ...] = (
 
 
 def _operator_chain(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpression]]:
-    """(operator before, operand) of each operand of ``value``'s chain of operators of its priority
-    at the top (``a + b - c``: ``a``, ``+ b``, ``- c``); empty for ``**``."""
+    """(operator before, operand) of each operand in ``value``'s top chain of one priority.
+
+    The chain of the operators of its own priority at the top (``a + b - c``: ``a``, ``+ b``,
+    ``- c``); empty for ``**``."""
     group = next(
         (operators for operators in _PRIORITIES if isinstance(value.operator, operators)), None
     )
@@ -132,9 +137,10 @@ def _operator_chain(value: cst.BinaryOperation) -> list[tuple[str, cst.BaseExpre
 
 
 def _split_call(value: cst.BaseExpression) -> tuple[cst.Call, str] | None:
-    """The call whose closing parenthesis ends ``value`` (see :func:`_last_call`), looking through
-    calls without arguments on its result (``f(x).keys()``: ``f(x)``, as black skips empty
-    brackets), and the text after it."""
+    """The call whose closing parenthesis ends ``value`` (:func:`_last_call`), and the text after.
+
+    Looking through calls without arguments on its result (``f(x).keys()``: ``f(x)``, as black skips
+    empty brackets)."""
     call = _last_call(value)
     suffix = ""
     while (
@@ -183,9 +189,10 @@ def _black_lines(
     unit: str,
     bracketed: bool = True,
 ) -> list[str]:
-    """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes, each
-    indented relative to the first; ``bracketed``: the line is inside brackets (not a statement's or
-    a condition's)."""
+    """``head``, ``value`` and ``tail`` (``indent`` columns in) as the lines black writes.
+
+    Each line is indented relative to the first; ``bracketed``: the line is inside brackets (not a
+    statement's or a condition's)."""
     body = _source_of(value)
     if _fits_width(indent, head + body + tail, width):
         return [head + body + tail]
@@ -270,8 +277,9 @@ def _black_lines(
 def _one_part_a_line(
     parts: list[tuple[str, cst.BaseExpression, str]], indent: int, width: int, unit: str
 ) -> list[str]:
-    """The lines of ``parts`` (of :func:`_parts_at_delimiters`), one part a line, each split in turn
-    where still too long."""
+    """The lines of ``parts`` (of :func:`_parts_at_delimiters`), one part a line.
+
+    Each is split in turn where still too long."""
     return [
         line
         for before, operand, after in parts
@@ -282,9 +290,10 @@ def _one_part_a_line(
 def split_statement(
     line: cst.SimpleStatementLine, indent: int, width: int, unit: str
 ) -> cst.SimpleStatementLine:
-    """``line`` (``indent`` columns in), split where it is one physical line longer than ``width``,
-    or where its value, in parentheses on a line of its own (``x = (``, the value, ``)``), no longer
-    fits that line."""
+    """``line`` (``indent`` columns in), split where it, or its value on its own line, is too long.
+
+    Where it is one physical line longer than ``width``, or where its value, in parentheses on a
+    line of its own (``x = (``, the value, ``)``), no longer fits that line."""
     if len(line.body) != 1:
         return line
     small = line.body[0]
@@ -370,9 +379,10 @@ def _parameter_texts(params: cst.Parameters) -> list[str]:
 
 
 def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) -> cst.FunctionDef:
-    """``function`` (``indent`` columns in) with its parameters laid out again where a line of its
-    header is longer than ``width`` (the ``def`` line, or the line of parameters of a header already
-    split)."""
+    """``function`` (``indent`` columns in) with its parameters laid out again where too long.
+
+    Where a line of its header is longer than ``width`` (the ``def`` line, or the line of parameters
+    of a header already split)."""
     header = _source_of(
         function.with_changes(
             decorators=[],
@@ -402,9 +412,10 @@ def split_header(function: cst.FunctionDef, indent: int, width: int, unit: str) 
 def split_condition(
     node: cst.If | cst.While, keyword: str, indent: int, width: int, unit: str
 ) -> cst.If | cst.While:
-    """``node`` (``keyword`` ``if``, ``elif`` or ``while``, ``indent`` columns in) with its
-    condition laid out as black lays it out where its header is one physical line longer than
-    ``width``."""
+    """``node`` with its condition laid out as black lays it out where its header is too long.
+
+    ``keyword`` is ``if``, ``elif`` or ``while``; ``node`` is ``indent`` columns in; too long is one
+    physical line longer than ``width``."""
     before, after = (
         ("whitespace_before_test", "whitespace_after_test")
         if isinstance(node, cst.If)
@@ -434,9 +445,10 @@ def split_condition(
 
 
 def _own_line(whitespace: cst.BaseParenthesizableWhitespace) -> str | None:
-    """The indentation (relative to the block's) of the line that ``whitespace`` starts, where it
-    ends one without a comment and starts the next at the block's indentation or deeper; else
-    None."""
+    """The indentation, relative to the block's, of the line that ``whitespace`` starts; else None.
+
+    ``whitespace`` starts a line where it ends one without a comment and starts the next at the
+    block's indentation or deeper."""
     if not isinstance(whitespace, cst.ParenthesizedWhitespace) or not whitespace.indent:
         return None
     return None if whitespace.first_line.comment else whitespace.last_line.value
@@ -453,9 +465,11 @@ def _before_argument(call: cst.Call, index: int) -> cst.BaseParenthesizableWhite
 def split_arguments(
     call: cst.Call, original: cst.Call, indent: int, width: int, unit: str
 ) -> cst.Call:
-    """``call`` (in a block ``indent`` columns in; ``original`` before the rewrite) with each
-    argument that sits on a line of its own, that the rewrite changed and that no longer fits that
-    line laid out as black lays it out; every other argument as the author wrote it."""
+    """``call`` with each argument the rewrite made too long for its line laid out as black does.
+
+    ``call`` is in a block ``indent`` columns in; ``original`` is it before the rewrite. An argument
+    is laid out again when it sits on a line of its own, the rewrite changed it and it no longer
+    fits that line; every other argument stays as the author wrote it."""
     args = list(call.args)
     for index, arg in enumerate(call.args):
         comma = arg.comma
@@ -494,9 +508,11 @@ def split_arguments(
 
 
 def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -> cst.DictComp:
-    """``comprehension`` (in a block ``indent`` columns in) with its key in parentheses, on a line
-    of its own that the rewrite made longer than ``width``, laid out as black lays it out: ``(``,
-    the key (split at its lowest-priority delimiters where it still does not fit), ``): value``."""
+    """``comprehension`` with its key laid out as black does where the rewrite made it too long.
+
+    The comprehension is in a block ``indent`` columns in; its key is in parentheses, on a line of
+    its own that the rewrite made longer than ``width``. The layout: ``(``, the key (split at its
+    lowest-priority delimiters where it still does not fit), ``): value``."""
     key = comprehension.key
     opening = _own_line(comprehension.lbrace.whitespace_after)
     if (
@@ -548,9 +564,10 @@ def split_key(comprehension: cst.DictComp, indent: int, width: int, unit: str) -
 
 
 def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
-    """(its indentation, its text, the closing parenthesis's indentation) of the one line of
-    ``call``'s arguments where they are laid out ``f(``, the arguments on one line, ``)`` (without
-    comments); else None."""
+    """The one line of ``call``'s arguments, with its and the closing parenthesis's indentation.
+
+    As (its indentation, its text, the closing parenthesis's indentation), where the arguments are
+    laid out ``f(``, the arguments on one line, ``)`` (without comments); else None."""
     lines = _source_of(call).split("\n")
     opening = _own_line(call.whitespace_before_args)
     if opening is None or len(lines) != 3 or "#" in lines[1] or not lines[1].startswith(opening):
@@ -562,9 +579,11 @@ def _argument_line(call: cst.Call) -> tuple[str, str, str] | None:
 def split_argument_line(
     call: cst.Call, before: cst.Call, original: cst.Call, indent: int, width: int, unit: str
 ) -> cst.Call:
-    """``call`` (in a block ``indent`` columns in), ``before`` with a keyword argument added on a
-    line of its own after its one line of arguments (:func:`_argument_line`), with one argument a
-    line and a trailing comma, as black lays them out, where that line, with the comma added, no
+    """``call`` with one argument a line where the keyword it adds made its argument line too long.
+
+    ``call`` (in a block ``indent`` columns in) is ``before`` with a keyword argument added on a
+    line of its own after its one line of arguments (:func:`_argument_line`). Its arguments go one a
+    line with a trailing comma, as black lays them out, where that line, with the comma added, no
     longer fits and fitted as the author wrote it (``original``); else ``call``."""
     laid_out, authors = _argument_line(before), _argument_line(original)
     if laid_out is None or authors is None or not call.args:

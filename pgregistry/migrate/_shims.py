@@ -55,9 +55,10 @@ _ESCAPES = "shim: its collection is used otherwise than read for the fields it l
 
 @dataclass(eq=False)
 class Dissolved:
-    """A shim to dissolve: the fields it lists, each field read (the ``Attribute`` node) with its
-    field and the keywords its fallback passes the getter, and the statement assigning the shim to a
-    local (None for a shim read inline)."""
+    """A shim to dissolve: the fields it lists, each field read, and the statement assigning it.
+
+    Each field read is the ``Attribute`` node, with its field and the keywords its fallback passes
+    the getter; the statement assigns the shim to a local (None for a shim read inline)."""
 
     fields: list[str]
     reads: list[tuple[cst.Attribute, str, dict[str, object]]] = field(default_factory=list)
@@ -74,8 +75,10 @@ def dissolve_shim(
     *,
     gtp_remat: bool,
 ) -> Dissolved | str:
-    """The :class:`Dissolved` of shim ``call`` in top-level statement ``statement`` of a function's
-    ``body`` (whose ``parameters`` are given); a reason when it stays. ``getters``: the release's
+    """The :class:`Dissolved` of shim ``call``; a reason when it stays.
+
+    ``call`` is in top-level statement ``statement`` of a function's ``body`` (whose ``parameters``
+    are given). ``getters``: the release's
     :func:`~pgregistry.migrate._megatron_release.shim_getters` (None: not known)."""
     listed = _fields_listed(call)
     if isinstance(listed, str):
@@ -191,8 +194,9 @@ def _read_inline(call: cst.Call, statement: cst.BaseStatement) -> cst.Attribute 
 
 
 class _Targets(cst.CSTVisitor):
-    """The nodes a statement assigns, deletes or binds (by id): assignment, ``for`` and ``with``
-    targets, each element of a tuple or list of them too."""
+    """The nodes a statement assigns, deletes or binds (by id).
+
+    Assignment, ``for`` and ``with`` targets, each element of a tuple or list of them too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -232,8 +236,9 @@ def _is_assigned_in(statement: cst.BaseStatement, node: cst.CSTNode) -> bool:
 
 
 def _local_holding_call(call: cst.Call, statement: cst.BaseStatement) -> str | None:
-    """The local ``<local> = call`` in ``statement`` assigns ``call`` to (at any depth); None when
-    ``call`` is not assigned to one name alone."""
+    """The local ``<local> = call`` in ``statement`` assigns ``call`` to (at any depth).
+
+    None when ``call`` is not assigned to one name alone."""
     found: list[str] = []
 
     class _Find(cst.CSTVisitor):
@@ -255,9 +260,11 @@ def _is_lone_assignment(call: cst.Call, statement: cst.BaseStatement) -> bool:
 
 
 class _Uses(_Targets):
-    """The reads ``<local>.<field>`` in a statement, or why ``local`` is used otherwise (any other
-    use of the name, a field assigned or deleted, a use in a nested function, lambda or class). A
-    target is visited before the nodes in it, so it is known as one when they are."""
+    """The reads ``<local>.<field>`` in a statement, or why ``local`` is used otherwise.
+
+    Otherwise: any other use of the name, a field assigned or deleted, a use in a nested function,
+    lambda or class. A target is visited before the nodes in it, so it is known as one when they
+    are."""
 
     def __init__(self, local: str) -> None:
         super().__init__()

@@ -49,9 +49,10 @@ class Skeleton:
 
 
 class Kept(dict[str, str]):
-    """Each placeholder's text -> the original text it stands for, indexed by the placeholder's name
-    once, so that :func:`restore_placeholders` runs in time linear in the text it is given, however
-    many placeholders the file has (it runs once per rewritten statement)."""
+    """Each placeholder's text -> the original text it stands for, indexed by placeholder name once.
+
+    So that :func:`restore_placeholders` runs in time linear in the text it is given, however many
+    placeholders the file has (it runs once per rewritten statement)."""
 
     def __init__(self, pairs: Mapping[str, str]) -> None:
         super().__init__(pairs)
@@ -65,8 +66,9 @@ class Kept(dict[str, str]):
 
 
 def restore_placeholders(text: str, kept: Mapping[str, str]) -> str | None:
-    """``text`` with each placeholder it holds replaced by its original lines; None when one occurs
-    twice. One pass over ``text``: a placeholder is found by its name, then checked whole."""
+    """``text`` with each placeholder replaced by its original lines; None when one occurs twice.
+
+    One pass over ``text``: a placeholder is found by its name, then checked whole."""
     if not kept:
         return text
     index = kept if isinstance(kept, Kept) else Kept(kept)
@@ -114,16 +116,18 @@ def lines_between(data: bytes, starts: Sequence[int], start: int, end: int) -> b
 
 
 def has_line_within(ordered: Sequence[int], start: int, end: int) -> bool:
-    """Whether one of the sorted line numbers ``ordered`` lies in ``start .. end`` (a bisection: a
-    file's definitions checked against its reads' lines in time linear in the file, not their
-    product)."""
+    """Whether one of the sorted line numbers ``ordered`` lies in ``start .. end``.
+
+    A bisection: a file's definitions checked against its reads' lines in time linear in the file,
+    not their product."""
     at = bisect.bisect_left(ordered, start)
     return at < len(ordered) and ordered[at] <= end
 
 
 def _lines_with_endings(data: bytes) -> list[tuple[bytes, bytes]]:
-    """Each line of ``data`` as (its text, its line ending: ``\r\n``, ``\r``, ``\n`` or, last,
-    none)."""
+    """Each line of ``data`` as (its text, its line ending).
+
+    The ending is ``\\r\\n``, ``\\r``, ``\\n`` or, last, none."""
     starts = line_starts(data)
     rows = []
     for begin, end in zip(starts, [*starts[1:], len(data)], strict=True):
@@ -136,9 +140,10 @@ def _lines_with_endings(data: bytes) -> list[tuple[bytes, bytes]]:
 def build_skeleton(
     data: bytes, tree: ast.Module, needed: Callable[[int, int, bool], bool]
 ) -> Skeleton | None:
-    """``data`` (parsed as ``tree``) with each definition for which ``needed(first line, last line,
-    member)`` is false stood in for by a placeholder; None when nothing is, or the file already
-    holds the prefix."""
+    """``data`` (parsed as ``tree``), each definition not ``needed`` stood in for by a placeholder.
+
+    Not needed: ``needed(first line, last line, member)`` is false. None when no definition is stood
+    in for, or the file already holds the prefix."""
     if _PREFIX in data:
         return None
     rows = _lines_with_endings(data)
@@ -186,9 +191,11 @@ def build_skeleton(
 def make_needed_check(
     data: bytes, site_lines: set[int], calls: re.Pattern[bytes] | None, name: re.Pattern[bytes]
 ) -> Callable[[int, int, bool], bool]:
-    """The usual ``needed``: a definition is needed when it holds a read (a line of ``site_lines``),
-    a call ``calls`` matches (one that may pass a threaded function its collection), or, as a class
-    member, the collection's ``name`` (where a method binds ``self.<name>``)."""
+    """The usual ``needed`` check, from the reads' lines, the calls and the collection's name.
+
+    A definition is needed when it holds a read (a line of ``site_lines``), a call ``calls`` matches
+    (one that may pass a threaded function its collection), or, as a class member, the collection's
+    ``name`` (where a method binds ``self.<name>``)."""
     starts = line_starts(data)
     ordered = sorted(site_lines)
 
