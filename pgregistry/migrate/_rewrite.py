@@ -47,8 +47,9 @@ def _count_name_reads(nodes: Iterable[ast.AST]) -> Counter[str]:
 
 
 def _count_reads_in_code(code: str | bytes) -> Counter[str]:
-    """:func:`_count_name_reads` of ``code``. Through :mod:`ast`, many times faster than a libcst
-    walk, since only names count."""
+    """:func:`_count_name_reads` of ``code``, through :mod:`ast`.
+
+    Many times faster than a libcst walk, since only names count."""
     return _count_name_reads([ast.parse(code)])
 
 
@@ -63,11 +64,12 @@ def _name_bound_by(alias: cst.ImportAlias) -> str:
 
 
 class _Prune(cst.CSTTransformer):
-    """Drop the import aliases whose names the rewrite left unused, and a statement left importing
-    nothing (the modules they import are imported where the code that reads them runs: the fallback
-    helper's import of ``parallel_state`` when it falls back). Such a statement is dropped by its
-    block, not a ``pass`` left in its place, and the comments above it go onto the statement after
-    it: they say what that code does."""
+    """Drop the import aliases the rewrite left unused, and a statement left importing nothing.
+
+    The modules they import are imported where the code that reads them runs: the fallback helper's
+    import of ``parallel_state`` when it falls back. Such a statement is dropped by its block, not a
+    ``pass`` left in its place, and the comments above it go onto the statement after it: they say
+    what that code does."""
 
     def __init__(self, unused: set[str]) -> None:
         super().__init__()
@@ -116,9 +118,10 @@ class _Prune(cst.CSTTransformer):
 def _comments_kept(
     original: cst.IndentedBlock, updated: cst.IndentedBlock, dropped: dict[int, list[cst.EmptyLine]]
 ) -> cst.IndentedBlock:
-    """``updated`` (``original`` without the statements ``dropped`` names: id -> the comment lines
-    above it) with those comments moved onto the statement after each (or below the block's last
-    one)."""
+    """``updated`` with the comments above each dropped statement moved onto the statement after it.
+
+    ``updated`` is ``original`` without the statements ``dropped`` names (id -> the comment lines
+    above it); where no statement follows, the comments go below the block's last one."""
     if not any(id(statement) in dropped for statement in original.body):
         return updated
     kept = iter(updated.body)
@@ -139,8 +142,9 @@ def _comments_kept(
 
 
 def _one_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
-    """``lines`` with each run of blank lines (no comment) one blank line: the blank lines above a
-    dropped statement and those above the next one, joined."""
+    """``lines`` with each run of blank lines (no comment) one blank line.
+
+    The blank lines above a dropped statement and those above the next one, joined."""
     kept: list[cst.EmptyLine] = []
     for line in lines:
         if line.comment is None and kept and kept[-1].comment is None:
@@ -197,10 +201,11 @@ def _with_parameter(params: cst.Parameters, name: str) -> cst.Parameters:
 
 
 def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters:
-    """``after`` (``before`` with the new keyword-only parameter last) with the line break that
-    preceded the closing parenthesis moved from the old last parameter to the new one: ``(\\n a,
-    b\\n)`` becomes ``(\\n a, b, *, pg_collection=None\\n)``, not a break before the ``*`` at
-    column 0."""
+    """``after`` with the line break before its closing parenthesis moved to the new parameter.
+
+    ``after`` is ``before`` with the new keyword-only parameter last; the line break that preceded
+    the closing parenthesis moves from the old last parameter to the new one: ``(\\n a, b\\n)``
+    becomes ``(\\n a, b, *, pg_collection=None\\n)``, not a break before the ``*`` at column 0."""
     if after.star_kwarg is not None or not after.kwonly_params:
         return after
     if before.kwonly_params:
@@ -224,8 +229,10 @@ def _break_kept(before: cst.Parameters, after: cst.Parameters) -> cst.Parameters
 
 
 def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst.Call:
-    """``call`` with ``keyword=value`` after its arguments, in their layout: one a line when they
-    are (the closing parenthesis kept on its own line), else after a comma and a space."""
+    """``call`` with ``keyword=value`` after its arguments, in their layout.
+
+    One a line when they are (the closing parenthesis kept on its own line), else after a comma and
+    a space."""
     new = cst.Arg(
         value,
         keyword=cst.Name(keyword),
@@ -254,9 +261,10 @@ def _with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cs
 
 
 class _SingleQuoted(cst.CSTTransformer):
-    """Each plain string literal of a node the rewrite made (``"tp"``, ``"next_rank"``) in single
-    quotes: before Python 3.12 an expression inside a double-quoted f-string may not hold a double
-    quote."""
+    """Each plain string literal of a node the rewrite made in single quotes.
+
+    Such as ``"tp"``, ``"next_rank"``: before Python 3.12 an expression inside a double-quoted
+    f-string may not hold a double quote."""
 
     def leave_SimpleString(
         self, original: cst.SimpleString, updated: cst.SimpleString
@@ -510,8 +518,9 @@ def _with_leading(
 
 
 def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseStatement:
-    """``from module import names`` on one line, or one name a line in parentheses where that would
-    pass ``width``, as black writes it."""
+    """``from module import names`` as black writes it: on one line, or one name a line.
+
+    One name a line in parentheses where one line would pass ``width``."""
     line = f"from {module} import {', '.join(names)}"
     if len(line) > width:
         line = f"from {module} import (\n" + "".join(f"    {name},\n" for name in names) + ")"
@@ -532,11 +541,12 @@ def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | 
 
 
 def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int) -> cst.Module:
-    """``module`` importing each needed ``(module, name)``: added to its ``from M import`` of that
-    module if it has one, else as a new statement among its peers (the module-level imports of the
-    same top package, in order of module name, relative ones last), after its last module-level
-    import when it has none (after the docstring when it has no import). Top-level statements only,
-    no walk of the tree."""
+    """``module`` importing each needed ``(module, name)``.
+
+    Each is added to its ``from M import`` of that module if it has one, else as a new statement
+    among its peers (the module-level imports of the same top package, in order of module name,
+    relative ones last), after its last module-level import when it has none (after the docstring
+    when it has no import). Top-level statements only, no walk of the tree."""
     body: list[cst.BaseStatement] = list(module.body)
     for name in dict.fromkeys(m for m, _ in needed):
         names = sorted({n for m, n in needed if m == name})
@@ -581,9 +591,10 @@ def _attribute_chain_names(node: cst.BaseExpression) -> list[str]:
 
 
 class _Renderer:
-    """Renders module-level statements once: each one's text is kept (with the node, as ids are
-    reused) and the module's text is theirs joined, so a statement rendered to count its names is
-    not rendered again."""
+    """Renders module-level statements once, keeping each one's text for the module's.
+
+    Each one's text is kept (with the node, as ids are reused) and the module's text is theirs
+    joined, so a statement rendered to count its names is not rendered again."""
 
     def __init__(self, module: cst.Module) -> None:
         self.module = module
@@ -598,8 +609,9 @@ class _Renderer:
         return text
 
     def code(self, module: cst.Module) -> str:
-        """``module.code``, from the statements' texts (libcst's own render where the file has no
-        final newline, which pops it)."""
+        """``module.code``, from the statements' texts.
+
+        Through libcst's own render where the file has no final newline, which pops it."""
         if not module.has_trailing_newline:
             return module.code
         text = "".join(
@@ -615,9 +627,10 @@ class _Renderer:
 def _names_left_unread(
     plan: FilePlan, body: Sequence[object], touched: Sequence[int], render: _Renderer
 ) -> set[str] | None:
-    """The names the rewrite leaves unread: read in a statement it changed, not in that statement's
-    new code, and nowhere else (the other statements' text is searched first; the rare hit is
-    checked on their ast). None when a new statement does not parse alone."""
+    """The names the rewrite leaves unread; None when a new statement does not parse alone.
+
+    Unread: read in a statement it changed, not in that statement's new code, and nowhere else (the
+    other statements' text is searched first; the rare hit is checked on their ast)."""
     assert plan.data is not None
     old = _count_name_reads(n for index in touched for n in plan.statements[index])
     new: Counter[str] = Counter()
@@ -662,6 +675,7 @@ def _restore_skeleton_text(plan: FilePlan, text: str) -> str:
 
 def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
     """The source of ``plan``'s file with its planned rewrites applied; None when none is planned.
+
     ``width``: the tree's line length (:mod:`~pgregistry.migrate._style`)."""
     module = plan.wrapper.module
     rewriter = _Rewriter(plan, target, width)

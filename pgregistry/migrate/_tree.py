@@ -73,11 +73,12 @@ class TreeFacts:
     bases: frozenset[tuple[str, str]] = frozenset()
 
     def ties_class(self, chain: str, cls: str) -> bool:
-        """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``: the
-        tree ties it to ``cls`` or to a class ``cls`` derives from (``ties``: (chain, class) where
-        the class's own methods assign the chain, or assign ``self.<a>`` an instance of a class of
-        the tree that declares or assigns ``<b>``; ``bases``: (class, base) by name). A chain with
-        another head, or of one attribute, is not tied: True."""
+        """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``.
+
+        It is when the tree ties it to ``cls`` or to a class ``cls`` derives from (``ties``: (chain,
+        class) where the class's own methods assign the chain, or assign ``self.<a>`` an instance of
+        a class of the tree that declares or assigns ``<b>``; ``bases``: (class, base) by name). A
+        chain with another head, or of one attribute, is not tied: True."""
         if not chain.startswith("self.") or chain.count(".") < 2:
             return True
         tied = {c for t, c in self.ties if t == chain}
@@ -91,9 +92,10 @@ class TreeFacts:
         return False
 
     def collections_of(self, path: str, *, own: bool = False) -> frozenset[str]:
-        """The expressions that hold a collection in file ``path``: those it assigns one to, and
-        (unless ``own``) those of other files whose attribute a class declares as a field (an
-        instance of that class has it)."""
+        """The expressions that hold a collection in file ``path``.
+
+        Those it assigns one to, and (unless ``own``) those of other files whose attribute a class
+        declares as a field (an instance of that class has it)."""
         return frozenset(
             e
             for p, e in self.collections
@@ -101,24 +103,27 @@ class TreeFacts:
         )
 
     def is_state_module(self, dotted: str) -> str | None:
-        """The configured ``parallel_state`` module ``dotted`` is (the ratchet's rule: the name
-        itself or a ``.``-suffix of it), None when it is none."""
+        """The configured ``parallel_state`` module ``dotted`` is, None when it is none.
+
+        The ratchet's rule: the name itself or a ``.``-suffix of it."""
         return next(
             (m for m in self.state_modules if dotted == m or dotted.endswith("." + m)), None
         )
 
 
 def names_a_collection(identifier: str, collection: str) -> bool:
-    """Whether ``identifier`` names a collection by the configured name ``collection``: it is that
-    name or holds it as a ``_``-separated part (``_pg_collection``, ``model_pg_collection``; not
-    ``pg_collections``)."""
+    """Whether ``identifier`` names a collection by the configured name ``collection``.
+
+    It does when it is that name or holds it as a ``_``-separated part (``_pg_collection``,
+    ``model_pg_collection``; not ``pg_collections``)."""
     return re.search(rf"(?:^|_){re.escape(collection)}(?:_|$)", identifier) is not None
 
 
 def _lines_with(data: bytes, words: re.Pattern[bytes]) -> list[tuple[int, int]]:
-    """The (start, end) offsets of the distinct lines of ``data`` where ``words`` matches: the
-    anchored patterns below are tried on those only (a pattern anchored at every line start would
-    try each line of every file)."""
+    """The (start, end) offsets of the distinct lines of ``data`` where ``words`` matches.
+
+    The anchored patterns below are tried on those only (a pattern anchored at every line start
+    would try each line of every file)."""
     spans: list[tuple[int, int]] = []
     for match in words.finditer(data):
         if spans and match.start() < spans[-1][1]:
@@ -138,9 +143,10 @@ def _indent_width(data: bytes, start: int) -> int:
 
 
 def _enclosing_class(data: bytes, start: int) -> str | None:
-    """The name of the innermost class whose body holds the line starting at ``start`` (read back
-    through the lines of smaller indentation; blank and comment lines aside), None when it is in
-    none."""
+    """The name of the innermost class whose body holds the line starting at ``start``.
+
+    Read back through the lines of smaller indentation (blank and comment lines aside); None when it
+    is in none."""
     level = _indent_width(data, start)
     while level and start > 0:
         start = data.rfind(b"\n", 0, start - 1) + 1
@@ -157,7 +163,9 @@ def _enclosing_class(data: bytes, start: int) -> str | None:
 def _collection_assignments(
     data: bytes, collection: str
 ) -> tuple[set[str], set[str], set[tuple[str, str]]]:
-    """(the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name,
+    """The expressions ``data`` assigns a collection to, its collection fields, class attributes.
+
+    As (the dotted expressions, with at least one ``.``, ``data`` assigns a collection to: by name,
     see :func:`names_a_collection`, or by value, ``ProcessGroupCollection(...)``; the collection
     fields its class bodies declare; (class, attribute) of each collection attribute a class
     declares or its methods assign to ``self``, and (class, ``self.<a>.<b>``) of each deeper chain
@@ -188,9 +196,10 @@ def _collection_assignments(
 def _classes_tying_chains(
     contents: Mapping[str, bytes], owned: set[tuple[str, str]]
 ) -> set[tuple[str, str]]:
-    """(``self.<a>.<b>`` chain, class) for each class the tree ties such an assigned chain to: its
-    methods assign the chain, or assign ``self.<a> = X(...)`` where class ``X`` declares or assigns
-    ``<b>`` (``owned``: see :func:`_collection_assignments`)."""
+    """(``self.<a>.<b>`` chain, class) for each class the tree ties such an assigned chain to.
+
+    Tied: its methods assign the chain, or assign ``self.<a> = X(...)`` where class ``X`` declares
+    or assigns ``<b>`` (``owned``: see :func:`_collection_assignments`)."""
     chains = {chain for _, chain in owned if chain.count(".") >= 2}
     ties = {(chain, cls) for cls, chain in owned if chain in chains}
     holders = {
@@ -257,8 +266,9 @@ def _word_end(text: bytes, at: int) -> int:
 
 
 def _kind_of_use(data: bytes, start: int, end: int) -> str:
-    """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other`` (its
-    ``def``, an attribute of it, a word in prose, a keyword argument's name)."""
+    """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other``.
+
+    ``other``: its ``def``, an attribute of it, a word in prose, a keyword argument's name."""
     before = data[max(0, start - 120) : start]
     stripped = before.rstrip(b" \t")
     word = stripped[_word_end(stripped, len(stripped)) :]
@@ -293,8 +303,10 @@ def _hook_argument_names(data: bytes, names: re.Pattern[bytes]) -> set[str]:
 def classify_uses(
     contents: Mapping[str, bytes], names: Iterable[str]
 ) -> tuple[set[str], set[str], set[str]]:
-    """Of ``names`` (not empty), those called somewhere in the tree ``contents``, those referenced
-    as values and never called, and those passed to a torch hook registration."""
+    """Which of ``names`` (not empty) the tree ``contents`` calls, only references, or hooks.
+
+    Those called somewhere in the tree, those referenced as values and never called, and those
+    passed to a torch hook registration."""
     called: set[str] = set()
     values: set[str] = set()
     hooks: set[str] = set()
@@ -317,9 +329,10 @@ def learn_tree(
     state_modules: tuple[str, ...] = ("parallel_state", "mpu"),
     modules: frozenset[str] = frozenset(),
 ) -> TreeFacts:
-    """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes), about the
-    functions named ``functions`` (those reads are in); ``collection``: the collection's configured
-    name."""
+    """The :class:`TreeFacts` of the tree whose files are ``contents`` (path -> bytes).
+
+    About the functions named ``functions`` (those reads are in); ``collection``: the collection's
+    configured name."""
     called: set[str] = set()
     values: set[str] = set()
     hooks: set[str] = set()

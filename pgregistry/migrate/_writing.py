@@ -45,9 +45,11 @@ JOURNAL = ".pgregistry-migrate-journal.json"
 
 
 class JournalState(str, Enum):
-    """Where a ``--write`` stood when its journal was last written: ``writing`` (temporary files
-    only, rolled back), ``renaming`` (every new text on disk, finished). Any other value is a
-    journal this tool did not write, refused rather than read as one of these."""
+    """Where a ``--write`` stood when its journal was last written: ``writing`` or ``renaming``.
+
+    ``writing``: temporary files only, rolled back; ``renaming``: every new text on disk, finished.
+    Any other value is a journal this tool did not write, refused rather than read as one of
+    these."""
 
     WRITING = "writing"
     RENAMING = "renaming"
@@ -62,9 +64,10 @@ class WriteError(OSError):
 
 @dataclass(frozen=True)
 class Change:
-    """One file's planned rewrite: its project path, where it is, the bytes read (and their mtime),
-    the new text; ``created``: a new file (the fallback helper module), which must still not exist
-    when it is written."""
+    """One file's planned rewrite: its project path, where it is, the bytes read, the new text.
+
+    The bytes read come with their mtime; ``created``: a new file (the fallback helper module),
+    which must still not exist when it is written."""
 
     path: str
     absolute: Path
@@ -79,8 +82,9 @@ def _sha256_hex(data: bytes) -> str:
 
 
 def _why_changed_on_disk(change: Change) -> str | None:
-    """None when the file still holds what it was planned from (a new one: still does not exist);
-    else why not."""
+    """None when the file still holds what it was planned from; else why not.
+
+    For a new one: when it still does not exist."""
     if change.created:
         return (
             "created since the run began; run the migration again"
@@ -98,8 +102,9 @@ def _why_changed_on_disk(change: Change) -> str | None:
 
 
 def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
-    """``WriteError`` unless ``change`` may be written (see the module docstring); a new file:
-    unless its directory is writable and it still does not exist."""
+    """``WriteError`` unless ``change`` may be written (see the module docstring).
+
+    A new file: unless its directory is writable and it still does not exist."""
     if change.created:
         if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
             raise WriteError(
@@ -148,8 +153,10 @@ def _sync_directories(paths: Sequence[Path]) -> None:
 def _write_journal(
     journal: Path, state: JournalState, entries: Sequence[tuple[Change, Path]]
 ) -> None:
-    """The journal, in ``state``: each file's and its temporary file's absolute paths (a link in the
-    project's path cannot make them name other files), and the hashes of its old and new bytes."""
+    """The journal, in ``state``: each file's paths and the hashes of its old and new bytes.
+
+    The paths are the file's and its temporary file's, absolute (a link in the project's path cannot
+    make them name other files)."""
     rows = [
         {
             "target": str(change.absolute),
@@ -168,10 +175,11 @@ def _write_journal(
 
 
 def _write_temporary(change: Change, temporary: Path) -> None:
-    """The new bytes beside the file, with its permissions, flushed to disk. A new file is opened
-    with ``0666``, so the umask applies as to any new file (not ``0600``, which would hide the
-    helper module from the tree's other users), as :func:`~pgregistry._source.storage.atomic_write`
-    makes one."""
+    """The new bytes beside the file, with its permissions, flushed to disk.
+
+    A new file is opened with ``0666``, so the umask applies as to any new file (not ``0600``, which
+    would hide the helper module from the tree's other users), as
+    :func:`~pgregistry._source.storage.atomic_write` makes one."""
     mode = None if change.created else os.stat(change.absolute).st_mode & 0o7777
     handle = os.open(
         temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600
@@ -204,9 +212,10 @@ def _journal_lock(root: Path) -> Iterator[Path]:
 def write_changes(
     changes: Sequence[Change], root: Path, hard_links: Mapping[str, Sequence[str]] | None = None
 ) -> None:
-    """Write every change, or (``WriteError`` naming the file) none; ``root``: the project root,
-    where the journal goes; ``hard_links``: each path's other paths to the same file among those
-    migrated."""
+    """Write every change, or (``WriteError`` naming the file) none.
+
+    ``root``: the project root, where the journal goes; ``hard_links``: each path's other paths to
+    the same file among those migrated."""
     for change in changes:
         _check_writable(change, hard_links or {})
     if not changes:
@@ -245,9 +254,10 @@ def write_changes(
 
 
 def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
-    """Rename each temporary file over its file, each checked once more just before; when one
-    changed on disk meanwhile (or cannot be renamed), put back those renamed already: none is left
-    written."""
+    """Rename each temporary file over its file, each checked once more just before.
+
+    When one changed on disk meanwhile (or cannot be renamed), put back those renamed already: none
+    is left written."""
     renamed: list[Change] = []
     for change, temporary in entries:
         problem = _why_changed_on_disk(change)
@@ -271,9 +281,9 @@ def _rename_all(entries: Sequence[tuple[Change, Path]]) -> None:
 
 
 def finish_interrupted(root: Path) -> str | None:
-    """Finish the ``--write`` that left a journal at ``root`` (see the module docstring): what was
-    done, or None when there is no journal. ``WriteError`` naming the files when it cannot (the
-    journal kept)."""
+    """Finish the ``--write`` that left a journal at ``root``; what was done, None without one.
+
+    See the module docstring. ``WriteError`` naming the files when it cannot (the journal kept)."""
     with _journal_lock(root) as journal:
         # A run killed while writing the journal itself left its temporary file, and nothing else.
         stale = sorted(root.glob(f".{JOURNAL}.*.tmp"))
