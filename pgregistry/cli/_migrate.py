@@ -26,6 +26,7 @@ from pgregistry._source.config import ConfigError, Settings, find_config_file
 from pgregistry._source.files import PathError, discover_files, project_path
 from pgregistry._source.options import (
     add_settings_options,
+    path_argument,
     settings_arguments,
     settings_from_options,
 )
@@ -55,7 +56,7 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument(
         "paths",
         nargs="*",
-        type=Path,
+        type=path_argument,
         metavar="PATH",
         help="files or directories to migrate (default: the roots)",
     )
@@ -89,7 +90,7 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     add_settings_options(parser)
     parser.add_argument(
         "--allowlist",
-        type=Path,
+        type=path_argument,
         metavar="FILE",
         help="the allowlist --write regenerates (default: configured)",
     )

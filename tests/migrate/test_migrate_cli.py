@@ -136,6 +136,25 @@ class _no_exit:
 
 
 @pytest.mark.parametrize(
+    ("args", "named"), [(["--write", "--allowlist", ""], "argument --allowlist"), ([""], "argument PATH")]
+)
+def test_an_empty_path_is_refused_naming_the_option(
+    project: Project, capsys: pytest.CaptureFixture[str], args: list[str], named: str
+) -> None:
+    # An empty path was Path('.'), the current directory: `migrate "$UNSET"` migrated the whole directory, and
+    # `--allowlist "$UNSET"` was refused as `--allowlist .: no such file`, a name the user never gave. Both are now
+    # refused as the ratchet refuses an empty path.
+    project.write("src/pkg/m.py", SOURCE)
+    before = sorted(project.root.rglob("*"))
+    with pytest.raises(SystemExit) as raised:
+        main([*ARGS, *args])
+    assert raised.value.code == 2
+    assert f"pgregistry migrate: error: {named}: is empty" in capsys.readouterr().err
+    assert sorted(project.root.rglob("*")) == before  # nothing written
+    assert project.read("src/pkg/m.py") == SOURCE
+
+
+@pytest.mark.parametrize(
     ("text", "message"),
     [
         ("def broken(:\n", "syntax error"),
