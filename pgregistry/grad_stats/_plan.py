@@ -107,6 +107,13 @@ _SPEC: Final = operator.attrgetter("_spec")
 _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
 _ADDRESS: Final = torch._C.TensorBase.data_ptr
+_ADDRESSES_AT: Final[Callable[[list[Any], list[int], list[int]], bool] | None] = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None
+)
+"""Whether each tensor at the given positions is at the given address: torch's own C++ loop over a
+list (in its CUDA builds; its CUDA graph trees check their static inputs with it), each tensor's
+``data_ptr`` as :data:`_ADDRESS` reads it, but no Python int made, kept in a list and compared per
+tensor. ``None`` where torch lacks it (its CPU-only builds)."""
 
 
 _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
@@ -189,12 +196,15 @@ class _Planned:
     """A weak reference to each piece, held so that its callback runs when the piece dies."""
     deaths: list[weakref.ref[torch.Tensor]]
     """The references whose grad died: while empty, every id in ``ids`` is a live grad's."""
+    positions: list[int]
+    """Every piece's position, for :data:`_ADDRESSES_AT` (which takes a list); empty without it."""
 
     @classmethod
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
         deaths: list[weakref.ref[torch.Tensor]] = []
         references = list(map(weakref.ref, pieces, repeat(deaths.append)))
-        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths)
+        positions = list(range(len(pieces))) if _ADDRESSES_AT is not None else []
+        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths, positions)
 
     def pieces_of(
         self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]
@@ -210,7 +220,15 @@ class _Planned:
         if self.deaths or list(map(id, grads)) != self.ids:
             return None
         pieces = take_plain(grads)
-        return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
+        return pieces if self._at_planned_addresses(pieces) else None
+
+    def _at_planned_addresses(self, pieces: list[Any]) -> bool:
+        """Whether every piece (the planned grads, by id) is still at its address.
+
+        In one C++ loop where torch has it (:data:`_ADDRESSES_AT`), else as a list of addresses."""
+        if _ADDRESSES_AT is not None:
+            return _ADDRESSES_AT(pieces, self.addresses, self.positions)
+        return list(map(_ADDRESS, pieces)) == self.addresses
 
 
 @attrs.define(slots=True)
