@@ -113,7 +113,9 @@ _ADDRESSES_AT: Final[Callable[[list[Any], list[int], list[int]], bool] | None] =
 """Whether each tensor at the given positions is at the given address: torch's own C++ loop over a
 list (in its CUDA builds; its CUDA graph trees check their static inputs with it), each tensor's
 ``data_ptr`` as :data:`_ADDRESS` reads it, but no Python int made, kept in a list and compared per
-tensor. ``None`` where torch lacks it (its CPU-only builds)."""
+tensor. It asks no subclass's ``__torch_function__``: the answer is the memory the kernel reads (a
+subclass answering otherwise would only miss, and be checked in full). ``None`` where torch lacks
+it (its CPU-only builds)."""
 
 
 _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
