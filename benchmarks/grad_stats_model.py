@@ -312,14 +312,13 @@ def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
     if planned is None:
         raise RuntimeError("--pieces: the kept plan has no planned grads (every grad should be a plain tensor)")
     grads = plans._grads_of(params)
-    address = torch.Tensor.data_ptr
     pieces: dict[str, Callable[[], object]] = {
         "door (taken apart, resolved)": lambda: resolve_pg_collection(OFF, source_of(model).chunks, owner="bench"),
         "kept: parameter set": lambda: kept.plan_params(source),
         "kept: roles": kept._same_roles,
         "grads read (pgregistry's)": lambda: plans._grads_of(params),
         "planned grads: ids": lambda: list(map(id, grads)) == planned.ids,
-        "planned grads: addresses": lambda: list(map(address, grads)) == planned.addresses,
+        "planned grads: addresses": lambda: planned._at_planned_addresses(grads),
     }
     times: dict[str, list[float]] = {FLOOR_PIECE: [], **{label: [] for label in pieces}}
     for run_index in range(warmup + repeat):

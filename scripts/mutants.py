@@ -121,8 +121,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a kept classification compares the parameter set's objects but not where the stream ends: the last "
         "module's last parameter removed goes unseen",
         file="pgregistry/grad_stats/_plan.py",
-        find="return all(map(operator.is_, chain(current, (_END,)), held))",
-        replace="return all(map(operator.is_, current, held))",
+        find="self._held_views = [*(holder.values() for holder in holders if holder), (_END,)]",
+        replace="self._held_views = [holder.values() for holder in holders if holder]",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_parameter_removed_or_added_at_the_end_of_the_parameter_set_is_seen",
@@ -174,7 +174,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the kept reads skip the addresses of the grads planned for: a grad re-pointed at other storage is read "
         "by the plan of its old storage",
         file="pgregistry/grad_stats/_plan.py",
-        find="return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None",
+        find="return pieces if self._at_planned_addresses(pieces) else None",
         replace="return pieces",
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),

@@ -107,6 +107,15 @@ _SPEC: Final = operator.attrgetter("_spec")
 _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
 _ADDRESS: Final = torch._C.TensorBase.data_ptr
+_ADDRESSES_AT: Final[Callable[[list[Any], list[int], list[int]], bool] | None] = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None
+)
+"""Whether each tensor at the given positions is at the given address: torch's own C++ loop over a
+list (in its CUDA builds; its CUDA graph trees check their static inputs with it), each tensor's
+``data_ptr`` as :data:`_ADDRESS` reads it, but no Python int made, kept in a list and compared per
+tensor. It asks no subclass's ``__torch_function__``: the answer is the memory the kernel reads (a
+subclass answering otherwise would only miss, and be checked in full). ``None`` where torch lacks
+it (its CPU-only builds)."""
 
 
 _NO_ROLE: Final = frozenset(ROLE_KEYS).isdisjoint
@@ -141,12 +150,13 @@ tensor is it)."""
 def _same_stream(current: Iterable[object], held: list[object]) -> bool:
     """Whether ``current`` yields the objects of ``held`` in order, by identity, at C speed.
 
-    ``held`` ends with :data:`_END`. No list of them is made (at 20,000 parameters, the 30,000
-    items' list took half this check on the 2-core machine). ``map`` stops at the shorter of the
-    two: ``current`` followed by :data:`_END` meets ``held``'s end marker with an object where it is
-    longer, and its own end marker meets a held object where it is shorter, so only the same objects
-    in the same number compare equal."""
-    return all(map(operator.is_, chain(current, (_END,)), held))
+    Both end with :data:`_END` (``current``'s own last item: no iterator around it to add the
+    marker, 1-7% of this check on the 2-core machine). No list of them is made (at 20,000
+    parameters, the 30,000 items' list took half this check there). ``map`` stops at the shorter of
+    the two: ``current``'s end marker meets a held object where it is shorter, and a current object
+    meets ``held``'s end marker where it is longer, so only the same objects in the same number
+    compare equal."""
+    return all(map(operator.is_, current, held))
 
 
 def _same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
@@ -188,12 +198,15 @@ class _Planned:
     """A weak reference to each piece, held so that its callback runs when the piece dies."""
     deaths: list[weakref.ref[torch.Tensor]]
     """The references whose grad died: while empty, every id in ``ids`` is a live grad's."""
+    positions: list[int]
+    """Every piece's position, for :data:`_ADDRESSES_AT` (which takes a list); empty without it."""
 
     @classmethod
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
         deaths: list[weakref.ref[torch.Tensor]] = []
         references = list(map(weakref.ref, pieces, repeat(deaths.append)))
-        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths)
+        positions = list(range(len(pieces))) if _ADDRESSES_AT is not None else []
+        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths, positions)
 
     def pieces_of(
         self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]
@@ -209,7 +222,15 @@ class _Planned:
         if self.deaths or list(map(id, grads)) != self.ids:
             return None
         pieces = take_plain(grads)
-        return pieces if list(map(_ADDRESS, pieces)) == self.addresses else None
+        return pieces if self._at_planned_addresses(pieces) else None
+
+    def _at_planned_addresses(self, pieces: list[Any]) -> bool:
+        """Whether every piece (the planned grads, by id) is still at its address.
+
+        In one C++ loop where torch has it (:data:`_ADDRESSES_AT`), else as a list of addresses."""
+        if _ADDRESSES_AT is not None:
+            return _ADDRESSES_AT(pieces, self.addresses, self.positions)
+        return list(map(_ADDRESS, pieces)) == self.addresses
 
 
 @attrs.define(slots=True)
@@ -533,10 +554,9 @@ class Kept:
         )
         holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
         self._empty_holders = [holder for holder in holders if not holder]
-        self._held_views = [
-            holder.values() for holder in holders if holder
-        ]  # live: made once, read each call
-        self._held = [*self._current_holder_contents(), _END]
+        # live: made once, read each call; the end marker last (_same_stream)
+        self._held_views = [*(holder.values() for holder in holders if holder), (_END,)]
+        self._held = list(self._current_holder_contents())
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None
         if (
@@ -587,8 +607,8 @@ class Kept:
         every statistic as it was (its roles are its own, not its module's), so the non-empty
         dictionaries' lengths are not read. Read through the dictionaries' values views, made with
         the plan (a view is live): a call makes no view per dictionary (17-33% of this check on the
-        2-core machine). An iterator: :func:`_same_stream` compares it with what they held, one
-        object after another."""
+        2-core machine). An iterator ending with :data:`_END`: :func:`_same_stream` compares it
+        with what they held, one object after another."""
         return chain.from_iterable(self._held_views)
 
     def _role_values(self) -> list[Any]:
