@@ -1001,6 +1001,17 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_the_facts_of_files_a_dead_child_took_are_read_between_the_phases",),
     ),
     Mutant(
+        name="migrate-second-phase-keeps-a-stale-skeleton",
+        bug="migrate's second phase keeps the first phase's plan of a file though a definition its skeleton stood "
+        "in for calls a function threaded upward, a spec's field or a forwarding __init__: that call passes nothing",
+        file="pgregistry/migrate/_engine.py",
+        find="if calls is None or not any(calls.search(text) for text in self.stood_in[path]):",
+        replace="if True:",
+        tests=("tests/migrate/test_migrate_upward.py::test_the_upward_closure_does_not_depend_on_skeletons_or_the_split",
+               "tests/migrate/test_migrate_spec_fields.py::"
+               "test_a_field_holding_only_threaded_classes_is_passed_the_collection"),
+    ),
+    Mutant(
         name="phases-child-holds-the-parents-end",
         bug="a forked worker (the scan's, migrate's) keeps the parent's end of its own pipe: SIGKILL the parent and "
         "the worker waits forever",

@@ -102,10 +102,12 @@ def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
 
 @dataclass
 class _Parsed:
-    """A file's libcst tree (of its skeleton, where it has one) and the placeholders."""
+    """A file's libcst tree (of its skeleton, where it has one) and the placeholders (with the
+    original bytes of each definition they stand in for)."""
 
     tree: object
     kept: dict[str, str]
+    stood_in: tuple[bytes, ...] = ()
 
 
 def _parse_skeleton(
@@ -125,7 +127,9 @@ def _parse_skeleton(
                 f"libcst cannot parse it: {error.message}", error.raw_line, error.raw_column + 1
             ),
         )
-    return _Parsed(tree, frame.decode_kept(tree.encoding) if frame is not None else {})
+    if frame is None:
+        return _Parsed(tree, {})
+    return _Parsed(tree, frame.decode_kept(tree.encoding), tuple(frame.kept.values()))
 
 
 _INTERNAL = "internal error"
@@ -310,6 +314,8 @@ class _Worker:
     #: release of the form its helper reproduces, :mod:`._virtual_stages`).
     virtual_stages: bool = False
     plans: dict[str, FilePlan] = field(default_factory=dict)
+    #: The original bytes of the definitions each plan's skeleton stood in for.
+    stood_in: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     #: A call of one of ``may_thread_names``.
     may_thread: re.Pattern[bytes] | None = field(init=False)
 
@@ -352,6 +358,7 @@ class _Worker:
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
             return _internal_error(path, error)
         plan.kept = parsed.kept
+        self.stood_in[path] = parsed.stood_in
         return plan
 
     def first(self) -> _Planned:
@@ -399,28 +406,25 @@ class _Worker:
             | instruction.forwarding_modules()
         )
         # A definition threaded upward, or calling a spec's field or a local assigned classes, or an
-        # __init__ forwarding the collection, may be a placeholder: planned again.
-        for (
-            path,
-            data,
-            sites,
-        ) in self.files:
+        # __init__ forwarding the collection, may be a placeholder: the file is planned again where
+        # the wider search for calls finds one in a definition its skeleton stood in for (else the
+        # skeleton, so the plan, would be the first phase's).
+        for path, data, sites in self.files:
             plan = self.plans.get(path)
-            if plan is not None and plan.kept and plan.module in modules:
-                planned = self._plan_one_file(
-                    path,
-                    data,
-                    sites,
-                    _calls_of(
-                        self.may_thread_names
-                        | instruction.names()
-                        | instruction.forwarding_names(plan.module)
-                    ),
-                )
-                if isinstance(planned, FileResult):
-                    done.failures.append(planned)
-                else:
-                    self.plans[path] = planned
+            if plan is None or not plan.kept or plan.module not in modules:
+                continue
+            calls = _calls_of(
+                self.may_thread_names
+                | instruction.names()
+                | instruction.forwarding_names(plan.module)
+            )
+            if calls is None or not any(calls.search(text) for text in self.stood_in[path]):
+                continue
+            planned = self._plan_one_file(path, data, sites, calls)
+            if isinstance(planned, FileResult):
+                done.failures.append(planned)
+            else:
+                self.plans[path] = planned
         self.finish([self.plans[path] for path in sorted(self.plans)], instruction, mention, done)
         while (task := self.queue.take()) is not None:
             self.look(self.others[task], instruction, mention, done)
