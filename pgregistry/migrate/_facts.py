@@ -5,14 +5,16 @@ Threading upward (:mod:`~pgregistry.migrate._upward`), the subclass rule
 (:mod:`~pgregistry.migrate._spec_fields`) decide over the whole tree, after every file is planned.
 Each file's facts they read (its definitions with their calls, its classes with their first bases,
 its import bindings, its calls of a spec's field, and the words its text calls, defines or puts on
-a ``class`` line) are small picklable records, read by the first phase's workers from the
-:mod:`ast` tree they parse anyway (:func:`read_file_facts`), so the rules parse nothing again; the
-:class:`TreeIndex` over them is the one place a dotted name is resolved through a module's own
-definitions and imports (:func:`resolve_dotted_name`).
+a ``class`` line) are small picklable records (:func:`read_file_facts`), read by the first phase's
+workers on every core from each file's :mod:`ast` tree (a file with reads: the one its planning
+parses; the others, taken from a queue: parsed for this), so nothing is parsed between the phases,
+where one core works and the other waits. The :class:`TreeIndex` over them is the one place a dotted
+name is resolved through a module's own definitions and imports (:func:`resolve_dotted_name`).
 
 The words are read with the regular expressions the rules searched each file for (a name called:
-``name(``; defined: ``def name``; named on a ``class`` line), so a rule passes over the same files
-as it did when it searched their text. Pure: no I/O.
+``name(``; defined: ``def name``; named on a ``class`` line; declared: ``name:`` at the start of an
+indented line), so a rule passes over the same files as it did when it searched their text (a name
+next to a non-ASCII letter aside: ``éf(`` is not a call of ``f``). Pure: no I/O.
 """
 
 from __future__ import annotations

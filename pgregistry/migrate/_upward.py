@@ -96,7 +96,7 @@ def thread_upward(
     known = {qualname.rpartition(".")[2] for _, qualname in seeds}
     definitions: dict[Key, DefinitionFacts] = {}
     #: The definitions that may be given the parameter (a name defined twice: each its own).
-    eligible: set[int] = set()
+    eligible: set[DefinitionFacts] = set()
     by_callee: dict[str, list[DefinitionFacts]] = {}
     parsed: set[str] = set()
     frontier = set(known)
@@ -108,7 +108,7 @@ def thread_upward(
             parsed.add(facts.path)
             read += facts.definitions
             eligible.update(
-                id(d) for d in facts.definitions if _may_be_threaded(d, facts.binds_keyword)
+                d for d in facts.definitions if _may_be_threaded(d, facts.binds_keyword)
             )
         for definition in read:
             definitions[definition.key] = definition
@@ -117,7 +117,7 @@ def thread_upward(
         learned = [
             d.name
             for d in read
-            if id(d) in eligible and any(callee in known for _, _, callee in d.calls)
+            if d in eligible and any(callee in known for _, _, callee in d.calls)
         ]
         frontier = set()
         while (
@@ -127,14 +127,14 @@ def thread_upward(
             if short not in known:
                 known.add(short)
                 frontier.add(short)
-                learned += [d.name for d in by_callee.get(short, ()) if id(d) in eligible]
+                learned += [d.name for d in by_callee.get(short, ()) if d in eligible]
     counts = index.def_lines()
     module_functions = [key for key, d in definitions.items() if not d.method] + [
         k for k in seeds if "." not in k[1]
     ]
     aliases = _reexport_aliases(module_functions, packages)
     chosen = {
-        key for key, d in definitions.items() if id(d) in eligible and key not in seeds and d.calls
+        key for key, d in definitions.items() if d in eligible and key not in seeds and d.calls
     }
 
     def defining_target(kind: str, module: str, callee: str) -> CallTarget:
