@@ -163,15 +163,20 @@ class FileFacts:
 
 def _def_names(data: bytes) -> tuple[frozenset[bytes], dict[str, int]]:
     """The names after ``def`` in ``data``, and how often each is defined on a ``def`` line (any
-    indentation; a line ends as Python's do). A search for the literal ``def`` then a look back to
-    the line's start: a pattern anchored at every line start would be tried at every byte."""
+    indentation; a line ends as Python's do). A search for the literal ``def``, the line's start
+    found back to the previous match only (linear in the file however long its lines): a pattern
+    anchored at every line start would be tried at every byte."""
     words: set[bytes] = set()
     lines: Counter[str] = Counter()
+    line = searched = 0
     for found in _DEF.finditer(data):
         words.add(found.group(1))
-        line = data.rfind(b"\n", 0, found.start()) + 1
-        line = max(line, data.rfind(b"\r", line, found.start()) + 1)
-        if _DEF_LINE_HEAD.fullmatch(data, line, found.start()):
+        start = found.start()
+        line = max(
+            line, data.rfind(b"\n", searched, start) + 1, data.rfind(b"\r", searched, start) + 1
+        )
+        searched = start
+        if _DEF_LINE_HEAD.fullmatch(data, line, start):
             lines[found.group(1).decode()] += 1
     return frozenset(words), dict(lines)
 
