@@ -316,6 +316,8 @@ class _Worker:
     plans: dict[str, FilePlan] = field(default_factory=dict)
     #: The original bytes of the definitions each plan's skeleton stood in for.
     stood_in: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
+    #: The :mod:`ast` tree of each file with reads (the first phase's, read again by a re-plan).
+    syntax: dict[str, ast.Module] = field(default_factory=dict)
     #: A call of one of ``may_thread_names``.
     may_thread: re.Pattern[bytes] | None = field(init=False)
 
@@ -366,7 +368,7 @@ class _Worker:
         facts: dict[str, FileFacts | None] = {}
         for done, (path, data, sites) in enumerate(self.files, 1):
             try:
-                syntax = ast.parse(data)
+                syntax = self.syntax[path] = ast.parse(data)
             except (SyntaxError, ValueError):
                 syntax = None  # the scan refused the run already; named by the plan
             facts[path] = _file_facts(path, data, self.name, syntax) if syntax is not None else None
@@ -420,7 +422,7 @@ class _Worker:
             )
             if calls is None or not any(calls.search(text) for text in self.stood_in[path]):
                 continue
-            planned = self._plan_one_file(path, data, sites, calls)
+            planned = self._plan_one_file(path, data, sites, calls, self.syntax.get(path))
             if isinstance(planned, FileResult):
                 done.failures.append(planned)
             else:
