@@ -768,7 +768,7 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/migrate/_engine.py",
         find=(
             "spec_fields = decide_spec_fields(\n"
-            "            contents, threaded, name, add_reexported_names(subclasses.classes, packages)\n"
+            "            index, contents, threaded, name, add_reexported_names(subclasses.classes, packages)\n"
             "        )"
         ),
         replace="spec_fields = SpecFields()",
@@ -796,7 +796,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="migrate-subclass-inheriting-init-passes-nothing",
         bug="migrate passes no collection to a subclass that inherits a threaded __init__ unchanged",
-        file="pgregistry/migrate/_inherited.py",
+        file="pgregistry/migrate/_facts.py",
         find=(
             'return bool(node.bases) and not (\n'
             '        node.decorator_list or node.keywords or own & {"__init__", "__new__"}\n'
@@ -812,7 +812,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="migrate-subclass-any-base",
         bug="migrate passes the collection to a subclass whose own __init__, or an earlier base's, may not take it",
-        file="pgregistry/migrate/_inherited.py",
+        file="pgregistry/migrate/_facts.py",
         find=(
             'return bool(node.bases) and not (\n'
             '        node.decorator_list or node.keywords or own & {"__init__", "__new__"}'
@@ -832,9 +832,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="migrate-subclass-last-base",
         bug="migrate takes a subclass's last base for the one whose __init__ it runs (the first's runs)",
-        file="pgregistry/migrate/_inherited.py",
-        find="dotted = attribute_chain(node.bases[0])",
-        replace="dotted = attribute_chain(node.bases[-1])",
+        file="pgregistry/migrate/_facts.py",
+        find="base = attribute_chain(node.bases[0]) if node.bases else None",
+        replace="base = attribute_chain(node.bases[-1]) if node.bases else None",
         tests=("tests/migrate/test_migrate_instantiation.py::test_calls_the_rule_leaves_alone",),
     ),
     Mutant(
@@ -859,7 +859,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="migrate-forwarding-init-through-kwargs",
         bug="migrate threads an __init__ whose super().__init__ passes **kwargs (the call is left, so the "
             "collection given stops there)",
-        file="pgregistry/migrate/_inherited.py",
+        file="pgregistry/migrate/_facts.py",
         find="        and all(k.arg is not None for c in calls if isinstance(c, ast.Call) for k in c.keywords)\n",
         replace="",
         tests=("tests/migrate/test_migrate_forwarding.py::test_inits_the_forwarding_rule_leaves_alone",),
@@ -989,6 +989,27 @@ MUTANTS: tuple[Mutant, ...] = (
         find="    if missed:  # taken by a child that failed after taking them: looked through here",
         replace="    if False:  # taken by a child that failed after taking them: looked through here",
         tests=("tests/migrate/test_migrate_skeleton.py::test_a_run_split_across_processes_is_the_run_in_one",),
+    ),
+    Mutant(
+        name="split-run-loses-a-dead-childs-facts",
+        bug="migrate split across processes forgets the facts of the files without reads a child took before it "
+        "died: the functions only they hold are not threaded upward",
+        file="pgregistry/migrate/_engine.py",
+        find="path: facts[path] if path in facts else _file_facts(path, data, name)",
+        replace="path: facts.get(path)",
+        tests=("tests/migrate/test_migrate_skeleton.py::"
+               "test_the_facts_of_files_a_dead_child_took_are_read_between_the_phases",),
+    ),
+    Mutant(
+        name="migrate-second-phase-keeps-a-stale-skeleton",
+        bug="migrate's second phase keeps the first phase's plan of a file though a definition its skeleton stood "
+        "in for calls a function threaded upward, a spec's field or a forwarding __init__: that call passes nothing",
+        file="pgregistry/migrate/_engine.py",
+        find="if calls is None or not any(calls.search(text) for text in self.stood_in[path]):",
+        replace="if True:",
+        tests=("tests/migrate/test_migrate_upward.py::test_the_upward_closure_does_not_depend_on_skeletons_or_the_split",
+               "tests/migrate/test_migrate_spec_fields.py::"
+               "test_a_field_holding_only_threaded_classes_is_passed_the_collection"),
     ),
     Mutant(
         name="phases-child-holds-the-parents-end",
@@ -1127,7 +1148,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate threads only the functions that read: a read-less caller (MegatronOptimizer.get_grad_norm "
         "above param_is_not_gtp_duplicate) gets no parameter, so no caller above can pass one (issue 40)",
         file="pgregistry/migrate/_engine.py",
-        find="upward = thread_upward(contents, {**threaded, **methods}, packages, name)",
+        find="upward = thread_upward(index, contents, {**threaded, **methods}, packages, name)",
         replace="upward = Upward()",
         tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
                "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read",

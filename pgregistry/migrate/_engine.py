@@ -3,7 +3,9 @@
 1. Read every file and scan it with the ratchet's scanner and settings (the same reads ``allowlist``
    counts); learn what the whole tree says about the functions with reads
    (:mod:`~pgregistry.migrate._tree`).
-2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.migrate._plan`).
+2. Parse the files with reads with libcst and plan each read (:mod:`~pgregistry.migrate._plan`);
+   read every file's facts (:mod:`~pgregistry.migrate._facts`) for the rules decided over the whole
+   tree once every file is planned (threading upward, subclasses, spec fields).
 3. Parse the other files that mention a function a collection was threaded into, so their calls can
    pass one.
 4. Rewrite (:mod:`~pgregistry.migrate._rewrite`) and check that each new text still compiles: a
@@ -13,9 +15,11 @@
    file at its path is refused.
 
 Steps 2 to 4 are split by file across the cores (:mod:`~pgregistry.migrate._phases`), with one
-exchange after step 2: which functions were threaded. The files of step 3 are not split in advance
-but taken from a queue by whichever worker is free (what the rest of the work costs is only known
-once it is done). The result does not depend on the split.
+exchange after step 2: which functions were threaded, and the files' facts the rules read there (so
+nothing is parsed again between the phases, while one core works and the other waits). The files
+without reads, in steps 2 and 3, are not split in advance but taken from a queue by whichever worker
+is free (what the rest of the work costs is only known once it is done). The result does not depend
+on the split.
 
 Nothing here writes: :mod:`~pgregistry.migrate._writing` does, once every file has been planned.
 libcst is imported here and below only, so ``pgregistry`` and the ratchet run without it.
@@ -40,6 +44,7 @@ from pgregistry._source.engine import PARALLEL_MIN_BYTES, scan_sources, split_in
 from pgregistry._source.files import SourceFile
 from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
+from pgregistry.migrate._facts import FileFacts, TreeIndex, read_file_facts
 from pgregistry.migrate._helper_file import MARKER, default_module, helper_path, helper_text
 from pgregistry.migrate._idioms import Idiom, idiom_of_target
 from pgregistry.migrate._inherited import thread_subclasses
@@ -97,10 +102,12 @@ def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
 
 @dataclass
 class _Parsed:
-    """A file's libcst tree (of its skeleton, where it has one) and the placeholders."""
+    """A file's libcst tree (of its skeleton, where it has one) and the placeholders (with the
+    original bytes of each definition they stand in for)."""
 
     tree: object
     kept: dict[str, str]
+    stood_in: tuple[bytes, ...] = ()
 
 
 def _parse_skeleton(
@@ -120,7 +127,9 @@ def _parse_skeleton(
                 f"libcst cannot parse it: {error.message}", error.raw_line, error.raw_column + 1
             ),
         )
-    return _Parsed(tree, frame.decode_kept(tree.encoding) if frame is not None else {})
+    if frame is None:
+        return _Parsed(tree, {})
+    return _Parsed(tree, frame.decode_kept(tree.encoding), tuple(frame.kept.values()))
 
 
 _INTERNAL = "internal error"
@@ -205,13 +214,26 @@ Threaded = dict[tuple[str, str], str]
 @dataclass
 class _Planned:
     """A worker's first phase: the files it could not parse, the functions and methods it threaded,
-    and the classes whose ``__init__`` it threaded
-    (:func:`~pgregistry.migrate._plan.collect_threaded_classes`)."""
+    the classes whose ``__init__`` it threaded
+    (:func:`~pgregistry.migrate._plan.collect_threaded_classes`), and the facts of the files it read
+    (:mod:`._facts`: its files with reads, and those without it took from the queue)."""
 
     failures: list[FileResult]
     threaded: Threaded
     methods: Threaded
     classes: Threaded
+    facts: dict[str, FileFacts | None] = field(default_factory=dict)
+
+
+def _file_facts(
+    path: str, data: bytes, name: str, syntax: ast.Module | None = None
+) -> FileFacts | None:
+    """The facts of file ``path`` (parsed as ``syntax``, else here) for the rules between the
+    phases; None when it does not parse (the scan refused the run already)."""
+    try:
+        return read_file_facts(path, data, ast.parse(data) if syntax is None else syntax, name)
+    except (SyntaxError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -271,12 +293,14 @@ class _Done:
 @dataclass
 class _Worker:
     """Plans, then rewrites, one share of the files with reads (see
-    :mod:`~pgregistry.migrate._phases`); then, with the others, looks through the files without
-    reads for calls of the threaded functions, taking them from ``queue`` in chunks (how long the
-    rest takes is not known in advance, so they are not split in advance)."""
+    :mod:`~pgregistry.migrate._phases`); with the others, reads the facts of the files without reads
+    (taking them from ``facts_queue`` in chunks), then looks through them for calls of the threaded
+    functions, taking them from ``queue`` (how long the rest takes is not known in advance, so they
+    are not split in advance)."""
 
     files: list[tuple[str, bytes, tuple[Site, ...]]]
     others: list[list[tuple[str, bytes]]]
+    facts_queue: TaskQueue
     queue: TaskQueue
     may_thread_names: frozenset[str]
     name: str
@@ -290,6 +314,10 @@ class _Worker:
     #: release of the form its helper reproduces, :mod:`._virtual_stages`).
     virtual_stages: bool = False
     plans: dict[str, FilePlan] = field(default_factory=dict)
+    #: The original bytes of the definitions each plan's skeleton stood in for.
+    stood_in: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
+    #: The :mod:`ast` tree of each file with reads (the first phase's, read again by a re-plan).
+    syntax: dict[str, ast.Module] = field(default_factory=dict)
     #: A call of one of ``may_thread_names``.
     may_thread: re.Pattern[bytes] | None = field(init=False)
 
@@ -297,13 +325,19 @@ class _Worker:
         self.may_thread = _calls_of(self.may_thread_names)
 
     def _plan_one_file(
-        self, path: str, data: bytes, sites: Sequence[Site], calls: re.Pattern[bytes] | None
+        self,
+        path: str,
+        data: bytes,
+        sites: Sequence[Site],
+        calls: re.Pattern[bytes] | None,
+        syntax: ast.Module | None = None,
     ) -> FileResult | FilePlan:
+        """The plan of file ``path`` (parsed as ``syntax``, else here), or why there is none."""
         import libcst as cst
 
         try:
             named = collection_mentions(self.name)
-            syntax = ast.parse(data)
+            syntax = ast.parse(data) if syntax is None else syntax
             parsed = _parse_skeleton(
                 path, data, syntax, make_needed_check(data, {s.line for s in sites}, calls, named)
             )
@@ -326,24 +360,43 @@ class _Worker:
         except Exception as error:  # a bug of this tool: named, and the run refused (exit 2)
             return _internal_error(path, error)
         plan.kept = parsed.kept
+        self.stood_in[path] = parsed.stood_in
         return plan
 
     def first(self) -> _Planned:
         failures = []
+        facts: dict[str, FileFacts | None] = {}
         for done, (path, data, sites) in enumerate(self.files, 1):
-            planned = self._plan_one_file(path, data, sites, self.may_thread)
+            try:
+                syntax = self.syntax[path] = ast.parse(data)
+            except (SyntaxError, ValueError):
+                syntax = None  # the scan refused the run already; named by the plan
+            facts[path] = _file_facts(path, data, self.name, syntax) if syntax is not None else None
+            planned = self._plan_one_file(path, data, sites, self.may_thread, syntax)
             self.progress("planning the files with reads", done, len(self.files))
             if isinstance(planned, FileResult):
                 failures.append(planned)
             else:
                 self.plans[path] = planned
+        while (task := self.facts_queue.take()) is not None:
+            facts.update(self.read_facts(self.others[task]))
+            self.progress(
+                "reading the other files' definitions (groups of files)",
+                task + 1,
+                len(self.others),
+            )
         plans = self.plans.values()
         return _Planned(
             failures,
             collect_threaded_functions(plans),
             collect_threaded_methods(plans),
             collect_threaded_classes(plans),
+            facts,
         )
+
+    def read_facts(self, files: Sequence[tuple[str, bytes]]) -> dict[str, FileFacts | None]:
+        """The facts of ``files`` (without reads) for the rules between the phases."""
+        return {path: _file_facts(path, data, self.name) for path, data in files}
 
     def second(self, instruction: _Instruction) -> _Done:
         done = _Done()
@@ -355,28 +408,25 @@ class _Worker:
             | instruction.forwarding_modules()
         )
         # A definition threaded upward, or calling a spec's field or a local assigned classes, or an
-        # __init__ forwarding the collection, may be a placeholder: planned again.
-        for (
-            path,
-            data,
-            sites,
-        ) in self.files:
+        # __init__ forwarding the collection, may be a placeholder: the file is planned again where
+        # the wider search for calls finds one in a definition its skeleton stood in for (else the
+        # skeleton, so the plan, would be the first phase's).
+        for path, data, sites in self.files:
             plan = self.plans.get(path)
-            if plan is not None and plan.kept and plan.module in modules:
-                planned = self._plan_one_file(
-                    path,
-                    data,
-                    sites,
-                    _calls_of(
-                        self.may_thread_names
-                        | instruction.names()
-                        | instruction.forwarding_names(plan.module)
-                    ),
-                )
-                if isinstance(planned, FileResult):
-                    done.failures.append(planned)
-                else:
-                    self.plans[path] = planned
+            if plan is None or not plan.kept or plan.module not in modules:
+                continue
+            calls = _calls_of(
+                self.may_thread_names
+                | instruction.names()
+                | instruction.forwarding_names(plan.module)
+            )
+            if calls is None or not any(calls.search(text) for text in self.stood_in[path]):
+                continue
+            planned = self._plan_one_file(path, data, sites, calls, self.syntax.get(path))
+            if isinstance(planned, FileResult):
+                done.failures.append(planned)
+            else:
+                self.plans[path] = planned
         self.finish([self.plans[path] for path in sorted(self.plans)], instruction, mention, done)
         while (task := self.queue.take()) is not None:
             self.look(self.others[task], instruction, mention, done)
@@ -586,7 +636,8 @@ def _run_migration(
     others = [(path, data) for path, data in contents.items() if path not in with_reads]
     chunk = -(-len(others) // TaskQueue.RECORDS)
     chunks = [others[i : i + chunk] for i in range(0, len(others), chunk)] if others else []
-    queue = TaskQueue()
+    facts_queue, queue = TaskQueue(), TaskQueue()
+    facts_queue.fill(len(chunks))
     may_thread = _may_thread(planned, contents)
     root = _project_root(files)
     helper_module = helper.module or default_module(
@@ -607,6 +658,7 @@ def _run_migration(
             _Worker,
             [(planned[i].path, contents[planned[i].path], planned[i].sites) for i in share],
             chunks,
+            facts_queue,
             queue,
             may_thread,
             name,
@@ -631,22 +683,30 @@ def _run_migration(
         if outcome.failures:
             return None
         queue.fill(len(chunks))
+        facts = {path: found for first in firsts for path, found in first.facts.items()}
+        # A file a child that failed took from the queue: read here.
+        index = TreeIndex(
+            {
+                path: facts[path] if path in facts else _file_facts(path, data, name)
+                for path, data in contents.items()
+            }
+        )
         threaded.update({key: value for first in firsts for key, value in first.threaded.items()})
         packages = {p: d for p, d in contents.items() if p.endswith("__init__.py")}
         methods = {key: value for first in firsts for key, value in first.methods.items()}
-        upward = thread_upward(contents, {**threaded, **methods}, packages, name)
+        upward = thread_upward(index, contents, {**threaded, **methods}, packages, name)
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
         # A class is called as a function is: its instantiations pass the collection to its threaded
         # __init__, and those of the subclasses that inherit that __init__ unchanged or forward to
         # it through ``super().__init__`` (given the parameter).
         classes = {key: value for first in firsts for key, value in first.classes.items()}
-        subclasses = thread_subclasses(contents, classes, packages, name)
+        subclasses = thread_subclasses(index, classes, packages, name)
         threaded.update(subclasses.classes)
         threaded.update(add_reexported_names(threaded, packages))
         # A class a spec names is built as ``submodules.X(...)``: passed where every class of X
         # takes it; the same for a local assigned classes (``output_layer_cls(...)``).
         spec_fields = decide_spec_fields(
-            contents, threaded, name, add_reexported_names(subclasses.classes, packages)
+            index, contents, threaded, name, add_reexported_names(subclasses.classes, packages)
         )
         outcome.spec_calls_left += spec_fields.left
         instruction = _Instruction(threaded, upward, spec_fields, subclasses.forwarding)
@@ -655,6 +715,7 @@ def _run_migration(
     try:
         _, done = two_phases(makers, thread_between_phases, fork=fork)
     finally:
+        facts_queue.close()
         queue.close()
     if done is None:
         return outcome

@@ -1,9 +1,9 @@
 """What a module's imports bind: the names its module-level imports make, read with :mod:`ast`.
 
-Shared by the rules that resolve a call or a base class through the file's imports
-(:mod:`~pgregistry.migrate._upward`, :mod:`~pgregistry.migrate._inherited`,
-:mod:`~pgregistry.migrate._spec_fields`); a module of its own so that none of them imports another
-only for it. Pure: no I/O.
+Shared by the files' facts (:mod:`~pgregistry.migrate._facts`, through which the rules decided
+between the phases resolve a call or a base class), the plan (a relative import) and the spec-field
+rule (a dotted name's parts); a module of its own so that none of them imports another only for it.
+Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -20,101 +20,19 @@ threaded class (own, inherited or forwarded), an ``__init__`` without a decorato
 collection nowhere (it has one of its own, or binds the name), whose every ``super().__init__`` call
 (one at least, none in a nested function) passes neither ``**`` nor the keyword.
 
-Read with :mod:`ast` from the files whose text names a known class in a ``class`` line. Pure: no
-I/O.
+Read from the facts (:mod:`._facts`) of the files whose text names a known class in a ``class``
+line. Pure: no I/O.
 """
 
 from __future__ import annotations
 
-import ast
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pgregistry._source.scanner import module_name
-from pgregistry.migrate._imports import attribute_chain, import_bindings
+from pgregistry.migrate._facts import Key, TreeIndex, resolve_dotted_name
 from pgregistry.migrate._plan import add_reexported_names
 
 __all__ = ["Subclasses", "thread_subclasses"]
-
-#: (module, class name).
-Key = tuple[str, str]
-
-
-def _runs_the_base_init(node: ast.ClassDef) -> bool:
-    """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments,
-    as far as the class itself says: nothing of its own between the call and that ``__init__``."""
-    own = {m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    return bool(node.bases) and not (
-        node.decorator_list or node.keywords or own & {"__init__", "__new__"}
-    )
-
-
-def _forwards_to_the_base_init(node: ast.ClassDef, keyword: str) -> bool:
-    """Whether ``node``'s own ``__init__`` can take ``keyword`` and pass it on through
-    ``super().__init__(...)``, its only way to its base's: see the module's docstring."""
-    own = {m.name: m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    init = own.get("__init__")
-    if (
-        not node.bases
-        or node.decorator_list
-        or node.keywords
-        or "__new__" in own
-        or not isinstance(init, ast.FunctionDef)
-        or init.decorator_list
-    ):
-        return False
-    named = (
-        getattr(n, "id", None) or getattr(n, "arg", None) or getattr(n, "attr", None)
-        for n in ast.walk(init)
-    )
-    if any(isinstance(word, str) and keyword in word for word in named):
-        return False
-    calls = [n for n in ast.walk(init) if _calls_super_init(n, node.name)]
-    nested = [
-        n
-        for scope in ast.walk(init)
-        if scope is not init
-        and isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
-        for n in ast.walk(scope)
-        if _calls_super_init(n, node.name)
-    ]
-    return (
-        bool(calls)
-        and not nested
-        and all(k.arg is not None for c in calls if isinstance(c, ast.Call) for k in c.keywords)
-    )
-
-
-def _calls_super_init(node: ast.AST, cls: str) -> bool:
-    """Whether ``node`` is ``super().__init__(...)`` or ``super(cls, self).__init__(...)``."""
-    if not (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "__init__"
-        and isinstance(node.func.value, ast.Call)
-        and getattr(node.func.value.func, "id", None) == "super"
-    ):
-        return False
-    arguments = node.func.value.args
-    return not arguments or getattr(arguments[0], "id", None) == cls
-
-
-def _first_base(
-    node: ast.ClassDef, module: str, bound: Mapping[str, str], classes: set[str]
-) -> Key | None:
-    """(module, name) of ``node``'s first base: a class of this module or one the file imports."""
-    dotted = attribute_chain(node.bases[0])
-    if dotted is None:
-        return None
-    if len(dotted) == 1 and dotted[0] in classes:
-        return module, dotted[0]
-    head = bound.get(dotted[0])
-    if head is None:
-        return None
-    qualified = ".".join([head.replace(":", "."), *dotted[1:]])
-    owner, _, name = qualified.rpartition(".")
-    return (owner, name) if owner else None
 
 
 @dataclass(frozen=True)
@@ -128,56 +46,38 @@ class Subclasses:
 
 
 def thread_subclasses(
-    contents: Mapping[str, bytes],
+    index: TreeIndex,
     threaded: Mapping[Key, str],
     packages: Mapping[str, bytes],
     keyword: str,
 ) -> Subclasses:
     """``threaded`` (classes whose own ``__init__`` takes ``keyword``: (module, class) -> keyword)
-    with the module-level classes of the tree ``contents`` (path -> bytes) that inherit one of those
-    ``__init__``s unchanged or forward to it (given the parameter); ``packages``: the
+    with the module-level classes of the tree (``index``: its files' facts) that inherit one of
+    those ``__init__``s unchanged or forward to it (given the parameter); ``packages``: the
     ``__init__.py`` files, through which a base may be named."""
     found = dict(threaded)
     forwarding: set[Key] = set()
-    parsed: dict[str, ast.Module | None] = {}
     changed = True
     while changed:
         changed = False
         known = add_reexported_names(found, packages)
-        names = sorted({name for _, name in known})
+        names = {name for _, name in known}
         if not names:
             break
-        mention = re.compile(
-            rb"\bclass\b[^\n]*\b(?:" + b"|".join(re.escape(n.encode()) for n in names) + rb")\b"
-        )
-        for path, data in contents.items():
-            if not mention.search(data):
-                continue
-            if path not in parsed:
-                try:
-                    parsed[path] = ast.parse(data)
-                except (
-                    SyntaxError,
-                    ValueError,
-                ):  # the scan refused the run already; read for classes only
-                    parsed[path] = None
-            tree = parsed[path]
-            if tree is None:
-                continue
-            module = ".".join(module_name(path))
-            bound = import_bindings(tree, path.split("/")[:-1])
-            classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
-            for node in tree.body:
-                if not isinstance(node, ast.ClassDef) or (module, node.name) in found:
+        for facts in index.naming_on_a_class_line(names):
+            classes = {c.name for c in facts.classes}
+            for cls in facts.classes:
+                if (facts.module, cls.name) in found or not (cls.inherits or cls.forwards):
                     continue
-                inherits = _runs_the_base_init(node)
-                if not (inherits or _forwards_to_the_base_init(node, keyword)):
-                    continue
-                base = _first_base(node, module, bound, classes)
+                base = (
+                    resolve_dotted_name(cls.first_base, facts.module, facts.bound, classes)
+                    if cls.first_base is not None
+                    else None
+                )
                 if base is None or known.get(base) != keyword:
                     continue
-                found[(module, node.name)] = keyword
-                if not inherits:
-                    forwarding.add((module, f"{node.name}.__init__"))
+                found[(facts.module, cls.name)] = keyword
+                if not cls.inherits:
+                    forwarding.add((facts.module, f"{cls.name}.__init__"))
                 changed = True
     return Subclasses(found, frozenset(forwarding))

@@ -49,6 +49,7 @@ from libcst.metadata import (
 
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+from pgregistry.migrate._facts import spec_field_of_call
 from pgregistry.migrate._imports import absolute_module
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
@@ -57,7 +58,6 @@ from pgregistry.migrate._skeleton import (
     line_starts,
     lines_between,
 )
-from pgregistry.migrate._spec_fields import spec_field_of_call
 from pgregistry.migrate._tree import TreeFacts, names_a_collection
 
 __all__ = [

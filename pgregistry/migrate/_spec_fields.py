@@ -39,7 +39,9 @@ values read as a field's are: the local must be bound in its function by plain a
 loop, ``with``, unpacking, walrus, import, ``global``: :func:`_only_assigned`), so those assignments
 are every value it may hold.
 
-Read with :mod:`ast` from the files that mention a field's name (or assign a threaded class's).
+The calls of a spec's field, and each class's parameters and first base, are read from the files'
+facts (:mod:`._facts`); the values put in a field with :mod:`ast`, from the files that mention its
+name (or assign a threaded class's).
 Pure: no I/O.
 """
 
@@ -50,15 +52,17 @@ import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from pgregistry._source.scanner import module_name
-from pgregistry.migrate._imports import attribute_chain, import_bindings
+from pgregistry.migrate._facts import (
+    FileFacts,
+    Key,
+    SpecCall,
+    TreeIndex,
+    functions_by_qualname,
+    resolve_dotted_name,
+)
+from pgregistry.migrate._imports import attribute_chain
 
-__all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields", "spec_field_of_call"]
-
-#: (module, name) of a class or function.
-Key = tuple[str, str]
-#: A call of a spec's field: ``submodules.X(`` or ``build_module(<...>submodules.X``.
-_SPEC_CALL = re.compile(rb"submodules\.([A-Za-z_]\w*)\s*[(,)]")  # a literal first: searched fast
+__all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields"]
 
 
 @dataclass(frozen=True)
@@ -86,94 +90,47 @@ class SpecFields:
     local_classes: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
 
 
-def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str | None:
-    """The spec field a call builds: ``X`` of ``<...>.submodules.X(...)`` (``func``: the callee's
-    dotted parts) or of ``build_module(<...>.submodules.X, ...)`` (``first_argument``: its first
-    argument's parts); None when it is neither."""
-    if len(func) >= 2 and func[-2] == "submodules":
-        return func[-1]
-    if func[-1:] == ["build_module"] and first_argument and first_argument[-2:-1] == ["submodules"]:
-        return first_argument[-1]
-    return None
-
-
 @dataclass
 class _Module:
-    """One parsed file of the tree: its module name, syntax, import bindings and module-level
-    definitions."""
+    """One file of the tree the rule walks: its facts and its syntax."""
 
-    path: str
-    name: str
+    facts: FileFacts
     tree: ast.Module
-    bound: dict[str, str]
-    defined: Mapping[str, ast.stmt]
+
+    @property
+    def path(self) -> str:
+        return self.facts.path
+
+    @property
+    def name(self) -> str:
+        return self.facts.module
 
 
 class _Tree:
-    """The tree's files, parsed on demand, and the facts the rule reads from them."""
+    """The tree's files (``contents``: path -> bytes; ``index``: their facts), parsed on demand,
+    and the facts the rule reads from them."""
 
-    def __init__(self, contents: Mapping[str, bytes], keyword: str) -> None:
+    def __init__(self, contents: Mapping[str, bytes], index: TreeIndex, keyword: str) -> None:
         self.contents = contents
+        self.index = index
         self.keyword = keyword
-        self.paths = {".".join(module_name(path)): path for path in contents}
-        self.parsed: dict[str, _Module | None] = {}
+        self.parsed: dict[str, _Module] = {}
         #: What each method name's ``def``s return (:func:`_method_returns`).
         self.returns: dict[str, _Values] = {}
 
-    def module(self, path: str) -> _Module | None:
-        if path not in self.parsed:
-            try:
-                tree = ast.parse(self.contents[path])
-            except (SyntaxError, ValueError):  # the scan refused the run already
-                self.parsed[path] = None
-                return None
-            defined = {
-                n.name: n
-                for n in tree.body
-                if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            }
-            self.parsed[path] = _Module(
-                path,
-                ".".join(module_name(path)),
-                tree,
-                import_bindings(tree, path.split("/")[:-1]),
-                defined,
-            )
-        return self.parsed[path]
+    def module(self, facts: FileFacts) -> _Module:
+        if facts.path not in self.parsed:
+            self.parsed[facts.path] = _Module(facts, ast.parse(self.contents[facts.path]))
+        return self.parsed[facts.path]
 
     def mentioning(self, pattern: re.Pattern[bytes]) -> Iterator[_Module]:
-        for path, data in self.contents.items():
-            if pattern.search(data):
-                found = self.module(path)
-                if found is not None:
-                    yield found
+        for path, facts in self.index.files.items():
+            if pattern.search(self.contents[path]):
+                yield self.module(facts)
 
     def resolve(self, dotted: list[str], where: _Module) -> Key | None:
         """(module, name) ``dotted`` names in ``where``: a module-level definition or an import."""
-        if len(dotted) == 1 and dotted[0] in where.defined:
-            return where.name, dotted[0]
-        head = where.bound.get(dotted[0])
-        if head is None:
-            return None
-        qualified = ".".join([head.replace(":", "."), *dotted[1:]])
-        owner, _, name = qualified.rpartition(".")
-        return (owner, name) if owner else None
-
-    def definition(self, key: Key, depth: int = 0) -> tuple[ast.stmt, _Module] | None:
-        """The ``class`` or ``def`` ``key`` is, followed through the imports of packages that
-        re-export it; None when the tree does not hold it."""
-        path = self.paths.get(key[0])
-        found = self.module(path) if path is not None else None
-        if found is None or depth > 8:
-            return None
-        node = found.defined.get(key[1])
-        if node is not None:
-            return node, found
-        imported = found.bound.get(key[1], "")
-        if ":" not in imported:
-            return None
-        module, _, name = imported.partition(":")
-        return self.definition((module, name), depth + 1)
+        return resolve_dotted_name(dotted, where.name, where.facts.bound, where.facts.defined)
 
     def takes_keyword(self, key: Key, threaded: Mapping[Key, str]) -> str | None:
         """None when calling ``key`` with the keyword is shown to keep behaviour after the rewrite
@@ -181,7 +138,7 @@ class _Tree:
         if threaded.get(key) == self.keyword:
             return None
         label = ".".join(key)
-        if self.definition(key) is None:
+        if self.index.definition(key) is None:
             return f"{label} is not in the tree"
         if self._declares_keyword(key, threaded):
             return (
@@ -193,30 +150,18 @@ class _Tree:
     def _declares_keyword(self, key: Key, threaded: Mapping[Key, str], depth: int = 0) -> bool:
         """Whether ``key``'s ``__init__`` (its own or the one it inherits in the tree) or ``def``
         has the keyword as a parameter a call can name."""
-        found = self.definition(key)
+        found = self.index.definition(key)
         if found is None or depth > 8:
             return False
-        node, where = found
-        if isinstance(node, ast.ClassDef):
-            init = next(
-                (
-                    m
-                    for m in node.body
-                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and m.name == "__init__"
-                ),
-                None,
+        top, where = found
+        if top.is_class and top.parameters is None:
+            inherited = (
+                resolve_dotted_name(top.first_base, where.module, where.bound, where.defined)
+                if top.first_base is not None
+                else None
             )
-            if init is None:
-                base = attribute_chain(node.bases[0]) if node.bases else None
-                inherited = self.resolve(base, where) if base is not None else None
-                return inherited is not None and self._declares_keyword(
-                    inherited, threaded, depth + 1
-                )
-            node = init
-        return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-            a.arg == self.keyword for a in (*node.args.args, *node.args.kwonlyargs)
-        )
+            return inherited is not None and self._declares_keyword(inherited, threaded, depth + 1)
+        return self.keyword in (top.parameters or ())
 
 
 @dataclass
@@ -359,9 +304,9 @@ def _method_returns(tree: _Tree, method: str, spot: str, found: _Values, depth: 
 
 
 def _read_method_returns(tree: _Tree, method: str, found: _Values, depth: int) -> None:
-    defining = re.compile(rb"def[ \t]+" + re.escape(method.encode()) + rb"\b")
     returned = False
-    for module in tree.mentioning(defining):
+    for facts in tree.index.defining(method):
+        module = tree.module(facts)
         for node in ast.walk(module.tree):
             if not (
                 isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == method
@@ -388,81 +333,6 @@ def _is_abstract_body(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class _SpecCall:
-    """A call of a spec's field: where, in which function (module, qualified name), the field, and
-    the classes its ``submodules`` is annotated with (empty: not known, any class declaring the
-    field)."""
-
-    path: str
-    line: int
-    module: str
-    function: str
-    field: str
-    annotated: frozenset[str]
-
-
-def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
-    """The last names in ``annotation`` (``MLPSubmodules``, ``Optional[a.MLPSubmodules]``, a
-    string)."""
-    if annotation is None:
-        return frozenset()
-    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
-        return frozenset(re.findall(r"[A-Za-z_]\w*", annotation.value))
-    return frozenset(
-        n.attr if isinstance(n, ast.Attribute) else n.id
-        for n in ast.walk(annotation)
-        if isinstance(n, (ast.Name, ast.Attribute))
-    )
-
-
-def _functions_by_qualname(
-    module: ast.Module,
-) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """The module-level functions and the methods of module-level classes of ``module``, with their
-    qualified names (those the plan can name)."""
-    for top in module.body:
-        if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield top.name, top
-        elif isinstance(top, ast.ClassDef):
-            for member in top.body:
-                if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    yield f"{top.name}.{member.name}", member
-
-
-def _spec_calls(tree: _Tree) -> list[_SpecCall]:
-    """The calls of a spec's field in the module-level functions and methods of the tree that pass
-    neither the keyword nor ``**`` (only those the plan can name its function for)."""
-    calls: list[_SpecCall] = []
-    for module in tree.mentioning(_SPEC_CALL):
-        for qualname, function in _functions_by_qualname(module.tree):
-            arguments = function.args
-            parameters = {
-                a.arg: a.annotation
-                for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)
-            }
-            for node in ast.walk(function):
-                if not isinstance(node, ast.Call) or any(
-                    k.arg in (None, tree.keyword) for k in node.keywords
-                ):
-                    continue
-                first = attribute_chain(node.args[0]) if node.args else None
-                callee = attribute_chain(node.func) or [""]
-                name = spec_field_of_call(callee, first)
-                if name is None:
-                    continue
-                receiver = callee[:-1] if callee[-2:-1] == ["submodules"] else (first or [])[:-1]
-                annotated = (
-                    _annotation_names(parameters.get("submodules"))
-                    if receiver == ["submodules"]
-                    else frozenset()
-                )
-                calls.append(
-                    _SpecCall(module.path, node.lineno, module.name, qualname, name, annotated)
-                )
-    return calls
-
-
 #: A field's values by the class that holds it: (submodules class name, field); None: a value put in
 #: the field of an object whose class is not known (``dataclasses.replace(s, X=...)``, ``s.X =
 #: ...``).
@@ -479,7 +349,7 @@ class _FieldsOfTree:
     #: Class name -> its bases' last names.
     bases: dict[str, set[str]] = field(default_factory=dict)
 
-    def of_call(self, call: _SpecCall) -> _Values:
+    def of_call(self, call: SpecCall) -> _Values:
         """Every value the field of ``call`` may hold: of the classes its ``submodules`` is
         annotated with, their subclasses (an instance of one may be given) and bases (whose defaults
         they inherit), when one holds the field, else of every class holding it; and the unknown
@@ -608,27 +478,23 @@ def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str])
 
 
 def decide_spec_fields(
+    index: TreeIndex,
     contents: Mapping[str, bytes],
     threaded_classes: Mapping[Key, str],
     keyword: str,
     classes: Collection[Key] = (),
 ) -> SpecFields:
-    """Which calls of a spec's field, and of a local assigned classes, in the tree ``contents``
-    (path -> bytes) pass ``keyword``. ``threaded_classes``: the functions and classes that take it
-    after the rewrite ((module, name) -> keyword, subclasses inheriting it and names packages
-    re-export included); ``classes``: those of them that are classes (a local assigned one of them
-    is looked for)."""
-    tree = _Tree(contents, keyword)
-    calls = _spec_calls(tree)
-    names = {call.field for call in calls}
+    """Which calls of a spec's field, and of a local assigned classes, in the tree (``index``: its
+    files' facts; ``contents``: path -> bytes) pass ``keyword``. ``threaded_classes``: the
+    functions and classes that take it after the rewrite ((module, name) -> keyword, subclasses
+    inheriting it and names packages re-export included); ``classes``: those of them that are
+    classes (a local assigned one of them is looked for)."""
+    tree = _Tree(contents, index, keyword)
+    calls = [call for facts in index.files.values() for call in facts.spec_calls]
     # A field some class declares (``linear_proj: LinearProjBuilder``), not ``submodules.append``.
-    if names:
-        declared = re.compile(
-            rb"^[ \t]+(" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")[ \t]*:",
-            re.M,
-        )
-        found = {m.decode() for data in contents.values() for m in declared.findall(data)}
-        calls = [call for call in calls if call.field in found]
+    if calls:
+        found = {word for facts in index.files.values() for word in facts.declared_words}
+        calls = [call for call in calls if call.field.encode() in found]
     fields = _values_of_fields(tree, {call.field for call in calls})
     # Only the fields that may hold a threaded class matter: the others are passed nothing either
     # way.
@@ -711,7 +577,7 @@ def _only_assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]
 
 def _local_class_calls(
     tree: _Tree, classes: Collection[Key], threaded: Mapping[Key, str]
-) -> Iterator[tuple[_SpecCall, _Values]]:
+) -> Iterator[tuple[SpecCall, _Values]]:
     """The calls ``name(...)`` (passing neither the keyword nor ``**``) of a local ``name`` that a
     module-level function or method assigns only plainly (:func:`_only_assigned`), some value of
     which is one of ``classes`` that takes the keyword (``threaded``), with every value it may hold
@@ -726,7 +592,7 @@ def _local_class_calls(
         + rb")\b"
     )
     for module in tree.mentioning(assigning):
-        for qualname, function in _functions_by_qualname(module.tree):
+        for qualname, function in functions_by_qualname(module.tree):
             assigned = _Locals(function)
             plain: set[str] | None = None
             stack: list[ast.AST] = list(function.body)
@@ -751,7 +617,7 @@ def _local_class_calls(
                 for value in assigned.get(node.func.id):
                     _field_values(tree, value, module, values, names=assigned)
                 if any(threaded.get(key) == tree.keyword for key in values.classes):
-                    call = _SpecCall(
+                    call = SpecCall(
                         module.path, node.lineno, module.name, qualname, node.func.id, frozenset()
                     )
                     yield call, values

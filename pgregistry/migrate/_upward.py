@@ -25,20 +25,17 @@ Bounded on purpose, so the diff stays one a maintainer merges:
   optimizer's) keeps the whole name out, which is what stops the climb;
 * every function threaded reaches a function that reads, through calls that pass the collection.
 
-Read with :mod:`ast`, from the files that call a candidate's name (found with regular expressions),
-round by round. Pure: no I/O; the result depends on the tree alone, not on how a run splits its
-files.
+Read from the facts of the files that call a candidate's name (:mod:`._facts`: each definition's
+calls, read where the file was parsed), round by round. Pure: no I/O; the result depends on the tree
+alone, not on how a run splits its files.
 """
 
 from __future__ import annotations
 
-import ast
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pgregistry._source.scanner import module_name
-from pgregistry.migrate._imports import import_bindings
+from pgregistry.migrate._facts import CallTarget, DefinitionFacts, Key, TreeIndex
 from pgregistry.migrate._plan import (
     CALLED_BY_AUTOGRAD,
     FIXED_SIGNATURE,
@@ -48,12 +45,6 @@ from pgregistry.migrate._plan import (
 from pgregistry.migrate._tree import classify_uses
 
 __all__ = ["Upward", "thread_upward"]
-
-#: A ``def`` line's name (any indentation): every definition of a name in the tree, counted.
-_DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)")
-
-#: A function or method: (module, qualified name in it: ``f`` or ``Class.m``).
-Key = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -66,127 +57,17 @@ class Upward:
     methods: Mapping[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class _Definition:
-    key: Key
-    name: str
-    method: bool
-    eligible: bool
-    #: A method of a class that names the collection (``self.pg_collection``): it passes the one it
-    #: holds, and gets the parameter only so that every method of its name has it.
-    holds: bool
-    #: ("f", module, name) for a call of a module-level function as its imports resolve it, ("m",
-    #: "", name) for a call of a method of some object.
-    calls: set[tuple[str, str, str]]
-
-
-def _has_fixed_signature_decorator(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    for decorator in node.decorator_list:
-        expression = decorator.func if isinstance(decorator, ast.Call) else decorator
-        last = (
-            expression.attr
-            if isinstance(expression, ast.Attribute)
-            else getattr(expression, "id", "")
-        )
-        if decorator_matches(last, FIXED_SIGNATURE):
-            return True
-    return False
-
-
-def _call_target(
-    call: ast.Call, module: str, functions: set[str], bound: Mapping[str, str], name: str
-) -> tuple[str, str, str] | None:
-    """What ``call`` calls: a module-level function (resolved through the file's imports), or a
-    method by name (never ``super().m(...)``: the base may be a class outside the tree)."""
-    if any(k.arg is None or k.arg == name for k in call.keywords):
-        return None  # ``**kwargs`` or the keyword given: the caller passes nothing of its own
-    func = call.func
-    parts: list[str] = []
-    while isinstance(func, ast.Attribute):
-        parts.append(func.attr)
-        func = func.value
-    if isinstance(func, ast.Name):
-        dotted = [func.id, *parts[::-1]]
-        if len(dotted) == 1:
-            if dotted[0] in functions:
-                return "f", module, dotted[0]
-            imported = bound.get(dotted[0], "")
-            if ":" not in imported:
-                return None
-            return ("f", *imported.split(":"))  # type: ignore[return-value]
-        head = bound.get(dotted[0])
-        if head is not None:
-            qualified = ".".join([head.replace(":", "."), *dotted[1:]])
-            return "f", qualified.rpartition(".")[0], dotted[-1]
-        return "m", "", dotted[-1]
-    if parts and not (isinstance(func, ast.Call) and getattr(func.func, "id", "") == "super"):
-        return "m", "", parts[0]
-    return None
-
-
-def _definitions_with_calls(path: str, data: bytes, name: str) -> list[_Definition]:
-    """File ``path``'s module-level functions and top-level classes' methods, with their calls."""
-    package = path.split("/")[:-1]
-    module = ".".join(module_name(path))
-    tree = ast.parse(data)
-    bound = import_bindings(tree, package)
-    functions = {
-        n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
-    binds_the_name = (
-        name in bound
-        or name in functions
-        or any(
-            isinstance(t, ast.Name) and t.id == name
-            for n in tree.body
-            if isinstance(n, (ast.Assign, ast.AnnAssign))
-            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-        )
-    )
-    starts = [0, *(m.end() for m in re.finditer(rb"\r\n|\r|\n", data))]
-    found = []
-
-    def definition_text(node: ast.stmt) -> bytes:
-        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
-        last = node.end_lineno or node.lineno
-        return data[starts[first - 1] : starts[last] if last < len(starts) else None]
-
-    #: (definition, qualified name, whether a method, whether its class names the collection: holds
-    #: one)
-    defs: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str, bool, bool]] = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            defs.append((node, node.name, False, False))
-        elif isinstance(node, ast.ClassDef):
-            holds = name.encode() in definition_text(node)
-            defs += [
-                (member, f"{node.name}.{member.name}", True, holds)
-                for member in node.body
-                if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef))
-            ]
-    for node, qualname, method, holds in defs:
-        special = node.name.startswith("__") and node.name.endswith("__")
-        eligible = not (
-            special
-            or binds_the_name
-            or _has_fixed_signature_decorator(node)
-            or name.encode() in definition_text(node)
-            or (method and node.name in CALLED_BY_AUTOGRAD)
-        )
-        calls = {
-            t
-            for c in ast.walk(node)
-            if isinstance(c, ast.Call)
-            for t in [_call_target(c, module, functions, bound, name)]
-            if t is not None
-        }
-        found.append(_Definition((module, qualname), node.name, method, eligible, holds, calls))
-    return found
-
-
-def _calls_of(names: Iterable[str]) -> re.Pattern[bytes]:
-    return re.compile(
-        rb"\b(?:" + b"|".join(re.escape(n.encode()) for n in sorted(names)) + rb")\s*\("
+def _may_be_threaded(definition: DefinitionFacts, binds_keyword: bool) -> bool:
+    """Whether ``definition`` may be given the parameter (in a module that ``binds_keyword`` at its
+    top level, none may): see the module's docstring."""
+    name = definition.name
+    special = name.startswith("__") and name.endswith("__")
+    return not (
+        special
+        or binds_keyword
+        or any(decorator_matches(last, FIXED_SIGNATURE) for last in definition.decorators)
+        or definition.names_keyword
+        or (definition.method and name in CALLED_BY_AUTOGRAD)
     )
 
 
@@ -201,41 +82,42 @@ def _reexport_aliases(keys: Iterable[Key], packages: Mapping[str, bytes]) -> dic
 
 
 def thread_upward(
+    index: TreeIndex,
     contents: Mapping[str, bytes],
     threaded: Mapping[Key, str],
     packages: Mapping[str, bytes],
     name: str,
 ) -> Upward:
-    """Which read-less functions of the tree ``contents`` (path -> bytes) get the parameter
-    ``name``. ``threaded``: the functions and methods threaded because they read ((module, qualified
-    name) -> keyword); ``packages``: the ``__init__.py`` files, through which packages re-export
-    functions."""
+    """Which read-less functions of the tree (``index``: its files' facts; ``contents``: path ->
+    bytes) get the parameter ``name``. ``threaded``: the functions and methods threaded because they
+    read ((module, qualified name) -> keyword); ``packages``: the ``__init__.py`` files, through
+    which packages re-export functions."""
     seeds = dict(threaded)
     known = {qualname.rpartition(".")[2] for _, qualname in seeds}
-    definitions: dict[Key, _Definition] = {}
-    by_callee: dict[str, list[_Definition]] = {}
+    definitions: dict[Key, DefinitionFacts] = {}
+    #: The definitions that may be given the parameter (a name defined twice: each its own).
+    eligible: set[DefinitionFacts] = set()
+    by_callee: dict[str, list[DefinitionFacts]] = {}
     parsed: set[str] = set()
     frontier = set(known)
     while frontier:  # discovery: the files that call a name learned last round, each read once
-        pattern = _calls_of(frontier)
-        read: list[_Definition] = []
-        for path, data in contents.items():
-            if path in parsed or not pattern.search(data):
+        read: list[DefinitionFacts] = []
+        for facts in index.calling(frontier):
+            if facts.path in parsed:
                 continue
-            parsed.add(path)
-            try:
-                read += _definitions_with_calls(path, data, name)
-            except (
-                SyntaxError,
-                ValueError,
-            ):  # the scan refused the run already; a file read for calls only
-                continue
+            parsed.add(facts.path)
+            read += facts.definitions
+            eligible.update(
+                d for d in facts.definitions if _may_be_threaded(d, facts.binds_keyword)
+            )
         for definition in read:
             definitions[definition.key] = definition
             for callee in {callee for _, _, callee in definition.calls}:
                 by_callee.setdefault(callee, []).append(definition)
         learned = [
-            d.name for d in read if d.eligible and any(callee in known for _, _, callee in d.calls)
+            d.name
+            for d in read
+            if d in eligible and any(callee in known for _, _, callee in d.calls)
         ]
         frontier = set()
         while (
@@ -245,18 +127,17 @@ def thread_upward(
             if short not in known:
                 known.add(short)
                 frontier.add(short)
-                learned += [d.name for d in by_callee.get(short, ()) if d.eligible]
-    counts: dict[str, int] = {}
-    for data in contents.values():
-        for defined in _DEFINED.findall(data):
-            counts[defined.decode()] = counts.get(defined.decode(), 0) + 1
+                learned += [d.name for d in by_callee.get(short, ()) if d in eligible]
+    counts = index.def_lines()
     module_functions = [key for key, d in definitions.items() if not d.method] + [
         k for k in seeds if "." not in k[1]
     ]
     aliases = _reexport_aliases(module_functions, packages)
-    chosen = {key for key, d in definitions.items() if d.eligible and key not in seeds and d.calls}
+    chosen = {
+        key for key, d in definitions.items() if d in eligible and key not in seeds and d.calls
+    }
 
-    def defining_target(kind: str, module: str, callee: str) -> tuple[str, str, str]:
+    def defining_target(kind: str, module: str, callee: str) -> CallTarget:
         """A call's target, a function by the module defining it (not a package re-exporting it)."""
         return (
             ("f", *aliases.get((module, callee), (module, callee)))
@@ -264,11 +145,13 @@ def thread_upward(
             else (kind, module, callee)
         )
 
-    #: Each call target -> the definitions that call it.
-    callers_of: dict[tuple[str, str, str], list[Key]] = {}
+    #: Each definition's calls, a function by the module defining it; each call target -> the
+    #: definitions that call it.
+    calls: dict[Key, set[CallTarget]] = {}
+    callers_of: dict[CallTarget, list[Key]] = {}
     for key, definition in definitions.items():
-        definition.calls = {defining_target(*call) for call in definition.calls}
-        for call in definition.calls:
+        calls[key] = {defining_target(*call) for call in definition.calls}
+        for call in calls[key]:
             callers_of.setdefault(call, []).append(key)
 
     def methods_threaded_alike(given: set[Key]) -> dict[str, str]:
@@ -298,7 +181,7 @@ def thread_upward(
             for key in chosen
             if any(
                 (module, callee) in every if kind == "f" else callee in methods
-                for kind, module, callee in definitions[key].calls
+                for kind, module, callee in calls[key]
             )
         }
         # Those whose calls lead to a function that reads: from the seeds down the callers (each

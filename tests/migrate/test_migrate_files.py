@@ -18,7 +18,7 @@ pytest.importorskip("libcst")
 from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry._source.files import SourceFile  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
-from pgregistry.migrate import _engine, _plan, _rewrite, _skeleton  # noqa: E402
+from pgregistry.migrate import _engine, _facts, _plan, _rewrite, _skeleton  # noqa: E402
 from pgregistry.migrate._diff import render_unified_diff  # noqa: E402
 
 ARGS = ["migrate", "--preset", "megatron"]
@@ -157,7 +157,7 @@ def _operations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, functions: int)
     path = tmp_path / f"m{functions}.py"
     path.write_bytes(_generated(functions))
     counting = _CountingRe()
-    for module in (_engine, _plan, _rewrite, _skeleton):
+    for module in (_engine, _facts, _plan, _rewrite, _skeleton):
         monkeypatch.setattr(module, "re", counting)
     profile = cProfile.Profile()
     profile.enable()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -196,13 +197,29 @@ def test_a_placeholder_found_twice_is_not_put_back() -> None:
     assert restore_placeholders(text.decode() * 2, kept) is None
 
 
+#: A module without reads whose functions are threaded upward (only its own facts say so).
+D = '''\
+from pkg.a import reduce
+
+
+def relays(x):
+    return reduce(x)
+
+
+def top(x):
+    return relays(x)
+'''
+
+
 def _tree(copies: int) -> dict[str, bytes]:
-    """``copies`` of the pair above, each in its own package, plus files without reads calling into each."""
+    """``copies`` of the pair above, each in its own package, plus files without reads calling into each, and one
+    whose functions are threaded upward."""
     files: dict[str, bytes] = {}
     for index in range(copies):
         files[f"pkg{index}/a.py"] = A.encode()
         files[f"pkg{index}/b.py"] = B.replace("pkg.a", f"pkg{index}.a").encode()
         files[f"pkg{index}/c.py"] = B.replace("pkg.a", f"pkg{(index + 1) % copies}.a").encode()
+        files[f"pkg{index}/d.py"] = D.replace("pkg.a", f"pkg{index}.a").encode()
     return files
 
 
@@ -215,9 +232,9 @@ def test_a_run_split_across_processes_is_the_run_in_one(
     reads to look through, is redone here."""
     files = _tree(6)
     serial = _outcome(_run(tmp_path / "serial", files))
-    # 6 calls per package pass their collection (calls_reduce's, threaded upward, too), those in c.py into the
-    # next package
-    assert serial[2] == 36
+    # 8 calls per package pass their collection (calls_reduce's and d.py's, threaded upward, too), those in c.py
+    # into the next package
+    assert serial[2] == 48
     monkeypatch.setattr(_migrate, "PARALLEL_MIN_BYTES", 0)
     forked: list[bool] = []
     real_phases = _migrate.two_phases
@@ -242,3 +259,35 @@ def test_a_run_split_across_processes_is_the_run_in_one(
     assert forked == [True]
     assert split == serial
     assert not children_left()  # every child was reaped
+
+
+def test_the_facts_of_files_a_dead_child_took_are_read_between_the_phases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that dies once it took files without reads to read their facts (here: every one left, while this
+    process waits with the one it took) loses nothing: those files' facts are read here between the phases, so
+    the functions only they hold are still threaded upward."""
+    files = _tree(2)
+    serial = _outcome(_run(tmp_path / "serial", files))
+    assert {"pkg1/d.py: relays", "pkg1/d.py: top"} <= set(serial[3])  # type: ignore[arg-type]
+    monkeypatch.setattr(_migrate, "PARALLEL_MIN_BYTES", 0)
+    parent, died = os.getpid(), tmp_path / "died"
+    real = _migrate._Worker.read_facts
+
+    def drains_and_dies(self: _migrate._Worker, taken: list[tuple[str, bytes]]) -> object:
+        if os.getpid() != parent:
+            while self.facts_queue.take() is not None:
+                pass
+            died.touch()
+            os._exit(3)
+        deadline = time.monotonic() + 30
+        while not died.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real(self, taken)
+
+    monkeypatch.setattr(_migrate._Worker, "read_facts", drains_and_dies)
+    sources = write_sources(tmp_path / "split", files)
+    split = _outcome(migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection", jobs=2))
+    assert died.exists()  # the child took files and died
+    assert split == serial
+    assert not children_left()
