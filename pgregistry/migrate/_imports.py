@@ -46,8 +46,9 @@ def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
 
 
 def attribute_chain(node: ast.expr) -> list[str] | None:
-    """The names of a dotted expression (``a.b.c`` -> ``["a", "b", "c"]``); None when its root is
-    not a plain name (a call, a subscript, ...)."""
+    """The names of a dotted expression: ``a.b.c`` -> ``["a", "b", "c"]``.
+
+    None when its root is not a plain name (a call, a subscript, ...)."""
     parts: list[str] = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)

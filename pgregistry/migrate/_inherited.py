@@ -37,9 +37,11 @@ __all__ = ["Subclasses", "thread_subclasses"]
 
 @dataclass(frozen=True)
 class Subclasses:
-    """What :func:`thread_subclasses` found: every class whose instantiation takes the keyword
-    ((module, class) -> keyword), and the ``__init__``s given the parameter to pass it on through
-    ``super().__init__`` ((module, ``Class.__init__``))."""
+    """What :func:`thread_subclasses` found: the classes that take the keyword, what forwards it.
+
+    ``classes``: every class whose instantiation takes the keyword ((module, class) -> keyword);
+    ``forwarding``: the ``__init__``s given the parameter to pass it on through ``super().__init__``
+    ((module, ``Class.__init__``))."""
 
     classes: Mapping[Key, str] = field(default_factory=dict)
     forwarding: frozenset[Key] = frozenset()
@@ -51,8 +53,10 @@ def thread_subclasses(
     packages: Mapping[str, bytes],
     keyword: str,
 ) -> Subclasses:
-    """``threaded`` (classes whose own ``__init__`` takes ``keyword``: (module, class) -> keyword)
-    with the module-level classes of the tree (``index``: its files' facts) that inherit one of
+    """``threaded`` with the tree's classes that inherit one of its ``__init__``s or forward to it.
+
+    ``threaded``: classes whose own ``__init__`` takes ``keyword`` ((module, class) -> keyword).
+    Added are the module-level classes of the tree (``index``: its files' facts) that inherit one of
     those ``__init__``s unchanged or forward to it (given the parameter); ``packages``: the
     ``__init__.py`` files, through which a base may be named."""
     found = dict(threaded)
