@@ -46,11 +46,13 @@ class Worker(Protocol[First_co, Instruction_contra, Second_co]):
 
 
 class TaskQueue:
-    """Tasks taken one at a time by whichever process asks first, across forks: a pipe made before
-    forking and filled once, before anyone takes, by the process that made it. Each task is a 4-byte
-    record (pipe writes and reads this small are whole, so no lock is shared: a child killed while
-    taking leaves none held), at most :attr:`RECORDS` of them so the filling never waits for a
-    reader; a reader finds the pipe empty (not blocking) when every task is taken."""
+    """Tasks taken one at a time by whichever process asks first, across forks, through a pipe.
+
+    The pipe is made before forking and filled once, before anyone takes, by the process that made
+    it. Each task is a 4-byte record (pipe writes and reads this small are whole, so no lock is
+    shared: a child killed while taking leaves none held), at most :attr:`RECORDS` of them so the
+    filling never waits for a reader; a reader finds the pipe empty (not blocking) when every task
+    is taken."""
 
     RECORDS = 4096
 
@@ -99,9 +101,10 @@ def two_phases(
     *,
     fork: bool,
 ) -> tuple[list[First], list[Second] | None]:
-    """Each worker's first phase, then ``between`` on their results in order (the instruction for
-    each worker, or None to stop there), then each worker's second phase. Every worker runs here
-    unless ``fork``."""
+    """Each worker's first phase, then ``between`` on their results, then each one's second phase.
+
+    ``between`` gets the first phases' results in order and returns the instruction for each worker,
+    or None to stop there. Every worker runs here unless ``fork``."""
     children: list[Child | None] = [None]
     try:
         for make in makers[1:] if fork else ():

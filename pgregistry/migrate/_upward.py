@@ -49,17 +49,20 @@ __all__ = ["Upward", "thread_upward"]
 
 @dataclass(frozen=True)
 class Upward:
-    """What threading upward decided: the functions given the parameter (``functions``: (module,
-    qualified name)), and the method names every ``def`` of which has the parameter (``methods``:
-    name -> keyword), so that a call ``obj.m(...)`` may pass it."""
+    """What threading upward decided: the functions and the method names given the parameter.
+
+    ``functions``: the functions given the parameter ((module, qualified name)); ``methods``: the
+    method names every ``def`` of which has the parameter (name -> keyword), so that a call
+    ``obj.m(...)`` may pass it."""
 
     functions: frozenset[Key] = frozenset()
     methods: Mapping[str, str] = field(default_factory=dict)
 
 
 def _may_be_threaded(definition: DefinitionFacts, binds_keyword: bool) -> bool:
-    """Whether ``definition`` may be given the parameter (in a module that ``binds_keyword`` at its
-    top level, none may): see the module's docstring."""
+    """Whether ``definition`` may be given the parameter: see the module's docstring.
+
+    In a module that ``binds_keyword`` at its top level, none may."""
     name = definition.name
     special = name.startswith("__") and name.endswith("__")
     return not (
@@ -72,8 +75,9 @@ def _may_be_threaded(definition: DefinitionFacts, binds_keyword: bool) -> bool:
 
 
 def _reexport_aliases(keys: Iterable[Key], packages: Mapping[str, bytes]) -> dict[Key, Key]:
-    """Each name a package (``packages``: path -> bytes of its ``__init__.py``) re-exports one of
-    the module-level functions ``keys`` under -> that function."""
+    """Each name under which a package re-exports one of the functions ``keys`` -> that function.
+
+    ``packages``: path -> bytes of its ``__init__.py``; ``keys``: module-level functions."""
     found = add_reexported_names({key: "\0".join(key) for key in keys}, packages)
     return {
         alias: (original.split("\0")[0], original.split("\0")[1])
@@ -88,10 +92,11 @@ def thread_upward(
     packages: Mapping[str, bytes],
     name: str,
 ) -> Upward:
-    """Which read-less functions of the tree (``index``: its files' facts; ``contents``: path ->
-    bytes) get the parameter ``name``. ``threaded``: the functions and methods threaded because they
-    read ((module, qualified name) -> keyword); ``packages``: the ``__init__.py`` files, through
-    which packages re-export functions."""
+    """Which read-less functions of the tree get the parameter ``name``.
+
+    ``index``: the tree's files' facts; ``contents``: path -> bytes. ``threaded``: the functions and
+    methods threaded because they read ((module, qualified name) -> keyword); ``packages``: the
+    ``__init__.py`` files, through which packages re-export functions."""
     seeds = dict(threaded)
     known = {qualname.rpartition(".")[2] for _, qualname in seeds}
     definitions: dict[Key, DefinitionFacts] = {}
@@ -155,8 +160,9 @@ def thread_upward(
             callers_of.setdefault(call, []).append(key)
 
     def methods_threaded_alike(given: set[Key]) -> dict[str, str]:
-        """Method names every ``def`` of which (by count, over the whole tree) is in ``given``, with
-        keyword ``name``."""
+        """Method names every ``def`` of which is in ``given``, with keyword ``name``.
+
+        "Every" is by count: as many ``def``s of the name in ``given`` as over the whole tree."""
         threaded_defs: dict[str, int] = {}
         other_keyword, of_methods = set(), set()
         for module, qualname in given:
