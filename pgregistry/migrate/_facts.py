@@ -68,9 +68,10 @@ _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 def resolve_dotted_name(
     dotted: Sequence[str], module: str, bound: Mapping[str, str], local: Collection[str]
 ) -> Key | None:
-    """(module, name) that ``dotted`` names in ``module``: one of its own ``local`` definitions, or
-    through its imports (``bound``: :func:`~pgregistry.migrate._imports.import_bindings`); None when
-    neither holds it."""
+    """(module, name) that ``dotted`` names in ``module``; None when neither way holds it.
+
+    The name is one of the module's own ``local`` definitions, or found through its imports
+    (``bound``: :func:`~pgregistry.migrate._imports.import_bindings`)."""
     if len(dotted) == 1 and dotted[0] in local:
         return module, dotted[0]
     head = bound.get(dotted[0])
@@ -82,9 +83,10 @@ def resolve_dotted_name(
 
 
 def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str | None:
-    """The spec field a call builds: ``X`` of ``<...>.submodules.X(...)`` (``func``: the callee's
-    dotted parts) or of ``build_module(<...>.submodules.X, ...)`` (``first_argument``: its first
-    argument's parts); None when it is neither."""
+    """The spec field a call builds: ``X`` of ``<...>.submodules.X``; None when it builds none.
+
+    The call is either ``<...>.submodules.X(...)`` (``func``: the callee's dotted parts) or
+    ``build_module(<...>.submodules.X, ...)`` (``first_argument``: its first argument's parts)."""
     if len(func) >= 2 and func[-2] == "submodules":
         return func[-1]
     if func[-1:] == ["build_module"] and first_argument and first_argument[-2:-1] == ["submodules"]:
@@ -94,9 +96,10 @@ def spec_field_of_call(func: list[str], first_argument: list[str] | None) -> str
 
 @dataclass(frozen=True)
 class DefinitionFacts:
-    """A module-level function or a method of a module-level class, as threading upward reads it:
-    its decorators' last names, whether its text (or its class's: ``holds``) names the keyword, and
-    what it calls (a nested function's calls count for it)."""
+    """A module-level function or a method of a module-level class, as threading upward reads it.
+
+    It holds its decorators' last names, whether its text (or its class's: ``holds``) names the
+    keyword, and what it calls (a nested function's calls count for it)."""
 
     key: Key
     name: str
@@ -109,10 +112,12 @@ class DefinitionFacts:
 
 @dataclass(frozen=True)
 class TopLevel:
-    """A module-level ``def`` or ``class``: its parameters a call can name (a class's: its first own
-    ``__init__``'s; None for a class without one), and for a class its first base's dotted name and
-    whether an instantiation runs that base's ``__init__`` unchanged (``inherits``) or through an
-    own ``__init__`` that only forwards to it (``forwards``: see :mod:`._inherited`)."""
+    """A module-level ``def`` or ``class``: the parameters a call can name, and a class's base.
+
+    The parameters of a class are its first own ``__init__``'s (None for a class without one). For a
+    class: its first base's dotted name, and whether an instantiation runs that base's ``__init__``
+    unchanged (``inherits``) or through an own ``__init__`` that only forwards to it (``forwards``:
+    see :mod:`._inherited`)."""
 
     name: str
     is_class: bool
@@ -124,9 +129,10 @@ class TopLevel:
 
 @dataclass(frozen=True)
 class SpecCall:
-    """A call of a spec's field: where, in which function (module, qualified name), the field, and
-    the classes its ``submodules`` is annotated with (empty: not known, any class declaring the
-    field)."""
+    """A call of a spec's field: where, in which function, the field, and its annotated classes.
+
+    The function is (module, qualified name); the classes are those its ``submodules`` is annotated
+    with (empty: not known, any class declaring the field)."""
 
     path: str
     line: int
@@ -162,10 +168,11 @@ class FileFacts:
 
 
 def _def_names(data: bytes) -> tuple[frozenset[bytes], dict[str, int]]:
-    """The names after ``def`` in ``data``, and how often each is defined on a ``def`` line (any
-    indentation; a line ends as Python's do). A search for the literal ``def``, the line's start
-    found back to the previous match only (linear in the file however long its lines): a pattern
-    anchored at every line start would be tried at every byte."""
+    """The names after ``def`` in ``data``, and how often each is defined on a ``def`` line.
+
+    A ``def`` line has any indentation; a line ends as Python's do. A search for the literal
+    ``def``, the line's start found back to the previous match only (linear in the file however long
+    its lines): a pattern anchored at every line start would be tried at every byte."""
     words: set[bytes] = set()
     lines: Counter[str] = Counter()
     line = searched = 0
@@ -182,8 +189,9 @@ def _def_names(data: bytes) -> tuple[frozenset[bytes], dict[str, int]]:
 
 
 def _calls_within(node: ast.AST) -> Iterator[ast.Call]:
-    """The calls in ``node`` (itself included): :func:`ast.walk` for calls only, in another order
-    (two fifths faster on megatron/core, where it is most of the facts' time)."""
+    """The calls in ``node`` (itself included): :func:`ast.walk` for calls only, in another order.
+
+    Two fifths faster on megatron/core, where it is most of the facts' time."""
     stack = [node]
     while stack:
         inner = stack.pop()
@@ -214,8 +222,9 @@ def _decorator_last_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple
 
 
 def runs_the_base_init(node: ast.ClassDef) -> bool:
-    """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments,
-    as far as the class itself says: nothing of its own between the call and that ``__init__``."""
+    """Whether instantiating ``node`` runs its first base's ``__init__`` with the call's arguments.
+
+    As far as the class itself says: nothing of its own between the call and that ``__init__``."""
     own = {m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return bool(node.bases) and not (
         node.decorator_list or node.keywords or own & {"__init__", "__new__"}
@@ -223,8 +232,10 @@ def runs_the_base_init(node: ast.ClassDef) -> bool:
 
 
 def forwards_to_the_base_init(node: ast.ClassDef, keyword: str) -> bool:
-    """Whether ``node``'s own ``__init__`` can take ``keyword`` and pass it on through
-    ``super().__init__(...)``, its only way to its base's: see :mod:`._inherited`."""
+    """Whether ``node``'s own ``__init__`` can take ``keyword`` and pass it on to its base's.
+
+    It passes it through ``super().__init__(...)``, its only way to its base's: see
+    :mod:`._inherited`."""
     own = {m.name: m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
     init = own.get("__init__")
     if (
@@ -292,8 +303,10 @@ def _top_level(node: ast.stmt, keyword: str) -> TopLevel | None:
 def _call_target(
     call: ast.Call, module: str, functions: frozenset[str], bound: Mapping[str, str], keyword: str
 ) -> CallTarget | None:
-    """What ``call`` calls: a module-level function (resolved through the file's imports), or a
-    method by name (never ``super().m(...)``: the base may be a class outside the tree)."""
+    """What ``call`` calls: a module-level function or a method by name.
+
+    The function is resolved through the file's imports; the method is never ``super().m(...)``: the
+    base may be a class outside the tree."""
     if any(k.arg is None or k.arg == keyword for k in call.keywords):
         return None  # ``**kwargs`` or the keyword given: the caller passes nothing of its own
     func = call.func
@@ -362,8 +375,9 @@ def _definitions_with_calls(
 def functions_by_qualname(
     module: ast.Module,
 ) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """The module-level functions and the methods of module-level classes of ``module``, with their
-    qualified names (those the plan can name)."""
+    """The module-level functions and the methods of module-level classes of ``module``.
+
+    With their qualified names (those the plan can name)."""
     for top in module.body:
         if isinstance(top, _FUNCTIONS):
             yield top.name, top
@@ -374,8 +388,9 @@ def functions_by_qualname(
 
 
 def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
-    """The last names in ``annotation`` (``MLPSubmodules``, ``Optional[a.MLPSubmodules]``, a
-    string)."""
+    """The last names in ``annotation``.
+
+    An annotation such as ``MLPSubmodules``, ``Optional[a.MLPSubmodules]``, or a string."""
     if annotation is None:
         return frozenset()
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
@@ -388,8 +403,10 @@ def _annotation_names(annotation: ast.expr | None) -> frozenset[str]:
 
 
 def _spec_calls(path: str, module: str, tree: ast.Module, keyword: str) -> Iterator[SpecCall]:
-    """The calls of a spec's field in the module-level functions and methods of ``tree`` that pass
-    neither the keyword nor ``**`` (only those the plan can name its function for)."""
+    """The calls of a spec's field in ``tree`` that pass neither the keyword nor ``**``.
+
+    Only those in the module-level functions and methods of ``tree``: those the plan can name its
+    function for."""
     for qualname, function in functions_by_qualname(tree):
         arguments = function.args
         parameters = {
@@ -416,8 +433,9 @@ def _spec_calls(path: str, module: str, tree: ast.Module, keyword: str) -> Itera
 
 
 def read_file_facts(path: str, data: bytes, tree: ast.Module, keyword: str) -> FileFacts:
-    """The facts of file ``path`` (its bytes ``data``, parsed as ``tree``) for the collection's
-    parameter name ``keyword``."""
+    """The facts of file ``path`` for the collection's parameter name ``keyword``.
+
+    ``data``: its bytes, parsed as ``tree``."""
     module = ".".join(module_name(path))
     bound = import_bindings(tree, path.split("/")[:-1])
     tops = [top for top in (_top_level(node, keyword) for node in tree.body) if top is not None]
@@ -452,16 +470,19 @@ def read_file_facts(path: str, data: bytes, tree: ast.Module, keyword: str) -> F
 
 
 class TreeIndex:
-    """Every file's facts (path -> :class:`FileFacts`, in the tree's order; None for a file that
-    does not parse, which the scan refused already), by path and by module."""
+    """Every file's facts, by path and by module.
+
+    ``facts``: path -> :class:`FileFacts`, in the tree's order; None for a file that does not parse,
+    which the scan refused already."""
 
     def __init__(self, facts: Mapping[str, FileFacts | None]) -> None:
         self.files = {path: found for path, found in facts.items() if found is not None}
         self.by_module = {found.module: found for found in self.files.values()}
 
     def definition(self, key: Key, depth: int = 0) -> tuple[TopLevel, FileFacts] | None:
-        """The module-level ``class`` or ``def`` ``key`` is, followed through the imports of
-        packages that re-export it; None when the tree does not hold it."""
+        """The module-level ``class`` or ``def`` ``key`` is; None when the tree does not hold it.
+
+        Followed through the imports of packages that re-export it."""
         found = self.by_module.get(key[0])
         if found is None or depth > 8:
             return None
