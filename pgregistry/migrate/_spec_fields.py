@@ -67,8 +67,9 @@ __all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields"]
 
 @dataclass(frozen=True)
 class SpecCallLeft:
-    """A call of a spec's field (or of a local assigned classes: ``local``) left without the
-    collection: where it is, the field (the local's name), and why."""
+    """A call of a spec's field left without the collection: where it is, the field, and why.
+
+    With ``local``, a call of a local assigned classes, and the field is the local's name."""
 
     path: str
     line: int
@@ -79,9 +80,10 @@ class SpecCallLeft:
 
 @dataclass(frozen=True)
 class SpecFields:
-    """What the rule decided: the calls that pass the collection ((module, function, field) ->
-    keyword), and the calls left (a field that may hold a threaded class but not only classes shown
-    to take the keyword)."""
+    """What the rule decided: the calls that pass the collection, and the calls left.
+
+    ``passed``: (module, function, field) -> keyword; ``left``: the calls of a field that may hold a
+    threaded class but not only classes shown to take the keyword."""
 
     passed: Mapping[tuple[str, str, str], str] = field(default_factory=dict)
     left: tuple[SpecCallLeft, ...] = ()
@@ -107,8 +109,9 @@ class _Module:
 
 
 class _Tree:
-    """The tree's files (``contents``: path -> bytes; ``index``: their facts), parsed on demand,
-    and the facts the rule reads from them."""
+    """The tree's files, parsed on demand, and the facts the rule reads from them.
+
+    ``contents``: path -> bytes; ``index``: their facts."""
 
     def __init__(self, contents: Mapping[str, bytes], index: TreeIndex, keyword: str) -> None:
         self.contents = contents
@@ -133,8 +136,9 @@ class _Tree:
         return resolve_dotted_name(dotted, where.name, where.facts.bound, where.facts.defined)
 
     def takes_keyword(self, key: Key, threaded: Mapping[Key, str]) -> str | None:
-        """None when calling ``key`` with the keyword is shown to keep behaviour after the rewrite
-        (the tool threads it: its reads fall back field by field), else why not."""
+        """None when calling ``key`` with the keyword is shown to keep behaviour, else why not.
+
+        Behaviour after the rewrite: the tool threads it, and its reads fall back field by field."""
         if threaded.get(key) == self.keyword:
             return None
         label = ".".join(key)
@@ -148,8 +152,9 @@ class _Tree:
         return f"{label} has no parameter {self.keyword}"
 
     def _declares_keyword(self, key: Key, threaded: Mapping[Key, str], depth: int = 0) -> bool:
-        """Whether ``key``'s ``__init__`` (its own or the one it inherits in the tree) or ``def``
-        has the keyword as a parameter a call can name."""
+        """Whether ``key``'s ``__init__`` or ``def`` has the keyword as a parameter a call can name.
+
+        Its ``__init__``: its own or the one it inherits in the tree."""
         found = self.index.definition(key)
         if found is None or depth > 8:
             return False
@@ -166,16 +171,19 @@ class _Tree:
 
 @dataclass
 class _Values:
-    """What the tree puts in one field: the classes (with where each is put) and the first reason a
-    value is not a class the rule can name."""
+    """What the tree puts in one field: the classes, and why a value may not be one.
+
+    ``classes``: each class with where it is put; ``unknown``: the first reason a value is not a
+    class the rule can name."""
 
     classes: dict[Key, str] = field(default_factory=dict)
     unknown: str = ""
 
 
 class _Locals:
-    """The names a scope (a function, or a module's top level) assigns, with their values, read when
-    first asked (most scopes never are)."""
+    """The names a scope assigns, with their values, read when first asked (most scopes never are).
+
+    The scope is a function, or a module's top level."""
 
     def __init__(self, scope: ast.AST) -> None:
         self.scope = scope
@@ -188,8 +196,9 @@ class _Locals:
 
 
 def _name_assignments(scope: ast.AST) -> dict[str, list[ast.expr]]:
-    """The plain names ``scope`` (a function, or a module's top level) assigns, with their values (a
-    function's nested functions' too: more values only make the rule more careful)."""
+    """The plain names ``scope`` (a function, or a module's top level) assigns, with their values.
+
+    A function's nested functions' too: more values only make the rule more careful."""
     found: dict[str, list[ast.expr]] = {}
     stack = list(ast.iter_child_nodes(scope))
     while stack:
@@ -230,8 +239,9 @@ def _field_values(
     depth: int = 0,
     names: _Locals | None = None,
 ) -> None:
-    """Add the classes ``value`` (in ``where``; ``names``: what its scope assigns) may be to
-    ``found``."""
+    """Add the classes ``value`` may be to ``found``.
+
+    ``where``: the module ``value`` is in; ``names``: what its scope assigns."""
     spot = f"{where.path}:{value.lineno}"
     if isinstance(value, ast.Constant) and value.value is None:
         return
@@ -271,8 +281,10 @@ def _field_values(
 def _module_spec_values(
     tree: _Tree, spec: ast.Call, where: _Module, found: _Values, depth: int
 ) -> None:
-    """The class of ``ModuleSpec(module=C, params={...}, ...)``: its params must be a literal dict
-    without the keyword (``build_module`` passes both: a duplicate keyword is a TypeError)."""
+    """The class of ``ModuleSpec(module=C, params={...}, ...)``, whose params lack the keyword.
+
+    Its params must be a literal dict without the keyword: ``build_module`` passes both, and a
+    duplicate keyword is a TypeError."""
     spot = f"{where.path}:{spec.lineno}"
     arguments = {k.arg: k.value for k in spec.keywords}
     module = spec.args[0] if spec.args else arguments.get("module")
@@ -292,8 +304,9 @@ def _module_spec_values(
 
 
 def _method_returns(tree: _Tree, method: str, spot: str, found: _Values, depth: int) -> None:
-    """Add the classes every ``def method`` of the tree returns (a backend's
-    ``row_parallel_linear()``) to ``found`` (read once per method name)."""
+    """Add the classes every ``def method`` of the tree returns to ``found``.
+
+    Such as a backend's ``row_parallel_linear()``; read once per method name."""
     returns = tree.returns.get(method)
     if returns is None:
         returns = tree.returns[method] = _Values()
@@ -341,8 +354,10 @@ Slot = tuple[str | None, str]
 
 @dataclass
 class _FieldsOfTree:
-    """What the tree puts in the fields asked about: by slot, and the submodules classes holding
-    each field (those declaring it and their subclasses, by name)."""
+    """What the tree puts in the fields asked about, by slot, and the classes holding each field.
+
+    ``holders``: the submodules classes holding each field (those declaring it and their subclasses,
+    by name)."""
 
     values: dict[Slot, _Values] = field(default_factory=dict)
     holders: dict[str, set[str]] = field(default_factory=dict)
@@ -350,10 +365,11 @@ class _FieldsOfTree:
     bases: dict[str, set[str]] = field(default_factory=dict)
 
     def of_call(self, call: SpecCall) -> _Values:
-        """Every value the field of ``call`` may hold: of the classes its ``submodules`` is
-        annotated with, their subclasses (an instance of one may be given) and bases (whose defaults
-        they inherit), when one holds the field, else of every class holding it; and the unknown
-        owners'."""
+        """Every value the field of ``call`` may hold, from the classes that may hold it.
+
+        Of the classes its ``submodules`` is annotated with, their subclasses (an instance of one
+        may be given) and bases (whose defaults they inherit), when one holds the field, else of
+        every class holding it; and the unknown owners'."""
         holders = self.holders.get(call.field, set())
         owners = holders & call.annotated
         related: set[str] = {""}
@@ -376,9 +392,11 @@ class _FieldsOfTree:
 
 
 def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
-    """What the tree puts in each field of ``names``: keywords ``X=`` (of a call of a class holding
-    the field: its slot; of any other call: the unknown owner's), assignments ``<...>.X =`` (not
-    ``self.X =``: the part a module built from the field), dataclass defaults ``X: T = v``."""
+    """What the tree puts in each field of ``names``: keywords, assignments, dataclass defaults.
+
+    Keywords ``X=`` (of a call of a class holding the field: its slot; of any other call: the
+    unknown owner's), assignments ``<...>.X =`` (not ``self.X =``: the part a module built from the
+    field), dataclass defaults ``X: T = v``."""
     found = _FieldsOfTree()
     if not names:
         return found
@@ -452,8 +470,10 @@ def _values_of_fields(tree: _Tree, names: set[str]) -> _FieldsOfTree:
 
 
 def _mark_built_positionally(tree: _Tree, found: _FieldsOfTree, names: set[str]) -> None:
-    """Make unknown the fields of ``names`` of each class holding one that the tree builds
-    positionally or from ``**`` (which value lands in which field is not read)."""
+    """Make unknown the fields of ``names`` of each holder built positionally or from ``**``.
+
+    A holder: a class holding one of them, which the tree builds so. Which value lands in which
+    field is not read."""
     holding: dict[str, set[str]] = {}
     for name in names:
         for cls in found.holders.get(name, ()):
@@ -484,8 +504,9 @@ def decide_spec_fields(
     keyword: str,
     classes: Collection[Key] = (),
 ) -> SpecFields:
-    """Which calls of a spec's field, and of a local assigned classes, in the tree (``index``: its
-    files' facts; ``contents``: path -> bytes) pass ``keyword``. ``threaded_classes``: the
+    """Which calls of a spec's field, and of a local assigned classes, in the tree pass ``keyword``.
+
+    ``index``: the tree's files' facts; ``contents``: path -> bytes. ``threaded_classes``: the
     functions and classes that take it after the rewrite ((module, name) -> keyword, subclasses
     inheriting it and names packages re-export included); ``classes``: those of them that are
     classes (a local assigned one of them is looked for)."""
@@ -534,8 +555,9 @@ def decide_spec_fields(
 
 
 def _refusal_reason(tree: _Tree, values: _Values, threaded: Mapping[Key, str]) -> str:
-    """Why a call of ``values`` may not pass the keyword: a value that names no class of the tree,
-    or the first class not shown to take it; empty when it may."""
+    """Why a call of ``values`` may not pass the keyword; empty when it may.
+
+    A value that names no class of the tree, or the first class not shown to take it."""
     if values.unknown:
         return values.unknown
     refusals = [
@@ -548,8 +570,9 @@ def _refusal_reason(tree: _Tree, values: _Values, threaded: Mapping[Key, str]) -
 
 
 def _only_assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    """The names ``function`` binds only by plain assignments (``x = ...``, ``x: T = ...``): no
-    loop, ``with``, unpacking, walrus, ``del``, ``except ... as``, import, nested definition,
+    """The names ``function`` binds only by plain assignments (``x = ...``, ``x: T = ...``).
+
+    No loop, ``with``, unpacking, walrus, ``del``, ``except ... as``, import, nested definition,
     ``global`` or ``nonlocal``, so the assignments' values are every value the name may hold."""
     plain: dict[str, int] = {}
     stored: dict[str, int] = {}
@@ -578,7 +601,9 @@ def _only_assigned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]
 def _local_class_calls(
     tree: _Tree, classes: Collection[Key], threaded: Mapping[Key, str]
 ) -> Iterator[tuple[SpecCall, _Values]]:
-    """The calls ``name(...)`` (passing neither the keyword nor ``**``) of a local ``name`` that a
+    """The calls of a plainly assigned local that may hold a threaded class, with its values.
+
+    The calls ``name(...)`` (passing neither the keyword nor ``**``) of a local ``name`` that a
     module-level function or method assigns only plainly (:func:`_only_assigned`), some value of
     which is one of ``classes`` that takes the keyword (``threaded``), with every value it may hold
     (:func:`_field_values`). Read in the files that assign one of those classes' names (``x = C``,
