@@ -78,8 +78,10 @@ __all__ = ["Migration", "migrate"]
 
 @dataclass
 class Migration:
-    """A run's outcome: the changes to write, every read with its way, the files that could not be
-    read or parsed (nothing may be written then), and how many calls now pass a collection."""
+    """A run's outcome: the changes to write, every read with its way, the failures, the passes.
+
+    ``failures``: the files that could not be read or parsed (nothing may be written then);
+    ``passed``: how many calls now pass a collection."""
 
     changes: list[Change] = field(default_factory=list)
     reads: list[tuple[str, Read]] = field(default_factory=list)
@@ -102,8 +104,9 @@ def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
 
 @dataclass
 class _Parsed:
-    """A file's libcst tree (of its skeleton, where it has one) and the placeholders (with the
-    original bytes of each definition they stand in for)."""
+    """A file's libcst tree (of its skeleton, where it has one) and the placeholders.
+
+    With the original bytes of each definition the placeholders stand in for."""
 
     tree: object
     kept: dict[str, str]
@@ -113,8 +116,9 @@ class _Parsed:
 def _parse_skeleton(
     path: str, data: bytes, syntax: ast.Module, needed: Callable[[int, int, bool], bool]
 ) -> _Parsed | FileResult:
-    """Parse ``data`` (whose :mod:`ast` tree is ``syntax``) with libcst: its skeleton, each
-    definition that is not ``needed`` stood in for by a placeholder."""
+    """Parse ``data``'s skeleton with libcst: each definition not ``needed`` stood in for.
+
+    ``syntax``: the :mod:`ast` tree of ``data``; a placeholder stands in for a definition."""
     import libcst as cst
 
     frame = build_skeleton(data, syntax, needed)
@@ -136,16 +140,18 @@ _INTERNAL = "internal error"
 
 
 def _internal_error(path: str, error: BaseException) -> FileResult:
-    """``error``, raised by this tool on ``path`` (a bug), as the file's failure: the run writes
-    nothing and exits 2, never 1, which ``--check`` keeps for "would change"."""
+    """``error``, raised by this tool on ``path`` (a bug), as the file's failure.
+
+    The run writes nothing and exits 2, never 1, which ``--check`` keeps for "would change"."""
     detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     return FileResult(path, failure=ParseFailure(f"{_INTERNAL} ({detail}); please report it", 1, 1))
 
 
 def _calls_of(names: AbstractSet[str]) -> re.Pattern[bytes] | None:
-    """A call of one of ``names`` (by its plain name, as :func:`decide_passes` resolves it). The
-    lookahead on their first letters spares trying every name at every word (three times faster on
-    megatron/core)."""
+    """A call of one of ``names`` (by its plain name, as :func:`decide_passes` resolves it).
+
+    The lookahead on their first letters spares trying every name at every word (three times faster
+    on megatron/core)."""
     if not names:
         return None
     first = b"".join(sorted({re.escape(n[:1].encode()) for n in names}))
@@ -155,9 +161,11 @@ def _calls_of(names: AbstractSet[str]) -> re.Pattern[bytes] | None:
 
 @dataclass(frozen=True)
 class Helper:
-    """Where ``--target megatron``'s fallback helper goes (``module``: None, the default of the
-    rewritten files' top package), the accessors of the code's Megatron-Core release (none known:
-    0.19's), the tree's line length, and the getters the release's shims call."""
+    """Where ``--target megatron``'s fallback helper goes, and what it must know of the code.
+
+    ``module``: where the helper goes (None, the default: the rewritten files' top package);
+    ``accessors``: the accessors of the code's Megatron-Core release (none known: 0.19's);
+    ``width``: the tree's line length; ``shims``: the getters the release's shims call."""
 
     module: str | None = None
     accessors: Sequence[str] = ()
@@ -182,11 +190,13 @@ def migrate(
     helper: Helper = Helper(),
     progress: Progress = SILENT,
 ) -> Migration:
-    """Plan and rewrite ``files`` (not written). ``target``: ``megatron`` or ``pgregistry``;
-    ``name``: the collection's parameter name; ``gtp_remat``: whether the code's Megatron-Core has
-    GTP remat (:mod:`~pgregistry.migrate._megatron_release`); ``helper``: where the fallback helper
-    goes; ``progress``: where a long run says how far it is. ``ValueError`` for an unknown target, a
-    name that is no identifier or a helper module that is no dotted name.
+    """Plan and rewrite ``files`` (not written).
+
+    ``target``: ``megatron`` or ``pgregistry``; ``name``: the collection's parameter name;
+    ``gtp_remat``: whether the code's Megatron-Core has GTP remat
+    (:mod:`~pgregistry.migrate._megatron_release`); ``helper``: where the fallback helper goes;
+    ``progress``: where a long run says how far it is. ``ValueError`` for an unknown target, a name
+    that is no identifier or a helper module that is no dotted name.
 
     The garbage collector is off meanwhile: the trees stay alive until the end and hold no cycles
     the run must free, so its collections would only rescan them (a tenth of the time on a large
@@ -213,10 +223,12 @@ Threaded = dict[tuple[str, str], str]
 
 @dataclass
 class _Planned:
-    """A worker's first phase: the files it could not parse, the functions and methods it threaded,
-    the classes whose ``__init__`` it threaded
-    (:func:`~pgregistry.migrate._plan.collect_threaded_classes`), and the facts of the files it read
-    (:mod:`._facts`: its files with reads, and those without it took from the queue)."""
+    """A worker's first phase: the files it could not parse, what it threaded, the facts it read.
+
+    ``threaded`` and ``methods``: the functions and methods it threaded; ``classes``: the classes
+    whose ``__init__`` it threaded (:func:`~pgregistry.migrate._plan.collect_threaded_classes`);
+    ``facts``: the facts of the files it read (:mod:`._facts`: its files with reads, and those
+    without it took from the queue)."""
 
     failures: list[FileResult]
     threaded: Threaded
@@ -228,8 +240,10 @@ class _Planned:
 def _file_facts(
     path: str, data: bytes, name: str, syntax: ast.Module | None = None
 ) -> FileFacts | None:
-    """The facts of file ``path`` (parsed as ``syntax``, else here) for the rules between the
-    phases; None when it does not parse (the scan refused the run already)."""
+    """The facts of file ``path`` for the rules between the phases; None when it does not parse.
+
+    ``syntax``: its parsed tree, else it is parsed here. When it does not parse, the scan refused
+    the run already."""
     try:
         return read_file_facts(path, data, ast.parse(data) if syntax is None else syntax, name)
     except (SyntaxError, ValueError):
@@ -238,9 +252,10 @@ def _file_facts(
 
 @dataclass(frozen=True)
 class _Instruction:
-    """What every worker's second phase needs of the others' first: the module-level functions given
-    the parameter (with the names packages re-export them under) and what threading upward
-    decided."""
+    """What every worker's second phase needs of the others' first.
+
+    The module-level functions given the parameter (with the names packages re-export them under)
+    and what threading upward decided."""
 
     threaded: Threaded
     upward: Upward = Upward()
@@ -250,8 +265,9 @@ class _Instruction:
     forwarding: frozenset[tuple[str, str]] = frozenset()
 
     def names(self) -> set[str]:
-        """The names of the functions and methods a caller may now pass a collection to (and
-        ``build_module``, which builds a spec's field)."""
+        """The names of the functions and methods a caller may now pass a collection to.
+
+        And ``build_module``, which builds a spec's field."""
         return (
             {function for _, function in self.threaded}
             | {q.rpartition(".")[2] for _, q in self.upward.functions}
@@ -262,13 +278,15 @@ class _Instruction:
         )
 
     def forwarding_modules(self) -> set[str]:
-        """The modules holding an ``__init__`` that forwards the collection through
-        ``super().__init__``."""
+        """The modules holding an ``__init__`` that forwards the collection.
+
+        It forwards it through ``super().__init__``."""
         return {module for module, _ in self.forwarding}
 
     def forwarding_names(self, module: str) -> set[str]:
-        """``__init__`` where ``module`` holds a forwarding one (its ``def`` is walked then), else
-        nothing."""
+        """``__init__`` where ``module`` holds a forwarding one, else nothing.
+
+        Its ``def`` is walked then."""
         return {"__init__"} if module in self.forwarding_modules() else set()
 
     def mention(self) -> re.Pattern[bytes] | None:
@@ -278,9 +296,11 @@ class _Instruction:
 
 @dataclass
 class _Done:
-    """A worker's second phase done: its files' rewritten bytes, reads (without their tree nodes),
-    the functions threaded, the calls that now pass a collection, the files whose rewrite failed
-    (this tool's bugs), and the files without reads it looked through for calls."""
+    """A worker's second phase done: what it rewrote, read, threaded, passed, failed, looked at.
+
+    Its files' rewritten bytes, reads (without their tree nodes), the functions threaded, the calls
+    that now pass a collection, the files whose rewrite failed (this tool's bugs), and the files
+    without reads it looked through for calls."""
 
     changes: list[tuple[str, bytes]] = field(default_factory=list)
     reads: list[tuple[str, Read]] = field(default_factory=list)
@@ -292,11 +312,12 @@ class _Done:
 
 @dataclass
 class _Worker:
-    """Plans, then rewrites, one share of the files with reads (see
-    :mod:`~pgregistry.migrate._phases`); with the others, reads the facts of the files without reads
-    (taking them from ``facts_queue`` in chunks), then looks through them for calls of the threaded
-    functions, taking them from ``queue`` (how long the rest takes is not known in advance, so they
-    are not split in advance)."""
+    """Plans, then rewrites, one share of the files with reads; with the others, looks for calls.
+
+    See :mod:`~pgregistry.migrate._phases`. With the others, it reads the facts of the files without
+    reads (taking them from ``facts_queue`` in chunks), then looks through them for calls of the
+    threaded functions, taking them from ``queue`` (how long the rest takes is not known in advance,
+    so they are not split in advance)."""
 
     files: list[tuple[str, bytes, tuple[Site, ...]]]
     others: list[list[tuple[str, bytes]]]
@@ -444,8 +465,9 @@ class _Worker:
         mention: re.Pattern[bytes] | None,
         done: _Done,
     ) -> None:
-        """Plan and rewrite those of ``files`` (without reads) that call a threaded function
-        (``mention``: a call of one, None when there is none)."""
+        """Plan and rewrite those of ``files`` (without reads) that call a threaded function.
+
+        ``mention``: a call of one, None when there is none."""
         done.looked += [path for path, _ in files]
         if mention is None:
             return
@@ -475,8 +497,10 @@ class _Worker:
         mention: re.Pattern[bytes] | None,
         done: _Done,
     ) -> None:
-        """The functions of ``plans`` threaded upward, the calls that pass a threaded function its
-        collection, and their rewrites."""
+        """Thread ``plans``' functions upward, decide the calls that pass the collection, rewrite.
+
+        Into ``done``: the functions of ``plans`` threaded upward, the calls that pass a threaded
+        function its collection, and their rewrites."""
         upward = instruction.upward
         try:
             if mention is not None:
@@ -545,11 +569,13 @@ _DEFINED = re.compile(rb"(?:\A|(?<=[\r\n]))[ \t]*(?:(?:async[ \t]+)?def|class)[ 
 
 
 def _may_thread(planned: Sequence[FileResult], contents: Mapping[str, bytes]) -> frozenset[str]:
-    """The names of the functions and classes that may be threaded: a read's enclosing scope whose
-    head some ``def`` or ``class`` names (a superset of the module-level functions and classes with
-    reads; the definitions it matches are parsed, not stood in for, so that once the threaded ones
-    are known their callers can pass the collection). Each file is scanned once for the names it
-    defines (a search per scope would be quadratic in a file's size)."""
+    """The names of the functions and classes that may be threaded, from each read's scope.
+
+    A read's enclosing scope whose head some ``def`` or ``class`` names: a superset of the
+    module-level functions and classes with reads; the definitions it matches are parsed, not stood
+    in for, so that once the threaded ones are known their callers can pass the collection. Each
+    file is scanned once for the names it defines (a search per scope would be quadratic in a file's
+    size)."""
     names = set()
     for result in planned:
         heads = {s.scope.partition(".")[0] for s in result.sites if s.scope != MODULE_SCOPE}
@@ -568,9 +594,10 @@ def _project_root(files: Sequence[SourceFile]) -> Path:
 def _helper_change(
     root: Path, path: str, module: str, helper: Helper, gtp_remat: bool
 ) -> Change | FileResult | None:
-    """The helper module's file (``path`` in the project at ``root``): new, or rewritten where this
-    tool wrote it and it differs; a failure naming it when a file this tool did not write is at its
-    path."""
+    """The helper module's file: new, rewritten, or a failure naming it.
+
+    ``path``: its path in the project at ``root``. It is new, or rewritten where this tool wrote it
+    and it differs; a failure names it when a file this tool did not write is at its path."""
     absolute = root / path
     text = helper_text(helper.accessors, gtp_remat=gtp_remat)
     try:
