@@ -81,8 +81,10 @@ __all__ = [
 
 
 class Way(str, Enum):
-    """What planning decided for a read: the collection's field read through a collection in scope,
-    through the threaded parameter, or through the fallback helper where the read is guarded;
+    """What planning decided for a read: how the collection's field is read, or why it is left.
+
+    ``IN_SCOPE``, ``THREADED``, ``FALLBACK``: the collection's field read through a collection in
+    scope, through the threaded parameter, or through the fallback helper where the read is guarded;
     ``BUILDER``, a read assigned into a field of the collection its function builds by hand, read
     from one ``use_mpu_process_groups`` of that class instead (the same groups, one shim in place of
     many reads); ``LEFT``, left with its reason."""
@@ -312,8 +314,9 @@ def _decorator_names(node: cst.FunctionDef) -> list[str]:
 
 
 def decorator_matches(last: str, words: Sequence[str]) -> bool:
-    """Whether a decorator whose last dotted name is ``last`` is one of ``words`` (a compiler's
-    name also where ``last`` only contains it: ``torch.jit.script_if_tracing``)."""
+    """Whether a decorator whose last dotted name is ``last`` is one of ``words``.
+
+    A compiler's name also where ``last`` only contains it: ``torch.jit.script_if_tracing``."""
     return any(word == last or (word in last and word in COMPILERS) for word in words)
 
 
@@ -339,8 +342,9 @@ def _other_meaning(annotation: cst.Annotation | None) -> bool:
 
 
 def _another_class(annotation: cst.Annotation | None) -> bool:
-    """Whether a parameter named like a collection is annotated as something else, a
-    ``MultiModuleProcessGroupCollection`` (a collection of collections) included."""
+    """Whether a parameter named like a collection is annotated as something else.
+
+    A ``MultiModuleProcessGroupCollection`` (a collection of collections) included."""
     code = cst.Module([]).code_for_node(annotation.annotation) if annotation is not None else ""
     return (
         annotation is not None and re.search(r"(?<!\w)(?:ProcessGroup)?Collection\b", code) is None
@@ -348,8 +352,10 @@ def _another_class(annotation: cst.Annotation | None) -> bool:
 
 
 class _Locator(cst.CSTVisitor):
-    """One walk of the tree: functions with their bindings, the scanner's call sites, every dotted
-    call, and ``self.<name> = ...`` assignments per class."""
+    """One walk of the tree: functions, call sites, dotted calls, ``self.<name> = ...`` per class.
+
+    The functions with their bindings, the scanner's call sites, every dotted call, and the
+    ``self.<name> = ...`` assignments per class."""
 
     def __init__(self, sites: Iterable[Site], name: str) -> None:
         super().__init__()
@@ -687,9 +693,9 @@ class _Locator(cst.CSTVisitor):
 
 
 def _function_choice(read: Read, gtp_remat: bool, virtual_stages: bool = False) -> FieldChoice:
-    """The field of a call site (an accessor or a fallback helper), or the reason none says what it
-    reads (``gtp_remat``, ``virtual_stages``: see
-    :func:`~pgregistry._source.fields.collection_field`)."""
+    """The field of a call site (an accessor or a fallback helper), or why none says what it reads.
+
+    ``gtp_remat``, ``virtual_stages``: see :func:`~pgregistry._source.fields.collection_field`."""
     call = read.call
     assert call is not None
     site = read.site
@@ -759,9 +765,10 @@ def _call_head_name(read: Read) -> str:
 
 
 def _import_bytes(tree: Sequence[ast.stmt], starts: Sequence[int]) -> list[tuple[int, int]]:
-    """The byte ranges of the imports among module-level statements ``tree`` (in ``if`` / ``try``
-    blocks too), in the file whose :func:`~pgregistry.migrate._skeleton.line_starts` are
-    ``starts``."""
+    """The byte ranges of the imports among module-level statements ``tree``.
+
+    In ``if`` / ``try`` blocks too; ``starts``: the file's
+    :func:`~pgregistry.migrate._skeleton.line_starts`."""
     spans: list[tuple[int, int]] = []
     stack = list(tree)
     while stack:
@@ -779,11 +786,12 @@ def _import_bytes(tree: Sequence[ast.stmt], starts: Sequence[int]) -> list[tuple
 
 
 def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]]) -> bool:
-    """Whether ``data`` may bind ``head`` other than by a module-level import (byte ranges
-    ``imports``): an assignment, a parameter, a loop or ``with`` target, ``global``. A superset, by
-    the text, of where libcst's scopes could find such a binding, so that they are resolved only for
-    the reads whose object may be something else than an import (a function's scopes cost as much as
-    parsing it)."""
+    """Whether ``data`` may bind ``head`` other than by a module-level import, by its text.
+
+    ``imports``: the imports' byte ranges. Another binding: an assignment, a parameter, a loop or
+    ``with`` target, ``global``. A superset, by the text, of where libcst's scopes could find such a
+    binding, so that they are resolved only for the reads whose object may be something else than an
+    import (a function's scopes cost as much as parsing it)."""
     name = re.escape(head.encode())
     pattern = re.compile(
         rb"\b" + name + rb"[ \t]*(?::[^=\n]*)?(?:[-+*/%&|^@]|//|\*\*|>>|<<)?=(?!=)"
@@ -800,8 +808,9 @@ def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]])
 def _imports_the_module(
     head: str, bindings: Mapping[str, str], facts: TreeFacts, package: list[str]
 ) -> bool:
-    """Whether an import binds ``head`` to a configured ``parallel_state`` module or to a name in
-    one (or nothing does): then libcst's scopes need not be resolved for it, unless
+    """Whether an import binds ``head`` to a configured ``parallel_state`` module or a name in one.
+
+    Or nothing does. Then libcst's scopes need not be resolved for it, unless
     :func:`_bound_otherwise`."""
     bound = bindings.get(head)
     if bound is None:
@@ -819,10 +828,11 @@ def _imports_the_module(
 def _statement_scopes(
     source: cst.Module, reads: Sequence[Read]
 ) -> Mapping[cst.CSTNode, Scope | None]:
-    """libcst's scopes of the statements holding ``reads``, resolved on a module of them (of a
-    module-level class, only its members that hold reads: a method does not see its class's names)
-    and every module-level statement that is no definition (the imports and globals their names may
-    be bound to): the whole file's would cost three times its parse."""
+    """libcst's scopes of the statements holding ``reads``, resolved on a module of them.
+
+    Of a module-level class, only its members that hold reads (a method does not see its class's
+    names); with every module-level statement that is no definition (the imports and globals their
+    names may be bound to). The whole file's would cost three times its parse."""
     members: dict[int, set[int]] = {}
     for read in reads:
         members.setdefault(read.top, set()).add(read.member)
@@ -871,8 +881,9 @@ class _WithoutDefinitions(cst.CSTTransformer):
 
 
 def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str:
-    """The dotted name the import of ``assignment`` names for the name it binds (``a.b.c`` for
-    ``import a.b.c`` and ``from a.b import c``)."""
+    """The dotted name the import of ``assignment`` names for the name it binds.
+
+    ``a.b.c`` for ``import a.b.c`` and ``from a.b import c``."""
     node = assignment.node
     assert isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(
         node.names, cst.ImportStar
@@ -908,11 +919,12 @@ def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None
 def _not_parallel_state(
     read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts, package: list[str]
 ) -> str | None:
-    """Why the object a ``parallel_state`` read is called on (or the bare accessor) is not the
-    module itself: it is bound to a parameter, a local, a global assigned in the file, an attribute
-    of one of them, or an import of another module; None when it is bound to an import of a
-    configured ``parallel_state`` module only, or to nothing in the file (the scanner's own
-    resolution: a configured alias, a star import)."""
+    """Why the object a ``parallel_state`` read is called on is not the module itself, or None.
+
+    The object, or the bare accessor, is bound to a parameter, a local, a global assigned in the
+    file, an attribute of one of them, or an import of another module. None when it is bound to an
+    import of a configured ``parallel_state`` module only, or to nothing in the file (the scanner's
+    own resolution: a configured alias, a star import)."""
     assert read.call is not None
     func = read.call.func
     target = func.value if isinstance(func, cst.Attribute) else func
@@ -950,8 +962,10 @@ def _not_parallel_state(
 
 
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
-    """Whether ``read`` is the whole value of ``<name>.field = read`` in a function that builds
-    ``<name>`` with ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's
+    """Whether ``read`` fills a field of a ``ProcessGroupCollection()`` its function builds.
+
+    Whether it is the whole value of ``<name>.field = read`` in a function that builds ``<name>``
+    with ``ProcessGroupCollection()``, reading a group the table names: Megatron-Core's
     ``use_mpu_process_groups`` reads the very same group for that field (a pseudo field, which no
     collection has, is none)."""
     if (
@@ -988,9 +1002,10 @@ def _collection_in_scope(
     name: str,
     collections: frozenset[str] = frozenset(),
 ) -> tuple[str, bool, bool] | str | None:
-    """(expression, may be None, read inline) of the collection in scope at top-level statement
-    ``statement`` of ``function``; a reason string when a name is bound in a way that hides it; None
-    when there is none.
+    """The collection in scope at top-level statement ``statement`` of ``function``.
+
+    (expression, may be None, read inline) of it; a reason string when a name is bound in a way that
+    hides it; None when there is none.
 
     In order: the function's own ``name`` (a parameter, a local assigned above), an enclosing
     function's (a closure), ``self.<attribute>`` that its class assigns or declares a collection
@@ -1050,10 +1065,11 @@ def _collection_in_scope(
 def _chains_tied_to_class(
     chains: frozenset[str], function: Function, facts: TreeFacts
 ) -> frozenset[str]:
-    """The ``chains`` in scope in ``function``'s class (of its outermost function when it is
-    nested): a ``self.<a>.<b>`` chain only where the tree ties it to that class
-    (:meth:`TreeFacts.ties_class`), not in every method that has a ``self`` (an unrelated class's
-    ``self.<a>`` may be anything, most often missing)."""
+    """The ``chains`` in scope in ``function``'s class; ``self.<a>.<b>`` only where tied to it.
+
+    The class of its outermost function when it is nested. A ``self.<a>.<b>`` chain only where the
+    tree ties it to that class (:meth:`TreeFacts.ties_class`), not in every method that has a
+    ``self`` (an unrelated class's ``self.<a>`` may be anything, most often missing)."""
     method_of = function.method_of or _outermost_function(function).method_of
     cls = method_of.name.value if method_of is not None else ""
     return frozenset(chain for chain in chains if facts.ties_class(chain, cls))
@@ -1090,9 +1106,11 @@ def _enclosing_collection(
     name: str,
     collections: frozenset[str],
 ) -> tuple[str, bool, bool] | str | None:
-    """The collection in scope in ``root`` (``self.<attribute>``, ``<parameter>.<attribute>``) where
-    the statement of ``root`` that defines ``function`` runs, read by ``function`` inline as a
-    closure; a reason when ``function`` binds a name that hides it."""
+    """The collection in scope in ``root`` where it defines ``function``, read inline as a closure.
+
+    ``self.<attribute>`` or ``<parameter>.<attribute>``, in scope where the statement of ``root``
+    that defines ``function`` runs, read by ``function`` inline as a closure; a reason when
+    ``function`` binds a name that hides it."""
     child = function
     while child.parent is not root and child.parent is not None:
         child = child.parent
@@ -1111,8 +1129,10 @@ def _enclosing_collection(
 
 
 class _Classes:
-    """The bases of a file's classes, resolved through its imports: which are autograd Functions,
-    and which derive from a class outside the tree (whose methods a framework may call back)."""
+    """The bases of a file's classes, resolved through its imports: autograd, or outside the tree.
+
+    Which are autograd Functions, and which derive from a class outside the tree (whose methods a
+    framework may call back)."""
 
     def __init__(
         self, syntax: ast.Module, bindings: Mapping[str, str], package: list[str], facts: TreeFacts
@@ -1259,9 +1279,10 @@ _MODULE_LEVEL = "module level: runs at import, before any collection exists"
 
 
 def reads_left_by_site(sites: Sequence[Site]) -> list[Read] | None:
-    """The reads of a file whose every site stays for a reason its site alone gives (a module-level
-    read or shim, a reference): the way :func:`plan_file` decides them, without a libcst tree. None
-    for any other file."""
+    """The reads of a file whose every site stays for a reason its site alone gives; else None.
+
+    A module-level read or shim, a reference: the way :func:`plan_file` decides them, without a
+    libcst tree. None for any other file."""
     reasons = [
         _site_reason(site) or (_MODULE_LEVEL if site.scope == MODULE_SCOPE else None)
         for site in sites
@@ -1293,15 +1314,16 @@ def plan_file(
     kept_shims: Mapping[tuple[int, int], str] | None = None,
     virtual_stages: bool = False,
 ) -> FilePlan:
-    """Locate ``sites`` in ``source`` and decide each read's way; threading is decided here, passing
-    by :func:`decide_passes` once every file is planned. ``data``: the file's bytes, when at hand
-    (else ``source``'s code), and ``syntax`` their :mod:`ast` tree. ``source`` may be their skeleton
-    (:mod:`~pgregistry.migrate._skeleton`): a placeholder is never walked, its definition's name is
-    taken from ``syntax``. ``gtp_remat``: whether the code's Megatron-Core has GTP remat (which
-    fields its data-parallel reads are, see :func:`~pgregistry._source.fields.collection_field`).
-    ``facts``: what the whole tree says (:func:`~pgregistry.migrate._tree.learn_tree`; default: the
-    ratchet's default modules, no other file). ``shims``: what the release's
-    ``use_mpu_process_groups`` calls for each field
+    """Locate ``sites`` in ``source`` and decide each read's way.
+
+    Threading is decided here, passing by :func:`decide_passes` once every file is planned.
+    ``data``: the file's bytes, when at hand (else ``source``'s code), and ``syntax`` their
+    :mod:`ast` tree. ``source`` may be their skeleton (:mod:`~pgregistry.migrate._skeleton`): a
+    placeholder is never walked, its definition's name is taken from ``syntax``. ``gtp_remat``:
+    whether the code's Megatron-Core has GTP remat (which fields its data-parallel reads are, see
+    :func:`~pgregistry._source.fields.collection_field`). ``facts``: what the whole tree says
+    (:func:`~pgregistry.migrate._tree.learn_tree`; default: the ratchet's default modules, no other
+    file). ``shims``: what the release's ``use_mpu_process_groups`` calls for each field
     (:func:`~pgregistry.migrate._megatron_release.shim_getters`; None: not known, every shim stays);
     ``kept_shims``: the shims (line, column) a first planning dissolved but could give no
     collection, and why: planned again with them kept, as their locals are collections to the file's
@@ -1524,9 +1546,9 @@ def _dissolve_shim(
     shims: Mapping[str, tuple[str, dict[str, object]]] | None,
     gtp_remat: bool,
 ) -> None:
-    """Decide whether shim ``read`` is dissolved into its field reads (:mod:`._shims`): set its
-    ``shim``, or its reason. A dissolved shim's local is no collection in scope, and its name is
-    free."""
+    """Decide whether shim ``read`` is dissolved into its field reads: set its ``shim`` or reason.
+
+    See :mod:`._shims`. A dissolved shim's local is no collection in scope, and its name is free."""
     assert read.call is not None
     body = function.node.body
     if not isinstance(body, cst.IndentedBlock) or read.statement >= len(body.body):
@@ -1567,8 +1589,10 @@ def _skip_placeholders(
 def _statement_spans(
     body: Sequence[cst.BaseStatement], tree: Sequence[ast.stmt]
 ) -> tuple[list[tuple[int, int]], list[list[ast.stmt]]]:
-    """The first and last line of each statement of a libcst ``body``, and its :mod:`ast` statements
-    (of the same body's ``tree``: a libcst statement line holds one or more, ``a; b``)."""
+    """The first and last line of each statement of a libcst ``body``, and its ``ast`` statements.
+
+    Those of the same body's ``tree`` (:mod:`ast`): a libcst statement line holds one or more,
+    ``a; b``."""
     spans: list[tuple[int, int]] = []
     groups: list[list[ast.stmt]] = []
     position = 0
@@ -1590,10 +1614,11 @@ def _ast_dotted(node: ast.expr) -> str | None:
 
 
 def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | None]]:
-    """The calls in ``statements`` as (line, column of the callee, dotted callee) in source
-    pre-order: by start, the outer of two calls that start together first. A walk of the libcst tree
-    meets its calls in that order, so the n-th call it meets is the n-th here (checked by the
-    callee's name): the scanner's positions (ast's) locate its sites without libcst's
+    """The calls in ``statements`` as (line, column of the callee, dotted callee) in pre-order.
+
+    Source pre-order: by start, the outer of two calls that start together first. A walk of the
+    libcst tree meets its calls in that order, so the n-th call it meets is the n-th here (checked
+    by the callee's name): the scanner's positions (ast's) locate its sites without libcst's
     PositionProvider, many times slower."""
     calls = [
         node
@@ -1610,9 +1635,10 @@ def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | Non
 def _node_positions(
     source: cst.Module, spans: list[tuple[int, int]], lines: set[int]
 ) -> dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]]:
-    """For each module-level statement covering one of ``lines``: its nodes' positions (computed on
-    a module of that statement alone, far cheaper than the whole file's) and the line offset that
-    makes them the file's."""
+    """Node positions of each module-level statement covering one of ``lines``, with an offset.
+
+    For each such statement: its nodes' positions (computed on a module of that statement alone, far
+    cheaper than the whole file's) and the line offset that makes them the file's."""
     found: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}
     ordered = sorted(lines)
     for index, (start, end) in enumerate(spans):
@@ -1637,8 +1663,9 @@ def _absolute_module(module: str, package: list[str]) -> str:
 def _resolve_dotted(
     dotted: list[str], bindings: Mapping[str, str], package: list[str]
 ) -> str | None:
-    """The dotted name ``dotted`` stands for through the file's imports (``bindings``); None when no
-    import binds its first name."""
+    """The dotted name ``dotted`` stands for through the file's imports (``bindings``), or None.
+
+    None when no import binds its first name."""
     bound = bindings.get(dotted[0])
     if bound is None:
         return None
@@ -1660,8 +1687,10 @@ def _module_function_of_call(plan: FilePlan, dotted: list[str]) -> tuple[str, st
 
 
 def collect_threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
-    """The module-level functions a collection was threaded into: (module, name) -> the parameter
-    added. Only those are passed one: a method may be overridden where the scan does not look."""
+    """The module-level functions a collection was threaded into, with the parameter added.
+
+    (module, name) -> the parameter added. Only those are passed one: a method may be overridden
+    where the scan does not look."""
     return {
         (plan.module, function.node.name.value): function.added
         for plan in plans
@@ -1671,9 +1700,10 @@ def collect_threaded_functions(plans: Iterable[FilePlan]) -> dict[tuple[str, str
 
 
 def collect_threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
-    """The methods of module-level classes a collection was threaded into: (module,
-    ``Class.method``) -> the parameter added (their callers pass it only where every method of that
-    name is threaded alike, see :mod:`~pgregistry.migrate._upward`)."""
+    """The methods of module-level classes a collection was threaded into, with the parameter.
+
+    (module, ``Class.method``) -> the parameter added. Their callers pass it only where every method
+    of that name is threaded alike, see :mod:`~pgregistry.migrate._upward`."""
     return {
         (plan.module, function.qualname): function.added
         for plan in plans
@@ -1686,13 +1716,14 @@ def collect_threaded_methods(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
 
 
 def collect_threaded_classes(plans: Iterable[FilePlan]) -> dict[tuple[str, str], str]:
-    """The module-level classes whose own ``__init__`` a collection was threaded into: (module,
-    class) -> the parameter added, so that a call of the class itself passes it as a call of a
-    threaded function does. Only a class whose instantiation is sure to reach that ``__init__`` with
-    the keyword: never one with a decorator (it may stand for something else), a metaclass or other
-    class keyword (its ``__call__`` may take other arguments), or a ``__new__`` of its own (called
-    with the same arguments). A subclass is none of these: its own ``__init__``, or one it inherits
-    from a class outside the file, is not known to take the keyword."""
+    """The module-level classes whose own ``__init__`` a collection was threaded into.
+
+    (module, class) -> the parameter added, so that a call of the class itself passes it as a call
+    of a threaded function does. Only a class whose instantiation is sure to reach that ``__init__``
+    with the keyword: never one with a decorator (it may stand for something else), a metaclass or
+    other class keyword (its ``__call__`` may take other arguments), or a ``__new__`` of its own
+    (called with the same arguments). A subclass is none of these: its own ``__init__``, or one it
+    inherits from a class outside the file, is not known to take the keyword."""
     found = {}
     for plan in plans:
         for function in plan.functions:
@@ -1724,11 +1755,12 @@ def collect_threaded_classes(plans: Iterable[FilePlan]) -> dict[tuple[str, str],
 def add_reexported_names(
     threaded: Mapping[tuple[str, str], str], packages: Mapping[str, bytes]
 ) -> dict[tuple[str, str], str]:
-    """``threaded`` with the names packages re-export its functions under: ``from .common_utils
-    import f`` in ``pkg/__init__.py`` (``packages``: path -> bytes of such files) makes ``pkg.f``
-    the same function, so a call through the package (``from pkg import f``, ``pkg.f(...)``) is
-    passed the collection too; chains of packages are followed. Module-level imports only (in ``if``
-    / ``try`` blocks too), read with :mod:`ast`."""
+    """``threaded`` with the names packages re-export its functions under.
+
+    ``from .common_utils import f`` in ``pkg/__init__.py`` (``packages``: path -> bytes of such
+    files) makes ``pkg.f`` the same function, so a call through the package (``from pkg import f``,
+    ``pkg.f(...)``) is passed the collection too; chains of packages are followed. Module-level
+    imports only (in ``if`` / ``try`` blocks too), read with :mod:`ast`."""
     found = dict(threaded)
     if not found:
         return found
@@ -1777,8 +1809,9 @@ def decide_passes(
     forwarding: Collection[tuple[str, str]] = (),
     local_classes: Mapping[tuple[str, str, str], str] | None = None,
 ) -> int:
-    """Decide which calls pass a threaded function the caller's collection (the caller's own, or the
-    one threaded into it): fills each plan's ``passes``; returns how many calls pass one.
+    """Decide which calls pass a threaded function the caller's collection; return how many do.
+
+    The caller's own collection, or the one threaded into it; fills each plan's ``passes``.
     ``threaded``: every file's :func:`collect_threaded_functions` (default: those of ``plans``);
     ``methods``: method names every ``def`` of which in the tree has the parameter (name ->
     keyword): a call ``obj.m(...)`` on anything no import binds passes it; ``spec_fields``: the
@@ -1857,8 +1890,10 @@ def _keyword_of_forwarding_or_local_call(
     forwarding: Collection[tuple[str, str]],
     local_classes: Mapping[tuple[str, str, str], str],
 ) -> str | None:
-    """The keyword a ``super().__init__(...)`` of a forwarding ``__init__`` passes, or a call of a
-    local assigned classes; None when it is neither."""
+    """The keyword a forwarding ``super().__init__(...)`` or a local class call passes, or None.
+
+    A ``super().__init__(...)`` of a forwarding ``__init__``, or a call of a local assigned classes;
+    None when it is neither."""
     if tuple(call.dotted) == SUPER_INIT:
         return name if (module, qualname) in forwarding else None
     if len(call.dotted) == 1:
@@ -1869,8 +1904,9 @@ def _keyword_of_forwarding_or_local_call(
 def _spec_keyword(
     module: str, call: Call, spec_fields: Mapping[tuple[str, str, str], str]
 ) -> str | None:
-    """The keyword a call of a spec's field in ``module`` passes (``spec_fields``: (module,
-    function, field) -> keyword), None when it is none."""
+    """The keyword a call of a spec's field in ``module`` passes, None when it is none.
+
+    ``spec_fields``: (module, function, field) -> keyword."""
 
     arguments = call.node.args
     first = (
@@ -1885,9 +1921,10 @@ def _spec_keyword(
 
 
 def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
-    """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern`` (a
-    call of a function a collection was threaded into), so :func:`decide_passes` sees their
-    calls."""
+    """Walk the module-level statements of ``plan`` not walked yet whose text matches ``pattern``.
+
+    ``pattern``: a call of a function a collection was threaded into; walked so
+    :func:`decide_passes` sees their calls."""
     locator = plan.locator
     if locator is None or plan.data is None:
         return
@@ -1907,9 +1944,10 @@ def visit_mentions(plan: FilePlan, pattern: re.Pattern[bytes]) -> None:
 
 
 def collection_mentions(name: str) -> re.Pattern[bytes]:
-    """Where a collection may be named or bound: a word containing ``name`` (``pg_collection``,
-    ``self._pg_collection``) or a construction assigned (the class members to walk for
-    ``self.<attribute> = ...``)."""
+    """Where a collection may be named or bound: a word containing ``name``, or a construction.
+
+    A word such as ``pg_collection``, ``self._pg_collection``; a construction assigned (the class
+    members to walk for ``self.<attribute> = ...``)."""
     return re.compile(
         rb"\w*"
         + re.escape(name.encode())
@@ -1918,9 +1956,10 @@ def collection_mentions(name: str) -> re.Pattern[bytes]:
 
 
 def _holds_a_collection(attribute: str, value: cst.BaseExpression | None, name: str) -> bool:
-    """Whether assigning ``value`` to ``attribute`` makes it a collection: by its name
-    (``_pg_collection``, see :func:`~pgregistry.migrate._tree.names_a_collection`) or by its value
-    (``ProcessGroupCollection(...)``, ``use_mpu_process_groups(...)``)."""
+    """Whether assigning ``value`` to ``attribute`` makes it a collection, by its name or value.
+
+    By its name (``_pg_collection``, see :func:`~pgregistry.migrate._tree.names_a_collection`) or by
+    its value (``ProcessGroupCollection(...)``, ``use_mpu_process_groups(...)``)."""
     return (
         names_a_collection(attribute, name)
         or isinstance(value, cst.Call)
