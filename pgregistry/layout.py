@@ -396,6 +396,7 @@ class ParallelLayout:
 
     def groups_tensor(self, kind: str) -> torch.Tensor:
         """Every group of ``kind`` as a ``[num_groups, group_size]`` int64 tensor (fast path)."""
+        _check_kind_is_a_name(kind)
         if kind in DENSE_GROUP_KINDS:
             return self._dense.all_groups(DENSE_GROUP_KINDS[kind])
         if kind in EXPERT_GROUP_KINDS:
@@ -413,6 +414,7 @@ class ParallelLayout:
         >>> ParallelLayout(num_ranks=131072, tp=8, pp=16).group_shape("dp")
         (128, 1024)
         """
+        _check_kind_is_a_name(kind)
         if kind in _PIPELINE_EDGE_KINDS:
             return self.num_ranks // self.pp, len(self._pipeline_edges(kind))
         if kind in DENSE_GROUP_KINDS:
@@ -429,7 +431,8 @@ class ParallelLayout:
 
         ``embd`` and ``pos_embd`` hold the first and last pipeline stage (``[first]`` when pp is 1)
         and the first stage of each pipeline group, as Megatron-Core builds them; ranks outside them
-        belong to no such group. ``ValueError`` for an unknown kind, listing the known ones.
+        belong to no such group. ``ValueError`` for an unknown kind, listing the known ones;
+        ``TypeError`` for a kind that is no str.
 
         Example:
             >>> ParallelLayout(num_ranks=8, tp=2, pp=2).groups("dp")
@@ -560,6 +563,17 @@ class ParallelLayout:
         close = difflib.get_close_matches(kind, GROUP_KINDS, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"unknown group kind {kind!r}{hint} Known kinds: {', '.join(GROUP_KINDS)}"
+
+
+def _check_kind_is_a_name(kind: object) -> None:
+    """``TypeError`` for a kind that is no str (``None``, a list of kinds), listing the names.
+
+    Else the lookups fail inside ``dict`` or difflib with a message that names neither."""
+    if not isinstance(kind, str):
+        raise TypeError(
+            f"group kind must be a str (one of {', '.join(GROUP_KINDS)}), "
+            f"got {kind!r} ({type(kind).__name__})"
+        )
 
 
 _AXIS_SIZES: Final = (

@@ -283,3 +283,14 @@ def test_group_shape_is_the_enumerated_shape(kw: dict[str, object]) -> None:
         assert layout.group_shape(kind) == (len(groups), len(groups[0])), kind
     with pytest.raises(ValueError, match="unknown group kind 'dp_pc'"):
         layout.group_shape("dp_pc")
+
+
+def test_a_group_kind_that_is_no_string_is_named_as_such() -> None:
+    """``groups(None)`` raised ``TypeError: 'NoneType' object is not iterable`` from difflib, ``groups(['tp'])``
+    ``unhashable type: 'list'``: neither said that a kind is a name."""
+    layout = ParallelLayout(num_ranks=4, tp=2)
+    for query in (layout.groups, layout.groups_tensor, layout.group_shape):
+        for kind in (None, 3, ["tp"], ("tp",)):
+            with pytest.raises(TypeError, match=rf"group kind must be a str \(one of tp, gtp_remat, .*\), got "
+                                                rf"{re.escape(repr(kind))} \({type(kind).__name__}\)"):
+                query(kind)  # type: ignore[arg-type]
