@@ -147,6 +147,18 @@ def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int)
         raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
 
 
+def _order_text(order: object) -> str:
+    """``order`` lower-cased; ``TypeError`` unless it is a str (an :class:`OrderToken` is one).
+
+    Stringifying anything else read ``None`` as the axis ``'none'`` and a list as one odd axis."""
+    if not isinstance(order, str):
+        raise TypeError(
+            f"order must be a str of axes joined by '-' (such as {DEFAULT_ORDER!r}), "
+            f"got {order!r} ({type(order).__name__})"
+        )
+    return str.lower(order)
+
+
 MAX_WORLD_SIZE: Final = 2**31 - 1
 """The most ranks a world may have: torch.distributed keeps ranks and world sizes in a C ``int``."""
 
@@ -238,6 +250,7 @@ class ParallelLayout:
         ValueError: a size that does not divide ``num_ranks``, an unknown or repeated axis in
             ``order``, or more ranks than torch.distributed addresses; the message names the
             offending size, so an invalid layout cannot exist.
+        TypeError: ``order`` not a str.
 
     Example:
         >>> layout = ParallelLayout(num_ranks=8, tp=2, pp=2)
@@ -258,7 +271,7 @@ class ParallelLayout:
     )
     gtp_remat: int = attrs.field(default=1, validator=_check_positive)
     expt_gtp_remat: int = attrs.field(default=1, validator=_check_positive)
-    order: str = attrs.field(default=DEFAULT_ORDER, converter=lambda s: str(s).lower())
+    order: str = attrs.field(default=DEFAULT_ORDER, converter=lambda s: _order_text(s))
     rank_offset: int = attrs.field(default=0, validator=_non_negative)
     dp: int = attrs.field(init=False)
     expt_dp: int = attrs.field(init=False)

@@ -294,3 +294,16 @@ def test_a_group_kind_that_is_no_string_is_named_as_such() -> None:
             with pytest.raises(TypeError, match=rf"group kind must be a str \(one of tp, gtp_remat, .*\), got "
                                                 rf"{re.escape(repr(kind))} \({type(kind).__name__}\)"):
                 query(kind)  # type: ignore[arg-type]
+
+
+def test_an_order_that_is_no_string_is_refused_naming_order() -> None:
+    """``order=None`` was read as the axis ``'none'``, ``order=['tp', 'dp']`` as the axis ``"['tp', 'dp']"``, and
+    ``order=OrderToken.TP`` as ``'ordertoken.tp'``: the order was stringified before it was checked."""
+    for order in (None, ["tp", "dp"], ("tp", "dp"), 1):
+        with pytest.raises(TypeError, match=rf"order must be a str of axes joined by '-' \(such as 'tp-cp-ep-dp-pp'\), "
+                                            rf"got {re.escape(repr(order))} \({type(order).__name__}\)"):
+            ParallelLayout(num_ranks=4, order=order)  # type: ignore[arg-type]
+    from pgregistry.layout import OrderToken
+
+    assert ParallelLayout(num_ranks=4, tp=4, order=OrderToken.TP).order == "tp"
+    assert ParallelLayout(num_ranks=4, tp=2, order="TP-DP") == ParallelLayout(num_ranks=4, tp=2, order="tp-dp")
