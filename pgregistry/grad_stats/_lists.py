@@ -70,7 +70,7 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     Returns:
         A 0-dim int64 tensor.
     """
-    zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.of(None, zeros=True))).zeros
+    zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.zeros_only())).zeros
     assert zeros is not None
     return zeros
 

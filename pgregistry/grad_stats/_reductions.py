@@ -88,8 +88,18 @@ class Wanted:
     zeros: bool
 
     @classmethod
-    def of(cls, norm_type: float | None, zeros: bool) -> Wanted:
-        return cls(None if norm_type is None else norm_type_as_float(norm_type), zeros)
+    def of(cls, norm_type: float, zeros: bool) -> Wanted:
+        """The ``norm_type``-norm (checked: ``None`` is no norm type, ``TypeError``), and the zero
+        count when ``zeros``.
+
+        ``None`` is refused here rather than read as "no norm": given by a user as ``norm_type``,
+        it would reach the end of the reduction and fail there naming nothing."""
+        return cls(norm_type_as_float(norm_type), zeros)
+
+    @classmethod
+    def zeros_only(cls) -> Wanted:
+        """The zero count alone, no norm."""
+        return cls(None, zeros=True)
 
     @property
     def infinite(self) -> bool:
