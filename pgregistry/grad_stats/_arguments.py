@@ -22,6 +22,7 @@ __all__ = [
     "max_norm_error",
     "norm_type_error",
     "real_number",
+    "total_norm_as_tensor",
 ]
 
 
@@ -80,3 +81,36 @@ def norm_type_as_float(norm_type: object) -> float:
     if error is not None:
         raise error
     return float(norm_type)  # type: ignore[arg-type]  # a real number: norm_type_error found none
+
+
+def total_norm_as_tensor(total_norm: object, device: torch.device | None) -> torch.Tensor:
+    """A given ``total_norm`` as a 0-dim float64 tensor on ``device`` (its own, for a tensor).
+
+    ``TypeError`` for no real number or one-element real tensor (a string, ``None``, a bool, a
+    complex or two-element tensor); ``ValueError`` for a negative one, whose coefficient would flip
+    every grad's sign. A tensor off the CPU is not read back (no host sync): its sign is checked on
+    the device by :func:`~pgregistry.grad_stats._reductions.clip_coefficient`. NaN and inf pass:
+    they mean "leave the grads unscaled"."""
+    if isinstance(total_norm, torch.Tensor):
+        real = not (total_norm.is_complex() or total_norm.dtype == torch.bool)
+        if total_norm.numel() == 1 and real:
+            norm = total_norm.detach().reshape(()).to(torch.float64)
+            _refuse_negative(total_norm, float(norm) if norm.device.type == "cpu" else 0.0)
+            return norm
+    else:
+        number = real_number(total_norm)
+        if number is not None:
+            _refuse_negative(total_norm, number)
+            return torch.tensor(number, dtype=torch.float64, device=device)
+    raise TypeError(
+        "total_norm must be a real number or a one-element real tensor, "
+        f"got {total_norm!r} ({type(total_norm).__name__})"
+    )
+
+
+def _refuse_negative(total_norm: object, value: float) -> None:
+    if value < 0:
+        raise ValueError(
+            "total_norm must be a norm: 0 or more (NaN or inf: the grads are left unscaled), "
+            f"got {total_norm!r}"
+        )

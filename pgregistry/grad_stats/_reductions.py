@@ -471,10 +471,11 @@ def clip_coefficient(max_norm: float, norm64: torch.Tensor) -> torch.Tensor:
     """``max_norm / (norm + 1e-6)`` clamped at 1 (float64, no host sync); 1 for a non-finite norm.
 
     A NaN or infinite norm's coefficient would be NaN or 0 and would poison or erase the finite
-    grads too."""
+    grads too; a negative one (no norm: a caller's, on a device) would flip every grad's sign."""
     check_max_norm(max_norm)
     clipped = torch.clamp(max_norm / (norm64 + CLIP_EPSILON), max=1.0)
-    return torch.where(torch.isfinite(norm64), clipped, torch.ones_like(clipped))
+    a_norm = torch.isfinite(norm64) & (norm64 >= 0)
+    return torch.where(a_norm, clipped, torch.ones_like(clipped))
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> None:
