@@ -20,6 +20,7 @@ __all__ = [
     "check_max_norm",
     "norm_type_as_float",
     "max_norm_error",
+    "max_norm_scalar",
     "norm_type_error",
     "real_number",
     "total_norm_as_tensor",
@@ -73,6 +74,15 @@ def check_max_norm(max_norm: object) -> None:
     error = max_norm_error(max_norm)
     if error is not None:
         raise error
+
+
+def max_norm_scalar(max_norm: float) -> float:
+    """A checked ``max_norm``, a one-element tensor of any shape made 0-dim (its fault raised).
+
+    A ``[1]``-shaped ``max_norm`` would make the coefficient ``[1]``-shaped, which the scaling
+    kernels refuse after the norm's reduction; a 0-dim tensor stays on its device (no host sync)."""
+    check_max_norm(max_norm)
+    return max_norm.reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm
 
 
 def norm_type_as_float(norm_type: object) -> float:

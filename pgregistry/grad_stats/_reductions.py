@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import FIELD_NAMES, GroupName, group_size
-from pgregistry.grad_stats._arguments import check_max_norm, norm_type_as_float
+from pgregistry.grad_stats._arguments import check_max_norm, max_norm_scalar, norm_type_as_float
 
 __all__ = [
     "CLIP_EPSILON",
@@ -457,7 +457,7 @@ class Clipping:
     (:func:`~pgregistry.grad_stats._fused.clip_over_`: no operations on the host); torch's route
     takes :meth:`coefficient`, made once."""
 
-    max_norm: float
+    max_norm: float = attrs.field(converter=max_norm_scalar)
     norm64: torch.Tensor
     _coefficient: torch.Tensor | None = attrs.field(default=None, init=False)
 
@@ -472,8 +472,7 @@ def clip_coefficient(max_norm: float, norm64: torch.Tensor) -> torch.Tensor:
 
     A NaN or infinite norm's coefficient would be NaN or 0 and would poison or erase the finite
     grads too; a negative one (no norm: a caller's, on a device) would flip every grad's sign."""
-    check_max_norm(max_norm)
-    clipped = torch.clamp(max_norm / (norm64 + CLIP_EPSILON), max=1.0)
+    clipped = torch.clamp(max_norm_scalar(max_norm) / (norm64 + CLIP_EPSILON), max=1.0)
     a_norm = torch.isfinite(norm64) & (norm64 >= 0)
     return torch.where(a_norm, clipped, torch.ones_like(clipped))
 
