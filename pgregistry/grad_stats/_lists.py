@@ -103,8 +103,8 @@ def clip_grads_(
         The coefficient applied (a 0-dim float32 tensor).
 
     Raises:
-        TypeError: ``max_norm`` not a real number; ``total_norm`` neither a real number nor a
-            one-element real tensor.
+        TypeError: a grad that is no tensor (``None``); ``max_norm`` not a real number;
+            ``total_norm`` neither a real number nor a one-element real tensor.
         ValueError: ``max_norm`` not positive and finite; ``total_norm`` negative (read on the
             host only; a negative norm on a device leaves the grads unscaled, as NaN does).
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite ``total_norm``.
@@ -115,6 +115,12 @@ def clip_grads_(
         clip_grads_([p.grad for p in model.parameters()], 1.0, norm)
     """
     check_max_norm(max_norm)
+    for index, grad in enumerate(grads):
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(
+                f"grads[{index}] is {grad!r} ({type(grad).__name__}), not a tensor: pass the grads "
+                "that are set (skip a parameter whose .grad is None)"
+            )
     norm = total_norm_as_tensor(total_norm, grads[0].device if grads else None)
     check_finite(norm, error_if_nonfinite)
     coeff = clip_coefficient(max_norm, norm)

@@ -57,3 +57,14 @@ def test_a_negative_norm_read_on_the_device_leaves_the_grads_unscaled() -> None:
     for norm in (-5.0, -CLIP_EPSILON / 2, float("nan"), float("inf")):
         assert float(clip_coefficient(1.0, torch.tensor(norm, dtype=torch.float64))) == 1.0, norm
     assert float(clip_coefficient(1.0, torch.tensor(4.0, dtype=torch.float64))) == 1.0 / (4.0 + CLIP_EPSILON)
+
+
+@pytest.mark.parametrize("grads", [[torch.ones(2), None], [torch.ones(2), 1.0]])
+def test_a_grad_that_is_no_tensor_is_named_by_its_position(grads: list[object]) -> None:
+    """``clip_grads_([None], ...)`` raised ``AttributeError: 'NoneType' object has no attribute 'device'`` (a
+    parameter's unset ``.grad`` passed along)."""
+    with pytest.raises(TypeError, match=re.escape(f"grads[1] is {grads[1]!r} ({type(grads[1]).__name__}), not a "
+                                                  "tensor: pass the grads that are set (skip a parameter whose .grad "
+                                                  "is None)")):
+        clip_grads_(grads, 1.0, 5.0)  # type: ignore[arg-type]
+    assert grads[0].tolist() == [1.0, 1.0]  # type: ignore[union-attr]
