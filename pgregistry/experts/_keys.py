@@ -40,9 +40,20 @@ _INDEX: Final = re.compile(r"[0-9]+")
 _GROUPED_TAIL: Final = re.compile(r"(weight|bias)([0-9]+)(_w|_v)?")
 
 
+def _check_integer(name: str, value: object) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (a bool is no expert index)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
 def _num_local(num_experts: int, ep_size: int) -> int:
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+    """The experts of one EP rank; ``ValueError`` for sizes that are no positive integers.
+
+    ``ep_size`` is checked here too: :func:`expert_owner` takes no rank to check it with, and a zero
+    divided by zero, a negative one answered wrong owners."""
+    for name, size in (("num_experts", num_experts), ("ep_size", ep_size)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
     if num_experts % ep_size:
         raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts}")
     return num_experts // ep_size
@@ -50,9 +61,8 @@ def _num_local(num_experts: int, ep_size: int) -> int:
 
 def check_ep(ep_rank: int, ep_size: int) -> None:
     """``ValueError`` unless ``ep_rank``, ``ep_size`` are ints with ``0 <= ep_rank < ep_size``."""
-    for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+    _check_integer("ep_rank", ep_rank)
+    _check_integer("ep_size", ep_size)
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise ValueError(
             f"ep_rank {ep_rank} is not a rank of an expert-parallel group of size {ep_size}"
@@ -74,8 +84,8 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
         The expert's index in the whole model.
 
     Raises:
-        ValueError: an index or rank out of range, or an ``ep_size`` that does not divide
-            ``num_experts``.
+        ValueError: an index or rank that is no integer or out of range, or an ``ep_size`` that
+            does not divide ``num_experts``.
 
     Example:
         >>> global_expert_index(1, num_experts=8, ep_rank=2, ep_size=4)
@@ -83,6 +93,7 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
     """
     check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
+    _check_integer("local_index", local_index)
     if not 0 <= local_index < num_local:
         raise ValueError(
             f"local expert index {local_index} is out of range: {num_experts} "
@@ -105,14 +116,15 @@ def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int
         The EP rank holding it and its index there.
 
     Raises:
-        ValueError: ``global_index`` out of range, or an ``ep_size`` that does not divide
-            ``num_experts``.
+        ValueError: ``global_index`` not an integer or out of range, an ``ep_size`` that is no
+            positive integer or does not divide ``num_experts``.
 
     Example:
         >>> expert_owner(5, num_experts=8, ep_size=4)
         (2, 1)
     """
     num_local = _num_local(num_experts, ep_size)
+    _check_integer("global_index", global_index)
     if not 0 <= global_index < num_experts:
         raise ValueError(
             f"global expert index {global_index} is out of range for {num_experts} experts"
