@@ -151,7 +151,11 @@ def _parse_index(text: str, key: str) -> int:
 
 
 def expert_slot(key: str) -> ExpertSlot | None:
-    """Where the expert index sits in ``key``, or ``None`` when ``key`` names no expert."""
+    """Where the expert index sits in ``key``, or ``None`` when ``key`` names no expert.
+
+    ``TypeError`` for a key that is no str."""
+    if not isinstance(key, str):
+        raise TypeError(f"a state-dict key must be a str, got {key!r} ({type(key).__name__})")
     segments = key.split(".")
     for j, segment in enumerate(segments[:-1]):
         if segment == "local_experts" and _INDEX.fullmatch(segments[j + 1]):
@@ -175,6 +179,9 @@ def is_expert_key(key: str) -> bool:
 
     Returns:
         ``True`` for ``...local_experts.<i>...`` and grouped GEMM's ``...experts...weight<i>`` keys.
+
+    Raises:
+        TypeError: ``key`` no str.
 
     Example:
         >>> is_expert_key("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")
@@ -220,6 +227,7 @@ def globalize_expert_keys(
         ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not
             divide ``num_experts``; a key's local index not below ``num_experts // ep_size``; with
             ``strict``, a family of expert keys missing a local expert.
+        TypeError: ``state_dict`` no mapping, or a key of it no str.
 
     Example:
         >>> local = {"local_experts.0.w": "a", "local_experts.1.w": "b", "embedding.w": "c"}
@@ -272,6 +280,7 @@ def localize_expert_keys(
         ValueError: a key of another rank's expert with ``foreign="raise"``; ``foreign`` neither
             value; the errors of :func:`globalize_expert_keys`, with global indices checked against
             ``num_experts``.
+        TypeError: as :func:`globalize_expert_keys`.
 
     Example:
         >>> whole = {f"local_experts.{index}.w": index for index in range(4)}
@@ -348,7 +357,12 @@ def _rename_expert_keys(
     """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)``.
 
     ``None`` leaves the entry out; the other keys are kept, in order; ``ValueError`` when two keys
-    get one name."""
+    get one name; ``TypeError`` for a ``state_dict`` that is no mapping, or a key that is no str."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            "state_dict must be a mapping of key -> value (a state dict), "
+            f"got {type(state_dict).__name__}"
+        )
     out: dict[str, V] = {}
     for key, value in state_dict.items():
         slot = expert_slot(key)

@@ -266,3 +266,17 @@ def test_a_size_or_index_of_no_plain_integer_is_refused_naming_it(call: Callable
         call()
     assert expert_owner(5, 8, 2) == (1, 1)
     assert global_expert_index(1, 8, 1, 2) == 5
+
+
+def test_a_key_that_is_no_str_or_a_state_dict_that_is_no_mapping_is_named() -> None:
+    """``is_expert_key(None)`` and a state dict with an int key raised ``AttributeError: ... has no attribute
+    'split'``; a list of keys given as the state dict ``'list' object has no attribute 'items'``."""
+    key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    with pytest.raises(TypeError, match=re.escape("a state-dict key must be a str, got None (NoneType)")):
+        is_expert_key(None)  # type: ignore[arg-type]
+    for rename in (globalize_expert_keys, localize_expert_keys):
+        with pytest.raises(TypeError, match=re.escape("a state-dict key must be a str, got 1 (int)")):
+            rename({key: 0, 1: 1}, 2, 0, 2)  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match=re.escape("state_dict must be a mapping of key -> value (a state dict), "
+                                                      "got list")):
+            rename([key], 2, 0, 2)  # type: ignore[arg-type]
