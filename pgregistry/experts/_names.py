@@ -80,6 +80,13 @@ class GlobalNamer:
         num_experts: int | None = None,
         layer_offsets: Sequence[int] | None = None,
     ) -> None:
+        if layer_offsets is not None and (
+            not isinstance(layer_offsets, Sequence) or isinstance(layer_offsets, str)
+        ):
+            raise TypeError(
+                "layer_offsets must be a sequence of ints, one per model chunk (a list), "
+                f"got {type(layer_offsets).__name__}"
+            )
         if layer_offsets is not None and len(layer_offsets) != len(chunks):
             raise ValueError(
                 f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks"

@@ -212,3 +212,12 @@ def test_a_chunks_num_experts_of_no_integer_is_refused_not_truncated(count: obje
         "layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
     )
 
+
+@pytest.mark.parametrize("offsets", [5, iter([0]), "0"])
+def test_layer_offsets_that_are_no_sequence_of_ints_are_named(offsets: object) -> None:
+    """``layer_offsets=5`` raised ``TypeError: object of type 'int' has no len()``, a generator likewise."""
+    stage = build_stage(0, 1, 0, 1)
+    with pytest.raises(TypeError, match=rf"layer_offsets must be a sequence of ints, one per model chunk "
+                                        rf"\(a list\), got {type(offsets).__name__}"):
+        named_global_parameters(stage, pg_collection=ep_collection(0, 1), layer_offsets=offsets)  # type: ignore[arg-type]
+
