@@ -324,7 +324,14 @@ def _expert_count(value: object, chunk_index: int) -> int:
     return count
 
 
-def _not_held(param: torch.Tensor, count: int) -> ValueError:
+def _not_held(param: object, count: int) -> Exception:
+    """Why ``param`` has no name: no chunk holds it (``ValueError``), or it is no tensor."""
+    import torch
+
+    if not isinstance(param, torch.Tensor):
+        return TypeError(
+            f"param must be a parameter of the model chunks, got {type(param).__name__}"
+        )
     return ValueError(
         f"parameter of shape {tuple(param.shape)} is not held by any of the {count} model chunks"
     )

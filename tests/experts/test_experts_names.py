@@ -18,6 +18,7 @@ from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, atta
 from pgregistry.experts import (
     get_ep_rank_and_size,
     get_global_unique_param_name,
+    global_param_name_fn,
     named_global_parameters,
 )
 from pgregistry.global_grid import initialize_global_grid
@@ -221,3 +222,14 @@ def test_layer_offsets_that_are_no_sequence_of_ints_are_named(offsets: object) -
                                         rf"\(a list\), got {type(offsets).__name__}"):
         named_global_parameters(stage, pg_collection=ep_collection(0, 1), layer_offsets=offsets)  # type: ignore[arg-type]
 
+
+@pytest.mark.parametrize("param", [None, "layers.0.norm.weight"])
+def test_a_param_that_is_no_tensor_is_named(param: object) -> None:
+    """``get_global_unique_param_name(model, None)`` raised ``AttributeError: ... has no attribute 'shape'``, and so
+    did the function of ``global_param_name_fn``."""
+    stage = build_stage(0, 1, 0, 1)
+    message = rf"param must be a parameter of the model chunks, got {type(param).__name__}"
+    with pytest.raises(TypeError, match=message):
+        get_global_unique_param_name(stage, param, pg_collection=ep_collection(0, 1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=message):
+        global_param_name_fn(stage, pg_collection=ep_collection(0, 1))(param)  # type: ignore[arg-type]
