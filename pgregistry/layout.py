@@ -747,12 +747,14 @@ def _check_groups_kept(
     The data-parallel coordinates are renumbered in order; then every group keeps its members. Holds
     whenever whole replicas leave (see the module docstring); checked rather than assumed, because
     the dense and expert grids interleave their axes in ways the order string chooses."""
-    dense_kept = [d for d in range(old.dp) if d not in dense_gone]
-    expert_kept = [e for e in range(old.expt_dp) if e not in expert_gone]
+    # Coordinate -> its place among the kept ones, by lookup: a list's index() per rank made this
+    # quadratic in the data-parallel size (25 s at 65536 ranks of dp 32768, days at 2**20).
+    dense_kept = _kept_positions(old.dp, dense_gone)
+    expert_kept = _kept_positions(old.expt_dp, expert_gone)
     for rank, new_rank in rank_map.items():
         want = dict(coords[rank])
-        want["dp"] = dense_kept.index(want["dp"])
-        want["expt_dp"] = expert_kept.index(want["expt_dp"])
+        want["dp"] = dense_kept[want["dp"]]
+        want["expt_dp"] = expert_kept[want["expt_dp"]]
         got = new.coords(new_rank)
         if got != want:
             raise ValueError(
@@ -760,6 +762,15 @@ def _check_groups_kept(
                 f"renumbered {new_rank} on {new!r} it would sit at {got}, not "
                 f"{want}. Reload a checkpoint on a layout that fits the survivors"
             )
+
+
+def _kept_positions(size: int, gone: Iterable[int]) -> dict[int, int]:
+    """Each coordinate in ``range(size)`` but ``gone`` -> its place among those kept, in order."""
+    left = set(gone)
+    return {
+        coordinate: place
+        for place, coordinate in enumerate(c for c in range(size) if c not in left)
+    }
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:
