@@ -271,7 +271,7 @@ class ParallelLayout:
     )
     gtp_remat: int = attrs.field(default=1, validator=_check_positive)
     expt_gtp_remat: int = attrs.field(default=1, validator=_check_positive)
-    order: str = attrs.field(default=DEFAULT_ORDER, converter=lambda s: _order_text(s))
+    order: str = attrs.field(default=DEFAULT_ORDER, converter=_order_text)
     rank_offset: int = attrs.field(default=0, validator=_non_negative)
     dp: int = attrs.field(init=False)
     expt_dp: int = attrs.field(init=False)
