@@ -89,11 +89,10 @@ class Wanted:
 
     @classmethod
     def of(cls, norm_type: float, zeros: bool) -> Wanted:
-        """The ``norm_type``-norm (checked: ``None`` is no norm type, ``TypeError``), and the zero
-        count when ``zeros``.
+        """The ``norm_type``-norm (checked), and the zero count when ``zeros``.
 
-        ``None`` is refused here rather than read as "no norm": given by a user as ``norm_type``,
-        it would reach the end of the reduction and fail there naming nothing."""
+        ``None`` is no norm type (``TypeError``), not "no norm": a user's ``norm_type=None`` would
+        reach the end of the reduction and fail there naming nothing."""
         return cls(norm_type_as_float(norm_type), zeros)
 
     @classmethod
