@@ -749,8 +749,8 @@ def _check_groups_kept(
     the dense and expert grids interleave their axes in ways the order string chooses."""
     # Coordinate -> its place among the kept ones, by lookup: a list's index() per rank made this
     # quadratic in the data-parallel size (25 s at 65536 ranks of dp 32768, days at 2**20).
-    dense_kept = _kept_positions(old.dp, dense_gone)
-    expert_kept = _kept_positions(old.expt_dp, expert_gone)
+    dense_kept = _positions_after_removing(old.dp, dense_gone)
+    expert_kept = _positions_after_removing(old.expt_dp, expert_gone)
     for rank, new_rank in rank_map.items():
         want = dict(coords[rank])
         want["dp"] = dense_kept[want["dp"]]
@@ -764,7 +764,7 @@ def _check_groups_kept(
             )
 
 
-def _kept_positions(size: int, gone: Iterable[int]) -> dict[int, int]:
+def _positions_after_removing(size: int, gone: Iterable[int]) -> dict[int, int]:
     """Each coordinate in ``range(size)`` but ``gone`` -> its place among those kept, in order."""
     left = set(gone)
     return {
