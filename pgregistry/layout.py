@@ -30,7 +30,7 @@ import hashlib
 import math
 import operator
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, SupportsIndex
 
 import attrs
 
@@ -135,6 +135,15 @@ GROUP_KINDS: Final[tuple[str, ...]] = (
     *_PIPELINE_EDGE_KINDS,
 )
 """Every group kind a layout enumerates, in the deterministic order groups are created."""
+
+
+def _plain_int(value: object) -> object:
+    """An integer of any type (``np.int64``) as an int; anything else as given, for the validator.
+
+    The validators take ``int`` alone: a NumPy size was refused as "must be a positive integer"."""
+    if isinstance(value, SupportsIndex) and not isinstance(value, bool | int):
+        return operator.index(value)
+    return value
 
 
 def _check_positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -261,18 +270,20 @@ class ParallelLayout:
         ValueError: num_ranks 6 is not divisible by tp*gtp_remat*cp*pp = 4*1*1*1 = 4
     """
 
-    num_ranks: int = attrs.field(validator=_check_positive)
-    tp: int = attrs.field(default=1, validator=_check_positive)
-    cp: int = attrs.field(default=1, validator=_check_positive)
-    pp: int = attrs.field(default=1, validator=_check_positive)
-    ep: int = attrs.field(default=1, validator=_check_positive)
+    num_ranks: int = attrs.field(converter=_plain_int, validator=_check_positive)
+    tp: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
+    cp: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
+    pp: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
+    ep: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
     expt_tp: int = attrs.field(
-        default=attrs.Factory(lambda self: self.tp, takes_self=True), validator=_check_positive
+        default=attrs.Factory(lambda self: self.tp, takes_self=True),
+        converter=_plain_int,
+        validator=_check_positive,
     )
-    gtp_remat: int = attrs.field(default=1, validator=_check_positive)
-    expt_gtp_remat: int = attrs.field(default=1, validator=_check_positive)
+    gtp_remat: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
+    expt_gtp_remat: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
     order: str = attrs.field(default=DEFAULT_ORDER, converter=_order_text)
-    rank_offset: int = attrs.field(default=0, validator=_non_negative)
+    rank_offset: int = attrs.field(default=0, converter=_plain_int, validator=_non_negative)
     dp: int = attrs.field(init=False)
     expt_dp: int = attrs.field(init=False)
     _dense: _Grid = attrs.field(init=False, repr=False, eq=False)

@@ -307,3 +307,14 @@ def test_an_order_that_is_no_string_is_refused_naming_order() -> None:
 
     assert ParallelLayout(num_ranks=4, tp=4, order=OrderToken.TP).order == "tp"
     assert ParallelLayout(num_ranks=4, tp=2, order="TP-DP") == ParallelLayout(num_ranks=4, tp=2, order="tp-dp")
+
+
+def test_a_size_of_any_integer_type_is_taken_as_its_int() -> None:
+    """``ParallelLayout(num_ranks=np.int64(8))`` was refused as "num_ranks must be a positive integer, got
+    np.int64(8)", which it is; ranks of any integer type were taken already (``groups_of(np.int64(3))``)."""
+    layout = ParallelLayout(num_ranks=np.int64(8), tp=np.int32(2), pp=np.uint8(2), rank_offset=np.int64(8))  # type: ignore[arg-type]
+    assert layout == ParallelLayout(num_ranks=8, tp=2, pp=2, rank_offset=8)
+    assert type(layout.num_ranks) is int and type(layout.tp) is int and type(layout.rank_offset) is int
+    assert layout.fingerprint() == ParallelLayout(num_ranks=8, tp=2, pp=2, rank_offset=8).fingerprint()
+    with pytest.raises(ValueError, match=r"tp must be a positive integer, got 0"):
+        ParallelLayout(num_ranks=8, tp=np.int64(0))  # type: ignore[arg-type]
