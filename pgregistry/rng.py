@@ -482,6 +482,7 @@ def seed_plan(
 
     Raises:
         ValueError: ``seed`` not an integer in [0, 2**64).
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -502,6 +503,7 @@ def _rank_seeds(
     progress: Callable[[int], None] | None,
 ) -> Iterator[tuple[int, dict[str, int], dict[str, int]]]:
     """``(rank, coordinates, tracker name -> seed)`` for every rank of ``layout``, in rank order."""
+    _check_layout(layout)
     sizes = layout.axis_sizes()
     first = layout.rank_range()[0]
     for rank in range(*layout.rank_range()):
@@ -524,6 +526,15 @@ def _rank_seeds(
                 coords["expt_gtp_remat"],
                 sizes["expt_gtp_remat"],
             ),
+        )
+
+
+def _check_layout(layout: object) -> None:
+    """``TypeError`` for a ``layout`` that is no :class:`ParallelLayout` (``None``, keywords)."""
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(
+            "layout must be a pgregistry.layout.ParallelLayout (such as "
+            f"ParallelLayout(num_ranks=8, tp=2)), got {type(layout).__name__}"
         )
 
 
@@ -616,6 +627,7 @@ def check_seed_plan(
 
     Raises:
         ValueError: ``seed`` not an integer in [0, 2**64).
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -705,12 +717,14 @@ def check_seed_plan_size(
 
     Raises:
         ValueError: ``seed`` not an integer in [0, 2**64).
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
         >>> check_seed_plan_size(ParallelLayout(num_ranks=4, tp=2), 1234)
         (5, 0)
     """
+    _check_layout(layout)
     sizes = layout.axis_sizes()
     streams = 0
     active = [t for t in _STREAM_AXES if t not in (GTP_REMAT_RNG, EGTP_REMAT_RNG)]

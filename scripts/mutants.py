@@ -81,11 +81,22 @@ MUTANTS: tuple[Mutant, ...] = (
         name="nan-clip-coefficient",
         bug="a non-finite norm clips by a NaN (or zero) coefficient, poisoning every grad",
         file="pgregistry/grad_stats/_reductions.py",
-        find="return torch.where(torch.isfinite(norm64), clipped, torch.ones_like(clipped))",
+        find="return torch.where(a_norm, clipped, torch.ones_like(clipped))",
         replace="return clipped",
         tests=(
             "tests/grad_stats/test_grad_stats_nonfinite.py::"
             "test_a_non_finite_norm_leaves_every_grad_unscaled_on_every_rank",
+        ),
+    ),
+    Mutant(
+        name="negative-norm-clip-coefficient",
+        bug="a negative total_norm on a device (not read back) clips by a negative coefficient: every grad flipped",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="a_norm = torch.isfinite(norm64) & (norm64 >= 0)",
+        replace="a_norm = torch.isfinite(norm64)",
+        tests=(
+            "tests/grad_stats/test_clip_grads_total_norm.py::"
+            "test_a_negative_norm_read_on_the_device_leaves_the_grads_unscaled",
         ),
     ),
     Mutant(

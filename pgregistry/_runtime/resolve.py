@@ -100,6 +100,11 @@ def source_of(model_or_params: ParamsLike) -> Source:
         return Source((), [model_or_params], model_or_params)
     if isinstance(model_or_params, Mapping):
         return Source((), list(model_or_params.values()), model_or_params)
+    if not isinstance(model_or_params, Iterable):  # else list() says "'NoneType' ... not iterable"
+        raise TypeError(
+            "expected a model, model chunks, a name -> parameter mapping, a tensor or an iterable "
+            f"of tensors, got {model_or_params!r} ({type(model_or_params).__name__})"
+        )
     items = list(model_or_params)
     if items and all(isinstance(item, nn.Module) for item in items):
         return Source(tuple(items), None, items)

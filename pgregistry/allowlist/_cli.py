@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pgregistry._runtime.empty_options import empty_option
+from pgregistry._runtime.exact_options import ExactOptionParser
 from pgregistry._source.cache import ScanCache
 from pgregistry._source.config import ConfigError, Settings
 from pgregistry._source.engine import ScanReport, default_jobs, scan_files, scan_sources
@@ -194,9 +195,7 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pgregistry.allowlist``: the same command without the rest of the CLI."""
-    parser = argparse.ArgumentParser(
-        prog="python -m pgregistry.allowlist", description=_DESCRIPTION
-    )
+    parser = ExactOptionParser(prog="python -m pgregistry.allowlist", description=_DESCRIPTION)
     add_actions(parser)
     args = parser.parse_args(argv)
     code: int = args.handler(args)

@@ -19,6 +19,8 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
+from pgregistry._runtime.exact_options import ExactOptionParser
+
 __all__ = ["main"]
 
 _COMMAND_MODULES: tuple[str, ...] = (
@@ -33,7 +35,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
 
 def _build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every sub-command registered."""
-    parser = argparse.ArgumentParser(
+    parser = ExactOptionParser(
         prog="pgregistry",
         description="Explicit process-group collections for distributed PyTorch training.",
     )

@@ -40,9 +40,20 @@ _INDEX: Final = re.compile(r"[0-9]+")
 _GROUPED_TAIL: Final = re.compile(r"(weight|bias)([0-9]+)(_w|_v)?")
 
 
+def _check_integer(name: str, value: object) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (a bool is no expert index)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
 def _num_local(num_experts: int, ep_size: int) -> int:
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+    """The experts of one EP rank; ``ValueError`` for sizes that are no positive integers.
+
+    ``ep_size`` is checked here too: :func:`expert_owner` takes no rank to check it with, and a zero
+    divided by zero, a negative one answered wrong owners."""
+    for name, size in (("num_experts", num_experts), ("ep_size", ep_size)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
     if num_experts % ep_size:
         raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts}")
     return num_experts // ep_size
@@ -50,9 +61,8 @@ def _num_local(num_experts: int, ep_size: int) -> int:
 
 def check_ep(ep_rank: int, ep_size: int) -> None:
     """``ValueError`` unless ``ep_rank``, ``ep_size`` are ints with ``0 <= ep_rank < ep_size``."""
-    for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+    _check_integer("ep_rank", ep_rank)
+    _check_integer("ep_size", ep_size)
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise ValueError(
             f"ep_rank {ep_rank} is not a rank of an expert-parallel group of size {ep_size}"
@@ -74,8 +84,8 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
         The expert's index in the whole model.
 
     Raises:
-        ValueError: an index or rank out of range, or an ``ep_size`` that does not divide
-            ``num_experts``.
+        ValueError: an index or rank that is no integer or out of range, or an ``ep_size`` that
+            does not divide ``num_experts``.
 
     Example:
         >>> global_expert_index(1, num_experts=8, ep_rank=2, ep_size=4)
@@ -83,6 +93,7 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
     """
     check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
+    _check_integer("local_index", local_index)
     if not 0 <= local_index < num_local:
         raise ValueError(
             f"local expert index {local_index} is out of range: {num_experts} "
@@ -105,14 +116,15 @@ def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int
         The EP rank holding it and its index there.
 
     Raises:
-        ValueError: ``global_index`` out of range, or an ``ep_size`` that does not divide
-            ``num_experts``.
+        ValueError: ``global_index`` not an integer or out of range, an ``ep_size`` that is no
+            positive integer or does not divide ``num_experts``.
 
     Example:
         >>> expert_owner(5, num_experts=8, ep_size=4)
         (2, 1)
     """
     num_local = _num_local(num_experts, ep_size)
+    _check_integer("global_index", global_index)
     if not 0 <= global_index < num_experts:
         raise ValueError(
             f"global expert index {global_index} is out of range for {num_experts} experts"
@@ -139,7 +151,11 @@ def _parse_index(text: str, key: str) -> int:
 
 
 def expert_slot(key: str) -> ExpertSlot | None:
-    """Where the expert index sits in ``key``, or ``None`` when ``key`` names no expert."""
+    """Where the expert index sits in ``key``, or ``None`` when ``key`` names no expert.
+
+    ``TypeError`` for a key that is no str."""
+    if not isinstance(key, str):
+        raise TypeError(f"a state-dict key must be a str, got {key!r} ({type(key).__name__})")
     segments = key.split(".")
     for j, segment in enumerate(segments[:-1]):
         if segment == "local_experts" and _INDEX.fullmatch(segments[j + 1]):
@@ -163,6 +179,9 @@ def is_expert_key(key: str) -> bool:
 
     Returns:
         ``True`` for ``...local_experts.<i>...`` and grouped GEMM's ``...experts...weight<i>`` keys.
+
+    Raises:
+        TypeError: ``key`` no str.
 
     Example:
         >>> is_expert_key("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")
@@ -208,6 +227,7 @@ def globalize_expert_keys(
         ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not
             divide ``num_experts``; a key's local index not below ``num_experts // ep_size``; with
             ``strict``, a family of expert keys missing a local expert.
+        TypeError: ``state_dict`` no mapping, or a key of it no str.
 
     Example:
         >>> local = {"local_experts.0.w": "a", "local_experts.1.w": "b", "embedding.w": "c"}
@@ -260,6 +280,7 @@ def localize_expert_keys(
         ValueError: a key of another rank's expert with ``foreign="raise"``; ``foreign`` neither
             value; the errors of :func:`globalize_expert_keys`, with global indices checked against
             ``num_experts``.
+        TypeError: as :func:`globalize_expert_keys`.
 
     Example:
         >>> whole = {f"local_experts.{index}.w": index for index in range(4)}
@@ -336,7 +357,12 @@ def _rename_expert_keys(
     """``state_dict`` with each expert key renamed by ``rename_expert(key, slot, num_experts)``.
 
     ``None`` leaves the entry out; the other keys are kept, in order; ``ValueError`` when two keys
-    get one name."""
+    get one name; ``TypeError`` for a ``state_dict`` that is no mapping, or a key that is no str."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            "state_dict must be a mapping of key -> value (a state dict), "
+            f"got {type(state_dict).__name__}"
+        )
     out: dict[str, V] = {}
     for key, value in state_dict.items():
         slot = expert_slot(key)

@@ -7,9 +7,10 @@ equal ``named_parameters()`` names: existing checkpoints keep loading.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypedDict
+from typing import TYPE_CHECKING, Any, Final, SupportsIndex, TypedDict
 
 from pgregistry._runtime.resolve import normalise_model, resolve_pg_collection
 from pgregistry.attachments import wrapper_chain
@@ -79,6 +80,13 @@ class GlobalNamer:
         num_experts: int | None = None,
         layer_offsets: Sequence[int] | None = None,
     ) -> None:
+        if layer_offsets is not None and (
+            not isinstance(layer_offsets, Sequence) or isinstance(layer_offsets, str)
+        ):
+            raise TypeError(
+                "layer_offsets must be a sequence of ints, one per model chunk (a list), "
+                f"got {type(layer_offsets).__name__}"
+            )
         if layer_offsets is not None and len(layer_offsets) != len(chunks):
             raise ValueError(
                 f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks"
@@ -182,7 +190,7 @@ class GlobalNamer:
                 "number of experts is unknown: pass num_experts, or set "
                 "num_experts (or config.num_moe_experts) on the model chunk"
             )
-        return int(value)
+        return _expert_count(value, chunk_index)
 
     def _layer_offset(self, chunk_index: int) -> int:
         if chunk_index in self._offsets:
@@ -301,7 +309,29 @@ def _chain_attribute(module: nn.Module, name: str) -> Any:
     return None
 
 
-def _not_held(param: torch.Tensor, count: int) -> ValueError:
+def _expert_count(value: object, chunk_index: int) -> int:
+    """A chunk's own expert count as an int; ``ValueError`` unless a positive integer.
+
+    ``int()`` would truncate 8.5 to 8 without a word, and read ``True`` as one expert."""
+    count = 0
+    if isinstance(value, SupportsIndex) and not isinstance(value, bool):
+        count = operator.index(value)
+    if count < 1:
+        raise ValueError(
+            f"num_experts of model chunk {chunk_index} must be a positive integer, got {value!r} "
+            "(its num_experts or config.num_moe_experts): set it, or pass num_experts"
+        )
+    return count
+
+
+def _not_held(param: object, count: int) -> Exception:
+    """Why ``param`` has no name: no chunk holds it (``ValueError``), or it is no tensor."""
+    import torch
+
+    if not isinstance(param, torch.Tensor):
+        return TypeError(
+            f"param must be a parameter of the model chunks, got {type(param).__name__}"
+        )
     return ValueError(
         f"parameter of shape {tuple(param.shape)} is not held by any of the {count} model chunks"
     )

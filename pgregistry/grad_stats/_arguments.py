@@ -20,8 +20,10 @@ __all__ = [
     "check_max_norm",
     "norm_type_as_float",
     "max_norm_error",
+    "max_norm_scalar",
     "norm_type_error",
     "real_number",
+    "total_norm_as_tensor",
 ]
 
 
@@ -74,9 +76,51 @@ def check_max_norm(max_norm: object) -> None:
         raise error
 
 
+def max_norm_scalar(max_norm: float) -> float:
+    """A checked ``max_norm``, a one-element tensor of any shape made 0-dim (its fault raised).
+
+    A ``[1]``-shaped ``max_norm`` would make the coefficient ``[1]``-shaped, which the scaling
+    kernels refuse after the norm's reduction; a 0-dim tensor stays on its device (no host sync)."""
+    check_max_norm(max_norm)
+    return max_norm.reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm
+
+
 def norm_type_as_float(norm_type: object) -> float:
     """``norm_type`` as a float; raise :func:`norm_type_error`'s fault, if any."""
     error = norm_type_error(norm_type)
     if error is not None:
         raise error
     return float(norm_type)  # type: ignore[arg-type]  # a real number: norm_type_error found none
+
+
+def total_norm_as_tensor(total_norm: object, device: torch.device | None) -> torch.Tensor:
+    """A given ``total_norm`` as a 0-dim float64 tensor on ``device`` (its own, for a tensor).
+
+    ``TypeError`` for no real number or one-element real tensor (a string, ``None``, a bool, a
+    complex or two-element tensor); ``ValueError`` for a negative one, whose coefficient would flip
+    every grad's sign. A tensor off the CPU is not read back (no host sync): its sign is checked on
+    the device by :func:`~pgregistry.grad_stats._reductions.clip_coefficient`. NaN and inf pass:
+    they mean "leave the grads unscaled"."""
+    if isinstance(total_norm, torch.Tensor):
+        real = not (total_norm.is_complex() or total_norm.dtype == torch.bool)
+        if total_norm.numel() == 1 and real:
+            norm = total_norm.detach().reshape(()).to(torch.float64)
+            _refuse_negative(total_norm, float(norm) if norm.device.type == "cpu" else 0.0)
+            return norm
+    else:
+        number = real_number(total_norm)
+        if number is not None:
+            _refuse_negative(total_norm, number)
+            return torch.tensor(number, dtype=torch.float64, device=device)
+    raise TypeError(
+        "total_norm must be a real number or a one-element real tensor, "
+        f"got {total_norm!r} ({type(total_norm).__name__})"
+    )
+
+
+def _refuse_negative(total_norm: object, value: float) -> None:
+    if value < 0:
+        raise ValueError(
+            "total_norm must be a norm: 0 or more (NaN or inf: the grads are left unscaled), "
+            f"got {total_norm!r}"
+        )

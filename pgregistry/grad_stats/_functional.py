@@ -223,9 +223,7 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
 
         zeros = count_zeros(model, pg)
     """
-    zeros = _read_reduce_and_clip(
-        params, pg_collection, "count_zeros", Wanted.of(None, zeros=True)
-    ).zeros
+    zeros = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.zeros_only()).zeros
     assert zeros is not None
     return int(zeros.item())
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from pgregistry.grad_stats._arguments import total_norm_as_tensor
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._local import add_parts, by_kind, scale_kind
 from pgregistry.grad_stats._reductions import (
@@ -70,7 +71,7 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     Returns:
         A 0-dim int64 tensor.
     """
-    zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.of(None, zeros=True))).zeros
+    zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.zeros_only())).zeros
     assert zeros is not None
     return zeros
 
@@ -93,7 +94,8 @@ def clip_grads_(
     Args:
         grads: the grads to scale, every copy of them (duplicates too, so replicas stay identical).
         max_norm: the norm to clip to: positive and finite.
-        total_norm: the global norm of the grads.
+        total_norm: the global norm of the grads: 0 or more, NaN or inf (a number, or a
+            one-element tensor; on its own device, else on the grads').
         error_if_nonfinite: raise on a non-finite norm (as ``torch.nn.utils.clip_grad_norm_``),
             which waits for the norm on the host.
 
@@ -101,8 +103,10 @@ def clip_grads_(
         The coefficient applied (a 0-dim float32 tensor).
 
     Raises:
-        TypeError: ``max_norm`` not a real number.
-        ValueError: ``max_norm`` not positive and finite.
+        TypeError: a grad that is no tensor (``None``); ``max_norm`` not a real number;
+            ``total_norm`` neither a real number nor a one-element real tensor.
+        ValueError: ``max_norm`` not positive and finite; ``total_norm`` negative (read on the
+            host only; a negative norm on a device leaves the grads unscaled, as NaN does).
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite ``total_norm``.
 
     Example::
@@ -111,12 +115,13 @@ def clip_grads_(
         clip_grads_([p.grad for p in model.parameters()], 1.0, norm)
     """
     check_max_norm(max_norm)
-    device = (
-        grads[0].device
-        if grads
-        else (total_norm.device if isinstance(total_norm, torch.Tensor) else None)
-    )
-    norm = torch.as_tensor(total_norm, dtype=torch.float64, device=device)
+    for index, grad in enumerate(grads):
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(
+                f"grads[{index}] is {grad!r} ({type(grad).__name__}), not a tensor: pass the grads "
+                "that are set (skip a parameter whose .grad is None)"
+            )
+    norm = total_norm_as_tensor(total_norm, grads[0].device if grads else None)
     check_finite(norm, error_if_nonfinite)
     coeff = clip_coefficient(max_norm, norm)
     scale_grads_(grads, coeff)

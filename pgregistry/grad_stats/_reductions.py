@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pgregistry.collection import FIELD_NAMES, GroupName, group_size
-from pgregistry.grad_stats._arguments import check_max_norm, norm_type_as_float
+from pgregistry.grad_stats._arguments import check_max_norm, max_norm_scalar, norm_type_as_float
 
 __all__ = [
     "CLIP_EPSILON",
@@ -88,8 +88,17 @@ class Wanted:
     zeros: bool
 
     @classmethod
-    def of(cls, norm_type: float | None, zeros: bool) -> Wanted:
-        return cls(None if norm_type is None else norm_type_as_float(norm_type), zeros)
+    def of(cls, norm_type: float, zeros: bool) -> Wanted:
+        """The ``norm_type``-norm (checked), and the zero count when ``zeros``.
+
+        ``None`` is no norm type (``TypeError``), not "no norm": a user's ``norm_type=None`` would
+        reach the end of the reduction and fail there naming nothing."""
+        return cls(norm_type_as_float(norm_type), zeros)
+
+    @classmethod
+    def zeros_only(cls) -> Wanted:
+        """The zero count alone, no norm."""
+        return cls(None, zeros=True)
 
     @property
     def infinite(self) -> bool:
@@ -447,7 +456,7 @@ class Clipping:
     (:func:`~pgregistry.grad_stats._fused.clip_over_`: no operations on the host); torch's route
     takes :meth:`coefficient`, made once."""
 
-    max_norm: float
+    max_norm: float = attrs.field(converter=max_norm_scalar)
     norm64: torch.Tensor
     _coefficient: torch.Tensor | None = attrs.field(default=None, init=False)
 
@@ -461,10 +470,10 @@ def clip_coefficient(max_norm: float, norm64: torch.Tensor) -> torch.Tensor:
     """``max_norm / (norm + 1e-6)`` clamped at 1 (float64, no host sync); 1 for a non-finite norm.
 
     A NaN or infinite norm's coefficient would be NaN or 0 and would poison or erase the finite
-    grads too."""
-    check_max_norm(max_norm)
-    clipped = torch.clamp(max_norm / (norm64 + CLIP_EPSILON), max=1.0)
-    return torch.where(torch.isfinite(norm64), clipped, torch.ones_like(clipped))
+    grads too; a negative one (no norm: a caller's, on a device) would flip every grad's sign."""
+    clipped = torch.clamp(max_norm_scalar(max_norm) / (norm64 + CLIP_EPSILON), max=1.0)
+    a_norm = torch.isfinite(norm64) & (norm64 >= 0)
+    return torch.where(a_norm, clipped, torch.ones_like(clipped))
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: ProcessGroup | None) -> None:

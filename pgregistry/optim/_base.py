@@ -112,7 +112,7 @@ class OptimizerStatistics(abc.ABC):
 
     def count_zeros(self) -> torch.Tensor:
         """The global number of zero grad elements, each distinct one counted once (0-dim int64)."""
-        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
+        zeros = self.statistics(Wanted.zeros_only()).zeros
         assert zeros is not None
         return zeros
 

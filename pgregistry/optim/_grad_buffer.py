@@ -248,7 +248,7 @@ class GradBuffer:
 
     def count_zeros(self) -> torch.Tensor:
         """How many zeros the counted grads hold, reduced over each span's group (0-dim int64)."""
-        zeros = self.statistics(Wanted.of(None, zeros=True)).zeros
+        zeros = self.statistics(Wanted.zeros_only()).zeros
         assert zeros is not None
         return zeros
 

@@ -76,3 +76,35 @@ def test_end_to_end_an_empty_value_exits_2(argv: list[str], tmp_path: Path) -> N
     )
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     assert done.stderr.startswith(f"pgregistry {argv[0]}: error: --{argv[-2].lstrip('-')} is empty"), done.stderr
+
+
+ABBREVIATED = [
+    # seed-plan has no --rank: argparse read it as --rank-offset, and printed the seeds of a layout moved to ranks 2-9
+    ([*_SEEDS, "--rank", "2"], "unrecognized arguments: --rank 2"),
+    (["layout", "--num", "8"], "the following arguments are required: --num-ranks"),
+    ([*_LAYOUT, "--rank-off", "8", "--world-size", "16"], "unrecognized arguments: --rank-off 8"),
+    ([*_SEEDS, "--data-parallel", "--check"], "unrecognized arguments: --data-parallel"),
+    (["allowlist", "check", "--allow", "x"], "unrecognized arguments: --allow"),  # x: a PATH
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), ABBREVIATED, ids=[" ".join(argv[-2:]) for argv, _ in ABBREVIATED])
+def test_an_abbreviated_option_is_refused_not_read_as_a_longer_one(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """argparse's prefix matching read ``seed-plan --rank 2`` (an option of ``layout``, not of ``seed-plan``) as
+    ``--rank-offset 2`` and exited 0 with another layout's plan; any prefix was taken for the option it begins."""
+    monkeypatch.chdir(tmp_path)
+    assert _exit_code(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert message in captured.err, captured.err
+
+
+def test_the_standalone_allowlist_command_refuses_an_abbreviated_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from pgregistry.allowlist import main as allowlist
+
+    with pytest.raises(SystemExit) as exited:
+        allowlist(["check", "--allow", "x"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --allow" in capsys.readouterr().err

@@ -283,3 +283,38 @@ def test_group_shape_is_the_enumerated_shape(kw: dict[str, object]) -> None:
         assert layout.group_shape(kind) == (len(groups), len(groups[0])), kind
     with pytest.raises(ValueError, match="unknown group kind 'dp_pc'"):
         layout.group_shape("dp_pc")
+
+
+def test_a_group_kind_that_is_no_string_is_named_as_such() -> None:
+    """``groups(None)`` raised ``TypeError: 'NoneType' object is not iterable`` from difflib, ``groups(['tp'])``
+    ``unhashable type: 'list'``: neither said that a kind is a name."""
+    layout = ParallelLayout(num_ranks=4, tp=2)
+    for query in (layout.groups, layout.groups_tensor, layout.group_shape):
+        for kind in (None, 3, ["tp"], ("tp",)):
+            with pytest.raises(TypeError, match=rf"group kind must be a str \(one of tp, gtp_remat, .*\), got "
+                                                rf"{re.escape(repr(kind))} \({type(kind).__name__}\)"):
+                query(kind)  # type: ignore[arg-type]
+
+
+def test_an_order_that_is_no_string_is_refused_naming_order() -> None:
+    """``order=None`` was read as the axis ``'none'``, ``order=['tp', 'dp']`` as the axis ``"['tp', 'dp']"``, and
+    ``order=OrderToken.TP`` as ``'ordertoken.tp'``: the order was stringified before it was checked."""
+    for order in (None, ["tp", "dp"], ("tp", "dp"), 1):
+        with pytest.raises(TypeError, match=rf"order must be a str of axes joined by '-' \(such as 'tp-cp-ep-dp-pp'\), "
+                                            rf"got {re.escape(repr(order))} \({type(order).__name__}\)"):
+            ParallelLayout(num_ranks=4, order=order)  # type: ignore[arg-type]
+    from pgregistry.layout import OrderToken
+
+    assert ParallelLayout(num_ranks=4, tp=4, order=OrderToken.TP).order == "tp"
+    assert ParallelLayout(num_ranks=4, tp=2, order="TP-DP") == ParallelLayout(num_ranks=4, tp=2, order="tp-dp")
+
+
+def test_a_size_of_any_integer_type_is_taken_as_its_int() -> None:
+    """``ParallelLayout(num_ranks=np.int64(8))`` was refused as "num_ranks must be a positive integer, got
+    np.int64(8)", which it is; ranks of any integer type were taken already (``groups_of(np.int64(3))``)."""
+    layout = ParallelLayout(num_ranks=np.int64(8), tp=np.int32(2), pp=np.uint8(2), rank_offset=np.int64(8))  # type: ignore[arg-type]
+    assert layout == ParallelLayout(num_ranks=8, tp=2, pp=2, rank_offset=8)
+    assert type(layout.num_ranks) is int and type(layout.tp) is int and type(layout.rank_offset) is int
+    assert layout.fingerprint() == ParallelLayout(num_ranks=8, tp=2, pp=2, rank_offset=8).fingerprint()
+    with pytest.raises(ValueError, match=r"tp must be a positive integer, got 0"):
+        ParallelLayout(num_ranks=8, tp=np.int64(0))  # type: ignore[arg-type]

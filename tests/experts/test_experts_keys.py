@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -239,3 +241,42 @@ def test_index_arithmetic(num_experts: int, ep_size: int) -> None:
     assert [expert_owner(g, num_experts, ep_size) for g in indices] == [
         (r, i) for r in range(ep_size) for i in range(num_experts // ep_size)
     ]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # ep_size 0 divided by zero; -2 answered (0, 0) for expert 0 of 8 and (-1, ...) for others; True read as 1
+        (lambda: expert_owner(0, 8, 0), "ep_size must be a positive integer, got 0"),
+        (lambda: expert_owner(5, 8, -2), "ep_size must be a positive integer, got -2"),
+        (lambda: expert_owner(5, 8, True), "ep_size must be a positive integer, got True"),
+        (lambda: expert_owner(5, 8, 2.0), "ep_size must be a positive integer, got 2.0"),
+        # an index of no int type: 3.0 answered (0.0, 3.0), True read as expert 1, '0' failed in a comparison
+        (lambda: expert_owner(3.0, 8, 2), "global_index must be an integer, got 3.0"),
+        (lambda: expert_owner(True, 8, 2), "global_index must be an integer, got True"),
+        (lambda: global_expert_index(1.0, 8, 0, 2), "local_index must be an integer, got 1.0"),
+        (lambda: global_expert_index(True, 8, 0, 2), "local_index must be an integer, got True"),
+        (lambda: global_expert_index("0", 8, 0, 2), "local_index must be an integer, got '0'"),
+        (lambda: global_expert_index(None, 8, 0, 2), "local_index must be an integer, got None"),
+    ],
+)
+def test_a_size_or_index_of_no_plain_integer_is_refused_naming_it(call: Callable[[], object], message: str) -> None:
+    """Found by a hostile-input audit: ``expert_owner`` took any ``ep_size`` and index, answering wrong owners."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+    assert expert_owner(5, 8, 2) == (1, 1)
+    assert global_expert_index(1, 8, 1, 2) == 5
+
+
+def test_a_key_that_is_no_str_or_a_state_dict_that_is_no_mapping_is_named() -> None:
+    """``is_expert_key(None)`` and a state dict with an int key raised ``AttributeError: ... has no attribute
+    'split'``; a list of keys given as the state dict ``'list' object has no attribute 'items'``."""
+    key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    with pytest.raises(TypeError, match=re.escape("a state-dict key must be a str, got None (NoneType)")):
+        is_expert_key(None)  # type: ignore[arg-type]
+    for rename in (globalize_expert_keys, localize_expert_keys):
+        with pytest.raises(TypeError, match=re.escape("a state-dict key must be a str, got 1 (int)")):
+            rename({key: 0, 1: 1}, 2, 0, 2)  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match=re.escape("state_dict must be a mapping of key -> value (a state dict), "
+                                                      "got list")):
+            rename([key], 2, 0, 2)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from pgregistry import ProcessGroupCollection, ProcessGroupFallbackWarning, atta
 from pgregistry.experts import (
     get_ep_rank_and_size,
     get_global_unique_param_name,
+    global_param_name_fn,
     named_global_parameters,
 )
 from pgregistry.global_grid import initialize_global_grid
@@ -195,3 +196,40 @@ def test_mtp_names_do_not_depend_on_the_pipeline_layout() -> None:
     at_pp1 = [name for name, _ in named_global_parameters(_StageWithMTP(0, 4), pg_collection=ep_collection(0, 1))]
     assert at_pp2 == ["layers.2.weight", "layers.3.weight", "mtp.layers.0.weight"]
     assert at_pp1[-1] == "mtp.layers.0.weight" and set(at_pp2) <= set(at_pp1)
+
+
+@pytest.mark.parametrize("count", [NUM_EXPERTS + 0.5, NUM_EXPERTS - 0.5, True, "8"])
+def test_a_chunks_num_experts_of_no_integer_is_refused_not_truncated(count: object) -> None:
+    """A chunk's ``num_experts`` (or ``config.num_moe_experts``) went through ``int()``: 8.5 named the experts as 8
+    did, without an error, 7.5 was reported as "num_experts is 7", ``True`` was 1 expert, ``'8'`` was 8."""
+    stage = build_stage(0, 1, 0, 1)
+    stage.num_experts = count  # type: ignore[assignment]
+    expert_weight = stage.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
+    with pytest.raises(ValueError, match=rf"num_experts of model chunk 0 must be a positive integer, got {count!r} "
+                                         r"\(its num_experts or config.num_moe_experts\): set it, or pass num_experts"):
+        get_global_unique_param_name(stage, expert_weight, pg_collection=ep_collection(0, 1))
+    stage.num_experts = NUM_EXPERTS
+    assert get_global_unique_param_name(stage, expert_weight, pg_collection=ep_collection(0, 1)) == (
+        "layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    )
+
+
+@pytest.mark.parametrize("offsets", [5, iter([0]), "0"])
+def test_layer_offsets_that_are_no_sequence_of_ints_are_named(offsets: object) -> None:
+    """``layer_offsets=5`` raised ``TypeError: object of type 'int' has no len()``, a generator likewise."""
+    stage = build_stage(0, 1, 0, 1)
+    with pytest.raises(TypeError, match=rf"layer_offsets must be a sequence of ints, one per model chunk "
+                                        rf"\(a list\), got {type(offsets).__name__}"):
+        named_global_parameters(stage, pg_collection=ep_collection(0, 1), layer_offsets=offsets)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("param", [None, "layers.0.norm.weight"])
+def test_a_param_that_is_no_tensor_is_named(param: object) -> None:
+    """``get_global_unique_param_name(model, None)`` raised ``AttributeError: ... has no attribute 'shape'``, and so
+    did the function of ``global_param_name_fn``."""
+    stage = build_stage(0, 1, 0, 1)
+    message = rf"param must be a parameter of the model chunks, got {type(param).__name__}"
+    with pytest.raises(TypeError, match=message):
+        get_global_unique_param_name(stage, param, pg_collection=ep_collection(0, 1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=message):
+        global_param_name_fn(stage, pg_collection=ep_collection(0, 1))(param)  # type: ignore[arg-type]

@@ -17,7 +17,13 @@ from torch import nn
 
 from pgregistry import registry
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
-from pgregistry.grad_stats import clip_grad_norm_, clip_grads_, grad_norm, grad_norm_and_zeros
+from pgregistry.grad_stats import (
+    clip_grad_norm_,
+    clip_grads_,
+    grad_norm,
+    grad_norm_and_zeros,
+    norm_of_grads,
+)
 from pgregistry.layout import ParallelLayout
 from pgregistry.optim import (
     MixedPrecisionOptimizer,
@@ -73,7 +79,33 @@ def _messages_on_rank() -> dict[str, list[str]]:
         grad_norm(_model(), registry.build(ParallelLayout(num_ranks=2)), norm_type="2")  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001
         messages["grad_norm"].append(f"{type(exc).__name__}: {exc}")
+    messages["norm_type=None"] = _norm_type_none_messages(paths)
+    # A good call after the refusals: a refusal that had entered a collective would leave the ranks out of step.
+    messages["norm after"] = [str(float(grad_norm(_model(), registry.build(ParallelLayout(num_ranks=2)))))]
     return messages
+
+
+def _norm_type_none_messages(paths: dict[str, Callable[[Any, Any], object]]) -> list[str]:
+    """What each path with a norm type says to ``norm_type=None``.
+
+    Reported: ``clip_grad_norm_`` raised a bare ``AssertionError``, ``grad_norm`` and ``norm_of_grads`` ``ValueError:
+    no norm was computed``, all after the reduction, since ``None`` meant "no norm" inside."""
+    calls: dict[str, Callable[[], object]] = {
+        name: lambda call=call: call(1.0, None) for name, call in paths.items() if name != "grad_stats.clip_grads_"
+    }
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    calls["grad_stats.grad_norm"] = lambda: grad_norm(_model(), collection, norm_type=None)  # type: ignore[arg-type]
+    calls["grad_stats.norm_of_grads"] = lambda: norm_of_grads({None: [torch.ones(2)]}, None)  # type: ignore[arg-type]
+    calls["optimizer.get_grad_norm"] = lambda: _optimizer().get_grad_norm(None)  # type: ignore[arg-type]
+    said = []
+    for name, call in calls.items():
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the type and text are what is checked
+            said.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:
+            said.append(f"{name}: no error")
+    return said
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +137,11 @@ def test_a_norm_type_of_no_number_is_named_with_its_value(messages: list[dict[st
 def test_grad_norm_names_a_norm_type_string(messages: list[dict[str, list[str]]]) -> None:
     for rank_messages in messages:
         assert rank_messages["grad_norm"] == ["TypeError: norm_type must be a positive number or inf, got '2' (str)"]
+
+
+def test_a_norm_type_of_none_is_named_on_every_path(messages: list[dict[str, list[str]]]) -> None:
+    for rank_messages in messages:
+        for said in rank_messages["norm_type=None"]:
+            assert said.endswith(": TypeError: norm_type must be a positive number or inf, got None (NoneType)"), said
+        assert len(rank_messages["norm_type=None"]) == 6
+        assert rank_messages["norm after"] == [str(float(torch.tensor(8.0, dtype=torch.float64).sqrt().float()))]

@@ -241,7 +241,7 @@ def _same_ranks_in_either_order(rank: int) -> int:
     given, each rank would wait for the other on a different group."""
     first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
     counts = [(first, torch.tensor(rank + 1)), (second, torch.tensor(10 * (rank + 1)))]
-    shares = Shares(Wanted.of(None, zeros=True), torch.device("cpu"))
+    shares = Shares(Wanted.zeros_only(), torch.device("cpu"))
     for group, count in counts if rank == 0 else counts[::-1]:
         shares.add(group, make_part(None, count, torch.device("cpu")))
     return int(reduce_shares(shares).zeros)  # type: ignore[arg-type]

@@ -155,3 +155,15 @@ def test_lost_ranks_must_be_integers() -> None:
         layout.shrink([1.0])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="lost must be an iterable of ranks, got int"):
         layout.shrink(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(12)
+def test_shrinking_a_large_layout_takes_time_linear_in_its_ranks() -> None:
+    """Found by a hostile-input audit: ``shrink`` placed each survivor's data-parallel coordinate by a list's
+    ``index()``, quadratic in the data-parallel size: 25 s at 65536 ranks of dp 32768, days at 2**20 ranks. Over
+    65536 ranks of dp 65536 it now takes about a second (the timeout is a hang detector, not a measurement)."""
+    layout = ParallelLayout(num_ranks=2**16)
+    shrunk = layout.shrink([5])
+    assert shrunk.leaving == (5,)
+    assert shrunk.layout.dp == 2**16 - 1
+    assert shrunk.rank_map[2**16 - 1] == 2**16 - 2 and shrunk.rank_map[4] == 4 and shrunk.rank_map[6] == 5
