@@ -19,7 +19,7 @@ from pgregistry._source.config import (
     find_config_file,
     load_settings,
 )
-from pgregistry._source.files import make_absolute
+from pgregistry._source.files import make_absolute, path_kind
 
 __all__ = ["add_settings_options", "path_argument", "settings_arguments", "settings_from_options"]
 
@@ -101,6 +101,7 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
     if args.allowlist is not None:
         settings = dataclasses.replace(settings, allowlist=make_absolute(args.allowlist))
     if args.cache_dir is not None:
+        _check_cache_dir(args.cache_dir)
         settings = dataclasses.replace(settings, cache_dir=make_absolute(args.cache_dir))
     if args.preset is not None:
         settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
@@ -109,3 +110,16 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
             settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
         )
     return settings
+
+
+def _check_cache_dir(path: Path) -> None:
+    """``ConfigError`` if ``--cache-dir`` names something that exists and is no directory.
+
+    The cache would be neither read nor written there, and every run would parse every file again,
+    silently. A missing directory is fine: it is created on the first write."""
+    kind = path_kind(path)
+    if kind not in (None, "a directory"):
+        raise ConfigError(
+            f"--cache-dir {path} is {kind}, not a directory: name a directory (it is created if "
+            "missing), or pass --no-cache"
+        )

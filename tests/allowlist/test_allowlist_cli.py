@@ -336,3 +336,13 @@ def test_the_settings_options_handed_to_another_command_parse_back_to_the_same_s
     assert parser.parse_args(settings_arguments(given)) == given
     nothing = parser.parse_args([])
     assert settings_arguments(nothing) == [] and parser.parse_args(settings_arguments(nothing)) == nothing
+
+
+def test_a_cache_dir_that_is_a_file_is_refused_naming_it(listed: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    # `--cache-dir FILE` (an existing regular file) ran without a cache, silently: every run parsed every file again.
+    listed.write("cache.txt", "not a directory\n")
+    for action in ("check", "update", "stats"):
+        code, _, err = run(capsys, action, "--cache-dir", "cache.txt")
+        assert code == 2, (action, err)
+        assert "--cache-dir cache.txt is a regular file, not a directory" in err
+    assert listed.read("cache.txt") == "not a directory\n"
