@@ -90,8 +90,7 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
     if args.isolated:
         config_file = None
     elif args.config is not None:
-        if not args.config.is_file():
-            raise ConfigError(f"{args.config}: no such file")
+        _check_config_file(args.config)
         config_file = args.config
     else:
         config_file = find_config_file(cwd)
@@ -110,6 +109,21 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
             settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
         )
     return settings
+
+
+def _check_config_file(path: Path) -> None:
+    """``ConfigError`` unless ``--config`` names a regular file, saying what it names instead.
+
+    ``--config /dev/null`` or a directory exists: "no such file" would send the user looking for a
+    typo."""
+    kind = path_kind(path)
+    if kind is None:
+        raise ConfigError(f"--config {path}: no such file")
+    if kind != "a regular file":
+        raise ConfigError(
+            f"--config {path} is {kind}, not a regular file: name a pyproject.toml, or pass "
+            "--isolated"
+        )
 
 
 def _check_cache_dir(path: Path) -> None:

@@ -346,3 +346,15 @@ def test_a_cache_dir_that_is_a_file_is_refused_naming_it(listed: Project, capsys
         assert code == 2, (action, err)
         assert "--cache-dir cache.txt is a regular file, not a directory" in err
     assert listed.read("cache.txt") == "not a directory\n"
+
+
+@pytest.mark.parametrize(
+    "config, kind", [("/dev/null", "is a character device, not a regular file"), ("src", "is a directory, not a")]
+)
+def test_a_config_that_is_no_regular_file_is_named_as_what_it_is(
+    project: Project, capsys: pytest.CaptureFixture[str], config: str, kind: str
+) -> None:
+    # `--config /dev/null` and `--config DIR` were reported as "no such file", a path that plainly exists.
+    code, _, err = run(capsys, "check", "--config", config)
+    assert code == 2 and f"--config {config} {kind}" in err
+    assert "no such file" not in err
