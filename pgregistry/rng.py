@@ -152,8 +152,10 @@ class RNGStatesTracker:
 
         Raises ``ValueError`` when ``name`` is already registered or ``seed`` is already used by
         another stream: two streams with one seed would draw the same numbers, which is never
-        intended.
+        intended. A ``name`` that is no non-empty str is refused too (``TypeError``, ``ValueError``
+        for ``""``).
         """
+        _check_name(name)
         _check_seed(seed, name)
         if name in self._states:
             raise ValueError(f"RNG tracker {name!r} already exists")
@@ -191,6 +193,7 @@ class RNGStatesTracker:
         count = len(self.generators)
         checked: dict[str, RNGState] = {}
         for name, state in states.items():
+            _check_name(name)
             state = tuple(state)
             if len(state) != count or not all(isinstance(t, torch.Tensor) for t in state):
                 raise ValueError(
@@ -229,6 +232,19 @@ def _capture_states(generators: Sequence[torch.Generator]) -> RNGState:
 def _restore_states(generators: Sequence[torch.Generator], state: RNGState) -> None:
     for generator, generator_state in zip(generators, state, strict=True):
         generator.set_state(generator_state)
+
+
+def _check_name(name: object) -> None:
+    """``TypeError`` for a stream name that is no str, ``ValueError`` for an empty one.
+
+    A stream named ``None`` or ``5`` would be registered, and never reached by ``fork()`` of the
+    name the user meant."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"RNG tracker name must be a non-empty str, got {name!r} ({type(name).__name__})"
+        )
+    if not name:
+        raise ValueError("RNG tracker name must be a non-empty str, got ''")
 
 
 def _check_seed(seed: object, what: str) -> None:
