@@ -546,7 +546,7 @@ class ParallelLayout:
                 of some state (every replica touched; any loss with ``sharded_optimizer``), or
                 survivors that no layout with the same sizes and order fits; each message says to
                 reload a checkpoint.
-            TypeError: a non-integer rank.
+            TypeError: a non-integer rank, or a ``sharded_optimizer`` that is no bool.
 
         Example:
             >>> shrunk = ParallelLayout(num_ranks=8, tp=2, pp=2).shrink([3])
@@ -671,6 +671,11 @@ def _shrink_layout(
     same members: their communicators can be kept. Only groups that reach across replicas (the
     data-parallel kinds) lose members.
     """
+    if not isinstance(sharded_optimizer, bool):  # "no" would be true, and refuse a survivable loss
+        raise TypeError(
+            f"sharded_optimizer must be True or False, got {sharded_optimizer!r} "
+            f"({type(sharded_optimizer).__name__})"
+        )
     lost_ranks = _check_lost_ranks(layout, lost)
     first, stop = layout.rank_range()
     ranks = range(first, stop)

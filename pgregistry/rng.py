@@ -152,8 +152,10 @@ class RNGStatesTracker:
 
         Raises ``ValueError`` when ``name`` is already registered or ``seed`` is already used by
         another stream: two streams with one seed would draw the same numbers, which is never
-        intended.
+        intended. A ``name`` that is no non-empty str is refused too (``TypeError``, ``ValueError``
+        for ``""``).
         """
+        _check_name(name)
         _check_seed(seed, name)
         if name in self._states:
             raise ValueError(f"RNG tracker {name!r} already exists")
@@ -191,6 +193,7 @@ class RNGStatesTracker:
         count = len(self.generators)
         checked: dict[str, RNGState] = {}
         for name, state in states.items():
+            _check_name(name)
             state = tuple(state)
             if len(state) != count or not all(isinstance(t, torch.Tensor) for t in state):
                 raise ValueError(
@@ -229,6 +232,19 @@ def _capture_states(generators: Sequence[torch.Generator]) -> RNGState:
 def _restore_states(generators: Sequence[torch.Generator], state: RNGState) -> None:
     for generator, generator_state in zip(generators, state, strict=True):
         generator.set_state(generator_state)
+
+
+def _check_name(name: object) -> None:
+    """``TypeError`` for a stream name that is no str, ``ValueError`` for an empty one.
+
+    A stream named ``None`` or ``5`` would be registered, and never reached by ``fork()`` of the
+    name the user meant."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"RNG tracker name must be a non-empty str, got {name!r} ({type(name).__name__})"
+        )
+    if not name:
+        raise ValueError("RNG tracker name must be a non-empty str, got ''")
 
 
 def _check_seed(seed: object, what: str) -> None:
@@ -564,6 +580,25 @@ class SeedCollision:
     axes: tuple[str, ...] = ()
     coords: tuple[tuple[int, ...], ...] = ()
 
+    @classmethod
+    def out_of_range_in(cls, plan: Mapping[int, Mapping[str, int]]) -> list[SeedCollision]:
+        """The ``"out_of_range"`` collisions of a :func:`seed_plan`: its seeds outside [0, 2**64).
+
+        The job's seed is checked, but the pipeline and tracker offsets can carry a rank's seeds
+        past 2**64, which :func:`model_parallel_manual_seed` refuses on that rank; ``pgregistry
+        seed-plan`` refuses to print such a plan, with these collisions' messages.
+
+        Example:
+            >>> from pgregistry.layout import ParallelLayout
+            >>> plan = seed_plan(ParallelLayout(num_ranks=2), 2**64 - 2000)
+            >>> [(c.trackers, c.ranks) for c in SeedCollision.out_of_range_in(plan)]
+            [(('model-parallel-rng',), (0, 1))]
+        """
+        out_of_range = _OutOfRange()
+        for rank, seeds in plan.items():
+            out_of_range.note(rank, seeds)
+        return out_of_range.collisions()
+
     def describe(self) -> str:
         """One line for people."""
         if self.kind != "across_ranks":
@@ -642,13 +677,11 @@ def check_seed_plan(
     streams: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
     # (trackers, seed) -> ranks
     shared: dict[tuple[tuple[str, ...], int], list[int]] = {}
-    # tracker -> (first seed out of range, ranks)
-    out_of_range: dict[str, tuple[int, list[int]]] = {}
+    out_of_range = _OutOfRange()
     for rank, coords, seeds in _rank_seeds(layout, seed, data_parallel_random_init, progress):
+        out_of_range.note(rank, seeds)
         by_seed: dict[int, list[str]] = {}
         for tracker, tracker_seed in seeds.items():
-            if not 0 <= tracker_seed < _MAX_SEED:
-                out_of_range.setdefault(tracker, (tracker_seed, []))[1].append(rank)
             key = tuple(coords[a] for a in axes[tracker])
             streams.setdefault((tracker, tracker_seed), {}).setdefault(key, rank)
             by_seed.setdefault(tracker_seed, []).append(tracker)
@@ -671,11 +704,27 @@ def check_seed_plan(
         SeedCollision(kind="within_rank", seed=tracker_seed, trackers=trackers, ranks=tuple(ranks))
         for (trackers, tracker_seed), ranks in shared.items()
     )
-    collisions.extend(
-        SeedCollision(kind="out_of_range", seed=first_seed, trackers=(tracker,), ranks=tuple(ranks))
-        for tracker, (first_seed, ranks) in out_of_range.items()
-    )
-    return collisions
+    return collisions + out_of_range.collisions()
+
+
+class _OutOfRange:
+    """Tracker -> (its first seed outside ``[0, 2**64)``, the ranks with one), rank by rank."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, tuple[int, list[int]]] = {}
+
+    def note(self, rank: int, seeds: Mapping[str, int]) -> None:
+        for tracker, tracker_seed in seeds.items():
+            if not 0 <= tracker_seed < _MAX_SEED:
+                self.found.setdefault(tracker, (tracker_seed, []))[1].append(rank)
+
+    def collisions(self) -> list[SeedCollision]:
+        return [
+            SeedCollision(
+                kind="out_of_range", seed=first_seed, trackers=(tracker,), ranks=tuple(ranks)
+            )
+            for tracker, (first_seed, ranks) in self.found.items()
+        ]
 
 
 def _check_axes(data_parallel_random_init: bool) -> dict[str, tuple[str, ...]]:

@@ -26,6 +26,7 @@ one the collection sets (``ValueError`` naming both). Every other field it needs
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -89,8 +90,9 @@ class Source:
 def source_of(model_or_params: ParamsLike) -> Source:
     """:class:`Source` of a model, model chunks, a mapping, one tensor or an iterable of tensors.
 
-    Model chunks are any iterable of modules, generators included. A few ``isinstance`` checks, no
-    walk (a kept classification checks what it was made from against this, each call)."""
+    Model chunks are any iterable of modules, generators included; ``TypeError`` naming the position
+    and type of an item of them that is no module. A few ``isinstance`` checks, no walk (a kept
+    classification checks what it was made from against this, each call)."""
     import torch
     from torch import nn
 
@@ -106,7 +108,14 @@ def source_of(model_or_params: ParamsLike) -> Source:
             f"of tensors, got {model_or_params!r} ({type(model_or_params).__name__})"
         )
     items = list(model_or_params)
-    if items and all(isinstance(item, nn.Module) for item in items):
+    if items and isinstance(items[0], nn.Module):
+        # Model chunks: an item that is no module is named here, not the first chunk as "param[0]".
+        for position, item in enumerate(items):
+            if not isinstance(item, nn.Module):
+                raise TypeError(
+                    f"model chunk {position} is {reprlib.repr(item)} ({type(item).__name__}), "
+                    "not a module: pass model chunks (modules only), or tensors"
+                )
         return Source(tuple(items), None, items)
     return Source((), items, items)
 

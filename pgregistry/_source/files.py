@@ -23,6 +23,7 @@ __all__ = [
     "is_excluded",
     "is_under",
     "make_absolute",
+    "path_kind",
     "project_path",
 ]
 
@@ -113,6 +114,28 @@ class Discovery:
 
     files: list[SourceFile]
     skipped: list[str]
+
+
+_KINDS = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def path_kind(path: Path) -> str | None:
+    """What ``path`` is, in words (``"a directory"``), or None if nothing is there.
+
+    A dangling link is nothing. For a message refusing a path of the wrong kind:
+    ``--config /dev/null`` is a device, not a missing file, and the message says so."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    return next((kind for is_kind, kind in _KINDS if is_kind(mode)), "not a regular file")
 
 
 def _is_regular_file(path: Path) -> bool:

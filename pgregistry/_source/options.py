@@ -19,7 +19,7 @@ from pgregistry._source.config import (
     find_config_file,
     load_settings,
 )
-from pgregistry._source.files import make_absolute
+from pgregistry._source.files import make_absolute, path_kind
 
 __all__ = ["add_settings_options", "path_argument", "settings_arguments", "settings_from_options"]
 
@@ -90,8 +90,7 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
     if args.isolated:
         config_file = None
     elif args.config is not None:
-        if not args.config.is_file():
-            raise ConfigError(f"{args.config}: no such file")
+        _check_config_file(args.config)
         config_file = args.config
     else:
         config_file = find_config_file(cwd)
@@ -101,6 +100,7 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
     if args.allowlist is not None:
         settings = dataclasses.replace(settings, allowlist=make_absolute(args.allowlist))
     if args.cache_dir is not None:
+        _check_cache_dir(args.cache_dir)
         settings = dataclasses.replace(settings, cache_dir=make_absolute(args.cache_dir))
     if args.preset is not None:
         settings = dataclasses.replace(settings, scan=PRESETS[args.preset])
@@ -109,3 +109,31 @@ def settings_from_options(args: argparse.Namespace) -> Settings:
             settings, scan=dataclasses.replace(settings.scan, modules=tuple(args.module))
         )
     return settings
+
+
+def _check_config_file(path: Path) -> None:
+    """``ConfigError`` unless ``--config`` names a regular file, saying what it names instead.
+
+    ``--config /dev/null`` or a directory exists: "no such file" would send the user looking for a
+    typo."""
+    kind = path_kind(path)
+    if kind is None:
+        raise ConfigError(f"--config {path}: no such file")
+    if kind != "a regular file":
+        raise ConfigError(
+            f"--config {path} is {kind}, not a regular file: name a pyproject.toml, or pass "
+            "--isolated"
+        )
+
+
+def _check_cache_dir(path: Path) -> None:
+    """``ConfigError`` if ``--cache-dir`` names something that exists and is no directory.
+
+    The cache would be neither read nor written there, and every run would parse every file again,
+    silently. A missing directory is fine: it is created on the first write."""
+    kind = path_kind(path)
+    if kind not in (None, "a directory"):
+        raise ConfigError(
+            f"--cache-dir {path} is {kind}, not a directory: name a directory (it is created if "
+            "missing), or pass --no-cache"
+        )

@@ -42,7 +42,9 @@ def add_command(subparsers: Subparsers) -> None:
             "formulas, pipeline and optional data-parallel offsets included) from "
             "the layout alone, without process groups. With --check, report seeds "
             "shared by streams that must differ, and seeds outside [0, 2**64) that "
-            "model_parallel_manual_seed refuses, and exit 1 when there are any."
+            "model_parallel_manual_seed refuses, and exit 1 when there are any. "
+            "Without --check, a plan with such a seed is not printed: its seeds "
+            "are named on stderr, exit 2."
         ),
     )
     add_layout_arguments(parser)
@@ -82,7 +84,7 @@ def add_command(subparsers: Subparsers) -> None:
 
 
 def _run_seed_plan(args: argparse.Namespace) -> int:
-    from pgregistry.rng import check_seed_plan, seed_plan
+    from pgregistry.rng import SeedCollision, check_seed_plan, seed_plan
 
     random_init = args.data_parallel_random_init
     try:
@@ -119,6 +121,11 @@ def _run_seed_plan(args: argparse.Namespace) -> int:
             span = f" (ranks {first}-{stop - 1})" if first else ""
             print(f"no seed collisions in {layout.num_ranks} ranks{span}")
         return 1 if collisions else 0
+    out_of_range = SeedCollision.out_of_range_in(plan)
+    if out_of_range:  # seeds every such rank fails on at start-up: never printed as a plan
+        for collision in out_of_range:
+            print(f"pgregistry seed-plan: error: {collision.describe()}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({str(rank): seeds for rank, seeds in plan.items()}, indent=2))
         return 0

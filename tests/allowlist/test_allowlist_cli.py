@@ -336,3 +336,25 @@ def test_the_settings_options_handed_to_another_command_parse_back_to_the_same_s
     assert parser.parse_args(settings_arguments(given)) == given
     nothing = parser.parse_args([])
     assert settings_arguments(nothing) == [] and parser.parse_args(settings_arguments(nothing)) == nothing
+
+
+def test_a_cache_dir_that_is_a_file_is_refused_naming_it(listed: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    # `--cache-dir FILE` (an existing regular file) ran without a cache, silently: every run parsed every file again.
+    listed.write("cache.txt", "not a directory\n")
+    for action in ("check", "update", "stats"):
+        code, _, err = run(capsys, action, "--cache-dir", "cache.txt")
+        assert code == 2, (action, err)
+        assert "--cache-dir cache.txt is a regular file, not a directory" in err
+    assert listed.read("cache.txt") == "not a directory\n"
+
+
+@pytest.mark.parametrize(
+    "config, kind", [("/dev/null", "is a character device, not a regular file"), ("src", "is a directory, not a")]
+)
+def test_a_config_that_is_no_regular_file_is_named_as_what_it_is(
+    project: Project, capsys: pytest.CaptureFixture[str], config: str, kind: str
+) -> None:
+    # `--config /dev/null` and `--config DIR` were reported as "no such file", a path that plainly exists.
+    code, _, err = run(capsys, "check", "--config", config)
+    assert code == 2 and f"--config {config} {kind}" in err
+    assert "no such file" not in err

@@ -6,6 +6,7 @@ sharded build must name each of its parameters as the whole model names the para
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -233,3 +234,14 @@ def test_a_param_that_is_no_tensor_is_named(param: object) -> None:
         get_global_unique_param_name(stage, param, pg_collection=ep_collection(0, 1))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=message):
         global_param_name_fn(stage, pg_collection=ep_collection(0, 1))(param)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("item", [5, None, torch.zeros(2)])
+def test_model_chunks_with_an_item_that_is_no_module_name_its_position_and_type(item: object) -> None:
+    """``named_global_parameters([model, 5])`` said ``param[0] is a ToyMoE``: the first chunk, which is fine, under a
+    tensor's name. The item that is no module is named, by position and type."""
+    stage = build_stage(0, 1, 0, 1)
+    message = rf"model chunk 1 is {re.escape(repr(item))} \({type(item).__name__}\), not a module"
+    with pytest.raises(TypeError, match=message) as raised:
+        named_global_parameters([stage, item], pg_collection=ep_collection(0, 1))  # type: ignore[list-item]
+    assert "param[0]" not in str(raised.value) and "ToyMoE" not in str(raised.value)

@@ -147,6 +147,15 @@ def test_a_sharded_optimizer_loses_a_shard_with_any_replica() -> None:
     assert ParallelLayout(num_ranks=8, tp=2).shrink([], sharded_optimizer=True).layout.dp == 4
 
 
+@pytest.mark.parametrize("flag", ["no", "False", 0, None, 1])
+def test_a_sharded_optimizer_flag_that_is_no_bool_is_refused_naming_it(flag: object) -> None:
+    # `sharded_optimizer="no"` was read as true (a non-empty string), and a loss it should survive was refused.
+    layout = ParallelLayout(num_ranks=8, tp=2)
+    for lost in ([2], []):
+        with pytest.raises(TypeError, match=re.escape(f"sharded_optimizer must be True or False, got {flag!r} (")):
+            layout.shrink(lost, sharded_optimizer=flag)  # type: ignore[arg-type]
+
+
 def test_lost_ranks_must_be_integers() -> None:
     layout = ParallelLayout(num_ranks=4, tp=2)
     with pytest.raises(TypeError, match="got the bool True"):

@@ -9,9 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from rng_support import oracle_seeds
 
 from pgregistry import registry
+from pgregistry.cli import main
 from pgregistry.layout import ParallelLayout
 from pgregistry.rng import RNGStatesTracker, check_seed_plan, model_parallel_manual_seed
 from pgregistry.testing import run_world
@@ -62,3 +64,21 @@ def test_cli_check_exits_1_naming_the_rank_and_tracker() -> None:
         "model_parallel_manual_seed refuses: use a smaller seed"
     ]
 
+
+
+def test_cli_without_check_refuses_a_plan_with_seeds_out_of_range_before_printing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Without --check, the same plan was printed as a table (or JSON), exit 0, with 18446744073709551616 in it: a
+    # seed every rank 3 then fails on at start-up. It is now refused, exit 2, with --check's message and no plan.
+    base = ["seed-plan", "--num-ranks", "4", "--tp", "2", "--pp", "2"]
+    for extra in ([], ["--json"]):
+        assert main([*base, "--seed", str(_SEED), *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err.splitlines() == [
+            "pgregistry seed-plan: error: seed 18446744073709551616 of tracker model-parallel-rng on rank 3 is "
+            "outside [0, 2**64), which model_parallel_manual_seed refuses: use a smaller seed"
+        ]
+    assert main([*base, "--seed", str(_SEED - 1)]) == 0
+    assert "18446744073709551615" in capsys.readouterr().out

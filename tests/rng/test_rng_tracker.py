@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -79,6 +81,22 @@ def test_bad_seed_is_refused(seed: object) -> None:
     tracker = RNGStatesTracker([torch.Generator()])
     with pytest.raises(ValueError, match="seed for 'a'|seed for a"):
         tracker.add("a", seed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name, error, shown", [(None, TypeError, "None (NoneType)"), (5, TypeError, "5 (int)"), ("", ValueError, "''")]
+)
+def test_a_stream_name_that_is_no_non_empty_str_is_refused_naming_it(
+    name: object, error: type[Exception], shown: str
+) -> None:
+    # `add(None, 5)` registered a stream named None, which `fork()` of a str never reaches.
+    tracker = RNGStatesTracker([torch.Generator()])
+    message = re.escape(f"RNG tracker name must be a non-empty str, got {shown}")
+    with pytest.raises(error, match=message):
+        tracker.add(name, 5)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        tracker.set_states({name: (torch.Generator().get_state(),)})  # type: ignore[dict-item]
+    assert tracker.names() == () and tracker.seeds() == {}
 
 
 def test_unknown_fork_and_reset_inside_a_fork_are_refused() -> None:
