@@ -3,14 +3,13 @@ None of these may change a result; they only change how fast it comes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from fixtures.module_files import module_from_file
 from fixtures.processes import gone_within, killed_parents_child
 
 from pgregistry._source import engine
@@ -23,12 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _benchmark() -> ModuleType:
     """The benchmark script, for its generator of realistic trees."""
-    spec = importlib.util.spec_from_file_location("allowlist_scan_bench", REPO / "benchmarks" / "allowlist_scan.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file("allowlist_scan_bench", REPO / "benchmarks" / "allowlist_scan.py")
 
 
 @pytest.fixture(scope="module")

@@ -7,24 +7,14 @@ they read as values) is flagged; names docs/api.md lists are the public API's an
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from fixtures.module_files import module_from_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pgregistry_names", ROOT / "scripts" / "names.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-NAMES = _script()
+NAMES = module_from_file("pgregistry_names", ROOT / "scripts" / "names.py")
 
 
 def _unclear(paths: list[Path]) -> list[str]:

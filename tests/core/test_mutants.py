@@ -7,25 +7,16 @@ small repository made here: a mutant its test catches, one no test sees, and a s
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+
+from fixtures.module_files import module_from_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pgregistry_mutants", ROOT / "scripts" / "mutants.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-MUTANTS = _script()
+MUTANTS = module_from_file("pgregistry_mutants", ROOT / "scripts" / "mutants.py")
 
 
 def test_every_snippet_occurs_once_and_every_listed_test_exists() -> None:

@@ -7,25 +7,14 @@ block that hold each kind.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from fixtures.module_files import module_from_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script() -> ModuleType:
-    path = ROOT / "scripts" / "wrap_prose.py"
-    spec = importlib.util.spec_from_file_location("pgregistry_wrap_prose", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-WRAP = _script()
+WRAP = module_from_file("pgregistry_wrap_prose", ROOT / "scripts" / "wrap_prose.py")
 WORDS = " ".join(f"word{index}" for index in range(30))
 LONG_DOCTEST = ">>> " + " + ".join(["1"] * 40)
 DOCTEST_OUTPUT = "output " + WORDS

@@ -15,13 +15,13 @@ this test fail, where checking only that every rank agrees did not.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fixtures.module_files import module_from_file
 
 from pgregistry.testing import run_world
 
@@ -32,10 +32,7 @@ WORLD, TP, EP, DP = 8, 2, 4, 4
 def _train_step_recording_grads() -> dict[str, Any]:
     from pgregistry.optim import ChainedOptimizer
 
-    spec = importlib.util.spec_from_file_location("quickstart", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = module_from_file("quickstart", EXAMPLE)
     recorded: dict[str, list[torch.Tensor]] = {}
     sync_grads = ChainedOptimizer.sync_grads
 

@@ -3,13 +3,13 @@ the full grads: the dense layer counted once, each expert's factors once (gather
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch.distributed as dist
+from fixtures.module_files import module_from_file
 
 from pgregistry.grad_stats import grad_norm
 from pgregistry.testing import run_world
@@ -18,11 +18,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_experts.py"
 
 
 def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fsdp2_experts", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file("fsdp2_experts", EXAMPLE)
 
 
 def _on_rank() -> dict[str, Any]:

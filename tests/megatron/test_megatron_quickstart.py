@@ -7,13 +7,13 @@ root of the unsharded model's parameter count, which the 1-rank build gives.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from fixtures.module_files import module_from_file
 from megatron_support import require_megatron
 
 require_megatron()
@@ -27,10 +27,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_quickstar
 
 
 def _build_on_rank() -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("megatron_quickstart", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = module_from_file("megatron_quickstart", EXAMPLE)
     model, pg = example.build_model(dist.get_world_size())
     for param in model.parameters():
         param.grad = torch.ones_like(param)
