@@ -32,11 +32,15 @@ def real_number(value: object) -> float | None:
 
     A real number is a Python or NumPy number, or a one-element real tensor."""
     if isinstance(value, torch.Tensor):
-        real = value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
-        return float(value.item()) if real else None
+        return float(value.item()) if _one_real_element(value) else None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+def _one_real_element(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds one real number: one element, neither complex nor bool."""
+    return tensor.numel() == 1 and not tensor.is_complex() and tensor.dtype != torch.bool
 
 
 def norm_type_error(norm_type: object) -> Exception | None:
@@ -102,10 +106,10 @@ def total_norm_as_tensor(total_norm: object, device: torch.device | None) -> tor
     the device by :func:`~pgregistry.grad_stats._reductions.clip_coefficient`. NaN and inf pass:
     they mean "leave the grads unscaled"."""
     if isinstance(total_norm, torch.Tensor):
-        real = not (total_norm.is_complex() or total_norm.dtype == torch.bool)
-        if total_norm.numel() == 1 and real:
+        if _one_real_element(total_norm):
             norm = total_norm.detach().reshape(()).to(torch.float64)
-            _refuse_negative(total_norm, float(norm) if norm.device.type == "cpu" else 0.0)
+            if norm.device.type == "cpu":  # a device's is checked there (no host sync)
+                _refuse_negative(total_norm, float(norm))
             return norm
     else:
         number = real_number(total_norm)
