@@ -425,14 +425,6 @@ class _Locator(cst.CSTVisitor):
             self.top = index
             statement.visit(self)
 
-    def _current_scope_name(self) -> str:
-        return ".".join(
-            [
-                *(self.class_names if not self.stack else []),
-                *([self.stack[-1].qualname] if self.stack else []),
-            ]
-        )
-
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
         for decorator in node.decorators:
             decorator.visit(self)
