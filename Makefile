@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
+# PyPI's torch for Linux x86_64 is the CUDA build (about 5.4 GB); PyTorch's CPU index adds 2.13.0+cpu, which pip
+# prefers (a local version sorts after its release). Elsewhere (macOS) the index's build is PyPI's.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.pgregistry-installed
 # The Megatron-Core the parity and interop tests run against (tests/megatron). Releases from 0.17 on declare
 # Python >= 3.12 and ship cp312 wheels only, but megatron/core is pure Python that runs on 3.11: the wheel's
@@ -37,7 +40,7 @@ setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR)) $
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_CPU)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --extra-index-url "$(TORCH_INDEX)" "$(TORCH_CPU)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 

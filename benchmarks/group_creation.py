@@ -86,6 +86,14 @@ def main() -> None:
         world, rank, layout_name, method = args.worker
         print(json.dumps(_worker(int(world), int(rank), layout_name, method)))
         return
+    from pgregistry.layout import ParallelLayout
+
+    for layout_name, sizes in LAYOUTS.items():  # a world the layouts do not divide: refused before any run
+        for world in args.worlds:
+            try:
+                ParallelLayout(num_ranks=world, **sizes)
+            except ValueError as exc:
+                parser.error(f"--worlds {world} does not fit {layout_name}: {exc} (try 1024 or 8192)")
     header = (
         f"{'layout':<32} {'ranks':>6} {'rank':>5} {'registry calls':>14} {'registry s':>10} "
         f"{'baseline calls':>14} {'baseline s':>10} {'calls ratio':>11} {'time ratio':>10}"

@@ -18,6 +18,7 @@ Usage: ``python benchmarks/torchtitan_communicators.py`` (needs torchtitan 0.3: 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections import Counter
 from pathlib import Path
@@ -106,6 +107,7 @@ COLUMNS = [
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: --help
     from pgregistry.testing import run_world
 
     titles = " ".join(title for title, _ in COLUMNS)

@@ -11,6 +11,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python}"
 n="${NPROC:-8}"
+case "${1:-}" in -h | --help) sed -n '2,9s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+if [ "$gpus" -lt "$n" ]; then
+    echo "gpu8.sh: needs $n NVIDIA GPUs (NCCL), nvidia-smi lists $gpus; set NPROC for a smaller world" >&2
+    exit 2
+fi
 tag="${TAG:-h200x$n}"
 layouts="${LAYOUTS:-tp=2,ep=4,expt_tp=1 tp=2,pp=2,ep=2}"
 verify_layouts="${VERIFY_LAYOUTS:-tp=2,ep=4,expt_tp=1 tp=2,pp=2,ep=2 tp=2,gtp_remat=2,ep=2,expt_gtp_remat=2}"

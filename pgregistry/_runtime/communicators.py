@@ -30,6 +30,7 @@ __all__ = [
     "communicators_per_rank",
     "compare_layouts",
     "kinds_by_communicator",
+    "span_text",
 ]
 
 
@@ -108,7 +109,7 @@ class LayoutComparison:
         ``"ranks"`` (their spans), then each axis size (``dp`` and ``expt_dp`` included), then
         ``"order"``; empty for one layout given twice."""
         out = []
-        spans = [_span_text(layout) for layout in (self.layout_a, self.layout_b)]
+        spans = [span_text(layout) for layout in (self.layout_a, self.layout_b)]
         if spans[0] != spans[1]:
             out.append(("ranks", spans[0], spans[1]))
         sizes_a, sizes_b = self.layout_a.axis_sizes(), self.layout_b.axis_sizes()
@@ -137,7 +138,8 @@ class LayoutComparison:
         )
 
 
-def _span_text(layout: ParallelLayout) -> str:
+def span_text(layout: ParallelLayout) -> str:
+    """The ranks ``layout`` spans, as ``first-last``."""
     first, stop = layout.rank_range()
     return f"{first}-{stop - 1}"
 

@@ -45,6 +45,7 @@ __all__ = [
     "FileResult",
     "ParseFailure",
     "Site",
+    "attribute_chain",
     "decode_result",
     "encode_result",
     "family_of",
@@ -451,17 +452,15 @@ class _Imports:
         }
 
 
-def _parts_of_dotted_name(node: ast.expr) -> list[str] | None:
-    """``a.b.c`` as ``["a", "b", "c"]``; None when the expression is not a plain dotted name."""
+def attribute_chain(node: ast.expr) -> list[str] | None:
+    """The names of a dotted expression: ``a.b.c`` -> ``["a", "b", "c"]``.
+
+    None when its root is not a plain name (a call, a subscript, ...). ``migrate`` uses it too."""
     parts: list[str] = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(node.id)
-    parts.reverse()
-    return parts
+    return [node.id, *parts[::-1]] if isinstance(node, ast.Name) else None
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -596,7 +595,7 @@ class _Walker:
         return None
 
     def _record_site(self, node: ast.expr, scope: str, form: str, guarded: bool) -> bool:
-        parts = _parts_of_dotted_name(node)
+        parts = attribute_chain(node)
         if parts is None:
             return False
         hit = self._resolve_accessor(parts)
@@ -627,7 +626,7 @@ class _Walker:
             and isinstance(call.args[1].value, str)
         ):
             return False
-        parts = _parts_of_dotted_name(call.args[0])
+        parts = attribute_chain(call.args[0])
         name = call.args[1].value
         if parts is None or not name.isidentifier():
             return False

@@ -226,15 +226,15 @@ def non_negative(text: str) -> float:
     return value
 
 
-def check_output_file(path: str | Path, option: str = "--json") -> None:
-    """``ValueError`` (naming ``option``) unless ``path`` can be written as a new or existing file.
+def check_output_file(path: str | Path) -> None:
+    """``ValueError`` (naming ``--json``) unless ``path`` can be written as a new or existing file.
 
     Checked before a run, not after minutes of it."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{option} {path} is a directory; give a file name")
+        raise ValueError(f"--json {path} is a directory; give a file name")
     parent = path.parent
     if not parent.is_dir():
-        raise ValueError(f"{option} {path}: directory {parent} does not exist")
+        raise ValueError(f"--json {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"{option} {path} is not writable")
+        raise ValueError(f"--json {path} is not writable")

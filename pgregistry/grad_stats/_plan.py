@@ -382,7 +382,7 @@ class Plan:
             name,
             grad,
         ) in partial:  # the pending reduction, on a copy, every call (collective)
-            entry = self._dtensor_entry(index, name, params[index], grad)
+            entry = self._dtensor_entry(name, params[index], grad)
             target = self._target_of(entry.outer, entry.expert)
             if entry.counted:
                 for part in parts_of([entry.local], wanted, device):
@@ -429,7 +429,7 @@ class Plan:
             (targets if counted else watched).setdefault(group, []).append(position)
         fields: dict[GroupName, ProcessGroup | None] = {}
         for position, index in enumerate(dtensor, start=len(plain)):
-            entry = self._dtensor_entry(index, self.names[index], params[index], grads[index])
+            entry = self._dtensor_entry(self.names[index], params[index], grads[index])
             if entry.outer is not None:
                 fields[entry.outer] = self.groups.collection.get(entry.outer)
             target = self._target_of(entry.outer, entry.expert)
@@ -452,7 +452,7 @@ class Plan:
             fields=fields,
         )
 
-    def _dtensor_entry(self, index: int, name: str, param: torch.Tensor, grad: DTensor) -> Any:
+    def _dtensor_entry(self, name: str, param: torch.Tensor, grad: DTensor) -> Any:
         return classify_dtensor_grad(
             name, param, grad, self.axes, role_verdicts(param, self.groups)
         )

@@ -37,7 +37,6 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any, Final
 
-from pgregistry._runtime.logger import get_logger
 from pgregistry._runtime.resolve import check_usable
 from pgregistry.collection import (
     FIELD_NAMES,
@@ -72,8 +71,6 @@ __all__ = [
     "seed_megatron_rng",
     "to_megatron",
 ]
-
-_log = get_logger(__name__)
 
 NONE_MEANS_NOT_USED: Final = frozenset({"hcp", "inter_dist_opt", "dp_cp_ag", "expt_dp_ag"})
 """Fields where Megatron-Core reads ``None`` as "the feature is not used" (one optimizer instance,

@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pgregistry._source.scanner import module_name
-from pgregistry.migrate._imports import attribute_chain, import_bindings
+from pgregistry._source.scanner import attribute_chain, module_name
+from pgregistry.migrate._imports import import_bindings
 
 __all__ = [
     "CallTarget",

@@ -1,16 +1,15 @@
 """What a module's imports bind: the names its module-level imports make, read with :mod:`ast`.
 
 Shared by the files' facts (:mod:`~pgregistry.migrate._facts`, through which the rules decided
-between the phases resolve a call or a base class), the plan (a relative import) and the spec-field
-rule (a dotted name's parts); a module of its own so that none of them imports another only for it.
-Pure: no I/O.
+between the phases resolve a call or a base class) and the plan (a relative import); a module of
+its own so that neither imports the other only for it. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import ast
 
-__all__ = ["absolute_module", "attribute_chain", "import_bindings"]
+__all__ = ["absolute_module", "import_bindings"]
 
 
 def absolute_module(module: str, level: int, package: list[str]) -> str:
@@ -43,14 +42,3 @@ def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
         elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             stack += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
     return bound
-
-
-def attribute_chain(node: ast.expr) -> list[str] | None:
-    """The names of a dotted expression: ``a.b.c`` -> ``["a", "b", "c"]``.
-
-    None when its root is not a plain name (a call, a subscript, ...)."""
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    return [node.id, *parts[::-1]] if isinstance(node, ast.Name) else None

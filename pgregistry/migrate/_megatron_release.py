@@ -97,11 +97,11 @@ def _shims_beside(base: Path) -> ShimGetters | None:
         return None
 
 
-def find_installed_shim_getters(search: Sequence[str] | None = None) -> ShimGetters | None:
-    """:func:`shim_getters` of the first ``megatron/core/process_groups_config.py`` on ``search``.
+def find_installed_shim_getters() -> ShimGetters | None:
+    """:func:`shim_getters` of the first ``megatron/core/process_groups_config.py`` on ``sys.path``.
 
-    ``search`` defaults to ``sys.path``; None when there is none."""
-    for entry in sys.path if search is None else search:
+    None when there is none."""
+    for entry in sys.path:
         found = _shims_beside(Path(entry or "."))
         if found is not None:
             return found

@@ -48,7 +48,16 @@ from libcst.metadata import (
 )
 
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
-from pgregistry._source.scanner import CALL, GETATTR, HELPER, LEGACY, MODULE_SCOPE, SHIM, Site
+from pgregistry._source.scanner import (
+    CALL,
+    GETATTR,
+    HELPER,
+    LEGACY,
+    MODULE_SCOPE,
+    SHIM,
+    Site,
+    attribute_chain,
+)
 from pgregistry.migrate._facts import spec_field_of_call
 from pgregistry.migrate._imports import absolute_module
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
@@ -424,14 +433,6 @@ class _Locator(cst.CSTVisitor):
             self.visited.add(index)
             self.top = index
             statement.visit(self)
-
-    def _current_scope_name(self) -> str:
-        return ".".join(
-            [
-                *(self.class_names if not self.stack else []),
-                *([self.stack[-1].qualname] if self.stack else []),
-            ]
-        )
 
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
         for decorator in node.decorators:
@@ -1606,11 +1607,8 @@ def _statement_spans(
 
 
 def _ast_dotted(node: ast.expr) -> str | None:
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    return ".".join([node.id, *parts[::-1]]) if isinstance(node, ast.Name) else None
+    parts = attribute_chain(node)
+    return ".".join(parts) if parts else None
 
 
 def _call_order(statements: Sequence[ast.AST]) -> list[tuple[int, int, str | None]]:

@@ -69,7 +69,9 @@ class _Prune(cst.CSTTransformer):
     The modules they import are imported where the code that reads them runs: the fallback helper's
     import of ``parallel_state`` when it falls back. Such a statement is dropped by its block, not a
     ``pass`` left in its place, and the comments above it go onto the statement after it: they say
-    what that code does."""
+    what that code does. Not libcst's ``RemoveImportsVisitor``: it needs a ``ScopeProvider``
+    analysis of each file (here the unused names come from one :mod:`ast` count) and drops a
+    statement's comments with it."""
 
     def __init__(self, unused: set[str]) -> None:
         super().__init__()
@@ -546,7 +548,9 @@ def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int)
     Each is added to its ``from M import`` of that module if it has one, else as a new statement
     among its peers (the module-level imports of the same top package, in order of module name,
     relative ones last), after its last module-level import when it has none (after the docstring
-    when it has no import). Top-level statements only, no walk of the tree."""
+    when it has no import). Top-level statements only, no walk of the tree. Not libcst's
+    ``AddImportsVisitor``: it puts a new statement at the end of the first import block, not among
+    its peers, on one line whatever its length."""
     body: list[cst.BaseStatement] = list(module.body)
     for name in dict.fromkeys(m for m, _ in needed):
         names = sorted({n for m, n in needed if m == name})

@@ -52,6 +52,7 @@ import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from pgregistry._source.scanner import attribute_chain
 from pgregistry.migrate._facts import (
     FileFacts,
     Key,
@@ -60,7 +61,6 @@ from pgregistry.migrate._facts import (
     functions_by_qualname,
     resolve_dotted_name,
 )
-from pgregistry.migrate._imports import attribute_chain
 
 __all__ = ["SpecFields", "SpecCallLeft", "decide_spec_fields"]
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from types import MappingProxyType
 
+from pgregistry._runtime.communicators import span_text
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.layout import ParallelLayout
 
@@ -118,7 +119,7 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
 
     def __repr__(self) -> str:
         spans = ", ".join(
-            f"{name}: ranks {_span_text(_layout_of(c))}" for name, c in self._modules.items()
+            f"{name}: ranks {span_text(_layout_of(c))}" for name, c in self._modules.items()
         )
         extras = (
             f", language_model={self._language_model!r}" if self._language_model is not None else ""
@@ -247,11 +248,6 @@ def _layout_of(collection: ProcessGroupCollection) -> ParallelLayout:
     layout = collection.layout
     assert layout is not None  # checked when the MultiModuleCollection was made
     return layout
-
-
-def _span_text(layout: ParallelLayout) -> str:
-    first, stop = layout.rank_range()
-    return f"{first}-{stop - 1}"
 
 
 def _check_disjoint(layouts: Mapping[str, ParallelLayout]) -> None:

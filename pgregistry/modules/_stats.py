@@ -41,6 +41,7 @@ from pgregistry._runtime.agreement import (
     combine_faults,
     verdict_of,
 )
+from pgregistry._runtime.communicators import span_text
 from pgregistry._runtime.resolve import ParamsLike, normalise_params
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
@@ -392,15 +393,14 @@ def check_models(
     for name, collection in modules.items():
         layout = collection.layout
         assert layout is not None
-        first, stop = layout.rank_range()
         if name in models and name not in here:
             problems.append(
-                f"{article} {noun} for module {name!r}, which runs on ranks {first}-{stop - 1}, "
+                f"{article} {noun} for module {name!r}, which runs on ranks {span_text(layout)}, "
                 f"not on this rank: a rank outside a module passes no {noun} for it"
             )
         elif name in here and name not in models:
             problems.append(
-                f"no {noun} for module {name!r} (ranks {first}-{stop - 1}), which this rank runs"
+                f"no {noun} for module {name!r} (ranks {span_text(layout)}), which this rank runs"
             )
         elif name in here and collection.is_destroyed:
             problems.append(

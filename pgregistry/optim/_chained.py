@@ -59,10 +59,6 @@ class ChainedOptimizer(OptimizerStatistics):
             )
         return tuple(groups)
 
-    def shares_stats_group(self) -> bool:
-        """Whether every child reduces its statistics over one and the same group."""
-        return len(self.stats_reduce_groups()) == 1
-
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
         """The children: the statistics read, and clipping scales, the grads of every one."""
         return self.chained_optimizers

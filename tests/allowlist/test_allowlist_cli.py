@@ -324,6 +324,14 @@ def test_the_docs_usage_lines_offer_what_help_offers() -> None:
         assert set(re.findall(r"--[a-z-]+", line)) == offered - shared, name
 
 
+def test_the_docs_allowlist_file_is_this_repositorys_committed_one() -> None:
+    """docs/allowlist.md shows this repository's allowlist as it is committed (its comment shortened)."""
+    text = (REPO / "docs" / "allowlist.md").read_text()
+    shown = json.loads(text.split("## The allowlist file", 1)[1].split("```json\n", 1)[1].split("```", 1)[0])
+    committed = json.loads((REPO / "allowlist" / "process_group_usage_allowlist.json").read_text())
+    assert {**shown, "_comment": None} == {**committed, "_comment": None}
+
+
 def test_the_settings_options_handed_to_another_command_parse_back_to_the_same_settings() -> None:
     """``migrate --write`` hands its settings options to ``allowlist update``: every option, repeated ones and
     values that start with a dash included, arrives as it was given."""

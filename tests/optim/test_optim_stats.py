@@ -70,7 +70,7 @@ def _on_rank(layout: ParallelLayout) -> dict[str, Any]:
         grads = full_grads("random")
         set_main_grads(model, shards, grads, layout)
         opt.sync_grads()  # every replica holds the same raw grads: the synchronised grads are ``grads``
-        res: dict[str, Any] = {"shared": opt.shares_stats_group()}
+        res: dict[str, Any] = {"shared": len(opt.stats_reduce_groups()) == 1}
         res["norm2"], res["norm2_calls"] = _collectives(calls, opt.get_grad_norm)
         res["zeros"], res["zeros_calls"] = _collectives(calls, opt.count_zeros)
         res["norm_inf"] = float(opt.get_grad_norm(math.inf))
