@@ -72,6 +72,35 @@ def test_a_file_with_cr_only_line_endings_is_migrated_keeping_them(
     assert main([*ARGS, "--check"]) == 0
 
 
+@pytest.mark.parametrize(
+    ("ending", "tail"),
+    [
+        pytest.param("\r", "", id="cr-only"),
+        pytest.param("\r", "\n", id="cr-only-blank-line"),
+        pytest.param("\r", "\n\n# the end\n", id="cr-only-comment-and-blank-lines"),
+        pytest.param("\n", "# see C:\\dir\\\n", id="comment-ending-in-backslash"),
+        pytest.param("\r\n", "# a\\\n\n", id="crlf-backslash-blank"),
+        pytest.param("\r", "y = 1", id="cr-only-no-final-newline"),
+        pytest.param("\n", "", id="lf"),
+    ],
+)
+def test_the_last_line_ending_is_kept_whatever_the_line_endings(
+    project: Project, capsys: pytest.CaptureFixture[str], ending: str, tail: str
+) -> None:
+    """Every byte the rewrite does not replace is the file's, its last line ending too: libcst reads a file whose
+    last line ends in a lone ``\\r``, or in a comment ending with ``\\``, as having no final newline, and its
+    render dropped that line's ending. The oracle: the same file with ``\\n`` endings, migrated, its endings made
+    the file's; its tail as written."""
+    text = f"from megatron.core import parallel_state as ps\n\n\n{READ}{tail}"
+    lf = _write_bytes(project, "src/pkg/lf.py", text.encode())
+    path = _write_bytes(project, "src/pkg/m.py", text.replace("\n", ending).encode())
+    assert main([*ARGS, "--write"]) == 0
+    capsys.readouterr()
+    assert lf.read_bytes().endswith(tail.encode() or b"\n")  # the oracle keeps its own ending
+    assert path.read_bytes() == lf.read_bytes().replace(b"\n", ending.encode())
+    assert main([*ARGS, "--check"]) == 0
+
+
 def test_an_error_of_the_tool_on_a_file_is_exit_2_naming_it_in_every_mode(
     project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
