@@ -317,3 +317,20 @@ def test_a_rewritten_allowlist_keeps_its_mode(
     assert run(capsys, "update", "--no-cache")[0] == 0
     assert path.read_text() != before  # rewritten (b.py's read is new)
     assert path.stat().st_mode & 0o7777 == 0o604
+
+
+def test_an_allowlist_that_is_a_link_stays_a_link_and_its_file_is_updated(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An allowlist kept elsewhere (``allowlist.json -> shared/allowlist.json``) was replaced by a regular file
+    holding the new list: the link was gone and the file it named kept the old list. The link stays, and the
+    file it names holds the new list, with no temporary file left in either directory."""
+    shared = listed.root / "shared"
+    shared.mkdir()
+    (listed.root / "allowlist.json").rename(shared / "allowlist.json")
+    (listed.root / "allowlist.json").symlink_to("shared/allowlist.json")
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    assert (listed.root / "allowlist.json").is_symlink()
+    assert "src/pkg/b.py" in (shared / "allowlist.json").read_text()  # b.py's read is new
+    assert _leftovers(listed) == [] and sorted(p.name for p in shared.iterdir()) == ["allowlist.json"]
+    assert run(capsys, "check", "--no-cache")[0] == 0
