@@ -67,15 +67,37 @@ def read_bytes(path: Path) -> bytes | None:
         return None
 
 
+class _DuplicateKeyError(ValueError):
+    """A JSON object holds a key twice; its argument is the key."""
+
+
+def _object_of_distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; :class:`_DuplicateKeyError` when a key occurs twice in it.
+
+    ``json.loads`` alone keeps the last: a file's entries listed twice would lose the first ones."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _DuplicateKeyError(key)
+        found[key] = value
+    return found
+
+
 def parse_json(text: str, name: str, what: str) -> Any:
     """``text`` as JSON; :class:`AllowlistError` naming the file, line and column when malformed.
 
-    ``what`` names the format (``allowlist JSON``; ``JSON`` for Megatron-LM's list)."""
+    ``what`` names the format (``allowlist JSON``; ``JSON`` for Megatron-LM's list). A key twice in
+    one object (a merge that kept both sides) is refused, naming it, not read as its last value."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object_of_distinct_keys)
     except json.JSONDecodeError as error:
         raise AllowlistError(
             f"{name}:{error.lineno}:{error.colno}: malformed {what}: {error.msg}"
+        ) from None
+    except _DuplicateKeyError as error:
+        raise AllowlistError(
+            f"{name}: malformed {what}: {error.args[0]!r} is a key twice in one object (a merge "
+            "that kept both sides?): merge the two into one, or regenerate the file"
         ) from None
 
 

@@ -334,3 +334,25 @@ def test_an_allowlist_that_is_a_link_stays_a_link_and_its_file_is_updated(
     assert "src/pkg/b.py" in (shared / "allowlist.json").read_text()  # b.py's read is new
     assert _leftovers(listed) == [] and sorted(p.name for p in shared.iterdir()) == ["allowlist.json"]
     assert run(capsys, "check", "--no-cache")[0] == 0
+
+
+def test_a_path_listed_twice_is_refused_naming_it_and_no_entry_is_dropped(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file's entries twice in the list (a merge that kept both sides) were read as the last block alone: with
+    the last block's total the check passed and a partial update rewrote the list without the first block's
+    entries, silently; with both blocks' total it was refused as a total that does not add up, naming no path."""
+    path = listed.root / "allowlist.json"
+    key = "a|get_data_parallel_group|call"
+    twice = path.read_text().replace(
+        '"src/pkg/a.py": {', f'"src/pkg/a.py": {{\n      "{key}": 1\n    }},\n    "src/pkg/a.py": {{'
+    )
+    for total in ('"total": 1', '"total": 2'):
+        path.write_text(twice.replace('"total": 1', total))
+        before = path.read_bytes()
+        for action in (["check"], ["update", "src/pkg/b.py"]):
+            code, _, err = run(capsys, *action, "--no-cache")
+            assert code == 2 and "'src/pkg/a.py'" in err and "twice" in err and "allowlist.json" in err, err
+            assert path.read_bytes() == before
+    path.write_text(twice.replace("{", '{"version": 1, ', 1))  # a field twice is refused alike
+    assert run(capsys, "check", "--no-cache")[0] == 2
