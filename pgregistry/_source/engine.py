@@ -42,6 +42,7 @@ __all__ = [
     "PARALLEL_MIN_BYTES",
     "ScanReport",
     "default_jobs",
+    "read_source",
     "scan_files",
     "scan_sources",
     "split_into_buckets",
@@ -140,22 +141,23 @@ def _scan_parallel(
     return [result for result in results if result is not None], len(split)
 
 
-def _read_source_bytes(source: SourceFile) -> bytes | FileResult:
-    """The file's bytes; a failure for anything but a regular file.
+def read_source(source: SourceFile) -> tuple[bytes, int] | FileResult:
+    """The file's bytes and modification time (ns); a failure for anything but a regular file.
 
     Opened non-blocking and checked with ``fstat`` before reading, so a FIFO (or a file swapped for
-    one after discovery) never blocks the scan."""
+    one after discovery) never blocks the scan, nor ``migrate``, which reads with it too."""
     try:
         handle = os.open(source.absolute, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
     try:
-        if not stat.S_ISREG(os.fstat(handle).st_mode):
+        status = os.fstat(handle)
+        if not stat.S_ISREG(status.st_mode):
             return FileResult(
                 source.path, failure=ParseFailure("cannot read: not a regular file", 1, 1)
             )
         with os.fdopen(handle, "rb", closefd=False) as stream:
-            return stream.read()
+            return stream.read(), status.st_mtime_ns
     except OSError as error:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
     finally:
@@ -170,8 +172,13 @@ def scan_files(
     jobs: int = 1,
 ) -> ScanReport:
     """Scan ``files``: cached results where cached, the rest parsed on up to ``jobs`` cores."""
-    read = [(source.path, _read_source_bytes(source)) for source in files]
-    return scan_sources(read, config, cache=cache, jobs=jobs)
+    read = [(source.path, read_source(source)) for source in files]
+    return scan_sources(
+        [(path, data if isinstance(data, FileResult) else data[0]) for path, data in read],
+        config,
+        cache=cache,
+        jobs=jobs,
+    )
 
 
 def scan_sources(

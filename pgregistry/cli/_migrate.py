@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from pgregistry._source.config import ConfigError, Settings, find_config_file
-from pgregistry._source.files import PathError, discover_files, project_path
+from pgregistry._source.files import PathError, discover_files, path_kind, project_path
 from pgregistry._source.options import (
     add_settings_options,
     path_argument,
@@ -172,6 +172,15 @@ def _regenerate_allowlist(args: argparse.Namespace) -> int:
     )
 
 
+def _not_regular(skipped: list[str], root: Path) -> list[str]:
+    """A line for each ``*.py`` the run skipped as no regular file, saying what it is.
+
+    A FIFO, a socket, a device or a dangling link (reading one could block, or fail): never read nor
+    written, and said so, as ``allowlist`` says it."""
+    kinds = {path: path_kind(root / path) or "a link to nothing" for path in skipped}
+    return [f"{path}: {kind}, not a regular file: left untouched" for path, kind in kinds.items()]
+
+
 def _run_migrate(args: argparse.Namespace) -> int:
     """The handler; returns the exit code (see the module docstring).
 
@@ -224,8 +233,9 @@ def _migrate_files(args: argparse.Namespace) -> int:
                 )
         discovered = discover_files(targets, settings.root, settings.exclude)
         found = own_files(discovered.files, settings.root, settings.exclude)
-        for line in found.left if not args.quiet else ():
-            print(f"pgregistry migrate: {line}", file=sys.stderr)
+        for line in [*_not_regular(discovered.skipped, settings.root), *found.left]:
+            if not args.quiet:
+                print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
         configured_helper = (
             None if args.isolated else migrate_settings(settings.root).get("helper-module")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,48 @@ def test_a_file_changed_on_disk_since_it_was_read_is_not_overwritten(tmp_path: P
         write_changes([change], tmp_path)
     assert path.read_text() == SOURCE + "# edited meanwhile\n"
     assert SourceFile("m.py", path).absolute == path
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_py_that_is_no_regular_file_is_named_as_left_untouched(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO or a dangling link named ``*.py`` in the tree was skipped without a word (``allowlist check`` names
+    each): a run that looked at nothing there said "0 files would change". Each is named with what it is."""
+    project.write("src/pkg/m.py", SOURCE)
+    os.mkfifo(project.root / "src/pkg/pipe.py")
+    (project.root / "src/pkg/gone.py").symlink_to("nowhere.py")
+    for mode in ([], ["--check"], ["--write"]):
+        assert main([*ARGS, *mode]) in (0, 1)
+        err = capsys.readouterr().err
+        assert "src/pkg/pipe.py: a FIFO, not a regular file: left untouched" in err, err
+        assert "src/pkg/gone.py: a link to nothing, not a regular file: left untouched" in err
+    assert "pg_collection" in project.read("src/pkg/m.py")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Path) -> None:
+    """The ratchet's scan reads a file non-blocking (a FIFO is refused, not waited on); migrate read it again
+    with a plain ``open``, which waits for a writer forever."""
+    from pgregistry._source.config import PRESETS
+    from pgregistry.migrate._engine import migrate
+
+    os.mkfifo(tmp_path / "pipe.py")
+    outcome: list[object] = []
+    worker = threading.Thread(
+        target=lambda: outcome.append(
+            migrate([SourceFile("pipe.py", tmp_path / "pipe.py")], PRESETS["megatron"], target="megatron",
+                    name="pg_collection")
+        ),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # unblock the reader so the test process can exit
+        os.close(os.open(tmp_path / "pipe.py", os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO blocked")
+    (failure,) = outcome[0].failures  # type: ignore[attr-defined]
+    assert failure.path == "pipe.py" and "not a regular file" in failure.failure.message
 
 
 def test_without_libcst_the_error_names_the_extra(
