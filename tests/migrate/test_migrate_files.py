@@ -17,6 +17,8 @@ pytest.importorskip("libcst")
 
 from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry._source.files import SourceFile  # noqa: E402
+from pgregistry._source.storage import StorageError  # noqa: E402
+from pgregistry.allowlist import _ratchet  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
 from pgregistry.migrate import _engine, _facts, _plan, _rewrite, _skeleton  # noqa: E402
 from pgregistry.migrate._diff import render_unified_diff  # noqa: E402
@@ -255,6 +257,43 @@ def test_write_says_why_a_configured_allowlist_is_not_regenerated(
     assert main([*ARGS, "--write"]) == 0
     assert f"no allowlist regenerated: the configured {project.root / 'allowlist.json'} does not exist" in (
         capsys.readouterr().err)
+
+
+def test_write_whose_allowlist_cannot_be_regenerated_says_the_files_were_written(
+    project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sources were rewritten, then the allowlist's update failed (a full disk): exit 2 with the update's
+    line alone, which under ``--quiet`` read as "nothing was written" (what exit 2 means everywhere else)."""
+    project.write("src/pkg/m.py", SOURCE)
+    assert main(["allowlist", "update", "--preset", "megatron"]) == 0
+    before = project.read("allowlist.json")
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise StorageError(f"cannot write {path}: No space left on device; the previous file is unchanged")
+
+    monkeypatch.setattr(_ratchet, "atomic_write", full_disk)
+    capsys.readouterr()
+    assert main([*ARGS, "--write", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "pg_collection" in project.read("src/pkg/m.py")
+    assert (
+        "pgregistry migrate: error: 2 file(s) were rewritten (src/pkg/_process_group_fallback.py, src/pkg/m.py), "
+        "but the allowlist was not regenerated (above): fix that, then run `pgregistry allowlist update`"
+    ) in err
+    assert project.read("allowlist.json") == before
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["configured", "named"])
+def test_write_whose_allowlist_is_a_directory_is_refused_before_anything_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str], named: bool
+) -> None:
+    """It was "the configured allowlist.json does not exist" (``--allowlist``: "no such file; create it"), and,
+    configured, the sources were rewritten with the ratchet's list left as it was."""
+    project.write("src/pkg/m.py", SOURCE)
+    (project.root / "allowlist.json").mkdir()
+    assert main([*ARGS, "--write", *(["--allowlist", "allowlist.json"] if named else [])]) == 2
+    assert "allowlist.json is a directory, not a regular file" in capsys.readouterr().err
+    assert project.read("src/pkg/m.py") == SOURCE
 
 
 class _SlowClock:
