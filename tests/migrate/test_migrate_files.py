@@ -8,6 +8,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,31 @@ def test_the_last_line_ending_is_kept_whatever_the_line_endings(
     assert lf.read_bytes().endswith(tail.encode() or b"\n")  # the oracle keeps its own ending
     assert path.read_bytes() == lf.read_bytes().replace(b"\n", ending.encode())
     assert main([*ARGS, "--check"]) == 0
+
+
+def test_the_diff_names_any_file_as_git_does_and_git_applies_it(
+    project: Project, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """A name holding a newline split the diff's ``---`` line in two (the diff no longer applied), and one that is
+    no UTF-8 (a byte read back as a surrogate) was an internal error half-way through the diff. Each name is
+    written as ``git diff`` writes it (C-style quoted where it holds a control character, a quote, a backslash or
+    a byte past ASCII); the oracle: ``git apply`` of the diff gives the tree ``--write`` gives."""
+    names = ["a b.py", "new\nline.py", 'quo"te.py', "back\\slash.py", "tab\t.py", "caf\u00e9.py", "bad\udcff.py"]
+    for name in names:
+        _write_bytes(project, f"src/pkg/{name}", SOURCE.encode())
+    assert main([*ARGS, "--quiet"]) == 0
+    diff = capsysbinary.readouterr().out
+    assert b'--- "a/src/pkg/new\\nline.py"\n+++ "b/src/pkg/new\\nline.py"\n' in diff
+    assert b'--- "a/src/pkg/caf\\303\\251.py"\n' in diff and b"--- a/src/pkg/a b.py\n" in diff
+    assert main([*ARGS, "--write", "--quiet"]) == 0
+    written = {path: path.read_bytes() for path in (project.root / "src/pkg").iterdir()}
+    assert len(written) == len(names) + 2  # and __init__.py, the new helper module
+    (project.root / "src/pkg/_process_group_fallback.py").unlink()
+    for name in names:
+        _write_bytes(project, f"src/pkg/{name}", SOURCE.encode())
+    subprocess.run(["git", "init", "-q"], cwd=project.root, check=True, timeout=60)
+    subprocess.run(["git", "apply"], cwd=project.root, input=diff, check=True, capture_output=True, timeout=60)
+    assert {path: path.read_bytes() for path in (project.root / "src/pkg").iterdir()} == written
 
 
 def test_an_error_of_the_tool_on_a_file_is_exit_2_naming_it_in_every_mode(
