@@ -199,3 +199,36 @@ def test_a_journal_in_a_state_this_tool_never_writes_is_refused_and_nothing_is_r
     err = capsys.readouterr().err
     assert "cannot be read" in err and "finishing" in err
     assert _tree(project) == FILES and (project.root / JOURNAL).exists() and temporary.exists()
+
+
+@pytest.mark.parametrize("listed", ["outside", "another file", "target outside"])
+def test_a_journal_listing_files_this_tool_never_writes_is_refused_and_nothing_is_removed(
+    project: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory, listed: str
+) -> None:
+    """A journal found at the project root (committed, copied from another tree, hand-made) was trusted: rolling
+    back "writing" removed every file it listed as a temporary one, anywhere, in any mode (a diff too). Only the
+    rows this tool writes are read: a file of the project, its temporary file beside it under the name it gives
+    them; any other journal is refused, naming it and the path, and nothing is removed or renamed."""
+    import json
+
+    for path, text in FILES.items():
+        project.write(path, text)
+    precious = tmp_path_factory.mktemp("outside") / "precious.py"
+    precious.write_text(FILES["src/pkg/a.py"])
+    target, temporary = project.root / "src/pkg/a.py", project.root / "src/pkg/.a.py.0123abcd.pgregistry-migrate.tmp"
+    if listed == "outside":
+        temporary = precious
+    elif listed == "another file":
+        temporary = project.root / "src/pkg/b.py"
+    else:
+        target, temporary = precious, precious.with_name(".precious.py.0123abcd.pgregistry-migrate.tmp")
+        temporary.write_text("replaced = True\n")
+    row = {"target": str(target), "temporary": str(temporary), "old": None, "new": "0" * 64}
+    for state in ("writing", "renaming"):
+        project.write(JOURNAL, json.dumps({"state": state, "files": [row]}))
+        assert main(ARGS) == 2
+        err = capsys.readouterr().err
+        named = row["target" if listed == "target outside" else "temporary"]
+        assert "cannot be read" in err and JOURNAL in err and str(named) in err, err
+        assert _tree(project) == FILES and precious.read_text() == FILES["src/pkg/a.py"]
+        assert (project.root / JOURNAL).exists() and temporary.exists()
