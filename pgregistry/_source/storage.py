@@ -3,8 +3,7 @@
 The allowlist is the one file the ratchet writes that a person cares about, so a rewrite goes to a
 temporary file in the same directory, is flushed to disk (``fsync``) and only then renamed over the
 old file: a crash, a ``kill -9`` or a full disk at any point leaves either the old file or the new
-one, never a truncated mix. A path that is a symbolic link stays one: the file it names is replaced
-(a rename over the link would turn it into a copy, and leave the file it named with the old text).
+one, never a truncated mix.
 
 Two updates running at once (two partial ``update PATH`` runs, or a pre-commit hook beside a manual
 run) would each read the old list and the last rename would drop the other's entries.
@@ -53,16 +52,14 @@ def atomic_write(
 ) -> None:
     """Replace ``path`` with ``data`` all at once, leaving it untouched on failure.
 
-    Temporary file in the directory of the file (the one a link at ``path`` names), created first
-    with ``make_parents``, ``fsync`` (when ``durable``), rename. Raises :class:`StorageError` on any
-    OS error; ``path`` is then untouched and no temporary file is left behind. The file keeps its
-    mode; a new one gets the mode any new file gets (``0666`` less the umask, as ``open`` makes it),
-    not ``mkstemp``'s ``0600``."""
-    target = _follow_link(path)
+    Temporary file in the same directory (created first with ``make_parents``), ``fsync`` (when
+    ``durable``), rename. Raises :class:`StorageError` on any OS error; ``path`` is then untouched
+    and no temporary file is left behind. The file keeps its mode; a new one gets the mode any new
+    file gets (``0666`` less the umask, as ``open`` makes it), not ``mkstemp``'s ``0600``."""
     try:
         if make_parents:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = _new_temporary(target)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = _new_temporary(path)
     except OSError as error:
         raise StorageError(f"cannot write {path}: {_reason_of(error)}") from error
     try:
@@ -72,8 +69,8 @@ def atomic_write(
             if durable:
                 os.fsync(stream.fileno())
         with contextlib.suppress(OSError):  # keep the old file's permissions (none: a new file)
-            os.chmod(temporary, target.stat().st_mode & 0o7777)
-        os.replace(temporary, target)
+            os.chmod(temporary, path.stat().st_mode & 0o7777)
+        os.replace(temporary, path)
     except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
@@ -84,16 +81,11 @@ def atomic_write(
         raise
     if durable:  # make the rename itself durable
         with contextlib.suppress(OSError):
-            directory = os.open(target.parent, os.O_RDONLY)
+            directory = os.open(path.parent, os.O_RDONLY)
             try:
                 os.fsync(directory)
             finally:
                 os.close(directory)
-
-
-def _follow_link(path: Path) -> Path:
-    """The file ``path`` names: itself, or the one a symbolic link there names (maybe not made)."""
-    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def _new_temporary(path: Path) -> tuple[int, str]:
@@ -116,15 +108,14 @@ def _new_temporary(path: Path) -> tuple[int, str]:
 def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Hold the advisory lock that serialises rewrites of ``path``.
 
-    It is a lock on its directory (that of the file a link at ``path`` names, where
-    :func:`atomic_write` renames), so it survives the rename that replaces the file. Waits up to
+    It is a lock on its directory, so it survives the rename that replaces the file. Waits up to
     ``timeout`` seconds, then raises :class:`StorageError`."""
     if (
         fcntl is None
     ):  # pragma: no cover - Windows: the writer's re-read still detects a concurrent change
         yield
         return
-    directory = _follow_link(path).parent
+    directory = path.parent
     try:
         directory.mkdir(parents=True, exist_ok=True)
         handle = os.open(directory, os.O_RDONLY)

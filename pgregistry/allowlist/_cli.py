@@ -48,6 +48,7 @@ from pgregistry.allowlist._ratchet import (
     Comparison,
     FutureAllowlistError,
     compare_counts,
+    file_to_rewrite,
     read_bytes,
 )
 from pgregistry.allowlist._report import (
@@ -283,8 +284,12 @@ def run_action(args: argparse.Namespace) -> int:
         if code:
             return code
     if args.allowlist_action in ("update", "import"):
+        try:
+            rewritten = file_to_rewrite(allowlist_path, settings.root)
+        except AllowlistError as error:
+            return _print_error(str(error), fmt)
         return _update_allowlist(
-            args, results, is_judged, allowlist_path, name, partial=bool(args.paths or unjudged)
+            args, results, is_judged, rewritten, name, partial=bool(args.paths or unjudged)
         )
     try:
         if args.allowlist_action == "check":

@@ -20,6 +20,7 @@ new reads through.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = [
     "FutureAllowlistError",
     "Mismatch",
     "compare_counts",
+    "file_to_rewrite",
     "parse_json",
     "read_bytes",
 ]
@@ -57,6 +59,26 @@ class AllowlistError(ValueError):
 
 class FutureAllowlistError(AllowlistError):
     """The allowlist was written by a newer pgregistry: never rewrite it (losing its new fields)."""
+
+
+def file_to_rewrite(path: Path, root: Path) -> Path:
+    """The file an update of the allowlist at ``path`` rewrites: it, or the one a link there names.
+
+    A rename over a symbolic link would make it a regular file holding a copy, and leave the file
+    it named with the old list: the link stays, the file it names is rewritten. Only one of the
+    project at ``root`` (links resolved): :class:`AllowlistError` for a link to any other, which a
+    repository's link must not have an update write over (a full update replaces a file that is no
+    allowlist)."""
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path))
+    if not target.is_relative_to(os.path.realpath(root)):
+        raise AllowlistError(
+            f"{path} is a link to {target}, outside the project {root}: an update writes only the "
+            "project's files; update that list from its own project, or put the file in the link's "
+            "place"
+        )
+    return target
 
 
 def read_bytes(path: Path) -> bytes | None:

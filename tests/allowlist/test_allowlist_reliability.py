@@ -336,6 +336,20 @@ def test_an_allowlist_that_is_a_link_stays_a_link_and_its_file_is_updated(
     assert run(capsys, "check", "--no-cache")[0] == 0
 
 
+
+def test_an_allowlist_that_is_a_link_out_of_the_project_is_refused_and_nothing_is_written(
+    listed: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An update writes the project's files only: through a repository's link it would write over a file of the
+    user's anywhere (a full update replaces one that is no allowlist). Refused, naming the link and its file."""
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "notes.txt"
+    elsewhere.write_text("not an allowlist\n")
+    (listed.root / "allowlist.json").unlink()
+    (listed.root / "allowlist.json").symlink_to(elsewhere)
+    code, _, err = run(capsys, "update", "--no-cache")
+    assert code == 2 and f"is a link to {elsewhere}, outside the project" in err
+    assert elsewhere.read_text() == "not an allowlist\n" and (listed.root / "allowlist.json").is_symlink()
+
 def test_a_path_listed_twice_is_refused_naming_it_and_no_entry_is_dropped(
     listed: Project, capsys: pytest.CaptureFixture[str]
 ) -> None:
