@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import marshal
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +27,7 @@ from typing import Any
 
 from pgregistry._source.cache import ScanCache, content_key
 from pgregistry._source.config import ScanConfig
-from pgregistry._source.files import SourceFile
+from pgregistry._source.files import SourceFile, read_regular_file
 from pgregistry._source.processes import Child, can_fork, start_child
 from pgregistry._source.scanner import (
     FileResult,
@@ -144,24 +143,12 @@ def _scan_parallel(
 def read_source(source: SourceFile) -> tuple[bytes, int] | FileResult:
     """The file's bytes and modification time (ns); a failure for anything but a regular file.
 
-    Opened non-blocking and checked with ``fstat`` before reading, so a FIFO (or a file swapped for
+    Read by :func:`~pgregistry._source.files.read_regular_file`, so a FIFO (or a file swapped for
     one after discovery) never blocks the scan, nor ``migrate``, which reads with it too."""
     try:
-        handle = os.open(source.absolute, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return read_regular_file(source.absolute)
     except OSError as error:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
-    try:
-        status = os.fstat(handle)
-        if not stat.S_ISREG(status.st_mode):
-            return FileResult(
-                source.path, failure=ParseFailure("cannot read: not a regular file", 1, 1)
-            )
-        with os.fdopen(handle, "rb", closefd=False) as stream:
-            return stream.read(), status.st_mtime_ns
-    except OSError as error:
-        return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
-    finally:
-        os.close(handle)
 
 
 def scan_files(

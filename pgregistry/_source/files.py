@@ -8,6 +8,7 @@ files too, so a run that passes file names cannot bring an excluded file back.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,7 @@ __all__ = [
     "make_absolute",
     "path_kind",
     "project_path",
+    "read_regular_file",
 ]
 
 
@@ -136,6 +138,23 @@ def path_kind(path: Path) -> str | None:
     except OSError:
         return None
     return next((kind for is_kind, kind in _KINDS if is_kind(mode)), "not a regular file")
+
+
+def read_regular_file(path: Path) -> tuple[bytes, int]:
+    """The bytes and modification time (ns) of the regular file at ``path``; ``OSError`` for any
+    other thing there.
+
+    Opened non-blocking and checked with ``fstat`` before it is read: a FIFO (a device, a socket)
+    where a file was expected, or swapped in after the walk, is refused at once, never waited on."""
+    handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        status = os.fstat(handle)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        with os.fdopen(handle, "rb", closefd=False) as stream:
+            return stream.read(), status.st_mtime_ns
+    finally:
+        os.close(handle)
 
 
 def _is_regular_file(path: Path) -> bool:

@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from fixtures.scan_projects import Project
@@ -29,6 +31,7 @@ def f(x):
     return ps.get_tensor_model_parallel_group()
 """
 ARGS = ["migrate", "--preset", "megatron"]
+T = TypeVar("T")
 
 
 def test_diff_by_default_writes_nothing(project: Project, capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,6 +218,18 @@ def test_a_py_that_is_no_regular_file_is_named_as_left_untouched(
     assert "pg_collection" in project.read("src/pkg/m.py")
 
 
+def _without_blocking_on(fifo: Path, call: Callable[[], T]) -> T:
+    """What ``call`` returns, within 20 s; the test fails if it is still waiting (on ``fifo``) by then."""
+    outcome: list[T] = []
+    worker = threading.Thread(target=lambda: outcome.append(call()), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # unblock the reader so the test process can exit
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"reading the FIFO {fifo} blocked")
+    return outcome[0]
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Path) -> None:
     """The ratchet's scan reads a file non-blocking (a FIFO is refused, not waited on); migrate read it again
@@ -223,21 +238,34 @@ def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Pa
     from pgregistry.migrate._engine import migrate
 
     os.mkfifo(tmp_path / "pipe.py")
-    outcome: list[object] = []
-    worker = threading.Thread(
-        target=lambda: outcome.append(
-            migrate([SourceFile("pipe.py", tmp_path / "pipe.py")], PRESETS["megatron"], target="megatron",
-                    name="pg_collection")
-        ),
-        daemon=True,
+    outcome = _without_blocking_on(
+        tmp_path / "pipe.py",
+        lambda: migrate([SourceFile("pipe.py", tmp_path / "pipe.py")], PRESETS["megatron"], target="megatron",
+                        name="pg_collection"),
     )
-    worker.start()
-    worker.join(timeout=20)
-    if worker.is_alive():  # unblock the reader so the test process can exit
-        os.close(os.open(tmp_path / "pipe.py", os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail("reading a FIFO blocked")
-    (failure,) = outcome[0].failures  # type: ignore[attr-defined]
-    assert failure.path == "pipe.py" and "not a regular file" in failure.failure.message
+    (failure,) = outcome.failures
+    assert failure.path == "pipe.py" and failure.failure is not None
+    assert "not a regular file" in failure.failure.message
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize(
+    "name", ["setup.cfg", "tox.ini", "megatron/core/parallel_state.py", "megatron/core/process_groups_config.py"]
+)
+def test_a_fifo_where_a_setting_is_read_is_passed_over_not_waited_on(
+    project: Project, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """Besides the sources, a run reads the project's line length (``setup.cfg``, ``tox.ini``, ``.flake8``) and its
+    Megatron-Core release (``megatron/core/...``): a FIFO at one of those names blocked the run forever. It is
+    passed over as a file that is not there."""
+    project.write("src/pkg/m.py", SOURCE)
+    fifo = project.root / name
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    if name.endswith("process_groups_config.py"):  # read beside the project's parallel_state.py only
+        project.write("megatron/core/parallel_state.py", "def get_data_parallel_group(with_gtp_remat=False): ...\n")
+    os.mkfifo(fifo)
+    assert _without_blocking_on(fifo, lambda: main([*ARGS, "--quiet", "src"])) == 0
+    assert "+def f(x, *, pg_collection=None):" in capsys.readouterr().out
 
 
 def test_without_libcst_the_error_names_the_extra(
