@@ -370,3 +370,26 @@ def test_a_path_listed_twice_is_refused_naming_it_and_no_entry_is_dropped(
             assert path.read_bytes() == before
     path.write_text(twice.replace("{", '{"version": 1, ', 1))  # a field twice is refused alike
     assert run(capsys, "check", "--no-cache")[0] == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_scan_cache_is_passed_over_not_waited_on(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cache is read before the scan: a FIFO at its file's name blocked every run with the cache on. It is
+    passed over as a cache that cannot be read (the scan parses every file)."""
+    from pgregistry._source.cache import ScanCache
+    from pgregistry._source.config import ScanConfig
+
+    cache = listed.root / ".pgregistry_cache"
+    fifo = ScanCache(cache, ScanConfig()).file
+    cache.mkdir(exist_ok=True)
+    os.mkfifo(fifo)
+    outcome: list[int] = []
+    worker = threading.Thread(target=lambda: outcome.append(allowlist_main(["update"])), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # unblock the reader so the test process can exit
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading the FIFO in place of the cache blocked")
+    assert outcome == [0] and "src/pkg/b.py" in listed.read("allowlist.json")
