@@ -36,6 +36,7 @@ from pgregistry._source.files import (
     is_under,
     make_absolute,
     project_path,
+    read_regular_file,
 )
 from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
 from pgregistry._source.scanner import FileResult
@@ -421,7 +422,8 @@ def _check_import(args: argparse.Namespace, results: list[FileResult]) -> int:
     the import grandfathers beyond it."""
     fmt: str = args.format
     try:
-        entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
+        text = read_regular_file(args.source)[0].decode("utf-8")  # a FIFO is not waited on
+        entries = parse_megatron_list(text, str(args.source))
     except OSError as error:
         return _print_error(f"{args.source}: cannot read: {error.strerror or error}", fmt)
     except (AllowlistError, UnicodeDecodeError) as error:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgregistry._source.files import read_regular_file
 from pgregistry._source.scanner import FileResult, Site
 from pgregistry._source.storage import StorageError, atomic_write
 from pgregistry.allowlist._moves import Move, pair_moves
@@ -82,9 +83,11 @@ def file_to_rewrite(path: Path, root: Path) -> Path:
 
 
 def read_bytes(path: Path) -> bytes | None:
-    """The file's bytes, or None when it does not exist (other OS errors propagate)."""
+    """The file's bytes, or None when it does not exist (other OS errors propagate).
+
+    A FIFO or device there is an ``OSError`` at once (``not a regular file``), never waited on."""
     try:
-        return path.read_bytes()
+        return read_regular_file(path)[0]
     except FileNotFoundError:
         return None
 
@@ -187,7 +190,7 @@ class Allowlist:
         """
         name = name or str(path)
         try:
-            data = path.read_bytes()
+            data = read_regular_file(path)[0]
         except FileNotFoundError:
             hint = "create it with `pgregistry allowlist update`"
             raise AllowlistError(f"{name}: no such allowlist; {hint}") from None

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from pgregistry._source.files import read_regular_file
 from pgregistry._source.storage import StorageError, atomic_write, exclusive_lock
 
 __all__ = ["JOURNAL", "Change", "WriteError", "finish_interrupted", "write_changes"]
@@ -83,6 +84,17 @@ def _sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _hash_of(path: Path) -> str | None:
+    """The SHA-256 of the file at ``path``; None when there is none, ``"?"`` when it is no regular
+    file or cannot be read (a FIFO there is not waited on): no hash matches it."""
+    try:
+        return _sha256_hex(read_regular_file(path)[0])
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "?"
+
+
 def _why_changed_on_disk(change: Change) -> str | None:
     """None when the file still holds what it was planned from; else why not.
 
@@ -94,11 +106,10 @@ def _why_changed_on_disk(change: Change) -> str | None:
             else None
         )
     try:
-        now = os.stat(change.absolute)
-        data = change.absolute.read_bytes()
+        data, mtime_ns = read_regular_file(change.absolute)  # a FIFO swapped in is not waited on
     except OSError as error:
         return f"cannot read it again: {error.strerror or error}"
-    if data != change.before or now.st_mtime_ns != change.mtime_ns:
+    if data != change.before or mtime_ns != change.mtime_ns:
         return "changed on disk since it was read; run the migration again"
     return None
 
@@ -333,7 +344,7 @@ def finish_interrupted(root: Path) -> str | None:
                 else None
             )
         try:
-            record = json.loads(journal.read_bytes())
+            record = json.loads(read_regular_file(journal)[0])
             state, rows = JournalState(record["state"]), record["files"]
             files = [_journal_row(row, root) for row in rows]
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -350,14 +361,10 @@ def finish_interrupted(root: Path) -> str | None:
             )
         conflicts, completed = [], 0
         for target, temporary, old, new in files:
-            current = (
-                _sha256_hex(target.read_bytes()) if target.exists() else None
-            )  # None: a file the run creates
+            current, ready = _hash_of(target), _hash_of(temporary)  # None: a file the run creates
             if current == new:
                 _remove_files([temporary])
-            elif (
-                current == old and temporary.exists() and _sha256_hex(temporary.read_bytes()) == new
-            ):
+            elif current == old and ready == new:
                 os.replace(temporary, target)
                 completed += 1
             else:

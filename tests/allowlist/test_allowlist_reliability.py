@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.fifos import without_blocking_on
 from fixtures.scan_projects import Project
 
 from pgregistry._source.scanner import _NEWER_SYNTAX
@@ -385,11 +386,21 @@ def test_a_fifo_in_place_of_the_scan_cache_is_passed_over_not_waited_on(
     fifo = ScanCache(cache, ScanConfig()).file
     cache.mkdir(exist_ok=True)
     os.mkfifo(fifo)
-    outcome: list[int] = []
-    worker = threading.Thread(target=lambda: outcome.append(allowlist_main(["update"])), daemon=True)
-    worker.start()
-    worker.join(timeout=20)
-    if worker.is_alive():  # unblock the reader so the test process can exit
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail("reading the FIFO in place of the cache blocked")
-    assert outcome == [0] and "src/pkg/b.py" in listed.read("allowlist.json")
+    assert without_blocking_on(fifo, lambda: allowlist_main(["update"])) == 0
+    assert "src/pkg/b.py" in listed.read("allowlist.json")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_allowlist_or_megatrons_list_is_named_not_waited_on(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``check``, ``update``, ``stats`` and ``import --from`` read their list with a plain ``open``, which waits on a
+    FIFO for a writer forever. Each is exit 2 naming it, nothing written."""
+    project.write("src/pkg/a.py", READ_A)
+    os.mkfifo(project.root / "allowlist.json")
+    os.mkfifo(project.root / "megatron.json")
+    for action in (["check"], ["update"], ["stats"], ["import", "--from", "megatron.json"]):
+        fifo = project.root / ("megatron.json" if "import" in action else "allowlist.json")
+        code, _, err = without_blocking_on(fifo, lambda action=action: run(capsys, *action, "--no-cache"))
+        assert code == 2 and fifo.name in err and "not a regular file" in err, (action, err)
+    assert (project.root / "allowlist.json").is_fifo()

@@ -7,12 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
+from fixtures.fifos import without_blocking_on
 from fixtures.scan_projects import Project
 
 pytest.importorskip("libcst")
@@ -31,7 +29,6 @@ def f(x):
     return ps.get_tensor_model_parallel_group()
 """
 ARGS = ["migrate", "--preset", "megatron"]
-T = TypeVar("T")
 
 
 def test_diff_by_default_writes_nothing(project: Project, capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,18 +215,6 @@ def test_a_py_that_is_no_regular_file_is_named_as_left_untouched(
     assert "pg_collection" in project.read("src/pkg/m.py")
 
 
-def _without_blocking_on(fifo: Path, call: Callable[[], T]) -> T:
-    """What ``call`` returns, within 20 s; the test fails if it is still waiting (on ``fifo``) by then."""
-    outcome: list[T] = []
-    worker = threading.Thread(target=lambda: outcome.append(call()), daemon=True)
-    worker.start()
-    worker.join(timeout=20)
-    if worker.is_alive():  # unblock the reader so the test process can exit
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail(f"reading the FIFO {fifo} blocked")
-    return outcome[0]
-
-
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Path) -> None:
     """The ratchet's scan reads a file non-blocking (a FIFO is refused, not waited on); migrate read it again
@@ -238,7 +223,7 @@ def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Pa
     from pgregistry.migrate._engine import migrate
 
     os.mkfifo(tmp_path / "pipe.py")
-    outcome = _without_blocking_on(
+    outcome = without_blocking_on(
         tmp_path / "pipe.py",
         lambda: migrate([SourceFile("pipe.py", tmp_path / "pipe.py")], PRESETS["megatron"], target="megatron",
                         name="pg_collection"),
@@ -264,7 +249,7 @@ def test_a_fifo_where_a_setting_is_read_is_passed_over_not_waited_on(
     if name.endswith("process_groups_config.py"):  # read beside the project's parallel_state.py only
         project.write("megatron/core/parallel_state.py", "def get_data_parallel_group(with_gtp_remat=False): ...\n")
     os.mkfifo(fifo)
-    assert _without_blocking_on(fifo, lambda: main([*ARGS, "--quiet", "src"])) == 0
+    assert without_blocking_on(fifo, lambda: main([*ARGS, "--quiet", "src"])) == 0
     assert "+def f(x, *, pg_collection=None):" in capsys.readouterr().out
 
 

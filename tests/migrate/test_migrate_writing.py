@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.fifos import without_blocking_on
 from fixtures.scan_projects import Project
 
 pytest.importorskip("libcst")
@@ -232,3 +233,26 @@ def test_a_journal_listing_files_this_tool_never_writes_is_refused_and_nothing_i
         assert "cannot be read" in err and JOURNAL in err and str(named) in err, err
         assert _tree(project) == FILES and precious.read_text() == FILES["src/pkg/a.py"]
         assert (project.root / JOURNAL).exists() and temporary.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_journal_or_of_a_file_to_write_is_named_not_waited_on(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The journal, and each file checked once more before it is written, were read with a plain ``open``: a FIFO
+    there (a file swapped for one after it was read) waited for a writer forever. Each is named, exit 2 (a
+    ``WriteError``), nothing written."""
+    for path, text in FILES.items():
+        project.write(path, text)
+    journal = project.root / JOURNAL
+    os.mkfifo(journal)
+    assert without_blocking_on(journal, lambda: main(ARGS)) == 2
+    assert "cannot be read" in capsys.readouterr().err and _tree(project) == FILES
+    journal.unlink()
+    target = project.root / "src/pkg/a.py"
+    change = Change("src/pkg/a.py", target, target.read_bytes(), target.stat().st_mtime_ns, b"new = 1\n")
+    target.unlink()
+    os.mkfifo(target)
+    with pytest.raises(WriteError, match="src/pkg/a.py: cannot read it again: not a regular file"):
+        without_blocking_on(target, lambda: write_changes([change], project.root))
+    assert target.is_fifo() and _leftovers(project.root) == []
