@@ -117,15 +117,16 @@ def _why_changed_on_disk(change: Change) -> str | None:
 def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
     """``WriteError`` unless ``change`` may be written (see the module docstring).
 
-    A new file: unless its directory is writable and it still does not exist."""
+    A new file: unless its directory is writable and it still does not exist. Whether it changed on
+    disk is checked first, so a file deleted meanwhile is named as such."""
+    problem = _why_changed_on_disk(change)
+    if problem is not None:
+        raise WriteError(f"{change.path}: {problem}")
     if change.created:
         if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
             raise WriteError(
                 f"{change.path}: its directory is not writable (the new file is renamed in)"
             )
-        problem = _why_changed_on_disk(change)
-        if problem is not None:
-            raise WriteError(f"{change.path}: {problem}")
         return
     status = os.stat(change.absolute)
     if (
@@ -147,9 +148,6 @@ def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> 
             f"{others}); a rewrite would split them into differing copies: make "
             "them one file or symbolic links, or leave it out of the paths"
         )
-    problem = _why_changed_on_disk(change)
-    if problem is not None:
-        raise WriteError(f"{change.path}: {problem}")
 
 
 def _sync_directories(paths: Sequence[Path]) -> None:

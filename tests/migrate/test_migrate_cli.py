@@ -253,6 +253,19 @@ def test_a_fifo_where_a_setting_is_read_is_passed_over_not_waited_on(
     assert "+def f(x, *, pg_collection=None):" in capsys.readouterr().out
 
 
+def test_a_file_deleted_since_it_was_read_is_named_not_an_internal_error(tmp_path: Path) -> None:
+    """A file removed between the scan and the write was ``internal error (FileNotFoundError ...); please report
+    it``: the check's ``stat`` came before the check that reads it again. Nothing is written either way."""
+    kept, gone = tmp_path / "a.py", tmp_path / "m.py"
+    for path in (kept, gone):
+        path.write_text(SOURCE)
+    changes = [Change(p.name, p, SOURCE.encode(), p.stat().st_mtime_ns, b"new = 1\n") for p in (kept, gone)]
+    gone.unlink()
+    with pytest.raises(WriteError, match="^m.py: cannot read it again: No such file or directory"):
+        write_changes(changes, tmp_path)
+    assert kept.read_text() == SOURCE and sorted(p.name for p in tmp_path.iterdir()) == ["a.py"]
+
+
 def test_without_libcst_the_error_names_the_extra(
     project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
