@@ -152,6 +152,26 @@ def test_links_stay_links_and_each_file_is_rewritten_once(
     assert main([*ARGS, "--check", "--extend-exclude", "vendored"]) == 0
 
 
+def test_a_file_reached_through_a_linked_directory_is_written_in_the_project_only(
+    project: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A link to a file outside the project is left untouched; a link to a directory outside it, named as a
+    path, was walked and its files rewritten there. Each file is taken by where it is: outside, left untouched
+    and said so; inside (a link to a directory of the project), rewritten once, under its own path."""
+    text = FILES["src/pkg/a.py"]
+    outside = tmp_path_factory.mktemp("elsewhere")
+    (outside / "o.py").write_text(text)
+    (project.root / "src/pkg/ext").symlink_to(outside)
+    real = project.write("src/lib/b.py", text)
+    (project.root / "src/pkg/lib").symlink_to("../lib")
+    assert main([*ARGS, "--write", "src/pkg/ext", "src/pkg/lib"]) == 0
+    err = capsys.readouterr().err
+    assert f"src/pkg/ext/o.py: through a link, {outside / 'o.py'}, outside the project: left untouched" in err
+    assert (outside / "o.py").read_text() == text and sorted(p.name for p in outside.iterdir()) == ["o.py"]
+    assert real.read_text().count("pg_collection=None") == 1
+    assert main([*ARGS, "--check", "src/pkg/lib"]) == 0
+
+
 def test_a_hard_linked_file_is_refused_naming_its_links_and_nothing_is_written(
     project: Project, capsys: pytest.CaptureFixture[str]
 ) -> None:
