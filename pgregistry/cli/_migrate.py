@@ -142,7 +142,9 @@ def _allowlist_to_write(
     """The allowlist ``--write`` regenerates; None for none.
 
     The one ``--allowlist`` names (``ConfigError`` when it does not exist: nothing is written then),
-    else the configured one where it exists (a line on stderr when it does not)."""
+    else the configured one where it exists (a line on stderr when it does not). With ``--write``,
+    one the update would refuse (no regular file, a link out of the project) is refused first
+    (``ConfigError``, ``AllowlistError``)."""
     allowlist = settings.resolve(settings.allowlist)
     kind = path_kind(allowlist)
     if args.write and kind not in (None, "a regular file"):
@@ -150,6 +152,10 @@ def _allowlist_to_write(
             f"the allowlist {allowlist} is {kind}, not a regular file: --write regenerates it; "
             "name the allowlist file (--allowlist), or move that out of its way"
         )
+    if args.write:  # one the update refuses (a link out of the project) is refused before writing
+        from pgregistry.allowlist._ratchet import file_to_rewrite
+
+        file_to_rewrite(allowlist, settings.root)
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
             raise ConfigError(

@@ -322,6 +322,20 @@ def test_write_whose_allowlist_is_a_directory_is_refused_before_anything_is_writ
     assert project.read("src/pkg/m.py") == SOURCE
 
 
+def test_write_whose_allowlist_is_a_link_out_of_the_project_is_refused_before_anything_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The update refuses such an allowlist (it would write over a file of the user's anywhere); ``--write``
+    rewrote the sources first, then failed on it."""
+    project.write("src/pkg/m.py", SOURCE)
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "notes.txt"
+    elsewhere.write_text("not an allowlist\n")
+    (project.root / "allowlist.json").symlink_to(elsewhere)
+    assert main([*ARGS, "--write"]) == 2
+    assert f"is a link to {elsewhere}, outside the project" in capsys.readouterr().err
+    assert project.read("src/pkg/m.py") == SOURCE and elsewhere.read_text() == "not an allowlist\n"
+
+
 class _SlowClock:
     """``time`` as the progress sees it, each reading 4 s after the one before: a long run."""
 
