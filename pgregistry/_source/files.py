@@ -164,12 +164,24 @@ def _is_regular_file(path: Path) -> bool:
         return False
 
 
+def _refuse_unlisted(error: OSError) -> None:
+    """``os.walk``'s ``onerror``: a directory it cannot list is :class:`PathError` naming it.
+
+    ``os.walk`` passes over one silently: its files would be neither scanned nor migrated (and a
+    full ``allowlist update`` would drop their entries)."""
+    raise PathError(
+        f"{error.filename}: cannot list it: {error.strerror or error}; make it readable, or "
+        "exclude it (--extend-exclude)"
+    )
+
+
 def discover_files(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Discovery:
     """The files to scan under ``targets`` (absolute files or directories).
 
     Directories contribute their ``*.py`` files that are regular files (the others are listed as
     skipped); a file named directly is scanned whatever its suffix. Raises :class:`PathError` for a
-    target that does not exist or is neither a regular file nor a directory."""
+    target that does not exist or is neither a regular file nor a directory, and for a directory
+    that cannot be listed."""
     excluder = _Excluder(exclude)
     found: dict[str, SourceFile] = {}
     skipped: list[str] = []
@@ -183,7 +195,7 @@ def discover_files(targets: Sequence[Path], root: Path, exclude: Sequence[str]) 
         elif target.is_dir():
             if relative != "." and excluder.any_level(relative):
                 continue
-            for directory, subdirectories, filenames in os.walk(target):
+            for directory, subdirectories, filenames in os.walk(target, onerror=_refuse_unlisted):
                 base = project_path(Path(directory), root)
                 prefix = "" if base == "." else base + "/"
                 subdirectories[:] = [

@@ -404,3 +404,31 @@ def test_a_fifo_in_place_of_the_allowlist_or_megatrons_list_is_named_not_waited_
         code, _, err = without_blocking_on(fifo, lambda action=action: run(capsys, *action, "--no-cache"))
         assert code == 2 and fifo.name in err and "not a regular file" in err, (action, err)
     assert (project.root / "allowlist.json").is_fifo()
+
+
+def test_a_directory_that_cannot_be_listed_is_named_not_skipped(
+    listed: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``os.walk`` passes over a directory it cannot list (no read permission), silently: ``check`` passed
+    without scanning it, a full ``update`` dropped its files' entries, ``migrate`` left its reads. Exit 2 naming
+    it. (The permission error is raised by a double of ``os.scandir``: these tests run as root, whom no mode
+    stops.)"""
+    listed.write("src/pkg/sub/c.py", READ_A.replace("def a", "def c"))
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    before = listed.read("allowlist.json")
+    real_scandir = os.scandir
+
+    def unlistable(path: object = ".") -> object:
+        if str(path).endswith("sub"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_scandir(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", unlistable)
+    for action in ("check", "update"):
+        code, _, err = run(capsys, action, "--no-cache")
+        assert code == 2 and f"{listed.root / 'src/pkg/sub'}: cannot list it: Permission denied" in err, err
+    assert listed.read("allowlist.json") == before
+    from pgregistry.cli import main
+
+    assert main(["migrate", "--check"]) == 2
+    assert "src/pkg/sub: cannot list it: Permission denied" in capsys.readouterr().err
