@@ -432,3 +432,22 @@ def test_a_directory_that_cannot_be_listed_is_named_not_skipped(
 
     assert main(["migrate", "--check"]) == 2
     assert "src/pkg/sub: cannot list it: Permission denied" in capsys.readouterr().err
+
+
+def test_a_read_only_allowlist_is_refused_and_left_as_it_is(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rename into its directory replaced a read-only allowlist (``chmod a-w``: kept as it is on purpose),
+    even as root, where ``migrate --write`` refuses a read-only source file. Refused alike, before anything is
+    written."""
+    from pgregistry.cli import main
+
+    path = listed.root / "allowlist.json"
+    before, source = path.read_bytes(), listed.read("src/pkg/b.py")
+    assert main(["migrate", "--check"]) == 1  # --write has files to rewrite
+    path.chmod(0o444)
+    code, _, err = run(capsys, "update", "--no-cache")
+    assert code == 2 and "allowlist.json: read-only; make it writable to update it" in err, err
+    assert main(["migrate", "--write"]) == 2
+    assert "read-only" in capsys.readouterr().err and listed.read("src/pkg/b.py") == source
+    assert path.read_bytes() == before and path.stat().st_mode & 0o777 == 0o444
