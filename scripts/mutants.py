@@ -1278,8 +1278,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
         "named keeps the old list; a link out of the project is written through",
         file="pgregistry/allowlist/_ratchet.py",
-        find="    if not path.is_symlink():",
-        replace="    if True:",
+        find="    if path.is_symlink():\n        target = Path(os.path.realpath(path))",
+        replace="    if False:\n        target = Path(os.path.realpath(path))",
         tests=(
             "tests/allowlist/test_allowlist_reliability.py::"
             "test_an_allowlist_that_is_a_link_stays_a_link_and_its_file_is_updated",
