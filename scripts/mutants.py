@@ -1311,6 +1311,16 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/migrate/test_migrate_cli.py::test_a_fifo_that_replaces_a_file_after_discovery_does_not_block",
         ),
     ),
+    Mutant(
+        name="unlistable-directory-passed-over",
+        bug="a directory the walk cannot list is passed over silently: check judges the tree without its "
+        "files, a full update drops their entries",
+        file="pgregistry/_source/files.py",
+        find="os.walk(target, onerror=_refuse_unlisted)",
+        replace="os.walk(target)",
+        tests=("tests/allowlist/test_allowlist_reliability.py::"
+               "test_a_directory_that_cannot_be_listed_is_named_not_skipped",),
+    ),
 )
 
 
